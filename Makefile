@@ -1,0 +1,30 @@
+# hyla — two commands on a fresh machine: `make test` and `make serve`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: test test-fast serve venv clean bench
+
+venv: $(STAMP)
+
+# Create the virtual env (with access to a system torch, e.g. the CUDA build on a GPU machine),
+# install torch only if none is importable, then the package with its dev extras.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+serve: venv
+	$(PY) -m hyla.server.cli serve $(SERVE_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
