@@ -24,7 +24,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: venv
-	$(PY) -m hyla.server.cli serve $(SERVE_ARGS)
+	$(PY) -m hyla.cli serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,41 @@
+"""The `hyla` command: one entry point, one subcommand per room that faces users.
+
+    hyla serve ...   OpenAI-compatible HTTP server          (hyla/server/cli.py)
+    hyla sim ...     trace-driven prefix-cache simulator    (hyla/sim/cli.py)
+    hyla bench ...   serving benchmark client               (hyla/bench/cli.py)
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are imported
+lazily so that `hyla sim` never pays for importing the server, and vice versa.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "serve": ("hyla.server.cli", "Start the OpenAI-compatible HTTP server."),
+    "sim": ("hyla.sim.cli", "Replay a request trace through the prefix cache in accounting mode."),
+    "bench": ("hyla.bench.cli", "Benchmark a running OpenAI-compatible server."),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="hyla", description="Serving engine for hybrid LLMs.")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in SUBCOMMANDS:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    name, rest = argv[0], argv[1:]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub_parser = argparse.ArgumentParser(prog=f"hyla {name}", description=SUBCOMMANDS[name][1])
+    module.add_arguments(sub_parser)
+    return int(module.run(sub_parser.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
