@@ -1,0 +1,12 @@
+"""Linear-attention / SSM ops: pure PyTorch, device-agnostic, each beside its naive reference.
+
+See docs/architecture.md ("ops") for the contracts and ``varlen.py`` for the pool conventions.
+"""
+
+from hyla.model.ops.conv1d import causal_conv1d_ref, causal_conv1d_update, causal_conv1d_varlen
+
+__all__ = [
+    "causal_conv1d_ref",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+]

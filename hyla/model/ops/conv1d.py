@@ -1,0 +1,174 @@
+"""Causal depthwise conv1d over packed variable-length sequences, with a state pool.
+
+Each channel ``c`` of token ``t`` sees the last ``K`` pre-conv inputs of its own sequence::
+
+    y[t, c] = act(bias[c] + sum_k weight[c, k] * x_ext[t - (K-1) + k, c])
+
+where ``x_ext`` is the sequence's new tokens preceded by its *conv window*: the last ``K-1``
+pre-conv inputs it consumed before (zeros for a fresh sequence). The window lives in
+``conv_states[slot] [C, K-1]`` (oldest first) in the model dtype; Hugging Face keeps ``K`` inputs, the
+oldest of which never influences a future output. Math follows HF's ``causal_conv1d_fn/update``:
+the conv runs in the weight dtype and the result is returned in the input dtype.
+
+Pool rules (see ``varlen.py``): ``slots[i] == -1`` reads zeros and writes nothing; all reads
+precede all writes; checkpoint rows are distinct from the batch's own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyla.model.ops.varlen import check_checkpoints, check_slots, check_varlen, gather_states, scatter_states
+
+_ACTIVATIONS = {None: lambda y: y, "silu": F.silu, "swish": F.silu}
+
+
+def _activation(name: str | None):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(map(str, _ACTIVATIONS))}, got {name!r}")
+    return _ACTIVATIONS[name]
+
+
+def _check_weights(weight: torch.Tensor, bias: torch.Tensor | None, channels: int) -> int:
+    """Validate ``weight [C, K]`` and ``bias [C] | None``; return ``K``."""
+    if weight.dim() != 2 or weight.shape[0] != channels or weight.shape[1] < 2:
+        raise ValueError(f"weight must be [C={channels}, K>=2], got {list(weight.shape)}")
+    if bias is not None and bias.shape != (channels,):
+        raise ValueError(f"bias must be [{channels}], got {list(bias.shape)}")
+    return weight.shape[1]
+
+
+def _check_pool(conv_states: torch.Tensor, channels: int, kernel: int) -> None:
+    if conv_states.dim() != 3 or conv_states.shape[1:] != (channels, kernel - 1):
+        raise ValueError(f"conv_states must be [S, C={channels}, K-1={kernel - 1}], got {list(conv_states.shape)}")
+
+
+# --- reference -------------------------------------------------------------------------------
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    window: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, token by token: ``x [L, C]``, ``window [C, K-1]`` -> ``(y [L, C], window [C, K-1])``.
+
+    The readable oracle for the tests; computes in fp32.
+    """
+    act = _activation(activation)
+    weight = weight.float()
+    window = window.float()
+    ys = []
+    for t in range(x.shape[0]):
+        full = torch.cat([window, x[t].float().unsqueeze(1)], dim=1)  # [C, K]
+        y = (full * weight).sum(dim=1)  # [C]
+        if bias is not None:
+            y = y + bias.float()
+        ys.append(act(y))
+        window = full[:, 1:]  # [C, K-1]
+    y = torch.stack(ys) if ys else x.new_zeros(0, x.shape[1], dtype=torch.float32)
+    return y.to(x.dtype), window
+
+
+# --- fast paths ------------------------------------------------------------------------------
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    conv_states: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv over packed sequences ``x [T, C]`` -> ``y [T, C]`` (dtype of ``x``).
+
+    Sequence ``i`` starts from window ``conv_states[slots[i]]`` and its final window is written
+    back there; for each checkpoint ``j`` the window after ``ckpt_len[j]`` new tokens of sequence
+    ``ckpt_seq[j]`` is written into ``conv_states[ckpt_slot[j]]``.
+
+    How: every sequence's window is laid in front of its tokens in one extended buffer
+    ``x_ext [T + B*(K-1), C]``; one grouped ``F.conv1d`` over that buffer gives every output (a
+    window never sees the previous sequence), and the window after ``n`` tokens of sequence ``i``
+    is just the ``K-1`` rows of ``x_ext`` ending at its ``n``-th token.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got {list(x.shape)}")
+    num_tokens, channels = x.shape
+    kernel = _check_weights(weight, bias, channels)
+    _check_pool(conv_states, channels, kernel)
+    act = _activation(activation)
+    lengths = check_varlen(cu_seqlens, num_tokens)
+    slot_list = check_slots(slots, len(lengths), conv_states.shape[0])
+    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, conv_states.shape[0], x.device)
+
+    w = kernel - 1
+    batch = len(lengths)
+    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(batch, device=x.device), torch.tensor(lengths, device=x.device), output_size=num_tokens
+    )  # [T]
+    token_row = torch.arange(num_tokens, device=x.device) + (seq_of_token + 1) * w  # [T] row in x_ext
+    window_first = cu[:-1] + torch.arange(batch, device=x.device) * w  # [B] row of each window's oldest input
+    window_rows = window_first.unsqueeze(1) + torch.arange(w, device=x.device)  # [B, K-1]
+
+    windows = gather_states(conv_states, slots, x.dtype)  # [B, C, K-1]
+    x_ext = x.new_empty(num_tokens + batch * w, channels)  # [T + B*(K-1), C]
+    x_ext[window_rows.flatten()] = windows.transpose(1, 2).reshape(batch * w, channels)
+    x_ext[token_row] = x
+
+    if num_tokens:
+        conv = F.conv1d(
+            x_ext.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=channels
+        )  # [1, C, T + B*(K-1) - (K-1)]; output o reads x_ext[o : o+K]
+        y = act(conv[0, :, token_row - w]).t()  # [T, C]
+    else:
+        y = x.new_zeros(0, channels)
+
+    lens = torch.tensor(lengths, device=x.device)
+    final = x_ext[window_rows + lens.unsqueeze(1)]  # [B, K-1, C]: the K-1 rows ending at the last token
+    if ckpts.num_checkpoints:
+        seq = torch.tensor(ckpts.seq, device=x.device)
+        n = torch.tensor(ckpts.num_tokens, device=x.device)
+        ckpt_windows = x_ext[window_rows[seq] + n.unsqueeze(1)]  # [M, K-1, C]
+        scatter_states(conv_states, ckpts.slot, ckpt_windows.transpose(1, 2))
+    scatter_states(conv_states, slots, final.transpose(1, 2))
+    return y.to(x.dtype)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode step: ``x [B, C]`` (one token per sequence) -> ``y [B, C]``.
+
+    Reads window ``conv_states[slots[i]]``, writes the shifted window (dropping its oldest input,
+    appending ``x[i]``) back in place. ``slots[i] == -1``: row ``i`` of ``y`` is don't-care and
+    nothing is written.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [B, C], got {list(x.shape)}")
+    batch, channels = x.shape
+    kernel = _check_weights(weight, bias, channels)
+    _check_pool(conv_states, channels, kernel)
+    act = _activation(activation)
+    check_slots(slots, batch, conv_states.shape[0])
+
+    windows = gather_states(conv_states, slots, x.dtype)  # [B, C, K-1]
+    full = torch.cat([windows, x.unsqueeze(2)], dim=2)  # [B, C, K]
+    y = (full.to(weight.dtype) * weight).sum(dim=2)  # [B, C]
+    if bias is not None:
+        y = y + bias
+    scatter_states(conv_states, slots, full[:, :, 1:])
+    return act(y).to(x.dtype)

@@ -1,0 +1,275 @@
+"""Packed variable-length batches for the linear-attention ops: validation, state gather/scatter,
+checkpoint plans and the chunk layout.
+
+Conventions shared by ``conv1d``, ``gated_delta`` and ``ssd`` (see docs/architecture.md, "ops"):
+
+* Tokens of all sequences are packed: sequence ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``.
+* ``slots[i]`` is the state-pool row sequence ``i`` reads its initial state from and writes its
+  final state back to, in place. ``-1`` means padding: the sequence starts from zeros, its outputs
+  are don't-care, and nothing is written. A fresh sequence simply owns a zeroed slot.
+* Checkpoint ``j``: after sequence ``ckpt_seq[j]`` consumed ``ckpt_len[j]`` (``1..extend_len``) of its
+  new tokens, its state is written into pool row ``ckpt_slot[j]``.
+* Every read of the pool happens before any write, and the rows written (sequence slots and
+  checkpoint slots) must all be distinct, so the result never depends on write order.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def check_slots(slots: torch.Tensor, batch_size: int, num_slots: int, name: str = "slots") -> list[int]:
+    """Validate ``slots [B]`` against a pool of ``num_slots`` rows; return them as host ints.
+
+    Each entry is ``-1`` (padding) or a row in ``[0, num_slots)``; the non-negative ones are distinct
+    (two sequences writing one row would race).
+    """
+    if slots.dim() != 1 or slots.numel() != batch_size:
+        raise ValueError(f"{name} must have shape [{batch_size}], got {list(slots.shape)}")
+    if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
+    values = slots.tolist()
+    bad = [s for s in values if s < -1 or s >= num_slots]
+    if bad:
+        raise ValueError(f"{name} has entries {bad} outside [-1, {num_slots}) (the pool has {num_slots} rows)")
+    used = [s for s in values if s >= 0]
+    if len(set(used)) != len(used):
+        raise ValueError(f"{name} repeats a pool row: {values}")
+    return values
+
+
+def check_varlen(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
+    """Validate ``cu_seqlens [B+1]`` for ``num_tokens`` packed tokens; return the lengths (host ints)."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must have shape [B+1] with B >= 1, got {list(cu_seqlens.shape)}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != num_tokens:
+        raise ValueError(f"cu_seqlens must start at 0 and end at the number of tokens {num_tokens}, got {cu}")
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if any(n < 0 for n in lengths):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
+    return lengths
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """A validated checkpoint request: entry ``j`` wants the state of sequence ``seq[j]`` after
+    ``num_tokens[j]`` of its new tokens, written into pool row ``slot[j]``."""
+
+    seq: list[int]
+    num_tokens: list[int]
+    slot: torch.Tensor  # [M] int64 on the pool's device
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self.seq)
+
+
+def check_checkpoints(
+    ckpt_seq: torch.Tensor | None,
+    ckpt_len: torch.Tensor | None,
+    ckpt_slot: torch.Tensor | None,
+    lengths: list[int],
+    slots: list[int],
+    num_slots: int,
+    device: torch.device,
+) -> Checkpoints:
+    """Validate a checkpoint request against the batch (``lengths``, host ``slots``) and the pool.
+
+    Rules: the three tensors are all given or all ``None`` and have one shape ``[M]``; each names a
+    real sequence (not a ``-1`` padding one) and ``1 <= ckpt_len <= its length``; checkpoint rows are
+    distinct, inside the pool, and none of them is a row some sequence of the batch reads or writes.
+    """
+    given = [t is not None for t in (ckpt_seq, ckpt_len, ckpt_slot)]
+    if not any(given):
+        return Checkpoints([], [], torch.zeros(0, dtype=torch.long, device=device))
+    if not all(given):
+        raise ValueError("ckpt_seq, ckpt_len and ckpt_slot must be given together")
+    assert ckpt_seq is not None and ckpt_len is not None and ckpt_slot is not None
+    if not (ckpt_seq.dim() == ckpt_len.dim() == ckpt_slot.dim() == 1) or not (
+        ckpt_seq.numel() == ckpt_len.numel() == ckpt_slot.numel()
+    ):
+        raise ValueError(
+            f"ckpt_seq, ckpt_len and ckpt_slot must be 1-D of one length, got "
+            f"{list(ckpt_seq.shape)}, {list(ckpt_len.shape)}, {list(ckpt_slot.shape)}"
+        )
+    seqs, lens = ckpt_seq.tolist(), ckpt_len.tolist()
+    rows = check_slots(ckpt_slot, len(seqs), num_slots, name="ckpt_slot")
+    for j, (i, n, row) in enumerate(zip(seqs, lens, rows)):
+        if not 0 <= i < len(lengths):
+            raise ValueError(f"checkpoint {j}: ckpt_seq={i} is not a sequence of this batch of {len(lengths)}")
+        if slots[i] < 0:
+            raise ValueError(f"checkpoint {j}: sequence {i} is padding (slot -1) and writes nothing")
+        if not 1 <= n <= lengths[i]:
+            raise ValueError(f"checkpoint {j}: ckpt_len={n} is outside [1, {lengths[i]}] for sequence {i}")
+        if row < 0:
+            raise ValueError(f"checkpoint {j}: ckpt_slot must be a pool row, got -1")
+        if row in slots:
+            raise ValueError(f"checkpoint {j}: ckpt_slot={row} is also a sequence slot of this batch")
+    return Checkpoints(seqs, lens, ckpt_slot.to(device=device, dtype=torch.long))
+
+
+# --- the state pool --------------------------------------------------------------------------
+
+
+def gather_states(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``pool[slots]`` as a new ``dtype`` tensor ``[B, *state]``; zeros where ``slots == -1``."""
+    slots = slots.to(device=pool.device, dtype=torch.long)
+    rows = pool[slots.clamp(min=0)].to(dtype)  # [B, *state]
+    keep = (slots >= 0).view(-1, *([1] * (pool.dim() - 1)))
+    return torch.where(keep, rows, torch.zeros((), dtype=dtype, device=pool.device))
+
+
+def scatter_states(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``pool[slots[i]] = values[i]`` (cast to the pool dtype) for every ``slots[i] >= 0``; in place."""
+    slots = slots.to(device=pool.device, dtype=torch.long)
+    keep = slots >= 0
+    if bool(keep.all()):
+        pool.index_copy_(0, slots, values.to(pool.dtype))
+    else:
+        pool.index_copy_(0, slots[keep], values[keep].to(pool.dtype))
+
+
+# --- the chunk layout ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Packed sequences cut into fixed-size chunks, stored step-major so the inter-chunk scan
+    needs slices only.
+
+    Each sequence's chunks start at its own first token (chunking is per sequence) and its last
+    chunk is zero-padded. Sequences are *ranked* by chunk count, descending (stable). Chunk ``j``
+    of the sequence of rank ``r`` sits at flat chunk index ``step_start[j] + r``. At scan step ``j``
+    exactly the ranks ``0 .. num_active[j]-1`` still have a chunk, so a per-sequence state kept in
+    rank order is updated as ``state[:num_active[j]]`` from chunks
+    ``step_start[j] : step_start[j] + num_active[j]``. A zero-length sequence has no chunk.
+    """
+
+    chunk_size: int
+    num_tokens: int
+    order: torch.Tensor  # [B] int64, the sequence of each rank
+    rank: tuple[int, ...]  # [B] the rank of each sequence
+    num_active: tuple[int, ...]  # [J] sequences that still have a chunk at step j
+    step_start: tuple[int, ...]  # [J+1] flat index of step j's first chunk
+    token_index: torch.Tensor  # [NC, Q] int64 packed token at each chunk position; num_tokens = padding
+    flat_index: torch.Tensor  # [T] int64 position of each packed token in the flattened [NC*Q] chunks
+
+    @property
+    def num_chunks(self) -> int:
+        return self.step_start[-1]
+
+    def steps(self) -> list[tuple[int, int]]:
+        """``(first_chunk, num_active)`` for each scan step, in order."""
+        return list(zip(self.step_start[:-1], self.num_active))
+
+    def chunk(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``x [T, ...]`` -> ``[NC, Q, ...]``, zeros at padding positions."""
+        padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # [T+1, ...]; row T is the zero pad
+        return padded[self.token_index]  # [NC, Q, ...]
+
+    def unchunk(self, y: torch.Tensor) -> torch.Tensor:
+        """``y [NC, Q, ...]`` -> packed ``[T, ...]`` (padding positions dropped)."""
+        return y.flatten(0, 1)[self.flat_index]
+
+    def locate(self, seq: int, num_tokens: int) -> tuple[int, int, int]:
+        """Where the state after ``num_tokens >= 1`` tokens of sequence ``seq`` is: ``(step, flat
+        chunk, tokens of that chunk consumed)``, the last in ``1..Q``."""
+        step, within = divmod(num_tokens - 1, self.chunk_size)
+        return step, self.step_start[step] + self.rank[seq], within + 1
+
+
+def chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The :class:`ChunkLayout` of a packed batch (memoised: every layer of a forward asks again)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _chunk_layout(tuple(lengths), chunk_size, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
+    num_tokens = sum(lengths)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    num_chunks = [-(-n // chunk_size) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: -num_chunks[i])
+    rank = [0] * len(lengths)
+    for r, i in enumerate(order):
+        rank[i] = r
+    max_steps = num_chunks[order[0]] if order else 0
+    num_active = [sum(1 for n in num_chunks if n > j) for j in range(max_steps)]
+    step_start = [0]
+    for a in num_active:
+        step_start.append(step_start[-1] + a)
+
+    chunk_first = []  # packed index of each flat chunk's first position
+    chunk_end = []  # end (exclusive) of the sequence owning each flat chunk
+    for j, a in enumerate(num_active):
+        for i in order[:a]:
+            chunk_first.append(starts[i] + j * chunk_size)
+            chunk_end.append(starts[i + 1])
+    first = torch.tensor(chunk_first, dtype=torch.long).view(-1, 1)  # [NC, 1]
+    end = torch.tensor(chunk_end, dtype=torch.long).view(-1, 1)  # [NC, 1]
+    pos = first + torch.arange(chunk_size).view(1, -1)  # [NC, Q]
+    token_index = torch.where(pos < end, pos, num_tokens)  # [NC, Q]
+    valid = (token_index < num_tokens).flatten()  # [NC*Q]
+    flat_index = torch.empty(num_tokens, dtype=torch.long)
+    flat_index[token_index.flatten()[valid]] = torch.arange(valid.numel())[valid]
+    return ChunkLayout(
+        chunk_size=chunk_size,
+        num_tokens=num_tokens,
+        order=torch.tensor(order, dtype=torch.long, device=device),
+        rank=tuple(rank),
+        num_active=tuple(num_active),
+        step_start=tuple(step_start),
+        token_index=token_index.to(device),
+        flat_index=flat_index.to(device),
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Checkpoints placed on a :class:`ChunkLayout`: entry ``j`` is the state after ``within[j]``
+    tokens (``1..Q``) of flat chunk ``chunk[j]``, whose sequence has rank ``rank[j]`` and whose
+    chunk is scanned at ``step[j]``. ``at_step(s)`` lists, for one scan step, the checkpoint
+    entries there and the ranks to read the entering state of."""
+
+    chunk: torch.Tensor  # [M] int64
+    within: torch.Tensor  # [M] int64
+    step: tuple[int, ...]
+    rank: tuple[int, ...]
+    slot: torch.Tensor  # [M] int64
+
+    @property
+    def num_checkpoints(self) -> int:
+        return len(self.step)
+
+    def at_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entries = [m for m, s in enumerate(self.step) if s == step]
+        if not entries:
+            return None
+        device = self.chunk.device
+        return (
+            torch.tensor(entries, dtype=torch.long, device=device),
+            torch.tensor([self.rank[m] for m in entries], dtype=torch.long, device=device),
+        )
+
+
+def plan_checkpoints(layout: ChunkLayout, ckpts: Checkpoints) -> CheckpointPlan:
+    """Place validated checkpoints on the chunk layout."""
+    located = [layout.locate(i, n) for i, n in zip(ckpts.seq, ckpts.num_tokens)]
+    device = layout.token_index.device
+    return CheckpointPlan(
+        chunk=torch.tensor([c for _, c, _ in located], dtype=torch.long, device=device),
+        within=torch.tensor([w for _, _, w in located], dtype=torch.long, device=device),
+        step=tuple(s for s, _, _ in located),
+        rank=tuple(layout.rank[i] for i in ckpts.seq),
+        slot=ckpts.slot,
+    )
