@@ -1,0 +1,72 @@
+"""Engine options: one frozen dataclass, validated on construction.
+
+``Engine(model_path, **options)`` and ``hyla serve --option value`` are generated from the same
+fields (each field's ``help`` metadata is the flag's help text), so the two never drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+POLICIES = ("lpm", "fcfs")
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str | None = _opt(None, "Model directory (HF format). Default: the built-in default model.")
+    dtype: str = _opt("float32", f"Weights and activations dtype, one of {DTYPES}.")
+    device: str = _opt("cpu", "Torch device: cpu, cuda, cuda:1, ...")
+    page_size: int = _opt(1, "KV cache page size in tokens; the prefix cache shares whole pages only.")
+    chunked_prefill_size: int = _opt(8192, "Max tokens per prefill step; longer prompts are prefilled in chunks.")
+    max_running_requests: int | None = _opt(None, "Max requests decoding at once. Default: from the state pool size.")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens. Default: from available memory.")
+    max_state_slots: int | None = _opt(None, "State pool size in slots (running states + cached checkpoints). Default: from available memory.")
+    state_memory_ratio: float = _opt(0.5, "Share of the cache memory budget given to the state pool (the rest is KV).")
+    mem_fraction: float = _opt(0.0, "Share of free device memory for the cache pools; 0 = 0.85 on GPU, 0.1 of RAM on CPU.")
+    context_length: int | None = _opt(None, "Max prompt + output tokens. Default: the model's max_position_embeddings.")
+    schedule_policy: str = _opt("lpm", f"Waiting-queue order, one of {POLICIES} (lpm = longest cached prefix first).")
+    enable_prefix_cache: bool = _opt(True, "Reuse cached prefixes (KV + recurrent-state checkpoints) across requests.")
+    checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
+    max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
+    seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
+    log_interval: int = _opt(40, "Decode steps between per-step log lines.")
+    debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, allow_none: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
+        for name in ("page_size", "chunked_prefill_size", "checkpoint_alignment", "max_queued_requests", "log_interval"):
+            pos_int(name)
+        for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length"):
+            pos_int(name, allow_none=True)
+        if self.chunked_prefill_size < self.page_size:
+            raise ValueError(f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size ({self.page_size})")
+        if not 0.0 < self.state_memory_ratio < 1.0:
+            raise ValueError(f"state_memory_ratio must be in (0, 1), got {self.state_memory_ratio}")
+        if not 0.0 <= self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("enable_prefix_cache", "debug_checks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def field_help(cls) -> dict[str, tuple[Any, str]]:
+        """name -> (default, help) for every option: the CLI builds its flags from this."""
+        return {f.name: (f.default, f.metadata.get("help", "")) for f in fields(cls)}

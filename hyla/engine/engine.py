@@ -1,0 +1,448 @@
+"""``Engine``: the public API. Loads a model, builds pools + prefix tree + scheduler, and runs the
+scheduler loop on its own thread; callers submit requests from any thread (``generate``) or from
+an asyncio loop (``async_generate``).
+
+    from hyla import Engine
+    with Engine("path/to/model", max_total_tokens=20000) as engine:
+        out = engine.generate("The capital of France is", {"max_new_tokens": 16, "temperature": 0})
+        print(out["text"], out["meta_info"]["cached_tokens"])
+
+Outputs follow SGLang's ``Engine`` conventions: ``{"text", "output_ids", "meta_info"}`` with
+``meta_info = {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+["output_token_logprobs"]}``. ``stream=True`` yields incremental chunks: each chunk's ``text`` and
+``output_ids`` hold only what is new since the previous chunk; the last chunk carries the
+``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import torch
+
+from hyla.cache import HybridRadixCache, KVPool, RadixCache, ReqToTokenPool, StatePool
+from hyla.engine.args import EngineArgs
+from hyla.engine.model_runner import ModelRunner
+from hyla.engine.request import Req
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.scheduler import Scheduler, SchedulerConfig
+from hyla.model import load_model
+
+logger = logging.getLogger("hyla.engine")
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; retry later (the server answers 429 with Retry-After)."""
+
+
+class Engine:
+    def __init__(self, model_path: str | os.PathLike | None = None, **options: Any):
+        self.args = EngineArgs(model_path=str(model_path) if model_path is not None else None, **options)
+        path = Path(self.args.model_path) if self.args.model_path else DEFAULT_MODEL_DIR
+        if not (path / "config.json").is_file():
+            raise ValueError(f"no config.json in model directory {str(path)!r}")
+        self.model_path = path
+        self.device = torch.device(self.args.device)
+        self.dtype = _DTYPES[self.args.dtype]
+        torch.manual_seed(self.args.seed)
+
+        self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
+        self.model_config = self.model.config
+        self.tokenizer = _load_tokenizer(path)
+        self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
+
+        self._build_pools()
+        self.context_length = min(
+            self.args.context_length or self.model_config.max_position_embeddings, self.kv_pool.size)
+        runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
+        sched_cfg = SchedulerConfig(
+            page_size=self.args.page_size,
+            chunked_prefill_size=self.args.chunked_prefill_size,
+            max_running_requests=self.max_running_requests,
+            max_context_len=self.context_length,
+            schedule_policy=self.args.schedule_policy,
+            enable_prefix_cache=self.args.enable_prefix_cache,
+            checkpoint_alignment=self.args.checkpoint_alignment,
+            log_interval=self.args.log_interval,
+            debug_checks=self.args.debug_checks,
+        )
+        self.scheduler = Scheduler(sched_cfg, runner, self.kv_pool, self.state_pool, self.req_to_token,
+                                   self.tree, self.eos_token_ids,
+                                   detokenize=self._detokenize if self.tokenizer is not None else None)
+        self._rid_counter = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
+        self._thread.start()
+        logger.info("%s", self.summary())
+
+    # ------------------------------------------------------------------------------------------
+    # set-up
+    # ------------------------------------------------------------------------------------------
+    def _build_pools(self) -> None:
+        cfg, args = self.model_config, self.args
+        dtype_bytes = torch.finfo(self.dtype).bits // 8
+        kv_bytes = cfg.kv_bytes_per_token(dtype_bytes)
+        state_bytes = cfg.state_bytes_per_slot(dtype_bytes)
+        budget = _cache_budget_bytes(self.device, args.mem_fraction, self.model)
+        num_tokens = args.max_total_tokens or max(
+            4 * args.page_size, int(budget * (1 - args.state_memory_ratio) / max(1, kv_bytes)))
+        num_tokens = min(num_tokens, 1 << 22) if args.max_total_tokens is None else num_tokens
+        num_slots = args.max_state_slots or max(
+            8, int(budget * args.state_memory_ratio / max(1, state_bytes)))
+        num_slots = min(num_slots, 4096) if args.max_state_slots is None else num_slots
+        if num_slots < 2:
+            raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
+        self.max_running_requests = args.max_running_requests or max(1, min(256, num_slots // 2))
+        if self.max_running_requests >= num_slots:
+            raise ValueError(
+                f"max_running_requests ({self.max_running_requests}) must be below max_state_slots ({num_slots}): "
+                "each running request holds one state slot and checkpoints need more")
+        num_tokens -= num_tokens % args.page_size
+        self.kv_pool = KVPool(num_tokens, args.page_size, cfg.num_attention_layers, cfg.num_kv_heads,
+                              cfg.head_dim, self.dtype, self.device)
+        self.state_pool = StatePool(num_slots, cfg.num_linear_layers, cfg.conv_shape, self.dtype,
+                                    cfg.ssm_shape, cfg.ssm_dtype, self.device)
+        max_ctx = min(self.args.context_length or cfg.max_position_embeddings, num_tokens)
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, max_ctx + args.page_size)
+        if args.enable_prefix_cache:
+            tree_cls = HybridRadixCache if cfg.num_linear_layers else RadixCache
+            kwargs = dict(kv_pool=self.kv_pool, page_size=args.page_size)
+            if cfg.num_linear_layers:
+                kwargs["state_pool"] = self.state_pool
+            self.tree = tree_cls(**kwargs)
+        else:
+            self.tree = None
+
+    def summary(self) -> str:
+        cfg = self.model_config
+        kinds = ", ".join(f"{k}={v}" for k, v in _count_layer_kinds(cfg).items())
+        return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}, "
+                f"device={self.device}, KV pool={self.kv_pool.size} tokens "
+                f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB), "
+                f"state pool={self.state_pool.size} slots "
+                f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
+                f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
+                f"prefix_cache={'on' if self.tree is not None else 'off'}")
+
+    # ------------------------------------------------------------------------------------------
+    # public API
+    # ------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                 stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 rid: str | list[str] | None = None, namespace: Any = None) -> Any:
+        """Generate for one request (returns a dict) or a list (returns a list of dicts).
+
+        ``checkpoints``: extra token positions of the prompt (e.g. message ends) where the engine
+        caches the recurrent state, so a prefix ending there hits from its second use.
+        ``stream=True`` (one request) returns an iterator of incremental chunks.
+        """
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace)
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single request")
+            return self._stream_sync(reqs[0])
+        sinks = [queue.SimpleQueue() for _ in reqs]
+        for req, sink in zip(reqs, sinks):
+            req.on_output = _final_only(lambda r, done, s=sink: s.put(r))
+        self._submit(reqs)
+        outs = [self._output(sink.get(), final=True) for sink in sinks]
+        return outs[0] if single else outs
+
+    async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                             stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
+                             rid: str | list[str] | None = None, namespace: Any = None) -> Any:
+        """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator."""
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace)
+        if stream:
+            if not single:
+                raise ValueError("stream=True takes a single request")
+            return self._stream_async(reqs[0])
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in reqs]
+        for req, fut in zip(reqs, futures):
+            req.on_output = _final_only(
+                lambda r, done, f=fut: loop.call_soon_threadsafe(lambda: f.done() or f.set_result(r)))
+        self._submit(reqs)
+        try:
+            done = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for req in reqs:
+                self.abort(req.rid)
+            raise
+        outs = [self._output(r, final=True) for r in done]
+        return outs[0] if single else outs
+
+    def abort(self, rid: str) -> None:
+        """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``."""
+        self._inbox.put(("abort", rid))
+        self._wakeup.set()
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters and gauges for logs and /metrics (read without locking: approximate)."""
+        s = self.scheduler.stats
+        tok_usage, state_usage = self.scheduler.usage()
+        return {
+            "num_prompt_tokens": s.num_prompt_tokens,
+            "num_cached_tokens": s.num_cached_tokens,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_requests_finished": s.num_requests_finished,
+            "num_retractions": s.num_retractions,
+            "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),
+            "token_usage": tok_usage,
+            "state_usage": state_usage,
+            "num_running_requests": self.scheduler.num_running,
+            "num_queued_requests": self.scheduler.num_waiting,
+            "gen_throughput": s.last_gen_throughput,
+        }
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until every submitted request has finished (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._inbox.empty() and not self.scheduler.has_work():
+                return
+            time.sleep(0.005)
+        raise TimeoutError("engine still busy")
+
+    def check_integrity(self) -> None:
+        """Pool/tree invariants; call only when idle (``wait_idle``)."""
+        self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------
+    # requests
+    # ------------------------------------------------------------------------------------------
+    def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace):
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            prompts = [prompt] if single else list(prompt)
+            if not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompt must be a string or a list of strings")
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_path} has no tokenizer: pass input_ids instead of prompt")
+            id_lists = [self.tokenizer.encode(p) for p in prompts]
+        else:
+            single = len(input_ids) == 0 or not isinstance(input_ids[0], (list, tuple))
+            id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
+        n = len(id_lists)
+        if n == 0:
+            raise ValueError("no request given")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling_params for {n} requests")
+        if checkpoints is None or len(checkpoints) == 0:
+            ckpts = [()] * n
+        elif single:
+            ckpts = [tuple(checkpoints)]
+        else:
+            ckpts = [tuple(c) for c in checkpoints]
+        rids = [rid] if isinstance(rid, str) else (list(rid) if rid is not None else [None] * n)
+        if len(rids) != n or len(ckpts) != n:
+            raise ValueError("rid and checkpoints must have one entry per request")
+        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace)
+                for ids, p, c, r in zip(id_lists, params, ckpts, rids)]
+        return reqs, single
+
+    def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
+                      rid: str | None, namespace: Any) -> Req:
+        sp = SamplingParams.from_dict(params)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.context_length:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
+        if len(ids) + sp.max_new_tokens > self.context_length:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "
+                f"({self.context_length})")
+        if sp.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        for c in checkpoints:
+            if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= len(ids):
+                raise ValueError(f"checkpoint position {c!r} is outside the prompt (1..{len(ids)})")
+        rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
+        seed = sp.seed if sp.seed is not None else (self.args.seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**63
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints, namespace=namespace,
+                   return_logprob=return_logprob, generator=gen)
+
+    def _submit(self, reqs: list[Req]) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine has been shut down")
+        if self.scheduler.num_waiting + len(reqs) > self.args.max_queued_requests:
+            raise EngineOverloadedError(
+                f"{self.scheduler.num_waiting} requests are queued (max_queued_requests={self.args.max_queued_requests})")
+        for req in reqs:
+            self._inbox.put(("add", req))
+        self._wakeup.set()
+
+    def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
+        sink: queue.SimpleQueue = queue.SimpleQueue()
+        req.on_output = lambda r, done: sink.put(done)
+        self._submit([req])
+        try:
+            while True:
+                done = sink.get()
+                chunk = self._delta(req, final=done)
+                if chunk is not None:
+                    yield chunk
+                if done:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    async def _stream_async(self, req: Req) -> AsyncIterator[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        req.on_output = lambda r, done: loop.call_soon_threadsafe(sink.put_nowait, done)
+        self._submit([req])
+        try:
+            while True:
+                done = await sink.get()
+                while not done and not sink.empty():  # coalesce: the client may be slower than decode
+                    done = sink.get_nowait()
+                chunk = self._delta(req, final=done)
+                if chunk is not None:
+                    yield chunk
+                if done:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    # ------------------------------------------------------------------------------------------
+    # outputs
+    # ------------------------------------------------------------------------------------------
+    def _detokenize(self, req: Req) -> str:
+        return self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+
+    def _final_text(self, req: Req) -> str:
+        if self.tokenizer is None:
+            return ""
+        if req.finished_reason and req.finished_reason.get("type") == "stop" and isinstance(
+                req.finished_reason.get("matched"), str):
+            return req.text  # truncated before the stop string by the scheduler
+        return self._detokenize(req)
+
+    def _output(self, req: Req, final: bool) -> dict[str, Any]:
+        return {"text": self._final_text(req), "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
+
+    def _delta(self, req: Req, final: bool) -> dict[str, Any] | None:
+        ids = req.output_ids[req.num_streamed_ids:]
+        text = self._final_text(req) if final else (self._detokenize(req) if self.tokenizer is not None else "")
+        if not final:
+            # hold back a trailing replacement char (an incomplete UTF-8 sequence) and any text that
+            # could still turn out to be the start of a stop string
+            text = text.rstrip("\ufffd")
+            hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
+            text = text[: max(req.num_streamed_chars, len(text) - hold)]
+        new_text = text[req.num_streamed_chars:]
+        if not ids and not new_text and not final:
+            return None
+        req.num_streamed_ids = len(req.output_ids)
+        req.num_streamed_chars = len(text)
+        return {"text": new_text, "output_ids": ids, "meta_info": req.meta_info()}
+
+    # ------------------------------------------------------------------------------------------
+    # the scheduler thread
+    # ------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                self._wakeup.wait(timeout=0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                self.scheduler.step()
+            except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
+                logger.exception("scheduler step failed; aborting the running requests")
+                for req in list(self.scheduler.running):
+                    try:
+                        self.scheduler.abort(req.rid, message=f"internal error: {exc}")
+                    except Exception:
+                        logger.exception("could not release request %s", req.rid)
+                        self.scheduler.running.remove(req)
+        # shutting down: finish whatever is left as aborted
+        self._drain_inbox()
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            self.scheduler.abort(req.rid, message="engine shut down")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "add":
+                self.scheduler.add_request(arg)
+            elif cmd == "abort":
+                self.scheduler.abort(arg)
+
+
+def _final_only(callback):
+    def on_output(req: Req, done: bool) -> None:
+        if done:
+            callback(req, done)
+    return on_output
+
+
+def _load_tokenizer(path: Path):
+    if not (path / "tokenizer.json").is_file():
+        return None
+    from hyla.engine.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(path)
+
+
+def _cache_budget_bytes(device: torch.device, mem_fraction: float, model: torch.nn.Module) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * (mem_fraction or 0.85))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return int(avail * (mem_fraction or 0.1))
+
+
+def _count_layer_kinds(cfg) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for kind in cfg.layer_types:
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts

@@ -1,0 +1,114 @@
+"""A request as the scheduler sees it: tokens, progress through the KV/state pools, and output.
+
+Length invariants (checked by ``check()``, which the scheduler calls after every step in debug
+mode and tests call freely)::
+
+    0 <= cache_protected_len <= kv_len <= len(fill_ids)
+    decoding  =>  kv_len == len(fill_ids) - 1     (every token but the last sampled one is fed)
+
+* ``fill_ids`` = prompt + output so far: the tokens whose KV/state the request must hold before it
+  can sample its next token. A request re-admitted after retraction prefills all of them again
+  (less whatever the prefix cache still has).
+* ``kv_len``: tokens of ``fill_ids`` whose KV sits in the request's row of the request table and
+  whose recurrent state is in ``state_slot`` (the state after exactly ``kv_len`` tokens).
+* ``cache_protected_len``: the leading part of that row owned by the prefix tree and protected by
+  the KV lock on ``last_node``; the rest of the row is the request's own and freed by it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+
+from hyla.engine.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    checkpoints: tuple[int, ...] = ()  # caller-given positions (token counts into the prompt)
+    namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
+    return_logprob: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    on_output: Callable[["Req", bool], None] | None = None  # called by the scheduler thread
+
+    # --- progress --------------------------------------------------------------------------
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cache_protected_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    admitted_once: bool = False
+    num_retractions: int = 0
+    req_pool_idx: int | None = None
+    state_slot: int | None = None
+    last_node: Any = None
+    branch_point: int | None = None  # where inserting fill_ids would branch off the tree (dry run)
+    pending_ckpt: tuple[int, int] | None = None  # (length, forked slot) awaiting insert at finish
+    finished_reason: dict[str, Any] | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    # --- output ----------------------------------------------------------------------------
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    text: str = ""
+    num_streamed_ids: int = 0  # output ids already handed to on_output
+    num_streamed_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.input_ids:
+            raise ValueError(f"request {self.rid}: the prompt is empty")
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def extend_target(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return self.num_fill - self.kv_len
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is ReqStatus.RUNNING and self.kv_len == self.num_fill - 1 and bool(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def check(self) -> None:
+        if not 0 <= self.cache_protected_len <= self.kv_len <= self.num_fill:
+            raise AssertionError(
+                f"req {self.rid}: broken lengths protected={self.cache_protected_len} kv={self.kv_len} fill={self.num_fill}"
+            )
+
+    def meta_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": len(self.input_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finished_reason,
+        }
+        if self.return_logprob:
+            info["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.output_logprobs, self.output_ids)]
+            if self.sampling.top_logprobs_num:
+                info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs]
+        return info

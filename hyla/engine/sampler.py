@@ -1,0 +1,89 @@
+"""Turn a batch of next-token logits into tokens: penalties → temperature → top-k/top-p/min-p → draw.
+
+Greedy rows take the argmax of the penalised logits. Random rows draw with their request's own
+``torch.Generator`` (seeded from ``SamplingParams.seed`` or from the engine seed), so a request's
+output does not depend on what else shares its batch. Log-probabilities reported to the user are
+those of the model's raw distribution (``log_softmax`` of the unpenalised fp32 logits), the same for
+greedy and random rows, which is what the cache-on/cache-off differential tests compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hyla.engine.request import Req
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float]  # raw-model logprob of each chosen token
+    top_logprobs: list[list[tuple[float, int]]]  # per row, [] unless asked for
+
+
+def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
+    """logits: [B, V] fp32, one row per request in ``reqs``."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    processed = logits.clone()
+    for i, req in enumerate(reqs):
+        if req.sampling.has_penalties:
+            processed[i] = apply_penalties(processed[i], req)
+
+    greedy = torch.argmax(processed, dim=-1)  # [B]
+    chosen = greedy.clone()
+    for i, req in enumerate(reqs):
+        if not req.sampling.is_greedy:
+            chosen[i] = sample_row(processed[i], req)
+
+    token_ids = chosen.tolist()
+    lps = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    tops: list[list[tuple[float, int]]] = []
+    for i, req in enumerate(reqs):
+        k = req.sampling.top_logprobs_num if req.return_logprob else 0
+        if k:
+            vals, idx = raw_logprobs[i].topk(k)
+            tops.append(list(zip(vals.tolist(), idx.tolist())))
+        else:
+            tops.append([])
+    return SampleOutput(token_ids, lps, tops)
+
+
+def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens (HF); frequency/presence over output (OpenAI)."""
+    p = req.sampling
+    row = row.clone()
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.fill_ids)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
+        out = torch.tensor(req.output_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)  # [V]
+        row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def sample_row(row: torch.Tensor, req: Req) -> torch.Tensor:
+    """Draw one token from a penalised logit row with the request's generator."""
+    p = req.sampling
+    row = row / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)  # [V]
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    probs = probs / probs.sum()
+    gen = req.generator
+    if gen is not None and gen.device != probs.device:
+        probs = probs.to(gen.device)
+    return torch.multinomial(probs, 1, generator=gen).to(row.device).squeeze(0)

@@ -1,0 +1,83 @@
+"""Per-request sampling parameters, validated once on construction (SGLang/vLLM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 = disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics: divides positive / multiplies negative logits of seen tokens
+    frequency_penalty: float = 0.0  # OpenAI semantics: - penalty * count(token in output)
+    presence_penalty: float = 0.0  # OpenAI semantics: - penalty * [token in output]
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    top_logprobs_num: int = 0
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
+        if params is None:
+            return cls()
+        if isinstance(params, SamplingParams):
+            return params
+        if not isinstance(params, dict):
+            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+        return cls(**params)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check_int("max_new_tokens", self.max_new_tokens, lo=0)
+        _check_num("temperature", self.temperature, lo=0.0)
+        _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
+        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _check_int("top_logprobs_num", self.top_logprobs_num, lo=0, hi=20)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=0)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[]", t, lo=0)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+
+
+def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {value}")
