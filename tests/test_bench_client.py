@@ -1,0 +1,239 @@
+"""`hyla bench` against an in-test stub server that speaks the OpenAI / native streaming formats.
+
+The stub is a fake *for testing the client*: it streams ``max_tokens`` words with a fixed delay
+before the first one and between the others, reports usage, and reports as cached the longest
+word prefix the prompt shares with any earlier prompt (a toy prefix cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hyla.bench.backends import RequestResult, build_payload, render_transcript, send_request
+from hyla.bench.datasets import BenchSession, BenchTurn, random_sessions, sharegpt_sessions
+from hyla.bench.metrics import latency_stats_ms, summarize
+from hyla.bench.runner import arrival_times, run_benchmark
+from hyla.cli import main as hyla_main
+
+FIRST_DELAY = 0.05  # s before the first streamed token
+TOKEN_DELAY = 0.01  # s between later tokens
+
+
+def _make_app(log: list[dict]) -> FastAPI:
+    app = FastAPI()
+    seen: list[list[str]] = []
+    state = {"in_flight": 0, "max_in_flight": 0}
+    app.state.counters = state
+
+    def cached_prefix(words: list[str]) -> int:
+        best = 0
+        for prev in seen:
+            n = 0
+            for a, b in zip(prev, words):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        seen.append(words)
+        return best
+
+    async def stream(kind: str, prompt: str, max_tokens: int):
+        words = prompt.split()
+        cached = cached_prefix(words)
+        log.append({"kind": kind, "prompt": prompt, "max_tokens": max_tokens, "t": time.perf_counter()})
+        state["in_flight"] += 1
+        state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
+        try:
+            text = ""
+            for i in range(max_tokens):
+                await asyncio.sleep(FIRST_DELAY if i == 0 else TOKEN_DELAY)
+                piece = f"w{i} "
+                text += piece
+                if kind == "chat":
+                    event = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+                elif kind == "completions":
+                    event = {"choices": [{"index": 0, "text": piece}]}
+                else:
+                    event = {"text": text, "meta_info": {"prompt_tokens": len(words), "completion_tokens": i + 1,
+                                                         "cached_tokens": cached}}
+                yield f"data: {json.dumps(event)}\n\n"
+            if kind != "native":
+                usage = {"prompt_tokens": len(words), "completion_tokens": max_tokens,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            state["in_flight"] -= 1
+
+    @app.post("/v1/completions")
+    async def completions(req: Request):
+        body = await req.json()
+        return StreamingResponse(stream("completions", body["prompt"], body["max_tokens"]), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: Request):
+        body = await req.json()
+        prompt = render_transcript(body["messages"])
+        return StreamingResponse(stream("chat", prompt, body["max_tokens"]), media_type="text/event-stream")
+
+    @app.post("/generate")
+    async def generate(req: Request):
+        body = await req.json()
+        if body["sampling_params"]["max_new_tokens"] > 1000:
+            return JSONResponse({"error": "too long"}, status_code=400)
+        return StreamingResponse(stream("native", body["text"], body["sampling_params"]["max_new_tokens"]),
+                                 media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture()
+def server():
+    """(base_url, request log, counters) of a stub server on a free 127.0.0.1 port."""
+    log: list[dict] = []
+    app = _make_app(log)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", lifespan="off"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not srv.started:
+        if time.time() > deadline:
+            raise RuntimeError("stub server did not start")
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}", log, app.state.counters
+    srv.should_exit = True
+    thread.join(timeout=5)
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "hyla"])
+def test_one_request_times_ttft_itl_and_reads_usage(server, backend):
+    base_url, log, _ = server
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            return await send_request(client, backend, "m", [{"role": "user", "content": "a b c d"}], 5)
+
+    r = asyncio.run(go())
+    assert r.success, r.error
+    assert r.text == "w0 w1 w2 w3 w4 "
+    assert r.completion_tokens == 5
+    # prompt = "User: a b c d\nAssistant:" -> 6 words in the stub's count
+    assert r.prompt_tokens == 6
+    assert r.ttft >= FIRST_DELAY * 0.9
+    assert len(r.itl) == 4 and all(g >= TOKEN_DELAY * 0.5 for g in r.itl)
+    assert r.latency >= r.ttft + 4 * TOKEN_DELAY * 0.9
+    assert r.tpot == pytest.approx((r.latency - r.ttft) / 4)
+    assert log[-1]["max_tokens"] == 5
+
+
+def test_http_error_is_a_failed_result_not_an_exception(server):
+    base_url, _, _ = server
+
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            return await send_request(client, "hyla", "m", [{"role": "user", "content": "x"}], 5000)
+
+    r = asyncio.run(go())
+    assert not r.success and r.error.startswith("HTTP 400")
+
+
+def test_multi_turn_sessions_carry_replies_and_hit_the_server_cache(server):
+    base_url, log, _ = server
+    sessions = [BenchSession(0, (BenchTurn("hello there", 3), BenchTurn("and again", 2)))]
+    results, duration = asyncio.run(run_benchmark(base_url, sessions, backend="openai-chat", show_progress=False))
+    assert [r.success for r in results] == [True, True]
+    second = log[1]["prompt"]
+    # the second turn's history holds the server's actual reply to the first
+    assert second == "User: hello there\nAssistant: w0 w1 w2 \nUser: and again\nAssistant:"
+    # the first prompt is 4 words ("User: hello there Assistant:"); the second (11 words) starts with them
+    assert results[0].cached_tokens == 0
+    assert results[1].cached_tokens == 4
+    summary = summarize(results, duration)
+    assert results[1].prompt_tokens == 11
+    assert summary["cache_hit_rate"] == pytest.approx(4 / (4 + 11))
+    assert summary["completed"] == 2 and summary["total_output_tokens"] == 5
+
+
+def test_max_concurrency_caps_requests_in_flight(server):
+    base_url, log, counters = server
+    sessions = random_sessions(8, input_len=6, output_len=3, seed=1)
+    results, _ = asyncio.run(run_benchmark(base_url, sessions, backend="openai", max_concurrency=2,
+                                           show_progress=False))
+    assert len(results) == 8 and all(r.success for r in results)
+    assert counters["max_in_flight"] == 2
+
+
+def test_request_rate_spaces_arrivals():
+    times = arrival_times(2000, 4.0, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times[0] == 0.0
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)  # mean gap of a rate-4 Poisson process
+    assert arrival_times(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0)
+
+
+def test_random_prompts_share_the_asked_prefix():
+    sessions = random_sessions(6, input_len=100, output_len=10, shared_prefix_ratio=0.4, num_prefixes=2, seed=0)
+    prompts = [s.prefix + s.turns[0].user for s in sessions]
+    assert all(len(p.split()) == 100 for p in prompts)
+    head = [" ".join(p.split()[:40]) for p in prompts]
+    assert head[0] == head[2] == head[4] and head[1] == head[3] == head[5] and head[0] != head[1]
+    assert len({" ".join(p.split()[40:]) for p in prompts}) == 6
+    with pytest.raises(ValueError):
+        random_sessions(1, 10, 10, shared_prefix_ratio=1.5)
+
+
+def test_sharegpt_sessions_pick_multi_turn_conversations():
+    convs = [
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "one two three"}]},
+        {"conversations": [{"from": "human", "value": "a"}, {"from": "gpt", "value": "b c"},
+                           {"from": "human", "value": "d"}, {"from": "gpt", "value": "e"}]},
+    ]
+    sessions = sharegpt_sessions(1, min_turns=2, conversations=convs)
+    assert len(sessions) == 1 and [t.user for t in sessions[0].turns] == ["a", "d"]
+    assert [t.max_tokens for t in sessions[0].turns] == [2, 1]
+    with pytest.raises(ValueError):
+        sharegpt_sessions(3, conversations=convs)
+
+
+def test_latency_stats_and_payloads():
+    stats = latency_stats_ms([0.001 * i for i in range(1, 101)])
+    assert stats["p50"] == pytest.approx(50.5) and stats["p99"] == pytest.approx(99.01)
+    assert stats["mean"] == pytest.approx(50.5)
+    path, body = build_payload("hyla", "m", [{"role": "user", "content": "x"}], 7)
+    assert path == "/generate" and body["sampling_params"]["max_new_tokens"] == 7 and body["stream"]
+    with pytest.raises(ValueError):
+        build_payload("grpc", "m", [], 1)
+
+
+def test_cli_writes_output_file(server, tmp_path, capsys):
+    base_url, log, _ = server
+    out = tmp_path / "bench.json"
+    rc = hyla_main(["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "4",
+                    "--random-input-len", "12", "--random-output-len", "3", "--shared-prefix-ratio", "0.5",
+                    "--request-rate", "50", "--output-file", str(out), "--disable-tqdm"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "Request throughput (req/s):" in printed and "P99 TTFT (ms):" in printed
+    record = json.loads(out.read_text())
+    s = record["summary"]
+    assert s["completed"] == 4 and s["total_output_tokens"] == 12
+    assert s["ttft_ms"]["p50"] >= FIRST_DELAY * 1000 * 0.9
+    # 4 prompts with the same 6-word prefix (plus "User:"): later ones hit it on the stub
+    assert s["cached_tokens"] >= 3 * 7
+    assert len(record["requests"]) == 4 and record["config"]["request_rate"] == 50.0
