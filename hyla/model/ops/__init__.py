@@ -4,9 +4,17 @@ See docs/architecture.md ("ops") for the contracts and ``varlen.py`` for the poo
 """
 
 from hyla.model.ops.conv1d import causal_conv1d_ref, causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.gated_delta import (
+    chunk_gated_delta_rule_varlen,
+    gated_delta_rule_ref,
+    recurrent_gated_delta_rule_update,
+)
 
 __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
+    "chunk_gated_delta_rule_varlen",
+    "gated_delta_rule_ref",
+    "recurrent_gated_delta_rule_update",
 ]

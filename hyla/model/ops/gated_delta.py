@@ -1,0 +1,239 @@
+"""The gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5): chunked prefill over packed
+variable-length sequences and the recurrent decode step, on a state pool.
+
+Per value head, with state ``S [Dk, Dv]`` (fp32), log-decay ``g_t <= 0`` and ``beta_t in (0, 1)``::
+
+    S   <- exp(g_t) * S
+    S   <- S + k_t (beta_t * (v_t - k_t^T S))^T      # delta rule: write only the correction
+    o_t  = q_t^T S
+
+``q, k`` are l2-normalised (eps 1e-6), ``q`` is scaled by ``Dk**-0.5`` and both are repeated over
+value heads with ``repeat_interleave(Hv // Hk)`` (Hugging Face's GQA). Everything runs in fp32 and
+``o`` comes back in the dtype of ``q``. This is HF's ``torch_recurrent_gated_delta_rule``; the
+chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk of 64).
+
+Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
+zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
+batch's own rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.model.ops.varlen import (
+    CheckpointPlan,
+    ChunkLayout,
+    check_checkpoints,
+    check_slots,
+    check_varlen,
+    chunk_layout,
+    gather_states,
+    plan_checkpoints,
+    scatter_states,
+)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's and HF's definition)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
+    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: head repeat, optional l2norm, ``q *= Dk**-0.5``."""
+    repeat = num_v_heads // q.shape[1]
+    q, k = (x.float().repeat_interleave(repeat, dim=1) for x in (q, k))  # [N, Hv, Dk]
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * q.shape[-1] ** -0.5, k
+
+
+def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [N, Hk, Dk], got {list(q.shape)} and {list(k.shape)}")
+    n, num_k_heads, dk = q.shape
+    if v.dim() != 3 or v.shape[0] != n:
+        raise ValueError(f"v must be [N={n}, Hv, Dv], got {list(v.shape)}")
+    num_v_heads, dv = v.shape[1:]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (n, num_v_heads):
+            raise ValueError(f"{name} must be [N={n}, Hv={num_v_heads}], got {list(t.shape)}")
+    if ssm_states.dim() != 4 or ssm_states.shape[1:] != (num_v_heads, dk, dv):
+        raise ValueError(f"ssm_states must be [S, Hv={num_v_heads}, Dk={dk}, Dv={dv}], got {list(ssm_states.shape)}")
+
+
+# --- reference -------------------------------------------------------------------------------
+
+
+def gated_delta_rule_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, token by token: ``q, k [L, Hk, Dk]``, ``v [L, Hv, Dv]``, ``g, beta [L, Hv]``,
+    ``state [Hv, Dk, Dv] | None`` -> ``(o [L, Hv, Dv] in q's dtype, final state fp32)``.
+
+    The readable oracle for the tests.
+    """
+    dtype, (num_v_heads, dv) = q.dtype, v.shape[1:]
+    q, k = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [L, Hv, Dk]
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = v.new_zeros(num_v_heads, q.shape[-1], dv) if state is None else state.float().clone()  # [Hv, Dk, Dv]
+    out = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, None, None]
+        predicted = (k[t].unsqueeze(-1) * S).sum(dim=1)  # [Hv, Dv]: k_t^T S
+        delta = (v[t] - predicted) * beta[t].unsqueeze(-1)  # [Hv, Dv]
+        S = S + k[t].unsqueeze(-1) * delta.unsqueeze(1)  # [Hv, Dk, Dv]
+        out.append((q[t].unsqueeze(-1) * S).sum(dim=1))  # [Hv, Dv]: q_t^T S
+    o = torch.stack(out) if out else v.new_zeros(0, num_v_heads, dv)
+    return o.to(dtype), S
+
+
+# --- chunked prefill -------------------------------------------------------------------------
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Gated delta rule over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
+    ``g, beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
+
+    Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
+    for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
+    is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    """
+    _check_inputs(q, k, v, g, beta, ssm_states)
+    lengths = check_varlen(cu_seqlens, q.shape[0])
+    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
+    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+
+    layout = chunk_layout(lengths, chunk_size, q.device)
+    plan = plan_checkpoints(layout, ckpts)
+    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
+    rank_slots = slots.to(q.device)[layout.order]  # [B] the slot of each rank
+    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, Hv, Dk, Dv] in rank order
+
+    o, state, ckpt_states = _chunk_scan(layout, plan, qf, kf, v.float(), g.float(), beta.float(), state)
+    if plan.num_checkpoints:
+        scatter_states(ssm_states, plan.slot, ckpt_states)
+    scatter_states(ssm_states, rank_slots, state)
+    return o.to(q.dtype)
+
+
+def _chunk_scan(
+    layout: ChunkLayout,
+    plan: CheckpointPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 core. Inside a chunk, the UT transform turns the ``Q`` sequential delta updates into
+    triangular solves; across chunks, one small recurrence per step over all sequences still active.
+
+    Returns ``(o [T, H, Dv], final state [B, H, Dk, Dv] in rank order, checkpoint states [M, H, Dk, Dv])``.
+    """
+    Q = layout.chunk_size
+    qc, kc, vc = (layout.chunk(x).transpose(1, 2) for x in (q, k, v))  # [NC, H, Q, D]
+    gc, bc = (layout.chunk(x).transpose(1, 2) for x in (g, beta))  # [NC, H, Q]
+
+    cum = gc.cumsum(dim=-1)  # [NC, H, Q] log-decay from the chunk start through each token
+    upper = torch.ones(Q, Q, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [NC, H, Q, Q] i>=j
+    k_beta = kc * bc.unsqueeze(-1)  # [NC, H, Q, Dk]
+    ut = (k_beta @ kc.transpose(-1, -2)) * decay  # [NC, H, Q, Q]; the solve uses its strict lower part
+    u = torch.linalg.solve_triangular(ut, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)  # [NC, H, Q, Dv]
+    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    attn = (qc @ kc.transpose(-1, -2)) * decay  # [NC, H, Q, Q] intra-chunk q.k, causal incl. diagonal
+    q_dec = qc * cum.exp().unsqueeze(-1)  # [NC, H, Q, Dk] reads the state entering the chunk
+    k_dec = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [NC, H, Q, Dk] writes the state leaving it
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+
+    M = plan.num_checkpoints
+    enter = state.new_empty(M, *state.shape[1:])  # [M, H, Dk, Dv] state entering each checkpoint's chunk
+    ckpt_v_new = vc.new_empty(M, *vc.shape[1:])  # [M, H, Q, Dv]
+    o = torch.empty_like(u)  # [NC, H, Q, Dv]
+    for step, (first, active) in enumerate(layout.steps()):
+        c = slice(first, first + active)
+        S = state[:active]  # [A, H, Dk, Dv]
+        v_new = u[c] - w[c] @ S  # [A, H, Q, Dv] the corrections actually written
+        o[c] = q_dec[c] @ S + attn[c] @ v_new
+        here = plan.at_step(step)
+        if here is not None:
+            entries, ranks = here
+            enter[entries] = S[ranks]
+            ckpt_v_new[entries] = v_new[ranks]
+        state[:active] = S * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
+
+    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if M else enter
+    o = layout.unchunk(o.transpose(1, 2))  # [T, H, Dv]
+    return o, state, ckpt_states
+
+
+def _states_inside_chunks(
+    plan: CheckpointPlan, cum: torch.Tensor, kc: torch.Tensor, enter: torch.Tensor, v_new: torch.Tensor
+) -> torch.Tensor:
+    """State after the first ``r = plan.within`` tokens of each checkpoint's chunk, exactly as a
+    run that stopped there would leave it::
+
+        S_r = exp(cum[r-1]) S_enter + sum_{t<r} exp(cum[r-1] - cum[t]) k_t v_new_t^T
+
+    (``v_new_t`` only depends on tokens ``<= t`` of the chunk, so the full chunk's values serve).
+    """
+    Q = cum.shape[-1]
+    cum_m, k_m = cum[plan.chunk], kc[plan.chunk]  # [M, H, Q], [M, H, Q, Dk]
+    last = cum_m.gather(-1, (plan.within - 1).view(-1, 1, 1).expand(-1, cum_m.shape[1], 1))  # [M, H, 1]
+    consumed = torch.arange(Q, device=cum.device).view(1, 1, Q) < plan.within.view(-1, 1, 1)  # [M, 1, Q]
+    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q]
+    return enter * last.exp().unsqueeze(-1) + (k_m * weight.unsqueeze(-1)).transpose(-1, -2) @ v_new
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+def recurrent_gated_delta_rule_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step for ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``
+    -> ``o [B, Hv, Dv]`` (dtype of ``q``). Updates ``ssm_states[slots]`` in place; ``slots[i] == -1``:
+    row ``i`` of ``o`` is don't-care and nothing is written.
+    """
+    _check_inputs(q, k, v, g, beta, ssm_states)
+    check_slots(slots, q.shape[0], ssm_states.shape[0])
+    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
+    S = gather_states(ssm_states, slots, torch.float32)  # [B, H, Dk, Dv]
+    S = S * g.float().exp()[..., None, None]
+    predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
+    S = S + kf.unsqueeze(-1) * delta.unsqueeze(-2)  # [B, H, Dk, Dv]
+    o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
+    scatter_states(ssm_states, slots, S)
+    return o.to(q.dtype)
