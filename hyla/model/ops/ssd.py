@@ -1,0 +1,261 @@
+"""Mamba2's selective state space (SSD): chunked scan over packed variable-length sequences and the
+single-step decode update, on a state pool.
+
+Per head ``h`` with state ``S [P, N]`` (fp32), scalar ``A[h] < 0`` and ``dt = softplus(dt + dt_bias)``
+(optionally clamped to ``dt_limit``)::
+
+    S   <- exp(dt_t A) S + dt_t x_t B_t^T          # x_t [P], B_t [N]
+    y_t  = S C_t + D x_t                            # C_t [N]
+
+``B`` and ``C`` have ``G`` groups, repeated over heads (``repeat_interleave(H // G)``). The chunked
+path is Hugging Face's ``mamba2_chunk_scan`` (intra-chunk "attention" with a stable segment sum,
+chunk states, inter-chunk recurrence, state-to-output); the decode step is HF's
+``mamba2_selective_state_update``. HF's NemotronH clamps ``dt`` to ``(time_step_min, inf)`` in the
+chunked path only and not in decode: both ops take ``dt_limit`` (``None`` = no clamp) so the model
+layer can reproduce that asymmetry exactly.
+
+Pool rules (see ``varlen.py``): ``ssm_states [S, H, P, N]`` fp32; ``slots[i] == -1`` starts from zeros
+and writes nothing; all reads precede all writes; checkpoint rows are distinct from the batch's own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hyla.model.ops.varlen import (
+    CheckpointPlan,
+    ChunkLayout,
+    check_checkpoints,
+    check_slots,
+    check_varlen,
+    chunk_layout,
+    gather_states,
+    plan_checkpoints,
+    scatter_states,
+)
+
+
+def discretize_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float] | None
+) -> torch.Tensor:
+    """fp32 ``clamp(softplus(dt + dt_bias), *dt_limit)``; no clamp when ``dt_limit`` is None."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    dt = F.softplus(dt)
+    if dt_limit is not None:
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _repeat_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """``[N, G, Ns] -> fp32 [N, H, Ns]``: group ``g`` serves heads ``g*H/G .. (g+1)*H/G - 1``."""
+    return t.float().repeat_interleave(num_heads // t.shape[1], dim=1)
+
+
+def _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, H, P], got {list(x.shape)}")
+    n, num_heads, head_dim = x.shape
+    if dt.shape != (n, num_heads):
+        raise ValueError(f"dt must be [N={n}, H={num_heads}], got {list(dt.shape)}")
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None and t.shape != (num_heads,):
+            raise ValueError(f"{name} must be [H={num_heads}], got {list(t.shape)}")
+    if B.dim() != 3 or B.shape[0] != n or C.shape != B.shape:
+        raise ValueError(f"B and C must both be [N={n}, G, Ns], got {list(B.shape)} and {list(C.shape)}")
+    if num_heads % B.shape[1]:
+        raise ValueError(f"heads ({num_heads}) must be a multiple of groups ({B.shape[1]})")
+    state_shape = (num_heads, head_dim, B.shape[2])
+    if ssm_states.dim() != 4 or ssm_states.shape[1:] != state_shape:
+        raise ValueError(f"ssm_states must be [S, H, P, Ns] = [S, {', '.join(map(str, state_shape))}], "
+                         f"got {list(ssm_states.shape)}")
+    if dt_limit is not None and (len(dt_limit) != 2 or not dt_limit[0] <= dt_limit[1]):
+        raise ValueError(f"dt_limit must be None or (lo, hi) with lo <= hi, got {dt_limit}")
+
+
+# --- reference -------------------------------------------------------------------------------
+
+
+def mamba2_ssd_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, token by token: ``x [L, H, P]``, ``dt [L, H]``, ``B, C [L, G, N]``,
+    ``state [H, P, N] | None`` -> ``(y [L, H, P] in x's dtype, final state fp32)``.
+
+    The readable oracle for the tests.
+    """
+    num_heads, head_dim = x.shape[1:]
+    dt = discretize_dt(dt, dt_bias, dt_limit)  # [L, H]
+    B, C = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [L, H, N]
+    xf, A = x.float(), A.float()
+    S = xf.new_zeros(num_heads, head_dim, B.shape[-1]) if state is None else state.float().clone()  # [H, P, N]
+    ys = []
+    for t in range(x.shape[0]):
+        S = S * (dt[t] * A).exp()[:, None, None] + (dt[t, :, None] * xf[t]).unsqueeze(-1) * B[t].unsqueeze(1)
+        y = (S * C[t].unsqueeze(1)).sum(dim=-1)  # [H, P]
+        if D is not None:
+            y = y + D.float()[:, None] * xf[t]
+        ys.append(y)
+    y = torch.stack(ys) if ys else xf.new_zeros(0, num_heads, head_dim)
+    return y.to(x.dtype), S
+
+
+# --- chunked prefill -------------------------------------------------------------------------
+
+
+def mamba2_chunk_scan_varlen(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    chunk_size: int = 128,
+    dt_limit: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """SSD over packed sequences: ``x [T, H, P]``, raw ``dt [T, H]``, ``A [H]``, ``B, C [T, G, N]``,
+    ``D, dt_bias [H]`` -> ``y [T, H, P]`` (dtype of ``x``), any sequence lengths.
+
+    Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
+    for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
+    is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    """
+    _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    lengths = check_varlen(cu_seqlens, x.shape[0])
+    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
+    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], x.device)
+
+    layout = chunk_layout(lengths, chunk_size, x.device)
+    plan = plan_checkpoints(layout, ckpts)
+    num_heads = x.shape[1]
+    dtf = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
+    Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [T, H, N]
+    rank_slots = slots.to(x.device)[layout.order]  # [B] the slot of each rank
+    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, H, P, N] in rank order
+
+    y, state, ckpt_states = _chunk_scan(layout, plan, x.float(), dtf, A.float(), Bf, Cf, state)
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    if plan.num_checkpoints:
+        scatter_states(ssm_states, plan.slot, ckpt_states)
+    scatter_states(ssm_states, rank_slots, state)
+    return y.to(x.dtype)
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """``[..., Q] -> [..., Q, Q]`` with ``out[i, j] = a[j+1] + ... + a[i]`` for ``i >= j`` and ``-inf`` above
+    the diagonal; summed directly rather than as a difference of cumsums, which loses precision."""
+    Q = a.shape[-1]
+    below = torch.ones(Q, Q, dtype=torch.bool, device=a.device).tril(-1)
+    terms = a.unsqueeze(-1).expand(*a.shape, Q).masked_fill(~below, 0)  # [..., Q, Q]: a_i where i > j
+    sums = terms.cumsum(dim=-2)
+    return sums.masked_fill(~below.logical_or(torch.eye(Q, dtype=torch.bool, device=a.device)), float("-inf"))
+
+
+def _chunk_scan(
+    layout: ChunkLayout,
+    plan: CheckpointPlan,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 core, without the ``D`` skip. Returns ``(y [T, H, P], final state [B, H, P, N] in rank
+    order, checkpoint states [M, H, P, N])``."""
+    xc, Bc, Cc = (layout.chunk(t).transpose(1, 2) for t in (x, B, C))  # [NC, H, Q, P|N]
+    dtc = layout.chunk(dt).transpose(1, 2)  # [NC, H, Q]; padding has dt = 0: no decay, no input
+    xdt = xc * dtc.unsqueeze(-1)  # [NC, H, Q, P]
+    a = dtc * A[:, None]  # [NC, H, Q] log-decay of each token
+    cum = a.cumsum(dim=-1)  # [NC, H, Q]
+
+    # 1. within chunks: y_diag[i] = sum_{j<=i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j
+    L = segment_sum(a).exp()  # [NC, H, Q, Q]
+    y = ((Cc @ Bc.transpose(-1, -2)) * L) @ xdt  # [NC, H, Q, P]
+
+    # 2. each chunk's own contribution to the state leaving it
+    to_end = (cum[..., -1:] - cum).exp()  # [NC, H, Q]
+    chunk_states = xdt.transpose(-1, -2) @ (Bc * to_end.unsqueeze(-1))  # [NC, H, P, N]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+
+    # 3. across chunks: the state entering every chunk, one step per chunk index
+    enter = torch.empty_like(chunk_states)  # [NC, H, P, N]
+    for first, active in layout.steps():
+        c = slice(first, first + active)
+        enter[c] = state[:active]
+        state[:active] = state[:active] * chunk_decay[c] + chunk_states[c]
+
+    # 4. the entering state read out through C
+    y = y + (Cc @ enter.transpose(-1, -2)) * cum.exp().unsqueeze(-1)  # [NC, H, Q, P]
+    ckpt_states = _states_inside_chunks(plan, cum, xdt, Bc, enter) if plan.num_checkpoints else enter[:0]
+    return layout.unchunk(y.transpose(1, 2)), state, ckpt_states
+
+
+def _states_inside_chunks(
+    plan: CheckpointPlan, cum: torch.Tensor, xdt: torch.Tensor, Bc: torch.Tensor, enter: torch.Tensor
+) -> torch.Tensor:
+    """State after the first ``r = plan.within`` tokens of each checkpoint's chunk, exactly as a
+    run that stopped there would leave it::
+
+        S_r = exp(cum[r-1]) S_enter + sum_{t<r} exp(cum[r-1] - cum[t]) dt_t x_t B_t^T
+    """
+    Q = cum.shape[-1]
+    cum_m = cum[plan.chunk]  # [M, H, Q]
+    last = cum_m.gather(-1, (plan.within - 1).view(-1, 1, 1).expand(-1, cum_m.shape[1], 1))  # [M, H, 1]
+    consumed = torch.arange(Q, device=cum.device).view(1, 1, Q) < plan.within.view(-1, 1, 1)  # [M, 1, Q]
+    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q]
+    inside = xdt[plan.chunk].transpose(-1, -2) @ (Bc[plan.chunk] * weight.unsqueeze(-1))  # [M, H, P, N]
+    return enter[plan.chunk] * last.exp().unsqueeze(-1) + inside
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+def mamba2_state_update(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    dt_limit: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """One decode step for ``B`` sequences: ``x [B, H, P]``, raw ``dt [B, H]``, ``B, C [B, G, N]``
+    -> ``y [B, H, P]`` (dtype of ``x``). Updates ``ssm_states[slots]`` in place; ``slots[i] == -1``:
+    row ``i`` of ``y`` is don't-care and nothing is written. HF's decode does not clamp ``dt``:
+    pass ``dt_limit=None`` to match it.
+    """
+    _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    check_slots(slots, x.shape[0], ssm_states.shape[0])
+    num_heads = x.shape[1]
+    dtf = discretize_dt(dt, dt_bias, dt_limit)  # [B, H]
+    Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [B, H, N]
+    xf = x.float()
+    S = gather_states(ssm_states, slots, torch.float32)  # [B, H, P, N]
+    S = S * (dtf * A.float()).exp()[..., None, None] + (dtf.unsqueeze(-1) * xf).unsqueeze(-1) * Bf.unsqueeze(-2)
+    y = (S @ Cf.unsqueeze(-1)).squeeze(-1)  # [B, H, P]
+    if D is not None:
+        y = y + D.float()[:, None] * xf
+    scatter_states(ssm_states, slots, S)
+    return y.to(x.dtype)
