@@ -1,0 +1,499 @@
+"""Text <-> token ids for the engine and the server: encode, decode, streaming decode, chat templates.
+
+``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``) and reads the
+model directory's ``tokenizer_config.json`` (special tokens, ``added_tokens_decoder``, ``chat_template``), an optional ``chat_template.jinja`` (which wins over the config, as in
+transformers v5) and ``generation_config.json`` (extra end-of-sequence ids). It reproduces what
+``transformers.AutoTokenizer`` does for such a directory, without depending on transformers.
+
+Invariants
+----------
+* ``decode(encode(text, add_special_tokens=False)) == text`` for byte-level BPE tokenizers without a
+  normalizer (the built-in default model's): every string round-trips exactly.
+* ``IncrementalDetokenizer``: the concatenation of everything ``step`` returns, followed by
+  ``flush()``, equals ``decode(all_ids)`` (up to the leading text of the prompt context, see there);
+  a chunk returned by ``step`` never ends inside a multi-byte UTF-8 character.
+* ``apply_chat_template`` renders with the same sandboxed jinja2 environment as transformers
+  (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
+  ``strftime_now``, ``{% generation %}``): for the same messages it returns the same string.
+* ``encode_chat`` boundaries are prefix lengths of the returned ids: ``ids[:b]`` is exactly what the
+  conversation up to that message tokenizes to, so a prefix cache keyed on token ids may store a
+  recurrent-state checkpoint there and a later conversation that shares those messages hits it.
+* Bad input (unknown files, wrong message types, a template that rejects the conversation)
+  raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The named special tokens of a tokenizer_config.json; chat templates see them as variables."""
+
+REPLACEMENT_CHAR = "\ufffd"
+"""What a lossy UTF-8 decode produces for an incomplete or invalid byte sequence."""
+
+PROMPT_CONTEXT_TOKENS = 5
+"""Prompt tokens the incremental detokenizer decodes along with the output (as vLLM does), so that
+decoders which strip a leading space (Metaspace/SentencePiece) keep the first output token's space."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat templates
+# ---------------------------------------------------------------------------------------------
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's ``namespace()`` without underscore attributes (no way to reach Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2.utils.Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters; chat templates expect plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox (chat templates from model hubs are untrusted code)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"chat template does not compile: {e}") from e
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of ``value`` made of JSON types only: templates never see objects with methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    for base in (bool, str, int, float):  # subclasses (str enums, numpy floats): strip to the base type
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
+    OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        out.append({k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None})
+    return out
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+    **template_kwargs: Any,
+) -> str:
+    """Render ``messages`` with a chat template string (the same result as transformers).
+
+    ``template_kwargs`` become template variables (special tokens such as ``bos_token``, or switches
+    such as ``enable_thinking``). A template that calls ``raise_exception`` raises ``ValueError``.
+    """
+    compiled = compile_chat_template(template)
+    chat = _check_messages(messages)
+    if tools is not None and (isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools)):
+        raise ValueError("tools must be a list of JSON-schema dicts")
+    try:
+        return compiled.render(
+            messages=chat,
+            tools=_plain(tools, "tools"),
+            documents=_plain(documents, "documents"),
+            add_generation_prompt=add_generation_prompt,
+            **_plain(template_kwargs, "template_kwargs"),
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ValueError(f"chat template rejected the conversation: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, an AddedToken dict, or null."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"cannot read a special token from {value!r}")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _select_chat_template(value: Any, tools: Any) -> str | None:
+    """tokenizer_config's ``chat_template``: a string, or a list of ``{"name", "template"}`` (the
+    ``tool_use`` one is taken when tools are given, else ``default``)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+        if tools and "tool_use" in named:
+            return named["tool_use"]
+        return named.get("default")
+    raise ValueError(f"chat_template must be a string or a list of named templates, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class ChatEncoding:
+    """A rendered conversation: ``ids`` and ``boundaries`` (ascending token positions at the end of
+    messages, each a prefix length of ``ids`` that the conversation up to that message tokenizes to)."""
+
+    text: str
+    ids: list[int]
+    boundaries: list[int]
+
+
+class Tokenizer:
+    """A model's tokenizer: ``tokenizers.Tokenizer`` plus the special tokens and chat template."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: Any = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        """``special_tokens`` maps names from ``SPECIAL_TOKEN_ATTRIBUTES`` to token strings, each of
+        which must be in the vocabulary; ``extra_eos_token_ids`` (from generation_config) are added to
+        ``eos_token_ids`` after the ``eos_token``."""
+        self.backend = backend
+        self.special_tokens: dict[str, str] = {}
+        for name, content in (special_tokens or {}).items():
+            if name not in SPECIAL_TOKEN_ATTRIBUTES:
+                raise ValueError(f"unknown special token name {name!r}; expected one of {SPECIAL_TOKEN_ATTRIBUTES}")
+            if content is not None:
+                if backend.token_to_id(content) is None:
+                    raise ValueError(f"{name} {content!r} is not in the vocabulary")
+                self.special_tokens[name] = content
+        self._chat_template = chat_template
+        if chat_template is not None:
+            _select_chat_template(chat_template, None)  # validate its shape now
+        eos = [self.eos_token_id] if self.eos_token_id is not None else []
+        for i in extra_eos_token_ids:
+            if not isinstance(i, int) or not 0 <= i < self.vocab_size:
+                raise ValueError(f"eos token id {i!r} is outside the vocabulary [0, {self.vocab_size})")
+            eos.append(i)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        """Every id that ends a generation: tokenizer_config's eos_token, then generation_config's."""
+
+    # --- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
+        ``generation_config.json`` when present) from a Hugging Face model directory."""
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json (hyla reads the fast-tokenizer format only)")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
+        config_file = model_dir / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+
+        _add_missing_tokens(backend, config)
+        special_tokens = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_ATTRIBUTES}
+        special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
+
+        chat_template = config.get("chat_template")
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+
+        extra_eos: list[int] = []
+        generation_file = model_dir / "generation_config.json"
+        if generation_file.is_file():
+            value = _read_json(generation_file).get("eos_token_id")
+            extra_eos = [value] if isinstance(value, int) else list(value or [])
+        return cls(backend, special_tokens=special_tokens, chat_template=chat_template, extra_eos_token_ids=extra_eos)
+
+    # --- vocabulary ----------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's embedding may be larger)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def _special_id(self, name: str) -> int | None:
+        content = self.special_tokens.get(name)
+        return None if content is None else self.backend.token_to_id(content)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of added tokens marked special (what ``skip_special_tokens`` drops), ascending."""
+        return sorted(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
+
+    # --- encode / decode -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) are matched as
+        such. ``add_special_tokens`` applies tokenizer.json's post-processor (e.g. a leading BOS); as
+        in transformers v5, ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored."""
+        if not isinstance(text, str):
+            raise ValueError(f"encode expects a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; an incomplete or invalid UTF-8 byte sequence decodes to U+FFFD. Ids at or
+        above ``vocab_size`` (a model's embedding is often padded beyond the tokenizer's vocabulary,
+        and an untrained row can still be sampled) decode to nothing, as in transformers."""
+        ids = list(ids)
+        bad = [i for i in ids if not isinstance(i, int) or i < 0]
+        if bad:
+            raise ValueError(f"token ids must be non-negative ints, got {bad[:5]}")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh streaming detokenizer for one output sequence (see ``IncrementalDetokenizer``)."""
+        return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    # --- chat --------------------------------------------------------------------------------------
+
+    @property
+    def chat_template(self) -> str | None:
+        return _select_chat_template(self._chat_template, None)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render a conversation as the prompt text. Encode the result with ``add_special_tokens=False``
+        (the template writes its own BOS), or use ``encode_chat``, which does so."""
+        template = _select_chat_template(self._chat_template, tools)
+        if template is None:
+            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs win, as in transformers
+        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> ChatEncoding:
+        """Render and tokenize a conversation, with the token position at the end of each message.
+
+        A message's boundary is ``len(ids of the conversation rendered up to and including it,
+        without a generation prompt)``; it is kept only if those ids are a prefix of ``ids`` (a
+        template may render earlier turns differently once more follow, or a tokenizer may merge
+        across the message end) and dropped otherwise. Boundaries are strictly ascending and > 0;
+        with ``add_generation_prompt=False`` the last one may equal ``len(ids)``.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        ids = self.encode(text, add_special_tokens=False)
+        boundaries: list[int] = []
+        for end in range(1, len(messages) + 1):
+            try:
+                prefix_text = self.apply_chat_template(messages[:end], False, tools, **template_kwargs)
+            except ValueError:  # e.g. a template that insists the conversation ends with a user turn
+                continue
+            if not text.startswith(prefix_text):
+                continue
+            prefix_ids = self.encode(prefix_text, add_special_tokens=False)
+            n = len(prefix_ids)
+            if n > (boundaries[-1] if boundaries else 0) and ids[:n] == prefix_ids:
+                boundaries.append(n)
+        return ChatEncoding(text=text, ids=ids, boundaries=boundaries)
+
+    def chat_message_boundaries(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token positions at the end of each message in the rendered prompt (see ``encode_chat``)."""
+        return self.encode_chat(messages, add_generation_prompt, tools, **template_kwargs).boundaries
+
+
+def _add_missing_tokens(backend: BackendTokenizer, config: Mapping[str, Any]) -> None:
+    """Register tokens listed in tokenizer_config's ``added_tokens_decoder`` that tokenizer.json lacks."""
+    decoder = config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, Mapping):
+        raise ValueError("tokenizer_config.json: added_tokens_decoder must be an object")
+    for index in sorted(decoder, key=int):
+        spec = decoder[index]
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"tokenizer_config.json: added_tokens_decoder[{index}] must be an object")
+        content = _token_content(spec)
+        if content is None or backend.token_to_id(content) is not None:
+            continue
+        token = AddedToken(
+            content,
+            single_word=spec.get("single_word", False),
+            lstrip=spec.get("lstrip", False),
+            rstrip=spec.get("rstrip", False),
+            normalized=spec.get("normalized", not spec.get("special", False)),
+            special=spec.get("special", False),
+        )
+        backend.add_special_tokens([token]) if token.special else backend.add_tokens([token])
+        if backend.token_to_id(content) != int(index):
+            raise ValueError(f"added token {content!r} was listed as id {index} but got id {backend.token_to_id(content)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming
+# ---------------------------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output ids into text chunks as they arrive (vLLM/SGLang's windows).
+
+    It keeps ``ids`` (prompt context + output so far) and two offsets: ``prefix_offset`` ..
+    ``read_offset`` is the window of ids whose text was already returned, ``read_offset`` .. end
+    the ids not yet returned. Each step decodes ``ids[prefix_offset:read_offset]`` and
+    ``ids[prefix_offset:]`` and returns the new text's extra characters only if it does not end in
+    U+FFFD (an unfinished multi-byte character, or a byte-level BPE merge split across steps); then
+    both offsets advance. Decoding a short window, not the whole text, keeps a step O(window), and
+    the window's first tokens give decoders that strip a leading space the context they need.
+
+    Invariant: every returned chunk ends at a complete character, so a window always starts at a
+    character boundary and ``"".join(chunks) + flush()`` is the decode of the output ids, with a
+    prompt context: ``decode(context + output)[len(decode(context)):]``.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        # Start the first window at a character boundary: drop leading context tokens that decode
+        # to U+FFFD (the tail of a character whose start lies further back in the prompt).
+        while context and REPLACEMENT_CHAR in self._decode(context):
+            context = context[1:]
+        self.ids: list[int] = context
+        self.prefix_offset = 0
+        self.read_offset = len(context)
+        self.num_context_ids = len(context)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, new_ids: int | Iterable[int]) -> str:
+        """Append output ids; return the text that became final (possibly ``""``)."""
+        self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing new yet, or the last character is still incomplete
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """At the end of the sequence: the text still held back (an unfinished character decodes to
+        U+FFFD, as ``decode`` would). Afterwards nothing is pending."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text) :]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.num_context_ids :]
