@@ -1,0 +1,569 @@
+"""Layers shared by the hybrid architectures, and the model skeleton they plug into.
+
+Every layer works on *packed* tokens ``x [T, hidden]`` (all sequences of a ``ForwardBatch`` one
+after another) and reads its cache through the batch: attention layer ``j`` (its ordinal among
+attention layers) uses ``batch.k_buffers[j] / v_buffers[j]``; linear layer ``j`` (its ordinal among
+linear layers) uses ``batch.conv_states[j] / ssm_states[j]``. No layer keeps per-request state.
+
+Numerics follow the Hugging Face reference (see docs/models.md): norms compute in fp32 and cast
+back; routers, gates and recurrent states are fp32; the small SSM parameters (``A_log``,
+``dt_bias``, ``D``, the router's score-correction bias) are kept in fp32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.model.config import ModelConfig
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.ops.attention import paged_attention
+from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
+from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
+
+Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin) [T, rotary_dim] for the batch's positions
+
+
+# --- norms -------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * w`` in fp32, cast back to the input dtype.
+
+    ``zero_centered=True`` (Qwen3-Next / Qwen3.5) stores ``w - 1``: the scale is ``1 + weight``.
+    """
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.offset = 1.0 if zero_centered else 0.0
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm combined with a ``silu(z)`` gate, over groups of ``group_size`` channels.
+
+    ``norm_before_gate=True`` (Gated DeltaNet): ``(w * norm(x)) * silu(z)``.
+    ``norm_before_gate=False`` (Mamba2): ``w * norm(x * silu(z))``, normalised per group.
+    """
+
+    def __init__(self, dim: int, eps: float, group_size: int | None = None, norm_before_gate: bool = True,
+                 dtype: torch.dtype | None = None):
+        super().__init__()
+        self.eps = eps
+        self.group_size = group_size or dim
+        if dim % self.group_size:
+            raise ValueError(f"group_size {self.group_size} does not divide {dim}")
+        self.norm_before_gate = norm_before_gate
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
+
+    def _norm(self, x32: torch.Tensor) -> torch.Tensor:
+        groups = x32.view(*x32.shape[:-1], -1, self.group_size)  # [..., G, dim/G]
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return groups.view(x32.shape)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if self.norm_before_gate:
+            y = self.weight * self._norm(x.float()).to(dtype)
+            return (y * F.silu(z.float())).to(dtype)
+        y = self._norm(x.float() * F.silu(z.float()))
+        return self.weight * y.to(dtype)
+
+
+# --- rotary position embedding -----------------------------------------------------------------
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (non-interleaved, "rotate half") RoPE on the first ``rotary_dim`` channels of a head."""
+
+    def __init__(self, rotary_dim: int, theta: float):
+        super().__init__()
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)  # [rotary_dim/2]
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of ``x [T, H, D]``; the rest pass through."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos[:, None, :] + rotated * sin[:, None, :]  # [T, H, rotary_dim]
+    return torch.cat((out, rest), dim=-1)
+
+
+# --- full attention ----------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """GQA attention over the paged KV pool.
+
+    Qwen3-Next / Qwen3.5: ``q_proj`` also emits a per-head output gate (``[q | gate]`` per head),
+    per-head zero-centred q/k RMSNorm before partial RoPE, output ``* sigmoid(gate)``.
+    NemotronH: plain q/k/v, no RoPE. ``qkv_proj`` holds the q, k and v projections stacked by rows.
+    """
+
+    def __init__(self, config: ModelConfig, attention_ordinal: int):
+        super().__init__()
+        c = config
+        self.kv_index = attention_ordinal
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_kv_heads, c.head_dim
+        self.output_gate = c.attn_output_gate
+        self.q_size = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scaling = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, dtype=c.dtype)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias, dtype=c.dtype)
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, Hq, D] each
+            gate = gate.reshape(t, -1)  # [T, Hq*D]
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        o = paged_attention(
+            q, k, v,
+            batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index],
+            batch.out_cache_loc, batch.kv_indices, batch.kv_indptr,
+            batch.prefix_lens, batch.extend_lens, self.scaling,
+        ).reshape(t, -1)  # [T, Hq*D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+# --- recurrent mixers --------------------------------------------------------------------------
+
+
+def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
+    """Decode: a checkpoint after the (only) new token is the sequence's final state: copy it."""
+    if batch.num_checkpoints:
+        src = batch.state_slots.to(pool.device)[batch.ckpt_seq.to(pool.device)]  # [M]
+        pool.index_copy_(0, batch.ckpt_slot.to(pool.device), pool[src])
+
+
+def _ckpt_kwargs(batch: ForwardBatch) -> dict[str, torch.Tensor | None]:
+    if not batch.num_checkpoints:
+        return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None)
+    return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 ``linear_attention`` layers).
+
+    ``in_proj`` rows are ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)]``, heads
+    contiguous (the loader reorders Qwen3-Next's per-key-head grouped layout into this). The first
+    ``conv_dim = 2*Hk*Dk + Hv*Dv`` channels go through the causal conv (no bias) and ``silu``.
+    ``beta = sigmoid(b)``, log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32).
+    """
+
+    def __init__(self, config: ModelConfig, linear_ordinal: int):
+        super().__init__()
+        c = config
+        self.state_index = linear_ordinal
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = c.conv_dim
+        self.chunk_size = c.linear_chunk_size
+        proj = self.conv_dim + self.value_dim + 2 * self.num_v_heads
+        self.in_proj = nn.Linear(c.hidden_size, proj, bias=False, dtype=c.dtype)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
+        self.norm = GatedRMSNorm(self.head_v_dim, c.norm_eps, norm_before_gate=True, dtype=c.dtype)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+        t = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
+        slots = batch.state_slots
+        if batch.is_decode:
+            mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
+        else:
+            mixed = causal_conv1d_varlen(
+                mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, slots, "silu", **_ckpt_kwargs(batch)
+            )  # [T, conv_dim]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
+        beta = torch.sigmoid(b)  # [T, Hv]
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        if batch.is_decode:
+            o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
+            _copy_decode_checkpoints(conv_states, batch)
+            _copy_decode_checkpoints(ssm_states, batch)
+        else:
+            o = chunk_gated_delta_rule_varlen(
+                q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
+                chunk_size=self.chunk_size, use_qk_l2norm=True,
+            )  # [T, Hv, Dv]
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class Mamba2Mixer(nn.Module):
+    """Mamba2 mixer (NemotronH ``M`` blocks).
+
+    ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
+    (with bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
+    The chunked (extend) path clamps ``softplus(dt + dt_bias)`` to ``config.mamba_dt_limit``; the
+    decode path does not clamp. This asymmetry is Hugging Face's NemotronH behaviour, reproduced so
+    outputs match it exactly (docs/models.md).
+    """
+
+    def __init__(self, config: ModelConfig, linear_ordinal: int):
+        super().__init__()
+        c = config
+        self.state_index = linear_ordinal
+        self.num_heads, self.head_dim = c.mamba_num_heads, c.mamba_head_dim
+        self.n_groups, self.state_size = c.mamba_n_groups, c.ssm_state_size
+        self.inner = c.mamba_intermediate_size
+        self.conv_dim = c.conv_dim
+        self.chunk_size = c.linear_chunk_size
+        self.dt_limit = c.mamba_dt_limit
+        proj = self.inner + self.conv_dim + self.num_heads
+        self.in_proj = nn.Linear(c.hidden_size, proj, bias=c.mamba_proj_bias, dtype=c.dtype)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
+        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim, dtype=c.dtype)) if c.mamba_conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.norm = GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups, norm_before_gate=False,
+                                 dtype=c.dtype)
+        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+        t = x.shape[0]
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
+        slots = batch.state_slots
+        if batch.is_decode:
+            xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
+        else:
+            xbc = causal_conv1d_varlen(
+                xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, slots, "silu",
+                **_ckpt_kwargs(batch),
+            )  # [T, conv_dim]
+        gn = self.n_groups * self.state_size
+        xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
+        xs = xs.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
+        bs = bs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
+        cs = cs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
+        A = -torch.exp(self.A_log.float())  # [H]
+        if batch.is_decode:
+            y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, dt_limit=None)
+            _copy_decode_checkpoints(conv_states, batch)
+            _copy_decode_checkpoints(ssm_states, batch)
+        else:
+            y = mamba2_chunk_scan_varlen(
+                xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, slots,
+                **_ckpt_kwargs(batch), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
+            )  # [T, H, P]
+        y = self.norm(y.reshape(t, self.inner), z)  # [T, I]
+        return self.out_proj(y.to(x.dtype))
+
+
+# --- feed-forward ------------------------------------------------------------------------------
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+class MLP(nn.Module):
+    """Dense feed-forward. ``act="silu"``: gated SwiGLU, ``in_proj`` rows ``[gate (I) | up (I)]``;
+    ``act="relu2"``: ``down(relu(up(x))^2)``, ``in_proj`` rows ``[up (I)]``."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, dtype: torch.dtype | None = None):
+        super().__init__()
+        if act not in ("silu", "relu2"):
+            raise ValueError(f"unsupported activation {act!r}")
+        self.gated = act == "silu"
+        self.in_proj = nn.Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias, dtype=dtype)
+        self.out_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.in_proj(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            return self.out_proj(F.silu(gate) * up)
+        return self.out_proj(relu2(h))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts plus an optional shared expert.
+
+    Routers: ``"softmax"`` (Qwen3-Next: softmax in fp32, top-k, renormalise if ``norm_topk_prob``,
+    shared expert scaled by ``sigmoid(shared_expert_gate(x))``) and ``"sigmoid"`` (NemotronH:
+    ``sigmoid`` scores, top-k chosen on ``scores + e_score_correction_bias`` within the best
+    ``topk_group`` of ``n_group`` groups, weights are the uncorrected scores, renormalised, times
+    ``routed_scaling_factor``; relu² experts, optional latent projection around the experts).
+
+    Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``); tokens are sorted
+    by expert and only the experts that received tokens run, one matmul pair each.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.num_experts, self.top_k = c.num_experts, c.num_experts_per_tok
+        self.router_kind = c.router
+        self.norm_topk_prob = c.norm_topk_prob
+        self.num_groups, self.topk_groups = c.router_num_groups, c.router_topk_groups
+        self.scaling = c.routed_scaling_factor
+        self.gated = c.hidden_act == "silu"
+        inner = c.moe_latent_size or c.hidden_size
+        width = c.moe_intermediate_size * (2 if self.gated else 1)
+        self.router = nn.Linear(c.hidden_size, c.num_experts, bias=False, dtype=c.dtype)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32)) if c.router == "sigmoid" else None
+        )
+        self.w_in = nn.Parameter(torch.empty(c.num_experts, width, inner, dtype=c.dtype))  # [E, I or 2I, Hin]
+        self.w_out = nn.Parameter(torch.empty(c.num_experts, inner, c.moe_intermediate_size, dtype=c.dtype))
+        self.latent_in = self.latent_out = None
+        if c.moe_latent_size:
+            self.latent_in = nn.Linear(c.hidden_size, c.moe_latent_size, bias=c.mlp_bias, dtype=c.dtype)
+            self.latent_out = nn.Linear(c.moe_latent_size, c.hidden_size, bias=c.mlp_bias, dtype=c.dtype)
+        self.shared_expert = None
+        if c.shared_expert_intermediate_size:
+            self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False, dtype=c.dtype) if c.shared_expert_gate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` -> ``(weights [T, k], experts [T, k])``; weights fp32 for the sigmoid
+        router, model dtype for the softmax router (as the reference)."""
+        if self.router_kind == "softmax":
+            logits = self.router(x)  # [T, E]
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(logits.dtype), experts
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # [T, E]
+        choice = scores + self.e_score_correction_bias  # [T, E]
+        if self.num_groups > 1:
+            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            best = torch.topk(group_scores, self.topk_groups, dim=-1, sorted=False).indices  # [T, topk_group]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+            keep = keep.repeat_interleave(self.num_experts // self.num_groups, dim=1)  # [T, E]
+            choice = choice.masked_fill(~keep, float("-inf"))
+        experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices  # [T, k]
+        weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` -> ``[T, Hin]`` in ``weights.dtype``."""
+        flat = experts.flatten()  # [T*k]
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        token = order // self.top_k  # [T*k] token of each sorted assignment
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[token]  # [T*k, Hin]
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            h = xs[start : start + n] @ self.w_in[e].t()  # [n, I or 2I]
+            if self.gated:
+                gate, up = h.chunk(2, dim=-1)
+                h = F.silu(gate) * up
+            else:
+                h = relu2(h)
+            outs.append(h @ self.w_out[e].t())  # [n, Hin]
+            start += n
+        ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+        return out.index_add_(0, token, ys.to(weights.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(x)
+        h = self.latent_in(x) if self.latent_in is not None else x
+        out = self.run_experts(h, weights, experts).to(x.dtype)  # [T, Hin]
+        if self.latent_out is not None:
+            out = self.latent_out(out)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+# --- the layer and the model skeleton ----------------------------------------------------------
+
+
+class HybridLayer(nn.Module):
+    """One residual layer: ``x + mixer(mixer_norm(x))`` then ``x + ffn(ffn_norm(x))``; either part
+    may be absent (NemotronH blocks hold exactly one of them)."""
+
+    def __init__(self, mixer: nn.Module | None, mixer_norm: nn.Module | None,
+                 ffn: nn.Module | None, ffn_norm: nn.Module | None):
+        super().__init__()
+        self.mixer, self.mixer_norm, self.ffn, self.ffn_norm = mixer, mixer_norm, ffn, ffn_norm
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+        if self.mixer is not None:
+            x = x + self.mixer(self.mixer_norm(x), batch, rope)
+        if self.ffn is not None:
+            x = x + self.ffn(self.ffn_norm(x))
+        return x
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """How one hyla parameter is built from Hugging Face checkpoint tensors:
+    ``param = combine([tensor(name) for name in sources])``."""
+
+    target: str
+    sources: tuple[str, ...]
+    combine: Callable[[list[torch.Tensor]], torch.Tensor] | None = None  # None: the single source as is
+
+    def build(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if self.combine is None else self.combine(tensors)
+
+
+def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(tensors, dim=0)
+
+
+def squeeze_conv(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """HF depthwise ``conv1d.weight [C, 1, K]`` -> ``[C, K]``."""
+    return tensors[0].squeeze(1)
+
+
+def stack_experts(parts_per_expert: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """Sources are ``parts_per_expert`` tensors per expert, expert-major: concatenate each expert's
+    parts by rows, then stack the experts -> ``[E, rows, cols]``."""
+
+    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
+        groups = [tensors[i : i + parts_per_expert] for i in range(0, len(tensors), parts_per_expert)]
+        return torch.stack([torch.cat(g, dim=0) for g in groups])
+
+    return combine
+
+
+def norm_spec(target: str, source: str) -> WeightSpec:
+    return WeightSpec(target, (source,))
+
+
+def linear_specs(target: str, sources: Sequence[str], bias: bool) -> list[WeightSpec]:
+    """``target.weight`` (and ``.bias``) as the row-concatenation of the sources' ``.weight`` (``.bias``)."""
+    combine = concat_rows if len(sources) > 1 else None
+    specs = [WeightSpec(f"{target}.weight", tuple(f"{s}.weight" for s in sources), combine)]
+    if bias:
+        specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), combine))
+    return specs
+
+
+class HybridForCausalLM(nn.Module):
+    """Embedding -> hybrid layers -> final norm -> lm_head, driven by a ``ForwardBatch``.
+
+    Subclasses (one per architecture) build ``self.layers`` from the config and describe how HF
+    checkpoint tensors map onto their parameters (``hf_weight_specs``). ``mtp_weights`` holds the
+    checkpoint's multi-token-prediction tensors (``mtp.*``) untouched, for speculative decoding.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=c.dtype)
+        self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim and c.num_attention_layers else None
+        self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    # --- construction (architecture files override) ---
+    def build_layer(self, index: int) -> HybridLayer:
+        raise NotImplementedError
+
+    @classmethod
+    def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        raise NotImplementedError
+
+    @classmethod
+    def normalize_hf_name(cls, name: str) -> str | None:
+        """Map a checkpoint tensor name to the name ``hf_weight_specs`` uses; ``None`` = ignore it."""
+        return name
+
+    def build_mixer(self, index: int) -> nn.Module:
+        c = self.config
+        kind = c.layer_types[index]
+        if kind == "attention":
+            return Attention(c, c.attention_ordinal(index))
+        if c.linear_kind == "gdn":
+            return GatedDeltaNet(c, c.linear_ordinal(index))
+        return Mamba2Mixer(c, c.linear_ordinal(index))
+
+    def build_ffn(self, kind: str) -> nn.Module:
+        c = self.config
+        if kind == "moe":
+            return SparseMoE(c)
+        return MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
+
+    def new_norm(self) -> RMSNorm:
+        c = self.config
+        return RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
+
+    # --- forward ---
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the batch's new tokens; return fp32 logits ``[N, vocab]`` at ``batch.logits_indices``
+        (default: the last new token of each sequence)."""
+        self._check_batch(batch)
+        h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        rope = self.rotary(batch.positions, h.dtype) if self.rotary is not None else None
+        for layer in self.layers:
+            h = layer(h, batch, rope)
+        idx = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        return self.lm_head(self.norm(h[idx])).float()  # [N, vocab]
+
+    def _check_batch(self, batch: ForwardBatch) -> None:
+        c = self.config
+        if len(batch.k_buffers) != c.num_attention_layers or len(batch.v_buffers) != c.num_attention_layers:
+            raise ValueError(f"the model has {c.num_attention_layers} attention layers, the batch brings "
+                             f"{len(batch.k_buffers)} K and {len(batch.v_buffers)} V buffers")
+        if len(batch.conv_states) != c.num_linear_layers or len(batch.ssm_states) != c.num_linear_layers:
+            raise ValueError(f"the model has {c.num_linear_layers} linear layers, the batch brings "
+                             f"{len(batch.conv_states)} conv and {len(batch.ssm_states)} SSM state buffers")
+        if batch.positions.numel() != batch.input_ids.numel():
+            raise ValueError("positions and input_ids disagree on the number of tokens")
+        if batch.input_ids.numel() and int(batch.input_ids.max()) >= c.vocab_size:
+            raise ValueError(f"token id {int(batch.input_ids.max())} is outside the vocabulary ({c.vocab_size})")

@@ -1,0 +1,181 @@
+"""``load_model``: a Hugging Face checkpoint directory -> a ready hyla model.
+
+Steps: read ``config.json`` into a ``ModelConfig`` (which rejects unsupported architectures),
+pick the architecture class, index the checkpoint's tensors (single ``model.safetensors`` or
+sharded via ``model.safetensors.index.json``), check that they are exactly the tensors the
+architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``; an architecture may
+ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
+(``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
+
+Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, or wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import safe_open
+
+from hyla.model.config import ModelConfig, parse_dtype
+from hyla.model.layers import HybridForCausalLM, WeightSpec
+from hyla.model.nemotron_h import NemotronHForCausalLM
+from hyla.model.qwen3_5 import Qwen3_5ForCausalLM
+from hyla.model.qwen3_next import Qwen3NextForCausalLM
+
+ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
+}
+
+_MAX_NAMES_IN_ERROR = 8
+
+
+def read_config(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> ModelConfig:
+    """``ModelConfig`` of the checkpoint directory ``path`` (no weights read)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.json")
+    with open(config_file) as f:
+        return ModelConfig.from_hf(json.load(f), dtype=dtype)
+
+
+def _shard_map(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        missing_files = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if missing_files:
+            raise ValueError(f"{index} names shard files that do not exist: {missing_files}")
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+class _TensorReader:
+    """Reads tensors by (normalised) name, keeping each shard file open once."""
+
+    def __init__(self, files: dict[str, Path], original: dict[str, str]):
+        self.files = files  # normalised name -> shard file
+        self.original = original  # normalised name -> name in the file
+        self._handles: dict[Path, object] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(file, framework="pt")
+        return self._handles[file].get_tensor(self.original[name])
+
+
+def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu") -> HybridForCausalLM:
+    """Load the Hugging Face checkpoint directory ``path`` as a hyla model in eval mode.
+
+    ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights and activations; recurrent
+    states and the SSM/router parameters ``A_log``, ``dt_bias``, ``D``, ``e_score_correction_bias``
+    are fp32 regardless). Raises ``ValueError`` for an unsupported architecture, a missing,
+    unexpected or mis-shaped tensor.
+    """
+    path = Path(path)
+    config = read_config(path, dtype=parse_dtype(dtype))
+    cls = ARCHITECTURES[config.architecture]
+    specs = cls.hf_weight_specs(config)
+
+    reader, mtp_names = _index_checkpoint(path, cls)
+    _check_names(path, config, specs, set(reader.files))
+
+    with torch.device("meta"):
+        model = cls(config)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = {}
+    built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
+    for spec in specs:
+        if spec.target not in params:
+            raise ValueError(f"internal: weight spec targets unknown parameter {spec.target!r}")
+        target = params[spec.target]
+        if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
+            state[spec.target] = built[spec.sources]
+            continue
+        tensor = spec.build([reader.get(name) for name in spec.sources])
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{path}: tensor(s) {_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
+                f"{spec.target}, the config implies {tuple(target.shape)}"
+            )
+        state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
+        if spec.combine is None:
+            built[spec.sources] = state[spec.target]
+    unbuilt = set(params) - set(state)
+    if unbuilt:
+        raise ValueError(f"internal: no weight spec for parameters {_listing(unbuilt)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.mtp_weights = {
+        name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()
+    }
+    return model.eval()
+
+
+def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_TensorReader, dict[str, Path]]:
+    """Split the checkpoint's tensors into those the architecture reads (by normalised name) and
+    the ``mtp.*`` ones; names the architecture ignores are dropped."""
+    files: dict[str, Path] = {}
+    original: dict[str, str] = {}
+    mtp: dict[str, Path] = {}
+    for name, file in _shard_map(path).items():
+        if name.startswith("mtp."):
+            mtp[name] = file
+            continue
+        normalised = cls.normalize_hf_name(name)
+        if normalised is None:
+            continue
+        if normalised in files:
+            raise ValueError(f"{path}: tensors {original[normalised]!r} and {name!r} are the same weight")
+        files[normalised], original[normalised] = file, name
+    return _TensorReader(files, original), mtp
+
+
+def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], available: set[str]) -> None:
+    needed = {name for spec in specs for name in spec.sources}
+    missing = needed - available
+    if missing:
+        raise ValueError(
+            f"{path}: checkpoint lacks tensor(s) required by {config.architecture}: {_listing(missing)}"
+        )
+    unexpected = available - needed
+    if unexpected:
+        raise ValueError(
+            f"{path}: checkpoint has tensor(s) that {config.architecture} with this config.json does not "
+            f"use: {_listing(unexpected)}"
+        )
+
+
+def _read_all(names: dict[str, Path]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in names.items():
+        by_file.setdefault(file, []).append(name)
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for name in file_names:
+                out[name] = f.get_tensor(name)
+    return out

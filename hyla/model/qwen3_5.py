@@ -1,0 +1,36 @@
+"""Qwen3.5 (``Qwen3_5ForCausalLM`` and the text part of ``Qwen3_5ForConditionalGeneration``).
+
+The decoder is Qwen3-Next's (Gated DeltaNet + gated attention, zero-centred norms) with a dense
+SwiGLU MLP in every layer. Differences are in the checkpoint only:
+
+* the GDN input projections are split and contiguous: ``in_proj_qkv`` (``[q | k | v]``),
+  ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` — stacked into hyla's ``in_proj`` as is;
+* the vision-language checkpoint keeps the text model under ``model.language_model.`` and the
+  vision tower under ``model.visual.`` (ignored: hyla serves text only);
+* RoPE is multimodal (``mrope_section``), but with text-only positions all three sections get the
+  same position, which is exactly the default RoPE hyla applies.
+"""
+
+from __future__ import annotations
+
+from hyla.model.config import ModelConfig
+from hyla.model.layers import WeightSpec, concat_rows
+from hyla.model.qwen3_next import Qwen3NextForCausalLM, qwen_specs
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    @classmethod
+    def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        def gdn_in_proj(target: str, source: str) -> WeightSpec:
+            parts = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+            return WeightSpec(f"{target}.in_proj.weight", tuple(f"{source}.{p}.weight" for p in parts), concat_rows)
+
+        return qwen_specs(config, gdn_in_proj)
+
+    @classmethod
+    def normalize_hf_name(cls, name: str) -> str | None:
+        if name.startswith("model.visual.") or name.startswith("visual."):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name

@@ -1,0 +1,209 @@
+"""Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
+
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``) construct a tiny model with
+transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
+parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
+conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
+``lm_head`` so output distributions are peaked (argmax ties are rare), and ``save_pretrained`` into
+``tmp_dir``. A checkpoint already built into ``tmp_dir`` with the same arguments is reused, so a
+session-scoped directory caches them (see ``conftest.py``).
+
+``TinyRunner`` drives ``model.forward`` with plain-tensor KV/state pools (no ``hyla.cache``):
+enough to prefill, chunk, fork from a checkpoint and decode in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+LM_HEAD_SCALE = 8.0
+
+QWEN3_NEXT_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=8,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+    decoder_sparse_step=1, norm_topk_prob=True, mlp_only_layers=[], eos_token_id=2, bos_token_id=1,
+)
+
+QWEN3_5_KW: dict[str, Any] = {
+    k: v for k, v in QWEN3_NEXT_KW.items()
+    if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "decoder_sparse_step", "norm_topk_prob", "mlp_only_layers")
+}
+
+NEMOTRON_H_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256,
+    layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention", "mlp",
+                       "linear_attention", "moe", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512, mlp_hidden_act="relu2",
+    mamba_num_heads=8, mamba_head_dim=32, ssm_state_size=32, n_groups=2, conv_kernel=4, chunk_size=64, expand=1,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
+    n_shared_experts=1, max_position_embeddings=4096, layer_norm_epsilon=1e-5, tie_word_embeddings=False,
+)
+
+
+def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
+    key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
+
+
+@torch.no_grad()
+def perturb_constants(model: torch.nn.Module, std: float = 0.1, lm_head_scale: float = LM_HEAD_SCALE) -> None:
+    """Add N(0, std) to every constant-initialised parameter or buffer; scale ``lm_head``."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.numel() < 2 or "inv_freq" in name:
+            continue
+        if bool((tensor == tensor.flatten()[0]).all()):
+            tensor.add_(torch.randn_like(tensor) * std)
+    model.lm_head.weight.mul_(lm_head_scale)
+
+
+def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Path:
+    out = _checkpoint_dir(tmp_dir, kind, seed, kw)
+    if (out / "config.json").is_file():
+        return out
+    import transformers  # test-only dependency
+
+    config_cls, model_cls = {
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).eval()
+    perturb_constants(model)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(out)
+    return out
+
+
+def make_qwen3_next(tmp_dir: str | Path, moe: bool = False, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Qwen3NextForCausalLM`` (8 layers, 2 attention; ``moe=True``: 8 experts, top-2)."""
+    kw = {**QWEN3_NEXT_KW, **({} if moe else {"num_experts": 0}), **overrides}
+    return _build("qwen3_next", tmp_dir, seed, kw)
+
+
+def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Qwen3_5ForCausalLM`` (text model, dense MLP, split GDN projections)."""
+    return _build("qwen3_5", tmp_dir, seed, {**QWEN3_5_KW, **overrides})
+
+
+def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``NemotronHForCausalLM`` (M - M * - M E *: 3 Mamba2, 2 attention, 2 MLP, 1 MoE)."""
+    return _build("nemotron_h", tmp_dir, seed, {**NEMOTRON_H_KW, **overrides})
+
+
+# --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------
+
+
+@dataclass
+class Seq:
+    """One sequence as the harness tracks it: tokens already in the KV cache, their KV slots (in
+    order) and the state slot holding the recurrent state after those tokens."""
+
+    state_slot: int
+    tokens: list[int] = field(default_factory=list)
+    kv_slots: list[int] = field(default_factory=list)
+
+
+class TinyRunner:
+    """Plain-tensor KV and state pools for one model, with bump allocation (never freed).
+
+    KV slot 0 and state slot 0 are sentinels, as in ``hyla.cache``.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int = 4096, max_states: int = 64):
+        c = model.config
+        self.model = model
+        device = next(model.parameters()).device
+        self.device = device
+        kv_shape = (max_tokens + 1, c.num_kv_heads, c.head_dim)
+        self.k_buffers = [torch.zeros(kv_shape, dtype=c.dtype, device=device) for _ in range(c.num_attention_layers)]
+        self.v_buffers = [torch.zeros(kv_shape, dtype=c.dtype, device=device) for _ in range(c.num_attention_layers)]
+        self.conv_states = [torch.zeros(max_states + 1, *c.conv_shape, dtype=c.conv_dtype, device=device)
+                            for _ in range(c.num_linear_layers)]
+        self.ssm_states = [torch.zeros(max_states + 1, *c.ssm_shape, dtype=torch.float32, device=device)
+                           for _ in range(c.num_linear_layers)]
+        self.max_tokens, self.max_states = max_tokens, max_states
+        self._next_kv, self._next_state = 1, 1
+
+    def new_state_slot(self) -> int:
+        if self._next_state > self.max_states:
+            raise RuntimeError("TinyRunner: out of state slots")
+        self._next_state += 1
+        return self._next_state - 1
+
+    def new_seq(self) -> Seq:
+        return Seq(state_slot=self.new_state_slot())
+
+    def fork(self, seq: Seq, num_tokens: int, state_slot: int) -> Seq:
+        """A sequence sharing ``seq``'s first ``num_tokens`` KV slots, whose state is ``state_slot``
+        (a checkpoint taken after exactly those tokens)."""
+        return Seq(state_slot=state_slot, tokens=seq.tokens[:num_tokens], kv_slots=seq.kv_slots[:num_tokens])
+
+    def _alloc_kv(self, n: int) -> list[int]:
+        if self._next_kv + n > self.max_tokens + 1:
+            raise RuntimeError("TinyRunner: out of KV slots")
+        self._next_kv += n
+        return list(range(self._next_kv - n, self._next_kv))
+
+    def make_batch(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], decode: bool | None = None,
+                   checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False):
+        """Build the ``ForwardBatch`` for one step and book the new tokens into ``seqs``.
+        ``checkpoints``: ``(seq index, tokens consumed, state slot)`` triples."""
+        from hyla.model.forward_batch import ForwardBatch
+
+        lens = [len(t) for t in new_tokens]
+        decode = all(n == 1 for n in lens) if decode is None else decode
+        new_slots = [self._alloc_kv(n) for n in lens]
+        prefix = [len(s.kv_slots) for s in seqs]
+        dev, long = self.device, torch.long
+        kv_all = [s.kv_slots + ns for s, ns in zip(seqs, new_slots)]
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        indptr = [0]
+        for slots in kv_all:
+            indptr.append(indptr[-1] + len(slots))
+        batch = ForwardBatch(
+            is_decode=decode,
+            input_ids=torch.tensor([t for toks in new_tokens for t in toks], dtype=long, device=dev),
+            positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=long, device=dev),
+            extend_lens=lens,
+            prefix_lens=prefix,
+            cu_seqlens=torch.tensor(cu, dtype=long, device=dev),
+            out_cache_loc=torch.tensor([s for ns in new_slots for s in ns], dtype=long, device=dev),
+            kv_indices=torch.tensor([s for slots in kv_all for s in slots], dtype=long, device=dev),
+            kv_indptr=torch.tensor(indptr, dtype=long, device=dev),
+            k_buffers=self.k_buffers,
+            v_buffers=self.v_buffers,
+            state_slots=torch.tensor([s.state_slot for s in seqs], dtype=long, device=dev),
+            conv_states=self.conv_states,
+            ssm_states=self.ssm_states,
+            ckpt_seq=torch.tensor([c[0] for c in checkpoints], dtype=long, device=dev),
+            ckpt_len=torch.tensor([c[1] for c in checkpoints], dtype=long, device=dev),
+            ckpt_slot=torch.tensor([c[2] for c in checkpoints], dtype=long, device=dev),
+            logits_indices=torch.arange(cu[-1], device=dev) if all_logits else None,
+        )
+        for s, toks, ns in zip(seqs, new_tokens, new_slots):
+            s.tokens += list(toks)
+            s.kv_slots += ns
+        return batch
+
+    def step(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], decode: bool | None = None,
+             checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False) -> torch.Tensor:
+        """One forward; returns fp32 logits (last token of each sequence, or every new token)."""
+        batch = self.make_batch(seqs, new_tokens, decode, checkpoints, all_logits)
+        return self.model(batch)

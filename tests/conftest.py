@@ -1,0 +1,42 @@
+"""Shared pytest fixtures: tiny Hugging Face checkpoints, built once per test session.
+
+The builders live in ``tests/checkpoints.py`` (importable as ``checkpoints`` from any test, and by
+the benchmarks) so engine and server tests can reuse them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import checkpoints  # noqa: E402  (needs the path above)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory per session holding every tiny checkpoint built (builders reuse them)."""
+    return tmp_path_factory.mktemp("tiny_checkpoints")
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dense_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=False)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_moe_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_5(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def nemotron_h_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_nemotron_h(tiny_ckpt_dir)

@@ -1,0 +1,186 @@
+"""ModelConfig.from_hf: layouts, legacy keys, state shapes vs HF's caches, sizes and the FLOP model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+from checkpoints import NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
+
+from hyla.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+
+def hf_dict(config: transformers.PreTrainedConfig, arch: str) -> dict:
+    """What save_pretrained writes to config.json (JSON round trip included)."""
+    d = json.loads(config.to_json_string())
+    d["architectures"] = [arch]
+    return d
+
+
+@pytest.fixture(scope="module")
+def qwen_moe() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Qwen3NextConfig(**QWEN3_NEXT_KW), "Qwen3NextForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def nemotron() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.NemotronHConfig(**NEMOTRON_H_KW), "NemotronHForCausalLM"))
+
+
+def test_qwen3_next_layout_and_shapes(qwen_moe):
+    c = qwen_moe
+    assert c.layer_types == ("linear",) * 3 + ("attention",) + ("linear",) * 3 + ("attention",)
+    assert c.ffn_types == ("moe",) * 8
+    assert (c.num_attention_layers, c.num_linear_layers) == (2, 6)
+    assert [c.attention_ordinal(i) for i in (3, 7)] == [0, 1]
+    assert [c.linear_ordinal(i) for i in (0, 1, 2, 4, 5, 6)] == [0, 1, 2, 3, 4, 5]
+    # HF keeps K=4 conv inputs of 2*key_dim + value_dim = 512 channels; hyla keeps K-1
+    assert c.conv_shape == (512, 3) and c.conv_dtype == torch.float32
+    assert c.ssm_shape == (4, 64, 64) and c.ssm_dtype == torch.float32
+    assert c.rotary_dim == 16 and c.attn_output_gate and c.qk_norm and c.zero_centered_norm
+    assert c.linear_chunk_size == 64 and c.max_position_embeddings == 4096 and c.eos_token_ids == (2,)
+    with pytest.raises(ValueError, match="not attention"):
+        c.attention_ordinal(0)
+
+
+def test_qwen3_next_dense_and_mlp_only_layers():
+    kw = {**QWEN3_NEXT_KW, "mlp_only_layers": [0, 5], "decoder_sparse_step": 2}
+    c = ModelConfig.from_hf(hf_dict(transformers.Qwen3NextConfig(**kw), "Qwen3NextForCausalLM"))
+    assert c.ffn_types == ("mlp", "moe", "mlp", "moe", "mlp", "mlp", "mlp", "moe")
+    dense = ModelConfig.from_hf(hf_dict(transformers.Qwen3NextConfig(**{**QWEN3_NEXT_KW, "num_experts": 0}),
+                                        "Qwen3NextForCausalLM"))
+    assert dense.ffn_types == ("mlp",) * 8 and dense.num_experts == 0
+
+
+def test_nemotron_h_layout_and_shapes(nemotron):
+    c = nemotron
+    assert c.layer_types == ("linear", "mlp", "linear", "attention", "mlp", "linear", "moe", "attention")
+    assert c.ffn_types == ("none",) * 8
+    assert (c.num_attention_layers, c.num_linear_layers) == (2, 3)
+    assert c.conv_shape == (384, 3)  # HF: [B, 384, 4]
+    assert c.ssm_shape == (8, 32, 32)  # HF: [B, H=8, P=32, N=32]
+    assert c.rotary_dim == 0 and not c.zero_centered_norm and c.linear_chunk_size == 64
+    assert c.mamba_dt_limit == (0.001, math.inf)  # HF hard-codes (time_step_min, inf)
+    assert c.router == "sigmoid" and c.hidden_act == "relu2"
+
+
+def test_state_shapes_match_hf_caches(qwen_moe, nemotron):
+    """conv_shape is HF's conv cache less its oldest column; ssm_shape is HF's recurrent state."""
+    for kind, cfg in (("qwen", qwen_moe), ("nemotron", nemotron)):
+        if kind == "qwen":
+            hf_cfg = transformers.Qwen3NextConfig(**{**QWEN3_NEXT_KW, "num_experts": 0})
+            model = transformers.Qwen3NextForCausalLM(hf_cfg)
+        else:
+            hf_cfg = transformers.NemotronHConfig(**NEMOTRON_H_KW)
+            model = transformers.NemotronHForCausalLM(hf_cfg)
+        with torch.no_grad():
+            out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+        layer = cfg.layer_types.index("linear")
+        conv = out.past_key_values.layers[layer].conv_states[0]
+        rec = out.past_key_values.layers[layer].recurrent_states[0]
+        assert tuple(conv.shape[1:]) == (cfg.conv_shape[0], cfg.conv_shape[1] + 1)
+        assert tuple(rec.shape[1:]) == cfg.ssm_shape
+
+
+def test_legacy_keys_and_infinity_encoding():
+    qwen = {
+        "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "full_attention_interval": 4, "rope_theta": 5e6, "partial_rotary_factor": 0.5,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "eos_token_id": [7, 8], "torch_dtype": "bfloat16",
+    }
+    c = ModelConfig.from_hf(qwen)
+    assert c.layer_types == ("linear", "linear", "linear", "attention") * 2
+    assert c.rope_theta == 5e6 and c.rotary_dim == 8 and c.eos_token_ids == (7, 8)
+    assert c.dtype == torch.bfloat16 and c.conv_dtype == torch.bfloat16
+    assert ModelConfig.from_hf(qwen, dtype="float32").dtype == torch.float32
+
+    nemo = {
+        "architectures": ["NemotronHForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+        "hybrid_override_pattern": "M-M*E", "num_attention_heads": 4, "num_key_value_heads": 2,
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "mamba_n_groups": 2,
+        "mamba_d_conv": 3, "mamba_chunk_size": 32, "mamba_dt_min": 0.01,
+        "time_step_limit": [0.0, {"__float__": "Infinity"}], "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "intermediate_size": 32,
+    }
+    c = ModelConfig.from_hf(nemo)
+    assert c.layer_types == ("linear", "mlp", "linear", "attention", "moe")
+    assert c.conv_kernel == 3 and c.conv_shape == (64 + 2 * 2 * 8, 2) and c.linear_chunk_size == 32
+    assert c.mamba_n_groups == 2 and c.mamba_dt_limit == (0.01, math.inf)
+    legacy_names = {**nemo, "layers_block_type": ["mamba", "attention", "moe"]}
+    del legacy_names["hybrid_override_pattern"]
+    assert ModelConfig.from_hf(legacy_names).layer_types == ("linear", "attention", "moe")
+
+
+def test_qwen3_5_conditional_generation_reads_text_config():
+    text = hf_dict(transformers.Qwen3_5TextConfig(**QWEN3_5_KW), "Qwen3_5ForCausalLM")
+    del text["architectures"]
+    c = ModelConfig.from_hf({"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                             "text_config": text, "tie_word_embeddings": True})
+    assert c.architecture == "Qwen3_5ForConditionalGeneration" and c.model_type == "qwen3_5"
+    assert c.tie_word_embeddings and c.ffn_types == ("mlp",) * 8 and c.num_linear_layers == 6
+
+
+def test_errors_are_value_errors():
+    with pytest.raises(ValueError) as err:
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8})
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert arch in str(err.value)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelConfig.from_hf({"architectures": ["NemotronHForCausalLM"], "hidden_size": 8})
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ModelConfig.from_hf({**hf_dict(transformers.NemotronHConfig(**NEMOTRON_H_KW), "NemotronHForCausalLM")},
+                            dtype="float64")
+    with pytest.raises(ValueError, match="rope_type"):
+        kw = {**QWEN3_NEXT_KW, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                                                   "original_max_position_embeddings": 1024}}
+        ModelConfig.from_hf({**hf_dict(transformers.Qwen3NextConfig(**QWEN3_NEXT_KW), "Qwen3NextForCausalLM"),
+                             "rope_parameters": kw["rope_parameters"]})
+
+
+def test_bytes_per_token_and_slot(qwen_moe, nemotron):
+    assert qwen_moe.kv_bytes_per_token(2) == 2 * 2 * 2 * 64 * 2  # layers * (K, V) * Hkv * D * bytes
+    assert qwen_moe.state_bytes_per_slot(2) == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
+    assert nemotron.state_bytes_per_slot(4) == 3 * (384 * 3 * 4 + 8 * 32 * 32 * 4)
+
+
+def test_flops_per_token_model(qwen_moe, nemotron):
+    f1, f2 = qwen_moe.flops_per_token(1), qwen_moe.flops_per_token(1001)
+    # only the quadratic attention term grows with the context: 2 layers * 4 * Hq * D per token
+    assert f2.attention - f1.attention == pytest.approx(1000 * 2 * 4 * 4 * 64)
+    assert (f2.linear, f2.moe, f2.lm_head) == (f1.linear, f1.moe, f1.lm_head)
+    # MoE counts the active experts (2 of 8) + router + shared expert + its gate, per layer
+    expert = 2 * 3 * 256 * 128
+    assert f1.moe == pytest.approx(8 * (2 * 256 * 8 + 2 * expert + expert + 2 * 256))
+    assert f1.lm_head == 2 * 256 * 2048 and f1.total > 0
+    assert nemotron.flops_per_token(10).mlp == pytest.approx(2 * 2 * 2 * 256 * 512)  # 2 relu2 MLP blocks
+    # prefill_flops is the exact sum of the per-token costs
+    want = sum(qwen_moe.flops_per_token(c).total for c in range(31, 31 + 17))
+    assert qwen_moe.prefill_flops(17, prefix_len=30) == pytest.approx(want)
+    with pytest.raises(ValueError):
+        qwen_moe.flops_per_token(0)
+
+
+def test_80b_config_needs_no_weights():
+    """Qwen3-Next-80B-A3B's published config.json: active compute ~3B params -> ~6 GFLOP/token."""
+    cfg = {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4, "rope_theta": 10000000,
+        "partial_rotary_factor": 0.25, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "norm_topk_prob": True,
+        "mlp_only_layers": [], "max_position_embeddings": 262144, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    }
+    c = ModelConfig.from_hf(cfg)
+    assert (c.num_attention_layers, c.num_linear_layers) == (12, 36)
+    assert c.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2
+    assert c.conv_shape == (2 * 2048 + 4096, 3) and c.ssm_shape == (32, 128, 128)
+    gflops = c.flops_per_token(1).total / 1e9
+    assert 4.0 < gflops < 8.0
