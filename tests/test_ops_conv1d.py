@@ -105,6 +105,13 @@ def test_zero_length_sequence_keeps_its_window():
     assert not torch.equal(pool[1], before[1])
 
 
+def test_batch_of_empty_sequences_is_a_no_op():
+    _, weight, bias, _, pool = make([1])
+    before = pool.clone()
+    y = causal_conv1d_varlen(torch.zeros(0, C), weight, bias, torch.tensor([0, 0, 0]), pool, torch.tensor([1, 2]))
+    assert y.shape == (0, C) and torch.equal(pool, before)
+
+
 def test_matches_hf_causal_conv1d_fn_with_cached_window():
     """HF's chunked-prefill path: conv over ``cat(conv_state, x)`` keeping the last T outputs."""
     x, weight, bias, _, pool = make([70])

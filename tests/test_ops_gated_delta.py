@@ -120,6 +120,13 @@ def test_zero_length_sequence_keeps_its_state():
     assert not torch.equal(pool[1], before[1])
 
 
+def test_batch_of_empty_sequences_is_a_no_op():
+    q, k, v, g, beta, _, pool = make([0, 0])
+    before = pool.clone()
+    o = chunk_gated_delta_rule_varlen(q, k, v, g, beta, torch.tensor([0, 0, 0]), pool, torch.tensor([1, 2]))
+    assert o.shape == (0, HV, DV) and torch.equal(pool, before)
+
+
 def test_matches_hf_chunk_kernel_with_initial_state():
     q, k, v, g, beta, _, pool = make([150])
     o_hf, state_hf = hf.torch_chunk_gated_delta_rule(

@@ -117,6 +117,13 @@ def test_zero_length_sequence_keeps_its_state():
     assert not torch.equal(inp.pool[1], before[1])
 
 
+def test_batch_of_empty_sequences_is_a_no_op():
+    inp = Inputs([0, 0])
+    before = inp.pool.clone()
+    y = inp.run([1, 2])
+    assert y.shape == (0, H, P) and torch.equal(inp.pool, before)
+
+
 @pytest.mark.parametrize("chunk_size, length", [(64, 150), (128, 300)])
 def test_matches_hf_chunk_scan_with_initial_state_and_dt_limit(chunk_size, length):
     inp = Inputs([length])

@@ -7,8 +7,8 @@ Each channel ``c`` of token ``t`` sees the last ``K`` pre-conv inputs of its own
 where ``x_ext`` is the sequence's new tokens preceded by its *conv window*: the last ``K-1``
 pre-conv inputs it consumed before (zeros for a fresh sequence). The window lives in
 ``conv_states[slot] [C, K-1]`` (oldest first) in the model dtype; Hugging Face keeps ``K`` inputs, the
-oldest of which never influences a future output. Math follows HF's ``causal_conv1d_fn/update``:
-the conv runs in the weight dtype and the result is returned in the input dtype.
+oldest of which never influences a future output. Math follows HF's ``causal_conv1d_fn/update``,
+accumulated in fp32 (HF: in the weight dtype); the result is returned in the input dtype.
 
 Pool rules (see ``varlen.py``): ``slots[i] == -1`` reads zeros and writes nothing; all reads
 precede all writes; checkpoint rows are distinct from the batch's own rows.
@@ -75,6 +75,23 @@ def causal_conv1d_ref(
 
 # --- fast paths ------------------------------------------------------------------------------
 
+def _accumulate_dtype(weight: torch.Tensor) -> torch.dtype:
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
+
+
+def _depthwise_taps(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y[r] = bias + sum_k weight[:, k] * x_ext[r + k]`` for every ``r`` in ``[0, len - K + 1)`` -> ``[R, C]``,
+    accumulated in fp32 (fp64 for fp64 weights): one fused multiply-add per tap over shifted views."""
+    acc = _accumulate_dtype(weight)
+    w = weight.to(acc)
+    rows = x_ext.shape[0] - weight.shape[1] + 1
+    y = x_ext[:rows].to(acc) * w[:, 0]  # [R, C]
+    for k in range(1, weight.shape[1]):
+        y.addcmul_(x_ext[k : k + rows].to(acc), w[:, k])
+    if bias is not None:
+        y += bias.to(acc)
+    return y
+
 
 def causal_conv1d_varlen(
     x: torch.Tensor,
@@ -95,9 +112,9 @@ def causal_conv1d_varlen(
     ``ckpt_seq[j]`` is written into ``conv_states[ckpt_slot[j]]``.
 
     How: every sequence's window is laid in front of its tokens in one extended buffer
-    ``x_ext [T + B*(K-1), C]``; one grouped ``F.conv1d`` over that buffer gives every output (a
-    window never sees the previous sequence), and the window after ``n`` tokens of sequence ``i``
-    is just the ``K-1`` rows of ``x_ext`` ending at its ``n``-th token.
+    ``x_ext [T + B*(K-1), C]``; token ``t`` reads the ``K`` rows of ``x_ext`` ending at its own (never
+    the previous sequence's), and the window after ``n`` tokens of sequence ``i`` is just the
+    ``K-1`` rows ending at its ``n``-th token.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got {list(x.shape)}")
@@ -111,26 +128,22 @@ def causal_conv1d_varlen(
 
     w = kernel - 1
     batch = len(lengths)
-    cu = cu_seqlens.to(device=x.device, dtype=torch.long)
+    windows = gather_states(conv_states, slots, x.dtype).transpose(1, 2)  # [B, K-1, C]
+    starts = cu_seqlens.tolist()
+    x_ext = torch.cat([part for i in range(batch) for part in (windows[i], x[starts[i] : starts[i + 1]])])
+    # x_ext [T + B*(K-1), C]: sequence i's window at rows window_first[i] + (0..K-2), then its tokens
+
+    dev = x.device
+    cu = cu_seqlens.to(device=dev, dtype=torch.long)
+    window_first = cu[:-1] + torch.arange(batch, device=dev) * w  # [B]
+    window_rows = window_first.unsqueeze(1) + torch.arange(w, device=dev)  # [B, K-1]
     seq_of_token = torch.repeat_interleave(
-        torch.arange(batch, device=x.device), torch.tensor(lengths, device=x.device), output_size=num_tokens
+        torch.arange(batch, device=dev), torch.tensor(lengths, device=dev), output_size=num_tokens
     )  # [T]
-    token_row = torch.arange(num_tokens, device=x.device) + (seq_of_token + 1) * w  # [T] row in x_ext
-    window_first = cu[:-1] + torch.arange(batch, device=x.device) * w  # [B] row of each window's oldest input
-    window_rows = window_first.unsqueeze(1) + torch.arange(w, device=x.device)  # [B, K-1]
+    token_row = torch.arange(num_tokens, device=dev) + (seq_of_token + 1) * w  # [T] row of each token in x_ext
 
-    windows = gather_states(conv_states, slots, x.dtype)  # [B, C, K-1]
-    x_ext = x.new_empty(num_tokens + batch * w, channels)  # [T + B*(K-1), C]
-    x_ext[window_rows.flatten()] = windows.transpose(1, 2).reshape(batch * w, channels)
-    x_ext[token_row] = x
-
-    if num_tokens:
-        conv = F.conv1d(
-            x_ext.t().unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=channels
-        )  # [1, C, T + B*(K-1) - (K-1)]; output o reads x_ext[o : o+K]
-        y = act(conv[0, :, token_row - w]).t()  # [T, C]
-    else:
-        y = x.new_zeros(0, channels)
+    y = _depthwise_taps(x_ext, weight, bias)  # [T + (B-1)*(K-1), C]: row r ends its receptive field at x_ext[r + K-1]
+    y = act(y.index_select(0, token_row - w))  # [T, C]
 
     lens = torch.tensor(lengths, device=x.device)
     final = x_ext[window_rows + lens.unsqueeze(1)]  # [B, K-1, C]: the K-1 rows ending at the last token
@@ -167,8 +180,9 @@ def causal_conv1d_update(
 
     windows = gather_states(conv_states, slots, x.dtype)  # [B, C, K-1]
     full = torch.cat([windows, x.unsqueeze(2)], dim=2)  # [B, C, K]
-    y = (full.to(weight.dtype) * weight).sum(dim=2)  # [B, C]
+    acc = _accumulate_dtype(weight)
+    y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [B, C]
     if bias is not None:
-        y = y + bias
+        y = y + bias.to(acc)
     scatter_states(conv_states, slots, full[:, :, 1:])
     return act(y).to(x.dtype)

@@ -40,12 +40,17 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
-    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: head repeat, optional l2norm, ``q *= Dk**-0.5``."""
-    repeat = num_v_heads // q.shape[1]
-    q, k = (x.float().repeat_interleave(repeat, dim=1) for x in (q, k))  # [N, Hv, Dk]
+    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: optional l2norm, ``q *= Dk**-0.5``, then key head ``h``
+    serves value heads ``h*r .. h*r + r-1`` (``repeat_interleave(r)``, ``r = Hv // Hk``)."""
+    q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    return q * q.shape[-1] ** -0.5, k
+    q = q * q.shape[-1] ** -0.5
+    n, num_k_heads, dk = q.shape
+    repeat = num_v_heads // num_k_heads
+    if repeat == 1:
+        return q, k
+    return tuple(x.unsqueeze(2).expand(n, num_k_heads, repeat, dk).reshape(n, num_v_heads, dk) for x in (q, k))
 
 
 def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
@@ -155,8 +160,8 @@ def _chunk_scan(
     Returns ``(o [T, H, Dv], final state [B, H, Dk, Dv] in rank order, checkpoint states [M, H, Dk, Dv])``.
     """
     Q = layout.chunk_size
-    qc, kc, vc = (layout.chunk(x).transpose(1, 2) for x in (q, k, v))  # [NC, H, Q, D]
-    gc, bc = (layout.chunk(x).transpose(1, 2) for x in (g, beta))  # [NC, H, Q]
+    qc, kc, vc = (layout.chunk_heads_first(x) for x in (q, k, v))  # [NC, H, Q, D]
+    gc, bc = (layout.chunk_heads_first(x) for x in (g, beta))  # [NC, H, Q]
 
     cum = gc.cumsum(dim=-1)  # [NC, H, Q] log-decay from the chunk start through each token
     upper = torch.ones(Q, Q, dtype=torch.bool, device=q.device).triu(1)

@@ -181,8 +181,8 @@ def _chunk_scan(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 core, without the ``D`` skip. Returns ``(y [T, H, P], final state [B, H, P, N] in rank
     order, checkpoint states [M, H, P, N])``."""
-    xc, Bc, Cc = (layout.chunk(t).transpose(1, 2) for t in (x, B, C))  # [NC, H, Q, P|N]
-    dtc = layout.chunk(dt).transpose(1, 2)  # [NC, H, Q]; padding has dt = 0: no decay, no input
+    xc, Bc, Cc = (layout.chunk_heads_first(t) for t in (x, B, C))  # [NC, H, Q, P|N]
+    dtc = layout.chunk_heads_first(dt)  # [NC, H, Q]; padding has dt = 0: no decay, no input
     xdt = xc * dtc.unsqueeze(-1)  # [NC, H, Q, P]
     a = dtc * A[:, None]  # [NC, H, Q] log-decay of each token
     cum = a.cumsum(dim=-1)  # [NC, H, Q]

@@ -121,19 +121,21 @@ def check_checkpoints(
 def gather_states(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``pool[slots]`` as a new ``dtype`` tensor ``[B, *state]``; zeros where ``slots == -1``."""
     slots = slots.to(device=pool.device, dtype=torch.long)
-    rows = pool[slots.clamp(min=0)].to(dtype)  # [B, *state]
-    keep = (slots >= 0).view(-1, *([1] * (pool.dim() - 1)))
-    return torch.where(keep, rows, torch.zeros((), dtype=dtype, device=pool.device))
+    padding = slots < 0
+    if bool(padding.any()):
+        rows = pool.index_select(0, slots.clamp(min=0)).to(dtype)  # [B, *state]
+        return rows.index_fill_(0, padding.nonzero().flatten(), 0)
+    rows = pool.index_select(0, slots)  # [B, *state], a fresh copy
+    return rows if rows.dtype == dtype else rows.to(dtype)
 
 
 def scatter_states(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """``pool[slots[i]] = values[i]`` (cast to the pool dtype) for every ``slots[i] >= 0``; in place."""
     slots = slots.to(device=pool.device, dtype=torch.long)
     keep = slots >= 0
-    if bool(keep.all()):
-        pool.index_copy_(0, slots, values.to(pool.dtype))
-    else:
-        pool.index_copy_(0, slots[keep], values[keep].to(pool.dtype))
+    if not bool(keep.all()):
+        slots, values = slots[keep], values[keep]
+    pool.index_copy_(0, slots, values.to(pool.dtype))
 
 
 # --- the chunk layout ------------------------------------------------------------------------
@@ -173,6 +175,10 @@ class ChunkLayout:
         """Packed ``x [T, ...]`` -> ``[NC, Q, ...]``, zeros at padding positions."""
         padded = torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # [T+1, ...]; row T is the zero pad
         return padded[self.token_index]  # [NC, Q, ...]
+
+    def chunk_heads_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``x [T, H, ...]`` -> contiguous ``[NC, H, Q, ...]`` (the layout the chunk math uses)."""
+        return self.chunk(x).transpose(1, 2).contiguous()
 
     def unchunk(self, y: torch.Tensor) -> torch.Tensor:
         """``y [NC, Q, ...]`` -> packed ``[T, ...]`` (padding positions dropped)."""
