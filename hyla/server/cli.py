@@ -1,0 +1,102 @@
+"""``hyla serve``: start the OpenAI-compatible HTTP server.
+
+    hyla serve [--model PATH] [--host 127.0.0.1] [--port 30000] [--api-key KEY] [engine options]
+
+Every engine option is a flag generated from ``EngineArgs.field_help()``: the field
+``max_total_tokens`` is ``--max-total-tokens``, a bool field ``enable_prefix_cache`` is
+``--enable-prefix-cache`` / ``--no-enable-prefix-cache``. So the CLI and ``Engine(**options)``
+cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from hyla.engine.args import EngineArgs
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _flag_type(annotation: Any) -> type:
+    """``int``, ``int | None`` → int; ``str | None`` → str; bool stays bool."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"cannot make a flag for {annotation}")
+        return args[0]
+    return annotation
+
+
+def engine_flags() -> dict[str, tuple[str, type, Any, str]]:
+    """field name → (flag, type, default, help) for every engine option except ``model_path``."""
+    hints = typing.get_type_hints(EngineArgs)
+    flags = {}
+    for name, (default, help_text) in EngineArgs.field_help().items():
+        if name == "model_path":
+            continue
+        flags[name] = ("--" + name.replace("_", "-"), _flag_type(hints[name]), default, help_text)
+    return flags
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "--model-path", dest="model_path", default=None, metavar="PATH",
+                        help=EngineArgs.field_help()["model_path"][1])
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"Address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface).")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
+    parser.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (default: no key).")
+    parser.add_argument("--served-model-name", default=None,
+                        help="The model name clients send (default: the model directory's name; "
+                             "'hyla-default' for the built-in model).")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
+    group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
+    for name, (flag, kind, default, help_text) in engine_flags().items():
+        if kind is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                               help=f"{help_text} (default: {'on' if default else 'off'})")
+        else:
+            shown = "" if default is None else f" (default: {default})"  # None: the help says what happens
+            group.add_argument(flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
+                               help=help_text + shown)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``Engine(**options)`` keyword arguments given on the command line."""
+    return {name: getattr(args, name) for name in engine_flags()}
+
+
+def run(args: argparse.Namespace) -> int:
+    options = engine_options(args)
+    try:
+        EngineArgs(model_path=args.model_path, **options)  # fail fast, before uvicorn starts
+    except ValueError as exc:
+        print(f"hyla serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.model_path is not None and not (Path(args.model_path) / "config.json").is_file():
+        print(f"hyla serve: error: no config.json in model directory {args.model_path!r}", file=sys.stderr)
+        return 2
+    if not 0 < args.port < 65536:
+        print(f"hyla serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+
+    import uvicorn
+
+    from hyla.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key, **options)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

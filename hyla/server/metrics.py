@@ -1,0 +1,100 @@
+"""Prometheus metrics for ``GET /metrics``, one ``CollectorRegistry`` per app.
+
+Two sources:
+
+* the engine's own counters and gauges (``Engine.get_stats()``), read at scrape time by
+  ``EngineCollector`` — prompt / cached / generated tokens, finished requests, retractions, cache
+  hit rate, KV and state pool usage, running and queued requests, decode throughput;
+* what only the server sees, recorded by ``ServerMetrics`` as requests go by — HTTP requests by
+  route and status, time to first token, time per output token, end-to-end latency.
+
+A registry per app (not the global default) lets tests run several servers in one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "hyla"
+
+# (engine stats key, metric name, help) — monotonically increasing engine counters
+ENGINE_COUNTERS = (
+    ("num_prompt_tokens", "prompt_tokens", "Prompt tokens of admitted requests."),
+    ("num_cached_tokens", "cached_tokens", "Prompt tokens served from the prefix cache."),
+    ("num_generated_tokens", "generation_tokens", "Generated tokens."),
+    ("num_requests_finished", "engine_requests_finished", "Requests the engine finished (any reason)."),
+    ("num_retractions", "retractions", "Requests retracted from decoding to free KV memory."),
+)
+# (engine stats key, metric name, help) — gauges
+ENGINE_GAUGES = (
+    ("cache_hit_rate", "cache_hit_rate", "Cached prompt tokens / prompt tokens since start."),
+    ("token_usage", "kv_pool_usage", "Share of the KV pool in use (requests + prefix tree)."),
+    ("state_usage", "state_pool_usage", "Share of the recurrent-state pool in use (requests + checkpoints)."),
+    ("num_running_requests", "num_running_requests", "Requests admitted to the running batch."),
+    ("num_queued_requests", "num_queued_requests", "Requests waiting for admission."),
+    ("gen_throughput", "gen_throughput", "Decode throughput over the last log interval (tokens/s)."),
+)
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class EngineCollector(Collector):
+    """Exposes ``get_stats()`` of the engine that ``get_engine()`` returns (None before start-up)."""
+
+    def __init__(self, get_engine: Callable[[], Any]):
+        self.get_engine = get_engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self.get_engine()
+        if engine is None:
+            return
+        stats = engine.get_stats()
+        for key, name, help_text in ENGINE_COUNTERS:
+            counter = CounterMetricFamily(f"{PREFIX}_{name}", help_text)
+            counter.add_metric([], float(stats[key]))
+            yield counter
+        for key, name, help_text in ENGINE_GAUGES:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(stats[key]))
+
+
+class ServerMetrics:
+    """The app's registry and the metrics the server records itself."""
+
+    def __init__(self, get_engine: Callable[[], Any]):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(get_engine))
+        self.http_requests = Counter(
+            f"{PREFIX}_http_requests", "HTTP requests by route, method and status code.",
+            ["route", "method", "status"], registry=self.registry)
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished", "Generation requests answered by the server, by endpoint and "
+            "finish reason (stop, length, abort).", ["endpoint", "finish_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds", "Time from receiving a request to its first output token.",
+            buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram(
+            f"{PREFIX}_time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+            buckets=TPOT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds", "Time from receiving a request to its last output token.",
+            buckets=E2E_BUCKETS, registry=self.registry)
+
+    def observe_request(self, endpoint: str, finish_reason: str, arrival: float, first_token: float | None,
+                        last_token: float | None, num_output_tokens: int) -> None:
+        """Record one finished engine request (one choice); times are ``time.monotonic()`` values."""
+        self.finished.labels(endpoint, finish_reason).inc()
+        if first_token is not None:
+            self.ttft.observe(first_token - arrival)
+        if last_token is not None:
+            self.e2e.observe(last_token - arrival)
+        if first_token is not None and last_token is not None and num_output_tokens > 1:
+            self.tpot.observe((last_token - first_token) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

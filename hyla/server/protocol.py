@@ -1,0 +1,312 @@
+"""Request and response bodies of the HTTP API (pydantic models).
+
+The OpenAI models follow https://platform.openai.com/docs/api-reference (completions, chat
+completions, models) plus the sampling extras SGLang and vLLM accept (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``chat_template_kwargs``). ``GenerateRequest`` is the native SGLang-style ``POST /generate``.
+
+Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
+
+* Types are strict: ``"16"`` is not an integer, ``1`` is not a bool.
+* Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
+  ``tools`` or ``response_format`` fails loudly instead of being silently ignored. The few fields
+  that change nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are
+  accepted and ignored.
+* Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
+  parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16  # choices per request: each is one engine request
+MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
+
+
+class _Strict(BaseModel):
+    """Request bodies: strict types, unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# --------------------------------------------------------------------------------------------
+# requests
+# --------------------------------------------------------------------------------------------
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # SGLang / vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    # accepted, no effect on the output
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_SamplingFields":
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_new_tokens: int, top_logprobs_num: int, choice: int) -> dict[str, Any]:
+        """The engine's ``sampling_params`` for choice number ``choice`` (0-based) of this request.
+
+        With a ``seed``, choice ``i`` draws with ``seed + i``: the ``n`` choices differ from each other
+        and the whole response is reproducible."""
+        params: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "stop": self.stop_list(),
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "top_logprobs_num": top_logprobs_num,
+        }
+        optional = {
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "stop_token_ids": self.stop_token_ids,
+        }
+        params.update({k: v for k, v in optional.items() if v is not None})
+        if self.seed is not None:
+            params["seed"] = self.seed + choice
+        return params
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids, or a
+    list of token-id lists; a list gives ``n`` choices per prompt, indexed ``prompt * n + j``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> "CompletionRequest":
+        if isinstance(self.prompt, list) and len(self.prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class TextContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A chat message. Extra keys (``tool_calls``, ``name``, ``reasoning_content``...) are passed to
+    the chat template unchanged; ``content`` may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            msg["content"] = "".join(part.text for part in self.content)
+        return msg
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None = up to the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class GenerateRequest(_Strict):
+    """Native ``POST /generate`` (SGLang's): exactly one of ``text`` / ``input_ids``; a list of
+    them is a batch (one output per item; no streaming)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int | None = Field(None, ge=0, le=20)
+    stream: bool = False
+    rid: str | list[str] | None = None
+    checkpoints: list[int] | list[list[int]] | None = None
+
+    @model_validator(mode="after")
+    def _check_input(self) -> "GenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
+        if self.stream and not self.is_single():
+            raise ValueError("stream=true takes a single request (text: str or input_ids: list[int])")
+        return self
+
+    def is_single(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, str)
+        return not (self.input_ids and isinstance(self.input_ids[0], list))
+
+
+# --------------------------------------------------------------------------------------------
+# responses
+# --------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "hyla"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

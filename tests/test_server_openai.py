@@ -1,0 +1,346 @@
+"""The HTTP API against a real Engine, through the official ``openai`` client (and httpx for raw SSE).
+
+The server runs on 127.0.0.1 on a free port, in this process (``BackgroundServer``), serving a tiny
+random Qwen3-Next checkpoint with the built-in default model's tokenizer and chat template: outputs
+are not language, but every check here compares the server with the engine or with itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import checkpoints
+from hyla.engine.engine import DEFAULT_MODEL_DIR
+from hyla.engine.tokenizer import Tokenizer
+from hyla.server.app import create_app
+from hyla.server.launch import BackgroundServer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+MODEL = "tiny-chat"
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}
+
+
+def make_chat_model(tmp_dir: Path) -> Path:
+    """A tiny random Qwen3-Next checkpoint with the default model's tokenizer and chat template."""
+    tokenizer = Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    path = checkpoints.make_qwen3_next(tmp_dir, moe=False, vocab_size=tokenizer.vocab_size,
+                                       eos_token_id=tokenizer.eos_token_id)
+    for name in TOKENIZER_FILES:
+        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt_dir):
+    app = create_app(make_chat_model(tiny_ckpt_dir), served_model_name=MODEL, max_total_tokens=16384,
+                     max_state_slots=96, chunked_prefill_size=512)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    return server.app.state.server.engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _chat(user: str, system: dict = SYSTEM) -> list[dict]:
+    return [system, {"role": "user", "content": user}]
+
+
+def _engine_greedy(engine, input_ids: list[int], max_new_tokens: int, **extra) -> dict:
+    params = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **extra}
+    return engine.generate(input_ids=input_ids, sampling_params=params)
+
+
+def _sse_events(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+# --------------------------------------------------------------------------------------------
+# models, health
+# --------------------------------------------------------------------------------------------
+def test_models_and_health(server, client, engine):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.owned_by == "hyla"
+    assert card.model_extra["max_model_len"] == engine.context_length
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+# --------------------------------------------------------------------------------------------
+# completions
+# --------------------------------------------------------------------------------------------
+def test_completion_is_the_engine_output(client, engine):
+    prompt = "The quick brown fox jumps over"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    ids = engine.tokenizer.encode(prompt)
+    expected = _engine_greedy(engine, ids, 8)
+    (choice,) = resp.choices
+    assert resp.object == "text_completion" and resp.model == MODEL and resp.id.startswith("cmpl-")
+    assert choice.text == expected["text"]
+    assert choice.finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.total_tokens == len(ids) + 8
+
+
+def test_completion_batch_of_prompts_with_n(client, engine):
+    prompts = ["Once upon a time", "In the beginning"]
+    resp = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        expected = _engine_greedy(engine, engine.tokenizer.encode(prompt), 5)["text"]
+        assert resp.choices[2 * i].text == resp.choices[2 * i + 1].text == expected
+    assert resp.usage.prompt_tokens == sum(len(engine.tokenizer.encode(p)) for p in prompts)  # once per prompt
+    assert resp.usage.completion_tokens == 4 * 5
+
+
+def test_completion_token_ids_prompt(client, engine):
+    ids = engine.tokenizer.encode("Token ids go straight to the engine")
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert resp.choices[0].text == _engine_greedy(engine, ids, 6)["text"]
+    assert resp.usage.prompt_tokens == len(ids)
+
+
+def test_completion_logprobs(client, engine):
+    resp = client.completions.create(model=MODEL, prompt="Counting: one, two", max_tokens=6, temperature=0,
+                                     logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == resp.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob)  # greedy picks the most likely token
+        assert top[token] == pytest.approx(logprob)
+
+
+# --------------------------------------------------------------------------------------------
+# chat
+# --------------------------------------------------------------------------------------------
+def test_chat_is_the_engine_output_on_the_chat_template(client, engine):
+    messages = _chat("What is the capital of France?")
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    ids = engine.tokenizer.encode_chat(messages).ids
+    expected = _engine_greedy(engine, ids, 8)
+    (choice,) = resp.choices
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected["text"]
+    assert choice.finish_reason == {"length": "length", "stop": "stop"}[expected["meta_info"]["finish_reason"]["type"]]
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+
+
+def test_chat_streaming_adds_up_to_the_non_streaming_answer(client):
+    messages = _chat("Tell me about rivers.")
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    assert usage_chunk.usage.completion_tokens == full.usage.completion_tokens
+    assert usage_chunk.usage.prompt_tokens == full.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_format(server):
+    body = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    assert all(p["object"] == "chat.completion.chunk" for p in parsed)
+    assert all("usage" not in p or p["usage"] is None for p in parsed)  # no include_usage: no usage chunk
+    assert parsed[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_chat_n2_with_seed_is_reproducible_and_diverse(client):
+    kwargs = dict(model=MODEL, messages=_chat("Write a poem."), max_tokens=16, temperature=1.0, n=2, seed=1234)
+    first = client.chat.completions.create(**kwargs)
+    again = client.chat.completions.create(**kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert texts == [c.message.content for c in again.choices]  # seed + choice index: reproducible
+    assert texts[0] != texts[1]  # ...and the two choices are different draws
+
+
+def test_chat_n2_streaming_interleaves_both_choices(client):
+    stream = client.chat.completions.create(model=MODEL, messages=_chat("Count to ten."), max_tokens=8,
+                                            temperature=0, n=2, stream=True)
+    texts = {0: "", 1: ""}
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1}
+    assert texts[0] == texts[1] != ""  # greedy: the same answer twice
+
+
+def test_stop_string_cuts_the_text(client):
+    messages = _chat("Say something long.")
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    assert len(text) > 12
+    start = next(i for i in range(4, len(text) - 3) if text.find(text[i:i + 3]) == i)  # first occurrence
+    stop = text[start:start + 3]
+    cut = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                         stop=[stop, "\u2603never"], extra_body={"ignore_eos": True})
+    assert cut.choices[0].message.content == text[:start]
+    assert cut.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[:start]  # never leaks the stop
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(model=MODEL, messages=_chat("Name a colour."), max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", errors="replace").startswith(
+        resp.choices[0].message.content)
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client):
+    resp = client.chat.completions.create(model=MODEL, messages=_chat("Go on."), max_tokens=9,
+                                          max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+
+
+# --------------------------------------------------------------------------------------------
+# prefix cache through the API
+# --------------------------------------------------------------------------------------------
+def test_repeated_chat_reports_cached_tokens(client):
+    messages = _chat("Is this prompt cached the second time?", {"role": "system", "content": "Repeat test A."})
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens < n - 1
+    # everything but the last prompt token (whose logits give the first output token) is a hit
+    assert second.usage.prompt_tokens_details.cached_tokens == n - 1
+    assert second.choices[0].message.content == first.choices[0].message.content
+
+
+def test_second_turn_hits_the_first_turn(client, engine):
+    system = {"role": "system", "content": "Conversation test B: you are terse."}
+    turn1 = _chat("First question?", system)
+    r1 = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=6, temperature=0)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And a follow-up?"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, temperature=0)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert r1.usage.prompt_tokens - 1 <= cached < r2.usage.prompt_tokens
+
+
+def test_shared_system_prompt_hits_on_second_use(client, engine):
+    system = {"role": "system", "content": "Shared system prompt C: a long preamble about many things " * 3}
+    boundary = engine.tokenizer.chat_message_boundaries([system, {"role": "user", "content": "x"}])[0]
+    client.chat.completions.create(model=MODEL, messages=_chat("first user", system), max_tokens=2, temperature=0)
+    other = client.chat.completions.create(model=MODEL, messages=_chat("a different user", system), max_tokens=2,
+                                           temperature=0)
+    # the first conversation stored a checkpoint at the end of the system message
+    assert other.usage.prompt_tokens_details.cached_tokens >= boundary
+
+
+# --------------------------------------------------------------------------------------------
+# native /generate
+# --------------------------------------------------------------------------------------------
+def test_generate_input_ids_and_cached_tokens(server, engine):
+    ids = engine.tokenizer.encode("Native generate with token ids, twice.")
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
+    first = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    second = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert first["output_ids"] == _engine_greedy(engine, ids, 5)["output_ids"]
+    assert first["meta_info"]["prompt_tokens"] == len(ids)
+    assert first["meta_info"]["completion_tokens"] == 5 == len(first["output_ids"])
+    assert first["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+    assert second["meta_info"]["cached_tokens"] == len(ids) - 1
+    assert second["output_ids"] == first["output_ids"] and second["text"] == first["text"]
+
+
+def test_generate_batch_and_logprobs(server):
+    body = {"text": ["alpha beta", "gamma delta"], "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": 3, "temperature": 0}, {"max_new_tokens": 4, "temperature": 0}]}
+    outs = httpx.post(server.url + "/generate", json=body, timeout=60).json()
+    assert [o["meta_info"]["completion_tokens"] for o in outs] == [3, 4]
+    for o in outs:
+        assert [tid for _, tid, _ in o["meta_info"]["output_token_logprobs"]] == o["output_ids"]
+
+
+def test_generate_stream_is_cumulative(server):
+    body = {"text": "Streaming natively", "stream": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0}}
+    full = httpx.post(server.url + "/generate", json={**body, "stream": False}, timeout=60).json()
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+        events = _sse_events(r)
+    assert events[-1] == "[DONE]"
+    parsed = [json.loads(e) for e in events[:-1]]
+    texts = [p["text"] for p in parsed]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each event holds all the text so far
+    assert parsed[-1]["text"] == full["text"] and parsed[-1]["output_ids"] == full["output_ids"]
+    assert parsed[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+# --------------------------------------------------------------------------------------------
+# metrics (last: counts what the tests above sent)
+# --------------------------------------------------------------------------------------------
+def _scrape(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            samples[key] = s.value
+    return samples
+
+
+def test_metrics(server, client, engine):
+    before = _scrape(server)
+    messages = _chat("Metrics test: count me.", {"role": "system", "content": "Metrics system D."})
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    after = _scrape(server)
+    stats = engine.get_stats()
+    assert after["hyla_prompt_tokens_total"] == stats["num_prompt_tokens"] > before["hyla_prompt_tokens_total"]
+    assert after["hyla_cached_tokens_total"] - before["hyla_cached_tokens_total"] >= 1
+    assert after["hyla_generation_tokens_total"] - before["hyla_generation_tokens_total"] == 8
+    assert after["hyla_cache_hit_rate"] == pytest.approx(stats["num_cached_tokens"] / stats["num_prompt_tokens"])
+    assert 0 < after["hyla_kv_pool_usage"] <= 1 and 0 < after["hyla_state_pool_usage"] <= 1  # the tree holds some
+    assert after["hyla_num_running_requests"] == 0 and after["hyla_num_queued_requests"] == 0
+    assert after["hyla_time_to_first_token_seconds_count"] - before["hyla_time_to_first_token_seconds_count"] == 2
+    assert after["hyla_time_per_output_token_seconds_count"] - before["hyla_time_per_output_token_seconds_count"] == 2
+    assert after["hyla_requests_finished_total{endpoint=chat,finish_reason=length}"] >= 2
+    key = "hyla_http_requests_total{method=POST,route=/v1/chat/completions,status=200}"
+    assert after[key] - before.get(key, 0) == 2
