@@ -1,0 +1,149 @@
+"""Layers against the Hugging Face modules they reimplement (MoE routers incl. NemotronH's grouped
+routing and latent projection, norms, partial RoPE), and model-level batch rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from checkpoints import NEMOTRON_H_KW, QWEN3_NEXT_KW, TinyRunner
+from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
+from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
+
+from hyla.model import load_model
+from hyla.model.config import ModelConfig
+from hyla.model.layers import GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary
+
+
+def config_pair(cls, kw, arch):
+    hf_cfg = cls(**kw)
+    d = json.loads(hf_cfg.to_json_string())
+    d["architectures"] = [arch]
+    return hf_cfg, ModelConfig.from_hf(d)
+
+
+def randomize(module: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.2)
+
+
+@torch.no_grad()
+def test_qwen3_next_moe_matches_hf():
+    hf_cfg, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    ref = hf_qwen.Qwen3NextSparseMoeBlock(hf_cfg).eval()
+    randomize(ref, 0)
+    moe = SparseMoE(cfg)
+    moe.router.weight.copy_(ref.gate.weight)
+    moe.w_in.copy_(ref.experts.gate_up_proj)  # [E, 2I, H]: gate rows then up rows
+    moe.w_out.copy_(ref.experts.down_proj)
+    moe.shared_expert.in_proj.weight.copy_(torch.cat([ref.shared_expert.gate_proj.weight,
+                                                      ref.shared_expert.up_proj.weight]))
+    moe.shared_expert.out_proj.weight.copy_(ref.shared_expert.down_proj.weight)
+    moe.shared_expert_gate.weight.copy_(ref.shared_expert_gate.weight)
+    x = torch.randn(37, 256)
+    assert torch.allclose(moe(x), ref(x[None])[0], atol=1e-5)
+
+
+@torch.no_grad()
+def test_nemotron_h_grouped_router_and_latent_moe_match_hf():
+    kw = {**NEMOTRON_H_KW, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
+          "moe_latent_size": 64, "routed_scaling_factor": 2.5}
+    hf_cfg, cfg = config_pair(transformers.NemotronHConfig, kw, "NemotronHForCausalLM")
+    ref = hf_nemotron.NemotronHMoE(hf_cfg).eval()
+    randomize(ref, 1)
+    moe = SparseMoE(cfg)
+    moe.router.weight.copy_(ref.gate.weight)
+    moe.e_score_correction_bias.copy_(ref.gate.e_score_correction_bias)
+    moe.w_in.copy_(ref.experts.up_proj)
+    moe.w_out.copy_(ref.experts.down_proj)
+    moe.latent_in.weight.copy_(ref.fc1_latent_proj.weight)
+    moe.latent_out.weight.copy_(ref.fc2_latent_proj.weight)
+    moe.shared_expert.in_proj.weight.copy_(ref.shared_experts.up_proj.weight)
+    moe.shared_expert.out_proj.weight.copy_(ref.shared_experts.down_proj.weight)
+    x = torch.randn(41, 256)
+    weights, experts = moe.route(x)
+    _, ref_weights, ref_experts = ref.gate(x)
+    order, ref_order = experts.argsort(-1), ref_experts.argsort(-1)
+    assert torch.equal(experts.gather(1, order), ref_experts.gather(1, ref_order))
+    assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order), atol=1e-6)
+    assert torch.allclose(moe(x), ref(x[None])[0], atol=1e-5)
+
+
+def test_run_experts_equals_per_token_loop():
+    _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    moe = SparseMoE(cfg)
+    randomize(moe, 2)
+    x = torch.randn(9, 256)
+    weights, experts = moe.route(x)
+    with torch.no_grad():
+        got = moe.run_experts(x, weights, experts)
+        for t in range(9):
+            want = torch.zeros(256)
+            for w, e in zip(weights[t], experts[t]):
+                gate, up = (x[t] @ moe.w_in[e].t()).chunk(2)
+                want += w * ((torch.nn.functional.silu(gate) * up) @ moe.w_out[e].t())
+            assert torch.allclose(got[t], want, rtol=1e-5, atol=1e-4)
+
+
+@torch.no_grad()
+def test_norms_match_hf():
+    x, z = torch.randn(6, 64), torch.randn(6, 64)
+    ref = hf_qwen.Qwen3NextRMSNorm(64, eps=1e-6)
+    ref.weight.normal_()
+    ours = RMSNorm(64, 1e-6, zero_centered=True)
+    ours.weight.copy_(ref.weight)
+    assert torch.equal(ours(x), ref(x))
+    ref_gated = hf_qwen.Qwen3NextRMSNormGated(64, eps=1e-6)
+    ref_gated.weight.normal_()
+    ours_gated = GatedRMSNorm(64, 1e-6, norm_before_gate=True)
+    ours_gated.weight.copy_(ref_gated.weight)
+    assert torch.allclose(ours_gated(x, z), ref_gated(x, z), atol=1e-6)
+    ref_group = hf_nemotron.NemotronHRMSNormGated(64, group_size=16, eps=1e-5)
+    ref_group.weight.normal_()
+    ours_group = GatedRMSNorm(64, 1e-5, group_size=16, norm_before_gate=False)
+    ours_group.weight.copy_(ref_group.weight)
+    assert torch.allclose(ours_group(x, z), ref_group(x, z), atol=1e-6)
+
+
+def test_partial_rotary_matches_hf():
+    hf_cfg = transformers.Qwen3NextConfig(**QWEN3_NEXT_KW)
+    rotary = hf_qwen.Qwen3NextRotaryEmbedding(hf_cfg)
+    positions = torch.tensor([0, 1, 5, 900, 4000])
+    q, k = torch.randn(5, 4, 64), torch.randn(5, 2, 64)
+    cos, sin = rotary(q, positions[None])
+    ref_q, ref_k = hf_qwen.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    ours = RotaryEmbedding(16, 10000.0)
+    c, s = ours(positions, torch.float32)
+    assert torch.equal(apply_rotary(q, c, s), ref_q[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(k, c, s), ref_k[0].transpose(0, 1))
+    assert torch.equal(apply_rotary(q, c, s)[..., 16:], q[..., 16:])  # 75% of the head passes through
+
+
+def test_decode_checkpoint_is_the_final_state(qwen3_next_dense_path):
+    model = load_model(qwen3_next_dense_path)
+    runner = TinyRunner(model)
+    seq = runner.new_seq()
+    runner.step([seq], [list(range(10, 50))])
+    slot = runner.new_state_slot()
+    runner.step([seq], [[7]], decode=True, checkpoints=[(0, 1, slot)])
+    for pool in (*runner.conv_states, *runner.ssm_states):
+        assert torch.equal(pool[slot], pool[seq.state_slot])
+    branch = runner.fork(seq, len(seq.tokens), slot)
+    a = runner.step([branch], [[9]], decode=True)
+    b = runner.step([seq], [[9]], decode=True)
+    assert torch.equal(a, b)
+
+
+def test_batch_that_does_not_fit_the_model_is_rejected(qwen3_next_dense_path, nemotron_h_path):
+    qwen, nemotron = load_model(qwen3_next_dense_path), load_model(nemotron_h_path)
+    runner = TinyRunner(nemotron)  # 3 linear layers; Qwen has 6
+    batch = runner.make_batch([runner.new_seq()], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="linear layers"):
+        qwen(batch)
+    batch = TinyRunner(qwen).make_batch([runner.new_seq()], [[5000]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        qwen(batch)

@@ -1,0 +1,169 @@
+"""load_model: sharded checkpoints, dtypes, name layouts (backbone., language_model., per-expert),
+tied embeddings, mtp.* kept aside, and the errors for checkpoints that do not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from checkpoints import TinyRunner, make_qwen3_5
+from safetensors.torch import load_file, save_file
+
+from hyla.model import load_model
+from hyla.model.config import SUPPORTED_ARCHITECTURES
+
+
+def prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    runner = TinyRunner(model)
+    return runner.step([runner.new_seq()], [ids], all_logits=True)
+
+
+IDS = list(range(5, 75))
+
+
+def rewrite(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` (single file), editing its tensors and/or config."""
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(src / "model.safetensors")
+    if edit_tensors:
+        tensors = edit_tensors(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        config = edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_sharded_checkpoint_loads_identically(qwen3_next_moe_path, tmp_path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_next_moe_path, dtype=torch.float32)
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="300KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 2
+    single, sharded = load_model(qwen3_next_moe_path), load_model(tmp_path)
+    for (name, a), (_, b) in zip(single.state_dict().items(), sharded.state_dict().items()):
+        assert torch.equal(a, b), name
+    # experts are stacked: [E, 2I, H] and [E, H, I]
+    moe = single.layers[0].ffn
+    assert tuple(moe.w_in.shape) == (8, 256, 256) and tuple(moe.w_out.shape) == (8, 256, 128)
+    ref = load_file(qwen3_next_moe_path / "model.safetensors")
+    assert torch.equal(moe.w_in[3, 128:], ref["model.layers.0.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(moe.w_out[5], ref["model.layers.0.mlp.experts.5.down_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_dtypes(nemotron_h_path, dtype):
+    fp32 = load_model(nemotron_h_path)
+    half = load_model(nemotron_h_path, dtype=str(dtype).removeprefix("torch."))
+    assert half.config.dtype == dtype and half.embed_tokens.weight.dtype == dtype
+    mixer = half.layers[0].mixer
+    assert mixer.A_log.dtype == mixer.dt_bias.dtype == mixer.D.dtype == torch.float32
+    assert half.layers[6].ffn.e_score_correction_bias.dtype == torch.float32
+    runner = TinyRunner(half)
+    assert runner.conv_states[0].dtype == dtype and runner.ssm_states[0].dtype == torch.float32
+    got = prefill_logits(half, IDS)
+    want = prefill_logits(fp32, IDS)
+    assert got.dtype == torch.float32
+    assert (got - want).abs().mean() < 0.05 * want.std()  # same model, rounding noise only
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+
+
+def test_nemotron_h_backbone_and_model_prefixes(nemotron_h_path, tmp_path):
+    names = load_file(nemotron_h_path / "model.safetensors").keys()
+    assert all(n.startswith("backbone.") or n == "lm_head.weight" for n in names)
+    renamed = rewrite(
+        nemotron_h_path, tmp_path / "renamed",
+        edit_tensors=lambda t: {k.replace("backbone.", "model.", 1): v for k, v in t.items()},
+    )
+    assert torch.equal(prefill_logits(load_model(renamed), IDS), prefill_logits(load_model(nemotron_h_path), IDS))
+
+
+def test_qwen3_5_vision_language_layout_and_mtp(qwen3_5_path, tmp_path):
+    """Qwen3_5ForConditionalGeneration: text weights under model.language_model., vision tower
+    ignored, mtp.* kept aside in model.mtp_weights."""
+
+    def to_vl(tensors):
+        out = {("model.language_model." + k.removeprefix("model.")) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+        out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+        out["mtp.fc.weight"] = torch.ones(8, 16)
+        out["mtp.layers.0.input_layernorm.weight"] = torch.ones(16)
+        return out
+
+    def vl_config(text):
+        text = {k: v for k, v in text.items() if k not in ("architectures", "model_type")}
+        return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+                "text_config": text, "tie_word_embeddings": False}
+
+    vl = rewrite(qwen3_5_path, tmp_path / "vl", edit_tensors=to_vl, edit_config=vl_config)
+    model = load_model(vl)
+    assert model.config.architecture == "Qwen3_5ForConditionalGeneration"
+    assert set(model.mtp_weights) == {"mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"}
+    assert torch.equal(model.mtp_weights["mtp.fc.weight"], torch.ones(8, 16))
+    assert torch.equal(prefill_logits(model, IDS), prefill_logits(load_model(qwen3_5_path), IDS))
+
+
+def test_tied_embeddings_share_storage_and_match_hf(tiny_ckpt_dir):
+    path = make_qwen3_5(tiny_ckpt_dir, tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(path / "model.safetensors")
+    model = load_model(path)
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([IDS])).logits[0]
+    assert (prefill_logits(model, IDS) - ref).abs().max() <= 1e-4
+
+
+def test_missing_tensor_is_named(qwen3_next_dense_path, tmp_path):
+    name = "model.layers.3.self_attn.k_norm.weight"
+    bad = rewrite(qwen3_next_dense_path, tmp_path / "bad", edit_tensors=lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(ValueError, match="lacks") as err:
+        load_model(bad)
+    assert name in str(err.value)
+
+
+def test_unexpected_tensor_is_named(qwen3_next_dense_path, tmp_path):
+    name = "model.layers.2.linear_attn.surprise.weight"
+    bad = rewrite(qwen3_next_dense_path, tmp_path / "bad", edit_tensors=lambda t: {**t, name: torch.zeros(2)})
+    with pytest.raises(ValueError, match="does not use") as err:
+        load_model(bad)
+    assert name in str(err.value)
+
+
+def test_dense_checkpoint_with_moe_config_names_the_expert_tensors(qwen3_next_dense_path, tmp_path):
+    bad = rewrite(qwen3_next_dense_path, tmp_path / "bad",
+                  edit_config=lambda c: {**c, "num_experts": 4, "num_experts_per_tok": 2,
+                                         "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match=r"mlp\.experts\.0\.") as err:
+        load_model(bad)
+    assert "lacks" in str(err.value)
+
+
+def test_wrong_shape_is_named(qwen3_next_dense_path, tmp_path):
+    bad = rewrite(qwen3_next_dense_path, tmp_path / "bad", edit_config=lambda c: {**c, "intermediate_size": 384})
+    with pytest.raises(ValueError, match=r"gate_proj\.weight.*shape") as err:
+        load_model(bad)
+    assert "layers.0" in str(err.value)
+
+
+def test_unsupported_architecture_lists_supported(qwen3_next_dense_path, tmp_path):
+    bad = rewrite(qwen3_next_dense_path, tmp_path / "bad",
+                  edit_config=lambda c: {**c, "architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+    with pytest.raises(ValueError, match="unsupported architecture") as err:
+        load_model(bad)
+    assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_missing_files_are_value_errors(qwen3_next_dense_path, tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path)
+    shutil.copy(qwen3_next_dense_path / "config.json", tmp_path / "config.json")
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(ValueError, match="gone.safetensors"):
+        load_model(tmp_path)
