@@ -1,0 +1,206 @@
+"""The KV pool: per attention layer K and V buffers over token slots, and a paged allocator.
+
+Slot layout (see docs/architecture.md): page ``p`` covers slots ``[p*page_size, (p+1)*page_size)``;
+page 0 is the sentinel page (padding writes land in slot 0) and is never handed out, so the usable
+slots are ``page_size .. num_tokens + page_size - 1`` and each buffer has ``num_tokens + page_size``
+rows. With ``page_size == 1`` that is exactly slots ``1..num_tokens``.
+
+Allocation is by whole pages; a sequence's token at position ``i`` always sits at an offset
+``i % page_size`` inside its page, so the pages of a sequence are exactly the tree's pages.
+``free`` releases every page that contains one of the given slots: a caller frees a page by
+passing the slots it used in it (e.g. a request's private tail page).
+
+Accounting mode (``accounting=True``) keeps the allocator and the byte counts and allocates no
+tensors, so a simulator can drive the real trees at the size of an 80B model.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
+
+
+class KVPool:
+    """Token KV slots for every attention layer, allocated by pages.
+
+    ``alloc*`` raise ``PoolExhaustedError`` when short of pages; check with the matching
+    ``can_alloc*`` first (or evict from the tree). All returned indices are 1-D ``int64`` CPU tensors.
+    """
+
+    def __init__(
+        self,
+        num_tokens: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        accounting: bool = False,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if num_tokens < page_size or num_tokens % page_size:
+            raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of page_size ({page_size})")
+        if min(num_layers, num_kv_heads, head_dim) < 0:
+            raise ValueError("num_layers, num_kv_heads and head_dim must be >= 0")
+        self.size = num_tokens
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.accounting = accounting
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * itemsize  # K and V
+        self._pages = FreeList(self.num_pages)
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+        if not accounting:
+            rows = num_tokens + page_size
+            for _ in range(num_layers):
+                self.k_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
+                self.v_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
+
+    # ------------------------------------------------------------------------------------------
+    # sizes
+    # ------------------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Free token slots (free pages x page_size)."""
+        return self._pages.num_free() * self.page_size
+
+    def used_size(self) -> int:
+        return self.size - self.available_size()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the K/V buffers occupy (or would, in accounting mode), sentinel page included."""
+        return (self.size + self.page_size) * self.bytes_per_token
+
+    # ------------------------------------------------------------------------------------------
+    # allocation
+    # ------------------------------------------------------------------------------------------
+    def can_alloc(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.page_size) <= self._pages.num_free()
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        """Slots for ``num_tokens`` tokens of a new sequence, on fresh pages (the unused rest of the
+        last page belongs to the caller too: continue it with ``alloc_extend``)."""
+        return self.alloc_extend([0], [-1], [num_tokens])
+
+    def pages_needed(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> int:
+        """New pages an extend takes: a sequence's last partial page is continued first."""
+        ps = self.page_size
+        return sum(-(-(p + e) // ps) - -(-p // ps) for p, e in zip(prefix_lens, extend_lens))
+
+    def can_alloc_extend(self, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> bool:
+        return self.pages_needed(prefix_lens, extend_lens) <= self._pages.num_free()
+
+    def alloc_extend(
+        self, prefix_lens: Sequence[int], last_locs: Sequence[int], extend_lens: Sequence[int]
+    ) -> torch.Tensor:
+        """Slots for ``extend_lens[i]`` new tokens of sequence i, which already has ``prefix_lens[i]``
+        tokens, the last of them in slot ``last_locs[i]`` (ignored when the prefix ends on a page
+        boundary; -1 by convention). Fills the rest of the last partial page first, then fresh pages.
+
+        Returns the packed slots ``[sum(extend_lens)]`` in sequence order.
+        """
+        prefix_lens, last_locs, extend_lens = _as_lists(prefix_lens, last_locs, extend_lens)
+        ps = self.page_size
+        new_pages = 0
+        for p, loc, e in zip(prefix_lens, last_locs, extend_lens):
+            if p < 0 or e < 0:
+                raise ValueError(f"prefix and extend lengths must be >= 0, got {p} and {e}")
+            if p % ps and e:
+                self._check_last_loc(p, loc)
+            new_pages += -(-(p + e) // ps) - -(-p // ps)
+        pages = self._pages.alloc(new_pages)  # raises PoolExhaustedError before any change
+        out: list[np.ndarray] = []
+        used = 0
+        for p, loc, e in zip(prefix_lens, last_locs, extend_lens):
+            part1 = min(e, -p % ps)  # rest of the last partial page
+            if part1:
+                out.append(np.arange(loc + 1, loc + 1 + part1, dtype=np.int64))
+            rest = e - part1
+            k = -(-rest // ps)
+            if k:
+                slots = (pages[used : used + k, None] * ps + np.arange(ps, dtype=np.int64)).ravel()  # [k*ps]
+                out.append(slots[:rest])
+                used += k
+        if not out:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(out))
+
+    def can_alloc_decode(self, seq_lens: Sequence[int]) -> bool:
+        ps = self.page_size
+        return sum(1 for n in _as_lists(seq_lens)[0] if n % ps == 0) <= self._pages.num_free()
+
+    def alloc_decode(self, seq_lens: Sequence[int], last_locs: Sequence[int]) -> torch.Tensor:
+        """One slot per sequence for the token at position ``seq_lens[i]`` (the number of tokens
+        already cached); ``last_locs[i]`` is the slot of the token before it. A new page is taken
+        only when the current one is full (``seq_lens[i] % page_size == 0``). Returns ``[B]``."""
+        seq_lens, last_locs = _as_lists(seq_lens, last_locs)
+        ps = self.page_size
+        for n, loc in zip(seq_lens, last_locs):
+            if n < 0:
+                raise ValueError(f"sequence lengths must be >= 0, got {n}")
+            if n % ps:
+                self._check_last_loc(n, loc)
+        pages = iter(self._pages.alloc(sum(1 for n in seq_lens if n % ps == 0)).tolist())
+        out = [next(pages) * ps if n % ps == 0 else loc + 1 for n, loc in zip(seq_lens, last_locs)]
+        return torch.tensor(out, dtype=torch.int64)
+
+    def _check_last_loc(self, prefix_len: int, loc: int) -> None:
+        """The slot of token ``prefix_len - 1`` must sit at offset ``(prefix_len - 1) % ps`` of an allocated page."""
+        ps = self.page_size
+        page = loc // ps if loc >= 0 else -1
+        if loc < 0 or loc % ps != (prefix_len - 1) % ps or not self._pages.is_allocated(np.array([page])):
+            raise ValueError(
+                f"last_loc {loc} cannot hold token {prefix_len - 1} of a sequence: it must lie at offset "
+                f"{(prefix_len - 1) % ps} of an allocated page (page_size={ps})"
+            )
+
+    def free(self, indices: IndexLike) -> None:
+        """Release every page containing one of ``indices`` (slots of the sentinel page are rejected)."""
+        idx = as_index_array(indices)
+        if idx.size == 0:
+            return
+        if self.page_size == 1:
+            self._pages.free(idx)
+        else:
+            self._pages.free(np.unique(idx // self.page_size), known_unique=True)
+
+    def free_pages(self, page_ids: IndexLike, *, known_unique: bool = False) -> None:
+        """Release whole pages by page id (what the tree does when it evicts: its pages are
+        distinct by construction, so it passes ``known_unique`` and the pool skips its sort)."""
+        self._pages.free(as_index_array(page_ids), known_unique=known_unique)
+
+    def is_allocated(self, indices: IndexLike) -> bool:
+        """True iff every slot lies on an allocated page."""
+        idx = as_index_array(indices)
+        return self._pages.is_allocated(idx // self.page_size if self.page_size > 1 else idx)
+
+    def allocated_pages(self) -> np.ndarray:
+        """Sorted ids of the allocated pages (for tests and integrity checks; O(num_pages))."""
+        return np.flatnonzero(self._pages.allocated_mask())
+
+    def check_integrity(self) -> None:
+        self._pages.check_integrity()
+        if not self.accounting:
+            rows = self.size + self.page_size
+            assert len(self.k_buffers) == len(self.v_buffers) == self.num_layers
+            assert all(b.shape[0] == rows for b in (*self.k_buffers, *self.v_buffers)), "buffer rows"
+
+
+def _as_lists(*seqs: Sequence[int] | torch.Tensor) -> list[list[int]]:
+    out = [s.tolist() if isinstance(s, (torch.Tensor, np.ndarray)) else list(s) for s in seqs]
+    if len({len(s) for s in out}) > 1:
+        raise ValueError(f"per-sequence arguments disagree on the batch size: {[len(s) for s in out]}")
+    return out
+
+
+__all__ = ["KVPool", "PoolExhaustedError"]

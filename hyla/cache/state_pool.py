@@ -1,0 +1,129 @@
+"""The state pool: recurrent-state slots of the linear (Gated DeltaNet / Mamba2) layers.
+
+A slot holds, for every linear layer, a conv window ``conv_shape`` (e.g. ``[conv_dim, K-1]``) and
+an SSM state ``ssm_shape`` (Gated DeltaNet ``[Hv, Dk, Dv]``, Mamba2 ``[H, P, N]``, fp32). The
+buffers are ``[num_slots + 1, *shape]`` per layer; slot 0 is a zero sentinel that is never handed
+out. A running request owns one slot that the model updates in place; the radix tree owns the
+checkpoint slots. A request never hands its live slot to the tree: it ``fork``s it first.
+
+Accounting mode (``accounting=True``) keeps the allocator and ``bytes_per_slot`` and allocates no
+tensors (``copy``/``fork`` only check and count).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
+
+
+class StatePool:
+    """Recurrent-state slots ``1..num_slots`` for ``num_layers`` linear layers."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        conv_shape: Sequence[int] | None,
+        conv_dtype: torch.dtype,
+        ssm_shape: Sequence[int] | None,
+        ssm_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        accounting: bool = False,
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {num_layers}")
+        if num_layers and (conv_shape is None or ssm_shape is None):
+            raise ValueError("conv_shape and ssm_shape are required when num_layers > 0")
+        self.size = num_slots
+        self.num_layers = num_layers
+        self.conv_shape = tuple(conv_shape) if num_layers else ()
+        self.ssm_shape = tuple(ssm_shape) if num_layers else ()
+        self.conv_dtype = conv_dtype
+        self.ssm_dtype = ssm_dtype
+        self.device = torch.device(device)
+        self.accounting = accounting
+        conv_bytes = math.prod(self.conv_shape) * torch.empty((), dtype=conv_dtype).element_size()
+        ssm_bytes = math.prod(self.ssm_shape) * torch.empty((), dtype=ssm_dtype).element_size()
+        self.bytes_per_slot = num_layers * (conv_bytes + ssm_bytes) if num_layers else 0
+        self._slots = FreeList(num_slots)
+        self.conv_states: list[torch.Tensor] = []
+        self.ssm_states: list[torch.Tensor] = []
+        if not accounting:
+            for _ in range(num_layers):
+                self.conv_states.append(torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=self.device))  # [S+1, C, K-1]
+                self.ssm_states.append(torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=self.device))  # [S+1, H, Dk, Dv]
+
+    def available_size(self) -> int:
+        return self._slots.num_free()
+
+    def used_size(self) -> int:
+        return self.size - self._slots.num_free()
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.size + 1) * self.bytes_per_slot
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= self._slots.num_free()
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """``n`` fresh slots, zeroed (a new sequence starts from the zero state). ``[n]`` int64."""
+        slots = torch.from_numpy(self._slots.alloc(n))
+        if n and self.num_layers and not self.accounting:
+            idx = slots.to(self.device)
+            for buf in (*self.conv_states, *self.ssm_states):
+                buf.index_fill_(0, idx, 0)
+        return slots
+
+    def free(self, slots: IndexLike) -> None:
+        self._slots.free(as_index_array(slots))
+
+    def copy(self, src: IndexLike, dst: IndexLike) -> None:
+        """State of ``src[i]`` into ``dst[i]`` for every layer (batched). All slots must be
+        allocated; ``dst`` must be distinct and disjoint from ``src``."""
+        s, d = as_index_array(src), as_index_array(dst)
+        if s.size != d.size:
+            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
+        if not (self._slots.is_allocated(s) and self._slots.is_allocated(d)):
+            raise ValueError("copy between slots that are not allocated")
+        if len(set(d.tolist())) != d.size or set(d.tolist()) & set(s.tolist()):
+            raise ValueError("copy destinations must be distinct and disjoint from the sources")
+        if s.size == 0 or self.accounting:
+            return
+        si, di = torch.from_numpy(s).to(self.device), torch.from_numpy(d).to(self.device)
+        for buf in (*self.conv_states, *self.ssm_states):
+            buf.index_copy_(0, di, buf.index_select(0, si))
+
+    def fork(self, slots: IndexLike) -> torch.Tensor:
+        """Fresh slots holding a copy of ``slots`` (what a request hands to the tree). ``[n]`` int64."""
+        src = as_index_array(slots)
+        if not self._slots.is_allocated(src):
+            raise ValueError("fork of a slot that is not allocated")
+        new = torch.from_numpy(self._slots.alloc(src.size))  # no zeroing: overwritten right away
+        self.copy(src, new)
+        return new
+
+    def is_allocated(self, slots: IndexLike) -> bool:
+        return self._slots.is_allocated(as_index_array(slots))
+
+    def is_allocated_slot(self, slot: int) -> bool:
+        return self._slots.is_allocated_id(slot)
+
+    def allocated_slots(self) -> list[int]:
+        """Sorted allocated slots (for tests and integrity checks; O(num_slots))."""
+        return self._slots.allocated_mask().nonzero()[0].tolist()
+
+    def check_integrity(self) -> None:
+        self._slots.check_integrity()
+        if not self.accounting:
+            assert len(self.conv_states) == len(self.ssm_states) == self.num_layers
+            assert all(b.shape[0] == self.size + 1 for b in (*self.conv_states, *self.ssm_states)), "buffer rows"
+
+
+__all__ = ["StatePool", "PoolExhaustedError"]

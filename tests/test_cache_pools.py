@@ -1,0 +1,254 @@
+"""Memory pools: KV pool (paged allocator), state pool, request table, memory split, accounting mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hyla.cache import KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
+from hyla.cache.allocator import FreeList
+
+
+def kv_pool(num_tokens: int = 64, page_size: int = 1, accounting: bool = False) -> KVPool:
+    return KVPool(num_tokens, page_size, num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32,
+                  device="cpu", accounting=accounting)
+
+
+# ----------------------------------------------------------------------------------------------
+# free list
+# ----------------------------------------------------------------------------------------------
+def test_free_list_alloc_free_roundtrip_and_errors() -> None:
+    fl = FreeList(5)
+    a = fl.alloc(3)
+    assert a.tolist() == [1, 2, 3] and fl.num_free() == 2
+    fl.free(np.array([2]))
+    assert fl.alloc(1).tolist() == [2]  # LIFO: the slot just freed comes back first
+    with pytest.raises(PoolExhaustedError):
+        fl.alloc(3)
+    with pytest.raises(ValueError, match="double free"):
+        fl.free(np.array([4, 5]))  # never allocated
+    with pytest.raises(ValueError, match="more than once"):
+        fl.free(np.array([1, 1]))
+    with pytest.raises(ValueError, match="lie in"):
+        fl.free(np.array([0]))  # the sentinel
+    fl.check_integrity()
+    assert fl.num_free() == 2
+
+
+def test_free_list_cost_does_not_grow_with_capacity() -> None:
+    """Freeing k ids writes k entries: the free list of a huge pool is never copied."""
+    fl = FreeList(2_000_000)
+    ids = fl.alloc(10)
+    stack_before = fl._stack
+    fl.free(ids)
+    assert fl._stack is stack_before  # in place, no reallocation or copy of the stack
+    assert fl.num_free() == 2_000_000
+
+
+# ----------------------------------------------------------------------------------------------
+# KV pool
+# ----------------------------------------------------------------------------------------------
+def test_kv_pool_buffers_sentinel_and_bytes() -> None:
+    pool = kv_pool(64, page_size=4)
+    assert len(pool.k_buffers) == len(pool.v_buffers) == 2
+    assert pool.k_buffers[0].shape == (64 + 4, 2, 4)
+    assert pool.bytes_per_token == 2 * 2 * 2 * 4 * 4  # K+V, layers, heads, dim, fp32
+    slots = pool.alloc(64)
+    assert slots.min() >= 4 and slots.max() < 68  # page 0 (slots 0..3) is never handed out
+    assert pool.available_size() == 0 and not pool.can_alloc(1)
+    with pytest.raises(PoolExhaustedError):
+        pool.alloc(1)
+    with pytest.raises(ValueError):
+        pool.free(torch.tensor([0]))  # sentinel page
+
+
+def test_kv_pool_page_size_one_uses_slots_1_to_n() -> None:
+    pool = kv_pool(8, page_size=1)
+    assert sorted(pool.alloc(8).tolist()) == list(range(1, 9))
+
+
+def test_alloc_extend_continues_partial_page_then_takes_new_pages() -> None:
+    pool = kv_pool(64, page_size=4)
+    first = pool.alloc(6)  # pages 1, 2: slots 4..9 (10, 11 remain in page 2)
+    assert first.tolist() == [4, 5, 6, 7, 8, 9]
+    ext = pool.alloc_extend([6], [9], [7])  # 2 in page 2, then page 3 full, then 1 in page 4
+    assert ext.tolist() == [10, 11, 12, 13, 14, 15, 16]
+    assert pool.available_size() == 64 - 4 * 4
+
+
+def test_alloc_extend_batch_packs_in_order_and_prefix_on_boundary_takes_new_page() -> None:
+    pool = kv_pool(64, page_size=4)
+    a = pool.alloc(4)  # exactly one page: a prefix ending on a boundary
+    b = pool.alloc(3)
+    out = pool.alloc_extend([4, 3], [int(a[-1]), int(b[-1])], [2, 2])
+    first, second = out[:2].tolist(), out[2:].tolist()
+    assert first == [12, 13]  # a's prefix fills page 1 exactly: a new page (page 3)
+    assert second == [int(b[-1]) + 1, 16]  # the last slot of b's page 2, then a new page (page 4)
+    assert pool.pages_needed([4, 3], [2, 2]) == 2
+
+
+def test_alloc_extend_rejects_a_last_loc_that_cannot_hold_the_previous_token() -> None:
+    pool = kv_pool(64, page_size=4)
+    a = pool.alloc(3)
+    with pytest.raises(ValueError, match="last_loc"):
+        pool.alloc_extend([3], [int(a[-1]) + 1], [1])  # wrong offset within the page
+    with pytest.raises(ValueError, match="last_loc"):
+        pool.alloc_extend([3], [-1], [1])
+    free_before = pool.available_size()
+    with pytest.raises(PoolExhaustedError):
+        pool.alloc_extend([3], [int(a[-1])], [10_000])
+    assert pool.available_size() == free_before  # nothing taken on failure
+
+
+def test_alloc_decode_new_page_only_when_current_is_full() -> None:
+    pool = kv_pool(64, page_size=4)
+    s = pool.alloc(3).tolist()  # positions 0..2 in page 1 (slots 4, 5, 6)
+    pages_before = pool.available_size() // 4
+    assert pool.alloc_decode([3], [s[-1]]).tolist() == [7]  # position 3 still fits in page 1
+    assert pool.available_size() // 4 == pages_before
+    nxt = pool.alloc_decode([4], [7]).tolist()[0]  # position 4 needs a new page
+    assert nxt % 4 == 0 and pool.available_size() // 4 == pages_before - 1
+    assert pool.can_alloc_decode([4, 5]) and not kv_pool(4, 4).can_alloc_decode([0, 0])
+
+
+def test_free_releases_whole_pages_and_detects_double_free() -> None:
+    pool = kv_pool(16, page_size=4)
+    slots = pool.alloc(6)  # two pages, the second partly used
+    pool.free(slots)
+    assert pool.available_size() == 16
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(slots[:1])
+    pool.check_integrity()
+
+
+def test_kv_pool_accounting_mode_allocates_like_the_real_pool_without_tensors() -> None:
+    real, acct = kv_pool(32, 4), kv_pool(32, 4, accounting=True)
+    assert acct.k_buffers == [] and acct.v_buffers == []
+    assert acct.bytes_per_token == real.bytes_per_token
+    for pool in (real, acct):
+        a = pool.alloc(5)
+        b = pool.alloc_extend([5], [int(a[-1])], [9])
+        pool.free(a)
+        pool.check_integrity()
+    assert torch.equal(real.alloc(8), acct.alloc(8))
+    big = KVPool(1 << 20, 16, 48, 2, 256, torch.bfloat16, accounting=True)  # 80B-class dims, no memory
+    assert big.bytes_per_token == 2 * 48 * 2 * 256 * 2 and big.total_bytes > 1 << 30
+
+
+def test_kv_pool_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError):
+        KVPool(10, 4, 1, 1, 1, torch.float32)
+    with pytest.raises(ValueError):
+        KVPool(16, 0, 1, 1, 1, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# state pool
+# ----------------------------------------------------------------------------------------------
+def state_pool(num_slots: int = 6, accounting: bool = False) -> StatePool:
+    return StatePool(num_slots, num_layers=2, conv_shape=(6, 3), conv_dtype=torch.bfloat16,
+                     ssm_shape=(2, 4, 4), ssm_dtype=torch.float32, accounting=accounting)
+
+
+def fill(pool: StatePool, slot: int, value: float) -> None:
+    for buf in (*pool.conv_states, *pool.ssm_states):
+        buf[slot] = value
+
+
+def test_state_pool_shapes_bytes_and_zeroed_alloc() -> None:
+    pool = state_pool()
+    assert pool.conv_states[0].shape == (7, 6, 3) and pool.ssm_states[1].shape == (7, 2, 4, 4)
+    assert pool.ssm_states[0].dtype == torch.float32 and pool.conv_states[0].dtype == torch.bfloat16
+    assert pool.bytes_per_slot == 2 * (6 * 3 * 2 + 2 * 4 * 4 * 4)
+    (s,) = pool.alloc(1).tolist()
+    fill(pool, s, 3.0)
+    pool.free([s])
+    (again,) = pool.alloc(1).tolist()
+    assert again == s  # reused ...
+    assert all(buf[s].abs().sum() == 0 for buf in (*pool.conv_states, *pool.ssm_states))  # ... zeroed
+    assert all(buf[0].abs().sum() == 0 for buf in pool.ssm_states)  # sentinel untouched
+
+
+def test_state_pool_copy_and_fork_are_batched_deep_copies() -> None:
+    pool = state_pool()
+    a, b, c = pool.alloc(3).tolist()
+    fill(pool, a, 1.0)
+    fill(pool, b, 2.0)
+    pool.copy(torch.tensor([a, b]), torch.tensor([c, pool.alloc(1).item()]))
+    assert torch.all(pool.ssm_states[1][c] == 1.0)
+    forked = pool.fork(torch.tensor([b])).tolist()
+    fill(pool, b, 9.0)  # the live slot keeps changing ...
+    assert torch.all(pool.conv_states[0][forked[0]] == 2.0)  # ... the fork does not
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.copy([a], [6])
+    with pytest.raises(ValueError, match="distinct"):
+        pool.copy([a, b], [c, c])
+    pool.check_integrity()
+
+
+def test_state_pool_accounting_mode() -> None:
+    pool = state_pool(4, accounting=True)
+    assert pool.conv_states == [] and pool.bytes_per_slot == state_pool().bytes_per_slot
+    slots = pool.alloc(2)
+    forked = pool.fork(slots)
+    assert pool.available_size() == 0 and set(forked.tolist()).isdisjoint(slots.tolist())
+    with pytest.raises(PoolExhaustedError):
+        pool.alloc(1)
+
+
+def test_state_pool_without_linear_layers() -> None:
+    pool = StatePool(4, 0, None, torch.float32, None, torch.float32)
+    assert pool.bytes_per_slot == 0 and pool.alloc(2).tolist() == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# request table
+# ----------------------------------------------------------------------------------------------
+def test_req_to_token_pool_rows_slots_and_state() -> None:
+    table = ReqToTokenPool(2, 8)
+    r = table.alloc()
+    table.write(r, 0, torch.tensor([5, 6, 7]))
+    table.write(r, 3, torch.tensor([9]))
+    assert table.read(r, 0, 4).tolist() == [5, 6, 7, 9]
+    view = table.read(r, 0, 2)
+    table.write(r, 0, torch.tensor([1, 1]))
+    assert view.tolist() == [5, 6]  # read returns a copy
+    table.set_state_slot(r, 3)
+    assert table.state_slot(r) == 3
+    r2 = table.alloc()
+    with pytest.raises(PoolExhaustedError):
+        table.alloc()
+    table.free(r)
+    assert table.available_size() == 1 and table.alloc() == r and table.state_slot(r) == -1
+    with pytest.raises(ValueError):
+        table.write(r2, 6, torch.tensor([1, 2, 3]))  # past max_context_len
+    table.free(r2)
+    with pytest.raises(ValueError):
+        table.read(r2, 0, 1)  # freed row
+
+
+# ----------------------------------------------------------------------------------------------
+# memory split
+# ----------------------------------------------------------------------------------------------
+def test_split_memory_follows_the_mamba_full_ratio_and_fits_the_budget() -> None:
+    kv_bpt, st_bps = 64 * 1024, 26_800_000  # Marconi's 7B hybrid: 64 KiB/token, 26.8 MB/state
+    total = 10 * 2**30
+    split = split_memory(total, 0.9, kv_bpt, st_bps, page_size=16)
+    assert split.num_kv_tokens % 16 == 0
+    assert split.kv_bytes + split.state_bytes <= total
+    assert split.state_bytes / split.kv_bytes == pytest.approx(0.9, rel=0.01)
+    assert split.kv_bytes == (split.num_kv_tokens + 16) * kv_bpt  # sentinel page counted
+    kv = KVPool(split.num_kv_tokens, 16, 4, 8, 128, torch.float16, accounting=True)
+    assert kv.total_bytes <= split.kv_bytes
+
+
+def test_split_memory_pure_attention_and_errors() -> None:
+    split = split_memory(1 << 20, 0.0, 1024, 0, page_size=1)
+    assert split.num_state_slots == 0 and split.num_kv_tokens == (1 << 20) // 1024 - 1
+    with pytest.raises(ValueError):
+        split_memory(1000, 0.5, 1024, 10)  # not even one page
+    with pytest.raises(ValueError):
+        split_memory(1 << 20, 0.0, 1024, 10)  # a hybrid needs a state share
+    with pytest.raises(ValueError):
+        split_memory(1 << 20, -1, 1024, 10)
