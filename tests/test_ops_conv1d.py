@@ -176,6 +176,8 @@ def test_bf16_keeps_dtypes():
     [
         (dict(cu_seqlens=torch.tensor([0, 3, 9])), "end at the number of tokens"),
         (dict(cu_seqlens=torch.tensor([0, 6, 5, 8])), "non-decreasing"),
+        (dict(cu_seqlens=torch.tensor([0.0, 5.0, 8.0])), "integer"),
+        (dict(slots=torch.tensor([1.0, 2.0])), "integer"),
         (dict(slots=torch.tensor([1, 1])), "repeats a pool row"),
         (dict(slots=torch.tensor([1, 12])), "outside"),
         (dict(slots=torch.tensor([1])), "shape"),

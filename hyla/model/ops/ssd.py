@@ -163,10 +163,9 @@ def segment_sum(a: torch.Tensor) -> torch.Tensor:
     """``[..., Q] -> [..., Q, Q]`` with ``out[i, j] = a[j+1] + ... + a[i]`` for ``i >= j`` and ``-inf`` above
     the diagonal; summed directly rather than as a difference of cumsums, which loses precision."""
     Q = a.shape[-1]
-    below = torch.ones(Q, Q, dtype=torch.bool, device=a.device).tril(-1)
-    terms = a.unsqueeze(-1).expand(*a.shape, Q).masked_fill(~below, 0)  # [..., Q, Q]: a_i where i > j
-    sums = terms.cumsum(dim=-2)
-    return sums.masked_fill(~below.logical_or(torch.eye(Q, dtype=torch.bool, device=a.device)), float("-inf"))
+    ones = torch.ones(Q, Q, dtype=torch.bool, device=a.device)
+    terms = a.unsqueeze(-1).expand(*a.shape, Q).masked_fill(~ones.tril(-1), 0)  # [..., Q, Q]: a_i where i > j
+    return terms.cumsum(dim=-2).masked_fill(~ones.tril(), float("-inf"))  # sum over j < k <= i
 
 
 def _chunk_scan(

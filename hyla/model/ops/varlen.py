@@ -48,6 +48,8 @@ def check_varlen(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
     """Validate ``cu_seqlens [B+1]`` for ``num_tokens`` packed tokens; return the lengths (host ints)."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must have shape [B+1] with B >= 1, got {list(cu_seqlens.shape)}")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != num_tokens:
         raise ValueError(f"cu_seqlens must start at 0 and end at the number of tokens {num_tokens}, got {cu}")
