@@ -1,0 +1,282 @@
+"""Error handling and robustness of the HTTP server against a real Engine: status codes and
+OpenAI-style error bodies, API keys, a full queue (429), and clients that disconnect (their requests
+are aborted and every pool slot comes back)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from hyla.server.app import create_app
+from hyla.server.launch import BackgroundServer
+from test_server_openai import MODEL, make_chat_model
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_ckpt_dir):
+    return make_chat_model(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=16384, max_state_slots=64,
+                     context_length=2048)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def _engine(server):
+    return server.app.state.server.engine
+
+
+def wait_until_idle(engine, timeout: float = 10.0) -> float:
+    """Seconds until the engine has no running or queued request (fails after ``timeout``)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        stats = engine.get_stats()
+        if stats["num_running_requests"] == 0 and stats["num_queued_requests"] == 0:
+            engine.wait_idle(timeout)
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"engine still busy after {timeout} s: {engine.get_stats()}")
+
+
+def assert_pools_clean(engine) -> None:
+    """Idle engine: invariants hold, and every KV slot, state slot and request row is free or held
+    by the prefix tree (nothing leaked by an aborted request)."""
+    engine.check_integrity()
+    tree = engine.tree
+    assert tree.protected_size() == 0
+    assert engine.kv_pool.available_size() + tree.total_size() == engine.kv_pool.size
+    assert engine.state_pool.available_size() + tree.num_checkpoints() == engine.state_pool.size
+    assert engine.req_to_token.available_size() == engine.max_running_requests + 1
+
+
+def _post(server, path: str, **kwargs) -> httpx.Response:
+    return httpx.post(server.url + path, timeout=60, **kwargs)
+
+
+def _assert_error(resp: httpx.Response, status: int, type_: str, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == type_
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# 400
+# --------------------------------------------------------------------------------------------
+CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+BAD_CHAT_BODIES = [
+    pytest.param({k: v for k, v in CHAT.items() if k != "messages"}, "messages", id="missing-messages"),
+    pytest.param({k: v for k, v in CHAT.items() if k != "model"}, "model", id="missing-model"),
+    pytest.param({**CHAT, "messages": []}, "messages", id="empty-messages"),
+    pytest.param({**CHAT, "max_tokens": "16"}, "max_tokens", id="string-max-tokens"),
+    pytest.param({**CHAT, "max_tokens": -1}, "max_tokens", id="negative-max-tokens"),
+    pytest.param({**CHAT, "temperature": 2.5}, "temperature", id="temperature-above-2"),
+    pytest.param({**CHAT, "top_p": 1.5}, "top_p", id="top-p-above-1"),
+    pytest.param({**CHAT, "n": 0}, "n", id="n-zero"),
+    pytest.param({**CHAT, "n": True}, "n", id="bool-n"),
+    pytest.param({**CHAT, "stream": "yes"}, "stream", id="string-stream"),
+    pytest.param({**CHAT, "top_logprobs": 3}, None, id="top-logprobs-without-logprobs"),
+    pytest.param({**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs", id="top-logprobs-too-many"),
+    pytest.param({**CHAT, "tools": [{"type": "function"}]}, "tools", id="unsupported-tools"),
+    pytest.param({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, None, id="unknown-role"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                 None, id="image-content"),
+    pytest.param({**CHAT, "stream_options": {"include_usage": True}}, None, id="stream-options-no-stream"),
+    pytest.param({**CHAT, "max_tokens": 5000}, None, id="max-tokens-beyond-context"),
+    pytest.param({**CHAT, "stop": [""]}, None, id="empty-stop-string"),
+    pytest.param({**CHAT, "seed": -1}, None, id="negative-seed"),
+    pytest.param({**CHAT, "top_k": -5}, None, id="engine-rejects-top-k"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_CHAT_BODIES)
+def test_bad_chat_requests_are_400(server, body, param):
+    _assert_error(_post(server, "/v1/chat/completions", json=body), 400, "invalid_request_error", param)
+
+
+@pytest.mark.parametrize("content, headers", [
+    (b"{not json", {"content-type": "application/json"}),
+    (b"\xff\xfe\x00garbage", {"content-type": "application/json"}),
+    (b"[1, 2, 3]", {"content-type": "application/json"}),
+    (b'{"model": "m"}' * 2, {"content-type": "application/json"}),
+    (b"[" * 10000 + b"]" * 10000, {"content-type": "application/json"}),
+    (b"", {}),
+])
+def test_malformed_bodies_are_400(server, content, headers):
+    for path in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        _assert_error(_post(server, path, content=content, headers=headers), 400, "invalid_request_error")
+
+
+def test_prompt_too_long_is_400(server):
+    engine = _engine(server)
+    ids = [5] * engine.context_length
+    err = _assert_error(_post(server, "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}),
+                        400, "invalid_request_error")
+    assert "context length" in err["message"]
+    long_text = "word " * (engine.context_length + 10)
+    _assert_error(_post(server, "/v1/chat/completions",
+                        json={"model": MODEL, "messages": [{"role": "user", "content": long_text}]}),
+                  400, "invalid_request_error")
+
+
+def test_bad_completion_and_generate_requests_are_400(server):
+    vocab = _engine(server).model_config.vocab_size
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": [1, vocab + 7]}),
+        ("/v1/completions", {"model": MODEL, "prompt": []}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}),
+        ("/generate", {"text": "x", "input_ids": [1, 2]}),
+        ("/generate", {}),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": -1}}),
+        ("/generate", {"text": "x", "sampling_params": {"no_such_param": 1}}),
+        ("/generate", {"text": ["a", "b"], "stream": True}),
+        ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}),
+        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [7]}),
+    ]
+    for path, body in cases:
+        _assert_error(_post(server, path, json=body), 400, "invalid_request_error")
+
+
+def test_openai_client_raises_bad_request(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=7)
+    assert info.value.status_code == 400 and info.value.param == "temperature"
+
+
+# --------------------------------------------------------------------------------------------
+# 404, 405
+# --------------------------------------------------------------------------------------------
+def test_unknown_model_is_404(server):
+    for path, body in (("/v1/chat/completions", {**CHAT, "model": "gpt-5"}),
+                       ("/v1/completions", {"model": "gpt-5", "prompt": "x"})):
+        err = _assert_error(_post(server, path, json=body), 404, "invalid_request_error", "model")
+        assert err["code"] == "model_not_found" and MODEL in err["message"]
+    _assert_error(httpx.get(server.url + "/v1/models/gpt-5"), 404, "invalid_request_error", "model")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="gpt-5", messages=MESSAGES)
+
+
+def test_unknown_route_and_method(server):
+    _assert_error(httpx.get(server.url + "/v1/nothing"), 404, "not_found_error")
+    resp = httpx.get(server.url + "/v1/chat/completions")
+    _assert_error(resp, 405, "invalid_request_error")
+    assert resp.headers["allow"] == "POST"
+
+
+def test_server_still_serves_after_errors(server):
+    resp = _post(server, "/v1/chat/completions", json={**CHAT, "temperature": 0})
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+    wait_until_idle(_engine(server))
+    assert_pools_clean(_engine(server))
+
+
+# --------------------------------------------------------------------------------------------
+# disconnects free their slots
+# --------------------------------------------------------------------------------------------
+def test_streaming_client_disconnect_aborts_its_request(server):
+    engine = _engine(server)
+    wait_until_idle(engine)
+    generated_before = engine.get_stats()["num_generated_tokens"]
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1500, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 3:
+                break
+        assert engine.get_stats()["num_running_requests"] == 1
+        stream.close()
+    wait_until_idle(engine, timeout=10)
+    assert engine.get_stats()["num_generated_tokens"] - generated_before < 1500  # stopped early
+    assert_pools_clean(engine)
+
+
+def test_non_streaming_client_disconnect_aborts_its_request(server):
+    engine = _engine(server)
+    wait_until_idle(engine)
+    finished_before = engine.get_stats()["num_requests_finished"]
+    generated_before = engine.get_stats()["num_generated_tokens"]
+    body = {**CHAT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    wait_until_idle(engine, timeout=10)
+    stats = engine.get_stats()
+    assert stats["num_requests_finished"] == finished_before + 1
+    assert stats["num_generated_tokens"] - generated_before < 1500
+    assert_pools_clean(engine)
+
+
+# --------------------------------------------------------------------------------------------
+# 401: API key
+# --------------------------------------------------------------------------------------------
+def test_api_key(model_dir):
+    key = "sk-test-123"
+    app = create_app(model_dir, served_model_name=MODEL, api_key=key, max_total_tokens=4096, max_state_slots=16)
+    with BackgroundServer(app) as srv:
+        body = {**CHAT, "temperature": 0}
+        _assert_error(_post(srv, "/v1/chat/completions", json=body), 401, "authentication_error")
+        for header in (f"Bearer {key}x", f"Basic {key}", key, "Bearer"):
+            resp = _post(srv, "/v1/chat/completions", json=body, headers={"Authorization": header})
+            _assert_error(resp, 401, "authentication_error")
+        _assert_error(_post(srv, "/generate", json={"text": "x"}), 401, "authentication_error")
+        _assert_error(httpx.get(srv.url + "/v1/models"), 401, "authentication_error")
+        assert httpx.get(srv.url + "/health").status_code == 200  # open for load balancers
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        ok = _post(srv, "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key=key, max_retries=0) as client:
+            assert client.models.list().data[0].id == MODEL
+
+
+# --------------------------------------------------------------------------------------------
+# 429: queue full
+# --------------------------------------------------------------------------------------------
+def test_full_queue_is_429_with_retry_after(model_dir):
+    app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=8192, max_state_slots=16,
+                     max_running_requests=1, max_queued_requests=1)
+    long = {**CHAT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def scenario(url: str, engine) -> httpx.Response:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/chat/completions", json=long) as running:
+                assert running.status_code == 200
+                lines = running.aiter_lines()
+                await anext(lines)  # the first request is decoding
+                queued = asyncio.create_task(client.post("/v1/chat/completions", json={**long, "stream": False}))
+                deadline = time.monotonic() + 10
+                while engine.get_stats()["num_queued_requests"] < 1:  # the second one waits
+                    assert time.monotonic() < deadline and not queued.done()
+                    await asyncio.sleep(0.01)
+                refused = await client.post("/v1/chat/completions", json={**CHAT})
+                queued.cancel()
+            return refused
+
+    with BackgroundServer(app) as srv:
+        engine = srv.app.state.server.engine
+        refused = asyncio.run(scenario(srv.url, engine))
+        err = _assert_error(refused, 429, "rate_limit_error")
+        assert err["code"] == "rate_limit_exceeded"
+        assert int(refused.headers["retry-after"]) >= 1
+        wait_until_idle(engine, timeout=10)  # both long requests were aborted by their disconnects
+        assert_pools_clean(engine)
+        resp = _post(srv, "/v1/chat/completions", json={**CHAT, "temperature": 0})
+        assert resp.status_code == 200  # and the server takes requests again
