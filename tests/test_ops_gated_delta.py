@@ -120,6 +120,17 @@ def test_zero_length_sequence_keeps_its_state():
     assert not torch.equal(pool[1], before[1])
 
 
+def test_empty_checkpoint_tensors_mean_no_checkpoints():
+    """ForwardBatch's defaults are empty tensors, not None."""
+    inputs = make([5, 3])
+    pool = inputs[-1]
+    expected = pool.clone()
+    run(inputs, expected, [1, 2])
+    empty = torch.zeros(0, dtype=torch.long)
+    run(inputs, pool, [1, 2], ckpt_seq=empty, ckpt_len=empty, ckpt_slot=empty)
+    assert torch.equal(pool, expected)
+
+
 def test_batch_of_empty_sequences_is_a_no_op():
     q, k, v, g, beta, _, pool = make([0, 0])
     before = pool.clone()
