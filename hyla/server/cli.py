@@ -95,8 +95,12 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key, **options)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, workers=1,
-                            timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                            workers=1, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
     return 0 if server.started else 1

@@ -1,0 +1,146 @@
+"""``hyla serve``: flags generated from EngineArgs, argument errors, and the real command in a fresh
+process (start-up summary and per-step log lines, a chat through the openai client, clean exit)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hyla.cli import main
+from hyla.engine.args import EngineArgs
+from hyla.server import cli
+from test_server_openai import make_chat_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_every_engine_option_is_a_flag_with_the_engine_default():
+    fields = {f.name: f.default for f in dataclasses.fields(EngineArgs) if f.name != "model_path"}
+    args = _parse([])
+    assert cli.engine_options(args) == fields
+    assert args.model_path is None and args.host == "127.0.0.1" and args.port == 30000 and args.api_key is None
+
+
+def test_flags_reach_the_engine_options():
+    args = _parse(["--model", "/models/x", "--max-total-tokens", "1000", "--no-enable-prefix-cache",
+                   "--dtype", "bfloat16", "--state-memory-ratio", "0.3", "--debug-checks", "--host", "0.0.0.0",
+                   "--port", "8080", "--api-key", "k", "--served-model-name", "m"])
+    opts = cli.engine_options(args)
+    assert opts["max_total_tokens"] == 1000 and opts["enable_prefix_cache"] is False
+    assert opts["dtype"] == "bfloat16" and opts["state_memory_ratio"] == 0.3 and opts["debug_checks"] is True
+    assert (args.model_path, args.host, args.port, args.api_key, args.served_model_name) == (
+        "/models/x", "0.0.0.0", 8080, "k", "m")
+    EngineArgs(model_path=args.model_path, **opts)  # a valid EngineArgs
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for name, (_, help_text) in EngineArgs.field_help().items():
+        if name != "model_path":
+            assert "--" + name.replace("_", "-") in out
+        assert " ".join(help_text.split()) in out
+    assert "--no-enable-prefix-cache" in out and "--api-key" in out and "--port" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--page-size", "0"], "page_size"),
+    (["--dtype", "int3"], "dtype"),
+    (["--state-memory-ratio", "1.5"], "state_memory_ratio"),
+    (["--model", "/no/such/dir"], "config.json"),
+    (["--port", "70000"], "--port"),
+])
+def test_bad_options_exit_2_with_a_message(argv, message, capsys):
+    assert cli.run(_parse(argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_wrong_typed_flag_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parse(["--max-total-tokens", "lots"])
+    assert exit_info.value.code == 2 and "invalid int value" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# the real command
+# --------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeProcess:
+    """``python -m hyla.cli serve ...`` in a fresh process, its output in a file."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hyla.cli", "serve", "--port", str(self.port), *args],
+            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"hyla serve exited early:\n{self.log()}"
+            assert time.monotonic() < deadline, f"hyla serve did not come up:\n{self.log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._log.close()
+
+
+@pytest.mark.slow
+def test_serve_command_in_a_fresh_process(tiny_ckpt_dir, tmp_path):
+    model_dir = make_chat_model(tiny_ckpt_dir)
+    server = ServeProcess(["--model", str(model_dir), "--served-model-name", "tiny", "--api-key", "secret",
+                           "--max-total-tokens", "4096", "--max-state-slots", "16", "--log-interval", "1"],
+                          tmp_path / "serve.log")
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="secret", max_retries=0) as client:
+            resp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=4, temperature=0)
+        assert resp.usage.completion_tokens >= 1
+        assert httpx.get(server.url + "/v1/models").status_code == 401  # --api-key took effect
+    finally:
+        code = server.stop()
+    log = server.log()
+    assert code == 0, log
+    assert "hyla engine: model=" in log and "KV pool=4096 tokens" in log and "state pool=16 slots" in log
+    assert "Prefill batch." in log and "Decode batch." in log  # the engine's per-step lines at INFO
+    assert f"http://127.0.0.1:{server.port}" in log  # bound to localhost by default
