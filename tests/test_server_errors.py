@@ -100,6 +100,8 @@ BAD_CHAT_BODIES = [
     pytest.param({**CHAT, "stop": [""]}, None, id="empty-stop-string"),
     pytest.param({**CHAT, "seed": -1}, None, id="negative-seed"),
     pytest.param({**CHAT, "top_k": -5}, None, id="engine-rejects-top-k"),
+    pytest.param({**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", id="reserved-template-var"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": {"nested": "object"}}]}, None, id="dict-content"),
 ]
 
 

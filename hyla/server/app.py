@@ -63,6 +63,7 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 RETRY_AFTER_SECONDS = 1
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics")
 
 
@@ -571,6 +572,9 @@ class Server:
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
         messages = [m.for_template() for m in body.messages]
+        reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
         try:
             encoding = engine.tokenizer.encode_chat(messages, add_generation_prompt=True,
                                                     **(body.chat_template_kwargs or {}))
