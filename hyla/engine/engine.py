@@ -115,7 +115,7 @@ class Engine:
         num_tokens -= num_tokens % args.page_size
         self.kv_pool = KVPool(num_tokens, args.page_size, cfg.num_attention_layers, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)
-        self.state_pool = StatePool(num_slots, cfg.num_linear_layers, cfg.conv_shape, self.dtype,
+        self.state_pool = StatePool(num_slots, cfg.num_linear_layers, cfg.conv_shape, cfg.conv_dtype,
                                     cfg.ssm_shape, cfg.ssm_dtype, self.device)
         max_ctx = min(self.args.context_length or cfg.max_position_embeddings, num_tokens)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, max_ctx + args.page_size)
@@ -204,6 +204,8 @@ class Engine:
             "num_generated_tokens": s.num_generated_tokens,
             "num_requests_finished": s.num_requests_finished,
             "num_retractions": s.num_retractions,
+            "num_evicted_tokens": s.num_evicted_tokens,
+            "num_evicted_states": s.num_evicted_states,
             "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),
             "token_usage": tok_usage,
             "state_usage": state_usage,

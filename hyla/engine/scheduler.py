@@ -72,6 +72,8 @@ class Stats:
     num_generated_tokens: int = 0
     num_requests_finished: int = 0
     num_retractions: int = 0
+    num_evicted_tokens: int = 0
+    num_evicted_states: int = 0
     num_steps: int = 0
     last_gen_throughput: float = 0.0
     _decode_tokens_since_log: int = 0
@@ -158,9 +160,11 @@ class Scheduler:
             if req.is_decoding or budget <= 0:
                 continue
             n = self._chunk_len(req, budget)
-            if n == 0 or not self._ensure_kv(self._pages_tokens(req.kv_len, n)):
+            pos = self.checkpoint_positions(req, req.kv_len, req.kv_len + n)
+            kv_need = self._pages_tokens(req.kv_len, n)
+            if n == 0 or not self._ensure_kv(batch.kv_tokens + kv_need):
                 break
-            batch.add(req, n, self.checkpoint_positions(req, req.kv_len, req.kv_len + n))
+            batch.add(req, n, pos, kv_need)
             budget -= n
         # 2) new admissions, in policy order
         if budget > 0 and self.waiting:
@@ -169,11 +173,12 @@ class Scheduler:
                     break
                 if self._deferred_for_in_batch_prefix(req, batch.reqs):
                     continue
-                n = self._admit(req, budget)
+                n = self._admit(req, budget, batch)
                 if n is None:
                     break  # out of memory: keep queue order (no starvation of big requests)
                 self.waiting.remove(req)
-                batch.add(req, n, self.checkpoint_positions(req, req.kv_len, req.kv_len + n))
+                batch.add(req, n, self.checkpoint_positions(req, req.kv_len, req.kv_len + n),
+                          self._pages_tokens(req.kv_len, n))
                 batch.num_cached += req.cache_protected_len
                 budget -= n
         return batch if batch.reqs else None
@@ -201,9 +206,10 @@ class Scheduler:
             return False
         return shared - self._match(req).kv_only_len >= IN_BATCH_PREFIX_THRESHOLD
 
-    def _admit(self, req: Req, budget: int) -> int | None:
+    def _admit(self, req: Req, budget: int, batch: "PrefillBatch") -> int | None:
         """Give ``req`` a request-table row, its own state slot (the hit's checkpoint copied in),
-        and room for its first chunk. Returns the chunk length, or None if memory is short."""
+        and room for its first chunk, on top of what ``batch`` already claimed. Returns the chunk
+        length, or None if memory is short."""
         match = self._match(req) if self.tree is not None else None
         prefix_len = match.prefix_len if match is not None else 0
         if match is not None:
@@ -217,8 +223,8 @@ class Scheduler:
         num_ckpt = len(self.checkpoint_positions(req, prefix_len, prefix_len + n))
         ok = (
             self.req_to_token.available_size() > 0
-            and self._ensure_state(1 + num_ckpt)
-            and self._ensure_kv(self._pages_tokens(prefix_len, n) + self._decode_reserve())
+            and self._ensure_state(batch.num_ckpt + 1 + num_ckpt)
+            and self._ensure_kv(batch.kv_tokens + self._pages_tokens(prefix_len, n) + self._decode_reserve())
         )
         if ok:
             req.req_pool_idx = self.req_to_token.alloc()
@@ -513,14 +519,14 @@ class Scheduler:
     def _ensure_kv(self, num_tokens: int) -> bool:
         avail = self.kv_pool.available_size()
         if avail < num_tokens and self.tree is not None:
-            self.tree.evict(num_tokens - avail)
+            self.stats.num_evicted_tokens += self.tree.evict(num_tokens - avail)
             avail = self.kv_pool.available_size()
         return avail >= num_tokens
 
     def _ensure_state(self, num_slots: int) -> bool:
         avail = self.state_pool.available_size()
         if avail < num_slots and self.tree is not None:
-            self.tree.evict_state(num_slots - avail)
+            self.stats.num_evicted_states += self.tree.evict_state(num_slots - avail)
             avail = self.state_pool.available_size()
         return avail >= num_slots
 
@@ -569,11 +575,17 @@ class PrefillBatch:
     lens: list[int] = field(default_factory=list)  # tokens fed per request this step
     ckpt_pos: list[list[int]] = field(default_factory=list)  # absolute checkpoint positions per request
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
+    kv_tokens: int = 0  # KV slots this batch will allocate (claimed before run_prefill allocates)
 
-    def add(self, req: Req, n: int, ckpt_pos: list[int]) -> None:
+    @property
+    def num_ckpt(self) -> int:
+        return sum(len(p) for p in self.ckpt_pos)
+
+    def add(self, req: Req, n: int, ckpt_pos: list[int], kv_tokens: int) -> None:
         self.reqs.append(req)
         self.lens.append(n)
         self.ckpt_pos.append(ckpt_pos)
+        self.kv_tokens += kv_tokens
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,180 @@
+"""The public Engine API: outputs, streaming, async, abort, sampling, validation, robustness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import pytest
+import torch
+
+from hyla import Engine
+from hyla.engine.sampling_params import SamplingParams
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2048) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_next_dense_path):
+    with Engine(qwen3_next_dense_path, max_total_tokens=8192, max_state_slots=48, max_running_requests=8,
+                chunked_prefill_size=256, debug_checks=True) as e:
+        yield e
+
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def test_output_format(engine):
+    out = engine.generate(input_ids=_ids(20, 0), sampling_params=GREEDY, return_logprob=True)
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    m = out["meta_info"]
+    assert m["prompt_tokens"] == 20 and m["completion_tokens"] == 8 == len(out["output_ids"])
+    assert m["finish_reason"] == {"type": "length", "length": 8}
+    lps = m["output_token_logprobs"]
+    assert [t for _, t, _ in lps] == out["output_ids"] and all(lp <= 0 for lp, _, _ in lps)
+
+
+def test_batch_equals_single_requests(engine):
+    prompts = [_ids(n, 100 + n) for n in (5, 37, 64, 65, 130)]
+    batched = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+    for p, b in zip(prompts, batched):
+        assert engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] == b["output_ids"]
+
+
+def test_stream_yields_increments_that_add_up(engine):
+    ids = _ids(30, 1)
+    full = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    chunks = list(engine.generate(input_ids=ids, sampling_params=GREEDY, stream=True))
+    assert len(chunks) >= 2
+    assert sum((c["output_ids"] for c in chunks), []) == full["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_async_generate_and_stream(engine):
+    ids = _ids(25, 2)
+    full = engine.generate(input_ids=ids, sampling_params=GREEDY)
+
+    async def main():
+        outs = await asyncio.gather(*[engine.async_generate(input_ids=ids, sampling_params=GREEDY) for _ in range(3)])
+        stream = await engine.async_generate(input_ids=ids, sampling_params=GREEDY, stream=True)
+        got = [c async for c in stream]
+        return outs, got
+
+    outs, got = asyncio.run(main())
+    assert all(o["output_ids"] == full["output_ids"] for o in outs)
+    assert sum((c["output_ids"] for c in got), []) == full["output_ids"]
+
+
+def test_abort_running_request_frees_everything(engine):
+    stream = engine.generate(input_ids=_ids(40, 3), rid="to-abort", stream=True,
+                             sampling_params={"temperature": 0, "max_new_tokens": 500, "ignore_eos": True})
+    first = next(stream)
+    assert first["output_ids"]
+    engine.abort("to-abort")
+    last = list(stream)[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_stop_token_ids_and_max_new_tokens_zero(engine):
+    ids = _ids(20, 4)
+    ref = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+    stop_at = ref[3]
+    out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "stop_token_ids": [stop_at]})
+    assert out["output_ids"] == ref[: ref.index(stop_at) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    zero = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 0})
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
+    ids = _ids(15, 5)
+    p = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "min_p": 0.01, "max_new_tokens": 12, "seed": 1234,
+         "ignore_eos": True}
+    a = engine.generate(input_ids=ids, sampling_params=p)["output_ids"]
+    b = engine.generate(input_ids=[ids, _ids(50, 6)], sampling_params=[p, {**p, "seed": 9}])[0]["output_ids"]
+    assert a == b
+    c = engine.generate(input_ids=ids, sampling_params={**p, "seed": 4321})["output_ids"]
+    assert c != a
+
+
+def test_penalties_change_greedy_choice():
+    req = _FakeReq([5, 6, 7], [7, 7])
+    logits = torch.zeros(10)
+    logits[7] = 2.0
+    logits[1] = 1.5
+    from hyla.engine.sampler import apply_penalties
+    req.sampling = SamplingParams(repetition_penalty=2.0)
+    assert apply_penalties(logits, req).argmax().item() == 1  # 2.0 / 2 < 1.5
+    req.sampling = SamplingParams(frequency_penalty=0.5)
+    assert apply_penalties(logits, req)[7].item() == pytest.approx(1.0)  # 2 - 0.5 * 2
+    req.sampling = SamplingParams(presence_penalty=1.0)
+    assert apply_penalties(logits, req)[7].item() == pytest.approx(1.0)
+
+
+class _FakeReq:
+    def __init__(self, prompt, output):
+        self.input_ids, self.output_ids = prompt, output
+
+    @property
+    def fill_ids(self):
+        return self.input_ids + self.output_ids
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(input_ids=[]), "empty"),
+    (dict(input_ids=[1, 2, 99999]), "outside the vocabulary"),
+    (dict(input_ids=[1, -3]), "outside the vocabulary"),
+    (dict(input_ids=[1] * 9000), "context length"),
+    (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
+    (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "top_p"),
+    (dict(input_ids=[1, 2], sampling_params={"max_new_tokens": -5}), "max_new_tokens"),
+    (dict(input_ids=[1, 2], sampling_params={"bogus": 1}), "unknown sampling parameter"),
+    (dict(input_ids=[1, 2], sampling_params={"stop": ["x"]}), "tokenizer"),
+    (dict(input_ids=[1, 2], checkpoints=[5]), "checkpoint"),
+    (dict(prompt="hello"), "no tokenizer"),
+    (dict(), "exactly one"),
+])
+def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
+    stream = engine.generate(input_ids=_ids(30, 8), stream=True,
+                             sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True})
+    next(stream)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+    rest = list(stream)
+    assert rest[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("opts, match", [
+    (dict(page_size=0), "page_size"),
+    (dict(dtype="float64"), "dtype"),
+    (dict(schedule_policy="random"), "schedule_policy"),
+    (dict(state_memory_ratio=1.5), "state_memory_ratio"),
+    (dict(max_state_slots=4, max_running_requests=4), "max_running_requests"),
+    (dict(chunked_prefill_size=8, page_size=16), "chunked_prefill_size"),
+    (dict(bogus_option=1), "bogus_option"),
+])
+def test_bad_engine_options(qwen3_next_dense_path, opts, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        Engine(qwen3_next_dense_path, **opts)
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        Engine(tmp_path)
+
+
+def test_log_line(engine, caplog):
+    with caplog.at_level(logging.INFO, logger="hyla.engine"):
+        engine.generate(input_ids=_ids(20, 9), sampling_params=GREEDY)
+    text = caplog.text
+    assert "Prefill batch. #new-seq: 1, #new-token:" in text and "cache hit rate" in text
+    assert "token usage" in text and "state usage" in text and "#queue-req" in text

@@ -1,0 +1,135 @@
+"""The seed scenarios at small scale: exact-token hybrid prefix hits through the public Engine API.
+
+chunked_prefill_size=512 (the seed used SGLang's defaults at larger scale). Each case asserts the
+`cached_tokens` the engine reports *and* that the output equals a cache-off run's output.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyla import Engine
+
+CHUNK = 512
+
+
+def _prompt(n: int, seed: int, vocab: int = 2048) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _gen(engine: Engine, ids: list[int], **kw) -> dict:
+    params = {"temperature": 0, "max_new_tokens": kw.pop("max_new_tokens", 4), "ignore_eos": True}
+    return engine.generate(input_ids=ids, sampling_params=params, return_logprob=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def engine_factory(qwen3_next_dense_path):
+    engines: list[Engine] = []
+
+    def make(**kw) -> Engine:
+        opts = dict(chunked_prefill_size=CHUNK, max_total_tokens=16384, max_state_slots=64,
+                    max_running_requests=8, debug_checks=True)
+        opts.update(kw)
+        e = Engine(qwen3_next_dense_path, **opts)
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(engine_factory):
+    """A cache-off engine: the outputs every cached run must reproduce."""
+    return engine_factory(enable_prefix_cache=False)
+
+
+def _same_output(a: dict, b: dict) -> None:
+    assert a["output_ids"] == b["output_ids"]
+    for (la, _, _), (lb, _, _) in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]):
+        assert abs(la - lb) < 1e-4
+
+
+@pytest.mark.parametrize("n", [300, 1300])
+def test_repeated_prompt_hits_all_but_one_token(engine_factory, reference, n):
+    eng = engine_factory()
+    ids = _prompt(n, seed=n)
+    first = _gen(eng, ids)
+    second = _gen(eng, ids)
+    assert first["meta_info"]["cached_tokens"] == 0
+    assert second["meta_info"]["cached_tokens"] == n - 1  # not 1024, not 0
+    ref = _gen(reference, ids)
+    _same_output(first, ref)
+    _same_output(second, ref)
+    eng.wait_idle()
+    eng.check_integrity()
+
+
+def test_second_turn_hits_whole_first_turn_but_last_token(engine_factory, reference):
+    eng = engine_factory()
+    turn1 = _prompt(300, seed=7)
+    out1 = _gen(eng, turn1, max_new_tokens=6)
+    turn2 = turn1 + out1["output_ids"] + _prompt(40, seed=8)
+    out2 = _gen(eng, turn2)
+    # everything the first request fed (prompt + all outputs but the last sampled one) is cached
+    assert out2["meta_info"]["cached_tokens"] == len(turn1) + len(out1["output_ids"]) - 1
+    _same_output(out2, _gen(reference, turn2))
+
+
+def test_shared_prefix_hits_from_third_occurrence(engine_factory, reference):
+    eng = engine_factory()
+    prefix = _prompt(200, seed=11)
+    outs = [_gen(eng, prefix + _prompt(30, seed=100 + i)) for i in range(4)]
+    cached = [o["meta_info"]["cached_tokens"] for o in outs]
+    # 1st: cold; 2nd: the tree has the prefix's KV but no state there -> it computes the state at
+    # the branch point; 3rd and later: hit the 200 shared tokens exactly
+    assert cached == [0, 0, 200, 200]
+    for i, o in enumerate(outs):
+        _same_output(o, _gen(reference, prefix + _prompt(30, seed=100 + i)))
+
+
+def test_shared_prefix_with_caller_checkpoint_hits_from_second(engine_factory):
+    eng = engine_factory()
+    prefix = _prompt(200, seed=12)
+    a = _gen(eng, prefix + _prompt(30, seed=1), checkpoints=[200])
+    b = _gen(eng, prefix + _prompt(30, seed=2))
+    assert [a["meta_info"]["cached_tokens"], b["meta_info"]["cached_tokens"]] == [0, 200]
+
+
+def test_checkpoint_alignment_rounds_hits_down_to_grid(engine_factory, reference):
+    eng = engine_factory(checkpoint_alignment=64)
+    for n, want in [(300, 256), (1300, 1280)]:
+        ids = _prompt(n, seed=1000 + n)
+        _gen(eng, ids)
+        out = _gen(eng, ids)
+        assert out["meta_info"]["cached_tokens"] == want
+        _same_output(out, _gen(reference, ids))
+    prefix = _prompt(200, seed=13)
+    cached = [_gen(eng, prefix + _prompt(30, seed=200 + i))["meta_info"]["cached_tokens"] for i in range(3)]
+    # the largest multiple of 64 within the shared 200 tokens. On the grid the 2nd request already
+    # hits: the 1st request's end-of-prompt checkpoint (229) rounds down to 192, inside the prefix.
+    assert cached == [0, 192, 192]
+
+
+def test_page_size_16_shares_whole_pages(qwen3_next_dense_path, reference):
+    with Engine(qwen3_next_dense_path, page_size=16, chunked_prefill_size=CHUNK, max_total_tokens=16384,
+                max_state_slots=64, max_running_requests=8, debug_checks=True) as eng:
+        ids = _prompt(300, seed=21)
+        _gen(eng, ids)
+        out = _gen(eng, ids)
+        assert out["meta_info"]["cached_tokens"] == 288  # 299 rounded down to whole pages
+        _same_output(out, _gen(reference, ids))
+        eng.wait_idle()
+        eng.check_integrity()
+
+
+def test_namespaces_never_share(engine_factory):
+    eng = engine_factory()
+    ids = _prompt(100, seed=31)
+    _gen(eng, ids, namespace="tenant-a")
+    assert _gen(eng, ids, namespace="tenant-b")["meta_info"]["cached_tokens"] == 0
+    assert _gen(eng, ids, namespace="tenant-a")["meta_info"]["cached_tokens"] == 99
