@@ -1,6 +1,6 @@
 """Linear-attention ops against Hugging Face's PyTorch fallbacks, on the tiny test configs' shapes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ops_linear.py [--rounds 7]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/ops_linear.py [--rounds 7] [--only decode]
 
 Each case times hyla and HF interleaved, ``rounds`` times, and reports the minimum per call (the
 least disturbed by other load on the machine). hyla's time includes reading and writing the state
@@ -119,6 +119,7 @@ def ssd_cases(batch: int, decode: bool, chunk_size: int = 64):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", default="", help="run only the cases whose label contains this text")
     args = parser.parse_args()
     logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -126,9 +127,11 @@ def main() -> None:
     for op, make in (("conv1d", conv_cases), ("gated delta", gdn_cases), ("mamba2 ssd", ssd_cases)):
         for decode, batches in ((False, (1, 8)), (True, (1, 8, 32))):
             for batch in batches:
+                label = f"{op} {'decode' if decode else 'prefill 512'} b={batch}"
+                if args.only not in label:
+                    continue
                 times = best_of(make(batch, decode), args.rounds, calls=200 if decode else 5)
                 unit, scale = ("us", 1e6) if decode else ("ms", 1e3)
-                label = f"{op} {'decode' if decode else 'prefill 512'} b={batch}"
                 print(f"{label:<28}{times['hyla'] * scale:>9.1f} {unit}{times['hf'] * scale:>9.1f} {unit}"
                       f"{times['hf'] / times['hyla']:>9.2f}x")
 

@@ -148,10 +148,10 @@ def test_matches_hf_chunk_kernel_with_initial_state():
     torch.testing.assert_close(pool[5], state_hf[0], **TOL)
 
 
-def test_update_matches_reference_step_and_hf():
+@pytest.mark.parametrize("slots", [[2, -1, 7, 0, 4, 11], [3, 4, 5, 6, 7, 8]], ids=["scattered", "consecutive"])
+def test_update_matches_reference_step_and_hf(slots):
     q, k, v, g, beta, _, pool = make([6])
     before = pool.clone()
-    slots = [2, -1, 7, 0, 4, 11]
     o = recurrent_gated_delta_rule_update(q, k, v, g, beta, pool, torch.tensor(slots))
     for i, slot in enumerate(slots):
         if slot < 0:

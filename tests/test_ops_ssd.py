@@ -139,10 +139,10 @@ def test_matches_hf_chunk_scan_with_initial_state_and_dt_limit(chunk_size, lengt
     assert (unclamped - y).abs().max() > 1e-3, "the dt clamp must change the result here"
 
 
-def test_update_matches_reference_step_and_hf_without_clamp():
+@pytest.mark.parametrize("slots", [[2, -1, 7, 0, 4, 11], [3, 4, 5, 6, 7, 8]], ids=["scattered", "consecutive"])
+def test_update_matches_reference_step_and_hf_without_clamp(slots):
     inp = Inputs([6])
     before = inp.pool.clone()
-    slots = [2, -1, 7, 0, 4, 11]
     x, dt, A, B, C, D, dt_bias = inp.params()
     y = mamba2_state_update(x, dt, A, B, C, D, dt_bias, inp.pool, torch.tensor(slots))
     for i, slot in enumerate(slots):

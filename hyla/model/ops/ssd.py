@@ -31,6 +31,7 @@ from hyla.model.ops.varlen import (
     check_varlen,
     chunk_layout,
     gather_states,
+    open_states,
     plan_checkpoints,
     scatter_states,
 )
@@ -246,15 +247,18 @@ def mamba2_state_update(
     pass ``dt_limit=None`` to match it.
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    check_slots(slots, x.shape[0], ssm_states.shape[0])
+    slot_list = check_slots(slots, x.shape[0], ssm_states.shape[0])
     num_heads = x.shape[1]
     dtf = discretize_dt(dt, dt_bias, dt_limit)  # [B, H]
     Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [B, H, N]
     xf = x.float()
-    S = gather_states(ssm_states, slots, torch.float32)  # [B, H, P, N]
-    S = S * (dtf * A.float()).exp()[..., None, None] + (dtf.unsqueeze(-1) * xf).unsqueeze(-1) * Bf.unsqueeze(-2)
+    S, copied = open_states(ssm_states, slots, slot_list)  # [B, H, P, N], updated in place
+    S.mul_((dtf * A.float()).exp()[..., None, None])
+    p, n = S.shape[-2:]
+    S.view(-1, p, n).baddbmm_((dtf.unsqueeze(-1) * xf).reshape(-1, p, 1), Bf.reshape(-1, 1, n))  # S += dt x B^T
     y = (S @ Cf.unsqueeze(-1)).squeeze(-1)  # [B, H, P]
     if D is not None:
         y = y + D.float()[:, None] * xf
-    scatter_states(ssm_states, slots, S)
+    if copied:
+        scatter_states(ssm_states, slots, S)
     return y.to(x.dtype)

@@ -121,7 +121,9 @@ def check_checkpoints(
 
 
 def gather_states(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``pool[slots]`` as a new ``dtype`` tensor ``[B, *state]``; zeros where ``slots == -1``."""
+    """Rows ``pool[slots]`` as a new ``dtype`` tensor ``[B, *state]``; zeros where ``slots == -1``.
+
+    The result never aliases ``pool``: callers may update it in place."""
     slots = slots.to(device=pool.device, dtype=torch.long)
     padding = slots < 0
     if bool(padding.any()):
@@ -138,6 +140,20 @@ def scatter_states(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
     if not bool(keep.all()):
         slots, values = slots[keep], values[keep]
     pool.index_copy_(0, slots, values.to(pool.dtype))
+
+
+def open_states(pool: torch.Tensor, slots: torch.Tensor, slot_list: list[int]) -> tuple[torch.Tensor, bool]:
+    """fp32 states ``[B, *state]`` of ``slots`` to update in place, and whether they must then be
+    written back with :func:`scatter_states`.
+
+    When the slots are consecutive ascending rows of an fp32 pool (a typical decode batch) this is
+    a view of those rows, so in-place updates land in the pool directly; otherwise it is
+    :func:`gather_states`' copy (zeros for ``-1``).
+    """
+    first = slot_list[0] if slot_list else 0
+    if pool.dtype == torch.float32 and first >= 0 and slot_list == list(range(first, first + len(slot_list))):
+        return pool[first : first + len(slot_list)], False
+    return gather_states(pool, slots, torch.float32), True
 
 
 # --- the chunk layout ------------------------------------------------------------------------
