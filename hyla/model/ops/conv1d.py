@@ -54,9 +54,8 @@ def causal_conv1d_ref(
     window: torch.Tensor,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, token by token: ``x [L, C]``, ``window [C, K-1]`` -> ``(y [L, C], window [C, K-1])``.
-
-    The readable oracle for the tests; computes in fp32.
+    """One sequence, token by token: ``x [L, C]``, ``window [C, K-1]`` -> ``(y [L, C] in x's dtype,
+    final window [C, K-1] fp32)``. The readable oracle for the tests; computes in fp32.
     """
     act = _activation(activation)
     weight = weight.float()
@@ -74,6 +73,7 @@ def causal_conv1d_ref(
 
 
 # --- fast paths ------------------------------------------------------------------------------
+
 
 def _accumulate_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.float64 if weight.dtype == torch.float64 else torch.float32

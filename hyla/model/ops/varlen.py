@@ -210,13 +210,14 @@ class ChunkLayout:
 
 
 def chunk_layout(lengths: list[int], chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The :class:`ChunkLayout` of a packed batch (memoised: every layer of a forward asks again)."""
+    """The :class:`ChunkLayout` of a packed batch (memoised for the last few batches: every layer of
+    a forward asks again)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _chunk_layout(tuple(lengths), chunk_size, torch.device(device))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
 def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device) -> ChunkLayout:
     num_tokens = sum(lengths)
     starts = [0]
