@@ -143,7 +143,9 @@ def causal_conv1d_varlen(
     token_row = torch.arange(num_tokens, device=dev) + (seq_of_token + 1) * w  # [T] row of each token in x_ext
 
     y = _depthwise_taps(x_ext, weight, bias)  # [T + (B-1)*(K-1), C]: row r ends its receptive field at x_ext[r + K-1]
-    y = act(y.index_select(0, token_row - w))  # [T, C]
+    if batch > 1:  # drop the rows that straddle two sequences
+        y = y.index_select(0, token_row - w)  # [T, C]
+    y = act(y)
 
     lens = torch.tensor(lengths, device=x.device)
     final = x_ext[window_rows + lens.unsqueeze(1)]  # [B, K-1, C]: the K-1 rows ending at the last token
