@@ -12,7 +12,6 @@ back; routers, gates and recurrent states are fp32; the small SSM parameters (``
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -46,9 +45,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (self.offset + self.weight.float())).to(x.dtype)
+        scale = self.offset + self.weight.float()  # [dim] fp32
+        return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -70,8 +68,7 @@ class GatedRMSNorm(nn.Module):
 
     def _norm(self, x32: torch.Tensor) -> torch.Tensor:
         groups = x32.view(*x32.shape[:-1], -1, self.group_size)  # [..., G, dim/G]
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return groups.view(x32.shape)
+        return F.rms_norm(groups, (self.group_size,), eps=self.eps).view(x32.shape)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -41,8 +41,8 @@ def paged_attention(
     attention; other batches loop over sequences (each a single causal attention call).
     """
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
-    k_buffer[out_cache_loc] = k.to(k_buffer.dtype)
-    v_buffer[out_cache_loc] = v.to(v_buffer.dtype)
+    k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
     if all(n == 1 for n in extend_lens):
         return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
     return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling)
@@ -73,8 +73,8 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, expected {prefix + extend}")
         slots = kv_indices[indptr[i] : indptr[i + 1]]
         qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
-        ki = k_buffer[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-        vi = v_buffer[slots].transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+        ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
+        vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         # query j sees keys 0 .. prefix + j
         mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
         oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -84,19 +84,22 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
 
 
 def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling):
-    b = len(prefix_lens)
-    kv_lens = kv_indptr[1:] - kv_indptr[:-1]  # [B]
+    """One query per sequence: gather every sequence's keys into a ``[B, L_max]`` padded batch
+    (padding reads slot 0 and is masked out) and run one batched attention."""
+    b, hq, d = q.shape
+    hkv = k_buffer.shape[1]
     max_len = max(prefix_lens) + 1
     offsets = torch.arange(max_len, device=q.device)  # [L]
-    valid = offsets[None, :] < kv_lens[:, None]  # [B, L]
-    gather = (kv_indptr[:-1, None] + offsets[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))  # [B, L]
-    slots = torch.where(valid, kv_indices[gather], torch.zeros_like(gather))  # padding reads slot 0
-    keys = k_buffer[slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_buffer[slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-    qb = q.view(b, 1, q.shape[1], q.shape[2]).transpose(1, 2)  # [B, Hq, 1, D]
-    mask = valid[:, None, None, :]  # [B, 1, 1, L]
-    out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return out.transpose(1, 2).reshape(q.shape)  # [B, Hq, D]
+    valid = offsets[None, :] < (kv_indptr[1:] - kv_indptr[:-1])[:, None]  # [B, L]
+    pos = (kv_indptr[:-1, None] + offsets[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))  # [B, L]
+    slots = kv_indices.index_select(0, pos.flatten()).masked_fill_(~valid.flatten(), 0)  # [B*L]
+    keys = k_buffer.index_select(0, slots).view(b, max_len, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_buffer.index_select(0, slots).view(b, max_len, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(
+        q.view(b, 1, hq, d).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=True,
+    )  # [B, Hq, 1, D]
+    return out.view(b, hq, d)
 
 
 def paged_attention_reference(
