@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import transformers
-from checkpoints import NEMOTRON_H_KW, QWEN3_NEXT_KW, TinyRunner
+from checkpoints import NEMOTRON_H_KW, QWEN3_NEXT_KW, Seq, TinyRunner
 from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
 
@@ -147,3 +147,26 @@ def test_batch_that_does_not_fit_the_model_is_rejected(qwen3_next_dense_path, ne
     batch = TinyRunner(qwen).make_batch([runner.new_seq()], [[5000]])
     with pytest.raises(ValueError, match="vocabulary"):
         qwen(batch)
+
+
+def test_padding_sequence_reads_and_writes_nothing(nemotron_h_path):
+    """A state slot of -1 marks a padding sequence: the other sequences' logits and states are as
+    without it, and no state row is written for it."""
+    model = load_model(nemotron_h_path)
+    runner = TinyRunner(model)
+    seqs = [runner.new_seq() for _ in range(2)]
+    runner.step(seqs, [list(range(20, 60)), list(range(30, 45))])
+    snapshot = [p.clone() for p in (*runner.conv_states, *runner.ssm_states)]
+    alone = runner.step(seqs, [[7], [8]], decode=True)
+    after_alone = [p.clone() for p in (*runner.conv_states, *runner.ssm_states)]
+    for pool, saved in zip((*runner.conv_states, *runner.ssm_states), snapshot):
+        pool.copy_(saved)
+    for s in seqs:  # rewind the two sequences by one token
+        s.tokens.pop()
+        s.kv_slots.pop()
+    pad = Seq(state_slot=-1)
+    batch = runner.make_batch([seqs[0], pad, seqs[1]], [[7], [3], [8]], decode=True)
+    got = model(batch)
+    assert torch.allclose(got[[0, 2]], alone, atol=1e-6)
+    for pool, want in zip((*runner.conv_states, *runner.ssm_states), after_alone):
+        assert torch.equal(pool, want)
