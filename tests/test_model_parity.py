@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from checkpoints import TinyRunner, make_nemotron_h
+from checkpoints import TinyRunner, make_nemotron_h, make_qwen3_next
 
 from hyla.model import load_model
 
@@ -181,3 +181,41 @@ def test_nemotron_h_dt_clamp_asymmetry_is_reproduced(tiny_ckpt_dir, tmp_path):
     other = TinyRunner(model)
     got_extend = other.step([other.new_seq()], [prompt + steps], all_logits=True)
     assert max_diff(got_extend, full) <= TOL
+
+
+VARIANTS = {
+    # biases everywhere, grouped sigmoid routing over 8 experts, latent MoE, scaled weights, tied embeddings
+    "nemotron_h_variant": lambda d: make_nemotron_h(
+        d, seed=1, use_bias=True, use_conv_bias=False, mlp_bias=True, n_routed_experts=8, n_group=4,
+        topk_group=2, num_experts_per_tok=3, moe_latent_size=64, routed_scaling_factor=2.5,
+        tie_word_embeddings=True, hybrid_override_pattern=None,
+        layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
+    ),
+    # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
+    "qwen3_next_variant": lambda d: make_qwen3_next(
+        d, moe=True, seed=1, attention_bias=True, decoder_sparse_step=2, mlp_only_layers=[3], num_hidden_layers=5,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@torch.no_grad()
+def test_config_variants_prefill_and_decode(variant, tiny_ckpt_dir):
+    path = VARIANTS[variant](tiny_ckpt_dir)
+    model = load_model(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = tokens(90, seed=9)
+    runner = TinyRunner(model)
+    seq = runner.new_seq()
+    got = runner.step([seq], [prompt[:70]], all_logits=True)
+    got = torch.cat([got, runner.step([seq], [prompt[70:]], all_logits=True)])
+    assert max_diff(got, hf_logits(hf, prompt)) <= TOL
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    cache = out.past_key_values
+    for t in tokens(4, seed=11):
+        got = runner.step([seq], [[t]], decode=True)
+        out = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        assert max_diff(got, out.logits[:, -1].float()) <= TOL

@@ -162,6 +162,8 @@ def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], avail
             f"{path}: checkpoint lacks tensor(s) required by {config.architecture}: {_listing(missing)}"
         )
     unexpected = available - needed
+    if config.tie_word_embeddings:  # a tied checkpoint may still carry the (duplicate) lm_head
+        unexpected.discard("lm_head.weight")
     if unexpected:
         raise ValueError(
             f"{path}: checkpoint has tensor(s) that {config.architecture} with this config.json does not "

@@ -9,7 +9,8 @@ the legacy ``hybrid_override_pattern``; norms are plain RMSNorm (``w``, not ``1 
 The Mamba2 chunked path clamps ``softplus(dt + dt_bias)`` at ``time_step_min`` and the decode path
 does not (Hugging Face's asymmetry, reproduced for exact parity: see docs/models.md).
 
-Checkpoint names start with ``backbone.`` (``model.`` is accepted too) except ``lm_head.weight``.
+Checkpoint names start with ``backbone.`` (``model.`` is accepted too) except ``lm_head.weight``,
+which is always read (HF's NemotronH has no weight tying, whatever ``tie_word_embeddings`` says).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         specs = [
             WeightSpec("embed_tokens.weight", ("backbone.embeddings.weight",)),
             norm_spec("norm.weight", "backbone.norm_f.weight"),
-            WeightSpec("lm_head.weight", ("backbone.embeddings.weight" if c.tie_word_embeddings else "lm_head.weight",)),
+            # HF's NemotronH never ties lm_head to the embedding, whatever tie_word_embeddings says
+            WeightSpec("lm_head.weight", ("lm_head.weight",)),
         ]
         for i, kind in enumerate(c.layer_types):
             t, s = f"layers.{i}", f"backbone.layers.{i}"
