@@ -227,7 +227,7 @@ class Generation:
                 self._queue.put_nowait((choice, chunk))
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # EngineOverloadedError, or an engine failure
+        except Exception as exc:  # EngineOverloadedError, or an engine failure
             self._queue.put_nowait((choice, exc))
         finally:
             self._queue.put_nowait((choice, _END))
