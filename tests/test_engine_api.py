@@ -178,3 +178,37 @@ def test_log_line(engine, caplog):
     text = caplog.text
     assert "Prefill batch. #new-seq: 1, #new-token:" in text and "cache hit rate" in text
     assert "token usage" in text and "state usage" in text and "#queue-req" in text
+
+
+@pytest.fixture(scope="module")
+def paged_engine(qwen3_next_dense_path):
+    with Engine(qwen3_next_dense_path, page_size=16, max_total_tokens=8192, max_state_slots=48,
+                max_running_requests=8, chunked_prefill_size=256, debug_checks=True) as e:
+        yield e
+
+
+@pytest.mark.parametrize("which", ["engine", "paged_engine"])
+def test_internal_error_aborts_the_batch_and_engine_keeps_serving(which, request, monkeypatch):
+    engine = request.getfixturevalue(which)
+    runner = engine.scheduler.runner
+    real = runner.forward_decode
+    calls = {"n": 0}
+
+    def flaky(reqs, out_cache_loc):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real(reqs, out_cache_loc)
+
+    monkeypatch.setattr(runner, "forward_decode", flaky)
+    out = engine.generate(input_ids=_ids(20, 10), sampling_params=GREEDY)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "injected failure" in out["meta_info"]["finish_reason"]["message"]
+    monkeypatch.setattr(runner, "forward_decode", real)
+    again = engine.generate(input_ids=_ids(20, 11), sampling_params=GREEDY)
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    engine.wait_idle()
+    engine.check_integrity()
+    kv, st, tree = engine.kv_pool, engine.state_pool, engine.tree
+    assert kv.available_size() + tree.total_size() == kv.size
+    assert st.available_size() + tree.num_checkpoints() == st.size

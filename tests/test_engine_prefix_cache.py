@@ -133,3 +133,17 @@ def test_namespaces_never_share(engine_factory):
     _gen(eng, ids, namespace="tenant-a")
     assert _gen(eng, ids, namespace="tenant-b")["meta_info"]["cached_tokens"] == 0
     assert _gen(eng, ids, namespace="tenant-a")["meta_info"]["cached_tokens"] == 99
+
+
+@pytest.mark.parametrize("policy, want", [("lpm", 200), ("fcfs", 0)])
+def test_lpm_in_batch_dedup_caches_a_new_shared_prefix_once(qwen3_next_dense_path, policy, want):
+    """Three requests sharing a new 200-token prefix arrive together. LPM admits one and defers the
+    others until it has cached the prefix; they then find the branch point and checkpoint it, so a
+    fourth request hits. FCFS admits all three at once: none of them sees a branch point."""
+    with Engine(qwen3_next_dense_path, schedule_policy=policy, chunked_prefill_size=1024,
+                max_total_tokens=16384, max_state_slots=64, max_running_requests=8, debug_checks=True) as eng:
+        prefix = _prompt(200, seed=41)
+        params = {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}
+        eng.generate(input_ids=[prefix + _prompt(20, seed=50 + i) for i in range(3)], sampling_params=params)
+        late = eng.generate(input_ids=prefix + _prompt(20, seed=60), sampling_params=params)
+        assert late["meta_info"]["cached_tokens"] == want

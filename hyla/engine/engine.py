@@ -81,7 +81,7 @@ class Engine:
         )
         self.scheduler = Scheduler(sched_cfg, runner, self.kv_pool, self.state_pool, self.req_to_token,
                                    self.tree, self.eos_token_ids,
-                                   detokenize=self._detokenize if self.tokenizer is not None else None)
+                                   make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -308,8 +308,7 @@ class Engine:
         if self.scheduler.num_waiting + len(reqs) > self.args.max_queued_requests:
             raise EngineOverloadedError(
                 f"{self.scheduler.num_waiting} requests are queued (max_queued_requests={self.args.max_queued_requests})")
-        for req in reqs:
-            self._inbox.put(("add", req))
+        self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
         self._wakeup.set()
 
     def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
@@ -350,33 +349,26 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # outputs
     # ------------------------------------------------------------------------------------------
-    def _detokenize(self, req: Req) -> str:
-        return self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
-
-    def _final_text(self, req: Req) -> str:
-        if self.tokenizer is None:
-            return ""
-        if req.finished_reason and req.finished_reason.get("type") == "stop" and isinstance(
-                req.finished_reason.get("matched"), str):
-            return req.text  # truncated before the stop string by the scheduler
-        return self._detokenize(req)
+    def _make_detokenizer(self, req: Req):
+        return self.tokenizer.detokenizer(prompt_ids=req.input_ids,
+                                          skip_special_tokens=req.sampling.skip_special_tokens)
 
     def _output(self, req: Req, final: bool) -> dict[str, Any]:
-        return {"text": self._final_text(req), "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
 
     def _delta(self, req: Req, final: bool) -> dict[str, Any] | None:
-        ids = req.output_ids[req.num_streamed_ids:]
-        text = self._final_text(req) if final else (self._detokenize(req) if self.tokenizer is not None else "")
+        """What is new since the last chunk. The scheduler thread keeps appending, so read the
+        lengths once; before the end, hold back text that may still become a stop string."""
+        num_ids = len(req.output_ids)
+        ids = req.output_ids[req.num_streamed_ids:num_ids]
+        text = req.text
         if not final:
-            # hold back a trailing replacement char (an incomplete UTF-8 sequence) and any text that
-            # could still turn out to be the start of a stop string
-            text = text.rstrip("\ufffd")
             hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
             text = text[: max(req.num_streamed_chars, len(text) - hold)]
         new_text = text[req.num_streamed_chars:]
         if not ids and not new_text and not final:
             return None
-        req.num_streamed_ids = len(req.output_ids)
+        req.num_streamed_ids = num_ids
         req.num_streamed_chars = len(text)
         return {"text": new_text, "output_ids": ids, "meta_info": req.meta_info()}
 
@@ -394,13 +386,8 @@ class Engine:
             try:
                 self.scheduler.step()
             except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
-                logger.exception("scheduler step failed; aborting the running requests")
-                for req in list(self.scheduler.running):
-                    try:
-                        self.scheduler.abort(req.rid, message=f"internal error: {exc}")
-                    except Exception:
-                        logger.exception("could not release request %s", req.rid)
-                        self.scheduler.running.remove(req)
+                logger.exception("scheduler step failed; aborting the %d running requests", self.scheduler.num_running)
+                self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -413,7 +400,8 @@ class Engine:
             except queue.Empty:
                 return
             if cmd == "add":
-                self.scheduler.add_request(arg)
+                for req in arg:
+                    self.scheduler.add_request(req)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
 

@@ -64,8 +64,10 @@ class Req:
     # --- output ----------------------------------------------------------------------------
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    text: str = ""
-    num_streamed_ids: int = 0  # output ids already handed to on_output
+    text: str = ""  # output text so far (built by the scheduler thread, cut before a stop string)
+    detokenizer: Any = None
+    num_checked_chars: int = 0  # text already searched for stop strings
+    num_streamed_ids: int = 0  # output ids already handed to a stream consumer
     num_streamed_chars: int = 0
 
     def __post_init__(self) -> None:

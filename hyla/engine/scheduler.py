@@ -83,7 +83,7 @@ class Stats:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, runner: Runner, kv_pool: Any, state_pool: Any,
                  req_to_token: Any, tree: Any | None, eos_token_ids: list[int],
-                 detokenize: Any | None = None):
+                 make_detokenizer: Any | None = None):
         self.config = config
         self.runner = runner
         self.kv_pool = kv_pool
@@ -91,7 +91,8 @@ class Scheduler:
         self.req_to_token = req_to_token
         self.tree = tree if config.enable_prefix_cache else None
         self.eos_token_ids = set(eos_token_ids)
-        self.detokenize = detokenize  # callable(req) -> str (full output text), or None
+        # callable(req) -> IncrementalDetokenizer, or None for a model without a tokenizer
+        self.make_detokenizer = make_detokenizer
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
         self.stats = Stats()
@@ -147,6 +148,19 @@ class Scheduler:
                 self._finish(req, {"type": "abort", "message": message})
                 return True
         return False
+
+    def fail_running(self, message: str) -> None:
+        """After an internal error: finish every running request as aborted, releasing what it
+        holds without inserting into the tree (which the error may have left inconsistent), and
+        always telling its consumer — a caller must never wait forever."""
+        for req in list(self.running):
+            try:
+                self._release(req, insert=False)
+            except Exception:
+                logger.exception("could not release request %s; dropping it", req.rid)
+                if req in self.running:
+                    self.running.remove(req)
+            self._finish(req, {"type": "abort", "message": message}, release=False)
 
     # ------------------------------------------------------------------------------------------
     # prefill
@@ -298,7 +312,11 @@ class Scheduler:
                 ckpts.append((i, p - r.kv_len, slot))
                 ckpt_owner.append((r, p, slot))
 
-        logits = self.runner.forward_extend(reqs, lens, out_cache_loc, ckpts)  # [B, V]
+        try:
+            logits = self.runner.forward_extend(reqs, lens, out_cache_loc, ckpts)  # [B, V]
+        except Exception:
+            self._free_step_allocations(out_cache_loc, slots)
+            raise
 
         for r, n in zip(reqs, lens):
             r.kv_len += n
@@ -326,7 +344,11 @@ class Scheduler:
         out_cache_loc = self.kv_pool.alloc_decode([r.kv_len for r in reqs], [self._last_loc(r) for r in reqs])
         for r, loc in zip(reqs, out_cache_loc.tolist()):
             self.req_to_token.write(r.req_pool_idx, r.kv_len, torch.tensor([loc], dtype=torch.long))
-        logits = self.runner.forward_decode(reqs, out_cache_loc)  # [B, V]
+        try:
+            logits = self.runner.forward_decode(reqs, out_cache_loc)  # [B, V]
+        except Exception:
+            self._free_step_allocations(out_cache_loc, [])
+            raise
         grid = self.config.checkpoint_grid
         for r in reqs:
             r.kv_len += 1
@@ -337,6 +359,17 @@ class Scheduler:
         self.stats._decode_tokens_since_log += len(reqs)
         if self.stats.num_steps % self.config.log_interval == 0:
             self._log_decode(len(reqs))
+
+    def _free_step_allocations(self, out_cache_loc: torch.Tensor, ckpt_slots: list[int]) -> None:
+        """A forward failed: return what this step allocated. Its KV slots sit past each request's
+        ``kv_len``, where releasing the request would not find them. Only the pages this step took
+        are freed: a slot at page offset 0 starts a new page; the others continue a request's own
+        partial page, which the request still holds."""
+        new_pages = out_cache_loc[out_cache_loc % self.config.page_size == 0]
+        if new_pages.numel():
+            self.kv_pool.free(new_pages)
+        if ckpt_slots:
+            self.state_pool.free(torch.tensor(ckpt_slots))
 
     def _make_room_for_decode(self, reqs: list[Req]) -> list[Req]:
         """Every decoding request needs a KV slot for its next token (a new page when its last one
@@ -385,6 +418,10 @@ class Scheduler:
         now = time.monotonic()
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             r.output_ids.append(tok)
+            if self.make_detokenizer is not None:
+                if r.detokenizer is None:
+                    r.detokenizer = self.make_detokenizer(r)
+                r.text += r.detokenizer.step(tok)
             if r.return_logprob:
                 r.output_logprobs.append(lp)
                 r.output_top_logprobs.append(top)
@@ -404,13 +441,15 @@ class Scheduler:
             return {"type": "stop", "matched": tok}
         if not p.ignore_eos and tok in self.eos_token_ids:
             return {"type": "stop", "matched": tok}
-        if p.stop and self.detokenize is not None:
-            text = self.detokenize(req)
-            for s in p.stop:
-                pos = text.find(s, max(0, req.num_streamed_chars - len(s)))
-                if pos >= 0:
-                    req.text = text[:pos]
-                    return {"type": "stop", "matched": s}
+        if p.stop and req.detokenizer is not None:
+            # only the tail can hold a new match: the text before it was checked on earlier tokens
+            start = max(0, req.num_checked_chars - max(len(s) for s in p.stop) + 1)
+            hits = [(pos, s) for s in p.stop if (pos := req.text.find(s, start)) >= 0]
+            req.num_checked_chars = len(req.text)
+            if hits:
+                pos, s = min(hits)
+                req.text = req.text[:pos]
+                return {"type": "stop", "matched": s}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if req.num_fill >= self.config.max_context_len:
@@ -419,6 +458,8 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: dict[str, Any], release: bool = True) -> None:
         req.finished_reason = reason
+        if req.detokenizer is not None and not isinstance(reason.get("matched"), str):
+            req.text += req.detokenizer.flush()  # what was held back for an unfinished character
         if release:
             self._release(req, insert=True)
         req.status = ReqStatus.FINISHED
