@@ -420,8 +420,9 @@ def sample_replies(out_dir: Path, cfg: TrainConfig) -> list[tuple[list[dict[str,
 def write_model_card(out_dir: Path, cfg: TrainConfig, stats: dict[str, Any], exchanges: list) -> None:
     samples = []
     for messages, reply in exchanges:
-        lines = [f"> **{m['role']}:** {m['content']}" for m in messages]
-        samples.append("\n>\n".join(lines) + f"\n>\n> **assistant:** {reply.strip()}")
+        turns = [f"**{m['role']}:** {m['content']}" for m in messages] + [f"**assistant:** {reply.strip()}"]
+        quoted = "\n".join(f"> {line}".rstrip() for line in "\n\n".join(turns).split("\n"))
+        samples.append(quoted)
     settings = json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k != "out_dir"}, indent=1)
     card = f"""# hyla default model (tiny Qwen3-Next, trained on CPU)
 
@@ -444,7 +445,7 @@ prefix cache can be tried on any machine without downloading anything.
 * Produced by `scripts/train_default_model.py` (seeded; its defaults are the settings below).
 
 ## What it is not
-It is **not a useful assistant**. It has seen about {stats['train_tokens'] / 1e6:.0f}M tokens: its replies are
+It is **not a useful assistant**. It has seen about {stats['train_tokens'] / 1e6:.1f}M tokens: its replies are
 recognisably English and follow the chat format, but they are mostly not true, relevant or coherent
 beyond a sentence, and it repeats itself under greedy decoding. It knows no facts you can rely on, was not
 aligned or safety-tuned, and was trained on ShareGPT (conversations with ChatGPT shared by users; check its
