@@ -284,6 +284,23 @@ def test_boundaries_with_tools_drop_unfinished_tool_group(tok: Tokenizer) -> Non
     assert not enc.text.startswith(text_after_first_tool)
 
 
+MESSAGE_TEXT = st.one_of(
+    TEXT,
+    st.lists(st.sampled_from(["the", " cat", "\n", " ", "<|im_end|>", "<|im_start|>", "<s>", "</s>", "🙂", "ü", "[INST]"]), max_size=8).map("".join),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(MESSAGE_TEXT, min_size=1, max_size=5), system=st.booleans(), add=st.booleans())
+def test_fast_boundaries_equal_the_definition(tok: Tokenizer, sp_dirs: list[Path], contents: list[str], system: bool, add: bool) -> None:
+    """encode_chat only re-encodes the text after the last special token of each prefix; on any
+    conversation (special-token text inside messages included) it equals re-encoding every prefix."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(contents)]
+    sp = Tokenizer.from_pretrained(sp_dirs[0])
+    for t, msgs in ((tok, ([{"role": "system", "content": "Be brief."}] if system else []) + messages), (sp, messages)):
+        assert t.encode_chat(msgs, add_generation_prompt=add).boundaries == reference_boundaries(t, msgs, add_generation_prompt=add)
+
+
 def test_boundaries_drop_when_tokens_merge_across_messages(tmp_path: Path) -> None:
     """A message end that BPE merges with the next message's text is not a token prefix: dropped."""
     vocab = {"a": 0, "b": 1, "c": 2, "d": 3, "bc": 4}
@@ -295,6 +312,13 @@ def test_boundaries_drop_when_tokens_merge_across_messages(tmp_path: Path) -> No
     assert enc.boundaries == [3]  # "ab" -> [a, b] is not a prefix of [a, bc, d]
     enc = tok.encode_chat([{"role": "user", "content": "ab"}, {"role": "assistant", "content": "dc"}], add_generation_prompt=False)
     assert enc.boundaries == [2, 4]
+    # the same after a special token, where only the text after it is re-encoded
+    backend.add_special_tokens(["<e>"])
+    tok = Tokenizer(backend, chat_template="{% for m in messages %}{{ m.content }}{% if loop.index0 % 2 %}<e>{% endif %}{% endfor %}")
+    messages = [{"role": r, "content": c} for r, c in zip(["user", "assistant"] * 2, ["ab", "cd", "ab", "cd"])]
+    enc = tok.encode_chat(messages, add_generation_prompt=False)
+    assert enc.ids == [0, 4, 3, 5, 0, 4, 3, 5]
+    assert enc.boundaries == [4, 8] == reference_boundaries(tok, messages, add_generation_prompt=False)
 
 
 def test_boundaries_drop_when_template_rewrites_history() -> None:

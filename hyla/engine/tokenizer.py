@@ -24,6 +24,7 @@ Invariants
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -386,9 +387,17 @@ class Tokenizer:
         template may render earlier turns differently once more follow, or a tokenizer may merge
         across the message end) and dropped otherwise. Boundaries are strictly ascending and > 0;
         with ``add_generation_prompt=False`` the last one may equal ``len(ids)``.
+
+        Cost: the prefixes are not re-tokenized from the start. ``tokenizers`` first splits the text
+        at added tokens that are matched verbatim (not normalized, no lstrip/rstrip/single_word)
+        and tokenizes the pieces between them independently, so a prefix's ids are the full
+        encoding's ids up to its last such token (``<|im_end|>``) followed by the encoding of the
+        text after it; only that tail is encoded. Without such a token the whole prefix is encoded.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
-        ids = self.encode(text, add_special_tokens=False)
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        split_ends, split_counts = self._hard_splits(encoding)
         boundaries: list[int] = []
         for end in range(1, len(messages) + 1):
             try:
@@ -397,11 +406,27 @@ class Tokenizer:
                 continue
             if not text.startswith(prefix_text):
                 continue
-            prefix_ids = self.encode(prefix_text, add_special_tokens=False)
-            n = len(prefix_ids)
-            if n > (boundaries[-1] if boundaries else 0) and ids[:n] == prefix_ids:
+            # the last hard split at or before the prefix end: ids before it are shared for sure
+            j = bisect.bisect_right(split_ends, len(prefix_text))
+            start, num_shared = (split_ends[j - 1], split_counts[j - 1]) if j else (0, 0)
+            tail = self.encode(prefix_text[start:], add_special_tokens=False)
+            n = num_shared + len(tail)
+            if n > (boundaries[-1] if boundaries else 0) and ids[num_shared:n] == tail:
                 boundaries.append(n)
         return ChatEncoding(text=text, ids=ids, boundaries=boundaries)
+
+    def _hard_splits(self, encoding: Any) -> tuple[list[int], list[int]]:
+        """Character end and number of ids up to it, for each verbatim-matched added token."""
+        hard = {
+            i for i, t in self.backend.get_added_tokens_decoder().items()
+            if not (t.normalized or t.lstrip or t.rstrip or t.single_word)
+        }
+        ends, counts = [], []
+        for k, (token_id, (_, end)) in enumerate(zip(encoding.ids, encoding.offsets)):
+            if token_id in hard:
+                ends.append(end)
+                counts.append(k + 1)
+        return ends, counts
 
     def chat_message_boundaries(
         self,
