@@ -1,7 +1,8 @@
 """Text <-> token ids for the engine and the server: encode, decode, streaming decode, chat templates.
 
 ``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``) and reads the
-model directory's ``tokenizer_config.json`` (special tokens, ``added_tokens_decoder``, ``chat_template``), an optional ``chat_template.jinja`` (which wins over the config, as in
+model directory's ``tokenizer_config.json`` (special tokens, ``added_tokens_decoder``,
+``chat_template``), an optional ``chat_template.jinja`` (which wins over the config, as in
 transformers v5) and ``generation_config.json`` (extra end-of-sequence ids). It reproduces what
 ``transformers.AutoTokenizer`` does for such a directory, without depending on transformers.
 
