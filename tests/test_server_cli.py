@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -144,3 +145,29 @@ def test_serve_command_in_a_fresh_process(tiny_ckpt_dir, tmp_path):
     assert "hyla engine: model=" in log and "KV pool=4096 tokens" in log and "state pool=16 slots" in log
     assert "Prefill batch." in log and "Decode batch." in log  # the engine's per-step lines at INFO
     assert f"http://127.0.0.1:{server.port}" in log  # bound to localhost by default
+
+
+@pytest.mark.slow
+def test_default_model_answers_a_chat_in_a_fresh_process(tmp_path):
+    """``hyla serve`` with no --model: the built-in default model, served as ``hyla-default``."""
+    server = ServeProcess(["--max-total-tokens", "8192", "--max-state-slots", "32"], tmp_path / "serve.log")
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Can you give me some tips for writing a good cover letter?"}]
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            assert [m.id for m in client.models.list().data] == ["hyla-default"]
+            first = client.chat.completions.create(model="hyla-default", messages=messages, max_tokens=24,
+                                                   temperature=0)
+            again = client.chat.completions.create(model="hyla-default", messages=messages, max_tokens=24,
+                                                   temperature=0)
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    text = first.choices[0].message.content
+    words = re.findall(r"[A-Za-z']+", text)
+    assert len(words) >= 4, text  # an answer made of words, not an empty or byte-garbage string
+    assert sum(map(len, words)) >= 0.6 * len(re.sub(r"\s", "", text)), text
+    assert first.usage.completion_tokens >= 1 and first.usage.prompt_tokens > 20
+    assert again.choices[0].message.content == text  # greedy, and the prefix cache changes nothing
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert "hyla engine: model=" in server.log() and "default-model" in server.log()
