@@ -1,0 +1,176 @@
+"""What the simulator needs to know of a model: bytes per cached token and state, FLOPs per token.
+
+``CostModel`` is the simulator's whole view of a model:
+
+* ``kv_bytes_per_token``: KV-cache bytes of one token over all attention layers;
+* ``state_bytes_per_slot``: bytes of one recurrent-state checkpoint over all linear layers;
+* an affine FLOP model per token, split by layer kind: a token at context length ``c`` (itself
+  included) costs ``attention + attention_context * c + linear + ffn`` FLOPs, so prefilling
+  ``n`` tokens after ``p`` cached ones costs ``Σ_{c=p+1}^{p+n}`` of that (the attention part is
+  quadratic in the sequence, everything else linear). The LM head is left out: a prefill runs it
+  for one token whatever the cache holds.
+
+Presets (``PRESETS``):
+
+* ``marconi-7b``: the 7B Attention-Mamba2 hybrid Marconi models (24 SSM, 4 attention and 28 MLP
+  layers, d=4096, N=128, fp16), with Marconi's own per-layer formulas: attention ``8·d²`` per token
+  plus ``4·d`` per (token, context token) pair, MLP ``16·d²``, SSM ``12·d² + 16·d·N + 10·d``; KV
+  ``4 layers × 2 × d × 2 B = 64 KiB`` per token, state ``24 × (d·N·2 + (2d + 2N)·4·2) B = 26.8 MB``.
+  (Marconi counts the full ``L × L`` attention matrix, ``4·L²·d`` per layer; we count the causal
+  half, the same convention as ``ModelConfig.flops_per_token``.)
+* ``qwen3-next-80b-a3b``, ``nemotron-h-8b``: the published ``config.json`` contents
+  (``hyla/sim/presets.py``) through ``ModelConfig.from_hf``, at the checkpoint's dtype (bf16).
+
+Any other ``config.json`` path goes through the same parser.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from hyla.cache.kv_pool import KVPool
+from hyla.cache.state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Pool layouts (what the accounting pools are built with) and the per-token FLOP model."""
+
+    name: str
+    # KV pool layout: K and V of ``num_kv_heads x head_dim`` per attention layer
+    num_attention_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: torch.dtype
+    # state pool layout: a conv window and an SSM state per linear layer
+    num_linear_layers: int
+    conv_shape: tuple[int, ...]
+    conv_dtype: torch.dtype
+    ssm_shape: tuple[int, ...]
+    ssm_dtype: torch.dtype
+    # FLOPs
+    attention_flops: float  # per token: projections of all attention layers
+    attention_context_flops: float  # per token per context token: QK^T and PV of all attention layers
+    linear_flops: float  # per token: all recurrent (SSM / Gated DeltaNet) layers
+    ffn_flops: float  # per token: all MLP / MoE blocks (active experts only)
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0 or self.state_bytes_per_slot <= 0:
+            raise ValueError(
+                f"{self.name}: the simulator needs a hybrid model with both KV ({self.kv_bytes_per_token} B/token) "
+                f"and recurrent state ({self.state_bytes_per_slot} B/slot)"
+            )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
+        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
+        return self.num_linear_layers * (conv + ssm)
+
+    @property
+    def flops_per_token_base(self) -> float:
+        """FLOPs of one token, not counting its attention over the context."""
+        return self.attention_flops + self.linear_flops + self.ffn_flops
+
+    def prefill_flops(self, extend_len: int, prefix_len: int = 0) -> float:
+        """FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones (closed form).
+
+        ``prefill_flops(n, 0) - prefill_flops(n - p, p)`` is what a cached prefix of ``p`` saves.
+        """
+        if extend_len < 0 or prefix_len < 0:
+            raise ValueError(f"extend_len and prefix_len must be >= 0, got {extend_len}, {prefix_len}")
+        contexts = (2 * prefix_len + extend_len + 1) * extend_len / 2.0  # sum of (prefix + j + 1), j < n
+        return extend_len * self.flops_per_token_base + self.attention_context_flops * contexts
+
+    def state_to_kv_ratio(self) -> float:
+        """How many tokens of KV one state checkpoint costs (~409 for marconi-7b)."""
+        return self.state_bytes_per_slot / self.kv_bytes_per_token
+
+    def make_pools(self, cache_bytes: int) -> tuple[KVPool, StatePool]:
+        """Accounting pools that could each hold the whole budget (the simulator enforces the sum)."""
+        num_tokens = cache_bytes // self.kv_bytes_per_token
+        num_slots = cache_bytes // self.state_bytes_per_slot
+        if num_tokens < 1 or num_slots < 1:
+            raise ValueError(f"a cache of {cache_bytes} bytes cannot hold one state of {self.name} "
+                             f"({self.state_bytes_per_slot} bytes)")
+        kv = KVPool(num_tokens, 1, self.num_attention_layers, self.num_kv_heads, self.head_dim,
+                    self.kv_dtype, accounting=True)
+        state = StatePool(num_slots, self.num_linear_layers, self.conv_shape, self.conv_dtype,
+                          self.ssm_shape, self.ssm_dtype, accounting=True)
+        return kv, state
+
+
+def marconi_7b() -> CostModel:
+    d, n = 4096, 128
+    num_ssm, num_attn, num_mlp = 24, 4, 28
+    return CostModel(
+        name="marconi-7b",
+        num_attention_layers=num_attn, num_kv_heads=32, head_dim=d // 32, kv_dtype=torch.float16,
+        num_linear_layers=num_ssm, conv_shape=(2 * d + 2 * n, 4), conv_dtype=torch.float16,
+        ssm_shape=(d, n), ssm_dtype=torch.float16,
+        attention_flops=num_attn * 8.0 * d * d,
+        attention_context_flops=num_attn * 4.0 * d,
+        linear_flops=num_ssm * (12.0 * d * d + 16.0 * d * n + 10.0 * d),
+        ffn_flops=num_mlp * 16.0 * d * d,
+    )
+
+
+def from_model_config(config: Any, name: str) -> CostModel:
+    """A ``CostModel`` from a ``hyla.model.config.ModelConfig``: KV and conv state at the config's
+    dtype, SSM state at its ``ssm_dtype`` (fp32) - the layouts the engine's pools use."""
+    one, two = config.flops_per_token(1), config.flops_per_token(2)
+    attention_context = two.attention - one.attention
+    return CostModel(
+        name=name,
+        num_attention_layers=config.num_attention_layers, num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim, kv_dtype=config.dtype,
+        num_linear_layers=config.num_linear_layers, conv_shape=tuple(config.conv_shape),
+        conv_dtype=config.conv_dtype, ssm_shape=tuple(config.ssm_shape), ssm_dtype=config.ssm_dtype,
+        attention_flops=one.attention - attention_context,
+        attention_context_flops=attention_context,
+        linear_flops=one.linear,
+        ffn_flops=one.mlp + one.moe,
+    )
+
+
+def from_hf_config(config_json: Mapping[str, Any], name: str) -> CostModel:
+    from hyla.model.config import ModelConfig
+
+    return from_model_config(ModelConfig.from_hf(config_json), name)
+
+
+def _preset_from_hf(name: str) -> CostModel:
+    from hyla.sim.presets import HF_CONFIGS
+
+    return from_hf_config(HF_CONFIGS[name], name)
+
+
+PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b")
+
+
+def resolve_model(spec: str) -> CostModel:
+    """A preset name or a path to a ``config.json`` (or to a directory holding one)."""
+    if spec == "marconi-7b":
+        return marconi_7b()
+    if spec in PRESETS:
+        return _preset_from_hf(spec)
+    path = Path(spec)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {spec!r}: not a preset ({', '.join(PRESETS)}) nor a config.json path")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+    return from_hf_config(config, path.parent.name or str(path))

@@ -1,0 +1,102 @@
+"""Published ``config.json`` contents of the hybrid models the simulator ships as presets.
+
+Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
+as ``initializer_range``, kept for fidelity); parsed by ``ModelConfig.from_hf`` like any other
+checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QWEN3_NEXT_80B_A3B: dict[str, Any] = {  # Qwen/Qwen3-Next-80B-A3B-Instruct
+    "architectures": ["Qwen3NextForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_next",
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.0.dev0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+NEMOTRON_H_8B: dict[str, Any] = {  # nvidia/Nemotron-H-8B-Base-8K
+    "architectures": ["NemotronHForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attention_head_dim": 128,
+    "bos_token_id": 1,
+    "chunk_size": 128,
+    "conv_kernel": 4,
+    "eos_token_id": 2,
+    "expand": 2,
+    "hidden_dropout": 0.0,
+    "hidden_size": 4096,
+    "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    "initializer_range": 0.02,
+    "intermediate_size": 21504,
+    "layer_norm_epsilon": 1e-05,
+    "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu",
+    "mamba_num_heads": 128,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "mlp_hidden_act": "relu2",
+    "model_type": "nemotron_h",
+    "n_groups": 8,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 52,
+    "num_key_value_heads": 8,
+    "num_logits_to_keep": 1,
+    "pad_token_id": 0,
+    "rescale_prenorm_residual": True,
+    "residual_in_fp32": False,
+    "rms_norm_eps": 1e-05,
+    "ssm_state_size": 128,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.48.0.dev0",
+    "use_bias": False,
+    "use_cache": True,
+    "use_conv_bias": True,
+    "use_mamba_kernels": True,
+    "vocab_size": 131072,
+}
+
+HF_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
+    "nemotron-h-8b": NEMOTRON_H_8B,
+}

@@ -1,0 +1,125 @@
+"""Request traces: Marconi's JSON Lines format plus message boundaries.
+
+One request per line::
+
+    {"session_id": 3, "turn_id": 1, "ts": 12.5,
+     "input_tokens": [...], "output_tokens": [...], "boundaries": [57, 412, 470]}
+
+* ``session_id`` / ``turn_id``: a multi-turn conversation and the request's place in it. Turn
+  ``t + 1`` of a chat normally starts with turn ``t``'s input followed by its output.
+* ``ts``: arrival time in seconds from the start of the trace (non-negative).
+* ``input_tokens``: the whole prompt (history + new message); ``output_tokens``: what the model
+  answered (the simulator allocates them as decode output).
+* ``boundaries`` (optional): token positions of message ends inside ``input_tokens``
+  (``1 <= b <= len(input_tokens)``, strictly increasing). The ``hyla`` admission rule stores
+  state checkpoints there, where a later conversation is likely to branch.
+
+Invalid lines raise ``ValueError`` naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    session_id: int | str
+    turn_id: int
+    ts: float
+    input_tokens: Sequence[int]
+    output_tokens: Sequence[int]
+    boundaries: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"request (session {self.session_id!r}, turn {self.turn_id})"
+        if not isinstance(self.turn_id, int) or self.turn_id < 0:
+            raise ValueError(f"{where}: turn_id must be a non-negative int, got {self.turn_id!r}")
+        if not self.ts >= 0:  # also rejects NaN
+            raise ValueError(f"{where}: ts must be a non-negative number of seconds, got {self.ts!r}")
+        if len(self.input_tokens) == 0:
+            raise ValueError(f"{where}: input_tokens is empty")
+        prev = 0
+        for b in self.boundaries:
+            if not isinstance(b, int) or b <= prev or b > len(self.input_tokens):
+                raise ValueError(
+                    f"{where}: boundaries must be strictly increasing ints in [1, {len(self.input_tokens)}], "
+                    f"got {list(self.boundaries)}"
+                )
+            prev = b
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "session_id": self.session_id,
+            "turn_id": self.turn_id,
+            "ts": self.ts,
+            "input_tokens": list(self.input_tokens),
+            "output_tokens": list(self.output_tokens),
+        }
+        if self.boundaries:
+            out["boundaries"] = list(self.boundaries)
+        return out
+
+
+_REQUIRED = ("session_id", "turn_id", "ts", "input_tokens", "output_tokens")
+
+
+def parse_request(obj: Any, where: str = "request") -> TraceRequest:
+    """One decoded JSON object -> ``TraceRequest`` (``ValueError`` on a missing or mistyped field)."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in _REQUIRED if k not in obj]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key in ("input_tokens", "output_tokens", "boundaries"):
+        value = obj.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ValueError(f"{where}: {key} must be a list of ints")
+    if not isinstance(obj["ts"], (int, float)) or isinstance(obj["ts"], bool):
+        raise ValueError(f"{where}: ts must be a number, got {obj['ts']!r}")
+    try:
+        return TraceRequest(
+            session_id=obj["session_id"],
+            turn_id=obj["turn_id"],
+            ts=float(obj["ts"]),
+            input_tokens=obj["input_tokens"],
+            output_tokens=obj["output_tokens"],
+            boundaries=tuple(obj.get("boundaries", ())),
+        )
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def load_trace(path: str | Path) -> list[TraceRequest]:
+    """Read a JSON Lines trace, sorted by arrival (stable: ties keep file order)."""
+    requests = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            requests.append(parse_request(obj, where))
+    if not requests:
+        raise ValueError(f"{path}: the trace has no requests")
+    return sorted(requests, key=lambda r: r.ts)
+
+
+def write_trace(path: str | Path, requests: Iterable[TraceRequest]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")

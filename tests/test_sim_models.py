@@ -1,0 +1,108 @@
+"""Model presets (bytes per token / checkpoint, FLOP model) and the TTFT latency model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hyla.model.config import ModelConfig
+from hyla.sim.latency import LatencyModel
+from hyla.sim.models import CostModel, from_model_config, marconi_7b, resolve_model
+from hyla.sim.presets import HF_CONFIGS
+
+
+def test_marconi_7b_matches_the_published_sizes():
+    m = marconi_7b()
+    assert m.kv_bytes_per_token == 64 * 1024  # 4 attention layers x K,V x d=4096 x fp16
+    assert m.state_bytes_per_slot == 26_787_840  # 24 x (d*N*2 + (2d + 2N)*4*2): "26.8 MB"
+    assert round(m.state_to_kv_ratio()) == 409  # one checkpoint costs ~400 tokens of KV
+    d, n = 4096, 128
+    # Marconi's per-layer formulas at sequence length 1 (no context): attention 8d^2 (+4d per
+    # context token), MLP 16d^2, SSM 12d^2 + 16dN + 10d
+    assert m.flops_per_token_base == 4 * 8 * d * d + 28 * 16 * d * d + 24 * (12 * d * d + 16 * d * n + 10 * d)
+    assert m.attention_context_flops == 4 * 4 * d
+
+
+@pytest.mark.parametrize("extend, prefix", [(1, 0), (7, 0), (5, 11), (100, 3)])
+def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
+    m = marconi_7b()
+    per_token = sum(m.flops_per_token_base + m.attention_context_flops * (prefix + j + 1) for j in range(extend))
+    assert m.prefill_flops(extend, prefix) == pytest.approx(per_token, rel=1e-12)
+    # what a cached prefix saves is exactly the prefill of that prefix
+    total = prefix + extend
+    assert m.prefill_flops(total) - m.prefill_flops(extend, prefix) == pytest.approx(m.prefill_flops(prefix))
+    with pytest.raises(ValueError):
+        m.prefill_flops(-1)
+
+
+@pytest.mark.parametrize(
+    "name, kv_bytes, state_bytes",
+    [
+        # 12 attention layers x K,V x 2 KV heads x 256 x bf16; 36 GDN layers x (conv 8192 x 3 bf16 +
+        # SSM 32 x 128 x 128 fp32)
+        ("qwen3-next-80b-a3b", 12 * 2 * 2 * 256 * 2, 36 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)),
+        # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 24 Mamba2 layers x (conv (8192 + 2*8*128)
+        # x 3 bf16 + SSM 128 x 64 x 128 fp32)
+        ("nemotron-h-8b", 4 * 2 * 8 * 128 * 2, 24 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
+    ],
+)
+def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
+    m = resolve_model(name)
+    cfg = ModelConfig.from_hf(HF_CONFIGS[name])
+    assert (m.kv_bytes_per_token, m.state_bytes_per_slot) == (kv_bytes, state_bytes)
+    assert m.kv_bytes_per_token == cfg.kv_bytes_per_token(2)
+    # the FLOP model is ModelConfig's, less the LM head (a prefill runs it for one token whatever is cached)
+    one = cfg.flops_per_token(1)
+    assert m.prefill_flops(1) == pytest.approx(one.total - one.lm_head)
+    ctx = cfg.flops_per_token(1000)
+    assert m.prefill_flops(1, 999) == pytest.approx(ctx.total - ctx.lm_head)
+
+
+def test_any_config_json_path(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIGS["nemotron-h-8b"]))
+    by_dir = resolve_model(str(tmp_path))
+    by_file = resolve_model(str(tmp_path / "config.json"))
+    assert by_dir.kv_bytes_per_token == by_file.kv_bytes_per_token == resolve_model("nemotron-h-8b").kv_bytes_per_token
+    with pytest.raises(ValueError, match="unknown model"):
+        resolve_model("no-such-model")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        resolve_model(str(tmp_path / "bad.json"))
+
+
+def test_pure_attention_model_is_rejected():
+    cfg = ModelConfig.from_hf({**HF_CONFIGS["qwen3-next-80b-a3b"], "layer_types": ["full_attention"] * 48})
+    with pytest.raises(ValueError, match="hybrid model"):
+        from_model_config(cfg, "dense")
+
+
+def test_accounting_pools_use_the_model_layout():
+    m = marconi_7b()
+    kv, state = m.make_pools(10**9)
+    assert kv.accounting and state.accounting
+    assert (kv.bytes_per_token, state.bytes_per_slot) == (m.kv_bytes_per_token, m.state_bytes_per_slot)
+    assert kv.size == 10**9 // m.kv_bytes_per_token and state.size == 10**9 // m.state_bytes_per_slot
+    with pytest.raises(ValueError):
+        m.make_pools(1000)
+
+
+def test_ttft_is_overhead_plus_uncached_prefill_flops():
+    m = marconi_7b()
+    lat = LatencyModel(effective_flops=1e14, overhead_s=0.01)
+    assert lat.ttft(m, 1000, 0) == pytest.approx(0.01 + m.prefill_flops(1000) / 1e14)
+    assert lat.ttft(m, 1000, 600) == pytest.approx(0.01 + m.prefill_flops(400, 600) / 1e14)
+    assert lat.ttft(m, 1000, 999) < lat.ttft(m, 1000, 600) < lat.ttft(m, 1000, 0)
+    # linear in the uncached tokens, plus the attention term growing with the context
+    a, b = lat.ttft(m, 2000, 1000), lat.ttft(m, 3000, 2000)
+    assert b - a == pytest.approx(m.attention_context_flops * 1000 * 1000 / 1e14)
+    with pytest.raises(ValueError):
+        lat.ttft(m, 10, 11)
+    with pytest.raises(ValueError):
+        LatencyModel(effective_flops=0)
+
+
+def test_cost_model_is_frozen():
+    with pytest.raises(Exception):
+        marconi_7b().head_dim = 1  # type: ignore[misc]
+    assert isinstance(marconi_7b(), CostModel)
