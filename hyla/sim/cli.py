@@ -1,0 +1,156 @@
+"""`hyla sim`: replay a request trace through hyla's prefix cache in accounting mode.
+
+    hyla sim TRACE.jsonl --model marconi-7b --policy hyla --cache-size 4GB [--json]
+    hyla sim TRACE.jsonl --model path/to/config.json --policy lru,hyla --cache-size 1GB,2GB,4GB --plot hit.png
+    hyla sim --sweep sharegpt [--workers 2] [--plot docs/simulator_sharegpt.png] [--output sweep.json]
+
+With ``--json`` the last line printed is one JSON object: a run's metrics for one configuration,
+``{"results": [...]}`` for several, ``{"summary": ..., "results": [...]}`` for a sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from hyla.sim.models import PRESETS, resolve_model
+from hyla.sim.policies import POLICIES
+from hyla.sim.simulator import SimConfig, SimResult, simulate
+from hyla.sim.sweep import (
+    GB,
+    SHAREGPT_CACHE_GB,
+    SHAREGPT_RATES,
+    SweepPoint,
+    format_summary,
+    format_table,
+    points_to_json,
+    run_sharegpt_sweep,
+    summarize,
+)
+from hyla.sim.trace import load_trace
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"4GB"`` -> 4e9 bytes (decimal units, as Marconi), ``"1.5GiB"``, ``"512MB"``, ``"1000"`` (bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"bad size {text!r}: use e.g. 4GB, 512MB, 1.5GiB or a number of bytes")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return size
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"empty list {text!r}")
+    return items
+
+
+def _policies(text: str) -> list[str]:
+    names = _csv(text)
+    bad = [n for n in names if n not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policy {', '.join(bad)}; choose from {', '.join(POLICIES)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", nargs="?", help="JSON Lines trace (one request per line); omit with --sweep")
+    parser.add_argument("--sweep", choices=("sharegpt",), help="run a built-in protocol instead of a trace")
+    parser.add_argument("--model", default="marconi-7b",
+                        help=f"a preset ({', '.join(PRESETS)}) or a config.json path (default marconi-7b)")
+    parser.add_argument("--policy", default=None,
+                        help=f"comma-separated policies from {', '.join(POLICIES)} (default: hyla; sweep: all)")
+    parser.add_argument("--cache-size", default=None,
+                        help="comma-separated cache sizes, e.g. 1GB,4GB (default 4GB; sweep: 1,2,3,4,5,10 GB)")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object, last")
+    parser.add_argument("--output", default=None, help="also write the JSON results to this file")
+    parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sweep = parser.add_argument_group("sweep (--sweep sharegpt)")
+    sweep.add_argument("--rates", default=None, help="sessions per second (default 0.25,0.5,1,2,5,10)")
+    sweep.add_argument("--sessions", type=int, default=100, help="ShareGPT sessions with >= 10 rounds (default 100)")
+    sweep.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    sweep.add_argument("--words-per-minute", type=float, default=90.0, help="typing speed between turns")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.sweep:
+            out = _run_sweep(args)
+        elif args.trace:
+            out = _run_trace(args)
+        else:
+            raise ValueError("give a TRACE file or --sweep sharegpt")
+    except (ValueError, OSError) as e:
+        print(f"hyla sim: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(out)
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+    if args.json:
+        print(text)
+    return 0
+
+
+def _run_trace(args: argparse.Namespace) -> dict[str, Any]:
+    trace = load_trace(args.trace)
+    model = resolve_model(args.model)
+    policies = _policies(args.policy or "hyla")
+    sizes = [parse_size(s) for s in _csv(args.cache_size or "4GB")]
+    results: list[SimResult] = []
+    for size in sizes:
+        for policy in policies:
+            results.append(simulate(trace, SimConfig(model, policy, size), show_progress=not args.no_progress))
+    print(_results_table(results))
+    if args.plot:
+        from hyla.sim.plot import plot_hit_rates
+
+        points = [SweepPoint(None, r.cache_bytes / GB, r) for r in results]
+        print(f"plot: {plot_hit_rates(points, args.plot, title=f'{Path(args.trace).name} on {model.name}')}")
+    rows = [r.to_json() for r in results]
+    return rows[0] if len(rows) == 1 else {"results": rows}
+
+
+def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from hyla.sim.sharegpt import build_sessions
+
+    rates = [float(r) for r in _csv(args.rates)] if args.rates else list(SHAREGPT_RATES)
+    sizes = [parse_size(s) / GB for s in _csv(args.cache_size)] if args.cache_size else list(SHAREGPT_CACHE_GB)
+    policies = _policies(args.policy or ",".join(POLICIES))
+    resolve_model(args.model)  # fail early on a bad model
+    sessions = build_sessions(num_sessions=args.sessions)
+    points = run_sharegpt_sweep(sessions, policies, rates, sizes, args.model, args.words_per_minute,
+                                workers=args.workers, show_progress=not args.no_progress)
+    summary = summarize(points)
+    print(format_table(points))
+    print()
+    print(format_summary(summary))
+    if args.plot:
+        from hyla.sim.plot import plot_hit_rates
+
+        title = f"ShareGPT, {len(sessions)} sessions, {args.model}"
+        print(f"plot: {plot_hit_rates(points, args.plot, title=title)}")
+    return {"summary": summary, "results": points_to_json(points)}
+
+
+def _results_table(results: Sequence[SimResult]) -> str:
+    head = (f"{'policy':>8} {'cache':>8} {'token hit':>10} {'req hit':>8} {'FLOPs saved':>12} "
+            f"{'KV GB':>7} {'state GB':>8} {'TTFT p50':>9} {'TTFT p95':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        lines.append(
+            f"{r.policy:>8} {r.cache_bytes / GB:>6.3g}GB {100 * r.token_hit_rate:>9.2f}% "
+            f"{100 * r.request_hit_rate:>7.1f}% {r.flops_saved:>12.3e} {r.kv_bytes / GB:>7.3f} "
+            f"{r.state_bytes / GB:>8.3f} {1000 * r.ttft_p50:>7.1f}ms {1000 * r.ttft_p95:>7.1f}ms"
+        )
+    return "\n".join(lines)
