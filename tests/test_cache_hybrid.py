@@ -345,3 +345,33 @@ def test_engine_keyword_construction_and_sizes() -> None:
     assert "checkpoints=1" in repr(cache)
     cache.reset()
     assert states.available_size() == 8 and kv.available_size() == 256 - 16  # the tail page is the caller's
+
+
+class ExternalScore(EvictionPolicy):
+    """Priorities from outside the tree (e.g. a simulator's utility over all candidates)."""
+
+    structural = False
+
+    def __init__(self) -> None:
+        self.score: dict[int, float] = {}
+
+    def kv_priority(self, node: TreeNode) -> float:
+        return node.last_access
+
+    def state_priority(self, node: TreeNode) -> float:
+        return self.score.get(node.depth, 0.0)
+
+
+def test_refresh_priority_reorders_after_an_outside_change() -> None:
+    policy = ExternalScore()
+    policy.score = {8: 1.0, 16: 5.0}
+    cache = make(policy=policy)
+    x = tokens_of(16, seed=24)
+    put(cache, x, [8, 16])  # queued: 8 at 1.0, 16 at 5.0
+    policy.score[16] = 0.5  # the policy now ranks 16 lowest; the tree cannot know ...
+    n16 = cache.match_prefix(x).last_node
+    cache.refresh_priority(n16)  # ... until told
+    assert cache.evict_state(1) == 1 and n16.removed
+    assert cache.match_prefix(x[:8]).prefix_len == 8
+    with pytest.raises(ValueError):
+        cache.refresh_priority(n16)  # deleted with its KV (an unlocked leaf)

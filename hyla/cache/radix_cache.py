@@ -577,6 +577,14 @@ class RadixCache:
     # ------------------------------------------------------------------------------------------
     # heaps (lazy invalidation)
     # ------------------------------------------------------------------------------------------
+    def refresh_priority(self, node: TreeNode) -> None:
+        """Re-queue ``node`` at the priority its policy gives it now, in the heaps it belongs to.
+        For policies whose priorities change for reasons the tree cannot see (time, other nodes);
+        the tree already re-queues on everything it tracks."""
+        self._check_node(node)
+        self._requeue_kv(node)
+        self._requeue_state(node)
+
     def _requeue_kv(self, node: TreeNode) -> None:
         """(Re-)enter ``node`` into the KV heap with a fresh priority if it is a candidate."""
         if not self._kv_candidate(node):
