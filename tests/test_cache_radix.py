@@ -222,7 +222,7 @@ def test_bad_inputs_raise_value_error_and_change_nothing() -> None:
     with pytest.raises(ValueError, match="checkpoints"):
         cache.insert(list(range(8)), cache.match_kv(list(range(8))), checkpoints=[(4, 1)])
     misaligned = cache.kv_pool.alloc(8) + 1  # slots shifted off their pages
-    with pytest.raises(ValueError, match="page boundary"):
+    with pytest.raises(ValueError, match="page boundaries"):
         cache.insert(list(range(4)) + [50, 51, 52, 53], torch.cat([cache.match_kv(list(range(4))), misaligned[:4]]))
     cache.kv_pool.free(misaligned - 1)
     with pytest.raises(ValueError):

@@ -99,7 +99,7 @@ class HybridRadixCache(RadixCache):
         out: list[tuple[int, int]] = []
         for item in checkpoints:
             try:
-                length, slot = (int(x) for x in item)
+                length, slot = map(int, item)
             except (TypeError, ValueError):
                 raise ValueError(f"a checkpoint is a (length, slot) pair of ints, got {item!r}") from None
             if length % ps or not 1 <= length <= n:

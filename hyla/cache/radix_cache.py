@@ -202,8 +202,10 @@ class RadixCache:
         self.kv_pool = kv_pool
         self.page_size = kv_pool.page_size
         self.policy = policy if policy is not None else LRUPolicy()
-        # per-node access hook only when the policy has one (LRU reads the timestamps directly)
-        self._on_access = None if type(self.policy).on_access is EvictionPolicy.on_access else self.policy.on_access
+        # hooks are called only when the policy overrides them (LRU reads the time stamps directly)
+        self._on_access = _hook(self.policy, "on_access")
+        self._on_create = _hook(self.policy, "on_create")
+        self._on_remove = _hook(self.policy, "on_remove")
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._seq = itertools.count()  # heap tie-breaker: FIFO among equal priorities
@@ -371,9 +373,11 @@ class RadixCache:
         ckpts = self._check_checkpoints(checkpoints, n) if checkpoints else []
         path, off, child, k = self._descend(tokens, n, namespace)
         ps = self.page_size
-        if ps > 1 and off + k < n and not _page_starts_aligned(kv[off + k : n : ps], ps):  # pages it adopts
-            raise ValueError(f"KV indices of whole pages must start on a page boundary (page_size={ps}); "
-                             "allocate them with KVPool.alloc_extend")
+        if ps > 1 and off + k < n and (kv[off + k] % ps or kv[n - 1] % ps != ps - 1):
+            # the pages it would adopt must be whole pages: a cheap check of both ends here,
+            # every page in check_integrity()
+            raise ValueError(f"KV indices of whole pages must start and end on page boundaries "
+                             f"(page_size={ps}); allocate them with KVPool.alloc_extend")
         if child is not None:  # nothing has changed so far: input errors leave the tree as it was
             path.append(self._split(child, k))
             off += k
@@ -423,7 +427,8 @@ class RadixCache:
         self._num_nodes += 1
         self._total += len(key)
         self._evictable += len(key)
-        self.policy.on_create(leaf)
+        if self._on_create is not None:
+            self._on_create(leaf)
         self._requeue_kv(leaf)
         if self.policy.structural:
             self._requeue_state(parent)
@@ -448,7 +453,8 @@ class RadixCache:
         child.parent = upper
         upper.children[child.child_key] = child
         self._num_nodes += 1
-        self.policy.on_create(upper)
+        if self._on_create is not None:
+            self._on_create(upper)
         if self.policy.structural:
             self._requeue_kv(child)
             self._requeue_state(child)
@@ -549,7 +555,8 @@ class RadixCache:
                 state_out.append(self._take_state(node))
             node.removed = True
             self._num_nodes -= 1
-            self.policy.on_remove(node)
+            if self._on_remove is not None:
+                self._on_remove(node)
             if parent is root:
                 return freed
             if parent.children or parent.lock_ref or not self._is_garbage(parent):
@@ -703,19 +710,16 @@ class RadixCache:
                 f"evictable={self._evictable}, protected={self._protected}, page_size={self.page_size})")
 
 
+def _hook(policy: EvictionPolicy, name: str) -> Callable[..., None] | None:
+    """``policy.<name>`` if the policy overrides the no-op default, else None (not worth a call)."""
+    return None if getattr(type(policy), name) is getattr(EvictionPolicy, name) else getattr(policy, name)
+
+
 def _compact(heap: list, valid: Callable[[tuple], bool]) -> list:
     """Drop stale entries; O(len(heap)), amortized over the pushes that made them stale."""
     live = [entry for entry in heap if valid(entry)]
     heapq.heapify(live)
     return live
-
-
-def _page_starts_aligned(starts: np.ndarray, ps: int) -> bool:
-    """Whether every slot in ``starts`` begins a page. For a power-of-two page size the bitwise OR
-    of all starts has no low bits set iff none has: one reduction instead of a modulo and an any()."""
-    if ps & (ps - 1) == 0:
-        return not int(np.bitwise_or.reduce(starts)) & (ps - 1)
-    return not np.count_nonzero(starts % ps)
 
 
 def _is_whole_pages(slots: np.ndarray, ps: int) -> bool:
