@@ -237,6 +237,7 @@ def test_api_key(model_dir):
             resp = _post(srv, "/v1/chat/completions", json=body, headers={"Authorization": header})
             _assert_error(resp, 401, "authentication_error")
         _assert_error(_post(srv, "/generate", json={"text": "x"}), 401, "authentication_error")
+        _assert_error(_post(srv, "/v1/completions", json={"model": MODEL, "prompt": "x"}), 401, "authentication_error")
         _assert_error(httpx.get(srv.url + "/v1/models"), 401, "authentication_error")
         assert httpx.get(srv.url + "/health").status_code == 200  # open for load balancers
         assert httpx.get(srv.url + "/metrics").status_code == 200

@@ -435,8 +435,9 @@ class Server:
         return self.engine
 
     # --- checks --------------------------------------------------------------------------------
-    def check_api_key(self, request: Request) -> None:
-        """FastAPI dependency of the /v1 and /generate routes (``Authorization: Bearer KEY``)."""
+    async def check_api_key(self, request: Request) -> None:
+        """FastAPI dependency of the /v1 and /generate routes (``Authorization: Bearer KEY``); async so
+        that FastAPI runs it on the event loop, not on a worker thread."""
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
