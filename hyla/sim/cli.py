@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -129,9 +130,13 @@ def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     policies = _policies(args.policy or ",".join(POLICIES))
     resolve_model(args.model)  # fail early on a bad model
     sessions = build_sessions(num_sessions=args.sessions)
+    start = time.perf_counter()
     points = run_sharegpt_sweep(sessions, policies, rates, sizes, args.model, args.words_per_minute,
                                 workers=args.workers, show_progress=not args.no_progress)
+    elapsed = time.perf_counter() - start
     summary = summarize(points)
+    print(f"{len(rates) * len(sizes)} configurations x {len(policies)} policies, {len(sessions)} sessions, "
+          f"{args.workers} worker(s): {elapsed:.0f} s")
     print(format_table(points))
     print()
     print(format_summary(summary))

@@ -199,7 +199,10 @@ def simulate(trace: Sequence[TraceRequest], config: SimConfig, show_progress: bo
     kv_bytes = np.zeros(len(trace))
     state_bytes = np.zeros(len(trace))
     order = sorted(range(len(trace)), key=lambda i: trace[i].ts)
-    for j, i in enumerate(tqdm(order, desc=f"{config.policy}", unit="req", disable=not show_progress)):
+    steps: Any = order
+    if show_progress:  # (a disabled tqdm still takes a multiprocessing lock, which sweep workers would leak)
+        steps = tqdm(order, desc=config.policy, unit="req")
+    for j, i in enumerate(steps):
         out = sim.serve(trace[i])
         hits[j], ttft[j] = out.cached_tokens, out.ttft
         kv_bytes[j], state_bytes[j] = sim.kv_bytes(), sim.state_bytes()

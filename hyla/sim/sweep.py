@@ -127,15 +127,16 @@ def format_table(points: Sequence[SweepPoint]) -> str:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    def fmt(v: Any, spec: str) -> str:
-        return "n/a" if v is None else format(v, spec)
+    def fmt(v: Any, spec: str, unit: str) -> str:
+        return format("n/a", ">" + spec.lstrip(">").split(".")[0]) + " " if v is None else format(v, spec) + unit
 
-    lines = [f"{'policy':>8} {'mean hit':>9} {'x block':>8} {'P5 vs lru':>10} {'P50 vs lru':>11} {'P95 vs lru':>11} {'min vs lru':>11}"]
+    lines = [f"{'policy':>8} {'mean hit':>9} {'x block':>8} {'P5 vs lru':>10} {'P50 vs lru':>11} "
+             f"{'P95 vs lru':>11} {'min vs lru':>11}"]
     for policy, s in summary["policies"].items():
         lines.append(
-            f"{policy:>8} {100 * s['mean_token_hit_rate']:>8.2f}% {fmt(s.get('mean_ratio_over_block'), '>7.2f')}x "
-            f"{fmt(s.get('p5_win_over_lru_pct'), '>9.1f')}% {fmt(s.get('p50_win_over_lru_pct'), '>10.1f')}% "
-            f"{fmt(s.get('p95_win_over_lru_pct'), '>10.1f')}% {fmt(s.get('min_win_over_lru_pct'), '>10.1f')}%"
+            f"{policy:>8} {100 * s['mean_token_hit_rate']:>8.2f}% {fmt(s.get('mean_ratio_over_block'), '>7.2f', 'x')} "
+            f"{fmt(s.get('p5_win_over_lru_pct'), '>9.1f', '%')} {fmt(s.get('p50_win_over_lru_pct'), '>10.1f', '%')} "
+            f"{fmt(s.get('p95_win_over_lru_pct'), '>10.1f', '%')} {fmt(s.get('min_win_over_lru_pct'), '>10.1f', '%')}"
         )
     return "\n".join(lines)
 
