@@ -397,7 +397,7 @@ class RadixCache:
         return InsertResult(off, last, num_new, [node.value for node in path])
 
     def _check_checkpoints(self, checkpoints: Iterable[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-        if checkpoints:
+        if list(checkpoints):
             raise ValueError("a KV-only RadixCache stores no state checkpoints (use HybridRadixCache)")
         return []
 
