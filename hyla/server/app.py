@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator, Awaitable
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import decoders
 
@@ -458,7 +459,6 @@ class Server:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> ModelCard:
