@@ -45,7 +45,10 @@ def test_qwen3_next_moe_matches_hf():
     moe.shared_expert.out_proj.weight.copy_(ref.shared_expert.down_proj.weight)
     moe.shared_expert_gate.weight.copy_(ref.shared_expert_gate.weight)
     x = torch.randn(37, 256)
-    assert torch.allclose(moe(x), ref(x[None])[0], atol=1e-5)
+    # random relu² experts give outputs of magnitude ~10²-10³ that partly cancel: bound the error
+    # relative to the output's scale (fp32 rounding of the summands), not absolutely
+    got, want = moe(x), ref(x[None])[0]
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
 @torch.no_grad()
@@ -64,13 +67,16 @@ def test_nemotron_h_grouped_router_and_latent_moe_match_hf():
     moe.latent_out.weight.copy_(ref.fc2_latent_proj.weight)
     moe.shared_expert.in_proj.weight.copy_(ref.shared_experts.up_proj.weight)
     moe.shared_expert.out_proj.weight.copy_(ref.shared_experts.down_proj.weight)
-    x = torch.randn(41, 256)
+    x = torch.randn(41, 256, generator=torch.Generator().manual_seed(0))
     weights, experts = moe.route(x)
     _, ref_weights, ref_experts = ref.gate(x)
     order, ref_order = experts.argsort(-1), ref_experts.argsort(-1)
     assert torch.equal(experts.gather(1, order), ref_experts.gather(1, ref_order))
     assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order), atol=1e-6)
-    assert torch.allclose(moe(x), ref(x[None])[0], atol=1e-5)
+    # random relu² experts give outputs of magnitude ~10²-10³ that partly cancel: bound the error
+    # relative to the output's scale (fp32 rounding of the summands), not absolutely
+    got, want = moe(x), ref(x[None])[0]
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
 def test_run_experts_equals_per_token_loop():

@@ -123,7 +123,7 @@ def test_packed_batch_equals_each_alone(models, arch):
     for ids in prompts:
         alone = TinyRunner(model)
         ref_alone = alone.step([alone.new_seq()], [ids], all_logits=True)
-        assert max_diff(got[start : start + len(ids)], ref_alone) <= 1e-5
+        assert max_diff(got[start : start + len(ids)], ref_alone) <= 1e-4  # the project fp32 tolerance: summation order varies with thread count
         assert max_diff(got[start : start + len(ids)], hf_logits(hf, ids)) <= TOL
         start += len(ids)
     # a packed batch mixing a cached-prefix continuation with fresh prompts, then batched decode
