@@ -212,3 +212,23 @@ def test_internal_error_aborts_the_batch_and_engine_keeps_serving(which, request
     kv, st, tree = engine.kv_pool, engine.state_pool, engine.tree
     assert kv.available_size() + tree.total_size() == kv.size
     assert st.available_size() + tree.num_checkpoints() == st.size
+
+
+def test_queue_limit_counts_requests_not_yet_scheduled_and_streams_submit_eagerly(qwen3_next_dense_path):
+    from hyla.engine.engine import EngineOverloadedError
+
+    with Engine(qwen3_next_dense_path, max_total_tokens=4096, max_state_slots=16, max_running_requests=2,
+                max_queued_requests=3) as eng:
+        with eng._inbox_lock:  # as if three submitted requests had not reached the scheduler yet
+            eng._num_in_inbox += 3
+        with pytest.raises(EngineOverloadedError):
+            eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, stream=True)  # raises before iteration
+
+        async def main():
+            with pytest.raises(EngineOverloadedError):
+                await eng.async_generate(input_ids=[1, 2, 3], sampling_params=GREEDY, stream=True)
+
+        asyncio.run(main())
+        with eng._inbox_lock:
+            eng._num_in_inbox -= 3
+        assert eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 8

@@ -84,6 +84,8 @@ class Engine:
                                    make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._num_in_inbox = 0  # requests submitted but not yet handed to the scheduler
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
@@ -305,16 +307,23 @@ class Engine:
     def _submit(self, reqs: list[Req]) -> None:
         if self._stopped:
             raise RuntimeError("the engine has been shut down")
-        if self.scheduler.num_waiting + len(reqs) > self.args.max_queued_requests:
-            raise EngineOverloadedError(
-                f"{self.scheduler.num_waiting} requests are queued (max_queued_requests={self.args.max_queued_requests})")
+        with self._inbox_lock:  # requests still in the inbox count as queued too
+            queued = self.scheduler.num_waiting + self._num_in_inbox
+            if queued + len(reqs) > self.args.max_queued_requests:
+                raise EngineOverloadedError(
+                    f"{queued} requests are queued (max_queued_requests={self.args.max_queued_requests})")
+            self._num_in_inbox += len(reqs)
         self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
         self._wakeup.set()
 
     def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
+        """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
         sink: queue.SimpleQueue = queue.SimpleQueue()
         req.on_output = lambda r, done: sink.put(done)
         self._submit([req])
+        return self._iterate_sync(req, sink)
+
+    def _iterate_sync(self, req: Req, sink: queue.SimpleQueue) -> Iterator[dict[str, Any]]:
         try:
             while True:
                 done = sink.get()
@@ -327,11 +336,15 @@ class Engine:
             if not req.finished:
                 self.abort(req.rid)
 
-    async def _stream_async(self, req: Req) -> AsyncIterator[dict[str, Any]]:
+    def _stream_async(self, req: Req) -> AsyncIterator[dict[str, Any]]:
+        """Submit now (so a full queue raises in ``async_generate``); iterate later."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         req.on_output = lambda r, done: loop.call_soon_threadsafe(sink.put_nowait, done)
         self._submit([req])
+        return self._iterate_async(req, sink)
+
+    async def _iterate_async(self, req: Req, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
         try:
             while True:
                 done = await sink.get()
@@ -402,6 +415,8 @@ class Engine:
             if cmd == "add":
                 for req in arg:
                     self.scheduler.add_request(req)
+                with self._inbox_lock:
+                    self._num_in_inbox -= len(arg)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
 
