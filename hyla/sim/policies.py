@@ -96,17 +96,6 @@ def hyla_admission(req: TraceRequest, hit: int, branch: int | None) -> Admission
 
 
 # ---- eviction ----------------------------------------------------------------------------------
-def requeue(tree: HybridRadixCache, node: TreeNode) -> None:
-    """Make the tree recompute ``node``'s eviction priority now.
-
-    The tree re-queues a checkpoint with a fresh priority whenever its last state lock is released
-    (see ``hyla/cache/policy.py``), so a lock/unlock pair is the public way to do it. A dedicated
-    ``refresh_priority(node)`` on the tree would say the same more directly.
-    """
-    tree.inc_state_lock(node)
-    tree.dec_state_lock(node)
-
-
 def nearest_checkpoint_depth(node: TreeNode) -> int:
     """Depth of the deepest proper ancestor of ``node`` holding a checkpoint (0: the root)."""
     p = node.parent
@@ -138,8 +127,9 @@ def flops_per_byte(model: CostModel, node: TreeNode) -> float:
 class VictimEviction(EvictionPolicy):
     """Base of policies that pick the victim checkpoint themselves, at eviction time.
 
-    ``choose`` returns the checkpoint to evict; the simulator marks it (``victim``) and re-queues
-    it, so it is the only entry of the tree's state heap below +inf. KV leaves (only garbage left
+    ``choose`` returns the checkpoint to evict; ``SimPolicy.evict_one`` marks it (``victim``) and
+    re-queues it with the tree's ``refresh_priority``, so it is the only entry of the tree's state
+    heap below +inf. KV leaves (only garbage left
     without any checkpoint, in practice) go in LRU order.
     """
 
@@ -253,7 +243,7 @@ class SimPolicy:
             victim = self.eviction.choose(tree, self.clock.now)
             if victim is not None:
                 self.eviction.victim = victim.id
-                requeue(tree, victim)
+                tree.refresh_priority(victim)
                 freed = tree.evict_state(1)
                 self.eviction.victim = None
                 if freed:
