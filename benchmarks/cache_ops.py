@@ -11,10 +11,15 @@ then N lookups (a follow-up request per group: system + group prefix + 256 new t
 ``evict`` half of the tree's KV, then ``evict_state`` half of its checkpoints. Both trees run on
 pools in accounting mode (the same allocator, no tensors), at page sizes 1 and 16.
 
-Hybrid admission is Marconi's: a checkpoint at the dry-run branch point and one at the end of
-each request, nothing else. A prefix shared by a group therefore gets its checkpoint from its
-second occurrence and hits from its third; the KV-only tree hits from the second. "from 3rd"
-is the hit rate over requests that are at least the third of their group.
+Two hybrid admissions:
+* ``hybrid``: Marconi's — a checkpoint at the dry-run branch point and one at the end of each
+  request, nothing else. A prefix shared by a group gets its checkpoint from its second occurrence
+  and hits from its third; the KV-only tree hits from the second.
+* ``hybrid+b``: the engine's admission with message boundaries — also a checkpoint at the end of
+  the system prompt and of the group's shared context (what the engine does for the message ends
+  of a chat, or ``generate(..., checkpoints=[...])``). A shared prefix then hits from its second
+  occurrence, as in the KV-only tree.
+"from 3rd" is the hit rate over requests that are at least the third of their group.
 
     python benchmarks/cache_ops.py                # 10,000 requests, page sizes 1 and 16
     python benchmarks/cache_ops.py --num-requests 2000 --page-sizes 16
@@ -65,7 +70,7 @@ def build(page_size: int, hybrid: bool, num_requests: int) -> RadixCache:
     return HybridRadixCache(kv, states)
 
 
-def run(page_size: int, hybrid: bool, num_requests: int, seed: int) -> dict[str, float]:
+def run(page_size: int, hybrid: bool, num_requests: int, seed: int, boundaries: bool = False) -> dict[str, float]:
     prompts, groups, lookups = make_requests(num_requests, random.Random(seed))
     seen: dict[int, int] = {}
     occurrence = []  # 1 for a group's first request, 2 for its second, ...
@@ -98,7 +103,11 @@ def run(page_size: int, hybrid: bool, num_requests: int, seed: int) -> dict[str,
             t2 = clock()
             branch = cache.branch_point(tokens)
             t_branch.append(clock() - t2)
-            want = sorted({q for q in (branch, len(tokens) - len(tokens) % page_size) if q and q > p})
+            wanted = [branch, len(tokens)]
+            if boundaries:
+                wanted += [SYSTEM_LEN, SYSTEM_LEN + GROUP_LEN]  # the message ends
+            want = sorted({q - q % page_size for q in wanted if q} - {0})
+            want = [q for q in want if q > p]
             slots = cache.state_pool.alloc(len(want)).tolist()  # stands for the model's checkpoint states
             ckpts = list(zip(want, slots))
         t2 = clock()
@@ -148,9 +157,9 @@ def main() -> None:
     print(f"{'tree':<8}{'page':>5}{'match µs':>10}{'insert µs':>11}{'branch µs':>11}{'lookup µs':>11}"
           f"{'evict KV ms':>13}{'evict st ms':>13}{'hit rate':>10}{'from 3rd':>10}{'lookup hit':>12}")
     for ps in args.page_sizes:
-        for hybrid in (False, True):
-            r = run(ps, hybrid, args.num_requests, args.seed)
-            print(f"{'hybrid' if hybrid else 'kv-only':<8}{ps:>5}{r['match_us']:>10.1f}{r['insert_us']:>11.1f}"
+        for name, hybrid, boundaries in (("kv-only", False, False), ("hybrid", True, False), ("hybrid+b", True, True)):
+            r = run(ps, hybrid, args.num_requests, args.seed, boundaries)
+            print(f"{name:<8}{ps:>5}{r['match_us']:>10.1f}{r['insert_us']:>11.1f}"
                   f"{r.get('branch_us', float('nan')):>11.1f}{r['lookup_us']:>11.1f}{r['evict_kv_ms']:>13.1f}"
                   f"{r.get('evict_state_ms', float('nan')):>13.1f}{100 * r['hit_rate']:>9.2f}%"
                   f"{100 * r['steady_hit_rate']:>9.2f}%{100 * r['lookup_hit_rate']:>11.2f}%")
