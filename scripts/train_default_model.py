@@ -40,6 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from hyla.engine.tokenizer import Tokenizer, render_chat_template  # noqa: E402
+from hyla.sim.sharegpt import iter_json_list  # noqa: E402  (the truncated-list parser)
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -174,18 +175,7 @@ def iter_sharegpt() -> Iterator[dict[str, Any]]:
 
     with open_dataset("rb") as f:
         text = f.read().decode("utf-8", errors="replace")
-    decoder = json.JSONDecoder()
-    pos = text.index("[") + 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the truncated tail
-        yield item
+    yield from iter_json_list(text)
 
 
 def to_messages(item: dict[str, Any], cfg: TrainConfig) -> list[dict[str, str]] | None:
