@@ -129,8 +129,8 @@ class VictimEviction(EvictionPolicy):
 
     ``choose`` returns the checkpoint to evict; ``SimPolicy.evict_one`` marks it (``victim``) and
     re-queues it with the tree's ``refresh_priority``, so it is the only entry of the tree's state
-    heap below +inf. KV leaves (only garbage left
-    without any checkpoint, in practice) go in LRU order.
+    heap below +inf. KV leaves (in practice only garbage left without any checkpoint) go in LRU
+    order.
     """
 
     structural = False
@@ -215,7 +215,8 @@ class HylaEviction(VictimEviction):
 # ---- policies ----------------------------------------------------------------------------------
 class SimPolicy:
     """One run's policy: its admission rule, the ``EvictionPolicy`` ordering the tree's heaps, and
-    how to free one unit of memory. ``attach`` hands it the tree and the tree's logical clock."""
+    how to free one unit of memory. ``attach`` hands it the tree's logical clock (ages are in its
+    ticks)."""
 
     name = "base"
     kv_first = False  # block: evict KV leaves (with their checkpoints) rather than checkpoints
@@ -224,11 +225,9 @@ class SimPolicy:
         self.model = model
         self.admission_rule = admission
         self.eviction = eviction
-        self.tree: HybridRadixCache | None = None
         self.clock: Any = None
 
-    def attach(self, tree: HybridRadixCache, clock: Any) -> None:
-        self.tree = tree
+    def attach(self, clock: Any) -> None:
         self.clock = clock
 
     def admission(self, req: TraceRequest, hit: int, branch: int | None) -> Admission:
@@ -350,8 +349,8 @@ class HylaPolicy(SimPolicy):
         self.ghosts: list[Any] = []
         self.scores = [0.0] * len(self.arms)
 
-    def attach(self, tree: HybridRadixCache, clock: Any) -> None:
-        super().attach(tree, clock)
+    def attach(self, clock: Any) -> None:
+        super().attach(clock)
         from hyla.sim.simulator import SimConfig, Simulator  # the ghosts are simulators themselves
 
         self.ghosts = [Simulator(SimConfig(self.model, "hyla", self.cache_bytes, policy_options=(("alpha", a),)))

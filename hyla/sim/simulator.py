@@ -112,7 +112,7 @@ class Simulator:
         self.policy: SimPolicy = make_policy(config.policy, config.model, config.cache_bytes,
                                              **dict(config.policy_options))
         self.tree = HybridRadixCache(self.kv_pool, self.state_pool, policy=self.policy.eviction, clock=self.clock)
-        self.policy.attach(self.tree, self.clock)
+        self.policy.attach(self.clock)
         self._kvb = self.kv_pool.bytes_per_token
         self._sb = self.state_pool.bytes_per_slot
         assert (self._kvb, self._sb) == (self.model.kv_bytes_per_token, self.model.state_bytes_per_slot)
