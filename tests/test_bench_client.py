@@ -76,6 +76,10 @@ def _make_app(log: list[dict]) -> FastAPI:
         finally:
             state["in_flight"] -= 1
 
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
+
     @app.post("/v1/completions")
     async def completions(req: Request):
         body = await req.json()
@@ -237,3 +241,4 @@ def test_cli_writes_output_file(server, tmp_path, capsys):
     # 4 prompts with the same 6-word prefix (plus "User:"): later ones hit it on the stub
     assert s["cached_tokens"] >= 3 * 7
     assert len(record["requests"]) == 4 and record["config"]["request_rate"] == 50.0
+    assert record["config"]["model"] == "stub-model"  # no --model: the server's first listed model

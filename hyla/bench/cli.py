@@ -13,6 +13,8 @@ import json
 import math
 import sys
 
+import httpx
+
 from hyla.bench.backends import BACKENDS
 from hyla.bench.datasets import random_sessions, sharegpt_sessions
 from hyla.bench.metrics import format_report, summarize
@@ -23,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root URL")
     parser.add_argument("--backend", choices=BACKENDS, default="openai",
                         help="openai: /v1/completions; openai-chat: /v1/chat/completions; hyla: native /generate")
-    parser.add_argument("--model", default="default", help="model name sent in OpenAI requests")
+    parser.add_argument("--model", default=None,
+                        help="model name sent in OpenAI requests (default: the first one the server's /v1/models lists)")
     parser.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
     parser.add_argument("--num-prompts", type=int, default=100,
                         help="sessions (sharegpt) or requests (random)")
@@ -47,6 +50,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
+def served_model(base_url: str, timeout: float) -> str:
+    """The first model id a server lists at ``GET /v1/models`` (what OpenAI clients would pick)."""
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
+        resp.raise_for_status()
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"could not read the model name from {base_url}/v1/models ({e}); pass --model") from e
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.dataset == "random":
@@ -56,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             sessions = sharegpt_sessions(args.num_prompts, args.sharegpt_min_turns, args.sharegpt_max_turns,
                                          args.sharegpt_output_len)
+        args.model = args.model or served_model(args.base_url, args.timeout)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
             args.seed, not args.disable_tqdm, args.timeout))
