@@ -263,7 +263,12 @@ def test_full_queue_is_429_with_retry_after(model_dir):
             async with client.stream("POST", "/v1/chat/completions", json=long) as running:
                 assert running.status_code == 200
                 lines = running.aiter_lines()
-                await anext(lines)  # the first request is decoding
+                await anext(lines)
+                deadline = time.monotonic() + 10
+                # the first SSE line can precede admission: wait until the engine runs the request
+                while engine.get_stats()["num_running_requests"] < 1:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
                 queued = asyncio.create_task(client.post("/v1/chat/completions", json={**long, "stream": False}))
                 deadline = time.monotonic() + 10
                 while engine.get_stats()["num_queued_requests"] < 1:  # the second one waits

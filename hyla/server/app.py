@@ -215,9 +215,7 @@ class Generation:
                 gen.choices.append(choice)
                 gen._tasks.append(asyncio.create_task(gen._pump(choice, stream)))
             gen._num_open = len(gen._tasks)
-            await asyncio.sleep(0)  # let every pump take its first step: the engine submits there
-            gen._raise_early_error()
-        except BaseException:
+        except BaseException:  # e.g. EngineOverloadedError from a later job: abort the earlier ones
             gen.close()
             raise
         return gen
@@ -228,20 +226,10 @@ class Generation:
                 self._queue.put_nowait((choice, chunk))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # EngineOverloadedError, or an engine failure
+        except Exception as exc:  # an engine failure mid-stream
             self._queue.put_nowait((choice, exc))
         finally:
             self._queue.put_nowait((choice, _END))
-
-    def _raise_early_error(self) -> None:
-        """Raise a submission error a pump has queued (the engine submits on a stream's first step)."""
-        items = []
-        while not self._queue.empty():
-            items.append(self._queue.get_nowait())
-        for item in items:
-            if isinstance(item[1], BaseException):
-                raise item[1]
-            self._queue.put_nowait(item)
 
     async def events(self) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
         """``(choice, chunk)`` for every engine chunk, in arrival order, each already folded into
