@@ -22,26 +22,27 @@ nodes are created (insert or split), refreshed by a hit or an insert, and remove
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hyla.cache.radix_cache import TreeNode
 
 
-class EvictionPolicy:
+class EvictionPolicy(abc.ABC):
     """Interface. Subclasses implement the two priorities; the hooks default to no-ops."""
 
     structural: bool = True
     """Whether priorities depend on structure (children, edge length): then the tree re-queues a
     node whenever its structure changes. Plain recency policies set it to False."""
 
+    @abc.abstractmethod
     def kv_priority(self, node: "TreeNode") -> float:
         """Priority of an unlocked leaf in the KV heap (lower = evicted first)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def state_priority(self, node: "TreeNode") -> float:
         """Priority of an unlocked checkpoint in the state heap (lower = evicted first)."""
-        raise NotImplementedError
 
     def on_create(self, node: "TreeNode") -> None:
         """A node was created (a new leaf, or the upper half of a split edge)."""

@@ -402,7 +402,9 @@ class RadixCache:
         return []
 
     def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int]], now: float) -> int:
-        raise NotImplementedError  # only the hybrid tree has checkpoints
+        """Hook: the hybrid tree stores checkpoints; the KV-only tree has none to attach
+        (``_check_checkpoints`` refused any), so it adopts nothing."""
+        return 0
 
     def _free_duplicates(self, kv: np.ndarray, path: list[TreeNode]) -> None:
         """Free the caller's slots for the tokens the tree already holds (``path``), except those

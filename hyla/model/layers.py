@@ -12,6 +12,7 @@ back; routers, gates and recurrent states are fp32; the small SSM parameters (``
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -488,7 +489,7 @@ def linear_specs(target: str, sources: Sequence[str], bias: bool) -> list[Weight
     return specs
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(nn.Module, abc.ABC):
     """Embedding -> hybrid layers -> final norm -> lm_head, driven by a ``ForwardBatch``.
 
     Subclasses (one per architecture) build ``self.layers`` from the config and describe how HF
@@ -508,12 +509,14 @@ class HybridForCausalLM(nn.Module):
         self.mtp_weights: dict[str, torch.Tensor] = {}
 
     # --- construction (architecture files override) ---
+    @abc.abstractmethod
     def build_layer(self, index: int) -> HybridLayer:
-        raise NotImplementedError
+        """Layer ``index`` of this architecture, from ``self.config``."""
 
     @classmethod
+    @abc.abstractmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
-        raise NotImplementedError
+        """Every tensor the Hugging Face checkpoint must hold, and where it goes."""
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:

@@ -21,6 +21,7 @@ memory is needed and hand it to the tree's heap at priority -inf; every other ch
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -140,8 +141,9 @@ class VictimEviction(EvictionPolicy):
         self.alpha = alpha
         self.victim: int | None = None
 
+    @abc.abstractmethod
     def choose(self, tree: HybridRadixCache, now: float) -> TreeNode | None:
-        raise NotImplementedError
+        """The checkpoint to evict next, or None."""
 
     def kv_priority(self, node: TreeNode) -> float:
         return node.last_access
