@@ -283,7 +283,7 @@ class Scheduler:
         if end < req.num_fill:
             wanted.add(end)  # (1) chunk boundary of a chunked prefill
         wanted.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
-        if getattr(req, "branch_point", None):
+        if req.branch_point:
             wanted.add(req.branch_point)  # (3) where a future insert branches off the tree
         out = sorted({p - p % grid for p in wanted if 0 < p <= req.num_fill})
         return [p for p in out if start < p <= end]
@@ -482,8 +482,7 @@ class Scheduler:
         kv = self.req_to_token.read(row, 0, end)
         res = self.tree.insert(req.fill_ids[:end], kv, checkpoints=ckpts, namespace=req.namespace)
         # the tree may have freed our duplicates: point the row at the tree's canonical slots
-        canonical = self.tree.match_kv(req.fill_ids[:end], namespace=req.namespace)
-        self.req_to_token.write(row, 0, canonical)
+        self.req_to_token.write(row, 0, res.kv_indices)
         self.tree.inc_lock_ref(res.last_node)
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
