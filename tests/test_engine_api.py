@@ -157,7 +157,7 @@ def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
     (dict(page_size=0), "page_size"),
     (dict(dtype="float64"), "dtype"),
     (dict(schedule_policy="random"), "schedule_policy"),
-    (dict(state_memory_ratio=1.5), "state_memory_ratio"),
+    (dict(state_memory_ratio=0), "state_memory_ratio"),
     (dict(max_state_slots=4, max_running_requests=4), "max_running_requests"),
     (dict(chunked_prefill_size=8, page_size=16), "chunked_prefill_size"),
     (dict(bogus_option=1), "bogus_option"),

@@ -66,7 +66,7 @@ def test_help_explains_every_flag(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--page-size", "0"], "page_size"),
     (["--dtype", "int3"], "dtype"),
-    (["--state-memory-ratio", "1.5"], "state_memory_ratio"),
+    (["--state-memory-ratio", "-0.5"], "state_memory_ratio"),
     (["--model", "/no/such/dir"], "config.json"),
     (["--port", "70000"], "--port"),
 ])

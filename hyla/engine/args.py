@@ -27,7 +27,7 @@ class EngineArgs:
     max_running_requests: int | None = _opt(None, "Max requests decoding at once. Default: from the state pool size.")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens. Default: from available memory.")
     max_state_slots: int | None = _opt(None, "State pool size in slots (running states + cached checkpoints). Default: from available memory.")
-    state_memory_ratio: float = _opt(0.5, "Share of the cache memory budget given to the state pool (the rest is KV).")
+    state_memory_ratio: float = _opt(0.9, "State-pool bytes per KV-pool byte when sizes come from memory (SGLang's --mamba-full-memory-ratio).")
     mem_fraction: float = _opt(0.0, "Share of free device memory for the cache pools; 0 = 0.85 on GPU, 0.1 of RAM on CPU.")
     context_length: int | None = _opt(None, "Max prompt + output tokens. Default: the model's max_position_embeddings.")
     schedule_policy: str = _opt("lpm", f"Waiting-queue order, one of {POLICIES} (lpm = longest cached prefix first).")
@@ -56,8 +56,9 @@ class EngineArgs:
             pos_int(name, allow_none=True)
         if self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size ({self.page_size})")
-        if not 0.0 < self.state_memory_ratio < 1.0:
-            raise ValueError(f"state_memory_ratio must be in (0, 1), got {self.state_memory_ratio}")
+        if isinstance(self.state_memory_ratio, bool) or not isinstance(self.state_memory_ratio, (int, float)) \
+                or not 0.0 < self.state_memory_ratio <= 100.0:
+            raise ValueError(f"state_memory_ratio must be in (0, 100], got {self.state_memory_ratio!r}")
         if not 0.0 <= self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
-from hyla.cache import HybridRadixCache, KVPool, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import HybridRadixCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.request import Req
@@ -100,13 +100,12 @@ class Engine:
         dtype_bytes = torch.finfo(self.dtype).bits // 8
         kv_bytes = cfg.kv_bytes_per_token(dtype_bytes)
         state_bytes = cfg.state_bytes_per_slot(dtype_bytes)
-        budget = _cache_budget_bytes(self.device, args.mem_fraction, self.model)
-        num_tokens = args.max_total_tokens or max(
-            4 * args.page_size, int(budget * (1 - args.state_memory_ratio) / max(1, kv_bytes)))
-        num_tokens = min(num_tokens, 1 << 22) if args.max_total_tokens is None else num_tokens
-        num_slots = args.max_state_slots or max(
-            8, int(budget * args.state_memory_ratio / max(1, state_bytes)))
-        num_slots = min(num_slots, 4096) if args.max_state_slots is None else num_slots
+        # sizes not given explicitly come from one memory budget split by SGLang's ratio, capped
+        # (a CPU's RAM would otherwise give millions of slots nobody uses)
+        split = split_memory(_cache_budget_bytes(self.device, args.mem_fraction), args.state_memory_ratio,
+                             kv_bytes, state_bytes, args.page_size)
+        num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), 1 << 22)
+        num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), 4096)
         if num_slots < 2:
             raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
         self.max_running_requests = args.max_running_requests or max(1, min(256, num_slots // 2))
@@ -435,7 +434,8 @@ def _load_tokenizer(path: Path):
     return Tokenizer.from_pretrained(path)
 
 
-def _cache_budget_bytes(device: torch.device, mem_fraction: float, model: torch.nn.Module) -> int:
+def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:
+    """Bytes for the cache pools: a share of what is free now (after the weights were loaded)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * (mem_fraction or 0.85))
