@@ -153,6 +153,18 @@ def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
     engine.check_integrity()
 
 
+def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
+    stream = engine.generate(input_ids=_ids(10, 12), rid="dup", stream=True,
+                             sampling_params={"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})
+    next(stream)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.generate(input_ids=[_ids(5, 1), _ids(5, 2)], rid=["x", "x"], sampling_params=GREEDY)
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert engine.generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY)["meta_info"]["id"] == "dup"
+
+
 @pytest.mark.parametrize("opts, match", [
     (dict(page_size=0), "page_size"),
     (dict(dtype="float64"), "dtype"),

@@ -86,6 +86,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
         self._num_in_inbox = 0  # requests submitted but not yet handed to the scheduler
+        self._live_rids: set[str] = set()  # submitted and not finished: abort(rid) must be unambiguous
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
@@ -307,13 +308,29 @@ class Engine:
         if self._stopped:
             raise RuntimeError("the engine has been shut down")
         with self._inbox_lock:  # requests still in the inbox count as queued too
+            rids = [r.rid for r in reqs]
+            clash = (set(rids) & self._live_rids) | {r for r in rids if rids.count(r) > 1}
+            if clash:
+                raise ValueError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live requests")
             queued = self.scheduler.num_waiting + self._num_in_inbox
             if queued + len(reqs) > self.args.max_queued_requests:
                 raise EngineOverloadedError(
                     f"{queued} requests are queued (max_queued_requests={self.args.max_queued_requests})")
             self._num_in_inbox += len(reqs)
+            self._live_rids.update(rids)
+        for req in reqs:
+            req.on_output = self._forget_rid_when_done(req.on_output)
         self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
         self._wakeup.set()
+
+    def _forget_rid_when_done(self, on_output):
+        def wrapped(req: Req, done: bool) -> None:
+            if done:
+                with self._inbox_lock:
+                    self._live_rids.discard(req.rid)
+            if on_output is not None:
+                on_output(req, done)
+        return wrapped
 
     def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
