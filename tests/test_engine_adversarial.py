@@ -8,6 +8,7 @@ request-table row is free or held by the tree."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import random
 
 import pytest
@@ -266,3 +267,43 @@ def test_stream_closed_early_aborts_and_frees(qwen3_next_dense_path):
         _drained(eng)
         assert eng._thread.is_alive()
         assert eng.get_stats()["num_generated_tokens"] < 2000
+
+
+# --- regressions for bugs this file found ------------------------------------------------------
+
+
+def test_checkpoints_beyond_the_state_pool_do_not_block_admission(qwen3_next_dense_path):
+    """More checkpoints than state slots: checkpoints are best effort, admission must not wait for
+    them (it used to require one slot per checkpoint and blocked the queue forever)."""
+    with Engine(qwen3_next_dense_path, max_total_tokens=2048, max_state_slots=4, max_running_requests=2,
+                chunked_prefill_size=512, debug_checks=True) as eng:
+        done: dict = {}
+        th = threading.Thread(daemon=True, target=lambda: done.setdefault("outs", eng.generate(
+            input_ids=[_ids(60, 1), _ids(30, 2)], sampling_params=_greedy(4), checkpoints=[[10, 20, 30, 40], []])))
+        th.start()
+        th.join(timeout=30)
+        assert "outs" in done, f"requests never admitted: {eng.get_stats()}"
+        assert [o["meta_info"]["finish_reason"]["type"] for o in done["outs"]] == ["length", "length"]
+        _drained(eng)
+
+
+def test_a_consumer_on_a_closed_event_loop_loses_only_its_request(qwen3_next_dense_path):
+    """A stream's asyncio loop closes before its request ends: delivering to it fails. That must
+    abort that request only; the scheduler thread lives on and serves the next request."""
+    with Engine(qwen3_next_dense_path, max_total_tokens=2048, max_state_slots=16, max_running_requests=4,
+                debug_checks=True) as eng:
+        runner = eng.scheduler.runner
+        real, gate = runner.forward_decode, threading.Event()
+        runner.forward_decode = lambda reqs, loc: (gate.wait(10), real(reqs, loc))[1]
+        loop = asyncio.new_event_loop()
+        stream = loop.run_until_complete(eng.async_generate(
+            input_ids=_ids(20, 3), sampling_params=_greedy(500), stream=True))
+        loop.run_until_complete(stream.__anext__())
+        loop.run_until_complete(stream.aclose())
+        loop.close()
+        gate.set()
+        runner.forward_decode = real
+        out = eng.generate(input_ids=_ids(20, 4), sampling_params=_greedy(4))
+        assert eng._thread.is_alive()
+        assert out["meta_info"]["finish_reason"]["type"] == "length"
+        _drained(eng)

@@ -230,9 +230,10 @@ class Engine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+        with self._inbox_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout=30)
 
@@ -305,9 +306,9 @@ class Engine:
                    return_logprob=return_logprob, generator=gen)
 
     def _submit(self, reqs: list[Req]) -> None:
-        if self._stopped:
-            raise RuntimeError("the engine has been shut down")
         with self._inbox_lock:  # requests still in the inbox count as queued too
+            if self._stopped:  # checked under the lock shutdown() sets it under: no request slips past
+                raise RuntimeError("the engine has been shut down")
             rids = [r.rid for r in reqs]
             clash = (set(rids) & self._live_rids) | {r for r in rids if rids.count(r) > 1}
             if clash:
@@ -318,9 +319,9 @@ class Engine:
                     f"{queued} requests are queued (max_queued_requests={self.args.max_queued_requests})")
             self._num_in_inbox += len(reqs)
             self._live_rids.update(rids)
-        for req in reqs:
-            req.on_output = self._forget_rid_when_done(req.on_output)
-        self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
+            for req in reqs:
+                req.on_output = self._forget_rid_when_done(req.on_output)
+            self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
         self._wakeup.set()
 
     def _forget_rid_when_done(self, on_output):

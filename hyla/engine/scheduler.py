@@ -234,10 +234,10 @@ class Scheduler:
             req.branch_point = self.tree.branch_point(req.fill_ids, namespace=req.namespace)
         req.kv_len = prefix_len
         n = self._chunk_len(req, budget)
-        num_ckpt = len(self.checkpoint_positions(req, prefix_len, prefix_len + n))
         ok = (
-            self.req_to_token.available_size() > 0
-            and self._ensure_state(batch.num_ckpt + 1 + num_ckpt)
+            n > 0  # a budget too small for one page: admit next step
+            and self.req_to_token.available_size() > 0
+            and self._ensure_state(1)  # its own slot; checkpoints are best effort (run_prefill)
             and self._ensure_kv(batch.kv_tokens + self._pages_tokens(prefix_len, n) + self._decode_reserve())
         )
         if ok:
@@ -288,6 +288,18 @@ class Scheduler:
         out = sorted({p - p % grid for p in wanted if 0 < p <= req.num_fill})
         return [p for p in out if start < p <= end]
 
+    def _fit_checkpoints(self, ckpt_pos: list[list[int]]) -> list[list[int]]:
+        """Keep the checkpoints the state pool can hold (evicting for them if needed). Checkpoints
+        only make later hits possible; fewer of them never changes an output. When short, the
+        positions furthest into each prompt are kept first (they skip the most compute)."""
+        wanted = sum(len(p) for p in ckpt_pos)
+        if not wanted or self._ensure_state(wanted):
+            return ckpt_pos
+        room = self.state_pool.available_size()
+        ranked = sorted(((p, i) for i, positions in enumerate(ckpt_pos) for p in positions), reverse=True)
+        keep = set(ranked[:room])
+        return [[p for p in positions if (p, i) in keep] for i, positions in enumerate(ckpt_pos)]
+
     def run_prefill(self, batch: "PrefillBatch") -> None:
         reqs, lens, ckpt_pos = batch.reqs, batch.lens, batch.ckpt_pos
         # KV for the new tokens: continue each request's last partial page first
@@ -300,10 +312,8 @@ class Scheduler:
         # fresh state slots for the checkpoints (the tree takes ownership on insert)
         ckpts: list[tuple[int, int, int]] = []  # (batch index, tokens consumed in this extend, slot)
         ckpt_owner: list[tuple[Req, int, int]] = []  # (req, absolute length, slot)
+        ckpt_pos = self._fit_checkpoints(ckpt_pos)
         num_ckpt = sum(len(p) for p in ckpt_pos)
-        if num_ckpt and not self._ensure_state(num_ckpt):
-            ckpt_pos = [[] for _ in reqs]  # no room for checkpoints this step: exact, just fewer hits
-            num_ckpt = 0
         slots = self.state_pool.alloc(num_ckpt).tolist() if num_ckpt else []
         it = iter(slots)
         for i, (r, positions) in enumerate(zip(reqs, ckpt_pos)):
@@ -418,23 +428,39 @@ class Scheduler:
         now = time.monotonic()
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             r.output_ids.append(tok)
+            text = r.text
             if self.make_detokenizer is not None:
                 if r.detokenizer is None:
                     r.detokenizer = self.make_detokenizer(r)
-                r.text += r.detokenizer.step(tok)
+                text += r.detokenizer.step(tok)
             if r.return_logprob:
                 r.output_logprobs.append(lp)
                 r.output_top_logprobs.append(top)
             if r.first_token_time is None:
                 r.first_token_time = now
             self.stats.num_generated_tokens += 1
-            reason = self._check_finished(r)
+            reason = self._check_finished(r, text)
             if reason is not None:
                 self._finish(r, reason)
-            elif r.on_output is not None:
-                r.on_output(r, False)
+            else:
+                self._notify(r, False)
 
-    def _check_finished(self, req: Req) -> dict[str, Any] | None:
+    def _notify(self, req: Req, done: bool) -> None:
+        """Hand ``req``'s progress to its consumer. A consumer that fails (e.g. its asyncio loop is
+        closed) loses its request, and only that: the request is aborted, the engine goes on."""
+        if req.on_output is None:
+            return
+        try:
+            req.on_output(req, done)
+        except Exception:
+            logger.warning("the consumer of request %s failed; aborting it", req.rid, exc_info=True)
+            if not done:  # the abort notifies once more (done=True); a failure there is only logged
+                self.abort(req.rid, message="the consumer of this request failed")
+
+    def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
+        """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that
+        token; it becomes ``req.text`` here, cut before a stop string, so a stream reading
+        ``req.text`` concurrently never sees any part of a stop string."""
         tok = req.output_ids[-1]
         p = req.sampling
         if tok in p.stop_token_ids:
@@ -444,12 +470,13 @@ class Scheduler:
         if p.stop and req.detokenizer is not None:
             # only the tail can hold a new match: the text before it was checked on earlier tokens
             start = max(0, req.num_checked_chars - max(len(s) for s in p.stop) + 1)
-            hits = [(pos, s) for s in p.stop if (pos := req.text.find(s, start)) >= 0]
-            req.num_checked_chars = len(req.text)
+            hits = [(pos, s) for s in p.stop if (pos := text.find(s, start)) >= 0]
+            req.num_checked_chars = len(text)
             if hits:
                 pos, s = min(hits)
-                req.text = req.text[:pos]
+                req.text = text[:pos]
                 return {"type": "stop", "matched": s}
+        req.text = text
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if req.num_fill >= self.config.max_context_len:
@@ -464,8 +491,7 @@ class Scheduler:
             self._release(req, insert=True)
         req.status = ReqStatus.FINISHED
         self.stats.num_requests_finished += 1
-        if req.on_output is not None:
-            req.on_output(req, True)
+        self._notify(req, True)
 
     # ------------------------------------------------------------------------------------------
     # cache flow
