@@ -6,10 +6,18 @@ the benchmarks) so engine and server tests can reuse them.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI replays the same examples on every run (a red CI must be reproducible and never a lucky draw);
+# local runs keep exploring new ones. Select explicitly with --hypothesis-profile.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
