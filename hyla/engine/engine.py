@@ -36,11 +36,11 @@ from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.model import load_model
+from hyla.model.config import parse_dtype
 
 logger = logging.getLogger("hyla.engine")
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineOverloadedError(RuntimeError):
@@ -55,7 +55,7 @@ class Engine:
             raise ValueError(f"no config.json in model directory {str(path)!r}")
         self.model_path = path
         self.device = torch.device(self.args.device)
-        self.dtype = _DTYPES[self.args.dtype]
+        self.dtype = parse_dtype(self.args.dtype)
         torch.manual_seed(self.args.seed)
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
@@ -65,8 +65,6 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
         self._build_pools()
-        self.context_length = min(
-            self.args.context_length or self.model_config.max_position_embeddings, self.kv_pool.size)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
         sched_cfg = SchedulerConfig(
             page_size=self.args.page_size,
@@ -119,8 +117,8 @@ class Engine:
                               cfg.head_dim, self.dtype, self.device)
         self.state_pool = StatePool(num_slots, cfg.num_linear_layers, cfg.conv_shape, cfg.conv_dtype,
                                     cfg.ssm_shape, cfg.ssm_dtype, self.device)
-        max_ctx = min(self.args.context_length or cfg.max_position_embeddings, num_tokens)
-        self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, max_ctx + args.page_size)
+        self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens)
+        self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
             tree_cls = HybridRadixCache if cfg.num_linear_layers else RadixCache
             kwargs = dict(kv_pool=self.kv_pool, page_size=args.page_size)
@@ -163,7 +161,7 @@ class Engine:
         for req, sink in zip(reqs, sinks):
             req.on_output = _final_only(lambda r, done, s=sink: s.put(r))
         self._submit(reqs)
-        outs = [self._output(sink.get(), final=True) for sink in sinks]
+        outs = [self._output(sink.get()) for sink in sinks]
         return outs[0] if single else outs
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -188,7 +186,7 @@ class Engine:
             for req in reqs:
                 self.abort(req.rid)
             raise
-        outs = [self._output(r, final=True) for r in done]
+        outs = [self._output(r) for r in done]
         return outs[0] if single else outs
 
     def abort(self, rid: str) -> None:
@@ -383,7 +381,7 @@ class Engine:
         return self.tokenizer.detokenizer(prompt_ids=req.input_ids,
                                           skip_special_tokens=req.sampling.skip_special_tokens)
 
-    def _output(self, req: Req, final: bool) -> dict[str, Any]:
+    def _output(self, req: Req) -> dict[str, Any]:
         return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
 
     def _delta(self, req: Req, final: bool) -> dict[str, Any] | None:

@@ -51,7 +51,6 @@ class Req:
     cache_protected_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     admitted_once: bool = False
-    num_retractions: int = 0
     req_pool_idx: int | None = None
     state_slot: int | None = None
     last_node: Any = None
@@ -59,7 +58,6 @@ class Req:
     pending_ckpt: tuple[int, int] | None = None  # (length, forked slot) awaiting insert at finish
     finished_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
-    first_token_time: float | None = None
 
     # --- output ----------------------------------------------------------------------------
     output_logprobs: list[float] = field(default_factory=list)

@@ -407,7 +407,6 @@ class Scheduler:
         Its output so far is kept; it resumes by prefilling prompt + output (mostly cache hits)."""
         self._release(req, insert=True)
         req.status = ReqStatus.WAITING
-        req.num_retractions += 1
         self.stats.num_retractions += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
@@ -425,7 +424,6 @@ class Scheduler:
             return
         sreqs = [reqs[i] for i in to_sample]
         out = sample(logits[to_sample], sreqs)
-        now = time.monotonic()
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             r.output_ids.append(tok)
             text = r.text
@@ -436,8 +434,6 @@ class Scheduler:
             if r.return_logprob:
                 r.output_logprobs.append(lp)
                 r.output_top_logprobs.append(top)
-            if r.first_token_time is None:
-                r.first_token_time = now
             self.stats.num_generated_tokens += 1
             reason = self._check_finished(r, text)
             if reason is not None:
