@@ -396,9 +396,15 @@ class Engine:
         new_text = text[req.num_streamed_chars:]
         if not ids and not new_text and not final:
             return None
+        start = req.num_streamed_ids
         req.num_streamed_ids = num_ids
         req.num_streamed_chars = len(text)
-        return {"text": new_text, "output_ids": ids, "meta_info": req.meta_info()}
+        meta = req.meta_info(logprob_start=start)
+        if "output_token_logprobs" in meta:  # only this chunk's tokens (the scheduler may be ahead)
+            meta["output_token_logprobs"] = meta["output_token_logprobs"][:len(ids)]
+            if "output_top_logprobs" in meta:
+                meta["output_top_logprobs"] = meta["output_top_logprobs"][:len(ids)]
+        return {"text": new_text, "output_ids": ids, "meta_info": meta}
 
     # ------------------------------------------------------------------------------------------
     # the scheduler thread

@@ -99,7 +99,9 @@ class Req:
                 f"req {self.rid}: broken lengths protected={self.cache_protected_len} kv={self.kv_len} fill={self.num_fill}"
             )
 
-    def meta_info(self) -> dict[str, Any]:
+    def meta_info(self, logprob_start: int = 0) -> dict[str, Any]:
+        """SGLang's ``meta_info``; logprobs of output tokens from ``logprob_start`` on (a stream
+        chunk carries only its own tokens' logprobs)."""
         info: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": len(self.input_ids),
@@ -108,7 +110,7 @@ class Req:
             "finish_reason": self.finished_reason,
         }
         if self.return_logprob:
-            info["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.output_logprobs, self.output_ids)]
+            info["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.output_logprobs[logprob_start:], self.output_ids[logprob_start:])]
             if self.sampling.top_logprobs_num:
-                info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs]
+                info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs[logprob_start:]]
         return info

@@ -255,7 +255,13 @@ class Generation:
             choice.last_token_time = now
         choice.text += chunk["text"]
         choice.output_ids.extend(chunk["output_ids"])
-        choice.meta = chunk["meta_info"]
+        meta = dict(chunk["meta_info"])
+        for key in ("output_token_logprobs", "output_top_logprobs"):  # a chunk carries only its own
+            if key in meta:
+                acc = choice.meta.get(key, [])
+                acc.extend(meta[key])
+                meta[key] = acc
+        choice.meta = meta
         if choice.finish_reason is not None:
             self.metrics.observe_request(self.endpoint, choice.finish_reason["type"], self.arrival,
                                          choice.first_token_time, choice.last_token_time, len(choice.output_ids))
