@@ -203,7 +203,7 @@ def test_stop_at_first_token_and_eos(qwen3_next_dense_path, ref):
             assert o["output_ids"] == full[:1]
             assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": full[0]}
         eos = full[4]
-        eng.scheduler.eos_token_ids = {eos}  # as if the model's eos were this token
+        eng.scheduler.output.eos_token_ids = {eos}  # as if the model's eos were this token
         stopped = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 10})
         assert stopped["output_ids"] == full[: full.index(eos) + 1]
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}

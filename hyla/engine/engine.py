@@ -31,7 +31,9 @@ import torch
 
 from hyla.cache import HybridRadixCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
+from hyla.engine.cache_manager import CacheManager
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
@@ -65,21 +67,20 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
         self._build_pools()
+        self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
+                                  checkpoint_alignment=self.args.checkpoint_alignment)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
+        output = OutputProcessor(self.eos_token_ids, self.context_length,
+                                 make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None)
         sched_cfg = SchedulerConfig(
             page_size=self.args.page_size,
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
-            max_context_len=self.context_length,
             schedule_policy=self.args.schedule_policy,
-            enable_prefix_cache=self.args.enable_prefix_cache,
-            checkpoint_alignment=self.args.checkpoint_alignment,
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
         )
-        self.scheduler = Scheduler(sched_cfg, runner, self.kv_pool, self.state_pool, self.req_to_token,
-                                   self.tree, self.eos_token_ids,
-                                   make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None)
+        self.scheduler = Scheduler(sched_cfg, self.cache, runner, output)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
@@ -159,9 +160,9 @@ class Engine:
             return self._stream_sync(reqs[0])
         sinks = [queue.SimpleQueue() for _ in reqs]
         for req, sink in zip(reqs, sinks):
-            req.on_output = _final_only(lambda r, done, s=sink: s.put(r))
+            req.on_output = lambda out, done, s=sink: s.put(out)
         self._submit(reqs)
-        outs = [self._output(sink.get()) for sink in sinks]
+        outs = [sink.get() for sink in sinks]
         return outs[0] if single else outs
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -177,16 +178,14 @@ class Engine:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in reqs]
         for req, fut in zip(reqs, futures):
-            req.on_output = _final_only(
-                lambda r, done, f=fut: loop.call_soon_threadsafe(lambda: f.done() or f.set_result(r)))
+            req.on_output = lambda out, done, f=fut: loop.call_soon_threadsafe(lambda: f.done() or f.set_result(out))
         self._submit(reqs)
         try:
-            done = await asyncio.gather(*futures)
+            outs = await asyncio.gather(*futures)
         except asyncio.CancelledError:
             for req in reqs:
                 self.abort(req.rid)
             raise
-        outs = [self._output(r) for r in done]
         return outs[0] if single else outs
 
     def abort(self, rid: str) -> None:
@@ -196,21 +195,21 @@ class Engine:
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for logs and /metrics (read without locking: approximate)."""
-        s = self.scheduler.stats
-        tok_usage, state_usage = self.scheduler.usage()
+        s, out, cache = self.scheduler, self.scheduler.output, self.cache
+        tok_usage, state_usage = cache.usage()
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
             "num_cached_tokens": s.num_cached_tokens,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_requests_finished": s.num_requests_finished,
+            "num_generated_tokens": out.num_generated_tokens,
+            "num_requests_finished": out.num_requests_finished,
             "num_retractions": s.num_retractions,
-            "num_evicted_tokens": s.num_evicted_tokens,
-            "num_evicted_states": s.num_evicted_states,
+            "num_evicted_tokens": cache.num_evicted_tokens,
+            "num_evicted_states": cache.num_evicted_states,
             "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),
             "token_usage": tok_usage,
             "state_usage": state_usage,
-            "num_running_requests": self.scheduler.num_running,
-            "num_queued_requests": self.scheduler.num_waiting,
+            "num_running_requests": s.num_running,
+            "num_queued_requests": s.num_waiting,
             "gen_throughput": s.last_gen_throughput,
         }
 
@@ -323,88 +322,57 @@ class Engine:
         self._wakeup.set()
 
     def _forget_rid_when_done(self, on_output):
-        def wrapped(req: Req, done: bool) -> None:
+        def wrapped(out: dict[str, Any], done: bool) -> None:
             if done:
                 with self._inbox_lock:
-                    self._live_rids.discard(req.rid)
+                    self._live_rids.discard(out["meta_info"]["id"])
             if on_output is not None:
-                on_output(req, done)
+                on_output(out, done)
         return wrapped
 
     def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
         sink: queue.SimpleQueue = queue.SimpleQueue()
-        req.on_output = lambda r, done: sink.put(done)
+        req.stream = True
+        req.on_output = lambda chunk, done: sink.put((chunk, done))
         self._submit([req])
         return self._iterate_sync(req, sink)
 
     def _iterate_sync(self, req: Req, sink: queue.SimpleQueue) -> Iterator[dict[str, Any]]:
+        done = False
         try:
-            while True:
-                done = sink.get()
-                chunk = self._delta(req, final=done)
-                if chunk is not None:
-                    yield chunk
-                if done:
-                    return
+            while not done:
+                chunk, done = sink.get()
+                yield chunk
         finally:
-            if not req.finished:
+            if not done:
                 self.abort(req.rid)
 
     def _stream_async(self, req: Req) -> AsyncIterator[dict[str, Any]]:
         """Submit now (so a full queue raises in ``async_generate``); iterate later."""
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        req.on_output = lambda r, done: loop.call_soon_threadsafe(sink.put_nowait, done)
+        req.stream = True
+        req.on_output = lambda chunk, done: loop.call_soon_threadsafe(sink.put_nowait, (chunk, done))
         self._submit([req])
         return self._iterate_async(req, sink)
 
     async def _iterate_async(self, req: Req, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+        done = False
         try:
-            while True:
-                done = await sink.get()
+            while not done:
+                chunk, done = await sink.get()
                 while not done and not sink.empty():  # coalesce: the client may be slower than decode
-                    done = sink.get_nowait()
-                chunk = self._delta(req, final=done)
-                if chunk is not None:
-                    yield chunk
-                if done:
-                    return
+                    more, done = sink.get_nowait()
+                    chunk = _merge_chunks(chunk, more)
+                yield chunk
         finally:
-            if not req.finished:
+            if not done:
                 self.abort(req.rid)
 
-    # ------------------------------------------------------------------------------------------
-    # outputs
-    # ------------------------------------------------------------------------------------------
     def _make_detokenizer(self, req: Req):
         return self.tokenizer.detokenizer(prompt_ids=req.input_ids,
                                           skip_special_tokens=req.sampling.skip_special_tokens)
-
-    def _output(self, req: Req) -> dict[str, Any]:
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
-
-    def _delta(self, req: Req, final: bool) -> dict[str, Any] | None:
-        """What is new since the last chunk. The scheduler thread keeps appending, so read the
-        lengths once; before the end, hold back text that may still become a stop string."""
-        num_ids = len(req.output_ids)
-        ids = req.output_ids[req.num_streamed_ids:num_ids]
-        text = req.text
-        if not final:
-            hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
-            text = text[: max(req.num_streamed_chars, len(text) - hold)]
-        new_text = text[req.num_streamed_chars:]
-        if not ids and not new_text and not final:
-            return None
-        start = req.num_streamed_ids
-        req.num_streamed_ids = num_ids
-        req.num_streamed_chars = len(text)
-        meta = req.meta_info(logprob_start=start)
-        if "output_token_logprobs" in meta:  # only this chunk's tokens (the scheduler may be ahead)
-            meta["output_token_logprobs"] = meta["output_token_logprobs"][:len(ids)]
-            if "output_top_logprobs" in meta:
-                meta["output_top_logprobs"] = meta["output_top_logprobs"][:len(ids)]
-        return {"text": new_text, "output_ids": ids, "meta_info": meta}
 
     # ------------------------------------------------------------------------------------------
     # the scheduler thread
@@ -442,11 +410,13 @@ class Engine:
                 self.scheduler.abort(arg)
 
 
-def _final_only(callback):
-    def on_output(req: Req, done: bool) -> None:
-        if done:
-            callback(req, done)
-    return on_output
+def _merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One stream chunk holding ``a`` then ``b`` (``b``'s meta_info, both chunks' logprobs)."""
+    meta = dict(b["meta_info"])
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = a["meta_info"][key] + meta[key]
+    return {"text": a["text"] + b["text"], "output_ids": a["output_ids"] + b["output_ids"], "meta_info": meta}
 
 
 def _load_tokenizer(path: Path):

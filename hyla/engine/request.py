@@ -1,16 +1,22 @@
-"""A request as the scheduler sees it: tokens, progress through the KV/state pools, and output.
+"""A request as the engine sees it: tokens, progress through the KV/state pools, and output.
 
 Length invariants (checked by ``check()``, which the scheduler calls after every step in debug
 mode and tests call freely)::
 
-    0 <= cache_protected_len <= kv_len <= len(fill_ids)
+    0 <= cache_protected_len <= kv_len <= kv_allocated
+    between steps:  kv_allocated == kv_len <= len(fill_ids)
     decoding  =>  kv_len == len(fill_ids) - 1     (every token but the last sampled one is fed)
 
 * ``fill_ids`` = prompt + output so far: the tokens whose KV/state the request must hold before it
   can sample its next token. A request re-admitted after retraction prefills all of them again
   (less whatever the prefix cache still has).
-* ``kv_len``: tokens of ``fill_ids`` whose KV sits in the request's row of the request table and
-  whose recurrent state is in ``state_slot`` (the state after exactly ``kv_len`` tokens).
+* ``kv_len``: committed tokens — those of ``fill_ids`` whose KV sits in the request's row of the
+  request table and whose recurrent state is in ``state_slot`` (the state after exactly
+  ``kv_len`` tokens). A step may feed any number of tokens; it advances ``kv_len`` by what it
+  commits (several tokens for a prefill chunk or an accepted speculative run).
+* ``kv_allocated``: positions of the row that have KV slots. A step allocates past ``kv_len``
+  first, then commits; what it does not commit (a failed forward, rejected draft tokens) is
+  rolled back (``CacheManager.rollback``), so between steps both are equal.
 * ``cache_protected_len``: the leading part of that row owned by the prefix tree and protected by
   the KV lock on ``last_node``; the rest of the row is the request's own and freed by it.
 """
@@ -42,12 +48,15 @@ class Req:
     namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
     return_logprob: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
-    on_output: Callable[["Req", bool], None] | None = None  # called by the scheduler thread
+    stream: bool = False  # deliver each step's new output (else only the final output)
+    # called on the scheduler thread with an output chunk (see OutputProcessor) and whether it is the last
+    on_output: Callable[[dict[str, Any], bool], None] | None = None
 
     # --- progress --------------------------------------------------------------------------
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     kv_len: int = 0
+    kv_allocated: int = 0
     cache_protected_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     admitted_once: bool = False
@@ -65,8 +74,8 @@ class Req:
     text: str = ""  # output text so far (built by the scheduler thread, cut before a stop string)
     detokenizer: Any = None
     num_checked_chars: int = 0  # text already searched for stop strings
-    num_streamed_ids: int = 0  # output ids already handed to a stream consumer
-    num_streamed_chars: int = 0
+    num_sent_ids: int = 0  # output ids already handed to a stream consumer
+    num_sent_chars: int = 0
 
     def __post_init__(self) -> None:
         if not self.input_ids:
@@ -94,14 +103,15 @@ class Req:
         return self.finished_reason is not None
 
     def check(self) -> None:
-        if not 0 <= self.cache_protected_len <= self.kv_len <= self.num_fill:
+        if not 0 <= self.cache_protected_len <= self.kv_len == self.kv_allocated <= self.num_fill:
             raise AssertionError(
-                f"req {self.rid}: broken lengths protected={self.cache_protected_len} kv={self.kv_len} fill={self.num_fill}"
+                f"req {self.rid}: broken lengths protected={self.cache_protected_len} kv={self.kv_len} "
+                f"allocated={self.kv_allocated} fill={self.num_fill}"
             )
 
-    def meta_info(self, logprob_start: int = 0) -> dict[str, Any]:
-        """SGLang's ``meta_info``; logprobs of output tokens from ``logprob_start`` on (a stream
-        chunk carries only its own tokens' logprobs)."""
+    def meta_info(self, start: int = 0, end: int | None = None) -> dict[str, Any]:
+        """SGLang's ``meta_info``, with the logprobs of output tokens ``[start, end)`` (a stream
+        chunk carries only its own tokens' logprobs; the final output all of them)."""
         info: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": len(self.input_ids),
@@ -110,7 +120,9 @@ class Req:
             "finish_reason": self.finished_reason,
         }
         if self.return_logprob:
-            info["output_token_logprobs"] = [(lp, tid, None) for lp, tid in zip(self.output_logprobs[logprob_start:], self.output_ids[logprob_start:])]
+            end = len(self.output_logprobs) if end is None else end
+            info["output_token_logprobs"] = [
+                (lp, tid, None) for lp, tid in zip(self.output_logprobs[start:end], self.output_ids[start:end])]
             if self.sampling.top_logprobs_num:
-                info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs[logprob_start:]]
+                info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs[start:end]]
         return info

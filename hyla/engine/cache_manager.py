@@ -1,0 +1,324 @@
+"""The cache manager: the one owner of the KV pool, the state pool, the request table and the tree.
+
+The scheduler decides *which* requests run and how many tokens each feeds; this class does every
+memory operation that decision implies, at request level, and is the only engine code that calls
+the pools or the tree (nano-vllm's ``can_allocate`` / ``allocate`` pairs; mini-sglang's
+``CacheManager``). One request's life::
+
+    hit = cache.match(req)                 # longest cached prefix; KV lock + state lock on it
+    loc = cache.admit(req, hit, n, reserve)  # own row + own state slot (checkpoint copied) + KV for n;
+                                             # None: the locks are dropped, nothing is held
+    slots = cache.alloc_checkpoints(...)   # best effort: fresh slots for the states the tree wants
+    # ... the model runs: it reads/writes the request's row, its state slot, the checkpoint slots
+    cache.commit(req, n, ckpts, insert)    # kv_len += n; computed pages + checkpoints into the tree
+    cache.allocate([req], [k])             # the next step: KV for k more tokens (decode: k = 1)
+    cache.rollback(req)                    # a failed (or partly rejected) step: free KV past kv_len
+    cache.release(req, insert=True)        # finish / retract; abort of a running request too
+
+Ownership and locks — the whole contract:
+
+* A running request owns one request-table row (``req.req_pool_idx``), one state slot
+  (``req.state_slot``: the recurrent state after exactly ``req.kv_len`` tokens; the model updates
+  it in place) and the KV slots of its row at positions ``[req.cache_protected_len,
+  req.kv_allocated)`` together with the rest of the last page they touch.
+* The tree owns the row's first ``req.cache_protected_len`` KV slots (always whole pages) and
+  every checkpoint slot it was given. The request holds a KV lock on ``req.last_node``, the node
+  ending at ``cache_protected_len``: nothing on its path to the root can be evicted. A state lock
+  is held on a hit's checkpoint only from ``match`` until ``admit`` has copied it (copy-on-write:
+  the tree's slots are never written by a running request).
+* Checkpoint slots the tree is given are always *forked* (fresh copies), never a live slot.
+  ``insert`` adopts them or frees them as duplicates; either way the caller stops owning them.
+* ``req.pending_ckpt`` (grid > 1 only): a forked copy of the live state at the last position on
+  the checkpoint grid that a request passed while decoding, held outside the tree until release.
+* Between steps ``kv_allocated == kv_len``: a step's allocations are committed or rolled back.
+* Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
+  the room (``_ensure_kv`` / ``_ensure_state``); with the prefix cache off there is no tree, every
+  slot is the request's own and is freed on release.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from hyla.cache import KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.engine.request import Req
+
+Checkpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
+
+
+@dataclass
+class StepCheckpoints:
+    """Checkpoint slots for one step: the model's form (``forward``) and the owner of each."""
+
+    forward: list[Checkpoint] = field(default_factory=list)
+    per_req: list[list[tuple[int, int]]] = field(default_factory=list)  # per request: (length, slot)
+
+    @property
+    def slots(self) -> list[int]:
+        return [s for _, _, s in self.forward]
+
+
+class CacheManager:
+    def __init__(self, kv_pool: KVPool, state_pool: StatePool, req_to_token: ReqToTokenPool,
+                 tree: RadixCache | None, checkpoint_alignment: int = 1) -> None:
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.req_to_token = req_to_token
+        self.tree = tree
+        self.page_size = kv_pool.page_size
+        # checkpoints only at multiples of the grid: the tree shares whole pages only
+        self.grid = math.lcm(self.page_size, checkpoint_alignment)
+        self.num_evicted_tokens = 0
+        self.num_evicted_states = 0
+
+    # ------------------------------------------------------------------------------------------
+    # admission
+    # ------------------------------------------------------------------------------------------
+    def peek(self, req: Req) -> MatchResult | None:
+        """The current hit for ``req`` without locking anything (for ordering the queue)."""
+        if self.tree is None:
+            return None
+        # the last token is always computed: its logits give the next token
+        return self.tree.match_prefix(req.fill_ids[:-1], namespace=req.namespace)
+
+    def match(self, req: Req) -> MatchResult | None:
+        """Find ``req``'s cached prefix and protect it (KV lock on the path, state lock on the
+        checkpoint) until ``admit``. Sets ``req.kv_len`` to the hit and ``req.branch_point``."""
+        hit = self.peek(req)
+        req.kv_len = req.kv_allocated = hit.prefix_len if hit is not None else 0
+        if hit is not None:
+            self.tree.inc_lock_ref(hit.last_node)
+            if hit.prefix_len:
+                self.tree.inc_state_lock(hit.last_node)
+            req.branch_point = self.tree.branch_point(req.fill_ids, namespace=req.namespace)
+        return hit
+
+    def admit(self, req: Req, hit: MatchResult | None, n: int, kv_reserve: int = 0) -> torch.Tensor | None:
+        """Give ``req`` a request-table row, its own state slot holding the hit's checkpoint, and
+        KV for its first ``n`` tokens, keeping ``kv_reserve`` more KV slots free (evicting if
+        needed); returns those ``n`` KV slots. On failure (None) nothing is held and the hit's
+        locks are dropped."""
+        prefix_len = hit.prefix_len if hit is not None else 0
+        ok = (
+            n > 0
+            and self.req_to_token.can_alloc(1)
+            and self._ensure_state(1)  # its own slot; checkpoints are best effort (alloc_checkpoints)
+            and self._ensure_kv(self._kv_tokens([prefix_len], [n]) + kv_reserve)
+        )
+        if ok:
+            req.req_pool_idx = self.req_to_token.alloc()
+            (req.state_slot,) = self.state_pool.alloc(1).tolist()
+            if prefix_len:
+                self.req_to_token.write(req.req_pool_idx, 0, hit.kv_indices)
+                self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
+        if hit is not None and prefix_len:
+            self.tree.dec_state_lock(hit.last_node)  # the request has its own copy now
+        if not ok:
+            if hit is not None:
+                self.tree.dec_lock_ref(hit.last_node)
+            req.kv_len = req.kv_allocated = 0
+            req.branch_point = None
+            return None
+        req.last_node = hit.last_node if hit is not None else None
+        req.cache_protected_len = prefix_len
+        return self.allocate([req], [n])
+
+    # ------------------------------------------------------------------------------------------
+    # one step
+    # ------------------------------------------------------------------------------------------
+    def can_allocate(self, reqs: Sequence[Req], lens: Sequence[int], kv_reserve: int = 0) -> bool:
+        """Whether KV for ``lens[i]`` more tokens of each request fits (evicting from the tree if
+        needed), with ``kv_reserve`` slots to spare."""
+        return self._ensure_kv(self._kv_tokens([r.kv_allocated for r in reqs], lens) + kv_reserve)
+
+    def allocate(self, reqs: Sequence[Req], lens: Sequence[int]) -> torch.Tensor:
+        """KV slots for positions ``[kv_allocated, kv_allocated + lens[i])`` of each request (any
+        ``lens[i] >= 1``; a request's last partial page is continued first), written into its
+        row; returns them packed ``[sum(lens)]``. Call ``can_allocate`` first: a short pool
+        raises ``PoolExhaustedError``."""
+        starts = [r.kv_allocated for r in reqs]
+        loc = self.kv_pool.alloc_extend(starts, [self._last_loc(r) for r in reqs], lens)
+        offset = 0
+        for r, n in zip(reqs, lens):
+            self.req_to_token.write(r.req_pool_idx, r.kv_allocated, loc[offset:offset + n])
+            r.kv_allocated += n
+            offset += n
+        return loc
+
+    def checkpoint_positions(self, req: Req, start: int, end: int) -> list[int]:
+        """Positions p in (start, end] whose state the tree wants, rounded down to the grid."""
+        if self.tree is None:
+            return []
+        wanted = set(req.checkpoints)
+        if end < req.num_fill:
+            wanted.add(end)  # (1) chunk boundary of a chunked prefill
+        wanted.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
+        if req.branch_point:
+            wanted.add(req.branch_point)  # (3) where a future insert branches off the tree
+        grid = self.grid
+        out = sorted({p - p % grid for p in wanted if 0 < p <= req.num_fill})
+        return [p for p in out if start < p <= end]
+
+    def alloc_checkpoints(self, reqs: Sequence[Req], positions: Sequence[list[int]]) -> StepCheckpoints:
+        """Fresh state slots for the checkpoints at ``positions[i]`` (absolute, inside this step
+        of request i). Best effort: checkpoints only make later hits possible, fewer of them
+        never change an output. When short, the positions furthest into each prompt are kept."""
+        wanted = sum(len(p) for p in positions)
+        if wanted and not self._ensure_state(wanted):
+            room = self.state_pool.available_size()
+            ranked = sorted(((p, i) for i, ps in enumerate(positions) for p in ps), reverse=True)
+            keep = set(ranked[:room])
+            positions = [[p for p in ps if (p, i) in keep] for i, ps in enumerate(positions)]
+        num = sum(len(p) for p in positions)
+        slots = iter(self.state_pool.alloc(num).tolist() if num else [])
+        out = StepCheckpoints()
+        for i, (r, ps) in enumerate(zip(reqs, positions)):
+            mine = []
+            for p in ps:
+                slot = next(slots)
+                out.forward.append((i, p - r.kv_len, slot))
+                mine.append((p, slot))
+            out.per_req.append(mine)
+        return out
+
+    def commit(self, req: Req, n: int, ckpts: Sequence[tuple[int, int]] = (), insert: bool = True) -> None:
+        """The model has fed ``n`` tokens of ``req`` (its state slot holds the state after them):
+        advance ``kv_len``; with ``insert`` (prefill steps) hand the computed whole pages and the
+        ``(length, slot)`` checkpoints to the tree and take its canonical slots back. A request
+        that has caught up with its tokens on the checkpoint grid (grid > 1) keeps a pending
+        checkpoint there, so that the state is not lost when its output stops between grid points."""
+        req.kv_len += n
+        if req.kv_len > req.kv_allocated:
+            raise ValueError(f"request {req.rid}: committed {req.kv_len} tokens but only {req.kv_allocated} have KV")
+        if self.tree is None:
+            return
+        if insert:
+            self._insert_and_relock(req, req.kv_len - req.kv_len % self.page_size, list(ckpts))
+        if self.grid > 1 and req.kv_len == req.num_fill and req.kv_len % self.grid == 0:
+            self._set_pending_checkpoint(req)
+
+    def rollback(self, req: Req) -> None:
+        """Forget what ``req`` was allocated past its committed ``kv_len`` (a failed step, or the
+        rejected draft tokens of a speculative one): free the KV pages that hold only positions
+        past it; the rest of a partial page stays the request's, to be overwritten."""
+        keep = -(-req.kv_len // self.page_size) * self.page_size  # the page holding kv_len - 1 stays
+        if keep < req.kv_allocated:
+            self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, keep, req.kv_allocated))
+        req.kv_allocated = req.kv_len
+
+    def free_checkpoints(self, ckpts: StepCheckpoints) -> None:
+        """A failed step: return checkpoint slots the tree never received."""
+        if ckpts.forward:
+            self.state_pool.free(torch.tensor(ckpts.slots))
+
+    # ------------------------------------------------------------------------------------------
+    # release
+    # ------------------------------------------------------------------------------------------
+    def release(self, req: Req, insert: bool) -> None:
+        """Return everything ``req`` holds. With a tree and ``insert``, first cache what it
+        computed — its KV and a forked checkpoint of its live state after the last fed token — so
+        that a later request (the next turn of a conversation) continues from there."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        self.rollback(req)  # a step that never committed leaves nothing behind
+        if self.tree is not None:
+            ckpts: list[tuple[int, int]] = []
+            end = req.kv_len - req.kv_len % self.page_size
+            if insert and req.kv_len > 0 and req.kv_len % self.grid == 0 and self._ensure_state(1):
+                (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
+                ckpts.append((req.kv_len, slot))  # (4) the live state after the last fed token
+            elif insert and req.pending_ckpt is not None and req.pending_ckpt[0] <= end:
+                ckpts.append(req.pending_ckpt)
+                req.pending_ckpt = None
+            if req.pending_ckpt is not None:
+                self.state_pool.free(torch.tensor([req.pending_ckpt[1]]))
+                req.pending_ckpt = None
+            if insert and end > 0:
+                self._insert_and_relock(req, end, ckpts)
+            elif ckpts:
+                self.state_pool.free(torch.tensor([s for _, s in ckpts]))
+            tail = self.req_to_token.read(row, req.cache_protected_len, req.kv_allocated)
+            if tail.numel():
+                self.kv_pool.free(tail)
+            if req.last_node is not None:
+                self.tree.dec_lock_ref(req.last_node)
+        else:
+            kv = self.req_to_token.read(row, 0, req.kv_allocated)
+            if kv.numel():
+                self.kv_pool.free(kv)
+        self.state_pool.free(torch.tensor([req.state_slot]))
+        self.req_to_token.free(row)
+        req.req_pool_idx = None
+        req.state_slot = None
+        req.last_node = None
+        req.kv_len = req.kv_allocated = req.cache_protected_len = 0
+
+    # ------------------------------------------------------------------------------------------
+    # tree flow
+    # ------------------------------------------------------------------------------------------
+    def _insert_and_relock(self, req: Req, end: int, ckpts: list[tuple[int, int]]) -> None:
+        row = req.req_pool_idx
+        kv = self.req_to_token.read(row, 0, end)
+        res = self.tree.insert(req.fill_ids[:end], kv, checkpoints=ckpts, namespace=req.namespace)
+        # the tree may have freed our duplicates: point the row at the tree's canonical slots
+        self.req_to_token.write(row, 0, res.kv_indices)
+        self.tree.inc_lock_ref(res.last_node)
+        if req.last_node is not None:
+            self.tree.dec_lock_ref(req.last_node)
+        req.last_node = res.last_node
+        req.cache_protected_len = end
+
+    def _set_pending_checkpoint(self, req: Req) -> None:
+        """Keep a copy of the live state at ``kv_len``: into the pending slot the request already
+        holds (no allocation, so no eviction), else into a fresh one if the pool has room."""
+        if req.pending_ckpt is not None:
+            slot = req.pending_ckpt[1]
+            self.state_pool.copy(torch.tensor([req.state_slot]), torch.tensor([slot]))
+        elif self._ensure_state(1):
+            (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
+        else:
+            return
+        req.pending_ckpt = (req.kv_len, slot)
+
+    # ------------------------------------------------------------------------------------------
+    # memory
+    # ------------------------------------------------------------------------------------------
+    def _kv_tokens(self, starts: Sequence[int], lens: Sequence[int]) -> int:
+        """KV slots an allocation takes from the pool (whole pages)."""
+        return self.kv_pool.pages_needed(starts, lens) * self.page_size
+
+    def _last_loc(self, req: Req) -> int:
+        if req.kv_allocated == 0:
+            return -1
+        return int(self.req_to_token.read(req.req_pool_idx, req.kv_allocated - 1, req.kv_allocated)[0])
+
+    def _ensure_kv(self, num_tokens: int) -> bool:
+        avail = self.kv_pool.available_size()
+        if avail < num_tokens and self.tree is not None:
+            self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
+            avail = self.kv_pool.available_size()
+        return avail >= num_tokens
+
+    def _ensure_state(self, num_slots: int) -> bool:
+        avail = self.state_pool.available_size()
+        if avail < num_slots and self.tree is not None:
+            self.num_evicted_states += self.tree.evict_state(num_slots - avail)
+            avail = self.state_pool.available_size()
+        return avail >= num_slots
+
+    def usage(self) -> tuple[float, float]:
+        """Share of the KV pool and of the state pool in use (requests and tree)."""
+        kv, st = self.kv_pool, self.state_pool
+        return ((kv.size - kv.available_size()) / max(1, kv.size),
+                (st.size - st.available_size()) / max(1, st.size))
+
+    def check_integrity(self) -> None:
+        self.kv_pool.check_integrity()
+        self.state_pool.check_integrity()
+        if self.tree is not None:
+            self.tree.check_integrity()

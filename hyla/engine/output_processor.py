@@ -1,0 +1,145 @@
+"""After the forward: sample, detokenize, check stop conditions, hand output to consumers.
+
+Runs on the scheduler thread, which alone writes a request's output fields. Consumers never read
+a ``Req`` concurrently: each gets *chunks* built here, once —
+
+    {"text": new text, "output_ids": new ids,
+     "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason",
+                   ["output_token_logprobs", "output_top_logprobs"] of the new ids only}}
+
+A streaming request (``req.stream``) gets one chunk per step that produced something visible, and
+a last one with the ``finish_reason``; text that may still turn into a stop string is held back
+until it cannot. Any other request gets one chunk when it finishes, holding its whole output.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+import torch
+
+from hyla.engine.request import Req, ReqStatus
+from hyla.engine.sampler import sample
+
+logger = logging.getLogger("hyla.engine")
+
+
+class OutputProcessor:
+    def __init__(self, eos_token_ids: Iterable[int], max_context_len: int,
+                 make_detokenizer: Callable[[Req], Any] | None = None) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_context_len = max_context_len
+        # callable(req) -> an incremental detokenizer (.step(id) -> str, .flush() -> str), or None
+        # for a model without a tokenizer
+        self.make_detokenizer = make_detokenizer
+        self.num_generated_tokens = 0
+        self.num_requests_finished = 0
+
+    def process(self, reqs: list[Req], logits: torch.Tensor) -> tuple[list[Req], list[Req]]:
+        """Sample the next token of each request from its logits row ``[B, V]``, append it, and
+        tell streams. Returns the requests that are finished now (``finished_reason`` set, not yet
+        delivered: the scheduler releases their memory first) and those whose consumer failed."""
+        finished: list[Req] = []
+        to_sample = []
+        for i, r in enumerate(reqs):
+            if len(r.output_ids) < r.sampling.max_new_tokens:
+                to_sample.append(i)
+            else:  # max_new_tokens == 0: prefill only
+                self.set_finished(r, {"type": "length", "length": r.sampling.max_new_tokens})
+                finished.append(r)
+        failed: list[Req] = []
+        if not to_sample:
+            return finished, failed
+        sreqs = [reqs[i] for i in to_sample]
+        out = sample(logits[to_sample], sreqs)
+        for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
+            r.output_ids.append(tok)
+            if r.return_logprob:
+                r.output_logprobs.append(lp)
+                r.output_top_logprobs.append(top)
+            self.num_generated_tokens += 1
+            reason = self._check_finished(r, self._detokenize(r, tok))
+            if reason is not None:
+                self.set_finished(r, reason)
+                finished.append(r)
+            elif r.stream and not self.deliver(r):
+                failed.append(r)
+        return finished, failed
+
+    def set_finished(self, req: Req, reason: dict[str, Any]) -> None:
+        req.finished_reason = reason
+        if req.detokenizer is not None and not isinstance(reason.get("matched"), str):
+            req.text += req.detokenizer.flush()  # what was held back for an unfinished character
+        req.status = ReqStatus.FINISHED
+        self.num_requests_finished += 1
+
+    def deliver(self, req: Req) -> bool:
+        """Hand ``req``'s new output to its consumer (everything, once it is finished). Returns
+        False if the consumer failed (e.g. its asyncio loop is closed): the caller aborts it."""
+        if req.on_output is None:
+            return True
+        done = req.finished
+        chunk = self._chunk(req, done) if req.stream else self._final(req)
+        if chunk is None:
+            return True
+        try:
+            req.on_output(chunk, done)
+        except Exception:
+            logger.warning("the consumer of request %s failed", req.rid, exc_info=True)
+            return False
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    def _detokenize(self, req: Req, tok: int) -> str:
+        """The output text with ``tok`` (not stored yet: ``_check_finished`` cuts stop strings)."""
+        if self.make_detokenizer is None:
+            return req.text
+        if req.detokenizer is None:
+            req.detokenizer = self.make_detokenizer(req)
+        return req.text + req.detokenizer.step(tok)
+
+    def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
+        """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that
+        token; it becomes ``req.text`` here, cut before a stop string."""
+        tok = req.output_ids[-1]
+        p = req.sampling
+        if tok in p.stop_token_ids:
+            return {"type": "stop", "matched": tok}
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return {"type": "stop", "matched": tok}
+        if p.stop and req.detokenizer is not None:
+            # only the tail can hold a new match: the text before it was checked on earlier tokens
+            start = max(0, req.num_checked_chars - max(len(s) for s in p.stop) + 1)
+            hits = [(pos, s) for s in p.stop if (pos := text.find(s, start)) >= 0]
+            req.num_checked_chars = len(text)
+            if hits:
+                pos, s = min(hits)
+                req.text = text[:pos]
+                return {"type": "stop", "matched": s}
+        req.text = text
+        if len(req.output_ids) >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if req.num_fill >= self.max_context_len:
+            return {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _chunk(self, req: Req, done: bool) -> dict[str, Any] | None:
+        """What is new since the last chunk; before the end, text that may still become a stop
+        string is held back."""
+        text_end = len(req.text)
+        if not done:
+            hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
+            text_end = max(req.num_sent_chars, text_end - hold)
+        start, end = req.num_sent_ids, len(req.output_ids)
+        new_text = req.text[req.num_sent_chars:text_end]
+        if start == end and not new_text and not done:
+            return None
+        req.num_sent_ids, req.num_sent_chars = end, text_end
+        return {"text": new_text, "output_ids": req.output_ids[start:end], "meta_info": req.meta_info(start, end)}
+
+    @staticmethod
+    def _final(req: Req) -> dict[str, Any] | None:
+        if not req.finished:
+            return None
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
