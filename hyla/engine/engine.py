@@ -263,12 +263,7 @@ class Engine:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} requests")
-        if checkpoints is None or len(checkpoints) == 0:
-            ckpts = [()] * n
-        elif single:
-            ckpts = [tuple(checkpoints)]
-        else:
-            ckpts = [tuple(c) for c in checkpoints]
+        ckpts = _per_request_checkpoints(checkpoints, n, single)
         rids = [rid] if isinstance(rid, str) else (list(rid) if rid is not None else [None] * n)
         if len(rids) != n or len(ckpts) != n:
             raise ValueError("rid and checkpoints must have one entry per request")
@@ -408,6 +403,23 @@ class Engine:
                     self._num_in_inbox -= len(arg)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
+
+
+def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tuple]:
+    """``checkpoints`` as one tuple of positions per request: a flat list for one request, a list
+    of lists for a batch (positions themselves are checked against each prompt later)."""
+    if checkpoints is None or (isinstance(checkpoints, (list, tuple)) and len(checkpoints) == 0):
+        return [()] * n
+    if not isinstance(checkpoints, (list, tuple)):
+        raise ValueError(f"checkpoints must be a list, got {type(checkpoints).__name__}")
+    nested = [isinstance(c, (list, tuple)) for c in checkpoints]
+    if single:
+        if any(nested):
+            raise ValueError("checkpoints of a single request must be a flat list of positions")
+        return [tuple(checkpoints)]
+    if not all(nested):
+        raise ValueError("checkpoints of a batch must be a list with one list of positions per request")
+    return [tuple(c) for c in checkpoints]
 
 
 def _merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
