@@ -11,6 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
+SPECULATIVE_ALGORITHMS = ("ngram",)  # mtp and a separate draft model: not yet
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -33,6 +34,10 @@ class EngineArgs:
     schedule_policy: str = _opt("lpm", f"Waiting-queue order, one of {POLICIES} (lpm = longest cached prefix first).")
     enable_prefix_cache: bool = _opt(True, "Reuse cached prefixes (KV + recurrent-state checkpoints) across requests.")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own prompt and output), or none.")
+    speculative_num_draft_tokens: int = _opt(4, "Tokens fed per verify step: the last sampled token + this minus one drafts.")
+    speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
+    speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
     log_interval: int = _opt(40, "Decode steps between per-step log lines.")
@@ -50,10 +55,17 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
-        for name in ("page_size", "chunked_prefill_size", "checkpoint_alignment", "max_queued_requests", "log_interval"):
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, "
+                             f"got {self.speculative_algorithm!r}")
+        for name in ("page_size", "chunked_prefill_size", "checkpoint_alignment", "max_queued_requests", "log_interval",
+                     "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_ngram_max_match_window_size"):
             pos_int(name)
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length"):
             pos_int(name, allow_none=True)
+        if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
+            raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size ({self.page_size})")
         if isinstance(self.state_memory_ratio, bool) or not isinstance(self.state_memory_ratio, (int, float)) \

@@ -10,9 +10,10 @@ the pools or the tree (nano-vllm's ``can_allocate`` / ``allocate`` pairs; mini-s
                                              # None: the locks are dropped, nothing is held
     slots = cache.alloc_checkpoints(...)   # best effort: fresh slots for the states the tree wants
     # ... the model runs: it reads/writes the request's row, its state slot, the checkpoint slots
-    cache.commit(req, n, ckpts, insert)    # kv_len += n; computed pages + checkpoints into the tree
+    cache.commit(req, n, ckpts, insert)    # kv_len += n; computed pages + checkpoints into the tree;
+                                           # fed but not committed (rejected drafts): rolled back
     cache.allocate([req], [k])             # the next step: KV for k more tokens (decode: k = 1)
-    cache.rollback(req)                    # a failed (or partly rejected) step: free KV past kv_len
+    cache.rollback(req)                    # a failed step: free KV allocated past kv_len
     cache.release(req, insert=True)        # finish / retract; abort of a running request too
 
 Ownership and locks — the whole contract:
@@ -31,6 +32,8 @@ Ownership and locks — the whole contract:
 * ``req.pending_ckpt`` (grid > 1 only): a forked copy of the live state at the last position on
   the checkpoint grid that a request passed while decoding, held outside the tree until release.
 * Between steps ``kv_allocated == kv_len``: a step's allocations are committed or rolled back.
+* ``reserve_states`` takes slots for good (speculative decoding's scratch): neither the tree nor
+  any request owns them.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
   the room (``_ensure_kv`` / ``_ensure_state``); with the prefix cache off there is no tree, every
   slot is the request's own and is freed on release.
@@ -74,6 +77,7 @@ class CacheManager:
         self.grid = math.lcm(self.page_size, checkpoint_alignment)
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
+        self.num_reserved_states = 0  # slots held for good (reserve_states)
 
     # ------------------------------------------------------------------------------------------
     # admission
@@ -185,21 +189,38 @@ class CacheManager:
             out.per_req.append(mine)
         return out
 
-    def commit(self, req: Req, n: int, ckpts: Sequence[tuple[int, int]] = (), insert: bool = True) -> None:
-        """The model has fed ``n`` tokens of ``req`` (its state slot holds the state after them):
-        advance ``kv_len``; with ``insert`` (prefill steps) hand the computed whole pages and the
-        ``(length, slot)`` checkpoints to the tree and take its canonical slots back. A request
-        that has caught up with its tokens on the checkpoint grid (grid > 1) keeps a pending
-        checkpoint there, so that the state is not lost when its output stops between grid points."""
+    def commit(self, req: Req, n: int, ckpts: Sequence[tuple[int, int]] = (), insert: bool = True,
+               states: Sequence[int] = ()) -> None:
+        """The model has fed ``n`` tokens of ``req`` past ``kv_len``: advance ``kv_len`` by ``n``;
+        with ``insert`` (prefill steps) hand the computed whole pages and the ``(length, slot)``
+        checkpoints to the tree and take its canonical slots back.
+
+        A verify step may have fed more tokens than it commits (rejected drafts): ``states[j]``
+        then holds the state after ``kv_len + j + 1`` tokens; the live slot is reset to the state
+        after ``n`` and the KV past it is rolled back. With a grid > 1, the last grid position
+        passed while decoding (or a prefill ending on the grid) is kept as a pending checkpoint,
+        so that its state is not lost when the output stops between grid points."""
+        if n < 1:
+            raise ValueError(f"request {req.rid}: a step commits at least one token, got {n}")
+        old, fed = req.kv_len, req.kv_allocated - req.kv_len
+        if n > fed:
+            raise ValueError(f"request {req.rid}: committed {n} tokens but only {fed} were fed")
+        if n < fed:
+            if len(states) < n:
+                raise ValueError(f"request {req.rid}: the state after {n} of {fed} fed tokens is missing")
+            self.state_pool.copy(torch.tensor([states[n - 1]]), torch.tensor([req.state_slot]))
         req.kv_len += n
-        if req.kv_len > req.kv_allocated:
-            raise ValueError(f"request {req.rid}: committed {req.kv_len} tokens but only {req.kv_allocated} have KV")
+        self.rollback(req)
         if self.tree is None:
             return
         if insert:
             self._insert_and_relock(req, req.kv_len - req.kv_len % self.page_size, list(ckpts))
-        if self.grid > 1 and req.kv_len == req.num_fill and req.kv_len % self.grid == 0:
-            self._set_pending_checkpoint(req)
+        if self.grid > 1 and (not insert or req.kv_len == req.num_fill):
+            g = req.kv_len - req.kv_len % self.grid  # the last grid position this step reached
+            if g == req.kv_len:
+                self._set_pending_checkpoint(req, g, req.state_slot)
+            elif g > old and not insert:
+                self._set_pending_checkpoint(req, g, states[g - old - 1])
 
     def rollback(self, req: Req) -> None:
         """Forget what ``req`` was allocated past its committed ``kv_len`` (a failed step, or the
@@ -209,6 +230,15 @@ class CacheManager:
         if keep < req.kv_allocated:
             self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, keep, req.kv_allocated))
         req.kv_allocated = req.kv_len
+
+    def reserve_states(self, n: int) -> list[int]:
+        """``n`` state slots taken for good (speculative decoding's per-token scratch states)."""
+        if not self._ensure_state(n):
+            raise ValueError(f"the state pool cannot spare {n} slots (size {self.state_pool.size}): "
+                             "raise max_state_slots or lower max_running_requests")
+        slots = self.state_pool.alloc(n).tolist()
+        self.num_reserved_states += n
+        return slots
 
     def free_checkpoints(self, ckpts: StepCheckpoints) -> None:
         """A failed step: return checkpoint slots the tree never received."""
@@ -273,17 +303,18 @@ class CacheManager:
         req.last_node = res.last_node
         req.cache_protected_len = end
 
-    def _set_pending_checkpoint(self, req: Req) -> None:
-        """Keep a copy of the live state at ``kv_len``: into the pending slot the request already
-        holds (no allocation, so no eviction), else into a fresh one if the pool has room."""
+    def _set_pending_checkpoint(self, req: Req, length: int, src: int) -> None:
+        """Keep a copy of the state after ``length`` tokens (in slot ``src``): into the pending
+        slot the request already holds (no allocation, so no eviction), else into a fresh one if
+        the pool has room."""
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
-            self.state_pool.copy(torch.tensor([req.state_slot]), torch.tensor([slot]))
+            self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
         elif self._ensure_state(1):
-            (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
+            (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
             return
-        req.pending_ckpt = (req.kv_len, slot)
+        req.pending_ckpt = (length, slot)
 
     # ------------------------------------------------------------------------------------------
     # memory

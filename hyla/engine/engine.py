@@ -37,6 +37,7 @@ from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
+from hyla.engine.speculative import NgramDrafter
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 
@@ -77,10 +78,16 @@ class Engine:
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             schedule_policy=self.args.schedule_policy,
+            max_context_len=self.context_length,
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
         )
-        self.scheduler = Scheduler(sched_cfg, self.cache, runner, output)
+        drafter = None
+        if self.args.speculative_algorithm == "ngram":
+            drafter = NgramDrafter(self.args.speculative_num_draft_tokens - 1,
+                                   self.args.speculative_ngram_min_match_window_size,
+                                   self.args.speculative_ngram_max_match_window_size)
+        self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
@@ -108,11 +115,14 @@ class Engine:
         num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), 4096)
         if num_slots < 2:
             raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
-        self.max_running_requests = args.max_running_requests or max(1, min(256, num_slots // 2))
-        if self.max_running_requests >= num_slots:
+        # each running request holds a state slot, plus one scratch slot per draft token with speculation
+        per_req = 1 + (args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
+        self.max_running_requests = args.max_running_requests or max(1, min(256, num_slots // (1 + per_req)))
+        if self.max_running_requests * per_req >= num_slots:
             raise ValueError(
-                f"max_running_requests ({self.max_running_requests}) must be below max_state_slots ({num_slots}): "
-                "each running request holds one state slot and checkpoints need more")
+                f"max_running_requests ({self.max_running_requests}) x {per_req} state slots each must be below "
+                f"max_state_slots ({num_slots}): each running request holds one state slot"
+                f"{' and one scratch slot per draft token' if per_req > 1 else ''}, and checkpoints need more")
         num_tokens -= num_tokens % args.page_size
         self.kv_pool = KVPool(num_tokens, args.page_size, cfg.num_attention_layers, cfg.num_kv_heads,
                               cfg.head_dim, self.dtype, self.device)

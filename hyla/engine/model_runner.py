@@ -22,21 +22,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Feed ``extend_lens[i]`` tokens of request i after its ``kv_len``; logits of each last token."""
+                       ckpts: list[tuple[int, int, int]], all_logits: bool = False) -> torch.Tensor:
+        """Feed ``extend_lens[i]`` tokens of request i after its ``kv_len`` (its draft tokens
+        included); logits of each last token ``[B, V]``, or of every token ``[sum(extend_lens), V]``
+        with ``all_logits`` (speculative verification)."""
         ids: list[int] = []
         pos: list[int] = []
         kv_rows = []
         for r, n in zip(reqs, extend_lens):
             start = r.kv_len
-            ids.extend(r.fill_ids[start:start + n])
+            ids.extend(r.tokens(start, start + n))
             pos.extend(range(start, start + n))
             kv_rows.append(self.req_to_token.read(r.req_pool_idx, 0, start + n))
         prefix_lens = [r.kv_len for r in reqs]
         batch = self._batch(
             is_decode=False, reqs=reqs, ids=ids, pos=pos, extend_lens=list(extend_lens),
             prefix_lens=prefix_lens, kv_rows=kv_rows, out_cache_loc=out_cache_loc, ckpts=ckpts)
-        return self.model.forward(batch)  # [B, V]
+        if all_logits:
+            batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
+        return self.model.forward(batch)
 
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:

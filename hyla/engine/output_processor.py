@@ -54,18 +54,28 @@ class OutputProcessor:
         sreqs = [reqs[i] for i in to_sample]
         out = sample(logits[to_sample], sreqs)
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
-            r.output_ids.append(tok)
-            if r.return_logprob:
-                r.output_logprobs.append(lp)
-                r.output_top_logprobs.append(top)
-            self.num_generated_tokens += 1
-            reason = self._check_finished(r, self._detokenize(r, tok))
-            if reason is not None:
-                self.set_finished(r, reason)
+            self.append(r, [tok], [lp], [top])
+            if r.finished:
                 finished.append(r)
             elif r.stream and not self.deliver(r):
                 failed.append(r)
         return finished, failed
+
+    def append(self, req: Req, tokens: list[int], logprobs: list[float],
+               top_logprobs: list[list[tuple[float, int]]]) -> int:
+        """Append ``tokens`` (one sampled token, or a speculative step's accepted run) one at a
+        time, stopping at the first that finishes ``req``. Returns how many were appended."""
+        for i, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            if req.return_logprob:
+                req.output_logprobs.append(logprobs[i])
+                req.output_top_logprobs.append(top_logprobs[i])
+            self.num_generated_tokens += 1
+            reason = self._check_finished(req, self._detokenize(req, tok))
+            if reason is not None:
+                self.set_finished(req, reason)
+                return i + 1
+        return len(tokens)
 
     def set_finished(self, req: Req, reason: dict[str, Any]) -> None:
         req.finished_reason = reason

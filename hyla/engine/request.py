@@ -65,6 +65,10 @@ class Req:
     last_node: Any = None
     branch_point: int | None = None  # where inserting fill_ids would branch off the tree (dry run)
     pending_ckpt: tuple[int, int] | None = None  # (length, forked slot) awaiting insert at finish
+    draft_ids: list[int] = field(default_factory=list)  # speculative tokens fed after fill_ids this step
+    draft_state: Any = None  # the drafter's per-request memory (e.g. its n-gram index)
+    spec_verify_ct: int = 0  # speculative verify steps this request took
+    spec_num_tokens: int = 0  # output tokens those steps produced (accepted drafts + bonus tokens)
     finished_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
 
@@ -84,6 +88,14 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Positions ``[start, end)`` of ``fill_ids`` followed by ``draft_ids`` (what a step feeds)."""
+        n_in = len(self.input_ids)
+        out = self.input_ids[start:min(end, n_in)] if start < n_in else []
+        if end > n_in:
+            out = out + (self.output_ids + self.draft_ids)[max(0, start - n_in):end - n_in]
+        return out
 
     @property
     def num_fill(self) -> int:
@@ -119,6 +131,9 @@ class Req:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
         }
+        if self.spec_verify_ct:
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = self.spec_num_tokens / self.spec_verify_ct
         if self.return_logprob:
             end = len(self.output_logprobs) if end is None else end
             info["output_token_logprobs"] = [

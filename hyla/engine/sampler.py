@@ -66,8 +66,8 @@ def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
     return row
 
 
-def sample_row(row: torch.Tensor, req: Req) -> torch.Tensor:
-    """Draw one token from a penalised logit row with the request's generator."""
+def target_probs(row: torch.Tensor, req: Req) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, then top-k, top-p and min-p. ``[V]``."""
     p = req.sampling
     row = row / p.temperature
     if p.top_k > 0:
@@ -82,8 +82,23 @@ def sample_row(row: torch.Tensor, req: Req) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    probs = probs / probs.sum()
+    return probs / probs.sum()
+
+
+def draw(probs: torch.Tensor, req: Req) -> int:
+    """One token from ``probs`` ``[V]`` with the request's generator."""
     gen = req.generator
     if gen is not None and gen.device != probs.device:
         probs = probs.to(gen.device)
-    return torch.multinomial(probs, 1, generator=gen).to(row.device).squeeze(0)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def uniform(req: Req) -> float:
+    """One U(0, 1) draw from the request's generator (speculative acceptance)."""
+    gen = req.generator
+    return float(torch.rand(1, generator=gen, device=gen.device if gen is not None else "cpu"))
+
+
+def sample_row(row: torch.Tensor, req: Req) -> torch.Tensor:
+    """Draw one token from a penalised logit row with the request's generator."""
+    return torch.tensor(draw(target_probs(row, req), req), device=row.device)

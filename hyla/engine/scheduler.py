@@ -33,6 +33,7 @@ import torch
 from hyla.engine.cache_manager import CacheManager, Checkpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
+from hyla.engine.speculative import NgramDrafter, verify
 
 logger = logging.getLogger("hyla.engine")
 
@@ -53,6 +54,7 @@ class SchedulerConfig:
     chunked_prefill_size: int
     max_running_requests: int
     schedule_policy: str
+    max_context_len: int = 1 << 62
     log_interval: int = 40  # decode steps between log lines (prefill steps always log at INFO)
     debug_checks: bool = False  # run every check_integrity() after every step (tests)
 
@@ -61,12 +63,14 @@ class SchedulerConfig:
 class Batch:
     """One step's work: ``lens[i]`` tokens of ``reqs[i]`` after its ``kv_len`` (KV allocated)."""
 
-    is_decode: bool
+    is_decode: bool  # one step of every decoding request (a verify step with speculation on)
     reqs: list[Req] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
     ckpt_pos: list[list[int]] = field(default_factory=list)  # absolute checkpoint positions per request
     ckpts: StepCheckpoints = field(default_factory=StepCheckpoints)  # their slots
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # KV slots the step writes, per allocation
+    verify: bool = False  # speculative: feeds 1 + len(draft_ids) tokens per request, logits of all
+    scratch: list[list[int]] = field(default_factory=list)  # verify: per request, state slot after fed token j+1
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
 
     def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[int]) -> None:
@@ -83,11 +87,20 @@ class Scheduler:
     MIN_NEW_TOKEN_RATIO = 0.1
     NEW_TOKEN_RATIO_DECAY = 0.001
 
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, runner: Runner, output: OutputProcessor):
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, runner: Runner, output: OutputProcessor,
+                 drafter: NgramDrafter | None = None):
         self.config = config
         self.cache = cache
         self.runner = runner
         self.output = output
+        self.drafter = drafter
+        self.scratch: list[list[int]] = []  # per decode-batch row: state slots for the draft positions
+        if drafter is not None:
+            k = drafter.num_draft
+            slots = cache.reserve_states(config.max_running_requests * k) if k else []
+            self.scratch = [slots[i * k:(i + 1) * k] for i in range(config.max_running_requests)]
+        self.num_verify_steps = 0
+        self.num_accepted_tokens = 0  # draft tokens accepted
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
@@ -127,17 +140,24 @@ class Scheduler:
         """The model forward; on failure nothing of the step stays allocated. ``[B, V]`` logits."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
         try:
+            if batch.verify:
+                ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
+                         for j, slot in enumerate(slots[:len(r.draft_ids)])]
+                return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
             if batch.is_decode:
                 return self.runner.forward_decode(batch.reqs, loc)
             return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward)
         except Exception:
             for r in batch.reqs:
+                r.draft_ids = []
                 self.cache.rollback(r)
             self.cache.free_checkpoints(batch.ckpts)
             raise
 
     def process(self, batch: Batch, logits: torch.Tensor) -> None:
         """Commit what the model computed, then sample for every request that has fed all its tokens."""
+        if batch.verify:
+            return self._process_verify(batch, logits)
         per_req = batch.ckpts.per_req or [()] * len(batch.reqs)
         for r, n, ckpts in zip(batch.reqs, batch.lens, per_req):
             self.cache.commit(r, n, ckpts, insert=not batch.is_decode)
@@ -150,12 +170,37 @@ class Scheduler:
             for r in failed:
                 self.abort(r.rid, message="the consumer of this request failed")
         if batch.is_decode:
-            self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
-            self._decode_tokens_since_log += len(batch.reqs)
-            if self.num_steps % self.config.log_interval == 0:
-                self._log_decode(len(batch.reqs))
+            self._after_decode(len(batch.reqs))
         else:
             self._log_prefill(len(batch.reqs), sum(batch.lens), batch.num_cached)
+
+    def _after_decode(self, batch_size: int) -> None:
+        self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
+        self._decode_tokens_since_log += batch_size
+        if self.num_steps % self.config.log_interval == 0:
+            self._log_decode(batch_size)
+
+    def _process_verify(self, batch: Batch, logits: torch.Tensor) -> None:
+        """Accept drafts, append the accepted run (stopping at a stop condition inside it), then
+        commit exactly the fed tokens that are now part of the request: the rest is rolled back."""
+        finished, failed = [], []
+        for r, v, scratch in zip(batch.reqs, verify(batch.reqs, batch.lens, logits), batch.scratch, strict=True):
+            appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
+            self.cache.commit(r, 1 + min(v.num_accepted, appended), insert=False, states=scratch)
+            r.draft_ids = []
+            r.spec_verify_ct += 1
+            r.spec_num_tokens += appended
+            self.num_verify_steps += 1
+            self.num_accepted_tokens += min(v.num_accepted, appended)
+            if r.finished:
+                finished.append(r)
+            elif r.stream and not self.output.deliver(r):
+                failed.append(r)
+        for r in finished:
+            self._finish(r)
+        for r in failed:
+            self.abort(r.rid, message="the consumer of this request failed")
+        self._after_decode(len(batch.reqs))
 
     # ------------------------------------------------------------------------------------------
     # requests in and out
@@ -210,6 +255,7 @@ class Scheduler:
         Its output so far is kept; it resumes by prefilling prompt + output (mostly cache hits)."""
         self.cache.release(req, insert=True)
         self.running.remove(req)
+        req.draft_ids = []
         req.status = ReqStatus.WAITING
         self.num_retractions += 1
         self.waiting.insert(0, req)
@@ -300,18 +346,35 @@ class Scheduler:
     # decode
     # ------------------------------------------------------------------------------------------
     def _schedule_decode(self) -> Batch | None:
-        """Every decoding request feeds its last sampled token. When KV is short even after
-        eviction, the youngest running requests are retracted until the rest fit."""
+        """Every decoding request feeds its last sampled token (and, with speculation, its draft
+        tokens). When KV is short even after eviction, drafts are dropped first, then the youngest
+        running requests are retracted until the rest fit."""
         reqs = [r for r in self.running if r.is_decoding]
-        while reqs and not self.cache.can_allocate(reqs, [1] * len(reqs)):
+        if self.drafter is not None:
+            for r in reqs:
+                r.draft_ids = self.drafter.propose(r, self._draft_limit(r))
+        lens = [1 + len(r.draft_ids) for r in reqs]
+        if reqs and max(lens) > 1 and not self.cache.can_allocate(reqs, lens):
+            for r in reqs:
+                r.draft_ids = []
+        while reqs and not self.cache.can_allocate(reqs, [1 + len(r.draft_ids) for r in reqs]):
             victim = self._youngest()
             self.retract(victim)
             if victim in reqs:
                 reqs.remove(victim)
         if not reqs:
             return None
-        loc = self.cache.allocate(reqs, [1] * len(reqs))
-        return Batch(is_decode=True, reqs=reqs, lens=[1] * len(reqs), out_cache_loc=[loc])
+        lens = [1 + len(r.draft_ids) for r in reqs]
+        loc = self.cache.allocate(reqs, lens)
+        return Batch(is_decode=True, reqs=reqs, lens=lens, out_cache_loc=[loc], verify=self.drafter is not None,
+                     scratch=self.scratch[:len(reqs)])
+
+    def _draft_limit(self, req: Req) -> int:
+        """Drafts that could all be used: within max_new_tokens and the context, none with penalties."""
+        if req.sampling.has_penalties:
+            return 0
+        return min(req.sampling.max_new_tokens - len(req.output_ids) - 1,
+                   self.config.max_context_len - req.num_fill - 1)
 
     def _unstall(self) -> bool:
         """Nothing could be scheduled. If requests are running, they are chunked prefills that

@@ -1,0 +1,240 @@
+"""Speculative decoding: exact with the prefix cache on, under pressure, for every architecture.
+
+The differential rule is the cache's: speculation on vs off gives the same greedy tokens and
+logprobs within 1e-4 up to each request's first floating-point tie. A random tiny model rarely
+repeats itself, so besides the real n-gram drafter the engine tests plug an *oracle* drafter that
+proposes the reference continuation with deterministic corruptions: every verify step then mixes
+full acceptance, partial acceptance, rejection at the first draft and zero-draft steps.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from hyla import Engine
+from hyla.engine.request import Req
+from hyla.engine.sampling_params import SamplingParams
+from hyla.engine.speculative import NgramDrafter, verify
+from test_engine_differential import compare_outputs, make_workload, run
+
+POOLS = dict(max_total_tokens=8192, max_state_slots=96, max_running_requests=8, chunked_prefill_size=256)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2048) for _ in range(n)]
+
+
+def _greedy(n: int, **kw) -> dict:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **kw}
+
+
+class OracleDrafter:
+    """Proposes the reference output's next tokens, corrupting some (seeded by request and step)."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], num_draft: int, error_rate: float = 0.3):
+        self.reference, self.num_draft, self.error_rate = reference, num_draft, error_rate
+        self.num_proposed = 0
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        ref = self.reference.get(tuple(req.input_ids), [])
+        n = len(req.output_ids)
+        rng = random.Random(f"{req.rid}:{n}")
+        k = rng.randrange(0, min(limit, self.num_draft) + 1) if limit > 0 else 0
+        drafts = list(ref[n:n + k])
+        for i in range(len(drafts)):
+            if rng.random() < self.error_rate:
+                drafts[i] = (drafts[i] + 1 + rng.randrange(100)) % 2048
+        self.num_proposed += len(drafts)
+        return drafts
+
+
+def _drained(e: Engine) -> None:
+    e.wait_idle(timeout=60)
+    e.check_integrity()
+    kv, st, tree = e.kv_pool, e.state_pool, e.tree
+    assert kv.available_size() + tree.total_size() == kv.size
+    assert st.available_size() + tree.num_checkpoints() + e.cache.num_reserved_states == st.size
+    assert e.req_to_token.available_size() == e.max_running_requests + 1
+    assert not e.scheduler.running and not e.scheduler.waiting
+
+
+def _run_differential(path, on_opts: dict, seed: int = 0) -> int:
+    """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter."""
+    wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
+    with Engine(path, enable_prefix_cache=False, **POOLS) as off:
+        off1 = run(off, wave1)
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
+                 for w, o, f in zip(wave1, off1, followups)]
+        off2 = run(off, wave2)
+    reference = {tuple(s["ids"]): o["output_ids"] for s, o in zip(wave1 + wave2, off1 + off2)}
+    with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=5, debug_checks=True,
+                **on_opts) as eng:
+        eng.scheduler.drafter = oracle = OracleDrafter(reference, num_draft=4)
+        on1 = run(eng, wave1)
+        on2 = run(eng, wave2)
+        _drained(eng)
+        assert oracle.num_proposed > 0 and eng.scheduler.num_accepted_tokens > 0
+        assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in on1 + on2)
+    return compare_outputs(on1 + on2, off1 + off2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_path"])
+def test_speculation_is_exact_with_the_prefix_cache(arch, request):
+    compared = _run_differential(request.getfixturevalue(arch), POOLS)
+    assert compared > 60
+
+
+@pytest.mark.slow
+def test_speculation_is_exact_on_moe(qwen3_next_moe_path):
+    assert _run_differential(qwen3_next_moe_path, POOLS) > 60
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_total_tokens=700, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64),  # retraction
+    dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+         page_size=16),  # pages + grid: pending checkpoints from the per-token states
+    dict(max_total_tokens=2048, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+         checkpoint_alignment=8),
+])
+def test_speculation_is_exact_under_pressure(qwen3_next_dense_path, opts):
+    assert _run_differential(qwen3_next_dense_path, opts, seed=1) > 60
+
+
+def test_stops_inside_an_accepted_run(qwen3_next_dense_path):
+    """EOS, a stop token and max_new_tokens landing inside a fully accepted run."""
+    ids = _ids(30, 5)
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
+        full = ref.generate(input_ids=ids, sampling_params=_greedy(24), return_logprob=True)["output_ids"]
+    with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=9,
+                debug_checks=True, **POOLS) as eng:
+        eng.scheduler.drafter = OracleDrafter({tuple(ids): full}, num_draft=8, error_rate=0.0)
+        stop_tok = full[6]
+        out = eng.generate(input_ids=ids, sampling_params=_greedy(24, stop_token_ids=[stop_tok]))
+        assert out["output_ids"] == full[: full.index(stop_tok) + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+        out = eng.generate(input_ids=ids, sampling_params=_greedy(5))
+        assert out["output_ids"] == full[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
+        eos = full[10]
+        eng.scheduler.output.eos_token_ids = {eos}
+        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24})
+        assert out["output_ids"] == full[: full.index(eos) + 1]
+        chunks = list(eng.generate(input_ids=ids, sampling_params=_greedy(24), stream=True))
+        assert [t for c in chunks for t in c["output_ids"]] == full
+        assert any(len(c["output_ids"]) > 1 for c in chunks)  # several tokens per verify step
+        _drained(eng)
+
+
+def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
+    ids = _ids(40, 6)
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
+        want = ref.generate(input_ids=ids, sampling_params=_greedy(30), return_logprob=True)
+    # one token per verify step: every step is a zero-draft verify, through the same path
+    with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=1,
+                debug_checks=True, **POOLS) as eng:
+        got = eng.generate(input_ids=ids, sampling_params=_greedy(30), return_logprob=True)
+        compare_outputs([got], [want])
+        assert got["meta_info"]["spec_verify_ct"] == 29 and got["meta_info"]["spec_accept_length"] == 1.0
+        _drained(eng)
+    with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=5,
+                debug_checks=True, **POOLS) as eng:
+        eng.scheduler.drafter = OracleDrafter({tuple(ids): want["output_ids"]}, num_draft=4)
+        runner = eng.scheduler.runner
+        real, calls = runner.forward_extend, {"n": 0}
+
+        def hooked(reqs, lens, loc, ckpts, all_logits=False):
+            if all_logits:
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    eng.abort("victim")
+            return real(reqs, lens, loc, ckpts, all_logits=all_logits)
+
+        runner.forward_extend = hooked
+        outs = eng.generate(input_ids=[ids, ids], sampling_params=_greedy(30), return_logprob=True,
+                            rid=["victim", "other"])
+        runner.forward_extend = real
+        assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert outs[0]["output_ids"] == want["output_ids"][: len(outs[0]["output_ids"])]
+        compare_outputs([outs[1]], [want])
+        _drained(eng)
+
+
+def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
+    """The real drafter: a prompt that repeats a phrase, the output asked to continue it."""
+    phrase = _ids(12, 7)
+    prompt = phrase * 4 + phrase[:5]
+    d = NgramDrafter(num_draft=4, min_n=1, max_n=4)
+    req = Req(rid="r", input_ids=prompt, sampling=SamplingParams.from_dict(_greedy(8)))
+    assert d.propose(req, 8) == phrase[5:9]
+    req.output_ids += phrase[5:7]  # the index grows incrementally
+    assert d.propose(req, 2) == phrase[7:9]
+    assert d.propose(Req(rid="s", input_ids=[1, 2, 3], sampling=req.sampling), 4) == []
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref, \
+            Engine(qwen3_next_dense_path, speculative_algorithm="ngram", debug_checks=True, **POOLS) as eng:
+        want = ref.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)
+        got = eng.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)
+        compare_outputs([got], [want])
+        assert eng.scheduler.num_verify_steps > 0
+        _drained(eng)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(qwen3_next_dense_path):
+    ids = _ids(30, 8)
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 20, "seed": 123, "ignore_eos": True}
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
+        guide = ref.generate(input_ids=ids, sampling_params=params)["output_ids"]
+    outs = []
+    for _ in range(2):
+        with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+                    **POOLS) as eng:
+            ngram, eng.scheduler.drafter = eng.scheduler.drafter, OracleDrafter({tuple(ids): guide}, num_draft=3)
+            outs.append(eng.generate(input_ids=[ids, ids], sampling_params=params, rid=["a", "b"]))
+            eng.scheduler.drafter = ngram
+            real = eng.generate(input_ids=[ids, ids], sampling_params=params)  # the n-gram drafter
+            assert real[0]["output_ids"] == real[1]["output_ids"]  # drafts depend on the tokens only
+    assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]
+
+
+# --- speculative sampling preserves the target distribution ------------------------------------
+
+
+def _sampling_req(seed: int, drafts: list[int]) -> Req:
+    req = Req(rid=f"s{seed}", input_ids=[1], sampling=SamplingParams.from_dict({"temperature": 1.0}))
+    req.generator = torch.Generator().manual_seed(seed)
+    req.draft_ids = list(drafts)
+    return req
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+def test_speculative_sampling_matches_the_target_distribution():
+    """First and second emitted tokens, over many draws, against p_0 and p_1 (drafts fixed at the
+    second-likeliest token of each, so both acceptance and the residual draw are exercised)."""
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0, -1.0],
+                           [0.1, 1.2, 0.3, -0.2, 0.9, 0.0],
+                           [0.0, 0.0, 0.5, 0.5, -0.5, 1.0]])  # [3 positions, V]
+    p = torch.softmax(logits, dim=-1)
+    drafts = [3, 4]  # second-likeliest at positions 0 and 1
+    n = 6000
+    first = [0] * vocab
+    second = [0] * vocab  # conditioned on the first draft being accepted
+    for i in range(n):
+        req = _sampling_req(i, drafts)
+        (v,) = verify([req], [3], logits)
+        first[v.tokens[0]] += 1
+        if v.tokens[0] == drafts[0]:
+            second[v.tokens[1]] += 1
+    # chi-square with 5 degrees of freedom: P(X > 20.5) ~ 0.001
+    assert _chi_square(first, p[0].tolist()) < 20.5
+    assert _chi_square(second, p[1].tolist()) < 20.5
+    # the acceptance rule matters: a biased rule (always accept the draft) would be far off
+    assert abs(first[3] / n - float(p[0, 3])) < 4 * math.sqrt(float(p[0, 3]) * (1 - float(p[0, 3])) / n)
