@@ -17,7 +17,7 @@ from typing import Any
 
 _EXPORTS = {
     "ModelConfig": "hyla.model.config",
-    "FlopCount": "hyla.model.config",
+    "FlopCount": "hyla.model.flops",
     "SUPPORTED_ARCHITECTURES": "hyla.model.config",
     "ForwardBatch": "hyla.model.forward_batch",
     "HybridForCausalLM": "hyla.model.layers",

@@ -31,6 +31,8 @@ from typing import Any, Mapping
 
 import torch
 
+from hyla.model.flops import FlopCount, flops_per_token, prefill_flops
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
@@ -80,21 +82,6 @@ def decode_json_floats(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_json_floats(v) for v in value]
     return value
-
-
-@dataclass(frozen=True)
-class FlopCount:
-    """Forward FLOPs (2 per multiply-add) of one token, split by layer kind."""
-
-    attention: float  # projections + the quadratic QK^T / PV part of every attention layer
-    linear: float  # GDN / Mamba2 projections, conv and recurrent state update
-    mlp: float  # dense feed-forward layers
-    moe: float  # router + active experts + shared expert
-    lm_head: float  # final projection to the vocabulary
-
-    @property
-    def total(self) -> float:
-        return self.attention + self.linear + self.mlp + self.moe + self.lm_head
 
 
 @dataclass(frozen=True)
@@ -267,83 +254,14 @@ class ModelConfig:
         ssm = math.prod(self.ssm_shape) * 4
         return self.num_linear_layers * (conv + ssm)
 
-    # --- FLOP model -----------------------------------------------------------------------------
-    def _mlp_flops(self, intermediate: int, hidden: int | None = None) -> float:
-        hidden = self.hidden_size if hidden is None else hidden
-        mats = 3 if self.hidden_act == "silu" else 2  # gated: gate, up, down; relu2: up, down
-        return 2.0 * mats * hidden * intermediate
-
-    def _moe_flops(self) -> float:
-        h = self.hidden_size
-        inner = self.moe_latent_size or h
-        flops = 2.0 * h * self.num_experts  # router
-        flops += self.num_experts_per_tok * self._mlp_flops(self.moe_intermediate_size, inner)
-        if self.moe_latent_size:
-            flops += 2.0 * 2 * h * self.moe_latent_size
-        if self.shared_expert_intermediate_size:
-            flops += self._mlp_flops(self.shared_expert_intermediate_size)
-            flops += 2.0 * h if self.shared_expert_gate else 0.0
-        return flops
-
-    def _attention_flops(self, context_len: int) -> float:
-        h, d, hq, hkv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_kv_heads
-        q_out = hq * d * (2 if self.attn_output_gate else 1)
-        proj = 2.0 * h * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
-        return proj + 2.0 * 2 * hq * d * context_len  # QK^T and PV over the context
-
-    def _linear_flops(self) -> float:
-        h, k = self.hidden_size, self.conv_kernel
-        if self.linear_kind == "gdn":
-            hv, dk, dv = self.ssm_shape
-            value_dim = hv * dv
-            proj = 2.0 * h * (self.conv_dim + value_dim + 2 * hv) + 2.0 * value_dim * h
-            state = 2.0 * 4 * hv * dk * dv  # decay, read (k^T S), write (k delta^T), output (q^T S)
-            return proj + 2.0 * self.conv_dim * k + state
-        if self.linear_kind == "mamba2":
-            inner = self.mamba_intermediate_size
-            proj = 2.0 * h * (inner + self.conv_dim + self.mamba_num_heads) + 2.0 * inner * h
-            state = 2.0 * 3 * math.prod(self.ssm_shape)  # decay + B x write, C read
-            return proj + 2.0 * self.conv_dim * k + state
-        return 0.0
-
+    # --- FLOP model (hyla/model/flops.py) -------------------------------------------------------
     def flops_per_token(self, context_len: int) -> FlopCount:
-        """FLOPs to run one token that attends to ``context_len`` tokens (itself included).
-
-        Attention layers cost projections plus ``4 * Hq * D * context_len`` for the quadratic part;
-        linear layers are constant per token; MoE counts only the ``num_experts_per_tok`` active
-        experts (plus router and shared expert). Norms, activations and RoPE are ignored.
-        """
-        if context_len < 1:
-            raise ValueError(f"context_len must be >= 1, got {context_len}")
-        counts = {"attention": 0.0, "linear": 0.0, "mlp": 0.0, "moe": 0.0}
-        for mixer, ffn in zip(self.layer_types, self.ffn_types):
-            if mixer == "attention":
-                counts["attention"] += self._attention_flops(context_len)
-            elif mixer == "linear":
-                counts["linear"] += self._linear_flops()
-            for kind in (mixer, ffn):
-                if kind == "mlp":
-                    counts["mlp"] += self._mlp_flops(self.intermediate_size)
-                elif kind == "moe":
-                    counts["moe"] += self._moe_flops()
-        return FlopCount(lm_head=2.0 * self.hidden_size * self.vocab_size, **counts)
+        """FLOPs to run one token that attends to ``context_len`` tokens: ``flops.flops_per_token``."""
+        return flops_per_token(self, context_len)
 
     def prefill_flops(self, extend_len: int, prefix_len: int = 0) -> float:
-        """Total FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones.
-
-        Exact sum of ``flops_per_token(prefix_len + j + 1).total`` for ``j < extend_len`` (closed
-        form: the per-token cost is affine in the context length). This is what a cached prefix of
-        ``prefix_len`` tokens saves relative to recomputing it.
-        """
-        if extend_len < 0 or prefix_len < 0:
-            raise ValueError("extend_len and prefix_len must be >= 0")
-        if extend_len == 0:
-            return 0.0
-        base = self.flops_per_token(1).total
-        slope = self.flops_per_token(2).total - base  # FLOPs per extra context token
-        first, last = prefix_len + 1, prefix_len + extend_len
-        contexts = (first + last) * extend_len / 2.0
-        return extend_len * (base - slope) + slope * contexts
+        """FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones: ``flops.prefill_flops``."""
+        return prefill_flops(self, extend_len, prefix_len)
 
     def with_dtype(self, dtype: str | torch.dtype) -> "ModelConfig":
         return replace(self, dtype=parse_dtype(dtype))
