@@ -10,7 +10,8 @@ import torch
 import transformers
 from checkpoints import NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
 
-from hyla.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hyla.model.architectures import SUPPORTED_ARCHITECTURES
+from hyla.model.config import ModelConfig
 
 
 def hf_dict(config: transformers.PreTrainedConfig, arch: str) -> dict:

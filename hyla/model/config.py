@@ -33,13 +33,6 @@ import torch
 
 from hyla.model.flops import FlopCount, flops_per_token, prefill_flops
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "NemotronHForCausalLM",
-)
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -50,8 +43,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 
-_NEMOTRON_PATTERN = {"M": "linear", "*": "attention", "-": "mlp", "E": "moe"}
-_LAYER_TYPE_NAMES = {
+# config.json layer type names (Qwen ``layer_types``, NemotronH ``layers_block_type``) -> hyla's
+HF_LAYER_TYPES: dict[str, str] = {
     "linear_attention": "linear",
     "mamba": "linear",
     "full_attention": "attention",
@@ -271,64 +264,40 @@ class ModelConfig:
     def from_hf(cls, config: Mapping[str, Any], dtype: str | torch.dtype | None = None) -> "ModelConfig":
         """Build from a ``config.json`` dict (legacy keys and ``{"__float__": ...}`` accepted).
 
+        The architecture (``architectures``, else ``model_type``) picks the parser in
+        ``hyla.model.architectures.ARCHITECTURES``; each architecture's file reads its own keys.
         ``dtype`` overrides the checkpoint's ``dtype`` / ``torch_dtype`` (default float32 when the
-        config names none). Raises ``ValueError`` for an unsupported architecture.
+        config names none). Raises ``ValueError`` for an unsupported architecture or a bad config.
         """
+        # imported here: the architecture files import this module (and the layers)
+        from hyla.model.architectures import ARCHITECTURES, architecture_name
+
         cfg = decode_json_floats(dict(config))
-        arch = _architecture(cfg)
-        if arch == "Qwen3_5ForConditionalGeneration":
-            text = dict(cfg.get("text_config") or {})
-            if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
-                text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-                if text.get(key) is None and key in cfg:
-                    text[key] = cfg[key]
-            for key in ("dtype", "torch_dtype"):
-                text.setdefault(key, cfg.get(key))
-            cfg = text
-        if dtype is None:
-            dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        common = _common_fields(cfg, arch, parse_dtype(dtype))
-        if arch.startswith("Qwen3"):
-            return cls(**common, **_qwen_fields(cfg, arch))
-        return cls(**common, **_nemotron_h_fields(cfg))
+        arch = architecture_name(cfg)
+        return cls(**ARCHITECTURES[arch].parse_config(cfg, arch, dtype))
 
 
-def _architecture(cfg: Mapping[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    model_type = cfg.get("model_type")
-    by_type = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-               "qwen3_5": "Qwen3_5ForConditionalGeneration", "nemotron_h": "NemotronHForCausalLM"}
-    if not archs and model_type in by_type:
-        return by_type[model_type]
-    raise ValueError(
-        f"unsupported architecture {archs or model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _require(cfg: Mapping[str, Any], key: str) -> Any:
+# --- helpers for the architectures' config.json parsers -----------------------------------------
+def hf_require(cfg: Mapping[str, Any], key: str) -> Any:
+    """``cfg[key]``; ``ValueError`` when it is missing or null."""
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"config.json lacks required key {key!r}")
     return cfg[key]
 
 
-def _common_fields(cfg: Mapping[str, Any], arch: str, dtype: torch.dtype) -> dict[str, Any]:
+def hf_common_fields(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every architecture reads the same way (vocabulary, hidden size,
+    dtype, embeddings tying, context length, special token ids; ``extra["hf_config"]`` = ``cfg``).
+
+    ``dtype`` overrides the config's ``dtype`` / ``torch_dtype`` (float32 when it names none).
+    """
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return dict(
         architecture=arch,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        hidden_size=int(_require(cfg, "hidden_size")),
-        dtype=dtype,
+        vocab_size=int(hf_require(cfg, "vocab_size")),
+        hidden_size=int(hf_require(cfg, "hidden_size")),
+        dtype=parse_dtype(dtype),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
@@ -338,146 +307,9 @@ def _common_fields(cfg: Mapping[str, Any], arch: str, dtype: torch.dtype) -> dic
     )
 
 
-def _rope(cfg: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return dict(rope_theta=float(theta), rotary_dim=int(head_dim * float(factor)))
-
-
-def _qwen_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = int(cfg.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
-    out = tuple(_LAYER_TYPE_NAMES.get(t, t) for t in types)
-    bad = set(out) - {"attention", "linear"}
-    if bad:
-        raise ValueError(f"Qwen layer_types must be full/linear attention, got {sorted(bad)}")
-    return out
-
-
-def _qwen_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    num_layers = int(_require(cfg, "num_hidden_layers"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    num_experts = int(cfg.get("num_experts", 0) or 0) if arch == "Qwen3NextForCausalLM" else 0
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    ffn = tuple(
-        "moe" if num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0 else "mlp"
-        for i in range(num_layers)
-    )
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch} (expected 'silu')")
-    return dict(
-        model_type="qwen3_next" if arch == "Qwen3NextForCausalLM" else "qwen3_5",
-        layer_types=_qwen_layer_types(cfg, num_layers),
-        ffn_types=ffn,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        zero_centered_norm=True,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        attn_output_gate=True,
-        qk_norm=True,
-        **_rope(cfg, head_dim),
-        linear_kind="gdn",
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_chunk_size=64,
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        hidden_act="silu",
-        num_experts=num_experts,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if num_experts else 0,
-        shared_expert_intermediate_size=(
-            int(cfg.get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0
-        ),
-        shared_expert_gate=num_experts > 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        router="softmax",
-    )
-
-
-def _nemotron_layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    types = cfg.get("layers_block_type") or cfg.get("layer_types")
-    if types is None and cfg.get("hybrid_override_pattern"):
-        pattern = cfg["hybrid_override_pattern"]
-        bad = set(pattern) - set(_NEMOTRON_PATTERN)
-        if bad:
-            raise ValueError(f"hybrid_override_pattern has unknown symbols {sorted(bad)} (expected M * - E)")
-        return tuple(_NEMOTRON_PATTERN[c] for c in pattern)
-    if types is None:
-        raise ValueError("NemotronH config needs layers_block_type or hybrid_override_pattern")
-    bad = [t for t in types if t not in _LAYER_TYPE_NAMES]
-    if bad:
-        raise ValueError(f"unknown NemotronH layer types {sorted(set(bad))}")
-    return tuple(_LAYER_TYPE_NAMES[t] for t in types)
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-def _nemotron_h_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    types = _nemotron_layer_types(cfg)
-    heads = int(cfg.get("num_attention_heads", 32))
-    act = cfg.get("mlp_hidden_act", "relu2")
-    if act not in ("relu2", "silu"):
-        raise ValueError(f"unsupported mlp_hidden_act {act!r} for NemotronH")
-    if cfg.get("mamba_hidden_act", "silu") != "silu":
-        raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
-    uses_moe = "moe" in types
-    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
-    return dict(
-        model_type="nemotron_h",
-        layer_types=types,
-        ffn_types=("none",) * len(types),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
-        rotary_dim=0,
-        linear_kind="mamba2" if "linear" in types else "none",
-        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
-        linear_chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
-        mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
-        mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
-        ssm_state_size=int(cfg.get("ssm_state_size", 128)),
-        mamba_n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
-        mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
-        mamba_dt_limit=(time_step_min, math.inf),
-        intermediate_size=int(cfg.get("intermediate_size", 0)),
-        hidden_act=act,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        num_experts=int(cfg.get("n_routed_experts", 0)) if uses_moe else 0,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if uses_moe else 0,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)) if uses_moe else 0,
-        # HF builds one shared MLP of this width whatever n_shared_experts says.
-        shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 0)) if uses_moe else 0,
-        shared_expert_gate=False,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        router="sigmoid",
-        router_num_groups=int(cfg.get("n_group", 1) or 1),
-        router_topk_groups=int(cfg.get("topk_group", 1) or 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
-        moe_latent_size=int(cfg.get("moe_latent_size") or 0),
-    )
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
