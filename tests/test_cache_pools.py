@@ -205,7 +205,7 @@ def test_state_pool_without_linear_layers() -> None:
 # ----------------------------------------------------------------------------------------------
 # request table
 # ----------------------------------------------------------------------------------------------
-def test_req_to_token_pool_rows_slots_and_state() -> None:
+def test_req_to_token_pool_rows_and_slots() -> None:
     table = ReqToTokenPool(2, 8)
     r = table.alloc()
     table.write(r, 0, torch.tensor([5, 6, 7]))
@@ -214,13 +214,11 @@ def test_req_to_token_pool_rows_slots_and_state() -> None:
     view = table.read(r, 0, 2)
     table.write(r, 0, torch.tensor([1, 1]))
     assert view.tolist() == [5, 6]  # read returns a copy
-    table.set_state_slot(r, 3)
-    assert table.state_slot(r) == 3
     r2 = table.alloc()
     with pytest.raises(PoolExhaustedError):
         table.alloc()
     table.free(r)
-    assert table.available_size() == 1 and table.alloc() == r and table.state_slot(r) == -1
+    assert table.available_size() == 1 and table.alloc() == r
     with pytest.raises(ValueError):
         table.write(r2, 6, torch.tensor([1, 2, 3]))  # past max_context_len
     table.free(r2)

@@ -144,9 +144,10 @@ def test_errors_are_value_errors():
 
 
 def test_bytes_per_token_and_slot(qwen_moe, nemotron):
-    assert qwen_moe.kv_bytes_per_token(2) == 2 * 2 * 2 * 64 * 2  # layers * (K, V) * Hkv * D * bytes
-    assert qwen_moe.state_bytes_per_slot(2) == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
-    assert nemotron.state_bytes_per_slot(4) == 3 * (384 * 3 * 4 + 8 * 32 * 32 * 4)
+    bf16 = qwen_moe.with_dtype("bfloat16").cache_layout  # K, V and conv state in bf16; SSM state fp32
+    assert bf16.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # layers * (K, V) * Hkv * D * bytes
+    assert bf16.state_bytes_per_slot == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
+    assert nemotron.cache_layout.state_bytes_per_slot == 3 * (384 * 3 * 4 + 8 * 32 * 32 * 4)  # fp32
 
 
 def test_flops_per_token_model(qwen_moe, nemotron):
@@ -181,7 +182,7 @@ def test_80b_config_needs_no_weights():
     }
     c = ModelConfig.from_hf(cfg)
     assert (c.num_attention_layers, c.num_linear_layers) == (12, 36)
-    assert c.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2
+    assert c.cache_layout.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2  # bf16
     assert c.conv_shape == (2 * 2048 + 4096, 3) and c.ssm_shape == (32, 128, 128)
     gflops = c.flops_per_token(1).total / 1e9
     assert 4.0 < gflops < 8.0

@@ -31,6 +31,7 @@ from typing import Any, Mapping
 
 import torch
 
+from hyla.cache.layout import CacheLayout
 from hyla.model.flops import FlopCount, flops_per_token, prefill_flops
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -237,15 +238,16 @@ class ModelConfig:
     def ssm_dtype(self) -> torch.dtype:
         return torch.float32
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV-cache bytes one token occupies across all attention layers (K and V)."""
-        return self.num_attention_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def state_bytes_per_slot(self, dtype_bytes: int) -> int:
-        """Bytes of one state slot across all linear layers: conv in ``dtype_bytes``, SSM in fp32."""
-        conv = math.prod(self.conv_shape) * dtype_bytes
-        ssm = math.prod(self.ssm_shape) * 4
-        return self.num_linear_layers * (conv + ssm)
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What one cached token and one state slot hold: K/V and the conv window in ``dtype``, the
+        SSM state in ``ssm_dtype`` (fp32). The pools, the engine's memory split and the simulator
+        take their ``kv_bytes_per_token`` / ``state_bytes_per_slot`` from it."""
+        return CacheLayout(
+            num_attention_layers=self.num_attention_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_dtype=self.dtype, num_linear_layers=self.num_linear_layers, conv_shape=self.conv_shape,
+            conv_dtype=self.conv_dtype, ssm_shape=self.ssm_shape, ssm_dtype=self.ssm_dtype,
+        )
 
     # --- FLOP model (hyla/model/flops.py) -------------------------------------------------------
     def flops_per_token(self, context_len: int) -> FlopCount:
