@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hyla.cache import KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
+from hyla.cache import CacheLayout, KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
 from hyla.cache.allocator import FreeList
 
 
@@ -200,6 +200,27 @@ def test_state_pool_accounting_mode() -> None:
 def test_state_pool_without_linear_layers() -> None:
     pool = StatePool(4, 0, None, torch.float32, None, torch.float32)
     assert pool.bytes_per_slot == 0 and pool.alloc(2).tolist() == [1, 2]
+
+
+# ----------------------------------------------------------------------------------------------
+# cache layout: the one source of the byte sizes
+# ----------------------------------------------------------------------------------------------
+def test_cache_layout_bytes_and_pools_built_from_it() -> None:
+    layout = CacheLayout(2, 2, 4, torch.float32, 2, (6, 3), torch.bfloat16, [2, 4, 4], torch.float32)
+    assert layout.ssm_shape == (2, 4, 4)  # shapes are stored as tuples
+    assert layout.kv_bytes_per_token == kv_pool().bytes_per_token == 2 * 2 * 2 * 4 * 4
+    assert layout.state_bytes_per_slot == state_pool().bytes_per_slot == 2 * (6 * 3 * 2 + 2 * 4 * 4 * 4)
+    kv = KVPool.from_layout(layout, 32, page_size=4)
+    assert kv.bytes_per_token == layout.kv_bytes_per_token and kv.k_buffers[1].shape == (36, 2, 4)
+    state = StatePool.from_layout(layout, 5, accounting=True)
+    assert state.bytes_per_slot == layout.state_bytes_per_slot and state.conv_states == []
+    assert (state.size, state.conv_shape, state.ssm_dtype) == (5, (6, 3), torch.float32)
+    attention_only = CacheLayout(num_attention_layers=1, num_kv_heads=1, head_dim=8)
+    assert attention_only.state_bytes_per_slot == 0 and StatePool.from_layout(attention_only, 2).bytes_per_slot == 0
+    with pytest.raises(ValueError):
+        CacheLayout(num_attention_layers=-1)
+    with pytest.raises(ValueError):
+        CacheLayout(num_linear_layers=2)  # linear layers without state shapes
 
 
 # ----------------------------------------------------------------------------------------------
