@@ -23,6 +23,9 @@ ConfigParser = Callable[[Mapping[str, Any], str, str | torch.dtype | None], dict
 
 @dataclass(frozen=True)
 class Architecture:
+    """One registered architecture: ``load_model`` builds ``model_class``; ``ModelConfig.from_hf``
+    calls ``parse_config`` (which raises ``ValueError`` for a config it cannot serve)."""
+
     model_class: type[HybridForCausalLM]
     parse_config: ConfigParser  # (decoded config.json, architecture name, dtype override) -> ModelConfig kwargs
     hf_model_type: str  # config.json "model_type" that names this architecture when "architectures" is absent

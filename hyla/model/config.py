@@ -1,8 +1,11 @@
-"""``ModelConfig``: the one place that reads Hugging Face ``config.json`` attributes.
+"""``ModelConfig``: a model's hyper-parameters, read once from its Hugging Face ``config.json``.
 
 Everything else in hyla (layers, loader, engine, cache sizing, simulator) reads this frozen
-dataclass, never the HF dict. ``ModelConfig.from_hf`` needs no weights and no torch model: the
-simulator builds one from an 80B checkpoint's ``config.json`` alone.
+dataclass, never the HF dict. ``ModelConfig.from_hf`` needs no weights and builds no torch model:
+the simulator builds one from an 80B checkpoint's ``config.json`` alone. Each architecture's own
+file parses its keys (``parse_hf_config``, found through ``hyla.model.architectures``) with the
+shared helpers at the end of this module; the FLOP model is ``hyla.model.flops`` and the cache
+layout (bytes per KV token / state slot) ``hyla.cache.layout.CacheLayout``.
 
 Layer layout
 ------------
