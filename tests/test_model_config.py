@@ -10,7 +10,8 @@ import torch
 import transformers
 from checkpoints import NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
 
-from hyla.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from hyla.model.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_name
+from hyla.model.config import ModelConfig
 
 
 def hf_dict(config: transformers.PreTrainedConfig, arch: str) -> dict:
@@ -143,9 +144,10 @@ def test_errors_are_value_errors():
 
 
 def test_bytes_per_token_and_slot(qwen_moe, nemotron):
-    assert qwen_moe.kv_bytes_per_token(2) == 2 * 2 * 2 * 64 * 2  # layers * (K, V) * Hkv * D * bytes
-    assert qwen_moe.state_bytes_per_slot(2) == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
-    assert nemotron.state_bytes_per_slot(4) == 3 * (384 * 3 * 4 + 8 * 32 * 32 * 4)
+    bf16 = qwen_moe.with_dtype("bfloat16").cache_layout  # K, V and conv state in bf16; SSM state fp32
+    assert bf16.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2  # layers * (K, V) * Hkv * D * bytes
+    assert bf16.state_bytes_per_slot == 6 * (512 * 3 * 2 + 4 * 64 * 64 * 4)
+    assert nemotron.cache_layout.state_bytes_per_slot == 3 * (384 * 3 * 4 + 8 * 32 * 32 * 4)  # fp32
 
 
 def test_flops_per_token_model(qwen_moe, nemotron):
@@ -180,7 +182,29 @@ def test_80b_config_needs_no_weights():
     }
     c = ModelConfig.from_hf(cfg)
     assert (c.num_attention_layers, c.num_linear_layers) == (12, 36)
-    assert c.kv_bytes_per_token(2) == 12 * 2 * 2 * 256 * 2
+    assert c.cache_layout.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2  # bf16
     assert c.conv_shape == (2 * 2048 + 4096, 3) and c.ssm_shape == (32, 128, 128)
     gflops = c.flops_per_token(1).total / 1e9
     assert 4.0 < gflops < 8.0
+
+
+def test_registry_picks_the_architecture_by_name_or_model_type(qwen_moe):
+    assert architecture_name({"architectures": ["LlamaForCausalLM", "NemotronHForCausalLM"]}) == "NemotronHForCausalLM"
+    # no "architectures" at all: HF's model_type names it
+    assert architecture_name({"model_type": "qwen3_5_text"}) == "Qwen3_5ForCausalLM"
+    assert architecture_name({"model_type": "qwen3_5"}) == "Qwen3_5ForConditionalGeneration"
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        architecture_name({"architectures": ["LlamaForCausalLM"], "model_type": "qwen3_next"})
+    hf = dict(qwen_moe.extra["hf_config"])
+    del hf["architectures"]
+    assert ModelConfig.from_hf(hf) == qwen_moe  # parsed by the registered Qwen3-Next parser
+    for name, entry in ARCHITECTURES.items():  # every entry's parser and class belong together
+        assert entry.model_class.__module__ == entry.parse_config.__module__, name
+
+
+def test_cache_layout_follows_the_config(qwen_moe, nemotron):
+    q = qwen_moe.cache_layout
+    assert (q.num_attention_layers, q.num_kv_heads, q.head_dim, q.kv_dtype) == (2, 2, 64, torch.float32)
+    assert (q.num_linear_layers, q.conv_shape, q.ssm_shape) == (6, (512, 3), (4, 64, 64))
+    assert (q.conv_dtype, q.ssm_dtype) == (qwen_moe.conv_dtype, torch.float32)
+    assert nemotron.with_dtype("float16").cache_layout.kv_dtype == torch.float16

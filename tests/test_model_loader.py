@@ -14,7 +14,7 @@ from checkpoints import TinyRunner, make_qwen3_5
 from safetensors.torch import load_file, save_file
 
 from hyla.model import load_model
-from hyla.model.config import SUPPORTED_ARCHITECTURES
+from hyla.model.architectures import SUPPORTED_ARCHITECTURES
 
 
 def prefill_logits(model, ids: list[int]) -> torch.Tensor:

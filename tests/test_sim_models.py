@@ -51,7 +51,7 @@ def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_byt
     m = resolve_model(name)
     cfg = ModelConfig.from_hf(HF_CONFIGS[name])
     assert (m.kv_bytes_per_token, m.state_bytes_per_slot) == (kv_bytes, state_bytes)
-    assert m.kv_bytes_per_token == cfg.kv_bytes_per_token(2)
+    assert m.kv_bytes_per_token == cfg.cache_layout.kv_bytes_per_token
     # the FLOP model is ModelConfig's, less the LM head (a prefill runs it for one token whatever is cached)
     one = cfg.flops_per_token(1)
     assert m.prefill_flops(1) == pytest.approx(one.total - one.lm_head)

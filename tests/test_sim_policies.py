@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyla.cache.layout import CacheLayout
 from hyla.sim.models import CostModel
 from hyla.sim.policies import (
     HylaEviction,
@@ -21,7 +22,8 @@ from hyla.sim.policies import (
 from hyla.sim.simulator import SimConfig, Simulator, simulate
 from hyla.sim.trace import TraceRequest as Req
 
-TOY = CostModel("toy", 1, 1, 1, torch.float32, 1, (1, 4), torch.float32, (16,), torch.float32, 1.0, 0.0, 0.0, 0.0)
+TOY = CostModel("toy", CacheLayout(1, 1, 1, torch.float32, 1, (1, 4), torch.float32, (16,), torch.float32),
+                1.0, 0.0, 0.0, 0.0)
 BIG = 10**6  # bytes: nothing is ever evicted
 
 

@@ -10,13 +10,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hyla.cache.layout import CacheLayout
 from hyla.sim.latency import LatencyModel
 from hyla.sim.models import CostModel, marconi_7b
 from hyla.sim.policies import POLICIES, fed_len
 from hyla.sim.simulator import SimConfig, Simulator, simulate
 from hyla.sim.trace import TraceRequest as Req
 
-TOY = CostModel("toy", 1, 1, 1, torch.float32, 1, (1, 4), torch.float32, (16,), torch.float32, 1.0, 0.0, 0.0, 0.0)
+TOY = CostModel("toy", CacheLayout(1, 1, 1, torch.float32, 1, (1, 4), torch.float32, (16,), torch.float32),
+                1.0, 0.0, 0.0, 0.0)
 
 
 # ---- random traces with structure: new prompts, next turns, branches, repeats ------------------

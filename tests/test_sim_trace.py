@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from hyla.data.sharegpt import load_conversations
 from hyla.sim import sharegpt
-from hyla.sim.sharegpt import Session, build_sessions, iter_json_list, sessions_to_trace, typing_delay_s
+from hyla.sim.sharegpt import Session, build_sessions, sessions_to_trace, typing_delay_s
 from hyla.sim.trace import TraceRequest, load_trace, parse_request, write_trace
 
 
@@ -62,14 +63,6 @@ def test_empty_trace_is_an_error(tmp_path):
         parse_request("x")
 
 
-def test_iter_json_list_stops_at_a_truncated_item():
-    text = '[\n {"a": 1},\n {"b": [2, 3]},\n {"c": "cut'
-    assert list(iter_json_list(text)) == [{"a": 1}, {"b": [2, 3]}]
-    assert list(iter_json_list("[]")) == []
-    with pytest.raises(ValueError):
-        list(iter_json_list("{}"))
-
-
 class CharTokenizer:
     """One token per character: lengths are easy to work out by hand."""
 
@@ -119,7 +112,7 @@ def test_trace_from_sessions_histories_boundaries_and_typing_delays():
 def test_packaged_sharegpt_protocol_set(tmp_path, monkeypatch):
     """The shipped ShareGPT file: 17,671 complete conversations, 524 with >= 10 rounds; the
     tokenized sessions are cached on disk and read back from there."""
-    convs = sharegpt.load_conversations()
+    convs = load_conversations()
     assert len(convs) == 17671
     assert sum(len(c["conversations"]) // 2 >= 10 for c in convs) == 524
     monkeypatch.setenv("HYLA_CACHE_DIR", str(tmp_path))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from hyla.data.sharegpt import load_conversations, num_rounds, select_conversations
+
 # A fixed vocabulary of short common words: random prompts are sequences of them, about one
 # token per word for BPE tokenizers (the server reports the exact prompt_tokens in its usage).
 _WORDS = (
@@ -99,21 +101,13 @@ def sharegpt_sessions(
     if num_sessions < 1 or min_turns < 1 or (max_turns is not None and max_turns < 1):
         raise ValueError(f"bad ShareGPT workload: {num_sessions=}, {min_turns=}, {max_turns=}")
     if conversations is None:
-        from hyla.sim.sharegpt import load_conversations
-
         conversations = load_conversations()
     sessions: list[BenchSession] = []
-    for conv in conversations:
-        messages = conv.get("conversations", [])
-        if len(messages) // 2 < min_turns:
-            continue
+    for i, conv in enumerate(select_conversations(conversations, num_sessions, min_turns)):
+        messages = conv["conversations"]
         turns = []
-        for k in range(len(messages) // 2):
+        for k in range(num_rounds(conv)):
             user, reply = str(messages[2 * k].get("value", "")), str(messages[2 * k + 1].get("value", ""))
             turns.append(BenchTurn(user, output_len or max(1, len(reply.split()))))
-        sessions.append(BenchSession(len(sessions), tuple(turns[:max_turns])))
-        if len(sessions) == num_sessions:
-            break
-    if len(sessions) < num_sessions:
-        raise ValueError(f"only {len(sessions)} ShareGPT conversations have >= {min_turns} turns")
+        sessions.append(BenchSession(i, tuple(turns[:max_turns])))
     return sessions

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
+from hyla.cache.layout import CacheLayout
 
 
 class KVPool:
@@ -46,8 +47,6 @@ class KVPool:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_tokens < page_size or num_tokens % page_size:
             raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of page_size ({page_size})")
-        if min(num_layers, num_kv_heads, head_dim) < 0:
-            raise ValueError("num_layers, num_kv_heads and head_dim must be >= 0")
         self.size = num_tokens
         self.page_size = page_size
         self.num_pages = num_tokens // page_size
@@ -55,8 +54,9 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.accounting = accounting
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * itemsize  # K and V
+        layout = CacheLayout(num_attention_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             kv_dtype=dtype)
+        self.bytes_per_token = layout.kv_bytes_per_token  # K and V of every layer
         self._pages = FreeList(self.num_pages)
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
@@ -65,6 +65,19 @@ class KVPool:
             for _ in range(num_layers):
                 self.k_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
                 self.v_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
+
+    @classmethod
+    def from_layout(
+        cls,
+        layout: CacheLayout,
+        num_tokens: int,
+        page_size: int = 1,
+        device: torch.device | str = "cpu",
+        accounting: bool = False,
+    ) -> "KVPool":
+        """The KV pool of ``layout`` (its attention layers, KV heads, head dim and KV dtype)."""
+        return cls(num_tokens, page_size, layout.num_attention_layers, layout.num_kv_heads, layout.head_dim,
+                   layout.kv_dtype, device, accounting)
 
     # ------------------------------------------------------------------------------------------
     # sizes

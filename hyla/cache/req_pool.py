@@ -1,9 +1,9 @@
-"""The request table: request row → the KV slot of each of its tokens, and → its own state slot.
+"""The request table: request row → the KV slot of each of its tokens.
 
 Row ``r`` of ``req_to_token`` lists, position by position, the KV slots of the request in row
-``r`` (its cached prefix, the tree's slots, followed by its private slots); ``req_to_state[r]`` is
-the state slot the model updates in place for that request (``-1`` when none). Rows are handed
-out by ``alloc`` and returned by ``free``; the table never frees KV or state slots itself.
+``r`` (its cached prefix, the tree's slots, followed by its private slots). Rows are handed out by
+``alloc`` and returned by ``free``; the table never frees KV slots itself. (A request's own state
+slot is kept by the request: the engine's ``Req.state_slot``.)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int64, device=self.device)  # [R, L]
-        self.req_to_state = torch.full((max_reqs,), -1, dtype=torch.int64, device=self.device)  # [R]
         self._rows = FreeList(max_reqs)  # ids 1..max_reqs; row = id - 1
 
     def available_size(self) -> int:
@@ -38,7 +37,6 @@ class ReqToTokenPool:
 
     def free(self, row: int) -> None:
         self._check_row(row)
-        self.req_to_state[row] = -1
         self._rows.free(as_index_array([row + 1]))
 
     def write(self, row: int, start: int, kv_indices: IndexLike) -> None:
@@ -56,14 +54,6 @@ class ReqToTokenPool:
         if not 0 <= start <= end <= self.max_context_len:
             raise ValueError(f"bad range [{start}, {end}) for max_context_len {self.max_context_len}")
         return self.req_to_token[row, start:end].to("cpu", copy=True)
-
-    def set_state_slot(self, row: int, slot: int) -> None:
-        self._check_row(row)
-        self.req_to_state[row] = slot
-
-    def state_slot(self, row: int) -> int:
-        self._check_row(row)
-        return int(self.req_to_state[row])
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.size or not self._rows.is_allocated(as_index_array([row + 1])):

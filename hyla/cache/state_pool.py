@@ -12,12 +12,12 @@ tensors (``copy``/``fork`` only check and count).
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
+from hyla.cache.layout import CacheLayout
 
 
 class StatePool:
@@ -48,9 +48,9 @@ class StatePool:
         self.ssm_dtype = ssm_dtype
         self.device = torch.device(device)
         self.accounting = accounting
-        conv_bytes = math.prod(self.conv_shape) * torch.empty((), dtype=conv_dtype).element_size()
-        ssm_bytes = math.prod(self.ssm_shape) * torch.empty((), dtype=ssm_dtype).element_size()
-        self.bytes_per_slot = num_layers * (conv_bytes + ssm_bytes) if num_layers else 0
+        layout = CacheLayout(num_linear_layers=num_layers, conv_shape=self.conv_shape, conv_dtype=conv_dtype,
+                             ssm_shape=self.ssm_shape, ssm_dtype=ssm_dtype)
+        self.bytes_per_slot = layout.state_bytes_per_slot
         self._slots = FreeList(num_slots)
         self.conv_states: list[torch.Tensor] = []
         self.ssm_states: list[torch.Tensor] = []
@@ -58,6 +58,14 @@ class StatePool:
             for _ in range(num_layers):
                 self.conv_states.append(torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=self.device))  # [S+1, C, K-1]
                 self.ssm_states.append(torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=self.device))  # [S+1, H, Dk, Dv]
+
+    @classmethod
+    def from_layout(
+        cls, layout: CacheLayout, num_slots: int, device: torch.device | str = "cpu", accounting: bool = False
+    ) -> "StatePool":
+        """The state pool of ``layout`` (its linear layers, conv and SSM shapes and dtypes)."""
+        return cls(num_slots, layout.num_linear_layers, layout.conv_shape, layout.conv_dtype, layout.ssm_shape,
+                   layout.ssm_dtype, device, accounting)
 
     def available_size(self) -> int:
         return self._slots.num_free()

@@ -104,13 +104,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _build_pools(self) -> None:
         cfg, args = self.model_config, self.args
-        dtype_bytes = torch.finfo(self.dtype).bits // 8
-        kv_bytes = cfg.kv_bytes_per_token(dtype_bytes)
-        state_bytes = cfg.state_bytes_per_slot(dtype_bytes)
+        layout = cfg.cache_layout  # K/V and conv state in the model dtype (= self.dtype), SSM state fp32
         # sizes not given explicitly come from one memory budget split by SGLang's ratio, capped
         # (a CPU's RAM would otherwise give millions of slots nobody uses)
         split = split_memory(_cache_budget_bytes(self.device, args.mem_fraction), args.state_memory_ratio,
-                             kv_bytes, state_bytes, args.page_size)
+                             layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), 1 << 22)
         num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), 4096)
         if num_slots < 2:
@@ -124,10 +122,8 @@ class Engine:
                 f"max_state_slots ({num_slots}): each running request holds one state slot"
                 f"{' and one scratch slot per draft token' if per_req > 1 else ''}, and checkpoints need more")
         num_tokens -= num_tokens % args.page_size
-        self.kv_pool = KVPool(num_tokens, args.page_size, cfg.num_attention_layers, cfg.num_kv_heads,
-                              cfg.head_dim, self.dtype, self.device)
-        self.state_pool = StatePool(num_slots, cfg.num_linear_layers, cfg.conv_shape, cfg.conv_dtype,
-                                    cfg.ssm_shape, cfg.ssm_dtype, self.device)
+        self.kv_pool = KVPool.from_layout(layout, num_tokens, args.page_size, self.device)
+        self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
         self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:

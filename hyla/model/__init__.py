@@ -17,11 +17,11 @@ from typing import Any
 
 _EXPORTS = {
     "ModelConfig": "hyla.model.config",
-    "FlopCount": "hyla.model.config",
-    "SUPPORTED_ARCHITECTURES": "hyla.model.config",
+    "FlopCount": "hyla.model.flops",
+    "SUPPORTED_ARCHITECTURES": "hyla.model.architectures",
     "ForwardBatch": "hyla.model.forward_batch",
     "HybridForCausalLM": "hyla.model.layers",
-    "ARCHITECTURES": "hyla.model.loader",
+    "ARCHITECTURES": "hyla.model.architectures",
     "load_model": "hyla.model.loader",
     "read_config": "hyla.model.loader",
 }

@@ -1,8 +1,11 @@
-"""``ModelConfig``: the one place that reads Hugging Face ``config.json`` attributes.
+"""``ModelConfig``: a model's hyper-parameters, read once from its Hugging Face ``config.json``.
 
 Everything else in hyla (layers, loader, engine, cache sizing, simulator) reads this frozen
-dataclass, never the HF dict. ``ModelConfig.from_hf`` needs no weights and no torch model: the
-simulator builds one from an 80B checkpoint's ``config.json`` alone.
+dataclass, never the HF dict. ``ModelConfig.from_hf`` needs no weights and builds no torch model:
+the simulator builds one from an 80B checkpoint's ``config.json`` alone. Each architecture's own
+file parses its keys (``parse_hf_config``, found through ``hyla.model.architectures``) with the
+shared helpers at the end of this module; the FLOP model is ``hyla.model.flops`` and the cache
+layout (bytes per KV token / state slot) ``hyla.cache.layout.CacheLayout``.
 
 Layer layout
 ------------
@@ -31,12 +34,8 @@ from typing import Any, Mapping
 
 import torch
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM",
-    "Qwen3_5ForConditionalGeneration",
-    "NemotronHForCausalLM",
-)
+from hyla.cache.layout import CacheLayout
+from hyla.model.flops import FlopCount, flops_per_token, prefill_flops
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -48,8 +47,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
 }
 
-_NEMOTRON_PATTERN = {"M": "linear", "*": "attention", "-": "mlp", "E": "moe"}
-_LAYER_TYPE_NAMES = {
+# config.json layer type names (Qwen ``layer_types``, NemotronH ``layers_block_type``) -> hyla's
+HF_LAYER_TYPES: dict[str, str] = {
     "linear_attention": "linear",
     "mamba": "linear",
     "full_attention": "attention",
@@ -80,21 +79,6 @@ def decode_json_floats(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_json_floats(v) for v in value]
     return value
-
-
-@dataclass(frozen=True)
-class FlopCount:
-    """Forward FLOPs (2 per multiply-add) of one token, split by layer kind."""
-
-    attention: float  # projections + the quadratic QK^T / PV part of every attention layer
-    linear: float  # GDN / Mamba2 projections, conv and recurrent state update
-    mlp: float  # dense feed-forward layers
-    moe: float  # router + active experts + shared expert
-    lm_head: float  # final projection to the vocabulary
-
-    @property
-    def total(self) -> float:
-        return self.attention + self.linear + self.mlp + self.moe + self.lm_head
 
 
 @dataclass(frozen=True)
@@ -257,93 +241,25 @@ class ModelConfig:
     def ssm_dtype(self) -> torch.dtype:
         return torch.float32
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """KV-cache bytes one token occupies across all attention layers (K and V)."""
-        return self.num_attention_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    @property
+    def cache_layout(self) -> CacheLayout:
+        """What one cached token and one state slot hold: K/V and the conv window in ``dtype``, the
+        SSM state in ``ssm_dtype`` (fp32). The pools, the engine's memory split and the simulator
+        take their ``kv_bytes_per_token`` / ``state_bytes_per_slot`` from it."""
+        return CacheLayout(
+            num_attention_layers=self.num_attention_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_dtype=self.dtype, num_linear_layers=self.num_linear_layers, conv_shape=self.conv_shape,
+            conv_dtype=self.conv_dtype, ssm_shape=self.ssm_shape, ssm_dtype=self.ssm_dtype,
+        )
 
-    def state_bytes_per_slot(self, dtype_bytes: int) -> int:
-        """Bytes of one state slot across all linear layers: conv in ``dtype_bytes``, SSM in fp32."""
-        conv = math.prod(self.conv_shape) * dtype_bytes
-        ssm = math.prod(self.ssm_shape) * 4
-        return self.num_linear_layers * (conv + ssm)
-
-    # --- FLOP model -----------------------------------------------------------------------------
-    def _mlp_flops(self, intermediate: int, hidden: int | None = None) -> float:
-        hidden = self.hidden_size if hidden is None else hidden
-        mats = 3 if self.hidden_act == "silu" else 2  # gated: gate, up, down; relu2: up, down
-        return 2.0 * mats * hidden * intermediate
-
-    def _moe_flops(self) -> float:
-        h = self.hidden_size
-        inner = self.moe_latent_size or h
-        flops = 2.0 * h * self.num_experts  # router
-        flops += self.num_experts_per_tok * self._mlp_flops(self.moe_intermediate_size, inner)
-        if self.moe_latent_size:
-            flops += 2.0 * 2 * h * self.moe_latent_size
-        if self.shared_expert_intermediate_size:
-            flops += self._mlp_flops(self.shared_expert_intermediate_size)
-            flops += 2.0 * h if self.shared_expert_gate else 0.0
-        return flops
-
-    def _attention_flops(self, context_len: int) -> float:
-        h, d, hq, hkv = self.hidden_size, self.head_dim, self.num_attention_heads, self.num_kv_heads
-        q_out = hq * d * (2 if self.attn_output_gate else 1)
-        proj = 2.0 * h * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
-        return proj + 2.0 * 2 * hq * d * context_len  # QK^T and PV over the context
-
-    def _linear_flops(self) -> float:
-        h, k = self.hidden_size, self.conv_kernel
-        if self.linear_kind == "gdn":
-            hv, dk, dv = self.ssm_shape
-            value_dim = hv * dv
-            proj = 2.0 * h * (self.conv_dim + value_dim + 2 * hv) + 2.0 * value_dim * h
-            state = 2.0 * 4 * hv * dk * dv  # decay, read (k^T S), write (k delta^T), output (q^T S)
-            return proj + 2.0 * self.conv_dim * k + state
-        if self.linear_kind == "mamba2":
-            inner = self.mamba_intermediate_size
-            proj = 2.0 * h * (inner + self.conv_dim + self.mamba_num_heads) + 2.0 * inner * h
-            state = 2.0 * 3 * math.prod(self.ssm_shape)  # decay + B x write, C read
-            return proj + 2.0 * self.conv_dim * k + state
-        return 0.0
-
+    # --- FLOP model (hyla/model/flops.py) -------------------------------------------------------
     def flops_per_token(self, context_len: int) -> FlopCount:
-        """FLOPs to run one token that attends to ``context_len`` tokens (itself included).
-
-        Attention layers cost projections plus ``4 * Hq * D * context_len`` for the quadratic part;
-        linear layers are constant per token; MoE counts only the ``num_experts_per_tok`` active
-        experts (plus router and shared expert). Norms, activations and RoPE are ignored.
-        """
-        if context_len < 1:
-            raise ValueError(f"context_len must be >= 1, got {context_len}")
-        counts = {"attention": 0.0, "linear": 0.0, "mlp": 0.0, "moe": 0.0}
-        for mixer, ffn in zip(self.layer_types, self.ffn_types):
-            if mixer == "attention":
-                counts["attention"] += self._attention_flops(context_len)
-            elif mixer == "linear":
-                counts["linear"] += self._linear_flops()
-            for kind in (mixer, ffn):
-                if kind == "mlp":
-                    counts["mlp"] += self._mlp_flops(self.intermediate_size)
-                elif kind == "moe":
-                    counts["moe"] += self._moe_flops()
-        return FlopCount(lm_head=2.0 * self.hidden_size * self.vocab_size, **counts)
+        """FLOPs to run one token that attends to ``context_len`` tokens: ``flops.flops_per_token``."""
+        return flops_per_token(self, context_len)
 
     def prefill_flops(self, extend_len: int, prefix_len: int = 0) -> float:
-        """Total FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones.
-
-        Exact sum of ``flops_per_token(prefix_len + j + 1).total`` for ``j < extend_len`` (closed
-        form: the per-token cost is affine in the context length). This is what a cached prefix of
-        ``prefix_len`` tokens saves relative to recomputing it.
-        """
-        if extend_len < 0 or prefix_len < 0:
-            raise ValueError("extend_len and prefix_len must be >= 0")
-        if extend_len == 0:
-            return 0.0
-        base = self.flops_per_token(1).total
-        slope = self.flops_per_token(2).total - base  # FLOPs per extra context token
-        first, last = prefix_len + 1, prefix_len + extend_len
-        contexts = (first + last) * extend_len / 2.0
-        return extend_len * (base - slope) + slope * contexts
+        """FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones: ``flops.prefill_flops``."""
+        return prefill_flops(self, extend_len, prefix_len)
 
     def with_dtype(self, dtype: str | torch.dtype) -> "ModelConfig":
         return replace(self, dtype=parse_dtype(dtype))
@@ -353,64 +269,40 @@ class ModelConfig:
     def from_hf(cls, config: Mapping[str, Any], dtype: str | torch.dtype | None = None) -> "ModelConfig":
         """Build from a ``config.json`` dict (legacy keys and ``{"__float__": ...}`` accepted).
 
+        The architecture (``architectures``, else ``model_type``) picks the parser in
+        ``hyla.model.architectures.ARCHITECTURES``; each architecture's file reads its own keys.
         ``dtype`` overrides the checkpoint's ``dtype`` / ``torch_dtype`` (default float32 when the
-        config names none). Raises ``ValueError`` for an unsupported architecture.
+        config names none). Raises ``ValueError`` for an unsupported architecture or a bad config.
         """
+        # imported here: the architecture files import this module (and the layers)
+        from hyla.model.architectures import ARCHITECTURES, architecture_name
+
         cfg = decode_json_floats(dict(config))
-        arch = _architecture(cfg)
-        if arch == "Qwen3_5ForConditionalGeneration":
-            text = dict(cfg.get("text_config") or {})
-            if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
-                text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-            for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-                if text.get(key) is None and key in cfg:
-                    text[key] = cfg[key]
-            for key in ("dtype", "torch_dtype"):
-                text.setdefault(key, cfg.get(key))
-            cfg = text
-        if dtype is None:
-            dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        common = _common_fields(cfg, arch, parse_dtype(dtype))
-        if arch.startswith("Qwen3"):
-            return cls(**common, **_qwen_fields(cfg, arch))
-        return cls(**common, **_nemotron_h_fields(cfg))
+        arch = architecture_name(cfg)
+        return cls(**ARCHITECTURES[arch].parse_config(cfg, arch, dtype))
 
 
-def _architecture(cfg: Mapping[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    model_type = cfg.get("model_type")
-    by_type = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-               "qwen3_5": "Qwen3_5ForConditionalGeneration", "nemotron_h": "NemotronHForCausalLM"}
-    if not archs and model_type in by_type:
-        return by_type[model_type]
-    raise ValueError(
-        f"unsupported architecture {archs or model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _require(cfg: Mapping[str, Any], key: str) -> Any:
+# --- helpers for the architectures' config.json parsers -----------------------------------------
+def hf_require(cfg: Mapping[str, Any], key: str) -> Any:
+    """``cfg[key]``; ``ValueError`` when it is missing or null."""
     if key not in cfg or cfg[key] is None:
         raise ValueError(f"config.json lacks required key {key!r}")
     return cfg[key]
 
 
-def _common_fields(cfg: Mapping[str, Any], arch: str, dtype: torch.dtype) -> dict[str, Any]:
+def hf_common_fields(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every architecture reads the same way (vocabulary, hidden size,
+    dtype, embeddings tying, context length, special token ids; ``extra["hf_config"]`` = ``cfg``).
+
+    ``dtype`` overrides the config's ``dtype`` / ``torch_dtype`` (float32 when it names none).
+    """
+    if dtype is None:
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return dict(
         architecture=arch,
-        vocab_size=int(_require(cfg, "vocab_size")),
-        hidden_size=int(_require(cfg, "hidden_size")),
-        dtype=dtype,
+        vocab_size=int(hf_require(cfg, "vocab_size")),
+        hidden_size=int(hf_require(cfg, "hidden_size")),
+        dtype=parse_dtype(dtype),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
@@ -420,146 +312,9 @@ def _common_fields(cfg: Mapping[str, Any], arch: str, dtype: torch.dtype) -> dic
     )
 
 
-def _rope(cfg: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return dict(rope_theta=float(theta), rotary_dim=int(head_dim * float(factor)))
-
-
-def _qwen_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
-    types = cfg.get("layer_types")
-    if types is None:
-        interval = int(cfg.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
-    out = tuple(_LAYER_TYPE_NAMES.get(t, t) for t in types)
-    bad = set(out) - {"attention", "linear"}
-    if bad:
-        raise ValueError(f"Qwen layer_types must be full/linear attention, got {sorted(bad)}")
-    return out
-
-
-def _qwen_fields(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    num_layers = int(_require(cfg, "num_hidden_layers"))
-    heads = int(_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    num_experts = int(cfg.get("num_experts", 0) or 0) if arch == "Qwen3NextForCausalLM" else 0
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    ffn = tuple(
-        "moe" if num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0 else "mlp"
-        for i in range(num_layers)
-    )
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch} (expected 'silu')")
-    return dict(
-        model_type="qwen3_next" if arch == "Qwen3NextForCausalLM" else "qwen3_5",
-        layer_types=_qwen_layer_types(cfg, num_layers),
-        ffn_types=ffn,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        zero_centered_norm=True,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        attn_output_gate=True,
-        qk_norm=True,
-        **_rope(cfg, head_dim),
-        linear_kind="gdn",
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_chunk_size=64,
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        intermediate_size=int(_require(cfg, "intermediate_size")),
-        hidden_act="silu",
-        num_experts=num_experts,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if num_experts else 0,
-        shared_expert_intermediate_size=(
-            int(cfg.get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0
-        ),
-        shared_expert_gate=num_experts > 0,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        router="softmax",
-    )
-
-
-def _nemotron_layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    types = cfg.get("layers_block_type") or cfg.get("layer_types")
-    if types is None and cfg.get("hybrid_override_pattern"):
-        pattern = cfg["hybrid_override_pattern"]
-        bad = set(pattern) - set(_NEMOTRON_PATTERN)
-        if bad:
-            raise ValueError(f"hybrid_override_pattern has unknown symbols {sorted(bad)} (expected M * - E)")
-        return tuple(_NEMOTRON_PATTERN[c] for c in pattern)
-    if types is None:
-        raise ValueError("NemotronH config needs layers_block_type or hybrid_override_pattern")
-    bad = [t for t in types if t not in _LAYER_TYPE_NAMES]
-    if bad:
-        raise ValueError(f"unknown NemotronH layer types {sorted(set(bad))}")
-    return tuple(_LAYER_TYPE_NAMES[t] for t in types)
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
-
-
-def _nemotron_h_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    types = _nemotron_layer_types(cfg)
-    heads = int(cfg.get("num_attention_heads", 32))
-    act = cfg.get("mlp_hidden_act", "relu2")
-    if act not in ("relu2", "silu"):
-        raise ValueError(f"unsupported mlp_hidden_act {act!r} for NemotronH")
-    if cfg.get("mamba_hidden_act", "silu") != "silu":
-        raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
-    uses_moe = "moe" in types
-    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
-    return dict(
-        model_type="nemotron_h",
-        layer_types=types,
-        ffn_types=("none",) * len(types),
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
-        rotary_dim=0,
-        linear_kind="mamba2" if "linear" in types else "none",
-        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
-        linear_chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
-        mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
-        mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
-        ssm_state_size=int(cfg.get("ssm_state_size", 128)),
-        mamba_n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
-        mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
-        mamba_dt_limit=(time_step_min, math.inf),
-        intermediate_size=int(cfg.get("intermediate_size", 0)),
-        hidden_act=act,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
-        num_experts=int(cfg.get("n_routed_experts", 0)) if uses_moe else 0,
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if uses_moe else 0,
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)) if uses_moe else 0,
-        # HF builds one shared MLP of this width whatever n_shared_experts says.
-        shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 0)) if uses_moe else 0,
-        shared_expert_gate=False,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        router="sigmoid",
-        router_num_groups=int(cfg.get("n_group", 1) or 1),
-        router_topk_groups=int(cfg.get("topk_group", 1) or 1),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
-        moe_latent_size=int(cfg.get("moe_latent_size") or 0),
-    )
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -20,18 +20,9 @@ from typing import Iterable
 import torch
 from safetensors import safe_open
 
+from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
 from hyla.model.layers import HybridForCausalLM, WeightSpec
-from hyla.model.nemotron_h import NemotronHForCausalLM
-from hyla.model.qwen3_5 import Qwen3_5ForCausalLM
-from hyla.model.qwen3_next import Qwen3NextForCausalLM
-
-ARCHITECTURES: dict[str, type[HybridForCausalLM]] = {
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
-    "NemotronHForCausalLM": NemotronHForCausalLM,
-}
 
 _MAX_NAMES_IN_ERROR = 8
 
@@ -97,7 +88,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     """
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
-    cls = ARCHITECTURES[config.architecture]
+    cls = ARCHITECTURES[config.architecture].model_class
     specs = cls.hf_weight_specs(config)
 
     reader, mtp_names = _index_checkpoint(path, cls)

@@ -15,7 +15,12 @@ which is always read (HF's NemotronH has no weight tying, whatever ``tie_word_em
 
 from __future__ import annotations
 
-from hyla.model.config import ModelConfig
+import math
+from typing import Any, Mapping
+
+import torch
+
+from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
@@ -105,3 +110,87 @@ def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
         specs += linear_specs(f"{target}.latent_in", [f"{source}.fc1_latent_proj"], c.mlp_bias)
         specs += linear_specs(f"{target}.latent_out", [f"{source}.fc2_latent_proj"], c.mlp_bias)
     return specs
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
+# ------------------------------------------------------------------------------------------------
+_PATTERN = {"M": "linear", "*": "attention", "-": "mlp", "E": "moe"}  # hybrid_override_pattern symbols
+
+
+def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """``ModelConfig`` fields of a NemotronH ``config.json`` (current keys or the legacy
+    ``mamba_*`` aliases and ``hybrid_override_pattern``). Raises ``ValueError`` for an unknown
+    block type or an unsupported activation."""
+    common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
+    types = _layer_types(cfg)
+    heads = int(cfg.get("num_attention_heads", 32))
+    act = cfg.get("mlp_hidden_act", "relu2")
+    if act not in ("relu2", "silu"):
+        raise ValueError(f"unsupported mlp_hidden_act {act!r} for NemotronH")
+    if cfg.get("mamba_hidden_act", "silu") != "silu":
+        raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
+    uses_moe = "moe" in types
+    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
+    return dict(
+        **common,
+        model_type="nemotron_h",
+        layer_types=types,
+        ffn_types=("none",) * len(types),
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        zero_centered_norm=False,
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
+        rotary_dim=0,
+        linear_kind="mamba2" if "linear" in types else "none",
+        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
+        linear_chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
+        mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
+        mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
+        ssm_state_size=int(cfg.get("ssm_state_size", 128)),
+        mamba_n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
+        mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
+        mamba_proj_bias=bool(cfg.get("use_bias", False)),
+        # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
+        mamba_dt_limit=(time_step_min, math.inf),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        hidden_act=act,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        num_experts=int(cfg.get("n_routed_experts", 0)) if uses_moe else 0,
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)) if uses_moe else 0,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)) if uses_moe else 0,
+        # HF builds one shared MLP of this width whatever n_shared_experts says.
+        shared_expert_intermediate_size=int(cfg.get("moe_shared_expert_intermediate_size", 0)) if uses_moe else 0,
+        shared_expert_gate=False,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        router="sigmoid",
+        router_num_groups=int(cfg.get("n_group", 1) or 1),
+        router_topk_groups=int(cfg.get("topk_group", 1) or 1),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
+        moe_latent_size=int(cfg.get("moe_latent_size") or 0),
+    )
+
+
+def _layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if types is None and cfg.get("hybrid_override_pattern"):
+        pattern = cfg["hybrid_override_pattern"]
+        bad = set(pattern) - set(_PATTERN)
+        if bad:
+            raise ValueError(f"hybrid_override_pattern has unknown symbols {sorted(bad)} (expected M * - E)")
+        return tuple(_PATTERN[c] for c in pattern)
+    if types is None:
+        raise ValueError("NemotronH config needs layers_block_type or hybrid_override_pattern")
+    bad = [t for t in types if t not in HF_LAYER_TYPES]
+    if bad:
+        raise ValueError(f"unknown NemotronH layer types {sorted(set(bad))}")
+    return tuple(HF_LAYER_TYPES[t] for t in types)
+
+
+def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default

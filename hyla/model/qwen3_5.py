@@ -13,9 +13,13 @@ SwiGLU MLP in every layer. Differences are in the checkpoint only:
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
+import torch
+
 from hyla.model.config import ModelConfig
 from hyla.model.layers import WeightSpec, concat_rows
-from hyla.model.qwen3_next import Qwen3NextForCausalLM, qwen_specs
+from hyla.model.qwen3_next import Qwen3NextForCausalLM, qwen_config_fields, qwen_specs
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
@@ -34,3 +38,24 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
         return name
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
+# ------------------------------------------------------------------------------------------------
+def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """``ModelConfig`` fields of a Qwen3.5 ``config.json``: Qwen3-Next's decoder with a dense MLP
+    in every layer. The vision-language ``Qwen3_5ForConditionalGeneration`` keeps the text model
+    in ``text_config``; its top-level ``tie_word_embeddings`` wins, and its token ids and dtype
+    fill what the text config lacks."""
+    if arch == "Qwen3_5ForConditionalGeneration":
+        text = dict(cfg.get("text_config") or {})
+        if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            if text.get(key) is None and key in cfg:
+                text[key] = cfg[key]
+        for key in ("dtype", "torch_dtype"):
+            text.setdefault(key, cfg.get(key))
+        cfg = text
+    return qwen_config_fields(cfg, arch, dtype, model_type="qwen3_5", moe=False)

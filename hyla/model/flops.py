@@ -1,0 +1,113 @@
+"""The FLOP model of a ``ModelConfig``: forward FLOPs per token and per prefill.
+
+2 FLOPs per multiply-add. Attention layers cost their projections plus ``4 * Hq * D`` per context
+token (QK^T and PV over the causal context); linear (GDN / Mamba2) layers cost a constant per token
+(projections, conv, recurrent state update); MoE counts only the ``num_experts_per_tok`` active
+experts (plus router, latent projections and shared expert). Norms, activations and RoPE are
+ignored. ``ModelConfig.flops_per_token`` / ``prefill_flops`` call these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # config.py imports this module
+    from hyla.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs (2 per multiply-add) of one token, split by layer kind."""
+
+    attention: float  # projections + the quadratic QK^T / PV part of every attention layer
+    linear: float  # GDN / Mamba2 projections, conv and recurrent state update
+    mlp: float  # dense feed-forward layers
+    moe: float  # router + active experts + shared expert
+    lm_head: float  # final projection to the vocabulary
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.linear + self.mlp + self.moe + self.lm_head
+
+
+def flops_per_token(cfg: ModelConfig, context_len: int) -> FlopCount:
+    """FLOPs to run one token that attends to ``context_len`` tokens (itself included).
+
+    Raises ``ValueError`` for ``context_len < 1``.
+    """
+    if context_len < 1:
+        raise ValueError(f"context_len must be >= 1, got {context_len}")
+    counts = {"attention": 0.0, "linear": 0.0, "mlp": 0.0, "moe": 0.0}
+    for mixer, ffn in zip(cfg.layer_types, cfg.ffn_types):
+        if mixer == "attention":
+            counts["attention"] += _attention_flops(cfg, context_len)
+        elif mixer == "linear":
+            counts["linear"] += _linear_flops(cfg)
+        for kind in (mixer, ffn):
+            if kind == "mlp":
+                counts["mlp"] += _mlp_flops(cfg, cfg.intermediate_size)
+            elif kind == "moe":
+                counts["moe"] += _moe_flops(cfg)
+    return FlopCount(lm_head=2.0 * cfg.hidden_size * cfg.vocab_size, **counts)
+
+
+def prefill_flops(cfg: ModelConfig, extend_len: int, prefix_len: int = 0) -> float:
+    """Total FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones.
+
+    Exact sum of ``flops_per_token(cfg, prefix_len + j + 1).total`` for ``j < extend_len`` (closed
+    form: the per-token cost is affine in the context length). This is what a cached prefix of
+    ``prefix_len`` tokens saves relative to recomputing it. Raises ``ValueError`` for negative lengths.
+    """
+    if extend_len < 0 or prefix_len < 0:
+        raise ValueError("extend_len and prefix_len must be >= 0")
+    if extend_len == 0:
+        return 0.0
+    base = flops_per_token(cfg, 1).total
+    slope = flops_per_token(cfg, 2).total - base  # FLOPs per extra context token
+    first, last = prefix_len + 1, prefix_len + extend_len
+    contexts = (first + last) * extend_len / 2.0
+    return extend_len * (base - slope) + slope * contexts
+
+
+def _mlp_flops(cfg: ModelConfig, intermediate: int, hidden: int | None = None) -> float:
+    hidden = cfg.hidden_size if hidden is None else hidden
+    mats = 3 if cfg.hidden_act == "silu" else 2  # gated: gate, up, down; relu2: up, down
+    return 2.0 * mats * hidden * intermediate
+
+
+def _moe_flops(cfg: ModelConfig) -> float:
+    h = cfg.hidden_size
+    inner = cfg.moe_latent_size or h
+    flops = 2.0 * h * cfg.num_experts  # router
+    flops += cfg.num_experts_per_tok * _mlp_flops(cfg, cfg.moe_intermediate_size, inner)
+    if cfg.moe_latent_size:
+        flops += 2.0 * 2 * h * cfg.moe_latent_size
+    if cfg.shared_expert_intermediate_size:
+        flops += _mlp_flops(cfg, cfg.shared_expert_intermediate_size)
+        flops += 2.0 * h if cfg.shared_expert_gate else 0.0
+    return flops
+
+
+def _attention_flops(cfg: ModelConfig, context_len: int) -> float:
+    h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
+    q_out = hq * d * (2 if cfg.attn_output_gate else 1)
+    proj = 2.0 * h * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
+    return proj + 2.0 * 2 * hq * d * context_len  # QK^T and PV over the context
+
+
+def _linear_flops(cfg: ModelConfig) -> float:
+    h, k = cfg.hidden_size, cfg.conv_kernel
+    if cfg.linear_kind == "gdn":
+        hv, dk, dv = cfg.ssm_shape
+        value_dim = hv * dv
+        proj = 2.0 * h * (cfg.conv_dim + value_dim + 2 * hv) + 2.0 * value_dim * h
+        state = 2.0 * 4 * hv * dk * dv  # decay, read (k^T S), write (k delta^T), output (q^T S)
+        return proj + 2.0 * cfg.conv_dim * k + state
+    if cfg.linear_kind == "mamba2":
+        inner = cfg.mamba_intermediate_size
+        proj = 2.0 * h * (inner + cfg.conv_dim + cfg.mamba_num_heads) + 2.0 * inner * h
+        state = 2.0 * 3 * math.prod(cfg.ssm_shape)  # decay + B x write, C read
+        return proj + 2.0 * cfg.conv_dim * k + state
+    return 0.0
