@@ -217,6 +217,7 @@ class Engine:
             "num_running_requests": s.num_running,
             "num_queued_requests": s.num_waiting,
             "gen_throughput": s.last_gen_throughput,
+            "spec_accept_length": s.accept_length if s.drafter is not None else None,
         }
 
     def wait_idle(self, timeout: float = 60.0) -> None:

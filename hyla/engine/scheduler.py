@@ -170,26 +170,27 @@ class Scheduler:
             for r in failed:
                 self.abort(r.rid, message="the consumer of this request failed")
         if batch.is_decode:
-            self._after_decode(len(batch.reqs))
+            self._after_decode(len(batch.reqs), len(batch.reqs))
         else:
             self._log_prefill(len(batch.reqs), sum(batch.lens), batch.num_cached)
 
-    def _after_decode(self, batch_size: int) -> None:
+    def _after_decode(self, batch_size: int, num_tokens: int) -> None:
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
-        self._decode_tokens_since_log += batch_size
+        self._decode_tokens_since_log += num_tokens
         if self.num_steps % self.config.log_interval == 0:
             self._log_decode(batch_size)
 
     def _process_verify(self, batch: Batch, logits: torch.Tensor) -> None:
         """Accept drafts, append the accepted run (stopping at a stop condition inside it), then
         commit exactly the fed tokens that are now part of the request: the rest is rolled back."""
-        finished, failed = [], []
+        finished, failed, num_tokens = [], [], 0
         for r, v, scratch in zip(batch.reqs, verify(batch.reqs, batch.lens, logits), batch.scratch, strict=True):
             appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
             self.cache.commit(r, 1 + min(v.num_accepted, appended), insert=False, states=scratch)
             r.draft_ids = []
             r.spec_verify_ct += 1
             r.spec_num_tokens += appended
+            num_tokens += appended
             self.num_verify_steps += 1
             self.num_accepted_tokens += min(v.num_accepted, appended)
             if r.finished:
@@ -200,7 +201,7 @@ class Scheduler:
             self._finish(r)
         for r in failed:
             self.abort(r.rid, message="the consumer of this request failed")
-        self._after_decode(len(batch.reqs))
+        self._after_decode(len(batch.reqs), num_tokens)
 
     # ------------------------------------------------------------------------------------------
     # requests in and out
@@ -412,10 +413,16 @@ class Scheduler:
         self._decode_tokens_since_log = 0
         self._last_log_time = now
         tok_usage, state_usage = self.cache.usage()
+        spec = f", accept len: {self.accept_length:.2f}" if self.drafter is not None else ""
         logger.info(
             "Decode batch. #running-req: %d, token usage: %.2f, state usage: %.2f, "
-            "gen throughput (token/s): %.2f, #queue-req: %d",
-            batch_size, tok_usage, state_usage, self.last_gen_throughput, len(self.waiting))
+            "gen throughput (token/s): %.2f, #queue-req: %d%s",
+            batch_size, tok_usage, state_usage, self.last_gen_throughput, len(self.waiting), spec)
+
+    @property
+    def accept_length(self) -> float:
+        """Mean output tokens per request per verify step (1 + accepted drafts), since start."""
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_verify_steps)
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
