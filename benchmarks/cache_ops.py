@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from hyla.cache import HybridRadixCache, KVPool, RadixCache, StatePool
+from hyla.cache import KVPool, RadixCache, StatePool
 
 SYSTEM_LEN, GROUP_LEN, UNIQUE_LEN, NUM_GROUPS, VOCAB = 32, 224, 256, 100, 32_000
 
@@ -67,7 +67,7 @@ def build(page_size: int, hybrid: bool, num_requests: int) -> RadixCache:
         return RadixCache(kv)
     states = StatePool(3 * num_requests + 16, 24, (8192, 3), torch.bfloat16, (32, 128, 128), torch.float32,
                        accounting=True)
-    return HybridRadixCache(kv, states)
+    return RadixCache(kv, state_pool=states)
 
 
 def run(page_size: int, hybrid: bool, num_requests: int, seed: int, boundaries: bool = False) -> dict[str, float]:

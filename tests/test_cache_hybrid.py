@@ -1,4 +1,4 @@
-"""Hybrid radix tree: checkpoints, tombstones, the seed bugs, two eviction orders, locks, policies."""
+"""The radix tree with a state pool: checkpoints, tombstones, the seed bugs, two eviction orders, locks, policies."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import random
 import pytest
 import torch
 
-from hyla.cache import EvictionPolicy, HybridRadixCache, KVPool, StatePool
-from hyla.cache.radix_cache import TreeNode
+from hyla.cache import EvictionPolicy, KVPool, RadixCache, StatePool, TreeNode
 
 
-def make(page_size: int = 1, num_slots: int = 64, real_states: bool = False, **kw) -> HybridRadixCache:
+def make(page_size: int = 1, num_slots: int = 64, real_states: bool = False, **kw) -> RadixCache:
     kv = KVPool(4096, page_size, 1, 1, 1, torch.float32, accounting=True)
     states = StatePool(num_slots, 2, (4, 3), torch.float32, (2, 3, 3), torch.float32, accounting=not real_states)
-    return HybridRadixCache(kv, states, **kw)
+    return RadixCache(kv, state_pool=states, **kw)
 
 
-def put(cache: HybridRadixCache, tokens: list[int], ckpt_lengths=(), namespace=None):
+def put(cache: RadixCache, tokens: list[int], ckpt_lengths=(), namespace=None):
     """Engine flow: match, allocate the KV miss, fresh slots for the checkpoints, insert."""
     res = cache.match_prefix(tokens, namespace=namespace)
     p = res.prefix_len
@@ -339,7 +338,7 @@ def test_pluggable_policy_hooks_and_structural_requeue() -> None:
 def test_engine_keyword_construction_and_sizes() -> None:
     kv = KVPool(256, 16, 1, 1, 1, torch.float32, accounting=True)
     states = StatePool(8, 1, (2, 2), torch.float32, (1, 1, 1), torch.float32, accounting=True)
-    cache = HybridRadixCache(kv_pool=kv, page_size=16, state_pool=states)
+    cache = RadixCache(kv_pool=kv, page_size=16, state_pool=states)
     put(cache, tokens_of(40, seed=23), [32])
     assert cache.total_size() == 32 and cache.num_checkpoints() == cache.evictable_checkpoints() == 1
     assert "checkpoints=1" in repr(cache)

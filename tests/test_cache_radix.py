@@ -1,12 +1,11 @@
-"""KV radix tree (RadixCache): match/insert/split, pages, namespaces, locks, sizes, LRU eviction."""
+"""The radix tree without a state pool (KV only): match/insert/split, pages, namespaces, locks, sizes, LRU eviction."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hyla.cache import KVPool, LRUPolicy, RadixCache
-from hyla.cache.radix_cache import TreeNode
+from hyla.cache import KVPool, LRUPolicy, RadixCache, TreeNode
 
 
 def make(page_size: int = 1, num_tokens: int = 4096, **kw) -> RadixCache:
@@ -261,3 +260,19 @@ def test_tensor_inputs_and_tuple_inputs_agree() -> None:
     assert torch.equal(cache.match_kv(list(range(6))), kv)
     num_existing, last = out  # InsertResult unpacks like a pair
     assert num_existing == 0 and last.depth == 6
+
+
+def test_without_a_state_pool_the_checkpoint_machinery_is_idle() -> None:
+    """The KV-only tree is the hybrid tree with no state pool: every prefix is usable, an empty
+    checkpoint iterable is accepted, evict_state frees nothing, no node can be state-locked."""
+    cache = make(page_size=2)
+    assert cache.state_pool is None
+    out = cache.insert([1, 2, 3, 4], cache.kv_pool.alloc(4), checkpoints=iter(()))
+    res = cache.match_prefix([1, 2, 3, 4, 5])
+    assert (res.prefix_len, res.state_slot, res.last_node) == (4, None, out.last_node)
+    assert cache.evict_state(5) == 0 and cache.total_size() == 4
+    assert cache.num_checkpoints() == cache.evictable_checkpoints() == 0
+    with pytest.raises(ValueError, match="without a checkpoint"):
+        cache.inc_state_lock(out.last_node)
+    assert "checkpoints" not in repr(cache)
+    cache.check_integrity()

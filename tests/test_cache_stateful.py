@@ -24,8 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hyla.cache import HybridRadixCache, KVPool, RadixCache, StatePool
-from hyla.cache.radix_cache import TreeNode
+from hyla.cache import KVPool, RadixCache, StatePool, TreeNode
 
 BASES = [[(i * 7 + b * 3) % 5 for i in range(96)] for b in range(3)]  # shared prefixes
 NAMESPACES = {None: 0.0, "lora": 1.0}
@@ -68,7 +67,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.kv_pool = KVPool(256 if page_size == 1 else 24 * 16, page_size, 1, 1, 3, torch.float64)
         if hybrid:
             self.state_pool = StatePool(10, 1, (1, 1), torch.float64, (2,), torch.float64)
-            self.cache: RadixCache = HybridRadixCache(self.kv_pool, self.state_pool)
+            self.cache: RadixCache = RadixCache(self.kv_pool, state_pool=self.state_pool)
         else:
             self.state_pool = None
             self.cache = RadixCache(self.kv_pool)

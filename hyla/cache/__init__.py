@@ -1,22 +1,21 @@
-"""hyla's cache room: memory pools and the radix trees that index them (see docs/cache.md).
+"""hyla's cache room: memory pools and the radix tree that indexes them (see docs/cache.md).
 
 Knows nothing of models: the engine and the simulator drive it through this public API.
 """
 
 from hyla.cache.allocator import PoolExhaustedError
-from hyla.cache.hybrid_radix_cache import HybridRadixCache
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
 from hyla.cache.memory import MemorySplit, split_memory
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
-from hyla.cache.radix_cache import InsertResult, MatchResult, RadixCache, TreeNode
+from hyla.cache.radix_cache import RadixCache
+from hyla.cache.radix_types import InsertResult, MatchResult, TreeNode
 from hyla.cache.req_pool import ReqToTokenPool
 from hyla.cache.state_pool import StatePool
 
 __all__ = [
     "CacheLayout",
     "EvictionPolicy",
-    "HybridRadixCache",
     "InsertResult",
     "KVPool",
     "LRUPolicy",

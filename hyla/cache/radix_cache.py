@@ -1,4 +1,5 @@
-"""The KV radix tree: a path-compressed prefix tree over token ids whose nodes own KV slots.
+"""The radix tree: one path-compressed prefix tree over token ids for KV slots and, with a state
+pool, recurrent-state checkpoints.
 
 Structure
 ---------
@@ -11,182 +12,62 @@ Structure
 * Keys are rounded down to whole pages: ``match_prefix``/``insert`` ignore a partial last page;
   that tail stays private to the request.
 * Splitting an edge makes a *new upper node*; the existing node keeps its identity, its suffix,
-  its locks and (in the hybrid tree) its checkpoint, so a node handed to the engine never changes
-  the position it ends at.
+  its locks and its checkpoint, so a node handed to the engine never changes the position it ends at.
+
+Checkpoints (with a ``state_pool``)
+-----------------------------------
+A node may hold a *checkpoint* — a state-pool slot with the recurrent state after the node's last
+token — or none (a *tombstone*: KV only). A prefix of a hybrid model is usable only where its state
+is known, so ``match_prefix`` returns the longest matched prefix that ends at a checkpoint, and
+separately how far the KV alone matched. A split leaves the checkpoint on the lower node, where
+its position still is: a checkpoint is never lost by a split, and never returned for a shorter
+prefix than the one it was taken at (seed bug two; SGLang #38815 the other way). Without a state
+pool (``state_pool=None``: pure-attention models) every node is usable, no checkpoint is accepted
+and ``evict_state`` frees nothing: the same tree with its checkpoint machinery idle.
 
 Locks and sizes
 ---------------
 ``inc_lock_ref(node)`` increments ``lock_ref`` of every node from ``node`` up to the root, so a
 node's ``lock_ref`` is at least the sum of its children's. A node with ``lock_ref > 0`` is
 *protected*; its tokens count in ``protected_size()``, the others in ``evictable_size()``; the two
-add up to ``total_size()``. Only unlocked leaves are evicted.
+add up to ``total_size()``. ``inc_state_lock(node)`` protects one node's checkpoint only.
 
 Eviction
 --------
-``evict(n)`` pops unlocked leaves from a heap ordered by the pluggable ``EvictionPolicy`` (LRU by
-default) until ``n`` tokens are freed; a parent that becomes an unlocked leaf joins the heap. A
-node is pushed when it *becomes* a candidate (new leaf, last child evicted, lock released), not
-on every access: an access only moves its timestamp, and a popped entry whose stored priority is
-stale goes back in at its current priority (priorities never decrease on access). Entries of
-nodes that changed since are dropped by a per-node version counter, and the heap is compacted
-when it grows past twice the node count: a call costs O(k log n) amortized for k evicted leaves,
-and a hit costs no heap operation at all.
+Two orders, each a ``LazyHeap`` ordered by the pluggable ``EvictionPolicy`` (LRU by default):
+``evict(n)`` deletes unlocked leaves (their checkpoints go with them), ``evict_state(n)`` takes
+unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone). With a state
+pool, a parent left as an unlocked tombstone leaf is deleted at once: no checkpoint at or below
+it, its KV can never serve a hit. A node enters a heap when it *becomes* a candidate (new leaf or
+checkpoint, last child evicted, lock released), not on every access: a call costs O(k log n)
+amortized for k evictions, and a hit costs no heap operation at all.
 
 Everything here is single-threaded: the scheduler is the only caller (as in SGLang).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
+from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from hyla.cache.allocator import as_index_array
 from hyla.cache.kv_pool import KVPool
+from hyla.cache.lazy_heap import LazyHeap
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-
-
-def _concat(values: list[np.ndarray]) -> torch.Tensor:
-    """One fresh ``int64`` CPU tensor from per-node slot arrays (never a view of the tree's)."""
-    if not values:
-        return torch.zeros(0, dtype=torch.int64)
-    if len(values) == 1:
-        return torch.from_numpy(values[0].copy())
-    return torch.from_numpy(np.concatenate(values))
-
-
-class TreeNode:
-    """One edge of the tree and the node it ends at. Fields are read by policies and tests;
-    only the tree writes them."""
-
-    __slots__ = (
-        "id", "parent", "children", "child_key", "key", "value", "depth", "state",
-        "lock_ref", "state_lock", "last_access", "state_access", "kv_version", "state_version",
-        "removed", "policy_data",
-    )
-
-    def __init__(self, node_id: int, parent: "TreeNode | None", child_key: Hashable, key: tuple,
-                 value: np.ndarray, depth: int, now: float) -> None:
-        self.id = node_id
-        self.parent = parent
-        self.children: dict[Hashable, TreeNode] = {}
-        self.child_key = child_key  # this node's key in parent.children
-        self.key = key  # token ids of the edge
-        self.value = value  # KV slots of the edge, int64 [len(key)]
-        self.depth = depth  # tokens from the root through this node
-        self.state: int | None = None  # checkpoint slot: the state after this node's last token
-        self.lock_ref = 0  # KV locks on this node or below
-        self.state_lock = 0  # locks on this node's checkpoint only
-        self.last_access = now  # KV recency
-        self.state_access = now  # checkpoint recency
-        self.kv_version = 0  # bumped on every push into the KV heap (older entries are stale)
-        self.state_version = 0  # same for the state heap
-        self.removed = False
-        self.policy_data: Any = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key)
-
-    @property
-    def num_children(self) -> int:
-        return len(self.children)
-
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    @property
-    def has_state(self) -> bool:
-        return self.state is not None
-
-    @property
-    def start(self) -> int:
-        """Tokens from the root to the start of this node's edge."""
-        return self.depth - len(self.key)
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, tokens=[{self.start}:{self.depth}], children={len(self.children)}, "
-                f"state={self.state}, lock_ref={self.lock_ref}, state_lock={self.state_lock})")
-
-
-class MatchResult:
-    """What ``match_prefix`` found. ``kv_indices``/``kv_only_indices`` are concatenated on first
-    access (fresh tensors; the tree keeps its own arrays)."""
-
-    __slots__ = ("prefix_len", "last_node", "state_slot", "kv_only_len", "kv_only_node",
-                 "_values", "_num_usable", "_kv", "_kv_only")
-
-    def __init__(self, prefix_len: int, last_node: TreeNode, state_slot: int | None, kv_only_len: int,
-                 kv_only_node: TreeNode, values: list[np.ndarray], num_usable: int) -> None:
-        self.prefix_len = prefix_len  # usable prefix: ends at last_node
-        self.last_node = last_node  # root when prefix_len == 0
-        self.state_slot = state_slot  # tree's checkpoint at last_node (hybrid), else None
-        self.kv_only_len = kv_only_len  # how far the KV alone matched (>= prefix_len)
-        self.kv_only_node = kv_only_node  # node ending exactly at kv_only_len
-        self._values = values  # per-node slot arrays along the KV-only path
-        self._num_usable = num_usable  # how many of them form the usable prefix
-        self._kv: torch.Tensor | None = None
-        self._kv_only: torch.Tensor | None = None
-
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        """KV slots of the usable prefix, ``[prefix_len]`` int64."""
-        if self._kv is None:
-            self._kv = _concat(self._values[: self._num_usable])
-        return self._kv
-
-    @property
-    def kv_only_indices(self) -> torch.Tensor:
-        """KV slots of the whole KV match, ``[kv_only_len]`` int64."""
-        if self._kv_only is None:
-            self._kv_only = _concat(self._values)
-        return self._kv_only
-
-    def __repr__(self) -> str:
-        return (f"MatchResult(prefix_len={self.prefix_len}, state_slot={self.state_slot}, "
-                f"kv_only_len={self.kv_only_len})")
-
-
-class InsertResult:
-    """What ``insert`` did. ``kv_indices`` are the tree's canonical slots for the inserted pages."""
-
-    __slots__ = ("num_existing", "last_node", "num_new_checkpoints", "_values", "_kv")
-
-    def __init__(self, num_existing: int, last_node: TreeNode, num_new_checkpoints: int,
-                 values: list[np.ndarray]) -> None:
-        self.num_existing = num_existing  # tokens of the key the tree already had
-        self.last_node = last_node  # node ending at the (page-rounded) key length; root if 0
-        self.num_new_checkpoints = num_new_checkpoints  # checkpoints adopted (not duplicates)
-        self._values = values
-        self._kv: torch.Tensor | None = None
-
-    @property
-    def kv_indices(self) -> torch.Tensor:
-        """The tree's KV slots for the inserted whole pages, ``[last_node.depth]`` int64."""
-        if self._kv is None:
-            self._kv = _concat(self._values)
-        return self._kv
-
-    def __iter__(self) -> Iterator[Any]:  # allows ``num_existing, last_node = cache.insert(...)``
-        return iter((self.num_existing, self.last_node))
-
-    def __repr__(self) -> str:
-        return (f"InsertResult(num_existing={self.num_existing}, last_node={self.last_node!r}, "
-                f"num_new_checkpoints={self.num_new_checkpoints})")
+from hyla.cache.radix_types import EMPTY_SLOTS, InsertResult, MatchResult, TreeNode, concat_slots
+from hyla.cache.state_pool import StatePool
 
 
 class RadixCache:
-    """KV-only radix tree over a ``KVPool`` (pure-attention models, and the base of the hybrid tree).
+    """Radix tree over a ``KVPool`` and, optionally, a ``StatePool``: KV per token, checkpoints per node.
 
-    Ownership: the tree owns the KV slots stored in its nodes and frees them to ``kv_pool`` when it
-    evicts them (or on ``reset``). ``insert`` adopts the caller's slots for the new part of the key
-    and frees the caller's slots that duplicate pages the tree already holds.
+    Ownership: the tree owns the KV slots and checkpoint slots stored in its nodes and frees them
+    to their pools when it evicts them (or on ``reset``). ``insert`` adopts the caller's slots for
+    the new part of the key and frees the caller's slots that duplicate what it already holds.
+    ``state_pool=None`` makes a KV-only tree (every cached prefix is usable, no checkpoints).
     """
 
     def __init__(
@@ -194,12 +75,14 @@ class RadixCache:
         kv_pool: KVPool,
         page_size: int | None = None,
         *,
+        state_pool: StatePool | None = None,
         policy: EvictionPolicy | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
         if page_size is not None and page_size != kv_pool.page_size:
             raise ValueError(f"page_size {page_size} disagrees with the KV pool's {kv_pool.page_size}")
         self.kv_pool = kv_pool
+        self.state_pool = state_pool
         self.page_size = kv_pool.page_size
         self.policy = policy if policy is not None else LRUPolicy()
         # hooks are called only when the policy overrides them (LRU reads the time stamps directly)
@@ -208,18 +91,21 @@ class RadixCache:
         self._on_remove = _hook(self.policy, "on_remove")
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
-        self._seq = itertools.count()  # heap tie-breaker: FIFO among equal priorities
         self._ids = itertools.count(1)
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate)
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate)
         self._init_tree()
 
     def _init_tree(self) -> None:
-        self.root = TreeNode(0, None, None, (), _EMPTY, 0, 0.0)
+        self.root = TreeNode(0, None, None, (), EMPTY_SLOTS, 0, 0.0)
         self._num_nodes = 0
         self._total = 0  # tokens in the tree
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._protected = 0  # tokens in nodes with lock_ref > 0
-        self._kv_heap: list[tuple[float, int, int, TreeNode]] = []
-        self._state_heap: list[tuple[float, int, int, TreeNode]] = []
+        self._slot_owner: dict[int, TreeNode] = {}  # checkpoint slot -> the node holding it
+        self._evictable_states = 0  # checkpoints with state_lock == 0
+        self._kv_heap.clear()
+        self._state_heap.clear()
 
     # ------------------------------------------------------------------------------------------
     # sizes
@@ -240,34 +126,50 @@ class RadixCache:
         return self._num_nodes
 
     def num_checkpoints(self) -> int:
-        return 0
+        """Checkpoints held (0 without a state pool)."""
+        return len(self._slot_owner)
+
+    def evictable_checkpoints(self) -> int:
+        """Checkpoints without a state lock (what ``evict_state`` can free)."""
+        return self._evictable_states
 
     # ------------------------------------------------------------------------------------------
     # lookup
     # ------------------------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> MatchResult:
-        """Longest cached usable prefix of ``token_ids`` (rounded down to whole pages).
+        """Longest cached usable prefix of ``token_ids`` (rounded down to whole pages): without a
+        state pool the whole KV match, with one the longest match that ends at a checkpoint.
 
         If the KV match ends inside an edge, the edge is split so that ``kv_only_node`` ends
-        exactly there. Refreshes the recency of the usable path (KV) and, in the hybrid tree, of
-        the one checkpoint the hit uses. Does not lock: call ``inc_lock_ref(res.last_node)``.
+        exactly there. Refreshes the KV recency of the usable path and the recency of the one
+        checkpoint the hit uses. Does not lock: call ``inc_lock_ref(res.last_node)``.
         """
         tokens, n = self._tokens(token_ids)
         path, off, child, k = self._descend(tokens, n, namespace)
         if child is not None:
             path.append(self._split(child, k))
             off += k
-        num_usable = self._num_usable(path)
+        num_usable = len(path)
+        if self.state_pool is not None:  # usable up to the deepest checkpoint of the match
+            while num_usable and path[num_usable - 1].state is None:
+                num_usable -= 1
         now = self._now()
-        for node in path[:num_usable]:
+        usable = path[:num_usable] if num_usable < len(path) else path
+        for node in usable:
             node.last_access = now
         if self._on_access is not None:
-            for node in path[:num_usable]:
+            for node in usable:
                 self._on_access(node, False)
-        last = path[num_usable - 1] if num_usable else self.root
-        state = self._on_hit(last, now) if num_usable else None
-        return MatchResult(last.depth, last, state, off, path[-1] if path else self.root,
-                           [node.value for node in path], num_usable)
+        values = [node.value for node in path]
+        kv_only_node = path[-1] if path else self.root
+        if not num_usable:
+            return MatchResult(0, self.root, None, off, kv_only_node, values, 0)
+        last = usable[-1]
+        if self.state_pool is not None:  # refresh the one checkpoint the hit uses, not those above it
+            last.state_access = now  # its state-heap entry is re-placed lazily when popped
+            if self._on_access is not None:
+                self._on_access(last, True)
+        return MatchResult(last.depth, last, last.state, off, kv_only_node, values, num_usable)
 
     def match_kv(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> torch.Tensor:
         """KV slots of the longest KV match (whole pages), without splitting or refreshing anything.
@@ -277,14 +179,14 @@ class RadixCache:
         values = [node.value for node in path]
         if child is not None:
             values.append(child.value[:k])
-        return _concat(values)
+        return concat_slots(values)
 
     def branch_point(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> int | None:
         """Dry-run insert (nothing changes): the length at which inserting ``token_ids`` would split
         an existing edge or add a second child to an existing node — where Marconi's speculative
         insertion wants a checkpoint. None when it would not branch (new key, extension of a leaf,
-        key already present up to a node boundary), and in the hybrid tree also when the node
-        there already holds a checkpoint."""
+        key already present up to a node boundary), or when the node there already holds a
+        checkpoint."""
         tokens, n = self._tokens(token_ids)
         path, off, child, k = self._descend(tokens, n, namespace)
         if child is not None:
@@ -340,14 +242,6 @@ class RadixCache:
                 hi = mid - 1
         return lo * ps
 
-    def _num_usable(self, path: list[TreeNode]) -> int:
-        """How many nodes of a KV match form the usable prefix: all of them for KV-only."""
-        return len(path)
-
-    def _on_hit(self, node: TreeNode, now: float) -> int | None:
-        """Hook for a hit ending at ``node``; returns the checkpoint slot the hit uses (none here)."""
-        return None
-
     # ------------------------------------------------------------------------------------------
     # insert
     # ------------------------------------------------------------------------------------------
@@ -363,8 +257,12 @@ class RadixCache:
         ``kv_indices[i]`` holds the KV of ``token_ids[i]``; the tail past the last whole page stays
         the caller's. Of the whole pages, the tree adopts the slots of the part it did not have and
         frees the caller's slots that duplicate what it has (slots equal to the tree's own, e.g. a
-        matched prefix, are left alone). ``checkpoints`` are ``(length, state_slot)`` pairs — only
-        the hybrid tree takes them. Raises ValueError (and changes nothing) on bad input.
+        matched prefix, are left alone).
+
+        ``checkpoints`` are ``(length, state_slot)`` pairs (a state pool is needed for any): each
+        slot, freshly forked for the tree, goes on the node ending at ``length`` (splitting an edge
+        there if needed); on a node that already holds one it is a duplicate and is freed, on a
+        tombstone it revives the node. Raises ValueError (and changes nothing) on bad input.
         """
         tokens, n = self._tokens(token_ids)
         kv = as_index_array(kv_indices)
@@ -397,14 +295,59 @@ class RadixCache:
         return InsertResult(off, last, num_new, [node.value for node in path])
 
     def _check_checkpoints(self, checkpoints: Iterable[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-        if list(checkpoints):
-            raise ValueError("a KV-only RadixCache stores no state checkpoints (use HybridRadixCache)")
-        return []
+        """Validate ``(length, slot)`` pairs against a key of ``n`` whole-page tokens; sorted by length."""
+        ps = self.page_size
+        out: list[tuple[int, int]] = []
+        for item in checkpoints:
+            if self.state_pool is None:
+                raise ValueError("a RadixCache without a state_pool stores no state checkpoints")
+            try:
+                length, slot = map(int, item)
+            except (TypeError, ValueError):
+                raise ValueError(f"a checkpoint is a (length, slot) pair of ints, got {item!r}") from None
+            if length % ps or not 1 <= length <= n:
+                raise ValueError(
+                    f"checkpoint length {length} must be a multiple of page_size={ps} within the key's "
+                    f"{n} whole-page tokens")
+            if slot in self._slot_owner:
+                raise ValueError(f"state slot {slot} already belongs to the tree (pass a forked slot)")
+            if not self.state_pool.is_allocated_slot(slot):
+                raise ValueError(f"checkpoint slot {slot} is not an allocated state-pool slot")
+            out.append((length, slot))
+        if len(out) > 1:
+            if len({length for length, _ in out}) != len(out) or len({slot for _, slot in out}) != len(out):
+                raise ValueError(f"checkpoint lengths and slots must be distinct: {out}")
+            out.sort()
+        return out
 
     def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int]], now: float) -> int:
-        """Hook: the hybrid tree stores checkpoints; the KV-only tree has none to attach
-        (``_check_checkpoints`` refused any), so it adopts nothing."""
-        return 0
+        """Put each checkpoint on the path node ending at its length (splitting an edge there if
+        needed). ``path`` covers the whole key from the root; it is updated in place by splits.
+        Returns the number adopted; duplicates are freed."""
+        duplicates: list[int] = []
+        adopted = 0
+        i = 0
+        for length, slot in ckpts:  # ascending, so i only moves forward
+            while path[i].depth < length:
+                i += 1
+            node = path[i]
+            if node.depth != length:  # inside node's edge
+                node = self._split(node, length - node.start)
+                path.insert(i, node)
+            node.state_access = now
+            if node.state is None:  # a new node or a tombstone: adopt (revive)
+                node.state = slot
+                self._slot_owner[slot] = node
+                self._evictable_states += 1  # a tombstone has no state lock
+                self._state_heap.push(node)
+                adopted += 1
+            else:
+                duplicates.append(slot)
+            if self._on_access is not None:
+                self._on_access(node, True)
+        if duplicates:
+            self.state_pool.free(np.array(duplicates, dtype=np.int64))
+        return adopted
 
     def _free_duplicates(self, kv: np.ndarray, path: list[TreeNode]) -> None:
         """Free the caller's slots for the tokens the tree already holds (``path``), except those
@@ -431,9 +374,9 @@ class RadixCache:
         self._evictable += len(key)
         if self._on_create is not None:
             self._on_create(leaf)
-        self._requeue_kv(leaf)
+        self._kv_heap.push(leaf)
         if self.policy.structural:
-            self._requeue_state(parent)
+            self._state_heap.push(parent)
         return leaf
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
@@ -458,8 +401,8 @@ class RadixCache:
         if self._on_create is not None:
             self._on_create(upper)
         if self.policy.structural:
-            self._requeue_kv(child)
-            self._requeue_state(child)
+            self._kv_heap.push(child)
+            self._state_heap.push(child)
         return upper
 
     # ------------------------------------------------------------------------------------------
@@ -492,13 +435,28 @@ class RadixCache:
                 self._protected -= n
                 self._evictable += n
             node = node.parent
-        self._requeue_kv(bottom)  # only the bottom node can be a leaf
+        self._kv_heap.push(bottom)  # only the bottom node can be a leaf
 
     def inc_state_lock(self, node: TreeNode) -> None:
-        raise ValueError("a KV-only RadixCache has no checkpoints to lock")
+        """Protect ``node``'s checkpoint (only it) from ``evict_state`` and its leaf from ``evict``.
+        ValueError on a node without a checkpoint (every node of a tree without a state pool)."""
+        self._check_node(node)
+        if node.state is None:
+            raise ValueError(f"inc_state_lock on a node without a checkpoint: {node!r}")
+        if node.state_lock == 0:
+            self._evictable_states -= 1
+        node.state_lock += 1
 
     def dec_state_lock(self, node: TreeNode) -> None:
-        raise ValueError("a KV-only RadixCache has no checkpoints to unlock")
+        """Undo one ``inc_state_lock(node)``. ValueError if its checkpoint is not locked."""
+        self._check_node(node)
+        if node.state_lock <= 0:
+            raise ValueError(f"dec_state_lock on a checkpoint that is not locked: {node!r}")
+        node.state_lock -= 1
+        if node.state_lock == 0:
+            self._evictable_states += 1
+            self._state_heap.push(node)
+            self._kv_heap.push(node)
 
     def _check_node(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode) or node.removed:
@@ -512,37 +470,52 @@ class RadixCache:
         their checkpoints); returns the tokens freed (less only when nothing is left to evict)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        heap = self._kv_heap
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
-        priority = self.policy.kv_priority
-        while freed < num_tokens and heap:
-            entry = heapq.heappop(heap)
-            node = entry[3]
-            if entry[2] != node.kv_version or not self._kv_candidate(node):
-                continue  # stale: the node changed since this entry was pushed
-            current = priority(node)
-            if current != entry[0]:  # accessed since it was queued: back in, at its new place
-                heapq.heappush(heap, (current, next(self._seq), entry[2], node))
-                continue
+        while freed < num_tokens:
+            node = self._kv_heap.pop()
+            if node is None:
+                break
             freed += self._remove_leaf(node, kv_out, state_out)
         self._release(kv_out, state_out)
         return freed
 
     def evict_state(self, num_slots: int) -> int:
-        """Free checkpoint slots (none in a KV-only tree): returns 0."""
+        """Free up to ``num_slots`` checkpoint slots in policy order; returns how many were freed
+        (0 without a state pool). An unlocked leaf is deleted with its KV; any other node —
+        internal, or a leaf whose KV a request locks — becomes a tombstone."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        return 0
+        kv_out: list[np.ndarray] = []
+        state_out: list[int] = []
+        freed = 0
+        while freed < num_slots:
+            node = self._state_heap.pop()
+            if node is None:
+                break
+            if not node.children and not node.lock_ref:
+                self._remove_leaf(node, kv_out, state_out)
+            else:
+                state_out.append(self._take_state(node))
+                if self.policy.structural:
+                    self._kv_heap.push(node)
+            freed += 1
+        self._release(kv_out, state_out)
+        return freed
 
     def _kv_candidate(self, node: TreeNode) -> bool:
+        """An unlocked leaf (KV heap membership)."""
         return not (node.children or node.lock_ref or node.state_lock or node.removed or node is self.root)
 
+    def _state_candidate(self, node: TreeNode) -> bool:
+        """A node holding an unlocked checkpoint (state heap membership)."""
+        return node.state is not None and not node.state_lock and not node.removed
+
     def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int]) -> int:
-        """Delete an unlocked leaf, its KV (and checkpoint) into the free lists; then its parent if
-        that became an unlocked *garbage* leaf (hybrid: a tombstone), and so on up. A parent that
-        became an unlocked leaf with a use joins the KV heap. Returns the tokens removed."""
+        """Delete an unlocked leaf, its KV and checkpoint into the free lists; then, with a state
+        pool, its parent if that became an unlocked tombstone leaf, and so on up. A parent that
+        became an unlocked leaf worth keeping joins the KV heap. Returns the tokens removed."""
         freed = 0
         root = self.root
         while True:
@@ -556,24 +529,27 @@ class RadixCache:
             if node.state is not None:
                 state_out.append(self._take_state(node))
             node.removed = True
+            self._kv_heap.discard(node)
+            self._state_heap.discard(node)
             self._num_nodes -= 1
             if self._on_remove is not None:
                 self._on_remove(node)
             if parent is root:
                 return freed
-            if parent.children or parent.lock_ref or not self._is_garbage(parent):
-                self._requeue_kv(parent)
+            if parent.children or parent.lock_ref or parent.state is not None or self.state_pool is None:
+                self._kv_heap.push(parent)
                 if self.policy.structural:
-                    self._requeue_state(parent)
+                    self._state_heap.push(parent)
                 return freed
-            node = parent
-
-    def _is_garbage(self, node: TreeNode) -> bool:
-        """Whether an unlocked leaf is useless and goes with its last child (never, for KV-only)."""
-        return False
+            node = parent  # an unlocked tombstone leaf: no hit can ever use its KV
 
     def _take_state(self, node: TreeNode) -> int:
-        raise AssertionError("a KV-only tree holds no states")
+        """Detach ``node``'s (unlocked) checkpoint, making it a tombstone; returns the slot."""
+        slot = node.state
+        del self._slot_owner[slot]
+        node.state = None
+        self._evictable_states -= 1
+        return slot
 
     def _release(self, kv_out: list[np.ndarray], state_out: list[int]) -> None:
         """Return evicted slots to the pools in one call each. Tree pages are distinct by
@@ -582,39 +558,16 @@ class RadixCache:
             ps = self.page_size
             slots = kv_out[0] if len(kv_out) == 1 else np.concatenate(kv_out)
             self.kv_pool.free_pages(slots[::ps] // ps if ps > 1 else slots, known_unique=True)
+        if state_out:
+            self.state_pool.free(np.array(state_out, dtype=np.int64))
 
-    # ------------------------------------------------------------------------------------------
-    # heaps (lazy invalidation)
-    # ------------------------------------------------------------------------------------------
     def refresh_priority(self, node: TreeNode) -> None:
         """Re-queue ``node`` at the priority its policy gives it now, in the heaps it belongs to.
         For policies whose priorities change for reasons the tree cannot see (time, other nodes);
         the tree already re-queues on everything it tracks."""
         self._check_node(node)
-        self._requeue_kv(node)
-        self._requeue_state(node)
-
-    def _requeue_kv(self, node: TreeNode) -> None:
-        """(Re-)enter ``node`` into the KV heap with a fresh priority if it is a candidate."""
-        if not self._kv_candidate(node):
-            return
-        node.kv_version += 1
-        heapq.heappush(self._kv_heap, (self.policy.kv_priority(node), next(self._seq), node.kv_version, node))
-        if len(self._kv_heap) > 2 * self._num_nodes + 1024:
-            self._kv_heap = _compact(self._kv_heap, lambda e: e[2] == e[3].kv_version and self._kv_candidate(e[3]))
-
-    def _requeue_state(self, node: TreeNode) -> None:
-        """(Re-)enter ``node`` into the state heap if it holds an unlocked checkpoint."""
-        if node.state is None or node.state_lock or node.removed:
-            return
-        node.state_version += 1
-        heapq.heappush(self._state_heap,
-                       (self.policy.state_priority(node), next(self._seq), node.state_version, node))
-        if len(self._state_heap) > 2 * self._num_nodes + 1024:
-            self._state_heap = _compact(
-                self._state_heap,
-                lambda e: e[2] == e[3].state_version and e[3].state is not None and not e[3].state_lock
-                and not e[3].removed)
+        self._kv_heap.push(node)
+        self._state_heap.push(node)
 
     # ------------------------------------------------------------------------------------------
     # misc
@@ -651,18 +604,13 @@ class RadixCache:
         state_out = [node.state for node in self.nodes() if node.state is not None]
         self._release(kv_out, state_out)
         self._init_tree()
-        self._reset_states()
-
-    def _reset_states(self) -> None:
-        """Hook: the hybrid tree clears its checkpoint bookkeeping."""
 
     def check_integrity(self) -> None:
         """Assert every structural invariant (O(n)); tests call it after each operation."""
         ps = self.page_size
-        total = evictable = protected = num_nodes = 0
+        total = evictable = protected = num_nodes = evictable_states = 0
         seen_pages: set[int] = set()
-        kv_live = {e[3].id for e in self._kv_heap if e[2] == e[3].kv_version}
-        state_live = {e[3].id for e in self._state_heap if e[2] == e[3].state_version}
+        held: dict[int, TreeNode] = {}
         assert self.root.lock_ref == 0 and self.root.state is None and not self.root.key
         stack = [self.root]
         while stack:
@@ -690,9 +638,13 @@ class RadixCache:
                 else:
                     evictable += n
                 if self._kv_candidate(child):
-                    assert child.id in kv_live, f"evictable leaf {child!r} missing from the KV heap"
-                if child.state is not None and not child.state_lock:
-                    assert child.id in state_live, f"checkpoint of {child!r} missing from the state heap"
+                    assert child in self._kv_heap, f"evictable leaf {child!r} missing from the KV heap"
+                if child.state is not None:
+                    assert child.state not in held, f"state slot {child.state} is held twice"
+                    held[child.state] = child
+                    if not child.state_lock:
+                        evictable_states += 1
+                        assert child in self._state_heap, f"checkpoint of {child!r} missing from the state heap"
                 stack.append(child)
             if node is not self.root:
                 assert node.lock_ref >= child_locks, f"lock_ref of {node!r} below its children's"
@@ -701,15 +653,17 @@ class RadixCache:
         assert evictable + protected == total
         if seen_pages:
             assert self.kv_pool.is_allocated(np.array(sorted(seen_pages)) * ps), "the tree holds free KV slots"
-        self._check_states()
-
-    def _check_states(self) -> None:
-        for node in self.nodes():
-            assert node.state is None, "a KV-only tree holds a state"
+        assert held == self._slot_owner, "checkpoint owner map drifted"
+        assert evictable_states == self._evictable_states, "evictable checkpoint counter drifted"
+        if held:
+            assert self.state_pool is not None, "a tree without a state pool holds a checkpoint"
+            assert self.state_pool.is_allocated(np.array(sorted(held), dtype=np.int64)), \
+                "the tree holds a free state slot"
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(nodes={self._num_nodes}, tokens={self._total}, "
-                f"evictable={self._evictable}, protected={self._protected}, page_size={self.page_size})")
+        states = "" if self.state_pool is None else f", checkpoints={len(self._slot_owner)}"
+        return (f"RadixCache(nodes={self._num_nodes}, tokens={self._total}, evictable={self._evictable}, "
+                f"protected={self._protected}{states}, page_size={self.page_size})")
 
 
 def _hook(policy: EvictionPolicy, name: str) -> Callable[..., None] | None:
@@ -717,14 +671,10 @@ def _hook(policy: EvictionPolicy, name: str) -> Callable[..., None] | None:
     return None if getattr(type(policy), name) is getattr(EvictionPolicy, name) else getattr(policy, name)
 
 
-def _compact(heap: list, valid: Callable[[tuple], bool]) -> list:
-    """Drop stale entries; O(len(heap)), amortized over the pushes that made them stale."""
-    live = [entry for entry in heap if valid(entry)]
-    heapq.heapify(live)
-    return live
-
-
 def _is_whole_pages(slots: np.ndarray, ps: int) -> bool:
     """Whether ``slots`` are whole pages, each filled in order (how the allocator hands them out)."""
     pages = slots.reshape(-1, ps)  # [num_pages, ps]
     return not ((pages[:, 0] % ps).any() or (pages - pages[:, :1] != np.arange(ps)).any())
+
+
+__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode"]

@@ -29,7 +29,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
-from hyla.cache import HybridRadixCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
+from hyla.cache import KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.model_runner import ModelRunner
@@ -127,11 +127,8 @@ class Engine:
         self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
-            tree_cls = HybridRadixCache if cfg.num_linear_layers else RadixCache
-            kwargs = dict(kv_pool=self.kv_pool, page_size=args.page_size)
-            if cfg.num_linear_layers:
-                kwargs["state_pool"] = self.state_pool
-            self.tree = tree_cls(**kwargs)
+            self.tree = RadixCache(kv_pool=self.kv_pool, page_size=args.page_size,
+                                   state_pool=self.state_pool if cfg.num_linear_layers else None)
         else:
             self.tree = None
 

@@ -1,6 +1,6 @@
 """`hyla sim`: a trace-driven simulator of the hybrid prefix cache at real model sizes.
 
-It replays a request trace through hyla's own ``HybridRadixCache`` and pools in accounting mode
+It replays a request trace through hyla's own ``RadixCache`` and pools in accounting mode
 (no tensors), so what it measures is what the engine's cache does:
 
 * ``trace``      — the JSON Lines trace format (Marconi's, plus message boundaries);

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hyla.cache import EvictionPolicy, HybridRadixCache, LRUPolicy, TreeNode
+from hyla.cache import EvictionPolicy, RadixCache, LRUPolicy, TreeNode
 from hyla.sim.models import CostModel
 from hyla.sim.trace import TraceRequest
 
@@ -142,7 +142,7 @@ class VictimEviction(EvictionPolicy):
         self.victim: int | None = None
 
     @abc.abstractmethod
-    def choose(self, tree: HybridRadixCache, now: float) -> TreeNode | None:
+    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
         """The checkpoint to evict next, or None."""
 
     def kv_priority(self, node: TreeNode) -> float:
@@ -169,7 +169,7 @@ class MarconiEviction(VictimEviction):
     relative to the nearest checkpointed ancestor.)
     """
 
-    def choose(self, tree: HybridRadixCache, now: float) -> TreeNode | None:
+    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
         nodes = [n for n in tree.nodes() if n.state is not None and not n.state_lock and n.num_children <= 1]
         if not nodes:
             return None
@@ -199,7 +199,7 @@ class HylaEviction(VictimEviction):
                 return True
         return False
 
-    def choose(self, tree: HybridRadixCache, now: float) -> TreeNode | None:
+    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
         best, best_key = None, (-1, 0.0)
         for n in tree.nodes():
             if n.state is None or n.state_lock:
@@ -238,7 +238,7 @@ class SimPolicy:
     def on_request(self, req: TraceRequest, hit: int) -> None:
         """Called once per request, right after its match."""
 
-    def evict_one(self, tree: HybridRadixCache) -> bool:
+    def evict_one(self, tree: RadixCache) -> bool:
         """Free one unit (a checkpoint, or a KV leaf); False when nothing is left to evict."""
         if isinstance(self.eviction, VictimEviction):
             victim = self.eviction.choose(tree, self.clock.now)
@@ -314,7 +314,7 @@ class MarconiPolicy(SimPolicy):
         self.tuned = True
         self.history = []
 
-    def evict_one(self, tree: HybridRadixCache) -> bool:
+    def evict_one(self, tree: RadixCache) -> bool:
         if self.first_eviction_at is None:
             self.first_eviction_at = max(1, len(self.history))
         return super().evict_one(tree)

@@ -1,4 +1,4 @@
-"""The trace replay: drive hyla's real ``HybridRadixCache`` and pools, in accounting mode.
+"""The trace replay: drive hyla's real ``RadixCache`` and pools, in accounting mode.
 
 One request, in arrival order (an event-ordered replay: with no model to run, concurrency
 matters only through what the cache holds when a request arrives):
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from hyla.cache import HybridRadixCache
+from hyla.cache import RadixCache
 from hyla.sim.latency import LatencyModel
 from hyla.sim.models import CostModel
 from hyla.sim.policies import POLICIES, Admission, SimPolicy, make_policy
@@ -111,7 +111,8 @@ class Simulator:
         self.clock = LogicalClock()
         self.policy: SimPolicy = make_policy(config.policy, config.model, config.cache_bytes,
                                              **dict(config.policy_options))
-        self.tree = HybridRadixCache(self.kv_pool, self.state_pool, policy=self.policy.eviction, clock=self.clock)
+        self.tree = RadixCache(self.kv_pool, state_pool=self.state_pool, policy=self.policy.eviction,
+                               clock=self.clock)
         self.policy.attach(self.clock)
         self._kvb = self.kv_pool.bytes_per_token
         self._sb = self.state_pool.bytes_per_slot

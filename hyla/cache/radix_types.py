@@ -1,0 +1,140 @@
+"""What the radix tree is made of and what it hands out: ``TreeNode``, ``MatchResult``, ``InsertResult``.
+
+Only ``RadixCache`` writes these; the engine, the simulator, eviction policies and tests read them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterator
+
+import numpy as np
+import torch
+
+EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
+
+
+def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
+    """One fresh ``int64`` CPU tensor from per-node slot arrays (never a view of the tree's)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    if len(values) == 1:
+        return torch.from_numpy(values[0].copy())
+    return torch.from_numpy(np.concatenate(values))
+
+
+class TreeNode:
+    """One edge of the tree and the node it ends at. Fields are read by policies and tests;
+    only the tree writes them."""
+
+    __slots__ = (
+        "id", "parent", "children", "child_key", "key", "value", "depth", "state",
+        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
+    )
+
+    def __init__(self, node_id: int, parent: "TreeNode | None", child_key: Hashable, key: tuple,
+                 value: np.ndarray, depth: int, now: float) -> None:
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[Hashable, TreeNode] = {}
+        self.child_key = child_key  # this node's key in parent.children
+        self.key = key  # token ids of the edge
+        self.value = value  # KV slots of the edge, int64 [len(key)]
+        self.depth = depth  # tokens from the root through this node
+        self.state: int | None = None  # checkpoint slot: the state after this node's last token
+        self.lock_ref = 0  # KV locks on this node or below
+        self.state_lock = 0  # locks on this node's checkpoint only
+        self.last_access = now  # KV recency
+        self.state_access = now  # checkpoint recency
+        self.removed = False
+        self.policy_data: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def num_children(self) -> int:
+        return len(self.children)
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def has_state(self) -> bool:
+        return self.state is not None
+
+    @property
+    def start(self) -> int:
+        """Tokens from the root to the start of this node's edge."""
+        return self.depth - len(self.key)
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(id={self.id}, tokens=[{self.start}:{self.depth}], children={len(self.children)}, "
+                f"state={self.state}, lock_ref={self.lock_ref}, state_lock={self.state_lock})")
+
+
+class MatchResult:
+    """What ``match_prefix`` found. ``kv_indices``/``kv_only_indices`` are concatenated on first
+    access (fresh tensors; the tree keeps its own arrays)."""
+
+    __slots__ = ("prefix_len", "last_node", "state_slot", "kv_only_len", "kv_only_node",
+                 "_values", "_num_usable", "_kv", "_kv_only")
+
+    def __init__(self, prefix_len: int, last_node: TreeNode, state_slot: int | None, kv_only_len: int,
+                 kv_only_node: TreeNode, values: list[np.ndarray], num_usable: int) -> None:
+        self.prefix_len = prefix_len  # usable prefix: ends at last_node
+        self.last_node = last_node  # root when prefix_len == 0
+        self.state_slot = state_slot  # the tree's checkpoint at last_node (with a state pool), else None
+        self.kv_only_len = kv_only_len  # how far the KV alone matched (>= prefix_len)
+        self.kv_only_node = kv_only_node  # node ending exactly at kv_only_len
+        self._values = values  # per-node slot arrays along the KV-only path
+        self._num_usable = num_usable  # how many of them form the usable prefix
+        self._kv: torch.Tensor | None = None
+        self._kv_only: torch.Tensor | None = None
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """KV slots of the usable prefix, ``[prefix_len]`` int64."""
+        if self._kv is None:
+            self._kv = concat_slots(self._values[: self._num_usable])
+        return self._kv
+
+    @property
+    def kv_only_indices(self) -> torch.Tensor:
+        """KV slots of the whole KV match, ``[kv_only_len]`` int64."""
+        if self._kv_only is None:
+            self._kv_only = concat_slots(self._values)
+        return self._kv_only
+
+    def __repr__(self) -> str:
+        return (f"MatchResult(prefix_len={self.prefix_len}, state_slot={self.state_slot}, "
+                f"kv_only_len={self.kv_only_len})")
+
+
+class InsertResult:
+    """What ``insert`` did. ``kv_indices`` are the tree's canonical slots for the inserted pages."""
+
+    __slots__ = ("num_existing", "last_node", "num_new_checkpoints", "_values", "_kv")
+
+    def __init__(self, num_existing: int, last_node: TreeNode, num_new_checkpoints: int,
+                 values: list[np.ndarray]) -> None:
+        self.num_existing = num_existing  # tokens of the key the tree already had
+        self.last_node = last_node  # node ending at the (page-rounded) key length; root if 0
+        self.num_new_checkpoints = num_new_checkpoints  # checkpoints adopted (not duplicates)
+        self._values = values
+        self._kv: torch.Tensor | None = None
+
+    @property
+    def kv_indices(self) -> torch.Tensor:
+        """The tree's KV slots for the inserted whole pages, ``[last_node.depth]`` int64."""
+        if self._kv is None:
+            self._kv = concat_slots(self._values)
+        return self._kv
+
+    def __iter__(self) -> Iterator[Any]:  # allows ``num_existing, last_node = cache.insert(...)``
+        return iter((self.num_existing, self.last_node))
+
+    def __repr__(self) -> str:
+        return (f"InsertResult(num_existing={self.num_existing}, last_node={self.last_node!r}, "
+                f"num_new_checkpoints={self.num_new_checkpoints})")

@@ -1,0 +1,107 @@
+"""LazyHeap: the radix tree's eviction order (push, pop in current-priority order, stale entries, compaction)."""
+
+from __future__ import annotations
+
+import random
+
+from hyla.cache.lazy_heap import COMPACT_SLACK, LazyHeap
+
+
+class Item:
+    """A stand-in for a tree node: a mutable priority and candidacy, hashed by identity."""
+
+    def __init__(self, name: str, priority: float, candidate: bool = True) -> None:
+        self.name = name
+        self.priority = priority
+        self.candidate = candidate
+
+    def __repr__(self) -> str:
+        return f"Item({self.name}, {self.priority})"
+
+
+def make_heap(calls: list[str] | None = None) -> LazyHeap:
+    def priority(item: Item) -> float:
+        if calls is not None:
+            calls.append(item.name)
+        return item.priority
+
+    return LazyHeap(priority, lambda item: item.candidate)
+
+
+def drain(heap: LazyHeap) -> list[str]:
+    out = []
+    while (item := heap.pop()) is not None:
+        out.append(item.name)
+    return out
+
+
+def test_pops_lowest_priority_first_and_fifo_among_equals() -> None:
+    heap = make_heap()
+    for name, p in [("a", 3), ("b", 1), ("c", 2), ("d", 1)]:
+        heap.push(Item(name, p))
+    assert drain(heap) == ["b", "d", "c", "a"]
+    assert heap.pop() is None and len(heap) == 0
+
+
+def test_non_candidates_are_not_pushed_and_are_dropped_at_pop() -> None:
+    heap = make_heap()
+    a, b = Item("a", 1), Item("b", 2, candidate=False)
+    heap.push(a)
+    heap.push(b)
+    assert a in heap and b not in heap and len(heap) == 1
+    a.candidate = False  # e.g. a leaf that got a child
+    assert heap.pop() is None and a not in heap
+
+
+def test_a_changed_priority_is_seen_at_pop_without_a_push() -> None:
+    calls: list[str] = []
+    heap = make_heap(calls)
+    a, b, c = Item("a", 1), Item("b", 2), Item("c", 3)
+    for item in (a, b, c):
+        heap.push(item)
+    a.priority = 10  # a was used: recency grew, nobody told the heap
+    calls.clear()
+    assert heap.pop() is b  # a went back in at 10 on the way
+    assert calls == ["a", "b"]
+    assert drain(heap) == ["c", "a"]
+
+
+def test_a_push_supersedes_the_earlier_entry() -> None:
+    heap = make_heap()
+    a, b = Item("a", 5), Item("b", 3)
+    heap.push(a)
+    heap.push(b)
+    a.priority = 1  # a *lower* priority must be pushed to count (policies call refresh_priority)
+    heap.push(a)
+    assert len(heap) == 3  # the old entry of a is stale, not removed
+    assert drain(heap) == ["a", "b"]  # a once, at its new place
+
+
+def test_discard_forgets_a_node() -> None:
+    heap = make_heap()
+    a, b = Item("a", 1), Item("b", 2)
+    heap.push(a)
+    heap.push(b)
+    heap.discard(a)
+    heap.discard(Item("never pushed", 0))  # no error
+    assert a not in heap and drain(heap) == ["b"]
+
+
+def test_churn_is_compacted_to_twice_the_live_entries() -> None:
+    heap = make_heap()
+    items = [Item(str(i), i) for i in range(10)]
+    rng = random.Random(0)
+    for step in range(20_000):
+        item = rng.choice(items)
+        item.priority = step
+        heap.push(item)
+        assert len(heap) <= 2 * 10 + COMPACT_SLACK
+    assert sorted(drain(heap), key=int) == [str(i) for i in range(10)]
+
+
+def test_clear_empties_the_heap() -> None:
+    heap = make_heap()
+    a = Item("a", 1)
+    heap.push(a)
+    heap.clear()
+    assert len(heap) == 0 and a not in heap and heap.pop() is None
