@@ -1,4 +1,4 @@
-"""hyla.engine.tokenizer: encode/decode, streaming decode, chat templates, message boundaries, and
+"""hyla.tokenizer: encode/decode, streaming decode, chat templates, message boundaries, and
 the built-in default model directory. transformers (test-only) is the oracle for HF semantics."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from hyla.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer, render_chat_template
+from hyla.tokenizer import REPLACEMENT_CHAR, Tokenizer, render_chat_template
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "hyla" / "assets" / "default-model"
 MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024
@@ -395,6 +395,19 @@ def test_stream_with_prompt_context(tok: Tokenizer) -> None:
     assert detok.step(tok.encode(" ok")) == " ok"
 
 
+def test_token_text(tok: Tokenizer) -> None:
+    """A token's exact bytes, and its text, or bytes:\\x.. when it is part of a multi-byte character."""
+    ids = tok.encode("hi 🦜")
+    pieces = [tok.token_text(i) for i in ids]
+    assert b"".join(bytes(p.bytes) for p in pieces) == "hi 🦜".encode()
+    assert pieces[0] == ("h", list(b"h"))
+    partial = [p for p in pieces if p.text.startswith("bytes:")]
+    assert partial and all(p.text == "bytes:" + "".join(f"\\x{b:02x}" for b in p.bytes) for p in partial)
+    end = tok.token_to_id("<|im_end|>")
+    assert tok.token_text(end) == ("<|im_end|>", list(b"<|im_end|>"))  # special tokens show as written
+    assert tok.token_text(tok.vocab_size + 3) == ("", [])  # padded embedding rows have no text
+
+
 # --- a SentencePiece-style tokenizer (BOS, byte fallback, Metaspace) built here ---------------------
 
 
@@ -509,6 +522,49 @@ def test_sentencepiece_style_stream_keeps_leading_space(sp_dirs: list[Path]) -> 
     assert "".join(chunks) == full[len(tok.decode(prompt)) :] == " the weather is sunny 🙂"
     assert "".join(stream(tok, output, [2, 1])) == tok.decode(output)  # without a prompt: plain decode
     assert sum(REPLACEMENT_CHAR in c for c in chunks) == 0  # 🙂 is four <0x..> byte tokens
+
+
+def window_reference(tok: Tokenizer, ids: list[int], prompt_ids: list[int], skip: bool) -> list[str]:
+    """The windowed streaming decode written out plainly (vLLM's / SGLang's): the oracle."""
+    context = prompt_ids[-5:]
+    while context and REPLACEMENT_CHAR in tok.decode(context, skip):
+        context = context[1:]
+    last, pending, chunks = context, [], []
+    for i in ids:
+        pending.append(i)
+        prefix, text = tok.decode(last, skip), tok.decode(last + pending, skip)
+        if len(text) > len(prefix) and not text.endswith(REPLACEMENT_CHAR):
+            chunks.append(text[len(prefix):])
+            last, pending = pending, []
+        else:
+            chunks.append("")
+    chunks.append(tok.decode(last + pending, skip)[len(tok.decode(last, skip)):] if pending else "")
+    return chunks
+
+
+def test_byte_fallback_stream_on_invalid_utf8_does_not_raise(sp_dirs: list[Path]) -> None:
+    """tokenizers' DecodeStream raises "Invalid prefix" on byte-fallback tokens that form invalid
+    UTF-8 (a model can sample them); the detokenizer keeps streaming with the same window."""
+    tok = Tokenizer.from_pretrained(sp_dirs[0])
+    prompt, ids = [328], [56, 41, 167, 158, 129, 322, 20]
+    stream = decoders.DecodeStream(ids=prompt, skip_special_tokens=False)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in ids:
+            stream.step(tok.backend, i)
+    detok = tok.detokenizer(prompt, skip_special_tokens=False)
+    assert [detok.step(i) for i in ids] + [detok.flush()] == window_reference(tok, ids, prompt, False)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stream_of_random_ids_equals_the_window_reference(tok: Tokenizer, sp_dirs: list[Path], data) -> None:
+    """Any ids after any prompt, byte-level or byte-fallback: chunk by chunk what the plain window gives."""
+    for t in (tok, Tokenizer.from_pretrained(sp_dirs[0])):
+        ids = data.draw(st.lists(st.integers(0, t.vocab_size - 1), max_size=30))
+        prompt = data.draw(st.lists(st.integers(0, t.vocab_size - 1), max_size=8))
+        skip = data.draw(st.booleans())
+        detok = t.detokenizer(prompt, skip_special_tokens=skip)
+        assert [detok.step(i) for i in ids] + [detok.flush()] == window_reference(t, ids, prompt, skip)
 
 
 # --- the built-in default model ----------------------------------------------------------------------

@@ -452,7 +452,7 @@ def _final_only(callback):
 def _load_tokenizer(path: Path):
     if not (path / "tokenizer.json").is_file():
         return None
-    from hyla.engine.tokenizer import Tokenizer
+    from hyla.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(path)
 
 
