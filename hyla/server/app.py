@@ -33,6 +33,9 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics")
+METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
+"""HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
+would grow /metrics without bound)."""
 
 
 class Server:
@@ -87,8 +90,9 @@ class Server:
 
 
 class _CountRequests:
-    """Pure ASGI middleware counting HTTP requests by route and status (a BaseHTTPMiddleware would
-    break disconnect detection)."""
+    """Pure ASGI middleware counting HTTP requests by route, method and status (a BaseHTTPMiddleware
+    would break disconnect detection). Every label takes a bounded set of values: ``ROUTES`` or
+    "other", ``METHODS`` or "other", a status code."""
 
     def __init__(self, app: Any, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
@@ -110,7 +114,8 @@ class _CountRequests:
         finally:
             path = scope.get("path", "")
             route = next((r for r in ROUTES if path == r or path.startswith(r + "/")), "other")
-            self.metrics.http_requests.labels(route, scope.get("method", ""), str(status)).inc()
+            method = scope.get("method", "")
+            self.metrics.http_requests.labels(route, method if method in METHODS else "other", str(status)).inc()
 
 
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,

@@ -1,0 +1,44 @@
+"""Issue 13, the server against hostile or unusual input: bounded /metrics labels, oversized
+batches, the developer role, lone UTF-16 surrogates, special-token text in messages, body and
+prompt size caps, and an event loop that keeps answering while a large prompt is tokenized."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hyla.server.app import create_app
+from hyla.server.launch import BackgroundServer
+from test_server_errors import _assert_error, _post, wait_until_idle, assert_pools_clean
+from test_server_openai import MODEL, make_chat_model
+
+MESSAGES = [{"role": "user", "content": "Hello there"}]
+CHAT = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_ckpt_dir):
+    return make_chat_model(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=16384, max_state_slots=64,
+                     context_length=2048, max_running_requests=8, max_queued_requests=8)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def _engine(server):
+    return server.app.state.server.engine
+
+
+def test_metrics_method_label_is_bounded(server):
+    for i in range(20):
+        httpx.request(f"MADEUP{i}", server.url + "/v1/chat/completions")
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)}
+    methods = {s.labels["method"] for s in families["hyla_http_requests"].samples}
+    assert not any(m.startswith("MADEUP") for m in methods)
+    assert "other" in methods and methods <= {"GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE", "other"}
