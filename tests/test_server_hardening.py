@@ -42,3 +42,17 @@ def test_metrics_method_label_is_bounded(server):
     methods = {s.labels["method"] for s in families["hyla_http_requests"].samples}
     assert not any(m.startswith("MADEUP") for m in methods)
     assert "other" in methods and methods <= {"GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE", "other"}
+
+
+def test_batch_larger_than_the_engine_can_hold_is_400_not_429(server):
+    """8 running + 8 queued: 5 prompts x n=4 = 20 engine requests could never be live at once."""
+    engine = _engine(server)
+    wait_until_idle(engine)
+    body = {"model": MODEL, "prompt": [f"prompt {i}" for i in range(5)], "n": 4, "max_tokens": 64, "ignore_eos": True}
+    err = _assert_error(_post(server, "/v1/completions", json=body), 400, "invalid_request_error")
+    assert err["code"] == "batch_too_large" and "20" in err["message"]
+    native = {"text": [f"prompt {i}" for i in range(17)], "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}}
+    _assert_error(_post(server, "/generate", json=native), 400, "invalid_request_error")
+    assert engine.get_stats()["num_running_requests"] == engine.get_stats()["num_queued_requests"] == 0
+    ok = _post(server, "/v1/completions", json={**body, "prompt": body["prompt"][:2], "max_tokens": 2})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 8

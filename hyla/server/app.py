@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from hyla.engine.engine import DEFAULT_MODEL_DIR, Engine
 from hyla.server.errors import APIError, add_error_handlers
+from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
@@ -70,6 +71,17 @@ class Server:
         if self.engine is None:
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_not_ready")
         return self.engine
+
+    async def start_generation(self, endpoint: str, jobs: list[Job], arrival: float) -> Generation:
+        """Submit ``jobs`` as one ``Generation``. More jobs than the engine can ever hold at once
+        (its running batch plus its waiting queue) are a 400: retrying could not help."""
+        engine = self.running_engine()
+        capacity = engine.max_running_requests + engine.args.max_queued_requests
+        if len(jobs) > capacity:
+            raise APIError(400, f"this request needs {len(jobs)} engine requests (prompts x n); the server holds "
+                                f"at most {capacity} at once (max_running_requests + max_queued_requests)",
+                           code="batch_too_large")
+        return await Generation.start(engine, self.metrics, endpoint, jobs, arrival)
 
     def check_model(self, model: str) -> None:
         """404 unless ``model`` is the served name."""

@@ -37,7 +37,7 @@ class NativeRoutes:
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
         jobs = _jobs(body)
-        gen = await Generation.start(self.server.running_engine(), self.server.metrics, "generate", jobs, arrival)
+        gen = await self.server.start_generation("generate", jobs, arrival)
         if body.stream:
             return gen.stream(_events(gen))
         outs = [_output(c) for c in await gen.collect(request)]

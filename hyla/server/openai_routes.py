@@ -71,7 +71,7 @@ class OpenAIRoutes:
             max_new = self._max_new_tokens(body.max_tokens, len(ids))
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
                      for j in range(body.n)]
-        gen = await Generation.start(self.server.running_engine(), self.server.metrics, "completions", jobs, arrival)
+        gen = await self.server.start_generation("completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._completion_events(body, gen, rid))
@@ -121,7 +121,7 @@ class OpenAIRoutes:
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries)) for j in range(body.n)]
-        gen = await Generation.start(engine, self.server.metrics, "chat", jobs, arrival)
+        gen = await self.server.start_generation("chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid))
