@@ -56,3 +56,13 @@ def test_batch_larger_than_the_engine_can_hold_is_400_not_429(server):
     assert engine.get_stats()["num_running_requests"] == engine.get_stats()["num_queued_requests"] == 0
     ok = _post(server, "/v1/completions", json={**body, "prompt": body["prompt"][:2], "max_tokens": 2})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+
+
+def test_developer_role_is_served_as_system(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        dev = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "developer", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}])
+        sys_ = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+            {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}])
+    assert dev.usage.prompt_tokens == sys_.usage.prompt_tokens
+    assert dev.choices[0].message.content == sys_.choices[0].message.content

@@ -620,3 +620,13 @@ def test_default_model_is_trained() -> None:
     words = reply.split()
     assert len(words) >= 4, reply
     assert sum(w.strip(".,!?:;'\"()").isalpha() for w in words) >= 0.7 * len(words), reply
+
+
+def test_developer_role_is_system_when_the_template_lacks_it(tok: Tokenizer) -> None:
+    """OpenAI's SDKs send role=developer; ChatML templates know only system."""
+    as_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    as_developer = [{**as_system[0], "role": "developer"}, as_system[1]]
+    assert tok.apply_chat_template(as_developer) == tok.apply_chat_template(as_system)
+    assert tok.encode_chat(as_developer) == tok.encode_chat(as_system)
+    knows_it = Tokenizer(tok.backend, chat_template="{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}{# developer #}")
+    assert knows_it.apply_chat_template(as_developer) == "developer:Be brief.;user:Hi;"

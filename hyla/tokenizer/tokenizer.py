@@ -212,10 +212,15 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render a conversation as the prompt text. Encode the result with ``add_special_tokens=False``
-        (the template writes its own BOS), or use ``encode_chat``, which does so."""
+        (the template writes its own BOS), or use ``encode_chat``, which does so.
+
+        A template that never names the ``developer`` role (OpenAI's newer name for ``system``, sent
+        by current SDKs) sees ``developer`` messages as ``system`` messages."""
         template = self._chat_templates.select(tools)
         if template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        if "developer" not in template.source:
+            messages = _developer_as_system(messages)
         variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs win, as in transformers
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
 
@@ -283,6 +288,14 @@ class Tokenizer:
     ) -> list[int]:
         """Token positions at the end of each message in the rendered prompt (see ``encode_chat``)."""
         return self.encode_chat(messages, add_generation_prompt, tools, **template_kwargs).boundaries
+
+
+def _developer_as_system(messages: Any) -> Any:
+    """``messages`` with each ``developer`` message's role set to ``system`` (anything that is not a
+    list of dicts is left for the template's own checks to refuse)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return messages
+    return [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m for m in messages]
 
 
 def _add_missing_tokens(backend: BackendTokenizer, config: Mapping[str, Any]) -> None:
