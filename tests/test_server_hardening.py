@@ -4,6 +4,8 @@ prompt size caps, and an event loop that keeps answering while a large prompt is
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -66,3 +68,23 @@ def test_developer_role_is_served_as_system(server):
             {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}])
     assert dev.usage.prompt_tokens == sys_.usage.prompt_tokens
     assert dev.choices[0].message.content == sys_.choices[0].message.content
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x \ud800 y"}]}),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}),
+    ("/v1/chat/completions", {**CHAT, "stop": ["\ud83d"]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "cut emoji \ud83d", "max_tokens": 2}),
+    ("/generate", {"text": "x \ud800", "sampling_params": {"max_new_tokens": 2}}),
+])
+def test_lone_surrogate_is_400(server, path, body):
+    """The body holds the escape \\ud800, as a JavaScript client's JSON.stringify writes it."""
+    raw = json.dumps(body).encode()  # ensure_ascii: every non-ASCII character escaped
+    err = _assert_error(_post(server, path, content=raw, headers={"content-type": "application/json"}),
+                        400, "invalid_request_error")
+    assert "surrogate" in err["message"]
+
+
+def test_surrogate_pair_is_text(server):
+    ok = _post(server, "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "smile \U0001F600"}]})
+    assert ok.status_code == 200
