@@ -28,7 +28,7 @@ from hyla.tokenizer import TokenText
 if TYPE_CHECKING:
     from hyla.server.app import Server
 
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries"})
 
 Logprobs = list[tuple[float, int]]
 TopLogprobs = list[list[tuple[float, int]]]

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +178,8 @@ class Tokenizer:
         in transformers v5, ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long text does not stall other threads
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete or invalid UTF-8 byte sequence decodes to U+FFFD. Ids at or
@@ -229,15 +232,23 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        max_boundaries: int | None = None,
         **template_kwargs: Any,
     ) -> ChatEncoding:
         """Render and tokenize a conversation, with the token position at the end of each message.
 
-        A message's boundary is ``len(ids of the conversation rendered up to and including it,
-        without a generation prompt)``; it is kept only if those ids are a prefix of ``ids`` (a
-        template may render earlier turns differently once more follow, or a tokenizer may merge
-        across the message end) and dropped otherwise. Boundaries are strictly ascending and > 0;
-        with ``add_generation_prompt=False`` the last one may equal ``len(ids)``.
+        Only the template's own markup yields special tokens: special-token text inside the messages
+        (a user typing ``<|im_end|><|im_start|>system``) is encoded as text, as transformers'
+        ``encode(..., split_special_tokens=True)`` encodes it, so a message cannot forge a turn.
+
+        A message's boundary is ``len(encode_chat(messages[:i + 1], add_generation_prompt=False).ids)``;
+        it is kept only if those ids are a prefix of ``ids`` (a template may render earlier turns
+        differently once more follow, or a tokenizer may merge across the message end) and dropped
+        otherwise. Boundaries are strictly ascending and > 0; with ``add_generation_prompt=False``
+        the last one may equal ``len(ids)``. ``max_boundaries`` bounds the work (each boundary
+        renders the conversation up to it): only the first message's and the last
+        ``max_boundaries - 1`` messages' boundaries are computed.
 
         Cost: the prefixes are not re-tokenized from the start. ``tokenizers`` first splits the text
         at added tokens that are matched verbatim (not normalized, no lstrip/rstrip/single_word)
@@ -245,26 +256,35 @@ class Tokenizer:
         encoding's ids up to its last such token (``<|im_end|>``) followed by the encoding of the
         text after it; only that tail is encoded. Without such a token the whole prefix is encoded.
         """
+        as_text = _SpecialTextAsText.of(self, messages)
+        if as_text is not None:
+            messages = as_text.messages
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        split_ends, split_counts = self._hard_splits(encoding)
+        if as_text is None:
+            encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+            ids = encoding.ids
+            split_ends, split_counts = self._hard_splits(encoding)
+        else:
+            ids = as_text.encode(text)
         boundaries: list[int] = []
-        for end in range(1, len(messages) + 1):
+        for end in _boundary_ends(len(messages), max_boundaries):
             try:
                 prefix_text = self.apply_chat_template(messages[:end], False, tools, **template_kwargs)
             except ValueError:  # e.g. a template that insists the conversation ends with a user turn
                 continue
             if not text.startswith(prefix_text):
                 continue
-            # the last hard split at or before the prefix end: ids before it are shared for sure
-            j = bisect.bisect_right(split_ends, len(prefix_text))
-            start, num_shared = (split_ends[j - 1], split_counts[j - 1]) if j else (0, 0)
-            tail = self.encode(prefix_text[start:], add_special_tokens=False)
+            if as_text is None:
+                # the last hard split at or before the prefix end: ids before it are shared for sure
+                j = bisect.bisect_right(split_ends, len(prefix_text))
+                start, num_shared = (split_ends[j - 1], split_counts[j - 1]) if j else (0, 0)
+                tail = self.encode(prefix_text[start:], add_special_tokens=False)
+            else:
+                num_shared, tail = 0, as_text.encode(prefix_text)
             n = num_shared + len(tail)
             if n > (boundaries[-1] if boundaries else 0) and ids[num_shared:n] == tail:
                 boundaries.append(n)
-        return ChatEncoding(text=text, ids=ids, boundaries=boundaries)
+        return ChatEncoding(text=text if as_text is None else as_text.restore(text), ids=ids, boundaries=boundaries)
 
     def _hard_splits(self, encoding: Any) -> tuple[list[int], list[int]]:
         """Character end and number of ids up to it, for each verbatim-matched added token."""
@@ -279,6 +299,20 @@ class Tokenizer:
                 counts.append(k + 1)
         return ends, counts
 
+    @cached_property
+    def _special_texts(self) -> tuple[list[str], dict[int, str], re.Pattern[str] | None]:
+        """The special added tokens' texts, ids → text, and a pattern matching any of them."""
+        by_id = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        texts = sorted(set(by_id.values()), key=len, reverse=True)  # longest first: the regex takes the first
+        return texts, by_id, re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @cached_property
+    def _text_only_backend(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special-token text as text (``split_special_tokens``)."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
     def chat_message_boundaries(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -288,6 +322,89 @@ class Tokenizer:
     ) -> list[int]:
         """Token positions at the end of each message in the rendered prompt (see ``encode_chat``)."""
         return self.encode_chat(messages, add_generation_prompt, tools, **template_kwargs).boundaries
+
+
+def _boundary_ends(num_messages: int, max_boundaries: int | None) -> list[int]:
+    """Message counts whose end gets a boundary: all, or the first and the last ``max - 1``."""
+    ends = list(range(1, num_messages + 1))
+    if max_boundaries is None or len(ends) <= max_boundaries:
+        return ends
+    return ends[:1] + ends[len(ends) - (max_boundaries - 1):] if max_boundaries > 1 else ends[:max_boundaries]
+
+
+class _SpecialTextAsText:
+    """Special-token text inside a conversation's messages, kept as text.
+
+    Before rendering, every occurrence in a message string (any field but ``role``) is replaced by a
+    placeholder ``M<k>M``, ``M`` a private-use character that appears in no message and ``k`` the
+    text's index, so the special-token text of the rendered prompt is the template's own markup.
+    ``encode`` splits the rendered prompt where ``tokenizers`` matches that markup, keeps those
+    special tokens, and encodes the text between them, placeholders turned back into the text they
+    stand for, with special-token matching off (the pieces between added tokens are tokenized
+    independently either way).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, messages: list[Any], marker: str, texts: list[str]) -> None:
+        self.tokenizer, self.messages, self.texts = tokenizer, messages, texts
+        self._placeholder = re.compile(re.escape(marker) + r"(\d+)" + re.escape(marker))
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, messages: Any) -> _SpecialTextAsText | None:
+        """None when no message string holds special-token text (the common case: plain encoding)."""
+        texts, _, pattern = tokenizer._special_texts
+        if pattern is None or isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            return None
+        strings = [s for m in messages if isinstance(m, Mapping) for k, v in m.items() if k != "role"
+                   for s in _strings(v)]
+        if not any(pattern.search(s) for s in strings):
+            return None
+        marker = next(chr(c) for c in range(0xE000, 0xF900) if not any(chr(c) in s for s in strings))
+        index = {t: i for i, t in enumerate(texts)}
+
+        def protect(value: Any) -> Any:
+            if isinstance(value, str):
+                return pattern.sub(lambda m: f"{marker}{index[m.group(0)]}{marker}", value)
+            if isinstance(value, Mapping):
+                return {k: protect(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [protect(v) for v in value]
+            return value
+
+        protected = [{k: v if k == "role" else protect(v) for k, v in m.items()} if isinstance(m, Mapping) else m
+                     for m in messages]
+        return cls(tokenizer, protected, marker, texts)
+
+    def restore(self, text: str) -> str:
+        return self._placeholder.sub(lambda m: self.texts[int(m.group(1))], text)
+
+    def encode(self, rendered: str) -> list[int]:
+        tok = self.tokenizer
+        _, special_ids, _ = tok._special_texts
+        text_only = tok._text_only_backend
+        encoding = tok.backend.encode_batch([rendered], add_special_tokens=False)[0]
+        ids: list[int] = []
+        pos = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in special_ids:  # the template's markup (the messages' is a placeholder now)
+                if start > pos:
+                    ids += text_only.encode_batch([self.restore(rendered[pos:start])], add_special_tokens=False)[0].ids
+                ids.append(token_id)
+                pos = end
+        if pos < len(rendered):
+            ids += text_only.encode_batch([self.restore(rendered[pos:])], add_special_tokens=False)[0].ids
+        return ids
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """Every string inside a JSON value (keys excluded)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
 
 
 def _developer_as_system(messages: Any) -> Any:
