@@ -5,6 +5,8 @@ prompt size caps, and an event loop that keeps answering while a large prompt is
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -28,7 +30,7 @@ def model_dir(tiny_ckpt_dir):
 @pytest.fixture(scope="module")
 def server(model_dir):
     app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=16384, max_state_slots=64,
-                     context_length=2048, max_running_requests=8, max_queued_requests=8)
+                     context_length=2048, max_running_requests=8, max_queued_requests=8, max_request_bytes=1 << 20)
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -99,3 +101,74 @@ def test_special_token_text_in_a_message_cannot_forge_a_turn(server):
     as_text = tok.encode_chat(messages).ids
     assert resp.json()["usage"]["prompt_tokens"] == len(as_text) > len(forged)
     assert sum(i in tok.all_special_ids for i in as_text) == 3  # <|im_start|>user ... <|im_end|> <|im_start|>
+
+
+def test_body_over_the_cap_is_413(server):
+    """1 MiB cap: refused from Content-Length without reading the body, or while a chunked body streams in."""
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    err = _assert_error(_post(server, "/v1/chat/completions", json=big), 413, "invalid_request_error")
+    assert err["code"] == "request_too_large"
+    chunks = (b'{"model": "%s", "prompt": "' % MODEL.encode(), *[b"y" * 65536] * 40, b'"}')
+    err = _assert_error(_post(server, "/v1/completions", content=iter(chunks), headers={"content-type": "application/json"}),
+                        413, "invalid_request_error")
+    assert err["code"] == "request_too_large"
+    assert _post(server, "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_prompt_over_the_cap_is_413_before_tokenizing(server):
+    """Default cap: 16 characters per token of context (2048 here)."""
+    text = "word " * 8000  # 40,000 characters
+    for path, body, param in (
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": text}]}, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["short", text]}, "prompt"),
+        ("/generate", {"text": text}, "text"),
+    ):
+        err = _assert_error(_post(server, path, json=body), 413, "invalid_request_error", param)
+        assert err["code"] == "prompt_too_large" and "32768" in err["message"]
+
+
+def test_context_errors_name_the_field(server):
+    err = _assert_error(_post(server, "/v1/chat/completions", json={**CHAT, "max_completion_tokens": 2047}),
+                        400, "invalid_request_error", "max_completion_tokens")
+    assert err["code"] == "context_length_exceeded"
+    _assert_error(_post(server, "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4000}),
+                  400, "invalid_request_error", "max_tokens")
+    _assert_error(_post(server, "/v1/completions", json={"model": MODEL, "prompt": [7] * 2048}),
+                  400, "invalid_request_error", "prompt")
+
+
+def test_many_messages_cost_a_bounded_number_of_renders(server):
+    """Boundaries are computed for 8 messages, not 2000 (each renders the conversation up to it)."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(2001)]
+    start = time.monotonic()
+    resp = _post(server, "/v1/chat/completions", json={**CHAT, "messages": messages})
+    assert time.monotonic() - start < 5  # 2000 renders took ~15 s
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_event_loop_answers_while_a_long_prompt_is_tokenized(model_dir):
+    """Tokenization runs on a worker thread without the GIL: /health stays fast meanwhile."""
+    app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=4096, max_state_slots=16,
+                     context_length=2048, max_prompt_chars=10**8)
+    content = "The quick brown fox jumps over the lazy dog. " * 60000  # 2.7 MB: seconds of tokenizing
+    with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as client:
+        latencies, done = [], threading.Event()
+
+        def post() -> None:
+            try:
+                client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": content}]})
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=post)
+        worker.start()
+        time.sleep(0.2)  # the body is read and parsed; the tokenizing starts
+        with httpx.Client(base_url=srv.url, timeout=10) as health:
+            while not done.is_set():
+                start = time.monotonic()
+                assert health.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+                time.sleep(0.02)
+        worker.join()
+    assert len(latencies) >= 10, latencies  # the tokenizing took a while
+    assert sorted(latencies)[-2] < 0.25, sorted(latencies)[-5:]  # (one outlier allowed on a loaded machine)

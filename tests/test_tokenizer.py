@@ -662,3 +662,12 @@ def test_special_token_text_in_messages_is_text(tok: Tokenizer, hf_tok, sp_dirs:
     assert tok.decode(enc.ids, skip_special_tokens=False) == enc.text == tok.apply_chat_template(tricky)
     assert [i for i in enc.ids if i in tok.all_special_ids] == [i for i in tok.encode_chat([{"role": "user", "content": "x"}]).ids
                                                                  if i in tok.all_special_ids]
+
+
+def test_max_boundaries_keeps_the_first_and_the_last(tok: Tokenizer) -> None:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i}"} for i in range(20)]
+    every = tok.encode_chat(messages).boundaries
+    assert len(every) == 20
+    assert tok.encode_chat(messages, max_boundaries=5).boundaries == every[:1] + every[-4:]
+    assert tok.encode_chat(messages, max_boundaries=1).boundaries == every[:1]
+    assert tok.encode_chat(messages, max_boundaries=50).boundaries == every

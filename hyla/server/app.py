@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.engine import DEFAULT_MODEL_DIR, Engine
 from hyla.server.errors import APIError, add_error_handlers
@@ -29,6 +30,7 @@ from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
+from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 
 logger = logging.getLogger("hyla.server")
 
@@ -41,13 +43,19 @@ would grow /metrics without bound)."""
 
 class Server:
     """What every route shares: the engine (``None`` until the lifespan starts it and after it
-    stops), the served model name, the metrics and the API key."""
+    stops), the served model name, the metrics, the API key, and the size caps: a request body of
+    more than ``max_request_bytes`` and prompt text of more than ``max_prompt_chars`` characters (all
+    prompts or messages of a request; default ``PROMPT_CHARS_PER_TOKEN`` x the context length) are
+    refused with 413."""
 
     def __init__(self, model_path: str | None, served_model_name: str | None, api_key: str | None,
-                 engine_options: dict[str, Any]):
+                 engine_options: dict[str, Any], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 max_prompt_chars: int | None = None):
         self.model_path = model_path
         self.engine_options = engine_options
         self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.max_prompt_chars = max_prompt_chars
         self.engine: Engine | None = None
         self.model_name = served_model_name or ""
         self.metrics = ServerMetrics(lambda: self.engine)
@@ -82,6 +90,13 @@ class Server:
                                 f"at most {capacity} at once (max_running_requests + max_queued_requests)",
                            code="batch_too_large")
         return await Generation.start(engine, self.metrics, endpoint, jobs, arrival)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """413 when a request asks to tokenize more than the prompt cap (checked before tokenizing)."""
+        limit = self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.running_engine().context_length
+        if chars > limit:
+            raise APIError(413, f"the prompt text has {chars} characters; this server takes at most {limit} "
+                                "(--max-prompt-chars)", param=param, code="prompt_too_large")
 
     def check_model(self, model: str) -> None:
         """404 unless ``model`` is the served name."""
@@ -130,15 +145,49 @@ class _CountRequests:
             self.metrics.http_requests.labels(route, method if method in METHODS else "other", str(status)).inc()
 
 
+class _LimitBody:
+    """Pure ASGI middleware: a request body over ``max_bytes`` is a 413, answered at once when its
+    Content-Length says so, else as soon as the bytes received pass the cap (nothing more is read)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _error(self) -> APIError:
+        return APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
+                        code="request_too_large")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", ())).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._error().response()(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_at_most() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI re-raises an HTTPException met reading the body
+                    raise StarletteHTTPException(413, self._error().message)
+            return message
+
+        await self.app(scope, receive_at_most, send)
+
+
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
                **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
     built-in model). With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``;
-    /health and /metrics stay open."""
-    server = Server(model_path, served_model_name, api_key, dict(engine_options))
+    /health and /metrics stay open. ``max_request_bytes`` and ``max_prompt_chars``: see ``Server``."""
+    server = Server(model_path, served_model_name, api_key, dict(engine_options), max_request_bytes, max_prompt_chars)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,7 +199,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     app = FastAPI(title="hyla", version=_version(), lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(_CountRequests, metrics=server.metrics)
+    app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
+    app.add_middleware(_CountRequests, metrics=server.metrics)  # outermost: counts the 413s too
     add_error_handlers(app)
 
     @app.get("/health")

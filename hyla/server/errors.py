@@ -107,7 +107,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type=kind, headers=exc.headers).response()
+        code = "request_too_large" if exc.status_code == 413 else None  # a body over --max-request-bytes
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:

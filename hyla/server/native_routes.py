@@ -9,7 +9,9 @@ of the request in each event, then ``[DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter, Request
@@ -34,9 +36,20 @@ class NativeRoutes:
         router.post("/generate")(self.generate)
         return router
 
+    async def _tokenized(self, jobs: list[Job]) -> list[Job]:
+        """Text prompts tokenized here, on a worker thread after the prompt cap, as the engine would
+        (a model without a tokenizer: left to the engine, which refuses text)."""
+        texts = [job.prompt for job in jobs if isinstance(job.prompt, str)]
+        tokenizer = self.server.running_engine().tokenizer
+        if not texts or tokenizer is None:
+            return jobs
+        self.server.check_prompt_chars(sum(map(len, texts)), "text")
+        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        return [replace(job, prompt=next(encoded)) if isinstance(job.prompt, str) else job for job in jobs]
+
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        jobs = _jobs(body)
+        jobs = await self._tokenized(_jobs(body))
         gen = await self.server.start_generation("generate", jobs, arrival)
         if body.stream:
             return gen.stream(_events(gen))

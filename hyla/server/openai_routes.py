@@ -9,6 +9,7 @@ Fields and semantics: docs/server.md.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
@@ -22,12 +23,16 @@ from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
     ChatCompletionResponse, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
+    text_chars,
 )
 from hyla.tokenizer import TokenText
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
 
+CHAT_CHECKPOINTS = 8
+"""Message ends per chat request where the engine caches the recurrent state: the first message's (a
+shared system prompt) and the last seven's. Each costs a render of the conversation up to it."""
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries"})
 
 Logprobs = list[tuple[float, int]]
@@ -66,9 +71,8 @@ class OpenAIRoutes:
         self.server.check_model(body.model)
         top_k = body.logprobs or 0
         jobs = []
-        for prompt in body.prompts():
-            ids = self._prompt_ids(prompt)
-            max_new = self._max_new_tokens(body.max_tokens, len(ids))
+        for ids in await self._prompt_ids(body.prompts()):
+            max_new = self._max_new_tokens(len(ids), body.max_tokens, "max_tokens", "prompt")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
                      for j in range(body.n)]
         gen = await self.server.start_generation("completions", jobs, arrival)
@@ -112,12 +116,14 @@ class OpenAIRoutes:
         reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-        try:
-            encoding = engine.tokenizer.encode_chat(messages, add_generation_prompt=True,
-                                                    **(body.chat_template_kwargs or {}))
+        self.server.check_prompt_chars(text_chars(messages) + text_chars(body.chat_template_kwargs), "messages")
+        try:  # on a worker thread: a long conversation does not stall the event loop
+            encoding = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt=True,
+                                               max_boundaries=CHAT_CHECKPOINTS, **(body.chat_template_kwargs or {}))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
-        max_new = self._max_new_tokens(body.max_new_tokens(), len(encoding.ids))
+        max_new = self._max_new_tokens(len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
+                                       "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries)) for j in range(body.n)]
@@ -154,19 +160,31 @@ class OpenAIRoutes:
         yield SSE_DONE
 
     # --- shared ----------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
+    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids; text is tokenized on a worker thread, after the prompt cap."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            return prompts  # type: ignore[return-value]
         tokenizer = self.server.running_engine().tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return tokenizer.encode(prompt)
+        self.server.check_prompt_chars(sum(map(len, texts)), "prompt")
+        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-    def _max_new_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """None = up to the context length (the engine refuses a prompt that leaves no room)."""
-        if requested is not None:
-            return requested
-        return max(0, self.server.running_engine().context_length - prompt_len)
+    def _max_new_tokens(self, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
+        """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
+        is a 400 naming the field to change (checked here, before the engine walks the ids)."""
+        context = self.server.running_engine().context_length
+        if prompt_len >= context:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return context - prompt_len
+        if prompt_len + requested > context:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
+                                f"length ({context})", param=max_param, code="context_length_exceeded")
+        return requested
 
     def _token_text(self, token_id: int) -> TokenText:
         tokenizer = self.server.running_engine().tokenizer

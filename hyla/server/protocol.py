@@ -26,6 +26,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
+PROMPT_CHARS_PER_TOKEN = 16
+"""The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a
+longer prompt cannot fit the context (a token is rarely longer than a few characters), so it is
+refused with 413 before it is tokenized."""
 
 
 class _Strict(BaseModel):
@@ -53,6 +58,20 @@ def _lone_surrogate_at(data: Any) -> str | None:
         elif isinstance(value, list):
             stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
     return None
+
+
+def text_chars(value: Any) -> int:
+    """Characters of all the strings in a JSON value (what tokenizing it costs). Iterative."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
 
 
 class _Request(_Strict):
@@ -205,6 +224,10 @@ class ChatCompletionRequest(_SamplingFields):
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None = up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_new_tokens_field(self) -> str:
+        """The field ``max_new_tokens()`` comes from (what an error about it names)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class GenerateRequest(_Request):
