@@ -39,7 +39,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from hyla.engine.tokenizer import Tokenizer, render_chat_template  # noqa: E402
+from hyla.tokenizer import ChatTemplate, Tokenizer  # noqa: E402
 from hyla.data import sharegpt  # noqa: E402  (the shared ShareGPT loader)
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -294,8 +294,9 @@ def token_stream(conversations: list[list[dict[str, str]]], tokenizer: Tokenizer
     and how many conversations they came from."""
     stream: list[int] = []
     used = 0
+    template = ChatTemplate(tokenizer.chat_template)
     for used, messages in enumerate(conversations, start=1):
-        text = render_chat_template(tokenizer.chat_template, with_system_prompt(messages, used - 1), add_generation_prompt=False)
+        text = template.render(with_system_prompt(messages, used - 1), add_generation_prompt=False)
         stream.extend(tokenizer.encode(text, add_special_tokens=False))
         if len(stream) >= num_tokens:
             break

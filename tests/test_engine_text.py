@@ -10,7 +10,7 @@ import pytest
 import checkpoints
 from hyla import Engine
 from hyla.engine.engine import DEFAULT_MODEL_DIR
-from hyla.engine.tokenizer import Tokenizer
+from hyla.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 

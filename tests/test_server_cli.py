@@ -69,6 +69,8 @@ def test_help_explains_every_flag(capsys):
     (["--state-memory-ratio", "-0.5"], "state_memory_ratio"),
     (["--model", "/no/such/dir"], "config.json"),
     (["--port", "70000"], "--port"),
+    (["--max-request-bytes", "0"], "--max-request-bytes"),
+    (["--max-prompt-chars", "-3"], "--max-prompt-chars"),
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2

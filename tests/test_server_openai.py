@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import checkpoints
 from hyla.engine.engine import DEFAULT_MODEL_DIR
-from hyla.engine.tokenizer import Tokenizer
+from hyla.tokenizer import Tokenizer
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
 

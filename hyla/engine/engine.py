@@ -438,7 +438,7 @@ def _merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 def _load_tokenizer(path: Path):
     if not (path / "tokenizer.json").is_file():
         return None
-    from hyla.engine.tokenizer import Tokenizer
+    from hyla.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(path)
 
 

@@ -1,8 +1,11 @@
 """hyla's HTTP server: an OpenAI-compatible API and SGLang's native ``/generate`` over one Engine.
 
     hyla serve --model PATH            # cli.py: flags generated from EngineArgs
-    app = create_app(PATH, **options)  # app.py: the FastAPI app (endpoints, errors, streaming)
+    app = create_app(PATH, **options)  # app.py: the FastAPI app
 
-protocol.py holds the request/response models, metrics.py the prometheus registry, launch.py
-``BackgroundServer`` (the server on a thread of the calling process). See docs/server.md.
+One file per idea: ``app.py`` (the app factory, ``Server``, /health, /metrics), ``openai_routes.py``
+(/v1/*), ``native_routes.py`` (/generate), ``generation.py`` (one request's engine requests, run,
+streamed and aborted together), ``errors.py`` (OpenAI-style error bodies and statuses),
+``protocol.py`` (request/response models), ``metrics.py`` (prometheus), ``launch.py``
+(``BackgroundServer``: the server on a thread of the calling process), ``cli.py``. See docs/server.md.
 """

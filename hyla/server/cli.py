@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hyla.engine.args import EngineArgs
+from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -57,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help=f"Refuse a request body larger than this with 413 (default {DEFAULT_MAX_REQUEST_BYTES}).")
+    parser.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
+                        help="Refuse with 413, before tokenizing, a request whose prompt text (all prompts or "
+                             f"messages) is longer (default: {PROMPT_CHARS_PER_TOKEN} x the context length).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
@@ -88,13 +94,18 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"hyla serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars)):
+        if value is not None and value < 1:
+            print(f"hyla serve: error: {flag} must be at least 1, got {value}", file=sys.stderr)
+            return 2
 
     import uvicorn
 
     from hyla.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key, **options)
+    app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars, **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)

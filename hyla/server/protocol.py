@@ -18,6 +18,7 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -25,12 +26,65 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
+PROMPT_CHARS_PER_TOKEN = 16
+"""The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a
+longer prompt cannot fit the context (a token is rarely longer than a few characters), so it is
+refused with 413 before it is tokenized."""
 
 
 class _Strict(BaseModel):
     """Request bodies: strict types, unknown fields refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_at(data: Any) -> str | None:
+    """Where (``messages.0.content``) a string in parsed JSON holds a lone UTF-16 surrogate, or None.
+    json.loads joins each escaped pair (``\\ud83d\\ude00``) into one character, so any surrogate
+    left is unpaired. Iterative: bodies may nest deeply."""
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in value.items())
+            stack.extend((k, path or "body") for k in value if isinstance(k, str))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(value))
+    return None
+
+
+def text_chars(value: Any) -> int:
+    """Characters of all the strings in a JSON value (what tokenizing it costs). Iterative."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+class _Request(_Strict):
+    """A top-level request body. A lone UTF-16 surrogate (``"\\ud800"``, what a JavaScript client
+    sends after cutting a string inside an emoji) is not Unicode text: 400, as OpenAI answers."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        where = _lone_surrogate_at(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (half of a surrogate pair): not valid Unicode text")
+        return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -40,7 +94,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
@@ -171,8 +225,12 @@ class ChatCompletionRequest(_SamplingFields):
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None = up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_new_tokens_field(self) -> str:
+        """The field ``max_new_tokens()`` comes from (what an error about it names)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-class GenerateRequest(_Strict):
+
+class GenerateRequest(_Request):
     """Native ``POST /generate`` (SGLang's): exactly one of ``text`` / ``input_ids``; a list of
     them is a batch (one output per item; no streaming)."""
 

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the engine and the server: encode, decode, streaming decode, chat templates.
+"""``Tokenizer``: a model's text <-> token ids: loading, encode/decode, special ids, chat encoding.
 
 ``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``) and reads the
 model directory's ``tokenizer_config.json`` (special tokens, ``added_tokens_decoder``,
@@ -10,12 +10,7 @@ Invariants
 ----------
 * ``decode(encode(text, add_special_tokens=False)) == text`` for byte-level BPE tokenizers without a
   normalizer (the built-in default model's): every string round-trips exactly.
-* ``IncrementalDetokenizer``: the concatenation of everything ``step`` returns, followed by
-  ``flush()``, equals ``decode(all_ids)`` (up to the leading text of the prompt context, see there);
-  a chunk returned by ``step`` never ends inside a multi-byte UTF-8 character.
-* ``apply_chat_template`` renders with the same sandboxed jinja2 environment as transformers
-  (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, ``raise_exception``, ``tojson``,
-  ``strftime_now``, ``{% generation %}``): for the same messages it returns the same string.
+* ``apply_chat_template`` renders as transformers does (``hyla.tokenizer.chat_template``).
 * ``encode_chat`` boundaries are prefix lengths of the returned ids: ``ids[:b]`` is exactly what the
   conversation up to that message tokenizes to, so a prefix cache keyed on token ids may store a
   recurrent-state checkpoint there and a later conversation that shares those messages hits it.
@@ -27,162 +22,22 @@ from __future__ import annotations
 
 import bisect
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from functools import lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
+from hyla.tokenizer.chat_template import ChatTemplates
+from hyla.tokenizer.detokenizer import IncrementalDetokenizer
+from hyla.tokenizer.token_text import TokenText, TokenTexts
+
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The named special tokens of a tokenizer_config.json; chat templates see them as variables."""
-
-REPLACEMENT_CHAR = "\ufffd"
-"""What a lossy UTF-8 decode produces for an incomplete or invalid byte sequence."""
-
-PROMPT_CONTEXT_TOKENS = 5
-"""Prompt tokens the incremental detokenizer decodes along with the output (as vLLM does), so that
-decoders which strip a leading space (Metaspace/SentencePiece) keep the first output token's space."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Chat templates
-# ---------------------------------------------------------------------------------------------
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's ``namespace()`` without underscore attributes (no way to reach Python internals)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2.utils.Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
-    # jinja2's own tojson escapes HTML characters; chat templates expect plain json.dumps.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-@lru_cache(maxsize=16)
-def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox (chat templates from model hubs are untrusted code)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _TemplateNamespace
-    try:
-        return env.from_string(template)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise ValueError(f"chat template does not compile: {e}") from e
-
-
-def _plain(value: Any, where: str) -> Any:
-    """A copy of ``value`` made of JSON types only: templates never see objects with methods."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v, where) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
-    for base in (bool, str, int, float):  # subclasses (str enums, numpy floats): strip to the base type
-        if isinstance(value, base):
-            return base(value) if base is not str else str.__str__(value)
-    raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
-
-
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
-    OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key)."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
-        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
-        if not isinstance(message.get("role"), str):
-            raise ValueError(f"messages[{i}] needs a string 'role'")
-        out.append({k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None})
-    return out
-
-
-def render_chat_template(
-    template: str,
-    messages: Sequence[Mapping[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    documents: Sequence[Mapping[str, Any]] | None = None,
-    **template_kwargs: Any,
-) -> str:
-    """Render ``messages`` with a chat template string (the same result as transformers).
-
-    ``template_kwargs`` become template variables (special tokens such as ``bos_token``, or switches
-    such as ``enable_thinking``). A template that calls ``raise_exception`` raises ``ValueError``.
-    """
-    compiled = compile_chat_template(template)
-    chat = _check_messages(messages)
-    if tools is not None and (isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools)):
-        raise ValueError("tools must be a list of JSON-schema dicts")
-    try:
-        return compiled.render(
-            messages=chat,
-            tools=_plain(tools, "tools"),
-            documents=_plain(documents, "documents"),
-            add_generation_prompt=add_generation_prompt,
-            **_plain(template_kwargs, "template_kwargs"),
-        )
-    except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template rejected the conversation: {e}") from e
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------------
 
 
 def _token_content(value: Any) -> str | None:
@@ -203,19 +58,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
-
-
-def _select_chat_template(value: Any, tools: Any) -> str | None:
-    """tokenizer_config's ``chat_template``: a string, or a list of ``{"name", "template"}`` (the
-    ``tool_use`` one is taken when tools are given, else ``default``)."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
-        if tools and "tool_use" in named:
-            return named["tool_use"]
-        return named.get("default")
-    raise ValueError(f"chat_template must be a string or a list of named templates, got {type(value).__name__}")
 
 
 @dataclass(frozen=True)
@@ -251,9 +93,8 @@ class Tokenizer:
                 if backend.token_to_id(content) is None:
                     raise ValueError(f"{name} {content!r} is not in the vocabulary")
                 self.special_tokens[name] = content
-        self._chat_template = chat_template
-        if chat_template is not None:
-            _select_chat_template(chat_template, None)  # validate its shape now
+        self._chat_templates = ChatTemplates(chat_template)
+        self._token_texts = TokenTexts(self)
         eos = [self.eos_token_id] if self.eos_token_id is not None else []
         for i in extra_eos_token_ids:
             if not isinstance(i, int) or not 0 <= i < self.vocab_size:
@@ -337,7 +178,8 @@ class Tokenizer:
         in transformers v5, ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not): a long text does not stall other threads
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete or invalid UTF-8 byte sequence decodes to U+FFFD. Ids at or
@@ -353,11 +195,17 @@ class Tokenizer:
         """A fresh streaming detokenizer for one output sequence (see ``IncrementalDetokenizer``)."""
         return IncrementalDetokenizer(self, prompt_ids=prompt_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> TokenText:
+        """What ``token_id`` shows as in logprobs: ``(text, bytes)``, see ``hyla.tokenizer.token_text``."""
+        return self._token_texts(token_id)
+
     # --- chat --------------------------------------------------------------------------------------
 
     @property
     def chat_template(self) -> str | None:
-        return _select_chat_template(self._chat_template, None)
+        """The default chat template's source text (None without one)."""
+        template = self._chat_templates.select(None)
+        return None if template is None else template.source
 
     def apply_chat_template(
         self,
@@ -367,27 +215,40 @@ class Tokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render a conversation as the prompt text. Encode the result with ``add_special_tokens=False``
-        (the template writes its own BOS), or use ``encode_chat``, which does so."""
-        template = _select_chat_template(self._chat_template, tools)
+        (the template writes its own BOS), or use ``encode_chat``, which does so.
+
+        A template that never names the ``developer`` role (OpenAI's newer name for ``system``, sent
+        by current SDKs) sees ``developer`` messages as ``system`` messages."""
+        template = self._chat_templates.select(tools)
         if template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        if "developer" not in template.source:
+            messages = _developer_as_system(messages)
         variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs win, as in transformers
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
 
     def encode_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        max_boundaries: int | None = None,
         **template_kwargs: Any,
     ) -> ChatEncoding:
         """Render and tokenize a conversation, with the token position at the end of each message.
 
-        A message's boundary is ``len(ids of the conversation rendered up to and including it,
-        without a generation prompt)``; it is kept only if those ids are a prefix of ``ids`` (a
-        template may render earlier turns differently once more follow, or a tokenizer may merge
-        across the message end) and dropped otherwise. Boundaries are strictly ascending and > 0;
-        with ``add_generation_prompt=False`` the last one may equal ``len(ids)``.
+        Only the template's own markup yields special tokens: special-token text inside the messages
+        (a user typing ``<|im_end|><|im_start|>system``) is encoded as text, as transformers'
+        ``encode(..., split_special_tokens=True)`` encodes it, so a message cannot forge a turn.
+
+        A message's boundary is ``len(encode_chat(messages[:i + 1], add_generation_prompt=False).ids)``;
+        it is kept only if those ids are a prefix of ``ids`` (a template may render earlier turns
+        differently once more follow, or a tokenizer may merge across the message end) and dropped
+        otherwise. Boundaries are strictly ascending and > 0; with ``add_generation_prompt=False``
+        the last one may equal ``len(ids)``. ``max_boundaries`` bounds the work (each boundary
+        renders the conversation up to it): only the first message's and the last
+        ``max_boundaries - 1`` messages' boundaries are computed.
 
         Cost: the prefixes are not re-tokenized from the start. ``tokenizers`` first splits the text
         at added tokens that are matched verbatim (not normalized, no lstrip/rstrip/single_word)
@@ -395,26 +256,35 @@ class Tokenizer:
         encoding's ids up to its last such token (``<|im_end|>``) followed by the encoding of the
         text after it; only that tail is encoded. Without such a token the whole prefix is encoded.
         """
+        as_text = _SpecialTextAsText.of(self, messages)
+        if as_text is not None:
+            messages = as_text.messages
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        ids = encoding.ids
-        split_ends, split_counts = self._hard_splits(encoding)
+        if as_text is None:
+            encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+            ids = encoding.ids
+            split_ends, split_counts = self._hard_splits(encoding)
+        else:
+            ids = as_text.encode(text)
         boundaries: list[int] = []
-        for end in range(1, len(messages) + 1):
+        for end in _boundary_ends(len(messages), max_boundaries):
             try:
                 prefix_text = self.apply_chat_template(messages[:end], False, tools, **template_kwargs)
             except ValueError:  # e.g. a template that insists the conversation ends with a user turn
                 continue
             if not text.startswith(prefix_text):
                 continue
-            # the last hard split at or before the prefix end: ids before it are shared for sure
-            j = bisect.bisect_right(split_ends, len(prefix_text))
-            start, num_shared = (split_ends[j - 1], split_counts[j - 1]) if j else (0, 0)
-            tail = self.encode(prefix_text[start:], add_special_tokens=False)
+            if as_text is None:
+                # the last hard split at or before the prefix end: ids before it are shared for sure
+                j = bisect.bisect_right(split_ends, len(prefix_text))
+                start, num_shared = (split_ends[j - 1], split_counts[j - 1]) if j else (0, 0)
+                tail = self.encode(prefix_text[start:], add_special_tokens=False)
+            else:
+                num_shared, tail = 0, as_text.encode(prefix_text)
             n = num_shared + len(tail)
             if n > (boundaries[-1] if boundaries else 0) and ids[num_shared:n] == tail:
                 boundaries.append(n)
-        return ChatEncoding(text=text, ids=ids, boundaries=boundaries)
+        return ChatEncoding(text=text if as_text is None else as_text.restore(text), ids=ids, boundaries=boundaries)
 
     def _hard_splits(self, encoding: Any) -> tuple[list[int], list[int]]:
         """Character end and number of ids up to it, for each verbatim-matched added token."""
@@ -429,6 +299,20 @@ class Tokenizer:
                 counts.append(k + 1)
         return ends, counts
 
+    @cached_property
+    def _special_texts(self) -> tuple[list[str], dict[int, str], re.Pattern[str] | None]:
+        """The special added tokens' texts, ids → text, and a pattern matching any of them."""
+        by_id = {i: t.content for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        texts = sorted(set(by_id.values()), key=len, reverse=True)  # longest first: the regex takes the first
+        return texts, by_id, re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @cached_property
+    def _text_only_backend(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special-token text as text (``split_special_tokens``)."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
     def chat_message_boundaries(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -438,6 +322,97 @@ class Tokenizer:
     ) -> list[int]:
         """Token positions at the end of each message in the rendered prompt (see ``encode_chat``)."""
         return self.encode_chat(messages, add_generation_prompt, tools, **template_kwargs).boundaries
+
+
+def _boundary_ends(num_messages: int, max_boundaries: int | None) -> list[int]:
+    """Message counts whose end gets a boundary: all, or the first and the last ``max - 1``."""
+    ends = list(range(1, num_messages + 1))
+    if max_boundaries is None or len(ends) <= max_boundaries:
+        return ends
+    return ends[:1] + ends[len(ends) - (max_boundaries - 1):] if max_boundaries > 1 else ends[:max_boundaries]
+
+
+class _SpecialTextAsText:
+    """Special-token text inside a conversation's messages, kept as text.
+
+    Before rendering, every occurrence in a message string (any field but ``role``) is replaced by a
+    placeholder ``M<k>M``, ``M`` a private-use character that appears in no message and ``k`` the
+    text's index, so the special-token text of the rendered prompt is the template's own markup.
+    ``encode`` splits the rendered prompt where ``tokenizers`` matches that markup, keeps those
+    special tokens, and encodes the text between them, placeholders turned back into the text they
+    stand for, with special-token matching off (the pieces between added tokens are tokenized
+    independently either way).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, messages: list[Any], marker: str, texts: list[str]) -> None:
+        self.tokenizer, self.messages, self.texts = tokenizer, messages, texts
+        self._placeholder = re.compile(re.escape(marker) + r"(\d+)" + re.escape(marker))
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, messages: Any) -> _SpecialTextAsText | None:
+        """None when no message string holds special-token text (the common case: plain encoding)."""
+        texts, _, pattern = tokenizer._special_texts
+        if pattern is None or isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            return None
+        strings = [s for m in messages if isinstance(m, Mapping) for k, v in m.items() if k != "role"
+                   for s in _strings(v)]
+        if not any(pattern.search(s) for s in strings):
+            return None
+        marker = next(chr(c) for c in range(0xE000, 0xF900) if not any(chr(c) in s for s in strings))
+        index = {t: i for i, t in enumerate(texts)}
+
+        def protect(value: Any) -> Any:
+            if isinstance(value, str):
+                return pattern.sub(lambda m: f"{marker}{index[m.group(0)]}{marker}", value)
+            if isinstance(value, Mapping):
+                return {k: protect(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [protect(v) for v in value]
+            return value
+
+        protected = [{k: v if k == "role" else protect(v) for k, v in m.items()} if isinstance(m, Mapping) else m
+                     for m in messages]
+        return cls(tokenizer, protected, marker, texts)
+
+    def restore(self, text: str) -> str:
+        return self._placeholder.sub(lambda m: self.texts[int(m.group(1))], text)
+
+    def encode(self, rendered: str) -> list[int]:
+        tok = self.tokenizer
+        _, special_ids, _ = tok._special_texts
+        text_only = tok._text_only_backend
+        encoding = tok.backend.encode_batch([rendered], add_special_tokens=False)[0]
+        ids: list[int] = []
+        pos = 0
+        for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in special_ids:  # the template's markup (the messages' is a placeholder now)
+                if start > pos:
+                    ids += text_only.encode_batch([self.restore(rendered[pos:start])], add_special_tokens=False)[0].ids
+                ids.append(token_id)
+                pos = end
+        if pos < len(rendered):
+            ids += text_only.encode_batch([self.restore(rendered[pos:])], add_special_tokens=False)[0].ids
+        return ids
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """Every string inside a JSON value (keys excluded)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _developer_as_system(messages: Any) -> Any:
+    """``messages`` with each ``developer`` message's role set to ``system`` (anything that is not a
+    list of dicts is left for the template's own checks to refuse)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        return messages
+    return [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m for m in messages]
 
 
 def _add_missing_tokens(backend: BackendTokenizer, config: Mapping[str, Any]) -> None:
@@ -463,63 +438,3 @@ def _add_missing_tokens(backend: BackendTokenizer, config: Mapping[str, Any]) ->
         backend.add_special_tokens([token]) if token.special else backend.add_tokens([token])
         if backend.token_to_id(content) != int(index):
             raise ValueError(f"added token {content!r} was listed as id {index} but got id {backend.token_to_id(content)}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Streaming
-# ---------------------------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Turns one sequence's output ids into text chunks as they arrive (vLLM/SGLang's windows).
-
-    It keeps ``ids`` (prompt context + output so far) and two offsets: ``prefix_offset`` ..
-    ``read_offset`` is the window of ids whose text was already returned, ``read_offset`` .. end
-    the ids not yet returned. Each step decodes ``ids[prefix_offset:read_offset]`` and
-    ``ids[prefix_offset:]`` and returns the new text's extra characters only if it does not end in
-    U+FFFD (an unfinished multi-byte character, or a byte-level BPE merge split across steps); then
-    both offsets advance. Decoding a short window, not the whole text, keeps a step O(window), and
-    the window's first tokens give decoders that strip a leading space the context they need.
-
-    Invariant: every returned chunk ends at a complete character, so a window always starts at a
-    character boundary and ``"".join(chunks) + flush()`` is the decode of the output ids, with a
-    prompt context: ``decode(context + output)[len(decode(context)):]``.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
-        # Start the first window at a character boundary: drop leading context tokens that decode
-        # to U+FFFD (the tail of a character whose start lies further back in the prompt).
-        while context and REPLACEMENT_CHAR in self._decode(context):
-            context = context[1:]
-        self.ids: list[int] = context
-        self.prefix_offset = 0
-        self.read_offset = len(context)
-        self.num_context_ids = len(context)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def step(self, new_ids: int | Iterable[int]) -> str:
-        """Append output ids; return the text that became final (possibly ``""``)."""
-        self.ids.extend([new_ids] if isinstance(new_ids, int) else new_ids)
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""  # nothing new yet, or the last character is still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text) :]
-
-    def flush(self) -> str:
-        """At the end of the sequence: the text still held back (an unfinished character decodes to
-        U+FFFD, as ``decode`` would). Afterwards nothing is pending."""
-        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset :])
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text) :]
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.ids[self.num_context_ids :]

@@ -1,0 +1,121 @@
+"""Errors as OpenAI answers them: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+
+Where each status comes from:
+
+* ``APIError`` raised by the server itself (unknown model 404, bad API key 401, engine not running 503);
+* a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field;
+* what the engine raises at submission (``engine_error``): ``ValueError`` → 400,
+  ``EngineOverloadedError`` → 429 with ``Retry-After``, anything else → 500;
+* a request the engine aborted on its own (``abort_error``): shut down → 503, else 500;
+* Starlette's 404 / 405 for unknown paths and methods; any other exception → 500.
+
+``add_error_handlers(app)`` installs the handlers that turn each of these into a response. An
+error after a stream started is not a status any more: the stream sends ``body()`` as an event.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hyla.engine.engine import EngineOverloadedError
+from hyla.server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger("hyla.server")
+
+RETRY_AFTER_SECONDS = 1
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body and ``status`` (plus ``headers``, if any)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (answered 499, which nobody reads)."""
+
+
+def engine_error(exc: BaseException) -> APIError:
+    """What the engine raised (at submission or mid-stream) as an HTTP error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(429, f"the server is overloaded: {exc}", type="rate_limit_error",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    logger.error("request failed", exc_info=exc)
+    return APIError(500, f"internal error: {exc}", type="internal_error", code="internal_error")
+
+
+def abort_error(reason: dict[str, Any]) -> APIError:
+    """The engine aborted a request the client did not abort (an internal error or a shutdown);
+    ``reason`` is the engine's ``finish_reason``."""
+    message = str(reason.get("message", "aborted"))
+    if "shut down" in message:
+        return APIError(503, message, type="service_unavailable", code="engine_shutdown")
+    return APIError(500, message, type="internal_error", code="request_aborted")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """pydantic's first complaint about a request body as a 400 naming the field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"the request body is not valid JSON: {ctx}".rstrip(": "), code="invalid_json")
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
+        return APIError(400, "the request body must be a JSON object (Content-Type: application/json)",
+                        code="invalid_json")
+    msg = first.get("msg", "invalid value")
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return APIError(400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Answer every error above with its OpenAI-style body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = "request_too_large" if exc.status_code == 413 else None  # a body over --max-request-bytes
+        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="internal_error",
+                        code="internal_error").response()

@@ -1,0 +1,249 @@
+"""One HTTP request's generation: its ``n`` (or batch of) engine requests, run and aborted together.
+
+Every endpoint turns its request into ``Job``s — one engine request each: ``n`` choices of a prompt
+are ``n`` jobs with the same tokens, so the prefix cache computes the prompt once — and runs them
+as one ``Generation``: each job is an ``engine.async_generate(..., stream=True)`` iterator drained
+by its own task into one queue. ``events()`` yields every engine chunk as it arrives, so a
+streaming response interleaves its choices as they decode; ``collect()`` is the same stream run to
+the end for a non-streaming response.
+
+Each engine chunk carries only what is new (text, ids, and the logprobs of those ids). It is folded
+into its ``Choice`` once (appended: linear in the output length) and handed on unchanged, so a
+stream sends each chunk's own text and logprobs, and a full answer reads the ``Choice``.
+
+Rules: a request never outlives its client (a disconnect, a stream closed early, an error: every
+unfinished job is aborted, which frees its KV and state slots); an engine error before the
+first byte is an HTTP status (``hyla.server.errors``), after it an error event then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from hyla.engine.engine import Engine
+from hyla.server.errors import ClientDisconnected, abort_error, engine_error
+from hyla.server.metrics import ServerMetrics
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event holding ``payload`` (a pydantic model or a JSON value)."""
+    data = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class Job:
+    """One engine request: a prompt (text or token ids), its sampling params and checkpoints."""
+
+    prompt: str | list[int]
+    sampling_params: dict[str, Any]
+    return_logprob: bool = False
+    checkpoints: list[int] = field(default_factory=list)
+    rid: str | None = None
+
+
+@dataclass
+class Choice:
+    """What one job has produced so far: the text pieces, ids and logprobs of every chunk appended,
+    and the latest ``meta`` (the engine's ``meta_info`` less the logprob lists: counts, finish_reason)."""
+
+    index: int
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[tuple[float, int, None]] | None = None
+    """The engine's ``output_token_logprobs`` of every token so far (None: not asked for)."""
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    """The engine's ``output_top_logprobs`` of every token so far (None: not asked for)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    _pieces: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]  # joined once per read, not per chunk
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def finish_reason(self) -> dict[str, Any] | None:
+        """The engine's finish_reason (``{"type": "stop" | "length" | "abort", ...}``), None while running."""
+        return self.meta.get("finish_reason")
+
+    def openai_finish_reason(self) -> str | None:
+        reason = self.finish_reason
+        return None if reason is None else reason["type"]
+
+    def meta_info(self) -> dict[str, Any]:
+        """The engine's ``meta_info`` for everything so far (the native API's cumulative view)."""
+        info = dict(self.meta)
+        if self.token_logprobs is not None:
+            info["output_token_logprobs"] = self.token_logprobs
+        if self.top_logprobs is not None:
+            info["output_top_logprobs"] = self.top_logprobs
+        return info
+
+    def fold(self, chunk: dict[str, Any], now: float) -> None:
+        """Append one engine chunk (``{"text", "output_ids", "meta_info"}``, only what is new)."""
+        if chunk["output_ids"]:
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
+        self._pieces.append(chunk["text"])
+        self.output_ids.extend(chunk["output_ids"])
+        meta = dict(chunk["meta_info"])
+        lps, tops = meta.pop("output_token_logprobs", None), meta.pop("output_top_logprobs", None)
+        if lps is not None:
+            self.token_logprobs = self.token_logprobs if self.token_logprobs is not None else []
+            self.token_logprobs.extend(lps)
+        if tops is not None:
+            self.top_logprobs = self.top_logprobs if self.top_logprobs is not None else []
+            self.top_logprobs.extend(tops)
+        self.meta = meta
+
+
+def chunk_logprobs(chunk: dict[str, Any]) -> tuple[list[tuple[float, int]], list[list[tuple[float, int]]]]:
+    """A chunk's own tokens' ``(logprob, token_id)`` and top alternatives (empty if not asked for)."""
+    meta = chunk["meta_info"]
+    return [(lp, tid) for lp, tid, _ in meta.get("output_token_logprobs", ())], meta.get("output_top_logprobs", [])
+
+
+_END = object()
+
+
+class Generation:
+    """``n`` engine requests started together and merged into one event stream.
+
+    Invariants: after ``start`` returns, every job is submitted; ``close`` (idempotent, synchronous
+    so that it also runs inside a cancelled task) aborts every job that has not finished."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, endpoint: str, arrival: float):
+        self.engine, self.metrics, self.endpoint, self.arrival = engine, metrics, endpoint, arrival
+        self.choices: list[Choice] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._num_open = 0
+
+    @classmethod
+    async def start(cls, engine: Engine, metrics: ServerMetrics, endpoint: str, jobs: list[Job],
+                    arrival: float) -> Generation:
+        """Submit every job. Raises the first submission error as an ``APIError`` (the jobs already
+        submitted are aborted)."""
+        gen = cls(engine, metrics, endpoint, arrival)
+        try:
+            for i, job in enumerate(jobs):
+                text, ids = (job.prompt, None) if isinstance(job.prompt, str) else (None, job.prompt)
+                rid = job.rid or f"{endpoint}-{uuid.uuid4().hex}"
+                stream = await engine.async_generate(
+                    prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
+                    return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid)
+                choice = Choice(index=i, rid=rid)
+                gen.choices.append(choice)
+                gen._tasks.append(asyncio.create_task(gen._pump(choice, stream)))
+            gen._num_open = len(gen._tasks)
+        except BaseException as exc:  # e.g. EngineOverloadedError from a later job: abort the earlier ones
+            gen.close()
+            if isinstance(exc, Exception):
+                raise engine_error(exc) from exc
+            raise
+        return gen
+
+    async def _pump(self, choice: Choice, stream: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for chunk in stream:
+                self._queue.put_nowait((choice, chunk))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an engine failure mid-stream
+            self._queue.put_nowait((choice, exc))
+        finally:
+            self._queue.put_nowait((choice, _END))
+
+    async def events(self) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
+        """``(choice, chunk)`` for every engine chunk, in arrival order, the chunk already folded
+        into ``choice``; ends when every job has finished. A request the engine aborted raises
+        ``abort_error``, an engine failure ``engine_error`` (both ``APIError``s)."""
+        while self._num_open:
+            choice, item = await self._queue.get()
+            if item is _END:
+                self._num_open -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise engine_error(item) from item
+            choice.fold(item, time.monotonic())
+            reason = choice.finish_reason
+            if reason is not None:
+                self.metrics.observe_request(self.endpoint, reason["type"], self.arrival, choice.first_token_time,
+                                             choice.last_token_time, len(choice.output_ids))
+                if reason["type"] == "abort":
+                    raise abort_error(reason)
+            yield choice, item
+
+    async def collect(self, request: Request) -> list[Choice]:
+        """Run to the end and return the choices; if the client disconnects first, abort everything
+        and raise ``ClientDisconnected``."""
+        try:
+            await _unless_disconnected(request, self._run_to_end())
+        finally:
+            self.close()
+        return self.choices
+
+    async def _run_to_end(self) -> None:
+        async for _ in self.events():
+            pass
+
+    def stream(self, lines: AsyncIterator[str]) -> StreamingResponse:
+        """A server-sent-event response of ``lines`` (which end with ``[DONE]``). An error after the
+        headers is sent as an error event followed by ``[DONE]``; a disconnect cancels the body,
+        which aborts what is still running."""
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for line in lines:
+                    yield line
+            except Exception as exc:
+                yield sse(engine_error(exc).body())
+                yield SSE_DONE
+            finally:
+                self.close()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.engine.abort(choice.rid)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    raise ClientDisconnected()

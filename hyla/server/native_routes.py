@@ -1,0 +1,101 @@
+"""SGLang's native API: ``POST /generate``.
+
+A request, top-down: one job per prompt (``text`` or ``input_ids``, one or a list), each with its
+own ``sampling_params``, ``rid`` and ``checkpoints`` when lists are given; start them as one
+``Generation``; answer ``{"text", "output_ids", "meta_info"}`` per job (a list for a batch). A
+stream (single requests only) sends, as SGLang does, the **cumulative** text, ids and meta_info
+of the request in each event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from hyla.server.errors import APIError
+from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
+from hyla.server.protocol import GenerateRequest
+
+if TYPE_CHECKING:
+    from hyla.server.app import Server
+
+
+class NativeRoutes:
+    """The native endpoints of one ``Server``."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.post("/generate")(self.generate)
+        return router
+
+    async def _tokenized(self, jobs: list[Job]) -> list[Job]:
+        """Text prompts tokenized here, on a worker thread after the prompt cap, as the engine would
+        (a model without a tokenizer: left to the engine, which refuses text)."""
+        texts = [job.prompt for job in jobs if isinstance(job.prompt, str)]
+        tokenizer = self.server.running_engine().tokenizer
+        if not texts or tokenizer is None:
+            return jobs
+        self.server.check_prompt_chars(sum(map(len, texts)), "text")
+        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        return [replace(job, prompt=next(encoded)) if isinstance(job.prompt, str) else job for job in jobs]
+
+    async def generate(self, body: GenerateRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        jobs = await self._tokenized(_jobs(body))
+        gen = await self.server.start_generation("generate", jobs, arrival)
+        if body.stream:
+            return gen.stream(_events(gen))
+        outs = [_output(c) for c in await gen.collect(request)]
+        return JSONResponse(outs[0] if body.is_single() else outs)
+
+
+def _output(choice: Choice) -> dict[str, Any]:
+    return {"text": choice.text, "output_ids": choice.output_ids, "meta_info": choice.meta_info()}
+
+
+async def _events(gen: Generation) -> AsyncIterator[str]:
+    async for choice, _ in gen.events():
+        yield sse(_output(choice))
+    yield SSE_DONE
+
+
+def _jobs(body: GenerateRequest) -> list[Job]:
+    """One job per prompt; per-item lists (sampling_params, rid, checkpoints) must match the batch."""
+    prompts: list[str | list[int]]
+    if body.text is not None:
+        prompts = [body.text] if isinstance(body.text, str) else list(body.text)
+    else:
+        prompts = [body.input_ids] if body.is_single() else list(body.input_ids)
+    n = len(prompts)
+    if n == 0:
+        raise APIError(400, "no request given: text or input_ids is an empty list")
+
+    def per_item(value: Any, name: str, is_list: bool) -> list[Any]:
+        if value is None or not is_list:
+            return [value] * n
+        if len(value) != n:
+            raise APIError(400, f"{name} has {len(value)} entries for {n} requests", param=name)
+        return list(value)
+
+    params = per_item(body.sampling_params, "sampling_params", isinstance(body.sampling_params, list))
+    rids = per_item(body.rid, "rid", isinstance(body.rid, list))
+    single_ckpt = body.checkpoints is None or not body.checkpoints or isinstance(body.checkpoints[0], int)
+    if body.checkpoints and n > 1 and single_ckpt:
+        raise APIError(400, "checkpoints must be a list of lists for a batch", param="checkpoints")
+    ckpts = [body.checkpoints or []] if single_ckpt else per_item(body.checkpoints, "checkpoints", True)
+    ckpts = ckpts * n if len(ckpts) == 1 else ckpts
+    jobs = []
+    for prompt, p, rid, ck in zip(prompts, params, rids, ckpts):
+        p = dict(p or {})
+        if body.top_logprobs_num is not None:
+            p.setdefault("top_logprobs_num", body.top_logprobs_num)
+        jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid))
+    return jobs

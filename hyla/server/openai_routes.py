@@ -1,0 +1,232 @@
+"""OpenAI's API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``.
+
+A request, top-down: check the model name; tokenize (chat: render the template, and keep each
+message's end as a checkpoint for the prefix cache); build ``n`` jobs per prompt (choice ``j``
+samples with ``seed + j``); start them as one ``Generation``; then either stream each engine
+chunk as an OpenAI chunk (its own text and logprobs) or collect the choices into one response.
+Fields and semantics: docs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from hyla.server.errors import APIError
+from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
+from hyla.server.protocol import (
+    ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatCompletionResponse, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
+    text_chars,
+)
+from hyla.tokenizer import TokenText
+
+if TYPE_CHECKING:
+    from hyla.server.app import Server
+
+CHAT_CHECKPOINTS = 8
+"""Message ends per chat request where the engine caches the recurrent state: the first message's (a
+shared system prompt) and the last seven's. Each costs a render of the conversation up to it."""
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries"})
+
+Logprobs = list[tuple[float, int]]
+TopLogprobs = list[list[tuple[float, int]]]
+
+
+class OpenAIRoutes:
+    """The OpenAI endpoints of one ``Server``."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.get("/v1/models", response_model=ModelList)(self.list_models)
+        router.get("/v1/models/{model:path}", response_model=ModelCard)(self.get_model)
+        router.post("/v1/completions")(self.completions)
+        router.post("/v1/chat/completions")(self.chat_completions)
+        return router
+
+    # --- /v1/models ----------------------------------------------------------------------------
+    def _model_card(self) -> ModelCard:
+        engine = self.server.running_engine()
+        return ModelCard(id=self.server.model_name, root=str(engine.model_path), max_model_len=engine.context_length)
+
+    async def list_models(self) -> ModelList:
+        return ModelList(data=[self._model_card()])
+
+    async def get_model(self, model: str) -> ModelCard:
+        self.server.check_model(model)
+        return self._model_card()
+
+    # --- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.server.check_model(body.model)
+        top_k = body.logprobs or 0
+        jobs = []
+        for ids in await self._prompt_ids(body.prompts()):
+            max_new = self._max_new_tokens(len(ids), body.max_tokens, "max_tokens", "prompt")
+            jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
+                     for j in range(body.n)]
+        gen = await self.server.start_generation("completions", jobs, arrival)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return gen.stream(self._completion_events(body, gen, rid))
+        choices = [
+            CompletionChoice(
+                index=c.index, text=c.text, finish_reason=c.openai_finish_reason(),
+                logprobs=self._completion_logprobs(*_logprobs(c), 0) if body.logprobs is not None else None)
+            for c in await gen.collect(request)]
+        return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+                                               usage=usage(gen.choices, body.n)).model_dump())
+
+    async def _completion_events(self, body: CompletionRequest, gen: Generation, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets = [0] * len(gen.choices)  # text_offset continues across a choice's chunks
+        async for choice, chunk in gen.events():
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = self._completion_logprobs(*chunk_logprobs(chunk), offsets[choice.index])
+                offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+            finish = choice.openai_finish_reason()
+            if chunk["text"] or finish or (logprobs and logprobs.tokens):
+                out = CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[
+                    CompletionChoice(index=choice.index, text=chunk["text"], logprobs=logprobs, finish_reason=finish)])
+                yield sse(out)
+        if body.include_usage():
+            yield sse(CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[],
+                                         usage=usage(gen.choices, body.n)))
+        yield SSE_DONE
+
+    # --- /v1/chat/completions ------------------------------------------------------------------
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.server.check_model(body.model)
+        engine = self.server.running_engine()
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+        messages = [m.for_template() for m in body.messages]
+        reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+        self.server.check_prompt_chars(text_chars(messages) + text_chars(body.chat_template_kwargs), "messages")
+        try:  # on a worker thread: a long conversation does not stall the event loop
+            encoding = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt=True,
+                                               max_boundaries=CHAT_CHECKPOINTS, **(body.chat_template_kwargs or {}))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        max_new = self._max_new_tokens(len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
+                                       "messages")
+        top_k = (body.top_logprobs or 0) if body.logprobs else 0
+        jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
+                    checkpoints=list(encoding.boundaries)) for j in range(body.n)]
+        gen = await self.server.start_generation("chat", jobs, arrival)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            return gen.stream(self._chat_events(body, gen, rid))
+        choices = [
+            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                       finish_reason=c.openai_finish_reason(),
+                       logprobs=self._chat_logprobs(*_logprobs(c)) if body.logprobs else None)
+            for c in await gen.collect(request)]
+        return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+                                                   usage=usage(gen.choices, body.n)).model_dump())
+
+    async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk_of(choice: ChatChunkChoice) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice]))
+
+        for choice in gen.choices:
+            yield chunk_of(ChatChunkChoice(index=choice.index, delta={"role": "assistant", "content": ""}))
+        async for choice, chunk in gen.events():
+            logprobs = self._chat_logprobs(*chunk_logprobs(chunk)) if body.logprobs else None
+            finish = choice.openai_finish_reason()
+            if chunk["text"] or finish or (logprobs and logprobs.content):
+                delta = {"content": chunk["text"]} if chunk["text"] else {}
+                yield chunk_of(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
+                                               finish_reason=finish))
+        if body.include_usage():
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[],
+                                          usage=usage(gen.choices, body.n)))
+        yield SSE_DONE
+
+    # --- shared ----------------------------------------------------------------------------------
+    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Each prompt's token ids; text is tokenized on a worker thread, after the prompt cap."""
+        texts = [p for p in prompts if isinstance(p, str)]
+        if not texts:
+            return prompts  # type: ignore[return-value]
+        tokenizer = self.server.running_engine().tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
+        self.server.check_prompt_chars(sum(map(len, texts)), "prompt")
+        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+    def _max_new_tokens(self, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
+        """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
+        is a 400 naming the field to change (checked here, before the engine walks the ids)."""
+        context = self.server.running_engine().context_length
+        if prompt_len >= context:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return context - prompt_len
+        if prompt_len + requested > context:
+            raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
+                                f"length ({context})", param=max_param, code="context_length_exceeded")
+        return requested
+
+    def _token_text(self, token_id: int) -> TokenText:
+        tokenizer = self.server.running_engine().tokenizer
+        return tokenizer.token_text(token_id) if tokenizer is not None else TokenText(f"token_id:{token_id}", [])
+
+    def _completion_logprobs(self, lps: Logprobs, tops: TopLogprobs, offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy logprobs; ``offset`` is the text offset of the first token."""
+        out = CompletionLogprobs()
+        for i, (lp, tid) in enumerate(lps):
+            text = self._token_text(tid).text
+            out.tokens.append(text)
+            out.token_logprobs.append(lp)
+            out.top_logprobs.append({self._token_text(t).text: v for v, t in tops[i]} if i < len(tops) and tops[i] else None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _chat_logprobs(self, lps: Logprobs, tops: TopLogprobs) -> ChatChoiceLogprobs:
+        content = []
+        for i, (lp, tid) in enumerate(lps):
+            token = self._token_text(tid)
+            top = []
+            for v, t in tops[i] if i < len(tops) else []:
+                alt = self._token_text(t)
+                top.append(TopLogprob(token=alt.text, logprob=v, bytes=alt.bytes))
+            content.append(ChatTokenLogprob(token=token.text, logprob=lp, bytes=token.bytes, top_logprobs=top))
+        return ChatChoiceLogprobs(content=content)
+
+
+def _logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:
+    """A finished choice's ``(logprob, token_id)`` per token and top alternatives."""
+    return [(lp, tid) for lp, tid, _ in choice.token_logprobs or ()], choice.top_logprobs or []
+
+
+def usage(choices: list[Choice], n: int) -> UsageInfo:
+    """Usage of ``len(choices) // n`` prompts with ``n`` choices each: a prompt counts once, and its
+    cached tokens are the fewest any of its choices had (what the prompt itself hit)."""
+    prompt = cached = completion = 0
+    for start in range(0, len(choices), n):
+        group = choices[start:start + n]
+        prompt += group[0].meta.get("prompt_tokens", 0)
+        cached += min(c.meta.get("cached_tokens", 0) for c in group)
+        completion += sum(c.meta.get("completion_tokens", 0) for c in group)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

@@ -1,0 +1,178 @@
+"""Chat templates: a model's jinja2 template, compiled once in a sandbox, rendering a conversation.
+
+Chat templates come from model hubs: untrusted code. ``ChatTemplate`` compiles one in the same
+sandboxed jinja2 environment as transformers (``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``,
+``raise_exception``, ``tojson``, ``strftime_now``, ``{% generation %}``), so for the same
+messages it renders the same string; templates see JSON values only (no objects with methods),
+and ``namespace()`` refuses underscore attributes.
+
+Bad input (wrong message types, a template that does not compile or that rejects the
+conversation) raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask tag): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja2's ``namespace()`` without underscore attributes (no way to reach Python internals)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2.utils.Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja2's own tojson escapes HTML characters; chat templates expect plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _plain(value: Any, where: str) -> Any:
+    """A copy of ``value`` made of JSON types only: templates never see objects with methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, where) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, where) for v in value]
+    for base in (bool, str, int, float):  # subclasses (str enums, numpy floats): strip to the base type
+        if isinstance(value, base):
+            return base(value) if base is not str else str.__str__(value)
+    raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
+
+
+def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
+    OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+        out.append({k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None})
+    return out
+
+
+class ChatTemplate:
+    """One chat template; ``source`` is its text. It is compiled in the sandbox on first use and
+    then reused (a model whose template does not compile still serves plain completions)."""
+
+    def __init__(self, source: str) -> None:
+        if not isinstance(source, str):
+            raise ValueError(f"a chat template must be a string, got {type(source).__name__}")
+        self.source = source
+
+    @cached_property
+    def _compiled(self) -> jinja2.Template:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        env.globals["namespace"] = _TemplateNamespace
+        try:
+            return env.from_string(self.source)
+        except jinja2.exceptions.TemplateSyntaxError as e:
+            raise ValueError(f"chat template does not compile: {e}") from e
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` (the same result as transformers). ``template_kwargs`` become template
+        variables (special tokens such as ``bos_token``, or switches such as ``enable_thinking``). A
+        template that calls ``raise_exception`` raises ``ValueError``."""
+        chat = check_messages(messages)
+        if tools is not None and (isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools)):
+            raise ValueError("tools must be a list of JSON-schema dicts")
+        try:
+            return self._compiled.render(
+                messages=chat,
+                tools=_plain(tools, "tools"),
+                documents=_plain(documents, "documents"),
+                add_generation_prompt=add_generation_prompt,
+                **_plain(template_kwargs, "template_kwargs"),
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template rejected the conversation: {e}") from e
+
+
+def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+    """Compile ``template`` and render ``messages`` once (``ChatTemplate.render``'s keywords)."""
+    return ChatTemplate(template).render(messages, **kwargs)
+
+
+class ChatTemplates:
+    """tokenizer_config's ``chat_template``: one string, or a list of ``{"name", "template"}``; with
+    tools the ``tool_use`` template is taken when there is one, else ``default``."""
+
+    def __init__(self, value: Any) -> None:
+        if value is None:
+            self._named: dict[Any, ChatTemplate] = {}
+        elif isinstance(value, str):
+            self._named = {"default": ChatTemplate(value)}
+        elif isinstance(value, list):
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
+            self._named = {name: ChatTemplate(source) for name, source in named.items()
+                           if name in ("default", "tool_use") and source is not None}
+        else:
+            raise ValueError(f"chat_template must be a string or a list of named templates, got {type(value).__name__}")
+
+    def select(self, tools: Any) -> ChatTemplate | None:
+        if tools and "tool_use" in self._named:
+            return self._named["tool_use"]
+        return self._named.get("default")
