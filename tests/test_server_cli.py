@@ -71,6 +71,7 @@ def test_help_explains_every_flag(capsys):
     (["--port", "70000"], "--port"),
     (["--max-request-bytes", "0"], "--max-request-bytes"),
     (["--max-prompt-chars", "-3"], "--max-prompt-chars"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2
