@@ -172,3 +172,30 @@ def test_event_loop_answers_while_a_long_prompt_is_tokenized(model_dir):
         worker.join()
     assert len(latencies) >= 10, latencies  # the tokenizing took a while
     assert sorted(latencies)[-2] < 0.25, sorted(latencies)[-5:]  # (one outlier allowed on a loaded machine)
+
+
+def _finished(server, endpoint: str, reason: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "hyla_requests_finished_total" and s.labels == {"endpoint": endpoint, "finish_reason": reason}:
+                return s.value
+    return 0.0
+
+
+def test_client_hang_up_counts_as_abort(server):
+    engine = _engine(server)
+    before = _finished(server, "chat", "abort")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1500, temperature=0,
+                                                stream=True, n=2, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 4:
+                break
+        stream.close()
+    wait_until_idle(engine)
+    deadline = time.monotonic() + 10
+    while _finished(server, "chat", "abort") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _finished(server, "chat", "abort") == before + 2  # both choices
+    assert_pools_clean(engine)

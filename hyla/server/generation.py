@@ -230,13 +230,16 @@ class Generation:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._closed:
+            return
+        self._closed = True
         for choice in self.choices:
-            if choice.finish_reason is None:
+            if choice.finish_reason is None:  # the client went away (or a failure): abort, and count it
                 self.engine.abort(choice.rid)
-        if not self._closed:
-            self._closed = True
-            if self._on_close is not None:
-                self._on_close(self)
+                self.metrics.observe_request(self.endpoint, "abort", self.arrival, choice.first_token_time,
+                                             choice.last_token_time, len(choice.output_ids))
+        if self._on_close is not None:
+            self._on_close(self)
 
 
 async def _wait_for_disconnect(request: Request) -> None:
