@@ -174,3 +174,14 @@ def test_default_model_answers_a_chat_in_a_fresh_process(tmp_path):
     assert again.choices[0].message.content == text  # greedy, and the prefix cache changes nothing
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     assert "hyla engine: model=" in server.log() and "default-model" in server.log()
+
+
+def test_port_in_use_is_refused_before_loading(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert cli.run(_parse(["--port", str(port)])) == 2
+    assert time.monotonic() - start < 2  # the model was not loaded first
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err

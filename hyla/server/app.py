@@ -217,8 +217,9 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
-    built-in model). With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``;
-    /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
+    built-in model). With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``
+    (the scheme's case does not matter, RFC 7235), /docs and /openapi.json are off; /health and
+    /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown)."""
     server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
@@ -231,13 +232,14 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
         finally:
             await asyncio.to_thread(server.stop_engine)
 
-    app = FastAPI(title="hyla", version=_version(), lifespan=lifespan)
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # no open schema
+    app = FastAPI(title="hyla", version=_version(), lifespan=lifespan, **docs)
     app.state.server = server
     app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)  # outermost: counts the 413s too
     add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         try:
             server.admit()

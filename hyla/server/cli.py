@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 import types
 import typing
@@ -106,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"hyla serve: error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
 
+    try:  # before anything is loaded: a port in use is an error now, not after minutes of loading
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        print(f"hyla serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+
     import uvicorn
 
     from hyla.server.app import create_app
@@ -123,12 +130,25 @@ def run(args: argparse.Namespace) -> int:
     # ends here as a KeyboardInterrupt instead of killing the process (exit status 0, not 143)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sock.close()
     return 0 if server.started else 1
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it once the engine is loaded)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -12,6 +12,7 @@ drains (``UvicornServer``), then the engine shuts down.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -19,12 +20,21 @@ from typing import Any
 
 import uvicorn
 
+logger = logging.getLogger("uvicorn.error")
+
 
 class UvicornServer(uvicorn.Server):
     """``uvicorn.Server`` that drains a hyla app (``app.state.server.drain()``) before its own
     shutdown, whatever asked for it (SIGTERM, Ctrl-C, ``should_exit``): while the app drains, the
     listening socket stays open so that new requests get a 503 rather than a refused connection. A
     second signal (uvicorn's ``force_exit``) stops the waiting."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn names the address only for sockets it bound itself
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                        f"[{host}]" if ":" in host else host, port)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         server = getattr(getattr(self.config.app, "state", None), "server", None)

@@ -22,10 +22,11 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
+MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish at shutdown (--shutdown-timeout)
 PROMPT_CHARS_PER_TOKEN = 16
@@ -35,9 +36,9 @@ refused with 413 before it is tokenized."""
 
 
 class _Strict(BaseModel):
-    """Request bodies: strict types, unknown fields refused."""
+    """Request bodies: strict types, finite numbers (no NaN), unknown fields refused."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -95,6 +96,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """Only plain text (what is always produced); ``json_object`` / ``json_schema`` are refused."""
+
+    type: Literal["text"]
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -104,8 +111,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # SGLang / vLLM extras
@@ -116,6 +123,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # accepted, no effect on the output
+    response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -157,7 +165,7 @@ class _SamplingFields(_Request):
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
-            params["seed"] = self.seed + choice
+            params["seed"] = (self.seed + choice) % (MAX_SEED + 1)
         return params
 
 
@@ -166,7 +174,7 @@ class CompletionRequest(_SamplingFields):
     list of token-id lists; a list gives ``n`` choices per prompt, indexed ``prompt * n + j``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
@@ -192,12 +200,28 @@ class TextContentPart(_Strict):
 
 class ChatMessage(BaseModel):
     """A chat message. Extra keys (``tool_calls``, ``name``, ``reasoning_content``...) are passed to
-    the chat template unchanged; ``content`` may be a string or a list of text parts."""
+    the chat template unchanged; ``content`` may be a string or a list of text parts, and only an
+    assistant message may go without it (one that carries ``tool_calls``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"})
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {', '.join(kinds)}")
+        return content
+
+    @model_validator(mode="after")
+    def _check_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
@@ -210,8 +234,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
