@@ -185,3 +185,12 @@ def test_port_in_use_is_refused_before_loading(capsys):
         assert cli.run(_parse(["--port", str(port)])) == 2
     assert time.monotonic() - start < 2  # the model was not loaded first
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_an_error_not_a_traceback(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.run(_parse(["--device", "cuda"])) == 2
+    assert "no CUDA device" in capsys.readouterr().err
