@@ -7,13 +7,17 @@ completions, models) plus the sampling extras SGLang and vLLM accept (``top_k``,
 
 Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
-* Types are strict: ``"16"`` is not an integer, ``1`` is not a bool.
+* Types are strict: ``"16"`` is not an integer, ``1`` is not a bool; numbers are finite.
 * Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
-  ``tools`` or ``response_format`` fails loudly instead of being silently ignored. The few fields
-  that change nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are
-  accepted and ignored.
+  ``tools`` or a JSON ``response_format`` fails loudly instead of being silently ignored. The few
+  fields that change nothing about the output (``user``, ``metadata``, ``store``,
+  ``service_tier``, ``response_format: {"type": "text"}``) are accepted and ignored.
+* Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
+
+The size caps (``DEFAULT_MAX_REQUEST_BYTES``, ``PROMPT_CHARS_PER_TOKEN``) and the shutdown timeout
+live here too, so that ``hyla serve --help`` shows them without importing the server.
 """
 
 from __future__ import annotations
