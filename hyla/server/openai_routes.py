@@ -194,14 +194,16 @@ def _token_text(tokenizer: Tokenizer | None, token_id: int) -> TokenText:
     return tokenizer.token_text(token_id) if tokenizer is not None else TokenText(f"token_id:{token_id}", [])
 
 
-def completion_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs, offset: int) -> CompletionLogprobs:
+def completion_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs,
+                        offset: int) -> CompletionLogprobs:
     """OpenAI's legacy logprobs; ``offset`` is the text offset of the first token."""
     out = CompletionLogprobs()
     for i, (lp, tid) in enumerate(lps):
         text = _token_text(tokenizer, tid).text
         out.tokens.append(text)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append({_token_text(tokenizer, t).text: v for v, t in tops[i]} if i < len(tops) and tops[i] else None)
+        top = tops[i] if i < len(tops) else None
+        out.top_logprobs.append({_token_text(tokenizer, t).text: v for v, t in top} if top else None)
         out.text_offset.append(offset)
         offset += len(text)
     return out
