@@ -71,6 +71,7 @@ def test_help_explains_every_flag(capsys):
     (["--port", "70000"], "--port"),
     (["--max-request-bytes", "0"], "--max-request-bytes"),
     (["--max-prompt-chars", "-3"], "--max-prompt-chars"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2
@@ -173,3 +174,23 @@ def test_default_model_answers_a_chat_in_a_fresh_process(tmp_path):
     assert again.choices[0].message.content == text  # greedy, and the prefix cache changes nothing
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
     assert "hyla engine: model=" in server.log() and "default-model" in server.log()
+
+
+def test_port_in_use_is_refused_before_loading(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        assert cli.run(_parse(["--port", str(port)])) == 2
+    assert time.monotonic() - start < 2  # the model was not loaded first
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_an_error_not_a_traceback(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.run(_parse(["--device", "cuda"])) == 2
+    assert "no CUDA device" in capsys.readouterr().err

@@ -172,3 +172,70 @@ def test_event_loop_answers_while_a_long_prompt_is_tokenized(model_dir):
         worker.join()
     assert len(latencies) >= 10, latencies  # the tokenizing took a while
     assert sorted(latencies)[-2] < 0.25, sorted(latencies)[-5:]  # (one outlier allowed on a loaded machine)
+
+
+def _finished(server, endpoint: str, reason: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "hyla_requests_finished_total" and s.labels == {"endpoint": endpoint, "finish_reason": reason}:
+                return s.value
+    return 0.0
+
+
+def test_client_hang_up_counts_as_abort(server):
+    engine = _engine(server)
+    before = _finished(server, "chat", "abort")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1500, temperature=0,
+                                                stream=True, n=2, extra_body={"ignore_eos": True})
+        for i, _ in enumerate(stream):
+            if i == 4:
+                break
+        stream.close()
+    wait_until_idle(engine)
+    deadline = time.monotonic() + 10
+    while _finished(server, "chat", "abort") < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _finished(server, "chat", "abort") == before + 2  # both choices
+    assert_pools_clean(engine)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    pytest.param({**CHAT, "seed": 2**70}, "seed", None, id="seed-beyond-64-bit"),
+    pytest.param({**CHAT, "top_p": 0}, "top_p", None, id="top-p-zero"),
+    pytest.param({**CHAT, "max_tokens": 0}, "max_tokens", None, id="max-tokens-zero"),
+    pytest.param({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens", None, id="max-completion-tokens-zero"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": None}]}, None, "needs content", id="null-content"),
+    pytest.param({**CHAT, "messages": [{"role": "user"}]}, None, "needs content", id="missing-content"),
+    pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+                 "messages.0.content", "only text content parts", id="image-part"),
+    pytest.param({**CHAT, "response_format": {"type": "json_object"}}, "response_format.type", None, id="json-mode"),
+])
+def test_small_validation_gaps_are_400(server, body, param, message):
+    err = _assert_error(_post(server, "/v1/chat/completions", json=body), 400, "invalid_request_error", param)
+    assert message is None or message in err["message"]
+
+
+def test_nan_temperature_is_400_saying_so(server):
+    raw = json.dumps({**CHAT, "temperature": float("nan")}).encode()  # NaN: Python's JSON extension
+    err = _assert_error(_post(server, "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),
+                        400, "invalid_request_error", "temperature")
+    assert "finite" in err["message"]
+
+
+def test_accepted_variations(server):
+    assert _post(server, "/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}}).status_code == 200
+    assert _post(server, "/v1/chat/completions", json={**CHAT, "seed": 2**63 - 1, "n": 2}).status_code == 200
+    assistant = {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}
+    assert _post(server, "/v1/chat/completions", json={**CHAT, "messages": MESSAGES + [assistant, *MESSAGES]}).status_code == 200
+    assert httpx.head(server.url + "/health").status_code == 200
+
+
+def test_api_key_closes_the_docs(model_dir):
+    app = create_app(model_dir, served_model_name=MODEL, api_key="k", max_total_tokens=4096, max_state_slots=16)
+    with BackgroundServer(app) as srv:
+        for path in ("/docs", "/openapi.json", "/redoc"):
+            assert httpx.get(srv.url + path).status_code == 404
+        ok = _post(srv, "/v1/chat/completions", json=CHAT, headers={"Authorization": "bearer k"})
+        assert ok.status_code == 200  # the auth scheme is case-insensitive (RFC 7235)

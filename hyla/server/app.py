@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,11 +31,12 @@ from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
-from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 
 logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
+ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/health", "/metrics")
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
@@ -43,22 +45,27 @@ would grow /metrics without bound)."""
 
 class Server:
     """What every route shares: the engine (``None`` until the lifespan starts it and after it
-    stops), the served model name, the metrics, the API key, and the size caps: a request body of
-    more than ``max_request_bytes`` and prompt text of more than ``max_prompt_chars`` characters (all
-    prompts or messages of a request; default ``PROMPT_CHARS_PER_TOKEN`` x the context length) are
-    refused with 413."""
+    stops), the served model name, the metrics, the API key, the prompt cap (more than
+    ``max_prompt_chars`` characters of prompt text in a request, default ``PROMPT_CHARS_PER_TOKEN``
+    x the context length: 413), and the live generations.
+
+    Shutdown (``drain``): from its first moment every new request gets a 503 and /health says 503;
+    running generations get ``shutdown_timeout`` seconds to finish; then they are aborted (a stream
+    ends with an error event and ``[DONE]``, a waiting request gets a 503)."""
 
     def __init__(self, model_path: str | None, served_model_name: str | None, api_key: str | None,
-                 engine_options: dict[str, Any], max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 max_prompt_chars: int | None = None):
+                 engine_options: dict[str, Any], max_prompt_chars: int | None = None,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
         self.model_path = model_path
         self.engine_options = engine_options
         self.api_key = api_key
-        self.max_request_bytes = max_request_bytes
         self.max_prompt_chars = max_prompt_chars
+        self.shutdown_timeout = shutdown_timeout
         self.engine: Engine | None = None
         self.model_name = served_model_name or ""
         self.metrics = ServerMetrics(lambda: self.engine)
+        self.draining = False
+        self.generations: set[Generation] = set()
 
     def start_engine(self) -> None:
         engine = Engine(self.model_path, **self.engine_options)
@@ -74,26 +81,51 @@ class Server:
         if engine is not None:
             engine.shutdown()
 
-    def running_engine(self) -> Engine:
-        """The engine, or a 503 when it is not running."""
+    def admit(self) -> Engine:
+        """The engine, for a new request; a 503 while it is not running or the server shuts down."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable", code="server_shutting_down")
         if self.engine is None:
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_not_ready")
         return self.engine
 
     async def start_generation(self, endpoint: str, jobs: list[Job], arrival: float) -> Generation:
-        """Submit ``jobs`` as one ``Generation``. More jobs than the engine can ever hold at once
-        (its running batch plus its waiting queue) are a 400: retrying could not help."""
-        engine = self.running_engine()
+        """Submit ``jobs`` as one ``Generation``, live until it closes. More jobs than the engine can
+        ever hold at once (its running batch plus its waiting queue) are a 400: retrying cannot help."""
+        engine = self.admit()
         capacity = engine.max_running_requests + engine.args.max_queued_requests
         if len(jobs) > capacity:
             raise APIError(400, f"this request needs {len(jobs)} engine requests (prompts x n); the server holds "
                                 f"at most {capacity} at once (max_running_requests + max_queued_requests)",
                            code="batch_too_large")
-        return await Generation.start(engine, self.metrics, endpoint, jobs, arrival)
+        gen = Generation(engine, self.metrics, endpoint, arrival, on_close=self.generations.discard)
+        self.generations.add(gen)
+        await gen.submit(jobs)
+        return gen
+
+    async def drain(self, give_up: Callable[[], bool] = lambda: False) -> None:
+        """Stop admitting, give the running generations ``shutdown_timeout`` seconds, abort the rest
+        and wait (briefly) for their responses to end. ``give_up()`` true: stop waiting at once."""
+        self.draining = True
+        if self.generations:
+            logger.info("shutting down: refusing new requests; waiting up to %g s for %d running",
+                        self.shutdown_timeout, len(self.generations))
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.generations and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.05)
+        if not self.generations:
+            return
+        logger.warning("shutting down: aborting %d requests still running", len(self.generations))
+        error = APIError(503, "the server is shutting down", type="service_unavailable", code="server_shutting_down")
+        for gen in list(self.generations):
+            gen.abort(error)
+        deadline = time.monotonic() + ABORT_GRACE_SECONDS
+        while self.generations and time.monotonic() < deadline and not give_up():
+            await asyncio.sleep(0.05)
 
     def check_prompt_chars(self, chars: int, param: str) -> None:
         """413 when a request asks to tokenize more than the prompt cap (checked before tokenizing)."""
-        limit = self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.running_engine().context_length
+        limit = self.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.admit().context_length
         if chars > limit:
             raise APIError(413, f"the prompt text has {chars} characters; this server takes at most {limit} "
                                 "(--max-prompt-chars)", param=param, code="prompt_too_large")
@@ -180,14 +212,17 @@ class _LimitBody:
 
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
-               **engine_options: Any) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
-    built-in model). With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``;
-    /health and /metrics stay open. ``max_request_bytes`` and ``max_prompt_chars``: see ``Server``."""
-    server = Server(model_path, served_model_name, api_key, dict(engine_options), max_request_bytes, max_prompt_chars)
+    built-in model). With ``api_key``, /v1/* and /generate need ``Authorization: Bearer <api_key>``
+    (the scheme's case does not matter, RFC 7235), /docs and /openapi.json are off; /health and
+    /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
+    and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
+    for the graceful shutdown)."""
+    server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -197,16 +232,19 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
         finally:
             await asyncio.to_thread(server.stop_engine)
 
-    app = FastAPI(title="hyla", version=_version(), lifespan=lifespan)
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # no open schema
+    app = FastAPI(title="hyla", version=_version(), lifespan=lifespan, **docs)
     app.state.server = server
     app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)  # outermost: counts the 413s too
     add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        if server.engine is None:
-            return APIError(503, "the engine is not running", type="service_unavailable").response()
+        try:
+            server.admit()
+        except APIError as exc:
+            return exc.response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import socket
 import sys
 import types
 import typing
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hyla.engine.args import EngineArgs
-from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -63,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
                         help="Refuse with 413, before tokenizing, a request whose prompt text (all prompts or "
                              f"messages) is longer (default: {PROMPT_CHARS_PER_TOKEN} x the context length).")
+    parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
+                        help="On SIGTERM or Ctrl-C: refuse new requests (503) at once, give running ones this long "
+                             f"to finish, then abort them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
@@ -91,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path is not None and not (Path(args.model_path) / "config.json").is_file():
         print(f"hyla serve: error: no config.json in model directory {args.model_path!r}", file=sys.stderr)
         return 2
+    if str(options.get("device", "cpu")).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"hyla serve: error: --device {options['device']}: torch sees no CUDA device", file=sys.stderr)
+            return 2
     if not 0 < args.port < 65536:
         print(f"hyla serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
@@ -98,20 +109,53 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"hyla serve: error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
+    if not args.shutdown_timeout >= 0:
+        print(f"hyla serve: error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
+        return 2
+
+    try:  # before anything is loaded: a port in use is an error now, not after minutes of loading
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        print(f"hyla serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
 
     import uvicorn
 
     from hyla.server.app import create_app
+    from hyla.server.launch import UvicornServer
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
-                     max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars, **options)
+                     max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                     shutdown_timeout=args.shutdown_timeout, **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = UvicornServer(config)
+    # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM, like Ctrl-C, then
+    # ends here as a KeyboardInterrupt instead of killing the process (exit status 0, not 143)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        sock.close()
     return 0 if server.started else 1
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it once the engine is loaded)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt

@@ -23,13 +23,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from hyla.engine.engine import Engine
-from hyla.server.errors import ClientDisconnected, abort_error, engine_error
+from hyla.server.errors import APIError, ClientDisconnected, abort_error, engine_error
 from hyla.server.metrics import ServerMetrics
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -123,39 +123,47 @@ _END = object()
 class Generation:
     """``n`` engine requests started together and merged into one event stream.
 
-    Invariants: after ``start`` returns, every job is submitted; ``close`` (idempotent, synchronous
-    so that it also runs inside a cancelled task) aborts every job that has not finished."""
+    Invariants: after ``submit`` returns, every job is submitted; ``close`` (idempotent, synchronous
+    so that it also runs inside a cancelled task) aborts every job that has not finished and calls
+    ``on_close(self)`` once."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, endpoint: str, arrival: float):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, endpoint: str, arrival: float,
+                 on_close: Callable[[Generation], None] | None = None):
         self.engine, self.metrics, self.endpoint, self.arrival = engine, metrics, endpoint, arrival
         self.choices: list[Choice] = []
+        self._on_close = on_close
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._num_open = 0
+        self._abort_error: APIError | None = None
+        self._closed = False
 
-    @classmethod
-    async def start(cls, engine: Engine, metrics: ServerMetrics, endpoint: str, jobs: list[Job],
-                    arrival: float) -> Generation:
+    async def submit(self, jobs: list[Job]) -> None:
         """Submit every job. Raises the first submission error as an ``APIError`` (the jobs already
-        submitted are aborted)."""
-        gen = cls(engine, metrics, endpoint, arrival)
+        submitted are aborted, and the generation is closed)."""
         try:
             for i, job in enumerate(jobs):
                 text, ids = (job.prompt, None) if isinstance(job.prompt, str) else (None, job.prompt)
-                rid = job.rid or f"{endpoint}-{uuid.uuid4().hex}"
-                stream = await engine.async_generate(
+                rid = job.rid or f"{self.endpoint}-{uuid.uuid4().hex}"
+                stream = await self.engine.async_generate(
                     prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
                     return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid)
                 choice = Choice(index=i, rid=rid)
-                gen.choices.append(choice)
-                gen._tasks.append(asyncio.create_task(gen._pump(choice, stream)))
-            gen._num_open = len(gen._tasks)
+                self.choices.append(choice)
+                self._tasks.append(asyncio.create_task(self._pump(choice, stream)))
+            self._num_open = len(self._tasks)
         except BaseException as exc:  # e.g. EngineOverloadedError from a later job: abort the earlier ones
-            gen.close()
+            self.close()
             if isinstance(exc, Exception):
                 raise engine_error(exc) from exc
             raise
-        return gen
+
+    def abort(self, error: APIError) -> None:
+        """Abort every unfinished job on the server's behalf (a shutdown): ``events()`` raises ``error``."""
+        self._abort_error = error
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.engine.abort(choice.rid)
 
     async def _pump(self, choice: Choice, stream: AsyncIterator[dict[str, Any]]) -> None:
         try:
@@ -185,7 +193,7 @@ class Generation:
                 self.metrics.observe_request(self.endpoint, reason["type"], self.arrival, choice.first_token_time,
                                              choice.last_token_time, len(choice.output_ids))
                 if reason["type"] == "abort":
-                    raise abort_error(reason)
+                    raise self._abort_error or abort_error(reason)
             yield choice, item
 
     async def collect(self, request: Request) -> list[Choice]:
@@ -222,9 +230,16 @@ class Generation:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        if self._closed:
+            return
+        self._closed = True
         for choice in self.choices:
-            if choice.finish_reason is None:
+            if choice.finish_reason is None:  # the client went away (or a failure): abort, and count it
                 self.engine.abort(choice.rid)
+                self.metrics.observe_request(self.endpoint, "abort", self.arrival, choice.first_token_time,
+                                             choice.last_token_time, len(choice.output_ids))
+        if self._on_close is not None:
+            self._on_close(self)
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -6,18 +6,41 @@
 
 The socket is bound before uvicorn starts (``port=0``: the OS picks a free port), so there is no
 window in which another process can take the port. ``__enter__`` returns once the app's lifespan
-has created the engine and the server accepts connections; ``__exit__`` stops uvicorn, which shuts
-the engine down.
+has created the engine and the server accepts connections; ``__exit__`` stops uvicorn: the app
+drains (``UvicornServer``), then the engine shuts down.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
+
+logger = logging.getLogger("uvicorn.error")
+
+
+class UvicornServer(uvicorn.Server):
+    """``uvicorn.Server`` that drains a hyla app (``app.state.server.drain()``) before its own
+    shutdown, whatever asked for it (SIGTERM, Ctrl-C, ``should_exit``): while the app drains, the
+    listening socket stays open so that new requests get a 503 rather than a refused connection. A
+    second signal (uvicorn's ``force_exit``) stops the waiting."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn names the address only for sockets it bound itself
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                        f"[{host}]" if ":" in host else host, port)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        server = getattr(getattr(self.config.app, "state", None), "server", None)
+        if server is not None and not self.force_exit:
+            await server.drain(give_up=lambda: self.force_exit)
+        await super().shutdown(sockets)
 
 
 class BackgroundServer:
@@ -31,7 +54,7 @@ class BackgroundServer:
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        self._server = UvicornServer(config)
         self._thread = threading.Thread(target=self._run, name=f"hyla-server-{self.port}", daemon=True)
         self._error: BaseException | None = None
 

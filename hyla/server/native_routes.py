@@ -40,7 +40,7 @@ class NativeRoutes:
         """Text prompts tokenized here, on a worker thread after the prompt cap, as the engine would
         (a model without a tokenizer: left to the engine, which refuses text)."""
         texts = [job.prompt for job in jobs if isinstance(job.prompt, str)]
-        tokenizer = self.server.running_engine().tokenizer
+        tokenizer = self.server.admit().tokenizer
         if not texts or tokenizer is None:
             return jobs
         self.server.check_prompt_chars(sum(map(len, texts)), "text")

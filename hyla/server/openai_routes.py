@@ -25,7 +25,8 @@ from hyla.server.protocol import (
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
     text_chars,
 )
-from hyla.tokenizer import TokenText
+from hyla.engine.engine import Engine
+from hyla.tokenizer import Tokenizer, TokenText
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -55,7 +56,7 @@ class OpenAIRoutes:
 
     # --- /v1/models ----------------------------------------------------------------------------
     def _model_card(self) -> ModelCard:
-        engine = self.server.running_engine()
+        engine = self.server.admit()
         return ModelCard(id=self.server.model_name, root=str(engine.model_path), max_model_len=engine.context_length)
 
     async def list_models(self) -> ModelList:
@@ -69,10 +70,11 @@ class OpenAIRoutes:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.server.check_model(body.model)
+        engine = self.server.admit()
         top_k = body.logprobs or 0
         jobs = []
-        for ids in await self._prompt_ids(body.prompts()):
-            max_new = self._max_new_tokens(len(ids), body.max_tokens, "max_tokens", "prompt")
+        for ids in await self._prompt_ids(engine, body.prompts()):
+            max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
                      for j in range(body.n)]
         gen = await self.server.start_generation("completions", jobs, arrival)
@@ -82,7 +84,7 @@ class OpenAIRoutes:
         choices = [
             CompletionChoice(
                 index=c.index, text=c.text, finish_reason=c.openai_finish_reason(),
-                logprobs=self._completion_logprobs(*_logprobs(c), 0) if body.logprobs is not None else None)
+                logprobs=completion_logprobs(engine.tokenizer, *_logprobs(c), 0) if body.logprobs is not None else None)
             for c in await gen.collect(request)]
         return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                usage=usage(gen.choices, body.n)).model_dump())
@@ -93,7 +95,7 @@ class OpenAIRoutes:
         async for choice, chunk in gen.events():
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(*chunk_logprobs(chunk), offsets[choice.index])
+                logprobs = completion_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk), offsets[choice.index])
                 offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
             finish = choice.openai_finish_reason()
             if chunk["text"] or finish or (logprobs and logprobs.tokens):
@@ -109,7 +111,7 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         self.server.check_model(body.model)
-        engine = self.server.running_engine()
+        engine = self.server.admit()
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
         messages = [m.for_template() for m in body.messages]
@@ -122,8 +124,8 @@ class OpenAIRoutes:
                                                max_boundaries=CHAT_CHECKPOINTS, **(body.chat_template_kwargs or {}))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
-        max_new = self._max_new_tokens(len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
-                                       "messages")
+        max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
+                                  "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries)) for j in range(body.n)]
@@ -134,7 +136,7 @@ class OpenAIRoutes:
         choices = [
             ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                        finish_reason=c.openai_finish_reason(),
-                       logprobs=self._chat_logprobs(*_logprobs(c)) if body.logprobs else None)
+                       logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None)
             for c in await gen.collect(request)]
         return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                    usage=usage(gen.choices, body.n)).model_dump())
@@ -148,7 +150,7 @@ class OpenAIRoutes:
         for choice in gen.choices:
             yield chunk_of(ChatChunkChoice(index=choice.index, delta={"role": "assistant", "content": ""}))
         async for choice, chunk in gen.events():
-            logprobs = self._chat_logprobs(*chunk_logprobs(chunk)) if body.logprobs else None
+            logprobs = chat_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk)) if body.logprobs else None
             finish = choice.openai_finish_reason()
             if chunk["text"] or finish or (logprobs and logprobs.content):
                 delta = {"content": chunk["text"]} if chunk["text"] else {}
@@ -160,58 +162,63 @@ class OpenAIRoutes:
         yield SSE_DONE
 
     # --- shared ----------------------------------------------------------------------------------
-    async def _prompt_ids(self, prompts: list[str | list[int]]) -> list[list[int]]:
+    async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
         """Each prompt's token ids; text is tokenized on a worker thread, after the prompt cap."""
         texts = [p for p in prompts if isinstance(p, str)]
         if not texts:
             return prompts  # type: ignore[return-value]
-        tokenizer = self.server.running_engine().tokenizer
+        tokenizer = engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
         self.server.check_prompt_chars(sum(map(len, texts)), "prompt")
         encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-    def _max_new_tokens(self, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
-        """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
-        is a 400 naming the field to change (checked here, before the engine walks the ids)."""
-        context = self.server.running_engine().context_length
-        if prompt_len >= context:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}",
-                           param=prompt_param, code="context_length_exceeded")
-        if requested is None:
-            return context - prompt_len
-        if prompt_len + requested > context:
-            raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
-                                f"length ({context})", param=max_param, code="context_length_exceeded")
-        return requested
 
-    def _token_text(self, token_id: int) -> TokenText:
-        tokenizer = self.server.running_engine().tokenizer
-        return tokenizer.token_text(token_id) if tokenizer is not None else TokenText(f"token_id:{token_id}", [])
+def _max_new_tokens(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
+    """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
+    is a 400 naming the field to change (checked here, before the engine walks the ids)."""
+    context = engine.context_length
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; the context length is {context}",
+                       param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return context - prompt_len
+    if prompt_len + requested > context:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
+                            f"length ({context})", param=max_param, code="context_length_exceeded")
+    return requested
 
-    def _completion_logprobs(self, lps: Logprobs, tops: TopLogprobs, offset: int) -> CompletionLogprobs:
-        """OpenAI's legacy logprobs; ``offset`` is the text offset of the first token."""
-        out = CompletionLogprobs()
-        for i, (lp, tid) in enumerate(lps):
-            text = self._token_text(tid).text
-            out.tokens.append(text)
-            out.token_logprobs.append(lp)
-            out.top_logprobs.append({self._token_text(t).text: v for v, t in tops[i]} if i < len(tops) and tops[i] else None)
-            out.text_offset.append(offset)
-            offset += len(text)
-        return out
 
-    def _chat_logprobs(self, lps: Logprobs, tops: TopLogprobs) -> ChatChoiceLogprobs:
-        content = []
-        for i, (lp, tid) in enumerate(lps):
-            token = self._token_text(tid)
-            top = []
-            for v, t in tops[i] if i < len(tops) else []:
-                alt = self._token_text(t)
-                top.append(TopLogprob(token=alt.text, logprob=v, bytes=alt.bytes))
-            content.append(ChatTokenLogprob(token=token.text, logprob=lp, bytes=token.bytes, top_logprobs=top))
-        return ChatChoiceLogprobs(content=content)
+def _token_text(tokenizer: Tokenizer | None, token_id: int) -> TokenText:
+    return tokenizer.token_text(token_id) if tokenizer is not None else TokenText(f"token_id:{token_id}", [])
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs,
+                        offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; ``offset`` is the text offset of the first token."""
+    out = CompletionLogprobs()
+    for i, (lp, tid) in enumerate(lps):
+        text = _token_text(tokenizer, tid).text
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        top = tops[i] if i < len(tops) else None
+        out.top_logprobs.append({_token_text(tokenizer, t).text: v for v, t in top} if top else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs) -> ChatChoiceLogprobs:
+    content = []
+    for i, (lp, tid) in enumerate(lps):
+        token = _token_text(tokenizer, tid)
+        top = []
+        for v, t in tops[i] if i < len(tops) else []:
+            alt = _token_text(tokenizer, t)
+            top.append(TopLogprob(token=alt.text, logprob=v, bytes=alt.bytes))
+        content.append(ChatTokenLogprob(token=token.text, logprob=lp, bytes=token.bytes, top_logprobs=top))
+    return ChatChoiceLogprobs(content=content)
 
 
 def _logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:

@@ -7,13 +7,17 @@ completions, models) plus the sampling extras SGLang and vLLM accept (``top_k``,
 
 Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
-* Types are strict: ``"16"`` is not an integer, ``1`` is not a bool.
+* Types are strict: ``"16"`` is not an integer, ``1`` is not a bool; numbers are finite.
 * Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
-  ``tools`` or ``response_format`` fails loudly instead of being silently ignored. The few fields
-  that change nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are
-  accepted and ignored.
+  ``tools`` or a JSON ``response_format`` fails loudly instead of being silently ignored. The few
+  fields that change nothing about the output (``user``, ``metadata``, ``store``,
+  ``service_tier``, ``response_format: {"type": "text"}``) are accepted and ignored.
+* Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
+
+The size caps (``DEFAULT_MAX_REQUEST_BYTES``, ``PROMPT_CHARS_PER_TOKEN``) and the shutdown timeout
+live here too, so that ``hyla serve --help`` shows them without importing the server.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
+MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish at shutdown (--shutdown-timeout)
 PROMPT_CHARS_PER_TOKEN = 16
 """The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a
 longer prompt cannot fit the context (a token is rarely longer than a few characters), so it is
@@ -34,9 +40,9 @@ refused with 413 before it is tokenized."""
 
 
 class _Strict(BaseModel):
-    """Request bodies: strict types, unknown fields refused."""
+    """Request bodies: strict types, finite numbers (no NaN), unknown fields refused."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -94,6 +100,12 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """Only plain text (what is always produced); ``json_object`` / ``json_schema`` are refused."""
+
+    type: Literal["text"]
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -103,8 +115,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = None
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     # SGLang / vLLM extras
@@ -115,6 +127,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     # accepted, no effect on the output
+    response_format: ResponseFormat | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -156,7 +169,7 @@ class _SamplingFields(_Request):
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
-            params["seed"] = self.seed + choice
+            params["seed"] = (self.seed + choice) % (MAX_SEED + 1)
         return params
 
 
@@ -165,7 +178,7 @@ class CompletionRequest(_SamplingFields):
     list of token-id lists; a list gives ``n`` choices per prompt, indexed ``prompt * n + j``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
 
     @model_validator(mode="after")
@@ -191,12 +204,28 @@ class TextContentPart(_Strict):
 
 class ChatMessage(BaseModel):
     """A chat message. Extra keys (``tool_calls``, ``name``, ``reasoning_content``...) are passed to
-    the chat template unchanged; ``content`` may be a string or a list of text parts."""
+    the chat template unchanged; ``content`` may be a string or a list of text parts, and only an
+    assistant message may go without it (one that carries ``tool_calls``)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"})
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {', '.join(kinds)}")
+        return content
+
+    @model_validator(mode="after")
+    def _check_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
@@ -209,8 +238,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None

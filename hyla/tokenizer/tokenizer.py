@@ -85,6 +85,8 @@ class Tokenizer:
         which must be in the vocabulary; ``extra_eos_token_ids`` (from generation_config) are added to
         ``eos_token_ids`` after the ``eos_token``."""
         self.backend = backend
+        """The ``tokenizers.Tokenizer``: for ``hyla.tokenizer``'s own modules and tests; everything else
+        uses the methods below (the server does)."""
         self.special_tokens: dict[str, str] = {}
         for name, content in (special_tokens or {}).items():
             if name not in SPECIAL_TOKEN_ATTRIBUTES:
