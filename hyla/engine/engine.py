@@ -91,7 +91,6 @@ class Engine:
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
-        self._num_in_inbox = 0  # requests submitted but not yet handed to the scheduler
         self._live_rids: set[str] = set()  # submitted and not finished: abort(rid) must be unambiguous
         self._wakeup = threading.Event()
         self._stopped = False
@@ -131,6 +130,13 @@ class Engine:
                                    state_pool=self.state_pool if cfg.num_linear_layers else None)
         else:
             self.tree = None
+
+    @property
+    def max_live_requests(self) -> int:
+        """Requests the engine accepts at once: running slots plus the waiting queue. A submission
+        beyond it raises ``EngineOverloadedError`` (the server: 429, or 400 for a batch larger than
+        this on its own)."""
+        return self.max_running_requests + self.args.max_queued_requests
 
     def summary(self) -> str:
         cfg = self.model_config
@@ -280,12 +286,12 @@ class Engine:
         sp = SamplingParams.from_dict(params)
         if not ids:
             raise ValueError("the prompt is empty")
+        if len(ids) >= self.context_length:  # before the O(prompt) walk below
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
         vocab = self.model_config.vocab_size
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.context_length:
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "
@@ -309,11 +315,13 @@ class Engine:
             clash = (set(rids) & self._live_rids) | {r for r in rids if rids.count(r) > 1}
             if clash:
                 raise ValueError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live requests")
-            queued = self.scheduler.num_waiting + self._num_in_inbox
-            if queued + len(reqs) > self.args.max_queued_requests:
+            # live = running + waiting + in the inbox; a submission fits while the live requests stay
+            # within the running slots plus the queue (an idle engine takes a batch of that size)
+            live = len(self._live_rids)
+            if live + len(reqs) > self.max_live_requests:
                 raise EngineOverloadedError(
-                    f"{queued} requests are queued (max_queued_requests={self.args.max_queued_requests})")
-            self._num_in_inbox += len(reqs)
+                    f"{live} requests are live (max_running_requests={self.max_running_requests} + "
+                    f"max_queued_requests={self.args.max_queued_requests})")
             self._live_rids.update(rids)
             for req in reqs:
                 req.on_output = self._forget_rid_when_done(req.on_output)
@@ -403,8 +411,6 @@ class Engine:
             if cmd == "add":
                 for req in arg:
                     self.scheduler.add_request(req)
-                with self._inbox_lock:
-                    self._num_in_inbox -= len(arg)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
 

@@ -52,7 +52,7 @@ class SamplingParams:
         _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_int("top_logprobs_num", self.top_logprobs_num, lo=0, hi=20)
         if self.seed is not None:
-            _check_int("seed", self.seed, lo=0)
+            _check_int("seed", self.seed, lo=0, hi=2**63 - 1)  # a torch.Generator seed
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")

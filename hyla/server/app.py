@@ -93,7 +93,7 @@ class Server:
         """Submit ``jobs`` as one ``Generation``, live until it closes. More jobs than the engine can
         ever hold at once (its running batch plus its waiting queue) are a 400: retrying cannot help."""
         engine = self.admit()
-        capacity = engine.max_running_requests + engine.args.max_queued_requests
+        capacity = engine.max_live_requests
         if len(jobs) > capacity:
             raise APIError(400, f"this request needs {len(jobs)} engine requests (prompts x n); the server holds "
                                 f"at most {capacity} at once (max_running_requests + max_queued_requests)",
