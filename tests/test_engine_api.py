@@ -260,3 +260,21 @@ def test_an_idle_engine_takes_a_batch_of_running_plus_queued_slots(qwen3_next_de
             eng.generate(input_ids=[1, 2, 3], sampling_params={"seed": 2**70})
         eng.wait_idle()
         assert not eng._live_rids
+
+
+def test_generation_config_defaults_fill_unset_sampling_params():
+    """The built-in model's generation_config.json sets temperature 0.7 and top_p 0.9: a request
+    that sets neither samples with them; an explicit value wins; 'none' keeps hyla's defaults."""
+    ids = list(range(5, 25))
+    with Engine() as eng:
+        assert eng.sampling_defaults == {"temperature": 0.7, "top_p": 0.9}
+        implicit = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24})
+        explicit = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24,
+                                                                "temperature": 0.7, "top_p": 0.9})
+        hot = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24,
+                                                           "temperature": 1.0, "top_p": 1.0})
+        assert implicit["output_ids"] == explicit["output_ids"] != hot["output_ids"]
+    with Engine(generation_config="none") as eng:
+        assert eng.sampling_defaults == {}
+        plain = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24})
+        assert plain["output_ids"] == hot["output_ids"]

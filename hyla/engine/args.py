@@ -39,6 +39,7 @@ class EngineArgs:
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
+    generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), 'none' = hyla's.")
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
     log_interval: int = _opt(40, "Decode steps between per-step log lines.")
     debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
@@ -53,6 +54,8 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import queue
@@ -64,6 +65,8 @@ class Engine:
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
         self.tokenizer = _load_tokenizer(path)
+        # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
+        self.sampling_defaults = _generation_defaults(path) if self.args.generation_config == "auto" else {}
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
@@ -283,6 +286,8 @@ class Engine:
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
                       rid: str | None, namespace: Any) -> Req:
+        if self.sampling_defaults and (params is None or isinstance(params, dict)):
+            params = {**self.sampling_defaults, **(params or {})}
         sp = SamplingParams.from_dict(params)
         if not ids:
             raise ValueError("the prompt is empty")
@@ -439,6 +444,23 @@ def _merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         if key in meta:
             meta[key] = a["meta_info"][key] + meta[key]
     return {"text": a["text"] + b["text"], "output_ids": a["output_ids"] + b["output_ids"], "meta_info": meta}
+
+
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(path: Path) -> dict[str, Any]:
+    """The sampling fields a model's ``generation_config.json`` sets (absent file or fields: none)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read {file}: {exc}") from exc
+    defaults = {k: cfg[k] for k in GENERATION_DEFAULT_KEYS if cfg.get(k) is not None}
+    SamplingParams.from_dict(defaults)  # a bad value is the model's fault: say so at load time
+    return defaults
 
 
 def _load_tokenizer(path: Path):

@@ -155,14 +155,13 @@ class _SamplingFields(_Request):
         and the whole response is reproducible."""
         params: dict[str, Any] = {
             "max_new_tokens": max_new_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p,
             "stop": self.stop_list(),
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "top_logprobs_num": top_logprobs_num,
         }
-        optional = {
+        optional = {  # unset: the engine's defaults (the model's generation_config.json, else OpenAI's)
+            "temperature": self.temperature, "top_p": self.top_p,
             "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "stop_token_ids": self.stop_token_ids,
