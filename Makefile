@@ -4,26 +4,32 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: test test-fast serve venv clean bench
 
 venv: $(STAMP)
 
 # Create the virtual env (with access to a system torch, e.g. the CUDA build on a GPU machine),
-# install torch only if none is importable, then the package with its dev extras.
+# install torch only if none is importable, then the package: `serve` needs only its runtime
+# dependencies, `test` adds the dev extras (pytest, transformers, ...).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e .
 	touch $(STAMP)
 
-test: venv
+$(DEV_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[dev]"
+	touch $(DEV_STAMP)
+
+test: $(DEV_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: venv
+test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-serve: venv
+serve: $(STAMP)
 	$(PY) -m hyla.cli serve $(SERVE_ARGS)
 
 clean:
