@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
-Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``) construct a tiny model with
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -53,6 +53,21 @@ NEMOTRON_H_KW: dict[str, Any] = dict(
 )
 
 
+# Falcon-H1: attention and Mamba2 in parallel in every layer; the Mamba2 width (mamba_d_ssm = 12 x 32)
+# differs from expand * hidden; every µP multiplier differs from 1 so folding each one is exercised.
+FALCON_H1_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    mamba_d_ssm=384, mamba_n_heads=12, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=32, mamba_d_conv=4,
+    mamba_chunk_size=64, mamba_expand=2, mamba_rms_norm=True, mamba_norm_before_gate=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    embedding_multiplier=3.0, lm_head_multiplier=1.3, key_multiplier=0.4, attention_in_multiplier=1.3,
+    attention_out_multiplier=0.9, ssm_in_multiplier=1.25, ssm_out_multiplier=0.7,
+    ssm_multipliers=[0.35, 0.8, 0.5, 1.4, 0.6], mlp_multipliers=[0.9, 0.6],
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -79,6 +94,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
+        "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -103,6 +119,11 @@ def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
 def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``NemotronHForCausalLM`` (M - M * - M E *: 3 Mamba2, 2 attention, 2 MLP, 1 MoE)."""
     return _build("nemotron_h", tmp_dir, seed, {**NEMOTRON_H_KW, **overrides})
+
+
+def make_falcon_h1(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``FalconH1ForCausalLM`` (4 layers, each attention + Mamba2 in parallel, gated Mamba norm)."""
+    return _build("falcon_h1", tmp_dir, seed, {**FALCON_H1_KW, **overrides})
 
 
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------
