@@ -45,6 +45,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 24 Mamba2 layers x (conv (8192 + 2*8*128)
         # x 3 bf16 + SSM 128 x 64 x 128 fp32)
         ("nemotron-h-8b", 4 * 2 * 8 * 128 * 2, 24 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
+        # every one of 44 layers: K,V x 2 KV heads x 128 x bf16 and a Mamba2 state (conv (3072 + 2*1*256)
+        # x 3 bf16 + SSM 24 x 128 x 256 fp32)
+        ("falcon-h1-7b", 44 * 2 * 2 * 128 * 2, 44 * ((3072 + 2 * 256) * 3 * 2 + 24 * 128 * 256 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -106,3 +109,11 @@ def test_cost_model_is_frozen():
     with pytest.raises(Exception):
         marconi_7b().head_dim = 1  # type: ignore[misc]
     assert isinstance(marconi_7b(), CostModel)
+
+
+def test_falcon_h1_7b_preset_counts_attention_and_mamba_in_every_layer():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["falcon-h1-7b"])
+    assert cfg.layer_types == ("hybrid",) * 44 and (cfg.num_attention_layers, cfg.num_linear_layers) == (44, 44)
+    one = cfg.flops_per_token(1)
+    params = (one.total - 4 * 12 * 128 * 44) / 2  # FLOPs at context 1 = 2 x (weights used) + QK^T / PV
+    assert 6.5e9 < params + 130048 * 3072 < 8e9  # ~7B parameters (embedding counted once more)
