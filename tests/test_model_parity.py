@@ -226,6 +226,7 @@ VARIANTS = {
         d, seed=1, mamba_rms_norm=False, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
         projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=1, tie_word_embeddings=True,
         mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=8, mamba_d_head="auto",
+        embedding_multiplier=0.5, lm_head_multiplier=0.5,  # the tied lm_head is the embedding scaled by 8
     ),
     # gated norm applied before the gate (w * norm(y) * silu(z)) over 4 groups, 5 layers
     "falcon_h1_norm_before_gate": lambda d: make_falcon_h1(
