@@ -1,6 +1,6 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
-Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``) construct a tiny model with
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``, ``make_bamba``, ``make_granite_h``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -68,6 +68,27 @@ FALCON_H1_KW: dict[str, Any] = dict(
 )
 
 
+# Bamba: Mamba2 with attention at layers 2 and 5 (RoPE on half of each head), SwiGLU MLP everywhere.
+BAMBA_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6, attn_layer_indices=[2, 5],
+    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2,
+    mamba_d_state=32, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+# Granite 4.0-H: Mamba2 / attention (no RoPE, as the published checkpoints), MoE (8 experts, top-2) beside
+# a shared expert, every µP multiplier different from 1.
+GRANITE_H_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=128, shared_intermediate_size=256, num_hidden_layers=6,
+    layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "attention"],
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=32, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=64, position_embedding_type="nope",
+    embedding_multiplier=6.0, logits_scaling=0.8, residual_multiplier=0.5, attention_multiplier=0.1,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -95,6 +116,8 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
         "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM),
+        "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
+        "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -124,6 +147,16 @@ def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
 def make_falcon_h1(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``FalconH1ForCausalLM`` (4 layers, each attention + Mamba2 in parallel, gated Mamba norm)."""
     return _build("falcon_h1", tmp_dir, seed, {**FALCON_H1_KW, **overrides})
+
+
+def make_bamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``BambaForCausalLM`` (6 layers: Mamba2, attention at 2 and 5, SwiGLU MLP in each)."""
+    return _build("bamba", tmp_dir, seed, {**BAMBA_KW, **overrides})
+
+
+def make_granite_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``GraniteMoeHybridForCausalLM`` (6 layers: Mamba2, attention at 2 and 5, MoE + shared expert)."""
+    return _build("granitemoehybrid", tmp_dir, seed, {**GRANITE_H_KW, **overrides})
 
 
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------

@@ -93,7 +93,7 @@ class ModelConfig:
     """Architecture hyper-parameters of one hybrid model (see the module docstring for the layout)."""
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
-    model_type: str  # "qwen3_next" | "qwen3_5" | "nemotron_h" | "falcon_h1"
+    model_type: str  # "qwen3_next" | "qwen3_5" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid"
     vocab_size: int
     hidden_size: int
     layer_types: tuple[str, ...]  # per layer: "attention" | "linear" | "hybrid" | "mlp" | "moe"
@@ -155,9 +155,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_latent_size: int = 0  # NemotronH: experts run in a smaller latent space (0 = hidden_size)
 
-    # --- µP multipliers (Falcon-H1; folded into the weights at load time; 1.0 = none) ------------
+    # --- µP multipliers (Falcon-H1, Granite; folded into the weights at load time; 1.0 = none) ----
     embedding_multiplier: float = 1.0  # embeddings * m
-    lm_head_multiplier: float = 1.0  # logits * m
+    lm_head_multiplier: float = 1.0  # logits * m (Granite: 1 / logits_scaling)
+    residual_multiplier: float = 1.0  # Granite: every mixer / FFN output * m before the residual add
+    attention_multiplier: float | None = None  # Granite: softmax scale of QK^T (None: head_dim ** -0.5)
     key_multiplier: float = 1.0  # attention keys * m (before RoPE and the cache)
     attention_in_multiplier: float = 1.0  # attention input * m
     attention_out_multiplier: float = 1.0  # attention output * m

@@ -46,6 +46,7 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    linear_specs,
     norm_spec,
     squeeze_conv,
 )
@@ -190,9 +191,12 @@ def scaled_rows(*scales: Scale) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     return combine
 
 
-def _scaled_linear(target: str, sources: Sequence[str], weight_scales: Sequence[Scale],
-                   bias_scales: Sequence[Scale] | None) -> list[WeightSpec]:
-    """``target.weight`` (and ``.bias`` when ``bias_scales``): the sources' rows, each times its scale."""
+def scaled_linear(target: str, sources: Sequence[str], weight_scales: Sequence[Scale],
+                  bias_scales: Sequence[Scale] | None) -> list[WeightSpec]:
+    """``target.weight`` (and ``.bias`` when ``bias_scales``): the sources' rows, each times its
+    scale (all scales 1.0: a plain copy / row concatenation, ``linear_specs``)."""
+    if all(isinstance(f, float) and f == 1.0 for f in (*weight_scales, *(bias_scales or ()))):
+        return linear_specs(target, sources, bias_scales is not None)
     specs = [WeightSpec(f"{target}.weight", tuple(f"{s}.weight" for s in sources), scaled_rows(*weight_scales))]
     if bias_scales is not None:
         specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), scaled_rows(*bias_scales)))
@@ -205,8 +209,8 @@ def _attention_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpe
     qkv = [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"]
     bias = (1.0, m_k, 1.0) if c.attention_bias else None
     return [
-        *_scaled_linear(f"{target}.qkv_proj", qkv, (m_in, m_in * m_k, m_in), bias),
-        *_scaled_linear(f"{target}.o_proj", [f"{source}.o_proj"], (m_out,), (m_out,) if c.attention_bias else None),
+        *scaled_linear(f"{target}.qkv_proj", qkv, (m_in, m_in * m_k, m_in), bias),
+        *scaled_linear(f"{target}.o_proj", [f"{source}.o_proj"], (m_out,), (m_out,) if c.attention_bias else None),
     ]
 
 
@@ -222,13 +226,13 @@ def _mamba_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     mup = mup_vector(c)  # in_proj(ssm_in * h) * mup
     out_bias = bool(c.mamba_out_proj_bias)
     specs = [
-        *_scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (mup * c.ssm_in_multiplier,),
+        *scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (mup * c.ssm_in_multiplier,),
                         (mup,) if c.mamba_proj_bias else None),
         WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
         WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
         WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
         WeightSpec(f"{target}.D", (f"{source}.D",)),
-        *_scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (c.ssm_out_multiplier,),
+        *scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (c.ssm_out_multiplier,),
                         (c.ssm_out_multiplier,) if out_bias else None),
     ]
     if c.mamba_conv_bias:
@@ -242,9 +246,9 @@ def _mlp_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     gate, down = c.mlp_multipliers  # up(x) * silu(gate * gate_proj(x)), then down * down_proj
     bias = c.mlp_bias
     return [
-        *_scaled_linear(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], (gate, 1.0),
+        *scaled_linear(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], (gate, 1.0),
                         (gate, 1.0) if bias else None),
-        *_scaled_linear(f"{target}.out_proj", [f"{source}.down_proj"], (down,), (down,) if bias else None),
+        *scaled_linear(f"{target}.out_proj", [f"{source}.down_proj"], (down,), (down,) if bias else None),
     ]
 
 
