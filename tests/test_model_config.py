@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import transformers
-from checkpoints import FALCON_H1_KW, NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
+from checkpoints import BAMBA_KW, FALCON_H1_KW, GRANITE_H_KW, NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
 
 from hyla.model.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_name
 from hyla.model.config import ModelConfig
@@ -272,3 +272,71 @@ def test_falcon_h1_flops_count_attention_and_mamba_per_layer(falcon):
 def test_falcon_h1_bad_configs_are_value_errors(falcon, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**falcon.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def bamba() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.BambaConfig(**BAMBA_KW), "BambaForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def granite() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.GraniteMoeHybridConfig(**GRANITE_H_KW), "GraniteMoeHybridForCausalLM"))
+
+
+def test_bamba_and_granite_layouts(bamba, granite):
+    for c in (bamba, granite):
+        assert c.layer_types == ("linear", "linear", "attention", "linear", "linear", "attention")
+        assert (c.num_attention_layers, c.num_linear_layers) == (2, 4)
+        assert c.conv_shape == (512 + 2 * 2 * 32, 3) and c.ssm_shape == (8, 64, 32) and c.linear_chunk_size == 64
+    assert bamba.ffn_types == ("mlp",) * 6 and bamba.rotary_dim == 32  # HF's Bamba: half of each head
+    assert granite.ffn_types == ("moe",) * 6 and granite.rotary_dim == 0  # position_embedding_type "nope"
+    assert (granite.num_experts, granite.num_experts_per_tok, granite.moe_intermediate_size) == (8, 2, 128)
+    assert granite.shared_expert_intermediate_size == 256 and granite.router == "softmax"
+    assert granite.lm_head_multiplier == pytest.approx(1 / 0.8) and granite.attention_multiplier == 0.1
+    assert granite.residual_multiplier == 0.5 and granite.embedding_multiplier == 6.0
+    dense = ModelConfig.from_hf({**granite.extra["hf_config"], "num_local_experts": 0})
+    assert dense.ffn_types == ("mlp",) * 6 and dense.intermediate_size == 256 and dense.num_experts == 0
+    # Bamba's legacy config.json: top-level rope_theta, no rope_parameters -> partial factor 0.5
+    legacy = {k: v for k, v in bamba.extra["hf_config"].items() if k != "rope_parameters"}
+    assert ModelConfig.from_hf({**legacy, "rope_theta": 5e5}).rope_theta == 5e5
+    # Granite's default layout (no layer_types) is Mamba2 everywhere, as HF's
+    no_types = {k: v for k, v in granite.extra["hf_config"].items() if k != "layer_types"}
+    assert ModelConfig.from_hf(no_types).layer_types == ("linear",) * 6
+
+
+def test_bamba_and_granite_state_shapes_match_hf_caches(bamba, granite):
+    for cfg, model in ((bamba, transformers.BambaForCausalLM(transformers.BambaConfig(**BAMBA_KW))),
+                       (granite, transformers.GraniteMoeHybridForCausalLM(
+                           transformers.GraniteMoeHybridConfig(**GRANITE_H_KW)))):
+        with torch.no_grad():
+            out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+        conv = out.past_key_values.layers[0].conv_states[0]
+        rec = out.past_key_values.layers[0].recurrent_states[0]
+        assert tuple(conv.shape[1:]) == (cfg.conv_shape[0], cfg.conv_shape[1] + 1)
+        assert tuple(rec.shape[1:]) == cfg.ssm_shape
+        keys = out.past_key_values.layers[2].keys
+        assert tuple(keys.shape[1::2]) == (cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_granite_flops_count_active_experts_and_shared_expert(granite):
+    h = 256
+    expert = 2 * 3 * h * 128
+    assert granite.flops_per_token(1).moe == pytest.approx(6 * (2 * h * 8 + 2 * expert + 2 * 3 * h * 256))
+
+
+@pytest.mark.parametrize("arch, bad, match", [
+    ("bamba", {"attn_layer_indices": [7]}, "outside"),
+    ("bamba", {"mamba_d_head": 48}, "mamba_d_head"),
+    ("bamba", {"hidden_act": "gelu"}, "hidden_act"),
+    ("bamba", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ("granite", {"layer_types": ["mamba"] * 5}, "num_hidden_layers"),
+    ("granite", {"layer_types": ["mamba"] * 5 + ["moe"]}, "Mamba2 or attention"),
+    ("granite", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("granite", {"logits_scaling": 0}, "logits_scaling"),
+    ("granite", {"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
+])
+def test_bamba_and_granite_bad_configs_are_value_errors(bamba, granite, arch, bad, match):
+    base = (bamba if arch == "bamba" else granite).extra["hf_config"]
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**base, **bad})

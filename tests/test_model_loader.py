@@ -200,3 +200,31 @@ def test_falcon_h1_multipliers_are_folded_into_the_weights(falcon_h1_path, tmp_p
     off = rewrite(falcon_h1_path, tmp_path / "no_norm", edit_config=lambda cfg: {**cfg, "mamba_rms_norm": False})
     with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.mamba\.norm\.weight"):
         load_model(off)
+
+
+def test_granite_h_reads_published_and_transformers_v5_names(granite_h_path, tmp_path):
+    """The published layout (block_sparse_moe.input_linear / output_linear / router.layer) and
+    transformers v5's in-memory names (experts.gate_up_proj / down_proj, router.weight) load the same."""
+    renames = {".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.gate_up_proj",
+               ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.down_proj",
+               ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.router.weight"}
+
+    def to_v5(tensors):
+        out = {}
+        for name, t in tensors.items():
+            for old, new in renames.items():
+                name = name.replace(old, new)
+            out[name] = t
+        return out
+
+    v5 = rewrite(granite_h_path, tmp_path / "v5", edit_tensors=to_v5)
+    published, renamed = load_model(granite_h_path), load_model(v5)
+    for (name, a), (_, b) in zip(published.state_dict().items(), renamed.state_dict().items()):
+        assert torch.equal(a, b), name
+    c = published.config
+    raw = load_file(granite_h_path / "model.safetensors")
+    moe = published.layers[0].ffn
+    assert torch.equal(moe.w_in, raw["model.layers.0.block_sparse_moe.input_linear.weight"])
+    assert torch.allclose(moe.w_out, raw["model.layers.0.block_sparse_moe.output_linear.weight"] * c.residual_multiplier)
+    q = published.layers[2].mixer.qkv_proj.weight[: 4 * 64]
+    assert torch.allclose(q, raw["model.layers.2.self_attn.q_proj.weight"] * c.attention_multiplier * 64**0.5)
