@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
-Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``, ``make_bamba``, ``make_granite_h``) construct a tiny model with
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``, ``make_bamba``,
+``make_granite_h``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale

@@ -178,7 +178,9 @@ class ModelConfig:
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
         if self.num_linear_layers and self.linear_kind not in ("gdn", "mamba2"):
-            raise ValueError(f"layers with a recurrent mixer need linear_kind 'gdn' or 'mamba2', got {self.linear_kind!r}")
+            raise ValueError(
+                f"layers with a recurrent mixer need linear_kind 'gdn' or 'mamba2', got {self.linear_kind!r}"
+            )
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
             raise ValueError("ssm_multipliers needs 5 entries (z, x, B, C, dt) and mlp_multipliers 2 (gate, down)")
         if self.num_attention_layers and (self.num_attention_heads <= 0 or self.num_kv_heads <= 0):

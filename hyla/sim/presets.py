@@ -1,8 +1,8 @@
 """Published ``config.json`` contents of the hybrid models the simulator ships as presets.
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
-as ``initializer_range``, kept for fidelity; Falcon-H1-7B and Granite-4.0-H-Small keep only their sizes, see their comments);
-parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+as ``initializer_range``, kept for fidelity; Falcon-H1-7B and Granite-4.0-H-Small keep only their
+sizes, see their comments); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
