@@ -1,6 +1,7 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
-Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``) construct a tiny model with
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``, ``make_bamba``,
+``make_granite_h``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -53,6 +54,42 @@ NEMOTRON_H_KW: dict[str, Any] = dict(
 )
 
 
+# Falcon-H1: attention and Mamba2 in parallel in every layer; the Mamba2 width (mamba_d_ssm = 12 x 32)
+# differs from expand * hidden; every µP multiplier differs from 1 so folding each one is exercised.
+FALCON_H1_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    mamba_d_ssm=384, mamba_n_heads=12, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=32, mamba_d_conv=4,
+    mamba_chunk_size=64, mamba_expand=2, mamba_rms_norm=True, mamba_norm_before_gate=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    embedding_multiplier=3.0, lm_head_multiplier=1.3, key_multiplier=0.4, attention_in_multiplier=1.3,
+    attention_out_multiplier=0.9, ssm_in_multiplier=1.25, ssm_out_multiplier=0.7,
+    ssm_multipliers=[0.35, 0.8, 0.5, 1.4, 0.6], mlp_multipliers=[0.9, 0.6],
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+
+# Bamba: Mamba2 with attention at layers 2 and 5 (RoPE on half of each head), SwiGLU MLP everywhere.
+BAMBA_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6, attn_layer_indices=[2, 5],
+    num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2,
+    mamba_d_state=32, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=64,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+# Granite 4.0-H: Mamba2 / attention (no RoPE, as the published checkpoints), MoE (8 experts, top-2) beside
+# a shared expert, every µP multiplier different from 1.
+GRANITE_H_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=128, shared_intermediate_size=256, num_hidden_layers=6,
+    layer_types=["mamba", "mamba", "attention", "mamba", "mamba", "attention"],
+    num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+    mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=2, mamba_d_state=32, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=64, position_embedding_type="nope",
+    embedding_multiplier=6.0, logits_scaling=0.8, residual_multiplier=0.5, attention_multiplier=0.1,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -79,6 +116,9 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
+        "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM),
+        "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
+        "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -103,6 +143,21 @@ def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
 def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``NemotronHForCausalLM`` (M - M * - M E *: 3 Mamba2, 2 attention, 2 MLP, 1 MoE)."""
     return _build("nemotron_h", tmp_dir, seed, {**NEMOTRON_H_KW, **overrides})
+
+
+def make_falcon_h1(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``FalconH1ForCausalLM`` (4 layers, each attention + Mamba2 in parallel, gated Mamba norm)."""
+    return _build("falcon_h1", tmp_dir, seed, {**FALCON_H1_KW, **overrides})
+
+
+def make_bamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``BambaForCausalLM`` (6 layers: Mamba2, attention at 2 and 5, SwiGLU MLP in each)."""
+    return _build("bamba", tmp_dir, seed, {**BAMBA_KW, **overrides})
+
+
+def make_granite_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``GraniteMoeHybridForCausalLM`` (6 layers: Mamba2, attention at 2 and 5, MoE + shared expert)."""
+    return _build("granitemoehybrid", tmp_dir, seed, {**GRANITE_H_KW, **overrides})
 
 
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------

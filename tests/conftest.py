@@ -48,3 +48,18 @@ def qwen3_5_path(tiny_ckpt_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def nemotron_h_path(tiny_ckpt_dir: Path) -> Path:
     return checkpoints.make_nemotron_h(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def falcon_h1_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_falcon_h1(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def bamba_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_bamba(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def granite_h_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_granite_h(tiny_ckpt_dir)

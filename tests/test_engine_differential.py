@@ -117,5 +117,21 @@ def test_differential_nemotron_h(nemotron_h_path):
 
 
 @pytest.mark.slow
+def test_differential_falcon_h1(falcon_h1_path):
+    """Every Falcon-H1 layer holds KV and a state: both pools and the tree's checkpoints per layer."""
+    differential(falcon_h1_path, seed=5)
+
+
+@pytest.mark.slow
+def test_differential_bamba(bamba_path):
+    differential(bamba_path, seed=6)
+
+
+@pytest.mark.slow
+def test_differential_granite_h(granite_h_path):
+    differential(granite_h_path, seed=7)
+
+
+@pytest.mark.slow
 def test_differential_fcfs_aligned(qwen3_next_dense_path):
     differential(qwen3_next_dense_path, seed=4, schedule_policy="fcfs", checkpoint_alignment=16)

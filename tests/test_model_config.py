@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import transformers
-from checkpoints import NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
+from checkpoints import BAMBA_KW, FALCON_H1_KW, GRANITE_H_KW, NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
 
 from hyla.model.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_name
 from hyla.model.config import ModelConfig
@@ -208,3 +208,135 @@ def test_cache_layout_follows_the_config(qwen_moe, nemotron):
     assert (q.num_linear_layers, q.conv_shape, q.ssm_shape) == (6, (512, 3), (4, 64, 64))
     assert (q.conv_dtype, q.ssm_dtype) == (qwen_moe.conv_dtype, torch.float32)
     assert nemotron.with_dtype("float16").cache_layout.kv_dtype == torch.float16
+
+
+@pytest.fixture(scope="module")
+def falcon() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.FalconH1Config(**FALCON_H1_KW), "FalconH1ForCausalLM"))
+
+
+def test_falcon_h1_every_layer_has_kv_and_state(falcon):
+    c = falcon
+    assert c.layer_types == ("hybrid",) * 4 and c.ffn_types == ("mlp",) * 4
+    assert (c.num_attention_layers, c.num_linear_layers) == (4, 4)
+    assert [c.attention_ordinal(i) for i in range(4)] == [0, 1, 2, 3]
+    assert [c.linear_ordinal(i) for i in range(4)] == [0, 1, 2, 3]
+    assert c.linear_kind == "mamba2" and c.mamba_intermediate_size == 384  # mamba_d_ssm, not expand * hidden
+    assert c.conv_shape == (384 + 2 * 2 * 32, 3) and c.ssm_shape == (12, 32, 32)
+    assert c.rotary_dim == 64 and c.rope_theta == 1e6 and c.linear_chunk_size == 64
+    assert c.mamba_rms_norm and not c.mamba_norm_before_gate and c.mamba_dt_limit == (0.0, math.inf)
+    assert c.key_multiplier == 0.4 and c.ssm_multipliers == (0.35, 0.8, 0.5, 1.4, 0.6) and c.mlp_multipliers == (0.9, 0.6)
+    layout = c.with_dtype("bfloat16").cache_layout
+    assert layout.kv_bytes_per_token == 4 * 2 * 2 * 64 * 2  # every layer caches K and V
+    assert layout.state_bytes_per_slot == 4 * (512 * 3 * 2 + 12 * 32 * 32 * 4)  # and a state
+    # HF's defaults: no Mamba norm, norm_before_gate, width expand * hidden, head dim "auto"
+    bare = ModelConfig.from_hf({"architectures": ["FalconH1ForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                "mamba_n_heads": 4, "time_step_limit": [0.0, {"__float__": "Infinity"}]})
+    assert not bare.mamba_rms_norm and bare.mamba_norm_before_gate and bare.mamba_out_proj_bias is False
+    assert (bare.mamba_num_heads, bare.mamba_head_dim, bare.ssm_state_size) == (4, 16, 256)
+    assert bare.num_kv_heads == 4 and bare.head_dim == 8 and bare.ssm_multipliers == (1.0,) * 5
+
+
+def test_falcon_h1_state_shapes_match_hf_cache(falcon):
+    model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(**FALCON_H1_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    for layer in out.past_key_values.layers:  # every layer holds K/V and a Mamba2 state
+        assert tuple(layer.conv_states[0].shape[1:]) == (falcon.conv_shape[0], falcon.conv_shape[1] + 1)
+        assert tuple(layer.recurrent_states[0].shape[1:]) == falcon.ssm_shape
+        assert tuple(layer.keys.shape[1::2]) == (falcon.num_kv_heads, falcon.head_dim)
+
+
+def test_falcon_h1_flops_count_attention_and_mamba_per_layer(falcon):
+    c, h = falcon, 256
+    f1, f2 = c.flops_per_token(1), c.flops_per_token(101)
+    assert f2.attention - f1.attention == pytest.approx(100 * 4 * 4 * 4 * 64)  # 4 layers * 4 * Hq * D
+    proj = 2 * h * (4 * 64 + 2 * 2 * 64) + 2 * 4 * 64 * h
+    assert f1.attention == pytest.approx(4 * (proj + 4 * 4 * 64))
+    inner, conv_dim = 384, 512
+    mamba = 2 * h * (inner + conv_dim + 12) + 2 * inner * h + 2 * conv_dim * 4 + 2 * 3 * 12 * 32 * 32
+    assert f1.linear == pytest.approx(4 * mamba)
+    assert f1.mlp == pytest.approx(4 * 2 * 3 * h * 512) and f1.moe == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"mamba_d_ssm": 380}, "mamba_d_ssm"),
+    ({"mamba_n_groups": 5}, "n_groups"),
+    ({"ssm_multipliers": [1.0, 1.0]}, "ssm_multipliers"),
+    ({"mlp_multipliers": 2.0}, "mlp_multipliers"),
+    ({"time_step_limit": [0.1, 0.01]}, "time_step_limit"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+])
+def test_falcon_h1_bad_configs_are_value_errors(falcon, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**falcon.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def bamba() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.BambaConfig(**BAMBA_KW), "BambaForCausalLM"))
+
+
+@pytest.fixture(scope="module")
+def granite() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.GraniteMoeHybridConfig(**GRANITE_H_KW), "GraniteMoeHybridForCausalLM"))
+
+
+def test_bamba_and_granite_layouts(bamba, granite):
+    for c in (bamba, granite):
+        assert c.layer_types == ("linear", "linear", "attention", "linear", "linear", "attention")
+        assert (c.num_attention_layers, c.num_linear_layers) == (2, 4)
+        assert c.conv_shape == (512 + 2 * 2 * 32, 3) and c.ssm_shape == (8, 64, 32) and c.linear_chunk_size == 64
+    assert bamba.ffn_types == ("mlp",) * 6 and bamba.rotary_dim == 32  # HF's Bamba: half of each head
+    assert granite.ffn_types == ("moe",) * 6 and granite.rotary_dim == 0  # position_embedding_type "nope"
+    assert (granite.num_experts, granite.num_experts_per_tok, granite.moe_intermediate_size) == (8, 2, 128)
+    assert granite.shared_expert_intermediate_size == 256 and granite.router == "softmax"
+    assert granite.lm_head_multiplier == pytest.approx(1 / 0.8) and granite.attention_multiplier == 0.1
+    assert granite.residual_multiplier == 0.5 and granite.embedding_multiplier == 6.0
+    dense = ModelConfig.from_hf({**granite.extra["hf_config"], "num_local_experts": 0})
+    assert dense.ffn_types == ("mlp",) * 6 and dense.intermediate_size == 256 and dense.num_experts == 0
+    # Bamba's legacy config.json: top-level rope_theta, no rope_parameters -> partial factor 0.5
+    legacy = {k: v for k, v in bamba.extra["hf_config"].items() if k != "rope_parameters"}
+    assert ModelConfig.from_hf({**legacy, "rope_theta": 5e5}).rope_theta == 5e5
+    # Granite's default layout (no layer_types) is Mamba2 everywhere, as HF's
+    no_types = {k: v for k, v in granite.extra["hf_config"].items() if k != "layer_types"}
+    assert ModelConfig.from_hf(no_types).layer_types == ("linear",) * 6
+
+
+def test_bamba_and_granite_state_shapes_match_hf_caches(bamba, granite):
+    for cfg, model in ((bamba, transformers.BambaForCausalLM(transformers.BambaConfig(**BAMBA_KW))),
+                       (granite, transformers.GraniteMoeHybridForCausalLM(
+                           transformers.GraniteMoeHybridConfig(**GRANITE_H_KW)))):
+        with torch.no_grad():
+            out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+        conv = out.past_key_values.layers[0].conv_states[0]
+        rec = out.past_key_values.layers[0].recurrent_states[0]
+        assert tuple(conv.shape[1:]) == (cfg.conv_shape[0], cfg.conv_shape[1] + 1)
+        assert tuple(rec.shape[1:]) == cfg.ssm_shape
+        keys = out.past_key_values.layers[2].keys
+        assert tuple(keys.shape[1::2]) == (cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_granite_flops_count_active_experts_and_shared_expert(granite):
+    h = 256
+    expert = 2 * 3 * h * 128
+    assert granite.flops_per_token(1).moe == pytest.approx(6 * (2 * h * 8 + 2 * expert + 2 * 3 * h * 256))
+
+
+@pytest.mark.parametrize("arch, bad, match", [
+    ("bamba", {"attn_layer_indices": [7]}, "outside"),
+    ("bamba", {"mamba_d_head": 48}, "mamba_d_head"),
+    ("bamba", {"hidden_act": "gelu"}, "hidden_act"),
+    ("bamba", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ("granite", {"layer_types": ["mamba"] * 5}, "num_hidden_layers"),
+    ("granite", {"layer_types": ["mamba"] * 5 + ["moe"]}, "Mamba2 or attention"),
+    ("granite", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ("granite", {"logits_scaling": 0}, "logits_scaling"),
+    ("granite", {"time_step_limit": [1.0, 0.5]}, "time_step_limit"),
+])
+def test_bamba_and_granite_bad_configs_are_value_errors(bamba, granite, arch, bad, match):
+    base = (bamba if arch == "bamba" else granite).extra["hf_config"]
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**base, **bad})

@@ -167,3 +167,64 @@ def test_missing_files_are_value_errors(qwen3_next_dense_path, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(ValueError, match="gone.safetensors"):
         load_model(tmp_path)
+
+
+def test_falcon_h1_multipliers_are_folded_into_the_weights(falcon_h1_path, tmp_path):
+    model = load_model(falcon_h1_path)
+    c, raw = model.config, load_file(falcon_h1_path / "model.safetensors")
+    src = "model.layers.1"
+    layer = model.layers[1]
+    assert torch.allclose(model.embed_tokens.weight, raw["model.embed_tokens.weight"] * c.embedding_multiplier)
+    assert torch.allclose(model.lm_head.weight, raw["lm_head.weight"] * c.lm_head_multiplier)
+    q, k, v = layer.attn.qkv_proj.weight.split([4 * 64, 2 * 64, 2 * 64])
+    m_in = c.attention_in_multiplier
+    assert torch.allclose(q, raw[f"{src}.self_attn.q_proj.weight"] * m_in)
+    assert torch.allclose(k, raw[f"{src}.self_attn.k_proj.weight"] * m_in * c.key_multiplier)
+    assert torch.allclose(v, raw[f"{src}.self_attn.v_proj.weight"] * m_in)
+    assert torch.allclose(layer.attn.o_proj.weight, raw[f"{src}.self_attn.o_proj.weight"] * c.attention_out_multiplier)
+    # in_proj rows [z (384) | x (384) | B (64) | C (64) | dt (12)], each segment with its ssm_multiplier
+    rows = layer.mamba.in_proj.weight.split([384, 384, 64, 64, 12])
+    for got, want, m in zip(rows, raw[f"{src}.mamba.in_proj.weight"].split([384, 384, 64, 64, 12]), c.ssm_multipliers):
+        assert torch.allclose(got, want * c.ssm_in_multiplier * m)
+    assert torch.allclose(layer.mamba.out_proj.weight, raw[f"{src}.mamba.out_proj.weight"] * c.ssm_out_multiplier)
+    gate, up = layer.ffn.in_proj.weight.chunk(2)
+    assert torch.allclose(gate, raw[f"{src}.feed_forward.gate_proj.weight"] * c.mlp_multipliers[0])
+    assert torch.equal(up, raw[f"{src}.feed_forward.up_proj.weight"])
+    assert torch.allclose(layer.ffn.out_proj.weight, raw[f"{src}.feed_forward.down_proj.weight"] * c.mlp_multipliers[1])
+    # bf16: the multipliers are folded in fp32 before the cast; SSM parameters stay fp32
+    half = load_model(falcon_h1_path, dtype="bfloat16")
+    assert half.layers[0].mamba.in_proj.weight.dtype == torch.bfloat16 and half.layers[0].mamba.D.dtype == torch.float32
+    got, want = prefill_logits(half, IDS), prefill_logits(model, IDS)
+    assert (got - want).abs().mean() < 0.05 * want.std()
+    # a checkpoint whose Mamba norm the config switches off: the norm weights are unexpected
+    off = rewrite(falcon_h1_path, tmp_path / "no_norm", edit_config=lambda cfg: {**cfg, "mamba_rms_norm": False})
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.mamba\.norm\.weight"):
+        load_model(off)
+
+
+def test_granite_h_reads_published_and_transformers_v5_names(granite_h_path, tmp_path):
+    """The published layout (block_sparse_moe.input_linear / output_linear / router.layer) and
+    transformers v5's in-memory names (experts.gate_up_proj / down_proj, router.weight) load the same."""
+    renames = {".block_sparse_moe.input_linear.weight": ".block_sparse_moe.experts.gate_up_proj",
+               ".block_sparse_moe.output_linear.weight": ".block_sparse_moe.experts.down_proj",
+               ".block_sparse_moe.router.layer.weight": ".block_sparse_moe.router.weight"}
+
+    def to_v5(tensors):
+        out = {}
+        for name, t in tensors.items():
+            for old, new in renames.items():
+                name = name.replace(old, new)
+            out[name] = t
+        return out
+
+    v5 = rewrite(granite_h_path, tmp_path / "v5", edit_tensors=to_v5)
+    published, renamed = load_model(granite_h_path), load_model(v5)
+    for (name, a), (_, b) in zip(published.state_dict().items(), renamed.state_dict().items()):
+        assert torch.equal(a, b), name
+    c = published.config
+    raw = load_file(granite_h_path / "model.safetensors")
+    moe = published.layers[0].ffn
+    assert torch.equal(moe.w_in, raw["model.layers.0.block_sparse_moe.input_linear.weight"])
+    assert torch.allclose(moe.w_out, raw["model.layers.0.block_sparse_moe.output_linear.weight"] * c.residual_multiplier)
+    q = published.layers[2].mixer.qkv_proj.weight[: 4 * 64]
+    assert torch.allclose(q, raw["model.layers.2.self_attn.q_proj.weight"] * c.attention_multiplier * 64**0.5)

@@ -1,6 +1,7 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
-For every architecture (Qwen3-Next dense and MoE, Qwen3.5, NemotronH): one full prefill; the same
+For every architecture (Qwen3-Next dense and MoE, Qwen3.5, NemotronH, Falcon-H1, Bamba, Granite 4.0-H):
+one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
 different-length prompts equal to each prompt alone. Prompts of 65-130 tokens cross the 64-token
@@ -12,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from checkpoints import TinyRunner, make_nemotron_h, make_qwen3_next
+from checkpoints import TinyRunner, make_bamba, make_falcon_h1, make_granite_h, make_nemotron_h, make_qwen3_next
 
 from hyla.model import load_model
 
 TOL = 1e-4
-ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "nemotron_h"]
+ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "nemotron_h", "falcon_h1", "bamba", "granite_h"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,13 @@ def tokens(n: int, seed: int) -> list[int]:
 def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """HF logits for every position of one sequence, full forward, no cache."""
     return hf(torch.tensor([ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_decode(hf: torch.nn.Module, token: int, cache, position: int):
+    """One HF cached decode step. The position is explicit: HF's Bamba numbers positions from 0
+    when a forward gets none, even after a cache (its ``generate`` passes them)."""
+    return hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,7 +113,7 @@ def test_32_decode_steps(models, arch):
     next_token = int(out.logits[0, -1].argmax())
     for step in range(32):
         got = runner.step([seq], [[next_token]], decode=True)
-        out = hf(torch.tensor([[next_token]]), past_key_values=cache, use_cache=True)
+        out = hf_decode(hf, next_token, cache, len(prompt) + step)
         cache = out.past_key_values
         assert max_diff(got, out.logits[:, -1].float()) <= TOL, f"decode step {step}"
         assert int(got.argmax()) == int(out.logits[0, -1].argmax())
@@ -163,24 +171,53 @@ def test_nemotron_h_dt_clamp_asymmetry_is_reproduced(tiny_ckpt_dir, tmp_path):
 
     full = hf_logits(hf, prompt + steps)
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache, hf_decode = out.past_key_values, []
-    for t in steps:
-        out = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    cache, hf_steps = out.past_key_values, []
+    for i, t in enumerate(steps):
+        out = hf_decode(hf, t, cache, len(prompt) + i)
         cache = out.past_key_values
-        hf_decode.append(out.logits[0, -1])
-    hf_decode = torch.stack(hf_decode)
-    assert max_diff(hf_decode, full[len(prompt) :]) > 1e-3  # the asymmetry is real
+        hf_steps.append(out.logits[0, -1])
+    hf_steps = torch.stack(hf_steps)
+    assert max_diff(hf_steps, full[len(prompt) :]) > 1e-3  # the asymmetry is real
 
     runner = TinyRunner(model)
     seq = runner.new_seq()
     got_prefill = runner.step([seq], [prompt], all_logits=True)
     assert max_diff(got_prefill, full[: len(prompt)]) <= TOL
     got_decode = torch.cat([runner.step([seq], [[t]], decode=True) for t in steps])
-    assert max_diff(got_decode, hf_decode) <= TOL
+    assert max_diff(got_decode, hf_steps) <= TOL
     # the same tokens as one extend follow the chunked (clamped) path, i.e. HF's full forward
     other = TinyRunner(model)
     got_extend = other.step([other.new_seq()], [prompt + steps], all_logits=True)
     assert max_diff(got_extend, full) <= TOL
+
+
+@torch.no_grad()
+def test_falcon_h1_dt_clamp_applies_in_prefill_and_decode(tiny_ckpt_dir):
+    """Falcon-H1's time_step_limit clamps softplus(dt + dt_bias) in both hyla paths.
+
+    HF clamps in its chunked scan only, so with a binding limit (0.05 < softplus(dt + dt_bias) ~ 1)
+    HF's own decode differs from its full forward; hyla's prefill *and* decode match HF's full
+    forward, and HF's decode only where the limit does not bind (the default limit: the parity tests).
+    """
+    path = make_falcon_h1(tiny_ckpt_dir, time_step_limit=[0.0, 0.05])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_model(path)
+    assert model.config.mamba_dt_limit == (0.0, 0.05)
+    prompt, steps = tokens(40, seed=7), tokens(6, seed=8)
+    full = hf_logits(hf, prompt + steps)
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    cache, hf_steps = out.past_key_values, []
+    for i, t in enumerate(steps):
+        out = hf_decode(hf, t, cache, len(prompt) + i)
+        cache = out.past_key_values
+        hf_steps.append(out.logits[0, -1])
+    assert max_diff(torch.stack(hf_steps), full[len(prompt) :]) > 1e-3  # HF's asymmetry is real here
+
+    runner = TinyRunner(model)
+    seq = runner.new_seq()
+    assert max_diff(runner.step([seq], [prompt], all_logits=True), full[: len(prompt)]) <= TOL
+    got_decode = torch.cat([runner.step([seq], [[t]], decode=True) for t in steps])
+    assert max_diff(got_decode, full[len(prompt) :]) <= TOL  # decode clamps too: equals the full forward
 
 
 VARIANTS = {
@@ -190,6 +227,31 @@ VARIANTS = {
         topk_group=2, num_experts_per_tok=3, moe_latent_size=64, routed_scaling_factor=2.5,
         tie_word_embeddings=True, hybrid_override_pattern=None,
         layers_block_type=["full_attention", "linear_attention", "moe", "linear_attention", "mlp"],
+    ),
+    # no Mamba norm (y * silu(z), HF's decode gates inside its kernel), every bias, no conv bias, one
+    # group, tied embeddings (lm_head = embedding * lm_head_multiplier), mamba_d_ssm from expand * hidden
+    "falcon_h1_no_norm_biases_tied": lambda d: make_falcon_h1(
+        d, seed=1, mamba_rms_norm=False, attention_bias=True, mlp_bias=True, mamba_proj_bias=True,
+        projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=1, tie_word_embeddings=True,
+        mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=8, mamba_d_head="auto",
+        embedding_multiplier=0.5, lm_head_multiplier=0.5,  # the tied lm_head is the embedding scaled by 8
+    ),
+    # gated norm applied before the gate (w * norm(y) * silu(z)) over 4 groups, 5 layers
+    "falcon_h1_norm_before_gate": lambda d: make_falcon_h1(
+        d, seed=2, mamba_norm_before_gate=True, mamba_n_groups=4, num_hidden_layers=5, num_key_value_heads=4,
+    ),
+    # every bias, no conv bias, one group, tied embeddings, full-head RoPE from rope_parameters, other layout
+    "bamba_variant": lambda d: make_bamba(
+        d, seed=1, attention_bias=True, mlp_bias=True, mamba_proj_bias=True, mamba_conv_bias=False,
+        mamba_n_groups=1, tie_word_embeddings=True, attn_layer_indices=[0, 3], num_hidden_layers=4,
+        mamba_d_head="auto", rope_parameters={"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 1.0},
+    ),
+    # dense (no experts: the shared MLP alone), RoPE, attention bias, Mamba2 projection bias, tied
+    # embeddings (lm_head = embedding / logits_scaling), MHA, layers from the legacy spelling
+    "granite_h_dense_rope_tied": lambda d: make_granite_h(
+        d, seed=1, num_local_experts=0, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True,
+        tie_word_embeddings=True, num_key_value_heads=4, embedding_multiplier=0.5, logits_scaling=2.0,
+        layer_types=["attention", "mamba", "mamba", "attention", "mamba", "mamba"],
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(
@@ -214,8 +276,8 @@ def test_config_variants_prefill_and_decode(variant, tiny_ckpt_dir):
     assert max_diff(got, hf_logits(hf, prompt)) <= TOL
     out = hf(torch.tensor([prompt]), use_cache=True)
     cache = out.past_key_values
-    for t in tokens(4, seed=11):
+    for i, t in enumerate(tokens(4, seed=11)):
         got = runner.step([seq], [[t]], decode=True)
-        out = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        out = hf_decode(hf, t, cache, len(prompt) + i)
         cache = out.past_key_values
         assert max_diff(got, out.logits[:, -1].float()) <= TOL

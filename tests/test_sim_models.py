@@ -45,6 +45,12 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 24 Mamba2 layers x (conv (8192 + 2*8*128)
         # x 3 bf16 + SSM 128 x 64 x 128 fp32)
         ("nemotron-h-8b", 4 * 2 * 8 * 128 * 2, 24 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
+        # every one of 44 layers: K,V x 2 KV heads x 128 x bf16 and a Mamba2 state (conv (3072 + 2*1*256)
+        # x 3 bf16 + SSM 24 x 128 x 256 fp32)
+        ("falcon-h1-7b", 44 * 2 * 2 * 128 * 2, 44 * ((3072 + 2 * 256) * 3 * 2 + 24 * 128 * 256 * 4)),
+        # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 36 Mamba2 layers x (conv (8192 + 2*128) x 3
+        # bf16 + SSM 128 x 64 x 128 fp32)
+        ("granite-4.0-h-small", 4 * 2 * 8 * 128 * 2, 36 * ((8192 + 2 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -106,3 +112,21 @@ def test_cost_model_is_frozen():
     with pytest.raises(Exception):
         marconi_7b().head_dim = 1  # type: ignore[misc]
     assert isinstance(marconi_7b(), CostModel)
+
+
+def test_falcon_h1_7b_preset_counts_attention_and_mamba_in_every_layer():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["falcon-h1-7b"])
+    assert cfg.layer_types == ("hybrid",) * 44 and (cfg.num_attention_layers, cfg.num_linear_layers) == (44, 44)
+    one = cfg.flops_per_token(1)
+    params = (one.total - 4 * 12 * 128 * 44) / 2  # FLOPs at context 1 = 2 x (weights used) + QK^T / PV
+    assert 6.5e9 < params + 130048 * 3072 < 8e9  # ~7B parameters (embedding counted once more)
+
+
+def test_granite_4_0_h_small_preset_is_32b_with_9b_active():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["granite-4.0-h-small"])
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (4, 36) and cfg.rotary_dim == 0
+    one = cfg.flops_per_token(1)
+    active = (one.total - 4 * 4 * 32 * 128) / 2 + 100352 * 4096  # weights used per token + the embedding
+    assert 8e9 < active < 10e9  # "~9B active"
+    total = active + 40 * (72 - 10) * 3 * 4096 * 768  # plus the idle experts
+    assert 31e9 < total < 34e9  # "32B"

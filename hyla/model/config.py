@@ -13,17 +13,19 @@ A hybrid model is a stack of ``num_hidden_layers`` residual layers. Each layer h
 and/or a *feed-forward* part:
 
 * ``layer_types[i]`` is ``"attention"`` or ``"linear"`` when layer ``i`` has a token mixer (full
-  attention, or a recurrent mixer: Gated DeltaNet / Mamba2), and ``"mlp"`` or ``"moe"`` when the
-  layer is a feed-forward block only (NemotronH's ``-`` and ``E`` blocks).
+  attention, or a recurrent mixer: Gated DeltaNet / Mamba2), ``"hybrid"`` when it runs both in
+  parallel on the same input (Falcon-H1: attention + Mamba2 in every layer), and ``"mlp"`` or
+  ``"moe"`` when the layer is a feed-forward block only (NemotronH's ``-`` and ``E`` blocks).
 * ``ffn_types[i]`` is the feed-forward that follows the mixer *inside the same layer*: ``"mlp"``,
   ``"moe"``, or ``"none"``. Qwen3-Next / Qwen3.5 decoder layers are mixer + FFN
   (``layer_types[i] in {"attention", "linear"}``, ``ffn_types[i] in {"mlp", "moe"}``); NemotronH
   blocks hold exactly one thing, so their ``ffn_types`` are all ``"none"``.
 
-So ``num_attention_layers = layer_types.count("attention")`` is the number of KV-cache layers and
-``num_linear_layers = layer_types.count("linear")`` the number of recurrent-state layers, for every
-architecture. Attention layer ``i`` uses KV buffer ``attention_ordinal(i)``; linear layer ``i``
-uses state buffer ``linear_ordinal(i)``.
+So ``num_attention_layers`` (layers that are ``"attention"`` or ``"hybrid"``) is the number of
+KV-cache layers and ``num_linear_layers`` (``"linear"`` or ``"hybrid"``) the number of
+recurrent-state layers, for every architecture; a hybrid layer has one KV buffer *and* one state
+slot. A layer ``i`` with attention uses KV buffer ``attention_ordinal(i)``; a layer with a
+recurrent mixer uses state buffer ``linear_ordinal(i)``.
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+# layer kinds that hold a KV cache / a recurrent state ("hybrid": attention and Mamba2 in parallel)
+ATTENTION_KINDS: tuple[str, ...] = ("attention", "hybrid")
+LINEAR_KINDS: tuple[str, ...] = ("linear", "hybrid")
+LAYER_KINDS: tuple[str, ...] = ("attention", "linear", "hybrid", "mlp", "moe")
 
 # config.json layer type names (Qwen ``layer_types``, NemotronH ``layers_block_type``) -> hyla's
 HF_LAYER_TYPES: dict[str, str] = {
@@ -86,10 +93,10 @@ class ModelConfig:
     """Architecture hyper-parameters of one hybrid model (see the module docstring for the layout)."""
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
-    model_type: str  # "qwen3_next" | "qwen3_5" | "nemotron_h"
+    model_type: str  # "qwen3_next" | "qwen3_5" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid"
     vocab_size: int
     hidden_size: int
-    layer_types: tuple[str, ...]  # per layer: "attention" | "linear" | "mlp" | "moe"
+    layer_types: tuple[str, ...]  # per layer: "attention" | "linear" | "hybrid" | "mlp" | "moe"
     ffn_types: tuple[str, ...]  # per layer: "mlp" | "moe" | "none" (the FFN after the mixer)
     dtype: torch.dtype = torch.float32  # weight / activation / conv-state dtype
     norm_eps: float = 1e-6
@@ -126,7 +133,11 @@ class ModelConfig:
     mamba_n_groups: int = 0
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
-    mamba_dt_limit: tuple[float, float] = (0.0, math.inf)  # clamp of softplus(dt) in the chunked path only
+    mamba_out_proj_bias: bool | None = None  # Falcon-H1's projectors_bias; None = mamba_proj_bias
+    # clamp of softplus(dt + dt_bias): NemotronH's chunked path only (as HF); Falcon-H1: every path
+    mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
+    mamba_rms_norm: bool = True  # False (Falcon-H1 option): no output norm, y * silu(z)
+    mamba_norm_before_gate: bool = False  # Falcon-H1 option: w * norm(y) * silu(z) instead of w * norm(y * silu(z))
 
     # --- feed-forward ---------------------------------------------------------------------------
     intermediate_size: int = 0
@@ -144,15 +155,34 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_latent_size: int = 0  # NemotronH: experts run in a smaller latent space (0 = hidden_size)
 
+    # --- µP multipliers (Falcon-H1, Granite; folded into the weights at load time; 1.0 = none) ----
+    embedding_multiplier: float = 1.0  # embeddings * m
+    lm_head_multiplier: float = 1.0  # logits * m (Granite: 1 / logits_scaling)
+    residual_multiplier: float = 1.0  # Granite: every mixer / FFN output * m before the residual add
+    attention_multiplier: float | None = None  # Granite: softmax scale of QK^T (None: head_dim ** -0.5)
+    key_multiplier: float = 1.0  # attention keys * m (before RoPE and the cache)
+    attention_in_multiplier: float = 1.0  # attention input * m
+    attention_out_multiplier: float = 1.0  # attention output * m
+    ssm_in_multiplier: float = 1.0  # Mamba2 input * m
+    ssm_out_multiplier: float = 1.0  # Mamba2 output * m
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)  # Mamba2 in_proj segments z, x, B, C, dt
+    mlp_multipliers: tuple[float, ...] = (1.0, 1.0)  # MLP gate projection, down projection
+
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
         if len(self.layer_types) != len(self.ffn_types):
             raise ValueError("layer_types and ffn_types must have one entry per layer")
-        bad = {t for t in self.layer_types} - {"attention", "linear", "mlp", "moe"}
+        bad = {t for t in self.layer_types} - set(LAYER_KINDS)
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
+        if self.num_linear_layers and self.linear_kind not in ("gdn", "mamba2"):
+            raise ValueError(
+                f"layers with a recurrent mixer need linear_kind 'gdn' or 'mamba2', got {self.linear_kind!r}"
+            )
+        if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
+            raise ValueError("ssm_multipliers needs 5 entries (z, x, B, C, dt) and mlp_multipliers 2 (gate, down)")
         if self.num_attention_layers and (self.num_attention_heads <= 0 or self.num_kv_heads <= 0):
             raise ValueError("attention layers need num_attention_heads and num_key_value_heads > 0")
         if self.num_attention_layers and self.num_attention_heads % self.num_kv_heads:
@@ -186,23 +216,25 @@ class ModelConfig:
 
     @property
     def num_attention_layers(self) -> int:
-        return self.layer_types.count("attention")
+        """Layers with a KV cache: ``"attention"`` and ``"hybrid"``."""
+        return sum(t in ATTENTION_KINDS for t in self.layer_types)
 
     @property
     def num_linear_layers(self) -> int:
-        return self.layer_types.count("linear")
+        """Layers with a recurrent state: ``"linear"`` and ``"hybrid"``."""
+        return sum(t in LINEAR_KINDS for t in self.layer_types)
 
     def attention_ordinal(self, layer: int) -> int:
-        """Index of attention layer ``layer`` among attention layers (its KV buffer)."""
-        if self.layer_types[layer] != "attention":
+        """Index of layer ``layer`` among the layers with attention (its KV buffer)."""
+        if self.layer_types[layer] not in ATTENTION_KINDS:
             raise ValueError(f"layer {layer} is {self.layer_types[layer]!r}, not attention")
-        return self.layer_types[:layer].count("attention")
+        return sum(t in ATTENTION_KINDS for t in self.layer_types[:layer])
 
     def linear_ordinal(self, layer: int) -> int:
-        """Index of linear layer ``layer`` among linear layers (its conv/ssm state buffer)."""
-        if self.layer_types[layer] != "linear":
+        """Index of layer ``layer`` among the layers with a recurrent mixer (its conv/ssm state buffer)."""
+        if self.layer_types[layer] not in LINEAR_KINDS:
             raise ValueError(f"layer {layer} is {self.layer_types[layer]!r}, not linear")
-        return self.layer_types[:layer].count("linear")
+        return sum(t in LINEAR_KINDS for t in self.layer_types[:layer])
 
     # --- state shapes ---------------------------------------------------------------------------
     @property

@@ -1,6 +1,7 @@
 """The FLOP model of a ``ModelConfig``: forward FLOPs per token and per prefill.
 
-2 FLOPs per multiply-add. Attention layers cost their projections plus ``4 * Hq * D`` per context
+2 FLOPs per multiply-add. A hybrid layer (Falcon-H1) costs its attention plus its Mamba2 mixer.
+Attention layers cost their projections plus ``4 * Hq * D`` per context
 token (QK^T and PV over the causal context); linear (GDN / Mamba2) layers cost a constant per token
 (projections, conv, recurrent state update); MoE counts only the ``num_experts_per_tok`` active
 experts (plus router, latent projections and shared expert). Norms, activations and RoPE are
@@ -41,9 +42,9 @@ def flops_per_token(cfg: ModelConfig, context_len: int) -> FlopCount:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
     counts = {"attention": 0.0, "linear": 0.0, "mlp": 0.0, "moe": 0.0}
     for mixer, ffn in zip(cfg.layer_types, cfg.ffn_types):
-        if mixer == "attention":
+        if mixer in ("attention", "hybrid"):  # a hybrid layer (Falcon-H1) runs attention and Mamba2 both
             counts["attention"] += _attention_flops(cfg, context_len)
-        elif mixer == "linear":
+        if mixer in ("linear", "hybrid"):
             counts["linear"] += _linear_flops(cfg)
         for kind in (mixer, ffn):
             if kind == "mlp":

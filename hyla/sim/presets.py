@@ -1,8 +1,8 @@
 """Published ``config.json`` contents of the hybrid models the simulator ships as presets.
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
-as ``initializer_range``, kept for fidelity); parsed by ``ModelConfig.from_hf`` like any other
-checkpoint.
+as ``initializer_range``, kept for fidelity; Falcon-H1-7B and Granite-4.0-H-Small keep only their
+sizes, see their comments); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -96,7 +96,81 @@ NEMOTRON_H_8B: dict[str, Any] = {  # nvidia/Nemotron-H-8B-Base-8K
     "vocab_size": 131072,
 }
 
+# tiiuae/Falcon-H1-7B-Instruct (also -Base): the sizes of the FalconH1 table in the transformers docs and
+# the model card -- 44 layers of d=3072, each attention (12 query / 2 KV heads of 128) *and* Mamba2
+# (24 heads of 128 = mamba_d_ssm 3072, one group, d_state 256, conv 4) in parallel, SwiGLU MLP 12288,
+# vocabulary 130048, 256K context, bf16. The µP multipliers (embedding_multiplier, ssm_multipliers, ...)
+# are left at their defaults here: they scale weights and change neither the cache layout nor the FLOPs.
+FALCON_H1_7B: dict[str, Any] = {
+    "architectures": ["FalconH1ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 12288,
+    "mamba_chunk_size": 128,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 128,
+    "mamba_d_ssm": 3072,
+    "mamba_d_state": 256,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 24,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 262144,
+    "mlp_bias": False,
+    "model_type": "falcon_h1",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 44,
+    "num_key_value_heads": 2,
+    "projectors_bias": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000000000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 130048,
+}
+
+# ibm-granite/granite-4.0-h-small: 40 layers of d=4096, 36 Mamba2 (128 heads of 64 = 2 x 4096, one
+# group, d_state 128, conv 4) and 4 attention layers (32 query / 8 KV heads of 128, no RoPE); every layer's
+# feed-forward is a MoE of 72 SwiGLU experts of 768 (10 active) beside a shared expert of 1536; tied
+# embeddings, vocabulary 100352, bf16 -- 32B parameters, ~9B active. The attention layers sit at 5, 15,
+# 25, 35 (the Granite 4.0-H pattern; the positions change neither the bytes nor the FLOPs). The µP
+# multipliers are left at their defaults: they scale weights only.
+GRANITE_4_0_H_SMALL: dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 768,
+    "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_head": 64,
+    "mamba_d_state": 128,
+    "mamba_expand": 2,
+    "mamba_n_groups": 1,
+    "mamba_n_heads": 128,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 131072,
+    "model_type": "granitemoehybrid",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "num_local_experts": 72,
+    "position_embedding_type": "nope",
+    "rms_norm_eps": 1e-05,
+    "shared_intermediate_size": 1536,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 100352,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
+    "falcon-h1-7b": FALCON_H1_7B,
+    "granite-4.0-h-small": GRANITE_4_0_H_SMALL,
 }
