@@ -179,6 +179,7 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
         got = eng.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)
         compare_outputs([got], [want])
         assert eng.scheduler.num_verify_steps > 0
+        assert eng.get_stats()["spec_accept_length"] >= 1.0
         _drained(eng)
 
 

@@ -37,6 +37,8 @@ ENGINE_GAUGES = (
     ("num_running_requests", "num_running_requests", "Requests admitted to the running batch."),
     ("num_queued_requests", "num_queued_requests", "Requests waiting for admission."),
     ("gen_throughput", "gen_throughput", "Decode throughput over the last log interval (tokens/s)."),
+    ("spec_accept_length", "spec_accept_length",
+     "Speculative decoding: mean output tokens per request per verify step (absent when off)."),
 )
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -60,7 +62,8 @@ class EngineCollector(Collector):
             counter.add_metric([], float(stats[key]))
             yield counter
         for key, name, help_text in ENGINE_GAUGES:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(stats[key]))
+            if stats.get(key) is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(stats[key]))
 
 
 class ServerMetrics:
