@@ -1,0 +1,640 @@
+"""Speculative decoding benchmark (issue 11), written to the ``## Speculative decoding`` section of
+docs/benchmarks.md.
+
+Output tokens/s and accept length with n-gram speculation on vs off, at batch 1 (the 8 prompts one
+after the other) and batch 8 (all at once), greedy, on the built-in default model (``Engine()``:
+the tiny Qwen3-Next trained on ShareGPT) in fp32 on CPU:
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/speculative.py [--repeats 5] [--new-tokens 128]
+
+Workloads (8 prompts each, ``max_new_tokens`` tokens each, ``ignore_eos`` so both sides do the
+same work):
+
+* ``grounded`` — the issue's input-grounded workload: the chat template around "Repeat the
+  following text exactly:" + an assistant message of ShareGPT (500–900 characters). An n-gram
+  drafter wins here only if the model copies its prompt; the script measures whether it does
+  (share of output tokens whose 4-gram occurs in the passage).
+* ``repetitive`` — synthetic: raw-text prompts that already repeat a phrase or a list several
+  times. The default model does not copy them either, but they send its greedy decoding into
+  loops within a few tokens, which the drafter then predicts from the request's own output.
+
+Speculation: ``speculative_algorithm="ngram"``, 4 draft tokens per step (3 drafts + the last
+token), match windows 1..12. Both engines keep the prefix cache on (the default); a warm-up run
+caches every prompt, so the timed runs prefill one token each and tokens/s is generation speed.
+Runs of the two engines are interleaved (per prompt at batch 1, order alternating); medians of ``--repeats``.
+Every run checks that speculation on and off give identical greedy token ids (exit status 1 if not).
+
+Then a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
+step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
+micro-benchmark of the gated-delta-rule layer on a verify-shaped input: the chunked kernel the
+verify step uses today vs a per-token recurrent loop with the same outputs and per-token states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import machine, write_section  # noqa: E402
+from hyla import Engine  # noqa: E402
+
+NUM_PROMPTS = 8
+SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4,
+            speculative_ngram_min_match_window_size=1, speculative_ngram_max_match_window_size=12)
+POOLS = dict(max_total_tokens=32768, max_state_slots=160, max_running_requests=NUM_PROMPTS)
+SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
+
+REPETITIVE = [
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "1. apples\n2. oranges\n3. bananas\n4. grapes\n5. pears\n\n1. apples\n2. oranges\n3. bananas\n4. grapes\n"
+    "5. pears\n\n1. apples\n2.",
+    "Monday, Tuesday, Wednesday, Thursday, Friday. Monday, Tuesday, Wednesday, Thursday, Friday. Monday,",
+    "the cat sat on the mat. " * 6,
+    "I want you to act as a teacher. I want you to act as a teacher. I want you to act as a",
+    "- Item one\n- Item two\n- Item three\n- Item one\n- Item two\n- Item three\n-",
+    "Step 1: open the door. Step 2: open the window. Step 3: open the box. Step 4:",
+    "Q: What is your name?\nA: My name is Bob.\nQ: What is your name?\nA: My name is Bob.\nQ:",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# workloads
+# ------------------------------------------------------------------------------------------------
+def sharegpt_passages(n: int) -> list[str]:
+    """The first ``n`` ShareGPT conversations' first assistant message of 500–900 ASCII characters
+    without code blocks (deterministic: file order)."""
+    from hyla.data.sharegpt import load_conversations
+
+    out = []
+    for conv in load_conversations():
+        for msg in conv.get("conversations") or []:
+            text = msg.get("value") or ""
+            if msg.get("from") == "gpt" and 500 <= len(text) <= 900 and text.isascii() and "```" not in text:
+                out.append(text)
+                break
+        if len(out) == n:
+            return out
+    raise RuntimeError(f"only {len(out)} ShareGPT passages qualify")
+
+
+def workloads(tok) -> dict[str, tuple[list[list[int]], list[list[int]]]]:
+    """name -> (prompts, the text each prompt asks to copy, as tokens: the passage, or the whole
+    prompt for *repetitive*)."""
+    passages = sharegpt_passages(NUM_PROMPTS)
+    grounded = [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat the following text exactly:\n\n" + p}]), add_special_tokens=False)
+        for p in passages]
+    repetitive = [tok.encode(p, add_special_tokens=False) for p in REPETITIVE[:NUM_PROMPTS]]
+    return {"grounded": (grounded, [tok.encode(p, add_special_tokens=False) for p in passages]),
+            "repetitive": (repetitive, repetitive)}
+
+
+def matched_grams(prompt: list[int], output: list[int], source: list[int], n: int = 4) -> collections.Counter:
+    """The output's n-grams (ending at an output token) that occur in ``source``, counted."""
+    in_source = {tuple(source[i:i + n]) for i in range(len(source) - n + 1)}
+    full, base = prompt + output, len(prompt)
+    grams = (tuple(full[base + i - n + 1:base + i + 1]) for i in range(len(output)))
+    return collections.Counter(g for g in grams if g in in_source)
+
+
+def copy_shares(prompt: list[int], output: list[int], source: list[int], n: int = 4) -> tuple[float, float]:
+    """(share of output tokens whose n-gram ending there occurs in ``source`` (the part of the prompt
+    to copy, e.g. the passage without the chat template), share whose n-gram occurred earlier in the
+    output): copying the input vs repeating itself."""
+    in_prompt = {tuple(source[i:i + n]) for i in range(len(source) - n + 1)}
+    full, base = prompt + output, len(prompt)
+    seen: set[tuple[int, ...]] = set()
+    from_prompt = from_self = 0
+    for i in range(len(output)):
+        gram = tuple(full[base + i - n + 1:base + i + 1])
+        from_prompt += gram in in_prompt
+        if i >= n - 1:
+            from_self += gram in seen
+            seen.add(gram)
+    return from_prompt / len(output), from_self / len(output)
+
+
+def probe_copying(engine: Engine, passage: str, new_tokens: int = 64) -> list[tuple[str, float]]:
+    """Does the model copy from its prompt at all? Greedy output of several prompt forms that invite
+    copying; per form the share of output tokens whose 4-gram occurs in the text to copy."""
+    tok = engine.tokenizer
+    sentence = "Every evening the keeper climbed the narrow stairs to light the lamp."
+    items = "1. apples\n2. oranges\n3. bananas\n4. grapes\n5. pears\n\n"
+
+    def chat(messages: list[dict]) -> str:
+        return tok.apply_chat_template(messages)
+
+    def user(text: str) -> dict:
+        return {"role": "user", "content": text}
+
+    forms: dict[str, tuple[str, str]] = {  # name -> (prompt, the text to copy)
+        'chat: "Repeat the following text exactly:" + passage':
+            (chat([user("Repeat the following text exactly:\n\n" + passage)]), passage),
+        'chat: "Rewrite the following text:" + passage': (chat([user("Rewrite the following text:\n\n" + passage)]), passage),
+        "chat: repeat request, the answer already started (first 100 characters)":
+            (chat([user("Repeat the following text exactly:\n\n" + passage)]) + passage[:100], passage),
+        "chat: two earlier turns echo a sentence, then the same request":
+            (chat([user("Say: " + sentence), {"role": "assistant", "content": sentence}] * 2 + [user("Say: " + sentence)]),
+             sentence),
+        'raw text: "Repeat the following text exactly:" + passage':
+            ("Repeat the following text exactly:\n\n" + passage + "\n\n", passage),
+        "raw text: the passage twice, then its first 100 characters": ((passage + "\n\n") * 2 + passage[:100], passage),
+        "raw text: a sentence 16 times, then its first half": ((sentence + " ") * 16 + sentence[:34], sentence + " " + sentence),
+        "raw text: a 5-item list 3 times, then its first item": (items * 3 + "1. apples\n", items * 2),
+    }
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    out = []
+    for name, (text, source) in forms.items():
+        ids = tok.encode(text, add_special_tokens=False)
+        res = engine.generate(input_ids=ids, sampling_params=params)
+        out.append((name, copy_shares(ids, res["output_ids"], tok.encode(source, add_special_tokens=False))[0]))
+        print(f"[copy probe] {name}: {out[-1][1]:.0%} of output 4-grams from the text to copy; {res['text'][:80]!r}", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------------
+def run_once(engine: Engine, prompts: list[list[int]], batch: int, params: dict) -> tuple[float, float, list[dict]]:
+    """Generate for every prompt, ``batch`` at a time; (wall s, process CPU s, outputs in prompt order)."""
+    outs: list[dict] = []
+    w0, c0 = time.perf_counter(), time.process_time()
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        res = engine.generate(input_ids=chunk, sampling_params=params)
+        outs.extend(res)
+    return time.perf_counter() - w0, time.process_time() - c0, outs
+
+
+def check_identical(name: str, off: list[dict], on: list[dict]) -> None:
+    for i, (a, b) in enumerate(zip(off, on, strict=True)):
+        x, y = a["output_ids"], b["output_ids"]
+        if x != y:
+            pos = next((j for j, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            raise SystemExit(f"FAIL [{name}] prompt {i}: speculation changed the greedy output at token {pos} "
+                             f"(off {x[pos:pos + 5]} vs on {y[pos:pos + 5]}; lengths {len(x)} / {len(y)})")
+
+
+def accept_length(outs: list[dict]) -> tuple[float, int]:
+    """(output tokens per verify step over all requests, verify steps)."""
+    steps = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
+    toks = sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"] for o in outs)
+    return toks / steps, steps
+
+
+def bench(engines: dict[str, Engine], prompts: list[list[int]], sources: list[list[int]], name: str, repeats: int,
+          new_tokens: int) -> list[dict]:
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    rows = []
+    for batch in (1, NUM_PROMPTS):
+        wall: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
+        last: dict[str, list[dict]] = {}
+        for rep in range(repeats):
+            # interleaved per group of `batch` prompts (order alternating), summed per side per repeat
+            w_sum, c_sum, outs_all = {"off": 0.0, "on": 0.0}, {"off": 0.0, "on": 0.0}, {"off": [], "on": []}
+            for i in range(0, len(prompts), batch):
+                order = ("off", "on") if (rep + i // batch) % 2 == 0 else ("on", "off")
+                for side in order:
+                    w, c, outs = run_once(engines[side], prompts[i:i + batch], batch, params)
+                    w_sum[side] += w
+                    c_sum[side] += c
+                    outs_all[side] += outs
+            for side in ("off", "on"):
+                wall[side].append(w_sum[side])
+                cpu[side].append(c_sum[side])
+                last[side] = outs_all[side]
+            check_identical(f"{name}, batch {batch}, repeat {rep}", last["off"], last["on"])
+        toks = len(prompts) * new_tokens
+        acc, steps = accept_length(last["on"])
+        shares = [copy_shares(p, o["output_ids"], src) for p, o, src in zip(prompts, last["off"], sources)]
+        row = dict(workload=name, batch=batch, tokens=toks,
+                   off=toks / statistics.median(wall["off"]), on=toks / statistics.median(wall["on"]),
+                   cpu_ratio=statistics.median(cpu["off"]) / statistics.median(cpu["on"]),
+                   accept=acc, steps=steps,
+                   from_prompt=statistics.mean(s[0] for s in shares), from_self=statistics.mean(s[1] for s in shares))
+        row["ratio"] = row["on"] / row["off"]
+        matches = sum((matched_grams(p, o["output_ids"], src) for p, o, src in zip(prompts, last["off"], sources)),
+                      collections.Counter())
+        if matches:
+            gram, count = matches.most_common(1)[0]
+            row["top_match"] = (engines["off"].tokenizer.decode(list(gram)), count, sum(matches.values()))
+        row["prompt_tokens"] = sum(map(len, prompts))
+        row["cached_total"] = sum(o["meta_info"]["cached_tokens"] for o in last["on"])
+        rows.append(row)
+        print(f"[{name}] batch {batch}: off {row['off']:.1f} tok/s, on {row['on']:.1f} tok/s, ratio {row['ratio']:.2f}x "
+              f"(CPU time {row['cpu_ratio']:.2f}x), accept length {acc:.2f} over {steps} verify steps, "
+              f"output from prompt {row['from_prompt']:.0%} / repeats itself {row['from_self']:.0%}; "
+              f"identical greedy ids: OK", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# profile: one verify step vs one plain decode step
+# ------------------------------------------------------------------------------------------------
+LAYER_FUNCS = {  # hyla.model.layers name -> row label
+    "recurrent_gated_delta_rule_update": "gated delta rule",
+    "chunk_gated_delta_rule_varlen": "gated delta rule",
+    "causal_conv1d_update": "causal conv1d",
+    "causal_conv1d_varlen": "causal conv1d",
+    "paged_attention": "attention (paged)",
+}
+
+
+class StepProfiler:
+    """Per-step CPU time of the scheduler thread, split by the functions the layers call. Patches
+    module attributes of this process only (nothing on disk changes)."""
+
+    def __init__(self) -> None:
+        import hyla.engine.scheduler as sched_mod
+        import hyla.engine.speculative as spec_mod
+        import hyla.model.layers as layers
+
+        self.clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+        self.acc: dict[str, float] = collections.defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self.patches: list[tuple[Any, str, Any]] = []
+        for fn, label in LAYER_FUNCS.items():
+            self._wrap(layers, fn, label)
+        self._wrap(sched_mod, "verify", "verify(): acceptance, logprobs")
+        self._wrap(spec_mod.NgramDrafter, "propose", "n-gram drafter (propose)")
+        self._wrap(torch.nn.Linear, "forward", "linear layers + LM head")
+
+    def _wrap(self, owner: Any, name: str, label: str) -> None:
+        orig = getattr(owner, name)
+        clock, acc = self.clock, self.acc
+
+        def timed(*a, **k):
+            t0 = clock()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[label] += clock() - t0
+
+        self.patches.append((owner, name, orig))
+        setattr(owner, name, timed)
+
+    def attach(self, engine: Engine) -> None:
+        s, clock, acc = engine.scheduler, self.clock, self.acc
+        orig_schedule, orig_run, orig_process = s.schedule, s.run, s.process
+        box: dict[str, Any] = {}
+
+        def schedule():
+            acc.clear()
+            t0 = clock()
+            batch = orig_schedule()
+            box["schedule"] = clock() - t0
+            return batch
+
+        def run(batch):
+            t0 = clock()
+            out = orig_run(batch)
+            box["forward"] = clock() - t0
+            return out
+
+        def process(batch, logits):
+            t0 = clock()
+            out = orig_process(batch, logits)
+            if batch.is_decode:
+                self.steps.append(dict(acc, schedule=box["schedule"], forward=box["forward"],
+                                       process=clock() - t0, fed=sum(batch.lens), batch=len(batch.reqs)))
+            return out
+
+        s.schedule, s.run, s.process = schedule, run, process
+
+    def restore(self) -> None:
+        for owner, name, orig in reversed(self.patches):
+            setattr(owner, name, orig)
+
+    def summary(self) -> dict[str, float]:
+        """Median ms per step of every component (a component a step lacks counts 0)."""
+        keys = {k for st in self.steps for k in st}
+        med = {k: statistics.median(st.get(k, 0.0) for st in self.steps) for k in keys}
+        return {k: (v if k in ("fed", "batch") else 1e3 * v) for k, v in med.items()}
+
+    def by_fed(self) -> dict[int, tuple[float, int, float]]:
+        """Tokens fed per step -> (median ms per step, number of steps, median gated-delta ms)."""
+        groups: dict[int, list[dict[str, float]]] = collections.defaultdict(list)
+        for st in self.steps:
+            groups[int(st["fed"])].append(st)
+        return {n: (1e3 * statistics.median(x["schedule"] + x["forward"] + x["process"] for x in v), len(v),
+                    1e3 * statistics.median(x.get("gated delta rule", 0.0) for x in v)) for n, v in sorted(groups.items())}
+
+
+def profile(prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
+    """({batch: {"off"/"on": median ms per step}}, {"off"/"on": batch 1's step time by tokens fed})."""
+    prof_all: dict[int, dict[str, dict[str, float]]] = {}
+    by_fed: dict[str, dict[int, tuple[float, int]]] = {}
+    params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    for batch in (1, NUM_PROMPTS):
+        prof_all[batch] = {}
+        for side, opts in (("off", {}), ("on", SPEC)):
+            with Engine(dtype="float32", device="cpu", **POOLS, **opts) as engine:
+                run_once(engine, prompts[:batch], batch, params)  # warm-up, caches the prompts
+                prof = StepProfiler()
+                try:
+                    prof.attach(engine)
+                    run_once(engine, prompts[:batch], batch, params)
+                finally:
+                    prof.restore()
+                prof_all[batch][side] = prof.summary()
+                if batch == 1:
+                    by_fed[side] = prof.by_fed()
+    return prof_all, by_fed
+
+
+def gdn_micro(cfg, batches=(1, NUM_PROMPTS), fed: int = 4, repeats: int = 40) -> list[dict]:
+    """One gated-delta-rule layer (the default model's shapes) on a verify-shaped input: ``fed``
+    tokens per sequence and the states after each of the first ``fed - 1`` of them. The engine's
+    chunked kernel (chunks of 64) vs a per-token recurrent loop on the gathered states with the
+    same outputs and states (checked), and a plain 1-token decode step for reference; CPU ms."""
+    from hyla.model.ops.gated_delta import _prepare_qk, chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
+
+    g_ = torch.Generator().manual_seed(0)
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+    def med(f: Callable[[], Any]) -> float:
+        f()
+        ts = []
+        for _ in range(repeats):
+            t0 = clock()
+            f()
+            ts.append(clock() - t0)
+        return 1e3 * statistics.median(ts)
+
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            t = b * fed
+            q, k = torch.randn(t, hk, dk, generator=g_), torch.randn(t, hk, dk, generator=g_)
+            v = torch.randn(t, hv, dv, generator=g_)
+            g = -0.1 * torch.rand(t, hv, generator=g_)
+            beta = torch.rand(t, hv, generator=g_)
+            pool = 0.1 * torch.randn(b * fed + 1, hv, dk, dv, generator=g_)
+            base = pool.clone()
+            slots = torch.arange(b)
+            cu = torch.arange(0, t + 1, fed)
+            ck_seq = torch.arange(b).repeat_interleave(fed - 1)
+            ck_len = torch.arange(1, fed).repeat(b)
+            ck_slot = b + torch.arange(b * (fed - 1))
+
+            def chunked():
+                return chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots, ck_seq, ck_len, ck_slot)
+
+            def token_loop():
+                qf, kf = _prepare_qk(q, k, hv, True)
+                qf, kf = qf.view(b, fed, hv, dk), kf.view(b, fed, hv, dk)
+                vs, gs, bs = v.view(b, fed, hv, dv), g.view(b, fed, hv), beta.view(b, fed, hv)
+                state = pool.index_select(0, slots)
+                per_token, outs = [], []
+                for j in range(fed):
+                    state.mul_(gs[:, j].exp()[..., None, None])
+                    delta = (vs[:, j] - (kf[:, j].unsqueeze(-2) @ state).squeeze(-2)) * bs[:, j].unsqueeze(-1)
+                    state.view(-1, dk, dv).baddbmm_(kf[:, j].reshape(-1, dk, 1), delta.reshape(-1, 1, dv))
+                    outs.append((qf[:, j].unsqueeze(-2) @ state).squeeze(-2))
+                    if j < fed - 1:
+                        per_token.append(state.clone())
+                pool.index_copy_(0, slots, state)
+                pool.index_copy_(0, ck_slot.view(b, fed - 1).t().reshape(-1), torch.cat(per_token))
+                return torch.stack(outs, 1).reshape(t, hv, dv)
+
+            def decode():
+                return recurrent_gated_delta_rule_update(q[:b], k[:b], v[:b], g[:b], beta[:b], pool, slots)
+
+            def one_token_chunked():
+                return chunk_gated_delta_rule_varlen(q[:b], k[:b], v[:b], g[:b], beta[:b], torch.arange(b + 1), pool, slots)
+
+            pool.copy_(base)
+            ref_o = chunked()
+            ref_states = pool.clone()
+            pool.copy_(base)
+            loop_o = token_loop()
+            if not (torch.allclose(ref_o, loop_o, atol=1e-4) and torch.allclose(ref_states, pool, atol=1e-4)):
+                raise SystemExit("FAIL: the token-loop prototype disagrees with the chunked kernel")
+            rows.append(dict(batch=b, fed=fed, chunked=med(chunked), loop=med(token_loop), decode=med(decode),
+                             one_token_chunked=med(one_token_chunked)))
+            print(f"[gated delta rule, 1 layer] batch {b}, {fed} tokens/seq + {fed - 1} states/seq: chunked "
+                  f"{rows[-1]['chunked']:.2f} ms, token loop {rows[-1]['loop']:.2f} ms; 1 token/seq: chunked "
+                  f"{rows[-1]['one_token_chunked']:.2f} ms, decode kernel {rows[-1]['decode']:.2f} ms", flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def profile_table(prof: dict[int, dict[str, dict[str, float]]], num_linear: int, num_attention: int) -> str:
+    labels = ["n-gram drafter (propose)", "schedule", "forward", "gated delta rule", "causal conv1d",
+              "attention (paged)", "linear layers + LM head", "rest of the forward", "verify(): acceptance, logprobs",
+              "process"]
+    names = {"schedule": "schedule (incl. drafter)", "forward": "**model forward**",
+             "rest of the forward": "  other ops of the forward", "process": "process (verify + commit + output)",
+             "gated delta rule": f"  gated delta rule ({num_linear} layers)",
+             "causal conv1d": f"  causal conv1d ({num_linear} layers)", "attention (paged)": f"  attention ({num_attention} layers)", "linear layers + LM head": "  linear layers + LM head"}
+    head = "| ms per step (median) | " + " | ".join(
+        f"batch {b} {'decode' if s == 'off' else 'verify'}" for b in prof for s in ("off", "on")) + " |"
+    lines = [head, "|---|" + "---|" * (2 * len(prof))]
+    for key in labels:
+        cells = []
+        for b in prof:
+            for s in ("off", "on"):
+                m = prof[b][s]
+                if key == "rest of the forward":
+                    val = m["forward"] - sum(m.get(x, 0.0) for x in
+                                             ("gated delta rule", "causal conv1d", "attention (paged)", "linear layers + LM head"))
+                else:
+                    val = m.get(key, 0.0)
+                cells.append(f"{val:.2f}" if key in m or key == "rest of the forward" else "–")
+        lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
+    cells = []
+    for b in prof:
+        for s in ("off", "on"):
+            m = prof[b][s]
+            cells.append(f"{m['schedule'] + m['forward'] + m['process']:.2f}")
+    lines.append("| **step total** | " + " | ".join(f"**{c}**" for c in cells) + " |")
+    lines.append("| tokens fed per step (median) | " + " | ".join(
+        f"{prof[b][s]['fed']:.0f}" for b in prof for s in ("off", "on")) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    torch.set_grad_enabled(False)
+
+    engines = {"off": Engine(dtype="float32", device="cpu", **POOLS),
+               "on": Engine(dtype="float32", device="cpu", **POOLS, **SPEC)}
+    try:
+        loads = workloads(engines["off"].tokenizer)
+        cfg = engines["off"].model_config
+        probe = probe_copying(engines["off"], sharegpt_passages(1)[0])
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on both engines, checks identity
+            outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
+            check_identical(f"{name}, warm-up", outs["off"], outs["on"])
+        rows = []
+        for name, (prompts, sources) in loads.items():
+            rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+    prof = micro = None
+    if not args.no_profile:
+        prof, by_fed = profile(loads["grounded"][0], args.new_tokens)
+        print(f"[profile] batch 1 step time by tokens fed: {by_fed}", flush=True)
+        for b in prof:
+            for s in ("off", "on"):
+                m = prof[b][s]
+                print(f"[profile] batch {b} {'decode' if s == 'off' else 'verify'}: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(m.items())), flush=True)
+        micro = gdn_micro(cfg)
+
+    plen = {name: (min(map(len, p)), max(map(len, p))) for name, (p, _) in loads.items()}
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --repeats {args.repeats} "
+           f"--new-tokens {args.new_tokens}")
+    table = ["| workload | batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length "
+             "| verify steps | output tokens from the prompt / repeating itself |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** "
+                     f"| {r['cpu_ratio']:.2f}x | {r['accept']:.2f} | {r['steps']} | {r['from_prompt']:.0%} / "
+                     f"{r['from_self']:.0%} |")
+    by = {(r["workload"], r["batch"]): r for r in rows}
+    g1, g8 = by[("grounded", 1)], by[("grounded", NUM_PROMPTS)]
+    r1, r8 = by[("repetitive", 1)], by[("repetitive", NUM_PROMPTS)]
+    met1 = g1["ratio"] >= 2.0 and g1["cpu_ratio"] >= 2.0
+    met8 = g8["ratio"] >= 1.3 and g8["cpu_ratio"] >= 1.3
+    best_probe = max(share for _, share in probe)
+    probe_list = "; ".join(f"{name} {share:.0%}" for name, share in probe)
+    top = ""
+    if "top_match" in g1:
+        text, count, total = g1["top_match"]
+        top = f" ({'all' if count == total else f'{count} of'} {total} matches are the 4-gram {text!r})"
+    if best_probe < 0.2:
+        copy_bullet = f"""* **The default model does not copy from its prompt.** Its greedy output on *grounded* shares
+  {g1['from_prompt']:.0%} of its 4-grams with the passage it was asked to repeat{top}, and no prompt form that
+  invites copying makes it copy (share of output 4-grams found in the text to copy, 64 greedy tokens: {probe_list}).
+  A model trained on 1.5M tokens has no working induction. What the drafter hits is the model's
+  own greedy loops ({g1['from_self']:.0%} of the output's 4-grams repeat earlier output), hence accept lengths
+  of {g1['accept']:.2f} / {g8['accept']:.2f} on *grounded* and {r1['accept']:.2f} / {r8['accept']:.2f} on *repetitive*
+  (batch 1 / {NUM_PROMPTS}), vs {SGLANG_ACCEPT}. This workload cannot show what n-gram drafting gives
+  on a model that copies its input; *repetitive* stands in for one with a higher accept length."""
+    else:
+        copy_bullet = f"""* The default model copies from its prompt in some forms (share of output 4-grams found in the
+  text to copy, 64 greedy tokens: {probe_list}); on *grounded* {g1['from_prompt']:.0%} of its output 4-grams come from
+  the passage. Accept lengths {g1['accept']:.2f} / {g8['accept']:.2f} on *grounded*, {r1['accept']:.2f} / {r8['accept']:.2f}
+  on *repetitive* (batch 1 / {NUM_PROMPTS}), vs {SGLANG_ACCEPT}."""
+    slower = [r for r in rows if r["cpu_ratio"] < 1.0]
+    faster = [r for r in rows if r["cpu_ratio"] >= 1.0]
+    cases = "; ".join(f"*{r['workload']}* batch {r['batch']}: {r['cpu_ratio']:.2f}x at accept length {r['accept']:.2f}"
+                      for r in rows)
+    if slower:
+        speed_bullet = f"""* **Speculation is slower than plain decoding in {len(slower)} of {len(rows)} cases** (CPU-time ratios: {cases}).
+  {"It gains only where the accept length is high and the batch is 1. " if faster else ""}A verify step costs more than
+  accept length × a decode step, and far more so at batch {NUM_PROMPTS}. Where its time goes is below."""
+    else:
+        speed_bullet = f"""* Speculation is faster than plain decoding in every case here (CPU-time ratios: {cases})."""
+    body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
+
+Speculation: `speculative_algorithm="ngram"`, `speculative_num_draft_tokens=4` (3 drafts per verify
+step), match windows 1..12. {NUM_PROMPTS} prompts per workload, {args.new_tokens} new tokens each (`ignore_eos`);
+batch 1 = the prompts one after the other, batch {NUM_PROMPTS} = all at once. Prefix cache on; prompts
+cached by a warm-up run, so the timed runs are generation ({sum(r['cached_total'] for r in rows)} of {sum(r['prompt_tokens'] for r in rows)} prompt tokens hit).
+Runs of the two engines interleaved (per prompt at batch 1), medians of {args.repeats}. tok/s = output tokens / wall
+time; the CPU-time column is the same ratio in process CPU time (1 thread: the work itself, not what the
+other jobs on this shared 2-core machine leave of it; trust it where the two disagree). Accept length = output
+tokens per verify step (accepted drafts + the bonus token). *grounded*: chat template around
+"Repeat the following text exactly:" + a ShareGPT assistant message ({plen['grounded'][0]}–{plen['grounded'][1]}
+prompt tokens). *repetitive* (synthetic): raw-text prompts that already repeat a phrase or list
+({plen['repetitive'][0]}–{plen['repetitive'][1]} tokens). Last column: share of the (greedy) output tokens whose
+4-gram occurs in the text to copy (the passage without the template; the whole prompt for *repetitive*)
+/ earlier in the output. Speculation on and off gave **identical greedy token
+ids** in every run (checked by the script).
+
+{chr(10).join(table)}
+
+**Targets (grounded workload: ≥ 2x tokens/s at batch 1, ≥ 1.3x at batch {NUM_PROMPTS}): {"met" if met1 else "not met"}
+at batch 1 ({g1['ratio']:.2f}x wall, {g1['cpu_ratio']:.2f}x CPU time), {"met" if met8 else "not met"} at batch {NUM_PROMPTS}
+({g8['ratio']:.2f}x wall, {g8['cpu_ratio']:.2f}x CPU time).**
+
+{copy_bullet}
+{speed_bullet}
+"""
+    if prof is not None:
+        p1, p8 = prof[1], prof[NUM_PROMPTS]
+        tot = {(b, s): prof[b][s]["schedule"] + prof[b][s]["forward"] + prof[b][s]["process"] for b in prof for s in ("off", "on")}
+        gdn = {(b, s): prof[b][s].get("gated delta rule", 0.0) for b in prof for s in ("off", "on")}
+        mrow = {m["batch"]: m for m in micro}
+        nl = cfg.num_linear_layers
+        full = SPEC["speculative_num_draft_tokens"]
+        f4 = by_fed["on"].get(full)
+        est = {b: tot[(b, "on")] - gdn[(b, "on")] + nl * mrow[b]["loop"] for b in prof}
+        if f4 is not None:  # batch 1: a step that feeds all 4 tokens
+            est[1] = f4[0] - f4[2] + nl * mrow[1]["loop"]
+        body += f"""
+Where the time goes: one verify step (speculation on) vs one plain decode step (off), *grounded*
+prompts, CPU time of the scheduler thread by component (functions the layers call, wrapped in-process;
+medians over all steps of one run; the verify step's tokens fed include zero-draft steps).
+
+{profile_table(prof, cfg.num_linear_layers, cfg.num_hidden_layers - cfg.num_linear_layers)}
+
+Batch 1, whole step by tokens fed (median ms, steps): plain decode {by_fed['off'][1][0]:.2f} ms;
+verify {", ".join(f"{n} token{'s' if n > 1 else ''} {ms:.2f} ms ({c})" for n, (ms, c, _) in by_fed['on'].items())}.
+A verify step that feeds only the last token (no draft) costs {by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a
+decode step; break-even needs accept length ≥ verify / decode step time.
+
+* **The gated delta rule is the verify step's cost**: {gdn[(1, 'on')]:.1f} ms of {tot[(1, 'on')]:.1f} ms at batch 1
+  and {gdn[(NUM_PROMPTS, 'on')]:.1f} ms of {tot[(NUM_PROMPTS, 'on')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
+  in a decode step. The verify step runs through `forward_extend`, so its 1–4 tokens per request go
+  through the *prefill* kernel `chunk_gated_delta_rule_varlen` with `chunk_size=64`: every request's
+  few tokens are padded to a 64-token chunk ([B, H, 64, 64] UT transform, two triangular solves),
+  plus `_states_inside_chunks` for the per-token states. Kernel micro-benchmark, one layer, 4 tokens and 3
+  per-token states per request: chunked {mrow[1]['chunked']:.2f} ms (batch 1) / {mrow[NUM_PROMPTS]['chunked']:.2f} ms (batch {NUM_PROMPTS});
+  a per-token recurrent loop on the gathered states (the decode update applied 4 times, states
+  copied out after tokens 1–3; same outputs and states, checked) {mrow[1]['loop']:.2f} / {mrow[NUM_PROMPTS]['loop']:.2f} ms;
+  the plain decode kernel {mrow[1]['decode']:.2f} / {mrow[NUM_PROMPTS]['decode']:.2f} ms. A zero-draft step (1 token per request) pays
+  the chunked kernel too: {mrow[1]['one_token_chunked']:.2f} / {mrow[NUM_PROMPTS]['one_token_chunked']:.2f} ms per layer instead of {mrow[1]['decode']:.2f} / {mrow[NUM_PROMPTS]['decode']:.2f}.
+* The n-gram drafter and the acceptance are not the problem: propose {p1['on'].get('n-gram drafter (propose)', 0):.2f} /
+  {p8['on'].get('n-gram drafter (propose)', 0):.2f} ms per step, `verify()` {p1['on'].get('verify(): acceptance, logprobs', 0):.2f} / {p8['on'].get('verify(): acceptance, logprobs', 0):.2f} ms.
+* Suggestions (engine side), in order of effect: (1) run the verify step's linear-attention layers with
+  a per-token recurrent path (the decode update looped over ≤ `speculative_num_draft_tokens`
+  positions, masked for shorter drafts, per-token states written to the scratch slots), or at least
+  a `chunk_size` of the next power of two ≥ the longest fed length. Estimate from the measurements
+  above (gated-delta time of the step replaced by {nl} × the token loop at 4 tokens per request): a
+  batch-1 verify step feeding all 4 tokens {est[1]:.1f} ms = {est[1] / tot[(1, 'off')]:.2f}x a decode step; the median batch-{NUM_PROMPTS}
+  step {est[NUM_PROMPTS]:.1f} ms = {est[NUM_PROMPTS] / tot[(NUM_PROMPTS, 'off')]:.2f}x (an upper bound: it feeds fewer than 4 tokens per request).
+  Speculation would then pay from those accept lengths on; ≥ 2x at batch 1 would need an accept length
+  ≥ {2 * est[1] / tot[(1, 'off')]:.1f}. (2) When no request of the batch has drafts, run the verify step
+  as a plain decode forward (`is_decode=True`; the scheduler path stays the same, so the issue's
+  zero-draft rule holds): today such a step costs {by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a decode step. (3) The other
+  layers' cost grows with the tokens fed (linear layers, conv, attention: not free on a CPU at this
+  size), so drafts that are rejected cost time: skip drafts from short (1–2 token) matches or after
+  repeated rejections (adaptive draft length), and let a match that runs into the end of the history
+  continue periodically (in a loop of period p the drafter now proposes at most p tokens). (4) Minor:
+  `_process_verify` commits request by request (one `state_pool.copy` per rejecting request):
+  process takes {p8['on']['process']:.2f} ms per verify step at batch {NUM_PROMPTS} vs {p8['off']['process']:.2f} ms for decode; batch the copies.
+"""
+    print(body)
+    if not args.no_write:
+        write_section("Speculative decoding", body)
+
+
+if __name__ == "__main__":
+    main()
