@@ -173,6 +173,8 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
     req.output_ids += phrase[5:7]  # the index grows incrementally
     assert d.propose(req, 2) == phrase[7:9]
     assert d.propose(Req(rid="s", input_ids=[1, 2, 3], sampling=req.sampling), 4) == []
+    loop = Req(rid="loop", input_ids=[7, 1, 2, 3, 1, 2, 3, 1, 2], sampling=req.sampling)
+    assert d.propose(loop, 4) == [3, 1, 2, 3]  # a period-3 loop proposed past the end of the history
     with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref, \
             Engine(qwen3_next_dense_path, speculative_algorithm="ngram", debug_checks=True, **POOLS) as eng:
         want = ref.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)

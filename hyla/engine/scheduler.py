@@ -140,11 +140,11 @@ class Scheduler:
         """The model forward; on failure nothing of the step stays allocated. ``[B, V]`` logits."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
         try:
-            if batch.verify:
+            if batch.verify and max(batch.lens) > 1:
                 ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
                 return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
-            if batch.is_decode:
+            if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 return self.runner.forward_decode(batch.reqs, loc)
             return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward)
         except Exception:

@@ -50,7 +50,8 @@ class NgramDrafter:
 
     For ``n`` from ``max_n`` down to ``min_n``: if the last ``n`` tokens occurred earlier in the
     prompt or output, propose the (up to ``num_draft``) tokens that followed their most recent
-    earlier occurrence. The per-request index (n-gram → position after it) grows by the new tokens
+    earlier occurrence — continued periodically where they reach the end of the history (a loop
+    of period ``p`` is proposed in full, not cut at ``p`` tokens). The per-request index (n-gram → position after it) grows by the new tokens
     of each step, so a proposal costs O(new tokens · (max_n - min_n + 1)), not O(context).
     """
 
@@ -72,7 +73,10 @@ class NgramDrafter:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             pos = index.after.get(tuple(tokens[-n:]))
             if pos is not None:
-                return tokens[pos:pos + limit]
+                # the match's continuation runs up to the end of the history; beyond it, a text
+                # that repeats with period len - pos goes on repeating
+                period = len(tokens) - pos
+                return [tokens[pos + i % period] for i in range(limit)]
         return []
 
 
