@@ -57,7 +57,15 @@ from hyla.cache.allocator import as_index_array
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.lazy_heap import LazyHeap
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
-from hyla.cache.radix_types import EMPTY_SLOTS, InsertResult, MatchResult, TreeNode, concat_slots
+from hyla.cache.radix_types import (
+    EMPTY_SLOTS,
+    KV_ORDER,
+    STATE_ORDER,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    concat_slots,
+)
 from hyla.cache.state_pool import StatePool
 
 
@@ -92,8 +100,8 @@ class RadixCache:
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._ids = itertools.count(1)
-        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate)
-        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate)
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, KV_ORDER)
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, STATE_ORDER)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -528,9 +536,7 @@ class RadixCache:
             kv_out.append(node.value)
             if node.state is not None:
                 state_out.append(self._take_state(node))
-            node.removed = True
-            self._kv_heap.discard(node)
-            self._state_heap.discard(node)
+            node.removed = True  # its heap entries are dropped lazily: it is no candidate any more
             self._num_nodes -= 1
             if self._on_remove is not None:
                 self._on_remove(node)

@@ -10,7 +10,10 @@ from typing import Any, Hashable, Iterator
 import numpy as np
 import torch
 
+from hyla.cache.lazy_heap import NO_ENTRY
+
 EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
+KV_ORDER, STATE_ORDER = range(2)  # the tree's eviction orders: their slots in heap_marks
 
 
 def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
@@ -28,7 +31,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "parent", "children", "child_key", "key", "value", "depth", "state",
-        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
+        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data", "heap_marks",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", child_key: Hashable, key: tuple,
@@ -47,6 +50,7 @@ class TreeNode:
         self.state_access = now  # checkpoint recency
         self.removed = False
         self.policy_data: Any = None
+        self.heap_marks = [NO_ENTRY, NO_ENTRY]  # per eviction order: its live LazyHeap entry
 
     @property
     def num_tokens(self) -> int:
