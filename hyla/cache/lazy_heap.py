@@ -1,7 +1,7 @@
 """A min-heap of eviction candidates with lazy invalidation: the radix tree's eviction orders.
 
-The tree keeps one ``LazyHeap`` per eviction order (KV leaves, checkpoints). Nothing is ever
-removed from the middle of the heap:
+The tree keeps one ``LazyHeap`` per eviction order (KV leaves, checkpoints, replaceable
+checkpoints). Nothing is ever removed from the middle of the heap:
 
 * ``push(node)`` enters ``node`` at its current priority if it is a candidate. Each node has at
   most one live entry per heap: the node's ``heap_marks[slot]`` holds the sequence number of that
