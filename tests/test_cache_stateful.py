@@ -6,7 +6,8 @@ state it holds. Requests follow the engine's flow: match → lock → copy the h
 an own slot → allocate the miss → "prefill" (write fingerprints) → insert with forked checkpoints
 → take the tree's canonical slots and move the lock → finish (insert the live state, unlock, free
 the own slot and private tail) or abort. Interleaved with lookups, held KV/state locks, dry-run
-branch points, and both evictions. After every step:
+branch points, both evictions, and the eviction that makes room for speculative checkpoints (which
+may take only speculative or superseded ones). After every step:
 
 * every KV page and every state slot is free xor owned exactly once (tree, or one request);
 * lock counts are never negative, evictable + protected = total (``check_integrity``);
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hyla.cache import KVPool, RadixCache, StatePool, TreeNode
+from hyla.cache import Checkpoint, KVPool, RadixCache, StatePool, TreeNode
 
 BASES = [[(i * 7 + b * 3) % 5 for i in range(96)] for b in range(3)]  # shared prefixes
 NAMESPACES = {None: 0.0, "lora": 1.0}
@@ -49,6 +50,7 @@ class Req:
     protected_len: int  # kv[:protected_len] are the tree's (locked through `node`), the rest ours
     node: TreeNode
     slot: int | None  # own state slot (hybrid)
+    branch: int | None = None  # the tree's branch point at admission: where the engine wants a checkpoint
 
 
 fresh_prompts = st.tuples(  # (token ids, namespace): a cut of a shared base plus a random tail
@@ -162,10 +164,12 @@ class CacheMachine(RuleBasedStateMachine):
         self.write_kv(new, tokens, p, ns)  # "prefill"
         if self.hybrid:
             self.write_state(slot, ns, tokens)
-        self.reqs.append(Req(tokens, ns, res.kv_indices.tolist() + new, p, res.last_node, slot))
+        branch = cache.branch_point(tokens, namespace=ns)
+        self.reqs.append(Req(tokens, ns, res.kv_indices.tolist() + new, p, res.last_node, slot, branch))
 
-    def insert(self, req: Req, ckpt_lengths: list[int], live_checkpoint: bool) -> None:
-        """Insert what ``req`` computed, adopt the tree's canonical slots, move the lock."""
+    def insert(self, req: Req, ckpt_lengths: list[int], live_checkpoint: bool, speculative: bool = False) -> None:
+        """Insert what ``req`` computed, adopt the tree's canonical slots, move the lock. The
+        checkpoints at ``ckpt_lengths`` are ``speculative`` (the live one never is)."""
         ckpts = []
         if self.hybrid:
             wanted = sorted(set(ckpt_lengths) - {len(req.tokens)})
@@ -175,7 +179,8 @@ class CacheMachine(RuleBasedStateMachine):
                 slots = self.state_pool.alloc(len(wanted)).tolist()
                 for length, s in zip(wanted, slots):
                     self.write_state(s, req.namespace, req.tokens[:length])  # a forked state
-                ckpts = list(zip(wanted, slots))
+                ckpts = [Checkpoint(length, s, speculative and length in ckpt_lengths)
+                         for length, s in zip(wanted, slots)]
         res = self.cache.insert(req.tokens, torch.tensor(req.kv), ckpts, namespace=req.namespace)
         n = len(req.tokens) - len(req.tokens) % self.ps
         assert res.last_node.depth == n and res.num_existing <= n
@@ -188,12 +193,15 @@ class CacheMachine(RuleBasedStateMachine):
         req.node, req.protected_len = res.last_node, n
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def cache_unfinished(self, data) -> None:
+    @rule(data=st.data(), speculative=st.booleans())
+    def cache_unfinished(self, data, speculative: bool) -> None:
         req = data.draw(st.sampled_from(self.reqs))
         n = len(req.tokens) - len(req.tokens) % self.ps
         lengths = data.draw(st.lists(st.integers(1, max(1, n // self.ps)), max_size=3)) if n else []
-        self.insert(req, [k * self.ps for k in lengths], live_checkpoint=False)
+        lengths = [k * self.ps for k in lengths]
+        if req.branch and data.draw(st.booleans()):
+            lengths.append(req.branch)
+        self.insert(req, lengths, live_checkpoint=False, speculative=speculative)
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -258,6 +266,17 @@ class CacheMachine(RuleBasedStateMachine):
         evictable = self.cache.evictable_checkpoints()
         freed = self.cache.evict_state(num_slots)
         assert freed == min(num_slots, evictable)
+
+    @precondition(lambda self: self.hybrid)
+    @rule(num_slots=st.integers(1, 3))
+    def evict_state_for_speculative(self, num_slots: int) -> None:
+        """One checkpoint at a time: one is freed iff an unlocked replaceable one exists, and it is one of those."""
+        for _ in range(num_slots):
+            replaceable = {n.state for n in self.cache.nodes() if n.replaceable and not n.state_lock}
+            before = {n.state for n in self.cache.nodes() if n.state is not None}
+            freed = self.cache.evict_state(1, for_speculative=True)
+            gone = before - {n.state for n in self.cache.nodes() if n.state is not None}
+            assert freed == len(gone) == min(1, len(replaceable)) and gone <= replaceable
 
     def held_state_leaves(self) -> bool:
         """State-locked nodes keep their KV out of eviction although counted evictable."""

@@ -12,7 +12,6 @@ import torch
 from hyla.cache.layout import CacheLayout
 from hyla.sim.models import CostModel
 from hyla.sim.policies import (
-    HylaEviction,
     block_admission,
     fed_len,
     hyla_admission,
@@ -133,6 +132,20 @@ def test_superseded_checkpoints_go_before_another_chat():
     assert _hits("hyla", TWO_CHATS, 490) == [0, 0, 10, 11, 10]
 
 
+def test_a_speculative_checkpoint_takes_the_place_of_a_superseded_one_never_of_a_live_one():
+    """520 bytes. The chat takes 328 (10 + 1 tokens of KV, its speculative A@9 and A@10, superseded
+    by A@11, and A@11). Q's prompt needs 160 for its KV and final checkpoint, leaving 32 bytes: its
+    speculative checkpoint at 9 does not fit into free memory, so it replaces the chat's oldest
+    superseded checkpoint (A@9) — not the live A@11. A repeat of Q's prompt then hits 9 of its 10
+    tokens, and the chat's next turn still hits its 11."""
+    chat = [Req("A", 0, 0.0, A[:10], [A[10]]), Req("A", 1, 1.0, A[:11], [A[11]])]
+    q = list(range(300, 311))
+    trace = chat + [Req("Q", 0, 2.0, q[:10], [q[10]]), Req("R", 0, 3.0, q[:10], [7]),
+                    Req("A", 2, 4.0, A[:12], [A[12]])]
+    assert _hits("hyla", trace, 520, alpha=0.0) == [0, 10, 0, 9, 11]
+    assert _hits("hyla", trace, 520) == [0, 10, 0, 9, 11]
+
+
 def _session_root(node) -> int:
     while node.parent.parent is not None:
         node = node.parent
@@ -143,8 +156,7 @@ def test_superseded_detection():
     sim = Simulator(SimConfig(TOY, "hyla", BIG, policy_options=(("alpha", 0.0),)))
     for r in TWO_CHATS[:4]:
         sim.serve(r)
-    ev: HylaEviction = sim.policy.eviction
-    live = {n.depth: ev.superseded(n) for n in sim.tree.nodes() if n.state is not None and _session_root(n) == A[0]}
+    live = {n.depth: n.superseded for n in sim.tree.nodes() if n.state is not None and _session_root(n) == A[0]}
     assert live == {9: True, 10: True, 11: True, 12: False}  # only A's newest checkpoint is live
 
 

@@ -9,12 +9,13 @@ from hyla.cache.layout import CacheLayout
 from hyla.cache.memory import MemorySplit, split_memory
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
 from hyla.cache.radix_cache import RadixCache
-from hyla.cache.radix_types import InsertResult, MatchResult, TreeNode
+from hyla.cache.radix_types import Checkpoint, InsertResult, MatchResult, TreeNode
 from hyla.cache.req_pool import ReqToTokenPool
 from hyla.cache.state_pool import StatePool
 
 __all__ = [
     "CacheLayout",
+    "Checkpoint",
     "EvictionPolicy",
     "InsertResult",
     "KVPool",

@@ -34,13 +34,17 @@ add up to ``total_size()``. ``inc_state_lock(node)`` protects one node's checkpo
 
 Eviction
 --------
-Two orders, each a ``LazyHeap`` ordered by the pluggable ``EvictionPolicy`` (LRU by default):
-``evict(n)`` deletes unlocked leaves (their checkpoints go with them), ``evict_state(n)`` takes
-unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone). With a state
-pool, a parent left as an unlocked tombstone leaf is deleted at once: no checkpoint at or below
-it, its KV can never serve a hit. A node enters a heap when it *becomes* a candidate (new leaf or
-checkpoint, last child evicted, lock released), not on every access: a call costs O(k log n)
-amortized for k evictions, and a hit costs no heap operation at all.
+Three orders, each a ``LazyHeap`` ordered by the pluggable ``EvictionPolicy`` (LRU by default):
+``evict(n)`` deletes unlocked leaves (their checkpoints go with them); ``evict_state(n)`` takes
+unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone);
+``evict_state(n, for_speculative=True)`` takes only *replaceable* ones — speculative (stored on a
+guess, no hit yet) or superseded (a deeper checkpoint on its single-child path). That is the rule
+for speculative checkpoints: they go only into free memory or in place of replaceable ones, never
+pushing out one that has served a hit or ends a finished turn. With a state pool, a parent left as
+an unlocked tombstone leaf is deleted at once: no checkpoint at or below it, its KV can never serve
+a hit. A node enters a heap when it *becomes* a candidate (new leaf or checkpoint, last child
+evicted, lock released, a deeper checkpoint on its single-child path), not on every access: a
+call costs O(k log n) amortized for k evictions, and a hit costs no heap operation at all.
 
 Everything here is single-threaded: the scheduler is the only caller (as in SGLang).
 """
@@ -57,7 +61,17 @@ from hyla.cache.allocator import as_index_array
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.lazy_heap import LazyHeap
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
-from hyla.cache.radix_types import EMPTY_SLOTS, InsertResult, MatchResult, TreeNode, concat_slots
+from hyla.cache.radix_types import (
+    EMPTY_SLOTS,
+    KV_ORDER,
+    REPLACEABLE_ORDER,
+    STATE_ORDER,
+    Checkpoint,
+    InsertResult,
+    MatchResult,
+    TreeNode,
+    concat_slots,
+)
 from hyla.cache.state_pool import StatePool
 
 
@@ -92,8 +106,9 @@ class RadixCache:
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._ids = itertools.count(1)
-        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate)
-        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate)
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, KV_ORDER)
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, STATE_ORDER)
+        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate, REPLACEABLE_ORDER)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -106,6 +121,7 @@ class RadixCache:
         self._evictable_states = 0  # checkpoints with state_lock == 0
         self._kv_heap.clear()
         self._state_heap.clear()
+        self._replaceable_heap.clear()
 
     # ------------------------------------------------------------------------------------------
     # sizes
@@ -167,6 +183,7 @@ class RadixCache:
         last = usable[-1]
         if self.state_pool is not None:  # refresh the one checkpoint the hit uses, not those above it
             last.state_access = now  # its state-heap entry is re-placed lazily when popped
+            last.speculative = False  # it served a hit: an ordinary checkpoint from now on
             if self._on_access is not None:
                 self._on_access(last, True)
         return MatchResult(last.depth, last, last.state, off, kv_only_node, values, num_usable)
@@ -249,7 +266,7 @@ class RadixCache:
         self,
         token_ids: Sequence[int] | torch.Tensor,
         kv_indices: torch.Tensor | np.ndarray | Sequence[int],
-        checkpoints: Iterable[tuple[int, int]] = (),
+        checkpoints: Iterable[Checkpoint | tuple[int, int]] = (),
         namespace: Hashable = None,
     ) -> InsertResult:
         """Cache ``token_ids`` (rounded down to whole pages) with their KV slots ``kv_indices``.
@@ -259,10 +276,12 @@ class RadixCache:
         frees the caller's slots that duplicate what it has (slots equal to the tree's own, e.g. a
         matched prefix, are left alone).
 
-        ``checkpoints`` are ``(length, state_slot)`` pairs (a state pool is needed for any): each
-        slot, freshly forked for the tree, goes on the node ending at ``length`` (splitting an edge
-        there if needed); on a node that already holds one it is a duplicate and is freed, on a
-        tombstone it revives the node. Raises ValueError (and changes nothing) on bad input.
+        ``checkpoints`` are ``Checkpoint(length, slot, speculative=False)`` or plain
+        ``(length, slot)`` pairs (a state pool is needed for any): each slot, freshly forked for
+        the tree, goes on the node ending at ``length`` (splitting an edge there if needed); on a
+        node that already holds one it is a duplicate and is freed (an ordinary duplicate makes a
+        speculative checkpoint there ordinary), on a tombstone it revives the node. Raises
+        ValueError (and changes nothing) on bad input.
         """
         tokens, n = self._tokens(token_ids)
         kv = as_index_array(kv_indices)
@@ -294,17 +313,20 @@ class RadixCache:
         last = path[-1] if path else self.root
         return InsertResult(off, last, num_new, [node.value for node in path])
 
-    def _check_checkpoints(self, checkpoints: Iterable[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-        """Validate ``(length, slot)`` pairs against a key of ``n`` whole-page tokens; sorted by length."""
+    def _check_checkpoints(self, checkpoints: Iterable[Checkpoint | tuple[int, int]], n: int) -> list[Checkpoint]:
+        """Validate checkpoints against a key of ``n`` whole-page tokens; sorted by length."""
         ps = self.page_size
-        out: list[tuple[int, int]] = []
+        out: list[Checkpoint] = []
         for item in checkpoints:
             if self.state_pool is None:
                 raise ValueError("a RadixCache without a state_pool stores no state checkpoints")
             try:
-                length, slot = map(int, item)
+                length, slot, *flag = item
+                length, slot = int(length), int(slot)
             except (TypeError, ValueError):
-                raise ValueError(f"a checkpoint is a (length, slot) pair of ints, got {item!r}") from None
+                raise ValueError(f"a checkpoint is a (length, slot[, speculative]) tuple, got {item!r}") from None
+            if len(flag) > 1 or (flag and not isinstance(flag[0], (bool, np.bool_))):
+                raise ValueError(f"a checkpoint is a (length, slot[, speculative: bool]) tuple, got {item!r}")
             if length % ps or not 1 <= length <= n:
                 raise ValueError(
                     f"checkpoint length {length} must be a multiple of page_size={ps} within the key's "
@@ -313,21 +335,21 @@ class RadixCache:
                 raise ValueError(f"state slot {slot} already belongs to the tree (pass a forked slot)")
             if not self.state_pool.is_allocated_slot(slot):
                 raise ValueError(f"checkpoint slot {slot} is not an allocated state-pool slot")
-            out.append((length, slot))
+            out.append(Checkpoint(length, slot, bool(flag and flag[0])))
         if len(out) > 1:
-            if len({length for length, _ in out}) != len(out) or len({slot for _, slot in out}) != len(out):
+            if len({c.length for c in out}) != len(out) or len({c.slot for c in out}) != len(out):
                 raise ValueError(f"checkpoint lengths and slots must be distinct: {out}")
             out.sort()
         return out
 
-    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int]], now: float) -> int:
+    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[Checkpoint], now: float) -> int:
         """Put each checkpoint on the path node ending at its length (splitting an edge there if
         needed). ``path`` covers the whole key from the root; it is updated in place by splits.
         Returns the number adopted; duplicates are freed."""
         duplicates: list[int] = []
         adopted = 0
         i = 0
-        for length, slot in ckpts:  # ascending, so i only moves forward
+        for length, slot, speculative in ckpts:  # ascending, so i only moves forward
             while path[i].depth < length:
                 i += 1
             node = path[i]
@@ -337,12 +359,16 @@ class RadixCache:
             node.state_access = now
             if node.state is None:  # a new node or a tombstone: adopt (revive)
                 node.state = slot
+                node.speculative = speculative
                 self._slot_owner[slot] = node
                 self._evictable_states += 1  # a tombstone has no state lock
-                self._state_heap.push(node)
+                self._push_state(node)
+                self._queue_superseded_from(node.parent)  # the checkpoint above may now be superseded
                 adopted += 1
             else:
                 duplicates.append(slot)
+                if not speculative:
+                    node.speculative = False  # confirmed: an ordinary checkpoint wants it too
             if self._on_access is not None:
                 self._on_access(node, True)
         if duplicates:
@@ -376,7 +402,7 @@ class RadixCache:
             self._on_create(leaf)
         self._kv_heap.push(leaf)
         if self.policy.structural:
-            self._state_heap.push(parent)
+            self._push_state(parent)
         return leaf
 
     def _split(self, child: TreeNode, k: int) -> TreeNode:
@@ -402,7 +428,7 @@ class RadixCache:
             self._on_create(upper)
         if self.policy.structural:
             self._kv_heap.push(child)
-            self._state_heap.push(child)
+            self._push_state(child)
         return upper
 
     # ------------------------------------------------------------------------------------------
@@ -455,7 +481,7 @@ class RadixCache:
         node.state_lock -= 1
         if node.state_lock == 0:
             self._evictable_states += 1
-            self._state_heap.push(node)
+            self._push_state(node)
             self._kv_heap.push(node)
 
     def _check_node(self, node: TreeNode) -> None:
@@ -481,17 +507,23 @@ class RadixCache:
         self._release(kv_out, state_out)
         return freed
 
-    def evict_state(self, num_slots: int) -> int:
+    def evict_state(self, num_slots: int, *, for_speculative: bool = False) -> int:
         """Free up to ``num_slots`` checkpoint slots in policy order; returns how many were freed
         (0 without a state pool). An unlocked leaf is deleted with its KV; any other node —
-        internal, or a leaf whose KV a request locks — becomes a tombstone."""
+        internal, or a leaf whose KV a request locks — becomes a tombstone.
+
+        ``for_speculative=True``: make room for speculative checkpoints, which may replace only
+        *replaceable* checkpoints (``TreeNode.replaceable``: speculative, or superseded by a deeper
+        one on their single-child path); returns fewer than ``num_slots`` when those run out, and
+        the caller stores fewer speculative checkpoints."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
+        heap = self._replaceable_heap if for_speculative else self._state_heap
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
         while freed < num_slots:
-            node = self._state_heap.pop()
+            node = heap.pop()
             if node is None:
                 break
             if not node.children and not node.lock_ref:
@@ -512,6 +544,26 @@ class RadixCache:
         """A node holding an unlocked checkpoint (state heap membership)."""
         return node.state is not None and not node.state_lock and not node.removed
 
+    def _replaceable_candidate(self, node: TreeNode) -> bool:
+        """A node holding an unlocked replaceable checkpoint (replaceable heap membership)."""
+        return not node.state_lock and not node.removed and node.replaceable
+
+    def _push_state(self, node: TreeNode) -> None:
+        """(Re-)queue ``node``'s checkpoint in the checkpoint orders it belongs to."""
+        self._state_heap.push(node)
+        self._replaceable_heap.push(node)
+
+    def _queue_superseded_from(self, node: TreeNode) -> None:
+        """A checkpoint appeared below ``node``, or ``node`` was left with a single child: the
+        nearest checkpoint at or above it whose single-child path leads here may have become
+        superseded. Queue it (the heap checks). O(length of that single-child path)."""
+        root = self.root
+        while node is not root and len(node.children) == 1:
+            if node.state is not None:
+                self._replaceable_heap.push(node)
+                return
+            node = node.parent
+
     def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int]) -> int:
         """Delete an unlocked leaf, its KV and checkpoint into the free lists; then, with a state
         pool, its parent if that became an unlocked tombstone leaf, and so on up. A parent that
@@ -528,9 +580,7 @@ class RadixCache:
             kv_out.append(node.value)
             if node.state is not None:
                 state_out.append(self._take_state(node))
-            node.removed = True
-            self._kv_heap.discard(node)
-            self._state_heap.discard(node)
+            node.removed = True  # its heap entries are dropped lazily: it is no candidate any more
             self._num_nodes -= 1
             if self._on_remove is not None:
                 self._on_remove(node)
@@ -539,7 +589,9 @@ class RadixCache:
             if parent.children or parent.lock_ref or parent.state is not None or self.state_pool is None:
                 self._kv_heap.push(parent)
                 if self.policy.structural:
-                    self._state_heap.push(parent)
+                    self._push_state(parent)
+                if len(parent.children) == 1 and self.state_pool is not None:
+                    self._queue_superseded_from(parent)  # a branch is gone: the path may now be single-child
                 return freed
             node = parent  # an unlocked tombstone leaf: no hit can ever use its KV
 
@@ -548,6 +600,7 @@ class RadixCache:
         slot = node.state
         del self._slot_owner[slot]
         node.state = None
+        node.speculative = False
         self._evictable_states -= 1
         return slot
 
@@ -567,7 +620,7 @@ class RadixCache:
         the tree already re-queues on everything it tracks."""
         self._check_node(node)
         self._kv_heap.push(node)
-        self._state_heap.push(node)
+        self._push_state(node)
 
     # ------------------------------------------------------------------------------------------
     # misc
@@ -639,12 +692,15 @@ class RadixCache:
                     evictable += n
                 if self._kv_candidate(child):
                     assert child in self._kv_heap, f"evictable leaf {child!r} missing from the KV heap"
+                assert child.state is not None or not child.speculative, f"speculative tombstone {child!r}"
                 if child.state is not None:
                     assert child.state not in held, f"state slot {child.state} is held twice"
                     held[child.state] = child
                     if not child.state_lock:
                         evictable_states += 1
                         assert child in self._state_heap, f"checkpoint of {child!r} missing from the state heap"
+                        assert child in self._replaceable_heap or not child.replaceable, \
+                            f"replaceable checkpoint of {child!r} missing from the replaceable heap"
                 stack.append(child)
             if node is not self.root:
                 assert node.lock_ref >= child_locks, f"lock_ref of {node!r} below its children's"
@@ -677,4 +733,4 @@ def _is_whole_pages(slots: np.ndarray, ps: int) -> bool:
     return not ((pages[:, 0] % ps).any() or (pages - pages[:, :1] != np.arange(ps)).any())
 
 
-__all__ = ["InsertResult", "MatchResult", "RadixCache", "TreeNode"]
+__all__ = ["Checkpoint", "InsertResult", "MatchResult", "RadixCache", "TreeNode"]

@@ -1,16 +1,21 @@
-"""What the radix tree is made of and what it hands out: ``TreeNode``, ``MatchResult``, ``InsertResult``.
+"""What the radix tree is made of, takes and hands out: ``TreeNode``, ``Checkpoint``,
+``MatchResult``, ``InsertResult``.
 
-Only ``RadixCache`` writes these; the engine, the simulator, eviction policies and tests read them.
+Only ``RadixCache`` writes nodes and results; the engine, the simulator, eviction policies and
+tests read them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Iterator
+from typing import Any, Hashable, Iterator, NamedTuple
 
 import numpy as np
 import torch
 
+from hyla.cache.lazy_heap import NO_ENTRY
+
 EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
+KV_ORDER, STATE_ORDER, REPLACEABLE_ORDER = range(3)  # the tree's eviction orders: their slots in heap_marks
 
 
 def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
@@ -22,13 +27,29 @@ def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(values))
 
 
+class Checkpoint(NamedTuple):
+    """A checkpoint handed to ``RadixCache.insert``: the state after ``length`` tokens, in state-pool
+    ``slot`` (a fresh fork the tree adopts). A plain ``(length, slot)`` pair means ``speculative=False``.
+
+    ``speculative``: it may never be used (a chunk boundary, a pending decode position, a branch
+    point or message end not yet confirmed). The tree remembers it until the checkpoint serves a
+    hit or the same position is inserted again as an ordinary checkpoint (then it is ordinary), and
+    makes room for speculative checkpoints only at the expense of other speculative or superseded
+    ones: ``evict_state(n, for_speculative=True)``.
+    """
+
+    length: int
+    slot: int
+    speculative: bool = False
+
+
 class TreeNode:
     """One edge of the tree and the node it ends at. Fields are read by policies and tests;
     only the tree writes them."""
 
     __slots__ = (
-        "id", "parent", "children", "child_key", "key", "value", "depth", "state",
-        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
+        "id", "parent", "children", "child_key", "key", "value", "depth", "state", "speculative",
+        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data", "heap_marks",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", child_key: Hashable, key: tuple,
@@ -41,12 +62,14 @@ class TreeNode:
         self.value = value  # KV slots of the edge, int64 [len(key)]
         self.depth = depth  # tokens from the root through this node
         self.state: int | None = None  # checkpoint slot: the state after this node's last token
+        self.speculative = False  # the checkpoint was stored speculatively and has served no hit yet
         self.lock_ref = 0  # KV locks on this node or below
         self.state_lock = 0  # locks on this node's checkpoint only
         self.last_access = now  # KV recency
         self.state_access = now  # checkpoint recency
         self.removed = False
         self.policy_data: Any = None
+        self.heap_marks = [NO_ENTRY, NO_ENTRY, NO_ENTRY]  # per eviction order: its live LazyHeap entry
 
     @property
     def num_tokens(self) -> int:
@@ -65,13 +88,33 @@ class TreeNode:
         return self.state is not None
 
     @property
+    def superseded(self) -> bool:
+        """The node holds a checkpoint, has exactly one child, and a deeper checkpoint lies on that
+        single-child path: every request that continues past it uses the deeper one, so it serves
+        only a request that branches off in between (in a chat, each turn supersedes the last)."""
+        if self.state is None:
+            return False
+        node = self
+        while len(node.children) == 1:
+            (node,) = node.children.values()
+            if node.state is not None:
+                return True
+        return False
+
+    @property
+    def replaceable(self) -> bool:
+        """The node holds a checkpoint that a speculative one may push out: speculative or superseded."""
+        return self.state is not None and (self.speculative or self.superseded)
+
+    @property
     def start(self) -> int:
         """Tokens from the root to the start of this node's edge."""
         return self.depth - len(self.key)
 
     def __repr__(self) -> str:
         return (f"TreeNode(id={self.id}, tokens=[{self.start}:{self.depth}], children={len(self.children)}, "
-                f"state={self.state}, lock_ref={self.lock_ref}, state_lock={self.state_lock})")
+                f"state={self.state}{' (speculative)' if self.speculative else ''}, lock_ref={self.lock_ref}, "
+                f"state_lock={self.state_lock})")
 
 
 class MatchResult:

@@ -17,6 +17,13 @@ KV leaf of lowest priority (vLLM-like blocks, and KV left without any checkpoint
 ranking depends on time or on other nodes (``VictimEviction``: marconi, hyla) pick their victim when
 memory is needed and hand it to the tree's heap at priority -inf; every other checkpoint waits at
 +inf.
+
+Speculative checkpoints (``Admission.optional``) follow the tree's rule, shared with the engine:
+they are inserted as ``Checkpoint(..., speculative=True)`` and go only into free memory or in place
+of *replaceable* checkpoints (``TreeNode.replaceable``: speculative ones that have served no hit,
+and superseded ones) — ``evict_one(tree, for_speculative=True)``, which ends in the tree's
+``evict_state(1, for_speculative=True)``. They never push out a checkpoint that has served a hit
+or ends a finished turn.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hyla.cache import EvictionPolicy, RadixCache, LRUPolicy, TreeNode
+from hyla.cache import EvictionPolicy, LRUPolicy, RadixCache, TreeNode
 from hyla.sim.models import CostModel
 from hyla.sim.trace import TraceRequest
 
@@ -39,8 +46,8 @@ class Admission:
     """What one request caches: its prompt (``prompt_len`` tokens, checkpoints at the given
     lengths) after prefill, then ``final_len`` tokens of prompt + output at its finish.
 
-    ``optional`` checkpoints (a subset of ``prompt_checkpoints``) go only into free memory: they
-    never make the cache evict anything.
+    ``optional`` checkpoints (a subset of ``prompt_checkpoints``) are speculative: they go only
+    into free memory or in place of replaceable checkpoints (speculative or superseded ones).
     """
 
     prompt_len: int
@@ -88,7 +95,7 @@ def hyla_admission(req: TraceRequest, hit: int, branch: int | None) -> Admission
     """The engine's admission, at exact positions: the branch point, the end of the prompt minus one
     (an identical prompt then hits all but the token it must compute), the caller's message
     boundaries, and after the last fed token. The prompt-end and boundary checkpoints are
-    speculative (``optional``): stored only into free memory."""
+    speculative (``optional``): stored only into free memory or in place of replaceable ones."""
     n = req.num_input_tokens
     final = fed_len(req)
     required = {branch} if branch is not None and hit < branch <= n else set()
@@ -128,10 +135,11 @@ def flops_per_byte(model: CostModel, node: TreeNode) -> float:
 class VictimEviction(EvictionPolicy):
     """Base of policies that pick the victim checkpoint themselves, at eviction time.
 
-    ``choose`` returns the checkpoint to evict; ``SimPolicy.evict_one`` marks it (``victim``) and
-    re-queues it with the tree's ``refresh_priority``, so it is the only entry of the tree's state
-    heap below +inf. KV leaves (in practice only garbage left without any checkpoint) go in LRU
-    order.
+    ``choose`` returns the checkpoint to evict among the candidates it is given (unlocked
+    checkpoints, or only replaceable ones); ``SimPolicy.evict_one`` marks it (``victim``) and
+    re-queues it with the tree's ``refresh_priority``, so it is the only entry of the tree's
+    checkpoint orders below +inf. KV leaves (in practice only garbage left without any checkpoint)
+    go in LRU order.
     """
 
     structural = False
@@ -142,8 +150,8 @@ class VictimEviction(EvictionPolicy):
         self.victim: int | None = None
 
     @abc.abstractmethod
-    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
-        """The checkpoint to evict next, or None."""
+    def choose(self, nodes: list[TreeNode], now: float) -> TreeNode | None:
+        """The checkpoint to evict next among ``nodes`` (unlocked nodes holding one), or None."""
 
     def kv_priority(self, node: TreeNode) -> float:
         return node.last_access
@@ -169,8 +177,8 @@ class MarconiEviction(VictimEviction):
     relative to the nearest checkpointed ancestor.)
     """
 
-    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
-        nodes = [n for n in tree.nodes() if n.state is not None and not n.state_lock and n.num_children <= 1]
+    def choose(self, nodes: list[TreeNode], now: float) -> TreeNode | None:
+        nodes = [n for n in nodes if n.num_children <= 1]
         if not nodes:
             return None
         eff = _normalize([flops_per_byte(self.model, n) for n in nodes])
@@ -182,30 +190,20 @@ class MarconiEviction(VictimEviction):
 class HylaEviction(VictimEviction):
     """hyla's eviction: superseded checkpoints first, then the fewest FLOPs saved per byte-age.
 
-    * A checkpoint is *superseded* when its node has exactly one child and a deeper checkpoint lies
-      on that single-child path: every request that continues past it uses the deeper one, so it
-      only serves a request that branches off before the deeper one. Superseded checkpoints go
-      first, least recently used first.
+    * A checkpoint is *superseded* (``TreeNode.superseded``, the tree's rule) when its node has
+      exactly one child and a deeper checkpoint lies on that single-child path: every request that
+      continues past it uses the deeper one, so it only serves a request that branches off before
+      the deeper one. Superseded checkpoints go first, least recently used first.
     * Otherwise the victim maximises ``age / u**α``: ``age`` = clock ticks since the checkpoint was
       last used (or stored), ``u`` = ``flops_per_byte``. ``α = 0`` is plain LRU; larger α keeps
       long, FLOP-dense prefixes longer than short ones.
     """
 
-    def superseded(self, node: TreeNode) -> bool:
-        n = node
-        while n.num_children == 1:
-            (n,) = n.children.values()
-            if n.state is not None:
-                return True
-        return False
-
-    def choose(self, tree: RadixCache, now: float) -> TreeNode | None:
+    def choose(self, nodes: list[TreeNode], now: float) -> TreeNode | None:
         best, best_key = None, (-1, 0.0)
-        for n in tree.nodes():
-            if n.state is None or n.state_lock:
-                continue
+        for n in nodes:
             age = max(now - n.state_access, 1.0)
-            if self.superseded(n):
+            if n.superseded:
                 key = (1, age)
             else:
                 key = (0, age / flops_per_byte(self.model, n) ** self.alpha if self.alpha else age)
@@ -238,18 +236,23 @@ class SimPolicy:
     def on_request(self, req: TraceRequest, hit: int) -> None:
         """Called once per request, right after its match."""
 
-    def evict_one(self, tree: RadixCache) -> bool:
-        """Free one unit (a checkpoint, or a KV leaf); False when nothing is left to evict."""
+    def evict_one(self, tree: RadixCache, for_speculative: bool = False) -> bool:
+        """Free one unit (a checkpoint, or a KV leaf); False when nothing is left to evict. With
+        ``for_speculative``, only a replaceable checkpoint: room for speculative checkpoints."""
         if isinstance(self.eviction, VictimEviction):
-            victim = self.eviction.choose(tree, self.clock.now)
+            nodes = [n for n in tree.nodes()
+                     if n.state is not None and not n.state_lock and (n.replaceable or not for_speculative)]
+            victim = self.eviction.choose(nodes, self.clock.now)
             if victim is not None:
                 self.eviction.victim = victim.id
                 tree.refresh_priority(victim)
-                freed = tree.evict_state(1)
+                freed = tree.evict_state(1, for_speculative=for_speculative)
                 self.eviction.victim = None
                 if freed:
                     return True
-            return tree.evict(1) > 0
+            return not for_speculative and tree.evict(1) > 0
+        if for_speculative:
+            return tree.evict_state(1, for_speculative=True) > 0
         if self.kv_first:
             return tree.evict(1) > 0 or tree.evict_state(1) > 0
         return tree.evict_state(1) > 0 or tree.evict(1) > 0
@@ -314,10 +317,10 @@ class MarconiPolicy(SimPolicy):
         self.tuned = True
         self.history = []
 
-    def evict_one(self, tree: RadixCache) -> bool:
+    def evict_one(self, tree: RadixCache, for_speculative: bool = False) -> bool:
         if self.first_eviction_at is None:
             self.first_eviction_at = max(1, len(self.history))
-        return super().evict_one(tree)
+        return super().evict_one(tree, for_speculative)
 
     def info(self) -> dict[str, Any]:
         return {"alpha": self.eviction.alpha, "tuned": self.tuned}

@@ -9,7 +9,10 @@ matters only through what the cache holds when a request arrives):
    ask the tree for its ``branch_point`` (a dry-run insert) and the policy's admission rule for
    the checkpoint positions of the prompt and of the finished sequence.
 3. "Prefill": make room (evict in policy order until the tree, plus what this request adds, fits
-   the byte budget), allocate the new KV and checkpoint slots, ``insert`` the prompt.
+   the byte budget), allocate the new KV and checkpoint slots, ``insert`` the prompt. Speculative
+   checkpoints (the admission's ``optional``) get room only from free memory or by replacing
+   speculative or superseded checkpoints (the tree's rule: ``evict_state(n, for_speculative=True)``),
+   and are inserted as speculative; if they still do not fit, they are left out.
 4. "Decode": the output tokens are allocated as the request's own KV; at the finish the sequence
    the engine holds — prompt + output minus the last sampled token, which is never fed — is
    inserted with a checkpoint at its end, so the next turn of a chat (whose input starts with this
@@ -35,7 +38,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from hyla.cache import RadixCache
+from hyla.cache import Checkpoint, RadixCache
 from hyla.sim.latency import LatencyModel
 from hyla.sim.models import CostModel
 from hyla.sim.policies import POLICIES, Admission, SimPolicy, make_policy
@@ -131,11 +134,12 @@ class Simulator:
     def _fits(self, num_tokens: int, num_states: int) -> bool:
         return self.used_bytes() + num_tokens * self._kvb + num_states * self._sb <= self.config.cache_bytes
 
-    def _make_room(self, num_tokens: int, num_states: int) -> bool:
-        """Evict in policy order until ``num_tokens`` KV + ``num_states`` checkpoints fit the budget."""
+    def _make_room(self, num_tokens: int, num_states: int, for_speculative: bool = False) -> bool:
+        """Evict in policy order until ``num_tokens`` KV + ``num_states`` checkpoints fit the budget;
+        ``for_speculative``: only replaceable checkpoints (speculative or superseded)."""
         while not self._fits(num_tokens, num_states):
             before = self.state_pool.used_size()
-            if not self.policy.evict_one(self.tree):
+            if not self.policy.evict_one(self.tree, for_speculative):
                 return False
             self.num_evicted_checkpoints += before - self.state_pool.used_size()
         return True
@@ -156,26 +160,30 @@ class Simulator:
         new_tokens = max(0, plan.prompt_len - node.depth, plan.final_len - node.depth)
         if not self._make_room(new_tokens, plan.num_required):
             stages = [self._trim(plan.without_optional(), node.depth)]
-        elif plan.optional and not self._fits(new_tokens, plan.num_required + len(plan.optional)):
-            stages = plan.without_optional().stages()  # speculative checkpoints only into free memory
+        elif plan.optional and not self._make_room(new_tokens, plan.num_required + len(plan.optional),
+                                                   for_speculative=True):
+            stages = plan.without_optional().stages()  # no room even in place of replaceable ones
         else:
             stages = plan.stages()
         if hit:
             tree.dec_state_lock(match.last_node)
         for length, positions in stages:
             if length > node.depth or positions:
-                node = self._insert(fill, length, positions, node)
+                node = self._insert(fill, length, positions, node, plan.optional)
         tree.dec_lock_ref(node)
         return RequestOutcome(hit, self.config.latency.ttft(self.model, len(inp), hit))
 
-    def _insert(self, fill: list[int], length: int, positions: Sequence[int], locked: Any) -> Any:
-        """Insert ``fill[:length]`` with checkpoints at ``positions`` (fresh slots), reusing the KV the
-        tree holds up to the locked node; moves the lock to the node the insert ends at."""
+    def _insert(self, fill: list[int], length: int, positions: Sequence[int], locked: Any,
+                speculative: frozenset[int]) -> Any:
+        """Insert ``fill[:length]`` with checkpoints at ``positions`` (fresh slots; those in
+        ``speculative`` marked so), reusing the KV the tree holds up to the locked node; moves the
+        lock to the node the insert ends at."""
         have = min(locked.depth, length)
         kv = self.tree.match_kv(fill[:have])
         new = self.kv_pool.alloc(length - have) if length > have else kv[:0]
         slots = self.state_pool.alloc(len(positions)).tolist()
-        res = self.tree.insert(fill[:length], torch.cat([kv, new]), checkpoints=list(zip(positions, slots)))
+        ckpts = [Checkpoint(p, s, p in speculative) for p, s in zip(positions, slots)]
+        res = self.tree.insert(fill[:length], torch.cat([kv, new]), checkpoints=ckpts)
         self.tree.inc_lock_ref(res.last_node)
         self.tree.dec_lock_ref(locked)
         return res.last_node
