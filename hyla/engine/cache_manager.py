@@ -47,18 +47,18 @@ from typing import Sequence
 
 import torch
 
-from hyla.cache import KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.request import Req
 
-Checkpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
+StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
 
 
 @dataclass
 class StepCheckpoints:
     """Checkpoint slots for one step: the model's form (``forward``) and the owner of each."""
 
-    forward: list[Checkpoint] = field(default_factory=list)
-    per_req: list[list[tuple[int, int]]] = field(default_factory=list)  # per request: (length, slot)
+    forward: list[StepCheckpoint] = field(default_factory=list)
+    per_req: list[list[Checkpoint]] = field(default_factory=list)  # per request: (length, slot, speculative)
 
     @property
     def slots(self) -> list[int]:
@@ -153,47 +153,56 @@ class CacheManager:
             offset += n
         return loc
 
-    def checkpoint_positions(self, req: Req, start: int, end: int) -> list[int]:
-        """Positions p in (start, end] whose state the tree wants, rounded down to the grid."""
+    def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool]]:
+        """``(position, speculative)`` for each p in (start, end] whose state the tree wants,
+        rounded down to the grid. The rule the simulator measured best (``hyla_admission``): the
+        branch point is required; chunk boundaries, the prompt end minus one and caller
+        boundaries are *speculative* — they may never be used, so they get room only from free
+        slots or in place of other speculative or superseded checkpoints."""
         if self.tree is None:
             return []
-        wanted = set(req.checkpoints)
-        if end < req.num_fill:
-            wanted.add(end)  # (1) chunk boundary of a chunked prefill
-        wanted.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
-        if req.branch_point:
-            wanted.add(req.branch_point)  # (3) where a future insert branches off the tree
         grid = self.grid
-        out = sorted({p - p % grid for p in wanted if 0 < p <= req.num_fill})
-        return [p for p in out if start < p <= end]
+        speculative = set(req.checkpoints)  # caller-given boundaries (message ends)
+        if end < req.num_fill:
+            speculative.add(end)  # (1) chunk boundary of a chunked prefill
+        speculative.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
+        required = {req.branch_point} if req.branch_point else set()  # (3) a future insert branches here
+        out: dict[int, bool] = {}
+        for p in speculative | required:
+            q = p - p % grid
+            if start < q <= end and 0 < q <= req.num_fill:
+                out[q] = out.get(q, True) and p not in required
+        return sorted(out.items())
 
-    def alloc_checkpoints(self, reqs: Sequence[Req], positions: Sequence[list[int]]) -> StepCheckpoints:
-        """Fresh state slots for the checkpoints at ``positions[i]`` (absolute, inside this step
-        of request i). Best effort: checkpoints only make later hits possible, fewer of them
-        never change an output. When short, the positions furthest into each prompt are kept."""
-        wanted = sum(len(p) for p in positions)
-        if wanted and not self._ensure_state(wanted):
-            room = self.state_pool.available_size()
-            ranked = sorted(((p, i) for i, ps in enumerate(positions) for p in ps), reverse=True)
-            keep = set(ranked[:room])
-            positions = [[p for p in ps if (p, i) in keep] for i, ps in enumerate(positions)]
-        num = sum(len(p) for p in positions)
-        slots = iter(self.state_pool.alloc(num).tolist() if num else [])
+    def alloc_checkpoints(self, reqs: Sequence[Req], positions: Sequence[list[tuple[int, bool]]]) -> StepCheckpoints:
+        """Fresh state slots for the checkpoints at ``positions[i]`` (``(absolute position,
+        speculative)``, inside this step of request i). Best effort: checkpoints only make later
+        hits possible, fewer of them never change an output. Required ones may evict any unlocked
+        checkpoint; speculative ones only replaceable ones. When short, the positions furthest
+        into each prompt are kept."""
+        keep: set[tuple[int, int]] = set()
+        for spec in (False, True):
+            ranked = sorted(((p, i) for i, ps in enumerate(positions) for p, s in ps if s == spec), reverse=True)
+            if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec):
+                ranked = ranked[:max(0, self.state_pool.available_size() - len(keep))]
+            keep.update(ranked)
+        slots = iter(self.state_pool.alloc(len(keep)).tolist() if keep else [])
         out = StepCheckpoints()
         for i, (r, ps) in enumerate(zip(reqs, positions)):
             mine = []
-            for p in ps:
-                slot = next(slots)
-                out.forward.append((i, p - r.kv_len, slot))
-                mine.append((p, slot))
+            for p, spec in ps:
+                if (p, i) in keep:
+                    slot = next(slots)
+                    out.forward.append((i, p - r.kv_len, slot))
+                    mine.append(Checkpoint(p, slot, spec))
             out.per_req.append(mine)
         return out
 
-    def commit(self, req: Req, n: int, ckpts: Sequence[tuple[int, int]] = (), insert: bool = True,
+    def commit(self, req: Req, n: int, ckpts: Sequence[Checkpoint] = (), insert: bool = True,
                states: Sequence[int] = ()) -> None:
         """The model has fed ``n`` tokens of ``req`` past ``kv_len``: advance ``kv_len`` by ``n``;
-        with ``insert`` (prefill steps) hand the computed whole pages and the ``(length, slot)``
-        checkpoints to the tree and take its canonical slots back.
+        with ``insert`` (prefill steps) hand the computed whole pages and the checkpoints to the
+        tree and take its canonical slots back.
 
         A verify step may have fed more tokens than it commits (rejected drafts): ``states[j]``
         then holds the state after ``kv_len + j + 1`` tokens; the live slot is reset to the state
@@ -310,7 +319,7 @@ class CacheManager:
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
-        elif self._ensure_state(1):
+        elif self._ensure_state(1, for_speculative=True):  # it may never be used: take no better one's room
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
             return
@@ -335,10 +344,12 @@ class CacheManager:
             avail = self.kv_pool.available_size()
         return avail >= num_tokens
 
-    def _ensure_state(self, num_slots: int) -> bool:
+    def _ensure_state(self, num_slots: int, for_speculative: bool = False) -> bool:
+        """Free state slots for ``num_slots``, evicting tree checkpoints if needed — for a
+        speculative use, only replaceable ones (speculative or superseded)."""
         avail = self.state_pool.available_size()
         if avail < num_slots and self.tree is not None:
-            self.num_evicted_states += self.tree.evict_state(num_slots - avail)
+            self.num_evicted_states += self.tree.evict_state(num_slots - avail, for_speculative=for_speculative)
             avail = self.state_pool.available_size()
         return avail >= num_slots
 

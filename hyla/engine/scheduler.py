@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from hyla.engine.cache_manager import CacheManager, Checkpoint, StepCheckpoints
+from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.speculative import NgramDrafter, verify
@@ -43,7 +43,7 @@ LPM_MAX_QUEUE = 128  # past this many waiting requests, LPM falls back to FCFS (
 
 class Runner(Protocol):
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpts: list[Checkpoint]) -> torch.Tensor: ...
+                       ckpts: list[StepCheckpoint]) -> torch.Tensor: ...
 
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor: ...
 
@@ -66,14 +66,14 @@ class Batch:
     is_decode: bool  # one step of every decoding request (a verify step with speculation on)
     reqs: list[Req] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
-    ckpt_pos: list[list[int]] = field(default_factory=list)  # absolute checkpoint positions per request
+    ckpt_pos: list[list[tuple[int, bool]]] = field(default_factory=list)  # per request: (position, speculative)
     ckpts: StepCheckpoints = field(default_factory=StepCheckpoints)  # their slots
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # KV slots the step writes, per allocation
     verify: bool = False  # speculative: feeds 1 + len(draft_ids) tokens per request, logits of all
     scratch: list[list[int]] = field(default_factory=list)  # verify: per request, state slot after fed token j+1
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
 
-    def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[int]) -> None:
+    def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[tuple[int, bool]]) -> None:
         self.reqs.append(req)
         self.lens.append(n)
         self.out_cache_loc.append(loc)
