@@ -89,9 +89,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
     cls = ARCHITECTURES[config.architecture].model_class
-    specs = cls.hf_weight_specs(config)
-
     reader, mtp_names = _index_checkpoint(path, cls)
+    specs = _choose_layouts(cls.hf_weight_specs(config), set(reader.files))
     _check_names(path, config, specs, set(reader.files))
 
     with torch.device("meta"):
@@ -143,6 +142,23 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_Tensor
             raise ValueError(f"{path}: tensors {original[normalised]!r} and {name!r} are the same weight")
         files[normalised], original[normalised] = file, name
     return _TensorReader(files, original), mtp
+
+
+def _choose_layouts(specs: list[WeightSpec], available: set[str]) -> list[WeightSpec]:
+    """One spec per parameter. An architecture whose checkpoints come in several layouts lists one
+    spec per layout for the same parameter (Qwen3.5-MoE: the published fused
+    ``experts.gate_up_proj`` or the per-expert tensors transformers' ``save_pretrained`` writes):
+    the first whose sources the checkpoint all holds is kept, else the first (whose missing tensors
+    the error then names). Order is kept."""
+    first: dict[str, int] = {}
+    chosen: list[WeightSpec] = []
+    for spec in specs:
+        if spec.target not in first:
+            first[spec.target] = len(chosen)
+            chosen.append(spec)
+        elif not set(chosen[first[spec.target]].sources) <= available and set(spec.sources) <= available:
+            chosen[first[spec.target]] = spec
+    return chosen
 
 
 def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], available: set[str]) -> None:
