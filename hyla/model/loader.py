@@ -2,9 +2,10 @@
 
 Steps: read ``config.json`` into a ``ModelConfig`` (which rejects unsupported architectures),
 pick the architecture class, index the checkpoint's tensors (single ``model.safetensors`` or
-sharded via ``model.safetensors.index.json``), check that they are exactly the tensors the
-architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``; an architecture may
-ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
+sharded via ``model.safetensors.index.json``), pick per parameter the first of the checkpoint
+layouts the architecture lists that the checkpoint holds (``_choose_layouts``), check that they are
+exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``;
+an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
 
 Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, or wrong shape.
