@@ -136,6 +136,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         cfg["tie_word_embeddings"] = cfg["tie_embedding"]
     cfg.setdefault("tie_word_embeddings", True)  # HF's LFM2 default
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
+    common["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 128_000))  # HF's LFM2 default
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
     hidden = int(cfg["hidden_size"])
     heads = int(hf_require(cfg, "num_attention_heads"))
@@ -148,7 +149,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if kernel < 2:
         raise ValueError(f"LFM2 conv_L_cache must be >= 2 (a causal conv window), got {kernel}")
     return dict(
-        **{**common, "max_position_embeddings": int(cfg.get("max_position_embeddings", 128_000))},
+        **common,
         model_type="lfm2",
         layer_types=_lfm2_layer_types(cfg, num_layers),
         ffn_types=("mlp",) * num_layers,
