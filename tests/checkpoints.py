@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
-Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_nemotron_h``, ``make_falcon_h1``, ``make_bamba``,
-``make_granite_h``) construct a tiny model with
+Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
+``make_bamba``, ``make_granite_h``, ``make_lfm2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -41,6 +41,13 @@ QWEN3_5_KW: dict[str, Any] = {
     k: v for k, v in QWEN3_NEXT_KW.items()
     if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                  "decoder_sparse_step", "norm_topk_prob", "mlp_only_layers")
+}
+
+# Qwen3.5-MoE: Qwen3.5's decoder with a MoE (8 experts, top-2, shared expert) in every layer; HF's config
+# has no dense intermediate_size.
+QWEN3_5_MOE_KW: dict[str, Any] = {
+    **{k: v for k, v in QWEN3_5_KW.items() if k != "intermediate_size"},
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
 }
 
 NEMOTRON_H_KW: dict[str, Any] = dict(
@@ -90,6 +97,18 @@ GRANITE_H_KW: dict[str, Any] = dict(
 )
 
 
+# LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, tied embeddings (HF's
+# default); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
+LFM2_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=700, num_hidden_layers=6,
+    layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
+    num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_multiple_of=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    max_position_embeddings=4096, norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -115,10 +134,12 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
     config_cls, model_cls = {
         "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
         "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
         "nemotron_h": (transformers.NemotronHConfig, transformers.NemotronHForCausalLM),
         "falcon_h1": (transformers.FalconH1Config, transformers.FalconH1ForCausalLM),
         "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
         "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
+        "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -140,6 +161,12 @@ def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return _build("qwen3_5", tmp_dir, seed, {**QWEN3_5_KW, **overrides})
 
 
+def make_qwen3_5_moe(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Qwen3_5MoeForCausalLM`` (8 layers, 2 attention; MoE of 8 experts, top-2, + shared expert
+    in each), saved as transformers writes it (per-expert tensors)."""
+    return _build("qwen3_5_moe", tmp_dir, seed, {**QWEN3_5_MOE_KW, **overrides})
+
+
 def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``NemotronHForCausalLM`` (M - M * - M E *: 3 Mamba2, 2 attention, 2 MLP, 1 MoE)."""
     return _build("nemotron_h", tmp_dir, seed, {**NEMOTRON_H_KW, **overrides})
@@ -158,6 +185,11 @@ def make_bamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
 def make_granite_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``GraniteMoeHybridForCausalLM`` (6 layers: Mamba2, attention at 2 and 5, MoE + shared expert)."""
     return _build("granitemoehybrid", tmp_dir, seed, {**GRANITE_H_KW, **overrides})
+
+
+def make_lfm2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Lfm2ForCausalLM`` (6 layers: short convolutions, attention at 2 and 4, SwiGLU MLP in each)."""
+    return _build("lfm2", tmp_dir, seed, {**LFM2_KW, **overrides})
 
 
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------

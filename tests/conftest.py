@@ -63,3 +63,13 @@ def bamba_path(tiny_ckpt_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def granite_h_path(tiny_ckpt_dir: Path) -> Path:
     return checkpoints.make_granite_h(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_5_moe(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def lfm2_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_lfm2(tiny_ckpt_dir)

@@ -197,6 +197,36 @@ def test_state_pool_accounting_mode() -> None:
         pool.alloc(1)
 
 
+def test_conv_only_state_pool() -> None:
+    """LFM2's short-conv layers keep a conv window and no SSM state: ssm_shape (0,) gives empty SSM
+    buffers (the per-layer lists stay aligned for the model) that hold no byte; alloc zeroes, copy
+    and fork copy the conv windows alone, exactly as for a full state."""
+    layout = CacheLayout(num_attention_layers=2, num_kv_heads=2, head_dim=4, num_linear_layers=3, conv_shape=(8, 2),
+                         conv_dtype=torch.bfloat16, ssm_shape=(0,), ssm_dtype=torch.float32)
+    assert layout.state_bytes_per_slot == 3 * 8 * 2 * 2  # conv windows only
+    pool = StatePool.from_layout(layout, 4)
+    assert pool.bytes_per_slot == layout.state_bytes_per_slot
+    assert len(pool.conv_states) == len(pool.ssm_states) == 3
+    assert all(b.shape == (5, 0) and b.numel() == 0 for b in pool.ssm_states)
+    assert pool.conv_states[2].shape == (5, 8, 2)
+    a, b = pool.alloc(2).tolist()
+    for layer, buf in enumerate(pool.conv_states):
+        buf[a] = layer + 1.0
+    pool.copy([a], [b])
+    assert all(torch.all(buf[b] == layer + 1.0) for layer, buf in enumerate(pool.conv_states))
+    (forked,) = pool.fork([a]).tolist()
+    pool.conv_states[0][a] = 7.0  # the live slot moves on; the fork keeps the window it had
+    assert torch.all(pool.conv_states[0][forked] == 1.0) and torch.all(pool.conv_states[1][forked] == 2.0)
+    pool.free([a])
+    (again,) = pool.alloc(1).tolist()
+    assert again == a and all(buf[a].abs().sum() == 0 for buf in pool.conv_states)  # reused slots come back zeroed
+    pool.check_integrity()
+    acct = StatePool.from_layout(layout, 4, accounting=True)
+    assert acct.bytes_per_slot == pool.bytes_per_slot and acct.ssm_states == []
+    with pytest.raises(ValueError, match="need a state"):  # a linear layer must hold something
+        CacheLayout(num_linear_layers=1, conv_shape=(0, 3), ssm_shape=(0,))
+
+
 def test_state_pool_without_linear_layers() -> None:
     pool = StatePool(4, 0, None, torch.float32, None, torch.float32)
     assert pool.bytes_per_slot == 0 and pool.alloc(2).tolist() == [1, 2]

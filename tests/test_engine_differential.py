@@ -133,5 +133,16 @@ def test_differential_granite_h(granite_h_path):
 
 
 @pytest.mark.slow
+def test_differential_qwen3_5_moe(qwen3_5_moe_path):
+    differential(qwen3_5_moe_path, seed=8)
+
+
+@pytest.mark.slow
+def test_differential_lfm2(lfm2_path):
+    """Conv-only states: checkpoints, forks and copies of the conv windows, empty SSM buffers."""
+    differential(lfm2_path, seed=9)
+
+
+@pytest.mark.slow
 def test_differential_fcfs_aligned(qwen3_next_dense_path):
     differential(qwen3_next_dense_path, seed=4, schedule_policy="fcfs", checkpoint_alignment=16)

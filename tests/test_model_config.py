@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 import transformers
-from checkpoints import BAMBA_KW, FALCON_H1_KW, GRANITE_H_KW, NEMOTRON_H_KW, QWEN3_5_KW, QWEN3_NEXT_KW
+from checkpoints import (
+    BAMBA_KW,
+    FALCON_H1_KW,
+    GRANITE_H_KW,
+    LFM2_KW,
+    NEMOTRON_H_KW,
+    QWEN3_5_KW,
+    QWEN3_5_MOE_KW,
+    QWEN3_NEXT_KW,
+)
 
 from hyla.model.architectures import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_name
 from hyla.model.config import ModelConfig
@@ -340,3 +349,128 @@ def test_bamba_and_granite_bad_configs_are_value_errors(bamba, granite, arch, ba
     base = (bamba if arch == "bamba" else granite).extra["hf_config"]
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**base, **bad})
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE_KW), "Qwen3_5MoeForCausalLM"))
+
+
+def test_qwen3_5_moe_layout_vl_config_and_defaults(qwen3_5_moe):
+    c = qwen3_5_moe
+    assert c.model_type == "qwen3_5_moe" and c.linear_kind == "gdn"
+    assert c.layer_types == ("linear",) * 3 + ("attention",) + ("linear",) * 3 + ("attention",)
+    assert c.ffn_types == ("moe",) * 8 and c.intermediate_size == 0  # no dense MLP, no intermediate_size
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 128)
+    assert c.shared_expert_intermediate_size == 128 and c.shared_expert_gate and c.norm_topk_prob
+    assert c.conv_shape == (512, 3) and c.ssm_shape == (4, 64, 64) and c.zero_centered_norm and c.attn_output_gate
+    # HF reads neither decoder_sparse_step, mlp_only_layers nor norm_topk_prob: MoE everywhere, renormalised
+    odd = ModelConfig.from_hf({**c.extra["hf_config"], "decoder_sparse_step": 2, "mlp_only_layers": [1],
+                               "norm_topk_prob": False})
+    assert odd.ffn_types == ("moe",) * 8 and odd.norm_topk_prob
+    # the vision-language checkpoint: text_config, top-level tie_word_embeddings / eos / dtype, mrope keys
+    text = {k: v for k, v in c.extra["hf_config"].items() if k not in ("architectures", "eos_token_id")}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    vl = ModelConfig.from_hf({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                              "text_config": text, "tie_word_embeddings": True, "eos_token_id": 9,
+                              "torch_dtype": "bfloat16"})
+    assert vl.architecture == "Qwen3_5MoeForConditionalGeneration" and vl.tie_word_embeddings
+    assert vl.eos_token_ids == (9,) and vl.dtype == torch.bfloat16  # the top level fills what text lacks
+    assert vl.ffn_types == c.ffn_types and vl.rotary_dim == c.rotary_dim
+    # MoE keys absent: HF's defaults (256 experts, top-8, 512 / 512)
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+    bare = {k: v for k, v in c.extra["hf_config"].items() if k not in moe_keys}
+    d = ModelConfig.from_hf(bare)
+    assert (d.num_experts, d.num_experts_per_tok, d.moe_intermediate_size, d.shared_expert_intermediate_size) == (
+        256, 8, 512, 512)
+    assert architecture_name({"model_type": "qwen3_5_moe"}) == "Qwen3_5MoeForConditionalGeneration"
+    assert architecture_name({"model_type": "qwen3_5_moe_text"}) == "Qwen3_5MoeForCausalLM"
+
+
+def test_qwen3_5_moe_state_shapes_match_hf_cache_and_flops(qwen3_5_moe):
+    c = qwen3_5_moe
+    model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**QWEN3_5_MOE_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    layer = out.past_key_values.layers[0]
+    assert tuple(layer.conv_states[0].shape[1:]) == (c.conv_shape[0], c.conv_shape[1] + 1)
+    assert tuple(layer.recurrent_states[0].shape[1:]) == c.ssm_shape
+    assert tuple(out.past_key_values.layers[3].keys.shape[1::2]) == (c.num_kv_heads, c.head_dim)
+    h, expert = 256, 2 * 3 * 256 * 128  # router + 2 active experts + shared expert + its gate, every layer
+    assert c.flops_per_token(1).moe == pytest.approx(8 * (2 * h * 8 + 2 * expert + expert + 2 * h))
+    assert c.flops_per_token(1).mlp == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"layer_types": ["linear_attention"] * 7}, "num_hidden_layers"),
+])
+def test_qwen3_5_moe_bad_configs_are_value_errors(qwen3_5_moe, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**qwen3_5_moe.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def lfm2() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Lfm2Config(**LFM2_KW), "Lfm2ForCausalLM"))
+
+
+def test_lfm2_layout_conv_only_state_and_legacy_keys(lfm2):
+    c = lfm2
+    assert c.model_type == "lfm2" and c.linear_kind == "short_conv"
+    assert c.layer_types == ("linear", "linear", "attention", "linear", "attention", "linear")
+    assert c.ffn_types == ("mlp",) * 6 and (c.num_attention_layers, c.num_linear_layers) == (2, 4)
+    assert [c.linear_ordinal(i) for i in (0, 1, 3, 5)] == [0, 1, 2, 3]
+    # the state is the conv window of B*x alone (K-1 = 2 of conv_L_cache = 3); no SSM state at all
+    assert c.conv_shape == (256, 2) and c.ssm_shape == (0,)
+    assert c.intermediate_size == 512  # HF: int(2/3 * 700) = 466 rounded up to a multiple of 256
+    assert c.qk_norm and not c.zero_centered_norm and not c.attn_output_gate and c.rotary_dim == 64
+    assert c.tie_word_embeddings and c.rope_theta == 1e6 and not c.short_conv_bias
+    layout = c.with_dtype("bfloat16").cache_layout
+    assert layout.state_bytes_per_slot == 4 * 256 * 2 * 2 and layout.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
+    # HF's defaults and legacy keys: attention at full_attn_idxs (every layer without it), block_ff_dim and
+    # tie_embedding win, default theta 1e6, no auto-adjust keeps the width
+    base = {"architectures": ["Lfm2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 4}
+    legacy = ModelConfig.from_hf({**base, "full_attn_idxs": [1], "block_ff_dim": 96, "intermediate_size": 10,
+                                  "tie_embedding": False, "tie_word_embeddings": True, "conv_bias": True,
+                                  "block_auto_adjust_ff_dim": False, "conv_L_cache": 4})
+    assert legacy.layer_types == ("linear", "attention", "linear", "linear") and legacy.intermediate_size == 96
+    assert not legacy.tie_word_embeddings and legacy.short_conv_bias and legacy.conv_shape == (32, 3)
+    bare = ModelConfig.from_hf(base)
+    assert bare.layer_types == ("attention",) * 4 and bare.num_linear_layers == 0  # HF: all attention
+    assert bare.intermediate_size == 8192 and bare.tie_word_embeddings and bare.max_position_embeddings == 128_000
+    assert bare.rope_theta == 1e6 and bare.num_kv_heads == 4 and bare.head_dim == 8
+    no_multiplier = ModelConfig.from_hf({**base, "intermediate_size": 100, "block_ffn_dim_multiplier": None})
+    assert no_multiplier.intermediate_size == 66  # int(2/3 * 100), HF rounds only with a multiplier
+
+
+def test_lfm2_state_shapes_match_hf_cache_and_flops(lfm2):
+    model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(**LFM2_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    conv_layer = out.past_key_values.layers[0]  # HF keeps K = 3 inputs of B*x; hyla K-1; no recurrent state
+    assert tuple(conv_layer.conv_states[0].shape[1:]) == (lfm2.conv_shape[0], lfm2.conv_shape[1] + 1)
+    assert all(state is None for state in conv_layer.recurrent_states.values())
+    assert tuple(out.past_key_values.layers[2].keys.shape[1::2]) == (lfm2.num_kv_heads, lfm2.head_dim)
+    h = 256
+    f1, f2 = lfm2.flops_per_token(1), lfm2.flops_per_token(11)
+    assert f1.linear == pytest.approx(4 * (2 * h * 3 * h + 2 * h * h + 2 * h * 3))  # in_proj, out_proj, conv taps
+    assert f1.mlp == pytest.approx(6 * 2 * 3 * h * 512) and f1.moe == 0
+    assert f2.attention - f1.attention == pytest.approx(10 * 2 * 4 * 4 * 64)
+    assert f1.attention == pytest.approx(2 * (2 * h * (4 * 64 + 2 * 2 * 64) + 2 * 4 * 64 * h + 4 * 4 * 64))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"layer_types": ["conv"] * 5 + ["sliding_attention"]}, "conv' or 'full_attention"),
+    ({"layer_types": ["conv"] * 5}, "num_hidden_layers"),
+    ({"layer_types": None, "full_attn_idxs": [6]}, "outside"),
+    ({"conv_L_cache": 1}, "conv_L_cache"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"intermediate_size": 1, "block_auto_adjust_ff_dim": True, "block_ffn_dim_multiplier": None}, "width"),
+])
+def test_lfm2_bad_configs_are_value_errors(lfm2, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**lfm2.extra["hf_config"], **bad})

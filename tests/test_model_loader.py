@@ -1,4 +1,4 @@
-"""load_model: sharded checkpoints, dtypes, name layouts (backbone., language_model., per-expert),
+"""load_model: sharded checkpoints, dtypes, name layouts (backbone., language_model., per-expert or fused experts),
 tied embeddings, mtp.* kept aside, and the errors for checkpoints that do not fit."""
 
 from __future__ import annotations
@@ -228,3 +228,80 @@ def test_granite_h_reads_published_and_transformers_v5_names(granite_h_path, tmp
     assert torch.allclose(moe.w_out, raw["model.layers.0.block_sparse_moe.output_linear.weight"] * c.residual_multiplier)
     q = published.layers[2].mixer.qkv_proj.weight[: 4 * 64]
     assert torch.allclose(q, raw["model.layers.2.self_attn.q_proj.weight"] * c.attention_multiplier * 64**0.5)
+
+
+def to_published_qwen3_5_moe(tensors: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """transformers' save_pretrained layout -> the published Qwen3.5-MoE one: experts fused per layer
+    (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``) under the vision-language
+    prefix ``model.language_model.``, plus a vision tower and an MTP tensor hyla must leave alone."""
+    out, layers = {}, {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            layer = name.split(".mlp.experts.")[0]
+            layers.setdefault(layer, {})[name.split(".mlp.experts.")[1]] = t
+            continue
+        out[name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name] = t
+    for layer, parts in layers.items():
+        prefix = layer.replace("model.", "model.language_model.", 1) + ".mlp.experts"
+        out[f"{prefix}.gate_up_proj"] = torch.stack([
+            torch.cat([parts[f"{e}.gate_proj.weight"], parts[f"{e}.up_proj.weight"]]) for e in range(num_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts[f"{e}.down_proj.weight"] for e in range(num_experts)])
+    out["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(4, 4)
+    out["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(4, 4)
+    return out
+
+
+def test_qwen3_5_moe_reads_the_published_fused_layout_and_the_per_expert_one(qwen3_5_moe_path, tmp_path):
+    """The published checkpoint (vision-language config, model.language_model. prefix, fused experts)
+    and transformers' save_pretrained layout (per-expert tensors) give the same weights."""
+    def to_vl(cfg: dict) -> dict:
+        text = {k: v for k, v in cfg.items() if k not in ("architectures", "tie_word_embeddings")}
+        return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+                "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 1},
+                "tie_word_embeddings": cfg["tie_word_embeddings"]}
+
+    published = rewrite(qwen3_5_moe_path, tmp_path / "published",
+                        edit_tensors=lambda t: to_published_qwen3_5_moe(t, 8), edit_config=to_vl)
+    per_expert, fused = load_model(qwen3_5_moe_path), load_model(published)
+    assert fused.config.architecture == "Qwen3_5MoeForConditionalGeneration"
+    assert fused.config.ffn_types == ("moe",) * 8 and set(fused.mtp_weights) == {
+        "mtp.layers.0.mlp.experts.0.gate_proj.weight"}
+    for (name, a), (_, b) in zip(per_expert.state_dict().items(), fused.state_dict().items()):
+        assert torch.equal(a, b), name
+    raw = load_file(qwen3_5_moe_path / "model.safetensors")
+    moe = per_expert.layers[3].ffn  # experts stacked [E, 2I, H] = [gate | up], [E, H, I]
+    assert tuple(moe.w_in.shape) == (8, 256, 256) and tuple(moe.w_out.shape) == (8, 256, 128)
+    assert torch.equal(moe.w_in[6, :128], raw["model.layers.3.mlp.experts.6.gate_proj.weight"])
+    assert torch.equal(moe.w_in[6, 128:], raw["model.layers.3.mlp.experts.6.up_proj.weight"])
+    assert torch.equal(moe.w_out[2], raw["model.layers.3.mlp.experts.2.down_proj.weight"])
+    assert torch.equal(prefill_logits(per_expert, IDS), prefill_logits(fused, IDS))
+
+    # neither layout complete: the error names the published tensors; both at once: the published one is
+    # read and the per-expert tensors are unexpected
+    def drop_down(t):
+        return {k: v for k, v in t.items() if k != "model.language_model.layers.5.mlp.experts.down_proj"}
+
+    broken = rewrite(published, tmp_path / "broken", edit_tensors=drop_down)
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) .*layers\.5\.mlp\.experts\.down_proj"):
+        load_model(broken)
+    both = rewrite(qwen3_5_moe_path, tmp_path / "both", edit_tensors=lambda t: {
+        **t, "model.layers.0.mlp.experts.down_proj": torch.zeros(8, 256, 128)})
+    with pytest.raises(ValueError, match=r"does not use: model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight"):
+        load_model(both)
+
+
+def test_lfm2_tensor_layout(lfm2_path):
+    """Short-conv layers (in_proj [B | C | x], depthwise conv [H, 1, K] -> [H, K]), attention with
+    out_proj and q/k layernorms, w1/w3/w2 MLP, embedding_norm as the final norm, tied lm_head."""
+    model = load_model(lfm2_path)
+    raw = load_file(lfm2_path / "model.safetensors")
+    conv, attn = model.layers[0].mixer, model.layers[2].mixer
+    assert torch.equal(conv.conv_weight, raw["model.layers.0.conv.conv.weight"][:, 0])
+    assert tuple(conv.conv_weight.shape) == (256, 3) and conv.conv_bias is None
+    assert torch.equal(conv.in_proj.weight, raw["model.layers.0.conv.in_proj.weight"])
+    assert torch.equal(attn.o_proj.weight, raw["model.layers.2.self_attn.out_proj.weight"])
+    assert torch.equal(attn.k_norm.weight, raw["model.layers.2.self_attn.k_layernorm.weight"])
+    gate, up = model.layers[1].ffn.in_proj.weight.chunk(2)  # MLP width 512 (HF's auto-adjusted 700)
+    assert gate.shape == (512, 256) and torch.equal(up, raw["model.layers.1.feed_forward.w3.weight"])
+    assert torch.equal(model.norm.weight, raw["model.embedding_norm.weight"])
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied

@@ -1,6 +1,7 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
-For every architecture (Qwen3-Next dense and MoE, Qwen3.5, NemotronH, Falcon-H1, Bamba, Granite 4.0-H):
+For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
+Granite 4.0-H, LFM2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -13,12 +14,22 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from checkpoints import TinyRunner, make_bamba, make_falcon_h1, make_granite_h, make_nemotron_h, make_qwen3_next
+from checkpoints import (
+    TinyRunner,
+    make_bamba,
+    make_falcon_h1,
+    make_granite_h,
+    make_lfm2,
+    make_nemotron_h,
+    make_qwen3_5_moe,
+    make_qwen3_next,
+)
 
 from hyla.model import load_model
 
 TOL = 1e-4
-ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "nemotron_h", "falcon_h1", "bamba", "granite_h"]
+ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
+         "granite_h", "lfm2"]
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +263,19 @@ VARIANTS = {
         d, seed=1, num_local_experts=0, position_embedding_type="rope", attention_bias=True, mamba_proj_bias=True,
         tie_word_embeddings=True, num_key_value_heads=4, embedding_multiplier=0.5, logits_scaling=2.0,
         layer_types=["attention", "mamba", "mamba", "attention", "mamba", "mamba"],
+    ),
+    # top-3 of 6 experts, a wider shared expert, attention bias, tied embeddings, other layout
+    "qwen3_5_moe_variant": lambda d: make_qwen3_5_moe(
+        d, seed=1, num_experts=6, num_experts_per_tok=3, shared_expert_intermediate_size=192, attention_bias=True,
+        tie_word_embeddings=True, num_hidden_layers=5,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    ),
+    # conv (and projection) biases, a 4-wide conv window, untied embeddings, attention from full_attn_idxs,
+    # the MLP width as given (no auto-adjust), MHA, another RoPE base
+    "lfm2_variant": lambda d: make_lfm2(
+        d, seed=1, conv_bias=True, conv_L_cache=4, tie_word_embeddings=False, layer_types=None,
+        full_attn_idxs=[0, 3], num_hidden_layers=5, block_auto_adjust_ff_dim=False, intermediate_size=384,
+        num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

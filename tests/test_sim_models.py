@@ -51,6 +51,12 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 36 Mamba2 layers x (conv (8192 + 2*128) x 3
         # bf16 + SSM 128 x 64 x 128 fp32)
         ("granite-4.0-h-small", 4 * 2 * 8 * 128 * 2, 36 * ((8192 + 2 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
+        # 10 attention layers x K,V x 2 KV heads x 256 x bf16; 30 GDN layers x (conv (2*16*128 + 32*128) x 3
+        # bf16 + SSM 32 x 128 x 128 fp32)
+        ("qwen3.5-35b-a3b", 10 * 2 * 2 * 256 * 2, 30 * (8192 * 3 * 2 + 32 * 128 * 128 * 4)),
+        # 6 attention layers x K,V x 8 KV heads x 64 x bf16; 10 short-conv layers x conv window 2048 x 2
+        # bf16 and no SSM state
+        ("lfm2-1.2b", 6 * 2 * 8 * 64 * 2, 10 * 2048 * 2 * 2),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -130,3 +136,24 @@ def test_granite_4_0_h_small_preset_is_32b_with_9b_active():
     assert 8e9 < active < 10e9  # "~9B active"
     total = active + 40 * (72 - 10) * 3 * 4096 * 768  # plus the idle experts
     assert 31e9 < total < 34e9  # "32B"
+
+
+def test_qwen3_5_35b_a3b_preset_is_35b_with_3b_active():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["qwen3.5-35b-a3b"])  # the vision-language config's text part
+    assert cfg.architecture == "Qwen3_5MoeForConditionalGeneration" and cfg.ffn_types == ("moe",) * 40
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (10, 30) and cfg.rotary_dim == 64
+    one = cfg.flops_per_token(1)
+    active = (one.total - 10 * 4 * 16 * 256) / 2 + 248320 * 2048  # weights used per token + the embedding
+    assert 2.5e9 < active < 4e9  # "A3B"
+    total = active + 40 * (256 - 8) * 3 * 2048 * 512  # plus the idle experts
+    assert 33e9 < total < 37e9  # "35B"
+
+
+def test_lfm2_1_2b_preset_is_1_2b_with_a_conv_only_state():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["lfm2-1.2b"])
+    assert cfg.layer_types.count("attention") == 6 and cfg.num_linear_layers == 10
+    assert cfg.intermediate_size == 8192 and cfg.tie_word_embeddings and cfg.ssm_shape == (0,)
+    assert cfg.cache_layout.state_bytes_per_slot == 80 * 1024  # a checkpoint costs ~7 tokens of KV
+    one = cfg.flops_per_token(1)
+    params = (one.total - 6 * 4 * 32 * 64) / 2  # weights used per token (the tied LM head included)
+    assert 1.1e9 < params < 1.3e9

@@ -19,7 +19,9 @@ class CacheLayout:
     """KV: K and V of ``num_kv_heads x head_dim`` in ``kv_dtype`` per attention layer and token.
     State: a conv window ``conv_shape`` in ``conv_dtype`` and an SSM state ``ssm_shape`` in
     ``ssm_dtype`` per linear layer and slot. A side with no layers takes no bytes (its shapes are
-    then ignored). Raises ``ValueError`` for negative sizes or a linear layer without shapes."""
+    then ignored). A shape with a zero dimension holds nothing: LFM2's short-convolution layers keep
+    a conv window and no SSM state (``ssm_shape=(0,)``, 0 bytes). Raises ``ValueError`` for
+    negative sizes, or linear layers without shapes or whose state holds no element at all."""
 
     num_attention_layers: int = 0
     num_kv_heads: int = 0
@@ -40,6 +42,9 @@ class CacheLayout:
             raise ValueError(f"cache layout sizes must be >= 0: {self}")
         if self.num_linear_layers and not (self.conv_shape and self.ssm_shape):
             raise ValueError("linear layers need a conv_shape and an ssm_shape")
+        if self.num_linear_layers and not (math.prod(self.conv_shape) or math.prod(self.ssm_shape)):
+            raise ValueError(f"linear layers need a state: conv_shape {self.conv_shape} and ssm_shape "
+                             f"{self.ssm_shape} are both empty")
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -1,10 +1,12 @@
-"""The state pool: recurrent-state slots of the linear (Gated DeltaNet / Mamba2) layers.
+"""The state pool: recurrent-state slots of the linear (Gated DeltaNet / Mamba2 / short conv) layers.
 
 A slot holds, for every linear layer, a conv window ``conv_shape`` (e.g. ``[conv_dim, K-1]``) and
-an SSM state ``ssm_shape`` (Gated DeltaNet ``[Hv, Dk, Dv]``, Mamba2 ``[H, P, N]``, fp32). The
-buffers are ``[num_slots + 1, *shape]`` per layer; slot 0 is a zero sentinel that is never handed
-out. A running request owns one slot that the model updates in place; the radix tree owns the
-checkpoint slots. A request never hands its live slot to the tree: it ``fork``s it first.
+an SSM state ``ssm_shape`` (Gated DeltaNet ``[Hv, Dk, Dv]``, Mamba2 ``[H, P, N]``, fp32; LFM2's
+short convolution has none: ``(0,)``, so its SSM buffers are empty ``[num_slots + 1, 0]`` tensors
+that keep the per-layer lists aligned and that ``alloc`` / ``copy`` skip). The buffers are
+``[num_slots + 1, *shape]`` per layer; slot 0 is a zero sentinel that is never handed out. A
+running request owns one slot that the model updates in place; the radix tree owns the checkpoint
+slots. A request never hands its live slot to the tree: it ``fork``s it first.
 
 Accounting mode (``accounting=True``) keeps the allocator and ``bytes_per_slot`` and allocates no
 tensors (``copy``/``fork`` only check and count).
@@ -58,6 +60,8 @@ class StatePool:
             for _ in range(num_layers):
                 self.conv_states.append(torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=self.device))  # [S+1, C, K-1]
                 self.ssm_states.append(torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=self.device))  # [S+1, H, Dk, Dv]
+        # the buffers that hold something (a conv-only model's SSM buffers hold no element)
+        self._filled = [b for b in (*self.conv_states, *self.ssm_states) if b.numel()]
 
     @classmethod
     def from_layout(
@@ -85,7 +89,7 @@ class StatePool:
         slots = torch.from_numpy(self._slots.alloc(n))
         if n and self.num_layers and not self.accounting:
             idx = slots.to(self.device)
-            for buf in (*self.conv_states, *self.ssm_states):
+            for buf in self._filled:
                 buf.index_fill_(0, idx, 0)
         return slots
 
@@ -105,7 +109,7 @@ class StatePool:
         if s.size == 0 or self.accounting:
             return
         si, di = torch.from_numpy(s).to(self.device), torch.from_numpy(d).to(self.device)
-        for buf in (*self.conv_states, *self.ssm_states):
+        for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
 
     def fork(self, slots: IndexLike) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hyla.model import bamba, falcon_h1, granitemoehybrid, nemotron_h, qwen3_5, qwen3_next
+from hyla.model import bamba, falcon_h1, granitemoehybrid, lfm2, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
 from hyla.model.layers import HybridForCausalLM
 
 ConfigParser = Callable[[Mapping[str, Any], str, str | torch.dtype | None], dict[str, Any]]
@@ -35,11 +35,16 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3NextForCausalLM": Architecture(qwen3_next.Qwen3NextForCausalLM, qwen3_next.parse_hf_config, "qwen3_next"),
     "Qwen3_5ForCausalLM": Architecture(qwen3_5.Qwen3_5ForCausalLM, qwen3_5.parse_hf_config, "qwen3_5_text"),
     "Qwen3_5ForConditionalGeneration": Architecture(qwen3_5.Qwen3_5ForCausalLM, qwen3_5.parse_hf_config, "qwen3_5"),
+    "Qwen3_5MoeForCausalLM": Architecture(
+        qwen3_5_moe.Qwen3_5MoeForCausalLM, qwen3_5_moe.parse_hf_config, "qwen3_5_moe_text"),
+    "Qwen3_5MoeForConditionalGeneration": Architecture(
+        qwen3_5_moe.Qwen3_5MoeForCausalLM, qwen3_5_moe.parse_hf_config, "qwen3_5_moe"),
     "NemotronHForCausalLM": Architecture(nemotron_h.NemotronHForCausalLM, nemotron_h.parse_hf_config, "nemotron_h"),
     "FalconH1ForCausalLM": Architecture(falcon_h1.FalconH1ForCausalLM, falcon_h1.parse_hf_config, "falcon_h1"),
     "BambaForCausalLM": Architecture(bamba.BambaForCausalLM, bamba.parse_hf_config, "bamba"),
     "GraniteMoeHybridForCausalLM": Architecture(
         granitemoehybrid.GraniteMoeHybridForCausalLM, granitemoehybrid.parse_hf_config, "granitemoehybrid"),
+    "Lfm2ForCausalLM": Architecture(lfm2.Lfm2ForCausalLM, lfm2.parse_hf_config, "lfm2"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

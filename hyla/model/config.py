@@ -13,9 +13,10 @@ A hybrid model is a stack of ``num_hidden_layers`` residual layers. Each layer h
 and/or a *feed-forward* part:
 
 * ``layer_types[i]`` is ``"attention"`` or ``"linear"`` when layer ``i`` has a token mixer (full
-  attention, or a recurrent mixer: Gated DeltaNet / Mamba2), ``"hybrid"`` when it runs both in
-  parallel on the same input (Falcon-H1: attention + Mamba2 in every layer), and ``"mlp"`` or
-  ``"moe"`` when the layer is a feed-forward block only (NemotronH's ``-`` and ``E`` blocks).
+  attention, or a recurrent mixer: Gated DeltaNet / Mamba2 / LFM2's gated short convolution),
+  ``"hybrid"`` when it runs both in parallel on the same input (Falcon-H1: attention + Mamba2 in
+  every layer), and ``"mlp"`` or ``"moe"`` when the layer is a feed-forward block only (NemotronH's
+  ``-`` and ``E`` blocks).
 * ``ffn_types[i]`` is the feed-forward that follows the mixer *inside the same layer*: ``"mlp"``,
   ``"moe"``, or ``"none"``. Qwen3-Next / Qwen3.5 decoder layers are mixer + FFN
   (``layer_types[i] in {"attention", "linear"}``, ``ffn_types[i] in {"mlp", "moe"}``); NemotronH
@@ -93,7 +94,8 @@ class ModelConfig:
     """Architecture hyper-parameters of one hybrid model (see the module docstring for the layout)."""
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
-    model_type: str  # "qwen3_next" | "qwen3_5" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid"
+    # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
+    model_type: str
     vocab_size: int
     hidden_size: int
     layer_types: tuple[str, ...]  # per layer: "attention" | "linear" | "hybrid" | "mlp" | "moe"
@@ -118,7 +120,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
-    linear_kind: str = "none"  # "gdn" | "mamba2" | "none"
+    linear_kind: str = "none"  # "gdn" | "mamba2" | "short_conv" (LFM2: a conv window, no SSM state) | "none"
     conv_kernel: int = 4
     linear_chunk_size: int = 64
     # Gated DeltaNet
@@ -138,6 +140,8 @@ class ModelConfig:
     mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
     mamba_rms_norm: bool = True  # False (Falcon-H1 option): no output norm, y * silu(z)
     mamba_norm_before_gate: bool = False  # Falcon-H1 option: w * norm(y) * silu(z) instead of w * norm(y * silu(z))
+    # LFM2 gated short convolution
+    short_conv_bias: bool = False  # LFM2's conv_bias: bias on its in_proj, conv and out_proj
 
     # --- feed-forward ---------------------------------------------------------------------------
     intermediate_size: int = 0
@@ -177,9 +181,10 @@ class ModelConfig:
         bad = {t for t in self.layer_types} - set(LAYER_KINDS)
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
-        if self.num_linear_layers and self.linear_kind not in ("gdn", "mamba2"):
+        if self.num_linear_layers and self.linear_kind not in ("gdn", "mamba2", "short_conv"):
             raise ValueError(
-                f"layers with a recurrent mixer need linear_kind 'gdn' or 'mamba2', got {self.linear_kind!r}"
+                "layers with a recurrent mixer need linear_kind 'gdn', 'mamba2' or 'short_conv', "
+                f"got {self.linear_kind!r}"
             )
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
             raise ValueError("ssm_multipliers needs 5 entries (z, x, B, C, dt) and mlp_multipliers 2 (gate, down)")
@@ -245,6 +250,8 @@ class ModelConfig:
             return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
         if self.linear_kind == "mamba2":
             return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.ssm_state_size
+        if self.linear_kind == "short_conv":
+            return self.hidden_size  # LFM2 convolves B * x, one channel per hidden unit
         return 0
 
     @property
@@ -261,12 +268,16 @@ class ModelConfig:
         return self.dtype
 
     @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        """Per-slot recurrent state: GDN ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``."""
+    def ssm_shape(self) -> tuple[int, ...]:
+        """Per-slot recurrent state: GDN ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; LFM2's short
+        convolution has none: ``(0,)``, zero elements (its whole state is the conv window), so the
+        pools keep one empty SSM buffer per linear layer and the layout counts 0 bytes for it."""
         if self.linear_kind == "gdn":
             return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         if self.linear_kind == "mamba2":
             return (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size)
+        if self.linear_kind == "short_conv":
+            return (0,)
         return (0, 0, 0)
 
     @property

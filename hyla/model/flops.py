@@ -2,8 +2,8 @@
 
 2 FLOPs per multiply-add. A hybrid layer (Falcon-H1) costs its attention plus its Mamba2 mixer.
 Attention layers cost their projections plus ``4 * Hq * D`` per context
-token (QK^T and PV over the causal context); linear (GDN / Mamba2) layers cost a constant per token
-(projections, conv, recurrent state update); MoE counts only the ``num_experts_per_tok`` active
+token (QK^T and PV over the causal context); linear (GDN / Mamba2 / LFM2 short conv) layers cost a
+constant per token (projections, conv, recurrent state update); MoE counts only the ``num_experts_per_tok`` active
 experts (plus router, latent projections and shared expert). Norms, activations and RoPE are
 ignored. ``ModelConfig.flops_per_token`` / ``prefill_flops`` call these functions.
 """
@@ -111,4 +111,6 @@ def _linear_flops(cfg: ModelConfig) -> float:
         proj = 2.0 * h * (inner + cfg.conv_dim + cfg.mamba_num_heads) + 2.0 * inner * h
         state = 2.0 * 3 * math.prod(cfg.ssm_shape)  # decay + B x write, C read
         return proj + 2.0 * cfg.conv_dim * k + state
+    if cfg.linear_kind == "short_conv":  # LFM2: in_proj to [B | C | x], depthwise conv of B*x, out_proj
+        return 2.0 * h * 3 * h + 2.0 * h * h + 2.0 * cfg.conv_dim * k  # the B*x and C*y gates ignored
     return 0.0

@@ -2,9 +2,10 @@
 
 Steps: read ``config.json`` into a ``ModelConfig`` (which rejects unsupported architectures),
 pick the architecture class, index the checkpoint's tensors (single ``model.safetensors`` or
-sharded via ``model.safetensors.index.json``), check that they are exactly the tensors the
-architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``; an architecture may
-ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
+sharded via ``model.safetensors.index.json``), pick per parameter the first of the checkpoint
+layouts the architecture lists that the checkpoint holds (``_choose_layouts``), check that they are
+exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``;
+an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
 
 Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, or wrong shape.
@@ -89,9 +90,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
     cls = ARCHITECTURES[config.architecture].model_class
-    specs = cls.hf_weight_specs(config)
-
     reader, mtp_names = _index_checkpoint(path, cls)
+    specs = _choose_layouts(cls.hf_weight_specs(config), set(reader.files))
     _check_names(path, config, specs, set(reader.files))
 
     with torch.device("meta"):
@@ -143,6 +143,23 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_Tensor
             raise ValueError(f"{path}: tensors {original[normalised]!r} and {name!r} are the same weight")
         files[normalised], original[normalised] = file, name
     return _TensorReader(files, original), mtp
+
+
+def _choose_layouts(specs: list[WeightSpec], available: set[str]) -> list[WeightSpec]:
+    """One spec per parameter. An architecture whose checkpoints come in several layouts lists one
+    spec per layout for the same parameter (Qwen3.5-MoE: the published fused
+    ``experts.gate_up_proj`` or the per-expert tensors transformers' ``save_pretrained`` writes):
+    the first whose sources the checkpoint all holds is kept, else the first (whose missing tensors
+    the error then names). Order is kept."""
+    first: dict[str, int] = {}
+    chosen: list[WeightSpec] = []
+    for spec in specs:
+        if spec.target not in first:
+            first[spec.target] = len(chosen)
+            chosen.append(spec)
+        elif not set(chosen[first[spec.target]].sources) <= available and set(spec.sources) <= available:
+            chosen[first[spec.target]] = spec
+    return chosen
 
 
 def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], available: set[str]) -> None:

@@ -46,16 +46,22 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
 def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
     """``ModelConfig`` fields of a Qwen3.5 ``config.json``: Qwen3-Next's decoder with a dense MLP
     in every layer. The vision-language ``Qwen3_5ForConditionalGeneration`` keeps the text model
-    in ``text_config``; its top-level ``tie_word_embeddings`` wins, and its token ids and dtype
-    fill what the text config lacks."""
+    in ``text_config`` (``vl_text_config``)."""
     if arch == "Qwen3_5ForConditionalGeneration":
-        text = dict(cfg.get("text_config") or {})
-        if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
-            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
-            if text.get(key) is None and key in cfg:
-                text[key] = cfg[key]
-        for key in ("dtype", "torch_dtype"):
-            text.setdefault(key, cfg.get(key))
-        cfg = text
+        cfg = vl_text_config(cfg)
     return qwen_config_fields(cfg, arch, dtype, model_type="qwen3_5", moe=False)
+
+
+def vl_text_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The text model's config of a Qwen3.5 (or Qwen3.5-MoE) vision-language ``config.json``: its
+    ``text_config``, with the top-level ``tie_word_embeddings`` winning and the top-level token ids
+    and dtype filling what the text config lacks."""
+    text = dict(cfg.get("text_config") or {})
+    if "tie_word_embeddings" in cfg:  # the vision-language model ties (or not) its lm_head
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+        if text.get(key) is None and key in cfg:
+            text[key] = cfg[key]
+    for key in ("dtype", "torch_dtype"):
+        text.setdefault(key, cfg.get(key))
+    return text

@@ -160,8 +160,10 @@ def qwen_config_fields(
     """``ModelConfig`` fields of a Qwen3-Next-style decoder (Qwen3-Next, Qwen3.5's text model).
 
     Layers follow ``layer_types`` (or every ``full_attention_interval``-th is full attention); the
-    FFN is MoE only when ``moe`` and the config has experts. Raises ``ValueError`` for a missing
-    required key, a non-``silu`` activation, bad ``layer_types`` or a non-default RoPE.
+    FFN is MoE only when ``moe`` and the config has experts; ``intermediate_size`` (the dense MLP's)
+    is required only when some layer has a dense MLP (Qwen3.5-MoE's config has none). Raises
+    ``ValueError`` for a missing required key, a non-``silu`` activation, bad ``layer_types`` or a
+    non-default RoPE.
     """
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
@@ -198,7 +200,8 @@ def qwen_config_fields(
         linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
         linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        intermediate_size=int(hf_require(cfg, "intermediate_size")),
+        intermediate_size=int(hf_require(cfg, "intermediate_size") if "mlp" in ffn
+                              else cfg.get("intermediate_size") or 0),
         hidden_act="silu",
         num_experts=num_experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,

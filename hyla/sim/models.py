@@ -20,9 +20,11 @@ Presets (``PRESETS``):
   ``4 layers × 2 × d × 2 B = 64 KiB`` per token, state ``24 × (d·N·2 + (2d + 2N)·4·2) B = 26.8 MB``.
   (Marconi counts the full ``L × L`` attention matrix, ``4·L²·d`` per layer; we count the causal
   half, the same convention as ``ModelConfig.flops_per_token``.)
-* ``qwen3-next-80b-a3b``, ``nemotron-h-8b``, ``falcon-h1-7b``, ``granite-4.0-h-small``: the published ``config.json``
-  contents (``hyla/sim/presets.py``) through ``ModelConfig.from_hf``, at the checkpoint's dtype
-  (bf16). Falcon-H1 runs attention and Mamba2 in every layer: 44 KV layers *and* 44 state layers.
+* ``qwen3-next-80b-a3b``, ``nemotron-h-8b``, ``falcon-h1-7b``, ``granite-4.0-h-small``,
+  ``qwen3.5-35b-a3b``, ``lfm2-1.2b``: the published ``config.json`` contents
+  (``hyla/sim/presets.py``) through ``ModelConfig.from_hf``, at the checkpoint's dtype (bf16).
+  Falcon-H1 runs attention and Mamba2 in every layer: 44 KV layers *and* 44 state layers. LFM2's
+  state is its short convolutions' conv windows alone (80 KiB per checkpoint).
 
 Any other ``config.json`` path goes through the same parser.
 """
@@ -142,7 +144,8 @@ def _preset_from_hf(name: str) -> CostModel:
     return from_hf_config(HF_CONFIGS[name], name)
 
 
-PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small")
+PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small",
+           "qwen3.5-35b-a3b", "lfm2-1.2b")
 
 
 def resolve_model(spec: str) -> CostModel:

@@ -1,8 +1,8 @@
 """Published ``config.json`` contents of the hybrid models the simulator ships as presets.
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
-as ``initializer_range``, kept for fidelity; Falcon-H1-7B and Granite-4.0-H-Small keep only their
-sizes, see their comments); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
+LFM2-1.2B keep only their sizes, see their comments); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -168,9 +168,83 @@ GRANITE_4_0_H_SMALL: dict[str, Any] = {
     "vocab_size": 100352,
 }
 
+# Qwen/Qwen3.5-35B-A3B: the published vision-language config.json, text part (the vision tower's
+# vision_config is left out: hyla serves text only and reads only text_config). 40 layers of d=2048 in
+# the Qwen3.5 pattern (3 Gated DeltaNet + 1 gated attention, x10): attention 16 query / 2 KV heads of 256,
+# partial RoPE (0.25, theta 1e7, interleaved M-RoPE sections that equal the default RoPE on text);
+# GDN 16 key / 32 value heads of 128, conv 4; a MoE in every layer, 256 experts of 512 (8 active) + a
+# shared expert of 512 with its sigmoid gate; vocabulary 248320, 256K context, bf16 -- 35B parameters,
+# ~3B active.
+QWEN3_5_35B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "attention_bias": False,
+        "attn_output_gate": True,
+        "dtype": "bfloat16",
+        "eos_token_id": 248044,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000, "rope_type": "default"},
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": 248320,
+    },
+}
+
+# LiquidAI/LFM2-1.2B: 16 layers of d=2048, 10 gated short convolutions (conv_L_cache 3: a state of 2 x 2048
+# values per layer) and 6 GQA attention layers at 2, 5, 8, 10, 12, 14 (32 query / 8 KV heads of 64); SwiGLU
+# MLP of block_ff_dim 12288 -> 2/3, rounded to 256: 8192; tied embeddings, vocabulary 65536, 128K context,
+# bf16 -- 1.2B parameters. The checkpoint's legacy keys (block_ff_dim, tie_embedding, full_attn_idxs) as
+# published; init-only keys left out.
+LFM2_1_2B: dict[str, Any] = {
+    "architectures": ["Lfm2ForCausalLM"],
+    "block_auto_adjust_ff_dim": True,
+    "block_ff_dim": 12288,
+    "block_ffn_dim_multiplier": 1.0,
+    "block_multiple_of": 256,
+    "bos_token_id": 1,
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "eos_token_id": 7,
+    "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+    "hidden_size": 2048,
+    "max_position_embeddings": 128000,
+    "model_type": "lfm2",
+    "norm_eps": 1e-05,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "rope_theta": 1000000.0,
+    "tie_embedding": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 65536,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
     "falcon-h1-7b": FALCON_H1_7B,
     "granite-4.0-h-small": GRANITE_4_0_H_SMALL,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "lfm2-1.2b": LFM2_1_2B,
 }

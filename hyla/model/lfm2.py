@@ -1,0 +1,205 @@
+"""LFM2 (``Lfm2ForCausalLM``): gated short convolutions and GQA attention, each followed by a SwiGLU MLP.
+
+Each layer is ``x + mixer(operator_norm(x))`` then ``x + mlp(ffn_norm(x))``; the mixer is, per
+``layer_types`` (``conv`` / ``full_attention``, or the attention indices ``full_attn_idxs``):
+
+* a gated short convolution (``Lfm2ShortConv``): ``in_proj`` to ``[B | C | x]`` (``H`` channels
+  each), a depthwise causal conv of ``B * x`` over ``K = conv_L_cache`` inputs (no activation), gated
+  by ``C``, then ``out_proj``. Its recurrent state is the conv window alone, ``[H, K-1]``: the
+  layer kind has no SSM state (``ModelConfig.ssm_shape == (0,)``, an empty pool buffer the layer
+  never touches), so a checkpoint is the conv windows of the conv layers, written by the conv op's
+  checkpoint path (extend) or copied from the live slot (decode), as for GDN / Mamba2 layers;
+* attention: Llama's GQA with full-head RoPE and per-head RMSNorm on q and k (plain weight, before
+  RoPE), ``out_proj`` without bias.
+
+Norms are plain RMSNorms (``w * norm(x)``); the final one is HF's ``embedding_norm`` (applied after
+the last layer despite its name). Embeddings are tied by default. The MLP width is HF's
+``block_auto_adjust_ff_dim`` rule applied to ``intermediate_size`` (``block_ff_dim``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.layers import (
+    Attention,
+    HybridForCausalLM,
+    HybridLayer,
+    Rope,
+    WeightSpec,
+    _ckpt_kwargs,
+    _copy_decode_checkpoints,
+    linear_specs,
+    norm_spec,
+    squeeze_conv,
+)
+from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+
+
+class Lfm2ShortConv(nn.Module):
+    """LFM2's gated short convolution: ``out_proj(C * conv(B * x))`` with ``[B | C | x] = in_proj(h)``.
+
+    The conv is depthwise and causal over the last ``K`` values of ``B * x`` (no activation), with a
+    bias when ``short_conv_bias`` (HF's ``conv_bias``, which also puts biases on both projections).
+    State: ``batch.conv_states[j]`` only (``j`` = the layer's linear ordinal).
+    """
+
+    def __init__(self, config: ModelConfig, linear_ordinal: int):
+        super().__init__()
+        c = config
+        self.state_index = linear_ordinal
+        h = c.hidden_size
+        self.in_proj = nn.Linear(h, 3 * h, bias=c.short_conv_bias, dtype=c.dtype)
+        self.conv_weight = nn.Parameter(torch.empty(h, c.conv_kernel, dtype=c.dtype))  # [H, K]
+        self.conv_bias = nn.Parameter(torch.empty(h, dtype=c.dtype)) if c.short_conv_bias else None
+        self.out_proj = nn.Linear(h, h, bias=c.short_conv_bias, dtype=c.dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+        b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # [T, H] each
+        bx = b * xs  # [T, H]: what the conv (and its window) sees
+        conv_states = batch.conv_states[self.state_index]  # [S, H, K-1]
+        if batch.is_decode:
+            y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slots, None)
+            _copy_decode_checkpoints(conv_states, batch)
+        else:
+            y = causal_conv1d_varlen(
+                bx, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, batch.state_slots, None,
+                **_ckpt_kwargs(batch),
+            )  # [T, H]
+        return self.out_proj(c * y)
+
+
+class Lfm2ForCausalLM(HybridForCausalLM):
+    def build_layer(self, index: int) -> HybridLayer:
+        c = self.config
+        if c.layer_types[index] == "attention":
+            mixer: nn.Module = Attention(c, c.attention_ordinal(index))
+        else:
+            mixer = Lfm2ShortConv(c, c.linear_ordinal(index))
+        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn("mlp"), ffn_norm=self.new_norm())
+
+    @classmethod
+    def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        c = config
+        embed = "model.embed_tokens.weight"
+        specs = [
+            WeightSpec("embed_tokens.weight", (embed,)),
+            norm_spec("norm.weight", "model.embedding_norm.weight"),
+            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",)),
+        ]
+        for i, kind in enumerate(c.layer_types):
+            t, s = f"layers.{i}", f"model.layers.{i}"
+            specs += [
+                norm_spec(f"{t}.mixer_norm.weight", f"{s}.operator_norm.weight"),
+                norm_spec(f"{t}.ffn_norm.weight", f"{s}.ffn_norm.weight"),
+                *linear_specs(f"{t}.ffn.in_proj", [f"{s}.feed_forward.w1", f"{s}.feed_forward.w3"], False),
+                *linear_specs(f"{t}.ffn.out_proj", [f"{s}.feed_forward.w2"], False),
+            ]
+            if kind == "attention":
+                a = f"{s}.self_attn"
+                specs += [
+                    *linear_specs(f"{t}.mixer.qkv_proj", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], False),
+                    *linear_specs(f"{t}.mixer.o_proj", [f"{a}.out_proj"], False),
+                    norm_spec(f"{t}.mixer.q_norm.weight", f"{a}.q_layernorm.weight"),
+                    norm_spec(f"{t}.mixer.k_norm.weight", f"{a}.k_layernorm.weight"),
+                ]
+            else:
+                conv, bias = f"{s}.conv", c.short_conv_bias
+                specs += [
+                    *linear_specs(f"{t}.mixer.in_proj", [f"{conv}.in_proj"], bias),
+                    WeightSpec(f"{t}.mixer.conv_weight", (f"{conv}.conv.weight",), squeeze_conv),  # [H, 1, K] -> [H, K]
+                    *linear_specs(f"{t}.mixer.out_proj", [f"{conv}.out_proj"], bias),
+                ]
+                if bias:
+                    specs.append(WeightSpec(f"{t}.mixer.conv_bias", (f"{conv}.conv.bias",)))
+        return specs
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
+# ------------------------------------------------------------------------------------------------
+_LAYER_TYPES = {"conv": "linear", "full_attention": "attention"}
+
+
+def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """``ModelConfig`` fields of an LFM2 ``config.json`` (HF ``Lfm2Config`` keys and defaults,
+    including its legacy ``block_ff_dim`` and ``tie_embedding``, which win over ``intermediate_size``
+    and ``tie_word_embeddings`` as in HF). Raises ``ValueError`` for unknown layer types, attention
+    indices outside the stack, a non-default RoPE or a non-positive width."""
+    cfg = dict(cfg)
+    if "tie_embedding" in cfg:
+        cfg["tie_word_embeddings"] = cfg["tie_embedding"]
+    cfg.setdefault("tie_word_embeddings", True)  # HF's LFM2 default
+    common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
+    common["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 128_000))  # HF's LFM2 default
+    num_layers = int(hf_require(cfg, "num_hidden_layers"))
+    hidden = int(cfg["hidden_size"])
+    heads = int(hf_require(cfg, "num_attention_heads"))
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
+    kernel = int(cfg.get("conv_L_cache", 3))
+    if kernel < 2:
+        raise ValueError(f"LFM2 conv_L_cache must be >= 2 (a causal conv window), got {kernel}")
+    return dict(
+        **common,
+        model_type="lfm2",
+        layer_types=_lfm2_layer_types(cfg, num_layers),
+        ffn_types=("mlp",) * num_layers,
+        norm_eps=float(cfg.get("norm_eps", 1e-5)),
+        zero_centered_norm=False,
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        attention_bias=False,
+        qk_norm=True,
+        rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 1e6))),  # HF's default_theta
+        rotary_dim=head_dim,
+        linear_kind="short_conv",
+        conv_kernel=kernel,
+        short_conv_bias=bool(cfg.get("conv_bias", False)),
+        intermediate_size=lfm2_mlp_width(cfg),
+        hidden_act="silu",
+        mlp_bias=False,
+    )
+
+
+def lfm2_mlp_width(cfg: Mapping[str, Any]) -> int:
+    """HF's ``Lfm2MLP`` width: ``intermediate_size`` (``block_ff_dim`` wins), and with
+    ``block_auto_adjust_ff_dim``: ``int(2/3 * it)``, then with a ``block_ffn_dim_multiplier``: times it,
+    rounded up to a multiple of ``block_multiple_of`` (LFM2-1.2B: 12288 -> 8192)."""
+    width = int(cfg.get("block_ff_dim", cfg.get("intermediate_size", 12288)))
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        width = int(2 * width / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = int(cfg.get("block_multiple_of", 256))
+            width = int(float(multiplier) * width)
+            width = multiple * ((width + multiple - 1) // multiple)
+    if width <= 0:
+        raise ValueError(f"LFM2's MLP width must be positive, got {width}")
+    return width
+
+
+def _lfm2_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    listed = cfg.get("layer_types")
+    if listed is None:  # HF: attention at full_attn_idxs, every layer when that is absent too
+        indices = cfg.get("full_attn_idxs")
+        indices = set(range(num_layers)) if indices is None else {int(i) for i in indices}
+        bad = sorted(i for i in indices if not 0 <= i < num_layers)
+        if bad:
+            raise ValueError(f"full_attn_idxs {bad} are outside the {num_layers} layers")
+        return tuple("attention" if i in indices else "linear" for i in range(num_layers))
+    if len(listed) != num_layers:
+        raise ValueError(f"LFM2 layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
+    bad = sorted({t for t in listed if t not in _LAYER_TYPES})
+    if bad:
+        raise ValueError(f"LFM2 layer types must be 'conv' or 'full_attention', got {bad}")
+    return tuple(_LAYER_TYPES[t] for t in listed)
