@@ -116,6 +116,11 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, source) -> pristine LLMatcher
         self._lock = threading.Lock()
 
+    @property
+    def num_cached(self) -> int:
+        """Compiled grammars in the cache."""
+        return len(self._cache)
+
     # --- compile ---------------------------------------------------------------------------------
     def matcher(self, kind: str, source: str) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar ``source`` (``kind`` in ``GRAMMAR_KINDS``;
@@ -223,7 +228,7 @@ def grammar_source(kind: str, value: Any) -> str:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
-        if not isinstance(value, (dict, bool)):
+        if not isinstance(value, dict):
             raise ValueError(f"json_schema must be a JSON object (or its text), got {type(value).__name__}")
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     if kind not in GRAMMAR_KINDS:
