@@ -383,6 +383,25 @@ def test_draft_rows_are_the_masks_after_each_draft(grammars, tokenizer):
     assert torch.equal(_allowed(grammars, [m])[0], rows[0])
 
 
+def test_pool_and_calling_thread_fill_alike(tokenizer):
+    """The two fill paths (llguidance's pool; one call per matcher on this thread) give the same rows."""
+    pool = Grammars(tokenizer, tokenizer.vocab_size, eos_token_ids=[2], num_threads=1, min_parallel=1)
+    here = Grammars(tokenizer, tokenizer.vocab_size, eos_token_ids=[2], num_threads=0)
+    answer = tokenizer.encode('{"name": "Bo", "age": 31, "role": "admin", "tags": ["x"], "ok": false}',
+                              add_special_tokens=False)
+    source = grammar_source("json_schema", SCHEMA)
+    masks = []
+    for g in (pool, here):
+        ms = [g.matcher("json_schema", source) for _ in range(3)]
+        for k, m in enumerate(ms):
+            for t in answer[:4 * k]:
+                assert m.accept(t)
+        drafts = [answer[0:3], [], answer[8:10] + [tokenizer.token_to_id("{")] + answer[11:12]]
+        masks.append((_allowed(g, ms + [None]), _allowed(g, [None] + ms, [[]] + drafts)))
+    assert torch.equal(masks[0][0], masks[1][0]) and torch.equal(masks[0][1], masks[1][1])
+    assert all(r.any() for r in masks[1][1])
+
+
 def test_compile_cache(tokenizer):
     g = Grammars(tokenizer, tokenizer.vocab_size, eos_token_ids=[2], cache_size=2)
     a1, a2 = g.matcher("regex", "[0-9]+"), g.matcher("regex", "[0-9]+")

@@ -98,10 +98,13 @@ class Grammars:
     """The engine's grammar backend: tokenizer, compiled-grammar cache, batch mask filler."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int | None = None):
+                 cache_size: int = DEFAULT_CACHE_SIZE, num_threads: int | None = None, min_parallel: int = 8):
         """``vocab_size``: the LM head's rows (masks cover them all); ``eos_token_ids``: the ids that
-        end a request, allowed where the grammar may end; ``num_threads``: the mask-filling pool
-        (default: half the CPUs, 1 to 8)."""
+        end a request, allowed where the grammar may end. Masks of a batch with at least
+        ``min_parallel`` constrained requests are filled by a pool of ``num_threads`` threads
+        (default: half the CPUs up to 8; none on a machine with 2 CPUs or fewer), smaller ones — or
+        all, with ``num_threads=0`` — on the calling thread (``benchmarks/grammar.py``: waking a
+        pool thread costs more than it saves on few cores or few rows)."""
         import llguidance
 
         self._llg = llguidance
@@ -110,8 +113,10 @@ class Grammars:
         self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab,
                                                 eos_token=list(eos_token_ids))
         self.words = (n_vocab + 31) // 32  # int32 words per bitmask row
-        threads = num_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
-        self.executor = llguidance.LLExecutor(num_threads=threads)
+        if num_threads is None:
+            num_threads = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) > 2 else 0
+        self.executor = llguidance.LLExecutor(num_threads=num_threads) if num_threads > 0 else None
+        self.min_parallel = min_parallel
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, source) -> pristine LLMatcher
         self._lock = threading.Lock()
@@ -172,23 +177,29 @@ class Grammars:
         if not rows:
             return None
         bitmask = torch.zeros((len(rows), self.words), dtype=torch.int32)
-        jobs, k = [], 0
-        for i, (m, n) in enumerate(zip(matchers, lens)):
-            if m is None:
-                continue
-            if drafts is not None and drafts[i]:
-                jobs.append((m._m, k, list(drafts[i])))
-            else:
-                jobs.append((m._m, k))
-            k += n
         ptr, row_bytes = bitmask.data_ptr(), self.words * 4
-        plain = [j for j in jobs if len(j) == 2]
-        if plain:
-            self.executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, len(rows))
-        with_drafts = [j for j in jobs if len(j) == 3]
-        if with_drafts:
-            self.executor.unsafe_compute_mask_ptr_with_draft_token(with_drafts, ptr, row_bytes, len(rows))
-            _carry_forward(bitmask, [(j[1], len(j[2])) for j in with_drafts])
+        jobs, k = [], 0  # (matcher, its first mask row, its drafts)
+        for i, (m, n) in enumerate(zip(matchers, lens)):
+            if m is not None:
+                jobs.append((m._m, k, list(drafts[i]) if drafts is not None else []))
+                k += n
+        if self.executor is not None and len(jobs) >= self.min_parallel:
+            plain = [(m, r) for m, r, d in jobs if not d]
+            if plain:
+                self.executor.unsafe_compute_mask_ptr(plain, ptr, row_bytes, len(rows))
+            spec = [job for job in jobs if job[2]]
+            if spec:
+                self.executor.unsafe_compute_mask_ptr_with_draft_token(spec, ptr, row_bytes, len(rows))
+        else:  # on this thread: no hand-off to a pool thread that must first be woken up
+            for m, r, d in jobs:
+                m.unsafe_compute_mask_ptr(ptr + r * row_bytes, row_bytes)
+                ok = m.validate_tokens(d) if d else 0
+                for j in range(ok):
+                    m.consume_token(d[j])
+                    m.unsafe_compute_mask_ptr(ptr + (r + j + 1) * row_bytes, row_bytes)
+                if ok:
+                    m.rollback(ok)
+        _carry_forward(bitmask, [(r, len(d)) for _, r, d in jobs if d])
         return TokenMask(rows, bitmask)
 
 
