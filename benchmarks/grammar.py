@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import DOC, machine, write_section  # noqa: E402
 from hyla.tokenizer import Tokenizer  # noqa: E402
 
 MODEL_DIR = ROOT / "hyla" / "assets" / "default-model"
@@ -296,12 +296,13 @@ class OverlappedMasks:
         return fut.result() if fut is not None else self.inline_masks(reqs, drafts=drafts)
 
 
-def overlap(repeats: int, batch: int, threads: list[int]) -> list[tuple[int, str, float, float, float, float]]:
+def overlap(repeats: int, batch: int, threads: list[int]) -> list[tuple[int, str, float, float, float, float, float]]:
     """Decode ``batch`` JSON-schema requests (greedy, the default model) three ways, interleaved:
     masks filled after the forward on the scheduler thread (``inline``, the engine's way on this
     machine), the same through llguidance's 1-thread pool (``inline, pool``), and on a worker thread
     during the forward (``overlapped``). Per torch thread count and mode: (threads, mode, output
-    tokens/s, forward ms per decode step, mask ms per step, step ms), medians."""
+    tokens/s, forward ms per decode step, mask ms per step, step ms, tokens/s over the same round's
+    inline run), medians."""
     import llguidance
 
     from hyla import Engine
@@ -343,7 +344,7 @@ def overlap(repeats: int, batch: int, threads: list[int]) -> list[tuple[int, str
             overlapped = (eng.scheduler.output.grammar_masks, eng.scheduler.run)
             pool = llguidance.LLExecutor(num_threads=1)
             modes = {"inline": (inline, None), "inline, pool": (inline, pool), "overlapped": (overlapped, None)}
-            results: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
+            results: dict[str, list[tuple[float, ...]]] = {m: [] for m in modes}
             want = None
             for rep in range(repeats + 1):  # the first round warms up
                 order = list(modes.items())
@@ -366,12 +367,16 @@ def overlap(repeats: int, batch: int, threads: list[int]) -> list[tuple[int, str
                         steps = eng.scheduler.num_steps - steps0
                         results[mode].append((toks / wall, fwd_time[0] / max(1, fwd_time[1]) * 1e3,
                                               fill_time[0] / max(1, fill_time[1]) * 1e3, wall / steps * 1e3))
+                if rep:  # this round's rate of each mode over the inline one's (paired: drift cancels)
+                    base = results["inline"][-1][0]
+                    for mode in modes:
+                        results[mode][-1] += (results[mode][-1][0] / base,)
             over.pool.shutdown()
         for mode, vals in results.items():
-            med = [statistics.median(v[i] for v in vals) for i in range(4)]
+            med = [statistics.median(v[i] for v in vals) for i in range(5)]
             rows.append((n, mode, *med))
-            print(f"overlap torch threads={n} {mode:12s} {med[0]:8.1f} tok/s  forward {med[1]:6.2f} ms  mask "
-                  f"{med[2]:6.3f} ms/step  step {med[3]:6.2f} ms", flush=True)
+            print(f"overlap torch threads={n} {mode:12s} {med[0]:8.1f} tok/s (x{med[4]:.3f} paired)  forward "
+                  f"{med[1]:6.2f} ms  mask {med[2]:6.3f} ms/step  step {med[3]:6.2f} ms", flush=True)
     return rows
 
 
@@ -388,6 +393,10 @@ def main() -> None:
 
     over = overlap(args.overlap_repeats, 16, [1, 2])
     if args.overlap_only:
+        if not args.no_write:  # refresh the overlap part of the section, keep the mask-cost part
+            text = DOC.read_text()
+            body = text.split("## Structured outputs\n\n", 1)[1].split("\n## ", 1)[0]
+            write_section("Structured outputs", body.split(OVERLAP_MARK, 1)[0] + overlap_section(over))
         return
     libraries: list[type[Library]] = [LLGuidance]
     try:
@@ -421,11 +430,7 @@ def main() -> None:
         serial = f"{r['serial_us']:,.0f}" if b > 1 else "–"
         table.append(f"| {vname} | {name} | {threads} | {kind} | {b} | {r['fill_us']:,.0f} | {r['fill_us'] / b:,.1f} "
                      f"| {r['fill_mean_us']:,.0f} | {serial} | {r['accept_us']:,.0f} | {r['compile_ms']:,.1f} |")
-    over_table = ["| torch threads | masks | output tok/s | forward / decode step (ms) | masks / step (ms) "
-                  "| step (ms) | masks / step |", "|---|---|---|---|---|---|---|"]
-    for n, mode, tps, fwd_ms, mask_ms, step_ms in over:
-        over_table.append(f"| {n} | {mode} | {tps:,.0f} | {fwd_ms:.1f} | {mask_ms:.2f} | {step_ms:.1f} "
-                          f"| {mask_ms / step_ms:.1%} |")
+    over_md = overlap_section(over)
     body = (f"`benchmarks/grammar.py` ({machine()}).\n\n"
             f"**Mask cost.** What a decode step pays for grammar masks — the batch's token bitmask filled by "
             f"each library's batch call, then one accept per request — for B = 1 and 16 requests decoding "
@@ -436,8 +441,7 @@ def main() -> None:
             f"includes the shared machine's hiccups, beside it), wall time; \"one call per matcher\" is the same "
             f"fill without the batch call; compile = one grammar, uncached.\n\n"
             "    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/grammar.py --repeats 5   # pip install xgrammar to compare\n\n"
-            + "\n".join(table) + "\n\n" + CHOICE + "\n\n" + OVERLAP + "\n\n" + "\n".join(over_table)
-            + "\n\n" + overlap_verdict(over))
+            + "\n".join(table) + "\n\n" + CHOICE + "\n\n" + over_md)
     write_section("Structured outputs", body)
 
 
@@ -459,31 +463,42 @@ the lean dependency a core feature needs — one 8 MB wheel, no dependencies —
 in transformers and triton (~1 GB) on a CPU install; and it validates and rolls back runs of
 tokens, which speculative verification needs."""
 
-OVERLAP = """\
-**Overlap.** The engine on the default model decoding 16 JSON-schema requests (greedy, 64 new
-tokens at most), three ways, interleaved in rotating order: masks filled after the forward on the scheduler thread
-(`inline`, what the engine does on this machine), the same through llguidance's pool
-(`inline, pool`), and on a worker thread while the forward runs (`overlapped`); outputs checked
-identical. Medians of the repeats; mask = the fill's own time per step (prefill steps included)."""
+OVERLAP_MARK = "**Overlap.**"
 
 
-def overlap_verdict(over: list[tuple[int, str, float, float, float, float]]) -> str:
+def overlap_section(over: list[tuple[int, str, float, float, float, float, float]]) -> str:
+    """The overlap part of the section: what was run, the table, the verdict (from the numbers)."""
+    table = ["| torch threads | masks | output tok/s | vs inline, same round | forward / decode step (ms) "
+             "| masks / step (ms) | step (ms) | masks / step |", "|---|---|---|---|---|---|---|---|"]
+    for n, mode, tps, fwd_ms, mask_ms, step_ms, ratio in over:
+        table.append(f"| {n} | {mode} | {tps:,.0f} | {ratio:.2f}x | {fwd_ms:.1f} | {mask_ms:.2f} | {step_ms:.1f} "
+                     f"| {mask_ms / step_ms:.1%} |")
     inline = [r for r in over if r[1] == "inline"]
     share = [r[4] / r[5] for r in inline]
     pool = {r[0]: r[4] for r in over if r[1] == "inline, pool"}
     here = {r[0]: r[4] for r in inline}
-    return (f"Filled on the scheduler thread, the masks take {min(share):.1%}–{max(share):.1%} of a step: that "
-            f"is all an overlap could ever save. The end-to-end rates differ by more than that, in either "
-            f"direction from run to run — the shared machine's noise (other jobs run on the same 2 cores), "
-            f"not the masks — and a worker thread competes with the forward for those 2 cores. **Not "
-            f"implemented.** The engine fills the masks after `run` returns and before the sampler reads "
-            f"the logits, which on an asynchronous device (CUDA) already overlaps whatever part of the "
-            f"forward the GPU is still executing, with no thread. llguidance's pool costs more than it "
-            f"saves here (masks "
-            + ", ".join(f"{pool[n]:.2f} vs {here[n]:.2f} ms/step at {n} torch thread{'s' if n > 1 else ''}"
-                        for n in sorted(pool))
-            + ": a pool thread asleep during the forward must be woken each step), so on a machine with 2 "
-              "CPUs or fewer `Grammars` fills on the calling thread.")
+    fwd = {n: [r[3] for r in over if r[0] == n] for n in sorted({r[0] for r in over})}
+    noise = ", ".join(f"{min(v):.1f}–{max(v):.1f} ms at {n} torch thread{'s' if n > 1 else ''}" for n, v in fwd.items())
+    intro = (f"{OVERLAP_MARK} The engine on the default model decoding 16 JSON-schema requests (greedy, 64 new "
+             "tokens at most), three ways, interleaved in rotating order: masks filled after the forward on the "
+             "scheduler thread (`inline`, what the engine does on this machine), the same through llguidance's "
+             "pool (`inline, pool`), and on a worker thread while the forward runs (`overlapped`); outputs "
+             "checked identical. Medians of the rounds (`--overlap-repeats`); \"vs inline\" is the median of each "
+             "round's rate over that round's inline rate; masks = the fill's own time per step (prefill steps "
+             "included).")
+    verdict = (f"Filled on the scheduler thread, the masks take {min(share):.1%}–{max(share):.1%} of a step: that is "
+               f"all an overlap could ever save. Differences beyond that are the shared machine's noise (other "
+               f"jobs run on the same 2 cores): the forward alone, which the mask mode does not touch, took "
+               f"{noise} across the modes, and repeated runs of this script rank the modes differently; a "
+               f"worker thread also competes with the forward for those 2 cores. "
+               f"**Not implemented.** The engine fills the masks after `run` returns and before the sampler reads "
+               f"the logits, which on an asynchronous device (CUDA) already overlaps whatever part of the forward "
+               f"the GPU is still executing, with no thread. llguidance's pool costs more than it saves here "
+               f"(masks " + ", ".join(f"{pool[n]:.2f} vs {here[n]:.2f} ms/step at {n} torch thread{'s' if n > 1 else ''}"
+                                      for n in sorted(pool))
+               + ": a pool thread asleep during the forward must be woken each step), so on a machine with 2 CPUs "
+                 "or fewer `Grammars` fills on the calling thread.")
+    return intro + "\n\n" + "\n".join(table) + "\n\n" + verdict
 
 
 if __name__ == "__main__":
