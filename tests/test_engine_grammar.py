@@ -271,6 +271,7 @@ def test_streaming(engine):
     ({"regex": 5}, "regex must be a non-empty string"),
     ({"json_schema": "{nope"}, "json_schema is not valid JSON"),
     ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
+    ({"json_schema": {"type": "object", "enum": {1, 2}}}, "json_schema is not JSON"),
     ({"json_schema": {"type": "no-such-type"}}, "json_schema cannot be compiled"),
     ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "json_schema cannot be compiled"),
     ({"ebnf": "root ::= undefined_rule"}, "ebnf cannot be compiled"),

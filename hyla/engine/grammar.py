@@ -4,8 +4,9 @@ One idea, four pieces, all on top of llguidance (chosen by measurement: ``benchm
 ``docs/benchmarks.md`` "Structured outputs"):
 
 * ``Grammars`` — one per engine: the tokenizer as llguidance sees it, the compiled-grammar cache
-  (keyed by ``(kind, source)``, bounded, shared by every thread that submits requests) and the
-  executor that fills a batch's masks in one call without the GIL. ``Grammars.matcher(kind,
+  (keyed by ``(kind, source)``, bounded, shared by every thread that submits requests) and, on
+  machines with more than 2 CPUs, llguidance's pool that fills a big batch's masks in parallel
+  (llguidance releases the GIL either way). ``Grammars.matcher(kind,
   source)`` compiles (or finds) the grammar and returns a fresh per-request ``GrammarMatcher``; a
   grammar that cannot compile raises ``ValueError`` naming the problem, at submission.
 * ``GrammarMatcher`` — one request's position in its grammar: ``accept`` each appended token,
@@ -241,7 +242,10 @@ def grammar_source(kind: str, value: Any) -> str:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"json_schema must be a JSON object (or its text), got {type(value).__name__}")
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        try:
+            return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"json_schema is not JSON: {e}") from None
     if kind not in GRAMMAR_KINDS:
         raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
     if not isinstance(value, str) or not value:
