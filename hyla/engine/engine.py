@@ -33,6 +33,7 @@ import torch
 from hyla.cache import KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
+from hyla.engine.grammar import Grammars
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
@@ -70,12 +71,17 @@ class Engine:
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
+        # structured outputs: compiled-grammar cache + batch mask filler (needs the tokenizer's vocabulary)
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids) \
+            if self.tokenizer is not None else None
+
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
         output = OutputProcessor(self.eos_token_ids, self.context_length,
-                                 make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None)
+                                 make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
+                                 grammars=self.grammars)
         sched_cfg = SchedulerConfig(
             page_size=self.args.page_size,
             chunked_prefill_size=self.args.chunked_prefill_size,
@@ -306,11 +312,14 @@ class Engine:
         for c in checkpoints:
             if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= len(ids):
                 raise ValueError(f"checkpoint position {c!r} is outside the prompt (1..{len(ids)})")
+        if sp.grammar is not None and self.grammars is None:
+            raise ValueError(f"{sp.grammar[0]} needs a tokenizer; model {self.model_path} has none")
+        grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None  # ValueError if bad
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
         seed = sp.seed if sp.seed is not None else (self.args.seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**63
         gen = torch.Generator(device=self.device).manual_seed(seed)
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints, namespace=namespace,
-                   return_logprob=return_logprob, generator=gen)
+                   return_logprob=return_logprob, generator=gen, grammar=grammar)
 
     def _submit(self, reqs: list[Req]) -> None:
         with self._inbox_lock:  # requests still in the inbox count as queued too

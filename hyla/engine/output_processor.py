@@ -10,6 +10,11 @@ a ``Req`` concurrently: each gets *chunks* built here, once —
 A streaming request (``req.stream``) gets one chunk per step that produced something visible, and
 a last one with the ``finish_reason``; text that may still turn into a stop string is held back
 until it cannot. Any other request gets one chunk when it finishes, holding its whole output.
+
+Structured outputs (``req.grammar``): the grammar's token mask constrains sampling (``grammar_masks``
+fills it for the batch), every appended token advances the grammar, and a request whose grammar is
+complete (nothing but EOS could follow) finishes at once with ``{"type": "stop", "matched": <its last
+token id>}`` — before ``max_new_tokens`` is looked at, so a complete output is never a ``length``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from hyla.engine.grammar import Grammars, TokenMask
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.sampler import sample
 
@@ -27,12 +33,13 @@ logger = logging.getLogger("hyla.engine")
 
 class OutputProcessor:
     def __init__(self, eos_token_ids: Iterable[int], max_context_len: int,
-                 make_detokenizer: Callable[[Req], Any] | None = None) -> None:
+                 make_detokenizer: Callable[[Req], Any] | None = None, grammars: Grammars | None = None) -> None:
         self.eos_token_ids = set(eos_token_ids)
         self.max_context_len = max_context_len
         # callable(req) -> an incremental detokenizer (.step(id) -> str, .flush() -> str), or None
         # for a model without a tokenizer
         self.make_detokenizer = make_detokenizer
+        self.grammars = grammars  # None: no request can carry a grammar (a model without a tokenizer)
         self.num_generated_tokens = 0
         self.num_requests_finished = 0
 
@@ -52,7 +59,7 @@ class OutputProcessor:
         if not to_sample:
             return finished, failed
         sreqs = [reqs[i] for i in to_sample]
-        out = sample(logits[to_sample], sreqs)
+        out = sample(logits[to_sample], sreqs, self.grammar_masks(sreqs))
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             self.append(r, [tok], [lp], [top])
             if r.finished:
@@ -60,6 +67,13 @@ class OutputProcessor:
             elif r.stream and not self.deliver(r):
                 failed.append(r)
         return finished, failed
+
+    def grammar_masks(self, reqs: list[Req], drafts: bool = False) -> TokenMask | None:
+        """The token masks of ``reqs``' constrained rows (``None`` if none has a grammar): one row
+        per request, or with ``drafts`` (a verify step) ``1 + len(req.draft_ids)`` rows each."""
+        if self.grammars is None or all(r.grammar is None for r in reqs):
+            return None
+        return self.grammars.fill([r.grammar for r in reqs], [r.draft_ids for r in reqs] if drafts else None)
 
     def append(self, req: Req, tokens: list[int], logprobs: list[float],
                top_logprobs: list[list[tuple[float, int]]]) -> int:
@@ -71,6 +85,11 @@ class OutputProcessor:
                 req.output_logprobs.append(logprobs[i])
                 req.output_top_logprobs.append(top_logprobs[i])
             self.num_generated_tokens += 1
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # only if the mask was bypassed: never silently return output the grammar refuses
+                req.text = self._detokenize(req, tok)
+                self.set_finished(req, {"type": "abort", "message": f"grammar: {req.grammar.error}"})
+                return i + 1
             reason = self._check_finished(req, self._detokenize(req, tok))
             if reason is not None:
                 self.set_finished(req, reason)
@@ -128,6 +147,8 @@ class OutputProcessor:
                 req.text = text[:pos]
                 return {"type": "stop", "matched": s}
         req.text = text
+        if req.grammar is not None and req.grammar.terminated:
+            return {"type": "stop", "matched": tok}
         if len(req.output_ids) >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if req.num_fill >= self.max_context_len:

@@ -71,6 +71,7 @@ class Req:
     spec_num_tokens: int = 0  # output tokens those steps produced (accepted drafts + bonus tokens)
     finished_reason: dict[str, Any] | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # a hyla.engine.grammar.GrammarMatcher when sampling.grammar is set
 
     # --- output ----------------------------------------------------------------------------
     output_logprobs: list[float] = field(default_factory=list)

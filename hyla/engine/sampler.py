@@ -1,10 +1,15 @@
-"""Turn a batch of next-token logits into tokens: penalties → temperature → top-k/top-p/min-p → draw.
+"""Turn a batch of next-token logits into tokens: penalties → grammar mask → temperature →
+top-k/top-p/min-p → draw.
 
-Greedy rows take the argmax of the penalised logits. Random rows draw with their request's own
-``torch.Generator`` (seeded from ``SamplingParams.seed`` or from the engine seed), so a request's
-output does not depend on what else shares its batch. Log-probabilities reported to the user are
-those of the model's raw distribution (``log_softmax`` of the unpenalised fp32 logits), the same for
-greedy and random rows, which is what the cache-on/cache-off differential tests compare.
+A grammar's mask (``hyla.engine.grammar.TokenMask``) sets forbidden tokens to ``-inf`` after the
+penalties, so greedy and random rows alike choose only among allowed tokens (top-k and top-p then
+count allowed tokens only). Greedy rows take the argmax of the penalised, masked logits. Random
+rows draw with their request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or
+from the engine seed), so a request's output does not depend on what else shares its batch.
+Log-probabilities reported to the user are those of the model's raw distribution (``log_softmax``
+of the unpenalised, unmasked fp32 logits), the same for greedy and random rows, which is what the
+cache-on/cache-off differential tests compare. With a grammar, a token it forces may thus show a
+very low logprob, and ``top_logprobs`` may list tokens it forbids.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 
 
@@ -23,14 +29,16 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]]]  # per row, [] unless asked for
 
 
-def sample(logits: torch.Tensor, reqs: list[Req]) -> SampleOutput:
-    """logits: [B, V] fp32, one row per request in ``reqs``."""
+def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
+    """logits: [B, V] fp32, one row per request in ``reqs``; ``mask``: the grammar masks of the
+    constrained rows (``None``: no row is constrained)."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     processed = logits.clone()
     for i, req in enumerate(reqs):
         if req.sampling.has_penalties:
             processed[i] = apply_penalties(processed[i], req)
+    apply_token_mask(processed, mask)
 
     greedy = torch.argmax(processed, dim=-1)  # [B]
     chosen = greedy.clone()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from hyla.engine.grammar import GRAMMAR_KINDS, grammar_source
+
 
 @dataclass
 class SamplingParams:
@@ -22,6 +24,13 @@ class SamplingParams:
     seed: int | None = None
     skip_special_tokens: bool = True
     top_logprobs_num: int = 0
+    # structured outputs (SGLang's names; at most one): the output must match this grammar
+    json_schema: str | dict | None = None  # a JSON schema, as an object or as JSON text
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF (``root ::= ...``) or Lark
+    # set from the three above: (kind, canonical text) — a JSON schema object becomes compact JSON
+    # text, the key of the engine's compile cache
+    grammar: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -31,7 +40,7 @@ class SamplingParams:
             return params
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
@@ -58,6 +67,10 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex and ebnf may be given, got {given}")
+        self.grammar = (given[0], grammar_source(given[0], getattr(self, given[0]))) if given else None
 
     @property
     def is_greedy(self) -> bool:

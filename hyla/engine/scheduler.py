@@ -184,7 +184,8 @@ class Scheduler:
         """Accept drafts, append the accepted run (stopping at a stop condition inside it), then
         commit exactly the fed tokens that are now part of the request: the rest is rolled back."""
         finished, failed, num_tokens = [], [], 0
-        for r, v, scratch in zip(batch.reqs, verify(batch.reqs, batch.lens, logits), batch.scratch, strict=True):
+        verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True))
+        for r, v, scratch in zip(batch.reqs, verdicts, batch.scratch, strict=True):
             appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
             self.cache.commit(r, 1 + min(v.num_accepted, appended), insert=False, states=scratch)
             r.draft_ids = []

@@ -20,6 +20,12 @@ The accepted prefix's state becomes the live state and the KV of rejected tokens
 frequency or presence penalties get no drafts (their distribution at ``j`` depends on the drafts
 before it); they still take the verify path with ``k = 0``.
 
+Structured outputs: a request with a grammar drafts only the grammar-valid prefix of its proposal,
+and verification runs on the grammar-masked logits of every fed position (``mask``, one row per
+position): the greedy target is the masked argmax and ``p`` the masked distribution, so the output
+is exactly that of constrained decoding without speculation. The grammar itself advances only over
+the tokens appended (``OutputProcessor.append``); computing the masks leaves it where it was.
+
 Drafters: ``NgramDrafter`` (prompt/history lookup, no weights: speculation for every model).
 """
 
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, target_probs, uniform
 
@@ -76,7 +83,8 @@ class NgramDrafter:
                 # the match's continuation runs up to the end of the history; beyond it, a text
                 # that repeats with period len - pos goes on repeating
                 period = len(tokens) - pos
-                return [tokens[pos + i % period] for i in range(limit)]
+                drafts = [tokens[pos + i % period] for i in range(limit)]
+                return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar is not None else drafts
         return []
 
 
@@ -96,10 +104,13 @@ class _NgramIndex:
         self.num_indexed = max(self.num_indexed, end)
 
 
-def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor) -> list[Verdict]:
+def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMask | None = None) -> list[Verdict]:
     """Accept or reject each request's drafts. ``logits``: ``[sum(lens), V]`` fp32, request ``i``'s
-    ``lens[i] = 1 + len(req.draft_ids)`` rows in order."""
+    ``lens[i] = 1 + len(req.draft_ids)`` rows in order; ``mask``: grammar masks of those rows
+    (``OutputProcessor.grammar_masks(reqs, drafts=True)``). Logprobs are the raw model's."""
     raw = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    if mask is not None:
+        logits = apply_token_mask(logits.float().clone(), mask)
     out = []
     offset = 0
     for req, n in zip(reqs, lens):
