@@ -1,10 +1,12 @@
 """Eviction policies: the order in which a radix tree gives memory back.
 
-The tree keeps two min-heaps of eviction candidates (lazy invalidation: an entry is ignored when
-its node's version moved on or it is no longer a candidate):
+The tree keeps its eviction candidates in min-heaps (``LazyHeap``: an entry is ignored when the
+node was queued again since or is no longer a candidate):
 
 * KV heap — unlocked leaves, ordered by ``kv_priority(node)``;
-* state heap — nodes holding an unlocked checkpoint, ordered by ``state_priority(node)``.
+* state heap — nodes holding an unlocked checkpoint, ordered by ``state_priority(node)``;
+* replaceable heap — the unlocked checkpoints a speculative one may replace (speculative or
+  superseded: ``TreeNode.replaceable``), also ordered by ``state_priority(node)``.
 
 Lower priority is evicted first. A priority is computed when the node enters a heap — when it
 becomes a candidate (new leaf or checkpoint, last child evicted, lock released) and, if the policy
@@ -15,8 +17,8 @@ own fields listed below, and must never *decrease* when the node is accessed (re
 
 Per-node fields a policy may read (see ``TreeNode``): ``num_children``, ``num_tokens`` (edge
 length), ``depth`` (tokens from the root through this node), ``last_access`` (KV recency),
-``state_access`` (recency of the checkpoint), ``has_state``, ``lock_ref``, ``policy_data`` (free for
-the policy's own bookkeeping). Hooks ``on_create`` / ``on_access`` / ``on_remove`` are called as
+``state_access`` (recency of the checkpoint), ``has_state``, ``speculative`` (stored on a guess, no
+hit yet), ``lock_ref``, ``policy_data`` (free for the policy's own bookkeeping). Hooks ``on_create`` / ``on_access`` / ``on_remove`` are called as
 nodes are created (insert or split), refreshed by a hit or an insert, and removed by eviction.
 """
 

@@ -313,20 +313,25 @@ class RadixCache:
         last = path[-1] if path else self.root
         return InsertResult(off, last, num_new, [node.value for node in path])
 
-    def _check_checkpoints(self, checkpoints: Iterable[Checkpoint | tuple[int, int]], n: int) -> list[Checkpoint]:
-        """Validate checkpoints against a key of ``n`` whole-page tokens; sorted by length."""
+    def _check_checkpoints(self, checkpoints: Iterable[Checkpoint | tuple[int, int]],
+                           n: int) -> list[tuple[int, int, bool]]:
+        """Validate checkpoints against a key of ``n`` whole-page tokens: ``(length, slot,
+        speculative)`` triples sorted by length."""
         ps = self.page_size
-        out: list[Checkpoint] = []
+        out: list[tuple[int, int, bool]] = []
         for item in checkpoints:
             if self.state_pool is None:
                 raise ValueError("a RadixCache without a state_pool stores no state checkpoints")
             try:
-                length, slot, *flag = item
+                if len(item) == 3:
+                    length, slot, speculative = item
+                else:
+                    (length, slot), speculative = item, False
                 length, slot = int(length), int(slot)
             except (TypeError, ValueError):
                 raise ValueError(f"a checkpoint is a (length, slot[, speculative]) tuple, got {item!r}") from None
-            if len(flag) > 1 or (flag and not isinstance(flag[0], (bool, np.bool_))):
-                raise ValueError(f"a checkpoint is a (length, slot[, speculative: bool]) tuple, got {item!r}")
+            if not isinstance(speculative, (bool, np.bool_)):
+                raise ValueError(f"a checkpoint's speculative flag must be a bool, got {item!r}")
             if length % ps or not 1 <= length <= n:
                 raise ValueError(
                     f"checkpoint length {length} must be a multiple of page_size={ps} within the key's "
@@ -335,14 +340,14 @@ class RadixCache:
                 raise ValueError(f"state slot {slot} already belongs to the tree (pass a forked slot)")
             if not self.state_pool.is_allocated_slot(slot):
                 raise ValueError(f"checkpoint slot {slot} is not an allocated state-pool slot")
-            out.append(Checkpoint(length, slot, bool(flag and flag[0])))
+            out.append((length, slot, bool(speculative)))
         if len(out) > 1:
-            if len({c.length for c in out}) != len(out) or len({c.slot for c in out}) != len(out):
+            if len({c[0] for c in out}) != len(out) or len({c[1] for c in out}) != len(out):
                 raise ValueError(f"checkpoint lengths and slots must be distinct: {out}")
             out.sort()
         return out
 
-    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[Checkpoint], now: float) -> int:
+    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int, bool]], now: float) -> int:
         """Put each checkpoint on the path node ending at its length (splitting an edge there if
         needed). ``path`` covers the whole key from the root; it is updated in place by splits.
         Returns the number adopted; duplicates are freed."""
@@ -363,7 +368,8 @@ class RadixCache:
                 self._slot_owner[slot] = node
                 self._evictable_states += 1  # a tombstone has no state lock
                 self._push_state(node)
-                self._queue_superseded_from(node.parent)  # the checkpoint above may now be superseded
+                if len(node.parent.children) == 1:  # the checkpoint above may now be superseded
+                    self._queue_superseded_from(node.parent)
                 adopted += 1
             else:
                 duplicates.append(slot)
@@ -551,7 +557,8 @@ class RadixCache:
     def _push_state(self, node: TreeNode) -> None:
         """(Re-)queue ``node``'s checkpoint in the checkpoint orders it belongs to."""
         self._state_heap.push(node)
-        self._replaceable_heap.push(node)
+        if node.speculative or len(node.children) == 1:  # else it cannot be replaceable: skip the test
+            self._replaceable_heap.push(node)
 
     def _queue_superseded_from(self, node: TreeNode) -> None:
         """A checkpoint appeared below ``node``, or ``node`` was left with a single child: the
