@@ -77,7 +77,7 @@ class OpenAIRoutes:
             max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
                      for j in range(body.n)]
-        gen = await self.server.start_generation("completions", jobs, arrival)
+        gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._completion_events(body, gen, rid))
@@ -129,7 +129,7 @@ class OpenAIRoutes:
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries)) for j in range(body.n)]
-        gen = await self.server.start_generation("chat", jobs, arrival)
+        gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid))
@@ -162,6 +162,16 @@ class OpenAIRoutes:
         yield SSE_DONE
 
     # --- shared ----------------------------------------------------------------------------------
+    async def _start(self, body: CompletionRequest | ChatCompletionRequest, endpoint: str, jobs: list[Job],
+                     arrival: float) -> Generation:
+        """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field."""
+        try:
+            return await self.server.start_generation(endpoint, jobs, arrival)
+        except APIError as exc:
+            if exc.status == 400 and exc.param is None and "cannot be compiled" in exc.message:
+                exc.param = "response_format" if body.response_format is not None else "tool_choice"
+            raise
+
     async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
         """Each prompt's token ids; text is tokenized on a worker thread, after the prompt cap."""
         texts = [p for p in prompts if isinstance(p, str)]
