@@ -94,3 +94,105 @@ def test_response_format_errors_are_400(client, response_format, message):
     assert info.value.status_code == 400 and err["type"] == "invalid_request_error"
     assert (err["param"] or "").startswith("response_format")
     assert message is None or message in err["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# tools
+# --------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_weather_call(call) -> None:
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"])
+def test_forced_tool_call(client, tool_choice):
+    tools = [WEATHER] if tool_choice == "required" else [WEATHER, TIME]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice,
+                                       parallel_tool_calls=False, max_tokens=64, temperature=0.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    _check_weather_call(choice.message.tool_calls[0])
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice,
+                                            parallel_tool_calls=False, max_tokens=64, temperature=0.0, stream=True)
+    calls, finish, content = [], None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == "" and len(calls) == 1 and calls[0].index == 0
+    _check_weather_call(calls[0])
+    assert calls[0].function.arguments == choice.message.tool_calls[0].function.arguments
+
+    # the call and its result render through the template in the next turn
+    call = choice.message.tool_calls[0]
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    r2 = client.chat.completions.create(model=MODEL, messages=follow, tools=tools, max_tokens=8, temperature=0.0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_tools_render_through_template(client, engine):
+    r_none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=1, temperature=0.0)
+    r_plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0.0)
+    r_auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0.0)
+    assert r_none.usage.prompt_tokens == r_plain.usage.prompt_tokens
+    expected = engine.tokenizer.encode_chat(ASK, True, [WEATHER]).ids
+    assert r_auto.usage.prompt_tokens == len(expected) > r_plain.usage.prompt_tokens
+
+
+def test_tool_call_parser():
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    content, calls = parser.parse(text)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    for size in (1, 3, 7, 1000):
+        stream, out, got = parser.stream(), "", []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, final=i == len(pieces) - 1)
+            out += c
+            got += new
+        assert out.strip() == "Let me check." and [c.name for c in got] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    pytest.param({"tool_choice": "auto"}, None, id="tool-choice-without-tools"),
+    pytest.param({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", id="unknown-tool-choice"),
+    pytest.param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None,
+                 id="unknown-function"),
+    pytest.param({"tools": [{"type": "retrieval"}]}, "tools", id="not-a-function"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-name"),
+    pytest.param({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", id="string-parallel"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                  "tool_choice": "required"}, "tool_choice", id="parameters-do-not-compile"),
+])
+def test_tool_errors_are_400(server, extra, param):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": ASK, "max_tokens": 8, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert param is None or (err["param"] or "").startswith(param), err
