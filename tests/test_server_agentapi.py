@@ -196,3 +196,43 @@ def test_tool_errors_are_400(server, extra, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert param is None or (err["param"] or "").startswith(param), err
+
+
+# --------------------------------------------------------------------------------------------
+# reasoning content
+# --------------------------------------------------------------------------------------------
+def test_reasoning_parser_unit():
+    from hyla.server.reasoning import ReasoningParser
+    parser = ReasoningParser("qwen3")
+    assert parser.parse("<think>\nhmm, yes</think>\n\nYes.") == ("hmm, yes", "Yes.")
+    assert parser.parse("hmm</think>Yes.", in_thinking=True) == ("hmm", "Yes.")
+    assert parser.parse("Plain answer <think>") == (None, "Plain answer <think>")
+    assert parser.parse("<think>never closed") == ("never closed", "")
+    assert parser.prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not parser.prompt_opens_thinking("<|im_start|>user\n<think><|im_end|>\n<|im_start|>assistant\n")
+    text = "<think>\nstep one, step two</think>\n\nThe answer."
+    for size in (1, 2, 5, 100):
+        stream, thought, content = parser.stream(), "", ""
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            r, c = stream.feed(piece, final=i == len(pieces) - 1)
+            thought, content = thought + r, content + c
+        assert thought.strip() == "step one, step two" and content == "The answer."
+
+
+def test_reasoning_content_through_server(server, client):
+    from hyla.server.reasoning import ReasoningParser
+    state = server.app.state.server
+    state.reasoning_parser = ReasoningParser("qwen3")
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0.0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        # the tiny model never writes <think>: all content, no reasoning_content
+        assert r.choices[0].message.model_extra.get("reasoning_content") is None
+        stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0.0,
+                                                stream=True)
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+        assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas)
+    finally:
+        state.reasoning_parser = None

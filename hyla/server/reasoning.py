@@ -22,7 +22,9 @@ class ReasoningParser:
         self.name = name
 
     def prompt_opens_thinking(self, prompt: str) -> bool:
-        return prompt.rfind(self.start) > prompt.rfind(self.end)
+        """The generation prompt ends with an open ``<think>`` (only its end counts: a user message
+        quoting the marker does not)."""
+        return prompt.rstrip().endswith(self.start)
 
     def parse(self, text: str, in_thinking: bool = False) -> tuple[str | None, str]:
         """``(reasoning_content or None, content)`` of a whole output."""
@@ -40,7 +42,7 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser, in_thinking: bool):
         self.parser = parser
-        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> content
+        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> after_think -> content
         self.seen_reasoning = in_thinking
         self.buffer = ""
 
@@ -60,12 +62,16 @@ class ReasoningStream:
         if self.state == "thinking":
             i = self.buffer.find(end)
             if i >= 0:
-                reasoning, self.buffer = self.buffer[:i], self.buffer[i + len(end):].lstrip("\n")
-                self.state = "content"
+                reasoning, self.buffer = self.buffer[:i], self.buffer[i + len(end):]
+                self.state = "after_think"
             else:
                 keep = 0 if final else _partial_suffix(self.buffer, end)
                 reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 return reasoning, ""
+        if self.state == "after_think":  # the newlines after </think> are layout
+            self.buffer = self.buffer.lstrip("\n")
+            if self.buffer:
+                self.state = "content"
         if self.state == "content":
             content, self.buffer = self.buffer, ""
         return reasoning, content
