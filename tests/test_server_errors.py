@@ -91,7 +91,7 @@ BAD_CHAT_BODIES = [
     pytest.param({**CHAT, "stream": "yes"}, "stream", id="string-stream"),
     pytest.param({**CHAT, "top_logprobs": 3}, None, id="top-logprobs-without-logprobs"),
     pytest.param({**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs", id="top-logprobs-too-many"),
-    pytest.param({**CHAT, "tools": [{"type": "function"}]}, "tools", id="unsupported-tools"),
+    pytest.param({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function", id="tool-without-function"),
     pytest.param({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, None, id="unknown-role"),
     pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                  None, id="image-content"),

@@ -210,7 +210,7 @@ def test_client_hang_up_counts_as_abort(server):
     pytest.param({**CHAT, "messages": [{"role": "user"}]}, None, "needs content", id="missing-content"),
     pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
                  "messages.0.content", "only text content parts", id="image-part"),
-    pytest.param({**CHAT, "response_format": {"type": "json_object"}}, "response_format.type", None, id="json-mode"),
+    pytest.param({**CHAT, "response_format": {"type": "json"}}, "response_format.type", None, id="unknown-format"),
 ])
 def test_small_validation_gaps_are_400(server, body, param, message):
     err = _assert_error(_post(server, "/v1/chat/completions", json=body), 400, "invalid_request_error", param)

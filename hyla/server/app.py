@@ -31,6 +31,8 @@ from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
+from hyla.server.reasoning import ReasoningParser
+from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
 from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 
 logger = logging.getLogger("hyla.server")
@@ -66,6 +68,8 @@ class Server:
         self.metrics = ServerMetrics(lambda: self.engine)
         self.draining = False
         self.generations: set[Generation] = set()
+        self.tool_call_parser = ToolCallParser()
+        self.reasoning_parser: ReasoningParser | None = None
 
     def start_engine(self) -> None:
         engine = Engine(self.model_path, **self.engine_options)
@@ -212,7 +216,8 @@ class _LimitBody:
 
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, **engine_options: Any) -> FastAPI:
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+               reasoning_parser: str | None = None, **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
@@ -221,8 +226,11 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     (the scheme's case does not matter, RFC 7235), /docs and /openapi.json are off; /health and
     /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
-    for the graceful shutdown)."""
+    for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
+    tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``)."""
     server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
+    server.tool_call_parser = ToolCallParser(tool_call_parser)
+    server.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

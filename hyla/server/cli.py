@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                         help="On SIGTERM or Ctrl-C: refuse new requests (503) at once, give running ones this long "
                              f"to finish, then abort them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}).")
+    parser.add_argument("--tool-call-parser", default="qwen", choices=["qwen"],
+                        help="The model family's tool-call syntax parsed into tool_calls (SGLang's names; default qwen).")
+    parser.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
+                        help="Separate <think>...</think> into reasoning_content (SGLang's names; default off).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                     shutdown_timeout=args.shutdown_timeout, **options)
+                     shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
+                     reasoning_parser=args.reasoning_parser, **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)

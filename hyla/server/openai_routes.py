@@ -21,7 +21,7 @@ from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
 from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-    ChatCompletionResponse, ChatResponseMessage, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
+    ChatCompletionResponse, ChatResponseMessage, FunctionCall, ToolCallOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
     text_chars,
 )
@@ -77,7 +77,7 @@ class OpenAIRoutes:
             max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
                      for j in range(body.n)]
-        gen = await self.server.start_generation("completions", jobs, arrival)
+        gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._completion_events(body, gen, rid))
@@ -121,28 +121,52 @@ class OpenAIRoutes:
         self.server.check_prompt_chars(text_chars(messages) + text_chars(body.chat_template_kwargs), "messages")
         try:  # on a worker thread: a long conversation does not stall the event loop
             encoding = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt=True,
-                                               max_boundaries=CHAT_CHECKPOINTS, **(body.chat_template_kwargs or {}))
+                                               tools=body.template_tools(), max_boundaries=CHAT_CHECKPOINTS,
+                                               **(body.chat_template_kwargs or {}))
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
-        jobs = [Job(encoding.ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs,
+        grammar = {}
+        forced = body.forced_tools()
+        if forced:
+            parallel = body.parallel_tool_calls and body.tool_choice_mode() == "required"
+            grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
+        jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries)) for j in range(body.n)]
-        gen = await self.server.start_generation("chat", jobs, arrival)
+        gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        reasoning = self.server.reasoning_parser
+        in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
         if body.stream:
-            return gen.stream(self._chat_events(body, gen, rid))
-        choices = [
-            ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                       finish_reason=c.openai_finish_reason(),
-                       logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None)
-            for c in await gen.collect(request)]
+            return gen.stream(self._chat_events(body, gen, rid, in_thinking))
+        choices = []
+        for c in await gen.collect(request):
+            thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
+            calls = []
+            if body.tool_choice_mode() != "none":
+                text, calls = self.server.tool_call_parser.parse(text)
+                calls = calls if body.parallel_tool_calls else calls[:1]
+            finish = c.openai_finish_reason()
+            message = ChatResponseMessage(
+                content=(text or None) if calls else text, reasoning_content=thoughts,
+                tool_calls=[ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                            for t in calls] or None)
+            choices.append(ChatChoice(
+                index=c.index, message=message, finish_reason="tool_calls" if calls and finish == "stop" else finish,
+                logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None))
         return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                    usage=usage(gen.choices, body.n)).model_dump())
 
-    async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str) -> AsyncIterator[str]:
+    async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str,
+                           in_thinking: bool) -> AsyncIterator[str]:
         created = int(time.time())
+        reasoning = self.server.reasoning_parser
+        thinking = {c.index: reasoning.stream(in_thinking) for c in gen.choices} if reasoning is not None else {}
+        use_tools = body.tool_choice_mode() != "none"
+        tools = {c.index: self.server.tool_call_parser.stream() for c in gen.choices} if use_tools else {}
+        num_calls = {c.index: 0 for c in gen.choices}
 
         def chunk_of(choice: ChatChunkChoice) -> str:
             return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice]))
@@ -152,8 +176,23 @@ class OpenAIRoutes:
         async for choice, chunk in gen.events():
             logprobs = chat_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk)) if body.logprobs else None
             finish = choice.openai_finish_reason()
-            if chunk["text"] or finish or (logprobs and logprobs.content):
-                delta = {"content": chunk["text"]} if chunk["text"] else {}
+            text, delta = chunk["text"], {}
+            if choice.index in thinking:
+                thought, text = thinking[choice.index].feed(text, final=finish is not None)
+                if thought:
+                    delta["reasoning_content"] = thought
+            if choice.index in tools:
+                text, calls = tools[choice.index].feed(text, final=finish is not None)
+                if not body.parallel_tool_calls:
+                    calls = calls[:max(0, 1 - num_calls[choice.index])]
+                if calls:
+                    delta["tool_calls"] = [t.openai(num_calls[choice.index] + i) for i, t in enumerate(calls)]
+                    num_calls[choice.index] += len(calls)
+            if text:
+                delta["content"] = text
+            if finish == "stop" and num_calls[choice.index]:
+                finish = "tool_calls"
+            if delta or finish or (logprobs and logprobs.content):
                 yield chunk_of(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
                                                finish_reason=finish))
         if body.include_usage():
@@ -162,6 +201,16 @@ class OpenAIRoutes:
         yield SSE_DONE
 
     # --- shared ----------------------------------------------------------------------------------
+    async def _start(self, body: CompletionRequest | ChatCompletionRequest, endpoint: str, jobs: list[Job],
+                     arrival: float) -> Generation:
+        """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field."""
+        try:
+            return await self.server.start_generation(endpoint, jobs, arrival)
+        except APIError as exc:
+            if exc.status == 400 and exc.param is None and "cannot be compiled" in exc.message:
+                exc.param = "response_format" if body.response_format is not None else "tool_choice"
+            raise
+
     async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
         """Each prompt's token ids; text is tokenized on a worker thread, after the prompt cap."""
         texts = [p for p in prompts if isinstance(p, str)]

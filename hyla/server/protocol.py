@@ -9,9 +9,9 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
 * Types are strict: ``"16"`` is not an integer, ``1`` is not a bool; numbers are finite.
 * Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
-  ``tools`` or a JSON ``response_format`` fails loudly instead of being silently ignored. The few
-  fields that change nothing about the output (``user``, ``metadata``, ``store``,
-  ``service_tier``, ``response_format: {"type": "text"}``) are accepted and ignored.
+  ``logit_bias`` fails loudly instead of being silently ignored. The few fields that change
+  nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are accepted
+  and ignored.
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
@@ -100,10 +100,42 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class ResponseFormat(_Strict):
-    """Only plain text (what is always produced); ``json_object`` / ``json_schema`` are refused."""
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema. ``strict`` changes nothing: the
+    output always follows the schema (llguidance enforces every keyword it supports and refuses a
+    schema it cannot enforce)."""
 
-    type: Literal["text"]
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``text`` (unconstrained), ``json_object`` (any JSON object) or ``json_schema`` (the output
+    follows ``json_schema.schema``; no schema: any JSON value)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format type {self.type} takes no json_schema")
+        return self
+
+    def grammar(self) -> dict[str, Any]:
+        """The engine's sampling parameter constraining the output (empty for ``text``)."""
+        if self.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema is not None else None
+            return {"json_schema": schema if schema is not None else {}}
+        return {}
 
 
 class _SamplingFields(_Request):
@@ -126,8 +158,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    # accepted, no effect on the output
     response_format: ResponseFormat | None = None
+    # accepted, no effect on the output
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -169,6 +201,8 @@ class _SamplingFields(_Request):
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
             params["seed"] = (self.seed + choice) % (MAX_SEED + 1)
+        if self.response_format is not None:
+            params.update(self.response_format.grammar())
         return params
 
 
@@ -233,8 +267,33 @@ class ChatMessage(BaseModel):
         return msg
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -247,7 +306,40 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                                 f"in tools ({', '.join(names)})")
+        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with tool_choice required or a named function")
         return self
+
+    def tool_choice_mode(self) -> str:
+        """``none`` (no tools rendered or parsed), ``auto``, ``required`` or ``named``."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (None: render none)."""
+        if self.tool_choice_mode() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def forced_tools(self) -> list[dict[str, Any]]:
+        """The functions a grammar must force a call of (empty: none forced)."""
+        mode = self.tool_choice_mode()
+        if mode == "required":
+            return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+        if mode == "named":
+            name = self.tool_choice.function.name  # type: ignore[union-attr]
+            return [t.function.model_dump(exclude_none=True) for t in self.tools or () if t.function.name == name]
+        return []
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None = up to the context."""
@@ -336,16 +428,29 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -359,9 +464,9 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
+    delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

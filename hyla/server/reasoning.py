@@ -1,0 +1,84 @@
+"""Reasoning content: the ``<think>...</think>`` part of a thinking model's output, separated from
+the answer (``--reasoning-parser``, SGLang's names).
+
+* ``qwen3`` — Qwen3's ``<think>`` / ``</think>``. The output is reasoning from its start when it
+  opens with ``<think>``, or when the prompt already ends inside an open ``<think>`` (templates that
+  write ``<think>\\n`` into the generation prompt); everything after ``</think>`` is content. An
+  output that never opens a think block is all content.
+"""
+
+from __future__ import annotations
+
+REASONING_PARSERS = ("qwen3",)
+
+
+class ReasoningParser:
+    start = "<think>"
+    end = "</think>"
+
+    def __init__(self, name: str):
+        if name not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {name!r}; expected one of {REASONING_PARSERS}")
+        self.name = name
+
+    def prompt_opens_thinking(self, prompt: str) -> bool:
+        """The generation prompt ends with an open ``<think>`` (only its end counts: a user message
+        quoting the marker does not)."""
+        return prompt.rstrip().endswith(self.start)
+
+    def parse(self, text: str, in_thinking: bool = False) -> tuple[str | None, str]:
+        """``(reasoning_content or None, content)`` of a whole output."""
+        stream = self.stream(in_thinking)
+        reasoning, content = stream.feed(text, final=True)
+        return (reasoning.strip() if stream.seen_reasoning else None), content.strip() if stream.seen_reasoning else content
+
+    def stream(self, in_thinking: bool = False) -> "ReasoningStream":
+        return ReasoningStream(self, in_thinking)
+
+
+class ReasoningStream:
+    """Streamed text in, ``(reasoning_delta, content_delta)`` out; a marker split across chunks is
+    held back until it is whole."""
+
+    def __init__(self, parser: ReasoningParser, in_thinking: bool):
+        self.parser = parser
+        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> after_think -> content
+        self.seen_reasoning = in_thinking
+        self.buffer = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.buffer += text
+        reasoning, content = "", ""
+        start, end = self.parser.start, self.parser.end
+        if self.state == "start":
+            stripped = self.buffer.lstrip()
+            if stripped.startswith(start):
+                self.buffer = stripped[len(start):]
+                self.state, self.seen_reasoning = "thinking", True
+            elif start.startswith(stripped) and not final:
+                return "", ""  # maybe the start of <think>
+            else:
+                self.state = "content"
+        if self.state == "thinking":
+            i = self.buffer.find(end)
+            if i >= 0:
+                reasoning, self.buffer = self.buffer[:i], self.buffer[i + len(end):]
+                self.state = "after_think"
+            else:
+                keep = 0 if final else _partial_suffix(self.buffer, end)
+                reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return reasoning, ""
+        if self.state == "after_think":  # the newlines after </think> are layout
+            self.buffer = self.buffer.lstrip("\n")
+            if self.buffer:
+                self.state = "content"
+        if self.state == "content":
+            content, self.buffer = self.buffer, ""
+        return reasoning, content
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,238 @@
+"""The agent-facing OpenAI features through the official ``openai`` client: ``response_format``
+(structured outputs), tools / ``tool_choice`` and reasoning content. Same server as
+``test_server_openai`` (a tiny random model: its outputs are not language, so every check is about
+structure the grammar or the parser guarantees)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+USER = [SYSTEM, {"role": "user", "content": "Is the sky blue? Answer in JSON."}]
+
+
+def _check_schema_output(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"ok", "color"}
+    assert isinstance(value["ok"], bool) and value["color"] in ("red", "green", "blue")
+
+
+def _schema_format() -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+
+
+# --------------------------------------------------------------------------------------------
+# response_format
+# --------------------------------------------------------------------------------------------
+def test_response_format_json_schema_chat(client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=64, temperature=0.0,
+                                       response_format=_schema_format())
+    assert r.choices[0].finish_reason == "stop"
+    _check_schema_output(r.choices[0].message.content)
+
+
+def test_response_format_json_schema_chat_stream(client):
+    stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=64, temperature=0.8, seed=3,
+                                            n=2, response_format=_schema_format(), stream=True)
+    texts, finish = ["", ""], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert finish == ["stop", "stop"]
+    for text in texts:
+        _check_schema_output(text)
+
+
+def test_response_format_json_schema_completions(client):
+    r = client.completions.create(model=MODEL, prompt="Answer in JSON:", max_tokens=64, temperature=0.0,
+                                  extra_body={"response_format": _schema_format()})
+    assert r.choices[0].finish_reason == "stop"
+    _check_schema_output(r.choices[0].text)
+    stream = client.completions.create(model=MODEL, prompt="Answer in JSON:", max_tokens=64, temperature=0.0,
+                                       extra_body={"response_format": _schema_format()}, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
+
+
+def test_response_format_json_object(client):
+    r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=48, temperature=0.0,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=48, temperature=0.0,
+                                            response_format={"type": "json_object"}, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
+
+
+@pytest.mark.parametrize("response_format, message", [
+    pytest.param({"type": "json_schema"}, "needs a json_schema", id="json-schema-missing"),
+    pytest.param({"type": "json_object", "json_schema": {"name": "x", "schema": {}}}, "takes no json_schema",
+                 id="json-object-with-schema"),
+    pytest.param({"type": "yaml"}, None, id="unknown-type"),
+    pytest.param({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, None, id="no-name"),
+    pytest.param({"type": "json_schema", "json_schema": {"name": "a b", "schema": SCHEMA}}, None, id="bad-name"),
+    pytest.param({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                 "cannot be compiled", id="schema-does-not-compile"),
+])
+def test_response_format_errors_are_400(client, response_format, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, response_format=response_format)
+    err = info.value.body
+    assert info.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert (err["param"] or "").startswith("response_format")
+    assert message is None or message in err["message"]
+
+
+# --------------------------------------------------------------------------------------------
+# tools
+# --------------------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_weather_call(call) -> None:
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"])
+def test_forced_tool_call(client, tool_choice):
+    tools = [WEATHER] if tool_choice == "required" else [WEATHER, TIME]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice,
+                                       parallel_tool_calls=False, max_tokens=64, temperature=0.0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert len(choice.message.tool_calls) == 1
+    _check_weather_call(choice.message.tool_calls[0])
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice=tool_choice,
+                                            parallel_tool_calls=False, max_tokens=64, temperature=0.0, stream=True)
+    calls, finish, content = [], None, ""
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == "" and len(calls) == 1 and calls[0].index == 0
+    _check_weather_call(calls[0])
+    assert calls[0].function.arguments == choice.message.tool_calls[0].function.arguments
+
+    # the call and its result render through the template in the next turn
+    call = choice.message.tool_calls[0]
+    follow = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    r2 = client.chat.completions.create(model=MODEL, messages=follow, tools=tools, max_tokens=8, temperature=0.0)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_tools_render_through_template(client, engine):
+    r_none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                            max_tokens=1, temperature=0.0)
+    r_plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0.0)
+    r_auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0.0)
+    assert r_none.usage.prompt_tokens == r_plain.usage.prompt_tokens
+    expected = engine.tokenizer.encode_chat(ASK, True, [WEATHER]).ids
+    assert r_auto.usage.prompt_tokens == len(expected) > r_plain.usage.prompt_tokens
+
+
+def test_tool_call_parser():
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen")
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    content, calls = parser.parse(text)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris"}
+    assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    for size in (1, 3, 7, 1000):
+        stream, out, got = parser.stream(), "", []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, final=i == len(pieces) - 1)
+            out += c
+            got += new
+        assert out.strip() == "Let me check." and [c.name for c in got] == ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    pytest.param({"tool_choice": "auto"}, None, id="tool-choice-without-tools"),
+    pytest.param({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", id="unknown-tool-choice"),
+    pytest.param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None,
+                 id="unknown-function"),
+    pytest.param({"tools": [{"type": "retrieval"}]}, "tools", id="not-a-function"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-name"),
+    pytest.param({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", id="string-parallel"),
+    pytest.param({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+                  "tool_choice": "required"}, "tool_choice", id="parameters-do-not-compile"),
+])
+def test_tool_errors_are_400(server, extra, param):
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": ASK, "max_tokens": 8, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert param is None or (err["param"] or "").startswith(param), err
+
+
+# --------------------------------------------------------------------------------------------
+# reasoning content
+# --------------------------------------------------------------------------------------------
+def test_reasoning_parser_unit():
+    from hyla.server.reasoning import ReasoningParser
+    parser = ReasoningParser("qwen3")
+    assert parser.parse("<think>\nhmm, yes</think>\n\nYes.") == ("hmm, yes", "Yes.")
+    assert parser.parse("hmm</think>Yes.", in_thinking=True) == ("hmm", "Yes.")
+    assert parser.parse("Plain answer <think>") == (None, "Plain answer <think>")
+    assert parser.parse("<think>never closed") == ("never closed", "")
+    assert parser.prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not parser.prompt_opens_thinking("<|im_start|>user\n<think><|im_end|>\n<|im_start|>assistant\n")
+    text = "<think>\nstep one, step two</think>\n\nThe answer."
+    for size in (1, 2, 5, 100):
+        stream, thought, content = parser.stream(), "", ""
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            r, c = stream.feed(piece, final=i == len(pieces) - 1)
+            thought, content = thought + r, content + c
+        assert thought.strip() == "step one, step two" and content == "The answer."
+
+
+def test_reasoning_content_through_server(server, client):
+    from hyla.server.reasoning import ReasoningParser
+    state = server.app.state.server
+    state.reasoning_parser = ReasoningParser("qwen3")
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0.0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        # the tiny model never writes <think>: all content, no reasoning_content
+        assert r.choices[0].message.model_extra.get("reasoning_content") is None
+        stream = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, temperature=0.0,
+                                                stream=True)
+        deltas = [c.choices[0].delta for c in stream if c.choices]
+        assert "".join(d.content or "" for d in deltas) == r.choices[0].message.content
+        assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas)
+    finally:
+        state.reasoning_parser = None
