@@ -65,7 +65,8 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer is not None else []))
 
         self._build_pools()
-        runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
+        runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
+                             compile_decode=self.args.compile_decode)
         sched_cfg = SchedulerConfig(
             page_size=self.args.page_size,
             chunked_prefill_size=self.args.chunked_prefill_size,

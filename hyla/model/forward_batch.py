@@ -87,7 +87,7 @@ class ForwardBatch:
     slot_plan: SlotPlan | None = field(init=False, repr=False, default=None)
     """The validated state slots with their host facts (None when there are no linear layers)."""
     kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
-    """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding), None when no row is padded."""
+    """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding); None at batch size 1."""
     kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode: ``[B, Hkv, max(seq_lens)]`` rows of ``k_buffer.view(-1, D)``, head-major (shared by every
     attention layer: one gather of indices per step)."""
@@ -109,6 +109,8 @@ class ForwardBatch:
         if self.max_token_id is None:
             self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        # every derived field is set on the instance (a compiled graph guards on which ones exist)
+        self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         if self.conv_states:
             self.slot_plan = SlotPlan.build(self.state_slots, self.conv_states[0].shape[0],
                                             self.conv_states[0].device, host=self.state_slot_list, batch_size=b,
@@ -131,12 +133,12 @@ class ForwardBatch:
             raise ValueError(f"kv_indices has {self.kv_indices.numel()} slots, the sequences hold "
                              f"{sum(self.seq_lens)} tokens")
         if self.kv_table is None:
-            self.kv_table, self.kv_mask = decode_kv_table(self.kv_indices, self.kv_indptr, self.seq_lens)
-        else:
-            if tuple(self.kv_table.shape) != (self.batch_size, max(self.seq_lens)):
-                raise ValueError(f"kv_table must be [{self.batch_size}, {max(self.seq_lens)}], "
-                                 f"got {list(self.kv_table.shape)}")
-            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device)
+            self.kv_table, _ = decode_kv_table(self.kv_indices, self.kv_indptr, self.seq_lens)
+        elif tuple(self.kv_table.shape) != (self.batch_size, max(self.seq_lens)):
+            raise ValueError(f"kv_table must be [{self.batch_size}, {max(self.seq_lens)}], "
+                             f"got {list(self.kv_table.shape)}")
+        if self.batch_size > 1:  # always a tensor then (even all zeros): one compiled graph for every B > 1
+            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True)
         self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
 
     @property

@@ -627,7 +627,13 @@ class HybridForCausalLM(nn.Module, abc.ABC):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the batch's new tokens; return fp32 logits ``[N, vocab]`` at ``batch.logits_indices``
         (default: the last new token of each sequence)."""
-        self._check_batch(batch)
+        self.check_batch(batch)
+        return self.forward_unchecked(batch)
+
+    @torch.no_grad()
+    def forward_unchecked(self, batch: ForwardBatch) -> torch.Tensor:
+        """:meth:`forward` without :meth:`check_batch` (the runner checks, then runs this compiled:
+        the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = None
         if self.rotary is not None:
@@ -641,7 +647,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             h = h[batch.last_token_indices()]
         return self.lm_head(self.norm(h)).float()  # [N, vocab]
 
-    def _check_batch(self, batch: ForwardBatch) -> None:
+    def check_batch(self, batch: ForwardBatch) -> None:
+        """``ValueError`` unless the batch fits this model (pools per layer kind, token ids)."""
         c = self.config
         if len(batch.k_buffers) != c.num_attention_layers or len(batch.v_buffers) != c.num_attention_layers:
             raise ValueError(f"the model has {c.num_attention_layers} attention layers, the batch brings "

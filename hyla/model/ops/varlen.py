@@ -144,7 +144,7 @@ class SlotPlan:
 
     @property
     def batch_size(self) -> int:
-        return len(self.host)
+        return self.index.shape[0]  # a shape, not len(host): symbolic under torch.compile
 
     @classmethod
     def build(cls, slots: torch.Tensor, num_slots: int, device: torch.device | None = None,
@@ -211,7 +211,7 @@ def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> t
     with :func:`write_states` afterwards: a view of the pool rows when the slots are one ascending
     run and the pool already has ``dtype``, else :func:`read_states`' copy (always the copy under
     ``torch.compile``, which would otherwise functionalise the view's writes into a pool copy)."""
-    if plan.first is not None and pool.dtype == dtype and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and plan.first is not None and pool.dtype == dtype:
         return pool[plan.first : plan.first + plan.batch_size], False
     return read_states(pool, plan, dtype), True
 
