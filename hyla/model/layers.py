@@ -293,9 +293,10 @@ class Mamba2Mixer(nn.Module):
 
     ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
     (with bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
-    The chunked (extend) path clamps ``softplus(dt + dt_bias)`` to ``config.mamba_dt_limit``; the
-    decode path does not clamp. This asymmetry is Hugging Face's NemotronH behaviour, reproduced so
-    outputs match it exactly (docs/models.md).
+    Both paths, the chunked extend and the decode step, clamp ``softplus(dt + dt_bias)`` to
+    ``config.mamba_dt_limit``, so a state is the same whether its tokens came as an extend or as
+    decode steps (the cache relies on it). Hugging Face's decode does not clamp: hyla deviates from
+    it there on purpose (docs/models.md).
     """
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -339,7 +340,8 @@ class Mamba2Mixer(nn.Module):
         cs = cs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
         A = self._neg_A(self.A_log)  # [H]
         if batch.is_decode:
-            y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, dt_limit=None)
+            y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots,
+                                    dt_limit=self.dt_limit)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
         else:

@@ -11,8 +11,8 @@ Per head ``h`` with state ``S [P, N]`` (fp32), scalar ``A[h] < 0`` and ``dt = so
 path is Hugging Face's ``mamba2_chunk_scan`` (intra-chunk "attention" with a stable segment sum,
 chunk states, inter-chunk recurrence, state-to-output); the decode step is HF's
 ``mamba2_selective_state_update``. HF's NemotronH clamps ``dt`` to ``(time_step_min, inf)`` in the
-chunked path only and not in decode: both ops take ``dt_limit`` (``None`` = no clamp) so the model
-layer can reproduce that asymmetry exactly.
+chunked path only and not in decode; both ops take ``dt_limit`` (``None`` = no clamp) and hyla's
+NemotronH layer passes the config's limit to both, so prefill and decode agree (docs/models.md).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, H, P, N]`` fp32; ``slots[i] == -1`` starts from zeros
 and writes nothing; all reads precede all writes; checkpoint rows are distinct from the batch's own.
@@ -248,7 +248,8 @@ def mamba2_state_update(
     -> ``y [B, H, P]`` (dtype of ``x``). Updates ``ssm_states[slots]`` in place; ``slots[i] == -1``:
     row ``i`` of ``y`` is don't-care and nothing is written. ``slots`` may be a :class:`SlotPlan`
     validated at batch construction (then nothing here reads the device). ``dt_limit=None``: no
-    clamp (HF's ``selective_state_update``); NemotronH passes its limit (docs/models.md).
+    clamp (HF's ``selective_state_update``); hyla's NemotronH passes its limit, as to the chunked
+    op (docs/models.md).
 
     Heads are grouped under their B/C group and broadcast against it (no repeated copies).
     """
