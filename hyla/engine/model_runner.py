@@ -32,7 +32,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
         if compile_decode:
-            self._compiled_decode = torch.compile(model.forward_unchecked, dynamic=True)
+            # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step)
+            self._compiled_decode = torch.compile(model.forward_unchecked, dynamic=True,
+                                                  options={"cpp_wrapper": True})
             self._warm_up_compiled_decode()
 
     @torch.inference_mode()

@@ -101,7 +101,11 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if self.norm_before_gate:
-            y = self.weight * self._norm(x.float()).to(dtype)
+            weight = self.weight
+            if dtype == torch.float32 and weight.dtype == torch.float32 and self.group_size == x.shape[-1]:
+                # one rms_norm with the weight folded in: w * norm(x), the same products
+                return F.rms_norm(x, (self.group_size,), weight, self.eps).mul_(F.silu(z.float()))
+            y = weight * self._norm(x.float()).to(dtype)
             return (y * F.silu(z.float())).to(dtype)
         y = self._norm(x.float() * F.silu(z.float()))
         return self.weight * y.to(dtype)
