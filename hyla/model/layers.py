@@ -45,7 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = 1.0 if zero_centered else 0.0
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
-        self._scale = _DerivedWeight(lambda w: self.offset + w.float())  # [dim] fp32
+        offset = self.offset
+        self._scale = _DerivedWeight(lambda w: offset + w.float())  # [dim] fp32
 
     def scale(self) -> torch.Tensor:
         """The fp32 multiplier ``offset + weight`` ([dim]), recomputed only when the weight changes."""
@@ -183,9 +184,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         # q_norm and k_norm as one per-head scale table [Hq + Hkv, D]: both norms in one rms_norm
+        offset, hq, hkv = (self.q_norm.offset if c.qk_norm else 0.0), self.num_heads, self.num_kv_heads
         self._qk_scale = _DerivedWeight(lambda wq, wk: torch.cat([
-            (self.q_norm.offset + wq.float()).expand(self.num_heads, -1),
-            (self.k_norm.offset + wk.float()).expand(self.num_kv_heads, -1)]))
+            (offset + wq.float()).expand(hq, -1), (offset + wk.float()).expand(hkv, -1)]))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         t = x.shape[0]
