@@ -88,17 +88,17 @@ class ModelRunner:
             kv_indices = table[~past]  # packed, host side
         else:
             kv_indices = table.view(-1)
-        host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots)
+        host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
         # copies made here (inference mode), like every other tensor of the batch: a compiled
         # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor
         t = self._to_device(*host, out_cache_loc.to(torch.long, copy=True), table.to(torch.long),
                             kv_indices.to(torch.long))
         batch = ForwardBatch(
             is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
-            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7], kv_indptr=t[3],
+            cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
             k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers, state_slots=t[4],
             conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
-            state_slot_list=slots, max_token_id=max(ids), kv_table=t[6],
+            state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5],
         )
         return self._run_decode(batch)  # [B, V]
 

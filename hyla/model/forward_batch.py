@@ -80,6 +80,8 @@ class ForwardBatch:
     kv_table: torch.Tensor | None = None
     """Decode only: ``[B, max(seq_lens)]`` int64, row ``i`` = sequence ``i``'s KV slots (prefix, then
     the new token's) padded with slot 0; built from ``kv_indices`` / ``kv_indptr`` when not given."""
+    kv_lens: torch.Tensor | None = None
+    """Decode only: ``[B]`` int64 ``seq_lens`` already on the device (the mask is then built there)."""
 
     # --- derived once per step (not arguments) -----------------------------------------------
     seq_lens: list[int] = field(init=False, repr=False)
@@ -138,7 +140,7 @@ class ForwardBatch:
             raise ValueError(f"kv_table must be [{self.batch_size}, {max(self.seq_lens)}], "
                              f"got {list(self.kv_table.shape)}")
         if self.batch_size > 1:  # always a tensor then (even all zeros): one compiled graph for every B > 1
-            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True)
+            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True, lens=self.kv_lens)
         self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
 
     @property

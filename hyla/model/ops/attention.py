@@ -111,14 +111,17 @@ def decode_kv_table(kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
     return table, decode_kv_mask(seq_lens, dev)
 
 
-def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: bool = False) -> torch.Tensor | None:
+def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: bool = False,
+                   lens: torch.Tensor | None = None) -> torch.Tensor | None:
     """Additive fp32 mask ``[B, L]`` (``-inf`` past each sequence's length); None when no row is
-    padded, unless ``always``."""
+    padded, unless ``always``. ``lens``: the same lengths already on ``device`` (then nothing is
+    copied to the device here)."""
     max_len = max(seq_lens)
     if not always and all(n == max_len for n in seq_lens):
         return None
     offsets = torch.arange(max_len, device=device)
-    lens = torch.tensor(list(seq_lens), dtype=torch.long, device=device)
+    if lens is None:
+        lens = torch.tensor(list(seq_lens), dtype=torch.long, device=device)
     return torch.zeros(len(seq_lens), max_len, device=device).masked_fill_(offsets >= lens[:, None], float("-inf"))
 
 
