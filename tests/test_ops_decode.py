@@ -4,6 +4,8 @@ the paged decode attention with its per-step KV table, mask and head-major rows.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,6 +83,15 @@ def test_write_rows_is_index_copy():
     pool, values = torch.zeros(6, 2), torch.randn(2, 2)
     write_rows_(pool, torch.tensor([4, 1]), values)
     assert torch.equal(pool[4], values[0]) and torch.equal(pool[1], values[1]) and pool[[0, 2, 3, 5]].eq(0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_write_rows_compiled_writes_the_pool_in_place():
+    pool, values = torch.zeros(6, 2), torch.randn(2, 2)
+    compiled = torch.compile(write_rows_, dynamic=True)
+    compiled(pool, torch.tensor([0, 5]), values)
+    assert torch.equal(pool[0], values[0]) and torch.equal(pool[5], values[1]) and pool[1:5].eq(0).all()
 
 
 # --- linear-attention decode ops ---------------------------------------------------------------

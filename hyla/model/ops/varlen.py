@@ -216,24 +216,14 @@ def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> t
     return read_states(pool, plan, dtype), True
 
 
-@torch.library.custom_op("hyla::write_rows_", mutates_args=("pool",))
-def _write_rows_op(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    pool.index_copy_(0, index, values)
-
-
-@_write_rows_op.register_fake
-def _(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    return None
-
-
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """``pool.index_copy_(0, index, values)``: how every op writes a pool (KV or state) in place.
+    """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
 
-    Under ``torch.compile`` it goes through the ``hyla::write_rows_`` custom op, which the compiler
-    keeps as an in-place write; a plain ``index_copy_`` on a graph input would be functionalised
-    into a copy of the whole pool every step."""
+    Eager: ``index_copy_``. Under ``torch.compile``: ``index_put_``, which the compiler keeps in
+    place on the pool (and fuses into the kernel computing ``values``); an ``index_copy_`` into a
+    graph input would be functionalised into a copy of the whole pool every step."""
     if torch.compiler.is_compiling():
-        torch.ops.hyla.write_rows_(pool, index, values)
+        pool.index_put_((index,), values)
     else:
         pool.index_copy_(0, index, values)
 
