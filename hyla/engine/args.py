@@ -43,6 +43,8 @@ class EngineArgs:
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
     log_interval: int = _opt(40, "Decode steps between per-step log lines.")
     debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
+    compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
+                                       "after about a minute of compilation at start-up (docs/benchmarks.md).")
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -78,7 +80,7 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "debug_checks"):
+        for name in ("enable_prefix_cache", "debug_checks", "compile_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -78,7 +78,8 @@ class Engine:
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment)
-        runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device)
+        runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
+                             compile_decode=self.args.compile_decode)
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)

@@ -1,10 +1,20 @@
 """Build a ``ForwardBatch`` from scheduled requests and the pools, run the model, return logits.
 
-The runner is the only engine piece that touches device tensors: it moves the host-side index
-lists the scheduler produced onto the model's device. It never sees the tree.
+The runner is the only engine piece that touches device tensors: it builds each step's metadata on
+the host (token ids, positions, state slots, the decode KV table gathered from the request table
+in one ``index_select``) and moves it to the model's device in one transfer. The batch gets the host
+copies it needs for validation (``state_slot_list``, ``max_token_id``), so neither building it nor
+the decode forward reads anything back from the device. It never sees the tree.
+
+``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
+compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant.
+Both variants are compiled at construction on scratch pools (minutes on a small CPU), so serving
+never stalls on a compile. See docs/benchmarks.md ("CPU decode") for what it buys.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -13,12 +23,19 @@ from hyla.model.forward_batch import ForwardBatch
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
+                 compile_decode: bool = False):
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
-        self.device = device
+        self.device = torch.device(device)
+        self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
+        if compile_decode:
+            # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step)
+            self._compiled_decode = torch.compile(model.forward_unchecked, dynamic=True,
+                                                  options={"cpp_wrapper": True})
+            self._warm_up_compiled_decode()
 
     @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
@@ -34,10 +51,24 @@ class ModelRunner:
             ids.extend(r.tokens(start, start + n))
             pos.extend(range(start, start + n))
             kv_rows.append(self.req_to_token.read(r.req_pool_idx, 0, start + n))
-        prefix_lens = [r.kv_len for r in reqs]
-        batch = self._batch(
-            is_decode=False, reqs=reqs, ids=ids, pos=pos, extend_lens=list(extend_lens),
-            prefix_lens=prefix_lens, kv_rows=kv_rows, out_cache_loc=out_cache_loc, ckpts=ckpts)
+        cu = [0]
+        for n in extend_lens:
+            cu.append(cu[-1] + n)
+        kv_indptr = [0]
+        for row in kv_rows:
+            kv_indptr.append(kv_indptr[-1] + row.numel())
+        slots = [r.state_slot for r in reqs]
+        host = _host_long(ids, pos, cu, kv_indptr, slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
+                          [c[2] for c in ckpts])
+        t = self._to_device(*host, out_cache_loc.to(torch.long), torch.cat(kv_rows).to(torch.long))
+        batch = ForwardBatch(
+            is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
+            prefix_lens=[r.kv_len for r in reqs], cu_seqlens=t[2], out_cache_loc=t[8], kv_indices=t[9],
+            kv_indptr=t[3], k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers,
+            state_slots=t[4], conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
+            state_slot_list=slots, max_token_id=max(ids, default=-1),
+        )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
         return self.model.forward(batch)
@@ -45,41 +76,106 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
         """Feed each request's last sampled token (position ``kv_len``)."""
-        ids = [r.fill_ids[r.kv_len] for r in reqs]
+        b = len(reqs)
+        ids = [_token_at(r, r.kv_len) for r in reqs]
         pos = [r.kv_len for r in reqs]
-        kv_rows = [self.req_to_token.read(r.req_pool_idx, 0, r.kv_len + 1) for r in reqs]
-        batch = self._batch(
-            is_decode=True, reqs=reqs, ids=ids, pos=pos, extend_lens=[1] * len(reqs),
-            prefix_lens=pos, kv_rows=kv_rows, out_cache_loc=out_cache_loc, ckpts=[])
-        return self.model.forward(batch)  # [B, V]
+        seq_lens = [p + 1 for p in pos]
+        slots = [r.state_slot for r in reqs]
+        width = max(seq_lens)
+        # the decode KV table: every request's row of the request table, one gather, [B, width]
+        table = self.req_to_token.req_to_token[:, :width].index_select(
+            0, torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
+                            device=self.req_to_token.req_to_token.device))
+        if any(n != width for n in seq_lens):  # past its length a row holds stale slots: point them at 0
+            past = torch.arange(width, device=table.device) >= torch.tensor(seq_lens, device=table.device)[:, None]
+            table.masked_fill_(past, 0)
+            kv_indices = table[~past]  # packed, host side
+        else:
+            kv_indices = table.view(-1)
+        host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
+        # copies made here (inference mode), like every other tensor of the batch: a compiled
+        # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor
+        t = self._to_device(*host, out_cache_loc.to(torch.long, copy=True), table.to(torch.long),
+                            kv_indices.to(torch.long))
+        batch = ForwardBatch(
+            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
+            cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
+            k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers, state_slots=t[4],
+            conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5],
+        )
+        return self._run_decode(batch)  # [B, V]
 
-    def _batch(self, *, is_decode: bool, reqs: list[Req], ids: list[int], pos: list[int],
-               extend_lens: list[int], prefix_lens: list[int], kv_rows: list[torch.Tensor],
-               out_cache_loc: torch.Tensor, ckpts: list[tuple[int, int, int]]) -> ForwardBatch:
+    def _run_decode(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._compiled_decode is None:
+            return self.model.forward(batch)
+        self.model.check_batch(batch)  # eager: it reads host ints the graph must not specialise on
+        return self._compiled_decode(batch)
+
+    def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Host int64 tensors -> the model's device in one transfer (views of one packed buffer)."""
+        if self.device.type == "cpu":
+            return list(tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = flat.pin_memory().to(self.device, non_blocking=True) if torch.cuda.is_available() else flat.to(self.device)
+        out, start = [], 0
+        for t in tensors:
+            out.append(flat[start:start + t.numel()].view(t.shape))
+            start += t.numel()
+        return out
+
+    def _warm_up_compiled_decode(self) -> None:
+        """Compile the decode graph for batch size 1 and for larger batches on scratch pools shaped
+        like the real ones. Every size that varies in serving (batch, KV width, pool rows) is given
+        a distinct prime here, unequal to any model dimension: the compiler would otherwise merge
+        equal sizes into one symbol (or into a constant) and compile again when they differ."""
+        c = self.model.config
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        cu = [0]
-        for n in extend_lens:
-            cu.append(cu[-1] + n)
-        kv_indptr = [0]
-        for row in kv_rows:
-            kv_indptr.append(kv_indptr[-1] + row.numel())
-        return ForwardBatch(
-            is_decode=is_decode,
-            input_ids=torch.tensor(ids, **long),
-            positions=torch.tensor(pos, **long),
-            extend_lens=extend_lens,
-            prefix_lens=prefix_lens,
-            cu_seqlens=torch.tensor(cu, **long),
-            out_cache_loc=out_cache_loc.to(**long),
-            kv_indices=torch.cat(kv_rows).to(**long),
-            kv_indptr=torch.tensor(kv_indptr, **long),
-            k_buffers=self.kv_pool.k_buffers,
-            v_buffers=self.kv_pool.v_buffers,
-            state_slots=torch.tensor([r.state_slot for r in reqs], **long),
-            conv_states=self.state_pool.conv_states,
-            ssm_states=self.state_pool.ssm_states,
-            ckpt_seq=torch.tensor([c[0] for c in ckpts], **long),
-            ckpt_len=torch.tensor([c[1] for c in ckpts], **long),
-            ckpt_slot=torch.tensor([c[2] for c in ckpts], **long),
-        )
+        kv_rows, state_rows = 1009, 17
+        pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
+        k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
+        v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
+        conv = [pool(state_rows, c.conv_shape, c.conv_dtype) for _ in range(c.num_linear_layers)]
+        ssm = [pool(state_rows, c.ssm_shape, torch.float32) for _ in range(c.num_linear_layers)]
+        # the pools above are ordinary tensors like the engine's; the batches are built under
+        # inference mode like forward_decode's (the compiled graph guards on both)
+        with torch.inference_mode():
+            self._warm_up_batches(k, v, conv, ssm)
+
+    def _warm_up_batches(self, k, v, conv, ssm) -> None:
+        dev = self.device
+        long = dict(dtype=torch.long, device=dev)
+        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
+            b, width = len(lens), max(lens)
+            table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
+                                  for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
+            last = torch.tensor([n - 1 for n in lens], **long)
+            batch = ForwardBatch(
+                is_decode=True, input_ids=torch.full((b,), 3, **long), positions=last, extend_lens=[1] * b,
+                prefix_lens=last.tolist(), cu_seqlens=torch.arange(b + 1, **long),
+                out_cache_loc=table[torch.arange(b, device=dev), last], kv_indices=table[table > 0],
+                kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k, v_buffers=v,
+                state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
+                state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
+            )
+            self._run_decode(batch)
+
+
+def _token_at(req: Req, i: int) -> int:
+    """``req.fill_ids[i]`` without building the prompt + output list."""
+    n = len(req.input_ids)
+    return req.input_ids[i] if i < n else req.output_ids[i - n]
+
+
+def _cumsum(values, start: int | None = None) -> list[int]:
+    out = [] if start is None else [start]
+    total = 0
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def _host_long(*lists) -> list[torch.Tensor]:
+    return [torch.tensor(list(x), dtype=torch.long) for x in lists]

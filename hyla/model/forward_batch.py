@@ -15,6 +15,16 @@ Conventions
   layer) after sequence ``ckpt_seq[j]`` has consumed ``ckpt_len[j]`` of *this step's* new tokens
   (``1 <= ckpt_len[j] <= extend_len``), written into state slot ``ckpt_slot[j]``. The result must
   equal a run that stopped there (fp32, 1e-5).
+
+Per-step metadata (built once here, at construction, and shared by every layer)
+-------------------------------------------------------------------------------
+Validation happens here, once per step, not inside the layers or ops: the state slots are checked
+against the pool (``slot_plan``), a decode batch's checkpoints and KV layout are checked, and the
+largest token id is read once. A decode forward then runs with no ``.tolist()`` / ``.item()`` and
+no data-dependent shape: the ops get host facts (``slot_plan``, ``seq_lens``) and precomputed
+index tensors (``kv_table`` / ``kv_rows`` / ``kv_mask``, one gather per step for all attention
+layers). The runner passes host copies it already has (``state_slot_list``, ``max_token_id``,
+``kv_table``) so that constructing the batch reads nothing back from the device either.
 """
 
 from __future__ import annotations
@@ -23,6 +33,13 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+
+from hyla.model.ops.attention import decode_kv_mask, decode_kv_rows, decode_kv_table
+from hyla.model.ops.varlen import SlotPlan, check_checkpoints
+
+
+def _empty_long() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.long)
 
 
 @dataclass
@@ -47,22 +64,84 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [B] int64, each sequence's own state slot (-1 = padding)
     conv_states: Sequence[torch.Tensor]  # per linear layer: [num_state_slots, *conv_shape]
     ssm_states: Sequence[torch.Tensor]  # per linear layer: [num_state_slots, *ssm_shape] (fp32)
-    ckpt_seq: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [M]
-    ckpt_len: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [M]
-    ckpt_slot: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))  # [M]
+    ckpt_seq: torch.Tensor = field(default_factory=_empty_long)  # [M]
+    ckpt_len: torch.Tensor = field(default_factory=_empty_long)  # [M]
+    ckpt_slot: torch.Tensor = field(default_factory=_empty_long)  # [M]
 
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
     """[N] int64 indices into the packed tokens whose logits to return; None = last token of each sequence."""
 
+    # --- optional host copies / precomputed metadata (derived below when not given) ----------
+    state_slot_list: Sequence[int] | None = None
+    """Host copy of ``state_slots`` (spares a device read at construction)."""
+    max_token_id: int | None = None
+    """Largest id in ``input_ids`` (-1 when empty), if the caller knows it on the host."""
+    kv_table: torch.Tensor | None = None
+    """Decode only: ``[B, max(seq_lens)]`` int64, row ``i`` = sequence ``i``'s KV slots (prefix, then
+    the new token's) padded with slot 0; built from ``kv_indices`` / ``kv_indptr`` when not given."""
+    kv_lens: torch.Tensor | None = None
+    """Decode only: ``[B]`` int64 ``seq_lens`` already on the device (the mask is then built there)."""
+
+    # --- derived once per step (not arguments) -----------------------------------------------
+    seq_lens: list[int] = field(init=False, repr=False)
+    """[B] ``prefix_lens + extend_lens`` (host): each sequence's KV length after this step."""
+    slot_plan: SlotPlan | None = field(init=False, repr=False, default=None)
+    """The validated state slots with their host facts (None when there are no linear layers)."""
+    kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
+    """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding); None at batch size 1."""
+    kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
+    """Decode: ``[B, Hkv, max(seq_lens)]`` rows of ``k_buffer.view(-1, D)``, head-major (shared by every
+    attention layer: one gather of indices per step)."""
+    decode_ckpt_src: torch.Tensor | None = field(init=False, repr=False, default=None)
+    decode_ckpt_dst: torch.Tensor | None = field(init=False, repr=False, default=None)
+    """Decode checkpoints (each is the sequence's final state): copy state rows ``src`` to ``dst``."""
+
     def __post_init__(self) -> None:
         b = len(self.extend_lens)
         if len(self.prefix_lens) != b or self.cu_seqlens.numel() != b + 1:
             raise ValueError("extend_lens, prefix_lens and cu_seqlens disagree on the batch size")
-        if self.input_ids.numel() != sum(self.extend_lens):
-            raise ValueError(f"input_ids has {self.input_ids.numel()} tokens, extend_lens sum to {sum(self.extend_lens)}")
+        num_tokens = sum(self.extend_lens)
+        if self.input_ids.numel() != num_tokens:
+            raise ValueError(f"input_ids has {self.input_ids.numel()} tokens, extend_lens sum to {num_tokens}")
+        if self.positions.numel() != num_tokens:
+            raise ValueError("positions and input_ids disagree on the number of tokens")
         if self.is_decode and any(n != 1 for n in self.extend_lens):
             raise ValueError("a decode batch feeds exactly one token per sequence")
+        if self.max_token_id is None:
+            self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
+        self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        # every derived field is set on the instance (a compiled graph guards on which ones exist)
+        self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
+        if self.conv_states:
+            self.slot_plan = SlotPlan.build(self.state_slots, self.conv_states[0].shape[0],
+                                            self.conv_states[0].device, host=self.state_slot_list, batch_size=b,
+                                            name="state_slots")
+        if self.is_decode and b:
+            self._decode_metadata()
+
+    def _decode_metadata(self) -> None:
+        if self.num_checkpoints:
+            if self.slot_plan is None:
+                raise ValueError("checkpoints need linear layers (the batch has no state pools)")
+            ckpts = check_checkpoints(self.ckpt_seq, self.ckpt_len, self.ckpt_slot, [1] * self.batch_size,
+                                      list(self.slot_plan.host), self.conv_states[0].shape[0],
+                                      self.slot_plan.index.device)
+            self.decode_ckpt_src = self.slot_plan.index[torch.tensor(ckpts.seq, device=self.slot_plan.index.device)]
+            self.decode_ckpt_dst = ckpts.slot
+        if not self.k_buffers:
+            return
+        if self.kv_indices.numel() != sum(self.seq_lens):
+            raise ValueError(f"kv_indices has {self.kv_indices.numel()} slots, the sequences hold "
+                             f"{sum(self.seq_lens)} tokens")
+        if self.kv_table is None:
+            self.kv_table, _ = decode_kv_table(self.kv_indices, self.kv_indptr, self.seq_lens)
+        elif tuple(self.kv_table.shape) != (self.batch_size, max(self.seq_lens)):
+            raise ValueError(f"kv_table must be [{self.batch_size}, {max(self.seq_lens)}], "
+                             f"got {list(self.kv_table.shape)}")
+        if self.batch_size > 1:  # always a tensor then (even all zeros): one compiled graph for every B > 1
+            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True, lens=self.kv_lens)
+        self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
 
     @property
     def batch_size(self) -> int:

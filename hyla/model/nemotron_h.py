@@ -6,8 +6,9 @@ Each block is ``x + mixer(norm(x))`` with exactly one of: a Mamba2 mixer (``M`` 
 shared relu² expert, optional latent projection). The layout comes from ``layers_block_type`` or
 the legacy ``hybrid_override_pattern``; norms are plain RMSNorm (``w``, not ``1 + w``).
 
-The Mamba2 chunked path clamps ``softplus(dt + dt_bias)`` at ``time_step_min`` and the decode path
-does not (Hugging Face's asymmetry, reproduced for exact parity: see docs/models.md).
+Both Mamba2 paths (chunked extend and decode step) clamp ``softplus(dt + dt_bias)`` at
+``time_step_min``; Hugging Face's decode does not, and hyla deliberately differs from it there so
+that prefill and decode compute the same states (see docs/models.md).
 
 Checkpoint names start with ``backbone.`` (``model.`` is accepted too) except ``lm_head.weight``,
 which is always read (HF's NemotronH has no weight tying, whatever ``tie_word_embeddings`` says).

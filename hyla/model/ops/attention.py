@@ -21,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from hyla.model.ops.varlen import write_rows_
+
 
 def paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
@@ -84,22 +86,108 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
 
 
 def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling):
-    """One query per sequence: gather every sequence's keys into a ``[B, L_max]`` padded batch
-    (padding reads slot 0 and is masked out) and run one batched attention."""
+    """One query per sequence: lay every sequence's slots out as a padded ``[B, L_max]`` table
+    and run :func:`decode_attention` (the K/V are already in the pool)."""
+    table, mask = decode_kv_table(kv_indices, kv_indptr, [p + 1 for p in prefix_lens])
+    return decode_attention(q, k_buffer, v_buffer, table, mask, scaling)
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+def decode_kv_table(kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                    seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed KV slots -> ``(table [B, L], mask)``, ``L = max(seq_lens)``: row ``i`` holds sequence
+    ``i``'s ``seq_lens[i]`` slots, then slot 0 (the sentinel). ``mask`` is ``[B, L]`` fp32, 0 where a
+    key is real and ``-inf`` on padding, or ``None`` when no row is padded. Shapes come from the
+    host ``seq_lens``: no device read."""
+    b, max_len = len(seq_lens), max(seq_lens)
+    dev = kv_indices.device
+    offsets = torch.arange(max_len, device=dev)  # [L]
+    lens = torch.tensor(list(seq_lens), dtype=torch.long, device=dev)
+    valid = offsets < lens[:, None]  # [B, L]
+    pos = (kv_indptr[:-1, None] + offsets).clamp_(max=max(kv_indices.numel() - 1, 0))  # [B, L]
+    table = kv_indices.index_select(0, pos.flatten()).view(b, max_len).masked_fill_(~valid, 0)  # [B, L]
+    return table, decode_kv_mask(seq_lens, dev)
+
+
+def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: bool = False,
+                   lens: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Additive fp32 mask ``[B, L]`` (``-inf`` past each sequence's length); None when no row is
+    padded, unless ``always``. ``lens``: the same lengths already on ``device`` (then nothing is
+    copied to the device here)."""
+    max_len = max(seq_lens)
+    if not always and all(n == max_len for n in seq_lens):
+        return None
+    offsets = torch.arange(max_len, device=device)
+    if lens is None:
+        lens = torch.tensor(list(seq_lens), dtype=torch.long, device=device)
+    return torch.zeros(len(seq_lens), max_len, device=device).masked_fill_(offsets >= lens[:, None], float("-inf"))
+
+
+def decode_kv_rows(kv_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """``[B, L]`` slots -> ``[B, Hkv, L]`` row indices into ``k_buffer.view(-1, D)``, head-major, so
+    one ``index_select`` yields keys already laid out ``[B, Hkv, L, D]`` (no transposing copy)."""
+    heads = torch.arange(num_kv_heads, device=kv_table.device)
+    return kv_table.unsqueeze(1) * num_kv_heads + heads[:, None]  # [B, Hkv, L]
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, D]
+    kv_table: torch.Tensor,  # [B, L] int64
+    kv_mask: torch.Tensor | None,  # [B, L] additive fp32, or None
+    scaling: float,
+    kv_rows: torch.Tensor | None = None,  # [B, Hkv, L], decode_kv_rows(kv_table, Hkv) if given
+) -> torch.Tensor:
+    """One query per sequence over its slots ``kv_table[i]`` (K/V already in the pool): ``o [B, Hq, D]``.
+
+    Keys are gathered head-major in one ``index_select`` each for K and V, scores are one batched
+    matmul per GQA group, softmax in fp32. ``kv_table``, ``kv_mask`` and ``kv_rows`` are per-step
+    metadata (``ForwardBatch`` builds them once for all attention layers).
+    """
     b, hq, d = q.shape
     hkv = k_buffer.shape[1]
-    max_len = max(prefix_lens) + 1
-    offsets = torch.arange(max_len, device=q.device)  # [L]
-    valid = offsets[None, :] < (kv_indptr[1:] - kv_indptr[:-1])[:, None]  # [B, L]
-    pos = (kv_indptr[:-1, None] + offsets[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))  # [B, L]
-    slots = kv_indices.index_select(0, pos.flatten()).masked_fill_(~valid.flatten(), 0)  # [B*L]
-    keys = k_buffer.index_select(0, slots).view(b, max_len, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    values = v_buffer.index_select(0, slots).view(b, max_len, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-    out = F.scaled_dot_product_attention(
-        q.view(b, 1, hq, d).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-        attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=True,
-    )  # [B, Hq, 1, D]
-    return out.view(b, hq, d)
+    if kv_rows is None:
+        kv_rows = decode_kv_rows(kv_table, hkv)
+    length = kv_rows.shape[-1]
+    flat = kv_rows.view(-1)
+    keys = k_buffer.view(-1, d).index_select(0, flat).view(b, hkv, length, d)  # [B, Hkv, L, D]
+    values = v_buffer.view(-1, d).index_select(0, flat).view(b, hkv, length, d)  # [B, Hkv, L, D]
+    qg = q.view(b, hkv, hq // hkv, d).float() * scaling  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2))  # [B, Hkv, G, L]
+    if kv_mask is not None:
+        scores += kv_mask.view(b, 1, 1, length)
+    probs = torch.softmax(scores, dim=-1)  # fp32
+    return torch.matmul(probs, values.float()).view(b, hq, d).to(q.dtype)  # [B, Hq, D]
+
+
+def paged_attention_decode(
+    q: torch.Tensor,  # [B, Hq, D]
+    k: torch.Tensor,  # [B, Hkv, D]
+    v: torch.Tensor,  # [B, Hkv, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, D]
+    out_cache_loc: torch.Tensor,  # [B] int64
+    kv_table: torch.Tensor,  # [B, L] int64, each row ends with (or is padded after) the new token's slot
+    kv_mask: torch.Tensor | None,  # [B, L] additive fp32, or None
+    scaling: float,
+    kv_rows: torch.Tensor | None = None,  # [B, Hkv, L]
+) -> torch.Tensor:
+    """Decode fast path of :func:`paged_attention`: write the new K/V into ``out_cache_loc``, then
+    :func:`decode_attention`. Per-step metadata comes precomputed; only host-side shape checks
+    here (no device read). Returns ``o [B, Hq, D]``."""
+    b = q.shape[0]
+    if k.shape[0] != b or v.shape[0] != b or out_cache_loc.numel() != b or kv_table.shape[0] != b:
+        raise ValueError(f"q, k, v, out_cache_loc and kv_table disagree on the batch size ({b})")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
+    if k.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"new keys {tuple(k.shape[1:])} do not fit the KV buffer {tuple(k_buffer.shape[1:])}")
+    write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
+    write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
+    return decode_attention(q, k_buffer, v_buffer, kv_table, kv_mask, scaling, kv_rows)
 
 
 def paged_attention_reference(

@@ -19,7 +19,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyla.model.ops.varlen import check_checkpoints, check_slots, check_varlen, gather_states, scatter_states
+from hyla.model.ops.varlen import (
+    SlotPlan,
+    as_slot_plan,
+    check_checkpoints,
+    check_slots,
+    check_varlen,
+    gather_states,
+    open_state_rows,
+    scatter_states,
+    write_states,
+)
 
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu, "swish": F.silu}
 
@@ -163,14 +173,15 @@ def causal_conv1d_update(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | SlotPlan,
     activation: str | None = "silu",
 ) -> torch.Tensor:
     """One decode step: ``x [B, C]`` (one token per sequence) -> ``y [B, C]``.
 
     Reads window ``conv_states[slots[i]]``, writes the shifted window (dropping its oldest input,
     appending ``x[i]``) back in place. ``slots[i] == -1``: row ``i`` of ``y`` is don't-care and
-    nothing is written.
+    nothing is written. ``slots`` may be a :class:`SlotPlan` validated at batch construction (no
+    host read here); when the slots are one ascending run the pool rows are updated through a view.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [B, C], got {list(x.shape)}")
@@ -178,13 +189,16 @@ def causal_conv1d_update(
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
     act = _activation(activation)
-    check_slots(slots, batch, conv_states.shape[0])
+    plan = as_slot_plan(slots, conv_states, batch)
 
-    windows = gather_states(conv_states, slots, x.dtype)  # [B, C, K-1]
-    full = torch.cat([windows, x.unsqueeze(2)], dim=2)  # [B, C, K]
+    window, copied = open_state_rows(conv_states, plan, conv_states.dtype)  # [B, C, K-1]
+    full = torch.cat([window, x.unsqueeze(2).to(window.dtype)], dim=2)  # [B, C, K]: window + the new input
     acc = _accumulate_dtype(weight)
     y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [B, C]
     if bias is not None:
-        y = y + bias.to(acc)
-    scatter_states(conv_states, slots, full[:, :, 1:])
+        y += bias.to(acc)
+    if copied:
+        write_states(conv_states, plan, full[:, :, 1:])
+    else:
+        window.copy_(full[:, :, 1:])  # the pool rows themselves
     return act(y).to(x.dtype)

@@ -24,14 +24,17 @@ import torch
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    SlotPlan,
+    as_slot_plan,
     check_checkpoints,
     check_slots,
     check_varlen,
     chunk_layout,
     gather_states,
-    open_states,
+    open_state_rows,
     plan_checkpoints,
     scatter_states,
+    write_states,
 )
 
 
@@ -225,23 +228,43 @@ def recurrent_gated_delta_rule_update(
     g: torch.Tensor,
     beta: torch.Tensor,
     ssm_states: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | SlotPlan,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """One decode step for ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g, beta [B, Hv]``
     -> ``o [B, Hv, Dv]`` (dtype of ``q``). Updates ``ssm_states[slots]`` in place; ``slots[i] == -1``:
-    row ``i`` of ``o`` is don't-care and nothing is written.
+    row ``i`` of ``o`` is don't-care and nothing is written. ``slots`` may be a :class:`SlotPlan`
+    validated at batch construction (then nothing here reads the device).
+
+    One pass over the old state reads both ``k^T S`` and ``q^T S``; with ``e = exp(g)``::
+
+        delta = beta * (v - e k^T S)        o = e q^T S + (q . k) delta        S <- e S + k delta^T
+
+    which is the reference's ``S <- e S; S <- S + k (beta (v - k^T S))^T; o = q^T S`` regrouped.
+    Value heads share their key head's q/k by broadcasting (no repeated copies).
     """
     _check_inputs(q, k, v, g, beta, ssm_states)
-    slot_list = check_slots(slots, q.shape[0], ssm_states.shape[0])
-    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
-    S, copied = open_states(ssm_states, slots, slot_list)  # [B, H, Dk, Dv], updated in place
-    S.mul_(g.float().exp()[..., None, None])
-    predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
-    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
-    dk, dv = S.shape[-2:]
-    S.view(-1, dk, dv).baddbmm_(kf.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
-    o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
+    b, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1:]
+    r = num_v_heads // num_k_heads
+    plan = as_slot_plan(slots, ssm_states, b)
+
+    qk = torch.stack([q, k], dim=2).float()  # [B, Hk, 2, Dk]: q then k of each key head
+    if use_qk_l2norm:
+        inv = (qk * qk).sum(dim=-1, keepdim=True).add_(1e-6).rsqrt_()  # [B, Hk, 2, 1] (l2norm)
+        inv[:, :, 0].mul_(dk**-0.5)  # fold the q scale in
+        qk = qk * inv
+    else:
+        qk[:, :, 0].mul_(dk**-0.5)
+    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, Hv, Dk, Dv]
+    S5 = S.view(b, num_k_heads, r, dk, dv)  # value heads grouped under their key head
+    decay = g.float().exp().view(b, num_k_heads, r, 1, 1)  # [B, Hk, r, 1, 1]
+    read = torch.matmul(qk.unsqueeze(2), S5).mul_(decay)  # [B, Hk, r, 2, Dv]: e q^T S, e k^T S
+    delta = (v.float().view(b, num_k_heads, r, dv) - read[:, :, :, 1]).mul_(
+        beta.float().view(b, num_k_heads, r, 1))  # [B, Hk, r, Dv]
+    qk_dot = (qk[:, :, 0] * qk[:, :, 1]).sum(dim=-1, keepdim=True).unsqueeze(2)  # [B, Hk, 1, 1]
+    o = torch.addcmul(read[:, :, :, 0], qk_dot, delta)  # [B, Hk, r, Dv]
+    S5.mul_(decay).addcmul_(qk[:, :, 1].view(b, num_k_heads, 1, dk, 1), delta.unsqueeze(3))  # e S + k delta^T
     if copied:
-        scatter_states(ssm_states, slots, S)
-    return o.to(q.dtype)
+        write_states(ssm_states, plan, S)
+    return o.view(b, num_v_heads, dv).to(q.dtype)

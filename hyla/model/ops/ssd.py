@@ -11,8 +11,8 @@ Per head ``h`` with state ``S [P, N]`` (fp32), scalar ``A[h] < 0`` and ``dt = so
 path is Hugging Face's ``mamba2_chunk_scan`` (intra-chunk "attention" with a stable segment sum,
 chunk states, inter-chunk recurrence, state-to-output); the decode step is HF's
 ``mamba2_selective_state_update``. HF's NemotronH clamps ``dt`` to ``(time_step_min, inf)`` in the
-chunked path only and not in decode: both ops take ``dt_limit`` (``None`` = no clamp) so the model
-layer can reproduce that asymmetry exactly.
+chunked path only and not in decode; both ops take ``dt_limit`` (``None`` = no clamp) and hyla's
+NemotronH layer passes the config's limit to both, so prefill and decode agree (docs/models.md).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, H, P, N]`` fp32; ``slots[i] == -1`` starts from zeros
 and writes nothing; all reads precede all writes; checkpoint rows are distinct from the batch's own.
@@ -26,14 +26,17 @@ import torch.nn.functional as F
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    SlotPlan,
+    as_slot_plan,
     check_checkpoints,
     check_slots,
     check_varlen,
     chunk_layout,
     gather_states,
-    open_states,
+    open_state_rows,
     plan_checkpoints,
     scatter_states,
+    write_states,
 )
 
 
@@ -238,27 +241,33 @@ def mamba2_state_update(
     D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     ssm_states: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | SlotPlan,
     dt_limit: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """One decode step for ``B`` sequences: ``x [B, H, P]``, raw ``dt [B, H]``, ``B, C [B, G, N]``
     -> ``y [B, H, P]`` (dtype of ``x``). Updates ``ssm_states[slots]`` in place; ``slots[i] == -1``:
-    row ``i`` of ``y`` is don't-care and nothing is written. HF's decode does not clamp ``dt``:
-    pass ``dt_limit=None`` to match it.
+    row ``i`` of ``y`` is don't-care and nothing is written. ``slots`` may be a :class:`SlotPlan`
+    validated at batch construction (then nothing here reads the device). ``dt_limit=None``: no
+    clamp (HF's ``selective_state_update``); hyla's NemotronH passes its limit, as to the chunked
+    op (docs/models.md).
+
+    Heads are grouped under their B/C group and broadcast against it (no repeated copies).
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    slot_list = check_slots(slots, x.shape[0], ssm_states.shape[0])
-    num_heads = x.shape[1]
+    b, num_heads, head_dim = x.shape
+    groups, n = B.shape[1:]
+    h = num_heads // groups  # heads per group
+    plan = as_slot_plan(slots, ssm_states, b)
     dtf = discretize_dt(dt, dt_bias, dt_limit)  # [B, H]
-    Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [B, H, N]
     xf = x.float()
-    S, copied = open_states(ssm_states, slots, slot_list)  # [B, H, P, N], updated in place
-    S.mul_((dtf * A.float()).exp()[..., None, None])
-    p, n = S.shape[-2:]
-    S.view(-1, p, n).baddbmm_((dtf.unsqueeze(-1) * xf).reshape(-1, p, 1), Bf.reshape(-1, 1, n))  # S += dt x B^T
-    y = (S @ Cf.unsqueeze(-1)).squeeze(-1)  # [B, H, P]
+    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, H, P, N]
+    S5 = S.view(b, groups, h, head_dim, n)
+    decay = (dtf * A.float()).exp_().view(b, groups, h, 1, 1)  # [B, G, h, 1, 1]
+    x_dt = (xf * dtf.unsqueeze(-1)).view(b, groups, h, head_dim, 1)  # [B, G, h, P, 1]
+    S5.mul_(decay).addcmul_(x_dt, B.float().view(b, groups, 1, 1, n))  # exp(dt A) S + dt x B^T
+    y = torch.matmul(S5, C.float().view(b, groups, 1, n, 1)).view(b, num_heads, head_dim)  # [B, H, P]: S C
     if D is not None:
-        y = y + D.float()[:, None] * xf
+        y = y.addcmul_(D.float().view(1, num_heads, 1), xf)
     if copied:
-        scatter_states(ssm_states, slots, S)
+        write_states(ssm_states, plan, S)
     return y.to(x.dtype)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -35,13 +36,17 @@ def check_slots(slots: torch.Tensor, batch_size: int, num_slots: int, name: str 
     if slots.dtype.is_floating_point or slots.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
     values = slots.tolist()
+    _check_slot_values(values, num_slots, name)
+    return values
+
+
+def _check_slot_values(values: list[int], num_slots: int, name: str) -> None:
     bad = [s for s in values if s < -1 or s >= num_slots]
     if bad:
         raise ValueError(f"{name} has entries {bad} outside [-1, {num_slots}) (the pool has {num_slots} rows)")
     used = [s for s in values if s >= 0]
     if len(set(used)) != len(used):
         raise ValueError(f"{name} repeats a pool row: {values}")
-    return values
 
 
 def check_varlen(cu_seqlens: torch.Tensor, num_tokens: int) -> list[int]:
@@ -120,6 +125,109 @@ def check_checkpoints(
 # --- the state pool --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SlotPlan:
+    """A batch's state slots, validated once, with the host facts the decode ops need to read and
+    write the pool without a device sync.
+
+    ``ForwardBatch`` builds one per step from the host slot list (validation happens there, at
+    batch construction); an op handed a plain ``slots`` tensor builds its own (one host read).
+    """
+
+    index: torch.Tensor  # [B] int64 on the pool's device; -1 = padding
+    host: tuple[int, ...]  # the same values, on the host
+    first: int | None  # the slots are first, first+1, ..., first+B-1 (no padding): pool rows are a view
+    read_index: torch.Tensor  # [B] the slots with -1 replaced by row 0 (rows zeroed after reading)
+    pad_rows: torch.Tensor | None  # [P] batch rows whose slot is -1; None when there are none
+    write_rows: torch.Tensor | None  # [W] batch rows that write back (slot >= 0); None when all do
+    write_index: torch.Tensor  # [W] the pool rows they write
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]  # a shape, not len(host): symbolic under torch.compile
+
+    @classmethod
+    def build(cls, slots: torch.Tensor, num_slots: int, device: torch.device | None = None,
+              host: Sequence[int] | None = None, batch_size: int | None = None,
+              name: str = "slots") -> "SlotPlan":
+        """Validate ``slots [B]`` (``B = batch_size`` when given) against a pool of ``num_slots``
+        rows, as :func:`check_slots` does. ``host``: the same values already on the host (spares
+        the device read; they are trusted to equal ``slots``)."""
+        if batch_size is None:
+            batch_size = len(host) if host is not None else (slots.numel() if slots.dim() == 1 else -1)
+        if host is None:
+            values = check_slots(slots, batch_size, num_slots, name)
+        else:
+            values = [int(s) for s in host]
+            if slots.dim() != 1 or slots.numel() != batch_size or len(values) != batch_size:
+                raise ValueError(f"{name} must have shape [{batch_size}], got {list(slots.shape)}")
+            if slots.dtype.is_floating_point or slots.dtype == torch.bool:
+                raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
+            _check_slot_values(values, num_slots, name)
+        device = slots.device if device is None else torch.device(device)
+        index = slots.to(device=device, dtype=torch.long)
+        b = len(values)
+        first = values[0] if b and values[0] >= 0 and values == list(range(values[0], values[0] + b)) else None
+        pads = [i for i, s in enumerate(values) if s < 0]
+        if not pads:
+            return cls(index, tuple(values), first, index, None, None, index)
+        keep = [i for i, s in enumerate(values) if s >= 0]
+        long = dict(dtype=torch.long, device=device)
+        return cls(index, tuple(values), None, index.clamp(min=0), torch.tensor(pads, **long),
+                   torch.tensor(keep, **long), torch.tensor([values[i] for i in keep], **long))
+
+
+def as_slot_plan(slots: "torch.Tensor | SlotPlan", pool: torch.Tensor, batch_size: int) -> SlotPlan:
+    """``slots`` as a :class:`SlotPlan` for ``pool`` and a batch of ``batch_size``: a plan was
+    validated at batch construction (only its size is checked, on the host); a tensor is
+    validated here (one host read)."""
+    if isinstance(slots, SlotPlan):
+        if slots.batch_size != batch_size:
+            raise ValueError(f"slots must have shape [{batch_size}], the slot plan has {slots.batch_size}")
+        return slots
+    return SlotPlan.build(slots, pool.shape[0], pool.device, batch_size=batch_size)
+
+
+def read_states(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> torch.Tensor:
+    """``pool`` rows of ``plan`` as a fresh ``dtype`` tensor ``[B, *state]`` (zeros for padding);
+    never aliases the pool. No device sync."""
+    rows = pool.index_select(0, plan.read_index)  # [B, *state], a copy
+    if rows.dtype != dtype:
+        rows = rows.to(dtype)
+    if plan.pad_rows is not None:
+        rows.index_fill_(0, plan.pad_rows, 0)
+    return rows
+
+
+def write_states(pool: torch.Tensor, plan: SlotPlan, values: torch.Tensor) -> None:
+    """``pool[slot_i] = values[i]`` (cast to the pool dtype) for every non-padding row; in place."""
+    if plan.write_rows is not None:
+        values = values.index_select(0, plan.write_rows)
+    write_rows_(pool, plan.write_index, values.to(pool.dtype))
+
+
+def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """States ``[B, *state]`` of ``plan`` to update in place, and whether they must be written back
+    with :func:`write_states` afterwards: a view of the pool rows when the slots are one ascending
+    run and the pool already has ``dtype``, else :func:`read_states`' copy (always the copy under
+    ``torch.compile``, which would otherwise functionalise the view's writes into a pool copy)."""
+    if not torch.compiler.is_compiling() and plan.first is not None and pool.dtype == dtype:
+        return pool[plan.first : plan.first + plan.batch_size], False
+    return read_states(pool, plan, dtype), True
+
+
+def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
+
+    Eager: ``index_copy_``. Under ``torch.compile``: ``index_put_``, which the compiler keeps in
+    place on the pool (and fuses into the kernel computing ``values``); an ``index_copy_`` into a
+    graph input would be functionalised into a copy of the whole pool every step."""
+    if torch.compiler.is_compiling():
+        pool.index_put_((index,), values)
+    else:
+        pool.index_copy_(0, index, values)
+
+
 def gather_states(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``pool[slots]`` as a new ``dtype`` tensor ``[B, *state]``; zeros where ``slots == -1``.
 
@@ -140,20 +248,6 @@ def scatter_states(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor
     if not bool(keep.all()):
         slots, values = slots[keep], values[keep]
     pool.index_copy_(0, slots, values.to(pool.dtype))
-
-
-def open_states(pool: torch.Tensor, slots: torch.Tensor, slot_list: list[int]) -> tuple[torch.Tensor, bool]:
-    """fp32 states ``[B, *state]`` of ``slots`` to update in place, and whether they must then be
-    written back with :func:`scatter_states`.
-
-    When the slots are consecutive ascending rows of an fp32 pool (a typical decode batch) this is
-    a view of those rows, so in-place updates land in the pool directly; otherwise it is
-    :func:`gather_states`' copy (zeros for ``-1``).
-    """
-    first = slot_list[0] if slot_list else 0
-    if pool.dtype == torch.float32 and first >= 0 and slot_list == list(range(first, first + len(slot_list))):
-        return pool[first : first + len(slot_list)], False
-    return gather_states(pool, slots, torch.float32), True
 
 
 # --- the chunk layout ------------------------------------------------------------------------

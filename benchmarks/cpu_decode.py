@@ -1,0 +1,266 @@
+"""CPU decode throughput of the whole engine on the built-in default model, against transformers.
+
+Measured, fp32, in one process, every side interleaved repeat by repeat (the machine is shared):
+
+* **batch 1**: decode tok/s of one request after a 512-token prompt. Each side runs a fresh prompt
+  with 1 and with ``1 + N`` new tokens (greedy, EOS ignored); decode tok/s = ``N / (t(1 + N) - t(1))``,
+  so prefill and start-up cancel out (llama.cpp's ``tg`` after ``pp512``). hyla:
+  ``Engine.generate``; transformers: ``generate``.
+* **batch 8**: output tok/s of 8 concurrent 128 → 64 requests (greedy, EOS ignored): 512 output
+  tokens / wall time of the whole batch, prefill included (hyla: one ``Engine.generate`` call with
+  8 requests; transformers: one batched ``generate``).
+* **forward only**: ms per decode step of the bare model forward (no scheduler, no sampling) at
+  batch 1 (512 cached tokens) and 8 (128 cached tokens): hyla's decode forward on one prebuilt batch
+  (fresh random tokens every step) vs one HF forward of B tokens with its cache.
+
+Sides: hyla (eager), hyla with ``compile_decode`` (``--compile``; its start-up, compilation
+included, is reported), transformers; ``--before DIR`` first runs this same script against another
+checkout (e.g. ``git worktree add /tmp/cpu-base 2ed1d04``) in a subprocess and adds its numbers
+(each run is compared with the transformers it measured itself). Fresh random prompts every repeat
+(the prefix cache stays on, as served, and never hits). Prints a markdown table and writes the
+``## CPU decode`` section of docs/benchmarks.md.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_decode.py [--repeats 5] [--threads 1]
+        [--new-tokens 128] [--compile] [--before DIR] [--hyla-root DIR] [--json] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_1 = 512
+PROMPT_8, NEW_8, BATCH = 128, 64, 8
+METRICS = ("d1", "b8", "f1", "f8")  # decode tok/s b1, output tok/s b8, forward ms/step b1, b8
+
+
+def fresh(n: int, rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def greedy(max_new: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def measure(args) -> dict[str, dict[str, float]]:
+    """Medians per side (``hyla``, optionally ``compiled``, ``hf``) of every metric."""
+    sys.path.insert(0, str(args.hyla_root / "tests"))  # that checkout's TinyRunner
+    sys.path.insert(0, str(args.hyla_root))
+    import torch
+    import transformers
+
+    from hyla import Engine
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    path = DEFAULT_MODEL_DIR
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    rng = random.Random(0)
+    n = args.new_tokens
+    sizes = dict(max_total_tokens=32768, max_state_slots=64)
+
+    @torch.no_grad()
+    def hf_generate(ids: torch.Tensor, max_new: int) -> None:
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                          min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + max_new
+
+    def hyla_side(engine):
+        def decode_b1() -> float:
+            short = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1)))
+            long = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1 + n)))
+            return n / max(long - short, 1e-9)
+
+        def batch8() -> float:
+            prompts = [fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)]
+            return BATCH * NEW_8 / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(NEW_8)))
+
+        return decode_b1, batch8
+
+    def hf_side():
+        def decode_b1() -> float:
+            p = torch.tensor([fresh(PROMPT_1, rng, vocab)])
+            short = timed(lambda: hf_generate(p, 1))
+            return n / max(timed(lambda: hf_generate(p, 1 + n)) - short, 1e-9)
+
+        def batch8() -> float:
+            return BATCH * NEW_8 / timed(lambda: hf_generate(torch.tensor([fresh(PROMPT_8, rng, vocab)
+                                                                           for _ in range(BATCH)]), NEW_8))
+
+        return decode_b1, batch8
+
+    engines = {"hyla": Engine(path, dtype="float32", **sizes)}
+    startup = {}
+    if args.compile:
+        t0 = time.perf_counter()
+        engines["compiled"] = Engine(path, dtype="float32", compile_decode=True, **sizes)
+        startup["compiled"] = time.perf_counter() - t0
+    try:
+        sides = {name: hyla_side(e) for name, e in engines.items()}
+        sides["hf"] = hf_side()
+        for decode_b1, batch8 in sides.values():  # warm-up
+            decode_b1(), batch8()
+        samples: dict[str, dict[str, list[float]]] = {s: {"d1": [], "b8": []} for s in sides}
+        for _ in range(args.repeats):
+            for name, (decode_b1, batch8) in sides.items():
+                samples[name]["d1"].append(decode_b1())
+                samples[name]["b8"].append(batch8())
+        result = {name: {k: statistics.median(v) for k, v in m.items()} for name, m in samples.items()}
+        for b in (1, BATCH):
+            fwd = forward_only(engines, hf, b, args.steps, args.repeats, rng, vocab)
+            for name, ms in fwd.items():
+                result[name][f"f{b}"] = ms
+        for name, s in startup.items():
+            result[name]["startup_s"] = s
+        return result
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
+def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.Random, vocab: int):
+    """ms per decode step of the bare forwards on one prebuilt batch (fresh tokens every step)."""
+    import torch
+
+    import checkpoints
+
+    prompt = PROMPT_1 if batch == 1 else PROMPT_8
+    prompts = [fresh(prompt, rng, vocab) for _ in range(batch)]
+    toks = torch.tensor([fresh(batch, rng, vocab) for _ in range(steps)])  # [steps, B]
+    fns = {}
+    for name, engine in engines.items():
+        runner = checkpoints.TinyRunner(engine.model, max_tokens=batch * (prompt + 2) + 1, max_states=batch)
+        seqs = [runner.new_seq() for _ in range(batch)]
+        with torch.inference_mode():
+            runner.step(seqs, prompts)
+            step_batch = runner.make_batch(seqs, [[5]] * batch, decode=True)
+        run = getattr(engine.scheduler.runner, "_run_decode", engine.model.forward)  # compiled if so configured
+
+        @torch.inference_mode()
+        def ours(run=run, step_batch=step_batch) -> None:
+            for i in range(steps):
+                step_batch.input_ids.copy_(toks[i])
+                run(step_batch)
+
+        fns[name] = ours
+    with torch.inference_mode():
+        cache = hf(torch.tensor(prompts), use_cache=True).past_key_values
+    crop = cache.get_seq_length()
+
+    @torch.inference_mode()
+    def ref() -> None:
+        for i in range(steps):
+            hf(toks[i][:, None], past_key_values=cache, use_cache=True)
+            for layer in cache.layers:  # keep the attention cache at the prompt length
+                if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
+                    layer.keys, layer.values = layer.keys[:, :, :crop], layer.values[:, :, :crop]
+
+    fns["hf"] = ref
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(timed(fn))
+    return {name: 1e3 * statistics.median(t) / steps for name, t in times.items()}
+
+
+def table(runs: dict[str, dict[str, dict[str, float]]]) -> str:
+    """Markdown: one row per metric, one column per side; in parentheses each hyla side's ratio
+    to the transformers of its own run (> 1: hyla faster)."""
+    cols = []  # (header, run, side)
+    if "before" in runs:
+        cols.append(("hyla before (2ed1d04)", "before", "hyla"))
+    cols.append(("hyla after" if "before" in runs else "hyla", "after", "hyla"))
+    if "compiled" in runs["after"]:
+        cols.append(("hyla + `compile_decode`", "after", "compiled"))
+    rows = [  # key, label, lower is better, target
+        ("d1", "decode tok/s, batch 1, after a 512-token prompt", False, "≥ 412 (0.5x llama.cpp's 823)"),
+        ("b8", "output tok/s, 8 concurrent 128 → 64 requests", False, "≥ 1,025 and ≥ 2x transformers"),
+        ("f1", "forward only, ms per decode step, batch 1 (512 cached)", True, ""),
+        ("f8", "forward only, ms per decode step, batch 8 (128 cached)", True, ""),
+    ]
+    lines = ["| measurement | " + " | ".join(h for h, _, _ in cols) + " | transformers | target |",
+             "|---" * (len(cols) + 3) + "|"]
+    for key, label, lower, target in rows:
+        cells = []
+        for _, run, side in cols:
+            v, ref = runs[run][side][key], runs[run]["hf"][key]
+            cells.append(f"{v:.3f} ({ref / v:.2f}x)" if lower else f"{v:,.0f} (**{v / ref:.2f}x**)")
+        ref = runs["after"]["hf"][key]
+        cells.append(f"{ref:.3f}" if lower else f"{ref:,.0f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {target} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, every side")
+    ap.add_argument("--new-tokens", type=int, default=128, help="N decode tokens timed at batch 1")
+    ap.add_argument("--steps", type=int, default=50, help="forward only: decode steps per timed run")
+    ap.add_argument("--compile", action="store_true", help="also measure Engine(compile_decode=True)")
+    ap.add_argument("--before", type=Path, help="checkout to measure first, in a subprocess, for before/after")
+    ap.add_argument("--hyla-root", type=Path, default=ROOT, help="checkout to import hyla from")
+    ap.add_argument("--json", action="store_true", help="print the medians as one JSON line (last line)")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    args.hyla_root = args.hyla_root.resolve()
+    sys.path.insert(0, str(ROOT))
+
+    runs = {}
+    if args.before is not None:
+        cmd = [sys.executable, __file__, "--hyla-root", str(args.before.resolve()), "--json", "--no-write",
+               "--repeats", str(args.repeats), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
+               "--steps", str(args.steps)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        runs["before"] = json.loads(out.strip().splitlines()[-1])
+    t0 = time.perf_counter()
+    runs["after"] = measure(args)
+    wall = time.perf_counter() - t0
+
+    import torch
+    import transformers
+
+    from benchmarks.report import machine
+
+    cmd = (f"OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/cpu_decode.py --repeats {args.repeats} "
+           f"--threads {args.threads} --new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
+           + (" --before /tmp/cpu-base" if args.before else ""))
+    startup = runs["after"].get("compiled", {}).get("startup_s")
+    body = f"""`{cmd}` — {machine()}, transformers {transformers.__version__}, {args.threads} thread(s);
+built-in default model (Qwen3-Next, 8 layers: 6 Gated DeltaNet + 2 attention, hidden 256,
+vocab 4096), fp32; medians of {args.repeats} runs, every side interleaved; in parentheses each hyla
+column's ratio to the transformers measured in the same run (wall clock on a shared 2-core machine:
+compare ratios, not absolute numbers, across runs).
+{"" if startup is None else f"`compile_decode` start-up (engine construction, both graphs compiled): {startup:.0f} s."}
+
+{table(runs)}
+"""
+    print(body)
+    print(f"(total {wall:.0f} s, torch {torch.__version__})")
+    if args.json:
+        print(json.dumps(runs["after"]))
+    if not args.no_write:
+        from benchmarks.report import write_section
+
+        write_section("CPU decode", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The decode step at model level: no host reads once the batch is built, validation at batch
+construction, the per-step metadata, cached derived weights, the in-place RoPE, the column-major
+weight layout, and the compiled decode graph (``compile_decode``) against eager."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+from checkpoints import TinyRunner, make_nemotron_h
+from torch.overrides import TorchFunctionMode
+
+from hyla.model import load_model
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, signed_sin
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
+
+
+class NoHostReads(TorchFunctionMode):
+    """Fails on any call that copies tensor data to the host (a device sync on a GPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            raise AssertionError(f"host read in the decode forward: {func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def nemotron_h_dense_path(tiny_ckpt_dir):
+    """NemotronH without its MoE block (MoE routing reads expert counts on the host, by design)."""
+    return make_nemotron_h(tiny_ckpt_dir, layers_block_type=[
+        "linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "full_attention"])
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path"])
+@torch.no_grad()
+def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request):
+    model = load_model(request.getfixturevalue(ckpt))
+    runner = TinyRunner(model)
+    seqs = [runner.new_seq() for _ in range(3)]
+    runner.step(seqs, [list(range(3, 3 + n)) for n in (20, 7, 33)])
+    for step in range(2):  # a batch of 3 (a padded KV table), then of 1
+        batch = runner.make_batch(seqs, [[5 + step]] * len(seqs), decode=True)
+        with NoHostReads():
+            logits = model(batch)
+        assert logits.shape == (len(seqs), model.config.vocab_size)
+        seqs = seqs[:1]
+
+
+def _init_fields(batch):
+    return [f for f in batch.__dataclass_fields__ if batch.__dataclass_fields__[f].init]
+
+
+def test_batch_is_validated_when_built(qwen3_next_dense_path):
+    model = load_model(qwen3_next_dense_path)
+    runner = TinyRunner(model, max_states=4)
+    seqs = [runner.new_seq(), runner.new_seq()]
+    runner.step(seqs, [[1, 2, 3], [4, 5]])
+    good = runner.make_batch(seqs, [[6], [7]], decode=True)
+    fields = {f: getattr(good, f) for f in _init_fields(good)}
+
+    def build(**changes):
+        return ForwardBatch(**{**fields, **changes})
+
+    assert good.seq_lens == [4, 3] and good.kv_table.shape == (2, 4) and good.kv_rows.shape == (2, 2, 4)
+    assert good.kv_mask.tolist() == [[0, 0, 0, 0], [0, 0, 0, float("-inf")]]
+    assert good.max_token_id == 7 and good.slot_plan.first == 1
+    with pytest.raises(ValueError, match="repeats"):
+        build(state_slots=torch.tensor([1, 1]), state_slot_list=None)
+    with pytest.raises(ValueError, match="outside"):
+        build(state_slots=torch.tensor([1, 9]), state_slot_list=None)
+    with pytest.raises(ValueError, match="ckpt_len"):
+        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([2]), ckpt_slot=torch.tensor([3]))
+    with pytest.raises(ValueError, match="also a sequence slot"):
+        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([1]), ckpt_slot=torch.tensor([2]))
+    with pytest.raises(ValueError, match="kv_table"):
+        build(kv_table=good.kv_table[:, :3])
+    with pytest.raises(ValueError, match="kv_indices"):
+        build(kv_indices=good.kv_indices[:-1])
+    with pytest.raises(ValueError, match="positions"):
+        build(positions=good.positions[:1])
+    with pytest.raises(ValueError, match="exactly one token"):
+        build(extend_lens=[2, 0])
+
+
+def test_runner_kv_table_equals_the_derived_one(qwen3_next_dense_path):
+    """A batch given its KV table (as the engine's runner builds it) computes what a batch that
+    derives it from the packed ``kv_indices`` computes."""
+    model = load_model(qwen3_next_dense_path)
+    runner = TinyRunner(model)
+    seqs = [runner.new_seq() for _ in range(2)]
+    runner.step(seqs, [list(range(3, 30)), list(range(40, 50))])
+    batch = runner.make_batch(seqs, [[5], [6]], decode=True)
+    fields = {f: getattr(batch, f) for f in _init_fields(batch)}
+    snapshot = [t.clone() for t in (*runner.k_buffers, *runner.v_buffers, *runner.conv_states, *runner.ssm_states)]
+    a = model(ForwardBatch(**fields))
+    for t, s in zip((*runner.k_buffers, *runner.v_buffers, *runner.conv_states, *runner.ssm_states), snapshot):
+        t.copy_(s)
+    b = model(ForwardBatch(**{**fields, "kv_table": batch.kv_table.clone()}))
+    assert torch.equal(a, b)
+
+
+def test_derived_weights_follow_in_place_updates():
+    norm = RMSNorm(8, 1e-6, zero_centered=True)
+    with torch.no_grad():
+        norm.weight.zero_()
+        x = torch.randn(3, 8)
+        a = norm(x)
+        norm.weight.fill_(1.0)  # an in-place write bumps the version: the cached 1 + w is rebuilt
+        b = norm(x)
+        norm.weight.data = torch.full((8,), 3.0)  # new storage
+        c = norm(x)
+    torch.testing.assert_close(b, 2 * a)
+    torch.testing.assert_close(c, 4 * a)
+
+
+def test_in_place_rotary_is_bitwise_the_reference():
+    rotary = RotaryEmbedding(16, 10000.0)
+    cos, sin = rotary(torch.tensor([0, 3, 77, 4000]), torch.float32)
+    x = torch.randn(4, 6, 64)
+    want = apply_rotary(x, cos, sin)
+    got = apply_rotary_(x.clone(), cos, signed_sin(sin))
+    assert torch.equal(got, want)
+
+
+def test_fp32_cpu_projection_weights_are_column_major_with_the_same_values(qwen3_next_moe_path):
+    model = load_model(qwen3_next_moe_path)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() for m in linears)
+    moe = model.layers[0].ffn
+    assert moe.w_in.transpose(1, 2).is_contiguous() and moe.w_out.transpose(1, 2).is_contiguous()
+    from safetensors.torch import load_file
+    ref = load_file(qwen3_next_moe_path / "model.safetensors")
+    assert torch.equal(model.lm_head.weight, ref["lm_head.weight"].float())
+    assert torch.equal(model.layers[3].mixer.o_proj.weight, ref["model.layers.3.self_attn.o_proj.weight"].float())
+    bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")  # oneDNN: no gain, left alone
+    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_compiled_decode_equals_eager(qwen3_next_dense_path):
+    """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
+    a changing larger batch, with no compilation after start-up."""
+    import torch._dynamo
+
+    from hyla import Engine
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (30, 90, 7, 64)]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 20, 8, 16)]
+
+    def run(**options):
+        with Engine(qwen3_next_dense_path, max_total_tokens=4096, max_state_slots=16, **options) as engine:
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))
+            return outs, torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+
+    eager, _ = run()
+    compiled, new_graphs = run(compile_decode=True)
+    assert new_graphs == 0, "a decode step compiled after start-up"
+    for a, b in zip(eager, compiled):
+        assert a["output_ids"] == b["output_ids"]
+        la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4  # the project fp32 tolerance (fused kernels reorder sums)
