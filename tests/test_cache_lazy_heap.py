@@ -8,13 +8,13 @@ from hyla.cache.lazy_heap import COMPACT_SLACK, NO_ENTRY, LazyHeap
 
 
 class Item:
-    """A stand-in for a tree node: a mutable priority and candidacy, and the mark slot a heap owns."""
+    """A stand-in for a tree node: a mutable priority and candidacy, and the mark a heap owns."""
 
     def __init__(self, name: str, priority: float, candidate: bool = True) -> None:
         self.name = name
         self.priority = priority
         self.candidate = candidate
-        self.heap_marks = [NO_ENTRY]
+        self.mark = NO_ENTRY
 
     def __repr__(self) -> str:
         return f"Item({self.name}, {self.priority})"
@@ -26,7 +26,7 @@ def make_heap(calls: list[str] | None = None) -> LazyHeap:
             calls.append(item.name)
         return item.priority
 
-    return LazyHeap(priority, lambda item: item.candidate, slot=0)
+    return LazyHeap(priority, lambda item: item.candidate, mark="mark")
 
 
 def drain(heap: LazyHeap) -> list[str]:

@@ -63,9 +63,6 @@ from hyla.cache.lazy_heap import LazyHeap
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
 from hyla.cache.radix_types import (
     EMPTY_SLOTS,
-    KV_ORDER,
-    REPLACEABLE_ORDER,
-    STATE_ORDER,
     Checkpoint,
     InsertResult,
     MatchResult,
@@ -106,9 +103,9 @@ class RadixCache:
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._ids = itertools.count(1)
-        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, KV_ORDER)
-        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, STATE_ORDER)
-        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate, REPLACEABLE_ORDER)
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, "kv_mark")
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, "state_mark")
+        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate, "replaceable_mark")
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -322,16 +319,17 @@ class RadixCache:
         for item in checkpoints:
             if self.state_pool is None:
                 raise ValueError("a RadixCache without a state_pool stores no state checkpoints")
+            speculative = False
             try:
                 if len(item) == 3:
                     length, slot, speculative = item
+                    if not isinstance(speculative, (bool, np.bool_)):
+                        raise ValueError(f"a checkpoint's speculative flag must be a bool, got {item!r}")
                 else:
-                    (length, slot), speculative = item, False
+                    length, slot = item
                 length, slot = int(length), int(slot)
             except (TypeError, ValueError):
-                raise ValueError(f"a checkpoint is a (length, slot[, speculative]) tuple, got {item!r}") from None
-            if not isinstance(speculative, (bool, np.bool_)):
-                raise ValueError(f"a checkpoint's speculative flag must be a bool, got {item!r}")
+                raise ValueError(f"a checkpoint is a (length, slot[, speculative: bool]) tuple, got {item!r}") from None
             if length % ps or not 1 <= length <= n:
                 raise ValueError(
                     f"checkpoint length {length} must be a multiple of page_size={ps} within the key's "
@@ -340,7 +338,7 @@ class RadixCache:
                 raise ValueError(f"state slot {slot} already belongs to the tree (pass a forked slot)")
             if not self.state_pool.is_allocated_slot(slot):
                 raise ValueError(f"checkpoint slot {slot} is not an allocated state-pool slot")
-            out.append((length, slot, bool(speculative)))
+            out.append((length, slot, bool(speculative)))  # np.bool_ -> bool
         if len(out) > 1:
             if len({c[0] for c in out}) != len(out) or len({c[1] for c in out}) != len(out):
                 raise ValueError(f"checkpoint lengths and slots must be distinct: {out}")

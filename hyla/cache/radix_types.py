@@ -15,7 +15,6 @@ import torch
 from hyla.cache.lazy_heap import NO_ENTRY
 
 EMPTY_SLOTS = np.zeros(0, dtype=np.int64)
-KV_ORDER, STATE_ORDER, REPLACEABLE_ORDER = range(3)  # the tree's eviction orders: their slots in heap_marks
 
 
 def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
@@ -49,7 +48,8 @@ class TreeNode:
 
     __slots__ = (
         "id", "parent", "children", "child_key", "key", "value", "depth", "state", "speculative",
-        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data", "heap_marks",
+        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
+        "kv_mark", "state_mark", "replaceable_mark",
     )
 
     def __init__(self, node_id: int, parent: "TreeNode | None", child_key: Hashable, key: tuple,
@@ -69,7 +69,8 @@ class TreeNode:
         self.state_access = now  # checkpoint recency
         self.removed = False
         self.policy_data: Any = None
-        self.heap_marks = [NO_ENTRY, NO_ENTRY, NO_ENTRY]  # per eviction order: its live LazyHeap entry
+        # the live entry of this node in each of the tree's eviction orders (LazyHeap marks)
+        self.kv_mark = self.state_mark = self.replaceable_mark = NO_ENTRY
 
     @property
     def num_tokens(self) -> int:
