@@ -146,6 +146,22 @@ def test_strong_decay_stays_finite_and_exact():
     torch.testing.assert_close(pool[5], ref(inputs, before, 1, 0, 100)[1], **TOL)
 
 
+@pytest.mark.parametrize("chunk_size", [1, 16, 20, 48, 128])
+def test_any_chunk_size_with_strong_decays(chunk_size):
+    """Sub-chunks of 16 (chunk sizes that are multiples of 16) or the column loop alone (others)."""
+    inputs = make([150, 33], decay_scale=10.0, seed=6)
+    pool = inputs[-1]
+    before = pool.clone()
+    o = run(inputs, pool, [1, 2], ckpt_seq=torch.tensor([0, 1]), ckpt_len=torch.tensor([77, 33]),
+            ckpt_slot=torch.tensor([5, 6]), chunk_size=chunk_size)
+    for i, slot in enumerate((1, 2)):
+        o_ref, state = ref(inputs, before, slot, i)
+        torch.testing.assert_close(o[inputs[5][i] : inputs[5][i + 1]], o_ref, **TOL)
+        torch.testing.assert_close(pool[slot], state, **TOL)
+    torch.testing.assert_close(pool[5], ref(inputs, before, 1, 0, 77)[1], **TOL)
+    torch.testing.assert_close(pool[6], pool[2], atol=1e-6, rtol=1e-6)
+
+
 def test_key_heads_shared_by_value_heads():
     inputs = make([70, 9], hk=1, seed=5)
     pool = inputs[-1]

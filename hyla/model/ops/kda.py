@@ -22,10 +22,11 @@ moved inside the key dimension. With ``G_t = cumsum(g)`` from the chunk start (p
     P_ts  = sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])        s <= t  (query-key, intra-chunk output)
 
 Unlike GDN, a per-channel decay does not factor out of the dot product, and factoring it as
-``(k_t e^{G_t}) . (k_s e^{-G_s})`` overflows for strong decays; so ``A`` and ``P`` are built one
-column ``s`` at a time from the exact differences ``G_t - G_s <= 0`` (every ``exp`` is at most 1, as
-in the recurrence). That column loop (``chunk_size`` vectorised steps over every chunk of the batch)
-is the straightforward, exact choice; a faster kernel would use FLA's sub-chunk factorisation.
+``(k_t e^{G_t}) . (k_s e^{-G_s})`` overflows for strong decays. As in FLA's KDA kernel, ``A`` and ``P``
+are built per sub-chunk of 16 rows: blocks below the diagonal factor through the decay at the
+later block's first row (both factors ``<= 1``, one matmul per block row), the diagonal blocks are
+built column by column from the exact differences ``G_t - G_s <= 0``. No ``exp`` ever sees a positive
+number, whatever the decay strength.
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
 zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
@@ -48,6 +49,9 @@ from hyla.model.ops.varlen import (
     plan_checkpoints,
     scatter_states,
 )
+
+
+_SUB_CHUNK = 16  # rows per sub-chunk of the intra-chunk products (see _intra_chunk)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -164,15 +168,37 @@ def chunk_kda_varlen(
 
 def _intra_chunk(qc: torch.Tensor, kc: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``A [NC, H, Q, Q]`` (key-key, strictly lower) and ``P [NC, H, Q, Q]`` (query-key, lower with
-    the diagonal) of every chunk, one column ``s`` at a time, from the exact decay differences
-    ``cum[t] - cum[s] <= 0`` of the rows ``t >= s`` (no ``exp`` exceeds 1)."""
-    nc, h, Q, _ = kc.shape
+    the diagonal) of every chunk, without ever exponentiating a positive number.
+
+    The chunk is cut into sub-chunks of ``C`` rows. A block of rows ``I`` against earlier columns
+    factors through the decay at the block's first row ``r`` (``s < r <= t``, both factors ``<= 1``)::
+
+        A_ts = (k_t e^{cum_t - cum_r}) . (k_s e^{cum_r - cum_s})        (one matmul per block row)
+
+    Inside a diagonal block, columns ``s`` are built one at a time from the exact differences
+    ``cum_t - cum_s <= 0`` of rows ``t >= s`` (``C`` vectorised steps over every block of the batch).
+    """
+    nc, h, Q, dk = kc.shape
+    C = _SUB_CHUNK if Q % _SUB_CHUNK == 0 else Q
+    n = Q // C
     A = kc.new_zeros(nc, h, Q, Q)
     P = kc.new_zeros(nc, h, Q, Q)
-    for s in range(Q):
-        k_s = kc[:, :, s : s + 1] * (cum[:, :, s:] - cum[:, :, s : s + 1]).exp()  # [NC, H, Q-s, Dk]
-        A[:, :, s + 1 :, s] = (kc[:, :, s + 1 :] * k_s[:, :, 1:]).sum(dim=-1)
-        P[:, :, s:, s] = (qc[:, :, s:] * k_s).sum(dim=-1)
+    for i in range(1, n):  # rows of sub-chunk i against the columns of sub-chunks 0 .. i-1
+        rows, ref = slice(i * C, (i + 1) * C), cum[:, :, i * C : i * C + 1]  # ref [NC, H, 1, Dk]
+        down = (cum[:, :, rows] - ref).exp()  # [NC, H, C, Dk]
+        cols = kc[:, :, : i * C] * (ref - cum[:, :, : i * C]).exp()  # [NC, H, iC, Dk]
+        A[:, :, rows, : i * C] = (kc[:, :, rows] * down) @ cols.transpose(-1, -2)
+        P[:, :, rows, : i * C] = (qc[:, :, rows] * down) @ cols.transpose(-1, -2)
+    qb, kb, cb = (x.view(nc, h, n, C, dk) for x in (qc, kc, cum))  # sub-chunks
+    Ab, Pb = kc.new_zeros(nc, h, n, C, C), kc.new_zeros(nc, h, n, C, C)
+    for s in range(C):  # the diagonal blocks, column s of each
+        k_s = kb[..., s : s + 1, :] * (cb[..., s:, :] - cb[..., s : s + 1, :]).exp()  # [NC, H, n, C-s, Dk]
+        Ab[..., s + 1 :, s] = (kb[..., s + 1 :, :] * k_s[..., 1:, :]).sum(dim=-1)
+        Pb[..., s:, s] = (qb[..., s:, :] * k_s).sum(dim=-1)
+    for i in range(n):
+        block = slice(i * C, (i + 1) * C)
+        A[:, :, block, block] = Ab[:, :, i]
+        P[:, :, block, block] = Pb[:, :, i]
     return A, P
 
 
