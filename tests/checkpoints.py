@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
-``make_bamba``, ``make_granite_h``, ``make_lfm2``) construct a tiny model with
+``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -109,6 +109,21 @@ LFM2_KW: dict[str, Any] = dict(
 )
 
 
+# Kimi-Linear: KDA (4 heads of 32, conv 4) with MLA at layers 2 and 5 (4 heads, kv_lora_rank 64, nope 32 /
+# rope 32 / v 48: a 96-wide latent in the pool, 48 in K and 48 in V); layer 0 dense, then MoE of 8 experts
+# (top-2, sigmoid router) + a shared expert.
+KIMI_LINEAR_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention",
+                 "full_attention"],
+    num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_nope_head_dim=32,
+    qk_rope_head_dim=32, v_head_dim=48, linear_num_heads=4, linear_head_dim=32, linear_conv_kernel_dim=4,
+    num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.446,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -140,6 +155,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
         "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
         "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+        "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -190,6 +206,12 @@ def make_granite_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path
 def make_lfm2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``Lfm2ForCausalLM`` (6 layers: short convolutions, attention at 2 and 4, SwiGLU MLP in each)."""
     return _build("lfm2", tmp_dir, seed, {**LFM2_KW, **overrides})
+
+
+def make_kimi_linear(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``KimiLinearForCausalLM`` (6 layers: KDA, MLA at 2 and 5; dense MLP in layer 0, then MoE),
+    saved as transformers writes it (Moonshot's tensor names)."""
+    return _build("kimi_linear", tmp_dir, seed, {**KIMI_LINEAR_KW, **overrides})
 
 
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------

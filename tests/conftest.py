@@ -73,3 +73,8 @@ def qwen3_5_moe_path(tiny_ckpt_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def lfm2_path(tiny_ckpt_dir: Path) -> Path:
     return checkpoints.make_lfm2(tiny_ckpt_dir)
+
+
+@pytest.fixture(scope="session")
+def kimi_linear_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_kimi_linear(tiny_ckpt_dir)

@@ -144,5 +144,11 @@ def test_differential_lfm2(lfm2_path):
 
 
 @pytest.mark.slow
+def test_differential_kimi_linear(kimi_linear_path):
+    """KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V."""
+    differential(kimi_linear_path, seed=10)
+
+
+@pytest.mark.slow
 def test_differential_fcfs_aligned(qwen3_next_dense_path):
     differential(qwen3_next_dense_path, seed=4, schedule_policy="fcfs", checkpoint_alignment=16)

@@ -84,7 +84,8 @@ def _run_differential(path, on_opts: dict, seed: int = 0) -> int:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_path", "qwen3_5_moe_path", "nemotron_h_path",
-                                  "falcon_h1_path", "bamba_path", "granite_h_path", "lfm2_path"])
+                                  "falcon_h1_path", "bamba_path", "granite_h_path", "lfm2_path",
+                                  "kimi_linear_path"])
 def test_speculation_is_exact_with_the_prefix_cache(arch, request):
     compared = _run_differential(request.getfixturevalue(arch), POOLS)
     assert compared > 60

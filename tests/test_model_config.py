@@ -12,6 +12,7 @@ from checkpoints import (
     BAMBA_KW,
     FALCON_H1_KW,
     GRANITE_H_KW,
+    KIMI_LINEAR_KW,
     LFM2_KW,
     NEMOTRON_H_KW,
     QWEN3_5_KW,
@@ -474,3 +475,93 @@ def test_lfm2_state_shapes_match_hf_cache_and_flops(lfm2):
 def test_lfm2_bad_configs_are_value_errors(lfm2, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**lfm2.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def kimi() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.KimiLinearConfig(**KIMI_LINEAR_KW), "KimiLinearForCausalLM"))
+
+
+def test_kimi_linear_layout_latent_kv_and_kda_state(kimi):
+    c = kimi
+    assert c.model_type == "kimi_linear" and c.linear_kind == "kda" and c.rotary_dim == 0
+    assert c.layer_types == ("linear", "linear", "attention", "linear", "linear", "attention")
+    assert c.ffn_types == ("mlp",) + ("moe",) * 5  # first_k_dense_replace = 1 (HF's mlp_layer_types)
+    assert (c.mla_kv_lora_rank, c.mla_q_lora_rank, c.mla_qk_nope_head_dim, c.mla_qk_rope_head_dim,
+            c.mla_v_head_dim) == (64, 0, 32, 32, 48)
+    # the pool holds the 96-wide latent [c_kv | k_pe]: one "head" of 48 in K and one in V
+    assert (c.num_attention_heads, c.num_kv_heads, c.head_dim) == (4, 1, 48)
+    assert c.conv_shape == (3 * 4 * 32, 3) and c.ssm_shape == (4, 32, 32)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == \
+        (8, 2, 128, 128)
+    assert c.router == "sigmoid" and c.norm_topk_prob and c.routed_scaling_factor == 2.446 and not c.shared_expert_gate
+    assert not c.tie_word_embeddings and c.max_position_embeddings == 4096 and c.norm_eps == 1e-5
+    layout = c.with_dtype("bfloat16").cache_layout
+    assert layout.kv_bytes_per_token == 2 * 96 * 2  # 2 MLA layers x the latent in bf16
+    assert layout.state_bytes_per_slot == 4 * (384 * 3 * 2 + 4 * 32 * 32 * 4)
+
+
+def test_kimi_linear_moonshot_config_keys_equal_transformers_names(kimi):
+    """The published config.json spells things Moonshot's way (linear_attn_config with 1-based layer
+    lists, num_experts_per_token, moe_renormalize, ...): the same model as transformers' spelling."""
+    moonshot = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": 2048,
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 64, "q_lora_rank": None,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 32, "v_head_dim": 48, "mla_use_nope": True,
+        "linear_attn_config": {"full_attn_layers": [3, 6], "kda_layers": [1, 2, 4, 5], "num_heads": 4, "head_dim": 32,
+                               "short_conv_kernel_size": 4},
+        "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "num_expert_group": 1, "topk_group": 1, "moe_layer_freq": 1,
+        "first_k_dense_replace": 1, "routed_scaling_factor": 2.446, "model_max_length": 4096, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0, "hidden_act": "silu",
+    }
+    assert ModelConfig.from_hf(moonshot) == kimi
+    # HF's defaults: full attention at every 4th layer from 4, one dense layer; tie_word_embeddings is ignored
+    bare = ModelConfig.from_hf({"architectures": ["KimiLinearForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                                "num_hidden_layers": 9, "tie_word_embeddings": True})
+    assert [i for i, t in enumerate(bare.layer_types) if t == "attention"] == [4, 8]
+    assert bare.ffn_types == ("mlp",) + ("moe",) * 8 and bare.num_experts == 256 and not bare.tie_word_embeddings
+    assert (bare.linear_num_value_heads, bare.linear_key_head_dim, bare.mla_kv_lora_rank, bare.head_dim) == \
+        (32, 128, 512, 288)
+    assert bare.max_position_embeddings == 1048576
+
+
+def test_kimi_linear_state_shapes_match_hf_cache_and_flops(kimi):
+    model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**KIMI_LINEAR_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    kda = out.past_key_values.layers[0]  # HF keeps K = 4 inputs of [q | k | v]; hyla K-1
+    assert tuple(kda.conv_states[0].shape[1:]) == (kimi.conv_shape[0], kimi.conv_shape[1] + 1)
+    assert tuple(kda.recurrent_states[0].shape[1:]) == kimi.ssm_shape
+    mla = out.past_key_values.layers[2]  # HF caches the latent as (c_kv, k_pe): hyla's K and V halves
+    assert mla.keys.shape[-1] + mla.values.shape[-1] == 2 * kimi.head_dim
+    h, heads, d = 256, 4, 32
+    f1, f2 = kimi.flops_per_token(1), kimi.flops_per_token(11)
+    proj = 2 * h * (3 * heads * d + heads) + 2 * heads * d * h
+    gates = 2 * 2 * (h * d + d * heads * d)
+    assert f1.linear == pytest.approx(4 * (proj + gates + 2 * 3 * heads * d * 4 + 2 * 4 * heads * d * d))
+    assert f2.attention - f1.attention == pytest.approx(10 * 2 * 2 * heads * (2 * 64 + 32))
+    mla_proj = h * heads * 64 + h * 96 + heads * 32 * 64 + heads * 64 * 48 + heads * 48 * h
+    assert f1.attention == pytest.approx(2 * (2 * mla_proj + 2 * heads * (2 * 64 + 32)))
+    assert f1.mlp == pytest.approx(2 * 3 * h * 512)
+    assert f1.moe == pytest.approx(5 * (2 * h * 8 + 2 * 2 * 3 * h * 128 + 2 * 3 * h * 128))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"mla_use_nope": False}, "mla_use_nope"),
+    ({"mla_use_output_gate": True}, "output_gate"),
+    ({"linear_attn_config": {"gate_lower_bound": -5.0}}, "gate_lower_bound"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"moe_router_activation_func": "softmax"}, "sigmoid"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"layer_types": ["linear_attention"] * 5}, "num_hidden_layers"),
+    ({"layer_types": ["sliding_attention"] * 6}, "full_attention / linear_attention"),
+    ({"mlp_layer_types": ["dense"] * 5 + ["moe"]}, "'dense' or 'sparse'"),
+    ({"layer_types": None, "linear_attn_config": {"full_attn_layers": [3], "kda_layers": [1, 2, 4, 5]}}, "once each"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts_per_token": 9}, "num_experts_per_tok"),
+])
+def test_kimi_linear_bad_configs_are_value_errors(kimi, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**kimi.extra["hf_config"], **bad})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import TinyRunner, make_qwen3_5
+from checkpoints import KIMI_LINEAR_KW, TinyRunner, make_qwen3_5
 from safetensors.torch import load_file, save_file
 
 from hyla.model import load_model
@@ -305,3 +305,32 @@ def test_lfm2_tensor_layout(lfm2_path):
     assert gate.shape == (512, 256) and torch.equal(up, raw["model.layers.1.feed_forward.w3.weight"])
     assert torch.equal(model.norm.weight, raw["model.embedding_norm.weight"])
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied
+
+
+def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear_path, tmp_path):
+    """Moonshot's layout (what save_pretrained writes: q/k/v_conv1d, f_a/f_b/dt_bias/A_log on self_attn,
+    block_sparse_moe.experts.{e}.w1/w3/w2, the dense MLP under block_sparse_moe) and transformers'
+    in-memory state dict (fused conv1d, forget_gate.*, mlp.*, experts.gate_up_proj / down_proj) load the
+    same weights; lm_head is never tied."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(kimi_linear_path, dtype=torch.float32)
+    in_memory = tmp_path / "in_memory"
+    in_memory.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, in_memory / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(kimi_linear_path / "config.json", in_memory / "config.json")
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
+    moonshot, fused = load_model(kimi_linear_path), load_model(in_memory)
+    for (name, a), (_, b) in zip(moonshot.state_dict().items(), fused.state_dict().items()):
+        assert torch.equal(a, b), name
+    raw = load_file(kimi_linear_path / "model.safetensors")
+    kda, mla, moe = moonshot.layers[0].mixer, moonshot.layers[2].mixer, moonshot.layers[1].ffn
+    hd = KIMI_LINEAR_KW["linear_num_heads"] * KIMI_LINEAR_KW["linear_head_dim"]
+    assert torch.equal(kda.conv_weight[hd : 2 * hd], raw["model.layers.0.self_attn.k_conv1d.weight"][:, 0])
+    assert torch.equal(kda.A_log, raw["model.layers.0.self_attn.A_log"].flatten())
+    assert torch.equal(kda.qkv_proj.weight[2 * hd :], raw["model.layers.0.self_attn.v_proj.weight"])
+    assert torch.equal(mla.kv_a_proj.weight, raw["model.layers.2.self_attn.kv_a_proj_with_mqa.weight"])
+    assert torch.equal(moe.w_in[3, 128:], raw["model.layers.1.block_sparse_moe.experts.3.w3.weight"])
+    assert torch.equal(moe.w_out[5], raw["model.layers.1.block_sparse_moe.experts.5.w2.weight"])
+    assert torch.equal(moonshot.layers[0].ffn.out_proj.weight, raw["model.layers.0.block_sparse_moe.down_proj.weight"])
+    assert moonshot.lm_head.weight.data_ptr() != moonshot.embed_tokens.weight.data_ptr()
+    assert torch.equal(prefill_logits(moonshot, IDS), prefill_logits(fused, IDS))

@@ -1,7 +1,7 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2):
+Granite 4.0-H, LFM2, Kimi-Linear):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -19,6 +19,7 @@ from checkpoints import (
     make_bamba,
     make_falcon_h1,
     make_granite_h,
+    make_kimi_linear,
     make_lfm2,
     make_nemotron_h,
     make_qwen3_5_moe,
@@ -29,7 +30,7 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2"]
+         "granite_h", "lfm2", "kimi_linear"]
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +275,16 @@ VARIANTS = {
         d, seed=1, conv_bias=True, conv_L_cache=4, tie_word_embeddings=False, layer_types=None,
         full_attn_idxs=[0, 3], num_hidden_layers=5, block_auto_adjust_ff_dim=False, intermediate_size=384,
         num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    ),
+    # low-rank q (q_a/q_b), attention biases, an odd 79-wide latent (63 + 16: zero-padded in the pool), grouped
+    # routing (top-3 within the best 2 of 4 groups), other scaling, dense and sparse layers interleaved, MLA
+    # first, 2 KDA heads of 48 with a 3-wide conv, tie_word_embeddings=True (which HF's Kimi-Linear ignores)
+    "kimi_linear_variant": lambda d: make_kimi_linear(
+        d, seed=1, q_lora_rank=48, attention_bias=True, kv_lora_rank=63, qk_rope_head_dim=16, n_group=4,
+        topk_group=2, num_experts_per_tok=3, routed_scaling_factor=1.5, tie_word_embeddings=True,
+        num_hidden_layers=5, mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_heads=2, linear_head_dim=48, linear_conv_kernel_dim=3,
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

@@ -57,6 +57,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 6 attention layers x K,V x 8 KV heads x 64 x bf16; 10 short-conv layers x conv window 2048 x 2
         # bf16 and no SSM state
         ("lfm2-1.2b", 6 * 2 * 8 * 64 * 2, 10 * 2048 * 2 * 2),
+        # 7 MLA layers x the latent (kv_lora_rank 512 + rope 64) x bf16; 20 KDA layers x (conv 3 x 32 x 128 x 3
+        # bf16 + SSM 32 x 128 x 128 fp32)
+        ("kimi-linear-48b-a3b", 7 * 576 * 2, 20 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -157,3 +160,17 @@ def test_lfm2_1_2b_preset_is_1_2b_with_a_conv_only_state():
     one = cfg.flops_per_token(1)
     params = (one.total - 6 * 4 * 32 * 64) / 2  # weights used per token (the tied LM head included)
     assert 1.1e9 < params < 1.3e9
+
+
+def test_kimi_linear_48b_a3b_preset_is_48b_with_3b_active():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["kimi-linear-48b-a3b"])
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (7, 20) and cfg.linear_kind == "kda"
+    assert [i + 1 for i, t in enumerate(cfg.layer_types) if t == "attention"] == [4, 8, 12, 16, 20, 24, 27]
+    assert cfg.ffn_types == ("mlp",) + ("moe",) * 26 and cfg.max_position_embeddings == 1048576
+    assert (cfg.num_kv_heads, cfg.head_dim) == (1, 288)  # the 576-wide MLA latent, half in K, half in V
+    one = cfg.flops_per_token(1)
+    assert cfg.flops_per_token(2).attention - one.attention == 7 * 2 * 32 * (2 * 512 + 64)  # latent scores + values
+    active = (one.total - 7 * 2 * 32 * (2 * 512 + 64)) / 2 + 163840 * 2304  # weights used per token + the embedding
+    assert 3e9 < active < 4e9  # "A3B"
+    total = active + 26 * (256 - 8) * 3 * 2304 * 1024  # plus the idle experts
+    assert 46e9 < total < 50e9  # "48B"

@@ -15,7 +15,17 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from hyla.model import bamba, falcon_h1, granitemoehybrid, lfm2, nemotron_h, qwen3_5, qwen3_5_moe, qwen3_next
+from hyla.model import (
+    bamba,
+    falcon_h1,
+    granitemoehybrid,
+    kimi_linear,
+    lfm2,
+    nemotron_h,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from hyla.model.layers import HybridForCausalLM
 
 ConfigParser = Callable[[Mapping[str, Any], str, str | torch.dtype | None], dict[str, Any]]
@@ -45,6 +55,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GraniteMoeHybridForCausalLM": Architecture(
         granitemoehybrid.GraniteMoeHybridForCausalLM, granitemoehybrid.parse_hf_config, "granitemoehybrid"),
     "Lfm2ForCausalLM": Architecture(lfm2.Lfm2ForCausalLM, lfm2.parse_hf_config, "lfm2"),
+    "KimiLinearForCausalLM": Architecture(
+        kimi_linear.KimiLinearForCausalLM, kimi_linear.parse_hf_config, "kimi_linear"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -95,6 +95,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
+    # | "kimi_linear"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -118,12 +119,22 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen: per-head RMSNorm on q and k before RoPE
     rotary_dim: int = 0  # 0 = no RoPE (NemotronH)
     rope_theta: float = 10000.0
+    # multi-head latent attention (Kimi-Linear's MLA, no RoPE; 0 = plain attention). The KV pool holds
+    # each token's latent [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], split over K and V:
+    # num_kv_heads = 1, head_dim = ceil((kv_lora_rank + qk_rope_head_dim) / 2) (see kimi_linear.py)
+    mla_kv_lora_rank: int = 0
+    mla_q_lora_rank: int = 0  # 0 = a full-rank q_proj
+    mla_qk_nope_head_dim: int = 0
+    mla_qk_rope_head_dim: int = 0
+    mla_v_head_dim: int = 0
 
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
-    linear_kind: str = "none"  # "gdn" | "mamba2" | "short_conv" (LFM2: a conv window, no SSM state) | "none"
+    # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "short_conv" (LFM2:
+    # a conv window, no SSM state) | "none"
+    linear_kind: str = "none"
     conv_kernel: int = 4
     linear_chunk_size: int = 64
-    # Gated DeltaNet
+    # Gated DeltaNet and Kimi Delta Attention
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -181,9 +192,9 @@ class ModelConfig:
         bad = {t for t in self.layer_types} - set(LAYER_KINDS)
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
-        if self.num_linear_layers and self.linear_kind not in ("gdn", "mamba2", "short_conv"):
+        if self.num_linear_layers and self.linear_kind not in ("gdn", "kda", "mamba2", "short_conv"):
             raise ValueError(
-                "layers with a recurrent mixer need linear_kind 'gdn', 'mamba2' or 'short_conv', "
+                "layers with a recurrent mixer need linear_kind 'gdn', 'kda', 'mamba2' or 'short_conv', "
                 f"got {self.linear_kind!r}"
             )
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
@@ -195,7 +206,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}"
             )
-        if self.linear_kind == "gdn" and self.linear_num_value_heads % self.linear_num_key_heads:
+        if self.linear_kind in ("gdn", "kda") and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if self.linear_kind == "mamba2" and self.mamba_num_heads % self.mamba_n_groups:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
@@ -245,7 +256,7 @@ class ModelConfig:
     @property
     def conv_dim(self) -> int:
         """Channels of the depthwise causal conv of a linear layer."""
-        if self.linear_kind == "gdn":
+        if self.linear_kind in ("gdn", "kda"):  # q, k, v (KDA convolves the three as well)
             key_dim = self.linear_num_key_heads * self.linear_key_head_dim
             return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
         if self.linear_kind == "mamba2":
@@ -269,10 +280,10 @@ class ModelConfig:
 
     @property
     def ssm_shape(self) -> tuple[int, ...]:
-        """Per-slot recurrent state: GDN ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; LFM2's short
+        """Per-slot recurrent state: GDN and KDA ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; LFM2's short
         convolution has none: ``(0,)``, zero elements (its whole state is the conv window), so the
         pools keep one empty SSM buffer per linear layer and the layout counts 0 bytes for it."""
-        if self.linear_kind == "gdn":
+        if self.linear_kind in ("gdn", "kda"):
             return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         if self.linear_kind == "mamba2":
             return (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size)

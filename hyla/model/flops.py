@@ -5,7 +5,8 @@ Attention layers cost their projections plus ``4 * Hq * D`` per context
 token (QK^T and PV over the causal context); linear (GDN / Mamba2 / LFM2 short conv) layers cost a
 constant per token (projections, conv, recurrent state update); MoE counts only the ``num_experts_per_tok`` active
 experts (plus router, latent projections and shared expert). Norms, activations and RoPE are
-ignored. ``ModelConfig.flops_per_token`` / ``prefill_flops`` call these functions.
+ignored. Multi-head latent attention (Kimi-Linear) is counted as hyla runs it, in the latent space:
+its projections plus ``Hq * (2 * kv_lora_rank + qk_rope_head_dim)`` per context token. ``ModelConfig.flops_per_token`` / ``prefill_flops`` call these functions.
 """
 
 from __future__ import annotations
@@ -92,10 +93,24 @@ def _moe_flops(cfg: ModelConfig) -> float:
 
 
 def _attention_flops(cfg: ModelConfig, context_len: int) -> float:
+    if cfg.mla_kv_lora_rank:
+        return _mla_flops(cfg, context_len)
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
     q_out = hq * d * (2 if cfg.attn_output_gate else 1)
     proj = 2.0 * h * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
     return proj + 2.0 * 2 * hq * d * context_len  # QK^T and PV over the context
+
+
+def _mla_flops(cfg: ModelConfig, context_len: int) -> float:
+    """MLA with the up-projections absorbed (hyla's ``kimi_linear.LatentAttention``): q (low-rank or
+    not), the latent ``kv_a`` projection, q_nope into the latent space (``W_uk``), scores over the
+    ``[c_kv | k_pe]`` latent and values in ``c_kv``, the result out of it (``W_uv``), ``o_proj``."""
+    h, hq, r = cfg.hidden_size, cfg.num_attention_heads, cfg.mla_kv_lora_rank
+    nope, rope, vd = cfg.mla_qk_nope_head_dim, cfg.mla_qk_rope_head_dim, cfg.mla_v_head_dim
+    q_out = hq * (nope + rope)
+    q = h * cfg.mla_q_lora_rank + cfg.mla_q_lora_rank * q_out if cfg.mla_q_lora_rank else h * q_out
+    proj = 2.0 * (q + h * (r + rope) + hq * nope * r + hq * r * vd + hq * vd * h)
+    return proj + 2.0 * hq * (2 * r + rope) * context_len  # scores over [c_kv | k_pe], values in c_kv
 
 
 def _linear_flops(cfg: ModelConfig) -> float:
@@ -106,6 +121,13 @@ def _linear_flops(cfg: ModelConfig) -> float:
         proj = 2.0 * h * (cfg.conv_dim + value_dim + 2 * hv) + 2.0 * value_dim * h
         state = 2.0 * 4 * hv * dk * dv  # decay, read (k^T S), write (k delta^T), output (q^T S)
         return proj + 2.0 * cfg.conv_dim * k + state
+    if cfg.linear_kind == "kda":  # Kimi Delta Attention: q/k/v, low-rank forget gate and output gate, beta, o
+        hv, dk, dv = cfg.ssm_shape
+        value_dim = hv * dv
+        proj = 2.0 * h * (cfg.conv_dim + hv) + 2.0 * value_dim * h
+        gates = 2.0 * (h * dk + dk * hv * dk) + 2.0 * (h * dv + dv * value_dim)  # f_a/f_b and g_a/g_b
+        state = 2.0 * 4 * hv * dk * dv  # per-channel decay, read (k^T S), write (k delta^T), output (q^T S)
+        return proj + gates + 2.0 * cfg.conv_dim * k + state
     if cfg.linear_kind == "mamba2":
         inner = cfg.mamba_intermediate_size
         proj = 2.0 * h * (inner + cfg.conv_dim + cfg.mamba_num_heads) + 2.0 * inner * h

@@ -2,7 +2,7 @@
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
 as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
-LFM2-1.2B keep only their sizes, see their comments); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+LFM2-1.2B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -240,6 +240,62 @@ LFM2_1_2B: dict[str, Any] = {
     "vocab_size": 65536,
 }
 
+# moonshotai/Kimi-Linear-48B-A3B-Instruct (also -Base), as published (auto_map and init-only keys left out):
+# 27 layers of d=2304 -- 20 Kimi Delta Attention layers (32 heads of 128, short convs of 4) and 7 MLA layers at
+# the 1-based positions 4, 8, 12, 16, 20, 24, 27 (32 heads; kv_lora_rank 512, full-rank q, nope 128 / rope 64 /
+# v 128, no RoPE: mla_use_nope); layer 1 a dense SwiGLU MLP of 9216, the other 26 a MoE of 256 experts of 1024
+# (8 active, sigmoid router, renormalised, x 2.446) + 1 shared expert; vocabulary 163840, 1M context
+# (model_max_length), bf16 -- 48B parameters, ~3B active. The MLA cache is the 576-wide latent per token
+# and layer (hyla keeps it half in K, half in V); head_dim 72 is read by no one (transformers ignores it too).
+KIMI_LINEAR_48B_A3B: dict[str, Any] = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "bos_token_id": 163584,
+    "dtype": "bfloat16",
+    "eos_token_id": 163586,
+    "first_k_dense_replace": 1,
+    "head_dim": 72,
+    "hidden_act": "silu",
+    "hidden_size": 2304,
+    "initializer_range": 0.02,
+    "intermediate_size": 9216,
+    "kv_lora_rank": 512,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "head_dim": 128,
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "num_heads": 32,
+        "short_conv_kernel_size": 4,
+    },
+    "mla_use_nope": True,
+    "model_max_length": 1048576,
+    "model_type": "kimi_linear",
+    "moe_intermediate_size": 1024,
+    "moe_layer_freq": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "num_attention_heads": 32,
+    "num_expert_group": 1,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 32,
+    "num_nextn_predict_layers": 0,
+    "num_shared_experts": 1,
+    "pad_token_id": 163839,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.446,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -247,4 +303,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "granite-4.0-h-small": GRANITE_4_0_H_SMALL,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     "lfm2-1.2b": LFM2_1_2B,
+    "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
 }

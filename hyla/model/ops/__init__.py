@@ -9,6 +9,7 @@ from hyla.model.ops.gated_delta import (
     gated_delta_rule_ref,
     recurrent_gated_delta_rule_update,
 )
+from hyla.model.ops.kda import chunk_kda_varlen, kda_ref, recurrent_kda_update
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
 
 __all__ = [
@@ -16,9 +17,12 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule_varlen",
+    "chunk_kda_varlen",
     "gated_delta_rule_ref",
+    "kda_ref",
     "mamba2_chunk_scan_varlen",
     "mamba2_ssd_ref",
     "mamba2_state_update",
     "recurrent_gated_delta_rule_update",
+    "recurrent_kda_update",
 ]

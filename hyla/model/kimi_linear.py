@@ -1,0 +1,496 @@
+"""Kimi-Linear (``KimiLinearForCausalLM``): Kimi Delta Attention + multi-head latent attention, MoE.
+
+Each decoder layer is ``x + mixer(input_layernorm(x))`` then ``x + ffn(post_attention_layernorm(x))``
+(plain RMSNorms, ``w * norm(x)``); the mixer is, per ``layer_types`` (or the checkpoint's
+``linear_attn_config``: 1-based ``kda_layers`` / ``full_attn_layers``):
+
+* **KDA** (``KimiDeltaAttention``): ``q, k, v`` projections (``H`` heads of ``D``), each through a
+  depthwise causal conv (kernel ``short_conv_kernel_size``, no bias) and ``silu``; a per-channel
+  log-decay ``g = -exp(A_log[h]) * softplus(f_b(f_a(x)) + dt_bias)`` ``[T, H, D]`` (fp32; softplus as
+  transformers: ``x`` above 20), ``beta = sigmoid(b_proj(x))``; the KDA op
+  (``hyla/model/ops/kda.py``, q/k l2-normalised); then an RMSNorm over each head (``o_norm``, fp32)
+  gated by ``sigmoid(g_b(g_a(x)))`` and ``o_proj``. Its recurrent state is the conv window of
+  ``[q | k | v]`` (``3·H·D`` channels) and the ``[H, D, D]`` fp32 KDA state: a checkpoint holds both.
+* **MLA** (``LatentAttention``, DeepSeek-V2's multi-head latent attention without RoPE, as
+  transformers' ``KimiLinearAttention``): ``q = q_proj(x)`` (or ``q_b(norm(q_a(x)))`` with a
+  ``q_lora_rank``) of ``H`` heads ``[q_nope | q_pe]``; one latent per token,
+  ``[c_kv | k_pe] = kv_a_proj_with_mqa(x)`` with ``c_kv`` RMS-normalised; ``kv_b_proj`` expands
+  ``c_kv`` into each head's ``k_nope`` and ``v``; the key is ``[k_nope | k_pe]`` (``k_pe`` shared by the
+  heads, never rotated), softmax scale ``(nope + rope)**-0.5``.
+
+**What the KV pool holds (MLA).** The latent ``[c_kv | k_pe]`` (``kv_lora_rank + qk_rope_head_dim``
+values, 576 for the published model), not per-head K/V (``H·(192 + 128)`` = 10240): the first half
+in the layer's K buffer, the second half in its V buffer (``num_kv_heads = 1``,
+``head_dim = ceil(576 / 2)``; an odd latent is zero-padded), so ``CacheLayout.kv_bytes_per_token``
+is MLA's exact cache size. Attention runs in the latent space with the up-projections absorbed
+(``W_uk``, ``W_uv`` are the two row blocks of each head in ``kv_b_proj``)::
+
+    score(t, s) = q_nope_t W_uk . c_kv_s + q_pe_t . k_pe_s   (= [q_nope W_uk | q_pe] . latent_s)
+    out_t       = (sum_s p_ts c_kv_s) W_uv^T
+
+which is transformers' expanded form regrouped (equal up to fp32 rounding; no per-step expansion of the
+cached tokens). Prefill, chunked prefill and decode all take this one path.
+
+FFN per ``mlp_layer_types`` (or the first ``first_k_dense_replace`` layers dense): a SwiGLU MLP, or a
+MoE: sigmoid router with score-correction bias (``num_expert_group`` / ``topk_group`` grouping),
+renormalised (``moe_renormalize``) top-``num_experts_per_token`` weights times
+``routed_scaling_factor``, SwiGLU experts, plus ``num_shared_experts`` shared experts as one MLP of
+``moe_intermediate_size * num_shared_experts`` (hyla's ``SparseMoE``, NemotronH's router).
+
+``lm_head`` is never tied to the embedding (transformers' Kimi-Linear ignores ``tie_word_embeddings``).
+Checkpoint layout: Moonshot's (what transformers' ``save_pretrained`` writes too): separate
+``q/k/v_conv1d`` (concatenated here), ``f_a_proj`` / ``f_b_proj`` / ``dt_bias`` / ``A_log [1, 1, H, 1]`` on
+``self_attn``, ``block_sparse_moe.experts.{e}.w1/w3/w2`` (gate / up / down), ``block_sparse_moe.gate``;
+the dense MLP under ``mlp.`` or ``block_sparse_moe.``; transformers' in-memory names
+(``forget_gate.*``, ``mlp.*``, fused ``conv1d.weight`` and ``experts.gate_up_proj`` / ``down_proj``) are
+accepted as well.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_require
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.layers import (
+    HybridForCausalLM,
+    HybridLayer,
+    RMSNorm,
+    Rope,
+    WeightSpec,
+    _ckpt_kwargs,
+    _copy_decode_checkpoints,
+    linear_specs,
+    norm_spec,
+    stack_experts,
+)
+from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
+
+# transformers builds the MLA q_a / kv_a norms without an eps: its RMSNorm default
+MLA_NORM_EPS = 1e-6
+
+
+# --- Kimi Delta Attention ----------------------------------------------------------------------
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA mixer. ``qkv_proj`` rows are ``[q | k | v]`` (``H·D`` each, heads contiguous), the conv
+    runs over those ``3·H·D`` channels. State: ``batch.conv_states[j]`` ``[S, 3HD, K-1]`` and
+    ``batch.ssm_states[j]`` ``[S, H, D, D]`` (``j`` = the layer's linear ordinal)."""
+
+    def __init__(self, config: ModelConfig, linear_ordinal: int):
+        super().__init__()
+        c = config
+        self.state_index = linear_ordinal
+        self.num_heads, self.head_dim = c.linear_num_value_heads, c.linear_value_head_dim
+        self.dim = self.num_heads * self.head_dim
+        self.chunk_size = c.linear_chunk_size
+        self.eps = c.norm_eps
+        h, d = c.hidden_size, self.head_dim
+        self.qkv_proj = nn.Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
+        self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, c.conv_kernel, dtype=c.dtype))  # [3HD, K]
+        self.f_a_proj = nn.Linear(h, d, bias=False, dtype=c.dtype)
+        self.f_b_proj = nn.Linear(d, self.dim, bias=False, dtype=c.dtype)
+        self.dt_bias = nn.Parameter(torch.empty(self.dim, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.b_proj = nn.Linear(h, self.num_heads, bias=False, dtype=c.dtype)
+        self.g_a_proj = nn.Linear(h, d, bias=False, dtype=c.dtype)
+        self.g_b_proj = nn.Linear(d, self.dim, bias=False, dtype=c.dtype)
+        self.o_norm = nn.Parameter(torch.empty(d, dtype=c.dtype))  # the per-head output RMSNorm weight
+        self.o_proj = nn.Linear(self.dim, h, bias=False, dtype=c.dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+        t, heads, d = x.shape[0], self.num_heads, self.head_dim
+        conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
+        slots = batch.state_slots
+        mixed = self.qkv_proj(x)  # [T, 3HD]
+        if batch.is_decode:
+            mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
+        else:
+            mixed = causal_conv1d_varlen(
+                mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, slots, "silu", **_ckpt_kwargs(batch)
+            )
+        q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
+        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias  # [T, HD] fp32
+        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly
+        g = -torch.exp(self.A_log.float())[:, None] * softplus.view(t, heads, d)  # [T, H, D] fp32, <= 0
+        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
+        if batch.is_decode:
+            o = recurrent_kda_update(q, k, v, g, beta, ssm_states, slots)
+            _copy_decode_checkpoints(conv_states, batch)
+            _copy_decode_checkpoints(ssm_states, batch)
+        else:
+            o = chunk_kda_varlen(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
+                                 chunk_size=self.chunk_size, use_qk_l2norm=True)  # [T, H, D]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(t, heads, d)
+        o32 = o.float()
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
+        o = (o32 * torch.sigmoid(gate.float())).to(x.dtype)  # [T, H, D]
+        return self.o_proj(o.reshape(t, self.dim))
+
+
+# --- multi-head latent attention ---------------------------------------------------------------
+
+
+class LatentAttention(nn.Module):
+    """MLA without RoPE, attending in the latent space over the paged KV pool (see the module
+    docstring: the pool holds each token's latent ``[c_kv | k_pe]``, half in K, half in V)."""
+
+    def __init__(self, config: ModelConfig, attention_ordinal: int):
+        super().__init__()
+        c = config
+        self.kv_index = attention_ordinal
+        self.num_heads = c.num_attention_heads
+        self.nope, self.rope, self.v_dim = c.mla_qk_nope_head_dim, c.mla_qk_rope_head_dim, c.mla_v_head_dim
+        self.rank = c.mla_kv_lora_rank
+        self.scaling = (self.nope + self.rope) ** -0.5
+        h, heads, bias = c.hidden_size, self.num_heads, c.attention_bias
+        q_out = heads * (self.nope + self.rope)
+        if c.mla_q_lora_rank:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(h, c.mla_q_lora_rank, bias=bias, dtype=c.dtype)
+            self.q_a_norm = RMSNorm(c.mla_q_lora_rank, MLA_NORM_EPS, dtype=c.dtype)
+            self.q_b_proj = nn.Linear(c.mla_q_lora_rank, q_out, bias=False, dtype=c.dtype)
+        else:
+            self.q_proj = nn.Linear(h, q_out, bias=False, dtype=c.dtype)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        self.kv_a_proj = nn.Linear(h, self.rank + self.rope, bias=bias, dtype=c.dtype)
+        self.kv_a_norm = RMSNorm(self.rank, MLA_NORM_EPS, dtype=c.dtype)
+        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
+        self.o_proj = nn.Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+        t, heads = x.shape[0], self.num_heads
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
+        latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # [T, r + rope]
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, r], [H, v, r]
+        q_latent = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [T, H, r + rope]
+        o = latent_paged_attention(
+            q_latent, latent, batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index],
+            batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens, batch.extend_lens,
+            self.scaling, self.rank,
+        )  # [T, H, r]
+        o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
+        return self.o_proj(o.reshape(t, heads * self.v_dim))
+
+
+def latent_paged_attention(
+    q: torch.Tensor,  # [T, H, L]
+    latent: torch.Tensor,  # [T, L]
+    k_buffer: torch.Tensor,  # [S, 1, ceil(L/2)]: latent[:half]
+    v_buffer: torch.Tensor,  # [S, 1, ceil(L/2)]: latent[half:], zero-padded
+    out_cache_loc: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    scaling: float,
+    value_dim: int,
+) -> torch.Tensor:
+    """Write the new tokens' latents into their pool slots, then attend causally (each new token to
+    its sequence's cached prefix and the new tokens up to itself) with keys = the whole latent and
+    values = its first ``value_dim`` channels. Returns ``[T, H, value_dim]`` in ``q``'s dtype; the
+    softmax is fp32 (as ``ops.attention.paged_attention``, whose slot conventions this follows)."""
+    t, heads, width = q.shape
+    half = k_buffer.shape[-1]
+    if latent.shape != (t, width) or k_buffer.shape[1:] != (1, half) or v_buffer.shape[1:] != (1, half) \
+            or not width <= 2 * half < width + 2:
+        raise ValueError(f"latent {tuple(latent.shape)} / q {tuple(q.shape)} do not fit the KV buffers "
+                         f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)} (two halves of the latent)")
+    if sum(extend_lens) != t or out_cache_loc.numel() != t:
+        raise ValueError(f"extend_lens / out_cache_loc disagree with the {t} new tokens")
+    padded = F.pad(latent, (0, 2 * half - width)).to(k_buffer.dtype)  # [T, 2*half]
+    k_buffer.index_copy_(0, out_cache_loc, padded[:, None, :half])
+    v_buffer.index_copy_(0, out_cache_loc, padded[:, None, half:])
+
+    def read(slots: torch.Tensor) -> torch.Tensor:  # [n] -> [n, L] latents in q's dtype
+        rows = torch.cat([k_buffer.index_select(0, slots), v_buffer.index_select(0, slots)], dim=-1)[:, 0]
+        return rows[:, :width].to(q.dtype)
+
+    if all(n == 1 for n in extend_lens):  # decode: one padded batched attention (padding reads slot 0, masked)
+        b, max_len = t, max(prefix_lens) + 1
+        offsets = torch.arange(max_len, device=q.device)
+        valid = offsets[None, :] < (kv_indptr[1:] - kv_indptr[:-1])[:, None]  # [B, L]
+        pos = (kv_indptr[:-1, None] + offsets[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
+        slots = kv_indices.index_select(0, pos.flatten()).masked_fill_(~valid.flatten(), 0)
+        keys = read(slots).view(b, 1, max_len, width)  # [B, 1, L, W]
+        out = F.scaled_dot_product_attention(
+            q.view(b, heads, 1, width), keys, keys[..., :value_dim],
+            attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=True,
+        )  # [B, H, 1, value_dim]
+        return out.view(b, heads, value_dim)
+
+    out = q.new_empty(t, heads, value_dim)
+    indptr = kv_indptr.tolist()
+    start = 0
+    for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
+        if extend == 0:
+            continue
+        if indptr[i + 1] - indptr[i] != prefix + extend:
+            raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, "
+                             f"expected {prefix + extend}")
+        keys = read(kv_indices[indptr[i] : indptr[i + 1]])[None]  # [1, L, W]
+        mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
+        oi = F.scaled_dot_product_attention(
+            q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], attn_mask=mask, scale=scaling,
+            enable_gqa=True,
+        )  # [H, E, value_dim]
+        out[start : start + extend] = oi.transpose(0, 1)
+        start += extend
+    return out
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+class KimiLinearForCausalLM(HybridForCausalLM):
+    def build_layer(self, index: int) -> HybridLayer:
+        c = self.config
+        if c.layer_types[index] == "attention":
+            mixer: nn.Module = LatentAttention(c, c.attention_ordinal(index))
+        else:
+            mixer = KimiDeltaAttention(c, c.linear_ordinal(index))
+        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn(c.ffn_types[index]),
+                           ffn_norm=self.new_norm())
+
+    @classmethod
+    def normalize_hf_name(cls, name: str) -> str | None:
+        """transformers' in-memory names -> Moonshot's (the names ``hf_weight_specs`` reads)."""
+        name = name.replace(".mlp.", ".block_sparse_moe.").replace(".self_attn.forget_gate.", ".self_attn.")
+        return name
+
+    @classmethod
+    def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        c = config
+        embed = "model.embed_tokens.weight"
+        specs = [
+            WeightSpec("embed_tokens.weight", (embed,)),
+            norm_spec("norm.weight", "model.norm.weight"),
+            WeightSpec("lm_head.weight", ("lm_head.weight",)),  # never tied (see parse_hf_config)
+        ]
+        for i, (mixer, ffn) in enumerate(zip(c.layer_types, c.ffn_types)):
+            t, s = f"layers.{i}", f"model.layers.{i}"
+            specs += [
+                norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
+                norm_spec(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight"),
+            ]
+            specs += _mla_specs(c, f"{t}.mixer", f"{s}.self_attn") if mixer == "attention" else \
+                _kda_specs(f"{t}.mixer", f"{s}.self_attn")
+            moe = f"{s}.block_sparse_moe"
+            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else _mlp_specs(f"{t}.ffn", moe)
+        return specs
+
+
+def _squeeze_concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``q/k/v_conv1d.weight [HD, 1, K]`` each (or transformers' fused ``conv1d.weight``) -> ``[3HD, K]``."""
+    return torch.cat([w.squeeze(1) for w in tensors], dim=0)
+
+
+def _kda_specs(target: str, source: str) -> list[WeightSpec]:
+    convs = tuple(f"{source}.{p}_conv1d.weight" for p in "qkv")
+    return [
+        *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"], False),
+        WeightSpec(f"{target}.conv_weight", convs, _squeeze_concat_convs),
+        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), _squeeze_concat_convs),  # transformers'
+        *linear_specs(f"{target}.f_a_proj", [f"{source}.f_a_proj"], False),
+        *linear_specs(f"{target}.f_b_proj", [f"{source}.f_b_proj"], False),
+        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",), lambda ts: ts[0].reshape(-1)),
+        WeightSpec(f"{target}.A_log", (f"{source}.A_log",), lambda ts: ts[0].reshape(-1)),  # [1, 1, H, 1] -> [H]
+        *linear_specs(f"{target}.b_proj", [f"{source}.b_proj"], False),
+        *linear_specs(f"{target}.g_a_proj", [f"{source}.g_a_proj"], False),
+        *linear_specs(f"{target}.g_b_proj", [f"{source}.g_b_proj"], False),
+        WeightSpec(f"{target}.o_norm", (f"{source}.o_norm.weight",)),
+        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], False),
+    ]
+
+
+def _mla_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+    bias = c.attention_bias
+    if c.mla_q_lora_rank:
+        q = [
+            *linear_specs(f"{target}.q_a_proj", [f"{source}.q_a_proj"], bias),
+            norm_spec(f"{target}.q_a_norm.weight", f"{source}.q_a_layernorm.weight"),
+            *linear_specs(f"{target}.q_b_proj", [f"{source}.q_b_proj"], False),
+        ]
+    else:
+        q = linear_specs(f"{target}.q_proj", [f"{source}.q_proj"], False)
+    return [
+        *q,
+        *linear_specs(f"{target}.kv_a_proj", [f"{source}.kv_a_proj_with_mqa"], bias),
+        norm_spec(f"{target}.kv_a_norm.weight", f"{source}.kv_a_layernorm.weight"),
+        *linear_specs(f"{target}.kv_b_proj", [f"{source}.kv_b_proj"], False),
+        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], bias),
+    ]
+
+
+def _mlp_specs(target: str, source: str) -> list[WeightSpec]:
+    return [
+        *linear_specs(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], False),
+        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], False),
+    ]
+
+
+def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+    experts = range(c.num_experts)
+    gate_up = tuple(f"{source}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3"))
+    specs = [
+        WeightSpec(f"{target}.router.weight", (f"{source}.gate.weight",)),
+        WeightSpec(f"{target}.e_score_correction_bias", (f"{source}.gate.e_score_correction_bias",)),
+        WeightSpec(f"{target}.w_in", gate_up, stack_experts(2)),  # [E, 2I, H]: [gate (w1) | up (w3)]
+        WeightSpec(f"{target}.w_in", (f"{source}.experts.gate_up_proj",)),  # transformers' fused layout
+        WeightSpec(f"{target}.w_out", tuple(f"{source}.experts.{e}.w2.weight" for e in experts), stack_experts(1)),
+        WeightSpec(f"{target}.w_out", (f"{source}.experts.down_proj",)),
+    ]
+    if c.shared_expert_intermediate_size:
+        specs += _mlp_specs(f"{target}.shared_expert", f"{source}.shared_experts")
+    return specs
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
+# ------------------------------------------------------------------------------------------------
+def _first(cfg: Mapping[str, Any], names: Sequence[str], default: Any) -> Any:
+    """The first of ``names`` the config sets (not null): Moonshot's key, then transformers' alias."""
+    for name in names:
+        if cfg.get(name) is not None:
+            return cfg[name]
+    return default
+
+
+def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
+    """``ModelConfig`` fields of a Kimi-Linear ``config.json``: Moonshot's keys (``linear_attn_config``,
+    ``num_experts``, ``num_experts_per_token``, ``num_shared_experts``, ``moe_renormalize``,
+    ``num_expert_group``, ``model_max_length``, ``first_k_dense_replace``) or transformers' names for
+    them, with ``KimiLinearConfig``'s defaults. Raises ``ValueError`` for what transformers' Kimi-Linear
+    does not compute (RoPE in MLA, an MLA output gate, a KDA gate lower bound or full-rank gate, a
+    non-``silu`` activation or non-sigmoid router) and for inconsistent layer lists."""
+    cfg = dict(cfg)
+    cfg["max_position_embeddings"] = _first(cfg, ("model_max_length", "max_position_embeddings"), 1048576)
+    common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
+    # transformers' KimiLinearForCausalLM ties nothing (_tied_weights_keys = {}), whatever
+    # tie_word_embeddings says: lm_head.weight is always its own tensor
+    common["tie_word_embeddings"] = False
+    num_layers = int(hf_require(cfg, "num_hidden_layers"))
+    linear = dict(cfg.get("linear_attn_config") or {})
+    for key, what in (("gate_lower_bound", "a KDA gate lower bound"), ("use_full_rank_gate", "a full-rank KDA gate")):
+        if linear.get(key):
+            raise ValueError(f"Kimi-Linear linear_attn_config.{key}: {what} is not supported")
+    if cfg.get("mla_use_nope", True) is False:
+        raise ValueError("Kimi-Linear with mla_use_nope=false (RoPE in MLA) is not supported: transformers' "
+                         "KimiLinearAttention applies no RoPE")
+    if cfg.get("mla_use_output_gate"):
+        raise ValueError("Kimi-Linear mla_use_output_gate is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {arch} (expected 'silu')")
+    router = cfg.get("moe_router_activation_func", "sigmoid")
+    if router != "sigmoid":
+        raise ValueError(f"unsupported moe_router_activation_func {router!r} for {arch} (expected 'sigmoid')")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        raise ValueError("Kimi-Linear moe_layer_freq != 1 is not supported (transformers reads "
+                         "first_k_dense_replace only)")
+
+    heads = int(cfg.get("num_attention_heads", 32))
+    rank, rope = int(cfg.get("kv_lora_rank", 512)), int(cfg.get("qk_rope_head_dim", 64))
+    nope, v_dim = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("v_head_dim") or 128)
+    if min(heads, rank, nope + rope, v_dim) <= 0:
+        raise ValueError("Kimi-Linear MLA needs positive num_attention_heads, kv_lora_rank, "
+                         "qk_nope_head_dim + qk_rope_head_dim and v_head_dim")
+    linear_heads = int(_first(linear, ("num_heads",), cfg.get("linear_num_heads", 32)))
+    linear_dim = int(_first(linear, ("head_dim",), cfg.get("linear_head_dim", 128)))
+    kernel = int(_first(linear, ("short_conv_kernel_size",), cfg.get("linear_conv_kernel_dim", 4)))
+    if kernel < 2:
+        raise ValueError(f"Kimi-Linear short_conv_kernel_size must be >= 2, got {kernel}")
+
+    layer_types = _layer_types(cfg, linear, num_layers)
+    ffn_types = _ffn_types(cfg, num_layers)
+    num_experts = int(_first(cfg, ("num_experts", "num_local_experts"), 256))
+    if "moe" in ffn_types and num_experts < 1:
+        raise ValueError(f"Kimi-Linear sparse layers need num_experts >= 1, got {num_experts}")
+    moe_width = int(cfg.get("moe_intermediate_size", 1024))
+    shared = int(_first(cfg, ("num_shared_experts", "n_shared_experts"), 1))
+    return dict(
+        **common,
+        model_type="kimi_linear",
+        layer_types=layer_types,
+        ffn_types=ffn_types,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        zero_centered_norm=False,
+        num_attention_heads=heads,
+        num_kv_heads=1,
+        head_dim=math.ceil((rank + rope) / 2),  # the pool holds the latent, half in K, half in V
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rotary_dim=0,
+        mla_kv_lora_rank=rank,
+        mla_q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        mla_qk_nope_head_dim=nope,
+        mla_qk_rope_head_dim=rope,
+        mla_v_head_dim=v_dim,
+        linear_kind="kda",
+        conv_kernel=kernel,
+        linear_chunk_size=64,
+        linear_num_key_heads=linear_heads,
+        linear_num_value_heads=linear_heads,
+        linear_key_head_dim=linear_dim,
+        linear_value_head_dim=linear_dim,
+        intermediate_size=int(cfg.get("intermediate_size", 9216)),
+        hidden_act="silu",
+        num_experts=num_experts if "moe" in ffn_types else 0,
+        num_experts_per_tok=int(_first(cfg, ("num_experts_per_token", "num_experts_per_tok"), 8))
+        if "moe" in ffn_types else 0,
+        moe_intermediate_size=moe_width if "moe" in ffn_types else 0,
+        shared_expert_intermediate_size=moe_width * shared if "moe" in ffn_types else 0,
+        shared_expert_gate=False,
+        norm_topk_prob=bool(_first(cfg, ("moe_renormalize", "norm_topk_prob"), True)),
+        router="sigmoid",
+        router_num_groups=int(_first(cfg, ("num_expert_group", "n_group"), 1)),
+        router_topk_groups=int(_first(cfg, ("topk_group",), 1)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.446)),
+    )
+
+
+def _layer_types(cfg: Mapping[str, Any], linear: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """transformers' precedence: ``layer_types``, else ``linear_attn_config``'s 1-based
+    ``full_attn_layers`` / ``kda_layers`` (together covering every layer), else full attention at
+    every 4th layer from layer 4 (0-based ``i % 4 == 0``, ``i > 0``)."""
+    listed = cfg.get("layer_types")
+    if listed is None and "full_attn_layers" in linear and "kda_layers" in linear:
+        full, kda = [int(i) for i in linear["full_attn_layers"]], [int(i) for i in linear["kda_layers"]]
+        if sorted(full + kda) != list(range(1, num_layers + 1)):
+            raise ValueError(f"linear_attn_config full_attn_layers {full} and kda_layers {kda} must number "
+                             f"the {num_layers} layers 1..{num_layers} once each")
+        return tuple("attention" if i + 1 in full else "linear" for i in range(num_layers))
+    if listed is None:
+        return tuple("attention" if i and i % 4 == 0 else "linear" for i in range(num_layers))
+    if len(listed) != num_layers:
+        raise ValueError(f"Kimi-Linear layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
+    out = tuple(HF_LAYER_TYPES.get(t, t) for t in listed)
+    bad = sorted(set(out) - {"attention", "linear"})
+    if bad:
+        raise ValueError(f"Kimi-Linear layer_types must be full_attention / linear_attention, got {bad}")
+    return out
+
+
+def _ffn_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    listed = cfg.get("mlp_layer_types")
+    if listed is None:
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        return tuple("mlp" if i < dense else "moe" for i in range(num_layers))
+    if len(listed) != num_layers:
+        raise ValueError(f"Kimi-Linear mlp_layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
+    names = {"dense": "mlp", "sparse": "moe"}
+    bad = sorted({t for t in listed if t not in names})
+    if bad:
+        raise ValueError(f"Kimi-Linear mlp_layer_types must be 'dense' or 'sparse', got {bad}")
+    return tuple(names[t] for t in listed)

@@ -1,0 +1,303 @@
+"""Kimi Delta Attention (KDA, Kimi-Linear): the gated delta rule with a *per-channel* decay, as
+chunked prefill over packed variable-length sequences and the recurrent decode step, on a state pool.
+
+Per value head, with state ``S [Dk, Dv]`` (fp32), log-decay ``g_t [Dk] <= 0`` (one per key channel,
+where Gated DeltaNet has one scalar per head) and ``beta_t in (0, 1)``::
+
+    S   <- diag(exp(g_t)) S                          # row d of S decays by exp(g_t[d])
+    S   <- S + k_t (beta_t * (v_t - k_t^T S))^T      # delta rule: write only the correction
+    o_t  = q_t^T S
+
+``q, k`` are l2-normalised (eps 1e-6), ``q`` is scaled by ``Dk**-0.5`` and, as in
+``gated_delta.py``, key head ``h`` serves value heads ``h*r .. h*r + r-1`` (``r = Hv // Hk``;
+Kimi-Linear has ``Hk == Hv``). Everything runs in fp32 and ``o`` comes back in the dtype of ``q``.
+This is transformers' ``recurrent_kimi_delta_attention`` (FLA's ``fused_recurrent_kda``);
+:func:`kda_ref` is the token-by-token oracle.
+
+The chunked form (:func:`chunk_kda_varlen`) is the chunkwise algorithm of Gated DeltaNet's
+``_chunk_scan`` (UT transform per chunk, then one small recurrence per chunk step) with the decay
+moved inside the key dimension. With ``G_t = cumsum(g)`` from the chunk start (per channel)::
+
+    A_ts  = sum_d k_t[d] k_s[d] exp(G_t[d] - G_s[d])        s < t   (key-key, the UT transform)
+    P_ts  = sum_d q_t[d] k_s[d] exp(G_t[d] - G_s[d])        s <= t  (query-key, intra-chunk output)
+
+Unlike GDN, a per-channel decay does not factor out of the dot product, and factoring it as
+``(k_t e^{G_t}) . (k_s e^{-G_s})`` overflows for strong decays. As in FLA's KDA kernel, ``A`` and ``P``
+are built per sub-chunk of 16 rows: blocks below the diagonal factor through the decay at the
+later block's first row (both factors ``<= 1``, one matmul per block row), the diagonal blocks are
+built column by column from the exact differences ``G_t - G_s <= 0``. No ``exp`` ever sees a positive
+number, whatever the decay strength.
+
+Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
+zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
+batch's own rows; a checkpoint may fall at any token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.model.ops.varlen import (
+    CheckpointPlan,
+    ChunkLayout,
+    check_checkpoints,
+    check_slots,
+    check_varlen,
+    chunk_layout,
+    gather_states,
+    open_states,
+    plan_checkpoints,
+    scatter_states,
+)
+
+
+_SUB_CHUNK = 16  # rows per sub-chunk of the intra-chunk products (see _intra_chunk)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's and transformers' definition)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
+    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: optional l2norm, ``q *= Dk**-0.5``, key head ``h``
+    repeated over value heads ``h*r .. h*r + r-1``."""
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    n, num_k_heads, dk = q.shape
+    repeat = num_v_heads // num_k_heads
+    if repeat == 1:
+        return q, k
+    return tuple(x.unsqueeze(2).expand(n, num_k_heads, repeat, dk).reshape(n, num_v_heads, dk) for x in (q, k))
+
+
+def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [N, Hk, Dk], got {list(q.shape)} and {list(k.shape)}")
+    n, num_k_heads, dk = q.shape
+    if v.dim() != 3 or v.shape[0] != n:
+        raise ValueError(f"v must be [N={n}, Hv, Dv], got {list(v.shape)}")
+    num_v_heads, dv = v.shape[1:]
+    if num_v_heads % num_k_heads:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+    if g.shape != (n, num_v_heads, dk):
+        raise ValueError(f"g must be [N={n}, Hv={num_v_heads}, Dk={dk}] (one decay per key channel), "
+                         f"got {list(g.shape)}")
+    if beta.shape != (n, num_v_heads):
+        raise ValueError(f"beta must be [N={n}, Hv={num_v_heads}], got {list(beta.shape)}")
+    if ssm_states.dim() != 4 or ssm_states.shape[1:] != (num_v_heads, dk, dv):
+        raise ValueError(f"ssm_states must be [S, Hv={num_v_heads}, Dk={dk}, Dv={dv}], got {list(ssm_states.shape)}")
+
+
+# --- reference -------------------------------------------------------------------------------
+
+
+def kda_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, token by token: ``q, k [L, Hk, Dk]``, ``v [L, Hv, Dv]``, ``g [L, Hv, Dk]``,
+    ``beta [L, Hv]``, ``state [Hv, Dk, Dv] | None`` -> ``(o [L, Hv, Dv] in q's dtype, final state fp32)``.
+
+    The readable oracle for the tests.
+    """
+    dtype, (num_v_heads, dv) = q.dtype, v.shape[1:]
+    q, k = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [L, Hv, Dk]
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = v.new_zeros(num_v_heads, q.shape[-1], dv) if state is None else state.float().clone()  # [Hv, Dk, Dv]
+    out = []
+    for t in range(q.shape[0]):
+        S = S * g[t].exp().unsqueeze(-1)  # [Hv, Dk, Dv]: row d decays by exp(g_t[d])
+        predicted = (k[t].unsqueeze(-1) * S).sum(dim=1)  # [Hv, Dv]: k_t^T S
+        delta = (v[t] - predicted) * beta[t].unsqueeze(-1)  # [Hv, Dv]
+        S = S + k[t].unsqueeze(-1) * delta.unsqueeze(1)  # [Hv, Dk, Dv]
+        out.append((q[t].unsqueeze(-1) * S).sum(dim=1))  # [Hv, Dv]: q_t^T S
+    o = torch.stack(out) if out else v.new_zeros(0, num_v_heads, dv)
+    return o.to(dtype), S
+
+
+# --- chunked prefill -------------------------------------------------------------------------
+
+
+def chunk_kda_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """KDA over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``,
+    ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
+
+    Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
+    for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
+    is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    """
+    _check_inputs(q, k, v, g, beta, ssm_states)
+    lengths = check_varlen(cu_seqlens, q.shape[0])
+    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
+    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+
+    layout = chunk_layout(lengths, chunk_size, q.device)
+    plan = plan_checkpoints(layout, ckpts)
+    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
+    rank_slots = slots.to(q.device)[layout.order]  # [B] the slot of each rank
+    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, Hv, Dk, Dv] in rank order
+
+    o, state, ckpt_states = _chunk_scan(layout, plan, qf, kf, v.float(), g.float(), beta.float(), state)
+    if plan.num_checkpoints:
+        scatter_states(ssm_states, plan.slot, ckpt_states)
+    scatter_states(ssm_states, rank_slots, state)
+    return o.to(q.dtype)
+
+
+def _intra_chunk(qc: torch.Tensor, kc: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A [NC, H, Q, Q]`` (key-key, strictly lower) and ``P [NC, H, Q, Q]`` (query-key, lower with
+    the diagonal) of every chunk, without ever exponentiating a positive number.
+
+    The chunk is cut into sub-chunks of ``C`` rows. A block of rows ``I`` against earlier columns
+    factors through the decay at the block's first row ``r`` (``s < r <= t``, both factors ``<= 1``)::
+
+        A_ts = (k_t e^{cum_t - cum_r}) . (k_s e^{cum_r - cum_s})        (one matmul per block row)
+
+    Inside a diagonal block, columns ``s`` are built one at a time from the exact differences
+    ``cum_t - cum_s <= 0`` of rows ``t >= s`` (``C`` vectorised steps over every block of the batch).
+    """
+    nc, h, Q, dk = kc.shape
+    C = _SUB_CHUNK if Q % _SUB_CHUNK == 0 else Q
+    n = Q // C
+    A = kc.new_zeros(nc, h, Q, Q)
+    P = kc.new_zeros(nc, h, Q, Q)
+    for i in range(1, n):  # rows of sub-chunk i against the columns of sub-chunks 0 .. i-1
+        rows, ref = slice(i * C, (i + 1) * C), cum[:, :, i * C : i * C + 1]  # ref [NC, H, 1, Dk]
+        down = (cum[:, :, rows] - ref).exp()  # [NC, H, C, Dk]
+        cols = kc[:, :, : i * C] * (ref - cum[:, :, : i * C]).exp()  # [NC, H, iC, Dk]
+        A[:, :, rows, : i * C] = (kc[:, :, rows] * down) @ cols.transpose(-1, -2)
+        P[:, :, rows, : i * C] = (qc[:, :, rows] * down) @ cols.transpose(-1, -2)
+    qb, kb, cb = (x.view(nc, h, n, C, dk) for x in (qc, kc, cum))  # sub-chunks
+    Ab, Pb = kc.new_zeros(nc, h, n, C, C), kc.new_zeros(nc, h, n, C, C)
+    for s in range(C):  # the diagonal blocks, column s of each
+        k_s = kb[..., s : s + 1, :] * (cb[..., s:, :] - cb[..., s : s + 1, :]).exp()  # [NC, H, n, C-s, Dk]
+        Ab[..., s + 1 :, s] = (kb[..., s + 1 :, :] * k_s[..., 1:, :]).sum(dim=-1)
+        Pb[..., s:, s] = (qb[..., s:, :] * k_s).sum(dim=-1)
+    for i in range(n):
+        block = slice(i * C, (i + 1) * C)
+        A[:, :, block, block] = Ab[:, :, i]
+        P[:, :, block, block] = Pb[:, :, i]
+    return A, P
+
+
+def _chunk_scan(
+    layout: ChunkLayout,
+    plan: CheckpointPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 core: the UT transform turns each chunk's ``Q`` sequential delta updates into triangular
+    solves; across chunks, one small recurrence per step over all sequences still active.
+
+    Returns ``(o [T, H, Dv], final state [B, H, Dk, Dv] in rank order, checkpoint states [M, H, Dk, Dv])``.
+    """
+    qc, kc, vc, gc = (layout.chunk_heads_first(x) for x in (q, k, v, g))  # [NC, H, Q, D]
+    bc = layout.chunk_heads_first(beta).unsqueeze(-1)  # [NC, H, Q, 1]
+
+    cum = gc.cumsum(dim=-2)  # [NC, H, Q, Dk] log-decay from the chunk start through each token, per channel
+    A, P = _intra_chunk(qc, kc, cum)  # [NC, H, Q, Q] each
+    # (I + diag(beta) A) u = beta v  and  (I + diag(beta) A) w = beta k e^{cum}: then the corrections
+    # written into the state entering the chunk S are  v_new = u - w S.
+    ut = A * bc  # [NC, H, Q, Q]: strictly lower, the unit diagonal is implied
+    u = torch.linalg.solve_triangular(ut, vc * bc, upper=False, unitriangular=True)  # [NC, H, Q, Dv]
+    w = torch.linalg.solve_triangular(ut, kc * bc * cum.exp(), upper=False, unitriangular=True)  # [NC, H, Q, Dk]
+    q_dec = qc * cum.exp()  # [NC, H, Q, Dk] reads the state entering the chunk
+    k_dec = kc * (cum[:, :, -1:] - cum).exp()  # [NC, H, Q, Dk] writes the state leaving it
+    chunk_decay = cum[:, :, -1].exp().unsqueeze(-1)  # [NC, H, Dk, 1]
+
+    M = plan.num_checkpoints
+    enter = state.new_empty(M, *state.shape[1:])  # [M, H, Dk, Dv] state entering each checkpoint's chunk
+    ckpt_v_new = vc.new_empty(M, *vc.shape[1:])  # [M, H, Q, Dv]
+    o = torch.empty_like(u)  # [NC, H, Q, Dv]
+    for step, (first, active) in enumerate(layout.steps()):
+        c = slice(first, first + active)
+        S = state[:active]  # [A, H, Dk, Dv]
+        v_new = u[c] - w[c] @ S  # [A, H, Q, Dv] the corrections actually written
+        o[c] = q_dec[c] @ S + P[c] @ v_new
+        here = plan.at_step(step)
+        if here is not None:
+            entries, ranks = here
+            enter[entries] = S[ranks]
+            ckpt_v_new[entries] = v_new[ranks]
+        state[:active] = S * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
+
+    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if M else enter
+    o = layout.unchunk(o.transpose(1, 2))  # [T, H, Dv]
+    return o, state, ckpt_states
+
+
+def _states_inside_chunks(
+    plan: CheckpointPlan, cum: torch.Tensor, kc: torch.Tensor, enter: torch.Tensor, v_new: torch.Tensor
+) -> torch.Tensor:
+    """State after the first ``r = plan.within`` tokens of each checkpoint's chunk, exactly as a
+    run that stopped there would leave it (per channel ``d``)::
+
+        S_r[d] = exp(cum[r-1, d]) S_enter[d] + sum_{t<r} exp(cum[r-1, d] - cum[t, d]) k_t[d] v_new_t^T
+
+    (``v_new_t`` only depends on tokens ``<= t`` of the chunk, so the full chunk's values serve).
+    """
+    Q, dk = cum.shape[-2:]
+    cum_m, k_m = cum[plan.chunk], kc[plan.chunk]  # [M, H, Q, Dk] each
+    index = (plan.within - 1).view(-1, 1, 1, 1).expand(-1, cum_m.shape[1], 1, dk)
+    last = cum_m.gather(2, index)  # [M, H, 1, Dk]
+    consumed = torch.arange(Q, device=cum.device).view(1, 1, Q, 1) < plan.within.view(-1, 1, 1, 1)  # [M, 1, Q, 1]
+    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q, Dk]
+    return enter * last.transpose(-1, -2).exp() + (k_m * weight).transpose(-1, -2) @ v_new
+
+
+# --- decode ----------------------------------------------------------------------------------
+
+
+def recurrent_kda_update(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One decode step for ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g [B, Hv, Dk]``,
+    ``beta [B, Hv]`` -> ``o [B, Hv, Dv]`` (dtype of ``q``). Updates ``ssm_states[slots]`` in place;
+    ``slots[i] == -1``: row ``i`` of ``o`` is don't-care and nothing is written.
+    """
+    _check_inputs(q, k, v, g, beta, ssm_states)
+    slot_list = check_slots(slots, q.shape[0], ssm_states.shape[0])
+    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
+    S, copied = open_states(ssm_states, slots, slot_list)  # [B, H, Dk, Dv], updated in place
+    S.mul_(g.float().exp().unsqueeze(-1))
+    predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
+    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
+    dk, dv = S.shape[-2:]
+    S.view(-1, dk, dv).baddbmm_(kf.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
+    o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
+    if copied:
+        scatter_states(ssm_states, slots, S)
+    return o.to(q.dtype)
