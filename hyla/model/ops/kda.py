@@ -45,7 +45,6 @@ from hyla.model.ops.varlen import (
     check_varlen,
     chunk_layout,
     gather_states,
-    open_states,
     plan_checkpoints,
     scatter_states,
 )
@@ -289,15 +288,14 @@ def recurrent_kda_update(
     ``slots[i] == -1``: row ``i`` of ``o`` is don't-care and nothing is written.
     """
     _check_inputs(q, k, v, g, beta, ssm_states)
-    slot_list = check_slots(slots, q.shape[0], ssm_states.shape[0])
+    check_slots(slots, q.shape[0], ssm_states.shape[0])
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
-    S, copied = open_states(ssm_states, slots, slot_list)  # [B, H, Dk, Dv], updated in place
+    S = gather_states(ssm_states, slots, torch.float32)  # [B, H, Dk, Dv] fp32 copy (zeros for -1)
     S.mul_(g.float().exp().unsqueeze(-1))
     predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
     dk, dv = S.shape[-2:]
     S.view(-1, dk, dv).baddbmm_(kf.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
     o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
-    if copied:
-        scatter_states(ssm_states, slots, S)
+    scatter_states(ssm_states, slots, S)
     return o.to(q.dtype)
