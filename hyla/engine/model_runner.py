@@ -8,18 +8,22 @@ the decode forward reads anything back from the device. It never sees the tree.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant.
-Both variants are compiled at construction on scratch pools (minutes on a small CPU), so serving
-never stalls on a compile. See docs/benchmarks.md ("CPU decode") for what it buys.
+Both variants are compiled at construction on scratch pools (up to minutes on a small CPU), so
+serving never stalls on a compile. Models with MoE layers keep an eager decode (their routing
+reads expert counts on the host). See docs/benchmarks.md ("CPU decode") for what it buys.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger("hyla.engine")
 
 
 class ModelRunner:
@@ -31,7 +35,12 @@ class ModelRunner:
         self.req_to_token = req_to_token
         self.device = torch.device(device)
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
-        if compile_decode:
+        c = model.config
+        if compile_decode and ("moe" in c.layer_types or "moe" in c.ffn_types):
+            # MoE routing reads expert counts on the host: the graph would break in every MoE
+            # layer and recompile per layer; decode stays eager for these models
+            logger.warning("compile_decode: %s has MoE layers; decode steps stay eager", c.architecture)
+        elif compile_decode:
             # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step)
             self._compiled_decode = torch.compile(model.forward_unchecked, dynamic=True,
                                                   options={"cpp_wrapper": True})
