@@ -11,9 +11,10 @@ checkpoints). Nothing is ever removed from the middle of the heap:
   differs from the node's current one (the node was used since it was queued) goes back in at its
   current priority instead of being returned. Priorities must therefore never *decrease* without
   a ``push`` (recency only grows).
-* Dead entries are dropped in one pass when the heap has doubled (plus a constant) since its last
-  pass: a push costs O(log n) amortized, a pop O(log n) per entry it skips, and the heap never
-  holds more than twice what its last compaction kept, plus that constant.
+* Dead entries are dropped in one pass when the heap outgrows twice ``max_live()`` (a bound on
+  the candidates: the tree's node count), plus a constant. The bound is read only when the heap
+  passes the size it allowed at the last look, so a growing tree costs no pass at all: a push
+  costs O(log n) amortized, a pop O(log n) per entry it skips.
 
 Entries are ``(priority, sequence number, node)``: equal priorities pop first-in, first-out, and
 nodes are never compared.
@@ -26,25 +27,28 @@ import itertools
 import operator
 from typing import Any, Callable
 
-COMPACT_SLACK = 1024  # entries tolerated beyond twice what the last compaction kept
+COMPACT_SLACK = 1024  # entries tolerated beyond twice max_live()
 NO_ENTRY = -1  # mark of a node without a live entry
 
 
 class LazyHeap:
     """Candidates ordered by ``priority(node)`` (lowest first); ``is_candidate(node)`` decides, at
     push and at pop, whether a node belongs here at all. ``mark`` names the node attribute this
-    heap owns (one per heap; nodes start with it set to ``NO_ENTRY``)."""
+    heap owns (one per heap; nodes start with it set to ``NO_ENTRY``); ``max_live()`` bounds the
+    number of candidates (it sizes compaction)."""
 
-    __slots__ = ("_priority", "_is_candidate", "_mark", "_get_mark", "_heap", "_seq", "_limit")
+    __slots__ = ("_priority", "_is_candidate", "_mark", "_max_live", "_get_mark", "_heap", "_seq", "_limit")
 
-    def __init__(self, priority: Callable[[Any], float], is_candidate: Callable[[Any], bool], mark: str) -> None:
+    def __init__(self, priority: Callable[[Any], float], is_candidate: Callable[[Any], bool], mark: str,
+                 max_live: Callable[[], int]) -> None:
         self._priority = priority
         self._is_candidate = is_candidate
         self._mark = mark
+        self._max_live = max_live
         self._get_mark = operator.attrgetter(mark)
         self._heap: list[tuple[float, int, Any]] = []
         self._seq = itertools.count()
-        self._limit = COMPACT_SLACK  # compact when the heap grows past this
+        self._limit = COMPACT_SLACK  # look at max_live() when the heap grows past this
 
     def __len__(self) -> int:
         """Entries held, dead ones included (what compaction bounds)."""
@@ -62,7 +66,9 @@ class LazyHeap:
         setattr(node, self._mark, seq)
         heapq.heappush(self._heap, (self._priority(node), seq, node))
         if len(self._heap) > self._limit:
-            self._compact()
+            self._limit = 2 * self._max_live() + COMPACT_SLACK
+            if len(self._heap) > self._limit:
+                self._compact()
 
     def pop(self) -> Any:
         """Remove and return the candidate of lowest current priority; None when none is left."""
@@ -94,7 +100,8 @@ class LazyHeap:
         self._limit = COMPACT_SLACK
 
     def _compact(self) -> None:
-        """Keep only live entries of candidates; O(len), amortized over the pushes since the last pass."""
+        """Keep only live entries of candidates; O(len), amortized over the (at least ``len / 2``)
+        dead entries it drops."""
         get_mark, mark, is_candidate = self._get_mark, self._mark, self._is_candidate
         kept = []
         for entry in self._heap:
@@ -106,4 +113,3 @@ class LazyHeap:
                     setattr(node, mark, NO_ENTRY)
         heapq.heapify(kept)
         self._heap = kept
-        self._limit = 2 * len(kept) + COMPACT_SLACK

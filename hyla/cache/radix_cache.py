@@ -103,9 +103,10 @@ class RadixCache:
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._ids = itertools.count(1)
-        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, "kv_mark")
-        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, "state_mark")
-        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate, "replaceable_mark")
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, "kv_mark", self.num_nodes)
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, "state_mark", self.num_nodes)
+        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate,
+                                          "replaceable_mark", self.num_nodes)
         self._init_tree()
 
     def _init_tree(self) -> None:
