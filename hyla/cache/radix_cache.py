@@ -593,7 +593,8 @@ class RadixCache:
             if parent is root:
                 return freed
             if parent.children or parent.lock_ref or parent.state is not None or self.state_pool is None:
-                self._kv_heap.push(parent)
+                if not parent.children:  # it became a leaf: a KV candidate if unlocked
+                    self._kv_heap.push(parent)
                 if self.policy.structural:
                     self._push_state(parent)
                 if len(parent.children) == 1 and self.state_pool is not None:
