@@ -103,9 +103,10 @@ class RadixCache:
         self._clock = clock  # None: a logical clock that ticks once per match/insert
         self._tick = 0
         self._ids = itertools.count(1)
-        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, "kv_mark")
-        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, "state_mark")
-        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate, "replaceable_mark")
+        self._kv_heap = LazyHeap(self.policy.kv_priority, self._kv_candidate, "kv_mark", self.num_nodes)
+        self._state_heap = LazyHeap(self.policy.state_priority, self._state_candidate, "state_mark", self.num_nodes)
+        self._replaceable_heap = LazyHeap(self.policy.state_priority, self._replaceable_candidate,
+                                          "replaceable_mark", self.num_nodes)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -503,11 +504,11 @@ class RadixCache:
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
-        while freed < num_tokens:
-            node = self._kv_heap.pop()
-            if node is None:
-                break
-            freed += self._remove_leaf(node, kv_out, state_out)
+        if num_tokens > 0:
+            for node in self._kv_heap.drain():
+                freed += self._remove_leaf(node, kv_out, state_out)
+                if freed >= num_tokens:
+                    break
         self._release(kv_out, state_out)
         return freed
 
@@ -526,10 +527,7 @@ class RadixCache:
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
-        while freed < num_slots:
-            node = heap.pop()
-            if node is None:
-                break
+        for node in heap.drain() if num_slots > 0 else ():
             if not node.children and not node.lock_ref:
                 self._remove_leaf(node, kv_out, state_out)
             else:
@@ -537,6 +535,8 @@ class RadixCache:
                 if self.policy.structural:
                     self._kv_heap.push(node)
             freed += 1
+            if freed >= num_slots:
+                break
         self._release(kv_out, state_out)
         return freed
 
@@ -592,7 +592,8 @@ class RadixCache:
             if parent is root:
                 return freed
             if parent.children or parent.lock_ref or parent.state is not None or self.state_pool is None:
-                self._kv_heap.push(parent)
+                if not parent.children:  # it became a leaf: a KV candidate if unlocked
+                    self._kv_heap.push(parent)
                 if self.policy.structural:
                     self._push_state(parent)
                 if len(parent.children) == 1 and self.state_pool is not None:
@@ -669,6 +670,8 @@ class RadixCache:
         total = evictable = protected = num_nodes = evictable_states = 0
         seen_pages: set[int] = set()
         held: dict[int, TreeNode] = {}
+        kv_queued, state_queued = self._kv_heap.queued(), self._state_heap.queued()
+        replaceable_queued = self._replaceable_heap.queued()
         assert self.root.lock_ref == 0 and self.root.state is None and not self.root.key
         stack = [self.root]
         while stack:
@@ -696,15 +699,15 @@ class RadixCache:
                 else:
                     evictable += n
                 if self._kv_candidate(child):
-                    assert child in self._kv_heap, f"evictable leaf {child!r} missing from the KV heap"
+                    assert id(child) in kv_queued, f"evictable leaf {child!r} missing from the KV heap"
                 assert child.state is not None or not child.speculative, f"speculative tombstone {child!r}"
                 if child.state is not None:
                     assert child.state not in held, f"state slot {child.state} is held twice"
                     held[child.state] = child
                     if not child.state_lock:
                         evictable_states += 1
-                        assert child in self._state_heap, f"checkpoint of {child!r} missing from the state heap"
-                        assert child in self._replaceable_heap or not child.replaceable, \
+                        assert id(child) in state_queued, f"checkpoint of {child!r} missing from the state heap"
+                        assert id(child) in replaceable_queued or not child.replaceable, \
                             f"replaceable checkpoint of {child!r} missing from the replaceable heap"
                 stack.append(child)
             if node is not self.root:
