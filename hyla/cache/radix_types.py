@@ -69,7 +69,7 @@ class TreeNode:
         self.state_access = now  # checkpoint recency
         self.removed = False
         self.policy_data: Any = None
-        # the live entry of this node in each of the tree's eviction orders (LazyHeap marks)
+        # its latest entry in each of the tree's eviction orders (LazyHeap marks)
         self.kv_mark = self.state_mark = self.replaceable_mark = NO_ENTRY
 
     @property
