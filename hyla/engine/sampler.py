@@ -48,15 +48,18 @@ def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None)
 
     token_ids = chosen.tolist()
     lps = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    tops: list[list[tuple[float, int]]] = []
-    for i, req in enumerate(reqs):
-        k = req.sampling.top_logprobs_num if req.return_logprob else 0
-        if k:
-            vals, idx = raw_logprobs[i].topk(k)
-            tops.append(list(zip(vals.tolist(), idx.tolist())))
-        else:
-            tops.append([])
+    tops = [top_logprobs(raw_logprobs[i], req) for i, req in enumerate(reqs)]
     return SampleOutput(token_ids, lps, tops)
+
+
+def top_logprobs(row_logprobs: torch.Tensor, req: Req) -> list[tuple[float, int]]:
+    """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one raw logprob row ``[V]``
+    ([] unless the request asked for them)."""
+    k = req.sampling.top_logprobs_num if req.return_logprob else 0
+    if not k:
+        return []
+    vals, idx = row_logprobs.topk(k)
+    return list(zip(vals.tolist(), idx.tolist()))
 
 
 def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:

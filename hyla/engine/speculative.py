@@ -37,7 +37,7 @@ import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
-from hyla.engine.sampler import apply_penalties, draw, target_probs, uniform
+from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
 
 ALGORITHMS = ("ngram",)
 
@@ -119,29 +119,19 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
         drafts = req.draft_ids
         if len(drafts) != n - 1:
             raise ValueError(f"request {req.rid}: {len(drafts)} drafts for {n} fed tokens")
-        if req.sampling.has_penalties and drafts:
-            raise ValueError(f"request {req.rid}: drafts for a request with penalties")
-        tokens = _accept_greedy(rows, drafts, req) if req.sampling.is_greedy else _accept_sampled(rows, drafts, req)
+        if req.sampling.has_penalties:
+            if drafts:
+                raise ValueError(f"request {req.rid}: drafts for a request with penalties")
+            rows = apply_penalties(rows[0], req).unsqueeze(0)  # the one row: the next token's
+        tokens = _accept_greedy(rows, drafts) if req.sampling.is_greedy else _accept_sampled(rows, drafts, req)
         logprobs = [float(lps[j, t]) for j, t in enumerate(tokens)]
-        k = req.sampling.top_logprobs_num if req.return_logprob else 0
-        tops = []
-        for j in range(len(tokens)):
-            if k:
-                vals, idx = lps[j].topk(k)
-                tops.append(list(zip(vals.tolist(), idx.tolist())))
-            else:
-                tops.append([])
+        tops = [top_logprobs(lps[j], req) for j in range(len(tokens))]
         out.append(Verdict(tokens, logprobs, tops, len(tokens) - 1))
     return out
 
 
-def _last_row(rows: torch.Tensor, j: int, req: Req) -> torch.Tensor:
-    """Row ``j``, penalised where the request has penalties (then ``j == 0``: no drafts)."""
-    return apply_penalties(rows[j], req) if req.sampling.has_penalties else rows[j]
-
-
-def _accept_greedy(rows: torch.Tensor, drafts: list[int], req: Req) -> list[int]:
-    target = rows.argmax(dim=-1).tolist() if not req.sampling.has_penalties else [int(_last_row(rows, 0, req).argmax())]
+def _accept_greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
+    target = rows.argmax(dim=-1).tolist()
     a = 0
     while a < len(drafts) and drafts[a] == target[a]:
         a += 1
@@ -156,4 +146,4 @@ def _accept_sampled(rows: torch.Tensor, drafts: list[int], req: Req) -> list[int
         residual = p.clone()
         residual[d] = 0.0  # max(p - one_hot(d), 0); its sum is 1 - p[d] > 0 after a rejection
         return drafts[:j] + [draw(residual / residual.sum(), req)]
-    return drafts + [draw(target_probs(_last_row(rows, len(drafts), req), req), req)]
+    return drafts + [draw(target_probs(rows[len(drafts)], req), req)]
