@@ -24,6 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import checkpoints  # noqa: E402  (needs the path above)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One directory per session holding every tiny checkpoint built (builders reuse them)."""

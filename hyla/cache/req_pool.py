@@ -4,6 +4,11 @@ Row ``r`` of ``req_to_token`` lists, position by position, the KV slots of the r
 ``r`` (its cached prefix, the tree's slots, followed by its private slots). Rows are handed out by
 ``alloc`` and returned by ``free``; the table never frees KV slots itself. (A request's own state
 slot is kept by the request: the engine's ``Req.state_slot``.)
+
+A device mirror (:meth:`add_mirror`, for the GPU decode step, which reads a sequence's KV slots on
+the device) is an int32 copy with one spare last row for padded batch rows. The host table stays the
+one source of truth: ``write`` records the range it changed, and ``sync_mirror`` (once per step,
+before the forward) copies every range changed since the last sync in one transfer.
 """
 
 from __future__ import annotations
@@ -24,6 +29,21 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int64, device=self.device)  # [R, L]
         self._rows = FreeList(max_reqs)  # ids 1..max_reqs; row = id - 1
+        self.mirror: torch.Tensor | None = None  # [R + 1, L] int32 (see add_mirror); row R = padding
+        self._dirty: dict[int, tuple[int, int]] = {}  # row -> [start, end) written since the last sync
+
+    def add_mirror(self, device: torch.device | str) -> torch.Tensor:
+        """Keep an int32 copy on ``device`` from now on (every row as it is now, then kept in step
+        by :meth:`sync_mirror`); returns it."""
+        self.mirror = torch.zeros(self.size + 1, self.max_context_len, dtype=torch.int32, device=device)
+        self.mirror[: self.size] = self.req_to_token.to(device=device, dtype=torch.int32)
+        self._dirty.clear()
+        return self.mirror
+
+    @property
+    def padding_row(self) -> int:
+        """The mirror's spare row (never a request's): padded batch rows point there."""
+        return self.size
 
     def available_size(self) -> int:
         return self._rows.num_free()
@@ -47,6 +67,27 @@ class ReqToTokenPool:
         if start < 0 or end > self.max_context_len:
             raise ValueError(f"positions [{start}, {end}) exceed max_context_len {self.max_context_len}")
         self.req_to_token[row, start:end] = idx.to(self.device)
+        if self.mirror is not None and end > start:
+            old = self._dirty.get(row)
+            self._dirty[row] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+
+    def sync_mirror(self) -> None:
+        """Copy every range written since the last sync to the device mirror: one host -> device
+        transfer of ``(row, position, slot)`` triples and one scatter."""
+        if self.mirror is None or not self._dirty:
+            return
+        rows = torch.tensor(list(self._dirty), dtype=torch.long)
+        spans = torch.tensor(list(self._dirty.values()), dtype=torch.long)  # [n, 2]
+        lens = spans[:, 1] - spans[:, 0]
+        row_of = torch.repeat_interleave(rows, lens)
+        first = torch.repeat_interleave(spans[:, 0] - (torch.cumsum(lens, 0) - lens), lens)
+        cols = torch.arange(int(lens.sum())) + first  # position of each entry
+        packed = torch.stack([row_of, cols, self.req_to_token[row_of, cols]])  # [3, N]
+        if self.mirror.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.mirror.device, non_blocking=True)
+        self.mirror.index_put_((packed[0], packed[1]), packed[2].to(torch.int32))
+        self._dirty.clear()
 
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """A copy of ``req_to_token[row, start:end]`` (``[end - start]`` int64, CPU)."""

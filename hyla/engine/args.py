@@ -43,6 +43,9 @@ class EngineArgs:
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
     log_interval: int = _opt(40, "Decode steps between per-step log lines.")
     debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
+    disable_cuda_graph: bool = _opt(False, "CUDA: run fused decode steps eagerly instead of replaying CUDA graphs.")
+    cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
+                                               "eagerly). Default: max_running_requests, at most 256.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after about a minute of compilation at start-up (docs/benchmarks.md).")
 
@@ -67,7 +70,7 @@ class EngineArgs:
                      "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size"):
             pos_int(name)
-        for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length"):
+        for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs"):
             pos_int(name, allow_none=True)
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
@@ -80,7 +83,7 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "debug_checks", "compile_decode"):
+        for name in ("enable_prefix_cache", "debug_checks", "compile_decode", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -79,7 +79,8 @@ class Engine:
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
-                             compile_decode=self.args.compile_decode)
+                             compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
+                             cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256))
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)

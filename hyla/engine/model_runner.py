@@ -6,6 +6,12 @@ in one ``index_select``) and moves it to the model's device in one transfer. The
 copies it needs for validation (``state_slot_list``, ``max_token_id``), so neither building it nor
 the decode forward reads anything back from the device. It never sees the tree.
 
+On CUDA, for models whose mixers all have Triton decode kernels (``HybridForCausalLM.
+supports_fused_decode``), decode steps run fused (``ForwardBatch.fused_decode``): attention reads
+the KV slots from the request table's device mirror (synced before each decode step), so a decode
+step sends six ints per request and reads nothing back; it is replayed from CUDA graphs
+(``cuda_graph.py``) unless ``cuda_graph=False``.
+
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant.
 Both variants are compiled at construction on scratch pools (up to minutes on a small CPU), so
@@ -22,21 +28,44 @@ import torch
 
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
+from hyla.model.ops import gpu as gpu_ops
+from hyla.model.ops.varlen import check_slot_values
 
 logger = logging.getLogger("hyla.engine")
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
-                 compile_decode: bool = False):
+                 compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
+                 fused_decode: bool | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
         self.device = torch.device(device)
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
+        self.graphs = None
         c = model.config
-        if compile_decode and ("moe" in c.layer_types or "moe" in c.ffn_types):
+        if fused_decode and not model.supports_fused_decode():
+            raise ValueError(f"{c.architecture} has layers without a fused decode kernel")
+        # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
+        self.fused = model.supports_fused_decode() and gpu_ops.available(self.device) \
+            if fused_decode is None else fused_decode
+        if self.fused:
+            self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
+            self.pad_row = req_to_token.padding_row
+            self._arange = torch.arange(max(cuda_graph_max_bs, 1) + 1, dtype=torch.long, device=self.device)
+            if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph():
+                from hyla.engine.cuda_graph import CudaGraphDecode
+
+                self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
+            elif cuda_graph and self.device.type == "cuda":
+                logger.info("%s: MoE routing reads the host; decode runs fused, without CUDA graphs", c.architecture)
+        elif self.device.type == "cuda":
+            logger.info("%s: no fused decode kernels for its layers; decode runs the PyTorch ops", c.architecture)
+        if self.fused and compile_decode:
+            logger.warning("compile_decode: decode runs the fused kernels on %s; not compiled", self.device)
+        elif compile_decode and ("moe" in c.layer_types or "moe" in c.ffn_types):
             # MoE routing reads expert counts on the host: the graph would break in every MoE
             # layer and recompile per layer; decode stays eager for these models
             logger.warning("compile_decode: %s has MoE layers; decode steps stay eager", c.architecture)
@@ -85,6 +114,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
         """Feed each request's last sampled token (position ``kv_len``)."""
+        if self.fused:
+            return self._forward_decode_fused(reqs, out_cache_loc)
         b = len(reqs)
         ids = [_token_at(r, r.kv_len) for r in reqs]
         pos = [r.kv_len for r in reqs]
@@ -114,6 +145,39 @@ class ModelRunner:
             state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5],
         )
         return self._run_decode(batch)  # [B, V]
+
+    # --- the fused decode step (CUDA) ---------------------------------------------------------
+    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
+        ids = [_token_at(r, r.kv_len) for r in reqs]
+        pos = [r.kv_len for r in reqs]
+        slots = [r.state_slot for r in reqs]
+        if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
+            check_slot_values(slots, self.state_pool.conv_states[0].shape[0], "state_slots")
+        if max(ids) >= self.model.config.vocab_size:
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        columns = (ids, pos, slots, [r.req_pool_idx for r in reqs], [p + 1 for p in pos], out_cache_loc)
+        self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
+        if self.graphs is not None and self.graphs.can_run(len(reqs)):
+            return self.graphs.replay(columns)
+        host = _host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
+        return self.decode_fused_step(self.fused_batch(*self._to_device(*host)))
+
+    def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc) -> ForwardBatch:
+        """A fused decode batch over device tensors ``[B]`` each (no host value is read: the host
+        lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors)."""
+        b = input_ids.shape[0]
+        cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
+        return ForwardBatch(
+            is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
+            cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
+            k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers, state_slots=state_slots,
+            conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
+        )
+
+    def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor:
+        """The forward of a fused decode batch: ``[B, V]`` logits. What the CUDA graphs capture."""
+        return self.model.forward_unchecked(batch)
 
     def _run_decode(self, batch: ForwardBatch) -> torch.Tensor:
         if self._compiled_decode is None:

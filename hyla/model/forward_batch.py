@@ -83,6 +83,18 @@ class ForwardBatch:
     kv_lens: torch.Tensor | None = None
     """Decode only: ``[B]`` int64 ``seq_lens`` already on the device (the mask is then built there)."""
 
+    # --- the fused (Triton) decode step: everything read on the device, fixed shapes -----------
+    fused_decode: bool = False
+    """Decode with the Triton kernels of ``hyla/model/ops/gpu`` (CUDA): attention reads each
+    sequence's KV slots from ``req_to_token`` rows ``req_pool_indices`` up to ``kv_lens``; the
+    recurrent layers update ``state_slots`` in place (``-1`` = padding). Nothing is derived from host
+    values, so the forward can be captured in a CUDA graph. Checkpoints are not taken in such a
+    step (the caller copies state rows afterwards)."""
+    req_to_token: torch.Tensor | None = None
+    """Fused decode: ``[R, C]`` int32 device request table (row = request, entry = KV slot)."""
+    req_pool_indices: torch.Tensor | None = None
+    """Fused decode: ``[B]`` int64 each sequence's row of ``req_to_token``."""
+
     # --- derived once per step (not arguments) -----------------------------------------------
     seq_lens: list[int] = field(init=False, repr=False)
     """[B] ``prefix_lens + extend_lens`` (host): each sequence's KV length after this step."""
@@ -108,17 +120,31 @@ class ForwardBatch:
             raise ValueError("positions and input_ids disagree on the number of tokens")
         if self.is_decode and any(n != 1 for n in self.extend_lens):
             raise ValueError("a decode batch feeds exactly one token per sequence")
+        if self.fused_decode:
+            self._check_fused()
         if self.max_token_id is None:
             self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
-        if self.conv_states:
+        if self.conv_states and not self.fused_decode:
             self.slot_plan = SlotPlan.build(self.state_slots, self.conv_states[0].shape[0],
                                             self.conv_states[0].device, host=self.state_slot_list, batch_size=b,
                                             name="state_slots")
-        if self.is_decode and b:
+        if self.is_decode and b and not self.fused_decode:
             self._decode_metadata()
+
+    def _check_fused(self) -> None:
+        """Host-side checks of a fused decode batch (its values are the builder's to validate)."""
+        b = self.batch_size
+        if not self.is_decode:
+            raise ValueError("fused_decode is for decode batches")
+        if self.req_to_token is None or self.req_pool_indices is None or self.kv_lens is None:
+            raise ValueError("a fused decode batch needs req_to_token, req_pool_indices and kv_lens")
+        if self.req_pool_indices.shape != (b,) or self.kv_lens.shape != (b,) or self.state_slots.shape != (b,):
+            raise ValueError(f"req_pool_indices, kv_lens and state_slots must be [{b}]")
+        if self.num_checkpoints:
+            raise ValueError("a fused decode batch takes no checkpoints (copy the final states instead)")
 
     def _decode_metadata(self) -> None:
         if self.num_checkpoints:

@@ -28,6 +28,25 @@ from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, recurrent_
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
 from hyla.model.ops.varlen import write_rows_
 
+
+def _fused_kernels():
+    """The Triton decode kernels (imported on first use: CPU installs need not load Triton)."""
+    from hyla.model.ops.gpu import conv1d_decode, decode_attention, gated_delta_decode
+
+    return conv1d_decode, decode_attention, gated_delta_decode
+
+
+def causal_conv1d_update_fused(*args):
+    return _fused_kernels()[0].causal_conv1d_update_fused(*args)
+
+
+def paged_decode_attention(*args):
+    return _fused_kernels()[1].paged_decode_attention(*args)
+
+
+def gated_delta_decode_fused(*args):
+    return _fused_kernels()[2].gated_delta_decode_fused(*args)
+
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed_sin(sin)) [T, rotary_dim] for the batch's positions
 
 
@@ -206,7 +225,12 @@ class Attention(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
         v = v.view(t, hkv, d)  # [T, Hkv, D]
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
-        if batch.is_decode:
+        if batch.fused_decode:
+            write_rows_(kb, batch.out_cache_loc, k.to(kb.dtype))
+            write_rows_(vb, batch.out_cache_loc, v.to(vb.dtype))
+            o = paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens,
+                                       self.scaling)  # [B, Hq, D]
+        elif batch.is_decode:
             o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, batch.kv_mask,
                                        self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
         else:
@@ -267,6 +291,18 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
+        if batch.fused_decode:  # two Triton kernels: the conv window, then gating + the state update
+            mixed = causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu")
+            o = gated_delta_decode_fused(mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots,
+                                         self.num_k_heads, self.head_k_dim)  # [B, Hv, Dv]
+        else:
+            o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
+        """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
+        t = mixed.shape[0]
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         else:
@@ -289,8 +325,7 @@ class GatedDeltaNet(nn.Module):
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),
                 chunk_size=self.chunk_size, use_qk_l2norm=True,
             )  # [T, Hv, Dv]
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
-        return self.out_proj(o.reshape(t, self.value_dim))
+        return o
 
 
 class Mamba2Mixer(nn.Module):
@@ -628,6 +663,16 @@ class HybridForCausalLM(nn.Module, abc.ABC):
     def new_norm(self) -> RMSNorm:
         c = self.config
         return RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
+
+    # --- what the fused (Triton) decode step covers ---
+    def supports_fused_decode(self) -> bool:
+        """Every mixer has a fused decode path (full attention and Gated DeltaNet so far; Mamba2, KDA
+        and the MLA / short-conv layers decode through their PyTorch ops)."""
+        return all(layer.mixer is None or type(layer.mixer) in (Attention, GatedDeltaNet) for layer in self.layers)
+
+    def supports_cuda_graph(self) -> bool:
+        """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
+        return self.supports_fused_decode() and not any(isinstance(m, SparseMoE) for m in self.modules())
 
     # --- forward ---
     @torch.no_grad()

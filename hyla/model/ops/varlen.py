@@ -36,11 +36,11 @@ def check_slots(slots: torch.Tensor, batch_size: int, num_slots: int, name: str 
     if slots.dtype.is_floating_point or slots.dtype == torch.bool:
         raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
     values = slots.tolist()
-    _check_slot_values(values, num_slots, name)
+    check_slot_values(values, num_slots, name)
     return values
 
 
-def _check_slot_values(values: list[int], num_slots: int, name: str) -> None:
+def check_slot_values(values: list[int], num_slots: int, name: str) -> None:
     bad = [s for s in values if s < -1 or s >= num_slots]
     if bad:
         raise ValueError(f"{name} has entries {bad} outside [-1, {num_slots}) (the pool has {num_slots} rows)")
@@ -163,7 +163,7 @@ class SlotPlan:
                 raise ValueError(f"{name} must have shape [{batch_size}], got {list(slots.shape)}")
             if slots.dtype.is_floating_point or slots.dtype == torch.bool:
                 raise ValueError(f"{name} must be an integer tensor, got {slots.dtype}")
-            _check_slot_values(values, num_slots, name)
+            check_slot_values(values, num_slots, name)
         device = slots.device if device is None else torch.device(device)
         index = slots.to(device=device, dtype=torch.long)
         b = len(values)

@@ -1,0 +1,29 @@
+"""Triton kernels for the GPU decode step, each beside (and tested against) its PyTorch reference.
+
+The references in ``hyla/model/ops`` stay the oracle and the CPU path; these kernels are what a
+CUDA decode step runs (``ForwardBatch.fused_decode``). They read and write the pools in place
+through slot / table indices held on the device, so a decode step has no host read and a fixed
+shape for a given batch size: it can be captured in a CUDA graph (``hyla/engine/cuda_graph.py``).
+
+* :func:`causal_conv1d_update_fused` — the conv window update (``ops/conv1d.py``).
+* :func:`gated_delta_decode_fused` — the Gated DeltaNet step with its gating, q/k l2norm and the
+  in-place state update fused (``ops/gated_delta.py``'s ``recurrent_gated_delta_rule_update``).
+* :func:`paged_decode_attention` — split-KV attention of one query per sequence over the request
+  table (``ops/attention.py``'s ``decode_attention``).
+
+Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly): the CPU test suite checks
+them that way; ``tests/test_gpu.py`` checks them on a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the engine runs the fused kernels on ``device`` by default: CUDA with Triton."""
+    return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()

@@ -1,0 +1,89 @@
+"""One Gated DeltaNet decode step as one Triton kernel: gating, q/k l2norm and the in-place update
+of the fp32 state pool (SGLang's ``fused_sigmoid_gating_delta_rule_update``, with a state-slot index).
+
+Reference: the layer's gating (``GatedDeltaNet.forward``) followed by
+:func:`hyla.model.ops.gated_delta.recurrent_gated_delta_rule_update`. Per sequence ``i`` and value head
+``h`` (key head ``h // (Hv/Hk)``), with ``S = ssm_states[slots[i], h]  [Dk, Dv]``::
+
+    beta = sigmoid(b)  (rounded to b's dtype, as the layer computes it)
+    g    = -exp(A_log) * softplus(a + dt_bias),  e = exp(g)
+    q    = l2norm(q) * Dk**-0.5,   k = l2norm(k)
+    delta = beta * (v - e k^T S);   o = e q^T S + (q . k) delta;   S <- e S + k delta^T
+
+Each program owns one ``(sequence, value head, block of Dv columns)`` of the state: it reads its
+columns once, updates them in registers and writes them back. ``slots[i] == -1``: zero state, no
+write, don't-care output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                       state_ptr, slots_ptr, o_ptr, scale,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    dk = tl.arange(0, BK)
+    mk = dk < DK
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mv = dv < DV
+
+    row = qkv_ptr + i * qkv_stride  # [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
+    q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    b = tl.load(b_ptr + i * b_stride + hv)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    x = tl.load(a_ptr + i * a_stride + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    e = tl.exp(-tl.exp(tl.load(a_log_ptr + hv)) * softplus)
+
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    ptrs = state_ptr + slot * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
+    S = tl.load(ptrs, mask=live, other=0.0)  # [BK, BV] fp32
+    kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
+    qS = tl.sum(q[:, None] * S, axis=0)
+    delta = (v - e * kS) * beta
+    o = e * qS + tl.sum(q * k, axis=0) * delta
+    S = e * S + k[:, None] * delta[None, :]
+    tl.store(ptrs, S, mask=live)
+    tl.store(o_ptr + (i * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                             dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                             num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+    """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided),
+    ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
+    -> ``o [B, Hv, Dv]`` in qkv's dtype."""
+    batch = qkv.shape[0]
+    num_v_heads, dk, dv = ssm_states.shape[1:]
+    if dk != head_k_dim or num_v_heads % num_k_heads or ssm_states.dtype != torch.float32 \
+            or not ssm_states.is_contiguous():
+        raise ValueError(f"ssm_states must be a contiguous fp32 [S, Hv, {head_k_dim}, Dv] pool with Hv a multiple "
+                         f"of {num_k_heads}, got {list(ssm_states.shape)} {ssm_states.dtype}")
+    if qkv.shape[1] != 2 * num_k_heads * dk + num_v_heads * dv or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [B, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
+    if a.shape != (batch, num_v_heads) or b.shape != (batch, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"a and b must be [B={batch}, Hv={num_v_heads}] with unit column stride")
+    if slots.shape != (batch,):
+        raise ValueError(f"slots must be [{batch}]")
+    o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
+    bk = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), 32)
+    _gdn_decode_kernel[(batch * num_v_heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, slots, o, dk**-0.5,
+        HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+    return o
