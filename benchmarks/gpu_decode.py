@@ -1,0 +1,345 @@
+"""GPU decode and prefill speed of the whole engine against transformers and the HBM roofline.
+
+Model (issue 10): a Qwen3.5-style dense model at Qwen3.5-0.8B dims with random weights, built with
+transformers' ``Qwen3_5ForCausalLM`` and saved to a temporary directory: hidden 1024, 24 layers
+(18 Gated DeltaNet + 6 gated attention, ``[linear x 3, full] x 6``), GDN 16 key / 16 value heads of
+128, attention 8 query / 2 KV heads of 256, MLP 3584, vocab 151,936, tied embeddings, partial RoPE
+(0.25, theta 1e7); ~0.65 B parameters, ~1.31 GB in bf16. No tokenizer: every request is
+``input_ids``. ``--tiny`` shrinks it (hidden 64, 3 + 1 layers, vocab 2,048) to test on CPU.
+
+Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
+``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
+
+* **decode**, batch B in ``--batches``: B concurrent requests with fresh random 128-token prompts,
+  greedy, EOS ignored, run with 1 and with ``1 + N`` new tokens; decode tok/s =
+  ``B * N / (t(1 + N) - t(1))``, so prefill and start-up cancel. hyla: one ``Engine.generate`` of
+  B requests; transformers: one batched ``generate`` (equal lengths, no padding), batches up to
+  ``--hf-max-batch`` only. transformers uses fla's Triton kernels when ``fla`` is importable.
+* **roofline**: bytes one decode step must read from HBM (weights: every parameter, the tied
+  embedding once as the full ``lm_head``; per request: the fp32 SSM and conv states read and
+  written, the KV cache read at the mean context) over the bandwidth of a 1 GiB device copy
+  measured here (bytes read + written).
+* **prefill**: time to first token of one fresh 4,096-token prompt (hyla: ``generate`` with
+  ``max_new_tokens=1``; transformers: one forward keeping only the last logits).
+* **cached TTFT** (hyla only): a 4,096-token prompt whose first 3,800 tokens were sent before with
+  another tail and a checkpoint at 3,800 (a shared system prompt); its TTFT as % of cold.
+
+Before timing, one greedy 8-token request on each side checks that both run the same model (bf16
+rounding on random weights may part them after a few tokens). Prints a markdown table and writes the
+``## GPU decode`` section of docs/benchmarks.md; ``--json PATH`` keeps every raw number
+(``raw_seconds``: per repeat, ``*_decode_B`` = t(1 + N) - t(1), ``*_ttft`` = TTFT, in seconds).
+
+    PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 3] [--batches 1,8,32,64,128]
+        [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
+        [--cached-tokens 3800] [--no-cuda-graph] [--hyla-only | --hf-only] [--json PATH] [--no-write]
+    .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
+        --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import json
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import checkpoints  # noqa: E402  (tests/checkpoints.py: the Qwen3.5 config keys, perturb_constants)
+
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+FULL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+            layer_types=LAYER_TYPES * 6, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+            linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_conv_kernel_dim=4, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+TINY = dict(FULL, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=LAYER_TYPES,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build(out: Path, kw: dict, device: str, dtype: torch.dtype) -> dict:
+    """Random ``Qwen3_5ForCausalLM`` built on ``device`` in ``dtype``, saved to ``out``; returns its
+    sizes for the roofline (bytes one decode step reads of the weights)."""
+    import transformers
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
+    finally:
+        torch.set_default_dtype(default)
+    model.eval()
+    with torch.no_grad():
+        checkpoints.perturb_constants(model)  # non-constant norms; peaked lm_head (the tied embedding)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    params = list(model.parameters())  # tied: the shared matrix once
+    embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
+                # every step reads the whole lm_head but only B rows of the embedding
+                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + nbytes(head))
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    return info
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def bandwidth(device: str) -> tuple[float, int]:
+    """Bytes/s of a device-to-device copy of a 1 GiB buffer (64 MiB on CPU), read + written; its size."""
+    n = 2**30 if device.startswith("cuda") else 2**26
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    reps = 10 if device.startswith("cuda") else 2
+    dst.copy_(src)
+    times = [timed(lambda: [dst.copy_(src) for _ in range(reps)], device) / reps for _ in range(5)]
+    del src, dst
+    return 2 * n / statistics.median(times), n
+
+
+def greedy(max_new: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, 4 layers, vocab 2048) to test on CPU")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
+    ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
+    ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each decode request")
+    ap.add_argument("--new-tokens", type=int, default=128, help="N decode tokens timed per request")
+    ap.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the TTFT measurements")
+    ap.add_argument("--cached-tokens", type=int, default=3800, help="cached prefix of the cached-TTFT prompt")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="Engine(disable_cuda_graph=True), if it has it")
+    side = ap.add_mutually_exclusive_group()
+    side.add_argument("--hyla-only", action="store_true")
+    side.add_argument("--hf-only", action="store_true")
+    ap.add_argument("--json", type=Path, metavar="PATH", help="write every raw number to this JSON file")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    dev, n, p = args.device, args.new_tokens, args.prompt_tokens
+    dtype_name = args.dtype or ("float32" if dev == "cpu" else "bfloat16")
+    dtype = getattr(torch, dtype_name)
+    if not 0 < args.cached_tokens < args.prefill_tokens:
+        ap.error("--cached-tokens must be in (0, --prefill-tokens)")
+
+    import transformers
+
+    from benchmarks.report import machine, write_section
+    from hyla import Engine
+    from hyla.engine.args import EngineArgs
+    from hyla.model.config import ModelConfig
+
+    transformers.logging.set_verbosity_error()
+    kernels = {k: importlib.util.find_spec(k) is not None for k in ("fla", "causal_conv1d")}
+    kw = TINY if args.tiny else FULL
+    log(f"{machine()}, transformers {transformers.__version__}, {dtype_name}, importable: {kernels}")
+    bw, copy_bytes = bandwidth(dev)
+    log(f"copy bandwidth {bw / 1e9:,.0f} GB/s")
+
+    tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-decode-")
+    path = Path(tmp.name)
+    t0 = time.perf_counter()
+    sizes = build(path, kw, dev, dtype)
+    gc.collect()
+    log(f"built and saved {sizes['params'] / 1e6:,.1f} M parameters ({sizes['param_bytes'] / 1e9:.3f} GB) "
+        f"in {time.perf_counter() - t0:.1f} s")
+    layout = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), dtype_name).cache_layout
+    vocab = kw["vocab_size"]
+    rng = random.Random(0)
+    fresh = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+
+    engine, hf, opts = None, None, {}
+    if not args.hf_only:
+        have = {f.name for f in dataclasses.fields(EngineArgs)}
+        if "disable_cuda_graph" in have:
+            opts["disable_cuda_graph"] = args.no_cuda_graph
+        elif args.no_cuda_graph:
+            log("EngineArgs has no disable_cuda_graph: --no-cuda-graph ignored")
+        if "cuda_graph_max_bs" in have and not args.no_cuda_graph:
+            opts["cuda_graph_max_bs"] = max(batches)
+        opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
+                    max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (args.prefill_tokens + 2)) + 4096)
+        t0 = time.perf_counter()
+        engine = Engine(path, device=dev, dtype=dtype_name, **opts)
+        log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
+    if not args.hyla_only:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+        log(f"transformers model loaded ({hf.config._attn_implementation} attention)")
+
+    def hyla_decode(b: int) -> float:
+        short = timed(lambda: engine.generate(input_ids=[fresh(p) for _ in range(b)], sampling_params=greedy(1)), dev)
+        outs = []
+        long = timed(lambda: outs.extend(engine.generate(input_ids=[fresh(p) for _ in range(b)],
+                                                         sampling_params=greedy(1 + n))), dev)
+        assert all(len(o["output_ids"]) == 1 + n for o in outs), "hyla stopped early"
+        return long - short
+
+    @torch.inference_mode()
+    def hf_generate(b: int, max_new: int, prompts: list[list[int]] | None = None) -> torch.Tensor:
+        ids = torch.tensor(prompts or [fresh(p) for _ in range(b)], device=dev)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
+                          do_sample=False, pad_token_id=0)
+        assert out.shape == (b, p + max_new)
+        return out[:, p:]
+
+    def hf_decode(b: int) -> float:
+        short = timed(lambda: hf_generate(b, 1), dev)
+        return timed(lambda: hf_generate(b, 1 + n), dev) - short
+
+    def hyla_ttft() -> float:
+        return timed(lambda: engine.generate(input_ids=fresh(args.prefill_tokens), sampling_params=greedy(1)), dev)
+
+    @torch.inference_mode()
+    def hf_ttft() -> float:
+        ids = torch.tensor([fresh(args.prefill_tokens)], device=dev)
+        return timed(lambda: hf(ids, use_cache=True, logits_to_keep=1), dev)
+
+    def hyla_cached() -> tuple[float, int]:
+        prefix, c = fresh(args.cached_tokens), args.cached_tokens
+        engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c), checkpoints=[c], sampling_params=greedy(1))
+        outs = []
+        t = timed(lambda: outs.append(engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c),
+                                                      sampling_params=greedy(1))), dev)
+        return t, outs[0]["meta_info"]["cached_tokens"]
+
+    agree = None
+    if engine is not None and hf is not None:  # sanity: both sides run the same model
+        ids = fresh(p)
+        ours = engine.generate(input_ids=ids, sampling_params=greedy(8))["output_ids"]
+        ref = hf_generate(1, 8, [ids])[0].tolist()
+        agree = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ref))
+        log(f"greedy agreement: the first {agree} of 8 tokens equal (hyla {ours}, transformers {ref})")
+    raw: dict[str, list] = {}
+    add = lambda key, v: raw.setdefault(key, []).append(v)  # noqa: E731
+    t_start = time.perf_counter()
+    for rep in range(args.repeats + 1):  # pass 0: warm-up, discarded
+        tag = "warm-up" if rep == 0 else f"repeat {rep}/{args.repeats}"
+        for b in batches:
+            if engine is not None:
+                add(f"hyla_decode_{b}", hyla_decode(b))
+            if hf is not None and b <= args.hf_max_batch:
+                add(f"hf_decode_{b}", hf_decode(b))
+            log(f"{tag}: decode batch {b}: " + ", ".join(f"{s} {b * n / raw[f'{s}_decode_{b}'][-1]:,.0f} tok/s"
+                                                         for s in ("hyla", "hf") if f"{s}_decode_{b}" in raw))
+        if engine is not None:
+            add("hyla_ttft", hyla_ttft())
+            t, hit = hyla_cached()
+            add("hyla_cached_ttft", t), add("hyla_cached_hit", hit)
+        if hf is not None:
+            add("hf_ttft", hf_ttft())
+        log(f"{tag}: TTFT " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in raw.items() if "ttft" in k))
+        if rep == 0:
+            raw = {}
+    wall = time.perf_counter() - t_start
+    med = {k: statistics.median(v) for k, v in raw.items()}
+    if engine is not None:
+        engine.shutdown()
+    del engine, hf
+    gc.collect()
+
+    # roofline: weights once per step, plus each request's states (read + write) and KV (mean context)
+    ctx = p + (1 + n) / 2
+    roof = {b: b * bw / (sizes["weight_bytes_per_step"] + b * (2 * layout.state_bytes_per_slot
+                                                              + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
+    hf_name = "transformers" + (" + fla" if kernels["fla"] else " (no fla: torch fallback)")
+    rows = []
+    for b in batches:
+        cells = {}
+        for s in ("hyla", "hf"):
+            t = med.get(f"{s}_decode_{b}")
+            cells[s] = (b * n / t, 1e3 * t / n) if t else None
+        fmt = lambda c: f"{c[0]:,.0f} tok/s ({c[1]:.2f} ms/step)" if c else "—"  # noqa: E731
+        ratio = f"**{cells['hyla'][0] / cells['hf'][0]:.2f}x**" if cells["hyla"] and cells["hf"] else "—"
+        share = f" (hyla {100 * cells['hyla'][0] / roof[b]:.0f}%)" if cells["hyla"] else ""
+        rows.append(f"| decode, batch {b} | {fmt(cells['hyla'])} | {fmt(cells['hf'])} | {ratio} | "
+                    f"{roof[b]:,.0f} tok/s{share} |")
+    pt = args.prefill_tokens
+    h, f = med.get("hyla_ttft"), med.get("hf_ttft")
+    fmt = lambda t: f"{pt / t:,.0f} tok/s (TTFT {1e3 * t:.1f} ms)" if t else "—"  # noqa: E731
+    rows.append(f"| prefill, one {pt:,}-token prompt | {fmt(h)} | {fmt(f)} | "
+                f"{f'**{f / h:.2f}x**' if h and f else '—'} | |")
+    if h:
+        c, hit = med["hyla_cached_ttft"], min(raw["hyla_cached_hit"])
+        rows.append(f"| TTFT, {pt:,}-token prompt, {args.cached_tokens:,}-token prefix cached ({hit:,} hit) | "
+                    f"{1e3 * c:.1f} ms = **{100 * c / h:.1f}%** of cold | | | target ≤ 15% |")
+    desc = (f"{'tiny ' if args.tiny else ''}Qwen3.5-style dense model, random weights: hidden {kw['hidden_size']}, "
+            f"{kw['num_hidden_layers']} layers ({kw['layer_types'].count('linear_attention')} Gated DeltaNet + "
+            f"{kw['layer_types'].count('full_attention')} attention), GDN {kw['linear_num_key_heads']}/"
+            f"{kw['linear_num_value_heads']} heads of {kw['linear_key_head_dim']}, attention "
+            f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, MLP "
+            f"{kw['intermediate_size']}, vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
+            f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+    cmd = shlex.join([".venv/bin/python", "benchmarks/gpu_decode.py", *sys.argv[1:]])
+    agreed = "" if agree is None else \
+        f" Greedy check before timing: hyla and transformers agree on the first {agree} of 8 tokens."
+    body = "\n".join([
+        f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
+        f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}.",
+        "",
+        f"{desc}.",
+        "",
+        f"* Decode: B concurrent requests of {p} random prompt tokens, {n} new tokens each (greedy, EOS ignored); "
+        f"tok/s = B × {n} / (t({1 + n} new) − t(1 new)), so prefill cancels; transformers runs batches "
+        f"≤ {args.hf_max_batch}.",
+        f"* HBM roofline: per decode step {sizes['weight_bytes_per_step'] / 1e9:.3f} GB of weights, plus per request "
+        f"{2 * layout.state_bytes_per_slot / 2**20:.1f} MiB of recurrent states (read + written) and "
+        f"{layout.kv_bytes_per_token * (ctx + 1) / 2**20:.2f} MiB of KV (mean context), at {bw / 1e9:,.0f} GB/s "
+        f"(a {copy_bytes >> 20:,} MiB device copy, read + written, measured in this run).",
+        f"* Prefill: TTFT of one fresh prompt (transformers: one forward, last logits only). Cached: a prompt of the "
+        f"same length whose first {args.cached_tokens:,} tokens were sent before with another tail and a checkpoint there.",
+        f"* Medians of {args.repeats} runs after one warm-up pass, hyla and transformers interleaved.{agreed}",
+        "",
+        f"| measurement | hyla | {hf_name} | hyla / transformers | HBM roofline |",
+        "|---|---|---|---|---|",
+        *rows,
+    ]) + "\n"
+    print(body)
+    log(f"measured in {wall:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(dict(command=cmd, machine=machine(), transformers=transformers.__version__,
+                                             importable=kernels, dtype=dtype_name, config=kw, sizes=sizes,
+                                             bandwidth_bytes_per_s=bw, engine_options=opts, roofline_tok_s=roof,
+                                             greedy_agreement=agree,
+                                             raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
+                                        indent=1))
+    if not args.no_write:
+        write_section("GPU decode", body)
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
