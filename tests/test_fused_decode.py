@@ -157,9 +157,9 @@ def test_fused_decode_refuses_layers_without_kernels(nemotron_h_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_differential_qwen3_5_cuda(qwen3_5_path):
+def test_differential_qwen3_next_cuda(qwen3_next_dense_path):
     """The cache on/off differential on the GPU (fp32, fused decode, CUDA graphs, eviction and retraction)."""
-    differential(qwen3_5_path, seed=11, device="cuda")
+    differential(qwen3_next_dense_path, seed=1, device="cuda")
 
 
 @pytest.mark.gpu
@@ -172,3 +172,82 @@ def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
     with Engine(qwen3_5_path, disable_cuda_graph=True, **opts) as eager:
         b = _two_turns(eager, None)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_kernels(dtype):
+    """RMSNorm (one scale, and per-head q/k scales), GDN's gated norm and SwiGLU == the layers' PyTorch forms."""
+    from hyla.model.layers import GatedRMSNorm
+    from hyla.model.ops.gpu.norms import gated_rms_norm_fused, rms_norm_fused, silu_mul_fused
+
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    x, scale = rnd(5, 40)[:, :33], torch.randn(33, generator=g).to(DEVICE)
+    ref = F.rms_norm(x.float(), (33,), scale, 1e-6).to(dtype)
+    torch.testing.assert_close(rms_norm_fused(x, scale, 1e-6), ref, atol=_tol(dtype), rtol=_tol(dtype))
+    qk, scales = rnd(3, 6, 16), torch.randn(6, 16, generator=g).to(DEVICE)
+    ref = (F.rms_norm(qk.float(), (16,), eps=1e-6) * scales).to(dtype)
+    out = rms_norm_fused(qk.view(-1, 16), scales, 1e-6).view(3, 6, 16)
+    torch.testing.assert_close(out, ref, atol=_tol(dtype), rtol=_tol(dtype))
+
+    norm = GatedRMSNorm(16, 1e-6, dtype=dtype).to(DEVICE)
+    norm.weight.data = rnd(16)
+    proj = rnd(3, 4 * 16 * 2 + 5)
+    xs, zs = proj[:, :64], proj[:, 64:128]  # strided, as the projection's splits
+    ref = norm(xs.reshape(-1, 16), zs.reshape(-1, 16)).view(3, 64)
+    torch.testing.assert_close(gated_rms_norm_fused(xs, zs, norm.weight, 1e-6, 4), ref,
+                               atol=_tol(dtype), rtol=_tol(dtype))
+
+    h = rnd(3, 103)[:, :100]
+    gate, up = h.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul_fused(h), F.silu(gate) * up, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
+    """The segment rounds of ``chunk_gated_delta_rule_fla`` (checkpoints cut their sequences) give
+    the reference's outputs, final states and checkpoint states. Without a GPU, fla's kernel is
+    stood in for by a per-sequence reference recurrence with fla's signature."""
+    import sys
+    import types
+
+    from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, gated_delta_rule_ref
+    from hyla.model.ops.gpu import gated_delta_chunk
+
+    if not GPU:
+        def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+            outs, finals = [], []
+            cu = cu_seqlens.tolist()
+            for i in range(len(cu) - 1):
+                a, e = cu[i], cu[i + 1]
+                o, s = gated_delta_rule_ref(q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e],
+                                            initial_state[i], use_qk_l2norm=use_qk_l2norm_in_kernel)
+                outs.append(o)
+                finals.append(s)
+            return torch.cat(outs)[None], torch.stack(finals)
+
+        fla = types.ModuleType("fla")
+        ops = types.ModuleType("fla.ops")
+        gdr = types.ModuleType("fla.ops.gated_delta_rule")
+        gdr.chunk_gated_delta_rule = fake_chunk
+        for name, mod in (("fla", fla), ("fla.ops", ops), ("fla.ops.gated_delta_rule", gdr)):
+            monkeypatch.setitem(sys.modules, name, mod)
+    elif not gated_delta_chunk.HAS_FLA:
+        pytest.skip("fla is not installed")
+    g = torch.Generator().manual_seed(4)
+    lengths, hk, hv, dk, dv = [9, 0, 70, 1], 2, 4, 16, 8
+    t = sum(lengths)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    q, k, v = rnd(t, hk, dk), rnd(t, hk, dk), rnd(t, hv, dv)
+    gate = -torch.rand(t, hv, generator=g).to(DEVICE)
+    beta = torch.rand(t, hv, generator=g).to(DEVICE)
+    cu = torch.tensor([0, 9, 9, 79, 80], device=DEVICE)
+    pool = rnd(12, hv, dk, dv)
+    ref_pool = pool.clone()
+    slots = torch.tensor([3, -1, 5, 7], device=DEVICE)
+    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 3], device=DEVICE),
+                ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
+                ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
+    o = gated_delta_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, **ckpt)
+    ref = chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
+    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool, ref_pool, atol=1e-4, rtol=1e-4)

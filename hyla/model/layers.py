@@ -13,6 +13,7 @@ back; routers, gates and recurrent states are fp32; the small SSM parameters (``
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -26,26 +27,19 @@ from hyla.model.ops.attention import paged_attention, paged_attention_decode
 from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
+from hyla.model.ops.gpu import HAS_TRITON
 from hyla.model.ops.varlen import write_rows_
 
 
-def _fused_kernels():
-    """The Triton decode kernels (imported on first use: CPU installs need not load Triton)."""
-    from hyla.model.ops.gpu import conv1d_decode, decode_attention, gated_delta_decode
-
-    return conv1d_decode, decode_attention, gated_delta_decode
-
-
-def causal_conv1d_update_fused(*args):
-    return _fused_kernels()[0].causal_conv1d_update_fused(*args)
+def _gpu(name: str):
+    """``hyla.model.ops.gpu.<name>``, the Triton kernels, imported on first use (CPU runs never load
+    Triton). Layers run them on CUDA tensors (:func:`_on_gpu`) and the PyTorch ops elsewhere."""
+    return importlib.import_module(f"hyla.model.ops.gpu.{name}")
 
 
-def paged_decode_attention(*args):
-    return _fused_kernels()[1].paged_decode_attention(*args)
+def _on_gpu(x: torch.Tensor) -> bool:
+    return x.is_cuda and HAS_TRITON
 
-
-def gated_delta_decode_fused(*args):
-    return _fused_kernels()[2].gated_delta_decode_fused(*args)
 
 Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed_sin(sin)) [T, rotary_dim] for the batch's positions
 
@@ -73,6 +67,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale()
+        if _on_gpu(x):
+            return _gpu("norms").rms_norm_fused(x.reshape(-1, x.shape[-1]), scale, self.eps).view(x.shape)
         return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
 
 
@@ -219,7 +215,10 @@ class Attention(nn.Module):
             qk = torch.cat([q.view(t, hq, d), k.view(t, hkv, d)], dim=1)  # [T, Hq + Hkv, D]
         if self.q_norm is not None:  # per-head q/k RMSNorm, as HF's: norm(x) * (offset + w) in fp32
             scale = self._qk_scale(self.q_norm.weight, self.k_norm.weight)  # [Hq + Hkv, D]
-            qk = (F.rms_norm(qk.float(), (d,), eps=self.q_norm.eps) * scale).to(x.dtype)
+            if _on_gpu(qk):
+                qk = _gpu("norms").rms_norm_fused(qk.view(-1, d), scale, self.q_norm.eps).view(qk.shape)
+            else:
+                qk = (F.rms_norm(qk.float(), (d,), eps=self.q_norm.eps) * scale).to(x.dtype)
         if rope is not None:
             apply_rotary_(qk, *rope)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
@@ -228,8 +227,8 @@ class Attention(nn.Module):
         if batch.fused_decode:
             write_rows_(kb, batch.out_cache_loc, k.to(kb.dtype))
             write_rows_(vb, batch.out_cache_loc, v.to(vb.dtype))
-            o = paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens,
-                                       self.scaling)  # [B, Hq, D]
+            o = _gpu("decode_attention").paged_decode_attention(
+                q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling)  # [B, Hq, D]
         elif batch.is_decode:
             o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, batch.kv_mask,
                                        self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
@@ -292,12 +291,18 @@ class GatedDeltaNet(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
         if batch.fused_decode:  # two Triton kernels: the conv window, then gating + the state update
-            mixed = causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu")
-            o = gated_delta_decode_fused(mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots,
-                                         self.num_k_heads, self.head_k_dim)  # [B, Hv, Dv]
+            mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
+                                                                     batch.state_slots, "silu")
+            o = _gpu("gated_delta_decode").gated_delta_decode_fused(
+                mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots, self.num_k_heads,
+                self.head_k_dim)  # [B, Hv, Dv]
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
-        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
+        if _on_gpu(o):  # one kernel, reading z in place from the projection
+            o = _gpu("norms").gated_rms_norm_fused(o.reshape(t, self.value_dim), z, self.norm.weight, self.norm.eps,
+                                                   self.num_v_heads)
+        else:
+            o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
         return self.out_proj(o.reshape(t, self.value_dim))
 
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
@@ -320,6 +325,9 @@ class GatedDeltaNet(nn.Module):
             o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
+        elif _on_gpu(q) and _gpu("gated_delta_chunk").HAS_FLA:  # fla's chunked Triton kernel
+            o = _gpu("gated_delta_chunk").chunk_gated_delta_rule_fla(
+                q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch))
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),
@@ -414,6 +422,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.in_proj(x)
+        if self.gated and _on_gpu(h):
+            return self.out_proj(_gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             return self.out_proj(F.silu(gate) * up)

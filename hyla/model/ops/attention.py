@@ -77,9 +77,11 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
         qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-        # query j sees keys 0 .. prefix + j
-        mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
-        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scaling, enable_gqa=True)
+        if prefix == 0:  # plain causal: SDPA's flash / memory-efficient kernels, no mask tensor
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling, enable_gqa=True)
+        else:  # query j sees keys 0 .. prefix + j
+            mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
     return out

@@ -1,0 +1,96 @@
+"""Row-wise Triton kernels for the small ops between the projections: RMSNorm, the gated RMSNorm of
+Gated DeltaNet, and SwiGLU's ``silu(gate) * up``. Each replaces a handful of PyTorch kernels (casts,
+reductions, products) with one, and rounds where its PyTorch form rounds (``layers.py``), so
+bf16 results match it to the last bit or one rounding step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, x_stride, scale_ptr, y_ptr, D, eps, SCALE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    x = tl.load(x_ptr + row * x_stride + d, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    scale = tl.load(scale_ptr + (row % SCALE_ROWS) * D + d, mask=mask, other=0.0)
+    tl.store(y_ptr + row * D + d, (x * inv * scale).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_fused(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x.float(), scale) -> x.dtype`` over the last dim of ``x [N, D]`` (rows may be
+    strided); ``scale`` fp32 ``[D]``, or ``[R, D]`` with row ``n`` of ``x`` using scale row ``n % R``
+    (per-head q/k norms). Returns a contiguous ``[N, D]``."""
+    n, d = x.shape
+    if x.stride(1) != 1:
+        raise ValueError("x must have unit stride along its last dim")
+    scale_rows = scale.numel() // d
+    if scale.dtype != torch.float32 or scale.numel() != scale_rows * d or not scale.is_contiguous():
+        raise ValueError(f"scale must be a contiguous fp32 [R, {d}] tensor, got {list(scale.shape)} {scale.dtype}")
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    _rms_norm_kernel[(n,)](x, x.stride(0), scale, y, d, eps, SCALE_ROWS=scale_rows,
+                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+    return y
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, w_ptr, y_ptr, D, eps,
+                           H: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # (token, head)
+    t = row // H
+    h = row % H
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    x = tl.load(x_ptr + t * x_stride + h * D + d, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + t * z_stride + h * D + d, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0)
+    n = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    if ROUND:  # as GatedRMSNorm: norm -> dtype, weight * it in dtype, then * silu(z) in fp32
+        y = (w.to(tl.float32) * n.to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
+    else:
+        y = w.to(tl.float32) * n
+    y = y * (z * tl.sigmoid(z))
+    tl.store(y_ptr + t * (H * D) + h * D + d, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                         num_heads: int) -> torch.Tensor:
+    """Gated DeltaNet's output norm ``(w * norm(x)) * silu(z)`` per head: ``x, z [T, H*D]`` (rows
+    may be strided, e.g. a split of the projection) -> ``[T, H*D]`` in ``x``'s dtype."""
+    t, width = x.shape
+    d = width // num_heads
+    if z.shape != x.shape or width != num_heads * d or weight.shape != (d,) or x.stride(1) != 1 or z.stride(1) != 1:
+        raise ValueError(f"x and z must be [T, {num_heads} x D] with unit column stride, weight [D]")
+    y = torch.empty(t, width, dtype=x.dtype, device=x.device)
+    _gated_rms_norm_kernel[(t * num_heads,)](x, x.stride(0), z, z.stride(0), weight, y, d, eps, H=num_heads,
+                                             ROUND=x.dtype != torch.float32, BLOCK=triton.next_power_of_2(d))
+    return y
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, h_stride, y_ptr, I, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < I
+    gate = tl.load(h_ptr + t * h_stride + i, mask=mask, other=0.0)
+    up = tl.load(h_ptr + t * h_stride + I + i, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    s = (g * tl.sigmoid(g)).to(gate.dtype)  # F.silu in the model dtype, then the product in it
+    tl.store(y_ptr + t * I + i, (s.to(tl.float32) * up.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_fused(h: torch.Tensor) -> torch.Tensor:
+    """``h [T, 2I] = [gate | up]`` -> ``silu(gate) * up  [T, I]`` (SwiGLU), in ``h``'s dtype."""
+    t, width = h.shape
+    if width % 2 or h.stride(1) != 1:
+        raise ValueError("h must be [T, 2I] with unit column stride")
+    inner = width // 2
+    y = torch.empty(t, inner, dtype=h.dtype, device=h.device)
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(inner, block))](h, h.stride(0), y, inner, BLOCK=block)
+    return y
