@@ -325,7 +325,9 @@ class GatedDeltaNet(nn.Module):
             o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
-        elif _on_gpu(q) and _gpu("gated_delta_chunk").HAS_FLA:  # fla's chunked Triton kernel
+        elif _on_gpu(q) and q.dtype != torch.float32 and _gpu("gated_delta_chunk").HAS_FLA:
+            # fla's chunked Triton kernel (bf16/fp16: its fp32 dots run in tf32, so fp32 models keep
+            # the exact PyTorch path below, as the cache's fp32 differential tests require)
             o = _gpu("gated_delta_chunk").chunk_gated_delta_rule_fla(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch))
         else:
