@@ -23,6 +23,7 @@ import torch
 
 from hyla.model.ops.varlen import (
     CheckpointPlan,
+    Checkpoints,
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
@@ -36,6 +37,11 @@ from hyla.model.ops.varlen import (
     scatter_states,
     write_states,
 )
+
+
+SHORT_EXTEND = 8
+"""Extends of at most this many tokens per sequence run token by token (:func:`_short_extend`):
+cheaper than padding each to a chunk of 64, and the same math as the decode step."""
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -134,6 +140,10 @@ def chunk_gated_delta_rule_varlen(
     lengths = check_varlen(cu_seqlens, q.shape[0])
     slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
     ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if max(lengths) <= SHORT_EXTEND:
+        return _short_extend(q, k, v, g, beta, lengths, ssm_states, slots, ckpts, use_qk_l2norm)
 
     layout = chunk_layout(lengths, chunk_size, q.device)
     plan = plan_checkpoints(layout, ckpts)
@@ -244,11 +254,21 @@ def recurrent_gated_delta_rule_update(
     Value heads share their key head's q/k by broadcasting (no repeated copies).
     """
     _check_inputs(q, k, v, g, beta, ssm_states)
+    plan = as_slot_plan(slots, ssm_states, q.shape[0])
+    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, Hv, Dk, Dv]
+    o = _recurrent_step(q, k, v, g, beta, S, use_qk_l2norm)
+    if copied:
+        write_states(ssm_states, plan, S)
+    return o.to(q.dtype)
+
+
+def _recurrent_step(q, k, v, g, beta, S: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
+    """One token per sequence on fp32 states ``S [B, Hv, Dk, Dv]`` (updated in place) -> fp32
+    ``o [B, Hv, Dv]``: the decode step's math, shared by short extends (so a verify step computes
+    what decode steps would)."""
     b, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1:]
     r = num_v_heads // num_k_heads
-    plan = as_slot_plan(slots, ssm_states, b)
-
     qk = torch.stack([q, k], dim=2).float()  # [B, Hk, 2, Dk]: q then k of each key head
     if use_qk_l2norm:
         inv = (qk * qk).sum(dim=-1, keepdim=True).add_(1e-6).rsqrt_()  # [B, Hk, 2, 1] (l2norm)
@@ -256,7 +276,6 @@ def recurrent_gated_delta_rule_update(
         qk = qk * inv
     else:
         qk[:, :, 0].mul_(dk**-0.5)
-    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, Hv, Dk, Dv]
     S5 = S.view(b, num_k_heads, r, dk, dv)  # value heads grouped under their key head
     decay = g.float().exp().view(b, num_k_heads, r, 1, 1)  # [B, Hk, r, 1, 1]
     read = torch.matmul(qk.unsqueeze(2), S5).mul_(decay)  # [B, Hk, r, 2, Dv]: e q^T S, e k^T S
@@ -265,6 +284,32 @@ def recurrent_gated_delta_rule_update(
     qk_dot = (qk[:, :, 0] * qk[:, :, 1]).sum(dim=-1, keepdim=True).unsqueeze(2)  # [B, Hk, 1, 1]
     o = torch.addcmul(read[:, :, :, 0], qk_dot, delta)  # [B, Hk, r, Dv]
     S5.mul_(decay).addcmul_(qk[:, :, 1].view(b, num_k_heads, 1, dk, 1), delta.unsqueeze(3))  # e S + k delta^T
-    if copied:
-        write_states(ssm_states, plan, S)
-    return o.view(b, num_v_heads, dv).to(q.dtype)
+    return o.view(b, num_v_heads, dv)
+
+
+def _short_extend(q, k, v, g, beta, lengths: list[int], ssm_states: torch.Tensor, slots: torch.Tensor,
+                  ckpts: Checkpoints, use_qk_l2norm: bool) -> torch.Tensor:
+    """Extends of at most :data:`SHORT_EXTEND` tokens per sequence (a speculative verify step, a
+    short cached tail) token by token with the decode step's math, instead of padding each to a
+    chunk: step ``j`` advances every sequence that has a ``j``-th token; a checkpoint after ``n``
+    tokens is the state after step ``n - 1``."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    dev = q.device
+    state = gather_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv]
+    o = torch.empty(v.shape, dtype=torch.float32, device=dev)
+    for j in range(max(lengths, default=0)):
+        seqs = [i for i, n in enumerate(lengths) if n > j]
+        tok = torch.tensor([starts[i] + j for i in seqs], dtype=torch.long, device=dev)
+        rows = None if len(seqs) == len(lengths) else torch.tensor(seqs, dtype=torch.long, device=dev)
+        S = state if rows is None else state.index_select(0, rows)
+        o[tok] = _recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], S, use_qk_l2norm)
+        if rows is not None:
+            state.index_copy_(0, rows, S)
+        here = [m for m, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens)) if n == j + 1]
+        if here:
+            src = torch.tensor([ckpts.seq[m] for m in here], dtype=torch.long, device=dev)
+            ssm_states.index_copy_(0, ckpts.slot[here], state.index_select(0, src))
+    scatter_states(ssm_states, slots, state)
+    return o.to(q.dtype)
