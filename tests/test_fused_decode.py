@@ -134,21 +134,24 @@ def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
     return out1 + out2
 
 
-def test_engine_fused_decode_matches_pytorch(qwen3_5_path):
-    """fp32, prefix cache on: the fused decode (graphs on a GPU) == the PyTorch decode."""
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "nemotron_h"])
+def test_engine_fused_decode_matches_pytorch(arch, request):
+    """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
+    PyTorch decode. Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE)."""
+    path = request.getfixturevalue(f"{arch}_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
-    with Engine(qwen3_5_path, **opts) as default:  # GPU: fused + CUDA graphs; CPU: PyTorch
+    with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
         a = _two_turns(default, None)
         assert default.scheduler.runner.fused == GPU
-        assert (default.scheduler.runner.graphs is not None) == GPU
-    with Engine(qwen3_5_path, **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
+        assert (default.scheduler.runner.graphs is not None) == (GPU and arch != "nemotron_h")
+    with Engine(path, **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
         b = _two_turns(other, fused=not GPU)
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-def test_fused_decode_refuses_layers_without_kernels(nemotron_h_path):
-    with Engine(nemotron_h_path, max_total_tokens=256, max_state_slots=8) as engine:
+def test_fused_decode_refuses_layers_without_kernels(lfm2_path):
+    with Engine(lfm2_path, max_total_tokens=256, max_state_slots=8) as engine:
         assert not engine.model.supports_fused_decode()
         with pytest.raises(ValueError, match="fused decode kernel"):
             ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
@@ -251,3 +254,29 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
     ref = chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool, ref_pool, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("limit", [None, (0.05, 0.5)])
+def test_mamba2_decode_kernel(dtype, limit):
+    """dt discretization (with and without a clamp that binds) and the state update fused ==
+    ``mamba2_state_update``; strided inputs as the layer passes them; one padding row."""
+    from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
+    from hyla.model.ops.ssd import mamba2_state_update
+
+    g = torch.Generator().manual_seed(5)
+    b, h, p, groups, n, s = 3, 4, 8, 2, 16, 6
+    xbc = torch.randn(b, h * p + 2 * groups * n + 3, generator=g).to(DEVICE, dtype)
+    x, bb, cc = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
+    dt = torch.randn(b, h + 2, generator=g).to(DEVICE, dtype)[:, :h]
+    a = -torch.rand(h, generator=g).to(DEVICE)
+    d, dt_bias = torch.randn(h, generator=g).to(DEVICE), torch.randn(h, generator=g).to(DEVICE)
+    pool = torch.randn(s, h, p, n, generator=g).to(DEVICE)
+    ref_pool = pool.clone()
+    slots = torch.tensor([2, -1, 4], device=DEVICE)
+    y = mamba2_state_update_fused(x, dt, a, bb, cc, d, dt_bias, pool, slots, limit)
+    ref = mamba2_state_update(x.reshape(b, h, p), dt, a, bb.reshape(b, groups, n), cc.reshape(b, groups, n), d,
+                              dt_bias, ref_pool, slots, dt_limit=limit)
+    live = [0, 2]
+    torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)

@@ -376,6 +376,15 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
+        A = self._neg_A(self.A_log)  # [H]
+        gn = self.n_groups * self.state_size
+        if batch.fused_decode:  # two Triton kernels: the conv window, then dt + the state update
+            xbc = _gpu("conv1d_decode").causal_conv1d_update_fused(xbc, self.conv_weight, self.conv_bias, conv_states,
+                                                                   batch.state_slots, "silu")
+            xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
+            y = _gpu("mamba2_decode").mamba2_state_update_fused(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states,
+                                                                batch.state_slots, self.dt_limit)  # [B, H, P]
+            return self._out(y, z, t, x.dtype)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         else:
@@ -383,12 +392,10 @@ class Mamba2Mixer(nn.Module):
                 xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, batch.state_slots, "silu",
                 **_ckpt_kwargs(batch),
             )  # [T, conv_dim]
-        gn = self.n_groups * self.state_size
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
         xs = xs.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
         bs = bs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
         cs = cs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        A = self._neg_A(self.A_log)  # [H]
         if batch.is_decode:
             y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots,
                                     dt_limit=self.dt_limit)
@@ -399,8 +406,11 @@ class Mamba2Mixer(nn.Module):
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,
                 **_ckpt_kwargs(batch), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
             )  # [T, H, P]
+        return self._out(y, z, t, x.dtype)
+
+    def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
         y = self.norm(y.reshape(t, self.inner), z)  # [T, I]
-        return self.out_proj(y.to(x.dtype))
+        return self.out_proj(y.to(dtype))
 
 
 # --- feed-forward ------------------------------------------------------------------------------
@@ -678,9 +688,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     # --- what the fused (Triton) decode step covers ---
     def supports_fused_decode(self) -> bool:
-        """Every mixer has a fused decode path (full attention and Gated DeltaNet so far; Mamba2, KDA
-        and the MLA / short-conv layers decode through their PyTorch ops)."""
-        return all(layer.mixer is None or type(layer.mixer) in (Attention, GatedDeltaNet) for layer in self.layers)
+        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far; KDA,
+        Falcon-H1's parallel mixer and the MLA / short-conv layers decode through their PyTorch ops)."""
+        return all(layer.mixer is None or type(layer.mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
+                   for layer in self.layers)
 
     def supports_cuda_graph(self) -> bool:
         """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
