@@ -158,7 +158,15 @@ class Engine:
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
-                f"prefix_cache={'on' if self.tree is not None else 'off'}")
+                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}")
+
+    def _decode_mode(self) -> str:
+        runner = self.scheduler.runner
+        if not runner.fused:
+            return "pytorch ops"
+        if runner.graphs is None:
+            return "fused Triton kernels"
+        return f"fused Triton kernels, CUDA graphs up to batch {runner.graphs.max_bs}"
 
     # ------------------------------------------------------------------------------------------
     # public API
