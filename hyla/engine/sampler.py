@@ -4,8 +4,11 @@ top-k/top-p/min-p → draw.
 A grammar's mask (``hyla.engine.grammar.TokenMask``) sets forbidden tokens to ``-inf`` after the
 penalties, so greedy and random rows alike choose only among allowed tokens (top-k and top-p then
 count allowed tokens only). Greedy rows take the argmax of the penalised, masked logits. Random
-rows draw with their request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or
-from the engine seed), so a request's output does not depend on what else shares its batch.
+rows are processed together (their distributions as one ``[R, V]`` batch, each row with its own
+temperature / top-k / top-p / min-p) and each draws by inverse CDF from one uniform number of its
+request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or from the engine seed),
+so a request's output does not depend on what else shares its batch, and a step costs a few batched
+kernels, not a softmax and a sort per request.
 Log-probabilities reported to the user are those of the model's raw distribution (``log_softmax``
 of the unpenalised, unmasked fp32 logits), the same for greedy and random rows, which is what the
 cache-on/cache-off differential tests compare. With a grammar, a token it forces may thus show a
@@ -40,11 +43,13 @@ def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None)
             processed[i] = apply_penalties(processed[i], req)
     apply_token_mask(processed, mask)
 
-    greedy = torch.argmax(processed, dim=-1)  # [B]
-    chosen = greedy.clone()
-    for i, req in enumerate(reqs):
-        if not req.sampling.is_greedy:
-            chosen[i] = sample_row(processed[i], req)
+    chosen = torch.argmax(processed, dim=-1)  # [B]
+    rows = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
+    if rows:  # all random rows at once: one batched distribution, one uniform draw per request
+        rreqs = [reqs[i] for i in rows]
+        index = torch.tensor(rows, dtype=torch.long, device=processed.device)
+        probs = target_probs_batch(processed.index_select(0, index), rreqs)  # [R, V]
+        chosen.index_copy_(0, index, inverse_cdf(probs, torch.cat([uniform_draw(r, probs.device) for r in rreqs])))
 
     token_ids = chosen.tolist()
     lps = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
@@ -79,37 +84,55 @@ def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
 
 def target_probs(row: torch.Tensor, req: Req) -> torch.Tensor:
     """The distribution a random row draws from: temperature, then top-k, top-p and min-p. ``[V]``."""
-    p = req.sampling
-    row = row / p.temperature
-    if p.top_k > 0:
-        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)  # [V]
-    if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
+    return target_probs_batch(row.unsqueeze(0), [req])[0]
+
+
+def target_probs_batch(rows: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
+    """:func:`target_probs` of every row ``[R, V]`` at once, each with its request's parameters."""
+    dev = rows.device
+    params = [r.sampling for r in reqs]
+    rows = rows / torch.tensor([[p.temperature] for p in params], dtype=rows.dtype, device=dev)
+    top_k = [min(p.top_k, rows.shape[1]) if p.top_k > 0 else 0 for p in params]
+    if any(top_k):  # each row's k-th largest logit (rows without top-k keep everything)
+        kth = torch.topk(rows, max(top_k), dim=-1).values  # [R, max k]
+        ks = torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)
+        cut = kth.gather(1, ks[:, None])  # [R, 1]
+        cut = cut.masked_fill(torch.tensor([[k == 0] for k in top_k], device=dev), float("-inf"))
+        rows = rows.masked_fill(rows < cut, float("-inf"))
+    probs = torch.softmax(rows, dim=-1)  # [R, V]
+    top_p = [p.top_p for p in params]
+    if any(t < 1.0 for t in top_p):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return probs / probs.sum()
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= torch.tensor([[t] for t in top_p], device=dev)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        floor = torch.tensor([[m] for m in min_p], device=dev) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token for the uniform draw ``u[i]`` in ``[0, 1)``: the first token whose cumulative
+    probability exceeds ``u[i]`` times the row's mass (never a zero-probability token). ``[R]``."""
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    idx = torch.searchsorted(cdf, (u.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)
+
+
+def uniform_draw(req: Req, device: torch.device) -> torch.Tensor:
+    """``[1]``: one U(0, 1) draw from the request's generator (on its device), moved to ``device``."""
+    gen = req.generator
+    return torch.rand(1, generator=gen, device=gen.device if gen is not None else "cpu").to(device)
 
 
 def draw(probs: torch.Tensor, req: Req) -> int:
-    """One token from ``probs`` ``[V]`` with the request's generator."""
-    gen = req.generator
-    if gen is not None and gen.device != probs.device:
-        probs = probs.to(gen.device)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    """One token from ``probs`` ``[V]`` with the request's generator (as :func:`sample` draws)."""
+    return int(inverse_cdf(probs.unsqueeze(0), uniform_draw(req, probs.device))[0])
 
 
 def uniform(req: Req) -> float:
     """One U(0, 1) draw from the request's generator (speculative acceptance)."""
     gen = req.generator
     return float(torch.rand(1, generator=gen, device=gen.device if gen is not None else "cpu"))
-
-
-def sample_row(row: torch.Tensor, req: Req) -> torch.Tensor:
-    """Draw one token from a penalised logit row with the request's generator."""
-    return torch.tensor(draw(target_probs(row, req), req), device=row.device)
