@@ -86,8 +86,12 @@ class CacheManager:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
         if self.tree is None:
             return None
-        # the last token is always computed: its logits give the next token
-        return self.tree.match_prefix(req.fill_ids[:-1], namespace=req.namespace)
+        # the last token is always computed: its logits give the next token; a request that wants
+        # prompt logprobs recomputes from the first position whose logits it needs
+        limit = req.num_fill - 1
+        if req.prompt_logits_from is not None:
+            limit = min(limit, req.prompt_logits_from)
+        return self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
 
     def match(self, req: Req) -> MatchResult | None:
         """Find ``req``'s cached prefix and protect it (KV lock on the path, state lock on the

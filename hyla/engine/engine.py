@@ -92,6 +92,9 @@ class Engine:
             max_context_len=self.context_length,
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
+            # prompt logprobs: at most ~256 MiB of fp32 logits per step
+            prompt_logits_chunk=max(self.args.page_size, (1 << 26) // self.model_config.vocab_size
+                                    // self.args.page_size * self.args.page_size),
         )
         drafter = None
         if self.args.speculative_algorithm == "ngram":
@@ -174,14 +177,19 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                 rid: str | list[str] | None = None, namespace: Any = None) -> Any:
+                 rid: str | list[str] | None = None, namespace: Any = None,
+                 logprob_start_len: int | list[int] = -1) -> Any:
         """Generate for one request (returns a dict) or a list (returns a list of dicts).
 
         ``checkpoints``: extra token positions of the prompt (e.g. message ends) where the engine
         caches the recurrent state, so a prefix ending there hits from its second use.
+        ``return_logprob`` with ``logprob_start_len=k >= 0`` (SGLang's) also returns the logprobs
+        of prompt tokens ``k..`` (``meta_info["input_token_logprobs"]``; token 0 has none: None).
+        A cached token has no logits, so such a request reuses the prefix cache only up to ``k - 1``.
         ``stream=True`` (one request) returns an iterator of incremental chunks.
         """
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace)
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
+                                           logprob_start_len)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -196,9 +204,11 @@ class Engine:
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
-                             rid: str | list[str] | None = None, namespace: Any = None) -> Any:
+                             rid: str | list[str] | None = None, namespace: Any = None,
+                             logprob_start_len: int | list[int] = -1) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator."""
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace)
+        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
+                                           logprob_start_len)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -272,7 +282,8 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # requests
     # ------------------------------------------------------------------------------------------
-    def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace):
+    def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
+                       logprob_start_len=-1):
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -296,12 +307,15 @@ class Engine:
         rids = [rid] if isinstance(rid, str) else (list(rid) if rid is not None else [None] * n)
         if len(rids) != n or len(ckpts) != n:
             raise ValueError("rid and checkpoints must have one entry per request")
-        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace)
-                for ids, p, c, r in zip(id_lists, params, ckpts, rids)]
+        starts = list(logprob_start_len) if isinstance(logprob_start_len, (list, tuple)) else [logprob_start_len] * n
+        if len(starts) != n:
+            raise ValueError(f"{len(starts)} logprob_start_len values for {n} requests")
+        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k)
+                for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
         return reqs, single
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
-                      rid: str | None, namespace: Any) -> Req:
+                      rid: str | None, namespace: Any, logprob_start_len: int = -1) -> Req:
         if self.sampling_defaults and (params is None or isinstance(params, dict)):
             params = {**self.sampling_defaults, **(params or {})}
         sp = SamplingParams.from_dict(params)
@@ -328,8 +342,14 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
         seed = sp.seed if sp.seed is not None else (self.args.seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**63
         gen = torch.Generator(device=self.device).manual_seed(seed)
+        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) \
+                or not -1 <= logprob_start_len < len(ids):
+            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                             f"[0, {len(ids)}), got {logprob_start_len!r}")
+        if logprob_start_len >= 0 and not return_logprob:
+            raise ValueError("logprob_start_len asks for prompt logprobs: set return_logprob too")
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints, namespace=namespace,
-                   return_logprob=return_logprob, generator=gen, grammar=grammar)
+                   return_logprob=return_logprob, logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
 
     def _submit(self, reqs: list[Req]) -> None:
         with self._inbox_lock:  # requests still in the inbox count as queued too

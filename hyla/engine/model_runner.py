@@ -77,10 +77,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpts: list[tuple[int, int, int]], all_logits: bool = False) -> torch.Tensor:
+                       ckpts: list[tuple[int, int, int]], all_logits: bool = False,
+                       logit_rows: list[list[int]] | None = None) -> torch.Tensor:
         """Feed ``extend_lens[i]`` tokens of request i after its ``kv_len`` (its draft tokens
-        included); logits of each last token ``[B, V]``, or of every token ``[sum(extend_lens), V]``
-        with ``all_logits`` (speculative verification)."""
+        included); logits of each last token ``[B, V]``, of every token ``[sum(extend_lens), V]``
+        with ``all_logits`` (speculative verification), or of the tokens at offsets
+        ``logit_rows[i]`` of each request, in order (prompt logprobs)."""
         ids: list[int] = []
         pos: list[int] = []
         kv_rows = []
@@ -109,6 +111,9 @@ class ModelRunner:
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
+        elif logit_rows is not None:
+            rows = [cu[i] + o for i, offs in enumerate(logit_rows) for o in offs]
+            batch.logits_indices = torch.tensor(rows, dtype=torch.long).to(self.device)
         return self.model.forward(batch)
 
     @torch.inference_mode()

@@ -26,7 +26,7 @@ import torch
 
 from hyla.engine.grammar import Grammars, TokenMask
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.sampler import sample
+from hyla.engine.sampler import sample, top_logprobs
 
 logger = logging.getLogger("hyla.engine")
 
@@ -67,6 +67,16 @@ class OutputProcessor:
             elif r.stream and not self.deliver(r):
                 failed.append(r)
         return finished, failed
+
+    def record_prompt_logprobs(self, req: Req, logits: torch.Tensor) -> None:
+        """Prompt logprobs from consecutive logits rows ``[N, V]``: row ``j`` is the position before
+        the next prompt token still missing one (``req.prompt_logits_from + j``), and gives its
+        logprob (raw model distribution, as output logprobs) and, if asked, its top logprobs."""
+        first = req.logprob_start_len + len(req.input_logprobs)  # the token row 0 predicts
+        targets = torch.tensor(req.input_ids[first:first + logits.shape[0]], dtype=torch.long, device=logits.device)
+        logprobs = torch.log_softmax(logits[:targets.numel()].float(), dim=-1)  # [N, V]
+        req.input_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
+        req.input_top_logprobs.extend(top_logprobs(row, req) for row in logprobs)
 
     def grammar_masks(self, reqs: list[Req], drafts: bool = False) -> TokenMask | None:
         """The token masks of ``reqs``' constrained rows (``None`` if none has a grammar): one row

@@ -47,6 +47,7 @@ class Req:
     checkpoints: tuple[int, ...] = ()  # caller-given positions (token counts into the prompt)
     namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
     return_logprob: bool = False
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
     arrival_time: float = field(default_factory=time.monotonic)
     stream: bool = False  # deliver each step's new output (else only the final output)
     # called on the scheduler thread with an output chunk (see OutputProcessor) and whether it is the last
@@ -74,6 +75,10 @@ class Req:
     grammar: Any = None  # a hyla.engine.grammar.GrammarMatcher when sampling.grammar is set
 
     # --- output ----------------------------------------------------------------------------
+    # prompt logprobs of positions logprob_start_len, logprob_start_len + 1, ... (position 0 has none:
+    # None); filled as prefill chunks compute them, complete before the first output token
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     text: str = ""  # output text so far (built by the scheduler thread, cut before a stop string)
@@ -85,6 +90,19 @@ class Req:
     def __post_init__(self) -> None:
         if not self.input_ids:
             raise ValueError(f"request {self.rid}: the prompt is empty")
+        if self.return_logprob and self.logprob_start_len == 0:  # the first token has no logprob
+            self.input_logprobs.append(None)
+            self.input_top_logprobs.append(None)
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first position whose logits this request still needs for its prompt logprobs (the
+        logits at position ``q`` give the logprob of prompt token ``q + 1``); None when it needs none.
+        Its cached prefix must end there: a cached token has no logits."""
+        if not self.return_logprob or self.logprob_start_len < 0:
+            return None
+        target = self.logprob_start_len + len(self.input_logprobs)  # next prompt token without one
+        return target - 1 if target < len(self.input_ids) else None
 
     @property
     def fill_ids(self) -> list[int]:
@@ -135,6 +153,12 @@ class Req:
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.spec_num_tokens / self.spec_verify_ct
+        if self.return_logprob and self.logprob_start_len >= 0 and start == 0:
+            first = self.logprob_start_len
+            info["input_token_logprobs"] = [
+                (lp, tid, None) for lp, tid in zip(self.input_logprobs, self.input_ids[first:])]
+            if self.sampling.top_logprobs_num:
+                info["input_top_logprobs"] = [list(t) if t is not None else None for t in self.input_top_logprobs]
         if self.return_logprob:
             end = len(self.output_logprobs) if end is None else end
             info["output_token_logprobs"] = [

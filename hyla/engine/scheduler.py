@@ -57,6 +57,7 @@ class SchedulerConfig:
     max_context_len: int = 1 << 62
     log_interval: int = 40  # decode steps between log lines (prefill steps always log at INFO)
     debug_checks: bool = False  # run every check_integrity() after every step (tests)
+    prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Batch:
     verify: bool = False  # speculative: feeds 1 + len(draft_ids) tokens per request, logits of all
     scratch: list[list[int]] = field(default_factory=list)  # verify: per request, state slot after fed token j+1
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
+    # prompt logprobs: the logits rows the step returns per request (its prompt-logprob positions,
+    # then its last token), set by run(); None: one row per request (its last token)
+    logit_rows: list[list[int]] | None = None
 
     def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[tuple[int, bool]]) -> None:
         self.reqs.append(req)
@@ -146,7 +150,9 @@ class Scheduler:
                 return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
             if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 return self.runner.forward_decode(batch.reqs, loc)
-            return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward)
+            batch.logit_rows = _logit_rows(batch.reqs, batch.lens)
+            return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward,
+                                              logit_rows=batch.logit_rows)
         except Exception:
             for r in batch.reqs:
                 r.draft_ids = []
@@ -158,6 +164,16 @@ class Scheduler:
         """Commit what the model computed, then sample for every request that has fed all its tokens."""
         if batch.verify:
             return self._process_verify(batch, logits)
+        if batch.logit_rows is not None:  # record prompt logprobs; keep each request's last row
+            last, row = [], 0
+            for r, offs in zip(batch.reqs, batch.logit_rows):
+                first = r.prompt_logits_from
+                prompt = 0 if first is None else sum(1 for o in offs if first <= r.kv_len + o < len(r.input_ids) - 1)
+                if prompt:
+                    self.output.record_prompt_logprobs(r, logits[row:row + prompt])
+                row += len(offs)
+                last.append(row - 1)
+            logits = logits[last]
         per_req = batch.ckpts.per_req or [()] * len(batch.reqs)
         for r, n, ckpts in zip(batch.reqs, batch.lens, per_req):
             self.cache.commit(r, n, ckpts, insert=not batch.is_decode)
@@ -334,6 +350,8 @@ class Scheduler:
     def _chunk_len(self, req: Req, budget: int) -> int:
         """Tokens of ``req`` to feed this step: all that remain, or a page-aligned chunk of the budget."""
         remaining = req.extend_target
+        if req.prompt_logits_from is not None:  # bounds the step's [tokens, vocab] logits
+            budget = min(budget, self.config.prompt_logits_chunk)
         if remaining <= budget:
             return remaining
         end = req.kv_len + budget
@@ -432,3 +450,21 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _logit_rows(reqs: list[Req], lens: list[int]) -> list[list[int]] | None:
+    """Per request, the offsets into its fed tokens whose logits a prefill step returns: the
+    positions whose logits give prompt logprobs it still needs, then its last token. None when no
+    request needs prompt logprobs (the runner then returns each request's last row)."""
+    rows, wanted = [], False
+    for r, n in zip(reqs, lens):
+        first = r.prompt_logits_from
+        offs: list[int] = []
+        if first is not None:
+            lo, hi = max(first, r.kv_len), min(r.kv_len + n, len(r.input_ids) - 1)
+            offs = list(range(lo - r.kv_len, hi - r.kv_len))
+            wanted = wanted or bool(offs)
+        if not offs or offs[-1] != n - 1:
+            offs.append(n - 1)
+        rows.append(offs)
+    return rows if wanted else None

@@ -50,6 +50,7 @@ class Job:
     return_logprob: bool = False
     checkpoints: list[int] = field(default_factory=list)
     rid: str | None = None
+    logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
 
 
 @dataclass
@@ -64,6 +65,9 @@ class Choice:
     """The engine's ``output_token_logprobs`` of every token so far (None: not asked for)."""
     top_logprobs: list[list[tuple[float, int]]] | None = None
     """The engine's ``output_top_logprobs`` of every token so far (None: not asked for)."""
+    input_logprobs: list[tuple[float | None, int, None]] | None = None
+    """The engine's ``input_token_logprobs`` (prompt logprobs; None: not asked for)."""
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -87,6 +91,10 @@ class Choice:
     def meta_info(self) -> dict[str, Any]:
         """The engine's ``meta_info`` for everything so far (the native API's cumulative view)."""
         info = dict(self.meta)
+        if self.input_logprobs is not None:
+            info["input_token_logprobs"] = self.input_logprobs
+        if self.input_top_logprobs is not None:
+            info["input_top_logprobs"] = self.input_top_logprobs
         if self.token_logprobs is not None:
             info["output_token_logprobs"] = self.token_logprobs
         if self.top_logprobs is not None:
@@ -102,6 +110,9 @@ class Choice:
         self.output_ids.extend(chunk["output_ids"])
         meta = dict(chunk["meta_info"])
         lps, tops = meta.pop("output_token_logprobs", None), meta.pop("output_top_logprobs", None)
+        inputs, input_tops = meta.pop("input_token_logprobs", None), meta.pop("input_top_logprobs", None)
+        if inputs is not None and self.input_logprobs is None:  # the first chunk (and the final output) carry them
+            self.input_logprobs, self.input_top_logprobs = inputs, input_tops
         if lps is not None:
             self.token_logprobs = self.token_logprobs if self.token_logprobs is not None else []
             self.token_logprobs.extend(lps)
@@ -147,7 +158,8 @@ class Generation:
                 rid = job.rid or f"{self.endpoint}-{uuid.uuid4().hex}"
                 stream = await self.engine.async_generate(
                     prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
-                    return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid)
+                    return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid,
+                    logprob_start_len=job.logprob_start_len)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))

@@ -86,6 +86,7 @@ def _jobs(body: GenerateRequest) -> list[Job]:
         return list(value)
 
     params = per_item(body.sampling_params, "sampling_params", isinstance(body.sampling_params, list))
+    starts = per_item(body.logprob_start_len, "logprob_start_len", isinstance(body.logprob_start_len, list))
     rids = per_item(body.rid, "rid", isinstance(body.rid, list))
     single_ckpt = body.checkpoints is None or not body.checkpoints or isinstance(body.checkpoints[0], int)
     if body.checkpoints and n > 1 and single_ckpt:
@@ -93,9 +94,10 @@ def _jobs(body: GenerateRequest) -> list[Job]:
     ckpts = [body.checkpoints or []] if single_ckpt else per_item(body.checkpoints, "checkpoints", True)
     ckpts = ckpts * n if len(ckpts) == 1 else ckpts
     jobs = []
-    for prompt, p, rid, ck in zip(prompts, params, rids, ckpts):
+    for prompt, p, rid, ck, start in zip(prompts, params, rids, ckpts, starts):
         p = dict(p or {})
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
-        jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid))
+        jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,
+                        logprob_start_len=start))
     return jobs

@@ -72,35 +72,56 @@ class OpenAIRoutes:
         self.server.check_model(body.model)
         engine = self.server.admit()
         top_k = body.logprobs or 0
+        prompts = body.prompts()
+        id_lists = await self._prompt_ids(engine, prompts)
+        # echo + logprobs: the prompt's logprobs too (its first token has none)
+        start = 0 if body.echo and body.logprobs is not None else -1
         jobs = []
-        for ids in await self._prompt_ids(engine, body.prompts()):
+        for ids in id_lists:
             max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
-            jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None)
-                     for j in range(body.n)]
+            jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
+                         logprob_start_len=start) for j in range(body.n)]
+        echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return gen.stream(self._completion_events(body, gen, rid))
-        choices = [
-            CompletionChoice(
-                index=c.index, text=c.text, finish_reason=c.openai_finish_reason(),
-                logprobs=completion_logprobs(engine.tokenizer, *_logprobs(c), 0) if body.logprobs is not None else None)
-            for c in await gen.collect(request)]
+            return gen.stream(self._completion_events(body, gen, rid, echoed))
+        choices = []
+        for c in await gen.collect(request):
+            prefix = echoed[c.index // body.n] if echoed is not None else ""
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(engine.tokenizer, *_logprobs(c), len(prefix))
+                if echoed is not None:
+                    logprobs = _prompt_logprobs(engine.tokenizer, c).extend(logprobs)
+            choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
+                                            finish_reason=c.openai_finish_reason()))
         return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                usage=usage(gen.choices, body.n)).model_dump())
 
-    async def _completion_events(self, body: CompletionRequest, gen: Generation, rid: str) -> AsyncIterator[str]:
+    async def _completion_events(self, body: CompletionRequest, gen: Generation, rid: str,
+                                 echoed: list[str] | None) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(gen.choices)  # text_offset continues across a choice's chunks
+        started = [False] * len(gen.choices)  # echo: the prompt goes before a choice's first chunk
         async for choice, chunk in gen.events():
-            logprobs = None
+            text, logprobs = chunk["text"], None
+            prompt_logprobs = None
+            if echoed is not None and not started[choice.index]:
+                text = echoed[choice.index // body.n] + text
+                if body.logprobs is not None:
+                    prompt_logprobs = _prompt_logprobs(gen.engine.tokenizer, choice)
+                    offsets[choice.index] = len(echoed[choice.index // body.n])
+            started[choice.index] = True
             if body.logprobs is not None:
                 logprobs = completion_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk), offsets[choice.index])
                 offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+                if prompt_logprobs is not None:
+                    logprobs = prompt_logprobs.extend(logprobs)
             finish = choice.openai_finish_reason()
-            if chunk["text"] or finish or (logprobs and logprobs.tokens):
+            if text or finish or (logprobs and logprobs.tokens):
                 out = CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[
-                    CompletionChoice(index=choice.index, text=chunk["text"], logprobs=logprobs, finish_reason=finish)])
+                    CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish)])
                 yield sse(out)
         if body.include_usage():
             yield sse(CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[],
@@ -268,6 +289,19 @@ def chat_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs)
             top.append(TopLogprob(token=alt.text, logprob=v, bytes=alt.bytes))
         content.append(ChatTokenLogprob(token=token.text, logprob=lp, bytes=token.bytes, top_logprobs=top))
     return ChatChoiceLogprobs(content=content)
+
+
+def _prompt_text(engine: Engine, prompt: str | list[int]) -> str:
+    """What ``echo`` puts before the completion: the prompt as sent (token ids decoded)."""
+    if isinstance(prompt, str):
+        return prompt
+    return engine.tokenizer.decode(prompt) if engine.tokenizer is not None else ""
+
+
+def _prompt_logprobs(tokenizer: Tokenizer | None, choice: Choice) -> CompletionLogprobs:
+    """``echo`` + ``logprobs``: the prompt tokens' logprobs (the first token's is null), from offset 0."""
+    lps = [(lp, tid) for lp, tid, _ in choice.input_logprobs or ()]
+    return completion_logprobs(tokenizer, lps, choice.input_top_logprobs or [], 0)
 
 
 def _logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:

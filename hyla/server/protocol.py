@@ -211,13 +211,16 @@ class CompletionRequest(_SamplingFields):
     list of token-id lists; a list gives ``n`` choices per prompt, indexed ``prompt * n + j``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
+        if self.max_tokens == 0 and not self.echo:  # 0: only the prompt's logprobs (evaluation harnesses)
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -358,6 +361,7 @@ class GenerateRequest(_Request):
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
+    logprob_start_len: int | list[int] = -1  # with return_logprob: prompt logprobs from this position
     top_logprobs_num: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     rid: str | list[str] | None = None
@@ -396,6 +400,14 @@ class CompletionLogprobs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+    def extend(self, other: "CompletionLogprobs") -> "CompletionLogprobs":
+        """This one followed by ``other`` (``echo``: the prompt's, then the completion's); returns self."""
+        self.tokens += other.tokens
+        self.token_logprobs += other.token_logprobs
+        self.top_logprobs += other.top_logprobs
+        self.text_offset += other.text_offset
+        return self
 
 
 class CompletionChoice(BaseModel):
