@@ -178,6 +178,36 @@ def test_tool_call_parser():
         assert out.strip() == "Let me check." and [c.name for c in got] == ["get_weather", "get_time"]
 
 
+def test_nemotron_json_tool_call_parser(engine):
+    """NemotronH's syntax: one ``<TOOLCALL>`` block holding a JSON list of calls; parsed whole and
+    streamed, and forced through its grammar (the tiny model then emits a valid call)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("nemotron_json")
+    text = ('Checking.<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_time", "arguments": {"zone": "UTC"}}]</TOOLCALL>')
+    content, calls = parser.parse(text)
+    assert content == "Checking." and [c.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[1].arguments) == {"zone": "UTC"}
+    for bad in ("<TOOLCALL>{\"name\": \"f\"}</TOOLCALL>", "<TOOLCALL>[]</TOOLCALL>", "<TOOLCALL>[1]</TOOLCALL>"):
+        assert parser.parse(bad) == (bad, [])  # not a list of calls: stays text
+    for size in (1, 5, 1000):
+        stream, out, got = parser.stream(), "", []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, final=i == len(pieces) - 1)
+            out += c
+            got += new
+        assert out.strip() == "Checking." and [c.name for c in got] == ["get_weather", "get_time"]
+    for parallel in (False, True):
+        grammar = parser.forced_grammar([WEATHER["function"]], parallel)
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"ebnf": grammar, "max_new_tokens": 96,
+                                                                    "temperature": 0.0})
+        assert out["text"].startswith('<TOOLCALL>[{"name": "get_weather"'), out["text"]
+        if not parallel:  # (a parallel list may run past max_new_tokens on this random model)
+            _, forced = parser.parse(out["text"])
+            assert [c.name for c in forced] == ["get_weather"], out["text"]
+
+
 @pytest.mark.parametrize("extra, param", [
     pytest.param({"tool_choice": "auto"}, None, id="tool-choice-without-tools"),
     pytest.param({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", id="unknown-tool-choice"),

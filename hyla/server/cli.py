@@ -22,6 +22,7 @@ from typing import Any
 
 from hyla.engine.args import EngineArgs
 from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
+from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -68,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                         help="On SIGTERM or Ctrl-C: refuse new requests (503) at once, give running ones this long "
                              f"to finish, then abort them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}).")
-    parser.add_argument("--tool-call-parser", default="qwen", choices=["qwen"],
-                        help="The model family's tool-call syntax parsed into tool_calls (SGLang's names; default qwen).")
+    parser.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
+                        help="The model family's tool-call syntax parsed into tool_calls: qwen (default) or nemotron_json (NemotronH).")
     parser.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                         help="Separate <think>...</think> into reasoning_content (SGLang's names; default off).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

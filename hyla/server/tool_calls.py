@@ -24,7 +24,7 @@ from typing import Any
 
 from hyla.engine.grammar import JSON_DEFAULTS
 
-TOOL_CALL_PARSERS = ("qwen",)
+TOOL_CALL_PARSERS = ("qwen", "nemotron_json")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
 
 
@@ -47,38 +47,41 @@ class ToolCall:
 
 
 class ToolCallParser:
-    """Qwen's syntax (the only one so far; another family subclasses and sets the markers)."""
+    """A family's tool-call syntax: block markers, and what a block's body holds (one call as a JSON
+    object for ``qwen``; a JSON list of such objects for ``nemotron_json``)."""
 
-    start = "<tool_call>"
-    end = "</tool_call>"
+    MARKERS = {"qwen": ("<tool_call>", "</tool_call>"), "nemotron_json": ("<TOOLCALL>", "</TOOLCALL>")}
 
     def __init__(self, name: str = DEFAULT_TOOL_CALL_PARSER):
         if name not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {name!r}; expected one of {TOOL_CALL_PARSERS}")
         self.name = name
+        self.start, self.end = self.MARKERS[name]
+        self.listed = name == "nemotron_json"  # a block holds a list of calls
         self._block = re.compile(re.escape(self.start) + r"(.*?)" + re.escape(self.end), re.S)
 
-    def call_of(self, body: str) -> ToolCall | None:
-        """The call a block's body holds, or None if it is not one."""
+    def calls_of(self, body: str) -> list[ToolCall] | None:
+        """The calls a block's body holds, or None if it is not a well-formed block."""
         try:
             value = json.loads(body)
         except ValueError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        items = value if self.listed and isinstance(value, list) else [value] if not self.listed else None
+        if not items:
             return None
-        args = value.get("arguments", value.get("parameters", {}))
-        return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+        calls = [_call(item) for item in items]
+        return None if any(c is None for c in calls) else calls
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the text without the well-formed call blocks, and the calls."""
         calls, kept, pos = [], [], 0
         for m in self._block.finditer(text):
-            call = self.call_of(m.group(1))
-            if call is None:
+            found = self.calls_of(m.group(1))
+            if found is None:
                 continue
             kept.append(text[pos:m.start()])
             pos = m.end()
-            calls.append(call)
+            calls.extend(found)
         kept.append(text[pos:])
         content = "".join(kept)
         return (content.strip() if calls else content), calls
@@ -96,6 +99,9 @@ class ToolCallParser:
                             "required": ["name", "arguments"], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         schema = {**schema, "x-guidance": JSON_DEFAULTS}
+        if self.listed:  # one block, a list of one call (or several, parallel)
+            items = 'body (", " body)*' if parallel else "body"
+            return f'start: "{self.start}[" {items} "]{self.end}"\nbody: %json {json.dumps(schema)}\n'
         call = f'"{self.start}\\n" body "\\n{self.end}"'
         start = "call (\"\\n\" call)*" if parallel else "call"
         return f"start: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
@@ -132,16 +138,24 @@ class ToolCallStream:
                 break
             block = self.buffer[:j + len(end)]
             self.buffer = self.buffer[j + len(end):]
-            call = self.parser.call_of(block[len(start):-len(end)])
-            if call is None:
+            found = self.parser.calls_of(block[len(start):-len(end)])
+            if found is None:
                 out.append(block)
             else:
-                new.append(call)
+                new.extend(found)
         content = "".join(out)
         if self.calls or new:  # the whitespace around call blocks is layout, not content
             content = content.strip() if not content.strip() else content
         self.calls += new
         return content, new
+
+
+def _call(value: object) -> ToolCall | None:
+    """``{"name": str, "arguments": {...} | str}`` (or ``"parameters"``) as a call, else None."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
 def _partial_suffix(text: str, marker: str) -> int:
