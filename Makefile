@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
 	touch $(STAMP)
+	@echo "hyla is installed in $(VENV): run $(VENV)/bin/hyla, or 'source $(VENV)/bin/activate' to put hyla on the PATH"
 
 $(DEV_STAMP): $(STAMP)
 	$(PIP) install -q -e ".[dev]"

@@ -242,3 +242,28 @@ def test_cli_writes_output_file(server, tmp_path, capsys):
     assert s["cached_tokens"] >= 3 * 7
     assert len(record["requests"]) == 4 and record["config"]["request_rate"] == 50.0
     assert record["config"]["model"] == "stub-model"  # no --model: the server's first listed model
+
+
+def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkeypatch):
+    """``hyla bench --help`` (issue 13): every option is listed with a line of help that states its default."""
+    import argparse
+
+    from hyla.bench import cli as bench_cli
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no line wrapping (argparse would break "openai-chat" at the hyphen)
+    with pytest.raises(SystemExit) as exit_info:
+        hyla_main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    parser = argparse.ArgumentParser(prog="hyla bench")
+    bench_cli.add_arguments(parser)
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) == 19
+    for action in options:
+        flag = max(action.option_strings, key=len)
+        assert flag in out
+        assert action.help and "(default: " in action.help, flag
+        expanded = " ".join((action.help % {**vars(action), "prog": parser.prog}).split())
+        assert expanded in out, flag
+        if action.default not in (None, False):
+            assert f"(default: {action.default}" in expanded, flag  # the value itself, not a description

@@ -22,32 +22,57 @@ from hyla.bench.runner import run_benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root URL")
-    parser.add_argument("--backend", choices=BACKENDS, default="openai",
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions; hyla: native /generate")
-    parser.add_argument("--model", default=None,
-                        help="model name sent in OpenAI requests (default: the first one the server's /v1/models lists)")
-    parser.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt")
-    parser.add_argument("--num-prompts", type=int, default=100,
-                        help="sessions (sharegpt) or requests (random)")
-    parser.add_argument("--sharegpt-min-turns", type=int, default=1, help="only conversations with this many rounds")
-    parser.add_argument("--sharegpt-max-turns", type=int, default=None, help="send at most this many turns per session")
-    parser.add_argument("--sharegpt-output-len", type=int, default=None,
-                        help="output tokens asked per turn (default: the recorded reply's word count)")
-    parser.add_argument("--random-input-len", type=int, default=1024)
-    parser.add_argument("--random-output-len", type=int, default=128)
-    parser.add_argument("--random-range-ratio", type=float, default=1.0,
-                        help="draw lengths uniformly from [ratio*len, len]")
-    parser.add_argument("--shared-prefix-ratio", type=float, default=0.0,
-                        help="fraction of each random prompt that is a shared prefix")
-    parser.add_argument("--num-shared-prefixes", type=int, default=1)
-    parser.add_argument("--request-rate", type=float, default=math.inf,
-                        help="Poisson arrivals per second of sessions/requests (default inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    parser.add_argument("--output-file", default=None, help="write the summary and per-request records as JSON")
-    parser.add_argument("--disable-tqdm", action="store_true")
+    """Every option says what it does and its default (``hyla bench --help``)."""
+    server = parser.add_argument_group("server")
+    server.add_argument("--base-url", default="http://127.0.0.1:30000", metavar="URL",
+                        help="Root URL of the server under test (default: %(default)s).")
+    server.add_argument("--backend", choices=BACKENDS, default="openai",
+                        help="Which API to drive: openai = /v1/completions, openai-chat = /v1/chat/completions, "
+                             "hyla = the native /generate (default: %(default)s).")
+    server.add_argument("--model", default=None,
+                        help="Model name sent in OpenAI requests (default: the first one the server's /v1/models "
+                             "lists).")
+    server.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="Per-request timeout; a request past it counts as failed (default: %(default)s).")
+
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt",
+                      help="sharegpt = ShareGPT conversations as multi-turn chat sessions; random = one-turn "
+                           "prompts of random words (default: %(default)s).")
+    data.add_argument("--num-prompts", type=int, default=100, metavar="N",
+                      help="Sessions (sharegpt) or requests (random) to send (default: %(default)s).")
+    data.add_argument("--sharegpt-min-turns", type=int, default=1, metavar="N",
+                      help="sharegpt: only conversations with at least this many rounds (default: %(default)s).")
+    data.add_argument("--sharegpt-max-turns", type=int, default=None, metavar="N",
+                      help="sharegpt: send at most this many turns per session (default: every turn).")
+    data.add_argument("--sharegpt-output-len", type=int, default=None, metavar="TOKENS",
+                      help="sharegpt: output tokens asked per turn (default: the recorded reply's word count).")
+    data.add_argument("--random-input-len", type=int, default=1024, metavar="WORDS",
+                      help="random: prompt length in words, about a token each (default: %(default)s).")
+    data.add_argument("--random-output-len", type=int, default=128, metavar="TOKENS",
+                      help="random: output tokens asked per request (default: %(default)s).")
+    data.add_argument("--random-range-ratio", type=float, default=1.0, metavar="R",
+                      help="random: draw input and output lengths uniformly from [R x len, len] "
+                           "(default: %(default)s, fixed lengths).")
+    data.add_argument("--shared-prefix-ratio", type=float, default=0.0, metavar="R",
+                      help="random: fraction of each prompt that is a shared prefix (default: %(default)s, none).")
+    data.add_argument("--num-shared-prefixes", type=int, default=1, metavar="N",
+                      help="random: distinct shared prefixes; request i gets prefix i mod N (default: %(default)s).")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf, metavar="PER_SECOND",
+                      help="Poisson arrivals per second of sessions (sharegpt) or requests (random) "
+                           "(default: %(default)s, all at once).")
+    load.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                      help="At most this many requests in flight (default: no cap).")
+    load.add_argument("--seed", type=int, default=0,
+                      help="Seed of the arrival times and the random prompts (default: %(default)s).")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-file", default=None, metavar="PATH",
+                     help="Also write the summary and one record per request as JSON (default: none).")
+    out.add_argument("--disable-tqdm", action="store_true",
+                     help="No progress bar (default: a progress bar on stderr).")
 
 
 def served_model(base_url: str, timeout: float) -> str:

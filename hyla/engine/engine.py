@@ -47,6 +47,19 @@ logger = logging.getLogger("hyla.engine")
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default-model"
 
+MAX_RUNNING_REQUESTS = 256
+"""Default ``max_running_requests`` on a GPU (and the most any default gives)."""
+CPU_MAX_RUNNING_REQUESTS = 32
+"""Default ``max_running_requests`` on CPU, where a larger decode batch adds little throughput (the
+built-in model, one thread: 948 tokens/s at batch 32, 1106 at 64, 1225 at 128)."""
+CHECKPOINTS_PER_RUNNING_REQUEST = 3
+"""Pools sized from memory hold at most this many cached state checkpoints per running request."""
+
+
+def default_max_running_requests(device: torch.device) -> int:
+    """The running requests pools sized from memory are made for, when none are given."""
+    return MAX_RUNNING_REQUESTS if device.type == "cuda" else CPU_MAX_RUNNING_REQUESTS
+
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; retry later (the server answers 429 with Retry-After)."""
@@ -118,22 +131,39 @@ class Engine:
     def _build_pools(self) -> None:
         cfg, args = self.model_config, self.args
         layout = cfg.cache_layout  # K/V and conv state in the model dtype (= self.dtype), SSM state fp32
-        # sizes not given explicitly come from one memory budget split by SGLang's ratio, capped
-        # (a CPU's RAM would otherwise give millions of slots nobody uses)
-        split = split_memory(_cache_budget_bytes(self.device, args.mem_fraction), args.state_memory_ratio,
-                             layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
-        num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), 1 << 22)
-        num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), 4096)
-        if num_slots < 2:
-            raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
         # each running request holds a state slot, plus one scratch slot per draft token with speculation
         per_req = 1 + (args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
-        self.max_running_requests = args.max_running_requests or max(1, min(256, num_slots // (1 + per_req)))
+        context = args.context_length or cfg.max_position_embeddings
+        # Sizes not given explicitly come from one memory budget split by SGLang's ratio, capped by
+        # what the engine can use (a CPU's RAM would otherwise give a 15 MB model 2 GB of pools): a
+        # state slot (and scratch slots) per running request plus CHECKPOINTS_PER_RUNNING_REQUEST
+        # checkpoints each, and KV for every running request at the full context length (the prefix
+        # cache keeps what running requests leave). The running requests counted are
+        # max_running_requests when given, else the device's default.
+        running = args.max_running_requests or default_max_running_requests(self.device)
+        if args.max_total_tokens is None or args.max_state_slots is None:
+            split = split_memory(_cache_budget_bytes(self.device, args.mem_fraction), args.state_memory_ratio,
+                                 layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
+        slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
+        num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), slot_cap, 4096)
+        if num_slots < 2:
+            raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
+        # explicit slots: as many running requests as leave half the slots to checkpoints (at most 256);
+        # slots from memory: the same, at most the device's default
+        cap = MAX_RUNNING_REQUESTS if args.max_state_slots else default_max_running_requests(self.device)
+        self.max_running_requests = args.max_running_requests or max(1, min(cap, num_slots // (1 + per_req)))
         if self.max_running_requests * per_req >= num_slots:
             raise ValueError(
                 f"max_running_requests ({self.max_running_requests}) x {per_req} state slots each must be below "
                 f"max_state_slots ({num_slots}): each running request holds one state slot"
                 f"{' and one scratch slot per draft token' if per_req > 1 else ''}, and checkpoints need more")
+        kv_running = max(running, self.max_running_requests)
+        kv_cap = -(-kv_running * context // args.page_size) * args.page_size  # whole pages
+        num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), kv_cap, 1 << 22)
+        kv_how = _how_sized(args.max_total_tokens, num_tokens, kv_cap, f"{kv_running} requests x {context} tokens")
+        state_how = _how_sized(args.max_state_slots, num_slots, slot_cap,
+                               f"{running} requests x {per_req + CHECKPOINTS_PER_RUNNING_REQUEST} slots")
+        self.pool_sizing = f"KV {kv_how}, state {state_how}"  # for summary()
         num_tokens -= num_tokens % args.page_size
         self.kv_pool = KVPool.from_layout(layout, num_tokens, args.page_size, self.device)
         self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
@@ -161,7 +191,8 @@ class Engine:
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
-                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}")
+                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}, "
+                f"pool sizes: {self.pool_sizing}")
 
     def _decode_mode(self) -> str:
         runner = self.scheduler.runner
@@ -519,6 +550,13 @@ def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:
     except (ValueError, OSError):
         avail = 8 << 30
     return int(avail * (mem_fraction or 0.1))
+
+
+def _how_sized(given: int | None, size: int, cap: int, cap_text: str) -> str:
+    """How one pool's size was chosen, for ``Engine.summary()``."""
+    if given:
+        return "given"
+    return f"capped at {cap_text}" if size == cap else "from memory"
 
 
 def _count_layer_kinds(cfg) -> dict[str, int]:

@@ -1,0 +1,93 @@
+"""Pool sizes that come from memory are capped by what the engine can use (issue 13: the built-in
+15 MB model's server took 2.4 GB because 10% of RAM was preallocated): KV for every running request at
+the full context length, a state slot per running request plus three checkpoints each. Explicit
+sizes win, and a budget below the caps (a large model) sizes the pools as before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyla import Engine
+from hyla.cache import split_memory
+from hyla.engine import engine as engine_module
+from hyla.engine.engine import (CHECKPOINTS_PER_RUNNING_REQUEST, CPU_MAX_RUNNING_REQUESTS, MAX_RUNNING_REQUESTS,
+                                default_max_running_requests)
+
+CONTEXT = 4096  # the built-in model's max_position_embeddings
+GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+def _pool_bytes(e: Engine) -> int:
+    return e.kv_pool.size * e.kv_pool.bytes_per_token + e.state_pool.size * e.state_pool.bytes_per_slot
+
+
+def _old_sizes(e: Engine) -> tuple[int, int]:
+    """What the pools were before the caps: the memory split, capped at 2^22 tokens and 4096 slots."""
+    layout = e.model_config.cache_layout
+    split = split_memory(engine_module._cache_budget_bytes(e.device, 0.0), e.args.state_memory_ratio,
+                         layout.kv_bytes_per_token, layout.state_bytes_per_slot, e.args.page_size)
+    return min(max(split.num_kv_tokens, 4), 1 << 22), min(max(split.num_state_slots, 8), 4096)
+
+
+def test_default_model_pools_are_sized_for_the_model_and_still_serve():
+    assert default_max_running_requests(torch.device("cpu")) == CPU_MAX_RUNNING_REQUESTS == 32
+    assert default_max_running_requests(torch.device("cuda")) == MAX_RUNNING_REQUESTS == 256
+    with Engine() as e:
+        old_tokens, old_slots = _old_sizes(e)
+        running = CPU_MAX_RUNNING_REQUESTS
+        assert e.max_running_requests == running
+        assert e.kv_pool.size == min(running * CONTEXT, old_tokens)
+        assert e.state_pool.size == min(running * (1 + CHECKPOINTS_PER_RUNNING_REQUEST), old_slots)
+        assert e.context_length == CONTEXT
+        assert _pool_bytes(e) < 320 * 2**20  # 256 MiB of KV + 52.5 MiB of state
+        if old_tokens * e.kv_pool.bytes_per_token > 1 << 30:  # a machine with > ~10 GB of RAM
+            assert e.kv_pool.size * 4 < old_tokens and e.state_pool.size * 4 < old_slots
+            assert "pool sizes: KV capped at 32 requests x 4096 tokens, state capped at 32 requests x 4 slots" \
+                in e.summary()
+        # still serves: a batch larger than the running limit queues and finishes
+        outs = e.generate(input_ids=[[5 + i, 6, 7, 8] for i in range(running + 8)], sampling_params=GREEDY)
+        assert all(o["meta_info"]["completion_tokens"] == 6 for o in outs)
+        long = e.generate(input_ids=list(range(3, 3003)), sampling_params=GREEDY)  # most of the context
+        assert long["meta_info"]["completion_tokens"] == 6
+
+
+def test_context_length_and_max_running_requests_shrink_the_caps():
+    with Engine(context_length=1024, max_running_requests=8) as e:
+        assert e.context_length == 1024 and e.max_running_requests == 8
+        assert e.kv_pool.size == 8 * 1024
+        assert e.state_pool.size == 8 * (1 + CHECKPOINTS_PER_RUNNING_REQUEST)
+        assert "KV capped at 8 requests x 1024 tokens" in e.summary()
+    with Engine(speculative_algorithm="ngram", speculative_num_draft_tokens=4, page_size=16,
+                context_length=1000) as e:  # 3 scratch slots per running request; whole pages
+        assert e.max_running_requests == 32
+        assert e.state_pool.size == 32 * (4 + CHECKPOINTS_PER_RUNNING_REQUEST)
+        assert e.kv_pool.size == 32 * 1000 and e.kv_pool.size % 16 == 0
+
+
+def test_explicit_sizes_win():
+    with Engine(max_total_tokens=1000, max_state_slots=600) as e:
+        assert e.kv_pool.size == 1000 and e.state_pool.size == 600
+        assert e.max_running_requests == 256  # half the explicit slots, at most 256: as before
+        assert e.context_length == 1000
+        assert "pool sizes: KV given, state given" in e.summary()
+        out = e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)
+        assert out["meta_info"]["completion_tokens"] == 6
+
+
+def test_a_budget_below_the_caps_sizes_the_pools_as_before(monkeypatch):
+    """A large model: the budget, not the caps, decides (the sizes the memory split gives)."""
+    budget = 12 * 2**20
+    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: budget)
+    with Engine() as e:
+        layout = e.model_config.cache_layout
+        split = split_memory(budget, 0.9, layout.kv_bytes_per_token, layout.state_bytes_per_slot, 1)
+        assert (e.kv_pool.size, e.state_pool.size) == (split.num_kv_tokens, split.num_state_slots)
+        assert e.max_running_requests == split.num_state_slots // 2
+        assert e.kv_pool.size < 32 * CONTEXT and "pool sizes: KV from memory, state from memory" in e.summary()
+
+
+@pytest.mark.parametrize("options", [{"max_state_slots": 1}, {"max_running_requests": 4, "max_state_slots": 4}])
+def test_too_few_slots_are_still_refused(options):
+    with pytest.raises(ValueError, match="max_state_slots|max_running_requests"):
+        Engine(**options)
