@@ -68,13 +68,13 @@ def test_abort_mid_chunked_prefill_waiting_unknown_and_twice(qwen3_next_dense_pa
         real = runner.forward_extend
         calls = {"n": 0}
 
-        def hooked(reqs, lens, loc, ckpts):
+        def hooked(reqs, lens, loc, ckpts, **kw):
             calls["n"] += 1
             if calls["n"] == 2:  # "long" is between its chunks; "queued" and "other" wait
                 assert [r.rid for r in reqs] == ["long"] and reqs[0].kv_len == 32
                 for rid in ("long", "queued", "no-such-rid", "long", "queued"):
                     eng.abort(rid)
-            return real(reqs, lens, loc, ckpts)
+            return real(reqs, lens, loc, ckpts, **kw)
 
         runner.forward_extend = hooked
         outs = eng.generate(input_ids=[long, queued, other], sampling_params=_greedy(6), return_logprob=True,

@@ -148,12 +148,12 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
         runner = eng.scheduler.runner
         real, calls = runner.forward_extend, {"n": 0}
 
-        def hooked(reqs, lens, loc, ckpts, all_logits=False):
+        def hooked(reqs, lens, loc, ckpts, all_logits=False, **kw):
             if all_logits:
                 calls["n"] += 1
                 if calls["n"] == 3:
                     eng.abort("victim")
-            return real(reqs, lens, loc, ckpts, all_logits=all_logits)
+            return real(reqs, lens, loc, ckpts, all_logits=all_logits, **kw)
 
         runner.forward_extend = hooked
         outs = eng.generate(input_ids=[ids, ids], sampling_params=_greedy(30), return_logprob=True,

@@ -43,7 +43,8 @@ LPM_MAX_QUEUE = 128  # past this many waiting requests, LPM falls back to FCFS (
 
 class Runner(Protocol):
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpts: list[StepCheckpoint]) -> torch.Tensor: ...
+                       ckpts: list[StepCheckpoint], all_logits: bool = False,
+                       logit_rows: list[list[int]] | None = None) -> torch.Tensor: ...
 
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor: ...
 
