@@ -159,6 +159,17 @@ def test_tools_render_through_template(client, engine):
     assert r_auto.usage.prompt_tokens == len(expected) > r_plain.usage.prompt_tokens
 
 
+def _stream_in_pieces(parser, text: str, size: int) -> tuple[str, list]:
+    """Feed ``text`` to a parser's stream ``size`` characters at a time: (content, calls)."""
+    stream, out, got = parser.stream(), "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for i, piece in enumerate(pieces):
+        content, new = stream.feed(piece, final=i == len(pieces) - 1)
+        out += content
+        got += new
+    return out, got
+
+
 def test_tool_call_parser():
     from hyla.server.tool_calls import ToolCallParser
     parser = ToolCallParser("qwen")
@@ -169,12 +180,7 @@ def test_tool_call_parser():
     assert json.loads(calls[0].arguments) == {"city": "Paris"}
     assert parser.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
     for size in (1, 3, 7, 1000):
-        stream, out, got = parser.stream(), "", []
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
-        for i, piece in enumerate(pieces):
-            c, new = stream.feed(piece, final=i == len(pieces) - 1)
-            out += c
-            got += new
+        out, got = _stream_in_pieces(parser, text, size)
         assert out.strip() == "Let me check." and [c.name for c in got] == ["get_weather", "get_time"]
 
 
@@ -191,12 +197,7 @@ def test_nemotron_json_tool_call_parser(engine):
     for bad in ("<TOOLCALL>{\"name\": \"f\"}</TOOLCALL>", "<TOOLCALL>[]</TOOLCALL>", "<TOOLCALL>[1]</TOOLCALL>"):
         assert parser.parse(bad) == (bad, [])  # not a list of calls: stays text
     for size in (1, 5, 1000):
-        stream, out, got = parser.stream(), "", []
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
-        for i, piece in enumerate(pieces):
-            c, new = stream.feed(piece, final=i == len(pieces) - 1)
-            out += c
-            got += new
+        out, got = _stream_in_pieces(parser, text, size)
         assert out.strip() == "Checking." and [c.name for c in got] == ["get_weather", "get_time"]
     for parallel in (False, True):
         grammar = parser.forced_grammar([WEATHER["function"]], parallel)
