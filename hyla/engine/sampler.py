@@ -133,6 +133,5 @@ def draw(probs: torch.Tensor, req: Req) -> int:
 
 
 def uniform(req: Req) -> float:
-    """One U(0, 1) draw from the request's generator (speculative acceptance)."""
-    gen = req.generator
-    return float(torch.rand(1, generator=gen, device=gen.device if gen is not None else "cpu"))
+    """One U(0, 1) draw from the request's generator, as a number (speculative acceptance)."""
+    return float(uniform_draw(req, "cpu"))

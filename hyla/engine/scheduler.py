@@ -77,6 +77,7 @@ class Batch:
     # prompt logprobs: the logits rows the step returns per request (its prompt-logprob positions,
     # then its last token), set by run(); None: one row per request (its last token)
     logit_rows: list[list[int]] | None = None
+    prompt_rows: list[int] = field(default_factory=list)  # per request: how many of those are prompt positions
 
     def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[tuple[int, bool]]) -> None:
         self.reqs.append(req)
@@ -151,7 +152,7 @@ class Scheduler:
                 return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
             if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 return self.runner.forward_decode(batch.reqs, loc)
-            batch.logit_rows = _logit_rows(batch.reqs, batch.lens)
+            batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
             return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward,
                                               logit_rows=batch.logit_rows)
         except Exception:
@@ -167,9 +168,7 @@ class Scheduler:
             return self._process_verify(batch, logits)
         if batch.logit_rows is not None:  # record prompt logprobs; keep each request's last row
             last, row = [], 0
-            for r, offs in zip(batch.reqs, batch.logit_rows):
-                first = r.prompt_logits_from
-                prompt = 0 if first is None else sum(1 for o in offs if first <= r.kv_len + o < len(r.input_ids) - 1)
+            for r, offs, prompt in zip(batch.reqs, batch.logit_rows, batch.prompt_rows):
                 if prompt:
                     self.output.record_prompt_logprobs(r, logits[row:row + prompt])
                 row += len(offs)
@@ -453,19 +452,20 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _logit_rows(reqs: list[Req], lens: list[int]) -> list[list[int]] | None:
+def _logit_rows(reqs: list[Req], lens: list[int]) -> tuple[list[list[int]] | None, list[int]]:
     """Per request, the offsets into its fed tokens whose logits a prefill step returns: the
-    positions whose logits give prompt logprobs it still needs, then its last token. None when no
-    request needs prompt logprobs (the runner then returns each request's last row)."""
-    rows, wanted = [], False
+    positions whose logits give prompt logprobs it still needs, then its last token; and how many of
+    them are those prompt positions (they come first). ``(None, [])`` when no request needs prompt
+    logprobs (the runner then returns each request's last row)."""
+    rows, counts = [], []
     for r, n in zip(reqs, lens):
         first = r.prompt_logits_from
         offs: list[int] = []
         if first is not None:
             lo, hi = max(first, r.kv_len), min(r.kv_len + n, len(r.input_ids) - 1)
             offs = list(range(lo - r.kv_len, hi - r.kv_len))
-            wanted = wanted or bool(offs)
+        counts.append(len(offs))
         if not offs or offs[-1] != n - 1:
             offs.append(n - 1)
         rows.append(offs)
-    return rows if wanted else None
+    return (rows, counts) if any(counts) else (None, [])
