@@ -269,9 +269,11 @@ class TinyRunner:
         return list(range(self._next_kv - n, self._next_kv))
 
     def make_batch(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], decode: bool | None = None,
-                   checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False):
+                   checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False,
+                   tree_parents: Sequence[Sequence[int]] | None = None):
         """Build the ``ForwardBatch`` for one step and book the new tokens into ``seqs``.
-        ``checkpoints``: ``(seq index, tokens consumed, state slot)`` triples."""
+        ``checkpoints``: ``(seq index, tokens consumed, state slot)`` triples. ``tree_parents``:
+        a tree verify step (``hyla/model/ops/tree.py``); positions are then prefix + depth."""
         from hyla.model.forward_batch import ForwardBatch
 
         lens = [len(t) for t in new_tokens]
@@ -286,10 +288,18 @@ class TinyRunner:
         indptr = [0]
         for slots in kv_all:
             indptr.append(indptr[-1] + len(slots))
+        offsets = [list(range(n)) for n in lens]
+        if tree_parents is not None:  # a token's position is its depth below the sequence's first new token
+            offsets = []
+            for par in tree_parents:
+                depth: list[int] = []
+                for p in par:
+                    depth.append(0 if p < 0 else depth[p] + 1)
+                offsets.append(depth)
         batch = ForwardBatch(
             is_decode=decode,
             input_ids=torch.tensor([t for toks in new_tokens for t in toks], dtype=long, device=dev),
-            positions=torch.tensor([p + j for p, n in zip(prefix, lens) for j in range(n)], dtype=long, device=dev),
+            positions=torch.tensor([p + j for p, offs in zip(prefix, offsets) for j in offs], dtype=long, device=dev),
             extend_lens=lens,
             prefix_lens=prefix,
             cu_seqlens=torch.tensor(cu, dtype=long, device=dev),
@@ -305,6 +315,7 @@ class TinyRunner:
             ckpt_len=torch.tensor([c[1] for c in checkpoints], dtype=long, device=dev),
             ckpt_slot=torch.tensor([c[2] for c in checkpoints], dtype=long, device=dev),
             logits_indices=torch.arange(cu[-1], device=dev) if all_logits else None,
+            tree_parents=tree_parents,
         )
         for s, toks, ns in zip(seqs, new_tokens, new_slots):
             s.tokens += list(toks)
@@ -312,7 +323,8 @@ class TinyRunner:
         return batch
 
     def step(self, seqs: Sequence[Seq], new_tokens: Sequence[Sequence[int]], decode: bool | None = None,
-             checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False) -> torch.Tensor:
+             checkpoints: Sequence[tuple[int, int, int]] = (), all_logits: bool = False,
+             tree_parents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """One forward; returns fp32 logits (last token of each sequence, or every new token)."""
-        batch = self.make_batch(seqs, new_tokens, decode, checkpoints, all_logits)
+        batch = self.make_batch(seqs, new_tokens, decode, checkpoints, all_logits, tree_parents)
         return self.model(batch)

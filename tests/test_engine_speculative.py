@@ -36,6 +36,8 @@ def _greedy(n: int, **kw) -> dict:
 class OracleDrafter:
     """Proposes the reference output's next tokens, corrupting some (seeded by request and step)."""
 
+    topk = 1
+
     def __init__(self, reference: dict[tuple[int, ...], list[int]], num_draft: int, error_rate: float = 0.3):
         self.reference, self.num_draft, self.error_rate = reference, num_draft, error_rate
         self.num_proposed = 0
@@ -53,6 +55,37 @@ class OracleDrafter:
         return drafts
 
 
+class OracleTreeDrafter(OracleDrafter):
+    """Trees: the reference path (corrupted at some depths, so it is rejected there) with a wrong
+    sibling beside some of its nodes, the right one first or second; some trees are chains."""
+
+    topk = 2
+
+    def propose_tree(self, req: Req, limit: int) -> tuple[list[int], list[int] | None]:
+        ref = self.reference.get(tuple(req.input_ids), [])
+        n = len(req.output_ids)
+        rng = random.Random(f"tree:{req.rid}:{n}")
+        budget = min(limit, self.num_draft, rng.randrange(0, self.num_draft + 1))
+        ids: list[int] = []
+        parents: list[int] = []
+        node = 0
+        for depth in range(budget):
+            if len(ids) >= budget or n + depth >= len(ref):
+                break
+            true = ref[n + depth]
+            main = (true + 1 + rng.randrange(100)) % 2048 if rng.random() < self.error_rate else true
+            options = [main]
+            if len(ids) + 2 <= budget and rng.random() < 0.6:
+                options.append((main + 1 + rng.randrange(100)) % 2048)
+                rng.shuffle(options)
+            for t in options:
+                ids.append(t)
+                parents.append(node)
+            node = len(ids) - len(options) + options.index(main) + 1
+        self.num_proposed += len(ids)
+        return ids, parents
+
+
 def _drained(e: Engine) -> None:
     e.wait_idle(timeout=60)
     e.check_integrity()
@@ -63,7 +96,18 @@ def _drained(e: Engine) -> None:
     assert not e.scheduler.running and not e.scheduler.waiting
 
 
-def _run_differential(path, on_opts: dict, seed: int = 0) -> int:
+def _count_calls(obj, name: str) -> dict:
+    real, calls = getattr(obj, name), {"n": 0}
+
+    def counted(*args, **kw):
+        calls["n"] += 1
+        return real(*args, **kw)
+
+    setattr(obj, name, counted)
+    return calls
+
+
+def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter) -> int:
     """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter."""
     wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
     with Engine(path, enable_prefix_cache=False, **POOLS) as off:
@@ -74,11 +118,13 @@ def _run_differential(path, on_opts: dict, seed: int = 0) -> int:
     reference = {tuple(s["ids"]): o["output_ids"] for s, o in zip(wave1 + wave2, off1 + off2)}
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=5, debug_checks=True,
                 **on_opts) as eng:
-        eng.scheduler.drafter = oracle = OracleDrafter(reference, num_draft=4)
+        eng.scheduler.drafter = oracle = drafter(reference, num_draft=4)
+        moves = _count_calls(eng.kv_pool, "copy")  # a tree step whose accepted path is not its first nodes
         on1 = run(eng, wave1)
         on2 = run(eng, wave2)
         _drained(eng)
         assert oracle.num_proposed > 0 and eng.scheduler.num_accepted_tokens > 0
+        assert (moves["n"] > 0) == (oracle.topk > 1)
         assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in on1 + on2)
     return compare_outputs(on1 + on2, off1 + off2)
 
@@ -105,6 +151,22 @@ def test_speculation_is_exact_on_moe(qwen3_next_moe_path):
 ])
 def test_speculation_is_exact_under_pressure(qwen3_next_dense_path, opts):
     assert _run_differential(qwen3_next_dense_path, opts, seed=1) > 60
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_path", "falcon_h1_path",
+                                  "lfm2_path", "kimi_linear_path"])
+def test_tree_speculation_is_exact_with_the_prefix_cache(arch, request):
+    """Tree verification: siblings, rejections at any depth, chains and zero-draft steps in one run."""
+    assert _run_differential(request.getfixturevalue(arch), POOLS, drafter=OracleTreeDrafter) > 60
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_total_tokens=700, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64),  # retraction
+    dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+         page_size=16),  # the accepted path's KV moves inside pages; grid checkpoints from its states
+])
+def test_tree_speculation_is_exact_under_pressure(qwen3_next_dense_path, opts):
+    assert _run_differential(qwen3_next_dense_path, opts, seed=2, drafter=OracleTreeDrafter) > 60
 
 
 def test_stops_inside_an_accepted_run(qwen3_next_dense_path):
@@ -177,6 +239,12 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
     assert d.propose(Req(rid="s", input_ids=[1, 2, 3], sampling=req.sampling), 4) == []
     loop = Req(rid="loop", input_ids=[7, 1, 2, 3, 1, 2, 3, 1, 2], sampling=req.sampling)
     assert d.propose(loop, 4) == [3, 1, 2, 3]  # a period-3 loop proposed past the end of the history
+    # trees: "1 2" was followed by 3 and (more recently) by 4; both continuations, level by level
+    tree = NgramDrafter(num_draft=5, min_n=1, max_n=4, topk=2)
+    branchy = Req(rid="b", input_ids=[1, 2, 3, 9, 1, 2, 4, 8, 1, 2], sampling=req.sampling)
+    ids, parents = tree.propose_tree(branchy, 5)
+    assert (ids, parents) == ([4, 3, 8, 9, 1], [0, 0, 1, 2, 3])  # 4 -> 8 -> 1 and 3 -> 9
+    assert tree.propose_tree(Req(rid="c", input_ids=[5, 6, 5], sampling=req.sampling), 3) == ([6, 5, 6], None)
     with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref, \
             Engine(qwen3_next_dense_path, speculative_algorithm="ngram", debug_checks=True, **POOLS) as eng:
         want = ref.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)
@@ -212,6 +280,41 @@ def _sampling_req(seed: int, drafts: list[int]) -> Req:
     req.generator = torch.Generator().manual_seed(seed)
     req.draft_ids = list(drafts)
     return req
+
+
+def test_tree_sampling_matches_the_target_distribution():
+    """Two candidate children at the root, then a grandchild under the second: the first emitted
+    token is distributed as p_0 whatever the candidates, and the second (given the second child was
+    accepted) as that child's row."""
+    vocab = 6
+    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0, -1.0],   # root
+                           [0.1, 1.2, 0.3, -0.2, 0.9, 0.0],    # child 1 (token 3)
+                           [0.0, 0.0, 0.5, 0.5, -0.5, 1.0],    # child 2 (token 0)
+                           [0.3, 0.0, 0.2, 0.1, 0.0, 0.4]])    # grandchild (token 5), under child 2
+    p = torch.softmax(logits, dim=-1)
+    n = 6000
+    first, second = [0] * vocab, [0] * vocab
+    for i in range(n):
+        req = _sampling_req(i, [3, 0, 5])
+        req.set_drafts([3, 0, 5], [0, 0, 2])
+        (v,) = verify([req], [4], logits)
+        first[v.tokens[0]] += 1
+        if v.tokens[0] == 0:
+            assert v.path[:2] == [0, 2]
+            second[v.tokens[1]] += 1
+    assert _chi_square(first, p[0].tolist()) < 20.5
+    assert _chi_square(second, p[2].tolist()) < 20.5
+
+
+def test_tree_greedy_acceptance_follows_the_argmax_path():
+    logits = torch.full((5, 8), -5.0)
+    logits[0, 4] = logits[2, 6] = logits[4, 1] = 5.0  # root -> 4 (node 2) -> 6 (node 4) -> bonus 1
+    req = Req(rid="g", input_ids=[1], sampling=SamplingParams.from_dict({"temperature": 0}))
+    req.set_drafts([3, 4, 6, 6], [0, 0, 1, 2])  # node 3 (token 6) hangs under the rejected node 1
+    (v,) = verify([req], [5], logits)
+    assert (v.tokens, v.path, v.num_accepted) == ([4, 6, 1], [0, 2, 4], 2)
+    with pytest.raises(ValueError, match="do not form a tree"):
+        req.set_drafts([3, 4], [0, 2])
 
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:

@@ -270,7 +270,7 @@ def test_short_extends_run_token_by_token_with_checkpoints():
     final states and every-token checkpoints equal the reference; a padding row and an empty
     sequence write nothing; and a verify-like extend equals the same tokens fed as decode steps
     bitwise (both run the decode step's math)."""
-    from hyla.model.ops.gated_delta import SHORT_EXTEND
+    from hyla.model.ops.tree import SHORT_EXTEND
 
     lengths = [SHORT_EXTEND, 3, 0, 1, 5]
     inputs = make(lengths, num_slots=20)

@@ -192,6 +192,23 @@ class KVPool:
         distinct by construction, so it passes ``known_unique`` and the pool skips its sort)."""
         self._pages.free(as_index_array(page_ids), known_unique=known_unique)
 
+    def copy(self, src: IndexLike, dst: IndexLike) -> None:
+        """K and V of slot ``src[i]`` into slot ``dst[i]``, every layer (a tree verify step moves its
+        accepted tokens' KV to their positions' slots). All sources are read before any destination
+        is written, so the two may overlap; ``dst`` must be distinct, and every slot allocated."""
+        s, d = as_index_array(src), as_index_array(dst)
+        if s.size != d.size:
+            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
+        if len(set(d.tolist())) != d.size:
+            raise ValueError("copy destinations must be distinct")
+        if s.size and not (self.is_allocated(s) and self.is_allocated(d)):
+            raise ValueError("copy between slots that are not allocated")
+        if s.size == 0 or self.accounting:
+            return
+        si, di = torch.from_numpy(s).to(self.device), torch.from_numpy(d).to(self.device)
+        for buf in (*self.k_buffers, *self.v_buffers):
+            buf.index_copy_(0, di, buf.index_select(0, si))
+
     def is_allocated(self, indices: IndexLike) -> bool:
         """True iff every slot lies on an allocated page."""
         idx = as_index_array(indices)

@@ -41,6 +41,8 @@ class EngineArgs:
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own prompt and output), or none.")
     speculative_num_draft_tokens: int = _opt(4, "Tokens fed per verify step: the last sampled token + this minus one drafts.")
+    speculative_eagle_topk: int = _opt(1, "Draft branches: > 1 verifies a tree of drafts per step (ngram: the "
+                                          "continuations of up to this many earlier matches, merged into a trie).")
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
@@ -72,7 +74,7 @@ class EngineArgs:
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, "
                              f"got {self.speculative_algorithm!r}")
         for name in ("page_size", "chunked_prefill_size", "checkpoint_alignment", "max_queued_requests", "log_interval",
-                     "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
+                     "speculative_num_draft_tokens", "speculative_eagle_topk", "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size"):
             pos_int(name)
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs"):

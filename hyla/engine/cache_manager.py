@@ -203,14 +203,16 @@ class CacheManager:
         return out
 
     def commit(self, req: Req, n: int, ckpts: Sequence[Checkpoint] = (), insert: bool = True,
-               states: Sequence[int] = ()) -> None:
+               states: Sequence[int] = (), path: Sequence[int] | None = None) -> None:
         """The model has fed ``n`` tokens of ``req`` past ``kv_len``: advance ``kv_len`` by ``n``;
         with ``insert`` (prefill steps) hand the computed whole pages and the checkpoints to the
         tree and take its canonical slots back.
 
         A verify step may have fed more tokens than it commits (rejected drafts): ``states[j]``
         then holds the state after ``kv_len + j + 1`` tokens; the live slot is reset to the state
-        after ``n`` and the KV past it is rolled back. With a grid > 1, the last grid position
+        after ``n`` and the KV past it is rolled back. A tree verify step commits the fed tokens
+        ``path`` (offsets past ``kv_len``, ``path[j] >= j``): their KV first moves to positions
+        ``kv_len .. kv_len + n - 1``. With a grid > 1, the last grid position
         passed while decoding (or a prefill ending on the grid) is kept as a pending checkpoint,
         so that its state is not lost when the output stops between grid points."""
         if n < 1:
@@ -218,10 +220,13 @@ class CacheManager:
         old, fed = req.kv_len, req.kv_allocated - req.kv_len
         if n > fed:
             raise ValueError(f"request {req.rid}: committed {n} tokens but only {fed} were fed")
+        if path is not None:
+            self._move_path_kv(req, list(path[:n]), fed)
         if n < fed:
             if len(states) < n:
                 raise ValueError(f"request {req.rid}: the state after {n} of {fed} fed tokens is missing")
-            self.state_pool.copy(torch.tensor([states[n - 1]]), torch.tensor([req.state_slot]))
+            if states[n - 1] != req.state_slot:
+                self.state_pool.copy(torch.tensor([states[n - 1]]), torch.tensor([req.state_slot]))
         req.kv_len += n
         self.rollback(req)
         if self.tree is None:
@@ -234,6 +239,16 @@ class CacheManager:
                 self._set_pending_checkpoint(req, g, req.state_slot)
             elif g > old and not insert:
                 self._set_pending_checkpoint(req, g, states[g - old - 1])
+
+    def _move_path_kv(self, req: Req, path: list[int], fed: int) -> None:
+        """A tree verify step's accepted nodes ``path`` (fed offsets) become positions ``0..n-1``
+        past ``kv_len``: copy each node's KV into its position's slot (all read before any write)."""
+        if len(path) > fed or any(not j <= node < fed for j, node in enumerate(path)) or path[:1] != [0]:
+            raise ValueError(f"request {req.rid}: {path} is not a path of {fed} fed tokens")
+        moves = [(j, node) for j, node in enumerate(path) if node != j]
+        if moves:
+            slots = self.req_to_token.read(req.req_pool_idx, req.kv_len, req.kv_len + fed)
+            self.kv_pool.copy(slots[[node for _, node in moves]], slots[[j for j, _ in moves]])
 
     def rollback(self, req: Req) -> None:
         """Forget what ``req`` was allocated past its committed ``kv_len`` (a failed step, or the

@@ -113,7 +113,8 @@ class Engine:
         if self.args.speculative_algorithm == "ngram":
             drafter = NgramDrafter(self.args.speculative_num_draft_tokens - 1,
                                    self.args.speculative_ngram_min_match_window_size,
-                                   self.args.speculative_ngram_max_match_window_size)
+                                   self.args.speculative_ngram_max_match_window_size,
+                                   self.args.speculative_eagle_topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

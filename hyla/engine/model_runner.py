@@ -78,18 +78,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[tuple[int, int, int]], all_logits: bool = False,
-                       logit_rows: list[list[int]] | None = None) -> torch.Tensor:
+                       logit_rows: list[list[int]] | None = None,
+                       tree_parents: list[list[int]] | None = None) -> torch.Tensor:
         """Feed ``extend_lens[i]`` tokens of request i after its ``kv_len`` (its draft tokens
         included); logits of each last token ``[B, V]``, of every token ``[sum(extend_lens), V]``
         with ``all_logits`` (speculative verification), or of the tokens at offsets
-        ``logit_rows[i]`` of each request, in order (prompt logprobs)."""
+        ``logit_rows[i]`` of each request, in order (prompt logprobs). ``tree_parents``: a tree
+        verify step (``ForwardBatch.tree_parents``); a token's position is then its depth."""
         ids: list[int] = []
         pos: list[int] = []
         kv_rows = []
-        for r, n in zip(reqs, extend_lens):
+        for i, (r, n) in enumerate(zip(reqs, extend_lens)):
             start = r.kv_len
             ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n))
+            pos.extend(range(start, start + n) if tree_parents is None else _depths(tree_parents[i], start))
             kv_rows.append(self.req_to_token.read(r.req_pool_idx, 0, start + n))
         cu = [0]
         for n in extend_lens:
@@ -107,7 +109,7 @@ class ModelRunner:
             kv_indptr=t[3], k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers,
             state_slots=t[4], conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
-            state_slot_list=slots, max_token_id=max(ids, default=-1),
+            state_slot_list=slots, max_token_id=max(ids, default=-1), tree_parents=tree_parents,
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -244,6 +246,14 @@ def _token_at(req: Req, i: int) -> int:
     """``req.fill_ids[i]`` without building the prompt + output list."""
     n = len(req.input_ids)
     return req.input_ids[i] if i < n else req.output_ids[i - n]
+
+
+def _depths(parents: list[int], start: int) -> list[int]:
+    """Positions of a token tree's nodes: ``start`` + each node's depth (``parents[0] == -1``)."""
+    out: list[int] = []
+    for p in parents:
+        out.append(start if p < 0 else out[p] + 1)
+    return out
 
 
 def _cumsum(values, start: int | None = None) -> list[int]:

@@ -67,6 +67,7 @@ class Req:
     branch_point: int | None = None  # where inserting fill_ids would branch off the tree (dry run)
     pending_ckpt: tuple[int, int] | None = None  # (length, forked slot) awaiting insert at finish
     draft_ids: list[int] = field(default_factory=list)  # speculative tokens fed after fill_ids this step
+    draft_parents: list[int] | None = None  # a tree: draft j continues fed token draft_parents[j] (None: a chain)
     draft_state: Any = None  # the drafter's per-request memory (e.g. its n-gram index)
     spec_verify_ct: int = 0  # speculative verify steps this request took
     spec_num_tokens: int = 0  # output tokens those steps produced (accepted drafts + bonus tokens)
@@ -103,6 +104,27 @@ class Req:
             return None
         target = self.logprob_start_len + len(self.input_logprobs)  # next prompt token without one
         return target - 1 if target < len(self.input_ids) else None
+
+    def set_drafts(self, ids: list[int], parents: list[int] | None = None) -> None:
+        """This step's drafts. ``parents``: a tree (speculative.py), draft ``j`` continuing fed token
+        ``parents[j]`` — 0 is the last sampled token, ``i >= 1`` is draft ``i - 1`` — so each parent
+        precedes its child; None: a chain."""
+        if parents is not None:
+            if len(parents) != len(ids) or any(not 0 <= p <= j for j, p in enumerate(parents)):
+                raise ValueError(f"request {self.rid}: draft parents {parents} do not form a tree over {len(ids)} drafts")
+            if parents == list(range(len(ids))):
+                parents = None
+        self.draft_ids, self.draft_parents = list(ids), parents
+
+    def clear_drafts(self) -> None:
+        self.draft_ids, self.draft_parents = [], None
+
+    def fed_parents(self) -> list[int]:
+        """The parent of each token a verify step feeds (its last sampled token, then its drafts),
+        as ``ForwardBatch.tree_parents`` wants it: ``-1`` for the first."""
+        if self.draft_parents is None:
+            return list(range(-1, len(self.draft_ids)))
+        return [-1] + self.draft_parents
 
     @property
     def fill_ids(self) -> list[int]:

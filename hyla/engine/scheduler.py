@@ -33,7 +33,7 @@ import torch
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.speculative import NgramDrafter, verify
+from hyla.engine.speculative import Drafter, verify
 
 logger = logging.getLogger("hyla.engine")
 
@@ -44,7 +44,8 @@ LPM_MAX_QUEUE = 128  # past this many waiting requests, LPM falls back to FCFS (
 class Runner(Protocol):
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[StepCheckpoint], all_logits: bool = False,
-                       logit_rows: list[list[int]] | None = None) -> torch.Tensor: ...
+                       logit_rows: list[list[int]] | None = None,
+                       tree_parents: list[list[int]] | None = None) -> torch.Tensor: ...
 
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor: ...
 
@@ -94,7 +95,7 @@ class Scheduler:
     NEW_TOKEN_RATIO_DECAY = 0.001
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, runner: Runner, output: OutputProcessor,
-                 drafter: NgramDrafter | None = None):
+                 drafter: Drafter | None = None):
         self.config = config
         self.cache = cache
         self.runner = runner
@@ -149,7 +150,10 @@ class Scheduler:
             if batch.verify and max(batch.lens) > 1:
                 ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
-                return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
+                trees = [r.fed_parents() for r in batch.reqs] \
+                    if any(r.draft_parents is not None for r in batch.reqs) else None
+                return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
+                                                  tree_parents=trees)
             if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 return self.runner.forward_decode(batch.reqs, loc)
             batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
@@ -157,7 +161,7 @@ class Scheduler:
                                               logit_rows=batch.logit_rows)
         except Exception:
             for r in batch.reqs:
-                r.draft_ids = []
+                r.clear_drafts()
                 self.cache.rollback(r)
             self.cache.free_checkpoints(batch.ckpts)
             raise
@@ -198,13 +202,16 @@ class Scheduler:
 
     def _process_verify(self, batch: Batch, logits: torch.Tensor) -> None:
         """Accept drafts, append the accepted run (stopping at a stop condition inside it), then
-        commit exactly the fed tokens that are now part of the request: the rest is rolled back."""
+        commit exactly the fed tokens that are now part of the request: the rest is rolled back.
+        Fed token ``j``'s state is in scratch slot ``j`` (the last one's in the request's own slot)."""
         finished, failed, num_tokens = [], [], 0
         verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True))
         for r, v, scratch in zip(batch.reqs, verdicts, batch.scratch, strict=True):
             appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
-            self.cache.commit(r, 1 + min(v.num_accepted, appended), insert=False, states=scratch)
-            r.draft_ids = []
+            n = 1 + min(v.num_accepted, appended)
+            states = [scratch[j] if j < len(r.draft_ids) else r.state_slot for j in v.path[:n]]
+            self.cache.commit(r, n, insert=False, states=states, path=v.path[:n])
+            r.clear_drafts()
             r.spec_verify_ct += 1
             r.spec_num_tokens += appended
             num_tokens += appended
@@ -273,7 +280,7 @@ class Scheduler:
         Its output so far is kept; it resumes by prefilling prompt + output (mostly cache hits)."""
         self.cache.release(req, insert=True)
         self.running.remove(req)
-        req.draft_ids = []
+        req.clear_drafts()
         req.status = ReqStatus.WAITING
         self.num_retractions += 1
         self.waiting.insert(0, req)
@@ -372,11 +379,14 @@ class Scheduler:
         reqs = [r for r in self.running if r.is_decoding]
         if self.drafter is not None:
             for r in reqs:
-                r.draft_ids = self.drafter.propose(r, self._draft_limit(r))
+                if self.drafter.topk > 1:
+                    r.set_drafts(*self.drafter.propose_tree(r, self._draft_limit(r)))
+                else:
+                    r.set_drafts(self.drafter.propose(r, self._draft_limit(r)))
         lens = [1 + len(r.draft_ids) for r in reqs]
         if reqs and max(lens) > 1 and not self.cache.can_allocate(reqs, lens):
             for r in reqs:
-                r.draft_ids = []
+                r.clear_drafts()
         while reqs and not self.cache.can_allocate(reqs, [1 + len(r.draft_ids) for r in reqs]):
             victim = self._youngest()
             self.retract(victim)

@@ -26,12 +26,25 @@ position): the greedy target is the masked argmax and ``p`` the masked distribut
 is exactly that of constrained decoding without speculation. The grammar itself advances only over
 the tokens appended (``OutputProcessor.append``); computing the masks leaves it where it was.
 
-Drafters: ``NgramDrafter`` (prompt/history lookup, no weights: speculation for every model).
+Trees (``speculative_eagle_topk > 1``): the drafts need not form one chain. Draft ``j`` continues
+fed token ``req.draft_parents[j]`` (0 = the last sampled token, ``i`` = draft ``i``); the model
+computes each fed token from its own path (``hyla/model/ops/tree.py``). Verification walks down
+from the root: at each node the target's token (greedy) or a draw (sampling) picks among the
+node's children; sampling tries the children in order, accepting child ``c`` with probability
+``p(c)`` and otherwise removing ``c`` from ``p`` (renormalised) before the next — with one-hot drafts
+this is SpecInfer's multi-candidate rejection sampling, and every emitted token is again distributed
+exactly as ``p``. A chain is the tree whose nodes each have one child, so both take one code path.
+The accepted path's KV is moved to its positions' slots and its last node's state becomes the
+live state (``CacheManager.commit(path=...)``).
+
+Drafters: ``NgramDrafter`` (prompt/history lookup, no weights: speculation for every model; with
+``topk > 1`` a tree of the continuations of up to ``topk`` earlier occurrences).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -50,6 +63,22 @@ class Verdict:
     logprobs: list[float]  # raw-model logprob of each
     top_logprobs: list[list[tuple[float, int]]]  # per token, [] unless asked for
     num_accepted: int
+    path: list[int]  # fed-token indices committed, in order: 0 (the last sampled token), then the accepted drafts'
+
+
+class Drafter(Protocol):
+    """What the scheduler asks of a drafter, once per request per decode step."""
+
+    num_draft: int  # drafts per step at most (the scheduler reserves a scratch state slot for each)
+    topk: int  # > 1: the scheduler asks for trees (propose_tree), else for chains (propose)
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        """At most ``limit`` drafts continuing ``req``'s tokens, as one chain."""
+        ...
+
+    def propose_tree(self, req: Req, limit: int) -> tuple[list[int], list[int] | None]:
+        """At most ``limit`` drafts and their parents (``Req.set_drafts``; None: a chain)."""
+        ...
 
 
 class NgramDrafter:
@@ -62,45 +91,94 @@ class NgramDrafter:
     of each step, so a proposal costs O(new tokens · (max_n - min_n + 1)), not O(context).
     """
 
-    def __init__(self, num_draft: int, min_n: int = 1, max_n: int = 4) -> None:
+    def __init__(self, num_draft: int, min_n: int = 1, max_n: int = 4, topk: int = 1) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n} and {max_n}")
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
         self.num_draft = num_draft
         self.min_n, self.max_n = min_n, max_n
+        self.topk = topk
 
     def propose(self, req: Req, limit: int) -> list[int]:
+        conts = self._continuations(req, limit, 1)
+        if not conts:
+            return []
+        drafts = conts[0]
+        return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar is not None else drafts
+
+    def propose_tree(self, req: Req, limit: int) -> tuple[list[int], list[int] | None]:
+        """Drafts and their parents (None: a chain): the continuations of the ``topk`` most recent
+        matches (longest n first) merged into a trie, filled level by level (every candidate's first
+        token, then every candidate's second, ...) up to ``limit`` nodes. A request with a grammar
+        gets a chain (its masks follow one path)."""
+        if self.topk == 1 or req.grammar is not None:
+            return self.propose(req, limit), None
+        conts = self._continuations(req, limit, self.topk)
+        ids: list[int] = []
+        parents: list[int] = []
+        children: list[dict[int, int]] = [{}]  # per fed token (0 = the last sampled): token -> fed index
+        at = [0] * len(conts)  # each candidate's node so far
+        for depth in range(max((len(c) for c in conts), default=0)):
+            for i, cont in enumerate(conts):
+                if depth >= len(cont) or at[i] < 0:
+                    continue
+                node = children[at[i]].get(cont[depth])
+                if node is None:
+                    if len(ids) >= min(limit, self.num_draft):
+                        at[i] = -1  # out of budget: this candidate stops here
+                        continue
+                    ids.append(cont[depth])
+                    parents.append(at[i])
+                    children.append({})
+                    node = children[at[i]][cont[depth]] = len(ids)
+                at[i] = node
+        return ids, (None if parents == list(range(len(ids))) else parents)
+
+    def _continuations(self, req: Req, limit: int, k: int) -> list[list[int]]:
+        """Up to ``k`` continuations of ``limit`` tokens: after the longest suffix that occurred
+        earlier, its most recent occurrences first (then shorter suffixes'), distinct positions."""
         limit = min(limit, self.num_draft)
         if limit <= 0:
             return []
         tokens = req.fill_ids
         if req.draft_state is None:
-            req.draft_state = _NgramIndex()
+            req.draft_state = _NgramIndex(self.topk)
         index = req.draft_state
         index.extend(tokens, self.min_n, self.max_n)
+        out, seen = [], set()
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            pos = index.after.get(tuple(tokens[-n:]))
-            if pos is not None:
+            for pos in reversed(index.after.get(tuple(tokens[-n:]), ())):
+                if pos in seen:
+                    continue
+                seen.add(pos)
                 # the match's continuation runs up to the end of the history; beyond it, a text
                 # that repeats with period len - pos goes on repeating
                 period = len(tokens) - pos
-                drafts = [tokens[pos + i % period] for i in range(limit)]
-                return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar is not None else drafts
-        return []
+                out.append([tokens[pos + i % period] for i in range(limit)])
+                if len(out) == k:
+                    return out
+        return out
 
 
 class _NgramIndex:
-    """n-gram (as a tuple) → the position right after its most recent occurrence, over every
-    n-gram that ends before the last token (the current suffix must match an *earlier* one)."""
+    """n-gram (as a tuple) → the positions right after its ``keep`` most recent occurrences (oldest
+    first), over every n-gram that ends before the last token (the current suffix must match an
+    *earlier* one)."""
 
-    def __init__(self) -> None:
-        self.after: dict[tuple[int, ...], int] = {}
+    def __init__(self, keep: int = 1) -> None:
+        self.after: dict[tuple[int, ...], list[int]] = {}
+        self.keep = keep
         self.num_indexed = 0  # n-grams ending at positions < num_indexed are in the index
 
     def extend(self, tokens: list[int], min_n: int, max_n: int) -> None:
         end = len(tokens) - 1
         for p in range(self.num_indexed, end):  # n-grams ending at position p
             for n in range(min_n, min(max_n, p + 1) + 1):
-                self.after[tuple(tokens[p - n + 1:p + 1])] = p + 1
+                seen = self.after.setdefault(tuple(tokens[p - n + 1:p + 1]), [])
+                seen.append(p + 1)
+                if len(seen) > self.keep:
+                    del seen[0]
         self.num_indexed = max(self.num_indexed, end)
 
 
@@ -123,27 +201,48 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
             if drafts:
                 raise ValueError(f"request {req.rid}: drafts for a request with penalties")
             rows = apply_penalties(rows[0], req).unsqueeze(0)  # the one row: the next token's
-        tokens = _accept_greedy(rows, drafts) if req.sampling.is_greedy else _accept_sampled(rows, drafts, req)
-        logprobs = [float(lps[j, t]) for j, t in enumerate(tokens)]
-        tops = [top_logprobs(lps[j], req) for j in range(len(tokens))]
-        out.append(Verdict(tokens, logprobs, tops, len(tokens) - 1))
+        children: list[list[int]] = [[] for _ in range(n)]  # fed index -> its children, in order
+        for j, parent in enumerate(req.fed_parents()[1:], start=1):
+            children[parent].append(j)
+        accept = _accept_greedy if req.sampling.is_greedy else _accept_sampled
+        tokens, path = accept(rows, [-1] + drafts, children, req)
+        logprobs = [float(lps[j, t]) for j, t in zip(path, tokens)]
+        tops = [top_logprobs(lps[j], req) for j in path]
+        out.append(Verdict(tokens, logprobs, tops, len(tokens) - 1, path))
     return out
 
 
-def _accept_greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
+def _accept_greedy(rows: torch.Tensor, fed: list[int], children: list[list[int]], req: Req):
+    """From the root, follow the child whose token is the target's argmax; the argmax at the last
+    node reached is the bonus. ``(tokens, path)``: the accepted drafts then the bonus, and the fed
+    indices of the nodes whose rows gave them (0, then the accepted drafts')."""
     target = rows.argmax(dim=-1).tolist()
-    a = 0
-    while a < len(drafts) and drafts[a] == target[a]:
-        a += 1
-    return drafts[:a] + [target[a]]
+    node, tokens, path = 0, [], [0]
+    while True:
+        nxt = next((c for c in children[node] if fed[c] == target[node]), None)
+        tokens.append(target[node])
+        if nxt is None:
+            return tokens, path
+        node = nxt
+        path.append(node)
 
 
-def _accept_sampled(rows: torch.Tensor, drafts: list[int], req: Req) -> list[int]:
-    for j, d in enumerate(drafts):
-        p = target_probs(rows[j], req)
-        if uniform(req) < float(p[d]):
-            continue
-        residual = p.clone()
-        residual[d] = 0.0  # max(p - one_hot(d), 0); its sum is 1 - p[d] > 0 after a rejection
-        return drafts[:j] + [draw(residual / residual.sum(), req)]
-    return drafts + [draw(target_probs(rows[len(drafts)], req), req)]
+def _accept_sampled(rows: torch.Tensor, fed: list[int], children: list[list[int]], req: Req):
+    """Speculative sampling down the tree: at each node try its children in order (accept child
+    ``c`` with probability ``p(c)``, else remove ``c`` from ``p`` and renormalise); when none is
+    accepted, draw the bonus from what is left of ``p``."""
+    node, tokens, path = 0, [], [0]
+    while True:
+        p = target_probs(rows[node], req)
+        for c in children[node]:
+            if uniform(req) < float(p[fed[c]]):
+                break
+            p = p.clone()
+            p[fed[c]] = 0.0  # max(p - one_hot(d), 0); its sum is 1 - p[d] > 0 after a rejection
+            p = p / p.sum()
+        else:
+            tokens.append(draw(p, req))
+            return tokens, path
+        tokens.append(fed[c])
+        node = c
+        path.append(node)

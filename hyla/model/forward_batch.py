@@ -35,6 +35,7 @@ from typing import Sequence
 import torch
 
 from hyla.model.ops.attention import decode_kv_mask, decode_kv_rows, decode_kv_table
+from hyla.model.ops.tree import SHORT_EXTEND, TokenTree
 from hyla.model.ops.varlen import SlotPlan, check_checkpoints
 
 
@@ -67,6 +68,11 @@ class ForwardBatch:
     ckpt_seq: torch.Tensor = field(default_factory=_empty_long)  # [M]
     ckpt_len: torch.Tensor = field(default_factory=_empty_long)  # [M]
     ckpt_slot: torch.Tensor = field(default_factory=_empty_long)  # [M]
+
+    tree_parents: Sequence[Sequence[int]] | None = None
+    """Tree verification (``ops/tree.py``): per sequence, per new token, the offset of the new token
+    it continues (``-1`` for the first); ``positions`` must be ``prefix_len + depth``. None: each
+    sequence's new tokens are one chain (the usual case)."""
 
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
@@ -108,6 +114,9 @@ class ForwardBatch:
     decode_ckpt_src: torch.Tensor | None = field(init=False, repr=False, default=None)
     decode_ckpt_dst: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode checkpoints (each is the sequence's final state): copy state rows ``src`` to ``dst``."""
+    tree: TokenTree | None = field(init=False, repr=False, default=None)
+    """Extend: the token trees the recurrent ops scan token by token (from ``tree_parents``, or
+    chains when every sequence feeds at most ``SHORT_EXTEND`` tokens); None: the chunked paths."""
 
     def __post_init__(self) -> None:
         b = len(self.extend_lens)
@@ -127,6 +136,13 @@ class ForwardBatch:
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
+        self.tree = None
+        if self.tree_parents is not None:
+            if self.is_decode:
+                raise ValueError("tree_parents is for extend batches (a verify step)")
+            self.tree = TokenTree.build(self.tree_parents, self.extend_lens, self.input_ids.device)
+        elif not self.is_decode and num_tokens and max(self.extend_lens) <= SHORT_EXTEND:
+            self.tree = TokenTree.chains(self.extend_lens, self.input_ids.device)
         if self.conv_states and not self.fused_decode:
             self.slot_plan = SlotPlan.build(self.state_slots, self.conv_states[0].shape[0],
                                             self.conv_states[0].device, host=self.state_slot_list, batch_size=b,

@@ -65,10 +65,12 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    _tree_masks,
     linear_specs,
     norm_spec,
     stack_experts,
 )
+from hyla.model.ops.attention import extend_mask
 from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
 
@@ -180,7 +182,7 @@ class LatentAttention(nn.Module):
         o = latent_paged_attention(
             q_latent, latent, batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index],
             batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens, batch.extend_lens,
-            self.scaling, self.rank,
+            self.scaling, self.rank, tree_masks=_tree_masks(batch),
         )  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(t, heads * self.v_dim))
@@ -198,11 +200,13 @@ def latent_paged_attention(
     extend_lens: Sequence[int],
     scaling: float,
     value_dim: int,
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Write the new tokens' latents into their pool slots, then attend causally (each new token to
     its sequence's cached prefix and the new tokens up to itself) with keys = the whole latent and
     values = its first ``value_dim`` channels. Returns ``[T, H, value_dim]`` in ``q``'s dtype; the
-    softmax is fp32 (as ``ops.attention.paged_attention``, whose slot conventions this follows)."""
+    softmax is fp32 (as ``ops.attention.paged_attention``, whose slot and ``tree_masks`` conventions
+    this follows)."""
     t, heads, width = q.shape
     half = k_buffer.shape[-1]
     if latent.shape != (t, width) or k_buffer.shape[1:] != (1, half) or v_buffer.shape[1:] != (1, half) \
@@ -219,7 +223,7 @@ def latent_paged_attention(
         rows = torch.cat([k_buffer.index_select(0, slots), v_buffer.index_select(0, slots)], dim=-1)[:, 0]
         return rows[:, :width].to(q.dtype)
 
-    if all(n == 1 for n in extend_lens):  # decode: one padded batched attention (padding reads slot 0, masked)
+    if tree_masks is None and all(n == 1 for n in extend_lens):  # decode: one padded batched attention (padding reads slot 0, masked)
         b, max_len = t, max(prefix_lens) + 1
         offsets = torch.arange(max_len, device=q.device)
         valid = offsets[None, :] < (kv_indptr[1:] - kv_indptr[:-1])[:, None]  # [B, L]
@@ -242,7 +246,7 @@ def latent_paged_attention(
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, "
                              f"expected {prefix + extend}")
         keys = read(kv_indices[indptr[i] : indptr[i + 1]])[None]  # [1, L, W]
-        mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
+        mask = extend_mask(prefix, extend, tree_masks[i] if tree_masks is not None else None, q.device)  # [E, L]
         oi = F.scaled_dot_product_attention(
             q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], attn_mask=mask, scale=scaling,
             enable_gqa=True,

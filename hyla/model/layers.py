@@ -234,7 +234,8 @@ class Attention(nn.Module):
                                        self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
         else:
             o = paged_attention(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr,
-                                batch.prefix_lens, batch.extend_lens, self.scaling)  # [T, Hq, D]
+                                batch.prefix_lens, batch.extend_lens, self.scaling,
+                                tree_masks=_tree_masks(batch))  # [T, Hq, D]
         o = o.reshape(t, hq * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
@@ -251,10 +252,16 @@ def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
         write_rows_(pool, batch.decode_ckpt_dst, pool.index_select(0, batch.decode_ckpt_src))
 
 
-def _ckpt_kwargs(batch: ForwardBatch) -> dict[str, torch.Tensor | None]:
+def _ckpt_kwargs(batch: ForwardBatch) -> dict:
+    """What every recurrent extend op takes from the batch: its checkpoints and its token trees."""
     if not batch.num_checkpoints:
-        return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None)
-    return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot)
+        return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree)
+    return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot, tree=batch.tree)
+
+
+def _tree_masks(batch: ForwardBatch):
+    """Attention's per-sequence masks over the new tokens of a tree verify step (None: causal)."""
+    return batch.tree.masks if batch.tree_parents is not None else None
 
 
 class GatedDeltaNet(nn.Module):
@@ -325,9 +332,11 @@ class GatedDeltaNet(nn.Module):
             o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
-        elif _on_gpu(q) and q.dtype != torch.float32 and _gpu("gated_delta_chunk").HAS_FLA:
+        elif (_on_gpu(q) and q.dtype != torch.float32 and batch.tree_parents is None
+              and _gpu("gated_delta_chunk").HAS_FLA):
             # fla's chunked Triton kernel (bf16/fp16: its fp32 dots run in tf32, so fp32 models keep
-            # the exact PyTorch path below, as the cache's fp32 differential tests require)
+            # the exact PyTorch path below, as the cache's fp32 differential tests require; token
+            # trees too)
             o = _gpu("gated_delta_chunk").chunk_gated_delta_rule_fla(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch))
         else:

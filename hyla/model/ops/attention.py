@@ -36,18 +36,22 @@ def paged_attention(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     scaling: float,
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into their pool slots, then attend causally to prefix + new tokens.
 
     Returns ``o [T, Hq, D]``. Decode batches (every ``extend_len == 1``) run as one padded batched
     attention; other batches loop over sequences (each a single causal attention call).
+    ``tree_masks``: a tree verify step (``ops/tree.py``): new token ``j`` of sequence ``i`` sees the
+    prefix and the new tokens ``a`` with ``tree_masks[i][j, a]`` (its ancestors and itself).
     """
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
-    if all(n == 1 for n in extend_lens):
+    if tree_masks is None and all(n == 1 for n in extend_lens):
         return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
-    return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling)
+    return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
+                             tree_masks)
 
 
 def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens) -> None:
@@ -64,7 +68,8 @@ def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, exte
         raise ValueError(f"new keys {tuple(k.shape[1:])} do not fit the KV buffer {tuple(k_buffer.shape[1:])}")
 
 
-def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling):
+def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
+                      tree_masks=None):
     out = torch.empty_like(q)  # [T, Hq, D]
     indptr = kv_indptr.tolist()
     start = 0
@@ -77,14 +82,23 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
         qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
-        if prefix == 0:  # plain causal: SDPA's flash / memory-efficient kernels, no mask tensor
+        tree = tree_masks[i] if tree_masks is not None else None
+        if prefix == 0 and tree is None:  # plain causal: SDPA's flash / memory-efficient kernels, no mask tensor
             oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling, enable_gqa=True)
-        else:  # query j sees keys 0 .. prefix + j
-            mask = torch.ones(extend, prefix + extend, dtype=torch.bool, device=q.device).tril(prefix)  # [E, L]
+        else:
+            mask = extend_mask(prefix, extend, tree, q.device)  # [E, L]
             oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
     return out
+
+
+def extend_mask(prefix: int, extend: int, tree: torch.Tensor | None, device) -> torch.Tensor:
+    """``[E, prefix + E]`` bool: which keys each new token sees. Causal: token ``j`` sees keys
+    ``0 .. prefix + j``; with a token tree's ``[E, E]`` mask: the prefix and its ancestors-or-self."""
+    if tree is None:
+        return torch.ones(extend, prefix + extend, dtype=torch.bool, device=device).tril(prefix)
+    return torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=device), tree], dim=1)
 
 
 def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling):

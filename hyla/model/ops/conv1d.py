@@ -30,6 +30,7 @@ from hyla.model.ops.varlen import (
     scatter_states,
     write_states,
 )
+from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
 
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu, "swish": F.silu}
 
@@ -114,6 +115,7 @@ def causal_conv1d_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
+    tree: TokenTree | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over packed sequences ``x [T, C]`` -> ``y [T, C]`` (dtype of ``x``).
 
@@ -125,6 +127,9 @@ def causal_conv1d_varlen(
     ``x_ext [T + B*(K-1), C]``; token ``t`` reads the ``K`` rows of ``x_ext`` ending at its own (never
     the previous sequence's), and the window after ``n`` tokens of sequence ``i`` is just the
     ``K-1`` rows ending at its ``n``-th token.
+
+    ``tree``: the new tokens form trees (``ops/tree.py``: each token's window is its parent's);
+    trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode update.
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got {list(x.shape)}")
@@ -135,6 +140,10 @@ def causal_conv1d_varlen(
     lengths = check_varlen(cu_seqlens, num_tokens)
     slot_list = check_slots(slots, len(lengths), conv_states.shape[0])
     ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, conv_states.shape[0], x.device)
+    tree = short_extend_tree(tree, lengths, x.device)
+    if tree is not None:
+        step = lambda xs, pool, rows: causal_conv1d_update(xs, weight, bias, pool, rows, activation)  # noqa: E731
+        return tree_scan(step, (x,), conv_states, slots, tree, ckpts)
 
     w = kernel - 1
     batch = len(lengths)

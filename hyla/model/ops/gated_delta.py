@@ -23,7 +23,6 @@ import torch
 
 from hyla.model.ops.varlen import (
     CheckpointPlan,
-    Checkpoints,
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
@@ -37,11 +36,7 @@ from hyla.model.ops.varlen import (
     scatter_states,
     write_states,
 )
-
-
-SHORT_EXTEND = 8
-"""Extends of at most this many tokens per sequence run token by token (:func:`_short_extend`):
-cheaper than padding each to a chunk of 64, and the same math as the decode step."""
+from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -128,6 +123,7 @@ def chunk_gated_delta_rule_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
+    tree: TokenTree | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
     ``g, beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -135,6 +131,8 @@ def chunk_gated_delta_rule_varlen(
     Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
     for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
+    trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     _check_inputs(q, k, v, g, beta, ssm_states)
     lengths = check_varlen(cu_seqlens, q.shape[0])
@@ -142,8 +140,11 @@ def chunk_gated_delta_rule_varlen(
     ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if max(lengths) <= SHORT_EXTEND:
-        return _short_extend(q, k, v, g, beta, lengths, ssm_states, slots, ckpts, use_qk_l2norm)
+    tree = short_extend_tree(tree, lengths, q.device)
+    if tree is not None:  # token by token with the decode step (each token from its parent's state)
+        step = lambda q, k, v, g, beta, pool, rows: recurrent_gated_delta_rule_update(  # noqa: E731
+            q, k, v, g, beta, pool, rows, use_qk_l2norm)
+        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
 
     layout = chunk_layout(lengths, chunk_size, q.device)
     plan = plan_checkpoints(layout, ckpts)
@@ -264,8 +265,8 @@ def recurrent_gated_delta_rule_update(
 
 def _recurrent_step(q, k, v, g, beta, S: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
     """One token per sequence on fp32 states ``S [B, Hv, Dk, Dv]`` (updated in place) -> fp32
-    ``o [B, Hv, Dv]``: the decode step's math, shared by short extends (so a verify step computes
-    what decode steps would)."""
+    ``o [B, Hv, Dv]``: the decode step's math (short extends and trees run it too, through
+    ``tree_scan``, so a verify step computes what decode steps would)."""
     b, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1:]
     r = num_v_heads // num_k_heads
@@ -285,31 +286,3 @@ def _recurrent_step(q, k, v, g, beta, S: torch.Tensor, use_qk_l2norm: bool) -> t
     o = torch.addcmul(read[:, :, :, 0], qk_dot, delta)  # [B, Hk, r, Dv]
     S5.mul_(decay).addcmul_(qk[:, :, 1].view(b, num_k_heads, 1, dk, 1), delta.unsqueeze(3))  # e S + k delta^T
     return o.view(b, num_v_heads, dv)
-
-
-def _short_extend(q, k, v, g, beta, lengths: list[int], ssm_states: torch.Tensor, slots: torch.Tensor,
-                  ckpts: Checkpoints, use_qk_l2norm: bool) -> torch.Tensor:
-    """Extends of at most :data:`SHORT_EXTEND` tokens per sequence (a speculative verify step, a
-    short cached tail) token by token with the decode step's math, instead of padding each to a
-    chunk: step ``j`` advances every sequence that has a ``j``-th token; a checkpoint after ``n``
-    tokens is the state after step ``n - 1``."""
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    dev = q.device
-    state = gather_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv]
-    o = torch.empty(v.shape, dtype=torch.float32, device=dev)
-    for j in range(max(lengths, default=0)):
-        seqs = [i for i, n in enumerate(lengths) if n > j]
-        tok = torch.tensor([starts[i] + j for i in seqs], dtype=torch.long, device=dev)
-        rows = None if len(seqs) == len(lengths) else torch.tensor(seqs, dtype=torch.long, device=dev)
-        S = state if rows is None else state.index_select(0, rows)
-        o[tok] = _recurrent_step(q[tok], k[tok], v[tok], g[tok], beta[tok], S, use_qk_l2norm)
-        if rows is not None:
-            state.index_copy_(0, rows, S)
-        here = [m for m, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens)) if n == j + 1]
-        if here:
-            src = torch.tensor([ckpts.seq[m] for m in here], dtype=torch.long, device=dev)
-            ssm_states.index_copy_(0, ckpts.slot[here], state.index_select(0, src))
-    scatter_states(ssm_states, slots, state)
-    return o.to(q.dtype)

@@ -48,6 +48,7 @@ from hyla.model.ops.varlen import (
     plan_checkpoints,
     scatter_states,
 )
+from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
 
 
 _SUB_CHUNK = 16  # rows per sub-chunk of the intra-chunk products (see _intra_chunk)
@@ -139,6 +140,7 @@ def chunk_kda_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
+    tree: TokenTree | None = None,
 ) -> torch.Tensor:
     """KDA over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``,
     ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -146,11 +148,20 @@ def chunk_kda_varlen(
     Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
     for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
+    trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     _check_inputs(q, k, v, g, beta, ssm_states)
     lengths = check_varlen(cu_seqlens, q.shape[0])
     slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
     ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    tree = short_extend_tree(tree, lengths, q.device)
+    if tree is not None:
+        step = lambda q, k, v, g, beta, pool, rows: recurrent_kda_update(  # noqa: E731
+            q, k, v, g, beta, pool, rows.index, use_qk_l2norm)
+        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
 
     layout = chunk_layout(lengths, chunk_size, q.device)
     plan = plan_checkpoints(layout, ckpts)

@@ -38,6 +38,7 @@ from hyla.model.ops.varlen import (
     scatter_states,
     write_states,
 )
+from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
 
 
 def discretize_dt(
@@ -133,6 +134,7 @@ def mamba2_chunk_scan_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 128,
     dt_limit: tuple[float, float] | None = None,
+    tree: TokenTree | None = None,
 ) -> torch.Tensor:
     """SSD over packed sequences: ``x [T, H, P]``, raw ``dt [T, H]``, ``A [H]``, ``B, C [T, G, N]``,
     ``D, dt_bias [H]`` -> ``y [T, H, P]`` (dtype of ``x``), any sequence lengths.
@@ -140,11 +142,20 @@ def mamba2_chunk_scan_varlen(
     Sequence ``i`` starts from ``ssm_states[slots[i]]`` and its final state is written back there;
     for each checkpoint ``j`` the state after ``ckpt_len[j]`` new tokens of sequence ``ckpt_seq[j]``
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
+    ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
+    trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     lengths = check_varlen(cu_seqlens, x.shape[0])
     slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
     ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], x.device)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    tree = short_extend_tree(tree, lengths, x.device)
+    if tree is not None:
+        step = lambda x, dt, B, C, pool, rows: mamba2_state_update(  # noqa: E731
+            x, dt, A, B, C, D, dt_bias, pool, rows, dt_limit)
+        return tree_scan(step, (x, dt, B, C), ssm_states, slots, tree, ckpts)
 
     layout = chunk_layout(lengths, chunk_size, x.device)
     plan = plan_checkpoints(layout, ckpts)

@@ -36,8 +36,13 @@ def chunk_gated_delta_rule_fla(
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    tree=None,
 ) -> torch.Tensor:
-    """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does."""
+    """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
+    ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
+    the PyTorch op's ``tree_scan``."""
+    if tree is not None and not tree.is_chain:
+        raise ValueError("fla's chunked kernel runs chains; a token tree takes chunk_gated_delta_rule_varlen")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     lengths = check_varlen(cu_seqlens, q.shape[0])
