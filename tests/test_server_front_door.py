@@ -130,7 +130,7 @@ def test_the_front_door_counts_its_answers(server):
 
 
 def test_health_answers_while_the_loop_is_blocked_and_says_when_it_stalls(model_dir, monkeypatch):
-    monkeypatch.setattr(front_door, "STALL_SECONDS", 0.3)
+    monkeypatch.setattr(front_door, "STALL_SECONDS", 2.0)  # > the heartbeat's period (0.5 s) + a slow first poll
     app = create_app(model_dir, served_model_name=MODEL, max_total_tokens=4096, max_state_slots=16)
     with BackgroundServer(app) as srv:
         door = srv.uvicorn.front_doors[0]

@@ -197,3 +197,4 @@ def test_storm_of_streams_hangups_and_a_huge_body_then_sigterm(tmp_path):
     assert code == 0, log
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert "pool sizes: KV capped at 32 requests x 4096 tokens" in log  # the start-up summary says so
+    assert "gc.freeze: " in log  # hyla serve froze the start-up heap
