@@ -9,8 +9,9 @@ makes it hold (docs/server.md, "Under load", has the measurements, on a 2-core m
 door answers health checks on its own thread (hyla/server/front_door.py), so a poll no longer waits
 its turn on the event loop, which the burst of 200 requests keeps busy (a poll served by the loop
 took 230-370 ms); and ``hyla serve`` freezes the start-up heap (``gc.freeze``), so a full collection
-no longer holds the GIL for 150-300 ms. A poll now waits only for the GIL: under 1 ms (p50), 14-40 ms
-at worst over ten runs on a loaded machine. The distribution is printed (run with ``-s``).
+no longer holds the GIL for 150-300 ms. A poll now waits only for the GIL: under 1 ms (p50), 14-44 ms
+at worst over fifteen runs on a loaded machine (load average 4.6-5.6). The distribution is printed
+(run with ``-s``).
 """
 
 from __future__ import annotations
