@@ -257,7 +257,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> JSONResponse:  # on a fresh connection, the front door answers first (launch.py)
+    async def health() -> JSONResponse:  # most health checks never get here: the front door answers them
         status, body = server.health()
         return JSONResponse(body, status_code=status)
 
