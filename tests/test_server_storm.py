@@ -3,13 +3,15 @@ concurrent streaming chats, a third of them hanging up mid-stream, and one 20 MB
 another process polls /health; then nothing is left running, every request is accounted for in
 /metrics, and SIGTERM ends the process with status 0.
 
-/health latency: the event loop never blocks on one request (bodies are capped, a 20 MB one refused
-from its Content-Length; tokenization runs on a worker thread), so a poll waits only for its turn on
-a loop busy with 200 streams, and for the GIL. On a 2-core machine, with the test's own client and the
-poller beside the server, polls take ~1.5 ms (p50) and ~5-15 ms (p99), except the one or two that
-arrive with the burst of 200 requests: they queue behind 200 requests' parsing and take 200-330 ms.
-So the test asserts what the design guarantees — every poll within 1 s, and 90% within 100 ms — and
-prints the measured distribution (run with ``-s``); docs/server.md, "Under load", has the numbers.
+/health latency: every poll must answer within 100 ms, GET and HEAD on a fresh connection (as load
+balancers and Kubernetes probes send them) and GET on a kept-alive one; nothing is tolerated. What
+makes it hold (docs/server.md, "Under load", has the measurements, on a 2-core machine): the front
+door answers health checks on its own thread (hyla/server/front_door.py), so a poll no longer waits
+its turn on the event loop, which the burst of 200 requests keeps busy (a poll served by the loop
+took 230-370 ms); and ``hyla serve`` freezes the start-up heap (``gc.freeze``), so a full collection
+no longer holds the GIL for 150-300 ms. A poll now waits only for the GIL: under 1 ms (p50), 14-44 ms
+at worst over fifteen runs on a loaded machine (load average 4.6-5.6). The distribution is printed
+(run with ``-s``).
 """
 
 from __future__ import annotations
@@ -30,23 +32,28 @@ from test_server_cli import ServeProcess
 
 NUM_STREAMS = 200
 MAX_TOKENS = 12
-HEALTH_BOUND_S = 1.0
+HEALTH_BOUND_S = 0.1
 BIG_BODY_BYTES = 20_000_000
 
 POLLER = r"""
 import http.client, json, os, sys, time
 host, port, stop_file, out_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-polls = []
+KINDS = ("fresh GET", "fresh HEAD", "kept-alive GET")
+polls, kept = [], http.client.HTTPConnection(host, port, timeout=30)
 while not os.path.exists(stop_file):
+    kind = KINDS[len(polls) % len(KINDS)]
     start = time.perf_counter()
-    try:  # a new connection each time, as a load balancer's health check; http.client: little client time
-        conn = http.client.HTTPConnection(host, port, timeout=30)
-        conn.request("GET", "/health")
-        status = conn.getresponse().status
-        conn.close()
-    except OSError as exc:
+    try:  # http.client: little client time
+        conn = kept if kind == "kept-alive GET" else http.client.HTTPConnection(host, port, timeout=30)
+        conn.request(kind.split()[-1], "/health")
+        resp = conn.getresponse()
+        resp.read()
+        status = resp.status
+        if conn is not kept:
+            conn.close()
+    except (OSError, http.client.HTTPException) as exc:
         status = repr(exc)
-    polls.append([time.perf_counter() - start, status, time.time()])
+    polls.append([time.perf_counter() - start, status, time.time(), kind])
     time.sleep(0.02)
 with open(out_file, "w") as f:
     json.dump(polls, f)
@@ -144,19 +151,21 @@ def test_storm_of_streams_hangups_and_a_huge_body_then_sigterm(tmp_path):
         assert all(n == MAX_TOKENS for outcome, n in results if outcome == "done")
         assert big_status == 413 or "Write" in str(big_status) or "Protocol" in str(big_status), big_status
 
-        latencies = sorted(seconds for seconds, _, _ in polls)
-        statuses = {status for _, status, _ in polls}
+        latencies = sorted(seconds for seconds, *_ in polls)
+        statuses = {status for _, status, *_ in polls}
         slowest = sorted(polls, reverse=True)[:5]
         n = len(latencies)
         summary = (f"storm {storm_seconds:.1f} s; 20 MB body: {big_status} after {big_seconds * 1000:.0f} ms; "
                    f"/health: {n} polls, p50 {latencies[n // 2] * 1000:.1f} ms, p90 {latencies[n * 9 // 10] * 1000:.1f}"
                    f" ms, p99 {latencies[min(n - 1, n * 99 // 100)] * 1000:.1f} ms, max {latencies[-1] * 1000:.1f} ms, "
-                   f"{sum(s > 0.1 for s in latencies)} over 100 ms; slowest (ms @ s into the storm): "
-                   + ", ".join(f"{seconds * 1000:.0f} @ {at - wall_start:.1f}" for seconds, _, at in slowest))
+                   f"{sum(s > HEALTH_BOUND_S for s in latencies)} over {HEALTH_BOUND_S * 1000:.0f} ms; slowest "
+                   "(ms @ s into the storm, kind): "
+                   + ", ".join(f"{seconds * 1000:.0f} @ {at - wall_start:.1f} {kind}" for seconds, _, at, kind in slowest))
         print(summary)
         assert statuses == {200}, statuses
-        assert n >= 20 and latencies[-1] < HEALTH_BOUND_S, summary
-        assert latencies[n * 9 // 10] < 0.1, summary  # beyond the arrival burst, polls answer within 100 ms
+        during = [kind for _, _, at, kind in polls if wall_start <= at <= wall_start + storm_seconds]
+        assert all(during.count(kind) >= 20 for kind in ("fresh GET", "fresh HEAD", "kept-alive GET")), summary
+        assert latencies[-1] < HEALTH_BOUND_S, summary
 
         # nothing leaked: once the aborted requests are reaped, nothing runs or waits, and every
         # stream is counted once (a hang-up as abort, unless it finished first)
@@ -189,3 +198,4 @@ def test_storm_of_streams_hangups_and_a_huge_body_then_sigterm(tmp_path):
     assert code == 0, log
     assert "Traceback" not in log and "CancelledError" not in log, log
     assert "pool sizes: KV capped at 32 requests x 4096 tokens" in log  # the start-up summary says so
+    assert "gc.freeze: " in log  # hyla serve froze the start-up heap

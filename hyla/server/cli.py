@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)
-    server = UvicornServer(config)
+    server = UvicornServer(config, gc_freeze=True)  # this process serves one app for its life
     # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM, like Ctrl-C, then
     # ends here as a KeyboardInterrupt instead of killing the process (exit status 0, not 143)
     previous = signal.signal(signal.SIGTERM, _interrupt)

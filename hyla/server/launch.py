@@ -1,4 +1,5 @@
-"""Run the server inside this process, on a background thread (tests, notebooks, benchmarks).
+"""Run the app with uvicorn: ``UvicornServer`` (what ``hyla serve`` runs), and ``BackgroundServer``,
+the server inside this process on a background thread (tests, notebooks, benchmarks).
 
     with BackgroundServer(create_app(model_dir, max_total_tokens=20000)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
@@ -12,6 +13,8 @@ drains (``UvicornServer``), then the engine shuts down.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
 import socket
 import threading
@@ -20,27 +23,70 @@ from typing import Any
 
 import uvicorn
 
+from hyla.server.front_door import FrontDoor
+
 logger = logging.getLogger("uvicorn.error")
 
 
 class UvicornServer(uvicorn.Server):
-    """``uvicorn.Server`` that drains a hyla app (``app.state.server.drain()``) before its own
-    shutdown, whatever asked for it (SIGTERM, Ctrl-C, ``should_exit``): while the app drains, the
-    listening socket stays open so that new requests get a 503 rather than a refused connection. A
-    second signal (uvicorn's ``force_exit``) stops the waiting."""
+    """``uvicorn.Server`` for a hyla app (``app.state.server``, a ``hyla.server.app.Server``):
+
+    * the listening sockets are accepted by a ``FrontDoor`` each (a thread that answers health
+      checks itself and hands every other connection to the event loop), not by the loop;
+    * before its own shutdown, whatever asked for it (SIGTERM, Ctrl-C, ``should_exit``), the app
+      drains (``Server.drain``): the front doors keep accepting, so that new requests get a 503 rather
+      than a refused connection. A second signal (uvicorn's ``force_exit``) stops the waiting;
+    * ``gc_freeze``: once the app has started (the engine, the model, every module loaded), move
+      every object alive to the collector's permanent generation (``gc.freeze()``), so that a full
+      collection does not walk them again. Without it, a collection triggered by a burst of requests
+      walked the whole heap for 150-300 ms holding the GIL, stalling the event loop and the engine
+      alike. For a process that serves one app for its life (``hyla serve``): frozen objects that
+      become cyclic garbage are never collected, so a process that starts and stops servers
+      (tests) leaves it off."""
+
+    def __init__(self, config: uvicorn.Config, gc_freeze: bool = False):
+        super().__init__(config)
+        self.gc_freeze = gc_freeze
+        self.front_doors: list[FrontDoor] = []
+        self._bound: list[socket.socket] = []  # sockets bound here (none given): closed at shutdown
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if sockets and self.started:  # uvicorn names the address only for sockets it bound itself
-            host, port = sockets[0].getsockname()[:2]
+        if sockets is None:
+            sockets = self._bound = [self.config.bind_socket()]
+        await super().startup(sockets=[])  # the lifespan (the engine starts); uvicorn itself listens on nothing
+        if not self.started:
+            return
+        if self.gc_freeze:  # before listening: the collection walks the whole heap once (~0.3 s)
+            gc.collect()
+            gc.freeze()
+            logger.info("gc.freeze: %d objects alive after start-up are out of the collector's way",
+                        gc.get_freeze_count())
+        server = self.config.app.state.server
+        loop = asyncio.get_running_loop()
+
+        def count(method: str, status: int) -> None:
+            server.metrics.http_requests.labels("/health", method, str(status)).inc()
+
+        for sock in sockets:
+            sock.listen(self.config.backlog)  # as asyncio's create_server would; bound, not listening, until now
+        self.front_doors = [FrontDoor(sock, loop, self._protocol, server.health, count).start() for sock in sockets]
+        for sock in sockets if not self._bound else ():  # config.bind_socket() said so already
+            host, port = sock.getsockname()[:2]
             logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
                         f"[{host}]" if ":" in host else host, port)
 
+    def _protocol(self) -> asyncio.Protocol:
+        """A connection's protocol, as uvicorn makes it for the connections it accepts itself."""
+        return self.config.http_protocol_class(config=self.config, server_state=self.server_state,
+                                               app_state=self.lifespan.state)
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        server = getattr(getattr(self.config.app, "state", None), "server", None)
-        if server is not None and not self.force_exit:
+        server = self.config.app.state.server
+        if not self.force_exit:
             await server.drain(give_up=lambda: self.force_exit)
-        await super().shutdown(sockets)
+        for door in self.front_doors:
+            door.stop()
+        await super().shutdown(sockets if sockets is not None else self._bound)
 
 
 class BackgroundServer:
@@ -61,6 +107,11 @@ class BackgroundServer:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def uvicorn(self) -> UvicornServer:
+        """The ``UvicornServer`` running the app (its ``front_doors``, for checks)."""
+        return self._server
 
     def _run(self) -> None:
         try:
