@@ -7,9 +7,9 @@ slot. With ``h = norm(x)``::
     x = x + mlp(ffn_norm(x))        # down_mult * down(silu(gate_mult * gate(x)) * up(x))
 
 Attention is Llama's (GQA, full-head RoPE, no q/k norm) with keys scaled by ``key_multiplier``.
-The Mamba2 mixer's ``in_proj`` output is scaled per segment ``[z | x | B | C | dt]`` by
-``ssm_multipliers`` (HF's ``mup_vector``); its width is ``mamba_d_ssm`` (= heads * head dim); its
-output is ``norm(y, z)`` (gated RMSNorm per group, gate before or after the norm per
+The Mamba2 mixer (hyla's shared ``Mamba2Mixer``) has its ``in_proj`` output scaled per segment
+``[z | x | B | C | dt]`` by ``ssm_multipliers`` (HF's ``mup_vector``); its width is ``mamba_d_ssm``
+(= heads * head dim); its output is ``norm(y, z)`` (gated RMSNorm per group, gate before or after the norm per
 ``mamba_norm_before_gate``) when ``mamba_rms_norm``, else ``y * silu(z)``. Embeddings are scaled by
 ``embedding_multiplier`` and logits by ``lm_head_multiplier``.
 
@@ -31,7 +31,6 @@ import math
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.config import ModelConfig, hf_common_fields, hf_require
@@ -39,101 +38,33 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     MLP,
     Attention,
-    GatedRMSNorm,
     HybridForCausalLM,
     HybridLayer,
+    Mamba2Mixer,
     Rope,
     WeightSpec,
-    _ckpt_kwargs,
-    _copy_decode_checkpoints,
     linear_specs,
     norm_spec,
     squeeze_conv,
 )
-from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
-
-
-class FalconH1Mamba2Mixer(nn.Module):
-    """Falcon-H1's Mamba2 mixer (the µP multipliers are already folded into ``in_proj`` /
-    ``out_proj``).
-
-    ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
-    (optional bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
-    ``config.mamba_dt_limit`` clamps ``softplus(dt + dt_bias)`` in the extend and the decode path.
-    Output: ``norm(y, z)`` (``mamba_rms_norm``) or ``y * silu(z)``, then ``out_proj``.
-    """
-
-    def __init__(self, config: ModelConfig, linear_ordinal: int):
-        super().__init__()
-        c = config
-        self.state_index = linear_ordinal
-        self.num_heads, self.head_dim = c.mamba_num_heads, c.mamba_head_dim
-        self.n_groups, self.state_size = c.mamba_n_groups, c.ssm_state_size
-        self.inner = c.mamba_intermediate_size
-        self.conv_dim = c.conv_dim
-        self.chunk_size = c.linear_chunk_size
-        self.dt_limit = c.mamba_dt_limit
-        proj = self.inner + self.conv_dim + self.num_heads
-        self.in_proj = nn.Linear(c.hidden_size, proj, bias=c.mamba_proj_bias, dtype=c.dtype)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
-        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim, dtype=c.dtype)) if c.mamba_conv_bias else None
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.norm = (
-            GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups,
-                         norm_before_gate=c.mamba_norm_before_gate, dtype=c.dtype)
-            if c.mamba_rms_norm else None
-        )
-        # HF: in_proj's bias is mamba_proj_bias, out_proj's projectors_bias
-        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=bool(c.mamba_out_proj_bias), dtype=c.dtype)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
-        slots = batch.state_slots
-        if batch.is_decode:
-            xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
-        else:
-            xbc = causal_conv1d_varlen(
-                xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, slots, "silu",
-                **_ckpt_kwargs(batch),
-            )  # [T, conv_dim]
-        gn = self.n_groups * self.state_size
-        xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
-        xs = xs.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
-        bs = bs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        cs = cs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        A = -torch.exp(self.A_log.float())  # [H]
-        if batch.is_decode:
-            y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots,
-                                    dt_limit=self.dt_limit)  # [B, H, P]
-            _copy_decode_checkpoints(conv_states, batch)
-            _copy_decode_checkpoints(ssm_states, batch)
-        else:
-            y = mamba2_chunk_scan_varlen(
-                xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, slots,
-                **_ckpt_kwargs(batch), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
-            )  # [T, H, P]
-        y = y.reshape(t, self.inner)  # [T, I]
-        if self.norm is not None:
-            y = self.norm(y, z)
-        else:
-            y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
-        return self.out_proj(y.to(x.dtype))
 
 
 class FalconH1Layer(HybridLayer):
-    """``x + (mamba(h) + attention(h))`` with ``h = mixer_norm(x)``, then ``x + ffn(ffn_norm(x))``."""
+    """``x + (mamba(h) + attention(h))`` with ``h = mixer_norm(x)``, then ``x + ffn(ffn_norm(x))``.
+
+    The two mixers are hyla's shared ``Attention`` and ``Mamba2Mixer`` (the latter configured by
+    ``mamba_rms_norm``, ``mamba_norm_before_gate`` and ``mamba_out_proj_bias`` = HF's ``projectors_bias``);
+    both have fused decode kernels, so the fused GPU decode step covers Falcon-H1."""
 
     def __init__(self, config: ModelConfig, index: int, new_norm: Callable[[], nn.Module]):
         c = config
         ffn = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
         super().__init__(mixer=None, mixer_norm=new_norm(), ffn=ffn, ffn_norm=new_norm())
         self.attn = Attention(c, c.attention_ordinal(index))
-        self.mamba = FalconH1Mamba2Mixer(c, c.linear_ordinal(index))
+        self.mamba = Mamba2Mixer(c, c.linear_ordinal(index))
+
+    def mixers(self) -> list[nn.Module]:
+        return [self.attn, self.mamba]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         h = self.mixer_norm(x)  # [T, hidden]

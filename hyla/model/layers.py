@@ -339,14 +339,19 @@ class GatedDeltaNet(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba2 mixer (NemotronH ``M`` blocks).
+    """Mamba2 mixer (NemotronH ``M`` blocks, Bamba, Granite 4.0-H, Falcon-H1's Mamba2 half).
 
     ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
-    (with bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
+    (bias when ``mamba_conv_bias``) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
     Both paths, the chunked extend and the decode step, clamp ``softplus(dt + dt_bias)`` to
     ``config.mamba_dt_limit``, so a state is the same whether its tokens came as an extend or as
     decode steps (the cache relies on it). Hugging Face's decode does not clamp: hyla deviates from
     it there on purpose (docs/models.md).
+
+    Output: ``norm(y, z)``, a gated RMSNorm per group (``w * norm(y * silu(z))``; with
+    ``mamba_norm_before_gate``, ``w * norm(y) * silu(z)``), or, without ``mamba_rms_norm`` (a Falcon-H1
+    option), ``y * silu(z)`` in fp32; then ``out_proj`` (bias: ``mamba_out_proj_bias``, which
+    defaults to ``mamba_proj_bias``).
     """
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -366,9 +371,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.norm = GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups, norm_before_gate=False,
-                                 dtype=c.dtype)
-        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
+        self.norm = (
+            GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups,
+                         norm_before_gate=c.mamba_norm_before_gate, dtype=c.dtype)
+            if c.mamba_rms_norm else None
+        )
+        out_bias = c.mamba_proj_bias if c.mamba_out_proj_bias is None else c.mamba_out_proj_bias
+        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=out_bias, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [H] fp32
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
@@ -409,7 +418,11 @@ class Mamba2Mixer(nn.Module):
         return self._out(y, z, t, x.dtype)
 
     def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
-        y = self.norm(y.reshape(t, self.inner), z)  # [T, I]
+        y = y.reshape(t, self.inner)  # [T, I]
+        if self.norm is not None:
+            y = self.norm(y, z)
+        else:
+            y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
         return self.out_proj(y.to(dtype))
 
 
@@ -556,6 +569,10 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.mixer, self.mixer_norm, self.ffn, self.ffn_norm = mixer, mixer_norm, ffn, ffn_norm
 
+    def mixers(self) -> list[nn.Module]:
+        """The layer's token mixers (none in a NemotronH FFN block; Falcon-H1's layer has two)."""
+        return [] if self.mixer is None else [self.mixer]
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         if self.mixer is not None:
             x = x + self.mixer(self.mixer_norm(x), batch, rope)
@@ -688,10 +705,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     # --- what the fused (Triton) decode step covers ---
     def supports_fused_decode(self) -> bool:
-        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far; KDA,
-        Falcon-H1's parallel mixer and the MLA / short-conv layers decode through their PyTorch ops)."""
-        return all(layer.mixer is None or type(layer.mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
-                   for layer in self.layers)
+        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far, Falcon-H1's
+        parallel pair included; KDA and the MLA / short-conv layers decode through their PyTorch ops)."""
+        return all(type(mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
+                   for layer in self.layers for mixer in layer.mixers())
 
     def supports_cuda_graph(self) -> bool:
         """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
