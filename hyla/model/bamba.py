@@ -9,8 +9,8 @@ attention (``full_attention``, at ``attn_layer_indices``) with RoPE on the first
 The dt clamp ``time_step_limit`` (default ``(0, inf)``, which never binds) is ``mamba_dt_limit``,
 applied as ``Mamba2Mixer`` applies it (HF's Bamba: chunked path only; see docs/models.md).
 
-The helpers below (attention / Mamba2 / MLP specs taking µP scale factors, the Mamba2 fields of a
-``config.json``) are shared with Granite 4.0-H (``granitemoehybrid.py``), which is this decoder
+The helpers below (the attention specs with Granite's softmax scale folded in, the Mamba2 fields of
+a ``config.json``) are shared with Granite 4.0-H (``granitemoehybrid.py``), which is this decoder
 with MoE feed-forwards and µP multipliers.
 """
 
@@ -22,8 +22,16 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_require
-from hyla.model.falcon_h1 import scaled_linear
-from hyla.model.layers import HybridForCausalLM, HybridLayer, WeightSpec, norm_spec, squeeze_conv
+from hyla.model.layers import (
+    HybridForCausalLM,
+    HybridLayer,
+    WeightSpec,
+    attention_specs,
+    embedding_specs,
+    mamba2_specs,
+    mlp_specs,
+    norm_spec,
+)
 
 
 class BambaForCausalLM(HybridForCausalLM):
@@ -34,55 +42,24 @@ class BambaForCausalLM(HybridForCausalLM):
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        specs = [
-            WeightSpec("embed_tokens.weight", ("model.embed_tokens.weight",)),
-            norm_spec("norm.weight", "model.final_layernorm.weight"),
-            WeightSpec("lm_head.weight", ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight",)),
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.final_layernorm.weight")
         for i, kind in enumerate(c.layer_types):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.pre_ff_layernorm.weight"),
-                *(attention_specs(c, f"{t}.mixer", f"{s}.self_attn") if kind == "attention"
-                  else mamba_specs(c, f"{t}.mixer", f"{s}.mamba")),
-                *scaled_linear(f"{t}.ffn.in_proj", [f"{s}.feed_forward.gate_proj", f"{s}.feed_forward.up_proj"],
-                               (1.0, 1.0), (1.0, 1.0) if c.mlp_bias else None),
-                *scaled_linear(f"{t}.ffn.out_proj", [f"{s}.feed_forward.down_proj"], (1.0,),
-                               (1.0,) if c.mlp_bias else None),
+                *(granite_attention_specs(c, f"{t}.mixer", f"{s}.self_attn") if kind == "attention"
+                  else mamba2_specs(c, f"{t}.mixer", f"{s}.mamba")),
+                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", c.mlp_bias),
             ]
         return specs
 
 
-# --- checkpoint layout shared with Granite 4.0-H ------------------------------------------------
-def attention_specs(c: ModelConfig, target: str, source: str, out_scale: float = 1.0) -> list[WeightSpec]:
-    """q/k/v stacked into ``qkv_proj``, ``o_proj`` times ``out_scale``. A softmax scale other than
-    ``head_dim ** -0.5`` (Granite's ``attention_multiplier``) is folded into q (weight and bias)."""
+def granite_attention_specs(c: ModelConfig, target: str, source: str, out_scale: float = 1.0) -> list[WeightSpec]:
+    """Attention with ``o_proj`` times ``out_scale`` (shared with Granite 4.0-H). A softmax scale other
+    than ``head_dim ** -0.5`` (Granite's ``attention_multiplier``) is folded into q (weight and bias)."""
     q = 1.0 if c.attention_multiplier is None else c.attention_multiplier * math.sqrt(c.head_dim)
-    bias = (q, 1.0, 1.0) if c.attention_bias else None
-    return [
-        *scaled_linear(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"],
-                       (q, 1.0, 1.0), bias),
-        *scaled_linear(f"{target}.o_proj", [f"{source}.o_proj"], (out_scale,),
-                       (out_scale,) if c.attention_bias else None),
-    ]
-
-
-def mamba_specs(c: ModelConfig, target: str, source: str, out_scale: float = 1.0) -> list[WeightSpec]:
-    """``Mamba2Mixer`` parameters from HF's ``BambaMixer`` layout; ``out_proj`` times ``out_scale``."""
-    specs = [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (1.0,), (1.0,) if c.mamba_proj_bias else None),
-        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
-        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
-        WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
-        WeightSpec(f"{target}.D", (f"{source}.D",)),
-        norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (out_scale,),
-                       (out_scale,) if c.mamba_proj_bias else None),
-    ]
-    if c.mamba_conv_bias:
-        specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
-    return specs
+    return attention_specs(c, target, source, qkv_scales=(q, 1.0, 1.0), bias_scales=(q, 1.0, 1.0), out_scale=out_scale)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ published Falcon-H1 config) the clamp never binds and both paths equal HF's.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -43,9 +43,11 @@ from hyla.model.layers import (
     Mamba2Mixer,
     Rope,
     WeightSpec,
-    linear_specs,
+    attention_specs,
+    embedding_specs,
+    mamba2_specs,
+    mlp_specs,
     norm_spec,
-    squeeze_conv,
 )
 
 
@@ -80,69 +82,26 @@ class FalconH1ForCausalLM(HybridForCausalLM):
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        """HF's tensors with every µP multiplier folded in (see the module docstring)."""
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,), scaled_rows(c.embedding_multiplier)),
-            norm_spec("norm.weight", "model.final_layernorm.weight"),
-            # tied: lm_head is the embedding times lm_head_multiplier (its own copy: the scales differ)
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",),
-                       scaled_rows(c.lm_head_multiplier)),
-        ]
+        m_in, m_k, m_out = c.attention_in_multiplier, c.key_multiplier, c.attention_out_multiplier
+        mup = mup_vector(c)  # the Mamba2 in_proj(ssm_in * h) * mup
+        gate, down = c.mlp_multipliers  # up(x) * silu(gate * gate_proj(x)), then down * down_proj
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.final_layernorm.weight",
+                                embed_scale=c.embedding_multiplier, lm_head_scale=c.lm_head_multiplier)
         for i in range(c.num_hidden_layers):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.pre_ff_layernorm.weight"),
-                *_attention_specs(c, f"{t}.attn", f"{s}.self_attn"),
-                *_mamba_specs(c, f"{t}.mamba", f"{s}.mamba"),
-                *_mlp_specs(c, f"{t}.ffn", f"{s}.feed_forward"),
+                # q, k, v see attn_in * h (bias unscaled); k (bias included) is then scaled by key_multiplier
+                *attention_specs(c, f"{t}.attn", f"{s}.self_attn", qkv_scales=(m_in, m_in * m_k, m_in),
+                                 bias_scales=(1.0, m_k, 1.0), out_scale=m_out),
+                *mamba2_specs(c, f"{t}.mamba", f"{s}.mamba", in_scale=mup * c.ssm_in_multiplier, in_bias_scale=mup,
+                              out_scale=c.ssm_out_multiplier),
+                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", c.mlp_bias, in_scales=(gate, 1.0), out_scale=down),
             ]
         return specs
-
-
-# --- checkpoint layout, with the µP multipliers folded in ---------------------------------------
-Scale = float | torch.Tensor  # a scalar, or one factor per output row
-
-
-def scaled_rows(*scales: Scale) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """Combine: source ``i`` (a weight ``[rows, cols]`` or a bias ``[rows]``) times ``scales[i]``, in
-    fp32, concatenated by rows. A tensor scale has one factor per row of its source."""
-
-    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
-        if len(tensors) != len(scales):
-            raise ValueError(f"internal: {len(tensors)} tensors for {len(scales)} scales")
-        out = []
-        for tensor, scale in zip(tensors, scales):
-            if isinstance(scale, torch.Tensor):
-                scale = scale.reshape(-1, *([1] * (tensor.dim() - 1)))  # [rows, 1...]
-            out.append(tensor.float() * scale)
-        return torch.cat(out, dim=0)
-
-    return combine
-
-
-def scaled_linear(target: str, sources: Sequence[str], weight_scales: Sequence[Scale],
-                  bias_scales: Sequence[Scale] | None) -> list[WeightSpec]:
-    """``target.weight`` (and ``.bias`` when ``bias_scales``): the sources' rows, each times its
-    scale (all scales 1.0: a plain copy / row concatenation, ``linear_specs``)."""
-    if all(isinstance(f, float) and f == 1.0 for f in (*weight_scales, *(bias_scales or ()))):
-        return linear_specs(target, sources, bias_scales is not None)
-    specs = [WeightSpec(f"{target}.weight", tuple(f"{s}.weight" for s in sources), scaled_rows(*weight_scales))]
-    if bias_scales is not None:
-        specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), scaled_rows(*bias_scales)))
-    return specs
-
-
-def _attention_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    # q, k, v see attn_in * h (bias unscaled); k (bias included) is then scaled by key_multiplier
-    m_in, m_k, m_out = c.attention_in_multiplier, c.key_multiplier, c.attention_out_multiplier
-    qkv = [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"]
-    bias = (1.0, m_k, 1.0) if c.attention_bias else None
-    return [
-        *scaled_linear(f"{target}.qkv_proj", qkv, (m_in, m_in * m_k, m_in), bias),
-        *scaled_linear(f"{target}.o_proj", [f"{source}.o_proj"], (m_out,), (m_out,) if c.attention_bias else None),
-    ]
 
 
 def mup_vector(c: ModelConfig) -> torch.Tensor:
@@ -151,36 +110,6 @@ def mup_vector(c: ModelConfig) -> torch.Tensor:
     inner, gn = c.mamba_intermediate_size, c.mamba_n_groups * c.ssm_state_size
     sizes = (inner, inner, gn, gn, c.mamba_num_heads)
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers)])
-
-
-def _mamba_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    mup = mup_vector(c)  # in_proj(ssm_in * h) * mup
-    out_bias = bool(c.mamba_out_proj_bias)
-    specs = [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (mup * c.ssm_in_multiplier,),
-                        (mup,) if c.mamba_proj_bias else None),
-        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
-        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
-        WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
-        WeightSpec(f"{target}.D", (f"{source}.D",)),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (c.ssm_out_multiplier,),
-                        (c.ssm_out_multiplier,) if out_bias else None),
-    ]
-    if c.mamba_conv_bias:
-        specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
-    if c.mamba_rms_norm:
-        specs.append(norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"))
-    return specs
-
-
-def _mlp_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    gate, down = c.mlp_multipliers  # up(x) * silu(gate * gate_proj(x)), then down * down_proj
-    bias = c.mlp_bias
-    return [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], (gate, 1.0),
-                        (gate, 1.0) if bias else None),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.down_proj"], (down,), (down,) if bias else None),
-    ]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,16 +28,23 @@ from typing import Any, Mapping
 import torch
 
 from hyla.model.bamba import (
-    attention_specs,
+    granite_attention_specs,
     layer_types_from_list,
     mamba_config_fields,
-    mamba_specs,
     rope_parameters,
     silu_only,
 )
 from hyla.model.config import ModelConfig, hf_common_fields, hf_require
-from hyla.model.falcon_h1 import scaled_linear, scaled_rows
-from hyla.model.layers import HybridForCausalLM, HybridLayer, WeightSpec, norm_spec
+from hyla.model.layers import (
+    HybridForCausalLM,
+    HybridLayer,
+    WeightSpec,
+    embedding_specs,
+    mamba2_specs,
+    mlp_specs,
+    norm_spec,
+    scaled_rows,
+)
 
 # transformers v5's in-memory names -> the published checkpoint's
 _V5_NAMES = (
@@ -63,20 +70,15 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
         r = c.residual_multiplier
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,), scaled_rows(c.embedding_multiplier)),
-            norm_spec("norm.weight", "model.norm.weight"),
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",),
-                       scaled_rows(c.lm_head_multiplier)),
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.norm.weight",
+                                embed_scale=c.embedding_multiplier, lm_head_scale=c.lm_head_multiplier)
         for i, (mixer, ffn) in enumerate(zip(c.layer_types, c.ffn_types)):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight"),
-                *(attention_specs(c, f"{t}.mixer", f"{s}.self_attn", out_scale=r) if mixer == "attention"
-                  else mamba_specs(c, f"{t}.mixer", f"{s}.mamba", out_scale=r)),
+                *(granite_attention_specs(c, f"{t}.mixer", f"{s}.self_attn", out_scale=r) if mixer == "attention"
+                  else mamba2_specs(c, f"{t}.mixer", f"{s}.mamba", out_scale=r)),
             ]
             if ffn == "moe":
                 moe = f"{s}.block_sparse_moe"
@@ -93,10 +95,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
 
 def _shared_mlp_specs(target: str, source: str, out_scale: float) -> list[WeightSpec]:
     """HF's ``GraniteMoeHybridMLP``: ``input_linear`` rows ``[gate | up]`` (no bias), ``output_linear``."""
-    return [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.input_linear"], (1.0,), None),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.output_linear"], (out_scale,), None),
-    ]
+    return mlp_specs(target, source, in_proj=("input_linear",), out_proj="output_linear", out_scale=out_scale)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -65,7 +65,9 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     stack_experts,
 )
@@ -274,12 +276,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,)),
-            norm_spec("norm.weight", "model.norm.weight"),
-            WeightSpec("lm_head.weight", ("lm_head.weight",)),  # never tied (see parse_hf_config)
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.norm.weight", tied=False)  # see parse_hf_config
         for i, (mixer, ffn) in enumerate(zip(c.layer_types, c.ffn_types)):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
@@ -289,7 +286,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
             specs += _mla_specs(c, f"{t}.mixer", f"{s}.self_attn") if mixer == "attention" else \
                 _kda_specs(f"{t}.mixer", f"{s}.self_attn")
             moe = f"{s}.block_sparse_moe"
-            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else _mlp_specs(f"{t}.ffn", moe)
+            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else mlp_specs(f"{t}.ffn", moe)
         return specs
 
 
@@ -335,13 +332,6 @@ def _mla_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     ]
 
 
-def _mlp_specs(target: str, source: str) -> list[WeightSpec]:
-    return [
-        *linear_specs(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], False),
-        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], False),
-    ]
-
-
 def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     experts = range(c.num_experts)
     gate_up = tuple(f"{source}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3"))
@@ -354,7 +344,7 @@ def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
         WeightSpec(f"{target}.w_out", (f"{source}.experts.down_proj",)),
     ]
     if c.shared_expert_intermediate_size:
-        specs += _mlp_specs(f"{target}.shared_expert", f"{source}.shared_experts")
+        specs += mlp_specs(f"{target}.shared_expert", f"{source}.shared_experts")
     return specs
 
 

@@ -34,7 +34,10 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    attention_specs,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     squeeze_conv,
 )
@@ -86,28 +89,17 @@ class Lfm2ForCausalLM(HybridForCausalLM):
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,)),
-            norm_spec("norm.weight", "model.embedding_norm.weight"),
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",)),
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.embedding_norm.weight")
         for i, kind in enumerate(c.layer_types):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.operator_norm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.ffn_norm.weight"),
-                *linear_specs(f"{t}.ffn.in_proj", [f"{s}.feed_forward.w1", f"{s}.feed_forward.w3"], False),
-                *linear_specs(f"{t}.ffn.out_proj", [f"{s}.feed_forward.w2"], False),
+                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", in_proj=("w1", "w3"), out_proj="w2"),  # [gate | up], down
             ]
             if kind == "attention":
-                a = f"{s}.self_attn"
-                specs += [
-                    *linear_specs(f"{t}.mixer.qkv_proj", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], False),
-                    *linear_specs(f"{t}.mixer.o_proj", [f"{a}.out_proj"], False),
-                    norm_spec(f"{t}.mixer.q_norm.weight", f"{a}.q_layernorm.weight"),
-                    norm_spec(f"{t}.mixer.k_norm.weight", f"{a}.k_layernorm.weight"),
-                ]
+                specs += attention_specs(c, f"{t}.mixer", f"{s}.self_attn", o_proj="out_proj",
+                                         qk_norms=("q_layernorm", "k_layernorm"))
             else:
                 conv, bias = f"{s}.conv", c.short_conv_bias
                 specs += [

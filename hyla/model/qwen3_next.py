@@ -24,7 +24,10 @@ from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     WeightSpec,
+    attention_specs,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     squeeze_conv,
     stack_experts,
@@ -53,17 +56,6 @@ def regroup_qkvz_ba(config: ModelConfig):
     return combine
 
 
-def attention_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    """Gated attention with per-head q/k norms (shared by Qwen3-Next and Qwen3.5)."""
-    return [
-        *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"],
-                      config.attention_bias),
-        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], config.attention_bias),
-        norm_spec(f"{target}.q_norm.weight", f"{source}.q_norm.weight"),
-        norm_spec(f"{target}.k_norm.weight", f"{source}.k_norm.weight"),
-    ]
-
-
 def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:
     """The GDN tensors whose layout Qwen3-Next and Qwen3.5 share (all but the input projections)."""
     return [
@@ -72,14 +64,6 @@ def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:
         WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
         norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"),
         *linear_specs(f"{target}.out_proj", [f"{source}.out_proj"], False),
-    ]
-
-
-def mlp_specs(target: str, source: str) -> list[WeightSpec]:
-    """SwiGLU MLP: ``in_proj = [gate_proj; up_proj]``, ``out_proj = down_proj``."""
-    return [
-        *linear_specs(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], False),
-        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], False),
     ]
 
 
@@ -99,11 +83,7 @@ def moe_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]
 def qwen_specs(config: ModelConfig, gdn_in_proj, prefix: str = "model.") -> list[WeightSpec]:
     """All weight specs of a Qwen3-Next-style decoder; ``gdn_in_proj(target, source)`` gives the
     architecture-specific GDN input projection."""
-    specs = [
-        WeightSpec("embed_tokens.weight", (f"{prefix}embed_tokens.weight",)),
-        norm_spec("norm.weight", f"{prefix}norm.weight"),
-        lm_head_spec(config, f"{prefix}embed_tokens.weight"),
-    ]
+    specs = embedding_specs(config, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight")
     for i, (mixer, ffn) in enumerate(zip(config.layer_types, config.ffn_types)):
         t, s = f"layers.{i}", f"{prefix}layers.{i}"
         specs.append(norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"))
@@ -118,12 +98,6 @@ def qwen_specs(config: ModelConfig, gdn_in_proj, prefix: str = "model.") -> list
         else:
             specs += mlp_specs(f"{t}.ffn", f"{s}.mlp")
     return specs
-
-
-def lm_head_spec(config: ModelConfig, embed_name: str) -> WeightSpec:
-    """``lm_head.weight``, or the input embedding when the checkpoint ties them."""
-    source = embed_name if config.tie_word_embeddings else "lm_head.weight"
-    return WeightSpec("lm_head.weight", (source,))
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
