@@ -36,8 +36,7 @@ from hyla.model.layers import (
 
 class BambaForCausalLM(HybridForCausalLM):
     def build_layer(self, index: int) -> HybridLayer:
-        return HybridLayer(mixer=self.build_mixer(index), mixer_norm=self.new_norm(),
-                           ffn=self.build_ffn(self.config.ffn_types[index]), ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # Mamba2Mixer or Attention, then the MLP
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:

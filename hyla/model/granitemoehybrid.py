@@ -56,8 +56,7 @@ _V5_NAMES = (
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def build_layer(self, index: int) -> HybridLayer:
-        return HybridLayer(mixer=self.build_mixer(index), mixer_norm=self.new_norm(),
-                           ffn=self.build_ffn(self.config.ffn_types[index]), ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # Mamba2Mixer or Attention, then the MoE (or the shared MLP alone)
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:

@@ -258,14 +258,11 @@ def latent_paged_attention(
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):
+    attention_mixer = LatentAttention
+    linear_mixer = KimiDeltaAttention
+
     def build_layer(self, index: int) -> HybridLayer:
-        c = self.config
-        if c.layer_types[index] == "attention":
-            mixer: nn.Module = LatentAttention(c, c.attention_ordinal(index))
-        else:
-            mixer = KimiDeltaAttention(c, c.linear_ordinal(index))
-        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn(c.ffn_types[index]),
-                           ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # KDA or MLA, then the MLP or MoE
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:

@@ -795,20 +795,28 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """Map a checkpoint tensor name to the name ``hf_weight_specs`` uses; ``None`` = ignore it."""
         return name
 
+    attention_mixer: type[nn.Module] = Attention  # the mixer of "attention" layers (Kimi-Linear: MLA)
+    linear_mixer: type[nn.Module] | None = None  # of "linear" layers; None: GatedDeltaNet / Mamba2Mixer (linear_kind)
+
     def build_mixer(self, index: int) -> nn.Module:
+        """The mixer of an ``"attention"`` or ``"linear"`` layer, built as ``cls(config, ordinal)``."""
         c = self.config
-        kind = c.layer_types[index]
-        if kind == "attention":
-            return Attention(c, c.attention_ordinal(index))
-        if c.linear_kind == "gdn":
-            return GatedDeltaNet(c, c.linear_ordinal(index))
-        return Mamba2Mixer(c, c.linear_ordinal(index))
+        if c.layer_types[index] == "attention":
+            return self.attention_mixer(c, c.attention_ordinal(index))
+        mixer = self.linear_mixer or (GatedDeltaNet if c.linear_kind == "gdn" else Mamba2Mixer)
+        return mixer(c, c.linear_ordinal(index))
 
     def build_ffn(self, kind: str) -> nn.Module:
         c = self.config
         if kind == "moe":
             return SparseMoE(c)
         return MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
+
+    def mixer_ffn_layer(self, index: int) -> HybridLayer:
+        """The decoder layer of most architectures: ``x + mixer(norm(x))`` (:meth:`build_mixer`), then
+        ``x + ffn(norm(x))`` (``config.ffn_types[index]``)."""
+        return HybridLayer(mixer=self.build_mixer(index), mixer_norm=self.new_norm(),
+                           ffn=self.build_ffn(self.config.ffn_types[index]), ffn_norm=self.new_norm())
 
     def new_norm(self) -> RMSNorm:
         c = self.config

@@ -27,7 +27,6 @@ from torch import nn
 from hyla.model.config import ModelConfig, hf_common_fields, hf_require
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
-    Attention,
     HybridForCausalLM,
     HybridLayer,
     Rope,
@@ -78,13 +77,10 @@ class Lfm2ShortConv(nn.Module):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
+    linear_mixer = Lfm2ShortConv
+
     def build_layer(self, index: int) -> HybridLayer:
-        c = self.config
-        if c.layer_types[index] == "attention":
-            mixer: nn.Module = Attention(c, c.attention_ordinal(index))
-        else:
-            mixer = Lfm2ShortConv(c, c.linear_ordinal(index))
-        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn("mlp"), ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # the short convolution or Attention, then the MLP
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:

@@ -102,12 +102,7 @@ def qwen_specs(config: ModelConfig, gdn_in_proj, prefix: str = "model.") -> list
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
     def build_layer(self, index: int) -> HybridLayer:
-        return HybridLayer(
-            mixer=self.build_mixer(index),
-            mixer_norm=self.new_norm(),
-            ffn=self.build_ffn(self.config.ffn_types[index]),
-            ffn_norm=self.new_norm(),
-        )
+        return self.mixer_ffn_layer(index)  # GatedDeltaNet or gated Attention, then the MLP or MoE
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
