@@ -27,13 +27,21 @@ published Falcon-H1 config) the clamp never binds and both paths equal HF's.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import (
+    ModelConfig,
+    hf_attention_fields,
+    hf_common_fields,
+    hf_float,
+    hf_mamba2_fields,
+    hf_require,
+    hf_rope_parameters,
+    hf_silu_only,
+)
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     MLP,
@@ -124,29 +132,10 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     """
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    hidden = int(cfg["hidden_size"])
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} for Falcon-H1 (expected 'silu')")
-
-    # Mamba2 width: mamba_d_ssm, else mamba_expand * hidden_size; head dim "auto" = width / heads
-    inner = cfg.get("mamba_d_ssm")
-    inner = int(inner) if inner is not None else int(cfg.get("mamba_expand", 2) * hidden)
-    mamba_heads = int(cfg.get("mamba_n_heads", 128))
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = inner // mamba_heads if d_head in (None, "auto") else int(d_head)
-    if mamba_heads <= 0 or d_head * mamba_heads != inner:
-        raise ValueError(f"Falcon-H1 mamba_n_heads ({mamba_heads}) * mamba_d_head ({d_head}) must equal "
-                         f"the Mamba2 width mamba_d_ssm ({inner})")
-    groups = int(cfg.get("mamba_n_groups", 1))
-
-    limit = cfg.get("time_step_limit", (0.0, math.inf))
-    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
-    if len(limit) != 2 or not limit[0] <= limit[1]:
-        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
-
+    attention = hf_attention_fields(cfg)
+    act = hf_silu_only(cfg, "Falcon-H1")
+    mamba = hf_mamba2_fields(cfg, width_key="mamba_d_ssm")  # the width: mamba_d_ssm, else expand * hidden
+    rope = hf_rope_parameters(cfg)  # over the whole head: HF's Falcon-H1 ignores any partial rotary factor
     return dict(
         **common,
         model_type="falcon_h1",
@@ -154,42 +143,27 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         ffn_types=("mlp",) * num_layers,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=bool(cfg.get("attention_bias", False)),
-        **_rope(cfg, head_dim),
-        linear_kind="mamba2",
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        linear_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=d_head,
-        ssm_state_size=int(cfg.get("mamba_d_state", 256)),
-        mamba_n_groups=groups,
-        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        rope_theta=float(rope["rope_theta"]),
+        rotary_dim=attention["head_dim"],
+        **mamba,
         mamba_out_proj_bias=bool(cfg.get("projectors_bias", False)),
-        mamba_dt_limit=limit,
         mamba_rms_norm=bool(cfg.get("mamba_rms_norm", False)),
         mamba_norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
         intermediate_size=int(hf_require(cfg, "intermediate_size")),
-        hidden_act="silu",
+        hidden_act=act,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        embedding_multiplier=_scalar(cfg, "embedding_multiplier"),
-        lm_head_multiplier=_scalar(cfg, "lm_head_multiplier"),
-        key_multiplier=_scalar(cfg, "key_multiplier"),
-        attention_in_multiplier=_scalar(cfg, "attention_in_multiplier"),
-        attention_out_multiplier=_scalar(cfg, "attention_out_multiplier"),
-        ssm_in_multiplier=_scalar(cfg, "ssm_in_multiplier"),
-        ssm_out_multiplier=_scalar(cfg, "ssm_out_multiplier"),
+        embedding_multiplier=hf_float(cfg, "embedding_multiplier"),
+        lm_head_multiplier=hf_float(cfg, "lm_head_multiplier"),
+        key_multiplier=hf_float(cfg, "key_multiplier"),
+        attention_in_multiplier=hf_float(cfg, "attention_in_multiplier"),
+        attention_out_multiplier=hf_float(cfg, "attention_out_multiplier"),
+        ssm_in_multiplier=hf_float(cfg, "ssm_in_multiplier"),
+        ssm_out_multiplier=hf_float(cfg, "ssm_out_multiplier"),
         ssm_multipliers=_vector(cfg, "ssm_multipliers", 5),
         mlp_multipliers=_vector(cfg, "mlp_multipliers", 2),
     )
-
-
-def _scalar(cfg: Mapping[str, Any], key: str) -> float:
-    value = cfg.get(key)
-    return 1.0 if value is None else float(value)
 
 
 def _vector(cfg: Mapping[str, Any], key: str, n: int) -> tuple[float, ...]:
@@ -199,13 +173,3 @@ def _vector(cfg: Mapping[str, Any], key: str, n: int) -> tuple[float, ...]:
     if not isinstance(value, (list, tuple)) or len(value) != n:
         raise ValueError(f"Falcon-H1 {key} must be a list of {n} numbers, got {value!r}")
     return tuple(float(v) for v in value)
-
-
-def _rope(cfg: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
-    """Default RoPE over the whole head (HF's Falcon-H1 ignores any partial rotary factor)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return dict(rope_theta=float(theta), rotary_dim=head_dim)

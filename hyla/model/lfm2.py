@@ -24,7 +24,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import ModelConfig, hf_attention_fields, hf_common_fields, hf_require, hf_rope_parameters
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
@@ -126,13 +126,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     common["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 128_000))  # HF's LFM2 default
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    hidden = int(cfg["hidden_size"])
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
+    attention = hf_attention_fields(cfg)
+    rope = hf_rope_parameters(cfg, default_theta=1e6)  # HF's default_theta
     kernel = int(cfg.get("conv_L_cache", 3))
     if kernel < 2:
         raise ValueError(f"LFM2 conv_L_cache must be >= 2 (a causal conv window), got {kernel}")
@@ -143,13 +138,11 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         ffn_types=("mlp",) * num_layers,
         norm_eps=float(cfg.get("norm_eps", 1e-5)),
         zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=False,
         qk_norm=True,
-        rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 1e6))),  # HF's default_theta
-        rotary_dim=head_dim,
+        rope_theta=float(rope["rope_theta"]),
+        rotary_dim=attention["head_dim"],
         linear_kind="short_conv",
         conv_kernel=kernel,
         short_conv_bias=bool(cfg.get("conv_bias", False)),

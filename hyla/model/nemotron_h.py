@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 import torch
 
-from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields
+from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_first
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
@@ -107,7 +107,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if cfg.get("mamba_hidden_act", "silu") != "silu":
         raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
     uses_moe = "moe" in types
-    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
+    time_step_min = float(hf_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
     return dict(
         **common,
         model_type="nemotron_h",
@@ -121,13 +121,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
         rotary_dim=0,
         linear_kind="mamba2" if "linear" in types else "none",
-        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
-        linear_chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
+        conv_kernel=int(hf_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
+        linear_chunk_size=int(hf_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
         mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
         mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
         ssm_state_size=int(cfg.get("ssm_state_size", 128)),
-        mamba_n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
-        mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
+        mamba_n_groups=int(hf_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
+        mamba_conv_bias=bool(hf_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),
         # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
         mamba_dt_limit=(time_step_min, math.inf),
@@ -163,10 +163,3 @@ def _layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"unknown NemotronH layer types {sorted(set(bad))}")
     return tuple(HF_LAYER_TYPES[t] for t in types)
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default
