@@ -358,7 +358,7 @@ def gdn_micro(cfg, batches=(1, NUM_PROMPTS), fed: int = 4, repeats: int = 40) ->
     tokens per sequence and the states after each of the first ``fed - 1`` of them. The engine's
     chunked kernel (chunks of 64) vs a per-token recurrent loop on the gathered states with the
     same outputs and states (checked), and a plain 1-token decode step for reference; CPU ms."""
-    from hyla.model.ops.gated_delta import _prepare_qk, chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
+    from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, prepare_qk, recurrent_gated_delta_rule_update
 
     g_ = torch.Generator().manual_seed(0)
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
@@ -394,7 +394,7 @@ def gdn_micro(cfg, batches=(1, NUM_PROMPTS), fed: int = 4, repeats: int = 40) ->
                 return chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, slots, ck_seq, ck_len, ck_slot)
 
             def token_loop():
-                qf, kf = _prepare_qk(q, k, hv, True)
+                qf, kf = prepare_qk(q, k, hv, True)
                 qf, kf = qf.view(b, fed, hv, dk), kf.view(b, fed, hv, dk)
                 vs, gs, bs = v.view(b, fed, hv, dv), g.view(b, fed, hv), beta.view(b, fed, hv)
                 state = pool.index_select(0, slots)

@@ -41,51 +41,22 @@ def tiny_ckpt_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tiny_checkpoints")
 
 
-@pytest.fixture(scope="session")
-def qwen3_next_dense_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=False)
+def _tiny_checkpoint(name: str, make, **kw):
+    """A session fixture ``name``: the tiny checkpoint ``make(tiny_ckpt_dir, **kw)`` builds (``checkpoints.py``)."""
+
+    def path(tiny_ckpt_dir: Path) -> Path:
+        return make(tiny_ckpt_dir, **kw)
+
+    return pytest.fixture(scope="session", name=name)(path)
 
 
-@pytest.fixture(scope="session")
-def qwen3_next_moe_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_qwen3_5(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def nemotron_h_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_nemotron_h(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def falcon_h1_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_falcon_h1(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def bamba_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_bamba(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def granite_h_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_granite_h(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def qwen3_5_moe_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_qwen3_5_moe(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def lfm2_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_lfm2(tiny_ckpt_dir)
-
-
-@pytest.fixture(scope="session")
-def kimi_linear_path(tiny_ckpt_dir: Path) -> Path:
-    return checkpoints.make_kimi_linear(tiny_ckpt_dir)
+qwen3_next_dense_path = _tiny_checkpoint("qwen3_next_dense_path", checkpoints.make_qwen3_next, moe=False)
+qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
+qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
+qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)
+nemotron_h_path = _tiny_checkpoint("nemotron_h_path", checkpoints.make_nemotron_h)
+falcon_h1_path = _tiny_checkpoint("falcon_h1_path", checkpoints.make_falcon_h1)
+bamba_path = _tiny_checkpoint("bamba_path", checkpoints.make_bamba)
+granite_h_path = _tiny_checkpoint("granite_h_path", checkpoints.make_granite_h)
+lfm2_path = _tiny_checkpoint("lfm2_path", checkpoints.make_lfm2)
+kimi_linear_path = _tiny_checkpoint("kimi_linear_path", checkpoints.make_kimi_linear)

@@ -101,54 +101,25 @@ def differential(path: str, seed: int, **engine_kw) -> None:
     assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0
 
 
-@pytest.mark.slow
-def test_differential_qwen3_next(qwen3_next_dense_path):
-    differential(qwen3_next_dense_path, seed=1)
+# The differential on every architecture's tiny checkpoint: (checkpoint fixture, workload seed, engine options)
+DIFFERENTIALS = [
+    pytest.param("qwen3_next_dense", 1, {}, id="qwen3_next"),
+    pytest.param("qwen3_next_dense", 2, dict(page_size=16, max_total_tokens=1280), id="qwen3_next_paged"),
+    pytest.param("qwen3_next_dense", 4, dict(schedule_policy="fcfs", checkpoint_alignment=16), id="fcfs_aligned"),
+    pytest.param("nemotron_h", 3, {}, id="nemotron_h"),
+    # every Falcon-H1 layer holds KV and a state: both pools and the tree's checkpoints per layer
+    pytest.param("falcon_h1", 5, {}, id="falcon_h1"),
+    pytest.param("bamba", 6, {}, id="bamba"),
+    pytest.param("granite_h", 7, {}, id="granite_h"),
+    pytest.param("qwen3_5_moe", 8, {}, id="qwen3_5_moe"),
+    # conv-only states: checkpoints, forks and copies of the conv windows, empty SSM buffers
+    pytest.param("lfm2", 9, {}, id="lfm2"),
+    # KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V
+    pytest.param("kimi_linear", 10, {}, id="kimi_linear"),
+]
 
 
 @pytest.mark.slow
-def test_differential_qwen3_next_paged(qwen3_next_dense_path):
-    differential(qwen3_next_dense_path, seed=2, page_size=16, max_total_tokens=1280)
-
-
-@pytest.mark.slow
-def test_differential_nemotron_h(nemotron_h_path):
-    differential(nemotron_h_path, seed=3)
-
-
-@pytest.mark.slow
-def test_differential_falcon_h1(falcon_h1_path):
-    """Every Falcon-H1 layer holds KV and a state: both pools and the tree's checkpoints per layer."""
-    differential(falcon_h1_path, seed=5)
-
-
-@pytest.mark.slow
-def test_differential_bamba(bamba_path):
-    differential(bamba_path, seed=6)
-
-
-@pytest.mark.slow
-def test_differential_granite_h(granite_h_path):
-    differential(granite_h_path, seed=7)
-
-
-@pytest.mark.slow
-def test_differential_qwen3_5_moe(qwen3_5_moe_path):
-    differential(qwen3_5_moe_path, seed=8)
-
-
-@pytest.mark.slow
-def test_differential_lfm2(lfm2_path):
-    """Conv-only states: checkpoints, forks and copies of the conv windows, empty SSM buffers."""
-    differential(lfm2_path, seed=9)
-
-
-@pytest.mark.slow
-def test_differential_kimi_linear(kimi_linear_path):
-    """KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V."""
-    differential(kimi_linear_path, seed=10)
-
-
-@pytest.mark.slow
-def test_differential_fcfs_aligned(qwen3_next_dense_path):
-    differential(qwen3_next_dense_path, seed=4, schedule_policy="fcfs", checkpoint_alignment=16)
+@pytest.mark.parametrize("checkpoint, seed, engine_kw", DIFFERENTIALS)
+def test_differential(checkpoint, seed, engine_kw, request):
+    differential(request.getfixturevalue(f"{checkpoint}_path"), seed=seed, **engine_kw)

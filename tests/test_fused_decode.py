@@ -134,10 +134,12 @@ def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
     return out1 + out2
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "nemotron_h",
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow)])  # ~2 min interpreted
 def test_engine_fused_decode_matches_pytorch(arch, request):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
-    PyTorch decode. Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE)."""
+    PyTorch decode. Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), attention and
+    Mamba2 in parallel in every layer (Falcon-H1)."""
     path = request.getfixturevalue(f"{arch}_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -364,6 +364,98 @@ def hf_common_fields(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype
         pad_token_id=cfg.get("pad_token_id"),
         extra={"hf_config": cfg},
     )
+
+
+def hf_attention_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """GQA sizes as most configs give them: ``num_attention_heads`` (required), ``num_key_value_heads``
+    (default: as many), ``head_dim`` (default ``hidden_size // heads``)."""
+    heads = int(hf_require(cfg, "num_attention_heads"))
+    return dict(
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+    )
+
+
+def hf_rope_parameters(cfg: Mapping[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
+    """``rope_parameters`` (or the legacy ``rope_scaling``) of a config, its ``rope_theta`` filled in from
+    the top-level key or ``default_theta``; ``ValueError`` unless it is the default RoPE (the only kind
+    hyla implements). The caller reads the partial rotary factor, whose default is the architecture's."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
+    params.setdefault("rope_theta", cfg.get("rope_theta", default_theta))
+    return params
+
+
+def hf_layer_types(listed: Sequence[str], num_layers: int, name: str, expected: str) -> tuple[str, ...]:
+    """A config's per-layer type names (``HF_LAYER_TYPES``: ``full_attention`` / ``attention`` and
+    ``linear_attention`` / ``mamba``) as hyla's ``"attention"`` / ``"linear"``. ``ValueError`` when the list
+    does not have ``num_layers`` entries or names another kind (``expected`` says which, for the message)."""
+    if len(listed) != num_layers:
+        raise ValueError(f"{name} layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
+    out = tuple(HF_LAYER_TYPES.get(t, t) for t in listed)
+    bad = sorted(set(out) - {"attention", "linear"})
+    if bad:
+        raise ValueError(f"{name} layer types must be {expected}, got {bad}")
+    return out
+
+
+def hf_mamba2_fields(cfg: Mapping[str, Any], width_key: str | None = None) -> dict[str, Any]:
+    """The Mamba2 fields of a config in the keys Bamba, Granite 4.0-H and Falcon-H1 share (``mamba_*``,
+    ``time_step_limit``, with their HF defaults). Width: ``cfg[width_key]`` when given and set
+    (Falcon-H1's ``mamba_d_ssm``), else ``mamba_expand * hidden_size``; head dim ``"auto"`` = width /
+    heads; ``time_step_limit`` default ``(0, inf)``. ``ValueError`` when heads * head dim is not the
+    width or the limit is not ``(lo, hi)`` with ``lo <= hi``."""
+    if width_key is not None and cfg.get(width_key) is not None:
+        inner, what = int(cfg[width_key]), width_key
+    else:
+        inner, what = int(cfg.get("mamba_expand", 2) * int(cfg["hidden_size"])), "mamba_expand * hidden_size"
+    heads = int(cfg.get("mamba_n_heads", 128))
+    d_head = cfg.get("mamba_d_head", "auto")
+    d_head = inner // heads if d_head in (None, "auto") else int(d_head)
+    if heads <= 0 or heads * d_head != inner:
+        raise ValueError(f"mamba_n_heads ({heads}) * mamba_d_head ({d_head}) must equal the Mamba2 width "
+                         f"{what} ({inner})")
+    limit = cfg.get("time_step_limit", (0.0, math.inf))
+    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
+    if len(limit) != 2 or not limit[0] <= limit[1]:
+        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
+    return dict(
+        linear_kind="mamba2",
+        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
+        linear_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
+        mamba_num_heads=heads,
+        mamba_head_dim=d_head,
+        ssm_state_size=int(cfg.get("mamba_d_state", 256)),
+        mamba_n_groups=int(cfg.get("mamba_n_groups", 1)),
+        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        mamba_dt_limit=limit,
+    )
+
+
+def hf_silu_only(cfg: Mapping[str, Any], name: str) -> str:
+    """``hidden_act``, which must be ``silu`` (the only activation these architectures serve)."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} for {name} (expected 'silu')")
+    return act
+
+
+def hf_float(cfg: Mapping[str, Any], key: str, default: float = 1.0) -> float:
+    """``float(cfg[key])``, ``default`` when the key is missing or null (the µP multipliers)."""
+    value = cfg.get(key)
+    return default if value is None else float(value)
+
+
+def hf_first(cfg: Mapping[str, Any], keys: Sequence[str], default: Any) -> Any:
+    """The value of the first of ``keys`` the config sets (not null): a current key, then its aliases."""
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:

@@ -7,9 +7,9 @@ slot. With ``h = norm(x)``::
     x = x + mlp(ffn_norm(x))        # down_mult * down(silu(gate_mult * gate(x)) * up(x))
 
 Attention is Llama's (GQA, full-head RoPE, no q/k norm) with keys scaled by ``key_multiplier``.
-The Mamba2 mixer's ``in_proj`` output is scaled per segment ``[z | x | B | C | dt]`` by
-``ssm_multipliers`` (HF's ``mup_vector``); its width is ``mamba_d_ssm`` (= heads * head dim); its
-output is ``norm(y, z)`` (gated RMSNorm per group, gate before or after the norm per
+The Mamba2 mixer (hyla's shared ``Mamba2Mixer``) has its ``in_proj`` output scaled per segment
+``[z | x | B | C | dt]`` by ``ssm_multipliers`` (HF's ``mup_vector``); its width is ``mamba_d_ssm``
+(= heads * head dim); its output is ``norm(y, z)`` (gated RMSNorm per group, gate before or after the norm per
 ``mamba_norm_before_gate``) when ``mamba_rms_norm``, else ``y * silu(z)``. Embeddings are scaled by
 ``embedding_multiplier`` and logits by ``lm_head_multiplier``.
 
@@ -27,113 +27,54 @@ published Falcon-H1 config) the clamp never binds and both paths equal HF's.
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import (
+    ModelConfig,
+    hf_attention_fields,
+    hf_common_fields,
+    hf_float,
+    hf_mamba2_fields,
+    hf_require,
+    hf_rope_parameters,
+    hf_silu_only,
+)
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     MLP,
     Attention,
-    GatedRMSNorm,
     HybridForCausalLM,
     HybridLayer,
+    Mamba2Mixer,
     Rope,
     WeightSpec,
-    _ckpt_kwargs,
-    _copy_decode_checkpoints,
-    linear_specs,
+    attention_specs,
+    embedding_specs,
+    mamba2_specs,
+    mlp_specs,
     norm_spec,
-    squeeze_conv,
 )
-from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
-
-
-class FalconH1Mamba2Mixer(nn.Module):
-    """Falcon-H1's Mamba2 mixer (the µP multipliers are already folded into ``in_proj`` /
-    ``out_proj``).
-
-    ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
-    (optional bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
-    ``config.mamba_dt_limit`` clamps ``softplus(dt + dt_bias)`` in the extend and the decode path.
-    Output: ``norm(y, z)`` (``mamba_rms_norm``) or ``y * silu(z)``, then ``out_proj``.
-    """
-
-    def __init__(self, config: ModelConfig, linear_ordinal: int):
-        super().__init__()
-        c = config
-        self.state_index = linear_ordinal
-        self.num_heads, self.head_dim = c.mamba_num_heads, c.mamba_head_dim
-        self.n_groups, self.state_size = c.mamba_n_groups, c.ssm_state_size
-        self.inner = c.mamba_intermediate_size
-        self.conv_dim = c.conv_dim
-        self.chunk_size = c.linear_chunk_size
-        self.dt_limit = c.mamba_dt_limit
-        proj = self.inner + self.conv_dim + self.num_heads
-        self.in_proj = nn.Linear(c.hidden_size, proj, bias=c.mamba_proj_bias, dtype=c.dtype)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
-        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim, dtype=c.dtype)) if c.mamba_conv_bias else None
-        self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.norm = (
-            GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups,
-                         norm_before_gate=c.mamba_norm_before_gate, dtype=c.dtype)
-            if c.mamba_rms_norm else None
-        )
-        # HF: in_proj's bias is mamba_proj_bias, out_proj's projectors_bias
-        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=bool(c.mamba_out_proj_bias), dtype=c.dtype)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
-        conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
-        slots = batch.state_slots
-        if batch.is_decode:
-            xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
-        else:
-            xbc = causal_conv1d_varlen(
-                xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, slots, "silu",
-                **_ckpt_kwargs(batch),
-            )  # [T, conv_dim]
-        gn = self.n_groups * self.state_size
-        xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
-        xs = xs.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
-        bs = bs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        cs = cs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]
-        A = -torch.exp(self.A_log.float())  # [H]
-        if batch.is_decode:
-            y = mamba2_state_update(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots,
-                                    dt_limit=self.dt_limit)  # [B, H, P]
-            _copy_decode_checkpoints(conv_states, batch)
-            _copy_decode_checkpoints(ssm_states, batch)
-        else:
-            y = mamba2_chunk_scan_varlen(
-                xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, slots,
-                **_ckpt_kwargs(batch), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
-            )  # [T, H, P]
-        y = y.reshape(t, self.inner)  # [T, I]
-        if self.norm is not None:
-            y = self.norm(y, z)
-        else:
-            y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
-        return self.out_proj(y.to(x.dtype))
 
 
 class FalconH1Layer(HybridLayer):
-    """``x + (mamba(h) + attention(h))`` with ``h = mixer_norm(x)``, then ``x + ffn(ffn_norm(x))``."""
+    """``x + (mamba(h) + attention(h))`` with ``h = mixer_norm(x)``, then ``x + ffn(ffn_norm(x))``.
+
+    The two mixers are hyla's shared ``Attention`` and ``Mamba2Mixer`` (the latter configured by
+    ``mamba_rms_norm``, ``mamba_norm_before_gate`` and ``mamba_out_proj_bias`` = HF's ``projectors_bias``);
+    both have fused decode kernels, so the fused GPU decode step covers Falcon-H1."""
 
     def __init__(self, config: ModelConfig, index: int, new_norm: Callable[[], nn.Module]):
         c = config
         ffn = MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
         super().__init__(mixer=None, mixer_norm=new_norm(), ffn=ffn, ffn_norm=new_norm())
         self.attn = Attention(c, c.attention_ordinal(index))
-        self.mamba = FalconH1Mamba2Mixer(c, c.linear_ordinal(index))
+        self.mamba = Mamba2Mixer(c, c.linear_ordinal(index))
+
+    def mixers(self) -> list[nn.Module]:
+        return [self.attn, self.mamba]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         h = self.mixer_norm(x)  # [T, hidden]
@@ -149,69 +90,26 @@ class FalconH1ForCausalLM(HybridForCausalLM):
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
+        """HF's tensors with every µP multiplier folded in (see the module docstring)."""
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,), scaled_rows(c.embedding_multiplier)),
-            norm_spec("norm.weight", "model.final_layernorm.weight"),
-            # tied: lm_head is the embedding times lm_head_multiplier (its own copy: the scales differ)
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",),
-                       scaled_rows(c.lm_head_multiplier)),
-        ]
+        m_in, m_k, m_out = c.attention_in_multiplier, c.key_multiplier, c.attention_out_multiplier
+        mup = mup_vector(c)  # the Mamba2 in_proj(ssm_in * h) * mup
+        gate, down = c.mlp_multipliers  # up(x) * silu(gate * gate_proj(x)), then down * down_proj
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.final_layernorm.weight",
+                                embed_scale=c.embedding_multiplier, lm_head_scale=c.lm_head_multiplier)
         for i in range(c.num_hidden_layers):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.pre_ff_layernorm.weight"),
-                *_attention_specs(c, f"{t}.attn", f"{s}.self_attn"),
-                *_mamba_specs(c, f"{t}.mamba", f"{s}.mamba"),
-                *_mlp_specs(c, f"{t}.ffn", f"{s}.feed_forward"),
+                # q, k, v see attn_in * h (bias unscaled); k (bias included) is then scaled by key_multiplier
+                *attention_specs(c, f"{t}.attn", f"{s}.self_attn", qkv_scales=(m_in, m_in * m_k, m_in),
+                                 bias_scales=(1.0, m_k, 1.0), out_scale=m_out),
+                *mamba2_specs(c, f"{t}.mamba", f"{s}.mamba", in_scale=mup * c.ssm_in_multiplier, in_bias_scale=mup,
+                              out_scale=c.ssm_out_multiplier),
+                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", c.mlp_bias, in_scales=(gate, 1.0), out_scale=down),
             ]
         return specs
-
-
-# --- checkpoint layout, with the µP multipliers folded in ---------------------------------------
-Scale = float | torch.Tensor  # a scalar, or one factor per output row
-
-
-def scaled_rows(*scales: Scale) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """Combine: source ``i`` (a weight ``[rows, cols]`` or a bias ``[rows]``) times ``scales[i]``, in
-    fp32, concatenated by rows. A tensor scale has one factor per row of its source."""
-
-    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
-        if len(tensors) != len(scales):
-            raise ValueError(f"internal: {len(tensors)} tensors for {len(scales)} scales")
-        out = []
-        for tensor, scale in zip(tensors, scales):
-            if isinstance(scale, torch.Tensor):
-                scale = scale.reshape(-1, *([1] * (tensor.dim() - 1)))  # [rows, 1...]
-            out.append(tensor.float() * scale)
-        return torch.cat(out, dim=0)
-
-    return combine
-
-
-def scaled_linear(target: str, sources: Sequence[str], weight_scales: Sequence[Scale],
-                  bias_scales: Sequence[Scale] | None) -> list[WeightSpec]:
-    """``target.weight`` (and ``.bias`` when ``bias_scales``): the sources' rows, each times its
-    scale (all scales 1.0: a plain copy / row concatenation, ``linear_specs``)."""
-    if all(isinstance(f, float) and f == 1.0 for f in (*weight_scales, *(bias_scales or ()))):
-        return linear_specs(target, sources, bias_scales is not None)
-    specs = [WeightSpec(f"{target}.weight", tuple(f"{s}.weight" for s in sources), scaled_rows(*weight_scales))]
-    if bias_scales is not None:
-        specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), scaled_rows(*bias_scales)))
-    return specs
-
-
-def _attention_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    # q, k, v see attn_in * h (bias unscaled); k (bias included) is then scaled by key_multiplier
-    m_in, m_k, m_out = c.attention_in_multiplier, c.key_multiplier, c.attention_out_multiplier
-    qkv = [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"]
-    bias = (1.0, m_k, 1.0) if c.attention_bias else None
-    return [
-        *scaled_linear(f"{target}.qkv_proj", qkv, (m_in, m_in * m_k, m_in), bias),
-        *scaled_linear(f"{target}.o_proj", [f"{source}.o_proj"], (m_out,), (m_out,) if c.attention_bias else None),
-    ]
 
 
 def mup_vector(c: ModelConfig) -> torch.Tensor:
@@ -220,36 +118,6 @@ def mup_vector(c: ModelConfig) -> torch.Tensor:
     inner, gn = c.mamba_intermediate_size, c.mamba_n_groups * c.ssm_state_size
     sizes = (inner, inner, gn, gn, c.mamba_num_heads)
     return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, c.ssm_multipliers)])
-
-
-def _mamba_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    mup = mup_vector(c)  # in_proj(ssm_in * h) * mup
-    out_bias = bool(c.mamba_out_proj_bias)
-    specs = [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (mup * c.ssm_in_multiplier,),
-                        (mup,) if c.mamba_proj_bias else None),
-        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
-        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
-        WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
-        WeightSpec(f"{target}.D", (f"{source}.D",)),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (c.ssm_out_multiplier,),
-                        (c.ssm_out_multiplier,) if out_bias else None),
-    ]
-    if c.mamba_conv_bias:
-        specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
-    if c.mamba_rms_norm:
-        specs.append(norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"))
-    return specs
-
-
-def _mlp_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    gate, down = c.mlp_multipliers  # up(x) * silu(gate * gate_proj(x)), then down * down_proj
-    bias = c.mlp_bias
-    return [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], (gate, 1.0),
-                        (gate, 1.0) if bias else None),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.down_proj"], (down,), (down,) if bias else None),
-    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,29 +132,10 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     """
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    hidden = int(cfg["hidden_size"])
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} for Falcon-H1 (expected 'silu')")
-
-    # Mamba2 width: mamba_d_ssm, else mamba_expand * hidden_size; head dim "auto" = width / heads
-    inner = cfg.get("mamba_d_ssm")
-    inner = int(inner) if inner is not None else int(cfg.get("mamba_expand", 2) * hidden)
-    mamba_heads = int(cfg.get("mamba_n_heads", 128))
-    d_head = cfg.get("mamba_d_head", "auto")
-    d_head = inner // mamba_heads if d_head in (None, "auto") else int(d_head)
-    if mamba_heads <= 0 or d_head * mamba_heads != inner:
-        raise ValueError(f"Falcon-H1 mamba_n_heads ({mamba_heads}) * mamba_d_head ({d_head}) must equal "
-                         f"the Mamba2 width mamba_d_ssm ({inner})")
-    groups = int(cfg.get("mamba_n_groups", 1))
-
-    limit = cfg.get("time_step_limit", (0.0, math.inf))
-    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
-    if len(limit) != 2 or not limit[0] <= limit[1]:
-        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
-
+    attention = hf_attention_fields(cfg)
+    act = hf_silu_only(cfg, "Falcon-H1")
+    mamba = hf_mamba2_fields(cfg, width_key="mamba_d_ssm")  # the width: mamba_d_ssm, else expand * hidden
+    rope = hf_rope_parameters(cfg)  # over the whole head: HF's Falcon-H1 ignores any partial rotary factor
     return dict(
         **common,
         model_type="falcon_h1",
@@ -294,42 +143,27 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         ffn_types=("mlp",) * num_layers,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=bool(cfg.get("attention_bias", False)),
-        **_rope(cfg, head_dim),
-        linear_kind="mamba2",
-        conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        linear_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
-        mamba_num_heads=mamba_heads,
-        mamba_head_dim=d_head,
-        ssm_state_size=int(cfg.get("mamba_d_state", 256)),
-        mamba_n_groups=groups,
-        mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+        rope_theta=float(rope["rope_theta"]),
+        rotary_dim=attention["head_dim"],
+        **mamba,
         mamba_out_proj_bias=bool(cfg.get("projectors_bias", False)),
-        mamba_dt_limit=limit,
         mamba_rms_norm=bool(cfg.get("mamba_rms_norm", False)),
         mamba_norm_before_gate=bool(cfg.get("mamba_norm_before_gate", True)),
         intermediate_size=int(hf_require(cfg, "intermediate_size")),
-        hidden_act="silu",
+        hidden_act=act,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        embedding_multiplier=_scalar(cfg, "embedding_multiplier"),
-        lm_head_multiplier=_scalar(cfg, "lm_head_multiplier"),
-        key_multiplier=_scalar(cfg, "key_multiplier"),
-        attention_in_multiplier=_scalar(cfg, "attention_in_multiplier"),
-        attention_out_multiplier=_scalar(cfg, "attention_out_multiplier"),
-        ssm_in_multiplier=_scalar(cfg, "ssm_in_multiplier"),
-        ssm_out_multiplier=_scalar(cfg, "ssm_out_multiplier"),
+        embedding_multiplier=hf_float(cfg, "embedding_multiplier"),
+        lm_head_multiplier=hf_float(cfg, "lm_head_multiplier"),
+        key_multiplier=hf_float(cfg, "key_multiplier"),
+        attention_in_multiplier=hf_float(cfg, "attention_in_multiplier"),
+        attention_out_multiplier=hf_float(cfg, "attention_out_multiplier"),
+        ssm_in_multiplier=hf_float(cfg, "ssm_in_multiplier"),
+        ssm_out_multiplier=hf_float(cfg, "ssm_out_multiplier"),
         ssm_multipliers=_vector(cfg, "ssm_multipliers", 5),
         mlp_multipliers=_vector(cfg, "mlp_multipliers", 2),
     )
-
-
-def _scalar(cfg: Mapping[str, Any], key: str) -> float:
-    value = cfg.get(key)
-    return 1.0 if value is None else float(value)
 
 
 def _vector(cfg: Mapping[str, Any], key: str, n: int) -> tuple[float, ...]:
@@ -339,13 +173,3 @@ def _vector(cfg: Mapping[str, Any], key: str, n: int) -> tuple[float, ...]:
     if not isinstance(value, (list, tuple)) or len(value) != n:
         raise ValueError(f"Falcon-H1 {key} must be a list of {n} numbers, got {value!r}")
     return tuple(float(v) for v in value)
-
-
-def _rope(cfg: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
-    """Default RoPE over the whole head (HF's Falcon-H1 ignores any partial rotary factor)."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    return dict(rope_theta=float(theta), rotary_dim=head_dim)

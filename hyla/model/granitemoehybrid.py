@@ -27,17 +27,28 @@ from typing import Any, Mapping
 
 import torch
 
-from hyla.model.bamba import (
-    attention_specs,
-    layer_types_from_list,
-    mamba_config_fields,
-    mamba_specs,
-    rope_parameters,
-    silu_only,
+from hyla.model.bamba import MAMBA2_OR_ATTENTION, granite_attention_specs
+from hyla.model.config import (
+    ModelConfig,
+    hf_attention_fields,
+    hf_common_fields,
+    hf_float,
+    hf_layer_types,
+    hf_mamba2_fields,
+    hf_require,
+    hf_rope_parameters,
+    hf_silu_only,
 )
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
-from hyla.model.falcon_h1 import scaled_linear, scaled_rows
-from hyla.model.layers import HybridForCausalLM, HybridLayer, WeightSpec, norm_spec
+from hyla.model.layers import (
+    HybridForCausalLM,
+    HybridLayer,
+    WeightSpec,
+    embedding_specs,
+    mamba2_specs,
+    mlp_specs,
+    norm_spec,
+    scaled_rows,
+)
 
 # transformers v5's in-memory names -> the published checkpoint's
 _V5_NAMES = (
@@ -49,8 +60,7 @@ _V5_NAMES = (
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def build_layer(self, index: int) -> HybridLayer:
-        return HybridLayer(mixer=self.build_mixer(index), mixer_norm=self.new_norm(),
-                           ffn=self.build_ffn(self.config.ffn_types[index]), ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # Mamba2Mixer or Attention, then the MoE (or the shared MLP alone)
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:
@@ -63,20 +73,15 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
         r = c.residual_multiplier
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,), scaled_rows(c.embedding_multiplier)),
-            norm_spec("norm.weight", "model.norm.weight"),
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",),
-                       scaled_rows(c.lm_head_multiplier)),
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.norm.weight",
+                                embed_scale=c.embedding_multiplier, lm_head_scale=c.lm_head_multiplier)
         for i, (mixer, ffn) in enumerate(zip(c.layer_types, c.ffn_types)):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight"),
-                *(attention_specs(c, f"{t}.mixer", f"{s}.self_attn", out_scale=r) if mixer == "attention"
-                  else mamba_specs(c, f"{t}.mixer", f"{s}.mamba", out_scale=r)),
+                *(granite_attention_specs(c, f"{t}.mixer", f"{s}.self_attn", out_scale=r) if mixer == "attention"
+                  else mamba2_specs(c, f"{t}.mixer", f"{s}.mamba", out_scale=r)),
             ]
             if ffn == "moe":
                 moe = f"{s}.block_sparse_moe"
@@ -93,10 +98,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
 
 def _shared_mlp_specs(target: str, source: str, out_scale: float) -> list[WeightSpec]:
     """HF's ``GraniteMoeHybridMLP``: ``input_linear`` rows ``[gate | up]`` (no bias), ``output_linear``."""
-    return [
-        *scaled_linear(f"{target}.in_proj", [f"{source}.input_linear"], (1.0,), None),
-        *scaled_linear(f"{target}.out_proj", [f"{source}.output_linear"], (out_scale,), None),
-    ]
+    return mlp_specs(target, source, in_proj=("input_linear",), out_proj="output_linear", out_scale=out_scale)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,14 +113,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
     listed = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * num_layers
-    types = layer_types_from_list(listed, num_layers, "Granite 4.0-H")
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    params = rope_parameters(cfg)
+    types = hf_layer_types(listed, num_layers, "Granite 4.0-H", MAMBA2_OR_ATTENTION)
+    attention = hf_attention_fields(cfg)
+    params = hf_rope_parameters(cfg)
     rope = cfg.get("position_embedding_type") == "rope"
     experts = int(cfg.get("num_local_experts", 8) or 0)
     shared = int(cfg.get("shared_intermediate_size", 1024))
-    logits_scaling = _scalar(cfg, "logits_scaling")
+    logits_scaling = hf_float(cfg, "logits_scaling")
     if logits_scaling == 0.0:
         raise ValueError("logits_scaling must be nonzero")
     return dict(
@@ -128,16 +129,14 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         ffn_types=("moe" if experts else "mlp",) * num_layers,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=bool(cfg.get("attention_bias", False)),
-        rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        rotary_dim=head_dim if rope else 0,
-        **mamba_config_fields(cfg),
+        rope_theta=float(params["rope_theta"]),
+        rotary_dim=attention["head_dim"] if rope else 0,
+        **hf_mamba2_fields(cfg),
         # the dense feed-forward (no experts) is the shared MLP; with experts it runs beside them
         intermediate_size=shared,
-        hidden_act=silu_only(cfg, "Granite 4.0-H"),
+        hidden_act=hf_silu_only(cfg, "Granite 4.0-H"),
         mlp_bias=False,  # HF's Granite MLPs have no bias
         num_experts=experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2) or 0) if experts else 0,
@@ -146,13 +145,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         shared_expert_gate=False,
         norm_topk_prob=True,  # softmax over the top-k logits = the top-k probabilities renormalised
         router="softmax",
-        embedding_multiplier=_scalar(cfg, "embedding_multiplier"),
+        embedding_multiplier=hf_float(cfg, "embedding_multiplier"),
         lm_head_multiplier=1.0 / logits_scaling,
-        residual_multiplier=_scalar(cfg, "residual_multiplier"),
-        attention_multiplier=_scalar(cfg, "attention_multiplier"),  # HF's softmax scale, 1.0 by default
+        residual_multiplier=hf_float(cfg, "residual_multiplier"),
+        attention_multiplier=hf_float(cfg, "attention_multiplier"),  # HF's softmax scale, 1.0 by default
     )
-
-
-def _scalar(cfg: Mapping[str, Any], key: str) -> float:
-    value = cfg.get(key)
-    return 1.0 if value is None else float(value)

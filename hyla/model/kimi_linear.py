@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import ModelConfig, hf_common_fields, hf_first, hf_layer_types, hf_require, hf_silu_only
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
@@ -66,7 +66,9 @@ from hyla.model.layers import (
     _ckpt_kwargs,
     _copy_decode_checkpoints,
     _tree_masks,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     stack_experts,
 )
@@ -260,14 +262,11 @@ def latent_paged_attention(
 
 
 class KimiLinearForCausalLM(HybridForCausalLM):
+    attention_mixer = LatentAttention
+    linear_mixer = KimiDeltaAttention
+
     def build_layer(self, index: int) -> HybridLayer:
-        c = self.config
-        if c.layer_types[index] == "attention":
-            mixer: nn.Module = LatentAttention(c, c.attention_ordinal(index))
-        else:
-            mixer = KimiDeltaAttention(c, c.linear_ordinal(index))
-        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn(c.ffn_types[index]),
-                           ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # KDA or MLA, then the MLP or MoE
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:
@@ -278,12 +277,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,)),
-            norm_spec("norm.weight", "model.norm.weight"),
-            WeightSpec("lm_head.weight", ("lm_head.weight",)),  # never tied (see parse_hf_config)
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.norm.weight", tied=False)  # see parse_hf_config
         for i, (mixer, ffn) in enumerate(zip(c.layer_types, c.ffn_types)):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
@@ -293,7 +287,7 @@ class KimiLinearForCausalLM(HybridForCausalLM):
             specs += _mla_specs(c, f"{t}.mixer", f"{s}.self_attn") if mixer == "attention" else \
                 _kda_specs(f"{t}.mixer", f"{s}.self_attn")
             moe = f"{s}.block_sparse_moe"
-            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else _mlp_specs(f"{t}.ffn", moe)
+            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else mlp_specs(f"{t}.ffn", moe)
         return specs
 
 
@@ -339,13 +333,6 @@ def _mla_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     ]
 
 
-def _mlp_specs(target: str, source: str) -> list[WeightSpec]:
-    return [
-        *linear_specs(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], False),
-        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], False),
-    ]
-
-
 def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     experts = range(c.num_experts)
     gate_up = tuple(f"{source}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3"))
@@ -358,21 +345,13 @@ def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
         WeightSpec(f"{target}.w_out", (f"{source}.experts.down_proj",)),
     ]
     if c.shared_expert_intermediate_size:
-        specs += _mlp_specs(f"{target}.shared_expert", f"{source}.shared_experts")
+        specs += mlp_specs(f"{target}.shared_expert", f"{source}.shared_experts")
     return specs
 
 
 # ------------------------------------------------------------------------------------------------
 # config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
 # ------------------------------------------------------------------------------------------------
-def _first(cfg: Mapping[str, Any], names: Sequence[str], default: Any) -> Any:
-    """The first of ``names`` the config sets (not null): Moonshot's key, then transformers' alias."""
-    for name in names:
-        if cfg.get(name) is not None:
-            return cfg[name]
-    return default
-
-
 def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
     """``ModelConfig`` fields of a Kimi-Linear ``config.json``: Moonshot's keys (``linear_attn_config``,
     ``num_experts``, ``num_experts_per_token``, ``num_shared_experts``, ``moe_renormalize``,
@@ -381,7 +360,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     does not compute (RoPE in MLA, an MLA output gate, a KDA gate lower bound or full-rank gate, a
     non-``silu`` activation or non-sigmoid router) and for inconsistent layer lists."""
     cfg = dict(cfg)
-    cfg["max_position_embeddings"] = _first(cfg, ("model_max_length", "max_position_embeddings"), 1048576)
+    cfg["max_position_embeddings"] = hf_first(cfg, ("model_max_length", "max_position_embeddings"), 1048576)
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     # transformers' KimiLinearForCausalLM ties nothing (_tied_weights_keys = {}), whatever
     # tie_word_embeddings says: lm_head.weight is always its own tensor
@@ -396,8 +375,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
                          "KimiLinearAttention applies no RoPE")
     if cfg.get("mla_use_output_gate"):
         raise ValueError("Kimi-Linear mla_use_output_gate is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r} for {arch} (expected 'silu')")
+    hf_silu_only(cfg, arch)
     router = cfg.get("moe_router_activation_func", "sigmoid")
     if router != "sigmoid":
         raise ValueError(f"unsupported moe_router_activation_func {router!r} for {arch} (expected 'sigmoid')")
@@ -411,19 +389,19 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if min(heads, rank, nope + rope, v_dim) <= 0:
         raise ValueError("Kimi-Linear MLA needs positive num_attention_heads, kv_lora_rank, "
                          "qk_nope_head_dim + qk_rope_head_dim and v_head_dim")
-    linear_heads = int(_first(linear, ("num_heads",), cfg.get("linear_num_heads", 32)))
-    linear_dim = int(_first(linear, ("head_dim",), cfg.get("linear_head_dim", 128)))
-    kernel = int(_first(linear, ("short_conv_kernel_size",), cfg.get("linear_conv_kernel_dim", 4)))
+    linear_heads = int(hf_first(linear, ("num_heads",), cfg.get("linear_num_heads", 32)))
+    linear_dim = int(hf_first(linear, ("head_dim",), cfg.get("linear_head_dim", 128)))
+    kernel = int(hf_first(linear, ("short_conv_kernel_size",), cfg.get("linear_conv_kernel_dim", 4)))
     if kernel < 2:
         raise ValueError(f"Kimi-Linear short_conv_kernel_size must be >= 2, got {kernel}")
 
     layer_types = _layer_types(cfg, linear, num_layers)
     ffn_types = _ffn_types(cfg, num_layers)
-    num_experts = int(_first(cfg, ("num_experts", "num_local_experts"), 256))
+    num_experts = int(hf_first(cfg, ("num_experts", "num_local_experts"), 256))
     if "moe" in ffn_types and num_experts < 1:
         raise ValueError(f"Kimi-Linear sparse layers need num_experts >= 1, got {num_experts}")
     moe_width = int(cfg.get("moe_intermediate_size", 1024))
-    shared = int(_first(cfg, ("num_shared_experts", "n_shared_experts"), 1))
+    shared = int(hf_first(cfg, ("num_shared_experts", "n_shared_experts"), 1))
     return dict(
         **common,
         model_type="kimi_linear",
@@ -451,15 +429,15 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         intermediate_size=int(cfg.get("intermediate_size", 9216)),
         hidden_act="silu",
         num_experts=num_experts if "moe" in ffn_types else 0,
-        num_experts_per_tok=int(_first(cfg, ("num_experts_per_token", "num_experts_per_tok"), 8))
+        num_experts_per_tok=int(hf_first(cfg, ("num_experts_per_token", "num_experts_per_tok"), 8))
         if "moe" in ffn_types else 0,
         moe_intermediate_size=moe_width if "moe" in ffn_types else 0,
         shared_expert_intermediate_size=moe_width * shared if "moe" in ffn_types else 0,
         shared_expert_gate=False,
-        norm_topk_prob=bool(_first(cfg, ("moe_renormalize", "norm_topk_prob"), True)),
+        norm_topk_prob=bool(hf_first(cfg, ("moe_renormalize", "norm_topk_prob"), True)),
         router="sigmoid",
-        router_num_groups=int(_first(cfg, ("num_expert_group", "n_group"), 1)),
-        router_topk_groups=int(_first(cfg, ("topk_group",), 1)),
+        router_num_groups=int(hf_first(cfg, ("num_expert_group", "n_group"), 1)),
+        router_topk_groups=int(hf_first(cfg, ("topk_group",), 1)),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.446)),
     )
 
@@ -477,13 +455,7 @@ def _layer_types(cfg: Mapping[str, Any], linear: Mapping[str, Any], num_layers: 
         return tuple("attention" if i + 1 in full else "linear" for i in range(num_layers))
     if listed is None:
         return tuple("attention" if i and i % 4 == 0 else "linear" for i in range(num_layers))
-    if len(listed) != num_layers:
-        raise ValueError(f"Kimi-Linear layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
-    out = tuple(HF_LAYER_TYPES.get(t, t) for t in listed)
-    bad = sorted(set(out) - {"attention", "linear"})
-    if bad:
-        raise ValueError(f"Kimi-Linear layer_types must be full_attention / linear_attention, got {bad}")
-    return out
+    return hf_layer_types(listed, num_layers, "Kimi-Linear", "full_attention / linear_attention")
 
 
 def _ffn_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:

@@ -348,14 +348,19 @@ class GatedDeltaNet(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba2 mixer (NemotronH ``M`` blocks).
+    """Mamba2 mixer (NemotronH ``M`` blocks, Bamba, Granite 4.0-H, Falcon-H1's Mamba2 half).
 
     ``in_proj`` rows are ``[z (I) | xBC (I + 2*G*N) | dt (H)]``; xBC goes through the causal conv
-    (with bias) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
+    (bias when ``mamba_conv_bias``) and ``silu``, then splits into x ``[T, H, P]``, B and C ``[T, G, N]``.
     Both paths, the chunked extend and the decode step, clamp ``softplus(dt + dt_bias)`` to
     ``config.mamba_dt_limit``, so a state is the same whether its tokens came as an extend or as
     decode steps (the cache relies on it). Hugging Face's decode does not clamp: hyla deviates from
     it there on purpose (docs/models.md).
+
+    Output: ``norm(y, z)``, a gated RMSNorm per group (``w * norm(y * silu(z))``; with
+    ``mamba_norm_before_gate``, ``w * norm(y) * silu(z)``), or, without ``mamba_rms_norm`` (a Falcon-H1
+    option), ``y * silu(z)`` in fp32; then ``out_proj`` (bias: ``mamba_out_proj_bias``, which
+    defaults to ``mamba_proj_bias``).
     """
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -375,9 +380,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.norm = GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups, norm_before_gate=False,
-                                 dtype=c.dtype)
-        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
+        self.norm = (
+            GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups,
+                         norm_before_gate=c.mamba_norm_before_gate, dtype=c.dtype)
+            if c.mamba_rms_norm else None
+        )
+        out_bias = c.mamba_proj_bias if c.mamba_out_proj_bias is None else c.mamba_out_proj_bias
+        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=out_bias, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [H] fp32
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
@@ -418,7 +427,11 @@ class Mamba2Mixer(nn.Module):
         return self._out(y, z, t, x.dtype)
 
     def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
-        y = self.norm(y.reshape(t, self.inner), z)  # [T, I]
+        y = y.reshape(t, self.inner)  # [T, I]
+        if self.norm is not None:
+            y = self.norm(y, z)
+        else:
+            y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
         return self.out_proj(y.to(dtype))
 
 
@@ -565,6 +578,10 @@ class HybridLayer(nn.Module):
         super().__init__()
         self.mixer, self.mixer_norm, self.ffn, self.ffn_norm = mixer, mixer_norm, ffn, ffn_norm
 
+    def mixers(self) -> list[nn.Module]:
+        """The layer's token mixers (none in a NemotronH FFN block; Falcon-H1's layer has two)."""
+        return [] if self.mixer is None else [self.mixer]
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         if self.mixer is not None:
             x = x + self.mixer(self.mixer_norm(x), batch, rope)
@@ -617,6 +634,117 @@ def linear_specs(target: str, sources: Sequence[str], bias: bool) -> list[Weight
     if bias:
         specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), combine))
     return specs
+
+
+# µP multipliers (Falcon-H1, Granite 4.0-H) are linear in a weight: they are folded into the weights
+# at load time, in fp32 before the cast to the model dtype, and the forward pass has none.
+Scale = float | torch.Tensor  # a scalar, or one factor per output row
+
+
+def scaled_rows(*scales: Scale) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """Combine: source ``i`` (a weight ``[rows, cols]`` or a bias ``[rows]``) times ``scales[i]``, in
+    fp32, concatenated by rows. A tensor scale has one factor per row of its source."""
+
+    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
+        if len(tensors) != len(scales):
+            raise ValueError(f"internal: {len(tensors)} tensors for {len(scales)} scales")
+        out = []
+        for tensor, scale in zip(tensors, scales):
+            if isinstance(scale, torch.Tensor):
+                scale = scale.reshape(-1, *([1] * (tensor.dim() - 1)))  # [rows, 1...]
+            out.append(tensor.float() * scale)
+        return torch.cat(out, dim=0)
+
+    return combine
+
+
+def scaled_linear(target: str, sources: Sequence[str], weight_scales: Sequence[Scale],
+                  bias_scales: Sequence[Scale] | None) -> list[WeightSpec]:
+    """``target.weight`` (and ``.bias`` when ``bias_scales``): the sources' rows, each times its
+    scale (all scales 1.0: a plain copy / row concatenation, ``linear_specs``)."""
+    if all(isinstance(f, float) and f == 1.0 for f in (*weight_scales, *(bias_scales or ()))):
+        return linear_specs(target, sources, bias_scales is not None)
+    specs = [WeightSpec(f"{target}.weight", tuple(f"{s}.weight" for s in sources), scaled_rows(*weight_scales))]
+    if bias_scales is not None:
+        specs.append(WeightSpec(f"{target}.bias", tuple(f"{s}.bias" for s in sources), scaled_rows(*bias_scales)))
+    return specs
+
+
+# The checkpoint layouts of the shared layers: which HF tensors each parameter is built from. The
+# architecture files call these with their source names and µP factors.
+def embedding_specs(config: ModelConfig, embed: str, final_norm: str, tied: bool | None = None,
+                    embed_scale: float = 1.0, lm_head_scale: float = 1.0) -> list[WeightSpec]:
+    """``embed_tokens`` (times ``embed_scale``), the final ``norm`` and ``lm_head`` (times
+    ``lm_head_scale``): the checkpoint's ``lm_head.weight``, or the embedding when ``tied``
+    (default ``tie_word_embeddings``; a scaled tied ``lm_head`` is its own copy)."""
+    tied = config.tie_word_embeddings if tied is None else tied
+
+    def spec(target: str, source: str, scale: float) -> WeightSpec:
+        return WeightSpec(target, (source,), None if scale == 1.0 else scaled_rows(scale))
+
+    return [
+        spec("embed_tokens.weight", embed, embed_scale),
+        norm_spec("norm.weight", final_norm),
+        spec("lm_head.weight", embed if tied else "lm_head.weight", lm_head_scale),
+    ]
+
+
+def attention_specs(config: ModelConfig, target: str, source: str, qkv_scales: Sequence[Scale] = (1.0, 1.0, 1.0),
+                    bias_scales: Sequence[Scale] = (1.0, 1.0, 1.0), out_scale: float = 1.0, o_proj: str = "o_proj",
+                    qk_norms: tuple[str, str] = ("q_norm", "k_norm")) -> list[WeightSpec]:
+    """:class:`Attention` from HF's ``q_proj`` / ``k_proj`` / ``v_proj`` (stacked into ``qkv_proj``, the
+    rows of each times its ``qkv_scales`` entry, its bias times ``bias_scales``) and output projection
+    (named ``o_proj``; weight and bias times ``out_scale``), biases when ``attention_bias``; with
+    ``qk_norm``, the per-head norms' weights (named ``qk_norms``: q's, k's)."""
+    c = config
+    qkv = [f"{source}.{p}" for p in ("q_proj", "k_proj", "v_proj")]
+    specs = [
+        *scaled_linear(f"{target}.qkv_proj", qkv, qkv_scales, bias_scales if c.attention_bias else None),
+        *scaled_linear(f"{target}.o_proj", [f"{source}.{o_proj}"], (out_scale,),
+                       (out_scale,) if c.attention_bias else None),
+    ]
+    if c.qk_norm:
+        specs += [norm_spec(f"{target}.q_norm.weight", f"{source}.{qk_norms[0]}.weight"),
+                  norm_spec(f"{target}.k_norm.weight", f"{source}.{qk_norms[1]}.weight")]
+    return specs
+
+
+def mamba2_specs(config: ModelConfig, target: str, source: str, in_scale: Scale = 1.0, in_bias_scale: Scale = 1.0,
+                 out_scale: float = 1.0) -> list[WeightSpec]:
+    """:class:`Mamba2Mixer` from HF's Mamba2 mixer layout (NemotronH, Bamba, Granite 4.0-H, Falcon-H1):
+    ``in_proj`` (rows times ``in_scale``, bias times ``in_bias_scale``), ``conv1d``, ``dt_bias``,
+    ``A_log``, ``D``, the gated ``norm`` when ``mamba_rms_norm``, ``out_proj`` (weight and bias times
+    ``out_scale``); biases as the config says."""
+    c = config
+    out_bias = c.mamba_proj_bias if c.mamba_out_proj_bias is None else c.mamba_out_proj_bias
+    specs = [
+        *scaled_linear(f"{target}.in_proj", [f"{source}.in_proj"], (in_scale,),
+                       (in_bias_scale,) if c.mamba_proj_bias else None),
+        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
+        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
+        WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
+        WeightSpec(f"{target}.D", (f"{source}.D",)),
+        *scaled_linear(f"{target}.out_proj", [f"{source}.out_proj"], (out_scale,), (out_scale,) if out_bias else None),
+    ]
+    if c.mamba_conv_bias:
+        specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
+    if c.mamba_rms_norm:
+        specs.append(norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"))
+    return specs
+
+
+def mlp_specs(target: str, source: str, bias: bool = False, in_proj: Sequence[str] = ("gate_proj", "up_proj"),
+              out_proj: str = "down_proj", in_scales: Sequence[Scale] | None = None,
+              out_scale: float = 1.0) -> list[WeightSpec]:
+    """:class:`MLP` (or a shared expert) from HF's projections: ``in_proj`` stacks the rows of the
+    ``in_proj`` sources (SwiGLU: gate then up; relu²: up), each times its ``in_scales`` entry;
+    ``out_proj`` is ``out_proj`` times ``out_scale``; weights and, with ``bias``, biases alike."""
+    ins = [f"{source}.{p}" for p in in_proj]
+    scales = tuple(in_scales) if in_scales is not None else (1.0,) * len(ins)
+    return [
+        *scaled_linear(f"{target}.in_proj", ins, scales, scales if bias else None),
+        *scaled_linear(f"{target}.out_proj", [f"{source}.{out_proj}"], (out_scale,), (out_scale,) if bias else None),
+    ]
 
 
 class HybridForCausalLM(nn.Module, abc.ABC):
@@ -676,14 +804,16 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """Map a checkpoint tensor name to the name ``hf_weight_specs`` uses; ``None`` = ignore it."""
         return name
 
+    attention_mixer: type[nn.Module] = Attention  # the mixer of "attention" layers (Kimi-Linear: MLA)
+    linear_mixer: type[nn.Module] | None = None  # of "linear" layers; None: GatedDeltaNet / Mamba2Mixer (linear_kind)
+
     def build_mixer(self, index: int) -> nn.Module:
+        """The mixer of an ``"attention"`` or ``"linear"`` layer, built as ``cls(config, ordinal)``."""
         c = self.config
-        kind = c.layer_types[index]
-        if kind == "attention":
-            return Attention(c, c.attention_ordinal(index))
-        if c.linear_kind == "gdn":
-            return GatedDeltaNet(c, c.linear_ordinal(index))
-        return Mamba2Mixer(c, c.linear_ordinal(index))
+        if c.layer_types[index] == "attention":
+            return self.attention_mixer(c, c.attention_ordinal(index))
+        mixer = self.linear_mixer or (GatedDeltaNet if c.linear_kind == "gdn" else Mamba2Mixer)
+        return mixer(c, c.linear_ordinal(index))
 
     def build_ffn(self, kind: str) -> nn.Module:
         c = self.config
@@ -691,16 +821,22 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             return SparseMoE(c)
         return MLP(c.hidden_size, c.intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
 
+    def mixer_ffn_layer(self, index: int) -> HybridLayer:
+        """The decoder layer of most architectures: ``x + mixer(norm(x))`` (:meth:`build_mixer`), then
+        ``x + ffn(norm(x))`` (``config.ffn_types[index]``)."""
+        return HybridLayer(mixer=self.build_mixer(index), mixer_norm=self.new_norm(),
+                           ffn=self.build_ffn(self.config.ffn_types[index]), ffn_norm=self.new_norm())
+
     def new_norm(self) -> RMSNorm:
         c = self.config
         return RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
 
     # --- what the fused (Triton) decode step covers ---
     def supports_fused_decode(self) -> bool:
-        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far; KDA,
-        Falcon-H1's parallel mixer and the MLA / short-conv layers decode through their PyTorch ops)."""
-        return all(layer.mixer is None or type(layer.mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
-                   for layer in self.layers)
+        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far, Falcon-H1's
+        parallel pair included; KDA and the MLA / short-conv layers decode through their PyTorch ops)."""
+        return all(type(mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
+                   for layer in self.layers for mixer in layer.mixers())
 
     def supports_cuda_graph(self) -> bool:
         """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""

@@ -24,17 +24,19 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import ModelConfig, hf_attention_fields, hf_common_fields, hf_require, hf_rope_parameters
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
-    Attention,
     HybridForCausalLM,
     HybridLayer,
     Rope,
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    attention_specs,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     squeeze_conv,
 )
@@ -75,39 +77,25 @@ class Lfm2ShortConv(nn.Module):
 
 
 class Lfm2ForCausalLM(HybridForCausalLM):
+    linear_mixer = Lfm2ShortConv
+
     def build_layer(self, index: int) -> HybridLayer:
-        c = self.config
-        if c.layer_types[index] == "attention":
-            mixer: nn.Module = Attention(c, c.attention_ordinal(index))
-        else:
-            mixer = Lfm2ShortConv(c, c.linear_ordinal(index))
-        return HybridLayer(mixer=mixer, mixer_norm=self.new_norm(), ffn=self.build_ffn("mlp"), ffn_norm=self.new_norm())
+        return self.mixer_ffn_layer(index)  # the short convolution or Attention, then the MLP
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        embed = "model.embed_tokens.weight"
-        specs = [
-            WeightSpec("embed_tokens.weight", (embed,)),
-            norm_spec("norm.weight", "model.embedding_norm.weight"),
-            WeightSpec("lm_head.weight", (embed if c.tie_word_embeddings else "lm_head.weight",)),
-        ]
+        specs = embedding_specs(c, "model.embed_tokens.weight", "model.embedding_norm.weight")
         for i, kind in enumerate(c.layer_types):
             t, s = f"layers.{i}", f"model.layers.{i}"
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.operator_norm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.ffn_norm.weight"),
-                *linear_specs(f"{t}.ffn.in_proj", [f"{s}.feed_forward.w1", f"{s}.feed_forward.w3"], False),
-                *linear_specs(f"{t}.ffn.out_proj", [f"{s}.feed_forward.w2"], False),
+                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", in_proj=("w1", "w3"), out_proj="w2"),  # [gate | up], down
             ]
             if kind == "attention":
-                a = f"{s}.self_attn"
-                specs += [
-                    *linear_specs(f"{t}.mixer.qkv_proj", [f"{a}.q_proj", f"{a}.k_proj", f"{a}.v_proj"], False),
-                    *linear_specs(f"{t}.mixer.o_proj", [f"{a}.out_proj"], False),
-                    norm_spec(f"{t}.mixer.q_norm.weight", f"{a}.q_layernorm.weight"),
-                    norm_spec(f"{t}.mixer.k_norm.weight", f"{a}.k_layernorm.weight"),
-                ]
+                specs += attention_specs(c, f"{t}.mixer", f"{s}.self_attn", o_proj="out_proj",
+                                         qk_norms=("q_layernorm", "k_layernorm"))
             else:
                 conv, bias = f"{s}.conv", c.short_conv_bias
                 specs += [
@@ -138,13 +126,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     common["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 128_000))  # HF's LFM2 default
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    hidden = int(cfg["hidden_size"])
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
+    attention = hf_attention_fields(cfg)
+    rope = hf_rope_parameters(cfg, default_theta=1e6)  # HF's default_theta
     kernel = int(cfg.get("conv_L_cache", 3))
     if kernel < 2:
         raise ValueError(f"LFM2 conv_L_cache must be >= 2 (a causal conv window), got {kernel}")
@@ -155,13 +138,11 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         ffn_types=("mlp",) * num_layers,
         norm_eps=float(cfg.get("norm_eps", 1e-5)),
         zero_centered_norm=False,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=False,
         qk_norm=True,
-        rope_theta=float(params.get("rope_theta", cfg.get("rope_theta", 1e6))),  # HF's default_theta
-        rotary_dim=head_dim,
+        rope_theta=float(rope["rope_theta"]),
+        rotary_dim=attention["head_dim"],
         linear_kind="short_conv",
         conv_kernel=kernel,
         short_conv_bias=bool(cfg.get("conv_bias", False)),

@@ -21,14 +21,17 @@ from typing import Any, Mapping
 
 import torch
 
-from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields
+from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_first
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     WeightSpec,
+    attention_specs,
+    embedding_specs,
     linear_specs,
+    mamba2_specs,
+    mlp_specs,
     norm_spec,
-    squeeze_conv,
     stack_experts,
 )
 
@@ -49,18 +52,14 @@ class NemotronHForCausalLM(HybridForCausalLM):
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
-        specs = [
-            WeightSpec("embed_tokens.weight", ("backbone.embeddings.weight",)),
-            norm_spec("norm.weight", "backbone.norm_f.weight"),
-            # HF's NemotronH never ties lm_head to the embedding, whatever tie_word_embeddings says
-            WeightSpec("lm_head.weight", ("lm_head.weight",)),
-        ]
+        # HF's NemotronH never ties lm_head to the embedding, whatever tie_word_embeddings says
+        specs = embedding_specs(c, "backbone.embeddings.weight", "backbone.norm_f.weight", tied=False)
         for i, kind in enumerate(c.layer_types):
             t, s = f"layers.{i}", f"backbone.layers.{i}"
             if kind in ("attention", "linear"):
                 specs.append(norm_spec(f"{t}.mixer_norm.weight", f"{s}.norm.weight"))
-                specs += _attention_specs(f"{t}.mixer", f"{s}.mixer") if kind == "attention" else \
-                    _mamba_specs(c, f"{t}.mixer", f"{s}.mixer")
+                specs += attention_specs(c, f"{t}.mixer", f"{s}.mixer") if kind == "attention" else \
+                    mamba2_specs(c, f"{t}.mixer", f"{s}.mixer")
             else:
                 specs.append(norm_spec(f"{t}.ffn_norm.weight", f"{s}.norm.weight"))
                 specs += _mlp_specs(c, f"{t}.ffn", f"{s}.mixer") if kind == "mlp" else \
@@ -68,33 +67,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
         return specs
 
 
-def _attention_specs(target: str, source: str) -> list[WeightSpec]:
-    return [
-        *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"], False),
-        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], False),
-    ]
-
-
-def _mamba_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    specs = [
-        *linear_specs(f"{target}.in_proj", [f"{source}.in_proj"], c.mamba_proj_bias),
-        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),
-        WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",)),
-        WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
-        WeightSpec(f"{target}.D", (f"{source}.D",)),
-        norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"),
-        *linear_specs(f"{target}.out_proj", [f"{source}.out_proj"], c.mamba_proj_bias),
-    ]
-    if c.mamba_conv_bias:
-        specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
-    return specs
-
-
 def _mlp_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    return [
-        *linear_specs(f"{target}.in_proj", [f"{source}.up_proj"], c.mlp_bias),
-        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], c.mlp_bias),
-    ]
+    """relu² MLP: ``up_proj``, ``down_proj`` (no gate)."""
+    return mlp_specs(target, source, c.mlp_bias, in_proj=("up_proj",))
 
 
 def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
@@ -132,7 +107,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if cfg.get("mamba_hidden_act", "silu") != "silu":
         raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
     uses_moe = "moe" in types
-    time_step_min = float(_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
+    time_step_min = float(hf_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
     return dict(
         **common,
         model_type="nemotron_h",
@@ -146,13 +121,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         attention_bias=False,  # HF's NemotronHAttention has no bias whatever the config says
         rotary_dim=0,
         linear_kind="mamba2" if "linear" in types else "none",
-        conv_kernel=int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
-        linear_chunk_size=int(_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
+        conv_kernel=int(hf_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
+        linear_chunk_size=int(hf_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
         mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
         mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
         ssm_state_size=int(cfg.get("ssm_state_size", 128)),
-        mamba_n_groups=int(_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
-        mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
+        mamba_n_groups=int(hf_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
+        mamba_conv_bias=bool(hf_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),
         # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
         mamba_dt_limit=(time_step_min, math.inf),
@@ -188,10 +163,3 @@ def _layer_types(cfg: Mapping[str, Any]) -> tuple[str, ...]:
     if bad:
         raise ValueError(f"unknown NemotronH layer types {sorted(set(bad))}")
     return tuple(HF_LAYER_TYPES[t] for t in types)
-
-
-def _first(cfg: Mapping[str, Any], keys: tuple[str, ...], default: Any) -> Any:
-    for key in keys:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    return default

@@ -19,12 +19,23 @@ from typing import Any, Mapping
 
 import torch
 
-from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import (
+    ModelConfig,
+    hf_attention_fields,
+    hf_common_fields,
+    hf_layer_types,
+    hf_require,
+    hf_rope_parameters,
+    hf_silu_only,
+)
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     WeightSpec,
+    attention_specs,
+    embedding_specs,
     linear_specs,
+    mlp_specs,
     norm_spec,
     squeeze_conv,
     stack_experts,
@@ -53,17 +64,6 @@ def regroup_qkvz_ba(config: ModelConfig):
     return combine
 
 
-def attention_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    """Gated attention with per-head q/k norms (shared by Qwen3-Next and Qwen3.5)."""
-    return [
-        *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"],
-                      config.attention_bias),
-        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], config.attention_bias),
-        norm_spec(f"{target}.q_norm.weight", f"{source}.q_norm.weight"),
-        norm_spec(f"{target}.k_norm.weight", f"{source}.k_norm.weight"),
-    ]
-
-
 def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:
     """The GDN tensors whose layout Qwen3-Next and Qwen3.5 share (all but the input projections)."""
     return [
@@ -72,14 +72,6 @@ def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:
         WeightSpec(f"{target}.A_log", (f"{source}.A_log",)),
         norm_spec(f"{target}.norm.weight", f"{source}.norm.weight"),
         *linear_specs(f"{target}.out_proj", [f"{source}.out_proj"], False),
-    ]
-
-
-def mlp_specs(target: str, source: str) -> list[WeightSpec]:
-    """SwiGLU MLP: ``in_proj = [gate_proj; up_proj]``, ``out_proj = down_proj``."""
-    return [
-        *linear_specs(f"{target}.in_proj", [f"{source}.gate_proj", f"{source}.up_proj"], False),
-        *linear_specs(f"{target}.out_proj", [f"{source}.down_proj"], False),
     ]
 
 
@@ -99,11 +91,7 @@ def moe_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]
 def qwen_specs(config: ModelConfig, gdn_in_proj, prefix: str = "model.") -> list[WeightSpec]:
     """All weight specs of a Qwen3-Next-style decoder; ``gdn_in_proj(target, source)`` gives the
     architecture-specific GDN input projection."""
-    specs = [
-        WeightSpec("embed_tokens.weight", (f"{prefix}embed_tokens.weight",)),
-        norm_spec("norm.weight", f"{prefix}norm.weight"),
-        lm_head_spec(config, f"{prefix}embed_tokens.weight"),
-    ]
+    specs = embedding_specs(config, f"{prefix}embed_tokens.weight", f"{prefix}norm.weight")
     for i, (mixer, ffn) in enumerate(zip(config.layer_types, config.ffn_types)):
         t, s = f"layers.{i}", f"{prefix}layers.{i}"
         specs.append(norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"))
@@ -120,20 +108,9 @@ def qwen_specs(config: ModelConfig, gdn_in_proj, prefix: str = "model.") -> list
     return specs
 
 
-def lm_head_spec(config: ModelConfig, embed_name: str) -> WeightSpec:
-    """``lm_head.weight``, or the input embedding when the checkpoint ties them."""
-    source = embed_name if config.tie_word_embeddings else "lm_head.weight"
-    return WeightSpec("lm_head.weight", (source,))
-
-
 class Qwen3NextForCausalLM(HybridForCausalLM):
     def build_layer(self, index: int) -> HybridLayer:
-        return HybridLayer(
-            mixer=self.build_mixer(index),
-            mixer_norm=self.new_norm(),
-            ffn=self.build_ffn(self.config.ffn_types[index]),
-            ffn_norm=self.new_norm(),
-        )
+        return self.mixer_ffn_layer(index)  # GatedDeltaNet or gated Attention, then the MLP or MoE
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
@@ -167,8 +144,7 @@ def qwen_config_fields(
     """
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    heads = int(hf_require(cfg, "num_attention_heads"))
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    attention = hf_attention_fields(cfg)
     num_experts = int(cfg.get("num_experts", 0) or 0) if moe else 0
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     sparse_step = int(cfg.get("decoder_sparse_step", 1) or 1)
@@ -176,23 +152,23 @@ def qwen_config_fields(
         "moe" if num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0 else "mlp"
         for i in range(num_layers)
     )
-    hidden_act = cfg.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"unsupported hidden_act {hidden_act!r} for {arch} (expected 'silu')")
+    hidden_act = hf_silu_only(cfg, arch)
+    layer_types = _qwen_layer_types(cfg, num_layers)
+    rope = hf_rope_parameters(cfg)
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     return dict(
         **common,
         model_type=model_type,
-        layer_types=_qwen_layer_types(cfg, num_layers),
+        layer_types=layer_types,
         ffn_types=ffn,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         zero_centered_norm=True,
-        num_attention_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
+        **attention,
         attention_bias=bool(cfg.get("attention_bias", False)),
         attn_output_gate=True,
         qk_norm=True,
-        **_rope(cfg, head_dim),
+        rope_theta=float(rope["rope_theta"]),
+        rotary_dim=int(attention["head_dim"] * factor),
         linear_kind="gdn",
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
         linear_chunk_size=64,
@@ -202,7 +178,7 @@ def qwen_config_fields(
         linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
         intermediate_size=int(hf_require(cfg, "intermediate_size") if "mlp" in ffn
                               else cfg.get("intermediate_size") or 0),
-        hidden_act="silu",
+        hidden_act=hidden_act,
         num_experts=num_experts,
         num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
         moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0) if num_experts else 0,
@@ -220,20 +196,4 @@ def _qwen_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...
     if types is None:
         interval = int(cfg.get("full_attention_interval", 4))
         types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers is {num_layers}")
-    out = tuple(HF_LAYER_TYPES.get(t, t) for t in types)
-    bad = set(out) - {"attention", "linear"}
-    if bad:
-        raise ValueError(f"Qwen layer_types must be full/linear attention, got {sorted(bad)}")
-    return out
-
-
-def _rope(cfg: Mapping[str, Any], head_dim: int) -> dict[str, Any]:
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
-    return dict(rope_theta=float(theta), rotary_dim=int(head_dim * float(factor)))
+    return hf_layer_types(types, num_layers, "Qwen", "full_attention / linear_attention")

@@ -22,9 +22,7 @@ import torch.nn.functional as F
 from hyla.model.ops.varlen import (
     SlotPlan,
     as_slot_plan,
-    check_checkpoints,
-    check_slots,
-    check_varlen,
+    check_varlen_batch,
     gather_states,
     open_state_rows,
     scatter_states,
@@ -137,9 +135,8 @@ def causal_conv1d_varlen(
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
     act = _activation(activation)
-    lengths = check_varlen(cu_seqlens, num_tokens)
-    slot_list = check_slots(slots, len(lengths), conv_states.shape[0])
-    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, conv_states.shape[0], x.device)
+    lengths, ckpts = check_varlen_batch(cu_seqlens, num_tokens, slots, conv_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                        x.device)
     tree = short_extend_tree(tree, lengths, x.device)
     if tree is not None:
         step = lambda xs, pool, rows: causal_conv1d_update(xs, weight, bias, pool, rows, activation)  # noqa: E731

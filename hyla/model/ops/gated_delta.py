@@ -19,6 +19,8 @@ batch's own rows.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hyla.model.ops.varlen import (
@@ -26,13 +28,10 @@ from hyla.model.ops.varlen import (
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
-    check_checkpoints,
-    check_slots,
-    check_varlen,
-    chunk_layout,
+    check_varlen_batch,
+    chunk_scan_on_pool,
     gather_states,
     open_state_rows,
-    plan_checkpoints,
     scatter_states,
     write_states,
 )
@@ -44,12 +43,13 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
-    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: optional l2norm, ``q *= Dk**-0.5``, then key head ``h``
-    serves value heads ``h*r .. h*r + r-1`` (``repeat_interleave(r)``, ``r = Hv // Hk``)."""
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool,
+               norm: Callable[[torch.Tensor], torch.Tensor] = l2norm):
+    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: optional ``norm`` (:func:`l2norm`), ``q *= Dk**-0.5``, then
+    key head ``h`` serves value heads ``h*r .. h*r + r-1`` (``repeat_interleave(r)``, ``r = Hv // Hk``)."""
     q, k = q.float(), k.float()
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = norm(q), norm(k)
     q = q * q.shape[-1] ** -0.5
     n, num_k_heads, dk = q.shape
     repeat = num_v_heads // num_k_heads
@@ -58,7 +58,10 @@ def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2nor
     return tuple(x.unsqueeze(2).expand(n, num_k_heads, repeat, dk).reshape(n, num_v_heads, dk) for x in (q, k))
 
 
-def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
+def check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel: bool = False) -> None:
+    """Shapes of a delta-rule call: ``q, k [N, Hk, Dk]``, ``v [N, Hv, Dv]`` (``Hv`` a multiple of ``Hk``),
+    ``g`` ``[N, Hv]`` (``[N, Hv, Dk]`` with ``decay_per_channel``, KDA), ``beta [N, Hv]``, ``ssm_states
+    [S, Hv, Dk, Dv]``; ``ValueError`` naming the first that does not fit."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [N, Hk, Dk], got {list(q.shape)} and {list(k.shape)}")
     n, num_k_heads, dk = q.shape
@@ -67,9 +70,13 @@ def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
     num_v_heads, dv = v.shape[1:]
     if num_v_heads % num_k_heads:
         raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (n, num_v_heads):
-            raise ValueError(f"{name} must be [N={n}, Hv={num_v_heads}], got {list(t.shape)}")
+    if decay_per_channel and g.shape != (n, num_v_heads, dk):
+        raise ValueError(f"g must be [N={n}, Hv={num_v_heads}, Dk={dk}] (one decay per key channel), "
+                         f"got {list(g.shape)}")
+    if not decay_per_channel and g.shape != (n, num_v_heads):
+        raise ValueError(f"g must be [N={n}, Hv={num_v_heads}], got {list(g.shape)}")
+    if beta.shape != (n, num_v_heads):
+        raise ValueError(f"beta must be [N={n}, Hv={num_v_heads}], got {list(beta.shape)}")
     if ssm_states.dim() != 4 or ssm_states.shape[1:] != (num_v_heads, dk, dv):
         raise ValueError(f"ssm_states must be [S, Hv={num_v_heads}, Dk={dk}, Dv={dv}], got {list(ssm_states.shape)}")
 
@@ -92,7 +99,7 @@ def gated_delta_rule_ref(
     The readable oracle for the tests.
     """
     dtype, (num_v_heads, dv) = q.dtype, v.shape[1:]
-    q, k = _prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [L, Hv, Dk]
+    q, k = prepare_qk(q, k, num_v_heads, use_qk_l2norm)  # [L, Hv, Dk]
     v, g, beta = v.float(), g.float(), beta.float()
     S = v.new_zeros(num_v_heads, q.shape[-1], dv) if state is None else state.float().clone()  # [Hv, Dk, Dv]
     out = []
@@ -134,10 +141,9 @@ def chunk_gated_delta_rule_varlen(
     ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
-    _check_inputs(q, k, v, g, beta, ssm_states)
-    lengths = check_varlen(cu_seqlens, q.shape[0])
-    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
-    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+    check_inputs(q, k, v, g, beta, ssm_states)
+    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                        q.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tree = short_extend_tree(tree, lengths, q.device)
@@ -146,16 +152,10 @@ def chunk_gated_delta_rule_varlen(
             q, k, v, g, beta, pool, rows, use_qk_l2norm)
         return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
 
-    layout = chunk_layout(lengths, chunk_size, q.device)
-    plan = plan_checkpoints(layout, ckpts)
-    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
-    rank_slots = slots.to(q.device)[layout.order]  # [B] the slot of each rank
-    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, Hv, Dk, Dv] in rank order
-
-    o, state, ckpt_states = _chunk_scan(layout, plan, qf, kf, v.float(), g.float(), beta.float(), state)
-    if plan.num_checkpoints:
-        scatter_states(ssm_states, plan.slot, ckpt_states)
-    scatter_states(ssm_states, rank_slots, state)
+    qf, kf = prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    o = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, qf, kf, vf, gf, bf, state),
+                           lengths, chunk_size, ssm_states, slots, ckpts, q.device)  # [T, Hv, Dv] fp32
     return o.to(q.dtype)
 
 
@@ -190,9 +190,38 @@ def _chunk_scan(
     k_dec = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [NC, H, Q, Dk] writes the state leaving it
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
 
+    o, enter, ckpt_v_new = delta_rule_across_chunks(layout, plan, state, u, w, q_dec, attn, k_dec, chunk_decay)
+    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if plan.num_checkpoints else enter
+    o = layout.unchunk(o.transpose(1, 2))  # [T, H, Dv]
+    return o, state, ckpt_states
+
+
+def delta_rule_across_chunks(
+    layout: ChunkLayout,
+    plan: CheckpointPlan,
+    state: torch.Tensor,
+    u: torch.Tensor,
+    w: torch.Tensor,
+    q_dec: torch.Tensor,
+    attn: torch.Tensor,
+    k_dec: torch.Tensor,
+    chunk_decay: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence across chunks of the chunked delta rule, Gated DeltaNet's and KDA's alike (they
+    differ in how they build the per-chunk terms). With ``S`` the state entering a chunk::
+
+        v_new = u - w S                              # the corrections the chunk's tokens write
+        o     = q_dec S + attn v_new
+        S    <- chunk_decay * S + k_dec^T v_new
+
+    one step per chunk index over the sequences still active; ``state [B, H, Dk, Dv]`` (rank order) is
+    updated in place to the final states. Returns ``(o [NC, H, Q, Dv], enter [M, H, Dk, Dv], v_new [M,
+    H, Q, Dv])``: the outputs and, per checkpoint, the state entering its chunk and that chunk's
+    corrections (from which the state inside the chunk follows).
+    """
     M = plan.num_checkpoints
     enter = state.new_empty(M, *state.shape[1:])  # [M, H, Dk, Dv] state entering each checkpoint's chunk
-    ckpt_v_new = vc.new_empty(M, *vc.shape[1:])  # [M, H, Q, Dv]
+    ckpt_v_new = u.new_empty(M, *u.shape[1:])  # [M, H, Q, Dv]
     o = torch.empty_like(u)  # [NC, H, Q, Dv]
     for step, (first, active) in enumerate(layout.steps()):
         c = slice(first, first + active)
@@ -205,10 +234,7 @@ def _chunk_scan(
             enter[entries] = S[ranks]
             ckpt_v_new[entries] = v_new[ranks]
         state[:active] = S * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
-
-    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if M else enter
-    o = layout.unchunk(o.transpose(1, 2))  # [T, H, Dv]
-    return o, state, ckpt_states
+    return o, enter, ckpt_v_new
 
 
 def _states_inside_chunks(
@@ -254,7 +280,7 @@ def recurrent_gated_delta_rule_update(
     which is the reference's ``S <- e S; S <- S + k (beta (v - k^T S))^T; o = q^T S`` regrouped.
     Value heads share their key head's q/k by broadcasting (no repeated copies).
     """
-    _check_inputs(q, k, v, g, beta, ssm_states)
+    check_inputs(q, k, v, g, beta, ssm_states)
     plan = as_slot_plan(slots, ssm_states, q.shape[0])
     S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, Hv, Dk, Dv]
     o = _recurrent_step(q, k, v, g, beta, S, use_qk_l2norm)

@@ -37,15 +37,14 @@ from __future__ import annotations
 
 import torch
 
+from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
-    check_checkpoints,
     check_slots,
-    check_varlen,
-    chunk_layout,
+    check_varlen_batch,
+    chunk_scan_on_pool,
     gather_states,
-    plan_checkpoints,
     scatter_states,
 )
 from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
@@ -60,35 +59,8 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, use_qk_l2norm: bool):
-    """``[N, Hk, Dk]`` -> fp32 ``[N, Hv, Dk]``: optional l2norm, ``q *= Dk**-0.5``, key head ``h``
-    repeated over value heads ``h*r .. h*r + r-1``."""
-    q, k = q.float(), k.float()
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    n, num_k_heads, dk = q.shape
-    repeat = num_v_heads // num_k_heads
-    if repeat == 1:
-        return q, k
-    return tuple(x.unsqueeze(2).expand(n, num_k_heads, repeat, dk).reshape(n, num_v_heads, dk) for x in (q, k))
-
-
-def _check_inputs(q, k, v, g, beta, ssm_states) -> None:
-    if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [N, Hk, Dk], got {list(q.shape)} and {list(k.shape)}")
-    n, num_k_heads, dk = q.shape
-    if v.dim() != 3 or v.shape[0] != n:
-        raise ValueError(f"v must be [N={n}, Hv, Dv], got {list(v.shape)}")
-    num_v_heads, dv = v.shape[1:]
-    if num_v_heads % num_k_heads:
-        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-    if g.shape != (n, num_v_heads, dk):
-        raise ValueError(f"g must be [N={n}, Hv={num_v_heads}, Dk={dk}] (one decay per key channel), "
-                         f"got {list(g.shape)}")
-    if beta.shape != (n, num_v_heads):
-        raise ValueError(f"beta must be [N={n}, Hv={num_v_heads}], got {list(beta.shape)}")
-    if ssm_states.dim() != 4 or ssm_states.shape[1:] != (num_v_heads, dk, dv):
-        raise ValueError(f"ssm_states must be [S, Hv={num_v_heads}, Dk={dk}, Dv={dv}], got {list(ssm_states.shape)}")
+    """Gated DeltaNet's :func:`~hyla.model.ops.gated_delta.prepare_qk` with transformers' KDA l2norm."""
+    return prepare_qk(q, k, num_v_heads, use_qk_l2norm, norm=_l2norm)
 
 
 # --- reference -------------------------------------------------------------------------------
@@ -151,10 +123,9 @@ def chunk_kda_varlen(
     ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
-    _check_inputs(q, k, v, g, beta, ssm_states)
-    lengths = check_varlen(cu_seqlens, q.shape[0])
-    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
-    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+    check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
+    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                        q.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tree = short_extend_tree(tree, lengths, q.device)
@@ -163,16 +134,10 @@ def chunk_kda_varlen(
             q, k, v, g, beta, pool, rows.index, use_qk_l2norm)
         return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
 
-    layout = chunk_layout(lengths, chunk_size, q.device)
-    plan = plan_checkpoints(layout, ckpts)
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
-    rank_slots = slots.to(q.device)[layout.order]  # [B] the slot of each rank
-    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, Hv, Dk, Dv] in rank order
-
-    o, state, ckpt_states = _chunk_scan(layout, plan, qf, kf, v.float(), g.float(), beta.float(), state)
-    if plan.num_checkpoints:
-        scatter_states(ssm_states, plan.slot, ckpt_states)
-    scatter_states(ssm_states, rank_slots, state)
+    vf, gf, bf = v.float(), g.float(), beta.float()
+    o = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, qf, kf, vf, gf, bf, state),
+                           lengths, chunk_size, ssm_states, slots, ckpts, q.device)  # [T, Hv, Dv] fp32
     return o.to(q.dtype)
 
 
@@ -241,23 +206,9 @@ def _chunk_scan(
     k_dec = kc * (cum[:, :, -1:] - cum).exp()  # [NC, H, Q, Dk] writes the state leaving it
     chunk_decay = cum[:, :, -1].exp().unsqueeze(-1)  # [NC, H, Dk, 1]
 
-    M = plan.num_checkpoints
-    enter = state.new_empty(M, *state.shape[1:])  # [M, H, Dk, Dv] state entering each checkpoint's chunk
-    ckpt_v_new = vc.new_empty(M, *vc.shape[1:])  # [M, H, Q, Dv]
-    o = torch.empty_like(u)  # [NC, H, Q, Dv]
-    for step, (first, active) in enumerate(layout.steps()):
-        c = slice(first, first + active)
-        S = state[:active]  # [A, H, Dk, Dv]
-        v_new = u[c] - w[c] @ S  # [A, H, Q, Dv] the corrections actually written
-        o[c] = q_dec[c] @ S + P[c] @ v_new
-        here = plan.at_step(step)
-        if here is not None:
-            entries, ranks = here
-            enter[entries] = S[ranks]
-            ckpt_v_new[entries] = v_new[ranks]
-        state[:active] = S * chunk_decay[c] + k_dec[c].transpose(-1, -2) @ v_new
-
-    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if M else enter
+    # across chunks: Gated DeltaNet's recurrence, the per-channel decay inside chunk_decay and k_dec
+    o, enter, ckpt_v_new = delta_rule_across_chunks(layout, plan, state, u, w, q_dec, P, k_dec, chunk_decay)
+    ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if plan.num_checkpoints else enter
     o = layout.unchunk(o.transpose(1, 2))  # [T, H, Dv]
     return o, state, ckpt_states
 
@@ -298,7 +249,7 @@ def recurrent_kda_update(
     ``beta [B, Hv]`` -> ``o [B, Hv, Dv]`` (dtype of ``q``). Updates ``ssm_states[slots]`` in place;
     ``slots[i] == -1``: row ``i`` of ``o`` is don't-care and nothing is written.
     """
-    _check_inputs(q, k, v, g, beta, ssm_states)
+    check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
     check_slots(slots, q.shape[0], ssm_states.shape[0])
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
     S = gather_states(ssm_states, slots, torch.float32)  # [B, H, Dk, Dv] fp32 copy (zeros for -1)

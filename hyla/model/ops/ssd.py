@@ -28,14 +28,9 @@ from hyla.model.ops.varlen import (
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
-    check_checkpoints,
-    check_slots,
-    check_varlen,
-    chunk_layout,
-    gather_states,
+    check_varlen_batch,
+    chunk_scan_on_pool,
     open_state_rows,
-    plan_checkpoints,
-    scatter_states,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
@@ -146,9 +141,8 @@ def mamba2_chunk_scan_varlen(
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    lengths = check_varlen(cu_seqlens, x.shape[0])
-    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
-    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], x.device)
+    lengths, ckpts = check_varlen_batch(cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                        x.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tree = short_extend_tree(tree, lengths, x.device)
@@ -157,20 +151,14 @@ def mamba2_chunk_scan_varlen(
             x, dt, A, B, C, D, dt_bias, pool, rows, dt_limit)
         return tree_scan(step, (x, dt, B, C), ssm_states, slots, tree, ckpts)
 
-    layout = chunk_layout(lengths, chunk_size, x.device)
-    plan = plan_checkpoints(layout, ckpts)
     num_heads = x.shape[1]
+    xf, Af = x.float(), A.float()
     dtf = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
     Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [T, H, N]
-    rank_slots = slots.to(x.device)[layout.order]  # [B] the slot of each rank
-    state = gather_states(ssm_states, rank_slots, torch.float32)  # [B, H, P, N] in rank order
-
-    y, state, ckpt_states = _chunk_scan(layout, plan, x.float(), dtf, A.float(), Bf, Cf, state)
+    y = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, xf, dtf, Af, Bf, Cf, state),
+                           lengths, chunk_size, ssm_states, slots, ckpts, x.device)  # [T, H, P] fp32
     if D is not None:
-        y = y + D.float()[:, None] * x.float()
-    if plan.num_checkpoints:
-        scatter_states(ssm_states, plan.slot, ckpt_states)
-    scatter_states(ssm_states, rank_slots, state)
+        y = y + D.float()[:, None] * xf
     return y.to(x.dtype)
 
 

@@ -1,7 +1,7 @@
 """Packed variable-length batches for the linear-attention ops: validation, state gather/scatter,
-checkpoint plans and the chunk layout.
+checkpoint plans, the chunk layout and running a chunked scan on the state pool.
 
-Conventions shared by ``conv1d``, ``gated_delta`` and ``ssd`` (see docs/architecture.md, "ops"):
+Conventions shared by ``conv1d``, ``gated_delta``, ``kda`` and ``ssd`` (see docs/architecture.md, "ops"):
 
 * Tokens of all sequences are packed: sequence ``i`` owns rows ``cu_seqlens[i]:cu_seqlens[i+1]``.
 * ``slots[i]`` is the state-pool row sequence ``i`` reads its initial state from and writes its
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -120,6 +120,24 @@ def check_checkpoints(
         if row in slots:
             raise ValueError(f"checkpoint {j}: ckpt_slot={row} is also a sequence slot of this batch")
     return Checkpoints(seqs, lens, ckpt_slot.to(device=device, dtype=torch.long))
+
+
+def check_varlen_batch(
+    cu_seqlens: torch.Tensor,
+    num_tokens: int,
+    slots: torch.Tensor,
+    pool: torch.Tensor,
+    ckpt_seq: torch.Tensor | None,
+    ckpt_len: torch.Tensor | None,
+    ckpt_slot: torch.Tensor | None,
+    device: torch.device,
+) -> tuple[list[int], Checkpoints]:
+    """Validate a packed batch of ``num_tokens`` tokens against the state ``pool`` it reads and writes:
+    ``cu_seqlens`` (:func:`check_varlen`), ``slots`` (:func:`check_slots`) and the checkpoint request
+    (:func:`check_checkpoints`). Returns the sequence lengths (host ints) and the checkpoints."""
+    lengths = check_varlen(cu_seqlens, num_tokens)
+    slot_list = check_slots(slots, len(lengths), pool.shape[0])
+    return lengths, check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, pool.shape[0], device)
 
 
 # --- the state pool --------------------------------------------------------------------------
@@ -379,6 +397,28 @@ class CheckpointPlan:
             torch.tensor(entries, dtype=torch.long, device=device),
             torch.tensor([self.rank[m] for m in entries], dtype=torch.long, device=device),
         )
+
+
+ChunkScan = Callable[[ChunkLayout, CheckpointPlan, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""``scan(layout, plan, state) -> (out, final state, checkpoint states)``: an op's chunked core, on
+fp32 states ``[B, ...]`` in rank order (``ChunkLayout``) and a :class:`CheckpointPlan` of ``M`` entries."""
+
+
+def chunk_scan_on_pool(scan: ChunkScan, lengths: list[int], chunk_size: int, pool: torch.Tensor,
+                       slots: torch.Tensor, ckpts: Checkpoints, device: torch.device) -> torch.Tensor:
+    """Run a chunked scan over a packed batch whose states live in ``pool``: lay the batch out in chunks
+    of ``chunk_size``, place the checkpoints on them, read each sequence's state from ``pool[slots[i]]``
+    (fp32, in rank order, zeros for ``-1``), run ``scan``, then write the checkpoint states into their
+    rows and the final states back into ``slots`` (none for ``-1``). Returns ``scan``'s output."""
+    layout = chunk_layout(lengths, chunk_size, device)
+    plan = plan_checkpoints(layout, ckpts)
+    rank_slots = slots.to(device)[layout.order]  # [B] the slot of each rank
+    state = gather_states(pool, rank_slots, torch.float32)  # [B, *state] in rank order
+    out, state, ckpt_states = scan(layout, plan, state)
+    if plan.num_checkpoints:
+        scatter_states(pool, plan.slot, ckpt_states)
+    scatter_states(pool, rank_slots, state)
+    return out
 
 
 def plan_checkpoints(layout: ChunkLayout, ckpts: Checkpoints) -> CheckpointPlan:

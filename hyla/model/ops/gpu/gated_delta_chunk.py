@@ -18,7 +18,7 @@ import importlib.util
 
 import torch
 
-from hyla.model.ops.varlen import check_checkpoints, check_slots, check_varlen, gather_states, scatter_states
+from hyla.model.ops.varlen import check_varlen_batch, gather_states, scatter_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
@@ -45,9 +45,8 @@ def chunk_gated_delta_rule_fla(
         raise ValueError("fla's chunked kernel runs chains; a token tree takes chunk_gated_delta_rule_varlen")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    lengths = check_varlen(cu_seqlens, q.shape[0])
-    slot_list = check_slots(slots, len(lengths), ssm_states.shape[0])
-    ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, ssm_states.shape[0], q.device)
+    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                        q.device)
     dev = q.device
     starts = [0]
     for n in lengths:
