@@ -21,6 +21,15 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# Without a GPU the Triton kernels' tests run them in Triton's interpreter. The variable must be set
+# before any test module imports hyla.model.ops.gpu (its kernels read it when they are defined), so
+# here, not in the tests that need it: otherwise the suite's order decides whether they pass.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 import checkpoints  # noqa: E402  (needs the path above)
 
 
