@@ -56,6 +56,27 @@ def qwen3_5_path(tiny_ckpt_dir: Path) -> Path:
     return checkpoints.make_qwen3_5(tiny_ckpt_dir)
 
 
+# the same checkpoints with a random MTP head (mtp.* tensors) for speculative_algorithm="mtp"
+@pytest.fixture(scope="session")
+def qwen3_next_dense_mtp_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=False, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_moe_mtp_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_mtp_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_5(tiny_ckpt_dir, mtp=True)
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_mtp_path(tiny_ckpt_dir: Path) -> Path:
+    return checkpoints.make_qwen3_5_moe(tiny_ckpt_dir, mtp=True)
+
+
 @pytest.fixture(scope="session")
 def nemotron_h_path(tiny_ckpt_dir: Path) -> Path:
     return checkpoints.make_nemotron_h(tiny_ckpt_dir)

@@ -33,7 +33,7 @@ import torch
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.speculative import NgramDrafter, verify
+from hyla.engine.speculative import Drafter, verify
 
 logger = logging.getLogger("hyla.engine")
 
@@ -44,9 +44,11 @@ LPM_MAX_QUEUE = 128  # past this many waiting requests, LPM falls back to FCFS (
 class Runner(Protocol):
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[StepCheckpoint], all_logits: bool = False,
-                       logit_rows: list[list[int]] | None = None) -> torch.Tensor: ...
+                       logit_rows: list[list[int]] | None = None,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor: ...
+    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class Scheduler:
     NEW_TOKEN_RATIO_DECAY = 0.001
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, runner: Runner, output: OutputProcessor,
-                 drafter: NgramDrafter | None = None):
+                 drafter: Drafter | None = None):
         self.config = config
         self.cache = cache
         self.runner = runner
@@ -143,18 +145,28 @@ class Scheduler:
         return batch
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """The model forward; on failure nothing of the step stays allocated. ``[B, V]`` logits."""
+        """The model forward (then the drafter's ``observe``); on failure nothing of the step stays
+        allocated. ``[B, V]`` logits."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
+        hidden = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
         try:
             if batch.verify and max(batch.lens) > 1:
                 ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
-                return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True)
-            if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
-                return self.runner.forward_decode(batch.reqs, loc)
-            batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
-            return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward,
-                                              logit_rows=batch.logit_rows)
+                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True, **hidden)
+            elif batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
+                ckpts = []
+                out = self.runner.forward_decode(batch.reqs, loc, **hidden)
+            else:
+                ckpts = batch.ckpts.forward
+                batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
+                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
+                                                 **hidden)
+            if not hidden:
+                return out
+            logits, states = out
+            self.drafter.observe(batch.reqs, batch.lens, ckpts, states)  # before the commit: see Drafter
+            return logits
         except Exception:
             for r in batch.reqs:
                 r.draft_ids = []
@@ -370,9 +382,10 @@ class Scheduler:
         tokens). When KV is short even after eviction, drafts are dropped first, then the youngest
         running requests are retracted until the rest fit."""
         reqs = [r for r in self.running if r.is_decoding]
-        if self.drafter is not None:
-            for r in reqs:
-                r.draft_ids = self.drafter.propose(r, self._draft_limit(r))
+        if self.drafter is not None and reqs:
+            drafts = self.drafter.propose_batch(reqs, [self._draft_limit(r) for r in reqs])
+            for r, d in zip(reqs, drafts, strict=True):
+                r.draft_ids = d
         lens = [1 + len(r.draft_ids) for r in reqs]
         if reqs and max(lens) > 1 and not self.cache.can_allocate(reqs, lens):
             for r in reqs:

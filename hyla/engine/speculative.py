@@ -26,7 +26,9 @@ position): the greedy target is the masked argmax and ``p`` the masked distribut
 is exactly that of constrained decoding without speculation. The grammar itself advances only over
 the tokens appended (``OutputProcessor.append``); computing the masks leaves it where it was.
 
-Drafters: ``NgramDrafter`` (prompt/history lookup, no weights: speculation for every model).
+Drafters (``Drafter``: what the scheduler asks of one): ``NgramDrafter`` (prompt/history lookup,
+no weights: speculation for every model) and ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the
+checkpoint's own multi-token-prediction head).
 """
 
 from __future__ import annotations
@@ -39,9 +41,6 @@ from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
 
-ALGORITHMS = ("ngram",)
-
-
 @dataclass
 class Verdict:
     """One request's outcome of a verify step."""
@@ -52,7 +51,32 @@ class Verdict:
     num_accepted: int
 
 
-class NgramDrafter:
+class Drafter:
+    """What the scheduler asks of a drafter, each decode step: ``propose_batch`` (drafts for every
+    decoding request), and after every target forward ``observe`` (for drafters that follow the
+    model's hidden states). ``num_draft``: the most drafts per request and step (the scheduler
+    reserves that many scratch state slots per running request)."""
+
+    num_draft: int
+    wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
+
+    def propose(self, req: Req, limit: int) -> list[int]:
+        """At most ``min(limit, num_draft)`` draft tokens to follow ``req.fill_ids``."""
+        raise NotImplementedError
+
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Drafts for each decoding request (at most ``limits[i]`` for ``reqs[i]``), one list each."""
+        return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
+
+    def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
+                hidden: torch.Tensor | None) -> None:
+        """Called after every target forward, before its commit: ``reqs[i]`` fed ``lens[i]`` tokens
+        after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
+        (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
+        the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
+
+
+class NgramDrafter(Drafter):
     """Propose the continuation of the longest recent n-gram match in the request's own tokens.
 
     For ``n`` from ``max_n`` down to ``min_n``: if the last ``n`` tokens occurred earlier in the
