@@ -98,14 +98,15 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
     systems = [tok(40), tok(70)]
     wave1 = [{"ids": systems[i % 2] + tok(rng.randrange(5, 60)), "max_new": 24, "ckpt": [40 if i % 2 == 0 else 70]}
              for i in range(10)]
+    followups = [tok(5) for _ in wave1]
     opts = dict(max_total_tokens=900, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64, **MTP)
     drafts, outs = {}, {}
     for cache in (False, True):
         with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, **opts) as eng:
             rec = _Recorder(eng.scheduler.drafter)
             out1 = run(eng, wave1)
-            wave2 = [{"ids": w["ids"] + o["output_ids"] + tok(5), "max_new": 16, "ckpt": []} for w, o in zip(wave1, out1)]
-            rng.seed(4)  # the same follow-ups for both runs
+            wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 16, "ckpt": []}
+                     for w, o, f in zip(wave1, out1, followups)]
             out2 = run(eng, wave2)
             drafts[cache], outs[cache] = rec.drafts, out1 + out2
             stats = eng.get_stats()
@@ -292,3 +293,16 @@ def test_mtp_needs_mtp_tensors(qwen3_next_dense_path, qwen3_next_dense_mtp_path,
     with pytest.raises(ValueError, match=r"missing: mtp\.layers\.0\.self_attn\.k_norm\.weight; "
                                          r"unexpected: mtp\.layers\.0\.extra\.weight"):
         Engine(bad, **MTP, **POOLS)
+
+
+def test_serve_flags(capsys):
+    """``hyla serve --speculative-algorithm mtp --speculative-num-steps N`` reaches the engine options;
+    a bad combination exits 2 with the engine's message."""
+    from hyla.server import cli
+    from test_server_cli import _parse
+
+    opts = cli.engine_options(_parse(["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]))
+    args = EngineArgs(**opts)
+    assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
+    assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
+    assert "speculative_eagle_topk" in capsys.readouterr().err
