@@ -530,8 +530,18 @@ def mtp_timers(engine: Engine) -> dict[str, float]:
     for owner, name, label in ((s.runner, "forward_extend", "model forward"), (s.runner, "forward_decode", "model forward"),
                                (drafter, "observe", "MTP observe"), (drafter, "propose_batch", "MTP drafting"),
                                (s, "step", "step")):
-        wrap(owner, name, label)
+        if owner is not None:
+            wrap(owner, name, label)
     return acc
+
+
+def unwrap(engine: Engine) -> None:
+    """Undo ``mtp_timers``: back to the class's methods."""
+    s = engine.scheduler
+    for owner in (s.runner, s.drafter, s):
+        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "step"):
+            if owner is not None:
+                owner.__dict__.pop(name, None)
 
 
 def mtp_main(args, threads: int) -> None:
@@ -544,17 +554,17 @@ def mtp_main(args, threads: int) -> None:
         outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}  # warm-up
         check_identical("mtp, warm-up", outs["off"], outs["on"])
         rows = bench(engines, prompts, prompts, "mtp", args.repeats, args.new_tokens)
-        parts = {}
-        for batch in (1, NUM_PROMPTS):  # where a verify step's time goes (one more run per batch size)
-            timers = mtp_timers(engines["on"])
-            steps0 = engines["on"].scheduler.num_steps
-            _, _, _ = run_once(engines["on"], prompts, batch, params)
-            n = max(1, engines["on"].scheduler.num_steps - steps0)
-            parts[batch] = {k: 1e3 * v / n for k, v in timers.items()}
-            for owner in (engines["on"].scheduler.runner, engines["on"].scheduler.drafter, engines["on"].scheduler):
-                for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "step"):
-                    owner.__dict__.pop(name, None)  # back to the class's methods
-            print(f"[mtp] batch {batch}: ms per step: " + ", ".join(f"{k} {v:.2f}" for k, v in parts[batch].items()))
+        parts: dict[str, dict[int, dict[str, float]]] = {"off": {}, "on": {}}
+        for batch in (1, NUM_PROMPTS):  # where a step's time goes (one more run per side and batch size)
+            for side, engine in engines.items():
+                timers = mtp_timers(engine)
+                steps0 = engine.scheduler.num_steps
+                run_once(engine, prompts, batch, params)
+                n = max(1, engine.scheduler.num_steps - steps0)
+                parts[side][batch] = {k: 1e3 * v / n for k, v in timers.items()}
+                unwrap(engine)
+                print(f"[mtp] {side}, batch {batch}: ms per step: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in parts[side][batch].items()), flush=True)
     finally:
         for e in engines.values():
             e.shutdown()
@@ -566,9 +576,13 @@ def mtp_main(args, threads: int) -> None:
     for r in rows:
         table.append(f"| {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x "
                      f"| **{r['accept']:.2f}** | {r['steps']} |")
-    split = ["| ms per verify step (median run) | batch 1 | batch " + str(NUM_PROMPTS) + " |", "|---|---|---|"]
+    split = [f"| ms per step | batch 1 decode | batch 1 verify | batch {NUM_PROMPTS} decode | batch {NUM_PROMPTS} verify |",
+             "|---|---|---|---|---|"]
     for key in ("step", "model forward", "MTP observe", "MTP drafting"):
-        split.append(f"| {key} | {parts[1].get(key, 0):.2f} | {parts[NUM_PROMPTS].get(key, 0):.2f} |")
+        cells = [parts[side][b].get(key) for b in (1, NUM_PROMPTS) for side in ("off", "on")]
+        split.append(f"| {key} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
+    decode_ms = parts["off"][1]["step"]
+    on1 = parts["on"][1]
     plen = (min(map(len, prompts)), max(map(len, prompts)))
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32) with
 its MTP head (`scripts/train_mtp_head.py`), greedy.
@@ -586,9 +600,20 @@ token ids** in every run (checked by the script).
 Accept length (output tokens per verify step) **{by[1]['accept']:.2f}** at batch 1 and **{by[NUM_PROMPTS]['accept']:.2f}** at batch
 {NUM_PROMPTS}, vs {SGLANG_ACCEPT} — a 0.8M-parameter head trained for minutes on CPU in front of a 7.4M-parameter
 model, against Qwen's own heads on an 80B model. Where a verify step's time goes (one more run per batch
-size, wrapped in-process; mean ms per step over the run, prefill steps included):
+size and side, wrapped in-process, {"thread CPU time" if threads == 1 else "wall time"}; mean ms per step over the run, the few prefill
+steps of the cached prompts included):
 
 {chr(10).join(split)}
+
+* **{"Speculation is slower than plain decoding here" if by[1]['cpu_ratio'] < 1 else "Speculation pays at batch 1"}.** At batch 1 a plain decode step takes
+  {decode_ms:.2f} ms; a verify step {on1['step']:.2f} ms: the model forward over the last token
+  and {MTP_STEPS} drafts {on1['model forward']:.2f} ms ({on1['model forward'] / decode_ms:.1f}x a decode step), the MTP
+  {on1['MTP observe'] + on1['MTP drafting']:.2f} ms (its KV over the fed tokens {on1['MTP observe']:.2f}, {MTP_STEPS} draft steps
+  {on1['MTP drafting']:.2f}). Break-even is an accept length of {on1['step'] / decode_ms:.1f} ({on1['model forward'] / decode_ms:.1f} with a
+  free drafter): on this CPU the verify forward of the tiny model costs {on1['model forward'] / decode_ms:.1f} decode steps (per-op costs
+  that grow with the tokens fed; see the n-gram section's profile), so even a free drafter at this
+  accept length would not gain. Speculation pays where a verify step costs about one decode step
+  (large models on GPUs, where SGLang's accept lengths were measured); not measured here (no GPU).
 """
     print(body)
     if not args.no_write:

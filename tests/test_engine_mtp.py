@@ -91,17 +91,20 @@ class _Recorder:
 
 
 def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
-    """Multi-turn chats sharing system prompts on the default model (its trained head), pools small
-    enough for eviction and retraction: every draft, keyed by request and step, is the same."""
+    """Multi-turn chats sharing system prompts on the default model (its trained head): every draft,
+    keyed by request and output length, is the same with the cache off (large pools) and on (pools
+    small enough for eviction and retraction). A retracted request resumes with one plain step
+    (its re-prefill samples a token), so it proposes at output lengths the other run skips: only the
+    proposals both runs made are compared, and they must be most of them."""
     rng = random.Random(3)
     tok = lambda n: [rng.randrange(3, 4000) for _ in range(n)]  # noqa: E731
     systems = [tok(40), tok(70)]
     wave1 = [{"ids": systems[i % 2] + tok(rng.randrange(5, 60)), "max_new": 24, "ckpt": [40 if i % 2 == 0 else 70]}
              for i in range(10)]
     followups = [tok(5) for _ in wave1]
-    opts = dict(max_total_tokens=900, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64, **MTP)
     drafts, outs = {}, {}
-    for cache in (False, True):
+    for cache, pool in ((False, 8192), (True, 400)):
+        opts = dict(max_total_tokens=pool, max_state_slots=30, max_running_requests=6, chunked_prefill_size=64, **MTP)
         with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, **opts) as eng:
             rec = _Recorder(eng.scheduler.drafter)
             out1 = run(eng, wave1)
@@ -111,13 +114,14 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
             drafts[cache], outs[cache] = rec.drafts, out1 + out2
             stats = eng.get_stats()
             _drained(eng)
-        if cache:
-            assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
-            assert stats["num_evicted_tokens"] > 0 or stats["num_retractions"] > 0
+    assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
+    assert stats["num_evicted_tokens"] > 0 and stats["num_retractions"] > 0
     compare_outputs(outs[True], outs[False])
-    assert drafts[True].keys() == drafts[False].keys() and len(drafts[True]) > 100
-    differ = [k for k in drafts[True] if drafts[True][k] != drafts[False][k]]
-    assert not differ, f"{len(differ)} of {len(drafts[True])} proposals differ, e.g. {differ[:2]}"
+    common = drafts[True].keys() & drafts[False].keys()
+    assert len(common) > 0.7 * max(len(drafts[True]), len(drafts[False])) and len(common) > 100
+    assert sum(len(drafts[True][k]) for k in common) > 200
+    differ = [k for k in common if drafts[True][k] != drafts[False][k]]
+    assert not differ, f"{len(differ)} of {len(common)} proposals differ, e.g. {differ[:2]}"
 
 
 # --- the drafter computes the checkpoint's MTP ----------------------------------------------------
@@ -210,6 +214,23 @@ def _chat_prompts(eng: Engine) -> list[list[int]]:
                  "Explain what a neural network is in simple terms.", "Write a short poem about the sea."]
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
             for q in questions]
+
+
+def test_default_model_tensors_are_the_ones_the_head_was_trained_for(default_mtp_path):
+    """``scripts/train_mtp_head.py`` left the model's own tensors bit-identical and recorded their
+    SHA-256 in the model card: a retrained model without a retrained head fails here."""
+    import hashlib
+    import re
+
+    from safetensors.torch import load_file
+
+    tensors = {k: v for k, v in load_file(default_mtp_path / "model.safetensors").items() if not k.startswith("mtp.")}
+    per_tensor = {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                  for k, v in tensors.items()}
+    digest = hashlib.sha256("".join(per_tensor[k] for k in sorted(per_tensor)).encode()).hexdigest()
+    recorded = re.search(r"SHA-256 over them `([0-9a-f]+)", (default_mtp_path / "README.md").read_text()).group(1)
+    assert digest.startswith(recorded)
+    assert any(k.startswith("mtp.") for k in load_file(default_mtp_path / "model.safetensors"))
 
 
 def test_default_model_head_is_accepted():
