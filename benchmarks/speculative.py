@@ -621,7 +621,7 @@ steps of the cached prompts included):
 
 
 def ngram_main(args, threads: int) -> None:
-
+    """Workload (a), n-gram drafts, with its profile and kernel micro-benchmark."""
     engines = {"off": Engine(dtype="float32", device="cpu", **POOLS),
                "on": Engine(dtype="float32", device="cpu", **POOLS, **SPEC)}
     try:
@@ -651,7 +651,7 @@ def ngram_main(args, threads: int) -> None:
         micro = gdn_micro(cfg)
 
     plen = {name: (min(map(len, p)), max(map(len, p))) for name, (p, _) in loads.items()}
-    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --repeats {args.repeats} "
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part ngram --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}")
     table = ["| workload | batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length "
              "| verify steps | output tokens from the prompt / repeating itself |",

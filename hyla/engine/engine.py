@@ -35,11 +35,11 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.grammar import Grammars
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
-from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.speculative import NgramDrafter
 from hyla.model import load_model
 from hyla.model.config import parse_dtype

@@ -148,24 +148,24 @@ class Scheduler:
         """The model forward (then the drafter's ``observe``); on failure nothing of the step stays
         allocated. ``[B, V]`` logits."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
-        hidden = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
+        extra = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
         try:
             if batch.verify and max(batch.lens) > 1:
                 ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
-                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True, **hidden)
+                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True, **extra)
             elif batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 ckpts = []
-                out = self.runner.forward_decode(batch.reqs, loc, **hidden)
+                out = self.runner.forward_decode(batch.reqs, loc, **extra)
             else:
                 ckpts = batch.ckpts.forward
                 batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
                 out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
-                                                 **hidden)
-            if not hidden:
+                                                 **extra)
+            if not extra:
                 return out
-            logits, states = out
-            self.drafter.observe(batch.reqs, batch.lens, ckpts, states)  # before the commit: see Drafter
+            logits, hidden = out  # [N, V], [sum(lens), H]
+            self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden)  # before the commit: see Drafter
             return logits
         except Exception:
             for r in batch.reqs:
