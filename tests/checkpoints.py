@@ -7,7 +7,8 @@ parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
 ``lm_head`` so output distributions are peaked (argmax ties are rare), and ``save_pretrained`` into
 ``tmp_dir``. A checkpoint already built into ``tmp_dir`` with the same arguments is reused, so a
-session-scoped directory caches them (see ``conftest.py``).
+session-scoped directory caches them (see ``conftest.py``). ``mtp=True`` (Qwen3-Next / Qwen3.5 kinds)
+adds a random multi-token-prediction head as the real checkpoints ship it (``add_mtp_tensors``).
 
 ``TinyRunner`` drives ``model.forward`` with plain-tensor KV/state pools (no ``hyla.cache``):
 enough to prefill, chunk, fork from a checkpoint and decode in tests and benchmarks.
@@ -140,8 +141,41 @@ def perturb_constants(model: torch.nn.Module, std: float = 0.1, lm_head_scale: f
     model.lm_head.weight.mul_(lm_head_scale)
 
 
-def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Path:
-    out = _checkpoint_dir(tmp_dir, kind, seed, kw)
+@torch.no_grad()
+def add_mtp_tensors(path: Path, seed: int = 0) -> None:
+    """Add a random MTP head to the Qwen3-Next / Qwen3.5 checkpoint at ``path`` (in place): ``mtp.fc``
+    ``[H, 2H]``, the ``pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` weights and
+    ``mtp.layers.0.*``: one full-attention decoder layer named like the checkpoint's first attention
+    layer (its MLP or MoE, in the checkpoint's expert layout), every tensor freshly drawn — matrices
+    N(0, std of the model tensor they mirror), norm weights N(0, 0.1) (zero-centred: scale 1 + w) —
+    and ``mtp_num_hidden_layers: 1`` in ``config.json``."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((path / "config.json").read_text())
+    tensors = load_file(path / "model.safetensors")
+    first = config["layer_types"].index("full_attention")
+    prefix = f"model.layers.{first}."
+    gen = torch.Generator().manual_seed(seed + 1234)
+    h = config["hidden_size"]
+
+    def draw(shape, std: float, dtype: torch.dtype) -> torch.Tensor:
+        return (torch.randn(shape, generator=gen) * std).to(dtype)
+
+    dtype = tensors[prefix + "input_layernorm.weight"].dtype
+    mtp = {name: draw((h,), 0.1, dtype)
+           for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight")}
+    mtp["mtp.fc.weight"] = draw((h, 2 * h), 0.05, dtype)
+    for name, t in tensors.items():
+        if name.startswith(prefix):
+            std = 0.1 if t.dim() == 1 else float(t.float().std())
+            mtp["mtp.layers.0." + name.removeprefix(prefix)] = draw(t.shape, std, t.dtype)
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    config["mtp_num_hidden_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: bool = False) -> Path:
+    out = _checkpoint_dir(tmp_dir, kind + ("-mtp" if mtp else ""), seed, kw)
     if (out / "config.json").is_file():
         return out
     import transformers  # test-only dependency
@@ -162,25 +196,27 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any]) -> Pat
     perturb_constants(model)
     tmp = out.with_name(out.name + ".partial")
     model.save_pretrained(tmp, safe_serialization=True)
+    if mtp:
+        add_mtp_tensors(tmp, seed)
     tmp.rename(out)
     return out
 
 
-def make_qwen3_next(tmp_dir: str | Path, moe: bool = False, seed: int = 0, **overrides: Any) -> Path:
+def make_qwen3_next(tmp_dir: str | Path, moe: bool = False, seed: int = 0, mtp: bool = False, **overrides: Any) -> Path:
     """Tiny ``Qwen3NextForCausalLM`` (8 layers, 2 attention; ``moe=True``: 8 experts, top-2)."""
     kw = {**QWEN3_NEXT_KW, **({} if moe else {"num_experts": 0}), **overrides}
-    return _build("qwen3_next", tmp_dir, seed, kw)
+    return _build("qwen3_next", tmp_dir, seed, kw, mtp)
 
 
-def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, mtp: bool = False, **overrides: Any) -> Path:
     """Tiny ``Qwen3_5ForCausalLM`` (text model, dense MLP, split GDN projections)."""
-    return _build("qwen3_5", tmp_dir, seed, {**QWEN3_5_KW, **overrides})
+    return _build("qwen3_5", tmp_dir, seed, {**QWEN3_5_KW, **overrides}, mtp)
 
 
-def make_qwen3_5_moe(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+def make_qwen3_5_moe(tmp_dir: str | Path, seed: int = 0, mtp: bool = False, **overrides: Any) -> Path:
     """Tiny ``Qwen3_5MoeForCausalLM`` (8 layers, 2 attention; MoE of 8 experts, top-2, + shared expert
     in each), saved as transformers writes it (per-expert tensors)."""
-    return _build("qwen3_5_moe", tmp_dir, seed, {**QWEN3_5_MOE_KW, **overrides})
+    return _build("qwen3_5_moe", tmp_dir, seed, {**QWEN3_5_MOE_KW, **overrides}, mtp)
 
 
 def make_nemotron_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

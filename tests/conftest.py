@@ -69,3 +69,10 @@ bamba_path = _tiny_checkpoint("bamba_path", checkpoints.make_bamba)
 granite_h_path = _tiny_checkpoint("granite_h_path", checkpoints.make_granite_h)
 lfm2_path = _tiny_checkpoint("lfm2_path", checkpoints.make_lfm2)
 kimi_linear_path = _tiny_checkpoint("kimi_linear_path", checkpoints.make_kimi_linear)
+
+# the same checkpoints with a random MTP head (mtp.* tensors) for speculative_algorithm="mtp"
+qwen3_next_dense_mtp_path = _tiny_checkpoint("qwen3_next_dense_mtp_path", checkpoints.make_qwen3_next, moe=False,
+                                             mtp=True)
+qwen3_next_moe_mtp_path = _tiny_checkpoint("qwen3_next_moe_mtp_path", checkpoints.make_qwen3_next, moe=True, mtp=True)
+qwen3_5_mtp_path = _tiny_checkpoint("qwen3_5_mtp_path", checkpoints.make_qwen3_5, mtp=True)
+qwen3_5_moe_mtp_path = _tiny_checkpoint("qwen3_5_moe_mtp_path", checkpoints.make_qwen3_5_moe, mtp=True)

@@ -18,7 +18,7 @@ import torch
 from hyla import Engine
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
-from hyla.engine.speculative import NgramDrafter, verify
+from hyla.engine.speculative import Drafter, NgramDrafter, verify
 from test_engine_differential import compare_outputs, make_workload, run
 
 POOLS = dict(max_total_tokens=8192, max_state_slots=96, max_running_requests=8, chunked_prefill_size=256)
@@ -33,7 +33,7 @@ def _greedy(n: int, **kw) -> dict:
     return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **kw}
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the reference output's next tokens, corrupting some (seeded by request and step)."""
 
     topk = 1
@@ -87,11 +87,13 @@ class OracleTreeDrafter(OracleDrafter):
 
 
 def _drained(e: Engine) -> None:
+    """Idle, consistent, and every slot free, cached in the tree or reserved for speculation."""
     e.wait_idle(timeout=60)
     e.check_integrity()
     kv, st, tree = e.kv_pool, e.state_pool, e.tree
-    assert kv.available_size() + tree.total_size() == kv.size
-    assert st.available_size() + tree.num_checkpoints() + e.cache.num_reserved_states == st.size
+    cached_kv, cached_states = (tree.total_size(), tree.num_checkpoints()) if tree is not None else (0, 0)
+    assert kv.available_size() + cached_kv + e.cache.num_reserved_tokens == kv.size
+    assert st.available_size() + cached_states + e.cache.num_reserved_states == st.size
     assert e.req_to_token.available_size() == e.max_running_requests + 1
     assert not e.scheduler.running and not e.scheduler.waiting
 

@@ -20,8 +20,11 @@ class CacheLayout:
     State: a conv window ``conv_shape`` in ``conv_dtype`` and an SSM state ``ssm_shape`` in
     ``ssm_dtype`` per linear layer and slot. A side with no layers takes no bytes (its shapes are
     then ignored). A shape with a zero dimension holds nothing: LFM2's short-convolution layers keep
-    a conv window and no SSM state (``ssm_shape=(0,)``, 0 bytes). Raises ``ValueError`` for
-    negative sizes, or linear layers without shapes or whose state holds no element at all."""
+    a conv window and no SSM state (``ssm_shape=(0,)``, 0 bytes). ``hidden_size`` > 0 adds one
+    vector of that many ``hidden_dtype`` elements per state slot (MTP speculative decoding keeps the
+    model's last hidden state beside the recurrent state: ``hyla/model/mtp.py``). Raises
+    ``ValueError`` for negative sizes, or linear layers without shapes or whose state holds no
+    element at all."""
 
     num_attention_layers: int = 0
     num_kv_heads: int = 0
@@ -32,12 +35,14 @@ class CacheLayout:
     conv_dtype: torch.dtype = torch.bfloat16
     ssm_shape: tuple[int, ...] = ()
     ssm_dtype: torch.dtype = torch.float32
+    hidden_size: int = 0
+    hidden_dtype: torch.dtype = torch.bfloat16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "conv_shape", tuple(int(d) for d in self.conv_shape))
         object.__setattr__(self, "ssm_shape", tuple(int(d) for d in self.ssm_shape))
         sizes = (self.num_attention_layers, self.num_kv_heads, self.head_dim, self.num_linear_layers,
-                 *self.conv_shape, *self.ssm_shape)
+                 *self.conv_shape, *self.ssm_shape, self.hidden_size)
         if min(sizes) < 0:
             raise ValueError(f"cache layout sizes must be >= 0: {self}")
         if self.num_linear_layers and not (self.conv_shape and self.ssm_shape):
@@ -53,9 +58,10 @@ class CacheLayout:
 
     @property
     def state_bytes_per_slot(self) -> int:
-        """Bytes of one state slot over all linear layers (conv window + SSM state)."""
+        """Bytes of one state slot over all linear layers (conv window + SSM state), plus the hidden vector."""
+        hidden = self.hidden_size * self.hidden_dtype.itemsize
         if not self.num_linear_layers:
-            return 0
+            return hidden
         conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
         ssm = math.prod(self.ssm_shape) * self.ssm_dtype.itemsize
-        return self.num_linear_layers * (conv + ssm)
+        return self.num_linear_layers * (conv + ssm) + hidden

@@ -3,7 +3,10 @@
 A slot holds, for every linear layer, a conv window ``conv_shape`` (e.g. ``[conv_dim, K-1]``) and
 an SSM state ``ssm_shape`` (Gated DeltaNet ``[Hv, Dk, Dv]``, Mamba2 ``[H, P, N]``, fp32; LFM2's
 short convolution has none: ``(0,)``, so its SSM buffers are empty ``[num_slots + 1, 0]`` tensors
-that keep the per-layer lists aligned and that ``alloc`` / ``copy`` skip). The buffers are
+that keep the per-layer lists aligned and that ``alloc`` / ``copy`` skip). With ``hidden_size``
+> 0 a slot also holds one vector ``hidden_states[slot]`` (MTP speculative decoding: the model's
+last hidden state, which belongs with the state after the same tokens), copied, forked and zeroed
+with the rest. The buffers are
 ``[num_slots + 1, *shape]`` per layer; slot 0 is a zero sentinel that is never handed out. A
 running request owns one slot that the model updates in place; the radix tree owns the checkpoint
 slots. A request never hands its live slot to the tree: it ``fork``s it first.
@@ -35,6 +38,8 @@ class StatePool:
         ssm_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         accounting: bool = False,
+        hidden_size: int = 0,
+        hidden_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -51,7 +56,8 @@ class StatePool:
         self.device = torch.device(device)
         self.accounting = accounting
         layout = CacheLayout(num_linear_layers=num_layers, conv_shape=self.conv_shape, conv_dtype=conv_dtype,
-                             ssm_shape=self.ssm_shape, ssm_dtype=ssm_dtype)
+                             ssm_shape=self.ssm_shape, ssm_dtype=ssm_dtype, hidden_size=hidden_size,
+                             hidden_dtype=hidden_dtype)
         self.bytes_per_slot = layout.state_bytes_per_slot
         self._slots = FreeList(num_slots)
         self.conv_states: list[torch.Tensor] = []
@@ -60,8 +66,12 @@ class StatePool:
             for _ in range(num_layers):
                 self.conv_states.append(torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=self.device))  # [S+1, C, K-1]
                 self.ssm_states.append(torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=self.device))  # [S+1, H, Dk, Dv]
+        self.hidden_states: torch.Tensor | None = None  # [S+1, hidden_size] when hidden_size > 0
+        if hidden_size and not accounting:
+            self.hidden_states = torch.zeros(num_slots + 1, hidden_size, dtype=hidden_dtype, device=self.device)
         # the buffers that hold something (a conv-only model's SSM buffers hold no element)
-        self._filled = [b for b in (*self.conv_states, *self.ssm_states) if b.numel()]
+        extra = [self.hidden_states] if self.hidden_states is not None else []
+        self._filled = [b for b in (*self.conv_states, *self.ssm_states, *extra) if b.numel()]
 
     @classmethod
     def from_layout(
@@ -69,7 +79,7 @@ class StatePool:
     ) -> "StatePool":
         """The state pool of ``layout`` (its linear layers, conv and SSM shapes and dtypes)."""
         return cls(num_slots, layout.num_linear_layers, layout.conv_shape, layout.conv_dtype, layout.ssm_shape,
-                   layout.ssm_dtype, device, accounting)
+                   layout.ssm_dtype, device, accounting, layout.hidden_size, layout.hidden_dtype)
 
     def available_size(self) -> int:
         return self._slots.num_free()
@@ -87,7 +97,7 @@ class StatePool:
     def alloc(self, n: int) -> torch.Tensor:
         """``n`` fresh slots, zeroed (a new sequence starts from the zero state). ``[n]`` int64."""
         slots = torch.from_numpy(self._slots.alloc(n))
-        if n and self.num_layers and not self.accounting:
+        if n and self._filled:
             idx = slots.to(self.device)
             for buf in self._filled:
                 buf.index_fill_(0, idx, 0)
@@ -135,7 +145,8 @@ class StatePool:
         self._slots.check_integrity()
         if not self.accounting:
             assert len(self.conv_states) == len(self.ssm_states) == self.num_layers
-            assert all(b.shape[0] == self.size + 1 for b in (*self.conv_states, *self.ssm_states)), "buffer rows"
+            extra = [self.hidden_states] if self.hidden_states is not None else []
+            assert all(b.shape[0] == self.size + 1 for b in (*self.conv_states, *self.ssm_states, *extra)), "buffer rows"
 
 
 __all__ = ["StatePool", "PoolExhaustedError"]

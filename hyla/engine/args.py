@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
-SPECULATIVE_ALGORITHMS = ("ngram",)  # mtp and a separate draft model: not yet
+SPECULATIVE_ALGORITHMS = ("ngram", "mtp")  # a separate draft model: not yet
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -39,10 +39,14 @@ class EngineArgs:
     schedule_policy: str = _opt("lpm", f"Waiting-queue order, one of {POLICIES} (lpm = longest cached prefix first).")
     enable_prefix_cache: bool = _opt(True, "Reuse cached prefixes (KV + recurrent-state checkpoints) across requests.")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
-    speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own prompt and output), or none.")
-    speculative_num_draft_tokens: int = _opt(4, "Tokens fed per verify step: the last sampled token + this minus one drafts.")
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
+                                                   "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
+                                                   "head, Qwen3-Next / Qwen3.5), or none.")
+    speculative_num_draft_tokens: int = _opt(4, "ngram: tokens fed per verify step: the last sampled token + this minus one drafts.")
+    speculative_num_steps: int = _opt(3, "mtp: draft tokens per verify step (MTP steps; a chain feeds this plus one tokens).")
     speculative_eagle_topk: int = _opt(1, "Draft branches: > 1 verifies a tree of drafts per step (ngram: the "
-                                          "continuations of up to this many earlier matches, merged into a trie).")
+                                          "continuations of up to this many earlier matches, merged into a trie; "
+                                          "mtp: chains only).")
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
@@ -74,11 +78,15 @@ class EngineArgs:
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, "
                              f"got {self.speculative_algorithm!r}")
         for name in ("page_size", "chunked_prefill_size", "checkpoint_alignment", "max_queued_requests", "log_interval",
-                     "speculative_num_draft_tokens", "speculative_eagle_topk", "speculative_ngram_min_match_window_size",
+                     "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+                     "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size"):
             pos_int(name)
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs"):
             pos_int(name, allow_none=True)
+        if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "mtp":
+            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP drafts trees (top-k > 1) not "
+                             "yet; use 1 (a chain of drafts), or ngram for trees")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
         if self.chunked_prefill_size < self.page_size:
@@ -93,6 +101,16 @@ class EngineArgs:
         for name in ("enable_prefix_cache", "debug_checks", "compile_decode", "disable_cuda_graph"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens per request and verify step: ``speculative_num_steps`` for mtp,
+        ``speculative_num_draft_tokens - 1`` for ngram, 0 without speculation."""
+        if self.speculative_algorithm is None:
+            return 0
+        if self.speculative_algorithm == "mtp":
+            return self.speculative_num_steps
+        return self.speculative_num_draft_tokens - 1
 
     @classmethod
     def field_help(cls) -> dict[str, tuple[Any, str]]:

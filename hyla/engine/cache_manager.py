@@ -32,8 +32,8 @@ Ownership and locks — the whole contract:
 * ``req.pending_ckpt`` (grid > 1 only): a forked copy of the live state at the last position on
   the checkpoint grid that a request passed while decoding, held outside the tree until release.
 * Between steps ``kv_allocated == kv_len``: a step's allocations are committed or rolled back.
-* ``reserve_states`` takes slots for good (speculative decoding's scratch): neither the tree nor
-  any request owns them.
+* ``reserve_states`` / ``reserve_kv`` take slots for good (speculative decoding's scratch states,
+  the MTP drafter's scratch KV): neither the tree nor any request owns them.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
   the room (``_ensure_kv`` / ``_ensure_state``); with the prefix cache off there is no tree, every
   slot is the request's own and is freed on release.
@@ -78,6 +78,7 @@ class CacheManager:
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
         self.num_reserved_states = 0  # slots held for good (reserve_states)
+        self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
 
     # ------------------------------------------------------------------------------------------
     # admission
@@ -266,6 +267,17 @@ class CacheManager:
                              "raise max_state_slots or lower max_running_requests")
         slots = self.state_pool.alloc(n).tolist()
         self.num_reserved_states += n
+        return slots
+
+    def reserve_kv(self, n: int) -> list[int]:
+        """``n`` KV slots taken for good, on whole pages (the MTP drafter's scratch: the KV of its
+        draft tokens, which never enter a request's row)."""
+        tokens = -(-n // self.page_size) * self.page_size
+        if not self._ensure_kv(tokens):
+            raise ValueError(f"the KV pool cannot spare {n} slots (size {self.kv_pool.size}): "
+                             "raise max_total_tokens or lower max_running_requests")
+        slots = self.kv_pool.alloc(n).tolist()
+        self.num_reserved_tokens += tokens
         return slots
 
     def free_checkpoints(self, ckpts: StepCheckpoints) -> None:

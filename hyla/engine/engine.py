@@ -35,6 +35,7 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.grammar import Grammars
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
@@ -42,6 +43,7 @@ from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
+from hyla.model.mtp import MtpHead, mtp_cache_layout
 
 logger = logging.getLogger("hyla.engine")
 
@@ -78,6 +80,8 @@ class Engine:
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
+        # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
+        self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
         self.tokenizer = _load_tokenizer(path)
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
         self.sampling_defaults = _generation_defaults(path) if self.args.generation_config == "auto" else {}
@@ -111,10 +115,14 @@ class Engine:
         )
         drafter = None
         if self.args.speculative_algorithm == "ngram":
-            drafter = NgramDrafter(self.args.speculative_num_draft_tokens - 1,
+            drafter = NgramDrafter(self.args.num_draft_tokens,
                                    self.args.speculative_ngram_min_match_window_size,
                                    self.args.speculative_ngram_max_match_window_size,
                                    self.args.speculative_eagle_topk)
+        elif self.args.speculative_algorithm == "mtp":
+            k = self.args.num_draft_tokens
+            scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
+            drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -131,9 +139,11 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _build_pools(self) -> None:
         cfg, args = self.model_config, self.args
-        layout = cfg.cache_layout  # K/V and conv state in the model dtype (= self.dtype), SSM state fp32
+        # K/V and conv state in the model dtype (= self.dtype), SSM state fp32; with MTP one more
+        # attention layer of KV and a hidden vector per state slot
+        layout = mtp_cache_layout(cfg) if self.mtp_head is not None else cfg.cache_layout
         # each running request holds a state slot, plus one scratch slot per draft token with speculation
-        per_req = 1 + (args.speculative_num_draft_tokens - 1 if args.speculative_algorithm else 0)
+        per_req = 1 + args.num_draft_tokens
         context = args.context_length or cfg.max_position_embeddings
         # Sizes not given explicitly come from one memory budget split by SGLang's ratio, capped by
         # what the engine can use (a CPU's RAM would otherwise give a 15 MB model 2 GB of pools): a
@@ -168,7 +178,12 @@ class Engine:
         num_tokens -= num_tokens % args.page_size
         self.kv_pool = KVPool.from_layout(layout, num_tokens, args.page_size, self.device)
         self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
-        self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens)
+        # the MTP drafter reserves KV for its drafts (CacheManager.reserve_kv): a request must fit beside it
+        reserved = -(-self.max_running_requests * args.num_draft_tokens // args.page_size) * args.page_size \
+            if self.mtp_head is not None else 0
+        if reserved >= num_tokens:
+            raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the MTP drafts' {reserved} KV slots")
+        self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens - reserved)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
             self.tree = RadixCache(kv_pool=self.kv_pool, page_size=args.page_size,
@@ -193,6 +208,8 @@ class Engine:
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
                 f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}, "
+                f"speculative={self.args.speculative_algorithm or 'off'}"
+                f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}, "
                 f"pool sizes: {self.pool_sizing}")
 
     def _decode_mode(self) -> str:

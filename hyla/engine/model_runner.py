@@ -43,6 +43,9 @@ class ModelRunner:
         self.state_pool = state_pool
         self.req_to_token = req_to_token
         self.device = torch.device(device)
+        # the model's KV buffers: the pool may hold more layers after them (the MTP head's, last)
+        n = model.config.num_attention_layers
+        self.k_buffers, self.v_buffers = kv_pool.k_buffers[:n], kv_pool.v_buffers[:n]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
         self.graphs = None
         c = model.config
@@ -79,12 +82,15 @@ class ModelRunner:
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[tuple[int, int, int]], all_logits: bool = False,
                        logit_rows: list[list[int]] | None = None,
-                       tree_parents: list[list[int]] | None = None) -> torch.Tensor:
+                       tree_parents: list[list[int]] | None = None,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Feed ``extend_lens[i]`` tokens of request i after its ``kv_len`` (its draft tokens
         included); logits of each last token ``[B, V]``, of every token ``[sum(extend_lens), V]``
         with ``all_logits`` (speculative verification), or of the tokens at offsets
         ``logit_rows[i]`` of each request, in order (prompt logprobs). ``tree_parents``: a tree
-        verify step (``ForwardBatch.tree_parents``); a token's position is then its depth."""
+        verify step (``ForwardBatch.tree_parents``); a token's position is then its depth.
+        ``return_hidden``: also the final hidden state of every fed token, ``(logits, hidden
+        [sum(extend_lens), H])`` (MTP)."""
         ids: list[int] = []
         pos: list[int] = []
         kv_rows = []
@@ -106,10 +112,11 @@ class ModelRunner:
         batch = ForwardBatch(
             is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
             prefix_lens=[r.kv_len for r in reqs], cu_seqlens=t[2], out_cache_loc=t[8], kv_indices=t[9],
-            kv_indptr=t[3], k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers,
+            kv_indptr=t[3], k_buffers=self.k_buffers, v_buffers=self.v_buffers,
             state_slots=t[4], conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, max_token_id=max(ids, default=-1), tree_parents=tree_parents,
+            return_hidden=return_hidden,
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -119,9 +126,12 @@ class ModelRunner:
         return self.model.forward(batch)
 
     @torch.inference_mode()
-    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
-        """Feed each request's last sampled token (position ``kv_len``)."""
-        if self.fused:
+    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Feed each request's last sampled token (position ``kv_len``); ``[B, V]`` logits, with
+        ``return_hidden`` also the final hidden states ``[B, H]`` (through the PyTorch decode: the
+        fused step and CUDA graphs do not return them)."""
+        if self.fused and not return_hidden:
             return self._forward_decode_fused(reqs, out_cache_loc)
         b = len(reqs)
         ids = [_token_at(r, r.kv_len) for r in reqs]
@@ -147,11 +157,11 @@ class ModelRunner:
         batch = ForwardBatch(
             is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
             cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
-            k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers, state_slots=t[4],
+            k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
             conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
-            state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5],
+            state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
         )
-        return self._run_decode(batch)  # [B, V]
+        return self._run_decode(batch)  # [B, V] (and [B, H])
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
     def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
@@ -177,7 +187,7 @@ class ModelRunner:
         return ForwardBatch(
             is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
             cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
-            k_buffers=self.kv_pool.k_buffers, v_buffers=self.kv_pool.v_buffers, state_slots=state_slots,
+            k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=state_slots,
             conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
             max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
         )
@@ -186,8 +196,8 @@ class ModelRunner:
         """The forward of a fused decode batch: ``[B, V]`` logits. What the CUDA graphs capture."""
         return self.model.forward_unchecked(batch)
 
-    def _run_decode(self, batch: ForwardBatch) -> torch.Tensor:
-        if self._compiled_decode is None:
+    def _run_decode(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._compiled_decode is None or batch.return_hidden:  # the compiled graph returns logits only
             return self.model.forward(batch)
         self.model.check_batch(batch)  # eager: it reads host ints the graph must not specialise on
         return self._compiled_decode(batch)

@@ -45,9 +45,11 @@ class Runner(Protocol):
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[StepCheckpoint], all_logits: bool = False,
                        logit_rows: list[list[int]] | None = None,
-                       tree_parents: list[list[int]] | None = None) -> torch.Tensor: ...
+                       tree_parents: list[list[int]] | None = None,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
-    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor: ...
+    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -144,21 +146,31 @@ class Scheduler:
         return batch
 
     def run(self, batch: Batch) -> torch.Tensor:
-        """The model forward; on failure nothing of the step stays allocated. ``[B, V]`` logits."""
+        """The model forward (then the drafter's ``observe``); on failure nothing of the step stays
+        allocated. ``[B, V]`` logits."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
+        extra = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
         try:
             if batch.verify and max(batch.lens) > 1:
                 ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
-                return self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
-                                                  tree_parents=trees)
-            if batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
-                return self.runner.forward_decode(batch.reqs, loc)
-            batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
-            return self.runner.forward_extend(batch.reqs, batch.lens, loc, batch.ckpts.forward,
-                                              logit_rows=batch.logit_rows)
+                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
+                                                 tree_parents=trees, **extra)
+            elif batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
+                ckpts = []
+                out = self.runner.forward_decode(batch.reqs, loc, **extra)
+            else:
+                ckpts = batch.ckpts.forward
+                batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
+                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
+                                                 **extra)
+            if not extra:
+                return out
+            logits, hidden = out  # [N, V], [sum(lens), H]
+            self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden)  # before the commit: see Drafter
+            return logits
         except Exception:
             for r in batch.reqs:
                 r.clear_drafts()
@@ -377,12 +389,14 @@ class Scheduler:
         tokens). When KV is short even after eviction, drafts are dropped first, then the youngest
         running requests are retracted until the rest fit."""
         reqs = [r for r in self.running if r.is_decoding]
-        if self.drafter is not None:
-            for r in reqs:
-                if self.drafter.topk > 1:
-                    r.set_drafts(*self.drafter.propose_tree(r, self._draft_limit(r)))
-                else:
-                    r.set_drafts(self.drafter.propose(r, self._draft_limit(r)))
+        if self.drafter is not None and reqs:
+            limits = [self._draft_limit(r) for r in reqs]
+            if self.drafter.topk > 1:  # trees, one request at a time
+                for r, limit in zip(reqs, limits):
+                    r.set_drafts(*self.drafter.propose_tree(r, limit))
+            else:
+                for r, d in zip(reqs, self.drafter.propose_batch(reqs, limits), strict=True):
+                    r.set_drafts(d)
         lens = [1 + len(r.draft_ids) for r in reqs]
         if reqs and max(lens) > 1 and not self.cache.can_allocate(reqs, lens):
             for r in reqs:

@@ -37,23 +37,21 @@ exactly as ``p``. A chain is the tree whose nodes each have one child, so both t
 The accepted path's KV is moved to its positions' slots and its last node's state becomes the
 live state (``CacheManager.commit(path=...)``).
 
-Drafters: ``NgramDrafter`` (prompt/history lookup, no weights: speculation for every model; with
-``topk > 1`` a tree of the continuations of up to ``topk`` earlier occurrences).
+Drafters (``Drafter``: what the scheduler asks of one): ``NgramDrafter`` (prompt/history lookup,
+no weights: speculation for every model; with ``topk > 1`` a tree of the continuations of up to
+``topk`` earlier occurrences) and ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
+own multi-token-prediction head).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
-
-ALGORITHMS = ("ngram",)
-
 
 @dataclass
 class Verdict:
@@ -66,22 +64,40 @@ class Verdict:
     path: list[int]  # fed-token indices committed, in order: 0 (the last sampled token), then the accepted drafts'
 
 
-class Drafter(Protocol):
-    """What the scheduler asks of a drafter, once per request per decode step."""
 
-    num_draft: int  # drafts per step at most (the scheduler reserves a scratch state slot for each)
-    topk: int  # > 1: the scheduler asks for trees (propose_tree), else for chains (propose)
+class Drafter:
+    """What the scheduler asks of a drafter, each decode step: ``propose_batch`` (drafts for every
+    decoding request; ``propose_tree`` per request when ``topk > 1``), and after every target
+    forward ``observe`` (for drafters that follow the model's hidden states). ``num_draft``: the
+    most drafts per request and step (the scheduler reserves that many scratch state slots per
+    running request)."""
+
+    num_draft: int
+    topk: int = 1  # > 1: the scheduler asks for trees (propose_tree)
+    wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        """At most ``limit`` drafts continuing ``req``'s tokens, as one chain."""
-        ...
+        """At most ``min(limit, num_draft)`` draft tokens to follow ``req.fill_ids``."""
+        raise NotImplementedError
 
     def propose_tree(self, req: Req, limit: int) -> tuple[list[int], list[int] | None]:
-        """At most ``limit`` drafts and their parents (``Req.set_drafts``; None: a chain)."""
-        ...
+        """At most ``min(limit, num_draft)`` drafts and their parents (``Req.set_drafts``; None: a
+        chain). By default the chain of :meth:`propose`."""
+        return self.propose(req, limit), None
+
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Drafts for each decoding request (at most ``limits[i]`` for ``reqs[i]``), one list each."""
+        return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
+
+    def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
+                hidden: torch.Tensor | None) -> None:
+        """Called after every target forward, before its commit: ``reqs[i]`` fed ``lens[i]`` tokens
+        after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
+        (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
+        the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Propose the continuation of the longest recent n-gram match in the request's own tokens.
 
     For ``n`` from ``max_n`` down to ``min_n``: if the last ``n`` tokens occurred earlier in the

@@ -170,6 +170,9 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_latent_size: int = 0  # NemotronH: experts run in a smaller latent space (0 = hidden_size)
 
+    # --- multi-token prediction (Qwen3-Next / Qwen3.5 ``mtp.*`` tensors; hyla/model/mtp.py) ------------
+    mtp_num_hidden_layers: int = 0  # config.json's mtp_num_hidden_layers (0: not given)
+
     # --- µP multipliers (Falcon-H1, Granite; folded into the weights at load time; 1.0 = none) ----
     embedding_multiplier: float = 1.0  # embeddings * m
     lm_head_multiplier: float = 1.0  # logits * m (Granite: 1 / logits_scaling)

@@ -77,6 +77,10 @@ class ForwardBatch:
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
     """[N] int64 indices into the packed tokens whose logits to return; None = last token of each sequence."""
+    return_hidden: bool = False
+    """Also return the final hidden state of every fed token (after the final norm: what the LM head
+    reads): ``forward`` then returns ``(logits [N, vocab], hidden [T, hidden])`` (the MTP drafter's
+    input, ``hyla/engine/mtp_drafter.py``). Not supported by the fused decode step."""
 
     # --- optional host copies / precomputed metadata (derived below when not given) ----------
     state_slot_list: Sequence[int] | None = None
@@ -161,6 +165,8 @@ class ForwardBatch:
             raise ValueError(f"req_pool_indices, kv_lens and state_slots must be [{b}]")
         if self.num_checkpoints:
             raise ValueError("a fused decode batch takes no checkpoints (copy the final states instead)")
+        if self.return_hidden:
+            raise ValueError("a fused decode batch returns no hidden states (run the PyTorch decode instead)")
 
     def _decode_metadata(self) -> None:
         if self.num_checkpoints:

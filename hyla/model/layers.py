@@ -747,6 +747,29 @@ def mlp_specs(target: str, source: str, bias: bool = False, in_proj: Sequence[st
     ]
 
 
+@torch.no_grad()
+def relayout_weights_(module: nn.Module, keep: torch.Tensor | None = None) -> None:
+    """Store the fp32 CPU projection weights of ``module`` (``nn.Linear`` weights, stacked experts)
+    column-major: same shapes, same values. MKL's single-thread GEMM with few rows, i.e. decode, is
+    1.3-2.4x faster on a ``[in, out]``-contiguous weight (``x @ W`` instead of ``x @ W^T``: 10 vs 17 us
+    for a 1024x256 projection at batch 1, 184 vs 444 us for the 4096-row lm_head at batch 8); prefill
+    GEMMs are unaffected, and bf16 (oneDNN) or GPU weights are left alone. A weight sharing storage
+    with ``keep`` (the embedding of a tied lm_head) keeps its layout: no second copy."""
+    keep_ptr = keep.data_ptr() if keep is not None else None
+    for m in module.modules():
+        params = []
+        if isinstance(m, nn.Linear):
+            params = [m.weight]
+        elif isinstance(m, SparseMoE):
+            params = [m.w_in, m.w_out]
+        for w in params:
+            if w.device.type != "cpu" or w.dtype != torch.float32 or w.data_ptr() == keep_ptr:
+                continue
+            if w.transpose(-1, -2).is_contiguous():
+                continue
+            w.data = w.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 class HybridForCausalLM(nn.Module, abc.ABC):
     """Embedding -> hybrid layers -> final norm -> lm_head, driven by a ``ForwardBatch``.
 
@@ -767,27 +790,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self.register_load_state_dict_post_hook(lambda module, _keys: module.relayout_weights_())
 
-    @torch.no_grad()
     def relayout_weights_(self) -> None:
-        """Store fp32 CPU projection weights column-major (same shapes, same values; runs after
-        ``load_state_dict``). MKL's single-thread GEMM with few rows, i.e. decode, is 1.3-2.4x
-        faster on a ``[in, out]``-contiguous weight (``x @ W`` instead of ``x @ W^T``: 10 vs 17 us
-        for a 1024x256 projection at batch 1, 184 vs 444 us for the 4096-row lm_head at batch 8);
-        prefill GEMMs are unaffected, and bf16 (oneDNN) or GPU weights are left alone. A weight
-        sharing storage with the embedding (tied lm_head) keeps its layout: no second copy."""
-        embedding = self.embed_tokens.weight.data_ptr()
-        for module in self.modules():
-            params = []
-            if isinstance(module, nn.Linear):
-                params = [module.weight]
-            elif isinstance(module, SparseMoE):
-                params = [module.w_in, module.w_out]
-            for w in params:
-                if w.device.type != "cpu" or w.dtype != torch.float32 or w.data_ptr() == embedding:
-                    continue
-                if w.transpose(-1, -2).is_contiguous():
-                    continue
-                w.data = w.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+        """Store fp32 CPU projection weights column-major (runs after ``load_state_dict``; see
+        :func:`relayout_weights_`). A tied lm_head shares the embedding's storage and keeps its layout."""
+        relayout_weights_(self, keep=self.embed_tokens.weight)
 
     # --- construction (architecture files override) ---
     @abc.abstractmethod
@@ -844,28 +850,39 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     # --- forward ---
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch's new tokens; return fp32 logits ``[N, vocab]`` at ``batch.logits_indices``
-        (default: the last new token of each sequence)."""
+        (default: the last new token of each sequence), with ``batch.return_hidden`` also the final
+        hidden states ``[T, hidden]`` of every new token (after the final norm)."""
         self.check_batch(batch)
         return self.forward_unchecked(batch)
 
     @torch.no_grad()
-    def forward_unchecked(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_unchecked(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` without :meth:`check_batch` (the runner checks, then runs this compiled:
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        rope = None
-        if self.rotary is not None:
-            cos, sin = self.rotary(batch.positions, h.dtype)  # [T, rotary_dim] each, once per step
-            rope = (cos, signed_sin(sin))
+        rope = self.rope(batch.positions, h.dtype)
         for layer in self.layers:
             h = layer(h, batch, rope)
+        if batch.return_hidden:
+            h = self.norm(h)  # [T, hidden]: every new token's final hidden state
+            rows = h[batch.logits_indices] if batch.logits_indices is not None else (
+                h if batch.is_decode else h[batch.last_token_indices()])
+            return self.lm_head(rows).float(), h  # [N, vocab], [T, hidden]
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
         elif not batch.is_decode:  # decode: every token is its sequence's last
             h = h[batch.last_token_indices()]
         return self.lm_head(self.norm(h)).float()  # [N, vocab]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """RoPE tables for ``positions [T]`` (``(cos, signed_sin)``, ``[T, rotary_dim]`` each), computed
+        once per step and shared by every attention layer; None without RoPE."""
+        if self.rotary is None:
+            return None
+        cos, sin = self.rotary(positions, dtype)
+        return cos, signed_sin(sin)
 
     def check_batch(self, batch: ForwardBatch) -> None:
         """``ValueError`` unless the batch fits this model (pools per layer kind, token ids)."""

@@ -3,7 +3,7 @@
 Steps: read ``config.json`` into a ``ModelConfig`` (which rejects unsupported architectures),
 pick the architecture class, index the checkpoint's tensors (single ``model.safetensors`` or
 sharded via ``model.safetensors.index.json``), pick per parameter the first of the checkpoint
-layouts the architecture lists that the checkpoint holds (``_choose_layouts``), check that they are
+layouts the architecture lists that the checkpoint holds (``choose_layouts``), check that they are
 exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``;
 an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
@@ -56,7 +56,7 @@ def _shard_map(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def _listing(names: Iterable[str]) -> str:
+def name_listing(names: Iterable[str]) -> str:
     names = sorted(names)
     shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
     more = len(names) - _MAX_NAMES_IN_ERROR
@@ -91,7 +91,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     config = read_config(path, dtype=parse_dtype(dtype))
     cls = ARCHITECTURES[config.architecture].model_class
     reader, mtp_names = _index_checkpoint(path, cls)
-    specs = _choose_layouts(cls.hf_weight_specs(config), set(reader.files))
+    specs = choose_layouts(cls.hf_weight_specs(config), set(reader.files))
     _check_names(path, config, specs, set(reader.files))
 
     with torch.device("meta"):
@@ -109,7 +109,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         tensor = spec.build([reader.get(name) for name in spec.sources])
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"{path}: tensor(s) {_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
+                f"{path}: tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
                 f"{spec.target}, the config implies {tuple(target.shape)}"
             )
         state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
@@ -117,7 +117,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
             built[spec.sources] = state[spec.target]
     unbuilt = set(params) - set(state)
     if unbuilt:
-        raise ValueError(f"internal: no weight spec for parameters {_listing(unbuilt)}")
+        raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     model.mtp_weights = {
@@ -145,7 +145,7 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_Tensor
     return _TensorReader(files, original), mtp
 
 
-def _choose_layouts(specs: list[WeightSpec], available: set[str]) -> list[WeightSpec]:
+def choose_layouts(specs: list[WeightSpec], available: set[str]) -> list[WeightSpec]:
     """One spec per parameter. An architecture whose checkpoints come in several layouts lists one
     spec per layout for the same parameter (Qwen3.5-MoE: the published fused
     ``experts.gate_up_proj`` or the per-expert tensors transformers' ``save_pretrained`` writes):
@@ -167,7 +167,7 @@ def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], avail
     missing = needed - available
     if missing:
         raise ValueError(
-            f"{path}: checkpoint lacks tensor(s) required by {config.architecture}: {_listing(missing)}"
+            f"{path}: checkpoint lacks tensor(s) required by {config.architecture}: {name_listing(missing)}"
         )
     unexpected = available - needed
     if config.tie_word_embeddings:  # a tied checkpoint may still carry the (duplicate) lm_head
@@ -175,7 +175,7 @@ def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], avail
     if unexpected:
         raise ValueError(
             f"{path}: checkpoint has tensor(s) that {config.architecture} with this config.json does not "
-            f"use: {_listing(unexpected)}"
+            f"use: {name_listing(unexpected)}"
         )
 
 

@@ -188,6 +188,7 @@ def qwen_config_fields(
         shared_expert_gate=num_experts > 0,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         router="softmax",
+        mtp_num_hidden_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers")) or 0),
     )
 
 

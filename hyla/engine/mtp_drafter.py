@@ -1,0 +1,177 @@
+"""The MTP drafter: draft tokens from the checkpoint's own multi-token-prediction head.
+
+``speculative_algorithm="mtp"``: the head of ``hyla/model/mtp.py`` reads pairs ``(token[p],
+hidden[p-1])`` — a token and the model's final hidden state one position before it — and predicts
+the token after ``token[p]``. Its attention layer needs the K/V of every earlier pair. The design:
+
+* **Where the MTP KV lives.** One more attention layer in the KV pool (its last buffer:
+  ``mtp_cache_layout`` counts it in the bytes per token), on the model's own slots: the pair
+  ``(token[p], hidden[p-1])`` (RoPE position ``p - 1``) is stored in the KV slot of position ``p``,
+  the slot of the token it embeds. Its value then depends on tokens ``0..p`` only, exactly what the
+  tree keys that slot on. (Stored at ``p - 1``, as SGLang stores it, an entry would depend on the
+  token *after* its slot, and a slot shared by two branches of the tree would hold the entry of
+  whichever branch wrote it.) Position 0 has no pair; its slot's MTP entry is never read.
+
+* **When it is written.** After every model forward (prefill chunk, verify step), before the
+  commit (``observe``): the entries of the slots the forward fed, from the fed tokens and the
+  forward's hidden states (for the first fed position, ``hidden[p-1]`` comes from the state slot,
+  below). So the MTP KV is written into the same slots as the model's K/V at the same time, and
+  enters the tree, is deduplicated, rolled back (rejected drafts: only the accepted positions'
+  entries survive, and theirs come from the model's own hidden states) or freed together with it.
+
+* **The hidden state travels with the recurrent state.** A state slot that holds the recurrent
+  state after ``n`` tokens also holds ``hidden[n-1]`` (``StatePool.hidden_states``): ``observe``
+  writes it into the request's live slot and into every checkpoint and verify scratch slot the
+  forward filled, and everything that moves states moves it too — a prefix-cache hit's checkpoint
+  copied into a request's slot, the commit of an accepted verify prefix, pending checkpoints, the
+  release of a finished or retracted request. **After a cache hit** of ``m`` tokens the MTP reads
+  the entries of slots ``1..m-1`` from the tree (computed from the same tokens) and computes slot
+  ``m``'s from the checkpoint's ``hidden[m-1]``: it sees what it would see with the cache off, and a
+  retracted request resumes with the same MTP context. Drafts are the same with the cache on or off
+  (up to floating-point rounding, which can flip an argmax at a near-tie). Outputs never depend on
+  the drafts: verification makes them exact.
+
+* **Drafting** (``propose_batch``, each decode step; one MTP forward per draft step for all
+  decoding requests): step ``j`` feeds ``(token[n+j], g)`` at RoPE position ``n - 1 + j``, where
+  ``token[n]`` is the last sampled token (``n = kv_len``), ``g = hidden[n-1]`` from the request's
+  state slot at ``j = 0`` and the MTP's own output hidden after that, and ``token[n+j+1]`` is the
+  step's argmax (greedy drafts; trees, ``speculative_eagle_topk > 1``, are not supported). These
+  K/V go to scratch KV slots reserved per batch row (``CacheManager.reserve_kv``), never into a
+  request's row: they are guesses, and the verify step writes position ``n``'s real entry itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyla.engine.request import Req
+from hyla.engine.speculative import Drafter
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.mtp import MtpHead
+
+
+class MtpDrafter(Drafter):
+    wants_hidden = True
+
+    def __init__(self, head: MtpHead, kv_pool, state_pool, req_to_token, scratch_kv: list[int], num_draft: int):
+        """``kv_pool``'s last K/V buffers are the MTP layer's; ``state_pool`` must carry hidden
+        states; ``scratch_kv``: reserved KV slots, ``num_draft`` per batch row."""
+        if state_pool.hidden_states is None:
+            raise ValueError("the MTP drafter needs a state pool with hidden states (mtp_cache_layout)")
+        if num_draft < 1 or len(scratch_kv) < num_draft:
+            raise ValueError(f"the MTP drafter needs num_draft >= 1 scratch KV slots per batch row, got {num_draft}")
+        self.head = head
+        self.num_draft = num_draft
+        self.k_buffer, self.v_buffer = kv_pool.k_buffers[-1], kv_pool.v_buffers[-1]  # [S, Hkv, D] each
+        self.hidden_states = state_pool.hidden_states  # [num_slots + 1, H]
+        self.req_to_token = req_to_token
+        self.device = self.k_buffer.device
+        self.scratch = [scratch_kv[i:i + num_draft] for i in range(0, len(scratch_kv) - num_draft + 1, num_draft)]
+
+    # ------------------------------------------------------------------------------------------
+    # after every model forward: the MTP KV of the fed slots, the hidden state of each state slot
+    # ------------------------------------------------------------------------------------------
+    def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
+                hidden: torch.Tensor | None) -> None:
+        """``reqs[i]`` fed ``lens[i]`` tokens after its ``kv_len`` (not committed yet), whose final
+        hidden states are ``hidden [sum(lens), H]``; the forward wrote the recurrent states of the
+        requests' slots and of the checkpoint slots ``ckpts``. Writes the MTP entries of the fed
+        slots, then the hidden state each of those state slots now follows."""
+        if hidden is None:
+            raise ValueError("the MTP drafter needs the model's hidden states")
+        b = len(reqs)
+        cu = _cumsum(lens)
+        slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=self.device)
+        before = self.hidden_states.index_select(0, slots)  # [B, H]: hidden[kv_len - 1] of each request
+        ids, pos, src, prefix, extend, loc, kv = [], [], [], [], [], [], []
+        for i, (r, n) in enumerate(zip(reqs, lens)):
+            a = r.kv_len
+            first = max(a, 1)  # position 0 has no pair
+            if a + n <= first:
+                continue
+            row = self.req_to_token.read(r.req_pool_idx, 1, a + n)  # KV slots of positions 1 .. a+n-1
+            ids += r.tokens(first, a + n)
+            pos += range(first - 1, a + n - 1)
+            # hidden[p-1]: the state slot's for p == a, else this forward's row of position p - 1
+            src += [i if p == a else b + cu[i] + p - 1 - a for p in range(first, a + n)]
+            prefix.append(first - 1)
+            extend.append(a + n - first)
+            loc.append(row[first - 1:])
+            kv.append(row)
+        if ids:
+            pairs = torch.cat([before, hidden.to(before.dtype)]).index_select(
+                0, torch.tensor(src, dtype=torch.long, device=self.device))  # [T', H]
+            batch = self._batch(ids, pos, prefix, extend, loc, kv, is_decode=False)
+            batch.logits_indices = torch.zeros(0, dtype=torch.long, device=self.device)  # K/V only
+            self.head(batch, pairs)
+        dst = [r.state_slot for r in reqs] + [slot for _, _, slot in ckpts]
+        rows = [cu[i + 1] - 1 for i in range(b)] + [cu[i] + m - 1 for i, m, _ in ckpts]
+        self.hidden_states.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=self.device),
+                                       hidden.index_select(0, torch.tensor(rows, device=hidden.device)).to(
+                                           self.hidden_states.dtype))
+
+    # ------------------------------------------------------------------------------------------
+    # drafting
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Up to ``min(limits[i], num_draft)`` greedy MTP drafts after each decoding request's last
+        sampled token; one MTP forward per draft step for the whole batch (requests whose limit is
+        reached drop out). A request with a grammar keeps the grammar-valid prefix of its drafts."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        want = [min(limit, self.num_draft) for limit in limits]
+        rows = [i for i, k in enumerate(want) if k > 0]
+        if not rows:
+            return drafts
+        if len(reqs) > len(self.scratch):
+            raise ValueError(f"{len(reqs)} decoding requests, scratch KV for {len(self.scratch)}")
+        n = [reqs[i].kv_len for i in rows]  # position of each last sampled token
+        tokens = [reqs[i].output_ids[-1] for i in rows]
+        committed = [self.req_to_token.read(reqs[i].req_pool_idx, 1, m) for i, m in zip(rows, n)]  # positions 1..n-1
+        g = self.hidden_states.index_select(0, torch.tensor([reqs[i].state_slot for i in rows], device=self.device))
+        for j in range(max(want)):
+            scratch = [torch.tensor(self.scratch[i][:j + 1], dtype=torch.long) for i in rows]
+            batch = self._batch(tokens, [m - 1 + j for m in n], [m - 1 + j for m in n], [1] * len(rows),
+                                [s[j:] for s in scratch], [torch.cat([c, s]) for c, s in zip(committed, scratch)],
+                                is_decode=True)
+            logits, g = self.head(batch, g)  # [B', V], [B', H]
+            tokens = logits.argmax(dim=-1).tolist()
+            for i, t in zip(rows, tokens):
+                drafts[i].append(t)
+            keep = [k for k, i in enumerate(rows) if want[i] > j + 1]
+            if len(keep) < len(rows):
+                rows, n, committed = [rows[k] for k in keep], [n[k] for k in keep], [committed[k] for k in keep]
+                tokens = [tokens[k] for k in keep]
+                g = g[torch.tensor(keep, dtype=torch.long, device=g.device)]
+            if not rows:
+                break
+        for r, d in zip(reqs, drafts):
+            if r.grammar is not None and d:
+                del d[r.grammar.valid_prefix(d):]
+        return drafts
+
+    # ------------------------------------------------------------------------------------------
+    def _batch(self, ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
+               loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool) -> ForwardBatch:
+        """A batch over the MTP layer's KV buffer only: sequence ``i`` writes ``extend_lens[i]`` pairs
+        at slots ``loc[i]`` after ``prefix_lens[i]`` earlier pairs; ``kv[i]`` are all its pairs' slots."""
+        dev = self.device
+        long = dict(dtype=torch.long)
+        host = [torch.tensor(ids, **long), torch.tensor(pos, **long), torch.tensor(_cumsum(extend_lens), **long),
+                torch.tensor(_cumsum([k.numel() for k in kv]), **long), torch.cat(loc).to(torch.long),
+                torch.cat(kv).to(torch.long)]
+        t = [x.to(dev) for x in host]
+        return ForwardBatch(
+            is_decode=is_decode, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
+            prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[4], kv_indices=t[5], kv_indptr=t[3],
+            k_buffers=[self.k_buffer], v_buffers=[self.v_buffer],
+            state_slots=torch.full((len(extend_lens),), -1, dtype=torch.long, device=dev), conv_states=[],
+            ssm_states=[], max_token_id=max(ids),
+        )
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

@@ -1,0 +1,329 @@
+"""MTP speculative decoding (``speculative_algorithm="mtp"``): exact, with the prefix cache on.
+
+* Speculation on vs off (the differential rule of ``test_engine_differential.py``: same greedy
+  tokens, logprobs within 1e-4 up to each request's first floating-point tie) on Qwen3-Next dense
+  and MoE, Qwen3.5 and Qwen3.5-MoE checkpoints with random ``mtp.*`` heads, with the prefix cache on
+  under eviction and retraction pressure, multi-turn; no slot leaks afterwards.
+* The drafts themselves are the same with the cache on or off (the MTP sees the same context after a
+  cache hit or a retraction: ``hyla/engine/mtp_drafter.py``).
+* The drafter computes the MTP of the checkpoint: its drafts and logits match an independent
+  computation over the whole sequence (transformers' Qwen3-Next model and decoder layer).
+* The default model's trained head is accepted (accept length > 1.3), and stops land inside
+  accepted runs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from hyla import Engine
+from hyla.engine.args import EngineArgs
+from hyla.engine.mtp_drafter import MtpDrafter
+from test_engine_differential import compare_outputs, make_workload, run
+from test_engine_speculative import POOLS, _drained, _greedy, _ids
+
+MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
+
+
+def _run_differential(path, on_opts: dict, seed: int = 0, num_steps: int = 3) -> tuple[int, Engine]:
+    """The differential workload (shared prefixes, checkpoints, second turns) with MTP on vs a plain
+    engine with the cache off; returns the tokens compared."""
+    wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
+    with Engine(path, enable_prefix_cache=False, **POOLS) as off:
+        off1 = run(off, wave1)
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
+                 for w, o, f in zip(wave1, off1, followups)]
+        off2 = run(off, wave2)
+    with Engine(path, speculative_algorithm="mtp", speculative_num_steps=num_steps, debug_checks=True,
+                **on_opts) as eng:
+        on1 = run(eng, wave1)
+        on2 = run(eng, wave2)
+        _drained(eng)
+        assert eng.scheduler.num_verify_steps > 0
+        stats = eng.get_stats()
+    if on_opts.get("max_total_tokens", 8192) < 1000:
+        assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] > 0
+    return compare_outputs(on1 + on2, off1 + off2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_dense_mtp_path", "qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])
+def test_mtp_is_exact_with_the_prefix_cache(arch, request):
+    assert _run_differential(request.getfixturevalue(arch), POOLS) > 60
+
+
+@pytest.mark.slow
+def test_mtp_is_exact_on_qwen3_next_moe(qwen3_next_moe_mtp_path):
+    assert _run_differential(qwen3_next_moe_mtp_path, POOLS) > 60
+
+
+@pytest.mark.parametrize("opts", [
+    dict(max_total_tokens=500, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64),  # retraction
+    dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+         page_size=16),  # pages + grid: pending checkpoints from the per-token states
+    dict(max_total_tokens=2048, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+         checkpoint_alignment=8),
+])
+def test_mtp_is_exact_under_pressure(qwen3_next_dense_mtp_path, opts):
+    assert _run_differential(qwen3_next_dense_mtp_path, opts, seed=1, num_steps=2) > 60
+
+
+# --- the drafts do not depend on the cache ---------------------------------------------------------
+
+
+class _Recorder:
+    """Wraps a drafter's ``propose_batch``: drafts per (prompt, output length)."""
+
+    def __init__(self, drafter: MtpDrafter):
+        self.drafter, self.real = drafter, drafter.propose_batch
+        self.drafts: dict[tuple, list[int]] = {}
+        drafter.propose_batch = self
+
+    def __call__(self, reqs, limits):
+        out = self.real(reqs, limits)
+        for r, d in zip(reqs, out):
+            self.drafts[(tuple(r.input_ids), len(r.output_ids))] = list(d)
+        return out
+
+
+def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
+    """Multi-turn chats sharing system prompts on the default model (its trained head): every draft,
+    keyed by request and output length, is the same with the cache off (large pools) and on (pools
+    small enough for eviction and retraction). A retracted request resumes with one plain step
+    (its re-prefill samples a token), so it proposes at output lengths the other run skips: only the
+    proposals both runs made are compared, and they must be most of them."""
+    rng = random.Random(3)
+    tok = lambda n: [rng.randrange(3, 4000) for _ in range(n)]  # noqa: E731
+    systems = [tok(40), tok(70)]
+    wave1 = [{"ids": systems[i % 2] + tok(rng.randrange(5, 60)), "max_new": 24, "ckpt": [40 if i % 2 == 0 else 70]}
+             for i in range(10)]
+    followups = [tok(5) for _ in wave1]
+    drafts, outs = {}, {}
+    for cache, pool in ((False, 8192), (True, 400)):
+        opts = dict(max_total_tokens=pool, max_state_slots=30, max_running_requests=6, chunked_prefill_size=64, **MTP)
+        with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, **opts) as eng:
+            rec = _Recorder(eng.scheduler.drafter)
+            out1 = run(eng, wave1)
+            wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 16, "ckpt": []}
+                     for w, o, f in zip(wave1, out1, followups)]
+            out2 = run(eng, wave2)
+            drafts[cache], outs[cache] = rec.drafts, out1 + out2
+            stats = eng.get_stats()
+            _drained(eng)
+    assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
+    assert stats["num_evicted_tokens"] > 0 and stats["num_retractions"] > 0
+    compare_outputs(outs[True], outs[False])
+    common = drafts[True].keys() & drafts[False].keys()
+    assert len(common) > 0.7 * max(len(drafts[True]), len(drafts[False])) and len(common) > 100
+    assert sum(len(drafts[True][k]) for k in common) > 200
+    differ = [k for k in common if drafts[True][k] != drafts[False][k]]
+    assert not differ, f"{len(differ)} of {len(common)} proposals differ, e.g. {differ[:2]}"
+
+
+# --- the drafter computes the checkpoint's MTP ----------------------------------------------------
+
+
+@torch.no_grad()
+def _reference_mtp(path, tokens: list[int], num_steps: int) -> tuple[list[int], torch.Tensor]:
+    """Independent of hyla: transformers' Qwen3-Next gives the model's final hidden states (after
+    its final norm); transformers' decoder layer, RMSNorm and RoPE with the ``mtp.*`` weights run the
+    MTP over the whole sequence of pairs ``(tokens[t+1], hidden[t])`` with a plain causal mask, then
+    ``num_steps`` autoregressive steps (each appends ``(draft, the MTP's own last hidden)``).
+    ``tokens``: the prompt and the first sampled token. Returns the drafts and the first step's logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    weights = {k: v.float() for k, v in load_file(path / "model.safetensors").items() if k.startswith("mtp.")}
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.layer_types, cfg.num_hidden_layers, cfg._attn_implementation = ["full_attention"], 1, "eager"
+    layer = hf.Qwen3NextDecoderLayer(cfg, 0).eval()
+    layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = hf.Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].weight.copy_(weights[f"mtp.{name}.weight"])
+    fc, rotary = weights["mtp.fc.weight"], hf.Qwen3NextRotaryEmbedding(cfg)
+    embed = model.model.embed_tokens
+
+    hidden = model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state  # [1, n, H]
+    nxt = list(tokens[1:])  # the token of each pair
+    drafts, first_logits = [], None
+    for _ in range(num_steps):
+        x = torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor([nxt]))),
+                       norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ fc.t()  # [1, T, H]
+        t = x.shape[1]
+        pos = torch.arange(t)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        g = norms["norm"](layer(x, position_embeddings=rotary(x, pos), attention_mask=mask, position_ids=pos))
+        logits = model.lm_head(g[0, -1])
+        first_logits = logits if first_logits is None else first_logits
+        drafts.append(int(logits.argmax()))
+        nxt.append(drafts[-1])
+        hidden = torch.cat([hidden, g[:, -1:]], dim=1)
+    return drafts, first_logits
+
+
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_mtp_path", "default_mtp_path"])
+def test_mtp_drafts_match_an_independent_reference(ckpt, request):
+    path = request.getfixturevalue(ckpt)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = [[random.Random(s).randrange(3, vocab) for _ in range(n)] for s, n in ((1, 37), (2, 90))]
+    with Engine(path, **MTP, **POOLS) as eng:
+        drafter = eng.scheduler.drafter
+        seen, real = [], drafter.head.forward
+
+        def head_forward(batch, hidden):
+            logits, g = real(batch, hidden)
+            if batch.is_decode:  # a draft step (the extend after a forward asks for no logits)
+                seen.append(logits.clone())
+            return logits, g
+
+        drafter.head.forward = head_forward
+        for ids in prompts:
+            seen.clear()
+            rec = _Recorder(drafter)
+            out = eng.generate(input_ids=ids, sampling_params=_greedy(5))  # 3 drafts at the first decode step
+            drafter.propose_batch = rec.real
+            first = out["output_ids"][0]
+            drafts = rec.drafts[(tuple(ids), 1)]
+            want, want_logits = _reference_mtp(path, ids + [first], 3)
+            assert drafts == want
+            torch.testing.assert_close(seen[0][0], want_logits, rtol=1e-3, atol=1e-3)
+
+
+# --- the default model's trained head ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_mtp_path():
+    """The built-in default model (it carries a trained MTP head)."""
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+
+    return DEFAULT_MODEL_DIR
+
+
+def _chat_prompts(eng: Engine) -> list[list[int]]:
+    tok = eng.tokenizer
+    questions = ["What is the capital of France?", "Can you give me some tips for writing a good cover letter?",
+                 "Explain what a neural network is in simple terms.", "Write a short poem about the sea."]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+            for q in questions]
+
+
+def test_default_model_tensors_are_the_ones_the_head_was_trained_for(default_mtp_path):
+    """``scripts/train_mtp_head.py`` left the model's own tensors bit-identical and recorded their
+    SHA-256 in the model card: a retrained model without a retrained head fails here."""
+    import hashlib
+    import re
+
+    from safetensors.torch import load_file
+
+    tensors = {k: v for k, v in load_file(default_mtp_path / "model.safetensors").items() if not k.startswith("mtp.")}
+    per_tensor = {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                  for k, v in tensors.items()}
+    digest = hashlib.sha256("".join(per_tensor[k] for k in sorted(per_tensor)).encode()).hexdigest()
+    recorded = re.search(r"SHA-256 over them `([0-9a-f]+)", (default_mtp_path / "README.md").read_text()).group(1)
+    assert digest.startswith(recorded)
+    assert any(k.startswith("mtp.") for k in load_file(default_mtp_path / "model.safetensors"))
+
+
+def test_default_model_head_is_accepted():
+    """``Engine(speculative_algorithm="mtp")`` on the built-in model: exact, and the trained head's
+    drafts are accepted (a random head's accept length is 1.0)."""
+    params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    with Engine(**MTP, debug_checks=True) as eng:
+        prompts = _chat_prompts(eng)
+        got = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        accept = eng.get_stats()["spec_accept_length"]
+        _drained(eng)
+    with Engine(enable_prefix_cache=False) as ref:
+        want = ref.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    compare_outputs(got, want)
+    assert accept > 1.3, f"mean accept length {accept:.2f}"
+    assert all(o["meta_info"]["spec_accept_length"] > 1.0 for o in got)
+
+
+def test_stops_inside_an_accepted_mtp_run():
+    """EOS, a stop token and max_new_tokens landing inside an accepted run of MTP drafts."""
+    with Engine(enable_prefix_cache=False, **POOLS) as ref:
+        prompt = _chat_prompts(ref)[0]
+        full = ref.generate(input_ids=prompt, sampling_params=_greedy(40), return_logprob=True)["output_ids"]
+    with Engine(speculative_algorithm="mtp", speculative_num_steps=4, debug_checks=True, **POOLS) as eng:
+        rec = _Recorder(eng.scheduler.drafter)
+        eng.generate(input_ids=prompt, sampling_params=_greedy(40))
+        # positions whose token was an accepted draft, not the first of its verify step's run
+        inside = [n for (p, n), d in rec.drafts.items() if d and full[n:n + 2] == d[:2]]
+        assert inside, "no accepted run of two drafts"
+        n = inside[0] + 1  # full[n] was the second draft of an accepted run
+        stop_tok = full[n]
+        out = eng.generate(input_ids=prompt, sampling_params=_greedy(40, stop_token_ids=[stop_tok]))
+        assert out["output_ids"] == full[: full.index(stop_tok) + 1]
+        if full.index(stop_tok) == n:
+            assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+        out = eng.generate(input_ids=prompt, sampling_params=_greedy(n + 1))
+        assert out["output_ids"] == full[: n + 1] and out["meta_info"]["finish_reason"]["type"] == "length"
+        eos = full[n]
+        eng.scheduler.output.eos_token_ids = {eos}
+        out = eng.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 40})
+        assert out["output_ids"] == full[: full.index(eos) + 1]
+        eng.scheduler.output.eos_token_ids = set(eng.eos_token_ids)
+        chunks = list(eng.generate(input_ids=prompt, sampling_params=_greedy(40), stream=True))
+        assert [t for c in chunks for t in c["output_ids"]] == full
+        assert any(len(c["output_ids"]) > 1 for c in chunks)  # several tokens per verify step
+        _drained(eng)
+
+
+def test_mtp_with_sampling_and_penalties(qwen3_next_dense_mtp_path):
+    """Seeded sampling reproduces with MTP on; a request with penalties takes zero-draft verify steps."""
+    ids = _ids(30, 8)
+    params = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16, "seed": 7, "ignore_eos": True}
+    outs = []
+    for _ in range(2):
+        with Engine(qwen3_next_dense_mtp_path, **MTP, **POOLS) as eng:
+            outs.append(eng.generate(input_ids=[ids, ids], sampling_params=params, rid=["a", "b"]))
+            pen = eng.generate(input_ids=ids, sampling_params=_greedy(8, repetition_penalty=1.3))
+            assert pen["meta_info"]["spec_accept_length"] == 1.0
+            _drained(eng)
+    assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]
+
+
+# --- configuration errors ----------------------------------------------------------------------
+
+
+def test_mtp_needs_mtp_tensors(qwen3_next_dense_path, qwen3_next_dense_mtp_path, nemotron_h_path, tmp_path):
+    with pytest.raises(ValueError, match=r"has no mtp\.\* tensors"):
+        Engine(qwen3_next_dense_path, **MTP, **POOLS)
+    with pytest.raises(ValueError, match="no mtp"):
+        Engine(nemotron_h_path, **MTP, **POOLS)
+    with pytest.raises(ValueError, match="not supported yet"):
+        EngineArgs(speculative_algorithm="mtp", speculative_eagle_topk=2)
+    # a missing and an unexpected mtp tensor are named
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen3_next_dense_mtp_path, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["mtp.layers.0.extra.weight"] = tensors.pop("mtp.layers.0.self_attn.k_norm.weight")
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing: mtp\.layers\.0\.self_attn\.k_norm\.weight; "
+                                         r"unexpected: mtp\.layers\.0\.extra\.weight"):
+        Engine(bad, **MTP, **POOLS)
+
+
+def test_serve_flags(capsys):
+    """``hyla serve --speculative-algorithm mtp --speculative-num-steps N`` reaches the engine options;
+    a bad combination exits 2 with the engine's message."""
+    from hyla.server import cli
+    from test_server_cli import _parse
+
+    opts = cli.engine_options(_parse(["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]))
+    args = EngineArgs(**opts)
+    assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
+    assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
+    assert "speculative_eagle_topk" in capsys.readouterr().err
