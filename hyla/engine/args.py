@@ -85,8 +85,8 @@ class EngineArgs:
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs"):
             pos_int(name, allow_none=True)
         if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "mtp":
-            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP drafts trees (top-k > 1) not "
-                             "yet; use 1 (a chain of drafts), or ngram for trees")
+            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP tree drafts (top-k > 1) are not "
+                             "supported yet; use 1 (a chain of drafts), or ngram for trees")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
         if self.chunked_prefill_size < self.page_size:
