@@ -166,9 +166,9 @@ class Scheduler:
                 batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
                 out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
                                                  **extra)
-            if not extra:
+            if self.drafter is None:
                 return out
-            logits, hidden = out  # [N, V], [sum(lens), H]
+            logits, hidden = out if extra else (out, None)  # [N, V], [sum(lens), H]
             self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden)  # before the commit: see Drafter
             return logits
         except Exception:

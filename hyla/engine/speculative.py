@@ -52,6 +52,7 @@ import torch
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
+from hyla.model.forward_batch import ForwardBatch
 
 @dataclass
 class Verdict:
@@ -95,6 +96,37 @@ class Drafter:
         after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
         (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
         the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
+
+
+def drafter_batch(ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
+                  loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool, device: torch.device,
+                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], state_slots: list[int] | None = None,
+                  conv_states: list[torch.Tensor] = (), ssm_states: list[torch.Tensor] = ()) -> ForwardBatch:
+    """A ``ForwardBatch`` over explicit slots, for a drafter's own forwards (its scratch KV and state
+    slots, never a request's row): sequence ``i`` feeds ``extend_lens[i]`` tokens (``ids``, at
+    positions ``pos``, packed) whose K/V go to slots ``loc[i]``, after ``prefix_lens[i]`` earlier
+    tokens; ``kv[i]`` are all its KV slots in order (``[prefix + extend]``); ``state_slots[i]`` its
+    recurrent state slot, updated in place (None: no state, ``-1``). The buffers are the drafter's."""
+    long = dict(dtype=torch.long)
+    host = [torch.tensor(ids, **long), torch.tensor(pos, **long), torch.tensor(prefix_sums(extend_lens), **long),
+            torch.tensor(prefix_sums([k.numel() for k in kv]), **long), torch.cat(loc).to(torch.long),
+            torch.cat(kv).to(torch.long),
+            torch.tensor(state_slots if state_slots is not None else [-1] * len(extend_lens), **long)]
+    t = [x.to(device) for x in host]
+    return ForwardBatch(
+        is_decode=is_decode, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
+        prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[4], kv_indices=t[5], kv_indptr=t[3],
+        k_buffers=k_buffers, v_buffers=v_buffers, state_slots=t[6], conv_states=conv_states, ssm_states=ssm_states,
+        state_slot_list=state_slots, max_token_id=max(ids),
+    )
+
+
+def prefix_sums(values: list[int]) -> list[int]:
+    """``[0, v0, v0 + v1, ...]``: each sequence's offset into packed tokens, and the total."""
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
 
 
 class NgramDrafter(Drafter):
