@@ -35,7 +35,8 @@ first user message of ShareGPT conversations, chat template), greedy, spec on vs
 ``speculative_num_steps`` drafts per step): the default model as its own draft (every draft is the
 model's own greedy token: the accept-length ceiling, at the cost of a second copy of the model), its
 first four layers with its final norm and LM head (an early-exit draft built by this script, no
-training: half the model's cost), and ``--draft-model-path PATH`` if given.
+training: half the model's layers), the same with trees (``speculative_eagle_topk=2``), and
+``--draft-model-path PATH`` if given.
 
 Then (n-gram) a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
 step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
@@ -69,6 +70,7 @@ SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
 MTP_STEPS = 3
 MTP_SPEC = dict(speculative_algorithm="mtp", speculative_num_steps=MTP_STEPS)
 DRAFT_STEPS = 3
+DRAFT_TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
 EARLY_EXIT_LAYERS = 4  # the early-exit draft: the default model's first layers (3 Gated DeltaNet + 1 attention)
 
 REPETITIVE = [
@@ -544,6 +546,7 @@ def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
     for owner, name, label in ((s.runner, "forward_extend", "model forward"), (s.runner, "forward_decode", "model forward"),
                                (drafter, "observe", f"{drafter_name} observe"),
                                (drafter, "propose_batch", f"{drafter_name} drafting"),
+                               (drafter, "propose_tree_batch", f"{drafter_name} drafting"),
                                (s, "step", "step")):
         if owner is not None:
             wrap(owner, name, label)
@@ -554,7 +557,7 @@ def unwrap(engine: Engine) -> None:
     """Undo ``mtp_timers``: back to the class's methods."""
     s = engine.scheduler
     for owner in (s.runner, s.drafter, s):
-        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "step"):
+        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "propose_tree_batch", "step"):
             if owner is not None:
                 owner.__dict__.pop(name, None)
 
@@ -668,10 +671,15 @@ def draft_main(args, threads: int) -> None:
     from hyla.engine.engine import DEFAULT_MODEL_DIR
 
     tmp = Path(tempfile.mkdtemp(prefix="hyla-draft-"))
-    drafts = {"the model itself": DEFAULT_MODEL_DIR,
-              f"its first {EARLY_EXIT_LAYERS} layers (early exit)": early_exit_draft(tmp / "early-exit")}
+    early = early_exit_draft(tmp / "early-exit")
+    chain = dict(speculative_num_steps=DRAFT_STEPS)
+    drafts = {  # name -> (draft model, speculative options)
+        "the model itself": (DEFAULT_MODEL_DIR, chain),
+        f"its first {EARLY_EXIT_LAYERS} layers (early exit)": (early, chain),
+        f"its first {EARLY_EXIT_LAYERS} layers, trees": (early, dict(chain, **DRAFT_TREE)),
+    }
     if args.draft_model_path:
-        drafts[f"`{args.draft_model_path}`"] = Path(args.draft_model_path)
+        drafts[f"`{args.draft_model_path}`"] = (Path(args.draft_model_path), chain)
     off = Engine(dtype="float32", device="cpu", **POOLS)
     rows, parts, sizes = [], {}, {}
     try:
@@ -685,9 +693,8 @@ def draft_main(args, threads: int) -> None:
             run_once(off, prompts, batch, params)
             parts["off"][batch] = {k: 1e3 * v / max(1, off.scheduler.num_steps - steps0) for k, v in timers.items()}
             unwrap(off)
-        for name, path in drafts.items():
-            spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(path),
-                        speculative_num_steps=DRAFT_STEPS)
+        for name, (path, opts) in drafts.items():
+            spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(path), **opts)
             with Engine(dtype="float32", device="cpu", **POOLS, **spec) as on:
                 sizes[name] = sum(p.numel() for p in on.scheduler.drafter.model.parameters())
                 check_identical(f"draft ({name}), warm-up", base, run_once(on, prompts, NUM_PROMPTS, params)[2])
@@ -716,9 +723,9 @@ def draft_main(args, threads: int) -> None:
     split = ["| ms per step | " + " | ".join(f"batch {b}" for b in (1, NUM_PROMPTS)) + " |", "|---|---|---|"]
     split.append("| plain decode step (off) | " + " | ".join(f"{parts['off'][b]['step']:.2f}" for b in (1, NUM_PROMPTS)) + " |")
     for name in drafts:
-        for key, label in (("step", "verify step"), ("model forward", "model forward (4 tokens)"),
+        for key, label in (("step", "verify step"), ("model forward", "model forward over the fed tokens"),
                            ("draft observe", "draft model over the fed tokens"),
-                           ("draft drafting", f"draft model, {DRAFT_STEPS} draft steps")):
+                           ("draft drafting", f"draft model, {DRAFT_STEPS} draft steps (all beams)")):
             split.append(f"| {name}: {label} | " + " | ".join(f"{parts[name][b].get(key, 0.0):.2f}"
                                                                for b in (1, NUM_PROMPTS)) + " |")
     by = {(r["draft"], r["batch"]): r for r in rows}
@@ -741,10 +748,13 @@ def draft_main(args, threads: int) -> None:
 Workload (b) of the MTP section: {NUM_PROMPTS} chat prompts ({plen[0]}–{plen[1]} tokens), {args.new_tokens} new tokens
 each (`ignore_eos`); batch 1 = one after the other, batch {NUM_PROMPTS} = all at once. Speculation:
 `speculative_algorithm="draft"`, `speculative_num_steps={DRAFT_STEPS}` ({DRAFT_STEPS} greedy drafts of the draft model per
-verify step). Draft models: *the model itself* (every draft is the model's own greedy token, so the
-accept length is the ceiling, {DRAFT_STEPS + 1}, and the draft costs a whole second model) and *its first
-{EARLY_EXIT_LAYERS} layers* (3 Gated DeltaNet + 1 attention, with the model's embedding, final norm and LM head:
-an early-exit draft built by the script, no training). Prefix cache on, prompts cached by a warm-up run;
+verify step; *trees*: `speculative_eagle_topk={DRAFT_TREE['speculative_eagle_topk']}`,
+`speculative_num_draft_tokens={DRAFT_TREE['speculative_num_draft_tokens']}`, a beam search of width {DRAFT_TREE['speculative_eagle_topk']} and depth {DRAFT_STEPS}
+whose best {DRAFT_TREE['speculative_num_draft_tokens'] - 1} candidates, the greedy chain among them, are verified as a tree). Draft models:
+*the model itself* (every draft is the model's own greedy token, so the accept length is the ceiling,
+{DRAFT_STEPS + 1}, and the draft costs a whole second model) and *its first {EARLY_EXIT_LAYERS} layers* (3 Gated DeltaNet + 1
+attention, with the model's embedding, final norm and LM head: an early-exit draft built by the script,
+no training). Prefix cache on, prompts cached by a warm-up run;
 runs interleaved with the plain engine, medians of {args.repeats}; the CPU-time column is the same ratio in
 process CPU time (this shared 2-core machine is noisy: trust it where the two disagree). Speculation on
 and off gave **identical greedy token ids** in every run (checked by the script).

@@ -35,21 +35,25 @@ def _draft(path, num_steps: int = 3) -> dict:
 
 
 class _Recorder:
-    """Wraps a drafter's ``propose_batch``: drafts per (prompt + output so far)."""
+    """Wraps a drafter's ``propose_batch`` (chains) and ``propose_tree_batch`` (trees): drafts per
+    (prompt + output so far), as ``(ids, parents)`` (parents None: a chain)."""
 
     def __init__(self, drafter: DraftModelDrafter):
-        self.real = drafter.propose_batch
-        self.drafts: dict[tuple[int, ...], list[int]] = {}
-        drafter.propose_batch = self
+        self.drafts: dict[tuple[int, ...], tuple[list[int], list[int] | None]] = {}
+        for name in ("propose_batch", "propose_tree_batch"):
+            setattr(drafter, name, self._wrap(getattr(drafter, name)))
 
-    def __call__(self, reqs, limits):
-        out = self.real(reqs, limits)
-        for r, d in zip(reqs, out):
-            self.drafts[tuple(r.fill_ids)] = list(d)
-        return out
+    def _wrap(self, real):
+        def proposed(reqs, limits):
+            out = real(reqs, limits)
+            for r, d in zip(reqs, out):
+                self.drafts[tuple(r.fill_ids)] = (list(d), None) if isinstance(d, list) else (list(d[0]), d[1])
+            return out
+        return proposed
 
 
-def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: int = 3) -> tuple[int, dict, dict]:
+def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: int = 3,
+                      **spec) -> tuple[int, dict, dict]:
     """The differential workload (shared prefixes, checkpoints, second turns) with the draft model on
     vs a plain engine with the cache off. Returns (tokens compared, the spec engine's stats, its
     proposals keyed by the tokens they follow)."""
@@ -59,7 +63,7 @@ def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: in
         wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
                  for w, o, f in zip(wave1, off1, followups)]
         off2 = run(off, wave2)
-    with Engine(target, debug_checks=True, **_draft(draft, num_steps), **on_opts) as eng:
+    with Engine(target, debug_checks=True, **_draft(draft, num_steps), **spec, **on_opts) as eng:
         rec = _Recorder(eng.scheduler.drafter)
         on1 = run(eng, wave1)
         on2 = run(eng, wave2)
@@ -124,12 +128,54 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
     compared, stats, drafts = _run_differential(qwen3_next_dense_path, nemotron_h_small_path, opts, seed=2)
     assert compared > 60
     assert stats["num_cached_tokens"] > 0.2 * stats["num_prompt_tokens"]
-    proposals = {c: d for c, d in drafts.items() if d}
+    proposals = {c: ids for c, (ids, _) in drafts.items() if ids}
     assert len(proposals) > 50
     want = _draft_model_continuations(nemotron_h_small_path, list(proposals), 3)
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
     assert not differ, f"{len(differ)} of {len(proposals)} proposals differ, e.g. {[proposals[c] for c in differ[:3]]} " \
                        f"vs {[want[c] for c in differ[:3]]}"
+
+
+TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams of 2, 6 nodes, depth 3
+
+
+@pytest.mark.parametrize("opts", [
+    POOLS,
+    dict(max_total_tokens=560, max_state_slots=64, max_running_requests=6, chunked_prefill_size=64),  # retraction
+    dict(max_total_tokens=1536, max_state_slots=64, max_running_requests=6, chunked_prefill_size=128,
+         page_size=16),  # the accepted path's KV (both models') moves inside pages
+])
+def test_draft_trees_are_exact_and_follow_the_draft_model(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts):
+    """Trees (``speculative_eagle_topk=2``): exact; every tree holds the draft model's own greedy
+    continuation as a path from its root, and every node is one of the draft model's two likeliest
+    tokens after the request's tokens and the node's ancestors (each beam drafted from its own
+    path's state and KV, siblings from copies of their parent's state)."""
+    compared, stats, drafts = _run_differential(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts, seed=3,
+                                                **TREE)
+    assert compared > 60 and stats["spec_accept_length"] > 1.5
+    trees = {c: (ids, parents) for c, (ids, parents) in drafts.items() if parents is not None}
+    assert len(trees) > 30 and any(len(ids) == 6 for ids, _ in trees.values())
+    greedy = _draft_model_continuations(qwen3_next_dense_draft_path, list(trees), 3)
+    paths = []
+    for context, (ids, parents) in trees.items():
+        children: dict[int, dict[int, int]] = {}
+        for j, parent in enumerate(parents):
+            children.setdefault(parent, {})[ids[j]] = j + 1
+            path, p = [], j + 1
+            while p:
+                path.append(ids[p - 1])
+                p = parents[p - 1]
+            paths.append((context + tuple(reversed(path[1:])), ids[j]))
+        node = 0
+        for t in greedy[context][:min(3, len(ids))]:
+            assert t in children.get(node, {}), f"the draft model's greedy {greedy[context]} is not in the tree {ids}, {parents}"
+            node = children[node][t]
+    with Engine(qwen3_next_dense_draft_path, enable_prefix_cache=False, **POOLS) as alone:
+        outs = alone.generate(input_ids=[list(c) for c, _ in paths], return_logprob=True,
+                              sampling_params=_greedy(1, top_logprobs_num=2))
+    for (context, token), out in zip(paths, outs):
+        top = out["meta_info"]["output_top_logprobs"][0]
+        assert token in [t for _, t in top], f"{token} after {len(context)} tokens: the draft model's top 2 are {top}"
 
 
 def test_the_target_as_its_own_draft_is_accepted_in_full(qwen3_next_dense_path):
@@ -242,8 +288,9 @@ def test_draft_configuration_errors(qwen3_next_dense_path, tiny_ckpt_dir, tmp_pa
         EngineArgs(speculative_algorithm="draft")
     with pytest.raises(ValueError, match="is for speculative_algorithm='draft'"):
         EngineArgs(speculative_algorithm="ngram", speculative_draft_model_path="/x")
-    with pytest.raises(ValueError, match="not supported yet"):
-        EngineArgs(speculative_algorithm="draft", speculative_draft_model_path="/x", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="at least 2"):
+        EngineArgs(speculative_algorithm="draft", speculative_draft_model_path="/x", speculative_eagle_topk=2,
+                   speculative_num_draft_tokens=1)
     with pytest.raises(ValueError, match="no config.json in draft model directory"):
         Engine(qwen3_next_dense_path, **_draft(tmp_path / "missing"), **POOLS)
     small_vocab = checkpoints.make_qwen3_next(tiny_ckpt_dir, vocab_size=1024, num_hidden_layers=4,

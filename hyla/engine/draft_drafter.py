@@ -38,15 +38,21 @@ retraction, eviction. The design:
   batch row at start (``CacheManager.reserve_states`` / ``reserve_kv``), so drafting never touches
   a request's live state or row: the verify step's ``observe`` computes the kept positions for real.
 
-Cost per verify step: ``num_steps`` draft decode steps plus one draft forward over the ``1 +
-num_steps`` fed tokens (the draft tokens fed again, now into the request's own slots). Trees
-(``speculative_eagle_topk > 1``) are verified the same way by ``observe`` (``tree_parents``), but
-this drafter proposes chains only.
+* **Trees** (``speculative_eagle_topk = k > 1``, ``propose_tree_batch``): the same loop as a beam
+  search of width ``k`` — every beam a row of the step's batch, with its own scratch state slot (a
+  sibling starts from a copy of its parent's) and its path's scratch KV slots; the candidates are
+  ranked by path log-probability and the greedy chain plus the best others are verified
+  (``_draft``). The verify step's tree goes through ``observe`` like any forward (``tree_parents``).
+
+Cost per verify step: ``num_steps`` draft decode steps (of every beam) plus one draft forward over
+the fed tokens (the drafts fed again, now into the request's own slots).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -77,22 +83,34 @@ def check_draft_model(target: ModelConfig, draft: ModelConfig, context_length: i
 
 class DraftModelDrafter(Drafter):
     """Drafts from ``runner.model`` (a ``ModelRunner`` over the pools' companion buffers, on the
-    engine's request table). ``scratch_kv``: reserved KV slots, ``num_draft`` per batch row;
-    ``scratch_states``: reserved state slots, one per batch row."""
+    engine's request table): chains of ``num_steps`` greedy drafts, or with ``topk > 1`` trees of
+    depth ``num_steps`` and at most ``num_draft`` nodes. ``scratch_kv`` / ``scratch_states``:
+    reserved slots, :meth:`scratch_per_row` of each per batch row."""
 
-    def __init__(self, runner: ModelRunner, scratch_kv: list[int], scratch_states: list[int], num_draft: int):
-        if num_draft < 1 or len(scratch_kv) < num_draft or not scratch_states:
-            raise ValueError(f"the draft-model drafter needs num_draft >= 1 scratch KV slots and one scratch state "
-                             f"slot per batch row, got num_draft={num_draft}")
+    def __init__(self, runner: ModelRunner, scratch_kv: list[int], scratch_states: list[int], num_draft: int,
+                 num_steps: int | None = None, topk: int = 1):
+        self.num_steps = num_draft if num_steps is None else num_steps
+        kv_per_row, states_per_row = self.scratch_per_row(self.num_steps, topk)
+        if num_draft < 1 or topk < 1 or len(scratch_kv) < kv_per_row or len(scratch_states) < states_per_row:
+            raise ValueError(f"the draft-model drafter needs num_draft >= 1, topk >= 1 and scratch slots for a batch "
+                             f"row ({kv_per_row} KV, {states_per_row} state), got num_draft={num_draft}, topk={topk}, "
+                             f"{len(scratch_kv)} KV and {len(scratch_states)} state slots")
         self.runner = runner
         self.model = runner.model
         self.num_draft = num_draft
+        self.topk = topk
         self.req_to_token = runner.req_to_token
         self.device = runner.device
-        self.scratch_kv = [scratch_kv[i:i + num_draft] for i in range(0, len(scratch_kv) - num_draft + 1, num_draft)]
-        self.scratch_states = list(scratch_states)
+        self.scratch_kv = _rows(scratch_kv, kv_per_row)
+        self.scratch_states = _rows(scratch_states, states_per_row)
         # the draft's buffers (its runner's views of the pools' companion buffers) that hold something
         self._state_buffers = [b for b in (*runner.conv_states, *runner.ssm_states) if b.numel()]
+
+    @staticmethod
+    def scratch_per_row(num_steps: int, topk: int) -> tuple[int, int]:
+        """(KV slots, state slots) drafting takes per batch row: one KV slot per token it feeds (the
+        last sampled token, then ``topk`` beams per further step) and one state slot per beam."""
+        return 1 + (num_steps - 1) * topk, topk
 
     # ------------------------------------------------------------------------------------------
     # after every target forward: the same forward on the draft model
@@ -113,46 +131,148 @@ class DraftModelDrafter(Drafter):
     # ------------------------------------------------------------------------------------------
     # drafting
     # ------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
         """Up to ``min(limits[i], num_draft)`` greedy drafts of the draft model after each decoding
-        request's last sampled token; one draft decode step per draft for the whole batch (requests
-        whose limit is reached drop out). A request with a grammar keeps the grammar-valid prefix."""
-        drafts: list[list[int]] = [[] for _ in reqs]
-        want = [min(limit, self.num_draft) for limit in limits]
-        rows = [i for i, k in enumerate(want) if k > 0]
-        if not rows:
-            return drafts
-        if len(reqs) > min(len(self.scratch_kv), len(self.scratch_states)):
-            raise ValueError(f"{len(reqs)} decoding requests, drafting scratch for {len(self.scratch_states)}")
-        n = [reqs[i].kv_len for i in rows]  # position of each last sampled token
-        tokens = [reqs[i].output_ids[-1] for i in rows]
-        committed = [self.req_to_token.read(reqs[i].req_pool_idx, 0, m) for i, m in zip(rows, n)]  # positions 0..n-1
-        self._copy_states([reqs[i].state_slot for i in rows], [self.scratch_states[i] for i in rows])
-        runner = self.runner
-        for j in range(max(want)):
-            scratch = [torch.tensor(self.scratch_kv[i][:j + 1], dtype=torch.long) for i in rows]
-            batch = drafter_batch(tokens, [m + j for m in n], [m + j for m in n], [1] * len(rows),
-                                  [s[j:] for s in scratch], [torch.cat([c, s]) for c, s in zip(committed, scratch)],
-                                  True, self.device, runner.k_buffers, runner.v_buffers,
-                                  [self.scratch_states[i] for i in rows], runner.conv_states, runner.ssm_states)
-            tokens = self.model.forward(batch).argmax(dim=-1).tolist()  # [B'] from [B', V]
-            for i, t in zip(rows, tokens):
-                drafts[i].append(t)
-            keep = [k for k, i in enumerate(rows) if want[i] > j + 1]
-            if len(keep) < len(rows):
-                rows, n, committed = [rows[k] for k in keep], [n[k] for k in keep], [committed[k] for k in keep]
-                tokens = [tokens[k] for k in keep]
-            if not rows:
-                break
-        for r, d in zip(reqs, drafts):
-            if r.grammar is not None and d:
-                del d[r.grammar.valid_prefix(d):]
-        return drafts
+        request's last sampled token (a chain; a request with a grammar keeps its grammar-valid prefix)."""
+        return [ids for ids, _ in self._draft(reqs, limits, [1] * len(reqs))]
 
-    def _copy_states(self, src: list[int], dst: list[int]) -> None:
+    def propose_tree_batch(self, reqs: list[Req], limits: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """A tree of at most ``min(limits[i], num_draft)`` drafts per decoding request (a request with
+        a grammar: a chain, its masks follow one path): see :meth:`_draft`."""
+        return self._draft(reqs, limits, [1 if r.grammar is not None else self.topk for r in reqs])
+
+    @torch.inference_mode()
+    def _draft(self, reqs: list[Req], limits: list[int], widths: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """Beam search of width ``widths[i]`` over the draft model's log-probabilities, ``num_steps``
+        deep, for all requests at once (one draft decode step per depth for every live beam; requests
+        drop out at their depth, ``min(num_steps, budget)``). Every child a beam expanded (its top
+        ``width`` tokens) is a candidate node, scored by its path's cumulative log-probability. The
+        greedy path (each step's argmax) is always a beam, the best ``width - 1`` other candidates of
+        a depth are the others. The tree is that greedy chain, then the best other candidates by
+        score up to ``budget = min(limit, num_draft)`` nodes (a child never scores above its parent,
+        so every chosen node's ancestors are chosen: EAGLE-2's reranking), parents first. With the
+        chain inside it, a tree is accepted at least as far as the chain would be (greedy
+        verification follows the target's argmax down the tree). Width 1 is the greedy chain. A
+        request with a grammar keeps the grammar-valid prefix of its chain."""
+        out: list[tuple[list[int], list[int] | None]] = [([], None) for _ in reqs]
+        budget = [min(limit, self.num_draft) for limit in limits]
+        live = [i for i, b in enumerate(budget) if b > 0]
+        if not live:
+            return out
+        if len(reqs) > min(len(self.scratch_kv), len(self.scratch_states)):
+            raise ValueError(f"{len(reqs)} decoding requests, drafting scratch for {len(self.scratch_states)} rows")
+        depth = {i: min(self.num_steps, budget[i]) for i in live}
+        n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
+        committed = {i: self.req_to_token.read(reqs[i].req_pool_idx, 0, n[i]) for i in live}  # positions 0..n-1
+        nodes: dict[int, list[_Node]] = {i: [] for i in live}
+        beams = {i: [_Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
+        used_kv = {i: 0 for i in live}
+        self._copy_states([reqs[i].state_slot for i in live], [self.scratch_states[i][0] for i in live])
+        runner = self.runner
+        for j in range(self.num_steps):
+            live = [i for i in live if depth[i] > j]
+            if not live:
+                break
+            fed = [(i, b) for i in live for b in beams[i]]
+            for i, b in fed:  # the fed token's K/V go to the request's next scratch KV slot
+                b.path = b.path + [self.scratch_kv[i][used_kv[i]]]
+                used_kv[i] += 1
+            batch = drafter_batch(
+                [b.token for _, b in fed], [n[i] + j for i, _ in fed], [n[i] + j for i, _ in fed], [1] * len(fed),
+                [torch.tensor(b.path[-1:], dtype=torch.long) for _, b in fed],
+                [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed],
+                True, self.device, runner.k_buffers, runner.v_buffers, [b.state for _, b in fed],
+                runner.conv_states, runner.ssm_states)
+            logp = torch.log_softmax(self.model.forward(batch).float(), dim=-1)  # [F, V]
+            top, ids = logp.topk(max(widths[i] for i in live), dim=-1)
+            top, ids = top.tolist(), ids.tolist()
+            children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
+            for row, (i, b) in enumerate(fed):
+                for c in range(widths[i]):
+                    children[i].append((len(nodes[i]), beams[i].index(b)))
+                    nodes[i].append(_Node(ids[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
+            if j + 1 < self.num_steps:
+                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
+                if copies:
+                    self._copy_states(*zip(*copies))
+        for i in nodes:
+            chain = [k for k, node in enumerate(nodes[i]) if node.greedy]
+            others = sorted((k for k, node in enumerate(nodes[i]) if not node.greedy),
+                            key=lambda k: (-nodes[i][k].score, nodes[i][k].depth, k))
+            chosen = sorted((chain + others)[:budget[i]], key=lambda k: (nodes[i][k].depth, not nodes[i][k].greedy,
+                                                                          -nodes[i][k].score, k))
+            at = {k: pos for pos, k in enumerate(chosen)}
+            ids_i = [nodes[i][k].token for k in chosen]
+            parents = [0 if nodes[i][k].parent < 0 else at[nodes[i][k].parent] + 1 for k in chosen]
+            if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
+                ids_i = ids_i[:reqs[i].grammar.valid_prefix(ids_i)]
+                parents = parents[:len(ids_i)]
+            out[i] = (ids_i, None if parents == list(range(len(ids_i))) else parents)
+        return out
+
+    def _next_beams(self, rows: list[int], nodes: dict[int, list[_Node]], children: dict[int, list[tuple[int, int]]],
+                    beams: dict[int, list[_Beam]], widths: list[int]) -> list[tuple[int, int]]:
+        """Request ``i``'s next beams: the greedy child, then the best ``widths[i] - 1`` other children
+        of this depth. A child continues from its parent beam's state: the first child of a parent
+        takes the parent's state slot as it is, another child a slot no beam keeps, into which the
+        parent's state is copied. Returns those copies ``(src, dst)`` (sources and destinations
+        disjoint)."""
+        copies = []
+        for i in rows:
+            best = sorted(children[i], key=lambda c: (not nodes[i][c[0]].greedy, -nodes[i][c[0]].score))[:widths[i]]
+            kept = {parent for _, parent in best}
+            in_use = {b.state for b in beams[i]}
+            spare = [beams[i][k].state for k in range(len(beams[i])) if k not in kept] + \
+                [s for s in self.scratch_states[i] if s not in in_use]
+            taken: set[int] = set()
+            new = []
+            for node, parent in best:
+                src = beams[i][parent]
+                if parent not in taken:
+                    taken.add(parent)
+                    state = src.state
+                else:
+                    state = spare.pop()
+                    copies.append((src.state, state))
+                new.append(_Beam(node, nodes[i][node].token, nodes[i][node].score, state, src.path,
+                                 nodes[i][node].greedy))
+            beams[i] = new
+        return copies
+
+    def _copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """The draft model's recurrent state of slots ``src[i]`` into ``dst[i]`` (the target's untouched)."""
-        s = torch.tensor(src, dtype=torch.long, device=self.device)
-        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
         for buf in self._state_buffers:
             buf.index_copy_(0, d, buf.index_select(0, s))
+
+
+@dataclass
+class _Node:
+    """A candidate draft: its token, parent (index among the request's candidates, -1 = the last
+    sampled token), depth (1 = a child of the last sampled token), path log-probability, and
+    whether it is on the greedy path (every token its parent's argmax)."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+    greedy: bool
+
+
+@dataclass(eq=False)
+class _Beam:
+    """A path being extended: its last node (-1: the last sampled token), the token to feed next,
+    its log-probability, the scratch state slot holding the draft's state before that token, the
+    scratch KV slots of the path's fed tokens so far, and whether it is the greedy path."""
+
+    node: int
+    token: int
+    score: float
+    state: int
+    path: list[int]
+    greedy: bool
+
+
+def _rows(slots: list[int], per_row: int) -> list[list[int]]:
+    return [slots[i:i + per_row] for i in range(0, len(slots) - per_row + 1, per_row)]

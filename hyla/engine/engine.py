@@ -127,15 +127,16 @@ class Engine:
             scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
             drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k)
         elif self.args.speculative_algorithm == "draft":
-            k = self.args.num_draft_tokens
-            scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
-            states = self.cache.reserve_states(self.max_running_requests)  # the draft state while drafting
+            steps, topk = self.args.speculative_num_steps, self.args.speculative_eagle_topk
+            kv_per_row, states_per_row = DraftModelDrafter.scratch_per_row(steps, topk)
+            scratch = self.cache.reserve_kv(self.max_running_requests * kv_per_row)  # the drafts' KV, per batch row
+            states = self.cache.reserve_states(self.max_running_requests * states_per_row)  # the drafting beams' states
             cfg = self.model_config
             draft_runner = ModelRunner(self.draft_model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
                                        cuda_graph=not self.args.disable_cuda_graph,
                                        cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
-            drafter = DraftModelDrafter(draft_runner, scratch, states, k)
+            drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -174,8 +175,11 @@ class Engine:
         else:
             layout = cfg.cache_layout
         # each running request holds a state slot, plus one scratch slot per draft token with
-        # speculation, plus (draft model) one for the draft state while it drafts
-        per_req = 1 + args.num_draft_tokens + (self.draft_model is not None)
+        # speculation, plus (draft model) one per beam for the draft state while it drafts
+        drafting_kv, drafting_states = DraftModelDrafter.scratch_per_row(args.speculative_num_steps,
+                                                                         args.speculative_eagle_topk) \
+            if self.draft_model is not None else (args.num_draft_tokens, 0)
+        per_req = 1 + args.num_draft_tokens + drafting_states
         context = args.context_length or cfg.max_position_embeddings
         # Sizes not given explicitly come from one memory budget split by SGLang's ratio, capped by
         # what the engine can use (a CPU's RAM would otherwise give a 15 MB model 2 GB of pools): a
@@ -200,7 +204,7 @@ class Engine:
                 f"max_running_requests ({self.max_running_requests}) x {per_req} state slots each must be below "
                 f"max_state_slots ({num_slots}): each running request holds one state slot"
                 f"{' and one scratch slot per draft token' if per_req > 1 else ''}"
-                f"{' (and one for the draft model while it drafts)' if self.draft_model is not None else ''}, "
+                f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}, "
                 "and checkpoints need more")
         kv_running = max(running, self.max_running_requests)
         kv_cap = -(-kv_running * context // args.page_size) * args.page_size  # whole pages
@@ -214,7 +218,7 @@ class Engine:
         self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
         # the MTP and draft-model drafters reserve KV for their drafts (CacheManager.reserve_kv): a
         # request must fit beside it
-        reserved = -(-self.max_running_requests * args.num_draft_tokens // args.page_size) * args.page_size \
+        reserved = -(-self.max_running_requests * drafting_kv // args.page_size) * args.page_size \
             if self.mtp_head is not None or self.draft_model is not None else 0
         if reserved >= num_tokens:
             raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the drafts' {reserved} KV slots")

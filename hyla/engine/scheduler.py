@@ -391,9 +391,9 @@ class Scheduler:
         reqs = [r for r in self.running if r.is_decoding]
         if self.drafter is not None and reqs:
             limits = [self._draft_limit(r) for r in reqs]
-            if self.drafter.topk > 1:  # trees, one request at a time
-                for r, limit in zip(reqs, limits):
-                    r.set_drafts(*self.drafter.propose_tree(r, limit))
+            if self.drafter.topk > 1:  # trees
+                for r, tree in zip(reqs, self.drafter.propose_tree_batch(reqs, limits), strict=True):
+                    r.set_drafts(*tree)
             else:
                 for r, d in zip(reqs, self.drafter.propose_batch(reqs, limits), strict=True):
                     r.set_drafts(d)

@@ -68,13 +68,13 @@ class Verdict:
 
 class Drafter:
     """What the scheduler asks of a drafter, each decode step: ``propose_batch`` (drafts for every
-    decoding request; ``propose_tree`` per request when ``topk > 1``), and after every target
+    decoding request; ``propose_tree_batch`` when ``topk > 1``), and after every target
     forward ``observe`` (for drafters that follow the model's hidden states). ``num_draft``: the
     most drafts per request and step (the scheduler reserves that many scratch state slots per
     running request)."""
 
     num_draft: int
-    topk: int = 1  # > 1: the scheduler asks for trees (propose_tree)
+    topk: int = 1  # > 1: the scheduler asks for trees (propose_tree_batch)
     wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
 
     def propose(self, req: Req, limit: int) -> list[int]:
@@ -89,6 +89,10 @@ class Drafter:
     def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
         """Drafts for each decoding request (at most ``limits[i]`` for ``reqs[i]``), one list each."""
         return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
+
+    def propose_tree_batch(self, reqs: list[Req], limits: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """Trees for each decoding request (``topk > 1``): ``propose_tree`` of each, by default."""
+        return [self.propose_tree(r, limit) for r, limit in zip(reqs, limits)]
 
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
                 hidden: torch.Tensor | None) -> None:
