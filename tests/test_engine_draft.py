@@ -179,13 +179,15 @@ def test_draft_trees_are_exact_and_follow_the_draft_model(qwen3_next_dense_path,
 
 
 def test_the_target_as_its_own_draft_is_accepted_in_full(qwen3_next_dense_path):
-    """Drafting with the target itself: every draft is the target's own greedy token, so a verify
-    step accepts all ``num_steps`` drafts and adds its bonus token (up to a near-tie between the
-    draft's decode steps and the verify step's extend)."""
+    """Drafting with the target itself (prefix cache off: the draft's memory is then the requests'
+    own slots): every draft is the target's own greedy token, so a verify step accepts all
+    ``num_steps`` drafts and adds its bonus token (up to a near-tie between the draft's decode steps
+    and the verify step's extend)."""
     prompts = [_ids(n, s) for s, n in ((11, 30), (12, 75), (13, 140), (14, 52))]
     with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
         want = ref.generate(input_ids=prompts, sampling_params=_greedy(41), return_logprob=True)
-    with Engine(qwen3_next_dense_path, debug_checks=True, **_draft(qwen3_next_dense_path, 4), **POOLS) as eng:
+    with Engine(qwen3_next_dense_path, debug_checks=True, enable_prefix_cache=False, **_draft(qwen3_next_dense_path, 4),
+                **POOLS) as eng:
         got = eng.generate(input_ids=prompts, sampling_params=_greedy(41), return_logprob=True)
         accept = eng.get_stats()["spec_accept_length"]
         _drained(eng)
