@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -62,6 +62,9 @@ from hyla.engine.request import Req
 from hyla.engine.speculative import Drafter, drafter_batch
 from hyla.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    from hyla.tokenizer import Tokenizer
+
 
 def draft_cache_layout(target: ModelConfig, draft: ModelConfig) -> CacheLayout:
     """The target's cache layout with the draft model's as its companion: each token slot also
@@ -69,12 +72,22 @@ def draft_cache_layout(target: ModelConfig, draft: ModelConfig) -> CacheLayout:
     return dataclasses.replace(target.cache_layout, companion=draft.cache_layout)
 
 
-def check_draft_model(target: ModelConfig, draft: ModelConfig, context_length: int) -> None:
-    """``ValueError`` unless ``draft`` can draft for ``target``: the same vocabulary size, and a
-    context (``max_position_embeddings``) at least the engine's ``context_length``."""
+def check_draft_model(target: ModelConfig, draft: ModelConfig, context_length: int,
+                      target_tokenizer: Tokenizer | None = None, draft_tokenizer: Tokenizer | None = None) -> None:
+    """``ValueError`` unless ``draft`` can draft for ``target``: the same vocabulary size, the same
+    token for every id when both have a tokenizer (without tokenizer files only the sizes can be
+    compared), and a context (``max_position_embeddings``) at least the engine's ``context_length``."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the model's "
                          f"({target.vocab_size}): a draft model must share the model's tokenizer")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        size = max(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
+        differ = next((i for i in range(size)
+                       if target_tokenizer.id_to_token(i) != draft_tokenizer.id_to_token(i)), None)
+        if differ is not None:
+            raise ValueError(f"the draft model's tokenizer differs from the model's (token id {differ}: "
+                             f"{draft_tokenizer.id_to_token(differ)!r} vs {target_tokenizer.id_to_token(differ)!r}): "
+                             "a draft model must share the model's tokenizer")
     if draft.max_position_embeddings < context_length:
         raise ValueError(f"the draft model's context ({draft.max_position_embeddings} tokens) is shorter than the "
                          f"engine's context length ({context_length}): set context_length <= "

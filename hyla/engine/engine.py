@@ -83,9 +83,9 @@ class Engine:
         self.model_config = self.model.config
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
         self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
+        self.tokenizer = _load_tokenizer(path)
         # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
         self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
-        self.tokenizer = _load_tokenizer(path)
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
         self.sampling_defaults = _generation_defaults(path) if self.args.generation_config == "auto" else {}
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
@@ -159,8 +159,8 @@ class Engine:
             raise ValueError(f"no config.json in draft model directory {str(path)!r}")
         draft = load_model(path, dtype=self.args.dtype, device=self.args.device)
         check_draft_model(self.model_config, draft.config,
-                          self.args.context_length or self.model_config.max_position_embeddings)
-        _check_same_tokenizer(self.model_path, path)
+                          self.args.context_length or self.model_config.max_position_embeddings,
+                          self.tokenizer, _load_tokenizer(path))
         return draft
 
     def _build_pools(self) -> None:
@@ -589,21 +589,6 @@ def _generation_defaults(path: Path) -> dict[str, Any]:
     defaults = {k: cfg[k] for k in GENERATION_DEFAULT_KEYS if cfg.get(k) is not None}
     SamplingParams.from_dict(defaults)  # a bad value is the model's fault: say so at load time
     return defaults
-
-
-def _check_same_tokenizer(model_dir: Path, draft_dir: Path) -> None:
-    """``ValueError`` when both directories have a tokenizer and they map some id to different tokens
-    (a draft model must speak the model's vocabulary; without tokenizer files only the vocabulary
-    sizes can be compared, which ``check_draft_model`` does)."""
-    model_tok, draft_tok = _load_tokenizer(model_dir), _load_tokenizer(draft_dir)
-    if model_tok is None or draft_tok is None:
-        return
-    size = max(model_tok.vocab_size, draft_tok.vocab_size)
-    differ = next((i for i in range(size) if model_tok.id_to_token(i) != draft_tok.id_to_token(i)), None)
-    if differ is not None:
-        raise ValueError(f"the draft model's tokenizer differs from the model's (token id {differ}: "
-                         f"{draft_tok.id_to_token(differ)!r} vs {model_tok.id_to_token(differ)!r}): a draft model "
-                         "must share the model's tokenizer")
 
 
 def _load_tokenizer(path: Path):
