@@ -115,22 +115,27 @@ def _draft_model_continuations(draft, contexts: list[tuple[int, ...]], k: int) -
     return {c: o["output_ids"] for c, o in zip(contexts, outs)}
 
 
-@pytest.mark.parametrize("opts", [
-    POOLS,
-    dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6, chunked_prefill_size=64),  # retraction
-    dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128, page_size=16),
+@pytest.mark.parametrize("draft, opts", [
+    ("nemotron_h_small_path", POOLS),
+    ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
+                                   chunked_prefill_size=64)),  # retraction
+    ("nemotron_h_small_path", dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6,
+                                   chunked_prefill_size=128, page_size=16)),
+    ("lfm2_path", POOLS),  # short convolutions: a conv window and no SSM state per slot
 ])
-def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path, nemotron_h_small_path, opts):
-    """A small NemotronH drafting for Qwen3-Next (another architecture: Mamba2 states beside Gated
-    DeltaNet ones, KV of another shape): after prefix-cache hits, chunked prefills, partly accepted
-    verify steps, retraction and re-admission, every proposal is exactly what the draft model alone
-    continues the request's tokens with — its KV and state followed every commit and rollback."""
-    compared, stats, drafts = _run_differential(qwen3_next_dense_path, nemotron_h_small_path, opts, seed=2)
+def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path, draft, opts, request):
+    """A small NemotronH (or an LFM2) drafting for Qwen3-Next — another architecture: Mamba2 states
+    beside Gated DeltaNet ones, KV of another shape: after prefix-cache hits, chunked prefills,
+    partly accepted verify steps, retraction and re-admission, every proposal is exactly what the
+    draft model alone continues the request's tokens with — its KV and state followed every commit
+    and rollback."""
+    draft = request.getfixturevalue(draft)
+    compared, stats, drafts = _run_differential(qwen3_next_dense_path, draft, opts, seed=2)
     assert compared > 60
     assert stats["num_cached_tokens"] > 0.2 * stats["num_prompt_tokens"]
     proposals = {c: ids for c, (ids, _) in drafts.items() if ids}
     assert len(proposals) > 50
-    want = _draft_model_continuations(nemotron_h_small_path, list(proposals), 3)
+    want = _draft_model_continuations(draft, list(proposals), 3)
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
     assert not differ, f"{len(differ)} of {len(proposals)} proposals differ, e.g. {[proposals[c] for c in differ[:3]]} " \
                        f"vs {[want[c] for c in differ[:3]]}"

@@ -39,8 +39,9 @@ live state (``CacheManager.commit(path=...)``).
 
 Drafters (``Drafter``: what the scheduler asks of one): ``NgramDrafter`` (prompt/history lookup,
 no weights: speculation for every model; with ``topk > 1`` a tree of the continuations of up to
-``topk`` earlier occurrences) and ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
-own multi-token-prediction head).
+``topk`` earlier occurrences), ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
+own multi-token-prediction head) and ``DraftModelDrafter`` (``hyla/engine/draft_drafter.py``: a
+separate small model, its memory on the model's slots; trees from a beam search).
 """
 
 from __future__ import annotations
