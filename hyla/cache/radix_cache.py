@@ -36,15 +36,19 @@ Eviction
 --------
 Three orders, each a ``LazyHeap`` ordered by the pluggable ``EvictionPolicy`` (LRU by default):
 ``evict(n)`` deletes unlocked leaves (their checkpoints go with them); ``evict_state(n)`` takes
-unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone);
-``evict_state(n, for_speculative=True)`` takes only *replaceable* ones — speculative (stored on a
-guess, no hit yet) or superseded (a deeper checkpoint on its single-child path). That is the rule
-for speculative checkpoints: they go only into free memory or in place of replaceable ones, never
-pushing out one that has served a hit or ends a finished turn. With a state pool, a parent left as
-an unlocked tombstone leaf is deleted at once: no checkpoint at or below it, its KV can never serve
-a hit. A node enters a heap when it *becomes* a candidate (new leaf or checkpoint, last child
-evicted, lock released, a deeper checkpoint on its single-child path), not on every access: a
-call costs O(k log n) amortized for k evictions, and a hit costs no heap operation at all.
+unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone), *replaceable*
+ones first; ``evict_state(n, for_speculative=True)`` takes only replaceable ones — superseded (a
+deeper checkpoint on its single-child path) or speculative (stored on a guess, no hit yet) with no
+running request on its path. That is the rule for speculative checkpoints: they go only into free
+memory or in place of replaceable ones, never pushing out one that has served a hit or ends a
+finished turn (``confirm_checkpoint`` marks that one when its sequence finishes). With a state
+pool, an unlocked tombstone leaf is deleted at once — when eviction leaves one, and when the last
+lock on one goes (a turn's tail past its last checkpoint): no checkpoint at or below it, its KV can
+never serve a hit. ``touch(node)`` refreshes a path's recency for a caller that knows the order in
+which it will use prefixes (the engine's waiting queue). A node enters a heap when it *becomes* a
+candidate (new leaf or checkpoint, last child evicted, lock released, a deeper checkpoint on its
+single-child path), not on every access: a call costs O(k log n) amortized for k evictions, and a
+hit costs no heap operation at all.
 
 Everything here is single-threaded: the scheduler is the only caller (as in SGLang).
 """
@@ -117,6 +121,7 @@ class RadixCache:
         self._protected = 0  # tokens in nodes with lock_ref > 0
         self._slot_owner: dict[int, TreeNode] = {}  # checkpoint slot -> the node holding it
         self._evictable_states = 0  # checkpoints with state_lock == 0
+        self.num_garbage_tokens = 0  # KV of unlocked tombstone leaves given back (dec_lock_ref)
         self._kv_heap.clear()
         self._state_heap.clear()
         self._replaceable_heap.clear()
@@ -185,6 +190,19 @@ class RadixCache:
             if self._on_access is not None:
                 self._on_access(last, True)
         return MatchResult(last.depth, last, last.state, off, kv_only_node, values, num_usable)
+
+    def touch(self, node: TreeNode) -> None:
+        """Refresh the KV recency of ``node`` and of the path above it, as a hit on it would (the
+        checkpoint's recency is left alone). For a caller that knows which prefixes it will use
+        soon: touched in the order of use, the one used last is the first LRU victim among them."""
+        self._check_node(node)
+        now = self._now()
+        root = self.root
+        while node is not root:
+            node.last_access = now
+            if self._on_access is not None:
+                self._on_access(node, False)
+            node = node.parent
 
     def match_kv(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> torch.Tensor:
         """KV slots of the longest KV match (whole pages), without splitting or refreshing anything.
@@ -465,7 +483,17 @@ class RadixCache:
                 n = len(node.key)
                 self._protected -= n
                 self._evictable += n
+                if node.speculative:  # no running request extends it any more: replaceable now
+                    self._replaceable_heap.push(node)
             node = node.parent
+        if self.state_pool is not None and bottom.state is None and not bottom.children and not bottom.lock_ref:
+            # an unlocked tombstone leaf (KV past the last checkpoint, e.g. a turn's tail off the
+            # checkpoint grid) can never serve a hit: give its KV back now, not after useful KV
+            kv_out: list[np.ndarray] = []
+            state_out: list[int] = []
+            self.num_garbage_tokens += self._remove_leaf(bottom, kv_out, state_out)
+            self._release(kv_out, state_out)
+            return
         self._kv_heap.push(bottom)  # only the bottom node can be a leaf
 
     def inc_state_lock(self, node: TreeNode) -> None:
@@ -517,17 +545,26 @@ class RadixCache:
         (0 without a state pool). An unlocked leaf is deleted with its KV; any other node —
         internal, or a leaf whose KV a request locks — becomes a tombstone.
 
-        ``for_speculative=True``: make room for speculative checkpoints, which may replace only
-        *replaceable* checkpoints (``TreeNode.replaceable``: speculative, or superseded by a deeper
-        one on their single-child path); returns fewer than ``num_slots`` when those run out, and
-        the caller stores fewer speculative checkpoints."""
+        *Replaceable* checkpoints (``TreeNode.replaceable``: superseded by a deeper one on their
+        single-child path, or speculative with no running request on their path) go first, then
+        the others — unless the policy sets ``replaceable_first = False`` (it picks its victims
+        itself). ``for_speculative=True``: make room for speculative checkpoints, which may
+        replace only replaceable checkpoints; returns fewer than ``num_slots`` when those run out,
+        and the caller stores fewer speculative checkpoints."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        heap = self._replaceable_heap if for_speculative else self._state_heap
+        if num_slots == 0:
+            order: Iterable[TreeNode] = ()
+        elif for_speculative:
+            order = self._replaceable_heap.drain()
+        elif self.policy.replaceable_first:
+            order = itertools.chain(self._replaceable_heap.drain(), self._state_heap.drain())
+        else:
+            order = self._state_heap.drain()
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
-        for node in heap.drain() if num_slots > 0 else ():
+        for node in order:
             if not node.children and not node.lock_ref:
                 self._remove_leaf(node, kv_out, state_out)
             else:
@@ -539,6 +576,36 @@ class RadixCache:
                 break
         self._release(kv_out, state_out)
         return freed
+
+    def confirm_checkpoint(self, node: TreeNode) -> int:
+        """A sequence ending at ``node`` has finished (a turn of a chat, a retracted request): the
+        deepest checkpoint at or above ``node`` — the state its continuation starts from — becomes
+        ordinary if it was speculative, so that no speculative checkpoint replaces it. Returns its
+        length (0 if the path holds none)."""
+        self._check_node(node)
+        while node is not self.root and node.state is None:
+            node = node.parent
+        if node is self.root:
+            return 0
+        node.speculative = False  # its replaceable-heap entry is dropped lazily (no candidate now)
+        return node.depth
+
+    def evict_checkpoint(self, node: TreeNode) -> None:
+        """Free ``node``'s checkpoint now (the caller decided it is superseded, e.g. by a state it is
+        about to insert deeper on the same path): the node becomes a tombstone — an unlocked leaf
+        goes with its KV. ValueError if ``node`` holds no checkpoint or it is state-locked."""
+        self._check_node(node)
+        if node.state is None or node.state_lock:
+            raise ValueError(f"evict_checkpoint needs an unlocked checkpoint: {node!r}")
+        kv_out: list[np.ndarray] = []
+        state_out: list[int] = []
+        if not node.children and not node.lock_ref:
+            self._remove_leaf(node, kv_out, state_out)
+        else:
+            state_out.append(self._take_state(node))
+            if self.policy.structural:
+                self._kv_heap.push(node)
+        self._release(kv_out, state_out)
 
     def _kv_candidate(self, node: TreeNode) -> bool:
         """An unlocked leaf (KV heap membership)."""

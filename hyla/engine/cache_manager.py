@@ -82,6 +82,14 @@ class CacheManager:
     # ------------------------------------------------------------------------------------------
     # admission
     # ------------------------------------------------------------------------------------------
+    def touch(self, hits: Sequence[MatchResult | None]) -> None:
+        """The waiting queue will use these prefixes in this order: refresh their KV recency so that
+        under LRU the one needed last is evicted first (``RadixCache.touch``)."""
+        if self.tree is not None:
+            for hit in hits:
+                if hit is not None and hit.prefix_len:
+                    self.tree.touch(hit.last_node)
+
     def peek(self, req: Req) -> MatchResult | None:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
         if self.tree is None:
@@ -111,11 +119,13 @@ class CacheManager:
         needed); returns those ``n`` KV slots. On failure (None) nothing is held and the hit's
         locks are dropped."""
         prefix_len = hit.prefix_len if hit is not None else 0
+        kv_needed = self._kv_tokens([prefix_len], [n]) + kv_reserve
         ok = (
             n > 0
             and self.req_to_token.can_alloc(1)
+            and self._could_free(kv_needed, 1)  # evict nothing for an admission that cannot happen
             and self._ensure_state(1)  # its own slot; checkpoints are best effort (alloc_checkpoints)
-            and self._ensure_kv(self._kv_tokens([prefix_len], [n]) + kv_reserve)
+            and self._ensure_kv(kv_needed)
         )
         if ok:
             req.req_pool_idx = self.req_to_token.alloc()
@@ -283,6 +293,9 @@ class CacheManager:
                 req.pending_ckpt = None
             if insert and end > 0:
                 self._insert_and_relock(req, end, ckpts)
+                # its deepest checkpoint ends a finished turn (or is where a retracted request
+                # resumes): no speculative checkpoint may replace it any more
+                self.tree.confirm_checkpoint(req.last_node)
             elif ckpts:
                 self.state_pool.free(torch.tensor([s for _, s in ckpts]))
             tail = self.req_to_token.read(row, req.cache_protected_len, req.kv_allocated)
@@ -318,16 +331,36 @@ class CacheManager:
 
     def _set_pending_checkpoint(self, req: Req, length: int, src: int) -> None:
         """Keep a copy of the state after ``length`` tokens (in slot ``src``): into the pending
-        slot the request already holds (no allocation, so no eviction), else into a fresh one if
-        the pool has room."""
+        slot the request already holds (no allocation, so no eviction), else into a fresh one:
+        a free slot, the slot of the checkpoint this one will supersede (the request's own
+        deepest, on a path only it continues), or a replaceable checkpoint's — never a better one's."""
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
-        elif self._ensure_state(1, for_speculative=True):  # it may never be used: take no better one's room
+        elif self.state_pool.available_size() or self._evict_superseded_by(req, length) \
+                or self._ensure_state(1, for_speculative=True):
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
             return
         req.pending_ckpt = (length, slot)
+
+    def _evict_superseded_by(self, req: Req, length: int) -> bool:
+        """Free the checkpoint that a state of ``req`` after ``length`` tokens will supersede once
+        inserted: the deepest checkpoint on ``req``'s path, if it lies above ``length``, nothing
+        branches off between it and the request's end, no other request holds it, and no
+        request is copying it. Returns whether a slot was freed."""
+        node = req.last_node
+        if node is None or node.children:
+            return False
+        while node.state is None:  # up to the deepest checkpoint, through single-child nodes only
+            node = node.parent
+            if node is self.tree.root or len(node.children) != 1:
+                return False
+        if node.depth >= length or node.lock_ref != 1 or node.state_lock:
+            return False
+        self.tree.evict_checkpoint(node)
+        self.num_evicted_states += 1
+        return True
 
     # ------------------------------------------------------------------------------------------
     # memory
@@ -341,9 +374,20 @@ class CacheManager:
             return -1
         return int(self.req_to_token.read(req.req_pool_idx, req.kv_allocated - 1, req.kv_allocated)[0])
 
+    def _could_free(self, num_tokens: int, num_slots: int) -> bool:
+        """Whether ``num_tokens`` KV slots and ``num_slots`` state slots could be had, evicting every
+        unlocked tree entry if need be (an upper bound: a state-locked leaf holds its KV too)."""
+        kv, states = self.kv_pool.available_size(), self.state_pool.available_size()
+        if self.tree is not None:
+            kv += self.tree.evictable_size()
+            states += self.tree.evictable_checkpoints()
+        return kv >= num_tokens and states >= num_slots
+
     def _ensure_kv(self, num_tokens: int) -> bool:
+        """Free KV slots for ``num_tokens``, evicting tree entries if needed — none when even
+        evicting all of them could not make room."""
         avail = self.kv_pool.available_size()
-        if avail < num_tokens and self.tree is not None:
+        if avail < num_tokens and self.tree is not None and self._could_free(num_tokens, 0):
             self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
             avail = self.kv_pool.available_size()
         return avail >= num_tokens
