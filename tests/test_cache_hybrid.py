@@ -413,7 +413,11 @@ def test_touch_orders_lru_victims_by_when_they_will_be_used() -> None:
     cache.touch(nb)  # the queue uses b first, a last: touched in that order, b is now the older
     cache.touch(na)
     assert cache.evict(1) == 8 and nb.removed and not na.removed
-    assert na.state_access < na.last_access  # the checkpoint's recency is left alone
+    assert na.state_access == na.last_access  # as a hit: the checkpoint it ends at is refreshed too
+    x = tokens_of(16, seed=54)
+    n16 = put(cache, x, [8, 16])[0].last_node
+    cache.touch(n16)
+    assert n16.parent.state_access < n16.state_access  # ... not those above it
     cache.check_integrity()
     with pytest.raises(ValueError):
         cache.touch(nb)

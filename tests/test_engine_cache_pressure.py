@@ -5,7 +5,8 @@ Each test pins one rule of the eviction policy; each fails on the engine without
 * a finished turn's end state, stored speculatively (its prompt end on a grid the output never
   reaches past), is confirmed at release: later speculative checkpoints do not replace it;
 * a decode passing a grid point on a full state pool keeps its pending checkpoint in the slot of
-  the checkpoint it supersedes (the request's own prompt-end one);
+  the checkpoint it supersedes (the request's own prompt-end one); so does a prompt-end checkpoint
+  (in the slot of the request's hit);
 * the waiting queue's prefixes age in the order the queue will use them, so LRU evicts the one
   admitted last;
 * an admission that cannot fit evicts nothing.
@@ -62,6 +63,24 @@ def test_a_pending_checkpoint_on_a_full_pool_takes_the_slot_it_supersedes(qwen3_
         first = eng.generate(input_ids=a, sampling_params=_greedy(30))  # 69 tokens fed
         turn2 = a + first["output_ids"] + _ids(10, 8)
         assert eng.generate(input_ids=turn2, sampling_params=_greedy(1))["meta_info"]["cached_tokens"] == 64
+
+
+def test_a_prompt_checkpoint_on_a_full_pool_takes_the_slot_of_the_one_it_supersedes(qwen3_next_dense_path):
+    """Page 16, three slots. A's and B's first turns end at 32 (ordinary once they finish). A's
+    second turn hits 32 and wants its prompt-end checkpoint at 64 — where this turn ends — with no
+    free slot and none replaceable: it takes the slot of A's own checkpoint at 32, which it
+    supersedes, rather than dropping (A's third turn would hit 32) or evicting B's."""
+    a, b = _ids(40, 20), _ids(40, 21)
+    with Engine(qwen3_next_dense_path, page_size=16, max_total_tokens=4096, max_state_slots=3,
+                max_running_requests=1, debug_checks=True) as eng:
+        a1 = eng.generate(input_ids=a, sampling_params=_greedy(1))
+        b1 = eng.generate(input_ids=b, sampling_params=_greedy(1))
+        a2_ids = a + a1["output_ids"] + _ids(30, 22)  # 71 tokens
+        a2 = eng.generate(input_ids=a2_ids, sampling_params=_greedy(1))
+        assert a2["meta_info"]["cached_tokens"] == 32
+        a3 = eng.generate(input_ids=a2_ids + a2["output_ids"] + _ids(5, 23), sampling_params=_greedy(1))
+        b2 = eng.generate(input_ids=b + b1["output_ids"] + _ids(5, 24), sampling_params=_greedy(1))
+        assert [a3["meta_info"]["cached_tokens"], b2["meta_info"]["cached_tokens"]] == [64, 32]
 
 
 def test_the_waiting_queue_keeps_the_prefix_it_admits_first(qwen3_next_dense_path):

@@ -64,6 +64,7 @@ import torch
 from hyla.cache.allocator import as_index_array
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.lazy_heap import LazyHeap
+from hyla.cache.ledger import CacheLedger
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
 from hyla.cache.radix_types import (
     EMPTY_SLOTS,
@@ -74,6 +75,13 @@ from hyla.cache.radix_types import (
     concat_slots,
 )
 from hyla.cache.state_pool import StatePool
+
+
+# how a node's KV or checkpoint left the tree (for the ledger)
+KV_EVICTION = "KV eviction"
+STATE_EVICTION = "checkpoint eviction"
+CHECKPOINT_EVICTION = "superseded in advance"  # evict_checkpoint: the caller will store a deeper one
+GARBAGE = CacheLedger.garbage  # an unlocked tombstone leaf, given back: no checkpoint at or below
 
 
 class RadixCache:
@@ -93,6 +101,7 @@ class RadixCache:
         state_pool: StatePool | None = None,
         policy: EvictionPolicy | None = None,
         clock: Callable[[], float] | None = None,
+        ledger: CacheLedger | None = None,
     ) -> None:
         if page_size is not None and page_size != kv_pool.page_size:
             raise ValueError(f"page_size {page_size} disagrees with the KV pool's {kv_pool.page_size}")
@@ -100,6 +109,7 @@ class RadixCache:
         self.state_pool = state_pool
         self.page_size = kv_pool.page_size
         self.policy = policy if policy is not None else LRUPolicy()
+        self.ledger = ledger  # if set, told of every node whose KV or checkpoint leaves the tree
         # hooks are called only when the policy overrides them (LRU reads the time stamps directly)
         self._on_access = _hook(self.policy, "on_access")
         self._on_create = _hook(self.policy, "on_create")
@@ -192,11 +202,16 @@ class RadixCache:
         return MatchResult(last.depth, last, last.state, off, kv_only_node, values, num_usable)
 
     def touch(self, node: TreeNode) -> None:
-        """Refresh the KV recency of ``node`` and of the path above it, as a hit on it would (the
-        checkpoint's recency is left alone). For a caller that knows which prefixes it will use
-        soon: touched in the order of use, the one used last is the first LRU victim among them."""
+        """Refresh the recency of ``node``'s checkpoint (if any) and the KV recency of ``node`` and
+        of the path above it, as a hit ending at ``node`` would (checkpoints above it are left
+        alone). For a caller that knows which prefixes it will use soon: touched in the order of
+        use, the one used last is the first LRU victim among them."""
         self._check_node(node)
         now = self._now()
+        if node.state is not None:
+            node.state_access = now
+            if self._on_access is not None:
+                self._on_access(node, True)
         root = self.root
         while node is not root:
             node.last_access = now
@@ -491,7 +506,7 @@ class RadixCache:
             # checkpoint grid) can never serve a hit: give its KV back now, not after useful KV
             kv_out: list[np.ndarray] = []
             state_out: list[int] = []
-            self.num_garbage_tokens += self._remove_leaf(bottom, kv_out, state_out)
+            self.num_garbage_tokens += self._remove_leaf(bottom, kv_out, state_out, GARBAGE)
             self._release(kv_out, state_out)
             return
         self._kv_heap.push(bottom)  # only the bottom node can be a leaf
@@ -534,7 +549,7 @@ class RadixCache:
         freed = 0
         if num_tokens > 0:
             for node in self._kv_heap.drain():
-                freed += self._remove_leaf(node, kv_out, state_out)
+                freed += self._remove_leaf(node, kv_out, state_out, KV_EVICTION)
                 if freed >= num_tokens:
                     break
         self._release(kv_out, state_out)
@@ -566,9 +581,9 @@ class RadixCache:
         freed = 0
         for node in order:
             if not node.children and not node.lock_ref:
-                self._remove_leaf(node, kv_out, state_out)
+                self._remove_leaf(node, kv_out, state_out, STATE_EVICTION)
             else:
-                state_out.append(self._take_state(node))
+                state_out.append(self._take_state(node, STATE_EVICTION))
                 if self.policy.structural:
                     self._kv_heap.push(node)
             freed += 1
@@ -600,9 +615,9 @@ class RadixCache:
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         if not node.children and not node.lock_ref:
-            self._remove_leaf(node, kv_out, state_out)
+            self._remove_leaf(node, kv_out, state_out, CHECKPOINT_EVICTION)
         else:
-            state_out.append(self._take_state(node))
+            state_out.append(self._take_state(node, CHECKPOINT_EVICTION))
             if self.policy.structural:
                 self._kv_heap.push(node)
         self._release(kv_out, state_out)
@@ -636,13 +651,16 @@ class RadixCache:
                 return
             node = node.parent
 
-    def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int]) -> int:
+    def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int], how: str) -> int:
         """Delete an unlocked leaf, its KV and checkpoint into the free lists; then, with a state
         pool, its parent if that became an unlocked tombstone leaf, and so on up. A parent that
-        became an unlocked leaf worth keeping joins the KV heap. Returns the tokens removed."""
+        became an unlocked leaf worth keeping joins the KV heap. Returns the tokens removed.
+        ``how``: which operation, for the ledger."""
         freed = 0
         root = self.root
         while True:
+            if self.ledger is not None:
+                self.ledger.removed(node, kv=True, how=how)
             parent = node.parent
             del parent.children[node.child_key]
             n = len(node.key)
@@ -651,7 +669,7 @@ class RadixCache:
             self._evictable -= n
             kv_out.append(node.value)
             if node.state is not None:
-                state_out.append(self._take_state(node))
+                state_out.append(self._take_state(node, how, record=False))
             node.removed = True  # its heap entries are dropped lazily: it is no candidate any more
             self._num_nodes -= 1
             if self._on_remove is not None:
@@ -668,8 +686,10 @@ class RadixCache:
                 return freed
             node = parent  # an unlocked tombstone leaf: no hit can ever use its KV
 
-    def _take_state(self, node: TreeNode) -> int:
+    def _take_state(self, node: TreeNode, how: str, record: bool = True) -> int:
         """Detach ``node``'s (unlocked) checkpoint, making it a tombstone; returns the slot."""
+        if record and self.ledger is not None:
+            self.ledger.removed(node, kv=False, how=how)
         slot = node.state
         del self._slot_owner[slot]
         node.state = None

@@ -41,16 +41,26 @@ Ownership and locks — the whole contract:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
-from hyla.cache import Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import CacheLedger, Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.request import Req
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
+
+# what an eviction made room for, and which checkpoints found no room (the ledger's labels)
+ADMISSION_KV = "an admission's KV"
+ADMISSION_STATE = "an admission's own state"
+GROWTH = "running requests' next tokens"
+BRANCH_CHECKPOINT = "a branch-point checkpoint"
+SPECULATIVE_CHECKPOINT = "a speculative checkpoint"
+PENDING_CHECKPOINT = "a pending decode checkpoint"
+FINISH_CHECKPOINT = "a finish checkpoint"
 
 
 @dataclass
@@ -78,6 +88,22 @@ class CacheManager:
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
         self.num_reserved_states = 0  # slots held for good (reserve_states)
+        self.ledger: CacheLedger | None = None  # see record()
+
+    def record(self, ledger: CacheLedger) -> None:
+        """From now on tell ``ledger`` (and have the tree tell it) every eviction and what it made
+        room for, every checkpoint dropped for want of room, every admission's hit and every
+        release (``hyla.cache.ledger``: what explains a lost hit)."""
+        self.ledger = ledger
+        if self.tree is not None:
+            self.tree.ledger = ledger
+
+    def _because(self, cause: str) -> ContextManager[None]:
+        return self.ledger.because(cause) if self.ledger is not None else contextlib.nullcontext()
+
+    def _dropped(self, req: Req, position: int, what: str) -> None:
+        if self.ledger is not None:
+            self.ledger.dropped(req.fill_ids, position, what, req.namespace)
 
     # ------------------------------------------------------------------------------------------
     # admission
@@ -124,8 +150,8 @@ class CacheManager:
             n > 0
             and self.req_to_token.can_alloc(1)
             and self._could_free(kv_needed, 1)  # evict nothing for an admission that cannot happen
-            and self._ensure_state(1)  # its own slot; checkpoints are best effort (alloc_checkpoints)
-            and self._ensure_kv(kv_needed)
+            and self._ensure_state(1, cause=ADMISSION_STATE)  # its own slot; checkpoints are best effort
+            and self._ensure_kv(kv_needed, cause=ADMISSION_KV)
         )
         if ok:
             req.req_pool_idx = self.req_to_token.alloc()
@@ -143,6 +169,9 @@ class CacheManager:
             return None
         req.last_node = hit.last_node if hit is not None else None
         req.cache_protected_len = prefix_len
+        if self.ledger is not None:
+            self.ledger.admitted(req.rid, req.fill_ids, prefix_len, hit.kv_only_len if hit is not None else 0,
+                                 req.namespace)
         return self.allocate([req], [n])
 
     # ------------------------------------------------------------------------------------------
@@ -151,7 +180,7 @@ class CacheManager:
     def can_allocate(self, reqs: Sequence[Req], lens: Sequence[int], kv_reserve: int = 0) -> bool:
         """Whether KV for ``lens[i]`` more tokens of each request fits (evicting from the tree if
         needed), with ``kv_reserve`` slots to spare."""
-        return self._ensure_kv(self._kv_tokens([r.kv_allocated for r in reqs], lens) + kv_reserve)
+        return self._ensure_kv(self._kv_tokens([r.kv_allocated for r in reqs], lens) + kv_reserve, cause=GROWTH)
 
     def allocate(self, reqs: Sequence[Req], lens: Sequence[int]) -> torch.Tensor:
         """KV slots for positions ``[kv_allocated, kv_allocated + lens[i])`` of each request (any
@@ -165,6 +194,9 @@ class CacheManager:
             self.req_to_token.write(r.req_pool_idx, r.kv_allocated, loc[offset:offset + n])
             r.kv_allocated += n
             offset += n
+        if self.ledger is not None:
+            held = self.kv_pool.size - self.kv_pool.available_size() - (self.tree.evictable_size() if self.tree else 0)
+            self.ledger.sample_usage(held, self.req_to_token.size - self.req_to_token.available_size())
         return loc
 
     def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool]]:
@@ -192,13 +224,23 @@ class CacheManager:
         """Fresh state slots for the checkpoints at ``positions[i]`` (``(absolute position,
         speculative)``, inside this step of request i). Best effort: checkpoints only make later
         hits possible, fewer of them never change an output. Required ones may evict any unlocked
-        checkpoint; speculative ones only replaceable ones. When short, the positions furthest
+        checkpoint; speculative ones only replaceable ones, or the request's own deepest checkpoint
+        that they will supersede (``_evict_superseded_by``). When short, the positions furthest
         into each prompt are kept."""
         keep: set[tuple[int, int]] = set()
         for spec in (False, True):
             ranked = sorted(((p, i) for i, ps in enumerate(positions) for p, s in ps if s == spec), reverse=True)
-            if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec):
-                ranked = ranked[:max(0, self.state_pool.available_size() - len(keep))]
+            what = SPECULATIVE_CHECKPOINT if spec else BRANCH_CHECKPOINT
+            if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec, cause=what):
+                fit = max(0, self.state_pool.available_size() - len(keep))
+                ranked, rest = ranked[:fit], ranked[fit:]
+                moved: set[int] = set()  # requests whose own superseded checkpoint made room
+                for p, i in rest:  # a request's deepest first
+                    if spec and i not in moved and self._evict_superseded_by(reqs[i], p):
+                        moved.add(i)
+                        ranked.append((p, i))
+                    else:
+                        self._dropped(reqs[i], p, what)
             keep.update(ranked)
         slots = iter(self.state_pool.alloc(len(keep)).tolist() if keep else [])
         out = StepCheckpoints()
@@ -256,7 +298,7 @@ class CacheManager:
 
     def reserve_states(self, n: int) -> list[int]:
         """``n`` state slots taken for good (speculative decoding's per-token scratch states)."""
-        if not self._ensure_state(n):
+        if not self._ensure_state(n, cause="speculative-decoding scratch"):
             raise ValueError(f"the state pool cannot spare {n} slots (size {self.state_pool.size}): "
                              "raise max_state_slots or lower max_running_requests")
         slots = self.state_pool.alloc(n).tolist()
@@ -282,10 +324,13 @@ class CacheManager:
         if self.tree is not None:
             ckpts: list[tuple[int, int]] = []
             end = req.kv_len - req.kv_len % self.page_size
-            if insert and req.kv_len > 0 and req.kv_len % self.grid == 0 and self._ensure_state(1):
+            on_grid = insert and req.kv_len > 0 and req.kv_len % self.grid == 0
+            if on_grid and self._ensure_state(1, cause=FINISH_CHECKPOINT):
                 (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
                 ckpts.append((req.kv_len, slot))  # (4) the live state after the last fed token
-            elif insert and req.pending_ckpt is not None and req.pending_ckpt[0] <= end:
+            elif on_grid:
+                self._dropped(req, req.kv_len, FINISH_CHECKPOINT)
+            if not ckpts and insert and req.pending_ckpt is not None and req.pending_ckpt[0] <= end:
                 ckpts.append(req.pending_ckpt)
                 req.pending_ckpt = None
             if req.pending_ckpt is not None:
@@ -309,6 +354,8 @@ class CacheManager:
                 self.kv_pool.free(kv)
         self.state_pool.free(torch.tensor([req.state_slot]))
         self.req_to_token.free(row)
+        if self.ledger is not None:
+            self.ledger.released(req.rid)
         req.req_pool_idx = None
         req.state_slot = None
         req.last_node = None
@@ -338,9 +385,10 @@ class CacheManager:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
         elif self.state_pool.available_size() or self._evict_superseded_by(req, length) \
-                or self._ensure_state(1, for_speculative=True):
+                or self._ensure_state(1, for_speculative=True, cause=PENDING_CHECKPOINT):
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
+            self._dropped(req, length, PENDING_CHECKPOINT)
             return
         req.pending_ckpt = (length, slot)
 
@@ -349,16 +397,17 @@ class CacheManager:
         inserted: the deepest checkpoint on ``req``'s path, if it lies above ``length``, nothing
         branches off between it and the request's end, no other request holds it, and no
         request is copying it. Returns whether a slot was freed."""
-        node = req.last_node
-        if node is None or node.children:
+        node, root = req.last_node, self.tree.root
+        if node is None or node is root or node.children:
             return False
         while node.state is None:  # up to the deepest checkpoint, through single-child nodes only
             node = node.parent
-            if node is self.tree.root or len(node.children) != 1:
+            if node is root or len(node.children) != 1:
                 return False
         if node.depth >= length or node.lock_ref != 1 or node.state_lock:
             return False
-        self.tree.evict_checkpoint(node)
+        with self._because(PENDING_CHECKPOINT):
+            self.tree.evict_checkpoint(node)
         self.num_evicted_states += 1
         return True
 
@@ -383,21 +432,23 @@ class CacheManager:
             states += self.tree.evictable_checkpoints()
         return kv >= num_tokens and states >= num_slots
 
-    def _ensure_kv(self, num_tokens: int) -> bool:
+    def _ensure_kv(self, num_tokens: int, cause: str) -> bool:
         """Free KV slots for ``num_tokens``, evicting tree entries if needed — none when even
-        evicting all of them could not make room."""
+        evicting all of them could not make room. ``cause``: what the room is for (the ledger's label)."""
         avail = self.kv_pool.available_size()
         if avail < num_tokens and self.tree is not None and self._could_free(num_tokens, 0):
-            self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
+            with self._because(cause):
+                self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
             avail = self.kv_pool.available_size()
         return avail >= num_tokens
 
-    def _ensure_state(self, num_slots: int, for_speculative: bool = False) -> bool:
+    def _ensure_state(self, num_slots: int, for_speculative: bool = False, *, cause: str) -> bool:
         """Free state slots for ``num_slots``, evicting tree checkpoints if needed — for a
         speculative use, only replaceable ones (speculative or superseded)."""
         avail = self.state_pool.available_size()
         if avail < num_slots and self.tree is not None:
-            self.num_evicted_states += self.tree.evict_state(num_slots - avail, for_speculative=for_speculative)
+            with self._because(cause):
+                self.num_evicted_states += self.tree.evict_state(num_slots - avail, for_speculative=for_speculative)
             avail = self.state_pool.available_size()
         return avail >= num_slots
 
