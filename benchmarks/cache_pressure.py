@@ -114,6 +114,22 @@ def capacity_bound(ledger, kv_size: int, rids: list[list[str]], wanted: list[lis
     return bound
 
 
+def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[dict]], opts: dict) -> bool | None:
+    """Whether ``hyla sim``'s engine replay (``hyla.sim.replay``) of this run's requests — the same
+    prompts, outputs and options, on accounting pools — reports every request's cached tokens as the
+    engine did. None where the checkout has no replay."""
+    try:
+        from hyla.sim.models import resolve_model
+        from hyla.sim.replay import replay_engine
+        from hyla.sim.trace import TraceRequest
+    except ImportError:
+        return None
+    trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o["output_ids"])
+             for t, (ps, outs) in enumerate(zip(prompts, got)) for i, (p, o) in enumerate(zip(ps, outs))]
+    replay = replay_engine(trace, resolve_model(str(path)).layout, **POOLS, **opts)
+    return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
+
+
 def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
     """Per configuration, summed over the workload seeds."""
     import checkpoints
@@ -150,6 +166,9 @@ def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
                     "history_tokens": [], "kv_pool": kv_size})
                 r["cached"] += cached
                 r["ideal"] += ideal
+                agrees = simulator_agrees(paths[arch], prompts, got, opts)
+                if agrees is not None:
+                    r["sim_disagreements"] = r.get("sim_disagreements", 0) + (not agrees)
                 r["lost_by_seed"].append(1 - cached / max(1, ideal))
                 r["compared_tokens"] += compared
                 r["retractions"] += stats["num_retractions"]
@@ -169,6 +188,15 @@ def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
             if "lost" in r:
                 assert sum(n for *_, n in r["lost"]) == r["ideal"] - r["cached"], "the ledger's attribution must add up"
     return results
+
+
+def _agreement(after: dict[str, dict[str, Any]]) -> str:
+    """The sentence on ``hyla sim``'s engine replay."""
+    wrong = [f"{key} ({r['sim_disagreements']} of its runs)" for key, r in after.items() if r.get("sim_disagreements")]
+    if wrong:
+        return "`hyla sim --engine` (the engine replayed without a model) disagreed on cached tokens in: " + ", ".join(wrong) + "."
+    return ("`hyla sim --engine` (the engine replayed without a model, `hyla/sim/replay.py`) reported every request's "
+            "cached tokens exactly as the engine did, in every run.")
 
 
 def _pct(part: float, whole: float) -> str:
@@ -224,7 +252,8 @@ def render(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]] |
         f"{max(some['history_tokens'])} tokens before the last turn against a KV pool of {some['kv_pool']}: "
         "they cannot all stay cached, and the 6 running requests' new tokens need room besides. The bound is "
         "the most any eviction order could have kept given each run's schedule (`capacity_bound` in the script: "
-        "it knows the future, keeps any prefix of a history, ignores pages and the state pool).\n\n"
+        "it knows the future, keeps any prefix of a history, ignores pages and the state pool). "
+        + _agreement(after) + "\n\n"
         + "\n".join(rows)
         + "\n\nWhere the lost tokens went (`hyla.cache.ledger`; tokens, and share of the ideal): *KV evicted* — "
         "the previous turn's KV was evicted; *checkpoint evicted* — its KV was there, the state at the "
