@@ -20,11 +20,12 @@ Every configuration is fed the same prompts — built from a cache-off run's out
 greedy outputs must equal the cache-off run's up to each request's first floating-point tie
 (``tests/test_engine_differential.py: compare_outputs``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout] [--seeds 1,2,3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
 
-``--compare-with`` runs the same workload on another checkout's ``hyla`` (a subprocess with that
-tree first on ``sys.path``), e.g. ``git worktree add /tmp/before <commit>``: before/after in one
-run (without a ledger there, the decomposition and the bound are reported for this checkout only).
+``--compare-with`` (repeatable) runs the same workload on another checkout's ``hyla`` (a
+subprocess with that tree first on ``sys.path``), e.g. ``git worktree add /tmp/d59eaa7 d59eaa7``:
+before/after in one run, labelled by the checkout's directory name (without a ledger there, the
+decomposition and the bound are reported for this checkout only).
 """
 
 from __future__ import annotations
@@ -203,15 +204,15 @@ def _pct(part: float, whole: float) -> str:
     return f"{100 * part / max(1, whole):.1f}%"
 
 
-def render(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]] | None, seeds: list[int],
-           compare: bool) -> str:
+def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, dict[str, Any]]]],
+           seeds: list[int]) -> str:
     from benchmarks.report import machine
 
     head = "| configuration | cached / ideal | lost (per seed) |"
     sep = "|---|---|---|"
-    if before is not None:
-        head += " cached / ideal (before) | lost (before) | lost share cut |"
-        sep += "---|---|---|"
+    for label, _ in befores:
+        head += f" lost at {label} | cut |"
+        sep += "---|---|"
     head += " bound / ideal | cached / bound | retractions (tokens re-prefilled) |"
     sep += "---|---|---|"
     rows = [head, sep]
@@ -219,11 +220,10 @@ def render(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]] |
         lost = 1 - r["share"]
         per_seed = ", ".join(f"{100 * x:.0f}" for x in r["lost_by_seed"])
         row = f"| {key} | {r['cached']} / {r['ideal']} | {100 * lost:.1f}% ({per_seed}) |"
-        if before is not None:
-            b = before[key]
-            lost_b = 1 - b["share"]
+        for _, before in befores:
+            lost_b = 1 - before[key]["share"]
             cut = f"{lost_b / lost:.1f}x" if lost > 0 else "all"
-            row += f" {b['cached']} / {b['ideal']} | {100 * lost_b:.1f}% | {cut} |"
+            row += f" {100 * lost_b:.1f}% | {cut} |"
         row += (f" {_pct(r['bound'], r['ideal'])} | {_pct(r['cached'], r['bound'])} |"
                 f" {r['retractions']} ({r['recomputed']}) |")
         rows.append(row)
@@ -241,8 +241,8 @@ def render(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]] |
         details.append(f"* {key}: {parts or 'nothing lost'}")
     some = next(iter(after.values()))
     seeds_arg = "" if seeds == DEFAULT_SEEDS else " --seeds " + ",".join(map(str, seeds))
-    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + (
-        " --compare-with <checkout of the commit before>" if compare else "") + seeds_arg
+    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + "".join(
+        f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg
     return (
         f"`{cmd}` — {machine()}; tiny test checkpoints (fp32); 8 concurrent sessions × 4 turns, workload seeds "
         f"{', '.join(map(str, seeds))} (totals over the seeds; the lost share of each seed in parentheses); pools "
@@ -266,7 +266,8 @@ def render(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]] |
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare-with", type=Path, help="another checkout's root: measure it too (before)")
+    ap.add_argument("--compare-with", type=Path, action="append", default=[],
+                    help="another checkout's root (repeatable): measure it too; its directory name labels it")
     ap.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
                     help="comma-separated workload seeds, summed (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print only the results as JSON (used by --compare-with)")
@@ -278,19 +279,20 @@ def main() -> None:
     if args.json:
         print(json.dumps(after))
         return
-    before = None
-    if args.compare_with is not None:
-        env = dict(os.environ, PYTHONPATH=str(args.compare_with.resolve()))
+    befores = []
+    for checkout in args.compare_with:
+        env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
         out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", "--seeds", args.seeds],
-                             env=env, check=True, capture_output=True, text=True, cwd=args.compare_with).stdout
+                             env=env, check=True, capture_output=True, text=True, cwd=checkout).stdout
         before = json.loads(out.strip().splitlines()[-1])
         for key, r in after.items():
             if before[key]["ideal"] != r["ideal"]:
-                raise SystemExit(f"{key}: the two checkouts' cache-off runs fed different prompts")
+                raise SystemExit(f"{key}: {checkout}'s cache-off runs fed different prompts")
+        befores.append((checkout.resolve().name, before))
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import write_section
 
-    body = render(after, before, seeds, args.compare_with is not None)
+    body = render(after, befores, seeds)
     print(body)
     if not args.no_write:
         write_section("Cache under pressure", body)

@@ -35,8 +35,10 @@ Ownership and locks — the whole contract:
 * ``reserve_states`` takes slots for good (speculative decoding's scratch): neither the tree nor
   any request owns them.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
-  the room (``_ensure_kv`` / ``_ensure_state``); with the prefix cache off there is no tree, every
-  slot is the request's own and is freed on release.
+  the room (``_ensure_kv`` / ``_ensure_state``; KV and admissions evict nothing when even
+  evicting everything unlocked could not make the room, checkpoints are best effort and keep what
+  fits; ``_evict_superseded_by`` for a checkpoint the request's own new one supersedes); with the
+  prefix cache off there is no tree, every slot is the request's own and is freed on release.
 """
 
 from __future__ import annotations
@@ -109,8 +111,8 @@ class CacheManager:
     # admission
     # ------------------------------------------------------------------------------------------
     def touch(self, hits: Sequence[MatchResult | None]) -> None:
-        """The waiting queue will use these prefixes in this order: refresh their KV recency so that
-        under LRU the one needed last is evicted first (``RadixCache.touch``)."""
+        """The waiting queue will use these prefixes in this order: refresh their recency (KV path
+        and checkpoint) so that under LRU the one needed last is evicted first (``RadixCache.touch``)."""
         if self.tree is not None:
             for hit in hits:
                 if hit is not None and hit.prefix_len:
@@ -236,7 +238,7 @@ class CacheManager:
                 ranked, rest = ranked[:fit], ranked[fit:]
                 moved: set[int] = set()  # requests whose own superseded checkpoint made room
                 for p, i in rest:  # a request's deepest first
-                    if spec and i not in moved and self._evict_superseded_by(reqs[i], p):
+                    if spec and i not in moved and self._evict_superseded_by(reqs[i], p, what):
                         moved.add(i)
                         ranked.append((p, i))
                     else:
@@ -384,7 +386,7 @@ class CacheManager:
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
-        elif self.state_pool.available_size() or self._evict_superseded_by(req, length) \
+        elif self.state_pool.available_size() or self._evict_superseded_by(req, length, PENDING_CHECKPOINT) \
                 or self._ensure_state(1, for_speculative=True, cause=PENDING_CHECKPOINT):
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
@@ -392,11 +394,11 @@ class CacheManager:
             return
         req.pending_ckpt = (length, slot)
 
-    def _evict_superseded_by(self, req: Req, length: int) -> bool:
+    def _evict_superseded_by(self, req: Req, length: int, cause: str) -> bool:
         """Free the checkpoint that a state of ``req`` after ``length`` tokens will supersede once
         inserted: the deepest checkpoint on ``req``'s path, if it lies above ``length``, nothing
         branches off between it and the request's end, no other request holds it, and no
-        request is copying it. Returns whether a slot was freed."""
+        request is copying it. Returns whether a slot was freed. ``cause``: the ledger's label."""
         node, root = req.last_node, self.tree.root
         if node is None or node is root or node.children:
             return False
@@ -406,7 +408,7 @@ class CacheManager:
                 return False
         if node.depth >= length or node.lock_ref != 1 or node.state_lock:
             return False
-        with self._because(PENDING_CHECKPOINT):
+        with self._because(cause):
             self.tree.evict_checkpoint(node)
         self.num_evicted_states += 1
         return True

@@ -330,7 +330,8 @@ class Scheduler:
 
     def _ordered_waiting(self) -> list[Req]:
         """Waiting requests in policy order. LPM: longest usable cached prefix first (FCFS among
-        equals). Matches are recomputed at admission: an earlier admission may have evicted."""
+        equals), the hits touched in reverse order so that LRU evicts the one admitted last first.
+        Matches are recomputed at admission: an earlier admission may have evicted."""
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
             return list(self.waiting)
         hits = {id(r): self.cache.peek(r) for r in self.waiting}
