@@ -327,7 +327,7 @@ class CacheManager:
         """``n`` KV slots taken for good, on whole pages (the MTP drafter's scratch: the KV of its
         draft tokens, which never enter a request's row)."""
         tokens = -(-n // self.page_size) * self.page_size
-        if not self._ensure_kv(tokens):
+        if not self._ensure_kv(tokens, cause="speculative-decoding scratch"):
             raise ValueError(f"the KV pool cannot spare {n} slots (size {self.kv_pool.size}): "
                              "raise max_total_tokens or lower max_running_requests")
         slots = self.kv_pool.alloc(n).tolist()
