@@ -1,31 +1,46 @@
 """Cache under pressure (issue: cache under pressure), written to ``## Cache under pressure``.
 
-Concurrent multi-turn sessions on pools sized to force eviction and retraction. Turn ``t + 1`` of
-a session is its turn-``t`` prompt + output + a new user message, so ideally it hits everything
-the previous turn fed: ``prompt + output - 1`` tokens (the last output token is never fed),
-rounded down to the checkpoint grid. Reported: cached tokens as a share of that ideal, summed
-over every turn after the first, per configuration (page 1 / 16, alignment 1 / 64, two
-architectures), and the lost share ``1 - cached / ideal``.
+Concurrent multi-turn sessions on pools sized to force eviction, over several workload seeds (one
+run's figures swing with small changes of timing). Turn ``t + 1`` of a session is
+its turn-``t`` prompt + output + a new user message, so ideally it hits everything the previous
+turn fed: ``prompt + output - 1`` tokens (the last output token is never fed), rounded down to
+the checkpoint grid. Reported per configuration (page 1 / 16, alignment 1 / 64, two
+architectures), summed over every turn after the first:
 
-Outputs are checked too: every configuration's greedy tokens must equal a cache-off run's.
+* cached tokens as a share of that ideal, and the lost share ``1 - cached / ideal``;
+* a capacity-aware bound: the most any eviction order could have kept, given this run's schedule
+  (see ``capacity_bound``), and cached tokens as a share of it;
+* where every lost token went (``hyla.cache.ledger``): the previous turn's KV evicted (and what
+  needed the room), its KV there but the checkpoint evicted (which kind, and for what), no room
+  for a checkpoint that was wanted, no checkpoint taken there, never cached;
+* retractions, and the tokens re-admissions after them prefilled again (their own cost, not part
+  of the lost share: the hit of a request is counted at its first admission).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout]
+Every configuration is fed the same prompts — built from a cache-off run's outputs — and its
+greedy outputs must equal the cache-off run's up to each request's first floating-point tie
+(``tests/test_engine_differential.py: compare_outputs``).
 
-``--compare-with`` runs the same workload on another checkout's ``hyla`` (a subprocess with that
-tree first on ``sys.path``), e.g. a ``git worktree`` of the commit before a change: before/after
-in one run.
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
+
+``--compare-with`` (repeatable) runs the same workload on another checkout's ``hyla`` (a
+subprocess with that tree first on ``sys.path``), e.g. ``git worktree add /tmp/d59eaa7 d59eaa7``:
+before/after in one run, labelled by the checkout's directory name (without a ledger there, the
+decomposition and the bound are reported for this checkout only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -37,102 +52,247 @@ CONFIGS = [  # (name, engine options)
 ]
 ARCHS = ("qwen3_next", "nemotron_h")
 POOLS = dict(max_total_tokens=1536, max_state_slots=14, max_running_requests=6, chunked_prefill_size=256)
+SYSTEM_PROMPT = 40  # tokens every session starts with
+CATEGORIES = ("KV evicted", "checkpoint evicted", "no room for a checkpoint", "no checkpoint taken",
+              "off the checkpoint grid", "never cached")
+DEFAULT_SEEDS = [1, 2, 3, 4, 5, 6, 7]
 
 
 def workload(seed: int, num_sessions: int = 8, num_turns: int = 4) -> tuple[list[list[int]], list[list[list[int]]], list[int]]:
+    """First prompts (a shared system prompt + a user message), later user messages, output lengths."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(3, 2048) for _ in range(n)]  # noqa: E731
-    system = tok(40)
+    system = tok(SYSTEM_PROMPT)
     firsts = [system + tok(rng.randrange(20, 120)) for _ in range(num_sessions)]
     users = [[tok(rng.randrange(10, 60)) for _ in range(num_turns)] for _ in range(num_sessions)]
     max_new = [rng.randrange(8, 40) for _ in range(num_sessions)]
     return firsts, users, max_new
 
 
-def run_sessions(engine, firsts, users, max_new, grid: int) -> tuple[int, int, list[list[int]]]:
-    """All sessions' turn t submitted together; returns (cached, ideal, outputs)."""
-    prompts = [list(p) for p in firsts]
-    cached = ideal = 0
-    outputs: list[list[int]] = []
+def run_turn(engine, prompts: list[list[int]], max_new: list[int]) -> list[dict]:
+    """One turn: every session's request submitted together (greedy, fixed output lengths)."""
+    params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in max_new]
+    return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+
+
+def reference(engine, firsts, users, max_new) -> tuple[list[list[list[int]]], list[list[dict]]]:
+    """The cache-off run: each turn's prompts (turn t + 1 = turn t's prompt + output + the next
+    user message) and outputs. Every configuration is then fed these same prompts."""
+    prompts, outputs = [list(map(list, firsts))], []
     for t in range(len(users[0])):
-        params = [{"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in max_new]
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        for i, o in enumerate(outs):
-            outputs.append(o["output_ids"])
-            if t > 0:
-                cached += o["meta_info"]["cached_tokens"]
-                ideal += prev_fed[i] - prev_fed[i] % grid
-        prev_fed = [len(p) + len(o["output_ids"]) - 1 for p, o in zip(prompts, outs)]
-        prompts = [p + o["output_ids"] + users[i][t] for i, (p, o) in enumerate(zip(prompts, outs))]
-    return cached, ideal, outputs
+        outs = run_turn(engine, prompts[t], max_new)
+        outputs.append(outs)
+        if t + 1 < len(users[0]):
+            prompts.append([p + o["output_ids"] + users[i][t] for i, (p, o) in enumerate(zip(prompts[t], outs))])
+    return prompts, outputs
 
 
-def measure(ckpt_dir: Path) -> dict[str, dict[str, float]]:
-    import math
+def capacity_bound(ledger, kv_size: int, rids: list[list[str]], wanted: list[list[int]], shared: list[list[int]]) -> int:
+    """The most cached tokens any eviction order could have served, given this run's schedule.
 
+    Session ``i``'s turn ``t + 1`` can hit beyond the shared system prompt (``shared[t][i]``
+    tokens, held once for all) only what the tree kept of its own previous turn from that turn's
+    release to this turn's admission. Meanwhile the running requests hold ``held(τ)`` KV slots
+    (ledger samples after every allocation), so what all waiting sessions keep at ``τ`` is at most
+    ``kv_size - held(τ)`` (less the system prompt while nothing runs). Maximizing the kept tokens
+    under those interval constraints, each session keeping any prefix of its history (as if a
+    checkpoint were wherever needed; state slots ignored), is solved by earliest-admission-first
+    greedy. A bound, not a policy: it knows the future and ignores the state pool and pages.
+    """
+    cap = {time: kv_size - held - (SYSTEM_PROMPT if running == 0 else 0) for time, held, running in ledger.usage}
+    items = []  # (admission time, previous release, keepable tokens, shared tokens)
+    for t in range(1, len(rids)):
+        for i, rid in enumerate(rids[t]):
+            items.append((ledger.admissions[rid][0].time, ledger.releases[rids[t - 1][i]][-1],
+                          wanted[t][i] - shared[t][i], shared[t][i]))
+    bound = 0
+    for admitted, released, keepable, free in sorted(items):
+        window = [time for time in cap if released < time < admitted]
+        kept = max(0, min([keepable] + [cap[time] for time in window]))
+        for time in window:
+            cap[time] -= kept
+        bound += free + kept
+    return bound
+
+
+def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[dict]], opts: dict) -> bool | None:
+    """Whether ``hyla sim``'s engine replay (``hyla.sim.replay``) of this run's requests — the same
+    prompts, outputs and options, on accounting pools — reports every request's cached tokens as the
+    engine did. None where the checkout has no replay."""
+    try:
+        from hyla.sim.models import resolve_model
+        from hyla.sim.replay import replay_engine
+        from hyla.sim.trace import TraceRequest
+    except ImportError:
+        return None
+    trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o["output_ids"])
+             for t, (ps, outs) in enumerate(zip(prompts, got)) for i, (p, o) in enumerate(zip(ps, outs))]
+    replay = replay_engine(trace, resolve_model(str(path)).layout, **POOLS, **opts)
+    return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
+
+
+def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """Per configuration, summed over the workload seeds."""
     import checkpoints
+    from test_engine_differential import compare_outputs
+
     from hyla import Engine
 
     paths = {"qwen3_next": checkpoints.make_qwen3_next(ckpt_dir, moe=False),
              "nemotron_h": checkpoints.make_nemotron_h(ckpt_dir)}
-    results: dict[str, dict[str, float]] = {}
+    results: dict[str, dict[str, Any]] = {}
     for arch in ARCHS:
-        firsts, users, max_new = workload(seed=7)
-        with Engine(paths[arch], enable_prefix_cache=False, **POOLS) as off:
-            _, _, want = run_sessions(off, firsts, users, max_new, 1)
-        for name, opts in CONFIGS:
-            grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
-            with Engine(paths[arch], **POOLS, **opts) as eng:
-                cached, ideal, got = run_sessions(eng, firsts, users, max_new, grid)
-                stats = eng.get_stats()
-            same = sum(a == b for a, b in zip(got, want)) / len(want)
-            results[f"{arch}, {name}"] = {"cached": cached, "ideal": ideal, "share": cached / max(1, ideal),
-                                          "same_outputs": same, "retractions": stats["num_retractions"],
-                                          "evicted_states": stats["num_evicted_states"]}
+        for seed in seeds:
+            firsts, users, max_new = workload(seed)
+            with Engine(paths[arch], enable_prefix_cache=False, **POOLS) as off:
+                prompts, want = reference(off, firsts, users, max_new)
+            fed = [[len(p) + len(o["output_ids"]) - 1 for p, o in zip(ps, outs)] for ps, outs in zip(prompts, want)]
+            for name, opts in CONFIGS:
+                grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
+                wanted = [[0] * len(firsts)] + [[f - f % grid for f in fs] for fs in fed[:-1]]
+                shared = [[min(w, SYSTEM_PROMPT - SYSTEM_PROMPT % grid) for w in ws] for ws in wanted]
+                with Engine(paths[arch], **POOLS, **opts) as eng:
+                    ledger = eng.record_cache_events() if hasattr(eng, "record_cache_events") else None
+                    got = [run_turn(eng, prompts[t], max_new) for t in range(len(prompts))]
+                    stats = eng.get_stats()
+                    kv_size = eng.kv_pool.size
+                try:
+                    compared = compare_outputs([o for outs in got for o in outs], [o for outs in want for o in outs])
+                except AssertionError as e:
+                    raise SystemExit(f"{arch}, {name}, seed {seed}: outputs differ from the cache-off run: {e}") from None
+                cached = sum(o["meta_info"]["cached_tokens"] for outs in got[1:] for o in outs)
+                ideal = sum(map(sum, wanted))
+                r = results.setdefault(f"{arch}, {name}", {
+                    "cached": 0, "ideal": 0, "lost_by_seed": [], "compared_tokens": 0, "retractions": 0,
+                    "history_tokens": [], "kv_pool": kv_size})
+                r["cached"] += cached
+                r["ideal"] += ideal
+                agrees = simulator_agrees(paths[arch], prompts, got, opts)
+                if agrees is not None:
+                    r["sim_disagreements"] = r.get("sim_disagreements", 0) + (not agrees)
+                r["lost_by_seed"].append(1 - cached / max(1, ideal))
+                r["compared_tokens"] += compared
+                r["retractions"] += stats["num_retractions"]
+                r["history_tokens"].append(max(sum(f) for f in fed[:-1]))  # what later turns want kept
+                if ledger is not None:
+                    rids = [[o["meta_info"]["id"] for o in outs] for outs in got]
+                    lost = Counter({tuple(k): n for *k, n in r.get("lost", [])})
+                    for t in range(1, len(got)):
+                        for rid, w in zip(rids[t], wanted[t]):
+                            lost.update(ledger.explain(rid, w, grid))
+                    r["lost"] = [[cat, detail, n] for (cat, detail), n in lost.most_common()]
+                    r["bound"] = r.get("bound", 0) + capacity_bound(ledger, kv_size, rids, wanted, shared)
+                    r["recomputed"] = r.get("recomputed", 0) + sum(ledger.recomputed(k) for turn in rids for k in turn)
+        for name, _ in CONFIGS:
+            r = results[f"{arch}, {name}"]
+            r["share"] = r["cached"] / max(1, r["ideal"])
+            if "lost" in r:
+                assert sum(n for *_, n in r["lost"]) == r["ideal"] - r["cached"], "the ledger's attribution must add up"
     return results
+
+
+def _agreement(after: dict[str, dict[str, Any]]) -> str:
+    """The sentence on ``hyla sim``'s engine replay."""
+    wrong = [f"{key} ({r['sim_disagreements']} of its runs)" for key, r in after.items() if r.get("sim_disagreements")]
+    if wrong:
+        return "`hyla sim --engine` (the engine replayed without a model) disagreed on cached tokens in: " + ", ".join(wrong) + "."
+    return ("`hyla sim --engine` (the engine replayed without a model, `hyla/sim/replay.py`) reported every request's "
+            "cached tokens exactly as the engine did, in every run.")
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / max(1, whole):.1f}%"
+
+
+def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, dict[str, Any]]]],
+           seeds: list[int]) -> str:
+    from benchmarks.report import machine
+
+    head = "| configuration | cached / ideal | lost (per seed) |"
+    sep = "|---|---|---|"
+    for label, _ in befores:
+        head += f" lost at {label} | cut |"
+        sep += "---|---|"
+    head += " bound / ideal | cached / bound | retractions (tokens re-prefilled) |"
+    sep += "---|---|---|"
+    rows = [head, sep]
+    for key, r in after.items():
+        lost = 1 - r["share"]
+        per_seed = ", ".join(f"{100 * x:.0f}" for x in r["lost_by_seed"])
+        row = f"| {key} | {r['cached']} / {r['ideal']} | {100 * lost:.1f}% ({per_seed}) |"
+        for _, before in befores:
+            lost_b = 1 - before[key]["share"]
+            cut = f"{lost_b / lost:.1f}x" if lost > 0 else "all"
+            row += f" {100 * lost_b:.1f}% | {cut} |"
+        row += (f" {_pct(r['bound'], r['ideal'])} | {_pct(r['cached'], r['bound'])} |"
+                f" {r['retractions']} ({r['recomputed']}) |")
+        rows.append(row)
+    decomposition = ["| configuration | lost | " + " | ".join(CATEGORIES) + " |",
+                     "|---|---|" + "---|" * len(CATEGORIES)]
+    details = []
+    for key, r in after.items():
+        by_cat: Counter = Counter()
+        for cat, _, n in r["lost"]:
+            by_cat[cat] += n
+        total = r["ideal"] - r["cached"]
+        decomposition.append(f"| {key} | {total} ({_pct(total, r['ideal'])}) | " + " | ".join(
+            f"{by_cat[c]} ({_pct(by_cat[c], r['ideal'])})" if by_cat[c] else "0" for c in CATEGORIES) + " |")
+        parts = "; ".join(f"{cat}{' (' + detail + ')' if detail else ''}: {n}" for cat, detail, n in r["lost"])
+        details.append(f"* {key}: {parts or 'nothing lost'}")
+    some = next(iter(after.values()))
+    seeds_arg = "" if seeds == DEFAULT_SEEDS else " --seeds " + ",".join(map(str, seeds))
+    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + "".join(
+        f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg
+    return (
+        f"`{cmd}` — {machine()}; tiny test checkpoints (fp32); 8 concurrent sessions × 4 turns, workload seeds "
+        f"{', '.join(map(str, seeds))} (totals over the seeds; the lost share of each seed in parentheses); pools "
+        f"{POOLS}. Ideal = each turn hits the previous turn's prompt + output − 1, rounded down to the grid. "
+        "Every configuration is fed the cache-off run's prompts, and its greedy outputs equal the cache-off "
+        f"run's (up to floating-point ties). The sessions' histories reach {min(some['history_tokens'])}–"
+        f"{max(some['history_tokens'])} tokens before the last turn against a KV pool of {some['kv_pool']}: "
+        "they cannot all stay cached, and the 6 running requests' new tokens need room besides. The bound is "
+        "the most any eviction order could have kept given each run's schedule (`capacity_bound` in the script: "
+        "it knows the future, keeps any prefix of a history, ignores pages and the state pool). "
+        + _agreement(after) + "\n\n"
+        + "\n".join(rows)
+        + "\n\nWhere the lost tokens went (`hyla.cache.ledger`; tokens, and share of the ideal): *KV evicted* — "
+        "the previous turn's KV was evicted; *checkpoint evicted* — its KV was there, the state at the "
+        "wanted position was evicted; *no room for a checkpoint* — the engine wanted one there and the state "
+        "pool had no free or replaceable slot; *no checkpoint taken* — none was asked for; *off the checkpoint "
+        "grid* — KV past the last grid position it reaches; *never cached* — tokens no removal explains.\n\n"
+        + "\n".join(decomposition)
+        + "\n\nIn detail (how the tree let go of it, and what needed the room):\n\n" + "\n".join(details))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--compare-with", type=Path, help="another checkout's root: measure it too (before)")
+    ap.add_argument("--compare-with", type=Path, action="append", default=[],
+                    help="another checkout's root (repeatable): measure it too; its directory name labels it")
+    ap.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
+                    help="comma-separated workload seeds, summed (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print only the results as JSON (used by --compare-with)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",")]
     ckpt_dir = Path(tempfile.gettempdir()) / "hyla-bench-ckpts"
-    after = measure(ckpt_dir)
+    after = measure(ckpt_dir, seeds)
     if args.json:
         print(json.dumps(after))
         return
-    before = None
-    if args.compare_with is not None:
-        env = dict(os.environ, PYTHONPATH=str(args.compare_with.resolve()))
-        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json"], env=env, check=True,
-                             capture_output=True, text=True, cwd=args.compare_with).stdout
+    befores = []
+    for checkout in args.compare_with:
+        env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", "--seeds", args.seeds],
+                             env=env, check=True, capture_output=True, text=True, cwd=checkout).stdout
         before = json.loads(out.strip().splitlines()[-1])
+        for key, r in after.items():
+            if before[key]["ideal"] != r["ideal"]:
+                raise SystemExit(f"{key}: {checkout}'s cache-off runs fed different prompts")
+        befores.append((checkout.resolve().name, before))
     sys.path.insert(0, str(ROOT))
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import write_section
 
-    head = "| configuration | cached / ideal (after) | lost (after) |"
-    sep = "|---|---|---|"
-    if before is not None:
-        head += " cached / ideal (before) | lost (before) | lost share cut |"
-        sep += "---|---|---|"
-    rows = [head, sep]
-    for key, r in after.items():
-        row = f"| {key} | {r['cached']} / {r['ideal']} | {100 * (1 - r['share']):.1f}% |"
-        if before is not None:
-            b = before[key]
-            lost_a, lost_b = 1 - r["share"], 1 - b["share"]
-            cut = f"{lost_b / lost_a:.1f}x" if lost_a > 0 else "all"
-            row += f" {b['cached']} / {b['ideal']} | {100 * lost_b:.1f}% | {cut} |"
-        rows.append(row)
-        if r["same_outputs"] != 1.0:
-            raise SystemExit(f"{key}: outputs differ from the cache-off run ({r['same_outputs']:.2%} equal)")
-    cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + (
-        " --compare-with <checkout of the commit before>" if before is not None else "")
-    body = (f"`{cmd}` — {machine()}; tiny test checkpoints (fp32), 8 concurrent sessions × 4 turns, pools "
-            f"{POOLS}. Ideal = each turn hits the previous turn's prompt + output − 1, rounded down to the grid. "
-            "Every configuration's greedy outputs equal the cache-off run's.\n\n" + "\n".join(rows))
+    body = render(after, befores, seeds)
     print(body)
     if not args.no_write:
         write_section("Cache under pressure", body)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from hyla.cache import EvictionPolicy, KVPool, RadixCache, StatePool, TreeNode
+from hyla.cache import EvictionPolicy, KVPool, LRUPolicy, RadixCache, StatePool, TreeNode
 
 
 def make(page_size: int = 1, num_slots: int = 64, real_states: bool = False, **kw) -> RadixCache:
@@ -246,8 +246,9 @@ def test_state_eviction_keeps_kv_a_request_locks_and_skips_state_locks() -> None
     assert cache.total_size() == 32 and b.last_node.state is not None
     assert cache.evict(100) == 0  # x is KV-locked, y is state-locked
     cache.dec_state_lock(b.last_node)
-    cache.dec_lock_ref(a.last_node)
-    assert cache.evict(100) == 32
+    cache.dec_lock_ref(a.last_node)  # x's tombstone leaf, unlocked, can serve no hit: given back at once
+    assert a.last_node.removed and cache.total_size() == 16 and cache.num_garbage_tokens == 16
+    assert cache.evict(100) == 16
     cache.check_integrity()
 
 
@@ -267,7 +268,7 @@ def test_state_locks_are_per_node_and_validated() -> None:
 
 
 def test_a_hit_refreshes_the_path_kv_but_only_the_checkpoint_it_uses() -> None:
-    cache = make()
+    cache = make(policy=LRUPolicy(replaceable_first=False))  # recency alone (superseded ones go first otherwise)
     x = tokens_of(16, seed=18)
     out, _, _ = put(cache, x, [4, 8, 16])
     n16 = out.last_node
@@ -350,6 +351,7 @@ class ExternalScore(EvictionPolicy):
     """Priorities from outside the tree (e.g. a simulator's utility over all candidates)."""
 
     structural = False
+    replaceable_first = False  # the outside score alone decides
 
     def __init__(self) -> None:
         self.score: dict[int, float] = {}
@@ -374,3 +376,70 @@ def test_refresh_priority_reorders_after_an_outside_change() -> None:
     assert cache.match_prefix(x[:8]).prefix_len == 8
     with pytest.raises(ValueError):
         cache.refresh_priority(n16)  # deleted with its KV (an unlocked leaf)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV that can serve no hit, touch, evicting one checkpoint
+# ----------------------------------------------------------------------------------------------
+def test_an_unlocked_tombstone_leaf_is_given_back_at_once() -> None:
+    """A finished sequence's tail past its last checkpoint (a turn ending off the checkpoint grid)
+    can serve no hit: when its last lock goes, its KV goes back to the pool — and the tombstone
+    edges above it, up to the checkpoint — instead of waiting in LRU order beside useful KV."""
+    cache = make()
+    x = tokens_of(30, seed=50)
+    out, _, _ = put(cache, x[:10], [10])
+    res = cache.insert(x, cache.match_kv(x[:10]).tolist() + cache.kv_pool.alloc(20).tolist())
+    cache.inc_lock_ref(res.last_node)  # the request that computed the tail is still running
+    free = cache.kv_pool.available_size()
+    mid = cache.match_prefix(x[:20] + [-1])  # splits the tail at 20: two tombstone edges
+    assert mid.kv_only_len == 20 and cache.kv_pool.available_size() == free
+    cache.dec_lock_ref(res.last_node)
+    assert res.last_node.removed and mid.kv_only_node.removed and not out.last_node.removed
+    assert cache.kv_pool.available_size() == free + 20 and cache.num_garbage_tokens == 20
+    assert cache.total_size() == 10 and cache.match_prefix(x).prefix_len == 10
+    cache.check_integrity()
+    # without a state pool every prefix is usable: nothing is garbage
+    kv_only = RadixCache(KVPool(64, 1, 1, 1, 1, torch.float32, accounting=True))
+    node = kv_only.insert(x[:8], kv_only.kv_pool.alloc(8)).last_node
+    kv_only.inc_lock_ref(node)
+    kv_only.dec_lock_ref(node)
+    assert not node.removed and kv_only.total_size() == 8
+
+
+def test_touch_orders_lru_victims_by_when_they_will_be_used() -> None:
+    cache = make()
+    a, b = tokens_of(8, seed=51), tokens_of(8, seed=52)
+    na, nb = put(cache, a, [8])[0].last_node, put(cache, b, [8])[0].last_node
+    cache.touch(nb)  # the queue uses b first, a last: touched in that order, b is now the older
+    cache.touch(na)
+    assert cache.evict(1) == 8 and nb.removed and not na.removed
+    assert na.state_access == na.last_access  # as a hit: the checkpoint it ends at is refreshed too
+    x = tokens_of(16, seed=54)
+    n16 = put(cache, x, [8, 16])[0].last_node
+    cache.touch(n16)
+    assert n16.parent.state_access < n16.state_access  # ... not those above it
+    cache.check_integrity()
+    with pytest.raises(ValueError):
+        cache.touch(nb)
+
+
+def test_evict_checkpoint_frees_one_named_checkpoint() -> None:
+    cache = make()
+    x = tokens_of(16, seed=53)
+    out, _, (s8, s16) = put(cache, x, [8, 16])
+    n16 = out.last_node
+    n8 = n16.parent
+    cache.inc_lock_ref(n16)
+    cache.evict_checkpoint(n16)  # locked leaf: tombstoned, its KV stays for the running request
+    assert n16.state is None and not n16.removed and not cache.state_pool.is_allocated_slot(s16)
+    cache.inc_state_lock(n8)
+    with pytest.raises(ValueError):
+        cache.evict_checkpoint(n8)  # being copied
+    with pytest.raises(ValueError):
+        cache.evict_checkpoint(n16)  # holds none
+    cache.dec_state_lock(n8)
+    cache.dec_lock_ref(n16)  # the tombstone leaf goes at once
+    assert n16.removed
+    cache.evict_checkpoint(n8)  # an unlocked leaf now: deleted with its KV
+    assert n8.removed and cache.total_size() == 0 and cache.state_pool.available_size() == cache.state_pool.size
+    cache.check_integrity()

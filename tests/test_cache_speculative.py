@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hyla.cache import Checkpoint, KVPool, RadixCache, StatePool
+from hyla.cache import Checkpoint, KVPool, LRUPolicy, RadixCache, StatePool
 
 
 def make(num_slots: int = 64, page_size: int = 1) -> RadixCache:
@@ -159,3 +159,72 @@ def test_without_a_state_pool_for_speculative_frees_nothing() -> None:
     cache = RadixCache(KVPool(64, 1, 1, 1, 1, torch.float32, accounting=True))
     cache.insert([1, 2, 3], cache.kv_pool.alloc(3))
     assert cache.evict_state(2, for_speculative=True) == 0 and cache.total_size() == 3
+
+
+def test_a_speculative_checkpoint_a_running_request_extends_is_not_replaceable() -> None:
+    """A request's speculative checkpoint (its prompt end, say) is its deepest state while it runs:
+    its turn ends there unless it stores a deeper one. Other speculative checkpoints may not take it
+    until the request is gone (the KV lock on its path is released)."""
+    cache = make()
+    x = tokens_of(16, seed=40)
+    node = put(cache, x, speculative=[16])[16]
+    cache.inc_lock_ref(node)  # the request that stored it is still running
+    assert node.speculative and not node.replaceable
+    assert cache.evict_state(1, for_speculative=True) == 0 and node.state is not None
+    cache.dec_lock_ref(node)
+    assert node.replaceable
+    cache.check_integrity()  # queued as replaceable again when the lock went
+    assert cache.evict_state(1, for_speculative=True) == 1 and node.removed
+
+
+def test_a_superseded_checkpoint_stays_replaceable_under_a_lock() -> None:
+    cache = make()
+    x = tokens_of(24, seed=41)
+    nodes = put(cache, x, ordinary=[24], speculative=[8])
+    cache.inc_lock_ref(nodes[24])  # a request continues past 8: the checkpoint at 24 serves it
+    assert nodes[8].replaceable  # superseded, locked or not
+    assert cache.evict_state(1, for_speculative=True) == 1 and nodes[8].state is None
+    cache.dec_lock_ref(nodes[24])
+    cache.check_integrity()
+
+
+def test_confirm_checkpoint_makes_a_finished_turns_end_ordinary() -> None:
+    """A finished sequence ends past its deepest checkpoint (the tail off the checkpoint grid): that
+    checkpoint, stored speculatively, is where the next turn continues. Confirmed, no speculative
+    checkpoint may replace it."""
+    cache = make()
+    x = tokens_of(20, seed=42)
+    nodes = put(cache, x[:16], speculative=[8, 16])
+    res = cache.insert(x, cache.match_kv(x[:16]).tolist() + cache.kv_pool.alloc(4).tolist())  # the tail, no checkpoint
+    assert cache.confirm_checkpoint(res.last_node) == 16
+    assert not nodes[16].speculative and nodes[8].speculative  # only the deepest one
+    assert cache.evict_state(2, for_speculative=True) == 1 and nodes[8].state is None  # 8: superseded anyway
+    assert nodes[16].state is not None
+    assert cache.confirm_checkpoint(res.last_node) == 16  # idempotent
+    cache.check_integrity()
+    bare = make()
+    y = tokens_of(8, seed=44)
+    assert bare.confirm_checkpoint(bare.insert(y, bare.kv_pool.alloc(8)).last_node) == 0  # no checkpoint on the path
+
+
+def test_plain_eviction_takes_replaceable_checkpoints_first() -> None:
+    """evict_state(n) takes superseded and unused speculative checkpoints before the others, each group
+    least recently used first; LRUPolicy(replaceable_first=False) keeps SGLang's plain LRU."""
+    for replaceable_first in (True, False):
+        kv = KVPool(4096, 1, 1, 1, 1, torch.float32, accounting=True)
+        states = StatePool(64, 1, (1, 1), torch.float32, (1,), torch.float32, accounting=True)
+        cache = RadixCache(kv, state_pool=states, policy=LRUPolicy(replaceable_first=replaceable_first))
+        b = put(cache, tokens_of(10, seed=45), ordinary=[10])[10]  # another chat's turn end: the oldest
+        a = tokens_of(20, seed=46)
+        a1 = put(cache, a[:10], ordinary=[10])[10]
+        a2 = put(cache, a, ordinary=[20])[20]  # supersedes a1
+        guess = put(cache, tokens_of(10, seed=47), speculative=[10])[10]  # never used
+        assert cache.evict_state(1) == 1
+        if replaceable_first:
+            assert a1.state is None and not a1.removed and b.state is not None  # tombstoned: its KV serves a2
+            assert cache.evict_state(1) == 1 and guess.removed
+            assert cache.evict_state(1) == 1 and b.removed  # then plain LRU
+        else:
+            assert b.removed and a1.state is not None
+        assert a2.state is not None
+        cache.check_integrity()

@@ -263,9 +263,45 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.hybrid)
     @rule(num_slots=st.integers(0, 4))
     def evict_state(self, num_slots: int) -> None:
+        """Replaceable checkpoints go first: a plain eviction takes another only once none of those
+        that were replaceable is left."""
         evictable = self.cache.evictable_checkpoints()
+        replaceable = {n.state for n in self.cache.nodes() if n.replaceable and not n.state_lock}
+        before = {n.state for n in self.cache.nodes() if n.state is not None}
         freed = self.cache.evict_state(num_slots)
         assert freed == min(num_slots, evictable)
+        after = [n for n in self.cache.nodes() if n.state is not None]
+        if before - {n.state for n in after} - replaceable:
+            assert not any(n.state in replaceable and n.replaceable and not n.state_lock for n in after)
+
+    @rule(data=st.data())
+    def touch(self, data) -> None:
+        nodes = list(self.cache.nodes())
+        if nodes:
+            node = data.draw(st.sampled_from(nodes))
+            self.cache.touch(node)
+            assert node.last_access == node.parent.last_access or node.parent is self.cache.root
+
+    @precondition(lambda self: self.hybrid)
+    @rule(data=st.data())
+    def confirm_checkpoint(self, data) -> None:
+        nodes = list(self.cache.nodes())
+        if nodes:
+            node = data.draw(st.sampled_from(nodes))
+            above = node
+            while above is not self.cache.root and above.state is None:
+                above = above.parent
+            assert self.cache.confirm_checkpoint(node) == above.depth
+            assert not above.speculative
+
+    @precondition(lambda self: self.hybrid)
+    @rule(data=st.data())
+    def evict_checkpoint(self, data) -> None:
+        nodes = [n for n in self.cache.nodes() if n.state is not None and not n.state_lock]
+        if nodes:
+            node = data.draw(st.sampled_from(nodes))
+            self.cache.evict_checkpoint(node)
+            assert node.state is None
 
     @precondition(lambda self: self.hybrid)
     @rule(num_slots=st.integers(1, 3))

@@ -112,3 +112,17 @@ def test_summary_ratios_and_percentiles():
     assert s["hyla"]["p5_win_over_lru_pct"] == pytest.approx(-10 + 0.15 * 10)
     assert s["hyla"]["mean_token_hit_rate"] == pytest.approx((0.6 + 0.4 + 0.3 + 0.45) / 4)
     assert "hyla" in format_summary(summarize(points)) and "60.00%" in format_table(points)
+
+
+def test_engine_replay_prints_the_engines_hits(tmp_path, capsys):
+    """--engine replays hyla's scheduler and cache manager (accounting pools) on the trace."""
+    opts = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16, "page_size": 16})
+    rc = hyla_main(["sim", str(_trace(tmp_path)), "--model", "nemotron-h-8b", "--engine", opts, "--json"])
+    assert rc == 0
+    out = _last_json(capsys)
+    assert out["cached_tokens_per_request"] == [0, 336]  # turn 1 hits the 339 tokens turn 0 fed, in pages of 16
+    assert out["num_retractions"] == 0 and out["request_hit_rate"] == 0.5
+    for bad, message in (("[1]", "JSON object"), ('{"max_total_tokens": 64}', "max_state_slots"),
+                         ('{"max_total_tokens": 64, "max_state_slots": 4, "warp": 9}', "warp")):
+        assert hyla_main(["sim", str(_trace(tmp_path)), "--engine", bad]) == 2
+        assert message in capsys.readouterr().err

@@ -6,6 +6,7 @@ Knows nothing of models: the engine and the simulator drive it through this publ
 from hyla.cache.allocator import PoolExhaustedError
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
+from hyla.cache.ledger import CacheLedger
 from hyla.cache.memory import MemorySplit, split_memory
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
 from hyla.cache.radix_cache import RadixCache
@@ -15,6 +16,7 @@ from hyla.cache.state_pool import StatePool
 
 __all__ = [
     "CacheLayout",
+    "CacheLedger",
     "Checkpoint",
     "EvictionPolicy",
     "InsertResult",

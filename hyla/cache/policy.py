@@ -5,8 +5,10 @@ node was queued again since or is no longer a candidate):
 
 * KV heap — unlocked leaves, ordered by ``kv_priority(node)``;
 * state heap — nodes holding an unlocked checkpoint, ordered by ``state_priority(node)``;
-* replaceable heap — the unlocked checkpoints a speculative one may replace (speculative or
-  superseded: ``TreeNode.replaceable``), also ordered by ``state_priority(node)``.
+* replaceable heap — the unlocked checkpoints a speculative one may replace (superseded, or
+  speculative with no running request on their path: ``TreeNode.replaceable``), also ordered by
+  ``state_priority(node)``; a plain ``evict_state`` drains it before the state heap (unless the
+  policy sets ``replaceable_first = False``).
 
 Lower priority is evicted first. A priority is computed when the node enters a heap — when it
 becomes a candidate (new leaf or checkpoint, last child evicted, lock released) and, if the policy
@@ -38,6 +40,11 @@ class EvictionPolicy(abc.ABC):
     """Whether priorities depend on structure (children, edge length): then the tree re-queues a
     node whenever its structure changes. Plain recency policies set it to False."""
 
+    replaceable_first: bool = True
+    """Whether ``evict_state`` takes replaceable checkpoints (``TreeNode.replaceable``: superseded,
+    or speculative with no running request on their path) before the others, each group in
+    ``state_priority`` order. A policy that picks its victims itself sets it to False."""
+
     @abc.abstractmethod
     def kv_priority(self, node: "TreeNode") -> float:
         """Priority of an unlocked leaf in the KV heap (lower = evicted first)."""
@@ -57,7 +64,8 @@ class EvictionPolicy(abc.ABC):
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first: KV by ``last_access``, checkpoints by ``state_access``.
+    """Least recently used first: KV by ``last_access``, checkpoints by ``state_access`` —
+    replaceable checkpoints before the others unless ``replaceable_first=False``.
 
     On a hit the tree refreshes the KV recency of the whole matched path but the state recency of
     the one checkpoint the hit uses, so checkpoints above it age and go first (SGLang #31648
@@ -65,6 +73,9 @@ class LRUPolicy(EvictionPolicy):
     """
 
     structural = False
+
+    def __init__(self, replaceable_first: bool = True) -> None:
+        self.replaceable_first = replaceable_first  # False: plain LRU over all checkpoints (SGLang's order)
 
     def kv_priority(self, node: "TreeNode") -> float:
         return node.last_access

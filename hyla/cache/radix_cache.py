@@ -36,15 +36,19 @@ Eviction
 --------
 Three orders, each a ``LazyHeap`` ordered by the pluggable ``EvictionPolicy`` (LRU by default):
 ``evict(n)`` deletes unlocked leaves (their checkpoints go with them); ``evict_state(n)`` takes
-unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone);
-``evict_state(n, for_speculative=True)`` takes only *replaceable* ones — speculative (stored on a
-guess, no hit yet) or superseded (a deeper checkpoint on its single-child path). That is the rule
-for speculative checkpoints: they go only into free memory or in place of replaceable ones, never
-pushing out one that has served a hit or ends a finished turn. With a state pool, a parent left as
-an unlocked tombstone leaf is deleted at once: no checkpoint at or below it, its KV can never serve
-a hit. A node enters a heap when it *becomes* a candidate (new leaf or checkpoint, last child
-evicted, lock released, a deeper checkpoint on its single-child path), not on every access: a
-call costs O(k log n) amortized for k evictions, and a hit costs no heap operation at all.
+unlocked checkpoints (a leaf goes with its KV, any other node becomes a tombstone), *replaceable*
+ones first; ``evict_state(n, for_speculative=True)`` takes only replaceable ones — superseded (a
+deeper checkpoint on its single-child path) or speculative (stored on a guess, no hit yet) with no
+running request on its path. That is the rule for speculative checkpoints: they go only into free
+memory or in place of replaceable ones, never pushing out one that has served a hit or ends a
+finished turn (``confirm_checkpoint`` marks that one when its sequence finishes). With a state
+pool, an unlocked tombstone leaf is deleted at once — when eviction leaves one, and when the last
+lock on one goes (a turn's tail past its last checkpoint): no checkpoint at or below it, its KV can
+never serve a hit. ``touch(node)`` refreshes a path's recency for a caller that knows the order in
+which it will use prefixes (the engine's waiting queue). A node enters a heap when it *becomes* a
+candidate (new leaf or checkpoint, last child evicted, lock released, a deeper checkpoint on its
+single-child path), not on every access: a call costs O(k log n) amortized for k evictions, and a
+hit costs no heap operation at all.
 
 Everything here is single-threaded: the scheduler is the only caller (as in SGLang).
 """
@@ -60,6 +64,7 @@ import torch
 from hyla.cache.allocator import as_index_array
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.lazy_heap import LazyHeap
+from hyla.cache.ledger import CacheLedger
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
 from hyla.cache.radix_types import (
     EMPTY_SLOTS,
@@ -70,6 +75,13 @@ from hyla.cache.radix_types import (
     concat_slots,
 )
 from hyla.cache.state_pool import StatePool
+
+
+# how a node's KV or checkpoint left the tree (for the ledger)
+KV_EVICTION = "KV eviction"
+STATE_EVICTION = "checkpoint eviction"
+CHECKPOINT_EVICTION = "superseded in advance"  # evict_checkpoint: the caller will store a deeper one
+GARBAGE = CacheLedger.garbage  # an unlocked tombstone leaf, given back: no checkpoint at or below
 
 
 class RadixCache:
@@ -89,6 +101,7 @@ class RadixCache:
         state_pool: StatePool | None = None,
         policy: EvictionPolicy | None = None,
         clock: Callable[[], float] | None = None,
+        ledger: CacheLedger | None = None,
     ) -> None:
         if page_size is not None and page_size != kv_pool.page_size:
             raise ValueError(f"page_size {page_size} disagrees with the KV pool's {kv_pool.page_size}")
@@ -96,6 +109,7 @@ class RadixCache:
         self.state_pool = state_pool
         self.page_size = kv_pool.page_size
         self.policy = policy if policy is not None else LRUPolicy()
+        self.ledger = ledger  # if set, told of every node whose KV or checkpoint leaves the tree
         # hooks are called only when the policy overrides them (LRU reads the time stamps directly)
         self._on_access = _hook(self.policy, "on_access")
         self._on_create = _hook(self.policy, "on_create")
@@ -117,6 +131,7 @@ class RadixCache:
         self._protected = 0  # tokens in nodes with lock_ref > 0
         self._slot_owner: dict[int, TreeNode] = {}  # checkpoint slot -> the node holding it
         self._evictable_states = 0  # checkpoints with state_lock == 0
+        self.num_garbage_tokens = 0  # KV of unlocked tombstone leaves given back (dec_lock_ref)
         self._kv_heap.clear()
         self._state_heap.clear()
         self._replaceable_heap.clear()
@@ -185,6 +200,24 @@ class RadixCache:
             if self._on_access is not None:
                 self._on_access(last, True)
         return MatchResult(last.depth, last, last.state, off, kv_only_node, values, num_usable)
+
+    def touch(self, node: TreeNode) -> None:
+        """Refresh the recency of ``node``'s checkpoint (if any) and the KV recency of ``node`` and
+        of the path above it, as a hit ending at ``node`` would (checkpoints above it are left
+        alone). For a caller that knows which prefixes it will use soon: touched in the order of
+        use, the one used last is the first LRU victim among them."""
+        self._check_node(node)
+        now = self._now()
+        if node.state is not None:
+            node.state_access = now
+            if self._on_access is not None:
+                self._on_access(node, True)
+        root = self.root
+        while node is not root:
+            node.last_access = now
+            if self._on_access is not None:
+                self._on_access(node, False)
+            node = node.parent
 
     def match_kv(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> torch.Tensor:
         """KV slots of the longest KV match (whole pages), without splitting or refreshing anything.
@@ -465,7 +498,17 @@ class RadixCache:
                 n = len(node.key)
                 self._protected -= n
                 self._evictable += n
+                if node.speculative:  # no running request extends it any more: replaceable now
+                    self._replaceable_heap.push(node)
             node = node.parent
+        if self.state_pool is not None and bottom.state is None and not bottom.children and not bottom.lock_ref:
+            # an unlocked tombstone leaf (KV past the last checkpoint, e.g. a turn's tail off the
+            # checkpoint grid) can never serve a hit: give its KV back now, not after useful KV
+            kv_out: list[np.ndarray] = []
+            state_out: list[int] = []
+            self.num_garbage_tokens += self._remove_leaf(bottom, kv_out, state_out, GARBAGE)
+            self._release(kv_out, state_out)
+            return
         self._kv_heap.push(bottom)  # only the bottom node can be a leaf
 
     def inc_state_lock(self, node: TreeNode) -> None:
@@ -506,7 +549,7 @@ class RadixCache:
         freed = 0
         if num_tokens > 0:
             for node in self._kv_heap.drain():
-                freed += self._remove_leaf(node, kv_out, state_out)
+                freed += self._remove_leaf(node, kv_out, state_out, KV_EVICTION)
                 if freed >= num_tokens:
                     break
         self._release(kv_out, state_out)
@@ -517,21 +560,30 @@ class RadixCache:
         (0 without a state pool). An unlocked leaf is deleted with its KV; any other node —
         internal, or a leaf whose KV a request locks — becomes a tombstone.
 
-        ``for_speculative=True``: make room for speculative checkpoints, which may replace only
-        *replaceable* checkpoints (``TreeNode.replaceable``: speculative, or superseded by a deeper
-        one on their single-child path); returns fewer than ``num_slots`` when those run out, and
-        the caller stores fewer speculative checkpoints."""
+        *Replaceable* checkpoints (``TreeNode.replaceable``: superseded by a deeper one on their
+        single-child path, or speculative with no running request on their path) go first, then
+        the others — unless the policy sets ``replaceable_first = False`` (it picks its victims
+        itself). ``for_speculative=True``: make room for speculative checkpoints, which may
+        replace only replaceable checkpoints; returns fewer than ``num_slots`` when those run out,
+        and the caller stores fewer speculative checkpoints."""
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
-        heap = self._replaceable_heap if for_speculative else self._state_heap
+        if num_slots == 0:
+            order: Iterable[TreeNode] = ()
+        elif for_speculative:
+            order = self._replaceable_heap.drain()
+        elif self.policy.replaceable_first:
+            order = itertools.chain(self._replaceable_heap.drain(), self._state_heap.drain())
+        else:
+            order = self._state_heap.drain()
         kv_out: list[np.ndarray] = []
         state_out: list[int] = []
         freed = 0
-        for node in heap.drain() if num_slots > 0 else ():
+        for node in order:
             if not node.children and not node.lock_ref:
-                self._remove_leaf(node, kv_out, state_out)
+                self._remove_leaf(node, kv_out, state_out, STATE_EVICTION)
             else:
-                state_out.append(self._take_state(node))
+                state_out.append(self._take_state(node, STATE_EVICTION))
                 if self.policy.structural:
                     self._kv_heap.push(node)
             freed += 1
@@ -539,6 +591,36 @@ class RadixCache:
                 break
         self._release(kv_out, state_out)
         return freed
+
+    def confirm_checkpoint(self, node: TreeNode) -> int:
+        """A sequence ending at ``node`` has finished (a turn of a chat, a retracted request): the
+        deepest checkpoint at or above ``node`` — the state its continuation starts from — becomes
+        ordinary if it was speculative, so that no speculative checkpoint replaces it. Returns its
+        length (0 if the path holds none)."""
+        self._check_node(node)
+        while node is not self.root and node.state is None:
+            node = node.parent
+        if node is self.root:
+            return 0
+        node.speculative = False  # its replaceable-heap entry is dropped lazily (no candidate now)
+        return node.depth
+
+    def evict_checkpoint(self, node: TreeNode) -> None:
+        """Free ``node``'s checkpoint now (the caller decided it is superseded, e.g. by a state it is
+        about to insert deeper on the same path): the node becomes a tombstone — an unlocked leaf
+        goes with its KV. ValueError if ``node`` holds no checkpoint or it is state-locked."""
+        self._check_node(node)
+        if node.state is None or node.state_lock:
+            raise ValueError(f"evict_checkpoint needs an unlocked checkpoint: {node!r}")
+        kv_out: list[np.ndarray] = []
+        state_out: list[int] = []
+        if not node.children and not node.lock_ref:
+            self._remove_leaf(node, kv_out, state_out, CHECKPOINT_EVICTION)
+        else:
+            state_out.append(self._take_state(node, CHECKPOINT_EVICTION))
+            if self.policy.structural:
+                self._kv_heap.push(node)
+        self._release(kv_out, state_out)
 
     def _kv_candidate(self, node: TreeNode) -> bool:
         """An unlocked leaf (KV heap membership)."""
@@ -569,13 +651,16 @@ class RadixCache:
                 return
             node = node.parent
 
-    def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int]) -> int:
+    def _remove_leaf(self, node: TreeNode, kv_out: list[np.ndarray], state_out: list[int], how: str) -> int:
         """Delete an unlocked leaf, its KV and checkpoint into the free lists; then, with a state
         pool, its parent if that became an unlocked tombstone leaf, and so on up. A parent that
-        became an unlocked leaf worth keeping joins the KV heap. Returns the tokens removed."""
+        became an unlocked leaf worth keeping joins the KV heap. Returns the tokens removed.
+        ``how``: which operation, for the ledger."""
         freed = 0
         root = self.root
         while True:
+            if self.ledger is not None:
+                self.ledger.removed(node, kv=True, how=how)
             parent = node.parent
             del parent.children[node.child_key]
             n = len(node.key)
@@ -584,7 +669,7 @@ class RadixCache:
             self._evictable -= n
             kv_out.append(node.value)
             if node.state is not None:
-                state_out.append(self._take_state(node))
+                state_out.append(self._take_state(node, how, record=False))
             node.removed = True  # its heap entries are dropped lazily: it is no candidate any more
             self._num_nodes -= 1
             if self._on_remove is not None:
@@ -601,8 +686,10 @@ class RadixCache:
                 return freed
             node = parent  # an unlocked tombstone leaf: no hit can ever use its KV
 
-    def _take_state(self, node: TreeNode) -> int:
+    def _take_state(self, node: TreeNode, how: str, record: bool = True) -> int:
         """Detach ``node``'s (unlocked) checkpoint, making it a tombstone; returns the slot."""
+        if record and self.ledger is not None:
+            self.ledger.removed(node, kv=False, how=how)
         slot = node.state
         del self._slot_owner[slot]
         node.state = None

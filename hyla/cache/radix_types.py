@@ -104,8 +104,12 @@ class TreeNode:
 
     @property
     def replaceable(self) -> bool:
-        """The node holds a checkpoint that a speculative one may push out: speculative or superseded."""
-        return self.state is not None and (self.speculative or self.superseded)
+        """The node holds a checkpoint that a speculative one may push out, and that every eviction
+        takes before the others: superseded, or speculative and not on the path of a running
+        request (``lock_ref == 0``). A speculative checkpoint a running request is still extending
+        is that request's deepest state so far — its turn ends there unless it stores a deeper one
+        (which supersedes it) — so it waits for the request to end."""
+        return self.state is not None and ((self.speculative and not self.lock_ref) or self.superseded)
 
     @property
     def start(self) -> int:

@@ -35,22 +35,34 @@ Ownership and locks — the whole contract:
 * ``reserve_states`` / ``reserve_kv`` take slots for good (speculative decoding's scratch states,
   the MTP drafter's scratch KV): neither the tree nor any request owns them.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
-  the room (``_ensure_kv`` / ``_ensure_state``); with the prefix cache off there is no tree, every
-  slot is the request's own and is freed on release.
+  the room (``_ensure_kv`` / ``_ensure_state``; KV and admissions evict nothing when even
+  evicting everything unlocked could not make the room, checkpoints are best effort and keep what
+  fits; ``_evict_superseded_by`` for a checkpoint the request's own new one supersedes); with the
+  prefix cache off there is no tree, every slot is the request's own and is freed on release.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
-from hyla.cache import Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import CacheLedger, Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.request import Req
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
+
+# what an eviction made room for, and which checkpoints found no room (the ledger's labels)
+ADMISSION_KV = "an admission's KV"
+ADMISSION_STATE = "an admission's own state"
+GROWTH = "running requests' next tokens"
+BRANCH_CHECKPOINT = "a branch-point checkpoint"
+SPECULATIVE_CHECKPOINT = "a speculative checkpoint"
+PENDING_CHECKPOINT = "a pending decode checkpoint"
+FINISH_CHECKPOINT = "a finish checkpoint"
 
 
 @dataclass
@@ -79,10 +91,34 @@ class CacheManager:
         self.num_evicted_states = 0
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
+        self.ledger: CacheLedger | None = None  # see record()
+
+    def record(self, ledger: CacheLedger) -> None:
+        """From now on tell ``ledger`` (and have the tree tell it) every eviction and what it made
+        room for, every checkpoint dropped for want of room, every admission's hit and every
+        release (``hyla.cache.ledger``: what explains a lost hit)."""
+        self.ledger = ledger
+        if self.tree is not None:
+            self.tree.ledger = ledger
+
+    def _because(self, cause: str) -> ContextManager[None]:
+        return self.ledger.because(cause) if self.ledger is not None else contextlib.nullcontext()
+
+    def _dropped(self, req: Req, position: int, what: str) -> None:
+        if self.ledger is not None:
+            self.ledger.dropped(req.fill_ids, position, what, req.namespace)
 
     # ------------------------------------------------------------------------------------------
     # admission
     # ------------------------------------------------------------------------------------------
+    def touch(self, hits: Sequence[MatchResult | None]) -> None:
+        """The waiting queue will use these prefixes in this order: refresh their recency (KV path
+        and checkpoint) so that under LRU the one needed last is evicted first (``RadixCache.touch``)."""
+        if self.tree is not None:
+            for hit in hits:
+                if hit is not None and hit.prefix_len:
+                    self.tree.touch(hit.last_node)
+
     def peek(self, req: Req) -> MatchResult | None:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
         if self.tree is None:
@@ -112,11 +148,13 @@ class CacheManager:
         needed); returns those ``n`` KV slots. On failure (None) nothing is held and the hit's
         locks are dropped."""
         prefix_len = hit.prefix_len if hit is not None else 0
+        kv_needed = self._kv_tokens([prefix_len], [n]) + kv_reserve
         ok = (
             n > 0
             and self.req_to_token.can_alloc(1)
-            and self._ensure_state(1)  # its own slot; checkpoints are best effort (alloc_checkpoints)
-            and self._ensure_kv(self._kv_tokens([prefix_len], [n]) + kv_reserve)
+            and self._could_free(kv_needed, 1)  # evict nothing for an admission that cannot happen
+            and self._ensure_state(1, cause=ADMISSION_STATE)  # its own slot; checkpoints are best effort
+            and self._ensure_kv(kv_needed, cause=ADMISSION_KV)
         )
         if ok:
             req.req_pool_idx = self.req_to_token.alloc()
@@ -134,6 +172,9 @@ class CacheManager:
             return None
         req.last_node = hit.last_node if hit is not None else None
         req.cache_protected_len = prefix_len
+        if self.ledger is not None:
+            self.ledger.admitted(req.rid, req.fill_ids, prefix_len, hit.kv_only_len if hit is not None else 0,
+                                 req.namespace)
         return self.allocate([req], [n])
 
     # ------------------------------------------------------------------------------------------
@@ -142,7 +183,7 @@ class CacheManager:
     def can_allocate(self, reqs: Sequence[Req], lens: Sequence[int], kv_reserve: int = 0) -> bool:
         """Whether KV for ``lens[i]`` more tokens of each request fits (evicting from the tree if
         needed), with ``kv_reserve`` slots to spare."""
-        return self._ensure_kv(self._kv_tokens([r.kv_allocated for r in reqs], lens) + kv_reserve)
+        return self._ensure_kv(self._kv_tokens([r.kv_allocated for r in reqs], lens) + kv_reserve, cause=GROWTH)
 
     def allocate(self, reqs: Sequence[Req], lens: Sequence[int]) -> torch.Tensor:
         """KV slots for positions ``[kv_allocated, kv_allocated + lens[i])`` of each request (any
@@ -156,6 +197,9 @@ class CacheManager:
             self.req_to_token.write(r.req_pool_idx, r.kv_allocated, loc[offset:offset + n])
             r.kv_allocated += n
             offset += n
+        if self.ledger is not None:
+            held = self.kv_pool.size - self.kv_pool.available_size() - (self.tree.evictable_size() if self.tree else 0)
+            self.ledger.sample_usage(held, self.req_to_token.size - self.req_to_token.available_size())
         return loc
 
     def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool]]:
@@ -183,13 +227,23 @@ class CacheManager:
         """Fresh state slots for the checkpoints at ``positions[i]`` (``(absolute position,
         speculative)``, inside this step of request i). Best effort: checkpoints only make later
         hits possible, fewer of them never change an output. Required ones may evict any unlocked
-        checkpoint; speculative ones only replaceable ones. When short, the positions furthest
+        checkpoint; speculative ones only replaceable ones, or the request's own deepest checkpoint
+        that they will supersede (``_evict_superseded_by``). When short, the positions furthest
         into each prompt are kept."""
         keep: set[tuple[int, int]] = set()
         for spec in (False, True):
             ranked = sorted(((p, i) for i, ps in enumerate(positions) for p, s in ps if s == spec), reverse=True)
-            if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec):
-                ranked = ranked[:max(0, self.state_pool.available_size() - len(keep))]
+            what = SPECULATIVE_CHECKPOINT if spec else BRANCH_CHECKPOINT
+            if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec, cause=what):
+                fit = max(0, self.state_pool.available_size() - len(keep))
+                ranked, rest = ranked[:fit], ranked[fit:]
+                moved: set[int] = set()  # requests whose own superseded checkpoint made room
+                for p, i in rest:  # a request's deepest first
+                    if spec and i not in moved and self._evict_superseded_by(reqs[i], p, what):
+                        moved.add(i)
+                        ranked.append((p, i))
+                    else:
+                        self._dropped(reqs[i], p, what)
             keep.update(ranked)
         slots = iter(self.state_pool.alloc(len(keep)).tolist() if keep else [])
         out = StepCheckpoints()
@@ -262,7 +316,7 @@ class CacheManager:
 
     def reserve_states(self, n: int) -> list[int]:
         """``n`` state slots taken for good (speculative decoding's per-token scratch states)."""
-        if not self._ensure_state(n):
+        if not self._ensure_state(n, cause="speculative-decoding scratch"):
             raise ValueError(f"the state pool cannot spare {n} slots (size {self.state_pool.size}): "
                              "raise max_state_slots or lower max_running_requests")
         slots = self.state_pool.alloc(n).tolist()
@@ -273,7 +327,7 @@ class CacheManager:
         """``n`` KV slots taken for good, on whole pages (the MTP drafter's scratch: the KV of its
         draft tokens, which never enter a request's row)."""
         tokens = -(-n // self.page_size) * self.page_size
-        if not self._ensure_kv(tokens):
+        if not self._ensure_kv(tokens, cause="speculative-decoding scratch"):
             raise ValueError(f"the KV pool cannot spare {n} slots (size {self.kv_pool.size}): "
                              "raise max_total_tokens or lower max_running_requests")
         slots = self.kv_pool.alloc(n).tolist()
@@ -299,10 +353,13 @@ class CacheManager:
         if self.tree is not None:
             ckpts: list[tuple[int, int]] = []
             end = req.kv_len - req.kv_len % self.page_size
-            if insert and req.kv_len > 0 and req.kv_len % self.grid == 0 and self._ensure_state(1):
+            on_grid = insert and req.kv_len > 0 and req.kv_len % self.grid == 0
+            if on_grid and self._ensure_state(1, cause=FINISH_CHECKPOINT):
                 (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
                 ckpts.append((req.kv_len, slot))  # (4) the live state after the last fed token
-            elif insert and req.pending_ckpt is not None and req.pending_ckpt[0] <= end:
+            elif on_grid:
+                self._dropped(req, req.kv_len, FINISH_CHECKPOINT)
+            if not ckpts and insert and req.pending_ckpt is not None and req.pending_ckpt[0] <= end:
                 ckpts.append(req.pending_ckpt)
                 req.pending_ckpt = None
             if req.pending_ckpt is not None:
@@ -310,6 +367,9 @@ class CacheManager:
                 req.pending_ckpt = None
             if insert and end > 0:
                 self._insert_and_relock(req, end, ckpts)
+                # its deepest checkpoint ends a finished turn (or is where a retracted request
+                # resumes): no speculative checkpoint may replace it any more
+                self.tree.confirm_checkpoint(req.last_node)
             elif ckpts:
                 self.state_pool.free(torch.tensor([s for _, s in ckpts]))
             tail = self.req_to_token.read(row, req.cache_protected_len, req.kv_allocated)
@@ -323,6 +383,8 @@ class CacheManager:
                 self.kv_pool.free(kv)
         self.state_pool.free(torch.tensor([req.state_slot]))
         self.req_to_token.free(row)
+        if self.ledger is not None:
+            self.ledger.released(req.rid)
         req.req_pool_idx = None
         req.state_slot = None
         req.last_node = None
@@ -345,16 +407,38 @@ class CacheManager:
 
     def _set_pending_checkpoint(self, req: Req, length: int, src: int) -> None:
         """Keep a copy of the state after ``length`` tokens (in slot ``src``): into the pending
-        slot the request already holds (no allocation, so no eviction), else into a fresh one if
-        the pool has room."""
+        slot the request already holds (no allocation, so no eviction), else into a fresh one:
+        a free slot, the slot of the checkpoint this one will supersede (the request's own
+        deepest, on a path only it continues), or a replaceable checkpoint's — never a better one's."""
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
-        elif self._ensure_state(1, for_speculative=True):  # it may never be used: take no better one's room
+        elif self.state_pool.available_size() or self._evict_superseded_by(req, length, PENDING_CHECKPOINT) \
+                or self._ensure_state(1, for_speculative=True, cause=PENDING_CHECKPOINT):
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
+            self._dropped(req, length, PENDING_CHECKPOINT)
             return
         req.pending_ckpt = (length, slot)
+
+    def _evict_superseded_by(self, req: Req, length: int, cause: str) -> bool:
+        """Free the checkpoint that a state of ``req`` after ``length`` tokens will supersede once
+        inserted: the deepest checkpoint on ``req``'s path, if it lies above ``length``, nothing
+        branches off between it and the request's end, no other request holds it, and no
+        request is copying it. Returns whether a slot was freed. ``cause``: the ledger's label."""
+        node, root = req.last_node, self.tree.root
+        if node is None or node is root or node.children:
+            return False
+        while node.state is None:  # up to the deepest checkpoint, through single-child nodes only
+            node = node.parent
+            if node is root or len(node.children) != 1:
+                return False
+        if node.depth >= length or node.lock_ref != 1 or node.state_lock:
+            return False
+        with self._because(cause):
+            self.tree.evict_checkpoint(node)
+        self.num_evicted_states += 1
+        return True
 
     # ------------------------------------------------------------------------------------------
     # memory
@@ -368,19 +452,32 @@ class CacheManager:
             return -1
         return int(self.req_to_token.read(req.req_pool_idx, req.kv_allocated - 1, req.kv_allocated)[0])
 
-    def _ensure_kv(self, num_tokens: int) -> bool:
+    def _could_free(self, num_tokens: int, num_slots: int) -> bool:
+        """Whether ``num_tokens`` KV slots and ``num_slots`` state slots could be had, evicting every
+        unlocked tree entry if need be (an upper bound: a state-locked leaf holds its KV too)."""
+        kv, states = self.kv_pool.available_size(), self.state_pool.available_size()
+        if self.tree is not None:
+            kv += self.tree.evictable_size()
+            states += self.tree.evictable_checkpoints()
+        return kv >= num_tokens and states >= num_slots
+
+    def _ensure_kv(self, num_tokens: int, cause: str) -> bool:
+        """Free KV slots for ``num_tokens``, evicting tree entries if needed — none when even
+        evicting all of them could not make room. ``cause``: what the room is for (the ledger's label)."""
         avail = self.kv_pool.available_size()
-        if avail < num_tokens and self.tree is not None:
-            self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
+        if avail < num_tokens and self.tree is not None and self._could_free(num_tokens, 0):
+            with self._because(cause):
+                self.num_evicted_tokens += self.tree.evict(num_tokens - avail)
             avail = self.kv_pool.available_size()
         return avail >= num_tokens
 
-    def _ensure_state(self, num_slots: int, for_speculative: bool = False) -> bool:
+    def _ensure_state(self, num_slots: int, for_speculative: bool = False, *, cause: str) -> bool:
         """Free state slots for ``num_slots``, evicting tree checkpoints if needed — for a
         speculative use, only replaceable ones (speculative or superseded)."""
         avail = self.state_pool.available_size()
         if avail < num_slots and self.tree is not None:
-            self.num_evicted_states += self.tree.evict_state(num_slots - avail, for_speculative=for_speculative)
+            with self._because(cause):
+                self.num_evicted_states += self.tree.evict_state(num_slots - avail, for_speculative=for_speculative)
             avail = self.state_pool.available_size()
         return avail >= num_slots
 

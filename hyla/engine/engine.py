@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
-from hyla.cache import KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
+from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
@@ -340,6 +340,15 @@ class Engine:
             "gen_throughput": s.last_gen_throughput,
             "spec_accept_length": s.accept_length if s.drafter is not None else None,
         }
+
+    def record_cache_events(self) -> CacheLedger:
+        """Start recording what the prefix cache evicts and why, which checkpoints find no room,
+        and each request's cached prefix at admission: the returned ``CacheLedger`` explains a
+        request's missing hit (``ledger.explain(rid, wanted)``, see ``hyla/cache/ledger.py``). For
+        studies: the record grows with every event. Call it while the engine is idle."""
+        ledger = CacheLedger()
+        self.cache.record(ledger)
+        return ledger
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until every submitted request has finished (tests, benchmarks)."""

@@ -349,11 +349,14 @@ class Scheduler:
 
     def _ordered_waiting(self) -> list[Req]:
         """Waiting requests in policy order. LPM: longest usable cached prefix first (FCFS among
-        equals). Matches are recomputed at admission: an earlier admission may have evicted."""
+        equals), the hits touched in reverse order so that LRU evicts the one admitted last first.
+        Matches are recomputed at admission: an earlier admission may have evicted."""
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
             return list(self.waiting)
-        hits = {id(r): self.cache.peek(r).prefix_len for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: -hits[id(r)])
+        hits = {id(r): self.cache.peek(r) for r in self.waiting}
+        order = sorted(self.waiting, key=lambda r: -hits[id(r)].prefix_len)
+        self.cache.touch([hits[id(r)] for r in reversed(order)])  # evict the prefix admitted last first
+        return order
 
     def _deferred_for_in_batch_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """LPM's in-batch deduplication: if a request admitted in this step shares a long prefix

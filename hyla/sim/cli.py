@@ -3,6 +3,7 @@
     hyla sim TRACE.jsonl --model marconi-7b --policy hyla --cache-size 4GB [--json]
     hyla sim TRACE.jsonl --model path/to/config.json --policy lru,hyla --cache-size 1GB,2GB,4GB --plot hit.png
     hyla sim --sweep sharegpt [--workers 2] [--plot docs/simulator_sharegpt.png] [--output sweep.json]
+    hyla sim TRACE.jsonl --model qwen3-next-80b-a3b --engine '{"max_total_tokens": 200000, "max_state_slots": 96, "page_size": 16}'
 
 With ``--json`` the last line printed is one JSON object: a run's metrics for one configuration,
 ``{"results": [...]}`` for several, ``{"summary": ..., "results": [...]}`` for a sweep.
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="also write the JSON results to this file")
     parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--engine", default=None, metavar="OPTIONS",
+                        help="replay hyla's engine instead of a policy (hyla/sim/replay.py): a JSON object of Engine "
+                             "options, max_total_tokens and max_state_slots required")
     sweep = parser.add_argument_group("sweep (--sweep sharegpt)")
     sweep.add_argument("--rates", default=None, help="sessions per second (default 0.25,0.5,1,2,5,10)")
     sweep.add_argument("--sessions", type=int, default=100, help="ShareGPT sessions with >= 10 rounds (default 100)")
@@ -88,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.sweep:
             out = _run_sweep(args)
+        elif args.trace and args.engine is not None:
+            out = _run_engine_replay(args)
         elif args.trace:
             out = _run_trace(args)
         else:
@@ -120,6 +126,36 @@ def _run_trace(args: argparse.Namespace) -> dict[str, Any]:
         print(f"plot: {plot_hit_rates(points, args.plot, title=f'{Path(args.trace).name} on {model.name}')}")
     rows = [r.to_json() for r in results]
     return rows[0] if len(rows) == 1 else {"results": rows}
+
+
+def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
+    from hyla.sim.replay import replay_engine
+
+    try:
+        options = json.loads(args.engine)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine: not valid JSON ({e.msg})") from None
+    if not isinstance(options, dict):
+        raise ValueError("--engine: a JSON object of Engine options, e.g. '{\"max_total_tokens\": 4096, \"max_state_slots\": 32}'")
+    trace = load_trace(args.trace)
+    model = resolve_model(args.model)
+    try:
+        replay = replay_engine(trace, model.layout, **options)
+    except TypeError as e:
+        raise ValueError(f"--engine: {e}") from None
+    inputs = sum(r.num_input_tokens for r in trace)
+    cached = sum(replay.cached_tokens)
+    out = {"model": model.name, "engine_options": options, "num_requests": len(trace), "input_tokens": inputs,
+           "cached_tokens": cached, "token_hit_rate": cached / max(1, inputs),
+           "request_hit_rate": sum(c > 0 for c in replay.cached_tokens) / len(trace),
+           "num_retractions": replay.scheduler.num_retractions,
+           "num_evicted_tokens": replay.cache.num_evicted_tokens,
+           "num_evicted_states": replay.cache.num_evicted_states,
+           "cached_tokens_per_request": replay.cached_tokens}
+    print(f"engine replay of {len(trace)} requests on {model.name}: token hit {100 * out['token_hit_rate']:.2f}%, "
+          f"request hit {100 * out['request_hit_rate']:.1f}%, {out['num_retractions']} retractions, "
+          f"{out['num_evicted_tokens']} tokens and {out['num_evicted_states']} checkpoints evicted")
+    return out
 
 
 def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:

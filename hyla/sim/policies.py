@@ -3,7 +3,7 @@
 | policy    | admission (checkpoint positions)                                  | eviction |
 |-----------|-------------------------------------------------------------------|----------|
 | `block`   | every multiple of 32 tokens; only whole 32-token blocks cached    | LRU over leaves, a leaf's KV and checkpoint together (vLLM-like) |
-| `lru`     | the branch point + after the last fed token (Marconi's admission) | LRU over checkpoints: the cache's own ``LRUPolicy`` (SGLang-like) |
+| `lru`     | the branch point + after the last fed token (Marconi's admission) | LRU over checkpoints: the cache's own ``LRUPolicy(replaceable_first=False)`` (SGLang-like) |
 | `marconi` | the same                                                          | Marconi's FLOP-aware utility, α tuned once by replay |
 | `hyla`    | the engine's: branch point, prompt end − 1, message boundaries, after the last fed token | superseded checkpoints first, then FLOPs saved per byte-age with α adapted online |
 
@@ -143,6 +143,7 @@ class VictimEviction(EvictionPolicy):
     """
 
     structural = False
+    replaceable_first = False  # ``choose`` picks the victim (HylaEviction puts superseded ones first itself)
 
     def __init__(self, model: CostModel, alpha: float) -> None:
         self.model = model
@@ -266,14 +267,14 @@ class BlockPolicy(SimPolicy):
     kv_first = True
 
     def __init__(self, model: CostModel) -> None:
-        super().__init__(model, block_admission, LRUPolicy())
+        super().__init__(model, block_admission, LRUPolicy(replaceable_first=False))
 
 
 class LRUSimPolicy(SimPolicy):
     name = "lru"
 
     def __init__(self, model: CostModel) -> None:
-        super().__init__(model, marconi_admission, LRUPolicy())
+        super().__init__(model, marconi_admission, LRUPolicy(replaceable_first=False))
 
 
 MARCONI_ALPHAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)

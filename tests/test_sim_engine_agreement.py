@@ -1,0 +1,64 @@
+"""``hyla sim --engine`` and the engine agree on hits for the same trace, under pressure.
+
+``hyla.sim.replay.replay_engine`` replays the engine's own scheduler and cache manager on
+accounting pools, with a runner that only reproduces the trace's outputs. With small pools, pages
+of 16 or a 64-token checkpoint grid, concurrent sessions, chunked prefill, eviction and
+retraction, every request's cached tokens — and the eviction and retraction counters — must equal
+a real engine's.
+
+(``hyla.sim.Simulator`` follows Marconi's protocol instead — one byte budget shared by KV and
+states, exact positions, one request at a time, room made for a whole request at once, pluggable
+eviction orders — so it agrees with the engine only without eviction, on a sequential trace at
+page 1: ``tests/test_sim_simulator.py::test_engine_and_simulator_agree_on_hits``.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyla import Engine
+from hyla.sim.models import resolve_model
+from hyla.sim.replay import replay_engine
+from hyla.sim.trace import TraceRequest
+
+
+def _turns(engine: Engine, seed: int, num_sessions: int, num_turns: int, max_new: list[int]) -> list[list[dict]]:
+    """Concurrent chat sessions (a shared system prompt): each turn, every session's next prompt is
+    its last prompt + output + a new user message, all submitted together. Returns per turn the
+    (prompt, output, cached) of each session."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(3, 2048) for _ in range(n)]  # noqa: E731
+    system = ids(40)
+    prompts = [system + ids(rng.randrange(20, 110)) for _ in range(num_sessions)]
+    turns = []
+    for _ in range(num_turns):
+        outs = engine.generate(input_ids=prompts, sampling_params=[
+            {"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in max_new])
+        turns.append([{"prompt": p, "output": o["output_ids"], "cached": o["meta_info"]["cached_tokens"]}
+                      for p, o in zip(prompts, outs)])
+        prompts = [p + o["output_ids"] + ids(rng.randrange(10, 50)) for p, o in zip(prompts, outs)]
+    return turns
+
+
+def _trace(turns: list[list[dict]]) -> list[TraceRequest]:
+    return [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=r["prompt"], output_tokens=r["output"])
+            for t, turn in enumerate(turns) for i, r in enumerate(turn)]
+
+
+@pytest.mark.parametrize("opts", [dict(page_size=1), dict(page_size=16), dict(page_size=1, checkpoint_alignment=64)],
+                         ids=["page1", "page16", "align64"])
+def test_the_engine_replay_reproduces_every_hit_under_pressure(qwen3_next_dense_path, opts):
+    pools = dict(max_total_tokens=1024, max_state_slots=12, max_running_requests=5, chunked_prefill_size=128)
+    max_new = [30, 8, 25, 12, 40, 16]
+    with Engine(qwen3_next_dense_path, **pools, **opts) as eng:
+        turns = _turns(eng, seed=3, num_sessions=6, num_turns=3, max_new=max_new)
+        stats = eng.get_stats()
+    assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0  # the pools were under pressure
+    replay = replay_engine(_trace(turns), resolve_model(str(qwen3_next_dense_path)).layout, **pools, **opts)
+    assert replay.cached_tokens == [r["cached"] for turn in turns for r in turn]
+    assert replay.scheduler.num_retractions == stats["num_retractions"]
+    assert (replay.cache.num_evicted_tokens, replay.cache.num_evicted_states) == \
+        (stats["num_evicted_tokens"], stats["num_evicted_states"])
+    assert sum(replay.cached_tokens) > 0
