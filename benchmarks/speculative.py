@@ -1,5 +1,6 @@
 """Speculative decoding benchmark (issue 11), written to the ``## Speculative decoding`` (n-gram,
-workload (a)) and ``## Speculative decoding: MTP`` (workload (b)) sections of docs/benchmarks.md.
+workload (a)), ``## Speculative decoding: MTP`` (workload (b)) and ``## Speculative decoding: draft
+model`` sections of docs/benchmarks.md.
 
 Output tokens/s and accept length with n-gram speculation on vs off, at batch 1 (the 8 prompts one
 after the other) and batch 8 (all at once), greedy, on the built-in default model (``Engine()``:
@@ -29,6 +30,13 @@ Workload (b), ``--part mtp``: the default model with its MTP head (``speculative
 first user message of ShareGPT conversations, chat template), greedy, spec on vs off at batch 1 and
 8 — tokens/s, accept length, and where a verify step's time goes (model forward, the MTP's
 ``observe`` and drafting).
+
+``--part draft``: the same chat workload with a separate draft model (``speculative_algorithm="draft"``,
+``speculative_num_steps`` drafts per step): the default model as its own draft (every draft is the
+model's own greedy token: the accept-length ceiling, at the cost of a second copy of the model), its
+first four layers with its final norm and LM head (an early-exit draft built by this script, no
+training: half the model's layers), the same with trees (``speculative_eagle_topk=2``), and
+``--draft-model-path PATH`` if given.
 
 Then (n-gram) a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
 step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
@@ -61,6 +69,9 @@ POOLS = dict(max_total_tokens=32768, max_state_slots=160, max_running_requests=N
 SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
 MTP_STEPS = 3
 MTP_SPEC = dict(speculative_algorithm="mtp", speculative_num_steps=MTP_STEPS)
+DRAFT_STEPS = 3
+DRAFT_TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+EARLY_EXIT_LAYERS = 4  # the early-exit draft: the default model's first layers (3 Gated DeltaNet + 1 attention)
 
 REPETITIVE = [
     "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
@@ -498,20 +509,25 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp"), default="all",
-                    help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head")
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft"), default="all",
+                    help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
+                         "draft: workload (b) with separate draft models")
+    ap.add_argument("--draft-model-path", default=None,
+                    help="draft: one more draft model to measure (same vocabulary as the default model)")
     args = ap.parse_args()
     threads = torch.get_num_threads()
     torch.set_grad_enabled(False)
     if args.part in ("all", "mtp"):
         mtp_main(args, threads)
+    if args.part in ("all", "draft"):
+        draft_main(args, threads)
     if args.part in ("all", "ngram"):
         ngram_main(args, threads)
 
 
-def mtp_timers(engine: Engine) -> dict[str, float]:
-    """Wrap the model forward and the MTP drafter's two calls of ``engine`` with timers (thread CPU
-    time with one thread, else wall): seconds so far, by part."""
+def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
+    """Wrap the model forward and the drafter's two calls of ``engine`` with timers (thread CPU
+    time with one thread, else wall): seconds so far, by part ("<drafter_name> observe", ...)."""
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     acc: dict[str, float] = collections.defaultdict(float)
     s, drafter = engine.scheduler, engine.scheduler.drafter
@@ -528,7 +544,9 @@ def mtp_timers(engine: Engine) -> dict[str, float]:
         setattr(owner, name, timed)
 
     for owner, name, label in ((s.runner, "forward_extend", "model forward"), (s.runner, "forward_decode", "model forward"),
-                               (drafter, "observe", "MTP observe"), (drafter, "propose_batch", "MTP drafting"),
+                               (drafter, "observe", f"{drafter_name} observe"),
+                               (drafter, "propose_batch", f"{drafter_name} drafting"),
+                               (drafter, "propose_tree_batch", f"{drafter_name} drafting"),
                                (s, "step", "step")):
         if owner is not None:
             wrap(owner, name, label)
@@ -539,7 +557,7 @@ def unwrap(engine: Engine) -> None:
     """Undo ``mtp_timers``: back to the class's methods."""
     s = engine.scheduler
     for owner in (s.runner, s.drafter, s):
-        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "step"):
+        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "propose_tree_batch", "step"):
             if owner is not None:
                 owner.__dict__.pop(name, None)
 
@@ -618,6 +636,146 @@ steps of the cached prompts included):
     print(body)
     if not args.no_write:
         write_section("Speculative decoding: MTP", body)
+
+
+def early_exit_draft(out_dir: Path, num_layers: int = EARLY_EXIT_LAYERS) -> Path:
+    """A draft model made of the default model's first ``num_layers`` layers, its embedding, final
+    norm and LM head (no training; the MTP head dropped): what the model predicts when it exits
+    early. Written to ``out_dir`` (bf16 tensors as in the checkpoint)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.copytree(DEFAULT_MODEL_DIR, out_dir)
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg["layer_types"], cfg["num_hidden_layers"] = cfg["layer_types"][:num_layers], num_layers
+    cfg.pop("mtp_num_hidden_layers", None)
+    tensors = {}
+    for name, t in load_file(out_dir / "model.safetensors").items():
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if not name.startswith("mtp.") and layer < num_layers:
+            tensors[name] = t
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out_dir
+
+
+def draft_main(args, threads: int) -> None:
+    """Workload (b) with separate draft models: spec on vs off, batch 1 and 8, per draft model."""
+    import tempfile
+
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+
+    tmp = Path(tempfile.mkdtemp(prefix="hyla-draft-"))
+    early = early_exit_draft(tmp / "early-exit")
+    chain = dict(speculative_num_steps=DRAFT_STEPS)
+    drafts = {  # name -> (draft model, speculative options)
+        "the model itself": (DEFAULT_MODEL_DIR, chain),
+        f"its first {EARLY_EXIT_LAYERS} layers (early exit)": (early, chain),
+        f"its first {EARLY_EXIT_LAYERS} layers, trees": (early, dict(chain, **DRAFT_TREE)),
+    }
+    if args.draft_model_path:
+        drafts[f"`{args.draft_model_path}`"] = (Path(args.draft_model_path), chain)
+    off = Engine(dtype="float32", device="cpu", **POOLS)
+    rows, parts, sizes = [], {}, {}
+    try:
+        prompts = chat_prompts(off.tokenizer)
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        base = run_once(off, prompts, NUM_PROMPTS, params)[2]  # warm-up: caches the prompts
+        parts["off"] = {}
+        for batch in (1, NUM_PROMPTS):
+            timers = mtp_timers(off)
+            steps0 = off.scheduler.num_steps
+            run_once(off, prompts, batch, params)
+            parts["off"][batch] = {k: 1e3 * v / max(1, off.scheduler.num_steps - steps0) for k, v in timers.items()}
+            unwrap(off)
+        for name, (path, opts) in drafts.items():
+            spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(path), **opts)
+            with Engine(dtype="float32", device="cpu", **POOLS, **spec) as on:
+                sizes[name] = sum(p.numel() for p in on.scheduler.drafter.model.parameters())
+                check_identical(f"draft ({name}), warm-up", base, run_once(on, prompts, NUM_PROMPTS, params)[2])
+                for r in bench({"off": off, "on": on}, prompts, prompts, f"draft: {name}", args.repeats, args.new_tokens):
+                    rows.append(dict(r, draft=name))
+                parts[name] = {}
+                for batch in (1, NUM_PROMPTS):
+                    timers = mtp_timers(on, "draft")
+                    steps0 = on.scheduler.num_steps
+                    run_once(on, prompts, batch, params)
+                    parts[name][batch] = {k: 1e3 * v / max(1, on.scheduler.num_steps - steps0)
+                                          for k, v in timers.items()}
+                    unwrap(on)
+                    print(f"[draft: {name}] batch {batch}: ms per step: "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in parts[name][batch].items()), flush=True)
+    finally:
+        off.shutdown()
+    model_size = sum(p.numel() for p in off.model.parameters())
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part draft --repeats {args.repeats} "
+           f"--new-tokens {args.new_tokens}" + (f" --draft-model-path {args.draft_model_path}" if args.draft_model_path else ""))
+    table = ["| draft model | parameters | batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) "
+             "| accept length | verify steps |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['draft']} | {sizes[r['draft']] / 1e6:.1f}M | {r['batch']} | {r['off']:.1f} | {r['on']:.1f} "
+                     f"| **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x | **{r['accept']:.2f}** | {r['steps']} |")
+    split = ["| ms per step | " + " | ".join(f"batch {b}" for b in (1, NUM_PROMPTS)) + " |", "|---|---|---|"]
+    split.append("| plain decode step (off) | " + " | ".join(f"{parts['off'][b]['step']:.2f}" for b in (1, NUM_PROMPTS)) + " |")
+    for name in drafts:
+        for key, label in (("step", "verify step"), ("model forward", "model forward over the fed tokens"),
+                           ("draft observe", "draft model over the fed tokens"),
+                           ("draft drafting", f"draft model, {DRAFT_STEPS} draft steps (all beams)")):
+            split.append(f"| {name}: {label} | " + " | ".join(f"{parts[name][b].get(key, 0.0):.2f}"
+                                                               for b in (1, NUM_PROMPTS)) + " |")
+    by = {(r["draft"], r["batch"]): r for r in rows}
+    decode1 = parts["off"][1]["step"]
+    notes = []
+    for name in drafts:
+        p1, r1, r8 = parts[name][1], by[(name, 1)], by[(name, NUM_PROMPTS)]
+        notes.append(f"* **{name}**: accept length {r1['accept']:.2f} / {r8['accept']:.2f} (batch 1 / {NUM_PROMPTS}), "
+                     f"{r1['cpu_ratio']:.2f}x / {r8['cpu_ratio']:.2f}x the tokens/s of plain decoding (CPU time). "
+                     f"A verify step costs {p1['step'] / decode1:.1f} plain decode steps at batch 1: the model's "
+                     f"forward over the fed tokens {p1.get('model forward', 0.0) / decode1:.1f}, the draft model "
+                     f"{(p1.get('draft observe', 0.0) + p1.get('draft drafting', 0.0)) / decode1:.1f} (its {DRAFT_STEPS} draft "
+                     f"steps {p1.get('draft drafting', 0.0) / decode1:.1f}, its forward over the fed tokens "
+                     f"{p1.get('draft observe', 0.0) / decode1:.1f}); break-even accept length "
+                     f"{p1['step'] / decode1:.1f}.")
+    plen = (min(map(len, prompts)), max(map(len, prompts)))
+    body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers,
+{model_size / 1e6:.1f}M parameters, fp32) as the target, greedy.
+
+Workload (b) of the MTP section: {NUM_PROMPTS} chat prompts ({plen[0]}–{plen[1]} tokens), {args.new_tokens} new tokens
+each (`ignore_eos`); batch 1 = one after the other, batch {NUM_PROMPTS} = all at once. Speculation:
+`speculative_algorithm="draft"`, `speculative_num_steps={DRAFT_STEPS}` ({DRAFT_STEPS} greedy drafts of the draft model per
+verify step; *trees*: `speculative_eagle_topk={DRAFT_TREE['speculative_eagle_topk']}`,
+`speculative_num_draft_tokens={DRAFT_TREE['speculative_num_draft_tokens']}`, a beam search of width {DRAFT_TREE['speculative_eagle_topk']} and depth {DRAFT_STEPS}
+whose best {DRAFT_TREE['speculative_num_draft_tokens'] - 1} candidates, the greedy chain among them, are verified as a tree). Draft models:
+*the model itself* (every draft is the model's own greedy token, so the accept length is the ceiling,
+{DRAFT_STEPS + 1}, and the draft costs a whole second model) and *its first {EARLY_EXIT_LAYERS} layers* (3 Gated DeltaNet + 1
+attention, with the model's embedding, final norm and LM head: an early-exit draft built by the script,
+no training). Prefix cache on, prompts cached by a warm-up run;
+runs interleaved with the plain engine, medians of {args.repeats}; the CPU-time column is the same ratio in
+process CPU time (this shared 2-core machine is noisy: trust it where the two disagree). Speculation on
+and off gave **identical greedy token ids** in every run (checked by the script).
+
+{chr(10).join(table)}
+
+Where a step's time goes (one more run per draft and batch size, wrapped in-process, {"thread CPU time" if threads == 1 else "wall time"};
+mean ms per step over the run, the few prefill steps of the cached prompts included):
+
+{chr(10).join(split)}
+
+{chr(10).join(notes)}
+* On this CPU a verify forward of the tiny model over 4 tokens costs more than 2 decode steps (see the
+  MTP and n-gram sections), so a drafter must reach an accept length above that before anything
+  else; the draft model adds its own {DRAFT_STEPS} decode steps and a forward over the fed tokens. Draft-model
+  speculation pays where a verify step costs about one decode step and the draft is a small fraction
+  of the model (large models on GPUs); not measured here (no GPU).
+"""
+    print(body)
+    if not args.no_write:
+        write_section("Speculative decoding: draft model", body)
 
 
 def ngram_main(args, threads: int) -> None:

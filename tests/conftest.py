@@ -76,3 +76,16 @@ qwen3_next_dense_mtp_path = _tiny_checkpoint("qwen3_next_dense_mtp_path", checkp
 qwen3_next_moe_mtp_path = _tiny_checkpoint("qwen3_next_moe_mtp_path", checkpoints.make_qwen3_next, moe=True, mtp=True)
 qwen3_5_mtp_path = _tiny_checkpoint("qwen3_5_mtp_path", checkpoints.make_qwen3_5, mtp=True)
 qwen3_5_moe_mtp_path = _tiny_checkpoint("qwen3_5_moe_mtp_path", checkpoints.make_qwen3_5_moe, mtp=True)
+
+# draft models for speculative_algorithm="draft": perturbed copies of the targets (they agree with
+# them most of the time), and a small NemotronH (Mamba2, attention, MLP: one layer each) whose
+# vocabulary is every tiny checkpoint's, to draft for another architecture
+qwen3_next_dense_draft_path = _tiny_checkpoint("qwen3_next_dense_draft_path", checkpoints.make_perturbed,
+                                               base=checkpoints.make_qwen3_next, moe=False)
+qwen3_next_moe_draft_path = _tiny_checkpoint("qwen3_next_moe_draft_path", checkpoints.make_perturbed,
+                                             base=checkpoints.make_qwen3_next, moe=True)
+qwen3_5_draft_path = _tiny_checkpoint("qwen3_5_draft_path", checkpoints.make_perturbed, base=checkpoints.make_qwen3_5)
+nemotron_h_draft_path = _tiny_checkpoint("nemotron_h_draft_path", checkpoints.make_perturbed,
+                                         base=checkpoints.make_nemotron_h)
+nemotron_h_small_path = _tiny_checkpoint("nemotron_h_small_path", checkpoints.make_nemotron_h,
+                                         layers_block_type=["linear_attention", "full_attention", "mlp"])

@@ -253,6 +253,39 @@ def test_cache_layout_bytes_and_pools_built_from_it() -> None:
         CacheLayout(num_linear_layers=2)  # linear layers without state shapes
 
 
+def test_companion_layout_shares_the_slots_of_every_pool_operation() -> None:
+    """A companion (a draft model's layout) adds its bytes to each token and slot, its buffers follow
+    the pool's own in their own shapes and dtypes, and alloc (zeroing), copy and fork cover them."""
+    draft = CacheLayout(1, 1, 8, torch.bfloat16, 1, (5, 2), torch.float32, (0,), torch.float32)  # conv-only states
+    layout = CacheLayout(2, 2, 4, torch.float32, 2, (6, 3), torch.float32, (2, 4, 4), torch.float32, companion=draft)
+    own = CacheLayout(2, 2, 4, torch.float32, 2, (6, 3), torch.float32, (2, 4, 4), torch.float32)
+    assert layout.kv_bytes_per_token == own.kv_bytes_per_token + 2 * 1 * 8 * 2
+    assert layout.state_bytes_per_slot == own.state_bytes_per_slot + 5 * 2 * 4
+    kv = KVPool.from_layout(layout, 16, page_size=4)
+    assert [tuple(b.shape) for b in kv.k_buffers] == [(20, 2, 4), (20, 2, 4), (20, 1, 8)]
+    assert kv.k_buffers[2].dtype == torch.bfloat16 and kv.bytes_per_token == layout.kv_bytes_per_token
+    slots = kv.alloc(8)
+    for b in (*kv.k_buffers, *kv.v_buffers):
+        b[slots[:4]] = 1.0 + torch.arange(4, dtype=b.dtype).view(-1, *[1] * (b.dim() - 1))
+    kv.copy(slots[:4], slots[4:])
+    assert all(torch.equal(b[slots[4:]], b[slots[:4]]) for b in (*kv.k_buffers, *kv.v_buffers))
+    kv.check_integrity()
+    st = StatePool.from_layout(layout, 6)
+    assert [tuple(b.shape) for b in st.conv_states] == [(7, 6, 3), (7, 6, 3), (7, 5, 2)]
+    assert [tuple(b.shape) for b in st.ssm_states] == [(7, 2, 4, 4), (7, 2, 4, 4), (7, 0)]
+    a = st.alloc(1)
+    for b in (*st.conv_states, *st.ssm_states):
+        b[a] = 3.0
+    (f,) = st.fork(a).tolist()
+    assert all(torch.equal(b[f], b[int(a)]) for b in (*st.conv_states, *st.ssm_states))
+    st.free(a)
+    assert st.alloc(1).tolist() == a.tolist() and float(st.conv_states[2][a].abs().sum()) == 0.0  # zeroed
+    st.check_integrity()
+    assert StatePool.from_layout(layout, 6, accounting=True).bytes_per_slot == layout.state_bytes_per_slot
+    with pytest.raises(ValueError, match="companion"):
+        CacheLayout(companion=layout)
+
+
 # ----------------------------------------------------------------------------------------------
 # request table
 # ----------------------------------------------------------------------------------------------

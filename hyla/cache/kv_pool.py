@@ -10,6 +10,12 @@ Allocation is by whole pages; a sequence's token at position ``i`` always sits a
 ``free`` releases every page that contains one of the given slots: a caller frees a page by
 passing the slots it used in it (e.g. a request's private tail page).
 
+A pool may also hold a *companion* model's K/V on the same slots (``companion``, a
+``CacheLayout``: speculative decoding's draft model): its buffers follow this pool's own in
+``k_buffers`` / ``v_buffers``, in their own head count, head dim and dtype. Every slot operation
+(allocation, ``free``, ``copy``) covers them, so what happens to a token's slot happens to both
+models' K/V of that token.
+
 Accounting mode (``accounting=True``) keeps the allocator and the byte counts and allocates no
 tensors, so a simulator can drive the real trees at the size of an 80B model.
 """
@@ -42,6 +48,7 @@ class KVPool:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         accounting: bool = False,
+        companion: CacheLayout | None = None,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -55,16 +62,22 @@ class KVPool:
         self.device = torch.device(device)
         self.accounting = accounting
         layout = CacheLayout(num_attention_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                             kv_dtype=dtype)
-        self.bytes_per_token = layout.kv_bytes_per_token  # K and V of every layer
+                             kv_dtype=dtype, companion=companion)
+        self.bytes_per_token = layout.kv_bytes_per_token  # K and V of every layer, the companion's too
+        self.companion = companion
+        # (heads, head dim, dtype) of each buffer pair: this pool's layers, then the companion's
+        shapes = [(num_kv_heads, head_dim, dtype)] * num_layers
+        if companion is not None:
+            shapes += [(companion.num_kv_heads, companion.head_dim, companion.kv_dtype)] * companion.num_attention_layers
+        self.num_buffers = len(shapes)
         self._pages = FreeList(self.num_pages)
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
         if not accounting:
             rows = num_tokens + page_size
-            for _ in range(num_layers):
-                self.k_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
-                self.v_buffers.append(torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=self.device))  # [S, Hkv, D]
+            for h, d, dt in shapes:
+                self.k_buffers.append(torch.zeros(rows, h, d, dtype=dt, device=self.device))  # [S, Hkv, D]
+                self.v_buffers.append(torch.zeros(rows, h, d, dtype=dt, device=self.device))  # [S, Hkv, D]
 
     @classmethod
     def from_layout(
@@ -75,9 +88,10 @@ class KVPool:
         device: torch.device | str = "cpu",
         accounting: bool = False,
     ) -> "KVPool":
-        """The KV pool of ``layout`` (its attention layers, KV heads, head dim and KV dtype)."""
+        """The KV pool of ``layout`` (its attention layers, KV heads, head dim and KV dtype; then its
+        companion's)."""
         return cls(num_tokens, page_size, layout.num_attention_layers, layout.num_kv_heads, layout.head_dim,
-                   layout.kv_dtype, device, accounting)
+                   layout.kv_dtype, device, accounting, layout.companion)
 
     # ------------------------------------------------------------------------------------------
     # sizes
@@ -222,7 +236,7 @@ class KVPool:
         self._pages.check_integrity()
         if not self.accounting:
             rows = self.size + self.page_size
-            assert len(self.k_buffers) == len(self.v_buffers) == self.num_layers
+            assert len(self.k_buffers) == len(self.v_buffers) == self.num_buffers
             assert all(b.shape[0] == rows for b in (*self.k_buffers, *self.v_buffers)), "buffer rows"
 
 

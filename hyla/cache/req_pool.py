@@ -34,7 +34,12 @@ class ReqToTokenPool:
 
     def add_mirror(self, device: torch.device | str) -> torch.Tensor:
         """Keep an int32 copy on ``device`` from now on (every row as it is now, then kept in step
-        by :meth:`sync_mirror`); returns it."""
+        by :meth:`sync_mirror`); returns it. A second call on the same device returns the same
+        mirror (the target's and a draft model's runners share it); another device: ``ValueError``."""
+        if self.mirror is not None:
+            if self.mirror.device.type != torch.device(device).type:
+                raise ValueError(f"the request table already has a mirror on {self.mirror.device}, not {device}")
+            return self.mirror
         self.mirror = torch.zeros(self.size + 1, self.max_context_len, dtype=torch.int32, device=device)
         self.mirror[: self.size] = self.req_to_token.to(device=device, dtype=torch.int32)
         self._dirty.clear()

@@ -11,6 +11,11 @@ with the rest. The buffers are
 running request owns one slot that the model updates in place; the radix tree owns the checkpoint
 slots. A request never hands its live slot to the tree: it ``fork``s it first.
 
+With a ``companion`` layout (speculative decoding's draft model) a slot also holds the companion's
+state after the same tokens: its conv / SSM buffers follow this pool's own in ``conv_states`` /
+``ssm_states`` (their own shapes and dtypes), and ``alloc`` / ``copy`` / ``fork`` cover them, so a
+checkpoint, a copy-on-write hit or a verify commit moves both models' states together.
+
 Accounting mode (``accounting=True``) keeps the allocator and ``bytes_per_slot`` and allocates no
 tensors (``copy``/``fork`` only check and count).
 """
@@ -40,6 +45,7 @@ class StatePool:
         accounting: bool = False,
         hidden_size: int = 0,
         hidden_dtype: torch.dtype = torch.bfloat16,
+        companion: CacheLayout | None = None,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
@@ -57,15 +63,22 @@ class StatePool:
         self.accounting = accounting
         layout = CacheLayout(num_linear_layers=num_layers, conv_shape=self.conv_shape, conv_dtype=conv_dtype,
                              ssm_shape=self.ssm_shape, ssm_dtype=ssm_dtype, hidden_size=hidden_size,
-                             hidden_dtype=hidden_dtype)
+                             hidden_dtype=hidden_dtype, companion=companion)
         self.bytes_per_slot = layout.state_bytes_per_slot
+        self.companion = companion
+        # (conv shape, conv dtype, SSM shape, SSM dtype) per linear layer: this pool's, then the companion's
+        kinds = [(self.conv_shape, conv_dtype, self.ssm_shape, ssm_dtype)] * num_layers
+        if companion is not None:
+            kinds += [(companion.conv_shape, companion.conv_dtype, companion.ssm_shape, companion.ssm_dtype)] \
+                * companion.num_linear_layers
+        self.num_buffers = len(kinds)
         self._slots = FreeList(num_slots)
         self.conv_states: list[torch.Tensor] = []
         self.ssm_states: list[torch.Tensor] = []
         if not accounting:
-            for _ in range(num_layers):
-                self.conv_states.append(torch.zeros(num_slots + 1, *self.conv_shape, dtype=conv_dtype, device=self.device))  # [S+1, C, K-1]
-                self.ssm_states.append(torch.zeros(num_slots + 1, *self.ssm_shape, dtype=ssm_dtype, device=self.device))  # [S+1, H, Dk, Dv]
+            for conv, conv_dt, ssm, ssm_dt in kinds:
+                self.conv_states.append(torch.zeros(num_slots + 1, *conv, dtype=conv_dt, device=self.device))  # [S+1, C, K-1]
+                self.ssm_states.append(torch.zeros(num_slots + 1, *ssm, dtype=ssm_dt, device=self.device))  # [S+1, H, Dk, Dv]
         self.hidden_states: torch.Tensor | None = None  # [S+1, hidden_size] when hidden_size > 0
         if hidden_size and not accounting:
             self.hidden_states = torch.zeros(num_slots + 1, hidden_size, dtype=hidden_dtype, device=self.device)
@@ -77,9 +90,10 @@ class StatePool:
     def from_layout(
         cls, layout: CacheLayout, num_slots: int, device: torch.device | str = "cpu", accounting: bool = False
     ) -> "StatePool":
-        """The state pool of ``layout`` (its linear layers, conv and SSM shapes and dtypes)."""
+        """The state pool of ``layout`` (its linear layers, conv and SSM shapes and dtypes; then its
+        companion's)."""
         return cls(num_slots, layout.num_linear_layers, layout.conv_shape, layout.conv_dtype, layout.ssm_shape,
-                   layout.ssm_dtype, device, accounting, layout.hidden_size, layout.hidden_dtype)
+                   layout.ssm_dtype, device, accounting, layout.hidden_size, layout.hidden_dtype, layout.companion)
 
     def available_size(self) -> int:
         return self._slots.num_free()
@@ -144,7 +158,7 @@ class StatePool:
     def check_integrity(self) -> None:
         self._slots.check_integrity()
         if not self.accounting:
-            assert len(self.conv_states) == len(self.ssm_states) == self.num_layers
+            assert len(self.conv_states) == len(self.ssm_states) == self.num_buffers
             extra = [self.hidden_states] if self.hidden_states is not None else []
             assert all(b.shape[0] == self.size + 1 for b in (*self.conv_states, *self.ssm_states, *extra)), "buffer rows"
 

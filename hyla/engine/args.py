@@ -11,7 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
-SPECULATIVE_ALGORITHMS = ("ngram", "mtp")  # a separate draft model: not yet
+SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -41,12 +41,18 @@ class EngineArgs:
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
                                                    "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
-                                                   "head, Qwen3-Next / Qwen3.5), or none.")
-    speculative_num_draft_tokens: int = _opt(4, "ngram: tokens fed per verify step: the last sampled token + this minus one drafts.")
-    speculative_num_steps: int = _opt(3, "mtp: draft tokens per verify step (MTP steps; a chain feeds this plus one tokens).")
+                                                   "head, Qwen3-Next / Qwen3.5), 'draft' (a separate small model with "
+                                                   "the same vocabulary: speculative_draft_model_path), or none.")
+    speculative_draft_model_path: str | None = _opt(None, "draft: the draft model's directory (HF format, any "
+                                                          "architectures hyla loads, the model's vocabulary).")
+    speculative_num_draft_tokens: int = _opt(4, "ngram, draft trees: tokens fed per verify step: the last sampled token + "
+                                                "this minus one drafts.")
+    speculative_num_steps: int = _opt(3, "mtp, draft: draft tokens per verify step (drafter steps; a chain feeds this "
+                                         "plus one tokens; draft trees: their depth).")
     speculative_eagle_topk: int = _opt(1, "Draft branches: > 1 verifies a tree of drafts per step (ngram: the "
                                           "continuations of up to this many earlier matches, merged into a trie; "
-                                          "mtp: chains only).")
+                                          "draft: a beam search of this width over the draft model, its best "
+                                          "speculative_num_draft_tokens - 1 candidates; mtp: chains only).")
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
@@ -86,7 +92,17 @@ class EngineArgs:
             pos_int(name, allow_none=True)
         if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "mtp":
             raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP tree drafts (top-k > 1) are not "
-                             "supported yet; use 1 (a chain of drafts), or ngram for trees")
+                             "supported yet; use 1 (a chain of drafts), or ngram or draft for trees")
+        if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "draft" \
+                and self.speculative_num_draft_tokens < 2:
+            raise ValueError("draft trees (speculative_eagle_topk > 1) verify speculative_num_draft_tokens tokens per "
+                             "step: it must be at least 2 (the last sampled token and one draft)")
+        if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
+            raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path (the draft model's "
+                             "directory)")
+        if self.speculative_draft_model_path is not None and self.speculative_algorithm != "draft":
+            raise ValueError(f"speculative_draft_model_path is for speculative_algorithm='draft', not "
+                             f"{self.speculative_algorithm!r}")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
         if self.chunked_prefill_size < self.page_size:
@@ -104,11 +120,12 @@ class EngineArgs:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Draft tokens per request and verify step: ``speculative_num_steps`` for mtp,
-        ``speculative_num_draft_tokens - 1`` for ngram, 0 without speculation."""
+        """Draft tokens per request and verify step: ``speculative_num_steps`` for mtp and draft
+        chains, ``speculative_num_draft_tokens - 1`` for ngram and draft trees, 0 without speculation."""
         if self.speculative_algorithm is None:
             return 0
-        if self.speculative_algorithm == "mtp":
+        if self.speculative_algorithm == "mtp" or (self.speculative_algorithm == "draft"
+                                                   and self.speculative_eagle_topk == 1):
             return self.speculative_num_steps
         return self.speculative_num_draft_tokens - 1
 

@@ -33,7 +33,8 @@ Ownership and locks — the whole contract:
   the checkpoint grid that a request passed while decoding, held outside the tree until release.
 * Between steps ``kv_allocated == kv_len``: a step's allocations are committed or rolled back.
 * ``reserve_states`` / ``reserve_kv`` take slots for good (speculative decoding's scratch states,
-  the MTP drafter's scratch KV): neither the tree nor any request owns them.
+  the MTP and draft-model drafters' scratch KV and drafting states): neither the tree nor any
+  request owns them.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
   the room (``_ensure_kv`` / ``_ensure_state``; KV and admissions evict nothing when even
   evicting everything unlocked could not make the room, checkpoints are best effort and keep what
@@ -324,8 +325,8 @@ class CacheManager:
         return slots
 
     def reserve_kv(self, n: int) -> list[int]:
-        """``n`` KV slots taken for good, on whole pages (the MTP drafter's scratch: the KV of its
-        draft tokens, which never enter a request's row)."""
+        """``n`` KV slots taken for good, on whole pages (the MTP and draft-model drafters' scratch:
+        the KV of their draft tokens, which never enter a request's row)."""
         tokens = -(-n // self.page_size) * self.page_size
         if not self._ensure_kv(tokens, cause="speculative-decoding scratch"):
             raise ValueError(f"the KV pool cannot spare {n} slots (size {self.kv_pool.size}): "

@@ -33,6 +33,7 @@ import torch
 from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
+from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import Grammars
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
@@ -83,6 +84,8 @@ class Engine:
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
         self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
         self.tokenizer = _load_tokenizer(path)
+        # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
+        self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
         self.sampling_defaults = _generation_defaults(path) if self.args.generation_config == "auto" else {}
         self.eos_token_ids = sorted(set(self.model_config.eos_token_ids) | set(
@@ -123,6 +126,17 @@ class Engine:
             k = self.args.num_draft_tokens
             scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
             drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k)
+        elif self.args.speculative_algorithm == "draft":
+            steps, topk = self.args.speculative_num_steps, self.args.speculative_eagle_topk
+            kv_per_row, states_per_row = DraftModelDrafter.scratch_per_row(steps, topk)
+            scratch = self.cache.reserve_kv(self.max_running_requests * kv_per_row)  # the drafts' KV, per batch row
+            states = self.cache.reserve_states(self.max_running_requests * states_per_row)  # the drafting beams' states
+            cfg = self.model_config
+            draft_runner = ModelRunner(self.draft_model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
+                                       cuda_graph=not self.args.disable_cuda_graph,
+                                       cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
+                                       first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
+            drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -137,13 +151,35 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     # set-up
     # ------------------------------------------------------------------------------------------
+    def _load_draft_model(self):
+        """The draft model of ``speculative_draft_model_path``, in the model's dtype and device,
+        checked against the model (``check_draft_model``)."""
+        path = Path(self.args.speculative_draft_model_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"no config.json in draft model directory {str(path)!r}")
+        draft = load_model(path, dtype=self.args.dtype, device=self.args.device)
+        check_draft_model(self.model_config, draft.config,
+                          self.args.context_length or self.model_config.max_position_embeddings,
+                          self.tokenizer, _load_tokenizer(path))
+        return draft
+
     def _build_pools(self) -> None:
         cfg, args = self.model_config, self.args
         # K/V and conv state in the model dtype (= self.dtype), SSM state fp32; with MTP one more
-        # attention layer of KV and a hidden vector per state slot
-        layout = mtp_cache_layout(cfg) if self.mtp_head is not None else cfg.cache_layout
-        # each running request holds a state slot, plus one scratch slot per draft token with speculation
-        per_req = 1 + args.num_draft_tokens
+        # attention layer of KV and a hidden vector per state slot; with a draft model its KV and
+        # states on the same slots (its layout as the companion)
+        if self.mtp_head is not None:
+            layout = mtp_cache_layout(cfg)
+        elif self.draft_model is not None:
+            layout = draft_cache_layout(cfg, self.draft_model.config)
+        else:
+            layout = cfg.cache_layout
+        # each running request holds a state slot, plus one scratch slot per draft token with
+        # speculation, plus (draft model) one per beam for the draft state while it drafts
+        drafting_kv, drafting_states = DraftModelDrafter.scratch_per_row(args.speculative_num_steps,
+                                                                         args.speculative_eagle_topk) \
+            if self.draft_model is not None else (args.num_draft_tokens, 0)
+        per_req = 1 + args.num_draft_tokens + drafting_states
         context = args.context_length or cfg.max_position_embeddings
         # Sizes not given explicitly come from one memory budget split by SGLang's ratio, capped by
         # what the engine can use (a CPU's RAM would otherwise give a 15 MB model 2 GB of pools): a
@@ -167,7 +203,9 @@ class Engine:
             raise ValueError(
                 f"max_running_requests ({self.max_running_requests}) x {per_req} state slots each must be below "
                 f"max_state_slots ({num_slots}): each running request holds one state slot"
-                f"{' and one scratch slot per draft token' if per_req > 1 else ''}, and checkpoints need more")
+                f"{' and one scratch slot per draft token' if per_req > 1 else ''}"
+                f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}, "
+                "and checkpoints need more")
         kv_running = max(running, self.max_running_requests)
         kv_cap = -(-kv_running * context // args.page_size) * args.page_size  # whole pages
         num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), kv_cap, 1 << 22)
@@ -178,11 +216,12 @@ class Engine:
         num_tokens -= num_tokens % args.page_size
         self.kv_pool = KVPool.from_layout(layout, num_tokens, args.page_size, self.device)
         self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
-        # the MTP drafter reserves KV for its drafts (CacheManager.reserve_kv): a request must fit beside it
-        reserved = -(-self.max_running_requests * args.num_draft_tokens // args.page_size) * args.page_size \
-            if self.mtp_head is not None else 0
+        # the MTP and draft-model drafters reserve KV for their drafts (CacheManager.reserve_kv): a
+        # request must fit beside it
+        reserved = -(-self.max_running_requests * drafting_kv // args.page_size) * args.page_size \
+            if self.mtp_head is not None or self.draft_model is not None else 0
         if reserved >= num_tokens:
-            raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the MTP drafts' {reserved} KV slots")
+            raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the drafts' {reserved} KV slots")
         self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens - reserved)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
@@ -209,7 +248,8 @@ class Engine:
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
                 f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}, "
                 f"speculative={self.args.speculative_algorithm or 'off'}"
-                f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}, "
+                f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
+                f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
                 f"pool sizes: {self.pool_sizing}")
 
     def _decode_mode(self) -> str:

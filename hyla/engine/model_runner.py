@@ -37,15 +37,19 @@ logger = logging.getLogger("hyla.engine")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
-                 fused_decode: bool | None = None):
+                 fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0)):
+        """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
+        model's (a draft model's follow the target's: ``CacheLayout.companion``)."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
         self.device = torch.device(device)
-        # the model's KV buffers: the pool may hold more layers after them (the MTP head's, last)
-        n = model.config.num_attention_layers
-        self.k_buffers, self.v_buffers = kv_pool.k_buffers[:n], kv_pool.v_buffers[:n]
+        # the model's buffers: the pools may hold more layers after them (the MTP head's KV, last; a
+        # draft model's KV and states) or before them (the target's, for a draft model's runner)
+        (a, s), n, m = first_buffers, model.config.num_attention_layers, model.config.num_linear_layers
+        self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
+        self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
         self.graphs = None
         c = model.config
@@ -113,7 +117,7 @@ class ModelRunner:
             is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
             prefix_lens=[r.kv_len for r in reqs], cu_seqlens=t[2], out_cache_loc=t[8], kv_indices=t[9],
             kv_indptr=t[3], k_buffers=self.k_buffers, v_buffers=self.v_buffers,
-            state_slots=t[4], conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            state_slots=t[4], conv_states=self.conv_states, ssm_states=self.ssm_states,
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden,
@@ -158,7 +162,7 @@ class ModelRunner:
             is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
             cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
-            conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            conv_states=self.conv_states, ssm_states=self.ssm_states,
             state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
         )
         return self._run_decode(batch)  # [B, V] (and [B, H])
@@ -169,7 +173,7 @@ class ModelRunner:
         pos = [r.kv_len for r in reqs]
         slots = [r.state_slot for r in reqs]
         if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
-            check_slot_values(slots, self.state_pool.conv_states[0].shape[0], "state_slots")
+            check_slot_values(slots, self.conv_states[0].shape[0], "state_slots")
         if max(ids) >= self.model.config.vocab_size:
             raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
         columns = (ids, pos, slots, [r.req_pool_idx for r in reqs], [p + 1 for p in pos], out_cache_loc)
@@ -188,7 +192,7 @@ class ModelRunner:
             is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
             cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=state_slots,
-            conv_states=self.state_pool.conv_states, ssm_states=self.state_pool.ssm_states,
+            conv_states=self.conv_states, ssm_states=self.ssm_states,
             max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
         )
 

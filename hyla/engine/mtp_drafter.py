@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from hyla.engine.request import Req
-from hyla.engine.speculative import Drafter
+from hyla.engine.speculative import Drafter, drafter_batch, prefix_sums
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.mtp import MtpHead
 
@@ -80,7 +80,7 @@ class MtpDrafter(Drafter):
         if hidden is None:
             raise ValueError("the MTP drafter needs the model's hidden states")
         b = len(reqs)
-        cu = _cumsum(lens)
+        cu = prefix_sums(lens)
         slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.long, device=self.device)
         before = self.hidden_states.index_select(0, slots)  # [B, H]: hidden[kv_len - 1] of each request
         ids, pos, src, prefix, extend, loc, kv = [], [], [], [], [], [], []
@@ -155,23 +155,5 @@ class MtpDrafter(Drafter):
                loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool) -> ForwardBatch:
         """A batch over the MTP layer's KV buffer only: sequence ``i`` writes ``extend_lens[i]`` pairs
         at slots ``loc[i]`` after ``prefix_lens[i]`` earlier pairs; ``kv[i]`` are all its pairs' slots."""
-        dev = self.device
-        long = dict(dtype=torch.long)
-        host = [torch.tensor(ids, **long), torch.tensor(pos, **long), torch.tensor(_cumsum(extend_lens), **long),
-                torch.tensor(_cumsum([k.numel() for k in kv]), **long), torch.cat(loc).to(torch.long),
-                torch.cat(kv).to(torch.long)]
-        t = [x.to(dev) for x in host]
-        return ForwardBatch(
-            is_decode=is_decode, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
-            prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[4], kv_indices=t[5], kv_indptr=t[3],
-            k_buffers=[self.k_buffer], v_buffers=[self.v_buffer],
-            state_slots=torch.full((len(extend_lens),), -1, dtype=torch.long, device=dev), conv_states=[],
-            ssm_states=[], max_token_id=max(ids),
-        )
-
-
-def _cumsum(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+        return drafter_batch(ids, pos, prefix_lens, extend_lens, loc, kv, is_decode, self.device,
+                             [self.k_buffer], [self.v_buffer])

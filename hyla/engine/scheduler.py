@@ -166,9 +166,9 @@ class Scheduler:
                 batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
                 out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
                                                  **extra)
-            if not extra:
+            if self.drafter is None:
                 return out
-            logits, hidden = out  # [N, V], [sum(lens), H]
+            logits, hidden = out if extra else (out, None)  # [N, V], [sum(lens), H]
             self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden)  # before the commit: see Drafter
             return logits
         except Exception:
@@ -394,9 +394,9 @@ class Scheduler:
         reqs = [r for r in self.running if r.is_decoding]
         if self.drafter is not None and reqs:
             limits = [self._draft_limit(r) for r in reqs]
-            if self.drafter.topk > 1:  # trees, one request at a time
-                for r, limit in zip(reqs, limits):
-                    r.set_drafts(*self.drafter.propose_tree(r, limit))
+            if self.drafter.topk > 1:  # trees
+                for r, tree in zip(reqs, self.drafter.propose_tree_batch(reqs, limits), strict=True):
+                    r.set_drafts(*tree)
             else:
                 for r, d in zip(reqs, self.drafter.propose_batch(reqs, limits), strict=True):
                     r.set_drafts(d)

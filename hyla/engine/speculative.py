@@ -39,8 +39,9 @@ live state (``CacheManager.commit(path=...)``).
 
 Drafters (``Drafter``: what the scheduler asks of one): ``NgramDrafter`` (prompt/history lookup,
 no weights: speculation for every model; with ``topk > 1`` a tree of the continuations of up to
-``topk`` earlier occurrences) and ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
-own multi-token-prediction head).
+``topk`` earlier occurrences), ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
+own multi-token-prediction head) and ``DraftModelDrafter`` (``hyla/engine/draft_drafter.py``: a
+separate small model, its memory on the model's slots; trees from a beam search).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import torch
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
+from hyla.model.forward_batch import ForwardBatch
 
 @dataclass
 class Verdict:
@@ -67,13 +69,13 @@ class Verdict:
 
 class Drafter:
     """What the scheduler asks of a drafter, each decode step: ``propose_batch`` (drafts for every
-    decoding request; ``propose_tree`` per request when ``topk > 1``), and after every target
+    decoding request; ``propose_tree_batch`` when ``topk > 1``), and after every target
     forward ``observe`` (for drafters that follow the model's hidden states). ``num_draft``: the
     most drafts per request and step (the scheduler reserves that many scratch state slots per
     running request)."""
 
     num_draft: int
-    topk: int = 1  # > 1: the scheduler asks for trees (propose_tree)
+    topk: int = 1  # > 1: the scheduler asks for trees (propose_tree_batch)
     wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
 
     def propose(self, req: Req, limit: int) -> list[int]:
@@ -89,12 +91,47 @@ class Drafter:
         """Drafts for each decoding request (at most ``limits[i]`` for ``reqs[i]``), one list each."""
         return [self.propose(r, limit) for r, limit in zip(reqs, limits)]
 
+    def propose_tree_batch(self, reqs: list[Req], limits: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """Trees for each decoding request (``topk > 1``): ``propose_tree`` of each, by default."""
+        return [self.propose_tree(r, limit) for r, limit in zip(reqs, limits)]
+
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
                 hidden: torch.Tensor | None) -> None:
         """Called after every target forward, before its commit: ``reqs[i]`` fed ``lens[i]`` tokens
         after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
         (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
         the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
+
+
+def drafter_batch(ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
+                  loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool, device: torch.device,
+                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], state_slots: list[int] | None = None,
+                  conv_states: list[torch.Tensor] = (), ssm_states: list[torch.Tensor] = ()) -> ForwardBatch:
+    """A ``ForwardBatch`` over explicit slots, for a drafter's own forwards (its scratch KV and state
+    slots, never a request's row): sequence ``i`` feeds ``extend_lens[i]`` tokens (``ids``, at
+    positions ``pos``, packed) whose K/V go to slots ``loc[i]``, after ``prefix_lens[i]`` earlier
+    tokens; ``kv[i]`` are all its KV slots in order (``[prefix + extend]``); ``state_slots[i]`` its
+    recurrent state slot, updated in place (None: no state, ``-1``). The buffers are the drafter's."""
+    long = dict(dtype=torch.long)
+    host = [torch.tensor(ids, **long), torch.tensor(pos, **long), torch.tensor(prefix_sums(extend_lens), **long),
+            torch.tensor(prefix_sums([k.numel() for k in kv]), **long), torch.cat(loc).to(torch.long),
+            torch.cat(kv).to(torch.long),
+            torch.tensor(state_slots if state_slots is not None else [-1] * len(extend_lens), **long)]
+    t = [x.to(device) for x in host]
+    return ForwardBatch(
+        is_decode=is_decode, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
+        prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[4], kv_indices=t[5], kv_indptr=t[3],
+        k_buffers=k_buffers, v_buffers=v_buffers, state_slots=t[6], conv_states=conv_states, ssm_states=ssm_states,
+        state_slot_list=state_slots, max_token_id=max(ids),
+    )
+
+
+def prefix_sums(values: list[int]) -> list[int]:
+    """``[0, v0, v0 + v1, ...]``: each sequence's offset into packed tokens, and the total."""
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
 
 
 class NgramDrafter(Drafter):

@@ -101,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path is not None and not (Path(args.model_path) / "config.json").is_file():
         print(f"hyla serve: error: no config.json in model directory {args.model_path!r}", file=sys.stderr)
         return 2
+    draft = options.get("speculative_draft_model_path")
+    if draft is not None and not (Path(draft) / "config.json").is_file():
+        print(f"hyla serve: error: no config.json in draft model directory {draft!r}", file=sys.stderr)
+        return 2
     if str(options.get("device", "cpu")).startswith("cuda"):
         import torch
 

@@ -1,0 +1,291 @@
+"""The draft-model drafter: draft tokens from a separate small model with the same vocabulary.
+
+``speculative_algorithm="draft"``, ``speculative_draft_model_path=PATH`` (SGLang's standalone
+draft worker): any model hyla loads — another architecture than the target's too — whose
+vocabulary is the target's. It has attention KV and recurrent states of its own, and they must
+stay exactly in step with the target's through everything the engine does to a request's memory:
+prefix-cache hits, chunked prefill, verify steps that keep only part of what they fed, trees,
+retraction, eviction. The design:
+
+* **Where the draft's memory lives: on the target's slots.** The draft model's K/V buffers and
+  recurrent-state buffers are the pools' *companion* buffers (``CacheLayout.companion``,
+  :func:`draft_cache_layout`: counted in the bytes per token and per state slot, so pool sizing
+  stays right): KV slot ``t`` also holds the draft's K/V of the token in it, state slot ``s`` the
+  draft's state after the same tokens as the target's state in ``s``. Every slot operation of the
+  engine covers both (``KVPool.copy``, ``StatePool.alloc`` / ``copy`` / ``fork``): the checkpoint
+  copied into a request's slot on a cache hit (copy-on-write), checkpoints forked into the tree,
+  the verify commit (the accepted position's state copied into the live slot, rejected KV rolled
+  back, a tree's accepted path moved to its positions' slots), pending grid checkpoints, release
+  and retraction. Neither the cache manager nor the tree knows the draft exists.
+
+* **When it is written: after every target forward, with the same metadata** (``observe``, called
+  before the commit). The draft model runs over exactly the tokens the target was fed, into the
+  same KV slots, from and into the same state slot per request, writing its state at the same
+  checkpoints (a prefill's tree checkpoints, a verify step's per-token scratch slots) and over the
+  same token tree. So whatever the commit keeps of the target's memory it keeps of the draft's:
+  the draft's live state is the state after exactly ``kv_len`` committed tokens and its KV that of
+  the committed tokens, always. After a cache hit of ``m`` tokens the draft reads its K/V of
+  positions ``< m`` from the tree's slots and its state from the hit's checkpoint, computed from the
+  same tokens: drafts are the same with the cache on or off, up to floating-point rounding (a
+  prefix computed in other chunks), which can flip an argmax at a near-tie. Outputs never depend on
+  the drafts: verification makes them exact.
+
+* **Drafting** (``propose_batch``, each decode step): ``speculative_num_steps`` greedy decode steps
+  of the draft model for all decoding requests at once. Each request's draft state is copied into
+  a scratch state slot (the draft's buffers only), then step ``j`` feeds ``token[n + j]`` at
+  position ``n + j`` (``n = kv_len``; ``token[n]`` is the last sampled token, then the drafts) with
+  its K/V in scratch KV slots, and its argmax is the next draft. Both scratch kinds are reserved per
+  batch row at start (``CacheManager.reserve_states`` / ``reserve_kv``), so drafting never touches
+  a request's live state or row: the verify step's ``observe`` computes the kept positions for real.
+
+* **Trees** (``speculative_eagle_topk = k > 1``, ``propose_tree_batch``): the same loop as a beam
+  search of width ``k`` — every beam a row of the step's batch, with its own scratch state slot (a
+  sibling starts from a copy of its parent's) and its path's scratch KV slots; the candidates are
+  ranked by path log-probability and the greedy chain plus the best others are verified
+  (``_draft``). The verify step's tree goes through ``observe`` like any forward (``tree_parents``).
+
+Cost per verify step: ``num_steps`` draft decode steps (of every beam) plus one draft forward over
+the fed tokens (the drafts fed again, now into the request's own slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from hyla.cache.layout import CacheLayout
+from hyla.engine.model_runner import ModelRunner
+from hyla.engine.request import Req
+from hyla.engine.speculative import Drafter, drafter_batch
+from hyla.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from hyla.tokenizer import Tokenizer
+
+
+def draft_cache_layout(target: ModelConfig, draft: ModelConfig) -> CacheLayout:
+    """The target's cache layout with the draft model's as its companion: each token slot also
+    holds the draft's K/V, each state slot the draft's recurrent state (after the target's buffers)."""
+    return dataclasses.replace(target.cache_layout, companion=draft.cache_layout)
+
+
+def check_draft_model(target: ModelConfig, draft: ModelConfig, context_length: int,
+                      target_tokenizer: Tokenizer | None = None, draft_tokenizer: Tokenizer | None = None) -> None:
+    """``ValueError`` unless ``draft`` can draft for ``target``: the same vocabulary size, the same
+    token for every id when both have a tokenizer (without tokenizer files only the sizes can be
+    compared), and a context (``max_position_embeddings``) at least the engine's ``context_length``."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) is not the model's "
+                         f"({target.vocab_size}): a draft model must share the model's tokenizer")
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        size = max(target_tokenizer.vocab_size, draft_tokenizer.vocab_size)
+        differ = next((i for i in range(size)
+                       if target_tokenizer.id_to_token(i) != draft_tokenizer.id_to_token(i)), None)
+        if differ is not None:
+            raise ValueError(f"the draft model's tokenizer differs from the model's (token id {differ}: "
+                             f"{draft_tokenizer.id_to_token(differ)!r} vs {target_tokenizer.id_to_token(differ)!r}): "
+                             "a draft model must share the model's tokenizer")
+    if draft.max_position_embeddings < context_length:
+        raise ValueError(f"the draft model's context ({draft.max_position_embeddings} tokens) is shorter than the "
+                         f"engine's context length ({context_length}): set context_length <= "
+                         f"{draft.max_position_embeddings}")
+
+
+class DraftModelDrafter(Drafter):
+    """Drafts from ``runner.model`` (a ``ModelRunner`` over the pools' companion buffers, on the
+    engine's request table): chains of ``num_steps`` greedy drafts, or with ``topk > 1`` trees of
+    depth ``num_steps`` and at most ``num_draft`` nodes. ``scratch_kv`` / ``scratch_states``:
+    reserved slots, :meth:`scratch_per_row` of each per batch row."""
+
+    def __init__(self, runner: ModelRunner, scratch_kv: list[int], scratch_states: list[int], num_draft: int,
+                 num_steps: int | None = None, topk: int = 1):
+        self.num_steps = num_draft if num_steps is None else num_steps
+        kv_per_row, states_per_row = self.scratch_per_row(self.num_steps, topk)
+        if num_draft < 1 or topk < 1 or len(scratch_kv) < kv_per_row or len(scratch_states) < states_per_row:
+            raise ValueError(f"the draft-model drafter needs num_draft >= 1, topk >= 1 and scratch slots for a batch "
+                             f"row ({kv_per_row} KV, {states_per_row} state), got num_draft={num_draft}, topk={topk}, "
+                             f"{len(scratch_kv)} KV and {len(scratch_states)} state slots")
+        self.runner = runner
+        self.model = runner.model
+        self.num_draft = num_draft
+        self.topk = topk
+        self.req_to_token = runner.req_to_token
+        self.device = runner.device
+        self.scratch_kv = _rows(scratch_kv, kv_per_row)
+        self.scratch_states = _rows(scratch_states, states_per_row)
+        # the draft's buffers (its runner's views of the pools' companion buffers) that hold something
+        self._state_buffers = [b for b in (*runner.conv_states, *runner.ssm_states) if b.numel()]
+
+    @staticmethod
+    def scratch_per_row(num_steps: int, topk: int) -> tuple[int, int]:
+        """(KV slots, state slots) drafting takes per batch row: one KV slot per token it feeds (the
+        last sampled token, then ``topk`` beams per further step) and one state slot per beam."""
+        return 1 + (num_steps - 1) * topk, topk
+
+    # ------------------------------------------------------------------------------------------
+    # after every target forward: the same forward on the draft model
+    # ------------------------------------------------------------------------------------------
+    def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
+                hidden: torch.Tensor | None) -> None:
+        """The target fed ``lens[i]`` tokens of ``reqs[i]`` after its ``kv_len`` (drafts included, not
+        committed yet) into the KV slots of its row, from and into its state slot, with state
+        checkpoints ``ckpts``; run the draft model over the same, into its own buffers. Computes no
+        logits (a one-token step computes one per request, as a decode step does)."""
+        loc = torch.cat([self.req_to_token.read(r.req_pool_idx, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)])
+        if max(lens) == 1 and not ckpts:  # what the scheduler runs as a decode step (the fused kernels on CUDA)
+            self.runner.forward_decode(reqs, loc)
+            return
+        trees = [r.fed_parents() for r in reqs] if any(r.draft_parents is not None for r in reqs) else None
+        self.runner.forward_extend(reqs, lens, loc, list(ckpts), logit_rows=[[] for _ in reqs], tree_parents=trees)
+
+    # ------------------------------------------------------------------------------------------
+    # drafting
+    # ------------------------------------------------------------------------------------------
+    def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
+        """Up to ``min(limits[i], num_draft)`` greedy drafts of the draft model after each decoding
+        request's last sampled token (a chain; a request with a grammar keeps its grammar-valid prefix)."""
+        return [ids for ids, _ in self._draft(reqs, limits, [1] * len(reqs))]
+
+    def propose_tree_batch(self, reqs: list[Req], limits: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """A tree of at most ``min(limits[i], num_draft)`` drafts per decoding request (a request with
+        a grammar: a chain, its masks follow one path): see :meth:`_draft`."""
+        return self._draft(reqs, limits, [1 if r.grammar is not None else self.topk for r in reqs])
+
+    @torch.inference_mode()
+    def _draft(self, reqs: list[Req], limits: list[int], widths: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """Beam search of width ``widths[i]`` over the draft model's log-probabilities, ``num_steps``
+        deep, for all requests at once (one draft decode step per depth for every live beam; requests
+        drop out at their depth, ``min(num_steps, budget)``). Every child a beam expanded (its top
+        ``width`` tokens) is a candidate node, scored by its path's cumulative log-probability. The
+        greedy path (each step's argmax) is always a beam, the best ``width - 1`` other candidates of
+        a depth are the others. The tree is that greedy chain, then the best other candidates by
+        score up to ``budget = min(limit, num_draft)`` nodes (a child never scores above its parent,
+        so every chosen node's ancestors are chosen: EAGLE-2's reranking), parents first. With the
+        chain inside it, a tree is accepted at least as far as the chain would be (greedy
+        verification follows the target's argmax down the tree). Width 1 is the greedy chain. A
+        request with a grammar keeps the grammar-valid prefix of its chain."""
+        out: list[tuple[list[int], list[int] | None]] = [([], None) for _ in reqs]
+        budget = [min(limit, self.num_draft) for limit in limits]
+        live = [i for i, b in enumerate(budget) if b > 0]
+        if not live:
+            return out
+        if len(reqs) > min(len(self.scratch_kv), len(self.scratch_states)):
+            raise ValueError(f"{len(reqs)} decoding requests, drafting scratch for {len(self.scratch_states)} rows")
+        depth = {i: min(self.num_steps, budget[i]) for i in live}
+        n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
+        committed = {i: self.req_to_token.read(reqs[i].req_pool_idx, 0, n[i]) for i in live}  # positions 0..n-1
+        nodes: dict[int, list[_Node]] = {i: [] for i in live}
+        beams = {i: [_Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
+        used_kv = {i: 0 for i in live}
+        self._copy_states([reqs[i].state_slot for i in live], [self.scratch_states[i][0] for i in live])
+        runner = self.runner
+        for j in range(self.num_steps):
+            live = [i for i in live if depth[i] > j]
+            if not live:
+                break
+            fed = [(i, b) for i in live for b in beams[i]]
+            for i, b in fed:  # the fed token's K/V go to the request's next scratch KV slot
+                b.path = b.path + [self.scratch_kv[i][used_kv[i]]]
+                used_kv[i] += 1
+            batch = drafter_batch(
+                [b.token for _, b in fed], [n[i] + j for i, _ in fed], [n[i] + j for i, _ in fed], [1] * len(fed),
+                [torch.tensor(b.path[-1:], dtype=torch.long) for _, b in fed],
+                [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed],
+                True, self.device, runner.k_buffers, runner.v_buffers, [b.state for _, b in fed],
+                runner.conv_states, runner.ssm_states)
+            logp = torch.log_softmax(self.model.forward(batch).float(), dim=-1)  # [F, V]
+            top, ids = logp.topk(max(widths[i] for i in live), dim=-1)
+            top, ids = top.tolist(), ids.tolist()
+            children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
+            for row, (i, b) in enumerate(fed):
+                for c in range(widths[i]):
+                    children[i].append((len(nodes[i]), beams[i].index(b)))
+                    nodes[i].append(_Node(ids[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
+            if j + 1 < self.num_steps:
+                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
+                if copies:
+                    self._copy_states(*zip(*copies))
+        for i in nodes:
+            chain = [k for k, node in enumerate(nodes[i]) if node.greedy]
+            others = sorted((k for k, node in enumerate(nodes[i]) if not node.greedy),
+                            key=lambda k: (-nodes[i][k].score, nodes[i][k].depth, k))
+            chosen = sorted((chain + others)[:budget[i]], key=lambda k: (nodes[i][k].depth, not nodes[i][k].greedy,
+                                                                          -nodes[i][k].score, k))
+            at = {k: pos for pos, k in enumerate(chosen)}
+            ids_i = [nodes[i][k].token for k in chosen]
+            parents = [0 if nodes[i][k].parent < 0 else at[nodes[i][k].parent] + 1 for k in chosen]
+            if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
+                ids_i = ids_i[:reqs[i].grammar.valid_prefix(ids_i)]
+                parents = parents[:len(ids_i)]
+            out[i] = (ids_i, None if parents == list(range(len(ids_i))) else parents)
+        return out
+
+    def _next_beams(self, rows: list[int], nodes: dict[int, list[_Node]], children: dict[int, list[tuple[int, int]]],
+                    beams: dict[int, list[_Beam]], widths: list[int]) -> list[tuple[int, int]]:
+        """Request ``i``'s next beams: the greedy child, then the best ``widths[i] - 1`` other children
+        of this depth. A child continues from its parent beam's state: the first child of a parent
+        takes the parent's state slot as it is, another child a slot no beam keeps, into which the
+        parent's state is copied. Returns those copies ``(src, dst)`` (sources and destinations
+        disjoint)."""
+        copies = []
+        for i in rows:
+            best = sorted(children[i], key=lambda c: (not nodes[i][c[0]].greedy, -nodes[i][c[0]].score))[:widths[i]]
+            kept = {parent for _, parent in best}
+            in_use = {b.state for b in beams[i]}
+            spare = [beams[i][k].state for k in range(len(beams[i])) if k not in kept] + \
+                [s for s in self.scratch_states[i] if s not in in_use]
+            taken: set[int] = set()
+            new = []
+            for node, parent in best:
+                src = beams[i][parent]
+                if parent not in taken:
+                    taken.add(parent)
+                    state = src.state
+                else:
+                    state = spare.pop()
+                    copies.append((src.state, state))
+                new.append(_Beam(node, nodes[i][node].token, nodes[i][node].score, state, src.path,
+                                 nodes[i][node].greedy))
+            beams[i] = new
+        return copies
+
+    def _copy_states(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """The draft model's recurrent state of slots ``src[i]`` into ``dst[i]`` (the target's untouched)."""
+        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        for buf in self._state_buffers:
+            buf.index_copy_(0, d, buf.index_select(0, s))
+
+
+@dataclass
+class _Node:
+    """A candidate draft: its token, parent (index among the request's candidates, -1 = the last
+    sampled token), depth (1 = a child of the last sampled token), path log-probability, and
+    whether it is on the greedy path (every token its parent's argmax)."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+    greedy: bool
+
+
+@dataclass(eq=False)
+class _Beam:
+    """A path being extended: its last node (-1: the last sampled token), the token to feed next,
+    its log-probability, the scratch state slot holding the draft's state before that token, the
+    scratch KV slots of the path's fed tokens so far, and whether it is the greedy path."""
+
+    node: int
+    token: int
+    score: float
+    state: int
+    path: list[int]
+    greedy: bool
+
+
+def _rows(slots: list[int], per_row: int) -> list[list[int]]:
+    return [slots[i:i + per_row] for i in range(0, len(slots) - per_row + 1, per_row)]
