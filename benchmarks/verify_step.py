@@ -48,7 +48,7 @@ def tree_parents(fed: int) -> list[int]:
 
 class Bench:
     """The engine's pools and runner around ``model``, with ``batch`` requests of ``prefix`` cached
-    tokens each (state slots allocated one by one, as the engine does on admission)."""
+    tokens each (their state slots scattered through the pool, as in a running engine)."""
 
     def __init__(self, model, batch: int, prefix: int, max_fed: int):
         import torch
@@ -61,17 +61,18 @@ class Bench:
         c = model.config
         layout = c.cache_layout
         self.kv_pool = KVPool.from_layout(layout, batch * (prefix + max_fed) + 16, 1, "cpu")
-        self.state_pool = StatePool.from_layout(layout, batch * (1 + max_fed) + 4, "cpu")
+        self.state_pool = StatePool.from_layout(layout, batch * (2 + max_fed) + 4, "cpu")
         self.req_to_token = ReqToTokenPool(batch + 1, prefix + max_fed + 1)
         self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.req_to_token, torch.device("cpu"))
         self.gen = torch.Generator().manual_seed(batch)
         self.vocab = c.vocab_size
         self.reqs = []
+        own = self.state_pool.alloc(2 * batch)[::2].tolist()  # scattered, as after some churn in the engine
         for i in range(batch):
             r = Req(rid=str(i), input_ids=torch.randint(3, c.vocab_size, (prefix + 1,), generator=self.gen).tolist(),
                     sampling=SamplingParams(temperature=0, max_new_tokens=max_fed))
             r.req_pool_idx = self.req_to_token.alloc()
-            r.state_slot = int(self.state_pool.alloc(1)[0])
+            r.state_slot = own[i]
             self.reqs.append(r)
         with torch.inference_mode():  # prefill every prompt but its last token (what a step feeds)
             slots = self.kv_pool.alloc(batch * prefix)
