@@ -188,10 +188,8 @@ def _conv_tree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [T, C]
     if bias is not None:
         y += bias.to(acc)
-    if scan.ckpt_tokens is not None:
-        write_rows_(conv_states, scan.ckpt_slots, full.index_select(0, scan.ckpt_tokens)[:, :, 1:])
-    if scan.last_tokens is not None:
-        write_rows_(conv_states, scan.last_slots, full.index_select(0, scan.last_tokens)[:, :, 1:])
+    if scan.write_tokens is not None:  # the checkpoints' windows and the sequences' final windows
+        write_rows_(conv_states, scan.write_slots, full.index_select(0, scan.write_tokens)[:, :, 1:])
     return act(y).to(x.dtype)
 
 

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hyla.model.ops.varlen import Checkpoints, SlotPlan, as_slot_plan, check_varlen_batch, read_states, write_rows_
+from hyla.model.ops.varlen import Checkpoints, SlotPlan, as_slot_plan, check_varlen_batch, write_rows_
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,10 @@ class TreeScan:
     scan_index: torch.Tensor | None  # [T] packed token at each scan position (None: the same order)
     unscan_index: torch.Tensor | None  # [T] scan position of each packed token
     final: "_RowCopy | None"  # lanes of the sequences' last tokens -> their own slots (buffered scan)
-    ckpt_tokens: torch.Tensor | None  # [M] packed token after which each checkpoint is taken
-    ckpt_slots: torch.Tensor | None  # [M]
-    last_tokens: torch.Tensor | None  # [W] packed last token of each sequence that writes its slot
-    last_slots: torch.Tensor | None  # [W]
+    # the states a step leaves, by packed token (the conv op's tree path): each checkpoint's token,
+    # then the last token of each sequence that writes its own slot -> the pool rows they go to
+    write_tokens: torch.Tensor | None  # [M + W]
+    write_slots: torch.Tensor | None  # [M + W]
     _conv_rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -172,6 +172,10 @@ class TreeScan:
     @property
     def num_tokens(self) -> int:
         return self.tree.num_tokens
+
+    @cached_property
+    def level_sizes(self) -> list[int]:
+        return [lv.size for lv in self.levels]
 
     @classmethod
     def build(cls, tree: TokenTree, slots: SlotPlan, ckpts: Checkpoints) -> "TreeScan":
@@ -237,11 +241,10 @@ class TreeScan:
             unscan_index=None if identity else _long(unscan, dev),
             final=_RowCopy.build([lane_of[t] for t in last], [host[i] for i in writers], dev)
             if writers and not in_place else None,
-            ckpt_tokens=_long([starts[i] + n - 1 for i, n in zip(ckpts.seq, ckpts.num_tokens)], dev)
-            if ckpts.num_checkpoints else None,
-            ckpt_slots=ckpts.slot if ckpts.num_checkpoints else None,
-            last_tokens=_long(last, dev) if writers else None,
-            last_slots=_long([host[i] for i in writers], dev) if writers else None,
+            write_tokens=_long([starts[i] + n - 1 for i, n in zip(ckpts.seq, ckpts.num_tokens)] + last, dev)
+            if ckpts.num_checkpoints or writers else None,
+            write_slots=_long(_pick(ckpts, list(range(ckpts.num_checkpoints))) + [host[i] for i in writers], dev)
+            if ckpts.num_checkpoints or writers else None,
         )
 
     def conv_rows(self, kernel: int) -> torch.Tensor:
@@ -276,12 +279,16 @@ class TreeScan:
             lanes = pool[first:first + self.batch_size]
         else:
             lanes = pool.new_empty(self.num_lanes, *pool.shape[1:])  # [lanes, *state]
-            lanes[:self.batch_size] = read_states(pool, self.lane_init, pool.dtype)
+            init = lanes[:self.batch_size]  # each sequence's state, gathered straight into its lane
+            torch.index_select(pool, 0, self.lane_init.read_index, out=init)
+            if self.lane_init.pad_rows is not None:  # padding starts from zeros
+                init.index_fill_(0, self.lane_init.pad_rows, 0)
         outs = []
-        for lv in self.levels:
+        per_level = [x.split(self.level_sizes) for x in inputs] if len(self.levels) > 1 else [[x] for x in inputs]
+        for d, lv in enumerate(self.levels):
             if lv.forks is not None:
                 lanes.index_copy_(0, lv.forks[1], lanes.index_select(0, lv.forks[0]))
-            outs.append(step(*(x[lv.first:lv.first + lv.size] for x in inputs), lanes, lv.lanes))
+            outs.append(step(*(x[d] for x in per_level), lanes, lv.lanes))
             if lv.ckpt is not None:
                 lv.ckpt.run(lanes, pool, self.in_place)
         if self.final is not None:
