@@ -25,6 +25,11 @@ no data-dependent shape: the ops get host facts (``slot_plan``, ``seq_lens``) an
 index tensors (``kv_table`` / ``kv_rows`` / ``kv_mask``, one gather per step for all attention
 layers). The runner passes host copies it already has (``state_slot_list``, ``max_token_id``,
 ``kv_table``) so that constructing the batch reads nothing back from the device either.
+
+A speculative verify step (a token tree, or any extend of at most ``SHORT_EXTEND`` tokens per
+sequence) gets the same treatment: its checkpoints are validated here and laid out with the tree
+once (``tree_scan``, shared by every recurrent layer), and its attention metadata (``short_extend``:
+the KV rows of every sequence and one mask) is built once for all attention layers.
 """
 
 from __future__ import annotations
