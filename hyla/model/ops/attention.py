@@ -243,14 +243,14 @@ class ShortExtendLayout:
         if parents is None:
             seen = offset <= queries  # [B, E, L]: the prefix and new tokens up to the query (incl.)
         else:
-            anc = torch.zeros(b, width, width, dtype=torch.bool)
+            rows = [[[False] * width for _ in range(width)] for _ in range(b)]  # [B, E, E] ancestors-or-self
             for i, par in enumerate(parents):
                 for j in range(len(par)):
                     a = j
                     while a >= 0:
-                        anc[i, j, a] = True
+                        rows[i][j][a] = True
                         a = par[a]
-            anc = anc.to(dev)
+            anc = torch.tensor(rows, dtype=torch.bool, device=dev)
             new = anc.gather(2, offset.clamp(0, width - 1).expand(b, width, length))  # [B, E, L]
             seen = (offset < 0) | (new & (offset < width))
         q_rows = out_rows = None

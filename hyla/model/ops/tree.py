@@ -133,11 +133,9 @@ def _ancestor_mask(parents: list[int], device) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ScanLevel:
-    """The tokens of one depth: scan positions ``[first, first + size)`` (the inputs are permuted
-    into scan order once), their lanes, the forks to take before they run and the checkpoints to
-    write after."""
+    """The tokens of one depth, the next ``size`` in scan order (the inputs are permuted into scan
+    order once): their lanes, the forks to take before they run and the checkpoints to write after."""
 
-    first: int
     size: int
     lanes: SlotPlan  # [size] the lane of each token (rows of the lane buffer)
     forks: tuple[torch.Tensor, torch.Tensor] | None  # (parent lanes, new lanes): copies before the step
@@ -217,7 +215,7 @@ class TreeScan:
             tokens = sorted(tokens, key=lambda t: lane_of[t])
             ck = [(lane_of[t], m) for t in tokens for m in ckpt_at.get(t, ())]
             levels.append(ScanLevel(
-                first=len(scan_order), size=len(tokens), lanes=SlotPlan.rows([lane_of[t] for t in tokens], dev),
+                size=len(tokens), lanes=SlotPlan.rows([lane_of[t] for t in tokens], dev),
                 forks=(_long(forks_src, dev), _long(forks_dst, dev)) if forks_src else None,
                 ckpt=_RowCopy.build([lane for lane, _ in ck], _pick(ckpts, [m for _, m in ck]), dev)
                 if ck else None))
