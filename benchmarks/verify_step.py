@@ -13,13 +13,14 @@ times both on the built-in default model (fp32) with the engine's own pools and
 * thread CPU time (1 thread) of the whole runner call (host-side batch construction included) and
   of ``model.forward`` alone; medians of ``--repeats`` steps per round, all cases interleaved.
 
-``--before DIR``: the same measurement on another checkout (e.g. ``git archive <commit> | tar -x -C
-DIR``), run in subprocesses alternating with this one (``--rounds`` each) so that both see the same
-machine; the table then shows before and after side by side. ``--profile``: ``torch.profiler``
+``--before DIR``: the same measurement on another checkout (e.g. ``mkdir DIR && git archive <commit> |
+tar -x -C DIR``; ``--before-label`` names it, e.g. the commit), run in subprocesses alternating with
+this one (``--rounds`` each) so that both see the same machine; the table then shows before and
+after side by side. ``--profile``: ``torch.profiler``
 tables (self CPU time by op and input shape) of a batch-1 decode step and a 4-token chain verify step.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/verify_step.py [--repeats 100] [--rounds 3]
-        [--prefix 256] [--before DIR] [--profile] [--json] [--no-write]
+        [--prefix 256] [--before DIR [--before-label NAME]] [--profile] [--json] [--no-write]
 
 Writes the ``## Speculative verify step`` section of docs/benchmarks.md.
 """
@@ -190,6 +191,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="with --before: alternating rounds per side")
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens per request")
     ap.add_argument("--before", type=Path, help="another checkout to measure alternately, for before/after")
+    ap.add_argument("--before-label", help="what --before is, for the table (default: its directory)")
     ap.add_argument("--hyla-root", type=Path, default=ROOT, help="the checkout to import hyla from")
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler tables")
     ap.add_argument("--json", action="store_true", help="print the medians as one JSON line (and write nothing)")
@@ -225,15 +227,16 @@ def main() -> None:
     print(table)
     if args.profile:
         run_here(argparse.Namespace(**{**vars(args), "hyla_root": ROOT, "repeats": 1}))
-    before = f" --before {args.before}" if args.before is not None else ""
+    label = args.before_label or (args.before.name if args.before is not None else "")
+    before = f" --before DIR --before-label {label}" if args.before is not None else ""
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/verify_step.py --repeats {args.repeats} "
            f"--rounds {args.rounds} --prefix {args.prefix}{before}")
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import machine, write_section
 
-    how = (f"before (`{args.before}`, the checkout before this work) and after, in alternating subprocesses, "
-           f"{args.rounds} rounds each; medians over rounds of the per-round medians of {args.repeats} steps"
-           if args.before is not None else f"medians of {args.repeats} steps")
+    how = (f"before (DIR = {label}, the code before the lean verify step) and after, in alternating "
+           f"subprocesses, {args.rounds} rounds each; medians over rounds of the per-round medians of "
+           f"{args.repeats} steps" if args.before is not None else f"medians of {args.repeats} steps")
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32).
 
 One step at the model runner, no scheduler and no drafter: `forward_decode` (1 token per request) vs
@@ -245,6 +248,20 @@ host-side batch construction, "model forward" is `model.forward` alone. In paren
 the decode step of the same batch size and side.
 
 {table}
+
+What the verify step does now (`hyla/model/ops/tree.py`, `ops/attention.py`, docs/architecture.md):
+its batch metadata is built once per step in `ForwardBatch` — the tree laid out on lanes with the
+checkpoints validated (`TreeScan`), and one KV table and one mask for every attention layer
+(`ShortExtendLayout`). Attention is one padded batched attention (the decode step's math with `E`
+queries per sequence) instead of one SDPA call per sequence with a mask built per layer; a Gated
+DeltaNet layer computes its per-token terms once and runs one state update per depth on a single
+state per request (in place on the pool rows when the slots allow, forks only for a tree's
+siblings), writing only the checkpoint states; the conv layers compute every token at once from
+their ancestors' inputs. Outputs and states equal decode steps along each token's path bitwise
+(`tests/test_ops_tree.py`). What remains over a decode step: the projection GEMMs run one row per
+fed token (MKL's few-row GEMM on weights streamed from memory costs about twice its one-row GEMV on
+this machine), one recurrent update per fed token and layer, and the per-token checkpoint states
+written to the pool (at batch {BATCHES[-1]}: {FED[0] - 1} states of every request in every linear layer).
 """
     if not args.no_write:
         write_section("Speculative verify step", body)
