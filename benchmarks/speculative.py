@@ -283,6 +283,7 @@ LAYER_FUNCS = {  # hyla.model.layers name -> row label
     "causal_conv1d_update": "causal conv1d",
     "causal_conv1d_varlen": "causal conv1d",
     "paged_attention": "attention (paged)",
+    "paged_attention_short_extend": "attention (paged)",
 }
 
 
@@ -628,9 +629,10 @@ steps of the cached prompts included):
   and {MTP_STEPS} drafts {on1['model forward']:.2f} ms ({on1['model forward'] / decode_ms:.1f}x a decode step), the MTP
   {on1['MTP observe'] + on1['MTP drafting']:.2f} ms (its KV over the fed tokens {on1['MTP observe']:.2f}, {MTP_STEPS} draft steps
   {on1['MTP drafting']:.2f}). Break-even is an accept length of {on1['step'] / decode_ms:.1f} ({on1['model forward'] / decode_ms:.1f} with a
-  free drafter): on this CPU the verify forward of the tiny model costs {on1['model forward'] / decode_ms:.1f} decode steps (per-op costs
-  that grow with the tokens fed; see the n-gram section's profile), so even a free drafter at this
-  accept length would not gain. Speculation pays where a verify step costs about one decode step
+  free drafter): on this CPU the verify forward of the tiny model costs {on1['model forward'] / decode_ms:.1f} decode steps (costs
+  that grow with the tokens fed: "Speculative verify step" below), so {"even a free drafter at this accept length would not gain"
+  if on1['model forward'] / decode_ms >= by[1]['accept'] else f"a free drafter at this accept length would gain {by[1]['accept'] * decode_ms / on1['model forward']:.2f}x; the MTP's own forwards cost {(on1['MTP observe'] + on1['MTP drafting']) / decode_ms:.1f} decode steps per verify step"}.
+  Speculation pays where a verify step costs about one decode step
   (large models on GPUs, where SGLang's accept lengths were measured); not measured here (no GPU).
 """
     print(body)
@@ -900,23 +902,27 @@ decode step; break-even needs accept length ≥ verify / decode step time.
   and {gdn[(NUM_PROMPTS, 'on')]:.1f} ms of {tot[(NUM_PROMPTS, 'on')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
   in a decode step. The verify step runs through `forward_extend`; `chunk_gated_delta_rule_varlen`
   runs extends of at most `SHORT_EXTEND` = 8 tokens per request token by token with the decode
-  step's math (`_short_extend`, per-token states copied out for the checkpoints) instead of padding
-  them to a 64-token chunk. Kernel micro-benchmark, one layer, 4 tokens and 3 per-token states per
+  step's math (`tree_scan`: one state per request updated in place, the per-token states written
+  to the checkpoints asked for) instead of padding them to a 64-token chunk. Kernel micro-benchmark, one layer, 4 tokens and 3 per-token states per
   request: the op as the verify step calls it {mrow[1]['chunked']:.2f} ms (batch 1) / {mrow[NUM_PROMPTS]['chunked']:.2f} ms (batch {NUM_PROMPTS});
   this script's own per-token loop on the gathered states (same outputs and states, checked)
   {mrow[1]['loop']:.2f} / {mrow[NUM_PROMPTS]['loop']:.2f} ms; the plain decode kernel {mrow[1]['decode']:.2f} / {mrow[NUM_PROMPTS]['decode']:.2f} ms; one token per request
   through the op {mrow[1]['one_token_chunked']:.2f} / {mrow[NUM_PROMPTS]['one_token_chunked']:.2f} ms.
 * The n-gram drafter and the acceptance are not the problem: propose {p1['on'].get('n-gram drafter (propose)', 0):.2f} /
   {p8['on'].get('n-gram drafter (propose)', 0):.2f} ms per step, `verify()` {p1['on'].get('verify(): acceptance, logprobs', 0):.2f} / {p8['on'].get('verify(): acceptance, logprobs', 0):.2f} ms.
-* Suggestions (engine side), in order of effect: (1) done: the token-by-token path above (the
-  previous run of this script, chunked: 0.75x / 0.38x on *grounded*, 1.05x / 0.54x on *repetitive*).
-  (2) When no request of the batch has drafts, run the verify step
-  as a plain decode forward (`is_decode=True`; the scheduler path stays the same, so the issue's
-  zero-draft rule holds): today such a step costs {by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a decode step. (3) The other
+* Done so far: the token-by-token path above (an earlier run of this script, chunked: 0.75x / 0.38x
+  on *grounded*, 1.05x / 0.54x on *repetitive*); a verify step where no request has drafts runs as
+  a plain decode forward ({by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a decode step here); the model side of a verify step
+  made lean (one batched attention, tree scans on lanes, the conv windows of all tokens at once:
+  "Speculative verify step" below, with before/after). What a verify step still pays over a decode
+  step: projection GEMMs with one row per fed token (MKL's few-row GEMM on weights streamed from
+  memory costs about twice its one-row GEMV), one recurrent update per fed token and layer, and
+  the per-token state checkpoints written to the pool.
+* Suggestions (engine side), in order of effect: (1) The other
   layers' cost grows with the tokens fed (linear layers, conv, attention: not free on a CPU at this
   size), so drafts that are rejected cost time: skip drafts from short (1–2 token) matches or after
   repeated rejections (adaptive draft length), and let a match that runs into the end of the history
-  continue periodically (in a loop of period p the drafter now proposes at most p tokens). (4) Minor:
+  continue periodically (in a loop of period p the drafter now proposes at most p tokens). (2) Minor:
   `_process_verify` commits request by request (one `state_pool.copy` per rejecting request):
   process takes {p8['on']['process']:.2f} ms per verify step at batch {NUM_PROMPTS} vs {p8['off']['process']:.2f} ms for decode; batch the copies.
 """

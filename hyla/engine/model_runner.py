@@ -28,6 +28,7 @@ import torch
 
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
+from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
 
@@ -97,30 +98,31 @@ class ModelRunner:
         [sum(extend_lens), H])`` (MTP)."""
         ids: list[int] = []
         pos: list[int] = []
-        kv_rows = []
-        for i, (r, n) in enumerate(zip(reqs, extend_lens)):
-            start = r.kv_len
+        starts = [r.kv_len for r in reqs]
+        for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
             pos.extend(range(start, start + n) if tree_parents is None else _depths(tree_parents[i], start))
-            kv_rows.append(self.req_to_token.read(r.req_pool_idx, 0, start + n))
-        cu = [0]
-        for n in extend_lens:
-            cu.append(cu[-1] + n)
-        kv_indptr = [0]
-        for row in kv_rows:
-            kv_indptr.append(kv_indptr[-1] + row.numel())
+        seq_lens = [p + n for p, n in zip(starts, extend_lens)]
+        table = None
+        if tree_parents is not None or max(extend_lens, default=0) <= SHORT_EXTEND:
+            # a verify step: the KV table of the batched short-extend attention (as a decode step's)
+            table, kv_indices = self._kv_table(reqs, seq_lens)
+        else:
+            kv_indices = torch.cat([self.req_to_token.read(r.req_pool_idx, 0, n) for r, n in zip(reqs, seq_lens)])
         slots = [r.state_slot for r in reqs]
-        host = _host_long(ids, pos, cu, kv_indptr, slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
+        cu = _cumsum(extend_lens, 0)
+        host = _host_long(ids, pos, cu, _cumsum(seq_lens, 0), slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
                           [c[2] for c in ckpts])
-        t = self._to_device(*host, out_cache_loc.to(torch.long), torch.cat(kv_rows).to(torch.long))
+        extra = [] if table is None else [table.to(torch.long)]
+        t = self._to_device(*host, out_cache_loc.to(torch.long), kv_indices.to(torch.long), *extra)
         batch = ForwardBatch(
             is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
-            prefix_lens=[r.kv_len for r in reqs], cu_seqlens=t[2], out_cache_loc=t[8], kv_indices=t[9],
+            prefix_lens=starts, cu_seqlens=t[2], out_cache_loc=t[8], kv_indices=t[9],
             kv_indptr=t[3], k_buffers=self.k_buffers, v_buffers=self.v_buffers,
             state_slots=t[4], conv_states=self.conv_states, ssm_states=self.ssm_states,
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, max_token_id=max(ids, default=-1), tree_parents=tree_parents,
-            return_hidden=return_hidden,
+            return_hidden=return_hidden, kv_table=t[10] if extra else None,
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -142,17 +144,7 @@ class ModelRunner:
         pos = [r.kv_len for r in reqs]
         seq_lens = [p + 1 for p in pos]
         slots = [r.state_slot for r in reqs]
-        width = max(seq_lens)
-        # the decode KV table: every request's row of the request table, one gather, [B, width]
-        table = self.req_to_token.req_to_token[:, :width].index_select(
-            0, torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
-                            device=self.req_to_token.req_to_token.device))
-        if any(n != width for n in seq_lens):  # past its length a row holds stale slots: point them at 0
-            past = torch.arange(width, device=table.device) >= torch.tensor(seq_lens, device=table.device)[:, None]
-            table.masked_fill_(past, 0)
-            kv_indices = table[~past]  # packed, host side
-        else:
-            kv_indices = table.view(-1)
+        table, kv_indices = self._kv_table(reqs, seq_lens)
         host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
         # copies made here (inference mode), like every other tensor of the batch: a compiled
         # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor
@@ -166,6 +158,19 @@ class ModelRunner:
             state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
         )
         return self._run_decode(batch)  # [B, V] (and [B, H])
+
+    def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
+        request table in one gather, padded with slot 0, and the same slots packed."""
+        width = max(seq_lens)
+        table = self.req_to_token.req_to_token[:, :width].index_select(
+            0, torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
+                            device=self.req_to_token.req_to_token.device))
+        if any(n != width for n in seq_lens):  # past its length a row holds stale slots: point them at 0
+            past = torch.arange(width, device=table.device) >= torch.tensor(seq_lens, device=table.device)[:, None]
+            table.masked_fill_(past, 0)
+            return table, table[~past]  # packed, host side
+        return table, table.view(-1)
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
     def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:

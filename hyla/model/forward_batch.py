@@ -25,6 +25,11 @@ no data-dependent shape: the ops get host facts (``slot_plan``, ``seq_lens``) an
 index tensors (``kv_table`` / ``kv_rows`` / ``kv_mask``, one gather per step for all attention
 layers). The runner passes host copies it already has (``state_slot_list``, ``max_token_id``,
 ``kv_table``) so that constructing the batch reads nothing back from the device either.
+
+A speculative verify step (a token tree, or any extend of at most ``SHORT_EXTEND`` tokens per
+sequence) gets the same treatment: its checkpoints are validated here and laid out with the tree
+once (``tree_scan``, shared by every recurrent layer), and its attention metadata (``short_extend``:
+the KV rows of every sequence and one mask) is built once for all attention layers.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ from typing import Sequence
 
 import torch
 
-from hyla.model.ops.attention import decode_kv_mask, decode_kv_rows, decode_kv_table
-from hyla.model.ops.tree import SHORT_EXTEND, TokenTree
+from hyla.model.ops.attention import ShortExtendLayout, decode_kv_mask, decode_kv_rows, decode_kv_table
+from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
 from hyla.model.ops.varlen import SlotPlan, check_checkpoints
 
 
@@ -88,8 +93,9 @@ class ForwardBatch:
     max_token_id: int | None = None
     """Largest id in ``input_ids`` (-1 when empty), if the caller knows it on the host."""
     kv_table: torch.Tensor | None = None
-    """Decode only: ``[B, max(seq_lens)]`` int64, row ``i`` = sequence ``i``'s KV slots (prefix, then
-    the new token's) padded with slot 0; built from ``kv_indices`` / ``kv_indptr`` when not given."""
+    """Decode and short extends (a ``tree``): ``[B, max(seq_lens)]`` int64, row ``i`` = sequence
+    ``i``'s KV slots (prefix, then its new tokens') padded with slot 0; built from ``kv_indices`` /
+    ``kv_indptr`` when not given."""
     kv_lens: torch.Tensor | None = None
     """Decode only: ``[B]`` int64 ``seq_lens`` already on the device (the mask is then built there)."""
 
@@ -121,6 +127,12 @@ class ForwardBatch:
     tree: TokenTree | None = field(init=False, repr=False, default=None)
     """Extend: the token trees the recurrent ops scan token by token (from ``tree_parents``, or
     chains when every sequence feeds at most ``SHORT_EXTEND`` tokens); None: the chunked paths."""
+    tree_scan: TreeScan | None = field(init=False, repr=False, default=None)
+    """With a ``tree`` and linear layers: its scan laid out for the state slots and checkpoints (the
+    checkpoints validated here, once), shared by every recurrent layer (``ops/tree.py``)."""
+    short_extend: ShortExtendLayout | None = field(init=False, repr=False, default=None)
+    """With a ``tree`` and attention layers: the batched attention's KV rows and mask, shared by
+    every attention layer (``ops/attention.py``, ``paged_attention_short_extend``)."""
 
     def __post_init__(self) -> None:
         b = len(self.extend_lens)
@@ -140,7 +152,7 @@ class ForwardBatch:
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
-        self.tree = None
+        self.tree = self.tree_scan = self.short_extend = None
         if self.tree_parents is not None:
             if self.is_decode:
                 raise ValueError("tree_parents is for extend batches (a verify step)")
@@ -153,6 +165,8 @@ class ForwardBatch:
                                             name="state_slots")
         if self.is_decode and b and not self.fused_decode:
             self._decode_metadata()
+        elif self.tree is not None:
+            self._short_extend_metadata()
 
     def _check_fused(self) -> None:
         """Host-side checks of a fused decode batch (its values are the builder's to validate)."""
@@ -190,6 +204,29 @@ class ForwardBatch:
         if self.batch_size > 1:  # always a tensor then (even all zeros): one compiled graph for every B > 1
             self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True, lens=self.kv_lens)
         self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
+
+    def _short_extend_metadata(self) -> None:
+        """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""
+        if self.slot_plan is not None:
+            ckpts = check_checkpoints(self.ckpt_seq if self.num_checkpoints else None,
+                                      self.ckpt_len if self.num_checkpoints else None,
+                                      self.ckpt_slot if self.num_checkpoints else None, self.extend_lens,
+                                      list(self.slot_plan.host), self.conv_states[0].shape[0],
+                                      self.slot_plan.index.device)
+            self.tree_scan = self.tree.plan(self.slot_plan, ckpts)
+        if not self.k_buffers:
+            return
+        width = max(self.seq_lens)
+        if self.kv_table is None:
+            if self.kv_indices.numel() != sum(self.seq_lens):
+                raise ValueError(f"kv_indices has {self.kv_indices.numel()} slots, the sequences hold "
+                                 f"{sum(self.seq_lens)} tokens")
+            self.kv_table, _ = decode_kv_table(self.kv_indices, self.kv_indptr, self.seq_lens)
+        elif tuple(self.kv_table.shape) != (self.batch_size, width):
+            raise ValueError(f"kv_table must be [{self.batch_size}, {width}], got {list(self.kv_table.shape)}")
+        self.short_extend = ShortExtendLayout.build(self.kv_table, self.prefix_lens, self.extend_lens,
+                                                    self.k_buffers[0].shape[1],
+                                                    None if self.tree.is_chain else self.tree.parents)
 
     @property
     def batch_size(self) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.ops.attention import paged_attention, paged_attention_decode
+from hyla.model.ops.attention import paged_attention, paged_attention_decode, paged_attention_short_extend
 from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
@@ -232,6 +232,9 @@ class Attention(nn.Module):
         elif batch.is_decode:
             o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, batch.kv_mask,
                                        self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
+        elif batch.short_extend is not None:  # a verify step: one batched attention
+            o = paged_attention_short_extend(q, k, v, kb, vb, batch.out_cache_loc, batch.short_extend,
+                                             self.scaling)  # [T, Hq, D]
         else:
             o = paged_attention(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr,
                                 batch.prefix_lens, batch.extend_lens, self.scaling,
@@ -252,8 +255,12 @@ def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
         write_rows_(pool, batch.decode_ckpt_dst, pool.index_select(0, batch.decode_ckpt_src))
 
 
-def _ckpt_kwargs(batch: ForwardBatch) -> dict:
-    """What every recurrent extend op takes from the batch: its checkpoints and its token trees."""
+def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
+    """What every recurrent extend op takes from the batch: its checkpoints and its token trees —
+    for a tree or short extend the batch's ``tree_scan``, which carries the checkpoints (validated
+    once per step); ``scan=False``: the raw checkpoint tensors and the tree (fla's kernel)."""
+    if scan and batch.tree_scan is not None:
+        return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree_scan)
     if not batch.num_checkpoints:
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree)
     return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot, tree=batch.tree)
@@ -338,7 +345,7 @@ class GatedDeltaNet(nn.Module):
             # the exact PyTorch path below, as the cache's fp32 differential tests require; token
             # trees too)
             o = _gpu("gated_delta_chunk").chunk_gated_delta_rule_fla(
-                q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch))
+                q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch, scan=False))
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),

@@ -16,6 +16,7 @@ Invariants
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -204,6 +205,108 @@ def paged_attention_decode(
     write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
     write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
     return decode_attention(q, k_buffer, v_buffer, kv_table, kv_mask, scaling, kv_rows)
+
+
+# --- short extends (speculative verify steps): one padded batched attention --------------------
+
+
+@dataclass(frozen=True)
+class ShortExtendLayout:
+    """Per-step metadata of :func:`paged_attention_short_extend`, built once by ``ForwardBatch`` and
+    shared by every attention layer: each sequence's KV slots head-major (``kv_rows``, as a decode
+    step's), its new tokens padded to the longest extend ``E``, and one additive mask for all."""
+
+    batch_size: int
+    width: int  # E: the longest extend of the batch
+    kv_rows: torch.Tensor  # [B, Hkv, L] rows of k_buffer.view(-1, D), L = max(prefix + extend)
+    mask: torch.Tensor  # [B, 1, 1, E, L] additive fp32: 0 where query (b, e) sees key l, else -inf
+    q_rows: torch.Tensor | None  # [B*E] packed query of each padded row (None: every extend has E tokens)
+    out_rows: torch.Tensor | None  # [T] padded row of each packed token
+
+    @classmethod
+    def build(cls, kv_table: torch.Tensor, prefix_lens: Sequence[int], extend_lens: Sequence[int],
+              num_kv_heads: int, parents: Sequence[Sequence[int]] | None = None) -> "ShortExtendLayout":
+        """From the batch's ``kv_table [B, L]`` (each row: the sequence's prefix slots, then its new
+        tokens'; padding after). Causal over prefix + new tokens, or with ``parents`` (a token tree,
+        ``ops/tree.py``) each new token sees the prefix and its ancestors-or-self. A padding query
+        row sees key 0 only (its output is dropped; a row that sees nothing would be NaN)."""
+        b, length = kv_table.shape
+        if len(prefix_lens) != b or len(extend_lens) != b:
+            raise ValueError(f"kv_table has {b} rows, the batch {len(extend_lens)} sequences")
+        width = max(extend_lens)
+        dev = kv_table.device
+        long = dict(dtype=torch.long, device=dev)
+        prefix = torch.tensor(list(prefix_lens), **long)
+        cols = torch.arange(length, device=dev)
+        offset = (cols - prefix[:, None]).unsqueeze(1)  # [B, 1, L] a key's offset among the new tokens
+        queries = torch.arange(width, device=dev)[None, :, None]  # [1, E, 1]
+        if parents is None:
+            seen = offset <= queries  # [B, E, L]: the prefix and new tokens up to the query (incl.)
+        else:
+            rows = [[[False] * width for _ in range(width)] for _ in range(b)]  # [B, E, E] ancestors-or-self
+            for i, par in enumerate(parents):
+                for j in range(len(par)):
+                    a = j
+                    while a >= 0:
+                        rows[i][j][a] = True
+                        a = par[a]
+            anc = torch.tensor(rows, dtype=torch.bool, device=dev)
+            new = anc.gather(2, offset.clamp(0, width - 1).expand(b, width, length))  # [B, E, L]
+            seen = (offset < 0) | (new & (offset < width))
+        q_rows = out_rows = None
+        if any(n != width for n in extend_lens):
+            pad = queries.view(1, width) >= torch.tensor(list(extend_lens), **long)[:, None]  # [B, E] padding rows
+            seen = seen & ~pad[:, :, None]
+            seen[:, :, 0] |= pad
+            starts = [0]
+            for n in extend_lens:
+                starts.append(starts[-1] + n)
+            q_rows = torch.tensor([starts[i] + e if e < n else 0 for i, n in enumerate(extend_lens)
+                                   for e in range(width)], **long)
+            out_rows = torch.tensor([i * width + e for i, n in enumerate(extend_lens) for e in range(n)], **long)
+        mask = torch.zeros(b, width, length, device=dev).masked_fill_(~seen, float("-inf"))
+        return cls(b, width, decode_kv_rows(kv_table, num_kv_heads), mask.view(b, 1, 1, width, length), q_rows,
+                   out_rows)
+
+
+def paged_attention_short_extend(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, D]
+    out_cache_loc: torch.Tensor,  # [T] int64
+    layout: ShortExtendLayout,
+    scaling: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` for a batch of short extends (a verify step: a few new tokens per
+    sequence, a chain or a token tree): write the new K/V, then one padded attention over all
+    sequences, ``[B, Hkv, G*E, L]`` scores, the decode step's math (:func:`decode_attention`) with
+    ``E`` queries per sequence. Returns ``o [T, Hq, D]``."""
+    t, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    if k.shape[0] != t or v.shape[0] != t or out_cache_loc.numel() != t:
+        raise ValueError(f"q, k, v and out_cache_loc disagree on the token count ({t})")
+    if hq % hkv or k.shape[1:] != k_buffer.shape[1:]:
+        raise ValueError(f"{hq} query heads and new keys {tuple(k.shape[1:])} do not fit the KV buffer "
+                         f"{tuple(k_buffer.shape[1:])}")
+    write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
+    write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
+    b, e, g = layout.batch_size, layout.width, hq // hkv
+    length = layout.kv_rows.shape[-1]
+    flat = layout.kv_rows.view(-1)
+    keys = k_buffer.view(-1, d).index_select(0, flat).view(b, hkv, length, d)  # [B, Hkv, L, D]
+    values = v_buffer.view(-1, d).index_select(0, flat).view(b, hkv, length, d)  # [B, Hkv, L, D]
+    qp = q if layout.q_rows is None else q.index_select(0, layout.q_rows)  # [B*E, Hq, D]
+    qg = (qp.view(b, e, hkv, g, d).float() * scaling).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * e, d)
+    scores = torch.matmul(qg, keys.float().transpose(-1, -2))  # [B, Hkv, G*E, L]
+    scores.view(b, hkv, g, e, length).add_(layout.mask)
+    probs = torch.softmax(scores, dim=-1)  # fp32
+    out = torch.matmul(probs, values.float())  # [B, Hkv, G*E, D]
+    out = out.view(b, hkv, g, e, d).permute(0, 3, 1, 2, 4).reshape(b * e, hq, d)  # [B*E, Hq, D]
+    if layout.out_rows is not None:
+        out = out.index_select(0, layout.out_rows)
+    return out.to(q.dtype)  # [T, Hq, D]
 
 
 def paged_attention_reference(

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from hyla.model.ops.varlen import (
     SlotPlan,
     as_slot_plan,
-    check_varlen_batch,
     gather_states,
     open_state_rows,
+    read_states,
     scatter_states,
+    write_rows_,
     write_states,
 )
-from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
+from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan
 
 _ACTIVATIONS = {None: lambda y: y, "silu": F.silu, "swish": F.silu}
 
@@ -113,7 +114,7 @@ def causal_conv1d_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    tree: TokenTree | None = None,
+    tree: TokenTree | TreeScan | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over packed sequences ``x [T, C]`` -> ``y [T, C]`` (dtype of ``x``).
 
@@ -135,12 +136,10 @@ def causal_conv1d_varlen(
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
     act = _activation(activation)
-    lengths, ckpts = check_varlen_batch(cu_seqlens, num_tokens, slots, conv_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                        x.device)
-    tree = short_extend_tree(tree, lengths, x.device)
-    if tree is not None:
-        step = lambda xs, pool, rows: causal_conv1d_update(xs, weight, bias, pool, rows, activation)  # noqa: E731
-        return tree_scan(step, (x,), conv_states, slots, tree, ckpts)
+    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, num_tokens, slots, conv_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                     x.device)
+    if scan is not None:
+        return _conv_tree(x, weight, bias, conv_states, scan, act)
 
     w = kernel - 1
     batch = len(lengths)
@@ -172,6 +171,26 @@ def causal_conv1d_varlen(
         scatter_states(conv_states, ckpts.slot, ckpt_windows.transpose(1, 2))
     scatter_states(conv_states, slots, final.transpose(1, 2))
     return y.to(x.dtype)
+
+
+def _conv_tree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+               scan: TreeScan, act) -> torch.Tensor:
+    """Trees and short extends: every token at once with the decode update's math (bitwise). A
+    token's input window is its ``K - 1`` nearest ancestors, continued into its sequence's window
+    (``TreeScan.conv_rows``); the window a token leaves is the last ``K - 1`` entries of its own."""
+    num_tokens, channels = x.shape
+    kernel = weight.shape[1]
+    windows = read_states(conv_states, scan.slots, conv_states.dtype)  # [B, C, K-1], zeros for padding
+    ext = torch.cat([windows.transpose(1, 2).reshape(-1, channels), x.to(conv_states.dtype)])  # [B*(K-1) + T, C]
+    full = ext.index_select(0, scan.conv_rows(kernel).view(-1)).view(num_tokens, kernel, channels)
+    full = full.transpose(1, 2)  # [T, C, K]: each token's window + its own input, as the decode update's
+    acc = _accumulate_dtype(weight)
+    y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [T, C]
+    if bias is not None:
+        y += bias.to(acc)
+    if scan.write_tokens is not None:  # the checkpoints' windows and the sequences' final windows
+        write_rows_(conv_states, scan.write_slots, full.index_select(0, scan.write_tokens)[:, :, 1:])
+    return act(y).to(x.dtype)
 
 
 def causal_conv1d_update(

@@ -28,14 +28,11 @@ from hyla.model.ops.varlen import (
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
-    check_varlen_batch,
     chunk_scan_on_pool,
-    gather_states,
     open_state_rows,
-    scatter_states,
     write_states,
 )
-from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
+from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -130,7 +127,7 @@ def chunk_gated_delta_rule_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-    tree: TokenTree | None = None,
+    tree: TokenTree | TreeScan | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
     ``g, beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -142,15 +139,13 @@ def chunk_gated_delta_rule_varlen(
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     check_inputs(q, k, v, g, beta, ssm_states)
-    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                        q.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    tree = short_extend_tree(tree, lengths, q.device)
-    if tree is not None:  # token by token with the decode step (each token from its parent's state)
-        step = lambda q, k, v, g, beta, pool, rows: recurrent_gated_delta_rule_update(  # noqa: E731
-            q, k, v, g, beta, pool, rows, use_qk_l2norm)
-        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
+    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                     q.device)
+    if scan is not None:  # token by token with the decode step (each token from its parent's state)
+        terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # once for every token, then one update per depth
+        return tree_scan(_state_step, terms, ssm_states, slots, scan).to(q.dtype)
 
     qf, kf = prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
     vf, gf, bf = v.float(), g.float(), beta.float()
@@ -282,33 +277,42 @@ def recurrent_gated_delta_rule_update(
     """
     check_inputs(q, k, v, g, beta, ssm_states)
     plan = as_slot_plan(slots, ssm_states, q.shape[0])
-    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, Hv, Dk, Dv]
-    o = _recurrent_step(q, k, v, g, beta, S, use_qk_l2norm)
-    if copied:
-        write_states(ssm_states, plan, S)
-    return o.to(q.dtype)
+    return _state_step(*_token_terms(q, k, v, g, beta, use_qk_l2norm), ssm_states, plan).to(q.dtype)
 
 
-def _recurrent_step(q, k, v, g, beta, S: torch.Tensor, use_qk_l2norm: bool) -> torch.Tensor:
-    """One token per sequence on fp32 states ``S [B, Hv, Dk, Dv]`` (updated in place) -> fp32
-    ``o [B, Hv, Dv]``: the decode step's math (short extends and trees run it too, through
-    ``tree_scan``, so a verify step computes what decode steps would)."""
-    b, num_k_heads, dk = q.shape
-    num_v_heads, dv = v.shape[1:]
+def _token_terms(q, k, v, g, beta, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
+    """The per-token factors of the decode step (no state involved), fp32, per value head (a key
+    head's q/k serve its ``Hv // Hk`` value heads): ``qk [N, Hv, 2, Dk]`` (l2-normalised q then k,
+    q scaled by ``Dk**-0.5``), ``decay = exp(g) [N, Hv, 1, 1]``, ``v [N, Hv, Dv]``, ``beta [N, Hv, 1]``,
+    ``q . k [N, Hv, 1]``. Each row depends on its own token only, bitwise, whatever ``N`` (a tree step
+    computes them once for all its tokens, a decode step for its batch)."""
+    n, num_k_heads, dk = q.shape
+    num_v_heads = v.shape[1]
     r = num_v_heads // num_k_heads
-    qk = torch.stack([q, k], dim=2).float()  # [B, Hk, 2, Dk]: q then k of each key head
+    qk = torch.stack([q, k], dim=2).float()  # [N, Hk, 2, Dk]: q then k of each key head
     if use_qk_l2norm:
-        inv = (qk * qk).sum(dim=-1, keepdim=True).add_(1e-6).rsqrt_()  # [B, Hk, 2, 1] (l2norm)
+        inv = (qk * qk).sum(dim=-1, keepdim=True).add_(1e-6).rsqrt_()  # [N, Hk, 2, 1] (l2norm)
         inv[:, :, 0].mul_(dk**-0.5)  # fold the q scale in
         qk = qk * inv
     else:
         qk[:, :, 0].mul_(dk**-0.5)
-    S5 = S.view(b, num_k_heads, r, dk, dv)  # value heads grouped under their key head
-    decay = g.float().exp().view(b, num_k_heads, r, 1, 1)  # [B, Hk, r, 1, 1]
-    read = torch.matmul(qk.unsqueeze(2), S5).mul_(decay)  # [B, Hk, r, 2, Dv]: e q^T S, e k^T S
-    delta = (v.float().view(b, num_k_heads, r, dv) - read[:, :, :, 1]).mul_(
-        beta.float().view(b, num_k_heads, r, 1))  # [B, Hk, r, Dv]
-    qk_dot = (qk[:, :, 0] * qk[:, :, 1]).sum(dim=-1, keepdim=True).unsqueeze(2)  # [B, Hk, 1, 1]
-    o = torch.addcmul(read[:, :, :, 0], qk_dot, delta)  # [B, Hk, r, Dv]
-    S5.mul_(decay).addcmul_(qk[:, :, 1].view(b, num_k_heads, 1, dk, 1), delta.unsqueeze(3))  # e S + k delta^T
-    return o.view(b, num_v_heads, dv)
+    qk_dot = (qk[:, :, 0] * qk[:, :, 1]).sum(dim=-1, keepdim=True)  # [N, Hk, 1]
+    if r > 1:  # one copy per value head, so that each step's matmul is one plain bmm
+        qk = qk.unsqueeze(2).expand(n, num_k_heads, r, 2, dk).reshape(n, num_v_heads, 2, dk)
+        qk_dot = qk_dot.unsqueeze(2).expand(n, num_k_heads, r, 1).reshape(n, num_v_heads, 1)
+    decay = g.float().exp().view(n, num_v_heads, 1, 1)
+    return qk, decay, v.float(), beta.float().view(n, num_v_heads, 1), qk_dot
+
+
+def _state_step(qk, decay, v, beta, qk_dot, ssm_states: torch.Tensor, plan: SlotPlan) -> torch.Tensor:
+    """One token per row on the states ``ssm_states[plan]`` (updated in place) from
+    :func:`_token_terms` -> fp32 ``o [N, Hv, Dv]``: the decode step's math (short extends and trees
+    run it too, through ``tree_scan``, so a verify step computes what decode steps would)."""
+    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [N, Hv, Dk, Dv]
+    read = torch.matmul(qk, S).mul_(decay)  # [N, Hv, 2, Dv]: e q^T S, e k^T S
+    delta = (v - read[:, :, 1]).mul_(beta)  # [N, Hv, Dv]
+    o = torch.addcmul(read[:, :, 0], qk_dot, delta)  # [N, Hv, Dv]
+    S.mul_(decay).addcmul_(qk[:, :, 1].unsqueeze(-1), delta.unsqueeze(2))  # e S + k delta^T
+    if copied:
+        write_states(ssm_states, plan, S)
+    return o

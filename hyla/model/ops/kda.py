@@ -42,12 +42,11 @@ from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
     check_slots,
-    check_varlen_batch,
     chunk_scan_on_pool,
     gather_states,
     scatter_states,
 )
-from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
+from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
 
 _SUB_CHUNK = 16  # rows per sub-chunk of the intra-chunk products (see _intra_chunk)
@@ -112,7 +111,7 @@ def chunk_kda_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
-    tree: TokenTree | None = None,
+    tree: TokenTree | TreeScan | None = None,
 ) -> torch.Tensor:
     """KDA over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``,
     ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -124,15 +123,14 @@ def chunk_kda_varlen(
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                        q.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    tree = short_extend_tree(tree, lengths, q.device)
-    if tree is not None:
+    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                     q.device)
+    if scan is not None:
         step = lambda q, k, v, g, beta, pool, rows: recurrent_kda_update(  # noqa: E731
             q, k, v, g, beta, pool, rows.index, use_qk_l2norm)
-        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, tree, ckpts)
+        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, scan)
 
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
     vf, gf, bf = v.float(), g.float(), beta.float()

@@ -28,12 +28,11 @@ from hyla.model.ops.varlen import (
     ChunkLayout,
     SlotPlan,
     as_slot_plan,
-    check_varlen_batch,
     chunk_scan_on_pool,
     open_state_rows,
     write_states,
 )
-from hyla.model.ops.tree import TokenTree, short_extend_tree, tree_scan
+from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
 
 def discretize_dt(
@@ -129,7 +128,7 @@ def mamba2_chunk_scan_varlen(
     ckpt_slot: torch.Tensor | None = None,
     chunk_size: int = 128,
     dt_limit: tuple[float, float] | None = None,
-    tree: TokenTree | None = None,
+    tree: TokenTree | TreeScan | None = None,
 ) -> torch.Tensor:
     """SSD over packed sequences: ``x [T, H, P]``, raw ``dt [T, H]``, ``A [H]``, ``B, C [T, G, N]``,
     ``D, dt_bias [H]`` -> ``y [T, H, P]`` (dtype of ``x``), any sequence lengths.
@@ -141,15 +140,14 @@ def mamba2_chunk_scan_varlen(
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    lengths, ckpts = check_varlen_batch(cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                        x.device)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    tree = short_extend_tree(tree, lengths, x.device)
-    if tree is not None:
+    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                     x.device)
+    if scan is not None:
         step = lambda x, dt, B, C, pool, rows: mamba2_state_update(  # noqa: E731
             x, dt, A, B, C, D, dt_bias, pool, rows, dt_limit)
-        return tree_scan(step, (x, dt, B, C), ssm_states, slots, tree, ckpts)
+        return tree_scan(step, (x, dt, B, C), ssm_states, slots, scan)
 
     num_heads = x.shape[1]
     xf, Af = x.float(), A.float()

@@ -72,6 +72,7 @@ class Checkpoints:
     seq: list[int]
     num_tokens: list[int]
     slot: torch.Tensor  # [M] int64 on the pool's device
+    slot_list: tuple[int, ...] = ()  # the same rows on the host
 
     @property
     def num_checkpoints(self) -> int:
@@ -119,7 +120,7 @@ def check_checkpoints(
             raise ValueError(f"checkpoint {j}: ckpt_slot must be a pool row, got -1")
         if row in slots:
             raise ValueError(f"checkpoint {j}: ckpt_slot={row} is also a sequence slot of this batch")
-    return Checkpoints(seqs, lens, ckpt_slot.to(device=device, dtype=torch.long))
+    return Checkpoints(seqs, lens, ckpt_slot.to(device=device, dtype=torch.long), tuple(rows))
 
 
 def check_varlen_batch(
@@ -193,6 +194,16 @@ class SlotPlan:
         long = dict(dtype=torch.long, device=device)
         return cls(index, tuple(values), None, index.clamp(min=0), torch.tensor(pads, **long),
                    torch.tensor(keep, **long), torch.tensor([values[i] for i in keep], **long))
+
+    @classmethod
+    def rows(cls, values: Sequence[int], device: torch.device) -> "SlotPlan":
+        """A plan over rows the caller computed itself (distinct, ``>= 0``; a tree scan's lanes):
+        trusted, not validated."""
+        values = tuple(values)
+        index = torch.tensor(values, dtype=torch.long, device=device)
+        b = len(values)
+        first = values[0] if b and values == tuple(range(values[0], values[0] + b)) else None
+        return cls(index, values, first, index, None, None, index)
 
 
 def as_slot_plan(slots: "torch.Tensor | SlotPlan", pool: torch.Tensor, batch_size: int) -> SlotPlan:

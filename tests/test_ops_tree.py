@@ -1,0 +1,201 @@
+"""The verify step's fast paths (``ops/tree.py``, ``ops/attention.py``) against their reference paths:
+
+* ``TreeScan`` (lanes: in place on the pool rows, or a gathered buffer with forks) runs the Gated
+  DeltaNet and Mamba2 decode updates over token trees: every token's output, every checkpoint and
+  every final state equal decode steps along the token's path, bitwise;
+* the conv op's tree path (every token at once from its ancestors' inputs) equals decode updates
+  along each path, bitwise;
+* ``paged_attention_short_extend`` (one padded attention with one mask for the batch) equals the
+  per-sequence ``paged_attention`` (SDPA) within 1e-5, for chains and trees, padding rows and empty
+  sequences;
+
+each with padding slots (-1), empty sequences, scattered or contiguous slots and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyla.model.ops import (
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+    chunk_gated_delta_rule_varlen,
+    mamba2_chunk_scan_varlen,
+    mamba2_state_update,
+    recurrent_gated_delta_rule_update,
+)
+from hyla.model.ops.attention import ShortExtendLayout, paged_attention, paged_attention_short_extend
+from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan
+from hyla.model.ops.varlen import SlotPlan, check_checkpoints
+
+HK, HV, DK, DV, K = 2, 4, 16, 8, 4
+C = 32  # conv channels: a multiple of 32, so silu runs vectorized on any number of rows (bitwise alike)
+
+# (parents per sequence, slots): chains in one ascending run of slots (the lanes are the pool rows),
+# scattered chains of unequal lengths with a padding sequence and an empty one, and trees with forks
+CASES = {
+    "chains, ascending slots": ([[-1, 0, 1, 2], [-1, 0, 1], [-1]], [3, 4, 5]),
+    "chains, scattered, padding, empty": ([[-1, 0], [-1, 0, 1, 2, 3], [], [-1, 0, 1], [-1]], [9, 2, -1, 6, 11]),
+    "trees": ([[-1, 0, 0, 1, 1, 2, 4, 3], [-1, 0, 0], [-1], [-1, 0, 1, 1]], [7, 3, -1, 12]),
+}
+
+
+def _paths(parents: list[int]) -> list[list[int]]:
+    out = []
+    for j in range(len(parents)):
+        path, a = [], j
+        while a >= 0:
+            path.append(a)
+            a = parents[a]
+        out.append(path[::-1])
+    return out
+
+
+def _ckpts(trees, slots, first_free: int):
+    """A checkpoint after every token but each sequence's last (as the scheduler asks), into fresh rows."""
+    entries = [(i, j + 1) for i, par in enumerate(trees) if slots[i] >= 0 for j in range(len(par) - 1)]
+    rows = list(range(first_free, first_free + len(entries)))
+    return entries, rows
+
+
+def _scan(trees, slots, entries, rows, num_slots):
+    lens = [len(p) for p in trees]
+    ck = check_checkpoints(torch.tensor([i for i, _ in entries]), torch.tensor([n for _, n in entries]),
+                           torch.tensor(rows), lens, slots, num_slots, torch.device("cpu"))
+    return TokenTree.build(trees, lens, "cpu").plan(SlotPlan.build(torch.tensor(slots), num_slots), ck)
+
+
+def _check_against_paths(run_step, inputs, pool, trees, slots, entries, rows, out):
+    """Replay every token's path with decode steps from the pool as it was; compare bitwise."""
+    starts = [0]
+    for par in trees:
+        starts.append(starts[-1] + len(par))
+    scratch, before = pool.shape[0] - 1, inputs[-1]  # a spare row the replay runs in; the pool as it was
+    for i, par in enumerate(trees):
+        if slots[i] < 0:
+            continue
+        for j, path in enumerate(_paths(par)):
+            ref = before.clone()
+            ref[scratch] = before[slots[i]]
+            for a in path:
+                o = run_step([x[starts[i] + a:starts[i] + a + 1] for x in inputs[:-1]], ref, scratch)
+            assert torch.equal(out[starts[i] + j], o[0]), f"sequence {i} token {j}"
+            if j == len(par) - 1:
+                assert torch.equal(pool[slots[i]], ref[scratch]), f"sequence {i}: final state"
+            else:
+                row = rows[entries.index((i, j + 1))]
+                assert torch.equal(pool[row], ref[scratch]), f"sequence {i}: checkpoint after token {j}"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gated_delta_tree_scan_equals_decode_steps_along_each_path(case):
+    trees, slots = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    t, num_slots = sum(map(len, trees)), 40
+    q, k = torch.randn(t, HK, DK, generator=gen), torch.randn(t, HK, DK, generator=gen)
+    v = torch.randn(t, HV, DV, generator=gen)
+    g, beta = -torch.rand(t, HV, generator=gen), torch.rand(t, HV, generator=gen)
+    pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
+    before = pool.clone()
+    entries, rows = _ckpts(trees, slots, 20)
+    scan = _scan(trees, slots, entries, rows, num_slots)
+    assert scan.in_place == (case == "chains, ascending slots")
+    cu = torch.tensor([0] + [len(p) for p in trees]).cumsum(0)
+    out = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, pool, torch.tensor(slots), tree=scan)
+
+    def step(xs, ref, row):
+        return recurrent_gated_delta_rule_update(*xs, ref, torch.tensor([row]))
+
+    _check_against_paths(step, (q, k, v, g, beta, before), pool, trees, slots, entries, rows, out)
+    untouched = [r for r in range(num_slots) if r not in slots and r not in rows]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mamba2_tree_scan_equals_decode_steps_along_each_path(case):
+    trees, slots = CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    t, num_slots, heads, p, groups, n = sum(map(len, trees)), 40, 4, 8, 2, 6
+    x, dt = torch.randn(t, heads, p, generator=gen), torch.randn(t, heads, generator=gen)
+    B, Cm = torch.randn(t, groups, n, generator=gen), torch.randn(t, groups, n, generator=gen)
+    A, D, dt_bias = -torch.rand(heads, generator=gen), torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
+    pool = torch.randn(num_slots, heads, p, n, generator=gen)
+    before = pool.clone()
+    entries, rows = _ckpts(trees, slots, 20)
+    scan = _scan(trees, slots, entries, rows, num_slots)
+    cu = torch.tensor([0] + [len(par) for par in trees]).cumsum(0)
+    out = mamba2_chunk_scan_varlen(x, dt, A, B, Cm, D, dt_bias, cu, pool, torch.tensor(slots), tree=scan)
+
+    def step(xs, ref, row):
+        return mamba2_state_update(xs[0], xs[1], A, xs[2], xs[3], D, dt_bias, ref, torch.tensor([row]))
+
+    _check_against_paths(step, (x, dt, B, Cm, before), pool, trees, slots, entries, rows, out)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_conv_tree_path_equals_decode_updates_along_each_path(case):
+    trees, slots = CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    t, num_slots = sum(map(len, trees)), 40
+    x, w, bias = torch.randn(t, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    pool = torch.randn(num_slots, C, K - 1, generator=gen)
+    before = pool.clone()
+    entries, rows = _ckpts(trees, slots, 20)
+    scan = _scan(trees, slots, entries, rows, num_slots)
+    cu = torch.tensor([0] + [len(par) for par in trees]).cumsum(0)
+    out = causal_conv1d_varlen(x, w, bias, cu, pool, torch.tensor(slots), "silu", tree=scan)
+
+    def step(xs, ref, row):
+        return causal_conv1d_update(xs[0], w, bias, ref, torch.tensor([row]), "silu")
+
+    _check_against_paths(step, (x, before), pool, trees, slots, entries, rows, out)
+    untouched = [r for r in range(num_slots) if r not in slots and r not in rows]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_a_tree_scan_carries_its_checkpoints():
+    trees, slots = CASES["trees"]
+    entries, rows = _ckpts(trees, slots, 20)
+    scan = _scan(trees, slots, entries, rows, 40)
+    cu = torch.tensor([0] + [len(par) for par in trees]).cumsum(0)
+    pool = torch.zeros(40, 1)
+    with pytest.raises(ValueError, match="carries its checkpoints"):
+        plan_scan(scan, cu, scan.num_tokens, torch.tensor(slots), pool, torch.tensor([0]), torch.tensor([1]),
+                  torch.tensor([30]), torch.device("cpu"))
+    with pytest.raises(ValueError, match="covers"):
+        plan_scan(scan, cu, scan.num_tokens + 1, torch.tensor(slots), pool, None, None, None, torch.device("cpu"))
+    assert isinstance(scan, TreeScan) and plan_scan(scan, cu, scan.num_tokens, torch.tensor(slots), pool, None, None,
+                                                    None, torch.device("cpu"))[0] is scan
+
+
+@pytest.mark.parametrize("prefix_lens, trees", [
+    ([5], [[-1, 0, 1, 2]]),  # batch 1, a chain
+    ([0], [[-1, 0, 1]]),  # no prefix
+    ([7, 0, 30, 4], [[-1, 0], [-1, 0, 1, 2], [-1], [-1, 0, 1]]),  # chains of unequal lengths: padding rows
+    ([6, 3, 9], [[-1, 0, 0, 1, 1, 2], [], [-1, 0, 0]]),  # trees and an empty sequence
+])
+def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, trees):
+    hq, hkv, d = 4, 2, 16
+    gen = torch.Generator().manual_seed(3)
+    extend_lens = [len(p) for p in trees]
+    free = (torch.randperm(299, generator=gen) + 1).tolist()
+    rows, out_loc = [], []
+    for p, e in zip(prefix_lens, extend_lens):
+        rows.append([free.pop() for _ in range(p + e)])
+        out_loc += rows[-1][p:]
+    width = max(map(len, rows))
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    kv_indices = torch.tensor([s for r in rows for s in r])
+    indptr = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    t = sum(extend_lens)
+    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
+    k_buf, v_buf = torch.randn(300, hkv, d, generator=gen), torch.randn(300, hkv, d, generator=gen)
+    chain = all(p == list(range(-1, len(p) - 1)) for p in trees)
+    tree = TokenTree.build(trees, extend_lens, "cpu")
+    layout = ShortExtendLayout.build(table, prefix_lens, extend_lens, hkv, None if chain else trees)
+    kb, vb = k_buf.clone(), v_buf.clone()
+    got = paged_attention_short_extend(q, k, v, kb, vb, torch.tensor(out_loc), layout, d**-0.5)
+    want = paged_attention(q, k, v, k_buf, v_buf, torch.tensor(out_loc), kv_indices, indptr, prefix_lens, extend_lens,
+                           d**-0.5, tree_masks=None if chain else tree.masks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kb, k_buf) and torch.equal(vb, v_buf)  # the new K/V landed where the reference put them
