@@ -25,9 +25,9 @@ import pytest
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
-from test_engine_differential import compare_outputs, make_workload, run
+from test_engine_differential import compare_outputs, run
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import POOLS, _drained, _greedy, _ids
+from test_engine_speculative import POOLS, _drained, _greedy, _ids, abort_at_verify, reference_waves
 
 
 def _draft(path, num_steps: int = 3) -> dict:
@@ -57,12 +57,7 @@ def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: in
     """The differential workload (shared prefixes, checkpoints, second turns) with the draft model on
     vs a plain engine with the cache off. Returns (tokens compared, the spec engine's stats, its
     proposals keyed by the tokens they follow)."""
-    wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
-    with Engine(target, enable_prefix_cache=False, **POOLS) as off:
-        off1 = run(off, wave1)
-        wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
-                 for w, o, f in zip(wave1, off1, followups)]
-        off2 = run(off, wave2)
+    wave1, wave2, off1, off2 = reference_waves(target, seed)
     with Engine(target, debug_checks=True, **_draft(draft, num_steps), **spec, **on_opts) as eng:
         rec = _Recorder(eng.scheduler.drafter)
         on1 = run(eng, wave1)
@@ -239,20 +234,9 @@ def test_abort_mid_verify_zero_drafts_and_penalties(qwen3_next_dense_path, qwen3
         want = ref.generate(input_ids=ids, sampling_params=_greedy(30), return_logprob=True)
         pen = ref.generate(input_ids=ids, sampling_params=_greedy(12, repetition_penalty=1.3), return_logprob=True)
     with Engine(qwen3_next_dense_path, debug_checks=True, **_draft(qwen3_next_dense_draft_path), **POOLS) as eng:
-        runner = eng.scheduler.runner
-        real, calls = runner.forward_extend, {"n": 0}
-
-        def hooked(reqs, lens, loc, ckpts, all_logits=False, **kw):
-            if all_logits:
-                calls["n"] += 1
-                if calls["n"] == 3:
-                    eng.abort("victim")
-            return real(reqs, lens, loc, ckpts, all_logits=all_logits, **kw)
-
-        runner.forward_extend = hooked
+        abort_at_verify(eng, "victim")
         outs = eng.generate(input_ids=[ids, ids], sampling_params=_greedy(30), return_logprob=True,
                             rid=["victim", "other"])
-        runner.forward_extend = real
         assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
         assert outs[0]["output_ids"] == want["output_ids"][: len(outs[0]["output_ids"])]
         compare_outputs([outs[1]], [want])

@@ -24,8 +24,8 @@ import torch
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.mtp_drafter import MtpDrafter
-from test_engine_differential import compare_outputs, make_workload, run
-from test_engine_speculative import POOLS, _drained, _greedy, _ids
+from test_engine_differential import compare_outputs, run
+from test_engine_speculative import POOLS, _drained, _greedy, _ids, reference_waves
 
 MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 
@@ -33,12 +33,7 @@ MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 def _run_differential(path, on_opts: dict, seed: int = 0, num_steps: int = 3) -> tuple[int, Engine]:
     """The differential workload (shared prefixes, checkpoints, second turns) with MTP on vs a plain
     engine with the cache off; returns the tokens compared."""
-    wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
-    with Engine(path, enable_prefix_cache=False, **POOLS) as off:
-        off1 = run(off, wave1)
-        wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
-                 for w, o, f in zip(wave1, off1, followups)]
-        off2 = run(off, wave2)
+    wave1, wave2, off1, off2 = reference_waves(path, seed)
     with Engine(path, speculative_algorithm="mtp", speculative_num_steps=num_steps, debug_checks=True,
                 **on_opts) as eng:
         on1 = run(eng, wave1)

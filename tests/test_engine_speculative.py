@@ -109,14 +109,36 @@ def _count_calls(obj, name: str) -> dict:
     return calls
 
 
-def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter) -> int:
-    """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter."""
+def reference_waves(path, seed: int) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+    """The differential workload (shared prefixes, checkpoints, second turns that quote the first
+    turn's output) and its outputs with no prefix cache and no speculation: ``(wave1, wave2, off1, off2)``."""
     wave1, followups = make_workload(seed, 2048, num_sessions=12, num_shared=8)
     with Engine(path, enable_prefix_cache=False, **POOLS) as off:
         off1 = run(off, wave1)
         wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 6, "ckpt": []}
                  for w, o, f in zip(wave1, off1, followups)]
         off2 = run(off, wave2)
+    return wave1, wave2, off1, off2
+
+
+def abort_at_verify(eng: Engine, rid: str, step: int = 3) -> None:
+    """Abort request ``rid`` from inside the ``step``-th verify forward of ``eng`` (mid-verify)."""
+    runner = eng.scheduler.runner
+    real, calls = runner.forward_extend, {"n": 0}
+
+    def hooked(reqs, lens, loc, ckpts, all_logits=False, **kw):
+        if all_logits:
+            calls["n"] += 1
+            if calls["n"] == step:
+                eng.abort(rid)
+        return real(reqs, lens, loc, ckpts, all_logits=all_logits, **kw)
+
+    runner.forward_extend = hooked
+
+
+def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter) -> int:
+    """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter."""
+    wave1, wave2, off1, off2 = reference_waves(path, seed)
     reference = {tuple(s["ids"]): o["output_ids"] for s, o in zip(wave1 + wave2, off1 + off2)}
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=5, debug_checks=True,
                 **on_opts) as eng:
@@ -209,20 +231,9 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=5,
                 debug_checks=True, **POOLS) as eng:
         eng.scheduler.drafter = OracleDrafter({tuple(ids): want["output_ids"]}, num_draft=4)
-        runner = eng.scheduler.runner
-        real, calls = runner.forward_extend, {"n": 0}
-
-        def hooked(reqs, lens, loc, ckpts, all_logits=False, **kw):
-            if all_logits:
-                calls["n"] += 1
-                if calls["n"] == 3:
-                    eng.abort("victim")
-            return real(reqs, lens, loc, ckpts, all_logits=all_logits, **kw)
-
-        runner.forward_extend = hooked
+        abort_at_verify(eng, "victim")
         outs = eng.generate(input_ids=[ids, ids], sampling_params=_greedy(30), return_logprob=True,
                             rid=["victim", "other"])
-        runner.forward_extend = real
         assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
         assert outs[0]["output_ids"] == want["output_ids"][: len(outs[0]["output_ids"])]
         compare_outputs([outs[1]], [want])
