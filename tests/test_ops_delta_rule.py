@@ -104,6 +104,22 @@ def test_chunked_matches_recurrent_reference_per_sequence(op):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+def test_decays_past_fp32_exp_range_stay_exact(op):
+    """Log-decays of up to ~-60 per token: a chunk's cumulative decays reach -1000s, whose fp32
+    ``exp`` would be denormal (``decay_exp`` drops factors under e^-40, exactly 0 in these sums)."""
+    inputs = op.make([150, 20], decay_scale=30.0, seed=4)
+    pool = inputs[-1]
+    before = pool.clone()
+    o = op.run(inputs, pool, [1, 2], ckpt_seq=torch.tensor([0, 0]), ckpt_len=torch.tensor([100, 128]),
+               ckpt_slot=torch.tensor([5, 6]))
+    assert torch.isfinite(o).all() and torch.isfinite(pool).all()
+    o_ref, state = op.ref(inputs, before, 1, 0)
+    torch.testing.assert_close(o[:150], o_ref, **TOL)
+    torch.testing.assert_close(pool[1], state, **TOL)
+    for row, n in ((5, 100), (6, 128)):
+        torch.testing.assert_close(pool[row], op.ref(inputs, before, 1, 0, n)[1], **TOL)
+
+
 def test_padding_sequence_starts_from_zeros(op):
     inputs = op.make([40, 70])
     pool = inputs[-1]

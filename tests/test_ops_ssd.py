@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyla.model.ops import mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
+from hyla.model.ops.varlen import DECAY_FLOOR, decay_exp
 
 H, P, G, N = 8, 16, 2, 16
 Q = 64
@@ -64,6 +65,26 @@ def test_chunked_matches_recurrent_reference_per_sequence():
             torch.testing.assert_close(inp.pool[slot], state, **TOL)
     untouched = [s for s in range(inp.pool.shape[0]) if s not in slots]
     assert torch.equal(inp.pool[untouched], before[untouched])
+
+
+def test_decay_exp_drops_factors_below_the_floor():
+    x = torch.tensor([0.0, -1.0, DECAY_FLOOR + 0.5, DECAY_FLOOR - 0.5, -200.0, float("-inf")])
+    y = decay_exp(x)
+    assert torch.equal(y[:3], x[:3].exp()) and torch.equal(y[3:], torch.zeros(3))
+    assert not ((y != 0) & (y.abs() < torch.finfo(torch.float32).tiny)).any()  # no denormals
+
+
+def test_strong_decays_stay_exact():
+    """dt ~ 10 on heads with A down to -8: cumulative log-decays reach -10^3 inside a chunk (outputs
+    grow with dt: fp32 tolerance relative to them)."""
+    inp = Inputs([150, 20], seed=3)
+    inp.dt = inp.dt.abs() * 10
+    before = inp.pool.clone()
+    y = inp.run([1, 2], ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([100]), ckpt_slot=torch.tensor([5]))
+    y_ref, state = inp.ref(before, 1, 0)
+    torch.testing.assert_close(y[:150], y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(inp.pool[1], state, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(inp.pool[5], inp.ref(before, 1, 0, 100)[1], atol=1e-4, rtol=1e-4)
 
 
 def test_checkpoints_equal_runs_that_stop_there():

@@ -29,6 +29,7 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     as_slot_plan,
     chunk_scan_on_pool,
+    decay_exp,
     open_state_rows,
     write_states,
 )
@@ -175,15 +176,16 @@ def _chunk_scan(
 
     cum = gc.cumsum(dim=-1)  # [NC, H, Q] log-decay from the chunk start through each token
     upper = torch.ones(Q, Q, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [NC, H, Q, Q] i>=j
+    decay = decay_exp((cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill_(upper, float("-inf")))  # [NC, H, Q, Q] i>=j
+    cum_exp = decay_exp(cum)  # [NC, H, Q]
     k_beta = kc * bc.unsqueeze(-1)  # [NC, H, Q, Dk]
     ut = (k_beta @ kc.transpose(-1, -2)) * decay  # [NC, H, Q, Q]; the solve uses its strict lower part
     u = torch.linalg.solve_triangular(ut, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)  # [NC, H, Q, Dv]
-    w = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(ut, k_beta * cum_exp.unsqueeze(-1), upper=False, unitriangular=True)
     attn = (qc @ kc.transpose(-1, -2)) * decay  # [NC, H, Q, Q] intra-chunk q.k, causal incl. diagonal
-    q_dec = qc * cum.exp().unsqueeze(-1)  # [NC, H, Q, Dk] reads the state entering the chunk
-    k_dec = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [NC, H, Q, Dk] writes the state leaving it
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+    q_dec = qc * cum_exp.unsqueeze(-1)  # [NC, H, Q, Dk] reads the state entering the chunk
+    k_dec = kc * decay_exp(cum[..., -1:] - cum).unsqueeze(-1)  # [NC, H, Q, Dk] writes the state leaving it
+    chunk_decay = cum_exp[..., -1, None, None]  # [NC, H, 1, 1]
 
     o, enter, ckpt_v_new = delta_rule_across_chunks(layout, plan, state, u, w, q_dec, attn, k_dec, chunk_decay)
     ckpt_states = _states_inside_chunks(plan, cum, kc, enter, ckpt_v_new) if plan.num_checkpoints else enter
@@ -246,8 +248,8 @@ def _states_inside_chunks(
     cum_m, k_m = cum[plan.chunk], kc[plan.chunk]  # [M, H, Q], [M, H, Q, Dk]
     last = cum_m.gather(-1, (plan.within - 1).view(-1, 1, 1).expand(-1, cum_m.shape[1], 1))  # [M, H, 1]
     consumed = torch.arange(Q, device=cum.device).view(1, 1, Q) < plan.within.view(-1, 1, 1)  # [M, 1, Q]
-    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q]
-    return enter * last.exp().unsqueeze(-1) + (k_m * weight.unsqueeze(-1)).transpose(-1, -2) @ v_new
+    weight = decay_exp((last - cum_m).masked_fill_(~consumed, float("-inf")))  # [M, H, Q]
+    return enter * decay_exp(last).unsqueeze(-1) + (k_m * weight.unsqueeze(-1)).transpose(-1, -2) @ v_new
 
 
 # --- decode ----------------------------------------------------------------------------------

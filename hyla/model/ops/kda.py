@@ -43,6 +43,7 @@ from hyla.model.ops.varlen import (
     ChunkLayout,
     check_slots,
     chunk_scan_on_pool,
+    decay_exp,
     gather_states,
     scatter_states,
 )
@@ -158,14 +159,14 @@ def _intra_chunk(qc: torch.Tensor, kc: torch.Tensor, cum: torch.Tensor) -> tuple
     P = kc.new_zeros(nc, h, Q, Q)
     for i in range(1, n):  # rows of sub-chunk i against the columns of sub-chunks 0 .. i-1
         rows, ref = slice(i * C, (i + 1) * C), cum[:, :, i * C : i * C + 1]  # ref [NC, H, 1, Dk]
-        down = (cum[:, :, rows] - ref).exp()  # [NC, H, C, Dk]
-        cols = kc[:, :, : i * C] * (ref - cum[:, :, : i * C]).exp()  # [NC, H, iC, Dk]
+        down = decay_exp(cum[:, :, rows] - ref)  # [NC, H, C, Dk]
+        cols = kc[:, :, : i * C] * decay_exp(ref - cum[:, :, : i * C])  # [NC, H, iC, Dk]
         A[:, :, rows, : i * C] = (kc[:, :, rows] * down) @ cols.transpose(-1, -2)
         P[:, :, rows, : i * C] = (qc[:, :, rows] * down) @ cols.transpose(-1, -2)
     qb, kb, cb = (x.view(nc, h, n, C, dk) for x in (qc, kc, cum))  # sub-chunks
     Ab, Pb = kc.new_zeros(nc, h, n, C, C), kc.new_zeros(nc, h, n, C, C)
     for s in range(C):  # the diagonal blocks, column s of each
-        k_s = kb[..., s : s + 1, :] * (cb[..., s:, :] - cb[..., s : s + 1, :]).exp()  # [NC, H, n, C-s, Dk]
+        k_s = kb[..., s : s + 1, :] * decay_exp(cb[..., s:, :] - cb[..., s : s + 1, :])  # [NC, H, n, C-s, Dk]
         Ab[..., s + 1 :, s] = (kb[..., s + 1 :, :] * k_s[..., 1:, :]).sum(dim=-1)
         Pb[..., s:, s] = (qb[..., s:, :] * k_s).sum(dim=-1)
     for i in range(n):
@@ -199,10 +200,11 @@ def _chunk_scan(
     # written into the state entering the chunk S are  v_new = u - w S.
     ut = A * bc  # [NC, H, Q, Q]: strictly lower, the unit diagonal is implied
     u = torch.linalg.solve_triangular(ut, vc * bc, upper=False, unitriangular=True)  # [NC, H, Q, Dv]
-    w = torch.linalg.solve_triangular(ut, kc * bc * cum.exp(), upper=False, unitriangular=True)  # [NC, H, Q, Dk]
-    q_dec = qc * cum.exp()  # [NC, H, Q, Dk] reads the state entering the chunk
-    k_dec = kc * (cum[:, :, -1:] - cum).exp()  # [NC, H, Q, Dk] writes the state leaving it
-    chunk_decay = cum[:, :, -1].exp().unsqueeze(-1)  # [NC, H, Dk, 1]
+    cum_exp = decay_exp(cum)  # [NC, H, Q, Dk]
+    w = torch.linalg.solve_triangular(ut, kc * bc * cum_exp, upper=False, unitriangular=True)  # [NC, H, Q, Dk]
+    q_dec = qc * cum_exp  # [NC, H, Q, Dk] reads the state entering the chunk
+    k_dec = kc * decay_exp(cum[:, :, -1:] - cum)  # [NC, H, Q, Dk] writes the state leaving it
+    chunk_decay = cum_exp[:, :, -1].unsqueeze(-1)  # [NC, H, Dk, 1]
 
     # across chunks: Gated DeltaNet's recurrence, the per-channel decay inside chunk_decay and k_dec
     o, enter, ckpt_v_new = delta_rule_across_chunks(layout, plan, state, u, w, q_dec, P, k_dec, chunk_decay)
@@ -226,8 +228,8 @@ def _states_inside_chunks(
     index = (plan.within - 1).view(-1, 1, 1, 1).expand(-1, cum_m.shape[1], 1, dk)
     last = cum_m.gather(2, index)  # [M, H, 1, Dk]
     consumed = torch.arange(Q, device=cum.device).view(1, 1, Q, 1) < plan.within.view(-1, 1, 1, 1)  # [M, 1, Q, 1]
-    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q, Dk]
-    return enter * last.transpose(-1, -2).exp() + (k_m * weight).transpose(-1, -2) @ v_new
+    weight = decay_exp((last - cum_m).masked_fill_(~consumed, float("-inf")))  # [M, H, Q, Dk]
+    return enter * decay_exp(last.transpose(-1, -2)) + (k_m * weight).transpose(-1, -2) @ v_new
 
 
 # --- decode ----------------------------------------------------------------------------------

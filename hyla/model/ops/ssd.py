@@ -29,6 +29,7 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     as_slot_plan,
     chunk_scan_on_pool,
+    decay_exp,
     open_state_rows,
     write_states,
 )
@@ -188,13 +189,14 @@ def _chunk_scan(
     cum = a.cumsum(dim=-1)  # [NC, H, Q]
 
     # 1. within chunks: y_diag[i] = sum_{j<=i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j
-    L = segment_sum(a).exp()  # [NC, H, Q, Q]
+    L = decay_exp(segment_sum(a))  # [NC, H, Q, Q]
     y = ((Cc @ Bc.transpose(-1, -2)) * L) @ xdt  # [NC, H, Q, P]
 
     # 2. each chunk's own contribution to the state leaving it
-    to_end = (cum[..., -1:] - cum).exp()  # [NC, H, Q]
+    to_end = decay_exp(cum[..., -1:] - cum)  # [NC, H, Q]
     chunk_states = xdt.transpose(-1, -2) @ (Bc * to_end.unsqueeze(-1))  # [NC, H, P, N]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [NC, H, 1, 1]
+    cum_exp = decay_exp(cum)  # [NC, H, Q]
+    chunk_decay = cum_exp[..., -1, None, None]  # [NC, H, 1, 1]
 
     # 3. across chunks: the state entering every chunk, one step per chunk index
     enter = torch.empty_like(chunk_states)  # [NC, H, P, N]
@@ -204,7 +206,7 @@ def _chunk_scan(
         state[:active] = state[:active] * chunk_decay[c] + chunk_states[c]
 
     # 4. the entering state read out through C
-    y = y + (Cc @ enter.transpose(-1, -2)) * cum.exp().unsqueeze(-1)  # [NC, H, Q, P]
+    y = y + (Cc @ enter.transpose(-1, -2)) * cum_exp.unsqueeze(-1)  # [NC, H, Q, P]
     ckpt_states = _states_inside_chunks(plan, cum, xdt, Bc, enter) if plan.num_checkpoints else enter[:0]
     return layout.unchunk(y.transpose(1, 2)), state, ckpt_states
 
@@ -221,9 +223,9 @@ def _states_inside_chunks(
     cum_m = cum[plan.chunk]  # [M, H, Q]
     last = cum_m.gather(-1, (plan.within - 1).view(-1, 1, 1).expand(-1, cum_m.shape[1], 1))  # [M, H, 1]
     consumed = torch.arange(Q, device=cum.device).view(1, 1, Q) < plan.within.view(-1, 1, 1)  # [M, 1, Q]
-    weight = (last - cum_m).masked_fill(~consumed, float("-inf")).exp()  # [M, H, Q]
+    weight = decay_exp((last - cum_m).masked_fill_(~consumed, float("-inf")))  # [M, H, Q]
     inside = xdt[plan.chunk].transpose(-1, -2) @ (Bc[plan.chunk] * weight.unsqueeze(-1))  # [M, H, P, N]
-    return enter[plan.chunk] * last.exp().unsqueeze(-1) + inside
+    return enter[plan.chunk] * decay_exp(last).unsqueeze(-1) + inside
 
 
 # --- decode ----------------------------------------------------------------------------------
