@@ -25,7 +25,7 @@ $(DEV_STAMP): $(STAMP)
 	touch $(DEV_STAMP)
 
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -78,9 +78,13 @@ class ModelRunner:
             # layer and recompile per layer; decode stays eager for these models
             logger.warning("compile_decode: %s has MoE layers; decode steps stay eager", c.architecture)
         elif compile_decode:
-            # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step)
-            self._compiled_decode = torch.compile(model.forward_unchecked, dynamic=True,
-                                                  options={"cpp_wrapper": True})
+            # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step).
+            # No guards on the modules: their weights and attributes never change after loading,
+            # and checking every parameter before each step cost more than the rest of dynamo's
+            # per-call work (the batch's tensors and sizes are still guarded)
+            self._compiled_decode = torch.compile(
+                model.forward_unchecked, dynamic=True,
+                options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._warm_up_compiled_decode()
 
     @torch.inference_mode()
