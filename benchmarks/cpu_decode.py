@@ -183,12 +183,12 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
     return {name: 1e3 * statistics.median(t) / steps for name, t in times.items()}
 
 
-def table(runs: dict[str, dict[str, dict[str, float]]]) -> str:
+def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") -> str:
     """Markdown: one row per metric, one column per side; in parentheses each hyla side's ratio
-    to the transformers of its own run (> 1: hyla faster)."""
+    to the transformers of its own run (> 1: hyla faster). ``before_rev``: the before checkout's commit."""
     cols = []  # (header, run, side)
     if "before" in runs:
-        cols.append(("hyla before (2ed1d04)", "before", "hyla"))
+        cols.append((f"hyla before ({before_rev})" if before_rev else "hyla before", "before", "hyla"))
     cols.append(("hyla after" if "before" in runs else "hyla", "after", "hyla"))
     if "compiled" in runs["after"]:
         cols.append(("hyla + `compile_decode`", "after", "compiled"))
@@ -245,13 +245,15 @@ def main() -> None:
     args.hyla_root = args.hyla_root.resolve()
     sys.path.insert(0, str(ROOT))
 
-    runs = {}
+    runs, before_rev = {}, ""
     if args.before is not None:
         cmd = [sys.executable, __file__, "--hyla-root", str(args.before.resolve()), "--json", "--no-write",
                "--repeats", str(args.repeats), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
                "--steps", str(args.steps)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         runs["before"] = json.loads(out.strip().splitlines()[-1])
+        before_rev = subprocess.run(["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip()
     t0 = time.perf_counter()
     runs["after"] = measure(args)
     wall = time.perf_counter() - t0
@@ -273,7 +275,7 @@ column's ratio to the transformers measured in the same run. Engine rows are wal
 its own process); forward rows are thread CPU time.
 {"" if startup is None else f"`compile_decode` start-up (engine construction, both graphs compiled): {startup:.0f} s."}
 
-{table(runs)}
+{table(runs, before_rev)}
 
 {verdict(runs)}
 """
