@@ -102,7 +102,7 @@ class ReqToTokenPool:
         return self.req_to_token[row, start:end].to("cpu", copy=True)
 
     def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.size or not self._rows.is_allocated(as_index_array([row + 1])):
+        if not 0 <= row < self.size or not self._rows.is_allocated_id(row + 1):
             raise ValueError(f"row {row} is not an allocated request row")
 
     def check_integrity(self) -> None:

@@ -449,7 +449,9 @@ class CacheManager:
         return self.kv_pool.pages_needed(starts, lens) * self.page_size
 
     def _last_loc(self, req: Req) -> int:
-        if req.kv_allocated == 0:
+        """The KV slot of ``req``'s last allocated token; -1 when its KV ends on a page boundary
+        (then ``alloc_extend`` starts a fresh page and ignores it: always, at page size 1)."""
+        if req.kv_allocated % self.page_size == 0:
             return -1
         return int(self.req_to_token.read(req.req_pool_idx, req.kv_allocated - 1, req.kv_allocated)[0])
 
