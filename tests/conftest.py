@@ -21,6 +21,11 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# One intra-op thread unless the caller says otherwise: the tests' models are tiny, and on a 2-core
+# machine two threads per op made the engine tests ~2x slower (synchronising threads costs more than
+# the ops). Set before torch is first imported (below), which reads it once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Without a GPU the Triton kernels' tests run them in Triton's interpreter. The variable must be set
 # before any test module imports hyla.model.ops.gpu (its kernels read it when they are defined), so
 # here, not in the tests that need it: otherwise the suite's order decides whether they pass.
