@@ -379,6 +379,7 @@ class TinyRunner:
             ckpt_slot=torch.tensor([c[2] for c in checkpoints], dtype=long, device=dev),
             logits_indices=torch.arange(cu[-1], device=dev) if all_logits else None,
             tree_parents=tree_parents,
+            state_slot_list=[s.state_slot for s in seqs], ckpt_list=list(checkpoints),  # host copies, as the engine's
         )
         for s, toks, ns in zip(seqs, new_tokens, new_slots):
             s.tokens += list(toks)

@@ -24,7 +24,7 @@ class NoHostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") in HOST_READS:
-            raise AssertionError(f"host read in the decode forward: {func.__name__}")
+            raise AssertionError(f"host read in the forward: {func.__name__}")
         return func(*args, **(kwargs or {}))
 
 
@@ -50,6 +50,24 @@ def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request):
         seqs = seqs[:1]
 
 
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path"])
+@torch.no_grad()
+def test_extend_forward_reads_nothing_back_from_the_device(ckpt, request):
+    """A prefill step (the chunked recurrent paths, attention over a cached prefix, checkpoints
+    inside and at the end of a chunk): the batch validated its lengths, slots and checkpoints once
+    (``ForwardBatch.varlen``), so no layer reads anything back (on a GPU: no sync per layer)."""
+    model = load_model(request.getfixturevalue(ckpt))
+    runner = TinyRunner(model, max_states=12)
+    seqs = [runner.new_seq() for _ in range(3)]
+    runner.step(seqs, [list(range(3, 3 + n)) for n in (20, 7, 33)])  # a cached prefix for the next step
+    batch = runner.make_batch(seqs, [list(range(5, 5 + n)) for n in (70, 9, 130)],
+                              checkpoints=[(0, 64, 9), (2, 100, 10), (2, 130, 11)])
+    assert batch.varlen is not None
+    with NoHostReads():
+        logits = model(batch)
+    assert logits.shape == (len(seqs), model.config.vocab_size)
+
+
 def _init_fields(batch):
     return [f for f in batch.__dataclass_fields__ if batch.__dataclass_fields__[f].init]
 
@@ -72,10 +90,13 @@ def test_batch_is_validated_when_built(qwen3_next_dense_path):
         build(state_slots=torch.tensor([1, 1]), state_slot_list=None)
     with pytest.raises(ValueError, match="outside"):
         build(state_slots=torch.tensor([1, 9]), state_slot_list=None)
-    with pytest.raises(ValueError, match="ckpt_len"):
-        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([2]), ckpt_slot=torch.tensor([3]))
+    for host in (None, [(0, 2, 3)]):  # from the tensors, or from their host copy
+        with pytest.raises(ValueError, match="ckpt_len"):
+            build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([2]), ckpt_slot=torch.tensor([3]), ckpt_list=host)
     with pytest.raises(ValueError, match="also a sequence slot"):
-        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([1]), ckpt_slot=torch.tensor([2]))
+        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([1]), ckpt_slot=torch.tensor([2]), ckpt_list=None)
+    with pytest.raises(ValueError, match="ckpt_list has 0 entries"):  # a host copy that disagrees
+        build(ckpt_seq=torch.tensor([0]), ckpt_len=torch.tensor([1]), ckpt_slot=torch.tensor([3]))
     with pytest.raises(ValueError, match="kv_table"):
         build(kv_table=good.kv_table[:, :3])
     with pytest.raises(ValueError, match="kv_indices"):

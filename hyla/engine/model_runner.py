@@ -125,7 +125,7 @@ class ModelRunner:
             kv_indptr=t[3], k_buffers=self.k_buffers, v_buffers=self.v_buffers,
             state_slots=t[4], conv_states=self.conv_states, ssm_states=self.ssm_states,
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
-            state_slot_list=slots, max_token_id=max(ids, default=-1), tree_parents=tree_parents,
+            state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
         )
         if all_logits:

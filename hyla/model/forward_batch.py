@@ -41,7 +41,14 @@ import torch
 
 from hyla.model.ops.attention import ShortExtendLayout, decode_kv_mask, decode_kv_rows, decode_kv_table
 from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
-from hyla.model.ops.varlen import SlotPlan, check_checkpoints
+from hyla.model.ops.varlen import (
+    Checkpoints,
+    SlotPlan,
+    VarlenPlan,
+    check_checkpoint_values,
+    check_checkpoints,
+    check_slot_values,
+)
 
 
 def _empty_long() -> torch.Tensor:
@@ -90,6 +97,8 @@ class ForwardBatch:
     # --- optional host copies / precomputed metadata (derived below when not given) ----------
     state_slot_list: Sequence[int] | None = None
     """Host copy of ``state_slots`` (spares a device read at construction)."""
+    ckpt_list: Sequence[tuple[int, int, int]] | None = None
+    """Host copy of the checkpoints, ``(ckpt_seq, ckpt_len, ckpt_slot)`` per entry (spares device reads)."""
     max_token_id: int | None = None
     """Largest id in ``input_ids`` (-1 when empty), if the caller knows it on the host."""
     kv_table: torch.Tensor | None = None
@@ -114,8 +123,13 @@ class ForwardBatch:
     # --- derived once per step (not arguments) -----------------------------------------------
     seq_lens: list[int] = field(init=False, repr=False)
     """[B] ``prefix_lens + extend_lens`` (host): each sequence's KV length after this step."""
+    kv_starts: list[int] = field(init=False, repr=False)
+    """[B+1] ``kv_indptr`` on the host (the cumulative ``seq_lens``, which it must equal)."""
     slot_plan: SlotPlan | None = field(init=False, repr=False, default=None)
     """The validated state slots with their host facts (None when there are no linear layers)."""
+    varlen: VarlenPlan | None = field(init=False, repr=False, default=None)
+    """An extend on the chunked paths (no ``tree``) with linear layers: its lengths, slots and
+    checkpoints validated once, so the recurrent layers' ops read nothing back from the device."""
     kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding); None at batch size 1."""
     kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
@@ -150,9 +164,12 @@ class ForwardBatch:
         if self.max_token_id is None:
             self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
+        self.kv_starts = [0]
+        for n in self.seq_lens:
+            self.kv_starts.append(self.kv_starts[-1] + n)
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
-        self.tree = self.tree_scan = self.short_extend = None
+        self.tree = self.tree_scan = self.short_extend = self.varlen = None
         if self.tree_parents is not None:
             if self.is_decode:
                 raise ValueError("tree_parents is for extend batches (a verify step)")
@@ -167,6 +184,31 @@ class ForwardBatch:
             self._decode_metadata()
         elif self.tree is not None:
             self._short_extend_metadata()
+        elif not self.is_decode:
+            if self.k_buffers and self.kv_indices.numel() != self.kv_starts[-1]:
+                raise ValueError(f"kv_indices has {self.kv_indices.numel()} slots, the sequences hold "
+                                 f"{self.kv_starts[-1]} tokens")
+            if self.slot_plan is not None:
+                self.varlen = VarlenPlan.build(self.extend_lens, self.slot_plan, self._checkpoints(self.extend_lens))
+
+    def _checkpoints(self, lengths: Sequence[int]) -> Checkpoints:
+        """The batch's checkpoints validated against ``lengths`` and the state slots, from the host
+        copy ``ckpt_list`` when given (no device read), else from the tensors."""
+        pool_rows = self.conv_states[0].shape[0]
+        device = self.slot_plan.index.device
+        if self.ckpt_list is None or not self.num_checkpoints:
+            given = self.num_checkpoints > 0
+            return check_checkpoints(self.ckpt_seq if given else None, self.ckpt_len if given else None,
+                                     self.ckpt_slot if given else None, list(lengths), list(self.slot_plan.host),
+                                     pool_rows, device)
+        if len(self.ckpt_list) != self.num_checkpoints or self.ckpt_seq.numel() != self.num_checkpoints \
+                or self.ckpt_len.numel() != self.num_checkpoints:
+            raise ValueError(f"ckpt_list has {len(self.ckpt_list)} entries, the checkpoint tensors "
+                             f"{self.ckpt_seq.numel()}, {self.ckpt_len.numel()} and {self.num_checkpoints}")
+        seqs, lens, rows = (list(col) for col in zip(*self.ckpt_list))
+        check_slot_values(rows, pool_rows, "ckpt_slot")
+        return check_checkpoint_values(seqs, lens, rows, self.ckpt_slot.to(device=device, dtype=torch.long),
+                                       list(lengths), list(self.slot_plan.host), device)
 
     def _check_fused(self) -> None:
         """Host-side checks of a fused decode batch (its values are the builder's to validate)."""
@@ -186,9 +228,7 @@ class ForwardBatch:
         if self.num_checkpoints:
             if self.slot_plan is None:
                 raise ValueError("checkpoints need linear layers (the batch has no state pools)")
-            ckpts = check_checkpoints(self.ckpt_seq, self.ckpt_len, self.ckpt_slot, [1] * self.batch_size,
-                                      list(self.slot_plan.host), self.conv_states[0].shape[0],
-                                      self.slot_plan.index.device)
+            ckpts = self._checkpoints([1] * self.batch_size)
             self.decode_ckpt_src = self.slot_plan.index[torch.tensor(ckpts.seq, device=self.slot_plan.index.device)]
             self.decode_ckpt_dst = ckpts.slot
         if not self.k_buffers:
@@ -208,12 +248,7 @@ class ForwardBatch:
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""
         if self.slot_plan is not None:
-            ckpts = check_checkpoints(self.ckpt_seq if self.num_checkpoints else None,
-                                      self.ckpt_len if self.num_checkpoints else None,
-                                      self.ckpt_slot if self.num_checkpoints else None, self.extend_lens,
-                                      list(self.slot_plan.host), self.conv_states[0].shape[0],
-                                      self.slot_plan.index.device)
-            self.tree_scan = self.tree.plan(self.slot_plan, ckpts)
+            self.tree_scan = self.tree.plan(self.slot_plan, self._checkpoints(self.extend_lens))
         if not self.k_buffers:
             return
         width = max(self.seq_lens)

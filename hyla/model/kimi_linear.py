@@ -114,8 +114,9 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
+        plan = batch.slot_plan if batch.slot_plan is not None else slots  # decode: validated at batch construction
         if batch.is_decode:
-            mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
+            mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         else:
             mixed = causal_conv1d_varlen(
                 mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, slots, "silu", **_ckpt_kwargs(batch)
@@ -126,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         g = -torch.exp(self.A_log.float())[:, None] * softplus.view(t, heads, d)  # [T, H, D] fp32, <= 0
         beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         if batch.is_decode:
-            o = recurrent_kda_update(q, k, v, g, beta, ssm_states, slots)
+            o = recurrent_kda_update(q, k, v, g, beta, ssm_states, plan)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
         else:

@@ -238,7 +238,7 @@ class Attention(nn.Module):
         else:
             o = paged_attention(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr,
                                 batch.prefix_lens, batch.extend_lens, self.scaling,
-                                tree_masks=_tree_masks(batch))  # [T, Hq, D]
+                                tree_masks=_tree_masks(batch), kv_starts=batch.kv_starts)  # [T, Hq, D]
         o = o.reshape(t, hq * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
@@ -257,10 +257,13 @@ def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
 
 def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
     """What every recurrent extend op takes from the batch: its checkpoints and its token trees —
-    for a tree or short extend the batch's ``tree_scan``, which carries the checkpoints (validated
-    once per step); ``scan=False``: the raw checkpoint tensors and the tree (fla's kernel)."""
+    for a tree or short extend the batch's ``tree_scan``, for the chunked paths its ``varlen`` plan,
+    each carrying the checkpoints (validated once per step); ``scan=False``: the raw checkpoint
+    tensors and the tree (fla's kernel)."""
     if scan and batch.tree_scan is not None:
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree_scan)
+    if scan and batch.varlen is not None:  # the chunked paths, validated once per step
+        return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=None, varlen=batch.varlen)
     if not batch.num_checkpoints:
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree)
     return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot, tree=batch.tree)

@@ -38,6 +38,7 @@ def paged_attention(
     extend_lens: Sequence[int],
     scaling: float,
     tree_masks: Sequence[torch.Tensor | None] | None = None,
+    kv_starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Write the new K/V into their pool slots, then attend causally to prefix + new tokens.
 
@@ -45,6 +46,7 @@ def paged_attention(
     attention; other batches loop over sequences (each a single causal attention call).
     ``tree_masks``: a tree verify step (``ops/tree.py``): new token ``j`` of sequence ``i`` sees the
     prefix and the new tokens ``a`` with ``tree_masks[i][j, a]`` (its ancestors and itself).
+    ``kv_starts``: ``kv_indptr`` on the host (``ForwardBatch.kv_starts``), so nothing is read back.
     """
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
@@ -52,7 +54,7 @@ def paged_attention(
     if tree_masks is None and all(n == 1 for n in extend_lens):
         return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
     return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
-                             tree_masks)
+                             tree_masks, kv_starts)
 
 
 def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens) -> None:
@@ -70,9 +72,9 @@ def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, exte
 
 
 def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
-                      tree_masks=None):
+                      tree_masks=None, kv_starts=None):
     out = torch.empty_like(q)  # [T, Hq, D]
-    indptr = kv_indptr.tolist()
+    indptr = list(kv_starts) if kv_starts is not None else kv_indptr.tolist()
     start = 0
     for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
         if extend == 0:

@@ -21,11 +21,10 @@ import torch.nn.functional as F
 
 from hyla.model.ops.varlen import (
     SlotPlan,
+    VarlenPlan,
     as_slot_plan,
-    gather_states,
     open_state_rows,
     read_states,
-    scatter_states,
     write_rows_,
     write_states,
 )
@@ -115,6 +114,7 @@ def causal_conv1d_varlen(
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
     tree: TokenTree | TreeScan | None = None,
+    varlen: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over packed sequences ``x [T, C]`` -> ``y [T, C]`` (dtype of ``x``).
 
@@ -129,6 +129,8 @@ def causal_conv1d_varlen(
 
     ``tree``: the new tokens form trees (``ops/tree.py``: each token's window is its parent's);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode update.
+    ``varlen``: a :class:`~hyla.model.ops.varlen.VarlenPlan` validated once per step (``ForwardBatch.varlen``):
+    then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got {list(x.shape)}")
@@ -136,15 +138,15 @@ def causal_conv1d_varlen(
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
     act = _activation(activation)
-    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, num_tokens, slots, conv_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                     x.device)
+    scan, varlen = plan_scan(tree, cu_seqlens, num_tokens, slots, conv_states, ckpt_seq, ckpt_len, ckpt_slot,
+                             x.device, varlen)
     if scan is not None:
         return _conv_tree(x, weight, bias, conv_states, scan, act)
 
     w = kernel - 1
+    lengths, starts, ckpts = list(varlen.lengths), varlen.starts, varlen.ckpts
     batch = len(lengths)
-    windows = gather_states(conv_states, slots, x.dtype).transpose(1, 2)  # [B, K-1, C]
-    starts = cu_seqlens.tolist()
+    windows = read_states(conv_states, varlen.slots, x.dtype).transpose(1, 2)  # [B, K-1, C], zeros for -1
     x_ext = torch.cat([part for i in range(batch) for part in (windows[i], x[starts[i] : starts[i + 1]])])
     # x_ext [T + B*(K-1), C]: sequence i's window at rows window_first[i] + (0..K-2), then its tokens
 
@@ -168,8 +170,8 @@ def causal_conv1d_varlen(
         seq = torch.tensor(ckpts.seq, device=x.device)
         n = torch.tensor(ckpts.num_tokens, device=x.device)
         ckpt_windows = x_ext[window_rows[seq] + n.unsqueeze(1)]  # [M, K-1, C]
-        scatter_states(conv_states, ckpts.slot, ckpt_windows.transpose(1, 2))
-    scatter_states(conv_states, slots, final.transpose(1, 2))
+        write_rows_(conv_states, ckpts.slot, ckpt_windows.transpose(1, 2).to(conv_states.dtype))
+    write_states(conv_states, varlen.slots, final.transpose(1, 2))
     return y.to(x.dtype)
 
 

@@ -27,6 +27,7 @@ from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
+    VarlenPlan,
     as_slot_plan,
     chunk_scan_on_pool,
     decay_exp,
@@ -129,6 +130,7 @@ def chunk_gated_delta_rule_varlen(
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
+    varlen: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``,
     ``g, beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -138,12 +140,14 @@ def chunk_gated_delta_rule_varlen(
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
     ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
+    ``varlen``: a :class:`~hyla.model.ops.varlen.VarlenPlan` validated once per step (``ForwardBatch.varlen``):
+    then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                     q.device)
+    scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                               q.device, varlen)
     if scan is not None:  # token by token with the decode step (each token from its parent's state)
         terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # once for every token, then one update per depth
         return tree_scan(_state_step, terms, ssm_states, slots, scan).to(q.dtype)
@@ -151,7 +155,7 @@ def chunk_gated_delta_rule_varlen(
     qf, kf = prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, qf, kf, vf, gf, bf, state),
-                           lengths, chunk_size, ssm_states, slots, ckpts, q.device)  # [T, Hv, Dv] fp32
+                           varlen, chunk_size, ssm_states, q.device)  # [T, Hv, Dv] fp32
     return o.to(q.dtype)
 
 

@@ -41,11 +41,13 @@ from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, p
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
-    check_slots,
+    SlotPlan,
+    VarlenPlan,
+    as_slot_plan,
     chunk_scan_on_pool,
     decay_exp,
-    gather_states,
-    scatter_states,
+    read_states,
+    write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
@@ -113,6 +115,7 @@ def chunk_kda_varlen(
     chunk_size: int = 64,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
+    varlen: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """KDA over packed sequences: ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``,
     ``beta [T, Hv]`` -> ``o [T, Hv, Dv]`` (dtype of ``q``).
@@ -122,21 +125,23 @@ def chunk_kda_varlen(
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
     ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
+    ``varlen``: a :class:`~hyla.model.ops.varlen.VarlenPlan` validated once per step (``ForwardBatch.varlen``):
+    then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                     q.device)
+    scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                               q.device, varlen)
     if scan is not None:
         step = lambda q, k, v, g, beta, pool, rows: recurrent_kda_update(  # noqa: E731
-            q, k, v, g, beta, pool, rows.index, use_qk_l2norm)
+            q, k, v, g, beta, pool, rows, use_qk_l2norm)
         return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, scan)
 
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, qf, kf, vf, gf, bf, state),
-                           lengths, chunk_size, ssm_states, slots, ckpts, q.device)  # [T, Hv, Dv] fp32
+                           varlen, chunk_size, ssm_states, q.device)  # [T, Hv, Dv] fp32
     return o.to(q.dtype)
 
 
@@ -242,22 +247,23 @@ def recurrent_kda_update(
     g: torch.Tensor,
     beta: torch.Tensor,
     ssm_states: torch.Tensor,
-    slots: torch.Tensor,
+    slots: torch.Tensor | SlotPlan,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """One decode step for ``B`` sequences: ``q, k [B, Hk, Dk]``, ``v [B, Hv, Dv]``, ``g [B, Hv, Dk]``,
     ``beta [B, Hv]`` -> ``o [B, Hv, Dv]`` (dtype of ``q``). Updates ``ssm_states[slots]`` in place;
-    ``slots[i] == -1``: row ``i`` of ``o`` is don't-care and nothing is written.
+    ``slots[i] == -1``: row ``i`` of ``o`` is don't-care and nothing is written. ``slots`` may be a
+    :class:`SlotPlan` validated at batch construction (then nothing here reads the device).
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    check_slots(slots, q.shape[0], ssm_states.shape[0])
+    plan = as_slot_plan(slots, ssm_states, q.shape[0])
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
-    S = gather_states(ssm_states, slots, torch.float32)  # [B, H, Dk, Dv] fp32 copy (zeros for -1)
+    S = read_states(ssm_states, plan, torch.float32)  # [B, H, Dk, Dv] fp32 copy (zeros for -1)
     S.mul_(g.float().exp().unsqueeze(-1))
     predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
     delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
     dk, dv = S.shape[-2:]
     S.view(-1, dk, dv).baddbmm_(kf.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
     o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
-    scatter_states(ssm_states, slots, S)
+    write_states(ssm_states, plan, S)
     return o.to(q.dtype)

@@ -27,6 +27,7 @@ from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
+    VarlenPlan,
     as_slot_plan,
     chunk_scan_on_pool,
     decay_exp,
@@ -130,6 +131,7 @@ def mamba2_chunk_scan_varlen(
     chunk_size: int = 128,
     dt_limit: tuple[float, float] | None = None,
     tree: TokenTree | TreeScan | None = None,
+    varlen: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """SSD over packed sequences: ``x [T, H, P]``, raw ``dt [T, H]``, ``A [H]``, ``B, C [T, G, N]``,
     ``D, dt_bias [H]`` -> ``y [T, H, P]`` (dtype of ``x``), any sequence lengths.
@@ -139,12 +141,14 @@ def mamba2_chunk_scan_varlen(
     is written into ``ssm_states[ckpt_slot[j]]``. Each sequence is chunked from its own first token.
     ``tree``: the new tokens form trees (``ops/tree.py``: each token continues its parent's state);
     trees and extends of at most ``SHORT_EXTEND`` tokens run token by token with the decode step.
+    ``varlen``: a :class:`~hyla.model.ops.varlen.VarlenPlan` validated once per step (``ForwardBatch.varlen``):
+    then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    scan, lengths, ckpts = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                     x.device)
+    scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                               x.device, varlen)
     if scan is not None:
         step = lambda x, dt, B, C, pool, rows: mamba2_state_update(  # noqa: E731
             x, dt, A, B, C, D, dt_bias, pool, rows, dt_limit)
@@ -155,7 +159,7 @@ def mamba2_chunk_scan_varlen(
     dtf = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
     Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [T, H, N]
     y = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, xf, dtf, Af, Bf, Cf, state),
-                           lengths, chunk_size, ssm_states, slots, ckpts, x.device)  # [T, H, P] fp32
+                           varlen, chunk_size, ssm_states, x.device)  # [T, H, P] fp32
     if D is not None:
         y = y + D.float()[:, None] * xf
     return y.to(x.dtype)

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hyla.model.ops.varlen import Checkpoints, SlotPlan, as_slot_plan, check_varlen_batch, write_rows_
+from hyla.model.ops.varlen import Checkpoints, SlotPlan, VarlenPlan, as_slot_plan, write_rows_
 
 
 @dataclass(frozen=True)
@@ -380,23 +380,26 @@ def short_extend_tree(tree: TokenTree | None, lengths: Sequence[int], device) ->
 def plan_scan(tree: "TokenTree | TreeScan | None", cu_seqlens: torch.Tensor, num_tokens: int,
               slots: torch.Tensor, pool: torch.Tensor, ckpt_seq: torch.Tensor | None,
               ckpt_len: torch.Tensor | None, ckpt_slot: torch.Tensor | None,
-              device: torch.device) -> tuple["TreeScan | None", list[int] | None, Checkpoints | None]:
-    """What a recurrent extend op runs: ``(scan, None, None)`` for a tree or short extend, else
-    ``(None, lengths, checkpoints)`` for its chunked path (validated here). A prebuilt
-    :class:`TreeScan` (``ForwardBatch`` validated its slots and checkpoints) is used as is: it
-    carries the checkpoints, so ``ckpt_*`` must be None."""
+              device: torch.device, varlen: VarlenPlan | None = None) -> tuple["TreeScan | None", VarlenPlan | None]:
+    """What a recurrent extend op runs: ``(scan, None)`` for a tree or short extend, else ``(None,
+    plan)`` for its chunked path. Prebuilt plans (``ForwardBatch`` validated its slots and
+    checkpoints once) are used as they are and carry the checkpoints, so ``ckpt_*`` must be None: a
+    :class:`TreeScan`, or ``varlen`` (a :class:`VarlenPlan`); otherwise the tensors are validated here."""
     if isinstance(tree, TreeScan):
         if ckpt_seq is not None or ckpt_len is not None or ckpt_slot is not None:
             raise ValueError("a TreeScan carries its checkpoints: pass ckpt_seq, ckpt_len and ckpt_slot as None")
         if tree.num_tokens != num_tokens or cu_seqlens.numel() != tree.batch_size + 1:
             raise ValueError(f"the tree scan covers {tree.batch_size} sequences and {tree.num_tokens} tokens, the "
                              f"batch has {cu_seqlens.numel() - 1} and {num_tokens}")
-        return tree, None, None
-    lengths, ckpts = check_varlen_batch(cu_seqlens, num_tokens, slots, pool, ckpt_seq, ckpt_len, ckpt_slot, device)
-    tree = short_extend_tree(tree, lengths, device)
+        return tree, None
+    if varlen is not None:
+        varlen.check(cu_seqlens, num_tokens, ckpt_seq, ckpt_len, ckpt_slot)
+    else:
+        varlen = VarlenPlan.from_tensors(cu_seqlens, num_tokens, slots, pool, ckpt_seq, ckpt_len, ckpt_slot, device)
+    tree = short_extend_tree(tree, list(varlen.lengths), device)
     if tree is None:
-        return None, lengths, ckpts
-    return tree.plan(SlotPlan.build(slots, pool.shape[0], device), ckpts), None, None
+        return None, varlen
+    return tree.plan(varlen.slots, varlen.ckpts), None
 
 
 SHORT_EXTEND = 8

@@ -109,6 +109,14 @@ def check_checkpoints(
         )
     seqs, lens = ckpt_seq.tolist(), ckpt_len.tolist()
     rows = check_slots(ckpt_slot, len(seqs), num_slots, name="ckpt_slot")
+    return check_checkpoint_values(seqs, lens, rows, ckpt_slot, lengths, slots, device)
+
+
+def check_checkpoint_values(seqs: Sequence[int], lens: Sequence[int], rows: Sequence[int], ckpt_slot: torch.Tensor,
+                            lengths: Sequence[int], slots: Sequence[int], device: torch.device) -> Checkpoints:
+    """:func:`check_checkpoints` on host copies of the request (``rows`` already checked against the
+    pool and distinct, as :func:`check_slots` does); ``ckpt_slot`` holds the same rows."""
+    seqs, lens = list(seqs), list(lens)
     for j, (i, n, row) in enumerate(zip(seqs, lens, rows)):
         if not 0 <= i < len(lengths):
             raise ValueError(f"checkpoint {j}: ckpt_seq={i} is not a sequence of this batch of {len(lengths)}")
@@ -139,6 +147,44 @@ def check_varlen_batch(
     lengths = check_varlen(cu_seqlens, num_tokens)
     slot_list = check_slots(slots, len(lengths), pool.shape[0])
     return lengths, check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, pool.shape[0], device)
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """A packed extend batch validated once, with the host facts a chunked op needs: the sequence
+    lengths and offsets, the state slots as a :class:`SlotPlan` and the checkpoints. ``ForwardBatch``
+    builds one per step (``varlen``) from host copies, so the layers' ops read nothing back from the
+    device; an op given plain tensors builds its own (:meth:`from_tensors`, a few host reads)."""
+
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]  # [B+1] cu_seqlens on the host
+    slots: "SlotPlan"
+    ckpts: Checkpoints
+
+    @classmethod
+    def build(cls, lengths: Sequence[int], slots: "SlotPlan", ckpts: Checkpoints) -> "VarlenPlan":
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        return cls(tuple(lengths), tuple(starts), slots, ckpts)
+
+    @classmethod
+    def from_tensors(cls, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor, pool: torch.Tensor,
+                     ckpt_seq: torch.Tensor | None, ckpt_len: torch.Tensor | None, ckpt_slot: torch.Tensor | None,
+                     device: torch.device) -> "VarlenPlan":
+        """Validate the tensors as :func:`check_varlen_batch` does (reading each once)."""
+        lengths = check_varlen(cu_seqlens, num_tokens)
+        plan = SlotPlan.build(slots, pool.shape[0], device, batch_size=len(lengths))
+        ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, list(plan.host), pool.shape[0], device)
+        return cls.build(lengths, plan, ckpts)
+
+    def check(self, cu_seqlens: torch.Tensor, num_tokens: int, *ckpt_tensors: torch.Tensor | None) -> None:
+        """Host-side checks that a prebuilt plan fits the op's arguments (no device read)."""
+        if cu_seqlens.numel() != len(self.lengths) + 1 or self.starts[-1] != num_tokens:
+            raise ValueError(f"the varlen plan covers {len(self.lengths)} sequences and {self.starts[-1]} tokens, "
+                             f"the batch has {cu_seqlens.numel() - 1} and {num_tokens}")
+        if any(t is not None for t in ckpt_tensors):
+            raise ValueError("a VarlenPlan carries its checkpoints: pass ckpt_seq, ckpt_len and ckpt_slot as None")
 
 
 # --- the state pool --------------------------------------------------------------------------
@@ -317,6 +363,7 @@ class ChunkLayout:
     chunk_size: int
     num_tokens: int
     order: torch.Tensor  # [B] int64, the sequence of each rank
+    order_host: tuple[int, ...]  # the same, on the host
     rank: tuple[int, ...]  # [B] the rank of each sequence
     num_active: tuple[int, ...]  # [J] sequences that still have a chunk at step j
     step_start: tuple[int, ...]  # [J+1] flat index of step j's first chunk
@@ -393,6 +440,7 @@ def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.devic
         chunk_size=chunk_size,
         num_tokens=num_tokens,
         order=torch.tensor(order, dtype=torch.long, device=device),
+        order_host=tuple(order),
         rank=tuple(rank),
         num_active=tuple(num_active),
         step_start=tuple(step_start),
@@ -434,20 +482,23 @@ ChunkScan = Callable[[ChunkLayout, CheckpointPlan, torch.Tensor], tuple[torch.Te
 fp32 states ``[B, ...]`` in rank order (``ChunkLayout``) and a :class:`CheckpointPlan` of ``M`` entries."""
 
 
-def chunk_scan_on_pool(scan: ChunkScan, lengths: list[int], chunk_size: int, pool: torch.Tensor,
-                       slots: torch.Tensor, ckpts: Checkpoints, device: torch.device) -> torch.Tensor:
+def chunk_scan_on_pool(scan: ChunkScan, varlen: VarlenPlan, chunk_size: int, pool: torch.Tensor,
+                       device: torch.device) -> torch.Tensor:
     """Run a chunked scan over a packed batch whose states live in ``pool``: lay the batch out in chunks
-    of ``chunk_size``, place the checkpoints on them, read each sequence's state from ``pool[slots[i]]``
-    (fp32, in rank order, zeros for ``-1``), run ``scan``, then write the checkpoint states into their
-    rows and the final states back into ``slots`` (none for ``-1``). Returns ``scan``'s output."""
-    layout = chunk_layout(lengths, chunk_size, device)
-    plan = plan_checkpoints(layout, ckpts)
-    rank_slots = slots.to(device)[layout.order]  # [B] the slot of each rank
-    state = gather_states(pool, rank_slots, torch.float32)  # [B, *state] in rank order
+    of ``chunk_size``, place the checkpoints on them, read each sequence's state from its slot (fp32,
+    in rank order, zeros for ``-1``), run ``scan``, then write the checkpoint states into their rows and
+    the final states back into the slots (none for ``-1``). Returns ``scan``'s output. Reads nothing
+    back from the device (the plan holds the host facts)."""
+    layout = chunk_layout(list(varlen.lengths), chunk_size, device)
+    plan = plan_checkpoints(layout, varlen.ckpts)
+    host = varlen.slots.host
+    rank_host = [host[i] for i in layout.order_host]
+    ranks = SlotPlan.build(varlen.slots.index[layout.order], pool.shape[0], device, host=rank_host)
+    state = read_states(pool, ranks, torch.float32)  # [B, *state] in rank order
     out, state, ckpt_states = scan(layout, plan, state)
     if plan.num_checkpoints:
-        scatter_states(pool, plan.slot, ckpt_states)
-    scatter_states(pool, rank_slots, state)
+        write_rows_(pool, plan.slot, ckpt_states.to(pool.dtype))
+    write_states(pool, ranks, state)
     return out
 
 
