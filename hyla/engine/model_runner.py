@@ -234,7 +234,6 @@ class ModelRunner:
         equal sizes into one symbol (or into a constant) and compile again when they differ."""
         c = self.model.config
         dev = self.device
-        long = dict(dtype=torch.long, device=dev)
         kv_rows, state_rows = 1009, 17
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
         k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
