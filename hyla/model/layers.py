@@ -262,7 +262,7 @@ def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
     tensors and the tree (fla's kernel)."""
     if scan and batch.tree_scan is not None:
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree_scan)
-    if scan and batch.varlen is not None:  # the chunked paths, validated once per step
+    if batch.varlen is not None:  # the chunked paths (fla's kernel too), validated once per step
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=None, varlen=batch.varlen)
     if not batch.num_checkpoints:
         return dict(ckpt_seq=None, ckpt_len=None, ckpt_slot=None, tree=batch.tree)

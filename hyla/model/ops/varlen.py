@@ -131,24 +131,6 @@ def check_checkpoint_values(seqs: Sequence[int], lens: Sequence[int], rows: Sequ
     return Checkpoints(seqs, lens, ckpt_slot.to(device=device, dtype=torch.long), tuple(rows))
 
 
-def check_varlen_batch(
-    cu_seqlens: torch.Tensor,
-    num_tokens: int,
-    slots: torch.Tensor,
-    pool: torch.Tensor,
-    ckpt_seq: torch.Tensor | None,
-    ckpt_len: torch.Tensor | None,
-    ckpt_slot: torch.Tensor | None,
-    device: torch.device,
-) -> tuple[list[int], Checkpoints]:
-    """Validate a packed batch of ``num_tokens`` tokens against the state ``pool`` it reads and writes:
-    ``cu_seqlens`` (:func:`check_varlen`), ``slots`` (:func:`check_slots`) and the checkpoint request
-    (:func:`check_checkpoints`). Returns the sequence lengths (host ints) and the checkpoints."""
-    lengths = check_varlen(cu_seqlens, num_tokens)
-    slot_list = check_slots(slots, len(lengths), pool.shape[0])
-    return lengths, check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, slot_list, pool.shape[0], device)
-
-
 @dataclass(frozen=True)
 class VarlenPlan:
     """A packed extend batch validated once, with the host facts a chunked op needs: the sequence
@@ -172,7 +154,9 @@ class VarlenPlan:
     def from_tensors(cls, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor, pool: torch.Tensor,
                      ckpt_seq: torch.Tensor | None, ckpt_len: torch.Tensor | None, ckpt_slot: torch.Tensor | None,
                      device: torch.device) -> "VarlenPlan":
-        """Validate the tensors as :func:`check_varlen_batch` does (reading each once)."""
+        """Validate a packed batch of ``num_tokens`` tokens against the state ``pool`` it reads and
+        writes: ``cu_seqlens`` (:func:`check_varlen`), ``slots`` (as :func:`check_slots`) and the
+        checkpoint request (:func:`check_checkpoints`), reading each tensor once."""
         lengths = check_varlen(cu_seqlens, num_tokens)
         plan = SlotPlan.build(slots, pool.shape[0], device, batch_size=len(lengths))
         ckpts = check_checkpoints(ckpt_seq, ckpt_len, ckpt_slot, lengths, list(plan.host), pool.shape[0], device)

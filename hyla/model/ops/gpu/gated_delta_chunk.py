@@ -18,7 +18,7 @@ import importlib.util
 
 import torch
 
-from hyla.model.ops.varlen import check_varlen_batch, gather_states, scatter_states
+from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
 
@@ -37,24 +37,27 @@ def chunk_gated_delta_rule_fla(
     ckpt_slot: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     tree=None,
+    varlen: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
-    the PyTorch op's ``tree_scan``."""
+    the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
+    read here; ``ckpt_*`` must then be None)."""
     if tree is not None and not tree.is_chain:
         raise ValueError("fla's chunked kernel runs chains; a token tree takes chunk_gated_delta_rule_varlen")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    lengths, ckpts = check_varlen_batch(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
-                                        q.device)
+    if varlen is not None:
+        varlen.check(cu_seqlens, q.shape[0], ckpt_seq, ckpt_len, ckpt_slot)
+    else:
+        varlen = VarlenPlan.from_tensors(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                         q.device)
+    lengths, starts, ckpts = list(varlen.lengths), varlen.starts, varlen.ckpts
     dev = q.device
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
     # each sequence's segment bounds: 0, its checkpoint positions inside it, its length
     bounds = [sorted({0, n} | {c for s, c in zip(ckpts.seq, ckpts.num_tokens) if s == i and c < n})
               for i, n in enumerate(lengths)]
-    state = gather_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv]
+    state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, Hv, Dk, Dv], zeros for -1
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     rounds = max((len(b) - 1 for b in bounds), default=0)
     for r in range(rounds):
@@ -83,5 +86,5 @@ def chunk_gated_delta_rule_fla(
         if done:  # checkpoints at this round's cut points
             rows = state.index_select(0, torch.tensor([i for _, i in done], dtype=torch.long, device=dev))
             ssm_states.index_copy_(0, ckpts.slot[[j for j, _ in done]], rows)
-    scatter_states(ssm_states, slots, state)
+    write_states(ssm_states, varlen.slots, state)
     return o
