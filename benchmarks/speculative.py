@@ -69,6 +69,8 @@ NUM_PROMPTS = 8
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4,
             speculative_ngram_min_match_window_size=1, speculative_ngram_max_match_window_size=12)
 FIXED = dict(SPEC, speculative_ngram_adaptive=False)  # every match drafted in full: the peer of adaptive drafting
+PROFILE_SIDES = {"off": {}, "on": SPEC, "fixed": FIXED}
+PROFILE_HEADS = {"off": "decode", "on": "verify", "fixed": "verify, fixed"}
 POOLS = dict(max_total_tokens=32768, max_state_slots=160, max_running_requests=NUM_PROMPTS)
 SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
 MTP_STEPS = 3
@@ -394,13 +396,14 @@ class StepProfiler:
 
 
 def profile(prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
-    """({batch: {"off"/"on": median ms per step}}, {"off"/"on": batch 1's step time by tokens fed})."""
+    """({batch: {side: median ms per step}}, {side: batch 1's step time by tokens fed}); sides: "off"
+    (plain decode), "on" (adaptive drafting), "fixed" (every match drafted in full)."""
     prof_all: dict[int, dict[str, dict[str, float]]] = {}
     by_fed: dict[str, dict[int, tuple[float, int]]] = {}
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     for batch in (1, NUM_PROMPTS):
         prof_all[batch] = {}
-        for side, opts in (("off", {}), ("on", SPEC)):
+        for side, opts in PROFILE_SIDES.items():
             with Engine(dtype="float32", device="cpu", **POOLS, **opts) as engine:
                 run_once(engine, prompts[:batch], batch, params)  # warm-up, caches the prompts
                 prof = StepProfiler()
@@ -505,12 +508,12 @@ def profile_table(prof: dict[int, dict[str, dict[str, float]]], num_linear: int,
              "gated delta rule": f"  gated delta rule ({num_linear} layers)",
              "causal conv1d": f"  causal conv1d ({num_linear} layers)", "attention (paged)": f"  attention ({num_attention} layers)", "linear layers + LM head": "  linear layers + LM head"}
     head = "| ms per step (median) | " + " | ".join(
-        f"batch {b} {'decode' if s == 'off' else 'verify'}" for b in prof for s in ("off", "on")) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(prof))]
+        f"batch {b} {PROFILE_HEADS[s]}" for b in prof for s in PROFILE_SIDES) + " |"
+    lines = [head, "|---|" + "---|" * (len(PROFILE_SIDES) * len(prof))]
     for key in labels:
         cells = []
         for b in prof:
-            for s in ("off", "on"):
+            for s in PROFILE_SIDES:
                 m = prof[b][s]
                 if key == "rest of the forward":
                     val = m["forward"] - sum(m.get(x, 0.0) for x in
@@ -521,12 +524,12 @@ def profile_table(prof: dict[int, dict[str, dict[str, float]]], num_linear: int,
         lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
     cells = []
     for b in prof:
-        for s in ("off", "on"):
+        for s in PROFILE_SIDES:
             m = prof[b][s]
             cells.append(f"{m['schedule'] + m['forward'] + m['process']:.2f}")
     lines.append("| **step total** | " + " | ".join(f"**{c}**" for c in cells) + " |")
     lines.append("| tokens fed per step (median) | " + " | ".join(
-        f"{prof[b][s]['fed']:.0f}" for b in prof for s in ("off", "on")) + " |")
+        f"{prof[b][s]['fed']:.0f}" for b in prof for s in PROFILE_SIDES) + " |")
     return "\n".join(lines)
 
 
@@ -832,9 +835,9 @@ def ngram_main(args, threads: int) -> None:
         prof, by_fed = profile(loads["grounded"][0], args.new_tokens)
         print(f"[profile] batch 1 step time by tokens fed: {by_fed}", flush=True)
         for b in prof:
-            for s in ("off", "on"):
+            for s in PROFILE_SIDES:
                 m = prof[b][s]
-                print(f"[profile] batch {b} {'decode' if s == 'off' else 'verify'}: "
+                print(f"[profile] batch {b} {PROFILE_HEADS[s]}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(m.items())), flush=True)
         micro = gdn_micro(cfg)
 
@@ -918,13 +921,14 @@ at batch 1 ({g1['ratio']:.2f}x wall, {g1['cpu_ratio']:.2f}x CPU time), {"met" if
 """
     if prof is not None:
         p1, p8 = prof[1], prof[NUM_PROMPTS]
-        tot = {(b, s): prof[b][s]["schedule"] + prof[b][s]["forward"] + prof[b][s]["process"] for b in prof for s in ("off", "on")}
-        gdn = {(b, s): prof[b][s].get("gated delta rule", 0.0) for b in prof for s in ("off", "on")}
+        tot = {(b, s): prof[b][s]["schedule"] + prof[b][s]["forward"] + prof[b][s]["process"] for b in prof for s in PROFILE_SIDES}
+        gdn = {(b, s): prof[b][s].get("gated delta rule", 0.0) for b in prof for s in PROFILE_SIDES}
         mrow = {m["batch"]: m for m in micro}
         body += f"""
-Where the time goes: one verify step (speculation on) vs one plain decode step (off), *grounded*
-prompts, CPU time of the scheduler thread by component (functions the layers call, wrapped in-process;
-medians over all steps of one run; the verify step's tokens fed include zero-draft steps).
+Where the time goes: one verify step (speculation on: adaptive; *fixed*: every match drafted in full)
+vs one plain decode step (off), *grounded* prompts, CPU time of the scheduler thread by component
+(functions the layers call, wrapped in-process; medians over all steps of one run; the verify steps'
+tokens fed include zero-draft steps, which with adaptive drafting are most of them).
 
 {profile_table(prof, cfg.num_linear_layers, cfg.num_hidden_layers - cfg.num_linear_layers)}
 
@@ -933,8 +937,8 @@ verify {", ".join(f"{n} token{'s' if n > 1 else ''} {ms:.2f} ms ({c})" for n, (m
 A verify step that feeds only the last token (no draft) costs {by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a
 decode step; break-even needs accept length ≥ verify / decode step time.
 
-* **The gated delta rule in the verify step**: {gdn[(1, 'on')]:.1f} ms of {tot[(1, 'on')]:.1f} ms at batch 1
-  and {gdn[(NUM_PROMPTS, 'on')]:.1f} ms of {tot[(NUM_PROMPTS, 'on')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
+* **The gated delta rule in the verify step** (fixed drafting): {gdn[(1, 'fixed')]:.1f} ms of {tot[(1, 'fixed')]:.1f} ms at batch 1
+  and {gdn[(NUM_PROMPTS, 'fixed')]:.1f} ms of {tot[(NUM_PROMPTS, 'fixed')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
   in a decode step. The verify step runs through `forward_extend`; `chunk_gated_delta_rule_varlen`
   runs extends of at most `SHORT_EXTEND` = 8 tokens per request token by token with the decode
   step's math (`tree_scan`: one state per request updated in place, the per-token states written
@@ -955,8 +959,9 @@ decode step; break-even needs accept length ≥ verify / decode step time.
   {g1['sides']['fixed']['fed']:.2f} / {g8['sides']['fixed']['fed']:.2f}, for {g1['cpu_ratio'] / g1['sides']['fixed']['cpu_ratio']:.2f}x / {g8['cpu_ratio'] / g8['sides']['fixed']['cpu_ratio']:.2f}x its tokens/s (CPU time; *repetitive*:
   {r1['cpu_ratio'] / r1['sides']['fixed']['cpu_ratio']:.2f}x / {r8['cpu_ratio'] / r8['sides']['fixed']['cpu_ratio']:.2f}x). **A verify step's requests are committed at once** (`CacheManager.commit_batch`: one
   state copy, one KV copy and one free per step instead of one each per request; `verify()` takes every
-  greedy argmax and emitted-token logprob in one op): process {p8['on']['process']:.2f} ms per verify step at batch {NUM_PROMPTS} vs
-  {p8['off']['process']:.2f} ms for decode (an earlier run of this script, committing request by request: 1.18 vs 0.34 ms).
+  greedy argmax and emitted-token logprob in one op): process {p8['fixed']['process']:.2f} ms per verify step at batch {NUM_PROMPTS}
+  with fixed drafting ({p8['fixed']['fed']:.0f} tokens fed) vs {p8['off']['process']:.2f} ms for decode (an earlier run of this script, committing
+  request by request: 1.18 vs 0.34 ms at 20 tokens fed).
   What a verify step still pays over a decode step: projection GEMMs with one row per fed token (MKL's
   few-row GEMM on weights streamed from memory costs about twice its one-row GEMV), one recurrent
   update per fed token and layer, and the per-token state checkpoints written to the pool.

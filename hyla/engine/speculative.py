@@ -365,15 +365,18 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
             target = argmax[offset:offset + n] if plain_greedy else rows.argmax(dim=-1).tolist()
             accepted.append(_accept_greedy(target, [-1] + drafts, children))
         offset += n
+    # raw logprob of token t at row r: logits[r, t] - logsumexp(logits[r]) (log_softmax, without
+    # writing a [T, V] result: only the emitted tokens' are read)
     starts = prefix_sums(lens)
     dev = raw_logits.device
+    lse = torch.logsumexp(raw_logits.float(), dim=-1)  # [T]
     taken = torch.tensor([starts[i] + j for i, (_, path) in enumerate(accepted) for j in path], device=dev)  # [E]
     emitted = torch.tensor([t for tokens, _ in accepted for t in tokens], device=dev)  # [E]
-    raw = torch.log_softmax(raw_logits[taken].float(), dim=-1)  # [E, V]: the rows that gave the emitted tokens
-    logprobs = raw[torch.arange(len(emitted), device=dev), emitted].tolist()
+    logprobs = (raw_logits[taken, emitted].float() - lse[taken]).tolist()
     out, k = [], 0
-    for req, (tokens, path) in zip(reqs, accepted):
-        tops = [top_logprobs(raw[k + i], req) for i in range(len(tokens))]
+    for req, start, (tokens, path) in zip(reqs, starts, accepted):
+        wants_top = req.return_logprob and req.sampling.top_logprobs_num
+        tops = [top_logprobs(raw_logits[start + j].float() - lse[start + j], req) if wants_top else [] for j in path]
         out.append(Verdict(tokens, logprobs[k:k + len(tokens)], tops, len(tokens) - 1, path))
         k += len(tokens)
     return out
