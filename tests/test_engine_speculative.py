@@ -329,23 +329,26 @@ def test_adaptive_ngram_skips_weak_matches_until_a_prediction_is_right():
 
 
 def test_adaptive_ngram_is_exact_feeds_less_and_forgets_finished_requests(qwen3_next_dense_path):
-    """The adaptive n-gram drafter on vs off: the same greedy tokens as plain decoding, fewer
-    tokens fed on a random model (whose drafts are mostly rejected), and no request's drafter
-    memory left once it finished."""
+    """The adaptive n-gram drafter on vs off (and on with trees): the same greedy tokens as plain
+    decoding, fewer tokens fed on a random model (whose drafts are mostly rejected), and no
+    request's drafter memory left once it finished."""
     phrase = _ids(12, 7)
     prompts = [phrase * 4 + phrase[:5], _ids(60, 10) * 2, _ids(50, 11)]
     with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
         want = ref.generate(input_ids=prompts, sampling_params=_greedy(40), return_logprob=True)
     fed = {}
-    for adaptive in (True, False):
+    tree_opts = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    for adaptive, trees in ((True, {}), (False, {}), (True, tree_opts)):
         with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_ngram_adaptive=adaptive,
-                    debug_checks=True, **POOLS) as eng:
+                    debug_checks=True, **trees, **POOLS) as eng:
             seen: list[Req] = []
-            drafter, real = eng.scheduler.drafter, eng.scheduler.drafter.propose_batch
-            drafter.propose_batch = lambda reqs, limits: (seen.extend(reqs), real(reqs, limits))[1]
+            drafter = eng.scheduler.drafter
+            name = "propose_tree_batch" if trees else "propose_batch"
+            real = getattr(drafter, name)
+            setattr(drafter, name, lambda reqs, limits, real=real: (seen.extend(reqs), real(reqs, limits))[1])
             got = eng.generate(input_ids=prompts, sampling_params=_greedy(40), return_logprob=True)
             compare_outputs(got, want)
-            fed[adaptive] = eng.scheduler.num_fed_tokens
+            fed.setdefault(adaptive, eng.scheduler.num_fed_tokens)
             assert drafter.adaptive == adaptive and eng.scheduler.num_verify_steps > 0
             _drained(eng)
             assert seen and all(r.draft_state is None for r in seen)
