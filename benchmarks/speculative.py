@@ -817,6 +817,7 @@ def ngram_main(args, threads: int) -> None:
     try:
         loads = workloads(engines["off"].tokenizer)
         cfg = engines["off"].model_config
+        slot_bytes = engines["off"].state_pool.bytes_per_slot
         probe = probe_copying(engines["off"], sharegpt_passages(1)[0])
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on every engine, checks identity
@@ -970,8 +971,9 @@ decode step; break-even needs accept length ≥ verify / decode step time.
   {by_fed['on'].get(2, (float('nan'), 0))[0]:.2f} ms, 4 tokens {by_fed['on'].get(4, (float('nan'), 0))[0]:.2f} ms, plain decode {by_fed['off'][1][0]:.2f} ms), so a request that drafts
   makes the whole batch's step an extend: a decode-kernel path for short chains would make small
   drafts pay. The live state after a rejection is still copied (one batched copy of every rejecting
-  request's state); handing the scratch slot to the request instead (swapping slot ids) would remove
-  it, at the price of a cache-manager contract where reserved slots change owners.
+  request's state, {slot_bytes / 2**20:.2f} MiB a slot here: memory-bound, so batching the copies saved little of
+  it); handing the scratch slot to the request instead (swapping slot ids) would remove it, at the
+  price of a cache-manager contract where reserved slots change owners.
 """
     print(body)
     if not args.no_write:
