@@ -19,11 +19,14 @@ same work):
   times. The default model does not copy them either, but they send its greedy decoding into
   loops within a few tokens, which the drafter then predicts from the request's own output.
 
-Speculation: ``speculative_algorithm="ngram"``, 4 draft tokens per step (3 drafts + the last
-token), match windows 1..12. Both engines keep the prefix cache on (the default); a warm-up run
-caches every prompt, so the timed runs prefill one token each and tokens/s is generation speed.
-Runs of the two engines are interleaved (per prompt at batch 1, order alternating); medians of ``--repeats``.
-Every run checks that speculation on and off give identical greedy token ids (exit status 1 if not).
+Speculation: ``speculative_algorithm="ngram"``, 4 draft tokens per step (at most 3 drafts + the last
+token), match windows 1..12, adaptive drafting (the default) — and, as its peer in the same run, the
+same with ``speculative_ngram_adaptive=False`` (*fixed*: every match drafted in full). Every engine
+keeps the prefix cache on (the default); a warm-up run caches every prompt, so the timed runs
+prefill one token each and tokens/s is generation speed. Runs of the engines are interleaved (per
+prompt at batch 1, order rotating); medians of ``--repeats``. Every run checks that speculation on
+and off give identical greedy token ids (exit status 1 if not). Besides tokens/s and the accept
+length, the tokens fed per request and verify step (the last sampled token + the drafts).
 
 Workload (b), ``--part mtp``: the default model with its MTP head (``speculative_algorithm="mtp"``,
 ``speculative_num_steps`` drafts per step; ``scripts/train_mtp_head.py``) on 8 chat prompts (the
@@ -65,6 +68,9 @@ from hyla import Engine  # noqa: E402
 NUM_PROMPTS = 8
 SPEC = dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4,
             speculative_ngram_min_match_window_size=1, speculative_ngram_max_match_window_size=12)
+FIXED = dict(SPEC, speculative_ngram_adaptive=False)  # every match drafted in full: the peer of adaptive drafting
+PROFILE_SIDES = {"off": {}, "on": SPEC, "fixed": FIXED}
+PROFILE_HEADS = {"off": "decode", "on": "verify", "fixed": "verify, fixed"}
 POOLS = dict(max_total_tokens=32768, max_state_slots=160, max_running_requests=NUM_PROMPTS)
 SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
 MTP_STEPS = 3
@@ -229,36 +235,50 @@ def accept_length(outs: list[dict]) -> tuple[float, int]:
 
 def bench(engines: dict[str, Engine], prompts: list[list[int]], sources: list[list[int]], name: str, repeats: int,
           new_tokens: int) -> list[dict]:
+    """Every engine of ``engines`` ("off": the plain one, then one or more speculative ones) on the
+    prompts, at batch 1 and 8: one row per batch size. The row's top-level keys are the "on"
+    engine's; ``row["sides"][side]`` has every speculative engine's (tok/s, ratios to "off",
+    accept length, verify steps, tokens fed per request and verify step)."""
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+    sides = list(engines)
     rows = []
     for batch in (1, NUM_PROMPTS):
-        wall: dict[str, list[float]] = {"off": [], "on": []}
-        cpu: dict[str, list[float]] = {"off": [], "on": []}
+        wall: dict[str, list[float]] = {side: [] for side in sides}
+        cpu: dict[str, list[float]] = {side: [] for side in sides}
         last: dict[str, list[dict]] = {}
+        counters0 = {side: _spec_counters(e) for side, e in engines.items()}
         for rep in range(repeats):
-            # interleaved per group of `batch` prompts (order alternating), summed per side per repeat
-            w_sum, c_sum, outs_all = {"off": 0.0, "on": 0.0}, {"off": 0.0, "on": 0.0}, {"off": [], "on": []}
+            # interleaved per group of `batch` prompts (order rotating), summed per side per repeat
+            w_sum, c_sum = dict.fromkeys(sides, 0.0), dict.fromkeys(sides, 0.0)
+            outs_all: dict[str, list[dict]] = {side: [] for side in sides}
             for i in range(0, len(prompts), batch):
-                order = ("off", "on") if (rep + i // batch) % 2 == 0 else ("on", "off")
-                for side in order:
+                k = (rep + i // batch) % len(sides)
+                for side in sides[k:] + sides[:k]:
                     w, c, outs = run_once(engines[side], prompts[i:i + batch], batch, params)
                     w_sum[side] += w
                     c_sum[side] += c
                     outs_all[side] += outs
-            for side in ("off", "on"):
+            for side in sides:
                 wall[side].append(w_sum[side])
                 cpu[side].append(c_sum[side])
                 last[side] = outs_all[side]
-            check_identical(f"{name}, batch {batch}, repeat {rep}", last["off"], last["on"])
+                if side != "off":
+                    check_identical(f"{name} ({side}), batch {batch}, repeat {rep}", last["off"], last[side])
         toks = len(prompts) * new_tokens
-        acc, steps = accept_length(last["on"])
+        off_tps = toks / statistics.median(wall["off"])
+        per_side = {}
+        for side in sides[1:]:
+            acc, steps = accept_length(last[side])
+            fed, verified = (a - b for a, b in zip(_spec_counters(engines[side]), counters0[side]))
+            tps = toks / statistics.median(wall[side])
+            per_side[side] = dict(tps=tps, ratio=tps / off_tps,
+                                  cpu_ratio=statistics.median(cpu["off"]) / statistics.median(cpu[side]),
+                                  accept=acc, steps=steps, fed=fed / max(1, verified))
+        on = per_side["on"]
         shares = [copy_shares(p, o["output_ids"], src) for p, o, src in zip(prompts, last["off"], sources)]
-        row = dict(workload=name, batch=batch, tokens=toks,
-                   off=toks / statistics.median(wall["off"]), on=toks / statistics.median(wall["on"]),
-                   cpu_ratio=statistics.median(cpu["off"]) / statistics.median(cpu["on"]),
-                   accept=acc, steps=steps,
+        row = dict(workload=name, batch=batch, tokens=toks, off=off_tps, on=on["tps"], ratio=on["ratio"],
+                   cpu_ratio=on["cpu_ratio"], accept=on["accept"], steps=on["steps"], fed=on["fed"], sides=per_side,
                    from_prompt=statistics.mean(s[0] for s in shares), from_self=statistics.mean(s[1] for s in shares))
-        row["ratio"] = row["on"] / row["off"]
         matches = sum((matched_grams(p, o["output_ids"], src) for p, o, src in zip(prompts, last["off"], sources)),
                       collections.Counter())
         if matches:
@@ -267,11 +287,19 @@ def bench(engines: dict[str, Engine], prompts: list[list[int]], sources: list[li
         row["prompt_tokens"] = sum(map(len, prompts))
         row["cached_total"] = sum(o["meta_info"]["cached_tokens"] for o in last["on"])
         rows.append(row)
-        print(f"[{name}] batch {batch}: off {row['off']:.1f} tok/s, on {row['on']:.1f} tok/s, ratio {row['ratio']:.2f}x "
-              f"(CPU time {row['cpu_ratio']:.2f}x), accept length {acc:.2f} over {steps} verify steps, "
-              f"output from prompt {row['from_prompt']:.0%} / repeats itself {row['from_self']:.0%}; "
-              f"identical greedy ids: OK", flush=True)
+        for side, r in per_side.items():
+            print(f"[{name}] batch {batch}: off {off_tps:.1f} tok/s, {side} {r['tps']:.1f} tok/s, ratio {r['ratio']:.2f}x "
+                  f"(CPU time {r['cpu_ratio']:.2f}x), accept length {r['accept']:.2f} over {r['steps']} verify steps, "
+                  f"{r['fed']:.2f} tokens fed per request and verify step", flush=True)
+        print(f"[{name}] batch {batch}: output from prompt {row['from_prompt']:.0%} / repeats itself "
+              f"{row['from_self']:.0%}; identical greedy ids: OK", flush=True)
     return rows
+
+
+def _spec_counters(engine: Engine) -> tuple[int, int]:
+    """(tokens fed by verify steps, request-verify steps) so far: summed over requests."""
+    s = engine.scheduler
+    return s.num_fed_tokens, s.num_verify_steps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -368,13 +396,14 @@ class StepProfiler:
 
 
 def profile(prompts: list[list[int]], new_tokens: int) -> tuple[dict, dict]:
-    """({batch: {"off"/"on": median ms per step}}, {"off"/"on": batch 1's step time by tokens fed})."""
+    """({batch: {side: median ms per step}}, {side: batch 1's step time by tokens fed}); sides: "off"
+    (plain decode), "on" (adaptive drafting), "fixed" (every match drafted in full)."""
     prof_all: dict[int, dict[str, dict[str, float]]] = {}
     by_fed: dict[str, dict[int, tuple[float, int]]] = {}
     params = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
     for batch in (1, NUM_PROMPTS):
         prof_all[batch] = {}
-        for side, opts in (("off", {}), ("on", SPEC)):
+        for side, opts in PROFILE_SIDES.items():
             with Engine(dtype="float32", device="cpu", **POOLS, **opts) as engine:
                 run_once(engine, prompts[:batch], batch, params)  # warm-up, caches the prompts
                 prof = StepProfiler()
@@ -479,12 +508,12 @@ def profile_table(prof: dict[int, dict[str, dict[str, float]]], num_linear: int,
              "gated delta rule": f"  gated delta rule ({num_linear} layers)",
              "causal conv1d": f"  causal conv1d ({num_linear} layers)", "attention (paged)": f"  attention ({num_attention} layers)", "linear layers + LM head": "  linear layers + LM head"}
     head = "| ms per step (median) | " + " | ".join(
-        f"batch {b} {'decode' if s == 'off' else 'verify'}" for b in prof for s in ("off", "on")) + " |"
-    lines = [head, "|---|" + "---|" * (2 * len(prof))]
+        f"batch {b} {PROFILE_HEADS[s]}" for b in prof for s in PROFILE_SIDES) + " |"
+    lines = [head, "|---|" + "---|" * (len(PROFILE_SIDES) * len(prof))]
     for key in labels:
         cells = []
         for b in prof:
-            for s in ("off", "on"):
+            for s in PROFILE_SIDES:
                 m = prof[b][s]
                 if key == "rest of the forward":
                     val = m["forward"] - sum(m.get(x, 0.0) for x in
@@ -495,12 +524,12 @@ def profile_table(prof: dict[int, dict[str, dict[str, float]]], num_linear: int,
         lines.append(f"| {names.get(key, key)} | " + " | ".join(cells) + " |")
     cells = []
     for b in prof:
-        for s in ("off", "on"):
+        for s in PROFILE_SIDES:
             m = prof[b][s]
             cells.append(f"{m['schedule'] + m['forward'] + m['process']:.2f}")
     lines.append("| **step total** | " + " | ".join(f"**{c}**" for c in cells) + " |")
     lines.append("| tokens fed per step (median) | " + " | ".join(
-        f"{prof[b][s]['fed']:.0f}" for b in prof for s in ("off", "on")) + " |")
+        f"{prof[b][s]['fed']:.0f}" for b in prof for s in PROFILE_SIDES) + " |")
     return "\n".join(lines)
 
 
@@ -783,15 +812,18 @@ mean ms per step over the run, the few prefill steps of the cached prompts inclu
 def ngram_main(args, threads: int) -> None:
     """Workload (a), n-gram drafts, with its profile and kernel micro-benchmark."""
     engines = {"off": Engine(dtype="float32", device="cpu", **POOLS),
-               "on": Engine(dtype="float32", device="cpu", **POOLS, **SPEC)}
+               "on": Engine(dtype="float32", device="cpu", **POOLS, **SPEC),
+               "fixed": Engine(dtype="float32", device="cpu", **POOLS, **FIXED)}
     try:
         loads = workloads(engines["off"].tokenizer)
         cfg = engines["off"].model_config
+        slot_bytes = engines["off"].state_pool.bytes_per_slot
         probe = probe_copying(engines["off"], sharegpt_passages(1)[0])
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on both engines, checks identity
+        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on every engine, checks identity
             outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
-            check_identical(f"{name}, warm-up", outs["off"], outs["on"])
+            for side in ("on", "fixed"):
+                check_identical(f"{name} ({side}), warm-up", outs["off"], outs[side])
         rows = []
         for name, (prompts, sources) in loads.items():
             rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
@@ -804,9 +836,9 @@ def ngram_main(args, threads: int) -> None:
         prof, by_fed = profile(loads["grounded"][0], args.new_tokens)
         print(f"[profile] batch 1 step time by tokens fed: {by_fed}", flush=True)
         for b in prof:
-            for s in ("off", "on"):
+            for s in PROFILE_SIDES:
                 m = prof[b][s]
-                print(f"[profile] batch {b} {'decode' if s == 'off' else 'verify'}: "
+                print(f"[profile] batch {b} {PROFILE_HEADS[s]}: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in sorted(m.items())), flush=True)
         micro = gdn_micro(cfg)
 
@@ -814,12 +846,15 @@ def ngram_main(args, threads: int) -> None:
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part ngram --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}")
     table = ["| workload | batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length "
-             "| verify steps | output tokens from the prompt / repeating itself |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens fed per verify step | verify steps | fixed: on / off (wall, CPU time) | fixed: accept length, "
+             "tokens fed | output tokens from the prompt / repeating itself |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        f = r["sides"]["fixed"]
         table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** "
-                     f"| {r['cpu_ratio']:.2f}x | {r['accept']:.2f} | {r['steps']} | {r['from_prompt']:.0%} / "
-                     f"{r['from_self']:.0%} |")
+                     f"| {r['cpu_ratio']:.2f}x | {r['accept']:.2f} | {r['fed']:.2f} | {r['steps']} "
+                     f"| {f['ratio']:.2f}x, {f['cpu_ratio']:.2f}x | {f['accept']:.2f}, {f['fed']:.2f} "
+                     f"| {r['from_prompt']:.0%} / {r['from_self']:.0%} |")
     by = {(r["workload"], r["batch"]): r for r in rows}
     g1, g8 = by[("grounded", 1)], by[("grounded", NUM_PROMPTS)]
     r1, r8 = by[("repetitive", 1)], by[("repetitive", NUM_PROMPTS)]
@@ -857,19 +892,23 @@ def ngram_main(args, threads: int) -> None:
         speed_bullet = f"""* Speculation is faster than plain decoding in every case here (CPU-time ratios: {cases})."""
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
 
-Speculation: `speculative_algorithm="ngram"`, `speculative_num_draft_tokens=4` (3 drafts per verify
-step), match windows 1..12. {NUM_PROMPTS} prompts per workload, {args.new_tokens} new tokens each (`ignore_eos`);
+Speculation (*on*): `speculative_algorithm="ngram"`, `speculative_num_draft_tokens=4` (at most 3 drafts per
+verify step), match windows 1..12, adaptive drafting (`speculative_ngram_adaptive=True`, the default: each
+request's draft budget follows how its drafts fared, and 1-token matches are drafted only after a right
+prediction; docs/engine.md). *fixed*: the same with `speculative_ngram_adaptive=False` (every match
+drafted in full), run in the same session as its peer. {NUM_PROMPTS} prompts per workload, {args.new_tokens} new tokens each (`ignore_eos`);
 batch 1 = the prompts one after the other, batch {NUM_PROMPTS} = all at once. Prefix cache on; prompts
 cached by a warm-up run, so the timed runs are generation ({sum(r['cached_total'] for r in rows)} of {sum(r['prompt_tokens'] for r in rows)} prompt tokens hit).
-Runs of the two engines interleaved (per prompt at batch 1), medians of {args.repeats}. tok/s = output tokens / wall
+Runs of the three engines interleaved (per prompt at batch 1, order rotating), medians of {args.repeats}. tok/s = output tokens / wall
 time; the CPU-time column is the same ratio in process CPU time (1 thread: the work itself, not what the
 other jobs on this shared 2-core machine leave of it; trust it where the two disagree). Accept length = output
-tokens per verify step (accepted drafts + the bonus token). *grounded*: chat template around
+tokens per verify step (accepted drafts + the bonus token); tokens fed = the last sampled token + the drafts,
+per request and verify step. *grounded*: chat template around
 "Repeat the following text exactly:" + a ShareGPT assistant message ({plen['grounded'][0]}–{plen['grounded'][1]}
 prompt tokens). *repetitive* (synthetic): raw-text prompts that already repeat a phrase or list
 ({plen['repetitive'][0]}–{plen['repetitive'][1]} tokens). Last column: share of the (greedy) output tokens whose
 4-gram occurs in the text to copy (the passage without the template; the whole prompt for *repetitive*)
-/ earlier in the output. Speculation on and off gave **identical greedy token
+/ earlier in the output. Speculation on, fixed and off gave **identical greedy token
 ids** in every run (checked by the script).
 
 {chr(10).join(table)}
@@ -883,13 +922,14 @@ at batch 1 ({g1['ratio']:.2f}x wall, {g1['cpu_ratio']:.2f}x CPU time), {"met" if
 """
     if prof is not None:
         p1, p8 = prof[1], prof[NUM_PROMPTS]
-        tot = {(b, s): prof[b][s]["schedule"] + prof[b][s]["forward"] + prof[b][s]["process"] for b in prof for s in ("off", "on")}
-        gdn = {(b, s): prof[b][s].get("gated delta rule", 0.0) for b in prof for s in ("off", "on")}
+        tot = {(b, s): prof[b][s]["schedule"] + prof[b][s]["forward"] + prof[b][s]["process"] for b in prof for s in PROFILE_SIDES}
+        gdn = {(b, s): prof[b][s].get("gated delta rule", 0.0) for b in prof for s in PROFILE_SIDES}
         mrow = {m["batch"]: m for m in micro}
         body += f"""
-Where the time goes: one verify step (speculation on) vs one plain decode step (off), *grounded*
-prompts, CPU time of the scheduler thread by component (functions the layers call, wrapped in-process;
-medians over all steps of one run; the verify step's tokens fed include zero-draft steps).
+Where the time goes: one verify step (speculation on: adaptive; *fixed*: every match drafted in full)
+vs one plain decode step (off), *grounded* prompts, CPU time of the scheduler thread by component
+(functions the layers call, wrapped in-process; medians over all steps of one run; the verify steps'
+tokens fed include zero-draft steps, which with adaptive drafting are most of them).
 
 {profile_table(prof, cfg.num_linear_layers, cfg.num_hidden_layers - cfg.num_linear_layers)}
 
@@ -898,8 +938,8 @@ verify {", ".join(f"{n} token{'s' if n > 1 else ''} {ms:.2f} ms ({c})" for n, (m
 A verify step that feeds only the last token (no draft) costs {by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a
 decode step; break-even needs accept length ≥ verify / decode step time.
 
-* **The gated delta rule in the verify step**: {gdn[(1, 'on')]:.1f} ms of {tot[(1, 'on')]:.1f} ms at batch 1
-  and {gdn[(NUM_PROMPTS, 'on')]:.1f} ms of {tot[(NUM_PROMPTS, 'on')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
+* **The gated delta rule in the verify step** (fixed drafting): {gdn[(1, 'fixed')]:.1f} ms of {tot[(1, 'fixed')]:.1f} ms at batch 1
+  and {gdn[(NUM_PROMPTS, 'fixed')]:.1f} ms of {tot[(NUM_PROMPTS, 'fixed')]:.1f} ms at batch {NUM_PROMPTS}, vs {gdn[(1, 'off')]:.1f} / {gdn[(NUM_PROMPTS, 'off')]:.1f} ms
   in a decode step. The verify step runs through `forward_extend`; `chunk_gated_delta_rule_varlen`
   runs extends of at most `SHORT_EXTEND` = 8 tokens per request token by token with the decode
   step's math (`tree_scan`: one state per request updated in place, the per-token states written
@@ -914,17 +954,26 @@ decode step; break-even needs accept length ≥ verify / decode step time.
   on *grounded*, 1.05x / 0.54x on *repetitive*); a verify step where no request has drafts runs as
   a plain decode forward ({by_fed['on'].get(1, (float('nan'), 0))[0] / by_fed['off'][1][0]:.1f}x a decode step here); the model side of a verify step
   made lean (one batched attention, tree scans on lanes, the conv windows of all tokens at once:
-  "Speculative verify step" below, with before/after). What a verify step still pays over a decode
-  step: projection GEMMs with one row per fed token (MKL's few-row GEMM on weights streamed from
-  memory costs about twice its one-row GEMV), one recurrent update per fed token and layer, and
-  the per-token state checkpoints written to the pool.
-* Suggestions (engine side), in order of effect: (1) The other
-  layers' cost grows with the tokens fed (linear layers, conv, attention: not free on a CPU at this
-  size), so drafts that are rejected cost time: skip drafts from short (1–2 token) matches or after
-  repeated rejections (adaptive draft length), and let a match that runs into the end of the history
-  continue periodically (in a loop of period p the drafter now proposes at most p tokens). (2) Minor:
-  `_process_verify` commits request by request (one `state_pool.copy` per rejecting request):
-  process takes {p8['on']['process']:.2f} ms per verify step at batch {NUM_PROMPTS} vs {p8['off']['process']:.2f} ms for decode; batch the copies.
+  "Speculative verify step" below, with before/after); a match that runs into the end of the history
+  continues periodically. **Adaptive drafting** (*on* vs *fixed* above): on *grounded* it feeds
+  {g1['fed']:.2f} / {g8['fed']:.2f} tokens per request and verify step (batch 1 / {NUM_PROMPTS}) where fixed drafting feeds
+  {g1['sides']['fixed']['fed']:.2f} / {g8['sides']['fixed']['fed']:.2f}, for {g1['cpu_ratio'] / g1['sides']['fixed']['cpu_ratio']:.2f}x / {g8['cpu_ratio'] / g8['sides']['fixed']['cpu_ratio']:.2f}x its tokens/s (CPU time; *repetitive*:
+  {r1['cpu_ratio'] / r1['sides']['fixed']['cpu_ratio']:.2f}x / {r8['cpu_ratio'] / r8['sides']['fixed']['cpu_ratio']:.2f}x). **A verify step's requests are committed at once** (`CacheManager.commit_batch`: one
+  state copy, one KV copy and one free per step instead of one each per request; `verify()` takes every
+  greedy argmax and emitted-token logprob in one op): process {p8['fixed']['process']:.2f} ms per verify step at batch {NUM_PROMPTS}
+  with fixed drafting ({p8['fixed']['fed']:.0f} tokens fed) vs {p8['off']['process']:.2f} ms for decode (an earlier run of this script, committing
+  request by request: 1.18 vs 0.34 ms at 20 tokens fed).
+  What a verify step still pays over a decode step: projection GEMMs with one row per fed token (MKL's
+  few-row GEMM on weights streamed from memory costs about twice its one-row GEMV), one recurrent
+  update per fed token and layer, and the per-token state checkpoints written to the pool.
+* What is left (engine side): a verify step's extra cost is mostly *fixed* — a step that feeds one
+  draft already runs the extend path of the whole model (at batch 1, 2 tokens fed
+  {by_fed['on'].get(2, (float('nan'), 0))[0]:.2f} ms, 4 tokens {by_fed['on'].get(4, (float('nan'), 0))[0]:.2f} ms, plain decode {by_fed['off'][1][0]:.2f} ms), so a request that drafts
+  makes the whole batch's step an extend: a decode-kernel path for short chains would make small
+  drafts pay. The live state after a rejection is still copied (one batched copy of every rejecting
+  request's state, {slot_bytes / 2**20:.2f} MiB a slot here: memory-bound, so batching the copies saved little of
+  it); handing the scratch slot to the request instead (swapping slot ids) would remove it, at the
+  price of a cache-manager contract where reserved slots change owners.
 """
     print(body)
     if not args.no_write:

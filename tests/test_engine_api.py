@@ -173,6 +173,7 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(max_state_slots=4, max_running_requests=4), "max_running_requests"),
     (dict(chunked_prefill_size=8, page_size=16), "chunked_prefill_size"),
     (dict(bogus_option=1), "bogus_option"),
+    (dict(speculative_algorithm="ngram", speculative_ngram_adaptive="yes"), "speculative_ngram_adaptive"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
     with pytest.raises((ValueError, TypeError), match=match):

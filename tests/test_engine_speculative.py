@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from hyla import Engine
+from hyla.cache import KVPool, ReqToTokenPool, StatePool
+from hyla.engine.cache_manager import CacheManager
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
-from hyla.engine.speculative import Drafter, NgramDrafter, verify
+from hyla.engine.speculative import Drafter, NgramDrafter, Verdict, verify
 from test_engine_differential import compare_outputs, make_workload, run
 
 POOLS = dict(max_total_tokens=8192, max_state_slots=96, max_running_requests=8, chunked_prefill_size=256)
@@ -241,10 +243,11 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
 
 
 def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
-    """The real drafter: a prompt that repeats a phrase, the output asked to continue it."""
+    """The real drafter: a prompt that repeats a phrase, the output asked to continue it. (The
+    lookup itself: adaptive=False, so that weak matches are proposed too.)"""
     phrase = _ids(12, 7)
     prompt = phrase * 4 + phrase[:5]
-    d = NgramDrafter(num_draft=4, min_n=1, max_n=4)
+    d = NgramDrafter(num_draft=4, min_n=1, max_n=4, adaptive=False)
     req = Req(rid="r", input_ids=prompt, sampling=SamplingParams.from_dict(_greedy(8)))
     assert d.propose(req, 8) == phrase[5:9]
     req.output_ids += phrase[5:7]  # the index grows incrementally
@@ -253,7 +256,7 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
     loop = Req(rid="loop", input_ids=[7, 1, 2, 3, 1, 2, 3, 1, 2], sampling=req.sampling)
     assert d.propose(loop, 4) == [3, 1, 2, 3]  # a period-3 loop proposed past the end of the history
     # trees: "1 2" was followed by 3 and (more recently) by 4; both continuations, level by level
-    tree = NgramDrafter(num_draft=5, min_n=1, max_n=4, topk=2)
+    tree = NgramDrafter(num_draft=5, min_n=1, max_n=4, topk=2, adaptive=False)
     branchy = Req(rid="b", input_ids=[1, 2, 3, 9, 1, 2, 4, 8, 1, 2], sampling=req.sampling)
     ids, parents = tree.propose_tree(branchy, 5)
     assert (ids, parents) == ([4, 3, 8, 9, 1], [0, 0, 1, 2, 3])  # 4 -> 8 -> 1 and 3 -> 9
@@ -266,6 +269,150 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
         assert eng.scheduler.num_verify_steps > 0
         assert eng.get_stats()["spec_accept_length"] >= 1.0
         _drained(eng)
+
+
+def _verdict(tokens: list[int], num_accepted: int) -> Verdict:
+    return Verdict(tokens, [0.0] * len(tokens), [[] for _ in tokens], num_accepted, list(range(num_accepted + 1)))
+
+
+def _step(d: NgramDrafter, req: Req, limit: int, tokens: list[int], num_accepted: int) -> list[int]:
+    """One verify step of ``req`` with drafter ``d``: propose, feed, score with a verdict of
+    ``num_accepted`` drafts and emitted ``tokens`` (the history is left as it is: the budget reads
+    only the verdict). Returns what was fed."""
+    drafts = d.propose(req, limit)
+    req.set_drafts(drafts)
+    d.verified([req], [_verdict(tokens, num_accepted)])
+    req.clear_drafts()
+    return drafts
+
+
+def test_adaptive_ngram_drafts_fewer_after_rejections_and_more_after_acceptances():
+    """DraftBudget: a rejection cuts the next step's drafts to those accepted (0 stops drafting,
+    the first token is still guessed for free), an all-accepted step or a right guess grows them
+    by one; the same drafter with adaptive=False always proposes the whole continuation."""
+    phrase = _ids(12, 9)
+    d, fixed = NgramDrafter(num_draft=4, min_n=1, max_n=4), NgramDrafter(num_draft=4, min_n=1, max_n=4, adaptive=False)
+    req = Req(rid="r", input_ids=phrase * 3 + phrase[:4], sampling=SamplingParams.from_dict(_greedy(64)))
+    full = phrase[4:8]
+    other = (phrase[4] + 1) % 2048
+    assert _step(d, req, 8, [phrase[4], other], 1) == full  # 1 of 4 accepted
+    assert _step(d, req, 8, [phrase[4], phrase[5]], 1) == full[:1]  # budget 1: all accepted
+    assert _step(d, req, 8, [phrase[4], phrase[5], phrase[6]], 2) == full[:2]  # budget 2: all accepted
+    assert _step(d, req, 8, [other], 0) == full[:3]  # budget 3: rejected at the first draft
+    assert _step(d, req, 8, [other], 0) == []  # budget 0: nothing fed; its guess (phrase[4]) was wrong
+    assert req.draft_state.budget.budget == 0
+    assert _step(d, req, 8, [phrase[4]], 0) == []  # budget 0 again; this time the guess is right ...
+    assert d.propose(req, 8) == full[:1]  # ... so one draft next
+    assert d.propose(req, 2) == full[:1] and d.propose(req, 0) == []  # the scheduler's limit still applies
+    assert req.draft_state.budget.guess is None  # nothing to guess without room for drafts
+    assert fixed.propose(req, 8) == full  # adaptive=False: the whole continuation, always
+
+
+def test_adaptive_ngram_skips_weak_matches_until_a_prediction_is_right():
+    """A 1-token match is guessed, not drafted, until the request's last prediction was right."""
+    sampling = SamplingParams.from_dict(_greedy(64))
+    d, fixed = NgramDrafter(num_draft=3, min_n=1, max_n=4), NgramDrafter(num_draft=3, min_n=1, max_n=4, adaptive=False)
+    weak = [5, 9, 8, 7, 6, 9]  # only the last token, 9, occurred before: a 1-token match
+    assert fixed.propose(Req(rid="f", input_ids=weak, sampling=sampling), 3) == [8, 7, 6]
+    req = Req(rid="w", input_ids=weak, sampling=sampling)
+    assert _step(d, req, 3, [8], 0) == []  # skipped; its guess 8 is right
+    assert req.draft_state.budget.last_right
+    assert d.propose(req, 3) == [8, 7, 6]  # the same weak match, drafted now
+    req.output_ids.append(8)
+    assert d.propose(req, 3) == [7, 6, 9]  # "9 8" matches: 2 tokens, not weak
+    again = Req(rid="a", input_ids=[5, 9, 8, 7, 6, 9, 8, 1], sampling=sampling)  # "1" unseen: no match
+    assert d.propose(again, 3) == [] and again.draft_state.budget.guess is None
+    again.output_ids.append(9)  # "1 9": only "9" matched, and nothing was right yet
+    assert _step(d, again, 3, [4], 0) == [] and not again.draft_state.budget.last_right
+    tree = NgramDrafter(num_draft=3, min_n=1, max_n=4, topk=2)
+    assert tree.propose_tree(Req(rid="t", input_ids=weak, sampling=sampling), 3) == ([], None)
+
+
+def test_adaptive_ngram_is_exact_feeds_less_and_forgets_finished_requests(qwen3_next_dense_path):
+    """The adaptive n-gram drafter on vs off (and on with trees): the same greedy tokens as plain
+    decoding, fewer tokens fed on a random model (whose drafts are mostly rejected), and no
+    request's drafter memory left once it finished."""
+    phrase = _ids(12, 7)
+    prompts = [phrase * 4 + phrase[:5], _ids(60, 10) * 2, _ids(50, 11)]
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
+        want = ref.generate(input_ids=prompts, sampling_params=_greedy(40), return_logprob=True)
+    fed = {}
+    tree_opts = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=6)
+    for adaptive, trees in ((True, {}), (False, {}), (True, tree_opts)):
+        with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_ngram_adaptive=adaptive,
+                    debug_checks=True, **trees, **POOLS) as eng:
+            seen: list[Req] = []
+            drafter = eng.scheduler.drafter
+            name = "propose_tree_batch" if trees else "propose_batch"
+            real = getattr(drafter, name)
+            setattr(drafter, name, lambda reqs, limits, real=real: (seen.extend(reqs), real(reqs, limits))[1])
+            got = eng.generate(input_ids=prompts, sampling_params=_greedy(40), return_logprob=True)
+            compare_outputs(got, want)
+            fed.setdefault(adaptive, eng.scheduler.num_fed_tokens)
+            assert drafter.adaptive == adaptive and eng.scheduler.num_verify_steps > 0
+            _drained(eng)
+            assert seen and all(r.draft_state is None for r in seen)
+    assert fed[True] < fed[False]
+
+
+def _verify_step_pools(page_size: int):
+    """A cache manager (no tree) with three requests mid-verify-step: 5 prompt tokens committed,
+    then 4 fed tokens each (the last sampled + 3 drafts) with per-token scratch states; every
+    buffer holds seeded random values. ``(cache, reqs, scratch)``."""
+    kv = KVPool(96, page_size, 1, 1, 2, torch.float32)
+    states = StatePool(16, 1, (2, 2), torch.float32, (1, 2, 2), torch.float32)
+    cache = CacheManager(kv, states, ReqToTokenPool(4, 32), None)
+    reqs = [Req(rid=f"r{i}", input_ids=_ids(5, i), sampling=SamplingParams.from_dict(_greedy(8))) for i in range(3)]
+    for r in reqs:
+        cache.commit(r, 5, insert=False) if cache.admit(r, None, 5) is not None else pytest.fail("no room")
+    cache.allocate(reqs, [4, 4, 4])
+    scratch = [states.alloc(3).tolist() for _ in reqs]
+    gen = torch.Generator().manual_seed(page_size)
+    for buf in (*kv.k_buffers, *kv.v_buffers, *states.conv_states, *states.ssm_states):
+        buf.copy_(torch.rand(buf.shape, generator=gen))
+    return cache, reqs, scratch
+
+
+def test_batched_verify_commit_equals_request_by_request_commits():
+    """``CacheManager.commit_batch`` (one KV copy, one state copy, one free for the step) leaves
+    pools and requests exactly as ``commit`` request by request: a chain rejected after one
+    draft, a tree path (KV moved) rejected after two, a chain all accepted; pages of 1 and 2."""
+    ns = [2, 3, 4]
+    paths = [[0, 1], [0, 2, 3], [0, 1, 2, 3]]
+    for page_size in (1, 2):
+        (one, reqs_one, scratch), (many, reqs_many, _) = _verify_step_pools(page_size), _verify_step_pools(page_size)
+        # fed token j's state: scratch slot j for a draft, the live slot for the last fed token
+        states = [[slots[j] if j < 3 else r.state_slot for j in path]
+                  for r, slots, path in zip(reqs_one, scratch, paths)]
+        kv0, ssm0 = many.kv_pool.k_buffers[0].clone(), many.state_pool.ssm_states[0].clone()
+        fed_kv = [many.req_to_token.read(r.req_pool_idx, 5, 9) for r in reqs_many]
+        copies = _count_calls(many.state_pool, "copy")
+        for r, n, st, path in zip(reqs_one, ns, states, paths):
+            one.commit(r, n, insert=False, states=st, path=path)
+        many.commit_batch(reqs_many, ns, insert=False, states=states, paths=paths)
+        assert copies["n"] == 1  # two live states reset, one copy
+        for r, n, st, path, fed in zip(reqs_many, ns, states, paths, fed_kv):  # what each should hold now
+            assert torch.equal(many.state_pool.ssm_states[0][r.state_slot], ssm0[st[-1]])
+            assert torch.equal(many.kv_pool.k_buffers[0][many.req_to_token.read(r.req_pool_idx, 5, 5 + n)],
+                               kv0[fed[path]])
+        for a, b, n in zip(reqs_one, reqs_many, ns):
+            assert (a.kv_len, a.kv_allocated, a.state_slot) == (b.kv_len, b.kv_allocated, b.state_slot)
+            assert a.kv_len == a.kv_allocated == 5 + n
+            assert torch.equal(one.req_to_token.read(a.req_pool_idx, 0, a.kv_len),
+                               many.req_to_token.read(b.req_pool_idx, 0, b.kv_len))
+        assert one.kv_pool.available_size() == many.kv_pool.available_size()
+        assert one.state_pool.available_size() == many.state_pool.available_size()
+        for pools in ((one.kv_pool, many.kv_pool), (one.state_pool, many.state_pool)):
+            bufs = [(*p.k_buffers, *p.v_buffers) if isinstance(p, KVPool) else (*p.conv_states, *p.ssm_states)
+                    for p in pools]
+            assert all(torch.equal(x, y) for x, y in zip(*bufs, strict=True))
+        one.check_integrity()
+        many.check_integrity()
+    # a bad request anywhere in the batch: ValueError, and nothing committed
+    cache, reqs, scratch = _verify_step_pools(1)
+    with pytest.raises(ValueError, match="missing"):
+        cache.commit_batch(reqs, [2, 2, 4], insert=False, states=[scratch[0][:1], [], []])
+    assert [(r.kv_len, r.kv_allocated) for r in reqs] == [(5, 9)] * 3
 
 
 def test_seeded_sampling_with_speculation_is_reproducible(qwen3_next_dense_path):

@@ -42,8 +42,10 @@ def test_every_engine_option_is_a_flag_with_the_engine_default():
 def test_flags_reach_the_engine_options():
     args = _parse(["--model", "/models/x", "--max-total-tokens", "1000", "--no-enable-prefix-cache",
                    "--dtype", "bfloat16", "--state-memory-ratio", "0.3", "--debug-checks", "--host", "0.0.0.0",
-                   "--port", "8080", "--api-key", "k", "--served-model-name", "m"])
+                   "--port", "8080", "--api-key", "k", "--served-model-name", "m",
+                   "--no-speculative-ngram-adaptive"])
     opts = cli.engine_options(args)
+    assert opts["speculative_ngram_adaptive"] is False
     assert opts["max_total_tokens"] == 1000 and opts["enable_prefix_cache"] is False
     assert opts["dtype"] == "bfloat16" and opts["state_memory_ratio"] == 0.3 and opts["debug_checks"] is True
     assert (args.model_path, args.host, args.port, args.api_key, args.served_model_name) == (

@@ -55,6 +55,10 @@ class EngineArgs:
                                           "speculative_num_draft_tokens - 1 candidates; mtp: chains only).")
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
+    speculative_ngram_adaptive: bool = _opt(True, "ngram: adapt each request's drafts to how they fare: fewer after "
+                                                  "rejections (down to none), more after acceptances, none from a "
+                                                  "1-token match unless its last prediction was right "
+                                                  "(docs/engine.md). Off: always the whole continuation.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
     generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), 'none' = hyla's.")
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
@@ -114,7 +118,8 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "debug_checks", "compile_decode", "disable_cuda_graph"):
+        for name in ("enable_prefix_cache", "debug_checks", "compile_decode", "disable_cuda_graph",
+                     "speculative_ngram_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -12,6 +12,7 @@ the pools or the tree (nano-vllm's ``can_allocate`` / ``allocate`` pairs; mini-s
     # ... the model runs: it reads/writes the request's row, its state slot, the checkpoint slots
     cache.commit(req, n, ckpts, insert)    # kv_len += n; computed pages + checkpoints into the tree;
                                            # fed but not committed (rejected drafts): rolled back
+                                           # (commit_batch: a whole step's requests, copies batched)
     cache.allocate([req], [k])             # the next step: KV for k more tokens (decode: k = 1)
     cache.rollback(req)                    # a failed step: free KV allocated past kv_len
     cache.release(req, insert=True)        # finish / retract; abort of a running request too
@@ -271,49 +272,84 @@ class CacheManager:
         ``kv_len .. kv_len + n - 1``. With a grid > 1, the last grid position
         passed while decoding (or a prefill ending on the grid) is kept as a pending checkpoint,
         so that its state is not lost when the output stops between grid points."""
-        if n < 1:
-            raise ValueError(f"request {req.rid}: a step commits at least one token, got {n}")
-        old, fed = req.kv_len, req.kv_allocated - req.kv_len
-        if n > fed:
-            raise ValueError(f"request {req.rid}: committed {n} tokens but only {fed} were fed")
-        if path is not None:
-            self._move_path_kv(req, list(path[:n]), fed)
-        if n < fed:
-            if len(states) < n:
+        self.commit_batch([req], [n], [ckpts], insert, [states], [path])
+
+    def commit_batch(self, reqs: Sequence[Req], ns: Sequence[int], ckpts: Sequence[Sequence[Checkpoint]] | None = None,
+                     insert: bool = True, states: Sequence[Sequence[int]] | None = None,
+                     paths: Sequence[Sequence[int] | None] | None = None) -> None:
+        """``commit(reqs[i], ns[i], ckpts[i], insert, states[i], paths[i])`` for every request of one
+        step, with the pools' copies batched: one KV copy for every tree path moved, one state copy
+        for every live state reset, one free for every rejected token's KV (a verify step). Every
+        request is checked before anything changes: a bad one raises ``ValueError`` and commits none."""
+        ckpts, states, paths = ckpts or [()] * len(reqs), states or [()] * len(reqs), paths or [None] * len(reqs)
+        kv_src: list[torch.Tensor] = []
+        kv_dst: list[torch.Tensor] = []
+        state_src: list[int] = []
+        state_dst: list[int] = []
+        for req, n, st, path in zip(reqs, ns, states, paths, strict=True):
+            if n < 1:
+                raise ValueError(f"request {req.rid}: a step commits at least one token, got {n}")
+            fed = req.kv_allocated - req.kv_len
+            if n > fed:
+                raise ValueError(f"request {req.rid}: committed {n} tokens but only {fed} were fed")
+            if n < fed and len(st) < n:
                 raise ValueError(f"request {req.rid}: the state after {n} of {fed} fed tokens is missing")
-            if states[n - 1] != req.state_slot:
-                self.state_pool.copy(torch.tensor([states[n - 1]]), torch.tensor([req.state_slot]))
-        req.kv_len += n
-        self.rollback(req)
+            if path is not None:
+                moves = self._path_moves(req, list(path[:n]), fed)
+                if moves is not None:
+                    kv_src.append(moves[0])
+                    kv_dst.append(moves[1])
+            if n < fed and st[n - 1] != req.state_slot:
+                state_src.append(st[n - 1])
+                state_dst.append(req.state_slot)
+        if kv_src:
+            self.kv_pool.copy(torch.cat(kv_src), torch.cat(kv_dst))
+        if state_src:
+            self.state_pool.copy(torch.tensor(state_src), torch.tensor(state_dst))
+        olds = [r.kv_len for r in reqs]
+        for req, n in zip(reqs, ns):
+            req.kv_len += n
+        rejected = [kv for kv in map(self._rollback_slots, reqs) if kv is not None]
+        if rejected:
+            self.kv_pool.free(torch.cat(rejected) if len(rejected) > 1 else rejected[0])
         if self.tree is None:
             return
-        if insert:
-            self._insert_and_relock(req, req.kv_len - req.kv_len % self.page_size, list(ckpts))
-        if self.grid > 1 and (not insert or req.kv_len == req.num_fill):
-            g = req.kv_len - req.kv_len % self.grid  # the last grid position this step reached
-            if g == req.kv_len:
-                self._set_pending_checkpoint(req, g, req.state_slot)
-            elif g > old and not insert:
-                self._set_pending_checkpoint(req, g, states[g - old - 1])
+        for req, old, ck, st in zip(reqs, olds, ckpts, states):
+            if insert:
+                self._insert_and_relock(req, req.kv_len - req.kv_len % self.page_size, list(ck))
+            if self.grid > 1 and (not insert or req.kv_len == req.num_fill):
+                g = req.kv_len - req.kv_len % self.grid  # the last grid position this step reached
+                if g == req.kv_len:
+                    self._set_pending_checkpoint(req, g, req.state_slot)
+                elif g > old and not insert:
+                    self._set_pending_checkpoint(req, g, st[g - old - 1])
 
-    def _move_path_kv(self, req: Req, path: list[int], fed: int) -> None:
+    def _path_moves(self, req: Req, path: list[int], fed: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A tree verify step's accepted nodes ``path`` (fed offsets) become positions ``0..n-1``
-        past ``kv_len``: copy each node's KV into its position's slot (all read before any write)."""
+        past ``kv_len``: the KV slots to copy from and to (None: the path is its first nodes).
+        ``KVPool.copy`` reads all sources before writing any destination."""
         if len(path) > fed or any(not j <= node < fed for j, node in enumerate(path)) or path[:1] != [0]:
             raise ValueError(f"request {req.rid}: {path} is not a path of {fed} fed tokens")
         moves = [(j, node) for j, node in enumerate(path) if node != j]
-        if moves:
-            slots = self.req_to_token.read(req.req_pool_idx, req.kv_len, req.kv_len + fed)
-            self.kv_pool.copy(slots[[node for _, node in moves]], slots[[j for j, _ in moves]])
+        if not moves:
+            return None
+        slots = self.req_to_token.read(req.req_pool_idx, req.kv_len, req.kv_len + fed)
+        return slots[[node for _, node in moves]], slots[[j for j, _ in moves]]
 
     def rollback(self, req: Req) -> None:
         """Forget what ``req`` was allocated past its committed ``kv_len`` (a failed step, or the
         rejected draft tokens of a speculative one): free the KV pages that hold only positions
         past it; the rest of a partial page stays the request's, to be overwritten."""
+        slots = self._rollback_slots(req)
+        if slots is not None:
+            self.kv_pool.free(slots)
+
+    def _rollback_slots(self, req: Req) -> torch.Tensor | None:
+        """``rollback`` without the free: set ``kv_allocated = kv_len``, return the slots to free."""
         keep = -(-req.kv_len // self.page_size) * self.page_size  # the page holding kv_len - 1 stays
-        if keep < req.kv_allocated:
-            self.kv_pool.free(self.req_to_token.read(req.req_pool_idx, keep, req.kv_allocated))
+        slots = self.req_to_token.read(req.req_pool_idx, keep, req.kv_allocated) if keep < req.kv_allocated else None
         req.kv_allocated = req.kv_len
+        return slots
 
     def reserve_states(self, n: int) -> list[int]:
         """``n`` state slots taken for good (speculative decoding's per-token scratch states)."""

@@ -121,7 +121,8 @@ class Engine:
             drafter = NgramDrafter(self.args.num_draft_tokens,
                                    self.args.speculative_ngram_min_match_window_size,
                                    self.args.speculative_ngram_max_match_window_size,
-                                   self.args.speculative_eagle_topk)
+                                   self.args.speculative_eagle_topk,
+                                   adaptive=self.args.speculative_ngram_adaptive)
         elif self.args.speculative_algorithm == "mtp":
             k = self.args.num_draft_tokens
             scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row

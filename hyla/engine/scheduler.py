@@ -110,6 +110,7 @@ class Scheduler:
             self.scratch = [slots[i * k:(i + 1) * k] for i in range(config.max_running_requests)]
         self.num_verify_steps = 0
         self.num_accepted_tokens = 0  # draft tokens accepted
+        self.num_fed_tokens = 0  # tokens verify steps fed (last sampled + drafts), summed over requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
@@ -190,9 +191,7 @@ class Scheduler:
                 row += len(offs)
                 last.append(row - 1)
             logits = logits[last]
-        per_req = batch.ckpts.per_req or [()] * len(batch.reqs)
-        for r, n, ckpts in zip(batch.reqs, batch.lens, per_req):
-            self.cache.commit(r, n, ckpts, insert=not batch.is_decode)
+        self.cache.commit_batch(batch.reqs, batch.lens, batch.ckpts.per_req or None, insert=not batch.is_decode)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
@@ -213,22 +212,29 @@ class Scheduler:
             self._log_decode(batch_size)
 
     def _process_verify(self, batch: Batch, logits: torch.Tensor) -> None:
-        """Accept drafts, append the accepted run (stopping at a stop condition inside it), then
-        commit exactly the fed tokens that are now part of the request: the rest is rolled back.
-        Fed token ``j``'s state is in scratch slot ``j`` (the last one's in the request's own slot)."""
+        """Accept drafts (and tell the drafter how its drafts fared), append the accepted run
+        (stopping at a stop condition inside it), then commit exactly the fed tokens that are now
+        part of each request, all requests at once: the rest is rolled back. Fed token ``j``'s
+        state is in scratch slot ``j`` (the last one's in the request's own slot)."""
         finished, failed, num_tokens = [], [], 0
         verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True))
-        for r, v, scratch in zip(batch.reqs, verdicts, batch.scratch, strict=True):
+        self.drafter.verified(batch.reqs, verdicts)
+        ns, states, paths = [], [], []
+        for r, fed, v, scratch in zip(batch.reqs, batch.lens, verdicts, batch.scratch, strict=True):
             appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
             n = 1 + min(v.num_accepted, appended)
-            states = [scratch[j] if j < len(r.draft_ids) else r.state_slot for j in v.path[:n]]
-            self.cache.commit(r, n, insert=False, states=states, path=v.path[:n])
-            r.clear_drafts()
+            ns.append(n)
+            paths.append(v.path[:n])
+            states.append([scratch[j] if j < len(r.draft_ids) else r.state_slot for j in v.path[:n]])
+            self.num_fed_tokens += fed
             r.spec_verify_ct += 1
             r.spec_num_tokens += appended
             num_tokens += appended
             self.num_verify_steps += 1
             self.num_accepted_tokens += min(v.num_accepted, appended)
+        self.cache.commit_batch(batch.reqs, ns, insert=False, states=states, paths=paths)
+        for r in batch.reqs:
+            r.clear_drafts()
             if r.finished:
                 finished.append(r)
             elif r.stream and not self.output.deliver(r):
@@ -280,6 +286,7 @@ class Scheduler:
         """Release ``req``'s memory (caching what it computed), then deliver its last output."""
         if reason is not None:
             self.output.set_finished(req, reason)
+        req.draft_state = None  # the drafter's memory of it (n-gram index, draft budget) goes with it
         if req in self.running:
             self.cache.release(req, insert=True)
             self.running.remove(req)

@@ -39,7 +39,8 @@ live state (``CacheManager.commit(path=...)``).
 
 Drafters (``Drafter``: what the scheduler asks of one): ``NgramDrafter`` (prompt/history lookup,
 no weights: speculation for every model; with ``topk > 1`` a tree of the continuations of up to
-``topk`` earlier occurrences), ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
+``topk`` earlier occurrences; by default each request drafts within a ``DraftBudget`` that follows
+how its drafts fared), ``MtpDrafter`` (``hyla/engine/mtp_drafter.py``: the checkpoint's
 own multi-token-prediction head) and ``DraftModelDrafter`` (``hyla/engine/draft_drafter.py``: a
 separate small model, its memory on the model's slots; trees from a beam search).
 """
@@ -69,8 +70,9 @@ class Verdict:
 
 class Drafter:
     """What the scheduler asks of a drafter, each decode step: ``propose_batch`` (drafts for every
-    decoding request; ``propose_tree_batch`` when ``topk > 1``), and after every target
-    forward ``observe`` (for drafters that follow the model's hidden states). ``num_draft``: the
+    decoding request; ``propose_tree_batch`` when ``topk > 1``), after every target
+    forward ``observe`` (for drafters that follow the model's hidden states), and after every
+    verify step's acceptance ``verified`` (for drafters that adapt to it). ``num_draft``: the
     most drafts per request and step (the scheduler reserves that many scratch state slots per
     running request)."""
 
@@ -101,6 +103,12 @@ class Drafter:
         after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
         (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
         the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
+
+    def verified(self, reqs: list[Req], verdicts: list[Verdict]) -> None:
+        """Called after every verify step's acceptance, before anything is appended or committed:
+        ``reqs[i]`` fed the drafts ``reqs[i].draft_ids`` (none when the step dropped them) and
+        ``verdicts[i]`` says how many were accepted and which tokens the step emits. For drafters
+        that adapt to their acceptance; nothing by default."""
 
 
 def drafter_batch(ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
@@ -142,9 +150,14 @@ class NgramDrafter(Drafter):
     earlier occurrence — continued periodically where they reach the end of the history (a loop
     of period ``p`` is proposed in full, not cut at ``p`` tokens). The per-request index (n-gram → position after it) grows by the new tokens
     of each step, so a proposal costs O(new tokens · (max_n - min_n + 1)), not O(context).
+
+    With ``adaptive`` (the default) each request drafts only as much as its drafts have been
+    earning (:class:`DraftBudget`): a verify step's cost grows with the tokens it feeds, and a
+    rejected draft is paid for and thrown away. The request's state (index and budget) lives in
+    ``req.draft_state``, so it goes when the request does.
     """
 
-    def __init__(self, num_draft: int, min_n: int = 1, max_n: int = 4, topk: int = 1) -> None:
+    def __init__(self, num_draft: int, min_n: int = 1, max_n: int = 4, topk: int = 1, adaptive: bool = True) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_n} and {max_n}")
         if topk < 1:
@@ -152,22 +165,22 @@ class NgramDrafter(Drafter):
         self.num_draft = num_draft
         self.min_n, self.max_n = min_n, max_n
         self.topk = topk
+        self.adaptive = adaptive
 
     def propose(self, req: Req, limit: int) -> list[int]:
-        conts = self._continuations(req, limit, 1)
-        if not conts:
-            return []
-        drafts = conts[0]
-        return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar is not None else drafts
+        conts, match = self._continuations(req, limit, 1)
+        drafts = self._budgeted(req, conts[0] if conts else [], match)
+        return drafts[:req.grammar.valid_prefix(drafts)] if req.grammar is not None and drafts else drafts
 
     def propose_tree(self, req: Req, limit: int) -> tuple[list[int], list[int] | None]:
         """Drafts and their parents (None: a chain): the continuations of the ``topk`` most recent
         matches (longest n first) merged into a trie, filled level by level (every candidate's first
-        token, then every candidate's second, ...) up to ``limit`` nodes. A request with a grammar
-        gets a chain (its masks follow one path)."""
+        token, then every candidate's second, ...) up to ``limit`` nodes (and the request's draft
+        budget). A request with a grammar gets a chain (its masks follow one path)."""
         if self.topk == 1 or req.grammar is not None:
             return self.propose(req, limit), None
-        conts = self._continuations(req, limit, self.topk)
+        conts, match = self._continuations(req, limit, self.topk)
+        limit = len(self._budgeted(req, conts[0] if conts else [], match))
         ids: list[int] = []
         parents: list[int] = []
         children: list[dict[int, int]] = [{}]  # per fed token (0 = the last sampled): token -> fed index
@@ -188,30 +201,116 @@ class NgramDrafter(Drafter):
                 at[i] = node
         return ids, (None if parents == list(range(len(ids))) else parents)
 
-    def _continuations(self, req: Req, limit: int, k: int) -> list[list[int]]:
+    def verified(self, reqs: list[Req], verdicts: list[Verdict]) -> None:
+        """Score each request's prediction of this step in its draft budget."""
+        if not self.adaptive:
+            return
+        for req, v in zip(reqs, verdicts, strict=True):
+            if req.draft_state is not None:
+                req.draft_state.budget.score(req, v)
+
+    def _budgeted(self, req: Req, drafts: list[int], match: int) -> list[int]:
+        """The drafts of a match of ``match`` tokens that the request's budget lets it feed."""
+        if not self.adaptive or req.draft_state is None:  # None: never asked for drafts yet
+            return drafts
+        return req.draft_state.budget.allow(drafts, match)
+
+    def _continuations(self, req: Req, limit: int, k: int) -> tuple[list[list[int]], int]:
         """Up to ``k`` continuations of ``limit`` tokens: after the longest suffix that occurred
-        earlier, its most recent occurrences first (then shorter suffixes'), distinct positions."""
+        earlier, its most recent occurrences first (then shorter suffixes'), distinct positions;
+        and the length of that longest matching suffix (0: none)."""
         limit = min(limit, self.num_draft)
         if limit <= 0:
-            return []
+            return [], 0
         tokens = req.fill_ids
         if req.draft_state is None:
-            req.draft_state = _NgramIndex(self.topk)
-        index = req.draft_state
+            req.draft_state = _NgramState(_NgramIndex(self.topk), DraftBudget(self.num_draft))
+        index = req.draft_state.index
         index.extend(tokens, self.min_n, self.max_n)
-        out, seen = [], set()
+        out, seen, match = [], set(), 0
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             for pos in reversed(index.after.get(tuple(tokens[-n:]), ())):
                 if pos in seen:
                     continue
                 seen.add(pos)
+                match = match or n  # the longest: n counts down
                 # the match's continuation runs up to the end of the history; beyond it, a text
                 # that repeats with period len - pos goes on repeating
                 period = len(tokens) - pos
                 out.append([tokens[pos + i % period] for i in range(limit)])
                 if len(out) == k:
-                    return out
-        return out
+                    return out, match
+        return out, match
+
+
+class DraftBudget:
+    """How many drafts one request may feed, from how its predictions fared (dynamic speculation,
+    in the spirit of vLLM's and SGLang's: fewer drafts where they are rejected, none where they
+    would only cost). Deterministic: it depends on the request's own tokens and verdicts only, not
+    on the rest of the batch (but for a step short of KV, which drops every request's drafts
+    unscored), so a seeded request stays reproducible; greedy outputs never change (verification is
+    exact whatever is fed).
+
+    * ``budget``: the most drafts to feed, ``0..num_draft``; it starts at ``num_draft``.
+    * Each verify step *scores* the request's prediction: the drafts it fed, or — when it fed none
+      although the drafter had a match (budget 0, or a weak match skipped) — the first token it
+      would have proposed (a free guess: nothing is fed for it). All of them right (for a tree:
+      accepted to its full depth): the budget grows by one. Otherwise it drops to the number that
+      were right — so a rejection at the first draft stops drafting until a guess is right again.
+    * A *weak* match (a suffix of at most ``WEAK_MATCH`` tokens, e.g. one token seen before) is
+      drafted from only when the request's last scored prediction had a right token; otherwise
+      its first token is only guessed.
+    """
+
+    WEAK_MATCH = 1  # suffix matches of at most this many tokens are weak
+
+    def __init__(self, num_draft: int) -> None:
+        self.num_draft = num_draft
+        self.budget = num_draft
+        self.last_right = False  # the last scored prediction had at least one right token
+        self.guess: int | None = None  # this step's unfed first draft, scored by the verdict
+
+    def allow(self, drafts: list[int], match: int) -> list[int]:
+        """The drafts (of a suffix match of ``match`` tokens) to feed this step: its first
+        ``budget``, or none (the first kept as this step's guess)."""
+        self.guess = None
+        if not drafts:
+            return []
+        if self.budget == 0 or (match <= self.WEAK_MATCH and not self.last_right):
+            self.guess = drafts[0]
+            return []
+        return drafts[:self.budget]
+
+    def score(self, req: Req, verdict: Verdict) -> None:
+        """``req`` fed ``req.draft_ids`` this step (none if the step dropped them); ``verdict`` is
+        its outcome."""
+        if req.draft_ids:
+            predicted, right = _depth(req), verdict.num_accepted
+        elif self.guess is not None:
+            predicted, right = 1, int(verdict.tokens[0] == self.guess)
+        else:
+            return  # nothing predicted: no match, or drafts proposed and then dropped
+        self.guess = None
+        self.last_right = right > 0
+        self.budget = min(self.num_draft, self.budget + 1) if right == predicted else right
+
+
+def _depth(req: Req) -> int:
+    """The longest path of fed drafts (a chain: all of them)."""
+    if req.draft_parents is None:
+        return len(req.draft_ids)
+    depth = [0]
+    for parent in req.draft_parents:
+        depth.append(depth[parent] + 1)
+    return max(depth)
+
+
+class _NgramState:
+    """The n-gram drafter's memory of one request (``req.draft_state``)."""
+
+    def __init__(self, index: _NgramIndex, budget: DraftBudget) -> None:
+        self.index = index
+        self.budget = budget
 
 
 class _NgramIndex:
@@ -238,18 +337,21 @@ class _NgramIndex:
 def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMask | None = None) -> list[Verdict]:
     """Accept or reject each request's drafts. ``logits``: ``[sum(lens), V]`` fp32, request ``i``'s
     ``lens[i] = 1 + len(req.draft_ids)`` rows in order; ``mask``: grammar masks of those rows
-    (``OutputProcessor.grammar_masks(reqs, drafts=True)``). Logprobs are the raw model's."""
-    raw = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    (``OutputProcessor.grammar_masks(reqs, drafts=True)``). Logprobs are the raw model's. The
+    greedy targets (argmax of every row) and the emitted tokens' logprobs are read in one op each
+    for the whole batch; only sampling and penalties work row by row."""
+    raw_logits = logits  # [T, V]
     if mask is not None:
         logits = apply_token_mask(logits.float().clone(), mask)
-    out = []
+    greedy = [r.sampling.is_greedy and not r.sampling.has_penalties for r in reqs]
+    argmax = logits.argmax(dim=-1).tolist() if any(greedy) else []  # [T]
+    accepted: list[tuple[list[int], list[int]]] = []  # per request: (tokens, path)
     offset = 0
-    for req, n in zip(reqs, lens):
-        rows, lps = logits[offset:offset + n].float(), raw[offset:offset + n]
-        offset += n
+    for req, n, plain_greedy in zip(reqs, lens, greedy):
         drafts = req.draft_ids
         if len(drafts) != n - 1:
             raise ValueError(f"request {req.rid}: {len(drafts)} drafts for {n} fed tokens")
+        rows = logits[offset:offset + n].float()
         if req.sampling.has_penalties:
             if drafts:
                 raise ValueError(f"request {req.rid}: drafts for a request with penalties")
@@ -257,19 +359,34 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
         children: list[list[int]] = [[] for _ in range(n)]  # fed index -> its children, in order
         for j, parent in enumerate(req.fed_parents()[1:], start=1):
             children[parent].append(j)
-        accept = _accept_greedy if req.sampling.is_greedy else _accept_sampled
-        tokens, path = accept(rows, [-1] + drafts, children, req)
-        logprobs = [float(lps[j, t]) for j, t in zip(path, tokens)]
-        tops = [top_logprobs(lps[j], req) for j in path]
-        out.append(Verdict(tokens, logprobs, tops, len(tokens) - 1, path))
+        if not req.sampling.is_greedy:
+            accepted.append(_accept_sampled(rows, [-1] + drafts, children, req))
+        else:
+            target = argmax[offset:offset + n] if plain_greedy else rows.argmax(dim=-1).tolist()
+            accepted.append(_accept_greedy(target, [-1] + drafts, children))
+        offset += n
+    # raw logprob of token t at row r: logits[r, t] - logsumexp(logits[r]) (log_softmax, without
+    # writing a [T, V] result: only the emitted tokens' are read)
+    starts = prefix_sums(lens)
+    dev = raw_logits.device
+    lse = torch.logsumexp(raw_logits.float(), dim=-1)  # [T]
+    taken = torch.tensor([starts[i] + j for i, (_, path) in enumerate(accepted) for j in path], device=dev)  # [E]
+    emitted = torch.tensor([t for tokens, _ in accepted for t in tokens], device=dev)  # [E]
+    logprobs = (raw_logits[taken, emitted].float() - lse[taken]).tolist()
+    out, k = [], 0
+    for req, start, (tokens, path) in zip(reqs, starts, accepted):
+        wants_top = req.return_logprob and req.sampling.top_logprobs_num
+        tops = [top_logprobs(raw_logits[start + j].float() - lse[start + j], req) if wants_top else [] for j in path]
+        out.append(Verdict(tokens, logprobs[k:k + len(tokens)], tops, len(tokens) - 1, path))
+        k += len(tokens)
     return out
 
 
-def _accept_greedy(rows: torch.Tensor, fed: list[int], children: list[list[int]], req: Req):
-    """From the root, follow the child whose token is the target's argmax; the argmax at the last
-    node reached is the bonus. ``(tokens, path)``: the accepted drafts then the bonus, and the fed
-    indices of the nodes whose rows gave them (0, then the accepted drafts')."""
-    target = rows.argmax(dim=-1).tolist()
+def _accept_greedy(target: list[int], fed: list[int], children: list[list[int]]):
+    """From the root, follow the child whose token is the target's argmax (``target[j]``: fed
+    token ``j``'s); the argmax at the last node reached is the bonus. ``(tokens, path)``: the
+    accepted drafts then the bonus, and the fed indices of the nodes whose rows gave them (0, then
+    the accepted drafts')."""
     node, tokens, path = 0, [], [0]
     while True:
         nxt = next((c for c in children[node] if fed[c] == target[node]), None)
