@@ -27,7 +27,8 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
 from test_engine_differential import compare_outputs, run
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import POOLS, _drained, _greedy, _ids, abort_at_verify, reference_waves
+from test_engine_speculative import (POOLS, _drained, _greedy, _ids, abort_at_verify, reference_waves,
+                                     stops_inside_accepted_runs)
 
 
 def _draft(path, num_steps: int = 3) -> dict:
@@ -212,19 +213,7 @@ def test_stops_inside_an_accepted_draft_run(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
         full = ref.generate(input_ids=ids, sampling_params=_greedy(24))["output_ids"]
     with Engine(qwen3_next_dense_path, debug_checks=True, **_draft(qwen3_next_dense_path, 8), **POOLS) as eng:
-        stop_tok = full[6]  # the 6th draft of the first verify step
-        out = eng.generate(input_ids=ids, sampling_params=_greedy(24, stop_token_ids=[stop_tok]))
-        assert out["output_ids"] == full[: full.index(stop_tok) + 1]
-        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
-        out = eng.generate(input_ids=ids, sampling_params=_greedy(5))
-        assert out["output_ids"] == full[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
-        eos = full[11]
-        eng.scheduler.output.eos_token_ids = {eos}
-        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24})
-        assert out["output_ids"] == full[: full.index(eos) + 1]
-        eng.scheduler.output.eos_token_ids = set()
-        chunks = list(eng.generate(input_ids=ids, sampling_params=_greedy(24), stream=True))
-        assert [t for c in chunks for t in c["output_ids"]] == full
+        chunks = stops_inside_accepted_runs(eng, ids, full, stop_at=6, eos_at=11)  # 6: the first step's 6th draft
         assert max(len(c["output_ids"]) for c in chunks) == 9  # 8 drafts and the bonus in one step
         _drained(eng)
 

@@ -203,20 +203,31 @@ def test_stops_inside_an_accepted_run(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=9,
                 debug_checks=True, **POOLS) as eng:
         eng.scheduler.drafter = OracleDrafter({tuple(ids): full}, num_draft=8, error_rate=0.0)
-        stop_tok = full[6]
-        out = eng.generate(input_ids=ids, sampling_params=_greedy(24, stop_token_ids=[stop_tok]))
-        assert out["output_ids"] == full[: full.index(stop_tok) + 1]
-        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
-        out = eng.generate(input_ids=ids, sampling_params=_greedy(5))
-        assert out["output_ids"] == full[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
-        eos = full[10]
-        eng.scheduler.output.eos_token_ids = {eos}
-        out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24})
-        assert out["output_ids"] == full[: full.index(eos) + 1]
-        chunks = list(eng.generate(input_ids=ids, sampling_params=_greedy(24), stream=True))
-        assert [t for c in chunks for t in c["output_ids"]] == full
+        chunks = stops_inside_accepted_runs(eng, ids, full, stop_at=6, eos_at=10)
         assert any(len(c["output_ids"]) > 1 for c in chunks)  # several tokens per verify step
         _drained(eng)
+
+
+def stops_inside_accepted_runs(eng: Engine, ids: list[int], full: list[int], stop_at: int,
+                               eos_at: int) -> list[dict]:
+    """A stop token (``full[stop_at]``), ``max_new_tokens`` (5) and EOS (``full[eos_at]``) landing
+    inside accepted runs of ``eng``, whose drafts reproduce ``full`` (the greedy output of ``ids``):
+    each ends the output exactly there. Returns the chunks of a streamed run of all of ``full``
+    (with no EOS set)."""
+    stop_tok = full[stop_at]
+    out = eng.generate(input_ids=ids, sampling_params=_greedy(24, stop_token_ids=[stop_tok]))
+    assert out["output_ids"] == full[: full.index(stop_tok) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    out = eng.generate(input_ids=ids, sampling_params=_greedy(5))
+    assert out["output_ids"] == full[:5] and out["meta_info"]["finish_reason"]["type"] == "length"
+    eos = full[eos_at]
+    eng.scheduler.output.eos_token_ids = {eos}
+    out = eng.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 24})
+    assert out["output_ids"] == full[: full.index(eos) + 1]
+    eng.scheduler.output.eos_token_ids = set()
+    chunks = list(eng.generate(input_ids=ids, sampling_params=_greedy(24), stream=True))
+    assert [t for c in chunks for t in c["output_ids"]] == full
+    return chunks
 
 
 def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
