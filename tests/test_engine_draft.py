@@ -25,9 +25,9 @@ import pytest
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
-from test_engine_differential import compare_outputs, run
+from test_engine_differential import compare_outputs
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import (POOLS, _drained, _greedy, _ids, abort_at_verify, reference_waves,
+from test_engine_speculative import (POOLS, _drained, _greedy, _ids, abort_at_verify, spec_differential,
                                      stops_inside_accepted_runs)
 
 
@@ -58,17 +58,9 @@ def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: in
     """The differential workload (shared prefixes, checkpoints, second turns) with the draft model on
     vs a plain engine with the cache off. Returns (tokens compared, the spec engine's stats, its
     proposals keyed by the tokens they follow)."""
-    wave1, wave2, off1, off2 = reference_waves(target, seed)
-    with Engine(target, debug_checks=True, **_draft(draft, num_steps), **spec, **on_opts) as eng:
-        rec = _Recorder(eng.scheduler.drafter)
-        on1 = run(eng, wave1)
-        on2 = run(eng, wave2)
-        _drained(eng)
-        assert eng.scheduler.num_verify_steps > 0
-        stats = eng.get_stats()
-    if on_opts.get("max_total_tokens", 8192) < 1000:
-        assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] > 0
-    return compare_outputs(on1 + on2, off1 + off2), stats, rec.drafts
+    compared, stats, rec = spec_differential(target, {**_draft(draft, num_steps), **spec}, on_opts, seed,
+                                             setup=lambda eng: _Recorder(eng.scheduler.drafter))
+    return compared, stats, rec.drafts
 
 
 @pytest.mark.parametrize("target, draft", [

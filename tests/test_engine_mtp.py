@@ -25,25 +25,15 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.mtp_drafter import MtpDrafter
 from test_engine_differential import compare_outputs, run
-from test_engine_speculative import POOLS, _drained, _greedy, _ids, reference_waves
+from test_engine_speculative import POOLS, _drained, _greedy, _ids, spec_differential
 
 MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 
 
-def _run_differential(path, on_opts: dict, seed: int = 0, num_steps: int = 3) -> tuple[int, Engine]:
-    """The differential workload (shared prefixes, checkpoints, second turns) with MTP on vs a plain
-    engine with the cache off; returns the tokens compared."""
-    wave1, wave2, off1, off2 = reference_waves(path, seed)
-    with Engine(path, speculative_algorithm="mtp", speculative_num_steps=num_steps, debug_checks=True,
-                **on_opts) as eng:
-        on1 = run(eng, wave1)
-        on2 = run(eng, wave2)
-        _drained(eng)
-        assert eng.scheduler.num_verify_steps > 0
-        stats = eng.get_stats()
-    if on_opts.get("max_total_tokens", 8192) < 1000:
-        assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] > 0
-    return compare_outputs(on1 + on2, off1 + off2)
+def _run_differential(path, on_opts: dict, seed: int = 0, num_steps: int = 3) -> int:
+    """The differential workload with MTP on vs a plain engine with the cache off; the tokens compared."""
+    return spec_differential(path, dict(speculative_algorithm="mtp", speculative_num_steps=num_steps), on_opts,
+                             seed)[0]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_mtp_path", "qwen3_5_mtp_path", "qwen3_5_moe_mtp_path"])

@@ -123,6 +123,24 @@ def reference_waves(path, seed: int) -> tuple[list[dict], list[dict], list[dict]
     return wave1, wave2, off1, off2
 
 
+def spec_differential(path, spec: dict, on_opts: dict, seed: int = 0, setup=None) -> tuple[int, dict, object]:
+    """The differential workload (:func:`reference_waves`) with speculation ``spec`` on (pools
+    ``on_opts``) vs a plain engine with the cache off; a small pool must have retracted and evicted.
+    ``setup(engine)`` runs before the workload (e.g. to watch the drafter). Returns ``(tokens
+    compared, the speculating engine's stats, what setup returned)``."""
+    wave1, wave2, off1, off2 = reference_waves(path, seed)
+    with Engine(path, debug_checks=True, **spec, **on_opts) as eng:
+        watched = setup(eng) if setup is not None else None
+        on1 = run(eng, wave1)
+        on2 = run(eng, wave2)
+        _drained(eng)
+        assert eng.scheduler.num_verify_steps > 0
+        stats = eng.get_stats()
+    if on_opts.get("max_total_tokens", 8192) < 1000:
+        assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] > 0
+    return compare_outputs(on1 + on2, off1 + off2), stats, watched
+
+
 def abort_at_verify(eng: Engine, rid: str, step: int = 3) -> None:
     """Abort request ``rid`` from inside the ``step``-th verify forward of ``eng`` (mid-verify)."""
     runner = eng.scheduler.runner
