@@ -34,6 +34,7 @@ the KV rows of every sequence and one mask) is built once for all attention laye
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -164,9 +165,7 @@ class ForwardBatch:
         if self.max_token_id is None:
             self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
-        self.kv_starts = [0]
-        for n in self.seq_lens:
-            self.kv_starts.append(self.kv_starts[-1] + n)
+        self.kv_starts = list(itertools.accumulate(self.seq_lens, initial=0))
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         self.tree = self.tree_scan = self.short_extend = self.varlen = None

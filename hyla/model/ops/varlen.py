@@ -16,6 +16,7 @@ Conventions shared by ``conv1d``, ``gated_delta``, ``kda`` and ``ssd`` (see docs
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -145,10 +146,7 @@ class VarlenPlan:
 
     @classmethod
     def build(cls, lengths: Sequence[int], slots: "SlotPlan", ckpts: Checkpoints) -> "VarlenPlan":
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        return cls(tuple(lengths), tuple(starts), slots, ckpts)
+        return cls(tuple(lengths), tuple(itertools.accumulate(lengths, initial=0)), slots, ckpts)
 
     @classmethod
     def from_tensors(cls, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor, pool: torch.Tensor,
