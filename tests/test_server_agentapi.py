@@ -209,6 +209,119 @@ def test_nemotron_json_tool_call_parser(engine):
             assert [c.name for c in forced] == ["get_weather"], out["text"]
 
 
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "enum": [1, 2, 3]},
+        "metric": {"type": "boolean"}, "note": {"type": "string"}},
+        "required": ["city", "days", "metric"], "additionalProperties": False}}}
+# FORECAST without its free-text parameter: a random model forced through a free-text value may never
+# close it (any text is allowed until the closing tag)
+FORECAST_BOUNDED = {"type": "function", "function": {**FORECAST["function"], "parameters": {
+    **FORECAST["function"]["parameters"],
+    "properties": {k: v for k, v in FORECAST["function"]["parameters"]["properties"].items() if k != "note"}}}}
+NOTE = {"type": "function", "function": {"name": "take_note", "parameters": {"type": "object", "properties": {
+    "text": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "priority": {"type": ["integer", "null"]}, "meta": {"type": "object"}, "score": {"type": "number"}},
+    "required": ["text"]}}}
+
+
+def test_qwen3_coder_tool_call_parser():
+    """The XML syntax (Qwen3.5, Qwen3-Coder, Nemotron-3): arguments typed by the tool's schema,
+    text kept verbatim where the schema allows a string; malformed blocks stay text; streamed in
+    pieces of any size, the same calls."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen3_coder")
+    text = ("Let me note that.\n<tool_call>\n<function=take_note>\n<parameter=text>\nline one <b>bold</b>\n"
+            "line two: 42\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+            "<parameter=priority>\nnull\n</parameter>\n<parameter=meta>\n{\"k\": 1}\n</parameter>\n"
+            "<parameter=score>\n2.5\n</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>\n"
+            "</tool_call>\n<tool_call>\n<function=get_forecast>\n<parameter=city>\nOslo\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nfalse\n</parameter>\n</function>\n"
+            "</tool_call>")
+    content, calls = parser.parse(text, [NOTE, FORECAST])
+    assert content == "Let me note that." and [c.name for c in calls] == ["take_note", "get_forecast"]
+    assert json.loads(calls[0].arguments) == {"text": "line one <b>bold</b>\nline two: 42", "tags": ["a", "b"],
+                                              "priority": None, "meta": {"k": 1}, "score": 2.5, "extra": "7"}
+    assert json.loads(calls[1].arguments) == {"city": "Oslo", "days": 3, "metric": False}
+    _, untyped = parser.parse(text)  # no tools: every value is its text
+    assert json.loads(untyped[1].arguments) == {"city": "Oslo", "days": "3", "metric": "false"}
+    _, loose = parser.parse("<tool_call><function=take_note><parameter=score>high</parameter></function>"
+                            "</tool_call>", [NOTE])
+    assert json.loads(loose[0].arguments) == {"score": "high"}  # not a number: its text, as vLLM and SGLang
+    for bad in ("<tool_call>\nhello\n</tool_call>", "<tool_call>\n<function=f>\nstray\n</function>\n</tool_call>",
+                "<tool_call>\nx <function=f>\n</function>\n</tool_call>"):
+        assert parser.parse(bad) == (bad, [])
+    for size in (1, 4, 9, 1000):
+        stream, out, got = parser.stream([NOTE, FORECAST]), "", []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            delta, new = stream.feed(piece, final=i == len(pieces) - 1)
+            out, got = out + delta, got + new
+        assert out.strip() == "Let me note that." and [c.arguments for c in got] == [c.arguments for c in calls]
+    # an earlier call, sent back as OpenAI JSON text, reaches the template as an object
+    turn = {"role": "assistant", "tool_calls": [calls[1].openai()]}
+    rendered = parser.for_template([{"role": "user", "content": "hi"}, turn])
+    assert rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo", "days": 3, "metric": False}
+    assert turn["tool_calls"][0]["function"]["arguments"] == calls[1].arguments  # the request is not modified
+    assert ToolCallParser("qwen").for_template([turn]) == [turn]
+
+
+def test_qwen3_coder_forced_grammar(engine):
+    """The forced-call grammar in the XML syntax: the grammar accepts a well-formed call (free text
+    with markup in a string value) and refuses one without a required parameter; the tiny model,
+    forced, emits a call whose arguments parse to the schema's types."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen3_coder")
+    grammar = parser.forced_grammar([FORECAST["function"], NOTE["function"]], parallel=False)
+    tok = engine.tokenizer
+
+    def accepts(text: str) -> bool:
+        matcher = engine.grammars.matcher("ebnf", grammar)
+        ok = all(matcher.accept(t) for t in tok.encode(text, add_special_tokens=False))
+        return ok and matcher.terminated and not matcher.error  # complete: nothing but EOS may follow
+
+    good = ("<tool_call>\n<function=get_forecast>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=note>\nbring <an> umbrella\nor two\n"
+            "</parameter>\n</function>\n</tool_call>")
+    assert accepts(good)
+    assert parser.parse(good, [FORECAST])[1][0].arguments == json.dumps(
+        {"city": "Paris", "days": 2, "metric": True, "note": "bring <an> umbrella\nor two"})
+    assert not accepts(good.replace("<parameter=metric>\ntrue\n</parameter>\n", ""))  # required
+    assert not accepts(good.replace("\n2\n", "\n7\n"))  # not in the enum
+    for parallel in (False, True):
+        forced = parser.forced_grammar([FORECAST_BOUNDED["function"]], parallel)
+        out = engine.generate(input_ids=[5, 6, 7], sampling_params={"ebnf": forced, "max_new_tokens": 160,
+                                                                    "temperature": 0.0})
+        _, calls = parser.parse(out["text"], [FORECAST])
+        assert calls and (parallel or len(calls) == 1), out["text"]
+        for call in calls:
+            args = json.loads(call.arguments)
+            assert args["city"] in ("Paris", "Oslo") and args["days"] in (1, 2, 3) and isinstance(args["metric"], bool)
+
+
+def test_qwen3_coder_through_the_server(server, client):
+    """``--tool-call-parser qwen3_coder`` end to end: a forced call comes back as ``tool_calls``
+    with typed arguments, whole and streamed."""
+    from hyla.server.tool_calls import ToolCallParser
+    state = server.app.state.server
+    saved, state.tool_call_parser = state.tool_call_parser, ToolCallParser("qwen3_coder")
+    tools = [FORECAST_BOUNDED]
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=96, temperature=0.0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        args = json.loads(choice.message.tool_calls[0].function.arguments)
+        assert args["city"] in ("Paris", "Oslo") and args["days"] in (1, 2, 3) and isinstance(args["metric"], bool)
+        stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
+                                                parallel_tool_calls=False, max_tokens=96, temperature=0.0,
+                                                stream=True)
+        calls = [t for chunk in stream for c in chunk.choices for t in c.delta.tool_calls or []]
+        assert [c.function.arguments for c in calls] == [choice.message.tool_calls[0].function.arguments]
+    finally:
+        state.tool_call_parser = saved
+
+
 @pytest.mark.parametrize("extra, param", [
     pytest.param({"tool_choice": "auto"}, None, id="tool-choice-without-tools"),
     pytest.param({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", id="unknown-tool-choice"),

@@ -70,7 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="On SIGTERM or Ctrl-C: refuse new requests (503) at once, give running ones this long "
                              f"to finish, then abort them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}).")
     parser.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
-                        help="The model family's tool-call syntax parsed into tool_calls: qwen (default) or nemotron_json (NemotronH).")
+                        help="The model family's tool-call syntax parsed into tool_calls: qwen (default; Qwen2.5, Qwen3, "
+                             "Qwen3-Next), nemotron_json (NemotronH) or qwen3_coder (the XML syntax of Qwen3.5, "
+                             "Qwen3-Coder and Nemotron-3).")
     parser.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                         help="Separate <think>...</think> into reasoning_content (SGLang's names; default off).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

@@ -135,7 +135,7 @@ class OpenAIRoutes:
         engine = self.server.admit()
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-        messages = [m.for_template() for m in body.messages]
+        messages = self.server.tool_call_parser.for_template([m.for_template() for m in body.messages])
         reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
         if reserved:
             raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
@@ -167,7 +167,7 @@ class OpenAIRoutes:
             thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
             calls = []
             if body.tool_choice_mode() != "none":
-                text, calls = self.server.tool_call_parser.parse(text)
+                text, calls = self.server.tool_call_parser.parse(text, body.template_tools())
                 calls = calls if body.parallel_tool_calls else calls[:1]
             finish = c.openai_finish_reason()
             message = ChatResponseMessage(
@@ -186,7 +186,8 @@ class OpenAIRoutes:
         reasoning = self.server.reasoning_parser
         thinking = {c.index: reasoning.stream(in_thinking) for c in gen.choices} if reasoning is not None else {}
         use_tools = body.tool_choice_mode() != "none"
-        tools = {c.index: self.server.tool_call_parser.stream() for c in gen.choices} if use_tools else {}
+        tools = {c.index: self.server.tool_call_parser.stream(body.template_tools()) for c in gen.choices} \
+            if use_tools else {}
         num_calls = {c.index: 0 for c in gen.choices}
 
         def chunk_of(choice: ChatChunkChoice) -> str:

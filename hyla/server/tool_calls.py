@@ -6,6 +6,12 @@ finds them and turns them into OpenAI ``tool_calls``, whole (``parse``) or as th
 
 * ``qwen`` — Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
   Qwen3, Qwen3-Next; the default).
+* ``nemotron_json`` — ``<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>``: one block,
+  a JSON list of calls (NemotronH / Nemotron-H chat models).
+* ``qwen3_coder`` — the XML syntax of Qwen3-Coder, Qwen3.5 and Nemotron-3: ``<tool_call>``, then
+  ``<function=NAME>``, one ``<parameter=KEY>\\nVALUE\\n</parameter>`` per argument, ``</function>``,
+  ``</tool_call>``. A value is text; it becomes a JSON value by the tool's ``parameters`` schema
+  (:func:`xml_argument`), so the parser takes the request's tools.
 
 ``tool_choice: "required"`` or a named function is enforced with an ``ebnf`` grammar in the same
 syntax (``forced_grammar``), whose JSON is constrained by the tools' parameter schemas, so even a
@@ -24,7 +30,7 @@ from typing import Any
 
 from hyla.engine.grammar import JSON_DEFAULTS
 
-TOOL_CALL_PARSERS = ("qwen", "nemotron_json")
+TOOL_CALL_PARSERS = ("qwen", "nemotron_json", "qwen3_coder")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
 
 
@@ -48,9 +54,12 @@ class ToolCall:
 
 class ToolCallParser:
     """A family's tool-call syntax: block markers, and what a block's body holds (one call as a JSON
-    object for ``qwen``; a JSON list of such objects for ``nemotron_json``)."""
+    object for ``qwen``; a JSON list of such objects for ``nemotron_json``; XML function and
+    parameter tags for ``qwen3_coder``). ``tools`` (the request's OpenAI tools or their ``function``
+    objects) only matter to ``qwen3_coder``, whose argument values are typed by their schemas."""
 
-    MARKERS = {"qwen": ("<tool_call>", "</tool_call>"), "nemotron_json": ("<TOOLCALL>", "</TOOLCALL>")}
+    MARKERS = {"qwen": ("<tool_call>", "</tool_call>"), "nemotron_json": ("<TOOLCALL>", "</TOOLCALL>"),
+               "qwen3_coder": ("<tool_call>", "</tool_call>")}
 
     def __init__(self, name: str = DEFAULT_TOOL_CALL_PARSER):
         if name not in TOOL_CALL_PARSERS:
@@ -58,10 +67,13 @@ class ToolCallParser:
         self.name = name
         self.start, self.end = self.MARKERS[name]
         self.listed = name == "nemotron_json"  # a block holds a list of calls
+        self.xml = name == "qwen3_coder"
         self._block = re.compile(re.escape(self.start) + r"(.*?)" + re.escape(self.end), re.S)
 
-    def calls_of(self, body: str) -> list[ToolCall] | None:
+    def calls_of(self, body: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall] | None:
         """The calls a block's body holds, or None if it is not a well-formed block."""
+        if self.xml:
+            return xml_calls(body, tools)
         try:
             value = json.loads(body)
         except ValueError:
@@ -72,11 +84,11 @@ class ToolCallParser:
         calls = [_call(item) for item in items]
         return None if any(c is None for c in calls) else calls
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the text without the well-formed call blocks, and the calls."""
         calls, kept, pos = [], [], 0
         for m in self._block.finditer(text):
-            found = self.calls_of(m.group(1))
+            found = self.calls_of(m.group(1), tools)
             if found is None:
                 continue
             kept.append(text[pos:m.start()])
@@ -86,12 +98,24 @@ class ToolCallParser:
         content = "".join(kept)
         return (content.strip() if calls else content), calls
 
-    def stream(self) -> "ToolCallStream":
-        return ToolCallStream(self)
+    def for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat messages as this syntax's chat templates read them. ``qwen3_coder`` templates write
+        an earlier call's arguments one ``<parameter>`` tag each (``arguments | items``), so the JSON
+        text OpenAI clients send back in an assistant turn's ``tool_calls`` becomes an object (as
+        vLLM does); the other templates take the text as it is. Messages are not modified."""
+        if not self.xml:
+            return messages
+        return [{**m, "tool_calls": [_decoded_arguments(c) for c in m["tool_calls"]]}
+                if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list) else m for m in messages]
+
+    def stream(self, tools: list[dict[str, Any]] | None = None) -> "ToolCallStream":
+        return ToolCallStream(self, tools)
 
     def forced_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """An ``ebnf`` (Lark) grammar: one call (or several, ``parallel``) of one of ``tools``
         (OpenAI ``function`` objects), each with arguments following its ``parameters`` schema."""
+        if self.xml:
+            return xml_forced_grammar(tools, parallel)
         options = []
         for fn in tools:
             params = fn.get("parameters") or {"type": "object"}
@@ -107,13 +131,125 @@ class ToolCallParser:
         return f"start: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
 
 
+# --- qwen3_coder: XML calls --------------------------------------------------------------------
+
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] | None:
+    """The ``<function=NAME>...</function>`` calls of a ``qwen3_coder`` block's body, or None when
+    the body holds anything else (text outside the tags, no function)."""
+    calls, pos = [], 0
+    for fn in _FUNCTION.finditer(body):
+        if body[pos:fn.start()].strip():
+            return None
+        name, inner = fn.group(1).strip(), fn.group(2)
+        properties = _parameters(tools, name).get("properties") or {}
+        args, at = {}, 0
+        for p in _PARAMETER.finditer(inner):
+            if inner[at:p.start()].strip():
+                return None
+            key = p.group(1).strip()
+            args[key] = xml_argument(p.group(2), properties.get(key))
+            at = p.end()
+        if inner[at:].strip():
+            return None
+        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        pos = fn.end()
+    if not calls or body[pos:].strip():
+        return None
+    return calls
+
+
+def xml_argument(text: str, schema: dict[str, Any] | None) -> Any:
+    """A ``<parameter>`` tag's text as a JSON value: the text between the newline after the opening
+    tag and the one before the closing tag; kept a string when the schema allows a string (or the
+    parameter has no schema), else read as JSON (``42``, ``true``, ``null``, ``[1, 2]``, ...), and a
+    string again when it is not valid JSON (vLLM and SGLang also fall back to the text)."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    if _allows_string(schema):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _allows_string(schema: dict[str, Any] | None) -> bool:
+    if not isinstance(schema, dict):
+        return True
+    kind = schema.get("type")
+    if kind is None:  # an enum, anyOf, ...: a string if any string value or branch allows it
+        if "enum" in schema or "const" in schema:
+            values = schema.get("enum", [schema.get("const")])
+            return any(isinstance(v, str) for v in values)
+        branches = schema.get("anyOf") or schema.get("oneOf")
+        return any(_allows_string(b) for b in branches) if branches else True
+    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+
+
+def _parameters(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
+    """The ``parameters`` schema of function ``name`` among ``tools`` (OpenAI tools or their
+    ``function`` objects); ``{}`` when it is not there."""
+    for tool in tools or ():
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and fn.get("name") == name:
+            params = fn.get("parameters")
+            return params if isinstance(params, dict) else {}
+    return {}
+
+
+def xml_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The ``qwen3_coder`` forced-call grammar: each function with its parameters in schema order
+    (the required ones always, the others optional); a value is one of its ``enum`` (or ``const``)
+    written bare, any text up to the closing tag where the schema allows a string, else a JSON
+    value following the schema."""
+    rules, options = [], []
+    for f, fn in enumerate(tools):
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or ())
+        items = []
+        for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
+            name, value = f"p{f}_{k}", f"v{f}_{k}"
+            tag, close = json.dumps(f"<parameter={key}>\n"), json.dumps("\n</parameter>\n")
+            choices = _choices(schema)
+            if choices is not None:
+                rules += [f"{name}: {tag} {value} {close}", f"{value}: {' | '.join(choices)}"]
+            elif _allows_string(schema):  # any text, up to (and with) the closing tag
+                rules += [f"{name}: {tag} {value}", f"{value}[stop={close}]: /(?s:.*)/"]
+            else:
+                rules += [f"{name}: {tag} {value} {close}",
+                          f"{value}: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}"]
+            items.append(name if key in required else f"{name}?")
+        opening = json.dumps(f"<function={fn['name']}>\n")
+        rules.append(f'f{f}: {opening} {" ".join(items)} "</function>\\n"')
+        options.append(f"f{f}")
+    call = f'"<tool_call>\\n" ({" | ".join(options)}) "</tool_call>"'
+    start = 'call ("\\n" call)*' if parallel else "call"
+    return "\n".join([f"start: {start}", f"call: {call}", *rules]) + "\n"
+
+
+def _choices(schema: Any) -> list[str] | None:
+    """An ``enum`` / ``const`` parameter's values as grammar literals, each as the parser reads it
+    back (strings bare, other values as JSON), or None."""
+    if not isinstance(schema, dict) or not ("enum" in schema or "const" in schema):
+        return None
+    values = schema["enum"] if "enum" in schema else [schema["const"]]
+    return [json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in values] or None
+
+
 class ToolCallStream:
     """Streamed text in, ``(content_delta, calls)`` out: text that cannot be part of a call block is
     passed on at once; a block is held until it closes, then sent as one whole call (OpenAI clients
     accumulate ``delta.tool_calls`` by ``index``)."""
 
-    def __init__(self, parser: ToolCallParser):
+    def __init__(self, parser: ToolCallParser, tools: list[dict[str, Any]] | None = None):
         self.parser = parser
+        self.tools = tools
         self.buffer = ""
         self.calls: list[ToolCall] = []
 
@@ -138,7 +274,7 @@ class ToolCallStream:
                 break
             block = self.buffer[:j + len(end)]
             self.buffer = self.buffer[j + len(end):]
-            found = self.parser.calls_of(block[len(start):-len(end)])
+            found = self.parser.calls_of(block[len(start):-len(end)], self.tools)
             if found is None:
                 out.append(block)
             else:
@@ -148,6 +284,19 @@ class ToolCallStream:
             content = content.strip() if not content.strip() else content
         self.calls += new
         return content, new
+
+
+def _decoded_arguments(call: Any) -> Any:
+    """An OpenAI tool call with its ``function.arguments`` JSON text as an object (kept as it is
+    when it is not the text of a JSON object)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _call(value: object) -> ToolCall | None:
