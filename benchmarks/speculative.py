@@ -539,9 +539,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft"), default="all",
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "compiled"), default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
-                         "draft: workload (b) with separate draft models")
+                         "draft: workload (b) with separate draft models; compiled: workload (a) with compile_decode")
     ap.add_argument("--draft-model-path", default=None,
                     help="draft: one more draft model to measure (same vocabulary as the default model)")
     args = ap.parse_args()
@@ -553,6 +553,101 @@ def main() -> None:
         draft_main(args, threads)
     if args.part in ("all", "ngram"):
         ngram_main(args, threads)
+    if args.part in ("all", "compiled"):
+        compiled_main(args, threads)
+
+
+CHAIN_STEPS = 50
+
+
+def chain_costs(width: int) -> dict[int, tuple[float, float]]:
+    """Batch size -> (ms of a compiled decode step, ms of a compiled verify step of chains padded to
+    ``width``), thread CPU time at the model runner (``verify_step.Bench``, 256 cached tokens)."""
+    from benchmarks.verify_step import Bench
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+    from hyla.model import load_model
+
+    model = load_model(DEFAULT_MODEL_DIR, dtype="float32")
+    out = {}
+    for b in (1, NUM_PROMPTS):
+        bench = Bench(model, b, 256, width, compile_decode=True, verify_width=width)
+        times: dict[str, list[float]] = {"decode": [], "chains": []}
+        with torch.inference_mode():
+            for i in range(5 + CHAIN_STEPS):
+                for name, fn in (("decode", lambda: bench.step(1, False)), ("chains", lambda: bench.chains(2))):
+                    t0 = time.thread_time()
+                    fn()
+                    if i >= 5:
+                        times[name].append(time.thread_time() - t0)
+        out[b] = (1e3 * statistics.median(times["decode"]), 1e3 * statistics.median(times["chains"]))
+    return out
+
+
+def compiled_main(args, threads: int) -> None:
+    """Workload (a) with ``compile_decode``: decode steps and (n-gram chains) verify steps through
+    ``torch.compile``, against the compiled plain engine; the eager pair of the n-gram section in the
+    same run, as the peer."""
+    kw = dict(dtype="float32", device="cpu", **POOLS)
+    engines = {"off": Engine(**kw, compile_decode=True), "on": Engine(**kw, **SPEC, compile_decode=True),
+               "eager off": Engine(**kw), "eager on": Engine(**kw, **SPEC)}
+    try:
+        loads = workloads(engines["off"].tokenizer)
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on every engine, checks identity
+            outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
+            for side in engines:
+                check_identical(f"{name} ({side}), warm-up", outs["off"], outs[side])
+        rows = []
+        for name, (prompts, sources) in loads.items():
+            rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    width = SPEC["speculative_num_draft_tokens"]
+    steps = chain_costs(width)
+    costs = [f"  * batch {b}: decode {d:.2f} ms; chains of width {width} {c:.2f} ms ({c / d:.1f}x)" for b, (d, c) in steps.items()]
+    c1, c8 = (steps[b][1] / steps[b][0] for b in (1, NUM_PROMPTS))
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part compiled --repeats {args.repeats} "
+           f"--new-tokens {args.new_tokens}")
+    table = ["| workload | batch | compiled off tok/s | compiled on tok/s | on / off (wall) | on / off (CPU time) "
+             "| accept length | eager off, eager on: tok/s (CPU time vs compiled off) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        eo, en = r["sides"]["eager off"], r["sides"]["eager on"]
+        table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** "
+                     f"| {r['cpu_ratio']:.2f}x | {r['accept']:.2f} | {eo['tps']:.1f} ({eo['cpu_ratio']:.2f}x), "
+                     f"{en['tps']:.1f} ({en['cpu_ratio']:.2f}x) |")
+    by = {(r["workload"], r["batch"]): r for r in rows}
+    g1, g8 = by[("grounded", 1)], by[("grounded", NUM_PROMPTS)]
+    body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
+
+The n-gram section's workloads and speculation settings, every engine with `compile_decode=True`:
+decode steps through `torch.compile`, and (new) verify steps too. With n-gram speculation the engine
+gives the runner `verify_width` = `speculative_num_draft_tokens` ({SPEC['speculative_num_draft_tokens']}): a
+verify step pads every request to that many tokens as one chain (`ModelRunner.forward_chains`,
+`ForwardBatch.chain_ckpt_rows`), so its shapes depend on the batch size only and it runs one of two
+graphs compiled at start-up (batch 1, larger batches). Steps with no drafts run the compiled decode
+graph. (Before, verify steps ran the eager extend path beside the compiled decode steps.) Runs of the four engines
+interleaved, medians of {args.repeats}; every engine gave **identical greedy token ids** (checked by the script).
+The last column is the eager pair of the n-gram section, measured in the same run, as tok/s (wall) and CPU-time ratio to compiled off.
+
+{chr(10).join(table)}
+
+* *grounded*: speculation with `compile_decode` {g1['cpu_ratio']:.2f}x the compiled plain engine at batch 1,
+  {g8['cpu_ratio']:.2f}x at batch {NUM_PROMPTS} (CPU time).
+* Where it goes: one step at the model runner (`benchmarks/verify_step.py`'s requests, 256 cached
+  tokens each, thread CPU time, medians of {CHAIN_STEPS} steps), the compiled decode step vs the compiled
+  verify step of padded chains (request 0 feeds 2 tokens, the others 1, all padded to the width):
+{chr(10).join(costs)}
+  A padded verify step feeds batch x width tokens whatever the drafts, and on this CPU the
+  few-row GEMMs grow with the rows. Speculation gains where the accept length (output tokens per
+  request and verify step) is above what a verify step costs in decode steps: at batch 1
+  {g1['accept']:.2f} vs {c1:.1f}, at batch {NUM_PROMPTS} {g8['accept']:.2f} vs {c8:.1f} (and with adaptive drafting many steps
+  have no drafts and run the decode graph).
+"""
+    print(body)
+    if not args.no_write:
+        write_section("Speculative decoding: n-gram with compile_decode", body)
 
 
 def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:

@@ -51,7 +51,7 @@ class Bench:
     """The engine's pools and runner around ``model``, with ``batch`` requests of ``prefix`` cached
     tokens each (their state slots scattered through the pool, as in a running engine)."""
 
-    def __init__(self, model, batch: int, prefix: int, max_fed: int):
+    def __init__(self, model, batch: int, prefix: int, max_fed: int, **runner_options):
         import torch
 
         from hyla.cache import KVPool, ReqToTokenPool, StatePool
@@ -64,7 +64,8 @@ class Bench:
         self.kv_pool = KVPool.from_layout(layout, batch * (prefix + max_fed) + 16, 1, "cpu")
         self.state_pool = StatePool.from_layout(layout, batch * (2 + max_fed) + 4, "cpu")
         self.req_to_token = ReqToTokenPool(batch + 1, prefix + max_fed + 1)
-        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.req_to_token, torch.device("cpu"))
+        self.runner = ModelRunner(model, self.kv_pool, self.state_pool, self.req_to_token, torch.device("cpu"),
+                                  **runner_options)
         self.gen = torch.Generator().manual_seed(batch)
         self.vocab = c.vocab_size
         self.reqs = []
@@ -94,6 +95,18 @@ class Bench:
         for r in self.reqs:
             r.set_drafts(torch.randint(3, self.vocab, (fed - 1,), generator=self.gen).tolist(),
                          tree_parents(fed) if tree else None)
+
+    def chains(self, fed: int):
+        """A verify step of padded chains (``ModelRunner.forward_chains``; the runner has a
+        ``verify_width``): request 0 feeds ``fed`` tokens, the others 1 each."""
+        import torch
+
+        lens = [fed] + [1] * (len(self.reqs) - 1)
+        for r, n in zip(self.reqs, lens):
+            r.set_drafts([5] * (n - 1))
+        loc = torch.cat([self.step_slots[i, :n] for i, n in enumerate(lens)])
+        width = self.runner.verify_width
+        return self.runner.forward_chains(self.reqs, lens, loc, [s[:width - 1] for s in self.scratch])
 
     def step(self, fed: int, tree: bool):
         """One step as the scheduler runs it (a decode step when ``fed == 1``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -156,12 +157,15 @@ def abort_at_verify(eng: Engine, rid: str, step: int = 3) -> None:
     runner.forward_extend = hooked
 
 
-def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter) -> int:
-    """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter."""
+def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter, setup=None) -> int:
+    """The differential workload (shared prefixes, checkpoints, second turns) with an oracle drafter;
+    ``setup(engine)`` runs first."""
     wave1, wave2, off1, off2 = reference_waves(path, seed)
     reference = {tuple(s["ids"]): o["output_ids"] for s, o in zip(wave1 + wave2, off1 + off2)}
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=5, debug_checks=True,
                 **on_opts) as eng:
+        if setup is not None:
+            setup(eng)
         eng.scheduler.drafter = oracle = drafter(reference, num_draft=4)
         moves = _count_calls(eng.kv_pool, "copy")  # a tree step whose accepted path is not its first nodes
         on1 = run(eng, wave1)
@@ -195,6 +199,53 @@ def test_speculation_is_exact_on_moe(qwen3_next_moe_path):
 ])
 def test_speculation_is_exact_under_pressure(qwen3_next_dense_path, opts):
     assert _run_differential(qwen3_next_dense_path, opts, seed=1) > 60
+
+
+def _watch_chains(eng: Engine, calls: dict, width: int | None = 5) -> None:
+    """Count the verify steps run as padded chains (``ModelRunner.forward_chains``); ``width``: turn
+    them on without compiling (the engine does with ``compile_decode``)."""
+    runner = eng.scheduler.runner
+    if width is not None:
+        runner.verify_width = width
+    real = runner.forward_chains
+
+    def counted(*args, **kw):
+        calls["n"] += 1
+        return real(*args, **kw)
+
+    runner.forward_chains = counted
+
+
+@pytest.mark.parametrize("opts", [POOLS, dict(max_total_tokens=700, max_state_slots=40, max_running_requests=6,
+                                              chunked_prefill_size=64),  # retraction
+                                  dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6,
+                                       chunked_prefill_size=128, page_size=16)],  # a grid: pending checkpoints
+                         ids=["pools", "retraction", "page-16"])
+def test_padded_chain_verify_is_exact(qwen3_next_dense_path, opts):
+    """Verify steps as chains padded to the width (what ``compile_decode`` compiles), run eagerly:
+    the same greedy tokens and logprobs as a plain engine with the cache off, with drafts accepted
+    whole (the live state then comes from a scratch slot) and in part, under pressure."""
+    calls = {"n": 0}
+    assert _run_differential(qwen3_next_dense_path, opts, seed=1, setup=lambda e: _watch_chains(e, calls)) > 60
+    assert calls["n"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next_dense_path):
+    """``compile_decode`` with n-gram speculation: verify steps run the compiled graph (padded
+    chains) and decode steps theirs; exact, and no graph is compiled after start-up."""
+    import torch._dynamo
+
+    calls, graphs = {"n": 0}, {}
+
+    def setup(eng):
+        _watch_chains(eng, calls, width=None)
+        graphs["start"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    assert _run_differential(qwen3_next_dense_path, dict(POOLS, compile_decode=True), setup=setup) > 60
+    assert calls["n"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs["start"], "compiled after start-up"
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_path", "falcon_h1_path",
@@ -298,6 +349,25 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
         assert eng.scheduler.num_verify_steps > 0
         assert eng.get_stats()["spec_accept_length"] >= 1.0
         _drained(eng)
+
+
+def test_no_drafts_above_the_batch_size_limit(qwen3_next_dense_path):
+    """``speculative_disable_by_batch_size``: a step with more decoding requests than the limit
+    feeds no drafts (the outputs stay exact); at or below it, drafts are fed."""
+    phrase = _ids(12, 7)
+    prompts = [phrase * 4 + phrase[:5], phrase[3:] * 4 + phrase[3:6]]  # both continue a loop: drafts match
+    params = [_greedy(24), _greedy(24)]
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as ref:
+        want = ref.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    for limit, drafts_fed in ((1, False), (2, True)):
+        with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_disable_by_batch_size=limit,
+                    speculative_ngram_adaptive=False, debug_checks=True, **POOLS) as eng:
+            got = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            compare_outputs(got, want)
+            s = eng.scheduler
+            assert (s.num_fed_tokens > s.num_verify_steps) == drafts_fed, (limit, s.num_fed_tokens, s.num_verify_steps)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_disable_by_batch_size=0)
 
 
 def _verdict(tokens: list[int], num_accepted: int) -> Verdict:

@@ -60,8 +60,9 @@ def _ckpts(trees, slots, first_free: int):
 
 def _scan(trees, slots, entries, rows, num_slots):
     lens = [len(p) for p in trees]
-    ck = check_checkpoints(torch.tensor([i for i, _ in entries]), torch.tensor([n for _, n in entries]),
-                           torch.tensor(rows), lens, slots, num_slots, torch.device("cpu"))
+    long = dict(dtype=torch.long)
+    ck = check_checkpoints(torch.tensor([i for i, _ in entries], **long), torch.tensor([n for _, n in entries], **long),
+                           torch.tensor(rows, **long), lens, slots, num_slots, torch.device("cpu"))
     return TokenTree.build(trees, lens, "cpu").plan(SlotPlan.build(torch.tensor(slots), num_slots), ck)
 
 
@@ -199,3 +200,68 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
                            d**-0.5, tree_masks=None if chain else tree.masks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kb, k_buf) and torch.equal(vb, v_buf)  # the new K/V landed where the reference put them
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_equal_chains_equal_the_tree_path_bitwise(width):
+    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` (the compiled verify step's ops: ``B``
+    chains of ``W`` tokens, fixed shapes) compute what the tree path computes for the same chains,
+    bitwise: outputs, each checkpoint state, each final state, and no other pool row."""
+    from hyla.model.ops import causal_conv1d_chains, gated_delta_rule_chains
+
+    gen = torch.Generator().manual_seed(width)
+    slots, num_slots = [7, 2, 30], 40
+    b, t = len(slots), len(slots) * width
+    rows = [[10 + 3 * i + j for j in range(width - 1)] for i in range(b)]
+    ckpt_rows = torch.tensor(rows, dtype=torch.long).view(b, width - 1)
+    chains = [list(range(-1, width - 1))] * b
+    entries = [(i, j + 1) for i in range(b) for j in range(width - 1)]
+    flat = [r for row in rows for r in row]
+    scan = _scan(chains, slots, entries, flat, num_slots)
+    plan = SlotPlan.build(torch.tensor(slots), num_slots, host=slots)
+    cu = torch.arange(0, t + 1, width)
+
+    q, k = torch.randn(t, HK, DK, generator=gen), torch.randn(t, HK, DK, generator=gen)
+    v, g, beta = torch.randn(t, HV, DV, generator=gen), -torch.rand(t, HV, generator=gen), torch.rand(t, HV, generator=gen)
+    pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
+    a, c = pool.clone(), pool.clone()
+    out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows)
+    want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
+    assert torch.equal(out, want) and torch.equal(a, c)
+
+    x, w, bias = torch.randn(t, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    pool = torch.randn(num_slots, C, K - 1, generator=gen)
+    a, c = pool.clone(), pool.clone()
+    out = causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu")
+    want = causal_conv1d_varlen(x, w, bias, cu, c, torch.tensor(slots), "silu", tree=scan)
+    assert torch.equal(out, want) and torch.equal(a, c)
+    with pytest.raises(ValueError, match="chains"):  # tokens that are not B chains of W
+        causal_conv1d_chains(x[:-1], w, bias, a, plan, ckpt_rows, "silu")
+
+
+def test_a_batch_of_chains_is_validated_when_built():
+    """``ForwardBatch.chain_ckpt_rows``: equal chains only, checkpoint rows of the right shape that
+    are distinct state slots and none a sequence's own; a model with other mixers refuses it."""
+    from hyla.model.forward_batch import ForwardBatch
+
+    long = dict(dtype=torch.long)
+    conv, ssm = [torch.zeros(20, C, K - 1)], [torch.zeros(20, HV, DK, DV)]
+
+    def batch(lens, rows, slots=(1, 2)):
+        t = sum(lens)
+        return ForwardBatch(
+            is_decode=False, input_ids=torch.zeros(t, **long), positions=torch.zeros(t, **long), extend_lens=lens,
+            prefix_lens=[0] * len(lens), cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
+            out_cache_loc=torch.zeros(t, **long), kv_indices=torch.zeros(0, **long), kv_indptr=torch.zeros(3, **long),
+            k_buffers=[], v_buffers=[], state_slots=torch.tensor(slots), conv_states=conv, ssm_states=ssm,
+            state_slot_list=list(slots), chain_ckpt_rows=torch.tensor(rows, **long).view(len(lens), -1),
+            chain_ckpt_list=rows)
+
+    assert batch([3, 3], [[5, 6], [7, 8]]).short_extend is None  # (no attention layers)
+    for lens, rows, slots, match in [([3, 2], [[5, 6], [7, 8]], (1, 2), "same number"),
+                                     ([3, 3], [[5], [7]], (1, 2), r"\[2, 2\]"),
+                                     ([3, 3], [[5, 6], [6, 8]], (1, 2), "repeats"),
+                                     ([3, 3], [[5, 6], [2, 8]], (1, 2), "own"),
+                                     ([3, 3], [[5, 6], [7, 99]], (1, 2), "chain_ckpt_rows")]:
+        with pytest.raises(ValueError, match=match):
+            batch(lens, rows, slots)

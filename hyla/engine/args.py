@@ -59,6 +59,10 @@ class EngineArgs:
                                                   "rejections (down to none), more after acceptances, none from a "
                                                   "1-token match unless its last prediction was right "
                                                   "(docs/engine.md). Off: always the whole continuation.")
+    speculative_disable_by_batch_size: int | None = _opt(None, "Draft nothing in a step with more than this many "
+                                                         "decoding requests (vLLM's name): under load the verify "
+                                                         "step can cost more than its drafts save. Seeded sampled "
+                                                         "outputs then depend on the load. Default: always draft.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
     generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), 'none' = hyla's.")
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
@@ -92,7 +96,8 @@ class EngineArgs:
                      "speculative_ngram_min_match_window_size",
                      "speculative_ngram_max_match_window_size"):
             pos_int(name)
-        for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs"):
+        for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs",
+                     "speculative_disable_by_batch_size"):
             pos_int(name, allow_none=True)
         if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "mtp":
             raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP tree drafts (top-k > 1) are not "

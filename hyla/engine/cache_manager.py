@@ -267,7 +267,8 @@ class CacheManager:
 
         A verify step may have fed more tokens than it commits (rejected drafts): ``states[j]``
         then holds the state after ``kv_len + j + 1`` tokens; the live slot is reset to the state
-        after ``n`` and the KV past it is rolled back. A tree verify step commits the fed tokens
+        after ``n`` (also when all were accepted but the step ran past them: a verify step of padded
+        chains) and the KV past it is rolled back. A tree verify step commits the fed tokens
         ``path`` (offsets past ``kv_len``, ``path[j] >= j``): their KV first moves to positions
         ``kv_len .. kv_len + n - 1``. With a grid > 1, the last grid position
         passed while decoding (or a prefill ending on the grid) is kept as a pending checkpoint,
@@ -299,7 +300,7 @@ class CacheManager:
                 if moves is not None:
                     kv_src.append(moves[0])
                     kv_dst.append(moves[1])
-            if n < fed and st[n - 1] != req.state_slot:
+            if len(st) >= n and st[n - 1] != req.state_slot:  # a rejection, or fed tokens padded past n
                 state_src.append(st[n - 1])
                 state_dst.append(req.state_slot)
         if kv_src:

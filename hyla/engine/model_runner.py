@@ -17,6 +17,12 @@ compiled graph is dynamic in the batch size and the KV length; batch size 1 is i
 Both variants are compiled at construction on scratch pools (up to minutes on a small CPU), so
 serving never stalls on a compile. Models with MoE layers keep an eager decode (their routing
 reads expert counts on the host). See docs/benchmarks.md ("CPU decode") for what it buys.
+
+With ``verify_width=W`` as well (speculative decoding with ``W - 1`` drafts per step; the engine
+passes it with ``compile_decode``), the same compiled function runs verify steps: every request is
+padded to ``W`` tokens as one chain (:meth:`forward_chains`, ``ForwardBatch.chain_ckpt_rows``), so
+a verify step's shapes depend on the batch size only, and two more variants (batch 1, larger
+batches) are compiled at construction.
 """
 
 from __future__ import annotations
@@ -38,9 +44,12 @@ logger = logging.getLogger("hyla.engine")
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
-                 fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0)):
+                 fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0),
+                 verify_width: int | None = None):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
-        model's (a draft model's follow the target's: ``CacheLayout.companion``)."""
+        model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
+        with ``compile_decode``, also compile verify steps of that many tokens per request
+        (:meth:`forward_chains`; models of full attention and Gated DeltaNet layers)."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -52,6 +61,10 @@ class ModelRunner:
         self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
+        # verify steps as padded chains (forward_chains): the PyTorch ops' models of attention and
+        # Gated DeltaNet layers (compiled with compile_decode)
+        self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
+            and model.supports_chain_verify() else None
         self.graphs = None
         c = model.config
         if fused_decode and not model.supports_fused_decode():
@@ -59,6 +72,8 @@ class ModelRunner:
         # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
         self.fused = model.supports_fused_decode() and gpu_ops.available(self.device) \
             if fused_decode is None else fused_decode
+        if self.fused:  # verify steps keep the extend path beside the fused decode kernels
+            self.verify_width = None
         if self.fused:
             self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
             self.pad_row = req_to_token.padding_row
@@ -88,6 +103,11 @@ class ModelRunner:
             self._warm_up_compiled_decode()
 
     @torch.inference_mode()
+    @property
+    def compiled(self) -> bool:
+        """Decode steps run through ``torch.compile`` (``compile_decode``)."""
+        return self._compiled_decode is not None
+
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[tuple[int, int, int]], all_logits: bool = False,
                        logit_rows: list[list[int]] | None = None,
@@ -163,6 +183,54 @@ class ModelRunner:
         )
         return self._run_decode(batch)  # [B, V] (and [B, H])
 
+    @torch.inference_mode()
+    def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
+                       ckpt_rows: list[list[int]]) -> torch.Tensor:
+        """A verify step of padded chains (``verify_width`` set; through the compiled graph with
+        ``compile_decode``): request ``i`` feeds
+        ``extend_lens[i] <= verify_width`` tokens after its ``kv_len`` (``out_cache_loc``: their KV
+        slots, packed), padded to ``verify_width`` with copies of its last one (their KV goes to the
+        sentinel slot 0; they come after every real token, so none sees them). The state after its fed token ``j <
+        verify_width - 1`` goes to ``ckpt_rows[i][j]``, the state after the last padded token to its
+        own slot. Returns the fed tokens' logits ``[sum(extend_lens), V]``, as ``forward_extend``
+        with ``all_logits``."""
+        w = self.verify_width
+        if w is None:
+            raise ValueError("forward_chains needs a runner built with verify_width (a model of attention and "
+                             "Gated DeltaNet layers)")
+        if max(extend_lens) > w or min(extend_lens) < 1 or [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
+            raise ValueError(f"a verify step of chains feeds 1..{w} tokens per request, with {w - 1} checkpoint "
+                             f"slots each; got {extend_lens}")
+        b = len(reqs)
+        ids, pos, loc = [], [], []
+        real = out_cache_loc.to(torch.long).tolist()
+        at = 0
+        for r, n in zip(reqs, extend_lens):
+            fed = r.tokens(r.kv_len, r.kv_len + n)
+            ids.extend(fed + [fed[-1]] * (w - n))
+            pos.extend(range(r.kv_len, r.kv_len + w))
+            loc.extend(real[at:at + n] + [0] * (w - n))
+            at += n
+        starts = [r.kv_len for r in reqs]
+        table, _ = self._kv_table(reqs, [p + n for p, n in zip(starts, extend_lens)])
+        seq_lens = [p + w for p in starts]
+        table = torch.nn.functional.pad(table, (0, max(seq_lens) - table.shape[1]))  # [B, max(kv_len) + W]
+        slots = [r.state_slot for r in reqs]
+        host = _host_long(ids, pos, range(0, b * w + 1, w), _cumsum(seq_lens, 0), slots, loc)
+        t = self._to_device(*host, torch.tensor(ckpt_rows, dtype=torch.long).view(b, w - 1), table.to(torch.long))
+        batch = ForwardBatch(
+            is_decode=False, input_ids=t[0], positions=t[1], extend_lens=[w] * b, prefix_lens=starts,
+            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7].view(-1), kv_indptr=t[3],
+            k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
+            conv_states=self.conv_states, ssm_states=self.ssm_states, state_slot_list=slots,
+            max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[6], chain_ckpt_list=ckpt_rows,
+        )
+        self.model.check_batch(batch)
+        run = self._compiled_decode or self.model.forward_unchecked
+        logits = run(batch)  # [B*W, V]
+        rows = [i * w + j for i, n in enumerate(extend_lens) for j in range(n)]
+        return logits if len(rows) == b * w else logits[torch.tensor(rows, device=logits.device)]
+
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
         request table in one gather, padded with slot 0, and the same slots packed."""
@@ -235,6 +303,9 @@ class ModelRunner:
         c = self.model.config
         dev = self.device
         kv_rows, state_rows = 1009, 17
+        if self.verify_width is not None:  # room for 13 chains' own slots and checkpoint slots
+            state_rows = _prime_above(13 * self.verify_width + 1, avoid={11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53,
+                                                                          59, 61, 1009})
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
         k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
         v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
@@ -248,6 +319,8 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
+        if self.verify_width is not None:
+            self._warm_up_chains(k, v, conv, ssm)
         for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
@@ -262,6 +335,39 @@ class ModelRunner:
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
             )
             self._run_decode(batch)
+
+
+    def _warm_up_chains(self, k, v, conv, ssm) -> None:
+        """The verify graph's two variants (batch 1, larger batches), as :meth:`forward_chains` builds
+        them; sizes as distinct primes, as for decode."""
+        dev, w = self.device, self.verify_width
+        long = dict(dtype=torch.long, device=dev)
+        for prefix in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
+            b, width = len(prefix), max(prefix) + w
+            lens = [p + w for p in prefix]
+            table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
+                                  for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
+            ckpt = [[1 + b + (w - 1) * i + j for j in range(w - 1)] for i in range(b)]
+            batch = ForwardBatch(
+                is_decode=False, input_ids=torch.full((b * w,), 3, **long),
+                positions=torch.tensor([p + j for p in prefix for j in range(w)], **long), extend_lens=[w] * b,
+                prefix_lens=prefix, cu_seqlens=torch.arange(0, b * w + 1, w, **long),
+                out_cache_loc=torch.cat([table[i, p:p + w] for i, p in enumerate(prefix)]),
+                kv_indices=table.view(-1), kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k, v_buffers=v,
+                state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
+                state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
+                chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt,
+            )
+            self.model.check_batch(batch)
+            self._compiled_decode(batch)
+
+
+def _prime_above(n: int, avoid: set[int]) -> int:
+    """The smallest prime ``> n`` not in ``avoid`` (a warm-up size the compiler cannot merge)."""
+    p = n + 1
+    while p in avoid or any(p % d == 0 for d in range(2, int(p ** 0.5) + 1)):
+        p += 1
+    return p
 
 
 def _token_at(req: Req, i: int) -> int:

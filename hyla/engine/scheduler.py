@@ -51,6 +51,12 @@ class Runner(Protocol):
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
                        return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
+    # set when verify steps of chains run compiled: each request padded to this many tokens
+    verify_width: int | None
+
+    def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
+                       ckpt_rows: list[list[int]]) -> torch.Tensor: ...
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -62,6 +68,7 @@ class SchedulerConfig:
     log_interval: int = 40  # decode steps between log lines (prefill steps always log at INFO)
     debug_checks: bool = False  # run every check_integrity() after every step (tests)
     prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
+    draft_max_batch: int | None = None  # speculation: no drafts in a step of more decoding requests
 
 
 @dataclass
@@ -76,6 +83,7 @@ class Batch:
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # KV slots the step writes, per allocation
     verify: bool = False  # speculative: feeds 1 + len(draft_ids) tokens per request, logits of all
     scratch: list[list[int]] = field(default_factory=list)  # verify: per request, state slot after fed token j+1
+    chain_width: int = 0  # verify run as padded chains (ModelRunner.forward_chains): the tokens each was padded to
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
     # prompt logprobs: the logits rows the step returns per request (its prompt-logprob positions,
     # then its last token), set by run(); None: one row per request (its last token)
@@ -157,8 +165,15 @@ class Scheduler:
                          for j, slot in enumerate(slots[:len(r.draft_ids)])]
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
-                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
-                                                 tree_parents=trees, **extra)
+                width = getattr(self.runner, "verify_width", None)
+                if width and trees is None and not extra and not self.drafter.keeps_state:
+                    # the compiled verify: every request padded to ``width`` tokens (its state after
+                    # fed token j < width - 1 in scratch slot j, after the last padded one in its own)
+                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch])
+                    batch.chain_width = width
+                else:
+                    out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
+                                                     tree_parents=trees, **extra)
             elif batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 ckpts = []
                 out = self.runner.forward_decode(batch.reqs, loc, **extra)
@@ -215,7 +230,8 @@ class Scheduler:
         """Accept drafts (and tell the drafter how its drafts fared), append the accepted run
         (stopping at a stop condition inside it), then commit exactly the fed tokens that are now
         part of each request, all requests at once: the rest is rolled back. Fed token ``j``'s
-        state is in scratch slot ``j`` (the last one's in the request's own slot)."""
+        state is in scratch slot ``j`` (the last one's in the request's own slot; padded chains:
+        every real one's in its scratch slot but a full chain's last)."""
         finished, failed, num_tokens = [], [], 0
         verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True))
         self.drafter.verified(batch.reqs, verdicts)
@@ -225,7 +241,8 @@ class Scheduler:
             n = 1 + min(v.num_accepted, appended)
             ns.append(n)
             paths.append(v.path[:n])
-            states.append([scratch[j] if j < len(r.draft_ids) else r.state_slot for j in v.path[:n]])
+            last = (batch.chain_width or fed) - 1  # the fed (or padded) token whose state is in the own slot
+            states.append([scratch[j] if j < last else r.state_slot for j in v.path[:n]])
             self.num_fed_tokens += fed
             r.spec_verify_ct += 1
             r.spec_num_tokens += appended
@@ -399,7 +416,8 @@ class Scheduler:
         tokens). When KV is short even after eviction, drafts are dropped first, then the youngest
         running requests are retracted until the rest fit."""
         reqs = [r for r in self.running if r.is_decoding]
-        if self.drafter is not None and reqs:
+        limit = self.config.draft_max_batch
+        if self.drafter is not None and reqs and (limit is None or len(reqs) <= limit):
             limits = [self._draft_limit(r) for r in reqs]
             if self.drafter.topk > 1:  # trees
                 for r, tree in zip(reqs, self.drafter.propose_tree_batch(reqs, limits), strict=True):

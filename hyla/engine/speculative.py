@@ -79,6 +79,10 @@ class Drafter:
     num_draft: int
     topk: int = 1  # > 1: the scheduler asks for trees (propose_tree_batch)
     wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
+    # the drafter keeps per-state-slot data in step with the target's states (a draft model's own
+    # states, the MTP's hidden states): a verify step must write exactly the checkpoints observe()
+    # is told of, so it is never run as padded chains (ModelRunner.forward_chains)
+    keeps_state: bool = False
 
     def propose(self, req: Req, limit: int) -> list[int]:
         """At most ``min(limit, num_draft)`` draft tokens to follow ``req.fill_ids``."""

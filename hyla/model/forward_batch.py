@@ -87,6 +87,15 @@ class ForwardBatch:
     it continues (``-1`` for the first); ``positions`` must be ``prefix_len + depth``. None: each
     sequence's new tokens are one chain (the usual case)."""
 
+    chain_ckpt_rows: torch.Tensor | None = None
+    """A verify step of *equal chains* (what ``ModelRunner`` compiles): every sequence feeds the same
+    number ``W`` of new tokens as one chain, and ``[B, W-1]`` int64 state slots receive the state
+    after each of its new tokens but the last (the last goes to its own slot). The batch's metadata
+    then has shapes in ``B`` and ``W`` only, every new token's logits are returned, and the
+    ``ckpt_*`` checkpoints must be empty. Needs :attr:`chain_ckpt_list`, its host copy."""
+    chain_ckpt_list: Sequence[Sequence[int]] | None = None
+    """Host copy of ``chain_ckpt_rows`` (validated at construction, no device read)."""
+
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
     """[N] int64 indices into the packed tokens whose logits to return; None = last token of each sequence."""
@@ -169,7 +178,9 @@ class ForwardBatch:
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         self.tree = self.tree_scan = self.short_extend = self.varlen = None
-        if self.tree_parents is not None:
+        if self.chain_ckpt_rows is not None:
+            self._check_chains()
+        elif self.tree_parents is not None:
             if self.is_decode:
                 raise ValueError("tree_parents is for extend batches (a verify step)")
             self.tree = TokenTree.build(self.tree_parents, self.extend_lens, self.input_ids.device)
@@ -181,6 +192,8 @@ class ForwardBatch:
                                             name="state_slots")
         if self.is_decode and b and not self.fused_decode:
             self._decode_metadata()
+        elif self.chain_ckpt_rows is not None:
+            self._short_extend_layout(None)
         elif self.tree is not None:
             self._short_extend_metadata()
         elif not self.is_decode:
@@ -244,10 +257,33 @@ class ForwardBatch:
             self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True, lens=self.kv_lens)
         self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
 
+    def _check_chains(self) -> None:
+        """A verify step of equal chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``)."""
+        b = self.batch_size
+        width = self.extend_lens[0] if b else 0
+        if self.is_decode or self.tree_parents is not None or self.num_checkpoints:
+            raise ValueError("chain_ckpt_rows is for an extend of chains with no other checkpoints")
+        if not b or width < 1 or any(n != width for n in self.extend_lens):
+            raise ValueError(f"equal chains: every sequence feeds the same number of tokens, got {self.extend_lens}")
+        if tuple(self.chain_ckpt_rows.shape) != (b, width - 1) or self.chain_ckpt_list is None \
+                or [len(r) for r in self.chain_ckpt_list] != [width - 1] * b:
+            raise ValueError(f"chain_ckpt_rows must be [{b}, {width - 1}] with its host copy chain_ckpt_list")
+        if not self.conv_states:
+            raise ValueError("chain_ckpt_rows needs linear layers (the batch has no state pools)")
+        rows = [int(s) for r in self.chain_ckpt_list for s in r]
+        check_slot_values(rows, self.conv_states[0].shape[0], "chain_ckpt_rows")  # in the pool, no repeats
+        own = [s for s in (self.state_slot_list or self.state_slots.tolist()) if s >= 0]
+        if min(rows, default=0) < 0 or set(rows) & set(own):
+            raise ValueError("chain_ckpt_rows must be state slots (no padding), none of them a sequence's own")
+
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""
         if self.slot_plan is not None:
             self.tree_scan = self.tree.plan(self.slot_plan, self._checkpoints(self.extend_lens))
+        self._short_extend_layout(None if self.tree.is_chain else self.tree.parents)
+
+    def _short_extend_layout(self, parents) -> None:
+        """The batched short-extend attention's layout (causal, or over the trees ``parents``)."""
         if not self.k_buffers:
             return
         width = max(self.seq_lens)
@@ -259,8 +295,7 @@ class ForwardBatch:
         elif tuple(self.kv_table.shape) != (self.batch_size, width):
             raise ValueError(f"kv_table must be [{self.batch_size}, {width}], got {list(self.kv_table.shape)}")
         self.short_extend = ShortExtendLayout.build(self.kv_table, self.prefix_lens, self.extend_lens,
-                                                    self.k_buffers[0].shape[1],
-                                                    None if self.tree.is_chain else self.tree.parents)
+                                                    self.k_buffers[0].shape[1], parents)
 
     @property
     def batch_size(self) -> int:

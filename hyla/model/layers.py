@@ -24,8 +24,12 @@ from torch import nn
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.ops.attention import paged_attention, paged_attention_decode, paged_attention_short_extend
-from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, recurrent_gated_delta_rule_update
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.gated_delta import (
+    chunk_gated_delta_rule_varlen,
+    gated_delta_rule_chains,
+    recurrent_gated_delta_rule_update,
+)
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
 from hyla.model.ops.gpu import HAS_TRITON
 from hyla.model.ops.varlen import write_rows_
@@ -325,8 +329,11 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
         """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
         t = mixed.shape[0]
+        chains = batch.chain_ckpt_rows  # a verify step of equal chains (the compiled verify)
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
+        elif chains is not None:
+            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu")
         else:
             mixed = causal_conv1d_varlen(
                 mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, batch.state_slots, "silu",
@@ -342,6 +349,8 @@ class GatedDeltaNet(nn.Module):
             o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
+        elif chains is not None:
+            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains)
         elif (_on_gpu(q) and q.dtype != torch.float32 and batch.tree_parents is None
               and _gpu("gated_delta_chunk").HAS_FLA):
             # fla's chunked Triton kernel (bf16/fp16: its fp32 dots run in tf32, so fp32 models keep
@@ -854,6 +863,11 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         return all(type(mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
                    for layer in self.layers for mixer in layer.mixers())
 
+    def supports_chain_verify(self) -> bool:
+        """Every mixer runs a verify step of equal chains (``ForwardBatch.chain_ckpt_rows``, the
+        compiled verify step): full attention and Gated DeltaNet so far."""
+        return all(type(mixer) in (Attention, GatedDeltaNet) for layer in self.layers for mixer in layer.mixers())
+
     def supports_cuda_graph(self) -> bool:
         """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
         return self.supports_fused_decode() and not any(isinstance(m, SparseMoE) for m in self.modules())
@@ -882,7 +896,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             return self.lm_head(rows).float(), h  # [N, vocab], [T, hidden]
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
-        elif not batch.is_decode:  # decode: every token is its sequence's last
+        elif not batch.is_decode and batch.chain_ckpt_rows is None:  # decode, chains: every token's
             h = h[batch.last_token_indices()]
         return self.lm_head(self.norm(h)).float()  # [N, vocab]
 
@@ -903,5 +917,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         if len(batch.conv_states) != c.num_linear_layers or len(batch.ssm_states) != c.num_linear_layers:
             raise ValueError(f"the model has {c.num_linear_layers} linear layers, the batch brings "
                              f"{len(batch.conv_states)} conv and {len(batch.ssm_states)} SSM state buffers")
+        if batch.chain_ckpt_rows is not None and not self.supports_chain_verify():
+            raise ValueError(f"{c.architecture}: a verify step of equal chains needs full attention and "
+                             "Gated DeltaNet layers only")
         if batch.max_token_id >= c.vocab_size:  # read once when the batch was built, not here
             raise ValueError(f"token id {batch.max_token_id} is outside the vocabulary ({c.vocab_size})")

@@ -3,9 +3,10 @@
 See docs/architecture.md ("ops") for the contracts and ``varlen.py`` for the pool conventions.
 """
 
-from hyla.model.ops.conv1d import causal_conv1d_ref, causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_ref, causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.gated_delta import (
     chunk_gated_delta_rule_varlen,
+    gated_delta_rule_chains,
     gated_delta_rule_ref,
     recurrent_gated_delta_rule_update,
 )
@@ -13,11 +14,13 @@ from hyla.model.ops.kda import chunk_kda_varlen, kda_ref, recurrent_kda_update
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
 
 __all__ = [
+    "causal_conv1d_chains",
     "causal_conv1d_ref",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_gated_delta_rule_varlen",
     "chunk_kda_varlen",
+    "gated_delta_rule_chains",
     "gated_delta_rule_ref",
     "kda_ref",
     "mamba2_chunk_scan_varlen",

@@ -294,7 +294,7 @@ def paged_attention_short_extend(
                          f"{tuple(k_buffer.shape[1:])}")
     write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
     write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
-    b, e, g = layout.batch_size, layout.width, hq // hkv
+    b, e, g = layout.kv_rows.shape[0], layout.width, hq // hkv  # b: a shape (symbolic under torch.compile)
     length = layout.kv_rows.shape[-1]
     flat = layout.kv_rows.view(-1)
     keys = k_buffer.view(-1, d).index_select(0, flat).view(b, hkv, length, d)  # [B, Hkv, L, D]

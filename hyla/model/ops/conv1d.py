@@ -195,6 +195,46 @@ def _conv_tree(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return act(y).to(x.dtype)
 
 
+def causal_conv1d_chains(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    slots: SlotPlan,
+    ckpt_rows: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """A verify step of equal chains: ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens
+    each, packed sequence by sequence (``x [B*W, C]``) -> ``y [B*W, C]``, with the decode update's
+    math (the tree path's result over chains, bitwise). The window after new token ``j < W - 1`` of
+    sequence ``i`` goes to ``conv_states[ckpt_rows[i, j]]``, the window after the last to its own
+    slot. Shapes depend on ``B`` and ``W`` only (one compiled graph; see
+    ``gated_delta_rule_chains``)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [B*W, C], got {list(x.shape)}")
+    channels = x.shape[1]
+    kernel = _check_weights(weight, bias, channels)
+    _check_pool(conv_states, channels, kernel)
+    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
+    if x.shape[0] != batch * width or slots.batch_size != batch:
+        raise ValueError(f"{x.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
+                         f"{list(ckpt_rows.shape)} are not {batch} chains of {width}")
+    act = _activation(activation)
+    windows = read_states(conv_states, slots, conv_states.dtype)  # [B, C, K-1]
+    ext = torch.cat([windows, x.view(batch, width, channels).transpose(1, 2).to(conv_states.dtype)], dim=2)
+    full = ext.unfold(2, kernel, 1)  # [B, C, W, K]: token j's window + its own input, as the decode update's
+    full = full.permute(0, 2, 3, 1).reshape(batch * width, kernel, channels).transpose(1, 2)  # [B*W, C, K]
+    acc = _accumulate_dtype(weight)
+    y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [B*W, C]
+    if bias is not None:
+        y += bias.to(acc)
+    left = full[:, :, 1:].reshape(batch, width, channels, kernel - 1)  # the window each token leaves
+    if width > 1:
+        write_rows_(conv_states, ckpt_rows.reshape(-1), left[:, :-1].reshape(-1, channels, kernel - 1))
+    write_states(conv_states, slots, left[:, -1])
+    return act(y).to(x.dtype)
+
+
 def causal_conv1d_update(
     x: torch.Tensor,
     weight: torch.Tensor,

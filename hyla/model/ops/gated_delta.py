@@ -32,6 +32,8 @@ from hyla.model.ops.varlen import (
     chunk_scan_on_pool,
     decay_exp,
     open_state_rows,
+    read_states,
+    write_rows_,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -315,10 +317,51 @@ def _state_step(qk, decay, v, beta, qk_dot, ssm_states: torch.Tensor, plan: Slot
     :func:`_token_terms` -> fp32 ``o [N, Hv, Dv]``: the decode step's math (short extends and trees
     run it too, through ``tree_scan``, so a verify step computes what decode steps would)."""
     S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [N, Hv, Dk, Dv]
+    o = _update_(S, qk, decay, v, beta, qk_dot)
+    if copied:
+        write_states(ssm_states, plan, S)
+    return o
+
+
+def _update_(S, qk, decay, v, beta, qk_dot) -> torch.Tensor:
+    """The decode step on fp32 states ``S [N, Hv, Dk, Dv]``, updated in place -> ``o [N, Hv, Dv]``."""
     read = torch.matmul(qk, S).mul_(decay)  # [N, Hv, 2, Dv]: e q^T S, e k^T S
     delta = (v - read[:, :, 1]).mul_(beta)  # [N, Hv, Dv]
     o = torch.addcmul(read[:, :, 0], qk_dot, delta)  # [N, Hv, Dv]
     S.mul_(decay).addcmul_(qk[:, :, 1].unsqueeze(-1), delta.unsqueeze(2))  # e S + k delta^T
-    if copied:
-        write_states(ssm_states, plan, S)
     return o
+
+
+def gated_delta_rule_chains(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: SlotPlan,
+    ckpt_rows: torch.Tensor,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """A verify step of equal chains: ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens
+    each, packed sequence by sequence (``q, k [B*W, Hk, Dk]``, ``v [B*W, Hv, Dv]``, ``g, beta
+    [B*W, Hv]``) -> ``o [B*W, Hv, Dv]``, token by token with the decode step's math, so each token
+    equals a decode step (the tree path's result, :func:`tree_scan` over chains, bitwise).
+
+    The state after new token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
+    the state after the last to its own slot. Shapes depend on ``B`` and ``W`` only and nothing is
+    read on the host, so the step compiles to one graph (``ModelRunner``'s compiled verify)."""
+    check_inputs(q, k, v, g, beta, ssm_states)
+    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
+    if q.shape[0] != batch * width or slots.batch_size != batch:
+        raise ValueError(f"{q.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
+                         f"{list(ckpt_rows.shape)} are not {batch} chains of {width}")
+    terms = [t.view(batch, width, *t.shape[1:]) for t in _token_terms(q, k, v, g, beta, use_qk_l2norm)]
+    S = read_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv], a copy
+    outs = []
+    for j in range(width):
+        outs.append(_update_(S, *(t[:, j] for t in terms)))
+        if j < width - 1:
+            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
+    write_states(ssm_states, slots, S)
+    return torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:]).to(q.dtype)
