@@ -202,41 +202,59 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
     assert torch.equal(kb, k_buf) and torch.equal(vb, v_buf)  # the new K/V landed where the reference put them
 
 
-@pytest.mark.parametrize("width", [1, 2, 4])
-def test_equal_chains_equal_the_tree_path_bitwise(width):
-    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` (the compiled verify step's ops: ``B``
-    chains of ``W`` tokens, fixed shapes) compute what the tree path computes for the same chains,
-    bitwise: outputs, each checkpoint state, each final state, and no other pool row."""
+@pytest.mark.parametrize("lens", [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]])
+def test_padded_chains_equal_the_tree_path_bitwise(lens):
+    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` (the compiled verify step's ops:
+    chains padded to a width of 4 inside the op, fixed shapes) compute what the tree path computes
+    for the same chains, bitwise: outputs, each checkpoint state, each final state, and no other
+    pool row; a chain shorter than the width leaves the state after its last token in its
+    checkpoint row (its own slot then holds the state after the padding)."""
     from hyla.model.ops import causal_conv1d_chains, gated_delta_rule_chains
 
-    gen = torch.Generator().manual_seed(width)
+    width = 4
+    gen = torch.Generator().manual_seed(sum(lens))
     slots, num_slots = [7, 2, 30], 40
-    b, t = len(slots), len(slots) * width
-    rows = [[10 + 3 * i + j for j in range(width - 1)] for i in range(b)]
-    ckpt_rows = torch.tensor(rows, dtype=torch.long).view(b, width - 1)
-    chains = [list(range(-1, width - 1))] * b
-    entries = [(i, j + 1) for i in range(b) for j in range(width - 1)]
-    flat = [r for row in rows for r in row]
+    b, t = len(slots), sum(lens)
+    ckpt = [[10 + 3 * i + j for j in range(width - 1)] for i in range(b)]
+    ckpt_rows = torch.tensor(ckpt, dtype=torch.long)
+    rows = torch.tensor([i * width + j for i, n in enumerate(lens) for j in range(n)])
+    chains = [list(range(-1, n - 1)) for n in lens]
+    # the tree path: checkpoints after every token but the last; a full chain's last state in its own slot
+    entries = [(i, j + 1) for i, n in enumerate(lens) for j in range(n - 1)]
+    flat = [ckpt[i][j] for i, n in enumerate(lens) for j in range(n - 1)]
     scan = _scan(chains, slots, entries, flat, num_slots)
     plan = SlotPlan.build(torch.tensor(slots), num_slots, host=slots)
-    cu = torch.arange(0, t + 1, width)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    # where each sequence's state after its last token is: its own slot when full, else its checkpoint row
+    last = [slots[i] if n == width else ckpt[i][n - 1] for i, n in enumerate(lens)]
+
+    def check(pool_chains, pool_tree, before):
+        for i, n in enumerate(lens):
+            assert torch.equal(pool_chains[last[i]], pool_tree[slots[i]])
+            for j in range(n - 1):
+                assert torch.equal(pool_chains[ckpt[i][j]], pool_tree[ckpt[i][j]])
+        used = set(slots) | {r for row in ckpt for r in row}
+        others = [r for r in range(num_slots) if r not in used]
+        assert torch.equal(pool_chains[others], before[others])
 
     q, k = torch.randn(t, HK, DK, generator=gen), torch.randn(t, HK, DK, generator=gen)
     v, g, beta = torch.randn(t, HV, DV, generator=gen), -torch.rand(t, HV, generator=gen), torch.rand(t, HV, generator=gen)
     pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows)
+    out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
     want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
-    assert torch.equal(out, want) and torch.equal(a, c)
+    assert torch.equal(out, want)
+    check(a, c, pool)
 
     x, w, bias = torch.randn(t, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
     pool = torch.randn(num_slots, C, K - 1, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu")
+    out = causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=rows)
     want = causal_conv1d_varlen(x, w, bias, cu, c, torch.tensor(slots), "silu", tree=scan)
-    assert torch.equal(out, want) and torch.equal(a, c)
-    with pytest.raises(ValueError, match="chains"):  # tokens that are not B chains of W
-        causal_conv1d_chains(x[:-1], w, bias, a, plan, ckpt_rows, "silu")
+    assert torch.equal(out, want)
+    check(a, c, pool)
+    with pytest.raises(ValueError, match="chains"):  # more tokens than the padded layout holds
+        causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=torch.arange(t + 1))
 
 
 def test_a_batch_of_chains_is_validated_when_built():
@@ -257,9 +275,10 @@ def test_a_batch_of_chains_is_validated_when_built():
             state_slot_list=list(slots), chain_ckpt_rows=torch.tensor(rows, **long).view(len(lens), -1),
             chain_ckpt_list=rows)
 
-    assert batch([3, 3], [[5, 6], [7, 8]]).short_extend is None  # (no attention layers)
-    for lens, rows, slots, match in [([3, 2], [[5, 6], [7, 8]], (1, 2), "same number"),
-                                     ([3, 3], [[5], [7]], (1, 2), r"\[2, 2\]"),
+    ok = batch([3, 1], [[5, 6], [7, 8]])
+    assert ok.short_extend is None and ok.chain_rows.tolist() == [0, 1, 2, 3]  # (no attention layers)
+    for lens, rows, slots, match in [([4, 2], [[5, 6], [7, 8]], (1, 2), "1..3 tokens"),
+                                     ([3, 3], [[5], [7]], (1, 2), "1..2 tokens"),
                                      ([3, 3], [[5, 6], [6, 8]], (1, 2), "repeats"),
                                      ([3, 3], [[5, 6], [2, 8]], (1, 2), "own"),
                                      ([3, 3], [[5, 6], [7, 99]], (1, 2), "chain_ckpt_rows")]:

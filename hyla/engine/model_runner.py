@@ -102,12 +102,12 @@ class ModelRunner:
                 options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             self._warm_up_compiled_decode()
 
-    @torch.inference_mode()
     @property
     def compiled(self) -> bool:
         """Decode steps run through ``torch.compile`` (``compile_decode``)."""
         return self._compiled_decode is not None
 
+    @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[tuple[int, int, int]], all_logits: bool = False,
                        logit_rows: list[list[int]] | None = None,
@@ -187,49 +187,42 @@ class ModelRunner:
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpt_rows: list[list[int]]) -> torch.Tensor:
         """A verify step of padded chains (``verify_width`` set; through the compiled graph with
-        ``compile_decode``): request ``i`` feeds
-        ``extend_lens[i] <= verify_width`` tokens after its ``kv_len`` (``out_cache_loc``: their KV
-        slots, packed), padded to ``verify_width`` with copies of its last one (their KV goes to the
-        sentinel slot 0; they come after every real token, so none sees them). The state after its fed token ``j <
-        verify_width - 1`` goes to ``ckpt_rows[i][j]``, the state after the last padded token to its
-        own slot. Returns the fed tokens' logits ``[sum(extend_lens), V]``, as ``forward_extend``
-        with ``all_logits``."""
+        ``compile_decode``): request ``i`` feeds ``extend_lens[i] <= verify_width`` tokens after its
+        ``kv_len`` (``out_cache_loc``: their KV slots, packed), as ``forward_extend`` would, but the
+        recurrent ops and attention lay each request out padded to ``verify_width``
+        (``ForwardBatch.chain_ckpt_rows``), so the step's shapes depend on the batch size and the
+        token count only. The state after its padded position ``j < verify_width - 1`` goes to
+        ``ckpt_rows[i][j]`` (so the state after its last fed token is there, unless it fed
+        ``verify_width``), after the last padded position to its own slot. Returns the fed tokens'
+        logits ``[sum(extend_lens), V]``, as ``forward_extend`` with ``all_logits``."""
         w = self.verify_width
         if w is None:
             raise ValueError("forward_chains needs a runner built with verify_width (a model of attention and "
                              "Gated DeltaNet layers)")
-        if max(extend_lens) > w or min(extend_lens) < 1 or [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
-            raise ValueError(f"a verify step of chains feeds 1..{w} tokens per request, with {w - 1} checkpoint "
-                             f"slots each; got {extend_lens}")
-        b = len(reqs)
-        ids, pos, loc = [], [], []
-        real = out_cache_loc.to(torch.long).tolist()
-        at = 0
-        for r, n in zip(reqs, extend_lens):
-            fed = r.tokens(r.kv_len, r.kv_len + n)
-            ids.extend(fed + [fed[-1]] * (w - n))
-            pos.extend(range(r.kv_len, r.kv_len + w))
-            loc.extend(real[at:at + n] + [0] * (w - n))
-            at += n
+        if [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
+            raise ValueError(f"a verify step of chains takes {w - 1} checkpoint slots per request")
+        ids: list[int] = []
+        pos: list[int] = []
         starts = [r.kv_len for r in reqs]
-        table, _ = self._kv_table(reqs, [p + n for p, n in zip(starts, extend_lens)])
-        seq_lens = [p + w for p in starts]
-        table = torch.nn.functional.pad(table, (0, max(seq_lens) - table.shape[1]))  # [B, max(kv_len) + W]
+        for r, start, n in zip(reqs, starts, extend_lens):
+            ids.extend(r.tokens(start, start + n))
+            pos.extend(range(start, start + n))
+        seq_lens = [p + n for p, n in zip(starts, extend_lens)]
+        table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
-        host = _host_long(ids, pos, range(0, b * w + 1, w), _cumsum(seq_lens, 0), slots, loc)
-        t = self._to_device(*host, torch.tensor(ckpt_rows, dtype=torch.long).view(b, w - 1), table.to(torch.long))
+        host = _host_long(ids, pos, _cumsum(extend_lens, 0), _cumsum(seq_lens, 0), slots)
+        t = self._to_device(*host, out_cache_loc.to(torch.long, copy=True), kv_indices.to(torch.long),
+                            table.to(torch.long), torch.tensor(ckpt_rows, dtype=torch.long).view(len(reqs), w - 1))
         batch = ForwardBatch(
-            is_decode=False, input_ids=t[0], positions=t[1], extend_lens=[w] * b, prefix_lens=starts,
-            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7].view(-1), kv_indptr=t[3],
+            is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens), prefix_lens=starts,
+            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[6], kv_indptr=t[3],
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
             conv_states=self.conv_states, ssm_states=self.ssm_states, state_slot_list=slots,
-            max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[6], chain_ckpt_list=ckpt_rows,
+            max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[8], chain_ckpt_list=ckpt_rows,
         )
         self.model.check_batch(batch)
         run = self._compiled_decode or self.model.forward_unchecked
-        logits = run(batch)  # [B*W, V]
-        rows = [i * w + j for i, n in enumerate(extend_lens) for j in range(n)]
-        return logits if len(rows) == b * w else logits[torch.tensor(rows, device=logits.device)]
+        return run(batch)  # [T, V]
 
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
@@ -319,8 +312,6 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        if self.verify_width is not None:
-            self._warm_up_chains(k, v, conv, ssm)
         for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
@@ -335,26 +326,32 @@ class ModelRunner:
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
             )
             self._run_decode(batch)
+        if self.verify_width is not None:
+            self._warm_up_chains(k, v, conv, ssm)
 
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
-        """The verify graph's two variants (batch 1, larger batches), as :meth:`forward_chains` builds
-        them; sizes as distinct primes, as for decode."""
+        """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled
+        first for one token count, then again generalised over it: dynamo specialises the first) and
+        larger batches; sizes as distinct primes, as for decode."""
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
-        for prefix in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
-            b, width = len(prefix), max(prefix) + w
-            lens = [p + w for p in prefix]
+        one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
+        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
+        for prefix, fed in [([37], f) for f in one] + [([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
+            b = len(prefix)
+            lens = [p + n for p, n in zip(prefix, fed)]
+            width = max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
             ckpt = [[1 + b + (w - 1) * i + j for j in range(w - 1)] for i in range(b)]
             batch = ForwardBatch(
-                is_decode=False, input_ids=torch.full((b * w,), 3, **long),
-                positions=torch.tensor([p + j for p in prefix for j in range(w)], **long), extend_lens=[w] * b,
-                prefix_lens=prefix, cu_seqlens=torch.arange(0, b * w + 1, w, **long),
-                out_cache_loc=torch.cat([table[i, p:p + w] for i, p in enumerate(prefix)]),
-                kv_indices=table.view(-1), kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k, v_buffers=v,
-                state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
+                is_decode=False, input_ids=torch.full((sum(fed),), 3, **long),
+                positions=torch.tensor([p + j for p, n in zip(prefix, fed) for j in range(n)], **long),
+                extend_lens=fed, prefix_lens=prefix, cu_seqlens=torch.tensor(_cumsum(fed, 0), **long),
+                out_cache_loc=torch.cat([table[i, p:p + n] for i, (p, n) in enumerate(zip(prefix, fed))]),
+                kv_indices=table[table > 0], kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k,
+                v_buffers=v, state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt,
             )

@@ -88,11 +88,13 @@ class ForwardBatch:
     sequence's new tokens are one chain (the usual case)."""
 
     chain_ckpt_rows: torch.Tensor | None = None
-    """A verify step of *equal chains* (what ``ModelRunner`` compiles): every sequence feeds the same
-    number ``W`` of new tokens as one chain, and ``[B, W-1]`` int64 state slots receive the state
-    after each of its new tokens but the last (the last goes to its own slot). The batch's metadata
-    then has shapes in ``B`` and ``W`` only, every new token's logits are returned, and the
-    ``ckpt_*`` checkpoints must be empty. Needs :attr:`chain_ckpt_list`, its host copy."""
+    """A verify step of *padded chains* (what ``ModelRunner`` compiles): each sequence's new tokens
+    are one chain of ``1..W`` tokens, padded to ``W`` inside the recurrent ops and attention only
+    (the projections run on the real tokens), and ``[B, W-1]`` int64 state slots receive the state
+    after each padded position but the last (the last goes to its own slot: after padding, if any).
+    The batch's metadata then has shapes in ``B``, ``W`` and the token count only, every new token's
+    logits are returned, and the ``ckpt_*`` checkpoints must be empty. Needs
+    :attr:`chain_ckpt_list`, its host copy."""
     chain_ckpt_list: Sequence[Sequence[int]] | None = None
     """Host copy of ``chain_ckpt_rows`` (validated at construction, no device read)."""
 
@@ -154,6 +156,8 @@ class ForwardBatch:
     tree_scan: TreeScan | None = field(init=False, repr=False, default=None)
     """With a ``tree`` and linear layers: its scan laid out for the state slots and checkpoints (the
     checkpoints validated here, once), shared by every recurrent layer (``ops/tree.py``)."""
+    chain_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
+    """Padded chains: ``[T]`` the row ``i * W + j`` of each packed token in the padded layout."""
     short_extend: ShortExtendLayout | None = field(init=False, repr=False, default=None)
     """With a ``tree`` and attention layers: the batched attention's KV rows and mask, shared by
     every attention layer (``ops/attention.py``, ``paged_attention_short_extend``)."""
@@ -177,7 +181,7 @@ class ForwardBatch:
         self.kv_starts = list(itertools.accumulate(self.seq_lens, initial=0))
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
-        self.tree = self.tree_scan = self.short_extend = self.varlen = None
+        self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = None
         if self.chain_ckpt_rows is not None:
             self._check_chains()
         elif self.tree_parents is not None:
@@ -193,7 +197,7 @@ class ForwardBatch:
         if self.is_decode and b and not self.fused_decode:
             self._decode_metadata()
         elif self.chain_ckpt_rows is not None:
-            self._short_extend_layout(None)
+            self._short_extend_layout(None, width=self.chain_ckpt_rows.shape[1] + 1)
         elif self.tree is not None:
             self._short_extend_metadata()
         elif not self.is_decode:
@@ -258,16 +262,19 @@ class ForwardBatch:
         self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
 
     def _check_chains(self) -> None:
-        """A verify step of equal chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``)."""
+        """A verify step of padded chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``);
+        then its ``chain_rows``."""
         b = self.batch_size
-        width = self.extend_lens[0] if b else 0
         if self.is_decode or self.tree_parents is not None or self.num_checkpoints:
             raise ValueError("chain_ckpt_rows is for an extend of chains with no other checkpoints")
-        if not b or width < 1 or any(n != width for n in self.extend_lens):
-            raise ValueError(f"equal chains: every sequence feeds the same number of tokens, got {self.extend_lens}")
-        if tuple(self.chain_ckpt_rows.shape) != (b, width - 1) or self.chain_ckpt_list is None \
-                or [len(r) for r in self.chain_ckpt_list] != [width - 1] * b:
-            raise ValueError(f"chain_ckpt_rows must be [{b}, {width - 1}] with its host copy chain_ckpt_list")
+        if self.chain_ckpt_rows.dim() != 2 or self.chain_ckpt_rows.shape[0] != b or self.chain_ckpt_list is None:
+            raise ValueError(f"chain_ckpt_rows must be [{b}, W - 1] with its host copy chain_ckpt_list")
+        width = self.chain_ckpt_rows.shape[1] + 1
+        if [len(r) for r in self.chain_ckpt_list] != [width - 1] * b:
+            raise ValueError(f"chain_ckpt_list must hold {width - 1} slots per sequence, as chain_ckpt_rows")
+        if not b or not all(1 <= n <= width for n in self.extend_lens):
+            raise ValueError(f"padded chains of width {width}: every sequence feeds 1..{width} tokens, "
+                             f"got {self.extend_lens}")
         if not self.conv_states:
             raise ValueError("chain_ckpt_rows needs linear layers (the batch has no state pools)")
         rows = [int(s) for r in self.chain_ckpt_list for s in r]
@@ -275,6 +282,8 @@ class ForwardBatch:
         own = [s for s in (self.state_slot_list or self.state_slots.tolist()) if s >= 0]
         if min(rows, default=0) < 0 or set(rows) & set(own):
             raise ValueError("chain_ckpt_rows must be state slots (no padding), none of them a sequence's own")
+        self.chain_rows = torch.tensor([i * width + j for i, n in enumerate(self.extend_lens) for j in range(n)],
+                                       dtype=torch.long, device=self.input_ids.device)
 
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""
@@ -282,20 +291,21 @@ class ForwardBatch:
             self.tree_scan = self.tree.plan(self.slot_plan, self._checkpoints(self.extend_lens))
         self._short_extend_layout(None if self.tree.is_chain else self.tree.parents)
 
-    def _short_extend_layout(self, parents) -> None:
-        """The batched short-extend attention's layout (causal, or over the trees ``parents``)."""
+    def _short_extend_layout(self, parents, width: int | None = None) -> None:
+        """The batched short-extend attention's layout (causal, or over the trees ``parents``;
+        ``width``: every extend padded to it)."""
         if not self.k_buffers:
             return
-        width = max(self.seq_lens)
+        length = max(self.seq_lens)
         if self.kv_table is None:
             if self.kv_indices.numel() != sum(self.seq_lens):
                 raise ValueError(f"kv_indices has {self.kv_indices.numel()} slots, the sequences hold "
                                  f"{sum(self.seq_lens)} tokens")
             self.kv_table, _ = decode_kv_table(self.kv_indices, self.kv_indptr, self.seq_lens)
-        elif tuple(self.kv_table.shape) != (self.batch_size, width):
-            raise ValueError(f"kv_table must be [{self.batch_size}, {width}], got {list(self.kv_table.shape)}")
+        elif tuple(self.kv_table.shape) != (self.batch_size, length):
+            raise ValueError(f"kv_table must be [{self.batch_size}, {length}], got {list(self.kv_table.shape)}")
         self.short_extend = ShortExtendLayout.build(self.kv_table, self.prefix_lens, self.extend_lens,
-                                                    self.k_buffers[0].shape[1], parents)
+                                                    self.k_buffers[0].shape[1], parents, width)
 
     @property
     def batch_size(self) -> int:

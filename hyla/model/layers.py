@@ -333,7 +333,8 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         elif chains is not None:
-            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu")
+            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu",
+                                         rows=batch.chain_rows)
         else:
             mixed = causal_conv1d_varlen(
                 mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, batch.state_slots, "silu",
@@ -350,7 +351,7 @@ class GatedDeltaNet(nn.Module):
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains)
+            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows)
         elif (_on_gpu(q) and q.dtype != torch.float32 and batch.tree_parents is None
               and _gpu("gated_delta_chunk").HAS_FLA):
             # fla's chunked Triton kernel (bf16/fp16: its fp32 dots run in tf32, so fp32 models keep

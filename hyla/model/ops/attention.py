@@ -227,15 +227,21 @@ class ShortExtendLayout:
 
     @classmethod
     def build(cls, kv_table: torch.Tensor, prefix_lens: Sequence[int], extend_lens: Sequence[int],
-              num_kv_heads: int, parents: Sequence[Sequence[int]] | None = None) -> "ShortExtendLayout":
+              num_kv_heads: int, parents: Sequence[Sequence[int]] | None = None,
+              width: int | None = None) -> "ShortExtendLayout":
         """From the batch's ``kv_table [B, L]`` (each row: the sequence's prefix slots, then its new
         tokens'; padding after). Causal over prefix + new tokens, or with ``parents`` (a token tree,
         ``ops/tree.py``) each new token sees the prefix and its ancestors-or-self. A padding query
-        row sees key 0 only (its output is dropped; a row that sees nothing would be NaN)."""
+        row sees key 0 only (its output is dropped; a row that sees nothing would be NaN).
+        ``width``: pad every extend to this many rows (``>= max(extend_lens)``; a compiled verify
+        step's fixed width), with ``q_rows`` / ``out_rows`` always built."""
         b, length = kv_table.shape
         if len(prefix_lens) != b or len(extend_lens) != b:
             raise ValueError(f"kv_table has {b} rows, the batch {len(extend_lens)} sequences")
-        width = max(extend_lens)
+        fixed = width is not None
+        if fixed and width < max(extend_lens, default=0):
+            raise ValueError(f"width {width} is less than the longest extend ({max(extend_lens)})")
+        width = width if fixed else max(extend_lens)
         dev = kv_table.device
         long = dict(dtype=torch.long, device=dev)
         prefix = torch.tensor(list(prefix_lens), **long)
@@ -256,7 +262,7 @@ class ShortExtendLayout:
             new = anc.gather(2, offset.clamp(0, width - 1).expand(b, width, length))  # [B, E, L]
             seen = (offset < 0) | (new & (offset < width))
         q_rows = out_rows = None
-        if any(n != width for n in extend_lens):
+        if fixed or any(n != width for n in extend_lens):
             pad = queries.view(1, width) >= torch.tensor(list(extend_lens), **long)[:, None]  # [B, E] padding rows
             seen = seen & ~pad[:, :, None]
             seen[:, :, 0] |= pad

@@ -25,6 +25,7 @@ from hyla.model.ops.varlen import (
     as_slot_plan,
     open_state_rows,
     read_states,
+    scatter_rows,
     write_rows_,
     write_states,
 )
@@ -203,35 +204,38 @@ def causal_conv1d_chains(
     slots: SlotPlan,
     ckpt_rows: torch.Tensor,
     activation: str | None = "silu",
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of equal chains: ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens
-    each, packed sequence by sequence (``x [B*W, C]``) -> ``y [B*W, C]``, with the decode update's
-    math (the tree path's result over chains, bitwise). The window after new token ``j < W - 1`` of
-    sequence ``i`` goes to ``conv_states[ckpt_rows[i, j]]``, the window after the last to its own
-    slot. Shapes depend on ``B`` and ``W`` only (one compiled graph; see
-    ``gated_delta_rule_chains``)."""
+    """A verify step of chains padded to one width (see ``gated_delta_rule_chains``): ``x [T, C]``
+    packed, ``rows [T]`` each token's padded row (None: ``T = B*W``) -> ``y [T, C]``, with the decode
+    update's math (the tree path's result over the same chains, bitwise). The window after padded
+    token ``j < W - 1`` of sequence ``i`` goes to ``conv_states[ckpt_rows[i, j]]``, the window after
+    the last to its own slot. Shapes depend on ``B``, ``W`` and ``T`` only (one compiled graph)."""
     if x.dim() != 2:
-        raise ValueError(f"x must be [B*W, C], got {list(x.shape)}")
+        raise ValueError(f"x must be [T, C], got {list(x.shape)}")
     channels = x.shape[1]
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
     batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
-    if x.shape[0] != batch * width or slots.batch_size != batch:
+    if x.shape[0] != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
         raise ValueError(f"{x.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
-                         f"{list(ckpt_rows.shape)} are not {batch} chains of {width}")
+                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
     act = _activation(activation)
+    padded = x if rows is None else scatter_rows(x, rows, batch * width)  # [B*W, C]
     windows = read_states(conv_states, slots, conv_states.dtype)  # [B, C, K-1]
-    ext = torch.cat([windows, x.view(batch, width, channels).transpose(1, 2).to(conv_states.dtype)], dim=2)
+    ext = torch.cat([windows, padded.view(batch, width, channels).transpose(1, 2).to(conv_states.dtype)], dim=2)
     full = ext.unfold(2, kernel, 1)  # [B, C, W, K]: token j's window + its own input, as the decode update's
     full = full.permute(0, 2, 3, 1).reshape(batch * width, kernel, channels).transpose(1, 2)  # [B*W, C, K]
-    acc = _accumulate_dtype(weight)
-    y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [B*W, C]
-    if bias is not None:
-        y += bias.to(acc)
     left = full[:, :, 1:].reshape(batch, width, channels, kernel - 1)  # the window each token leaves
     if width > 1:
         write_rows_(conv_states, ckpt_rows.reshape(-1), left[:, :-1].reshape(-1, channels, kernel - 1))
     write_states(conv_states, slots, left[:, -1])
+    if rows is not None:
+        full = full.index_select(0, rows)  # [T, C, K]
+    acc = _accumulate_dtype(weight)
+    y = (full.to(acc) * weight.to(acc)).sum(dim=2)  # [T, C]
+    if bias is not None:
+        y += bias.to(acc)
     return act(y).to(x.dtype)
 
 

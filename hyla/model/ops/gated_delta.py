@@ -33,6 +33,7 @@ from hyla.model.ops.varlen import (
     decay_exp,
     open_state_rows,
     read_states,
+    scatter_rows,
     write_rows_,
     write_states,
 )
@@ -341,21 +342,28 @@ def gated_delta_rule_chains(
     ssm_states: torch.Tensor,
     slots: SlotPlan,
     ckpt_rows: torch.Tensor,
+    rows: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """A verify step of equal chains: ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens
-    each, packed sequence by sequence (``q, k [B*W, Hk, Dk]``, ``v [B*W, Hv, Dv]``, ``g, beta
-    [B*W, Hv]``) -> ``o [B*W, Hv, Dv]``, token by token with the decode step's math, so each token
-    equals a decode step (the tree path's result, :func:`tree_scan` over chains, bitwise).
+    """A verify step of chains padded to one width: ``B`` sequences, each ``W = ckpt_rows.shape[1]
+    + 1`` new tokens long once padded. ``rows [T]``: the padded row (``i * W + j``) of each of the
+    ``T`` packed tokens ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]`` (None: ``T = B*W``,
+    already padded) -> ``o [T, Hv, Dv]``, token by token with the decode step's math, so each token
+    equals a decode step (the tree path's result, :func:`tree_scan` over the same chains, bitwise).
+    Padding follows a sequence's tokens with zero inputs; its outputs are dropped.
 
-    The state after new token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
-    the state after the last to its own slot. Shapes depend on ``B`` and ``W`` only and nothing is
-    read on the host, so the step compiles to one graph (``ModelRunner``'s compiled verify)."""
+    The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i,
+    j]]``, the state after the last to its own slot (after padding, if any: the caller takes the
+    state after the last real token from its checkpoint row). Shapes depend on ``B``, ``W`` and ``T``
+    only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
+    compiled verify)."""
     check_inputs(q, k, v, g, beta, ssm_states)
     batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
-    if q.shape[0] != batch * width or slots.batch_size != batch:
+    if q.shape[0] != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
         raise ValueError(f"{q.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
-                         f"{list(ckpt_rows.shape)} are not {batch} chains of {width}")
+                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
+    if rows is not None:
+        q, k, v, g, beta = (scatter_rows(x, rows, batch * width) for x in (q, k, v, g, beta))
     terms = [t.view(batch, width, *t.shape[1:]) for t in _token_terms(q, k, v, g, beta, use_qk_l2norm)]
     S = read_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv], a copy
     outs = []
@@ -364,4 +372,5 @@ def gated_delta_rule_chains(
         if j < width - 1:
             write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
     write_states(ssm_states, slots, S)
-    return torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:]).to(q.dtype)
+    o = torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:])  # [B*W, Hv, Dv]
+    return (o if rows is None else o.index_select(0, rows)).to(q.dtype)

@@ -273,6 +273,18 @@ def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> t
     return read_states(pool, plan, dtype), True
 
 
+def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows, *x.shape[1:]]`` zeros with ``x[i]`` at row ``rows[i]`` (packed tokens laid out
+    in a padded batch; a padding row's zeros are finite inputs whose outputs are dropped). Under
+    ``torch.compile`` a gather from ``x`` with a zero row appended (a scatter into zeros compiles to
+    a slow loop on CPU)."""
+    if not torch.compiler.is_compiling():
+        return x.new_zeros(num_rows, *x.shape[1:]).index_copy_(0, rows, x)
+    source = torch.full((num_rows,), x.shape[0], dtype=torch.long, device=x.device).index_put_(
+        (rows,), torch.arange(x.shape[0], device=x.device))  # [num_rows]: packed row, or the zero row
+    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, source)
+
+
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
 
