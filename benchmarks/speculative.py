@@ -41,6 +41,10 @@ first four layers with its final norm and LM head (an early-exit draft built by 
 training: half the model's layers), the same with trees (``speculative_eagle_topk=2``), and
 ``--draft-model-path PATH`` if given.
 
+``--part compiled``: workload (a) with ``compile_decode=True`` on both sides (decode steps and, with
+n-gram chains, verify steps through ``torch.compile``), the eager pair as the peer in the same run,
+and the compiled decode vs verify step at the model runner.
+
 Then (n-gram) a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
 step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
 micro-benchmark of the gated-delta-rule layer on a verify-shaped input: the chunked kernel the
@@ -227,7 +231,9 @@ def check_identical(name: str, off: list[dict], on: list[dict]) -> None:
 
 
 def accept_length(outs: list[dict]) -> tuple[float, int]:
-    """(output tokens per verify step over all requests, verify steps)."""
+    """(output tokens per verify step over all requests, verify steps); (1.0, 0) without speculation."""
+    if not all("spec_verify_ct" in o["meta_info"] for o in outs):
+        return 1.0, 0
     steps = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
     toks = sum(o["meta_info"]["spec_accept_length"] * o["meta_info"]["spec_verify_ct"] for o in outs)
     return toks / steps, steps
@@ -293,6 +299,20 @@ def bench(engines: dict[str, Engine], prompts: list[list[int]], sources: list[li
                   f"{r['fed']:.2f} tokens fed per request and verify step", flush=True)
         print(f"[{name}] batch {batch}: output from prompt {row['from_prompt']:.0%} / repeats itself "
               f"{row['from_self']:.0%}; identical greedy ids: OK", flush=True)
+    return rows
+
+
+def warm_and_bench(engines: dict[str, Engine], loads: dict, args) -> list[dict]:
+    """A warm-up run of every workload on every engine (it caches every prompt, and every engine's
+    greedy ids must equal the "off" engine's), then :func:`bench` of each workload."""
+    params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+    for name, (prompts, _) in loads.items():
+        outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
+        for side in engines:
+            check_identical(f"{name} ({side}), warm-up", outs["off"], outs[side])
+    rows = []
+    for name, (prompts, sources) in loads.items():
+        rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
     return rows
 
 
@@ -592,14 +612,7 @@ def compiled_main(args, threads: int) -> None:
                "eager off": Engine(**kw), "eager on": Engine(**kw, **SPEC)}
     try:
         loads = workloads(engines["off"].tokenizer)
-        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on every engine, checks identity
-            outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
-            for side in engines:
-                check_identical(f"{name} ({side}), warm-up", outs["off"], outs[side])
-        rows = []
-        for name, (prompts, sources) in loads.items():
-            rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
+        rows = warm_and_bench(engines, loads, args)
     finally:
         for e in engines.values():
             e.shutdown()
@@ -624,10 +637,11 @@ def compiled_main(args, threads: int) -> None:
 The n-gram section's workloads and speculation settings, every engine with `compile_decode=True`:
 decode steps through `torch.compile`, and (new) verify steps too. With n-gram speculation the engine
 gives the runner `verify_width` = `speculative_num_draft_tokens` ({SPEC['speculative_num_draft_tokens']}): a
-verify step pads every request to that many tokens as one chain (`ModelRunner.forward_chains`,
-`ForwardBatch.chain_ckpt_rows`), so its shapes depend on the batch size only and it runs one of two
-graphs compiled at start-up (batch 1, larger batches). Steps with no drafts run the compiled decode
-graph. (Before, verify steps ran the eager extend path beside the compiled decode steps.) Runs of the four engines
+verify step runs as padded chains (`ModelRunner.forward_chains`, `ForwardBatch.chain_ckpt_rows`: the
+projections on the fed tokens, the recurrent ops and attention with every request padded to the width),
+so its shapes depend on the batch size and the token count only and it runs graphs compiled at
+start-up. Steps with no drafts run the compiled decode graph. (Before, verify steps ran the eager
+extend path beside the compiled decode steps.) Runs of the four engines
 interleaved, medians of {args.repeats}; every engine gave **identical greedy token ids** (checked by the script).
 The last column is the eager pair of the n-gram section, measured in the same run, as tok/s (wall) and CPU-time ratio to compiled off.
 
@@ -639,8 +653,8 @@ The last column is the eager pair of the n-gram section, measured in the same ru
   tokens each, thread CPU time, medians of {CHAIN_STEPS} steps), the compiled decode step vs the compiled
   verify step of padded chains (request 0 feeds 2 tokens, the others 1, all padded to the width):
 {chr(10).join(costs)}
-  A padded verify step feeds batch x width tokens whatever the drafts, and on this CPU the
-  few-row GEMMs grow with the rows. Speculation gains where the accept length (output tokens per
+  The padded recurrent update runs `width` times over every request of the step, whatever its
+  drafts, and the projections run a few more rows. Speculation gains where the accept length (output tokens per
   request and verify step) is above what a verify step costs in decode steps: at batch 1
   {g1['accept']:.2f} vs {c1:.1f}, at batch {NUM_PROMPTS} {g8['accept']:.2f} vs {c8:.1f} (and with adaptive drafting many steps
   have no drafts and run the decode graph).
@@ -914,14 +928,7 @@ def ngram_main(args, threads: int) -> None:
         cfg = engines["off"].model_config
         slot_bytes = engines["off"].state_pool.bytes_per_slot
         probe = probe_copying(engines["off"], sharegpt_passages(1)[0])
-        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-        for name, (prompts, _) in loads.items():  # warm-up: caches every prompt on every engine, checks identity
-            outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}
-            for side in ("on", "fixed"):
-                check_identical(f"{name} ({side}), warm-up", outs["off"], outs[side])
-        rows = []
-        for name, (prompts, sources) in loads.items():
-            rows += bench(engines, prompts, sources, name, args.repeats, args.new_tokens)
+        rows = warm_and_bench(engines, loads, args)
     finally:
         for e in engines.values():
             e.shutdown()

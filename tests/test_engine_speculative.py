@@ -370,6 +370,17 @@ def test_no_drafts_above_the_batch_size_limit(qwen3_next_dense_path):
         Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_disable_by_batch_size=0)
 
 
+def test_eager_speculation_warns_of_nothing(qwen3_next_dense_path, caplog):
+    """The warning about eager verify steps beside a compiled or CUDA-graph decode is for those
+    engines only: an eager engine with speculation logs none, and its runner is not compiled."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hyla.engine"):
+        with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", **POOLS) as eng:
+            assert eng.scheduler.runner.compiled is False and eng.scheduler.runner.verify_width is None
+    assert not [r for r in caplog.records if "verify steps the eager ops" in r.getMessage()]
+
+
 def _verdict(tokens: list[int], num_accepted: int) -> Verdict:
     return Verdict(tokens, [0.0] * len(tokens), [[] for _ in tokens], num_accepted, list(range(num_accepted + 1)))
 

@@ -29,7 +29,10 @@ layers). The runner passes host copies it already has (``state_slot_list``, ``ma
 A speculative verify step (a token tree, or any extend of at most ``SHORT_EXTEND`` tokens per
 sequence) gets the same treatment: its checkpoints are validated here and laid out with the tree
 once (``tree_scan``, shared by every recurrent layer), and its attention metadata (``short_extend``:
-the KV rows of every sequence and one mask) is built once for all attention layers.
+the KV rows of every sequence and one mask) is built once for all attention layers. A verify step
+of *padded chains* (``chain_ckpt_rows``, what a compiled verify step runs) has metadata whose shapes
+depend on the batch size, the width and the token count only: ``chain_rows`` lays the fed tokens
+out padded to the width for the recurrent ops, the attention layout pads to the same width.
 """
 
 from __future__ import annotations
