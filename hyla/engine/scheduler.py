@@ -51,7 +51,7 @@ class Runner(Protocol):
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
                        return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
-    # set when verify steps of chains run compiled: each request padded to this many tokens
+    # set when verify steps run as padded chains (compiled): each request padded to this many tokens
     verify_width: int | None
 
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
@@ -167,8 +167,8 @@ class Scheduler:
                     if any(r.draft_parents is not None for r in batch.reqs) else None
                 width = getattr(self.runner, "verify_width", None)
                 if width and trees is None and not extra and not self.drafter.keeps_state:
-                    # the compiled verify: every request padded to ``width`` tokens (its state after
-                    # fed token j < width - 1 in scratch slot j, after the last padded one in its own)
+                    # the compiled verify: every request padded to ``width`` inside the recurrent ops
+                    # (its state after position j < width - 1 in scratch slot j, after the last in its own)
                     out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch])
                     batch.chain_width = width
                 else:
