@@ -72,7 +72,8 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
                                                "eagerly). Default: max_running_requests, at most 256.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
-                                       "after about a minute of compilation at start-up (docs/benchmarks.md).")
+                                       "after about a minute of compilation at start-up (docs/benchmarks.md); "
+                                       "with n-gram speculation its verify steps too (docs/engine.md).")
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
