@@ -258,7 +258,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
 
 
 def test_a_batch_of_chains_is_validated_when_built():
-    """``ForwardBatch.chain_ckpt_rows``: equal chains only, checkpoint rows of the right shape that
+    """``ForwardBatch.chain_ckpt_rows``: chains of 1..W tokens only, checkpoint rows of the right shape that
     are distinct state slots and none a sequence's own; a model with other mixers refuses it."""
     from hyla.model.forward_batch import ForwardBatch
 

@@ -19,10 +19,10 @@ serving never stalls on a compile. Models with MoE layers keep an eager decode (
 reads expert counts on the host). See docs/benchmarks.md ("CPU decode") for what it buys.
 
 With ``verify_width=W`` as well (speculative decoding with ``W - 1`` drafts per step; the engine
-passes it with ``compile_decode``), the same compiled function runs verify steps: every request is
-padded to ``W`` tokens as one chain (:meth:`forward_chains`, ``ForwardBatch.chain_ckpt_rows``), so
-a verify step's shapes depend on the batch size only, and two more variants (batch 1, larger
-batches) are compiled at construction.
+passes it with ``compile_decode``), the same compiled function runs verify steps as padded chains
+(:meth:`forward_chains`, ``ForwardBatch.chain_ckpt_rows``): the recurrent ops and attention pad
+every request to ``W`` tokens, so a verify step's shapes depend on the batch size and the token
+count only, and its variants (batch 1, larger batches) are compiled at construction too.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class ModelRunner:
                  verify_width: int | None = None):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
-        with ``compile_decode``, also compile verify steps of that many tokens per request
-        (:meth:`forward_chains`; models of full attention and Gated DeltaNet layers)."""
+        verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`;
+        models of full attention and Gated DeltaNet layers), compiled with ``compile_decode``."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -72,9 +72,8 @@ class ModelRunner:
         # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
         self.fused = model.supports_fused_decode() and gpu_ops.available(self.device) \
             if fused_decode is None else fused_decode
-        if self.fused:  # verify steps keep the extend path beside the fused decode kernels
-            self.verify_width = None
         if self.fused:
+            self.verify_width = None  # verify steps keep the extend path beside the fused decode kernels
             self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
             self.pad_row = req_to_token.padding_row
             self._arange = torch.arange(max(cuda_graph_max_bs, 1) + 1, dtype=torch.long, device=self.device)
@@ -328,7 +327,6 @@ class ModelRunner:
             self._run_decode(batch)
         if self.verify_width is not None:
             self._warm_up_chains(k, v, conv, ssm)
-
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
         """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled

@@ -329,7 +329,7 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
         """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
         t = mixed.shape[0]
-        chains = batch.chain_ckpt_rows  # a verify step of equal chains (the compiled verify)
+        chains = batch.chain_ckpt_rows  # a verify step of padded chains (the compiled verify)
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         elif chains is not None:
@@ -865,7 +865,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
                    for layer in self.layers for mixer in layer.mixers())
 
     def supports_chain_verify(self) -> bool:
-        """Every mixer runs a verify step of equal chains (``ForwardBatch.chain_ckpt_rows``, the
+        """Every mixer runs a verify step of padded chains (``ForwardBatch.chain_ckpt_rows``, the
         compiled verify step): full attention and Gated DeltaNet so far."""
         return all(type(mixer) in (Attention, GatedDeltaNet) for layer in self.layers for mixer in layer.mixers())
 
@@ -919,7 +919,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             raise ValueError(f"the model has {c.num_linear_layers} linear layers, the batch brings "
                              f"{len(batch.conv_states)} conv and {len(batch.ssm_states)} SSM state buffers")
         if batch.chain_ckpt_rows is not None and not self.supports_chain_verify():
-            raise ValueError(f"{c.architecture}: a verify step of equal chains needs full attention and "
+            raise ValueError(f"{c.architecture}: a verify step of padded chains needs full attention and "
                              "Gated DeltaNet layers only")
         if batch.max_token_id >= c.vocab_size:  # read once when the batch was built, not here
             raise ValueError(f"token id {batch.max_token_id} is outside the vocabulary ({c.vocab_size})")

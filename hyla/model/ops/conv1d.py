@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
+    check_chains,
     as_slot_plan,
     open_state_rows,
     read_states,
@@ -216,10 +217,7 @@ def causal_conv1d_chains(
     channels = x.shape[1]
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
-    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
-    if x.shape[0] != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
-        raise ValueError(f"{x.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
-                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
+    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
     act = _activation(activation)
     padded = x if rows is None else scatter_rows(x, rows, batch * width)  # [B*W, C]
     windows = read_states(conv_states, slots, conv_states.dtype)  # [B, C, K-1]

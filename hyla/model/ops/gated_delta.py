@@ -29,6 +29,7 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
+    check_chains,
     chunk_scan_on_pool,
     decay_exp,
     open_state_rows,
@@ -358,10 +359,7 @@ def gated_delta_rule_chains(
     only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
     compiled verify)."""
     check_inputs(q, k, v, g, beta, ssm_states)
-    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
-    if q.shape[0] != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
-        raise ValueError(f"{q.shape[0]} tokens, {slots.batch_size} state slots and checkpoint rows "
-                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
+    batch, width = check_chains(q.shape[0], slots, ckpt_rows, rows)
     if rows is not None:
         q, k, v, g, beta = (scatter_rows(x, rows, batch * width) for x in (q, k, v, g, beta))
     terms = [t.view(batch, width, *t.shape[1:]) for t in _token_terms(q, k, v, g, beta, use_qk_l2norm)]

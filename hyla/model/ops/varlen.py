@@ -273,16 +273,22 @@ def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> t
     return read_states(pool, plan, dtype), True
 
 
+def check_chains(num_tokens: int, slots: "SlotPlan", ckpt_rows: torch.Tensor,
+                 rows: torch.Tensor | None) -> tuple[int, int]:
+    """``(B, W)`` of a verify step of padded chains (``gated_delta_rule_chains``,
+    ``causal_conv1d_chains``): ``ckpt_rows [B, W-1]``, ``B`` state slots, and ``num_tokens`` packed
+    tokens with their padded ``rows`` (None: ``B * W`` tokens, already padded); ``ValueError`` else."""
+    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
+    if num_tokens != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
+        raise ValueError(f"{num_tokens} tokens, {slots.batch_size} state slots and checkpoint rows "
+                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
+    return batch, width
+
+
 def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``[num_rows, *x.shape[1:]]`` zeros with ``x[i]`` at row ``rows[i]`` (packed tokens laid out
-    in a padded batch; a padding row's zeros are finite inputs whose outputs are dropped). Under
-    ``torch.compile`` a gather from ``x`` with a zero row appended (a scatter into zeros compiles to
-    a slow loop on CPU)."""
-    if not torch.compiler.is_compiling():
-        return x.new_zeros(num_rows, *x.shape[1:]).index_copy_(0, rows, x)
-    source = torch.full((num_rows,), x.shape[0], dtype=torch.long, device=x.device).index_put_(
-        (rows,), torch.arange(x.shape[0], device=x.device))  # [num_rows]: packed row, or the zero row
-    return torch.cat([x, x.new_zeros(1, *x.shape[1:])]).index_select(0, source)
+    in a padded batch; a padding row's zeros are finite inputs whose outputs are dropped)."""
+    return x.new_zeros(num_rows, *x.shape[1:]).index_copy_(0, rows, x)
 
 
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
