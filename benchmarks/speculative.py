@@ -13,13 +13,14 @@ same work):
 
 * ``grounded`` — the issue's input-grounded workload: the chat template around "Repeat the
   following text exactly:" + an assistant message of ShareGPT (500–900 characters). An n-gram
-  drafter wins here only if the model copies its prompt; the script measures whether it does
-  (share of output tokens whose 4-gram occurs in the passage).
+  drafter wins here only if the model copies its prompt (the default model was fine-tuned to, by
+  ``scripts/train_copy.py``, on other passages: these are held out); the script measures how much
+  it does (share of output tokens whose 4-gram occurs in the passage).
 * ``repetitive`` — synthetic: raw-text prompts that already repeat a phrase or a list several
-  times. The default model does not copy them either, but they send its greedy decoding into
-  loops within a few tokens, which the drafter then predicts from the request's own output.
+  times, which the drafter predicts from the prompt and from the request's own output (they send a
+  small model's greedy decoding into loops within a few tokens).
 
-Speculation: ``speculative_algorithm="ngram"``, 4 draft tokens per step (at most 3 drafts + the last
+Speculation: ``speculative_algorithm="ngram"``, 4 draft tokens per step by default (``--draft-tokens``; at most 3 drafts + the last
 token), match windows 1..12, adaptive drafting (the default) — and, as its peer in the same run, the
 same with ``speculative_ngram_adaptive=False`` (*fixed*: every match drafted in full). Every engine
 keeps the prefix cache on (the default); a warm-up run caches every prompt, so the timed runs
@@ -557,6 +558,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=4,
+                    help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "compiled"), default="all",
@@ -565,6 +568,10 @@ def main() -> None:
     ap.add_argument("--draft-model-path", default=None,
                     help="draft: one more draft model to measure (same vocabulary as the default model)")
     args = ap.parse_args()
+    if args.draft_tokens < 2:
+        raise SystemExit("--draft-tokens must be at least 2 (the last token + one draft)")
+    for spec in (SPEC, FIXED):  # the n-gram parts' engines read these
+        spec["speculative_num_draft_tokens"] = args.draft_tokens
     threads = torch.get_num_threads()
     torch.set_grad_enabled(False)
     if args.part in ("all", "mtp"):
@@ -575,6 +582,15 @@ def main() -> None:
         ngram_main(args, threads)
     if args.part in ("all", "compiled"):
         compiled_main(args, threads)
+
+
+def drafts_suffix(args) -> str:
+    """The n-gram sections' title suffix and command flag: none at the default 4 draft tokens."""
+    return "" if args.draft_tokens == 4 else f", {args.draft_tokens} draft tokens"
+
+
+def drafts_flag(args) -> str:
+    return "" if args.draft_tokens == 4 else f" --draft-tokens {args.draft_tokens}"
 
 
 CHAIN_STEPS = 50
@@ -621,7 +637,7 @@ def compiled_main(args, threads: int) -> None:
     costs = [f"  * batch {b}: decode {d:.2f} ms; chains of width {width} {c:.2f} ms ({c / d:.1f}x)" for b, (d, c) in steps.items()]
     c1, c8 = (steps[b][1] / steps[b][0] for b in (1, NUM_PROMPTS))
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part compiled --repeats {args.repeats} "
-           f"--new-tokens {args.new_tokens}")
+           f"--new-tokens {args.new_tokens}{drafts_flag(args)}")
     table = ["| workload | batch | compiled off tok/s | compiled on tok/s | on / off (wall) | on / off (CPU time) "
              "| accept length | eager off, eager on: tok/s (CPU time vs compiled off) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -661,7 +677,7 @@ The last column is the eager pair of the n-gram section, measured in the same ru
 """
     print(body)
     if not args.no_write:
-        write_section("Speculative decoding: n-gram with compile_decode", body)
+        write_section("Speculative decoding: n-gram with compile_decode" + drafts_suffix(args), body)
 
 
 def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
@@ -946,7 +962,7 @@ def ngram_main(args, threads: int) -> None:
 
     plen = {name: (min(map(len, p)), max(map(len, p))) for name, (p, _) in loads.items()}
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part ngram --repeats {args.repeats} "
-           f"--new-tokens {args.new_tokens}")
+           f"--new-tokens {args.new_tokens}{drafts_flag(args)}")
     table = ["| workload | batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length "
              "| tokens fed per verify step | verify steps | fixed: on / off (wall, CPU time) | fixed: accept length, "
              "tokens fed | output tokens from the prompt / repeating itself |",
@@ -978,10 +994,11 @@ def ngram_main(args, threads: int) -> None:
   (batch 1 / {NUM_PROMPTS}), vs {SGLANG_ACCEPT}. This workload cannot show what n-gram drafting gives
   on a model that copies its input; *repetitive* stands in for one with a higher accept length."""
     else:
-        copy_bullet = f"""* The default model copies from its prompt in some forms (share of output 4-grams found in the
-  text to copy, 64 greedy tokens: {probe_list}); on *grounded* {g1['from_prompt']:.0%} of its output 4-grams come from
-  the passage. Accept lengths {g1['accept']:.2f} / {g8['accept']:.2f} on *grounded*, {r1['accept']:.2f} / {r8['accept']:.2f}
-  on *repetitive* (batch 1 / {NUM_PROMPTS}), vs {SGLANG_ACCEPT}."""
+        copy_bullet = f"""* **The default model copies from its prompt** (`scripts/train_copy.py` taught it to, on other
+  passages than these). Share of output 4-grams found in the text to copy, 64 greedy tokens, by prompt
+  form: {probe_list}. On *grounded* {g1['from_prompt']:.0%} of its output 4-grams come from the passage (and
+  {g1['from_self']:.0%} repeat earlier output). Accept lengths {g1['accept']:.2f} / {g8['accept']:.2f} on *grounded*,
+  {r1['accept']:.2f} / {r8['accept']:.2f} on *repetitive* (batch 1 / {NUM_PROMPTS}), vs {SGLANG_ACCEPT}."""
     slower = [r for r in rows if r["cpu_ratio"] < 1.0]
     faster = [r for r in rows if r["cpu_ratio"] >= 1.0]
     cases = "; ".join(f"*{r['workload']}* batch {r['batch']}: {r['cpu_ratio']:.2f}x at accept length {r['accept']:.2f}"
@@ -994,7 +1011,7 @@ def ngram_main(args, threads: int) -> None:
         speed_bullet = f"""* Speculation is faster than plain decoding in every case here (CPU-time ratios: {cases})."""
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
 
-Speculation (*on*): `speculative_algorithm="ngram"`, `speculative_num_draft_tokens=4` (at most 3 drafts per
+Speculation (*on*): `speculative_algorithm="ngram"`, `speculative_num_draft_tokens={args.draft_tokens}` (at most {args.draft_tokens - 1} drafts per
 verify step), match windows 1..12, adaptive drafting (`speculative_ngram_adaptive=True`, the default: each
 request's draft budget follows how its drafts fared, and 1-token matches are drafted only after a right
 prediction; docs/engine.md). *fixed*: the same with `speculative_ngram_adaptive=False` (every match
@@ -1079,7 +1096,7 @@ decode step; break-even needs accept length ≥ verify / decode step time.
 """
     print(body)
     if not args.no_write:
-        write_section("Speculative decoding", body)
+        write_section("Speculative decoding" + drafts_suffix(args), body)
 
 
 if __name__ == "__main__":

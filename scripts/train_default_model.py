@@ -399,12 +399,16 @@ def sample_replies(out_dir: Path, cfg: TrainConfig) -> list[tuple[list[dict[str,
     return exchanges
 
 
-def write_model_card(out_dir: Path, cfg: TrainConfig, stats: dict[str, Any], exchanges: list) -> None:
+def format_exchanges(exchanges: list[tuple[list[dict[str, str]], str]]) -> str:
+    """The model card's sample exchanges: each a markdown quote, a blank line after each."""
     samples = []
     for messages, reply in exchanges:
         turns = [f"**{m['role']}:** {m['content']}" for m in messages] + [f"**assistant:** {reply.strip()}"]
-        quoted = "\n".join(f"> {line}".rstrip() for line in "\n\n".join(turns).split("\n"))
-        samples.append(quoted)
+        samples.append("\n".join(f"> {line}".rstrip() for line in "\n\n".join(turns).split("\n")))
+    return "\n".join(s + "\n" for s in samples)
+
+
+def write_model_card(out_dir: Path, cfg: TrainConfig, stats: dict[str, Any], exchanges: list) -> None:
     settings = json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k != "out_dir"}, indent=1)
     card = f"""# hyla default model (tiny Qwen3-Next, trained on CPU)
 
@@ -436,7 +440,7 @@ the OpenAI-compatible API), and a real checkpoint for anything else.
 
 ## Sample exchanges (greedy decoding with transformers, {cfg.sample_max_new_tokens} new tokens at most)
 
-{chr(10).join(s + chr(10) for s in samples)}
+{format_exchanges(exchanges)}
 ## Reproduce
 ```
 .venv/bin/python scripts/train_default_model.py

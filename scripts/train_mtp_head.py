@@ -25,7 +25,7 @@ ship an MTP head as ``mtp.*`` tensors, which hyla's ``speculative_algorithm="mtp
    add ``mtp_num_hidden_layers: 1`` to ``config.json``, and measure hyla's accept length with the new
    head on a few chat prompts; the model card (``README.md``) gets an "MTP head" section.
 
-Run it after ``train_default_model.py`` (which rewrites the checkpoint and the card without a head).
+Run it last, after ``train_default_model.py`` and ``train_copy.py`` (each rewrites the model and drops the head).
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ class MtpConfig:
 
     model_dir: str = str(REPO_ROOT / "hyla" / "assets" / "default-model")
     seed: int = 0
-    threads: int = 2
+    threads: int = 1
     # data (the base script's filters and template)
     seq_len: int = 256
     batch_size: int = 8
-    train_windows: int = 512  # their hidden states are computed once, then reused every epoch
+    train_windows: int = 2048  # their hidden states are computed once, then reused every epoch
     eval_windows: int = 32
     # training
-    num_steps: int = 300
+    num_steps: int = 1200
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
