@@ -37,10 +37,8 @@ Run it after ``train_default_model.py`` and before ``train_mtp_head.py``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import math
 import random
 import sys
 import time
@@ -173,13 +171,6 @@ def loss_on(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                              ignore_index=IGNORE)
 
 
-def lr_at(step: int, num_steps: int, cfg: CopyConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, num_steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train(model, data: CopyData, cfg: CopyConfig) -> float:
     """Both stages, one schedule (warmup, cosine) over their steps; returns the seconds taken."""
     from tqdm import tqdm
@@ -190,7 +181,7 @@ def train(model, data: CopyData, cfg: CopyConfig) -> float:
     start, smoothed = time.time(), None
     for step in tqdm(range(total), desc="copy fine-tune", mininterval=10.0):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total, cfg)
+            group["lr"] = base.lr_at(step, total, cfg)
         loss = loss_on(model, *data.batch(mixed=step >= cfg.induction_steps))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -208,7 +199,8 @@ def train(model, data: CopyData, cfg: CopyConfig) -> float:
 
 
 def four_gram_share(output: list[int], source: list[int]) -> float:
-    """Share of the output's 4-grams that occur in ``source`` (the benchmark's copy metric)."""
+    """Share of the output's own 4-grams that occur in ``source``. (``benchmarks/speculative.py``'s
+    ``copy_shares`` also counts the 4-grams that start in the prompt, over every output token.)"""
     grams = {tuple(source[i:i + 4]) for i in range(len(source) - 3)}
     n = len(output) - 3
     return sum(tuple(output[i:i + 4]) in grams for i in range(n)) / n if n > 0 else 0.0
@@ -249,7 +241,7 @@ def write_model(model_dir: Path, model) -> None:
 
     file = model_dir / "model.safetensors"
     old = load_file(file)
-    new = {k: v for k, v in model.state_dict().items()}
+    new = model.state_dict()
     own = {k for k in old if not k.startswith("mtp.")}
     if set(new) != own:
         raise SystemExit(f"tensor names differ from the checkpoint's: {sorted(set(new) ^ own)[:5]}")
@@ -310,13 +302,6 @@ Settings (`scripts/train_copy.py`):
 # --- main ------------------------------------------------------------------------------------------
 
 
-def parse_args() -> CopyConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(CopyConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    return CopyConfig(**vars(parser.parse_args()))
-
-
 def main(cfg: CopyConfig) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -343,4 +328,4 @@ def main(cfg: CopyConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(base.parse_config(CopyConfig, __doc__.split("\n")[0]))

@@ -305,10 +305,12 @@ def token_stream(conversations: list[list[dict[str, str]]], tokenizer: Tokenizer
     return torch.tensor(stream, dtype=torch.long), used
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, num_steps: int, cfg: Any) -> float:
+    """Linear warmup over ``cfg.warmup_steps``, then cosine down to ``cfg.min_lr_ratio * cfg.lr`` at
+    ``num_steps`` (this script's, ``train_copy.py``'s and ``train_mtp_head.py``'s schedule)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, num_steps - cfg.warmup_steps)
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
@@ -344,14 +346,14 @@ def train(model: torch.nn.Module, train_windows: torch.Tensor, eval_windows: tor
     for step in bar:
         idx = order[(step * cfg.batch_size + torch.arange(cfg.batch_size)) % len(order)]
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg.num_steps, cfg)
         loss = loss_on(model, train_windows[idx], cfg)  # windows: [B, seq_len]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         smoothed = loss.item() if smoothed is None else 0.95 * smoothed + 0.05 * loss.item()
-        bar.set_postfix(loss=f"{smoothed:.3f}", lr=f"{lr_at(step, cfg):.1e}", refresh=False)
+        bar.set_postfix(loss=f"{smoothed:.3f}", lr=f"{lr_at(step, cfg.num_steps, cfg):.1e}", refresh=False)
         if step % cfg.log_every == 0 or step == cfg.num_steps - 1:
             tqdm.write(f"step {step:5d}  loss {loss.item():.4f}  smoothed {smoothed:.4f}  {time.time() - start:6.0f}s")
     train_seconds = time.time() - start
@@ -456,15 +458,17 @@ Settings:
 # --- main ------------------------------------------------------------------------------------------
 
 
-def parse_args() -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(TrainConfig):
+def parse_config(cls: type, description: str) -> Any:
+    """A settings dataclass ``cls`` from the command line: one ``--flag`` per field, its default the
+    field's (this script's, ``train_copy.py``'s and ``train_mtp_head.py``'s)."""
+    parser = argparse.ArgumentParser(description=description)
+    for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
         else:
             parser.add_argument(flag, type=type(f.default), default=f.default)
-    return TrainConfig(**vars(parser.parse_args()))
+    return cls(**vars(parser.parse_args()))
 
 
 def main(cfg: TrainConfig) -> None:
@@ -512,4 +516,4 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(parse_config(TrainConfig, __doc__.split("\n")[0]))

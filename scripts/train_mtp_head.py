@@ -30,11 +30,9 @@ Run it last, after ``train_default_model.py`` and ``train_copy.py`` (each rewrit
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import random
 import sys
 import time
@@ -195,13 +193,6 @@ def head_loss(head: MtpHead, model: FrozenModel, ids: torch.Tensor, hidden: torc
     return loss, agree
 
 
-def lr_at(step: int, cfg: MtpConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 @torch.no_grad()
 def evaluate(head: MtpHead, model: FrozenModel, ids: torch.Tensor, hidden: torch.Tensor,
              cfg: MtpConfig) -> tuple[float, float]:
@@ -226,7 +217,7 @@ def train(head: MtpHead, model: FrozenModel, train_ids: torch.Tensor, eval_ids: 
     for step in range(cfg.num_steps):
         idx = order[step * cfg.batch_size:(step + 1) * cfg.batch_size]
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = base.lr_at(step, cfg.num_steps, cfg)
         loss, agree = head_loss(head, model, train_ids[idx], train_hidden[idx])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -320,13 +311,6 @@ Settings (`scripts/train_mtp_head.py`):
 # --- main ------------------------------------------------------------------------------------------
 
 
-def parse_args() -> MtpConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(MtpConfig):
-        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    return MtpConfig(**vars(parser.parse_args()))
-
-
 def main(cfg: MtpConfig) -> None:
     torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed)
@@ -350,4 +334,4 @@ def main(cfg: MtpConfig) -> None:
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    main(base.parse_config(MtpConfig, __doc__.split("\n")[0]))
