@@ -26,8 +26,8 @@ Held out of every stage: the conversations ``benchmarks/speculative.py`` takes i
 and the base script's evaluation windows. Measured before and after (printed and written to the model
 card's "Copying from the context" section): the held-out loss of the base script's evaluation windows,
 the next-token accuracy on a held-out span's repeat vs its first occurrence, and the share of output
-4-grams found in the passage when the model is asked to repeat each benchmark passage (greedy, the
-benchmark's metric). The model's tensors are replaced in ``model.safetensors`` (bf16, names
+4-grams found in the passage when the model is asked to repeat each benchmark passage (greedy; the
+benchmark's ``copy_shares`` also counts 4-grams starting in the prompt). The model's tensors are replaced in ``model.safetensors`` (bf16, names
 unchanged); an MTP head (``mtp.*``) is dropped with its config key and card section, because it was
 trained on the old model: run ``train_mtp_head.py`` afterwards. The card's sample exchanges are
 regenerated.
