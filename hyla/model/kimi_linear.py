@@ -72,7 +72,7 @@ from hyla.model.layers import (
     norm_spec,
     stack_experts,
 )
-from hyla.model.ops.attention import extend_mask
+from hyla.model.ops.attention import extend_sdpa
 from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
 
@@ -249,11 +249,8 @@ def latent_paged_attention(
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, "
                              f"expected {prefix + extend}")
         keys = read(kv_indices[indptr[i] : indptr[i + 1]])[None]  # [1, L, W]
-        mask = extend_mask(prefix, extend, tree_masks[i] if tree_masks is not None else None, q.device)  # [E, L]
-        oi = F.scaled_dot_product_attention(
-            q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], attn_mask=mask, scale=scaling,
-            enable_gqa=True,
-        )  # [H, E, value_dim]
+        oi = extend_sdpa(q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], prefix,
+                         tree_masks[i] if tree_masks is not None else None, scaling)  # [H, E, value_dim]
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
     return out
