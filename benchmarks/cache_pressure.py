@@ -21,6 +21,10 @@ greedy outputs must equal the cache-off run's up to each request's first floatin
 (``tests/test_engine_differential.py: compare_outputs``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
+        [--kv-tokens 1536] [--max-running 6]
+
+``--kv-tokens`` / ``--max-running`` change the pools of ``POOLS``; a run with other pools writes its own
+section (``Cache under pressure, 2048 KV tokens``).
 
 ``--compare-with`` (repeatable) runs the same workload on another checkout's ``hyla`` (a
 subprocess with that tree first on ``sys.path``), e.g. ``git worktree add /tmp/d59eaa7 d59eaa7``:
@@ -52,6 +56,7 @@ CONFIGS = [  # (name, engine options)
 ]
 ARCHS = ("qwen3_next", "nemotron_h")
 POOLS = dict(max_total_tokens=1536, max_state_slots=14, max_running_requests=6, chunked_prefill_size=256)
+POOL_FLAGS = (("kv-tokens", "max_total_tokens"), ("max-running", "max_running_requests"))  # settable per run
 SYSTEM_PROMPT = 40  # tokens every session starts with
 CATEGORIES = ("KV evicted", "checkpoint evicted", "no room for a checkpoint", "no checkpoint taken",
               "off the checkpoint grid", "never cached")
@@ -115,7 +120,8 @@ def capacity_bound(ledger, kv_size: int, rids: list[list[str]], wanted: list[lis
     return bound
 
 
-def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[dict]], opts: dict) -> bool | None:
+def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[dict]], opts: dict,
+                     pools: dict) -> bool | None:
     """Whether ``hyla sim``'s engine replay (``hyla.sim.replay``) of this run's requests — the same
     prompts, outputs and options, on accounting pools — reports every request's cached tokens as the
     engine did. None where the checkout has no replay."""
@@ -127,11 +133,11 @@ def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[
         return None
     trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o["output_ids"])
              for t, (ps, outs) in enumerate(zip(prompts, got)) for i, (p, o) in enumerate(zip(ps, outs))]
-    replay = replay_engine(trace, resolve_model(str(path)).layout, **POOLS, **opts)
+    replay = replay_engine(trace, resolve_model(str(path)).layout, **pools, **opts)
     return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
 
 
-def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
+def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str, Any]]:
     """Per configuration, summed over the workload seeds."""
     import checkpoints
     from test_engine_differential import compare_outputs
@@ -144,14 +150,14 @@ def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
     for arch in ARCHS:
         for seed in seeds:
             firsts, users, max_new = workload(seed)
-            with Engine(paths[arch], enable_prefix_cache=False, **POOLS) as off:
+            with Engine(paths[arch], enable_prefix_cache=False, **pools) as off:
                 prompts, want = reference(off, firsts, users, max_new)
             fed = [[len(p) + len(o["output_ids"]) - 1 for p, o in zip(ps, outs)] for ps, outs in zip(prompts, want)]
             for name, opts in CONFIGS:
                 grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
                 wanted = [[0] * len(firsts)] + [[f - f % grid for f in fs] for fs in fed[:-1]]
                 shared = [[min(w, SYSTEM_PROMPT - SYSTEM_PROMPT % grid) for w in ws] for ws in wanted]
-                with Engine(paths[arch], **POOLS, **opts) as eng:
+                with Engine(paths[arch], **pools, **opts) as eng:
                     ledger = eng.record_cache_events() if hasattr(eng, "record_cache_events") else None
                     got = [run_turn(eng, prompts[t], max_new) for t in range(len(prompts))]
                     stats = eng.get_stats()
@@ -167,7 +173,7 @@ def measure(ckpt_dir: Path, seeds: list[int]) -> dict[str, dict[str, Any]]:
                     "history_tokens": [], "kv_pool": kv_size})
                 r["cached"] += cached
                 r["ideal"] += ideal
-                agrees = simulator_agrees(paths[arch], prompts, got, opts)
+                agrees = simulator_agrees(paths[arch], prompts, got, opts, pools)
                 if agrees is not None:
                     r["sim_disagreements"] = r.get("sim_disagreements", 0) + (not agrees)
                 r["lost_by_seed"].append(1 - cached / max(1, ideal))
@@ -205,7 +211,7 @@ def _pct(part: float, whole: float) -> str:
 
 
 def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, dict[str, Any]]]],
-           seeds: list[int]) -> str:
+           seeds: list[int], pools: dict) -> str:
     from benchmarks.report import machine
 
     head = "| configuration | cached / ideal | lost (per seed) |"
@@ -241,16 +247,20 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         details.append(f"* {key}: {parts or 'nothing lost'}")
     some = next(iter(after.values()))
     seeds_arg = "" if seeds == DEFAULT_SEEDS else " --seeds " + ",".join(map(str, seeds))
+    pool_args = "".join(f" --{flag} {pools[key]}" for flag, key in POOL_FLAGS if pools[key] != POOLS[key])
     cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + "".join(
-        f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg
+        f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg + pool_args
+    most, kv = max(some["history_tokens"]), some["kv_pool"]
+    running = f"the {pools['max_running_requests']} running requests' new tokens"
+    fit = (f"they cannot all stay cached, and {running} need room besides" if most > kv
+           else f"they fit, but not beside {running}")
     return (
         f"`{cmd}` — {machine()}; tiny test checkpoints (fp32); 8 concurrent sessions × 4 turns, workload seeds "
         f"{', '.join(map(str, seeds))} (totals over the seeds; the lost share of each seed in parentheses); pools "
-        f"{POOLS}. Ideal = each turn hits the previous turn's prompt + output − 1, rounded down to the grid. "
+        f"{pools}. Ideal = each turn hits the previous turn's prompt + output − 1, rounded down to the grid. "
         "Every configuration is fed the cache-off run's prompts, and its greedy outputs equal the cache-off "
         f"run's (up to floating-point ties). The sessions' histories reach {min(some['history_tokens'])}–"
-        f"{max(some['history_tokens'])} tokens before the last turn against a KV pool of {some['kv_pool']}: "
-        "they cannot all stay cached, and the 6 running requests' new tokens need room besides. The bound is "
+        f"{most} tokens before the last turn against a KV pool of {kv}: {fit}. The bound is "
         "the most any eviction order could have kept given each run's schedule (`capacity_bound` in the script: "
         "it knows the future, keeps any prefix of a history, ignores pages and the state pool). "
         + _agreement(after) + "\n\n"
@@ -264,25 +274,38 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         + "\n\nIn detail (how the tree let go of it, and what needed the room):\n\n" + "\n".join(details))
 
 
+def section_title(pools: dict) -> str:
+    """``Cache under pressure``, or with the pool settings that differ from ``POOLS``."""
+    changed = [f"{pools[key]} {'KV tokens' if key == 'max_total_tokens' else 'running requests'}"
+               for _, key in POOL_FLAGS if pools[key] != POOLS[key]]
+    return "Cache under pressure" + (", " + ", ".join(changed) if changed else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--compare-with", type=Path, action="append", default=[],
                     help="another checkout's root (repeatable): measure it too; its directory name labels it")
     ap.add_argument("--seeds", default=",".join(map(str, DEFAULT_SEEDS)),
                     help="comma-separated workload seeds, summed (default %(default)s)")
+    ap.add_argument("--kv-tokens", type=int, default=POOLS["max_total_tokens"],
+                    help="the KV pool's size in tokens (default %(default)s); another size writes its own section")
+    ap.add_argument("--max-running", type=int, default=POOLS["max_running_requests"],
+                    help="requests decoding at once (default %(default)s); another number writes its own section")
     ap.add_argument("--json", action="store_true", help="print only the results as JSON (used by --compare-with)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     ckpt_dir = Path(tempfile.gettempdir()) / "hyla-bench-ckpts"
-    after = measure(ckpt_dir, seeds)
+    pools = dict(POOLS, max_total_tokens=args.kv_tokens, max_running_requests=args.max_running)
+    after = measure(ckpt_dir, seeds, pools)
     if args.json:
         print(json.dumps(after))
         return
     befores = []
     for checkout in args.compare_with:
         env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
-        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", "--seeds", args.seeds],
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", "--seeds", args.seeds,
+                              "--kv-tokens", str(args.kv_tokens), "--max-running", str(args.max_running)],
                              env=env, check=True, capture_output=True, text=True, cwd=checkout).stdout
         before = json.loads(out.strip().splitlines()[-1])
         for key, r in after.items():
@@ -292,10 +315,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import write_section
 
-    body = render(after, befores, seeds)
+    body = render(after, befores, seeds, pools)
     print(body)
     if not args.no_write:
-        write_section("Cache under pressure", body)
+        write_section(section_title(pools), body)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """Model forward throughput: hyla vs Hugging Face transformers on the same tiny checkpoint.
 
 For each tiny checkpoint (Qwen3-Next dense, Qwen3-Next MoE, NemotronH; built as in the tests):
-* prefill: tokens/s for one 512-token prompt (HF: one forward with a fresh cache);
+* prefill: tokens/s for one fresh prompt of 512 and of 4,096 tokens (HF: one forward with a fresh cache);
 * decode: ms per step for a batch of B sequences (B = 1, 8, 32), each with a 64-token prompt
   already prefilled (HF: one batched forward of B tokens with its cache).
 Numbers are medians over repeated runs (hyla and HF interleaved), in fp32, in one process. Prints a markdown table (the
 ``## Model forward`` section of docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/model_forward.py [--repeats 5] [--steps 8] [--threads 1] [--cpu-time]
+    .venv/bin/python benchmarks/model_forward.py [--repeats 5] [--steps 8] [--threads 1] [--cpu-time] [--prefill-tokens 512,4096]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import checkpoints  # noqa: E402  (tests/checkpoints.py: builders + TinyRunner)
 
 from hyla.model import load_model  # noqa: E402
 
-PREFILL_TOKENS = 512
+PREFILL_TOKENS = (512, 4096)
 DECODE_PROMPT = 64
 BATCHES = (1, 8, 32)
 
@@ -58,12 +58,12 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 2048, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def prefill_pair(model, hf):
-    """(hyla, HF) callables prefilling one fresh ``PREFILL_TOKENS``-token prompt."""
-    ids = random_ids(PREFILL_TOKENS, 0)
+def prefill_pair(model, hf, num_tokens: int):
+    """(hyla, HF) callables prefilling one fresh ``num_tokens``-token prompt."""
+    ids = random_ids(num_tokens, 0)
 
     def ours():
-        runner = checkpoints.TinyRunner(model, max_tokens=PREFILL_TOKENS, max_states=1)
+        runner = checkpoints.TinyRunner(model, max_tokens=num_tokens, max_states=1)
         runner.step([runner.new_seq()], [ids])
 
     @torch.no_grad()
@@ -105,6 +105,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=8, help="decode steps per timed run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
+                        help="comma-separated prompt lengths of the prefill rows (default %(default)s)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="measure process CPU time instead of wall time (robust on a shared, loaded "
                              "machine; meaningful with --threads 1)")
@@ -132,9 +134,10 @@ def main() -> None:
             path = build(tmp)
             model = load_model(path, dtype="float32")
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            ours, ref = paired_medians(*prefill_pair(model, hf), args.repeats)
-            print(f"| {name} | prefill {PREFILL_TOKENS} tok (tok/s) | {PREFILL_TOKENS / ours:,.0f} | "
-                  f"{PREFILL_TOKENS / ref:,.0f} | {ref / ours:.2f}x |", flush=True)
+            for n in map(int, args.prefill_tokens.split(",")):
+                ours, ref = paired_medians(*prefill_pair(model, hf, n), args.repeats)
+                print(f"| {name} | prefill {n} tok (tok/s) | {n / ours:,.0f} | {n / ref:,.0f} | {ref / ours:.2f}x |",
+                      flush=True)
             for batch in BATCHES:
                 ours, ref = paired_medians(*decode_pair(model, hf, batch, args.steps, args.repeats), args.repeats)
                 ours, ref = 1000 * ours / args.steps, 1000 * ref / args.steps
