@@ -85,8 +85,10 @@ def test_gated_delta_decode_kernel(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 4])
-def test_paged_decode_attention_kernel(dtype, splits):
-    """Sequences of 7, 45 and 1 keys in rows 3, 0, 4 of the request table; q rows strided."""
+@pytest.mark.parametrize("gated", [False, True])
+def test_paged_decode_attention_kernel(dtype, splits, gated):
+    """Sequences of 7, 45 and 1 keys in rows 3, 0, 4 of the request table; q rows strided; with an
+    output gate, a strided view as the layer passes it."""
     g = torch.Generator().manual_seed(2)
     hq, hkv, d = 8, 2, 32
     kb = torch.randn(50, hkv, d, generator=g).to(DEVICE, dtype)
@@ -96,13 +98,65 @@ def test_paged_decode_attention_kernel(dtype, splits):
     for r, n in zip(rows, lens):
         table[r, :n] = (torch.randperm(49, generator=g)[:n] + 1).int()
     q = torch.randn(3, hq + hkv, d, generator=g).to(DEVICE, dtype)[:, :hq]
+    gate = torch.randn(3, hq, 2 * d, generator=g).to(DEVICE, dtype)[:, :, d:] if gated else None
     o = paged_decode_attention(q, kb, vb, table.to(DEVICE), torch.tensor(rows, device=DEVICE),
-                               torch.tensor(lens, device=DEVICE), 0.3, splits=splits)
+                               torch.tensor(lens, device=DEVICE), 0.3, splits=splits, gate=gate)
     flat = torch.cat([table[r, :n].long() for r, n in zip(rows, lens)]).to(DEVICE)
     indptr = torch.tensor([0, 7, 52, 53], device=DEVICE)
     kv_table, mask = decode_kv_table(flat, indptr, lens)
     ref = decode_attention(q.contiguous(), kb, vb, kv_table, mask, 0.3)
+    if gated:
+        ref = ref * torch.sigmoid(gate)
     torch.testing.assert_close(o.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+# the kernels below round where their PyTorch forms round: bf16 checked on CPU too, interpreted; there
+# only within a rounding step, since Triton's interpreter casts fp32 to bf16 by truncation (a GPU rounds
+# to nearest, as PyTorch does)
+ROUNDING_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _exact(dtype: torch.dtype) -> dict:
+    """Tolerances for a result the kernel rounds exactly as PyTorch does."""
+    return dict(atol=0, rtol=0) if GPU or dtype == torch.float32 else dict(atol=0, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+@pytest.mark.parametrize("variant", ["qwen", "no_gate", "plain"])
+def test_decode_qk_prologue_kernel(dtype, variant):
+    """q/k norm + partial RoPE + the K/V pool writes in one kernel == ``Attention.forward``'s PyTorch
+    sequence: Qwen3.5's (output gate, per-head norms, RoPE on 8 of 32 channels), without the gate, and
+    NemotronH's (neither norm nor RoPE: the K/V writes alone)."""
+    from hyla.model.layers import apply_rotary_, signed_sin
+    from hyla.model.ops.gpu.decode_attention import decode_qk_prologue
+
+    g = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, rot = 3, 4, 2, 32, 8
+    gated, normed = variant == "qwen", variant != "plain"
+    q_size = hq * d * (2 if gated else 1)
+    qkv = torch.randn(b, q_size + 2 * hkv * d + 5, generator=g).to(DEVICE, dtype)[:, :-5]  # strided rows
+    scale = torch.randn(hq + hkv, d, generator=g).to(DEVICE) if normed else None
+    pos = torch.tensor([3, 17, 40], device=DEVICE).float()
+    freqs = pos[:, None] / 100.0 ** (torch.arange(0, rot, 2, device=DEVICE) / rot)
+    emb = torch.cat([freqs, freqs], -1)
+    rope = (emb.cos().to(dtype), signed_sin(emb.sin().to(dtype))) if normed else None
+    kb, vb = (torch.randn(20, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
+    ref_kb, ref_vb = kb.clone(), vb.clone()
+    loc = torch.tensor([11, 2, 7], device=DEVICE)
+
+    q = decode_qk_prologue(qkv, hq, hkv, d, gated, kb, vb, loc, scale, 1e-6, rope)
+
+    qp, k, v = qkv.split([q_size, hkv * d, hkv * d], -1)
+    qp = qp.reshape(b, hq, -1)[:, :, :d]
+    qk = torch.cat([qp, k.reshape(b, hkv, d)], 1)
+    if normed:
+        qk = (F.rms_norm(qk.float(), (d,), eps=1e-6) * scale).to(dtype)
+        apply_rotary_(qk, *rope)
+    ref_kb[loc], ref_vb[loc] = qk[:, hq:], v.reshape(b, hkv, d)
+    exact = dict(atol=0, rtol=0) if not normed else dict(atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(q, qk[:, :hq], **exact)
+    torch.testing.assert_close(kb, ref_kb, **exact)
+    torch.testing.assert_close(vb, ref_vb, atol=0, rtol=0)  # v is copied as is
 
 
 # --- whole engines -------------------------------------------------------------------------------
@@ -210,6 +264,22 @@ def test_norm_kernels(dtype):
     h = rnd(3, 103)[:, :100]
     gate, up = h.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul_fused(h), F.silu(gate) * up, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_add_rms_norm_kernel(dtype):
+    """The residual add fused into the next RMSNorm == ``x + out`` (exactly) and the norm of it."""
+    from hyla.model.ops.gpu.norms import add_rms_norm_fused
+
+    g = torch.Generator().manual_seed(4)
+    out, residual = (torch.randn(5, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    scale = torch.randn(48, generator=g).to(DEVICE)
+    y, s = add_rms_norm_fused(out, residual, scale, 1e-6)
+    torch.testing.assert_close(s, residual + out, **_exact(dtype))
+    ref = F.rms_norm((residual + out).float(), (48,), scale, 1e-6).to(dtype)
+    torch.testing.assert_close(y, ref, atol=_tol(dtype), rtol=_tol(dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm_fused(out.t().contiguous().t(), residual, scale, 1e-6)
 
 
 def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):

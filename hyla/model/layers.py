@@ -13,6 +13,7 @@ back; routers, gates and recurrent states are fp32; the small SSM parameters (``
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -210,7 +211,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
+        qkv = self.qkv_proj(x)
+        if batch.fused_decode:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
+            return self.o_proj(self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.output_gate:
             q, gate = q.view(t, hq, 2 * d).chunk(2, dim=-1)  # [T, Hq, D] each
@@ -227,13 +232,7 @@ class Attention(nn.Module):
             apply_rotary_(qk, *rope)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
         v = v.view(t, hkv, d)  # [T, Hkv, D]
-        kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
-        if batch.fused_decode:
-            write_rows_(kb, batch.out_cache_loc, k.to(kb.dtype))
-            write_rows_(vb, batch.out_cache_loc, v.to(vb.dtype))
-            o = _gpu("decode_attention").paged_decode_attention(
-                q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling)  # [B, Hq, D]
-        elif batch.is_decode:
+        if batch.is_decode:
             o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, batch.kv_mask,
                                        self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
         elif batch.short_extend is not None:  # a verify step: one batched attention
@@ -247,6 +246,19 @@ class Attention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(o)
+
+    def _decode_fused(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope) -> torch.Tensor:
+        """The fused decode step's attention ``[B, Hq, D]`` from the projection ``qkv``: what
+        :meth:`forward`'s PyTorch path computes, in the kernels of ``ops/gpu/decode_attention.py``."""
+        kernels = _gpu("decode_attention")
+        t, hq, d = qkv.shape[0], self.num_heads, self.head_dim
+        scale = self._qk_scale(self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+        q = kernels.decode_qk_prologue(qkv, hq, self.num_kv_heads, d, self.output_gate, kb, vb, batch.out_cache_loc,
+                                       scale, self.q_norm.eps if self.q_norm is not None else 0.0, rope)
+        gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:] if self.output_gate else None  # [B, Hq, D] view
+        return kernels.paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens,
+                                              self.scaling, gate=gate)
 
 
 # --- recurrent mixers --------------------------------------------------------------------------
@@ -609,6 +621,28 @@ class HybridLayer(nn.Module):
             x = x + self.ffn(self.ffn_norm(x))
         return x
 
+    def forward_fused(self, out: torch.Tensor | None, residual: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with each residual add fused into the norm after it (the fused decode
+        step): the layer's input is ``residual + out`` (``out`` None: just ``residual``), its
+        output the same pair, the last part's output not yet added."""
+        if self.mixer is not None:
+            h, residual = add_rms_norm(out, residual, self.mixer_norm)
+            out = self.mixer(h, batch, rope)
+        if self.ffn is not None:
+            h, residual = add_rms_norm(out, residual, self.ffn_norm)
+            out = self.ffn(h)
+        return out, residual
+
+
+def add_rms_norm(out: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + out`` and ``norm(s)`` in one Triton kernel (``out`` None: ``s = residual``):
+    returns ``(norm(s), s)``. The fused decode step's; it runs the kernels on any device."""
+    kernels = _gpu("norms")
+    if out is None:
+        return kernels.rms_norm_fused(residual, norm.scale(), norm.eps), residual
+    return kernels.add_rms_norm_fused(out, residual, norm.scale(), norm.eps)
+
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -864,6 +898,13 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         return all(type(mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
                    for layer in self.layers for mixer in layer.mixers())
 
+    @functools.cached_property
+    def _residual_fusable(self) -> bool:
+        """The fused decode step may run :meth:`HybridLayer.forward_fused`: plain layers (not
+        Falcon-H1's parallel one) whose norms are all :class:`RMSNorm`."""
+        norms = [self.norm] + [n for layer in self.layers for n in (layer.mixer_norm, layer.ffn_norm) if n is not None]
+        return all(type(layer) is HybridLayer for layer in self.layers) and all(type(n) is RMSNorm for n in norms)
+
     def supports_chain_verify(self) -> bool:
         """Every mixer runs a verify step of padded chains (``ForwardBatch.chain_ckpt_rows``, the
         compiled verify step): full attention and Gated DeltaNet so far."""
@@ -888,6 +929,12 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = self.rope(batch.positions, h.dtype)
+        if batch.fused_decode and self._residual_fusable:  # every residual add inside the next norm's kernel
+            out, residual = None, h
+            for layer in self.layers:
+                out, residual = layer.forward_fused(out, residual, batch, rope)
+            h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
+            return self.lm_head(h).float()  # [B, vocab]
         for layer in self.layers:
             h = layer(h, batch, rope)
         if batch.return_hidden:

@@ -9,7 +9,9 @@ shape for a given batch size: it can be captured in a CUDA graph (``hyla/engine/
 * :func:`gated_delta_decode_fused` — the Gated DeltaNet step with its gating, q/k l2norm and the
   in-place state update fused (``ops/gated_delta.py``'s ``recurrent_gated_delta_rule_update``).
 * :func:`paged_decode_attention` — split-KV attention of one query per sequence over the request
-  table (``ops/attention.py``'s ``decode_attention``).
+  table (``ops/attention.py``'s ``decode_attention``), the output gate fused in; before it,
+  :func:`decode_qk_prologue` — q/k norm, RoPE and the K/V pool writes in one kernel.
+* ``norms`` — RMSNorm (alone or with the residual add before it), the gated RMSNorm, SwiGLU.
 
 Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly): the CPU test suite checks
 them that way; ``tests/test_gpu.py`` checks them on a GPU.

@@ -8,7 +8,13 @@ the launch has a fixed shape for a batch size (CUDA-graph friendly).
 
 Stage 1: program ``(i, kv_head, split)`` runs an online softmax over its share of the keys for the
 ``Hq/Hkv`` query heads of that KV head (padded to 16 rows for ``tl.dot``) and writes a partial
-output with its log-sum-exp. Stage 2 merges the splits (empty splits carry ``lse = -inf``).
+output with its log-sum-exp. Stage 2 merges the splits (empty splits carry ``lse = -inf``) and
+applies the output gate ``* sigmoid(gate)`` (Qwen3-Next / Qwen3.5) when there is one.
+
+Before them, :func:`decode_qk_prologue` turns the layer's projection into what they read, in one
+kernel: per-head q/k RMSNorm, partial RoPE, and the new token's K/V written to the pool. Its
+reference is the PyTorch sequence in ``Attention.forward`` (concatenation, ``rms_norm``,
+``apply_rotary_``, ``write_rows_``), rounded where that rounds.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, le
 
 
 @triton.jit
-def _stage2(part_o_ptr, part_lse_ptr, o_ptr, D: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr):
+def _stage2(part_o_ptr, part_lse_ptr, o_ptr, gate_ptr, gate_stride, HQ: tl.constexpr, D: tl.constexpr,
+            BD: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr, GATE_HEAD_STRIDE: tl.constexpr):
     row = tl.program_id(0)  # (sequence, query head)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BD)
@@ -81,8 +88,12 @@ def _stage2(part_o_ptr, part_lse_ptr, o_ptr, D: tl.constexpr, BD: tl.constexpr, 
     lse = tl.load(part_lse_ptr + row * SPLITS + s)  # [SPLITS]
     w = tl.exp(lse - tl.max(lse, axis=0))  # empty splits: exp(-inf) = 0
     parts = tl.load(part_o_ptr + (row * SPLITS + s[:, None]) * D + d[None, :], mask=md[None, :], other=0.0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(o_ptr + row * D + d, o.to(o_ptr.dtype.element_ty), mask=md)
+    o = (tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)).to(o_ptr.dtype.element_ty)
+    if GATE:  # o * sigmoid(gate), each rounded to the dtype as the layer's two ops round
+        g = tl.load(gate_ptr + (row // HQ) * gate_stride + (row % HQ) * GATE_HEAD_STRIDE + d, mask=md, other=0.0)
+        sig = tl.sigmoid(g.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        o = (o.to(tl.float32) * sig.to(tl.float32)).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + row * D + d, o, mask=md)
 
 
 def num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) -> int:
@@ -93,9 +104,10 @@ def num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                           scaling: float, splits: int | None = None) -> torch.Tensor:
+                           scaling: float, splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) over ``k_buffer / v_buffer [S, Hkv, D]``; sequence ``i`` attends to the slots
-    ``req_to_token[req_rows[i], :seq_lens[i]]`` -> ``o [B, Hq, D]`` (dtype of q)."""
+    ``req_to_token[req_rows[i], :seq_lens[i]]`` -> ``o [B, Hq, D]`` (dtype of q), times ``sigmoid(gate)``
+    with a ``gate [B, Hq, D]`` (a strided view of the projection, unit stride along D)."""
     b, hq, d = q.shape
     hkv = k_buffer.shape[1]
     if hq % hkv or k_buffer.shape[2] != d or v_buffer.shape != k_buffer.shape:
@@ -104,6 +116,8 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         raise ValueError("q rows [Hq, D] and the KV buffers must be contiguous, with at most 64 query heads per KV head")
     if req_rows.shape != (b,) or seq_lens.shape != (b,) or req_to_token.stride(1) != 1:
         raise ValueError("req_rows and seq_lens must be [B]; req_to_token rows contiguous")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
+        raise ValueError(f"gate must be [B, Hq, D] = {list(q.shape)} in {q.dtype} with unit stride along D")
     splits = splits or num_splits(b, hkv)
     part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
@@ -114,5 +128,89 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         k_buffer.stride(0), HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
         BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=4)
     o = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _stage2[(b * hq,)](part_o, part_lse, o, D=d, BD=bd, SPLITS=splits)
+    _stage2[(b * hq,)](part_o, part_lse, o, gate if gate is not None else o, gate.stride(0) if gate is not None else 0,
+                       HQ=hq, D=d, BD=bd, SPLITS=splits, GATE=gate is not None,
+                       GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
     return o
+
+
+@triton.jit
+def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, cos_ptr, sin_ptr, rope_stride, loc_ptr, q_ptr,
+                        k_ptr, v_ptr, kv_stride_s, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                        Q_HEAD_STRIDE: tl.constexpr, Q_SIZE: tl.constexpr, ROT: tl.constexpr,
+                        NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)  # q heads, then k heads, then v heads
+    d = tl.arange(0, BLOCK)
+    md = d < D
+    hs = tl.zeros([BLOCK], dtype=tl.int32) + h  # the head as a block (the interpreter rejects a scalar
+    # condition broadcast into a mask)
+    is_q = hs < HQ
+    is_v = hs >= HQ + HKV
+    j = tl.where(is_v, h - HQ - HKV, h - HQ)  # the K/V head
+    src = qkv_ptr + i * qkv_stride + tl.where(is_q, h * Q_HEAD_STRIDE, Q_SIZE + tl.where(is_v, HKV * D, 0) + j * D)
+    x = tl.load(src + d, mask=md, other=0.0)
+    y = x
+    if NORM:  # y = (x * rsqrt(mean(x^2) + eps) * scale[h]).to(dtype), as rms_norm_fused
+        x32 = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / D + eps)
+        srow = scale_ptr + tl.where(is_v, 0, h) * D  # v is not normed (its scale row is never used)
+        y = tl.where(is_v, x, (x32 * inv * tl.load(srow + d, mask=md, other=0.0)).to(x.dtype))
+    if ROPE:  # apply_rotary_: y[:ROT] = y * cos + roll(y, ROT/2) * signed_sin, each product rounded
+        half = ROT // 2
+        p = tl.where(d < half, d + half, d - half)  # roll's source channel
+        xp = tl.load(src + p, mask=d < ROT, other=0.0)
+        yp = xp
+        if NORM:
+            xp32 = xp.to(tl.float32)
+            yp = (xp32 * inv * tl.load(srow + p, mask=d < ROT, other=0.0)).to(x.dtype)
+        c = tl.load(cos_ptr + i * rope_stride + d, mask=d < ROT, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + i * rope_stride + d, mask=d < ROT, other=0.0).to(tl.float32)
+        rotated = (yp.to(tl.float32) * sn).to(x.dtype)
+        rot = ((y.to(tl.float32) * c).to(x.dtype).to(tl.float32) + rotated.to(tl.float32)).to(x.dtype)
+        y = tl.where((d < ROT) & (hs < HQ + HKV), rot, y)
+    tl.store(q_ptr + (i * HQ + h) * D + d, y, mask=md & is_q)
+    slot = tl.load(loc_ptr + i).to(tl.int64)
+    kv = slot * kv_stride_s + j * D + d
+    tl.store(k_ptr + kv, y.to(k_ptr.dtype.element_ty), mask=md & ~is_q & ~is_v)
+    tl.store(v_ptr + kv, y.to(v_ptr.dtype.element_ty), mask=md & is_v)
+
+
+def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, output_gate: bool,
+                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, out_cache_loc: torch.Tensor,
+                       qk_scale: torch.Tensor | None, eps: float, rope: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> torch.Tensor:
+    """An attention layer's decode step up to the attention itself, in one kernel.
+
+    ``qkv [B, Q + 2 * Hkv * D]``: the projection, ``Q`` = ``Hq * D``, or ``Hq * 2D`` with an output
+    gate (each head ``[q | gate]``). Per-head RMSNorm of q and k with ``qk_scale [Hq + Hkv, D]``
+    (fp32; None: no norm), then RoPE on the first ``rotary_dim`` channels with ``rope = (cos,
+    signed_sin) [B, rotary_dim]`` (None: no RoPE); k and v go to ``k_buffer / v_buffer [S, Hkv, D]``
+    at ``out_cache_loc [B]``. Returns ``q [B, Hq, D]``."""
+    b = qkv.shape[0]
+    hq, hkv, d = num_heads, num_kv_heads, head_dim
+    q_size = hq * d * (2 if output_gate else 1)
+    if qkv.dim() != 2 or qkv.shape[1] != q_size + 2 * hkv * d or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [B, {q_size + 2 * hkv * d}] with unit column stride, got {list(qkv.shape)}")
+    if k_buffer.shape[1:] != (hkv, d) or v_buffer.shape != k_buffer.shape or not (
+            k_buffer.is_contiguous() and v_buffer.is_contiguous()):
+        raise ValueError(f"the KV buffers must be contiguous [S, {hkv}, {d}], got {list(k_buffer.shape)}")
+    if out_cache_loc.shape != (b,):
+        raise ValueError(f"out_cache_loc must be [{b}]")
+    if qk_scale is not None and (qk_scale.shape != (hq + hkv, d) or qk_scale.dtype != torch.float32
+                                 or not qk_scale.is_contiguous()):
+        raise ValueError(f"qk_scale must be a contiguous fp32 [{hq + hkv}, {d}] tensor")
+    rot = 0
+    if rope is not None:
+        cos, sin = rope
+        rot = cos.shape[-1]
+        if cos.shape != (b, rot) or sin.shape != cos.shape or rot % 2 or rot > d or cos.stride() != sin.stride() \
+                or cos.stride(1) != 1:
+            raise ValueError(f"rope tables must be two [B={b}, rotary_dim <= {d}] tensors of one layout")
+    q = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
+    _qk_prologue_kernel[(b, hq + 2 * hkv)](
+        qkv, qkv.stride(0), qk_scale if qk_scale is not None else q, *(rope if rope is not None else (q, q)),
+        rope[0].stride(0) if rope is not None else 0, out_cache_loc, q, k_buffer, v_buffer, k_buffer.stride(0), eps,
+        HQ=hq, HKV=hkv, D=d, Q_HEAD_STRIDE=(2 if output_gate else 1) * d, Q_SIZE=q_size, ROT=max(rot, 2),
+        NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d))
+    return q

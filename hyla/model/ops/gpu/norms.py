@@ -1,5 +1,5 @@
-"""Row-wise Triton kernels for the small ops between the projections: RMSNorm, the gated RMSNorm of
-Gated DeltaNet, and SwiGLU's ``silu(gate) * up``. Each replaces a handful of PyTorch kernels (casts,
+"""Row-wise Triton kernels for the small ops between the projections: RMSNorm (alone, or after the
+residual add that precedes it), the gated RMSNorm of Gated DeltaNet, and SwiGLU's ``silu(gate) * up``. Each replaces a handful of PyTorch kernels (casts,
 reductions, products) with one, and rounds where its PyTorch form rounds (``layers.py``), so
 bf16 results match it to the last bit or one rounding step.
 """
@@ -36,6 +36,40 @@ def rms_norm_fused(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
     _rms_norm_kernel[(n,)](x, x.stride(0), scale, y, d, eps, SCALE_ROWS=scale_rows,
                            BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
     return y
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, scale_ptr, y_ptr, s_ptr, D, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    x = tl.load(x_ptr + row * D + d, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * D + d, mask=mask, other=0.0)
+    s = (r.to(tl.float32) + x.to(tl.float32)).to(s_ptr.dtype.element_ty)  # the residual add, rounded as x + r
+    tl.store(s_ptr + row * D + d, s, mask=mask)
+    s32 = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s32 * s32, axis=0) / D + eps)
+    scale = tl.load(scale_ptr + d, mask=mask, other=0.0)
+    tl.store(y_ptr + row * D + d, (s32 * inv * scale).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_rms_norm_fused(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the RMSNorm after it in one kernel: ``s = residual + x`` (in their dtype,
+    as ``HybridLayer`` adds) and ``y = rms_norm_fused(s, scale)``; ``x, residual [N, D]`` contiguous,
+    ``scale`` fp32 ``[D]``. Returns ``(y, s)``, both new ``[N, D]`` tensors."""
+    if x.shape != residual.shape or x.dtype != residual.dtype or x.dim() != 2:
+        raise ValueError(f"x and residual must be [N, D] of one dtype, got {list(x.shape)} {x.dtype} and "
+                         f"{list(residual.shape)} {residual.dtype}")
+    n, d = x.shape
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("x and residual must be contiguous")
+    if scale.dtype != torch.float32 or scale.shape != (d,) or not scale.is_contiguous():
+        raise ValueError(f"scale must be a contiguous fp32 [{d}] tensor, got {list(scale.shape)} {scale.dtype}")
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(n,)](x, residual, scale, y, s, d, eps, BLOCK=triton.next_power_of_2(d),
+                               num_warps=4 if d <= 2048 else 8)
+    return y, s
 
 
 @triton.jit
