@@ -292,8 +292,12 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
     from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, gated_delta_rule_ref
     from hyla.model.ops.gpu import gated_delta_chunk
 
+    calls = []
     if not GPU:
-        def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel):
+        def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                       use_qk_l2norm_in_kernel):
+            assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+            calls.append((cu_seqlens, cu_seqlens_cpu))
             outs, finals = [], []
             cu = cu_seqlens.tolist()
             for i in range(len(cu) - 1):
@@ -326,10 +330,27 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
     ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 3], device=DEVICE),
                 ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
                 ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
+    layer2_pool = pool.clone()
     o = gated_delta_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, **ckpt)
     ref = chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool, ref_pool, atol=1e-4, rtol=1e-4)
+
+    # two layers of one step share the batch's plan: the rounds are built once, and the second layer
+    # hands fla the very tensors the first did (fla's caches are keyed on identity)
+    from hyla.model.ops.varlen import VarlenPlan
+
+    plan = VarlenPlan.from_tensors(cu, t, slots, pool, ckpt["ckpt_seq"], ckpt["ckpt_len"], ckpt["ckpt_slot"], q.device)
+    first = len(calls)
+    for layer_pool in (layer2_pool, layer2_pool.clone()):
+        o2 = gated_delta_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan)
+        torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(layer2_pool, ref_pool, atol=1e-4, rtol=1e-4)
+    if not GPU:
+        per_layer = (len(calls) - first) // 2
+        assert per_layer == 3  # sequence 2's cuts at 64 and 69 (70 tokens): three rounds
+        assert all(a is b for pair in zip(calls[first:first + per_layer], calls[first + per_layer:])
+                   for a, b in zip(*pair))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

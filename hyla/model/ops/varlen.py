@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -143,6 +143,9 @@ class VarlenPlan:
     starts: tuple[int, ...]  # [B+1] cu_seqlens on the host
     slots: "SlotPlan"
     ckpts: Checkpoints
+    # what an op derives from the plan, built by the first layer and reused by the others this step
+    # (the fla prefill's segment rounds: ``gated_delta_chunk.fla_rounds``)
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, lengths: Sequence[int], slots: "SlotPlan", ckpts: Checkpoints) -> "VarlenPlan":

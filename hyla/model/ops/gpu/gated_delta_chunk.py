@@ -15,12 +15,58 @@ sequence; a batch without checkpoints is one call.
 from __future__ import annotations
 
 import importlib.util
+import itertools
+from dataclasses import dataclass
 
 import torch
 
 from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
+
+
+@dataclass(frozen=True)
+class FlaRound:
+    """One varlen call of fla's kernel: sequences ``seqs`` (batch rows), their tokens ``idx`` of the
+    packed batch (None: every token, in order), ``cu_seqlens`` on the device and on the host (fla
+    then computes its chunk indices without a device read), and the checkpoints whose position
+    ends this round: rows ``ckpt_rows`` of the running state go to pool rows ``ckpt_slots``."""
+
+    seqs: torch.Tensor
+    idx: torch.Tensor | None
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    ckpt_rows: torch.Tensor | None
+    ckpt_slots: torch.Tensor | None
+
+
+def fla_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
+    """The batch's segment rounds (see the module docstring), built once per step: every Gated
+    DeltaNet layer of the step then passes fla the same tensors (its own caches, keyed on tensor
+    identity, hit from the second layer on) and sends nothing to the device."""
+    key = ("fla_rounds", device)
+    if key in varlen.derived:
+        return varlen.derived[key]
+    lengths, starts, ckpts = varlen.lengths, varlen.starts, varlen.ckpts
+    # each sequence's segment bounds: 0, its checkpoint positions inside it, its length
+    bounds = [sorted({0, n} | {c for s, c in zip(ckpts.seq, ckpts.num_tokens) if s == i and c < n})
+              for i, n in enumerate(lengths)]
+    num_rounds = max((len(b) - 1 for b in bounds), default=0)
+    rounds = []
+    for r in range(num_rounds):
+        segs = [(i, starts[i] + b[r], starts[i] + b[r + 1]) for i, b in enumerate(bounds) if r + 1 < len(b)]
+        cu = torch.tensor(list(itertools.accumulate((e - a for _, a, e in segs), initial=0)), dtype=torch.long)
+        whole = num_rounds == 1 and len(segs) == len(lengths)  # every token in order: no gather
+        idx = None if whole else torch.cat([torch.arange(a, e) for _, a, e in segs]).to(device)
+        done = [(j, i) for j, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens))
+                if r + 1 < len(bounds[i]) and bounds[i][r + 1] == n]  # checkpoints at this round's cuts
+        rounds.append(FlaRound(
+            seqs=torch.tensor([i for i, _, _ in segs], dtype=torch.long, device=device), idx=idx,
+            cu_seqlens=cu.to(device), cu_seqlens_cpu=cu,
+            ckpt_rows=torch.tensor([i for _, i in done], dtype=torch.long, device=device) if done else None,
+            ckpt_slots=ckpts.slot[[j for j, _ in done]] if done else None))
+    varlen.derived[key] = rounds
+    return rounds
 
 
 def chunk_gated_delta_rule_fla(
@@ -52,39 +98,19 @@ def chunk_gated_delta_rule_fla(
     else:
         varlen = VarlenPlan.from_tensors(cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                          q.device)
-    lengths, starts, ckpts = list(varlen.lengths), varlen.starts, varlen.ckpts
-    dev = q.device
-    # each sequence's segment bounds: 0, its checkpoint positions inside it, its length
-    bounds = [sorted({0, n} | {c for s, c in zip(ckpts.seq, ckpts.num_tokens) if s == i and c < n})
-              for i, n in enumerate(lengths)]
     state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, Hv, Dk, Dv], zeros for -1
-    o = torch.empty(v.shape, dtype=q.dtype, device=dev)
-    rounds = max((len(b) - 1 for b in bounds), default=0)
-    for r in range(rounds):
-        segs = [(i, starts[i] + b[r], starts[i] + b[r + 1]) for i, b in enumerate(bounds) if r + 1 < len(b)]
-        seqs = torch.tensor([i for i, _, _ in segs], dtype=torch.long, device=dev)
-        cu = [0]
-        for _, a, e in segs:
-            cu.append(cu[-1] + e - a)
-        whole = rounds == 1 and len(segs) == len(lengths)  # every token in order: no gather
-        if whole:
-            idx = None
-            xs = (q, k, v, g, beta)
-        else:
-            idx = torch.cat([torch.arange(a, e) for _, a, e in segs]).to(dev)
-            xs = tuple(x.index_select(0, idx) for x in (q, k, v, g, beta))
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    for rnd in fla_rounds(varlen, q.device):
+        xs = (q, k, v, g, beta) if rnd.idx is None else tuple(x.index_select(0, rnd.idx) for x in (q, k, v, g, beta))
         out, final = chunk_gated_delta_rule(
-            *(x.unsqueeze(0) for x in xs), initial_state=state.index_select(0, seqs), output_final_state=True,
-            cu_seqlens=torch.tensor(cu, dtype=torch.long, device=dev), use_qk_l2norm_in_kernel=use_qk_l2norm)
-        if whole:
+            *(x.unsqueeze(0) for x in xs), initial_state=state.index_select(0, rnd.seqs), output_final_state=True,
+            cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm)
+        if rnd.idx is None:
             o = out[0].to(q.dtype)
         else:
-            o.index_copy_(0, idx, out[0].to(q.dtype))
-        state.index_copy_(0, seqs, final.float())
-        done = [(j, i) for j, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens))
-                if r + 1 < len(bounds[i]) and bounds[i][r + 1] == n]
-        if done:  # checkpoints at this round's cut points
-            rows = state.index_select(0, torch.tensor([i for _, i in done], dtype=torch.long, device=dev))
-            ssm_states.index_copy_(0, ckpts.slot[[j for j, _ in done]], rows)
+            o.index_copy_(0, rnd.idx, out[0].to(q.dtype))
+        state.index_copy_(0, rnd.seqs, final.float())
+        if rnd.ckpt_rows is not None:
+            ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
     write_states(ssm_states, varlen.slots, state)
     return o
