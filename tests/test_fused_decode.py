@@ -122,24 +122,24 @@ def _exact(dtype: torch.dtype) -> dict:
 
 
 @pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
-@pytest.mark.parametrize("variant", ["qwen", "no_gate", "plain"])
+@pytest.mark.parametrize("variant", ["qwen", "no_gate", "rope_only", "plain"])
 def test_decode_qk_prologue_kernel(dtype, variant):
     """q/k norm + partial RoPE + the K/V pool writes in one kernel == ``Attention.forward``'s PyTorch
-    sequence: Qwen3.5's (output gate, per-head norms, RoPE on 8 of 32 channels), without the gate, and
-    NemotronH's (neither norm nor RoPE: the K/V writes alone)."""
+    sequence: Qwen3.5's (output gate, per-head norms, RoPE on 8 of 32 channels), without the gate,
+    Bamba's (RoPE, no norm) and NemotronH's (neither norm nor RoPE: the K/V writes alone)."""
     from hyla.model.layers import apply_rotary_, signed_sin
     from hyla.model.ops.gpu.decode_attention import decode_qk_prologue
 
     g = torch.Generator().manual_seed(7)
     b, hq, hkv, d, rot = 3, 4, 2, 32, 8
-    gated, normed = variant == "qwen", variant != "plain"
+    gated, normed, roped = variant == "qwen", variant in ("qwen", "no_gate"), variant != "plain"
     q_size = hq * d * (2 if gated else 1)
     qkv = torch.randn(b, q_size + 2 * hkv * d + 5, generator=g).to(DEVICE, dtype)[:, :-5]  # strided rows
     scale = torch.randn(hq + hkv, d, generator=g).to(DEVICE) if normed else None
     pos = torch.tensor([3, 17, 40], device=DEVICE).float()
     freqs = pos[:, None] / 100.0 ** (torch.arange(0, rot, 2, device=DEVICE) / rot)
     emb = torch.cat([freqs, freqs], -1)
-    rope = (emb.cos().to(dtype), signed_sin(emb.sin().to(dtype))) if normed else None
+    rope = (emb.cos().to(dtype), signed_sin(emb.sin().to(dtype))) if roped else None
     kb, vb = (torch.randn(20, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
     ref_kb, ref_vb = kb.clone(), vb.clone()
     loc = torch.tensor([11, 2, 7], device=DEVICE)
@@ -151,9 +151,10 @@ def test_decode_qk_prologue_kernel(dtype, variant):
     qk = torch.cat([qp, k.reshape(b, hkv, d)], 1)
     if normed:
         qk = (F.rms_norm(qk.float(), (d,), eps=1e-6) * scale).to(dtype)
-        apply_rotary_(qk, *rope)
+    if roped:
+        qk = apply_rotary_(qk.clone(), *rope)
     ref_kb[loc], ref_vb[loc] = qk[:, hq:], v.reshape(b, hkv, d)
-    exact = dict(atol=0, rtol=0) if not normed else dict(atol=_tol(dtype), rtol=_tol(dtype))
+    exact = _exact(dtype) if not roped else dict(atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(q, qk[:, :hq], **exact)
     torch.testing.assert_close(kb, ref_kb, **exact)
     torch.testing.assert_close(vb, ref_vb, atol=0, rtol=0)  # v is copied as is
