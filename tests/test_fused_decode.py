@@ -197,7 +197,7 @@ def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_engine_fused_decode_matches_pytorch(arch, request):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
-    PyTorch decode. Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), attention and
+    PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), attention and
     Mamba2 in parallel in every layer (Falcon-H1)."""
     path = request.getfixturevalue(f"{arch}_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -205,8 +205,10 @@ def test_engine_fused_decode_matches_pytorch(arch, request):
         a = _two_turns(default, None)
         assert default.scheduler.runner.fused == GPU
         assert (default.scheduler.runner.graphs is not None) == (GPU and arch != "nemotron_h")
-    with Engine(path, **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
+    # the other side with the overlap schedule (on a GPU the default side has it too: auto)
+    with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
         b = _two_turns(other, fused=not GPU)
+        assert other.get_stats()["num_overlapped_steps"] > 0
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 

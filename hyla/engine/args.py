@@ -11,6 +11,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
+OVERLAP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 
 
@@ -71,6 +72,10 @@ class EngineArgs:
     disable_cuda_graph: bool = _opt(False, "CUDA: run fused decode steps eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
                                                "eagerly). Default: max_running_requests, at most 256.")
+    overlap_schedule: str = _opt("auto", "Launch each decode step before reading the previous step's tokens, so "
+                                         "the host's per-step work runs while the device computes (SGLang's "
+                                         "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
+                                         "on for the fused CUDA decode, without speculation; 'on', 'off'.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after about a minute of compilation at start-up (docs/benchmarks.md); "
                                        "with n-gram speculation its verify steps too (docs/engine.md).")
@@ -87,6 +92,8 @@ class EngineArgs:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
+        if self.overlap_schedule not in OVERLAP_MODES:
+            raise ValueError(f"overlap_schedule must be one of {OVERLAP_MODES}, got {self.overlap_schedule!r}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):

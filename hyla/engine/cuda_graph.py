@@ -74,9 +74,11 @@ class CudaGraphDecode:
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
 
-    def replay(self, columns: Sequence[Sequence[int] | torch.Tensor]) -> torch.Tensor:
+    def replay(self, columns: Sequence[Sequence[int] | torch.Tensor], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``columns``: the six per-request fields of :data:`FIELDS`, each of length ``B`` -> logits
-        ``[B, V]`` (a view of the graph's output: read it before the next step)."""
+        ``[B, V]`` (a view of the graph's output: read it before the next step, in stream order).
+        ``input_ids [B]`` on the device replace the first column (the overlap schedule's tokens,
+        drawn by the previous step and not read by the host)."""
         b = len(columns[0])
         bs = next(s for s in self.batch_sizes if s >= b)
         host = self.host
@@ -87,5 +89,7 @@ class CudaGraphDecode:
             host[:, b:bs] = self.padding[:, None]
         self.inputs[:, :bs].copy_(host[:, :bs], non_blocking=True)
         self._copied.record()
+        if input_ids is not None:
+            self.inputs[0, :b].copy_(input_ids)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -117,6 +117,9 @@ class Engine:
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
             draft_max_batch=self.args.speculative_disable_by_batch_size,
+            overlap=self.args.speculative_algorithm is None and (
+                self.args.overlap_schedule == "on" or self.args.overlap_schedule == "auto"
+                and runner.fused and self.device.type == "cuda"),
             # prompt logprobs: at most ~256 MiB of fp32 logits per step
             prompt_logits_chunk=max(self.args.page_size, (1 << 26) // self.model_config.vocab_size
                                     // self.args.page_size * self.args.page_size),
@@ -258,7 +261,8 @@ class Engine:
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
-                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}, "
+                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}"
+                f"{', overlap schedule' if self.scheduler.config.overlap else ''}, "
                 f"speculative={self.args.speculative_algorithm or 'off'}"
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
@@ -344,6 +348,7 @@ class Engine:
             "num_generated_tokens": out.num_generated_tokens,
             "num_requests_finished": out.num_requests_finished,
             "num_retractions": s.num_retractions,
+            "num_overlapped_steps": s.num_overlapped_steps,
             "num_evicted_tokens": cache.num_evicted_tokens,
             "num_evicted_states": cache.num_evicted_states,
             "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),

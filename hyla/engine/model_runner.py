@@ -155,15 +155,17 @@ class ModelRunner:
         return self.model.forward(batch)
 
     @torch.inference_mode()
-    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor,
-                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor, return_hidden: bool = False,
+                       input_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Feed each request's last sampled token (position ``kv_len``); ``[B, V]`` logits, with
         ``return_hidden`` also the final hidden states ``[B, H]`` (through the PyTorch decode: the
-        fused step and CUDA graphs do not return them)."""
+        fused step and CUDA graphs do not return them). ``input_ids [B]``: those tokens as drawn on
+        the device, not yet in ``output_ids`` (the overlap schedule); the fused step reads them
+        there, the PyTorch decode reads them back."""
         if self.fused and not return_hidden:
-            return self._forward_decode_fused(reqs, out_cache_loc)
+            return self._forward_decode_fused(reqs, out_cache_loc, input_ids)
         b = len(reqs)
-        ids = [_token_at(r, r.kv_len) for r in reqs]
+        ids = input_ids.tolist() if input_ids is not None else [_token_at(r, r.kv_len) for r in reqs]
         pos = [r.kv_len for r in reqs]
         seq_lens = [p + 1 for p in pos]
         slots = [r.state_slot for r in reqs]
@@ -237,20 +239,27 @@ class ModelRunner:
         return table, table.view(-1)
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
-    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor) -> torch.Tensor:
-        ids = [_token_at(r, r.kv_len) for r in reqs]
+    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor,
+                              input_ids: torch.Tensor | None = None) -> torch.Tensor:
         pos = [r.kv_len for r in reqs]
         slots = [r.state_slot for r in reqs]
         if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
             check_slot_values(slots, self.conv_states[0].shape[0], "state_slots")
-        if max(ids) >= self.model.config.vocab_size:
-            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        if input_ids is None:
+            ids = [_token_at(r, r.kv_len) for r in reqs]
+            if max(ids) >= self.model.config.vocab_size:
+                raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        else:  # drawn from this model's logits: inside the vocabulary
+            ids = [0] * len(reqs)
         columns = (ids, pos, slots, [r.req_pool_idx for r in reqs], [p + 1 for p in pos], out_cache_loc)
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
         if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.replay(columns)
+            return self.graphs.replay(columns, input_ids)
         host = _host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
-        return self.decode_fused_step(self.fused_batch(*self._to_device(*host)))
+        dev = self._to_device(*host)
+        if input_ids is not None:
+            dev[0] = input_ids.to(self.device, torch.long)
+        return self.decode_fused_step(self.fused_batch(*dev))
 
     def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc) -> ForwardBatch:
         """A fused decode batch over device tensors ``[B]`` each (no host value is read: the host

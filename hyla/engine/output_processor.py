@@ -20,15 +20,30 @@ token id>}`` — before ``max_new_tokens`` is looked at, so a complete output is
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
 from hyla.engine.grammar import Grammars, TokenMask
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.sampler import sample, top_logprobs
+from hyla.engine.sampler import Drawn, draw_batch, top_logprobs
 
 logger = logging.getLogger("hyla.engine")
+
+
+@dataclass
+class Draw:
+    """One step's tokens drawn on the device (``OutputProcessor.draw``), awaiting ``complete``."""
+
+    reqs: list[Req]  # the requests sampled, in row order of ``drawn``
+    drawn: Drawn | None  # None: no request had a token to sample
+    finished: list[Req]  # requests finished without sampling (max_new_tokens == 0)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """``[B]`` the drawn tokens on the device, one per request of the step."""
+        return self.drawn.chosen
 
 
 class OutputProcessor:
@@ -47,6 +62,11 @@ class OutputProcessor:
         """Sample the next token of each request from its logits row ``[B, V]``, append it, and
         tell streams. Returns the requests that are finished now (``finished_reason`` set, not yet
         delivered: the scheduler releases their memory first) and those whose consumer failed."""
+        return self.complete(self.draw(reqs, logits))
+
+    def draw(self, reqs: list[Req], logits: torch.Tensor) -> "Draw":
+        """:meth:`process` up to the host read: the tokens drawn on the device (``Draw.tokens``,
+        one per request; a request with nothing to sample gets a don't-care row)."""
         finished: list[Req] = []
         to_sample = []
         for i, r in enumerate(reqs):
@@ -55,11 +75,18 @@ class OutputProcessor:
             else:  # max_new_tokens == 0: prefill only
                 self.set_finished(r, {"type": "length", "length": r.sampling.max_new_tokens})
                 finished.append(r)
-        failed: list[Req] = []
-        if not to_sample:
-            return finished, failed
         sreqs = [reqs[i] for i in to_sample]
-        out = sample(logits[to_sample], sreqs, self.grammar_masks(sreqs))
+        rows = logits if len(to_sample) == len(reqs) else logits[to_sample]
+        drawn = draw_batch(rows, sreqs, self.grammar_masks(sreqs)) if sreqs else None
+        return Draw(sreqs, drawn, finished)
+
+    def complete(self, draw: "Draw") -> tuple[list[Req], list[Req]]:
+        """Read a :meth:`draw`'s tokens, append them and tell streams (:meth:`process`'s return)."""
+        finished, failed = list(draw.finished), []
+        if draw.drawn is None:
+            return finished, failed
+        sreqs = draw.reqs
+        out = draw.drawn.collect(sreqs)
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             self.append(r, [tok], [lp], [top])
             if r.finished:
@@ -137,6 +164,11 @@ class OutputProcessor:
         if req.detokenizer is None:
             req.detokenizer = self.make_detokenizer(req)
         return req.text + req.detokenizer.step(tok)
+
+    def ends_with_next_token(self, req: Req) -> bool:
+        """Whether the next token appended to ``req`` finishes it whatever it is (the length limits
+        of :meth:`_check_finished`; the overlap schedule feeds no further token to such a request)."""
+        return len(req.output_ids) + 1 >= req.sampling.max_new_tokens or req.num_fill + 1 >= self.max_context_len
 
     def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
         """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that

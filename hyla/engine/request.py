@@ -155,8 +155,10 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
-    def check(self) -> None:
-        if not 0 <= self.cache_protected_len <= self.kv_len == self.kv_allocated <= self.num_fill:
+    def check(self, in_flight: int = 0) -> None:
+        """The length invariants; ``in_flight``: tokens of a launched step not committed yet (the
+        overlap schedule's), allocated past ``kv_len``."""
+        if not 0 <= self.cache_protected_len <= self.kv_len == self.kv_allocated - in_flight <= self.num_fill:
             raise AssertionError(
                 f"req {self.rid}: broken lengths protected={self.cache_protected_len} kv={self.kv_len} "
                 f"allocated={self.kv_allocated} fill={self.num_fill}"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
+from hyla.engine.transfer import to_device
 from hyla.engine.request import Req
 
 
@@ -32,9 +33,31 @@ class SampleOutput:
     top_logprobs: list[list[tuple[float, int]]]  # per row, [] unless asked for
 
 
+@dataclass
+class Drawn:
+    """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]`` and the
+    raw ``log_softmax [B, V]``. The overlap schedule feeds ``chosen`` to the next decode step before
+    :meth:`collect` waits for it."""
+
+    chosen: torch.Tensor
+    raw_logprobs: torch.Tensor
+
+    def collect(self, reqs: list[Req]) -> SampleOutput:
+        """Read the tokens (the step's one device -> host sync) and their logprobs."""
+        token_ids = self.chosen.tolist()
+        lps = self.raw_logprobs.gather(1, self.chosen.unsqueeze(1)).squeeze(1).tolist()
+        tops = [top_logprobs(self.raw_logprobs[i], req) for i, req in enumerate(reqs)]
+        return SampleOutput(token_ids, lps, tops)
+
+
 def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
     """logits: [B, V] fp32, one row per request in ``reqs``; ``mask``: the grammar masks of the
     constrained rows (``None``: no row is constrained)."""
+    return draw_batch(logits, reqs, mask).collect(reqs)
+
+
+def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> Drawn:
+    """:func:`sample` up to the host read: every kernel launched, nothing read back."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
     processed = logits.clone()
@@ -47,14 +70,10 @@ def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None)
     rows = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
     if rows:  # all random rows at once: one batched distribution, one uniform draw per request
         rreqs = [reqs[i] for i in rows]
-        index = torch.tensor(rows, dtype=torch.long, device=processed.device)
+        index = to_device(rows, torch.long, processed.device)
         probs = target_probs_batch(processed.index_select(0, index), rreqs)  # [R, V]
         chosen.index_copy_(0, index, inverse_cdf(probs, torch.cat([uniform_draw(r, probs.device) for r in rreqs])))
-
-    token_ids = chosen.tolist()
-    lps = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
-    tops = [top_logprobs(raw_logprobs[i], req) for i, req in enumerate(reqs)]
-    return SampleOutput(token_ids, lps, tops)
+    return Drawn(chosen, raw_logprobs)
 
 
 def top_logprobs(row_logprobs: torch.Tensor, req: Req) -> list[tuple[float, int]]:
@@ -72,11 +91,11 @@ def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
     p = req.sampling
     row = row.clone()
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.fill_ids)), dtype=torch.long, device=row.device)
+        seen = to_device(sorted(set(req.fill_ids)), torch.long, row.device)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
-        out = torch.tensor(req.output_ids, dtype=torch.long, device=row.device)
+        out = to_device(req.output_ids, torch.long, row.device)
         counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)  # [V]
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
     return row
@@ -91,24 +110,24 @@ def target_probs_batch(rows: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     """:func:`target_probs` of every row ``[R, V]`` at once, each with its request's parameters."""
     dev = rows.device
     params = [r.sampling for r in reqs]
-    rows = rows / torch.tensor([[p.temperature] for p in params], dtype=rows.dtype, device=dev)
+    rows = rows / to_device([[p.temperature] for p in params], rows.dtype, dev)
     top_k = [min(p.top_k, rows.shape[1]) if p.top_k > 0 else 0 for p in params]
     if any(top_k):  # each row's k-th largest logit (rows without top-k keep everything)
         kth = torch.topk(rows, max(top_k), dim=-1).values  # [R, max k]
-        ks = torch.tensor([max(k, 1) - 1 for k in top_k], device=dev)
+        ks = to_device([max(k, 1) - 1 for k in top_k], torch.long, dev)
         cut = kth.gather(1, ks[:, None])  # [R, 1]
-        cut = cut.masked_fill(torch.tensor([[k == 0] for k in top_k], device=dev), float("-inf"))
+        cut = cut.masked_fill(to_device([[k == 0] for k in top_k], torch.bool, dev), float("-inf"))
         rows = rows.masked_fill(rows < cut, float("-inf"))
     probs = torch.softmax(rows, dim=-1)  # [R, V]
     top_p = [p.top_p for p in params]
     if any(t < 1.0 for t in top_p):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= torch.tensor([[t] for t in top_p], device=dev)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= to_device([[t] for t in top_p], torch.float32, dev)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):
-        floor = torch.tensor([[m] for m in min_p], device=dev) * probs.max(dim=-1, keepdim=True).values
+        floor = to_device([[m] for m in min_p], torch.float32, dev) * probs.max(dim=-1, keepdim=True).values
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
 
@@ -135,3 +154,4 @@ def draw(probs: torch.Tensor, req: Req) -> int:
 def uniform(req: Req) -> float:
     """One U(0, 1) draw from the request's generator, as a number (speculative acceptance)."""
     return float(uniform_draw(req, "cpu"))
+

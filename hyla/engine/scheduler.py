@@ -12,6 +12,11 @@ is the ``CacheManager``'s (admission, allocation, commit, release: see its contr
 stop conditions and delivery are the ``OutputProcessor``'s. What stays here is policy: queue
 order (longest cached prefix first), chunking, the decode reserve, retraction.
 
+With the overlap schedule (``SchedulerConfig.overlap``; on by default for the fused CUDA decode) a
+decode step's tokens are drawn on the device and not read at once: the next step samples them,
+commits, launches the decode after (fed those tokens straight from the device), and only then
+reads them and does the host's per-token work while the device runs — see ``_step_overlapped``.
+
 The hybrid cache flow for one request (``docs/engine.md``): match the longest prefix that ends at
 a state checkpoint and copy that checkpoint into the request's own slot; prefill only the rest,
 asking the model for the states the tree wants (chunk ends, the prompt end minus one, the branch
@@ -34,6 +39,7 @@ from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoi
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.speculative import Drafter, verify
+from hyla.engine.transfer import to_device
 
 logger = logging.getLogger("hyla.engine")
 
@@ -69,6 +75,7 @@ class SchedulerConfig:
     debug_checks: bool = False  # run every check_integrity() after every step (tests)
     prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
     draft_max_batch: int | None = None  # speculation: no drafts in a step of more decoding requests
+    overlap: bool = False  # the overlap schedule (see the module docstring; decode without speculation)
 
 
 @dataclass
@@ -121,12 +128,15 @@ class Scheduler:
         self.num_fed_tokens = 0  # tokens verify steps fed (last sampled + drafts), summed over requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
+        # the overlap schedule: a decode step launched, its logits not yet sampled
+        self.inflight: tuple[Batch, torch.Tensor] | None = None
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
         # counters (the cache manager and the output processor keep their own)
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_retractions = 0
         self.num_steps = 0
+        self.num_overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
         self.last_gen_throughput = 0.0
         self._decode_tokens_since_log = 0
         self._last_log_time = time.monotonic()
@@ -136,12 +146,18 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     def step(self) -> bool:
         """Run one batch. Returns False when there was nothing to do."""
-        retractions = self.num_retractions
-        batch = self.schedule()
-        if batch is None:  # a decode that retracted every decoding request made room: go again
-            return self.num_retractions != retractions or self._unstall()
-        logits = self.run(batch)
-        self.process(batch, logits)
+        if self.inflight is not None:
+            self._step_overlapped()
+        else:
+            retractions = self.num_retractions
+            batch = self.schedule()
+            if batch is None:  # a decode that retracted every decoding request made room: go again
+                return self.num_retractions != retractions or self._unstall()
+            logits = self.run(batch)
+            if self.config.overlap and batch.is_decode and not batch.verify:
+                self.inflight = (batch, logits)  # the next step samples it (_step_overlapped)
+            else:
+                self.process(batch, logits)
         self.num_steps += 1
         if self.config.debug_checks:
             self.check_integrity()
@@ -154,9 +170,10 @@ class Scheduler:
             batch = self._schedule_decode()
         return batch
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The model forward (then the drafter's ``observe``); on failure nothing of the step stays
-        allocated. ``[B, V]`` logits."""
+        allocated. ``[B, V]`` logits. ``input_ids``: a decode step's tokens on the device (the overlap
+        schedule's, not yet appended to the requests)."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
         extra = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
         try:
@@ -176,6 +193,8 @@ class Scheduler:
                                                      tree_parents=trees, **extra)
             elif batch.is_decode:  # also a verify step with no drafts: one token each, the decode kernels
                 ckpts = []
+                if input_ids is not None:
+                    extra = {**extra, "input_ids": input_ids}
                 out = self.runner.forward_decode(batch.reqs, loc, **extra)
             else:
                 ckpts = batch.ckpts.forward
@@ -219,6 +238,74 @@ class Scheduler:
             self._after_decode(len(batch.reqs), len(batch.reqs))
         else:
             self._log_prefill(len(batch.reqs), sum(batch.lens), batch.num_cached)
+
+    # ------------------------------------------------------------------------------------------
+    # the overlap schedule
+    # ------------------------------------------------------------------------------------------
+    def _step_overlapped(self, launch_next: bool = True) -> None:
+        """Finish the decode step in flight while the device runs the next one:
+
+        1. draw its tokens on the device (sampling kernels, no host read);
+        2. commit it; release the requests it fed one token past their end (below);
+        3. launch the next decode step of the same requests (:meth:`_overlap_next`), fed the drawn
+           tokens on the device;
+        4. read the tokens (the one sync) and do the host's per-token work — append, detokenize,
+           stop checks, streams — while the device runs step 3.
+
+        A request that step 4 finds finished (EOS, a stop string: what the host cannot know before
+        reading the token) was already fed its last token by step 3. It is released when that step
+        commits: it then caches its whole output, the state after its last token included — as
+        exact as any other checkpoint, one token longer than without overlap. Requests that finish
+        for sure on this token (``max_new_tokens``, the context) are left out of step 3."""
+        batch, logits = self.inflight
+        self.inflight = None
+        live = [i for i, r in enumerate(batch.reqs) if not r.finished]
+        draw = self.output.draw([batch.reqs[i] for i in live], logits if len(live) == len(batch.reqs)
+                                else logits.index_select(0, to_device(live, torch.long, logits.device)))
+        self.cache.commit_batch(batch.reqs, batch.lens, None, insert=False)
+        for r in batch.reqs:
+            if r.finished:  # fed once more after its last token (step 4 of the step before)
+                self._finish(r)
+        nxt = self._overlap_next(draw) if launch_next else None
+        if nxt is not None:
+            tokens = draw.tokens
+            if nxt.reqs != draw.reqs:  # some finish on this token: their rows are left out
+                rows = {id(r): i for i, r in enumerate(draw.reqs)}
+                index = to_device([rows[id(r)] for r in nxt.reqs], torch.long, tokens.device)
+                tokens = tokens.index_select(0, index)
+            self.inflight = (nxt, self.run(nxt, input_ids=tokens))
+            self.num_overlapped_steps += 1
+        finished, failed = self.output.complete(draw)
+        held = set(nxt.reqs) if nxt is not None else set()
+        for r in finished:
+            if r not in held:
+                self._finish(r)
+        for r in failed:
+            if r in held:  # released after the step that holds it
+                if not r.finished:
+                    self.output.set_finished(r, {"type": "abort", "message": "the consumer of this request failed"})
+            else:
+                self.abort(r.rid, message="the consumer of this request failed")
+        self._after_decode(len(batch.reqs), len(live))
+
+    def _overlap_next(self, draw) -> Batch | None:
+        """The decode step after the one being sampled, allocated before its tokens are read: its
+        requests minus those this token finishes for sure. None — the next step is then scheduled
+        the ordinary way — when a prefill may have to go first (a waiting request), with
+        speculation, or when its KV does not fit without retracting."""
+        if self.waiting or self.drafter is not None or len(draw.reqs) != len(self.running):
+            return None
+        reqs = [r for r in draw.reqs if not self.output.ends_with_next_token(r)]
+        lens = [1] * len(reqs)
+        if not reqs or not self.cache.can_allocate(reqs, lens):
+            return None
+        return Batch(is_decode=True, reqs=reqs, lens=lens, out_cache_loc=[self.cache.allocate(reqs, lens)])
+
+    def drain(self) -> None:
+        """Finish the decode step in flight (the overlap schedule), launching nothing after it:
+        before anything outside a step touches a running request (an abort)."""
+        while self.inflight is not None:
+            self._step_overlapped(launch_next=False)
 
     def _after_decode(self, batch_size: int, num_tokens: int) -> None:
         self.new_token_ratio = max(self.MIN_NEW_TOKEN_RATIO, self.new_token_ratio - self.NEW_TOKEN_RATIO_DECAY)
@@ -269,7 +356,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     @property
     def num_running(self) -> int:
@@ -280,6 +367,7 @@ class Scheduler:
         return len(self.waiting)
 
     def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+        self.drain()
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
@@ -291,6 +379,7 @@ class Scheduler:
         """After an internal error: finish every running request as aborted, releasing what it
         holds without inserting into the tree (which the error may have left inconsistent), and
         always telling its consumer — a caller must never wait forever."""
+        self.inflight = None  # released below with everything else (what it allocated included)
         for req in list(self.running):
             try:
                 self.cache.release(req, insert=False)
@@ -466,8 +555,9 @@ class Scheduler:
     # checks and logs (the per-step lines SGLang users know)
     # ------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
+        flying = set(self.inflight[0].reqs) if self.inflight is not None else set()
         for r in self.running:
-            r.check()
+            r.check(in_flight=1 if r in flying else 0)
         self.cache.check_integrity()
 
     def _log_prefill(self, num_seqs: int, new_tokens: int, cached: int) -> None:
@@ -521,3 +611,4 @@ def _logit_rows(reqs: list[Req], lens: list[int]) -> tuple[list[list[int]] | Non
             offs.append(n - 1)
         rows.append(offs)
     return (rows, counts) if any(counts) else (None, [])
+

@@ -28,6 +28,8 @@ ENGINE_COUNTERS = (
     ("num_generated_tokens", "generation_tokens", "Generated tokens."),
     ("num_requests_finished", "engine_requests_finished", "Requests the engine finished (any reason)."),
     ("num_retractions", "retractions", "Requests retracted from decoding to free KV memory."),
+    ("num_overlapped_steps", "overlapped_decode_steps",
+     "Decode steps launched before the previous step's tokens were read (the overlap schedule)."),
 )
 # (engine stats key, metric name, help) — gauges
 ENGINE_GAUGES = (

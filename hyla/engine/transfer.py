@@ -1,0 +1,21 @@
+"""Host -> device copies that do not wait for the device.
+
+A plain host-to-CUDA copy (``torch.tensor(values, device="cuda")``, ``t.to("cuda")``) synchronizes
+the stream: the host waits for every kernel queued before it. On the decode path that would stall
+the overlap schedule (``Scheduler._step_overlapped``), which queues the next step while the device
+runs the current one; a pinned source copied ``non_blocking`` does not wait.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """``values`` (a host tensor or nested lists of numbers) as a ``dtype`` tensor on ``device``,
+    copied asynchronously to CUDA (the pinned staging copy outlives the transfer: PyTorch's pinned
+    allocator holds it until the copy is done)."""
+    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

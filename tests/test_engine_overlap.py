@@ -1,0 +1,138 @@
+"""The overlap schedule (``overlap_schedule``): a decode step is launched before the previous step's
+tokens are read, fed those tokens on the device. It must change no output: the same workload with it
+on and off gives the same tokens and logprobs (within 1e-4, up to each request's first floating-point
+tie), across admissions, stop-token finishes it can only see one step late, seeded sampling with
+penalties, aborts, eviction and retraction — and with the prefix cache on against off. On CPU the
+device is synchronous, so nothing overlaps in time; the schedule's bookkeeping is what is tested.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyla import Engine
+from test_engine_differential import assert_drained, compare_outputs, differential
+
+OPTS = dict(max_total_tokens=1536, max_state_slots=24, max_running_requests=5, chunked_prefill_size=128,
+            debug_checks=True)
+
+
+def _workload(seed: int, vocab: int) -> list[dict]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(30)]
+    specs = []
+    for i in range(14):
+        sp = {"max_new_tokens": rng.randrange(1, 24), "temperature": 0, "ignore_eos": True}
+        if i % 4 == 1:  # seeded sampling with penalties: the draw reads output_ids up to the last token
+            sp.update(temperature=0.8, top_p=0.9, seed=1000 + i, repetition_penalty=1.3, frequency_penalty=0.2)
+        specs.append({"ids": (system if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 50))],
+                      "sp": sp})
+    return specs
+
+
+def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
+    return engine.generate(input_ids=[s["ids"] for s in specs], sampling_params=[s["sp"] for s in specs],
+                           return_logprob=True)
+
+
+def _with_stops(specs: list[dict], outs: list[dict]) -> list[dict]:
+    """Every other request stops at a token it produced mid-way (a stop-token finish, which the
+    overlap schedule only sees after it has fed that token)."""
+    new = []
+    for i, (s, o) in enumerate(zip(specs, outs)):
+        ids = o["output_ids"]
+        sp = dict(s["sp"])
+        if i % 2 == 0 and len(ids) >= 3 and sp["temperature"] == 0:
+            sp["stop_token_ids"] = [ids[len(ids) // 2]]
+        new.append({"ids": s["ids"], "sp": sp})
+    return new
+
+
+def _two_turns(path, overlap: str, specs: list[dict], **kw) -> tuple[list[dict], list[dict], Engine]:
+    with Engine(path, overlap_schedule=overlap, **{**OPTS, **kw}) as engine:
+        assert engine.scheduler.config.overlap == (overlap == "on")
+        out1 = _generate(engine, specs)
+        turn2 = [{"ids": s["ids"] + o["output_ids"] + [5, 6, 7], "sp": {"max_new_tokens": 4, "temperature": 0}}
+                 for s, o in zip(specs, out1)]
+        out2 = _generate(engine, turn2)
+        assert_drained(engine)
+        assert (engine.get_stats()["num_overlapped_steps"] > 0) == (overlap == "on")
+    return out1, out2, engine
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_dense", "nemotron_h"])
+def test_overlap_schedule_changes_no_output(arch, request):
+    path = request.getfixturevalue(f"{arch}_path")
+    base = _workload(3, 2048)
+    with Engine(path, overlap_schedule="off", **OPTS) as probe:
+        specs = _with_stops(base, _generate(probe, base))
+    off1, off2, _ = _two_turns(path, "off", specs)
+    on1, on2, _ = _two_turns(path, "on", specs)
+    n = compare_outputs(on1 + on2, off1 + off2)
+    assert n > 0.9 * sum(len(o["output_ids"]) for o in off1 + off2)
+    for a, b in zip(on1, off1):  # seeded rows too (compare_outputs stops at a tie; they have none here)
+        assert a["output_ids"] == b["output_ids"] and a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
+    stopped = [i for i, o in enumerate(off1) if o["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert len(stopped) >= 3
+    # a stop-token finish met while the next step was already launched had its last token fed: the
+    # next turn hits the whole first turn (prompt + output), one token more than without the overlap
+    # (which pauses while requests wait for admission); length finishes are never fed past their end
+    whole = 0
+    for i, (s, o) in enumerate(zip(specs, off1)):
+        full = len(s["ids"]) + len(o["output_ids"])
+        assert off2[i]["meta_info"]["cached_tokens"] == full - 1
+        hit = on2[i]["meta_info"]["cached_tokens"]
+        assert hit == full - 1 or (hit == full and i in stopped), (i, hit, full)
+        whole += hit == full
+    assert whole >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, kw", [(4, {}), (2, dict(page_size=16, max_total_tokens=1280))], ids=["page1", "page16"])
+def test_overlap_schedule_cache_differential_under_pressure(qwen3_next_dense_path, seed, kw):
+    """The cache on/off differential (eviction and retraction; with pages of 16, decode checkpoints
+    forked at commit) with the overlap schedule on both sides."""
+    differential(qwen3_next_dense_path, seed=seed, overlap_schedule="on", **kw)
+
+
+def test_overlap_schedule_abort_in_flight(qwen3_next_dense_path):
+    """Aborts arriving while a step is in flight: the aborted requests end with an abort reason, the
+    others finish as without them, and nothing leaks."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 2048) for _ in range(rng.randrange(5, 40))] for _ in range(8)]
+    sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with Engine(qwen3_next_dense_path, overlap_schedule="off", **OPTS) as engine:
+        ref = engine.generate(input_ids=prompts, sampling_params=sp, return_logprob=True)
+    aborted = (1, 4)
+    with Engine(qwen3_next_dense_path, overlap_schedule="on", **OPTS) as engine:
+        streams = [engine.generate(input_ids=p, sampling_params=sp, stream=True, rid=f"req-{i}", return_logprob=True)
+                   for i, p in enumerate(prompts)]
+        firsts = {}
+        for i in aborted:  # abort while the other requests decode (a step in flight)
+            firsts[i] = next(streams[i])
+            engine.abort(f"req-{i}")
+        outs = []
+        for i, it in enumerate(streams):
+            chunks = ([firsts[i]] if i in firsts else []) + list(it)
+            outs.append({"output_ids": sum((c["output_ids"] for c in chunks), []),
+                         "finish_reason": chunks[-1]["meta_info"]["finish_reason"]})
+        assert_drained(engine)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        if i in aborted:
+            assert o["finish_reason"]["type"] == "abort"
+            assert 0 < len(o["output_ids"]) < 40 and o["output_ids"] == r["output_ids"][:len(o["output_ids"])]
+        else:
+            assert o["output_ids"] == r["output_ids"]
+
+
+def test_overlap_schedule_option(qwen3_next_dense_path):
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        Engine(qwen3_next_dense_path, overlap_schedule="yes")
+    with Engine(qwen3_next_dense_path, max_total_tokens=512) as engine:  # auto: CUDA fused decode only
+        assert engine.scheduler.config.overlap is False
+        assert "overlap" not in engine.summary()
+    with Engine(qwen3_next_dense_path, max_total_tokens=512, overlap_schedule="on",
+                speculative_algorithm="ngram") as engine:  # speculation keeps the ordinary schedule
+        assert engine.scheduler.config.overlap is False
