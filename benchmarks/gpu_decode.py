@@ -31,7 +31,8 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
 
     PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 3] [--batches 1,8,32,64,128]
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
-        [--cached-tokens 3800] [--no-cuda-graph] [--hyla-only | --hf-only] [--json PATH] [--no-write]
+        [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
+        [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
 """
@@ -143,6 +144,8 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the TTFT measurements")
     ap.add_argument("--cached-tokens", type=int, default=3800, help="cached prefix of the cached-TTFT prompt")
     ap.add_argument("--no-cuda-graph", action="store_true", help="Engine(disable_cuda_graph=True), if it has it")
+    ap.add_argument("--overlap-schedule", default=None, help="Engine(overlap_schedule=...), if it has it "
+                    "(default: the engine's, auto)")
     side = ap.add_mutually_exclusive_group()
     side.add_argument("--hyla-only", action="store_true")
     side.add_argument("--hf-only", action="store_true")
@@ -189,6 +192,11 @@ def main() -> None:
             opts["disable_cuda_graph"] = args.no_cuda_graph
         elif args.no_cuda_graph:
             log("EngineArgs has no disable_cuda_graph: --no-cuda-graph ignored")
+        if args.overlap_schedule is not None:
+            if "overlap_schedule" in have:
+                opts["overlap_schedule"] = args.overlap_schedule
+            else:
+                log("EngineArgs has no overlap_schedule: --overlap-schedule ignored")
         if "cuda_graph_max_bs" in have and not args.no_cuda_graph:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,

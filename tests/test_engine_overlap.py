@@ -136,3 +136,33 @@ def test_overlap_schedule_option(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, max_total_tokens=512, overlap_schedule="on",
                 speculative_algorithm="ngram") as engine:  # speculation keeps the ordinary schedule
         assert engine.scheduler.config.overlap is False
+
+
+def test_overlap_schedule_internal_error_keeps_finished_outputs(qwen3_next_dense_path):
+    """An internal error while a finished request waits for the step that fed its last token: it is
+    delivered as it finished (its stop reason), the others are aborted, and nothing leaks."""
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 2048) for _ in range(rng.randrange(5, 30))] for _ in range(4)]
+    sp = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}
+    with Engine(qwen3_next_dense_path, overlap_schedule="off", **OPTS) as engine:
+        ref = engine.generate(input_ids=prompts, sampling_params=sp)
+    stop = ref[0]["output_ids"][5]
+    sps = [{**sp, "stop_token_ids": [stop]}] + [sp] * 3
+    with Engine(qwen3_next_dense_path, overlap_schedule="on", **OPTS) as engine:
+        sched = engine.scheduler
+        draw = sched.output.draw
+        failed = []
+
+        def flaky(reqs, logits):
+            if any(r.finished for r in sched.running) and not failed:  # one is held: fail this step
+                failed.append(True)
+                raise RuntimeError("injected")
+            return draw(reqs, logits)
+
+        sched.output.draw = flaky
+        outs = engine.generate(input_ids=prompts, sampling_params=sps)
+        assert_drained(engine)
+    assert failed
+    assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert outs[0]["output_ids"] == ref[0]["output_ids"][:ref[0]["output_ids"].index(stop) + 1]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs[1:])

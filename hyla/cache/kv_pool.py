@@ -29,6 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
+from hyla.cache.transfer import to_device
 
 
 class KVPool:
@@ -219,7 +220,7 @@ class KVPool:
             raise ValueError("copy between slots that are not allocated")
         if s.size == 0 or self.accounting:
             return
-        si, di = torch.from_numpy(s).to(self.device), torch.from_numpy(d).to(self.device)
+        si, di = to_device(torch.from_numpy(s), torch.long, self.device), to_device(torch.from_numpy(d), torch.long, self.device)
         for buf in (*self.k_buffers, *self.v_buffers):
             buf.index_copy_(0, di, buf.index_select(0, si))
 

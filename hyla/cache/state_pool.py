@@ -28,6 +28,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
+from hyla.cache.transfer import to_device
 
 
 class StatePool:
@@ -112,7 +113,7 @@ class StatePool:
         """``n`` fresh slots, zeroed (a new sequence starts from the zero state). ``[n]`` int64."""
         slots = torch.from_numpy(self._slots.alloc(n))
         if n and self._filled:
-            idx = slots.to(self.device)
+            idx = to_device(slots, torch.long, self.device)
             for buf in self._filled:
                 buf.index_fill_(0, idx, 0)
         return slots
@@ -132,7 +133,7 @@ class StatePool:
             raise ValueError("copy destinations must be distinct and disjoint from the sources")
         if s.size == 0 or self.accounting:
             return
-        si, di = torch.from_numpy(s).to(self.device), torch.from_numpy(d).to(self.device)
+        si, di = to_device(torch.from_numpy(s), torch.long, self.device), to_device(torch.from_numpy(d), torch.long, self.device)
         for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
 

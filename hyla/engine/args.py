@@ -75,7 +75,7 @@ class EngineArgs:
     overlap_schedule: str = _opt("auto", "Launch each decode step before reading the previous step's tokens, so "
                                          "the host's per-step work runs while the device computes (SGLang's "
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
-                                         "on for the fused CUDA decode, without speculation; 'on', 'off'.")
+                                         "on where decode steps replay CUDA graphs, without speculation; 'on', 'off'.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after about a minute of compilation at start-up (docs/benchmarks.md); "
                                        "with n-gram speculation its verify steps too (docs/engine.md).")

@@ -117,9 +117,11 @@ class Engine:
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
             draft_max_batch=self.args.speculative_disable_by_batch_size,
+            # auto: where a decode step is launched without reading the host (CUDA graphs; not MoE
+            # routing, which reads expert counts in every layer)
             overlap=self.args.speculative_algorithm is None and (
                 self.args.overlap_schedule == "on" or self.args.overlap_schedule == "auto"
-                and runner.fused and self.device.type == "cuda"),
+                and runner.graphs is not None),
             # prompt logprobs: at most ~256 MiB of fp32 logits per step
             prompt_logits_chunk=max(self.args.page_size, (1 << 26) // self.model_config.vocab_size
                                     // self.args.page_size * self.args.page_size),

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from hyla.cache.transfer import to_device
+
 if TYPE_CHECKING:
     from hyla.tokenizer import Tokenizer
 
@@ -211,7 +213,7 @@ def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tens
         return logits
     vocab = logits.shape[-1]
     allowed = unpack_bitmask(mask.bitmask, vocab, logits.device)  # [R, V] bool
-    idx = torch.tensor(mask.rows, dtype=torch.long, device=logits.device)
+    idx = to_device(mask.rows, torch.long, logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     return logits
 
@@ -224,7 +226,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int, device: torch.device | str
         allowed = torch.from_numpy(bits[:, :vocab]).bool()
     else:
         shifts = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = ((bitmask.to(device).unsqueeze(-1) >> shifts) & 1).bool().reshape(rows, words * 32)[:, :vocab]
+        allowed = ((to_device(bitmask, torch.int32, device).unsqueeze(-1) >> shifts) & 1).bool().reshape(
+            rows, words * 32)[:, :vocab]
     if allowed.shape[1] < vocab:
         allowed = torch.cat([allowed, allowed.new_zeros(rows, vocab - allowed.shape[1])], dim=1)
     return allowed

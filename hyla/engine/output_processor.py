@@ -86,7 +86,7 @@ class OutputProcessor:
         if draw.drawn is None:
             return finished, failed
         sreqs = draw.reqs
-        out = draw.drawn.collect(sreqs)
+        out = draw.drawn.collect()
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
             self.append(r, [tok], [lp], [top])
             if r.finished:

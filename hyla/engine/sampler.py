@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
-from hyla.engine.transfer import to_device
+from hyla.cache.transfer import to_device
 from hyla.engine.request import Req
 
 
@@ -36,24 +36,41 @@ class SampleOutput:
 @dataclass
 class Drawn:
     """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]`` and the
-    raw ``log_softmax [B, V]``. The overlap schedule feeds ``chosen`` to the next decode step before
-    :meth:`collect` waits for it."""
+    raw ``log_softmax [B, V]``. Their copies to the host are queued when it is made
+    (:func:`draw_batch`), so that they come before anything queued after (the overlap schedule's
+    next decode step, fed ``chosen`` on the device) and :meth:`collect` waits for them alone."""
 
     chosen: torch.Tensor
     raw_logprobs: torch.Tensor
+    reqs: list[Req]
+    host: tuple = ()  # chosen, their logprobs, per row (top values, top ids) or None: host tensors
+    ready: object = None  # a CUDA event recorded after the copies (None: on the host already)
 
-    def collect(self, reqs: list[Req]) -> SampleOutput:
-        """Read the tokens (the step's one device -> host sync) and their logprobs."""
-        token_ids = self.chosen.tolist()
-        lps = self.raw_logprobs.gather(1, self.chosen.unsqueeze(1)).squeeze(1).tolist()
-        tops = [top_logprobs(self.raw_logprobs[i], req) for i, req in enumerate(reqs)]
-        return SampleOutput(token_ids, lps, tops)
+    def __post_init__(self) -> None:
+        lps = self.raw_logprobs.gather(1, self.chosen.unsqueeze(1)).squeeze(1)
+        tops = [self.raw_logprobs[i].topk(k) if (k := num_top_logprobs(r)) else None for i, r in enumerate(self.reqs)]
+        if self.chosen.device.type != "cuda":
+            self.host = (self.chosen, lps, tops)
+            return
+        pinned = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
+        self.host = (pinned(self.chosen), pinned(lps), [None if t is None else (pinned(t.values), pinned(t.indices))
+                                                       for t in tops])
+        self.ready = torch.cuda.Event()
+        self.ready.record()
+
+    def collect(self) -> SampleOutput:
+        """Read the tokens and their logprobs (the step's one wait for the device)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        chosen, lps, tops = self.host
+        return SampleOutput(chosen.tolist(), lps.tolist(),
+                            [[] if t is None else list(zip(t[0].tolist(), t[1].tolist())) for t in tops])
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
     """logits: [B, V] fp32, one row per request in ``reqs``; ``mask``: the grammar masks of the
     constrained rows (``None``: no row is constrained)."""
-    return draw_batch(logits, reqs, mask).collect(reqs)
+    return draw_batch(logits, reqs, mask).collect()
 
 
 def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> Drawn:
@@ -73,13 +90,18 @@ def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = N
         index = to_device(rows, torch.long, processed.device)
         probs = target_probs_batch(processed.index_select(0, index), rreqs)  # [R, V]
         chosen.index_copy_(0, index, inverse_cdf(probs, torch.cat([uniform_draw(r, probs.device) for r in rreqs])))
-    return Drawn(chosen, raw_logprobs)
+    return Drawn(chosen, raw_logprobs, reqs)
+
+
+def num_top_logprobs(req: Req) -> int:
+    """How many top logprobs ``req`` wants per token (0 unless it asked for logprobs)."""
+    return req.sampling.top_logprobs_num if req.return_logprob else 0
 
 
 def top_logprobs(row_logprobs: torch.Tensor, req: Req) -> list[tuple[float, int]]:
     """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one raw logprob row ``[V]``
     ([] unless the request asked for them)."""
-    k = req.sampling.top_logprobs_num if req.return_logprob else 0
+    k = num_top_logprobs(req)
     if not k:
         return []
     vals, idx = row_logprobs.topk(k)
@@ -96,7 +118,9 @@ def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.frequency_penalty or p.presence_penalty) and req.output_ids:
         out = to_device(req.output_ids, torch.long, row.device)
-        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)  # [V]
+        # counts [V] (a bincount reads its extremes back to the host: on CUDA a stream sync)
+        counts = torch.zeros(row.numel(), dtype=row.dtype, device=row.device).index_add_(
+            0, out, torch.ones(out.numel(), dtype=row.dtype, device=row.device))
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
     return row
 

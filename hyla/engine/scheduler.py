@@ -12,7 +12,7 @@ is the ``CacheManager``'s (admission, allocation, commit, release: see its contr
 stop conditions and delivery are the ``OutputProcessor``'s. What stays here is policy: queue
 order (longest cached prefix first), chunking, the decode reserve, retraction.
 
-With the overlap schedule (``SchedulerConfig.overlap``; on by default for the fused CUDA decode) a
+With the overlap schedule (``SchedulerConfig.overlap``; on by default where decode steps replay CUDA graphs) a
 decode step's tokens are drawn on the device and not read at once: the next step samples them,
 commits, launches the decode after (fed those tokens straight from the device), and only then
 reads them and does the host's per-token work while the device runs — see ``_step_overlapped``.
@@ -39,7 +39,7 @@ from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoi
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.speculative import Drafter, verify
-from hyla.engine.transfer import to_device
+from hyla.cache.transfer import to_device
 
 logger = logging.getLogger("hyla.engine")
 
@@ -386,7 +386,8 @@ class Scheduler:
             except Exception:
                 logger.exception("could not release request %s; dropping it", req.rid)
             self.running.remove(req)
-            self._finish(req, {"type": "abort", "message": message})
+            # a request the overlap schedule holds finished already: it keeps its reason
+            self._finish(req, None if req.finished else {"type": "abort", "message": message})
 
     def _finish(self, req: Req, reason: dict | None = None) -> None:
         """Release ``req``'s memory (caching what it computed), then deliver its last output."""

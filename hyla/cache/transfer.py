@@ -3,7 +3,8 @@
 A plain host-to-CUDA copy (``torch.tensor(values, device="cuda")``, ``t.to("cuda")``) synchronizes
 the stream: the host waits for every kernel queued before it. On the decode path that would stall
 the overlap schedule (``Scheduler._step_overlapped``), which queues the next step while the device
-runs the current one; a pinned source copied ``non_blocking`` does not wait.
+runs the current one; a pinned source copied ``non_blocking`` does not wait. The pools send their
+slot indices this way, and so do the engine's sampler and grammar masks.
 """
 
 from __future__ import annotations
