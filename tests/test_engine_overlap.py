@@ -166,3 +166,40 @@ def test_overlap_schedule_internal_error_keeps_finished_outputs(qwen3_next_dense
     assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert outs[0]["output_ids"] == ref[0]["output_ids"][:ref[0]["output_ids"].index(stop) + 1]
     assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs[1:])
+
+
+@pytest.mark.gpu
+def test_overlapped_step_never_waits_for_the_device(qwen3_5_path):
+    """On CUDA, nothing between drawing a step's tokens and launching the next step may synchronize
+    the stream (else the host waits for the step it meant to overlap): the overlapped steps run with
+    PyTorch's sync debug mode set to raise, except while the tokens are read (``complete``)."""
+    import torch
+
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    with Engine(qwen3_5_path, **opts) as engine:
+        sched = engine.scheduler
+        assert sched.config.overlap and sched.runner.graphs is not None
+        step, complete = sched._step_overlapped, sched.output.complete
+
+        def strict_step(*a, **k):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return step(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        def reading(*a, **k):  # the one place a step waits: its own tokens
+            torch.cuda.set_sync_debug_mode("default")
+            try:
+                return complete(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+
+        sched._step_overlapped, sched.output.complete = strict_step, reading
+        rng = random.Random(2)
+        prompts = [[rng.randrange(3, 2048) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
+        sps = [{"max_new_tokens": 24, "temperature": 0.0 if i % 2 else 0.7, "seed": i, "top_p": 0.9,
+                "ignore_eos": True} for i in range(6)]
+        outs = engine.generate(input_ids=prompts, sampling_params=sps)
+        assert all(len(o["output_ids"]) == 24 for o in outs)
+        assert engine.get_stats()["num_overlapped_steps"] > 10
