@@ -207,11 +207,11 @@ def test_internal_error_aborts_the_batch_and_engine_keeps_serving(which, request
     real = runner.forward_decode
     calls = {"n": 0}
 
-    def flaky(reqs, out_cache_loc):
+    def flaky(reqs, out_cache_loc, **kw):  # kw: the overlap schedule's device tokens
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected failure")
-        return real(reqs, out_cache_loc)
+        return real(reqs, out_cache_loc, **kw)
 
     monkeypatch.setattr(runner, "forward_decode", flaky)
     out = engine.generate(input_ids=_ids(20, 10), sampling_params=GREEDY)
