@@ -220,7 +220,7 @@ class KVPool:
             raise ValueError("copy between slots that are not allocated")
         if s.size == 0 or self.accounting:
             return
-        si, di = to_device(torch.from_numpy(s), torch.long, self.device), to_device(torch.from_numpy(d), torch.long, self.device)
+        si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
         for buf in (*self.k_buffers, *self.v_buffers):
             buf.index_copy_(0, di, buf.index_select(0, si))
 

@@ -133,7 +133,7 @@ class StatePool:
             raise ValueError("copy destinations must be distinct and disjoint from the sources")
         if s.size == 0 or self.accounting:
             return
-        si, di = to_device(torch.from_numpy(s), torch.long, self.device), to_device(torch.from_numpy(d), torch.long, self.device)
+        si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
         for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
 

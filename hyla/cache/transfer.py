@@ -13,10 +13,10 @@ import torch
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """``values`` (a host tensor or nested lists of numbers) as a ``dtype`` tensor on ``device``,
-    copied asynchronously to CUDA (the pinned staging copy outlives the transfer: PyTorch's pinned
-    allocator holds it until the copy is done)."""
-    t = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    """``values`` (a host tensor, a numpy array or nested lists of numbers) as a ``dtype`` tensor on
+    ``device``, copied asynchronously to CUDA (the pinned staging copy outlives the transfer:
+    PyTorch's pinned allocator holds it until the copy is done)."""
+    t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

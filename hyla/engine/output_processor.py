@@ -42,7 +42,7 @@ class Draw:
 
     @property
     def tokens(self) -> torch.Tensor:
-        """``[B]`` the drawn tokens on the device, one per request of the step."""
+        """The drawn tokens on the device, one per request of ``reqs``, in their order."""
         return self.drawn.chosen
 
 
@@ -65,8 +65,8 @@ class OutputProcessor:
         return self.complete(self.draw(reqs, logits))
 
     def draw(self, reqs: list[Req], logits: torch.Tensor) -> "Draw":
-        """:meth:`process` up to the host read: the tokens drawn on the device (``Draw.tokens``,
-        one per request; a request with nothing to sample gets a don't-care row)."""
+        """:meth:`process` up to the host read: the tokens drawn on the device (``Draw.tokens``, one
+        per request that samples; one with nothing to sample is finished here and has no row)."""
         finished: list[Req] = []
         to_sample = []
         for i, r in enumerate(reqs):

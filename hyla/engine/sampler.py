@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.cache.transfer import to_device
+from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
 
 
@@ -63,8 +63,7 @@ class Drawn:
         if self.ready is not None:
             self.ready.synchronize()
         chosen, lps, tops = self.host
-        return SampleOutput(chosen.tolist(), lps.tolist(),
-                            [[] if t is None else list(zip(t[0].tolist(), t[1].tolist())) for t in tops])
+        return SampleOutput(chosen.tolist(), lps.tolist(), [[] if t is None else _pairs(*t) for t in tops])
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
@@ -104,8 +103,12 @@ def top_logprobs(row_logprobs: torch.Tensor, req: Req) -> list[tuple[float, int]
     k = num_top_logprobs(req)
     if not k:
         return []
-    vals, idx = row_logprobs.topk(k)
-    return list(zip(vals.tolist(), idx.tolist()))
+    return _pairs(*row_logprobs.topk(k))
+
+
+def _pairs(values: torch.Tensor, ids: torch.Tensor) -> list[tuple[float, int]]:
+    """Top logprobs as the outputs carry them: ``(logprob, token id)`` pairs."""
+    return list(zip(values.tolist(), ids.tolist()))
 
 
 def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
@@ -178,4 +181,3 @@ def draw(probs: torch.Tensor, req: Req) -> int:
 def uniform(req: Req) -> float:
     """One U(0, 1) draw from the request's generator, as a number (speculative acceptance)."""
     return float(uniform_draw(req, "cpu"))
-

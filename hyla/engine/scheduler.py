@@ -35,11 +35,11 @@ from typing import Protocol
 
 import torch
 
+from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.speculative import Drafter, verify
-from hyla.cache.transfer import to_device
 
 logger = logging.getLogger("hyla.engine")
 
