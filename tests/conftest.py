@@ -65,6 +65,10 @@ def _tiny_checkpoint(name: str, make, **kw):
 
 
 qwen3_next_dense_path = _tiny_checkpoint("qwen3_next_dense_path", checkpoints.make_qwen3_next, moe=False)
+# one layer of each kind: for the tests whose cost is compiling the model (torch.compile's time
+# grows with the layers it traces: ~6.5 minutes cold for the 8-layer model's five graphs, 2 for this)
+qwen3_next_short_path = _tiny_checkpoint("qwen3_next_short_path", checkpoints.make_qwen3_next, moe=False,
+                                         num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)

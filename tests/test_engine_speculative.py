@@ -232,7 +232,7 @@ def test_padded_chain_verify_is_exact(qwen3_next_dense_path, opts):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
-def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next_dense_path):
+def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next_short_path):
     """``compile_decode`` with n-gram speculation: verify steps run the compiled graph (padded
     chains) and decode steps theirs; exact, and no graph is compiled after start-up."""
     import torch._dynamo
@@ -243,7 +243,7 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
         _watch_chains(eng, calls, width=None)
         graphs["start"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
-    assert _run_differential(qwen3_next_dense_path, dict(POOLS, compile_decode=True), setup=setup) > 60
+    assert _run_differential(qwen3_next_short_path, dict(POOLS, compile_decode=True), setup=setup) > 60
     assert calls["n"] > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs["start"], "compiled after start-up"
 

@@ -163,7 +163,7 @@ def test_fp32_cpu_projection_weights_are_column_major_with_the_same_values(qwen3
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
-def test_compiled_decode_equals_eager(qwen3_next_dense_path):
+def test_compiled_decode_equals_eager(qwen3_next_short_path):
     """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
     a changing larger batch, with no compilation after start-up."""
     import torch._dynamo
@@ -175,7 +175,7 @@ def test_compiled_decode_equals_eager(qwen3_next_dense_path):
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 20, 8, 16)]
 
     def run(**options):
-        with Engine(qwen3_next_dense_path, max_total_tokens=4096, max_state_slots=16, **options) as engine:
+        with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=16, **options) as engine:
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))
