@@ -4,7 +4,10 @@ A plain host-to-CUDA copy (``torch.tensor(values, device="cuda")``, ``t.to("cuda
 the stream: the host waits for every kernel queued before it. On the decode path that would stall
 the overlap schedule (``Scheduler._step_overlapped``), which queues the next step while the device
 runs the current one; a pinned source copied ``non_blocking`` does not wait. The pools send their
-slot indices this way, and so do the engine's sampler and grammar masks.
+slot indices this way, and so do the engine's sampler and grammar masks, and the model's ops the
+index tensors they derive from a step's plan (``VarlenPlan.derive``): on an extend step a waiting
+copy in every layer would keep the host from running ahead of the device at all. Knows nothing of
+models or pools: the one module of ``hyla.cache`` that ``hyla.model`` imports besides the layout.
 """
 
 from __future__ import annotations

@@ -16,9 +16,12 @@ precede all writes; checkpoint rows are distinct from the batch's own rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from hyla.cache.transfer import to_device
 from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
@@ -104,6 +107,39 @@ def _depthwise_taps(x_ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return y
 
 
+@dataclass(frozen=True)
+class _WindowRows:
+    """Rows of a varlen step's ``x_ext`` (see :func:`causal_conv1d_varlen`), built once per step on
+    the host and sent to the device in one copy that does not wait for it: every conv layer of the
+    step reads the same rows."""
+
+    tokens: torch.Tensor | None  # [T] row of the taps' output for each token (None: one sequence, every row)
+    final: torch.Tensor  # [B*(K-1)] the K-1 rows ending at each sequence's last token
+    ckpt: torch.Tensor | None  # [M*(K-1)] the K-1 rows ending at each checkpoint's token
+
+
+def _window_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> _WindowRows:
+    def build() -> _WindowRows:
+        w, ckpts = kernel - 1, varlen.ckpts
+        lengths = torch.tensor(varlen.lengths, dtype=torch.long)
+        window_first = torch.tensor(varlen.starts[:-1], dtype=torch.long) + torch.arange(len(lengths)) * w  # [B]
+        taps = torch.arange(w)
+        # sequence i's window is x_ext rows window_first[i] + (0..K-2), then its tokens: the K-1 rows
+        # ending at its n-th token start at window_first[i] + n, and the taps' output row of its
+        # packed token t (the row its receptive field starts at) is t + i*(K-1)
+        final = (window_first + lengths)[:, None] + taps  # [B, K-1]
+        ckpt = (window_first[ckpts.seq] + torch.tensor(ckpts.num_tokens, dtype=torch.long))[:, None] + taps  # [M, K-1]
+        several = len(lengths) > 1
+        tokens = (torch.arange(varlen.starts[-1]) + torch.repeat_interleave(torch.arange(len(lengths)) * w, lengths)
+                  if several else torch.zeros(0, dtype=torch.long))  # [T]
+        flat = to_device(torch.cat([final.flatten(), ckpt.flatten(), tokens]), torch.long, device)
+        final_d, ckpt_d, tokens_d = flat.split([final.numel(), ckpt.numel(), tokens.numel()])
+        return _WindowRows(tokens=tokens_d if several else None, final=final_d,
+                           ckpt=ckpt_d if ckpts.num_checkpoints else None)
+
+    return varlen.derive(("conv_window_rows", kernel, device), build)
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -145,34 +181,22 @@ def causal_conv1d_varlen(
     if scan is not None:
         return _conv_tree(x, weight, bias, conv_states, scan, act)
 
-    w = kernel - 1
-    lengths, starts, ckpts = list(varlen.lengths), varlen.starts, varlen.ckpts
-    batch = len(lengths)
+    rows = _window_rows(varlen, kernel, x.device)
     windows = read_states(conv_states, varlen.slots, x.dtype).transpose(1, 2)  # [B, K-1, C], zeros for -1
-    x_ext = torch.cat([part for i in range(batch) for part in (windows[i], x[starts[i] : starts[i + 1]])])
-    # x_ext [T + B*(K-1), C]: sequence i's window at rows window_first[i] + (0..K-2), then its tokens
-
-    dev = x.device
-    cu = cu_seqlens.to(device=dev, dtype=torch.long)
-    window_first = cu[:-1] + torch.arange(batch, device=dev) * w  # [B]
-    window_rows = window_first.unsqueeze(1) + torch.arange(w, device=dev)  # [B, K-1]
-    seq_of_token = torch.repeat_interleave(
-        torch.arange(batch, device=dev), torch.tensor(lengths, device=dev), output_size=num_tokens
-    )  # [T]
-    token_row = torch.arange(num_tokens, device=dev) + (seq_of_token + 1) * w  # [T] row of each token in x_ext
+    starts = varlen.starts
+    x_ext = torch.cat([part for i in range(len(varlen.lengths)) for part in (windows[i], x[starts[i] : starts[i + 1]])])
+    # x_ext [T + B*(K-1), C]: sequence i's window, then its tokens
 
     y = _depthwise_taps(x_ext, weight, bias)  # [T + (B-1)*(K-1), C]: row r ends its receptive field at x_ext[r + K-1]
-    if batch > 1:  # drop the rows that straddle two sequences
-        y = y.index_select(0, token_row - w)  # [T, C]
+    if rows.tokens is not None:  # drop the rows that straddle two sequences
+        y = y.index_select(0, rows.tokens)  # [T, C]
     y = act(y)
 
-    lens = torch.tensor(lengths, device=x.device)
-    final = x_ext[window_rows + lens.unsqueeze(1)]  # [B, K-1, C]: the K-1 rows ending at the last token
-    if ckpts.num_checkpoints:
-        seq = torch.tensor(ckpts.seq, device=x.device)
-        n = torch.tensor(ckpts.num_tokens, device=x.device)
-        ckpt_windows = x_ext[window_rows[seq] + n.unsqueeze(1)]  # [M, K-1, C]
-        write_rows_(conv_states, ckpts.slot, ckpt_windows.transpose(1, 2).to(conv_states.dtype))
+    w = kernel - 1
+    if rows.ckpt is not None:
+        ckpt_windows = x_ext.index_select(0, rows.ckpt).view(varlen.ckpts.num_checkpoints, w, channels)  # [M, K-1, C]
+        write_rows_(conv_states, varlen.ckpts.slot, ckpt_windows.transpose(1, 2).to(conv_states.dtype))
+    final = x_ext.index_select(0, rows.final).view(len(varlen.lengths), w, channels)  # [B, K-1, C]: the K-1 rows ending at the last token
     write_states(conv_states, varlen.slots, final.transpose(1, 2))
     return y.to(x.dtype)
 

@@ -18,9 +18,13 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import torch
+
+from hyla.cache.transfer import to_device
+
+T = TypeVar("T")
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -147,6 +151,13 @@ class VarlenPlan:
     # (the fla prefill's segment rounds: ``gated_delta_chunk.fla_rounds``)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def derive(self, key, build: Callable[[], "T"]) -> "T":
+        """``build()``, once per plan: what an op derives from it (index tensors on the device, a
+        chunk layout), built by the step's first layer and reused by the others."""
+        if key not in self.derived:
+            self.derived[key] = build()
+        return self.derived[key]
+
     @classmethod
     def build(cls, lengths: Sequence[int], slots: "SlotPlan", ckpts: Checkpoints) -> "VarlenPlan":
         return cls(tuple(lengths), tuple(itertools.accumulate(lengths, initial=0)), slots, ckpts)
@@ -222,16 +233,16 @@ class SlotPlan:
         if not pads:
             return cls(index, tuple(values), first, index, None, None, index)
         keep = [i for i, s in enumerate(values) if s >= 0]
-        long = dict(dtype=torch.long, device=device)
-        return cls(index, tuple(values), None, index.clamp(min=0), torch.tensor(pads, **long),
-                   torch.tensor(keep, **long), torch.tensor([values[i] for i in keep], **long))
+        rows = to_device(pads + keep + [values[i] for i in keep], torch.long, device)
+        pad_rows, write_rows, write_index = rows.split([len(pads), len(keep), len(keep)])
+        return cls(index, tuple(values), None, index.clamp(min=0), pad_rows, write_rows, write_index)
 
     @classmethod
     def rows(cls, values: Sequence[int], device: torch.device) -> "SlotPlan":
         """A plan over rows the caller computed itself (distinct, ``>= 0``; a tree scan's lanes):
         trusted, not validated."""
         values = tuple(values)
-        index = torch.tensor(values, dtype=torch.long, device=device)
+        index = to_device(values, torch.long, device)
         b = len(values)
         first = values[0] if b and values == tuple(range(values[0], values[0] + b)) else None
         return cls(index, values, first, index, None, None, index)
@@ -417,16 +428,19 @@ def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.devic
     valid = (token_index < num_tokens).flatten()  # [NC*Q]
     flat_index = torch.empty(num_tokens, dtype=torch.long)
     flat_index[token_index.flatten()[valid]] = torch.arange(valid.numel())[valid]
+    flat = to_device(torch.cat([torch.tensor(order, dtype=torch.long), token_index.flatten(), flat_index]),
+                     torch.long, device)
+    order_d, token_index_d, flat_index_d = flat.split([len(order), token_index.numel(), num_tokens])
     return ChunkLayout(
         chunk_size=chunk_size,
         num_tokens=num_tokens,
-        order=torch.tensor(order, dtype=torch.long, device=device),
+        order=order_d,
         order_host=tuple(order),
         rank=tuple(rank),
         num_active=tuple(num_active),
         step_start=tuple(step_start),
-        token_index=token_index.to(device),
-        flat_index=flat_index.to(device),
+        token_index=token_index_d.view(token_index.shape),
+        flat_index=flat_index_d,
     )
 
 
@@ -442,20 +456,15 @@ class CheckpointPlan:
     step: tuple[int, ...]
     rank: tuple[int, ...]
     slot: torch.Tensor  # [M] int64
+    # scan step -> (checkpoint entries there [E], the ranks to read their entering state of [E])
+    by_step: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_checkpoints(self) -> int:
         return len(self.step)
 
     def at_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        entries = [m for m, s in enumerate(self.step) if s == step]
-        if not entries:
-            return None
-        device = self.chunk.device
-        return (
-            torch.tensor(entries, dtype=torch.long, device=device),
-            torch.tensor([self.rank[m] for m in entries], dtype=torch.long, device=device),
-        )
+        return self.by_step.get(step)
 
 
 ChunkScan = Callable[[ChunkLayout, CheckpointPlan, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -469,12 +478,17 @@ def chunk_scan_on_pool(scan: ChunkScan, varlen: VarlenPlan, chunk_size: int, poo
     of ``chunk_size``, place the checkpoints on them, read each sequence's state from its slot (fp32,
     in rank order, zeros for ``-1``), run ``scan``, then write the checkpoint states into their rows and
     the final states back into the slots (none for ``-1``). Returns ``scan``'s output. Reads nothing
-    back from the device (the plan holds the host facts)."""
-    layout = chunk_layout(list(varlen.lengths), chunk_size, device)
-    plan = plan_checkpoints(layout, varlen.ckpts)
-    host = varlen.slots.host
-    rank_host = [host[i] for i in layout.order_host]
-    ranks = SlotPlan.build(varlen.slots.index[layout.order], pool.shape[0], device, host=rank_host)
+    back from the device (the plan holds the host facts); the layout, the checkpoint plan and the
+    slots in rank order are built once per step (``VarlenPlan.derive``) and shared by every layer."""
+
+    def build() -> tuple[ChunkLayout, CheckpointPlan, SlotPlan]:
+        layout = chunk_layout(list(varlen.lengths), chunk_size, device)
+        host = varlen.slots.host
+        rank_host = [host[i] for i in layout.order_host]
+        ranks = SlotPlan.build(varlen.slots.index[layout.order], pool.shape[0], device, host=rank_host)
+        return layout, plan_checkpoints(layout, varlen.ckpts), ranks
+
+    layout, plan, ranks = varlen.derive(("chunk_scan", chunk_size, torch.device(device), pool.shape[0]), build)
     state = read_states(pool, ranks, torch.float32)  # [B, *state] in rank order
     out, state, ckpt_states = scan(layout, plan, state)
     if plan.num_checkpoints:
@@ -486,11 +500,17 @@ def chunk_scan_on_pool(scan: ChunkScan, varlen: VarlenPlan, chunk_size: int, poo
 def plan_checkpoints(layout: ChunkLayout, ckpts: Checkpoints) -> CheckpointPlan:
     """Place validated checkpoints on the chunk layout."""
     located = [layout.locate(i, n) for i, n in zip(ckpts.seq, ckpts.num_tokens)]
-    device = layout.token_index.device
-    return CheckpointPlan(
-        chunk=torch.tensor([c for _, c, _ in located], dtype=torch.long, device=device),
-        within=torch.tensor([w for _, _, w in located], dtype=torch.long, device=device),
-        step=tuple(s for s, _, _ in located),
-        rank=tuple(layout.rank[i] for i in ckpts.seq),
-        slot=ckpts.slot,
-    )
+    step = tuple(s for s, _, _ in located)
+    rank = tuple(layout.rank[i] for i in ckpts.seq)
+    entries = {s: [m for m, sm in enumerate(step) if sm == s] for s in sorted(set(step))}
+    # one asynchronous copy: [chunk | within | per step: entries, ranks]
+    host = [c for _, c, _ in located] + [w for _, _, w in located]
+    for es in entries.values():
+        host += es + [rank[m] for m in es]
+    flat = to_device(host, torch.long, layout.token_index.device)
+    m = len(located)
+    by_step, at = {}, 2 * m
+    for s, es in entries.items():
+        by_step[s] = (flat[at:at + len(es)], flat[at + len(es):at + 2 * len(es)])
+        at += 2 * len(es)
+    return CheckpointPlan(chunk=flat[:m], within=flat[m:2 * m], step=step, rank=rank, slot=ckpts.slot, by_step=by_step)

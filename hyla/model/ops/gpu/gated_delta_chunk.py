@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.cache.transfer import to_device
 from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -28,12 +29,13 @@ HAS_FLA = importlib.util.find_spec("fla") is not None
 @dataclass(frozen=True)
 class FlaRound:
     """One varlen call of fla's kernel: sequences ``seqs`` (batch rows), their tokens ``idx`` of the
-    packed batch (None: every token, in order), ``cu_seqlens`` on the device and on the host (fla
+    packed batch (None: every token in order, or the one run ``span``), ``cu_seqlens`` on the device and on the host (fla
     then computes its chunk indices without a device read), and the checkpoints whose position
     ends this round: rows ``ckpt_rows`` of the running state go to pool rows ``ckpt_slots``."""
 
     seqs: torch.Tensor
     idx: torch.Tensor | None
+    span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     ckpt_rows: torch.Tensor | None
@@ -44,9 +46,10 @@ def fla_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
     """The batch's segment rounds (see the module docstring), built once per step: every Gated
     DeltaNet layer of the step then passes fla the same tensors (its own caches, keyed on tensor
     identity, hit from the second layer on) and sends nothing to the device."""
-    key = ("fla_rounds", device)
-    if key in varlen.derived:
-        return varlen.derived[key]
+    return varlen.derive(("fla_rounds", device), lambda: _plan_rounds(varlen, device))
+
+
+def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
     lengths, starts, ckpts = varlen.lengths, varlen.starts, varlen.ckpts
     # each sequence's segment bounds: 0, its checkpoint positions inside it, its length
     bounds = [sorted({0, n} | {c for s, c in zip(ckpts.seq, ckpts.num_tokens) if s == i and c < n})
@@ -57,15 +60,20 @@ def fla_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
         segs = [(i, starts[i] + b[r], starts[i] + b[r + 1]) for i, b in enumerate(bounds) if r + 1 < len(b)]
         cu = torch.tensor(list(itertools.accumulate((e - a for _, a, e in segs), initial=0)), dtype=torch.long)
         whole = num_rounds == 1 and len(segs) == len(lengths)  # every token in order: no gather
-        idx = None if whole else torch.cat([torch.arange(a, e) for _, a, e in segs]).to(device)
+        span = (segs[0][1], segs[-1][2]) if all(a == e0 for (_, _, e0), (_, a, _) in zip(segs, segs[1:])) else None
         done = [(j, i) for j, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens))
                 if r + 1 < len(bounds[i]) and bounds[i][r + 1] == n]  # checkpoints at this round's cuts
+        # one asynchronous copy of the round's index tensors: [cu | seqs | ckpt rows | ckpt slots | token index]
+        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        host = [cu, long([i for i, _, _ in segs]), long([i for _, i in done]),
+                long([ckpts.slot_list[j] for j, _ in done])]
+        if not whole and span is None:
+            host.append(torch.cat([torch.arange(a, e) for _, a, e in segs]))
+        parts = to_device(torch.cat(host), torch.long, device).split([t.numel() for t in host])
         rounds.append(FlaRound(
-            seqs=torch.tensor([i for i, _, _ in segs], dtype=torch.long, device=device), idx=idx,
-            cu_seqlens=cu.to(device), cu_seqlens_cpu=cu,
-            ckpt_rows=torch.tensor([i for _, i in done], dtype=torch.long, device=device) if done else None,
-            ckpt_slots=ckpts.slot[[j for j, _ in done]] if done else None))
-    varlen.derived[key] = rounds
+            seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
+            cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
+            ckpt_slots=parts[3] if done else None))
     return rounds
 
 
@@ -101,14 +109,20 @@ def chunk_gated_delta_rule_fla(
     state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, Hv, Dk, Dv], zeros for -1
     o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     for rnd in fla_rounds(varlen, q.device):
-        xs = (q, k, v, g, beta) if rnd.idx is None else tuple(x.index_select(0, rnd.idx) for x in (q, k, v, g, beta))
+        xs = (q, k, v, g, beta)
+        if rnd.span is not None:
+            xs = tuple(x[rnd.span[0]:rnd.span[1]] for x in xs)
+        elif rnd.idx is not None:
+            xs = tuple(x.index_select(0, rnd.idx) for x in xs)
         out, final = chunk_gated_delta_rule(
             *(x.unsqueeze(0) for x in xs), initial_state=state.index_select(0, rnd.seqs), output_final_state=True,
             cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm)
-        if rnd.idx is None:
-            o = out[0].to(q.dtype)
-        else:
+        if rnd.span is not None:
+            o[rnd.span[0]:rnd.span[1]] = out[0]
+        elif rnd.idx is not None:
             o.index_copy_(0, rnd.idx, out[0].to(q.dtype))
+        else:
+            o = out[0].to(q.dtype)
         state.index_copy_(0, rnd.seqs, final.float())
         if rnd.ckpt_rows is not None:
             ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
