@@ -68,6 +68,45 @@ def test_extend_forward_reads_nothing_back_from_the_device(ckpt, request):
     assert logits.shape == (len(seqs), model.config.vocab_size)
 
 
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "nemotron_h_dense_path"])
+@torch.no_grad()
+def test_extend_forward_sends_its_indices_once_per_step(ckpt, request, monkeypatch):
+    """On a GPU a plain host -> device copy (``torch.tensor(..., device=...)``) waits for the
+    stream, and one in every layer keeps the host from ever running ahead of the device. The ops
+    derive their index tensors from the step's plan once (``VarlenPlan.derive``) and send them
+    with ``to_device`` (pinned, not waiting): no copy of the plain kind in the forward, and the same
+    number of copies with the first 4 layers as with all 8."""
+    model = load_model(request.getfixturevalue(ckpt))
+    plain, sent = [], []
+    tensor, as_tensor = torch.tensor, torch.as_tensor
+
+    def count(factory, calls):
+        def wrapped(*args, **kwargs):
+            calls.append(kwargs.get("device"))
+            return factory(*args, **kwargs)
+        return wrapped
+
+    def copies_in_forward(first: int) -> int:
+        runner = TinyRunner(model, max_states=12)
+        seqs = [runner.new_seq() for _ in range(3)]
+        runner.step(seqs, [list(range(3, 3 + n)) for n in (20, 7, 33)])
+        # a new first length: the chunk layout, memoised across steps by lengths, is built again
+        batch = runner.make_batch(seqs, [list(range(5, 5 + n)) for n in (first, 9, 130)],
+                                  checkpoints=[(0, 64, 9), (2, 100, 10), (2, 130, 11)])
+        plain.clear(), sent.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch, "tensor", count(tensor, plain))  # to_device builds with as_tensor, no device
+            m.setattr(torch, "as_tensor", count(as_tensor, sent))
+            model(batch)
+        assert [d for d in plain if d is not None] == [], "a plain host -> device copy in the forward"
+        return len(sent)
+
+    every_layer = copies_in_forward(70)
+    assert every_layer > 0  # the counting sees the ops' copies
+    monkeypatch.setattr(model, "layers", torch.nn.ModuleList(list(model.layers)[:4]))  # both mixer kinds
+    assert copies_in_forward(71) == every_layer
+
+
 def _init_fields(batch):
     return [f for f in batch.__dataclass_fields__ if batch.__dataclass_fields__[f].init]
 
