@@ -6,7 +6,8 @@ Each test pins one rule of the eviction policy; each fails on the engine without
   reaches past), is confirmed at release: later speculative checkpoints do not replace it;
 * a decode passing a grid point on a full state pool keeps its pending checkpoint in the slot of
   the checkpoint it supersedes (the request's own prompt-end one); so does a prompt-end checkpoint
-  (in the slot of the request's hit);
+  (in the slot of the request's hit); at the last grid position the request can reach, the
+  pending checkpoint is its turn's end and evicts as a finish checkpoint does;
 * the waiting queue's prefixes age in the order the queue will use them, so LRU evicts the one
   admitted last;
 * an admission that cannot fit evicts nothing.
@@ -63,6 +64,27 @@ def test_a_pending_checkpoint_on_a_full_pool_takes_the_slot_it_supersedes(qwen3_
         first = eng.generate(input_ids=a, sampling_params=_greedy(30))  # 69 tokens fed
         turn2 = a + first["output_ids"] + _ids(10, 8)
         assert eng.generate(input_ids=turn2, sampling_params=_greedy(1))["meta_info"]["cached_tokens"] == 64
+
+
+def test_a_pending_checkpoint_at_the_last_grid_position_evicts_as_a_finish_checkpoint(qwen3_next_dense_path):
+    """Page 16, three slots: B's and C's finished turns (ends at 32, ordinary) and A's live state.
+    A (20 + 30 tokens) has no checkpoint of its own to supersede and none is replaceable, so its
+    prompt-end checkpoint at 16 and its pending one at 32 find no slot. At 48 it cannot pass
+    another grid position before max_new_tokens: its turn ends there whatever stops it, so the
+    pending checkpoint is its finish checkpoint taken early and evicts the least recently used
+    turn end (B's) as a finish checkpoint would. A's next turn hits 48, not 0."""
+    a = _ids(20, 30)
+    with Engine(qwen3_next_dense_path, page_size=16, max_total_tokens=4096, max_state_slots=3,
+                max_running_requests=1, debug_checks=True) as eng:
+        b, c = _ids(40, 31), _ids(40, 32)
+        b1 = eng.generate(input_ids=b, sampling_params=_greedy(1))
+        c1 = eng.generate(input_ids=c, sampling_params=_greedy(1))
+        a1 = eng.generate(input_ids=a, sampling_params=_greedy(30))  # 49 tokens fed
+        a2 = eng.generate(input_ids=a + a1["output_ids"] + _ids(5, 33), sampling_params=_greedy(1))
+        c2 = eng.generate(input_ids=c + c1["output_ids"] + _ids(5, 34), sampling_params=_greedy(1))
+        b2 = eng.generate(input_ids=b + b1["output_ids"] + _ids(5, 35), sampling_params=_greedy(1))
+        assert [a2["meta_info"]["cached_tokens"], c2["meta_info"]["cached_tokens"],
+                b2["meta_info"]["cached_tokens"]] == [48, 32, 0]
 
 
 def test_a_prompt_checkpoint_on_a_full_pool_takes_the_slot_of_the_one_it_supersedes(qwen3_next_dense_path):

@@ -447,17 +447,28 @@ class CacheManager:
         """Keep a copy of the state after ``length`` tokens (in slot ``src``): into the pending
         slot the request already holds (no allocation, so no eviction), else into a fresh one:
         a free slot, the slot of the checkpoint this one will supersede (the request's own
-        deepest, on a path only it continues), or a replaceable checkpoint's — never a better one's."""
+        deepest, on a path only it continues), or a replaceable checkpoint's — never a better one's.
+
+        Unless ``length`` is the last grid position the request can reach
+        (:meth:`_last_grid_position`): whatever stops it then, its turn ends there, so this state
+        is its finish checkpoint taken early, and may evict as a finish checkpoint does."""
         if req.pending_ckpt is not None:
             slot = req.pending_ckpt[1]
             self.state_pool.copy(torch.tensor([src]), torch.tensor([slot]))
         elif self.state_pool.available_size() or self._evict_superseded_by(req, length, PENDING_CHECKPOINT) \
-                or self._ensure_state(1, for_speculative=True, cause=PENDING_CHECKPOINT):
+                or (self._ensure_state(1, cause=FINISH_CHECKPOINT) if length >= self._last_grid_position(req)
+                    else self._ensure_state(1, for_speculative=True, cause=PENDING_CHECKPOINT)):
             (slot,) = self.state_pool.fork(torch.tensor([src])).tolist()
         else:
             self._dropped(req, length, PENDING_CHECKPOINT)
             return
         req.pending_ckpt = (length, slot)
+
+    def _last_grid_position(self, req: Req) -> int:
+        """The deepest grid position ``req`` can feed up to: it stops after ``max_new_tokens``
+        outputs at most, and the last output is never fed (a context limit only stops it sooner)."""
+        most = len(req.input_ids) + req.sampling.max_new_tokens - 1
+        return most - most % self.grid
 
     def _evict_superseded_by(self, req: Req, length: int, cause: str) -> bool:
         """Free the checkpoint that a state of ``req`` after ``length`` tokens will supersede once
