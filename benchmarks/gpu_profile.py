@@ -1,0 +1,216 @@
+"""Where the engine's time goes, phase by phase, on the GPU benchmark's model (issue 10).
+
+``benchmarks/gpu_decode.py`` says how fast; this says why. On the same Qwen3.5-style model (built
+the same way, ``--tiny`` to try it on CPU) it runs, after one untimed warm-up of each:
+
+* ``prefill_cold``: one fresh ``--prefill-tokens`` prompt, one new token;
+* ``prefill_cached``: the same length with the first ``--cached-tokens`` cached (a checkpoint
+  there, as gpu_decode's cached TTFT);
+* ``decode step, batch B`` for B in ``--batches``: B fresh ``--prompt-tokens`` prompts, per decode
+  step (below).
+
+For each phase it prints and writes to ``--out`` (one markdown file and, on a GPU, a Chrome trace):
+
+* wall time, and the device's busy time (the union of kernel intervals in the trace): their gap
+  is host time the device spent waiting (wall time under both profilers: slower than
+  gpu_decode's, Python-heavy phases most);
+* kernels launched, host->device / device->host copies, and stream or device synchronizations
+  (CUDA runtime calls in the trace);
+* the top kernels by total time;
+* the scheduler thread's Python profile (``cProfile`` around ``Scheduler.step``, the thread that
+  runs the model): where host time goes, including waits inside torch calls (a ``.tolist()``
+  that waits for the device shows up as its caller's time).
+
+Decode phases are measured as a difference: ``generate`` of ``1 + N`` new tokens is profiled, and
+the per-step figures are divided by N after subtracting a profiled ``generate`` of 1 token (the
+prefill). Nothing is written to docs/benchmarks.md: profiles are for reading, not for keeping.
+
+    PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_profile.py --out /tmp/profile [--batches 1,64]
+        [--prefill-tokens 4096] [--cached-tokens 3800] [--decode-steps 16] [--overlap-schedule on|off|auto]
+    .venv/bin/python benchmarks/gpu_profile.py --device cpu --tiny --out /tmp/profile --prefill-tokens 64 \\
+        --cached-tokens 48 --batches 1,2 --decode-steps 4                                  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import functools
+import io
+import pstats
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_decode  # noqa: E402
+from report import machine  # noqa: E402
+
+# CUDA runtime calls that move data or wait (names as the profiler records them)
+COPIES = ("cudaMemcpyAsync", "cudaMemcpy")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (µs)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+class PhaseProfile:
+    """One profiled call: the torch.profiler trace (kernels, runtime calls) and the scheduler
+    thread's cProfile."""
+
+    def __init__(self, engine, device: str):
+        self.engine, self.device = engine, device
+        self.py = cProfile.Profile()
+
+    def run(self, fn, trace: Path | None = None) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+
+        sched = self.engine.scheduler
+        step, py = sched.step, self.py
+
+        def profiled_step(*a, **k):  # the scheduler thread runs the model: profile it there
+            py.enable()
+            try:
+                return step(*a, **k)
+            finally:
+                py.disable()
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.startswith("cuda") else [])
+        gpu_decode.sync(self.device)
+        sched.step = profiled_step
+        try:
+            with profile(activities=acts) as prof:
+                wall = gpu_decode.timed(fn, self.device)
+        finally:
+            del sched.step  # back to the class's method
+        if trace is not None and self.device.startswith("cuda"):
+            prof.export_chrome_trace(str(trace))
+        kernels: collections.Counter = collections.Counter()
+        kernel_us: collections.Counter = collections.Counter()
+        intervals, runtime = [], collections.Counter()
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[ev.name[:80]] += 1
+                kernel_us[ev.name[:80]] += ev.time_range.elapsed_us()
+                intervals.append((ev.time_range.start, ev.time_range.end))
+            elif ev.name in COPIES + SYNCS or ev.name.startswith("cudaLaunch"):
+                runtime[ev.name] += 1
+        return dict(wall_ms=1e3 * wall, busy_ms=_busy_us(intervals) / 1e3, kernels=sum(kernels.values()),
+                    launches=sum(v for k, v in runtime.items() if k.startswith("cudaLaunch")),
+                    copies=sum(runtime[k] for k in COPIES), syncs=sum(runtime[k] for k in SYNCS),
+                    top_kernels=[(k, kernels[k], kernel_us[k] / 1e3) for k, _ in kernel_us.most_common(15)])
+
+    def python_top(self, n: int = 30) -> str:
+        out = io.StringIO()
+        stats = pstats.Stats(self.py, stream=out)
+        stats.sort_stats("tottime").print_stats(n)
+        out.write("\n--- by cumulative time ---\n")
+        stats.sort_stats("cumulative").print_stats(n)
+        return out.getvalue()
+
+
+def _minus(a: dict, b: dict, n: int) -> dict:
+    """Per decode step: ``(a - b) / n`` of the counts and times (``b``: the prefill alone)."""
+    keys = ("wall_ms", "busy_ms", "kernels", "launches", "copies", "syncs")
+    return {k: (a[k] - b[k]) / n for k in keys} | {"top_kernels": a["top_kernels"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--tiny", action="store_true", help="gpu_decode's tiny model (to try it on CPU)")
+    ap.add_argument("--out", type=Path, required=True, help="directory for the summary and the traces")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--cached-tokens", type=int, default=3800)
+    ap.add_argument("--overlap-schedule", default="auto")
+    ap.add_argument("--no-traces", action="store_true", help="no Chrome trace files (they can be large)")
+    args = ap.parse_args()
+    dev = args.device
+    dtype_name = args.dtype or ("float32" if dev == "cpu" else "bfloat16")
+    batches = [int(b) for b in args.batches.split(",")]
+    if not 0 < args.cached_tokens < args.prefill_tokens:
+        ap.error("--cached-tokens must be in (0, --prefill-tokens)")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from hyla import Engine
+
+    kw = gpu_decode.TINY if args.tiny else gpu_decode.FULL
+    tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-profile-")
+    gpu_decode.build(Path(tmp.name), kw, dev, getattr(torch, dtype_name))
+    p, n, pt, ct = args.prompt_tokens, args.decode_steps, args.prefill_tokens, args.cached_tokens
+    engine = Engine(tmp.name, device=dev, dtype=dtype_name, overlap_schedule=args.overlap_schedule,
+                    max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
+                    max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (pt + 2)) + 4096)
+    rng = random.Random(0)
+    fresh = lambda k: [rng.randrange(3, kw["vocab_size"]) for _ in range(k)]  # noqa: E731
+    greedy = gpu_decode.greedy
+    prof = PhaseProfile(engine, dev)
+
+    def cached_prompt() -> list[int]:  # a prompt whose first ct tokens are cached, a checkpoint there
+        prefix = fresh(ct)
+        engine.generate(input_ids=prefix + fresh(pt - ct), checkpoints=[ct], sampling_params=greedy(1))
+        return prefix + fresh(pt - ct)
+
+    def prefill(ids: list[int]):
+        return lambda: engine.generate(input_ids=ids, sampling_params=greedy(1))
+
+    def decode(b: int, new: int):
+        ids = [fresh(p) for _ in range(b)]
+        return lambda: engine.generate(input_ids=ids, sampling_params=greedy(new))
+
+    # each phase: a function that prepares (outside the profile) and returns what to profile
+    phases = {"prefill_cold": lambda: prefill(fresh(pt)), "prefill_cached": lambda: prefill(cached_prompt())}
+    for b in batches:
+        for new in (1, 1 + n):
+            phases[f"decode_{b}_{new}"] = functools.partial(decode, b, new)
+    results = {}
+    for name, make in phases.items():
+        make()()  # warm-up (Triton compiles, graphs, autotuning)
+        fn = make()
+        results[name] = prof.run(fn, None if args.no_traces else args.out / f"{name}.json")
+        r = results[name]
+        print(f"{name}: wall {r['wall_ms']:.1f} ms, device busy {r['busy_ms']:.1f} ms, {r['kernels']} kernels, "
+              f"{r['copies']} copies, {r['syncs']} syncs", flush=True)
+    engine.shutdown()
+
+    lines = [f"# Engine profile: {machine()}, {dtype_name}, model {'tiny' if args.tiny else 'Qwen3.5-0.8B dims'}",
+             "", f"`{' '.join(sys.argv)}`", "",
+             "| phase | wall ms | device busy ms | kernels | launches | H2D/D2H copies | syncs |", "|---|---|---|---|---|---|---|"]
+    rows = {"prefill_cold": results["prefill_cold"], "prefill_cached": results["prefill_cached"]}
+    for b in batches:
+        rows[f"decode step, batch {b} (per step)"] = _minus(results[f"decode_{b}_{1 + n}"], results[f"decode_{b}_1"], n)
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | {r['kernels']:.0f} | {r['launches']:.0f} | "
+                     f"{r['copies']:.0f} | {r['syncs']:.0f} |")
+    for name, r in rows.items():
+        if r["top_kernels"]:
+            lines += ["", f"## {name}: top kernels (whole call)", "", "| kernel | count | ms |", "|---|---|---|"]
+            lines += [f"| `{k}` | {c} | {ms:.3f} |" for k, c, ms in r["top_kernels"]]
+    lines += ["", "## The scheduler thread's Python profile (every phase together)", "", "```",
+              prof.python_top(), "```"]
+    (args.out / "profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[:len(rows) + 6]))
+    print(f"written: {args.out / 'profile.md'}" + ("" if args.no_traces or dev == "cpu" else " and one trace per phase"))
+
+
+if __name__ == "__main__":
+    main()
