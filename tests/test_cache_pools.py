@@ -310,6 +310,51 @@ def test_req_to_token_pool_rows_and_slots() -> None:
         table.read(r2, 0, 1)  # freed row
 
 
+def test_req_to_token_write_batch_equals_row_by_row_writes_and_checks_first() -> None:
+    """A step's allocations in one scatter: the table and its (CPU) mirror end as after one
+    ``write`` per row; a bad row or range writes nothing."""
+    batched, single = ReqToTokenPool(4, 16), ReqToTokenPool(4, 16)
+    for table in (batched, single):
+        table.add_mirror("cpu")
+    rows = [batched.alloc() for _ in range(3)]
+    assert rows == [single.alloc() for _ in range(3)]
+    for starts, lens, slots in (([0, 0, 0], [3, 1, 5], list(range(1, 10))),  # prefill-like
+                                ([3, 1, 5], [1, 1, 1], [20, 21, 22])):  # decode-like
+        batched.write_batch(rows, starts, lens, torch.tensor(slots))
+        offset = 0
+        for row, start, n in zip(rows, starts, lens):
+            single.write(row, start, torch.tensor(slots[offset:offset + n]))
+            offset += n
+        batched.sync_mirror(), single.sync_mirror()
+        assert torch.equal(batched.req_to_token, single.req_to_token)
+        assert torch.equal(batched.mirror, single.mirror)
+    before = batched.req_to_token.clone()
+    for bad in (dict(rows=[rows[0], rows[0]], starts=[0, 1], lens=[1, 1]),  # a row twice
+                dict(rows=[rows[0], 3], starts=[0, 0], lens=[1, 1]),  # a row never allocated
+                dict(rows=rows[:2], starts=[0, 15], lens=[1, 2])):  # past max_context_len
+        with pytest.raises(ValueError):
+            batched.write_batch(bad["rows"], bad["starts"], bad["lens"], torch.arange(1, 1 + sum(bad["lens"])))
+    assert torch.equal(batched.req_to_token, before)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_alloc_extend_of_one_token_each_continues_pages_or_takes_fresh_ones(page_size) -> None:
+    """One token per sequence (a decode step; page size 1 always) has a fast path: a sequence
+    inside a page continues it (its last slot + 1), one on a page boundary takes a fresh page's
+    first slot, and only those take pages."""
+    pool = kv_pool(64, page_size=page_size)
+    prefix = [3, 4, 1, 8]
+    held = [pool.alloc(n) for n in prefix]
+    last = [int(h[-1]) for h in held]
+    free = pool.available_size()
+    got = pool.alloc_extend(prefix, last, [1, 1, 1, 1]).tolist()
+    boundary = [p % page_size == 0 for p in prefix]
+    for slot, loc, fresh in zip(got, last, boundary):
+        assert slot % page_size == 0 if fresh else slot == loc + 1
+    assert len(set(got)) == 4 and not set(got) & set(torch.cat(held).tolist())
+    assert pool.available_size() == free - page_size * sum(boundary)
+
+
 # ----------------------------------------------------------------------------------------------
 # memory split
 # ----------------------------------------------------------------------------------------------

@@ -147,6 +147,13 @@ class KVPool:
                 self._check_last_loc(p, loc)
             new_pages += -(-(p + e) // ps) - -(-p // ps)
         pages = self._pages.alloc(new_pages)  # raises PoolExhaustedError before any change
+        if ps == 1:  # every token a page of its own, in sequence order
+            return torch.from_numpy(pages.astype(np.int64, copy=False))
+        if all(e == 1 for e in extend_lens):  # a decode step: continue the last page, or start a fresh one
+            fresh = np.array([p % ps == 0 for p in prefix_lens])
+            out_decode = np.array(last_locs, dtype=np.int64) + 1
+            out_decode[fresh] = pages * ps
+            return torch.from_numpy(out_decode)
         out: list[np.ndarray] = []
         used = 0
         for p, loc, e in zip(prefix_lens, last_locs, extend_lens):

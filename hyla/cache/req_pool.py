@@ -13,6 +13,8 @@ before the forward) copies every range changed since the last sync in one transf
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
@@ -75,6 +77,35 @@ class ReqToTokenPool:
         if self.mirror is not None and end > start:
             old = self._dirty.get(row)
             self._dirty[row] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+
+    def write_batch(self, rows: Sequence[int], starts: Sequence[int], lens: Sequence[int],
+                    kv_indices: IndexLike) -> None:
+        """:meth:`write` for several rows at once (a step's allocations): row ``rows[i]`` gets the
+        next ``lens[i]`` entries of ``kv_indices`` at positions ``starts[i]`` on, in one scatter.
+        The rows are distinct; every range is checked before anything is written."""
+        idx = torch.as_tensor(as_index_array(kv_indices))
+        if not len(rows) == len(starts) == len(lens) or idx.numel() != sum(lens):
+            raise ValueError(f"{len(rows)} rows, {len(starts)} starts and {len(lens)} lengths for "
+                             f"{idx.numel()} slots")
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"write_batch takes each row once, got {list(rows)}")
+        for row, start, n in zip(rows, starts, lens):
+            self._check_row(row)
+            if n < 0 or start < 0 or start + n > self.max_context_len:
+                raise ValueError(f"positions [{start}, {start + n}) exceed max_context_len {self.max_context_len}")
+        if all(n == 1 for n in lens):  # a decode step: one position per row
+            row_idx, col_idx = torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+        else:
+            lens_t = torch.tensor(lens, dtype=torch.long)
+            row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lens_t)
+            first = torch.tensor(starts, dtype=torch.long) - (torch.cumsum(lens_t, 0) - lens_t)  # start - offset
+            col_idx = torch.arange(idx.numel()) + torch.repeat_interleave(first, lens_t)
+        self.req_to_token.index_put_((row_idx.to(self.device), col_idx.to(self.device)), idx.to(self.device))
+        if self.mirror is not None:
+            for row, start, n in zip(rows, starts, lens):
+                if n:
+                    old = self._dirty.get(row)
+                    self._dirty[row] = (start, start + n) if old is None else (min(old[0], start), max(old[1], start + n))
 
     def sync_mirror(self) -> None:
         """Copy every range written since the last sync to the device mirror: one host -> device

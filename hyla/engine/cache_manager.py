@@ -194,11 +194,9 @@ class CacheManager:
         raises ``PoolExhaustedError``."""
         starts = [r.kv_allocated for r in reqs]
         loc = self.kv_pool.alloc_extend(starts, [self._last_loc(r) for r in reqs], lens)
-        offset = 0
+        self.req_to_token.write_batch([r.req_pool_idx for r in reqs], starts, lens, loc)
         for r, n in zip(reqs, lens):
-            self.req_to_token.write(r.req_pool_idx, r.kv_allocated, loc[offset:offset + n])
             r.kv_allocated += n
-            offset += n
         if self.ledger is not None:
             held = self.kv_pool.size - self.kv_pool.available_size() - (self.tree.evictable_size() if self.tree else 0)
             self.ledger.sample_usage(held, self.req_to_token.size - self.req_to_token.available_size())
