@@ -69,6 +69,12 @@ qwen3_next_dense_path = _tiny_checkpoint("qwen3_next_dense_path", checkpoints.ma
 # grows with the layers it traces: ~6.5 minutes cold for the 8-layer model's five graphs, 2 for this)
 qwen3_next_short_path = _tiny_checkpoint("qwen3_next_short_path", checkpoints.make_qwen3_next, moe=False,
                                          num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+# the same for the interpreted Triton engine tests (tests/test_fused_decode.py: the interpreter's
+# time grows with the layers too)
+qwen3_5_short_path = _tiny_checkpoint("qwen3_5_short_path", checkpoints.make_qwen3_5, num_hidden_layers=2,
+                                      layer_types=["linear_attention", "full_attention"])
+bamba_short_path = _tiny_checkpoint("bamba_short_path", checkpoints.make_bamba, num_hidden_layers=2,
+                                    attn_layer_indices=[1])
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)
