@@ -74,9 +74,7 @@ class ReqToTokenPool:
         if start < 0 or end > self.max_context_len:
             raise ValueError(f"positions [{start}, {end}) exceed max_context_len {self.max_context_len}")
         self.req_to_token[row, start:end] = idx.to(self.device)
-        if self.mirror is not None and end > start:
-            old = self._dirty.get(row)
-            self._dirty[row] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
+        self._mark_dirty(row, start, end)
 
     def write_batch(self, rows: Sequence[int], starts: Sequence[int], lens: Sequence[int],
                     kv_indices: IndexLike) -> None:
@@ -101,11 +99,15 @@ class ReqToTokenPool:
             first = torch.tensor(starts, dtype=torch.long) - (torch.cumsum(lens_t, 0) - lens_t)  # start - offset
             col_idx = torch.arange(idx.numel()) + torch.repeat_interleave(first, lens_t)
         self.req_to_token.index_put_((row_idx.to(self.device), col_idx.to(self.device)), idx.to(self.device))
-        if self.mirror is not None:
-            for row, start, n in zip(rows, starts, lens):
-                if n:
-                    old = self._dirty.get(row)
-                    self._dirty[row] = (start, start + n) if old is None else (min(old[0], start), max(old[1], start + n))
+        for row, start, n in zip(rows, starts, lens):
+            self._mark_dirty(row, start, start + n)
+
+    def _mark_dirty(self, row: int, start: int, end: int) -> None:
+        """Record ``[start, end)`` of ``row`` for the next :meth:`sync_mirror` (merged with what the
+        row already has pending; nothing without a mirror or for an empty range)."""
+        if self.mirror is not None and end > start:
+            old = self._dirty.get(row)
+            self._dirty[row] = (start, end) if old is None else (min(old[0], start), max(old[1], end))
 
     def sync_mirror(self) -> None:
         """Copy every range written since the last sync to the device mirror: one host -> device

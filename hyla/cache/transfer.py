@@ -23,3 +23,13 @@ def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.T
     if torch.device(device).type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_packed(parts, device: torch.device | str) -> list[torch.Tensor]:
+    """Several int64 host tensors (or lists of ints) on ``device`` in one :func:`to_device` copy:
+    views of one buffer, each of its part's shape. On the CPU the parts themselves, uncopied."""
+    host = [torch.as_tensor(p, dtype=torch.long) for p in parts]
+    if torch.device(device).type == "cpu":
+        return host
+    flat = to_device(torch.cat([t.reshape(-1) for t in host]), torch.long, device)
+    return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in host]), host)]

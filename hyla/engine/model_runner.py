@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from hyla.cache.transfer import to_device_packed
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.ops.tree import SHORT_EXTEND
@@ -286,15 +287,7 @@ class ModelRunner:
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Host int64 tensors -> the model's device in one transfer (views of one packed buffer)."""
-        if self.device.type == "cpu":
-            return list(tensors)
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        flat = flat.pin_memory().to(self.device, non_blocking=True) if torch.cuda.is_available() else flat.to(self.device)
-        out, start = [], 0
-        for t in tensors:
-            out.append(flat[start:start + t.numel()].view(t.shape))
-            start += t.numel()
-        return out
+        return to_device_packed(tensors, self.device)
 
     def _warm_up_compiled_decode(self) -> None:
         """Compile the decode graph for batch size 1 and for larger batches on scratch pools shaped

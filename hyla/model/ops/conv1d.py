@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hyla.cache.transfer import to_device
+from hyla.cache.transfer import to_device_packed
 from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
@@ -132,8 +132,7 @@ def _window_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> _Wind
         several = len(lengths) > 1
         tokens = (torch.arange(varlen.starts[-1]) + torch.repeat_interleave(torch.arange(len(lengths)) * w, lengths)
                   if several else torch.zeros(0, dtype=torch.long))  # [T]
-        flat = to_device(torch.cat([final.flatten(), ckpt.flatten(), tokens]), torch.long, device)
-        final_d, ckpt_d, tokens_d = flat.split([final.numel(), ckpt.numel(), tokens.numel()])
+        final_d, ckpt_d, tokens_d = to_device_packed([final.flatten(), ckpt.flatten(), tokens], device)
         return _WindowRows(tokens=tokens_d if several else None, final=final_d,
                            ckpt=ckpt_d if ckpts.num_checkpoints else None)
 

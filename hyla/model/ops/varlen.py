@@ -22,7 +22,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from hyla.cache.transfer import to_device
+from hyla.cache.transfer import to_device, to_device_packed
 
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ class VarlenPlan:
     slots: "SlotPlan"
     ckpts: Checkpoints
     # what an op derives from the plan, built by the first layer and reused by the others this step
-    # (the fla prefill's segment rounds: ``gated_delta_chunk.fla_rounds``)
+    # (:meth:`derive`: the conv's window rows, a chunked scan's layout and checkpoint plan, fla's rounds)
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def derive(self, key, build: Callable[[], "T"]) -> "T":
@@ -233,8 +233,7 @@ class SlotPlan:
         if not pads:
             return cls(index, tuple(values), first, index, None, None, index)
         keep = [i for i, s in enumerate(values) if s >= 0]
-        rows = to_device(pads + keep + [values[i] for i in keep], torch.long, device)
-        pad_rows, write_rows, write_index = rows.split([len(pads), len(keep), len(keep)])
+        pad_rows, write_rows, write_index = to_device_packed([pads, keep, [values[i] for i in keep]], device)
         return cls(index, tuple(values), None, index.clamp(min=0), pad_rows, write_rows, write_index)
 
     @classmethod
@@ -428,9 +427,7 @@ def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.devic
     valid = (token_index < num_tokens).flatten()  # [NC*Q]
     flat_index = torch.empty(num_tokens, dtype=torch.long)
     flat_index[token_index.flatten()[valid]] = torch.arange(valid.numel())[valid]
-    flat = to_device(torch.cat([torch.tensor(order, dtype=torch.long), token_index.flatten(), flat_index]),
-                     torch.long, device)
-    order_d, token_index_d, flat_index_d = flat.split([len(order), token_index.numel(), num_tokens])
+    order_d, token_index_d, flat_index_d = to_device_packed([order, token_index, flat_index], device)
     return ChunkLayout(
         chunk_size=chunk_size,
         num_tokens=num_tokens,
@@ -439,7 +436,7 @@ def _chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.devic
         rank=tuple(rank),
         num_active=tuple(num_active),
         step_start=tuple(step_start),
-        token_index=token_index_d.view(token_index.shape),
+        token_index=token_index_d,
         flat_index=flat_index_d,
     )
 
@@ -503,14 +500,9 @@ def plan_checkpoints(layout: ChunkLayout, ckpts: Checkpoints) -> CheckpointPlan:
     step = tuple(s for s, _, _ in located)
     rank = tuple(layout.rank[i] for i in ckpts.seq)
     entries = {s: [m for m, sm in enumerate(step) if sm == s] for s in sorted(set(step))}
-    # one asynchronous copy: [chunk | within | per step: entries, ranks]
-    host = [c for _, c, _ in located] + [w for _, _, w in located]
-    for es in entries.values():
-        host += es + [rank[m] for m in es]
-    flat = to_device(host, torch.long, layout.token_index.device)
-    m = len(located)
-    by_step, at = {}, 2 * m
-    for s, es in entries.items():
-        by_step[s] = (flat[at:at + len(es)], flat[at + len(es):at + 2 * len(es)])
-        at += 2 * len(es)
-    return CheckpointPlan(chunk=flat[:m], within=flat[m:2 * m], step=step, rank=rank, slot=ckpts.slot, by_step=by_step)
+    # one asynchronous copy: chunk, within, then per scan step its entries and their ranks
+    parts = to_device_packed([[c for _, c, _ in located], [w for _, _, w in located]]
+                             + [x for es in entries.values() for x in (es, [rank[m] for m in es])],
+                             layout.token_index.device)
+    by_step = {s: (parts[2 + 2 * j], parts[3 + 2 * j]) for j, s in enumerate(entries)}
+    return CheckpointPlan(chunk=parts[0], within=parts[1], step=step, rank=rank, slot=ckpts.slot, by_step=by_step)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hyla.cache.transfer import to_device
+from hyla.cache.transfer import to_device_packed
 from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -69,7 +69,7 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
                 long([ckpts.slot_list[j] for j, _ in done])]
         if not whole and span is None:
             host.append(torch.cat([torch.arange(a, e) for _, a, e in segs]))
-        parts = to_device(torch.cat(host), torch.long, device).split([t.numel() for t in host])
+        parts = to_device_packed(host, device)
         rounds.append(FlaRound(
             seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
             cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
