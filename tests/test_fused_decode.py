@@ -241,6 +241,36 @@ def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear"])
+def test_engine_bf16_fla_prefill_matches_pytorch(arch, request, monkeypatch):
+    """bf16 on the GPU: prefill through fla's chunked kernels (Gated DeltaNet; Mamba2 as simple
+    GLA; KDA) against the PyTorch chunked ops, everything else alike. The two round differently in bf16,
+    so a near-tie may flip a token: each request is compared up to its first divergence, logprobs
+    within 0.05 there (bf16's step at these magnitudes: ~0.01), and most tokens must be compared."""
+    from hyla.model.ops.gpu import fla_chunk
+
+    if not fla_chunk.HAS_FLA:
+        pytest.skip("fla is not installed")
+    path = request.getfixturevalue(f"{arch}_path")
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    with Engine(path, **opts) as fla:
+        a = _two_turns(fla, None)
+    monkeypatch.setattr(fla_chunk, "HAS_FLA", False)
+    with Engine(path, **opts) as torch_ops:
+        b = _two_turns(torch_ops, None)
+    compared = total = 0
+    for x, y in zip(a, b, strict=True):
+        for (lpx, tx, _), (lpy, ty, _) in zip(x["meta_info"]["output_token_logprobs"],
+                                              y["meta_info"]["output_token_logprobs"]):
+            if tx != ty:
+                break
+            assert abs(lpx - lpy) < 0.05, f"{x['meta_info']['id']}: logprob {lpx} vs {lpy}"
+            compared += 1
+        total += len(x["output_ids"])
+    assert compared > 0.8 * total
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_norm_kernels(dtype):
     """RMSNorm (one scale, and per-head q/k scales), GDN's gated norm and SwiGLU == the layers' PyTorch forms."""
@@ -286,46 +316,70 @@ def test_add_rms_norm_kernel(dtype):
         add_rms_norm_fused(out.t().contiguous().t(), residual, scale, 1e-6)
 
 
-def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
-    """The segment rounds of ``chunk_gated_delta_rule_fla`` (checkpoints cut their sequences) give
-    the reference's outputs, final states and checkpoint states. Without a GPU, fla's kernel is
-    stood in for by a per-sequence reference recurrence with fla's signature."""
+def _install_fake_fla(monkeypatch, module: str, name: str, kernel) -> None:
+    """Without a GPU, fla's kernel ``fla.ops.<module>.<name>`` is stood in for by ``kernel``, a
+    per-sequence reference recurrence with fla's signature (fla's Triton kernels do not run in
+    Triton's interpreter). On a GPU the real one runs, or the test skips without fla."""
     import sys
     import types
 
-    from hyla.model.ops.gated_delta import chunk_gated_delta_rule_varlen, gated_delta_rule_ref
-    from hyla.model.ops.gpu import gated_delta_chunk
+    from hyla.model.ops.gpu import fla_chunk
 
+    if GPU:
+        if not fla_chunk.HAS_FLA:
+            pytest.skip("fla is not installed")
+        return
+    mods = {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
+            f"fla.ops.{module}": types.ModuleType(f"fla.ops.{module}")}
+    setattr(mods[f"fla.ops.{module}"], name, kernel)
+    for mod_name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, mod_name, mod)
+
+
+def _each_sequence(cu_seqlens: torch.Tensor, initial_state: torch.Tensor, run) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fake fla kernel's varlen loop: ``run(a, e, state) -> (out [e - a, ...], final state)``
+    per sequence of ``cu_seqlens``, from its ``initial_state`` row."""
+    outs, finals = [], []
+    cu = cu_seqlens.tolist()
+    for i in range(len(cu) - 1):
+        o, s = run(cu[i], cu[i + 1], initial_state[i])
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs)[None], torch.stack(finals)
+
+
+@pytest.mark.parametrize("op", ["gated_delta", "kda"])
+def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
+    """The segment rounds of ``chunk_gated_delta_rule_fla`` and ``chunk_kda_fla`` (checkpoints cut
+    their sequences) give the reference's outputs, final states and checkpoint states. Without a
+    GPU, fla's kernel is stood in for by a per-sequence reference recurrence with fla's signature."""
+    from hyla.model.ops import gated_delta, kda
+    from hyla.model.ops.gpu import fla_chunk
+
+    ref_step, ref_op, fla_op = {
+        "gated_delta": (gated_delta.gated_delta_rule_ref, gated_delta.chunk_gated_delta_rule_varlen,
+                        fla_chunk.chunk_gated_delta_rule_fla),
+        "kda": (kda.kda_ref, kda.chunk_kda_varlen, fla_chunk.chunk_kda_fla)}[op]
     calls = []
-    if not GPU:
-        def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                       use_qk_l2norm_in_kernel):
-            assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-            calls.append((cu_seqlens, cu_seqlens_cpu))
-            outs, finals = [], []
-            cu = cu_seqlens.tolist()
-            for i in range(len(cu) - 1):
-                a, e = cu[i], cu[i + 1]
-                o, s = gated_delta_rule_ref(q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e],
-                                            initial_state[i], use_qk_l2norm=use_qk_l2norm_in_kernel)
-                outs.append(o)
-                finals.append(s)
-            return torch.cat(outs)[None], torch.stack(finals)
 
-        fla = types.ModuleType("fla")
-        ops = types.ModuleType("fla.ops")
-        gdr = types.ModuleType("fla.ops.gated_delta_rule")
-        gdr.chunk_gated_delta_rule = fake_chunk
-        for name, mod in (("fla", fla), ("fla.ops", ops), ("fla.ops.gated_delta_rule", gdr)):
-            monkeypatch.setitem(sys.modules, name, mod)
-    elif not gated_delta_chunk.HAS_FLA:
-        pytest.skip("fla is not installed")
+    def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                   use_qk_l2norm_in_kernel):
+        assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+        assert output_final_state and initial_state.dtype == torch.float32
+        calls.append((cu_seqlens, cu_seqlens_cpu))
+        return _each_sequence(cu_seqlens, initial_state, lambda a, e, s: ref_step(
+            q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e], s, use_qk_l2norm=use_qk_l2norm_in_kernel))
+
+    if op == "gated_delta":
+        _install_fake_fla(monkeypatch, "gated_delta_rule", "chunk_gated_delta_rule", fake_chunk)
+    else:
+        _install_fake_fla(monkeypatch, "kda", "chunk_kda", fake_chunk)
     g = torch.Generator().manual_seed(4)
     lengths, hk, hv, dk, dv = [9, 0, 70, 1], 2, 4, 16, 8
     t = sum(lengths)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     q, k, v = rnd(t, hk, dk), rnd(t, hk, dk), rnd(t, hv, dv)
-    gate = -torch.rand(t, hv, generator=g).to(DEVICE)
+    gate = -torch.rand(t, hv, *([dk] if op == "kda" else []), generator=g).to(DEVICE)  # KDA: one decay per channel
     beta = torch.rand(t, hv, generator=g).to(DEVICE)
     cu = torch.tensor([0, 9, 9, 79, 80], device=DEVICE)
     pool = rnd(12, hv, dk, dv)
@@ -335,8 +389,8 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
                 ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
                 ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
     layer2_pool = pool.clone()
-    o = gated_delta_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, **ckpt)
-    ref = chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
+    o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt)
+    ref = ref_op(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
     torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(pool, ref_pool, atol=1e-4, rtol=1e-4)
 
@@ -347,7 +401,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
     plan = VarlenPlan.from_tensors(cu, t, slots, pool, ckpt["ckpt_seq"], ckpt["ckpt_len"], ckpt["ckpt_slot"], q.device)
     first = len(calls)
     for layer_pool in (layer2_pool, layer2_pool.clone()):
-        o2 = gated_delta_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan)
+        o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan)
         torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(layer2_pool, ref_pool, atol=1e-4, rtol=1e-4)
     if not GPU:
@@ -355,6 +409,63 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch):
         assert per_layer == 3  # sequence 2's cuts at 64 and 69 (70 tokens): three rounds
         assert all(a is b for pair in zip(calls[first:first + per_layer], calls[first + per_layer:])
                    for a, b in zip(*pair))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
+    """Mamba2's prefill as fla's simple GLA (``fla_chunk.mamba2_chunk_scan_fla``) == the PyTorch
+    ``mamba2_chunk_scan_varlen``: outputs, final states and checkpoint states (one at a chunk
+    boundary, one mid-chunk, one at a sequence's end), a padding slot, groups shared by heads and a
+    dt clamp that binds. Without a GPU, fla's ``chunk_simple_gla`` is stood in for by simple GLA's
+    token-by-token recurrence (fla's ``naive_recurrent_simple_gla``, varlen, V-first states), so the
+    mapping q = C, k = B, v = dt x, g = dt A is what is checked; on a GPU, fla's kernel
+    (fp32: its tf32 dots; bf16: the activations' rounding, against the fp32 reference)."""
+    from hyla.model.ops.gpu import fla_chunk
+    from hyla.model.ops.ssd import mamba2_chunk_scan_varlen
+
+    def fake_simple_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                        cu_seqlens_cpu):
+        assert output_final_state and state_v_first and initial_state.dtype == torch.float32
+        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu()) and g.dtype == torch.float32
+
+        def run(a, e, S):  # S [H, V, K]
+            outs = []
+            for t in range(a, e):
+                S = S * g[0, t].exp()[:, None, None] + v[0, t].float()[:, :, None] * k[0, t].float()[:, None, :]
+                outs.append(scale * (S * q[0, t].float()[:, None, :]).sum(-1))  # [H, V]
+            return torch.stack(outs).to(q.dtype) if outs else v.new_zeros(0, *v.shape[2:]), S
+
+        return _each_sequence(cu_seqlens, initial_state, run)
+
+    _install_fake_fla(monkeypatch, "simple_gla", "chunk_simple_gla", fake_simple_gla)
+    g = torch.Generator().manual_seed(6)
+    lengths, h, p, groups, n = [9, 0, 70, 1], 4, 8, 2, 16
+    t = sum(lengths)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    x, bb, cc = rnd(t, h, p).to(dtype), rnd(t, groups, n).to(dtype), rnd(t, groups, n).to(dtype)
+    dt = rnd(t, h).to(dtype)
+    a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
+    limit = (0.05, 0.5)  # binds on both sides for these dt
+    cu = torch.tensor([0, 9, 9, 79, 80], device=DEVICE)
+    pool = rnd(12, h, p, n)
+    ref_pool = pool.clone()
+    slots = torch.tensor([3, -1, 5, 7], device=DEVICE)
+    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 3], device=DEVICE),
+                ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
+                ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
+    y = fla_chunk.mamba2_chunk_scan_fla(x, dt, a, bb, cc, d, dt_bias, cu, pool, slots, **ckpt, dt_limit=limit)
+    ref = mamba2_chunk_scan_varlen(x.float(), dt.float(), a, bb.float(), cc.float(), d, dt_bias, cu, ref_pool, slots,
+                                   **ckpt, dt_limit=limit)
+    assert y.dtype == dtype and y.shape == x.shape
+    tol = 1e-4 if not GPU else 2e-3 if dtype == torch.float32 else 3e-2  # tf32 / bf16 against fp32
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(pool, ref_pool, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="token tree"):
+        fla_chunk.mamba2_chunk_scan_fla(x, dt, a, bb, cc, d, dt_bias, cu, pool, slots, tree=_NotAChain())
+
+
+class _NotAChain:
+    is_chain = False
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

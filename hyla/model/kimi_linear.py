@@ -65,6 +65,8 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    _fla_prefill,
+    _gpu,
     _tree_masks,
     embedding_specs,
     linear_specs,
@@ -130,6 +132,9 @@ class KimiDeltaAttention(nn.Module):
             o = recurrent_kda_update(q, k, v, g, beta, ssm_states, plan)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
+        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel
+            o = _gpu("fla_chunk").chunk_kda_fla(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots,
+                                                **_ckpt_kwargs(batch, scan=False))  # [T, H, D]
         else:
             o = chunk_kda_varlen(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
                                  chunk_size=self.chunk_size, use_qk_l2norm=True)  # [T, H, D]

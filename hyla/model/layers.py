@@ -285,6 +285,15 @@ def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
     return dict(ckpt_seq=batch.ckpt_seq, ckpt_len=batch.ckpt_len, ckpt_slot=batch.ckpt_slot, tree=batch.tree)
 
 
+def _fla_prefill(x: torch.Tensor, batch: ForwardBatch) -> bool:
+    """Whether a chunked extend runs fla's Triton kernel (``ops/gpu/fla_chunk.py``): on CUDA, with
+    fla installed, for bf16/fp16 activations (fla's fp32 dots run in tf32, so fp32 models keep the
+    exact PyTorch ops, as the cache's fp32 differential tests require), chains only (token trees
+    take the PyTorch ops' tree scan)."""
+    return (_on_gpu(x) and x.dtype != torch.float32 and batch.tree_parents is None
+            and _gpu("fla_chunk").HAS_FLA)
+
+
 def _tree_masks(batch: ForwardBatch):
     """Attention's per-sequence masks over the new tokens of a tree verify step (None: causal)."""
     return batch.tree.masks if batch.tree_parents is not None else None
@@ -364,12 +373,8 @@ class GatedDeltaNet(nn.Module):
             _copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
             o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows)
-        elif (_on_gpu(q) and q.dtype != torch.float32 and batch.tree_parents is None
-              and _gpu("gated_delta_chunk").HAS_FLA):
-            # fla's chunked Triton kernel (bf16/fp16: its fp32 dots run in tf32, so fp32 models keep
-            # the exact PyTorch path below, as the cache's fp32 differential tests require; token
-            # trees too)
-            o = _gpu("gated_delta_chunk").chunk_gated_delta_rule_fla(
+        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel
+            o = _gpu("fla_chunk").chunk_gated_delta_rule_fla(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch, scan=False))
         else:
             o = chunk_gated_delta_rule_varlen(
@@ -451,6 +456,10 @@ class Mamba2Mixer(nn.Module):
                                     dt_limit=self.dt_limit)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
+        elif _fla_prefill(xs, batch):  # fla's chunked Triton kernel, as simple GLA
+            y = _gpu("fla_chunk").mamba2_chunk_scan_fla(
+                xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,
+                **_ckpt_kwargs(batch, scan=False), dt_limit=self.dt_limit)  # [T, H, P]
         else:
             y = mamba2_chunk_scan_varlen(
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,

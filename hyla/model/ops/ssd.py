@@ -55,7 +55,8 @@ def _repeat_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
     return t.float().repeat_interleave(num_heads // t.shape[1], dim=1)
 
 
-def _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit) -> None:
+def check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit) -> None:
+    """Shapes every SSD op checks on the host (the chunked scan, the decode step, fla's path)."""
     if x.dim() != 3:
         raise ValueError(f"x must be [N, H, P], got {list(x.shape)}")
     n, num_heads, head_dim = x.shape
@@ -144,7 +145,7 @@ def mamba2_chunk_scan_varlen(
     ``varlen``: a :class:`~hyla.model.ops.varlen.VarlenPlan` validated once per step (``ForwardBatch.varlen``):
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
-    _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
@@ -256,7 +257,7 @@ def mamba2_state_update(
 
     Heads are grouped under their B/C group and broadcast against it (no repeated copies).
     """
-    _check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     b, num_heads, head_dim = x.shape
     groups, n = B.shape[1:]
     h = num_heads // groups  # heads per group

@@ -13,6 +13,10 @@ shape for a given batch size: it can be captured in a CUDA graph (``hyla/engine/
   :func:`decode_qk_prologue` — q/k norm, RoPE and the K/V pool writes in one kernel.
 * ``norms`` — RMSNorm (alone or with the residual add before it), the gated RMSNorm, SwiGLU.
 
+Prefill (extend steps) on bf16/fp16 runs fla's chunked kernels where fla is installed (the
+``hyla[cuda]`` extra): ``fla_chunk`` (Gated DeltaNet, KDA, Mamba2 as simple GLA; exact checkpoints
+by cutting sequences into rounds).
+
 Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly): the CPU test suite checks
 them that way; ``tests/test_gpu.py`` checks them on a GPU.
 """

@@ -1,0 +1,253 @@
+"""Prefill on the GPU through fla's chunked Triton kernels, on the state pool, with exact checkpoints.
+
+Three adapters, each with the contract of its PyTorch op (the reference and the CPU path): packed
+sequences start from their pool rows and write their final states back; checkpoint ``j`` wants
+the state after ``ckpt_len[j]`` tokens of sequence ``ckpt_seq[j]``.
+
+* :func:`chunk_gated_delta_rule_fla` — Gated DeltaNet (``gated_delta.chunk_gated_delta_rule_varlen``),
+  fla's ``chunk_gated_delta_rule``.
+* :func:`chunk_kda_fla` — Kimi Delta Attention (``kda.chunk_kda_varlen``), fla's ``chunk_kda``.
+* :func:`mamba2_chunk_scan_fla` — Mamba2's SSD (``ssd.mamba2_chunk_scan_varlen``) as fla's
+  ``chunk_simple_gla`` (its docstring has the mapping). mamba-ssm's own Triton SSD would need its CUDA
+  build to install; fla is the extra hyla already takes.
+
+fla (``fla-core``, the ``hyla[cuda]`` extra) runs a varlen batch from given initial states and
+returns each sequence's output and *final* state only. A checkpoint inside a sequence therefore
+cuts it there: the sequences run in rounds, round ``r`` feeding every sequence's ``r``-th segment
+(between consecutive cut points) in one varlen call that starts from the state the previous round
+left, so the state at each cut is a final state — exact, whatever the position in a chunk
+(:func:`scan_in_rounds`). A prompt's usual checkpoint (its end − 1) costs one more call of one token
+per sequence; a batch without checkpoints is one call. The pool rules are ``varlen.py``'s (fp32
+states, ``-1`` slots start from zeros and write nothing, all reads before all writes).
+
+These run for bf16/fp16 models only (``layers._fla_prefill``): fla's fp32 dots run in tf32, so fp32
+models keep the exact PyTorch ops. fla's kernels do not run in Triton's interpreter: without a GPU
+the tests stand in a reference recurrence with fla's signature.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hyla.cache.transfer import to_device_packed
+from hyla.model.ops import ssd
+from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
+
+HAS_FLA = importlib.util.find_spec("fla") is not None
+
+# kernel(*per-token inputs of the round, each [1, t, ...], initial_state [n, *state] fp32,
+#        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1]) -> (out [1, t, ...], final [n, *state])
+FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class FlaRound:
+    """One varlen call of fla's kernel: sequences ``seqs`` (batch rows), their tokens ``idx`` of the
+    packed batch (None: every token in order, or the one run ``span``), ``cu_seqlens`` on the device and on the host (fla
+    then computes its chunk indices without a device read), and the checkpoints whose position
+    ends this round: rows ``ckpt_rows`` of the running state go to pool rows ``ckpt_slots``."""
+
+    seqs: torch.Tensor
+    idx: torch.Tensor | None
+    span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    ckpt_rows: torch.Tensor | None
+    ckpt_slots: torch.Tensor | None
+
+
+def fla_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
+    """The batch's segment rounds (see the module docstring), built once per step: every layer of
+    the step then passes fla the same tensors (its own caches, keyed on tensor identity, hit from
+    the second layer on) and sends nothing to the device."""
+    return varlen.derive(("fla_rounds", device), lambda: _plan_rounds(varlen, device))
+
+
+def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
+    lengths, starts, ckpts = varlen.lengths, varlen.starts, varlen.ckpts
+    # each sequence's segment bounds: 0, its checkpoint positions inside it, its length
+    bounds = [sorted({0, n} | {c for s, c in zip(ckpts.seq, ckpts.num_tokens) if s == i and c < n})
+              for i, n in enumerate(lengths)]
+    num_rounds = max((len(b) - 1 for b in bounds), default=0)
+    rounds = []
+    for r in range(num_rounds):
+        segs = [(i, starts[i] + b[r], starts[i] + b[r + 1]) for i, b in enumerate(bounds) if r + 1 < len(b)]
+        cu = torch.tensor(list(itertools.accumulate((e - a for _, a, e in segs), initial=0)), dtype=torch.long)
+        whole = num_rounds == 1 and len(segs) == len(lengths)  # every token in order: no gather
+        span = (segs[0][1], segs[-1][2]) if all(a == e0 for (_, _, e0), (_, a, _) in zip(segs, segs[1:])) else None
+        done = [(j, i) for j, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens))
+                if r + 1 < len(bounds[i]) and bounds[i][r + 1] == n]  # checkpoints at this round's cuts
+        # one asynchronous copy of the round's index tensors: [cu | seqs | ckpt rows | ckpt slots | token index]
+        long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        host = [cu, long([i for i, _, _ in segs]), long([i for _, i in done]),
+                long([ckpts.slot_list[j] for j, _ in done])]
+        if not whole and span is None:
+            host.append(torch.cat([torch.arange(a, e) for _, a, e in segs]))
+        parts = to_device_packed(host, device)
+        rounds.append(FlaRound(
+            seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
+            cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
+            ckpt_slots=parts[3] if done else None))
+    return rounds
+
+
+def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor,
+               ssm_states: torch.Tensor, ckpt_seq: torch.Tensor | None, ckpt_len: torch.Tensor | None,
+               ckpt_slot: torch.Tensor | None) -> VarlenPlan:
+    """The batch's plan for an fla op: ``varlen`` checked against the op's arguments (no device
+    read), or, without one, built from the tensors. ``tree``: chains only (a short extend's, which
+    fla runs as plain sequences); token trees take the PyTorch ops' ``tree_scan``."""
+    if tree is not None and not tree.is_chain:
+        raise ValueError("fla's chunked kernels run chains; a token tree takes the PyTorch op")
+    if varlen is not None:
+        varlen.check(cu_seqlens, num_tokens, ckpt_seq, ckpt_len, ckpt_slot)
+        return varlen
+    return VarlenPlan.from_tensors(cu_seqlens, num_tokens, slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
+                                   ssm_states.device)
+
+
+def scan_in_rounds(kernel: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor, ssm_states: torch.Tensor,
+                   varlen: VarlenPlan) -> torch.Tensor:
+    """Run ``kernel`` over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``) in the
+    plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering every
+    token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence ``i``
+    starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint states
+    go to their rows as their rounds end. No device read."""
+    state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, *state], zeros for -1
+    for rnd in fla_rounds(varlen, out.device):
+        if rnd.span is not None:
+            part = [x[rnd.span[0]:rnd.span[1]] for x in xs]
+        elif rnd.idx is not None:
+            part = [x.index_select(0, rnd.idx) for x in xs]
+        else:
+            part = list(xs)
+        o, final = kernel(*(x.unsqueeze(0) for x in part), initial_state=state.index_select(0, rnd.seqs),
+                          cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
+        if rnd.span is not None:
+            out[rnd.span[0]:rnd.span[1]] = o[0]
+        elif rnd.idx is not None:
+            out.index_copy_(0, rnd.idx, o[0].to(out.dtype))
+        else:
+            out = o[0].to(out.dtype)
+        state.index_copy_(0, rnd.seqs, final.float())
+        if rnd.ckpt_rows is not None:
+            ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
+    write_states(ssm_states, varlen.slots, state)
+    return out
+
+
+def chunk_gated_delta_rule_fla(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv] fp32 log-decay
+    beta: torch.Tensor,  # [T, Hv]
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    tree=None,
+    varlen: VarlenPlan | None = None,
+) -> torch.Tensor:
+    """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
+    ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
+    the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
+    read here; ``ckpt_*`` must then be None)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
+
+    def kernel(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm)
+
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    return scan_in_rounds(kernel, (q, k, v, g, beta), out, ssm_states, varlen)
+
+
+def chunk_kda_fla(
+    q: torch.Tensor,  # [T, H, Dk]
+    k: torch.Tensor,  # [T, H, Dk]
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H, Dk] fp32 per-channel log-decay
+    beta: torch.Tensor,  # [T, H]
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,  # [S, H, Dk, Dv] fp32
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    tree=None,
+    varlen: VarlenPlan | None = None,
+) -> torch.Tensor:
+    """``o [T, H, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does. fla's
+    ``chunk_kda`` computes the reference's rule as it stands (q scaled by ``Dk**-0.5`` after the
+    l2norm, ``[Dk, Dv]`` states); ``varlen``: as the other ops."""
+    from fla.ops.kda import chunk_kda
+
+    varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
+
+    def kernel(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+    return scan_in_rounds(kernel, (q, k, v, g, beta), torch.empty(v.shape, dtype=q.dtype, device=q.device),
+                          ssm_states, varlen)
+
+
+def mamba2_chunk_scan_fla(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H] raw (before softplus)
+    A: torch.Tensor,  # [H] fp32, < 0
+    B: torch.Tensor,  # [T, G, N]
+    C: torch.Tensor,  # [T, G, N]
+    D: torch.Tensor | None,  # [H]
+    dt_bias: torch.Tensor | None,  # [H]
+    cu_seqlens: torch.Tensor,
+    ssm_states: torch.Tensor,  # [S, H, P, N] fp32
+    slots: torch.Tensor,
+    ckpt_seq: torch.Tensor | None = None,
+    ckpt_len: torch.Tensor | None = None,
+    ckpt_slot: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] | None = None,
+    tree=None,
+    varlen: VarlenPlan | None = None,
+) -> torch.Tensor:
+    """``y [T, H, P]`` (dtype of ``x``); pool rows updated in place as the reference does.
+
+    Mamba2's scan is a linear attention with one scalar decay per head and token — fla's simple
+    GLA, ``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = scale * q_t^T S_t`` — with ``q = C``,
+    ``k = B`` (groups repeated over heads), ``v = dt * x``, ``g = dt * A``, ``scale = 1`` and fla's
+    ``state_v_first`` layout ``[H, V, K] = [H, P, N]``, the pool's; ``D * x`` is added after. ``dt``
+    is the reference's ``clamp(softplus(dt + dt_bias), *dt_limit)``, so prefill and decode clamp
+    alike. Precision: ``dt * x`` is rounded to the activations' dtype before the kernel (mamba-ssm
+    scales inside it, in fp32); the decay and the states stay fp32. ``varlen``: as the other ops."""
+    ssd.check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    varlen = batch_plan(varlen, tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
+    num_heads = x.shape[1]
+    dtf = ssd.discretize_dt(dt, dt_bias, dt_limit)  # [T, H] fp32
+    g = dtf * A.float()  # [T, H] fp32 log-decay
+    v = (x.float() * dtf.unsqueeze(-1)).to(x.dtype)  # [T, H, P]
+    k = B.to(x.dtype).repeat_interleave(num_heads // B.shape[1], dim=1)  # [T, H, N]: group g serves its H/G heads
+    q = C.to(x.dtype).repeat_interleave(num_heads // C.shape[1], dim=1)  # [T, H, N]
+
+    def kernel(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=True,
+                                state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+    y = scan_in_rounds(kernel, (q, k, v, g), torch.empty_like(x), ssm_states, varlen)  # [T, H, P]
+    if D is not None:
+        y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
+    return y
