@@ -316,10 +316,10 @@ def test_add_rms_norm_kernel(dtype):
         add_rms_norm_fused(out.t().contiguous().t(), residual, scale, 1e-6)
 
 
-def _install_fake_fla(monkeypatch, module: str, name: str, kernel) -> None:
-    """Without a GPU, fla's kernel ``fla.ops.<module>.<name>`` is stood in for by ``kernel``, a
-    per-sequence reference recurrence with fla's signature (fla's Triton kernels do not run in
-    Triton's interpreter). On a GPU the real one runs, or the test skips without fla."""
+def _install_fake_fla(monkeypatch, module: str, **kernels) -> None:
+    """Without a GPU, fla's kernels ``fla.ops.<module>.<name>`` are stood in for by ``kernels``,
+    per-sequence reference recurrences with fla's signatures (fla's Triton kernels do not run in
+    Triton's interpreter). On a GPU the real ones run, or the test skips without fla."""
     import sys
     import types
 
@@ -331,7 +331,8 @@ def _install_fake_fla(monkeypatch, module: str, name: str, kernel) -> None:
         return
     mods = {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops"),
             f"fla.ops.{module}": types.ModuleType(f"fla.ops.{module}")}
-    setattr(mods[f"fla.ops.{module}"], name, kernel)
+    for name, kernel in kernels.items():
+        setattr(mods[f"fla.ops.{module}"], name, kernel)
     for mod_name, mod in mods.items():
         monkeypatch.setitem(sys.modules, mod_name, mod)
 
@@ -360,34 +361,40 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
         "gated_delta": (gated_delta.gated_delta_rule_ref, gated_delta.chunk_gated_delta_rule_varlen,
                         fla_chunk.chunk_gated_delta_rule_fla),
         "kda": (kda.kda_ref, kda.chunk_kda_varlen, fla_chunk.chunk_kda_fla)}[op]
-    calls = []
+    calls = []  # (kernel, cu_seqlens, its host copy) per fla call
 
-    def fake_chunk(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                   use_qk_l2norm_in_kernel):
-        assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-        assert output_final_state and initial_state.dtype == torch.float32
-        calls.append((cu_seqlens, cu_seqlens_cpu))
-        return _each_sequence(cu_seqlens, initial_state, lambda a, e, s: ref_step(
-            q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e], s, use_qk_l2norm=use_qk_l2norm_in_kernel))
+    def fake(kind):
+        def kernel(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                   cu_seqlens_cpu=None):
+            assert output_final_state and initial_state.dtype == torch.float32
+            if kind == "chunk":
+                assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+            calls.append((kind, cu_seqlens, cu_seqlens_cpu))
+            return _each_sequence(cu_seqlens, initial_state, lambda a, e, s: ref_step(
+                q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e], s, use_qk_l2norm=use_qk_l2norm_in_kernel))
+        return kernel
 
     if op == "gated_delta":
-        _install_fake_fla(monkeypatch, "gated_delta_rule", "chunk_gated_delta_rule", fake_chunk)
+        _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=fake("chunk"),
+                          fused_recurrent_gated_delta_rule=fake("recurrent"))
     else:
-        _install_fake_fla(monkeypatch, "kda", "chunk_kda", fake_chunk)
+        _install_fake_fla(monkeypatch, "kda", chunk_kda=fake("chunk"), fused_recurrent_kda=fake("recurrent"))
     g = torch.Generator().manual_seed(4)
-    lengths, hk, hv, dk, dv = [9, 0, 70, 1], 2, 4, 16, 8
+    lengths, hk, hv, dk, dv = [9, 0, 150, 1], 2, 4, 16, 8
     t = sum(lengths)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     q, k, v = rnd(t, hk, dk), rnd(t, hk, dk), rnd(t, hv, dv)
     gate = -torch.rand(t, hv, *([dk] if op == "kda" else []), generator=g).to(DEVICE)  # KDA: one decay per channel
     beta = torch.rand(t, hv, generator=g).to(DEVICE)
-    cu = torch.tensor([0, 9, 9, 79, 80], device=DEVICE)
+    cu = torch.tensor([0, 9, 9, 159, 160], device=DEVICE)
     pool = rnd(12, hv, dk, dv)
     ref_pool = pool.clone()
     slots = torch.tensor([3, -1, 5, 7], device=DEVICE)
-    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 3], device=DEVICE),
-                ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
-                ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
+    # sequence 2 cut at 100, 128 (a chunk boundary) and 149 (its end - 1): four rounds, the first one
+    # chunked (100 tokens), the others of segments of at most 64 tokens: the recurrent kernel
+    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 2, 3], device=DEVICE),
+                ckpt_len=torch.tensor([4, 149, 100, 128, 150, 1], device=DEVICE),
+                ckpt_slot=torch.tensor([1, 2, 4, 6, 8, 9], device=DEVICE))
     layer2_pool = pool.clone()
     o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt)
     ref = ref_op(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
@@ -406,7 +413,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     torch.testing.assert_close(layer2_pool, ref_pool, atol=1e-4, rtol=1e-4)
     if not GPU:
         per_layer = (len(calls) - first) // 2
-        assert per_layer == 3  # sequence 2's cuts at 64 and 69 (70 tokens): three rounds
+        assert [kind for kind, *_ in calls[first:first + per_layer]] == ["chunk"] + ["recurrent"] * 3
         assert all(a is b for pair in zip(calls[first:first + per_layer], calls[first + per_layer:])
                    for a, b in zip(*pair))
 
@@ -424,9 +431,9 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
     from hyla.model.ops.ssd import mamba2_chunk_scan_varlen
 
     def fake_simple_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                        cu_seqlens_cpu):
+                        cu_seqlens_cpu=None):
         assert output_final_state and state_v_first and initial_state.dtype == torch.float32
-        assert torch.equal(cu_seqlens_cpu, cu_seqlens.cpu()) and g.dtype == torch.float32
+        assert g.dtype == torch.float32
 
         def run(a, e, S):  # S [H, V, K]
             outs = []
@@ -437,22 +444,23 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
 
         return _each_sequence(cu_seqlens, initial_state, run)
 
-    _install_fake_fla(monkeypatch, "simple_gla", "chunk_simple_gla", fake_simple_gla)
+    _install_fake_fla(monkeypatch, "simple_gla", chunk_simple_gla=fake_simple_gla,
+                      fused_recurrent_simple_gla=fake_simple_gla)
     g = torch.Generator().manual_seed(6)
-    lengths, h, p, groups, n = [9, 0, 70, 1], 4, 8, 2, 16
+    lengths, h, p, groups, n = [9, 0, 150, 1], 4, 8, 2, 16
     t = sum(lengths)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     x, bb, cc = rnd(t, h, p).to(dtype), rnd(t, groups, n).to(dtype), rnd(t, groups, n).to(dtype)
     dt = rnd(t, h).to(dtype)
     a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
     limit = (0.05, 0.5)  # binds on both sides for these dt
-    cu = torch.tensor([0, 9, 9, 79, 80], device=DEVICE)
+    cu = torch.tensor([0, 9, 9, 159, 160], device=DEVICE)
     pool = rnd(12, h, p, n)
     ref_pool = pool.clone()
     slots = torch.tensor([3, -1, 5, 7], device=DEVICE)
-    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 3], device=DEVICE),
-                ckpt_len=torch.tensor([4, 69, 64, 70, 1], device=DEVICE),
-                ckpt_slot=torch.tensor([1, 2, 4, 6, 8], device=DEVICE))
+    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 2, 3], device=DEVICE),  # a chunked round, then recurrent ones
+                ckpt_len=torch.tensor([4, 149, 100, 128, 150, 1], device=DEVICE),
+                ckpt_slot=torch.tensor([1, 2, 4, 6, 8, 9], device=DEVICE))
     y = fla_chunk.mamba2_chunk_scan_fla(x, dt, a, bb, cc, d, dt_bias, cu, pool, slots, **ckpt, dt_limit=limit)
     ref = mamba2_chunk_scan_varlen(x.float(), dt.float(), a, bb.float(), cc.float(), d, dt_bias, cu, ref_pool, slots,
                                    **ckpt, dt_limit=limit)

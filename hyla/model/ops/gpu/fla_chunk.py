@@ -17,7 +17,10 @@ cuts it there: the sequences run in rounds, round ``r`` feeding every sequence's
 (between consecutive cut points) in one varlen call that starts from the state the previous round
 left, so the state at each cut is a final state — exact, whatever the position in a chunk
 (:func:`scan_in_rounds`). A prompt's usual checkpoint (its end − 1) costs one more call of one token
-per sequence; a batch without checkpoints is one call. The pool rules are ``varlen.py``'s (fp32
+per sequence; a batch without checkpoints is one call. A round of short segments (at most
+``RECURRENT_MAX_LEN`` tokens each: such a last token, a short extend) runs fla's fused recurrent
+kernel, one launch, instead of the chunked pipeline's ten or so — the rule fla's own layers apply
+at inference. The pool rules are ``varlen.py``'s (fp32
 states, ``-1`` slots start from zeros and write nothing, all reads before all writes).
 
 These run for bf16/fp16 models only (``layers._fla_prefill``): fla's fp32 dots run in tf32, so fp32
@@ -39,9 +42,11 @@ from hyla.model.ops import ssd
 from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
+RECURRENT_MAX_LEN = 64  # a round whose segments are all this short runs fla's fused recurrent kernel
 
 # kernel(*per-token inputs of the round, each [1, t, ...], initial_state [n, *state] fp32,
-#        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1]) -> (out [1, t, ...], final [n, *state])
+#        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
+#   -> (out [1, t, ...], final [n, *state])
 FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -55,6 +60,7 @@ class FlaRound:
     seqs: torch.Tensor
     idx: torch.Tensor | None
     span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
+    longest: int  # the longest segment's tokens: the recurrent kernel at most RECURRENT_MAX_LEN
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     ckpt_rows: torch.Tensor | None
@@ -91,7 +97,7 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
         parts = to_device_packed(host, device)
         rounds.append(FlaRound(
             seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
-            cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
+            longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
             ckpt_slots=parts[3] if done else None))
     return rounds
 
@@ -111,13 +117,14 @@ def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_to
                                    ssm_states.device)
 
 
-def scan_in_rounds(kernel: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor, ssm_states: torch.Tensor,
-                   varlen: VarlenPlan) -> torch.Tensor:
-    """Run ``kernel`` over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``) in the
-    plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering every
-    token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence ``i``
-    starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint states
-    go to their rows as their rounds end. No device read."""
+def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor,
+                   ssm_states: torch.Tensor, varlen: VarlenPlan) -> torch.Tensor:
+    """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
+    ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``)
+    in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
+    every token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence
+    ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
+    states go to their rows as their rounds end. No device read."""
     state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, *state], zeros for -1
     for rnd in fla_rounds(varlen, out.device):
         if rnd.span is not None:
@@ -126,6 +133,7 @@ def scan_in_rounds(kernel: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Ten
             part = [x.index_select(0, rnd.idx) for x in xs]
         else:
             part = list(xs)
+        kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
         o, final = kernel(*(x.unsqueeze(0) for x in part), initial_state=state.index_select(0, rnd.seqs),
                           cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
         if rnd.span is not None:
@@ -161,17 +169,22 @@ def chunk_gated_delta_rule_fla(
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
     read here; ``ckpt_*`` must then be None)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
-    def kernel(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+    def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
         return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                                       cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
                                       use_qk_l2norm_in_kernel=use_qk_l2norm)
 
+    def recurrent(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                                output_final_state=True, cu_seqlens=cu_seqlens,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm)
+
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    return scan_in_rounds(kernel, (q, k, v, g, beta), out, ssm_states, varlen)
+    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen)
 
 
 def chunk_kda_fla(
@@ -193,16 +206,20 @@ def chunk_kda_fla(
     """``o [T, H, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does. fla's
     ``chunk_kda`` computes the reference's rule as it stands (q scaled by ``Dk**-0.5`` after the
     l2norm, ``[Dk, Dv]`` states); ``varlen``: as the other ops."""
-    from fla.ops.kda import chunk_kda
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
-    def kernel(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+    def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
         return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
                          use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
-    return scan_in_rounds(kernel, (q, k, v, g, beta), torch.empty(v.shape, dtype=q.dtype, device=q.device),
-                          ssm_states, varlen)
+    def recurrent(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
+
+    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen)
 
 
 def mamba2_chunk_scan_fla(
@@ -233,7 +250,7 @@ def mamba2_chunk_scan_fla(
     alike. Precision: ``dt * x`` is rounded to the activations' dtype before the kernel (mamba-ssm
     scales inside it, in fp32); the decay and the states stay fp32. ``varlen``: as the other ops."""
     ssd.check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
     varlen = batch_plan(varlen, tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
     num_heads = x.shape[1]
@@ -243,11 +260,15 @@ def mamba2_chunk_scan_fla(
     k = B.to(x.dtype).repeat_interleave(num_heads // B.shape[1], dim=1)  # [T, H, N]: group g serves its H/G heads
     q = C.to(x.dtype).repeat_interleave(num_heads // C.shape[1], dim=1)  # [T, H, N]
 
-    def kernel(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
+    def chunk(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
         return chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=True,
                                 state_v_first=True, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
-    y = scan_in_rounds(kernel, (q, k, v, g), torch.empty_like(x), ssm_states, varlen)  # [T, H, P]
+    def recurrent(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
+        return fused_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state,
+                                          output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
+
+    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty_like(x), ssm_states, varlen)  # [T, H, P]
     if D is not None:
         y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
     return y
