@@ -192,13 +192,14 @@ def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
 # Falcon-H1 and NemotronH run on a GPU only: interpreted they cost CI ~2 and ~0.7 minutes, and their
 # kernels (Mamba2's, attention's) are the ones Bamba and Qwen3.5 check here on every run; what they add
 # is both in one layer (Falcon-H1) and a fused decode beside MoE routing, without CUDA graphs (NemotronH)
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba",
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "lfm2",
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_engine_fused_decode_matches_pytorch(arch, request):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
-    PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), attention and
-    Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
+    PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
+    DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
+    and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
     2-layer variants (one mixer of each kind: the interpreter's time grows with the layers)."""
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -214,8 +215,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request):
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-def test_fused_decode_refuses_layers_without_kernels(lfm2_path):
-    with Engine(lfm2_path, max_total_tokens=256, max_state_slots=8) as engine:
+def test_fused_decode_refuses_layers_without_kernels(kimi_linear_path):
+    with Engine(kimi_linear_path, max_total_tokens=256, max_state_slots=8) as engine:
         assert not engine.model.supports_fused_decode()
         with pytest.raises(ValueError, match="fused decode kernel"):
             ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,

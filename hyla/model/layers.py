@@ -190,6 +190,8 @@ class Attention(nn.Module):
     NemotronH: plain q/k/v, no RoPE. ``qkv_proj`` holds the q, k and v projections stacked by rows.
     """
 
+    fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
+
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
         c = config
@@ -308,6 +310,8 @@ class GatedDeltaNet(nn.Module):
     ``beta = sigmoid(b)``, log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32).
     """
 
+    fused_decode = True
+
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
         c = config
@@ -399,6 +403,8 @@ class Mamba2Mixer(nn.Module):
     option), ``y * silu(z)`` in fp32; then ``out_proj`` (bias: ``mamba_out_proj_bias``, which
     defaults to ``mamba_proj_bias``).
     """
+
+    fused_decode = True
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -902,10 +908,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     # --- what the fused (Triton) decode step covers ---
     def supports_fused_decode(self) -> bool:
-        """Every mixer has a fused decode path (full attention, Gated DeltaNet and Mamba2 so far, Falcon-H1's
-        parallel pair included; KDA and the MLA / short-conv layers decode through their PyTorch ops)."""
-        return all(type(mixer) in (Attention, GatedDeltaNet, Mamba2Mixer)
-                   for layer in self.layers for mixer in layer.mixers())
+        """Every mixer has a fused decode path (its class sets ``fused_decode``: full attention, Gated
+        DeltaNet, Mamba2 and LFM2's short conv so far, Falcon-H1's parallel pair included; KDA and
+        MLA decode through their PyTorch ops)."""
+        return all(getattr(mixer, "fused_decode", False) for layer in self.layers for mixer in layer.mixers())
 
     @functools.cached_property
     def _residual_fusable(self) -> bool:

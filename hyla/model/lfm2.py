@@ -33,6 +33,7 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
+    _gpu,
     attention_specs,
     embedding_specs,
     linear_specs,
@@ -51,6 +52,8 @@ class Lfm2ShortConv(nn.Module):
     State: ``batch.conv_states[j]`` only (``j`` = the layer's linear ordinal).
     """
 
+    fused_decode = True  # the conv window's Triton kernel (no activation); the gates stay elementwise
+
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
         c = config
@@ -65,7 +68,10 @@ class Lfm2ShortConv(nn.Module):
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # [T, H] each
         bx = b * xs  # [T, H]: what the conv (and its window) sees
         conv_states = batch.conv_states[self.state_index]  # [S, H, K-1]
-        if batch.is_decode:
+        if batch.fused_decode:
+            y = _gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
+                                                                 batch.state_slots, None)  # [B, H]
+        elif batch.is_decode:
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slots, None)
             _copy_decode_checkpoints(conv_states, batch)
         else:
