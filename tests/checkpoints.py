@@ -98,14 +98,15 @@ GRANITE_H_KW: dict[str, Any] = dict(
 )
 
 
-# LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, tied embeddings (HF's
-# default); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
+# LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, untied embeddings (tied,
+# HF's default, this tiny model repeats its input token with probability ~1: no comparison of tokens or
+# logprobs could tell a wrong path from a right one); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
 LFM2_KW: dict[str, Any] = dict(
     vocab_size=2048, hidden_size=256, intermediate_size=700, num_hidden_layers=6,
     layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
     num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, block_multiple_of=256,
     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    max_position_embeddings=4096, norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    max_position_embeddings=4096, norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
     pad_token_id=0,
 )
 

@@ -75,10 +75,8 @@ qwen3_5_short_path = _tiny_checkpoint("qwen3_5_short_path", checkpoints.make_qwe
                                       layer_types=["linear_attention", "full_attention"])
 bamba_short_path = _tiny_checkpoint("bamba_short_path", checkpoints.make_bamba, num_hidden_layers=2,
                                     attn_layer_indices=[1])
-# (untied: with tied embeddings this tiny LFM2 repeats its input token with probability ~1, which
-# no comparison of logprobs can tell apart)
 lfm2_short_path = _tiny_checkpoint("lfm2_short_path", checkpoints.make_lfm2, num_hidden_layers=2,
-                                   layer_types=["conv", "full_attention"], tie_word_embeddings=False)
+                                   layer_types=["conv", "full_attention"])
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)

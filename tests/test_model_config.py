@@ -428,7 +428,7 @@ def test_lfm2_layout_conv_only_state_and_legacy_keys(lfm2):
     assert c.conv_shape == (256, 2) and c.ssm_shape == (0,)
     assert c.intermediate_size == 512  # HF: int(2/3 * 700) = 466 rounded up to a multiple of 256
     assert c.qk_norm and not c.zero_centered_norm and not c.attn_output_gate and c.rotary_dim == 64
-    assert c.tie_word_embeddings and c.rope_theta == 1e6 and not c.short_conv_bias
+    assert not c.tie_word_embeddings and c.rope_theta == 1e6 and not c.short_conv_bias  # untied: LFM2_KW
     layout = c.with_dtype("bfloat16").cache_layout
     assert layout.state_bytes_per_slot == 4 * 256 * 2 * 2 and layout.kv_bytes_per_token == 2 * 2 * 2 * 64 * 2
     # HF's defaults and legacy keys: attention at full_attn_idxs (every layer without it), block_ff_dim and

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import KIMI_LINEAR_KW, TinyRunner, make_qwen3_5
+from checkpoints import KIMI_LINEAR_KW, TinyRunner, make_lfm2, make_qwen3_5
 from safetensors.torch import load_file, save_file
 
 from hyla.model import load_model
@@ -290,9 +290,11 @@ def test_qwen3_5_moe_reads_the_published_fused_layout_and_the_per_expert_one(qwe
         load_model(both)
 
 
-def test_lfm2_tensor_layout(lfm2_path):
+def test_lfm2_tensor_layout(tmp_path):
     """Short-conv layers (in_proj [B | C | x], depthwise conv [H, 1, K] -> [H, K]), attention with
-    out_proj and q/k layernorms, w1/w3/w2 MLP, embedding_norm as the final norm, tied lm_head."""
+    out_proj and q/k layernorms, w1/w3/w2 MLP, embedding_norm as the final norm, tied lm_head (as
+    the released LFM2 models; the other tests' tiny LFM2 is untied, see checkpoints.LFM2_KW)."""
+    lfm2_path = make_lfm2(tmp_path, tie_word_embeddings=True)
     model = load_model(lfm2_path)
     raw = load_file(lfm2_path / "model.safetensors")
     conv, attn = model.layers[0].mixer, model.layers[2].mixer
