@@ -40,9 +40,20 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+def _dst_rows(ref_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Destination rows for ``slots [2, -1, 4]`` (5, -1, 1), with ``ref_pool``'s copied there from
+    the sources: the reference then updates them in place, the kernel reads the sources."""
+    dst = torch.tensor([5, -1, 1], device=slots.device)
+    ref_pool[dst[[0, 2]]] = ref_pool[slots[[0, 2]]]
+    return dst
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv1d_update_kernel(dtype, bias):
+@pytest.mark.parametrize("dst", [False, True])
+def test_conv1d_update_kernel(dtype, bias, dst):
+    """== ``causal_conv1d_update``; ``dst``: read at the slots, written at other rows (the source
+    rows keep their windows), as a verify step's chain of tokens does."""
     g = torch.Generator().manual_seed(0)
     b, c, k, s = 3, 40, 4, 6
     x = torch.randn(b, c + 7, generator=g).to(DEVICE, dtype)[:, :c]  # a strided split, as in the layer
@@ -51,17 +62,19 @@ def test_conv1d_update_kernel(dtype, bias):
     pool = torch.randn(s, c, k - 1, generator=g).to(DEVICE, dtype)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    y = causal_conv1d_update_fused(x, w, bb, pool, slots)
-    ref = causal_conv1d_update(x, w, bb, ref_pool, slots)
+    dst_slots = _dst_rows(ref_pool, slots) if dst else None
+    y = causal_conv1d_update_fused(x, w, bb, pool, slots, dst_slots=dst_slots)
+    ref = causal_conv1d_update(x, w, bb, ref_pool, slots if dst_slots is None else dst_slots)
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool.float(), ref_pool.float(), atol=0, rtol=0)  # the padding row wrote nothing
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_delta_decode_kernel(dtype):
+@pytest.mark.parametrize("dst", [False, True])
+def test_gated_delta_decode_kernel(dtype, dst):
     """Gating, l2norm and the state update fused == the layer's gating + the reference update
-    (two value heads per key head; one padding row)."""
+    (two value heads per key head; one padding row); ``dst``: written at other rows."""
     g = torch.Generator().manual_seed(1)
     b, hk, hv, dk, dv, s = 3, 2, 4, 16, 24, 6
     qkv = torch.randn(b, 2 * hk * dk + hv * dv, generator=g).to(DEVICE, dtype)
@@ -72,12 +85,13 @@ def test_gated_delta_decode_kernel(dtype):
     pool = torch.randn(s, hv, dk, dv, generator=g).to(DEVICE)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk)
+    dst_slots = _dst_rows(ref_pool, slots) if dst else None
+    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk, dst_slots=dst_slots)
     q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
     beta = torch.sigmoid(bg)
     gate = -torch.exp(a_log) * F.softplus(a.float() + dt_bias)
     ref = recurrent_gated_delta_rule_update(q.reshape(b, hk, dk), k.reshape(b, hk, dk), v.reshape(b, hv, dv),
-                                            gate, beta, ref_pool, slots)
+                                            gate, beta, ref_pool, slots if dst_slots is None else dst_slots)
     live = [0, 2]
     torch.testing.assert_close(o[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
@@ -479,7 +493,8 @@ class _NotAChain:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("limit", [None, (0.05, 0.5)])
-def test_mamba2_decode_kernel(dtype, limit):
+@pytest.mark.parametrize("dst", [False, True])
+def test_mamba2_decode_kernel(dtype, limit, dst):
     """dt discretization (with and without a clamp that binds) and the state update fused ==
     ``mamba2_state_update``; strided inputs as the layer passes them; one padding row."""
     from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
@@ -495,9 +510,10 @@ def test_mamba2_decode_kernel(dtype, limit):
     pool = torch.randn(s, h, p, n, generator=g).to(DEVICE)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    y = mamba2_state_update_fused(x, dt, a, bb, cc, d, dt_bias, pool, slots, limit)
+    dst_slots = _dst_rows(ref_pool, slots) if dst else None
+    y = mamba2_state_update_fused(x, dt, a, bb, cc, d, dt_bias, pool, slots, limit, dst_slots=dst_slots)
     ref = mamba2_state_update(x.reshape(b, h, p), dt, a, bb.reshape(b, groups, n), cc.reshape(b, groups, n), d,
-                              dt_bias, ref_pool, slots, dt_limit=limit)
+                              dt_bias, ref_pool, slots if dst_slots is None else dst_slots, dt_limit=limit)
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)

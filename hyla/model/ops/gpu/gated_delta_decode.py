@@ -11,8 +11,9 @@ Reference: the layer's gating (``GatedDeltaNet.forward``) followed by
     delta = beta * (v - e k^T S);   o = e q^T S + (q . k) delta;   S <- e S + k delta^T
 
 Each program owns one ``(sequence, value head, block of Dv columns)`` of the state: it reads its
-columns once, updates them in registers and writes them back. ``slots[i] == -1``: zero state, no
-write, don't-care output.
+columns once, updates them in registers and writes them back (to ``dst_slots`` when given: a
+verify step's chain of tokens reads each token's state where the previous one left it). ``slots[i]
+== -1``: zero state, don't-care output; ``-1`` as the destination: no write.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
-                       state_ptr, slots_ptr, o_ptr, scale,
+                       state_ptr, slots_ptr, dst_ptr, o_ptr, scale,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
     pid = tl.program_id(0)
@@ -50,24 +51,26 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
     e = tl.exp(-tl.exp(tl.load(a_log_ptr + hv)) * softplus)
 
     slot = tl.load(slots_ptr + i).to(tl.int64)
-    ptrs = state_ptr + slot * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
     live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
-    S = tl.load(ptrs, mask=live, other=0.0)  # [BK, BV] fp32
+    S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
     kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
     qS = tl.sum(q[:, None] * S, axis=0)
     delta = (v - e * kS) * beta
     o = e * qS + tl.sum(q * k, axis=0) * delta
     S = e * S + k[:, None] * delta[None, :]
-    tl.store(ptrs, S, mask=live)
+    live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
+    tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
     tl.store(o_ptr + (i * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
 def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                              dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                             num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+                             num_k_heads: int, head_k_dim: int, dst_slots: torch.Tensor | None = None) -> torch.Tensor:
     """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided),
     ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
-    -> ``o [B, Hv, Dv]`` in qkv's dtype."""
+    (or read there and written at ``dst_slots [B]``) -> ``o [B, Hv, Dv]`` in qkv's dtype."""
     batch = qkv.shape[0]
     num_v_heads, dk, dv = ssm_states.shape[1:]
     if dk != head_k_dim or num_v_heads % num_k_heads or ssm_states.dtype != torch.float32 \
@@ -78,12 +81,13 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         raise ValueError(f"qkv must be [B, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
     if a.shape != (batch, num_v_heads) or b.shape != (batch, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"a and b must be [B={batch}, Hv={num_v_heads}] with unit column stride")
-    if slots.shape != (batch,):
-        raise ValueError(f"slots must be [{batch}]")
+    if slots.shape != (batch,) or (dst_slots is not None and dst_slots.shape != (batch,)):
+        raise ValueError(f"slots (and dst_slots) must be [{batch}]")
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
     _gdn_decode_kernel[(batch * num_v_heads, triton.cdiv(dv, bv))](
-        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, slots, o, dk**-0.5,
+        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, slots,
+        slots if dst_slots is None else dst_slots, o, dk**-0.5,
         HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
     return o

@@ -8,7 +8,8 @@ head ``h`` (group ``g = h // (H/G)``), with ``S = ssm_states[slots[i], h]  [P, N
     S <- exp(dt A) S + dt x B^T;     y = S C + D x
 
 Each program owns one ``(sequence, head, block of P rows)`` of the state. ``slots[i] == -1``: zero
-state, no write, don't-care output.
+state, don't-care output. ``dst_slots``: the new state goes to those rows instead (a verify step's
+chain of tokens; ``-1``: no write).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
-                          state_ptr, slots_ptr, y_ptr, dt_min, dt_max,
+                          state_ptr, slots_ptr, dst_ptr, y_ptr, dt_min, dt_max,
                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                           BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
@@ -43,23 +44,27 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
     cv = tl.load(c_ptr + i * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
 
     slot = tl.load(slots_ptr + i).to(tl.int64)
-    ptrs = state_ptr + slot * (H * P * N) + h * (P * N) + p[:, None] * N + n[None, :]
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    offs = h * (P * N) + p[:, None] * N + n[None, :]
     live = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + slot) >= 0)  # a block mask
-    S = tl.load(ptrs, mask=live, other=0.0)  # [BP, BN] fp32
+    S = tl.load(state_ptr + slot * (H * P * N) + offs, mask=live, other=0.0)  # [BP, BN] fp32
     S = S * decay + (x * dt)[:, None] * bv[None, :]
     y = tl.sum(S * cv[None, :], axis=1)
     if HAS_D:
         y += tl.load(d_ptr + h).to(tl.float32) * x
-    tl.store(ptrs, S, mask=live)
+    live_dst = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + dst) >= 0)
+    tl.store(state_ptr + dst * (H * P * N) + offs, S, mask=live_dst)
     tl.store(y_ptr + (i * H + h) * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
 
 
 def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                               D: torch.Tensor | None, dt_bias: torch.Tensor | None, ssm_states: torch.Tensor,
-                              slots: torch.Tensor, dt_limit: tuple[float, float] | None = None) -> torch.Tensor:
+                              slots: torch.Tensor, dt_limit: tuple[float, float] | None = None,
+                              dst_slots: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, H*P]``, raw ``dt [B, H]``, ``B, C [B, G*N]`` (rows may be strided: splits of the conv
     output and the projection), ``A, D, dt_bias [H]`` fp32; ``ssm_states [S, H, P, N]`` fp32 updated in
-    place at ``slots [B]`` -> ``y [B, H, P]`` in x's dtype."""
+    place at ``slots [B]`` (or read there and written at ``dst_slots [B]``) -> ``y [B, H, P]`` in x's
+    dtype."""
     batch = x.shape[0]
     num_heads, head_dim, n = ssm_states.shape[1:]
     groups = B.shape[1] // n
@@ -68,14 +73,16 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     if x.shape != (batch, num_heads * head_dim) or dt.shape != (batch, num_heads) \
             or B.shape != (batch, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
         raise ValueError("x [B, H*P], dt [B, H], B and C [B, G*N] (one row stride) must fit ssm_states")
-    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1 or slots.shape != (batch,):
-        raise ValueError("x, dt, B and C need unit column stride, slots one entry per row")
+    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1 or slots.shape != (batch,) \
+            or (dst_slots is not None and dst_slots.shape != (batch,)):
+        raise ValueError("x, dt, B and C need unit column stride, slots (and dst_slots) one entry per row")
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
     bp = min(triton.next_power_of_2(head_dim), 32)
     _mamba2_decode_kernel[(batch * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
-        dt_bias if dt_bias is not None else A, ssm_states, slots, y, float(lo), float(hi),
+        dt_bias if dt_bias is not None else A, ssm_states, slots, slots if dst_slots is None else dst_slots, y,
+        float(lo), float(hi),
         H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
     return y
