@@ -101,9 +101,10 @@ class Engine:
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
                              compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
-                             # compiled n-gram chains: verify steps through the compiled graph too (forward_chains)
-                             verify_width=self.args.num_draft_tokens + 1 if self.args.compile_decode
-                             and self.args.speculative_algorithm == "ngram" and self.args.speculative_eagle_topk == 1
+                             # n-gram chains: verify steps as padded chains (forward_chains) where decode is fused
+                             # or compiled, through the same kernels or graph
+                             verify_width=self.args.num_draft_tokens + 1
+                             if self.args.speculative_algorithm == "ngram" and self.args.speculative_eagle_topk == 1
                              else None)
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
@@ -149,8 +150,8 @@ class Engine:
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
-        verify_compiled = runner.verify_width is not None and not drafter.keeps_state if drafter else False
-        if drafter is not None and (runner.graphs is not None or runner.compiled) and not verify_compiled:
+        verify_chains = runner.verify_width is not None and not drafter.keeps_state if drafter else False
+        if drafter is not None and (runner.graphs is not None or runner.compiled) and not verify_chains:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
                            "speculation gains only where drafts are accepted often enough to pay for that",
@@ -276,9 +277,10 @@ class Engine:
             if not runner.compiled:
                 return "pytorch ops"
             return "pytorch ops, torch.compile" + (" (verify steps too)" if runner.verify_width else "")
+        chains = " (verify steps too, as padded chains)" if runner.verify_width else ""
         if runner.graphs is None:
-            return "fused Triton kernels"
-        return f"fused Triton kernels, CUDA graphs up to batch {runner.graphs.max_bs}"
+            return "fused Triton kernels" + chains
+        return f"fused Triton kernels{chains}, CUDA graphs up to batch {runner.graphs.max_bs}"
 
     # ------------------------------------------------------------------------------------------
     # public API

@@ -49,8 +49,9 @@ class ModelRunner:
                  verify_width: int | None = None):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
-        verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`;
-        models of full attention and Gated DeltaNet layers), compiled with ``compile_decode``."""
+        verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`:
+        the fused kernels when decode runs fused, else models of full attention and Gated DeltaNet
+        layers, compiled with ``compile_decode``)."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -62,10 +63,6 @@ class ModelRunner:
         self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
-        # verify steps as padded chains (forward_chains): the PyTorch ops' models of attention and
-        # Gated DeltaNet layers (compiled with compile_decode)
-        self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
-            and model.supports_chain_verify() else None
         self.graphs = None
         c = model.config
         if fused_decode and not model.supports_fused_decode():
@@ -73,8 +70,12 @@ class ModelRunner:
         # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
         self.fused = model.supports_fused_decode() and gpu_ops.available(self.device) \
             if fused_decode is None else fused_decode
+        # verify steps as padded chains (forward_chains): through the fused kernels, or the PyTorch
+        # ops' models of attention and Gated DeltaNet layers (compiled with compile_decode)
+        chains = self.fused or (compile_decode and model.supports_chain_verify())
+        self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
+            and chains else None
         if self.fused:
-            self.verify_width = None  # verify steps keep the extend path beside the fused decode kernels
             self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
             self.pad_row = req_to_token.padding_row
             self._arange = torch.arange(max(cuda_graph_max_bs, 1) + 1, dtype=torch.long, device=self.device)
@@ -203,6 +204,10 @@ class ModelRunner:
                              "Gated DeltaNet layers)")
         if [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
             raise ValueError(f"a verify step of chains takes {w - 1} checkpoint slots per request")
+        if any(not 1 <= n <= w for n in extend_lens):
+            raise ValueError(f"a verify step of chains feeds 1 to {w} tokens per request, got {list(extend_lens)}")
+        if self.fused:
+            return self._forward_chains_fused(reqs, extend_lens, out_cache_loc, ckpt_rows)
         ids: list[int] = []
         pos: list[int] = []
         starts = [r.kv_len for r in reqs]
@@ -262,9 +267,46 @@ class ModelRunner:
             dev[0] = input_ids.to(self.device, torch.long)
         return self.decode_fused_step(self.fused_batch(*dev))
 
-    def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc) -> ForwardBatch:
+    def _forward_chains_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
+                              ckpt_rows: list[list[int]]) -> torch.Tensor:
+        """:meth:`forward_chains` through the fused decode kernels: request ``i``'s ``W`` padded
+        tokens are ``W`` decode rows (``ForwardBatch.chain_slots``), each with its own position, KV
+        length and KV slot; attention reads the request table, as in a decode step, so each row sees
+        the tokens before it. A padding row repeats the request's last fed token at its position
+        (writing its K/V to the sentinel slot 0): what it leaves in the later state rows is what
+        the contract leaves there, don't-care."""
+        w, b = self.verify_width, len(reqs)
+        ids, pos, rows, kv_lens, fed = [], [], [], [], []
+        for i, (r, n) in enumerate(zip(reqs, extend_lens)):
+            start = r.kv_len
+            tokens = r.tokens(start, start + n)
+            for j in range(w):
+                k = min(j, n - 1)
+                ids.append(tokens[k])
+                pos.append(start + k)
+                kv_lens.append(start + k + 1)
+                rows.append(r.req_pool_idx)
+            fed.extend(range(i * w, i * w + n))
+        if max(ids) >= self.model.config.vocab_size:
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        own = [r.state_slot for r in reqs]
+        chain = [own] + [[ckpt_rows[i][j] for i in range(b)] for j in range(w - 1)] + [own]  # [W+1, B]
+        if self.model.config.num_linear_layers:
+            check_slot_values(own + [s for col in chain[1:-1] for s in col], self.conv_states[0].shape[0],
+                              "the chains' state slots")
+        loc = torch.zeros(b * w, dtype=torch.long)  # padding rows write their K/V to the sentinel slot 0
+        loc[fed] = out_cache_loc.to(torch.long).cpu()
+        self.req_to_token.sync_mirror()  # the fed tokens' KV slots, read by attention
+        dev = self._to_device(*_host_long(ids, pos, [s for s in own for _ in range(w)], rows, kv_lens), loc,
+                              torch.tensor(chain, dtype=torch.long), torch.tensor(fed, dtype=torch.long))
+        batch = self.fused_batch(*dev[:6], chain_slots=dev[6])
+        return self.decode_fused_step(batch).index_select(0, dev[7])  # [sum(extend_lens), V]
+
+    def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc,
+                    chain_slots: torch.Tensor | None = None) -> ForwardBatch:
         """A fused decode batch over device tensors ``[B]`` each (no host value is read: the host
-        lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors)."""
+        lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors);
+        ``chain_slots``: a verify step of chains (``ForwardBatch.chain_slots``)."""
         b = input_ids.shape[0]
         cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
         return ForwardBatch(
@@ -273,6 +315,7 @@ class ModelRunner:
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=state_slots,
             conv_states=self.conv_states, ssm_states=self.ssm_states,
             max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
+            chain_slots=chain_slots,
         )
 
     def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor:

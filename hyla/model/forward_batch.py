@@ -134,6 +134,12 @@ class ForwardBatch:
     """Fused decode: ``[R, C]`` int32 device request table (row = request, entry = KV slot)."""
     req_pool_indices: torch.Tensor | None = None
     """Fused decode: ``[B]`` int64 each sequence's row of ``req_to_token``."""
+    chain_slots: torch.Tensor | None = None
+    """A fused verify step of chains (``ModelRunner.forward_chains`` on CUDA): ``[W+1, S]`` int64. The
+    batch's ``B = S*W`` rows are ``S`` sequences of ``W`` consecutive tokens (row ``i*W + j``), each
+    row a decode row of its own (its position, KV length, request row and KV slot); the recurrent
+    layers run the ``W`` columns in order, column ``j`` reading states at ``chain_slots[j]`` and
+    writing them at ``chain_slots[j + 1]``. None: one token per sequence, in place at ``state_slots``."""
 
     # --- derived once per step (not arguments) -----------------------------------------------
     seq_lens: list[int] = field(init=False, repr=False)
@@ -242,6 +248,11 @@ class ForwardBatch:
             raise ValueError("a fused decode batch takes no checkpoints (copy the final states instead)")
         if self.return_hidden:
             raise ValueError("a fused decode batch returns no hidden states (run the PyTorch decode instead)")
+        if self.chain_slots is not None:
+            w = self.chain_slots.shape[0] - 1
+            if self.chain_slots.dim() != 2 or w < 1 or b % w or self.chain_slots.shape[1] != b // w:
+                raise ValueError(f"chain_slots must be [W+1, B/W] for the batch's {b} rows, "
+                                 f"got {list(self.chain_slots.shape)}")
 
     def _decode_metadata(self) -> None:
         if self.num_checkpoints:
