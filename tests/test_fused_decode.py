@@ -239,16 +239,17 @@ def test_fused_chain_verify_is_exact(arch, request):
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its
     states passed from column to column through ``chain_slots``): the same greedy tokens and
     logprobs as a plain engine with the cache off, with drafts (the reference's, some corrupted)
-    accepted whole, in part and not at all, two turns with the prefix cache. Without a GPU,
-    interpreted, on the 2-layer variants."""
+    accepted whole, in part and not at all, two turns with the prefix cache. On a GPU the verify
+    steps replay their CUDA graphs; without one the kernels run interpreted, on the 2-layer
+    variants."""
     from test_engine_speculative import OracleDrafter, _watch_chains
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=48, max_running_requests=8)
     with Engine(path, enable_prefix_cache=False, **opts) as off:
-        wave1 = [dict(w, max_new=w["max_new"] + 8) for w in _workload(1, off.model_config.vocab_size)]
+        wave1 = [dict(w, max_new=w["max_new"] + 4) for w in _workload(1, off.model_config.vocab_size)][:5]
         ref1 = _generate(off, wave1)
-        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 6} for w, o in zip(wave1[:4], ref1)]
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 6} for w, o in zip(wave1[:3], ref1)]
         ref2 = _generate(off, wave2)
     reference = {tuple(w["ids"]): o["output_ids"] for w, o in zip(wave1 + wave2, ref1 + ref2)}
     calls = {"n": 0}
@@ -256,13 +257,18 @@ def test_fused_chain_verify_is_exact(arch, request):
         if not GPU:  # the engine's runner there runs the PyTorch ops: a fused one, verify steps as chains
             eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token, eng.device,
                                                cuda_graph=False, fused_decode=True, verify_width=5)
-        assert eng.scheduler.runner.fused and eng.scheduler.runner.verify_width == 5
+        runner = eng.scheduler.runner
+        assert runner.fused and runner.verify_width == 5 and (runner.verify_graphs is not None) == GPU
         _watch_chains(eng, calls, width=None)
+        replays = {"n": 0}
+        if GPU:
+            graphs, real_replay = runner.verify_graphs, runner.verify_graphs.replay
+            graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
         eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
         out = _generate(eng, wave1) + _generate(eng, wave2)
         eng.wait_idle()
         eng.check_integrity()
-        assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0
+        assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and (replays["n"] > 0) == GPU
         assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in out)
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 

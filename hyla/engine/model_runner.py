@@ -63,7 +63,7 @@ class ModelRunner:
         self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         c = model.config
         if fused_decode and not model.supports_fused_decode():
             raise ValueError(f"{c.architecture} has layers without a fused decode kernel")
@@ -78,11 +78,15 @@ class ModelRunner:
         if self.fused:
             self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
             self.pad_row = req_to_token.padding_row
-            self._arange = torch.arange(max(cuda_graph_max_bs, 1) + 1, dtype=torch.long, device=self.device)
+            rows = max(cuda_graph_max_bs, 1) * (self.verify_width or 1)  # a verify step's rows: W per request
+            self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
             if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph():
-                from hyla.engine.cuda_graph import CudaGraphDecode
+                from hyla.engine.cuda_graph import VERIFY_GRAPH_MAX_BS, CudaGraphDecode
 
                 self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
+                if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
+                    self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
+                                                         width=self.verify_width, pool=self.graphs.pool)
             elif cuda_graph and self.device.type == "cuda":
                 logger.info("%s: MoE routing reads the host; decode runs fused, without CUDA graphs", c.architecture)
         elif self.device.type == "cuda":
@@ -296,9 +300,13 @@ class ModelRunner:
                               "the chains' state slots")
         loc = torch.zeros(b * w, dtype=torch.long)  # padding rows write their K/V to the sentinel slot 0
         loc[fed] = out_cache_loc.to(torch.long).cpu()
+        columns = (ids, pos, [s for s in own for _ in range(w)], rows, kv_lens, loc)
         self.req_to_token.sync_mirror()  # the fed tokens' KV slots, read by attention
-        dev = self._to_device(*_host_long(ids, pos, [s for s in own for _ in range(w)], rows, kv_lens), loc,
-                              torch.tensor(chain, dtype=torch.long), torch.tensor(fed, dtype=torch.long))
+        if self.verify_graphs is not None and self.verify_graphs.can_run(b):
+            logits = self.verify_graphs.replay(columns, chain=chain)  # [B*W, V]
+            return logits.index_select(0, self._to_device(torch.tensor(fed, dtype=torch.long))[0])
+        dev = self._to_device(*_host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
+                              torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6])
         return self.decode_fused_step(batch).index_select(0, dev[7])  # [sum(extend_lens), V]
 
