@@ -46,6 +46,12 @@ training: half the model's layers), the same with trees (``speculative_eagle_top
 n-gram chains, verify steps through ``torch.compile``), the eager pair as the peer in the same run,
 and the compiled decode vs verify step at the model runner.
 
+``--part gpu`` (on a GPU): workload (a) on the default model in fp32 on CUDA, n-gram speculation on
+vs off, both engines' decode steps replayed from CUDA graphs and the speculative one's verify steps
+too (fused verify chains: docs/engine.md); written to ``## Speculative decoding: GPU``. A tiny model
+on a GPU is launch-bound: a step costs what its kernels' launches do, whatever the tokens it feeds,
+which is where a verify step of several tokens pays most.
+
 Then (n-gram) a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
 step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
 micro-benchmark of the gated-delta-rule layer on a verify-shaped input: the chunked kernel the
@@ -562,9 +568,11 @@ def main() -> None:
                     help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "compiled"), default="all",
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "compiled", "gpu"), default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
-                         "draft: workload (b) with separate draft models; compiled: workload (a) with compile_decode")
+                         "draft: workload (b) with separate draft models; compiled: workload (a) with compile_decode; "
+                         "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all')")
+    ap.add_argument("--device", default="cuda", help="gpu: the device (cpu: a smoke test of the script)")
     ap.add_argument("--draft-model-path", default=None,
                     help="draft: one more draft model to measure (same vocabulary as the default model)")
     args = ap.parse_args()
@@ -582,6 +590,8 @@ def main() -> None:
         ngram_main(args, threads)
     if args.part in ("all", "compiled"):
         compiled_main(args, threads)
+    if args.part == "gpu":
+        gpu_main(args)
 
 
 def drafts_suffix(args) -> str:
@@ -678,6 +688,40 @@ The last column is the eager pair of the n-gram section, measured in the same ru
     print(body)
     if not args.no_write:
         write_section("Speculative decoding: n-gram with compile_decode" + drafts_suffix(args), body)
+
+
+def gpu_main(args) -> None:
+    """Workload (a) on CUDA: the default model (fp32) with and without n-gram speculation, decode
+    and verify steps replayed from CUDA graphs."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--part gpu needs a CUDA device (--device cpu: a smoke test of the script)")
+    kw = dict(dtype="float32", device=args.device, **POOLS)
+    engines = {"off": Engine(**kw), "on": Engine(**kw, **SPEC)}
+    try:
+        modes = {side: e._decode_mode() for side, e in engines.items()}
+        loads = workloads(engines["off"].tokenizer)
+        rows = warm_and_bench(engines, loads, args)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    cmd = (f".venv/bin/python benchmarks/speculative.py --part gpu --device {args.device} --repeats {args.repeats} "
+           f"--new-tokens {args.new_tokens}{drafts_flag(args)}")
+    table = ["| workload | batch | off tok/s | on tok/s | on / off | accept length | tokens fed per verify step "
+             "| verify steps |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** "
+                     f"| {r['accept']:.2f} | {r['fed']:.2f} | {r['steps']} |")
+    body = f"""`{cmd}` — {machine()}; built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy; workload (a)
+(the *Speculative decoding* section above: {NUM_PROMPTS} prompts, {args.new_tokens} new tokens each, prompts cached by a
+warm-up run), n-gram drafts ({SPEC['speculative_num_draft_tokens']} tokens fed per verify step at most). Decode: {modes['off']};
+speculative engine: {modes['on']}. Runs interleaved, medians of {args.repeats}; speculation on and off gave
+identical greedy token ids (checked by the script).
+
+{chr(10).join(table)}
+"""
+    print(body, flush=True)
+    if not args.no_write:
+        write_section("Speculative decoding: GPU" + drafts_suffix(args), body)
 
 
 def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
