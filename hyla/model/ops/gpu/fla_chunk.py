@@ -149,11 +149,32 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Te
     return out
 
 
-def chunk_gated_delta_rule_fla(
+def chunk_gated_delta_rule_fla(*args, **kwargs) -> torch.Tensor:
+    """Gated DeltaNet (``gated_delta.chunk_gated_delta_rule_varlen``'s contract; ``g [T, Hv]``, one
+    decay per head) through fla's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``:
+    the arguments of :func:`_delta_rule_fla`."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    return _delta_rule_fla(chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, *args, **kwargs)
+
+
+def chunk_kda_fla(*args, **kwargs) -> torch.Tensor:
+    """Kimi Delta Attention (``kda.chunk_kda_varlen``'s contract; ``g [T, Hv, Dk]``, one decay per key
+    channel) through fla's ``chunk_kda`` / ``fused_recurrent_kda``, which compute the reference's
+    rule as it stands (the decay before the delta update, q scaled by ``Dk**-0.5`` after its
+    l2norm, ``[Dk, Dv]`` states): the arguments of :func:`_delta_rule_fla`."""
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    return _delta_rule_fla(chunk_kda, fused_recurrent_kda, *args, **kwargs)
+
+
+def _delta_rule_fla(
+    chunk_fn,
+    recurrent_fn,
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
     v: torch.Tensor,  # [T, Hv, Dv]
-    g: torch.Tensor,  # [T, Hv] fp32 log-decay
+    g: torch.Tensor,  # [T, Hv] (Gated DeltaNet) or [T, Hv, Dk] (KDA) fp32 log-decay
     beta: torch.Tensor,  # [T, Hv]
     cu_seqlens: torch.Tensor,
     ssm_states: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
@@ -169,54 +190,15 @@ def chunk_gated_delta_rule_fla(
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
     read here; ``ckpt_*`` must then be None)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
     def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
-        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                      cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm)
+        return chunk_fn(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     def recurrent(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
-        return fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
-                                                output_final_state=True, cu_seqlens=cu_seqlens,
-                                                use_qk_l2norm_in_kernel=use_qk_l2norm)
-
-    out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen)
-
-
-def chunk_kda_fla(
-    q: torch.Tensor,  # [T, H, Dk]
-    k: torch.Tensor,  # [T, H, Dk]
-    v: torch.Tensor,  # [T, H, Dv]
-    g: torch.Tensor,  # [T, H, Dk] fp32 per-channel log-decay
-    beta: torch.Tensor,  # [T, H]
-    cu_seqlens: torch.Tensor,
-    ssm_states: torch.Tensor,  # [S, H, Dk, Dv] fp32
-    slots: torch.Tensor,
-    ckpt_seq: torch.Tensor | None = None,
-    ckpt_len: torch.Tensor | None = None,
-    ckpt_slot: torch.Tensor | None = None,
-    use_qk_l2norm: bool = True,
-    tree=None,
-    varlen: VarlenPlan | None = None,
-) -> torch.Tensor:
-    """``o [T, H, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does. fla's
-    ``chunk_kda`` computes the reference's rule as it stands (q scaled by ``Dk**-0.5`` after the
-    l2norm, ``[Dk, Dv]`` states); ``varlen``: as the other ops."""
-    from fla.ops.kda import chunk_kda, fused_recurrent_kda
-
-    varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
-
-    def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
-        return chunk_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                         use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-
-    def recurrent(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
-        return fused_recurrent_kda(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                   use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_seqlens)
+        return recurrent_fn(q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=True,
+                            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen)
