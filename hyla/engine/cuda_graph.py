@@ -112,11 +112,13 @@ class CudaGraphDecode:
             host[j, :n] = col if isinstance(col, torch.Tensor) else torch.as_tensor(col, dtype=torch.long)
         if bs > b:
             host[:, n:bs * w] = self.padding[:, None]
-        self.inputs[:, :bs * w].copy_(host[:, :bs * w], non_blocking=True)
+        # whole buffers: a contiguous pinned source is one asynchronous copy (a [:, :n] slice is not
+        # contiguous, and would go through a pageable staging copy); rows past bs are not read
+        self.inputs.copy_(host, non_blocking=True)
         if self.chain is not None:
             self.chain_host[:, :b] = torch.as_tensor(chain, dtype=torch.long)
             self.chain_host[:, b:bs] = -1
-            self.chain[:, :bs].copy_(self.chain_host[:, :bs], non_blocking=True)
+            self.chain.copy_(self.chain_host, non_blocking=True)
         self._copied.record()
         if input_ids is not None:
             self.inputs[0, :b].copy_(input_ids)

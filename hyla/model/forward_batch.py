@@ -149,8 +149,9 @@ class ForwardBatch:
     slot_plan: SlotPlan | None = field(init=False, repr=False, default=None)
     """The validated state slots with their host facts (None when there are no linear layers)."""
     varlen: VarlenPlan | None = field(init=False, repr=False, default=None)
-    """An extend on the chunked paths (no ``tree``) with linear layers: its lengths, slots and
-    checkpoints validated once, so the recurrent layers' ops read nothing back from the device."""
+    """An extend on the chunked paths (no ``tree``, or chains: fla's kernels run those as plain
+    sequences) with linear layers: its lengths, slots and checkpoints validated once, so the
+    recurrent layers' ops read nothing back from the device."""
     kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding); None at batch size 1."""
     kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
@@ -302,7 +303,10 @@ class ForwardBatch:
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""
         if self.slot_plan is not None:
-            self.tree_scan = self.tree.plan(self.slot_plan, self._checkpoints(self.extend_lens))
+            ckpts = self._checkpoints(self.extend_lens)
+            self.tree_scan = self.tree.plan(self.slot_plan, ckpts)
+            if self.tree.is_chain:  # fla's kernels (GPU prefill) run chains as plain sequences: their plan too
+                self.varlen = VarlenPlan.build(self.extend_lens, self.slot_plan, ckpts)
         self._short_extend_layout(None if self.tree.is_chain else self.tree.parents)
 
     def _short_extend_layout(self, parents, width: int | None = None) -> None:

@@ -305,7 +305,8 @@ def _fla_prefill(x: torch.Tensor, batch: ForwardBatch) -> bool:
     """Whether a chunked extend runs fla's Triton kernel (``ops/gpu/fla_chunk.py``): on CUDA, with
     fla installed, for bf16/fp16 activations (fla's fp32 dots run in tf32, so fp32 models keep the
     exact PyTorch ops, as the cache's fp32 differential tests require), chains only (token trees
-    take the PyTorch ops' tree scan)."""
+    take the PyTorch ops' tree scan; a short extend's chains run with the batch's ``varlen`` plan,
+    built once per step)."""
     return (_on_gpu(x) and x.dtype != torch.float32 and batch.tree_parents is None
             and _gpu("fla_chunk").HAS_FLA)
 

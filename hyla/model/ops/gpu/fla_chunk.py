@@ -230,7 +230,11 @@ def mamba2_chunk_scan_fla(
     ``state_v_first`` layout ``[H, V, K] = [H, P, N]``, the pool's; ``D * x`` is added after. ``dt``
     is the reference's ``clamp(softplus(dt + dt_bias), *dt_limit)``, so prefill and decode clamp
     alike. Precision: ``dt * x`` is rounded to the activations' dtype before the kernel (mamba-ssm
-    scales inside it, in fp32); the decay and the states stay fp32. ``varlen``: as the other ops."""
+    scales inside it, in fp32), the chunk states feeding the outputs are kept in that dtype too
+    (fla's ``chunk_simple_gla``; the carried and final states are fp32), and the output is rounded
+    before ``D * x`` is added. fla's ``chunk_fwd_h`` reads one number from the device per call
+    (its split offsets), so a chunked round of this op is not free of host syncs as the delta-rule
+    ones are. ``varlen``: as the other ops."""
     ssd.check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
