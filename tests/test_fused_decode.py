@@ -273,6 +273,23 @@ def test_fused_chain_verify_is_exact(arch, request):
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
+def test_fused_chains_refuse_bad_batches(qwen3_5_short_path):
+    """A verify step of fused chains checks its requests before any kernel: every position needs a
+    real state slot (-1 would drop a state mid-chain), and each request feeds 1 to W tokens."""
+    from types import SimpleNamespace
+
+    with Engine(qwen3_5_short_path, max_total_tokens=256, max_state_slots=8) as eng:
+        runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token, eng.device,
+                             cuda_graph=False, fused_decode=True, verify_width=3)
+        req = SimpleNamespace(kv_len=4, tokens=lambda a, b: [5] * (b - a), req_pool_idx=0, state_slot=1)
+        with pytest.raises(ValueError, match="real state slot"):
+            runner.forward_chains([req], [3], torch.tensor([10, 11, 12]), [[2, -1]])
+        with pytest.raises(ValueError, match="1 to 3 tokens"):
+            runner.forward_chains([req], [4], torch.tensor([10, 11, 12, 13]), [[2, 3]])
+        with pytest.raises(ValueError, match="repeats a pool row"):
+            runner.forward_chains([req], [2], torch.tensor([10, 11]), [[1, 3]])
+
+
 def test_fused_decode_refuses_layers_without_kernels(kimi_linear_path):
     with Engine(kimi_linear_path, max_total_tokens=256, max_state_slots=8) as engine:
         assert not engine.model.supports_fused_decode()
