@@ -13,7 +13,11 @@ count) at batch ``--batch``:
   (a ``.to`` of a tensor already in it) are counted only when they copy.
 
     .venv/bin/python benchmarks/decode_kernels.py [--batch 1] [--dtype bfloat16] [--no-write]
-        [--compare-with <a checkout of an earlier commit>]
+        [--compare-with <a checkout of an earlier commit>] [--verify W]
+
+``--verify W``: a speculative verify step of ``W``-token chains through the fused kernels instead
+(``ModelRunner.forward_chains`` on a fused runner: ``W`` decode rows per request, the recurrent
+layers run column by column), written to its own section.
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--compare-with", type=Path, help="a checkout of an earlier commit: its count beside this one")
+    ap.add_argument("--verify", type=int, default=0, metavar="W",
+                    help="count a verify step of W-token chains (fused) instead of a decode step")
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -121,10 +127,11 @@ def main() -> None:
 
     path = Path(tempfile.mkdtemp())
     gpu_decode.build(path, kw, device, dtype)
+    w = args.verify
     engine = Engine(path, device=device, dtype=args.dtype, max_running_requests=max(args.batch, 2),
-                    max_state_slots=4 * args.batch + 8, max_total_tokens=64 * args.batch + 512)
+                    max_state_slots=(max(w, 1) + 3) * args.batch + 8, max_total_tokens=64 * args.batch + 512)
     runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
-                         cuda_graph=False, fused_decode=True)
+                         cuda_graph=False, fused_decode=True, verify_width=w or None)
     engine.scheduler.runner = runner
     captured = []
     step = runner.decode_fused_step
@@ -135,6 +142,14 @@ def main() -> None:
     try:
         engine.generate(input_ids=[[5 + i, 6, 7, 8] for i in range(args.batch)],
                         sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+        if w:  # a verify step of chains: W tokens per request, its states through W - 1 scratch slots each
+            from types import SimpleNamespace
+
+            b = args.batch
+            reqs = [SimpleNamespace(kv_len=8, tokens=lambda a, e: [5] * (e - a), req_pool_idx=i, state_slot=1 + i)
+                    for i in range(b)]
+            scratch = [[1 + b + i * (w - 1) + j for j in range(w - 1)] for i in range(b)]
+            runner.forward_chains(reqs, [w] * b, torch.arange(1, 1 + w * b), scratch)
         runner.decode_fused_step = step
         counts = (count_gpu if GPU else count_cpu)(runner, captured[-1])
     finally:
@@ -146,7 +161,7 @@ def main() -> None:
     before = None
     if args.compare_with is not None:
         cmd = [sys.executable, __file__, "--root", str(args.compare_with), "--json", "--batch", str(args.batch),
-               "--dtype", args.dtype]
+               "--dtype", args.dtype] + (["--verify", str(w)] if w else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         before = collections.Counter(json.loads(out))
         rev = subprocess.run(["git", "-C", str(args.compare_with), "rev-parse", "--short", "HEAD"],
@@ -154,13 +169,15 @@ def main() -> None:
     total, gemm = sum(counts.values()), _gemms(counts)
     lines = [f"{v:5d}  {k}" for k, v in counts.most_common()]
     print("\n".join(lines))
-    print(f"total {total} kernels per decode step at batch {args.batch}, {gemm} of them GEMMs")
+    step_name = f"verify step ({w}-token chains)" if w else "decode step"
+    print(f"total {total} kernels per {step_name} at batch {args.batch}, {gemm} of them GEMMs")
     how = ("CUDA kernels recorded by torch.profiler in one eager fused step" if GPU else
            "the CUDA code path on CPU tensors (Triton interpreted): ATen ops that compute + Triton launches")
     cmp = f" --compare-with <checkout of {rev}>" if before is not None else ""
-    body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{cmp}` — "
+    flag = f" --verify {w}" if w else ""
+    body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{flag}{cmp}` — "
             f"{machine()}; {how}.\n\n"
-            f"The fused decode step of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
+            f"The fused {step_name} of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
             f"attention; vocabulary cut to 4,096) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
             f"{gemm} of them GEMMs"
             + (f" ({sum(before.values())} and {_gemms(before)} at {rev})" if before is not None else "") + ".\n\n")
@@ -173,7 +190,7 @@ def main() -> None:
         body += f"\n| **total** | **{sum(before.values())}** | **{total}** |"
     body += "\n"
     if not args.no_write:
-        write_section("GPU decode: kernels per step", body)
+        write_section("GPU decode: kernels per verify step" if w else "GPU decode: kernels per step", body)
 
 
 if __name__ == "__main__":
