@@ -40,20 +40,9 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
-def _dst_rows(ref_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Destination rows for ``slots [2, -1, 4]`` (5, -1, 1), with ``ref_pool``'s copied there from
-    the sources: the reference then updates them in place, the kernel reads the sources."""
-    dst = torch.tensor([5, -1, 1], device=slots.device)
-    ref_pool[dst[[0, 2]]] = ref_pool[slots[[0, 2]]]
-    return dst
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dst", [False, True])
-def test_conv1d_update_kernel(dtype, bias, dst):
-    """== ``causal_conv1d_update``; ``dst``: read at the slots, written at other rows (the source
-    rows keep their windows), as a verify step's chain of tokens does."""
+def test_conv1d_update_kernel(dtype, bias):
     g = torch.Generator().manual_seed(0)
     b, c, k, s = 3, 40, 4, 6
     x = torch.randn(b, c + 7, generator=g).to(DEVICE, dtype)[:, :c]  # a strided split, as in the layer
@@ -62,19 +51,17 @@ def test_conv1d_update_kernel(dtype, bias, dst):
     pool = torch.randn(s, c, k - 1, generator=g).to(DEVICE, dtype)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    dst_slots = _dst_rows(ref_pool, slots) if dst else None
-    y = causal_conv1d_update_fused(x, w, bb, pool, slots, dst_slots=dst_slots)
-    ref = causal_conv1d_update(x, w, bb, ref_pool, slots if dst_slots is None else dst_slots)
+    y = causal_conv1d_update_fused(x, w, bb, pool, slots)
+    ref = causal_conv1d_update(x, w, bb, ref_pool, slots)
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool.float(), ref_pool.float(), atol=0, rtol=0)  # the padding row wrote nothing
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dst", [False, True])
-def test_gated_delta_decode_kernel(dtype, dst):
+def test_gated_delta_decode_kernel(dtype):
     """Gating, l2norm and the state update fused == the layer's gating + the reference update
-    (two value heads per key head; one padding row); ``dst``: written at other rows."""
+    (two value heads per key head; one padding row)."""
     g = torch.Generator().manual_seed(1)
     b, hk, hv, dk, dv, s = 3, 2, 4, 16, 24, 6
     qkv = torch.randn(b, 2 * hk * dk + hv * dv, generator=g).to(DEVICE, dtype)
@@ -85,16 +72,92 @@ def test_gated_delta_decode_kernel(dtype, dst):
     pool = torch.randn(s, hv, dk, dv, generator=g).to(DEVICE)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    dst_slots = _dst_rows(ref_pool, slots) if dst else None
-    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk, dst_slots=dst_slots)
+    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk)
     q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
     beta = torch.sigmoid(bg)
     gate = -torch.exp(a_log) * F.softplus(a.float() + dt_bias)
     ref = recurrent_gated_delta_rule_update(q.reshape(b, hk, dk), k.reshape(b, hk, dk), v.reshape(b, hv, dv),
-                                            gate, beta, ref_pool, slots if dst_slots is None else dst_slots)
+                                            gate, beta, ref_pool, slots)
     live = [0, 2]
     torch.testing.assert_close(o[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+
+def _chain_reference(pool: torch.Tensor, chain: torch.Tensor, column) -> torch.Tensor:
+    """What a chain launch computes, token by token: for column ``j`` each live sequence's state is
+    copied from ``chain[j]`` to ``chain[j + 1]``, then ``column(j, chain[j + 1])`` (a reference op,
+    in place there) runs the column's rows. Outputs ``[S, W, ...]``."""
+    outs = []
+    for j in range(chain.shape[0] - 1):
+        src, dst = chain[j], chain[j + 1]
+        live = (src >= 0) & (dst >= 0)
+        pool[dst[live]] = pool[src[live]]
+        outs.append(column(j, dst))
+    return torch.stack(outs, dim=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_kernels_run_chains(dtype):
+    """A verify step's chains in one launch of each decode kernel (``chain [W+1, S]``: token ``j``
+    of sequence ``i`` reads its state at ``chain[j, i]`` and writes it at ``chain[j + 1, i]``, the
+    last back to the sequence's own row) == the reference ops token by token; a padded sequence
+    (``-1`` throughout) reads and writes nothing. Inputs strided as the layers pass them."""
+    from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
+    from hyla.model.ops.ssd import mamba2_state_update
+
+    g = torch.Generator().manual_seed(7)
+    seqs, w = 2, 3
+    chain = torch.tensor([[2, -1], [5, -1], [1, -1], [2, -1]], device=DEVICE)  # own row 2, scratch 5, 1
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    col = lambda t, j: t.view(seqs, w, *t.shape[1:])[:, j]  # noqa: E731  (column j's rows, strided)
+    tol = dict(atol=_tol(dtype), rtol=_tol(dtype))
+
+    c, k = 40, 4  # the conv window
+    x = rnd(seqs * w, c + 7).to(dtype)[:, :c]
+    wt, bias = rnd(c, k).to(dtype), rnd(c).to(dtype)
+    pool = rnd(6, c, k - 1).to(dtype)
+    ref_pool = pool.clone()
+    y = causal_conv1d_update_fused(x, wt, bias, pool, chain[0], chain=chain)
+    ref = _chain_reference(ref_pool, chain, lambda j, slots: causal_conv1d_update(col(x, j), wt, bias, ref_pool, slots))
+    torch.testing.assert_close(y.view(seqs, w, c)[0].float(), ref[0].float(), **tol)
+    torch.testing.assert_close(pool.float(), ref_pool.float(), atol=0, rtol=0)
+
+    hk, hv, dk, dv = 2, 4, 16, 24  # Gated DeltaNet
+    qkv = rnd(seqs * w, 2 * hk * dk + hv * dv).to(dtype)
+    ab = rnd(seqs * w, 2 * hv + 3).to(dtype)
+    a, bg = ab[:, :hv], ab[:, hv:2 * hv]
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    pool = rnd(6, hv, dk, dv)
+    ref_pool = pool.clone()
+    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, chain[0], hk, dk, chain=chain)
+
+    def gdn_column(j, slots):
+        q, kk, v = col(qkv, j).split([hk * dk, hk * dk, hv * dv], -1)
+        gate = -torch.exp(a_log) * F.softplus(col(a, j).float() + dt_bias)
+        return recurrent_gated_delta_rule_update(q.reshape(seqs, hk, dk), kk.reshape(seqs, hk, dk),
+                                                 v.reshape(seqs, hv, dv), gate, torch.sigmoid(col(bg, j)), ref_pool,
+                                                 slots)
+
+    ref = _chain_reference(ref_pool, chain, gdn_column)
+    torch.testing.assert_close(o.view(seqs, w, hv, dv)[0].float(), ref[0].float(), **tol)
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+    h, p, groups, n = 4, 8, 2, 16  # Mamba2
+    xbc = rnd(seqs * w, h * p + 2 * groups * n + 3).to(dtype)
+    xs, bb, cc = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
+    dt = rnd(seqs * w, h + 2).to(dtype)[:, :h]
+    am, d, dtb = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
+    pool = rnd(6, h, p, n)
+    ref_pool = pool.clone()
+    ym = mamba2_state_update_fused(xs, dt, am, bb, cc, d, dtb, pool, chain[0], (0.05, 0.5), chain=chain)
+    ref = _chain_reference(ref_pool, chain, lambda j, slots: mamba2_state_update(
+        col(xs, j).reshape(seqs, h, p), col(dt, j), am, col(bb, j).reshape(seqs, groups, n),
+        col(cc, j).reshape(seqs, groups, n), d, dtb, ref_pool, slots, dt_limit=(0.05, 0.5)))
+    torch.testing.assert_close(ym.view(seqs, w, h, p)[0].float(), ref[0].float(), **tol)
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="chain must be"):
+        causal_conv1d_update_fused(x, wt, bias, torch.zeros(6, c, k - 1, device=DEVICE, dtype=dtype), chain[0],
+                                   chain=chain[:, :1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -230,8 +293,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request):
 
 
 # Bamba and LFM2 on a GPU only: interpreted each costs CI ~a minute, and what they add to Qwen3.5's
-# run (Mamba2's and the short conv's kernels reading at one row and writing at another) is tested
-# kernel by kernel above, their per-column glue (layers._fused_recurrent) being the same
+# run (Mamba2's and the short conv's kernels along chains) is tested kernel by kernel
+# (test_decode_kernels_run_chains)
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
                                   pytest.param("lfm2", marks=pytest.mark.gpu)])
 def test_fused_chain_verify_is_exact(arch, request):
@@ -554,8 +617,7 @@ class _NotAChain:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("limit", [None, (0.05, 0.5)])
-@pytest.mark.parametrize("dst", [False, True])
-def test_mamba2_decode_kernel(dtype, limit, dst):
+def test_mamba2_decode_kernel(dtype, limit):
     """dt discretization (with and without a clamp that binds) and the state update fused ==
     ``mamba2_state_update``; strided inputs as the layer passes them; one padding row."""
     from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
@@ -571,10 +633,9 @@ def test_mamba2_decode_kernel(dtype, limit, dst):
     pool = torch.randn(s, h, p, n, generator=g).to(DEVICE)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    dst_slots = _dst_rows(ref_pool, slots) if dst else None
-    y = mamba2_state_update_fused(x, dt, a, bb, cc, d, dt_bias, pool, slots, limit, dst_slots=dst_slots)
+    y = mamba2_state_update_fused(x, dt, a, bb, cc, d, dt_bias, pool, slots, limit)
     ref = mamba2_state_update(x.reshape(b, h, p), dt, a, bb.reshape(b, groups, n), cc.reshape(b, groups, n), d,
-                              dt_bias, ref_pool, slots if dst_slots is None else dst_slots, dt_limit=limit)
+                              dt_bias, ref_pool, slots, dt_limit=limit)
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)

@@ -138,8 +138,9 @@ class ForwardBatch:
     """A fused verify step of chains (``ModelRunner.forward_chains`` on CUDA): ``[W+1, S]`` int64. The
     batch's ``B = S*W`` rows are ``S`` sequences of ``W`` consecutive tokens (row ``i*W + j``), each
     row a decode row of its own (its position, KV length, request row and KV slot); the recurrent
-    layers run the ``W`` columns in order, column ``j`` reading states at ``chain_slots[j]`` and
-    writing them at ``chain_slots[j + 1]``. None: one token per sequence, in place at ``state_slots``."""
+    layers' kernels run each sequence's ``W`` tokens in order in one launch, token ``j`` reading its
+    states at ``chain_slots[j]`` and writing them at ``chain_slots[j + 1]``. None: one token per
+    sequence, in place at ``state_slots``."""
 
     # --- derived once per step (not arguments) -----------------------------------------------
     seq_lens: list[int] = field(init=False, repr=False)

@@ -266,20 +266,6 @@ class Attention(nn.Module):
 # --- recurrent mixers --------------------------------------------------------------------------
 
 
-def _fused_recurrent(batch: ForwardBatch, step, *xs: torch.Tensor) -> torch.Tensor:
-    """A recurrent mixer's fused decode: ``step(src, dst, *rows) -> [rows, ...]`` runs its kernels
-    on per-row inputs ``xs`` reading states at ``src`` and writing them at ``dst`` (None: in place).
-    A decode batch is one call at ``state_slots``; a verify step of chains (``batch.chain_slots``)
-    one call per column ``j`` of its ``[S, W]`` rows, from ``chain_slots[j]`` to ``chain_slots[j+1]``
-    (each token's state where the one before left it). Outputs in row order."""
-    if batch.chain_slots is None:
-        return step(batch.state_slots, None, *xs)
-    w = batch.chain_slots.shape[0] - 1
-    cols = [x.view(x.shape[0] // w, w, *x.shape[1:]) for x in xs]  # [S, W, ...] views, rows strided
-    outs = [step(batch.chain_slots[j], batch.chain_slots[j + 1], *(c[:, j] for c in cols)) for j in range(w)]
-    return torch.stack(outs, dim=1).flatten(0, 1)
-
-
 def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
     """Decode: a checkpoint after the (only) new token is the sequence's final state: copy it
     (source and destination rows were resolved and validated when the batch was built)."""
@@ -352,13 +338,12 @@ class GatedDeltaNet(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
         if batch.fused_decode:  # two Triton kernels: the conv window, then gating + the state update
-            def step(src, dst, mixed, a, b):
-                mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
-                                                                         src, "silu", dst_slots=dst)
-                return _gpu("gated_delta_decode").gated_delta_decode_fused(
-                    mixed, a, b, self.A_log, self.dt_bias, ssm_states, src, self.num_k_heads, self.head_k_dim,
-                    dst_slots=dst)  # [B, Hv, Dv]
-            o = _fused_recurrent(batch, step, mixed, a, b)
+            # (a verify step of chains: each runs its requests' tokens in order, batch.chain_slots)
+            mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(
+                mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu", chain=batch.chain_slots)
+            o = _gpu("gated_delta_decode").gated_delta_decode_fused(
+                mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots, self.num_k_heads,
+                self.head_k_dim, chain=batch.chain_slots)  # [B, Hv, Dv]
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         if _on_gpu(o):  # one kernel, reading z in place from the projection
@@ -457,13 +442,14 @@ class Mamba2Mixer(nn.Module):
         A = self._neg_A(self.A_log)  # [H]
         gn = self.n_groups * self.state_size
         if batch.fused_decode:  # two Triton kernels: the conv window, then dt + the state update
-            def step(src, dst, xbc, dt):
-                xbc = _gpu("conv1d_decode").causal_conv1d_update_fused(xbc, self.conv_weight, self.conv_bias,
-                                                                       conv_states, src, "silu", dst_slots=dst)
-                xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
-                return _gpu("mamba2_decode").mamba2_state_update_fused(
-                    xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, src, self.dt_limit, dst_slots=dst)  # [B, H, P]
-            return self._out(_fused_recurrent(batch, step, xbc, dt), z, t, x.dtype)
+            # (a verify step of chains: each runs its requests' tokens in order, batch.chain_slots)
+            xbc = _gpu("conv1d_decode").causal_conv1d_update_fused(xbc, self.conv_weight, self.conv_bias, conv_states,
+                                                                   batch.state_slots, "silu", chain=batch.chain_slots)
+            xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
+            y = _gpu("mamba2_decode").mamba2_state_update_fused(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states,
+                                                                batch.state_slots, self.dt_limit,
+                                                                chain=batch.chain_slots)  # [B, H, P]
+            return self._out(y, z, t, x.dtype)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         else:

@@ -33,7 +33,6 @@ from hyla.model.layers import (
     WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
-    _fused_recurrent,
     _gpu,
     attention_specs,
     embedding_specs,
@@ -70,8 +69,8 @@ class Lfm2ShortConv(nn.Module):
         bx = b * xs  # [T, H]: what the conv (and its window) sees
         conv_states = batch.conv_states[self.state_index]  # [S, H, K-1]
         if batch.fused_decode:
-            y = _fused_recurrent(batch, lambda src, dst, bx: _gpu("conv1d_decode").causal_conv1d_update_fused(
-                bx, self.conv_weight, self.conv_bias, conv_states, src, None, dst_slots=dst), bx)  # [B, H]
+            y = _gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
+                                                                 batch.state_slots, None, chain=batch.chain_slots)
         elif batch.is_decode:
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slots, None)
             _copy_decode_checkpoints(conv_states, batch)

@@ -33,3 +33,19 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def available(device: torch.device | str) -> bool:
     """Whether the engine runs the fused kernels on ``device`` by default: CUDA with Triton."""
     return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
+def chain_of(chain: torch.Tensor | None, slots: torch.Tensor, rows: int) -> tuple[int, torch.Tensor, int]:
+    """``(W, chain, sequences)`` for a launch over ``rows`` rows: a verify step's ``chain [W+1, S]``
+    (``rows = S*W``), or a decode step's slots as the one-token chain ``[slots, slots]`` (a row
+    stride of 0: read and written in place). Shared by the decode kernels
+    (``conv1d_decode``, ``gated_delta_decode``, ``mamba2_decode``)."""
+    if chain is None:
+        if slots.shape != (rows,) or slots.stride(0) != 1:
+            raise ValueError(f"slots must be a contiguous [{rows}], got {list(slots.shape)}")
+        return 1, slots.as_strided((2, rows), (0, 1)), rows
+    w = chain.shape[0] - 1
+    if chain.dim() != 2 or w < 1 or chain.stride(1) != 1 or rows != chain.shape[1] * w:
+        raise ValueError(f"chain must be [W+1, S] with unit column stride for {rows} = S*W rows, "
+                         f"got {list(chain.shape)}")
+    return w, chain, chain.shape[1]

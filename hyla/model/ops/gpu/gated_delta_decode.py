@@ -11,9 +11,10 @@ Reference: the layer's gating (``GatedDeltaNet.forward``) followed by
     delta = beta * (v - e k^T S);   o = e q^T S + (q . k) delta;   S <- e S + k delta^T
 
 Each program owns one ``(sequence, value head, block of Dv columns)`` of the state: it reads its
-columns once, updates them in registers and writes them back (to ``dst_slots`` when given: a
-verify step's chain of tokens reads each token's state where the previous one left it). ``slots[i]
-== -1``: zero state, don't-care output; ``-1`` as the destination: no write.
+columns once, updates them in registers and writes them back. ``slots[i] == -1``: zero state, no
+write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S`` sequences of ``W``
+tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
+written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import chain_of
+
 
 @triton.jit
 def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
-                       state_ptr, slots_ptr, dst_ptr, o_ptr, scale,
-                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                       W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
     pid = tl.program_id(0)
     i = pid // HV
@@ -36,41 +39,45 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
     mk = dk < DK
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
     mv = dv < DV
+    neg_a = -tl.exp(tl.load(a_log_ptr + hv))
+    dt_bias = tl.load(dt_bias_ptr + hv)
 
-    row = qkv_ptr + i * qkv_stride  # [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
-    q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-    b = tl.load(b_ptr + i * b_stride + hv)
-    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-    x = tl.load(a_ptr + i * a_stride + hv).to(tl.float32) + tl.load(dt_bias_ptr + hv)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    e = tl.exp(-tl.exp(tl.load(a_log_ptr + hv)) * softplus)
-
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
+    slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
     live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
     S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
-    kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
-    qS = tl.sum(q[:, None] * S, axis=0)
-    delta = (v - e * kS) * beta
-    o = e * qS + tl.sum(q * k, axis=0) * delta
-    S = e * S + k[:, None] * delta[None, :]
-    live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
-    tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
-    tl.store(o_ptr + (i * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
+        r = i * W + j
+        row = qkv_ptr + r * qkv_stride  # [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
+        q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+        b = tl.load(b_ptr + r * b_stride + hv)
+        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+        x = tl.load(a_ptr + r * a_stride + hv).to(tl.float32) + dt_bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        e = tl.exp(neg_a * softplus)
+
+        kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
+        qS = tl.sum(q[:, None] * S, axis=0)
+        delta = (v - e * kS) * beta
+        o = e * qS + tl.sum(q * k, axis=0) * delta
+        S = e * S + k[:, None] * delta[None, :]
+        dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+        live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
+        tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
+        tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
 def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                              dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                             num_k_heads: int, head_k_dim: int, dst_slots: torch.Tensor | None = None) -> torch.Tensor:
+                             num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
     """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided),
     ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
-    (or read there and written at ``dst_slots [B]``) -> ``o [B, Hv, Dv]`` in qkv's dtype."""
+    (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, Hv, Dv]`` in qkv's dtype."""
     batch = qkv.shape[0]
     num_v_heads, dk, dv = ssm_states.shape[1:]
     if dk != head_k_dim or num_v_heads % num_k_heads or ssm_states.dtype != torch.float32 \
@@ -81,13 +88,11 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         raise ValueError(f"qkv must be [B, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
     if a.shape != (batch, num_v_heads) or b.shape != (batch, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"a and b must be [B={batch}, Hv={num_v_heads}] with unit column stride")
-    if slots.shape != (batch,) or (dst_slots is not None and dst_slots.shape != (batch,)):
-        raise ValueError(f"slots (and dst_slots) must be [{batch}]")
+    w, chain, seqs = chain_of(chain, slots, batch)
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
-    _gdn_decode_kernel[(batch * num_v_heads, triton.cdiv(dv, bv))](
-        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, slots,
-        slots if dst_slots is None else dst_slots, o, dk**-0.5,
-        HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+    _gdn_decode_kernel[(seqs * num_v_heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
+        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
     return o

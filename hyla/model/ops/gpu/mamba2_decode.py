@@ -8,8 +8,9 @@ head ``h`` (group ``g = h // (H/G)``), with ``S = ssm_states[slots[i], h]  [P, N
     S <- exp(dt A) S + dt x B^T;     y = S C + D x
 
 Each program owns one ``(sequence, head, block of P rows)`` of the state. ``slots[i] == -1``: zero
-state, don't-care output. ``dst_slots``: the new state goes to those rows instead (a verify step's
-chain of tokens; ``-1``: no write).
+state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S`` sequences
+of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
+written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import chain_of
+
 
 @triton.jit
 def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
-                          state_ptr, slots_ptr, dst_ptr, y_ptr, dt_min, dt_max,
-                          H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                          state_ptr, chain_ptr, chain_stride, y_ptr, dt_min, dt_max,
+                          W: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                           BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid = tl.program_id(0)
     i = pid // H
@@ -32,39 +35,41 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
     mp = p < P
     n = tl.arange(0, BN)
     mn = n < N
+    a = tl.load(a_ptr + h).to(tl.float32)
 
-    x = tl.load(x_ptr + i * x_stride + h * P + p, mask=mp, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + i * dt_stride + h).to(tl.float32)
-    if HAS_BIAS:
-        dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    decay = tl.exp(dt * tl.load(a_ptr + h).to(tl.float32))
-    bv = tl.load(b_ptr + i * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
-    cv = tl.load(c_ptr + i * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
-
-    slot = tl.load(slots_ptr + i).to(tl.int64)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
+    slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = h * (P * N) + p[:, None] * N + n[None, :]
     live = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + slot) >= 0)  # a block mask
     S = tl.load(state_ptr + slot * (H * P * N) + offs, mask=live, other=0.0)  # [BP, BN] fp32
-    S = S * decay + (x * dt)[:, None] * bv[None, :]
-    y = tl.sum(S * cv[None, :], axis=1)
-    if HAS_D:
-        y += tl.load(d_ptr + h).to(tl.float32) * x
-    live_dst = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + dst) >= 0)
-    tl.store(state_ptr + dst * (H * P * N) + offs, S, mask=live_dst)
-    tl.store(y_ptr + (i * H + h) * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
+    for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
+        r = i * W + j
+        x = tl.load(x_ptr + r * x_stride + h * P + p, mask=mp, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * dt_stride + h).to(tl.float32)
+        if HAS_BIAS:
+            dt += tl.load(dt_bias_ptr + h).to(tl.float32)
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        decay = tl.exp(dt * a)
+        bv = tl.load(b_ptr + r * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
+        cv = tl.load(c_ptr + r * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
+        S = S * decay + (x * dt)[:, None] * bv[None, :]
+        y = tl.sum(S * cv[None, :], axis=1)
+        if HAS_D:
+            y += tl.load(d_ptr + h).to(tl.float32) * x
+        dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+        live_dst = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + dst) >= 0)
+        tl.store(state_ptr + dst * (H * P * N) + offs, S, mask=live_dst)
+        tl.store(y_ptr + (r * H + h) * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
 
 
 def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                               D: torch.Tensor | None, dt_bias: torch.Tensor | None, ssm_states: torch.Tensor,
                               slots: torch.Tensor, dt_limit: tuple[float, float] | None = None,
-                              dst_slots: torch.Tensor | None = None) -> torch.Tensor:
+                              chain: torch.Tensor | None = None) -> torch.Tensor:
     """``x [B, H*P]``, raw ``dt [B, H]``, ``B, C [B, G*N]`` (rows may be strided: splits of the conv
     output and the projection), ``A, D, dt_bias [H]`` fp32; ``ssm_states [S, H, P, N]`` fp32 updated in
-    place at ``slots [B]`` (or read there and written at ``dst_slots [B]``) -> ``y [B, H, P]`` in x's
-    dtype."""
+    place at ``slots [B]`` (or along ``chain [W+1, B/W]``: the module docstring) -> ``y [B, H, P]``
+    in x's dtype."""
     batch = x.shape[0]
     num_heads, head_dim, n = ssm_states.shape[1:]
     groups = B.shape[1] // n
@@ -73,16 +78,15 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     if x.shape != (batch, num_heads * head_dim) or dt.shape != (batch, num_heads) \
             or B.shape != (batch, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
         raise ValueError("x [B, H*P], dt [B, H], B and C [B, G*N] (one row stride) must fit ssm_states")
-    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1 or slots.shape != (batch,) \
-            or (dst_slots is not None and dst_slots.shape != (batch,)):
-        raise ValueError("x, dt, B and C need unit column stride, slots (and dst_slots) one entry per row")
+    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
+        raise ValueError("x, dt, B and C need unit column stride")
+    w, chain, seqs = chain_of(chain, slots, batch)
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
     bp = min(triton.next_power_of_2(head_dim), 32)
-    _mamba2_decode_kernel[(batch * num_heads, triton.cdiv(head_dim, bp))](
+    _mamba2_decode_kernel[(seqs * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
-        dt_bias if dt_bias is not None else A, ssm_states, slots, slots if dst_slots is None else dst_slots, y,
-        float(lo), float(hi),
-        H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
+        dt_bias if dt_bias is not None else A, ssm_states, chain, chain.stride(0), y, float(lo), float(hi),
+        W=w, H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
     return y
