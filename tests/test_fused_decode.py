@@ -42,7 +42,8 @@ def _tol(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_conv1d_update_kernel(dtype, bias):
+@pytest.mark.parametrize("activation", ["silu", None])  # None: LFM2's gated short conv
+def test_conv1d_update_kernel(dtype, bias, activation):
     g = torch.Generator().manual_seed(0)
     b, c, k, s = 3, 40, 4, 6
     x = torch.randn(b, c + 7, generator=g).to(DEVICE, dtype)[:, :c]  # a strided split, as in the layer
@@ -51,8 +52,8 @@ def test_conv1d_update_kernel(dtype, bias):
     pool = torch.randn(s, c, k - 1, generator=g).to(DEVICE, dtype)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    y = causal_conv1d_update_fused(x, w, bb, pool, slots)
-    ref = causal_conv1d_update(x, w, bb, ref_pool, slots)
+    y = causal_conv1d_update_fused(x, w, bb, pool, slots, activation)
+    ref = causal_conv1d_update(x, w, bb, ref_pool, slots, activation)
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool.float(), ref_pool.float(), atol=0, rtol=0)  # the padding row wrote nothing
@@ -268,8 +269,9 @@ def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
 
 # Falcon-H1 and NemotronH run on a GPU only: interpreted they cost CI ~2 and ~0.7 minutes, and their
 # kernels (Mamba2's, attention's) are the ones Bamba and Qwen3.5 check here on every run; what they add
-# is both in one layer (Falcon-H1) and a fused decode beside MoE routing, without CUDA graphs (NemotronH)
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "lfm2",
+# is both in one layer (Falcon-H1) and a fused decode beside MoE routing, without CUDA graphs (NemotronH).
+# LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_engine_fused_decode_matches_pytorch(arch, request):
@@ -310,7 +312,7 @@ def test_fused_chain_verify_is_exact(arch, request):
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=48, max_running_requests=8)
     with Engine(path, enable_prefix_cache=False, **opts) as off:
-        wave1 = [dict(w, max_new=w["max_new"] + 4) for w in _workload(1, off.model_config.vocab_size)][:5]
+        wave1 = [dict(w, max_new=w["max_new"] + 4) for w in _workload(1, off.model_config.vocab_size)][:4]
         ref1 = _generate(off, wave1)
         wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 6} for w, o in zip(wave1[:3], ref1)]
         ref2 = _generate(off, wave2)
