@@ -490,6 +490,93 @@ def _each_sequence(cu_seqlens: torch.Tensor, initial_state: torch.Tensor, run) -
     return torch.cat(outs)[None], torch.stack(finals)
 
 
+def _fake_delta_rule(ref_step, kind: str, calls: list):
+    """fla's chunked (``kind="chunk"``) or fused recurrent delta-rule kernel (Gated DeltaNet, KDA),
+    stood in for by ``ref_step`` (the op's token-by-token reference) per sequence; each call is
+    recorded in ``calls`` as ``(kind, cu_seqlens, cu_seqlens_cpu)``."""
+    def kernel(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+               cu_seqlens_cpu=None):
+        assert output_final_state and initial_state.dtype == torch.float32
+        if kind == "chunk":
+            assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
+        calls.append((kind, cu_seqlens, cu_seqlens_cpu))
+        return _each_sequence(cu_seqlens, initial_state, lambda a, e, s: ref_step(
+            q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e], s, use_qk_l2norm=use_qk_l2norm_in_kernel))
+    return kernel
+
+
+def _fake_simple_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
+                     cu_seqlens_cpu=None):
+    """fla's ``chunk_simple_gla`` / ``fused_recurrent_simple_gla`` stood in for by simple GLA's own
+    token-by-token recurrence (fla's ``naive_recurrent_simple_gla``, varlen, V-first states):
+    ``S_t = exp(g_t) S_{t-1} + v_t k_t^T``, ``o_t = scale * S_t q_t``."""
+    assert output_final_state and state_v_first and initial_state.dtype == torch.float32
+    assert g.dtype == torch.float32
+
+    def run(a, e, S):  # S [H, V, K]
+        outs = []
+        for t in range(a, e):
+            S = S * g[0, t].exp()[:, None, None] + v[0, t].float()[:, :, None] * k[0, t].float()[:, None, :]
+            outs.append(scale * (S * q[0, t].float()[:, None, :]).sum(-1))  # [H, V]
+        return torch.stack(outs).to(q.dtype) if outs else v.new_zeros(0, *v.shape[2:]), S
+
+    return _each_sequence(cu_seqlens, initial_state, run)
+
+
+def _install_all_fake_fla(monkeypatch, calls: list) -> None:
+    """Every fla kernel ``fla_chunk`` calls, stood in for (CPU only: :func:`_install_fake_fla`)."""
+    import sys
+    import types
+
+    from hyla.model.ops import gated_delta, kda
+    from hyla.model.ops.gpu import fla_chunk  # noqa: F401  (imported first: it looks for the real fla)
+
+    mods = {"fla": types.ModuleType("fla"), "fla.ops": types.ModuleType("fla.ops")}
+    kernels = {"gated_delta_rule": dict(chunk_gated_delta_rule=_fake_delta_rule(gated_delta.gated_delta_rule_ref,
+                                                                                "chunk", calls),
+                                        fused_recurrent_gated_delta_rule=_fake_delta_rule(
+                                            gated_delta.gated_delta_rule_ref, "recurrent", calls)),
+               "kda": dict(chunk_kda=_fake_delta_rule(kda.kda_ref, "chunk", calls),
+                           fused_recurrent_kda=_fake_delta_rule(kda.kda_ref, "recurrent", calls)),
+               "simple_gla": dict(chunk_simple_gla=lambda *a, **k: calls.append(("chunk",)) or _fake_simple_gla(*a, **k),
+                                  fused_recurrent_simple_gla=lambda *a, **k: calls.append(("recurrent",))
+                                  or _fake_simple_gla(*a, **k))}
+    for module, fns in kernels.items():
+        mods[f"fla.ops.{module}"] = types.ModuleType(f"fla.ops.{module}")
+        for name, fn in fns.items():
+            setattr(mods[f"fla.ops.{module}"], name, fn)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+@pytest.mark.skipif(GPU, reason="CPU only: on a GPU test_engine_bf16_fla_prefill_matches_pytorch runs fla itself")
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear"])
+def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
+    """The layers' calls into ``fla_chunk`` (what a bf16 prefill on a GPU runs: Gated DeltaNet, Mamba2
+    as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced
+    on: an fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut
+    the rounds) equal the PyTorch chunked ops' within 1e-4, and fla's kernels ran, chunked and
+    recurrent."""
+    import hyla.model.kimi_linear as kimi_linear
+    import hyla.model.layers as layers
+    from hyla.model.ops.gpu import fla_chunk
+
+    path = request.getfixturevalue("kimi_linear_path" if arch == "kimi_linear" else f"{arch}_short_path")
+    opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    with Engine(path, **opts) as plain:
+        ref = _two_turns(plain, None)
+    calls: list = []
+    _install_all_fake_fla(monkeypatch, calls)
+    fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
+    monkeypatch.setattr(layers, "_fla_prefill", fla_path)
+    monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
+    with Engine(path, **opts) as eng:
+        out = _two_turns(eng, None)
+    assert {c[0] for c in calls} == {"chunk", "recurrent"}
+    assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)
+
+
 @pytest.mark.parametrize("op", ["gated_delta", "kda"])
 def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     """The segment rounds of ``chunk_gated_delta_rule_fla`` and ``chunk_kda_fla`` (checkpoints cut
@@ -503,17 +590,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
                         fla_chunk.chunk_gated_delta_rule_fla),
         "kda": (kda.kda_ref, kda.chunk_kda_varlen, fla_chunk.chunk_kda_fla)}[op]
     calls = []  # (kernel, cu_seqlens, its host copy) per fla call
-
-    def fake(kind):
-        def kernel(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                   cu_seqlens_cpu=None):
-            assert output_final_state and initial_state.dtype == torch.float32
-            if kind == "chunk":
-                assert cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu, cu_seqlens.cpu())
-            calls.append((kind, cu_seqlens, cu_seqlens_cpu))
-            return _each_sequence(cu_seqlens, initial_state, lambda a, e, s: ref_step(
-                q[0, a:e], k[0, a:e], v[0, a:e], g[0, a:e], beta[0, a:e], s, use_qk_l2norm=use_qk_l2norm_in_kernel))
-        return kernel
+    fake = lambda kind: _fake_delta_rule(ref_step, kind, calls)  # noqa: E731
 
     if op == "gated_delta":
         _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=fake("chunk"),
@@ -571,22 +648,8 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
     from hyla.model.ops.gpu import fla_chunk
     from hyla.model.ops.ssd import mamba2_chunk_scan_varlen
 
-    def fake_simple_gla(q, k, v, g, scale, initial_state, output_final_state, state_v_first, cu_seqlens,
-                        cu_seqlens_cpu=None):
-        assert output_final_state and state_v_first and initial_state.dtype == torch.float32
-        assert g.dtype == torch.float32
-
-        def run(a, e, S):  # S [H, V, K]
-            outs = []
-            for t in range(a, e):
-                S = S * g[0, t].exp()[:, None, None] + v[0, t].float()[:, :, None] * k[0, t].float()[:, None, :]
-                outs.append(scale * (S * q[0, t].float()[:, None, :]).sum(-1))  # [H, V]
-            return torch.stack(outs).to(q.dtype) if outs else v.new_zeros(0, *v.shape[2:]), S
-
-        return _each_sequence(cu_seqlens, initial_state, run)
-
-    _install_fake_fla(monkeypatch, "simple_gla", chunk_simple_gla=fake_simple_gla,
-                      fused_recurrent_simple_gla=fake_simple_gla)
+    _install_fake_fla(monkeypatch, "simple_gla", chunk_simple_gla=_fake_simple_gla,
+                      fused_recurrent_simple_gla=_fake_simple_gla)
     g = torch.Generator().manual_seed(6)
     lengths, h, p, groups, n = [9, 0, 150, 1], 4, 8, 2, 16
     t = sum(lengths)
