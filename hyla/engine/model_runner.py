@@ -296,9 +296,9 @@ class ModelRunner:
         own = [r.state_slot for r in reqs]
         chain = [own] + [[ckpt_rows[i][j] for i in range(b)] for j in range(w - 1)] + [own]  # [W+1, B]
         if self.model.config.num_linear_layers:
-            check_slot_values(own + [s for col in chain[1:-1] for s in col], self.conv_states[0].shape[0],
-                              "the chains' state slots")
-            if min(own + [s for col in chain[1:-1] for s in col]) < 0:  # -1 would drop a state mid-chain
+            used = own + [s for col in chain[1:-1] for s in col]
+            check_slot_values(used, self.conv_states[0].shape[0], "the chains' state slots")
+            if min(used) < 0:  # -1 would drop a state mid-chain
                 raise ValueError("a verify step of chains needs a real state slot for every request and position")
         loc = torch.zeros(b * w, dtype=torch.long)  # padding rows write their K/V to the sentinel slot 0
         loc[fed] = out_cache_loc.to(torch.long).cpu()

@@ -50,9 +50,9 @@ def discretize_dt(
     return dt
 
 
-def _repeat_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``[N, G, Ns] -> fp32 [N, H, Ns]``: group ``g`` serves heads ``g*H/G .. (g+1)*H/G - 1``."""
-    return t.float().repeat_interleave(num_heads // t.shape[1], dim=1)
+def repeat_groups(t: torch.Tensor, num_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[N, G, Ns] -> [N, H, Ns]`` in ``dtype``: group ``g`` serves heads ``g*H/G .. (g+1)*H/G - 1``."""
+    return t.to(dtype).repeat_interleave(num_heads // t.shape[1], dim=1)
 
 
 def check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit) -> None:
@@ -98,7 +98,7 @@ def mamba2_ssd_ref(
     """
     num_heads, head_dim = x.shape[1:]
     dt = discretize_dt(dt, dt_bias, dt_limit)  # [L, H]
-    B, C = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [L, H, N]
+    B, C = repeat_groups(B, num_heads), repeat_groups(C, num_heads)  # [L, H, N]
     xf, A = x.float(), A.float()
     S = xf.new_zeros(num_heads, head_dim, B.shape[-1]) if state is None else state.float().clone()  # [H, P, N]
     ys = []
@@ -158,7 +158,7 @@ def mamba2_chunk_scan_varlen(
     num_heads = x.shape[1]
     xf, Af = x.float(), A.float()
     dtf = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
-    Bf, Cf = _repeat_groups(B, num_heads), _repeat_groups(C, num_heads)  # [T, H, N]
+    Bf, Cf = repeat_groups(B, num_heads), repeat_groups(C, num_heads)  # [T, H, N]
     y = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, xf, dtf, Af, Bf, Cf, state),
                            varlen, chunk_size, ssm_states, x.device)  # [T, H, P] fp32
     if D is not None:

@@ -53,9 +53,10 @@ FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 @dataclass(frozen=True)
 class FlaRound:
     """One varlen call of fla's kernel: sequences ``seqs`` (batch rows), their tokens ``idx`` of the
-    packed batch (None: every token in order, or the one run ``span``), ``cu_seqlens`` on the device and on the host (fla
-    then computes its chunk indices without a device read), and the checkpoints whose position
-    ends this round: rows ``ckpt_rows`` of the running state go to pool rows ``ckpt_slots``."""
+    packed batch (None: every token in order, or the one run ``span``), ``cu_seqlens`` on the
+    device and on the host (fla then computes its chunk indices without a device read), and the
+    checkpoints whose position ends this round: rows ``ckpt_rows`` of the running state go to pool
+    rows ``ckpt_slots``."""
 
     seqs: torch.Tensor
     idx: torch.Tensor | None
@@ -97,8 +98,8 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
         parts = to_device_packed(host, device)
         rounds.append(FlaRound(
             seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
-            longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu, ckpt_rows=parts[2] if done else None,
-            ckpt_slots=parts[3] if done else None))
+            longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu,
+            ckpt_rows=parts[2] if done else None, ckpt_slots=parts[3] if done else None))
     return rounds
 
 
@@ -243,8 +244,8 @@ def mamba2_chunk_scan_fla(
     dtf = ssd.discretize_dt(dt, dt_bias, dt_limit)  # [T, H] fp32
     g = dtf * A.float()  # [T, H] fp32 log-decay
     v = (x.float() * dtf.unsqueeze(-1)).to(x.dtype)  # [T, H, P]
-    k = B.to(x.dtype).repeat_interleave(num_heads // B.shape[1], dim=1)  # [T, H, N]: group g serves its H/G heads
-    q = C.to(x.dtype).repeat_interleave(num_heads // C.shape[1], dim=1)  # [T, H, N]
+    k = ssd.repeat_groups(B, num_heads, x.dtype)  # [T, H, N]
+    q = ssd.repeat_groups(C, num_heads, x.dtype)  # [T, H, N]
 
     def chunk(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
         return chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=True,
