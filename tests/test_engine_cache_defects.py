@@ -63,5 +63,7 @@ def test_a_flat_checkpoint_list_with_a_batch_is_a_value_error(qwen3_next_dense_p
             eng.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]], checkpoints=[3, 2])
         with pytest.raises(ValueError, match="checkpoints"):
             eng.generate(input_ids=[5, 6, 7, 8], checkpoints=[[3]])
+        with pytest.raises(ValueError, match="speculative_checkpoints"):
+            eng.generate(input_ids=[5, 6, 7, 8], checkpoints=[3], speculative_checkpoints="yes")
         assert eng.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]], checkpoints=[[3], [2]],
                             sampling_params=_greedy(2))[1]["meta_info"]["completion_tokens"] == 2

@@ -100,6 +100,27 @@ def test_shared_prefix_with_caller_checkpoint_hits_from_second(engine_factory):
     assert [a["meta_info"]["cached_tokens"], b["meta_info"]["cached_tokens"]] == [0, 200]
 
 
+def test_caller_checkpoint_is_kept_in_a_full_state_pool(engine_factory, reference):
+    """A server's state pool is full of cached checkpoints once it has run a while. A checkpoint
+    the caller asked for still gets a slot (the least recently used checkpoint makes room), so a
+    shared prefix hits from its second use; one marked as a guess (``speculative_checkpoints``, a
+    chat's message ends) does not push out finished turns: its prefix hits from the third use,
+    through the branch point the second request stores."""
+    eng = engine_factory(max_state_slots=16, max_running_requests=4)
+    for speculative, want in [(False, [0, 200, 200]), (True, [0, 0, 200])]:
+        for i in range(24):  # more finished turns than the pool has slots: every slot holds a checkpoint
+            _gen(eng, _prompt(40, seed=5000 + i + 100 * speculative), max_new_tokens=2)
+        eng.wait_idle()
+        assert eng.state_pool.available_size() <= 1  # (one kept free for a running request)
+        prefix = _prompt(200, seed=14 + speculative)
+        outs = [_gen(eng, prefix + _prompt(30, seed=300 + i), checkpoints=[200] if i == 0 else None,
+                     speculative_checkpoints=speculative) for i in range(3)]
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == want
+        for i, o in enumerate(outs):
+            _same_output(o, _gen(reference, prefix + _prompt(30, seed=300 + i)))
+    eng.check_integrity()
+
+
 def test_checkpoint_alignment_rounds_hits_down_to_grid(engine_factory, reference):
     eng = engine_factory(checkpoint_alignment=64)
     for n, want in [(300, 256), (1300, 1280)]:

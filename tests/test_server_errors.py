@@ -149,9 +149,31 @@ def test_bad_completion_and_generate_requests_are_400(server):
         ("/generate", {"text": ["a", "b"], "stream": True}),
         ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}),
         ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [7]}),
+        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [2], "speculative_checkpoints": 1}),
     ]
     for path, body in cases:
         _assert_error(_post(server, path, json=body), 400, "invalid_request_error")
+
+
+def test_chat_message_ends_are_speculative_checkpoints(server, monkeypatch):
+    """The chat endpoint passes its message ends as guesses (``speculative_checkpoints``); the
+    native ``/generate`` passes the caller's ``checkpoints`` as asked for, unless it says otherwise."""
+    engine, seen = _engine(server), []
+    real = engine.async_generate
+
+    async def spy(*args, **kw):
+        seen.append((kw.get("checkpoints"), kw.get("speculative_checkpoints")))
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(engine, "async_generate", spy)
+    assert _post(server, "/v1/chat/completions", json=CHAT).status_code == 200
+    for flag in (None, True):
+        body = {"input_ids": [1, 2, 3], "checkpoints": [2], "sampling_params": {"max_new_tokens": 2}}
+        assert _post(server, "/generate", json=body if flag is None else {**body, "speculative_checkpoints": flag}
+                     ).status_code == 200
+    (chat_ends, chat_flag), native, native_guess = seen
+    assert chat_ends and chat_flag is True
+    assert native == ([2], False) and native_guess == ([2], True)
 
 
 def test_openai_client_raises_bad_request(server):

@@ -307,12 +307,12 @@ class RadixCache:
         frees the caller's slots that duplicate what it has (slots equal to the tree's own, e.g. a
         matched prefix, are left alone).
 
-        ``checkpoints`` are ``Checkpoint(length, slot, speculative=False)`` or plain
-        ``(length, slot)`` pairs (a state pool is needed for any): each slot, freshly forked for
-        the tree, goes on the node ending at ``length`` (splitting an edge there if needed); on a
-        node that already holds one it is a duplicate and is freed (an ordinary duplicate makes a
-        speculative checkpoint there ordinary), on a tombstone it revives the node. Raises
-        ValueError (and changes nothing) on bad input.
+        ``checkpoints`` are ``Checkpoint(length, slot, speculative=False, requested=False)`` or
+        plain ``(length, slot)`` pairs (a state pool is needed for any): each slot, freshly forked
+        for the tree, goes on the node ending at ``length`` (splitting an edge there if needed); on
+        a node that already holds one it is a duplicate and is freed (an ordinary duplicate makes a
+        speculative checkpoint there ordinary, a requested one makes it requested), on a tombstone
+        it revives the node. Raises ValueError (and changes nothing) on bad input.
         """
         tokens, n = self._tokens(token_ids)
         kv = as_index_array(kv_indices)
@@ -345,25 +345,28 @@ class RadixCache:
         return InsertResult(off, last, num_new, [node.value for node in path])
 
     def _check_checkpoints(self, checkpoints: Iterable[Checkpoint | tuple[int, int]],
-                           n: int) -> list[tuple[int, int, bool]]:
+                           n: int) -> list[tuple[int, int, bool, bool]]:
         """Validate checkpoints against a key of ``n`` whole-page tokens: ``(length, slot,
-        speculative)`` triples sorted by length."""
+        speculative, requested)`` tuples sorted by length."""
         ps = self.page_size
-        out: list[tuple[int, int, bool]] = []
+        out: list[tuple[int, int, bool, bool]] = []
         for item in checkpoints:
             if self.state_pool is None:
                 raise ValueError("a RadixCache without a state_pool stores no state checkpoints")
-            speculative = False
+            flags = [False, False]
             try:
-                if len(item) == 3:
-                    length, slot, speculative = item
-                    if not isinstance(speculative, (bool, np.bool_)):
-                        raise ValueError(f"a checkpoint's speculative flag must be a bool, got {item!r}")
+                if len(item) in (3, 4):
+                    length, slot, *given = item
+                    if not all(isinstance(f, (bool, np.bool_)) for f in given):
+                        raise ValueError(f"a checkpoint's speculative and requested flags must be bools, got {item!r}")
+                    flags[:len(given)] = given
                 else:
                     length, slot = item
                 length, slot = int(length), int(slot)
             except (TypeError, ValueError):
-                raise ValueError(f"a checkpoint is a (length, slot[, speculative: bool]) tuple, got {item!r}") from None
+                raise ValueError(f"a checkpoint is a (length, slot[, speculative[, requested]]) tuple, "
+                                 f"got {item!r}") from None
+            speculative, requested = flags
             if length % ps or not 1 <= length <= n:
                 raise ValueError(
                     f"checkpoint length {length} must be a multiple of page_size={ps} within the key's "
@@ -372,21 +375,21 @@ class RadixCache:
                 raise ValueError(f"state slot {slot} already belongs to the tree (pass a forked slot)")
             if not self.state_pool.is_allocated_slot(slot):
                 raise ValueError(f"checkpoint slot {slot} is not an allocated state-pool slot")
-            out.append((length, slot, bool(speculative)))  # np.bool_ -> bool
+            out.append((length, slot, bool(speculative), bool(requested)))  # np.bool_ -> bool
         if len(out) > 1:
             if len({c[0] for c in out}) != len(out) or len({c[1] for c in out}) != len(out):
                 raise ValueError(f"checkpoint lengths and slots must be distinct: {out}")
             out.sort()
         return out
 
-    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int, bool]], now: float) -> int:
+    def _attach_checkpoints(self, path: list[TreeNode], ckpts: list[tuple[int, int, bool, bool]], now: float) -> int:
         """Put each checkpoint on the path node ending at its length (splitting an edge there if
         needed). ``path`` covers the whole key from the root; it is updated in place by splits.
         Returns the number adopted; duplicates are freed."""
         duplicates: list[int] = []
         adopted = 0
         i = 0
-        for length, slot, speculative in ckpts:  # ascending, so i only moves forward
+        for length, slot, speculative, requested in ckpts:  # ascending, so i only moves forward
             while path[i].depth < length:
                 i += 1
             node = path[i]
@@ -397,6 +400,7 @@ class RadixCache:
             if node.state is None:  # a new node or a tombstone: adopt (revive)
                 node.state = slot
                 node.speculative = speculative
+                node.requested = requested
                 self._slot_owner[slot] = node
                 self._evictable_states += 1  # a tombstone has no state lock
                 self._push_state(node)
@@ -407,6 +411,7 @@ class RadixCache:
                 duplicates.append(slot)
                 if not speculative:
                     node.speculative = False  # confirmed: an ordinary checkpoint wants it too
+                node.requested |= requested  # (its replaceable-heap entry is dropped lazily)
             if self._on_access is not None:
                 self._on_access(node, True)
         if duplicates:
@@ -693,7 +698,7 @@ class RadixCache:
         slot = node.state
         del self._slot_owner[slot]
         node.state = None
-        node.speculative = False
+        node.speculative = node.requested = False
         self._evictable_states -= 1
         return slot
 
@@ -787,7 +792,8 @@ class RadixCache:
                     evictable += n
                 if self._kv_candidate(child):
                     assert id(child) in kv_queued, f"evictable leaf {child!r} missing from the KV heap"
-                assert child.state is not None or not child.speculative, f"speculative tombstone {child!r}"
+                assert child.state is not None or not (child.speculative or child.requested), \
+                    f"speculative or requested tombstone {child!r}"
                 if child.state is not None:
                     assert child.state not in held, f"state slot {child.state} is held twice"
                     held[child.state] = child

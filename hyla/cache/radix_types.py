@@ -35,11 +35,16 @@ class Checkpoint(NamedTuple):
     hit or the same position is inserted again as an ordinary checkpoint (then it is ordinary), and
     makes room for speculative checkpoints only at the expense of other speculative or superseded
     ones: ``evict_state(n, for_speculative=True)``.
+
+    ``requested``: the caller asked for it (a position it expects other requests to branch off
+    at, e.g. the end of a shared system prompt): it is never *superseded* (``TreeNode.superseded``)
+    by deeper checkpoints of the requests that have passed it so far.
     """
 
     length: int
     slot: int
     speculative: bool = False
+    requested: bool = False
 
 
 class TreeNode:
@@ -48,7 +53,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "parent", "children", "child_key", "key", "value", "depth", "state", "speculative",
-        "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
+        "requested", "lock_ref", "state_lock", "last_access", "state_access", "removed", "policy_data",
         "kv_mark", "state_mark", "replaceable_mark",
     )
 
@@ -63,6 +68,7 @@ class TreeNode:
         self.depth = depth  # tokens from the root through this node
         self.state: int | None = None  # checkpoint slot: the state after this node's last token
         self.speculative = False  # the checkpoint was stored speculatively and has served no hit yet
+        self.requested = False  # the caller asked for the checkpoint: never superseded
         self.lock_ref = 0  # KV locks on this node or below
         self.state_lock = 0  # locks on this node's checkpoint only
         self.last_access = now  # KV recency
@@ -92,8 +98,9 @@ class TreeNode:
     def superseded(self) -> bool:
         """The node holds a checkpoint, has exactly one child, and a deeper checkpoint lies on that
         single-child path: every request that continues past it uses the deeper one, so it serves
-        only a request that branches off in between (in a chat, each turn supersedes the last)."""
-        if self.state is None:
+        only a request that branches off in between (in a chat, each turn supersedes the last).
+        Never a checkpoint the caller asked for (``requested``): it expects those branches."""
+        if self.state is None or self.requested:
             return False
         node = self
         while len(node.children) == 1:

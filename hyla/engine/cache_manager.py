@@ -205,17 +205,21 @@ class CacheManager:
     def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool]]:
         """``(position, speculative)`` for each p in (start, end] whose state the tree wants,
         rounded down to the grid. The rule the simulator measured best (``hyla_admission``): the
-        branch point is required; chunk boundaries, the prompt end minus one and caller
-        boundaries are *speculative* — they may never be used, so they get room only from free
+        branch point and the positions the caller asked for are required; chunk boundaries, the
+        prompt end minus one and the caller's guesses (``req.speculative_checkpoints``: a chat's
+        message ends) are *speculative* — they may never be used, so they get room only from free
         slots or in place of other speculative or superseded checkpoints."""
         if self.tree is None:
             return []
         grid = self.grid
-        speculative = set(req.checkpoints)  # caller-given boundaries (message ends)
+        asked = set(req.checkpoints)
+        speculative = asked if req.speculative_checkpoints else set()
         if end < req.num_fill:
             speculative.add(end)  # (1) chunk boundary of a chunked prefill
         speculative.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
-        required = {req.branch_point} if req.branch_point else set()  # (3) a future insert branches here
+        required = set() if req.speculative_checkpoints else asked  # (3) the caller asked for these
+        if req.branch_point:
+            required.add(req.branch_point)  # (4) a future insert branches here
         out: dict[int, bool] = {}
         for p in speculative | required:
             q = p - p % grid
@@ -249,11 +253,12 @@ class CacheManager:
         out = StepCheckpoints()
         for i, (r, ps) in enumerate(zip(reqs, positions)):
             mine = []
+            asked = set() if r.speculative_checkpoints else {c - c % self.grid for c in r.checkpoints}
             for p, spec in ps:
                 if (p, i) in keep:
                     slot = next(slots)
                     out.forward.append((i, p - r.kv_len, slot))
-                    mine.append(Checkpoint(p, slot, spec))
+                    mine.append(Checkpoint(p, slot, spec, requested=p in asked))
             out.per_req.append(mine)
         return out
 
@@ -471,8 +476,9 @@ class CacheManager:
     def _evict_superseded_by(self, req: Req, length: int, cause: str) -> bool:
         """Free the checkpoint that a state of ``req`` after ``length`` tokens will supersede once
         inserted: the deepest checkpoint on ``req``'s path, if it lies above ``length``, nothing
-        branches off between it and the request's end, no other request holds it, and no
-        request is copying it. Returns whether a slot was freed. ``cause``: the ledger's label."""
+        branches off between it and the request's end, no other request holds it, no request is
+        copying it, and no caller asked for it. Returns whether a slot was freed. ``cause``: the
+        ledger's label."""
         node, root = req.last_node, self.tree.root
         if node is None or node is root or node.children:
             return False
@@ -480,7 +486,7 @@ class CacheManager:
             node = node.parent
             if node is root or len(node.children) != 1:
                 return False
-        if node.depth >= length or node.lock_ref != 1 or node.state_lock:
+        if node.depth >= length or node.lock_ref != 1 or node.state_lock or node.requested:
             return False
         with self._because(cause):
             self.tree.evict_checkpoint(node)

@@ -289,18 +289,23 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | list[str] | None = None, namespace: Any = None,
-                 logprob_start_len: int | list[int] = -1) -> Any:
+                 logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False) -> Any:
         """Generate for one request (returns a dict) or a list (returns a list of dicts).
 
-        ``checkpoints``: extra token positions of the prompt (e.g. message ends) where the engine
-        caches the recurrent state, so a prefix ending there hits from its second use.
+        ``checkpoints``: extra token positions of the prompt (e.g. the end of a shared system
+        prompt) where the engine caches the recurrent state, so a prefix ending there hits from its
+        second use. They are kept like a finished turn's end: when the state pool is full, the least
+        recently used unlocked checkpoint makes room. ``speculative_checkpoints=True`` marks them as
+        guesses instead (what the chat API does with message ends): stored only in free slots or in
+        place of other guesses and superseded checkpoints, never pushing out one that has served a
+        hit or ends a finished turn (docs/cache.md).
         ``return_logprob`` with ``logprob_start_len=k >= 0`` (SGLang's) also returns the logprobs
         of prompt tokens ``k..`` (``meta_info["input_token_logprobs"]``; token 0 has none: None).
         A cached token has no logits, so such a request reuses the prefix cache only up to ``k - 1``.
         ``stream=True`` (one request) returns an iterator of incremental chunks.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len)
+                                           logprob_start_len, speculative_checkpoints)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -316,10 +321,10 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                              rid: str | list[str] | None = None, namespace: Any = None,
-                             logprob_start_len: int | list[int] = -1) -> Any:
+                             logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator."""
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len)
+                                           logprob_start_len, speculative_checkpoints)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -404,7 +409,9 @@ class Engine:
     # requests
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                       logprob_start_len=-1):
+                       logprob_start_len=-1, speculative_checkpoints=False):
+        if not isinstance(speculative_checkpoints, bool):
+            raise ValueError(f"speculative_checkpoints must be a bool, got {speculative_checkpoints!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
@@ -433,6 +440,8 @@ class Engine:
             raise ValueError(f"{len(starts)} logprob_start_len values for {n} requests")
         reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
+        for req in reqs:
+            req.speculative_checkpoints = speculative_checkpoints
         return reqs, single
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,

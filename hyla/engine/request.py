@@ -45,6 +45,9 @@ class Req:
     input_ids: list[int]
     sampling: SamplingParams
     checkpoints: tuple[int, ...] = ()  # caller-given positions (token counts into the prompt)
+    # True: ``checkpoints`` are guesses (a chat's message ends), stored only in free or replaceable
+    # slots; False: the caller asked for them, stored like a finished turn's end (docs/cache.md)
+    speculative_checkpoints: bool = False
     namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
     return_logprob: bool = False
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)

@@ -99,5 +99,5 @@ def _jobs(body: GenerateRequest) -> list[Job]:
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
         jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,
-                        logprob_start_len=start))
+                        logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints))
     return jobs

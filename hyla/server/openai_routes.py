@@ -155,7 +155,7 @@ class OpenAIRoutes:
             parallel = body.parallel_tool_calls and body.tool_choice_mode() == "required"
             grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
-                    checkpoints=list(encoding.boundaries)) for j in range(body.n)]
+                    checkpoints=list(encoding.boundaries), speculative_checkpoints=True) for j in range(body.n)]
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser

@@ -366,6 +366,7 @@ class GenerateRequest(_Request):
     stream: bool = False
     rid: str | list[str] | None = None
     checkpoints: list[int] | list[list[int]] | None = None
+    speculative_checkpoints: bool = False  # the checkpoints are guesses (Engine.generate's docstring)
 
     @model_validator(mode="after")
     def _check_input(self) -> "GenerateRequest":

@@ -115,6 +115,7 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
             if not r.output_tokens:
                 raise ValueError(f"request {rids[i]}: a replay needs at least one output token")
             req = Req(rid=rids[i], input_ids=list(r.input_tokens), checkpoints=tuple(r.boundaries),
+                      speculative_checkpoints=True,  # message ends: the simulator's rule
                       sampling=SamplingParams(max_new_tokens=len(r.output_tokens), temperature=0.0, ignore_eos=True))
             reqs.append(req)
             scheduler.add_request(req)
