@@ -40,6 +40,23 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+def _assert_close_to_reference(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """fla's kernels (or, without a GPU, their stand-ins) against the fp32 PyTorch reference. The
+    stand-ins compute in fp32: within 1e-4. fla's dots run in tf32 for fp32 inputs (a 10-bit
+    mantissa) and its inputs are rounded in bf16, so on a GPU each row (a token's output, a pool
+    row) is compared as a whole: its error's norm within 5e-3 (fp32) / 3e-2 (bf16) of the row's
+    norm. A wrong state in one row still fails: that row's error is of the order of its norm.
+    (Measured on an H100, fla 0.6.0: tf32 rows err up to ~2e-3 of their norm, bf16 ~5e-3.)"""
+    if not GPU:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-4, rtol=1e-4)
+        return
+    tol = 5e-3 if dtype == torch.float32 else 3e-2
+    err = (actual.float() - expected.float()).flatten(1).norm(dim=1)
+    scale = expected.float().flatten(1).norm(dim=1).clamp_min(1e-3)
+    worst = int((err / scale).argmax())
+    assert bool((err <= tol * scale).all()), f"row {worst}: error {err[worst]:.3g}, norm {scale[worst]:.3g}"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])  # None: LFM2's gated short conv
@@ -382,34 +399,57 @@ def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
 
 
+def _prompt_logprob_errors(engine: Engine, wave1: list[dict], wave2: list[dict], ref: list[list[float]] | None):
+    """Teacher-forced: the logprobs of every prompt token of ``wave1`` (from token 1) and of
+    ``wave2``'s part past its wave-1 prompt (which reuses the cached prefix: the prefill starts from
+    a restored state), as one list per request; with ``ref``, the absolute errors against it."""
+    def run(wave, starts):
+        outs = engine.generate(input_ids=[w["ids"] for w in wave], return_logprob=True, logprob_start_len=starts,
+                               sampling_params=[{"temperature": 0, "max_new_tokens": w["max_new"], "ignore_eos": True}
+                                                for w in wave])
+        return [[lp for lp, _, _ in o["meta_info"]["input_token_logprobs"] if lp is not None] for o in outs]
+
+    got = run(wave1, [0] * len(wave1)) + run(wave2, [len(w["ids"]) for w in wave1])
+    engine.wait_idle()
+    engine.check_integrity()
+    if ref is None:
+        return got
+    return [abs(a - b) for x, y in zip(got, ref, strict=True) for a, b in zip(x, y, strict=True)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear"])
 def test_engine_bf16_fla_prefill_matches_pytorch(arch, request, monkeypatch):
     """bf16 on the GPU: prefill through fla's chunked kernels (Gated DeltaNet; Mamba2 as simple
-    GLA; KDA) against the PyTorch chunked ops, everything else alike. The two round differently in bf16,
-    so a near-tie may flip a token: each request is compared up to its first divergence, logprobs
-    within 0.05 there (bf16's step at these magnitudes: ~0.01), and most tokens must be compared."""
+    GLA; KDA) is as close to the fp32 model as the PyTorch chunked ops in bf16 are. Both bf16
+    engines and an fp32 one (PyTorch ops: fla runs for bf16/fp16 only) compute the same
+    teacher-forced prompt logprobs (first turns, then second turns from their cached prefixes);
+    bf16 rounding alone moves them by ~1e-2, so the bound is relative to the PyTorch ops' own error:
+    fla's mean error at most 1.5x theirs (+ 2e-3), its largest at most 2x theirs (+ 2e-2)."""
     from hyla.model.ops.gpu import fla_chunk
 
     if not fla_chunk.HAS_FLA:
         pytest.skip("fla is not installed")
     path = request.getfixturevalue(f"{arch}_path")
-    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
-    with Engine(path, **opts) as fla:
-        a = _two_turns(fla, None)
+    opts = dict(device="cuda", max_total_tokens=4096, max_state_slots=32, max_running_requests=8)
+    with Engine(path, dtype="float32", **opts) as fp32:
+        vocab = fp32.model_config.vocab_size
+        wave1 = _workload(0, vocab)
+        out1 = _generate(fp32, wave1)
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 2} for w, o in zip(wave1, out1)]
+        ref = _prompt_logprob_errors(fp32, wave1, wave2, None)
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 16)  # first turns chunked, second turns recurrent
+    with Engine(path, dtype="bfloat16", **opts) as fla:
+        err_fla = _prompt_logprob_errors(fla, wave1, wave2, ref)
     monkeypatch.setattr(fla_chunk, "HAS_FLA", False)
-    with Engine(path, **opts) as torch_ops:
-        b = _two_turns(torch_ops, None)
-    compared = total = 0
-    for x, y in zip(a, b, strict=True):
-        for (lpx, tx, _), (lpy, ty, _) in zip(x["meta_info"]["output_token_logprobs"],
-                                              y["meta_info"]["output_token_logprobs"]):
-            if tx != ty:
-                break
-            assert abs(lpx - lpy) < 0.05, f"{x['meta_info']['id']}: logprob {lpx} vs {lpy}"
-            compared += 1
-        total += len(x["output_ids"])
-    assert compared > 0.8 * total
+    with Engine(path, dtype="bfloat16", **opts) as torch_ops:
+        err_torch = _prompt_logprob_errors(torch_ops, wave1, wave2, ref)
+    mean = lambda e: sum(e) / len(e)  # noqa: E731
+    print(f"{arch}: {len(err_fla)} prompt logprobs against fp32: fla mean {mean(err_fla):.2e} max {max(err_fla):.2e}; "
+          f"PyTorch ops mean {mean(err_torch):.2e} max {max(err_torch):.2e}")
+    assert len(err_fla) > 250
+    assert mean(err_fla) <= 1.5 * mean(err_torch) + 2e-3
+    assert max(err_fla) <= 2 * max(err_torch) + 2e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -591,6 +631,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
         "kda": (kda.kda_ref, kda.chunk_kda_varlen, fla_chunk.chunk_kda_fla)}[op]
     calls = []  # (kernel, cu_seqlens, its host copy) per fla call
     fake = lambda kind: _fake_delta_rule(ref_step, kind, calls)  # noqa: E731
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 64)  # the 100-token round below: chunked
 
     if op == "gated_delta":
         _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=fake("chunk"),
@@ -616,8 +657,8 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     layer2_pool = pool.clone()
     o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt)
     ref = ref_op(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
-    torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(pool, ref_pool, atol=1e-4, rtol=1e-4)
+    _assert_close_to_reference(o, ref, torch.float32)
+    _assert_close_to_reference(pool, ref_pool, torch.float32)
 
     # two layers of one step share the batch's plan: the rounds are built once, and the second layer
     # hands fla the very tensors the first did (fla's caches are keyed on identity)
@@ -627,8 +668,8 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     first = len(calls)
     for layer_pool in (layer2_pool, layer2_pool.clone()):
         o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan)
-        torch.testing.assert_close(o2, ref, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(layer2_pool, ref_pool, atol=1e-4, rtol=1e-4)
+        _assert_close_to_reference(o2, ref, torch.float32)
+    _assert_close_to_reference(layer2_pool, ref_pool, torch.float32)
     if not GPU:
         per_layer = (len(calls) - first) // 2
         assert [kind for kind, *_ in calls[first:first + per_layer]] == ["chunk"] + ["recurrent"] * 3
@@ -650,6 +691,7 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
 
     _install_fake_fla(monkeypatch, "simple_gla", chunk_simple_gla=_fake_simple_gla,
                       fused_recurrent_simple_gla=_fake_simple_gla)
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 64)  # the 100-token round below: chunked
     g = torch.Generator().manual_seed(6)
     lengths, h, p, groups, n = [9, 0, 150, 1], 4, 8, 2, 16
     t = sum(lengths)
@@ -669,9 +711,8 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
     ref = mamba2_chunk_scan_varlen(x.float(), dt.float(), a, bb.float(), cc.float(), d, dt_bias, cu, ref_pool, slots,
                                    **ckpt, dt_limit=limit)
     assert y.dtype == dtype and y.shape == x.shape
-    tol = 1e-4 if not GPU else 2e-3 if dtype == torch.float32 else 3e-2  # tf32 / bf16 against fp32
-    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(pool, ref_pool, atol=tol, rtol=tol)
+    _assert_close_to_reference(y, ref, dtype)
+    _assert_close_to_reference(pool, ref_pool, dtype)
     with pytest.raises(ValueError, match="token tree"):
         fla_chunk.mamba2_chunk_scan_fla(x, dt, a, bb, cc, d, dt_bias, cu, pool, slots, tree=_NotAChain())
 
