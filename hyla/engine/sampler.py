@@ -76,10 +76,11 @@ def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = N
     """:func:`sample` up to the host read: every kernel launched, nothing read back."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-    processed = logits.clone()
-    for i, req in enumerate(reqs):
-        if req.sampling.has_penalties:
-            processed[i] = apply_penalties(processed[i], req)
+    penalised = [i for i, req in enumerate(reqs) if req.sampling.has_penalties]
+    constrained = mask is not None and bool(mask.rows)
+    processed = logits.clone() if penalised or constrained else logits  # (the raw logits stay as they are)
+    for i in penalised:
+        processed[i] = apply_penalties(processed[i], reqs[i])
     apply_token_mask(processed, mask)
 
     chosen = torch.argmax(processed, dim=-1)  # [B]
