@@ -228,3 +228,34 @@ def test_plain_eviction_takes_replaceable_checkpoints_first() -> None:
             assert b.removed and a1.state is not None
         assert a2.state is not None
         cache.check_integrity()
+
+
+def test_a_requested_checkpoint_is_never_superseded() -> None:
+    """``Checkpoint(..., requested=True)`` (the caller's ``checkpoints``, e.g. the end of a shared
+    system prompt): a deeper checkpoint on its single-child path does not make it replaceable, so
+    neither speculative room nor replaceable-first eviction takes it before plain LRU order does;
+    evicted or tombstoned, the flag goes with the state, and a requested duplicate marks an existing
+    checkpoint requested."""
+    cache = make()
+    x, y = tokens_of(30, seed=60), tokens_of(30, seed=61)
+    (s,) = cache.state_pool.alloc(1).tolist()
+    cache.insert(x[:10], cache.kv_pool.alloc_extend([0], [-1], [10]), [Checkpoint(10, s, requested=True)])
+    system = node_at(cache, x, 10)
+    assert system.requested and not system.superseded
+    put(cache, x[:20], ordinary=[20])  # a request passed it and stored a deeper checkpoint
+    assert not system.superseded and not system.replaceable
+    plain = put(cache, y[:10], ordinary=[10])[10]
+    put(cache, y[:20], ordinary=[20])  # the same shape without the flag: superseded
+    assert plain.superseded
+    assert cache.evict_state(1, for_speculative=True) == 1 and plain.state is None and system.state is not None
+    assert cache.evict_state(1, for_speculative=True) == 0  # nothing replaceable is left
+    assert cache.match_prefix(x[:10] + [7]).prefix_len == 10  # the shared prefix still hits
+    # a requested duplicate marks an existing ordinary checkpoint requested
+    (t,) = cache.state_pool.alloc(1).tolist()
+    end = node_at(cache, y, 20)
+    cache.insert(y[:20], cache.match_prefix(y[:20]).kv_indices, [Checkpoint(20, t, requested=True)])
+    assert end.requested and cache.state_pool.available_size() == cache.state_pool.size - cache.num_checkpoints()
+    while cache.evict_state(1):  # plain LRU still takes it: requested is no lock
+        pass
+    assert system.state is None and not system.requested and not end.requested
+    cache.check_integrity()
