@@ -202,9 +202,10 @@ class CacheManager:
             self.ledger.sample_usage(held, self.req_to_token.size - self.req_to_token.available_size())
         return loc
 
-    def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool]]:
-        """``(position, speculative)`` for each p in (start, end] whose state the tree wants,
-        rounded down to the grid. The rule the simulator measured best (``hyla_admission``): the
+    def checkpoint_positions(self, req: Req, start: int, end: int) -> list[tuple[int, bool, bool]]:
+        """``(position, speculative, requested)`` for each p in (start, end] whose state the tree
+        wants, rounded down to the grid (``requested``: the caller asked for it, the tree's
+        ``Checkpoint.requested``). The rule the simulator measured best (``hyla_admission``): the
         branch point and the positions the caller asked for are required; chunk boundaries, the
         prompt end minus one and the caller's guesses (``req.speculative_checkpoints``: a chat's
         message ends) are *speculative* — they may never be used, so they get room only from free
@@ -212,31 +213,32 @@ class CacheManager:
         if self.tree is None:
             return []
         grid = self.grid
-        asked = set(req.checkpoints)
-        speculative = asked if req.speculative_checkpoints else set()
+        speculative = {len(req.input_ids) - 1}  # (1) end of the prompt minus one
         if end < req.num_fill:
-            speculative.add(end)  # (1) chunk boundary of a chunked prefill
-        speculative.add(len(req.input_ids) - 1)  # (2) end of the prompt minus one
-        required = set() if req.speculative_checkpoints else asked  # (3) the caller asked for these
-        if req.branch_point:
-            required.add(req.branch_point)  # (4) a future insert branches here
-        out: dict[int, bool] = {}
+            speculative.add(end)  # (2) chunk boundary of a chunked prefill
+        requested = set() if req.speculative_checkpoints else set(req.checkpoints)  # (3) the caller asked
+        if req.speculative_checkpoints:
+            speculative.update(req.checkpoints)  # ... or guessed (message ends)
+        required = requested | ({req.branch_point} if req.branch_point else set())  # (4) a future insert branches here
+        out: dict[int, tuple[bool, bool]] = {}
         for p in speculative | required:
             q = p - p % grid
             if start < q <= end and 0 < q <= req.num_fill:
-                out[q] = out.get(q, True) and p not in required
-        return sorted(out.items())
+                spec, asked = out.get(q, (True, False))
+                out[q] = (spec and p not in required, asked or p in requested)
+        return [(q, spec, asked) for q, (spec, asked) in sorted(out.items())]
 
-    def alloc_checkpoints(self, reqs: Sequence[Req], positions: Sequence[list[tuple[int, bool]]]) -> StepCheckpoints:
+    def alloc_checkpoints(self, reqs: Sequence[Req],
+                          positions: Sequence[list[tuple[int, bool, bool]]]) -> StepCheckpoints:
         """Fresh state slots for the checkpoints at ``positions[i]`` (``(absolute position,
-        speculative)``, inside this step of request i). Best effort: checkpoints only make later
+        speculative, requested)``, inside this step of request i). Best effort: checkpoints only make later
         hits possible, fewer of them never change an output. Required ones may evict any unlocked
         checkpoint; speculative ones only replaceable ones, or the request's own deepest checkpoint
         that they will supersede (``_evict_superseded_by``). When short, the positions furthest
         into each prompt are kept."""
         keep: set[tuple[int, int]] = set()
         for spec in (False, True):
-            ranked = sorted(((p, i) for i, ps in enumerate(positions) for p, s in ps if s == spec), reverse=True)
+            ranked = sorted(((p, i) for i, ps in enumerate(positions) for p, s, _ in ps if s == spec), reverse=True)
             what = SPECULATIVE_CHECKPOINT if spec else BRANCH_CHECKPOINT
             if ranked and not self._ensure_state(len(keep) + len(ranked), for_speculative=spec, cause=what):
                 fit = max(0, self.state_pool.available_size() - len(keep))
@@ -253,12 +255,11 @@ class CacheManager:
         out = StepCheckpoints()
         for i, (r, ps) in enumerate(zip(reqs, positions)):
             mine = []
-            asked = set() if r.speculative_checkpoints else {c - c % self.grid for c in r.checkpoints}
-            for p, spec in ps:
+            for p, spec, requested in ps:
                 if (p, i) in keep:
                     slot = next(slots)
                     out.forward.append((i, p - r.kv_len, slot))
-                    mine.append(Checkpoint(p, slot, spec, requested=p in asked))
+                    mine.append(Checkpoint(p, slot, spec, requested))
             out.per_req.append(mine)
         return out
 

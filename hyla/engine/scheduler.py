@@ -85,7 +85,8 @@ class Batch:
     is_decode: bool  # one step of every decoding request (a verify step with speculation on)
     reqs: list[Req] = field(default_factory=list)
     lens: list[int] = field(default_factory=list)
-    ckpt_pos: list[list[tuple[int, bool]]] = field(default_factory=list)  # per request: (position, speculative)
+    # per request: (position, speculative, requested) of each checkpoint it wants this step
+    ckpt_pos: list[list[tuple[int, bool, bool]]] = field(default_factory=list)
     ckpts: StepCheckpoints = field(default_factory=StepCheckpoints)  # their slots
     out_cache_loc: list[torch.Tensor] = field(default_factory=list)  # KV slots the step writes, per allocation
     verify: bool = False  # speculative: feeds 1 + len(draft_ids) tokens per request, logits of all
@@ -97,7 +98,7 @@ class Batch:
     logit_rows: list[list[int]] | None = None
     prompt_rows: list[int] = field(default_factory=list)  # per request: how many of those are prompt positions
 
-    def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[tuple[int, bool]]) -> None:
+    def add(self, req: Req, n: int, loc: torch.Tensor, ckpt_pos: list[tuple[int, bool, bool]]) -> None:
         self.reqs.append(req)
         self.lens.append(n)
         self.out_cache_loc.append(loc)
