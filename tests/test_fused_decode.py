@@ -645,6 +645,18 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     q, k, v = rnd(t, hk, dk), rnd(t, hk, dk), rnd(t, hv, dv)
     gate = -torch.rand(t, hv, *([dk] if op == "kda" else []), generator=g).to(DEVICE)  # KDA: one decay per channel
     beta = torch.rand(t, hv, generator=g).to(DEVICE)
+    step = None
+    if op == "gated_delta":  # the layer's raw inputs, gated as the layer gates them, and its one-token step
+        from hyla.model.ops.gpu.gated_delta_decode import token_step
+
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], 1)
+        q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
+        proj = rnd(t, 2 * hv + 3)  # [.. | b | a | ..]: gates with a row stride, as splits of the projection
+        b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
+        a_log, dt_bias = rnd(hv), rnd(hv)
+        gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
+        step = token_step(qkv, a, b, a_log, dt_bias, hk, dk)
     cu = torch.tensor([0, 9, 9, 159, 160], device=DEVICE)
     pool = rnd(12, hv, dk, dv)
     ref_pool = pool.clone()
@@ -655,7 +667,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
                 ckpt_len=torch.tensor([4, 149, 100, 128, 150, 1], device=DEVICE),
                 ckpt_slot=torch.tensor([1, 2, 4, 6, 8, 9], device=DEVICE))
     layer2_pool = pool.clone()
-    o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt)
+    o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt, **({"step": step} if step else {}))
     ref = ref_op(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
     _assert_close_to_reference(o, ref, torch.float32)
     _assert_close_to_reference(pool, ref_pool, torch.float32)
@@ -667,12 +679,13 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     plan = VarlenPlan.from_tensors(cu, t, slots, pool, ckpt["ckpt_seq"], ckpt["ckpt_len"], ckpt["ckpt_slot"], q.device)
     first = len(calls)
     for layer_pool in (layer2_pool, layer2_pool.clone()):
-        o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan)
+        o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan, **({"step": step} if step else {}))
         _assert_close_to_reference(o2, ref, torch.float32)
     _assert_close_to_reference(layer2_pool, ref_pool, torch.float32)
-    if not GPU:
+    if not GPU:  # the last round (sequence 2's last token) is the decode kernel's where the op has one
         per_layer = (len(calls) - first) // 2
-        assert [kind for kind, *_ in calls[first:first + per_layer]] == ["chunk"] + ["recurrent"] * 3
+        kinds = ["chunk"] + ["recurrent"] * (2 if step else 3)
+        assert [kind for kind, *_ in calls[first:first + per_layer]] == kinds
         assert all(a is b for pair in zip(calls[first:first + per_layer], calls[first + per_layer:])
                    for a, b in zip(*pair))
 

@@ -16,8 +16,10 @@ returns each sequence's output and *final* state only. A checkpoint inside a seq
 cuts it there: the sequences run in rounds, round ``r`` feeding every sequence's ``r``-th segment
 (between consecutive cut points) in one varlen call that starts from the state the previous round
 left, so the state at each cut is a final state — exact, whatever the position in a chunk
-(:func:`scan_in_rounds`). A prompt's usual checkpoint (its end − 1) costs one more call of one token
-per sequence; a batch without checkpoints is one call. A round of short segments (at most
+(:func:`scan_in_rounds`). A prompt's usual checkpoint (its end − 1) costs one more round, of one token
+per sequence, which runs hyla's own decode kernel (``gated_delta_decode``, ``mamba2_decode``; a
+``TokenStep``) in one launch on the running states rather than an fla call; a batch without
+checkpoints is one call. A round of short segments (at most
 ``RECURRENT_MAX_LEN`` tokens each: such a last token, a short extend, the new part of a prompt whose
 prefix was cached) runs fla's fused recurrent kernel, one launch, instead of the chunked pipeline's
 ten or so. Below ~1,000 tokens a call is host-bound, and the chunked one costs ~1 ms more of it
@@ -43,6 +45,7 @@ import torch
 
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
+from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
 from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -52,6 +55,10 @@ RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs fla's 
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
 #   -> (out [1, t, ...], final [n, *state])
 FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# step(select, state, rows) -> out [n, ...]: a round of one token per sequence through hyla's fused
+# decode kernel, updating rows ``rows [n]`` of ``state [B, *state]`` (fp32) in place; ``select(x)``
+# takes the round's n rows of a per-token tensor ``x [T, ...]`` (a slice or a gather)
+TokenStep = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -123,31 +130,37 @@ def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_to
 
 
 def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor,
-                   ssm_states: torch.Tensor, varlen: VarlenPlan) -> torch.Tensor:
+                   ssm_states: torch.Tensor, varlen: VarlenPlan, step: TokenStep | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
     ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``)
     in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
     every token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence
     ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
-    states go to their rows as their rounds end. No device read."""
+    states go to their rows as their rounds end. A round of one token per sequence (a prompt's
+    last token after its end - 1 checkpoint, a one-token extend) runs ``step`` instead, where the
+    op has one: a single launch of the decode kernel on the running states, where an fla call
+    costs ~0.3-0.5 ms of host time. No device read."""
     state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, *state], zeros for -1
     for rnd in fla_rounds(varlen, out.device):
         if rnd.span is not None:
-            part = [x[rnd.span[0]:rnd.span[1]] for x in xs]
+            select = lambda x, a=rnd.span[0], e=rnd.span[1]: x[a:e]  # noqa: E731
         elif rnd.idx is not None:
-            part = [x.index_select(0, rnd.idx) for x in xs]
+            select = lambda x, idx=rnd.idx: x.index_select(0, idx)  # noqa: E731
         else:
-            part = list(xs)
-        kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
-        o, final = kernel(*(x.unsqueeze(0) for x in part), initial_state=state.index_select(0, rnd.seqs),
-                          cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
+            select = lambda x: x  # noqa: E731
+        if step is not None and rnd.longest == 1:
+            o = step(select, state, rnd.seqs)[None]  # the state rows are updated in place
+        else:
+            kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
+            o, final = kernel(*(select(x).unsqueeze(0) for x in xs), initial_state=state.index_select(0, rnd.seqs),
+                              cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
+            state.index_copy_(0, rnd.seqs, final.float())
         if rnd.span is not None:
             out[rnd.span[0]:rnd.span[1]] = o[0]
         elif rnd.idx is not None:
             out.index_copy_(0, rnd.idx, o[0].to(out.dtype))
         else:
             out = o[0].to(out.dtype)
-        state.index_copy_(0, rnd.seqs, final.float())
         if rnd.ckpt_rows is not None:
             ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
     write_states(ssm_states, varlen.slots, state)
@@ -190,11 +203,13 @@ def _delta_rule_fla(
     use_qk_l2norm: bool = True,
     tree=None,
     varlen: VarlenPlan | None = None,
+    step: TokenStep | None = None,
 ) -> torch.Tensor:
     """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
-    read here; ``ckpt_*`` must then be None)."""
+    read here; ``ckpt_*`` must then be None). ``step``: the one-token rounds' kernel
+    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.token_step``)."""
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
     def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
@@ -206,7 +221,7 @@ def _delta_rule_fla(
                             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen)
+    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen, step)
 
 
 def mamba2_chunk_scan_fla(
@@ -259,7 +274,11 @@ def mamba2_chunk_scan_fla(
         return fused_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state,
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
-    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty_like(x), ssm_states, varlen)  # [T, H, P]
+    def step(select, state, rows):  # hyla's decode kernel on the raw inputs; D * x is added below
+        return mamba2_state_update_fused(select(x.flatten(1)), select(dt), A, select(B.flatten(1)),
+                                         select(C.flatten(1)), None, dt_bias, state, rows, dt_limit)
+
+    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty_like(x), ssm_states, varlen, step)  # [T, H, P]
     if D is not None:
         y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
     return y

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of
+from hyla.model.ops.gpu.fla_chunk import TokenStep
 
 
 @triton.jit
@@ -96,3 +97,14 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
         dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
     return o
+
+
+def token_step(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+               num_k_heads: int, head_k_dim: int) -> TokenStep:
+    """An extend's one-token rounds (``fla_chunk.scan_in_rounds``) through this kernel: the layer's
+    post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``, each round's rows selected, on the
+    rounds' running states."""
+    def step(select, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return gated_delta_decode_fused(select(qkv), select(a), select(b), A_log, dt_bias, state, rows, num_k_heads,
+                                        head_k_dim)
+    return step
