@@ -54,7 +54,9 @@ NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "sp
              "empty_strided", "new_empty", "diagonal", "unflatten", "flatten", "movedim", "set_", "lift_fresh_copy"}
 
 
-def count_cpu(runner, batch) -> collections.Counter:
+def count_cpu(run_step) -> collections.Counter:
+    """What ``run_step()`` would launch on a GPU, run on CPU tensors: ATen ops that compute, Triton launches,
+    and the host reads (``.item()``, ``.tolist()``, ``bool()`` of a tensor) as ``host read``."""
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     import triton.runtime.interpreter as interp
 
@@ -64,6 +66,8 @@ def count_cpu(runner, batch) -> collections.Counter:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
+            if name == "_local_scalar_dense":
+                counts["host read"] += 1
             copies = not (name in ("to", "_to_copy") and isinstance(out, torch.Tensor) and args
                           and isinstance(args[0], torch.Tensor) and out.data_ptr() == args[0].data_ptr())
             if name not in NO_KERNEL and copies:
@@ -77,22 +81,40 @@ def count_cpu(runner, batch) -> collections.Counter:
         with _disable_current_modes():
             return launch(self, *a, **k)
 
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        counts["host read"] += 1
+        return tolist(self)
+
+    import hyla.model.ops.attention as attention
+
+    causal_lower_right = attention.causal_lower_right
+
+    def causal_bias(*args):  # a tensor subclass, which a dispatch mode cannot create; launches nothing
+        with _disable_current_modes():
+            return causal_lower_right(*args)
+
     interp.InterpretedFunction.run = run
+    torch.Tensor.tolist = counted_tolist
+    attention.causal_lower_right = causal_bias
     try:
         with Count():
-            runner.decode_fused_step(batch)
+            run_step()
     finally:
         interp.InterpretedFunction.run = launch
+        torch.Tensor.tolist = tolist
+        attention.causal_lower_right = causal_lower_right
     return counts
 
 
-def count_gpu(runner, batch) -> collections.Counter:
+def count_gpu(run_step) -> collections.Counter:
+    """The CUDA kernels ``torch.profiler`` records while ``run_step()`` runs (warmed up by the caller)."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner.decode_fused_step(batch)  # Triton compiles, cuBLAS picks its kernels
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner.decode_fused_step(batch)
+        run_step()
         torch.cuda.synchronize()
     counts: collections.Counter = collections.Counter()
     for ev in prof.events():
@@ -106,6 +128,92 @@ def _gemms(counts: collections.Counter) -> int:
                or "gemm" in k.lower() or "cutlass" in k or "sm90" in k)
 
 
+FLA_KERNELS = {"gated_delta_rule": ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+               "kda": ("chunk_kda", "fused_recurrent_kda"),
+               "simple_gla": ("chunk_simple_gla", "fused_recurrent_simple_gla")}
+FLA_CALLS: collections.Counter = collections.Counter()
+
+
+def stand_in_fla() -> None:
+    """Without a GPU, fla's kernels (which do not run in Triton's interpreter) as stand-ins that count
+    their calls in ``FLA_CALLS`` and return zero outputs and the initial states, launching nothing."""
+    import types
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hyla.model.ops.gpu import fla_chunk
+
+    def stand_in(name):
+        def kernel(q, k, v, *args, initial_state=None, **kwargs):
+            FLA_CALLS[f"fla.{name}"] += 1
+            with _disable_current_modes():
+                return torch.zeros_like(v), initial_state.clone()
+        return kernel
+
+    sys.modules["fla"], sys.modules["fla.ops"] = types.ModuleType("fla"), types.ModuleType("fla.ops")
+    for module, names in FLA_KERNELS.items():
+        mod = sys.modules[f"fla.ops.{module}"] = types.ModuleType(f"fla.ops.{module}")
+        for name in names:
+            setattr(mod, name, stand_in(name))
+    fla_chunk.HAS_FLA = True
+
+
+def decode_counts(engine, runner, count, batch: int, w: int) -> collections.Counter:
+    """One fused decode step at ``batch`` (or a verify step of ``w``-token chains), as ``count`` sees it."""
+    captured = []
+    step = runner.decode_fused_step
+    runner.decode_fused_step = lambda b: captured.append(b) or step(b)
+    engine.generate(input_ids=[[5 + i, 6, 7, 8] for i in range(batch)],
+                    sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
+    if w:  # a verify step of chains: W tokens per request, its states through W - 1 scratch slots each
+        from types import SimpleNamespace
+
+        reqs = [SimpleNamespace(kv_len=8, tokens=lambda a, e: [5] * (e - a), req_pool_idx=i, state_slot=1 + i)
+                for i in range(batch)]
+        scratch = [[1 + batch + i * (w - 1) + j for j in range(w - 1)] for i in range(batch)]
+        runner.forward_chains(reqs, [w] * batch, torch.arange(1, 1 + w * batch), scratch)
+    runner.decode_fused_step = step
+    if GPU:
+        step(captured[-1])  # Triton compiles, cuBLAS picks its kernels
+    return count(lambda: step(captured[-1]))
+
+
+def extend_counts(engine, runner, count, prefix: int, new: int) -> collections.Counter:
+    """The model forward of one extend step: a prompt whose first ``prefix`` tokens are cached (sent
+    before with another tail and a checkpoint there: ``gpu_decode.py``'s cached TTFT) and ``new``
+    tokens more, with its end - 1 checkpoint. On a GPU the second of two such prompts is counted
+    (the first compiles and autotunes)."""
+    import random
+
+    rng = random.Random(0)
+    fresh = lambda n: [rng.randrange(3, 4096) for _ in range(n)]  # noqa: E731
+    greedy = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    forward = runner.model.forward
+    box: list = []
+
+    def counted_forward(batch):
+        if not box or box[0] is not None:
+            return forward(batch)
+        FLA_CALLS.clear()
+        out = []
+        box[0] = count(lambda: out.append(forward(batch)))
+        box[0].update(FLA_CALLS)
+        return out[0]
+
+    runner.model.forward = counted_forward
+    try:
+        for _ in range(2 if GPU else 1):
+            pre = fresh(prefix)
+            engine.generate(input_ids=pre + fresh(8), checkpoints=[prefix], sampling_params=greedy)
+            box[:] = [None]
+            hit = engine.generate(input_ids=pre + fresh(new), sampling_params=greedy)["meta_info"]["cached_tokens"]
+            if hit != prefix:
+                raise RuntimeError(f"the prefix was not cached: {hit} of {prefix} tokens hit")
+    finally:
+        del runner.model.forward
+    return box[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=1)
@@ -114,6 +222,9 @@ def main() -> None:
     ap.add_argument("--compare-with", type=Path, help="a checkout of an earlier commit: its count beside this one")
     ap.add_argument("--verify", type=int, default=0, metavar="W",
                     help="count a verify step of W-token chains (fused) instead of a decode step")
+    ap.add_argument("--extend", type=int, default=0, metavar="NEW",
+                    help="count the forward of an extend step of NEW tokens after a cached prefix instead")
+    ap.add_argument("--prefix", type=int, default=32, help="--extend: the cached prefix's tokens")
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,60 +238,65 @@ def main() -> None:
 
     path = Path(tempfile.mkdtemp())
     gpu_decode.build(path, kw, device, dtype)
-    w = args.verify
+    w, new = args.verify, args.extend
     engine = Engine(path, device=device, dtype=args.dtype, max_running_requests=max(args.batch, 2),
-                    max_state_slots=(max(w, 1) + 3) * args.batch + 8, max_total_tokens=64 * args.batch + 512)
+                    max_state_slots=(max(w, 1) + 3) * args.batch + 8,
+                    max_total_tokens=64 * args.batch + 512 + 2 * (args.prefix + new + 8))
     runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
                          cuda_graph=False, fused_decode=True, verify_width=w or None)
     engine.scheduler.runner = runner
-    captured = []
-    step = runner.decode_fused_step
-    runner.decode_fused_step = lambda batch: captured.append(batch) or step(batch)
     on_gpu = layers._on_gpu
     if not GPU:
         layers._on_gpu = lambda x: True  # the CUDA code path on CPU tensors
+        stand_in_fla()
+    count = count_gpu if GPU else count_cpu
     try:
-        engine.generate(input_ids=[[5 + i, 6, 7, 8] for i in range(args.batch)],
-                        sampling_params={"max_new_tokens": 2, "temperature": 0, "ignore_eos": True})
-        if w:  # a verify step of chains: W tokens per request, its states through W - 1 scratch slots each
-            from types import SimpleNamespace
-
-            b = args.batch
-            reqs = [SimpleNamespace(kv_len=8, tokens=lambda a, e: [5] * (e - a), req_pool_idx=i, state_slot=1 + i)
-                    for i in range(b)]
-            scratch = [[1 + b + i * (w - 1) + j for j in range(w - 1)] for i in range(b)]
-            runner.forward_chains(reqs, [w] * b, torch.arange(1, 1 + w * b), scratch)
-        runner.decode_fused_step = step
-        counts = (count_gpu if GPU else count_cpu)(runner, captured[-1])
+        if new:
+            counts = extend_counts(engine, runner, count, args.prefix, new)
+        else:
+            counts = decode_counts(engine, runner, count, args.batch, w)
     finally:
         layers._on_gpu = on_gpu
         engine.shutdown()
     if args.json:
         print(json.dumps(dict(counts)))
         return
+    mode = ["--verify", str(w)] if w else ["--extend", str(new), "--prefix", str(args.prefix)] if new else []
     before = None
     if args.compare_with is not None:
         cmd = [sys.executable, __file__, "--root", str(args.compare_with), "--json", "--batch", str(args.batch),
-               "--dtype", args.dtype] + (["--verify", str(w)] if w else [])
+               "--dtype", args.dtype] + mode
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         before = collections.Counter(json.loads(out))
         rev = subprocess.run(["git", "-C", str(args.compare_with), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True).stdout.strip() or str(args.compare_with)
+    reads = counts.pop("host read", 0)
+    if before is not None:
+        before_reads = before.pop("host read", 0)
     total, gemm = sum(counts.values()), _gemms(counts)
     lines = [f"{v:5d}  {k}" for k, v in counts.most_common()]
     print("\n".join(lines))
-    step_name = f"verify step ({w}-token chains)" if w else "decode step"
-    print(f"total {total} kernels per {step_name} at batch {args.batch}, {gemm} of them GEMMs")
+    if new:
+        step_name = f"extend forward ({new} new tokens after {args.prefix} cached, end - 1 checkpoint)"
+    else:
+        step_name = f"verify step ({w}-token chains)" if w else "decode step"
+    fla = sum(v for k, v in counts.items() if k.startswith("fla."))
+    print(f"total {total} kernels per {step_name} at batch {args.batch}, {gemm} of them GEMMs"
+          + (f", {fla} fla calls" if fla else "") + f"; {reads} host reads")
     how = ("CUDA kernels recorded by torch.profiler in one eager fused step" if GPU else
-           "the CUDA code path on CPU tensors (Triton interpreted): ATen ops that compute + Triton launches")
+           "the CUDA code path on CPU tensors (Triton interpreted): ATen ops that compute + Triton launches"
+           + ("; fla's kernels stood in for, each call counted once (on a GPU one call launches several)"
+              if new else ""))
     cmp = f" --compare-with <checkout of {rev}>" if before is not None else ""
-    flag = f" --verify {w}" if w else ""
+    flag = "".join(f" {m}" for m in mode)
+    what = f"The {step_name}" if new else f"The fused {step_name}"
     body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{flag}{cmp}` — "
             f"{machine()}; {how}.\n\n"
-            f"The fused {step_name} of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
+            f"{what} of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
             f"attention; vocabulary cut to 4,096) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
-            f"{gemm} of them GEMMs"
-            + (f" ({sum(before.values())} and {_gemms(before)} at {rev})" if before is not None else "") + ".\n\n")
+            f"{gemm} of them GEMMs" + (f", {fla} fla calls" if fla else "") + f", {reads} host reads"
+            + (f" ({sum(before.values())}, {_gemms(before)} and {before_reads} at {rev})" if before is not None else "")
+            + ".\n\n")
     if before is None:
         body += "| kernels | what |\n|---|---|\n" + "\n".join(f"| {v} | `{k}` |" for k, v in counts.most_common())
     else:
@@ -190,7 +306,9 @@ def main() -> None:
         body += f"\n| **total** | **{sum(before.values())}** | **{total}** |"
     body += "\n"
     if not args.no_write:
-        write_section("GPU decode: kernels per verify step" if w else "GPU decode: kernels per step", body)
+        section = ("GPU prefill: kernels per extend step" if new else
+                   "GPU decode: kernels per verify step" if w else "GPU decode: kernels per step")
+        write_section(section, body)
 
 
 if __name__ == "__main__":

@@ -594,9 +594,9 @@ def _install_all_fake_fla(monkeypatch, calls: list) -> None:
 def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     """The layers' calls into ``fla_chunk`` (what a bf16 prefill on a GPU runs: Gated DeltaNet, Mamba2
     as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced
-    on: an fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut
-    the rounds) equal the PyTorch chunked ops' within 1e-4, and fla's kernels ran, chunked and
-    recurrent."""
+    on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5 and Bamba): an
+    fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
+    rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran, chunked and recurrent."""
     import hyla.model.kimi_linear as kimi_linear
     import hyla.model.layers as layers
     from hyla.model.ops.gpu import fla_chunk
@@ -609,6 +609,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     _install_all_fake_fla(monkeypatch, calls)
     fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
     monkeypatch.setattr(layers, "_fla_prefill", fla_path)
+    if arch != "kimi_linear":  # the layers' CUDA paths, their kernels interpreted (Kimi's: its fla calls only)
+        monkeypatch.setattr(layers, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
     with Engine(path, **opts) as eng:

@@ -646,8 +646,8 @@ class HybridLayer(nn.Module):
     def forward_fused(self, out: torch.Tensor | None, residual: torch.Tensor, batch: ForwardBatch,
                       rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with each residual add fused into the norm after it (the fused decode
-        step): the layer's input is ``residual + out`` (``out`` None: just ``residual``), its
-        output the same pair, the last part's output not yet added."""
+        step, CUDA extend steps; the same numbers): the layer's input is ``residual + out`` (``out``
+        None: just ``residual``), its output the same pair, the last part's output not yet added."""
         if self.mixer is not None:
             h, residual = add_rms_norm(out, residual, self.mixer_norm)
             out = self.mixer(h, batch, rope)
@@ -659,7 +659,8 @@ class HybridLayer(nn.Module):
 
 def add_rms_norm(out: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = residual + out`` and ``norm(s)`` in one Triton kernel (``out`` None: ``s = residual``):
-    returns ``(norm(s), s)``. The fused decode step's; it runs the kernels on any device."""
+    returns ``(norm(s), s)``. The fused decode step's and CUDA extend steps'; it runs the kernels on
+    any device."""
     kernels = _gpu("norms")
     if out is None:
         return kernels.rms_norm_fused(residual, norm.scale(), norm.eps), residual
@@ -922,8 +923,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     @functools.cached_property
     def _residual_fusable(self) -> bool:
-        """The fused decode step may run :meth:`HybridLayer.forward_fused`: plain layers (not
-        Falcon-H1's parallel one) whose norms are all :class:`RMSNorm`."""
+        """The fused decode step and CUDA extend steps may run :meth:`HybridLayer.forward_fused`:
+        plain layers (not Falcon-H1's parallel one) whose norms are all :class:`RMSNorm`."""
         norms = [self.norm] + [n for layer in self.layers for n in (layer.mixer_norm, layer.ffn_norm) if n is not None]
         return all(type(layer) is HybridLayer for layer in self.layers) and all(type(n) is RMSNorm for n in norms)
 
@@ -951,14 +952,17 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = self.rope(batch.positions, h.dtype)
-        if batch.fused_decode and self._residual_fusable:  # every residual add inside the next norm's kernel
+        if (batch.fused_decode or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
             out, residual = None, h
             for layer in self.layers:
                 out, residual = layer.forward_fused(out, residual, batch, rope)
-            h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
-            return self.lm_head(h).float()  # [B, vocab]
-        for layer in self.layers:
-            h = layer(h, batch, rope)
+            if batch.fused_decode:
+                h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
+                return self.lm_head(h).float()  # [B, vocab]
+            h = residual + out  # [T, hidden]: the last add (the final norm runs on the rows kept below)
+        else:
+            for layer in self.layers:
+                h = layer(h, batch, rope)
         if batch.return_hidden:
             h = self.norm(h)  # [T, hidden]: every new token's final hidden state
             rows = h[batch.logits_indices] if batch.logits_indices is not None else (
