@@ -24,7 +24,13 @@ from torch import nn
 
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.ops.attention import paged_attention, paged_attention_decode, paged_attention_short_extend
+from hyla.model.ops.attention import (
+    paged_attention,
+    paged_attention_decode,
+    paged_attention_short_extend,
+    paged_attention_written,
+    short_extend_attention,
+)
 from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update, causal_conv1d_varlen
 from hyla.model.ops.gated_delta import (
     chunk_gated_delta_rule_varlen,
@@ -217,6 +223,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if batch.fused_decode:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
             return self.o_proj(self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d))
+        if _on_gpu(qkv) and not batch.is_decode:  # an extend: the prologue kernel, then attention over the pool
+            q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
+            if batch.short_extend is not None:
+                o = short_extend_attention(q, kb, vb, batch.short_extend, self.scaling)
+            else:
+                o = paged_attention_written(q, kb, vb, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
+                                            batch.extend_lens, self.scaling, tree_masks=_tree_masks(batch),
+                                            kv_starts=batch.kv_starts)  # [T, Hq, D]
+            o = o.reshape(t, hq * d)
+            if self.output_gate:
+                gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:]  # [T, Hq, D] view
+                o = o * torch.sigmoid(gate.reshape(t, hq * d))
+            return self.o_proj(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.output_gate:
@@ -253,14 +272,21 @@ class Attention(nn.Module):
                       rope: Rope) -> torch.Tensor:
         """The fused decode step's attention ``[B, Hq, D]`` from the projection ``qkv``: what
         :meth:`forward`'s PyTorch path computes, in the kernels of ``ops/gpu/decode_attention.py``."""
-        kernels = _gpu("decode_attention")
         t, hq, d = qkv.shape[0], self.num_heads, self.head_dim
-        scale = self._qk_scale(self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
-        q = kernels.decode_qk_prologue(qkv, hq, self.num_kv_heads, d, self.output_gate, kb, vb, batch.out_cache_loc,
-                                       scale, self.q_norm.eps if self.q_norm is not None else 0.0, rope)
+        q = self._prologue(qkv, kb, vb, batch, rope)
         gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:] if self.output_gate else None  # [B, Hq, D] view
-        return kernels.paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens,
-                                              self.scaling, gate=gate)
+        return _gpu("decode_attention").paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices,
+                                                               batch.kv_lens, self.scaling, gate=gate)
+
+    def _prologue(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
+                  rope: Rope) -> torch.Tensor:
+        """``q [T, Hq, D]`` from the projection, normed and rotated, with the new tokens' K/V written
+        to the pool, in one Triton kernel (``decode_qk_prologue``; any number of tokens): what
+        :meth:`forward`'s PyTorch path computes up to the attention, rounded where it rounds."""
+        scale = self._qk_scale(self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+        return _gpu("decode_attention").decode_qk_prologue(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate, kb, vb, batch.out_cache_loc,
+            scale, self.q_norm.eps if self.q_norm is not None else 0.0, rope)
 
 
 # --- recurrent mixers --------------------------------------------------------------------------

@@ -52,6 +52,28 @@ def paged_attention(
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
+    return paged_attention_written(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
+                                   tree_masks, kv_starts)
+
+
+def paged_attention_written(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D], the new tokens' K already written
+    v_buffer: torch.Tensor,  # [S, Hkv, D], the new tokens' V already written
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    scaling: float,
+    tree_masks: Sequence[torch.Tensor | None] | None = None,
+    kv_starts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` once the new tokens' K/V are in the pool (on CUDA the attention
+    layer's prologue kernel writes them: ``gpu.decode_attention.decode_qk_prologue``)."""
+    if sum(extend_lens) != q.shape[0]:
+        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, but there are {q.shape[0]} new tokens")
+    if len(prefix_lens) != len(extend_lens) or kv_indptr.numel() != len(extend_lens) + 1:
+        raise ValueError("prefix_lens, extend_lens and kv_indptr disagree on the batch size")
     if tree_masks is None and all(n == 1 for n in extend_lens):
         return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
     return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
@@ -319,6 +341,17 @@ def paged_attention_short_extend(
                          f"{tuple(k_buffer.shape[1:])}")
     write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
     write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
+    return short_extend_attention(q, k_buffer, v_buffer, layout, scaling)
+
+
+def short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                           layout: ShortExtendLayout, scaling: float) -> torch.Tensor:
+    """:func:`paged_attention_short_extend` once the new tokens' K/V are in the pool (as
+    :func:`paged_attention_written`): ``q [T, Hq, D]`` -> ``o [T, Hq, D]``."""
+    t, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not fit {hkv} KV heads")
     b, e, g = layout.kv_rows.shape[0], layout.width, hq // hkv  # b: a shape (symbolic under torch.compile)
     length = layout.kv_rows.shape[-1]
     flat = layout.kv_rows.view(-1)
