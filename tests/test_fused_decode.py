@@ -77,6 +77,40 @@ def test_conv1d_update_kernel(dtype, bias, activation):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv1d_extend_kernel(dtype, bias, activation):
+    """An extend's conv in Triton (``conv1d_extend``) == the PyTorch op (``causal_conv1d_varlen``):
+    outputs, final windows and checkpoint windows, for sequences shorter than the window (their
+    inputs partly from the pool), an empty one, a padding slot (zeros, no write), and checkpoints
+    whose windows reach back into the window their sequence's final one overwrites."""
+    from hyla.model.ops.conv1d import causal_conv1d_varlen
+    from hyla.model.ops.gpu.conv1d_extend import causal_conv1d_varlen_fused
+    from hyla.model.ops.varlen import VarlenPlan
+
+    g = torch.Generator().manual_seed(1)
+    c, k, s = 40, 4, 12
+    lengths, slot_list = [2, 0, 37, 1, 20], [3, 5, 7, -1, 9]
+    t = sum(lengths)
+    x = torch.randn(t, c + 7, generator=g).to(DEVICE, dtype)[:, :c]  # a strided split, as in the layer
+    w = torch.randn(c, k, generator=g).to(DEVICE, dtype)
+    bb = torch.randn(c, generator=g).to(DEVICE, dtype) if bias else None
+    pool = torch.randn(s, c, k - 1, generator=g).to(DEVICE, dtype)
+    ref_pool = pool.clone()
+    cu = torch.tensor([0, 2, 2, 39, 40, 60], device=DEVICE)
+    slots = torch.tensor(slot_list, device=DEVICE)
+    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 4], device=DEVICE),  # after 1 of 2 tokens; 1, 16 and 36 of 37
+                ckpt_len=torch.tensor([1, 1, 16, 36, 20], device=DEVICE),
+                ckpt_slot=torch.tensor([0, 1, 2, 4, 6], device=DEVICE))
+    plan = VarlenPlan.from_tensors(cu, t, slots, pool, *ckpt.values(), pool.device)
+    y = causal_conv1d_varlen_fused(x, w, bb, pool, plan, activation)
+    ref = causal_conv1d_varlen(x, w, bb, cu, ref_pool, slots, activation, **ckpt)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(pool.float(), ref_pool.float(), atol=0, rtol=0)  # windows are copies
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_delta_decode_kernel(dtype):
     """Gating, l2norm and the state update fused == the layer's gating + the reference update
     (two value heads per key head; one padding row)."""

@@ -68,6 +68,7 @@ from hyla.model.layers import (
     _fla_prefill,
     _gpu,
     _tree_masks,
+    conv1d_extend,
     embedding_specs,
     linear_specs,
     mlp_specs,
@@ -75,7 +76,7 @@ from hyla.model.layers import (
     stack_experts,
 )
 from hyla.model.ops.attention import extend_sdpa
-from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
 
 # transformers builds the MLA q_a / kv_a norms without an eps: its RMSNorm default
@@ -120,9 +121,7 @@ class KimiDeltaAttention(nn.Module):
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         else:
-            mixed = causal_conv1d_varlen(
-                mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, slots, "silu", **_ckpt_kwargs(batch)
-            )
+            mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
         f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias  # [T, HD] fp32
         softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly

@@ -299,6 +299,17 @@ def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
         write_rows_(pool, batch.decode_ckpt_dst, pool.index_select(0, batch.decode_ckpt_src))
 
 
+def conv1d_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                  batch: ForwardBatch, activation: str | None) -> torch.Tensor:
+    """An extend step's causal conv ``x [T, C] -> [T, C]`` on the conv-state pool, with the batch's
+    checkpoints: on CUDA, for the chunked paths (no token trees, no short extends), three Triton
+    launches (``gpu/conv1d_extend.py``); elsewhere the PyTorch op (``ops/conv1d.py``)."""
+    if _on_gpu(x) and batch.tree_scan is None and batch.varlen is not None:
+        return _gpu("conv1d_extend").causal_conv1d_varlen_fused(x, weight, bias, conv_states, batch.varlen, activation)
+    return causal_conv1d_varlen(x, weight, bias, batch.cu_seqlens, conv_states, batch.state_slots, activation,
+                                **_ckpt_kwargs(batch))
+
+
 def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
     """What every recurrent extend op takes from the batch: its checkpoints and its token trees —
     for a tree or short extend the batch's ``tree_scan``, for the chunked paths its ``varlen`` plan,
@@ -389,10 +400,7 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu",
                                          rows=batch.chain_rows)
         else:
-            mixed = causal_conv1d_varlen(
-                mixed, self.conv_weight, None, batch.cu_seqlens, conv_states, batch.state_slots, "silu",
-                **_ckpt_kwargs(batch),
-            )  # [T, conv_dim]
+            mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")  # [T, conv_dim]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
@@ -482,10 +490,7 @@ class Mamba2Mixer(nn.Module):
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         else:
-            xbc = causal_conv1d_varlen(
-                xbc, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, batch.state_slots, "silu",
-                **_ckpt_kwargs(batch),
-            )  # [T, conv_dim]
+            xbc = conv1d_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, conv_dim]
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
         xs = xs.reshape(t, self.num_heads, self.head_dim)  # [T, H, P]
         bs = bs.reshape(t, self.n_groups, self.state_size)  # [T, G, N]

@@ -31,17 +31,17 @@ from hyla.model.layers import (
     HybridLayer,
     Rope,
     WeightSpec,
-    _ckpt_kwargs,
     _copy_decode_checkpoints,
     _gpu,
     attention_specs,
+    conv1d_extend,
     embedding_specs,
     linear_specs,
     mlp_specs,
     norm_spec,
     squeeze_conv,
 )
-from hyla.model.ops.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from hyla.model.ops.conv1d import causal_conv1d_update
 
 
 class Lfm2ShortConv(nn.Module):
@@ -75,10 +75,7 @@ class Lfm2ShortConv(nn.Module):
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slots, None)
             _copy_decode_checkpoints(conv_states, batch)
         else:
-            y = causal_conv1d_varlen(
-                bx, self.conv_weight, self.conv_bias, batch.cu_seqlens, conv_states, batch.state_slots, None,
-                **_ckpt_kwargs(batch),
-            )  # [T, H]
+            y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
         return self.out_proj(c * y)
 
 
