@@ -292,11 +292,11 @@ def test_decode_qk_prologue_kernel(dtype, variant):
 # --- whole engines -------------------------------------------------------------------------------
 
 
-def _workload(seed: int, vocab: int) -> list[dict]:
+def _workload(seed: int, vocab: int, requests: int = 7) -> list[dict]:
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(37)]
     return [{"ids": (system if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 60))],
-             "max_new": rng.randrange(3, 10)} for i in range(7)]
+             "max_new": rng.randrange(3, 10)} for i in range(requests)]
 
 
 def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
@@ -305,11 +305,11 @@ def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
                                             for s in specs])
 
 
-def _two_turns(engine: Engine, fused: bool | None) -> list[dict]:
+def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[dict]:
     if fused is not None:  # swap the runner before any request: the other decode path
         engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                               engine.device, cuda_graph=False, fused_decode=fused)
-    wave1 = _workload(0, engine.model_config.vocab_size)
+    wave1 = _workload(0, engine.model_config.vocab_size, requests)
     out1 = _generate(engine, wave1)
     wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 4} for w, o in zip(wave1, out1)]
     out2 = _generate(engine, wave2)
@@ -637,8 +637,9 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
 
     path = request.getfixturevalue("kimi_linear_path" if arch == "kimi_linear" else f"{arch}_short_path")
     opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    requests = 4  # the CUDA paths' kernels run interpreted: ~0.1 s a token through the attention prologue
     with Engine(path, **opts) as plain:
-        ref = _two_turns(plain, None)
+        ref = _two_turns(plain, None, requests)
     calls: list = []
     _install_all_fake_fla(monkeypatch, calls)
     fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
@@ -648,7 +649,7 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
     with Engine(path, **opts) as eng:
-        out = _two_turns(eng, None)
+        out = _two_turns(eng, None, requests)
     assert {c[0] for c in calls} == {"chunk", "recurrent"}
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
