@@ -13,11 +13,21 @@ count) at batch ``--batch``:
   (a ``.to`` of a tensor already in it) are counted only when they copy.
 
     .venv/bin/python benchmarks/decode_kernels.py [--batch 1] [--dtype bfloat16] [--no-write]
-        [--compare-with <a checkout of an earlier commit>] [--verify W]
+        [--compare-with <a checkout of an earlier commit>] [--verify W | --extend NEW [--prefix P]]
 
 ``--verify W``: a speculative verify step of ``W``-token chains through the fused kernels instead
 (``ModelRunner.forward_chains`` on a fused runner: ``W`` decode rows per request, the recurrent
 layers run column by column), written to its own section.
+
+``--extend NEW``: the model forward of an extend step instead — a prompt of ``P`` cached tokens
+(sent before with a checkpoint there) and ``NEW`` new ones with its end − 1 checkpoint, the
+cached-TTFT case of ``gpu_decode.py`` (which has ``NEW`` = 296; above ``SHORT_EXTEND`` = 8 tokens
+an extend takes the same path at any length, so a short one counts the same launches). A CUDA
+prefill is host-bound (issue 10): each launch costs host time, an fla call several launches'
+worth. Without a GPU, fla's kernels (which the interpreter cannot run) are stood in for and each
+call counted once, and the model keeps its 24 layers at the tiny model's widths. Host reads
+(``.item()``, ``.tolist()``) are counted too. Written to the section "GPU prefill: kernels per
+extend step".
 """
 
 from __future__ import annotations
@@ -231,6 +241,11 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     device = "cuda" if GPU else "cpu"
     kw = dict(gpu_decode.FULL, vocab_size=4096)
+    w, new = args.verify, args.extend
+    if new and not GPU:  # the benchmark model's 24 layers at the tiny model's widths: the same launches,
+        # and the interpreted kernels' time (which grows with tokens x heads) cut ~20x
+        kw.update({key: value for key, value in gpu_decode.TINY.items() if key not in ("num_hidden_layers", "layer_types")},
+                  vocab_size=4096)
 
     from hyla import Engine
     from hyla.engine.model_runner import ModelRunner
@@ -238,7 +253,6 @@ def main() -> None:
 
     path = Path(tempfile.mkdtemp())
     gpu_decode.build(path, kw, device, dtype)
-    w, new = args.verify, args.extend
     engine = Engine(path, device=device, dtype=args.dtype, max_running_requests=max(args.batch, 2),
                     max_state_slots=(max(w, 1) + 3) * args.batch + 8,
                     max_total_tokens=64 * args.batch + 512 + 2 * (args.prefix + new + 8))
@@ -290,10 +304,11 @@ def main() -> None:
     cmp = f" --compare-with <checkout of {rev}>" if before is not None else ""
     flag = "".join(f" {m}" for m in mode)
     what = f"The {step_name}" if new else f"The fused {step_name}"
+    narrow = "; the tiny model's widths, which change no count" if new and not GPU else ""
     body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{flag}{cmp}` — "
             f"{machine()}; {how}.\n\n"
             f"{what} of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
-            f"attention; vocabulary cut to 4,096) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
+            f"attention; vocabulary cut to 4,096{narrow}) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
             f"{gemm} of them GEMMs" + (f", {fla} fla calls" if fla else "") + f", {reads} host reads"
             + (f" ({sum(before.values())}, {_gemms(before)} and {before_reads} at {rev})" if before is not None else "")
             + ".\n\n")

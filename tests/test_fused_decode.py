@@ -727,6 +727,42 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
                    for a, b in zip(*pair))
 
 
+def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
+    """Slots that are one run of pool rows: the rounds update the rows in place (no copy in and out)
+    and hand fla every sequence's state whole; outputs and states still equal the reference's, with
+    a checkpoint cutting each sequence and a one-token last round (the decode kernel's)."""
+    from hyla.model.ops import gated_delta
+    from hyla.model.ops.gpu import fla_chunk
+    from hyla.model.ops.gpu.gated_delta_decode import token_step
+    from hyla.model.ops.varlen import VarlenPlan
+
+    calls = []
+    ref_step = gated_delta.gated_delta_rule_ref
+    _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=_fake_delta_rule(ref_step, "chunk", calls),
+                      fused_recurrent_gated_delta_rule=_fake_delta_rule(ref_step, "recurrent", calls))
+    g = torch.Generator().manual_seed(5)
+    hk, hv, dk, dv, t = 1, 2, 16, 8, 12
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    qkv, proj, a_log, dt_bias = rnd(t, 2 * hk * dk + hv * dv), rnd(t, 2 * hv), rnd(hv), rnd(hv)
+    q, k, v = (x.view(t, -1, d) for x, d in zip(qkv.split([hk * dk, hk * dk, hv * dv], 1), (dk, dk, dv)))
+    b, a = proj[:, :hv], proj[:, hv:]
+    gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
+    cu, slots = torch.tensor([0, 5, 12], device=DEVICE), torch.tensor([2, 3], device=DEVICE)
+    ckpt = dict(ckpt_seq=torch.tensor([0, 1], device=DEVICE), ckpt_len=torch.tensor([2, 6], device=DEVICE),
+                ckpt_slot=torch.tensor([4, 5], device=DEVICE))
+    pool = rnd(6, hv, dk, dv)
+    ref_pool = pool.clone()
+    plan = VarlenPlan.from_tensors(cu, t, slots, pool, *ckpt.values(), pool.device)
+    assert plan.slots.first == 2 and fla_chunk.fla_rounds(plan, pool.device)[0].every
+    o = fla_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, varlen=plan,
+                                             step=token_step(qkv, a, b, a_log, dt_bias, hk, dk))
+    ref = gated_delta.chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
+    _assert_close_to_reference(o, ref, torch.float32)
+    _assert_close_to_reference(pool, ref_pool, torch.float32)
+    if not GPU:  # rounds: [0, 2) + [0, 6), then [2, 5) + [6, 11), then seq 1's last token (the step)
+        assert [kind for kind, *_ in calls] == ["recurrent", "recurrent"]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
     """Mamba2's prefill as fla's simple GLA (``fla_chunk.mamba2_chunk_scan_fla``) == the PyTorch

@@ -46,7 +46,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
 from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
-from hyla.model.ops.varlen import VarlenPlan, read_states, write_states
+from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
 RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs fla's fused recurrent kernel
@@ -70,6 +70,7 @@ class FlaRound:
     rows ``ckpt_slots``."""
 
     seqs: torch.Tensor
+    every: bool  # seqs is every sequence of the batch, in order: the running states are passed whole
     idx: torch.Tensor | None
     span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
     longest: int  # the longest segment's tokens: the recurrent kernel at most RECURRENT_MAX_LEN
@@ -108,7 +109,8 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
             host.append(torch.cat([torch.arange(a, e) for _, a, e in segs]))
         parts = to_device_packed(host, device)
         rounds.append(FlaRound(
-            seqs=parts[1], idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
+            seqs=parts[1], every=[i for i, _, _ in segs] == list(range(len(lengths))),
+            idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
             longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu,
             ckpt_rows=parts[2] if done else None, ckpt_slots=parts[3] if done else None))
     return rounds
@@ -140,7 +142,8 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Te
     last token after its end - 1 checkpoint, a one-token extend) runs ``step`` instead, where the
     op has one: a single launch of the decode kernel on the running states, where an fla call
     costs ~0.3-0.5 ms of host time. No device read."""
-    state = read_states(ssm_states, varlen.slots, torch.float32)  # [B, *state], zeros for -1
+    # [B, *state]: the pool rows themselves when the slots are one run (fp32 pools), else a copy (zeros for -1)
+    state, write_back = open_state_rows(ssm_states, varlen.slots, torch.float32)
     for rnd in fla_rounds(varlen, out.device):
         if rnd.span is not None:
             select = lambda x, a=rnd.span[0], e=rnd.span[1]: x[a:e]  # noqa: E731
@@ -152,9 +155,13 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Te
             o = step(select, state, rnd.seqs)[None]  # the state rows are updated in place
         else:
             kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
-            o, final = kernel(*(select(x).unsqueeze(0) for x in xs), initial_state=state.index_select(0, rnd.seqs),
+            initial = state if rnd.every else state.index_select(0, rnd.seqs)
+            o, final = kernel(*(select(x).unsqueeze(0) for x in xs), initial_state=initial,
                               cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
-            state.index_copy_(0, rnd.seqs, final.float())
+            if rnd.every:
+                state.copy_(final)
+            else:
+                state.index_copy_(0, rnd.seqs, final.float())
         if rnd.span is not None:
             out[rnd.span[0]:rnd.span[1]] = o[0]
         elif rnd.idx is not None:
@@ -163,7 +170,8 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Te
             out = o[0].to(out.dtype)
         if rnd.ckpt_rows is not None:
             ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
-    write_states(ssm_states, varlen.slots, state)
+    if write_back:
+        write_states(ssm_states, varlen.slots, state)
     return out
 
 
