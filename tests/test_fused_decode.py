@@ -630,7 +630,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced
     on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5 and Bamba): an
     fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
-    rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran, chunked and recurrent."""
+    rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran (chunked; KDA's short rounds
+    recurrent, the others' through hyla's recurrent kernels)."""
     import hyla.model.kimi_linear as kimi_linear
     import hyla.model.layers as layers
     from hyla.model.ops.gpu import fla_chunk
@@ -650,7 +651,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
     with Engine(path, **opts) as eng:
         out = _two_turns(eng, None, requests)
-    assert {c[0] for c in calls} == {"chunk", "recurrent"}
+    # Gated DeltaNet's and Mamba2's short rounds run hyla's own recurrent kernels, KDA's fla's
+    assert {c[0] for c in calls} == ({"chunk", "recurrent"} if arch == "kimi_linear" else {"chunk"})
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
@@ -682,9 +684,9 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     q, k, v = rnd(t, hk, dk), rnd(t, hk, dk), rnd(t, hv, dv)
     gate = -torch.rand(t, hv, *([dk] if op == "kda" else []), generator=g).to(DEVICE)  # KDA: one decay per channel
     beta = torch.rand(t, hv, generator=g).to(DEVICE)
-    step = None
-    if op == "gated_delta":  # the layer's raw inputs, gated as the layer gates them, and its one-token step
-        from hyla.model.ops.gpu.gated_delta_decode import token_step
+    segments = None
+    if op == "gated_delta":  # the layer's raw inputs, gated as the layer gates them, and its recurrent kernel
+        from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
 
         qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
         q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], 1)
@@ -693,7 +695,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
         b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
         a_log, dt_bias = rnd(hv), rnd(hv)
         gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
-        step = token_step(qkv, a, b, a_log, dt_bias, hk, dk)
+        segments = segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)
     cu = torch.tensor([0, 9, 9, 159, 160], device=DEVICE)
     pool = rnd(12, hv, dk, dv)
     ref_pool = pool.clone()
@@ -704,7 +706,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
                 ckpt_len=torch.tensor([4, 149, 100, 128, 150, 1], device=DEVICE),
                 ckpt_slot=torch.tensor([1, 2, 4, 6, 8, 9], device=DEVICE))
     layer2_pool = pool.clone()
-    o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt, **({"step": step} if step else {}))
+    o = fla_op(q, k, v, gate, beta, cu, pool, slots, **ckpt, **({"segments": segments} if segments else {}))
     ref = ref_op(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
     _assert_close_to_reference(o, ref, torch.float32)
     _assert_close_to_reference(pool, ref_pool, torch.float32)
@@ -716,12 +718,13 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     plan = VarlenPlan.from_tensors(cu, t, slots, pool, ckpt["ckpt_seq"], ckpt["ckpt_len"], ckpt["ckpt_slot"], q.device)
     first = len(calls)
     for layer_pool in (layer2_pool, layer2_pool.clone()):
-        o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan, **({"step": step} if step else {}))
+        o2 = fla_op(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan,
+                    **({"segments": segments} if segments else {}))
         _assert_close_to_reference(o2, ref, torch.float32)
     _assert_close_to_reference(layer2_pool, ref_pool, torch.float32)
-    if not GPU:  # the last round (sequence 2's last token) is the decode kernel's where the op has one
+    if not GPU:  # the short rounds are hyla's own kernel's where the op has one (Gated DeltaNet)
         per_layer = (len(calls) - first) // 2
-        kinds = ["chunk"] + ["recurrent"] * (2 if step else 3)
+        kinds = ["chunk"] + ([] if segments else ["recurrent"] * 3)
         assert [kind for kind, *_ in calls[first:first + per_layer]] == kinds
         assert all(a is b for pair in zip(calls[first:first + per_layer], calls[first + per_layer:])
                    for a, b in zip(*pair))
@@ -729,11 +732,12 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
 
 def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
     """Slots that are one run of pool rows: the rounds update the rows in place (no copy in and out)
-    and hand fla every sequence's state whole; outputs and states still equal the reference's, with
-    a checkpoint cutting each sequence and a one-token last round (the decode kernel's)."""
+    and hand fla every sequence's state whole; outputs and states equal the reference's, with a
+    checkpoint cutting each sequence (one a token before its end) — through fla's recurrent kernel,
+    and through hyla's (``segments``: every round here is short)."""
     from hyla.model.ops import gated_delta
     from hyla.model.ops.gpu import fla_chunk
-    from hyla.model.ops.gpu.gated_delta_decode import token_step
+    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
     from hyla.model.ops.varlen import VarlenPlan
 
     calls = []
@@ -752,15 +756,17 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
                 ckpt_slot=torch.tensor([4, 5], device=DEVICE))
     pool = rnd(6, hv, dk, dv)
     ref_pool = pool.clone()
-    plan = VarlenPlan.from_tensors(cu, t, slots, pool, *ckpt.values(), pool.device)
-    assert plan.slots.first == 2 and fla_chunk.fla_rounds(plan, pool.device)[0].every
-    o = fla_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, varlen=plan,
-                                             step=token_step(qkv, a, b, a_log, dt_bias, hk, dk))
     ref = gated_delta.chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
-    _assert_close_to_reference(o, ref, torch.float32)
-    _assert_close_to_reference(pool, ref_pool, torch.float32)
-    if not GPU:  # rounds: [0, 2) + [0, 6), then [2, 5) + [6, 11), then seq 1's last token (the step)
-        assert [kind for kind, *_ in calls] == ["recurrent", "recurrent"]
+    for segments in (None, segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)):
+        layer_pool = pool.clone()
+        plan = VarlenPlan.from_tensors(cu, t, slots, layer_pool, *ckpt.values(), pool.device)
+        assert plan.slots.first == 2 and fla_chunk.fla_rounds(plan, pool.device)[0].every
+        o = fla_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, layer_pool, slots, varlen=plan,
+                                                 segments=segments)
+        _assert_close_to_reference(o, ref, torch.float32)
+        _assert_close_to_reference(layer_pool, ref_pool, torch.float32)
+    if not GPU:  # rounds [0, 2) + [0, 6), then [2, 5) + seq 1's last token [6, 7): fla's, then none
+        assert [kind for kind, *_ in calls] == ["recurrent"] * 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -413,12 +413,12 @@ class GatedDeltaNet(nn.Module):
             _copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
             o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows)
-        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel (one-token rounds: the decode kernel)
-            step = _gpu("gated_delta_decode").token_step(mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads,
-                                                         self.head_k_dim)
+        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel (short rounds: hyla's recurrent kernel)
+            segments = _gpu("gated_delta_decode").segment_kernel(mixed, a, b, self.A_log, self.dt_bias,
+                                                                 self.num_k_heads, self.head_k_dim)
             o = _gpu("fla_chunk").chunk_gated_delta_rule_fla(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch, scan=False),
-                step=step)
+                segments=segments)
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),

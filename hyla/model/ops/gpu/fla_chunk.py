@@ -17,17 +17,20 @@ cuts it there: the sequences run in rounds, round ``r`` feeding every sequence's
 (between consecutive cut points) in one varlen call that starts from the state the previous round
 left, so the state at each cut is a final state — exact, whatever the position in a chunk
 (:func:`scan_in_rounds`). A prompt's usual checkpoint (its end − 1) costs one more round, of one token
-per sequence, which runs hyla's own decode kernel (``gated_delta_decode``, ``mamba2_decode``; a
-``TokenStep``) in one launch on the running states rather than an fla call; a batch without
-checkpoints is one call. A round of short segments (at most
+per sequence; a batch without checkpoints is one call. A round of short segments (at most
 ``RECURRENT_MAX_LEN`` tokens each: such a last token, a short extend, the new part of a prompt whose
-prefix was cached) runs fla's fused recurrent kernel, one launch, instead of the chunked pipeline's
-ten or so. Below ~1,000 tokens a call is host-bound, and the chunked one costs ~1 ms more of it
+prefix was cached) runs a recurrent kernel instead of the chunked pipeline's ten or so launches:
+hyla's own where the op has one (a ``SegmentKernel``: ``gated_delta_decode.gated_delta_segments_fused``,
+``mamba2_decode.mamba2_segments_fused``; the decode step's recurrence looping over each segment, one
+launch on the running states, writing into the output), fla's fused recurrent kernel for KDA.
+Below ~1,000 tokens an fla call is host-bound, and the chunked one costs ~1 ms more of it
 (measured on an H100, one layer's call, wall time: Gated DeltaNet with 16 heads of 128x128, chunked
 ~1.5-1.9 ms at any length up to 2,048 tokens, recurrent 0.4-0.6 ms up to 256 tokens, 0.9 ms at 512,
-1.5 ms at 1,024, 3.7 ms at 2,048; Mamba2 with 64 heads of 64x128 alike), so the bound is 512. The
+1.5 ms at 1,024, 3.7 ms at 2,048; Mamba2 with 64 heads of 64x128 alike), so the bound is 512 (hyla's
+own kernels are not yet timed on a GPU: ``benchmarks/fla_prefill.py`` times them beside fla's). The
 pool rules are ``varlen.py``'s (fp32 states, ``-1`` slots start from zeros and write nothing, all
-reads before all writes).
+reads before all writes); the running states are the pool rows themselves when the slots are one
+run (``open_state_rows``), each sequence writing only its own row.
 
 These run for bf16/fp16 models only (``layers._fla_prefill``): fla's fp32 dots run in tf32, so fp32
 models keep the exact PyTorch ops. fla's kernels do not run in Triton's interpreter: without a GPU
@@ -45,7 +48,7 @@ import torch
 
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
-from hyla.model.ops.gpu.mamba2_decode import mamba2_state_update_fused
+from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -55,10 +58,10 @@ RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs fla's 
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
 #   -> (out [1, t, ...], final [n, *state])
 FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# step(select, state, rows) -> out [n, ...]: a round of one token per sequence through hyla's fused
-# decode kernel, updating rows ``rows [n]`` of ``state [B, *state]`` (fp32) in place; ``select(x)``
-# takes the round's n rows of a per-token tensor ``x [T, ...]`` (a slice or a gather)
-TokenStep = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
+# segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...]) -> None:
+# hyla's own recurrent kernel over a round's n segments (segment i: the packed tokens starts[i] ..
+# + its length, from states[rows[i]], updated in place), writing their outputs into out's rows
+SegmentKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class FlaRound:
     rows ``ckpt_slots``."""
 
     seqs: torch.Tensor
+    seg_starts: torch.Tensor  # [n] each segment's first packed token
     every: bool  # seqs is every sequence of the batch, in order: the running states are passed whole
     idx: torch.Tensor | None
     span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
@@ -101,16 +105,17 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
         span = (segs[0][1], segs[-1][2]) if all(a == e0 for (_, _, e0), (_, a, _) in zip(segs, segs[1:])) else None
         done = [(j, i) for j, (i, n) in enumerate(zip(ckpts.seq, ckpts.num_tokens))
                 if r + 1 < len(bounds[i]) and bounds[i][r + 1] == n]  # checkpoints at this round's cuts
-        # one asynchronous copy of the round's index tensors: [cu | seqs | ckpt rows | ckpt slots | token index]
+        # one asynchronous copy of the round's index tensors:
+        # [cu | seqs | ckpt rows | ckpt slots | segment starts | token index]
         long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         host = [cu, long([i for i, _, _ in segs]), long([i for _, i in done]),
-                long([ckpts.slot_list[j] for j, _ in done])]
+                long([ckpts.slot_list[j] for j, _ in done]), long([a for _, a, _ in segs])]
         if not whole and span is None:
             host.append(torch.cat([torch.arange(a, e) for _, a, e in segs]))
         parts = to_device_packed(host, device)
         rounds.append(FlaRound(
-            seqs=parts[1], every=[i for i, _, _ in segs] == list(range(len(lengths))),
-            idx=parts[4] if len(parts) > 4 else None, span=None if whole else span,
+            seqs=parts[1], seg_starts=parts[4], every=[i for i, _, _ in segs] == list(range(len(lengths))),
+            idx=parts[5] if len(parts) > 5 else None, span=None if whole else span,
             longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu,
             ckpt_rows=parts[2] if done else None, ckpt_slots=parts[3] if done else None))
     return rounds
@@ -132,42 +137,43 @@ def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_to
 
 
 def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor,
-                   ssm_states: torch.Tensor, varlen: VarlenPlan, step: TokenStep | None = None) -> torch.Tensor:
+                   ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
     ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``)
     in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
     every token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence
     ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
-    states go to their rows as their rounds end. A round of one token per sequence (a prompt's
-    last token after its end - 1 checkpoint, a one-token extend) runs ``step`` instead, where the
-    op has one: a single launch of the decode kernel on the running states, where an fla call
-    costs ~0.3-0.5 ms of host time. No device read."""
+    states go to their rows as their rounds end. Where the op has its own recurrent kernel
+    (``segments``: Gated DeltaNet's, Mamba2's), the short rounds run it instead of fla's: one launch
+    on the running states, writing into ``out``, where an fla call costs ~0.4 ms of host time
+    (a prompt's last token after its end - 1 checkpoint, the new part of a cached prompt). No
+    device read."""
     # [B, *state]: the pool rows themselves when the slots are one run (fp32 pools), else a copy (zeros for -1)
     state, write_back = open_state_rows(ssm_states, varlen.slots, torch.float32)
     for rnd in fla_rounds(varlen, out.device):
-        if rnd.span is not None:
-            select = lambda x, a=rnd.span[0], e=rnd.span[1]: x[a:e]  # noqa: E731
-        elif rnd.idx is not None:
-            select = lambda x, idx=rnd.idx: x.index_select(0, idx)  # noqa: E731
+        if segments is not None and rnd.longest <= RECURRENT_MAX_LEN:
+            segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out)
         else:
-            select = lambda x: x  # noqa: E731
-        if step is not None and rnd.longest == 1:
-            o = step(select, state, rnd.seqs)[None]  # the state rows are updated in place
-        else:
+            if rnd.span is not None:
+                part = [x[rnd.span[0]:rnd.span[1]] for x in xs]
+            elif rnd.idx is not None:
+                part = [x.index_select(0, rnd.idx) for x in xs]
+            else:
+                part = list(xs)
             kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
             initial = state if rnd.every else state.index_select(0, rnd.seqs)
-            o, final = kernel(*(select(x).unsqueeze(0) for x in xs), initial_state=initial,
+            o, final = kernel(*(x.unsqueeze(0) for x in part), initial_state=initial,
                               cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
             if rnd.every:
                 state.copy_(final)
             else:
                 state.index_copy_(0, rnd.seqs, final.float())
-        if rnd.span is not None:
-            out[rnd.span[0]:rnd.span[1]] = o[0]
-        elif rnd.idx is not None:
-            out.index_copy_(0, rnd.idx, o[0].to(out.dtype))
-        else:
-            out = o[0].to(out.dtype)
+            if rnd.span is not None:
+                out[rnd.span[0]:rnd.span[1]] = o[0]
+            elif rnd.idx is not None:
+                out.index_copy_(0, rnd.idx, o[0].to(out.dtype))
+            else:
+                out = o[0].to(out.dtype)
         if rnd.ckpt_rows is not None:
             ssm_states.index_copy_(0, rnd.ckpt_slots, state.index_select(0, rnd.ckpt_rows))
     if write_back:
@@ -211,13 +217,13 @@ def _delta_rule_fla(
     use_qk_l2norm: bool = True,
     tree=None,
     varlen: VarlenPlan | None = None,
-    step: TokenStep | None = None,
+    segments: SegmentKernel | None = None,
 ) -> torch.Tensor:
     """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
-    read here; ``ckpt_*`` must then be None). ``step``: the one-token rounds' kernel
-    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.token_step``)."""
+    read here; ``ckpt_*`` must then be None). ``segments``: the short rounds' kernel
+    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.segment_kernel``)."""
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
     def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
@@ -229,7 +235,7 @@ def _delta_rule_fla(
                             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen, step)
+    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen, segments)
 
 
 def mamba2_chunk_scan_fla(
@@ -282,11 +288,12 @@ def mamba2_chunk_scan_fla(
         return fused_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state,
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
-    def step(select, state, rows):  # hyla's decode kernel on the raw inputs; D * x is added below
-        return mamba2_state_update_fused(select(x.flatten(1)), select(dt), A, select(B.flatten(1)),
-                                         select(C.flatten(1)), None, dt_bias, state, rows, dt_limit)
+    def segments(states, rows, starts, cu_seqlens, out):  # hyla's kernel on the raw inputs; D * x is added below
+        mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
+                              cu_seqlens, out, dt_limit)
 
-    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty_like(x), ssm_states, varlen, step)  # [T, H, P]
+    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                       ssm_states, varlen, segments)  # [T, H, P]
     if D is not None:
         y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
     return y

@@ -15,6 +15,11 @@ columns once, updates them in registers and writes them back. ``slots[i] == -1``
 write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S`` sequences of ``W``
 tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
 written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
+
+The same recurrence runs an extend's short segments (:func:`gated_delta_segments_fused`: the
+rounds of ``fla_chunk.scan_in_rounds`` of at most ``RECURRENT_MAX_LEN`` tokens), each program
+looping over its segment's tokens (a count read on the device), one launch per layer where fla's
+fused recurrent kernel costs ~0.4 ms of host time a call. Both kernels share :func:`_gdn_token`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,30 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of
-from hyla.model.ops.gpu.fla_chunk import TokenStep
+from hyla.model.ops.gpu.fla_chunk import SegmentKernel
+
+
+@triton.jit
+def _gdn_token(S, row, a_ptr, b_ptr, neg_a, dt_bias, hk, hv, dk, mk, dv, mv, scale,
+               HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """One token on a ``[BK, BV]`` block of a value head's fp32 state: ``row`` points at its
+    ``[q | k | v]`` projection, ``a_ptr`` / ``b_ptr`` at its raw gates. Returns ``(S, o [BV])``."""
+    q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    b = tl.load(b_ptr)
+    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    x = tl.load(a_ptr).to(tl.float32) + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    e = tl.exp(neg_a * softplus)
+    kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
+    qS = tl.sum(q[:, None] * S, axis=0)
+    delta = (v - e * kS) * beta
+    o = e * qS + tl.sum(q * k, axis=0) * delta
+    S = e * S + k[:, None] * delta[None, :]
+    return S, o
 
 
 @triton.jit
@@ -49,28 +77,40 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
     S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
-        row = qkv_ptr + r * qkv_stride  # [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]
-        q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-        b = tl.load(b_ptr + r * b_stride + hv)
-        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-        x = tl.load(a_ptr + r * a_stride + hv).to(tl.float32) + dt_bias
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-        e = tl.exp(neg_a * softplus)
-
-        kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
-        qS = tl.sum(q[:, None] * S, axis=0)
-        delta = (v - e * kS) * beta
-        o = e * qS + tl.sum(q * k, axis=0) * delta
-        S = e * S + k[:, None] * delta[None, :]
+        S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
+                          dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
         tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                         state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
+                         HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid // HV  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    dk = tl.arange(0, BK)
+    mk = dk < DK
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mv = dv < DV
+    neg_a = -tl.exp(tl.load(a_log_ptr + hv))
+    dt_bias = tl.load(dt_bias_ptr + hv)
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    mask = mk[:, None] & mv[None, :]
+    S = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32
+    for j in range(n):  # the segment's tokens in order, the state in registers
+        r = start + j
+        S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
+                          dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
+        tl.store(o_ptr + r * o_stride + hv * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    tl.store(ptr, S, mask=mask)
 
 
 def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
@@ -99,12 +139,40 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return o
 
 
-def token_step(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               num_k_heads: int, head_k_dim: int) -> TokenStep:
-    """An extend's one-token rounds (``fla_chunk.scan_in_rounds``) through this kernel: the layer's
-    post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``, each round's rows selected, on the
-    rounds' running states."""
-    def step(select, state: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return gated_delta_decode_fused(select(qkv), select(a), select(b), A_log, dt_bias, state, rows, num_k_heads,
-                                        head_k_dim)
-    return step
+
+def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                               dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                               cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int) -> None:
+    """An extend's segments through the recurrence, one launch: segment ``i`` is the packed tokens
+    ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``qkv [T, ...]`` (post-conv)
+    and the raw gates ``a, b [T, Hv]``, run from ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32,
+    updated in place), its outputs written into those rows of ``out [T, Hv, Dv]``."""
+    num_v_heads, dk, dv = states.shape[1:]
+    if dk != head_k_dim or num_v_heads % num_k_heads or states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"states must be a contiguous fp32 [B, Hv, {head_k_dim}, Dv] tensor with Hv a multiple "
+                         f"of {num_k_heads}, got {list(states.shape)} {states.dtype}")
+    t = qkv.shape[0]
+    if qkv.shape[1] != 2 * num_k_heads * dk + num_v_heads * dv or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
+    if a.shape != (t, num_v_heads) or b.shape != (t, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"a and b must be [T={t}, Hv={num_v_heads}] with unit column stride")
+    if out.shape != (t, num_v_heads, dv) or out.stride(2) != 1 or out.stride(1) != dv:
+        raise ValueError(f"out must be [T={t}, {num_v_heads}, {dv}] with dense heads")
+    segments = rows.shape[0]
+    if starts.shape != (segments,) or cu_seqlens.shape != (segments + 1,):
+        raise ValueError(f"rows, starts [{segments}] and cu_seqlens [{segments + 1}] disagree")
+    bk = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), 32)
+    _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
+        out.stride(0), dk**-0.5, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+
+
+def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                   num_k_heads: int, head_k_dim: int) -> SegmentKernel:
+    """The layer's short rounds (``fla_chunk.scan_in_rounds``) through :func:`gated_delta_segments_fused`:
+    its post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``."""
+    def run(states, rows, starts, cu_seqlens, out) -> None:
+        gated_delta_segments_fused(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads,
+                                   head_k_dim)
+    return run

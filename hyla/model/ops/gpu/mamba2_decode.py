@@ -11,6 +11,8 @@ Each program owns one ``(sequence, head, block of P rows)`` of the state. ``slot
 state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S`` sequences
 of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
 written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
+:func:`mamba2_segments_fused` runs an extend's short segments through the same recurrence
+(``_mamba2_token``), as ``gated_delta_decode`` does for Gated DeltaNet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,27 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of
+
+
+@triton.jit
+def _mamba2_token(S, x_row, dt_ptr, b_row, c_row, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn,
+                  P: tl.constexpr, N: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One token on a ``[BP, BN]`` block of a head's fp32 state: ``x_row``, ``b_row``, ``c_row`` point
+    at the token's x, B and C, ``dt_ptr`` at its raw dt. Returns ``(S, y [BP])``."""
+    x = tl.load(x_row + h * P + p, mask=mp, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr).to(tl.float32)
+    if HAS_BIAS:
+        dt += dt_bias
+    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
+    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    decay = tl.exp(dt * a)
+    bv = tl.load(b_row + g * N + n, mask=mn, other=0.0).to(tl.float32)
+    cv = tl.load(c_row + g * N + n, mask=mn, other=0.0).to(tl.float32)
+    S = S * decay + (x * dt)[:, None] * bv[None, :]
+    y = tl.sum(S * cv[None, :], axis=1)
+    if HAS_D:
+        y += d * x
+    return S, y
 
 
 @triton.jit
@@ -36,6 +59,8 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
     n = tl.arange(0, BN)
     mn = n < N
     a = tl.load(a_ptr + h).to(tl.float32)
+    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = h * (P * N) + p[:, None] * N + n[None, :]
@@ -43,23 +68,43 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
     S = tl.load(state_ptr + slot * (H * P * N) + offs, mask=live, other=0.0)  # [BP, BN] fp32
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
-        x = tl.load(x_ptr + r * x_stride + h * P + p, mask=mp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + r * dt_stride + h).to(tl.float32)
-        if HAS_BIAS:
-            dt += tl.load(dt_bias_ptr + h).to(tl.float32)
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        decay = tl.exp(dt * a)
-        bv = tl.load(b_ptr + r * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
-        cv = tl.load(c_ptr + r * bc_stride + g * N + n, mask=mn, other=0.0).to(tl.float32)
-        S = S * decay + (x * dt)[:, None] * bv[None, :]
-        y = tl.sum(S * cv[None, :], axis=1)
-        if HAS_D:
-            y += tl.load(d_ptr + h).to(tl.float32) * x
+        S, y = _mamba2_token(S, x_ptr + r * x_stride, dt_ptr + r * dt_stride + h, b_ptr + r * bc_stride,
+                             c_ptr + r * bc_stride, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn, P, N, HAS_D,
+                             HAS_BIAS)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         live_dst = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + dst) >= 0)
         tl.store(state_ptr + dst * (H * P * N) + offs, S, mask=live_dst)
         tl.store(y_ptr + (r * H + h) * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
+
+
+@triton.jit
+def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
+                            state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
+                            H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
+                            BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid // H  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    h = pid % H
+    g = h // (H // G)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    mp = p < P
+    n = tl.arange(0, BN)
+    mn = n < N
+    a = tl.load(a_ptr + h).to(tl.float32)
+    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + h * (P * N) + p[:, None] * N + n[None, :]
+    mask = mp[:, None] & mn[None, :]
+    S = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32
+    for j in range(count):  # the segment's tokens in order, the state in registers
+        r = start + j
+        S, y = _mamba2_token(S, x_ptr + r * x_stride, dt_ptr + r * dt_stride + h, b_ptr + r * bc_stride,
+                             c_ptr + r * bc_stride, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn, P, N, HAS_D,
+                             HAS_BIAS)
+        tl.store(y_ptr + r * y_stride + h * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
+    tl.store(ptr, S, mask=mask)
 
 
 def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
@@ -90,3 +135,36 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
         W=w, H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
     return y
+
+
+def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          D: torch.Tensor | None, dt_bias: torch.Tensor | None, states: torch.Tensor,
+                          rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor,
+                          dt_limit: tuple[float, float] | None = None) -> None:
+    """An extend's segments through the recurrence, one launch (as ``gated_delta_decode``'s
+    :func:`~hyla.model.ops.gpu.gated_delta_decode.gated_delta_segments_fused`): segment ``i`` is the
+    packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``x [T, H*P]``,
+    raw ``dt [T, H]``, ``B, C [T, G*N]``, run from ``states[rows[i]]`` (``[B, H, P, N]`` fp32,
+    updated in place), its outputs written into those rows of ``out [T, H, P]``."""
+    t = x.shape[0]
+    num_heads, head_dim, n = states.shape[1:]
+    groups = B.shape[1] // n
+    if states.dtype != torch.float32 or not states.is_contiguous() or num_heads % max(groups, 1):
+        raise ValueError(f"states must be a contiguous fp32 [B, H, P, N] tensor, got {list(states.shape)}")
+    if x.shape != (t, num_heads * head_dim) or dt.shape != (t, num_heads) \
+            or B.shape != (t, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
+        raise ValueError("x [T, H*P], dt [T, H], B and C [T, G*N] (one row stride) must fit states")
+    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
+        raise ValueError("x, dt, B and C need unit column stride")
+    if out.shape != (t, num_heads, head_dim) or out.stride(2) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"out must be [T={t}, {num_heads}, {head_dim}] with dense heads")
+    segments = rows.shape[0]
+    if starts.shape != (segments,) or cu_seqlens.shape != (segments + 1,):
+        raise ValueError(f"rows, starts [{segments}] and cu_seqlens [{segments + 1}] disagree")
+    lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
+    bp = min(triton.next_power_of_2(head_dim), 32)
+    _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
+        x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
+        dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
+        float(hi), H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
+        HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
