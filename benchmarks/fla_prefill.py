@@ -1,12 +1,13 @@
-"""One layer's GPU prefill call through fla, chunked vs fused recurrent kernel, by segment length.
+"""One layer's GPU prefill call, fla's chunked pipeline vs a recurrent kernel (fla's, hyla's), by length.
 
 ``hyla/model/ops/gpu/fla_chunk.py`` runs a round of segments of at most ``RECURRENT_MAX_LEN``
-tokens with fla's fused recurrent kernel (one launch) and longer ones with its chunked pipeline
-(ten or so launches, each through fla's Python wrappers and Triton's autotuner). This measures
-where the one stops paying: the wall time of one adapter call (host and device, synchronized
+tokens with a recurrent kernel — hyla's own for Gated DeltaNet and Mamba2 (one Triton launch),
+fla's fused recurrent one otherwise — and longer ones with fla's chunked pipeline (ten or so
+launches, each through fla's Python wrappers and Triton's autotuner). This measures where the
+recurrent kernels stop paying: the wall time of one adapter call (host and device, synchronized
 after each call; the host side is what a prefill of a few hundred tokens is bound by), one
 sequence of T tokens, the state pool in fp32, activations in bf16, with ``RECURRENT_MAX_LEN`` forced
-to 0 (chunked) and to infinity (recurrent). Shapes: Gated DeltaNet of the GPU benchmark's model
+to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's). Shapes: Gated DeltaNet of the GPU benchmark's model
 (16 heads of 128x128) and a Mamba2 layer of NemotronH's size (64 heads, head dim 64, state 128,
 8 groups). Medians of ``--repeats`` calls after 3 warm-up calls; writes ``## GPU prefill: fla
 chunked vs recurrent`` in docs/benchmarks.md.
@@ -47,13 +48,20 @@ def wall_us(fn, repeats: int) -> float:
 
 
 def gated_delta(t: int):
+    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
+
     h, d = 16, 128
-    q, k, v = (torch.randn(t, h, d, device=DEV, dtype=torch.bfloat16) for _ in range(3))
-    g = -torch.rand(t, h, device=DEV)
-    beta = torch.rand(t, h, device=DEV, dtype=torch.bfloat16)
+    qkv = torch.randn(t, 3 * h * d, device=DEV, dtype=torch.bfloat16)  # the layer's post-conv projection
+    q, k, v = (x.view(t, h, d) for x in qkv.split(h * d, 1))
+    a, b = torch.randn(t, h, device=DEV, dtype=torch.bfloat16), torch.randn(t, h, device=DEV, dtype=torch.bfloat16)
+    a_log, dt_bias = torch.randn(h, device=DEV), torch.randn(h, device=DEV)
+    g = -torch.exp(a_log) * torch.nn.functional.softplus(a.float() + dt_bias)
+    beta = torch.sigmoid(b)
     pool = torch.zeros(4, h, d, d, device=DEV)
     cu, slots = torch.tensor([0, t], device=DEV), torch.tensor([1], device=DEV)
-    return lambda: fla_chunk.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu, pool, slots)
+    own = segment_kernel(qkv, a, b, a_log, dt_bias, h, d)
+    return lambda hyla: fla_chunk.chunk_gated_delta_rule_fla(q, k, v, g, beta, cu, pool, slots,
+                                                             segments=own if hyla else None)
 
 
 def mamba2(t: int):
@@ -64,7 +72,16 @@ def mamba2(t: int):
     a, d, dt_bias = -torch.rand(h, device=DEV), torch.randn(h, device=DEV), torch.randn(h, device=DEV)
     pool = torch.zeros(4, h, p, n, device=DEV)
     cu, slots = torch.tensor([0, t], device=DEV), torch.tensor([1], device=DEV)
-    return lambda: fla_chunk.mamba2_chunk_scan_fla(x, dt, a, b, c, d, dt_bias, cu, pool, slots)
+    scan = fla_chunk.scan_in_rounds
+
+    def call(hyla: bool):
+        if not hyla:  # the adapter's own segments kernel left out: fla's recurrent kernel runs
+            fla_chunk.scan_in_rounds = lambda *args: scan(*args[:6])
+        try:
+            return fla_chunk.mamba2_chunk_scan_fla(x, dt, a, b, c, d, dt_bias, cu, pool, slots)
+        finally:
+            fla_chunk.scan_in_rounds = scan
+    return call
 
 
 LAYERS = {"Gated DeltaNet, 16 heads of 128x128": gated_delta, "Mamba2, 64 heads of 64x128": mamba2}
@@ -79,26 +96,30 @@ def main() -> None:
     if not torch.cuda.is_available() or not fla_chunk.HAS_FLA:
         raise SystemExit("needs a CUDA device and fla (pip install 'hyla[cuda]')")
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = ["| layer | tokens | chunked (ms) | recurrent (ms) | recurrent / chunked |", "|---|---|---|---|---|"]
+    rows = ["| layer | tokens | fla chunked (ms) | fla recurrent (ms) | hyla recurrent (ms) | fla recurrent / chunked "
+            "| hyla / fla recurrent |", "|---|---|---|---|---|---|---|"]
     saved = fla_chunk.RECURRENT_MAX_LEN
     try:
         for name, make in LAYERS.items():
             for t in lengths:
                 fn = make(t)
                 fla_chunk.RECURRENT_MAX_LEN = 0
-                chunked = wall_us(fn, args.repeats)
+                chunked = wall_us(lambda: fn(False), args.repeats)
                 fla_chunk.RECURRENT_MAX_LEN = 1 << 62
-                recurrent = wall_us(fn, args.repeats)
-                print(f"{name}: T={t}: chunked {chunked:.0f} us, recurrent {recurrent:.0f} us", flush=True)
-                rows.append(f"| {name} | {t:,} | {chunked / 1e3:.2f} | {recurrent / 1e3:.2f} | "
-                            f"**{recurrent / chunked:.2f}x** |")
+                recurrent = wall_us(lambda: fn(False), args.repeats)
+                own = wall_us(lambda: fn(True), args.repeats)
+                print(f"{name}: T={t}: chunked {chunked:.0f} us, fla recurrent {recurrent:.0f} us, "
+                      f"hyla recurrent {own:.0f} us", flush=True)
+                rows.append(f"| {name} | {t:,} | {chunked / 1e3:.2f} | {recurrent / 1e3:.2f} | {own / 1e3:.2f} | "
+                            f"**{recurrent / chunked:.2f}x** | **{own / recurrent:.2f}x** |")
     finally:
         fla_chunk.RECURRENT_MAX_LEN = saved
     body = "\n".join([
         f"`.venv/bin/python benchmarks/fla_prefill.py --repeats {args.repeats}` — {machine()}; "
         f"one adapter call of one sequence, wall time (synchronized), medians of {args.repeats}.",
         "",
-        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with the recurrent kernel.",
+        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with a recurrent kernel "
+        "(hyla's own for these two layers).",
         "", *rows])
     print(body)
     if not args.no_write:
