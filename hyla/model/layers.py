@@ -390,6 +390,10 @@ class GatedDeltaNet(nn.Module):
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
         return self.out_proj(o.reshape(t, self.value_dim))
 
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)``."""
+        return self._neg_A(self.A_log) * F.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
+
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
         """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
         t = mixed.shape[0]
@@ -405,20 +409,20 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
-        beta = torch.sigmoid(b)  # [T, Hv]
-        g = self._neg_A(self.A_log) * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32, <= 0
+        if not batch.is_decode and chains is None and _fla_prefill(q, batch):  # fla's chunked Triton kernel; short
+            # rounds: hyla's recurrent kernel, which gates a and b itself (the gates computed only if fla runs)
+            segments = _gpu("gated_delta_decode").segment_kernel(mixed, a, b, self.A_log, self.dt_bias,
+                                                                 self.num_k_heads, self.head_k_dim)
+            return _gpu("fla_chunk").chunk_gated_delta_rule_fla(
+                q, k, v, None, None, batch.cu_seqlens, ssm_states, batch.state_slots,
+                **_ckpt_kwargs(batch, scan=False), segments=segments, gates=lambda: self._gates(a, b))
+        g, beta = self._gates(a, b)
         if batch.is_decode:
             o = recurrent_gated_delta_rule_update(q, k, v, g, beta, ssm_states, slots)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
             o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows)
-        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel (short rounds: hyla's recurrent kernel)
-            segments = _gpu("gated_delta_decode").segment_kernel(mixed, a, b, self.A_log, self.dt_bias,
-                                                                 self.num_k_heads, self.head_k_dim)
-            o = _gpu("fla_chunk").chunk_gated_delta_rule_fla(
-                q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch, scan=False),
-                segments=segments)
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),

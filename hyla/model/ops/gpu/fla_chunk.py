@@ -136,11 +136,12 @@ def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_to
                                    ssm_states.device)
 
 
-def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Tensor], out: torch.Tensor,
+def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
+                   xs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], out: torch.Tensor,
                    ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
-    ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``)
-    in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
+    ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``;
+    or a function returning them, called at the first round that runs fla) in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
     every token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence
     ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
     states go to their rows as their rounds end. Where the op has its own recurrent kernel
@@ -154,6 +155,8 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel, xs: Sequence[torch.Te
         if segments is not None and rnd.longest <= RECURRENT_MAX_LEN:
             segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out)
         else:
+            if callable(xs):
+                xs = xs()
             if rnd.span is not None:
                 part = [x[rnd.span[0]:rnd.span[1]] for x in xs]
             elif rnd.idx is not None:
@@ -206,8 +209,8 @@ def _delta_rule_fla(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
     v: torch.Tensor,  # [T, Hv, Dv]
-    g: torch.Tensor,  # [T, Hv] (Gated DeltaNet) or [T, Hv, Dk] (KDA) fp32 log-decay
-    beta: torch.Tensor,  # [T, Hv]
+    g: torch.Tensor | None,  # [T, Hv] (Gated DeltaNet) or [T, Hv, Dk] (KDA) fp32 log-decay
+    beta: torch.Tensor | None,  # [T, Hv]
     cu_seqlens: torch.Tensor,
     ssm_states: torch.Tensor,  # [S, Hv, Dk, Dv] fp32
     slots: torch.Tensor,
@@ -218,12 +221,17 @@ def _delta_rule_fla(
     tree=None,
     varlen: VarlenPlan | None = None,
     segments: SegmentKernel | None = None,
+    gates: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``o [T, Hv, Dv]`` (dtype of ``q``); pool rows updated in place as the reference does.
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
     read here; ``ckpt_*`` must then be None). ``segments``: the short rounds' kernel
-    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.segment_kernel``)."""
+    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.segment_kernel``). ``gates``:
+    instead of ``g`` and ``beta`` (then None), a function computing them, called only if a round
+    runs fla (hyla's kernel gates the raw inputs itself)."""
+    if (g is None) != (beta is None) or (g is None) == (gates is None):
+        raise ValueError("give g and beta, or gates instead of them")
     varlen = batch_plan(varlen, tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
 
     def chunk(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu):
@@ -235,7 +243,8 @@ def _delta_rule_fla(
                             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    return scan_in_rounds(chunk, recurrent, (q, k, v, g, beta), out, ssm_states, varlen, segments)
+    xs = (q, k, v, g, beta) if gates is None else lambda: (q, k, v, *gates())
+    return scan_in_rounds(chunk, recurrent, xs, out, ssm_states, varlen, segments)
 
 
 def mamba2_chunk_scan_fla(
