@@ -49,3 +49,16 @@ def chain_of(chain: torch.Tensor | None, slots: torch.Tensor, rows: int) -> tupl
         raise ValueError(f"chain must be [W+1, S] with unit column stride for {rows} = S*W rows, "
                          f"got {list(chain.shape)}")
     return w, chain, chain.shape[1]
+
+
+def segments_of(rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor,
+                shape: tuple[int, int, int]) -> int:
+    """The number of segments ``n`` of an extend's segments launch (``gated_delta_segments_fused``,
+    ``mamba2_segments_fused``): ``rows, starts [n]`` and ``cu_seqlens [n+1]`` must agree, and the
+    output ``out`` be ``shape = [T, heads, dim]`` with dense heads (rows may be strided)."""
+    if out.shape != shape or out.stride(2) != 1 or out.stride(1) != shape[2]:
+        raise ValueError(f"out must be {list(shape)} with dense heads, got {list(out.shape)}")
+    n = rows.shape[0]
+    if rows.dim() != 1 or starts.shape != (n,) or cu_seqlens.shape != (n + 1,):
+        raise ValueError(f"rows, starts [{n}] and cu_seqlens [{n + 1}] disagree")
+    return n

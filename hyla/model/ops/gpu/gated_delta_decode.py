@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of
+from hyla.model.ops.gpu import chain_of, segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
 
@@ -156,11 +156,7 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
         raise ValueError(f"qkv must be [T, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
     if a.shape != (t, num_v_heads) or b.shape != (t, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError(f"a and b must be [T={t}, Hv={num_v_heads}] with unit column stride")
-    if out.shape != (t, num_v_heads, dv) or out.stride(2) != 1 or out.stride(1) != dv:
-        raise ValueError(f"out must be [T={t}, {num_v_heads}, {dv}] with dense heads")
-    segments = rows.shape[0]
-    if starts.shape != (segments,) or cu_seqlens.shape != (segments + 1,):
-        raise ValueError(f"rows, starts [{segments}] and cu_seqlens [{segments + 1}] disagree")
+    segments = segments_of(rows, starts, cu_seqlens, out, (t, num_v_heads, dv))
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of
+from hyla.model.ops.gpu import chain_of, segments_of
 
 
 @triton.jit
@@ -156,11 +156,7 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
         raise ValueError("x [T, H*P], dt [T, H], B and C [T, G*N] (one row stride) must fit states")
     if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
         raise ValueError("x, dt, B and C need unit column stride")
-    if out.shape != (t, num_heads, head_dim) or out.stride(2) != 1 or out.stride(1) != head_dim:
-        raise ValueError(f"out must be [T={t}, {num_heads}, {head_dim}] with dense heads")
-    segments = rows.shape[0]
-    if starts.shape != (segments,) or cu_seqlens.shape != (segments + 1,):
-        raise ValueError(f"rows, starts [{segments}] and cu_seqlens [{segments + 1}] disagree")
+    segments = segments_of(rows, starts, cu_seqlens, out, (t, num_heads, head_dim))
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     bp = min(triton.next_power_of_2(head_dim), 32)
     _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
