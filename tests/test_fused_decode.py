@@ -628,7 +628,7 @@ def _install_all_fake_fla(monkeypatch, calls: list) -> None:
 def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     """The layers' calls into ``fla_chunk`` (what a bf16 prefill on a GPU runs: Gated DeltaNet, Mamba2
     as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced
-    on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5 and Bamba): an
+    on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5): an
     fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
     rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran (chunked; KDA's short rounds
     recurrent, the others' through hyla's recurrent kernels)."""
@@ -638,14 +638,15 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
 
     path = request.getfixturevalue("kimi_linear_path" if arch == "kimi_linear" else f"{arch}_short_path")
     opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
-    requests = 4  # the CUDA paths' kernels run interpreted: ~0.1 s a token through the attention prologue
+    requests = 3  # the CUDA paths' kernels run interpreted: ~0.1 s a token through the attention prologue
     with Engine(path, **opts) as plain:
         ref = _two_turns(plain, None, requests)
     calls: list = []
     _install_all_fake_fla(monkeypatch, calls)
     fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
     monkeypatch.setattr(layers, "_fla_prefill", fla_path)
-    if arch != "kimi_linear":  # the layers' CUDA paths, their kernels interpreted (Kimi's: its fla calls only)
+    if arch == "qwen3_5":  # the layers' CUDA paths, their kernels interpreted (Bamba's, Kimi's: their fla calls;
+        # Mamba2's CUDA conv and segments kernels are checked kernel by kernel, for CI's time)
         monkeypatch.setattr(layers, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
