@@ -66,11 +66,12 @@ SegmentKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
 
 @dataclass(frozen=True)
 class FlaRound:
-    """One varlen call of fla's kernel: sequences ``seqs`` (batch rows), their tokens ``idx`` of the
-    packed batch (None: every token in order, or the one run ``span``), ``cu_seqlens`` on the
-    device and on the host (fla then computes its chunk indices without a device read), and the
-    checkpoints whose position ends this round: rows ``ckpt_rows`` of the running state go to pool
-    rows ``ckpt_slots``."""
+    """One round: a varlen call of fla's kernel (or one launch of the op's own recurrent kernel,
+    segment ``i`` starting at packed token ``seg_starts[i]``): sequences ``seqs`` (batch rows),
+    their tokens ``idx`` of the packed batch (None: every token in order, or the one run ``span``),
+    ``cu_seqlens`` on the device and on the host (fla then computes its chunk indices without a
+    device read), and the checkpoints whose position ends this round: rows ``ckpt_rows`` of the
+    running state go to pool rows ``ckpt_slots``."""
 
     seqs: torch.Tensor
     seg_starts: torch.Tensor  # [n] each segment's first packed token
@@ -141,8 +142,9 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
                    ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
     ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``;
-    or a function returning them, called at the first round that runs fla) in the plan's rounds, writing its output rows into ``out [T, ...]`` (returned; a round covering
-    every token in order returns the kernel's output itself, cast to ``out``'s dtype). Sequence
+    or a function returning them, called at the first round that runs fla) in the plan's rounds,
+    writing its output rows into ``out [T, ...]`` (returned; a round covering every token in order
+    returns the kernel's output itself, cast to ``out``'s dtype). Sequence
     ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
     states go to their rows as their rounds end. Where the op has its own recurrent kernel
     (``segments``: Gated DeltaNet's, Mamba2's), the short rounds run it instead of fla's: one launch

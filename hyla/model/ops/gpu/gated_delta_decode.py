@@ -102,7 +102,8 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
     dt_bias = tl.load(dt_bias_ptr + hv)
     start = tl.load(starts_ptr + i).to(tl.int64)
     n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
-    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    ptr = state_ptr + row * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
     mask = mk[:, None] & mv[None, :]
     S = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32
     for j in range(n):  # the segment's tokens in order, the state in registers
