@@ -735,7 +735,7 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
     """Slots that are one run of pool rows: the rounds update the rows in place (no copy in and out)
     and hand fla every sequence's state whole; outputs and states equal the reference's, with a
     checkpoint cutting each sequence (one a token before its end) — through fla's recurrent kernel,
-    and through hyla's (``segments``: every round here is short)."""
+    and through hyla's (``segments``), a round of more than ``RECURRENT_MAX_TOKENS`` in all chunked."""
     from hyla.model.ops import gated_delta
     from hyla.model.ops.gpu import fla_chunk
     from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
@@ -745,6 +745,7 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
     ref_step = gated_delta.gated_delta_rule_ref
     _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=_fake_delta_rule(ref_step, "chunk", calls),
                       fused_recurrent_gated_delta_rule=_fake_delta_rule(ref_step, "recurrent", calls))
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_TOKENS", 7)  # a round of more tokens in all is chunked
     g = torch.Generator().manual_seed(5)
     hk, hv, dk, dv, t = 1, 2, 16, 8, 12
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
@@ -766,8 +767,9 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
                                                  segments=segments)
         _assert_close_to_reference(o, ref, torch.float32)
         _assert_close_to_reference(layer_pool, ref_pool, torch.float32)
-    if not GPU:  # rounds [0, 2) + [0, 6), then [2, 5) + seq 1's last token [6, 7): fla's, then none
-        assert [kind for kind, *_ in calls] == ["recurrent"] * 2
+    if not GPU:  # rounds [0, 2) + [0, 6) (8 tokens: chunked), then [2, 5) + seq 1's last token [6, 7)
+        # (4 tokens: fla's recurrent kernel, then hyla's)
+        assert [kind for kind, *_ in calls] == ["chunk", "recurrent", "chunk"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -27,7 +27,9 @@ Below ~1,000 tokens an fla call is host-bound, and the chunked one costs ~1 ms m
 (measured on an H100, one layer's call, wall time: Gated DeltaNet with 16 heads of 128x128, chunked
 ~1.5-1.9 ms at any length up to 2,048 tokens, recurrent 0.4-0.6 ms up to 256 tokens, 0.9 ms at 512,
 1.5 ms at 1,024, 3.7 ms at 2,048; Mamba2 with 64 heads of 64x128 alike), so the bound is 512 (hyla's
-own kernels are not yet timed on a GPU: ``benchmarks/fla_prefill.py`` times them beside fla's). The
+own kernels are not yet timed on a GPU: ``benchmarks/fla_prefill.py`` times them beside fla's); and
+a round of more than ``RECURRENT_MAX_TOKENS`` tokens in all (a large batch of short prompts) is
+device-bound, so it stays chunked (a bound set by reasoning, not yet by a measurement). The
 pool rules are ``varlen.py``'s (fp32 states, ``-1`` slots start from zeros and write nothing, all
 reads before all writes); the running states are the pool rows themselves when the slots are one
 run (``open_state_rows``), each sequence writing only its own row.
@@ -52,7 +54,14 @@ from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
-RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs fla's fused recurrent kernel
+RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs a recurrent kernel,
+RECURRENT_MAX_TOKENS = 4096  # unless it has more tokens in all than this: a recurrent kernel runs each
+# segment token by token, so a large batch of them is device-bound, where the chunked pipeline is not
+
+
+def _recurrent(rnd: "FlaRound") -> bool:
+    """Whether a round runs a recurrent kernel (short segments, a host-bound round) or fla's chunked one."""
+    return rnd.longest <= RECURRENT_MAX_LEN and rnd.tokens <= RECURRENT_MAX_TOKENS
 
 # kernel(*per-token inputs of the round, each [1, t, ...], initial_state [n, *state] fp32,
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
@@ -78,7 +87,8 @@ class FlaRound:
     every: bool  # seqs is every sequence of the batch, in order: the running states are passed whole
     idx: torch.Tensor | None
     span: tuple[int, int] | None  # the tokens are one run start:end of the packed batch (slices, no gather)
-    longest: int  # the longest segment's tokens: the recurrent kernel at most RECURRENT_MAX_LEN
+    longest: int  # the longest segment's tokens (a recurrent kernel: at most RECURRENT_MAX_LEN)
+    tokens: int  # the round's tokens in all (a recurrent kernel: at most RECURRENT_MAX_TOKENS)
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     ckpt_rows: torch.Tensor | None
@@ -117,7 +127,8 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
         rounds.append(FlaRound(
             seqs=parts[1], seg_starts=parts[4], every=[i for i, _, _ in segs] == list(range(len(lengths))),
             idx=parts[5] if len(parts) > 5 else None, span=None if whole else span,
-            longest=max(e - a for _, a, e in segs), cu_seqlens=parts[0], cu_seqlens_cpu=cu,
+            longest=max(e - a for _, a, e in segs), tokens=sum(e - a for _, a, e in segs), cu_seqlens=parts[0],
+            cu_seqlens_cpu=cu,
             ckpt_rows=parts[2] if done else None, ckpt_slots=parts[3] if done else None))
     return rounds
 
@@ -141,7 +152,7 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
                    xs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], out: torch.Tensor,
                    ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
-    ``RECURRENT_MAX_LEN`` tokens) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``;
+    ``RECURRENT_MAX_LEN`` tokens and ``RECURRENT_MAX_TOKENS`` in all) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``;
     or a function returning them, called at the first round that runs fla) in the plan's rounds,
     writing its output rows into ``out [T, ...]`` (returned; a round covering every token in order
     returns the kernel's output itself, cast to ``out``'s dtype). Sequence
@@ -154,7 +165,7 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
     # [B, *state]: the pool rows themselves when the slots are one run (fp32 pools), else a copy (zeros for -1)
     state, write_back = open_state_rows(ssm_states, varlen.slots, torch.float32)
     for rnd in fla_rounds(varlen, out.device):
-        if segments is not None and rnd.longest <= RECURRENT_MAX_LEN:
+        if segments is not None and _recurrent(rnd):
             segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out)
         else:
             if callable(xs):
@@ -165,7 +176,7 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
                 part = [x.index_select(0, rnd.idx) for x in xs]
             else:
                 part = list(xs)
-            kernel = recurrent if rnd.longest <= RECURRENT_MAX_LEN else chunk
+            kernel = recurrent if _recurrent(rnd) else chunk
             initial = state if rnd.every else state.index_select(0, rnd.seqs)
             o, final = kernel(*(x.unsqueeze(0) for x in part), initial_state=initial,
                               cu_seqlens=rnd.cu_seqlens, cu_seqlens_cpu=rnd.cu_seqlens_cpu)
