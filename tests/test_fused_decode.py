@@ -79,13 +79,15 @@ def test_conv1d_update_kernel(dtype, bias, activation):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("activation", ["silu", None])
-def test_conv1d_extend_kernel(dtype, bias, activation):
+@pytest.mark.parametrize("early", [True, False])
+def test_conv1d_extend_kernel(dtype, bias, activation, early):
     """An extend's conv in Triton (``conv1d_extend``) == the PyTorch op (``causal_conv1d_varlen``):
     outputs, final windows and checkpoint windows, for sequences shorter than the window (their
-    inputs partly from the pool), an empty one, a padding slot (zeros, no write), and checkpoints
-    whose windows reach back into the window their sequence's final one overwrites."""
+    inputs partly from the pool), an empty one, a padding slot (zeros, no write), and (``early``)
+    checkpoints whose windows reach back into the window their sequence's final one overwrites,
+    which take a launch of their own; without them one launch writes every window."""
     from hyla.model.ops.conv1d import causal_conv1d_varlen
-    from hyla.model.ops.gpu.conv1d_extend import causal_conv1d_varlen_fused
+    from hyla.model.ops.gpu.conv1d_extend import _extend_rows, causal_conv1d_varlen_fused
     from hyla.model.ops.varlen import VarlenPlan
 
     g = torch.Generator().manual_seed(1)
@@ -99,10 +101,15 @@ def test_conv1d_extend_kernel(dtype, bias, activation):
     ref_pool = pool.clone()
     cu = torch.tensor([0, 2, 2, 39, 40, 60], device=DEVICE)
     slots = torch.tensor(slot_list, device=DEVICE)
-    ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 4], device=DEVICE),  # after 1 of 2 tokens; 1, 16 and 36 of 37
-                ckpt_len=torch.tensor([1, 1, 16, 36, 20], device=DEVICE),
-                ckpt_slot=torch.tensor([0, 1, 2, 4, 6], device=DEVICE))
+    if early:  # after 1 of 2 tokens; 1, 16 and 36 of 37; 20 of 20
+        ckpt = dict(ckpt_seq=torch.tensor([0, 2, 2, 2, 4], device=DEVICE),
+                    ckpt_len=torch.tensor([1, 1, 16, 36, 20], device=DEVICE),
+                    ckpt_slot=torch.tensor([0, 1, 2, 4, 6], device=DEVICE))
+    else:  # none within its sequence's first K-2 tokens
+        ckpt = dict(ckpt_seq=torch.tensor([2, 2, 4], device=DEVICE), ckpt_len=torch.tensor([16, 36, 20], device=DEVICE),
+                    ckpt_slot=torch.tensor([1, 2, 6], device=DEVICE))
     plan = VarlenPlan.from_tensors(cu, t, slots, pool, *ckpt.values(), pool.device)
+    assert len(_extend_rows(plan, k, pool.device).windows) == (2 if early else 1)
     y = causal_conv1d_varlen_fused(x, w, bb, pool, plan, activation)
     ref = causal_conv1d_varlen(x, w, bb, cu, ref_pool, slots, activation, **ckpt)
     assert y.dtype == dtype

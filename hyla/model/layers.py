@@ -302,7 +302,7 @@ def _copy_decode_checkpoints(pool: torch.Tensor, batch: ForwardBatch) -> None:
 def conv1d_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                   batch: ForwardBatch, activation: str | None) -> torch.Tensor:
     """An extend step's causal conv ``x [T, C] -> [T, C]`` on the conv-state pool, with the batch's
-    checkpoints: on CUDA, for the chunked paths (no token trees, no short extends), three Triton
+    checkpoints: on CUDA, for the chunked paths (no token trees, no short extends), two Triton
     launches (``gpu/conv1d_extend.py``); elsewhere the PyTorch op (``ops/conv1d.py``)."""
     if _on_gpu(x) and batch.tree_scan is None and batch.varlen is not None:
         return _gpu("conv1d_extend").causal_conv1d_varlen_fused(x, weight, bias, conv_states, batch.varlen, activation)

@@ -8,14 +8,15 @@ column of the sequence's window ``conv_states[s_i] [C, K-1]`` (zeros for ``s_i =
     y[t, c] = act(sum_k w[c, k] * input_k + bias[c])     (fp32, the taps in order, then the bias)
 
 Where PyTorch lays every window in front of its tokens in a new buffer (a concatenation, a
-multiply and an add per tap, casts, gathers: ~16 launches per layer), this is three launches:
+multiply and an add per tap, casts, gathers: ~16 launches per layer), this is two launches:
 
 * :func:`_conv1d_extend_kernel`: every output, program ``(block of tokens, block of channels)``,
   the window columns read straight from the pool;
-* :func:`_conv1d_windows_kernel`, twice: the windows after the checkpoints' positions, into their
-  rows, then each sequence's final window into its own row (after every read of it: the outputs
-  and the checkpoint windows read the old one). A window after ``n`` tokens is the ``K-1`` inputs
-  ending at the ``n``-th, each program loading all of them before it stores.
+* :func:`_conv1d_windows_kernel`: the windows after the checkpoints' positions, into their rows,
+  and each sequence's final window into its own row, after the outputs have read the old one. A
+  window after ``n`` tokens is the ``K-1`` inputs ending at the ``n``-th, each program loading all
+  of them before it stores. A checkpoint within a sequence's first ``K-2`` tokens reads that old
+  window too: then the checkpoints' windows get a launch of their own, before the final ones.
 
 The per-step index tensors (each token's sequence, the windows to write) are built on the host
 once per step (``VarlenPlan.derive``) and sent in one copy, so the step reads nothing back.
@@ -96,27 +97,28 @@ class _ExtendRows:
 
     tok_seq: torch.Tensor  # [T] each packed token's sequence
     starts: torch.Tensor  # [B] each sequence's first packed token
-    ckpt_seq: torch.Tensor | None  # [M] the checkpoints' sequences (their rows: VarlenPlan.ckpts.slot)
-    ckpt_len: torch.Tensor | None  # [M] the tokens each checkpoint's window follows
-    final_seq: torch.Tensor | None  # [F] the sequences that write a final window (slot >= 0)
-    final_len: torch.Tensor | None  # [F] their lengths
-    final_dst: torch.Tensor | None  # [F] their rows
+    # the windows to write, one launch each, in order: (sequence, tokens it follows, destination row) [W] each
+    windows: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
 
-def _extend_rows(varlen: VarlenPlan, device: torch.device) -> _ExtendRows:
+def _extend_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> _ExtendRows:
     def build() -> _ExtendRows:
-        lengths, ckpts = varlen.lengths, varlen.ckpts
-        live = [i for i, s in enumerate(varlen.slots.host) if s >= 0]
+        lengths, ckpts, slots = varlen.lengths, varlen.ckpts, varlen.slots.host
+        live = [i for i, s in enumerate(slots) if s >= 0]  # the sequences that write a final window
+        ckpt_windows = (list(ckpts.seq), list(ckpts.num_tokens), list(ckpts.slot_list))
+        final_windows = (live, [lengths[i] for i in live], [slots[i] for i in live])
+        if any(n < kernel - 1 for n in ckpts.num_tokens):  # a checkpoint's window reaches into its sequence's
+            # old window, which the final windows replace: the checkpoints' launch first, then the final one
+            groups = [ckpt_windows, final_windows]
+        else:  # one launch
+            groups = [tuple(c + f for c, f in zip(ckpt_windows, final_windows))]
+        groups = [g for g in groups if g[0]]
         long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-        host = [torch.repeat_interleave(torch.arange(len(lengths)), long(lengths)), long(varlen.starts[:-1]),
-                long(ckpts.seq), long(ckpts.num_tokens), long(live), long([lengths[i] for i in live]),
-                long([varlen.slots.host[i] for i in live])]
-        tok_seq, starts, cseq, clen, fseq, flen, fdst = to_device_packed(host, device)
-        has_ckpts = ckpts.num_checkpoints > 0
-        return _ExtendRows(tok_seq, starts, cseq if has_ckpts else None, clen if has_ckpts else None,
-                           fseq if live else None, flen if live else None, fdst if live else None)
+        host = [torch.repeat_interleave(torch.arange(len(lengths)), long(lengths)), long(varlen.starts[:-1])]
+        parts = to_device_packed(host + [long(column) for g in groups for column in g], device)
+        return _ExtendRows(parts[0], parts[1], tuple(tuple(parts[2 + 3 * i: 5 + 3 * i]) for i in range(len(groups))))
 
-    return varlen.derive(("conv1d_extend", device), build)
+    return varlen.derive(("conv1d_extend", kernel, device), build)
 
 
 def causal_conv1d_varlen_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -138,7 +140,7 @@ def causal_conv1d_varlen_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
         raise ValueError(f"unsupported activation {activation!r}")
     if x.stride(1) != 1 or varlen.starts[-1] != t:
         raise ValueError(f"x must be [T={varlen.starts[-1]}, C] with unit stride along channels")
-    rows = _extend_rows(varlen, x.device)
+    rows = _extend_rows(varlen, k, x.device)
     slots = varlen.slots.index
     y = torch.empty(t, c, dtype=x.dtype, device=x.device)
     block_t, block_c = 16, 128
@@ -147,10 +149,8 @@ def causal_conv1d_varlen_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
             x, x.stride(0), weight, bias if bias is not None else weight, conv_states, conv_states.stride(0),
             rows.tok_seq, rows.starts, slots, y, t, c, K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
             BLOCK_T=block_t, BLOCK_C=block_c)
-    windows = [(rows.ckpt_seq, rows.ckpt_len, varlen.ckpts.slot), (rows.final_seq, rows.final_len, rows.final_dst)]
-    for seq, n, dst in windows:  # checkpoints first: they may read a window the final ones overwrite
-        if seq is not None:
-            _conv1d_windows_kernel[(seq.shape[0], triton.cdiv(c, block_c))](
-                x, x.stride(0), conv_states, conv_states.stride(0), seq, n, dst, rows.starts, slots, c, K=k,
-                BLOCK_W=triton.next_power_of_2(k - 1), BLOCK_C=block_c)
+    for seq, n, dst in rows.windows:  # after the outputs, which read the old windows
+        _conv1d_windows_kernel[(seq.shape[0], triton.cdiv(c, block_c))](
+            x, x.stride(0), conv_states, conv_states.stride(0), seq, n, dst, rows.starts, slots, c, K=k,
+            BLOCK_W=triton.next_power_of_2(k - 1), BLOCK_C=block_c)
     return y
