@@ -62,3 +62,23 @@ def segments_of(rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tens
     if rows.dim() != 1 or starts.shape != (n,) or cu_seqlens.shape != (n + 1,):
         raise ValueError(f"rows, starts [{n}] and cu_seqlens [{n + 1}] disagree")
     return n
+
+
+def conv_kernel_size(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                     activation: str | None) -> int:
+    """The conv kernels' shared checks (``conv1d_decode``, ``conv1d_extend``): ``x [R, C]`` with unit
+    stride along channels, ``weight [C, K]`` contiguous, ``bias [C] | None``, ``conv_states [S, C,
+    K-1]`` contiguous, a supported activation. Returns ``K``."""
+    c = x.shape[1]
+    k = weight.shape[1] if weight.dim() == 2 else 0
+    if weight.shape != (c, k) or not weight.is_contiguous() or k < 2:
+        raise ValueError(f"weight must be a contiguous [C={c}, K>=2] tensor, got {list(weight.shape)}")
+    if bias is not None and bias.shape != (c,):
+        raise ValueError(f"bias must be [{c}], got {list(bias.shape)}")
+    if conv_states.shape[1:] != (c, k - 1) or not conv_states.is_contiguous():
+        raise ValueError(f"conv_states must be a contiguous [S, {c}, {k - 1}] pool, got {list(conv_states.shape)}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    if x.stride(1) != 1:
+        raise ValueError("x must have unit stride along channels")
+    return k

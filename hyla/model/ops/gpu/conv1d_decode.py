@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of
+from hyla.model.ops.gpu import chain_of, conv_kernel_size
 
 
 @triton.jit
@@ -65,16 +65,8 @@ def causal_conv1d_update_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
     or along ``chain [W+1, B/W]`` (the module docstring; ``slots`` then unused). Shapes are checked
     here on the host; slot values are the batch builder's to validate."""
     b, c = x.shape
-    k = weight.shape[1]
-    if weight.shape != (c, k) or not weight.is_contiguous() or k < 2:
-        raise ValueError(f"weight must be a contiguous [C={c}, K>=2] tensor, got {list(weight.shape)}")
-    if conv_states.shape[1:] != (c, k - 1) or not conv_states.is_contiguous():
-        raise ValueError(f"conv_states must be a contiguous [S, {c}, {k - 1}] pool, got {list(conv_states.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
+    k = conv_kernel_size(x, weight, bias, conv_states, activation)
     w, chain, seqs = chain_of(chain, slots, b)
-    if x.stride(1) != 1:
-        raise ValueError("x must have unit stride along channels")
     y = torch.empty(b, c, dtype=x.dtype, device=x.device)
     block = 256
     _conv1d_update_kernel[(seqs, triton.cdiv(c, block))](

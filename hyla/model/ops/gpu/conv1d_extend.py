@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from hyla.cache.transfer import to_device_packed
+from hyla.model.ops.gpu import conv_kernel_size
 from hyla.model.ops.varlen import VarlenPlan
 
 
@@ -129,17 +130,9 @@ def causal_conv1d_varlen_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
     ``conv_states [S, C, K-1]``; each final window goes back to its row and each checkpoint's
     window to the checkpoint's row, as :func:`~hyla.model.ops.conv1d.causal_conv1d_varlen` does."""
     t, c = x.shape
-    k = weight.shape[1] if weight.dim() == 2 else 0
-    if weight.shape != (c, k) or not weight.is_contiguous() or k < 2:
-        raise ValueError(f"weight must be a contiguous [C={c}, K>=2] tensor, got {list(weight.shape)}")
-    if bias is not None and bias.shape != (c,):
-        raise ValueError(f"bias must be [{c}], got {list(bias.shape)}")
-    if conv_states.shape[1:] != (c, k - 1) or not conv_states.is_contiguous():
-        raise ValueError(f"conv_states must be a contiguous [S, {c}, {k - 1}] pool, got {list(conv_states.shape)}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
-    if x.stride(1) != 1 or varlen.starts[-1] != t:
-        raise ValueError(f"x must be [T={varlen.starts[-1]}, C] with unit stride along channels")
+    k = conv_kernel_size(x, weight, bias, conv_states, activation)
+    if varlen.starts[-1] != t:
+        raise ValueError(f"x has {t} tokens, the varlen plan {varlen.starts[-1]}")
     rows = _extend_rows(varlen, k, x.device)
     slots = varlen.slots.index
     y = torch.empty(t, c, dtype=x.dtype, device=x.device)

@@ -114,6 +114,23 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
     tl.store(ptr, S, mask=mask)
 
 
+def _check_inputs(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, states: torch.Tensor, num_k_heads: int,
+                  head_k_dim: int) -> tuple[int, int, int]:
+    """The kernels' shared checks: ``qkv [R, 2*Hk*Dk + Hv*Dv]``, ``a, b [R, Hv]`` (unit column
+    stride, rows may be strided) against ``states [S, Hv, Dk, Dv]`` fp32 contiguous. Returns
+    ``(Hv, Dk, Dv)``."""
+    rows = qkv.shape[0]
+    num_v_heads, dk, dv = states.shape[1:]
+    if dk != head_k_dim or num_v_heads % num_k_heads or states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"ssm_states must be a contiguous fp32 [S, Hv, {head_k_dim}, Dv] tensor with Hv a multiple "
+                         f"of {num_k_heads}, got {list(states.shape)} {states.dtype}")
+    if qkv.shape[1] != 2 * num_k_heads * dk + num_v_heads * dv or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [{rows}, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
+    if a.shape != (rows, num_v_heads) or b.shape != (rows, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError(f"a and b must be [{rows}, Hv={num_v_heads}] with unit column stride")
+    return num_v_heads, dk, dv
+
+
 def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                              dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
                              num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,15 +138,7 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
     (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, Hv, Dv]`` in qkv's dtype."""
     batch = qkv.shape[0]
-    num_v_heads, dk, dv = ssm_states.shape[1:]
-    if dk != head_k_dim or num_v_heads % num_k_heads or ssm_states.dtype != torch.float32 \
-            or not ssm_states.is_contiguous():
-        raise ValueError(f"ssm_states must be a contiguous fp32 [S, Hv, {head_k_dim}, Dv] pool with Hv a multiple "
-                         f"of {num_k_heads}, got {list(ssm_states.shape)} {ssm_states.dtype}")
-    if qkv.shape[1] != 2 * num_k_heads * dk + num_v_heads * dv or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [B, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
-    if a.shape != (batch, num_v_heads) or b.shape != (batch, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"a and b must be [B={batch}, Hv={num_v_heads}] with unit column stride")
+    num_v_heads, dk, dv = _check_inputs(qkv, a, b, ssm_states, num_k_heads, head_k_dim)
     w, chain, seqs = chain_of(chain, slots, batch)
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
@@ -148,16 +157,8 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
     ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``qkv [T, ...]`` (post-conv)
     and the raw gates ``a, b [T, Hv]``, run from ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32,
     updated in place), its outputs written into those rows of ``out [T, Hv, Dv]``."""
-    num_v_heads, dk, dv = states.shape[1:]
-    if dk != head_k_dim or num_v_heads % num_k_heads or states.dtype != torch.float32 or not states.is_contiguous():
-        raise ValueError(f"states must be a contiguous fp32 [B, Hv, {head_k_dim}, Dv] tensor with Hv a multiple "
-                         f"of {num_k_heads}, got {list(states.shape)} {states.dtype}")
-    t = qkv.shape[0]
-    if qkv.shape[1] != 2 * num_k_heads * dk + num_v_heads * dv or qkv.stride(1) != 1:
-        raise ValueError(f"qkv must be [T, {2 * num_k_heads * dk + num_v_heads * dv}] with unit column stride")
-    if a.shape != (t, num_v_heads) or b.shape != (t, num_v_heads) or a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"a and b must be [T={t}, Hv={num_v_heads}] with unit column stride")
-    segments = segments_of(rows, starts, cu_seqlens, out, (t, num_v_heads, dv))
+    num_v_heads, dk, dv = _check_inputs(qkv, a, b, states, num_k_heads, head_k_dim)
+    segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], num_v_heads, dv))
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](

@@ -107,6 +107,24 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
     tl.store(ptr, S, mask=mask)
 
 
+def _check_inputs(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                  states: torch.Tensor) -> tuple[int, int, int, int]:
+    """The kernels' shared checks: ``x [R, H*P]``, ``dt [R, H]``, ``B, C [R, G*N]`` (unit column
+    stride; B and C one row stride) against ``states [S, H, P, N]`` fp32 contiguous. Returns
+    ``(H, P, N, G)``."""
+    rows = x.shape[0]
+    num_heads, head_dim, n = states.shape[1:]
+    groups = B.shape[1] // n
+    if states.dtype != torch.float32 or not states.is_contiguous() or num_heads % max(groups, 1):
+        raise ValueError(f"ssm_states must be a contiguous fp32 [S, H, P, N] tensor, got {list(states.shape)}")
+    if x.shape != (rows, num_heads * head_dim) or dt.shape != (rows, num_heads) \
+            or B.shape != (rows, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
+        raise ValueError("x [R, H*P], dt [R, H], B and C [R, G*N] (one row stride) must fit ssm_states")
+    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
+        raise ValueError("x, dt, B and C need unit column stride")
+    return num_heads, head_dim, n, groups
+
+
 def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                               D: torch.Tensor | None, dt_bias: torch.Tensor | None, ssm_states: torch.Tensor,
                               slots: torch.Tensor, dt_limit: tuple[float, float] | None = None,
@@ -116,15 +134,7 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     place at ``slots [B]`` (or along ``chain [W+1, B/W]``: the module docstring) -> ``y [B, H, P]``
     in x's dtype."""
     batch = x.shape[0]
-    num_heads, head_dim, n = ssm_states.shape[1:]
-    groups = B.shape[1] // n
-    if ssm_states.dtype != torch.float32 or not ssm_states.is_contiguous() or num_heads % max(groups, 1):
-        raise ValueError(f"ssm_states must be a contiguous fp32 [S, H, P, N] pool, got {list(ssm_states.shape)}")
-    if x.shape != (batch, num_heads * head_dim) or dt.shape != (batch, num_heads) \
-            or B.shape != (batch, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
-        raise ValueError("x [B, H*P], dt [B, H], B and C [B, G*N] (one row stride) must fit ssm_states")
-    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
-        raise ValueError("x, dt, B and C need unit column stride")
+    num_heads, head_dim, n, groups = _check_inputs(x, dt, B, C, ssm_states)
     w, chain, seqs = chain_of(chain, slots, batch)
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
@@ -146,17 +156,8 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``x [T, H*P]``,
     raw ``dt [T, H]``, ``B, C [T, G*N]``, run from ``states[rows[i]]`` (``[B, H, P, N]`` fp32,
     updated in place), its outputs written into those rows of ``out [T, H, P]``."""
-    t = x.shape[0]
-    num_heads, head_dim, n = states.shape[1:]
-    groups = B.shape[1] // n
-    if states.dtype != torch.float32 or not states.is_contiguous() or num_heads % max(groups, 1):
-        raise ValueError(f"states must be a contiguous fp32 [B, H, P, N] tensor, got {list(states.shape)}")
-    if x.shape != (t, num_heads * head_dim) or dt.shape != (t, num_heads) \
-            or B.shape != (t, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
-        raise ValueError("x [T, H*P], dt [T, H], B and C [T, G*N] (one row stride) must fit states")
-    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
-        raise ValueError("x, dt, B and C need unit column stride")
-    segments = segments_of(rows, starts, cu_seqlens, out, (t, num_heads, head_dim))
+    num_heads, head_dim, n, groups = _check_inputs(x, dt, B, C, states)
+    segments = segments_of(rows, starts, cu_seqlens, out, (x.shape[0], num_heads, head_dim))
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     bp = min(triton.next_power_of_2(head_dim), 32)
     _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
