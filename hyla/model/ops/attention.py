@@ -52,8 +52,8 @@ def paged_attention(
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
-    return paged_attention_written(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
-                                   tree_masks, kv_starts)
+    return _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks,
+                   kv_starts)
 
 
 def paged_attention_written(
@@ -70,24 +70,32 @@ def paged_attention_written(
 ) -> torch.Tensor:
     """:func:`paged_attention` once the new tokens' K/V are in the pool (on CUDA the attention
     layer's prologue kernel writes them: ``gpu.decode_attention.decode_qk_prologue``)."""
-    if sum(extend_lens) != q.shape[0]:
-        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, but there are {q.shape[0]} new tokens")
-    if len(prefix_lens) != len(extend_lens) or kv_indptr.numel() != len(extend_lens) + 1:
-        raise ValueError("prefix_lens, extend_lens and kv_indptr disagree on the batch size")
+    _check_batch(q.shape[0], kv_indptr, prefix_lens, extend_lens)
+    return _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks,
+                   kv_starts)
+
+
+def _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks, kv_starts):
+    """Both entry points' attention over the pool, their inputs checked."""
     if tree_masks is None and all(n == 1 for n in extend_lens):
         return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
     return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
                              tree_masks, kv_starts)
 
 
+def _check_batch(num_tokens: int, kv_indptr: torch.Tensor, prefix_lens: Sequence[int],
+                 extend_lens: Sequence[int]) -> None:
+    if sum(extend_lens) != num_tokens:
+        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, but there are {num_tokens} new tokens")
+    if len(prefix_lens) != len(extend_lens) or kv_indptr.numel() != len(extend_lens) + 1:
+        raise ValueError("prefix_lens, extend_lens and kv_indptr disagree on the batch size")
+
+
 def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens) -> None:
     t = q.shape[0]
     if k.shape[0] != t or v.shape[0] != t or out_cache_loc.numel() != t:
         raise ValueError(f"q, k, v and out_cache_loc disagree on the token count ({t})")
-    if sum(extend_lens) != t:
-        raise ValueError(f"extend_lens sum to {sum(extend_lens)}, but there are {t} new tokens")
-    if len(prefix_lens) != len(extend_lens) or kv_indptr.numel() != len(extend_lens) + 1:
-        raise ValueError("prefix_lens, extend_lens and kv_indptr disagree on the batch size")
+    _check_batch(t, kv_indptr, prefix_lens, extend_lens)
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
     if k.shape[1:] != k_buffer.shape[1:]:
