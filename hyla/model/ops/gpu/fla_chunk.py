@@ -63,6 +63,7 @@ def _recurrent(rnd: "FlaRound") -> bool:
     """Whether a round runs a recurrent kernel (short segments, a host-bound round) or fla's chunked one."""
     return rnd.longest <= RECURRENT_MAX_LEN and rnd.tokens <= RECURRENT_MAX_TOKENS
 
+
 # kernel(*per-token inputs of the round, each [1, t, ...], initial_state [n, *state] fp32,
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
 #   -> (out [1, t, ...], final [n, *state])
@@ -152,8 +153,9 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
                    xs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], out: torch.Tensor,
                    ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
-    ``RECURRENT_MAX_LEN`` tokens and ``RECURRENT_MAX_TOKENS`` in all) over the packed batch's per-token inputs ``xs`` (each ``[T, ...]``;
-    or a function returning them, called at the first round that runs fla) in the plan's rounds,
+    ``RECURRENT_MAX_LEN`` tokens and ``RECURRENT_MAX_TOKENS`` in all) over the packed batch's
+    per-token inputs ``xs`` (each ``[T, ...]``; or a function returning them, called at the first
+    round that runs fla) in the plan's rounds,
     writing its output rows into ``out [T, ...]`` (returned; a round covering every token in order
     returns the kernel's output itself, cast to ``out``'s dtype). Sequence
     ``i`` starts from ``ssm_states[slots[i]]`` and its final state goes back there; checkpoint
@@ -296,11 +298,14 @@ def mamba2_chunk_scan_fla(
 
     varlen = batch_plan(varlen, tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot)
     num_heads = x.shape[1]
-    dtf = ssd.discretize_dt(dt, dt_bias, dt_limit)  # [T, H] fp32
-    g = dtf * A.float()  # [T, H] fp32 log-decay
-    v = (x.float() * dtf.unsqueeze(-1)).to(x.dtype)  # [T, H, P]
-    k = ssd.repeat_groups(B, num_heads, x.dtype)  # [T, H, N]
-    q = ssd.repeat_groups(C, num_heads, x.dtype)  # [T, H, N]
+
+    def gla_inputs():  # fla's simple-GLA inputs, computed only if a round runs fla (hyla's kernel takes the raw ones)
+        dtf = ssd.discretize_dt(dt, dt_bias, dt_limit)  # [T, H] fp32
+        g = dtf * A.float()  # [T, H] fp32 log-decay
+        v = (x.float() * dtf.unsqueeze(-1)).to(x.dtype)  # [T, H, P]
+        k = ssd.repeat_groups(B, num_heads, x.dtype)  # [T, H, N]
+        q = ssd.repeat_groups(C, num_heads, x.dtype)  # [T, H, N]
+        return q, k, v, g
 
     def chunk(q, k, v, g, initial_state, cu_seqlens, cu_seqlens_cpu):
         return chunk_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state, output_final_state=True,
@@ -314,7 +319,7 @@ def mamba2_chunk_scan_fla(
         mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
                               cu_seqlens, out, dt_limit)
 
-    y = scan_in_rounds(chunk, recurrent, (q, k, v, g), torch.empty(x.shape, dtype=x.dtype, device=x.device),
+    y = scan_in_rounds(chunk, recurrent, gla_inputs, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        ssm_states, varlen, segments)  # [T, H, P]
     if D is not None:
         y = (y.float() + D.float()[:, None] * x.float()).to(x.dtype)
