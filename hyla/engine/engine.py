@@ -438,14 +438,13 @@ class Engine:
         starts = list(logprob_start_len) if isinstance(logprob_start_len, (list, tuple)) else [logprob_start_len] * n
         if len(starts) != n:
             raise ValueError(f"{len(starts)} logprob_start_len values for {n} requests")
-        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k)
+        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
-        for req in reqs:
-            req.speculative_checkpoints = speculative_checkpoints
         return reqs, single
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
-                      rid: str | None, namespace: Any, logprob_start_len: int = -1) -> Req:
+                      rid: str | None, namespace: Any, logprob_start_len: int = -1,
+                      speculative_checkpoints: bool = False) -> Req:
         if self.sampling_defaults and (params is None or isinstance(params, dict)):
             params = {**self.sampling_defaults, **(params or {})}
         sp = SamplingParams.from_dict(params)
@@ -478,8 +477,9 @@ class Engine:
                              f"[0, {len(ids)}), got {logprob_start_len!r}")
         if logprob_start_len >= 0 and not return_logprob:
             raise ValueError("logprob_start_len asks for prompt logprobs: set return_logprob too")
-        return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints, namespace=namespace,
-                   return_logprob=return_logprob, logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
+        return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints,
+                   speculative_checkpoints=speculative_checkpoints, namespace=namespace, return_logprob=return_logprob,
+                   logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
 
     def _submit(self, reqs: list[Req]) -> None:
         with self._inbox_lock:  # requests still in the inbox count as queued too
