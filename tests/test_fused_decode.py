@@ -665,6 +665,21 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
+def _gated_delta_raw_inputs(rnd, t: int, hk: int, hv: int, dk: int, dv: int):
+    """A Gated DeltaNet layer's raw extend inputs — the post-conv projection ``qkv``, the gates
+    ``a, b`` as strided splits of the projection — gated as the layer gates them: ``(q, k, v, g,
+    beta)`` views and gates for fla's ops, and the layer's recurrent ``segment_kernel`` on the raw ones."""
+    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
+
+    qkv = rnd(t, 2 * hk * dk + hv * dv)
+    q, k, v = (x.view(t, -1, d) for x, d in zip(qkv.split([hk * dk, hk * dk, hv * dv], 1), (dk, dk, dv)))
+    proj = rnd(t, 2 * hv + 3)  # [.. | b | a | ..]
+    b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
+    return q, k, v, gate, beta, segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)
+
+
 @pytest.mark.parametrize("op", ["gated_delta", "kda"])
 def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     """The segment rounds of ``chunk_gated_delta_rule_fla`` and ``chunk_kda_fla`` (checkpoints cut
@@ -695,16 +710,7 @@ def test_fla_prefill_rounds_take_exact_checkpoints(monkeypatch, op):
     beta = torch.rand(t, hv, generator=g).to(DEVICE)
     segments = None
     if op == "gated_delta":  # the layer's raw inputs, gated as the layer gates them, and its recurrent kernel
-        from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
-
-        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
-        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], 1)
-        q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
-        proj = rnd(t, 2 * hv + 3)  # [.. | b | a | ..]: gates with a row stride, as splits of the projection
-        b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
-        a_log, dt_bias = rnd(hv), rnd(hv)
-        gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
-        segments = segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)
+        q, k, v, gate, beta, segments = _gated_delta_raw_inputs(rnd, t, hk, hv, dk, dv)
     cu = torch.tensor([0, 9, 9, 159, 160], device=DEVICE)
     pool = rnd(12, hv, dk, dv)
     ref_pool = pool.clone()
@@ -746,7 +752,6 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
     and through hyla's (``segments``), a round of more than ``RECURRENT_MAX_TOKENS`` in all chunked."""
     from hyla.model.ops import gated_delta
     from hyla.model.ops.gpu import fla_chunk
-    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
     from hyla.model.ops.varlen import VarlenPlan
 
     calls = []
@@ -757,17 +762,14 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
     g = torch.Generator().manual_seed(5)
     hk, hv, dk, dv, t = 1, 2, 16, 8, 12
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
-    qkv, proj, a_log, dt_bias = rnd(t, 2 * hk * dk + hv * dv), rnd(t, 2 * hv), rnd(hv), rnd(hv)
-    q, k, v = (x.view(t, -1, d) for x, d in zip(qkv.split([hk * dk, hk * dk, hv * dv], 1), (dk, dk, dv)))
-    b, a = proj[:, :hv], proj[:, hv:]
-    gate, beta = -torch.exp(a_log) * F.softplus(a + dt_bias), torch.sigmoid(b)
+    q, k, v, gate, beta, segments_kernel = _gated_delta_raw_inputs(rnd, t, hk, hv, dk, dv)
     cu, slots = torch.tensor([0, 5, 12], device=DEVICE), torch.tensor([2, 3], device=DEVICE)
     ckpt = dict(ckpt_seq=torch.tensor([0, 1], device=DEVICE), ckpt_len=torch.tensor([2, 6], device=DEVICE),
                 ckpt_slot=torch.tensor([4, 5], device=DEVICE))
     pool = rnd(6, hv, dk, dv)
     ref_pool = pool.clone()
     ref = gated_delta.chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
-    for segments in (None, segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)):
+    for segments in (None, segments_kernel):
         layer_pool = pool.clone()
         plan = VarlenPlan.from_tensors(cu, t, slots, layer_pool, *ckpt.values(), pool.device)
         assert plan.slots.first == 2 and fla_chunk.fla_rounds(plan, pool.device)[0].every
