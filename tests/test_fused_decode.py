@@ -539,6 +539,51 @@ def test_add_rms_norm_kernel(dtype):
         add_rms_norm_fused(out.t().contiguous().t(), residual, scale, 1e-6)
 
 
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+@pytest.mark.parametrize("prologue", ["plain", "silu_mul", "gated_norm"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_add_rms_norm_kernel(dtype, prologue, rows):
+    """The out projection, its prologue (SwiGLU, GDN's gated norm), the residual add and the next
+    norm in one kernel == the separate kernels' PyTorch forms, split along K (the last program adds
+    the partials); run twice, the second launch finds its ticket reset and gives the same bits."""
+    from hyla.model.layers import GatedRMSNorm
+    from hyla.model.ops.gpu.gemv import linear_add_rms_norm, split_k
+
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+    n, k, d = 40, 512, 32  # 3 column blocks x 4 splits of K
+    weight, residual = rnd(n, k) / 8, rnd(rows, n)
+    if rows == 3:  # column-major, as the CPU engine keeps fp32 weights
+        weight = weight.t().contiguous().t()
+    scale, ticket = torch.randn(n, generator=g).to(DEVICE), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    gate = None
+    if prologue == "silu_mul":
+        x = rnd(rows, 2 * k + 3)[:, :2 * k]  # a strided split
+        gate_x, up = x.chunk(2, dim=-1)
+        p = F.silu(gate_x) * up
+    elif prologue == "gated_norm":
+        proj = rnd(rows, 2 * k + 5)
+        x, z = proj[:, :k], proj[:, k:2 * k]
+        norm = GatedRMSNorm(d, 1e-6, dtype=dtype).to(DEVICE)
+        norm.weight.data = rnd(d)
+        gate = (z, norm.weight, 1e-6)
+        p = norm(x.reshape(-1, d), z.reshape(-1, d)).view(rows, k)
+    else:
+        x = p = rnd(rows, k)
+    assert split_k(n, k, d if prologue == "gated_norm" else 128)[0] > 1
+    s_ref = residual + F.linear(p, weight)
+    y_ref = F.rms_norm(s_ref.float(), (n,), scale, 1e-6).to(dtype)
+    y, s = linear_add_rms_norm(x, weight, residual, scale, 1e-6, ticket, prologue, gate)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(s, s_ref, **tol)
+    torch.testing.assert_close(y, y_ref, **tol)
+    assert int(ticket) == 0
+    y2, s2 = linear_add_rms_norm(x, weight, residual, scale, 1e-6, ticket, prologue, gate)
+    assert torch.equal(y2, y) and torch.equal(s2, s)
+    with pytest.raises(ValueError, match="x must be"):
+        linear_add_rms_norm(x[:, :k - 1], weight, residual, scale, 1e-6, ticket, prologue, gate)
+
+
 def _install_fake_fla(monkeypatch, module: str, **kernels) -> None:
     """Without a GPU, fla's kernels ``fla.ops.<module>.<name>`` are stood in for by ``kernels``,
     per-sequence reference recurrences with fla's signatures (fla's Triton kernels do not run in

@@ -71,10 +71,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype))
         offset = self.offset
         self._scale = _DerivedWeight(lambda w: offset + w.float())  # [dim] fp32
+        self._ticket: torch.Tensor | None = None
 
     def scale(self) -> torch.Tensor:
         """The fp32 multiplier ``offset + weight`` ([dim]), recomputed only when the weight changes."""
         return self._scale(self.weight)
+
+    def ticket(self, device: torch.device) -> torch.Tensor:
+        """The zeroed int32 that the kernel ending in this norm (an :class:`OutProjection` run by
+        :func:`add_rms_norm`) counts its programs on, and resets. One per norm: a norm runs once
+        per forward, and forwards run one after another on the device's stream."""
+        if self._ticket is None or self._ticket.device != device:
+            self._ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        return self._ticket
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale()
@@ -216,13 +225,17 @@ class Attention(nn.Module):
         self._qk_scale = _DerivedWeight(lambda wq, wk: torch.cat([
             (offset + wq.float()).expand(hq, -1), (offset + wk.float()).expand(hkv, -1)]))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
+                defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
         qkv = self.qkv_proj(x)
         if batch.fused_decode:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
-            return self.o_proj(self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d))
+            return out_projection(self.o_proj, self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
+                                  defer_out)
         if _on_gpu(qkv) and not batch.is_decode:  # an extend: the prologue kernel, then attention over the pool
             q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
             if batch.short_extend is not None:
@@ -349,6 +362,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     fused_decode = True
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -369,7 +383,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [Hv] fp32
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None,
+                defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
@@ -383,6 +398,10 @@ class GatedDeltaNet(nn.Module):
                 self.head_k_dim, chain=batch.chain_slots)  # [B, Hv, Dv]
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
+        d = self.head_v_dim
+        if defer_out and self.out_proj.bias is None and d & (d - 1) == 0:  # the gated norm in the projection's kernel
+            return OutProjection(self.out_proj, o.reshape(t, self.value_dim), "gated_norm",
+                                 (z, self.norm.weight, self.norm.eps))
         if _on_gpu(o):  # one kernel, reading z in place from the projection
             o = _gpu("norms").gated_rms_norm_fused(o.reshape(t, self.value_dim), z, self.norm.weight, self.norm.eps,
                                                    self.num_v_heads)
@@ -448,6 +467,7 @@ class Mamba2Mixer(nn.Module):
     """
 
     fused_decode = True
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -475,7 +495,8 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=out_bias, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [H] fp32
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None,
+                defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
@@ -490,7 +511,7 @@ class Mamba2Mixer(nn.Module):
             y = _gpu("mamba2_decode").mamba2_state_update_fused(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states,
                                                                 batch.state_slots, self.dt_limit,
                                                                 chain=batch.chain_slots)  # [B, H, P]
-            return self._out(y, z, t, x.dtype)
+            return self._out(y, z, t, x.dtype, defer_out)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         else:
@@ -515,13 +536,14 @@ class Mamba2Mixer(nn.Module):
             )  # [T, H, P]
         return self._out(y, z, t, x.dtype)
 
-    def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype) -> torch.Tensor:
+    def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype,
+             defer_out: bool = False) -> torch.Tensor | OutProjection:
         y = y.reshape(t, self.inner)  # [T, I]
         if self.norm is not None:
             y = self.norm(y, z)
         else:
             y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
-        return self.out_proj(y.to(dtype))
+        return out_projection(self.out_proj, y.to(dtype), defer_out)
 
 
 # --- feed-forward ------------------------------------------------------------------------------
@@ -543,8 +565,12 @@ class MLP(nn.Module):
         self.in_proj = nn.Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias, dtype=dtype)
         self.out_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
+
+    def forward(self, x: torch.Tensor, defer_out: bool = False) -> torch.Tensor | OutProjection:
         h = self.in_proj(x)
+        if defer_out and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (relu2 before it)
+            return OutProjection(self.out_proj, h, "silu_mul") if self.gated else OutProjection(self.out_proj, relu2(h))
         if self.gated and _on_gpu(h):
             return self.out_proj(_gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
         if self.gated:
@@ -678,24 +704,54 @@ class HybridLayer(nn.Module):
             x = x + self.ffn(self.ffn_norm(x))
         return x
 
-    def forward_fused(self, out: torch.Tensor | None, residual: torch.Tensor, batch: ForwardBatch,
-                      rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope) -> tuple[torch.Tensor | OutProjection, torch.Tensor]:
         """:meth:`forward` with each residual add fused into the norm after it (the fused decode
         step, CUDA extend steps; the same numbers): the layer's input is ``residual + out`` (``out``
-        None: just ``residual``), its output the same pair, the last part's output not yet added."""
+        None: just ``residual``), its output the same pair, the last part's output not yet added.
+        A fused decode step of at most ``gemv.MAX_ROWS`` rows also leaves each part's out
+        projection to the next norm's kernel (:class:`OutProjection`)."""
+        defer = batch.fused_decode and residual.shape[0] <= _gpu("gemv").MAX_ROWS
         if self.mixer is not None:
             h, residual = add_rms_norm(out, residual, self.mixer_norm)
-            out = self.mixer(h, batch, rope)
+            out = _deferring(self.mixer, defer)(h, batch, rope)
         if self.ffn is not None:
             h, residual = add_rms_norm(out, residual, self.ffn_norm)
-            out = self.ffn(h)
+            out = _deferring(self.ffn, defer)(h)
         return out, residual
 
 
-def add_rms_norm(out: torch.Tensor | None, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = residual + out`` and ``norm(s)`` in one Triton kernel (``out`` None: ``s = residual``):
-    returns ``(norm(s), s)``. The fused decode step's and CUDA extend steps'; it runs the kernels on
-    any device."""
+def _deferring(module: nn.Module, defer: bool) -> Callable[..., torch.Tensor | OutProjection]:
+    """``module``'s forward, asked to leave its out projection (``defer_out=True``) where it can."""
+    return functools.partial(module, defer_out=True) if defer and getattr(module, "defers_out", False) else module
+
+
+@dataclass(frozen=True)
+class OutProjection:
+    """A part's output projection ``linear(prologue(x))``, left for the next :func:`add_rms_norm` to
+    run in one kernel with the residual add and the norm (``ops/gpu/gemv.py``): the fused decode
+    step at a few rows. ``prologue``: ``"plain"``, ``"silu_mul"`` (SwiGLU of ``x = [gate | up]``) or
+    ``"gated_norm"`` (Gated DeltaNet's, ``gate = (z, weight, eps)``). The linear has no bias."""
+
+    linear: nn.Linear
+    x: torch.Tensor
+    prologue: str = "plain"
+    gate: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+
+def out_projection(linear: nn.Linear, x: torch.Tensor, defer_out: bool) -> torch.Tensor | OutProjection:
+    """``linear(x)``, or with ``defer_out`` (and no bias) the projection left as an :class:`OutProjection`."""
+    return OutProjection(linear, x) if defer_out and linear.bias is None else linear(x)
+
+
+def add_rms_norm(out: torch.Tensor | OutProjection | None, residual: torch.Tensor,
+                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + out`` and ``norm(s)`` in one Triton kernel (``out`` None: ``s = residual``;
+    an :class:`OutProjection`: the projection too): returns ``(norm(s), s)``. The fused decode
+    step's and CUDA extend steps'; it runs the kernels on any device."""
+    if isinstance(out, OutProjection):
+        return _gpu("gemv").linear_add_rms_norm(out.x, out.linear.weight, residual, norm.scale(), norm.eps,
+                                                norm.ticket(residual.device), out.prologue, out.gate)
     kernels = _gpu("norms")
     if out is None:
         return kernels.rms_norm_fused(residual, norm.scale(), norm.eps), residual

@@ -1,0 +1,151 @@
+"""The last projection of a layer's part and the residual add + RMSNorm after it, in one kernel:
+the fused decode step at a few rows (batch 1).
+
+At batch 1 a decode step is a chain of small kernels, and each costs its launch gap besides its
+work. A part of a layer ends ``... -> prologue -> out projection -> residual add + next RMSNorm``:
+SwiGLU's ``silu(gate) * up`` before the MLP's down projection, Gated DeltaNet's gated norm before
+its ``out_proj``, nothing before attention's ``o_proj``. :func:`linear_add_rms_norm` runs all three
+steps in one launch, the projection split along K so that a 1024-wide output still spreads over
+the GPU. Each program computes its prologue on the fly for its slice of K, and stores its partial
+sums. The last program to finish (an atomic ticket) adds the partials in a fixed order, then does
+the residual add and the norm for every row. The result does not depend on which program finishes
+last.
+
+The numbers are those of the separate kernels (``norms.py``) and a GEMM, rounded where they round:
+the prologue's output in the model dtype, the projection's output in it, the residual add in it.
+The GEMM's fp32 sums are added in another order than cuBLAS's, so bf16 outputs may differ from
+the unfused step's in the last bit.
+
+The ticket is an int32 that is zero between launches (the last program resets it): launches that
+share one must not run at the same time (one stream, as the decode step). ``MAX_ROWS`` is how many
+rows take this path; the layers read it at each step, so ``MAX_ROWS = 0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # decode steps of at most this many rows (tokens) run their out projections here
+BLOCK_N = 16  # output columns per program
+BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
+MIN_PROGRAMS = 256  # the K split is chosen to give at least this many programs (2 per SM on an H100)
+MAX_SPLIT_K = 8
+
+PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the index
+
+
+@triton.jit
+def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps, w_ptr, w_stride_n, w_stride_k,
+                                part_ptr, ticket_ptr,
+                                r_ptr, scale_ptr, y_ptr, s_ptr, M, N, K, eps,
+                                PROLOGUE: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
+                                SPLIT_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    m_mask = m < M
+    n_mask = n < N
+    dtype = r_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(0, K_SPLIT, BLOCK_K):
+        k = pid_k * K_SPLIT + i + kk
+        mk = m_mask[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=mk, other=0.0)
+        if PROLOGUE == 1:  # SwiGLU: x holds [gate | up]; silu in the dtype, then the product in it
+            up = tl.load(x_ptr + m[:, None] * x_stride + K + k[None, :], mask=mk, other=0.0)
+            g = x.to(tl.float32)
+            sg = (g * tl.sigmoid(g)).to(x.dtype)
+            x = (sg.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        elif PROLOGUE == 2:  # Gated DeltaNet's (w * norm(x)) * silu(z), one head per step (BLOCK_K = head dim)
+            x32 = x.to(tl.float32)
+            z = tl.load(z_ptr + m[:, None] * z_stride + k[None, :], mask=mk, other=0.0).to(tl.float32)
+            gw = tl.load(gw_ptr + kk)
+            nx = x32 * tl.rsqrt(tl.sum(x32 * x32, axis=1) / BLOCK_K + g_eps)[:, None]
+            if ROUND:  # as GatedRMSNorm: norm -> dtype, the weight times it in the dtype, then * silu(z) in fp32
+                gy = (gw.to(tl.float32)[None, :] * nx.to(gw.dtype).to(tl.float32)).to(gw.dtype).to(tl.float32)
+            else:
+                gy = gw.to(tl.float32)[None, :] * nx
+            x = (gy * (z * tl.sigmoid(z))).to(x.dtype)
+        w = tl.load(w_ptr + n[:, None] * w_stride_n + k[None, :] * w_stride_k, mask=n_mask[:, None] & (k < K)[None, :],
+                    other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    tl.store(part_ptr + pid_k * M * N + m[:, None] * N + n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
+
+    # the last program to get here: partials -> the projection's output, the residual add, the norm
+    tl.debug_barrier()  # every thread's partial stores before the ticket's release
+    ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < N
+        scale = tl.load(scale_ptr + d, mask=dm, other=0.0)
+        for row in range(0, M):
+            o = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for sk in tl.static_range(SPLIT_K):  # a fixed order: the same sums whoever finishes last
+                o += tl.load(part_ptr + (sk * M + row) * N + d, mask=dm, other=0.0, cache_modifier=".cg")
+            r = tl.load(r_ptr + row * N + d, mask=dm, other=0.0)
+            s = (r.to(tl.float32) + o.to(dtype).to(tl.float32)).to(dtype)  # the residual add, rounded as x + r
+            tl.store(s_ptr + row * N + d, s, mask=dm)
+            s32 = s.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps)
+            tl.store(y_ptr + row * N + d, (s32 * inv * scale).to(dtype), mask=dm)
+        tl.atomic_xchg(ticket_ptr, 0)  # zero for the next launch
+
+
+def split_k(n: int, k: int, block_k: int = BLOCK_K) -> tuple[int, int]:
+    """``(splits, K per split)`` for an ``[N, K]`` projection: enough splits to give
+    ``MIN_PROGRAMS`` programs, each a whole number of ``block_k`` steps."""
+    steps = triton.cdiv(k, block_k)
+    want = min(MAX_SPLIT_K, steps, max(1, triton.cdiv(MIN_PROGRAMS, triton.cdiv(n, BLOCK_N))))
+    per = triton.cdiv(steps, want) * block_k
+    return triton.cdiv(k, per), per
+
+
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor,
+                        eps: float, ticket: torch.Tensor, prologue: str = "plain",
+                        gate: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + linear(p(x), weight)`` and ``y = rms_norm(s) * scale``; returns ``(y, s)``.
+
+    ``p`` is the prologue: ``"plain"`` (``x [M, K]``), ``"silu_mul"`` (``x [M, 2K] = [gate | up]``:
+    ``silu(gate) * up``, as ``norms.silu_mul_fused``) or ``"gated_norm"`` (``x [M, K]`` in heads of
+    ``D``, ``gate = (z [M, K], w [D], gate_eps)``: ``(w * norm(x)) * silu(z)`` per head, as
+    ``norms.gated_rms_norm_fused``). ``weight [N, K]`` (any strides: CPU weights are column-major), no bias; ``residual [M, N]``
+    contiguous; ``scale`` fp32 ``[N]``; ``ticket`` a zeroed int32 ``[1]`` on the device (see the
+    module docstring). Rows of ``x`` and ``z`` may be strided (splits of a projection)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
+    n, k = weight.shape
+    m = residual.shape[0]
+    width = 2 * k if prologue == "silu_mul" else k
+    if x.dim() != 2 or x.shape != (m, width) or x.stride(1) != 1 or x.dtype != residual.dtype:
+        raise ValueError(f"x must be [{m}, {width}] in {residual.dtype} with unit column stride, "
+                         f"got {list(x.shape)} {x.dtype}")
+    if weight.dtype != x.dtype or residual.shape != (m, n) or not residual.is_contiguous():
+        raise ValueError(f"weight must be [N, K] in x's dtype and residual a contiguous [{m}, {n}]")
+    if scale.dtype != torch.float32 or scale.shape != (n,) or not scale.is_contiguous():
+        raise ValueError(f"scale must be a contiguous fp32 [{n}] tensor, got {list(scale.shape)} {scale.dtype}")
+    if ticket.dtype != torch.int32 or ticket.numel() != 1 or ticket.device != x.device:
+        raise ValueError("ticket must be an int32 [1] on x's device")
+    block_k, z, gw, g_eps = BLOCK_K, x, scale, 0.0
+    if prologue == "gated_norm":
+        if gate is None:
+            raise ValueError("the gated_norm prologue needs gate = (z, weight, eps)")
+        z, gw, g_eps = gate
+        block_k = gw.numel()
+        if (z.shape != x.shape or z.stride(1) != 1 or gw.shape != (block_k,) or k % block_k
+                or block_k & (block_k - 1)):
+            raise ValueError(f"gated_norm: z must be x's shape {list(x.shape)} with unit column stride and "
+                             f"the weight [D] with D a power of two dividing {k}, got {list(z.shape)}, {list(gw.shape)}")
+    splits, per = split_k(n, k, block_k)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    y, s = torch.empty_like(residual), torch.empty_like(residual)
+    _linear_add_rms_norm_kernel[(triton.cdiv(n, BLOCK_N), splits)](
+        x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
+        PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, BLOCK_M=max(1, triton.next_power_of_2(m)),
+        BLOCK_N=BLOCK_N, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
+        num_warps=4)
+    return y, s
