@@ -146,6 +146,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graph", action="store_true", help="Engine(disable_cuda_graph=True), if it has it")
     ap.add_argument("--overlap-schedule", default=None, help="Engine(overlap_schedule=...), if it has it "
                     "(default: the engine's, auto)")
+    ap.add_argument("--gemv-max-rows", type=int, default=None, help="set gemv.MAX_ROWS: decode steps of at most "
+                    "this many rows run each out projection in the next norm's kernel (0: the separate kernels)")
     side = ap.add_mutually_exclusive_group()
     side.add_argument("--hyla-only", action="store_true")
     side.add_argument("--hf-only", action="store_true")
@@ -201,6 +203,10 @@ def main() -> None:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
                     max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (args.prefill_tokens + 2)) + 4096)
+        if args.gemv_max_rows is not None:
+            gemv = importlib.import_module("hyla.model.ops.gpu.gemv")
+            gemv.MAX_ROWS = args.gemv_max_rows
+            log(f"gemv.MAX_ROWS = {gemv.MAX_ROWS}")
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
@@ -316,7 +322,8 @@ def main() -> None:
         f" Greedy check before timing: hyla and transformers agree on the first {agree} of 8 tokens."
     body = "\n".join([
         f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
-        f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}.",
+        f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
+        f"{'' if args.gemv_max_rows is None else f'; gemv.MAX_ROWS = {args.gemv_max_rows}'}.",
         "",
         f"{desc}.",
         "",

@@ -12,6 +12,8 @@ shape for a given batch size: it can be captured in a CUDA graph (``hyla/engine/
   table (``ops/attention.py``'s ``decode_attention``), the output gate fused in; before it,
   :func:`decode_qk_prologue` — q/k norm, RoPE and the K/V pool writes in one kernel.
 * ``norms`` — RMSNorm (alone or with the residual add before it), the gated RMSNorm, SwiGLU.
+* :func:`linear_add_rms_norm` (``gemv``) — at a few rows, a part's out projection with its prologue
+  (SwiGLU, the gated RMSNorm) and the residual add + RMSNorm after it, in one split-K launch.
 
 Prefill (extend steps) on bf16/fp16 runs fla's chunked kernels where fla is installed (the
 ``hyla[cuda]`` extra): ``fla_chunk`` (Gated DeltaNet, KDA, Mamba2 as simple GLA; exact checkpoints

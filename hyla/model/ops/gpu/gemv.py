@@ -32,6 +32,7 @@ BLOCK_N = 16  # output columns per program
 BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
 MIN_PROGRAMS = 256  # the K split is chosen to give at least this many programs (2 per SM on an H100)
 MAX_SPLIT_K = 8
+NUM_WARPS = 4
 
 PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the index
 
@@ -147,5 +148,5 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
         x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
         PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, BLOCK_M=max(1, triton.next_power_of_2(m)),
         BLOCK_N=BLOCK_N, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
-        num_warps=4)
+        num_warps=NUM_WARPS)
     return y, s
