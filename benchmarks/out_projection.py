@@ -9,8 +9,8 @@ projection after SwiGLU, 3584 -> 1024; Gated DeltaNet's ``out_proj`` after its g
 1024; attention's ``o_proj``, 2048 -> 1024), bf16: each variant captured 20 times in one CUDA
 graph, median of ``--repeats`` replays, so launch gaps count as in the decode step's graph. Also
 the GEMM alone (cuBLAS) and the fused kernel's weight bandwidth. ``--sweep`` also tries the
-kernel's tile constants (``BLOCK_N``, ``MIN_PROGRAMS``, ``MAX_SPLIT_K``, ``NUM_WARPS``) and prints
-the best per shape, to tune them. Writes ``## GPU decode: out projection, residual add and norm``.
+kernel's tile constants (``BLOCK_N``, ``MIN_PROGRAMS``, ``MAX_SPLIT_K``, ``NUM_WARPS``,
+``BLOCK_K``) at the first ``--rows`` and prints the best per shape, to tune them. Writes ``## GPU decode: out projection, residual add and norm``.
 
     .venv/bin/python benchmarks/out_projection.py [--rows 1,2,4] [--repeats 15] [--sweep] [--no-write]
 
@@ -123,23 +123,26 @@ def main() -> None:
             lines.append(f"| {name} | {m} | {t_gemm:.1f} | {t_unfused:.1f} | {t_fused:.1f} | "
                          f"**{t_unfused / t_fused:.2f}x** | {gbs:.0f} | {splits} | {err:.2g} |")
             print(lines[-1], flush=True)
-            if args.sweep:
-                saved = {c: getattr(gemv, c) for c in ("BLOCK_N", "MIN_PROGRAMS", "MAX_SPLIT_K", "NUM_WARPS")}
-                best = None
-                for bn, mp, sk, nw in itertools.product((8, 16, 32), (132, 264, 528), (4, 8, 16), (2, 4, 8)):
-                    gemv.BLOCK_N, gemv.MIN_PROGRAMS, gemv.MAX_SPLIT_K, gemv.NUM_WARPS = bn, mp, sk, nw
+            if args.sweep and m == rows_list[0]:
+                names = ("BLOCK_N", "MIN_PROGRAMS", "MAX_SPLIT_K", "NUM_WARPS", "BLOCK_K")
+                saved = {c: getattr(gemv, c) for c in names}
+                best = None  # BLOCK_K: the gated norm's is its head dim whatever the constant
+                for config in itertools.product((8, 16, 32), (264, 528), (8, 16), (4, 8),
+                                                (128,) if head else (128, 256)):
+                    for c, v in zip(names, config):
+                        setattr(gemv, c, v)
                     try:
                         t = per_call_us(fused)
                     except Exception as e:  # a tile the compiler refuses: skip it
-                        print(f"  BLOCK_N={bn} MIN_PROGRAMS={mp} MAX_SPLIT_K={sk} NUM_WARPS={nw}: {type(e).__name__}")
+                        print(f"  {dict(zip(names, config))}: {type(e).__name__}")
                         continue
                     if best is None or t < best[0]:
-                        best = (t, bn, mp, sk, nw)
+                        best = (t, config)
                 for c, v in saved.items():
                     setattr(gemv, c, v)
                 if best is not None:
-                    sweeps.append(f"| {name} | {m} | {t_fused:.1f} | {best[0]:.1f} | BLOCK_N={best[1]}, "
-                                  f"MIN_PROGRAMS={best[2]}, MAX_SPLIT_K={best[3]}, NUM_WARPS={best[4]} |")
+                    sweeps.append(f"| {name} | {m} | {t_fused:.1f} | {best[0]:.1f} | "
+                                  + ", ".join(f"{c}={v}" for c, v in zip(names, best[1])) + " |")
                     print(sweeps[-1], flush=True)
     if dev != "cuda" or args.no_write:
         return
@@ -154,7 +157,7 @@ def main() -> None:
             "K splits | max diff |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     if sweeps:
         body += ("\nTile constants (`--sweep`): the fused kernel with the defaults and at the best of "
-                 "BLOCK_N x MIN_PROGRAMS x MAX_SPLIT_K x NUM_WARPS.\n\n| projection | rows | defaults (µs) | best (µs) "
+                 "BLOCK_N x MIN_PROGRAMS x MAX_SPLIT_K x NUM_WARPS x BLOCK_K, at the first row count.\n\n| projection | rows | defaults (µs) | best (µs) "
                  "| best constants |\n|---|---|---|---|---|\n" + "\n".join(sweeps) + "\n")
     write_section("GPU decode: out projection, residual add and norm", body)
 

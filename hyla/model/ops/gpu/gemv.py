@@ -97,7 +97,7 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
         tl.atomic_xchg(ticket_ptr, 0)  # zero for the next launch
 
 
-def split_k(n: int, k: int, block_k: int = BLOCK_K) -> tuple[int, int]:
+def split_k(n: int, k: int, block_k: int) -> tuple[int, int]:
     """``(splits, K per split)`` for an ``[N, K]`` projection: enough splits to give
     ``MIN_PROGRAMS`` programs, each a whole number of ``block_k`` steps."""
     steps = triton.cdiv(k, block_k)
