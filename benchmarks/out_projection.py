@@ -127,7 +127,7 @@ def main() -> None:
                 names = ("BLOCK_N", "MIN_PROGRAMS", "MAX_SPLIT_K", "NUM_WARPS", "BLOCK_K")
                 saved = {c: getattr(gemv, c) for c in names}
                 best = None  # BLOCK_K: the gated norm's is its head dim whatever the constant
-                for config in itertools.product((8, 16, 32), (264, 528), (8, 16), (4, 8),
+                for config in itertools.product((8, 16, 32), (264, 528, 1056), (16,), (2, 4),
                                                 (128,) if head else (128, 256)):
                     for c, v in zip(names, config):
                         setattr(gemv, c, v)

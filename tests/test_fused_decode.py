@@ -584,6 +584,27 @@ def test_linear_add_rms_norm_kernel(dtype, prologue, rows):
         linear_add_rms_norm(x[:, :k - 1], weight, residual, scale, 1e-6, ticket, prologue, gate)
 
 
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_mlp_out_projection_in_the_next_norm(act, bias):
+    """An MLP asked to leave its down projection (``defer_out``, the fused decode step at a few rows)
+    gives the next ``add_rms_norm`` what the projection it ran would have: SwiGLU in the kernel's
+    prologue, relu2 before it; a projection with a bias is run, not left."""
+    from hyla.model.layers import MLP, OutProjection, RMSNorm, add_rms_norm
+
+    g = torch.Generator().manual_seed(6)
+    mlp, norm = MLP(48, 80, act, bias=bias).to(DEVICE), RMSNorm(48, 1e-6).to(DEVICE)
+    for param in [*mlp.parameters(), norm.weight]:
+        param.data = torch.randn(param.shape, generator=g).to(DEVICE) / 4
+    x, residual = (torch.randn(2, 48, generator=g).to(DEVICE) for _ in range(2))
+    left = mlp(x, defer_out=True)
+    assert isinstance(left, OutProjection) != bias
+    y, s = add_rms_norm(left, residual, norm)
+    y_ref, s_ref = add_rms_norm(mlp(x), residual, norm)
+    torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
 def _install_fake_fla(monkeypatch, module: str, **kernels) -> None:
     """Without a GPU, fla's kernels ``fla.ops.<module>.<name>`` are stood in for by ``kernels``,
     per-sequence reference recurrences with fla's signatures (fla's Triton kernels do not run in

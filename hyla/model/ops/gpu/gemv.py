@@ -30,8 +30,9 @@ import triton.language as tl
 MAX_ROWS = 4  # decode steps of at most this many rows (tokens) run their out projections here
 BLOCK_N = 16  # output columns per program
 BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
-MIN_PROGRAMS = 256  # the K split is chosen to give at least this many programs (2 per SM on an H100)
-MAX_SPLIT_K = 8
+MIN_PROGRAMS = 512  # the K split is chosen to give at least this many programs (~4 per SM on an H100: a
+# program has one weight tile in flight at a time, so the SMs need several each to keep HBM busy)
+MAX_SPLIT_K = 8  # the last program reads MAX_SPLIT_K partial rows of N fp32 per row: a serial tail
 NUM_WARPS = 4
 
 PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the index
