@@ -848,8 +848,43 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
         assert [kind for kind, *_ in calls] == ["chunk", "recurrent", "chunk"]
 
 
+def test_fla_prefill_single_pass_writes_its_checkpoints(monkeypatch):
+    """Every sequence short: ``chunk_gated_delta_rule_fla`` runs hyla's recurrent kernel once over
+    whole sequences, which writes the checkpoints itself (several in a sequence, one at its end, one
+    after its first token), with a padding slot and an empty sequence; two checkpoints of a sequence
+    at one position take the rounds instead. Outputs and every pool row == the reference's."""
+    from hyla.model.ops import gated_delta
+    from hyla.model.ops.gpu import fla_chunk
+
+    calls = []
+    ref_step = gated_delta.gated_delta_rule_ref
+    _install_fake_fla(monkeypatch, "gated_delta_rule", chunk_gated_delta_rule=_fake_delta_rule(ref_step, "chunk", calls),
+                      fused_recurrent_gated_delta_rule=_fake_delta_rule(ref_step, "recurrent", calls))
+    g = torch.Generator().manual_seed(7)
+    hk, hv, dk, dv = 1, 2, 16, 8
+    t = 9 + 30 + 1
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    q, k, v, gate, beta, kernel = _gated_delta_raw_inputs(rnd, t, hk, hv, dk, dv)
+    launches = []
+    counted = lambda *args: launches.append(len(args) == 6) or kernel(*args)  # noqa: E731  (6: with checkpoints)
+    cu, slots = torch.tensor([0, 9, 39, 39, 40], device=DEVICE), torch.tensor([3, 7, -1, 5], device=DEVICE)
+    for seqs, lens, rows, single in [([0, 1, 0, 1, 1, 3], [4, 29, 9, 10, 30, 1], [2, 4, 6, 8, 9, 10], True),
+                                     ([1, 1, 0], [12, 12, 5], [2, 4, 6], False)]:  # two at one position
+        ckpt = dict(ckpt_seq=torch.tensor(seqs, device=DEVICE), ckpt_len=torch.tensor(lens, device=DEVICE),
+                    ckpt_slot=torch.tensor(rows, device=DEVICE))
+        pool = rnd(12, hv, dk, dv)
+        ref_pool = pool.clone()
+        launches.clear()
+        o = fla_chunk.chunk_gated_delta_rule_fla(q, k, v, gate, beta, cu, pool, slots, **ckpt, segments=counted)
+        ref = gated_delta.chunk_gated_delta_rule_varlen(q, k, v, gate, beta, cu, ref_pool, slots, **ckpt)
+        _assert_close_to_reference(o, ref, torch.float32)
+        _assert_close_to_reference(pool, ref_pool, torch.float32)
+        assert launches == ([True] if single else [False] * 2) and not calls  # rounds: cuts at 5 and 12
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
+@pytest.mark.parametrize("max_len", [64, 512])  # rounds, chunked then recurrent; one recurrent pass
+def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype, max_len):
     """Mamba2's prefill as fla's simple GLA (``fla_chunk.mamba2_chunk_scan_fla``) == the PyTorch
     ``mamba2_chunk_scan_varlen``: outputs, final states and checkpoint states (one at a chunk
     boundary, one mid-chunk, one at a sequence's end), a padding slot, groups shared by heads and a
@@ -862,7 +897,7 @@ def test_fla_ssd_prefill_matches_the_reference(monkeypatch, dtype):
 
     _install_fake_fla(monkeypatch, "simple_gla", chunk_simple_gla=_fake_simple_gla,
                       fused_recurrent_simple_gla=_fake_simple_gla)
-    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 64)  # the 100-token round below: chunked
+    monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", max_len)  # 64: the 100-token round below is chunked
     g = torch.Generator().manual_seed(6)
     lengths, h, p, groups, n = [9, 0, 150, 1], 4, 8, 2, 16
     t = sum(lengths)

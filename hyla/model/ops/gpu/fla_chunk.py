@@ -50,6 +50,7 @@ import torch
 
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
+from hyla.model.ops.gpu import SegmentCheckpoints
 from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
@@ -68,10 +69,11 @@ def _recurrent(rnd: "FlaRound") -> bool:
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
 #   -> (out [1, t, ...], final [n, *state])
 FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...]) -> None:
-# hyla's own recurrent kernel over a round's n segments (segment i: the packed tokens starts[i] ..
-# + its length, from states[rows[i]], updated in place), writing their outputs into out's rows
-SegmentKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...], ckpts=None) -> None:
+# hyla's own recurrent kernel over n segments (segment i: the packed tokens starts[i] .. + its length,
+# from states[rows[i]], updated in place), writing their outputs into out's rows and, with ckpts
+# (a gpu.SegmentCheckpoints), the states after given tokens into pool rows
+SegmentKernel = Callable[..., None]
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,45 @@ def _plan_rounds(varlen: VarlenPlan, device: torch.device) -> list[FlaRound]:
     return rounds
 
 
+@dataclass(frozen=True)
+class SinglePass:
+    """A batch whose every sequence is short (at most ``RECURRENT_MAX_LEN`` tokens, at most
+    ``RECURRENT_MAX_TOKENS`` in all): one launch of the op's own recurrent kernel over whole
+    sequences (``rows``: every running state, in order), which writes the checkpoints itself, on
+    the way (``offsets``, ``pos``, ``slot``: a ``gpu.SegmentCheckpoints``' tensors) — the new part
+    of a prompt whose prefix was cached, with its end − 1 checkpoint, or a short extend."""
+
+    rows: torch.Tensor
+    starts: torch.Tensor
+    cu_seqlens: torch.Tensor
+    offsets: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+
+
+def single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | None:
+    """The batch's :class:`SinglePass`, built once per step; None when a sequence is too long for a
+    recurrent kernel, the batch too large, or two checkpoints of a sequence share a position (then
+    the rounds run)."""
+    return varlen.derive(("fla_single_pass", device), lambda: _plan_single_pass(varlen, device))
+
+
+def _plan_single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | None:
+    lengths, ckpts = varlen.lengths, varlen.ckpts
+    if not lengths or max(lengths) > RECURRENT_MAX_LEN or sum(lengths) > RECURRENT_MAX_TOKENS:
+        return None
+    per_seq = [sorted((n, slot) for s, n, slot in zip(ckpts.seq, ckpts.num_tokens, ckpts.slot_list) if s == i)
+               for i in range(len(lengths))]
+    if any(a[0] == b[0] for marks in per_seq for a, b in zip(marks, marks[1:])):
+        return None
+    parts = to_device_packed([varlen.starts, range(len(lengths)), varlen.starts[:-1],
+                              list(itertools.accumulate(map(len, per_seq), initial=0)),
+                              [n for marks in per_seq for n, _ in marks], [slot for marks in per_seq for _, slot in marks]],
+                             device)
+    return SinglePass(rows=parts[1], starts=parts[2], cu_seqlens=parts[0], offsets=parts[3], pos=parts[4],
+                      slot=parts[5])
+
+
 def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor,
                ssm_states: torch.Tensor, ckpt_seq: torch.Tensor | None, ckpt_len: torch.Tensor | None,
                ckpt_slot: torch.Tensor | None) -> VarlenPlan:
@@ -166,7 +207,11 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
     device read."""
     # [B, *state]: the pool rows themselves when the slots are one run (fp32 pools), else a copy (zeros for -1)
     state, write_back = open_state_rows(ssm_states, varlen.slots, torch.float32)
-    for rnd in fla_rounds(varlen, out.device):
+    one = single_pass(varlen, out.device) if segments is not None else None
+    if one is not None:  # every sequence short: one launch, writing its checkpoints on the way
+        segments(state, one.rows, one.starts, one.cu_seqlens, out,
+                 SegmentCheckpoints(ssm_states, one.offsets, one.pos, one.slot))
+    for rnd in [] if one is not None else fla_rounds(varlen, out.device):
         if segments is not None and _recurrent(rnd):
             segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out)
         else:
@@ -315,9 +360,9 @@ def mamba2_chunk_scan_fla(
         return fused_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state,
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
-    def segments(states, rows, starts, cu_seqlens, out):  # hyla's kernel on the raw inputs; D * x is added below
+    def segments(states, rows, starts, cu_seqlens, out, ckpts=None):  # hyla's kernel on the raw inputs; D * x
         mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
-                              cu_seqlens, out, dt_limit)
+                              cu_seqlens, out, dt_limit, ckpts)  # is added below
 
     y = scan_in_rounds(chunk, recurrent, gla_inputs, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        ssm_states, varlen, segments)  # [T, H, P]

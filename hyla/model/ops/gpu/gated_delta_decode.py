@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu import SegmentCheckpoints, chain_of, segment_checkpoint_args, segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
 
@@ -88,8 +88,9 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
 @triton.jit
 def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
+                         pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr):
     pid = tl.program_id(0)
     i = pid // HV  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     hv = pid % HV
@@ -103,14 +104,25 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
     start = tl.load(starts_ptr + i).to(tl.int64)
     n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
     row = tl.load(rows_ptr + i).to(tl.int64)
-    ptr = state_ptr + row * (HV * DK * DV) + hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    ptr = state_ptr + row * (HV * DK * DV) + inner
     mask = mk[:, None] & mv[None, :]
     S = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32
+    if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
+        c = tl.load(ck_off_ptr + i)
+        c_end = tl.load(ck_off_ptr + i + 1)
+        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
     for j in range(n):  # the segment's tokens in order, the state in registers
         r = start + j
         S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
                           dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
         tl.store(o_ptr + r * o_stride + hv * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if CKPT:
+            if nxt == j + 1:  # a checkpoint after this token: the state to its pool row
+                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+                tl.store(pool_ptr + slot * (HV * DK * DV) + inner, S, mask=mask)
+                c += 1
+                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
     tl.store(ptr, S, mask=mask)
 
 
@@ -152,25 +164,28 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
-                               cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int) -> None:
+                               cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int,
+                               ckpts: SegmentCheckpoints | None = None) -> None:
     """An extend's segments through the recurrence, one launch: segment ``i`` is the packed tokens
     ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``qkv [T, ...]`` (post-conv)
     and the raw gates ``a, b [T, Hv]``, run from ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32,
-    updated in place), its outputs written into those rows of ``out [T, Hv, Dv]``."""
+    updated in place), its outputs written into those rows of ``out [T, Hv, Dv]``; with ``ckpts``,
+    the states after given tokens written to pool rows on the way."""
     num_v_heads, dk, dv = _check_inputs(qkv, a, b, states, num_k_heads, head_k_dim)
     segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], num_v_heads, dv))
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
-        out.stride(0), dk**-0.5, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+        out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=4)
 
 
 def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                    num_k_heads: int, head_k_dim: int) -> SegmentKernel:
     """The layer's short rounds (``fla_chunk.scan_in_rounds``) through :func:`gated_delta_segments_fused`:
     its post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``."""
-    def run(states, rows, starts, cu_seqlens, out) -> None:
+    def run(states, rows, starts, cu_seqlens, out, ckpts=None) -> None:
         gated_delta_segments_fused(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads,
-                                   head_k_dim)
+                                   head_k_dim, ckpts)
     return run

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu import SegmentCheckpoints, chain_of, segment_checkpoint_args, segments_of
 
 
 @triton.jit
@@ -80,8 +80,9 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
 @triton.jit
 def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                             state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
+                            pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
-                            BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                            BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, CKPT: tl.constexpr):
     pid = tl.program_id(0)
     i = pid // H  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     h = pid % H
@@ -95,15 +96,26 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     start = tl.load(starts_ptr + i).to(tl.int64)
     count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
-    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + h * (P * N) + p[:, None] * N + n[None, :]
+    inner = h * (P * N) + p[:, None] * N + n[None, :]
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + inner
     mask = mp[:, None] & mn[None, :]
     S = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32
+    if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
+        c = tl.load(ck_off_ptr + i)
+        c_end = tl.load(ck_off_ptr + i + 1)
+        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
     for j in range(count):  # the segment's tokens in order, the state in registers
         r = start + j
         S, y = _mamba2_token(S, x_ptr + r * x_stride, dt_ptr + r * dt_stride + h, b_ptr + r * bc_stride,
                              c_ptr + r * bc_stride, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn, P, N, HAS_D,
                              HAS_BIAS)
         tl.store(y_ptr + r * y_stride + h * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
+        if CKPT:
+            if nxt == j + 1:  # a checkpoint after this token: the state to its pool row
+                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+                tl.store(pool_ptr + slot * (H * P * N) + inner, S, mask=mask)
+                c += 1
+                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
     tl.store(ptr, S, mask=mask)
 
 
@@ -150,12 +162,13 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
 def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None, dt_bias: torch.Tensor | None, states: torch.Tensor,
                           rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor,
-                          dt_limit: tuple[float, float] | None = None) -> None:
+                          dt_limit: tuple[float, float] | None = None, ckpts: SegmentCheckpoints | None = None) -> None:
     """An extend's segments through the recurrence, one launch (as ``gated_delta_decode``'s
     :func:`~hyla.model.ops.gpu.gated_delta_decode.gated_delta_segments_fused`): segment ``i`` is the
     packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``x [T, H*P]``,
     raw ``dt [T, H]``, ``B, C [T, G*N]``, run from ``states[rows[i]]`` (``[B, H, P, N]`` fp32,
-    updated in place), its outputs written into those rows of ``out [T, H, P]``."""
+    updated in place), its outputs written into those rows of ``out [T, H, P]``; with ``ckpts``, the
+    states after given tokens written to pool rows on the way."""
     num_heads, head_dim, n, groups = _check_inputs(x, dt, B, C, states)
     segments = segments_of(rows, starts, cu_seqlens, out, (x.shape[0], num_heads, head_dim))
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
@@ -163,5 +176,5 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
         dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
-        float(hi), H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
-        HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
+        float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
+        BP=bp, BN=triton.next_power_of_2(n), HAS_D=D is not None, HAS_BIAS=dt_bias is not None, CKPT=ckpts is not None)
