@@ -23,6 +23,9 @@ prefix was cached) runs a recurrent kernel instead of the chunked pipeline's ten
 hyla's own where the op has one (a ``SegmentKernel``: ``gated_delta_decode.gated_delta_segments_fused``,
 ``mamba2_decode.mamba2_segments_fused``; the decode step's recurrence looping over each segment, one
 launch on the running states, writing into the output), fla's fused recurrent kernel for KDA.
+Where the op has its own kernel and every sequence of the batch is that short (a cached prompt's
+new part, a short extend), there are no rounds: one launch runs whole sequences and writes the
+checkpoints itself as it passes them (:func:`single_pass`), as the decode step's chain kernels do.
 Below ~1,000 tokens an fla call is host-bound, and the chunked one costs ~1 ms more of it
 (measured on an H100, one layer's call, wall time: Gated DeltaNet with 16 heads of 128x128, chunked
 ~1.5-1.9 ms at any length up to 2,048 tokens, recurrent 0.4-0.6 ms up to 256 tokens, 0.9 ms at 512,

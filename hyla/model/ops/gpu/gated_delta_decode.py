@@ -19,7 +19,8 @@ written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0,
 The same recurrence runs an extend's short segments (:func:`gated_delta_segments_fused`: the
 rounds of ``fla_chunk.scan_in_rounds`` of at most ``RECURRENT_MAX_LEN`` tokens), each program
 looping over its segment's tokens (a count read on the device), one launch per layer where fla's
-fused recurrent kernel costs ~0.4 ms of host time a call. Both kernels share :func:`_gdn_token`.
+fused recurrent kernel costs ~0.4 ms of host time a call, each token's inputs loaded while the
+token before it is computed. Both kernels share the math (:func:`_gdn_step`).
 """
 
 from __future__ import annotations
@@ -37,14 +38,29 @@ def _gdn_token(S, row, a_ptr, b_ptr, neg_a, dt_bias, hk, hv, dk, mk, dv, mv, sca
                HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
     """One token on a ``[BK, BV]`` block of a value head's fp32 state: ``row`` points at its
     ``[q | k | v]`` projection, ``a_ptr`` / ``b_ptr`` at its raw gates. Returns ``(S, o [BV])``."""
-    q = tl.load(row + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-    k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0).to(tl.float32)
-    v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0).to(tl.float32)
+    q, k, v, a, b = _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK, DK, DV)
+    return _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale)
+
+
+@triton.jit
+def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """:func:`_gdn_token`'s loads: ``(q, k, v, a, b)`` as stored."""
+    q = tl.load(row + hk * DK + dk, mask=mk, other=0.0)
+    k = tl.load(row + HK * DK + hk * DK + dk, mask=mk, other=0.0)
+    v = tl.load(row + 2 * HK * DK + hv * DV + dv, mask=mv, other=0.0)
+    return q, k, v, tl.load(a_ptr), tl.load(b_ptr)
+
+
+@triton.jit
+def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
+    """:func:`_gdn_token`'s math on loaded inputs."""
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    b = tl.load(b_ptr)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-    x = tl.load(a_ptr).to(tl.float32) + dt_bias
+    x = a.to(tl.float32) + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     e = tl.exp(neg_a * softplus)
     kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
@@ -112,10 +128,21 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
         c = tl.load(ck_off_ptr + i)
         c_end = tl.load(ck_off_ptr + i + 1)
         nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
-    for j in range(n):  # the segment's tokens in order, the state in registers
+    # the segment's tokens in order, the state in registers; each token's inputs are loaded one
+    # token ahead (the loop carries them), so that their latency hides behind the token before. The
+    # row loaded ahead is clamped to the segment's last (an empty segment: the row before it; the
+    # wrapper launches nothing for an empty batch)
+    last = tl.maximum(start + n - 1, 0)
+    nq, nk, nv, na, nb = _gdn_load(qkv_ptr + tl.minimum(start, last) * qkv_stride, a_ptr + tl.minimum(start, last) *
+                                   a_stride + hv, b_ptr + tl.minimum(start, last) * b_stride + hv,
+                                   hk, hv, dk, mk, dv, mv, HK, DK, DV)
+    for j in range(n):
         r = start + j
-        S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
-                          dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
+        q, k, v, av, bv = nq, nk, nv, na, nb
+        ahead = tl.minimum(r + 1, last)
+        nq, nk, nv, na, nb = _gdn_load(qkv_ptr + ahead * qkv_stride, a_ptr + ahead * a_stride + hv,
+                                       b_ptr + ahead * b_stride + hv, hk, hv, dk, mk, dv, mv, HK, DK, DV)
+        S, o = _gdn_step(S, q, k, v, av, bv, neg_a, dt_bias, scale)
         tl.store(o_ptr + r * o_stride + hv * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if CKPT:
             if nxt == j + 1:  # a checkpoint after this token: the state to its pool row
@@ -173,6 +200,8 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
     the states after given tokens written to pool rows on the way."""
     num_v_heads, dk, dv = _check_inputs(qkv, a, b, states, num_k_heads, head_k_dim)
     segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], num_v_heads, dv))
+    if qkv.shape[0] == 0:  # no token: nothing to run (the kernel reads a row ahead)
+        return
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), 32)
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
