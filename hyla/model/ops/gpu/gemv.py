@@ -6,7 +6,8 @@ work. A part of a layer ends ``... -> prologue -> out projection -> residual add
 SwiGLU's ``silu(gate) * up`` before the MLP's down projection, Gated DeltaNet's gated norm before
 its ``out_proj``, nothing before attention's ``o_proj``. :func:`linear_add_rms_norm` runs all three
 steps in one launch, the projection split along K so that a 1024-wide output still spreads over
-the GPU. Each program computes its prologue on the fly for its slice of K, and stores its partial
+the GPU: one row is a GEMV on the CUDA cores, more (a batch, a verify step's chains) go to the
+tensor cores padded to 16 rows. Each program computes its prologue on the fly for its slice of K, and stores its partial
 sums. The last program to finish (an atomic ticket) adds the partials in a fixed order, then does
 the residual add and the norm for every row. The result does not depend on which program finishes
 last.
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # decode steps of at most this many rows (tokens) run their out projections here
+MAX_ROWS = 8  # decode steps of at most this many rows (tokens) run their out projections here
 BLOCK_N = 16  # output columns per program
 BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
 MIN_PROGRAMS = 512  # the K split is chosen to give at least this many programs (~4 per SM on an H100: a
@@ -42,7 +43,7 @@ PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the i
 def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps, w_ptr, w_stride_n, w_stride_k,
                                 part_ptr, ticket_ptr,
                                 r_ptr, scale_ptr, y_ptr, s_ptr, M, N, K, eps,
-                                PROLOGUE: tl.constexpr, ROUND: tl.constexpr, BLOCK_M: tl.constexpr,
+                                PROLOGUE: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
                                 SPLIT_K: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -75,7 +76,13 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
             x = (gy * (z * tl.sigmoid(z))).to(x.dtype)
         w = tl.load(w_ptr + n[:, None] * w_stride_n + k[None, :] * w_stride_k, mask=n_mask[:, None] & (k < K)[None, :],
                     other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if BLOCK_M == 1:  # a GEMV
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif IEEE:  # rows padded to 16 and the dot in fp32: exact products (fp32 inputs: not tf32)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:  # bf16/fp16 inputs are exact in tf32: the tensor cores, the same products (fp32 operands
+            # also keep Triton's interpreter right, whose bf16 dot is not)
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="tf32")
     tl.store(part_ptr + pid_k * M * N + m[:, None] * N + n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
     # the last program to get here: partials -> the projection's output, the residual add, the norm
@@ -147,7 +154,8 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     y, s = torch.empty_like(residual), torch.empty_like(residual)
     _linear_add_rms_norm_kernel[(triton.cdiv(n, BLOCK_N), splits)](
         x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
-        PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, BLOCK_M=max(1, triton.next_power_of_2(m)),
+        PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
+        BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
         BLOCK_N=BLOCK_N, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
         num_warps=NUM_WARPS)
     return y, s
