@@ -206,6 +206,7 @@ class Attention(nn.Module):
     """
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
@@ -224,8 +225,6 @@ class Attention(nn.Module):
         offset, hq, hkv = (self.q_norm.offset if c.qk_norm else 0.0), self.num_heads, self.num_kv_heads
         self._qk_scale = _DerivedWeight(lambda wq, wk: torch.cat([
             (offset + wq.float()).expand(hq, -1), (offset + wk.float()).expand(hkv, -1)]))
-
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
                 defer_out: bool = False) -> torch.Tensor | OutProjection:
@@ -557,6 +556,8 @@ class MLP(nn.Module):
     """Dense feed-forward. ``act="silu"``: gated SwiGLU, ``in_proj`` rows ``[gate (I) | up (I)]``;
     ``act="relu2"``: ``down(relu(up(x))^2)``, ``in_proj`` rows ``[up (I)]``."""
 
+    defers_out = True  # forward(defer_out=True) may return an OutProjection
+
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
         if act not in ("silu", "relu2"):
@@ -564,8 +565,6 @@ class MLP(nn.Module):
         self.gated = act == "silu"
         self.in_proj = nn.Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias, dtype=dtype)
         self.out_proj = nn.Linear(intermediate, hidden, bias=bias, dtype=dtype)
-
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def forward(self, x: torch.Tensor, defer_out: bool = False) -> torch.Tensor | OutProjection:
         h = self.in_proj(x)
