@@ -26,7 +26,6 @@ them that way; ``tests/test_gpu.py`` checks them on a GPU.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 
@@ -65,35 +64,6 @@ def segments_of(rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tens
     if rows.dim() != 1 or starts.shape != (n,) or cu_seqlens.shape != (n + 1,):
         raise ValueError(f"rows, starts [{n}] and cu_seqlens [{n + 1}] disagree")
     return n
-
-
-@dataclass(frozen=True)
-class SegmentCheckpoints:
-    """The checkpoints a segments launch writes itself (``gated_delta_segments_fused``,
-    ``mamba2_segments_fused``): after ``pos[c]`` tokens of segment ``i``, for ``c`` in ``offsets[i] ..
-    offsets[i+1]`` (positions strictly ascending within a segment, each at least 1), the running state
-    goes to ``pool[slot[c]]`` (rows no segment reads or writes). Integer tensors on the device."""
-
-    pool: torch.Tensor  # [S, *state] fp32: the layer's state pool
-    offsets: torch.Tensor  # [n+1]
-    pos: torch.Tensor  # [M]
-    slot: torch.Tensor  # [M]
-
-    def kernel_args(self, states: torch.Tensor, segments: int) -> tuple:
-        """``(pool, offsets, pos, slot)`` for a launch over ``segments`` segments of ``states``."""
-        m = self.pos.shape[0]
-        if self.pool.dtype != states.dtype or self.pool.shape[1:] != states.shape[1:] or not self.pool.is_contiguous():
-            raise ValueError(f"the checkpoint pool must be a contiguous {states.dtype} [S, {list(states.shape[1:])}]")
-        if self.offsets.shape != (segments + 1,) or self.pos.dim() != 1 or self.slot.shape != (m,):
-            raise ValueError(f"checkpoint offsets must be [{segments + 1}], pos and slot [M] alike")
-        return self.pool, self.offsets, self.pos, self.slot
-
-
-def segment_checkpoint_args(ckpts: SegmentCheckpoints | None, states: torch.Tensor, rows: torch.Tensor,
-                            segments: int) -> tuple:
-    """A segments launch's checkpoint arguments: ``ckpts.kernel_args``, or placeholders (``states``,
-    ``rows``) for a launch that writes none (its ``CKPT=False``)."""
-    return (states, rows, rows, rows) if ckpts is None else ckpts.kernel_args(states, segments)
 
 
 def conv_kernel_size(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,

@@ -53,7 +53,7 @@ import torch
 
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
-from hyla.model.ops.gpu import SegmentCheckpoints
+from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
 from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
@@ -75,7 +75,7 @@ FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 # segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...], ckpts=None) -> None:
 # hyla's own recurrent kernel over n segments (segment i: the packed tokens starts[i] .. + its length,
 # from states[rows[i]], updated in place), writing their outputs into out's rows and, with ckpts
-# (a gpu.SegmentCheckpoints), the states after given tokens into pool rows
+# (a segment_checkpoints.SegmentCheckpoints), the states after given tokens into pool rows
 SegmentKernel = Callable[..., None]
 
 
@@ -144,8 +144,9 @@ class SinglePass:
     """A batch whose every sequence is short (at most ``RECURRENT_MAX_LEN`` tokens, at most
     ``RECURRENT_MAX_TOKENS`` in all): one launch of the op's own recurrent kernel over whole
     sequences (``rows``: every running state, in order), which writes the checkpoints itself, on
-    the way (``offsets``, ``pos``, ``slot``: a ``gpu.SegmentCheckpoints``' tensors) — the new part
-    of a prompt whose prefix was cached, with its end − 1 checkpoint, or a short extend."""
+    the way (``offsets``, ``pos``, ``slot``: a ``segment_checkpoints.SegmentCheckpoints``'
+    tensors) — the new part of a prompt whose prefix was cached, with its end − 1 checkpoint, or a
+    short extend."""
 
     rows: torch.Tensor
     starts: torch.Tensor

@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import SegmentCheckpoints, chain_of, segment_checkpoint_args, segments_of
+from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu.segment_checkpoints import (
+    SegmentCheckpoints,
+    first_checkpoint,
+    segment_checkpoint_args,
+    write_checkpoint,
+)
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
 
@@ -125,9 +131,7 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
     mask = mk[:, None] & mv[None, :]
     S = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
-        c = tl.load(ck_off_ptr + i)
-        c_end = tl.load(ck_off_ptr + i + 1)
-        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+        c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     # the segment's tokens in order, the state in registers; each token's inputs are loaded one
     # token ahead (the loop carries them), so that their latency hides behind the token before. The
     # row loaded ahead is clamped to the segment's last (an empty segment: the row before it; the
@@ -145,11 +149,7 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
         S, o = _gdn_step(S, q, k, v, av, bv, neg_a, dt_bias, scale)
         tl.store(o_ptr + r * o_stride + hv * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if CKPT:
-            if nxt == j + 1:  # a checkpoint after this token: the state to its pool row
-                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
-                tl.store(pool_ptr + slot * (HV * DK * DV) + inner, S, mask=mask)
-                c += 1
-                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+            c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, (HV * DK * DV), inner, mask)
     tl.store(ptr, S, mask=mask)
 
 

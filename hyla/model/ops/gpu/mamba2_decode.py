@@ -21,7 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import SegmentCheckpoints, chain_of, segment_checkpoint_args, segments_of
+from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu.segment_checkpoints import (
+    SegmentCheckpoints,
+    first_checkpoint,
+    segment_checkpoint_args,
+    write_checkpoint,
+)
 
 
 @triton.jit
@@ -101,9 +107,7 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
     mask = mp[:, None] & mn[None, :]
     S = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
-        c = tl.load(ck_off_ptr + i)
-        c_end = tl.load(ck_off_ptr + i + 1)
-        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+        c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     for j in range(count):  # the segment's tokens in order, the state in registers
         r = start + j
         S, y = _mamba2_token(S, x_ptr + r * x_stride, dt_ptr + r * dt_stride + h, b_ptr + r * bc_stride,
@@ -111,11 +115,7 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
                              HAS_BIAS)
         tl.store(y_ptr + r * y_stride + h * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
         if CKPT:
-            if nxt == j + 1:  # a checkpoint after this token: the state to its pool row
-                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
-                tl.store(pool_ptr + slot * (H * P * N) + inner, S, mask=mask)
-                c += 1
-                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+            c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, (H * P * N), inner, mask)
     tl.store(ptr, S, mask=mask)
 
 

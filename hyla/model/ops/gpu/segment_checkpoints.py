@@ -1,0 +1,62 @@
+"""The checkpoints an extend's segments launch writes itself, on its way through each segment
+(``gated_delta_decode.gated_delta_segments_fused``, ``mamba2_decode.mamba2_segments_fused``, run by
+``fla_chunk.single_pass``): the request, its launch arguments and the two jit helpers both kernels
+call around their token loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class SegmentCheckpoints:
+    """The checkpoints a segments launch writes itself (``gated_delta_segments_fused``,
+    ``mamba2_segments_fused``): after ``pos[c]`` tokens of segment ``i``, for ``c`` in ``offsets[i] ..
+    offsets[i+1]`` (positions strictly ascending within a segment, each at least 1), the running state
+    goes to ``pool[slot[c]]`` (rows no segment reads or writes). Integer tensors on the device."""
+
+    pool: torch.Tensor  # [S, *state] fp32: the layer's state pool
+    offsets: torch.Tensor  # [n+1]
+    pos: torch.Tensor  # [M]
+    slot: torch.Tensor  # [M]
+
+    def kernel_args(self, states: torch.Tensor, segments: int) -> tuple:
+        """``(pool, offsets, pos, slot)`` for a launch over ``segments`` segments of ``states``."""
+        m = self.pos.shape[0]
+        if self.pool.dtype != states.dtype or self.pool.shape[1:] != states.shape[1:] or not self.pool.is_contiguous():
+            raise ValueError(f"the checkpoint pool must be a contiguous {states.dtype} [S, {list(states.shape[1:])}]")
+        if self.offsets.shape != (segments + 1,) or self.pos.dim() != 1 or self.slot.shape != (m,):
+            raise ValueError(f"checkpoint offsets must be [{segments + 1}], pos and slot [M] alike")
+        return self.pool, self.offsets, self.pos, self.slot
+
+
+def segment_checkpoint_args(ckpts: SegmentCheckpoints | None, states: torch.Tensor, rows: torch.Tensor,
+                            segments: int) -> tuple:
+    """A segments launch's checkpoint arguments: ``ckpts.kernel_args``, or placeholders (``states``,
+    ``rows``) for a launch that writes none (its ``CKPT=False``)."""
+    return (states, rows, rows, rows) if ckpts is None else ckpts.kernel_args(states, segments)
+
+
+@triton.jit
+def first_checkpoint(ck_off_ptr, ck_pos_ptr, i):
+    """Segment ``i``'s checkpoints ``c .. c_end`` and the first one's position ``nxt`` (0: none)."""
+    c = tl.load(ck_off_ptr + i)
+    c_end = tl.load(ck_off_ptr + i + 1)
+    return c, c_end, tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+
+
+@triton.jit
+def write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, row_size, inner, mask):
+    """After the segment's token ``j``: the state block ``S`` (at ``inner`` within a pool row of
+    ``row_size``) to its checkpoint's row if one is due there; returns the next ``(c, nxt)``."""
+    if nxt == j + 1:
+        slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+        tl.store(pool_ptr + slot * row_size + inner, S, mask=mask)
+        c += 1
+        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+    return c, nxt
