@@ -119,7 +119,7 @@ def main() -> None:
             t_gemm = per_call_us(lambda: F.linear(p_in, weight))
             t_unfused, t_fused = per_call_us(unfused), per_call_us(fused)
             gbs = weight.numel() * weight.element_size() / (t_fused * 1e-6) / 1e9
-            splits, _ = gemv.split_k(n, k, head or gemv.BLOCK_K)
+            splits, _ = gemv.split_k(n, k, gemv.BLOCK_N if m == 1 else max(gemv.BLOCK_N, 16), head or gemv.BLOCK_K)
             lines.append(f"| {name} | {m} | {t_gemm:.1f} | {t_unfused:.1f} | {t_fused:.1f} | "
                          f"**{t_unfused / t_fused:.2f}x** | {gbs:.0f} | {splits} | {err:.2g} |")
             print(lines[-1], flush=True)

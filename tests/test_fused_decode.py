@@ -570,7 +570,7 @@ def test_linear_add_rms_norm_kernel(dtype, prologue, rows):
         p = norm(x.reshape(-1, d), z.reshape(-1, d)).view(rows, k)
     else:
         x = p = rnd(rows, k)
-    assert split_k(n, k, d if prologue == "gated_norm" else 128)[0] > 1
+    assert split_k(n, k, 16, d if prologue == "gated_norm" else 128)[0] > 1
     s_ref = residual + F.linear(p, weight)
     y_ref = F.rms_norm(s_ref.float(), (n,), scale, 1e-6).to(dtype)
     y, s = linear_add_rms_norm(x, weight, residual, scale, 1e-6, ticket, prologue, gate)

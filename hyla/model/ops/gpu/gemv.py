@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 8  # decode steps of at most this many rows (tokens) run their out projections here
-BLOCK_N = 16  # output columns per program
+BLOCK_N = 16  # output columns per program (at least 16 with more than one row: tl.dot's minimum)
 BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
 MIN_PROGRAMS = 512  # the K split is chosen to give at least this many programs (~4 per SM on an H100: a
 # program has one weight tile in flight at a time, so the SMs need several each to keep HBM busy)
@@ -105,11 +105,11 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
         tl.atomic_xchg(ticket_ptr, 0)  # zero for the next launch
 
 
-def split_k(n: int, k: int, block_k: int) -> tuple[int, int]:
-    """``(splits, K per split)`` for an ``[N, K]`` projection: enough splits to give
-    ``MIN_PROGRAMS`` programs, each a whole number of ``block_k`` steps."""
+def split_k(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
+    """``(splits, K per split)`` for an ``[N, K]`` projection in blocks of ``block_n`` columns:
+    enough splits to give ``MIN_PROGRAMS`` programs, each a whole number of ``block_k`` steps."""
     steps = triton.cdiv(k, block_k)
-    want = min(MAX_SPLIT_K, steps, max(1, triton.cdiv(MIN_PROGRAMS, triton.cdiv(n, BLOCK_N))))
+    want = min(MAX_SPLIT_K, steps, max(1, triton.cdiv(MIN_PROGRAMS, triton.cdiv(n, block_n))))
     per = triton.cdiv(steps, want) * block_k
     return triton.cdiv(k, per), per
 
@@ -149,13 +149,14 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
                 or block_k & (block_k - 1)):
             raise ValueError(f"gated_norm: z must be x's shape {list(x.shape)} with unit column stride and "
                              f"the weight [D] with D a power of two dividing {k}, got {list(z.shape)}, {list(gw.shape)}")
-    splits, per = split_k(n, k, block_k)
+    block_n = BLOCK_N if m == 1 else max(BLOCK_N, 16)
+    splits, per = split_k(n, k, block_n, block_k)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     y, s = torch.empty_like(residual), torch.empty_like(residual)
-    _linear_add_rms_norm_kernel[(triton.cdiv(n, BLOCK_N), splits)](
+    _linear_add_rms_norm_kernel[(triton.cdiv(n, block_n), splits)](
         x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
         PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
         BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
-        BLOCK_N=BLOCK_N, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
+        BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
         num_warps=NUM_WARPS)
     return y, s
