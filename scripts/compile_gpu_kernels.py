@@ -1,0 +1,165 @@
+"""Compile every Triton kernel of ``hyla/model/ops/gpu`` for a GPU, on a machine without one.
+
+The CPU test suite runs the kernels in Triton's interpreter, which checks what they compute but
+not that they compile: a kernel the interpreter accepts can still fail in Triton's compiler (a
+type, a layout, an unsupported op), and that would first show on a GPU. Triton compiles without a
+device: this script swaps in a driver that only names the target (``sm_90``, an H100, by default),
+turns every launch into a compile (``JITFunction.run`` with ``warmup=True``: nothing runs), and
+calls each kernel's wrapper on small CPU tensors at the shapes and dtypes the models use, so that
+each kernel compiles with the constexprs it gets in the engine — through ptxas, to a cubin. It
+prints one line per compiled variant and exits 1 if any failed.
+
+    .venv/bin/python scripts/compile_gpu_kernels.py [--arch 90]
+
+``tests/test_gpu_compile.py`` runs it. It needs Triton's CUDA backend (in the ``triton`` wheel) and
+must run in a process where ``TRITON_INTERPRET`` is unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+class CompileOnlyDriver:
+    """As much of Triton's driver as compiling needs: the target, device 0, no stream."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def compile_only(arch: int) -> list[str]:
+    """Route every Triton launch to a compile for ``arch``; returns the list each compile appends to."""
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(CompileOnlyDriver(arch))
+    compiled: list[str] = []
+    run = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(f"{self.__name__} ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared)")
+        return kernel
+
+    JITFunction.run = compile_instead
+    return compiled
+
+
+def cases():
+    """``(name, call)`` per variant: each kernel's wrapper on small tensors at the models' head sizes."""
+    import torch
+
+    from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
+    from hyla.model.ops.gpu import mamba2_decode
+    from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
+    from hyla.model.ops.varlen import VarlenPlan
+
+    long = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    chains = torch.tensor([[1, 2], [3, 4], [5, 6]])  # a verify step: 2 requests of 2-token chains
+    for dt in (torch.bfloat16, torch.float32):
+        r = lambda *shape: torch.randn(*shape).to(dt)  # noqa: E731
+        f32 = lambda *shape: torch.randn(*shape)  # noqa: E731
+        n = str(dt).split(".")[-1]
+        hidden, heads, dh = 256, 2, 128
+        # norms
+        yield f"rms_norm {n}", lambda: norms.rms_norm_fused(r(3, hidden), f32(hidden), 1e-6)
+        yield f"add_rms_norm {n}", lambda: norms.add_rms_norm_fused(r(3, hidden), r(3, hidden), f32(hidden), 1e-6)
+        yield f"gated_rms_norm {n}", lambda: norms.gated_rms_norm_fused(r(3, heads * dh), r(3, heads * dh), r(dh), 1e-6,
+                                                                         heads)
+        yield f"silu_mul {n}", lambda: norms.silu_mul_fused(r(3, 2 * 512))
+        # the out projection + residual add + norm, each prologue, one row (GEMV) and more (tl.dot)
+        for prologue in gemv.PROLOGUES:
+            for rows in (1, 3):
+                k = 2 * 512 if prologue == "silu_mul" else heads * dh
+                gate = (r(rows, heads * dh), r(dh), 1e-6) if prologue == "gated_norm" else None
+                yield f"linear_add_rms_norm {prologue} x{rows} {n}", lambda rows=rows, k=k, gate=gate, p=prologue: \
+                    gemv.linear_add_rms_norm(r(rows, k), r(hidden, k // 2 if p == "silu_mul" else k), r(rows, hidden),
+                                             f32(hidden), 1e-6, torch.zeros(1, dtype=torch.int32), p, gate)
+        # convs
+        c, kk = 3 * heads * dh, 4
+        for chain in (None, chains):
+            yield f"conv1d_update chain={chain is not None} {n}", lambda chain=chain: \
+                conv1d_decode.causal_conv1d_update_fused(r(2 if chain is None else 4, c), r(c, kk), None,
+                                                         r(8, c, kk - 1), long(1, 2), "silu", chain=chain)
+        plan = VarlenPlan.from_tensors(long(0, 5, 12), 12, long(1, 2), f32(8, 4), long(0, 1), long(1, 6), long(4, 5),
+                                       torch.device("cpu"))
+        yield f"conv1d_extend {n}", lambda: conv1d_extend.causal_conv1d_varlen_fused(r(12, c), r(c, kk), r(c),
+                                                                                     r(8, c, kk - 1), plan, "silu")
+        # Gated DeltaNet: decode, chains, segments with and without checkpoints
+        hk, hv, dk, dv = 1, 2, 128, 128
+        width = 2 * hk * dk + hv * dv
+        states = f32(8, hv, dk, dv)
+        for chain in (None, chains):
+            rows = 2 if chain is None else 4
+            yield f"gdn_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
+                gated_delta_decode.gated_delta_decode_fused(r(rows, width), r(rows, hv), r(rows, hv), f32(hv), f32(hv),
+                                                           states, long(1, 2), hk, dk, chain=chain)
+        ckpts = SegmentCheckpoints(states, long(0, 1, 2), long(3, 6), long(5, 6))
+        for with_ckpts in (None, ckpts):
+            yield f"gdn_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                gated_delta_decode.gated_delta_segments_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
+                                                             states, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                             torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
+        # Mamba2: decode, segments
+        h, p, g, ns = 4, 64, 1, 128
+        mstates = f32(8, h, p, ns)
+        yield f"mamba2_decode {n}", lambda: mamba2_decode.mamba2_state_update_fused(
+            r(2, h * p), r(2, h), f32(h), r(2, g * ns), r(2, g * ns), f32(h), f32(h), mstates, long(1, 2), (0.0, 1e9))
+        mckpts = SegmentCheckpoints(mstates, long(0, 1, 2), long(3, 6), long(5, 6))
+        for with_ckpts in (None, mckpts):
+            yield f"mamba2_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                mamba2_decode.mamba2_segments_fused(r(12, h * p), r(12, h), f32(h), r(12, g * ns), r(12, g * ns), None,
+                                                    f32(h), mstates, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                    torch.empty(12, h, p, dtype=dt), None, with_ckpts)
+        # attention: the q/k prologue (norm + RoPE + K/V writes), split-KV decode with the output gate
+        hq, hkv, d = 4, 1, 256
+        kb, vb = r(64, hkv, d), r(64, hkv, d)
+        qkv = r(2, hq * d * 2 + 2 * hkv * d)
+        rope = (r(2, 64), r(2, 64))
+        yield f"qk_prologue {n}", lambda: decode_attention.decode_qk_prologue(
+            qkv, hq, hkv, d, True, kb, vb, long(5, 6), f32(hq + hkv, d), 1e-6, rope)
+        table = torch.zeros(4, 16, dtype=torch.long)
+        yield f"paged_decode_attention {n}", lambda: decode_attention.paged_decode_attention(
+            r(2, hq, d), kb, vb, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (90: H100/H200)")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET"):
+        sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    compiled = compile_only(args.arch)
+    failed = 0
+    for name, call in cases():
+        before = len(compiled)
+        try:
+            call()
+        except Exception:  # a compile error (or a wrapper refusing the case): report it, go on
+            failed += 1
+            print(f"FAILED {name}\n{traceback.format_exc(limit=-3)}", flush=True)
+            continue
+        print(f"ok     {name}: {', '.join(compiled[before:]) or 'no launch'}", flush=True)
+    print(f"{len(compiled)} kernel variants compiled for sm_{args.arch}, {failed} cases failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
