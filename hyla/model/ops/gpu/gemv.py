@@ -55,8 +55,17 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
     n_mask = n < N
     dtype = r_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # the weight tiles, each loaded one step ahead (the loop carries it), so that two are in flight:
+    # Triton does not pipeline these loads itself, and HBM needs many bytes in flight per SM
+    w_rows = w_ptr + n[:, None] * w_stride_n
+    k = pid_k * K_SPLIT + kk
+    w_next = tl.load(w_rows + k[None, :] * w_stride_k, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     for i in range(0, K_SPLIT, BLOCK_K):
         k = pid_k * K_SPLIT + i + kk
+        w = w_next
+        ahead = k + BLOCK_K
+        w_next = tl.load(w_rows + ahead[None, :] * w_stride_k,
+                         mask=n_mask[:, None] & ((ahead < K) & (i + BLOCK_K < K_SPLIT))[None, :], other=0.0)
         mk = m_mask[:, None] & (k < K)[None, :]
         x = tl.load(x_ptr + m[:, None] * x_stride + k[None, :], mask=mk, other=0.0)
         if PROLOGUE == 1:  # SwiGLU: x holds [gate | up]; silu in the dtype, then the product in it
@@ -74,8 +83,6 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
             else:
                 gy = gw.to(tl.float32)[None, :] * nx
             x = (gy * (z * tl.sigmoid(z))).to(x.dtype)
-        w = tl.load(w_ptr + n[:, None] * w_stride_n + k[None, :] * w_stride_k, mask=n_mask[:, None] & (k < K)[None, :],
-                    other=0.0)
         if BLOCK_M == 1:  # a GEMV
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         elif IEEE:  # rows padded to 16 and the dot in fp32: exact products (fp32 inputs: not tf32)
