@@ -12,7 +12,8 @@ state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify ste
 of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
 written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
 :func:`mamba2_segments_fused` runs an extend's short segments through the same recurrence
-(``_mamba2_token``), as ``gated_delta_decode`` does for Gated DeltaNet.
+(``_mamba2_load`` and ``_mamba2_step``, each token's inputs loaded while the token before it is
+computed), as ``gated_delta_decode`` does for Gated DeltaNet.
 """
 
 from __future__ import annotations
@@ -35,15 +36,31 @@ def _mamba2_token(S, x_row, dt_ptr, b_row, c_row, a, d, dt_bias, dt_min, dt_max,
                   P: tl.constexpr, N: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One token on a ``[BP, BN]`` block of a head's fp32 state: ``x_row``, ``b_row``, ``c_row`` point
     at the token's x, B and C, ``dt_ptr`` at its raw dt. Returns ``(S, y [BP])``."""
-    x = tl.load(x_row + h * P + p, mask=mp, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr).to(tl.float32)
+    x, dt, bv, cv = _mamba2_load(x_row, dt_ptr, b_row, c_row, g, h, p, mp, n, mn, P, N)
+    return _mamba2_step(S, x, dt, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D, HAS_BIAS)
+
+
+@triton.jit
+def _mamba2_load(x_row, dt_ptr, b_row, c_row, g, h, p, mp, n, mn, P: tl.constexpr, N: tl.constexpr):
+    """:func:`_mamba2_token`'s loads: ``(x, dt, B, C)`` as stored."""
+    x = tl.load(x_row + h * P + p, mask=mp, other=0.0)
+    bv = tl.load(b_row + g * N + n, mask=mn, other=0.0)
+    cv = tl.load(c_row + g * N + n, mask=mn, other=0.0)
+    return x, tl.load(dt_ptr), bv, cv
+
+
+@triton.jit
+def _mamba2_step(S, x, dt, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """:func:`_mamba2_token`'s math on loaded inputs."""
+    x = x.to(tl.float32)
+    dt = dt.to(tl.float32)
     if HAS_BIAS:
         dt += dt_bias
     dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
     dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
     decay = tl.exp(dt * a)
-    bv = tl.load(b_row + g * N + n, mask=mn, other=0.0).to(tl.float32)
-    cv = tl.load(c_row + g * N + n, mask=mn, other=0.0).to(tl.float32)
+    bv = bv.to(tl.float32)
+    cv = cv.to(tl.float32)
     S = S * decay + (x * dt)[:, None] * bv[None, :]
     y = tl.sum(S * cv[None, :], axis=1)
     if HAS_D:
@@ -108,11 +125,19 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
     S = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
-    for j in range(count):  # the segment's tokens in order, the state in registers
+    # the segment's tokens in order, the state in registers, each token's inputs loaded one token
+    # ahead (as gated_delta_decode's segments kernel: the row ahead clamped to the segment's last)
+    last = tl.maximum(start + count - 1, 0)
+    first = tl.minimum(start, last)
+    nx, ndt, nb, nc = _mamba2_load(x_ptr + first * x_stride, dt_ptr + first * dt_stride + h, b_ptr + first * bc_stride,
+                                   c_ptr + first * bc_stride, g, h, p, mp, n, mn, P, N)
+    for j in range(count):
         r = start + j
-        S, y = _mamba2_token(S, x_ptr + r * x_stride, dt_ptr + r * dt_stride + h, b_ptr + r * bc_stride,
-                             c_ptr + r * bc_stride, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn, P, N, HAS_D,
-                             HAS_BIAS)
+        xv, dtv, bv, cv = nx, ndt, nb, nc
+        ahead = tl.minimum(r + 1, last)
+        nx, ndt, nb, nc = _mamba2_load(x_ptr + ahead * x_stride, dt_ptr + ahead * dt_stride + h,
+                                       b_ptr + ahead * bc_stride, c_ptr + ahead * bc_stride, g, h, p, mp, n, mn, P, N)
+        S, y = _mamba2_step(S, xv, dtv, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D, HAS_BIAS)
         tl.store(y_ptr + r * y_stride + h * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
         if CKPT:
             c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, (H * P * N), inner, mask)
@@ -171,6 +196,8 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     states after given tokens written to pool rows on the way."""
     num_heads, head_dim, n, groups = _check_inputs(x, dt, B, C, states)
     segments = segments_of(rows, starts, cu_seqlens, out, (x.shape[0], num_heads, head_dim))
+    if x.shape[0] == 0:  # no token: nothing to run (the kernel reads a row ahead)
+        return
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     bp = min(triton.next_power_of_2(head_dim), 32)
     _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
