@@ -171,12 +171,10 @@ def _plan_single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | 
                for i in range(len(lengths))]
     if any(a[0] == b[0] for marks in per_seq for a, b in zip(marks, marks[1:])):
         return None
-    parts = to_device_packed([varlen.starts, range(len(lengths)), varlen.starts[:-1],
-                              list(itertools.accumulate(map(len, per_seq), initial=0)),
-                              [n for marks in per_seq for n, _ in marks], [slot for marks in per_seq for _, slot in marks]],
-                             device)
-    return SinglePass(rows=parts[1], starts=parts[2], cu_seqlens=parts[0], offsets=parts[3], pos=parts[4],
-                      slot=parts[5])
+    cu, rows, offsets, pos, slot = to_device_packed(
+        [varlen.starts, range(len(lengths)), list(itertools.accumulate(map(len, per_seq), initial=0)),
+         [n for marks in per_seq for n, _ in marks], [slot for marks in per_seq for _, slot in marks]], device)
+    return SinglePass(rows=rows, starts=cu[:-1], cu_seqlens=cu, offsets=offsets, pos=pos, slot=slot)
 
 
 def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor,
@@ -364,9 +362,10 @@ def mamba2_chunk_scan_fla(
         return fused_recurrent_simple_gla(q, k, v, g, scale=1.0, initial_state=initial_state,
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
-    def segments(states, rows, starts, cu_seqlens, out, ckpts=None):  # hyla's kernel on the raw inputs; D * x
+    # hyla's kernel on the raw inputs; D * x is added below
+    def segments(states, rows, starts, cu_seqlens, out, ckpts=None):
         mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
-                              cu_seqlens, out, dt_limit, ckpts)  # is added below
+                              cu_seqlens, out, dt_limit, ckpts)
 
     y = scan_in_rounds(chunk, recurrent, gla_inputs, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        ssm_states, varlen, segments)  # [T, H, P]

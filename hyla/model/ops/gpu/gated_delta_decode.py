@@ -137,9 +137,9 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
     # row loaded ahead is clamped to the segment's last (an empty segment: the row before it; the
     # wrapper launches nothing for an empty batch)
     last = tl.maximum(start + n - 1, 0)
-    nq, nk, nv, na, nb = _gdn_load(qkv_ptr + tl.minimum(start, last) * qkv_stride, a_ptr + tl.minimum(start, last) *
-                                   a_stride + hv, b_ptr + tl.minimum(start, last) * b_stride + hv,
-                                   hk, hv, dk, mk, dv, mv, HK, DK, DV)
+    first = tl.minimum(start, last)
+    nq, nk, nv, na, nb = _gdn_load(qkv_ptr + first * qkv_stride, a_ptr + first * a_stride + hv,
+                                   b_ptr + first * b_stride + hv, hk, hv, dk, mk, dv, mv, HK, DK, DV)
     for j in range(n):
         r = start + j
         q, k, v, av, bv = nq, nk, nv, na, nb

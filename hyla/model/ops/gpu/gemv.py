@@ -1,5 +1,5 @@
 """The last projection of a layer's part and the residual add + RMSNorm after it, in one kernel:
-the fused decode step at a few rows (batch 1).
+the fused decode step at a few rows (batch 1 to 8).
 
 At batch 1 a decode step is a chain of small kernels, and each costs its launch gap besides its
 work. A part of a layer ends ``... -> prologue -> out projection -> residual add + next RMSNorm``:
@@ -7,10 +7,10 @@ SwiGLU's ``silu(gate) * up`` before the MLP's down projection, Gated DeltaNet's 
 its ``out_proj``, nothing before attention's ``o_proj``. :func:`linear_add_rms_norm` runs all three
 steps in one launch, the projection split along K so that a 1024-wide output still spreads over
 the GPU: one row is a GEMV on the CUDA cores, more (a batch, a verify step's chains) go to the
-tensor cores padded to 16 rows. Each program computes its prologue on the fly for its slice of K, and stores its partial
-sums. The last program to finish (an atomic ticket) adds the partials in a fixed order, then does
-the residual add and the norm for every row. The result does not depend on which program finishes
-last.
+tensor cores padded to 16 rows. Each program computes its prologue on the fly for its slice of K,
+and stores its partial sums. The last program to finish (an atomic ticket) adds the partials in a
+fixed order, then does the residual add and the norm for every row. The result does not depend on
+which program finishes last.
 
 The numbers are those of the separate kernels (``norms.py``) and a GEMM, rounded where they round:
 the prologue's output in the model dtype, the projection's output in it, the residual add in it.
@@ -32,7 +32,7 @@ MAX_ROWS = 8  # decode steps of at most this many rows (tokens) run their out pr
 BLOCK_N = 16  # output columns per program (at least 16 with more than one row: tl.dot's minimum)
 BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
 MIN_PROGRAMS = 512  # the K split is chosen to give at least this many programs (~4 per SM on an H100: a
-# program has one weight tile in flight at a time, so the SMs need several each to keep HBM busy)
+# program has two weight tiles in flight at a time, so the SMs need several each to keep HBM busy)
 MAX_SPLIT_K = 8  # the last program reads MAX_SPLIT_K partial rows of N fp32 per row: a serial tail
 NUM_WARPS = 4
 
