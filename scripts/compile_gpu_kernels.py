@@ -67,7 +67,7 @@ def cases():
     import torch
 
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
-    from hyla.model.ops.gpu import mamba2_decode
+    from hyla.model.ops.gpu import logits, mamba2_decode
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
 
@@ -138,6 +138,8 @@ def cases():
         table = torch.zeros(4, 16, dtype=torch.long)
         yield f"paged_decode_attention {n}", lambda: decode_attention.paged_decode_attention(
             r(2, hq, d), kb, vb, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:])
+    # the sampler's argmax + logsumexp (fp32 logits, once)
+    yield "argmax_logsumexp", lambda: logits.argmax_logsumexp(torch.randn(2, 3 * logits.BLOCK + 5))
 
 
 def main() -> None:

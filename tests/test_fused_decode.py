@@ -951,3 +951,24 @@ def test_mamba2_decode_kernel(dtype, limit):
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+
+def test_argmax_logsumexp_kernel():
+    """The sampler's one pass over the logits == ``torch.argmax`` (the first index of the largest,
+    here a tie across two blocks and one inside a block) and ``torch.logsumexp``, including a row of
+    ``-inf`` and one whose blocks past the first are all ``-inf``; strided rows."""
+    from hyla.model.ops.gpu import logits as kernel
+
+    g = torch.Generator().manual_seed(3)
+    v = 2 * kernel.BLOCK + 37  # three blocks, the last one short
+    x = (torch.randn(5, v + 3, generator=g) * 4)[:, :v].to(DEVICE)
+    x[1, 5] = x[1, kernel.BLOCK + 9] = x[1].max() + 1  # a tie across blocks: the first wins
+    x[2, 7] = x[2, 11] = x[2].max() + 1  # a tie inside a block
+    x[3] = float("-inf")
+    x[4, kernel.BLOCK:] = float("-inf")
+    argmax, lse = kernel.argmax_logsumexp(x)
+    assert argmax.tolist() == torch.argmax(x, dim=-1).tolist() and argmax.tolist()[1:3] == [5, 7]
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), atol=1e-5, rtol=1e-6)
+    with pytest.raises(ValueError, match="unit stride"):
+        kernel.argmax_logsumexp(x.t())
+    assert kernel.argmax_logsumexp(x[:0])[0].shape == (0,)

@@ -27,7 +27,7 @@ import torch
 
 from hyla.engine.grammar import Grammars, TokenMask
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.sampler import Drawn, draw_batch, top_logprobs
+from hyla.engine.sampler import Drawn, argmax_logsumexp, draw_batch, raw_logprobs, top_logprobs
 
 logger = logging.getLogger("hyla.engine")
 
@@ -101,9 +101,10 @@ class OutputProcessor:
         logprob (raw model distribution, as output logprobs) and, if asked, its top logprobs."""
         first = req.logprob_start_len + len(req.input_logprobs)  # the token row 0 predicts
         targets = torch.tensor(req.input_ids[first:first + logits.shape[0]], dtype=torch.long, device=logits.device)
-        logprobs = torch.log_softmax(logits[:targets.numel()].float(), dim=-1)  # [N, V]
-        req.input_logprobs.extend(logprobs.gather(1, targets[:, None]).squeeze(1).tolist())
-        req.input_top_logprobs.extend(top_logprobs(row, req) for row in logprobs)
+        rows = logits[:targets.numel()].float()  # [N, V]
+        lse = argmax_logsumexp(rows)[1]
+        req.input_logprobs.extend(raw_logprobs(rows, lse, targets).tolist())
+        req.input_top_logprobs.extend(top_logprobs(row, row_lse, req) for row, row_lse in zip(rows, lse))
 
     def grammar_masks(self, reqs: list[Req], drafts: bool = False) -> TokenMask | None:
         """The token masks of ``reqs``' constrained rows (``None`` if none has a grammar): one row

@@ -9,9 +9,12 @@ temperature / top-k / top-p / min-p) and each draws by inverse CDF from one unif
 request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or from the engine seed),
 so a request's output does not depend on what else shares its batch, and a step costs a few batched
 kernels, not a softmax and a sort per request.
-Log-probabilities reported to the user are those of the model's raw distribution (``log_softmax``
-of the unpenalised, unmasked fp32 logits), the same for greedy and random rows, which is what the
-cache-on/cache-off differential tests compare. With a grammar, a token it forces may thus show a
+Log-probabilities reported to the user are those of the model's raw distribution (the unpenalised,
+unmasked fp32 logits): :func:`raw_logprobs`, ``logit - logsumexp`` of the row, the same for greedy
+and random rows, which is what the cache-on/cache-off differential tests compare. No ``[B, V]``
+``log_softmax`` is written: on CUDA one pass over the logits gives each row's argmax and logsumexp
+(``ops/gpu/logits.py``; PyTorch's ``log_softmax`` runs one block per row, 34 µs at batch 1 on an
+H100). With a grammar, a token it forces may thus show a
 very low logprob, and ``top_logprobs`` may list tokens it forbids.
 """
 
@@ -24,6 +27,7 @@ import torch
 from hyla.cache.transfer import to_device
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
+from hyla.model.ops import gpu as gpu_ops
 
 
 @dataclass
@@ -35,20 +39,23 @@ class SampleOutput:
 
 @dataclass
 class Drawn:
-    """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]`` and the
-    raw ``log_softmax [B, V]``. Their copies to the host are queued when it is made
-    (:func:`draw_batch`), so that they come before anything queued after (the overlap schedule's
-    next decode step, fed ``chosen`` on the device) and :meth:`collect` waits for them alone."""
+    """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]``, the raw
+    fp32 ``logits [B, V]`` and their ``lse [B]`` (logsumexp). Their copies to the host are queued
+    when it is made (:func:`draw_batch`), so that they come before anything queued after (the overlap
+    schedule's next decode step, fed ``chosen`` on the device) and :meth:`collect` waits for them
+    alone."""
 
     chosen: torch.Tensor
-    raw_logprobs: torch.Tensor
+    logits: torch.Tensor
+    lse: torch.Tensor
     reqs: list[Req]
     host: tuple = ()  # chosen, their logprobs, per row (top values, top ids) or None: host tensors
     ready: object = None  # a CUDA event recorded after the copies (None: on the host already)
 
     def __post_init__(self) -> None:
-        lps = self.raw_logprobs.gather(1, self.chosen.unsqueeze(1)).squeeze(1)
-        tops = [self.raw_logprobs[i].topk(k) if (k := num_top_logprobs(r)) else None for i, r in enumerate(self.reqs)]
+        lps = raw_logprobs(self.logits, self.lse, self.chosen)
+        tops = [raw_top_logprobs(self.logits[i], self.lse[i], k) if (k := num_top_logprobs(r)) else None
+                for i, r in enumerate(self.reqs)]
         if self.chosen.device.type != "cuda":
             self.host = (self.chosen, lps, tops)
             return
@@ -75,22 +82,47 @@ def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None)
 def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> Drawn:
     """:func:`sample` up to the host read: every kernel launched, nothing read back."""
     logits = logits.float()
-    raw_logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+    argmax, lse = argmax_logsumexp(logits)  # [B], [B]: of the raw logits
     penalised = [i for i, req in enumerate(reqs) if req.sampling.has_penalties]
     constrained = mask is not None and bool(mask.rows)
-    processed = logits.clone() if penalised or constrained else logits  # (the raw logits stay as they are)
-    for i in penalised:
-        processed[i] = apply_penalties(processed[i], reqs[i])
-    apply_token_mask(processed, mask)
-
-    chosen = torch.argmax(processed, dim=-1)  # [B]
+    processed = logits
+    chosen = argmax
+    if penalised or constrained:
+        processed = logits.clone()  # (the raw logits stay as they are)
+        for i in penalised:
+            processed[i] = apply_penalties(processed[i], reqs[i])
+        apply_token_mask(processed, mask)
+        chosen = torch.argmax(processed, dim=-1)  # [B]
     rows = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
     if rows:  # all random rows at once: one batched distribution, one uniform draw per request
         rreqs = [reqs[i] for i in rows]
         index = to_device(rows, torch.long, processed.device)
         probs = target_probs_batch(processed.index_select(0, index), rreqs)  # [R, V]
         chosen.index_copy_(0, index, inverse_cdf(probs, torch.cat([uniform_draw(r, probs.device) for r in rreqs])))
-    return Drawn(chosen, raw_logprobs, reqs)
+    return Drawn(chosen, logits, lse, reqs)
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (its first index of the largest logit) and logsumexp of fp32 ``logits [B,
+    V]``: ``([B] int64, [B] fp32)``. On CUDA one Triton pass (``ops/gpu/logits.py``)."""
+    if gpu_ops.available(logits.device):
+        from hyla.model.ops.gpu.logits import argmax_logsumexp as fused
+
+        return fused(logits)
+    return torch.argmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
+
+
+def raw_logprobs(logits: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The raw model logprob of ``tokens [N]`` under fp32 ``logits [N, V]`` whose rows' logsumexp is
+    ``lse [N]``: ``logit - logsumexp`` (the ``log_softmax`` entry, without writing ``[N, V]``)."""
+    return logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+
+
+def raw_top_logprobs(row: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of one fp32 logits ``row [V]`` with its logsumexp ``lse``:
+    ``(logprobs [k], ids [k])``."""
+    values, ids = row.topk(k)
+    return values - lse, ids
 
 
 def num_top_logprobs(req: Req) -> int:
@@ -98,13 +130,13 @@ def num_top_logprobs(req: Req) -> int:
     return req.sampling.top_logprobs_num if req.return_logprob else 0
 
 
-def top_logprobs(row_logprobs: torch.Tensor, req: Req) -> list[tuple[float, int]]:
-    """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one raw logprob row ``[V]``
-    ([] unless the request asked for them)."""
+def top_logprobs(row: torch.Tensor, lse: torch.Tensor, req: Req) -> list[tuple[float, int]]:
+    """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one fp32 logits ``row [V]``
+    with its logsumexp ``lse`` ([] unless the request asked for them)."""
     k = num_top_logprobs(req)
     if not k:
         return []
-    return _pairs(*row_logprobs.topk(k))
+    return _pairs(*raw_top_logprobs(row, lse, k))
 
 
 def _pairs(values: torch.Tensor, ids: torch.Tensor) -> list[tuple[float, int]]:

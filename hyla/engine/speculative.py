@@ -53,7 +53,7 @@ import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
-from hyla.engine.sampler import apply_penalties, draw, target_probs, top_logprobs, uniform
+from hyla.engine.sampler import apply_penalties, argmax_logsumexp, draw, target_probs, top_logprobs, uniform
 from hyla.model.forward_batch import ForwardBatch
 
 @dataclass
@@ -344,11 +344,12 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
     (``OutputProcessor.grammar_masks(reqs, drafts=True)``). Logprobs are the raw model's. The
     greedy targets (argmax of every row) and the emitted tokens' logprobs are read in one op each
     for the whole batch; only sampling and penalties work row by row."""
-    raw_logits = logits  # [T, V]
+    raw_logits = logits.float()  # [T, V]
+    raw_argmax, lse = argmax_logsumexp(raw_logits)  # [T], [T]
     if mask is not None:
-        logits = apply_token_mask(logits.float().clone(), mask)
+        logits = apply_token_mask(raw_logits.clone(), mask)
     greedy = [r.sampling.is_greedy and not r.sampling.has_penalties for r in reqs]
-    argmax = logits.argmax(dim=-1).tolist() if any(greedy) else []  # [T]
+    argmax = (raw_argmax if mask is None else logits.argmax(dim=-1)).tolist() if any(greedy) else []  # [T]
     accepted: list[tuple[list[int], list[int]]] = []  # per request: (tokens, path)
     offset = 0
     for req, n, plain_greedy in zip(reqs, lens, greedy):
@@ -369,18 +370,17 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
             target = argmax[offset:offset + n] if plain_greedy else rows.argmax(dim=-1).tolist()
             accepted.append(_accept_greedy(target, [-1] + drafts, children))
         offset += n
-    # raw logprob of token t at row r: logits[r, t] - logsumexp(logits[r]) (log_softmax, without
-    # writing a [T, V] result: only the emitted tokens' are read)
+    # raw logprob of token t at row r: logits[r, t] - logsumexp(logits[r]) (as the sampler's
+    # raw_logprobs; only the emitted tokens' are read)
     starts = prefix_sums(lens)
     dev = raw_logits.device
-    lse = torch.logsumexp(raw_logits.float(), dim=-1)  # [T]
     taken = torch.tensor([starts[i] + j for i, (_, path) in enumerate(accepted) for j in path], device=dev)  # [E]
     emitted = torch.tensor([t for tokens, _ in accepted for t in tokens], device=dev)  # [E]
-    logprobs = (raw_logits[taken, emitted].float() - lse[taken]).tolist()
+    logprobs = (raw_logits[taken, emitted] - lse[taken]).tolist()
     out, k = [], 0
     for req, start, (tokens, path) in zip(reqs, starts, accepted):
         wants_top = req.return_logprob and req.sampling.top_logprobs_num
-        tops = [top_logprobs(raw_logits[start + j].float() - lse[start + j], req) if wants_top else [] for j in path]
+        tops = [top_logprobs(raw_logits[start + j], lse[start + j], req) if wants_top else [] for j in path]
         out.append(Verdict(tokens, logprobs[k:k + len(tokens)], tops, len(tokens) - 1, path))
         k += len(tokens)
     return out
