@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.report import machine, write_section
+    from benchmarks.report import graph_us, machine, write_section
     from hyla.model.ops.gpu import gemv, norms
 
     dev, dtype = args.device, torch.bfloat16
@@ -64,28 +63,7 @@ def main() -> None:
             t = time.perf_counter()
             fn()
             return 1e6 * (time.perf_counter() - t)
-        for _ in range(3):
-            fn()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / 20)
-        return statistics.median(times)
+        return graph_us(fn, args.repeats)
 
     rows_list = [int(r) for r in args.rows.split(",")]
     lines, sweeps = [], []

@@ -38,6 +38,12 @@ from hyla.model.ops.gpu.segment_checkpoints import (
 )
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
+# (value columns of the state per program, warps) of the decode and the segments kernels: a program
+# runs the recurrence on a [Dk, BV] block. Set by reasoning, not measured: benchmarks/recurrent_tiles.py
+# times the alternatives on a GPU. Read at each launch.
+DECODE_TILES = (32, 4)
+SEGMENT_TILES = (32, 4)
+
 
 @triton.jit
 def _gdn_token(S, row, a_ptr, b_ptr, neg_a, dt_bias, hk, hv, dk, mk, dv, mv, scale,
@@ -181,10 +187,10 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     w, chain, seqs = chain_of(chain, slots, batch)
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
-    bv = min(triton.next_power_of_2(dv), 32)
+    bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
     _gdn_decode_kernel[(seqs * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
-        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=4)
+        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=warps)
     return o
 
 
@@ -203,11 +209,11 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if qkv.shape[0] == 0:  # no token: nothing to run (the kernel reads a row ahead)
         return
     bk = triton.next_power_of_2(dk)
-    bv = min(triton.next_power_of_2(dv), 32)
+    bv, warps = min(triton.next_power_of_2(dv), SEGMENT_TILES[0]), SEGMENT_TILES[1]
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
-        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=4)
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=warps)
 
 
 def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,

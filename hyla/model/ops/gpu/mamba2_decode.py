@@ -30,6 +30,12 @@ from hyla.model.ops.gpu.segment_checkpoints import (
     write_checkpoint,
 )
 
+# (rows of the state's P per program, warps) of the decode and the segments kernels: a program runs
+# the recurrence on a [BP, N] block. Set by reasoning, not measured: benchmarks/recurrent_tiles.py
+# times the alternatives on a GPU. Read at each launch.
+DECODE_TILES = (32, 4)
+SEGMENT_TILES = (32, 4)
+
 
 @triton.jit
 def _mamba2_token(S, x_row, dt_ptr, b_row, c_row, a, d, dt_bias, dt_min, dt_max, g, h, p, mp, n, mn,
@@ -175,12 +181,12 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     w, chain, seqs = chain_of(chain, slots, batch)
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
-    bp = min(triton.next_power_of_2(head_dim), 32)
+    bp, warps = min(triton.next_power_of_2(head_dim), DECODE_TILES[0]), DECODE_TILES[1]
     _mamba2_decode_kernel[(seqs * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
         dt_bias if dt_bias is not None else A, ssm_states, chain, chain.stride(0), y, float(lo), float(hi),
         W=w, H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
-        HAS_D=D is not None, HAS_BIAS=dt_bias is not None)
+        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, num_warps=warps)
     return y
 
 
@@ -199,9 +205,10 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     if x.shape[0] == 0:  # no token: nothing to run (the kernel reads a row ahead)
         return
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
-    bp = min(triton.next_power_of_2(head_dim), 32)
+    bp, warps = min(triton.next_power_of_2(head_dim), SEGMENT_TILES[0]), SEGMENT_TILES[1]
     _mamba2_segments_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
         dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
         float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
-        BP=bp, BN=triton.next_power_of_2(n), HAS_D=D is not None, HAS_BIAS=dt_bias is not None, CKPT=ckpts is not None)
+        BP=bp, BN=triton.next_power_of_2(n), HAS_D=D is not None, HAS_BIAS=dt_bias is not None, CKPT=ckpts is not None,
+        num_warps=warps)

@@ -1,0 +1,162 @@
+"""hyla's recurrent kernels by tile: device time of each (block, warps) choice (GPU).
+
+The Gated DeltaNet and Mamba2 kernels of ``hyla/model/ops/gpu`` (``gated_delta_decode``,
+``mamba2_decode``) give each program a block of one head's fp32 state: ``[Dk, BV]`` value columns
+(Gated DeltaNet) or ``[BP, N]`` rows (Mamba2), with some number of warps. Their defaults
+(``DECODE_TILES``, ``SEGMENT_TILES``: 32 columns or rows, 4 warps) are reasoned, not measured. A
+decode step at batch 1 is a few dozen programs, each a short chain of dependent reductions, and an
+extend's segments kernel loops over a few hundred tokens that way (the cached prompt's new part):
+both are bound by the latency of one token's step, which smaller blocks and fewer warps may cut
+(a reduction within one warp needs no barrier) at the price of fewer programs per SM.
+
+This times every choice per call for the GPU benchmark model's Gated DeltaNet (16 heads of
+128x128) and a NemotronH-sized Mamba2 (64 heads of 64x128, 8 groups): decode at batch 1, 8 and 64,
+and one sequence's segments launch of 296 and 512 tokens (bf16 inputs, fp32 states), each call
+captured 20 times in a CUDA graph (``report.graph_us``), medians of ``--repeats`` replays. Every
+choice's output is checked against the default's (the same recurrence: equal up to the sums'
+order). Prints the table and the best choice per row; writes ``## GPU recurrent kernels: tiles``.
+
+    .venv/bin/python benchmarks/recurrent_tiles.py [--repeats 10] [--no-write]
+
+Without a GPU (``--device cpu``) it runs Triton's interpreter on a few choices and short inputs, to
+check the script (times meaningless; nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEV = "cuda"
+BLOCKS = (8, 16, 32, 64)
+WARPS = (1, 2, 4, 8)
+BATCHES = (1, 8, 64)
+LENGTHS = (296, 512)
+
+
+def _bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape, device=DEV).to(torch.bfloat16)
+
+
+def gdn_cases(gdn):
+    """``(row name, module attribute, call, states)`` for the Gated DeltaNet kernels."""
+    hk, hv, d = 16, 16, 128
+    width = 2 * hk * d + hv * d
+    a_log, dt_bias = torch.randn(hv, device=DEV), torch.randn(hv, device=DEV)
+    for b in BATCHES:
+        qkv, a, bb = _bf16(b, width), _bf16(b, hv), _bf16(b, hv)
+        states = torch.zeros(b + 1, hv, d, d, device=DEV)
+        slots = torch.arange(1, b + 1, device=DEV)
+        yield f"Gated DeltaNet decode, batch {b}", "DECODE_TILES", \
+            lambda qkv=qkv, a=a, bb=bb, states=states, slots=slots: gdn.gated_delta_decode_fused(
+                qkv, a, bb, a_log, dt_bias, states, slots, hk, d), states
+    for t in LENGTHS:
+        qkv, a, bb = _bf16(t, width), _bf16(t, hv), _bf16(t, hv)
+        states = torch.zeros(2, hv, d, d, device=DEV)
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
+        out = torch.empty(t, hv, d, device=DEV, dtype=torch.bfloat16)
+
+        def segments(qkv=qkv, a=a, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out):
+            gdn.gated_delta_segments_fused(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)
+            return out
+        yield f"Gated DeltaNet segments, {t} tokens", "SEGMENT_TILES", segments, states
+
+
+def mamba2_cases(m2):
+    """``(row name, module attribute, call, states)`` for the Mamba2 kernels."""
+    h, p, g, n = 64, 64, 8, 128
+    a, d, dt_bias = -torch.rand(h, device=DEV), torch.randn(h, device=DEV), torch.randn(h, device=DEV)
+    for b in BATCHES:
+        x, dt, bm, cm = _bf16(b, h * p), _bf16(b, h), _bf16(b, g * n), _bf16(b, g * n)
+        states = torch.zeros(b + 1, h, p, n, device=DEV)
+        slots = torch.arange(1, b + 1, device=DEV)
+        yield f"Mamba2 decode, batch {b}", "DECODE_TILES", \
+            lambda x=x, dt=dt, bm=bm, cm=cm, states=states, slots=slots: m2.mamba2_state_update_fused(
+                x, dt, a, bm, cm, d, dt_bias, states, slots), states
+    for t in LENGTHS:
+        x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)
+        states = torch.zeros(2, h, p, n, device=DEV)
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
+        out = torch.empty(t, h, p, device=DEV, dtype=torch.bfloat16)
+
+        def segments(x=x, dt=dt, bm=bm, cm=cm, states=states, rows=rows, starts=starts, cu=cu, out=out):
+            m2.mamba2_segments_fused(x, dt, a, bm, cm, d, dt_bias, states, rows, starts, cu, out)
+            return out
+        yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, states
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+    global DEV, BLOCKS, WARPS, BATCHES, LENGTHS
+    DEV = args.device
+    if DEV == "cpu":  # a check of the script: the interpreter, before the kernels are defined
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        BLOCKS, WARPS, BATCHES, LENGTHS, args.no_write = (16, 32), (4,), (1,), (5,), True
+    elif not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --device cpu to check the script)")
+    from benchmarks.report import graph_us, machine, write_section
+    from hyla.model.ops.gpu import gated_delta_decode as gdn
+    from hyla.model.ops.gpu import mamba2_decode as m2
+
+    def per_call_us(fn) -> float:
+        if DEV != "cuda":
+            t = time.perf_counter()
+            fn()
+            return 1e6 * (time.perf_counter() - t)
+        return graph_us(fn, args.repeats)
+
+    torch.manual_seed(0)
+    choices = list(itertools.product(BLOCKS, WARPS))
+    head = "| kernel | " + " | ".join(f"{b}/{w}" for b, w in choices) + " | best | default |"
+    lines = [head, "|---|" + "---|" * (len(choices) + 2)]
+    for module, cases in ((gdn, gdn_cases), (m2, mamba2_cases)):
+        for name, attr, call, states in cases(module):
+            default = getattr(module, attr)
+            states.zero_()
+            ref = (call().float(), states.clone())  # the default's output and states, from zero states
+            cells, best = [], None
+            for choice in choices:
+                setattr(module, attr, choice)
+                try:
+                    states.zero_()
+                    out = call().float()
+                    for got, want in zip((out, states), ref):  # the same recurrence: equal up to the sums' order
+                        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+                    t = per_call_us(call)
+                except Exception as e:  # a tile the compiler refuses, or a wrong result: reported, skipped
+                    print(f"{name} {choice}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    cells.append("—")
+                    continue
+                finally:
+                    setattr(module, attr, default)
+                cells.append(f"{t:.1f}")
+                if best is None or t < best[0]:
+                    best = (t, choice)
+            t_default = cells[choices.index(default)] if default in choices else "—"
+            won = f"**{best[1][0]}/{best[1][1]}: {best[0]:.1f}**" if best else "—"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {won} | {t_default} |")
+            print(lines[-1], flush=True)
+    body = "\n".join([
+        f"`.venv/bin/python benchmarks/recurrent_tiles.py --repeats {args.repeats}` — {machine()}; "
+        "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet value columns, "
+        "Mamba2 state rows) / warps per program.", "", *lines])
+    print(body)
+    if not args.no_write:
+        write_section("GPU recurrent kernels: tiles", body)
+
+
+if __name__ == "__main__":
+    main()
