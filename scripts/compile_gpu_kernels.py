@@ -132,7 +132,7 @@ def cases():
         hq, hkv, d = 4, 1, 256
         kb, vb = r(64, hkv, d), r(64, hkv, d)
         qkv = r(2, hq * d * 2 + 2 * hkv * d)
-        rope = (r(2, 64), r(2, 64))
+        rope = (long(5, 6), f32(32))  # positions, inv_freq: RoPE on 64 channels
         yield f"qk_prologue {n}", lambda: decode_attention.decode_qk_prologue(
             qkv, hq, hkv, d, True, kb, vb, long(5, 6), f32(hq + hkv, d), 1e-6, rope)
         table = torch.zeros(4, 16, dtype=torch.long)

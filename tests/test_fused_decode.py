@@ -262,8 +262,10 @@ def _exact(dtype: torch.dtype) -> dict:
 def test_decode_qk_prologue_kernel(dtype, variant):
     """q/k norm + partial RoPE + the K/V pool writes in one kernel == ``Attention.forward``'s PyTorch
     sequence: Qwen3.5's (output gate, per-head norms, RoPE on 8 of 32 channels), without the gate,
-    Bamba's (RoPE, no norm) and NemotronH's (neither norm nor RoPE: the K/V writes alone)."""
-    from hyla.model.layers import apply_rotary_, signed_sin
+    Bamba's (RoPE, no norm) and NemotronH's (neither norm nor RoPE: the K/V writes alone). The kernel
+    computes RoPE's angles from the positions (one far out, where an angle's error would show) and
+    ``inv_freq``; the reference uses ``RotaryEmbedding``'s tables."""
+    from hyla.model.layers import RotaryEmbedding, apply_rotary_, signed_sin
     from hyla.model.ops.gpu.decode_attention import decode_qk_prologue
 
     g = torch.Generator().manual_seed(7)
@@ -272,15 +274,14 @@ def test_decode_qk_prologue_kernel(dtype, variant):
     q_size = hq * d * (2 if gated else 1)
     qkv = torch.randn(b, q_size + 2 * hkv * d + 5, generator=g).to(DEVICE, dtype)[:, :-5]  # strided rows
     scale = torch.randn(hq + hkv, d, generator=g).to(DEVICE) if normed else None
-    pos = torch.tensor([3, 17, 40], device=DEVICE).float()
-    freqs = pos[:, None] / 100.0 ** (torch.arange(0, rot, 2, device=DEVICE) / rot)
-    emb = torch.cat([freqs, freqs], -1)
-    rope = (emb.cos().to(dtype), signed_sin(emb.sin().to(dtype))) if roped else None
+    pos = torch.tensor([3, 17, 100_003], device=DEVICE)
+    rotary = RotaryEmbedding(rot, 100.0).to(DEVICE)
+    cos, sin = rotary(pos, dtype)
     kb, vb = (torch.randn(20, hkv, d, generator=g).to(DEVICE, dtype) for _ in range(2))
     ref_kb, ref_vb = kb.clone(), vb.clone()
     loc = torch.tensor([11, 2, 7], device=DEVICE)
 
-    q = decode_qk_prologue(qkv, hq, hkv, d, gated, kb, vb, loc, scale, 1e-6, rope)
+    q = decode_qk_prologue(qkv, hq, hkv, d, gated, kb, vb, loc, scale, 1e-6, (pos, rotary.inv_freq) if roped else None)
 
     qp, k, v = qkv.split([q_size, hkv * d, hkv * d], -1)
     qp = qp.reshape(b, hq, -1)[:, :, :d]
@@ -288,12 +289,15 @@ def test_decode_qk_prologue_kernel(dtype, variant):
     if normed:
         qk = (F.rms_norm(qk.float(), (d,), eps=1e-6) * scale).to(dtype)
     if roped:
-        qk = apply_rotary_(qk.clone(), *rope)
+        qk = apply_rotary_(qk.clone(), cos, signed_sin(sin))
     ref_kb[loc], ref_vb[loc] = qk[:, hq:], v.reshape(b, hkv, d)
     exact = _exact(dtype) if not roped else dict(atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(q, qk[:, :hq], **exact)
     torch.testing.assert_close(kb, ref_kb, **exact)
     torch.testing.assert_close(vb, ref_vb, atol=0, rtol=0)  # v is copied as is
+    if roped:
+        with pytest.raises(ValueError, match="inv_freq"):
+            decode_qk_prologue(qkv, hq, hkv, d, gated, kb, vb, loc, scale, 1e-6, (pos, rotary.inv_freq.double()))
 
 
 # --- whole engines -------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ class FalconH1Layer(HybridLayer):
     def mixers(self) -> list[nn.Module]:
         return [self.attn, self.mamba]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None) -> torch.Tensor:
         h = self.mixer_norm(x)  # [T, hidden]
         x = x + (self.mamba(h, batch) + self.attn(h, batch, rope))  # HF's order: (mamba + attention) + residual
         return x + self.ffn(self.ffn_norm(x))

@@ -112,7 +112,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Parameter(torch.empty(d, dtype=c.dtype))  # the per-head output RMSNorm weight
         self.o_proj = nn.Linear(self.dim, h, bias=False, dtype=c.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
@@ -174,7 +174,7 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
         self.o_proj = nn.Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads = x.shape[0], self.num_heads
         if self.q_proj is not None:
             q = self.q_proj(x)

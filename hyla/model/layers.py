@@ -16,7 +16,7 @@ import abc
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,23 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda and HAS_TRITON
 
 
-Rope = tuple[torch.Tensor, torch.Tensor] | None  # (cos, signed_sin(sin)) [T, rotary_dim] for the batch's positions
+class Rope(NamedTuple):
+    """A batch's RoPE, shared by every attention layer (``HybridForCausalLM.rope``): the tokens'
+    ``positions [T]`` and the rotary's fp32 ``inv_freq [rotary_dim / 2]``, which the q/k prologue
+    kernel reads (it computes the angles itself), and the tables the PyTorch path reads, ``cos`` and
+    :func:`signed_sin` ``[T, rotary_dim]`` (None where attention runs the kernel:
+    :func:`_runs_prologue_kernel`)."""
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+
+
+def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
+    """Whether :class:`Attention` runs the q/k prologue kernel for this batch (RoPE from the
+    positions, no tables): a fused decode step, or an extend on CUDA."""
+    return batch.fused_decode or (_on_gpu(x) and not batch.is_decode)
 
 
 # --- norms -------------------------------------------------------------------------------------
@@ -226,7 +242,7 @@ class Attention(nn.Module):
         self._qk_scale = _DerivedWeight(lambda wq, wk: torch.cat([
             (offset + wq.float()).expand(hq, -1), (offset + wk.float()).expand(hkv, -1)]))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None,
                 defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -235,7 +251,7 @@ class Attention(nn.Module):
         if batch.fused_decode:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
             return out_projection(self.o_proj, self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
                                   defer_out)
-        if _on_gpu(qkv) and not batch.is_decode:  # an extend: the prologue kernel, then attention over the pool
+        if _runs_prologue_kernel(batch, qkv):  # an extend on CUDA: the prologue kernel, then attention over the pool
             q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
             if batch.short_extend is not None:
                 o = short_extend_attention(q, kb, vb, batch.short_extend, self.scaling)
@@ -262,7 +278,7 @@ class Attention(nn.Module):
             else:
                 qk = (F.rms_norm(qk.float(), (d,), eps=self.q_norm.eps) * scale).to(x.dtype)
         if rope is not None:
-            apply_rotary_(qk, *rope)
+            apply_rotary_(qk, rope.cos, rope.sin)
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
         v = v.view(t, hkv, d)  # [T, Hkv, D]
         if batch.is_decode:
@@ -281,7 +297,7 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
     def _decode_fused(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
-                      rope: Rope) -> torch.Tensor:
+                      rope: Rope | None) -> torch.Tensor:
         """The fused decode step's attention ``[B, Hq, D]`` from the projection ``qkv``: what
         :meth:`forward`'s PyTorch path computes, in the kernels of ``ops/gpu/decode_attention.py``."""
         t, hq, d = qkv.shape[0], self.num_heads, self.head_dim
@@ -291,14 +307,15 @@ class Attention(nn.Module):
                                                                batch.kv_lens, self.scaling, gate=gate)
 
     def _prologue(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
-                  rope: Rope) -> torch.Tensor:
+                  rope: Rope | None) -> torch.Tensor:
         """``q [T, Hq, D]`` from the projection, normed and rotated, with the new tokens' K/V written
         to the pool, in one Triton kernel (``decode_qk_prologue``; any number of tokens): what
         :meth:`forward`'s PyTorch path computes up to the attention, rounded where it rounds."""
         scale = self._qk_scale(self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
         return _gpu("decode_attention").decode_qk_prologue(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate, kb, vb, batch.out_cache_loc,
-            scale, self.q_norm.eps if self.q_norm is not None else 0.0, rope)
+            scale, self.q_norm.eps if self.q_norm is not None else 0.0,
+            (batch.positions, rope.inv_freq) if rope is not None else None)
 
 
 # --- recurrent mixers --------------------------------------------------------------------------
@@ -382,7 +399,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [Hv] fp32
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
                 defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
@@ -494,7 +511,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=out_bias, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [H] fp32
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None,
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
                 defer_out: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
@@ -696,7 +713,7 @@ class HybridLayer(nn.Module):
         """The layer's token mixers (none in a NemotronH FFN block; Falcon-H1's layer has two)."""
         return [] if self.mixer is None else [self.mixer]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None) -> torch.Tensor:
         if self.mixer is not None:
             x = x + self.mixer(self.mixer_norm(x), batch, rope)
         if self.ffn is not None:
@@ -704,7 +721,7 @@ class HybridLayer(nn.Module):
         return x
 
     def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
-                      rope: Rope) -> tuple[torch.Tensor | OutProjection, torch.Tensor]:
+                      rope: Rope | None) -> tuple[torch.Tensor | OutProjection, torch.Tensor]:
         """:meth:`forward` with each residual add fused into the norm after it (the fused decode
         step, CUDA extend steps; the same numbers): the layer's input is ``residual + out`` (``out``
         None: just ``residual``), its output the same pair, the last part's output not yet added.
@@ -1041,7 +1058,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """:meth:`forward` without :meth:`check_batch` (the runner checks, then runs this compiled:
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        rope = self.rope(batch.positions, h.dtype)
+        rope = self.rope(batch, h)
         if (batch.fused_decode or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
             out, residual = None, h
             for layer in self.layers:
@@ -1064,13 +1081,16 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             h = h[batch.last_token_indices()]
         return self.lm_head(self.norm(h)).float()  # [N, vocab]
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
-        """RoPE tables for ``positions [T]`` (``(cos, signed_sin)``, ``[T, rotary_dim]`` each), computed
-        once per step and shared by every attention layer; None without RoPE."""
+    def rope(self, batch: ForwardBatch, x: torch.Tensor) -> Rope | None:
+        """The batch's :class:`Rope`, once per step for every attention layer (``x``: the hidden
+        states, for their dtype and device); its tables only where attention runs the PyTorch path.
+        None without RoPE."""
         if self.rotary is None:
             return None
-        cos, sin = self.rotary(positions, dtype)
-        return cos, signed_sin(sin)
+        if _runs_prologue_kernel(batch, x):
+            return Rope(batch.positions, self.rotary.inv_freq, None, None)
+        cos, sin = self.rotary(batch.positions, x.dtype)
+        return Rope(batch.positions, self.rotary.inv_freq, cos, signed_sin(sin))
 
     def check_batch(self, batch: ForwardBatch) -> None:
         """``ValueError`` unless the batch fits this model (pools per layer kind, token ids)."""

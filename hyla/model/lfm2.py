@@ -64,7 +64,7 @@ class Lfm2ShortConv(nn.Module):
         self.conv_bias = nn.Parameter(torch.empty(h, dtype=c.dtype)) if c.short_conv_bias else None
         self.out_proj = nn.Linear(h, h, bias=c.short_conv_bias, dtype=c.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # [T, H] each
         bx = b * xs  # [T, H]: what the conv (and its window) sees
         conv_states = batch.conv_states[self.state_index]  # [S, H, K-1]

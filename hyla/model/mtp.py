@@ -78,7 +78,7 @@ class MtpHead(nn.Module):
         target = self.target
         e = target.embed_tokens(batch.input_ids)  # [T, H]
         x = torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1)
-        x = self.layer(self.fc(x), batch, target.rope(batch.positions, e.dtype))  # [T, H]
+        x = self.layer(self.fc(x), batch, target.rope(batch, e))  # [T, H]
         g = self.norm(x)  # [T, H]
         rows = g if batch.logits_indices is None else g[batch.logits_indices]
         return target.lm_head(rows).float(), g

@@ -14,7 +14,10 @@ applies the output gate ``* sigmoid(gate)`` (Qwen3-Next / Qwen3.5) when there is
 Before them, :func:`decode_qk_prologue` turns the layer's projection into what they read, in one
 kernel: per-head q/k RMSNorm, partial RoPE, and the new token's K/V written to the pool. Its
 reference is the PyTorch sequence in ``Attention.forward`` (concatenation, ``rms_norm``,
-``apply_rotary_``, ``write_rows_``), rounded where that rounds.
+``apply_rotary_``, ``write_rows_``), rounded where that rounds. The RoPE angles come from the
+tokens' positions and the rotary's ``inv_freq`` in the kernel (``cos(position * inv_freq)`` in fp32
+rounded to the model dtype, as ``RotaryEmbedding`` computes its tables), so a step builds no tables
+(~9 small launches of PyTorch ops).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 
 
 @triton.jit
-def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, cos_ptr, sin_ptr, rope_stride, loc_ptr, q_ptr,
+def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, pos_ptr, inv_freq_ptr, loc_ptr, q_ptr,
                         k_ptr, v_ptr, kv_stride_s, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                         Q_HEAD_STRIDE: tl.constexpr, Q_SIZE: tl.constexpr, ROT: tl.constexpr,
                         NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
@@ -164,8 +167,13 @@ def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, cos_ptr, sin_ptr, rope_s
         if NORM:
             xp32 = xp.to(tl.float32)
             yp = (xp32 * inv * tl.load(srow + p, mask=d < ROT, other=0.0)).to(x.dtype)
-        c = tl.load(cos_ptr + i * rope_stride + d, mask=d < ROT, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + i * rope_stride + d, mask=d < ROT, other=0.0).to(tl.float32)
+        # RotaryEmbedding's tables: angle = position * inv_freq[d mod ROT/2] in fp32, cos and sin
+        # rounded to the dtype; signed_sin negates the first half
+        angle = tl.load(pos_ptr + i).to(tl.float32) * tl.load(inv_freq_ptr + tl.where(d < half, d, d - half),
+                                                               mask=d < ROT, other=0.0)
+        c = tl.cos(angle).to(x.dtype).to(tl.float32)
+        sn = tl.sin(angle).to(x.dtype).to(tl.float32)
+        sn = tl.where(d < half, -sn, sn)
         rotated = (yp.to(tl.float32) * sn).to(x.dtype)
         rot = ((y.to(tl.float32) * c).to(x.dtype).to(tl.float32) + rotated.to(tl.float32)).to(x.dtype)
         y = tl.where((d < ROT) & (hs < HQ + HKV), rot, y)
@@ -184,9 +192,9 @@ def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
 
     ``qkv [B, Q + 2 * Hkv * D]``: the projection, ``Q`` = ``Hq * D``, or ``Hq * 2D`` with an output
     gate (each head ``[q | gate]``). Per-head RMSNorm of q and k with ``qk_scale [Hq + Hkv, D]``
-    (fp32; None: no norm), then RoPE on the first ``rotary_dim`` channels with ``rope = (cos,
-    signed_sin) [B, rotary_dim]`` (None: no RoPE); k and v go to ``k_buffer / v_buffer [S, Hkv, D]``
-    at ``out_cache_loc [B]``. Returns ``q [B, Hq, D]``."""
+    (fp32; None: no norm), then RoPE on the first ``rotary_dim`` channels with ``rope = (positions
+    [B] int64, inv_freq [rotary_dim / 2] fp32)`` (None: no RoPE); k and v go to ``k_buffer /
+    v_buffer [S, Hkv, D]`` at ``out_cache_loc [B]``. Returns ``q [B, Hq, D]``."""
     b = qkv.shape[0]
     hq, hkv, d = num_heads, num_kv_heads, head_dim
     q_size = hq * d * (2 if output_gate else 1)
@@ -202,15 +210,15 @@ def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
         raise ValueError(f"qk_scale must be a contiguous fp32 [{hq + hkv}, {d}] tensor")
     rot = 0
     if rope is not None:
-        cos, sin = rope
-        rot = cos.shape[-1]
-        if cos.shape != (b, rot) or sin.shape != cos.shape or rot % 2 or rot > d or cos.stride() != sin.stride() \
-                or cos.stride(1) != 1:
-            raise ValueError(f"rope tables must be two [B={b}, rotary_dim <= {d}] tensors of one layout")
+        positions, inv_freq = rope
+        rot = 2 * inv_freq.numel()
+        if positions.shape != (b,) or positions.stride(0) != 1 or inv_freq.dim() != 1 \
+                or inv_freq.dtype != torch.float32 or rot > d or not inv_freq.is_contiguous():
+            raise ValueError(f"rope must be (positions [B={b}], a contiguous fp32 inv_freq [rotary_dim / 2 <= {d // 2}])")
     q = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
     _qk_prologue_kernel[(b, hq + 2 * hkv)](
         qkv, qkv.stride(0), qk_scale if qk_scale is not None else q, *(rope if rope is not None else (q, q)),
-        rope[0].stride(0) if rope is not None else 0, out_cache_loc, q, k_buffer, v_buffer, k_buffer.stride(0), eps,
+        out_cache_loc, q, k_buffer, v_buffer, k_buffer.stride(0), eps,
         HQ=hq, HKV=hkv, D=d, Q_HEAD_STRIDE=(2 if output_gate else 1) * d, Q_SIZE=q_size, ROT=max(rot, 2),
         NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d))
     return q
