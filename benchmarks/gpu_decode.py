@@ -148,6 +148,8 @@ def main() -> None:
                     "(default: the engine's, auto)")
     ap.add_argument("--gemv-max-rows", type=int, default=None, help="set gemv.MAX_ROWS: decode steps of at most "
                     "this many rows run each out projection in the next norm's kernel (0: the separate kernels)")
+    ap.add_argument("--fuse-conv", type=int, choices=(0, 1), default=None, help="set gated_delta_decode.FUSE_CONV: "
+                    "the decode step's conv in the Gated DeltaNet kernel (1) or a kernel of its own (0)")
     side = ap.add_mutually_exclusive_group()
     side.add_argument("--hyla-only", action="store_true")
     side.add_argument("--hf-only", action="store_true")
@@ -207,6 +209,10 @@ def main() -> None:
             gemv = importlib.import_module("hyla.model.ops.gpu.gemv")
             gemv.MAX_ROWS = args.gemv_max_rows
             log(f"gemv.MAX_ROWS = {gemv.MAX_ROWS}")
+        if args.fuse_conv is not None:
+            gdn = importlib.import_module("hyla.model.ops.gpu.gated_delta_decode")
+            gdn.FUSE_CONV = bool(args.fuse_conv)
+            log(f"gated_delta_decode.FUSE_CONV = {gdn.FUSE_CONV}")
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
@@ -323,7 +329,8 @@ def main() -> None:
     body = "\n".join([
         f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
         f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
-        f"{'' if args.gemv_max_rows is None else f'; gemv.MAX_ROWS = {args.gemv_max_rows}'}.",
+        f"{'' if args.gemv_max_rows is None else f'; gemv.MAX_ROWS = {args.gemv_max_rows}'}"
+        f"{'' if args.fuse_conv is None else f'; gated_delta_decode.FUSE_CONV = {bool(args.fuse_conv)}'}.",
         "",
         f"{desc}.",
         "",

@@ -48,17 +48,25 @@ def _bf16(*shape) -> torch.Tensor:
 
 
 def gdn_cases(gdn):
-    """``(row name, module attribute, call, states)`` for the Gated DeltaNet kernels."""
+    """``(row name, module attribute, call, the states it updates)`` for the Gated DeltaNet kernels."""
     hk, hv, d = 16, 16, 128
     width = 2 * hk * d + hv * d
     a_log, dt_bias = torch.randn(hv, device=DEV), torch.randn(hv, device=DEV)
-    for b in BATCHES:
+    conv_w = _bf16(width, gdn.CONV_WIDTH)
+    for b in BATCHES:  # the step the engine runs: with the conv in the kernel (FUSE_CONV) or not
         qkv, a, bb = _bf16(b, width), _bf16(b, hv), _bf16(b, hv)
         states = torch.zeros(b + 1, hv, d, d, device=DEV)
+        conv = torch.zeros(b + 1, width, gdn.CONV_WIDTH - 1, device=DEV, dtype=torch.bfloat16)
+        tickets = torch.zeros(b * hk, dtype=torch.int32, device=DEV)
         slots = torch.arange(1, b + 1, device=DEV)
-        yield f"Gated DeltaNet decode, batch {b}", "DECODE_TILES", \
-            lambda qkv=qkv, a=a, bb=bb, states=states, slots=slots: gdn.gated_delta_decode_fused(
-                qkv, a, bb, a_log, dt_bias, states, slots, hk, d), states
+
+        def decode(qkv=qkv, a=a, bb=bb, states=states, conv=conv, tickets=tickets, slots=slots):
+            if gdn.FUSE_CONV:
+                return gdn.gated_delta_conv_decode_fused(qkv, conv_w, conv, tickets, a, bb, a_log, dt_bias, states,
+                                                         slots, hk, d)
+            return gdn.gated_delta_decode_fused(qkv, a, bb, a_log, dt_bias, states, slots, hk, d)
+        yield f"Gated DeltaNet decode{' (conv fused)' if gdn.FUSE_CONV else ''}, batch {b}", "DECODE_TILES", \
+            decode, (states, conv)
     for t in LENGTHS:
         qkv, a, bb = _bf16(t, width), _bf16(t, hv), _bf16(t, hv)
         states = torch.zeros(2, hv, d, d, device=DEV)
@@ -68,11 +76,11 @@ def gdn_cases(gdn):
         def segments(qkv=qkv, a=a, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out):
             gdn.gated_delta_segments_fused(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)
             return out
-        yield f"Gated DeltaNet segments, {t} tokens", "SEGMENT_TILES", segments, states
+        yield f"Gated DeltaNet segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
 
 
 def mamba2_cases(m2):
-    """``(row name, module attribute, call, states)`` for the Mamba2 kernels."""
+    """``(row name, module attribute, call, the states it updates)`` for the Mamba2 kernels."""
     h, p, g, n = 64, 64, 8, 128
     a, d, dt_bias = -torch.rand(h, device=DEV), torch.randn(h, device=DEV), torch.randn(h, device=DEV)
     for b in BATCHES:
@@ -81,7 +89,7 @@ def mamba2_cases(m2):
         slots = torch.arange(1, b + 1, device=DEV)
         yield f"Mamba2 decode, batch {b}", "DECODE_TILES", \
             lambda x=x, dt=dt, bm=bm, cm=cm, states=states, slots=slots: m2.mamba2_state_update_fused(
-                x, dt, a, bm, cm, d, dt_bias, states, slots), states
+                x, dt, a, bm, cm, d, dt_bias, states, slots), (states,)
     for t in LENGTHS:
         x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)
         states = torch.zeros(2, h, p, n, device=DEV)
@@ -91,7 +99,7 @@ def mamba2_cases(m2):
         def segments(x=x, dt=dt, bm=bm, cm=cm, states=states, rows=rows, starts=starts, cu=cu, out=out):
             m2.mamba2_segments_fused(x, dt, a, bm, cm, d, dt_bias, states, rows, starts, cu, out)
             return out
-        yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, states
+        yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
 
 
 def main() -> None:
@@ -125,16 +133,18 @@ def main() -> None:
     for module, cases in ((gdn, gdn_cases), (m2, mamba2_cases)):
         for name, attr, call, states in cases(module):
             default = getattr(module, attr)
-            states.zero_()
-            ref = (call().float(), states.clone())  # the default's output and states, from zero states
+            for t in states:
+                t.zero_()
+            ref = (call().float(), *(t.clone() for t in states))  # the default's output and states, from zero
             cells, best = [], None
             for choice in choices:
                 setattr(module, attr, choice)
                 try:
-                    states.zero_()
+                    for t in states:
+                        t.zero_()
                     out = call().float()
-                    for got, want in zip((out, states), ref):  # the same recurrence: equal up to the sums' order
-                        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+                    for got, want in zip((out, *states), ref):  # the same recurrence: equal up to the sums' order
+                        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
                     t = per_call_us(call)
                 except Exception as e:  # a tile the compiler refuses, or a wrong result: reported, skipped
                     print(f"{name} {choice}: {type(e).__name__}: {str(e)[:300]}", flush=True)

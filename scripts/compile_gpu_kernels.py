@@ -111,6 +111,10 @@ def cases():
             yield f"gdn_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
                 gated_delta_decode.gated_delta_decode_fused(r(rows, width), r(rows, hv), r(rows, hv), f32(hv), f32(hv),
                                                            states, long(1, 2), hk, dk, chain=chain)
+            yield f"gdn_conv_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
+                gated_delta_decode.gated_delta_conv_decode_fused(
+                    r(rows, width), r(width, 4), r(8, width, 3), torch.zeros(2 * hk, dtype=torch.int32), r(rows, hv),
+                    r(rows, hv), f32(hv), f32(hv), states, long(1, 2), hk, dk, chain=chain)
         ckpts = SegmentCheckpoints(states, long(0, 1, 2), long(3, 6), long(5, 6))
         for with_ckpts in (None, ckpts):
             yield f"gdn_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \

@@ -220,6 +220,56 @@ def test_decode_kernels_run_chains(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 3])
+def test_gated_delta_conv_decode_kernel(dtype, width):
+    """The conv and the Gated DeltaNet step in one kernel == the conv kernel then the GDN kernel,
+    bitwise (outputs, SSM states, conv windows): a decode step (``width`` 1, in place; one padding
+    sequence) and a verify step's chains of 3 tokens. Two value heads per key head and two blocks of
+    value columns: four programs read each key head's q/k windows, the last writes them. Run twice:
+    the tickets come back zeroed, the second step continues from the first's states."""
+    from hyla.model.ops.gpu import gated_delta_decode as gdn
+
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    hk, hv, dk, dv = 2, 4, 16, 64
+    c = 2 * hk * dk + hv * dv
+    seqs = 3
+    if width == 1:
+        chain = torch.tensor([[2, -1, 4], [2, -1, 4]], device=DEVICE)  # in place; the second a padding row
+    else:
+        chain = torch.tensor([[2, -1, 4], [5, -1, 6], [1, -1, 3], [2, -1, 4]], device=DEVICE)
+    rows = seqs * width
+    proj = rnd(rows, c + 2 * hv + 5).to(dtype)  # the raw projection, strided rows: [mixed | b | a | ...]
+    x, bg, a = proj[:, :c], proj[:, c:c + hv], proj[:, c + hv:c + 2 * hv]
+    wt = rnd(c, 4).to(dtype)
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    conv, ssm = rnd(8, c, 3).to(dtype), rnd(8, hv, dk, dv)
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    tickets = torch.zeros(seqs * hk, dtype=torch.int32, device=DEVICE)
+    saved = gdn.DECODE_TILES
+    gdn.DECODE_TILES = (32, 4)  # two blocks of 32 value columns
+    try:
+        for step in range(2):
+            chained = chain if width > 1 else None
+            o = gdn.gated_delta_conv_decode_fused(x, wt, conv, tickets, a, bg, a_log, dt_bias, ssm, chain[0], hk, dk,
+                                                  chain=chained)
+            mixed = causal_conv1d_update_fused(x, wt, None, ref_conv, chain[0], "silu", chain=chained)
+            ref = gdn.gated_delta_decode_fused(mixed, a, bg, a_log, dt_bias, ref_ssm, chain[0], hk, dk, chain=chained)
+            live = [r for r in range(rows) if r // width != 1]
+            assert torch.equal(o[live], ref[live]), f"step {step}"
+            assert torch.equal(ssm, ref_ssm) and torch.equal(conv, ref_conv), f"step {step}"
+            assert not tickets.any()
+    finally:
+        gdn.DECODE_TILES = saved
+    with pytest.raises(ValueError, match="4 wide"):
+        gdn.gated_delta_conv_decode_fused(x, wt[:, :3].contiguous(), conv[:, :, :2].contiguous(), tickets, a, bg,
+                                          a_log, dt_bias, ssm, chain[0], hk, dk)
+    with pytest.raises(ValueError, match="tickets"):
+        gdn.gated_delta_conv_decode_fused(x, wt, conv, tickets[:1], a, bg, a_log, dt_bias, ssm, chain[0], hk, dk,
+                                          chain=chain if width > 1 else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("gated", [False, True])
 def test_paged_decode_attention_kernel(dtype, splits, gated):

@@ -398,6 +398,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, c.norm_eps, norm_before_gate=True, dtype=c.dtype)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [Hv] fp32
+        self._ticket_buf: torch.Tensor | None = None  # the fused conv decode kernel's counters (_tickets)
+        self._retired_tickets: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
                 defer_out: bool = False) -> torch.Tensor | OutProjection:
@@ -405,13 +407,20 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
-        if batch.fused_decode:  # two Triton kernels: the conv window, then gating + the state update
-            # (a verify step of chains: each runs its requests' tokens in order, batch.chain_slots)
-            mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(
-                mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu", chain=batch.chain_slots)
-            o = _gpu("gated_delta_decode").gated_delta_decode_fused(
-                mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots, self.num_k_heads,
-                self.head_k_dim, chain=batch.chain_slots)  # [B, Hv, Dv]
+        if batch.fused_decode:  # Triton: the conv window, gating and the state update in one kernel, or
+            # the conv in a kernel of its own (a verify step of chains: each runs its requests' tokens in order)
+            gdn, chain = _gpu("gated_delta_decode"), batch.chain_slots
+            if gdn.FUSE_CONV and self.conv_weight.shape[1] == gdn.CONV_WIDTH:
+                seqs = batch.state_slots.shape[0] if chain is None else chain.shape[1]
+                o = gdn.gated_delta_conv_decode_fused(
+                    mixed, self.conv_weight, conv_states, self._tickets(seqs * self.num_k_heads, x.device), a, b,
+                    self.A_log, self.dt_bias, ssm_states, batch.state_slots, self.num_k_heads, self.head_k_dim,
+                    chain=chain)  # [B, Hv, Dv]
+            else:
+                mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(
+                    mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu", chain=chain)
+                o = gdn.gated_delta_decode_fused(mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots,
+                                                 self.num_k_heads, self.head_k_dim, chain=chain)  # [B, Hv, Dv]
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         d = self.head_v_dim
@@ -424,6 +433,16 @@ class GatedDeltaNet(nn.Module):
         else:
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
         return self.out_proj(o.reshape(t, self.value_dim))
+
+    def _tickets(self, n: int, device: torch.device) -> torch.Tensor:
+        """At least ``n`` zeroed int32 counters for ``gated_delta_conv_decode_fused`` (one per
+        sequence and key head; the kernel leaves them zeroed). Grown when a batch needs more; a
+        buffer grown out of stays referenced, as a captured CUDA graph may still use it."""
+        if self._ticket_buf is None or self._ticket_buf.numel() < n or self._ticket_buf.device != device:
+            if self._ticket_buf is not None:
+                self._retired_tickets.append(self._ticket_buf)
+            self._ticket_buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        return self._ticket_buf
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)``."""

@@ -16,6 +16,15 @@ write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S`` 
 tokens (row ``i*W + j``) in one launch, the state kept in registers from token to token and
 written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]`` is read.
 
+With ``FUSE_CONV`` (:func:`gated_delta_conv_decode_fused`), the causal conv before it (a kernel
+of width 4, ``conv1d_decode``'s math) runs in the same kernel: each program convolves the q and k
+channels of its key head and the v channels of its block from the windows of ``chain[0]``, kept in
+registers from token to token. It writes its v windows itself (no other program reads them); the
+q and k windows, which every program of the key head reads, are written by the last of those
+programs to finish (an atomic ticket per sequence and key head, reset by that program), so none is
+overwritten before all have read it. One launch a layer fewer at every decode step (18 of ~160 at
+batch 1 for the GPU benchmark model), the same numbers as the two kernels.
+
 The same recurrence runs an extend's short segments (:func:`gated_delta_segments_fused`: the
 rounds of ``fla_chunk.scan_in_rounds`` of at most ``RECURRENT_MAX_LEN`` tokens), each program
 looping over its segment's tokens (a count read on the device), one launch per layer where fla's
@@ -29,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu import chain_of, conv_kernel_size, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     first_checkpoint,
@@ -43,6 +52,8 @@ from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 # times the alternatives on a GPU. Read at each launch.
 DECODE_TILES = (32, 4)
 SEGMENT_TILES = (32, 4)
+FUSE_CONV = True  # the decode step's conv in the recurrence's kernel (gated_delta_conv_decode_fused); read each step
+CONV_WIDTH = 4  # the conv kernel width it supports (Qwen3-Next's and Qwen3.5's)
 
 
 @triton.jit
@@ -111,6 +122,112 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
         tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _conv4(w0, w1, w2, x, c0, c1, c2, c3, y_dtype: tl.constexpr):
+    """One token of a width-4 causal conv + silu on a block of channels: the window ``w0, w1, w2``
+    (oldest first, the pool's dtype), the new input ``x`` (rounded to it) and the weights
+    ``c0..c3``; the sums in fp32 in ``conv1d_decode``'s order. Returns the output in ``y_dtype``."""
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    acc += c0 * w0.to(tl.float32)
+    acc += c1 * w1.to(tl.float32)
+    acc += c2 * w2.to(tl.float32)
+    acc += c3 * x.to(tl.float32)
+    return (acc * tl.sigmoid(acc)).to(y_dtype)
+
+
+@triton.jit
+def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                            cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                            W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
+                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid // HV
+    hv = pid % HV
+    hk = hv // (HV // HK)
+    dk = tl.arange(0, BK)
+    mk = dk < DK
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mv = dv < DV
+    neg_a = -tl.exp(tl.load(a_log_ptr + hv))
+    dt_bias = tl.load(dt_bias_ptr + hv)
+    C = 2 * HK * DK + HV * DV  # the conv's channels: [q | k | v]
+    cq = hk * DK + dk
+    ck = HK * DK + cq
+    cv = 2 * HK * DK + hv * DV + dv
+    cdt = conv_ptr.dtype.element_ty
+
+    slot = tl.load(chain_ptr + i).to(tl.int64)
+    offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
+    S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
+    # the windows at chain[0] ([C, 3] per slot, oldest first), kept in registers from token to token
+    lq = mk & ((tl.zeros([BK], dtype=tl.int64) + slot) >= 0)
+    lv = mv & ((tl.zeros([BV], dtype=tl.int64) + slot) >= 0)
+    win = conv_ptr + slot * (C * 3)
+    q0, q1, q2 = tl.load(win + cq * 3, mask=lq, other=0.0), tl.load(win + cq * 3 + 1, mask=lq, other=0.0), \
+        tl.load(win + cq * 3 + 2, mask=lq, other=0.0)
+    k0, k1, k2 = tl.load(win + ck * 3, mask=lq, other=0.0), tl.load(win + ck * 3 + 1, mask=lq, other=0.0), \
+        tl.load(win + ck * 3 + 2, mask=lq, other=0.0)
+    v0, v1, v2 = tl.load(win + cv * 3, mask=lv, other=0.0), tl.load(win + cv * 3 + 1, mask=lv, other=0.0), \
+        tl.load(win + cv * 3 + 2, mask=lv, other=0.0)
+    wq0 = tl.load(cw_ptr + cq * 4, mask=mk, other=0.0).to(tl.float32)
+    wq1 = tl.load(cw_ptr + cq * 4 + 1, mask=mk, other=0.0).to(tl.float32)
+    wq2 = tl.load(cw_ptr + cq * 4 + 2, mask=mk, other=0.0).to(tl.float32)
+    wq3 = tl.load(cw_ptr + cq * 4 + 3, mask=mk, other=0.0).to(tl.float32)
+    wk0 = tl.load(cw_ptr + ck * 4, mask=mk, other=0.0).to(tl.float32)
+    wk1 = tl.load(cw_ptr + ck * 4 + 1, mask=mk, other=0.0).to(tl.float32)
+    wk2 = tl.load(cw_ptr + ck * 4 + 2, mask=mk, other=0.0).to(tl.float32)
+    wk3 = tl.load(cw_ptr + ck * 4 + 3, mask=mk, other=0.0).to(tl.float32)
+    wv0 = tl.load(cw_ptr + cv * 4, mask=mv, other=0.0).to(tl.float32)
+    wv1 = tl.load(cw_ptr + cv * 4 + 1, mask=mv, other=0.0).to(tl.float32)
+    wv2 = tl.load(cw_ptr + cv * 4 + 2, mask=mv, other=0.0).to(tl.float32)
+    wv3 = tl.load(cw_ptr + cv * 4 + 3, mask=mv, other=0.0).to(tl.float32)
+    iq0, iq1, iq2, ik0, ik1, ik2 = q0, q1, q2, k0, k1, k2  # for the q/k windows' writer, at the end
+    for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
+        r = i * W + j
+        row = x_ptr + r * x_stride
+        xq = tl.load(row + cq, mask=mk, other=0.0)
+        xk = tl.load(row + ck, mask=mk, other=0.0)
+        xv = tl.load(row + cv, mask=mv, other=0.0)
+        ydt = x_ptr.dtype.element_ty  # the conv's output dtype (the projection's), as conv1d_decode's
+        xq, xk, xv = xq.to(cdt), xk.to(cdt), xv.to(cdt)
+        q = _conv4(q0, q1, q2, xq, wq0, wq1, wq2, wq3, ydt)
+        k = _conv4(k0, k1, k2, xk, wk0, wk1, wk2, wk3, ydt)
+        v = _conv4(v0, v1, v2, xv, wv0, wv1, wv2, wv3, ydt)
+        q0, q1, q2, k0, k1, k2, v0, v1, v2 = q1, q2, xq, k1, k2, xk, v1, v2, xv
+        S, o = _gdn_step(S, q, k, v, tl.load(a_ptr + r * a_stride + hv), tl.load(b_ptr + r * b_stride + hv), neg_a,
+                         dt_bias, scale)
+        dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+        live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
+        tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
+        tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        lv_dst = mv & ((tl.zeros([BV], dtype=tl.int64) + dst) >= 0)  # this program's v windows: its own
+        v_win = conv_ptr + dst * (C * 3) + cv * 3
+        tl.store(v_win, v0, mask=lv_dst)
+        tl.store(v_win + 1, v1, mask=lv_dst)
+        tl.store(v_win + 2, v2, mask=lv_dst)
+    # the q/k windows: the key head's last program to get here writes them, after all have read chain[0]
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + i * HK + hk, 1, sem="acq_rel")
+    if ticket == GROUP - 1:
+        q0, q1, q2, k0, k1, k2 = iq0, iq1, iq2, ik0, ik1, ik2
+        for j in tl.static_range(W):
+            row = x_ptr + (i * W + j) * x_stride
+            xq = tl.load(row + cq, mask=mk, other=0.0).to(cdt)
+            xk = tl.load(row + ck, mask=mk, other=0.0).to(cdt)
+            q0, q1, q2, k0, k1, k2 = q1, q2, xq, k1, k2, xk
+            dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+            lq_dst = mk & ((tl.zeros([BK], dtype=tl.int64) + dst) >= 0)
+            dst_win = conv_ptr + dst * (C * 3)
+            tl.store(dst_win + cq * 3, q0, mask=lq_dst)
+            tl.store(dst_win + cq * 3 + 1, q1, mask=lq_dst)
+            tl.store(dst_win + cq * 3 + 2, q2, mask=lq_dst)
+            tl.store(dst_win + ck * 3, k0, mask=lq_dst)
+            tl.store(dst_win + ck * 3 + 1, k1, mask=lq_dst)
+            tl.store(dst_win + ck * 3 + 2, k2, mask=lq_dst)
+        tl.atomic_xchg(ticket_ptr + i * HK + hk, 0)  # zero for the next launch
 
 
 @triton.jit
@@ -193,6 +310,36 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=warps)
     return o
 
+
+
+def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
+                                  tickets: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                                  dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                                  num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gated_delta_decode_fused` with the conv before it in the same kernel (the module
+    docstring): ``x [B, 2*Hk*Dk + Hv*Dv]`` the raw projection (before the conv), ``conv_weight [C,
+    4]`` (no bias, silu), ``conv_states [S, C, 3]`` updated in place along the same slots or chain,
+    ``tickets`` a zeroed int32 ``[>= sequences * Hk]`` on the device that the kernel leaves zeroed
+    (launches sharing it must not overlap: one stream). A chain's intermediate slots
+    (``chain[1:W]``) must differ from ``chain[0]`` (as the engine's checkpoint rows do). Returns
+    ``o [B, Hv, Dv]``, as the conv kernel followed by :func:`gated_delta_decode_fused`."""
+    batch = x.shape[0]
+    num_v_heads, dk, dv = _check_inputs(x, a, b, ssm_states, num_k_heads, head_k_dim)
+    if conv_kernel_size(x, conv_weight, None, conv_states, "silu") != CONV_WIDTH:
+        raise ValueError(f"the fused conv is {CONV_WIDTH} wide, got {conv_weight.shape[1]}")
+    w, chain, seqs = chain_of(chain, slots, batch)
+    if tickets.dtype != torch.int32 or tickets.dim() != 1 or tickets.numel() < seqs * num_k_heads \
+            or tickets.device != x.device:
+        raise ValueError(f"tickets must be an int32 [>= {seqs * num_k_heads}] on x's device")
+    o = torch.empty(batch, num_v_heads, dv, dtype=x.dtype, device=x.device)
+    bk = triton.next_power_of_2(dk)
+    bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
+    blocks = triton.cdiv(dv, bv)
+    _gdn_conv_decode_kernel[(seqs * num_v_heads, blocks)](
+        x, x.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
+        chain, chain.stride(0), o, dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv,
+        GROUP=(num_v_heads // num_k_heads) * blocks, num_warps=warps)
+    return o
 
 
 def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
