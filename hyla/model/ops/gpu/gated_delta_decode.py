@@ -75,19 +75,27 @@ def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: t
 
 
 @triton.jit
+def _add2(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
-    """:func:`_gdn_token`'s math on loaded inputs."""
+    """:func:`_gdn_token`'s math on loaded inputs. A token is a chain of dependent reductions over
+    the state's Dk rows, each a round through shared memory when they span warps: the two norms
+    are one reduction of two operands, ``k^T S`` and ``q^T S`` another (the same sums as two
+    ``tl.sum``, one round each instead of two)."""
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    qq, kk = tl.reduce((q * q, k * k), 0, _add2)
+    q = q * (tl.rsqrt(qq + 1e-6) * scale)
+    k = k * tl.rsqrt(kk + 1e-6)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
     x = a.to(tl.float32) + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     e = tl.exp(neg_a * softplus)
-    kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
-    qS = tl.sum(q[:, None] * S, axis=0)
+    kS, qS = tl.reduce((k[:, None] * S, q[:, None] * S), 0, _add2)  # [BV] each
     delta = (v - e * kS) * beta
     o = e * qS + tl.sum(q * k, axis=0) * delta
     S = e * S + k[:, None] * delta[None, :]
