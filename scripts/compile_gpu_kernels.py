@@ -84,6 +84,7 @@ def cases():
         yield f"gated_rms_norm {n}", lambda: norms.gated_rms_norm_fused(r(3, heads * dh), r(3, heads * dh), r(dh), 1e-6,
                                                                          heads)
         yield f"silu_mul {n}", lambda: norms.silu_mul_fused(r(3, 2 * 512))
+        yield f"sigmoid_gate {n}", lambda: norms.sigmoid_gate_fused(r(3, heads, 256), r(3, heads, 512)[:, :, 256:])
         # the out projection + residual add + norm, each prologue, one row (GEMV) and more (tl.dot)
         for prologue in gemv.PROLOGUES:
             for rows in (1, 3):

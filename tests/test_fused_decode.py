@@ -578,6 +578,24 @@ def test_norm_kernels(dtype):
 
 
 @pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+def test_sigmoid_gate_kernel(dtype):
+    """Attention's output gate on an extend, ``o * sigmoid(gate)``, in one kernel == the layer's two
+    ops, rounded as they round (the sigmoid itself may differ in its last bit); the gate read in
+    place from the projection's per-head ``[q | gate]``, the output transposed as attention may
+    return it."""
+    from hyla.model.ops.gpu.norms import sigmoid_gate_fused
+
+    g = torch.Generator().manual_seed(4)
+    t, hq, d = 5, 3, 24
+    o = torch.randn(hq, t, d, generator=g).to(DEVICE, dtype).transpose(0, 1)  # [T, Hq, D], strided heads
+    gate = torch.randn(t, hq, 2 * d, generator=g).to(DEVICE, dtype)[:, :, d:]
+    ref = o.reshape(t, hq * d) * torch.sigmoid(gate.reshape(t, hq * d))
+    torch.testing.assert_close(sigmoid_gate_fused(o, gate), ref, atol=_tol(dtype), rtol=_tol(dtype))
+    with pytest.raises(ValueError, match="unit stride"):
+        sigmoid_gate_fused(o, gate.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
 def test_add_rms_norm_kernel(dtype):
     """The residual add fused into the next RMSNorm == ``x + out`` (exactly) and the norm of it."""
     from hyla.model.ops.gpu.norms import add_rms_norm_fused

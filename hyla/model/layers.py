@@ -259,11 +259,9 @@ class Attention(nn.Module):
                 o = paged_attention_written(q, kb, vb, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
                                             batch.extend_lens, self.scaling, tree_masks=_tree_masks(batch),
                                             kv_starts=batch.kv_starts)  # [T, Hq, D]
-            o = o.reshape(t, hq * d)
-            if self.output_gate:
-                gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:]  # [T, Hq, D] view
-                o = o * torch.sigmoid(gate.reshape(t, hq * d))
-            return self.o_proj(o)
+            if self.output_gate:  # o * sigmoid(gate) in one kernel, the gate read in place
+                o = _gpu("norms").sigmoid_gate_fused(o, qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:])
+            return self.o_proj(o.reshape(t, hq * d))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.output_gate:

@@ -1,5 +1,7 @@
 """Row-wise Triton kernels for the small ops between the projections: RMSNorm (alone, or after the
-residual add that precedes it), the gated RMSNorm of Gated DeltaNet, and SwiGLU's ``silu(gate) * up``. Each replaces a handful of PyTorch kernels (casts,
+residual add that precedes it), the gated RMSNorm of Gated DeltaNet, SwiGLU's ``silu(gate) * up``,
+and attention's output gate ``o * sigmoid(gate)`` on an extend (a decode step's is in its
+attention kernel). Each replaces a handful of PyTorch kernels (casts,
 reductions, products) with one, and rounds where its PyTorch form rounds (``layers.py``), so
 bf16 results match it to the last bit or one rounding step.
 """
@@ -127,4 +129,32 @@ def silu_mul_fused(h: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, inner, dtype=h.dtype, device=h.device)
     block = 1024
     _silu_mul_kernel[(t, triton.cdiv(inner, block))](h, h.stride(0), y, inner, BLOCK=block)
+    return y
+
+
+@triton.jit
+def _sigmoid_gate_kernel(o_ptr, o_stride_t, o_stride_h, g_ptr, g_stride_t, g_stride_h, y_ptr, HQ: tl.constexpr,
+                         D: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    o = tl.load(o_ptr + t * o_stride_t + h * o_stride_h + d, mask=mask, other=0.0)
+    g = tl.load(g_ptr + t * g_stride_t + h * g_stride_h + d, mask=mask, other=0.0)
+    sig = tl.sigmoid(g.to(tl.float32)).to(o.dtype)  # torch.sigmoid in the dtype, then the product in it
+    tl.store(y_ptr + (t * HQ + h) * D + d, (o.to(tl.float32) * sig.to(tl.float32)).to(o.dtype), mask=mask)
+
+
+def sigmoid_gate_fused(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``o * sigmoid(gate)`` -> ``[T, Hq * D]`` in ``o``'s dtype, as ``Attention.forward`` rounds it:
+    ``o`` and ``gate [T, Hq, D]`` with unit stride along D (any other strides: attention's output,
+    and a view of the projection, Qwen3-Next's per-head ``[q | gate]``)."""
+    t, hq, d = o.shape
+    if gate.shape != o.shape or gate.dtype != o.dtype or gate.stride(2) != 1 or o.stride(2) != 1:
+        raise ValueError(f"o and gate must be [T, Hq, D] of one dtype with unit stride along D, got "
+                         f"{list(o.shape)} {o.dtype} and {list(gate.shape)} {gate.dtype}")
+    y = torch.empty(t, hq * d, dtype=o.dtype, device=o.device)
+    if t:
+        _sigmoid_gate_kernel[(t, hq)](o, o.stride(0), o.stride(1), gate, gate.stride(0), gate.stride(1), y, HQ=hq,
+                                      D=d, BLOCK=triton.next_power_of_2(d))
     return y
