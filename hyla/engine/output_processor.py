@@ -27,7 +27,7 @@ import torch
 
 from hyla.engine.grammar import Grammars, TokenMask
 from hyla.engine.request import Req, ReqStatus
-from hyla.engine.sampler import Drawn, argmax_logsumexp, draw_batch, raw_logprobs, top_logprobs
+from hyla.engine.sampler import Drawn, draw_batch, raw_distribution, raw_logprobs, top_logprobs
 
 logger = logging.getLogger("hyla.engine")
 
@@ -101,8 +101,7 @@ class OutputProcessor:
         logprob (raw model distribution, as output logprobs) and, if asked, its top logprobs."""
         first = req.logprob_start_len + len(req.input_logprobs)  # the token row 0 predicts
         targets = torch.tensor(req.input_ids[first:first + logits.shape[0]], dtype=torch.long, device=logits.device)
-        rows = logits[:targets.numel()].float()  # [N, V]
-        lse = argmax_logsumexp(rows)[1]
+        _, rows, lse = raw_distribution(logits[:targets.numel()].float())  # [N, V], [N]
         req.input_logprobs.extend(raw_logprobs(rows, lse, targets).tolist())
         req.input_top_logprobs.extend(top_logprobs(row, row_lse, req) for row, row_lse in zip(rows, lse))
 

@@ -10,12 +10,12 @@ request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or from t
 so a request's output does not depend on what else shares its batch, and a step costs a few batched
 kernels, not a softmax and a sort per request.
 Log-probabilities reported to the user are those of the model's raw distribution (the unpenalised,
-unmasked fp32 logits): :func:`raw_logprobs`, ``logit - logsumexp`` of the row, the same for greedy
-and random rows, which is what the cache-on/cache-off differential tests compare. No ``[B, V]``
-``log_softmax`` is written: on CUDA one pass over the logits gives each row's argmax and logsumexp
-(``ops/gpu/logits.py``; PyTorch's ``log_softmax`` runs one block per row, 34 µs at batch 1 on an
-H100). With a grammar, a token it forces may thus show a
-very low logprob, and ``top_logprobs`` may list tokens it forbids.
+unmasked fp32 logits), the same for greedy and random rows, which is what the cache-on/cache-off
+differential tests compare: :func:`raw_distribution` gives rows and a per-row ``lse`` whose
+difference they are (:func:`raw_logprobs`). On CUDA the rows are the logits and ``lse`` their
+logsumexp, from one Triton pass that also gives the argmax (``ops/gpu/logits.py``: PyTorch's
+``log_softmax`` runs one block per row, 34 µs at batch 1 on an H100); on CPU they are
+``log_softmax``'s (PyTorch's fused CPU kernel is faster there than a logsumexp) and ``lse`` is 0.
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ class SampleOutput:
 
 @dataclass
 class Drawn:
-    """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]``, the raw
-    fp32 ``logits [B, V]`` and their ``lse [B]`` (logsumexp). Their copies to the host are queued
-    when it is made (:func:`draw_batch`), so that they come before anything queued after (the overlap
-    schedule's next decode step, fed ``chosen`` on the device) and :meth:`collect` waits for them
-    alone."""
+    """A batch's tokens drawn on the logits' device, not yet read by the host: ``chosen [B]`` and the
+    raw distribution's ``rows [B, V]`` and ``lse [B]`` (:func:`raw_distribution`). Their copies to
+    the host are queued when it is made (:func:`draw_batch`), so that they come before anything
+    queued after (the overlap schedule's next decode step, fed ``chosen`` on the device) and
+    :meth:`collect` waits for them alone."""
 
     chosen: torch.Tensor
-    logits: torch.Tensor
+    rows: torch.Tensor
     lse: torch.Tensor
     reqs: list[Req]
     host: tuple = ()  # chosen, their logprobs, per row (top values, top ids) or None: host tensors
     ready: object = None  # a CUDA event recorded after the copies (None: on the host already)
 
     def __post_init__(self) -> None:
-        lps = raw_logprobs(self.logits, self.lse, self.chosen)
-        tops = [raw_top_logprobs(self.logits[i], self.lse[i], k) if (k := num_top_logprobs(r)) else None
+        lps = raw_logprobs(self.rows, self.lse, self.chosen)
+        tops = [raw_top_logprobs(self.rows[i], self.lse[i], k) if (k := num_top_logprobs(r)) else None
                 for i, r in enumerate(self.reqs)]
         if self.chosen.device.type != "cuda":
             self.host = (self.chosen, lps, tops)
@@ -82,7 +82,7 @@ def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None)
 def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> Drawn:
     """:func:`sample` up to the host read: every kernel launched, nothing read back."""
     logits = logits.float()
-    argmax, lse = argmax_logsumexp(logits)  # [B], [B]: of the raw logits
+    argmax, rows, lse = raw_distribution(logits)
     penalised = [i for i, req in enumerate(reqs) if req.sampling.has_penalties]
     constrained = mask is not None and bool(mask.rows)
     processed = logits
@@ -93,33 +93,36 @@ def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = N
             processed[i] = apply_penalties(processed[i], reqs[i])
         apply_token_mask(processed, mask)
         chosen = torch.argmax(processed, dim=-1)  # [B]
-    rows = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
-    if rows:  # all random rows at once: one batched distribution, one uniform draw per request
-        rreqs = [reqs[i] for i in rows]
-        index = to_device(rows, torch.long, processed.device)
+    random = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
+    if random:  # all random rows at once: one batched distribution, one uniform draw per request
+        rreqs = [reqs[i] for i in random]
+        index = to_device(random, torch.long, processed.device)
         probs = target_probs_batch(processed.index_select(0, index), rreqs)  # [R, V]
         chosen.index_copy_(0, index, inverse_cdf(probs, torch.cat([uniform_draw(r, probs.device) for r in rreqs])))
-    return Drawn(chosen, logits, lse, reqs)
+    return Drawn(chosen, rows, lse, reqs)
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's argmax (its first index of the largest logit) and logsumexp of fp32 ``logits [B,
-    V]``: ``([B] int64, [B] fp32)``. On CUDA one Triton pass (``ops/gpu/logits.py``)."""
+def raw_distribution(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 ``logits [B, V]`` -> ``(argmax [B], rows [B, V], lse [B])``: each row's argmax (its first
+    index of the largest logit), and rows whose difference with ``lse`` is the raw logprobs: on
+    CUDA the logits themselves and their logsumexp, with the argmax from the same Triton pass;
+    elsewhere ``log_softmax``'s rows and zeros (the module docstring)."""
     if gpu_ops.available(logits.device):
-        from hyla.model.ops.gpu.logits import argmax_logsumexp as fused
+        from hyla.model.ops.gpu.logits import argmax_logsumexp
 
-        return fused(logits)
-    return torch.argmax(logits, dim=-1), torch.logsumexp(logits, dim=-1)
+        argmax, lse = argmax_logsumexp(logits)
+        return argmax, logits, lse
+    return torch.argmax(logits, dim=-1), torch.log_softmax(logits, dim=-1), logits.new_zeros(logits.shape[0])
 
 
-def raw_logprobs(logits: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The raw model logprob of ``tokens [N]`` under fp32 ``logits [N, V]`` whose rows' logsumexp is
-    ``lse [N]``: ``logit - logsumexp`` (the ``log_softmax`` entry, without writing ``[N, V]``)."""
-    return logits.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+def raw_logprobs(rows: torch.Tensor, lse: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The raw model logprob of ``tokens [N]``: ``rows [N, V]`` and ``lse [N]`` of
+    :func:`raw_distribution` (a logit minus the logsumexp, without writing ``[N, V]`` on CUDA)."""
+    return rows.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
 
 
 def raw_top_logprobs(row: torch.Tensor, lse: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most likely tokens of one fp32 logits ``row [V]`` with its logsumexp ``lse``:
+    """The ``k`` most likely tokens of one row ``[V]`` of :func:`raw_distribution` with its ``lse``:
     ``(logprobs [k], ids [k])``."""
     values, ids = row.topk(k)
     return values - lse, ids
@@ -131,8 +134,8 @@ def num_top_logprobs(req: Req) -> int:
 
 
 def top_logprobs(row: torch.Tensor, lse: torch.Tensor, req: Req) -> list[tuple[float, int]]:
-    """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one fp32 logits ``row [V]``
-    with its logsumexp ``lse`` ([] unless the request asked for them)."""
+    """The ``top_logprobs_num`` most likely ``(logprob, token id)`` of one row ``[V]`` of
+    :func:`raw_distribution` with its ``lse`` ([] unless the request asked for them)."""
     k = num_top_logprobs(req)
     if not k:
         return []

@@ -53,7 +53,7 @@ import torch
 
 from hyla.engine.grammar import TokenMask, apply_token_mask
 from hyla.engine.request import Req
-from hyla.engine.sampler import apply_penalties, argmax_logsumexp, draw, target_probs, top_logprobs, uniform
+from hyla.engine.sampler import apply_penalties, draw, raw_distribution, target_probs, top_logprobs, uniform
 from hyla.model.forward_batch import ForwardBatch
 
 @dataclass
@@ -345,7 +345,7 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
     greedy targets (argmax of every row) and the emitted tokens' logprobs are read in one op each
     for the whole batch; only sampling and penalties work row by row."""
     raw_logits = logits.float()  # [T, V]
-    raw_argmax, lse = argmax_logsumexp(raw_logits)  # [T], [T]
+    raw_argmax, raw_rows, lse = raw_distribution(raw_logits)  # [T], [T, V], [T]
     if mask is not None:
         logits = apply_token_mask(raw_logits.clone(), mask)
     greedy = [r.sampling.is_greedy and not r.sampling.has_penalties for r in reqs]
@@ -370,17 +370,17 @@ def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMa
             target = argmax[offset:offset + n] if plain_greedy else rows.argmax(dim=-1).tolist()
             accepted.append(_accept_greedy(target, [-1] + drafts, children))
         offset += n
-    # raw logprob of token t at row r: logits[r, t] - logsumexp(logits[r]) (as the sampler's
-    # raw_logprobs; only the emitted tokens' are read)
+    # raw logprob of token t at row r: raw_rows[r, t] - lse[r] (the sampler's raw_logprobs; only the
+    # emitted tokens' are read)
     starts = prefix_sums(lens)
     dev = raw_logits.device
     taken = torch.tensor([starts[i] + j for i, (_, path) in enumerate(accepted) for j in path], device=dev)  # [E]
     emitted = torch.tensor([t for tokens, _ in accepted for t in tokens], device=dev)  # [E]
-    logprobs = (raw_logits[taken, emitted] - lse[taken]).tolist()
+    logprobs = (raw_rows[taken, emitted] - lse[taken]).tolist()
     out, k = [], 0
     for req, start, (tokens, path) in zip(reqs, starts, accepted):
         wants_top = req.return_logprob and req.sampling.top_logprobs_num
-        tops = [top_logprobs(raw_logits[start + j], lse[start + j], req) if wants_top else [] for j in path]
+        tops = [top_logprobs(raw_rows[start + j], lse[start + j], req) if wants_top else [] for j in path]
         out.append(Verdict(tokens, logprobs[k:k + len(tokens)], tops, len(tokens) - 1, path))
         k += len(tokens)
     return out
