@@ -24,7 +24,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +58,7 @@ def main() -> None:
     shapes = SHAPES if dev == "cuda" else TINY
 
     def per_call_us(fn) -> float:
-        if dev != "cuda":
-            t = time.perf_counter()
-            fn()
-            return 1e6 * (time.perf_counter() - t)
-        return graph_us(fn, args.repeats)
+        return graph_us(fn, args.repeats, device=dev)
 
     rows_list = [int(r) for r in args.rows.split(",")]
     lines, sweeps = [], []

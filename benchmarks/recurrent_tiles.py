@@ -28,7 +28,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -120,11 +119,7 @@ def main() -> None:
     from hyla.model.ops.gpu import mamba2_decode as m2
 
     def per_call_us(fn) -> float:
-        if DEV != "cuda":
-            t = time.perf_counter()
-            fn()
-            return 1e6 * (time.perf_counter() - t)
-        return graph_us(fn, args.repeats)
+        return graph_us(fn, args.repeats, device=DEV)
 
     torch.manual_seed(0)
     choices = list(itertools.product(BLOCKS, WARPS))

@@ -38,9 +38,14 @@ def write_section(title: str, body: str, doc: Path = DOC) -> None:
     doc.write_text(text.rstrip() + "\n")
 
 
-def graph_us(fn, repeats: int, calls: int = 20) -> float:
+def graph_us(fn, repeats: int, calls: int = 20, device: str = "cuda") -> float:
     """Device time of one ``fn()`` (CUDA): ``calls`` of it captured in one CUDA graph, median over
-    ``repeats`` replays (CUDA events), divided by ``calls``; after warm-up calls (Triton compiles)."""
+    ``repeats`` replays (CUDA events), divided by ``calls``; after warm-up calls (Triton compiles).
+    On another ``device`` (a check of a script, Triton interpreted): one call's wall time."""
+    if device != "cuda":
+        t = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t)
     for _ in range(3):
         fn()
     stream = torch.cuda.Stream()

@@ -75,27 +75,19 @@ def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: t
 
 
 @triton.jit
-def _add2(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
 def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
-    """:func:`_gdn_token`'s math on loaded inputs. A token is a chain of dependent reductions over
-    the state's Dk rows, each a round through shared memory when they span warps: the two norms
-    are one reduction of two operands, ``k^T S`` and ``q^T S`` another (the same sums as two
-    ``tl.sum``, one round each instead of two)."""
+    """:func:`_gdn_token`'s math on loaded inputs."""
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
-    qq, kk = tl.reduce((q * q, k * k), 0, _add2)
-    q = q * (tl.rsqrt(qq + 1e-6) * scale)
-    k = k * tl.rsqrt(kk + 1e-6)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
     x = a.to(tl.float32) + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
     e = tl.exp(neg_a * softplus)
-    kS, qS = tl.reduce((k[:, None] * S, q[:, None] * S), 0, _add2)  # [BV] each
+    kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
+    qS = tl.sum(q[:, None] * S, axis=0)
     delta = (v - e * kS) * beta
     o = e * qS + tl.sum(q * k, axis=0) * delta
     S = e * S + k[:, None] * delta[None, :]
@@ -103,32 +95,51 @@ def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
 
 
 @triton.jit
-def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
-                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
-                       W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):
+def _gdn_program(a_log_ptr, dt_bias_ptr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
+    """A program's share: sequence (a decode step's, a segment) ``i``, value head ``hv`` of key head
+    ``hk``, the state's rows ``dk`` and its block of value columns ``dv`` (and their masks), the
+    head's ``-exp(A_log)`` and dt bias."""
     pid = tl.program_id(0)
     i = pid // HV
     hv = pid % HV
     hk = hv // (HV // HK)
     dk = tl.arange(0, BK)
-    mk = dk < DK
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    mv = dv < DV
     neg_a = -tl.exp(tl.load(a_log_ptr + hv))
-    dt_bias = tl.load(dt_bias_ptr + hv)
+    return i, hv, hk, dk, dk < DK, dv, dv < DV, neg_a, tl.load(dt_bias_ptr + hv)
 
-    slot = tl.load(chain_ptr + i).to(tl.int64)
-    offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+
+@triton.jit
+def _chain_state(state_ptr, slot, offs, mk, mv, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr):
+    """The program's ``[BK, BV]`` block of the state at pool row ``slot`` (``-1``: zeros)."""
     live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
-    S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
+    return tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)
+
+
+@triton.jit
+def _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    """Store the block at pool row ``dst`` (``-1``: no write)."""
+    live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
+    tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live)
+
+
+@triton.jit
+def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                       W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
+    offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    S = _chain_state(state_ptr, tl.load(chain_ptr + i).to(tl.int64), offs, mk, mv, HV, DK, DV, BK, BV)  # fp32
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
         S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
                           dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
-        live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
-        tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
+        _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV, DK, DV, BK, BV)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
@@ -146,20 +157,35 @@ def _conv4(w0, w1, w2, x, c0, c1, c2, c3, y_dtype: tl.constexpr):
 
 
 @triton.jit
+def _window(win, c, mask):
+    """A block of channels' width-4 conv window ``(w0, w1, w2)``, oldest first, at ``win`` (a pool
+    row ``[C, 3]``); masked-out channels read zeros."""
+    return tl.load(win + c * 3, mask=mask, other=0.0), tl.load(win + c * 3 + 1, mask=mask, other=0.0), \
+        tl.load(win + c * 3 + 2, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_window(win, c, w0, w1, w2, mask):
+    tl.store(win + c * 3, w0, mask=mask)
+    tl.store(win + c * 3 + 1, w1, mask=mask)
+    tl.store(win + c * 3 + 2, w2, mask=mask)
+
+
+@triton.jit
+def _conv_weights(cw_ptr, c, mask):
+    """A block of channels' four conv weights (``[C, 4]`` contiguous), in fp32."""
+    return tl.load(cw_ptr + c * 4, mask=mask, other=0.0).to(tl.float32), \
+        tl.load(cw_ptr + c * 4 + 1, mask=mask, other=0.0).to(tl.float32), \
+        tl.load(cw_ptr + c * 4 + 2, mask=mask, other=0.0).to(tl.float32), \
+        tl.load(cw_ptr + c * 4 + 3, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                             cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                             W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                             DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid // HV
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    dk = tl.arange(0, BK)
-    mk = dk < DK
-    dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    mv = dv < DV
-    neg_a = -tl.exp(tl.load(a_log_ptr + hv))
-    dt_bias = tl.load(dt_bias_ptr + hv)
+    i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     C = 2 * HK * DK + HV * DV  # the conv's channels: [q | k | v]
     cq = hk * DK + dk
     ck = HK * DK + cq
@@ -168,30 +194,17 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
 
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
-    live = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + slot) >= 0)  # a block mask
-    S = tl.load(state_ptr + slot * (HV * DK * DV) + offs, mask=live, other=0.0)  # [BK, BV] fp32
+    S = _chain_state(state_ptr, slot, offs, mk, mv, HV, DK, DV, BK, BV)  # [BK, BV] fp32
     # the windows at chain[0] ([C, 3] per slot, oldest first), kept in registers from token to token
     lq = mk & ((tl.zeros([BK], dtype=tl.int64) + slot) >= 0)
     lv = mv & ((tl.zeros([BV], dtype=tl.int64) + slot) >= 0)
     win = conv_ptr + slot * (C * 3)
-    q0, q1, q2 = tl.load(win + cq * 3, mask=lq, other=0.0), tl.load(win + cq * 3 + 1, mask=lq, other=0.0), \
-        tl.load(win + cq * 3 + 2, mask=lq, other=0.0)
-    k0, k1, k2 = tl.load(win + ck * 3, mask=lq, other=0.0), tl.load(win + ck * 3 + 1, mask=lq, other=0.0), \
-        tl.load(win + ck * 3 + 2, mask=lq, other=0.0)
-    v0, v1, v2 = tl.load(win + cv * 3, mask=lv, other=0.0), tl.load(win + cv * 3 + 1, mask=lv, other=0.0), \
-        tl.load(win + cv * 3 + 2, mask=lv, other=0.0)
-    wq0 = tl.load(cw_ptr + cq * 4, mask=mk, other=0.0).to(tl.float32)
-    wq1 = tl.load(cw_ptr + cq * 4 + 1, mask=mk, other=0.0).to(tl.float32)
-    wq2 = tl.load(cw_ptr + cq * 4 + 2, mask=mk, other=0.0).to(tl.float32)
-    wq3 = tl.load(cw_ptr + cq * 4 + 3, mask=mk, other=0.0).to(tl.float32)
-    wk0 = tl.load(cw_ptr + ck * 4, mask=mk, other=0.0).to(tl.float32)
-    wk1 = tl.load(cw_ptr + ck * 4 + 1, mask=mk, other=0.0).to(tl.float32)
-    wk2 = tl.load(cw_ptr + ck * 4 + 2, mask=mk, other=0.0).to(tl.float32)
-    wk3 = tl.load(cw_ptr + ck * 4 + 3, mask=mk, other=0.0).to(tl.float32)
-    wv0 = tl.load(cw_ptr + cv * 4, mask=mv, other=0.0).to(tl.float32)
-    wv1 = tl.load(cw_ptr + cv * 4 + 1, mask=mv, other=0.0).to(tl.float32)
-    wv2 = tl.load(cw_ptr + cv * 4 + 2, mask=mv, other=0.0).to(tl.float32)
-    wv3 = tl.load(cw_ptr + cv * 4 + 3, mask=mv, other=0.0).to(tl.float32)
+    q0, q1, q2 = _window(win, cq, lq)
+    k0, k1, k2 = _window(win, ck, lq)
+    v0, v1, v2 = _window(win, cv, lv)
+    wq0, wq1, wq2, wq3 = _conv_weights(cw_ptr, cq, mk)
+    wk0, wk1, wk2, wk3 = _conv_weights(cw_ptr, ck, mk)
+    wv0, wv1, wv2, wv3 = _conv_weights(cw_ptr, cv, mv)
     iq0, iq1, iq2, ik0, ik1, ik2 = q0, q1, q2, k0, k1, k2  # for the q/k windows' writer, at the end
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
@@ -208,14 +221,10 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
         S, o = _gdn_step(S, q, k, v, tl.load(a_ptr + r * a_stride + hv), tl.load(b_ptr + r * b_stride + hv), neg_a,
                          dt_bias, scale)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
-        live_dst = mk[:, None] & mv[None, :] & ((tl.zeros([BK, BV], dtype=tl.int64) + dst) >= 0)
-        tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live_dst)
+        _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV, DK, DV, BK, BV)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
-        lv_dst = mv & ((tl.zeros([BV], dtype=tl.int64) + dst) >= 0)  # this program's v windows: its own
-        v_win = conv_ptr + dst * (C * 3) + cv * 3
-        tl.store(v_win, v0, mask=lv_dst)
-        tl.store(v_win + 1, v1, mask=lv_dst)
-        tl.store(v_win + 2, v2, mask=lv_dst)
+        # this program's v windows: its own
+        _store_window(conv_ptr + dst * (C * 3), cv, v0, v1, v2, mv & ((tl.zeros([BV], dtype=tl.int64) + dst) >= 0))
     # the q/k windows: the key head's last program to get here writes them, after all have read chain[0]
     tl.debug_barrier()
     ticket = tl.atomic_add(ticket_ptr + i * HK + hk, 1, sem="acq_rel")
@@ -228,13 +237,8 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
             q0, q1, q2, k0, k1, k2 = q1, q2, xq, k1, k2, xk
             dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
             lq_dst = mk & ((tl.zeros([BK], dtype=tl.int64) + dst) >= 0)
-            dst_win = conv_ptr + dst * (C * 3)
-            tl.store(dst_win + cq * 3, q0, mask=lq_dst)
-            tl.store(dst_win + cq * 3 + 1, q1, mask=lq_dst)
-            tl.store(dst_win + cq * 3 + 2, q2, mask=lq_dst)
-            tl.store(dst_win + ck * 3, k0, mask=lq_dst)
-            tl.store(dst_win + ck * 3 + 1, k1, mask=lq_dst)
-            tl.store(dst_win + ck * 3 + 2, k2, mask=lq_dst)
+            _store_window(conv_ptr + dst * (C * 3), cq, q0, q1, q2, lq_dst)
+            _store_window(conv_ptr + dst * (C * 3), ck, k0, k1, k2, lq_dst)
         tl.atomic_xchg(ticket_ptr + i * HK + hk, 0)  # zero for the next launch
 
 
@@ -244,16 +248,8 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid // HV  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
-    hv = pid % HV
-    hk = hv // (HV // HK)
-    dk = tl.arange(0, BK)
-    mk = dk < DK
-    dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    mv = dv < DV
-    neg_a = -tl.exp(tl.load(a_log_ptr + hv))
-    dt_bias = tl.load(dt_bias_ptr + hv)
+    # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     start = tl.load(starts_ptr + i).to(tl.int64)
     n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
     row = tl.load(rows_ptr + i).to(tl.int64)
