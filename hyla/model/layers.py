@@ -313,7 +313,7 @@ class Attention(nn.Module):
         return _gpu("decode_attention").decode_qk_prologue(
             qkv, self.num_heads, self.num_kv_heads, self.head_dim, self.output_gate, kb, vb, batch.out_cache_loc,
             scale, self.q_norm.eps if self.q_norm is not None else 0.0,
-            (batch.positions, rope.inv_freq) if rope is not None else None)
+            (rope.positions, rope.inv_freq) if rope is not None else None)
 
 
 # --- recurrent mixers --------------------------------------------------------------------------
