@@ -412,15 +412,21 @@ def test_engine_fused_decode_matches_pytorch(arch, request):
 # (test_decode_kernels_run_chains)
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
                                   pytest.param("lfm2", marks=pytest.mark.gpu)])
-def test_fused_chain_verify_is_exact(arch, request):
+def test_fused_chain_verify_is_exact(arch, request, monkeypatch):
     """Speculation with verify steps as padded chains through the fused decode kernels
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its
     states passed from column to column through ``chain_slots``): the same greedy tokens and
     logprobs as a plain engine with the cache off, with drafts (the reference's, some corrupted)
     accepted whole, in part and not at all, two turns with the prefix cache. On a GPU the verify
     steps replay their CUDA graphs; without one the kernels run interpreted, on the 2-layer
-    variants."""
+    variants, and Gated DeltaNet's conv in a kernel of its own (``FUSE_CONV = False``: the engine
+    path of the two kernels stays tested, and the fused one's chains are checked against it
+    bitwise in ``test_gated_delta_conv_decode_kernel``; interpreted it costs this test ~6 s)."""
+    from hyla.model.ops.gpu import gated_delta_decode
     from test_engine_speculative import OracleDrafter, _watch_chains
+
+    if not GPU:
+        monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=48, max_running_requests=8)
