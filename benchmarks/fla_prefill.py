@@ -1,4 +1,4 @@
-"""One layer's GPU prefill call, fla's chunked pipeline vs a recurrent kernel (fla's, hyla's), by length.
+"""One layer's GPU prefill call: fla's chunked pipeline, a recurrent kernel (fla's, hyla's), hyla's chunked one.
 
 ``hyla/model/ops/gpu/fla_chunk.py`` runs a round of segments of at most ``RECURRENT_MAX_LEN``
 tokens with a recurrent kernel — hyla's own for Gated DeltaNet and Mamba2 (one Triton launch),
@@ -7,7 +7,10 @@ launches, each through fla's Python wrappers and Triton's autotuner). This measu
 recurrent kernels stop paying: the wall time of one adapter call (host and device, synchronized
 after each call; the host side is what a prefill of a few hundred tokens is bound by), one
 sequence of T tokens, the state pool in fp32, activations in bf16, with ``RECURRENT_MAX_LEN`` forced
-to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's). Shapes: Gated DeltaNet of the GPU benchmark's model
+to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's; for Gated
+DeltaNet hyla's twice, ``gated_delta_chunks.CHUNKED_MIN_LEN`` forced to infinity (its recurrent
+kernel) and to 0 (its chunked one), the 296-token row being the new part of the GPU benchmark's
+cached-TTFT prompt and the 4,096-token one its cold prompt). Shapes: Gated DeltaNet of the GPU benchmark's model
 (16 heads of 128x128) and a Mamba2 layer of NemotronH's size (64 heads, head dim 64, state 128,
 8 groups). Medians of ``--repeats`` calls after 3 warm-up calls; writes ``## GPU prefill: fla
 chunked vs recurrent`` in docs/benchmarks.md.
@@ -30,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
 from hyla.model.ops.gpu import fla_chunk  # noqa: E402
+from hyla.model.ops.gpu import gated_delta_chunks as gdc  # noqa: E402
 
 DEV = "cuda"
 
@@ -48,7 +52,7 @@ def wall_us(fn, repeats: int) -> float:
 
 
 def gated_delta(t: int):
-    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
+    from hyla.model.ops.gpu.gated_delta_chunks import segment_kernel
 
     h, d = 16, 128
     qkv = torch.randn(t, 3 * h * d, device=DEV, dtype=torch.bfloat16)  # the layer's post-conv projection
@@ -90,15 +94,16 @@ LAYERS = {"Gated DeltaNet, 16 heads of 128x128": gated_delta, "Mamba2, 64 heads 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--lengths", default="1,16,64,128,256,512,1024,2048")
+    ap.add_argument("--lengths", default="1,16,64,128,296,512,1024,2048,4096")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not fla_chunk.HAS_FLA:
         raise SystemExit("needs a CUDA device and fla (pip install 'hyla[cuda]')")
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = ["| layer | tokens | fla chunked (ms) | fla recurrent (ms) | hyla recurrent (ms) | fla recurrent / chunked "
-            "| hyla / fla recurrent |", "|---|---|---|---|---|---|---|"]
-    saved = fla_chunk.RECURRENT_MAX_LEN
+    rows = ["| layer | tokens | fla chunked (ms) | fla recurrent (ms) | hyla recurrent (ms) | hyla chunked (ms) "
+            "| fla recurrent / chunked | hyla recurrent / fla recurrent | hyla chunked / fla chunked |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    saved, saved_min = fla_chunk.RECURRENT_MAX_LEN, gdc.CHUNKED_MIN_LEN
     try:
         for name, make in LAYERS.items():
             for t in lengths:
@@ -107,19 +112,28 @@ def main() -> None:
                 chunked = wall_us(lambda: fn(False), args.repeats)
                 fla_chunk.RECURRENT_MAX_LEN = 1 << 62
                 recurrent = wall_us(lambda: fn(False), args.repeats)
+                gdc.CHUNKED_MIN_LEN = 1 << 62
                 own = wall_us(lambda: fn(True), args.repeats)
+                own_chunked = None
+                if name.startswith("Gated DeltaNet"):
+                    gdc.CHUNKED_MIN_LEN = 0
+                    own_chunked = wall_us(lambda: fn(True), args.repeats)
+                gdc.CHUNKED_MIN_LEN = saved_min
+                ms = f"{own_chunked / 1e3:.2f}" if own_chunked else "—"
+                ratio = f"**{own_chunked / chunked:.2f}x**" if own_chunked else "—"
                 print(f"{name}: T={t}: chunked {chunked:.0f} us, fla recurrent {recurrent:.0f} us, "
-                      f"hyla recurrent {own:.0f} us", flush=True)
-                rows.append(f"| {name} | {t:,} | {chunked / 1e3:.2f} | {recurrent / 1e3:.2f} | {own / 1e3:.2f} | "
-                            f"**{recurrent / chunked:.2f}x** | **{own / recurrent:.2f}x** |")
+                      f"hyla recurrent {own:.0f} us, hyla chunked {ms} ms", flush=True)
+                rows.append(f"| {name} | {t:,} | {chunked / 1e3:.2f} | {recurrent / 1e3:.2f} | {own / 1e3:.2f} "
+                            f"| {ms} | "
+                            f"**{recurrent / chunked:.2f}x** | **{own / recurrent:.2f}x** | {ratio} |")
     finally:
-        fla_chunk.RECURRENT_MAX_LEN = saved
+        fla_chunk.RECURRENT_MAX_LEN, gdc.CHUNKED_MIN_LEN = saved, saved_min
     body = "\n".join([
         f"`.venv/bin/python benchmarks/fla_prefill.py --repeats {args.repeats}` — {machine()}; "
         f"one adapter call of one sequence, wall time (synchronized), medians of {args.repeats}.",
         "",
-        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with a recurrent kernel "
-        "(hyla's own for these two layers).",
+        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with its own kernel "
+        f"for these two layers (Gated DeltaNet's in chunks from `CHUNKED_MIN_LEN` = {saved_min} tokens).",
         "", *rows])
     print(body)
     if not args.no_write:

@@ -1,4 +1,4 @@
-"""hyla's recurrent kernels by tile: device time of each (block, warps) choice (GPU).
+"""hyla's recurrent kernels by tile: device time of each (block, warps) choice (GPU), and Gated DeltaNet's chunked one.
 
 The Gated DeltaNet and Mamba2 kernels of ``hyla/model/ops/gpu`` (``gated_delta_decode``,
 ``mamba2_decode``) give each program a block of one head's fp32 state: ``[Dk, BV]`` value columns
@@ -15,6 +15,13 @@ and one sequence's segments launch of 296 and 512 tokens (bf16 inputs, fp32 stat
 captured 20 times in a CUDA graph (``report.graph_us``), medians of ``--repeats`` replays. Every
 choice's output is checked against the default's (the same recurrence: equal up to the sums'
 order). Prints the table and the best choice per row; writes ``## GPU recurrent kernels: tiles``.
+
+Second table: Gated DeltaNet's extend in chunks (``gated_delta_chunks``: ``CHUNK_TILES`` = tokens
+per chunk, value columns per program, warps; ``DOT_PRECISION``), one sequence of 64 to 4,096
+tokens, beside the recurrent segments kernel at its default tiles (whose output and state each
+choice is checked against, bf16 tolerance): which is faster from how many tokens on
+(``CHUNKED_MIN_LEN``), and how the cached TTFT's 296-token extend and a 4,096-token prompt would
+fare without fla.
 
     .venv/bin/python benchmarks/recurrent_tiles.py [--repeats 10] [--no-write]
 
@@ -40,6 +47,9 @@ BLOCKS = (8, 16, 32, 64)
 WARPS = (1, 2, 4, 8)
 BATCHES = (1, 8, 64)
 LENGTHS = (296, 512)
+CHUNK_CHOICES = tuple(itertools.product(((16, 16, 4), (16, 32, 4), (16, 64, 4), (16, 32, 8), (32, 32, 4)),
+                                        ("tf32x3", "tf32")))
+CHUNK_LENGTHS = (64, 296, 512, 4096)
 
 
 def _bf16(*shape) -> torch.Tensor:
@@ -101,20 +111,66 @@ def mamba2_cases(m2):
         yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
 
 
+def chunk_lines(gdc, gdn, per_call_us) -> list[str]:
+    """The second table (the module docstring): µs per call of the recurrent segments kernel and of
+    each ``(CHUNK_TILES, DOT_PRECISION)`` choice, per sequence length."""
+    hk, hv, d = 16, 16, 128
+    width = 2 * hk * d + hv * d
+    a_log, dt_bias = torch.randn(hv, device=DEV), torch.randn(hv, device=DEV)
+    names = [f"{bt}x{bv}/{w} {p}" for (bt, bv, w), p in CHUNK_CHOICES]
+    head = "| tokens | recurrent | " + " | ".join(names) + " | best |"
+    lines = [head, "|---|---|" + "---|" * (len(CHUNK_CHOICES) + 1)]
+    for t in CHUNK_LENGTHS:
+        qkv, a, bb = _bf16(t, width), _bf16(t, hv), _bf16(t, hv)
+        states = torch.zeros(2, hv, d, d, device=DEV)
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
+        out = torch.empty(t, hv, d, device=DEV, dtype=torch.bfloat16)
+        call = lambda kernel: kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
+        states.zero_()
+        call(gdn.gated_delta_segments_fused)
+        ref = (out.float(), states.clone())
+        cells = [f"{per_call_us(lambda: call(gdn.gated_delta_segments_fused)):.1f}"]
+        best = None
+        default = (gdc.CHUNK_TILES, gdc.DOT_PRECISION)
+        for tiles, precision in CHUNK_CHOICES:
+            gdc.CHUNK_TILES, gdc.DOT_PRECISION = tiles, precision
+            try:
+                states.zero_()
+                call(gdc.gated_delta_chunks_fused)
+                for got, want in zip((out.float(), states), ref):
+                    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+                us = per_call_us(lambda: call(gdc.gated_delta_chunks_fused))
+            except Exception as e:  # a tile the compiler refuses, or a wrong result: reported, skipped
+                print(f"chunks {t} tokens {tiles} {precision}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                cells.append("—")
+                continue
+            finally:
+                gdc.CHUNK_TILES, gdc.DOT_PRECISION = default
+            cells.append(f"{us:.1f}")
+            if best is None or us < best[0]:
+                best = (us, tiles, precision)
+        won = f"**{best[1][0]}x{best[1][1]}/{best[1][2]} {best[2]}: {best[0]:.1f}**" if best else "—"
+        lines.append(f"| {t:,} | " + " | ".join(cells) + f" | {won} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
-    global DEV, BLOCKS, WARPS, BATCHES, LENGTHS
+    global DEV, BLOCKS, WARPS, BATCHES, LENGTHS, CHUNK_CHOICES, CHUNK_LENGTHS
     DEV = args.device
     if DEV == "cpu":  # a check of the script: the interpreter, before the kernels are defined
         os.environ.setdefault("TRITON_INTERPRET", "1")
         BLOCKS, WARPS, BATCHES, LENGTHS, args.no_write = (16, 32), (4,), (1,), (5,), True
+        CHUNK_CHOICES, CHUNK_LENGTHS = CHUNK_CHOICES[2:4], (20,)
     elif not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device (or --device cpu to check the script)")
     from benchmarks.report import graph_us, machine, write_section
+    from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu import gated_delta_decode as gdn
     from hyla.model.ops.gpu import mamba2_decode as m2
 
@@ -157,7 +213,10 @@ def main() -> None:
     body = "\n".join([
         f"`.venv/bin/python benchmarks/recurrent_tiles.py --repeats {args.repeats}` — {machine()}; "
         "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet value columns, "
-        "Mamba2 state rows) / warps per program.", "", *lines])
+        "Mamba2 state rows) / warps per program.", "", *lines, "",
+        "Gated DeltaNet's extend in chunks (`CHUNK_TILES`: tokens per chunk x value columns / warps; "
+        "`DOT_PRECISION`) beside the recurrent segments kernel (default tiles), one sequence, µs per call:", "",
+        *chunk_lines(gdc, gdn, per_call_us)])
     print(body)
     if not args.no_write:
         write_section("GPU recurrent kernels: tiles", body)

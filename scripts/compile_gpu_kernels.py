@@ -67,6 +67,7 @@ def cases():
     import torch
 
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
+    from hyla.model.ops.gpu import gated_delta_chunks
     from hyla.model.ops.gpu import logits, mamba2_decode
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
@@ -103,7 +104,7 @@ def cases():
                                        torch.device("cpu"))
         yield f"conv1d_extend {n}", lambda: conv1d_extend.causal_conv1d_varlen_fused(r(12, c), r(c, kk), r(c),
                                                                                      r(8, c, kk - 1), plan, "silu")
-        # Gated DeltaNet: decode, chains, segments with and without checkpoints
+        # Gated DeltaNet: decode, chains, segments (recurrent, in chunks) with and without checkpoints
         hk, hv, dk, dv = 1, 2, 128, 128
         width = 2 * hk * dk + hv * dv
         states = f32(8, hv, dk, dv)
@@ -122,6 +123,10 @@ def cases():
                 gated_delta_decode.gated_delta_segments_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
                                                              states, long(1, 2), long(0, 5), long(0, 5, 12),
                                                              torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
+            yield f"gdn_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                gated_delta_chunks.gated_delta_chunks_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
+                                                            states, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                            torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
         # Mamba2: decode, segments
         h, p, g, ns = 4, 64, 1, 128
         mstates = f32(8, h, p, ns)

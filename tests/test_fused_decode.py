@@ -9,6 +9,7 @@ GPU they run for real, and the ``gpu``-marked tests add bf16 and the cache on/of
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -267,6 +268,65 @@ def test_gated_delta_conv_decode_kernel(dtype, width):
     with pytest.raises(ValueError, match="tickets"):
         gdn.gated_delta_conv_decode_fused(x, wt, conv, tickets[:1], a, bg, a_log, dt_bias, ssm, chain[0], hk, dk,
                                           chain=chain if width > 1 else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_chunks_kernel(dtype):
+    """An extend's segments in chunks of 16 tokens (``gated_delta_chunks``) == the recurrence token
+    by token (``gated_delta_segments_fused``, itself checked against the reference below through
+    ``fla_chunk``): outputs, final states, and checkpoint states at a chunk's end, inside one, two in
+    one chunk, after a segment's first and last tokens; an empty segment, a one-token one, a
+    segment's tail past its last chunk; two value heads per key head, two blocks of value columns
+    (the second part masked), strided gates, the state rows in another order. ``segment_kernel``
+    takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
+    from hyla.model.ops.gpu import gated_delta_chunks as gdc
+    from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
+    from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
+
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    hk, hv, dk, dv = 2, 4, 32, 40
+    lengths = [0, 1, 16, 17, 50]
+    t = sum(lengths)
+    qkv = rnd(t, 2 * hk * dk + hv * dv).to(dtype)
+    proj = rnd(t, 2 * hv + 3).to(dtype)
+    b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE)
+    rows = torch.tensor([3, 0, 4, 1, 2], device=DEVICE)
+    marks = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
+    offsets = list(itertools.accumulate((len(marks.get(i, [])) for i in range(len(lengths))), initial=0))
+    pos = torch.tensor([p for i in sorted(marks) for p, _ in marks[i]], device=DEVICE)
+    slot = torch.tensor([r for i in sorted(marks) for _, r in marks[i]], device=DEVICE)
+    states0, pool0 = rnd(5, hv, dk, dv), rnd(14, hv, dk, dv)
+    results = []
+    for kernel in (gated_delta_segments_fused, gdc.gated_delta_chunks_fused):
+        states, pool = states0.clone(), pool0.clone()
+        out = torch.zeros(t, hv, dv, device=DEVICE, dtype=dtype)
+        kernel(qkv, a, b, a_log, dt_bias, states, rows, cu[:-1], cu, out, hk, dk,
+               SegmentCheckpoints(pool, torch.tensor(offsets, device=DEVICE), pos, slot))
+        results.append((out, states, pool))
+    (o_rec, s_rec, p_rec), (o_chk, s_chk, p_chk) = results
+    tol = dict(atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(o_chk.float(), o_rec.float(), **tol)
+    torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(p_chk, p_rec, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(p_chk[5:], pool0[5:])  # the checkpoints were written
+
+    launched = []
+    monkey = {name: (lambda name: lambda *args: launched.append(name))(name)
+              for name in ("gated_delta_chunks_fused", "gated_delta_segments_fused")}
+    saved = {name: getattr(gdc, name) for name in monkey}
+    try:
+        for name, fn in monkey.items():
+            setattr(gdc, name, fn)
+        run = gdc.segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)
+        for longest in (gdc.CHUNKED_MIN_LEN - 1, gdc.CHUNKED_MIN_LEN):
+            run(states0, rows, cu[:-1], cu, out, longest=longest)
+    finally:
+        for name, fn in saved.items():
+            setattr(gdc, name, fn)
+    assert launched == ["gated_delta_segments_fused", "gated_delta_chunks_fused"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -783,10 +843,10 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5): an
     fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
     rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran (chunked; KDA's short rounds
-    recurrent, the others' through hyla's recurrent kernels)."""
+    recurrent, the others' through hyla's own kernels: Gated DeltaNet's recurrent and chunked ones)."""
     import hyla.model.kimi_linear as kimi_linear
     import hyla.model.layers as layers
-    from hyla.model.ops.gpu import fla_chunk
+    from hyla.model.ops.gpu import fla_chunk, gated_delta_chunks
 
     path = request.getfixturevalue("kimi_linear_path" if arch == "kimi_linear" else f"{arch}_short_path")
     opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -802,6 +862,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
         monkeypatch.setattr(layers, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
+    # Gated DeltaNet's rounds of 4-8 tokens in chunks, shorter ones token by token
+    monkeypatch.setattr(gated_delta_chunks, "CHUNKED_MIN_LEN", 4)
     with Engine(path, **opts) as eng:
         out = _two_turns(eng, None, requests)
     # Gated DeltaNet's and Mamba2's short rounds run hyla's own recurrent kernels, KDA's fla's
@@ -813,7 +875,7 @@ def _gated_delta_raw_inputs(rnd, t: int, hk: int, hv: int, dk: int, dv: int):
     """A Gated DeltaNet layer's raw extend inputs — the post-conv projection ``qkv``, the gates
     ``a, b`` as strided splits of the projection — gated as the layer gates them: ``(q, k, v, g,
     beta)`` views and gates for fla's ops, and the layer's recurrent ``segment_kernel`` on the raw ones."""
-    from hyla.model.ops.gpu.gated_delta_decode import segment_kernel
+    from hyla.model.ops.gpu.gated_delta_chunks import segment_kernel
 
     qkv = rnd(t, 2 * hk * dk + hv * dv)
     q, k, v = (x.view(t, -1, d) for x, d in zip(qkv.split([hk * dk, hk * dk, hv * dv], 1), (dk, dk, dv)))
@@ -926,13 +988,17 @@ def test_fla_prefill_rounds_on_the_pool_rows(monkeypatch):
         assert [kind for kind, *_ in calls] == ["chunk", "recurrent", "chunk"]
 
 
-def test_fla_prefill_single_pass_writes_its_checkpoints(monkeypatch):
-    """Every sequence short: ``chunk_gated_delta_rule_fla`` runs hyla's recurrent kernel once over
-    whole sequences, which writes the checkpoints itself (several in a sequence, one at its end, one
-    after its first token), with a padding slot and an empty sequence; two checkpoints of a sequence
-    at one position take the rounds instead. Outputs and every pool row == the reference's."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fla_prefill_single_pass_writes_its_checkpoints(monkeypatch, chunked):
+    """Every sequence short: ``chunk_gated_delta_rule_fla`` runs hyla's own kernel once over whole
+    sequences (its recurrent one, or its chunked one: the 30-token sequence in two chunks), which
+    writes the checkpoints itself (several in a sequence, one at its end, one after its first
+    token), with a padding slot and an empty sequence; two checkpoints of a sequence at one position
+    take the rounds instead. Outputs and every pool row == the reference's."""
     from hyla.model.ops import gated_delta
-    from hyla.model.ops.gpu import fla_chunk
+    from hyla.model.ops.gpu import fla_chunk, gated_delta_chunks
+
+    monkeypatch.setattr(gated_delta_chunks, "CHUNKED_MIN_LEN", 2 if chunked else 1 << 62)
 
     calls = []
     ref_step = gated_delta.gated_delta_rule_ref
@@ -944,7 +1010,8 @@ def test_fla_prefill_single_pass_writes_its_checkpoints(monkeypatch):
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
     q, k, v, gate, beta, kernel = _gated_delta_raw_inputs(rnd, t, hk, hv, dk, dv)
     launches = []
-    counted = lambda *args: launches.append(len(args) == 6) or kernel(*args)  # noqa: E731  (6: with checkpoints)
+    # (6 arguments: with checkpoints)
+    counted = lambda *args, **kw: launches.append(len(args) == 6) or kernel(*args, **kw)  # noqa: E731
     cu, slots = torch.tensor([0, 9, 39, 39, 40], device=DEVICE), torch.tensor([3, 7, -1, 5], device=DEVICE)
     for seqs, lens, rows, single in [([0, 1, 0, 1, 1, 3], [4, 29, 9, 10, 30, 1], [2, 4, 6, 8, 9, 10], True),
                                      ([1, 1, 0], [12, 12, 5], [2, 4, 6], False)]:  # two at one position

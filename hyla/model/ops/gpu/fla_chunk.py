@@ -20,9 +20,10 @@ left, so the state at each cut is a final state — exact, whatever the position
 per sequence; a batch without checkpoints is one call. A round of short segments (at most
 ``RECURRENT_MAX_LEN`` tokens each: such a last token, a short extend, the new part of a prompt whose
 prefix was cached) runs a recurrent kernel instead of the chunked pipeline's ten or so launches:
-hyla's own where the op has one (a ``SegmentKernel``: ``gated_delta_decode.gated_delta_segments_fused``,
-``mamba2_decode.mamba2_segments_fused``; the decode step's recurrence looping over each segment, one
-launch on the running states, writing into the output), fla's fused recurrent kernel for KDA.
+hyla's own where the op has one (a ``SegmentKernel``: ``gated_delta_chunks.segment_kernel`` — the
+decode step's recurrence looping over each segment, or the same in chunks of 16 tokens for longer
+ones —, ``mamba2_decode.mamba2_segments_fused``; one launch on the running states, writing into the
+output), fla's fused recurrent kernel for KDA.
 Where the op has its own kernel and every sequence of the batch is that short (a cached prompt's
 new part, a short extend), there are no rounds: one launch runs whole sequences and writes the
 checkpoints itself as it passes them (:func:`single_pass`), as the decode step's chain kernels do.
@@ -72,10 +73,13 @@ def _recurrent(rnd: "FlaRound") -> bool:
 #        cu_seqlens [n+1] on the device, cu_seqlens_cpu [n+1] on the host)
 #   -> (out [1, t, ...], final [n, *state])
 FlaKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-# segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...], ckpts=None) -> None:
-# hyla's own recurrent kernel over n segments (segment i: the packed tokens starts[i] .. + its length,
-# from states[rows[i]], updated in place), writing their outputs into out's rows and, with ckpts
-# (a segment_checkpoints.SegmentCheckpoints), the states after given tokens into pool rows
+# segments(states [B, *state] fp32, rows [n], starts [n], cu_seqlens [n+1], out [T, ...], ckpts=None, *,
+#          longest) -> None:
+# hyla's own kernel over n segments (segment i: the packed tokens starts[i] .. + its length, from
+# states[rows[i]], updated in place), writing their outputs into out's rows and, with ckpts (a
+# segment_checkpoints.SegmentCheckpoints), the states after given tokens into pool rows; longest:
+# the longest segment's tokens, known on the host (Gated DeltaNet's picks its recurrent or its
+# chunked kernel by it: gated_delta_chunks.segment_kernel)
 SegmentKernel = Callable[..., None]
 
 
@@ -154,6 +158,7 @@ class SinglePass:
     offsets: torch.Tensor
     pos: torch.Tensor
     slot: torch.Tensor
+    longest: int  # the longest sequence's tokens
 
 
 def single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | None:
@@ -174,7 +179,8 @@ def _plan_single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | 
     cu, rows, offsets, pos, slot = to_device_packed(
         [varlen.starts, range(len(lengths)), list(itertools.accumulate(map(len, per_seq), initial=0)),
          [n for marks in per_seq for n, _ in marks], [slot for marks in per_seq for _, slot in marks]], device)
-    return SinglePass(rows=rows, starts=cu[:-1], cu_seqlens=cu, offsets=offsets, pos=pos, slot=slot)
+    return SinglePass(rows=rows, starts=cu[:-1], cu_seqlens=cu, offsets=offsets, pos=pos, slot=slot,
+                      longest=max(lengths))
 
 
 def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_tokens: int, slots: torch.Tensor,
@@ -212,10 +218,10 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
     one = single_pass(varlen, out.device) if segments is not None else None
     if one is not None:  # every sequence short: one launch, writing its checkpoints on the way
         segments(state, one.rows, one.starts, one.cu_seqlens, out,
-                 SegmentCheckpoints(ssm_states, one.offsets, one.pos, one.slot))
+                 SegmentCheckpoints(ssm_states, one.offsets, one.pos, one.slot), longest=one.longest)
     for rnd in [] if one is not None else fla_rounds(varlen, out.device):
         if segments is not None and _recurrent(rnd):
-            segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out)
+            segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out, longest=rnd.longest)
         else:
             if callable(xs):
                 xs = xs()
@@ -289,7 +295,7 @@ def _delta_rule_fla(
     ``tree``: chains only (a short extend's, which fla runs as plain sequences); token trees take
     the PyTorch op's ``tree_scan``. ``varlen``: the batch's plan, validated once per step (no host
     read here; ``ckpt_*`` must then be None). ``segments``: the short rounds' kernel
-    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_decode.segment_kernel``). ``gates``:
+    (:func:`scan_in_rounds`; Gated DeltaNet's is ``gated_delta_chunks.segment_kernel``). ``gates``:
     instead of ``g`` and ``beta`` (then None), a function computing them, called only if a round
     runs fla (hyla's kernel gates the raw inputs itself)."""
     if (g is None) != (beta is None) or (g is None) == (gates is None):
@@ -363,7 +369,7 @@ def mamba2_chunk_scan_fla(
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
     # hyla's kernel on the raw inputs; D * x is added below
-    def segments(states, rows, starts, cu_seqlens, out, ckpts=None):
+    def segments(states, rows, starts, cu_seqlens, out, ckpts=None, longest=None):
         mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
                               cu_seqlens, out, dt_limit, ckpts)
 

@@ -29,7 +29,8 @@ The same recurrence runs an extend's short segments (:func:`gated_delta_segments
 rounds of ``fla_chunk.scan_in_rounds`` of at most ``RECURRENT_MAX_LEN`` tokens), each program
 looping over its segment's tokens (a count read on the device), one launch per layer where fla's
 fused recurrent kernel costs ~0.4 ms of host time a call, each token's inputs loaded while the
-token before it is computed. Both kernels share the math (:func:`_gdn_step`).
+token before it is computed. Both kernels share the math (:func:`_gdn_step`). Longer segments take
+the chunked form (``gated_delta_chunks``), which picks between the two (``segment_kernel``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from hyla.model.ops.gpu.segment_checkpoints import (
     segment_checkpoint_args,
     write_checkpoint,
 )
-from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
 # (value columns of the state per program, warps) of the decode and the segments kernels: a program
 # runs the recurrence on a [Dk, BV] block. Set by reasoning, not measured: benchmarks/recurrent_tiles.py
@@ -315,7 +315,6 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     return o
 
 
-
 def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                                   tickets: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                   dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
@@ -365,13 +364,3 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
         HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=warps)
-
-
-def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                   num_k_heads: int, head_k_dim: int) -> SegmentKernel:
-    """The layer's short rounds (``fla_chunk.scan_in_rounds``) through :func:`gated_delta_segments_fused`:
-    its post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``."""
-    def run(states, rows, starts, cu_seqlens, out, ckpts=None) -> None:
-        gated_delta_segments_fused(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads,
-                                   head_k_dim, ckpts)
-    return run

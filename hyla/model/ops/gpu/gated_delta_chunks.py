@@ -1,0 +1,158 @@
+"""An extend's Gated DeltaNet segments in chunks of ``BT`` tokens, one Triton launch: the chunked
+(WY) form of the recurrence, so that a program's tokens cost a few matrix products per chunk where
+the recurrent kernel (``gated_delta_decode.gated_delta_segments_fused``) pays one token's chain of
+reductions per token. Same contract as that kernel (segments, pool rows, checkpoints written on
+the way), same gating (``gated_delta_decode._gdn_step``'s: l2norm'd q and k, ``beta = sigmoid(b)``,
+``g = -exp(A_log) * softplus(a + dt_bias)``).
+
+Per value head, with ``h [Dk, Dv]`` the state before a chunk and, inside it, ``G_t`` the cumulative
+log-decay (``G_t = g_1 + ... + g_t``), the recurrence ``S_t = e_t S_{t-1} + k_t delta_t^T``,
+``delta_t = beta_t (v_t - e_t S_{t-1}^T k_t)``, ``o_t = S_t^T q_t`` unrolls to (fla's naive chunk
+reference, ``hyla.model.ops.gated_delta``'s)::
+
+    A[t, s] = beta_t exp(G_t - G_s) (k_t . k_s)   for s < t, else 0      [BT, BT]
+    delta   = (I + A)^-1 (beta * (V - exp(G) * (K h)))                   [BT, Dv]
+    O       = exp(G) * (Q h) + (Q K^T * exp(G_t - G_s), s <= t) delta     [BT, Dv]
+    S_t     = exp(G_t) h + sum_{s <= t} exp(G_t - G_s) k_s delta_s^T     (the state after token t)
+
+``(I + A)^-1`` comes by forward substitution, row by row (``A`` is strictly lower triangular; a
+product formula would lose digits to cancellation when many keys repeat). Only differences
+``G_t - G_s`` with ``s <= t`` are exponentiated (never above 1). A checkpoint inside a chunk is the
+last line at its token; the state after the chunk is the same at its last token (the rows past a
+segment's end are masked to zero keys, values and decays, and change nothing).
+
+Each program owns one ``(segment, value head, block of Dv columns)``: it recomputes its head's
+``A`` and ``(I + A)^-1`` (the head's other column blocks do the same work; no program waits for
+another). The products run on ``tl.dot`` at ``DOT_PRECISION`` (``tf32x3``: fp32 accuracy from
+tensor cores; Triton's interpreter computes them in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.model.ops.gpu import segments_of
+from hyla.model.ops.gpu.fla_chunk import SegmentKernel
+from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_program, gated_delta_segments_fused
+from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints, first_checkpoint, segment_checkpoint_args
+
+# (tokens per chunk, value columns of the state per program, warps): set by reasoning, not measured
+# (benchmarks/recurrent_tiles.py times the alternatives on a GPU). tl.dot needs each at least 16.
+CHUNK_TILES = (16, 32, 4)
+DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for the fp32 products ("ieee": exact fp32 FMAs, slower)
+CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many tokens runs in chunks; read each
+# launch. Set by reasoning, not measured: the recurrent kernel pays one token's chain of reductions a
+# token, this one a few products and a 16-row substitution a chunk (benchmarks/fla_prefill.py times both)
+
+
+@triton.jit
+def _state_at(h, k, delta, G, p, t, PRECISION: tl.constexpr):
+    """The state after the chunk's token ``p`` (0-based): ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s)
+    k_s delta_s^T``."""
+    upto = t <= p
+    g_p = tl.sum(tl.where(t == p, G, 0.0), axis=0)
+    w = tl.where(upto, tl.exp(tl.where(upto, g_p - G, 0.0)), 0.0)  # [BT]
+    return tl.exp(g_p) * h + tl.dot(tl.trans(k * w[:, None]), delta, input_precision=PRECISION)
+
+
+@triton.jit
+def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                       state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
+                       pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
+                       HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, CKPT: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (HV * DK * DV) + inner
+    mask = mk[:, None] & mv[None, :]
+    h = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32: the state before the chunk
+    if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
+        c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
+    t = tl.arange(0, BT)
+    lower = t[:, None] > t[None, :]  # s < t
+    causal = t[:, None] >= t[None, :]  # s <= t
+    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # [BT, BT]
+    for c0 in range(0, n, BT):
+        live = (c0 + t) < n  # [BT]: the chunk's tokens (the last chunk's tail is masked)
+        r = start + c0 + t
+        row = qkv_ptr + r[:, None] * qkv_stride
+        mq = live[:, None] & mk[None, :]
+        q = tl.load(row + hk * DK + dk[None, :], mask=mq, other=0.0).to(tl.float32)  # [BT, BK]
+        k = tl.load(row + HK * DK + hk * DK + dk[None, :], mask=mq, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + dv[None, :], mask=live[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)  # [BT, BV]
+        av = tl.load(a_ptr + r * a_stride + hv, mask=live, other=0.0)
+        bv = tl.load(b_ptr + r * b_stride + hv, mask=live, other=0.0)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        beta = tl.where(live, tl.sigmoid(bv.to(tl.float32)).to(bv.dtype).to(tl.float32), 0.0)
+        x = av.to(tl.float32) + dt_bias
+        g = tl.where(live, neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x))), 0.0)  # [BT] log-decay
+        G = tl.cumsum(g, axis=0)
+        gamma = tl.exp(G)
+
+        # (I + A)^-1 by forward substitution: row s = e_s - sum_{u < s} A[s, u] row u
+        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # [BT, BT]
+        A = tl.where(lower, beta[:, None] * tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * kk, 0.0)
+        inv = eye
+        for s in tl.static_range(1, BT):
+            a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
+            inv = tl.where(t[:, None] == s, eye - tl.sum(a_s[:, None] * inv, axis=0)[None, :], inv)
+
+        kh = tl.dot(k, h, input_precision=PRECISION)  # [BT, BV]
+        delta = tl.dot(inv, beta[:, None] * (v - gamma[:, None] * kh), input_precision=PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        m = tl.where(causal, qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
+        o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) + tl.dot(m, delta, input_precision=PRECISION)
+        tl.store(o_ptr + r[:, None] * o_stride + hv * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=live[:, None] & mv[None, :])
+        if CKPT:  # the checkpoints inside this chunk
+            while (nxt > c0) & (nxt <= c0 + BT):
+                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+                state = _state_at(h, k, delta, G, nxt - c0 - 1, t, PRECISION)
+                tl.store(pool_ptr + slot * (HV * DK * DV) + inner, state, mask=mask)
+                c += 1
+                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+        h = _state_at(h, k, delta, G, BT - 1, t, PRECISION)  # the masked tail changes nothing
+    tl.store(ptr, h, mask=mask)
+
+
+def gated_delta_chunks_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                             dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                             cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int,
+                             ckpts: SegmentCheckpoints | None = None) -> None:
+    """``gated_delta_decode.gated_delta_segments_fused``'s contract, in chunks (the module docstring):
+    segment ``i`` is the packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them)
+    of ``qkv [T, 2*Hk*Dk + Hv*Dv]`` (post-conv) and the raw gates ``a, b [T, Hv]``, run from
+    ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32, updated in place), its outputs written into those
+    rows of ``out [T, Hv, Dv]``; with ``ckpts``, the states after given tokens written to pool rows."""
+    num_v_heads, dk, dv = _check_inputs(qkv, a, b, states, num_k_heads, head_k_dim)
+    segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], num_v_heads, dv))
+    if qkv.shape[0] == 0:
+        return
+    bt, bv, warps = CHUNK_TILES
+    bk = max(16, triton.next_power_of_2(dk))
+    bv = max(16, min(triton.next_power_of_2(dv), bv))
+    _gdn_chunks_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
+        out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, CKPT=ckpts is not None, PRECISION=DOT_PRECISION,
+        num_warps=warps)
+
+
+def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                   num_k_heads: int, head_k_dim: int) -> SegmentKernel:
+    """The layer's own kernel for an extend's segments (``fla_chunk.scan_in_rounds``: its single pass
+    and its short rounds), on its post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``: this
+    module's chunks when the longest segment has at least ``CHUNKED_MIN_LEN`` tokens, else the
+    recurrence token by token (``gated_delta_decode.gated_delta_segments_fused``)."""
+    def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
+        kernel = gated_delta_chunks_fused if longest >= CHUNKED_MIN_LEN else gated_delta_segments_fused
+        kernel(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads, head_k_dim, ckpts)
+    return run
