@@ -7,10 +7,10 @@ launches, each through fla's Python wrappers and Triton's autotuner). This measu
 recurrent kernels stop paying: the wall time of one adapter call (host and device, synchronized
 after each call; the host side is what a prefill of a few hundred tokens is bound by), one
 sequence of T tokens, the state pool in fp32, activations in bf16, with ``RECURRENT_MAX_LEN`` forced
-to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's; for Gated
-DeltaNet hyla's twice, ``gated_delta_chunks.CHUNKED_MIN_LEN`` forced to infinity (its recurrent
-kernel) and to 0 (its chunked one), the 296-token row being the new part of the GPU benchmark's
-cached-TTFT prompt and the 4,096-token one its cold prompt). Shapes: Gated DeltaNet of the GPU benchmark's model
+to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's twice,
+``gated_delta_chunks.CHUNKED_MIN_LEN`` / ``mamba2_chunks.CHUNKED_MIN_LEN`` forced to infinity (its
+recurrent kernel) and to 0 (its chunked one); the 296-token row is the new part of the GPU
+benchmark's cached-TTFT prompt, the 4,096-token one its cold prompt). Shapes: Gated DeltaNet of the GPU benchmark's model
 (16 heads of 128x128) and a Mamba2 layer of NemotronH's size (64 heads, head dim 64, state 128,
 8 groups). Medians of ``--repeats`` calls after 3 warm-up calls; writes ``## GPU prefill: fla
 chunked vs recurrent`` in docs/benchmarks.md.
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
 from hyla.model.ops.gpu import fla_chunk  # noqa: E402
-from hyla.model.ops.gpu import gated_delta_chunks as gdc  # noqa: E402
+from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks  # noqa: E402
 
 DEV = "cuda"
 
@@ -89,6 +89,7 @@ def mamba2(t: int):
 
 
 LAYERS = {"Gated DeltaNet, 16 heads of 128x128": gated_delta, "Mamba2, 64 heads of 64x128": mamba2}
+CHUNKS = {"Gated DeltaNet, 16 heads of 128x128": gated_delta_chunks, "Mamba2, 64 heads of 64x128": mamba2_chunks}
 
 
 def main() -> None:
@@ -103,37 +104,38 @@ def main() -> None:
     rows = ["| layer | tokens | fla chunked (ms) | fla recurrent (ms) | hyla recurrent (ms) | hyla chunked (ms) "
             "| fla recurrent / chunked | hyla recurrent / fla recurrent | hyla chunked / fla chunked |",
             "|---|---|---|---|---|---|---|---|---|"]
-    saved, saved_min = fla_chunk.RECURRENT_MAX_LEN, gdc.CHUNKED_MIN_LEN
+    saved = fla_chunk.RECURRENT_MAX_LEN
     try:
         for name, make in LAYERS.items():
+            chunks = CHUNKS[name]  # the module whose CHUNKED_MIN_LEN picks hyla's kernel
+            saved_min = chunks.CHUNKED_MIN_LEN
             for t in lengths:
                 fn = make(t)
                 fla_chunk.RECURRENT_MAX_LEN = 0
                 chunked = wall_us(lambda: fn(False), args.repeats)
                 fla_chunk.RECURRENT_MAX_LEN = 1 << 62
                 recurrent = wall_us(lambda: fn(False), args.repeats)
-                gdc.CHUNKED_MIN_LEN = 1 << 62
-                own = wall_us(lambda: fn(True), args.repeats)
-                own_chunked = None
-                if name.startswith("Gated DeltaNet"):
-                    gdc.CHUNKED_MIN_LEN = 0
+                try:
+                    chunks.CHUNKED_MIN_LEN = 1 << 62
+                    own = wall_us(lambda: fn(True), args.repeats)
+                    chunks.CHUNKED_MIN_LEN = 0
                     own_chunked = wall_us(lambda: fn(True), args.repeats)
-                gdc.CHUNKED_MIN_LEN = saved_min
-                ms = f"{own_chunked / 1e3:.2f}" if own_chunked else "—"
-                ratio = f"**{own_chunked / chunked:.2f}x**" if own_chunked else "—"
+                finally:
+                    chunks.CHUNKED_MIN_LEN = saved_min
                 print(f"{name}: T={t}: chunked {chunked:.0f} us, fla recurrent {recurrent:.0f} us, "
-                      f"hyla recurrent {own:.0f} us, hyla chunked {ms} ms", flush=True)
+                      f"hyla recurrent {own:.0f} us, hyla chunked {own_chunked:.0f} us", flush=True)
                 rows.append(f"| {name} | {t:,} | {chunked / 1e3:.2f} | {recurrent / 1e3:.2f} | {own / 1e3:.2f} "
-                            f"| {ms} | "
-                            f"**{recurrent / chunked:.2f}x** | **{own / recurrent:.2f}x** | {ratio} |")
+                            f"| {own_chunked / 1e3:.2f} | **{recurrent / chunked:.2f}x** | **{own / recurrent:.2f}x** "
+                            f"| **{own_chunked / chunked:.2f}x** |")
     finally:
-        fla_chunk.RECURRENT_MAX_LEN, gdc.CHUNKED_MIN_LEN = saved, saved_min
+        fla_chunk.RECURRENT_MAX_LEN = saved
     body = "\n".join([
         f"`.venv/bin/python benchmarks/fla_prefill.py --repeats {args.repeats}` — {machine()}; "
         f"one adapter call of one sequence, wall time (synchronized), medians of {args.repeats}.",
         "",
-        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with its own kernel "
-        f"for these two layers (Gated DeltaNet's in chunks from `CHUNKED_MIN_LEN` = {saved_min} tokens).",
+        f"hyla runs rounds of segments up to `RECURRENT_MAX_LEN` = {saved} tokens with its own kernels "
+        f"for these two layers (in chunks from `CHUNKED_MIN_LEN` = {gated_delta_chunks.CHUNKED_MIN_LEN} / "
+        f"{mamba2_chunks.CHUNKED_MIN_LEN} tokens).",
         "", *rows])
     print(body)
     if not args.no_write:

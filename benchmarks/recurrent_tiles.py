@@ -1,4 +1,4 @@
-"""hyla's recurrent kernels by tile: device time of each (block, warps) choice (GPU), and Gated DeltaNet's chunked one.
+"""hyla's recurrent kernels by tile: device time of each (block, warps) choice (GPU), and the chunked ones.
 
 The Gated DeltaNet and Mamba2 kernels of ``hyla/model/ops/gpu`` (``gated_delta_decode``,
 ``mamba2_decode``) give each program a block of one head's fp32 state: ``[Dk, BV]`` value columns
@@ -16,10 +16,10 @@ captured 20 times in a CUDA graph (``report.graph_us``), medians of ``--repeats`
 choice's output is checked against the default's (the same recurrence: equal up to the sums'
 order). Prints the table and the best choice per row; writes ``## GPU recurrent kernels: tiles``.
 
-Second table: Gated DeltaNet's extend in chunks (``gated_delta_chunks``: ``CHUNK_TILES`` = tokens
-per chunk, value columns per program, warps; ``DOT_PRECISION``), one sequence of 64 to 4,096
-tokens, beside the recurrent segments kernel at its default tiles (whose output and state each
-choice is checked against, bf16 tolerance): which is faster from how many tokens on
+Second table: the extend in chunks (``gated_delta_chunks``, ``mamba2_chunks``: ``CHUNK_TILES`` =
+tokens per chunk, value columns or state rows per program, warps; ``DOT_PRECISION``), one sequence
+of 64 to 4,096 tokens, beside the recurrent segments kernel at its default tiles (whose output and
+state each choice is checked against, bf16 tolerance): which is faster from how many tokens on
 (``CHUNKED_MIN_LEN``), and how the cached TTFT's 296-token extend and a 4,096-token prompt would
 fare without fla.
 
@@ -111,46 +111,65 @@ def mamba2_cases(m2):
         yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
 
 
-def chunk_lines(gdc, gdn, per_call_us) -> list[str]:
-    """The second table (the module docstring): µs per call of the recurrent segments kernel and of
-    each ``(CHUNK_TILES, DOT_PRECISION)`` choice, per sequence length."""
-    hk, hv, d = 16, 16, 128
+def chunk_cases(gdc, gdn, m2c, m2):
+    """``(layer, chunked module, recurrent call, chunked call, out, states)`` per layer and sequence
+    length of the second table: one sequence of ``t`` tokens, bf16 inputs, from state row 1."""
+    hk, hv, d = 16, 16, 128  # Gated DeltaNet
     width = 2 * hk * d + hv * d
     a_log, dt_bias = torch.randn(hv, device=DEV), torch.randn(hv, device=DEV)
-    names = [f"{bt}x{bv}/{w} {p}" for (bt, bv, w), p in CHUNK_CHOICES]
-    head = "| tokens | recurrent | " + " | ".join(names) + " | best |"
-    lines = [head, "|---|---|" + "---|" * (len(CHUNK_CHOICES) + 1)]
+    h, p, g, n = 64, 64, 8, 128  # Mamba2
+    am, dm, dtb = -torch.rand(h, device=DEV), torch.randn(h, device=DEV), torch.randn(h, device=DEV)
     for t in CHUNK_LENGTHS:
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
         qkv, a, bb = _bf16(t, width), _bf16(t, hv), _bf16(t, hv)
         states = torch.zeros(2, hv, d, d, device=DEV)
-        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
         out = torch.empty(t, hv, d, device=DEV, dtype=torch.bfloat16)
-        call = lambda kernel: kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
+        gdn_call = lambda kernel, qkv=qkv, a=a, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out: \
+            kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
+        yield "Gated DeltaNet", gdc, lambda c=gdn_call: c(gdn.gated_delta_segments_fused), \
+            lambda c=gdn_call: c(gdc.gated_delta_chunks_fused), out, states, t
+        x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)
+        mstates = torch.zeros(2, h, p, n, device=DEV)
+        mout = torch.empty(t, h, p, device=DEV, dtype=torch.bfloat16)
+        m2_call = lambda kernel, x=x, dt=dt, bm=bm, cm=cm, mstates=mstates, rows=rows, starts=starts, cu=cu, \
+            mout=mout: kernel(x, dt, am, bm, cm, dm, dtb, mstates, rows, starts, cu, mout)  # noqa: E731
+        yield "Mamba2", m2c, lambda c=m2_call: c(m2.mamba2_segments_fused), \
+            lambda c=m2_call: c(m2c.mamba2_chunks_fused), mout, mstates, t
+
+
+def chunk_lines(cases, per_call_us) -> list[str]:
+    """The second table (the module docstring): µs per call of the recurrent segments kernel (default
+    tiles) and of each ``(CHUNK_TILES, DOT_PRECISION)`` choice, per layer and sequence length."""
+    names = [f"{bt}x{bv}/{w} {p}" for (bt, bv, w), p in CHUNK_CHOICES]
+    head = "| layer | tokens | recurrent | " + " | ".join(names) + " | best |"
+    lines = [head, "|---|---|---|" + "---|" * (len(CHUNK_CHOICES) + 1)]
+    for layer, module, recurrent, chunked, out, states, t in cases:
         states.zero_()
-        call(gdn.gated_delta_segments_fused)
+        recurrent()
         ref = (out.float(), states.clone())
-        cells = [f"{per_call_us(lambda: call(gdn.gated_delta_segments_fused)):.1f}"]
+        cells = [f"{per_call_us(recurrent):.1f}"]
         best = None
-        default = (gdc.CHUNK_TILES, gdc.DOT_PRECISION)
+        default = (module.CHUNK_TILES, module.DOT_PRECISION)
         for tiles, precision in CHUNK_CHOICES:
-            gdc.CHUNK_TILES, gdc.DOT_PRECISION = tiles, precision
+            module.CHUNK_TILES, module.DOT_PRECISION = tiles, precision
             try:
                 states.zero_()
-                call(gdc.gated_delta_chunks_fused)
+                chunked()
                 for got, want in zip((out.float(), states), ref):
                     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-                us = per_call_us(lambda: call(gdc.gated_delta_chunks_fused))
+                us = per_call_us(chunked)
             except Exception as e:  # a tile the compiler refuses, or a wrong result: reported, skipped
-                print(f"chunks {t} tokens {tiles} {precision}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{layer} chunks, {t} tokens, {tiles} {precision}: {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
                 cells.append("—")
                 continue
             finally:
-                gdc.CHUNK_TILES, gdc.DOT_PRECISION = default
+                module.CHUNK_TILES, module.DOT_PRECISION = default
             cells.append(f"{us:.1f}")
             if best is None or us < best[0]:
                 best = (us, tiles, precision)
         won = f"**{best[1][0]}x{best[1][1]}/{best[1][2]} {best[2]}: {best[0]:.1f}**" if best else "—"
-        lines.append(f"| {t:,} | " + " | ".join(cells) + f" | {won} |")
+        lines.append(f"| {layer} | {t:,} | " + " | ".join(cells) + f" | {won} |")
         print(lines[-1], flush=True)
     return lines
 
@@ -172,6 +191,7 @@ def main() -> None:
     from benchmarks.report import graph_us, machine, write_section
     from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu import gated_delta_decode as gdn
+    from hyla.model.ops.gpu import mamba2_chunks as m2c
     from hyla.model.ops.gpu import mamba2_decode as m2
 
     def per_call_us(fn) -> float:
@@ -214,9 +234,10 @@ def main() -> None:
         f"`.venv/bin/python benchmarks/recurrent_tiles.py --repeats {args.repeats}` — {machine()}; "
         "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet value columns, "
         "Mamba2 state rows) / warps per program.", "", *lines, "",
-        "Gated DeltaNet's extend in chunks (`CHUNK_TILES`: tokens per chunk x value columns / warps; "
-        "`DOT_PRECISION`) beside the recurrent segments kernel (default tiles), one sequence, µs per call:", "",
-        *chunk_lines(gdc, gdn, per_call_us)])
+        "The extend in chunks (`gated_delta_chunks`, `mamba2_chunks`: `CHUNK_TILES` = tokens per chunk x "
+        "value columns or state rows / warps; `DOT_PRECISION`) beside the recurrent segments kernel (default "
+        "tiles), one sequence, µs per call:", "",
+        *chunk_lines(chunk_cases(gdc, gdn, m2c, m2), per_call_us)])
     print(body)
     if not args.no_write:
         write_section("GPU recurrent kernels: tiles", body)

@@ -330,6 +330,63 @@ def test_gated_delta_chunks_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_chunks_kernel(dtype):
+    """Mamba2's extend segments in chunks of 16 tokens (``mamba2_chunks``) == the recurrence token by
+    token (``mamba2_segments_fused``): outputs, final states and checkpoint states, at the cases of
+    :func:`test_gated_delta_chunks_kernel` (the same segments and checkpoints), with groups shared by
+    heads, D, a dt bias and a dt clamp that binds, two blocks of state rows (the second part
+    masked), strided inputs. ``segment_kernel`` takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
+    from hyla.model.ops.gpu import mamba2_chunks as m2c
+    from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
+    from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
+
+    g = torch.Generator().manual_seed(12)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    h, p, groups, n = 4, 40, 2, 32
+    lengths = [0, 1, 16, 17, 50]
+    t = sum(lengths)
+    xbc = rnd(t, h * p + 2 * groups * n + 3).to(dtype)
+    x, bm, cm = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
+    dt = rnd(t, h + 2).to(dtype)[:, :h]
+    a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
+    limit = (0.05, 0.5)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE)
+    rows = torch.tensor([3, 0, 4, 1, 2], device=DEVICE)
+    marks = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
+    offsets = list(itertools.accumulate((len(marks.get(i, [])) for i in range(len(lengths))), initial=0))
+    pos = torch.tensor([q for i in sorted(marks) for q, _ in marks[i]], device=DEVICE)
+    slot = torch.tensor([r for i in sorted(marks) for _, r in marks[i]], device=DEVICE)
+    states0, pool0 = rnd(5, h, p, n), rnd(14, h, p, n)
+    results = []
+    for kernel in (mamba2_segments_fused, m2c.mamba2_chunks_fused):
+        states, pool = states0.clone(), pool0.clone()
+        out = torch.zeros(t, h, p, device=DEVICE, dtype=dtype)
+        kernel(x, dt, a, bm, cm, d, dt_bias, states, rows, cu[:-1], cu, out, limit,
+               SegmentCheckpoints(pool, torch.tensor(offsets, device=DEVICE), pos, slot))
+        results.append((out, states, pool))
+    (o_rec, s_rec, p_rec), (o_chk, s_chk, p_chk) = results
+    torch.testing.assert_close(o_chk.float(), o_rec.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(p_chk, p_rec, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(p_chk[5:], pool0[5:])  # the checkpoints were written
+
+    launched = []
+    monkey = {name: (lambda name: lambda *args: launched.append(name))(name)
+              for name in ("mamba2_chunks_fused", "mamba2_segments_fused")}
+    saved = {name: getattr(m2c, name) for name in monkey}
+    try:
+        for name, fn in monkey.items():
+            setattr(m2c, name, fn)
+        run = m2c.segment_kernel(x, dt, a, bm, cm, d, dt_bias, limit)
+        for longest in (m2c.CHUNKED_MIN_LEN - 1, m2c.CHUNKED_MIN_LEN):
+            run(states0, rows, cu[:-1], cu, out, longest=longest)
+    finally:
+        for name, fn in saved.items():
+            setattr(m2c, name, fn)
+    assert launched == ["mamba2_segments_fused", "mamba2_chunks_fused"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 4])
 @pytest.mark.parametrize("gated", [False, True])
 def test_paged_decode_attention_kernel(dtype, splits, gated):

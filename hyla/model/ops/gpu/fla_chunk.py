@@ -22,8 +22,8 @@ per sequence; a batch without checkpoints is one call. A round of short segments
 prefix was cached) runs a recurrent kernel instead of the chunked pipeline's ten or so launches:
 hyla's own where the op has one (a ``SegmentKernel``: ``gated_delta_chunks.segment_kernel`` — the
 decode step's recurrence looping over each segment, or the same in chunks of 16 tokens for longer
-ones —, ``mamba2_decode.mamba2_segments_fused``; one launch on the running states, writing into the
-output), fla's fused recurrent kernel for KDA.
+ones —, and ``mamba2_chunks.segment_kernel`` alike; one launch on the running states, writing into
+the output), fla's fused recurrent kernel for KDA.
 Where the op has its own kernel and every sequence of the batch is that short (a cached prompt's
 new part, a short extend), there are no rounds: one launch runs whole sequences and writes the
 checkpoints itself as it passes them (:func:`single_pass`), as the decode step's chain kernels do.
@@ -55,7 +55,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops import ssd
 from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
-from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
+from hyla.model.ops.gpu import mamba2_chunks
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
@@ -369,9 +369,7 @@ def mamba2_chunk_scan_fla(
                                           output_final_state=True, state_v_first=True, cu_seqlens=cu_seqlens)
 
     # hyla's kernel on the raw inputs; D * x is added below
-    def segments(states, rows, starts, cu_seqlens, out, ckpts=None, longest=None):
-        mamba2_segments_fused(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, states, rows, starts,
-                              cu_seqlens, out, dt_limit, ckpts)
+    segments = mamba2_chunks.segment_kernel(x.flatten(1), dt, A, B.flatten(1), C.flatten(1), None, dt_bias, dt_limit)
 
     y = scan_in_rounds(chunk, recurrent, gla_inputs, torch.empty(x.shape, dtype=x.dtype, device=x.device),
                        ssm_states, varlen, segments)  # [T, H, P]

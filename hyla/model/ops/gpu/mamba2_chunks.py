@@ -1,0 +1,152 @@
+"""An extend's Mamba2 segments in chunks of ``BT`` tokens, one Triton launch: the SSD's chunked form
+(a linear attention with one scalar decay per head and token), so that a program's tokens cost a
+few matrix products per chunk where the recurrent kernel (``mamba2_decode.mamba2_segments_fused``)
+pays one token's reduction per token. Same contract as that kernel (segments, pool rows,
+checkpoints written on the way), same discretization (``mamba2_decode._mamba2_step``'s:
+``dt = clamp(softplus(dt + dt_bias), *dt_limit)``, decay ``exp(dt A)``).
+
+Per head, with ``h [P, N]`` the state before a chunk and, inside it, ``G_t = dt_1 A + ... + dt_t A``
+the cumulative log-decay and ``X = x * dt`` ``[BT, P]``, the recurrence
+``S_t = exp(dt_t A) S_{t-1} + X_t B_t^T``, ``y_t = S_t C_t + D x_t`` unrolls to (the PyTorch
+reference's chunk scan, ``hyla.model.ops.ssd``)::
+
+    Y   = exp(G) * (C h^T) + (C B^T * exp(G_t - G_s), s <= t) X + D x    [BT, P]
+    S_t = exp(G_t) h + sum_{s <= t} exp(G_t - G_s) X_s B_s^T               (the state after token t)
+
+Only differences ``G_t - G_s`` with ``s <= t`` are exponentiated (never above 1). A checkpoint
+inside a chunk is the second line at its token; rows past a segment's end are masked to zero
+inputs and decays. Each program owns one ``(segment, head, block of P rows)``; the products run on
+``tl.dot`` at ``DOT_PRECISION``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from typing import TYPE_CHECKING
+
+from hyla.model.ops.gpu import segments_of
+from hyla.model.ops.gpu.mamba2_decode import _check_inputs, mamba2_segments_fused
+from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints, first_checkpoint, segment_checkpoint_args
+
+if TYPE_CHECKING:  # fla_chunk imports this module
+    from hyla.model.ops.gpu.fla_chunk import SegmentKernel
+
+# (tokens per chunk, rows of the state's P per program, warps): set by reasoning, not measured
+# (benchmarks/recurrent_tiles.py). tl.dot needs each at least 16.
+CHUNK_TILES = (16, 32, 4)
+DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for the fp32 products (as gated_delta_chunks')
+CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many tokens runs in chunks; read
+# each launch (as gated_delta_chunks.CHUNKED_MIN_LEN; benchmarks/fla_prefill.py times both kernels)
+
+
+@triton.jit
+def _state_at(h, xdt, bm, cum, p, t, PRECISION: tl.constexpr):
+    """The state after the chunk's token ``p`` (0-based): ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s)
+    X_s B_s^T`` (``cum``: G)."""
+    upto = t <= p
+    g_p = tl.sum(tl.where(t == p, cum, 0.0), axis=0)
+    w = tl.where(upto, tl.exp(tl.where(upto, g_p - cum, 0.0)), 0.0)  # [BT]
+    return tl.exp(g_p) * h + tl.dot(tl.trans(xdt * w[:, None]), bm, input_precision=PRECISION)
+
+
+@triton.jit
+def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
+                          state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
+                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
+                          H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
+                          BN: tl.constexpr, BT: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          CKPT: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    i = pid // H  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    h = pid % H
+    g = h // (H // G)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    mp = p < P
+    n = tl.arange(0, BN)
+    mn = n < N
+    a = tl.load(a_ptr + h).to(tl.float32)
+    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    inner = h * (P * N) + p[:, None] * N + n[None, :]
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + inner
+    mask = mp[:, None] & mn[None, :]
+    state = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32: the state before the chunk
+    if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
+        c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
+    t = tl.arange(0, BT)
+    causal = t[:, None] >= t[None, :]  # s <= t
+    for c0 in range(0, count, BT):
+        live = (c0 + t) < count  # [BT]: the chunk's tokens (the last chunk's tail is masked)
+        r = start + c0 + t
+        x = tl.load(x_ptr + r[:, None] * x_stride + h * P + p[None, :], mask=live[:, None] & mp[None, :],
+                    other=0.0).to(tl.float32)  # [BT, BP]
+        bc = live[:, None] & mn[None, :]
+        bm = tl.load(b_ptr + r[:, None] * bc_stride + g * N + n[None, :], mask=bc, other=0.0).to(tl.float32)
+        cm = tl.load(c_ptr + r[:, None] * bc_stride + g * N + n[None, :], mask=bc, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * dt_stride + h, mask=live, other=0.0).to(tl.float32)  # [BT]
+        if HAS_BIAS:
+            dt += dt_bias
+        dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), dt_min), dt_max)
+        dt = tl.where(live, dt, 0.0)
+        cum = tl.cumsum(dt * a, axis=0)  # [BT] log-decay (G_t)
+        xdt = x * dt[:, None]
+
+        cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)  # [BT, BT]
+        m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
+        y = tl.exp(cum)[:, None] * tl.dot(cm, tl.trans(state), input_precision=PRECISION) \
+            + tl.dot(m, xdt, input_precision=PRECISION)  # [BT, BP]
+        if HAS_D:
+            y += d * x
+        tl.store(y_ptr + r[:, None] * y_stride + h * P + p[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=live[:, None] & mp[None, :])
+        if CKPT:  # the checkpoints inside this chunk
+            while (nxt > c0) & (nxt <= c0 + BT):
+                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+                at = _state_at(state, xdt, bm, cum, nxt - c0 - 1, t, PRECISION)
+                tl.store(pool_ptr + slot * (H * P * N) + inner, at, mask=mask)
+                c += 1
+                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+        state = _state_at(state, xdt, bm, cum, BT - 1, t, PRECISION)  # the masked tail changes nothing
+    tl.store(ptr, state, mask=mask)
+
+
+def mamba2_chunks_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                        D: torch.Tensor | None, dt_bias: torch.Tensor | None, states: torch.Tensor,
+                        rows: torch.Tensor, starts: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor,
+                        dt_limit: tuple[float, float] | None = None, ckpts: SegmentCheckpoints | None = None) -> None:
+    """``mamba2_decode.mamba2_segments_fused``'s contract, in chunks (the module docstring): segment
+    ``i`` is the packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of
+    ``x [T, H*P]``, raw ``dt [T, H]``, ``B, C [T, G*N]``, run from ``states[rows[i]]`` (``[B, H, P,
+    N]`` fp32, updated in place), its outputs written into those rows of ``out [T, H, P]``; with
+    ``ckpts``, the states after given tokens written to pool rows on the way."""
+    num_heads, head_dim, n, groups = _check_inputs(x, dt, B, C, states)
+    segments = segments_of(rows, starts, cu_seqlens, out, (x.shape[0], num_heads, head_dim))
+    if x.shape[0] == 0:
+        return
+    lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
+    bt, bp, warps = CHUNK_TILES
+    bp = max(16, min(triton.next_power_of_2(head_dim), bp))
+    _mamba2_chunks_kernel[(segments * num_heads, triton.cdiv(head_dim, bp))](
+        x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
+        dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
+        float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
+        BP=bp, BN=max(16, triton.next_power_of_2(n)), BT=bt, HAS_D=D is not None, HAS_BIAS=dt_bias is not None,
+        CKPT=ckpts is not None, PRECISION=DOT_PRECISION, num_warps=warps)
+
+
+def segment_kernel(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                   D: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                   dt_limit: tuple[float, float] | None) -> SegmentKernel:
+    """The layer's own kernel for an extend's segments (``fla_chunk.scan_in_rounds``), on its raw
+    ``x [T, H*P]``, ``dt [T, H]``, ``B, C [T, G*N]``: this module's chunks when the longest segment
+    has at least ``CHUNKED_MIN_LEN`` tokens, else the recurrence token by token
+    (``mamba2_decode.mamba2_segments_fused``)."""
+    def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
+        kernel = mamba2_chunks_fused if longest >= CHUNKED_MIN_LEN else mamba2_segments_fused
+        kernel(x, dt, A, B, C, D, dt_bias, states, rows, starts, cu_seqlens, out, dt_limit, ckpts)
+    return run
