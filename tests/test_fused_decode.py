@@ -270,99 +270,30 @@ def test_gated_delta_conv_decode_kernel(dtype, width):
                                           chain=chain if width > 1 else None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_delta_chunks_kernel(dtype):
-    """An extend's segments in chunks of 16 tokens (``gated_delta_chunks``) == the recurrence token
-    by token (``gated_delta_segments_fused``, itself checked against the reference below through
-    ``fla_chunk``): outputs, final states, and checkpoint states at a chunk's end, inside one, two in
-    one chunk, after a segment's first and last tokens; an empty segment, a one-token one, a
-    segment's tail past its last chunk; two value heads per key head, two blocks of value columns
-    (the second part masked), strided gates, the state rows in another order. ``segment_kernel``
-    takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
-    from hyla.model.ops.gpu import gated_delta_chunks as gdc
-    from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
+SEGMENT_LENGTHS = [0, 1, 16, 17, 50]  # an empty segment, a one-token one, a chunk, a chunk and a token, a tail
+# checkpoints per segment (tokens, pool row): at a chunk's end, inside one, two in one chunk, after a
+# segment's first and last tokens
+SEGMENT_MARKS = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
+
+
+def _chunks_match_the_recurrence(recurrent, chunked, run, state_shape, out_shape, dtype, rnd) -> None:
+    """``run(kernel, states, rows, starts, cu, out, ckpts)`` with the recurrent and the chunked
+    kernel over :data:`SEGMENT_LENGTHS` (state rows in another order) with :data:`SEGMENT_MARKS`'
+    checkpoints: the same outputs, final states and checkpoint rows."""
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
 
-    g = torch.Generator().manual_seed(11)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
-    hk, hv, dk, dv = 2, 4, 32, 40
-    lengths = [0, 1, 16, 17, 50]
-    t = sum(lengths)
-    qkv = rnd(t, 2 * hk * dk + hv * dv).to(dtype)
-    proj = rnd(t, 2 * hv + 3).to(dtype)
-    b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
-    a_log, dt_bias = rnd(hv), rnd(hv)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE)
+    cu = torch.tensor([0, *itertools.accumulate(SEGMENT_LENGTHS)], device=DEVICE)
     rows = torch.tensor([3, 0, 4, 1, 2], device=DEVICE)
-    marks = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
-    offsets = list(itertools.accumulate((len(marks.get(i, [])) for i in range(len(lengths))), initial=0))
-    pos = torch.tensor([p for i in sorted(marks) for p, _ in marks[i]], device=DEVICE)
-    slot = torch.tensor([r for i in sorted(marks) for _, r in marks[i]], device=DEVICE)
-    states0, pool0 = rnd(5, hv, dk, dv), rnd(14, hv, dk, dv)
+    marks = [SEGMENT_MARKS.get(i, []) for i in range(len(SEGMENT_LENGTHS))]
+    offsets = torch.tensor(list(itertools.accumulate(map(len, marks), initial=0)), device=DEVICE)
+    pos = torch.tensor([q for m in marks for q, _ in m], device=DEVICE)
+    slot = torch.tensor([r for m in marks for _, r in m], device=DEVICE)
+    states0, pool0 = rnd(5, *state_shape), rnd(14, *state_shape)
     results = []
-    for kernel in (gated_delta_segments_fused, gdc.gated_delta_chunks_fused):
+    for kernel in (recurrent, chunked):
         states, pool = states0.clone(), pool0.clone()
-        out = torch.zeros(t, hv, dv, device=DEVICE, dtype=dtype)
-        kernel(qkv, a, b, a_log, dt_bias, states, rows, cu[:-1], cu, out, hk, dk,
-               SegmentCheckpoints(pool, torch.tensor(offsets, device=DEVICE), pos, slot))
-        results.append((out, states, pool))
-    (o_rec, s_rec, p_rec), (o_chk, s_chk, p_chk) = results
-    tol = dict(atol=_tol(dtype), rtol=_tol(dtype))
-    torch.testing.assert_close(o_chk.float(), o_rec.float(), **tol)
-    torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(p_chk, p_rec, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(p_chk[5:], pool0[5:])  # the checkpoints were written
-
-    launched = []
-    monkey = {name: (lambda name: lambda *args: launched.append(name))(name)
-              for name in ("gated_delta_chunks_fused", "gated_delta_segments_fused")}
-    saved = {name: getattr(gdc, name) for name in monkey}
-    try:
-        for name, fn in monkey.items():
-            setattr(gdc, name, fn)
-        run = gdc.segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk)
-        for longest in (gdc.CHUNKED_MIN_LEN - 1, gdc.CHUNKED_MIN_LEN):
-            run(states0, rows, cu[:-1], cu, out, longest=longest)
-    finally:
-        for name, fn in saved.items():
-            setattr(gdc, name, fn)
-    assert launched == ["gated_delta_segments_fused", "gated_delta_chunks_fused"]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_mamba2_chunks_kernel(dtype):
-    """Mamba2's extend segments in chunks of 16 tokens (``mamba2_chunks``) == the recurrence token by
-    token (``mamba2_segments_fused``): outputs, final states and checkpoint states, at the cases of
-    :func:`test_gated_delta_chunks_kernel` (the same segments and checkpoints), with groups shared by
-    heads, D, a dt bias and a dt clamp that binds, two blocks of state rows (the second part
-    masked), strided inputs. ``segment_kernel`` takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
-    from hyla.model.ops.gpu import mamba2_chunks as m2c
-    from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
-    from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
-
-    g = torch.Generator().manual_seed(12)
-    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
-    h, p, groups, n = 4, 40, 2, 32
-    lengths = [0, 1, 16, 17, 50]
-    t = sum(lengths)
-    xbc = rnd(t, h * p + 2 * groups * n + 3).to(dtype)
-    x, bm, cm = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
-    dt = rnd(t, h + 2).to(dtype)[:, :h]
-    a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
-    limit = (0.05, 0.5)
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], device=DEVICE)
-    rows = torch.tensor([3, 0, 4, 1, 2], device=DEVICE)
-    marks = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
-    offsets = list(itertools.accumulate((len(marks.get(i, [])) for i in range(len(lengths))), initial=0))
-    pos = torch.tensor([q for i in sorted(marks) for q, _ in marks[i]], device=DEVICE)
-    slot = torch.tensor([r for i in sorted(marks) for _, r in marks[i]], device=DEVICE)
-    states0, pool0 = rnd(5, h, p, n), rnd(14, h, p, n)
-    results = []
-    for kernel in (mamba2_segments_fused, m2c.mamba2_chunks_fused):
-        states, pool = states0.clone(), pool0.clone()
-        out = torch.zeros(t, h, p, device=DEVICE, dtype=dtype)
-        kernel(x, dt, a, bm, cm, d, dt_bias, states, rows, cu[:-1], cu, out, limit,
-               SegmentCheckpoints(pool, torch.tensor(offsets, device=DEVICE), pos, slot))
+        out = torch.zeros(cu[-1].item(), *out_shape, device=DEVICE, dtype=dtype)
+        run(kernel, states, rows, cu[:-1], cu, out, SegmentCheckpoints(pool, offsets, pos, slot))
         results.append((out, states, pool))
     (o_rec, s_rec, p_rec), (o_chk, s_chk, p_chk) = results
     torch.testing.assert_close(o_chk.float(), o_rec.float(), atol=_tol(dtype), rtol=_tol(dtype))
@@ -370,20 +301,69 @@ def test_mamba2_chunks_kernel(dtype):
     torch.testing.assert_close(p_chk, p_rec, atol=1e-4, rtol=1e-4)
     assert not torch.equal(p_chk[5:], pool0[5:])  # the checkpoints were written
 
+
+def _segment_kernel_picks(module, recurrent: str, chunked: str, make_run) -> None:
+    """``module.segment_kernel``'s run (``make_run()``) launches ``module.<recurrent>`` below
+    ``CHUNKED_MIN_LEN`` tokens and ``module.<chunked>`` from there on."""
     launched = []
-    monkey = {name: (lambda name: lambda *args: launched.append(name))(name)
-              for name in ("mamba2_chunks_fused", "mamba2_segments_fused")}
-    saved = {name: getattr(m2c, name) for name in monkey}
-    try:
-        for name, fn in monkey.items():
-            setattr(m2c, name, fn)
-        run = m2c.segment_kernel(x, dt, a, bm, cm, d, dt_bias, limit)
-        for longest in (m2c.CHUNKED_MIN_LEN - 1, m2c.CHUNKED_MIN_LEN):
-            run(states0, rows, cu[:-1], cu, out, longest=longest)
-    finally:
-        for name, fn in saved.items():
-            setattr(m2c, name, fn)
-    assert launched == ["mamba2_segments_fused", "mamba2_chunks_fused"]
+    with pytest.MonkeyPatch.context() as mp:
+        for name in (recurrent, chunked):
+            mp.setattr(module, name, lambda *args, name=name: launched.append(name))
+        run = make_run()
+        for longest in (module.CHUNKED_MIN_LEN - 1, module.CHUNKED_MIN_LEN):
+            run(None, None, None, None, None, longest=longest)
+    assert launched == [recurrent, chunked]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_delta_chunks_kernel(dtype):
+    """An extend's segments in chunks of 16 tokens (``gated_delta_chunks``) == the recurrence token
+    by token (``gated_delta_segments_fused``, itself checked against the reference below through
+    ``fla_chunk``): the cases of :func:`_chunks_match_the_recurrence`, with two value heads per key
+    head, two blocks of value columns (the second part masked), strided gates. ``segment_kernel``
+    takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
+    from hyla.model.ops.gpu import gated_delta_chunks as gdc
+    from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
+
+    g = torch.Generator().manual_seed(11)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    hk, hv, dk, dv = 2, 4, 32, 40
+    t = sum(SEGMENT_LENGTHS)
+    qkv = rnd(t, 2 * hk * dk + hv * dv).to(dtype)
+    proj = rnd(t, 2 * hv + 3).to(dtype)
+    b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
+    a_log, dt_bias = rnd(hv), rnd(hv)
+    _chunks_match_the_recurrence(gated_delta_segments_fused, gdc.gated_delta_chunks_fused,
+                                 lambda kernel, *rest: kernel(qkv, a, b, a_log, dt_bias, *rest[:5], hk, dk, rest[5]),
+                                 (hv, dk, dv), (hv, dv), dtype, rnd)
+    _segment_kernel_picks(gdc, "gated_delta_segments_fused", "gated_delta_chunks_fused",
+                          lambda: gdc.segment_kernel(qkv, a, b, a_log, dt_bias, hk, dk))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mamba2_chunks_kernel(dtype):
+    """Mamba2's extend segments in chunks of 16 tokens (``mamba2_chunks``) == the recurrence token by
+    token (``mamba2_segments_fused``): the cases of :func:`_chunks_match_the_recurrence`, with
+    groups shared by heads, D, a dt bias and a dt clamp that binds, two blocks of state rows (the
+    second part masked), strided inputs. ``segment_kernel`` takes the chunks from
+    ``CHUNKED_MIN_LEN`` tokens on."""
+    from hyla.model.ops.gpu import mamba2_chunks as m2c
+    from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
+
+    g = torch.Generator().manual_seed(12)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    h, p, groups, n = 4, 40, 2, 32
+    t = sum(SEGMENT_LENGTHS)
+    xbc = rnd(t, h * p + 2 * groups * n + 3).to(dtype)
+    x, bm, cm = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
+    dt = rnd(t, h + 2).to(dtype)[:, :h]
+    a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
+    limit = (0.05, 0.5)
+    _chunks_match_the_recurrence(mamba2_segments_fused, m2c.mamba2_chunks_fused,
+                                 lambda kernel, *rest: kernel(x, dt, a, bm, cm, d, dt_bias, *rest[:5], limit, rest[5]),
+                                 (h, p, n), (h, p), dtype, rnd)
+    _segment_kernel_picks(m2c, "mamba2_segments_fused", "mamba2_chunks_fused",
+                          lambda: m2c.segment_kernel(x, dt, a, bm, cm, d, dt_bias, limit))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

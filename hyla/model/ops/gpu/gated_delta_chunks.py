@@ -36,7 +36,14 @@ import triton.language as tl
 from hyla.model.ops.gpu import segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_program, gated_delta_segments_fused
-from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints, first_checkpoint, segment_checkpoint_args
+from hyla.model.ops.gpu.segment_checkpoints import (
+    SegmentCheckpoints,
+    chunk_state_at,
+    first_checkpoint,
+    open_segment,
+    segment_checkpoint_args,
+    write_chunk_checkpoints,
+)
 
 # (tokens per chunk, value columns of the state per program, warps): set by reasoning, not measured
 # (benchmarks/recurrent_tiles.py times the alternatives on a GPU). tl.dot needs each at least 16.
@@ -48,16 +55,6 @@ CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many to
 
 
 @triton.jit
-def _state_at(h, k, delta, G, p, t, PRECISION: tl.constexpr):
-    """The state after the chunk's token ``p`` (0-based): ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s)
-    k_s delta_s^T``."""
-    upto = t <= p
-    g_p = tl.sum(tl.where(t == p, G, 0.0), axis=0)
-    w = tl.where(upto, tl.exp(tl.where(upto, g_p - G, 0.0)), 0.0)  # [BT]
-    return tl.exp(g_p) * h + tl.dot(tl.trans(k * w[:, None]), delta, input_precision=PRECISION)
-
-
-@triton.jit
 def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                        pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
@@ -66,12 +63,10 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
                        PRECISION: tl.constexpr):
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
-    start = tl.load(starts_ptr + i).to(tl.int64)
-    n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
     inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
-    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (HV * DK * DV) + inner
     mask = mk[:, None] & mv[None, :]
-    h = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32: the state before the chunk
+    # h [BK, BV] fp32: the state before the chunk
+    start, n, ptr, h = open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, HV * DK * DV, inner, mask)
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     t = tl.arange(0, BT)
@@ -113,13 +108,9 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         tl.store(o_ptr + r[:, None] * o_stride + hv * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=live[:, None] & mv[None, :])
         if CKPT:  # the checkpoints inside this chunk
-            while (nxt > c0) & (nxt <= c0 + BT):
-                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
-                state = _state_at(h, k, delta, G, nxt - c0 - 1, t, PRECISION)
-                tl.store(pool_ptr + slot * (HV * DK * DV) + inner, state, mask=mask)
-                c += 1
-                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
-        h = _state_at(h, k, delta, G, BT - 1, t, PRECISION)  # the masked tail changes nothing
+            c, nxt = write_chunk_checkpoints(h, k, delta, G, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr,
+                                             HV * DK * DV, inner, mask, BT, PRECISION)
+        h = chunk_state_at(h, k, delta, G, BT - 1, t, PRECISION)  # the masked tail changes nothing
     tl.store(ptr, h, mask=mask)
 
 

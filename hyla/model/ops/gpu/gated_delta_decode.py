@@ -43,6 +43,7 @@ from hyla.model.ops.gpu import chain_of, conv_kernel_size, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     first_checkpoint,
+    open_segment,
     segment_checkpoint_args,
     write_checkpoint,
 )
@@ -250,13 +251,9 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
                          BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr):
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
-    start = tl.load(starts_ptr + i).to(tl.int64)
-    n = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
-    row = tl.load(rows_ptr + i).to(tl.int64)
     inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
-    ptr = state_ptr + row * (HV * DK * DV) + inner
     mask = mk[:, None] & mv[None, :]
-    S = tl.load(ptr, mask=mask, other=0.0)  # [BK, BV] fp32
+    start, n, ptr, S = open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, HV * DK * DV, inner, mask)  # fp32
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     # the segment's tokens in order, the state in registers; each token's inputs are loaded one

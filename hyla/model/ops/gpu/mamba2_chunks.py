@@ -28,8 +28,15 @@ import triton.language as tl
 from typing import TYPE_CHECKING
 
 from hyla.model.ops.gpu import segments_of
-from hyla.model.ops.gpu.mamba2_decode import _check_inputs, mamba2_segments_fused
-from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints, first_checkpoint, segment_checkpoint_args
+from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_program, mamba2_segments_fused
+from hyla.model.ops.gpu.segment_checkpoints import (
+    SegmentCheckpoints,
+    chunk_state_at,
+    first_checkpoint,
+    open_segment,
+    segment_checkpoint_args,
+    write_chunk_checkpoints,
+)
 
 if TYPE_CHECKING:  # fla_chunk imports this module
     from hyla.model.ops.gpu.fla_chunk import SegmentKernel
@@ -43,39 +50,18 @@ CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many to
 
 
 @triton.jit
-def _state_at(h, xdt, bm, cum, p, t, PRECISION: tl.constexpr):
-    """The state after the chunk's token ``p`` (0-based): ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s)
-    X_s B_s^T`` (``cum``: G)."""
-    upto = t <= p
-    g_p = tl.sum(tl.where(t == p, cum, 0.0), axis=0)
-    w = tl.where(upto, tl.exp(tl.where(upto, g_p - cum, 0.0)), 0.0)  # [BT]
-    return tl.exp(g_p) * h + tl.dot(tl.trans(xdt * w[:, None]), bm, input_precision=PRECISION)
-
-
-@triton.jit
 def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                           state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
                           pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
                           BN: tl.constexpr, BT: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                           CKPT: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid // H  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
-    h = pid % H
-    g = h // (H // G)
-    p = tl.program_id(1) * BP + tl.arange(0, BP)
-    mp = p < P
-    n = tl.arange(0, BN)
-    mn = n < N
-    a = tl.load(a_ptr + h).to(tl.float32)
-    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    start = tl.load(starts_ptr + i).to(tl.int64)
-    count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     inner = h * (P * N) + p[:, None] * N + n[None, :]
-    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + inner
     mask = mp[:, None] & mn[None, :]
-    state = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32: the state before the chunk
+    # state [BP, BN] fp32: the state before the chunk
+    start, count, ptr, state = open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, H * P * N, inner, mask)
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     t = tl.arange(0, BT)
@@ -105,13 +91,9 @@ def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
         tl.store(y_ptr + r[:, None] * y_stride + h * P + p[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=live[:, None] & mp[None, :])
         if CKPT:  # the checkpoints inside this chunk
-            while (nxt > c0) & (nxt <= c0 + BT):
-                slot = tl.load(ck_slot_ptr + c).to(tl.int64)
-                at = _state_at(state, xdt, bm, cum, nxt - c0 - 1, t, PRECISION)
-                tl.store(pool_ptr + slot * (H * P * N) + inner, at, mask=mask)
-                c += 1
-                nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
-        state = _state_at(state, xdt, bm, cum, BT - 1, t, PRECISION)  # the masked tail changes nothing
+            c, nxt = write_chunk_checkpoints(state, xdt, bm, cum, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr,
+                                             pool_ptr, H * P * N, inner, mask, BT, PRECISION)
+        state = chunk_state_at(state, xdt, bm, cum, BT - 1, t, PRECISION)  # the masked tail changes nothing
     tl.store(ptr, state, mask=mask)
 
 

@@ -26,6 +26,7 @@ from hyla.model.ops.gpu import chain_of, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     first_checkpoint,
+    open_segment,
     segment_checkpoint_args,
     write_checkpoint,
 )
@@ -75,22 +76,26 @@ def _mamba2_step(S, x, dt, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D: tl.cons
 
 
 @triton.jit
+def _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H: tl.constexpr, G: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                    P: tl.constexpr, N: tl.constexpr):
+    """A program's share: sequence (a decode step's, a segment) ``i``, head ``h`` of group ``g``, its
+    block of state rows ``p`` and the state columns ``n`` (and their masks), the head's A, D and dt
+    bias in fp32 (the wrappers pass A for a missing D or dt_bias)."""
+    pid = tl.program_id(0)
+    i = pid // H
+    h = pid % H
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    n = tl.arange(0, BN)
+    return i, h, h // (H // G), p, p < P, n, n < N, tl.load(a_ptr + h).to(tl.float32), \
+        tl.load(d_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32)
+
+
+@triton.jit
 def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                           state_ptr, chain_ptr, chain_stride, y_ptr, dt_min, dt_max,
                           W: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                           BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid // H
-    h = pid % H
-    g = h // (H // G)
-    p = tl.program_id(1) * BP + tl.arange(0, BP)
-    mp = p < P
-    n = tl.arange(0, BN)
-    mn = n < N
-    a = tl.load(a_ptr + h).to(tl.float32)
-    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-
+    i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = h * (P * N) + p[:, None] * N + n[None, :]
     live = mp[:, None] & mn[None, :] & ((tl.zeros([BP, BN], dtype=tl.int64) + slot) >= 0)  # a block mask
@@ -112,23 +117,11 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
                             pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
                             BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, CKPT: tl.constexpr):
-    pid = tl.program_id(0)
-    i = pid // H  # the segment: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
-    h = pid % H
-    g = h // (H // G)
-    p = tl.program_id(1) * BP + tl.arange(0, BP)
-    mp = p < P
-    n = tl.arange(0, BN)
-    mn = n < N
-    a = tl.load(a_ptr + h).to(tl.float32)
-    d = tl.load(d_ptr + h).to(tl.float32)  # (the wrapper passes A for a missing D or dt_bias)
-    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    start = tl.load(starts_ptr + i).to(tl.int64)
-    count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     inner = h * (P * N) + p[:, None] * N + n[None, :]
-    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * (H * P * N) + inner
     mask = mp[:, None] & mn[None, :]
-    S = tl.load(ptr, mask=mask, other=0.0)  # [BP, BN] fp32
+    start, count, ptr, S = open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, H * P * N, inner, mask)  # fp32
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     # the segment's tokens in order, the state in registers, each token's inputs loaded one token

@@ -1,7 +1,9 @@
-"""The checkpoints an extend's segments launch writes itself, on its way through each segment
-(``gated_delta_decode.gated_delta_segments_fused``, ``mamba2_decode.mamba2_segments_fused``, run by
-``fla_chunk.single_pass``): the request, its launch arguments and the two jit helpers both kernels
-call around their token loop.
+"""What an extend's segments launches share (``gated_delta_decode.gated_delta_segments_fused``,
+``mamba2_decode.mamba2_segments_fused`` and their chunked forms ``gated_delta_chunks``,
+``mamba2_chunks``, run by ``fla_chunk``): each segment's rows (:func:`open_segment`), and the
+checkpoints a launch writes itself on its way (``fla_chunk.single_pass``) — the request, its launch
+arguments, and the jit helpers the kernels call around their token loop (:func:`write_checkpoint`)
+or chunk loop (:func:`write_chunk_checkpoints`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,45 @@ def write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, row
     if nxt == j + 1:
         slot = tl.load(ck_slot_ptr + c).to(tl.int64)
         tl.store(pool_ptr + slot * row_size + inner, S, mask=mask)
+        c += 1
+        nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
+    return c, nxt
+
+
+@triton.jit
+def open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, row_size, inner, mask):
+    """Segment ``i`` of a segments launch: its first packed token, its token count, the pointer to
+    the program's block of its running state (pool row ``rows[i]`` of ``row_size`` elements, at
+    ``inner``) and that block, loaded."""
+    start = tl.load(starts_ptr + i).to(tl.int64)
+    count = tl.load(cu_ptr + i + 1) - tl.load(cu_ptr + i)
+    ptr = state_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_size + inner
+    return start, count, ptr, tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def chunk_state_at(h, left, right, cum, p, t, PRECISION: tl.constexpr):
+    """A chunked kernel's state after the chunk's token ``p`` (0-based; ``t = arange(BT)``), from the
+    state ``h [R, C]`` before the chunk: ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s) left_s right_s^T``,
+    with ``cum`` = G ``[BT]`` the cumulative log-decay, ``left [BT, R]``, ``right [BT, C]`` (Gated
+    DeltaNet: keys and deltas; Mamba2: ``dt * x`` and B). Only differences ``G_p - G_s <= 0`` are
+    exponentiated."""
+    upto = t <= p
+    g_p = tl.sum(tl.where(t == p, cum, 0.0), axis=0)
+    w = tl.where(upto, tl.exp(tl.where(upto, g_p - cum, 0.0)), 0.0)  # [BT]
+    return tl.exp(g_p) * h + tl.dot(tl.trans(left * w[:, None]), right, input_precision=PRECISION)
+
+
+@triton.jit
+def write_chunk_checkpoints(h, left, right, cum, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, row_size,
+                            inner, mask, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """In the chunk of the segment's tokens ``c0 .. c0 + BT``: each checkpoint due there, the state
+    at its token (:func:`chunk_state_at`), to its pool row. Returns the next ``(c, nxt)``, as
+    :func:`write_checkpoint`."""
+    while (nxt > c0) & (nxt <= c0 + BT):
+        slot = tl.load(ck_slot_ptr + c).to(tl.int64)
+        state = chunk_state_at(h, left, right, cum, nxt - c0 - 1, t, PRECISION)
+        tl.store(pool_ptr + slot * row_size + inner, state, mask=mask)
         c += 1
         nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
     return c, nxt
