@@ -272,8 +272,9 @@ def test_gated_delta_conv_decode_kernel(dtype, width):
 
 SEGMENT_LENGTHS = [0, 1, 16, 17, 50]  # an empty segment, a one-token one, a chunk, a chunk and a token, a tail
 # checkpoints per segment (tokens, pool row): at a chunk's end, inside one, two in one chunk, after a
-# segment's first and last tokens
-SEGMENT_MARKS = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8)], 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
+# segment's first and last tokens; one past a segment's end, inside its last chunk (written by neither kernel)
+SEGMENT_MARKS = {2: [(16, 5)], 3: [(1, 6), (16, 7), (17, 8), (18, 14)],
+                 4: [(5, 9), (9, 10), (32, 11), (49, 12), (50, 13)]}
 
 
 def _chunks_match_the_recurrence(recurrent, chunked, run, state_shape, out_shape, dtype, rnd) -> None:
@@ -288,7 +289,7 @@ def _chunks_match_the_recurrence(recurrent, chunked, run, state_shape, out_shape
     offsets = torch.tensor(list(itertools.accumulate(map(len, marks), initial=0)), device=DEVICE)
     pos = torch.tensor([q for m in marks for q, _ in m], device=DEVICE)
     slot = torch.tensor([r for m in marks for _, r in m], device=DEVICE)
-    states0, pool0 = rnd(5, *state_shape), rnd(14, *state_shape)
+    states0, pool0 = rnd(5, *state_shape), rnd(15, *state_shape)
     results = []
     for kernel in (recurrent, chunked):
         states, pool = states0.clone(), pool0.clone()
@@ -299,7 +300,7 @@ def _chunks_match_the_recurrence(recurrent, chunked, run, state_shape, out_shape
     torch.testing.assert_close(o_chk.float(), o_rec.float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(s_chk, s_rec, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(p_chk, p_rec, atol=1e-4, rtol=1e-4)
-    assert not torch.equal(p_chk[5:], pool0[5:])  # the checkpoints were written
+    assert not torch.equal(p_chk[5:14], pool0[5:14]) and torch.equal(p_chk[14], pool0[14])
 
 
 def _segment_kernel_picks(module, recurrent: str, chunked: str, make_run) -> None:
@@ -320,7 +321,8 @@ def test_gated_delta_chunks_kernel(dtype):
     """An extend's segments in chunks of 16 tokens (``gated_delta_chunks``) == the recurrence token
     by token (``gated_delta_segments_fused``, itself checked against the reference below through
     ``fla_chunk``): the cases of :func:`_chunks_match_the_recurrence`, with two value heads per key
-    head, two blocks of value columns (the second part masked), strided gates. ``segment_kernel``
+    head, two blocks of value columns (the second part masked), strided gates, a huge decay in the
+    middle of a chunk. ``segment_kernel``
     takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
     from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
@@ -331,6 +333,7 @@ def test_gated_delta_chunks_kernel(dtype):
     t = sum(SEGMENT_LENGTHS)
     qkv = rnd(t, 2 * hk * dk + hv * dv).to(dtype)
     proj = rnd(t, 2 * hv + 3).to(dtype)
+    proj[40, 1 + hv:1 + 2 * hv] = 1e4  # a decay of ~e^-10^4 in the middle of a chunk: the later tokens keep their digits
     b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
     a_log, dt_bias = rnd(hv), rnd(hv)
     _chunks_match_the_recurrence(gated_delta_segments_fused, gdc.gated_delta_chunks_fused,
@@ -345,7 +348,7 @@ def test_mamba2_chunks_kernel(dtype):
     """Mamba2's extend segments in chunks of 16 tokens (``mamba2_chunks``) == the recurrence token by
     token (``mamba2_segments_fused``): the cases of :func:`_chunks_match_the_recurrence`, with
     groups shared by heads, D, a dt bias and a dt clamp that binds, two blocks of state rows (the
-    second part masked), strided inputs. ``segment_kernel`` takes the chunks from
+    second part masked), strided inputs, a huge decay in the middle of a chunk. ``segment_kernel`` takes the chunks from
     ``CHUNKED_MIN_LEN`` tokens on."""
     from hyla.model.ops.gpu import mamba2_chunks as m2c
     from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
@@ -357,8 +360,10 @@ def test_mamba2_chunks_kernel(dtype):
     xbc = rnd(t, h * p + 2 * groups * n + 3).to(dtype)
     x, bm, cm = xbc[:, :h * p], xbc[:, h * p:h * p + groups * n], xbc[:, h * p + groups * n:h * p + 2 * groups * n]
     dt = rnd(t, h + 2).to(dtype)[:, :h]
+    dt[40], x[40] = 1e4, 0  # a decay of ~e^-10^3 or more in the middle of a chunk (and no input there, which dt
+    # would scale up): the later tokens keep their digits
     a, d, dt_bias = -torch.rand(h, generator=g).to(DEVICE), rnd(h), rnd(h)
-    limit = (0.05, 0.5)
+    limit = (0.05, 2e4)  # the lower bound binds
     _chunks_match_the_recurrence(mamba2_segments_fused, m2c.mamba2_chunks_fused,
                                  lambda kernel, *rest: kernel(x, dt, a, bm, cm, d, dt_bias, *rest[:5], limit, rest[5]),
                                  (h, p, n), (h, p), dtype, rnd)

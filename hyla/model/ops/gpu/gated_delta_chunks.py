@@ -15,14 +15,18 @@ reference, ``hyla.model.ops.gated_delta``'s)::
     O       = exp(G) * (Q h) + (Q K^T * exp(G_t - G_s), s <= t) delta     [BT, Dv]
     S_t     = exp(G_t) h + sum_{s <= t} exp(G_t - G_s) k_s delta_s^T     (the state after token t)
 
-``(I + A)^-1`` comes by forward substitution, row by row (``A`` is strictly lower triangular; a
-product formula would lose digits to cancellation when many keys repeat). Only differences
-``G_t - G_s`` with ``s <= t`` are exponentiated (never above 1). A checkpoint inside a chunk is the
-last line at its token; the state after the chunk is the same at its last token (the rows past a
-segment's end are masked to zero keys, values and decays, and change nothing).
+``delta`` comes by forward substitution on the right-hand side, row by row (``A`` is strictly
+lower triangular; a product formula for the inverse would lose digits to cancellation when many
+keys repeat). ``exp(G_t - G_s)`` (``s <= t``, never above 1) is ``exp`` of the sum ``g_{s+1} + ..
++ g_t`` itself, not of a difference of running sums, in which one huge decay would cost the
+later tokens their digits (``segment_checkpoints.chunk_decay``). A checkpoint inside a chunk is
+the last line at its token; the state after the chunk is the same at its last token (the rows
+past a segment's end are masked to zero keys, values and decays, and change nothing). A NaN in
+one token's inputs reaches the chunk's earlier outputs too (masked products are ``0 * NaN``),
+where the recurrence spreads it forward only; other segments are other programs.
 
 Each program owns one ``(segment, value head, block of Dv columns)``: it recomputes its head's
-``A`` and ``(I + A)^-1`` (the head's other column blocks do the same work; no program waits for
+``A`` and the substitution (the head's other column blocks do the same work; no program waits for
 another). The products run on ``tl.dot`` at ``DOT_PRECISION`` (``tf32x3``: fp32 accuracy from
 tensor cores; Triton's interpreter computes them in fp32).
 """
@@ -38,6 +42,7 @@ from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_program, gated_delta_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
+    chunk_decay,
     chunk_state_at,
     first_checkpoint,
     open_segment,
@@ -71,8 +76,6 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     t = tl.arange(0, BT)
     lower = t[:, None] > t[None, :]  # s < t
-    causal = t[:, None] >= t[None, :]  # s <= t
-    eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)  # [BT, BT]
     for c0 in range(0, n, BT):
         live = (c0 + t) < n  # [BT]: the chunk's tokens (the last chunk's tail is masked)
         r = start + c0 + t
@@ -91,26 +94,24 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         g = tl.where(live, neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x))), 0.0)  # [BT] log-decay
         G = tl.cumsum(g, axis=0)
         gamma = tl.exp(G)
+        decay = chunk_decay(g, t)  # [BT, BT]: exp(G_t - G_s), s <= t
 
-        # (I + A)^-1 by forward substitution: row s = e_s - sum_{u < s} A[s, u] row u
         kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # [BT, BT]
-        A = tl.where(lower, beta[:, None] * tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)) * kk, 0.0)
-        inv = eye
+        A = tl.where(lower, beta[:, None] * decay * kk, 0.0)
+        kh = tl.dot(k, h, input_precision=PRECISION)  # [BT, BV]
+        # (I + A) delta = beta * (v - gamma * K h), by forward substitution: row s = rhs_s - sum_{u < s} A[s, u] delta_u
+        delta = beta[:, None] * (v - gamma[:, None] * kh)
         for s in tl.static_range(1, BT):
             a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
-            inv = tl.where(t[:, None] == s, eye - tl.sum(a_s[:, None] * inv, axis=0)[None, :], inv)
-
-        kh = tl.dot(k, h, input_precision=PRECISION)  # [BT, BV]
-        delta = tl.dot(inv, beta[:, None] * (v - gamma[:, None] * kh), input_precision=PRECISION)
+            delta = tl.where(t[:, None] == s, delta - tl.sum(a_s[:, None] * delta, axis=0)[None, :], delta)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        m = tl.where(causal, qk * tl.exp(tl.where(causal, G[:, None] - G[None, :], 0.0)), 0.0)
-        o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) + tl.dot(m, delta, input_precision=PRECISION)
+        o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) + tl.dot(qk * decay, delta, input_precision=PRECISION)
         tl.store(o_ptr + r[:, None] * o_stride + hv * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=live[:, None] & mv[None, :])
         if CKPT:  # the checkpoints inside this chunk
-            c, nxt = write_chunk_checkpoints(h, k, delta, G, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr,
-                                             HV * DK * DV, inner, mask, BT, PRECISION)
-        h = chunk_state_at(h, k, delta, G, BT - 1, t, PRECISION)  # the masked tail changes nothing
+            c, nxt = write_chunk_checkpoints(h, k, delta, G, decay, t, c0, n, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr,
+                                             pool_ptr, HV * DK * DV, inner, mask, BT, PRECISION)
+        h = chunk_state_at(h, k, delta, G, decay, BT - 1, t, PRECISION)  # the masked tail changes nothing
     tl.store(ptr, h, mask=mask)
 
 

@@ -13,8 +13,9 @@ reference's chunk scan, ``hyla.model.ops.ssd``)::
     Y   = exp(G) * (C h^T) + (C B^T * exp(G_t - G_s), s <= t) X + D x    [BT, P]
     S_t = exp(G_t) h + sum_{s <= t} exp(G_t - G_s) X_s B_s^T               (the state after token t)
 
-Only differences ``G_t - G_s`` with ``s <= t`` are exponentiated (never above 1). A checkpoint
-inside a chunk is the second line at its token; rows past a segment's end are masked to zero
+``exp(G_t - G_s)`` (``s <= t``) is ``exp`` of the sum of the decays between them itself
+(``segment_checkpoints.chunk_decay``, as for Gated DeltaNet). A checkpoint inside a chunk is the
+second line at its token; rows past a segment's end are masked to zero
 inputs and decays. Each program owns one ``(segment, head, block of P rows)``; the products run on
 ``tl.dot`` at ``DOT_PRECISION``.
 """
@@ -31,6 +32,7 @@ from hyla.model.ops.gpu import segments_of
 from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_program, mamba2_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
+    chunk_decay,
     chunk_state_at,
     first_checkpoint,
     open_segment,
@@ -65,7 +67,6 @@ def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     t = tl.arange(0, BT)
-    causal = t[:, None] >= t[None, :]  # s <= t
     for c0 in range(0, count, BT):
         live = (c0 + t) < count  # [BT]: the chunk's tokens (the last chunk's tail is masked)
         r = start + c0 + t
@@ -80,20 +81,20 @@ def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
         dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), dt_min), dt_max)
         dt = tl.where(live, dt, 0.0)
         cum = tl.cumsum(dt * a, axis=0)  # [BT] log-decay (G_t)
+        decay = chunk_decay(dt * a, t)  # [BT, BT]: exp(G_t - G_s), s <= t
         xdt = x * dt[:, None]
 
         cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)  # [BT, BT]
-        m = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)), 0.0)
         y = tl.exp(cum)[:, None] * tl.dot(cm, tl.trans(state), input_precision=PRECISION) \
-            + tl.dot(m, xdt, input_precision=PRECISION)  # [BT, BP]
+            + tl.dot(cb * decay, xdt, input_precision=PRECISION)  # [BT, BP]
         if HAS_D:
             y += d * x
         tl.store(y_ptr + r[:, None] * y_stride + h * P + p[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=live[:, None] & mp[None, :])
         if CKPT:  # the checkpoints inside this chunk
-            c, nxt = write_chunk_checkpoints(state, xdt, bm, cum, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr,
-                                             pool_ptr, H * P * N, inner, mask, BT, PRECISION)
-        state = chunk_state_at(state, xdt, bm, cum, BT - 1, t, PRECISION)  # the masked tail changes nothing
+            c, nxt = write_chunk_checkpoints(state, xdt, bm, cum, decay, t, c0, count, c, c_end, nxt, ck_pos_ptr,
+                                             ck_slot_ptr, pool_ptr, H * P * N, inner, mask, BT, PRECISION)
+        state = chunk_state_at(state, xdt, bm, cum, decay, BT - 1, t, PRECISION)  # the masked tail changes nothing
     tl.store(ptr, state, mask=mask)
 
 

@@ -76,27 +76,37 @@ def open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, row_size, inner, ma
 
 
 @triton.jit
-def chunk_state_at(h, left, right, cum, p, t, PRECISION: tl.constexpr):
+def chunk_decay(g, t):
+    """A chunk's decays from token ``s`` to token ``t``, ``exp(g_{s+1} + .. + g_t)`` for ``s <= t``
+    (1 on the diagonal, 0 above it), from its tokens' log-decays ``g [BT]`` (``t = arange(BT)``):
+    sums of the gates themselves, not differences of their running sum, in which one large decay
+    would cost the later tokens' their digits. ``[BT, BT]``."""
+    causal = t[:, None] >= t[None, :]
+    span = tl.cumsum(tl.where(t[:, None] > t[None, :], g[:, None], 0.0), axis=0)  # [t, s]: g_{s+1} + .. + g_t
+    return tl.where(causal, tl.exp(tl.where(causal, span, 0.0)), 0.0)
+
+
+@triton.jit
+def chunk_state_at(h, left, right, cum, decay, p, t, PRECISION: tl.constexpr):
     """A chunked kernel's state after the chunk's token ``p`` (0-based; ``t = arange(BT)``), from the
-    state ``h [R, C]`` before the chunk: ``exp(G_p) h + sum_{s <= p} exp(G_p - G_s) left_s right_s^T``,
-    with ``cum`` = G ``[BT]`` the cumulative log-decay, ``left [BT, R]``, ``right [BT, C]`` (Gated
-    DeltaNet: keys and deltas; Mamba2: ``dt * x`` and B). Only differences ``G_p - G_s <= 0`` are
-    exponentiated."""
-    upto = t <= p
+    state ``h [R, C]`` before the chunk: ``exp(G_p) h + sum_{s <= p} decay[p, s] left_s right_s^T``,
+    with ``cum`` = G ``[BT]`` the cumulative log-decay from the chunk's start, ``decay``
+    (:func:`chunk_decay`), ``left [BT, R]``, ``right [BT, C]`` (Gated DeltaNet: keys and deltas;
+    Mamba2: ``dt * x`` and B)."""
     g_p = tl.sum(tl.where(t == p, cum, 0.0), axis=0)
-    w = tl.where(upto, tl.exp(tl.where(upto, g_p - cum, 0.0)), 0.0)  # [BT]
+    w = tl.sum(tl.where(t[:, None] == p, decay, 0.0), axis=0)  # decay[p, :] ([BT], 0 past p)
     return tl.exp(g_p) * h + tl.dot(tl.trans(left * w[:, None]), right, input_precision=PRECISION)
 
 
 @triton.jit
-def write_chunk_checkpoints(h, left, right, cum, t, c0, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, row_size,
-                            inner, mask, BT: tl.constexpr, PRECISION: tl.constexpr):
-    """In the chunk of the segment's tokens ``c0 .. c0 + BT``: each checkpoint due there, the state
-    at its token (:func:`chunk_state_at`), to its pool row. Returns the next ``(c, nxt)``, as
-    :func:`write_checkpoint`."""
-    while (nxt > c0) & (nxt <= c0 + BT):
+def write_chunk_checkpoints(h, left, right, cum, decay, t, c0, count, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr,
+                            pool_ptr, row_size, inner, mask, BT: tl.constexpr, PRECISION: tl.constexpr):
+    """In the chunk of the segment's tokens ``c0 .. c0 + BT`` (of ``count``): each checkpoint due
+    there, the state at its token (:func:`chunk_state_at`), to its pool row (none past the segment's
+    end, as the recurrent kernels). Returns the next ``(c, nxt)``, as :func:`write_checkpoint`."""
+    while (nxt > c0) & (nxt <= c0 + BT) & (nxt <= count):
         slot = tl.load(ck_slot_ptr + c).to(tl.int64)
-        state = chunk_state_at(h, left, right, cum, nxt - c0 - 1, t, PRECISION)
+        state = chunk_state_at(h, left, right, cum, decay, nxt - c0 - 1, t, PRECISION)
         tl.store(pool_ptr + slot * row_size + inner, state, mask=mask)
         c += 1
         nxt = tl.load(ck_pos_ptr + c, mask=c < c_end, other=0)
