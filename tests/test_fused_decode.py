@@ -885,10 +885,10 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5): an
     fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
     rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran (chunked; KDA's short rounds
-    recurrent, the others' through hyla's own kernels: Gated DeltaNet's recurrent and chunked ones)."""
+    recurrent, the others' through hyla's own kernels, recurrent and chunked)."""
     import hyla.model.kimi_linear as kimi_linear
     import hyla.model.layers as layers
-    from hyla.model.ops.gpu import fla_chunk, gated_delta_chunks
+    from hyla.model.ops.gpu import fla_chunk, gated_delta_chunks, mamba2_chunks
 
     path = request.getfixturevalue("kimi_linear_path" if arch == "kimi_linear" else f"{arch}_short_path")
     opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -904,8 +904,9 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
         monkeypatch.setattr(layers, "_on_gpu", lambda x: True)
     monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
-    # Gated DeltaNet's rounds of 4-8 tokens in chunks, shorter ones token by token
+    # Gated DeltaNet's and Mamba2's rounds of 4-8 tokens in chunks, shorter ones token by token
     monkeypatch.setattr(gated_delta_chunks, "CHUNKED_MIN_LEN", 4)
+    monkeypatch.setattr(mamba2_chunks, "CHUNKED_MIN_LEN", 4)
     with Engine(path, **opts) as eng:
         out = _two_turns(eng, None, requests)
     # Gated DeltaNet's and Mamba2's short rounds run hyla's own recurrent kernels, KDA's fla's
