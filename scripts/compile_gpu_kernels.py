@@ -123,10 +123,11 @@ def cases():
                 gated_delta_decode.gated_delta_segments_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
                                                              states, long(1, 2), long(0, 5), long(0, 5, 12),
                                                              torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
-            yield f"gdn_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
-                gated_delta_chunks.gated_delta_chunks_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
-                                                            states, long(1, 2), long(0, 5), long(0, 5, 12),
-                                                            torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
+            if dt == torch.bfloat16:  # the chunked kernels run in bf16/fp16 prefills only (fla_chunk's rule)
+                yield f"gdn_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                    gated_delta_chunks.gated_delta_chunks_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
+                                                                states, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                                torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
         # Mamba2: decode, segments (recurrent, in chunks)
         h, p, g, ns = 4, 64, 1, 128
         mstates = f32(8, h, p, ns)
@@ -138,10 +139,11 @@ def cases():
                 mamba2_decode.mamba2_segments_fused(r(12, h * p), r(12, h), f32(h), r(12, g * ns), r(12, g * ns), None,
                                                     f32(h), mstates, long(1, 2), long(0, 5), long(0, 5, 12),
                                                     torch.empty(12, h, p, dtype=dt), None, with_ckpts)
-            yield f"mamba2_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
-                mamba2_chunks.mamba2_chunks_fused(r(12, h * p), r(12, h), f32(h), r(12, g * ns), r(12, g * ns), f32(h),
-                                                  f32(h), mstates, long(1, 2), long(0, 5), long(0, 5, 12),
-                                                  torch.empty(12, h, p, dtype=dt), (0.0, 1e9), with_ckpts)
+            if dt == torch.bfloat16:  # (as the chunked Gated DeltaNet kernel)
+                yield f"mamba2_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                    mamba2_chunks.mamba2_chunks_fused(r(12, h * p), r(12, h), f32(h), r(12, g * ns), r(12, g * ns),
+                                                      f32(h), f32(h), mstates, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                      torch.empty(12, h, p, dtype=dt), (0.0, 1e9), with_ckpts)
         # attention: the q/k prologue (norm + RoPE + K/V writes), split-KV decode with the output gate
         hq, hkv, d = 4, 1, 256
         kb, vb = r(64, hkv, d), r(64, hkv, d)
