@@ -10,9 +10,9 @@ sequence of T tokens, the state pool in fp32, activations in bf16, with ``RECURR
 to 0 (chunked) and to infinity (recurrent: fla's, with hyla's kernel left out, and hyla's twice,
 ``gated_delta_chunks.CHUNKED_MIN_LEN`` / ``mamba2_chunks.CHUNKED_MIN_LEN`` forced to infinity (its
 recurrent kernel) and to 0 (its chunked one); the 296-token row is the new part of the GPU
-benchmark's cached-TTFT prompt, the 4,096-token one its cold prompt). Shapes: Gated DeltaNet of the GPU benchmark's model
-(16 heads of 128x128) and a Mamba2 layer of NemotronH's size (64 heads, head dim 64, state 128,
-8 groups). Medians of ``--repeats`` calls after 3 warm-up calls; writes ``## GPU prefill: fla
+benchmark's cached-TTFT prompt, the 4,096-token one its cold prompt). Shapes: Gated DeltaNet of the
+GPU benchmark's model (16 heads of 128x128) and a Mamba2 layer of NemotronH's size (64 heads, head
+dim 64, state 128, 8 groups). Medians of ``--repeats`` calls after 3 warm-up calls; writes ``## GPU prefill: fla
 chunked vs recurrent`` in docs/benchmarks.md.
 
     PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/fla_prefill.py [--repeats 15] [--lengths 1,16,...] [--no-write]

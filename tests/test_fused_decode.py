@@ -333,7 +333,8 @@ def test_gated_delta_chunks_kernel(dtype):
     t = sum(SEGMENT_LENGTHS)
     qkv = rnd(t, 2 * hk * dk + hv * dv).to(dtype)
     proj = rnd(t, 2 * hv + 3).to(dtype)
-    proj[40, 1 + hv:1 + 2 * hv] = 1e4  # a decay of ~e^-10^4 in the middle of a chunk: the later tokens keep their digits
+    proj[40, 1 + hv:1 + 2 * hv] = 1e4  # a decay of ~e^-10^4 in the middle of a chunk: the later tokens keep
+    # their digits
     b, a = proj[:, 1:1 + hv], proj[:, 1 + hv:1 + 2 * hv]
     a_log, dt_bias = rnd(hv), rnd(hv)
     _chunks_match_the_recurrence(gated_delta_segments_fused, gdc.gated_delta_chunks_fused,
@@ -348,8 +349,8 @@ def test_mamba2_chunks_kernel(dtype):
     """Mamba2's extend segments in chunks of 16 tokens (``mamba2_chunks``) == the recurrence token by
     token (``mamba2_segments_fused``): the cases of :func:`_chunks_match_the_recurrence`, with
     groups shared by heads, D, a dt bias and a dt clamp that binds, two blocks of state rows (the
-    second part masked), strided inputs, a huge decay in the middle of a chunk. ``segment_kernel`` takes the chunks from
-    ``CHUNKED_MIN_LEN`` tokens on."""
+    second part masked), strided inputs, a huge decay in the middle of a chunk. ``segment_kernel``
+    takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
     from hyla.model.ops.gpu import mamba2_chunks as m2c
     from hyla.model.ops.gpu.mamba2_decode import mamba2_segments_fused
 

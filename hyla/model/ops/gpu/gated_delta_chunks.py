@@ -105,7 +105,8 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
             a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
             delta = tl.where(t[:, None] == s, delta - tl.sum(a_s[:, None] * delta, axis=0)[None, :], delta)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) + tl.dot(qk * decay, delta, input_precision=PRECISION)
+        o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) \
+            + tl.dot(qk * decay, delta, input_precision=PRECISION)  # [BT, BV]
         tl.store(o_ptr + r[:, None] * o_stride + hv * DV + dv[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=live[:, None] & mv[None, :])
         if CKPT:  # the checkpoints inside this chunk
