@@ -48,6 +48,7 @@ class UvicornServer(uvicorn.Server):
         super().__init__(config)
         self.gc_freeze = gc_freeze
         self.front_doors: list[FrontDoor] = []
+        self.listening = False  # the sockets listen and their front doors run (uvicorn's `started` comes first)
         self._bound: list[socket.socket] = []  # sockets bound here (none given): closed at shutdown
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
@@ -70,6 +71,7 @@ class UvicornServer(uvicorn.Server):
         for sock in sockets:
             sock.listen(self.config.backlog)  # as asyncio's create_server would; bound, not listening, until now
         self.front_doors = [FrontDoor(sock, loop, self._protocol, server.health, count).start() for sock in sockets]
+        self.listening = True
         for sock in sockets if not self._bound else ():  # config.bind_socket() said so already
             host, port = sock.getsockname()[:2]
             logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
@@ -122,7 +124,7 @@ class BackgroundServer:
     def start(self) -> "BackgroundServer":
         self._thread.start()
         deadline = time.monotonic() + self.startup_timeout
-        while not self._server.started:
+        while not self._server.listening:  # (`started` is set before the sockets listen)
             if not self._thread.is_alive():
                 raise RuntimeError(f"the server failed to start: {self._error!r}")
             if time.monotonic() > deadline:
