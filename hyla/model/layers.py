@@ -462,7 +462,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(t, self.num_k_heads, self.head_k_dim)  # [T, Hk, Dk]
         v = v.reshape(t, self.num_v_heads, self.head_v_dim)  # [T, Hv, Dv]
         if not batch.is_decode and chains is None and _fla_prefill(q, batch):  # fla's chunked Triton kernel; short
-            # rounds: hyla's recurrent kernel, which gates a and b itself (the gates computed only if fla runs)
+            # rounds: hyla's own kernel (recurrent or chunked), which gates a and b itself (the gates computed only
+            # if fla runs)
             segments = _gpu("gated_delta_chunks").segment_kernel(mixed, a, b, self.A_log, self.dt_bias,
                                                                  self.num_k_heads, self.head_k_dim)
             return _gpu("fla_chunk").chunk_gated_delta_rule_fla(

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from hyla.model.ops.gpu import segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
-from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_program, gated_delta_segments_fused
+from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_gates, _gdn_program, gated_delta_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     chunk_decay,
@@ -89,9 +89,9 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         bv = tl.load(b_ptr + r * b_stride + hv, mask=live, other=0.0)
         q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        beta = tl.where(live, tl.sigmoid(bv.to(tl.float32)).to(bv.dtype).to(tl.float32), 0.0)
-        x = av.to(tl.float32) + dt_bias
-        g = tl.where(live, neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x))), 0.0)  # [BT] log-decay
+        g, beta = _gdn_gates(av, bv, neg_a, dt_bias)  # [BT] each
+        g = tl.where(live, g, 0.0)  # the masked tail: no decay, no update
+        beta = tl.where(live, beta, 0.0)
         G = tl.cumsum(g, axis=0)
         gamma = tl.exp(G)
         decay = chunk_decay(g, t)  # [BT, BT]: exp(G_t - G_s), s <= t

@@ -76,6 +76,16 @@ def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: t
 
 
 @triton.jit
+def _gdn_gates(a, b, neg_a, dt_bias):
+    """The raw gates ``a, b`` (any shape) -> ``(g, beta)`` in fp32: the log-decay ``-exp(A_log) *
+    softplus(a + dt_bias)`` and ``sigmoid(b)`` rounded to b's dtype, as the layer computes it.
+    Shared with the chunked kernel (``gated_delta_chunks``)."""
+    x = a.to(tl.float32) + dt_bias
+    g = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    return g, tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+
+
+@triton.jit
 def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
     """:func:`_gdn_token`'s math on loaded inputs."""
     q = q.to(tl.float32)
@@ -83,10 +93,8 @@ def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
     v = v.to(tl.float32)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
-    x = a.to(tl.float32) + dt_bias
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-    e = tl.exp(neg_a * softplus)
+    g, beta = _gdn_gates(a, b, neg_a, dt_bias)
+    e = tl.exp(g)
     kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
     qS = tl.sum(q[:, None] * S, axis=0)
     delta = (v - e * kS) * beta

@@ -29,7 +29,7 @@ import triton.language as tl
 from typing import TYPE_CHECKING
 
 from hyla.model.ops.gpu import segments_of
-from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_program, mamba2_segments_fused
+from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_dt, _mamba2_program, mamba2_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     chunk_decay,
@@ -75,13 +75,11 @@ def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
         bc = live[:, None] & mn[None, :]
         bm = tl.load(b_ptr + r[:, None] * bc_stride + g * N + n[None, :], mask=bc, other=0.0).to(tl.float32)
         cm = tl.load(c_ptr + r[:, None] * bc_stride + g * N + n[None, :], mask=bc, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + r * dt_stride + h, mask=live, other=0.0).to(tl.float32)  # [BT]
-        if HAS_BIAS:
-            dt += dt_bias
-        dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), dt_min), dt_max)
-        dt = tl.where(live, dt, 0.0)
-        cum = tl.cumsum(dt * a, axis=0)  # [BT] log-decay (G_t)
-        decay = chunk_decay(dt * a, t)  # [BT, BT]: exp(G_t - G_s), s <= t
+        dt = tl.load(dt_ptr + r * dt_stride + h, mask=live, other=0.0)  # [BT]
+        dt = tl.where(live, _mamba2_dt(dt, dt_bias, dt_min, dt_max, HAS_BIAS), 0.0)
+        log_decay = dt * a
+        cum = tl.cumsum(log_decay, axis=0)  # [BT] G_t
+        decay = chunk_decay(log_decay, t)  # [BT, BT]: exp(G_t - G_s), s <= t
         xdt = x * dt[:, None]
 
         cb = tl.dot(cm, tl.trans(bm), input_precision=PRECISION)  # [BT, BT]

@@ -57,14 +57,20 @@ def _mamba2_load(x_row, dt_ptr, b_row, c_row, g, h, p, mp, n, mn, P: tl.constexp
 
 
 @triton.jit
-def _mamba2_step(S, x, dt, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """:func:`_mamba2_token`'s math on loaded inputs."""
-    x = x.to(tl.float32)
+def _mamba2_dt(dt, dt_bias, dt_min, dt_max, HAS_BIAS: tl.constexpr):
+    """The raw ``dt`` (any shape) discretized in fp32: ``clamp(softplus(dt + dt_bias), dt_min,
+    dt_max)``. Shared with the chunked kernel (``mamba2_chunks``)."""
     dt = dt.to(tl.float32)
     if HAS_BIAS:
         dt += dt_bias
-    dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))
-    dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), dt_min), dt_max)
+
+
+@triton.jit
+def _mamba2_step(S, x, dt, bv, cv, a, d, dt_bias, dt_min, dt_max, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """:func:`_mamba2_token`'s math on loaded inputs."""
+    x = x.to(tl.float32)
+    dt = _mamba2_dt(dt, dt_bias, dt_min, dt_max, HAS_BIAS)
     decay = tl.exp(dt * a)
     bv = bv.to(tl.float32)
     cv = cv.to(tl.float32)

@@ -80,7 +80,7 @@ def chunk_decay(g, t):
     """A chunk's decays from token ``s`` to token ``t``, ``exp(g_{s+1} + .. + g_t)`` for ``s <= t``
     (1 on the diagonal, 0 above it), from its tokens' log-decays ``g [BT]`` (``t = arange(BT)``):
     sums of the gates themselves, not differences of their running sum, in which one large decay
-    would cost the later tokens' their digits. ``[BT, BT]``."""
+    would cost the later tokens their digits. ``[BT, BT]``."""
     causal = t[:, None] >= t[None, :]
     span = tl.cumsum(tl.where(t[:, None] > t[None, :], g[:, None], 0.0), axis=0)  # [t, s]: g_{s+1} + .. + g_t
     return tl.where(causal, tl.exp(tl.where(causal, span, 0.0)), 0.0)
