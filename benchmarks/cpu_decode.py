@@ -15,19 +15,25 @@ Measured, fp32, in one process, every side interleaved repeat by repeat (the mac
   (1 thread), so a busy machine inflates it less than wall time.
 
 Sides: hyla (eager), hyla with ``compile_decode`` (``--compile``; its start-up, compilation
-included, is reported), transformers; ``--before DIR`` first runs this same script against another
+included, is reported), transformers, and llama.cpp with ``--llama-cpp DIR`` (a tree built by
+``scripts/build_llama_cpp.sh``: the same checkpoint converted to an fp32 GGUF, its batch-1 number
+from ``llama-bench``, its 8-request number from ``llama-server``; ``benchmarks/llama_cpp.py`` says
+how each matches hyla's metric; no forward-only rows). The issue's targets are ratios to llama.cpp:
+with it in the run they are read off its numbers here, without it off the issue's (823 / 1,025,
+another day on this machine). ``--before DIR`` first runs this same script against another
 checkout (e.g. ``git worktree add /tmp/cpu-base 2ed1d04``) in a subprocess and adds its numbers
 (each run is compared with the transformers it measured itself). Fresh random prompts every repeat
 (the prefix cache stays on, as served, and never hits). Prints a markdown table and writes the
 ``## CPU decode`` section of docs/benchmarks.md.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cpu_decode.py [--repeats 5] [--threads 1]
-        [--new-tokens 128] [--compile] [--before DIR] [--hyla-root DIR] [--json] [--no-write]
+        [--new-tokens 128] [--compile] [--llama-cpp DIR] [--before DIR] [--hyla-root DIR] [--json] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -40,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT_1 = 512
 PROMPT_8, NEW_8, BATCH = 128, 64, 8
 METRICS = ("d1", "b8", "f1", "f8")  # decode tok/s b1, output tok/s b8, forward ms/step b1, b8
+ISSUE_LLAMA_CPP = {"d1": 823.0, "b8": 1025.0}  # the issue's llama.cpp numbers (1 thread, another day)
 
 
 def fresh(n: int, rng: random.Random, vocab: int) -> list[int]:
@@ -57,7 +64,8 @@ def greedy(max_new: int) -> dict:
 
 
 def measure(args) -> dict[str, dict[str, float]]:
-    """Medians per side (``hyla``, optionally ``compiled``, ``hf``) of every metric."""
+    """Medians per side (``hyla``, optionally ``compiled``, ``hf``, optionally ``llama.cpp``) of every
+    metric (llama.cpp: ``d1`` and ``b8`` only)."""
     sys.path.insert(0, str(args.hyla_root / "tests"))  # that checkout's TinyRunner
     sys.path.insert(0, str(args.hyla_root))
     import torch
@@ -105,15 +113,24 @@ def measure(args) -> dict[str, dict[str, float]]:
 
         return decode_b1, batch8
 
+    def llama_cpp_side(server):
+        from benchmarks import llama_cpp
+
+        return (lambda: llama_cpp.decode_tok_s(server.llama_dir, server.gguf, server.threads, PROMPT_1, n),
+                lambda: llama_cpp.serve_output_tok_s(server, rng, BATCH, PROMPT_8, NEW_8))
+
     engines = {"hyla": Engine(path, dtype="float32", **sizes)}
     startup = {}
     if args.compile:
         t0 = time.perf_counter()
         engines["compiled"] = Engine(path, dtype="float32", compile_decode=True, **sizes)
         startup["compiled"] = time.perf_counter() - t0
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [e.shutdown() for e in engines.values()])
         sides = {name: hyla_side(e) for name, e in engines.items()}
         sides["hf"] = hf_side()
+        if args.llama_cpp is not None:
+            sides["llama.cpp"] = llama_cpp_side(stack.enter_context(start_llama_server(args, path)))
         for decode_b1, batch8 in sides.values():  # warm-up
             decode_b1(), batch8()
         samples: dict[str, dict[str, list[float]]] = {s: {"d1": [], "b8": []} for s in sides}
@@ -129,9 +146,14 @@ def measure(args) -> dict[str, dict[str, float]]:
         for name, s in startup.items():
             result[name]["startup_s"] = s
         return result
-    finally:
-        for e in engines.values():
-            e.shutdown()
+
+
+def start_llama_server(args, model_dir: Path):
+    """llama.cpp's server on the default model, converted (cached) into ``--llama-cpp``'s models/."""
+    from benchmarks import llama_cpp
+
+    gguf = llama_cpp.convert(model_dir, args.llama_cpp, args.llama_cpp / "models" / f"hyla-{model_dir.name}-f32.gguf")
+    return llama_cpp.LlamaServer(args.llama_cpp, gguf, args.threads)
 
 
 def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.Random, vocab: int):
@@ -192,14 +214,19 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
     cols.append(("hyla after" if "before" in runs else "hyla", "after", "hyla"))
     if "compiled" in runs["after"]:
         cols.append(("hyla + `compile_decode`", "after", "compiled"))
+    peer = runs["after"].get("llama.cpp")
+    goal = targets(runs["after"])
+    whose = "llama.cpp" if peer else "the issue's llama.cpp"
     rows = [  # key, label, lower is better, target
-        ("d1", "decode tok/s, batch 1, after a 512-token prompt", False, "≥ 412 (0.5x llama.cpp's 823)"),
-        ("b8", "output tok/s, 8 concurrent 128 → 64 requests", False, "≥ 1,025 and ≥ 2x transformers"),
+        ("d1", "decode tok/s, batch 1, after a 512-token prompt", False, f"≥ {goal['d1']:,.0f} (0.5x {whose})"),
+        ("b8", "output tok/s, 8 concurrent 128 → 64 requests", False,
+         f"≥ {goal['b8']:,.0f} (1x {whose}) and ≥ 2x transformers"),
         ("f1", "forward only, CPU ms per decode step, batch 1 (512 cached)", True, ""),
         ("f8", "forward only, CPU ms per decode step, batch 8 (128 cached)", True, ""),
     ]
-    lines = ["| measurement | " + " | ".join(h for h, _, _ in cols) + " | transformers | target |",
-             "|---" * (len(cols) + 3) + "|"]
+    lines = ["| measurement | " + " | ".join(h for h, _, _ in cols) + " | transformers |"
+             + (" llama.cpp |" if peer else "") + " target |",
+             "|---" * (len(cols) + 3 + bool(peer)) + "|"]
     for key, label, lower, target in rows:
         cells = []
         for _, run, side in cols:
@@ -207,21 +234,37 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
             cells.append(f"{v:.3f} ({ref / v:.2f}x)" if lower else f"{v:,.0f} (**{v / ref:.2f}x**)")
         ref = runs["after"]["hf"][key]
         cells.append(f"{ref:.3f}" if lower else f"{ref:,.0f}")
+        if peer:
+            cells.append(f"{peer[key]:,.0f}" if key in peer else "—")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {target} |")
     return "\n".join(lines)
+
+
+def targets(after: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The issue's CPU targets: batch 1 at 0.5x llama.cpp's decode, 8 requests at 1x its server;
+    llama.cpp's numbers from this run where it ran, else the issue's."""
+    peer = after.get("llama.cpp", ISSUE_LLAMA_CPP)
+    return {"d1": 0.5 * peer["d1"], "b8": peer["b8"]}
 
 
 def verdict(runs: dict[str, dict[str, dict[str, float]]]) -> str:
     """The targets, read off this run."""
     after = runs["after"]
+    goal, peer = targets(after), after.get("llama.cpp", ISSUE_LLAMA_CPP)
+    whose = "this run's llama.cpp" if "llama.cpp" in after else "the issue's llama.cpp"
+
+    def meets(ok: bool) -> str:
+        return "meets" if ok else "misses"
+
     lines = []
     for side, name in (("hyla", "eager"), ("compiled", "`compile_decode`")):
         if side not in after:
             continue
         r, hf = after[side], after["hf"]
-        lines.append(f"* {name}: batch 1 {r['d1']:,.0f} tok/s ({'meets' if r['d1'] >= 412 else 'misses'} ≥ 412); "
-                     f"8 concurrent {r['b8']:,.0f} tok/s ({'meets' if r['b8'] >= 1025 else 'misses'} ≥ 1,025), "
-                     f"{r['b8'] / hf['b8']:.2f}x transformers ({'meets' if r['b8'] >= 2 * hf['b8'] else 'misses'} ≥ 2x).")
+        lines.append(f"* {name}: batch 1 {r['d1']:,.0f} tok/s = {r['d1'] / peer['d1']:.2f}x {whose} "
+                     f"({meets(r['d1'] >= goal['d1'])} ≥ 0.5x); 8 concurrent {r['b8']:,.0f} tok/s = "
+                     f"{r['b8'] / peer['b8']:.2f}x {whose} ({meets(r['b8'] >= goal['b8'])} ≥ 1x) and "
+                     f"{r['b8'] / hf['b8']:.2f}x transformers ({meets(r['b8'] >= 2 * hf['b8'])} ≥ 2x).")
     if "compiled" in after:
         c, e = after["compiled"], after["hyla"]
         lines.append(f"* `compile_decode` vs eager in this run: forward {e['f1'] / c['f1']:.2f}x at batch 1, "
@@ -237,12 +280,16 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128, help="N decode tokens timed at batch 1")
     ap.add_argument("--steps", type=int, default=50, help="forward only: decode steps per timed run")
     ap.add_argument("--compile", action="store_true", help="also measure Engine(compile_decode=True)")
+    ap.add_argument("--llama-cpp", type=Path, metavar="DIR",
+                    help="also measure llama.cpp, built in DIR by scripts/build_llama_cpp.sh")
     ap.add_argument("--before", type=Path, help="checkout to measure first, in a subprocess, for before/after")
     ap.add_argument("--hyla-root", type=Path, default=ROOT, help="checkout to import hyla from")
     ap.add_argument("--json", action="store_true", help="print the medians as one JSON line (last line)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     args.hyla_root = args.hyla_root.resolve()
+    if args.llama_cpp is not None:
+        args.llama_cpp = args.llama_cpp.resolve()
     sys.path.insert(0, str(ROOT))
 
     runs, before_rev = {}, ""
@@ -265,12 +312,16 @@ def main() -> None:
 
     cmd = (f"OMP_NUM_THREADS={args.threads} .venv/bin/python benchmarks/cpu_decode.py --repeats {args.repeats} "
            f"--threads {args.threads} --new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
+           + (" --llama-cpp ../llama.cpp" if args.llama_cpp else "")
            + (" --before /tmp/cpu-base" if args.before else ""))
     startup = runs["after"].get("compiled", {}).get("startup_s")
+    llama_line = "" if args.llama_cpp is None else (
+        "; llama.cpp (the same checkpoint as an fp32 GGUF, `benchmarks/llama_cpp.py`: batch 1 from "
+        f"`llama-bench -d 512 -n {args.new_tokens}`, 8 requests through `llama-server --parallel 8`) interleaved with them")
     body = f"""`{cmd}` — {machine()}, transformers {transformers.__version__}, {args.threads} thread(s);
 built-in default model (Qwen3-Next, 8 layers: 6 Gated DeltaNet + 2 attention, hidden 256,
 vocab 4096), fp32; medians of {args.repeats} runs, every side interleaved; in parentheses each hyla
-column's ratio to the transformers measured in the same run. Engine rows are wall clock on a shared
+column's ratio to the transformers measured in the same run{llama_line}. Engine rows are wall clock on a shared
 2-core machine (compare ratios, not absolute numbers, across runs; the before column ran first, in
 its own process); forward rows are thread CPU time.
 {"" if startup is None else f"`compile_decode` start-up (engine construction, both graphs compiled): {startup:.0f} s."}
