@@ -212,6 +212,9 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
     if "before" in runs:
         cols.append((f"hyla before ({before_rev})" if before_rev else "hyla before", "before", "hyla"))
     cols.append(("hyla after" if "before" in runs else "hyla", "after", "hyla"))
+    if "compiled" in runs.get("before", {}):
+        cols.append((f"hyla + `compile_decode` before ({before_rev})" if before_rev
+                     else "hyla + `compile_decode` before", "before", "compiled"))
     if "compiled" in runs["after"]:
         cols.append(("hyla + `compile_decode`", "after", "compiled"))
     peer = runs["after"].get("llama.cpp")
@@ -296,7 +299,7 @@ def main() -> None:
     if args.before is not None:
         cmd = [sys.executable, __file__, "--hyla-root", str(args.before.resolve()), "--json", "--no-write",
                "--repeats", str(args.repeats), "--threads", str(args.threads), "--new-tokens", str(args.new_tokens),
-               "--steps", str(args.steps)]
+               "--steps", str(args.steps)] + (["--compile"] if args.compile else [])
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         runs["before"] = json.loads(out.strip().splitlines()[-1])
         before_rev = subprocess.run(["git", "-C", str(args.before), "rev-parse", "--short", "HEAD"],
@@ -317,7 +320,8 @@ def main() -> None:
     startup = runs["after"].get("compiled", {}).get("startup_s")
     llama_line = "" if args.llama_cpp is None else (
         "; llama.cpp (the same checkpoint as an fp32 GGUF, `benchmarks/llama_cpp.py`: batch 1 from "
-        f"`llama-bench -d 512 -n {args.new_tokens}`, 8 requests through `llama-server --parallel 8`) interleaved with them")
+        f"`llama-bench -d 512 -n {args.new_tokens}`, 8 requests through `llama-server --parallel 8`) "
+        "interleaved with them")
     body = f"""`{cmd}` — {machine()}, transformers {transformers.__version__}, {args.threads} thread(s);
 built-in default model (Qwen3-Next, 8 layers: 6 Gated DeltaNet + 2 attention, hidden 256,
 vocab 4096), fp32; medians of {args.repeats} runs, every side interleaved; in parentheses each hyla

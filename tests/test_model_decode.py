@@ -14,7 +14,15 @@ from torch.overrides import TorchFunctionMode
 
 from hyla.model import load_model
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, signed_sin
+from hyla.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_,
+    keep_row_major_copies_,
+    signed_sin,
+)
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -200,6 +208,36 @@ def test_fp32_cpu_projection_weights_are_column_major_with_the_same_values(qwen3
     assert torch.equal(model.layers[3].mixer.o_proj.weight, ref["model.layers.3.self_attn.o_proj.weight"].float())
     bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")  # oneDNN: no gain, left alone
     assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_row_major_copies_are_the_weights_in_row_major_order(qwen3_next_moe_path):
+    """``compile_decode``'s batch-1 projections read ``Linear.rows``: the weight's values, row-major;
+    a weight that is row-major already is shared, not copied; bf16 (oneDNN) models get none."""
+    model = load_model(qwen3_next_moe_path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    copied = keep_row_major_copies_(model)
+    assert linears and all(m.rows.is_contiguous() and torch.equal(m.rows, m.weight) for m in linears)
+    assert copied == sum(m.weight.nbytes for m in linears if not m.weight.is_contiguous()) > 0
+    model.lm_head.weight.data = model.lm_head.weight.data.contiguous()  # row-major: shared
+    assert keep_row_major_copies_(model) == copied - model.lm_head.weight.nbytes
+    assert model.lm_head.rows.data_ptr() == model.lm_head.weight.data_ptr()
+    bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")
+    assert keep_row_major_copies_(bf16) == 0 and all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_one_row_linear_reads_its_rows_only_when_compiled():
+    """A compiled one-row call is the dot product over ``rows``; eager calls and several rows are
+    ``F.linear`` (a ``rows`` that differs from the weight shows which one ran)."""
+    torch.manual_seed(0)
+    linear = Linear(64, 48, bias=True)
+    linear.rows = 2 * linear.weight.detach().contiguous()  # not the weight: tells the paths apart
+    call = torch.compile(linear, dynamic=False, fullgraph=True)
+    one, many = torch.randn(1, 64), torch.randn(3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(call(one), one @ linear.rows.t() + linear.bias)
+        torch.testing.assert_close(call(many), many @ linear.weight.t() + linear.bias)
+        torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
 
 
 @pytest.mark.slow

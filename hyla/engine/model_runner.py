@@ -16,7 +16,10 @@ step sends six ints per request and reads nothing back; it is replayed from CUDA
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant.
 Both variants are compiled at construction on scratch pools (up to minutes on a small CPU), so
 serving never stalls on a compile. Models with MoE layers keep an eager decode (their routing
-reads expert counts on the host). See docs/benchmarks.md ("CPU decode") for what it buys.
+reads expert counts on the host). In the batch-1 graph each fp32 projection is a dot product per
+output row over a row-major copy of its weight (``layers.Linear``; the copy costs the projections'
+memory once more), not MKL's one-row GEMM, which streams the weights at about half the speed.
+See docs/benchmarks.md ("CPU decode") for what it buys.
 
 With ``verify_width=W`` as well (speculative decoding with ``W - 1`` drafts per step; the engine
 passes it with ``compile_decode``), the same compiled function runs verify steps as padded chains
@@ -35,6 +38,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
+from hyla.model.layers import keep_row_major_copies_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -102,6 +106,8 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded)
+            copied = keep_row_major_copies_(model)  # for the batch-1 graph (layers.Linear)
+            logger.info("compile_decode: %.1f MB of row-major weight copies for batch-1 steps", copied / 1e6)
             self._compiled_decode = torch.compile(
                 model.forward_unchecked, dynamic=True,
                 options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})

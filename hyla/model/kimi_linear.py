@@ -60,6 +60,7 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+    Linear,
     RMSNorm,
     Rope,
     WeightSpec,
@@ -100,17 +101,17 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_size = c.linear_chunk_size
         self.eps = c.norm_eps
         h, d = c.hidden_size, self.head_dim
-        self.qkv_proj = nn.Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
+        self.qkv_proj = Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
         self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, c.conv_kernel, dtype=c.dtype))  # [3HD, K]
-        self.f_a_proj = nn.Linear(h, d, bias=False, dtype=c.dtype)
-        self.f_b_proj = nn.Linear(d, self.dim, bias=False, dtype=c.dtype)
+        self.f_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
+        self.f_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.dim, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        self.b_proj = nn.Linear(h, self.num_heads, bias=False, dtype=c.dtype)
-        self.g_a_proj = nn.Linear(h, d, bias=False, dtype=c.dtype)
-        self.g_b_proj = nn.Linear(d, self.dim, bias=False, dtype=c.dtype)
+        self.b_proj = Linear(h, self.num_heads, bias=False, dtype=c.dtype)
+        self.g_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
+        self.g_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
         self.o_norm = nn.Parameter(torch.empty(d, dtype=c.dtype))  # the per-head output RMSNorm weight
-        self.o_proj = nn.Linear(self.dim, h, bias=False, dtype=c.dtype)
+        self.o_proj = Linear(self.dim, h, bias=False, dtype=c.dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
@@ -163,16 +164,16 @@ class LatentAttention(nn.Module):
         q_out = heads * (self.nope + self.rope)
         if c.mla_q_lora_rank:
             self.q_proj = None
-            self.q_a_proj = nn.Linear(h, c.mla_q_lora_rank, bias=bias, dtype=c.dtype)
+            self.q_a_proj = Linear(h, c.mla_q_lora_rank, bias=bias, dtype=c.dtype)
             self.q_a_norm = RMSNorm(c.mla_q_lora_rank, MLA_NORM_EPS, dtype=c.dtype)
-            self.q_b_proj = nn.Linear(c.mla_q_lora_rank, q_out, bias=False, dtype=c.dtype)
+            self.q_b_proj = Linear(c.mla_q_lora_rank, q_out, bias=False, dtype=c.dtype)
         else:
-            self.q_proj = nn.Linear(h, q_out, bias=False, dtype=c.dtype)
+            self.q_proj = Linear(h, q_out, bias=False, dtype=c.dtype)
             self.q_a_proj = self.q_a_norm = self.q_b_proj = None
-        self.kv_a_proj = nn.Linear(h, self.rank + self.rope, bias=bias, dtype=c.dtype)
+        self.kv_a_proj = Linear(h, self.rank + self.rope, bias=bias, dtype=c.dtype)
         self.kv_a_norm = RMSNorm(self.rank, MLA_NORM_EPS, dtype=c.dtype)
-        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
-        self.o_proj = nn.Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
+        self.o_proj = Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads = x.shape[0], self.num_heads

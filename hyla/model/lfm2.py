@@ -29,6 +29,7 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+    Linear,
     Rope,
     WeightSpec,
     _copy_decode_checkpoints,
@@ -59,10 +60,10 @@ class Lfm2ShortConv(nn.Module):
         c = config
         self.state_index = linear_ordinal
         h = c.hidden_size
-        self.in_proj = nn.Linear(h, 3 * h, bias=c.short_conv_bias, dtype=c.dtype)
+        self.in_proj = Linear(h, 3 * h, bias=c.short_conv_bias, dtype=c.dtype)
         self.conv_weight = nn.Parameter(torch.empty(h, c.conv_kernel, dtype=c.dtype))  # [H, K]
         self.conv_bias = nn.Parameter(torch.empty(h, dtype=c.dtype)) if c.short_conv_bias else None
-        self.out_proj = nn.Linear(h, h, bias=c.short_conv_bias, dtype=c.dtype)
+        self.out_proj = Linear(h, h, bias=c.short_conv_bias, dtype=c.dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         b, c, xs = self.in_proj(x).chunk(3, dim=-1)  # [T, H] each

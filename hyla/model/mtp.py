@@ -40,7 +40,7 @@ from torch import nn
 from hyla.cache.layout import CacheLayout
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, WeightSpec, linear_specs, norm_spec
+from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, Linear, WeightSpec, linear_specs, norm_spec
 from hyla.model.layers import relayout_weights_
 from hyla.model.loader import choose_layouts, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
@@ -59,7 +59,7 @@ class MtpHead(nn.Module):
         h = c.hidden_size
         self.pre_fc_norm_embedding = target.new_norm()
         self.pre_fc_norm_hidden = target.new_norm()
-        self.fc = nn.Linear(2 * h, h, bias=False, dtype=c.dtype)
+        self.fc = Linear(2 * h, h, bias=False, dtype=c.dtype)
         self.layer = HybridLayer(mixer=Attention(c, 0), mixer_norm=target.new_norm(),
                                  ffn=target.build_ffn(mtp_ffn_kind(c)), ffn_norm=target.new_norm())
         self.norm = target.new_norm()
