@@ -319,15 +319,15 @@ def main() -> None:
            + (" --before /tmp/cpu-base" if args.before else ""))
     startup = runs["after"].get("compiled", {}).get("startup_s")
     llama_line = "" if args.llama_cpp is None else (
-        "; llama.cpp (the same checkpoint as an fp32 GGUF, `benchmarks/llama_cpp.py`: batch 1 from "
-        f"`llama-bench -d 512 -n {args.new_tokens}`, 8 requests through `llama-server --parallel 8`) "
-        "interleaved with them")
+        "\nllama.cpp: the same checkpoint as an fp32 GGUF (`benchmarks/llama_cpp.py`), batch 1 from\n"
+        f"`llama-bench -d 512 -n {args.new_tokens}`, 8 requests through `llama-server --parallel 8`, "
+        "interleaved with the others.")
     body = f"""`{cmd}` — {machine()}, transformers {transformers.__version__}, {args.threads} thread(s);
 built-in default model (Qwen3-Next, 8 layers: 6 Gated DeltaNet + 2 attention, hidden 256,
 vocab 4096), fp32; medians of {args.repeats} runs, every side interleaved; in parentheses each hyla
-column's ratio to the transformers measured in the same run{llama_line}. Engine rows are wall clock on a shared
+column's ratio to the transformers measured in the same run. Engine rows are wall clock on a shared
 2-core machine (compare ratios, not absolute numbers, across runs; the before column ran first, in
-its own process); forward rows are thread CPU time.
+its own process); forward rows are thread CPU time.{llama_line}
 {"" if startup is None else f"`compile_decode` start-up (engine construction, both graphs compiled): {startup:.0f} s."}
 
 {table(runs, before_rev)}
