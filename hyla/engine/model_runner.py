@@ -38,7 +38,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import Linear, keep_row_major_copies_
+from hyla.model.layers import keep_row_major_copies_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -355,7 +355,7 @@ class ModelRunner:
         equal sizes into one symbol (or into a constant) and compile again when they differ."""
         c = self.model.config
         dev = self.device
-        kv_rows, state_rows = 1009, 23  # room for 19 requests' slots
+        kv_rows, state_rows = 1009, 17
         if self.verify_width is not None:  # room for 13 chains' own slots and checkpoint slots
             state_rows = _prime_above(13 * self.verify_width + 1, avoid={11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53,
                                                                           59, 61, 1009})
@@ -370,11 +370,9 @@ class ModelRunner:
             self._warm_up_batches(k, v, conv, ssm)
 
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
-        """Decode at batch 1, at 13 requests and at 19: the compiled projections read their weights
-        differently up to ``Linear.REDUCE_MAX_ROWS`` rows and past them, two variants of the graph."""
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], list(range(47, 28, -1))):
+        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
@@ -393,19 +391,13 @@ class ModelRunner:
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
         """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled
-        first for one token count, then again generalised over it: dynamo specialises the first),
-        a few requests and 13 of them, each on both sides of ``Linear.REDUCE_MAX_ROWS`` fed tokens
-        where it can be reached; sizes distinct, as for decode."""
+        first for one token count, then again generalised over it: dynamo specialises the first) and
+        larger batches; sizes as distinct primes, as for decode."""
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
-        if w > Linear.REDUCE_MAX_ROWS:
-            one.append([w])
-        few = next(f for f in ([2, 2], [2, 3], [2, 2, 2], [2, 2, 3])  # a few requests, at most 16 tokens
-                   if min(w, 3) >= max(f) and len({len(f), sum(f), w - 1}) == 3)
-        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each (> 16 in all)
-        for prefix, fed in [([37], f) for f in one] + [([59, 53, 43][:len(few)], few)] + [
-                ([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
+        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
+        for prefix, fed in [([37], f) for f in one] + [([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
             b = len(prefix)
             lens = [p + n for p, n in zip(prefix, fed)]
             width = max(lens)

@@ -75,29 +75,22 @@ def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, plus one path for compiled CPU decode steps of a few rows.
+    """``nn.Linear``, plus one path for a compiled CPU decode step at batch 1.
 
-    MKL's GEMM with a few rows streams an fp32 weight at about half the memory bandwidth that a
-    plain dot product per output row reaches (the default model's 25 MB of projections on one
-    core: 1.7 vs 0.9 ms at 1 row, 3.8 vs 2.4 ms at 8; llama.cpp's matmul is such a loop). Inside a
-    ``torch.compile`` graph whose input has at most ``REDUCE_MAX_ROWS`` rows, a ``Linear`` holding
-    ``rows`` (a row-major ``[out, in]`` copy of its weight, :func:`keep_row_major_copies_`) is that
-    dot product, ``(rows[:, None] * x).sum(-1)``: inductor compiles it into one vectorised reduction
-    that reads each weight row once, for every input row while it is in cache. Past 16 rows MKL's
-    blocked GEMM wins (1.1x at 32). Everywhere else (eager, more rows, GPU, no ``rows``) it is
-    ``F.linear``. The sums run in another order: equal within fp32 rounding.
-
-    In a graph dynamic in the row count the test ``rows <= REDUCE_MAX_ROWS`` is a guard: dynamo
-    compiles one variant up to it and one past it (the runner warms up both).
+    MKL's GEMM with one row streams an fp32 weight at about half the memory bandwidth that a plain
+    dot product per output row reaches (25 MB of the default model's projections: ~1.7 vs ~0.9 ms
+    on one core; llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph whose input
+    has exactly one row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its
+    weight, :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which
+    inductor compiles into one vectorised reduction streaming ``rows`` once. Everywhere else (eager,
+    more rows, GPU, no ``rows``) it is ``F.linear``. Sums in another order: within fp32 rounding.
     """
 
-    REDUCE_MAX_ROWS = 16
     rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and torch.compiler.is_compiling() and x.dim() == 2 \
-                and x.shape[0] <= self.REDUCE_MAX_ROWS:
-            y = (self.rows[:, None, :] * x).sum(-1).t()  # [out, 1, in] * [M, in] -> [out, M] -> [M, out]
+        if self.rows is not None and torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1:
+            y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
