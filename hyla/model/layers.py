@@ -89,7 +89,9 @@ class Linear(nn.Linear):
     rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] == 1:
+        # a static one-row shape only: testing a symbolic row count would add a guard to the graph
+        if self.rows is not None and torch.compiler.is_compiling() and x.dim() == 2 and type(x.shape[0]) is int \
+                and x.shape[0] == 1:
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
