@@ -152,7 +152,7 @@ def start_llama_server(args, model_dir: Path):
     """llama.cpp's server on the default model, converted (cached) into ``--llama-cpp``'s models/."""
     from benchmarks import llama_cpp
 
-    gguf = llama_cpp.convert(model_dir, args.llama_cpp, args.llama_cpp / "models" / f"hyla-{model_dir.name}-f32.gguf")
+    gguf = llama_cpp.convert(model_dir, args.llama_cpp, llama_cpp.default_gguf(args.llama_cpp, model_dir))
     return llama_cpp.LlamaServer(args.llama_cpp, gguf, args.threads)
 
 

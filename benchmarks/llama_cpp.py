@@ -56,7 +56,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_DIR = ROOT / "hyla" / "assets" / "default-model"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cpu_decode import fresh  # noqa: E402  (the prompts hyla's side draws)
+from hyla.engine.engine import DEFAULT_MODEL_DIR  # noqa: E402
 
 # Runs llama.cpp's converter with one fallback: an unrecognised BPE pre-tokenizer is taken to be
 # Qwen2's (the default model's split regex is Qwen2's; see the module docstring).
@@ -122,6 +125,11 @@ def repack_as_moe(model_dir: Path, out_dir: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):  # not generation_config.json: no default sampling
         if (model_dir / name).exists():
             shutil.copy(model_dir / name, out_dir / name)
+
+
+def default_gguf(llama_dir: Path, model_dir: Path) -> Path:
+    """Where :func:`convert` puts ``model_dir``'s GGUF unless told otherwise."""
+    return Path(llama_dir) / "models" / f"hyla-{Path(model_dir).name}-f32.gguf"
 
 
 def convert(model_dir: Path, llama_dir: Path, out: Path) -> Path:
@@ -235,11 +243,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def fresh(n: int, rng: random.Random, vocab: int) -> list[int]:
-    """Random prompt token ids, as cpu_decode.py draws them (ids 0-2 are the special tokens)."""
-    return [rng.randrange(3, vocab) for _ in range(n)]
-
-
 def serve_output_tok_s(server: LlamaServer, rng: random.Random, batch: int = 8, prompt: int = 128,
                        new: int = 64) -> float:
     """Output tok/s of ``batch`` concurrent ``prompt`` → ``new`` requests (fresh random prompts):
@@ -269,7 +272,6 @@ def hyla_greedy_tokens(model_dir: Path, prompts: list[list[int]], n: int, thread
     """hyla's (fp32 ``Engine``) ``n`` greedy tokens after each prompt, one request at a time."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from hyla import Engine
 
     torch.set_num_threads(threads)
@@ -315,7 +317,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--check-tokens", type=int, default=128, help="greedy tokens compared with hyla (0: skip)")
     args = ap.parse_args()
-    gguf = args.gguf or args.llama_dir / "models" / f"hyla-{args.model_dir.name}-f32.gguf"
+    gguf = args.gguf or default_gguf(args.llama_dir, args.model_dir)
     gguf = convert(args.model_dir, args.llama_dir, gguf)
     print(f"model: {gguf}")
     rng = random.Random(0)

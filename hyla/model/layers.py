@@ -975,6 +975,12 @@ def mlp_specs(target: str, source: str, bias: bool = False, in_proj: Sequence[st
     ]
 
 
+def _mkl_weight(w: torch.Tensor) -> bool:
+    """An fp32 CPU weight: MKL runs its GEMMs (bf16 goes to oneDNN, GPU weights to cuBLAS), so its
+    layout is chosen for MKL (:func:`relayout_weights_`, :func:`keep_row_major_copies_`)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
 @torch.no_grad()
 def keep_row_major_copies_(module: nn.Module) -> int:
     """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``: the weight itself where it is
@@ -983,7 +989,7 @@ def keep_row_major_copies_(module: nn.Module) -> int:
     Returns the bytes copied."""
     copied = 0
     for m in module.modules():
-        if isinstance(m, Linear) and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32:
+        if isinstance(m, Linear) and _mkl_weight(m.weight):
             m.rows = m.weight.detach().contiguous()
             copied += 0 if m.rows.data_ptr() == m.weight.data_ptr() else m.rows.nbytes
     return copied
@@ -1005,7 +1011,7 @@ def relayout_weights_(module: nn.Module, keep: torch.Tensor | None = None) -> No
         elif isinstance(m, SparseMoE):
             params = [m.w_in, m.w_out]
         for w in params:
-            if w.device.type != "cpu" or w.dtype != torch.float32 or w.data_ptr() == keep_ptr:
+            if not _mkl_weight(w) or w.data_ptr() == keep_ptr:
                 continue
             if w.transpose(-1, -2).is_contiguous():
                 continue
