@@ -272,3 +272,35 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path):
         la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
         assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4  # the project fp32 tolerance (fused kernels reorder sums)
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_decode_graphs_belong_to_their_model(tiny_ckpt_dir, qwen3_next_short_path):
+    """Two compiled engines in one process whose models differ only in a float constant (the RMSNorm
+    eps): each runs its own graphs, equal to its own eager decode. The graphs bake such constants in
+    and leave the modules unguarded, so a graph shared between the two would run the wrong eps."""
+    import json
+
+    from checkpoints import make_qwen3_next
+
+    from hyla import Engine
+
+    config = json.loads((qwen3_next_short_path / "config.json").read_text())
+    other = make_qwen3_next(tiny_ckpt_dir, moe=False, num_hidden_layers=2, rms_norm_eps=0.5,
+                            layer_types=config["layer_types"])
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (9, 21)]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def logprobs(path, **options):
+        with Engine(path, max_total_tokens=1024, max_state_slots=8, **options) as engine:
+            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # batch 2
+            outs.append(engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True))
+        return [[x[0] for x in out["meta_info"]["output_token_logprobs"]] for out in outs]
+
+    first = logprobs(qwen3_next_short_path, compile_decode=True)
+    second = logprobs(other, compile_decode=True)
+    for eager, compiled in ((logprobs(qwen3_next_short_path), first), (logprobs(other), second)):
+        for a, b in zip(eager, compiled):
+            assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4
