@@ -310,10 +310,14 @@ def test_req_to_token_pool_rows_and_slots() -> None:
         table.read(r2, 0, 1)  # freed row
 
 
-def test_req_to_token_write_batch_equals_row_by_row_writes_and_checks_first() -> None:
+@pytest.mark.parametrize("numpy_view", [True, False])
+def test_req_to_token_write_batch_equals_row_by_row_writes_and_checks_first(numpy_view) -> None:
     """A step's allocations in one scatter: the table and its (CPU) mirror end as after one
-    ``write`` per row; a bad row or range writes nothing."""
+    ``write`` per row; a bad row or range writes nothing. Both ways of writing: through the CPU
+    table's numpy view and a device table's ``index_put_`` (forced here on a CPU table)."""
     batched, single = ReqToTokenPool(4, 16), ReqToTokenPool(4, 16)
+    if not numpy_view:
+        batched._host = None
     for table in (batched, single):
         table.add_mirror("cpu")
     rows = [batched.alloc() for _ in range(3)]

@@ -30,6 +30,10 @@ class ReqToTokenPool:
         self.max_context_len = max_context_len
         self.device = torch.device(device)
         self.req_to_token = torch.zeros(max_reqs, max_context_len, dtype=torch.int64, device=self.device)  # [R, L]
+        # on the CPU, writes go through a numpy view of the same memory: a step's few ints cost
+        # ~1 µs there against several torch calls (each dearer still after a forward's weights
+        # have flushed the caches)
+        self._host = self.req_to_token.numpy() if self.device.type == "cpu" else None
         self._rows = FreeList(max_reqs)  # ids 1..max_reqs; row = id - 1
         self.mirror: torch.Tensor | None = None  # [R + 1, L] int32 (see add_mirror); row R = padding
         self._dirty: dict[int, tuple[int, int]] = {}  # row -> [start, end) written since the last sync
@@ -81,17 +85,31 @@ class ReqToTokenPool:
         """:meth:`write` for several rows at once (a step's allocations): row ``rows[i]`` gets the
         next ``lens[i]`` entries of ``kv_indices`` at positions ``starts[i]`` on, in one scatter.
         The rows are distinct; every range is checked before anything is written."""
-        idx = torch.as_tensor(as_index_array(kv_indices))
-        if not len(rows) == len(starts) == len(lens) or idx.numel() != sum(lens):
+        arr = as_index_array(kv_indices)
+        if not len(rows) == len(starts) == len(lens) or arr.size != sum(lens):
             raise ValueError(f"{len(rows)} rows, {len(starts)} starts and {len(lens)} lengths for "
-                             f"{idx.numel()} slots")
+                             f"{arr.size} slots")
         if len(set(rows)) != len(rows):
             raise ValueError(f"write_batch takes each row once, got {list(rows)}")
         for row, start, n in zip(rows, starts, lens):
             self._check_row(row)
             if n < 0 or start < 0 or start + n > self.max_context_len:
                 raise ValueError(f"positions [{start}, {start + n}) exceed max_context_len {self.max_context_len}")
-        if all(n == 1 for n in lens):  # a decode step: one position per row
+        if self._host is not None and all(n == 1 for n in lens):  # a decode step: one position per row
+            self._host[list(rows), list(starts)] = arr
+        elif self._host is not None:
+            first = 0
+            for row, start, n in zip(rows, starts, lens):
+                self._host[row, start:start + n] = arr[first:first + n]
+                first += n
+        else:
+            self._index_put(rows, starts, lens, torch.from_numpy(arr))
+        for row, start, n in zip(rows, starts, lens):
+            self._mark_dirty(row, start, start + n)
+
+    def _index_put(self, rows: Sequence[int], starts: Sequence[int], lens: Sequence[int], idx: torch.Tensor) -> None:
+        """:meth:`write_batch`'s scatter on a device table: one ``index_put_``."""
+        if all(n == 1 for n in lens):
             row_idx, col_idx = torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
         else:
             lens_t = torch.tensor(lens, dtype=torch.long)
@@ -99,8 +117,6 @@ class ReqToTokenPool:
             first = torch.tensor(starts, dtype=torch.long) - (torch.cumsum(lens_t, 0) - lens_t)  # start - offset
             col_idx = torch.arange(idx.numel()) + torch.repeat_interleave(first, lens_t)
         self.req_to_token.index_put_((row_idx.to(self.device), col_idx.to(self.device)), idx.to(self.device))
-        for row, start, n in zip(rows, starts, lens):
-            self._mark_dirty(row, start, start + n)
 
     def _mark_dirty(self, row: int, start: int, end: int) -> None:
         """Record ``[start, end)`` of ``row`` for the next :meth:`sync_mirror` (merged with what the
