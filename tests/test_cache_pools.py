@@ -383,3 +383,27 @@ def test_split_memory_pure_attention_and_errors() -> None:
         split_memory(1 << 20, 0.0, 1024, 10)  # a hybrid needs a state share
     with pytest.raises(ValueError):
         split_memory(1 << 20, -1, 1024, 10)
+
+
+@pytest.mark.parametrize("numpy_view", [True, False])
+def test_req_to_token_table_pads_each_row_past_its_length_with_slot_0(numpy_view) -> None:
+    """``table(rows, lens)``: row ``i`` holds the first ``lens[i]`` slots of request row ``rows[i]``
+    then zeros; ``packed`` the same slots in row order; the request table itself is unchanged."""
+    pool = ReqToTokenPool(4, 16)
+    if not numpy_view:
+        pool._host = None  # a device table's path, on the CPU
+    rows = [pool.alloc() for _ in range(3)]
+    for i, row in enumerate(rows):
+        pool.write(row, 0, torch.arange(100 * (i + 1), 100 * (i + 1) + 10))
+    before = pool.req_to_token.clone()
+    order, lens = [rows[2], rows[0], rows[1]], [4, 7, 2]
+    table, packed = pool.table(order, lens)
+    expected = torch.zeros(3, 7, dtype=torch.long)
+    for i, (row, n) in enumerate(zip(order, lens)):
+        expected[i, :n] = before[row, :n]
+    assert torch.equal(table, expected)
+    assert torch.equal(packed, torch.cat([before[row, :n] for row, n in zip(order, lens)]))
+    table, packed = pool.table(order[:2], [5, 5])  # no padding
+    assert torch.equal(table, torch.stack([before[order[0], :5], before[order[1], :5]]))
+    assert torch.equal(packed, table.view(-1))
+    assert torch.equal(pool.req_to_token, before)

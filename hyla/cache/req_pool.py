@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
@@ -117,6 +118,27 @@ class ReqToTokenPool:
             first = torch.tensor(starts, dtype=torch.long) - (torch.cumsum(lens_t, 0) - lens_t)  # start - offset
             col_idx = torch.arange(idx.numel()) + torch.repeat_interleave(first, lens_t)
         self.req_to_token.index_put_((row_idx.to(self.device), col_idx.to(self.device)), idx.to(self.device))
+
+    def table(self, rows: Sequence[int], lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(table [B, max(lens)], packed [sum(lens)])``: the first ``lens[i]`` slots of row
+        ``rows[i]``, one request per table row padded with slot 0 (past its length a row holds
+        stale slots), and the same slots packed in row order; fresh int64 tensors on the table's
+        device (a decode step's KV table)."""
+        width = max(lens)
+        if self._host is not None:
+            table = self._host[list(rows), :width]  # [B, width], a copy
+            if all(n == width for n in lens):
+                return (t := torch.from_numpy(table)), t.view(-1)
+            past = np.arange(width) >= np.asarray(lens)[:, None]
+            table[past] = 0
+            return torch.from_numpy(table), torch.from_numpy(table[~past])
+        table = self.req_to_token[:, :width].index_select(0, torch.tensor(list(rows), dtype=torch.long,
+                                                                           device=self.device))
+        if all(n == width for n in lens):
+            return table, table.view(-1)
+        past = torch.arange(width, device=self.device) >= torch.tensor(list(lens), device=self.device)[:, None]
+        table.masked_fill_(past, 0)
+        return table, table[~past]
 
     def _mark_dirty(self, row: int, start: int, end: int) -> None:
         """Record ``[start, end)`` of ``row`` for the next :meth:`sync_mirror` (merged with what the

@@ -248,15 +248,7 @@ class ModelRunner:
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
         request table in one gather, padded with slot 0, and the same slots packed."""
-        width = max(seq_lens)
-        table = self.req_to_token.req_to_token[:, :width].index_select(
-            0, torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.long,
-                            device=self.req_to_token.req_to_token.device))
-        if any(n != width for n in seq_lens):  # past its length a row holds stale slots: point them at 0
-            past = torch.arange(width, device=table.device) >= torch.tensor(seq_lens, device=table.device)[:, None]
-            table.masked_fill_(past, 0)
-            return table, table[~past]  # packed, host side
-        return table, table.view(-1)
+        return self.req_to_token.table([r.req_pool_idx for r in reqs], seq_lens)
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
     def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor,
