@@ -19,6 +19,9 @@ serving never stalls on a compile. Models with MoE layers keep an eager decode (
 reads expert counts on the host). In the batch-1 graph each fp32 projection is a dot product per
 output row over a row-major copy of its weight (``layers.Linear``; the copy costs the projections'
 memory once more), not MKL's one-row GEMM, which streams the weights at about half the speed.
+The graphs take the model's float constants as constants and leave its modules unguarded (their
+weights and attributes never change after loading); each runner compiles its own copy of the
+forward's code, so its graphs serve its own model only (``_own_code``).
 See docs/benchmarks.md ("CPU decode") for what it buys.
 
 With ``verify_width=W`` as well (speculative decoding with ``W - 1`` drafts per step; the engine
