@@ -96,15 +96,15 @@ class ReqToTokenPool:
             self._check_row(row)
             if n < 0 or start < 0 or start + n > self.max_context_len:
                 raise ValueError(f"positions [{start}, {start + n}) exceed max_context_len {self.max_context_len}")
-        if self._host is not None and all(n == 1 for n in lens):  # a decode step: one position per row
+        if self._host is None:
+            self._index_put(rows, starts, lens, torch.from_numpy(arr))
+        elif all(n == 1 for n in lens):  # a decode step: one position per row
             self._host[list(rows), list(starts)] = arr
-        elif self._host is not None:
+        else:
             first = 0
             for row, start, n in zip(rows, starts, lens):
                 self._host[row, start:start + n] = arr[first:first + n]
                 first += n
-        else:
-            self._index_put(rows, starts, lens, torch.from_numpy(arr))
         for row, start, n in zip(rows, starts, lens):
             self._mark_dirty(row, start, start + n)
 
