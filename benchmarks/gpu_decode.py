@@ -29,7 +29,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
 ``## GPU decode`` section of docs/benchmarks.md; ``--json PATH`` keeps every raw number
 (``raw_seconds``: per repeat, ``*_decode_B`` = t(1 + N) - t(1), ``*_ttft`` = TTFT, in seconds).
 
-    PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 3] [--batches 1,8,32,64,128]
+    PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 5] [--batches 1,8,32,64,128]
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--json PATH] [--no-write]
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, 4 layers, vocab 2048) to test on CPU")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)  # 3 let one stalled run move a median
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
     ap.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of each decode request")

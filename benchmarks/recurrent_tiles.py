@@ -17,7 +17,7 @@ choice's output is checked against the default's (the same recurrence: equal up 
 order). Prints the table and the best choice per row; writes ``## GPU recurrent kernels: tiles``.
 
 Second table: the extend in chunks (``gated_delta_chunks``, ``mamba2_chunks``: ``CHUNK_TILES`` =
-tokens per chunk, value columns or state rows per program, warps; ``DOT_PRECISION``), one sequence
+tokens per chunk, value columns or state rows per program, warps; ``HALF_DOT_PRECISION``), one sequence
 of 64 to 4,096 tokens, beside the recurrent segments kernel at its default tiles (whose output and
 state each choice is checked against, bf16 tolerance): which is faster from how many tokens on
 (``CHUNKED_MIN_LEN``), and how the cached TTFT's 296-token extend and a 4,096-token prompt would
@@ -139,7 +139,7 @@ def chunk_cases(gdc, gdn, m2c, m2):
 
 def chunk_lines(cases, per_call_us) -> list[str]:
     """The second table (the module docstring): µs per call of the recurrent segments kernel (default
-    tiles) and of each ``(CHUNK_TILES, DOT_PRECISION)`` choice, per layer and sequence length."""
+    tiles) and of each ``(CHUNK_TILES, HALF_DOT_PRECISION)`` choice, per layer and sequence length."""
     names = [f"{bt}x{bv}/{w} {p}" for (bt, bv, w), p in CHUNK_CHOICES]
     head = "| layer | tokens | recurrent | " + " | ".join(names) + " | best |"
     lines = [head, "|---|---|---|" + "---|" * (len(CHUNK_CHOICES) + 1)]
@@ -149,9 +149,9 @@ def chunk_lines(cases, per_call_us) -> list[str]:
         ref = (out.float(), states.clone())
         cells = [f"{per_call_us(recurrent):.1f}"]
         best = None
-        default = (module.CHUNK_TILES, module.DOT_PRECISION)
+        default = (module.CHUNK_TILES, module.HALF_DOT_PRECISION)  # the inputs are bf16
         for tiles, precision in CHUNK_CHOICES:
-            module.CHUNK_TILES, module.DOT_PRECISION = tiles, precision
+            module.CHUNK_TILES, module.HALF_DOT_PRECISION = tiles, precision
             try:
                 states.zero_()
                 chunked()
@@ -164,7 +164,7 @@ def chunk_lines(cases, per_call_us) -> list[str]:
                 cells.append("—")
                 continue
             finally:
-                module.CHUNK_TILES, module.DOT_PRECISION = default
+                module.CHUNK_TILES, module.HALF_DOT_PRECISION = default
             cells.append(f"{us:.1f}")
             if best is None or us < best[0]:
                 best = (us, tiles, precision)
@@ -235,7 +235,7 @@ def main() -> None:
         "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet value columns, "
         "Mamba2 state rows) / warps per program.", "", *lines, "",
         "The extend in chunks (`gated_delta_chunks`, `mamba2_chunks`: `CHUNK_TILES` = tokens per chunk x "
-        "value columns or state rows / warps; `DOT_PRECISION`) beside the recurrent segments kernel (default "
+        "value columns or state rows / warps; `HALF_DOT_PRECISION`, bf16 inputs) beside the recurrent segments kernel (default "
         "tiles), one sequence, µs per call:", "",
         *chunk_lines(chunk_cases(gdc, gdn, m2c, m2), per_call_us)])
     print(body)

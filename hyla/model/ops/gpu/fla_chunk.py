@@ -30,8 +30,10 @@ checkpoints itself as it passes them (:func:`single_pass`), as the decode step's
 Below ~1,000 tokens an fla call is host-bound, and the chunked one costs ~1 ms more of it
 (measured on an H100, one layer's call, wall time: Gated DeltaNet with 16 heads of 128x128, chunked
 ~1.5-1.9 ms at any length up to 2,048 tokens, recurrent 0.4-0.6 ms up to 256 tokens, 0.9 ms at 512,
-1.5 ms at 1,024, 3.7 ms at 2,048; Mamba2 with 64 heads of 64x128 alike), so the bound is 512 (hyla's
-own kernels are not yet timed on a GPU: ``benchmarks/fla_prefill.py`` times them beside fla's); and
+1.5 ms at 1,024, 3.7 ms at 2,048; Mamba2 with 64 heads of 64x128 alike). hyla's own kernels in
+chunks took 0.48 ms at 296 tokens and 1.23 ms at 1,024 (``benchmarks/fla_prefill.py``), so the bound
+is 1,024, where fla's recurrent kernel (for the layers without hyla's) still ties with its chunked
+pipeline; and
 a round of more than ``RECURRENT_MAX_TOKENS`` tokens in all (a large batch of short prompts) is
 device-bound, so it stays chunked (a bound set by reasoning, not yet by a measurement). The
 pool rules are ``varlen.py``'s (fp32 states, ``-1`` slots start from zeros and write nothing, all
@@ -59,9 +61,11 @@ from hyla.model.ops.gpu import mamba2_chunks
 from hyla.model.ops.varlen import VarlenPlan, open_state_rows, write_states
 
 HAS_FLA = importlib.util.find_spec("fla") is not None
-RECURRENT_MAX_LEN = 512  # a round whose segments are all this short runs a recurrent kernel,
+RECURRENT_MAX_LEN = 1024  # a round whose segments are all this short runs a recurrent kernel,
 RECURRENT_MAX_TOKENS = 4096  # unless it has more tokens in all than this: a recurrent kernel runs each
 # segment token by token, so a large batch of them is device-bound, where the chunked pipeline is not
+# (benchmarks/fla_prefill.py on an H100, one 1,024-token sequence: hyla's chunked kernel 1.23 ms a call,
+# fla's recurrent 2.00, fla's chunked pipeline 2.15, most of it host time; at 4,096 fla's chunked wins)
 
 
 def _recurrent(rnd: "FlaRound") -> bool:

@@ -28,7 +28,8 @@ where the recurrence spreads it forward only; other segments are other programs.
 Each program owns one ``(segment, value head, block of Dv columns)``: it recomputes its head's
 ``A`` and the substitution (the head's other column blocks do the same work; no program waits for
 another). The products run on ``tl.dot`` at ``DOT_PRECISION`` (``tf32x3``: fp32 accuracy from
-tensor cores; Triton's interpreter computes them in fp32).
+tensor cores; Triton's interpreter computes them in fp32) for fp32 activations, ``HALF_DOT_PRECISION``
+(``tf32``) for bf16/fp16 ones.
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ from hyla.model.ops.gpu.segment_checkpoints import (
     write_chunk_checkpoints,
 )
 
-# (tokens per chunk, value columns of the state per program, warps): set by reasoning, not measured
-# (benchmarks/recurrent_tiles.py times the alternatives on a GPU). tl.dot needs each at least 16.
+# (tokens per chunk, value columns of the state per program, warps). tl.dot needs each at least 16.
+# benchmarks/recurrent_tiles.py on an H100: 16x32 with 4 warps was the fastest of ten choices from 64 to
+# 4,096 tokens, and tf32 products took 94 µs for 296 tokens where tf32x3 took 208 (16 heads of 128x128).
 CHUNK_TILES = (16, 32, 4)
-DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for the fp32 products ("ieee": exact fp32 FMAs, slower)
+DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for fp32 activations: fp32 accuracy from tensor cores
+HALF_DOT_PRECISION = "tf32"  # for bf16/fp16 ones: 10-bit products, finer than the activations' own
+# 7- or 10-bit mantissas (fla's chunked kernels multiply in bf16); the states stay fp32
 CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many tokens runs in chunks; read each
 # launch. Set by reasoning, not measured: the recurrent kernel pays one token's chain of reductions a
 # token, this one a few products and a 16-row substitution a chunk (benchmarks/fla_prefill.py times both)
@@ -135,7 +139,8 @@ def gated_delta_chunks_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     _gdn_chunks_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
-        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, CKPT=ckpts is not None, PRECISION=DOT_PRECISION,
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, CKPT=ckpts is not None,
+        PRECISION=DOT_PRECISION if qkv.dtype == torch.float32 else HALF_DOT_PRECISION,
         num_warps=warps)
 
 

@@ -49,10 +49,12 @@ from hyla.model.ops.gpu.segment_checkpoints import (
 )
 
 # (value columns of the state per program, warps) of the decode and the segments kernels: a program
-# runs the recurrence on a [Dk, BV] block. Set by reasoning, not measured: benchmarks/recurrent_tiles.py
-# times the alternatives on a GPU. Read at each launch.
+# runs the recurrence on a [Dk, BV] block. Read at each launch. benchmarks/recurrent_tiles.py on an H100
+# (16 heads of 128x128): decode at batch 1 was fastest at 32/4 (4.8 µs; 55.7 vs 61.6 µs at batch 64 with
+# 64/2); the segments kernel, a chain of one token's reductions, at 16 columns and 1 warp (162 vs 260 µs
+# for 296 tokens: a reduction within one warp needs no barrier).
 DECODE_TILES = (32, 4)
-SEGMENT_TILES = (32, 4)
+SEGMENT_TILES = (16, 1)
 FUSE_CONV = True  # the decode step's conv in the recurrence's kernel (gated_delta_conv_decode_fused); read each step
 CONV_WIDTH = 4  # the conv kernel width it supports (Qwen3-Next's and Qwen3.5's)
 

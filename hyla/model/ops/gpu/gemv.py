@@ -1,5 +1,5 @@
 """The last projection of a layer's part and the residual add + RMSNorm after it, in one kernel:
-the fused decode step at a few rows (batch 1 to 8).
+the fused decode step at batch 1 (``MAX_ROWS``; the kernel takes up to 16 rows).
 
 At batch 1 a decode step is a chain of small kernels, and each costs its launch gap besides its
 work. A part of a layer ends ``... -> prologue -> out projection -> residual add + next RMSNorm``:
@@ -28,13 +28,16 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 8  # decode steps of at most this many rows (tokens) run their out projections here
+# Measured on an H100 (benchmarks/out_projection.py, docs/benchmarks.md "GPU decode: out projection"):
+# at one row the constants below make the fused kernel 1.15-1.19x faster than the separate kernels
+# (5.8-7.4 µs a call); at 2-4 rows it was 0.46-0.87x as fast, so only batch-1 steps take it.
+MAX_ROWS = 1  # decode steps of at most this many rows (tokens) run their out projections here
 BLOCK_N = 16  # output columns per program (at least 16 with more than one row: tl.dot's minimum)
-BLOCK_K = 128  # K per step of a program's loop (Gated DeltaNet's prologue: one head)
-MIN_PROGRAMS = 512  # the K split is chosen to give at least this many programs (~4 per SM on an H100: a
+BLOCK_K = 256  # K per step of a program's loop (Gated DeltaNet's prologue: one head, whatever this says)
+MIN_PROGRAMS = 528  # the K split is chosen to give at least this many programs (4 per SM on an H100: a
 # program has two weight tiles in flight at a time, so the SMs need several each to keep HBM busy)
-MAX_SPLIT_K = 8  # the last program reads MAX_SPLIT_K partial rows of N fp32 per row: a serial tail
-NUM_WARPS = 4
+MAX_SPLIT_K = 16  # the last program reads MAX_SPLIT_K partial rows of N fp32 per row: a serial tail
+NUM_WARPS = 2
 
 PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the index
 

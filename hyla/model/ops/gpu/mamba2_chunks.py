@@ -43,10 +43,13 @@ from hyla.model.ops.gpu.segment_checkpoints import (
 if TYPE_CHECKING:  # fla_chunk imports this module
     from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 
-# (tokens per chunk, rows of the state's P per program, warps): set by reasoning, not measured
-# (benchmarks/recurrent_tiles.py). tl.dot needs each at least 16.
-CHUNK_TILES = (16, 32, 4)
-DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for the fp32 products (as gated_delta_chunks')
+# (tokens per chunk, rows of the state's P per program, warps). tl.dot needs each at least 16.
+# benchmarks/recurrent_tiles.py on an H100 (64 heads of 64x128): 16x32 with 8 warps was the fastest
+# from 64 to 4,096 tokens (78.5 µs for 296 tokens, 92.3 with 4 warps). tf32 products missed the
+# bf16 tolerance against the recurrence there, so both dtypes keep tf32x3.
+CHUNK_TILES = (16, 32, 8)
+DOT_PRECISION = "tf32x3"  # tl.dot's input_precision for fp32 activations (as gated_delta_chunks')
+HALF_DOT_PRECISION = "tf32x3"  # and for bf16/fp16 ones
 CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many tokens runs in chunks; read
 # each launch (as gated_delta_chunks.CHUNKED_MIN_LEN; benchmarks/fla_prefill.py times both kernels)
 
@@ -117,7 +120,8 @@ def mamba2_chunks_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
         dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
         float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
         BP=bp, BN=max(16, triton.next_power_of_2(n)), BT=bt, HAS_D=D is not None, HAS_BIAS=dt_bias is not None,
-        CKPT=ckpts is not None, PRECISION=DOT_PRECISION, num_warps=warps)
+        CKPT=ckpts is not None,
+        PRECISION=DOT_PRECISION if x.dtype == torch.float32 else HALF_DOT_PRECISION, num_warps=warps)
 
 
 def segment_kernel(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -32,10 +32,11 @@ from hyla.model.ops.gpu.segment_checkpoints import (
 )
 
 # (rows of the state's P per program, warps) of the decode and the segments kernels: a program runs
-# the recurrence on a [BP, N] block. Set by reasoning, not measured: benchmarks/recurrent_tiles.py
-# times the alternatives on a GPU. Read at each launch.
+# the recurrence on a [BP, N] block. Read at each launch. benchmarks/recurrent_tiles.py on an H100 (64
+# heads of 64x128): decode within noise of the best at 32/4 (batch 1 to 64); the segments kernel at 8
+# rows and 2 warps (115 vs 158 µs for 296 tokens).
 DECODE_TILES = (32, 4)
-SEGMENT_TILES = (32, 4)
+SEGMENT_TILES = (8, 2)
 
 
 @triton.jit
