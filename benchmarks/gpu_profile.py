@@ -17,9 +17,10 @@ For each phase it prints and writes to ``--out`` (one markdown file and, on a GP
 * kernels launched, host->device / device->host copies, and stream or device synchronizations
   (CUDA runtime calls in the trace);
 * the top kernels by total time;
-* the scheduler thread's Python profile (``cProfile`` around ``Scheduler.step``, the thread that
-  runs the model): where host time goes, including waits inside torch calls (a ``.tolist()``
-  that waits for the device shows up as its caller's time).
+* the scheduler thread's Python profile per phase (``cProfile`` around ``Scheduler.step``, the
+  thread that runs the model): where host time goes, including waits inside torch calls (a
+  ``.tolist()`` that waits for the device shows up as its caller's time). ``--batches ""`` profiles
+  the two prefill phases only.
 
 Decode phases are measured as a difference: ``generate`` of ``1 + N`` new tokens is profiled, and
 the per-step figures are divided by N after subtracting a profiled ``generate`` of 1 token (the
@@ -70,18 +71,17 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 class PhaseProfile:
-    """One profiled call: the torch.profiler trace (kernels, runtime calls) and the scheduler
-    thread's cProfile."""
+    """Profiled calls: for each, the torch.profiler trace (kernels, runtime calls) and the
+    scheduler thread's cProfile (``python_top``)."""
 
     def __init__(self, engine, device: str):
         self.engine, self.device = engine, device
-        self.py = cProfile.Profile()
 
     def run(self, fn, trace: Path | None = None) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         sched = self.engine.scheduler
-        step, py = sched.step, self.py
+        step, py = sched.step, cProfile.Profile()
 
         def profiled_step(*a, **k):  # the scheduler thread runs the model: profile it there
             py.enable()
@@ -113,11 +113,13 @@ class PhaseProfile:
         return dict(wall_ms=1e3 * wall, busy_ms=_busy_us(intervals) / 1e3, kernels=sum(kernels.values()),
                     launches=sum(v for k, v in runtime.items() if k.startswith("cudaLaunch")),
                     copies=sum(runtime[k] for k in COPIES), syncs=sum(runtime[k] for k in SYNCS),
-                    top_kernels=[(k, kernels[k], kernel_us[k] / 1e3) for k, _ in kernel_us.most_common(15)])
+                    top_kernels=[(k, kernels[k], kernel_us[k] / 1e3) for k, _ in kernel_us.most_common(15)],
+                    python=py)
 
-    def python_top(self, n: int = 30) -> str:
+    @staticmethod
+    def python_top(py: cProfile.Profile, n: int = 30) -> str:
         out = io.StringIO()
-        stats = pstats.Stats(self.py, stream=out)
+        stats = pstats.Stats(py, stream=out)
         stats.sort_stats("tottime").print_stats(n)
         out.write("\n--- by cumulative time ---\n")
         stats.sort_stats("cumulative").print_stats(n)
@@ -127,7 +129,7 @@ class PhaseProfile:
 def _minus(a: dict, b: dict, n: int) -> dict:
     """Per decode step: ``(a - b) / n`` of the counts and times (``b``: the prefill alone)."""
     keys = ("wall_ms", "busy_ms", "kernels", "launches", "copies", "syncs")
-    return {k: (a[k] - b[k]) / n for k in keys} | {"top_kernels": a["top_kernels"]}
+    return {k: (a[k] - b[k]) / n for k in keys} | {"top_kernels": a["top_kernels"], "python": a["python"]}
 
 
 def main() -> None:
@@ -146,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     dev = args.device
     dtype_name = args.dtype or ("float32" if dev == "cpu" else "bfloat16")
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]  # "": the prefill phases only
     if not 0 < args.cached_tokens < args.prefill_tokens:
         ap.error("--cached-tokens must be in (0, --prefill-tokens)")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -158,8 +160,8 @@ def main() -> None:
     gpu_decode.build(Path(tmp.name), kw, dev, getattr(torch, dtype_name))
     p, n, pt, ct = args.prompt_tokens, args.decode_steps, args.prefill_tokens, args.cached_tokens
     engine = Engine(tmp.name, device=dev, dtype=dtype_name, overlap_schedule=args.overlap_schedule,
-                    max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
-                    max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (pt + 2)) + 4096)
+                    max_running_requests=max(batches, default=1), max_state_slots=2 * max(batches, default=1) + 16,
+                    max_total_tokens=2 * max(max(batches, default=1) * (p + n + 2), 2 * (pt + 2)) + 4096)
     rng = random.Random(0)
     fresh = lambda k: [rng.randrange(3, kw["vocab_size"]) for _ in range(k)]  # noqa: E731
     greedy = gpu_decode.greedy
@@ -205,8 +207,9 @@ def main() -> None:
         if r["top_kernels"]:
             lines += ["", f"## {name}: top kernels (whole call)", "", "| kernel | count | ms |", "|---|---|---|"]
             lines += [f"| `{k}` | {c} | {ms:.3f} |" for k, c, ms in r["top_kernels"]]
-    lines += ["", "## The scheduler thread's Python profile (every phase together)", "", "```",
-              prof.python_top(), "```"]
+    for name, r in rows.items():  # a decode phase's: the whole call of 1 + N tokens (its prefill too)
+        lines += ["", f"## {name}: the scheduler thread's Python profile", "", "```",
+                  PhaseProfile.python_top(r["python"]), "```"]
     (args.out / "profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:len(rows) + 6]))
     print(f"written: {args.out / 'profile.md'}" + ("" if args.no_traces or dev == "cpu" else " and one trace per phase"))
