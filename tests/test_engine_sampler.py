@@ -47,3 +47,27 @@ def test_inverse_cdf_follows_the_distribution_and_skips_zeros():
     u = torch.rand(20000, generator=torch.Generator().manual_seed(1))
     counts = torch.bincount(inverse_cdf(probs.expand(20000, -1), u), minlength=6).float() / 20000
     torch.testing.assert_close(counts, probs[0], atol=0.015, rtol=0)
+
+
+def test_logprobs_only_when_a_request_asks_for_them():
+    """A CPU batch where nobody asked for logprobs draws the same tokens without computing them
+    (NaN); one request asking gives every row its raw logprob (the chosen token's log_softmax)."""
+    from hyla.engine.sampler import sample
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 40, generator=g) * 4
+    logits[0, 7] = 50.0  # a clear argmax in the greedy row
+
+    def batch():  # greedy, random (its own generator, as the engine gives it), greedy with a penalty
+        reqs = [_req(temperature=0.0), _req(temperature=0.8), _req(temperature=0.0, repetition_penalty=1.5)]
+        reqs[1].generator = torch.Generator().manual_seed(1)
+        return reqs
+
+    quiet = sample(logits, batch())
+    assert quiet.token_ids[0] == 7 and all(lp != lp for lp in quiet.logprobs)  # NaN: not computed
+    reqs = batch()
+    reqs[1].return_logprob = True
+    loud = sample(logits, reqs)
+    assert loud.token_ids == quiet.token_ids  # the same draws either way
+    want = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor(loud.token_ids)]
+    torch.testing.assert_close(torch.tensor(loud.logprobs), want)
