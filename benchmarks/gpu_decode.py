@@ -32,6 +32,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
     PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 5] [--batches 1,8,32,64,128]
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
+        [--log-compiles]
         [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
@@ -69,6 +70,24 @@ FULL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_hid
 TINY = dict(FULL, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=LAYER_TYPES,
             num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
             linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+
+
+def log_triton_compiles() -> bool:
+    """From now on, log every Triton kernel compiled (its name and specialization) with the time:
+    a compile inside a timed run is a stall (``--log-compiles``). False if this Triton has no
+    ``triton.knobs.runtime.jit_post_compile_hook``."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    if not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        return False
+
+    def hook(*_, **kw) -> None:  # key: each argument's (type, specialization: 'D' divisible by 16, ...)
+        log(f"Triton compiled {str(kw.get('repr', '?')).partition('[')[0]} {str(kw.get('key', ''))[:400]}")
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return True
 
 
 def log(msg: str) -> None:
@@ -150,6 +169,8 @@ def main() -> None:
                     "this many rows run each out projection in the next norm's kernel (0: the separate kernels)")
     ap.add_argument("--fuse-conv", type=int, choices=(0, 1), default=None, help="set gated_delta_decode.FUSE_CONV: "
                     "the decode step's conv in the Gated DeltaNet kernel (1) or a kernel of its own (0)")
+    ap.add_argument("--log-compiles", action="store_true", help="log each Triton compile with the time (a compile "
+                    "inside a timed repeat is a stall: the repeats' medians have hidden single runs 10x slower)")
     side = ap.add_mutually_exclusive_group()
     side.add_argument("--hyla-only", action="store_true")
     side.add_argument("--hf-only", action="store_true")
@@ -209,6 +230,8 @@ def main() -> None:
             gemv = importlib.import_module("hyla.model.ops.gpu.gemv")
             gemv.MAX_ROWS = args.gemv_max_rows
             log(f"gemv.MAX_ROWS = {gemv.MAX_ROWS}")
+        if args.log_compiles and not log_triton_compiles():
+            log("this Triton has no jit_post_compile_hook: --log-compiles ignored")
         if args.fuse_conv is not None:
             gdn = importlib.import_module("hyla.model.ops.gpu.gated_delta_decode")
             gdn.FUSE_CONV = bool(args.fuse_conv)
