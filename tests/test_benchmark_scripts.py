@@ -1,0 +1,57 @@
+"""The GPU benchmark scripts run end to end in their CPU modes (tiny model, Triton interpreted).
+
+A GPU session has 30 minutes of device time; a script that broke since the last one (an argument
+renamed, an engine option gone) costs a device call to find out. These run each script's CPU
+smoke mode and check what it measured, not the times: the cached TTFT hits exactly the cached
+prefix, the profile has each phase's Python profile, the fused out projection agrees with the
+separate kernels. ``recurrent_tiles.py`` is left out (minutes in the interpreter); ``fla_prefill.py``
+needs fla, which CPU installs lack.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+@pytest.mark.slow
+def test_gpu_decode_runs_on_cpu(tmp_path):
+    report = tmp_path / "gpu_decode.json"
+    _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--batches", "1,2", "--new-tokens", "4",
+         "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--hyla-only", "--no-write",
+         "--log-compiles", "--json", str(report))
+    medians = json.loads(report.read_text())["medians"]
+    assert medians["hyla_cached_hit"] == 48  # the cached TTFT's prompt hit its whole cached prefix
+    assert all(medians[k] > 0 for k in ("hyla_decode_1", "hyla_decode_2", "hyla_ttft", "hyla_cached_ttft"))
+
+
+@pytest.mark.slow
+def test_gpu_profile_runs_on_cpu_for_the_prefill_phases_alone(tmp_path):
+    _run("benchmarks/gpu_profile.py", "--device", "cpu", "--tiny", "--out", str(tmp_path), "--prefill-tokens", "64",
+         "--cached-tokens", "48", "--batches", "", "--no-traces")
+    profile = (tmp_path / "profile.md").read_text()
+    phases = [line.split(":")[0][3:] for line in profile.splitlines() if line.endswith("Python profile")]
+    assert phases == ["prefill_cold", "prefill_cached"]  # one profile each, no decode phase
+    assert "forward_extend" in profile
+
+
+@pytest.mark.slow
+def test_out_projection_runs_on_cpu_and_matches_the_separate_kernels():
+    rows = [line for line in _run("benchmarks/out_projection.py", "--device", "cpu", "--no-write", "--repeats", "1",
+                                  "--rows", "1,2").splitlines() if line.startswith("| ")]
+    assert len(rows) == 6  # 3 projections x 2 row counts
+    assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) <= 0.05 for r in rows)  # max diff, bf16
