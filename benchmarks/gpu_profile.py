@@ -159,9 +159,10 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-profile-")
     gpu_decode.build(Path(tmp.name), kw, dev, getattr(torch, dtype_name))
     p, n, pt, ct = args.prompt_tokens, args.decode_steps, args.prefill_tokens, args.cached_tokens
+    most = max(batches, default=1)
     engine = Engine(tmp.name, device=dev, dtype=dtype_name, overlap_schedule=args.overlap_schedule,
-                    max_running_requests=max(batches, default=1), max_state_slots=2 * max(batches, default=1) + 16,
-                    max_total_tokens=2 * max(max(batches, default=1) * (p + n + 2), 2 * (pt + 2)) + 4096)
+                    max_running_requests=most, max_state_slots=2 * most + 16,
+                    max_total_tokens=2 * max(most * (p + n + 2), 2 * (pt + 2)) + 4096)
     rng = random.Random(0)
     fresh = lambda k: [rng.randrange(3, kw["vocab_size"]) for _ in range(k)]  # noqa: E731
     greedy = gpu_decode.greedy

@@ -51,12 +51,12 @@ class Drawn:
     rows: torch.Tensor | None  # None with lse: no logprobs (no request of the batch asked for them)
     lse: torch.Tensor | None
     reqs: list[Req]
-    host: tuple = ()  # chosen, their logprobs, per row (top values, top ids) or None: host tensors
+    host: tuple = ()  # chosen, their logprobs (None: not computed), per row (top values, top ids) or None
     ready: object = None  # a CUDA event recorded after the copies (None: on the host already)
 
     def __post_init__(self) -> None:
         if self.rows is None:  # (CPU only) nobody reads them: NaN logprobs, no top logprobs
-            self.host = (self.chosen, torch.full(self.chosen.shape, float("nan")), [None] * len(self.reqs))
+            self.host = (self.chosen, None, [None] * len(self.reqs))
             return
         lps = raw_logprobs(self.rows, self.lse, self.chosen)
         tops = [raw_top_logprobs(self.rows[i], self.lse[i], k) if (k := num_top_logprobs(r)) else None
@@ -75,7 +75,9 @@ class Drawn:
         if self.ready is not None:
             self.ready.synchronize()
         chosen, lps, tops = self.host
-        return SampleOutput(chosen.tolist(), lps.tolist(), [[] if t is None else _pairs(*t) for t in tops])
+        ids = chosen.tolist()
+        return SampleOutput(ids, lps.tolist() if lps is not None else [float("nan")] * len(ids),
+                            [[] if t is None else _pairs(*t) for t in tops])
 
 
 def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
