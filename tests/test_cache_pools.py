@@ -8,6 +8,7 @@ import torch
 
 from hyla.cache import CacheLayout, KVPool, PoolExhaustedError, ReqToTokenPool, StatePool, split_memory
 from hyla.cache.allocator import FreeList
+from hyla.cache.state_pool import ROW_OPS_MAX_SLOTS
 
 
 def kv_pool(num_tokens: int = 64, page_size: int = 1, accounting: bool = False) -> KVPool:
@@ -185,6 +186,43 @@ def test_state_pool_copy_and_fork_are_batched_deep_copies() -> None:
     with pytest.raises(ValueError, match="distinct"):
         pool.copy([a, b], [c, c])
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("n", [1, 3, ROW_OPS_MAX_SLOTS, ROW_OPS_MAX_SLOTS + 1, 2 * ROW_OPS_MAX_SLOTS + 1])
+def test_state_pool_copy_and_alloc_agree_on_both_paths(n: int) -> None:
+    """``copy`` and ``alloc``'s zeroing run as per-dtype foreach ops over row views up to
+    ``ROW_OPS_MAX_SLOTS`` slots and as one indexed op per buffer past it: both move every buffer of
+    every slot (bf16 conv windows, fp32 states, the MTP hidden vector, a companion's buffers of
+    other shapes), each slot its own values, and touch no other row."""
+    draft = CacheLayout(num_linear_layers=1, conv_shape=(5, 2), conv_dtype=torch.float16, ssm_shape=(3, 2, 2),
+                        ssm_dtype=torch.float32)
+    pool = StatePool(3 * n + 1, num_layers=2, conv_shape=(6, 3), conv_dtype=torch.bfloat16, ssm_shape=(2, 4, 4),
+                     hidden_size=8, companion=draft)
+    bufs = [*pool.conv_states, *pool.ssm_states, pool.hidden_states]
+    assert len(bufs) == 7 and {b.dtype for b in bufs} == {torch.bfloat16, torch.float16, torch.float32}
+    src, dst = pool.alloc(n).tolist(), pool.alloc(n).tolist()
+    (bystander,) = pool.alloc(1).tolist()
+    for k, buf in enumerate(bufs):
+        buf.copy_(torch.arange(buf.numel(), dtype=torch.float32).view(buf.shape) % 61 + 100 * k)  # every row differs
+    before = [buf.clone() for buf in bufs]
+    pool.copy(src, dst)
+    for buf, old in zip(bufs, before):
+        assert torch.equal(buf[dst], old[src])  # pair by pair, every buffer
+        keep = [r for r in range(buf.shape[0]) if r not in dst]
+        assert torch.equal(buf[keep], old[keep])  # no other row written
+    forked = pool.fork(src[:1]).tolist()
+    assert all(torch.equal(buf[forked[0]], buf[src[0]]) for buf in bufs)
+    pool.free(src)
+    again = pool.alloc(n).tolist()
+    assert sorted(again) == sorted(src)
+    for buf, old in zip(bufs, before):
+        assert buf[again].abs().sum() == 0  # zeroed ...
+        assert torch.equal(buf[dst], old[src]) and torch.equal(buf[bystander], old[bystander])  # ... alone
+    kept = [buf[dst].clone() for buf in bufs]
+    pool.free(dst)
+    raw = pool.alloc(n, zero=False).tolist()
+    assert sorted(raw) == sorted(dst)
+    assert all(torch.equal(buf[dst], k) for buf, k in zip(bufs, kept))  # ... unless the caller overwrites them
 
 
 def test_state_pool_accounting_mode() -> None:

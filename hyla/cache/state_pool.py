@@ -30,6 +30,11 @@ from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_ind
 from hyla.cache.layout import CacheLayout
 from hyla.cache.transfer import to_device
 
+# up to this many slots, ``alloc`` zeroes and ``copy`` copies them as row views, one foreach op
+# per dtype (on CUDA one multi-tensor kernel: 2 launches instead of 1-2 per layer buffer, ~72 for
+# an 18-layer model, in every prefix hit's restore); past it, one indexed op per buffer
+ROW_OPS_MAX_SLOTS = 8
+
 
 class StatePool:
     """Recurrent-state slots ``1..num_slots`` for ``num_layers`` linear layers."""
@@ -86,6 +91,9 @@ class StatePool:
         # the buffers that hold something (a conv-only model's SSM buffers hold no element)
         extra = [self.hidden_states] if self.hidden_states is not None else []
         self._filled = [b for b in (*self.conv_states, *self.ssm_states, *extra) if b.numel()]
+        # the same buffers grouped by dtype: a few slots are copied or zeroed as one foreach op per
+        # group over their rows (one multi-tensor kernel on CUDA), not one or two ops per buffer
+        self._by_dtype = [[b for b in self._filled if b.dtype == dt] for dt in dict.fromkeys(b.dtype for b in self._filled)]
 
     @classmethod
     def from_layout(
@@ -109,13 +117,21 @@ class StatePool:
     def can_alloc(self, n: int) -> bool:
         return n <= self._slots.num_free()
 
-    def alloc(self, n: int) -> torch.Tensor:
-        """``n`` fresh slots, zeroed (a new sequence starts from the zero state). ``[n]`` int64."""
-        slots = torch.from_numpy(self._slots.alloc(n))
-        if n and self._filled:
-            idx = to_device(slots, torch.long, self.device)
-            for buf in self._filled:
-                buf.index_fill_(0, idx, 0)
+    def alloc(self, n: int, zero: bool = True) -> torch.Tensor:
+        """``n`` fresh slots, zeroed (a new sequence starts from the zero state); ``zero=False``:
+        left as they are, for a caller that overwrites them right away (``copy`` into them).
+        ``[n]`` int64."""
+        array = self._slots.alloc(n)
+        slots = torch.from_numpy(array)
+        if n and zero and self._filled:
+            if n <= ROW_OPS_MAX_SLOTS:
+                rows = array.tolist()
+                for bufs in self._by_dtype:
+                    torch._foreach_zero_([buf[r] for r in rows for buf in bufs])
+            else:
+                idx = to_device(slots, torch.long, self.device)
+                for buf in self._filled:
+                    buf.index_fill_(0, idx, 0)
         return slots
 
     def free(self, slots: IndexLike) -> None:
@@ -133,6 +149,11 @@ class StatePool:
             raise ValueError("copy destinations must be distinct and disjoint from the sources")
         if s.size == 0 or self.accounting:
             return
+        if s.size <= ROW_OPS_MAX_SLOTS:  # a prefix hit's restore, a fork: row views, one op per dtype
+            pairs = list(zip(s.tolist(), d.tolist()))
+            for bufs in self._by_dtype:
+                torch._foreach_copy_([buf[j] for _, j in pairs for buf in bufs], [buf[i] for i, _ in pairs for buf in bufs])
+            return
         si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
         for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
@@ -142,7 +163,7 @@ class StatePool:
         src = as_index_array(slots)
         if not self._slots.is_allocated(src):
             raise ValueError("fork of a slot that is not allocated")
-        new = torch.from_numpy(self._slots.alloc(src.size))  # no zeroing: overwritten right away
+        new = self.alloc(src.size, zero=False)  # overwritten right away
         self.copy(src, new)
         return new
 

@@ -160,7 +160,7 @@ class CacheManager:
         )
         if ok:
             req.req_pool_idx = self.req_to_token.alloc()
-            (req.state_slot,) = self.state_pool.alloc(1).tolist()
+            (req.state_slot,) = self.state_pool.alloc(1, zero=not prefix_len).tolist()  # a hit copies into it
             if prefix_len:
                 self.req_to_token.write(req.req_pool_idx, 0, hit.kv_indices)
                 self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
