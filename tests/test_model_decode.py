@@ -136,8 +136,13 @@ def test_batch_is_validated_when_built(qwen3_next_dense_path):
     def build(**changes):
         return ForwardBatch(**{**fields, **changes})
 
-    assert good.seq_lens == [4, 3] and good.kv_table.shape == (2, 4) and good.kv_rows.shape == (2, 2, 4)
-    assert good.kv_mask.tolist() == [[0, 0, 0, 0], [0, 0, 0, float("-inf")]]
+    rows, mask = good.decode_kv_layout()
+    assert good.seq_lens == [4, 3] and good.kv_table.shape == (2, 4) and rows.shape == (2, 2, 4)
+    assert torch.equal(rows, good.kv_table[:, None] * 2 + torch.arange(2)[:, None])  # head-major rows
+    assert mask.tolist() == [[0, 0, 0, 0], [0, 0, 0, float("-inf")]]
+    assert good.decode_kv_layout()[0] is rows  # made once, for every attention layer
+    on_device = build(kv_lens=torch.tensor([4, 3]))  # the mask from the lengths on the device: the same
+    assert torch.equal(on_device.decode_kv_layout()[1], mask)
     assert good.max_token_id == 7 and good.slot_plan.first == 1
     with pytest.raises(ValueError, match="repeats"):
         build(state_slots=torch.tensor([1, 1]), state_slot_list=None)

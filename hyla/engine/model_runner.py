@@ -384,6 +384,7 @@ class ModelRunner:
                 kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k, v_buffers=v,
                 state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
+                kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
             )
             self._run_decode(batch)
         if self.verify_width is not None:

@@ -154,10 +154,8 @@ class ForwardBatch:
     sequences) with linear layers: its lengths, slots and checkpoints validated once, so the
     recurrent layers' ops read nothing back from the device."""
     kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
-    """Decode: ``[B, max(seq_lens)]`` additive fp32 mask (-inf on padding); None at batch size 1."""
     kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
-    """Decode: ``[B, Hkv, max(seq_lens)]`` rows of ``k_buffer.view(-1, D)``, head-major (shared by every
-    attention layer: one gather of indices per step)."""
+    """Decode: what :meth:`decode_kv_layout` returns, once it has been asked for (eager)."""
     decode_ckpt_src: torch.Tensor | None = field(init=False, repr=False, default=None)
     decode_ckpt_dst: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode checkpoints (each is the sequence's final state): copy state rows ``src`` to ``dst``."""
@@ -273,9 +271,33 @@ class ForwardBatch:
         elif tuple(self.kv_table.shape) != (self.batch_size, max(self.seq_lens)):
             raise ValueError(f"kv_table must be [{self.batch_size}, {max(self.seq_lens)}], "
                              f"got {list(self.kv_table.shape)}")
-        if self.batch_size > 1:  # always a tensor then (even all zeros): one compiled graph for every B > 1
-            self.kv_mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True, lens=self.kv_lens)
-        self.kv_rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
+        if self.kv_lens is not None and tuple(self.kv_lens.shape) != (self.batch_size,):
+            raise ValueError(f"kv_lens must be [{self.batch_size}], got {list(self.kv_lens.shape)}")
+
+    def decode_kv_layout(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode: what every attention layer reads, ``(kv_rows [B, Hkv, L], kv_mask [B, L] or
+        None)`` with ``L = max(seq_lens)``: the rows of ``k_buffer.view(-1, D)`` of each sequence's
+        slots, head-major (one gather yields the keys laid out ``[B, Hkv, L, D]``), and the additive
+        fp32 mask, -inf past each sequence's length (None at batch size 1; at any larger size a
+        tensor, even all zeros, so that one compiled graph serves every ``B > 1``).
+
+        Made on first use and kept, so an eager step makes them once for all its attention layers.
+        Inside a compiled decode graph they are traced, not kept: a few index ops that fuse into
+        the gathers, and none of them is paid when the batch is built (from ``kv_lens``, then)."""
+        if self.kv_rows is not None:
+            return self.kv_rows, self.kv_mask
+        rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
+        mask = None
+        if rows.shape[0] > 1:  # a shape, not len(extend_lens): symbolic when traced (one graph for every B > 1)
+            if self.kv_lens is not None:  # on the device already: the width is the table's (symbolic when traced)
+                width = self.kv_table.shape[1]
+                past = torch.arange(width, device=self.kv_table.device) >= self.kv_lens[:, None]
+                mask = torch.zeros(past.shape, device=self.kv_table.device).masked_fill_(past, float("-inf"))
+            else:
+                mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True)
+        if not torch.compiler.is_compiling():
+            self.kv_rows, self.kv_mask = rows, mask
+        return rows, mask
 
     def _check_chains(self) -> None:
         """A verify step of padded chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``);

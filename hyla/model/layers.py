@@ -306,8 +306,9 @@ class Attention(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
         v = v.view(t, hkv, d)  # [T, Hkv, D]
         if batch.is_decode:
-            o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, batch.kv_mask,
-                                       self.scaling, kv_rows=batch.kv_rows)  # [B, Hq, D]
+            rows, mask = batch.decode_kv_layout()
+            o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, mask, self.scaling,
+                                       kv_rows=rows)  # [B, Hq, D]
         elif batch.short_extend is not None:  # a verify step: one batched attention
             o = paged_attention_short_extend(q, k, v, kb, vb, batch.out_cache_loc, batch.short_extend,
                                              self.scaling)  # [T, Hq, D]
