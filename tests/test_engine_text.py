@@ -57,6 +57,36 @@ def test_stop_string_cuts_text_before_the_match(engine, stream):
     assert reason == {"type": "stop", "matched": stop}
 
 
+def _texts(engine, prompts, params):
+    """Each prompt's text without streaming (detokenized once, when the request ends) and
+    streamed (detokenized token by token), and the non-streamed outputs."""
+    outs = engine.generate(prompts, params)
+    streamed = ["".join(c["text"] for c in engine.generate(p, params, stream=True)) for p in prompts]
+    return [o["text"] for o in outs], streamed, outs
+
+
+def test_text_at_the_end_equals_text_token_by_token(engine):
+    """A request that neither streams nor has stop strings is detokenized once, when it ends: the
+    same text as token by token, also when a stop token (a plain one here, from ``stop_token_ids``)
+    ends it (its text left out), and when an unfinished multi-byte character is held back."""
+    prompts = ["Once upon a time", "The weather today", "Numbers: 1 2 3", "\u00e9t\u00e9 \u4e2d\u6587"]
+    params = {**PARAMS, "max_new_tokens": 40}
+    deferred, streamed, outs = _texts(engine, prompts, params)
+    assert deferred == streamed
+    assert [o["text"] for o in outs] == [engine.tokenizer.decode(o["output_ids"]) for o in outs]
+    # a stop token picked from inside each greedy output: the outputs end there, its text left out
+    stops = [o["output_ids"][5] for o in outs]
+    for p, tok, full in zip(prompts, stops, outs):
+        params = {**PARAMS, "max_new_tokens": 40, "stop_token_ids": [tok]}
+        (deferred,), (streamed,), (out,) = _texts(engine, [p], params)
+        cut = full["output_ids"].index(tok)
+        assert out["output_ids"] == full["output_ids"][:cut + 1]
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+        assert deferred == streamed == engine.tokenizer.decode(full["output_ids"][:cut])
+    # some outputs of the random model hold bytes of unfinished characters: the case is exercised
+    assert any("\ufffd" in engine.tokenizer.decode(o["output_ids"][:k]) for o in outs for k in range(1, 40))
+
+
 def test_tokenizer_is_loaded_from_the_model_dir(engine):
     assert isinstance(engine.tokenizer, Tokenizer)
     assert engine.tokenizer.eos_token_ids
