@@ -4,7 +4,9 @@ A GPU session has 30 minutes of device time; a script that broke since the last 
 renamed, an engine option gone) costs a device call to find out. These run each script's CPU
 smoke mode and check what it measured, not the times: the cached TTFT hits exactly the cached
 prefix, the profile has each phase's Python profile, the fused out projection agrees with the
-separate kernels. ``recurrent_tiles.py`` is left out (minutes in the interpreter); ``fla_prefill.py``
+separate kernels. Two CPU scripts are run the same way: ``state_ops.py`` (both paths of the state
+pool's slot operations) and ``cpu_ab.py`` (its two worker processes, here one checkout against
+itself). ``recurrent_tiles.py`` is left out (minutes in the interpreter); ``fla_prefill.py``
 needs fla, which CPU installs lack.
 """
 
@@ -55,3 +57,18 @@ def test_out_projection_runs_on_cpu_and_matches_the_separate_kernels():
                                   "--rows", "1,2").splitlines() if line.startswith("| ")]
     assert len(rows) == 6  # 3 projections x 2 row counts
     assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) <= 0.05 for r in rows)  # max diff, bf16
+
+
+@pytest.mark.slow
+def test_state_ops_times_both_paths():
+    rows = [line for line in _run("benchmarks/state_ops.py", "--device", "cpu", "--no-write", "--repeats", "1",
+                                  "--calls", "2").splitlines() if line.startswith("| ") and "µs" not in line]
+    assert len(rows) == 8  # 2 layouts x 4 operations
+    assert all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)  # the speed-up column
+
+
+@pytest.mark.slow
+def test_cpu_ab_runs_both_workers_in_turn():
+    out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--rounds", "1")
+    lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:"))}
+    assert set(lines) == {"b1", "b8"} and all("1 rounds" in line for line in lines.values())

@@ -1,0 +1,115 @@
+"""Interleaved A/B of two checkouts on CPU: the engine's decode speed, before vs after a change.
+
+``cpu_decode.py --before DIR`` measures the other checkout in its own process first, minutes apart;
+on this shared machine that moved the same checkout between 246 and 396 tok/s in two runs. Here
+each checkout runs in a worker process of its own (its ``hyla`` on ``sys.path``; the built-in
+default model, fp32, 1 thread, ``compile_decode`` unless ``--eager``), both started before any
+timing, and the driver asks them in turn, round by round (the order alternating), for one
+measurement each:
+
+* ``b1``: decode tok/s of one request after a 512-token prompt, ``N / (t(1 + N) - t(1))``, as
+  cpu_decode.py's batch-1 row;
+* ``b8``: output tok/s of 8 concurrent 128 → 64 requests, as cpu_decode.py's 8-request row.
+
+Prints each side's runs and the per-round ratio after / before with its median (round 0 is a
+warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratios.
+
+    git worktree add /tmp/cpu-base <rev>
+    .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = ("b1", "b8")
+
+
+def worker(root: Path, compiled: bool) -> None:
+    """Serve measurements over stdin/stdout for the checkout at ``root``."""
+    sys.path.insert(0, str(root))
+    import torch
+
+    from hyla import Engine
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+
+    torch.set_num_threads(1)
+    engine = Engine(DEFAULT_MODEL_DIR, dtype="float32", compile_decode=compiled, max_total_tokens=32768,
+                    max_state_slots=64)
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    def timed(**kwargs) -> float:
+        t = time.perf_counter()
+        engine.generate(**kwargs)
+        return time.perf_counter() - t
+
+    greedy = lambda m: {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}  # noqa: E731
+    print("READY", flush=True)
+    for line in sys.stdin:
+        what = line.strip()
+        if what == "b1":
+            short = timed(input_ids=fresh(512), sampling_params=greedy(1))
+            value = 128 / (timed(input_ids=fresh(512), sampling_params=greedy(129)) - short)
+        elif what == "b8":
+            value = 512 / timed(input_ids=[fresh(128) for _ in range(8)], sampling_params=greedy(64))
+        else:
+            break
+        print(json.dumps(value), flush=True)
+    engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before", type=Path, help="the checkout to compare against (e.g. a git worktree)")
+    ap.add_argument("after", type=Path, help="the checkout with the change")
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--eager", action="store_true", help="eager decode on both sides (default: compile_decode)")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker is not None:
+        return worker(args.worker, not args.eager)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else [])
+    sides = {name: subprocess.Popen(cmd + ["--worker", str(root.resolve())], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+             for name, root in (("before", args.before), ("after", args.after))}
+    for p in sides.values():
+        while (line := p.stdout.readline()) and line.strip() != "READY":
+            pass
+        if not line:
+            raise SystemExit("a worker failed to start (run it alone: --worker ROOT)")
+    runs = {(name, w): [] for name in sides for w in WORKLOADS}
+    for r in range(args.rounds + 1):
+        for w in WORKLOADS:
+            for name in (list(sides) if r % 2 else list(sides)[::-1]):
+                sides[name].stdin.write(w + "\n")
+                sides[name].stdin.flush()
+                value = json.loads(sides[name].stdout.readline())
+                if r:
+                    runs[(name, w)].append(value)
+    for p in sides.values():
+        p.stdin.write("quit\n")
+        p.stdin.flush()
+        p.wait()
+    for w in WORKLOADS:
+        a, b = runs[("before", w)], runs[("after", w)]
+        ratios = [y / x for x, y in zip(a, b)]
+        print(f"{w}: before {statistics.median(a):.0f} tok/s, after {statistics.median(b):.0f} tok/s; "
+              f"after / before per round: median {statistics.median(ratios):.3f} "
+              f"(range {min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)} rounds)")
+
+
+if __name__ == "__main__":
+    main()
