@@ -1,0 +1,60 @@
+#!/bin/bash
+# The GPU checks and measurements of issue 10, in stages, for a session with a CUDA machine:
+#
+#   scripts/gpu_session.sh [--wheels DIR] [--out DIR] STAGE...
+#
+# Stages (each bounded by a timeout, its log in --out):
+#   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
+#            decode against eager, the cache differential under pressure (~50-120 s)
+#   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
+#            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
+#   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
+#   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants
+#   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
+#   kernels  benchmarks/recurrent_tiles.py and fla_prefill.py: the recurrent kernels' tiles, and
+#            hyla's chunked kernels against fla's per length
+#
+# --wheels DIR: pip-install the wheels there first (into /tmp/site, no index, no dependencies), for a
+# machine that cannot reach PyPI: fla-core (the Triton GDN kernels; the GPU extra) and llguidance.
+# Fetch them on a machine that can, for the GPU machine's Python (3.12 here):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d DIR fla-core==0.6.0 llguidance
+# The machine's own torch is used: never reinstall it. Benchmarks that write docs/benchmarks.md write
+# it in this checkout; --out gets a copy.
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-session}
+if [ "${1:-}" = "--wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$2"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    shift 2
+fi
+if [ "${1:-}" = "--out" ]; then out=$2; shift 2; fi
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+stage() { echo; echo "=== $(date +%T) $*"; }
+stage env
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import fla; print('fla', fla.__version__)" || echo "fla missing: transformers' side and fla_prefill.py run without it"
+workers=$(( $(nproc) < 16 ? $(nproc) : 16 ))
+for s in "$@"; do
+    stage "$s"
+    case $s in
+        tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fused_decode.py \
+                   tests/test_engine_overlap.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
+        decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \
+                    --log-compiles --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
+        profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
+                     | tee "$out/profile.log" | tail -60 ;;
+        outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
+                     | tee "$out/outproj.log" | tail -40 ;;
+        state) timeout 60 python3 benchmarks/state_ops.py --device cuda 2>&1 | tee "$out/state.log" ;;
+        kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
+                 timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
+                     | tee "$out/fla_prefill.log" | tail -20 ;;
+        *) echo "unknown stage $s (tests decode profile outproj state kernels)"; exit 2 ;;
+    esac
+done
+cp docs/benchmarks.md "$out/benchmarks.md"
+stage done
