@@ -43,7 +43,13 @@ from typing import Sequence
 
 import torch
 
-from hyla.model.ops.attention import ShortExtendLayout, decode_kv_mask, decode_kv_rows, decode_kv_table
+from hyla.model.ops.attention import (
+    ShortExtendLayout,
+    decode_kv_mask,
+    decode_kv_rows,
+    decode_kv_table,
+    padding_mask,
+)
 from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
 from hyla.model.ops.varlen import (
     Checkpoints,
@@ -290,9 +296,7 @@ class ForwardBatch:
         mask = None
         if rows.shape[0] > 1:  # a shape, not len(extend_lens): symbolic when traced (one graph for every B > 1)
             if self.kv_lens is not None:  # on the device already: the width is the table's (symbolic when traced)
-                width = self.kv_table.shape[1]
-                past = torch.arange(width, device=self.kv_table.device) >= self.kv_lens[:, None]
-                mask = torch.zeros(past.shape, device=self.kv_table.device).masked_fill_(past, float("-inf"))
+                mask = padding_mask(self.kv_lens, self.kv_table.shape[1])
             else:
                 mask = decode_kv_mask(self.seq_lens, self.kv_table.device, always=True)
         if not torch.compiler.is_compiling():

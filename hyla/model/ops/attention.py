@@ -187,10 +187,17 @@ def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: 
     max_len = max(seq_lens)
     if not always and all(n == max_len for n in seq_lens):
         return None
-    offsets = torch.arange(max_len, device=device)
     if lens is None:
         lens = torch.tensor(list(seq_lens), dtype=torch.long, device=device)
-    return torch.zeros(len(seq_lens), max_len, device=device).masked_fill_(offsets >= lens[:, None], float("-inf"))
+    return padding_mask(lens, max_len)
+
+
+def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, width]`` additive fp32 mask from the lengths ``lens [B]`` (on their device): 0 where a
+    key is real, ``-inf`` at offsets ``>= lens[b]``. Reads nothing back (traceable: ``width`` may be
+    a symbolic size)."""
+    past = torch.arange(width, device=lens.device) >= lens[:, None]  # [B, width]
+    return torch.zeros(past.shape, device=lens.device).masked_fill_(past, float("-inf"))
 
 
 def decode_kv_rows(kv_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
