@@ -15,7 +15,7 @@ Prints each side's runs and the per-round ratio after / before with its median (
 warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratios.
 
     git worktree add /tmp/cpu-base <rev>
-    .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager]
+    .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager] [--small]
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from pathlib import Path
 WORKLOADS = ("b1", "b8")
 
 
-def worker(root: Path, compiled: bool) -> None:
-    """Serve measurements over stdin/stdout for the checkout at ``root``."""
+def worker(root: Path, compiled: bool, small: bool = False) -> None:
+    """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
+    workloads, a tenth of the tokens)."""
     sys.path.insert(0, str(root))
     import torch
 
@@ -56,14 +57,16 @@ def worker(root: Path, compiled: bool) -> None:
         return time.perf_counter() - t
 
     greedy = lambda m: {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}  # noqa: E731
+    scale = 10 if small else 1
+    prompt_1, new_1, prompt_8, new_8 = 512 // scale, 128 // scale, 128 // scale, 64 // scale
     print("READY", flush=True)
     for line in sys.stdin:
         what = line.strip()
         if what == "b1":
-            short = timed(input_ids=fresh(512), sampling_params=greedy(1))
-            value = 128 / (timed(input_ids=fresh(512), sampling_params=greedy(129)) - short)
+            short = timed(input_ids=fresh(prompt_1), sampling_params=greedy(1))
+            value = new_1 / (timed(input_ids=fresh(prompt_1), sampling_params=greedy(1 + new_1)) - short)
         elif what == "b8":
-            value = 512 / timed(input_ids=[fresh(128) for _ in range(8)], sampling_params=greedy(64))
+            value = 8 * new_8 / timed(input_ids=[fresh(prompt_8) for _ in range(8)], sampling_params=greedy(new_8))
         else:
             break
         print(json.dumps(value), flush=True)
@@ -76,12 +79,14 @@ def main() -> None:
     ap.add_argument("after", type=Path, help="the checkout with the change")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--eager", action="store_true", help="eager decode on both sides (default: compile_decode)")
+    ap.add_argument("--small", action="store_true", help="a smoke run: a tenth of the tokens (numbers meaningless)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker, not args.eager)
+        return worker(args.worker, not args.eager, args.small)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else [])
+    cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else []) \
+        + (["--small"] if args.small else [])
     sides = {name: subprocess.Popen(cmd + ["--worker", str(root.resolve())], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
              for name, root in (("before", args.before), ("after", args.after))}

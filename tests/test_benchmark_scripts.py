@@ -69,6 +69,6 @@ def test_state_ops_times_both_paths():
 
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
-    out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--rounds", "1")
+    out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1")
     lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:"))}
     assert set(lines) == {"b1", "b8"} and all("1 rounds" in line for line in lines.values())
