@@ -173,27 +173,29 @@ class OutputProcessor:
     def _catch_up_text(self, req: Req, stop_token: bool = False) -> None:
         """Detokenize the output ids not in ``req.text`` yet (a request whose text waits for its
         end); ``stop_token``: the last one ended the request, and its text is not output."""
-        if self.make_detokenizer is None or not req.output_ids:
+        detokenizer = self._detokenizer(req) if req.output_ids else None
+        if detokenizer is None:
             return
-        if req.detokenizer is None:
-            req.detokenizer = self.make_detokenizer(req)
-        pending = req.output_ids[len(req.detokenizer.output_ids):]
+        pending = req.output_ids[len(detokenizer.output_ids):]
         if not pending:
             return
         if stop_token:
             pending, last = pending[:-1], pending[-1]
         if pending:
-            req.text += req.detokenizer.step(pending)
+            req.text += detokenizer.step(pending)
         if stop_token:
-            req.detokenizer.step(last)  # through the detokenizer, its text dropped (as token by token)
+            detokenizer.step(last)  # through the detokenizer, its text dropped (as token by token)
 
     def _detokenize(self, req: Req, tok: int) -> str:
         """The output text with ``tok`` (not stored yet: ``_check_finished`` cuts stop strings)."""
-        if self.make_detokenizer is None:
-            return req.text
-        if req.detokenizer is None:
+        detokenizer = self._detokenizer(req)
+        return req.text if detokenizer is None else req.text + detokenizer.step(tok)
+
+    def _detokenizer(self, req: Req):
+        """``req``'s incremental detokenizer, made on first use (None: the engine has no tokenizer)."""
+        if req.detokenizer is None and self.make_detokenizer is not None:
             req.detokenizer = self.make_detokenizer(req)
-        return req.text + req.detokenizer.step(tok)
+        return req.detokenizer
 
     def ends_with_next_token(self, req: Req) -> bool:
         """Whether the next token appended to ``req`` finishes it whatever it is (the length limits

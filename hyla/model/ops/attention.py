@@ -179,17 +179,13 @@ def decode_kv_table(kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
     return table, decode_kv_mask(seq_lens, dev)
 
 
-def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: bool = False,
-                   lens: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Additive fp32 mask ``[B, L]`` (``-inf`` past each sequence's length); None when no row is
-    padded, unless ``always``. ``lens``: the same lengths already on ``device`` (then nothing is
-    copied to the device here)."""
+def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: bool = False) -> torch.Tensor | None:
+    """Additive fp32 mask ``[B, L]`` (``-inf`` past each sequence's length) from host lengths; None
+    when no row is padded, unless ``always``. Lengths already on the device: :func:`padding_mask`."""
     max_len = max(seq_lens)
     if not always and all(n == max_len for n in seq_lens):
         return None
-    if lens is None:
-        lens = torch.tensor(list(seq_lens), dtype=torch.long, device=device)
-    return padding_mask(lens, max_len)
+    return padding_mask(torch.tensor(list(seq_lens), dtype=torch.long, device=device), max_len)
 
 
 def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
