@@ -27,15 +27,18 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 WORKLOADS = ("b1", "b8")
+NEW_1 = 128  # cpu_decode.py's default --new-tokens
 
 
 def worker(root: Path, compiled: bool, small: bool = False) -> None:
     """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
-    workloads, a tenth of the tokens)."""
+    workloads, a tenth of the tokens). The workloads are cpu_decode.py's (its constants and helpers,
+    from this checkout: imported before ``root`` goes on the path)."""
+    from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, timed
+
     sys.path.insert(0, str(root))
     import torch
 
@@ -47,26 +50,20 @@ def worker(root: Path, compiled: bool, small: bool = False) -> None:
                     max_state_slots=64)
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-
-    def fresh(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    def timed(**kwargs) -> float:
-        t = time.perf_counter()
-        engine.generate(**kwargs)
-        return time.perf_counter() - t
-
-    greedy = lambda m: {"temperature": 0, "max_new_tokens": m, "ignore_eos": True}  # noqa: E731
     scale = 10 if small else 1
-    prompt_1, new_1, prompt_8, new_8 = 512 // scale, 128 // scale, 128 // scale, 64 // scale
+    prompt_1, new_1, prompt_8, new_8 = PROMPT_1 // scale, NEW_1 // scale, PROMPT_8 // scale, NEW_8 // scale
+
+    def run(prompts, max_new: int) -> float:
+        return timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(max_new)))
+
     print("READY", flush=True)
     for line in sys.stdin:
         what = line.strip()
         if what == "b1":
-            short = timed(input_ids=fresh(prompt_1), sampling_params=greedy(1))
-            value = new_1 / (timed(input_ids=fresh(prompt_1), sampling_params=greedy(1 + new_1)) - short)
+            short = run(fresh(prompt_1, rng, vocab), 1)
+            value = new_1 / (run(fresh(prompt_1, rng, vocab), 1 + new_1) - short)
         elif what == "b8":
-            value = 8 * new_8 / timed(input_ids=[fresh(prompt_8) for _ in range(8)], sampling_params=greedy(new_8))
+            value = BATCH * new_8 / run([fresh(prompt_8, rng, vocab) for _ in range(BATCH)], new_8)
         else:
             break
         print(json.dumps(value), flush=True)
