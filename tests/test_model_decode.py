@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from hyla.model import load_model
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
+    DOT_MAX_ROWS,
     Linear,
     RMSNorm,
     RotaryEmbedding,
@@ -235,35 +236,44 @@ def test_row_major_copies_are_the_weights_in_row_major_order(qwen3_next_moe_path
 
 
 @needs_cxx
-def test_one_row_linear_reads_its_rows_only_when_compiled():
-    """A compiled one-row call is the dot product over ``rows``; eager calls and several rows are
-    ``F.linear`` (a ``rows`` that differs from the weight shows which one ran)."""
+def test_few_row_linear_reads_its_rows_only_when_compiled():
+    """A compiled call of one row, or of up to ``DOT_MAX_ROWS`` rows (a symbolic count), is the dot
+    product over ``rows``; eager calls and more rows are ``F.linear`` (a ``rows`` that differs from
+    the weight shows which one ran)."""
     torch.manual_seed(0)
     linear = Linear(64, 48, bias=True)
     linear.rows = 2 * linear.weight.detach().contiguous()  # not the weight: tells the paths apart
-    call = torch.compile(linear, dynamic=False, fullgraph=True)
-    one, many = torch.randn(1, 64), torch.randn(3, 64)
+    one = torch.randn(1, 64)
+    few, also_few, many = (torch.randn(n, 64) for n in (3, DOT_MAX_ROWS, DOT_MAX_ROWS + 1))
     with torch.no_grad():
-        torch.testing.assert_close(call(one), one @ linear.rows.t() + linear.bias)
+        torch.testing.assert_close(torch.compile(linear, dynamic=False, fullgraph=True)(one),
+                                   one @ linear.rows.t() + linear.bias)
+        call = torch.compile(linear, dynamic=True, fullgraph=True)
+        for x in (few, also_few):
+            torch.testing.assert_close(call(x), x @ linear.rows.t() + linear.bias)
         torch.testing.assert_close(call(many), many @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
+        torch.testing.assert_close(linear(few), few @ linear.weight.t() + linear.bias)
 
 
 @pytest.mark.slow
 @needs_cxx
 def test_compiled_decode_equals_eager(qwen3_next_short_path):
     """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
-    a changing larger batch, with no compilation after start-up."""
+    a changing larger batch (from 20 requests, above ``DOT_MAX_ROWS``, down to 1: the three graphs),
+    with no compilation after start-up."""
     import torch._dynamo
 
     from hyla import Engine
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (30, 90, 7, 64)]
-    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (12, 20, 8, 16)]
+    lens, new = [30, 90, 7, 64] + list(range(5, 21)), [12, 20, 8, 16] + [3 + i % 7 for i in range(16)]
+    assert len(lens) > DOT_MAX_ROWS
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in lens]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in new]
 
     def run(**options):
-        with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=16, **options) as engine:
+        with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=48, **options) as engine:
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))

@@ -13,12 +13,14 @@ step sends six ints per request and reads nothing back; it is replayed from CUDA
 (``cuda_graph.py``) unless ``cuda_graph=False``.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
-compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant.
-Both variants are compiled at construction on scratch pools (up to minutes on a small CPU), so
-serving never stalls on a compile. Models with MoE layers keep an eager decode (their routing
-reads expert counts on the host). In the batch-1 graph each fp32 projection is a dot product per
-output row over a row-major copy of its weight (``layers.Linear``; the copy costs the projections'
-memory once more), not MKL's one-row GEMM, which streams the weights at about half the speed.
+compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant
+(of its own compilation, with other inductor options), and so are batches up to
+``layers.DOT_MAX_ROWS`` rows and larger ones. Every variant is compiled at construction on scratch
+pools (up to minutes on a small CPU), so serving never stalls on a compile. Models with MoE layers
+keep an eager decode (their routing reads expert counts on the host). In the graphs of up to
+``DOT_MAX_ROWS`` rows each fp32 projection is a dot product per output row over a row-major copy
+of its weight (``layers.Linear``; the copy costs the projections' memory once more), not MKL's
+GEMM, which streams the weights at a fraction of the speed with so few rows.
 The graphs take the model's float constants as constants and leave its modules unguarded (their
 weights and attributes never change after loading); each runner compiles its own copy of the
 forward's code, so its graphs serve its own model only (``_own_code``).
@@ -43,7 +45,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import keep_row_major_copies_
+from hyla.model.layers import DOT_MAX_ROWS, keep_row_major_copies_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -111,18 +113,20 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded).
-            # realize_opcount_threshold: every intermediate of more than one op is stored, not
+            # realize_opcount_threshold: an intermediate of more than that many ops is stored, not
             # inlined into its consumers. Inlined, a projection's input (a norm's output, silu(gate)
-            # * up) was recomputed inside the dot-product loop for every output row of the batch-1
-            # graph (an exp per weight for the MLP's down projection); stored, that loop is a load
-            # and a multiply-add per weight: the batch-1 graph's call 1.67 -> 1.19 ms (CPU, default
-            # model), the batch-8 graph unchanged (its projections are GEMMs)
-            copied = keep_row_major_copies_(model)  # for the batch-1 graph (layers.Linear)
-            logger.info("compile_decode: %.1f MB of row-major weight copies for batch-1 steps", copied / 1e6)
-            self._compiled_decode = torch.compile(
+            # * up) was recomputed inside the dot-product loop for every output row (an exp per
+            # weight in the MLP's down projection); stored, that loop is a load and a multiply-add
+            # per weight. One-row decode steps take 1: the batch-1 graph's call 1.67 -> 1.19 ms (CPU,
+            # default model; 3: 1.29). Their own compiled function, since with more rows 1 would
+            # also store each projection's [out, N, in] products (layers.Linear): those take 3
+            copied = keep_row_major_copies_(model)  # for the dot-product projections (layers.Linear)
+            logger.info("compile_decode: %.1f MB of row-major weight copies for steps of few rows", copied / 1e6)
+            one_row, rows = (torch.compile(
                 _own_code(model.forward_unchecked), dynamic=True,
                 options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                         "realize_opcount_threshold": 1})
+                         "realize_opcount_threshold": threshold}) for threshold in (1, 3))
+            self._compiled_decode = _by_row_count(one_row, rows)
             # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
             # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
             with torch._dynamo.config.patch(specialize_float=True):
@@ -356,16 +360,17 @@ class ModelRunner:
         return to_device_packed(tensors, self.device)
 
     def _warm_up_compiled_decode(self) -> None:
-        """Compile the decode graph for batch size 1 and for larger batches on scratch pools shaped
+        """Compile the decode graph for batch size 1, for batches up to ``DOT_MAX_ROWS`` and for
+        larger ones on scratch pools shaped
         like the real ones. Every size that varies in serving (batch, KV width, pool rows) is given
         a distinct prime here, unequal to any model dimension: the compiler would otherwise merge
         equal sizes into one symbol (or into a constant) and compile again when they differ."""
         c = self.model.config
         dev = self.device
-        kv_rows, state_rows = 1009, 17
+        kv_rows, state_rows = 1201, 67  # room for the batch of 19
         if self.verify_width is not None:  # room for 13 chains' own slots and checkpoint slots
             state_rows = _prime_above(13 * self.verify_width + 1, avoid={11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53,
-                                                                          59, 61, 1009})
+                                                                          59, 61, 1201})
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
         k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
         v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
@@ -379,7 +384,9 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
+        # one row; up to DOT_MAX_ROWS rows (dot products); more (MKL's GEMM): layers.Linear
+        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11],
+                     [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 13, 11, 7, 5, 3, 2, 2]):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
@@ -400,12 +407,17 @@ class ModelRunner:
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
         """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled
         first for one token count, then again generalised over it: dynamo specialises the first) and
-        larger batches; sizes as distinct primes, as for decode."""
+        larger batches, of up to ``DOT_MAX_ROWS`` tokens in all and of more; sizes as distinct primes,
+        as for decode."""
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
-        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
-        for prefix, fed in [([37], f) for f in one] + [([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
+        if w > DOT_MAX_ROWS:  # and more tokens than the projections' dot products take (layers.Linear)
+            one.append([w])
+        few = [2, min(w, 3)]  # 2 requests, at most DOT_MAX_ROWS tokens in all
+        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each: more than that
+        for prefix, fed in [([37], f) for f in one] + [([61, 59], few),
+                                                       ([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
             b = len(prefix)
             lens = [p + n for p, n in zip(prefix, fed)]
             width = max(lens)
@@ -424,6 +436,16 @@ class ModelRunner:
             )
             self.model.check_batch(batch)
             self._compiled_decode(batch)
+
+
+def _by_row_count(one_row: Callable[[ForwardBatch], torch.Tensor],
+                  rows: Callable[[ForwardBatch], torch.Tensor]) -> Callable[[ForwardBatch], torch.Tensor]:
+    """The compiled decode: a decode step of one row through ``one_row``, every other batch (more
+    requests, verify steps) through ``rows`` (two compilations of the forward with different
+    inductor options)."""
+    def run(batch: ForwardBatch) -> torch.Tensor:
+        return (one_row if batch.is_decode and batch.input_ids.shape[0] == 1 else rows)(batch)
+    return run
 
 
 def _own_code(method: Callable) -> Callable:
