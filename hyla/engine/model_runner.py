@@ -119,13 +119,15 @@ class ModelRunner:
             # weight in the MLP's down projection); stored, that loop is a load and a multiply-add
             # per weight. One-row decode steps take 1: the batch-1 graph's call 1.67 -> 1.19 ms (CPU,
             # default model; 3: 1.29). Their own compiled function, since with more rows 1 would
-            # also store each projection's [out, N, in] products (layers.Linear): those take 3
+            # also store each projection's [out, N, in] products (layers.Linear): those take 4 (an
+            # 8-row step 0.93x of 3's time, 3 rows 0.90x, 16 rows 0.99x; 2, 5, 6 and 10 were 3-10x
+            # slower, storing or recomputing inside the dot products again: retune with the model)
             copied = keep_row_major_copies_(model)  # for the dot-product projections (layers.Linear)
             logger.info("compile_decode: %.1f MB of row-major weight copies for steps of few rows", copied / 1e6)
             one_row, rows = (torch.compile(
                 _own_code(model.forward_unchecked), dynamic=True,
                 options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                         "realize_opcount_threshold": threshold}) for threshold in (1, 3))
+                         "realize_opcount_threshold": threshold}) for threshold in (1, 4))
             self._compiled_decode = _by_row_count(one_row, rows)
             # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
             # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
