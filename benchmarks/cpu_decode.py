@@ -173,12 +173,10 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
         with torch.inference_mode():
             runner.step(seqs, prompts)
             step_batch = runner.make_batch(seqs, [[5]] * batch, decode=True)
-            # with the KV table and lengths, as the engine's decode batches: the graphs compiled at
-            # start-up are for those (without, this would time a graph compiled here for this batch)
-            width = max(len(s.kv_slots) for s in seqs)
+            # with the KV lengths on the device, as the engine's decode batches: the graphs compiled
+            # at start-up are for those (without, this would time a graph compiled here for this batch)
             step_batch = dataclasses.replace(
-                step_batch, kv_table=torch.tensor([s.kv_slots + [0] * (width - len(s.kv_slots)) for s in seqs]),
-                kv_lens=torch.tensor([len(s.kv_slots) for s in seqs]))
+                step_batch, kv_lens=torch.tensor(step_batch.seq_lens, device=step_batch.input_ids.device))
         run = getattr(engine.scheduler.runner, "_run_decode", engine.model.forward)  # compiled if so configured
 
         @torch.inference_mode()

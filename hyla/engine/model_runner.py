@@ -363,10 +363,10 @@ class ModelRunner:
 
     def _warm_up_compiled_decode(self) -> None:
         """Compile the decode graph for batch size 1, for batches up to ``DOT_MAX_ROWS`` and for
-        larger ones on scratch pools shaped
-        like the real ones. Every size that varies in serving (batch, KV width, pool rows) is given
-        a distinct prime here, unequal to any model dimension: the compiler would otherwise merge
-        equal sizes into one symbol (or into a constant) and compile again when they differ."""
+        larger ones, on scratch pools shaped like the real ones. Every size that varies in serving
+        (batch, KV width, pool rows) is given a distinct prime here, unequal to any model dimension:
+        the compiler would otherwise merge equal sizes into one symbol (or into a constant) and
+        compile again when they differ."""
         c = self.model.config
         dev = self.device
         kv_rows, state_rows = 1201, 67  # room for the batch of 19
