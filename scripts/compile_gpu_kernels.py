@@ -67,6 +67,7 @@ def cases():
     import torch
 
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
+    from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
     from hyla.model.ops.gpu import logits, mamba2_decode
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
@@ -154,6 +155,12 @@ def cases():
         table = torch.zeros(4, 16, dtype=torch.long)
         yield f"paged_decode_attention {n}", lambda: decode_attention.paged_decode_attention(
             r(2, hq, d), kb, vb, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:])
+        # an extend's causal split-KV attention over the request table: 4 query heads per KV head of 256
+        # (Qwen3.5), 8 of 128
+        yield f"paged_extend_attention {n}", lambda: extend_attention.paged_extend_attention(
+            r(5, hq, d), kb, vb, table, long(1), long(9, 10, 11, 1, 1), d**-0.5, gate=r(5, hq, 2 * d)[:, :, d:])
+        yield f"paged_extend_attention 8x128 {n}", lambda: extend_attention.paged_extend_attention(
+            r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5)
     # the sampler's argmax + logsumexp (fp32 logits, once)
     yield "argmax_logsumexp", lambda: logits.argmax_logsumexp(torch.randn(2, 3 * logits.BLOCK + 5))
 

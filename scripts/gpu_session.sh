@@ -5,9 +5,11 @@
 #
 # Stages (each bounded by a timeout, its log in --out):
 #   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
-#            decode against eager, the cache differential under pressure (~50-120 s)
+#            decode against eager, extend graphs against eager fused extends, the cache differential under pressure (~50-120 s)
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
+#   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
+#            --extend-ab --no-write), and where its time goes (gpu_profile.py --batches "") (~2 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants
 #   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
@@ -42,9 +44,13 @@ for s in "$@"; do
     stage "$s"
     case $s in
         tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fused_decode.py \
-                   tests/test_engine_overlap.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
+                   tests/test_fused_extend.py tests/test_engine_overlap.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
         decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \
-                    --log-compiles --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
+                    --log-compiles --extend-ab --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
+        ttft) timeout 150 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
+                  2>&1 | tee "$out/ttft.log" | tail -12
+              timeout 120 python3 benchmarks/gpu_profile.py --out "$out/profile-ttft" --batches "" --no-traces 2>&1 \
+                  | tee "$out/profile-ttft.log" | tail -12 ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;
         outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
@@ -53,7 +59,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode profile outproj state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft profile outproj state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

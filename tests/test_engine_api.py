@@ -131,6 +131,9 @@ class _FakeReq:
     (dict(input_ids=[]), "empty"),
     (dict(input_ids=[1, 2, 99999]), "outside the vocabulary"),
     (dict(input_ids=[1, -3]), "outside the vocabulary"),
+    (dict(input_ids=[1, True, 2]), "token id True"),  # bools are not token ids (the fast path's set of types)
+    (dict(input_ids=[1, 2.0]), "token id 2.0"),
+    (dict(input_ids=[1, "3"]), "token id '3'"),
     (dict(input_ids=[1] * 9000), "context length"),
     (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
     (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "top_p"),

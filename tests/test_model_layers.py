@@ -157,7 +157,10 @@ def test_batch_that_does_not_fit_the_model_is_rejected(qwen3_next_dense_path, ne
 
 def test_padding_sequence_reads_and_writes_nothing(nemotron_h_path):
     """A state slot of -1 marks a padding sequence: the other sequences' logits and states are as
-    without it, and no state row is written for it."""
+    without it, and no state row is written for it. The real sequences' rows match within fp32
+    rounding (a 3-row projection may round differently from a 2-row one: MKL picks its kernel by
+    shape); every other row, the sentinel and the last (what index -1 would hit) included, is
+    bit-for-bit untouched."""
     model = load_model(nemotron_h_path)
     runner = TinyRunner(model)
     seqs = [runner.new_seq() for _ in range(2)]
@@ -174,5 +177,9 @@ def test_padding_sequence_reads_and_writes_nothing(nemotron_h_path):
     batch = runner.make_batch([seqs[0], pad, seqs[1]], [[7], [3], [8]], decode=True)
     got = model(batch)
     assert torch.allclose(got[[0, 2]], alone, atol=1e-6)
+    live = [s.state_slot for s in seqs]
     for pool, want in zip((*runner.conv_states, *runner.ssm_states), after_alone):
-        assert torch.equal(pool, want)
+        rest = torch.ones(pool.shape[0], dtype=torch.bool)
+        rest[live] = False
+        assert torch.equal(pool[rest], want[rest])
+        torch.testing.assert_close(pool[live], want[live], atol=1e-6, rtol=1e-5)

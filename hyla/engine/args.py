@@ -72,6 +72,10 @@ class EngineArgs:
     disable_cuda_graph: bool = _opt(False, "CUDA: run fused decode steps eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
                                                "eagerly). Default: max_running_requests, at most 256.")
+    cuda_graph_max_extend_tokens: int = _opt(1024, "CUDA: an extend of one request of up to this many tokens (a cached "
+                                                   "prompt's new part, a turn) replays a CUDA graph captured per "
+                                                   "token count; 0 = extends run eagerly. Not with "
+                                                   "--disable-cuda-graph.")
     overlap_schedule: str = _opt("auto", "Launch each decode step before reading the previous step's tokens, so "
                                          "the host's per-step work runs while the device computes (SGLang's "
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
@@ -122,6 +126,10 @@ class EngineArgs:
                              f"{self.speculative_algorithm!r}")
         if self.speculative_ngram_min_match_window_size > self.speculative_ngram_max_match_window_size:
             raise ValueError("speculative_ngram_min_match_window_size must be <= speculative_ngram_max_match_window_size")
+        if isinstance(self.cuda_graph_max_extend_tokens, bool) or not isinstance(self.cuda_graph_max_extend_tokens, int) \
+                or self.cuda_graph_max_extend_tokens < 0:
+            raise ValueError(f"cuda_graph_max_extend_tokens must be an integer >= 0 (0: off), got "
+                             f"{self.cuda_graph_max_extend_tokens!r}")
         if self.chunked_prefill_size < self.page_size:
             raise ValueError(f"chunked_prefill_size ({self.chunked_prefill_size}) must be >= page_size ({self.page_size})")
         if isinstance(self.state_memory_ratio, bool) or not isinstance(self.state_memory_ratio, (int, float)) \

@@ -17,6 +17,12 @@ With ``width=W > 1`` the graphs are a speculative verify step's (``ModelRunner.f
 the fused kernels): ``B`` requests of ``W`` rows each, and a second static buffer ``[W+1, max_bs]``
 of the chains' state slots (``ForwardBatch.chain_slots``; ``-1`` for padded requests). Both sets
 of graphs share one memory pool: they never run at the same time.
+
+:class:`CudaGraphExtend` does the same for an extend of one sequence (a cached prompt's new part,
+an agent's turn: ``ForwardBatch.fused_extend``), captured per token count on a ladder up to
+``cuda_graph_max_extend_tokens`` and padded to the smallest that fits; its static inputs
+(:class:`ExtendInputs`) are one int64 buffer moved in one transfer, and it shares the decode
+graphs' memory pool too.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import logging
 from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from hyla.model.forward_batch import ForwardBatch, FusedExtend
 
 if TYPE_CHECKING:
     from hyla.engine.model_runner import ModelRunner
@@ -44,6 +52,20 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
     return sorted({bs for bs in BATCH_SIZES if bs < max_bs} | {max_bs})
+
+
+def capture(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``fn()`` run twice on ``stream`` (Triton compiles, cuBLAS picks its kernels), then captured
+    in a CUDA graph in memory ``pool`` -> ``(graph, the output its replays write)``."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
 
 
 class CudaGraphDecode:
@@ -78,14 +100,7 @@ class CudaGraphDecode:
             rows = bs * self.width
             batch = self.runner.fused_batch(*(self.inputs[j, :rows] for j in range(len(FIELDS))),
                                             chain_slots=self.chain[:, :bs] if self.chain is not None else None)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                for _ in range(2):
-                    self.runner.decode_fused_step(batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self.runner.decode_fused_step(batch)
+            graph, self.outputs[bs] = capture(lambda: self.runner.decode_fused_step(batch), stream, pool)
             pool = graph.pool()
             self.graphs[bs] = graph
         self.pool = pool
@@ -124,3 +139,117 @@ class CudaGraphDecode:
             self.inputs[0, :b].copy_(input_ids)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+# --- extends -------------------------------------------------------------------------------------
+
+# token counts an extend of one sequence is captured at (ModelRunner.forward_extend pads to the
+# smallest that fits): steps of at most 1.33x near the top, where padding costs device time
+EXTEND_TOKENS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
+                 1792, 2048)
+EXTEND_CHECKPOINTS = 4  # checkpoints a captured extend writes at most (a prompt's end - 1 and grid points)
+
+
+def extend_buckets(max_tokens: int) -> list[int]:
+    """The token counts captured for extends of up to ``max_tokens`` tokens (which is always one)."""
+    if max_tokens < 1:
+        raise ValueError(f"cuda_graph_max_extend_tokens must be >= 1 (0 turns them off), got {max_tokens}")
+    return sorted({t for t in EXTEND_TOKENS if t < max_tokens} | {max_tokens})
+
+
+class ExtendInputs:
+    """The static inputs of fused extends (``ForwardBatch.fused_extend``) of one sequence, up to
+    ``tokens`` tokens and :data:`EXTEND_CHECKPOINTS` checkpoints: one int64 device buffer, filled
+    from a host copy (pinned on CUDA) in one transfer per step. Per token (``[tokens]`` each): id,
+    position, KV slot, KV length; then the sequence's ``cu_seqlens [2]``, state slot, request row,
+    checkpoint offsets ``[2]``, positions and slots ``[M]``, and its last token's index. An extend
+    of ``n`` tokens run at ``T >= n`` takes the first ``T`` of each per-token field: the rest is
+    padding (token 0 at position 0, written to KV slot 0, attending to one key)."""
+
+    def __init__(self, runner: "ModelRunner", tokens: int):
+        self.runner, self.tokens, m = runner, tokens, EXTEND_CHECKPOINTS
+        dev = runner.device
+        self.size = 4 * tokens + 7 + 2 * m
+        self.inputs = torch.zeros(self.size, dtype=torch.long, device=dev)
+        self.host = torch.zeros(self.size, dtype=torch.long)
+        if dev.type == "cuda":
+            self.host = self.host.pin_memory()
+        self.zeros = torch.zeros(max(tokens, m), dtype=torch.long, device=dev)  # every token's sequence
+        self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the host buffer is reused
+
+    def fill(self, ids: Sequence[int], positions: Sequence[int], out_cache_loc: torch.Tensor, bucket: int, slot: int,
+             req_row: int, marks: Sequence[tuple[int, int]]) -> None:
+        """One sequence's extend of ``n = len(ids)`` tokens (after ``positions[0]`` cached ones) at
+        ``bucket >= n`` tokens, from state row ``slot``, request row ``req_row``, with checkpoints
+        ``marks``: ``(tokens it follows, state row)``, ascending, at most :data:`EXTEND_CHECKPOINTS`."""
+        n, t, m = len(ids), self.tokens, EXTEND_CHECKPOINTS
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self.host
+        start = positions[0] if n else 0
+        host[:4 * t].view(4, t)[:, n:bucket] = torch.tensor([0, 0, 0, 1])[:, None]
+        host[0:n] = torch.as_tensor(ids, dtype=torch.long)
+        host[t:t + n] = torch.as_tensor(positions, dtype=torch.long)
+        host[2 * t:2 * t + n] = out_cache_loc.to(torch.long).cpu()
+        host[3 * t:3 * t + n] = torch.arange(start + 1, start + n + 1)
+        k = len(marks)
+        tail = [0, n, slot, req_row, 0, k] + [p for p, _ in marks] + [1] * (m - k) + [s for _, s in marks] \
+            + [0] * (m - k) + [n - 1]
+        host[4 * t:] = torch.tensor(tail, dtype=torch.long)
+        self.inputs.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def batch(self, bucket: int) -> ForwardBatch:
+        """The fused extend of ``bucket`` tokens over the static inputs (views; nothing is read)."""
+        runner, t, m, x = self.runner, self.tokens, EXTEND_CHECKPOINTS, self.inputs
+        tail = 4 * t
+        fe = FusedExtend(cu_seqlens=x[tail:tail + 2], kv_lens=x[3 * t:3 * t + bucket], req_row=x[tail + 3:tail + 4],
+                         ckpt_offsets=x[tail + 4:tail + 6], ckpt_pos=x[tail + 6:tail + 6 + m],
+                         ckpt_slot=x[tail + 6 + m:tail + 6 + 2 * m], tok_seq=self.zeros[:max(bucket, m)],
+                         longest=bucket)
+        return ForwardBatch(
+            is_decode=False, input_ids=x[:bucket], positions=x[t:t + bucket], extend_lens=[bucket], prefix_lens=[0],
+            cu_seqlens=fe.cu_seqlens, out_cache_loc=x[2 * t:2 * t + bucket], kv_indices=fe.cu_seqlens[:0],
+            kv_indptr=fe.cu_seqlens, k_buffers=runner.k_buffers, v_buffers=runner.v_buffers,
+            state_slots=x[tail + 2:tail + 3], conv_states=runner.conv_states, ssm_states=runner.ssm_states,
+            max_token_id=0, req_to_token=runner.table, fused_extend=fe, logits_indices=x[self.size - 1:],
+        )
+
+
+class CudaGraphExtend:
+    """One captured fused extend of one sequence per token count in :func:`extend_buckets`
+    ``(max_tokens)``: an extend of ``n`` tokens replays the smallest graph of at least ``n`` (the
+    module's decode graphs, for an extend: a cached prompt's new part is ~1,000 launches, each paid
+    on the host when launched one by one). ``pool``: a graph memory pool to share."""
+
+    def __init__(self, runner: "ModelRunner", max_tokens: int, pool=None):
+        self.runner = runner
+        self.buckets = extend_buckets(max_tokens)
+        self.max_tokens = self.buckets[-1]
+        self.inputs = ExtendInputs(runner, self.max_tokens)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool
+        self._capture()
+
+    def _capture(self) -> None:
+        pool, runner = self.pool, self.runner
+        stream = torch.cuda.Stream(runner.device)
+        empty = torch.zeros(0, dtype=torch.long)
+        for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
+            # the sentinels: state row 0, the spare request row, KV slot 0 (no request's)
+            self.inputs.fill([0] * bucket, range(bucket), empty.new_zeros(bucket), bucket, 0, runner.pad_row, [])
+            batch = self.inputs.batch(bucket)
+            graph, self.outputs[bucket] = capture(lambda: runner.model.forward_unchecked(batch), stream, pool)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        self.pool = pool
+        torch.cuda.synchronize(runner.device)
+        logger.info("CUDA graphs captured for extends of %s tokens", self.buckets)
+
+    def replay(self, bucket: int) -> torch.Tensor:
+        """The captured extend of ``bucket`` tokens on the inputs :attr:`inputs` holds (filled for
+        it) -> its last real token's logits ``[1, V]`` (a view: read it before the next step)."""
+        self.graphs[bucket].replay()
+        return self.outputs[bucket]

@@ -101,6 +101,8 @@ class Engine:
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
                              compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
+                             fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
+                             if not self.args.disable_cuda_graph else 0,
                              # n-gram chains: verify steps as padded chains (forward_chains) where decode is fused
                              # or compiled, through the same kernels or graph
                              verify_width=self.args.num_draft_tokens + 1
@@ -453,9 +455,12 @@ class Engine:
         if len(ids) >= self.context_length:  # before the O(prompt) walk below
             raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
         vocab = self.model_config.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        # plain ints (what clients send) in C loops: a 4,096-token prompt in ~0.1 ms, not ~0.6 ms;
+        # anything else (bools, int subclasses, floats, numpy scalars) gets the per-token check
+        if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab):
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "

@@ -10,7 +10,9 @@ On CUDA, for models whose mixers all have Triton decode kernels (``HybridForCaus
 supports_fused_decode``), decode steps run fused (``ForwardBatch.fused_decode``): attention reads
 the KV slots from the request table's device mirror (synced before each decode step), so a decode
 step sends six ints per request and reads nothing back; it is replayed from CUDA graphs
-(``cuda_graph.py``) unless ``cuda_graph=False``.
+(``cuda_graph.py``) unless ``cuda_graph=False``. An extend of one sequence that wants its last
+logits only (a cached prompt's new part) runs as a fused extend alike (``ForwardBatch.fused_extend``,
+``fused_extend_max_tokens``), replayed from graphs captured per token count.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 
 from hyla.cache.transfer import to_device_packed
+from hyla.engine.cuda_graph import EXTEND_CHECKPOINTS
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import DOT_MAX_ROWS, keep_row_major_copies_
@@ -57,12 +60,14 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
                  fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0),
-                 verify_width: int | None = None):
+                 verify_width: int | None = None, fused_extend_max_tokens: int = 0):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
         verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`:
         the fused kernels when decode runs fused, else models of full attention and Gated DeltaNet
-        layers, compiled with ``compile_decode``)."""
+        layers, compiled with ``compile_decode``). ``fused_extend_max_tokens``: on a fused runner
+        whose model supports it, an extend of one sequence of up to that many tokens runs as a fused
+        extend (:meth:`forward_extend`), replayed from CUDA graphs with ``cuda_graph`` (0: never)."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -74,7 +79,8 @@ class ModelRunner:
         self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
-        self.graphs = self.verify_graphs = None
+        self.graphs = self.verify_graphs = self.extend_graphs = None
+        self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
         if fused_decode and not model.supports_fused_decode():
             raise ValueError(f"{c.architecture} has layers without a fused decode kernel")
@@ -100,6 +106,18 @@ class ModelRunner:
                                                          width=self.verify_width, pool=self.graphs.pool)
             elif cuda_graph and self.device.type == "cuda":
                 logger.info("%s: MoE routing reads the host; decode runs fused, without CUDA graphs", c.architecture)
+            # extends of one sequence (a cached prompt's new part, an agent's turn) as fused extends: graphs
+            # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
+            extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])
+            if extend_tokens > 0 and model.supports_fused_extend():
+                from hyla.engine.cuda_graph import CudaGraphExtend, ExtendInputs, extend_buckets  # noqa: F811
+
+                if self.graphs is not None:
+                    self.extend_graphs = CudaGraphExtend(self, extend_tokens, pool=self.graphs.pool)
+                    self.extend_inputs = self.extend_graphs.inputs
+                else:
+                    self.extend_inputs = ExtendInputs(self, extend_buckets(extend_tokens)[-1])
+                self._extend_buckets = extend_buckets(extend_tokens)
         elif self.device.type == "cuda":
             logger.info("%s: no fused decode kernels for its layers; decode runs the PyTorch ops", c.architecture)
         if self.fused and compile_decode:
@@ -151,7 +169,14 @@ class ModelRunner:
         ``logit_rows[i]`` of each request, in order (prompt logprobs). ``tree_parents``: a tree
         verify step (``ForwardBatch.tree_parents``); a token's position is then its depth.
         ``return_hidden``: also the final hidden state of every fed token, ``(logits, hidden
-        [sum(extend_lens), H])`` (MTP)."""
+        [sum(extend_lens), H])`` (MTP).
+
+        On a fused runner (``fused_extend_max_tokens``), an extend of one sequence that asks for its
+        last logits only runs as a fused extend (:meth:`_forward_extend_fused`)."""
+        if self.extend_inputs is not None and len(reqs) == 1 and tree_parents is None and not all_logits \
+                and logit_rows is None and not return_hidden and 1 <= extend_lens[0] <= self._extend_buckets[-1] \
+                and len(ckpts) <= EXTEND_CHECKPOINTS and reqs[0].state_slot >= 0:
+            return self._forward_extend_fused(reqs[0], extend_lens[0], out_cache_loc, ckpts)
         ids: list[int] = []
         pos: list[int] = []
         starts = [r.kv_len for r in reqs]
@@ -330,6 +355,34 @@ class ModelRunner:
                               torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6])
         return self.decode_fused_step(batch).index_select(0, dev[7])  # [sum(extend_lens), V]
+
+    def _forward_extend_fused(self, req: Req, n: int, out_cache_loc: torch.Tensor,
+                              ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
+        """:meth:`forward_extend` of one sequence's ``n`` tokens as a fused extend
+        (``ForwardBatch.fused_extend``), padded to the smallest captured token count: its inputs
+        validated here (what the batch constructor checks on the other paths), written to the
+        static inputs in one transfer, then the graph replayed (or, without graphs, the forward
+        run on them). Returns the last token's logits ``[1, V]``."""
+        start = req.kv_len
+        ids = req.tokens(start, start + n)
+        if max(ids) >= self.model.config.vocab_size:
+            raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
+        if out_cache_loc.shape != (n,):
+            raise ValueError(f"out_cache_loc must be [{n}], got {list(out_cache_loc.shape)}")
+        marks = sorted((length, slot) for _, length, slot in ckpts)
+        if self.model.config.num_linear_layers:
+            check_slot_values([req.state_slot] + [s for _, s in marks], self.conv_states[0].shape[0],
+                              "the extend's state slots")
+        if any(seq != 0 for seq, _, _ in ckpts) or any(not 1 <= p <= n for p, _ in marks) \
+                or len({p for p, _ in marks}) != len(marks) or any(s < 0 for _, s in marks):
+            raise ValueError(f"checkpoints {ckpts} must follow 1..{n} distinct tokens of sequence 0, into state slots")
+        bucket = next(t for t in self._extend_buckets if t >= n)
+        self.req_to_token.sync_mirror()  # the sequence's slots, the new tokens' included, read by attention
+        inputs = self.extend_inputs
+        inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks)
+        if self.extend_graphs is not None:
+            return self.extend_graphs.replay(bucket)
+        return self.model.forward_unchecked(inputs.batch(bucket))
 
     def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc,
                     chain_slots: torch.Tensor | None = None) -> ForwardBatch:

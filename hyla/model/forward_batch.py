@@ -65,6 +65,27 @@ def _empty_long() -> torch.Tensor:
     return torch.zeros(0, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class FusedExtend:
+    """One sequence's extend with every index on the device, in shapes fixed by its token count
+    ``T`` (its ``n`` real tokens first, then padding) and its room for ``M`` checkpoints: its forward
+    reads no host value, so a CUDA graph can capture it once per ``T`` and replay it for any ``n <=
+    T`` (``engine/cuda_graph.py``, ``CudaGraphExtend``). The layers run the Triton kernels the
+    single-pass GPU extend runs (the conv on ``ConvRows``, the recurrent layers' segment kernels
+    on the pool rows, writing the checkpoints on their way) and attention over the request table
+    (``gpu/extend_attention.py``). A padding token writes its K/V to the sentinel slot 0 and
+    computes a don't-care row; its recurrent outputs are zeros."""
+
+    cu_seqlens: torch.Tensor  # [2]: 0, n
+    kv_lens: torch.Tensor  # [T]: the keys token j attends to, prefix + j + 1 (padding: 1)
+    req_row: torch.Tensor  # [1]: the sequence's row of the request table
+    ckpt_offsets: torch.Tensor  # [2]: 0, m (the first m entries below are checkpoints)
+    ckpt_pos: torch.Tensor  # [M]: tokens each checkpoint follows, ascending in 1..n (unused: 1)
+    ckpt_slot: torch.Tensor  # [M]: their state rows (unused: 0, the sentinel)
+    tok_seq: torch.Tensor  # [max(T, M)] zeros: every token's sequence (and the checkpoint windows')
+    longest: int  # T, as the host knows it: the segment kernels pick their chunked form by it
+
+
 @dataclass
 class ForwardBatch:
     # --- what to compute ---------------------------------------------------------------------
@@ -137,9 +158,13 @@ class ForwardBatch:
     values, so the forward can be captured in a CUDA graph. Checkpoints are not taken in such a
     step (the caller copies state rows afterwards)."""
     req_to_token: torch.Tensor | None = None
-    """Fused decode: ``[R, C]`` int32 device request table (row = request, entry = KV slot)."""
+    """Fused decode and fused extend: ``[R, C]`` int32 device request table (row = request, entry = KV slot)."""
     req_pool_indices: torch.Tensor | None = None
     """Fused decode: ``[B]`` int64 each sequence's row of ``req_to_token``."""
+    fused_extend: FusedExtend | None = None
+    """An extend whose indices all live on the device (:class:`FusedExtend`; with ``req_to_token``):
+    ``extend_lens`` is then ``[T]`` (the padded token count) and ``prefix_lens`` ``[0]``,
+    placeholders; the returned logits are at ``logits_indices``."""
     chain_slots: torch.Tensor | None = None
     """A fused verify step of chains (``ModelRunner.forward_chains`` on CUDA): ``[W+1, S]`` int64. The
     batch's ``B = S*W`` rows are ``S`` sequences of ``W`` consecutive tokens (row ``i*W + j``), each
@@ -190,6 +215,8 @@ class ForwardBatch:
             raise ValueError("a decode batch feeds exactly one token per sequence")
         if self.fused_decode:
             self._check_fused()
+        if self.fused_extend is not None:
+            self._check_fused_extend()
         if self.max_token_id is None:
             self.max_token_id = int(self.input_ids.max()) if num_tokens else -1
         self.seq_lens = [p + n for p, n in zip(self.prefix_lens, self.extend_lens)]
@@ -197,6 +224,8 @@ class ForwardBatch:
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = None
+        if self.fused_extend is not None:  # everything on the device, checked by its builder
+            return
         if self.chain_ckpt_rows is not None:
             self._check_chains()
         elif self.tree_parents is not None:
@@ -259,6 +288,23 @@ class ForwardBatch:
             if self.chain_slots.dim() != 2 or w < 1 or b % w or self.chain_slots.shape[1] != b // w:
                 raise ValueError(f"chain_slots must be [W+1, B/W] for the batch's {b} rows, "
                                  f"got {list(self.chain_slots.shape)}")
+
+    def _check_fused_extend(self) -> None:
+        """Host-side checks of a fused extend's shapes (its values are the builder's to validate)."""
+        fe, t = self.fused_extend, self.input_ids.shape[0]
+        if self.is_decode or self.fused_decode or self.tree_parents is not None or self.chain_ckpt_rows is not None:
+            raise ValueError("fused_extend is for an extend of one chain (no decode, tree or padded chains)")
+        if self.req_to_token is None or self.logits_indices is None or self.return_hidden or self.num_checkpoints:
+            raise ValueError("a fused extend needs req_to_token and logits_indices, and takes no ckpt_* tensors "
+                             "(its checkpoints are in fused_extend) and returns no hidden states")
+        if self.extend_lens != [t] or self.state_slots.shape != (1,) or self.max_token_id is None:
+            raise ValueError(f"a fused extend is one sequence of {t} tokens (extend_lens [{t}], state_slots [1]) "
+                             "with max_token_id given")
+        m = fe.ckpt_pos.shape[0]
+        if fe.cu_seqlens.shape != (2,) or fe.kv_lens.shape != (t,) or fe.req_row.shape != (1,) \
+                or fe.ckpt_offsets.shape != (2,) or fe.ckpt_slot.shape != (m,) or fe.tok_seq.shape[0] < max(t, m) \
+                or fe.longest != t:
+            raise ValueError(f"fused_extend's tensors do not fit {t} tokens and {m} checkpoints")
 
     def _decode_metadata(self) -> None:
         if self.num_checkpoints:

@@ -67,8 +67,8 @@ class Rope(NamedTuple):
 
 def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
     """Whether :class:`Attention` runs the q/k prologue kernel for this batch (RoPE from the
-    positions, no tables): a fused decode step, or an extend on CUDA."""
-    return batch.fused_decode or (_on_gpu(x) and not batch.is_decode)
+    positions, no tables): a fused decode step or extend, or an extend on CUDA."""
+    return batch.fused_decode or batch.fused_extend is not None or (_on_gpu(x) and not batch.is_decode)
 
 
 # --- projections -------------------------------------------------------------------------------
@@ -260,6 +260,7 @@ class Attention(nn.Module):
     """
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
+    fused_extend = True  # and a fused extend (ForwardBatch.fused_extend): HybridForCausalLM.supports_fused_extend
     defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
@@ -286,8 +287,9 @@ class Attention(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
         qkv = self.qkv_proj(x)
-        if batch.fused_decode:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
-            return out_projection(self.o_proj, self._decode_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
+        if batch.fused_decode or batch.fused_extend is not None:  # three Triton kernels: q/k norm + RoPE + the
+            # K/V writes, then attention (+ gate)
+            return out_projection(self.o_proj, self._attend_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
                                   defer_out)
         if _runs_prologue_kernel(batch, qkv):  # an extend on CUDA: the prologue kernel, then attention over the pool
             q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
@@ -333,13 +335,18 @@ class Attention(nn.Module):
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(o)
 
-    def _decode_fused(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
+    def _attend_fused(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
                       rope: Rope | None) -> torch.Tensor:
-        """The fused decode step's attention ``[B, Hq, D]`` from the projection ``qkv``: what
-        :meth:`forward`'s PyTorch path computes, in the kernels of ``ops/gpu/decode_attention.py``."""
+        """A fused decode step's or fused extend's attention ``[T, Hq, D]`` from the projection
+        ``qkv``: what :meth:`forward`'s PyTorch path computes, in the kernels of
+        ``ops/gpu/decode_attention.py`` (one query per sequence) or ``ops/gpu/extend_attention.py``."""
         t, hq, d = qkv.shape[0], self.num_heads, self.head_dim
         q = self._prologue(qkv, kb, vb, batch, rope)
-        gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:] if self.output_gate else None  # [B, Hq, D] view
+        gate = qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:] if self.output_gate else None  # [T, Hq, D] view
+        fe = batch.fused_extend
+        if fe is not None:
+            return _gpu("extend_attention").paged_extend_attention(q, kb, vb, batch.req_to_token, fe.req_row,
+                                                                   fe.kv_lens, self.scaling, gate=gate)
         return _gpu("decode_attention").paged_decode_attention(q, kb, vb, batch.req_to_token, batch.req_pool_indices,
                                                                batch.kv_lens, self.scaling, gate=gate)
 
@@ -374,6 +381,27 @@ def conv1d_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return _gpu("conv1d_extend").causal_conv1d_varlen_fused(x, weight, bias, conv_states, batch.varlen, activation)
     return causal_conv1d_varlen(x, weight, bias, batch.cu_seqlens, conv_states, batch.state_slots, activation,
                                 **_ckpt_kwargs(batch))
+
+
+def conv1d_fused_extend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        conv_states: torch.Tensor, batch: ForwardBatch, activation: str | None) -> torch.Tensor:
+    """A fused extend's causal conv (``ForwardBatch.fused_extend``): the extend kernels of
+    ``gpu/conv1d_extend.py`` on its device indices, the checkpoints' windows first, then the
+    sequence's final window into its own row."""
+    fe, conv = batch.fused_extend, _gpu("conv1d_extend")
+    m = fe.ckpt_pos.shape[0]
+    rows = conv.ConvRows(fe.tok_seq[:x.shape[0]], fe.cu_seqlens[:1],
+                         ((fe.tok_seq[:m], fe.ckpt_pos, fe.ckpt_slot), (fe.tok_seq[:1], fe.cu_seqlens[1:],
+                                                                       batch.state_slots)))
+    return conv.causal_conv1d_rows_fused(x, weight, bias, conv_states, rows, batch.state_slots, activation)
+
+
+def run_fused_extend_segments(segments, out: torch.Tensor, ssm_states: torch.Tensor, batch: ForwardBatch) -> None:
+    """A fused extend's recurrence: the layer's segment kernel (``fla_chunk.SegmentKernel``) over
+    its one sequence, from and back to its pool row, writing the checkpoints on the way."""
+    fe = batch.fused_extend
+    ckpts = _gpu("segment_checkpoints").SegmentCheckpoints(ssm_states, fe.ckpt_offsets, fe.ckpt_pos, fe.ckpt_slot)
+    segments(ssm_states, batch.state_slots, fe.cu_seqlens[:1], fe.cu_seqlens, out, ckpts, longest=fe.longest)
 
 
 def _ckpt_kwargs(batch: ForwardBatch, scan: bool = True) -> dict:
@@ -415,6 +443,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     fused_decode = True
+    fused_extend = True
     defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -458,6 +487,11 @@ class GatedDeltaNet(nn.Module):
                     mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu", chain=chain)
                 o = gdn.gated_delta_decode_fused(mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots,
                                                  self.num_k_heads, self.head_k_dim, chain=chain)  # [B, Hv, Dv]
+        elif batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch
+            mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
+            o = torch.zeros(t, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)  # padding rows: 0
+            run_fused_extend_segments(_gpu("gated_delta_chunks").segment_kernel(
+                mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim), o, ssm_states, batch)
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         d = self.head_v_dim
@@ -540,6 +574,7 @@ class Mamba2Mixer(nn.Module):
     """
 
     fused_decode = True
+    fused_extend = True
     defers_out = True  # forward(defer_out=True) may return an OutProjection
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -585,6 +620,14 @@ class Mamba2Mixer(nn.Module):
                                                                 batch.state_slots, self.dt_limit,
                                                                 chain=batch.chain_slots)  # [B, H, P]
             return self._out(y, z, t, x.dtype, defer_out)
+        if batch.fused_extend is not None:  # Triton: the conv, then the scan in one launch, then D * x
+            xbc = conv1d_fused_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")
+            xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
+            y = torch.zeros(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)  # padding rows: 0
+            run_fused_extend_segments(_gpu("mamba2_chunks").segment_kernel(
+                xs, dt, A, bs, cs, None, self.dt_bias, self.dt_limit), y, ssm_states, batch)
+            y = (y.float() + self.D.float()[:, None] * xs.view(t, self.num_heads, self.head_dim).float()).to(x.dtype)
+            return self._out(y, z, t, x.dtype)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         else:
@@ -1117,6 +1160,13 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         compiled verify step): full attention and Gated DeltaNet so far."""
         return all(type(mixer) in (Attention, GatedDeltaNet) for layer in self.layers for mixer in layer.mixers())
 
+    def supports_fused_extend(self) -> bool:
+        """Every mixer runs a fused extend (``ForwardBatch.fused_extend``: full attention, Gated
+        DeltaNet and Mamba2, whose extend kernels read only device indices), and nothing else reads
+        the host (MoE routing does): what a CUDA graph of an extend needs."""
+        return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers()) \
+            and not any(isinstance(m, SparseMoE) for m in self.modules())
+
     def supports_cuda_graph(self) -> bool:
         """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
         return self.supports_fused_decode() and not any(isinstance(m, SparseMoE) for m in self.modules())
@@ -1136,7 +1186,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = self.rope(batch, h)
-        if (batch.fused_decode or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
+        if (batch.fused_decode or batch.fused_extend is not None or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
             out, residual = None, h
             for layer in self.layers:
                 out, residual = layer.forward_fused(out, residual, batch, rope)

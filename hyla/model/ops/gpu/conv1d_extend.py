@@ -93,8 +93,10 @@ def _conv1d_windows_kernel(x_ptr, x_stride, state_ptr, state_stride, win_seq_ptr
 
 
 @dataclass(frozen=True)
-class _ExtendRows:
-    """A step's index tensors on the device (built once per step, shared by its conv layers)."""
+class ConvRows:
+    """An extend's index tensors on the device (built once per step, shared by its conv layers; a
+    captured extend's are views of its static inputs: ``forward_batch.FusedExtend``). A token of
+    ``tok_seq`` past its sequence's end (padding) computes a don't-care output row and nothing else."""
 
     tok_seq: torch.Tensor  # [T] each packed token's sequence
     starts: torch.Tensor  # [B] each sequence's first packed token
@@ -102,8 +104,8 @@ class _ExtendRows:
     windows: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
 
-def _extend_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> _ExtendRows:
-    def build() -> _ExtendRows:
+def _extend_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> ConvRows:
+    def build() -> ConvRows:
         lengths, ckpts, slots = varlen.lengths, varlen.ckpts, varlen.slots.host
         live = [i for i, s in enumerate(slots) if s >= 0]  # the sequences that write a final window
         ckpt_windows = (list(ckpts.seq), list(ckpts.num_tokens), list(ckpts.slot_list))
@@ -117,7 +119,7 @@ def _extend_rows(varlen: VarlenPlan, kernel: int, device: torch.device) -> _Exte
         long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         host = [torch.repeat_interleave(torch.arange(len(lengths)), long(lengths)), long(varlen.starts[:-1])]
         parts = to_device_packed(host + [long(column) for g in groups for column in g], device)
-        return _ExtendRows(parts[0], parts[1], tuple(tuple(parts[2 + 3 * i: 5 + 3 * i]) for i in range(len(groups))))
+        return ConvRows(parts[0], parts[1], tuple(tuple(parts[2 + 3 * i: 5 + 3 * i]) for i in range(len(groups))))
 
     return varlen.derive(("conv1d_extend", kernel, device), build)
 
@@ -129,12 +131,24 @@ def causal_conv1d_varlen_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
     the step's sequences ``varlen`` (its slots and checkpoints) start from their windows in
     ``conv_states [S, C, K-1]``; each final window goes back to its row and each checkpoint's
     window to the checkpoint's row, as :func:`~hyla.model.ops.conv1d.causal_conv1d_varlen` does."""
-    t, c = x.shape
+    t = x.shape[0]
     k = conv_kernel_size(x, weight, bias, conv_states, activation)
     if varlen.starts[-1] != t:
         raise ValueError(f"x has {t} tokens, the varlen plan {varlen.starts[-1]}")
-    rows = _extend_rows(varlen, k, x.device)
-    slots = varlen.slots.index
+    return causal_conv1d_rows_fused(x, weight, bias, conv_states, _extend_rows(varlen, k, x.device),
+                                    varlen.slots.index, activation)
+
+
+def causal_conv1d_rows_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             conv_states: torch.Tensor, rows: ConvRows, slots: torch.Tensor,
+                             activation: str | None = "silu") -> torch.Tensor:
+    """:func:`causal_conv1d_varlen_fused` on index tensors already on the device (no host value is
+    read: a CUDA graph can capture it): ``rows`` lays out the tokens and the windows to write,
+    ``slots [B]`` are the sequences' own rows of ``conv_states`` (their old windows)."""
+    t, c = x.shape
+    k = conv_kernel_size(x, weight, bias, conv_states, activation)
+    if rows.tok_seq.shape != (t,) or slots.shape != rows.starts.shape:
+        raise ValueError(f"the conv's rows must lay out {t} tokens and slots its {rows.starts.shape[0]} sequences")
     y = torch.empty(t, c, dtype=x.dtype, device=x.device)
     block_t, block_c = 16, 128
     if t:

@@ -1,0 +1,131 @@
+"""Extend attention over the paged KV pool in Triton: one sequence's new tokens, causal, split-KV.
+
+Reference: :func:`hyla.model.ops.attention.extend_sdpa` (causal, fp32 softmax), as the PyTorch
+extend path runs it after gathering the sequence's keys. Here nothing is gathered and nothing is
+read on the host: the sequence owns row ``req_row`` of the request table ``req_to_token``, and new
+token ``j`` attends to its first ``kv_lens[j]`` entries (its prefix and the new tokens up to itself,
+their K/V already written by the attention prologue, ``decode_attention.decode_qk_prologue``). The
+shapes depend on the token count only, so an extend can be captured in a CUDA graph
+(``engine/cuda_graph.py``'s ``CudaGraphExtend``, padded to a bucket: a padding token's
+``kv_lens`` entry is 1, its output don't-care).
+
+It is the decode kernel's flash-decoding, with ``BM`` consecutive tokens per program instead of one:
+program ``(block, kv_head, split)`` runs an online softmax over its share of the block's keys for
+the block's ``BM`` tokens times the ``Hq/Hkv`` query heads of that KV head (one ``[BM * BH, D]``
+tile for ``tl.dot``), so each key tile is read once for ``BM`` tokens, where one program per token
+would read the whole prefix once per token. Keys past a token's length are masked (the causal
+mask, and the end of a shorter block-mate's keys). The splits are merged, and the output gate
+applied, by the decode kernel's second stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.model.ops.gpu.decode_attention import _stage2, num_splits
+
+# query rows of a program's tile: BM tokens x the query heads of one KV head (padded to a power of 2)
+TILE_ROWS = 64
+
+
+@triton.jit
+def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
+                   part_lse_ptr, scale, kv_stride_s, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                   BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    blk = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    G: tl.constexpr = HQ // HKV
+    r = tl.arange(0, BM * BH)  # the tile's rows: token blk * BM + r // BH, query head kvh * G + r % BH
+    tok = blk * BM + r // BH
+    h = r % BH
+    mr = (tok < T) & (h < G)
+    d = tl.arange(0, BD)
+    md = d < D
+    q = tl.load(q_ptr + tok[:, None] * q_stride + (kvh * G + h[:, None]) * D + d[None, :],
+                mask=mr[:, None] & md[None, :], other=0.0)  # [M, BD]
+    lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys
+    length = tl.max(lens, axis=0)  # the block's longest
+    table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
+    start = split * per
+    end = tl.minimum(start + per, length)
+
+    m_i = tl.full([BM * BH], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BM * BH], dtype=tl.float32)
+    acc = tl.zeros([BM * BH, BD], dtype=tl.float32)
+    for n0 in range(start, end, BN):
+        n = n0 + tl.arange(0, BN)
+        mn = n < end
+        slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
+        kv_off = slot[:, None] * kv_stride_s + kvh * D + d[None, :]
+        kv_mask = mn[:, None] & md[None, :]
+        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        seen = mn[None, :] & (n[None, :] < lens[:, None])  # [M, BN]: each row's own keys (causal)
+        s = tl.where(seen, s.to(tl.float32) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN from -inf - -inf
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        if IEEE:
+            pv = tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(values.dtype), values)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = (tok * HQ + kvh * G + h) * SPLITS + split  # [M]: the decode kernel's partial layout
+    empty = l_i == 0.0
+    tl.store(part_o_ptr + out[:, None] * D + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
+             mask=mr[:, None] & md[None, :])
+    tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mr)
+
+
+def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                           req_to_token: torch.Tensor, req_row: torch.Tensor, kv_lens: torch.Tensor, scaling: float,
+                           splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [T, Hq, D]`` (contiguous heads; rows may be strided): one sequence's new tokens over
+    ``k_buffer / v_buffer [S, Hkv, D]``; token ``j`` attends to the slots ``req_to_token[req_row,
+    :kv_lens[j]]`` (``req_row [1]``, ``kv_lens [T]`` on the device) -> ``o [T, Hq, D]`` (dtype of
+    q), times ``sigmoid(gate)`` with a ``gate [T, Hq, D]`` (unit stride along D)."""
+    t, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    if hq % hkv or k_buffer.shape[2] != d or v_buffer.shape != k_buffer.shape:
+        raise ValueError(f"q {list(q.shape)} does not fit the KV buffers {list(k_buffer.shape)}")
+    if hq // hkv > TILE_ROWS or q.stride(2) != 1 or q.stride(1) != d \
+            or not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
+        raise ValueError(f"q rows [Hq, D] and the KV buffers must be contiguous, with at most {TILE_ROWS} query "
+                         "heads per KV head")
+    if req_row.shape != (1,) or kv_lens.shape != (t,) or req_to_token.stride(1) != 1:
+        raise ValueError(f"req_row must be [1] and kv_lens [{t}]; req_to_token rows contiguous")
+    if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
+        raise ValueError(f"gate must be [T, Hq, D] = {list(q.shape)} in {q.dtype} with unit stride along D")
+    bh = triton.next_power_of_2(hq // hkv)
+    bm = max(1, TILE_ROWS // bh)
+    blocks = triton.cdiv(t, bm)
+    splits = splits or num_splits(blocks, hkv)
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of 2, got {splits}")
+    o = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return o
+    part_o = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
+    bd = triton.next_power_of_2(d)
+    ieee = q.dtype == torch.float32
+    _extend_stage1[(blocks, hkv, splits)](
+        q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o, part_lse, scaling,
+        k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm, BN=32 if ieee or bd > 128 else 64,
+        SPLITS=splits, IEEE=ieee, num_warps=8)
+    _stage2[(t * hq,)](part_o, part_lse, o, gate if gate is not None else o, gate.stride(0) if gate is not None else 0,
+                       HQ=hq, D=d, BD=bd, SPLITS=splits, GATE=gate is not None,
+                       GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
+    return o

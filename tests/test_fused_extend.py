@@ -1,0 +1,167 @@
+"""The fused extend (``ForwardBatch.fused_extend``: one sequence's extend with every index on the
+device, what ``CudaGraphExtend`` captures per token count) against the PyTorch extend.
+
+Whole engines, prefix cache on: sequential requests (each prefill one sequence's extend), fresh and
+with a cached prefix (restored from a checkpoint, the extend writing its end - 1 checkpoint), short
+(the recurrent segment kernel) and long (the chunked one), padded to the token counts captured on a
+GPU; the same greedy tokens and logprobs within 1e-4 in fp32. Without a GPU the kernels run in
+Triton's interpreter on CPU tensors; on a GPU the ``gpu``-marked test replays the graphs.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before hyla.model.ops.gpu defines its kernels
+DEVICE = "cuda" if GPU else "cpu"
+
+pytest.importorskip("triton")
+
+from hyla import Engine  # noqa: E402
+from hyla.engine.model_runner import ModelRunner  # noqa: E402
+from hyla.model.ops.attention import extend_sdpa  # noqa: E402
+from hyla.model.ops.gpu.extend_attention import paged_extend_attention  # noqa: E402
+from test_engine_differential import compare_outputs  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if GPU else [torch.float32])
+@pytest.mark.parametrize("hq, hkv, d, prefix, n, splits", [(8, 2, 32, 37, 21, None), (8, 2, 32, 0, 5, 4),
+                                                           (4, 4, 16, 100, 70, 2), (16, 2, 64, 3, 40, None)])
+def test_paged_extend_attention_kernel(dtype, hq, hkv, d, prefix, n, splits):
+    """One sequence's new tokens over its prefix and themselves (causal), its slots scattered over
+    the pool in row 2 of the request table; 6 padding tokens after them (one key each) that must
+    stay finite; the output gate a strided view, as the layer passes it."""
+    g = torch.Generator().manual_seed(prefix + n)
+    kb = torch.randn(300, hkv, d, generator=g).to(DEVICE, dtype)
+    vb = torch.randn(300, hkv, d, generator=g).to(DEVICE, dtype)
+    slots = torch.randperm(299, generator=g)[:prefix + n] + 1
+    table = torch.zeros(4, 256, dtype=torch.int32)
+    table[2, :prefix + n] = slots.int()
+    q = torch.randn(n + 6, hq, d, generator=g).to(DEVICE, dtype)
+    gate = torch.randn(n + 6, hq, 2 * d, generator=g).to(DEVICE, dtype)[:, :, d:]
+    lens = torch.tensor([prefix + j + 1 for j in range(n)] + [1] * 6, device=DEVICE)
+    o = paged_extend_attention(q, kb, vb, table.to(DEVICE), torch.tensor([2], device=DEVICE), lens, 0.3,
+                               splits=splits, gate=gate)
+    k, v = kb[slots.to(DEVICE)].transpose(0, 1), vb[slots.to(DEVICE)].transpose(0, 1)
+    ref = extend_sdpa(q[:n].transpose(0, 1).float(), k.float(), v.float(), prefix, None, 0.3).transpose(0, 1)
+    ref = ref * torch.sigmoid(gate[:n].float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(o[:n].float(), ref, atol=tol, rtol=tol)
+    assert torch.isfinite(o).all()
+
+
+def test_paged_extend_attention_refuses_bad_shapes():
+    q = torch.zeros(5, 8, 16, device=DEVICE)
+    kb = torch.zeros(10, 2, 16, device=DEVICE)
+    table, row = torch.zeros(2, 8, dtype=torch.int32, device=DEVICE), torch.tensor([1], device=DEVICE)
+    with pytest.raises(ValueError, match="kv_lens"):
+        paged_extend_attention(q, kb, kb, table, row, torch.ones(4, dtype=torch.long, device=DEVICE), 1.0)
+    with pytest.raises(ValueError, match="power of 2"):
+        paged_extend_attention(q, kb, kb, table, row, torch.ones(5, dtype=torch.long, device=DEVICE), 1.0, splits=3)
+
+
+def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = None) -> list[dict]:
+    """Two turns of ``requests`` requests, one request at a time (each prefill one sequence's
+    extend): prompts of 3-70 tokens, half after a shared 37-token system prompt; turn 2 repeats each
+    prompt, then extends each turn-1 conversation. ``fused_extend``: first swap in a fused runner whose single-sequence extends
+    of up to that many tokens run as fused extends (CPU: interpreted, no graphs)."""
+    if fused_extend is not None:
+        engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
+                                              engine.device, cuda_graph=False, fused_decode=True,
+                                              fused_extend_max_tokens=fused_extend)
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    system = [rng.randrange(3, vocab) for _ in range(37)]
+    wave = [(system if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(3, 70))]
+            for i in range(requests)]
+    params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}  # extends only: no decode step
+    outs = [engine.generate(input_ids=ids, return_logprob=True, sampling_params=params) for ids in wave]
+    # turn 2: each prompt again (its prefill's end - 1 checkpoint hit: a 1-token extend from it), then
+    # the conversation continued (the finished turn's state hit)
+    for ids, first in zip(wave, list(outs)):
+        for again in (ids, ids + first["output_ids"] + [5, 6, 7]):
+            outs.append(engine.generate(input_ids=again, return_logprob=True, sampling_params=params))
+    engine.wait_idle()
+    engine.check_integrity()
+    return outs
+
+
+@pytest.fixture
+def few_splits(monkeypatch):
+    """Interpreted (no GPU), attention splits each block's keys 2 ways at most, not the 32 that
+    fill an H100 for one block of tokens (the interpreter runs the programs one by one; the kernel
+    test checks other split counts)."""
+    if not GPU:
+        from hyla.model.ops.gpu import decode_attention, extend_attention
+
+        default = decode_attention.num_splits
+        few = lambda *args, **kw: min(2, default(*args, **kw))  # noqa: E731
+        monkeypatch.setattr(decode_attention, "num_splits", few)
+        monkeypatch.setattr(extend_attention, "num_splits", few)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
+    """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
+    token counts, checkpoints written by the segment kernels, attention over the request table)
+    == the PyTorch extend, token for token, logprobs within 1e-4 (Gated DeltaNet with attention:
+    Qwen3.5; Mamba2 with attention: Bamba), and the fused extends did run."""
+    path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    with Engine(path, **opts) as plain:
+        if GPU:  # the PyTorch extend: no fused runner
+            plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
+                                                 plain.device, cuda_graph=False, fused_decode=False)
+        a = _turns(plain, 0, 3)
+    ran = []
+    original = ModelRunner._forward_extend_fused
+    monkeypatch.setattr(ModelRunner, "_forward_extend_fused",
+                        lambda self, req, n, *args: ran.append(n) or original(self, req, n, *args))
+    with Engine(path, **opts) as fused:
+        b = _turns(fused, 0, 3, fused_extend=64)
+    assert len(ran) >= 6 and min(ran) < 16 < max(ran)  # the recurrent and the chunked segment kernels
+    n = compare_outputs(a, b)
+    assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
+
+
+@pytest.mark.gpu
+def test_engine_bf16_extend_graphs_match_eager(qwen3_5_path, monkeypatch):
+    """bf16 on the GPU: extends replayed from their CUDA graphs == the same fused extends launched
+    eagerly (padded alike), token for token, and the graphs did replay (padding tokens must not
+    leak into real ones: the same kernels on the same inputs)."""
+    from hyla.engine.cuda_graph import CudaGraphExtend
+
+    replays = []
+    original = CudaGraphExtend.replay
+    monkeypatch.setattr(CudaGraphExtend, "replay", lambda self, bucket: replays.append(bucket) or original(self, bucket))
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    with Engine(qwen3_5_path, **opts) as graphs:
+        assert graphs.scheduler.runner.extend_graphs is not None
+        a = _turns(graphs, 0, 3)
+    assert len(replays) >= 6
+    with Engine(qwen3_5_path, **opts) as eager:
+        b = _turns(eager, 0, 3, fused_extend=1024)
+    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    for x, y in zip(a, b):
+        torch.testing.assert_close([lp for lp, _, _ in x["meta_info"]["output_token_logprobs"]],
+                                   [lp for lp, _, _ in y["meta_info"]["output_token_logprobs"]], atol=0, rtol=0)
+
+
+def test_extend_buckets_and_their_option():
+    from hyla.engine.args import EngineArgs
+    from hyla.engine.cuda_graph import extend_buckets
+
+    assert extend_buckets(100) == [16, 32, 48, 64, 96, 100]
+    assert extend_buckets(16) == [16] and extend_buckets(5) == [5]
+    with pytest.raises(ValueError, match=">= 1"):
+        extend_buckets(0)
+    assert EngineArgs(cuda_graph_max_extend_tokens=0).cuda_graph_max_extend_tokens == 0  # off
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="cuda_graph_max_extend_tokens"):
+            EngineArgs(cuda_graph_max_extend_tokens=bad)
