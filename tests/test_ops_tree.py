@@ -66,8 +66,11 @@ def _scan(trees, slots, entries, rows, num_slots):
     return TokenTree.build(trees, lens, "cpu").plan(SlotPlan.build(torch.tensor(slots), num_slots), ck)
 
 
-def _check_against_paths(run_step, inputs, pool, trees, slots, entries, rows, out):
-    """Replay every token's path with decode steps from the pool as it was; compare bitwise."""
+def _check_against_paths(run_step, inputs, pool, trees, slots, entries, rows, out, exact: bool = True):
+    """Replay every token's path with decode steps from the pool as it was; compare bitwise
+    (``exact=False``: within fp32 rounding, 1e-5)."""
+    same = torch.equal if exact else \
+        (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
     starts = [0]
     for par in trees:
         starts.append(starts[-1] + len(par))
@@ -80,12 +83,12 @@ def _check_against_paths(run_step, inputs, pool, trees, slots, entries, rows, ou
             ref[scratch] = before[slots[i]]
             for a in path:
                 o = run_step([x[starts[i] + a:starts[i] + a + 1] for x in inputs[:-1]], ref, scratch)
-            assert torch.equal(out[starts[i] + j], o[0]), f"sequence {i} token {j}"
+            assert same(out[starts[i] + j], o[0]), f"sequence {i} token {j}"
             if j == len(par) - 1:
-                assert torch.equal(pool[slots[i]], ref[scratch]), f"sequence {i}: final state"
+                assert same(pool[slots[i]], ref[scratch]), f"sequence {i}: final state"
             else:
                 row = rows[entries.index((i, j + 1))]
-                assert torch.equal(pool[row], ref[scratch]), f"sequence {i}: checkpoint after token {j}"
+                assert same(pool[row], ref[scratch]), f"sequence {i}: checkpoint after token {j}"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -130,7 +133,11 @@ def test_mamba2_tree_scan_equals_decode_steps_along_each_path(case):
     def step(xs, ref, row):
         return mamba2_state_update(xs[0], xs[1], A, xs[2], xs[3], D, dt_bias, ref, torch.tensor([row]))
 
-    _check_against_paths(step, (x, dt, B, Cm, before), pool, trees, slots, entries, rows, out)
+    # within fp32 rounding, not bitwise: on an AMD EPYC the trees' batched products round differently
+    # from one decode step's (|diff| <= 6e-6 on outputs of magnitude ~10; bitwise elsewhere)
+    _check_against_paths(step, (x, dt, B, Cm, before), pool, trees, slots, entries, rows, out, exact=False)
+    untouched = [r for r in range(num_slots) if r not in slots and r not in rows]
+    assert torch.equal(pool[untouched], before[untouched])
 
 
 @pytest.mark.parametrize("case", list(CASES))
