@@ -28,6 +28,55 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md, R: tl.constexpr,
+                  BD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """The online softmax of query rows ``q [R, BD]`` over keys ``[start, end)`` of one request-table
+    row ``table`` (``k_ptr`` / ``v_ptr`` at the KV head's first element) -> ``(acc [R, BD], m [R], l [R])``; with ``CAUSAL`` row ``r``
+    sees only keys below ``lens[r]`` (a row may see none in a block: no NaN from ``-inf - -inf``)."""
+    m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([R], dtype=tl.float32)
+    acc = tl.zeros([R, BD], dtype=tl.float32)
+    for n0 in range(start, end, BN):
+        n = n0 + tl.arange(0, BN)
+        mn = n < end
+        slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
+        kv_off = slot[:, None] * kv_stride_s + d[None, :]
+        kv_mask = mn[:, None] & md[None, :]
+        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        if IEEE:
+            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(keys))
+        seen = mn[None, :]  # [1, BN]
+        if CAUSAL:
+            seen = seen & (n[None, :] < lens[:, None])  # [R, BN]: each row's own keys
+        s = tl.where(seen, s.to(tl.float32) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        if IEEE:
+            pv = tl.dot(p, values.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(values.dtype), values)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_partials(part_o_ptr, part_lse_ptr, out, acc, m_i, l_i, mask, d, md, D: tl.constexpr):
+    """A split's partial output and log-sum-exp at rows ``out`` of stage 2's layout (an empty
+    split: ``lse = -inf``, which stage 2 weighs 0)."""
+    empty = l_i == 0.0
+    tl.store(part_o_ptr + out[:, None] * D + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
+             mask=mask[:, None] & md[None, :])
+    tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mask)
+
+
+@triton.jit
 def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr, part_lse_ptr, scale,
             kv_stride_s, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
             BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
@@ -46,39 +95,9 @@ def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, le
     per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
     start = split * per
     end = tl.minimum(start + per, length)
-
-    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BH], dtype=tl.float32)
-    acc = tl.zeros([BH, BD], dtype=tl.float32)
-    for n0 in range(start, end, BN):
-        n = n0 + tl.arange(0, BN)
-        mn = n < end
-        slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
-        kv_off = slot[:, None] * kv_stride_s + kvh * D + d[None, :]
-        kv_mask = mn[:, None] & md[None, :]
-        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
-        if IEEE:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
-        s = tl.where(mn[None, :], s.to(tl.float32) * scale, float("-inf"))  # [BH, BN]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
-        if IEEE:
-            pv = tl.dot(p, values.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(values.dtype), values)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out = (i * HQ + kvh * G + h) * SPLITS + split  # [BH]
-    empty = l_i == 0.0
-    tl.store(part_o_ptr + out[:, None] * D + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
-             mask=mh[:, None] & md[None, :])
-    tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mh)
+    acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, length,
+                                  scale, d, md, BH, BD, BN, False, IEEE)
+    _store_partials(part_o_ptr, part_lse_ptr, (i * HQ + kvh * G + h) * SPLITS + split, acc, m_i, l_i, mh, d, md, D)
 
 
 @triton.jit
@@ -122,18 +141,35 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     if gate is not None and (gate.shape != q.shape or gate.dtype != q.dtype or gate.stride(2) != 1):
         raise ValueError(f"gate must be [B, Hq, D] = {list(q.shape)} in {q.dtype} with unit stride along D")
     splits = splits or num_splits(b, hkv)
-    part_o = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b, hq, splits, dtype=torch.float32, device=q.device)
+    part_o, part_lse = split_partials(q, splits)
     bd = triton.next_power_of_2(d)
     ieee = q.dtype == torch.float32
     _stage1[(b, hkv, splits)](
         q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o, part_lse, scaling,
         k_buffer.stride(0), HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
         BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=4)
-    o = torch.empty(b, hq, d, dtype=q.dtype, device=q.device)
-    _stage2[(b * hq,)](part_o, part_lse, o, gate if gate is not None else o, gate.stride(0) if gate is not None else 0,
-                       HQ=hq, D=d, BD=bd, SPLITS=splits, GATE=gate is not None,
-                       GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
+    return merge_splits(part_o, part_lse, q.dtype, gate)
+
+
+def split_partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1's outputs for queries ``q [N, Hq, D]``: ``part_o [N, Hq, splits, D]`` and
+    ``part_lse [N, Hq, splits]``, fp32."""
+    n, hq, d = q.shape
+    return (torch.empty(n, hq, splits, d, dtype=torch.float32, device=q.device),
+            torch.empty(n, hq, splits, dtype=torch.float32, device=q.device))
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype,
+                 gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 2: the splits of :func:`split_partials` merged -> ``o [N, Hq, D]`` in ``dtype``, times
+    ``sigmoid(gate)`` with a ``gate [N, Hq, D]`` (unit stride along D)."""
+    n, hq, splits, d = part_o.shape
+    o = torch.empty(n, hq, d, dtype=dtype, device=part_o.device)
+    if n:
+        _stage2[(n * hq,)](part_o, part_lse, o, gate if gate is not None else o,
+                           gate.stride(0) if gate is not None else 0, HQ=hq, D=d, BD=triton.next_power_of_2(d),
+                           SPLITS=splits, GATE=gate is not None,
+                           GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
     return o
 
 

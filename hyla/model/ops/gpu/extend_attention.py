@@ -9,7 +9,8 @@ shapes depend on the token count only, so an extend can be captured in a CUDA gr
 (``engine/cuda_graph.py``'s ``CudaGraphExtend``, padded to a bucket: a padding token's
 ``kv_lens`` entry is 1, its output don't-care).
 
-It is the decode kernel's flash-decoding, with ``BM`` consecutive tokens per program instead of one:
+It is the decode kernel's flash-decoding (the same online-softmax loop, ``decode_attention._attend_split``,
+causal here), with ``BM`` consecutive tokens per program instead of one:
 program ``(block, kv_head, split)`` runs an online softmax over its share of the block's keys for
 the block's ``BM`` tokens times the ``Hq/Hkv`` query heads of that KV head (one ``[BM * BH, D]``
 tile for ``tl.dot``), so each key tile is read once for ``BM`` tokens, where one program per token
@@ -24,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu.decode_attention import _stage2, num_splits
+from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, merge_splits, num_splits, \
+    split_partials
 
 # query rows of a program's tile: BM tokens x the query heads of one KV head (padded to a power of 2)
 TILE_ROWS = 64
@@ -52,41 +54,10 @@ def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_p
     per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
     start = split * per
     end = tl.minimum(start + per, length)
-
-    m_i = tl.full([BM * BH], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BM * BH], dtype=tl.float32)
-    acc = tl.zeros([BM * BH, BD], dtype=tl.float32)
-    for n0 in range(start, end, BN):
-        n = n0 + tl.arange(0, BN)
-        mn = n < end
-        slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
-        kv_off = slot[:, None] * kv_stride_s + kvh * D + d[None, :]
-        kv_mask = mn[:, None] & md[None, :]
-        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
-        if IEEE:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
-        seen = mn[None, :] & (n[None, :] < lens[:, None])  # [M, BN]: each row's own keys (causal)
-        s = tl.where(seen, s.to(tl.float32) * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN from -inf - -inf
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
-        if IEEE:
-            pv = tl.dot(p, values.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(values.dtype), values)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-    out = (tok * HQ + kvh * G + h) * SPLITS + split  # [M]: the decode kernel's partial layout
-    empty = l_i == 0.0
-    tl.store(part_o_ptr + out[:, None] * D + d[None, :], acc / tl.where(empty, 1.0, l_i)[:, None],
-             mask=mr[:, None] & md[None, :])
-    tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mr)
+    acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, lens, scale,
+                                  d, md, BM * BH, BD, BN, True, IEEE)
+    # the decode kernel's partial layout
+    _store_partials(part_o_ptr, part_lse_ptr, (tok * HQ + kvh * G + h) * SPLITS + split, acc, m_i, l_i, mr, d, md, D)
 
 
 def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -114,18 +85,12 @@ def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     splits = splits or num_splits(blocks, hkv)
     if splits & (splits - 1):
         raise ValueError(f"splits must be a power of 2, got {splits}")
-    o = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    if t == 0:
-        return o
-    part_o = torch.empty(t, hq, splits, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(t, hq, splits, dtype=torch.float32, device=q.device)
+    part_o, part_lse = split_partials(q, splits)
     bd = triton.next_power_of_2(d)
     ieee = q.dtype == torch.float32
-    _extend_stage1[(blocks, hkv, splits)](
-        q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o, part_lse, scaling,
-        k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm, BN=32 if ieee or bd > 128 else 64,
-        SPLITS=splits, IEEE=ieee, num_warps=8)
-    _stage2[(t * hq,)](part_o, part_lse, o, gate if gate is not None else o, gate.stride(0) if gate is not None else 0,
-                       HQ=hq, D=d, BD=bd, SPLITS=splits, GATE=gate is not None,
-                       GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
-    return o
+    if t:
+        _extend_stage1[(blocks, hkv, splits)](
+            q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
+            part_lse, scaling, k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm,
+            BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=8)
+    return merge_splits(part_o, part_lse, q.dtype, gate)
