@@ -41,8 +41,10 @@ import functools
 import io
 import pstats
 import random
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -126,6 +128,57 @@ class PhaseProfile:
         return out.getvalue()
 
 
+class Timeline:
+    """Where the wall time of an unprofiled call goes, on the clock: when each of a few engine
+    methods on a request's path starts and ends, in ms after the call began (medians over calls).
+    Without profilers it shows what they hide: the host's gaps around the device's work (a
+    prefill's forward is launched at "forward launched" and waited for inside "tokens read")."""
+
+    MARKS = (("engine", "_make_requests", "requests validated and built"),
+             ("scheduler", "schedule", "scheduled: prefix matched, admitted, state restored"),
+             ("scheduler", "run", "forward launched"),
+             ("cache", "commit_batch", "prompt committed to the tree"),
+             ("output", "complete", "tokens read (waits for the device), appended"),
+             ("scheduler", "_finish", "request released to the cache"))
+
+    def __init__(self, engine):
+        s = engine.scheduler
+        self.objects = {"engine": engine, "scheduler": s, "cache": s.cache, "output": s.output}
+        self.marks: list[tuple[str, float, float]] = []
+
+    def run(self, make, repeats: int) -> list[tuple[str, float, float]]:
+        """``make()`` -> the call to time, ``repeats`` times -> ``(label, start, end)`` medians
+        (ms after the call began) for each mark that ran, in order."""
+        wrapped = []
+        for key, name, label in self.MARKS:
+            obj = self.objects[key]
+            fn = getattr(obj, name)
+
+            def timed_method(*a, _fn=fn, _label=label, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    self.marks.append((_label, t, time.perf_counter()))
+            setattr(obj, name, timed_method)
+            wrapped.append((obj, name))
+        runs = []
+        try:
+            for _ in range(repeats):
+                fn = make()
+                self.marks = []
+                t0 = time.perf_counter()
+                fn()
+                runs.append([(label, 1e3 * (a - t0), 1e3 * (b - t0)) for label, a, b in self.marks]
+                            + [("call returned",) + (1e3 * (time.perf_counter() - t0),) * 2])
+        finally:
+            for obj, name in wrapped:
+                delattr(obj, name)  # back to the class's method
+        first = runs[0]
+        return [(label, statistics.median(r[i][1] for r in runs), statistics.median(r[i][2] for r in runs))
+                for i, (label, _, _) in enumerate(first) if all(len(r) == len(first) for r in runs)]
+
+
 def _minus(a: dict, b: dict, n: int) -> dict:
     """Per decode step: ``(a - b) / n`` of the counts and times (``b``: the prefill alone)."""
     keys = ("wall_ms", "busy_ms", "kernels", "launches", "copies", "syncs")
@@ -145,6 +198,8 @@ def main() -> None:
     ap.add_argument("--cached-tokens", type=int, default=3800)
     ap.add_argument("--overlap-schedule", default="auto")
     ap.add_argument("--no-traces", action="store_true", help="no Chrome trace files (they can be large)")
+    ap.add_argument("--timeline-repeats", type=int, default=7, help="unprofiled calls of each prefill phase timed "
+                    "on the clock (section 'Prefill phases on the clock')")
     args = ap.parse_args()
     dev = args.device
     dtype_name = args.dtype or ("float32" if dev == "cpu" else "bfloat16")
@@ -193,6 +248,8 @@ def main() -> None:
         r = results[name]
         print(f"{name}: wall {r['wall_ms']:.1f} ms, device busy {r['busy_ms']:.1f} ms, {r['kernels']} kernels, "
               f"{r['copies']} copies, {r['syncs']} syncs", flush=True)
+    timeline = {name: Timeline(engine).run(phases[name], args.timeline_repeats)
+                for name in ("prefill_cold", "prefill_cached")}
     engine.shutdown()
 
     lines = [f"# Engine profile: {machine()}, {dtype_name}, model {'tiny' if args.tiny else 'Qwen3.5-0.8B dims'}",
@@ -204,6 +261,16 @@ def main() -> None:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | {r['kernels']:.0f} | {r['launches']:.0f} | "
                      f"{r['copies']:.0f} | {r['syncs']:.0f} |")
+    lines += ["", f"## Prefill phases on the clock (ms after generate() was called, medians of {args.timeline_repeats} "
+              "unprofiled calls; `Timeline`)", "", "| mark | " + " | ".join(f"{n}: start | end" for n in timeline) + " |",
+              "|---|" + "---|---|" * len(timeline)]
+    labels = [m[0] for m in timeline["prefill_cached"]]
+    for label in labels:
+        cells = []
+        for marks in timeline.values():
+            hit = next((m for m in marks if m[0] == label), None)
+            cells += [f"{hit[1]:.2f}", f"{hit[2]:.2f}"] if hit else ["—", "—"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for name, r in rows.items():
         if r["top_kernels"]:
             lines += ["", f"## {name}: top kernels (whole call)", "", "| kernel | count | ms |", "|---|---|---|"]
@@ -213,6 +280,8 @@ def main() -> None:
                   PhaseProfile.python_top(r["python"]), "```"]
     (args.out / "profile.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[:len(rows) + 6]))
+    start = lines.index(next(x for x in lines if x.startswith("## Prefill phases on the clock")))
+    print("\n".join(lines[start:start + 4 + len(labels)]))
     print(f"written: {args.out / 'profile.md'}" + ("" if args.no_traces or dev == "cpu" else " and one trace per phase"))
 
 

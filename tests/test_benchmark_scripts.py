@@ -49,6 +49,15 @@ def test_gpu_profile_runs_on_cpu_for_the_prefill_phases_alone(tmp_path):
     phases = [line.split(":")[0][3:] for line in profile.splitlines() if line.endswith("Python profile")]
     assert phases == ["prefill_cold", "prefill_cached"]  # one profile each, no decode phase
     assert "forward_extend" in profile
+    # the clock's marks in the order a prefill passes them, each ending before the next starts
+    clock = profile.split("## Prefill phases on the clock", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in clock.splitlines() if line.startswith("| ") and line[2] != "-"][1:]
+    assert [r[0][2:] for r in rows][:3] == ["requests validated and built",
+                                            "scheduled: prefix matched, admitted, state restored", "forward launched"]
+    assert rows[-1][0] == "| call returned"
+    for col in (1, 3):  # cold and cached: start <= end <= the next mark's start
+        times = [float(t) for r in rows for t in (r[col], r[col + 1].rstrip(" |"))]
+        assert times == sorted(times) and times[-1] > 0
 
 
 @pytest.mark.slow
