@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.cuda_graph import EXTEND_CHECKPOINTS
+from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode, CudaGraphExtend,
+                                    ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import DOT_MAX_ROWS, keep_row_major_copies_
@@ -98,8 +99,6 @@ class ModelRunner:
             rows = max(cuda_graph_max_bs, 1) * (self.verify_width or 1)  # a verify step's rows: W per request
             self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
             if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph():
-                from hyla.engine.cuda_graph import VERIFY_GRAPH_MAX_BS, CudaGraphDecode
-
                 self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
                 if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
                     self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
@@ -110,8 +109,6 @@ class ModelRunner:
             # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
             extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])
             if extend_tokens > 0 and model.supports_fused_extend():
-                from hyla.engine.cuda_graph import CudaGraphExtend, ExtendInputs, extend_buckets  # noqa: F811
-
                 if self.graphs is not None:
                     self.extend_graphs = CudaGraphExtend(self, extend_tokens, pool=self.graphs.pool)
                     self.extend_inputs = self.extend_graphs.inputs
