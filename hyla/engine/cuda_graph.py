@@ -218,16 +218,15 @@ class ExtendInputs:
 
 
 class CudaGraphExtend:
-    """One captured fused extend of one sequence per token count in :func:`extend_buckets`
-    ``(max_tokens)``: an extend of ``n`` tokens replays the smallest graph of at least ``n`` (the
-    module's decode graphs, for an extend: a cached prompt's new part is ~1,000 launches, each paid
-    on the host when launched one by one). ``pool``: a graph memory pool to share."""
+    """One captured fused extend of one sequence per token count in ``buckets`` (ascending, from
+    :func:`extend_buckets`): an extend of ``n`` tokens replays the smallest graph of at least ``n``
+    (the module's decode graphs, for an extend: a cached prompt's new part is ~1,000 launches, each
+    paid on the host when launched one by one). ``pool``: a graph memory pool to share."""
 
-    def __init__(self, runner: "ModelRunner", max_tokens: int, pool=None):
+    def __init__(self, runner: "ModelRunner", buckets: Sequence[int], pool=None):
         self.runner = runner
-        self.buckets = extend_buckets(max_tokens)
-        self.max_tokens = self.buckets[-1]
-        self.inputs = ExtendInputs(runner, self.max_tokens)
+        self.buckets = list(buckets)
+        self.inputs = ExtendInputs(runner, self.buckets[-1])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool
@@ -236,10 +235,10 @@ class CudaGraphExtend:
     def _capture(self) -> None:
         pool, runner = self.pool, self.runner
         stream = torch.cuda.Stream(runner.device)
-        empty = torch.zeros(0, dtype=torch.long)
         for bucket in reversed(self.buckets):  # largest first: the smaller graphs reuse its memory
             # the sentinels: state row 0, the spare request row, KV slot 0 (no request's)
-            self.inputs.fill([0] * bucket, range(bucket), empty.new_zeros(bucket), bucket, 0, runner.pad_row, [])
+            self.inputs.fill([0] * bucket, range(bucket), torch.zeros(bucket, dtype=torch.long), bucket, 0,
+                             runner.pad_row, [])
             batch = self.inputs.batch(bucket)
             graph, self.outputs[bucket] = capture(lambda: runner.model.forward_unchecked(batch), stream, pool)
             pool = graph.pool()

@@ -109,12 +109,12 @@ class ModelRunner:
             # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
             extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])
             if extend_tokens > 0 and model.supports_fused_extend():
+                self._extend_buckets = extend_buckets(extend_tokens)
                 if self.graphs is not None:
-                    self.extend_graphs = CudaGraphExtend(self, extend_tokens, pool=self.graphs.pool)
+                    self.extend_graphs = CudaGraphExtend(self, self._extend_buckets, pool=self.graphs.pool)
                     self.extend_inputs = self.extend_graphs.inputs
                 else:
-                    self.extend_inputs = ExtendInputs(self, extend_buckets(extend_tokens)[-1])
-                self._extend_buckets = extend_buckets(extend_tokens)
+                    self.extend_inputs = ExtendInputs(self, self._extend_buckets[-1])
         elif self.device.type == "cuda":
             logger.info("%s: no fused decode kernels for its layers; decode runs the PyTorch ops", c.architecture)
         if self.fused and compile_decode:

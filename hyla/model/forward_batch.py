@@ -403,6 +403,12 @@ class ForwardBatch:
         return len(self.extend_lens)
 
     @property
+    def on_device(self) -> bool:
+        """A fused decode step or a fused extend: every index is on the device and the forward reads
+        no host value (the Triton kernels' paths, capturable in a CUDA graph)."""
+        return self.fused_decode or self.fused_extend is not None
+
+    @property
     def num_checkpoints(self) -> int:
         return int(self.ckpt_slot.numel())
 

@@ -68,7 +68,7 @@ class Rope(NamedTuple):
 def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
     """Whether :class:`Attention` runs the q/k prologue kernel for this batch (RoPE from the
     positions, no tables): a fused decode step or extend, or an extend on CUDA."""
-    return batch.fused_decode or batch.fused_extend is not None or (_on_gpu(x) and not batch.is_decode)
+    return batch.on_device or (_on_gpu(x) and not batch.is_decode)
 
 
 # --- projections -------------------------------------------------------------------------------
@@ -287,8 +287,7 @@ class Attention(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
         qkv = self.qkv_proj(x)
-        if batch.fused_decode or batch.fused_extend is not None:  # three Triton kernels: q/k norm + RoPE + the
-            # K/V writes, then attention (+ gate)
+        if batch.on_device:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
             return out_projection(self.o_proj, self._attend_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
                                   defer_out)
         if _runs_prologue_kernel(batch, qkv):  # an extend on CUDA: the prologue kernel, then attention over the pool
@@ -1186,7 +1185,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = self.rope(batch, h)
-        if (batch.fused_decode or batch.fused_extend is not None or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
+        if (batch.on_device or _on_gpu(h)) and self._residual_fusable:  # each residual add in the next norm's kernel
             out, residual = None, h
             for layer in self.layers:
                 out, residual = layer.forward_fused(out, residual, batch, rope)
