@@ -275,22 +275,20 @@ def main() -> None:
 
     def hyla_cached(fused: bool = True) -> tuple[float, int]:
         runner = engine.scheduler.runner
-        keep = runner.extend_inputs if hasattr(runner, "extend_inputs") else None
+        keep = getattr(runner, "extend_inputs", None)  # an older checkout's runner has none
         if not fused:  # the PyTorch-driven extend (the path before CUDA graphs of extends)
             runner.extend_inputs = None
         try:
-            return _hyla_cached()
+            prefix, c = fresh(args.cached_tokens), args.cached_tokens
+            engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c), checkpoints=[c],
+                            sampling_params=greedy(1))
+            outs = []
+            t = timed(lambda: outs.append(engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c),
+                                                          sampling_params=greedy(1))), dev)
+            return t, outs[0]["meta_info"]["cached_tokens"]
         finally:
             if keep is not None:
                 runner.extend_inputs = keep
-
-    def _hyla_cached() -> tuple[float, int]:
-        prefix, c = fresh(args.cached_tokens), args.cached_tokens
-        engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c), checkpoints=[c], sampling_params=greedy(1))
-        outs = []
-        t = timed(lambda: outs.append(engine.generate(input_ids=prefix + fresh(args.prefill_tokens - c),
-                                                      sampling_params=greedy(1))), dev)
-        return t, outs[0]["meta_info"]["cached_tokens"]
 
     agree = None
     if engine is not None and hf is not None:  # sanity: both sides run the same model
