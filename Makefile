@@ -24,11 +24,17 @@ $(DEV_STAMP): $(STAMP)
 	$(PIP) install -q -e ".[dev]"
 	touch $(DEV_STAMP)
 
+# One pytest worker per core (pytest-xdist; each runs one intra-op thread, tests/conftest.py): the
+# tests are small single-threaded models, so two workers on 2 cores take ~0.65x the time of one.
+# `make test PYTEST_WORKERS=0` runs them in this process (for pdb, or a single test).
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist worksteal
+
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(XDIST) $(PYTEST_ARGS)
 
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 serve: $(STAMP)
 	$(PY) -m hyla.cli serve $(SERVE_ARGS)
