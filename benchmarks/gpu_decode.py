@@ -171,6 +171,8 @@ def main() -> None:
                     "this many rows run each out projection in the next norm's kernel (0: the separate kernels)")
     ap.add_argument("--fuse-conv", type=int, choices=(0, 1), default=None, help="set gated_delta_decode.FUSE_CONV: "
                     "the decode step's conv in the Gated DeltaNet kernel (1) or a kernel of its own (0)")
+    ap.add_argument("--gdn-wy", type=int, choices=(0, 1), default=None, help="set gated_delta_chunks.WY_PREPASS: "
+                    "an extend's Gated DeltaNet chunks with the WY pre-pass (1) or without (0)")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compile with the time (a compile "
                     "inside a timed repeat is a stall: the repeats' medians have hidden single runs 10x slower)")
     side = ap.add_mutually_exclusive_group()
@@ -238,6 +240,10 @@ def main() -> None:
             gdn = importlib.import_module("hyla.model.ops.gpu.gated_delta_decode")
             gdn.FUSE_CONV = bool(args.fuse_conv)
             log(f"gated_delta_decode.FUSE_CONV = {gdn.FUSE_CONV}")
+        if args.gdn_wy is not None:
+            gdc = importlib.import_module("hyla.model.ops.gpu.gated_delta_chunks")
+            gdc.WY_PREPASS = bool(args.gdn_wy)
+            log(f"gated_delta_chunks.WY_PREPASS = {gdc.WY_PREPASS}")
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
@@ -370,7 +376,8 @@ def main() -> None:
         f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
         f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
         f"{'' if args.gemv_max_rows is None else f'; gemv.MAX_ROWS = {args.gemv_max_rows}'}"
-        f"{'' if args.fuse_conv is None else f'; gated_delta_decode.FUSE_CONV = {bool(args.fuse_conv)}'}.",
+        f"{'' if args.fuse_conv is None else f'; gated_delta_decode.FUSE_CONV = {bool(args.fuse_conv)}'}"
+        f"{'' if args.gdn_wy is None else f'; gated_delta_chunks.WY_PREPASS = {bool(args.gdn_wy)}'}.",
         "",
         f"{desc}.",
         "",

@@ -17,7 +17,8 @@ choice's output is checked against the default's (the same recurrence: equal up 
 order). Prints the table and the best choice per row; writes ``## GPU recurrent kernels: tiles``.
 
 Second table: the extend in chunks (``gated_delta_chunks``, ``mamba2_chunks``: ``CHUNK_TILES`` =
-tokens per chunk, value columns or state rows per program, warps; ``HALF_DOT_PRECISION``), one sequence
+tokens per chunk, value columns or state rows per program, warps; ``HALF_DOT_PRECISION``; Gated DeltaNet
+with and without its WY pre-pass, ``WY_PREPASS``), one sequence
 of 64 to 4,096 tokens, beside the recurrent segments kernel at its default tiles (whose output and
 state each choice is checked against, bf16 tolerance): which is faster from how many tokens on
 (``CHUNKED_MIN_LEN``), and how the cached TTFT's 296-token extend and a 4,096-token prompt would
@@ -32,6 +33,7 @@ check the script (times meaningless; nothing written).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -126,8 +128,15 @@ def chunk_cases(gdc, gdn, m2c, m2):
         out = torch.empty(t, hv, d, device=DEV, dtype=torch.bfloat16)
         gdn_call = lambda kernel, qkv=qkv, a=a, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out: \
             kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
-        yield "Gated DeltaNet", gdc, lambda c=gdn_call: c(gdn.gated_delta_segments_fused), \
-            lambda c=gdn_call: c(gdc.gated_delta_chunks_fused), out, states, t
+        for wy in (False, True):  # the chunks with and without the WY pre-pass (gated_delta_chunks.WY_PREPASS)
+            def chunked(c=gdn_call, wy=wy):
+                saved, gdc.WY_PREPASS = gdc.WY_PREPASS, wy
+                try:
+                    c(functools.partial(gdc.gated_delta_chunks_fused, longest=t))
+                finally:
+                    gdc.WY_PREPASS = saved
+            yield "Gated DeltaNet" + (", WY pre-pass" if wy else ""), gdc, \
+                lambda c=gdn_call: c(gdn.gated_delta_segments_fused), chunked, out, states, t
         x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)
         mstates = torch.zeros(2, h, p, n, device=DEV)
         mout = torch.empty(t, h, p, device=DEV, dtype=torch.bfloat16)

@@ -9,7 +9,8 @@
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
-#            --extend-ab --no-write), and where its time goes (gpu_profile.py --batches "") (~2 min)
+#            --extend-ab --no-write), then without the Gated DeltaNet chunks' WY pre-pass (--gdn-wy 0),
+#            and where its time goes (gpu_profile.py --batches "") (~3 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants
 #   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
@@ -49,6 +50,8 @@ for s in "$@"; do
                     --log-compiles --extend-ab --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
         ttft) timeout 150 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
                   2>&1 | tee "$out/ttft.log" | tail -12
+              timeout 120 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --gdn-wy 0 --no-write \
+                  2>&1 | tee "$out/ttft-no-wy.log" | tail -6
               timeout 120 python3 benchmarks/gpu_profile.py --out "$out/profile-ttft" --batches "" --no-traces 2>&1 \
                   | tee "$out/profile-ttft.log" | tail -12 ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \

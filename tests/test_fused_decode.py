@@ -9,6 +9,7 @@ GPU they run for real, and the ``gpu``-marked tests add bf16 and the cache on/of
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import random
@@ -323,7 +324,7 @@ def _segment_kernel_picks(module, recurrent: str, chunked: str, make_run) -> Non
     launched = []
     with pytest.MonkeyPatch.context() as mp:
         for name in (recurrent, chunked):
-            mp.setattr(module, name, lambda *args, name=name: launched.append(name))
+            mp.setattr(module, name, lambda *args, name=name, **kw: launched.append(name))
         run = make_run()
         for longest in (module.CHUNKED_MIN_LEN - 1, module.CHUNKED_MIN_LEN):
             run(None, None, None, None, None, longest=longest)
@@ -331,15 +332,19 @@ def _segment_kernel_picks(module, recurrent: str, chunked: str, make_run) -> Non
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_delta_chunks_kernel(dtype):
+@pytest.mark.parametrize("wy", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_gated_delta_chunks_kernel(dtype, wy, monkeypatch):
     """An extend's segments in chunks of 16 tokens (``gated_delta_chunks``) == the recurrence token
     by token (``gated_delta_segments_fused``, itself checked against the reference below through
     ``fla_chunk``): the cases of :func:`_chunks_match_the_recurrence`, with two value heads per key
     head, two blocks of value columns (the second part masked), strided gates, a huge decay in the
-    middle of a chunk. ``segment_kernel``
-    takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
+    middle of a chunk; with the WY pre-pass (its grid sized by the longest segment, not the tokens)
+    and without. ``segment_kernel`` takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
     from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
+
+    monkeypatch.setattr(gdc, "WY_PREPASS", wy)
+    chunked = functools.partial(gdc.gated_delta_chunks_fused, longest=max(SEGMENT_LENGTHS))
 
     g = torch.Generator().manual_seed(11)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
@@ -353,7 +358,7 @@ def test_gated_delta_chunks_kernel(dtype):
     a_log, dt_bias = rnd(hv), rnd(hv)
     # bf16 activations multiply in tf32 (HALF_DOT_PRECISION: 10-bit products), so their states are as
     # close as the bf16 outputs; fp32 ones in tf32x3
-    _chunks_match_the_recurrence(gated_delta_segments_fused, gdc.gated_delta_chunks_fused,
+    _chunks_match_the_recurrence(gated_delta_segments_fused, chunked,
                                  lambda kernel, *rest: kernel(qkv, a, b, a_log, dt_bias, *rest[:5], hk, dk, rest[5]),
                                  (hv, dk, dv), (hv, dv), dtype, rnd,
                                  state_tol=1e-4 if dtype == torch.float32 else _tol(dtype))
