@@ -282,3 +282,41 @@ def test_generation_config_defaults_fill_unset_sampling_params():
         assert eng.sampling_defaults == {}
         plain = eng.generate(input_ids=ids, sampling_params={"seed": 3, "max_new_tokens": 24})
         assert plain["output_ids"] == hot["output_ids"]
+
+
+def test_a_request_its_token_ends_is_cached_before_the_token_is_read(qwen3_next_dense_path):
+    """A prefill whose sampled token finishes the request whatever it is (``max_new_tokens`` 1) is
+    released to the cache while the device samples, before the host reads the token (on a GPU its
+    release then costs the TTFT nothing); one that goes on is not. If reading the token then fails,
+    the released request is still told (aborted), and nothing leaks: the next turn hits the prompt."""
+    from test_engine_differential import assert_drained
+
+    prompt = _ids(40, 12)
+    with Engine(qwen3_next_dense_path, max_total_tokens=1024, max_state_slots=16, debug_checks=True) as engine:
+        sched = engine.scheduler
+        complete, seen = sched.output.complete, []
+
+        def watch(draw):
+            seen.extend((r.sampling.max_new_tokens, r.req_pool_idx is None) for r in draw.reqs)
+            return complete(draw)
+
+        sched.output.complete = watch
+        one, more = engine.generate(input_ids=[prompt, _ids(30, 13)], sampling_params=[
+            {"max_new_tokens": 1, "temperature": 0}, {"max_new_tokens": 3, "temperature": 0}])
+        assert seen[:2] == [(1, True), (3, False)]  # the prefill's read: only the finished one released
+        assert one["meta_info"]["finish_reason"]["type"] == "length" and len(one["output_ids"]) == 1
+        assert len(more["output_ids"]) == 3
+        assert_drained(engine)
+
+        def fail(draw):
+            raise RuntimeError("injected read failure")
+
+        sched.output.complete = fail
+        out = engine.generate(input_ids=prompt + [7], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "injected read failure" in out["meta_info"]["finish_reason"]["message"]
+        sched.output.complete = complete
+        assert_drained(engine)
+        again = engine.generate(input_ids=prompt + [7, 8], sampling_params={"max_new_tokens": 1, "temperature": 0})
+        assert again["meta_info"]["cached_tokens"] == 41  # the failed turn's release cached its prompt
+        assert_drained(engine)

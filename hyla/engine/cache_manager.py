@@ -387,7 +387,8 @@ class CacheManager:
     def release(self, req: Req, insert: bool) -> None:
         """Return everything ``req`` holds. With a tree and ``insert``, first cache what it
         computed — its KV and a forked checkpoint of its live state after the last fed token — so
-        that a later request (the next turn of a conversation) continues from there."""
+        that a later request (the next turn of a conversation) continues from there. A request
+        released already (no row) is left alone."""
         row = req.req_pool_idx
         if row is None:
             return

@@ -230,7 +230,12 @@ class Scheduler:
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
-            finished, failed = self.output.process([batch.reqs[i] for i in ready], rows)
+            reqs = [batch.reqs[i] for i in ready]
+            draw = self.output.draw(reqs, rows)
+            for r in reqs:  # finished by this token whatever it is: cached while the device still samples
+                if self.output.ends_with_next_token(r):
+                    self.cache.release(r, insert=True)  # still running: _finish delivers it (or an error does)
+            finished, failed = self.output.complete(draw)
             for r in finished:
                 self._finish(r)
             for r in failed:
@@ -391,7 +396,9 @@ class Scheduler:
             self._finish(req, None if req.finished else {"type": "abort", "message": message})
 
     def _finish(self, req: Req, reason: dict | None = None) -> None:
-        """Release ``req``'s memory (caching what it computed), then deliver its last output."""
+        """Release ``req``'s memory (caching what it computed), then deliver its last output. (A
+        request this token finishes whatever it is was released before the token was read, in
+        :meth:`process`, while the device sampled: its release here is a no-op.)"""
         if reason is not None:
             self.output.set_finished(req, reason)
         req.draft_state = None  # the drafter's memory of it (n-gram index, draft budget) goes with it
