@@ -473,7 +473,8 @@ class Scheduler:
         """Waiting requests in policy order. LPM: longest usable cached prefix first (FCFS among
         equals), the hits touched in reverse order so that LRU evicts the one admitted last first.
         Matches are recomputed at admission: an earlier admission may have evicted."""
-        if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE:
+        if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE \
+                or len(self.waiting) == 1:  # one request: no order to find (its match refreshes its hit)
             return list(self.waiting)
         hits = {id(r): self.cache.peek(r) for r in self.waiting}
         order = sorted(self.waiting, key=lambda r: -hits[id(r)].prefix_len)
