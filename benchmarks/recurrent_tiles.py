@@ -128,14 +128,16 @@ def chunk_cases(gdc, gdn, m2c, m2):
         out = torch.empty(t, hv, d, device=DEV, dtype=torch.bfloat16)
         gdn_call = lambda kernel, qkv=qkv, a=a, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out: \
             kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
-        for wy in (False, True):  # the chunks with and without the WY pre-pass (gated_delta_chunks.WY_PREPASS)
-            def chunked(c=gdn_call, wy=wy):
-                saved, gdc.WY_PREPASS = gdc.WY_PREPASS, wy
+        # the chunks without and with the WY pre-pass (gated_delta_chunks.WY_PREPASS), its warps (WY_WARPS)
+        for wy, warps in ((False, gdc.WY_WARPS), (True, 1), (True, 4)):
+            def chunked(c=gdn_call, wy=wy, warps=warps):
+                saved = gdc.WY_PREPASS, gdc.WY_WARPS
+                gdc.WY_PREPASS, gdc.WY_WARPS = wy, warps
                 try:
                     c(functools.partial(gdc.gated_delta_chunks_fused, longest=t))
                 finally:
-                    gdc.WY_PREPASS = saved
-            yield "Gated DeltaNet" + (", WY pre-pass" if wy else ""), gdc, \
+                    gdc.WY_PREPASS, gdc.WY_WARPS = saved
+            yield "Gated DeltaNet" + (f", WY pre-pass ({warps} warp{'s' * (warps > 1)})" if wy else ""), gdc, \
                 lambda c=gdn_call: c(gdn.gated_delta_segments_fused), chunked, out, states, t
         x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)
         mstates = torch.zeros(2, h, p, n, device=DEV)

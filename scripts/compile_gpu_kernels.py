@@ -62,6 +62,15 @@ def compile_only(arch: int) -> list[str]:
     return compiled
 
 
+def _with_wy(module, on: bool, launch):
+    """``launch()`` with ``module.WY_PREPASS`` set to ``on`` (Gated DeltaNet's chunks: both kernels' forms)."""
+    saved, module.WY_PREPASS = module.WY_PREPASS, on
+    try:
+        return launch()
+    finally:
+        module.WY_PREPASS = saved
+
+
 def cases():
     """``(name, call)`` per variant: each kernel's wrapper on small tensors at the models' head sizes."""
     import torch
@@ -124,11 +133,12 @@ def cases():
                 gated_delta_decode.gated_delta_segments_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
                                                              states, long(1, 2), long(0, 5), long(0, 5, 12),
                                                              torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
-            if dt == torch.bfloat16:  # the chunked kernels run in bf16/fp16 prefills only (fla_chunk's rule)
-                yield f"gdn_chunks ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
-                    gated_delta_chunks.gated_delta_chunks_fused(r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv),
-                                                                states, long(1, 2), long(0, 5), long(0, 5, 12),
-                                                                torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
+            for wy in (True, False) if dt == torch.bfloat16 else ():  # the chunked kernels run in bf16/fp16
+                # prefills only (fla_chunk's rule); with and without the WY pre-pass (WY_PREPASS)
+                yield f"gdn_chunks wy={wy} ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts, wy=wy: \
+                    _with_wy(gated_delta_chunks, wy, lambda: gated_delta_chunks.gated_delta_chunks_fused(
+                        r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv), states, long(1, 2), long(0, 5),
+                        long(0, 5, 12), torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts, longest=7))
         # Mamba2: decode, segments (recurrent, in chunks)
         h, p, g, ns = 4, 64, 1, 128
         mstates = f32(8, h, p, ns)
