@@ -130,11 +130,63 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
+def _concurrent_turns(engine: Engine, fused_extend: int | None = None) -> list[dict]:
+    """Two turns of three conversations, each turn one ``generate`` of the three (one prefill batch
+    of three sequences): fresh prompts, then each conversation continued from its cached turn."""
+    if fused_extend is not None:
+        engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
+                                              engine.device, cuda_graph=False, fused_decode=True,
+                                              fused_extend_max_tokens=fused_extend)
+    rng = random.Random(3)
+    vocab = engine.model_config.vocab_size
+    wave = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 40, 23)]
+    params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
+    outs = engine.generate(input_ids=wave, return_logprob=True, sampling_params=params)
+    nxt = [ids + o["output_ids"] + [5, 6, 7] for ids, o in zip(wave, outs)]
+    outs += engine.generate(input_ids=nxt, return_logprob=True, sampling_params=params)
+    engine.wait_idle()
+    engine.check_integrity()
+    assert [o["meta_info"]["cached_tokens"] for o in outs[3:]] == [len(ids) for ids in wave]  # turn 2 hit turn 1
+    return outs
+
+
+def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monkeypatch, few_splits):
+    """A prefill batch of a few sequences (concurrent turns) runs as one fused extend per sequence
+    (on a GPU: one graph replay each), each with its own checkpoints: == the PyTorch extend of the
+    whole batch, token for token, logprobs within 1e-4. Out of the fused path: more sequences than
+    ``EXTEND_MAX_SEQS``."""
+    from hyla.engine import model_runner
+
+    path = qwen3_5_short_path
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    with Engine(path, **opts) as plain:
+        if GPU:
+            plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
+                                                 plain.device, cuda_graph=False, fused_decode=False)
+        a = _concurrent_turns(plain)
+    batches = []
+    original = ModelRunner._forward_extends_fused
+    monkeypatch.setattr(ModelRunner, "_forward_extends_fused",
+                        lambda self, reqs, lens, *args: batches.append(list(lens)) or original(self, reqs, lens, *args))
+    with Engine(path, **opts) as fused:
+        b = _concurrent_turns(fused, fused_extend=64)
+    assert len(batches) == 2 and all(len(lens) == 3 for lens in batches)
+    n = compare_outputs(a, b)
+    assert n == sum(len(o["output_ids"]) for o in a)
+    batches.clear()  # a batch of more sequences than the bound: the eager extend
+    monkeypatch.setattr(model_runner, "EXTEND_MAX_SEQS", 2)
+    with Engine(path, **opts) as fused:
+        c = _concurrent_turns(fused, fused_extend=64)
+    assert batches == []
+    assert compare_outputs(a, c) == sum(len(o["output_ids"]) for o in a)
+
+
 @pytest.mark.gpu
 def test_engine_bf16_extend_graphs_match_eager(qwen3_5_path, monkeypatch):
     """bf16 on the GPU: extends replayed from their CUDA graphs == the same fused extends launched
     eagerly (padded alike), token for token, and the graphs did replay (padding tokens must not
-    leak into real ones: the same kernels on the same inputs)."""
+    leak into real ones: the same kernels on the same inputs) — also a batch of three sequences,
+    one replay each (a replay's logits buffer is the next same-size replay's: copied before it)."""
     from hyla.engine.cuda_graph import CudaGraphExtend
 
     replays = []
@@ -143,10 +195,10 @@ def test_engine_bf16_extend_graphs_match_eager(qwen3_5_path, monkeypatch):
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
     with Engine(qwen3_5_path, **opts) as graphs:
         assert graphs.scheduler.runner.extend_graphs is not None
-        a = _turns(graphs, 0, 3)
-    assert len(replays) >= 6
+        a = _turns(graphs, 0, 3) + _concurrent_turns(graphs)
+    assert len(replays) >= 12
     with Engine(qwen3_5_path, **opts) as eager:
-        b = _turns(eager, 0, 3, fused_extend=1024)
+        b = _turns(eager, 0, 3, fused_extend=1024) + _concurrent_turns(eager)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     for x, y in zip(a, b):
         torch.testing.assert_close([lp for lp, _, _ in x["meta_info"]["output_token_logprobs"]],

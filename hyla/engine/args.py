@@ -73,7 +73,8 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
                                                "eagerly). Default: max_running_requests, at most 256.")
     cuda_graph_max_extend_tokens: int = _opt(1024, "CUDA: an extend of one request of up to this many tokens (a cached "
-                                                   "prompt's new part, a turn) replays a CUDA graph captured per "
+                                                   "prompt's new part, a turn; up to 8 requests prefilled together, "
+                                                   "one replay each) replays a CUDA graph captured per "
                                                    "token count; 0 = extends run eagerly. Not with "
                                                    "--disable-cuda-graph.")
     overlap_schedule: str = _opt("auto", "Launch each decode step before reading the previous step's tokens, so "

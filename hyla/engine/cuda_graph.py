@@ -148,6 +148,11 @@ class CudaGraphDecode:
 EXTEND_TOKENS = (16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536,
                  1792, 2048)
 EXTEND_CHECKPOINTS = 4  # checkpoints a captured extend writes at most (a prompt's end - 1 and grid points)
+# sequences a prefill batch may have to run as fused extends, one replay each (concurrent agent turns):
+# a replay costs ~1 ms of device time however short (~300 kernels, the weights read once), an eager
+# batched extend ~25 ms of host time (~1,000 launches: the H200's fused-extend-bypassed row). Reasoned,
+# not measured
+EXTEND_MAX_SEQS = 8
 
 
 def extend_buckets(max_tokens: int) -> list[int]:

@@ -12,7 +12,8 @@ the KV slots from the request table's device mirror (synced before each decode s
 step sends six ints per request and reads nothing back; it is replayed from CUDA graphs
 (``cuda_graph.py``) unless ``cuda_graph=False``. An extend of one sequence that wants its last
 logits only (a cached prompt's new part) runs as a fused extend alike (``ForwardBatch.fused_extend``,
-``fused_extend_max_tokens``), replayed from graphs captured per token count.
+``fused_extend_max_tokens``), replayed from graphs captured per token count; a prefill batch of a
+few such sequences (concurrent agent turns), as one replay per sequence.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant
@@ -37,6 +38,7 @@ count only, and its variants (batch 1, larger batches) are compiled at construct
 
 from __future__ import annotations
 
+import collections
 import logging
 import types
 from typing import Callable
@@ -45,7 +47,7 @@ import numpy as np
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode, CudaGraphExtend,
+from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode, CudaGraphExtend,
                                     ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
@@ -168,12 +170,14 @@ class ModelRunner:
         ``return_hidden``: also the final hidden state of every fed token, ``(logits, hidden
         [sum(extend_lens), H])`` (MTP).
 
-        On a fused runner (``fused_extend_max_tokens``), an extend of one sequence that asks for its
-        last logits only runs as a fused extend (:meth:`_forward_extend_fused`)."""
-        if self.extend_inputs is not None and len(reqs) == 1 and tree_parents is None and not all_logits \
-                and logit_rows is None and not return_hidden and 1 <= extend_lens[0] <= self._extend_buckets[-1] \
-                and len(ckpts) <= EXTEND_CHECKPOINTS and reqs[0].state_slot >= 0:
-            return self._forward_extend_fused(reqs[0], extend_lens[0], out_cache_loc, ckpts)
+        On a fused runner (``fused_extend_max_tokens``), an extend that asks for last logits only,
+        of up to ``EXTEND_MAX_SEQS`` sequences, each of up to that many tokens, runs as fused extends,
+        one per sequence (:meth:`_forward_extends_fused`)."""
+        if self.extend_inputs is not None and len(reqs) <= EXTEND_MAX_SEQS and tree_parents is None \
+                and not all_logits and logit_rows is None and not return_hidden \
+                and all(1 <= n <= self._extend_buckets[-1] for n in extend_lens) \
+                and all(r.state_slot >= 0 for r in reqs) and _checkpoints_fit(ckpts, len(reqs)):
+            return self._forward_extends_fused(reqs, extend_lens, out_cache_loc, ckpts)
         ids: list[int] = []
         pos: list[int] = []
         starts = [r.kv_len for r in reqs]
@@ -352,6 +356,25 @@ class ModelRunner:
                               torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6])
         return self.decode_fused_step(batch).index_select(0, dev[7])  # [sum(extend_lens), V]
+
+    def _forward_extends_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
+                               ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
+        """:meth:`forward_extend` of each sequence as a fused extend of its own, in order (each
+        computes from its own state slot and request row, so one after another equals one batch):
+        their last logits ``[B, V]``. A replay's logits are the graph's output buffer, which the
+        next replay of the same graph overwrites: all but the last are copied, in stream order."""
+        if out_cache_loc.shape != (sum(extend_lens),):
+            raise ValueError(f"out_cache_loc must be [{sum(extend_lens)}], got {list(out_cache_loc.shape)}")
+        slots = [r.state_slot for r in reqs] + [slot for _, _, slot in ckpts]
+        if len(set(slots)) != len(slots):  # (each extend checks its own; one batch's must not meet either)
+            raise ValueError(f"the extends' state and checkpoint slots {slots} must be distinct")
+        rows, first = [], 0
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
+            mine = [(0, length, slot) for seq, length, slot in ckpts if seq == i]
+            logits = self._forward_extend_fused(req, n, out_cache_loc[first:first + n], mine)
+            rows.append(logits if i == len(reqs) - 1 else logits.clone())
+            first += n
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _forward_extend_fused(self, req: Req, n: int, out_cache_loc: torch.Tensor,
                               ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -533,6 +556,13 @@ def _depths(parents: list[int], start: int) -> list[int]:
     for p in parents:
         out.append(start if p < 0 else out[p] + 1)
     return out
+
+
+def _checkpoints_fit(ckpts: list[tuple[int, int, int]], num_seqs: int) -> bool:
+    """Whether ``(sequence, length, slot)`` checkpoints name sequences of the batch, at most
+    ``EXTEND_CHECKPOINTS`` each (what a fused extend writes; else the eager extend validates them)."""
+    per_seq = collections.Counter(seq for seq, _, _ in ckpts)
+    return all(0 <= seq < num_seqs for seq in per_seq) and max(per_seq.values(), default=0) <= EXTEND_CHECKPOINTS
 
 
 def _cumsum(values, start: int | None = None) -> list[int]:
