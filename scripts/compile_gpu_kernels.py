@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -44,6 +45,10 @@ class CompileOnlyDriver:
         return 0
 
 
+# a PTX instruction on local memory (what Triton could not keep in registers; ptxas's own spills come later)
+LOCAL_ACCESS = re.compile(r"(?m)^\s*(?:ld|st)\.local")
+
+
 def compile_only(arch: int) -> list[str]:
     """Route every Triton launch to a compile for ``arch``; returns the list each compile appends to."""
     from triton.runtime import driver
@@ -55,7 +60,10 @@ def compile_only(arch: int) -> list[str]:
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
-        compiled.append(f"{self.__name__} ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared)")
+        ptx = kernel.asm["ptx"]  # barriers: what a chain of cross-warp reductions costs
+        local = len(LOCAL_ACCESS.findall(ptx))
+        compiled.append(f"{self.__name__} ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, "
+                        f"{ptx.count('bar.sync')} bar.sync, {local} local loads/stores)")
         return kernel
 
     JITFunction.run = compile_instead

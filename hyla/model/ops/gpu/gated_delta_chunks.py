@@ -68,7 +68,7 @@ WY_PREPASS = True  # T, W and U of every chunk in a launch of their own (the mod
 # Reasoned, not yet measured: benchmarks/recurrent_tiles.py times both ("Gated DeltaNet, WY pre-pass")
 WY_WARPS = 1  # the pre-pass's warps (a program: one chunk of one head, all its Dk and Dv columns). Its
 # substitution is a chain of reductions, like the recurrent segments kernel's (fastest at 1 warp): compiled for
-# sm_90 at 16x128 heads, 23 bar.sync in its PTX at 1 warp, 101 at 4, no spills; not timed
+# sm_90 at 16x128 heads (scripts/compile_gpu_kernels.py), 23 bar.sync in its PTX at 1 warp, 101 at 4; not timed
 CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many tokens runs in chunks; read each
 # launch. Set by reasoning, not measured: the recurrent kernel pays one token's chain of reductions a
 # token, this one a few products and a 16-row substitution a chunk (benchmarks/fla_prefill.py times both)
