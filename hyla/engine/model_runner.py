@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode, CudaGraphExtend,
-                                    ExtendInputs, extend_buckets)
+from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_GRAPH_MAX_BS, CudaGraphDecode,
+                                    CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import DOT_MAX_ROWS, keep_row_major_copies_
@@ -173,7 +173,7 @@ class ModelRunner:
         On a fused runner (``fused_extend_max_tokens``), an extend that asks for last logits only,
         of up to ``EXTEND_MAX_SEQS`` sequences, each of up to that many tokens, runs as fused extends,
         one per sequence (:meth:`_forward_extends_fused`)."""
-        if self.extend_inputs is not None and len(reqs) <= EXTEND_MAX_SEQS and tree_parents is None \
+        if self.extend_inputs is not None and 1 <= len(reqs) <= EXTEND_MAX_SEQS and tree_parents is None \
                 and not all_logits and logit_rows is None and not return_hidden \
                 and all(1 <= n <= self._extend_buckets[-1] for n in extend_lens) \
                 and all(r.state_slot >= 0 for r in reqs) and _checkpoints_fit(ckpts, len(reqs)):
