@@ -38,6 +38,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -130,13 +131,9 @@ def chunk_cases(gdc, gdn, m2c, m2):
             kernel(qkv, a, bb, a_log, dt_bias, states, rows, starts, cu, out, hk, d)  # noqa: E731
         # the chunks without and with the WY pre-pass (gated_delta_chunks.WY_PREPASS), its warps (WY_WARPS)
         for wy, warps in ((False, gdc.WY_WARPS), (True, 1), (True, 4)):
-            def chunked(c=gdn_call, wy=wy, warps=warps):
-                saved = gdc.WY_PREPASS, gdc.WY_WARPS
-                gdc.WY_PREPASS, gdc.WY_WARPS = wy, warps
-                try:
-                    c(functools.partial(gdc.gated_delta_chunks_fused, longest=t))
-                finally:
-                    gdc.WY_PREPASS, gdc.WY_WARPS = saved
+            @mock.patch.multiple(gdc, WY_PREPASS=wy, WY_WARPS=warps)
+            def chunked(c=gdn_call):
+                c(functools.partial(gdc.gated_delta_chunks_fused, longest=t))
             yield "Gated DeltaNet" + (f", WY pre-pass ({warps} warp{'s' * (warps > 1)})" if wy else ""), gdc, \
                 lambda c=gdn_call: c(gdn.gated_delta_segments_fused), chunked, out, states, t
         x, dt, bm, cm = _bf16(t, h * p), _bf16(t, h), _bf16(t, g * n), _bf16(t, g * n)

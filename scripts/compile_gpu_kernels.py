@@ -23,6 +23,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,15 +69,6 @@ def compile_only(arch: int) -> list[str]:
 
     JITFunction.run = compile_instead
     return compiled
-
-
-def _with_wy(module, on: bool, launch):
-    """``launch()`` with ``module.WY_PREPASS`` set to ``on`` (Gated DeltaNet's chunks: both kernels' forms)."""
-    saved, module.WY_PREPASS = module.WY_PREPASS, on
-    try:
-        return launch()
-    finally:
-        module.WY_PREPASS = saved
 
 
 def cases():
@@ -143,10 +135,12 @@ def cases():
                                                              torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts)
             for wy in (True, False) if dt == torch.bfloat16 else ():  # the chunked kernels run in bf16/fp16
                 # prefills only (fla_chunk's rule); with and without the WY pre-pass (WY_PREPASS)
-                yield f"gdn_chunks wy={wy} ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts, wy=wy: \
-                    _with_wy(gated_delta_chunks, wy, lambda: gated_delta_chunks.gated_delta_chunks_fused(
+                @mock.patch.object(gated_delta_chunks, "WY_PREPASS", wy)
+                def gdn_chunks(with_ckpts=with_ckpts):
+                    gated_delta_chunks.gated_delta_chunks_fused(
                         r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv), states, long(1, 2), long(0, 5),
-                        long(0, 5, 12), torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts, longest=7))
+                        long(0, 5, 12), torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts, longest=7)
+                yield f"gdn_chunks wy={wy} ckpts={with_ckpts is not None} {n}", gdn_chunks
         # Mamba2: decode, segments (recurrent, in chunks)
         h, p, g, ns = 4, 64, 1, 128
         mstates = f32(8, h, p, ns)

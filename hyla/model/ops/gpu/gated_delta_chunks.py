@@ -40,6 +40,8 @@ tensor cores; Triton's interpreter computes them in fp32) for fp32 activations, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -95,6 +97,24 @@ def _gdn_chunk_inputs(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, r, 
 
 
 @triton.jit
+def _chunk_a(k, beta, decay, t, PRECISION: tl.constexpr):
+    """``A [BT, BT]``: ``beta_t exp(G_t - G_s) (k_t . k_s)`` below the diagonal (``s < t``), else 0."""
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    return tl.where(t[:, None] > t[None, :], beta[:, None] * decay * kk, 0.0)
+
+
+@triton.jit
+def _substitute(A, rhs, t, BT: tl.constexpr):
+    """``(I + A)^-1 rhs`` for a strictly lower triangular ``A [BT, BT]``, by forward substitution:
+    row ``s`` = ``rhs_s - sum_{u < s} A[s, u] x_u``, row by row."""
+    x = rhs
+    for s in tl.static_range(1, BT):
+        a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
+        x = tl.where(t[:, None] == s, x - tl.sum(a_s[:, None] * x, axis=0)[None, :], x)
+    return x
+
+
+@triton.jit
 def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                    starts_ptr, cu_ptr, w_ptr, u_ptr, num_chunks,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -118,13 +138,8 @@ def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_
                                              hv, dk, mk, hv * DV + dv, mv, -tl.exp(tl.load(a_log_ptr + hv)),
                                              tl.load(dt_bias_ptr + hv), 1.0, HK, DK)
         decay = chunk_decay(g, t)  # [BT, BT]: exp(G_t - G_s), s <= t
-        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
-        A = tl.where(t[:, None] > t[None, :], beta[:, None] * decay * kk, 0.0)
-        # T = (I + A)^-1 by forward substitution on the identity: row s = I_s - sum_{u < s} A[s, u] T_u
-        T = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-        for s in tl.static_range(1, BT):
-            a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
-            T = tl.where(t[:, None] == s, T - tl.sum(a_s[:, None] * T, axis=0)[None, :], T)
+        # T = (I + A)^-1: the substitution on the identity
+        T = _substitute(_chunk_a(k, beta, decay, t, PRECISION), tl.where(t[:, None] == t[None, :], 1.0, 0.0), t, BT)
         gamma = tl.exp(tl.cumsum(g, axis=0))
         w = tl.dot(T, (beta * gamma)[:, None] * k, input_precision=PRECISION)  # [BT, BK]
         u = tl.dot(T, beta[:, None] * v, input_precision=PRECISION)  # [BT, BDV]
@@ -148,7 +163,6 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
     if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
         c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
     t = tl.arange(0, BT)
-    lower = t[:, None] > t[None, :]  # s < t
     for c0 in range(0, n, BT):
         live = (c0 + t) < n  # [BT]: the chunk's tokens (the last chunk's tail is masked)
         r = start + c0 + t
@@ -162,15 +176,9 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
             w = tl.load(w_ptr + wu * DK + dk[None, :], mask=live[:, None] & mk[None, :], other=0.0)
             u = tl.load(u_ptr + wu * DV + dv[None, :], mask=live[:, None] & mv[None, :], other=0.0)
             delta = u - tl.dot(w, h, input_precision=PRECISION)  # [BT, BV]
-        else:
-            kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)  # [BT, BT]
-            A = tl.where(lower, beta[:, None] * decay * kk, 0.0)
+        else:  # (I + A) delta = beta * (v - gamma * K h)
             kh = tl.dot(k, h, input_precision=PRECISION)  # [BT, BV]
-            # (I + A) delta = beta * (v - gamma * K h), by forward substitution: row s = rhs_s - sum_{u < s} A[s, u] delta_u
-            delta = beta[:, None] * (v - gamma[:, None] * kh)
-            for s in tl.static_range(1, BT):
-                a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), axis=0)  # A[s, :]
-                delta = tl.where(t[:, None] == s, delta - tl.sum(a_s[:, None] * delta, axis=0)[None, :], delta)
+            delta = _substitute(_chunk_a(k, beta, decay, t, PRECISION), beta[:, None] * (v - gamma[:, None] * kh), t, BT)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         o = gamma[:, None] * tl.dot(q, h, input_precision=PRECISION) \
             + tl.dot(qk * decay, delta, input_precision=PRECISION)  # [BT, BV]
@@ -228,10 +236,7 @@ def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: t
     module's chunks when the longest segment has at least ``CHUNKED_MIN_LEN`` tokens, else the
     recurrence token by token (``gated_delta_decode.gated_delta_segments_fused``)."""
     def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
-        if longest >= CHUNKED_MIN_LEN:
-            gated_delta_chunks_fused(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads,
-                                     head_k_dim, ckpts, longest=longest)
-        else:
-            gated_delta_segments_fused(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads,
-                                       head_k_dim, ckpts)
+        kernel = functools.partial(gated_delta_chunks_fused, longest=longest) if longest >= CHUNKED_MIN_LEN \
+            else gated_delta_segments_fused
+        kernel(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads, head_k_dim, ckpts)
     return run
