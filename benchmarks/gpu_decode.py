@@ -32,7 +32,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
     PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/gpu_decode.py [--repeats 5] [--batches 1,8,32,64,128]
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
-        [--log-compiles]
+        [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
         [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
@@ -92,6 +92,32 @@ def log_triton_compiles() -> bool:
 
 def log(msg: str) -> None:
     print(f"[gpu_decode {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# the kernels' switches an A/B run sets (--flag: module, constant, int or bool, what it switches)
+KNOBS = {
+    "gemv-max-rows": ("hyla.model.ops.gpu.gemv", "MAX_ROWS", int, "decode steps of at most this many rows are GEMV "
+                      "steps: each out projection in the next norm's kernel (0: the separate kernels, cuBLAS)"),
+    "gemv-in": ("hyla.model.ops.gpu.gemv", "IN_PROJ", bool, "a GEMV step's in projections as gemv.linear (1) or "
+                "cuBLAS (0)"),
+    "pdl": ("hyla.model.ops.gpu.pdl", "PDL", bool, "the decode step's kernels launched with programmatic dependent "
+            "launch (1) or without (0)"),
+    "fuse-conv": ("hyla.model.ops.gpu.gated_delta_decode", "FUSE_CONV", bool, "the decode step's conv in the Gated "
+                  "DeltaNet kernel (1) or a kernel of its own (0)"),
+    "gdn-wy": ("hyla.model.ops.gpu.gated_delta_chunks", "WY_PREPASS", bool, "an extend's Gated DeltaNet chunks with "
+               "the WY pre-pass (1) or without (0)"),
+}
+
+
+def set_knobs(args: argparse.Namespace) -> list[str]:
+    """Set the switches given on the command line (KNOBS); returns ``module.NAME = value`` for each."""
+    done = []
+    for flag, (module, name, kind, _) in KNOBS.items():
+        value = getattr(args, flag.replace("-", "_"))
+        if value is not None:
+            setattr(importlib.import_module(module), name, kind(value))
+            done.append(f"{module.rsplit('.', 1)[1]}.{name} = {kind(value)}")
+    return done
 
 
 def build(out: Path, kw: dict, device: str, dtype: torch.dtype) -> dict:
@@ -167,12 +193,9 @@ def main() -> None:
                     "(its CUDA graphs) bypassed, in the same engine: the row the graphs are measured against")
     ap.add_argument("--overlap-schedule", default=None, help="Engine(overlap_schedule=...), if it has it "
                     "(default: the engine's, auto)")
-    ap.add_argument("--gemv-max-rows", type=int, default=None, help="set gemv.MAX_ROWS: decode steps of at most "
-                    "this many rows run each out projection in the next norm's kernel (0: the separate kernels)")
-    ap.add_argument("--fuse-conv", type=int, choices=(0, 1), default=None, help="set gated_delta_decode.FUSE_CONV: "
-                    "the decode step's conv in the Gated DeltaNet kernel (1) or a kernel of its own (0)")
-    ap.add_argument("--gdn-wy", type=int, choices=(0, 1), default=None, help="set gated_delta_chunks.WY_PREPASS: "
-                    "an extend's Gated DeltaNet chunks with the WY pre-pass (1) or without (0)")
+    for flag, (module, name, kind, what) in KNOBS.items():
+        ap.add_argument(f"--{flag}", type=int, choices=None if kind is int else (0, 1), default=None,
+                        help=f"set {module.rsplit('.', 1)[1]}.{name}: {what}")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compile with the time (a compile "
                     "inside a timed repeat is a stall: the repeats' medians have hidden single runs 10x slower)")
     side = ap.add_mutually_exclusive_group()
@@ -230,20 +253,10 @@ def main() -> None:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
                     max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (args.prefill_tokens + 2)) + 4096)
-        if args.gemv_max_rows is not None:
-            gemv = importlib.import_module("hyla.model.ops.gpu.gemv")
-            gemv.MAX_ROWS = args.gemv_max_rows
-            log(f"gemv.MAX_ROWS = {gemv.MAX_ROWS}")
+        for knob in set_knobs(args):
+            log(knob)
         if args.log_compiles and not log_triton_compiles():
             log("this Triton has no jit_post_compile_hook: --log-compiles ignored")
-        if args.fuse_conv is not None:
-            gdn = importlib.import_module("hyla.model.ops.gpu.gated_delta_decode")
-            gdn.FUSE_CONV = bool(args.fuse_conv)
-            log(f"gated_delta_decode.FUSE_CONV = {gdn.FUSE_CONV}")
-        if args.gdn_wy is not None:
-            gdc = importlib.import_module("hyla.model.ops.gpu.gated_delta_chunks")
-            gdc.WY_PREPASS = bool(args.gdn_wy)
-            log(f"gated_delta_chunks.WY_PREPASS = {gdc.WY_PREPASS}")
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
@@ -375,9 +388,7 @@ def main() -> None:
     body = "\n".join([
         f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
         f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
-        f"{'' if args.gemv_max_rows is None else f'; gemv.MAX_ROWS = {args.gemv_max_rows}'}"
-        f"{'' if args.fuse_conv is None else f'; gated_delta_decode.FUSE_CONV = {bool(args.fuse_conv)}'}"
-        f"{'' if args.gdn_wy is None else f'; gated_delta_chunks.WY_PREPASS = {bool(args.gdn_wy)}'}.",
+        f"{''.join(f'; {knob}' for knob in set_knobs(args))}.",
         "",
         f"{desc}.",
         "",

@@ -10,7 +10,15 @@ projection after SwiGLU, 3584 -> 1024; Gated DeltaNet's ``out_proj`` after its g
 graph, median of ``--repeats`` replays, so launch gaps count as in the decode step's graph. Also
 the GEMM alone (cuBLAS) and the fused kernel's weight bandwidth. ``--sweep`` also tries the
 kernel's tile constants (``BLOCK_N``, ``MIN_PROGRAMS``, ``MAX_SPLIT_K``, ``NUM_WARPS``,
-``BLOCK_K``) at the first ``--rows`` and prints the best per shape, to tune them. Writes ``## GPU decode: out projection, residual add and norm``.
+``BLOCK_K``) at the first ``--rows`` and prints the best per shape, to tune them (and the in
+projections' ``gemv.LINEAR_TILE``, below).
+
+Then the in projections at one row (Gated DeltaNet's, the MLP's gate + up, attention's qkv, 1024 ->
+8224 / 7168 / 5120): cuBLAS against ``gemv.linear``, without and with programmatic dependent
+launch (``pdl.py``: in a graph of 20 calls each call's weight loads overlap the call before), and a
+part's seam as the decode step has it: the fused out projection followed by the next part's in
+projection (cuBLAS, the GEMV, the GEMV with PDL). Writes ``## GPU decode: out projection, residual
+add and norm``.
 
     .venv/bin/python benchmarks/out_projection.py [--rows 1,2,4] [--repeats 15] [--sweep] [--no-write]
 
@@ -36,6 +44,60 @@ SHAPES = {  # name: (prologue, K, N, gated-norm head dim)
 }
 TINY = {"MLP down (SwiGLU)": ("silu_mul", 256, 64, 0), "GDN out_proj (gated norm)": ("gated_norm", 128, 64, 32),
         "attention o_proj": ("plain", 128, 64, 0)}
+IN_SHAPES = {"GDN in_proj": (1024, 8224), "MLP gate_up": (1024, 7168), "attention qkv_proj": (1024, 5120)}  # K, N
+TINY_IN = {"GDN in_proj": (64, 200), "MLP gate_up": (64, 96), "attention qkv_proj": (64, 80)}
+
+
+def in_projection_lines(dev: str, per_call_us, tiny: bool, sweep: bool) -> list[str]:
+    """The in projections' table rows (module docstring): per call, µs, and GB/s of the weight; with
+    ``sweep``, each projection's GEMV + PDL time at every ``gemv.LINEAR_TILE`` tried, printed."""
+    import torch
+    import torch.nn.functional as F
+
+    from hyla.model.ops.gpu import gemv, pdl
+
+    def timed(fn, with_pdl: bool) -> float:
+        saved, pdl.PDL = pdl.PDL, with_pdl
+        try:
+            return per_call_us(fn)
+        finally:
+            pdl.PDL = saved
+
+    lines = []
+    hidden = 64 if tiny else 1024
+    g = torch.Generator(device=dev).manual_seed(1)
+    down = (torch.randn(hidden, 4 * hidden, device=dev, generator=g) / (4 * hidden)**0.5).to(torch.bfloat16)
+    h = torch.randn(1, 8 * hidden, device=dev, generator=g).to(torch.bfloat16)  # [gate | up] of the MLP before
+    residual = torch.randn(1, hidden, device=dev, generator=g).to(torch.bfloat16)
+    scale, ticket = torch.rand(hidden, device=dev, generator=g) + 0.5, torch.zeros(1, dtype=torch.int32, device=dev)
+    for name, (k, n) in (TINY_IN if tiny else IN_SHAPES).items():
+        weight = (torch.randn(n, k, device=dev, generator=g) / k**0.5).to(torch.bfloat16)
+        x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+        err = float((gemv.linear(x, weight).float() - F.linear(x, weight).float()).abs().max())
+        t_gemm = timed(lambda: F.linear(x, weight), False)
+        t_gemv, t_pdl = timed(lambda: gemv.linear(x, weight), False), timed(lambda: gemv.linear(x, weight), True)
+
+        def seam(in_proj):  # the MLP's fused down projection + norm, then this in projection of its output
+            y, _ = gemv.linear_add_rms_norm(h, down, residual, scale, 1e-6, ticket, "silu_mul")
+            return in_proj(y)
+
+        s_gemm = timed(lambda: seam(lambda y: F.linear(y, weight)), False)
+        s_gemv = timed(lambda: seam(lambda y: gemv.linear(y, weight)), False)
+        s_pdl = timed(lambda: seam(lambda y: gemv.linear(y, weight)), True)
+        gb = weight.numel() * weight.element_size() / 1e9
+        if sweep:
+            saved, tried = gemv.LINEAR_TILE, []
+            for tile in itertools.product((4096, 8192, 16384), (2, 4, 8)):
+                gemv.LINEAR_TILE = tile
+                tried.append((timed(lambda: gemv.linear(x, weight), True), tile))
+            gemv.LINEAR_TILE = saved
+            print(f"  {name}: LINEAR_TILE (elements, warps) -> µs with PDL: "
+                  + ", ".join(f"{t}: {us:.1f}" for us, t in sorted(tried)), flush=True)
+        lines.append(f"| {name} | {t_gemm:.1f} ({gb / (t_gemm * 1e-6):.0f}) | {t_gemv:.1f} ({gb / (t_gemv * 1e-6):.0f}) "
+                     f"| {t_pdl:.1f} ({gb / (t_pdl * 1e-6):.0f}) | {s_gemm:.1f} | {s_gemv:.1f} | {s_pdl:.1f} | "
+                     f"**{s_gemm / s_pdl:.2f}x** | {err:.2g} |")
+        print(lines[-1], flush=True)
+    return lines
 
 
 def main() -> None:
@@ -117,6 +179,7 @@ def main() -> None:
                     sweeps.append(f"| {name} | {m} | {t_fused:.1f} | {best[0]:.1f} | "
                                   + ", ".join(f"{c}={v}" for c, v in zip(names, best[1])) + " |")
                     print(sweeps[-1], flush=True)
+    in_lines = in_projection_lines(dev, per_call_us, dev != "cuda", args.sweep)
     if dev != "cuda" or args.no_write:
         return
     body = (f"`.venv/bin/python benchmarks/out_projection.py --rows {args.rows} --repeats {args.repeats}"
@@ -132,6 +195,13 @@ def main() -> None:
         body += ("\nTile constants (`--sweep`): the fused kernel with the defaults and at the best of "
                  "BLOCK_N x MIN_PROGRAMS x MAX_SPLIT_K x NUM_WARPS x BLOCK_K, at the first row count.\n\n| projection | rows | defaults (µs) | best (µs) "
                  "| best constants |\n|---|---|---|---|---|\n" + "\n".join(sweeps) + "\n")
+    body += ("\nIn projections, one row: µs per call (GB/s of the weight). cuBLAS: `F.linear`; GEMV: `gemv.linear`, "
+             "launched without and with PDL. Seam: the MLP's fused down projection + norm "
+             "(`linear_add_rms_norm`, 4096 -> 1024) followed by this projection of its output, as the decode step "
+             "runs a part's end and the next part's start; the last column is cuBLAS's seam over the PDL one. "
+             "Max diff: GEMV against cuBLAS (bf16, sums in another order).\n\n"
+             "| projection | cuBLAS | GEMV | GEMV + PDL | seam, cuBLAS | seam, GEMV | seam, GEMV + PDL | "
+             "cuBLAS / PDL seam | max diff |\n|---|---|---|---|---|---|---|---|---|\n" + "\n".join(in_lines) + "\n")
     write_section("GPU decode: out projection, residual add and norm", body)
 
 

@@ -63,12 +63,19 @@ def compile_only(arch: int) -> list[str]:
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         ptx = kernel.asm["ptx"]  # barriers: what a chain of cross-warp reductions costs
         local = len(LOCAL_ACCESS.findall(ptx))
+        gdc = ptx.count("griddepcontrol.wait")  # a PDL kernel's wait (hyla/model/ops/gpu/pdl.py)
         compiled.append(f"{self.__name__} ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, "
-                        f"{ptx.count('bar.sync')} bar.sync, {local} local loads/stores)")
+                        f"{ptx.count('bar.sync')} bar.sync, {local} local loads/stores"
+                        + (f", {gdc} griddepcontrol.wait" if gdc else "") + ")")
         return kernel
 
     JITFunction.run = compile_instead
     return compiled
+
+
+# the decode step's kernels, each also compiled as launched with PDL (their names in cases())
+PDL_CASES = ("rms_norm", "add_rms_norm", "linear_add_rms_norm", "linear", "conv1d_update", "gdn_decode",
+             "gdn_conv_decode", "mamba2_decode", "qk_prologue", "paged_decode_attention")
 
 
 def cases():
@@ -104,6 +111,9 @@ def cases():
                 yield f"linear_add_rms_norm {prologue} x{rows} {n}", lambda rows=rows, k=k, gate=gate, p=prologue: \
                     gemv.linear_add_rms_norm(r(rows, k), r(hidden, k // 2 if p == "silu_mul" else k), r(rows, hidden),
                                              f32(hidden), 1e-6, torch.zeros(1, dtype=torch.int32), p, gate)
+        # the in projections' GEMV (K = the model's hidden size; a K that is not a power of two)
+        for k in (1024, 1000):
+            yield f"linear K={k} {n}", lambda k=k: gemv.linear(r(1, k), r(300, k))
         # convs
         c, kk = 3 * heads * dh, 4
         for chain in (None, chains):
@@ -184,16 +194,22 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET"):
         sys.exit("unset TRITON_INTERPRET: the interpreter compiles nothing")
     compiled = compile_only(args.arch)
+    from hyla.model.ops.gpu import pdl
+
     failed = 0
     for name, call in cases():
-        before = len(compiled)
-        try:
-            call()
-        except Exception:  # a compile error (or a wrapper refusing the case): report it, go on
-            failed += 1
-            print(f"FAILED {name}\n{traceback.format_exc(limit=-3)}", flush=True)
-            continue
-        print(f"ok     {name}: {', '.join(compiled[before:]) or 'no launch'}", flush=True)
+        variants = [(name, call)]
+        if name.split()[0] in PDL_CASES and "bfloat16" in name:  # also as the GPU launches them: with PDL
+            variants.append((f"{name} pdl", mock.patch.object(pdl, "enabled", lambda t: True)(call)))
+        for label, run in variants:
+            before = len(compiled)
+            try:
+                run()
+            except Exception:  # a compile error (or a wrapper refusing the case): report it, go on
+                failed += 1
+                print(f"FAILED {label}\n{traceback.format_exc(limit=-3)}", flush=True)
+                continue
+            print(f"ok     {label}: {', '.join(compiled[before:]) or 'no launch'}", flush=True)
     print(f"{len(compiled)} kernel variants compiled for sm_{args.arch}, {failed} cases failed")
     sys.exit(1 if failed else 0)
 

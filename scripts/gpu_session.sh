@@ -11,8 +11,11 @@
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
 #            --extend-ab --no-write), then without the Gated DeltaNet chunks' WY pre-pass (--gdn-wy 0),
 #            and where its time goes (gpu_profile.py --batches "") (~3 min)
+#   pdl      batch-1 decode with the GEMV step's kernels launched with and without programmatic dependent
+#            launch, and with cuBLAS in projections (gpu_decode.py --pdl 1|0 --gemv-in 1|0) (~4 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
-#   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants
+#   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
+#            the in projections' GEMV against cuBLAS, without and with PDL
 #   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
 #   kernels  benchmarks/recurrent_tiles.py and fla_prefill.py: the recurrent kernels' tiles, and
 #            hyla's chunked kernels against fla's per length
@@ -54,6 +57,11 @@ for s in "$@"; do
                   2>&1 | tee "$out/ttft-no-wy.log" | tail -6
               timeout 120 python3 benchmarks/gpu_profile.py --out "$out/profile-ttft" --batches "" --no-traces 2>&1 \
                   | tee "$out/profile-ttft.log" | tail -12 ;;
+        pdl) for ab in "--pdl 1 --gemv-in 1" "--pdl 0 --gemv-in 1" "--pdl 0 --gemv-in 0" "--pdl 1 --gemv-in 0"; do
+                 # shellcheck disable=SC2086
+                 timeout 100 python3 benchmarks/gpu_decode.py --batches 1 --repeats 5 --hyla-only --no-write $ab 2>&1 \
+                     | tee -a "$out/pdl.log" | grep -E "decode, batch 1|TTFT|Error|error" | tail -4
+             done ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;
         outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
@@ -62,7 +70,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft profile outproj state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl profile outproj state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

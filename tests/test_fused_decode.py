@@ -511,12 +511,17 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[di
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
-def test_engine_fused_decode_matches_pytorch(arch, request, few_splits):
+def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
     DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
     and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
-    2-layer variants (one mixer of each kind: the interpreter's time grows with the layers)."""
+    2-layer variants (one mixer of each kind: the interpreter's time grows with the layers). The
+    last request decodes alone: batch-1 steps, whose projections are GEMV kernels (``gemv``)."""
+    from hyla.model.ops.gpu import gemv
+
+    gemv_calls = []
+    monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: gemv_calls.append(1) or run(x, w))
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     requests = 7 if GPU else 5  # interpreted (CPU), the fused side costs ~4 s a request
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -528,6 +533,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits):
     with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
         b = _two_turns(other, fused=not GPU, requests=requests)
         assert other.get_stats()["num_overlapped_steps"] > 0
+    assert gemv_calls  # the in projections of the batch-1 steps
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
@@ -624,6 +630,29 @@ def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
     with Engine(qwen3_5_path, disable_cuda_graph=True, **opts) as eager:
         b = _two_turns(eager, None)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+
+
+@pytest.mark.gpu
+def test_engine_pdl_changes_no_bit(qwen3_5_path, monkeypatch):
+    """bf16, CUDA graphs: the decode step's kernels launched with programmatic dependent launch
+    (``ops/gpu/pdl.py``) give the bits they give without it — the same kernels on the same inputs
+    (every sum in a fixed order), so a kernel reading an input before its wait would show here as a
+    changed logprob. Batches, and batch-1 GEMV steps: one request decoding 48 tokens alone."""
+    from hyla.model.ops.gpu import pdl
+
+    if not (pdl.HAS_GDC and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+
+    def run() -> list[dict]:
+        with Engine(qwen3_5_path, **opts) as engine:
+            return _two_turns(engine, None) + _generate(engine, [{"ids": list(range(3, 40)), "max_new": 48}])
+
+    with_pdl = run()
+    monkeypatch.setattr(pdl, "PDL", False)
+    without = run()
+    assert [o["meta_info"]["output_token_logprobs"] for o in with_pdl] == \
+        [o["meta_info"]["output_token_logprobs"] for o in without]
 
 
 def _prompt_logprob_errors(engine: Engine, wave1: list[dict], wave2: list[dict], ref: list[list[float]] | None):
@@ -787,10 +816,65 @@ def test_linear_add_rms_norm_kernel(dtype, prologue, rows):
         linear_add_rms_norm(x[:, :k - 1], weight, residual, scale, 1e-6, ticket, prologue, gate)
 
 
+@pytest.mark.parametrize("dtype", ROUNDING_DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_kernel(dtype, rows):
+    """The in projections' GEMV (``gemv.linear``) == ``F.linear``: fp32 within rounding, bf16 within
+    one rounding step of the fp32 sums (summed in another order); a K that is not a power of two,
+    columns that do not fill the last program, a column-major weight; bad inputs refused."""
+    from hyla.model.ops.gpu import gemv
+
+    g = torch.Generator().manual_seed(9)
+    for n, k in [(37, 1000), (300, 256)]:
+        x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+        weight = torch.randn(n, k, generator=g).to(DEVICE, dtype)
+        for w in (weight, weight.t().contiguous().t()):
+            y = gemv.linear(x, w)
+            exact = F.linear(x.float(), w.float())
+            assert y.shape == (rows, n) and y.dtype == dtype
+            if dtype == torch.float32:
+                torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
+            else:  # at most one bf16 step from the exact sum, rounded
+                step = exact.abs().clamp_min(1e-3) * 2**-7
+                assert ((y.float() - exact).abs() <= step).all()
+    assert gemv.linear_fits(weight) and not gemv.linear_fits(torch.empty(4, gemv.LINEAR_TILE[0]))
+    with pytest.raises(ValueError, match="K <="):
+        gemv.linear(torch.zeros(1, gemv.LINEAR_TILE[0], dtype=dtype), torch.zeros(4, gemv.LINEAR_TILE[0], dtype=dtype))
+    with pytest.raises(ValueError, match="dtype"):
+        gemv.linear(x, weight.double())
+    with pytest.raises(ValueError, match="x must be"):
+        gemv.linear(x[:, :-1], weight)
+
+
+@pytest.mark.parametrize("in_proj", [True, False])
+def test_gemv_step_in_projections(in_proj, monkeypatch):
+    """On a GEMV step (``gemv_step=True``) an MLP runs its in projection through ``gemv.linear``
+    (``gemv.IN_PROJ``; False: ``F.linear``, as before), with the same numbers; a projection with a
+    bias stays ``F.linear``."""
+    from hyla.model.layers import MLP, RMSNorm, add_rms_norm
+    from hyla.model.ops.gpu import gemv
+
+    calls = []
+    monkeypatch.setattr(gemv, "IN_PROJ", in_proj)
+    monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: calls.append(w.shape) or run(x, w))
+    g = torch.Generator().manual_seed(7)
+    for bias in (False, True):
+        mlp, norm = MLP(48, 80, "silu", bias=bias).to(DEVICE), RMSNorm(48, 1e-6).to(DEVICE)
+        for param in [*mlp.parameters(), norm.weight]:
+            param.data = torch.randn(param.shape, generator=g).to(DEVICE) / 4
+        x, residual = (torch.randn(1, 48, generator=g).to(DEVICE) for _ in range(2))
+        calls.clear()
+        y, s = add_rms_norm(mlp(x, gemv_step=True), residual, norm)
+        assert calls == ([(160, 48)] if in_proj and not bias else [])
+        y_ref, s_ref = add_rms_norm(mlp(x), residual, norm)
+        torch.testing.assert_close(s, s_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("act", ["silu", "relu2"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_mlp_out_projection_in_the_next_norm(act, bias):
-    """An MLP asked to leave its down projection (``defer_out``, the fused decode step at a few rows)
+    """An MLP asked to leave its down projection (``gemv_step``, the fused decode step at a few rows)
     gives the next ``add_rms_norm`` what the projection it ran would have: SwiGLU in the kernel's
     prologue, relu2 before it; a projection with a bias is run, not left."""
     from hyla.model.layers import MLP, OutProjection, RMSNorm, add_rms_norm
@@ -800,7 +884,7 @@ def test_mlp_out_projection_in_the_next_norm(act, bias):
     for param in [*mlp.parameters(), norm.weight]:
         param.data = torch.randn(param.shape, generator=g).to(DEVICE) / 4
     x, residual = (torch.randn(2, 48, generator=g).to(DEVICE) for _ in range(2))
-    left = mlp(x, defer_out=True)
+    left = mlp(x, gemv_step=True)
     assert isinstance(left, OutProjection) != bias
     y, s = add_rms_norm(left, residual, norm)
     y_ref, s_ref = add_rms_norm(mlp(x), residual, norm)

@@ -29,3 +29,7 @@ def test_every_kernel_compiles_for_sm90():
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert "0 cases failed" in proc.stdout and "linear_add_rms_norm gated_norm x3 bfloat16" in proc.stdout
+    # the decode step's kernels as a GPU launches them, with PDL: each waits (griddepcontrol.wait) once
+    pdl = [line for line in proc.stdout.splitlines() if line.startswith("ok") and " pdl: " in line]
+    assert len(pdl) >= 15 and any(line.startswith("ok     linear K=1024 bfloat16 pdl") for line in pdl)
+    assert all(line.count("1 griddepcontrol.wait") == line.count(" warps, ") for line in pdl), pdl

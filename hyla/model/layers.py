@@ -261,7 +261,7 @@ class Attention(nn.Module):
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # and a fused extend (ForwardBatch.fused_extend): HybridForCausalLM.supports_fused_extend
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
+    takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
@@ -282,14 +282,14 @@ class Attention(nn.Module):
             (offset + wq.float()).expand(hq, -1), (offset + wk.float()).expand(hkv, -1)]))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None,
-                defer_out: bool = False) -> torch.Tensor | OutProjection:
+                gemv_step: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
-        qkv = self.qkv_proj(x)
+        qkv = in_projection(self.qkv_proj, x, gemv_step)
         if batch.on_device:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
             return out_projection(self.o_proj, self._attend_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
-                                  defer_out)
+                                  gemv_step)
         if _runs_prologue_kernel(batch, qkv):  # an extend on CUDA: the prologue kernel, then attention over the pool
             q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
             if batch.short_extend is not None:
@@ -443,7 +443,7 @@ class GatedDeltaNet(nn.Module):
 
     fused_decode = True
     fused_extend = True
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
+    takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -467,9 +467,10 @@ class GatedDeltaNet(nn.Module):
         self._retired_tickets: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
-                defer_out: bool = False) -> torch.Tensor | OutProjection:
+                gemv_step: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
+        mixed, z, b, a = in_projection(self.in_proj, x, gemv_step).split(
+            [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
         if batch.fused_decode:  # Triton: the conv window, gating and the state update in one kernel, or
@@ -494,7 +495,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         d = self.head_v_dim
-        if defer_out and self.out_proj.bias is None and d & (d - 1) == 0:  # the gated norm in the projection's kernel
+        if gemv_step and self.out_proj.bias is None and d & (d - 1) == 0:  # the gated norm in the projection's kernel
             return OutProjection(self.out_proj, o.reshape(t, self.value_dim), "gated_norm",
                                  (z, self.norm.weight, self.norm.eps))
         if _on_gpu(o):  # one kernel, reading z in place from the projection
@@ -574,7 +575,7 @@ class Mamba2Mixer(nn.Module):
 
     fused_decode = True
     fused_extend = True
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
+    takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -603,9 +604,9 @@ class Mamba2Mixer(nn.Module):
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [H] fp32
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
-                defer_out: bool = False) -> torch.Tensor | OutProjection:
+                gemv_step: bool = False) -> torch.Tensor | OutProjection:
         t = x.shape[0]
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = in_projection(self.in_proj, x, gemv_step).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
         A = self._neg_A(self.A_log)  # [H]
@@ -618,7 +619,7 @@ class Mamba2Mixer(nn.Module):
             y = _gpu("mamba2_decode").mamba2_state_update_fused(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states,
                                                                 batch.state_slots, self.dt_limit,
                                                                 chain=batch.chain_slots)  # [B, H, P]
-            return self._out(y, z, t, x.dtype, defer_out)
+            return self._out(y, z, t, x.dtype, gemv_step)
         if batch.fused_extend is not None:  # Triton: the conv, then the scan in one launch, then D * x
             xbc = conv1d_fused_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")
             xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
@@ -652,13 +653,13 @@ class Mamba2Mixer(nn.Module):
         return self._out(y, z, t, x.dtype)
 
     def _out(self, y: torch.Tensor, z: torch.Tensor, t: int, dtype: torch.dtype,
-             defer_out: bool = False) -> torch.Tensor | OutProjection:
+             gemv_step: bool = False) -> torch.Tensor | OutProjection:
         y = y.reshape(t, self.inner)  # [T, I]
         if self.norm is not None:
             y = self.norm(y, z)
         else:
             y = y.float() * F.silu(z.float())  # fp32, as HF's ungated path
-        return out_projection(self.out_proj, y.to(dtype), defer_out)
+        return out_projection(self.out_proj, y.to(dtype), gemv_step)
 
 
 # --- feed-forward ------------------------------------------------------------------------------
@@ -672,7 +673,7 @@ class MLP(nn.Module):
     """Dense feed-forward. ``act="silu"``: gated SwiGLU, ``in_proj`` rows ``[gate (I) | up (I)]``;
     ``act="relu2"``: ``down(relu(up(x))^2)``, ``in_proj`` rows ``[up (I)]``."""
 
-    defers_out = True  # forward(defer_out=True) may return an OutProjection
+    takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
@@ -682,9 +683,9 @@ class MLP(nn.Module):
         self.in_proj = Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias, dtype=dtype)
         self.out_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, defer_out: bool = False) -> torch.Tensor | OutProjection:
-        h = self.in_proj(x)
-        if defer_out and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (relu2 before it)
+    def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor | OutProjection:
+        h = in_projection(self.in_proj, x, gemv_step)
+        if gemv_step and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (relu2 before it)
             return OutProjection(self.out_proj, h, "silu_mul") if self.gated else OutProjection(self.out_proj, relu2(h))
         if self.gated and _on_gpu(h):
             return self.out_proj(_gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
@@ -824,21 +825,24 @@ class HybridLayer(nn.Module):
         """:meth:`forward` with each residual add fused into the norm after it (the fused decode
         step, CUDA extend steps; the same numbers): the layer's input is ``residual + out`` (``out``
         None: just ``residual``), its output the same pair, the last part's output not yet added.
-        A fused decode step of at most ``gemv.MAX_ROWS`` rows also leaves each part's out
-        projection to the next norm's kernel (:class:`OutProjection`)."""
-        defer = batch.fused_decode and residual.shape[0] <= _gpu("gemv").MAX_ROWS
+        A fused decode step of at most ``gemv.MAX_ROWS`` rows is a *GEMV step*: each part runs its in
+        projection as a GEMV (:func:`in_projection`) and leaves its out projection to the next
+        norm's kernel (:class:`OutProjection`); a part's module says it takes such a step with
+        ``takes_gemv_step`` and its forward's ``gemv_step=True``."""
+        gemv_step = batch.fused_decode and residual.shape[0] <= _gpu("gemv").MAX_ROWS
         if self.mixer is not None:
             h, residual = add_rms_norm(out, residual, self.mixer_norm)
-            out = _deferring(self.mixer, defer)(h, batch, rope)
+            out = _on_gemv_step(self.mixer, gemv_step)(h, batch, rope)
         if self.ffn is not None:
             h, residual = add_rms_norm(out, residual, self.ffn_norm)
-            out = _deferring(self.ffn, defer)(h)
+            out = _on_gemv_step(self.ffn, gemv_step)(h)
         return out, residual
 
 
-def _deferring(module: nn.Module, defer: bool) -> Callable[..., torch.Tensor | OutProjection]:
-    """``module``'s forward, asked to leave its out projection (``defer_out=True``) where it can."""
-    return functools.partial(module, defer_out=True) if defer and getattr(module, "defers_out", False) else module
+def _on_gemv_step(module: nn.Module, gemv_step: bool) -> Callable[..., torch.Tensor | OutProjection]:
+    """``module``'s forward, told that this is a GEMV step (``gemv_step=True``) where it takes one."""
+    return functools.partial(module, gemv_step=True) if gemv_step and getattr(module, "takes_gemv_step", False) \
+        else module
 
 
 @dataclass(frozen=True)
@@ -854,9 +858,19 @@ class OutProjection:
     gate: tuple[torch.Tensor, torch.Tensor, float] | None = None
 
 
-def out_projection(linear: nn.Linear, x: torch.Tensor, defer_out: bool) -> torch.Tensor | OutProjection:
-    """``linear(x)``, or with ``defer_out`` (and no bias) the projection left as an :class:`OutProjection`."""
-    return OutProjection(linear, x) if defer_out and linear.bias is None else linear(x)
+def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
+    """``linear(x)``; on a GEMV step (no bias, ``gemv.IN_PROJ``, a weight ``gemv.linear`` takes) that
+    kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``)."""
+    if gemv_step and linear.bias is None:
+        kernels = _gpu("gemv")
+        if kernels.IN_PROJ and kernels.linear_fits(linear.weight):
+            return kernels.linear(x, linear.weight)
+    return linear(x)
+
+
+def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
+    """``linear(x)``, or with ``gemv_step`` (and no bias) the projection left as an :class:`OutProjection`."""
+    return OutProjection(linear, x) if gemv_step and linear.bias is None else linear(x)
 
 
 def add_rms_norm(out: torch.Tensor | OutProjection | None, residual: torch.Tensor,

@@ -19,13 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, conv_kernel_size
+from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl
 
 
 @triton.jit
 def _conv1d_update_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride, chain_ptr, chain_stride, y_ptr, C,
                           W: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+                          BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     i = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels
     mask = c < C
@@ -69,8 +70,10 @@ def causal_conv1d_update_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
     w, chain, seqs = chain_of(chain, slots, b)
     y = torch.empty(b, c, dtype=x.dtype, device=x.device)
     block = 256
+    use_pdl = pdl.enabled(x)
     _conv1d_update_kernel[(seqs, triton.cdiv(c, block))](
         x, x.stride(0), weight, bias if bias is not None else weight, conv_states, conv_states.stride(0), chain,
-        chain.stride(0), y, c, W=w, K=k, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_C=block)
+        chain.stride(0), y, c, W=w, K=k, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_C=block,
+        PDL=use_pdl, **pdl.options(use_pdl))
     return y
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import pdl
+
 
 @triton.jit
 def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md, R: tl.constexpr,
@@ -79,7 +81,8 @@ def _store_partials(part_o_ptr, part_lse_ptr, out, acc, m_i, l_i, mask, d, md, D
 @triton.jit
 def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr, part_lse_ptr, scale,
             kv_stride_s, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-            BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+            BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -102,7 +105,9 @@ def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, le
 
 @triton.jit
 def _stage2(part_o_ptr, part_lse_ptr, o_ptr, gate_ptr, gate_stride, HQ: tl.constexpr, D: tl.constexpr,
-            BD: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr, GATE_HEAD_STRIDE: tl.constexpr):
+            BD: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr, GATE_HEAD_STRIDE: tl.constexpr,
+            PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)  # (sequence, query head)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BD)
@@ -144,10 +149,12 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     part_o, part_lse = split_partials(q, splits)
     bd = triton.next_power_of_2(d)
     ieee = q.dtype == torch.float32
+    use_pdl = pdl.enabled(q)
     _stage1[(b, hkv, splits)](
         q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o, part_lse, scaling,
         k_buffer.stride(0), HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
-        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=4)
+        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, PDL=use_pdl, num_warps=4,
+        **pdl.options(use_pdl))
     return merge_splits(part_o, part_lse, q.dtype, gate)
 
 
@@ -166,10 +173,12 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtyp
     n, hq, splits, d = part_o.shape
     o = torch.empty(n, hq, d, dtype=dtype, device=part_o.device)
     if n:
+        use_pdl = pdl.enabled(part_o)
         _stage2[(n * hq,)](part_o, part_lse, o, gate if gate is not None else o,
                            gate.stride(0) if gate is not None else 0, HQ=hq, D=d, BD=triton.next_power_of_2(d),
                            SPLITS=splits, GATE=gate is not None,
-                           GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0)
+                           GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0, PDL=use_pdl,
+                           **pdl.options(use_pdl))
     return o
 
 
@@ -177,7 +186,8 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtyp
 def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, pos_ptr, inv_freq_ptr, loc_ptr, q_ptr,
                         k_ptr, v_ptr, kv_stride_s, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                         Q_HEAD_STRIDE: tl.constexpr, Q_SIZE: tl.constexpr, ROT: tl.constexpr,
-                        NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+                        NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     i = tl.program_id(0)
     h = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, BLOCK)
@@ -252,9 +262,11 @@ def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
                 or inv_freq.dtype != torch.float32 or rot > d or not inv_freq.is_contiguous():
             raise ValueError(f"rope must be (positions [B={b}], a contiguous fp32 inv_freq [rotary_dim / 2 <= {d // 2}])")
     q = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
+    use_pdl = pdl.enabled(qkv)
     _qk_prologue_kernel[(b, hq + 2 * hkv)](
         qkv, qkv.stride(0), qk_scale if qk_scale is not None else q, *(rope if rope is not None else (q, q)),
         out_cache_loc, q, k_buffer, v_buffer, k_buffer.stride(0), eps,
         HQ=hq, HKV=hkv, D=d, Q_HEAD_STRIDE=(2 if output_gate else 1) * d, Q_SIZE=q_size, ROT=max(rot, 2),
-        NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d))
+        NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d), PDL=use_pdl,
+        **pdl.options(use_pdl))
     return q

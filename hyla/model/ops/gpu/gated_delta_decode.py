@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, conv_kernel_size, segments_of
+from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     first_checkpoint,
@@ -141,8 +141,9 @@ def _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV: tl.constexpr, DK: tl
 def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                        W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
+    pdl.wait(PDL)  # the head's weights loaded: now the inputs and the state (pdl.py)
     offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
     S = _chain_state(state_ptr, tl.load(chain_ptr + i).to(tl.int64), offs, mk, mv, HV, DK, DV, BK, BV)  # fp32
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
@@ -195,13 +196,18 @@ def _conv_weights(cw_ptr, c, mask):
 def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                             cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                             W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
-                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr):
+                            DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr,
+                            PDL: tl.constexpr):
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     C = 2 * HK * DK + HV * DV  # the conv's channels: [q | k | v]
     cq = hk * DK + dk
     ck = HK * DK + cq
     cv = 2 * HK * DK + hv * DV + dv
     cdt = conv_ptr.dtype.element_ty
+    wq0, wq1, wq2, wq3 = _conv_weights(cw_ptr, cq, mk)
+    wk0, wk1, wk2, wk3 = _conv_weights(cw_ptr, ck, mk)
+    wv0, wv1, wv2, wv3 = _conv_weights(cw_ptr, cv, mv)
+    pdl.wait(PDL)  # the weights loaded: now the inputs, the windows and the state (pdl.py)
 
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -213,9 +219,6 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
     q0, q1, q2 = _window(win, cq, lq)
     k0, k1, k2 = _window(win, ck, lq)
     v0, v1, v2 = _window(win, cv, lv)
-    wq0, wq1, wq2, wq3 = _conv_weights(cw_ptr, cq, mk)
-    wk0, wk1, wk2, wk3 = _conv_weights(cw_ptr, ck, mk)
-    wv0, wv1, wv2, wv3 = _conv_weights(cw_ptr, cv, mv)
     iq0, iq1, iq2, ik0, ik1, ik2 = q0, q1, q2, k0, k1, k2  # for the q/k windows' writer, at the end
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
@@ -316,9 +319,11 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
+    use_pdl = pdl.enabled(qkv)
     _gdn_decode_kernel[(seqs * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
-        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=warps)
+        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, PDL=use_pdl, num_warps=warps,
+        **pdl.options(use_pdl))
     return o
 
 
@@ -345,10 +350,11 @@ def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, co
     bk = triton.next_power_of_2(dk)
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
     blocks = triton.cdiv(dv, bv)
+    use_pdl = pdl.enabled(x)
     _gdn_conv_decode_kernel[(seqs * num_v_heads, blocks)](
         x, x.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
         chain, chain.stride(0), o, dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv,
-        GROUP=(num_v_heads // num_k_heads) * blocks, num_warps=warps)
+        GROUP=(num_v_heads // num_k_heads) * blocks, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
     return o
 
 

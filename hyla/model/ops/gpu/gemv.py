@@ -20,6 +20,13 @@ the unfused step's in the last bit.
 The ticket is an int32 that is zero between launches (the last program resets it): launches that
 share one must not run at the same time (one stream, as the decode step). ``MAX_ROWS`` is how many
 rows take this path; the layers read it at each step, so ``MAX_ROWS = 0`` turns it off.
+
+The same steps run their in projections (a Gated DeltaNet's or attention's fused input projection,
+the MLP's gate + up) through :func:`linear`: a GEMV that holds its whole ``[BLOCK_N, K]`` slice of the
+weight in registers, loaded before it waits for its input (``pdl.py``), so that with PDL the
+weight streams in while the kernel before it (the previous part's norm) finishes. cuBLAS's GEMM,
+which it replaces there (``IN_PROJ``), does not take part in PDL: the kernel after a GEMM starts
+only when it has ended.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hyla.model.ops.gpu import pdl
 
 # Measured on an H100 (benchmarks/out_projection.py, docs/benchmarks.md "GPU decode: out projection"):
 # at one row the constants below make the fused kernel 1.15-1.19x faster than the separate kernels
@@ -41,6 +50,13 @@ NUM_WARPS = 2
 
 PROLOGUES = ("plain", "silu_mul", "gated_norm")  # PROLOGUE in the kernel: the index
 
+# the in projections of the same steps (linear). Not yet timed on a GPU: IN_PROJ = False gives them
+# back to cuBLAS (benchmarks/gpu_decode.py --gemv-in 0|1; out_projection.py times both per projection)
+IN_PROJ = True
+LINEAR_TILE = (8192, 4)  # weight elements a program holds (its [BLOCK_N, K] slice: K padded to a power of
+# two, BLOCK_N >= 2, so K <= 4,096), warps per program: 1,028 programs for the benchmark model's Gated
+# DeltaNet in projection (8,224 x 1,024), 16 KB of bf16 each, all in flight before the wait
+
 
 @triton.jit
 def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps, w_ptr, w_stride_n, w_stride_k,
@@ -48,7 +64,7 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
                                 r_ptr, scale_ptr, y_ptr, s_ptr, M, N, K, eps,
                                 PROLOGUE: tl.constexpr, ROUND: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPLIT: tl.constexpr,
-                                SPLIT_K: tl.constexpr, BLOCK_D: tl.constexpr):
+                                SPLIT_K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = tl.arange(0, BLOCK_M)
@@ -63,6 +79,7 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
     w_rows = w_ptr + n[:, None] * w_stride_n
     k = pid_k * K_SPLIT + kk
     w_next = tl.load(w_rows + k[None, :] * w_stride_k, mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+    pdl.wait(PDL)  # the first weight tile is on its way: now the inputs (pdl.py)
     for i in range(0, K_SPLIT, BLOCK_K):
         k = pid_k * K_SPLIT + i + kk
         w = w_next
@@ -115,6 +132,50 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
         tl.atomic_xchg(ticket_ptr, 0)  # zero for the next launch
 
 
+@triton.jit
+def _linear_kernel(x_ptr, x_stride, w_ptr, w_stride_n, w_stride_k, y_ptr, M, N, K,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    n_mask, k_mask = n < N, k < K
+    # the program's whole slice of the weight, before the wait: no kernel writes it (pdl.py)
+    w = tl.load(w_ptr + n[:, None] * w_stride_n + k[None, :] * w_stride_k, mask=n_mask[:, None] & k_mask[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K]
+    pdl.wait(PDL)
+    for row in range(0, M):
+        x = tl.load(x_ptr + row * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # fp32 sums, rounded once to the output dtype (as cuBLAS)
+        tl.store(y_ptr + row * N + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def linear_fits(weight: torch.Tensor) -> bool:
+    """Whether :func:`linear` takes ``weight [N, K]``: K at most ``LINEAR_TILE[0] / 2`` (a program
+    holds two or more whole rows)."""
+    return weight.dim() == 2 and 2 * triton.next_power_of_2(weight.shape[1]) <= LINEAR_TILE[0]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a few rows (``x [M, K]`` with unit column stride, ``weight [N, K]`` in x's
+    dtype, any strides, no bias; :func:`linear_fits`) -> ``[M, N]``: each program holds a
+    ``[BLOCK_N, K]`` slice of the weight and computes its columns for every row (the module
+    docstring). fp32 sums in another order than cuBLAS's: bf16 outputs may differ in the last bit."""
+    if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"x must be [M, K] with unit column stride and weight [N, K], got {list(x.shape)} "
+                         f"and {list(weight.shape)}")
+    if weight.dtype != x.dtype or not linear_fits(weight):
+        raise ValueError(f"weight must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, "
+                         f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
+    (m, k), n = x.shape, weight.shape[0]
+    block_k = triton.next_power_of_2(k)
+    block_n = LINEAR_TILE[0] // block_k
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    use_pdl = pdl.enabled(x)
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x, x.stride(0), weight, weight.stride(0), weight.stride(1), y, m, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+        PDL=use_pdl, num_warps=LINEAR_TILE[1], **pdl.options(use_pdl))
+    return y
+
+
 def split_k(n: int, k: int, block_n: int, block_k: int) -> tuple[int, int]:
     """``(splits, K per split)`` for an ``[N, K]`` projection in blocks of ``block_n`` columns:
     enough splits to give ``MIN_PROGRAMS`` programs, each a whole number of ``block_k`` steps."""
@@ -163,10 +224,11 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     splits, per = split_k(n, k, block_n, block_k)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     y, s = torch.empty_like(residual), torch.empty_like(residual)
+    use_pdl = pdl.enabled(x)
     _linear_add_rms_norm_kernel[(triton.cdiv(n, block_n), splits)](
         x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
         PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
         BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
-        num_warps=NUM_WARPS)
+        PDL=use_pdl, num_warps=NUM_WARPS, **pdl.options(use_pdl))
     return y, s

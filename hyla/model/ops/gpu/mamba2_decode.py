@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, segments_of
+from hyla.model.ops.gpu import chain_of, pdl, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
     first_checkpoint,
@@ -101,7 +101,9 @@ def _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H: tl.constexpr, G: tl.constexpr,
 def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                           state_ptr, chain_ptr, chain_stride, y_ptr, dt_min, dt_max,
                           W: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                          BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr):
+                          BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = h * (P * N) + p[:, None] * N + n[None, :]
@@ -182,11 +184,12 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
     bp, warps = min(triton.next_power_of_2(head_dim), DECODE_TILES[0]), DECODE_TILES[1]
+    use_pdl = pdl.enabled(x)
     _mamba2_decode_kernel[(seqs * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
         dt_bias if dt_bias is not None else A, ssm_states, chain, chain.stride(0), y, float(lo), float(hi),
         W=w, H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
-        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, num_warps=warps)
+        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
     return y
 
 

@@ -12,9 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import pdl
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_stride, scale_ptr, y_ptr, D, eps, SCALE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, x_stride, scale_ptr, y_ptr, D, eps, SCALE_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     mask = d < D
@@ -35,13 +39,16 @@ def rms_norm_fused(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
     if scale.dtype != torch.float32 or scale.numel() != scale_rows * d or not scale.is_contiguous():
         raise ValueError(f"scale must be a contiguous fp32 [R, {d}] tensor, got {list(scale.shape)} {scale.dtype}")
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    use_pdl = pdl.enabled(x)
     _rms_norm_kernel[(n,)](x, x.stride(0), scale, y, d, eps, SCALE_ROWS=scale_rows,
-                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8)
+                           BLOCK=triton.next_power_of_2(d), PDL=use_pdl, num_warps=4 if d <= 2048 else 8,
+                           **pdl.options(use_pdl))
     return y
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, scale_ptr, y_ptr, s_ptr, D, eps, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, r_ptr, scale_ptr, y_ptr, s_ptr, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)
     d = tl.arange(0, BLOCK)
     mask = d < D
@@ -69,8 +76,9 @@ def add_rms_norm_fused(x: torch.Tensor, residual: torch.Tensor, scale: torch.Ten
     if scale.dtype != torch.float32 or scale.shape != (d,) or not scale.is_contiguous():
         raise ValueError(f"scale must be a contiguous fp32 [{d}] tensor, got {list(scale.shape)} {scale.dtype}")
     y, s = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(n,)](x, residual, scale, y, s, d, eps, BLOCK=triton.next_power_of_2(d),
-                               num_warps=4 if d <= 2048 else 8)
+    use_pdl = pdl.enabled(x)
+    _add_rms_norm_kernel[(n,)](x, residual, scale, y, s, d, eps, BLOCK=triton.next_power_of_2(d), PDL=use_pdl,
+                               num_warps=4 if d <= 2048 else 8, **pdl.options(use_pdl))
     return y, s
 
 

@@ -1,0 +1,71 @@
+"""Programmatic dependent launch (PDL): the decode step's kernels overlap the one before them.
+
+At batch 1 a decode step is a chain of ~136 small kernels, each waiting for the one before it. A
+CUDA graph removes the launch calls, not the gaps: a kernel starts when the previous one has
+finished, and its first bytes arrive a memory latency after that. Most of the chain reads a
+weight (a few MB each: ~5 µs at HBM speed, with a ~1-2 µs ramp and tail around it).
+
+On Hopper and later a kernel launched with ``launch_pdl`` may start while the one before it still
+runs. A kernel here that takes ``PDL: tl.constexpr`` is written for that:
+
+1. first it loads what no kernel writes: its weights (a GEMV's weight tiles, a conv's weights,
+   a layer's ``A_log``) and nothing else, and it stores nothing;
+2. then :func:`wait` — ``gdc_wait`` returns once the kernel before has finished and its writes are
+   visible — and right after it ``gdc_launch_dependents``, which lets the next kernel launch;
+3. then its inputs, its work and its stores.
+
+So the next kernel's weight loads run under this one's work, and at most two kernels of the chain
+run at once (the next launches only after every program of this one has passed its wait, so
+everything before this one has finished). Every program of such a kernel calls :func:`wait`
+before it may end: the order the chain keeps relies on each kernel finishing after the one before
+it. A kernel that is not PDL-aware (a cuBLAS GEMM, a PyTorch op) still runs in stream order: the
+kernel after it launches when it has finished, as without PDL.
+
+:func:`enabled` decides per launch (``PDL``, a CUDA tensor on a device of compute capability 9 or
+more, a Triton with ``gdc_wait``); :func:`options` is the launch's keyword. Under the interpreter
+(CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
+--pdl 0|1`` times the decode step without and with it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # Triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # pragma: no cover - an older Triton: PDL stays off
+    HAS_GDC = False
+
+PDL = True  # read at each launch: False launches every kernel as before (no overlap)
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """The end of a kernel's weight loads (module docstring): wait for the kernel before, then let
+    the next one launch. Nothing without ``PDL``."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether a kernel working on ``t`` launches with PDL."""
+    if not (PDL and HAS_GDC and t.is_cuda):
+        return False
+    return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def options(use: bool) -> dict[str, bool]:
+    """The launch keyword for a kernel launched with ``PDL=use``."""
+    return {"launch_pdl": True} if use else {}
