@@ -17,6 +17,7 @@
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
 #            the in projections' GEMV against cuBLAS, without and with PDL
 #   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
+#   attn     benchmarks/attention_tiles.py: the extend attention's tiles against PyTorch's SDPA (~2 min)
 #   kernels  benchmarks/recurrent_tiles.py and fla_prefill.py: the recurrent kernels' tiles, and
 #            hyla's chunked kernels against fla's per length
 #
@@ -66,11 +67,12 @@ for s in "$@"; do
                      | tee "$out/profile.log" | tail -60 ;;
         outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
                      | tee "$out/outproj.log" | tail -40 ;;
+        attn) timeout 150 python3 benchmarks/attention_tiles.py --repeats 10 2>&1 | tee "$out/attn.log" | tail -12 ;;
         state) timeout 60 python3 benchmarks/state_ops.py --device cuda 2>&1 | tee "$out/state.log" ;;
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl profile outproj state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

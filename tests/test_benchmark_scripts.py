@@ -4,7 +4,7 @@ A GPU session has 30 minutes of device time; a script that broke since the last 
 renamed, an engine option gone) costs a device call to find out. These run each script's CPU
 smoke mode and check what it measured, not the times: the cached TTFT hits exactly the cached
 prefix, the profile has each phase's Python profile, the fused out projection agrees with the
-separate kernels. Two CPU scripts are run the same way: ``state_ops.py`` (both paths of the state
+separate kernels, each extend attention tile with PyTorch's SDPA. Two CPU scripts are run the same way: ``state_ops.py`` (both paths of the state
 pool's slot operations) and ``cpu_ab.py`` (its two worker processes, here one checkout against
 itself). ``recurrent_tiles.py`` is left out (minutes in the interpreter); ``fla_prefill.py``
 needs fla, which CPU installs lack.
@@ -66,6 +66,14 @@ def test_out_projection_runs_on_cpu_and_matches_the_separate_kernels():
                                   "--rows", "1,2").splitlines() if line.startswith("| ")]
     assert len(rows) == 9  # 3 out projections x 2 row counts, 3 in projections
     assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) <= 0.05 for r in rows)  # max diff, bf16
+
+
+def test_attention_tiles_agree_with_sdpa():
+    """Each tile's output against the default's, and the default against PyTorch's SDPA (fp32 here)."""
+    rows = [line for line in _run("benchmarks/attention_tiles.py", "--device", "cpu", "--repeats", "1").splitlines()
+            if line.startswith("| ")]
+    assert len(rows) == 4  # 3 tiles, then the summary
+    assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5 for r in rows)  # max diffs
 
 
 @pytest.mark.slow

@@ -37,6 +37,21 @@ def test_paged_extend_attention_kernel(dtype, hq, hkv, d, prefix, n, splits):
     """One sequence's new tokens over its prefix and themselves (causal), its slots scattered over
     the pool in row 2 of the request table; 6 padding tokens after them (one key each) that must
     stay finite; the output gate a strided view, as the layer passes it."""
+    _check_extend_attention(dtype, hq, hkv, d, prefix, n, splits)
+
+
+@pytest.mark.parametrize("tiles", [(128, 16, 4), (32, 64, 8), (16, 32, 2)])
+def test_paged_extend_attention_tiles(tiles, monkeypatch):
+    """Every tile the benchmark tries (``attention_tiles.py``: query rows, keys per step, warps)
+    computes the same attention: a block of tokens shorter than the query heads, blocks of many."""
+    from hyla.model.ops.gpu import extend_attention
+
+    for name, value in zip(("TILE_ROWS", "TILE_KEYS", "NUM_WARPS"), tiles):
+        monkeypatch.setattr(extend_attention, name, value)
+    _check_extend_attention(torch.float32, 8, 2, 32, 37, 21, None)
+
+
+def _check_extend_attention(dtype, hq, hkv, d, prefix, n, splits):
     g = torch.Generator().manual_seed(prefix + n)
     kb = torch.randn(300, hkv, d, generator=g).to(DEVICE, dtype)
     vb = torch.randn(300, hkv, d, generator=g).to(DEVICE, dtype)

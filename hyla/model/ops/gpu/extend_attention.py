@@ -28,8 +28,10 @@ import triton.language as tl
 from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, merge_splits, num_splits, \
     split_partials
 
-# query rows of a program's tile: BM tokens x the query heads of one KV head (padded to a power of 2)
-TILE_ROWS = 64
+# A program's tile, read at each launch (benchmarks/attention_tiles.py times every choice; not yet on a GPU):
+TILE_ROWS = 64  # query rows: BM tokens x the query heads of one KV head (padded to a power of 2)
+TILE_KEYS = 0  # keys per step of its loop; 0: 32 in fp32 or for heads over 128 wide (registers), else 64
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -81,16 +83,17 @@ def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         raise ValueError(f"gate must be [T, Hq, D] = {list(q.shape)} in {q.dtype} with unit stride along D")
     bh = triton.next_power_of_2(hq // hkv)
     bm = max(1, TILE_ROWS // bh)
+    bd = triton.next_power_of_2(d)
+    ieee = q.dtype == torch.float32
+    bn = TILE_KEYS or (32 if ieee or bd > 128 else 64)
     blocks = triton.cdiv(t, bm)
     splits = splits or num_splits(blocks, hkv)
     if splits & (splits - 1):
         raise ValueError(f"splits must be a power of 2, got {splits}")
     part_o, part_lse = split_partials(q, splits)
-    bd = triton.next_power_of_2(d)
-    ieee = q.dtype == torch.float32
     if t:
         _extend_stage1[(blocks, hkv, splits)](
             q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
             part_lse, scaling, k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm,
-            BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=8)
+            BN=bn, SPLITS=splits, IEEE=ieee, num_warps=NUM_WARPS)
     return merge_splits(part_o, part_lse, q.dtype, gate)
