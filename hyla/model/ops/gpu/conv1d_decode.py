@@ -70,10 +70,9 @@ def causal_conv1d_update_fused(x: torch.Tensor, weight: torch.Tensor, bias: torc
     w, chain, seqs = chain_of(chain, slots, b)
     y = torch.empty(b, c, dtype=x.dtype, device=x.device)
     block = 256
-    use_pdl = pdl.enabled(x)
     _conv1d_update_kernel[(seqs, triton.cdiv(c, block))](
         x, x.stride(0), weight, bias if bias is not None else weight, conv_states, conv_states.stride(0), chain,
         chain.stride(0), y, c, W=w, K=k, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_C=block,
-        PDL=use_pdl, **pdl.options(use_pdl))
+        **pdl.launch(x))
     return y
 

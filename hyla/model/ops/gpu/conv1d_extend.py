@@ -31,14 +31,15 @@ import triton
 import triton.language as tl
 
 from hyla.cache.transfer import to_device_packed
-from hyla.model.ops.gpu import conv_kernel_size
+from hyla.model.ops.gpu import conv_kernel_size, pdl
 from hyla.model.ops.varlen import VarlenPlan
 
 
 @triton.jit
 def _conv1d_extend_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride, tok_seq_ptr, starts_ptr, slots_ptr,
                           y_ptr, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                          BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] packed tokens
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels
     mt = t < T
@@ -68,7 +69,9 @@ def _conv1d_extend_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride
 
 @triton.jit
 def _conv1d_windows_kernel(x_ptr, x_stride, state_ptr, state_stride, win_seq_ptr, win_len_ptr, win_dst_ptr,
-                           starts_ptr, slots_ptr, C, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+                           starts_ptr, slots_ptr, C, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+                           PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     m = tl.program_id(0)  # the window: sequence win_seq[m] after win_len[m] of its tokens, into row win_dst[m]
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < C
@@ -155,9 +158,9 @@ def causal_conv1d_rows_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         _conv1d_extend_kernel[(triton.cdiv(t, block_t), triton.cdiv(c, block_c))](
             x, x.stride(0), weight, bias if bias is not None else weight, conv_states, conv_states.stride(0),
             rows.tok_seq, rows.starts, slots, y, t, c, K=k, HAS_BIAS=bias is not None, SILU=activation is not None,
-            BLOCK_T=block_t, BLOCK_C=block_c)
+            BLOCK_T=block_t, BLOCK_C=block_c, **pdl.launch(x))
     for seq, n, dst in rows.windows:  # after the outputs, which read the old windows
         _conv1d_windows_kernel[(seq.shape[0], triton.cdiv(c, block_c))](
             x, x.stride(0), conv_states, conv_states.stride(0), seq, n, dst, rows.starts, slots, c, K=k,
-            BLOCK_W=triton.next_power_of_2(k - 1), BLOCK_C=block_c)
+            BLOCK_W=triton.next_power_of_2(k - 1), BLOCK_C=block_c, **pdl.launch(x))
     return y

@@ -149,12 +149,10 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     part_o, part_lse = split_partials(q, splits)
     bd = triton.next_power_of_2(d)
     ieee = q.dtype == torch.float32
-    use_pdl = pdl.enabled(q)
     _stage1[(b, hkv, splits)](
         q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o, part_lse, scaling,
         k_buffer.stride(0), HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
-        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, PDL=use_pdl, num_warps=4,
-        **pdl.options(use_pdl))
+        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=4, **pdl.launch(q))
     return merge_splits(part_o, part_lse, q.dtype, gate)
 
 
@@ -173,12 +171,10 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtyp
     n, hq, splits, d = part_o.shape
     o = torch.empty(n, hq, d, dtype=dtype, device=part_o.device)
     if n:
-        use_pdl = pdl.enabled(part_o)
         _stage2[(n * hq,)](part_o, part_lse, o, gate if gate is not None else o,
                            gate.stride(0) if gate is not None else 0, HQ=hq, D=d, BD=triton.next_power_of_2(d),
                            SPLITS=splits, GATE=gate is not None,
-                           GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0, PDL=use_pdl,
-                           **pdl.options(use_pdl))
+                           GATE_HEAD_STRIDE=gate.stride(1) if gate is not None else 0, **pdl.launch(part_o))
     return o
 
 
@@ -262,11 +258,9 @@ def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, hea
                 or inv_freq.dtype != torch.float32 or rot > d or not inv_freq.is_contiguous():
             raise ValueError(f"rope must be (positions [B={b}], a contiguous fp32 inv_freq [rotary_dim / 2 <= {d // 2}])")
     q = torch.empty(b, hq, d, dtype=qkv.dtype, device=qkv.device)
-    use_pdl = pdl.enabled(qkv)
     _qk_prologue_kernel[(b, hq + 2 * hkv)](
         qkv, qkv.stride(0), qk_scale if qk_scale is not None else q, *(rope if rope is not None else (q, q)),
         out_cache_loc, q, k_buffer, v_buffer, k_buffer.stride(0), eps,
         HQ=hq, HKV=hkv, D=d, Q_HEAD_STRIDE=(2 if output_gate else 1) * d, Q_SIZE=q_size, ROT=max(rot, 2),
-        NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d), PDL=use_pdl,
-        **pdl.options(use_pdl))
+        NORM=qk_scale is not None, ROPE=rope is not None, BLOCK=triton.next_power_of_2(d), **pdl.launch(qkv))
     return q

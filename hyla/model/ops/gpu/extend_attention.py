@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import pdl
 from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, merge_splits, num_splits, \
     split_partials
 
@@ -37,7 +38,9 @@ NUM_WARPS = 8
 @triton.jit
 def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
                    part_lse_ptr, scale, kv_stride_s, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                   BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,5 +98,5 @@ def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
         _extend_stage1[(blocks, hkv, splits)](
             q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
             part_lse, scaling, k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm,
-            BN=bn, SPLITS=splits, IEEE=ieee, num_warps=NUM_WARPS)
+            BN=bn, SPLITS=splits, IEEE=ieee, num_warps=NUM_WARPS, **pdl.launch(q))
     return merge_splits(part_o, part_lse, q.dtype, gate)

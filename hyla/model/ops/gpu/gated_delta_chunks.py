@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import segments_of
+from hyla.model.ops.gpu import pdl, segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_gates, _gdn_program, gated_delta_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
@@ -118,7 +118,8 @@ def _substitute(A, rhs, t, BT: tl.constexpr):
 def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                    starts_ptr, cu_ptr, w_ptr, u_ptr, num_chunks,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr):
+                   BK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     # program (segment i, its chunk j, value head hv): the chunk's W [BT, Dk] and U [BT, Dv] (module docstring)
     pid = tl.program_id(0)
     i = pid // num_chunks
@@ -153,7 +154,8 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
                        pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr, w_ptr, u_ptr,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, CKPT: tl.constexpr,
-                       WY: tl.constexpr, PRECISION: tl.constexpr):
+                       WY: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -219,14 +221,14 @@ def gated_delta_chunks_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         _gdn_wy_kernel[(segments * chunks, num_v_heads)](
             qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, starts, cu_seqlens, w, u, chunks,
             HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), BT=bt,
-            PRECISION=precision, num_warps=WY_WARPS)
+            PRECISION=precision, num_warps=WY_WARPS, **pdl.launch(qkv))
     else:
         w = u = out  # placeholders: WY=False reads neither
     _gdn_chunks_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), w, u, HK=num_k_heads,
         HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, CKPT=ckpts is not None, WY=wy, PRECISION=precision,
-        num_warps=warps)
+        num_warps=warps, **pdl.launch(qkv))
 
 
 def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,

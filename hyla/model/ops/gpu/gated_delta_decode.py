@@ -261,7 +261,8 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     inner = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -319,11 +320,9 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     o = torch.empty(batch, num_v_heads, dv, dtype=qkv.dtype, device=qkv.device)
     bk = triton.next_power_of_2(dk)
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
-    use_pdl = pdl.enabled(qkv)
     _gdn_decode_kernel[(seqs * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
-        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, PDL=use_pdl, num_warps=warps,
-        **pdl.options(use_pdl))
+        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=warps, **pdl.launch(qkv))
     return o
 
 
@@ -350,11 +349,10 @@ def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, co
     bk = triton.next_power_of_2(dk)
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
     blocks = triton.cdiv(dv, bv)
-    use_pdl = pdl.enabled(x)
     _gdn_conv_decode_kernel[(seqs * num_v_heads, blocks)](
         x, x.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
         chain, chain.stride(0), o, dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv,
-        GROUP=(num_v_heads // num_k_heads) * blocks, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
+        GROUP=(num_v_heads // num_k_heads) * blocks, num_warps=warps, **pdl.launch(x))
     return o
 
 
@@ -376,4 +374,4 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
-        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=warps)
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=warps, **pdl.launch(qkv))

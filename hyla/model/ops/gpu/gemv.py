@@ -169,10 +169,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_k = triton.next_power_of_2(k)
     block_n = LINEAR_TILE[0] // block_k
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x)
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), weight.stride(1), y, m, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-        PDL=use_pdl, num_warps=LINEAR_TILE[1], **pdl.options(use_pdl))
+        num_warps=LINEAR_TILE[1], **pdl.launch(x))
     return y
 
 
@@ -224,11 +223,10 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     splits, per = split_k(n, k, block_n, block_k)
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     y, s = torch.empty_like(residual), torch.empty_like(residual)
-    use_pdl = pdl.enabled(x)
     _linear_add_rms_norm_kernel[(triton.cdiv(n, block_n), splits)](
         x, x.stride(0), z, z.stride(0), gw, g_eps, weight, weight.stride(0), weight.stride(1), part, ticket, residual, scale, y, s, m, n, k, eps,
         PROLOGUE=PROLOGUES.index(prologue), ROUND=x.dtype != torch.float32, IEEE=x.dtype == torch.float32,
         BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n, BLOCK_K=block_k, K_SPLIT=per, SPLIT_K=splits, BLOCK_D=triton.next_power_of_2(n),
-        PDL=use_pdl, num_warps=NUM_WARPS, **pdl.options(use_pdl))
+        num_warps=NUM_WARPS, **pdl.launch(x))
     return y, s

@@ -21,11 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops.gpu import pdl
+
 BLOCK = 2048  # vocabulary entries per program of the first launch
 
 
 @triton.jit
-def _block_kernel(x_ptr, x_stride, V, part_max_ptr, part_idx_ptr, part_sum_ptr, NB, BLOCK: tl.constexpr):
+def _block_kernel(x_ptr, x_stride, V, part_max_ptr, part_idx_ptr, part_sum_ptr, NB, BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -41,7 +45,9 @@ def _block_kernel(x_ptr, x_stride, V, part_max_ptr, part_idx_ptr, part_sum_ptr, 
 
 
 @triton.jit
-def _combine_kernel(part_max_ptr, part_idx_ptr, part_sum_ptr, NB, argmax_ptr, lse_ptr, BLOCK_NB: tl.constexpr):
+def _combine_kernel(part_max_ptr, part_idx_ptr, part_sum_ptr, NB, argmax_ptr, lse_ptr, BLOCK_NB: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)
     b = tl.arange(0, BLOCK_NB)
     live = b < NB
@@ -74,7 +80,8 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     part_max = torch.empty(b, nb, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(b, nb, dtype=torch.int32, device=logits.device)
     part_sum = torch.empty(b, nb, dtype=torch.float32, device=logits.device)
-    _block_kernel[(b, nb)](logits, logits.stride(0), v, part_max, part_idx, part_sum, nb, BLOCK=BLOCK, num_warps=4)
+    _block_kernel[(b, nb)](logits, logits.stride(0), v, part_max, part_idx, part_sum, nb, BLOCK=BLOCK, num_warps=4,
+                           **pdl.launch(logits))
     _combine_kernel[(b,)](part_max, part_idx, part_sum, nb, argmax, lse, BLOCK_NB=triton.next_power_of_2(nb),
-                          num_warps=1)
+                          num_warps=1, **pdl.launch(part_max))
     return argmax, lse

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from typing import TYPE_CHECKING
 
-from hyla.model.ops.gpu import segments_of
+from hyla.model.ops.gpu import pdl, segments_of
 from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_dt, _mamba2_program, mamba2_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
     SegmentCheckpoints,
@@ -60,7 +60,8 @@ def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
                           pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                           H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
                           BN: tl.constexpr, BT: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          CKPT: tl.constexpr, PRECISION: tl.constexpr):
+                          CKPT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     inner = h * (P * N) + p[:, None] * N + n[None, :]
@@ -121,7 +122,7 @@ def mamba2_chunks_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
         float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
         BP=bp, BN=max(16, triton.next_power_of_2(n)), BT=bt, HAS_D=D is not None, HAS_BIAS=dt_bias is not None,
         CKPT=ckpts is not None,
-        PRECISION=DOT_PRECISION if x.dtype == torch.float32 else HALF_DOT_PRECISION, num_warps=warps)
+        PRECISION=DOT_PRECISION if x.dtype == torch.float32 else HALF_DOT_PRECISION, num_warps=warps, **pdl.launch(x))
 
 
 def segment_kernel(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,

@@ -125,7 +125,9 @@ def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_
                             state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
                             pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
-                            BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, CKPT: tl.constexpr):
+                            BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, CKPT: tl.constexpr,
+                            PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     inner = h * (P * N) + p[:, None] * N + n[None, :]
@@ -184,12 +186,11 @@ def mamba2_state_update_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor
     lo, hi = dt_limit if dt_limit is not None else (float("-inf"), float("inf"))
     y = torch.empty(batch, num_heads, head_dim, dtype=x.dtype, device=x.device)
     bp, warps = min(triton.next_power_of_2(head_dim), DECODE_TILES[0]), DECODE_TILES[1]
-    use_pdl = pdl.enabled(x)
     _mamba2_decode_kernel[(seqs * num_heads, triton.cdiv(head_dim, bp))](
         x, x.stride(0), dt, dt.stride(0), A, B, C, B.stride(0), D if D is not None else A,
         dt_bias if dt_bias is not None else A, ssm_states, chain, chain.stride(0), y, float(lo), float(hi),
         W=w, H=num_heads, G=groups, P=head_dim, N=n, BP=bp, BN=triton.next_power_of_2(n),
-        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, PDL=use_pdl, num_warps=warps, **pdl.options(use_pdl))
+        HAS_D=D is not None, HAS_BIAS=dt_bias is not None, num_warps=warps, **pdl.launch(x))
     return y
 
 
@@ -214,4 +215,4 @@ def mamba2_segments_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
         dt_bias if dt_bias is not None else A, states, rows, starts, cu_seqlens, out, out.stride(0), float(lo),
         float(hi), *segment_checkpoint_args(ckpts, states, rows, segments), H=num_heads, G=groups, P=head_dim, N=n,
         BP=bp, BN=triton.next_power_of_2(n), HAS_D=D is not None, HAS_BIAS=dt_bias is not None, CKPT=ckpts is not None,
-        num_warps=warps)
+        num_warps=warps, **pdl.launch(x))

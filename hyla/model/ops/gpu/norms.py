@@ -39,10 +39,8 @@ def rms_norm_fused(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
     if scale.dtype != torch.float32 or scale.numel() != scale_rows * d or not scale.is_contiguous():
         raise ValueError(f"scale must be a contiguous fp32 [R, {d}] tensor, got {list(scale.shape)} {scale.dtype}")
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    use_pdl = pdl.enabled(x)
     _rms_norm_kernel[(n,)](x, x.stride(0), scale, y, d, eps, SCALE_ROWS=scale_rows,
-                           BLOCK=triton.next_power_of_2(d), PDL=use_pdl, num_warps=4 if d <= 2048 else 8,
-                           **pdl.options(use_pdl))
+                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d <= 2048 else 8, **pdl.launch(x))
     return y
 
 
@@ -76,15 +74,15 @@ def add_rms_norm_fused(x: torch.Tensor, residual: torch.Tensor, scale: torch.Ten
     if scale.dtype != torch.float32 or scale.shape != (d,) or not scale.is_contiguous():
         raise ValueError(f"scale must be a contiguous fp32 [{d}] tensor, got {list(scale.shape)} {scale.dtype}")
     y, s = torch.empty_like(x), torch.empty_like(x)
-    use_pdl = pdl.enabled(x)
-    _add_rms_norm_kernel[(n,)](x, residual, scale, y, s, d, eps, BLOCK=triton.next_power_of_2(d), PDL=use_pdl,
-                               num_warps=4 if d <= 2048 else 8, **pdl.options(use_pdl))
+    _add_rms_norm_kernel[(n,)](x, residual, scale, y, s, d, eps, BLOCK=triton.next_power_of_2(d),
+                               num_warps=4 if d <= 2048 else 8, **pdl.launch(x))
     return y, s
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, w_ptr, y_ptr, D, eps,
-                           H: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr):
+                           H: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     row = tl.program_id(0)  # (token, head)
     t = row // H
     h = row % H
@@ -112,12 +110,14 @@ def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         raise ValueError(f"x and z must be [T, {num_heads} x D] with unit column stride, weight [D]")
     y = torch.empty(t, width, dtype=x.dtype, device=x.device)
     _gated_rms_norm_kernel[(t * num_heads,)](x, x.stride(0), z, z.stride(0), weight, y, d, eps, H=num_heads,
-                                             ROUND=x.dtype != torch.float32, BLOCK=triton.next_power_of_2(d))
+                                             ROUND=x.dtype != torch.float32, BLOCK=triton.next_power_of_2(d),
+                                             **pdl.launch(x))
     return y
 
 
 @triton.jit
-def _silu_mul_kernel(h_ptr, h_stride, y_ptr, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(h_ptr, h_stride, y_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     t = tl.program_id(0)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < I
@@ -136,13 +136,14 @@ def silu_mul_fused(h: torch.Tensor) -> torch.Tensor:
     inner = width // 2
     y = torch.empty(t, inner, dtype=h.dtype, device=h.device)
     block = 1024
-    _silu_mul_kernel[(t, triton.cdiv(inner, block))](h, h.stride(0), y, inner, BLOCK=block)
+    _silu_mul_kernel[(t, triton.cdiv(inner, block))](h, h.stride(0), y, inner, BLOCK=block, **pdl.launch(h))
     return y
 
 
 @triton.jit
 def _sigmoid_gate_kernel(o_ptr, o_stride_t, o_stride_h, g_ptr, g_stride_t, g_stride_h, y_ptr, HQ: tl.constexpr,
-                         D: tl.constexpr, BLOCK: tl.constexpr):
+                         D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -164,5 +165,5 @@ def sigmoid_gate_fused(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, hq * d, dtype=o.dtype, device=o.device)
     if t:
         _sigmoid_gate_kernel[(t, hq)](o, o.stride(0), o.stride(1), gate, gate.stride(0), gate.stride(1), y, HQ=hq,
-                                      D=d, BLOCK=triton.next_power_of_2(d))
+                                      D=d, BLOCK=triton.next_power_of_2(d), **pdl.launch(o))
     return y

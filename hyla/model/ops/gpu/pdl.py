@@ -1,30 +1,32 @@
-"""Programmatic dependent launch (PDL): the decode step's kernels overlap the one before them.
+"""Programmatic dependent launch (PDL): each of hyla's Triton kernels overlaps the one before it.
 
 At batch 1 a decode step is a chain of ~136 small kernels, each waiting for the one before it. A
 CUDA graph removes the launch calls, not the gaps: a kernel starts when the previous one has
 finished, and its first bytes arrive a memory latency after that. Most of the chain reads a
-weight (a few MB each: ~5 µs at HBM speed, with a ~1-2 µs ramp and tail around it).
+weight (a few MB each: ~5 µs at HBM speed, with a ~1-2 µs ramp and tail around it). A cached
+prompt's extend graph is ~300 kernels in a row the same way.
 
 On Hopper and later a kernel launched with ``launch_pdl`` may start while the one before it still
-runs. A kernel here that takes ``PDL: tl.constexpr`` is written for that:
+runs. Every Triton kernel of ``ops/gpu`` takes ``PDL: tl.constexpr`` and is written for that:
 
-1. first it loads what no kernel writes: its weights (a GEMV's weight tiles, a conv's weights,
-   a layer's ``A_log``) and nothing else, and it stores nothing;
+1. first it may load what no kernel writes — its weights (a GEMV's weight slice or first tile, a
+   conv's weights, a layer's ``A_log`` and dt bias: the decode step's kernels do) — and nothing
+   else, and it stores nothing;
 2. then :func:`wait` — ``gdc_wait`` returns once the kernel before has finished and its writes are
    visible — and right after it ``gdc_launch_dependents``, which lets the next kernel launch;
 3. then its inputs, its work and its stores.
 
-So the next kernel's weight loads run under this one's work, and at most two kernels of the chain
-run at once (the next launches only after every program of this one has passed its wait, so
-everything before this one has finished). Every program of such a kernel calls :func:`wait`
-before it may end: the order the chain keeps relies on each kernel finishing after the one before
-it. A kernel that is not PDL-aware (a cuBLAS GEMM, a PyTorch op) still runs in stream order: the
-kernel after it launches when it has finished, as without PDL.
+So the next kernel's launch and weight loads run under this one's work, and at most two kernels
+of the chain run at once (the next launches only after every program of this one has passed its
+wait, so everything before this one has finished). Every program of such a kernel calls
+:func:`wait` before it may end: the order the chain keeps relies on each kernel finishing after
+the one before it. A kernel that is not PDL-aware (a cuBLAS GEMM, a PyTorch op, fla's kernels)
+still runs in stream order: the kernel after it launches when it has finished, as without PDL.
 
 :func:`enabled` decides per launch (``PDL``, a CUDA tensor on a device of compute capability 9 or
-more, a Triton with ``gdc_wait``); :func:`options` is the launch's keyword. Under the interpreter
+more, a Triton with ``gdc_wait``); :func:`launch` gives the launch its keywords. Under the interpreter
 (CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
---pdl 0|1`` times the decode step without and with it.
+--pdl 0|1`` times the decode step and the cached TTFT without and with it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def enabled(t: torch.Tensor) -> bool:
     return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
-def options(use: bool) -> dict[str, bool]:
-    """The launch keyword for a kernel launched with ``PDL=use``."""
-    return {"launch_pdl": True} if use else {}
+def launch(t: torch.Tensor) -> dict[str, bool]:
+    """The keywords of a launch of a kernel taking ``PDL`` that works on ``t``: ``PDL`` (its
+    constexpr) and, when on, Triton's ``launch_pdl``."""
+    return {"PDL": True, "launch_pdl": True} if enabled(t) else {"PDL": False}
