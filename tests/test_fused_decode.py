@@ -640,8 +640,8 @@ def test_engine_pdl_changes_no_bit(qwen3_5_path, monkeypatch):
     changed logprob. Batches, and batch-1 GEMV steps: one request decoding 48 tokens alone."""
     from hyla.model.ops.gpu import pdl
 
-    if not (pdl.HAS_GDC and torch.cuda.get_device_capability()[0] >= 9):
-        pytest.skip("PDL needs compute capability 9.0 and a Triton with gdc_wait")
+    if not pdl.enabled(torch.zeros(1, device="cuda")):
+        pytest.skip("PDL needs an NVIDIA GPU of compute capability 9.0, CUDA 12.3 and a Triton with gdc_wait")
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
 
     def run() -> list[dict]:

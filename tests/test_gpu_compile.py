@@ -33,3 +33,5 @@ def test_every_kernel_compiles_for_sm90():
     pdl = [line for line in proc.stdout.splitlines() if line.startswith("ok") and " pdl: " in line]
     assert len(pdl) >= 15 and any(line.startswith("ok     linear K=1024 bfloat16 pdl") for line in pdl)
     assert all(line.count("1 griddepcontrol.wait") == line.count(" warps, ") for line in pdl), pdl
+    plain = [line for line in proc.stdout.splitlines() if line.startswith("ok") and " pdl: " not in line]
+    assert plain and not any("griddepcontrol" in line for line in plain)  # and without it, as other GPUs

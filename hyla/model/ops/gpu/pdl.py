@@ -9,9 +9,11 @@ prompt's extend graph is ~300 kernels in a row the same way.
 On Hopper and later a kernel launched with ``launch_pdl`` may start while the one before it still
 runs. Every Triton kernel of ``ops/gpu`` takes ``PDL: tl.constexpr`` and is written for that:
 
-1. first it may load what no kernel writes — its weights (a GEMV's weight slice or first tile, a
-   conv's weights, a layer's ``A_log`` and dt bias: the decode step's kernels do) — and nothing
-   else, and it stores nothing;
+1. first it may load what no kernel writes — parameters as the module holds them (a GEMV's weight
+   slice or first tile, a conv's weights, a layer's ``A_log`` and dt bias: the decode step's
+   kernels do) — and nothing else, and it stores nothing. Not a value a PyTorch op computes during
+   the step (a lazily derived weight such as ``RMSNorm.scale()``, a ``.float()`` copy): a kernel
+   before it may still be writing that, and only the wait makes such writes visible;
 2. then :func:`wait` — ``gdc_wait`` returns once the kernel before has finished and its writes are
    visible — and right after it ``gdc_launch_dependents``, which lets the next kernel launch;
 3. then its inputs, its work and its stores.
@@ -23,8 +25,10 @@ wait, so everything before this one has finished). Every program of such a kerne
 the one before it. A kernel that is not PDL-aware (a cuBLAS GEMM, a PyTorch op, fla's kernels)
 still runs in stream order: the kernel after it launches when it has finished, as without PDL.
 
-:func:`enabled` decides per launch (``PDL``, a CUDA tensor on a device of compute capability 9 or
-more, a Triton with ``gdc_wait``); :func:`launch` gives the launch its keywords. Under the interpreter
+:func:`enabled` decides per launch (``PDL``, a CUDA tensor on an NVIDIA device of compute
+capability 9 or more, CUDA 12.3 or later to capture such launches in a graph, a Triton with
+``gdc_wait``); :func:`launch` gives the launch its keywords. A CUDA graph keeps what its capture
+launched: ``PDL`` changed later applies to graphs captured after. Under the interpreter
 (CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
 --pdl 0|1`` times the decode step and the cached TTFT without and with it.
 """
@@ -44,7 +48,7 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
     HAS_GDC = False
 
-PDL = True  # read at each launch: False launches every kernel as before (no overlap)
+PDL = True  # read at each launch (and graph capture): False launches every kernel as before (no overlap)
 
 
 @triton.jit
@@ -58,7 +62,10 @@ def wait(PDL: tl.constexpr):
 
 @functools.lru_cache(maxsize=None)
 def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0 or more (not ROCm, whose capabilities also read 9.x)
+    under CUDA 12.3 or later (graph capture of PDL launches)."""
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.version.hip is None and cuda >= (12, 3) and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def enabled(t: torch.Tensor) -> bool:
