@@ -33,9 +33,10 @@ def _run(*args: str, timeout: int = 300) -> str:
 @pytest.mark.slow
 def test_gpu_decode_runs_on_cpu(tmp_path):
     report = tmp_path / "gpu_decode.json"
-    _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--batches", "1,2", "--new-tokens", "4",
-         "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--hyla-only", "--no-write",
-         "--log-compiles", "--json", str(report))
+    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--batches", "1,2", "--new-tokens", "4",
+               "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--hyla-only", "--no-write",
+               "--log-compiles", "--json", str(report), "--pdl", "0", "--gemv-in", "0")
+    assert "pdl.PDL = False" in out and "gemv.IN_PROJ = False" in out  # the A/B switches, set before the engine
     medians = json.loads(report.read_text())["medians"]
     assert medians["hyla_cached_hit"] == 48  # the cached TTFT's prompt hit its whole cached prefix
     assert all(medians[k] > 0 for k in ("hyla_decode_1", "hyla_decode_2", "hyla_ttft", "hyla_cached_ttft"))
