@@ -80,7 +80,7 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import logits, mamba2_decode
+    from hyla.model.ops.gpu import logits, mamba2_decode, pdl
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
 
@@ -178,6 +178,8 @@ def cases():
             r(5, hq, d), kb, vb, table, long(1), long(9, 10, 11, 1, 1), d**-0.5, gate=r(5, hq, 2 * d)[:, :, d:])
         yield f"paged_extend_attention 8x128 {n}", lambda: extend_attention.paged_extend_attention(
             r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5)
+    # the probe of PDL launches (pdl._probe: launched with PDL wherever it runs)
+    yield "pdl_probe pdl", lambda: pdl._probe_kernel[(1,)](torch.zeros(32), PDL=True, launch_pdl=True)
     # the sampler's argmax + logsumexp (fp32 logits, once)
     yield "argmax_logsumexp", lambda: logits.argmax_logsumexp(torch.randn(2, 3 * logits.BLOCK + 5))
 

@@ -1267,3 +1267,25 @@ def test_argmax_logsumexp_kernel():
     with pytest.raises(ValueError, match="unit stride"):
         kernel.argmax_logsumexp(x.t())
     assert kernel.argmax_logsumexp(x[:0])[0].shape == (0,)
+
+
+def test_pdl_probe_falls_back_with_a_warning(monkeypatch, caplog):
+    """A device where PDL launches fail (here: none, so the probe's first CUDA call raises) gets a
+    warning and launches without PDL, once per device; off CUDA PDL is never asked for."""
+    from types import SimpleNamespace
+
+    from hyla.model.ops.gpu import pdl
+
+    assert pdl.launch(torch.zeros(1)) == {"PDL": False}
+    if GPU:
+        pytest.skip("the fallback is exercised where CUDA cannot run the probe")
+    monkeypatch.setattr(pdl, "HAS_GDC", True)
+    monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
+    monkeypatch.setattr(pdl, "_works", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fake = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # a tensor on cuda:0, as enabled() sees it
+    with caplog.at_level("WARNING", logger="hyla.model.ops.gpu.pdl"):
+        assert not pdl.enabled(fake) and not pdl.enabled(fake)
+    assert pdl._works == {0: False}
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "does not work on cuda:0" in caplog.records[0].message

@@ -27,7 +27,8 @@ still runs in stream order: the kernel after it launches when it has finished, a
 
 :func:`enabled` decides per launch (``PDL``, a CUDA tensor on an NVIDIA device of compute
 capability 9 or more, CUDA 12.3 or later to capture such launches in a graph, a Triton with
-``gdc_wait``); :func:`launch` gives the launch its keywords. A CUDA graph keeps what its capture
+``gdc_wait``, and a first probe there — two PDL launches, eager and replayed from a graph — that
+gave the right numbers, else a warning); :func:`launch` gives the launch its keywords. A CUDA graph keeps what its capture
 launched: ``PDL`` changed later applies to graphs captured after. Under the interpreter
 (CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
 --pdl 0|1`` times the decode step and the cached TTFT without and with it.
@@ -36,6 +37,7 @@ launched: ``PDL`` changed later applies to graphs captured after. Under the inte
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
@@ -50,6 +52,8 @@ except ImportError:  # pragma: no cover - an older Triton: PDL stays off
 
 PDL = True  # read at each launch (and graph capture): False launches every kernel as before (no overlap)
 
+logger = logging.getLogger(__name__)
+
 
 @triton.jit
 def wait(PDL: tl.constexpr):
@@ -60,6 +64,13 @@ def wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def _probe_kernel(x_ptr, PDL: tl.constexpr):
+    wait(PDL)
+    i = tl.arange(0, 32)
+    tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper_or_later(index: int) -> bool:
     """An NVIDIA GPU of compute capability 9.0 or more (not ROCm, whose capabilities also read 9.x)
@@ -68,11 +79,48 @@ def _hopper_or_later(index: int) -> bool:
     return torch.version.hip is None and cuda >= (12, 3) and torch.cuda.get_device_capability(index)[0] >= 9
 
 
+_works: dict[int, bool] = {}  # device index -> whether _probe passed there (once per process)
+
+
+def _probe(index: int) -> bool:
+    """Whether PDL launches run right on device ``index``: two dependent launches eagerly, then two
+    captured in a CUDA graph and replayed, each adding 1. A driver, Triton or capture that refuses
+    them costs a warning and the launches without PDL, not an engine that cannot start."""
+    try:
+        with torch.cuda.device(index):
+            x = torch.zeros(32, device=f"cuda:{index}")
+            for _ in range(2):
+                _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(2):
+                    _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+            graph.replay()
+            torch.cuda.synchronize(index)
+            if bool((x == 4).all()):
+                return True
+            reason = f"the probe computed {x.tolist()[:4]}..., not 4"
+    except Exception as exc:  # a refused launch or capture
+        reason = f"{type(exc).__name__}: {exc}"
+    logger.warning("programmatic dependent launch does not work on cuda:%d (%s); launching without it",
+                   index, reason)
+    return False
+
+
 def enabled(t: torch.Tensor) -> bool:
-    """Whether a kernel working on ``t`` launches with PDL."""
+    """Whether a kernel working on ``t`` launches with PDL: the conditions in the module docstring,
+    and :func:`_probe` passed on its device (run at the first call outside a graph capture; inside
+    one, a launch before any probe goes without PDL)."""
     if not (PDL and HAS_GDC and t.is_cuda):
         return False
-    return _hopper_or_later(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if not _hopper_or_later(index):
+        return False
+    if index not in _works:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _works[index] = _probe(index)
+    return _works[index]
 
 
 def launch(t: torch.Tensor) -> dict[str, bool]:
