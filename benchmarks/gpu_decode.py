@@ -237,7 +237,7 @@ def main() -> None:
     rng = random.Random(0)
     fresh = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
 
-    engine, hf, opts = None, None, {}
+    engine, hf, opts, knobs = None, None, {}, []
     if not args.hf_only:
         have = {f.name for f in dataclasses.fields(EngineArgs)}
         if "disable_cuda_graph" in have:
@@ -253,7 +253,8 @@ def main() -> None:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
                     max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (args.prefill_tokens + 2)) + 4096)
-        for knob in set_knobs(args):
+        knobs = set_knobs(args)
+        for knob in knobs:
             log(knob)
         if args.log_compiles and not log_triton_compiles():
             log("this Triton has no jit_post_compile_hook: --log-compiles ignored")
@@ -388,7 +389,7 @@ def main() -> None:
     body = "\n".join([
         f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
         f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
-        f"{''.join(f'; {knob}' for knob in set_knobs(args))}.",
+        f"{''.join(f'; {knob}' for knob in knobs)}.",
         "",
         f"{desc}.",
         "",

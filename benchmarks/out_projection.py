@@ -33,6 +33,7 @@ import itertools
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -57,11 +58,8 @@ def in_projection_lines(dev: str, per_call_us, tiny: bool, sweep: bool) -> list[
     from hyla.model.ops.gpu import gemv, pdl
 
     def timed(fn, with_pdl: bool) -> float:
-        saved, pdl.PDL = pdl.PDL, with_pdl
-        try:
+        with mock.patch.object(pdl, "PDL", with_pdl):
             return per_call_us(fn)
-        finally:
-            pdl.PDL = saved
 
     lines = []
     hidden = 64 if tiny else 1024
@@ -86,11 +84,10 @@ def in_projection_lines(dev: str, per_call_us, tiny: bool, sweep: bool) -> list[
         s_pdl = timed(lambda: seam(lambda y: gemv.linear(y, weight)), True)
         gb = weight.numel() * weight.element_size() / 1e9
         if sweep:
-            saved, tried = gemv.LINEAR_TILE, []
+            tried = []
             for tile in itertools.product((4096, 8192, 16384), (2, 4, 8)):
-                gemv.LINEAR_TILE = tile
-                tried.append((timed(lambda: gemv.linear(x, weight), True), tile))
-            gemv.LINEAR_TILE = saved
+                with mock.patch.object(gemv, "LINEAR_TILE", tile):
+                    tried.append((timed(lambda: gemv.linear(x, weight), True), tile))
             print(f"  {name}: LINEAR_TILE (elements, warps) -> µs with PDL: "
                   + ", ".join(f"{t}: {us:.1f}" for us, t in sorted(tried)), flush=True)
         lines.append(f"| {name} | {t_gemm:.1f} ({gb / (t_gemm * 1e-6):.0f}) | {t_gemv:.1f} ({gb / (t_gemv * 1e-6):.0f}) "

@@ -28,15 +28,14 @@ still runs in stream order: the kernel after it launches when it has finished, a
 :func:`enabled` decides per launch (``PDL``, a CUDA tensor on an NVIDIA device of compute
 capability 9 or more, CUDA 12.3 or later to capture such launches in a graph, a Triton with
 ``gdc_wait``, and a first probe there — two PDL launches, eager and replayed from a graph — that
-gave the right numbers, else a warning); :func:`launch` gives the launch its keywords. A CUDA graph keeps what its capture
-launched: ``PDL`` changed later applies to graphs captured after. Under the interpreter
-(CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
+gave the right numbers, else a warning); :func:`launch` gives the launch its keywords. A CUDA
+graph keeps what its capture launched: ``PDL`` changed later applies to graphs captured after.
+Under the interpreter (CPU tensors) it is off: the kernels run their ``PDL=False`` form. ``benchmarks/gpu_decode.py
 --pdl 0|1`` times the decode step and the cached TTFT without and with it.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -71,7 +70,6 @@ def _probe_kernel(x_ptr, PDL: tl.constexpr):
     tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)
 
 
-@functools.lru_cache(maxsize=None)
 def _hopper_or_later(index: int) -> bool:
     """An NVIDIA GPU of compute capability 9.0 or more (not ROCm, whose capabilities also read 9.x)
     under CUDA 12.3 or later (graph capture of PDL launches)."""
@@ -79,7 +77,7 @@ def _hopper_or_later(index: int) -> bool:
     return torch.version.hip is None and cuda >= (12, 3) and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-_works: dict[int, bool] = {}  # device index -> whether _probe passed there (once per process)
+_works: dict[int, bool] = {}  # device index -> whether PDL runs there (_hopper_or_later, then _probe; once)
 
 
 def _probe(index: int) -> bool:
@@ -114,12 +112,13 @@ def enabled(t: torch.Tensor) -> bool:
     if not (PDL and HAS_GDC and t.is_cuda):
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if not _hopper_or_later(index):
-        return False
     if index not in _works:
-        if torch.cuda.is_current_stream_capturing():
+        if not _hopper_or_later(index):
+            _works[index] = False
+        elif torch.cuda.is_current_stream_capturing():
             return False
-        _works[index] = _probe(index)
+        else:
+            _works[index] = _probe(index)
     return _works[index]
 
 
