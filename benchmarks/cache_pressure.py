@@ -14,7 +14,8 @@ architectures), summed over every turn after the first:
   needed the room), its KV there but the checkpoint evicted (which kind, and for what), no room
   for a checkpoint that was wanted, no checkpoint taken there, never cached;
 * retractions, and the tokens re-admissions after them prefilled again (their own cost, not part
-  of the lost share: the hit of a request is counted at its first admission).
+  of the lost share: the hit of a request is counted at its first admission);
+* what the run cost: scheduler steps (fewer requests at once take more) and prompt tokens computed.
 
 Every configuration is fed the same prompts — built from a cache-off run's outputs — and its
 greedy outputs must equal the cache-off run's up to each request's first floating-point tie
@@ -162,6 +163,7 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
                     got = [run_turn(eng, prompts[t], max_new) for t in range(len(prompts))]
                     stats = eng.get_stats()
                     kv_size = eng.kv_pool.size
+                    steps = eng.scheduler.num_steps
                 try:
                     compared = compare_outputs([o for outs in got for o in outs], [o for outs in want for o in outs])
                 except AssertionError as e:
@@ -170,7 +172,7 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
                 ideal = sum(map(sum, wanted))
                 r = results.setdefault(f"{arch}, {name}", {
                     "cached": 0, "ideal": 0, "lost_by_seed": [], "compared_tokens": 0, "retractions": 0,
-                    "history_tokens": [], "kv_pool": kv_size})
+                    "history_tokens": [], "kv_pool": kv_size, "steps": 0, "prefilled": 0})
                 r["cached"] += cached
                 r["ideal"] += ideal
                 agrees = simulator_agrees(paths[arch], prompts, got, opts, pools)
@@ -179,6 +181,8 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
                 r["lost_by_seed"].append(1 - cached / max(1, ideal))
                 r["compared_tokens"] += compared
                 r["retractions"] += stats["num_retractions"]
+                r["steps"] += steps
+                r["prefilled"] += stats["num_prompt_tokens"] - stats["num_cached_tokens"]  # at first admissions
                 r["history_tokens"].append(max(sum(f) for f in fed[:-1]))  # what later turns want kept
                 if ledger is not None:
                     rids = [[o["meta_info"]["id"] for o in outs] for outs in got]
@@ -233,6 +237,13 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         row += (f" {_pct(r['bound'], r['ideal'])} | {_pct(r['cached'], r['bound'])} |"
                 f" {r['retractions']} ({r['recomputed']}) |")
         rows.append(row)
+    cost = ["| configuration | steps | prompt tokens computed |" + "".join(
+        f" steps at {label} | computed at {label} |" for label, _ in befores),
+        "|---|---|---|" + "---|---|" * len(befores)]
+    for key, r in after.items():
+        cost.append(f"| {key} | {r['steps']:,} | {r['prefilled']:,} |" + "".join(
+            f" {before[key]['steps']:,} | {before[key]['prefilled']:,} |" if "steps" in before[key] else " — | — |"
+            for _, before in befores))
     decomposition = ["| configuration | lost | " + " | ".join(CATEGORIES) + " |",
                      "|---|---|" + "---|" * len(CATEGORIES)]
     details = []
@@ -265,6 +276,10 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         "it knows the future, keeps any prefix of a history, ignores pages and the state pool). "
         + _agreement(after) + "\n\n"
         + "\n".join(rows)
+        + "\n\nWhat the cached run cost (totals over the seeds): scheduler steps (prefill and decode batches: "
+        "fewer requests at once take more of them) and prompt tokens computed at first admissions (a "
+        "retraction's re-prefill is in the table above).\n\n"
+        + "\n".join(cost)
         + "\n\nWhere the lost tokens went (`hyla.cache.ledger`; tokens, and share of the ideal): *KV evicted* — "
         "the previous turn's KV was evicted; *checkpoint evicted* — its KV was there, the state at the "
         "wanted position was evicted; *no room for a checkpoint* — the engine wanted one there and the state "

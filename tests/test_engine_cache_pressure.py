@@ -10,7 +10,8 @@ Each test pins one rule of the eviction policy; each fails on the engine without
   pending checkpoint is its turn's end and evicts as a finish checkpoint does;
 * the waiting queue's prefixes age in the order the queue will use them, so LRU evicts the one
   admitted last;
-* an admission that cannot fit evicts nothing.
+* an admission that cannot fit evicts nothing;
+* while requests run, an admission does not evict the prefix of a request still waiting.
 """
 
 from __future__ import annotations
@@ -140,3 +141,25 @@ def test_an_admission_that_cannot_fit_evicts_nothing():
     assert cache.num_evicted_tokens == cache.num_evicted_states == 0
     assert tree.match_prefix(history).prefix_len == 16
     tree.check_integrity()
+
+
+def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_path):
+    """Two at a time, a 700-token pool holding three finished histories (z 300, b 150, c 100). R
+    (z's next turn, 100 new tokens) runs first; B2 (b's, 130 new) comes next in LPM order, but
+    its 131 tokens and R's decode reserve fit only if something cached goes — and the only
+    unlocked candidates are b's own history and c's, which C2, waiting behind B2, is about to
+    hit. With ``protect_waiting_prefixes`` B2 waits for R to finish (R's history, which no
+    waiting request matches, makes the room) and C2 hits all of c; without it B2 evicts c."""
+    z, b, c = _ids(300, 30), _ids(150, 31), _ids(100, 32)
+    hits = {}
+    for protect in (True, False):
+        with Engine(qwen3_next_dense_path, max_total_tokens=700, max_state_slots=16, max_running_requests=2,
+                    chunked_prefill_size=512, protect_waiting_prefixes=protect, debug_checks=True) as eng:
+            outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (z, b, c)]
+            r = z + outs[0]["output_ids"] + _ids(10, 33)
+            b2 = b + outs[1]["output_ids"] + _ids(130, 34)
+            c2 = c + outs[2]["output_ids"] + _ids(10, 35)
+            got = eng.generate(input_ids=[r, b2, c2], sampling_params=[_greedy(100), _greedy(2), _greedy(2)])
+            hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]
+    assert hits[True] == [300, 150, 100]
+    assert hits[False][:2] == [300, 150] and hits[False][2] < 100  # the rule is what keeps c

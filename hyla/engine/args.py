@@ -39,6 +39,10 @@ class EngineArgs:
     context_length: int | None = _opt(None, "Max prompt + output tokens. Default: the model's max_position_embeddings.")
     schedule_policy: str = _opt("lpm", f"Waiting-queue order, one of {POLICIES} (lpm = longest cached prefix first).")
     enable_prefix_cache: bool = _opt(True, "Reuse cached prefixes (KV + recurrent-state checkpoints) across requests.")
+    protect_waiting_prefixes: bool = _opt(True, "lpm: while requests run, admitting another may not evict the cached "
+                                                "prefix of a request still waiting; it waits for room instead "
+                                                "(more hits, fewer requests at once when the pool is full; "
+                                                "docs/engine.md). Off: admissions evict any unlocked prefix.")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
                                                    "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
@@ -140,8 +144,8 @@ class EngineArgs:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
-        for name in ("enable_prefix_cache", "debug_checks", "compile_decode", "disable_cuda_graph",
-                     "speculative_ngram_adaptive"):
+        for name in ("enable_prefix_cache", "protect_waiting_prefixes", "debug_checks", "compile_decode",
+                     "disable_cuda_graph", "speculative_ngram_adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -28,6 +28,9 @@ Ownership and locks — the whole contract:
   ending at ``cache_protected_len``: nothing on its path to the root can be evicted. A state lock
   is held on a hit's checkpoint only from ``match`` until ``admit`` has copied it (copy-on-write:
   the tree's slots are never written by a running request).
+* ``hold`` KV-locks a *waiting* request's hit (its path, not its checkpoint) for the length of
+  one admission pass of the scheduler, which ``unhold``s it before that request's own ``match``
+  and at the end of the pass: between steps nothing is held.
 * Checkpoint slots the tree is given are always *forked* (fresh copies), never a live slot.
   ``insert`` adopts them or frees them as duplicates; either way the caller stops owning them.
 * ``req.pending_ckpt`` (grid > 1 only): a forked copy of the live state at the last position on
@@ -94,6 +97,7 @@ class CacheManager:
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
         self.ledger: CacheLedger | None = None  # see record()
+        self._holds: dict[int, MatchResult] = {}  # id -> a waiting request's hit held (hold)
 
     def record(self, ledger: CacheLedger) -> None:
         """From now on tell ``ledger`` (and have the tree tell it) every eviction and what it made
@@ -120,6 +124,34 @@ class CacheManager:
             for hit in hits:
                 if hit is not None and hit.prefix_len:
                     self.tree.touch(hit.last_node)
+
+    def hold(self, hit: MatchResult | None) -> MatchResult | None:
+        """KV-lock ``hit``'s path (a waiting request's cached prefix) so that no eviction takes it
+        until ``unhold(hit)``: what the scheduler does to the prefixes of the requests waiting
+        behind the one it admits (``SchedulerConfig.protect_waiting_prefixes``). Returns the hit
+        held, or None where there is nothing to hold (no hit, or an empty one)."""
+        if self.tree is None or hit is None or not hit.prefix_len:
+            return None
+        self.tree.inc_lock_ref(hit.last_node)
+        self._holds[id(hit)] = hit
+        return hit
+
+    def unhold(self, hit: MatchResult | None) -> None:
+        """Undo ``hold(hit)`` (None: nothing was held)."""
+        if hit is not None:
+            del self._holds[id(hit)]
+            self.tree.dec_lock_ref(hit.last_node)
+
+    def _held_only(self) -> int:
+        """KV tokens in the tree that only holds lock (waiting requests' prefixes, no running
+        request's path): cached, not running requests' (the ledger's usage samples)."""
+        cover: dict[int, list] = {}  # id(node) -> [node, holds covering it]
+        for hit in self._holds.values():
+            node = hit.last_node
+            while node is not self.tree.root:
+                cover.setdefault(id(node), [node, 0])[1] += 1
+                node = node.parent
+        return sum(len(node.key) for node, n in cover.values() if node.lock_ref == n)
 
     def peek(self, req: Req) -> MatchResult | None:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
@@ -198,7 +230,8 @@ class CacheManager:
         for r, n in zip(reqs, lens):
             r.kv_allocated += n
         if self.ledger is not None:
-            held = self.kv_pool.size - self.kv_pool.available_size() - (self.tree.evictable_size() if self.tree else 0)
+            held = self.kv_pool.size - self.kv_pool.available_size() - (
+                self.tree.evictable_size() + self._held_only() if self.tree else 0)
             self.ledger.sample_usage(held, self.req_to_token.size - self.req_to_token.available_size())
         return loc
 
@@ -545,6 +578,7 @@ class CacheManager:
                 (st.size - st.available_size()) / max(1, st.size))
 
     def check_integrity(self) -> None:
+        assert not self._holds, f"{len(self._holds)} waiting requests' hits still held between steps"
         self.kv_pool.check_integrity()
         self.state_pool.check_integrity()
         if self.tree is not None:

@@ -116,6 +116,7 @@ class Engine:
             chunked_prefill_size=self.args.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             schedule_policy=self.args.schedule_policy,
+            protect_waiting_prefixes=self.args.protect_waiting_prefixes,
             max_context_len=self.context_length,
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,

@@ -35,6 +35,7 @@ from typing import Protocol
 
 import torch
 
+from hyla.cache import MatchResult
 from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
@@ -76,6 +77,9 @@ class SchedulerConfig:
     prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
     draft_max_batch: int | None = None  # speculation: no drafts in a step of more decoding requests
     overlap: bool = False  # the overlap schedule (see the module docstring; decode without speculation)
+    # LPM: while a request runs, an admission may not evict the cached prefix of another waiting
+    # request (_hold_waiting): it waits for room instead
+    protect_waiting_prefixes: bool = True
 
 
 @dataclass
@@ -440,20 +444,31 @@ class Scheduler:
             budget -= n
         # 2) new admissions
         if budget > 0 and self.waiting:
-            for req in self._ordered_waiting():
-                if budget <= 0 or len(self.running) >= self.config.max_running_requests:
-                    break
-                if self._deferred_for_in_batch_prefix(req, batch.reqs):
-                    continue
-                hit = cache.match(req)
-                n = self._chunk_len(req, budget)  # a budget too small for one page: admit next step
-                loc = cache.admit(req, hit, n, kv_reserve=self._decode_reserve())
-                if loc is None:
-                    break  # out of memory: keep queue order (no starvation of big requests)
-                self._on_admitted(req)
-                batch.add(req, n, loc, cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
-                batch.num_cached += req.cache_protected_len
-                budget -= n
+            order, hits = self._ordered_waiting()
+            protect = hits is not None and self.config.protect_waiting_prefixes
+            # while some request runs (and another could join it), the waiting requests' hits are held
+            held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
+                else []
+            try:
+                for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its request
+                    if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                        break
+                    if self._deferred_for_in_batch_prefix(req, batch.reqs):
+                        continue
+                    hit = cache.match(req)
+                    n = self._chunk_len(req, budget)  # a budget too small for one page: admit next step
+                    loc = cache.admit(req, hit, n, kv_reserve=self._decode_reserve())
+                    if loc is None:
+                        break  # out of memory: keep queue order (no starvation of big requests)
+                    self._on_admitted(req)
+                    batch.add(req, n, loc, cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
+                    batch.num_cached += req.cache_protected_len
+                    budget -= n
+                    if protect and len(self.running) == 1:  # the first to run: hold the hits of those behind it
+                        held = self._hold_waiting([cache.peek(r) for r in order[i + 1:]])
+            finally:
+                for hit in held:
+                    cache.unhold(hit)
         if not batch.reqs:
             return None
         batch.ckpts = cache.alloc_checkpoints(batch.reqs, batch.ckpt_pos)
@@ -469,17 +484,32 @@ class Scheduler:
             self.num_prompt_tokens += len(req.input_ids)
             self.num_cached_tokens += req.cache_protected_len
 
-    def _ordered_waiting(self) -> list[Req]:
-        """Waiting requests in policy order. LPM: longest usable cached prefix first (FCFS among
-        equals), the hits touched in reverse order so that LRU evicts the one admitted last first.
-        Matches are recomputed at admission: an earlier admission may have evicted."""
+    def _ordered_waiting(self) -> tuple[list[Req], list[MatchResult] | None]:
+        """Waiting requests in policy order, and with LPM their current hits in that order. LPM:
+        longest usable cached prefix first (FCFS among equals), the hits touched in reverse order
+        so that LRU evicts the one admitted last first. Matches are recomputed at admission: an
+        earlier admission may have evicted."""
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE \
                 or len(self.waiting) == 1:  # one request: no order to find (its match refreshes its hit)
-            return list(self.waiting)
-        hits = {id(r): self.cache.peek(r) for r in self.waiting}
-        order = sorted(self.waiting, key=lambda r: -hits[id(r)].prefix_len)
-        self.cache.touch([hits[id(r)] for r in reversed(order)])  # evict the prefix admitted last first
-        return order
+            return list(self.waiting), None
+        peeked = {id(r): self.cache.peek(r) for r in self.waiting}
+        order = sorted(self.waiting, key=lambda r: -peeked[id(r)].prefix_len)
+        hits = [peeked[id(r)] for r in order]
+        self.cache.touch(hits[::-1])  # evict the prefix admitted last first
+        return order, hits
+
+    def _hold_waiting(self, hits: list[MatchResult | None]) -> list[MatchResult]:
+        """Hold (``CacheManager.hold``) these hits of waiting requests for the rest of this
+        admission pass, so that admitting one request does not evict another's hit (LPM, while
+        some request runs: ``protect_waiting_prefixes``). Admitting request ``A`` by evicting the
+        prefix of ``B``, which waits too, trades ``B``'s hit, which it will use as soon as it
+        runs, for concurrency now: ``B`` then computes that prefix again (a long agent history:
+        seconds of prefill). Held, ``A`` waits until the running requests free room
+        (their own prefixes, once they finish, are not held unless a waiting request matches
+        them) or until nothing runs: the caller holds nothing then, so the first admission may
+        evict anything and the queue always moves. Cost: fewer requests at once when the pool is
+        full of queued hits (docs/benchmarks.md, "Cache under pressure"). Returns what is held."""
+        return [h for h in map(self.cache.hold, hits) if h is not None]
 
     def _deferred_for_in_batch_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """LPM's in-batch deduplication: if a request admitted in this step shares a long prefix
