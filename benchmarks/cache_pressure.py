@@ -15,14 +15,15 @@ architectures), summed over every turn after the first:
   for a checkpoint that was wanted, no checkpoint taken there, never cached;
 * retractions, and the tokens re-admissions after them prefilled again (their own cost, not part
   of the lost share: the hit of a request is counted at its first admission);
-* what the run cost: scheduler steps (fewer requests at once take more) and prompt tokens computed.
+* what the run cost: scheduler steps (fewer requests at once take more) and prompt tokens computed
+  (``--timing ROUNDS`` instead times the cached runs with ``protect_waiting_prefixes`` on and off).
 
 Every configuration is fed the same prompts — built from a cache-off run's outputs — and its
 greedy outputs must equal the cache-off run's up to each request's first floating-point tie
 (``tests/test_engine_differential.py: compare_outputs``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
-        [--kv-tokens 1536] [--max-running 6]
+        [--kv-tokens 1536] [--max-running 6] [--timing ROUNDS]
 
 ``--kv-tokens`` / ``--max-running`` change the pools of ``POOLS``; a run with other pools writes its own
 section (``Cache under pressure, 2048 KV tokens``).
@@ -201,6 +202,36 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
     return results
 
 
+def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int) -> dict[bool, list[float]]:
+    """Wall time of the cached runs (every turn of every seed; qwen3_next, page 1) with
+    ``protect_waiting_prefixes`` on and off, the two interleaved round by round (the order
+    alternating), each from a fresh engine; the prompts are the cache-off runs'."""
+    import time
+
+    import checkpoints
+
+    from hyla import Engine
+
+    path = checkpoints.make_qwen3_next(ckpt_dir, moe=False)
+    workloads = []
+    for seed in seeds:
+        firsts, users, max_new = workload(seed)
+        with Engine(path, enable_prefix_cache=False, **pools) as off:
+            workloads.append((reference(off, firsts, users, max_new)[0], max_new))
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(rounds):
+        for protect in (True, False) if i % 2 == 0 else (False, True):
+            total = 0.0
+            for prompts, max_new in workloads:
+                with Engine(path, protect_waiting_prefixes=protect, **pools) as eng:
+                    start = time.perf_counter()
+                    for turn in prompts:
+                        run_turn(eng, turn, max_new)
+                    total += time.perf_counter() - start
+            times[protect].append(total)
+    return times
+
+
 def _agreement(after: dict[str, dict[str, Any]]) -> str:
     """The sentence on ``hyla sim``'s engine replay."""
     wrong = [f"{key} ({r['sim_disagreements']} of its runs)" for key, r in after.items() if r.get("sim_disagreements")]
@@ -308,10 +339,22 @@ def main() -> None:
                     help="requests decoding at once (default %(default)s); another number writes its own section")
     ap.add_argument("--json", action="store_true", help="print only the results as JSON (used by --compare-with)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
+                    help="instead: time the cached runs (qwen3_next, page 1) with protect_waiting_prefixes on "
+                         "and off, interleaved, ROUNDS each; print the medians (writes nothing)")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     ckpt_dir = Path(tempfile.gettempdir()) / "hyla-bench-ckpts"
     pools = dict(POOLS, max_total_tokens=args.kv_tokens, max_running_requests=args.max_running)
+    if args.timing:
+        import statistics
+
+        times = timing(ckpt_dir, seeds, pools, args.timing)
+        on, off = (statistics.median(times[k]) for k in (True, False))
+        print(f"cached runs' wall time, {pools}: protect_waiting_prefixes on {on:.2f} s "
+              f"(runs {', '.join(f'{t:.2f}' for t in times[True])}), off {off:.2f} s "
+              f"(runs {', '.join(f'{t:.2f}' for t in times[False])}): on / off {on / off:.3f}")
+        return
     after = measure(ckpt_dir, seeds, pools)
     if args.json:
         print(json.dumps(after))

@@ -4,10 +4,11 @@ A GPU session has 30 minutes of device time; a script that broke since the last 
 renamed, an engine option gone) costs a device call to find out. These run each script's CPU
 smoke mode and check what it measured, not the times: the cached TTFT hits exactly the cached
 prefix, the profile has each phase's Python profile, the fused out projection agrees with the
-separate kernels, each extend attention tile with PyTorch's SDPA. Two CPU scripts are run the same way: ``state_ops.py`` (both paths of the state
-pool's slot operations) and ``cpu_ab.py`` (its two worker processes, here one checkout against
-itself). ``recurrent_tiles.py`` is left out (minutes in the interpreter); ``fla_prefill.py``
-needs fla, which CPU installs lack.
+separate kernels, each extend attention tile with PyTorch's SDPA. Three CPU scripts are run the
+same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
+two worker processes, here one checkout against itself) and ``cache_pressure.py`` (one workload
+seed, and its ``--timing``). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
 from __future__ import annotations
@@ -90,3 +91,13 @@ def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1")
     lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:"))}
     assert set(lines) == {"b1", "b8"} and all("1 rounds" in line for line in lines.values())
+
+
+@pytest.mark.slow
+def test_cache_pressure_reports_every_configuration_and_times_the_hold():
+    out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--no-write")
+    rows = [line for line in out.splitlines() if line.startswith("| qwen3_next") or line.startswith("| nemotron_h")]
+    assert len(rows) == 3 * 6  # the main table, the cost table and the decomposition: 2 architectures x 3 grids
+    assert "reported every request's cached tokens exactly as the engine did" in out  # hyla sim --engine agreed
+    out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--timing", "1")
+    assert "protect_waiting_prefixes on" in out and "on / off" in out

@@ -11,13 +11,17 @@ Each test pins one rule of the eviction policy; each fails on the engine without
 * the waiting queue's prefixes age in the order the queue will use them, so LRU evicts the one
   admitted last;
 * an admission that cannot fit evicts nothing;
-* while requests run, an admission does not evict the prefix of a request still waiting.
+* while requests run, an admission does not evict the prefix of a request still waiting, nor its
+  checkpoint, nor with the later chunks of its prompt.
 """
 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
+import pytest
 import torch
 
 from hyla import Engine
@@ -163,3 +167,51 @@ def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_
             hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]
     assert hits[True] == [300, 150, 100]
     assert hits[False][:2] == [300, 150] and hits[False][2] < 100  # the rule is what keeps c
+
+
+def _while_two_run(eng: Engine, prompts: list[list[int]], max_new: int, then):
+    """``then()`` once two requests of ``prompts`` (decoding ``max_new`` tokens) are running."""
+    runners = threading.Thread(target=eng.generate, kwargs=dict(input_ids=prompts, sampling_params=_greedy(max_new)))
+    runners.start()
+    deadline = time.monotonic() + 60
+    while eng.get_stats()["num_running_requests"] < min(2, len(prompts)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    try:
+        return then()
+    finally:
+        runners.join()
+
+
+def test_an_admission_in_chunks_counts_its_whole_prompt(qwen3_next_dense_path):
+    """In chunks of 64 on a 600-token pool: X runs; A2 (a's next turn: 128 cached, 401 new) comes
+    first in LPM order, and its first chunk with X's decode reserve fits — but its later chunks
+    would evict W's history, which W2, waiting behind it, is about to hit. Held, the admission
+    counts A2's whole prompt and waits for X; W2 keeps its 64 tokens."""
+    a, w = _ids(128, 50), _ids(64, 51)
+    with Engine(qwen3_next_dense_path, checkpoint_alignment=64, max_total_tokens=600, max_state_slots=16,
+                max_running_requests=2, chunked_prefill_size=64, debug_checks=True) as eng:
+        outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (a, w)]
+        got = _while_two_run(eng, [_ids(20, 52)], 200, lambda: eng.generate(
+            input_ids=[a + outs[0]["output_ids"] + _ids(400, 53), w + outs[1]["output_ids"] + _ids(10, 54)],
+            sampling_params=_greedy(1)))
+    assert [o["meta_info"]["cached_tokens"] for o in got] == [128, 64]
+
+
+def test_an_admission_does_not_evict_a_waiting_requests_checkpoint(qwen3_next_dense_path):
+    """Four state slots on a 256-token grid: two finished turns' ends (a and w, at 256) and two
+    running requests' own states (X and Y: 20-token prompts decoding 200 tokens, never reaching
+    the grid). A2 and W2 then arrive: A2's own state slot could come only from a checkpoint, and
+    the one not its own is W2's hit. Held (``protect_waiting_prefixes``), it stays: A2 waits
+    for X and Y to finish and both hit 256; without the hold A2 takes W2's checkpoint."""
+    a, w = _ids(256, 40), _ids(256, 41)
+    hits = {}
+    for protect in (True, False):
+        with Engine(qwen3_next_dense_path, checkpoint_alignment=256, max_total_tokens=4096, max_state_slots=4,
+                    max_running_requests=3, protect_waiting_prefixes=protect, debug_checks=True) as eng:
+            outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (a, w)]
+            got = _while_two_run(eng, [_ids(20, 42), _ids(20, 43)], 200, lambda: eng.generate(
+                input_ids=[a + outs[0]["output_ids"] + _ids(10, 44), w + outs[1]["output_ids"] + _ids(10, 45)],
+                sampling_params=_greedy(2)))
+            hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]
+    assert hits[True] == [256, 256]
+    assert hits[False] == [256, 0]  # the hold is what keeps W2's checkpoint

@@ -28,9 +28,10 @@ Ownership and locks — the whole contract:
   ending at ``cache_protected_len``: nothing on its path to the root can be evicted. A state lock
   is held on a hit's checkpoint only from ``match`` until ``admit`` has copied it (copy-on-write:
   the tree's slots are never written by a running request).
-* ``hold`` KV-locks a *waiting* request's hit (its path, not its checkpoint) for the length of
-  one admission pass of the scheduler, which ``unhold``s it before that request's own ``match``
-  and at the end of the pass: between steps nothing is held.
+* ``hold`` locks a *waiting* request's hit (the KV of its path and its checkpoint, as ``match``
+  does) while the scheduler admits others and takes their checkpoints' slots; it ``unhold``s
+  every hit at the end of that step's scheduling: between steps nothing is held. A held hit still
+  serves its own request's ``match`` (locks count).
 * Checkpoint slots the tree is given are always *forked* (fresh copies), never a live slot.
   ``insert`` adopts them or frees them as duplicates; either way the caller stops owning them.
 * ``req.pending_ckpt`` (grid > 1 only): a forked copy of the live state at the last position on
@@ -97,7 +98,7 @@ class CacheManager:
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
         self.ledger: CacheLedger | None = None  # see record()
-        self._holds: dict[int, MatchResult] = {}  # id -> a waiting request's hit held (hold)
+        self._holds: dict[int, tuple[MatchResult, bool]] = {}  # id -> a hit held (hold), its checkpoint locked too
 
     def record(self, ledger: CacheLedger) -> None:
         """From now on tell ``ledger`` (and have the tree tell it) every eviction and what it made
@@ -126,27 +127,32 @@ class CacheManager:
                     self.tree.touch(hit.last_node)
 
     def hold(self, hit: MatchResult | None) -> MatchResult | None:
-        """KV-lock ``hit``'s path (a waiting request's cached prefix) so that no eviction takes it
-        until ``unhold(hit)``: what the scheduler does to the prefixes of the requests waiting
-        behind the one it admits (``SchedulerConfig.protect_waiting_prefixes``). Returns the hit
-        held, or None where there is nothing to hold (no hit, or an empty one)."""
+        """Lock ``hit`` — a waiting request's cached prefix: the KV of its path and the checkpoint
+        it ends at — so that no eviction takes it until ``unhold(hit)``: what the scheduler does to
+        the waiting requests' hits while it admits others (``SchedulerConfig.protect_waiting_prefixes``).
+        Returns the hit held, or None where there is nothing to hold (no hit, or an empty one)."""
         if self.tree is None or hit is None or not hit.prefix_len:
             return None
         self.tree.inc_lock_ref(hit.last_node)
-        self._holds[id(hit)] = hit
+        state = hit.last_node.state is not None  # the checkpoint the hit restores (a tree with a state pool)
+        if state:
+            self.tree.inc_state_lock(hit.last_node)
+        self._holds[id(hit)] = (hit, state)
         return hit
 
     def unhold(self, hit: MatchResult | None) -> None:
         """Undo ``hold(hit)`` (None: nothing was held)."""
         if hit is not None:
-            del self._holds[id(hit)]
+            _, state = self._holds.pop(id(hit))
+            if state:
+                self.tree.dec_state_lock(hit.last_node)
             self.tree.dec_lock_ref(hit.last_node)
 
     def _held_only(self) -> int:
         """KV tokens in the tree that only holds lock (waiting requests' prefixes, no running
         request's path): cached, not running requests' (the ledger's usage samples)."""
         cover: dict[int, list] = {}  # id(node) -> [node, holds covering it]
-        for hit in self._holds.values():
+        for hit, _ in self._holds.values():
             node = hit.last_node
             while node is not self.tree.root:
                 cover.setdefault(id(node), [node, 0])[1] += 1

@@ -77,8 +77,8 @@ class SchedulerConfig:
     prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
     draft_max_batch: int | None = None  # speculation: no drafts in a step of more decoding requests
     overlap: bool = False  # the overlap schedule (see the module docstring; decode without speculation)
-    # LPM: while a request runs, an admission may not evict the cached prefix of another waiting
-    # request (_hold_waiting): it waits for room instead
+    # LPM: while a request runs, an admission may not evict another waiting request's hit
+    # (_hold_waiting): it waits for room instead
     protect_waiting_prefixes: bool = True
 
 
@@ -446,31 +446,38 @@ class Scheduler:
         if budget > 0 and self.waiting:
             order, hits = self._ordered_waiting()
             protect = hits is not None and self.config.protect_waiting_prefixes
-            # while some request runs (and another could join it), the waiting requests' hits are held
+            # while some request runs (and another may join it), the waiting requests' hits are held
             held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
                 else []
             try:
-                for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its request
+                for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its own request
                     if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                         break
                     if self._deferred_for_in_batch_prefix(req, batch.reqs):
                         continue
                     hit = cache.match(req)
                     n = self._chunk_len(req, budget)  # a budget too small for one page: admit next step
-                    loc = cache.admit(req, hit, n, kv_reserve=self._decode_reserve())
+                    reserve = self._decode_reserve()
+                    if held:  # room for its later chunks too: they are allocated with nothing held
+                        reserve += req.extend_target - n
+                    loc = cache.admit(req, hit, n, kv_reserve=reserve)
                     if loc is None:
                         break  # out of memory: keep queue order (no starvation of big requests)
                     self._on_admitted(req)
                     batch.add(req, n, loc, cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
                     batch.num_cached += req.cache_protected_len
                     budget -= n
-                    if protect and len(self.running) == 1:  # the first to run: hold the hits of those behind it
-                        held = self._hold_waiting([cache.peek(r) for r in order[i + 1:]])
+                    if protect and len(self.running) == 1:  # the first to run: now hold those behind it
+                        rest = [cache.peek(r) for r in order[i + 1:]]
+                        cache.touch(rest[::-1])  # the peeks refreshed them in queue order: restore LRU's
+                        held = self._hold_waiting(rest)
             finally:
                 for hit in held:
                     cache.unhold(hit)
         if not batch.reqs:
             return None
+        # released before the admitted requests' checkpoints take slots: a turn's end may still push
+        # out a waiting request's older checkpoint (holding it too lost 4-6 points at alignment 64)
         batch.ckpts = cache.alloc_checkpoints(batch.reqs, batch.ckpt_pos)
         return batch
 
@@ -499,16 +506,18 @@ class Scheduler:
         return order, hits
 
     def _hold_waiting(self, hits: list[MatchResult | None]) -> list[MatchResult]:
-        """Hold (``CacheManager.hold``) these hits of waiting requests for the rest of this
-        admission pass, so that admitting one request does not evict another's hit (LPM, while
-        some request runs: ``protect_waiting_prefixes``). Admitting request ``A`` by evicting the
-        prefix of ``B``, which waits too, trades ``B``'s hit, which it will use as soon as it
-        runs, for concurrency now: ``B`` then computes that prefix again (a long agent history:
-        seconds of prefill). Held, ``A`` waits until the running requests free room
-        (their own prefixes, once they finish, are not held unless a waiting request matches
-        them) or until nothing runs: the caller holds nothing then, so the first admission may
-        evict anything and the queue always moves. Cost: fewer requests at once when the pool is
-        full of queued hits (docs/benchmarks.md, "Cache under pressure"). Returns what is held."""
+        """Hold (``CacheManager.hold``: KV path and checkpoint) these hits of waiting requests
+        while others are admitted, so that an admission does not evict another waiting request's
+        hit (LPM, while some request runs: ``protect_waiting_prefixes``). Admitting request ``A``
+        by evicting the prefix of ``B``, which waits too, trades ``B``'s hit, which it will use as
+        soon as it runs, for concurrency now: ``B`` then computes that prefix again (a long agent
+        history: seconds of prefill). Held, ``A`` — its first chunk, the rest of its prompt and
+        the decode reserve — waits until the running requests free room (their own prefixes, once
+        they finish, are not held unless a waiting request matches them) or until nothing runs:
+        the caller holds nothing then, so the first admission may evict anything and the queue
+        always moves. Not held: the slots the admitted requests' checkpoints take, and decode
+        steps' KV. Cost: fewer requests at once when the pool is full of queued hits
+        (docs/benchmarks.md, "Cache under pressure"). Returns what is held."""
         return [h for h in map(self.cache.hold, hits) if h is not None]
 
     def _deferred_for_in_batch_prefix(self, req: Req, admitted: list[Req]) -> bool:
