@@ -88,7 +88,7 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
              for i in range(10)]
     followups = [tok(5) for _ in wave1]
     drafts, outs = {}, {}
-    for cache, pool in ((False, 8192), (True, 400)):
+    for cache, pool in ((False, 8192), (True, 360)):
         opts = dict(max_total_tokens=pool, max_state_slots=30, max_running_requests=6, chunked_prefill_size=64, **MTP)
         with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, **opts) as eng:
             rec = _Recorder(eng.scheduler.drafter)
