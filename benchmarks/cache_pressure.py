@@ -18,12 +18,16 @@ architectures), summed over every turn after the first:
 * what the run cost: scheduler steps (fewer requests at once take more) and prompt tokens computed
   (``--timing ROUNDS`` instead times the cached runs with ``protect_waiting_prefixes`` on and off).
 
+``--replay`` runs the same workload through the engine's scheduler and cache manager without a
+model (``hyla.sim.replay``) and prints each configuration's lost share and steps in seconds, with
+``--options`` (JSON) for more engine options: the quick loop for trying a rule or a pool size.
+
 Every configuration is fed the same prompts — built from a cache-off run's outputs — and its
 greedy outputs must equal the cache-off run's up to each request's first floating-point tie
 (``tests/test_engine_differential.py: compare_outputs``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
-        [--kv-tokens 1536] [--max-running 6] [--timing ROUNDS]
+        [--kv-tokens 1536] [--max-running 6] [--timing ROUNDS | --replay [--options JSON]]
 
 ``--kv-tokens`` / ``--max-running`` change the pools of ``POOLS``; a run with other pools writes its own
 section (``Cache under pressure, 2048 KV tokens``).
@@ -94,6 +98,12 @@ def reference(engine, firsts, users, max_new) -> tuple[list[list[list[int]]], li
     return prompts, outputs
 
 
+def wanted_hits(fed: list[list[int]], grid: int) -> list[list[int]]:
+    """The ideal hit of every turn's request: none for the first turn, then the previous turn's
+    fed tokens (prompt + output - 1) rounded down to the checkpoint grid."""
+    return [[0] * len(fed[0])] + [[f - f % grid for f in fs] for fs in fed[:-1]]
+
+
 def capacity_bound(ledger, kv_size: int, rids: list[list[str]], wanted: list[list[int]], shared: list[list[int]]) -> int:
     """The most cached tokens any eviction order could have served, given this run's schedule.
 
@@ -157,7 +167,7 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
             fed = [[len(p) + len(o["output_ids"]) - 1 for p, o in zip(ps, outs)] for ps, outs in zip(prompts, want)]
             for name, opts in CONFIGS:
                 grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
-                wanted = [[0] * len(firsts)] + [[f - f % grid for f in fs] for fs in fed[:-1]]
+                wanted = wanted_hits(fed, grid)
                 shared = [[min(w, SYSTEM_PROMPT - SYSTEM_PROMPT % grid) for w in ws] for ws in wanted]
                 with Engine(paths[arch], **pools, **opts) as eng:
                     ledger = eng.record_cache_events() if hasattr(eng, "record_cache_events") else None
@@ -230,6 +240,43 @@ def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int) -> dict[b
                     total += time.perf_counter() - start
             times[protect].append(total)
     return times
+
+
+def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict) -> dict[str, dict[str, float]]:
+    """The workload replayed through the engine's own scheduler and cache manager without a model
+    (``hyla.sim.replay``: what ``hyla sim --engine`` runs), in seconds: outputs of the workload's
+    lengths made of random tokens (only lengths and distinct histories matter to the cache). Per
+    configuration, summed over the seeds: the lost share and the scheduler steps, with the engine
+    ``options`` given. One layout serves both architectures (the pools count tokens and slots).
+    For trying rules and pool sizes; the section reports the engine's own runs."""
+    import checkpoints
+
+    from hyla.sim.models import resolve_model
+    from hyla.sim.replay import replay_engine
+    from hyla.sim.trace import TraceRequest
+
+    layout = resolve_model(str(checkpoints.make_qwen3_next(ckpt_dir, moe=False))).layout
+    results = {}
+    for name, opts in CONFIGS:
+        grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
+        cached = ideal = steps = 0
+        for seed in seeds:
+            firsts, users, max_new = workload(seed)
+            rng = random.Random(-seed)
+            prompts, outs = [list(map(list, firsts))], []
+            for t in range(len(users[0])):
+                outs.append([[rng.randrange(3, 2048) for _ in range(m)] for m in max_new])
+                if t + 1 < len(users[0]):
+                    prompts.append([p + o + u[t] for p, o, u in zip(prompts[t], outs[t], users)])
+            trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o)
+                     for t, (ps, os_) in enumerate(zip(prompts, outs)) for i, (p, o) in enumerate(zip(ps, os_))]
+            rep = replay_engine(trace, layout, **{**pools, **opts, **options})
+            wanted = wanted_hits([[len(p) + len(o) - 1 for p, o in zip(ps, os_)] for ps, os_ in zip(prompts, outs)], grid)
+            cached += sum(rep.cached_tokens[len(firsts):])
+            ideal += sum(map(sum, wanted))
+            steps += rep.scheduler.num_steps
+        results[name] = {"lost": 1 - cached / max(1, ideal), "steps": steps}
+    return results
 
 
 def _agreement(after: dict[str, dict[str, Any]]) -> str:
@@ -342,10 +389,22 @@ def main() -> None:
     ap.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
                     help="instead: time the cached runs (qwen3_next, page 1) with protect_waiting_prefixes on "
                          "and off, interleaved, ROUNDS each; print the medians (writes nothing)")
+    ap.add_argument("--replay", action="store_true",
+                    help="instead: replay the workload without a model (hyla.sim.replay, seconds) and print each "
+                         "configuration's lost share and steps (writes nothing)")
+    ap.add_argument("--options", default="{}", metavar="JSON",
+                    help="with --replay: more engine options, e.g. '{\"protect_waiting_prefixes\": false}'")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     ckpt_dir = Path(tempfile.gettempdir()) / "hyla-bench-ckpts"
     pools = dict(POOLS, max_total_tokens=args.kv_tokens, max_running_requests=args.max_running)
+    if args.replay:
+        options = json.loads(args.options)
+        print(f"replayed without a model, seeds {args.seeds}, pools {pools}, options {options}:\n")
+        print("| configuration | lost | steps |\n|---|---|---|")
+        for name, r in replay(ckpt_dir, seeds, pools, options).items():
+            print(f"| {name} | {100 * r['lost']:.1f}% | {r['steps']:,} |")
+        return
     if args.timing:
         import statistics
 

@@ -7,7 +7,7 @@ prefix, the profile has each phase's Python profile, the fused out projection ag
 separate kernels, each extend attention tile with PyTorch's SDPA. Three CPU scripts are run the
 same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
 two worker processes, here one checkout against itself) and ``cache_pressure.py`` (one workload
-seed, and its ``--timing``). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+seed, its ``--replay`` and its ``--timing``). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
@@ -94,10 +94,14 @@ def test_cpu_ab_runs_both_workers_in_turn():
 
 
 @pytest.mark.slow
-def test_cache_pressure_reports_every_configuration_and_times_the_hold():
+def test_cache_pressure_reports_every_configuration_replays_and_times_the_hold():
     out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--no-write")
     rows = [line for line in out.splitlines() if line.startswith("| qwen3_next") or line.startswith("| nemotron_h")]
     assert len(rows) == 3 * 6  # the main table, the cost table and the decomposition: 2 architectures x 3 grids
     assert "reported every request's cached tokens exactly as the engine did" in out  # hyla sim --engine agreed
+    lost = {r.split("|")[1].strip().removeprefix("qwen3_next, "): r.split("|")[3].split()[0] for r in rows[:3]}
+    replayed = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--replay")
+    rows = [line.split("|") for line in replayed.splitlines() if line.startswith("| page")]
+    assert {r[1].strip(): r[2].strip() for r in rows} == lost  # without a model, the engine's own lost shares
     out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--timing", "1")
     assert "protect_waiting_prefixes on" in out and "on / off" in out
