@@ -94,8 +94,21 @@ def reference(engine, firsts, users, max_new) -> tuple[list[list[list[int]]], li
         outs = run_turn(engine, prompts[t], max_new)
         outputs.append(outs)
         if t + 1 < len(users[0]):
-            prompts.append([p + o["output_ids"] + users[i][t] for i, (p, o) in enumerate(zip(prompts[t], outs))])
+            prompts.append(next_turn(prompts[t], [o["output_ids"] for o in outs], users, t))
     return prompts, outputs
+
+
+def next_turn(prompts: list[list[int]], outputs: list[list[int]], users: list[list[list[int]]], t: int) -> list[list[int]]:
+    """Turn ``t + 1``'s prompts: each session's turn-``t`` prompt + its output + its next user message."""
+    return [p + o + u[t] for p, o, u in zip(prompts, outputs, users)]
+
+
+def as_trace(prompts: list[list[list[int]]], outputs: list[list[list[int]]]) -> list:
+    """The run's requests as a ``hyla sim`` trace: turn ``t`` of session ``i`` at time ``t``."""
+    from hyla.sim.trace import TraceRequest
+
+    return [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o)
+            for t, (ps, os_) in enumerate(zip(prompts, outputs)) for i, (p, o) in enumerate(zip(ps, os_))]
 
 
 def wanted_hits(fed: list[list[int]], grid: int) -> list[list[int]]:
@@ -140,11 +153,9 @@ def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[
     try:
         from hyla.sim.models import resolve_model
         from hyla.sim.replay import replay_engine
-        from hyla.sim.trace import TraceRequest
     except ImportError:
         return None
-    trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o["output_ids"])
-             for t, (ps, outs) in enumerate(zip(prompts, got)) for i, (p, o) in enumerate(zip(ps, outs))]
+    trace = as_trace(prompts, [[o["output_ids"] for o in outs] for outs in got])
     replay = replay_engine(trace, resolve_model(str(path)).layout, **pools, **opts)
     return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
 
@@ -253,7 +264,6 @@ def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict) -> dict
 
     from hyla.sim.models import resolve_model
     from hyla.sim.replay import replay_engine
-    from hyla.sim.trace import TraceRequest
 
     layout = resolve_model(str(checkpoints.make_qwen3_next(ckpt_dir, moe=False))).layout
     results = {}
@@ -267,10 +277,8 @@ def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict) -> dict
             for t in range(len(users[0])):
                 outs.append([[rng.randrange(3, 2048) for _ in range(m)] for m in max_new])
                 if t + 1 < len(users[0]):
-                    prompts.append([p + o + u[t] for p, o, u in zip(prompts[t], outs[t], users)])
-            trace = [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=p, output_tokens=o)
-                     for t, (ps, os_) in enumerate(zip(prompts, outs)) for i, (p, o) in enumerate(zip(ps, os_))]
-            rep = replay_engine(trace, layout, **{**pools, **opts, **options})
+                    prompts.append(next_turn(prompts[t], outs[t], users, t))
+            rep = replay_engine(as_trace(prompts, outs), layout, **{**pools, **opts, **options})
             wanted = wanted_hits([[len(p) + len(o) - 1 for p, o in zip(ps, os_)] for ps, os_ in zip(prompts, outs)], grid)
             cached += sum(rep.cached_tokens[len(firsts):])
             ideal += sum(map(sum, wanted))

@@ -470,7 +470,7 @@ class Scheduler:
                     if protect and len(self.running) == 1:  # the first to run: now hold those behind it
                         rest = [cache.peek(r) for r in order[i + 1:]]
                         cache.touch(rest[::-1])  # the peeks refreshed them in queue order: restore LRU's
-                        held = self._hold_waiting(rest)
+                        held += self._hold_waiting(rest)
             finally:
                 for hit in held:
                     cache.unhold(hit)
