@@ -28,6 +28,7 @@ from hyla.cache import Checkpoint, KVPool, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
+from test_engine_differential import compare_outputs
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -152,20 +153,27 @@ def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_
     its 131 tokens and R's decode reserve fit only if something cached goes — and the only
     unlocked candidates are b's own history and c's, which C2, waiting behind B2, is about to
     hit. With ``protect_waiting_prefixes`` B2 waits for R to finish (R's history, which no
-    waiting request matches, makes the room) and C2 hits all of c; without it B2 evicts c."""
+    waiting request matches, makes the room) and C2 hits all of c; without it B2 evicts c. Either
+    way the outputs are the cache-off engine's."""
     z, b, c = _ids(300, 30), _ids(150, 31), _ids(100, 32)
-    hits = {}
-    for protect in (True, False):
+    hits, outputs = {}, {}
+    for protect in (True, False, None):  # None: the prefix cache off (the reference)
         with Engine(qwen3_next_dense_path, max_total_tokens=700, max_state_slots=16, max_running_requests=2,
-                    chunked_prefill_size=512, protect_waiting_prefixes=protect, debug_checks=True) as eng:
+                    chunked_prefill_size=512, protect_waiting_prefixes=bool(protect),
+                    enable_prefix_cache=protect is not None, debug_checks=True) as eng:
             outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (z, b, c)]
             r = z + outs[0]["output_ids"] + _ids(10, 33)
             b2 = b + outs[1]["output_ids"] + _ids(130, 34)
             c2 = c + outs[2]["output_ids"] + _ids(10, 35)
-            got = eng.generate(input_ids=[r, b2, c2], sampling_params=[_greedy(100), _greedy(2), _greedy(2)])
+            got = eng.generate(input_ids=[r, b2, c2], sampling_params=[_greedy(100), _greedy(2), _greedy(2)],
+                               return_logprob=True)
             hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]
+            outputs[protect] = outs + got
     assert hits[True] == [300, 150, 100]
     assert hits[False][:2] == [300, 150] and hits[False][2] < 100  # the rule is what keeps c
+    for protect in (True, False):
+        compare_outputs(outputs[protect][3:], outputs[None][3:])  # same tokens, logprobs within 1e-4
+        assert [o["output_ids"] for o in outputs[protect][:3]] == [o["output_ids"] for o in outputs[None][:3]]
 
 
 def _while_running(eng: Engine, prompts: list[list[int]], max_new: int, then):
