@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk
+from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk, solve_unit_lower
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
@@ -203,10 +203,8 @@ def _chunk_scan(
     A, P = _intra_chunk(qc, kc, cum)  # [NC, H, Q, Q] each
     # (I + diag(beta) A) u = beta v  and  (I + diag(beta) A) w = beta k e^{cum}: then the corrections
     # written into the state entering the chunk S are  v_new = u - w S.
-    ut = A * bc  # [NC, H, Q, Q]: strictly lower, the unit diagonal is implied
-    u = torch.linalg.solve_triangular(ut, vc * bc, upper=False, unitriangular=True)  # [NC, H, Q, Dv]
     cum_exp = decay_exp(cum)  # [NC, H, Q, Dk]
-    w = torch.linalg.solve_triangular(ut, kc * bc * cum_exp, upper=False, unitriangular=True)  # [NC, H, Q, Dk]
+    u, w = solve_unit_lower((A * bc).transpose(-1, -2), vc * bc, kc * bc * cum_exp)  # [NC, H, Q, Dv], [.., Dk]
     q_dec = qc * cum_exp  # [NC, H, Q, Dk] reads the state entering the chunk
     k_dec = kc * decay_exp(cum[:, :, -1:] - cum)  # [NC, H, Q, Dk] writes the state leaving it
     chunk_decay = cum_exp[:, :, -1].unsqueeze(-1)  # [NC, H, Dk, 1]
