@@ -12,7 +12,9 @@ Measured, fp32, in one process, every side interleaved repeat by repeat (the mac
 * **forward only**: ms per decode step of the bare model forward (no scheduler, no sampling) at
   batch 1 (512 cached tokens) and 8 (128 cached tokens): hyla's decode forward on one prebuilt batch
   (fresh random tokens every step) vs one HF forward of B tokens with its cache; thread CPU time
-  (1 thread), so a busy machine inflates it less than wall time.
+  (1 thread), so a busy machine inflates it less than wall time. And the prefill of the 8-request
+  workload's prompts (8 fresh 128-token prompts into empty states, the forward alone) vs one
+  batched HF forward with a fresh cache, in thread CPU time too.
 
 Sides: hyla (eager), hyla with ``compile_decode`` (``--compile``; its start-up, compilation
 included, is reported), transformers, and llama.cpp with ``--llama-cpp DIR`` (a tree built by
@@ -46,7 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_1 = 512
 PROMPT_8, NEW_8, BATCH = 128, 64, 8
-METRICS = ("d1", "b8", "f1", "f8")  # decode tok/s b1, output tok/s b8, forward ms/step b1, b8
+METRICS = ("d1", "b8", "f1", "f8", "p8")  # decode tok/s b1, output tok/s b8, forward ms/step b1, b8, ms/prefill
 ISSUE_LLAMA_CPP = {"d1": 823.0, "b8": 1025.0}  # the issue's llama.cpp numbers (1 thread, another day)
 
 
@@ -144,6 +146,8 @@ def measure(args) -> dict[str, dict[str, float]]:
             fwd = forward_only(engines, hf, b, args.steps, args.repeats, rng, vocab)
             for name, ms in fwd.items():
                 result[name][f"f{b}"] = ms
+        for name, ms in prefill_only(engines, hf, args.repeats, rng, vocab).items():
+            result[name]["p8"] = ms
         for name, s in startup.items():
             result[name]["startup_s"] = s
         return result
@@ -210,6 +214,38 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
     return {name: 1e3 * statistics.median(t) / steps for name, t in times.items()}
 
 
+def prefill_only(engines, hf, repeats: int, rng: random.Random, vocab: int) -> dict[str, float]:
+    """CPU ms of the bare forward prefilling the 8-request workload's prompts (``BATCH`` fresh
+    ``PROMPT_8``-token prompts into empty states; HF: one batched forward with a fresh cache)."""
+    import torch
+
+    import checkpoints
+
+    fns = {}
+    for name, engine in engines.items():
+        @torch.inference_mode()
+        def ours(model=engine.model) -> None:
+            runner = checkpoints.TinyRunner(model, max_tokens=BATCH * PROMPT_8 + 1, max_states=BATCH)
+            runner.step([runner.new_seq() for _ in range(BATCH)], [fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)])
+
+        fns[name] = ours
+
+    @torch.inference_mode()
+    def ref() -> None:
+        hf(torch.tensor([fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)]), use_cache=True)
+
+    fns["hf"] = ref
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.thread_time()
+            fn()
+            times[name].append(time.thread_time() - t0)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
 def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") -> str:
     """Markdown: one row per metric, one column per side; in parentheses each hyla side's ratio
     to the transformers of its own run (> 1: hyla faster). ``before_rev``: the before checkout's commit."""
@@ -231,6 +267,7 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
          f"≥ {goal['b8']:,.0f} (1x {whose}) and ≥ 2x transformers"),
         ("f1", "forward only, CPU ms per decode step, batch 1 (512 cached)", True, ""),
         ("f8", "forward only, CPU ms per decode step, batch 8 (128 cached)", True, ""),
+        ("p8", "forward only, CPU ms per prefill of 8 fresh 128-token prompts", True, ""),
     ]
     lines = ["| measurement | " + " | ".join(h for h, _, _ in cols) + " | transformers |"
              + (" llama.cpp |" if peer else "") + " target |",
@@ -238,6 +275,9 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
     for key, label, lower, target in rows:
         cells = []
         for _, run, side in cols:
+            if key not in runs[run][side]:  # a before checkout's script without this row
+                cells.append("—")
+                continue
             v, ref = runs[run][side][key], runs[run]["hf"][key]
             cells.append(f"{v:.3f} ({ref / v:.2f}x)" if lower else f"{v:,.0f} (**{v / ref:.2f}x**)")
         ref = runs["after"]["hf"][key]

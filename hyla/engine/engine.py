@@ -35,6 +35,7 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import Grammars
+from hyla.engine.host_memory import keep_freed_memory
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor
@@ -78,6 +79,8 @@ class Engine:
         self.device = torch.device(self.args.device)
         self.dtype = parse_dtype(self.args.dtype)
         torch.manual_seed(self.args.seed)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # each forward's activations on pages already mapped (host_memory.py)
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
