@@ -52,7 +52,7 @@ def test_qwen3_next_layout_and_shapes(qwen_moe):
     assert c.conv_shape == (512, 3) and c.conv_dtype == torch.float32
     assert c.ssm_shape == (4, 64, 64) and c.ssm_dtype == torch.float32
     assert c.rotary_dim == 16 and c.attn_output_gate and c.qk_norm and c.zero_centered_norm
-    assert c.linear_chunk_size == 64 and c.max_position_embeddings == 4096 and c.eos_token_ids == (2,)
+    assert c.max_position_embeddings == 4096 and c.eos_token_ids == (2,)
     with pytest.raises(ValueError, match="not attention"):
         c.attention_ordinal(0)
 
@@ -73,7 +73,7 @@ def test_nemotron_h_layout_and_shapes(nemotron):
     assert (c.num_attention_layers, c.num_linear_layers) == (2, 3)
     assert c.conv_shape == (384, 3)  # HF: [B, 384, 4]
     assert c.ssm_shape == (8, 32, 32)  # HF: [B, H=8, P=32, N=32]
-    assert c.rotary_dim == 0 and not c.zero_centered_norm and c.linear_chunk_size == 64
+    assert c.rotary_dim == 0 and not c.zero_centered_norm
     assert c.mamba_dt_limit == (0.001, math.inf)  # HF hard-codes (time_step_min, inf)
     assert c.router == "sigmoid" and c.hidden_act == "relu2"
 
@@ -120,7 +120,7 @@ def test_legacy_keys_and_infinity_encoding():
     }
     c = ModelConfig.from_hf(nemo)
     assert c.layer_types == ("linear", "mlp", "linear", "attention", "moe")
-    assert c.conv_kernel == 3 and c.conv_shape == (64 + 2 * 2 * 8, 2) and c.linear_chunk_size == 32
+    assert c.conv_kernel == 3 and c.conv_shape == (64 + 2 * 2 * 8, 2)
     assert c.mamba_n_groups == 2 and c.mamba_dt_limit == (0.01, math.inf)
     legacy_names = {**nemo, "layers_block_type": ["mamba", "attention", "moe"]}
     del legacy_names["hybrid_override_pattern"]
@@ -233,7 +233,7 @@ def test_falcon_h1_every_layer_has_kv_and_state(falcon):
     assert [c.linear_ordinal(i) for i in range(4)] == [0, 1, 2, 3]
     assert c.linear_kind == "mamba2" and c.mamba_intermediate_size == 384  # mamba_d_ssm, not expand * hidden
     assert c.conv_shape == (384 + 2 * 2 * 32, 3) and c.ssm_shape == (12, 32, 32)
-    assert c.rotary_dim == 64 and c.rope_theta == 1e6 and c.linear_chunk_size == 64
+    assert c.rotary_dim == 64 and c.rope_theta == 1e6
     assert c.mamba_rms_norm and not c.mamba_norm_before_gate and c.mamba_dt_limit == (0.0, math.inf)
     assert c.key_multiplier == 0.4 and c.ssm_multipliers == (0.35, 0.8, 0.5, 1.4, 0.6) and c.mlp_multipliers == (0.9, 0.6)
     layout = c.with_dtype("bfloat16").cache_layout
@@ -298,7 +298,7 @@ def test_bamba_and_granite_layouts(bamba, granite):
     for c in (bamba, granite):
         assert c.layer_types == ("linear", "linear", "attention", "linear", "linear", "attention")
         assert (c.num_attention_layers, c.num_linear_layers) == (2, 4)
-        assert c.conv_shape == (512 + 2 * 2 * 32, 3) and c.ssm_shape == (8, 64, 32) and c.linear_chunk_size == 64
+        assert c.conv_shape == (512 + 2 * 2 * 32, 3) and c.ssm_shape == (8, 64, 32)
     assert bamba.ffn_types == ("mlp",) * 6 and bamba.rotary_dim == 32  # HF's Bamba: half of each head
     assert granite.ffn_types == ("moe",) * 6 and granite.rotary_dim == 0  # position_embedding_type "nope"
     assert (granite.num_experts, granite.num_experts_per_tok, granite.moe_intermediate_size) == (8, 2, 128)

@@ -133,7 +133,6 @@ class ModelConfig:
     # a conv window, no SSM state) | "none"
     linear_kind: str = "none"
     conv_kernel: int = 4
-    linear_chunk_size: int = 64
     # Gated DeltaNet and Kimi Delta Attention
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -428,7 +427,6 @@ def hf_mamba2_fields(cfg: Mapping[str, Any], width_key: str | None = None) -> di
     return dict(
         linear_kind="mamba2",
         conv_kernel=int(cfg.get("mamba_d_conv", 4)),
-        linear_chunk_size=int(cfg.get("mamba_chunk_size", 256)),
         mamba_num_heads=heads,
         mamba_head_dim=d_head,
         ssm_state_size=int(cfg.get("mamba_d_state", 256)),

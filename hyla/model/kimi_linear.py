@@ -98,7 +98,6 @@ class KimiDeltaAttention(nn.Module):
         self.state_index = linear_ordinal
         self.num_heads, self.head_dim = c.linear_num_value_heads, c.linear_value_head_dim
         self.dim = self.num_heads * self.head_dim
-        self.chunk_size = c.linear_chunk_size
         self.eps = c.norm_eps
         h, d = c.hidden_size, self.head_dim
         self.qkv_proj = Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
@@ -137,7 +136,7 @@ class KimiDeltaAttention(nn.Module):
                                                 **_ckpt_kwargs(batch, scan=False))  # [T, H, D]
         else:
             o = chunk_kda_varlen(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
-                                 chunk_size=self.chunk_size, use_qk_l2norm=True)  # [T, H, D]
+                                 use_qk_l2norm=True)  # [T, H, D]
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, heads, d)
         o32 = o.float()
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
@@ -424,7 +423,6 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         mla_v_head_dim=v_dim,
         linear_kind="kda",
         conv_kernel=kernel,
-        linear_chunk_size=64,
         linear_num_key_heads=linear_heads,
         linear_num_value_heads=linear_heads,
         linear_key_head_dim=linear_dim,

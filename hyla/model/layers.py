@@ -454,7 +454,6 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = c.conv_dim
-        self.chunk_size = c.linear_chunk_size
         proj = self.conv_dim + self.value_dim + 2 * self.num_v_heads
         self.in_proj = Linear(c.hidden_size, proj, bias=False, dtype=c.dtype)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
@@ -552,7 +551,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **_ckpt_kwargs(batch),
-                chunk_size=self.chunk_size, use_qk_l2norm=True,
+                use_qk_l2norm=True,
             )  # [T, Hv, Dv]
         return o
 
@@ -585,7 +584,6 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.state_size = c.mamba_n_groups, c.ssm_state_size
         self.inner = c.mamba_intermediate_size
         self.conv_dim = c.conv_dim
-        self.chunk_size = c.linear_chunk_size
         self.dt_limit = c.mamba_dt_limit
         proj = self.inner + self.conv_dim + self.num_heads
         self.in_proj = Linear(c.hidden_size, proj, bias=c.mamba_proj_bias, dtype=c.dtype)
@@ -648,7 +646,7 @@ class Mamba2Mixer(nn.Module):
         else:
             y = mamba2_chunk_scan_varlen(
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,
-                **_ckpt_kwargs(batch), chunk_size=self.chunk_size, dt_limit=self.dt_limit,
+                **_ckpt_kwargs(batch), dt_limit=self.dt_limit,
             )  # [T, H, P]
         return self._out(y, z, t, x.dtype)
 

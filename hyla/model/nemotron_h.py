@@ -122,7 +122,6 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         rotary_dim=0,
         linear_kind="mamba2" if "linear" in types else "none",
         conv_kernel=int(hf_first(cfg, ("conv_kernel", "mamba_d_conv"), 4)),
-        linear_chunk_size=int(hf_first(cfg, ("chunk_size", "mamba_chunk_size"), 128)),
         mamba_num_heads=int(cfg.get("mamba_num_heads", 128)),
         mamba_head_dim=int(cfg.get("mamba_head_dim", 64)),
         ssm_state_size=int(cfg.get("ssm_state_size", 128)),

@@ -171,7 +171,6 @@ def qwen_config_fields(
         rotary_dim=int(attention["head_dim"] * factor),
         linear_kind="gdn",
         conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_chunk_size=64,
         linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
         linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
         linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),

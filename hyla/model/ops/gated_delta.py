@@ -10,7 +10,8 @@ Per value head, with state ``S [Dk, Dv]`` (fp32), log-decay ``g_t <= 0`` and ``b
 ``q, k`` are l2-normalised (eps 1e-6), ``q`` is scaled by ``Dk**-0.5`` and both are repeated over
 value heads with ``repeat_interleave(Hv // Hk)`` (Hugging Face's GQA). Everything runs in fp32 and
 ``o`` comes back in the dtype of ``q``. This is HF's ``torch_recurrent_gated_delta_rule``; the
-chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk of 64).
+chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk; ``varlen.CHUNK_SIZE``
+tokens, where HF takes 64).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
 zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
@@ -24,6 +25,7 @@ from typing import Callable
 import torch
 
 from hyla.model.ops.varlen import (
+    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -131,7 +133,7 @@ def chunk_gated_delta_rule_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,

@@ -39,6 +39,7 @@ import torch
 
 from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk, solve_unit_lower
 from hyla.model.ops.varlen import (
+    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -112,7 +113,7 @@ def chunk_kda_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hyla.model.ops.varlen import (
+    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -129,7 +130,7 @@ def mamba2_chunk_scan_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = 128,
+    chunk_size: int = CHUNK_SIZE,
     dt_limit: tuple[float, float] | None = None,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,
