@@ -10,8 +10,8 @@ Per value head, with state ``S [Dk, Dv]`` (fp32), log-decay ``g_t <= 0`` and ``b
 ``q, k`` are l2-normalised (eps 1e-6), ``q`` is scaled by ``Dk**-0.5`` and both are repeated over
 value heads with ``repeat_interleave(Hv // Hk)`` (Hugging Face's GQA). Everything runs in fp32 and
 ``o`` comes back in the dtype of ``q``. This is HF's ``torch_recurrent_gated_delta_rule``; the
-chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk; ``varlen.CHUNK_SIZE``
-tokens, where HF takes 64).
+chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk of
+``varlen.default_chunk_size`` tokens: 32 on CPU, HF's 64 elsewhere).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
 zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 
 from hyla.model.ops.varlen import (
-    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -34,6 +33,7 @@ from hyla.model.ops.varlen import (
     check_chains,
     chunk_scan_on_pool,
     decay_exp,
+    default_chunk_size,
     open_state_rows,
     read_states,
     scatter_rows,
@@ -133,7 +133,7 @@ def chunk_gated_delta_rule_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int | None = None,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,
@@ -150,6 +150,7 @@ def chunk_gated_delta_rule_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states)
+    chunk_size = default_chunk_size(q.device) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,

@@ -39,7 +39,6 @@ import torch
 
 from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk, solve_unit_lower
 from hyla.model.ops.varlen import (
-    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -47,6 +46,7 @@ from hyla.model.ops.varlen import (
     as_slot_plan,
     chunk_scan_on_pool,
     decay_exp,
+    default_chunk_size,
     read_states,
     write_states,
 )
@@ -113,7 +113,7 @@ def chunk_kda_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int | None = None,
     use_qk_l2norm: bool = True,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,
@@ -130,6 +130,7 @@ def chunk_kda_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
+    chunk_size = default_chunk_size(q.device) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 
 from hyla.model.ops.varlen import (
-    CHUNK_SIZE,
     CheckpointPlan,
     ChunkLayout,
     SlotPlan,
@@ -32,6 +31,7 @@ from hyla.model.ops.varlen import (
     as_slot_plan,
     chunk_scan_on_pool,
     decay_exp,
+    default_chunk_size,
     open_state_rows,
     write_states,
 )
@@ -130,7 +130,7 @@ def mamba2_chunk_scan_varlen(
     ckpt_seq: torch.Tensor | None = None,
     ckpt_len: torch.Tensor | None = None,
     ckpt_slot: torch.Tensor | None = None,
-    chunk_size: int = CHUNK_SIZE,
+    chunk_size: int | None = None,
     dt_limit: tuple[float, float] | None = None,
     tree: TokenTree | TreeScan | None = None,
     varlen: VarlenPlan | None = None,
@@ -147,6 +147,7 @@ def mamba2_chunk_scan_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    chunk_size = default_chunk_size(x.device) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,

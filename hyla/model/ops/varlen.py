@@ -319,7 +319,7 @@ def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -
 # --- chunk math ------------------------------------------------------------------------------
 
 CHUNK_SIZE = 32
-"""Tokens per chunk of the PyTorch chunked scans (Gated DeltaNet, KDA, Mamba2's SSD): an execution
+"""Tokens per chunk of the PyTorch chunked scans (Gated DeltaNet, KDA, Mamba2's SSD) on CPU: an execution
 choice, not the model's (a checkpoint's ``chunk_size`` is its own kernels'; the result is the same
 up to rounding). Per token, a chunk of ``Q`` costs ``O(Q)`` inside it (the ``Q x Q`` decay, score and
 triangular-solve work) against a fixed ``O(D^2)`` state update, plus a step per chunk; on CPU 32
@@ -327,6 +327,16 @@ was the fastest of 16-256 in nearly every case timed (1 thread, 8 x 128 / 1 x 29
 tokens): against 64, Gated DeltaNet 0.79 / 0.94 / 0.86x the time, KDA 0.78 / 0.92 / 0.92x, SSD
 1.06 / 0.83 / 0.83x; SSD against the 128 and 256 of NemotronH's and Falcon-H1's checkpoints,
 0.70 and 0.16x at 8 x 128 tokens, 0.53 and 0.29x at 4,096."""
+
+DEVICE_CHUNK_SIZE = 64
+"""The same on an accelerator, where each chunk step is a few kernel launches: fewer, longer chunks
+(HF's size for Gated DeltaNet). There these scans are the fallback: fla's and hyla's Triton kernels
+run the prefill where they apply."""
+
+
+def default_chunk_size(device: torch.device) -> int:
+    """:data:`CHUNK_SIZE` on CPU, :data:`DEVICE_CHUNK_SIZE` elsewhere."""
+    return CHUNK_SIZE if torch.device(device).type == "cpu" else DEVICE_CHUNK_SIZE
 
 DECAY_FLOOR = -40.0
 """Log-decays below this are taken as ``exp = 0`` by :func:`decay_exp` (``exp(-40) ~ 4e-18``)."""
