@@ -9,13 +9,16 @@ measurement each:
 
 * ``b1``: decode tok/s of one request after a 512-token prompt, ``N / (t(1 + N) - t(1))``, as
   cpu_decode.py's batch-1 row;
-* ``b8``: output tok/s of 8 concurrent 128 → 64 requests, as cpu_decode.py's 8-request row.
+* ``b8``: output tok/s of 8 concurrent 128 → 64 requests, as cpu_decode.py's 8-request row;
+* ``p8``: prefill tok/s of the same 8 fresh 128-token prompts (one ``generate`` of one new token each),
+  over the worker's process CPU time (the scheduler thread's included), which a busy machine
+  inflates less than wall time.
 
 Prints each side's runs and the per-round ratio after / before with its median (round 0 is a
 warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratios.
 
     git worktree add /tmp/cpu-base <rev>
-    .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager] [--small]
+    .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager] [--small] [--workloads b1,b8,p8]
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import random
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-WORKLOADS = ("b1", "b8")
+WORKLOADS = ("b1", "b8", "p8")
 NEW_1 = 128  # cpu_decode.py's default --new-tokens
 
 
@@ -64,6 +68,11 @@ def worker(root: Path, compiled: bool, small: bool = False) -> None:
             value = new_1 / (run(fresh(prompt_1, rng, vocab), 1 + new_1) - short)
         elif what == "b8":
             value = BATCH * new_8 / run([fresh(prompt_8, rng, vocab) for _ in range(BATCH)], new_8)
+        elif what == "p8":
+            prompts = [fresh(prompt_8, rng, vocab) for _ in range(BATCH)]
+            t0 = time.process_time()
+            engine.generate(input_ids=prompts, sampling_params=greedy(1))
+            value = BATCH * prompt_8 / (time.process_time() - t0)
         else:
             break
         print(json.dumps(value), flush=True)
@@ -77,10 +86,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--eager", action="store_true", help="eager decode on both sides (default: compile_decode)")
     ap.add_argument("--small", action="store_true", help="a smoke run: a tenth of the tokens (numbers meaningless)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of %(default)s")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
         return worker(args.worker, not args.eager, args.small)
+    workloads = [w for w in args.workloads.split(",") if w]
+    if not workloads or set(workloads) - set(WORKLOADS):
+        ap.error(f"--workloads: a comma-separated list of {', '.join(WORKLOADS)}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else []) \
         + (["--small"] if args.small else [])
@@ -92,9 +105,9 @@ def main() -> None:
             pass
         if not line:
             raise SystemExit("a worker failed to start (run it alone: --worker ROOT)")
-    runs = {(name, w): [] for name in sides for w in WORKLOADS}
+    runs = {(name, w): [] for name in sides for w in workloads}
     for r in range(args.rounds + 1):
-        for w in WORKLOADS:
+        for w in workloads:
             for name in (list(sides) if r % 2 else list(sides)[::-1]):
                 sides[name].stdin.write(w + "\n")
                 sides[name].stdin.flush()
@@ -105,7 +118,7 @@ def main() -> None:
         p.stdin.write("quit\n")
         p.stdin.flush()
         p.wait()
-    for w in WORKLOADS:
+    for w in workloads:
         a, b = runs[("before", w)], runs[("after", w)]
         ratios = [y / x for x, y in zip(a, b)]
         print(f"{w}: before {statistics.median(a):.0f} tok/s, after {statistics.median(b):.0f} tok/s; "

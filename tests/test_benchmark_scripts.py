@@ -89,8 +89,14 @@ def test_state_ops_times_both_paths():
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1")
-    lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:"))}
-    assert set(lines) == {"b1", "b8"} and all("1 rounds" in line for line in lines.values())
+    lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:", "p8:"))}
+    assert set(lines) == {"b1", "b8", "p8"} and all("1 rounds" in line for line in lines.values())
+
+
+def test_chunk_sizes_times_every_scan_at_every_size():
+    out = _run("benchmarks/chunk_sizes.py", "--shapes", "1x40", "--sizes", "16,64", "--repeats", "1", "--no-write")
+    rows = [line for line in out.splitlines() if line.startswith(("| Gated DeltaNet", "| KDA", "| Mamba2 SSD"))]
+    assert len(rows) == 3 and all(line.count("|") == 7 for line in rows), out  # 16, 32 (CHUNK_SIZE), 64, best
 
 
 @pytest.mark.slow
