@@ -3,7 +3,7 @@
 ``cpu_decode.py --before DIR`` measures the other checkout in its own process first, minutes apart;
 on this shared machine that moved the same checkout between 246 and 396 tok/s in two runs. Here
 each checkout runs in a worker process of its own (its ``hyla`` on ``sys.path``; the built-in
-default model, fp32, 1 thread, ``compile_decode`` unless ``--eager``), both started before any
+default model, fp32, 1 thread unless ``--threads``, ``compile_decode`` unless ``--eager``), both started before any
 timing, and the driver asks them in turn, round by round (the order alternating), for one
 measurement each:
 
@@ -19,6 +19,7 @@ warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratio
 
     git worktree add /tmp/cpu-base <rev>
     .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager] [--small] [--workloads b1,b8,p8]
+        [--threads 1,1]
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ WORKLOADS = ("b1", "b8", "p8")
 NEW_1 = 128  # cpu_decode.py's default --new-tokens
 
 
-def worker(root: Path, compiled: bool, small: bool = False) -> None:
+def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) -> None:
     """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
     workloads, a tenth of the tokens). The workloads are cpu_decode.py's (its constants and helpers,
     from this checkout: imported before ``root`` goes on the path)."""
-    from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, timed
+    from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, thread_option, timed
 
     sys.path.insert(0, str(root))
     import torch
@@ -49,9 +50,9 @@ def worker(root: Path, compiled: bool, small: bool = False) -> None:
     from hyla import Engine
     from hyla.engine.engine import DEFAULT_MODEL_DIR
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     engine = Engine(DEFAULT_MODEL_DIR, dtype="float32", compile_decode=compiled, max_total_tokens=32768,
-                    max_state_slots=64)
+                    max_state_slots=64, **thread_option(threads))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     scale = 10 if small else 1
@@ -87,19 +88,25 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="eager decode on both sides (default: compile_decode)")
     ap.add_argument("--small", action="store_true", help="a smoke run: a tenth of the tokens (numbers meaningless)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of %(default)s")
+    ap.add_argument("--threads", default="1,1", help="torch intra-op threads of the before and after workers "
+                                                     "(e.g. 2,1 with the same checkout twice: what a thread count buys)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--worker-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker, not args.eager, args.small)
+        return worker(args.worker, not args.eager, args.small, args.worker_threads)
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads or set(workloads) - set(WORKLOADS):
         ap.error(f"--workloads: a comma-separated list of {', '.join(WORKLOADS)}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    threads = args.threads.split(",")
+    if len(threads) != 2 or not all(t.isdigit() and int(t) > 0 for t in threads):
+        ap.error("--threads: two positive integers, BEFORE,AFTER")
     cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else []) \
         + (["--small"] if args.small else [])
-    sides = {name: subprocess.Popen(cmd + ["--worker", str(root.resolve())], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-             for name, root in (("before", args.before), ("after", args.after))}
+    sides = {name: subprocess.Popen(cmd + ["--worker", str(root.resolve()), "--worker-threads", t],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                    text=True, env=dict(os.environ, OMP_NUM_THREADS=t))
+             for name, root, t in (("before", args.before, threads[0]), ("after", args.after, threads[1]))}
     for p in sides.values():
         while (line := p.stdout.readline()) and line.strip() != "READY":
             pass

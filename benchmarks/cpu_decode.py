@@ -62,6 +62,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def thread_option(threads: int) -> dict:
+    """``cpu_threads=threads`` for ``Engine(...)`` where the imported hyla has that option (an older
+    checkout measured with ``--before`` has not: it runs with the threads torch was set to)."""
+    from hyla.engine.args import EngineArgs
+
+    return {"cpu_threads": threads} if "cpu_threads" in EngineArgs.field_help() else {}
+
+
 def greedy(max_new: int) -> dict:
     return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
 
@@ -84,7 +92,7 @@ def measure(args) -> dict[str, dict[str, float]]:
     vocab = hf.config.vocab_size
     rng = random.Random(0)
     n = args.new_tokens
-    sizes = dict(max_total_tokens=32768, max_state_slots=64)
+    sizes = dict(max_total_tokens=32768, max_state_slots=64, **thread_option(args.threads))
 
     @torch.no_grad()
     def hf_generate(ids: torch.Tensor, max_new: int) -> None:

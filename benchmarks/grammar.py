@@ -313,7 +313,7 @@ def overlap(repeats: int, batch: int, threads: list[int]) -> list[tuple[int, str
     rows = []
     for n in threads:
         torch.set_num_threads(n)
-        with Engine(max_total_tokens=16384, max_running_requests=batch) as eng:
+        with Engine(max_total_tokens=16384, max_running_requests=batch, cpu_threads=n) as eng:
             g = eng.grammars
             fill_time = [0.0, 0]
             inner_fill = g.fill

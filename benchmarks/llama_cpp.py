@@ -275,7 +275,7 @@ def hyla_greedy_tokens(model_dir: Path, prompts: list[list[int]], n: int, thread
     from hyla import Engine
 
     torch.set_num_threads(threads)
-    engine = Engine(model_dir, dtype="float32")
+    engine = Engine(model_dir, dtype="float32", cpu_threads=threads)
     try:
         params = {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
         return [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts]

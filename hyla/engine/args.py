@@ -24,6 +24,10 @@ class EngineArgs:
     model_path: str | None = _opt(None, "Model directory (HF format). Default: the built-in default model.")
     dtype: str = _opt("float32", f"Weights and activations dtype, one of {DTYPES}.")
     device: str = _opt("cpu", "Torch device: cpu, cuda, cuda:1, ...")
+    cpu_threads: int | None = _opt(
+        None, "Torch intra-op threads of a CPU engine (process-wide). Default: the CPUs this process may use minus "
+              "one, left to the scheduler and server threads (OMP_NUM_THREADS in the environment wins); "
+              "0 = leave torch's setting.")
     page_size: int = _opt(1, "KV cache page size in tokens; the prefix cache shares whole pages only.")
     chunked_prefill_size: int = _opt(8192, "Max tokens per prefill step; longer prompts are prefilled in chunks.")
     max_running_requests: int | None = _opt(
@@ -142,6 +146,9 @@ class EngineArgs:
             raise ValueError(f"state_memory_ratio must be in (0, 100], got {self.state_memory_ratio!r}")
         if not 0.0 <= self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
+        if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
+                                             or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0):
+            raise ValueError(f"cpu_threads must be a non-negative integer or None, got {self.cpu_threads!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("enable_prefix_cache", "protect_waiting_prefixes", "debug_checks", "compile_decode",

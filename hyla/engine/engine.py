@@ -35,7 +35,7 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import Grammars
-from hyla.engine.host_memory import keep_freed_memory
+from hyla.engine.cpu_process import keep_freed_memory, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor
@@ -79,8 +79,10 @@ class Engine:
         self.device = torch.device(self.args.device)
         self.dtype = parse_dtype(self.args.dtype)
         torch.manual_seed(self.args.seed)
+        self.cpu_threads = None  # torch's intra-op threads, for a CPU engine (cpu_process.py)
         if self.device.type == "cpu":
-            keep_freed_memory()  # each forward's activations on pages already mapped (host_memory.py)
+            keep_freed_memory()  # each forward's activations on pages already mapped
+            self.cpu_threads = set_cpu_threads(self.args.cpu_threads)  # one core left to the scheduler thread
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
@@ -265,7 +267,7 @@ class Engine:
         cfg = self.model_config
         kinds = ", ".join(f"{k}={v}" for k, v in _count_layer_kinds(cfg).items())
         return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}, "
-                f"device={self.device}, KV pool={self.kv_pool.size} tokens "
+                f"device={self.device}{f' ({self.cpu_threads} intra-op threads)' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
                 f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB), "
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "

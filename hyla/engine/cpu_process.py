@@ -1,0 +1,83 @@
+"""What a CPU engine sets for its process: glibc's malloc thresholds and torch's intra-op threads.
+
+Both are process-wide (as vLLM's and SGLang's CPU backends set them: tcmalloc in ``LD_PRELOAD``,
+OpenMP threads bound to cores), so each leaves alone a setting the user made.
+
+**Freed host memory stays mapped** (:func:`keep_freed_memory`), so a CPU forward's activations land
+on pages already faulted in. glibc's ``malloc`` serves a large allocation (128 KiB and up, a
+threshold it raises as such blocks are freed) with ``mmap`` and gives the top of a heap back to the
+OS once more than ``M_TRIM_THRESHOLD`` of it is free. A CPU forward allocates and frees its
+activations, a few MB each, every step, so every step touched fresh pages: each a trap into the
+kernel and a 4 KiB page zeroed. The default model's 8 x 128-token prefill took 6,500-19,000 minor
+page faults (25-75 MB of fresh pages) and 4-17% more CPU time; with both thresholds raised, ~100
+(``docs/engine.md``, "CPU threads and host memory"). The price: the process may keep its peak heap
+resident instead of returning it (``hyla serve`` with the built-in model: 908 against 907 MiB after a
+4,000-token prefill). Nothing is changed where the allocator is not glibc's, or where the user chose
+one (tcmalloc or jemalloc preloaded, a malloc setting in ``GLIBC_TUNABLES``).
+
+**One core is left to the engine's own threads** (:func:`set_cpu_threads`): torch's default is
+one intra-op thread per core, and an engine also runs its scheduler thread (Python between the
+forward's ops), the caller's or the server's threads and the detokenizer. On a 2-core machine the
+engine with 1 intra-op thread served 1.42x the batch-1 decode and 1.74x the 8-request throughput it
+served with 2 (eager; with ``compile_decode`` 4.1x and 1.8x; ``docs/benchmarks.md``, "CPU threads"). The default is therefore the
+CPUs this process may run on minus one (at least one); ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
+in the environment, or an explicit ``cpu_threads``, win.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # <malloc.h>
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # the largest glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit): larger blocks stay mmap'ed
+TRIM_THRESHOLD = 1 << 30  # free heap top kept before any is returned
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process (see the module docstring). Returns
+    whether they were set; idempotent."""
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", "") or "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+        libc.gnu_get_libc_version  # glibc only: musl has no mallopt thresholds of this meaning
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    if ok:
+        logger.info("glibc malloc: freed memory kept mapped (mmap threshold %d MiB, trim threshold %d MiB)",
+                    MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
+    return ok
+
+
+def set_cpu_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads for a CPU engine: ``requested`` if given (0: leave torch's
+    setting), else the environment's ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` if set (torch read it
+    at start-up: left as is), else :func:`default_cpu_threads`. Returns the threads in effect."""
+    if requested is None and not any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        requested = default_cpu_threads()
+    if requested:
+        torch.set_num_threads(requested)
+    return torch.get_num_threads()
+
+
+def default_cpu_threads() -> int:
+    """The CPUs this process may run on, minus one for the engine's own threads (at least 1)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 1)

@@ -1,0 +1,102 @@
+"""hyla.engine.cpu_process: a CPU engine keeps freed memory mapped (glibc's mmap/trim thresholds) and
+leaves one core to its own threads (torch's intra-op threads)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyla import Engine
+from hyla.engine import cpu_process
+
+ROOT = Path(__file__).resolve().parents[1]
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# a 24 MiB activation allocated, touched and freed: prints the MiB the process's resident set
+# gained with it and how many of those it gave back when it was freed
+ONE_ACTIVATION = """
+import sys, torch
+sys.path.insert(0, {root!r})
+if {apply}:
+    from hyla.engine.cpu_process import keep_freed_memory
+    assert keep_freed_memory()
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+r0 = rss()
+x = torch.ones(6 << 20)
+r1 = rss()
+del x
+r2 = rss()
+print(r1 - r0, r1 - r2)
+"""
+
+
+def _gained_and_returned(apply: bool) -> tuple[float, float]:
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # no LD_PRELOAD / GLIBC_TUNABLES of the caller's
+    out = subprocess.run([sys.executable, "-c", ONE_ACTIVATION.format(root=str(ROOT), apply=apply)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    gained, returned = map(float, out.stdout.split())
+    return gained, returned
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_a_freed_activation_stays_mapped_for_the_next_forward():
+    gained, returned = _gained_and_returned(False)
+    assert gained > 20 and returned > 20, (gained, returned)  # glibc's default: mmap'ed, unmapped when freed
+    gained, returned = _gained_and_returned(True)
+    assert gained > 20 and returned < 1, (gained, returned)  # kept: the next forward finds its pages mapped
+
+
+@pytest.mark.parametrize("env", [{"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"},
+                                 {"LD_PRELOAD": "libjemalloc.so.2"},
+                                 {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}])
+def test_an_allocator_the_user_chose_is_left_alone(monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cpu_process.keep_freed_memory() is False
+
+
+@pytest.fixture
+def threads_restored():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_default_leaves_one_core_to_the_engine(monkeypatch, threads_restored):
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(cpu_process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert cpu_process.default_cpu_threads() == 3
+    assert cpu_process.set_cpu_threads(None) == 3 == torch.get_num_threads()
+    monkeypatch.setattr(cpu_process.os, "sched_getaffinity", lambda pid: {0})
+    assert cpu_process.set_cpu_threads(None) == 1  # never below one
+
+
+def test_the_environment_and_an_explicit_count_win(monkeypatch, threads_restored):
+    torch.set_num_threads(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_process.set_cpu_threads(None) == 2  # the environment's choice, left as torch read it
+    assert cpu_process.set_cpu_threads(1) == 1 == torch.get_num_threads()
+    assert cpu_process.set_cpu_threads(0) == 1  # 0: torch's setting as it is
+
+
+def test_an_engine_sets_its_threads_and_says_so(monkeypatch, threads_restored):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    with Engine(cpu_threads=1, max_total_tokens=256, max_state_slots=4) as eng:
+        assert eng.cpu_threads == 1 == torch.get_num_threads()
+        assert "device=cpu (1 intra-op threads)" in eng.summary()
+        assert eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_thread_counts_are_rejected(bad):
+    with pytest.raises(ValueError, match="cpu_threads"):
+        Engine(cpu_threads=bad)
