@@ -211,15 +211,21 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
                     layer.keys, layer.values = layer.keys[:, :, :crop], layer.values[:, :, :crop]
 
     fns["hf"] = ref
+    return {name: ms / steps for name, ms in thread_ms(fns, repeats).items()}
+
+
+def thread_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median thread CPU ms of each function (single-threaded: robust to a busy machine), after one
+    warm-up call each, the functions interleaved repeat by repeat."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            t0 = time.thread_time()  # single-threaded: CPU time of this thread, robust to a busy machine
+            t0 = time.thread_time()
             fn()
             times[name].append(time.thread_time() - t0)
-    return {name: 1e3 * statistics.median(t) / steps for name, t in times.items()}
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def prefill_only(engines, hf, repeats: int, rng: random.Random, vocab: int) -> dict[str, float]:
@@ -243,15 +249,7 @@ def prefill_only(engines, hf, repeats: int, rng: random.Random, vocab: int) -> d
         hf(torch.tensor([fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)]), use_cache=True)
 
     fns["hf"] = ref
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.thread_time()
-            fn()
-            times[name].append(time.thread_time() - t0)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return thread_ms(fns, repeats)
 
 
 def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") -> str:
