@@ -12,7 +12,8 @@ measurement each:
 * ``b8``: output tok/s of 8 concurrent 128 → 64 requests, as cpu_decode.py's 8-request row;
 * ``p8``: prefill tok/s of the same 8 fresh 128-token prompts (one ``generate`` of one new token each),
   over the worker's process CPU time (the scheduler thread's included), which a busy machine
-  inflates less than wall time.
+  inflates less than wall time; every intra-op thread's CPU time counts (spinning included), so it
+  compares checkouts at one thread count, not thread counts (``--threads``: ``b1``, ``b8``).
 
 Prints each side's runs and the per-round ratio after / before with its median (round 0 is a
 warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratios.

@@ -264,7 +264,8 @@ def probe_accept_length(model_dir: Path, cfg: MtpConfig) -> list[tuple[str, floa
     from hyla import Engine
 
     out = []
-    with Engine(model_dir, speculative_algorithm="mtp", speculative_num_steps=cfg.probe_num_steps) as engine:
+    with Engine(model_dir, speculative_algorithm="mtp", speculative_num_steps=cfg.probe_num_steps,
+                cpu_threads=cfg.threads) as engine:
         for messages in base.SAMPLE_PROMPTS:
             ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
             res = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": cfg.probe_new_tokens})

@@ -72,11 +72,30 @@ def threads_restored():
 def test_the_default_leaves_one_core_to_the_engine(monkeypatch, threads_restored):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cpu_process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_process, "usable_cores", lambda: 4)
     assert cpu_process.default_cpu_threads() == 3
     assert cpu_process.set_cpu_threads(None) == 3 == torch.get_num_threads()
-    monkeypatch.setattr(cpu_process.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(cpu_process, "usable_cores", lambda: 1)
     assert cpu_process.set_cpu_threads(None) == 1  # never below one
+
+
+def _fake_sys(root, siblings: dict[int, str], cpu_max: str | None):
+    for cpu, text in siblings.items():
+        d = root / f"devices/system/cpu/cpu{cpu}/topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    if cpu_max is not None:
+        (root / "fs/cgroup").mkdir(parents=True)
+        (root / "fs/cgroup/cpu.max").write_text(cpu_max + "\n")
+    return str(root)
+
+
+def test_usable_cores_count_hyperthreads_once_and_keep_to_the_quota(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    smt = {c: f"{c % 4},{c % 4 + 4}" for c in range(8)}  # 4 cores of 2 hyper-threads
+    assert cpu_process.usable_cores(_fake_sys(tmp_path / "a", smt, "max 100000")) == 4
+    assert cpu_process.usable_cores(_fake_sys(tmp_path / "b", smt, "250000 100000")) == 3  # 2.5 CPUs of quota
+    assert cpu_process.usable_cores(_fake_sys(tmp_path / "c", {c: str(c) for c in range(8)}, None)) == 8
 
 
 def test_the_environment_and_an_explicit_count_win(monkeypatch, threads_restored):

@@ -16,12 +16,15 @@ resident instead of returning it (``hyla serve`` with the built-in model: 908 ag
 one (tcmalloc or jemalloc preloaded, a malloc setting in ``GLIBC_TUNABLES``).
 
 **One core is left to the engine's own threads** (:func:`set_cpu_threads`): torch's default is
-one intra-op thread per core, and an engine also runs its scheduler thread (Python between the
-forward's ops), the caller's or the server's threads and the detokenizer. On a 2-core machine the
-engine with 1 intra-op thread served 1.42x the batch-1 decode and 1.74x the 8-request throughput it
-served with 2 (eager; with ``compile_decode`` 4.1x and 1.8x; ``docs/benchmarks.md``, "CPU threads"). The default is therefore the
-CPUs this process may run on minus one (at least one); ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
-in the environment, or an explicit ``cpu_threads``, win.
+one intra-op thread per physical core, and an engine also runs its scheduler thread (Python
+between the forward's ops), the caller's or the server's threads and the detokenizer. On a 2-core
+machine the engine with 1 intra-op thread served 1.42x the batch-1 decode and 1.74x the 8-request
+throughput it served with 2 (eager; with ``compile_decode`` 4.1x and 1.8x; ``docs/benchmarks.md``,
+"CPU threads"). The default is therefore the physical cores this process may run on (within its
+cgroup CPU quota) minus one, at least one; ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the
+environment, or an explicit ``cpu_threads``, win (``cpu_threads=0`` keeps a ``torch.set_num_threads``
+made in code). torch applies the count to the calling thread and to threads started after it (the
+engine's scheduler thread), not to threads that already ran parallel work.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 
 import torch
@@ -58,7 +62,7 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     if ok:
-        logger.info("glibc malloc: freed memory kept mapped (mmap threshold %d MiB, trim threshold %d MiB)",
+        logger.debug("glibc malloc: freed memory kept mapped (mmap threshold %d MiB, trim threshold %d MiB)",
                     MMAP_THRESHOLD >> 20, TRIM_THRESHOLD >> 20)
     return ok
 
@@ -75,9 +79,32 @@ def set_cpu_threads(requested: int | None) -> int:
 
 
 def default_cpu_threads() -> int:
-    """The CPUs this process may run on, minus one for the engine's own threads (at least 1)."""
+    """The physical cores this process may run on (hyper-threads counted once, as torch's own
+    default counts them; at most its cgroup CPU quota), minus one for the engine's own threads
+    (at least 1)."""
+    return max(1, usable_cores() - 1)
+
+
+def usable_cores(sys_root: str = "/sys") -> int:
+    """Physical cores among the CPUs this process may run on, capped by a cgroup v2 CPU quota
+    (``sys_root``: where sysfs is, for tests)."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus - 1)
+        return max(1, torch.get_num_threads())  # torch's default: the physical cores
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"{sys_root}/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())  # one entry per physical core
+        except OSError:
+            cores.add(str(cpu))
+    n = len(cores)
+    try:
+        with open(f"{sys_root}/fs/cgroup/cpu.max") as f:  # "max 100000", or "<quota> <period>"
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return n

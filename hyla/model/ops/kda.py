@@ -130,7 +130,7 @@ def chunk_kda_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    chunk_size = default_chunk_size(q.device) if chunk_size is None else chunk_size
+    chunk_size = default_chunk_size(q.device, accelerator=64) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,

@@ -147,7 +147,7 @@ def mamba2_chunk_scan_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    chunk_size = default_chunk_size(x.device) if chunk_size is None else chunk_size
+    chunk_size = default_chunk_size(x.device, accelerator=128) if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
