@@ -111,7 +111,7 @@ def test_an_engine_sets_its_threads_and_says_so(monkeypatch, threads_restored):
     monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     with Engine(cpu_threads=1, max_total_tokens=256, max_state_slots=4) as eng:
         assert eng.cpu_threads == 1 == torch.get_num_threads()
-        assert "device=cpu (1 intra-op threads)" in eng.summary()
+        assert "device=cpu (intra-op threads: 1)" in eng.summary()
         assert eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 

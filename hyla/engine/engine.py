@@ -267,7 +267,7 @@ class Engine:
         cfg = self.model_config
         kinds = ", ".join(f"{k}={v}" for k, v in _count_layer_kinds(cfg).items())
         return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}, "
-                f"device={self.device}{f' ({self.cpu_threads} intra-op threads)' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
+                f"device={self.device}{f' (intra-op threads: {self.cpu_threads})' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
                 f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB), "
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
