@@ -13,7 +13,7 @@ Measured, fp32, in one process, every side interleaved repeat by repeat (the mac
   batch 1 (512 cached tokens) and 8 (128 cached tokens): hyla's decode forward on one prebuilt batch
   (fresh random tokens every step) vs one HF forward of B tokens with its cache; thread CPU time
   (1 thread), so a busy machine inflates it less than wall time. And the prefill of the 8-request
-  workload's prompts (8 fresh 128-token prompts into empty states, the forward alone) vs one
+  workload's prompts (8 128-token prompts into empty states, the forward alone) vs one
   batched HF forward with a fresh cache, in thread CPU time too.
 
 Sides: hyla (eager), hyla with ``compile_decode`` (``--compile``; its start-up, compilation
@@ -282,9 +282,6 @@ def table(runs: dict[str, dict[str, dict[str, float]]], before_rev: str = "") ->
     for key, label, lower, target in rows:
         cells = []
         for _, run, side in cols:
-            if key not in runs[run][side]:  # a before checkout's script without this row
-                cells.append("—")
-                continue
             v, ref = runs[run][side][key], runs[run]["hf"][key]
             cells.append(f"{v:.3f} ({ref / v:.2f}x)" if lower else f"{v:,.0f} (**{v / ref:.2f}x**)")
         ref = runs["after"]["hf"][key]

@@ -11,7 +11,7 @@ Per value head, with state ``S [Dk, Dv]`` (fp32), log-decay ``g_t <= 0`` and ``b
 value heads with ``repeat_interleave(Hv // Hk)`` (Hugging Face's GQA). Everything runs in fp32 and
 ``o`` comes back in the dtype of ``q``. This is HF's ``torch_recurrent_gated_delta_rule``; the
 chunked path is HF's ``torch_chunk_gated_delta_rule`` (UT transform per chunk of
-``varlen.default_chunk_size`` tokens: 32 on CPU, HF's 64 on an accelerator).
+``varlen.chunk_size_for`` tokens: 32 on CPU, HF's 64 on an accelerator).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, Hv, Dk, Dv]`` fp32; ``slots[i] == -1`` starts from
 zeros and writes nothing; all reads precede all writes; checkpoint rows are distinct from the
@@ -32,8 +32,8 @@ from hyla.model.ops.varlen import (
     as_slot_plan,
     check_chains,
     chunk_scan_on_pool,
+    chunk_size_for,
     decay_exp,
-    default_chunk_size,
     open_state_rows,
     read_states,
     scatter_rows,
@@ -150,9 +150,7 @@ def chunk_gated_delta_rule_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states)
-    chunk_size = default_chunk_size(q.device, accelerator=64) if chunk_size is None else chunk_size
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = chunk_size_for(chunk_size, q.device, accelerator=64)
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                q.device, varlen)
     if scan is not None:  # token by token with the decode step (each token from its parent's state)

@@ -45,8 +45,8 @@ from hyla.model.ops.varlen import (
     VarlenPlan,
     as_slot_plan,
     chunk_scan_on_pool,
+    chunk_size_for,
     decay_exp,
-    default_chunk_size,
     read_states,
     write_states,
 )
@@ -130,9 +130,7 @@ def chunk_kda_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    chunk_size = default_chunk_size(q.device, accelerator=64) if chunk_size is None else chunk_size
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = chunk_size_for(chunk_size, q.device, accelerator=64)
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                q.device, varlen)
     if scan is not None:

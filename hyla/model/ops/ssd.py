@@ -30,8 +30,8 @@ from hyla.model.ops.varlen import (
     VarlenPlan,
     as_slot_plan,
     chunk_scan_on_pool,
+    chunk_size_for,
     decay_exp,
-    default_chunk_size,
     open_state_rows,
     write_states,
 )
@@ -147,9 +147,7 @@ def mamba2_chunk_scan_varlen(
     then nothing is read back from the device (``ckpt_*`` must be None: the plan carries them).
     """
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    chunk_size = default_chunk_size(x.device, accelerator=128) if chunk_size is None else chunk_size
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = chunk_size_for(chunk_size, x.device, accelerator=128)
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                x.device, varlen)
     if scan is not None:

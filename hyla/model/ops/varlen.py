@@ -328,12 +328,19 @@ tokens): against 64, Gated DeltaNet 0.79 / 0.94 / 0.86x the time, KDA 0.78 / 0.9
 1.06 / 0.83 / 0.83x; SSD against the 128 and 256 of NemotronH's and Falcon-H1's checkpoints,
 0.70 and 0.16x at 8 x 128 tokens, 0.53 and 0.29x at 4,096."""
 
-def default_chunk_size(device: torch.device, accelerator: int) -> int:
-    """:data:`CHUNK_SIZE` on CPU; ``accelerator`` elsewhere, each op's size from before the CPU was
+
+def chunk_size_for(chunk_size: int | None, device: torch.device, accelerator: int) -> int:
+    """A chunked scan's chunk size: ``chunk_size`` if given (``ValueError`` below 1), else
+    :data:`CHUNK_SIZE` on CPU and ``accelerator`` elsewhere, each op's size from before the CPU was
     tuned (64 for Gated DeltaNet and KDA, 128 for the SSD): there each chunk step is a few kernel
     launches, so chunks are longer, and these scans are only the fallback behind fla's and hyla's
     Triton kernels (not timed on a GPU since)."""
-    return CHUNK_SIZE if torch.device(device).type == "cpu" else accelerator
+    if chunk_size is None:
+        return CHUNK_SIZE if torch.device(device).type == "cpu" else accelerator
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
+
 
 DECAY_FLOOR = -40.0
 """Log-decays below this are taken as ``exp = 0`` by :func:`decay_exp` (``exp(-40) ~ 4e-18``)."""
