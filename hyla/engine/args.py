@@ -90,7 +90,7 @@ class EngineArgs:
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
                                          "on where decode steps replay CUDA graphs, without speculation; 'on', 'off'.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
-                                       "after about a minute of compilation at start-up (docs/benchmarks.md); "
+                                       "after a minute or two of compilation at every start-up (docs/benchmarks.md); "
                                        "with n-gram speculation its verify steps too (docs/engine.md).")
 
     def __post_init__(self) -> None:

@@ -16,14 +16,16 @@ logits only (a cached prompt's new part) runs as a fused extend alike (``Forward
 few such sequences (concurrent agent turns), as one replay per sequence.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
-compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant
-(of its own compilation, with other inductor options), and so are batches up to
-``layers.DOT_MAX_ROWS`` rows and larger ones. Every variant is compiled at construction on scratch
-pools (up to minutes on a small CPU), so serving never stalls on a compile. Models with MoE layers
-keep an eager decode (their routing reads expert counts on the host). In the graphs of up to
-``DOT_MAX_ROWS`` rows each fp32 projection is a dot product per output row over a row-major copy
-of its weight (``layers.Linear``; the copy costs the projections' memory once more), not MKL's
-GEMM, which streams the weights at a fraction of the speed with so few rows.
+compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant, of
+its own compilation with other inductor options (``ONE_ROW_OPTIONS``, ``ROWS_OPTIONS``). Both are
+compiled at construction on scratch pools (a minute or more on a small CPU), so serving never
+stalls on a compile. Models with MoE layers keep an eager decode (their routing reads expert
+counts on the host). In the one-row graph each fp32 projection is a dot product per output row
+over a row-major copy of its weight (``layers.Linear``; the copy costs the projections' memory once
+more), not MKL's GEMM, which streams the weights at about half the speed with one row. The graph
+of more rows (batches, verify steps) is compiled frozen: the weights are constants, which inductor
+packs once at compile time for its C++ GEMM template (another copy of the projections), where MKL's
+GEMM repacks the weight on every call with so few rows.
 The graphs take the model's float constants as constants and leave its modules unguarded (their
 weights and attributes never change after loading); each runner compiles its own copy of the
 forward's code, so its graphs serve its own model only (``_own_code``).
@@ -39,6 +41,7 @@ count only, and its variants (batch 1, larger batches) are compiled at construct
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import types
 from typing import Callable
@@ -51,7 +54,7 @@ from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_
                                     CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import DOT_MAX_ROWS, keep_row_major_copies_
+from hyla.model.layers import keep_row_major_copies_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -130,21 +133,12 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded).
-            # realize_opcount_threshold: an intermediate of more than that many ops is stored, not
-            # inlined into its consumers. Inlined, a projection's input (a norm's output, silu(gate)
-            # * up) was recomputed inside the dot-product loop for every output row (an exp per
-            # weight in the MLP's down projection); stored, that loop is a load and a multiply-add
-            # per weight. One-row decode steps take 1: the batch-1 graph's call 1.67 -> 1.19 ms (CPU,
-            # default model; 3: 1.29). Their own compiled function, since with more rows 1 would
-            # also store each projection's [out, N, in] products (layers.Linear): those take 4 (an
-            # 8-row step 0.93x of 3's time, 3 rows 0.90x, 16 rows 0.99x; 2, 5, 6 and 10 were 3-10x
-            # slower, storing or recomputing inside the dot products again: retune with the model)
-            copied = keep_row_major_copies_(model)  # for the dot-product projections (layers.Linear)
-            logger.info("compile_decode: %.1f MB of row-major weight copies for steps of few rows", copied / 1e6)
-            one_row, rows = (torch.compile(
-                _own_code(model.forward_unchecked), dynamic=True,
-                options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                         "realize_opcount_threshold": threshold}) for threshold in (1, 4))
+            copied = keep_row_major_copies_(model)  # for the one-row graph's dot products (layers.Linear)
+            logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
+            common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+            one_row = torch.compile(_own_code(model.forward_unchecked), dynamic=True,
+                                    options={**common, **ONE_ROW_OPTIONS})
+            rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, options={**common, **ROWS_OPTIONS})
             self._compiled_decode = _by_row_count(one_row, rows)
             # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
             # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
@@ -435,14 +429,13 @@ class ModelRunner:
         return to_device_packed(tensors, self.device)
 
     def _warm_up_compiled_decode(self) -> None:
-        """Compile the decode graph for batch size 1, for batches up to ``DOT_MAX_ROWS`` and for
-        larger ones, on scratch pools shaped like the real ones. Every size that varies in serving
-        (batch, KV width, pool rows) is given a distinct prime here, unequal to any model dimension:
-        the compiler would otherwise merge equal sizes into one symbol (or into a constant) and
-        compile again when they differ."""
+        """Compile the decode graph for batch size 1 and for larger batches, on scratch pools shaped
+        like the real ones. Every size that varies in serving (batch, KV width, pool rows) is given a
+        distinct prime here, unequal to any model dimension: the compiler would otherwise merge equal
+        sizes into one symbol (or into a constant) and compile again when they differ."""
         c = self.model.config
         dev = self.device
-        kv_rows, state_rows = 1201, 67  # room for the batch of 19
+        kv_rows, state_rows = 1201, 67  # room for the batch of 13
         if self.verify_width is not None:  # room for 13 chains' own slots and checkpoint slots
             state_rows = _prime_above(13 * self.verify_width + 1, avoid={11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53,
                                                                           59, 61, 1201})
@@ -459,9 +452,8 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        # one row; up to DOT_MAX_ROWS rows (dot products); more (MKL's GEMM): layers.Linear
-        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11],
-                     [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 13, 11, 7, 5, 3, 2, 2]):
+        # one row (dot products over the row-major copies); more (frozen, C++ GEMM template)
+        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
@@ -475,24 +467,21 @@ class ModelRunner:
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
             )
-            self._run_decode(batch)
+            with _frozen(b > 1):
+                self._run_decode(batch)
         if self.verify_width is not None:
-            self._warm_up_chains(k, v, conv, ssm)
+            with _frozen(True):  # every verify step runs the graph of more rows
+                self._warm_up_chains(k, v, conv, ssm)
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
         """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled
         first for one token count, then again generalised over it: dynamo specialises the first) and
-        larger batches, of up to ``DOT_MAX_ROWS`` tokens in all and of more; sizes as distinct primes,
-        as for decode."""
+        larger batches; sizes as distinct primes, as for decode."""
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
-        if w > DOT_MAX_ROWS:  # and more tokens than the projections' dot products take (layers.Linear)
-            one.append([w])
-        few = [2, min(w, 3)]  # 2 requests, at most DOT_MAX_ROWS tokens in all
-        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each: more than that
-        for prefix, fed in [([37], f) for f in one] + [([61, 59], few),
-                                                       ([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
+        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
+        for prefix, fed in [([37], f) for f in one] + [([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
             b = len(prefix)
             lens = [p + n for p, n in zip(prefix, fed)]
             width = max(lens)
@@ -511,6 +500,29 @@ class ModelRunner:
             )
             self.model.check_batch(batch)
             self._compiled_decode(batch)
+
+
+# Inductor options of the two compiled decode graphs. realize_opcount_threshold: an intermediate of
+# more than that many ops is stored, not inlined into its consumers. Inlined, a projection's input
+# (a norm's output, silu(gate) * up) was recomputed inside the one-row graph's dot-product loop for
+# every output row (an exp per weight in the MLP's down projection); stored, that loop is a load and
+# a multiply-add per weight: 1 took the batch-1 graph's call from 1.67 to 1.19 ms (CPU, default
+# model; 3: 1.29); the graph of more rows takes 4 (8 / 16 rows: 0.98x / 0.89x the time of
+# inductor's default). That graph picks each projection's kernel by benchmarking (max_autotune)
+# inductor's C++ GEMM template, which needs the weights as constants (the graph is compiled frozen,
+# :func:`_frozen`: it packs them once, at compile time), against ATen's (MKL's GEMM repacks the
+# weight on every call with so few rows). An 8-row step of the default model, in one process: 4.5 ms
+# against 6.7 with the dot products over the row-major copies that such steps used before; 16 rows
+# 8.4 against 13.5 (docs/benchmarks.md, "CPU decode: the frozen graph of more rows").
+ONE_ROW_OPTIONS = {"realize_opcount_threshold": 1}
+ROWS_OPTIONS = {"realize_opcount_threshold": 4, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def _frozen(on: bool):
+    """Inductor's freezing while a graph of more rows compiles (``on``): the module's parameters
+    become constants of the graph. A global setting, read while dynamo traces, so it is set around
+    the warm-up call that compiles the graph, not passed as a ``torch.compile`` option."""
+    return torch._inductor.config.patch(freezing=True) if on else contextlib.nullcontext()
 
 
 def _by_row_count(one_row: Callable[[ForwardBatch], torch.Tensor],

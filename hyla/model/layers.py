@@ -75,38 +75,28 @@ def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, plus one path for a compiled CPU decode step of a few rows.
+    """``nn.Linear``, plus one path for a compiled CPU decode step of one row.
 
-    MKL's GEMM with few rows streams an fp32 weight at a fraction of the memory bandwidth that a
-    plain dot product per output row reaches: with one row, 25 MB of the default model's
-    projections took ~1.7 vs ~0.9 ms on one core (llama.cpp's matmul is such a loop); with 8 rows
-    MKL copies the weight into its packed layout on every call. Inside a ``torch.compile`` graph, a
-    ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
-    :func:`keep_row_major_copies_`) whose input has at most ``DOT_MAX_ROWS`` rows is that dot
-    product, which inductor compiles into one vectorised reduction streaming ``rows`` once: for one
-    row ``(rows * x).sum(-1)``, for more ``(rows[:, None] * x[None]).sum(-1)``, each weight row
-    read once for every input row. Everywhere else (eager, more rows, GPU, no ``rows``) it is
-    ``F.linear``. Sums in another order: within fp32 rounding.
+    MKL's GEMM with one row streams an fp32 weight at about half the memory bandwidth that a plain
+    dot product per output row reaches: 25 MB of the default model's projections took ~1.7 vs
+    ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
+    row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
+    :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which inductor
+    compiles into one vectorised reduction streaming ``rows`` once. Everywhere else (eager, more
+    rows, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU steps of more rows, inductor's
+    C++ GEMM template on weights it packed at compile time (``ModelRunner``'s frozen graph).
+    Sums in another order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows is not None and torch.compiler.is_compiling() and x.dim() == 2:
-            n = x.shape[0]
-            if type(n) is int and n == 1:  # the batch-1 graph (static: no guard on a symbolic size)
-                y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
-                return y if self.bias is None else y + self.bias
-            if n <= DOT_MAX_ROWS:  # a symbolic row count: the graph guards on it (a variant above it)
-                y = (self.rows[:, None, :] * x[None, :, :]).sum(-1).t()  # [out, N, in] -> [N, out]
-                return y if self.bias is None else y + self.bias
+        # the batch-1 graph: a static row count of 1 (a symbolic one is never compared, so no guard)
+        if self.rows is not None and x.dim() == 2 and type(x.shape[0]) is int and x.shape[0] == 1 \
+                and torch.compiler.is_compiling():
+            y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
-
-
-# the most rows a compiled CPU step's projection computes as dot products (more: MKL's GEMM). Per
-# batch-N decode step, in-engine on the default model: 4 rows 3.05 vs 5.39 ms, 8 rows 4.59 vs 5.87,
-# 12 rows 6.46 vs 7.10, 16 rows 7.92 vs 8.11, 32 rows 16.3 vs 13.4 (docs/benchmarks.md, "CPU decode")
-DOT_MAX_ROWS = 16
 
 
 # --- norms -------------------------------------------------------------------------------------
