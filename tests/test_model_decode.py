@@ -268,7 +268,11 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path):
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in new]
 
     def run(**options):
+        packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
         with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=48, **options) as engine:
+            if options:  # the graph of more rows was compiled frozen (its weights packed)
+                assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > packed
+                assert not torch._inductor.config.freezing  # and freezing was set for that compile only
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))

@@ -520,8 +520,9 @@ ROWS_OPTIONS = {"realize_opcount_threshold": 4, "max_autotune": True, "max_autot
 
 def _frozen(on: bool):
     """Inductor's freezing while a graph of more rows compiles (``on``): the module's parameters
-    become constants of the graph. A global setting, read while dynamo traces, so it is set around
-    the warm-up call that compiles the graph, not passed as a ``torch.compile`` option."""
+    become constants of the graph. A config setting (per thread in torch 2.13) that dynamo reads
+    while it traces, so it is set around the warm-up call that compiles the graph: passed as a
+    ``torch.compile`` option it freezes nothing."""
     return torch._inductor.config.patch(freezing=True) if on else contextlib.nullcontext()
 
 
