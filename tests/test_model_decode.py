@@ -250,6 +250,7 @@ def test_one_row_linear_reads_its_rows_only_when_compiled():
         for x in (few, many):
             torch.testing.assert_close(call(x), x @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
+        torch.testing.assert_close(linear(few), few @ linear.weight.t() + linear.bias)
 
 
 @pytest.mark.slow

@@ -467,7 +467,7 @@ class ModelRunner:
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
             )
-            with _frozen(b > 1):
+            with _frozen(not _one_row(batch)):
                 self._run_decode(batch)
         if self.verify_width is not None:
             with _frozen(True):  # every verify step runs the graph of more rows
@@ -532,8 +532,14 @@ def _by_row_count(one_row: Callable[[ForwardBatch], torch.Tensor],
     requests, verify steps) through ``rows`` (two compilations of the forward with different
     inductor options)."""
     def run(batch: ForwardBatch) -> torch.Tensor:
-        return (one_row if batch.is_decode and batch.input_ids.shape[0] == 1 else rows)(batch)
+        return (one_row if _one_row(batch) else rows)(batch)
     return run
+
+
+def _one_row(batch: ForwardBatch) -> bool:
+    """A decode step of one request: what the one-row graph runs; every other batch runs the
+    frozen graph of more rows (and compiles it frozen in the warm-up: :func:`_frozen`)."""
+    return batch.is_decode and batch.input_ids.shape[0] == 1
 
 
 def _own_code(method: Callable) -> Callable:
