@@ -614,9 +614,12 @@ def chain_costs(width: int) -> dict[int, tuple[float, float]]:
     from hyla.model import load_model
 
     model = load_model(DEFAULT_MODEL_DIR, dtype="float32")
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     out = {}
     for b in (1, NUM_PROMPTS):
+        start = graphs()
         bench = Bench(model, b, 256, width, compile_decode=True, verify_width=width)
+        built = graphs() - start
         times: dict[str, list[float]] = {"decode": [], "chains": []}
         with torch.inference_mode():
             for i in range(5 + CHAIN_STEPS):
@@ -625,6 +628,8 @@ def chain_costs(width: int) -> dict[int, tuple[float, float]]:
                     fn()
                     if i >= 5:
                         times[name].append(time.thread_time() - t0)
+        if built == 0 or graphs() != start + built:  # what was timed must be the graphs of the warm-up
+            raise RuntimeError(f"batch {b}: {built} graphs compiled at start-up, {graphs() - start - built} after")
         out[b] = (1e3 * statistics.median(times["decode"]), 1e3 * statistics.median(times["chains"]))
     return out
 

@@ -312,3 +312,19 @@ def test_serve_flags(capsys):
     assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
     assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
     assert "speculative_eagle_topk" in capsys.readouterr().err
+
+
+def test_mtp_keeps_decode_eager_with_compile_decode(qwen3_next_dense_mtp_path, caplog):
+    """Every MTP step asks for the final hidden states, which the compiled graph does not return:
+    ``compile_decode`` with MTP warns and compiles nothing (its graphs would cost minutes of start-up
+    and never run), and the engine still speculates."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="hyla.engine"):
+        with Engine(qwen3_next_dense_mtp_path, **MTP, **POOLS, compile_decode=True) as eng:
+            assert eng.scheduler.runner.compiled is False
+            assert "decode=pytorch ops," in eng.summary()
+            out = eng.generate(input_ids=[5, 6, 7, 5, 6, 7, 5, 6], sampling_params={"temperature": 0,
+                                                                                     "max_new_tokens": 8})
+            assert len(out["output_ids"]) == 8
+    assert [r for r in caplog.records if "MTP steps need the model's hidden states" in r.getMessage()]

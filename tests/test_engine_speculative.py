@@ -248,6 +248,23 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs["start"], "compiled after start-up"
 
 
+def test_compile_decode_warm_up_fits_wide_verify_steps(qwen3_next_short_path, monkeypatch):
+    """``compile_decode`` with verify steps of 90 tokens: the warm-up's batch of 13 chains (up to 61
+    cached + 90 fed tokens each) needs more scratch KV rows than the 1,201 that decode's warm-up
+    takes, so the runner sizes them from the width. ``torch.compile`` is replaced by the function
+    itself: what is tested is the warm-up's batches on its scratch pools, not inductor (a compile
+    at this width takes minutes); then the engine serves as the eager one does."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    prompt = [5, 6, 7, 8] * 6
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(qwen3_next_short_path, **POOLS) as plain:
+        expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    with Engine(qwen3_next_short_path, speculative_algorithm="ngram", speculative_num_draft_tokens=90,
+                compile_decode=True, **dict(POOLS, max_running_requests=2, max_state_slots=200)) as eng:
+        assert eng.scheduler.runner.compiled and eng.scheduler.runner.verify_width == 90
+        assert eng.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_path", "falcon_h1_path",
                                   "lfm2_path", "kimi_linear_path"])
 def test_tree_speculation_is_exact_with_the_prefix_cache(arch, request):

@@ -289,6 +289,27 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path):
         assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4  # the project fp32 tolerance (fused kernels reorder sums)
 
 
+def test_compiled_decode_compiles_each_runners_own_frame(qwen3_next_short_path, monkeypatch):
+    """What each runner hands ``torch.compile`` is a frame dynamo compiles itself, with a code
+    object of its own per runner: not one dynamo enters through its shared wrapper frame (as it
+    does for a function decorated in torch's files, such as ``torch.no_grad``'s wrapper), where
+    every runner's graphs would count against one recompile limit (8) and the second runner with
+    verify graphs would fall back to eager. ``torch.compile`` is replaced by a recorder (the warm-up
+    then runs eager)."""
+    from torch._dynamo import trace_rules
+
+    from hyla import Engine
+
+    handed = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: handed.append(fn) or fn)
+    for _ in range(2):
+        with Engine(qwen3_next_short_path, max_total_tokens=1024, max_state_slots=8, compile_decode=True):
+            pass
+    assert len(handed) == 4  # the one-row graph and the graph of more rows, per engine
+    assert not any(trace_rules.check(fn) for fn in handed)  # dynamo would wrap a skipped function
+    assert len({id(fn.__func__.__code__) for fn in handed}) == 4  # dynamo keeps graphs per code object
+
+
 @pytest.mark.slow
 @needs_cxx
 def test_compiled_decode_graphs_belong_to_their_model(tiny_ckpt_dir, qwen3_next_short_path):

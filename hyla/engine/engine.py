@@ -103,8 +103,15 @@ class Engine:
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment)
+        compile_decode = self.args.compile_decode
+        if compile_decode and self.args.speculative_algorithm == "mtp":
+            # every MTP step asks for the final hidden states, which the compiled graph does not return:
+            # its graphs would cost minutes of start-up and never run
+            logger.warning("compile_decode: MTP steps need the model's hidden states, which the compiled graph "
+                           "does not return; decode steps stay eager")
+            compile_decode = False
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
-                             compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
+                             compile_decode=compile_decode, cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
                              if not self.args.disable_cuda_graph else 0,

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import logging
 import types
 from typing import Callable
@@ -225,8 +226,9 @@ class ModelRunner:
         table, kv_indices = self._kv_table(reqs, seq_lens)
         host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
         # copies made here (inference mode), like every other tensor of the batch: a compiled
-        # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor
-        t = self._to_device(*host, out_cache_loc.to(torch.long, copy=True), table.to(torch.long),
+        # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor (and on its
+        # strides: a caller's view of a wider table would compile a graph of its own)
+        t = self._to_device(*host, _dense(out_cache_loc), table.to(torch.long),
                             kv_indices.to(torch.long))
         batch = ForwardBatch(
             is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
@@ -269,7 +271,7 @@ class ModelRunner:
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
         host = _host_long(ids, pos, _cumsum(extend_lens, 0), _cumsum(seq_lens, 0), slots)
-        t = self._to_device(*host, out_cache_loc.to(torch.long, copy=True), kv_indices.to(torch.long),
+        t = self._to_device(*host, _dense(out_cache_loc), kv_indices.to(torch.long),
                             table.to(torch.long), torch.tensor(ckpt_rows, dtype=torch.long).view(len(reqs), w - 1))
         batch = ForwardBatch(
             is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens), prefix_lens=starts,
@@ -436,9 +438,10 @@ class ModelRunner:
         c = self.model.config
         dev = self.device
         kv_rows, state_rows = 1201, 67  # room for the batch of 13
-        if self.verify_width is not None:  # room for 13 chains' own slots and checkpoint slots
-            state_rows = _prime_above(13 * self.verify_width + 1, avoid={11, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53,
-                                                                          59, 61, 1201})
+        if self.verify_width is not None:  # room for 13 chains' KV (prefix + fed) and their checkpoint slots
+            kv_rows = _prime_above(max(1200, len(WARM_UP_LENS) * (max(WARM_UP_LENS) + self.verify_width)),
+                                   avoid=set(WARM_UP_LENS))
+            state_rows = _prime_above(13 * self.verify_width + 1, avoid={*WARM_UP_LENS, kv_rows})
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
         k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
         v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
@@ -453,7 +456,7 @@ class ModelRunner:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
         # one row (dot products over the row-major copies); more (frozen, C++ GEMM template)
-        for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
+        for lens in ([37], WARM_UP_LENS):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
@@ -481,7 +484,7 @@ class ModelRunner:
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
         many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
-        for prefix, fed in [([37], f) for f in one] + [([61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11], many)]:
+        for prefix, fed in [([37], f) for f in one] + [(WARM_UP_LENS, many)]:
             b = len(prefix)
             lens = [p + n for p, n in zip(prefix, fed)]
             width = max(lens)
@@ -501,6 +504,10 @@ class ModelRunner:
             self.model.check_batch(batch)
             self._compiled_decode(batch)
 
+
+# The warm-up's batch of more rows: 13 requests' KV lengths (decode) or cached prefixes (verify steps),
+# distinct primes (_warm_up_compiled_decode)
+WARM_UP_LENS = [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]
 
 # Inductor options of the two compiled decode graphs. realize_opcount_threshold: an intermediate of
 # more than that many ops is stored, not inlined into its consumers. Inlined, a projection's input
@@ -547,8 +554,11 @@ def _own_code(method: Callable) -> Callable:
     compiled graphs per code object, and with the modules unguarded a graph compiled for one
     runner's model would serve any other model of the same class whose batches look alike (a
     different eps, activation or RoPE base included); each runner's graphs are its own this way,
-    and one runner's variants never count against another's recompile limit."""
-    f = method.__func__
+    and one runner's variants never count against another's recompile limit. The copy is of the
+    function under its decorators (``torch.no_grad``; the runner calls it in inference mode): dynamo
+    would start every compile at the decorator's wrapper, whose code torch keeps in its own files and
+    so enters through a wrapper frame of its own, one code object for every runner's graphs."""
+    f = inspect.unwrap(method.__func__)
     code = f.__code__.replace(co_name=f"{f.__name__}_{id(method.__self__):x}")
     own = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
     own.__kwdefaults__, own.__qualname__ = f.__kwdefaults__, f.__qualname__
@@ -582,6 +592,12 @@ def _checkpoints_fit(ckpts: list[tuple[int, int, int]], num_seqs: int) -> bool:
     ``EXTEND_CHECKPOINTS`` each (what a fused extend writes; else the eager extend validates them)."""
     per_seq = collections.Counter(seq for seq, _, _ in ckpts)
     return all(0 <= seq < num_seqs for seq in per_seq) and max(per_seq.values(), default=0) <= EXTEND_CHECKPOINTS
+
+
+def _dense(out_cache_loc: torch.Tensor) -> torch.Tensor:
+    """A step's KV slots as the compiled graphs take them: an int64 copy made here (in inference
+    mode), contiguous whatever the caller passed (the graphs guard on both)."""
+    return out_cache_loc.to(torch.long, copy=True, memory_format=torch.contiguous_format)
 
 
 def _cumsum(values, start: int | None = None) -> list[int]:
