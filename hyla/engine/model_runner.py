@@ -44,6 +44,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import time
 import types
 from typing import Callable
 
@@ -141,10 +142,14 @@ class ModelRunner:
                                     options={**common, **ONE_ROW_OPTIONS})
             rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, options={**common, **ROWS_OPTIONS})
             self._compiled_decode = _by_row_count(one_row, rows)
+            logger.info("compile_decode: compiling the decode graphs%s (a minute or more on a small CPU)",
+                        " and verify graphs" if self.verify_width is not None else "")
+            start = time.perf_counter()
             # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
             # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
             with torch._dynamo.config.patch(specialize_float=True):
                 self._warm_up_compiled_decode()
+            logger.info("compile_decode: compiled in %.0f s", time.perf_counter() - start)
 
     @property
     def compiled(self) -> bool:
