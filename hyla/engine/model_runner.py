@@ -446,7 +446,7 @@ class ModelRunner:
         if self.verify_width is not None:  # room for 13 chains' KV (prefix + fed) and their checkpoint slots
             kv_rows = _prime_above(max(1200, len(WARM_UP_LENS) * (max(WARM_UP_LENS) + self.verify_width)),
                                    avoid=set(WARM_UP_LENS))
-            state_rows = _prime_above(13 * self.verify_width + 1, avoid={*WARM_UP_LENS, kv_rows})
+            state_rows = _prime_above(len(WARM_UP_LENS) * self.verify_width + 1, avoid={*WARM_UP_LENS, kv_rows})
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
         k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
         v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
@@ -560,9 +560,9 @@ def _own_code(method: Callable) -> Callable:
     runner's model would serve any other model of the same class whose batches look alike (a
     different eps, activation or RoPE base included); each runner's graphs are its own this way,
     and one runner's variants never count against another's recompile limit. The copy is of the
-    function under its decorators (``torch.no_grad``; the runner calls it in inference mode): dynamo
-    would start every compile at the decorator's wrapper, whose code torch keeps in its own files and
-    so enters through a wrapper frame of its own, one code object for every runner's graphs."""
+    undecorated function (past ``torch.no_grad``'s wrapper; the runner calls it in inference mode):
+    dynamo enters a function whose code lives in torch's files, as that wrapper's does, through a
+    wrapper frame shared by every such call, which would put every runner's graphs on one code object."""
     f = inspect.unwrap(method.__func__)
     code = f.__code__.replace(co_name=f"{f.__name__}_{id(method.__self__):x}")
     own = types.FunctionType(code, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
