@@ -242,10 +242,12 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
     def setup(eng):
         _watch_chains(eng, calls, width=None)
         graphs["start"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        graphs["runner"] = eng.scheduler.runner
 
     assert _run_differential(qwen3_next_short_path, dict(POOLS, compile_decode=True), setup=setup) > 60
     assert calls["n"] > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs["start"], "compiled after start-up"
+    assert graphs["runner"].late_compiles == 0, "a step no graph of the warm-up fitted ran eager"
 
 
 def test_compile_decode_warm_up_fits_wide_verify_steps(qwen3_next_short_path, monkeypatch):

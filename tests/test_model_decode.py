@@ -258,7 +258,8 @@ def test_one_row_linear_reads_its_rows_only_when_compiled():
 def test_compiled_decode_equals_eager(qwen3_next_short_path):
     """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
     a changing larger batch (from 20 requests down to 1: both graphs, the one-row graph's dot
-    products and the frozen graph's GEMMs), with no compilation after start-up."""
+    products and the frozen graph's GEMMs), with no compilation after start-up; a batch that no
+    graph fits then runs eager rather than compiling."""
     import torch._dynamo
 
     from hyla import Engine
@@ -274,9 +275,23 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path):
             if options:  # the graph of more rows was compiled frozen (its weights packed)
                 assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > packed
                 assert not torch._inductor.config.freezing  # and freezing was set for that compile only
+            runner, seen = engine.scheduler.runner, []
+            if options:  # record the compiled steps' batches
+                real = runner._compiled_decode
+                runner._compiled_decode = lambda batch: seen.append(batch) or real(batch)
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
             outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))
+            if options:
+                assert runner.late_compiles == 0  # every step ran a graph of the warm-up, none fell back to eager
+                # a batch no graph fits (int32 token ids: a dtype guard fails), through the real dynamo: it
+                # raises instead of compiling and the step runs eager (it rewrites the last step's slots:
+                # the engine serves nothing after this)
+                batch = seen[-1]
+                batch.input_ids = batch.input_ids.to(torch.int32)
+                with torch.inference_mode():
+                    runner._run_compiled(batch)
+                assert runner.late_compiles == 1
             return outs, torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
 
     eager, _ = run()
@@ -308,6 +323,64 @@ def test_compiled_decode_compiles_each_runners_own_frame(qwen3_next_short_path, 
     assert len(handed) == 4  # the one-row graph and the graph of more rows, per engine
     assert not any(trace_rules.check(fn) for fn in handed)  # dynamo would wrap a skipped function
     assert len({id(fn.__func__.__code__) for fn in handed}) == 4  # dynamo keeps graphs per code object
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_short_path", "qwen3_5_path", "falcon_h1_path", "bamba_path", "lfm2_path",
+                                  "nemotron_h_small_path"])
+def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
+    """Every architecture ``compile_decode`` compiles (those without MoE layers) traces a decode step,
+    and with n-gram speculation a verify step of chains where it has them, as one graph: no host
+    read inside the forward (what a graph break would be; LFM2's conv once validated its slots there).
+    The runner compiles with ``fullgraph=True``, so a break would fail start-up; here dynamo traces
+    alone (backend ``eager``), which is quick, and the engine gives the eager engine's tokens."""
+    from hyla import Engine
+
+    path = request.getfixturevalue(arch)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real(fn, backend="eager", fullgraph=True,
+                                                                      dynamic=True))
+    prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 3]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(path, max_total_tokens=1024, max_state_slots=32) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    for spec in ({}, {"speculative_algorithm": "ngram"}):
+        with Engine(path, max_total_tokens=1024, max_state_slots=32, compile_decode=True, **spec) as engine:
+            assert engine.scheduler.runner.compiled
+            assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
+            assert engine.scheduler.runner.late_compiles == 0
+
+
+def test_compiled_decode_runs_eager_where_no_graph_fits(qwen3_next_short_path, monkeypatch, caplog):
+    """A step that no graph compiled at start-up fits is never compiled while serving: dynamo,
+    asked to recompile, raises (``error_on_recompile``, set around each compiled call), and the
+    step runs eager: the same tokens as an eager engine, one warning, ``late_compiles`` counting.
+    ``torch.compile`` is replaced (the warm-up runs eager), and after start-up by a function that
+    raises what dynamo raises, for batches of more rows only."""
+    import logging
+
+    from hyla import Engine
+
+    prompts = [[5, 6, 7, 8, 9] * 3, [11, 12, 13] * 4]
+    params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    with Engine(qwen3_next_short_path, max_total_tokens=1024, max_state_slots=8) as plain:
+        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    armed = []
+
+    def no_graph(batch):
+        armed.append(torch._dynamo.config.error_on_recompile)
+        if batch.input_ids.shape[0] == 1:
+            return runner.model.forward_unchecked(batch)
+        raise torch._dynamo.exc.RecompileError("Recompiling function forward_unchecked: tensor 'batch.input_ids' ...")
+
+    with caplog.at_level(logging.WARNING, logger="hyla.engine"):
+        with Engine(qwen3_next_short_path, max_total_tokens=1024, max_state_slots=8, compile_decode=True) as engine:
+            runner = engine.scheduler.runner
+            runner._compiled_decode = no_graph
+            assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
+            assert runner.late_compiles > 0 and all(armed)
+            assert not torch._dynamo.config.error_on_recompile  # set around the call only
+    assert len([r for r in caplog.records if "no graph compiled at start-up fits" in r.getMessage()]) == 1
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ few such sequences (concurrent agent turns), as one replay per sequence.
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant, of
 its own compilation with other inductor options (``ONE_ROW_OPTIONS``, ``ROWS_OPTIONS``). Both are
 compiled at construction on scratch pools (a minute or more on a small CPU), so serving never
-stalls on a compile. Models with MoE layers keep an eager decode (their routing reads expert
+stalls on a compile; a step that no graph of the warm-up fits runs eager rather than compiling one
+(:meth:`_run_compiled`). Models with MoE layers keep an eager decode (their routing reads expert
 counts on the host). In the one-row graph each fp32 projection is a dot product per output row
 over a row-major copy of its weight (``layers.Linear``; the copy costs the projections' memory once
 more), not MKL's GEMM, which streams the weights at about half the speed with one row. The graph
@@ -87,6 +88,7 @@ class ModelRunner:
         self.k_buffers, self.v_buffers = kv_pool.k_buffers[a:a + n], kv_pool.v_buffers[a:a + n]
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
+        self.late_compiles = 0  # compiled steps no graph of the warm-up fitted: run eager (_run_compiled)
         self.graphs = self.verify_graphs = self.extend_graphs = None
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
@@ -138,9 +140,12 @@ class ModelRunner:
             copied = keep_row_major_copies_(model)  # for the one-row graph's dot products (layers.Linear)
             logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
             common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            one_row = torch.compile(_own_code(model.forward_unchecked), dynamic=True,
+            # fullgraph: a step is one graph (a graph break is an error at start-up), so a step that no
+            # graph fits fails before anything runs and can run eager instead (_run_compiled)
+            one_row = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
                                     options={**common, **ONE_ROW_OPTIONS})
-            rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, options={**common, **ROWS_OPTIONS})
+            rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
+                                 options={**common, **ROWS_OPTIONS})
             self._compiled_decode = _by_row_count(one_row, rows)
             logger.info("compile_decode: compiling the decode graphs%s (a minute or more on a small CPU)",
                         " and verify graphs" if self.verify_width is not None else "")
@@ -286,7 +291,7 @@ class ModelRunner:
             max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[8], chain_ckpt_list=ckpt_rows,
         )
         self.model.check_batch(batch)
-        run = self._compiled_decode or self.model.forward_unchecked
+        run = self._run_compiled if self._compiled_decode is not None else self.model.forward_unchecked
         return run(batch)  # [T, V]
 
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -429,7 +434,27 @@ class ModelRunner:
         if self._compiled_decode is None or batch.return_hidden:  # the compiled graph returns logits only
             return self.model.forward(batch)
         self.model.check_batch(batch)  # eager: it reads host ints the graph must not specialise on
-        return self._compiled_decode(batch)
+        return self._run_compiled(batch)
+
+    def _run_compiled(self, batch: ForwardBatch) -> torch.Tensor:
+        """A checked step through the graphs compiled at start-up, never compiling another: where
+        no graph's guards pass (a batch the warm-up did not foresee), dynamo would stall the engine
+        for a compile (a minute or more on a small CPU); the step runs eager instead, and the first
+        such step logs why (``late_compiles`` counts them). Dynamo's config is per thread, so
+        another thread's compiles (another runner's warm-up) are untouched."""
+        cfg = torch._dynamo.config
+        before, cfg.error_on_recompile = cfg.error_on_recompile, True
+        try:
+            return self._compiled_decode(batch)
+        except torch._dynamo.exc.RecompileError as e:  # raised before the graph runs: nothing written yet
+            reason = str(e)
+        finally:
+            cfg.error_on_recompile = before
+        self.late_compiles += 1
+        if self.late_compiles == 1:
+            logger.warning("compile_decode: no graph compiled at start-up fits this step, which runs eager "
+                           "(and so will every such step: nothing is compiled while serving): %s", reason)
+        return self.model.forward_unchecked(batch)
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Host int64 tensors -> the model's device in one transfer (views of one packed buffer)."""
@@ -475,8 +500,9 @@ class ModelRunner:
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
             )
+            self.model.check_batch(batch)
             with _frozen(not _one_row(batch)):
-                self._run_decode(batch)
+                self._compiled_decode(batch)
         if self.verify_width is not None:
             with _frozen(True):  # every verify step runs the graph of more rows
                 self._warm_up_chains(k, v, conv, ssm)
