@@ -77,6 +77,8 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
             value = BATCH * prompt_8 / (time.process_time() - t0)
         else:
             break
+        if getattr(engine.scheduler.runner, "late_compiles", 0):  # a compiled step fell back to eager
+            raise RuntimeError("a step fitted no graph compiled at start-up and ran eager")
         print(json.dumps(value), flush=True)
     engine.shutdown()
 

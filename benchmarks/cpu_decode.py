@@ -186,7 +186,7 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
             runner.step(seqs, prompts)
             step_batch = runner.make_batch(seqs, [[5]] * batch, decode=True)
             # with the KV lengths on the device, as the engine's decode batches: the graphs compiled
-            # at start-up are for those (without, this would time a graph compiled here for this batch)
+            # at start-up are for those (without, no graph would fit and the step would run eager)
             step_batch = dataclasses.replace(
                 step_batch, kv_lens=torch.tensor(step_batch.seq_lens, device=step_batch.input_ids.device))
         run = getattr(engine.scheduler.runner, "_run_decode", engine.model.forward)  # compiled if so configured
@@ -211,7 +211,11 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
                     layer.keys, layer.values = layer.keys[:, :, :crop], layer.values[:, :, :crop]
 
     fns["hf"] = ref
-    return {name: ms / steps for name, ms in thread_ms(fns, repeats).items()}
+    times = {name: ms / steps for name, ms in thread_ms(fns, repeats).items()}
+    for name, engine in engines.items():  # a compiled side timed its start-up graphs, not an eager fallback
+        if getattr(engine.scheduler.runner, "late_compiles", 0):
+            raise RuntimeError(f"{name}: a timed step fitted no graph compiled at start-up and ran eager")
+    return times
 
 
 def thread_ms(fns: dict, repeats: int) -> dict[str, float]:

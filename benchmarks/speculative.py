@@ -628,8 +628,9 @@ def chain_costs(width: int) -> dict[int, tuple[float, float]]:
                     fn()
                     if i >= 5:
                         times[name].append(time.thread_time() - t0)
-        if built == 0 or graphs() != start + built:  # what was timed must be the graphs of the warm-up
-            raise RuntimeError(f"batch {b}: {built} graphs compiled at start-up, {graphs() - start - built} after")
+        if built == 0 or graphs() != start + built or bench.runner.late_compiles:  # what was timed must be the
+            raise RuntimeError(f"batch {b}: {built} graphs compiled at start-up, {graphs() - start - built} after, "
+                               f"{bench.runner.late_compiles} steps fitted none and ran eager")  # warm-up's graphs
         out[b] = (1e3 * statistics.median(times["decode"]), 1e3 * statistics.median(times["chains"]))
     return out
 

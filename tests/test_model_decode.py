@@ -325,14 +325,16 @@ def test_compiled_decode_compiles_each_runners_own_frame(qwen3_next_short_path, 
     assert len({id(fn.__func__.__code__) for fn in handed}) == 4  # dynamo keeps graphs per code object
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next_short_path", "qwen3_5_path", "falcon_h1_path", "bamba_path", "lfm2_path",
-                                  "nemotron_h_small_path"])
-def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
+@pytest.mark.parametrize("arch,spec", [pytest.param(a, {}, id=a) for a in (
+    "qwen3_next_short_path", "qwen3_5_path", "falcon_h1_path", "bamba_path", "lfm2_path", "nemotron_h_small_path")]
+    + [pytest.param("qwen3_next_short_path", {"speculative_algorithm": "ngram"}, id="qwen3_next_short_path-ngram")])
+def test_compiled_decode_is_one_graph_per_step(arch, spec, request, monkeypatch):
     """Every architecture ``compile_decode`` compiles (those without MoE layers) traces a decode step,
-    and with n-gram speculation a verify step of chains where it has them, as one graph: no host
+    and with n-gram speculation a verify step of chains (Gated DeltaNet's), as one graph: no host
     read inside the forward (what a graph break would be; LFM2's conv once validated its slots there).
     The runner compiles with ``fullgraph=True``, so a break would fail start-up; here dynamo traces
-    alone (backend ``eager``), which is quick, and the engine gives the eager engine's tokens."""
+    alone (backend ``eager``), which is quick (what inductor makes of the graphs: the slow tests).
+    Then a batch no graph fits goes through real dynamo and runs eager."""
     from hyla import Engine
 
     path = request.getfixturevalue(arch)
@@ -341,13 +343,20 @@ def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
                                                                       dynamic=True))
     prompts = [[5, 6, 7, 8] * 4, [9, 10, 11] * 3]
     params = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
-    with Engine(path, max_total_tokens=1024, max_state_slots=32) as plain:
-        expected = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
-    for spec in ({}, {"speculative_algorithm": "ngram"}):
-        with Engine(path, max_total_tokens=1024, max_state_slots=32, compile_decode=True, **spec) as engine:
-            assert engine.scheduler.runner.compiled
-            assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
-            assert engine.scheduler.runner.late_compiles == 0
+    with Engine(path, max_total_tokens=1024, max_state_slots=32, compile_decode=True, **spec) as engine:
+        runner = engine.scheduler.runner
+        assert runner.compiled and (runner.verify_width is not None) == bool(spec)  # chains: Gated DeltaNet models
+        compiled, seen = runner._compiled_decode, []
+        runner._compiled_decode = lambda batch: seen.append(batch) or compiled(batch)
+        assert all(len(o["output_ids"]) == 6 for o in engine.generate(input_ids=prompts, sampling_params=params))
+        assert runner.late_compiles == 0 and seen
+        # a batch no graph fits (int32 token ids: a dtype guard fails): dynamo raises rather than compile,
+        # and the step runs eager (it rewrites the last step's slots: the engine serves nothing after this)
+        batch = seen[-1]
+        batch.input_ids = batch.input_ids.to(torch.int32)
+        with torch.inference_mode():
+            runner._run_compiled(batch)
+        assert runner.late_compiles == 1
 
 
 def test_compiled_decode_runs_eager_where_no_graph_fits(qwen3_next_short_path, monkeypatch, caplog):
@@ -377,9 +386,17 @@ def test_compiled_decode_runs_eager_where_no_graph_fits(qwen3_next_short_path, m
         with Engine(qwen3_next_short_path, max_total_tokens=1024, max_state_slots=8, compile_decode=True) as engine:
             runner = engine.scheduler.runner
             runner._compiled_decode = no_graph
+            extend, unarmed = runner.forward_extend, []  # the setting seen by prefills, on the scheduler thread
+
+            def watched_extend(*args, **kwargs):
+                unarmed.append(not torch._dynamo.config.error_on_recompile)
+                return extend(*args, **kwargs)
+
+            runner.forward_extend = watched_extend
             assert [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)] == expected
             assert runner.late_compiles > 0 and all(armed)
-            assert not torch._dynamo.config.error_on_recompile  # set around the call only
+            engine.generate(input_ids=[3, 4, 5], sampling_params=params)  # a prefill after the fallbacks
+            assert len(unarmed) >= 2 and all(unarmed)  # set around the compiled call only
     assert len([r for r in caplog.records if "no graph compiled at start-up fits" in r.getMessage()]) == 1
 
 

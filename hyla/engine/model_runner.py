@@ -45,6 +45,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import math
 import time
 import types
 from typing import Callable
@@ -152,7 +153,8 @@ class ModelRunner:
             start = time.perf_counter()
             # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
             # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
-            with torch._dynamo.config.patch(specialize_float=True):
+            # (and the warm-up compiles its variants whatever the calling thread set: _run_compiled)
+            with torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False):
                 self._warm_up_compiled_decode()
             logger.info("compile_decode: compiled in %.0f s", time.perf_counter() - start)
 
@@ -454,6 +456,9 @@ class ModelRunner:
         if self.late_compiles == 1:
             logger.warning("compile_decode: no graph compiled at start-up fits this step, which runs eager "
                            "(and so will every such step: nothing is compiled while serving): %s", reason)
+        elif math.log10(self.late_compiles).is_integer():  # 10, 100, ...: a fallback that persists shows
+            logger.warning("compile_decode: %d steps ran eager (no graph compiled at start-up fits them)",
+                           self.late_compiles)
         return self.model.forward_unchecked(batch)
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
