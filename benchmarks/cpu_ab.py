@@ -43,7 +43,8 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
     """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
     workloads, a tenth of the tokens). The workloads are cpu_decode.py's (its constants and helpers,
     from this checkout: imported before ``root`` goes on the path)."""
-    from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, thread_option, timed
+    from cpu_decode import (BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, require_start_up_graphs, thread_option,
+                            timed)
 
     sys.path.insert(0, str(root))
     import torch
@@ -77,8 +78,7 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
             value = BATCH * prompt_8 / (time.process_time() - t0)
         else:
             break
-        if getattr(engine.scheduler.runner, "late_compiles", 0):  # a compiled step fell back to eager
-            raise RuntimeError("a step fitted no graph compiled at start-up and ran eager")
+        require_start_up_graphs(engine, what)
         print(json.dumps(value), flush=True)
     engine.shutdown()
 

@@ -212,10 +212,16 @@ def forward_only(engines, hf, batch: int, steps: int, repeats: int, rng: random.
 
     fns["hf"] = ref
     times = {name: ms / steps for name, ms in thread_ms(fns, repeats).items()}
-    for name, engine in engines.items():  # a compiled side timed its start-up graphs, not an eager fallback
-        if getattr(engine.scheduler.runner, "late_compiles", 0):
-            raise RuntimeError(f"{name}: a timed step fitted no graph compiled at start-up and ran eager")
+    for name, engine in engines.items():
+        require_start_up_graphs(engine, name)
     return times
+
+
+def require_start_up_graphs(engine, name: str) -> None:
+    """A compiled engine's timed steps ran the graphs compiled at start-up, none an eager fallback
+    (``ModelRunner.late_compiles``; a checkout from before it has none to count)."""
+    if getattr(engine.scheduler.runner, "late_compiles", 0):
+        raise RuntimeError(f"{name}: a timed step fitted no graph compiled at start-up and ran eager")
 
 
 def thread_ms(fns: dict, repeats: int) -> dict[str, float]:

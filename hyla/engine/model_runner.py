@@ -519,7 +519,7 @@ class ModelRunner:
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
-        many = [2 + (i * 7) % (w - 1) for i in range(13)]  # 13 requests, 2..w tokens each
+        many = [2 + (i * 7) % (w - 1) for i in range(len(WARM_UP_LENS))]  # 13 requests, 2..w tokens each
         for prefix, fed in [([37], f) for f in one] + [(WARM_UP_LENS, many)]:
             b = len(prefix)
             lens = [p + n for p, n in zip(prefix, fed)]

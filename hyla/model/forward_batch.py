@@ -403,6 +403,13 @@ class ForwardBatch:
         return len(self.extend_lens)
 
     @property
+    def state_slot_plan(self) -> "SlotPlan | torch.Tensor":
+        """The state slots as the recurrent ops take them: the plan validated at construction where
+        there is one (no host read inside the forward, nor a graph break under ``torch.compile``),
+        else ``state_slots`` itself (the ops validate it)."""
+        return self.slot_plan if self.slot_plan is not None else self.state_slots
+
+    @property
     def on_device(self) -> bool:
         """A fused decode step or a fused extend: every index is on the device and the forward reads
         no host value (the Triton kernels' paths, capturable in a CUDA graph)."""

@@ -117,7 +117,7 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
-        plan = batch.slot_plan if batch.slot_plan is not None else slots  # decode: validated at batch construction
+        plan = batch.state_slot_plan  # decode: validated at batch construction
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         else:

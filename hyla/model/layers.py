@@ -461,7 +461,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = in_projection(self.in_proj, x, gemv_step).split(
             [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], -1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
-        slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
+        slots = batch.state_slot_plan
         if batch.fused_decode:  # Triton: the conv window, gating and the state update in one kernel, or
             # the conv in a kernel of its own (a verify step of chains: each runs its requests' tokens in order)
             gdn, chain = _gpu("gated_delta_decode"), batch.chain_slots
@@ -596,7 +596,7 @@ class Mamba2Mixer(nn.Module):
         t = x.shape[0]
         z, xbc, dt = in_projection(self.in_proj, x, gemv_step).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
-        slots = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
+        slots = batch.state_slot_plan
         A = self._neg_A(self.A_log)  # [H]
         gn = self.n_groups * self.state_size
         if batch.fused_decode:  # two Triton kernels: the conv window, then dt + the state update

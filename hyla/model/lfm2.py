@@ -73,8 +73,7 @@ class Lfm2ShortConv(nn.Module):
             y = _gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
                                                                  batch.state_slots, None, chain=batch.chain_slots)
         elif batch.is_decode:  # the slots as validated at batch construction: no host read here
-            plan = batch.slot_plan if batch.slot_plan is not None else batch.state_slots
-            y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, plan, None)
+            y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, None)
             _copy_decode_checkpoints(conv_states, batch)
         else:
             y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
