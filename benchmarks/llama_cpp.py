@@ -133,17 +133,20 @@ def default_gguf(llama_dir: Path, model_dir: Path) -> Path:
 
 
 def convert(model_dir: Path, llama_dir: Path, out: Path) -> Path:
-    """Convert the dense Qwen3-Next checkpoint ``model_dir`` to an fp32 GGUF at ``out`` with
-    ``llama_dir``'s ``convert_hf_to_gguf.py`` (through :func:`repack_as_moe`). Cached: skipped when
-    ``out`` is newer than every file of the model."""
+    """Convert the dense Qwen3-Next checkpoint ``model_dir`` (through :func:`repack_as_moe`) or a
+    Qwen3.5 one (as it is) to an fp32 GGUF at ``out`` with ``llama_dir``'s ``convert_hf_to_gguf.py``.
+    Cached: skipped when ``out`` is newer than every file of the model."""
     model_dir, llama_dir, out = Path(model_dir), Path(llama_dir), Path(out)
     if out.exists() and out.stat().st_mtime > max(f.stat().st_mtime for f in model_dir.iterdir()):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        repack_as_moe(model_dir, Path(tmp))
+        source = model_dir
+        if json.loads((model_dir / "config.json").read_text())["architectures"] == ["Qwen3NextForCausalLM"]:
+            repack_as_moe(model_dir, Path(tmp))  # llama.cpp's qwen3next is MoE only; its qwen35 loads dense
+            source = Path(tmp)
         partial = out.with_name(out.name + ".partial")
-        cmd = [sys.executable, "-c", CONVERT_DRIVER, str(llama_dir), tmp, "--outtype", "f32", "--no-mtp",
+        cmd = [sys.executable, "-c", CONVERT_DRIVER, str(llama_dir), str(source), "--outtype", "f32", "--no-mtp",
                "--model-name", model_dir.name, "--outfile", str(partial)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
@@ -155,15 +158,24 @@ def convert(model_dir: Path, llama_dir: Path, out: Path) -> Path:
 # --------------------------------------------------------------------------- batch 1: llama-bench
 
 
+def prefill_tok_s(llama_dir: Path, gguf: Path, threads: int, prompt: int = 512) -> float:
+    """One llama-bench measurement of prefill tok/s of a ``prompt``-token prompt (``-p prompt -n 0``)."""
+    return prompt / bench_s(llama_dir, gguf, threads, "-p", prompt, "-n", 0)
+
+
 def decode_tok_s(llama_dir: Path, gguf: Path, threads: int, prompt: int = 512, new: int = 128) -> float:
     """One llama-bench measurement of decode tok/s after a ``prompt``-token prompt: ``-d prompt``
-    fills the context (untimed), ``-p 0 -n new`` times ``new`` single-token decode steps. One
-    repetition (``-r 1``), so that a caller can interleave repeats with other sides."""
-    cmd = [binary(llama_dir, "llama-bench"), "-m", gguf, "-t", threads, "-d", prompt, "-p", 0, "-n", new,
-           "-r", 1, "-o", "json"]
+    fills the context (untimed), ``-p 0 -n new`` times ``new`` single-token decode steps."""
+    return new / bench_s(llama_dir, gguf, threads, "-d", prompt, "-p", 0, "-n", new)
+
+
+def bench_s(llama_dir: Path, gguf: Path, threads: int, *test) -> float:
+    """Seconds of one ``llama-bench`` test (``test``: its -p / -n / -d flags). One repetition (``-r
+    1``), so that a caller can interleave repeats with other sides."""
+    cmd = [binary(llama_dir, "llama-bench"), "-m", gguf, "-t", threads, *test, "-r", 1, "-o", "json"]
     out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
-    (test,) = json.loads(out)
-    return new / (test["samples_ns"][0] * 1e-9)
+    (result,) = json.loads(out)
+    return result["samples_ns"][0] * 1e-9
 
 
 # --------------------------------------------------------------------------- batch 8: llama-server

@@ -4,10 +4,11 @@ A GPU session has 30 minutes of device time; a script that broke since the last 
 renamed, an engine option gone) costs a device call to find out. These run each script's CPU
 smoke mode and check what it measured, not the times: the cached TTFT hits exactly the cached
 prefix, the profile has each phase's Python profile, the fused out projection agrees with the
-separate kernels, each extend attention tile with PyTorch's SDPA. Three CPU scripts are run the
+separate kernels, each extend attention tile with PyTorch's SDPA. Four CPU scripts are run the
 same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
-two worker processes, here one checkout against itself) and ``cache_pressure.py`` (one workload
-seed, its ``--replay`` and its ``--timing``). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+two worker processes, here one checkout against itself), ``cache_pressure.py`` (one workload
+seed, its ``--replay`` and its ``--timing``) and ``cpu_model_size.py`` (its tiny model, both
+thread counts, the unsplit side at two). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
@@ -91,6 +92,16 @@ def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1")
     lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:", "p8:"))}
     assert set(lines) == {"b1", "b8", "p8"} and all("1 rounds" in line for line in lines.values())
+
+
+@pytest.mark.slow
+def test_cpu_model_size_measures_every_side_at_every_thread_count(tmp_path):
+    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(tmp_path / "model"), "--threads", "1,2",
+               "--repeats", "1", "--new-tokens", "2")
+    rows = [line for line in out.splitlines() if line.startswith(("| prefill", "| decode", "| output"))]
+    assert len(rows) == 6, out  # 3 measurements x 2 thread counts
+    assert all(line.split("|")[3].strip()[0].isdigit() for line in rows)  # hyla measured at both
+    assert all((line.split("|")[4].strip() == "—") == (line.split("|")[2].strip() == "1") for line in rows)  # unsplit: 2 only
 
 
 def test_chunk_sizes_times_every_scan_at_every_size():

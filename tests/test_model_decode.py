@@ -23,6 +23,7 @@ from hyla.model.layers import (
     keep_row_major_copies_,
     signed_sin,
 )
+from hyla.model import layers
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -251,6 +252,97 @@ def test_one_row_linear_reads_its_rows_only_when_compiled():
             torch.testing.assert_close(call(x), x @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(few), few @ linear.weight.t() + linear.bias)
+
+
+@pytest.fixture
+def two_threads():
+    """torch's intra-op threads at 2 for the test (restored after: the setting is the worker's)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def split_calls(monkeypatch):
+    """The projections that ran split across threads (``layers.split_linear`` returning a result)."""
+    calls = []
+    real = layers.split_linear
+
+    def spy(x, weight, blocks):
+        y = real(x, weight, blocks)
+        if y is not None:
+            calls.append((x.shape[0], blocks))
+        return y
+
+    monkeypatch.setattr(layers, "split_linear", spy)
+    return calls
+
+
+def test_few_row_linear_splits_its_weight_across_threads(two_threads, split_calls):
+    """With 2 threads an fp32 CPU projection of 1-16 rows is one bmm over 4 contiguous blocks of
+    its weight (split along the inputs for a column-major weight, along the outputs for a row-major
+    one), equal to ``F.linear`` within fp32 rounding; more rows, one thread, a small weight or a
+    weight no block count divides run ``F.linear`` itself."""
+    torch.manual_seed(0)
+    col = Linear(256, 384, bias=True)
+    layers.relayout_weights_(col)  # column-major, as loaded
+    row = Linear(256, 384, bias=False)  # row-major: a tied lm_head's layout
+    assert col.weight.t().is_contiguous() and row.weight.is_contiguous()
+    with torch.inference_mode():
+        for linear in (col, row):
+            for n in (1, 5, 16):
+                x = torch.randn(n, 256)
+                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
+                                           rtol=1e-5, atol=1e-5)
+        assert split_calls == [(n, 4) for n in (1, 5, 16)] * 2
+        split_calls.clear()
+        col(torch.randn(17, 256))  # more rows: MKL threads those itself
+        odd = Linear(255, 386)  # 4 divides neither dim (row-major and column-major alike)
+        odd(torch.randn(3, 255))
+        layers.relayout_weights_(odd)
+        odd(torch.randn(3, 255))
+        Linear(64, 48)(torch.randn(3, 64))  # a small weight: the split's fixed cost would dominate
+        torch.set_num_threads(1)
+        col(torch.randn(3, 256))
+    assert split_calls == []
+
+
+def test_compiled_projections_are_not_split(two_threads, split_calls):
+    """A compiled graph's projections stay ``F.linear`` (the graph of more rows packs them for
+    inductor's GEMM template): the split is for eager steps only."""
+    linear = Linear(256, 384)
+    layers.relayout_weights_(linear)
+    with torch.inference_mode():
+        torch.compile(linear, backend="eager", dynamic=True, fullgraph=True)(torch.randn(3, 256))
+    assert split_calls == []
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "nemotron_h_path", "kimi_linear_path"])
+def test_split_projections_decode_as_unsplit(arch, request, two_threads, split_calls, monkeypatch):
+    """A model's decode steps with every projection split across threads give the logits of the
+    unsplit ones within the fp32 parity tolerance (1e-4) and the same greedy tokens."""
+    path = request.getfixturevalue(arch)
+    model = load_model(path, dtype="float32")
+    prompt = [random.Random(7).randrange(3, 500) for _ in range(40)]
+
+    def run(split: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(layers, "SPLIT_MIN_WEIGHT", 1 if split else 1 << 62)
+        runner = TinyRunner(model)
+        seq = runner.new_seq()
+        with torch.inference_mode():
+            out = [runner.step([seq], [prompt])]
+            for _ in range(12):
+                out.append(runner.step([seq], [[int(out[-1].argmax())]], decode=True))
+        return out
+
+    plain = run(split=False)
+    assert split_calls == []
+    split = run(split=True)
+    assert split_calls and all(n == 1 for n, _ in split_calls)
+    for a, b in zip(split, plain):
+        assert (a - b).abs().max().item() <= 1e-4
+        assert int(a.argmax()) == int(b.argmax())
 
 
 @pytest.mark.slow

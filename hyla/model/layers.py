@@ -96,7 +96,40 @@ class Linear(nn.Linear):
                 and torch.compiler.is_compiling():
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
             return y if self.bias is None else y + self.bias
+        if x.dim() == 2 and 0 < x.shape[0] <= SPLIT_MAX_ROWS and self.weight.numel() >= SPLIT_MIN_WEIGHT \
+                and _mkl_weight(self.weight) and not torch.compiler.is_compiling():
+            threads = torch.get_num_threads()
+            y = split_linear(x, self.weight, 2 * threads) if threads > 1 else None
+            if y is not None:
+                return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
+
+
+# A few rows (decode steps) through an fp32 CPU projection, with more than one thread: MKL runs
+# such a GEMM on one thread, so a 0.65 B model's decode step streamed its weights at one core's
+# rate (~20 GB/s) whatever the threads (docs/benchmarks.md, "CPU serving at a 0.65 B model").
+SPLIT_MAX_ROWS = 16  # above, MKL's own threading is as good (prefill: hundreds of rows)
+SPLIT_MIN_WEIGHT = 1 << 16  # elements: below, the split's fixed cost (a bmm, a sum) exceeds the gain
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor | None:
+    """``F.linear(x, weight)`` (``x [R, in]``, ``weight [out, in]``, no bias) as one ``bmm`` over
+    ``blocks`` contiguous blocks of the weight, which ATen runs on its threads block by block: each
+    thread streams its own part of the weight. A column-major weight (``[in, out]`` contiguous: the
+    layout of :func:`relayout_weights_`) is split along the input dim and the ``blocks`` partial
+    products summed; a row-major one (a tied ``lm_head``, the embedding's storage) along the outputs.
+    ``None`` where ``blocks`` divides neither (the caller runs ``F.linear``). Sums in another order:
+    within fp32 rounding of ``F.linear``."""
+    rows, k = x.shape
+    n = weight.shape[0]
+    wt = weight.t()
+    if wt.is_contiguous() and k % blocks == 0:  # [blocks, in/blocks, out] slabs of [in, out]
+        parts = torch.bmm(x.reshape(rows, blocks, k // blocks).transpose(0, 1), wt.view(blocks, k // blocks, n))
+        return parts.sum(0)  # [blocks, R, out] -> [R, out]
+    if weight.is_contiguous() and n % blocks == 0:  # [blocks, out/blocks, in] slabs of [out, in]
+        y = torch.bmm(x.expand(blocks, rows, k), weight.view(blocks, n // blocks, k).transpose(1, 2))
+        return y.transpose(0, 1).reshape(rows, n)  # [blocks, R, out/blocks] -> [R, out]
+    return None
 
 
 # --- norms -------------------------------------------------------------------------------------
