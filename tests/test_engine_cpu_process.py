@@ -1,11 +1,12 @@
-"""hyla.engine.cpu_process: a CPU engine keeps freed memory mapped (glibc's mmap/trim thresholds) and
-leaves one core to its own threads (torch's intra-op threads)."""
+"""hyla.engine.cpu_process: a CPU engine keeps freed memory mapped (glibc's mmap/trim thresholds),
+takes one intra-op thread per usable core, and sets up on a thread that ends before its scheduler's."""
 
 from __future__ import annotations
 
 import platform
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -69,14 +70,41 @@ def threads_restored():
     torch.set_num_threads(before)
 
 
-def test_the_default_leaves_one_core_to_the_engine(monkeypatch, threads_restored):
+def test_the_default_is_one_thread_per_usable_core(monkeypatch, threads_restored):
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(cpu_process, "usable_cores", lambda: 4)
+    monkeypatch.setattr(cpu_process, "usable_cores", lambda: 3)
     assert cpu_process.default_cpu_threads() == 3
     assert cpu_process.set_cpu_threads(None) == 3 == torch.get_num_threads()
     monkeypatch.setattr(cpu_process, "usable_cores", lambda: 1)
-    assert cpu_process.set_cpu_threads(None) == 1  # never below one
+    assert cpu_process.set_cpu_threads(None) == 1
+
+
+def test_a_cpu_engine_sets_up_on_a_thread_that_ends_first(monkeypatch):
+    """The set-up's torch work (here: loading the model) runs on a thread of its own that has ended
+    when the constructor returns, so the scheduler thread's OpenMP team is the process's only one;
+    an error there is raised to the caller."""
+    from hyla.engine import engine as engine_module
+
+    loaded_on = []
+    real = engine_module.load_model
+
+    def load_model(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "load_model", load_model)
+    with Engine(cpu_threads=1, max_total_tokens=256, max_state_slots=4) as engine:
+        (setup,) = loaded_on
+        assert setup is not threading.main_thread() and setup is not engine._thread and not setup.is_alive()
+        assert len(engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+
+    def broken(*args, **kwargs):
+        raise ValueError("no such weight")
+
+    monkeypatch.setattr(engine_module, "load_model", broken)
+    with pytest.raises(ValueError, match="no such weight"):
+        Engine(cpu_threads=1, max_total_tokens=256, max_state_slots=4)
 
 
 def _fake_sys(root, siblings: dict[int, str], cpu_max: str | None):

@@ -310,12 +310,18 @@ def test_few_row_linear_splits_its_weight_across_threads(two_threads, split_call
 
 def test_compiled_projections_are_not_split(two_threads, split_calls):
     """A compiled graph's projections stay ``F.linear`` (the graph of more rows packs them for
-    inductor's GEMM template): the split is for eager steps only."""
+    inductor's GEMM template): the split is for eager steps only, and its row-count test is not
+    traced (it would guard a graph of more rows to at most ``SPLIT_MAX_ROWS`` rows)."""
+    from torch._dynamo.testing import CompileCounter
+
     linear = Linear(256, 384)
     layers.relayout_weights_(linear)
+    counter = CompileCounter()
+    call = torch.compile(linear, backend=counter, dynamic=True, fullgraph=True)
     with torch.inference_mode():
-        torch.compile(linear, backend="eager", dynamic=True, fullgraph=True)(torch.randn(3, 256))
-    assert split_calls == []
+        for n in (3, 5, layers.SPLIT_MAX_ROWS + 7):
+            call(torch.randn(n, 256))
+    assert split_calls == [] and counter.frame_count == 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "nemotron_h_path", "kimi_linear_path"])

@@ -26,8 +26,8 @@ class EngineArgs:
     device: str = _opt("cpu", "Torch device: cpu, cuda, cuda:1, ...")
     cpu_threads: int | None = _opt(
         None, "Torch intra-op threads of a CPU engine (set from the engine's constructor, for its scheduler thread). "
-              "Default: the physical cores this process may use (within its CPU quota) minus one, left to the "
-              "scheduler and server threads; OMP_NUM_THREADS in the environment wins; 0 = leave torch's setting.")
+              "Default: the physical cores this process may use (within its CPU quota); OMP_NUM_THREADS in the "
+              "environment wins; 0 = leave torch's setting.")
     page_size: int = _opt(1, "KV cache page size in tokens; the prefix cache shares whole pages only.")
     chunked_prefill_size: int = _opt(8192, "Max tokens per prefill step; longer prompts are prefilled in chunks.")
     max_running_requests: int | None = _opt(

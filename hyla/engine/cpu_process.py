@@ -1,4 +1,5 @@
-"""What a CPU engine sets for its process: glibc's malloc thresholds and torch's intra-op threads.
+"""What a CPU engine sets for its process: glibc's malloc thresholds and torch's intra-op threads,
+and where its set-up runs.
 
 Both are process-wide (as vLLM's and SGLang's CPU backends set them: tcmalloc in ``LD_PRELOAD``,
 OpenMP threads bound to cores), so each leaves alone a setting the user made.
@@ -15,16 +16,28 @@ resident instead of returning it (``hyla serve`` with the built-in model: 908 ag
 4,000-token prefill). Nothing is changed where the allocator is not glibc's, or where the user chose
 one (tcmalloc or jemalloc preloaded, a malloc setting in ``GLIBC_TUNABLES``).
 
-**One core is left to the engine's own threads** (:func:`set_cpu_threads`): torch's default is
-one intra-op thread per physical core, and an engine also runs its scheduler thread (Python
-between the forward's ops), the caller's or the server's threads and the detokenizer. On a 2-core
-machine the engine with 1 intra-op thread served 1.42x the batch-1 decode and 1.74x the 8-request
-throughput it served with 2 (eager; with ``compile_decode`` 4.1x and 1.8x; ``docs/benchmarks.md``,
-"CPU threads"). The default is therefore the physical cores this process may run on (within its
-cgroup CPU quota) minus one, at least one; ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the
+**torch's intra-op threads: one per physical core** (:func:`set_cpu_threads`), torch's own default,
+counted within the process's cgroup CPU quota; ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in the
 environment, or an explicit ``cpu_threads``, win (``cpu_threads=0`` keeps a ``torch.set_num_threads``
-made in code). torch applies the count to the calling thread and to threads started after it (the
-engine's scheduler thread), not to threads that already ran parallel work.
+made in code). Until 2026-11-29 one core was left to the engine's own threads: on a 2-core machine 1
+thread had served 1.42x the batch-1 decode and 1.74x the 8-request throughput of 2 (``compile_decode``:
+4.1x and 1.8x). That was the OpenMP teams below, not the scheduler's Python: with the set-up on a
+thread of its own, 2 threads serve 0.96x / 1.11x what 1 does eager and 1.28x / 1.37x compiled on the
+built-in model, and 1.3-1.8x at a 0.65 B model (``docs/benchmarks.md``, "CPU threads"). torch applies
+the count to the calling thread and to threads started after it (the engine's scheduler thread), not
+to threads that already ran parallel work.
+
+**The set-up's torch work runs on a thread of its own** (:func:`run_in_own_thread`), which ends
+before the scheduler thread starts. torch's OpenMP runtime (GNU libgomp) keeps a team of worker
+threads for every thread that ran parallel work, for as long as that thread lives; with more such
+threads than cores it stops spinning between parallel regions (``GOMP_SPINCOUNT``'s throttled
+count), so that every region of the forward waits for its workers to be woken. A team that the
+engine's constructing thread kept (loading the model, allocating the pools, compiling) put the
+scheduler's forward in that state: a 0.65 B model's decode step with 2 threads took ~185 ms in the
+engine against ~120 ms on the thread that built it, its team using 1.6 of the 2 cores (a bmm over a
+split weight: 0.90 against 0.68 ms, medians of 5 processes). A team ends with its thread, so the
+scheduler's is then the only one. Torch work of the caller's own on other threads (a reference
+model run beside the engine, say) forms teams again.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ import ctypes.util
 import logging
 import math
 import os
+import threading
+from typing import Callable
 
 import torch
 
@@ -80,9 +95,8 @@ def set_cpu_threads(requested: int | None) -> int:
 
 def default_cpu_threads() -> int:
     """The physical cores this process may run on (hyper-threads counted once, as torch's own
-    default counts them; at most its cgroup CPU quota), minus one for the engine's own threads
-    (at least 1)."""
-    return max(1, usable_cores() - 1)
+    default counts them; at most its cgroup CPU quota)."""
+    return usable_cores()
 
 
 def usable_cores(sys_root: str = "/sys") -> int:
@@ -108,3 +122,21 @@ def usable_cores(sys_root: str = "/sys") -> int:
     except (OSError, ValueError):
         pass
     return n
+
+
+def run_in_own_thread(fn: Callable[[], None]) -> None:
+    """``fn()`` on a new thread, waited for; its exception is raised here. The thread's OpenMP team
+    (workers of the parallel torch work it ran) ends with it (see the module docstring)."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised on the calling thread
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name="hyla-setup", daemon=True)  # daemon: Ctrl-C at start-up exits
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]

@@ -35,7 +35,7 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import Grammars
-from hyla.engine.cpu_process import keep_freed_memory, set_cpu_threads
+from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor
@@ -78,11 +78,30 @@ class Engine:
         self.model_path = path
         self.device = torch.device(self.args.device)
         self.dtype = parse_dtype(self.args.dtype)
+        # on CPU the set-up's parallel torch work runs on a thread that ends before the scheduler's starts,
+        # so that the scheduler's OpenMP team is the process's only one (cpu_process.run_in_own_thread)
+        run_in_own_thread(self._build) if self.device.type == "cpu" else self._build()
+        self._rid_counter = itertools.count()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox_lock = threading.Lock()
+        self._live_rids: set[str] = set()  # submitted and not finished: abort(rid) must be unambiguous
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
+        self._thread.start()
+        logger.info("%s", self.summary())
+
+    # ------------------------------------------------------------------------------------------
+    # set-up
+    # ------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        """The model, pools, cache, runner and scheduler (every step of the set-up that runs torch)."""
+        path = self.model_path
         torch.manual_seed(self.args.seed)
         self.cpu_threads = None  # torch's intra-op threads, for a CPU engine (cpu_process.py)
         if self.device.type == "cpu":
             keep_freed_memory()  # each forward's activations on pages already mapped
-            self.cpu_threads = set_cpu_threads(self.args.cpu_threads)  # one core left to the scheduler thread
+            self.cpu_threads = set_cpu_threads(self.args.cpu_threads)  # one per physical core unless set
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
@@ -171,19 +190,7 @@ class Engine:
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
                            "speculation gains only where drafts are accepted often enough to pay for that",
                            self._decode_mode())
-        self._rid_counter = itertools.count()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._inbox_lock = threading.Lock()
-        self._live_rids: set[str] = set()  # submitted and not finished: abort(rid) must be unambiguous
-        self._wakeup = threading.Event()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
-        self._thread.start()
-        logger.info("%s", self.summary())
 
-    # ------------------------------------------------------------------------------------------
-    # set-up
-    # ------------------------------------------------------------------------------------------
     def _load_draft_model(self):
         """The draft model of ``speculative_draft_model_path``, in the model's dtype and device,
         checked against the model (``check_draft_model``)."""

@@ -96,8 +96,9 @@ class Linear(nn.Linear):
                 and torch.compiler.is_compiling():
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
             return y if self.bias is None else y + self.bias
-        if x.dim() == 2 and 0 < x.shape[0] <= SPLIT_MAX_ROWS and self.weight.numel() >= SPLIT_MIN_WEIGHT \
-                and _mkl_weight(self.weight) and not torch.compiler.is_compiling():
+        # eager only, and asked first: traced, the row-count test would guard the graph to that many rows
+        if not torch.compiler.is_compiling() and x.dim() == 2 and 0 < x.shape[0] <= SPLIT_MAX_ROWS \
+                and self.weight.numel() >= SPLIT_MIN_WEIGHT and _mkl_weight(self.weight):
             threads = torch.get_num_threads()
             y = split_linear(x, self.weight, 2 * threads) if threads > 1 else None
             if y is not None:
