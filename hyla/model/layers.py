@@ -75,17 +75,19 @@ def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, plus one path for a compiled CPU decode step of one row.
+    """``nn.Linear``, plus a path for a compiled CPU decode step of one row and one for eager steps
+    of a few rows on several threads.
 
     MKL's GEMM with one row streams an fp32 weight at about half the memory bandwidth that a plain
     dot product per output row reaches: 25 MB of the default model's projections took ~1.7 vs
     ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
     row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
     :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which inductor
-    compiles into one vectorised reduction streaming ``rows`` once. Everywhere else (eager, more
-    rows, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU steps of more rows, inductor's
-    C++ GEMM template on weights it packed at compile time (``ModelRunner``'s frozen graph).
-    Sums in another order: within fp32 rounding.
+    compiles into one vectorised reduction streaming ``rows`` once. Eager with more than one thread,
+    an fp32 CPU projection of up to ``SPLIT_MAX_ROWS`` rows is :func:`split_linear` (MKL would run
+    it on one thread). Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``;
+    in the compiled CPU steps of more rows, inductor's C++ GEMM template on weights it packed at
+    compile time (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
