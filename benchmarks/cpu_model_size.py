@@ -15,7 +15,9 @@ threads started after it), the sides interleaved repeat by repeat:
   ``F.linear`` (``layers.SPLIT_MAX_ROWS = 0`` around its calls): the engine before
   ``layers.split_linear``, in the same process;
 * **hyla + compile_decode** (``--compile``): a second engine, its decode steps through
-  ``torch.compile`` (its start-up, compilation included, is reported);
+  ``torch.compile`` (its start-up, compilation included, is reported). Two engines in one process
+  are two scheduler threads with an OpenMP team each, which slow each other's parallel regions at
+  more than one thread (``hyla/engine/cpu_process.py``): compare it at 1 thread;
 * **llama.cpp** (``--llama-cpp DIR``, built by ``scripts/build_llama_cpp.sh``): the same checkpoint
   as an fp32 GGUF (its ``qwen35`` architecture loads it as it is), ``llama-bench`` for the prompt and
   batch-1 rows, ``llama-server --parallel 8`` for the 8 requests (``benchmarks/llama_cpp.py``).
