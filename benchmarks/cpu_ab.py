@@ -43,8 +43,8 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
     """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
     workloads, a tenth of the tokens). The workloads are cpu_decode.py's (its constants and helpers,
     from this checkout: imported before ``root`` goes on the path)."""
-    from cpu_decode import (BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, require_start_up_graphs, thread_option,
-                            timed)
+    from cpu_decode import (BATCH, NEW_8, PROMPT_1, PROMPT_8, concurrent_output, decode_after_prompt, fresh, greedy,
+                            require_start_up_graphs, thread_option)
 
     sys.path.insert(0, str(root))
     import torch
@@ -60,17 +60,13 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
     scale = 10 if small else 1
     prompt_1, new_1, prompt_8, new_8 = PROMPT_1 // scale, NEW_1 // scale, PROMPT_8 // scale, NEW_8 // scale
 
-    def run(prompts, max_new: int) -> float:
-        return timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(max_new)))
-
     print("READY", flush=True)
     for line in sys.stdin:
         what = line.strip()
         if what == "b1":
-            short = run(fresh(prompt_1, rng, vocab), 1)
-            value = new_1 / (run(fresh(prompt_1, rng, vocab), 1 + new_1) - short)
+            value = decode_after_prompt(engine, rng, vocab, prompt_1, new_1)[1]
         elif what == "b8":
-            value = BATCH * new_8 / run([fresh(prompt_8, rng, vocab) for _ in range(BATCH)], new_8)
+            value = concurrent_output(engine, rng, vocab, prompt_8, new_8)
         elif what == "p8":
             prompts = [fresh(prompt_8, rng, vocab) for _ in range(BATCH)]
             t0 = time.process_time()

@@ -74,6 +74,23 @@ def greedy(max_new: int) -> dict:
     return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
 
 
+def decode_after_prompt(engine, rng: random.Random, vocab: int, prompt: int, new: int) -> tuple[float, float]:
+    """One request through ``engine.generate``: ``(prefill tok/s, decode tok/s)``. A fresh
+    ``prompt``-token prompt with 1 new token takes ``t(1)``, another with ``1 + new`` takes
+    ``t(1 + new)``; prefill = ``prompt / t(1)`` (its one decode step included), decode =
+    ``new / (t(1 + new) - t(1))``, in which prefill and start-up cancel (llama.cpp's ``tg`` after ``pp``)."""
+    short = timed(lambda: engine.generate(input_ids=fresh(prompt, rng, vocab), sampling_params=greedy(1)))
+    long = timed(lambda: engine.generate(input_ids=fresh(prompt, rng, vocab), sampling_params=greedy(1 + new)))
+    return prompt / short, new / max(long - short, 1e-9)
+
+
+def concurrent_output(engine, rng: random.Random, vocab: int, prompt: int, new: int) -> float:
+    """Output tok/s of ``BATCH`` concurrent fresh ``prompt`` → ``new`` requests, one ``engine.generate``
+    call, prefill included."""
+    prompts = [fresh(prompt, rng, vocab) for _ in range(BATCH)]
+    return BATCH * new / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(new)))
+
+
 def measure(args) -> dict[str, dict[str, float]]:
     """Medians per side (``hyla``, optionally ``compiled``, ``hf``, optionally ``llama.cpp``) of every
     metric (llama.cpp: ``d1`` and ``b8`` only)."""
@@ -101,16 +118,8 @@ def measure(args) -> dict[str, dict[str, float]]:
         assert out.shape[1] == ids.shape[1] + max_new
 
     def hyla_side(engine):
-        def decode_b1() -> float:
-            short = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1)))
-            long = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1 + n)))
-            return n / max(long - short, 1e-9)
-
-        def batch8() -> float:
-            prompts = [fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)]
-            return BATCH * NEW_8 / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(NEW_8)))
-
-        return decode_b1, batch8
+        return (lambda: decode_after_prompt(engine, rng, vocab, PROMPT_1, n)[1],
+                lambda: concurrent_output(engine, rng, vocab, PROMPT_8, NEW_8))
 
     def hf_side():
         def decode_b1() -> float:

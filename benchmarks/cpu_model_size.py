@@ -46,8 +46,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
-from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, fresh, greedy, timed  # noqa: E402
+from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, concurrent_output, decode_after_prompt  # noqa: E402
 
+COMPILED = "hyla + `compile_decode`"  # the side's name
 ROWS = {  # key: label
     "p512": f"prefill tok/s, one {PROMPT_1}-token prompt",
     "d1": f"decode tok/s, batch 1, after a {PROMPT_1}-token prompt",
@@ -71,29 +72,29 @@ def build_model(model_dir: Path, tiny: bool = False) -> Path:
     return model_dir
 
 
-def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False) -> dict:
-    """The three measurements of one engine; ``unsplit``: with ``layers.split_linear`` off."""
+@contextlib.contextmanager
+def unsplit_projections():
+    """Few-row projections as ``F.linear`` while inside (``layers.split_linear`` off)."""
     from hyla.model import layers
 
-    @contextlib.contextmanager
-    def mode():
-        before = layers.SPLIT_MAX_ROWS
-        layers.SPLIT_MAX_ROWS = 0 if unsplit else before
-        try:
-            yield
-        finally:
-            layers.SPLIT_MAX_ROWS = before
+    before, layers.SPLIT_MAX_ROWS = layers.SPLIT_MAX_ROWS, 0
+    try:
+        yield
+    finally:
+        layers.SPLIT_MAX_ROWS = before
+
+
+def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False) -> dict:
+    """The three measurements of one engine; ``unsplit``: with ``layers.split_linear`` off."""
+    mode = unsplit_projections if unsplit else contextlib.nullcontext
 
     def prompt_and_decode() -> tuple[float, float]:
         with mode():
-            short = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1)))
-            long = timed(lambda: engine.generate(input_ids=fresh(PROMPT_1, rng, vocab), sampling_params=greedy(1 + n)))
-        return PROMPT_1 / short, n / max(long - short, 1e-9)
+            return decode_after_prompt(engine, rng, vocab, PROMPT_1, n)
 
     def batch8() -> float:
-        prompts = [fresh(PROMPT_8, rng, vocab) for _ in range(BATCH)]
         with mode():
-            return BATCH * NEW_8 / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(NEW_8)))
+            return concurrent_output(engine, rng, vocab, PROMPT_8, NEW_8)
 
     return {"p512+d1": prompt_and_decode, "b8": batch8}
 
@@ -109,7 +110,7 @@ def llama_cpp_side(server, rng: random.Random, n: int) -> dict:
 
 
 def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
-    """Medians per side of every row, at ``threads``."""
+    """Medians per side of every row, at ``threads`` (and the compiled engine's ``startup_s``)."""
     from hyla import Engine
 
     rng = random.Random(threads)
@@ -124,9 +125,9 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
         if args.compile:
             t0 = time.perf_counter()
             compiled = Engine(str(model_dir), compile_decode=True, **sizes)
-            args.startup[threads] = time.perf_counter() - t0
+            startup_s = time.perf_counter() - t0
             stack.callback(compiled.shutdown)
-            sides["hyla + `compile_decode`"] = hyla_side(compiled, rng, args.new_tokens, vocab)
+            sides[COMPILED] = hyla_side(compiled, rng, args.new_tokens, vocab)
         if args.llama_cpp is not None:
             from benchmarks import llama_cpp
 
@@ -144,13 +145,16 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
                 samples[name]["b8"].append(side["b8"]())
                 print(f"  {threads} thread(s), {name}: " + ", ".join(f"{k} {v[-1]:,.1f}" for k, v in samples[name].items()),
                       flush=True)
-    return {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in samples.items()}
+    result = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in samples.items()}
+    if args.compile:
+        result[COMPILED]["startup_s"] = startup_s
+    return result
 
 
 def table(runs: dict[int, dict[str, dict[str, float]]]) -> str:
     """One row per measurement and thread count; in parentheses each hyla side's ratio to llama.cpp."""
     present = {side for run in runs.values() for side in run}
-    sides = [s for s in ("hyla", "hyla, unsplit", "hyla + `compile_decode`", "llama.cpp") if s in present]
+    sides = [s for s in ("hyla", "hyla, unsplit", COMPILED, "llama.cpp") if s in present]
     lines = ["| measurement | threads | " + " | ".join(sides) + " |", "|---|---|" + "---|" * len(sides)]
     for key, label in ROWS.items():
         for threads, run in runs.items():
@@ -179,7 +183,6 @@ def main() -> None:
     if args.llama_cpp is not None:
         args.llama_cpp = args.llama_cpp.resolve()
     model_dir = build_model(args.model_dir, args.tiny)
-    args.startup = {}  # threads -> compile_decode's start-up, s
     t0 = time.perf_counter()
     runs = {t: measure(model_dir, t, args) for t in (int(x) for x in args.threads.split(","))}
 
@@ -188,8 +191,8 @@ def main() -> None:
     cmd = (f".venv/bin/python benchmarks/cpu_model_size.py --threads {args.threads} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
            + (" --llama-cpp ../llama.cpp" if args.llama_cpp else ""))
-    startup = "".join(f" `compile_decode` start-up (engine construction, graphs compiled) at {t} thread(s): {s:.0f} s."
-                      for t, s in args.startup.items())
+    startup = "".join(f" `compile_decode` start-up (engine construction, graphs compiled) at {t} thread(s): "
+                      f"{run[COMPILED]['startup_s']:.0f} s." for t, run in runs.items() if COMPILED in run)
     body = f"""`{cmd}` — {machine()}; the GPU benchmark's model (Qwen3.5-style, 24 layers: 18 Gated
 DeltaNet + 6 attention, hidden 1,024, vocab 151,936, tied embeddings; 0.65 B parameters, random
 weights) in fp32 (2.6 GB); hyla eager (`cpu_threads` = the threads); wall clock, medians of

@@ -80,7 +80,10 @@ class Engine:
         self.dtype = parse_dtype(self.args.dtype)
         # on CPU the set-up's parallel torch work runs on a thread that ends before the scheduler's starts,
         # so that the scheduler's OpenMP team is the process's only one (cpu_process.run_in_own_thread)
-        run_in_own_thread(self._build) if self.device.type == "cpu" else self._build()
+        if self.device.type == "cpu":
+            run_in_own_thread(self._build)
+        else:
+            self._build()
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
