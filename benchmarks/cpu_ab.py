@@ -3,12 +3,13 @@
 ``cpu_decode.py --before DIR`` measures the other checkout in its own process first, minutes apart;
 on this shared machine that moved the same checkout between 246 and 396 tok/s in two runs. Here
 each checkout runs in a worker process of its own (its ``hyla`` on ``sys.path``; the built-in
-default model, fp32, 1 thread unless ``--threads``, ``compile_decode`` unless ``--eager``), both started before any
+default model unless ``--model-dir``, e.g. ``cpu_model_size.py``'s 0.65 B model; fp32, 1 thread
+unless ``--threads``, ``compile_decode`` unless ``--eager``), both started before any
 timing, and the driver asks them in turn, round by round (the order alternating), for one
 measurement each:
 
-* ``b1``: decode tok/s of one request after a 512-token prompt, ``N / (t(1 + N) - t(1))``, as
-  cpu_decode.py's batch-1 row;
+* ``b1``: decode tok/s of one request after a 512-token prompt, ``N / (t(1 + N) - t(1))``
+  (``N = --new-tokens``), as cpu_decode.py's batch-1 row;
 * ``b8``: output tok/s of 8 concurrent 128 → 64 requests, as cpu_decode.py's 8-request row;
 * ``p8``: prefill tok/s of the same 8 fresh 128-token prompts (one ``generate`` of one new token each),
   over the worker's process CPU time (the scheduler thread's included), which a busy machine
@@ -20,7 +21,7 @@ warm-up, not counted). Nothing is written to docs/benchmarks.md: quote the ratio
 
     git worktree add /tmp/cpu-base <rev>
     .venv/bin/python benchmarks/cpu_ab.py /tmp/cpu-base . [--rounds 25] [--eager] [--small] [--workloads b1,b8,p8]
-        [--threads 1,1]
+        [--threads 1,1] [--model-dir DIR] [--new-tokens 128]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ WORKLOADS = ("b1", "b8", "p8")
 NEW_1 = 128  # cpu_decode.py's default --new-tokens
 
 
-def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) -> None:
+def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1, model_dir: str | None = None,
+           new_1: int = NEW_1) -> None:
     """Serve measurements over stdin/stdout for the checkout at ``root`` (``small``: a smoke run's
     workloads, a tenth of the tokens). The workloads are cpu_decode.py's (its constants and helpers,
     from this checkout: imported before ``root`` goes on the path)."""
@@ -53,12 +55,12 @@ def worker(root: Path, compiled: bool, small: bool = False, threads: int = 1) ->
     from hyla.engine.engine import DEFAULT_MODEL_DIR
 
     torch.set_num_threads(threads)
-    engine = Engine(DEFAULT_MODEL_DIR, dtype="float32", compile_decode=compiled, max_total_tokens=32768,
+    engine = Engine(model_dir or DEFAULT_MODEL_DIR, dtype="float32", compile_decode=compiled, max_total_tokens=32768,
                     max_state_slots=64, **thread_option(threads))
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     scale = 10 if small else 1
-    prompt_1, new_1, prompt_8, new_8 = PROMPT_1 // scale, NEW_1 // scale, PROMPT_8 // scale, NEW_8 // scale
+    prompt_1, new_1, prompt_8, new_8 = PROMPT_1 // scale, new_1 // scale, PROMPT_8 // scale, NEW_8 // scale
 
     print("READY", flush=True)
     for line in sys.stdin:
@@ -89,11 +91,14 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of %(default)s")
     ap.add_argument("--threads", default="1,1", help="torch intra-op threads of the before and after workers "
                                                      "(e.g. 2,1 with the same checkout twice: what a thread count buys)")
+    ap.add_argument("--model-dir", help="the checkpoint both workers serve (default: the built-in model); e.g. "
+                                        "cpu_model_size.py's 0.65 B model")
+    ap.add_argument("--new-tokens", type=int, default=NEW_1, help="tokens decoded in b1 (default %(default)s)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--worker-threads", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        return worker(args.worker, not args.eager, args.small, args.worker_threads)
+        return worker(args.worker, not args.eager, args.small, args.worker_threads, args.model_dir, args.new_tokens)
     workloads = [w for w in args.workloads.split(",") if w]
     if not workloads or set(workloads) - set(WORKLOADS):
         ap.error(f"--workloads: a comma-separated list of {', '.join(WORKLOADS)}")
@@ -101,7 +106,8 @@ def main() -> None:
     if len(threads) != 2 or not all(t.isdigit() and int(t) > 0 for t in threads):
         ap.error("--threads: two positive integers, BEFORE,AFTER")
     cmd = [sys.executable, __file__, str(args.before), str(args.after)] + (["--eager"] if args.eager else []) \
-        + (["--small"] if args.small else [])
+        + (["--small"] if args.small else []) + ["--new-tokens", str(args.new_tokens)] \
+        + (["--model-dir", str(Path(args.model_dir).resolve())] if args.model_dir else [])
     sides = {name: subprocess.Popen(cmd + ["--worker", str(root.resolve()), "--worker-threads", t],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                     text=True, env=dict(os.environ, OMP_NUM_THREADS=t))

@@ -11,9 +11,9 @@ For each thread count of ``--threads`` (a fresh engine per count: torch applies 
 threads started after it), the sides interleaved repeat by repeat:
 
 * **hyla**: ``Engine`` (eager, fp32, ``cpu_threads`` = the count);
-* **hyla, unsplit** (counts above 1): the same engine with its few-row projections run as
-  ``F.linear`` (``layers.SPLIT_MAX_ROWS = 0`` around its calls): the engine before
-  ``layers.split_linear``, in the same process;
+* **hyla, unsplit**: the same engine with its few-row projections run as
+  ``F.linear`` (``unsplit_projections`` around its calls): the engine before ``layers.split_linear``
+  and the oneDNN LM head (``layers.few_row_linear``), in the same process;
 * **hyla + compile_decode** (``--compile``): a second engine, its decode steps through
   ``torch.compile`` (its start-up, compilation included, is reported). Two engines in one process
   are two scheduler threads with an OpenMP team each, which slow each other's parallel regions at
@@ -74,18 +74,20 @@ def build_model(model_dir: Path, tiny: bool = False) -> Path:
 
 @contextlib.contextmanager
 def unsplit_projections():
-    """Few-row projections as ``F.linear`` while inside (``layers.split_linear`` off)."""
+    """Few-row projections as ``F.linear`` while inside (``layers.few_row_linear`` off: no split,
+    no oneDNN)."""
     from hyla.model import layers
 
-    before, layers.SPLIT_MAX_ROWS = layers.SPLIT_MAX_ROWS, 0
+    before = layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS
+    layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS = 0, range(0)
     try:
         yield
     finally:
-        layers.SPLIT_MAX_ROWS = before
+        layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS = before
 
 
 def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False) -> dict:
-    """The three measurements of one engine; ``unsplit``: with ``layers.split_linear`` off."""
+    """The three measurements of one engine; ``unsplit``: with ``layers.few_row_linear`` off."""
     mode = unsplit_projections if unsplit else contextlib.nullcontext
 
     def prompt_and_decode() -> tuple[float, float]:
@@ -120,8 +122,7 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
     with contextlib.ExitStack() as stack:
         stack.callback(engine.shutdown)
         sides = {"hyla": hyla_side(engine, rng, args.new_tokens, vocab)}
-        if threads > 1:
-            sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)
+        sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)
         if args.compile:
             t0 = time.perf_counter()
             compiled = Engine(str(model_dir), compile_decode=True, **sizes)
@@ -198,7 +199,7 @@ DeltaNet + 6 attention, hidden 1,024, vocab 151,936, tied embeddings; 0.65 B par
 weights) in fp32 (2.6 GB); hyla eager (`cpu_threads` = the threads); wall clock, medians of
 {args.repeats} runs, sides interleaved; in parentheses the ratio to llama.cpp at the same threads
 (the same checkpoint as an fp32 GGUF). "hyla, unsplit": the same engine with few-row projections
-as `F.linear` (before `layers.split_linear`).{startup}
+as `F.linear` (before `layers.few_row_linear`: the split and the oneDNN LM head).{startup}
 
 {table(runs)}
 """

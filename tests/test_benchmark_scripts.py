@@ -7,8 +7,9 @@ prefix, the profile has each phase's Python profile, the fused out projection ag
 separate kernels, each extend attention tile with PyTorch's SDPA. Four CPU scripts are run the
 same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
 two worker processes, here one checkout against itself), ``cache_pressure.py`` (one workload
-seed, its ``--replay`` and its ``--timing``) and ``cpu_model_size.py`` (its tiny model, both
-thread counts, the unsplit side at two). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+seed, its ``--replay`` and its ``--timing``), ``cpu_model_size.py`` (its tiny model, both
+thread counts, the unsplit side at both) and ``cpu_gemm.py`` (the tiny model's weights, every path
+where it applies). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
@@ -89,7 +90,7 @@ def test_state_ops_times_both_paths():
 
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
-    out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1")
+    out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1", "--new-tokens", "30")
     lines = {line.split(":")[0]: line for line in out.splitlines() if line.startswith(("b1:", "b8:", "p8:"))}
     assert set(lines) == {"b1", "b8", "p8"} and all("1 rounds" in line for line in lines.values())
 
@@ -101,7 +102,21 @@ def test_cpu_model_size_measures_every_side_at_every_thread_count(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith(("| prefill", "| decode", "| output"))]
     assert len(rows) == 6, out  # 3 measurements x 2 thread counts
     assert all(line.split("|")[3].strip()[0].isdigit() for line in rows)  # hyla measured at both
-    assert all((line.split("|")[4].strip() == "—") == (line.split("|")[2].strip() == "1") for line in rows)  # unsplit: 2 only
+    assert all(line.split("|")[4].strip()[0].isdigit() for line in rows)  # and the unsplit side
+
+
+def test_cpu_gemm_times_every_path_of_every_weight():
+    out = _run("benchmarks/cpu_gemm.py", "--tiny", "--threads", "1,2", "--rows", "1,8,80", "--repeats", "1",
+               "--stream-mb", "1")
+    step = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert [(c[0].strip(), c[1].strip()) for c in step] == [(t, r) for t in "12" for r in ("1", "8", "80")], out
+    for threads, rows, mkl, split, onednn, hyla, ratio in (map(str.strip, c) for c in step):
+        assert (split == "—") == (threads == "1" or rows == "80")  # the split: more threads, at most 16 rows
+        assert all(float(v.replace(",", "")) > 0 for v in (mkl, onednn, hyla, ratio))
+    per_weight = [line for line in out.splitlines() if line.startswith("| ") and "-major, x" in line]
+    assert len(per_weight) == 6 * 2 * 3  # the tiny model's distinct weights x threads x rows
+    counts = {line.split("|")[1].strip() for line in per_weight}
+    assert sum(int(name.rsplit("x", 1)[1]) for name in counts) == 4 * 4 + 1  # 4 projections a layer, the lm_head
 
 
 def test_chunk_sizes_times_every_scan_at_every_size():

@@ -351,6 +351,95 @@ def test_split_projections_decode_as_unsplit(arch, request, two_threads, split_c
         assert int(a.argmax()) == int(b.argmax())
 
 
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """The row counts of the projections that ran on oneDNN's GEMM (``layers.onednn_linear``)."""
+    calls = []
+    real = layers.onednn_linear
+
+    def spy(x, weight):
+        calls.append(x.shape[0])
+        return real(x, weight)
+
+    monkeypatch.setattr(layers, "onednn_linear", spy)
+    return calls
+
+
+needs_onednn = pytest.mark.skipif(not layers.HAS_ONEDNN, reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_row_linear_runs_onednn_on_a_large_row_major_weight(threads, onednn_calls, split_calls, monkeypatch):
+    """An fp32 CPU projection of 2-64 rows through a row-major weight of at least
+    ``ONEDNN_MIN_WEIGHT`` elements (a tied lm_head) is oneDNN's GEMM, at any thread count, equal to
+    ``F.linear`` within fp32 rounding; one row, more rows, a column-major or a smaller weight do not
+    take it, nor does a compiled graph."""
+    from torch._dynamo.testing import CompileCounter
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT", 256 * 384)
+    torch.manual_seed(0)
+    row = Linear(256, 384, bias=True)  # row-major: the tied lm_head's layout
+    col = Linear(256, 384)
+    layers.relayout_weights_(col)
+    try:
+        with torch.inference_mode():
+            for n in (2, 9, 64):
+                x = torch.randn(n, 256)
+                torch.testing.assert_close(row(x), torch.nn.functional.linear(x, row.weight, row.bias),
+                                           rtol=1e-5, atol=1e-5)
+            assert onednn_calls == [2, 9, 64]
+            onednn_calls.clear()
+            row(torch.randn(1, 256))  # one row: the split (threads > 1) or MKL
+            row(torch.randn(65, 256))  # MKL is as fast from 128 rows on
+            col(torch.randn(8, 256))
+            Linear(256, 383)(torch.randn(8, 256))  # one element short of the threshold
+            counter = CompileCounter()
+            call = torch.compile(row, backend=counter, dynamic=True, fullgraph=True)
+            for n in (3, 5):
+                call(torch.randn(n, 256))
+        assert onednn_calls == [] and counter.frame_count == 1
+        assert split_calls == ([(1, 4), (8, 4)] if threads > 1 else [])  # the row-major one row, the column-major 8
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "nemotron_h_path", "kimi_linear_path"])
+def test_onednn_projections_decode_as_mkl(arch, request, onednn_calls, monkeypatch):
+    """A model's steps with every few-row projection on oneDNN's GEMM (each weight made row-major,
+    the threshold lowered to take them all) give the logits of ``F.linear`` within the fp32 parity
+    tolerance (1e-4) and the same greedy tokens: 4 prompts prefilled together, then 10 decode steps
+    of all 4 (4-row projections)."""
+    model = load_model(request.getfixturevalue(arch), dtype="float32")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.data = m.weight.data.contiguous()
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 23, 5, 17)]
+
+    def run(onednn: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT", 1 if onednn else 1 << 62)
+        runner = TinyRunner(model)
+        seqs = [runner.new_seq() for _ in prompts]
+        with torch.inference_mode():
+            out = [runner.step(seqs, prompts)]
+            for _ in range(10):
+                out.append(runner.step(seqs, [[int(t)] for t in out[-1].argmax(-1)], decode=True))
+        return out
+
+    plain = run(onednn=False)
+    assert onednn_calls == []
+    fast = run(onednn=True)
+    assert onednn_calls and set(onednn_calls) <= {4, 54}  # decode steps' rows; the prefill's 54 tokens
+    for a, b in zip(fast, plain):
+        assert (a - b).abs().max().item() <= 1e-4
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 @pytest.mark.slow
 @needs_cxx
 def test_compiled_decode_equals_eager(qwen3_next_short_path):

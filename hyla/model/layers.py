@@ -85,9 +85,10 @@ class Linear(nn.Linear):
     :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which inductor
     compiles into one vectorised reduction streaming ``rows`` once. Eager with more than one thread,
     an fp32 CPU projection of up to ``SPLIT_MAX_ROWS`` rows is :func:`split_linear` (MKL would run
-    it on one thread). Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``;
-    in the compiled CPU steps of more rows, inductor's C++ GEMM template on weights it packed at
-    compile time (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
+    it on one thread), or oneDNN's GEMM for a vocabulary-sized row-major weight (:func:`few_row_linear`).
+    Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU
+    steps of more rows, inductor's C++ GEMM template on weights it packed at compile time
+    (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
@@ -99,10 +100,8 @@ class Linear(nn.Linear):
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
             return y if self.bias is None else y + self.bias
         # eager only, and asked first: traced, the row-count test would guard the graph to that many rows
-        if not torch.compiler.is_compiling() and x.dim() == 2 and 0 < x.shape[0] <= SPLIT_MAX_ROWS \
-                and self.weight.numel() >= SPLIT_MIN_WEIGHT and _mkl_weight(self.weight):
-            threads = torch.get_num_threads()
-            y = split_linear(x, self.weight, 2 * threads) if threads > 1 else None
+        if not torch.compiler.is_compiling() and x.dim() == 2 and _mkl_weight(self.weight):
+            y = few_row_linear(x, self.weight)
             if y is not None:
                 return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
@@ -113,6 +112,36 @@ class Linear(nn.Linear):
 # rate (~20 GB/s) whatever the threads (docs/benchmarks.md, "CPU serving at a 0.65 B model").
 SPLIT_MAX_ROWS = 16  # above, MKL's own threading is as good (prefill: hundreds of rows)
 SPLIT_MIN_WEIGHT = 1 << 16  # elements: below, the split's fixed cost (a bmm, a sum) exceeds the gain
+# 2-64 rows through a row-major weight of a vocabulary's size (a tied lm_head: the embedding's
+# storage) take oneDNN's GEMM, 1.3-2x faster than MKL's or the split there; weights of a layer's size
+# gain nothing (docs/benchmarks.md, "CPU serving at a 0.65 B model: the LM head").
+ONEDNN_ROWS = range(2, 65)  # 1 row: the split is as fast; at 128 rows and more MKL is as fast or faster
+ONEDNN_MIN_WEIGHT = 1 << 24  # elements (64 MB in fp32)
+HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x, weight)`` (``x [R, in]``, an fp32 CPU ``weight [out, in]``, no bias) where MKL's GEMM,
+    which ``F.linear`` runs, is slow at a few rows, eager; ``None`` elsewhere (the caller runs ``F.linear``):
+
+    * ``R`` in ``ONEDNN_ROWS`` through a row-major weight of at least ``ONEDNN_MIN_WEIGHT`` elements:
+      oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, what inductor lowers a frozen fp32 linear
+      to) on the weight as it is, no copy. MKL packs such a weight on every call;
+    * 1-``SPLIT_MAX_ROWS`` rows on more than one thread, a weight of at least ``SPLIT_MIN_WEIGHT``:
+      :func:`split_linear` (MKL runs a few-row GEMM on one thread).
+    """
+    rows = x.shape[0]
+    if rows in ONEDNN_ROWS and HAS_ONEDNN and weight.numel() >= ONEDNN_MIN_WEIGHT and weight.is_contiguous():
+        return onednn_linear(x, weight)
+    threads = torch.get_num_threads()
+    if 0 < rows <= SPLIT_MAX_ROWS and threads > 1 and weight.numel() >= SPLIT_MIN_WEIGHT:
+        return split_linear(x, weight, 2 * threads)
+    return None
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) by oneDNN's GEMM on the weight as it is (``[out, in]``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor | None:
