@@ -114,8 +114,8 @@ SPLIT_MAX_ROWS = 16  # above, MKL's own threading is as good (prefill: hundreds 
 SPLIT_MIN_WEIGHT = 1 << 16  # elements: below, the split's fixed cost (a bmm, a sum) exceeds the gain
 # 2-64 rows through a row-major weight of a vocabulary's size (a tied lm_head: the embedding's
 # storage) take oneDNN's GEMM, 1.3-2x faster than MKL's or the split there; weights of a layer's size
-# gain nothing (docs/benchmarks.md, "CPU serving at a 0.65 B model: the LM head").
-ONEDNN_ROWS = range(2, 65)  # 1 row: the split is as fast; at 128 rows and more MKL is as fast or faster
+# gain nothing (docs/benchmarks.md, "CPU few-row projections: what changed, what was tried").
+ONEDNN_ROWS = range(2, 65)  # 1 row: the split is as fast; from 128 rows on, MKL is as fast at 1 thread or faster
 ONEDNN_MIN_WEIGHT = 1 << 24  # elements (64 MB in fp32)
 HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -125,8 +125,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None
     which ``F.linear`` runs, is slow at a few rows, eager; ``None`` elsewhere (the caller runs ``F.linear``):
 
     * ``R`` in ``ONEDNN_ROWS`` through a row-major weight of at least ``ONEDNN_MIN_WEIGHT`` elements:
-      oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, what inductor lowers a frozen fp32 linear
-      to) on the weight as it is, no copy. MKL packs such a weight on every call;
+      :func:`onednn_linear`, on the weight as it is (no copy);
     * 1-``SPLIT_MAX_ROWS`` rows on more than one thread, a weight of at least ``SPLIT_MIN_WEIGHT``:
       :func:`split_linear` (MKL runs a few-row GEMM on one thread).
     """
@@ -140,7 +139,8 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, weight)`` (no bias) by oneDNN's GEMM on the weight as it is (``[out, in]``)."""
+    """``F.linear(x, weight)`` (no bias) by oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, the
+    op of inductor's oneDNN linear fusions) on the weight as it is (``[out, in]``)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
