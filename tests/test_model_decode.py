@@ -393,7 +393,7 @@ def test_few_row_linear_runs_onednn_on_a_large_row_major_weight(threads, onednn_
             assert onednn_calls == [2, 9, 64]
             onednn_calls.clear()
             row(torch.randn(1, 256))  # one row: the split (threads > 1) or MKL
-            row(torch.randn(65, 256))  # MKL is as fast from 128 rows on
+            row(torch.randn(65, 256))  # past ONEDNN_ROWS
             col(torch.randn(8, 256))
             Linear(256, 383)(torch.randn(8, 256))  # one element short of the threshold
             counter = CompileCounter()
