@@ -121,8 +121,8 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
     vocab = engine.model_config.vocab_size
     with contextlib.ExitStack() as stack:
         stack.callback(engine.shutdown)
-        sides = {"hyla": hyla_side(engine, rng, args.new_tokens, vocab)}
-        sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)
+        sides = {"hyla": hyla_side(engine, rng, args.new_tokens, vocab),
+                 "hyla, unsplit": hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)}
         if args.compile:
             t0 = time.perf_counter()
             compiled = Engine(str(model_dir), compile_decode=True, **sizes)

@@ -75,20 +75,21 @@ def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear``, plus a path for a compiled CPU decode step of one row and one for eager steps
-    of a few rows on several threads.
+    """``nn.Linear``, plus a path for a compiled CPU decode step of one row and ones for eager steps
+    of a few rows.
 
     MKL's GEMM with one row streams an fp32 weight at about half the memory bandwidth that a plain
     dot product per output row reaches: 25 MB of the default model's projections took ~1.7 vs
     ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
     row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
     :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which inductor
-    compiles into one vectorised reduction streaming ``rows`` once. Eager with more than one thread,
-    an fp32 CPU projection of up to ``SPLIT_MAX_ROWS`` rows is :func:`split_linear` (MKL would run
-    it on one thread), or oneDNN's GEMM for a vocabulary-sized row-major weight (:func:`few_row_linear`).
-    Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU
-    steps of more rows, inductor's C++ GEMM template on weights it packed at compile time
-    (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
+    compiles into one vectorised reduction streaming ``rows`` once. Eager, a few-row fp32 CPU
+    projection may take :func:`few_row_linear`: oneDNN's GEMM for a vocabulary-sized row-major weight
+    (rows in ``ONEDNN_ROWS``, any threads), else with more than one thread :func:`split_linear` (up to
+    ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread). Everywhere else (more rows, one thread,
+    GPU, no ``rows``) it is ``F.linear``; in the compiled CPU steps of more rows, inductor's C++ GEMM
+    template on weights it packed at compile time (``ModelRunner``'s frozen graph). Sums in another
+    order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
@@ -132,8 +133,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None
     rows = x.shape[0]
     if rows in ONEDNN_ROWS and HAS_ONEDNN and weight.numel() >= ONEDNN_MIN_WEIGHT and weight.is_contiguous():
         return onednn_linear(x, weight)
-    threads = torch.get_num_threads()
-    if 0 < rows <= SPLIT_MAX_ROWS and threads > 1 and weight.numel() >= SPLIT_MIN_WEIGHT:
+    if 0 < rows <= SPLIT_MAX_ROWS and weight.numel() >= SPLIT_MIN_WEIGHT and (threads := torch.get_num_threads()) > 1:
         return split_linear(x, weight, 2 * threads)
     return None
 
