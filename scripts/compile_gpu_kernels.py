@@ -48,6 +48,16 @@ class CompileOnlyDriver:
 
 # a PTX instruction on local memory (what Triton could not keep in registers; ptxas's own spills come later)
 LOCAL_ACCESS = re.compile(r"(?m)^\s*(?:ld|st)\.local")
+# a load from, or a store or atomic to, memory other kernels see (not shared, local, param or const space)
+GLOBAL_LOAD = re.compile(r"(?m)^\s*(?:@!?%p\d+\s+)?ld\.(?!shared|local|param|const)")
+GLOBAL_WRITE = re.compile(r"(?m)^\s*(?:@!?%p\d+\s+)?(?:st|atom|red)\.(?!shared|local|param)")
+
+
+def before_wait(ptx: str) -> str:
+    """What a PDL kernel's PTX does before its ``griddepcontrol.wait`` (hyla/model/ops/gpu/pdl.py:
+    weight loads at most, no write): its global loads and writes there."""
+    head = ptx.split("griddepcontrol.wait")[0]
+    return f"{len(GLOBAL_LOAD.findall(head))} loads, {len(GLOBAL_WRITE.findall(head))} writes before it"
 
 
 def compile_only(arch: int) -> list[str]:
@@ -66,7 +76,7 @@ def compile_only(arch: int) -> list[str]:
         gdc = ptx.count("griddepcontrol.wait")  # a PDL kernel's wait (hyla/model/ops/gpu/pdl.py)
         compiled.append(f"{self.__name__} ({kernel.metadata.num_warps} warps, {kernel.metadata.shared} B shared, "
                         f"{ptx.count('bar.sync')} bar.sync, {local} local loads/stores"
-                        + (f", {gdc} griddepcontrol.wait" if gdc else "") + ")")
+                        + (f", {gdc} griddepcontrol.wait: {before_wait(ptx)}" if gdc else "") + ")")
         return kernel
 
     JITFunction.run = compile_instead
@@ -179,7 +189,8 @@ def cases():
         yield f"paged_extend_attention 8x128 {n}", lambda: extend_attention.paged_extend_attention(
             r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5)
     # the probe of PDL launches (pdl._probe: launched with PDL wherever it runs)
-    yield "pdl_probe pdl", lambda: pdl._probe_kernel[(1,)](torch.zeros(32), PDL=True, launch_pdl=True)
+    yield "pdl_probe pdl", lambda: pdl._probe_kernel[(pdl.PROBE_PROGRAMS,)](
+        torch.zeros(pdl.PROBE_PROGRAMS * 32), pdl.PROBE_HOLD_NS, PDL=True, launch_pdl=True)
     # the sampler's argmax + logsumexp (fp32 logits, once)
     yield "argmax_logsumexp", lambda: logits.argmax_logsumexp(torch.randn(2, 3 * logits.BLOCK + 5))
 

@@ -9,6 +9,7 @@ process-wide once the test modules set ``TRITON_INTERPRET``).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
+# the kernels that load weights before their PDL wait (gemv.py, gated_delta_decode.py; pdl.py's rule 1)
+LOADS_BEFORE_WAIT = {"_linear_kernel", "_linear_add_rms_norm_kernel", "_gdn_decode_kernel", "_gdn_conv_decode_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90():
@@ -33,5 +36,10 @@ def test_every_kernel_compiles_for_sm90():
     pdl = [line for line in proc.stdout.splitlines() if line.startswith("ok") and " pdl: " in line]
     assert len(pdl) >= 15 and any(line.startswith("ok     linear K=1024 bfloat16 pdl") for line in pdl)
     assert all(line.count("1 griddepcontrol.wait") == line.count(" warps, ") for line in pdl), pdl
+    # before its wait a kernel writes nothing (the kernel before may still read that memory), and only
+    # the kernels whose wrappers say so load (weights as the module holds them): pdl.py's rule, in the PTX
+    kernels = [k for line in pdl for k in re.findall(r"(\w+) \([^()]*griddepcontrol\.wait: (\d+) loads, (\d+) writes", line)]
+    assert len(kernels) >= len(pdl) and not [k for k in kernels if k[2] != "0"], kernels
+    assert {name for name, loads, _ in kernels if loads != "0"} <= LOADS_BEFORE_WAIT, kernels
     plain = [line for line in proc.stdout.splitlines() if line.startswith("ok") and " pdl: " not in line]
     assert plain and not any("griddepcontrol" in line for line in plain)  # and without it, as other GPUs

@@ -313,7 +313,9 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                              num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
     """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided),
     ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
-    (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, Hv, Dv]`` in qkv's dtype."""
+    (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, Hv, Dv]`` in qkv's dtype.
+    Launched with PDL the kernel reads ``A_log`` and ``dt_bias`` before it waits for the kernel before
+    it (``pdl.py``): pass the layer's parameters as it holds them, never a value computed in the step."""
     batch = qkv.shape[0]
     num_v_heads, dk, dv = _check_inputs(qkv, a, b, ssm_states, num_k_heads, head_k_dim)
     w, chain, seqs = chain_of(chain, slots, batch)
@@ -336,7 +338,9 @@ def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, co
     ``tickets`` a zeroed int32 ``[>= sequences * Hk]`` on the device that the kernel leaves zeroed
     (launches sharing it must not overlap: one stream). A chain's intermediate slots
     (``chain[1:W]``) must differ from ``chain[0]`` (as the engine's checkpoint rows do). Returns
-    ``o [B, Hv, Dv]``, as the conv kernel followed by :func:`gated_delta_decode_fused`."""
+    ``o [B, Hv, Dv]``, as the conv kernel followed by :func:`gated_delta_decode_fused`. Launched with
+    PDL it reads ``conv_weight``, ``A_log`` and ``dt_bias`` before its wait (``pdl.py``): the layer's
+    parameters as it holds them, never a value computed in the step."""
     batch = x.shape[0]
     num_v_heads, dk, dv = _check_inputs(x, a, b, ssm_states, num_k_heads, head_k_dim)
     if conv_kernel_size(x, conv_weight, None, conv_states, "silu") != CONV_WIDTH:

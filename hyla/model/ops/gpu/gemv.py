@@ -158,7 +158,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a few rows (``x [M, K]`` with unit column stride, ``weight [N, K]`` in x's
     dtype, any strides, no bias; :func:`linear_fits`) -> ``[M, N]``: each program holds a
     ``[BLOCK_N, K]`` slice of the weight and computes its columns for every row (the module
-    docstring). fp32 sums in another order than cuBLAS's: bf16 outputs may differ in the last bit."""
+    docstring). fp32 sums in another order than cuBLAS's: bf16 outputs may differ in the last bit.
+    Launched with PDL the kernel reads ``weight`` before it waits for the kernel before it
+    (``pdl.py``): a parameter as the module holds it, never a value computed in the step."""
     if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with unit column stride and weight [N, K], got {list(x.shape)} "
                          f"and {list(weight.shape)}")
@@ -194,7 +196,9 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.T
     ``D``, ``gate = (z [M, K], w [D], gate_eps)``: ``(w * norm(x)) * silu(z)`` per head, as
     ``norms.gated_rms_norm_fused``). ``weight [N, K]`` (any strides: CPU weights are column-major), no bias; ``residual [M, N]``
     contiguous; ``scale`` fp32 ``[N]``; ``ticket`` a zeroed int32 ``[1]`` on the device (see the
-    module docstring). Rows of ``x`` and ``z`` may be strided (splits of a projection)."""
+    module docstring). Rows of ``x`` and ``z`` may be strided (splits of a projection). Launched with
+    PDL the kernel reads its first tile of ``weight`` before its wait (``pdl.py``): a parameter as the
+    module holds it, never a value computed in the step (``scale`` and the gate's ``w`` come after)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES}, got {prologue!r}")
     n, k = weight.shape

@@ -103,7 +103,7 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
                           W: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                           BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                           PDL: tl.constexpr):
-    pdl.wait(PDL)  # (pdl.py)
+    pdl.wait(PDL)  # (pdl.py) before _mamba2_program: A is -exp(A_log), derived in the step, not a parameter
     i, h, g, p, mp, n, mn, a, d, dt_bias = _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H, G, BP, BN, P, N)
     slot = tl.load(chain_ptr + i).to(tl.int64)
     offs = h * (P * N) + p[:, None] * N + n[None, :]

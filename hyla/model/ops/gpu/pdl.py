@@ -10,10 +10,11 @@ On Hopper and later a kernel launched with ``launch_pdl`` may start while the on
 runs. Every Triton kernel of ``ops/gpu`` takes ``PDL: tl.constexpr`` and is written for that:
 
 1. first it may load what no kernel writes — parameters as the module holds them (a GEMV's weight
-   slice or first tile, a conv's weights, a layer's ``A_log`` and dt bias: the decode step's
-   kernels do) — and nothing else, and it stores nothing. Not a value a PyTorch op computes during
-   the step (a lazily derived weight such as ``RMSNorm.scale()``, a ``.float()`` copy): a kernel
-   before it may still be writing that, and only the wait makes such writes visible;
+   slice or first tile, a Gated DeltaNet layer's conv weights, ``A_log`` and dt bias: those
+   kernels' wrappers say which of their arguments they read early) — and nothing else, and it
+   stores nothing. Not a value a PyTorch op computes during the step (a lazily derived weight such
+   as ``RMSNorm.scale()`` or Mamba2's ``-exp(A_log)``, a ``.float()`` copy): a kernel before it may
+   still be writing that, and only the wait makes such writes visible;
 2. then :func:`wait` — ``gdc_wait`` returns once the kernel before has finished and its writes are
    visible — and right after it ``gdc_launch_dependents``, which lets the next kernel launch;
 3. then its inputs, its work and its stores.
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 
 try:  # Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, globaltimer
 
     HAS_GDC = True
 except ImportError:  # pragma: no cover - an older Triton: PDL stays off
@@ -63,11 +64,21 @@ def wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+PROBE_PROGRAMS, PROBE_HOLD_NS = 8, 20_000  # the probe's grid, and how long its first launch holds its stores
+
+
 @triton.jit
-def _probe_kernel(x_ptr, PDL: tl.constexpr):
+def _probe_kernel(x_ptr, hold_ns, PDL: tl.constexpr):
+    """Adds 1 to 32 floats per program, holding the store back ``hold_ns`` after the load: a launch
+    after it whose wait did not order would load the old values meanwhile."""
     wait(PDL)
-    i = tl.arange(0, 32)
-    tl.store(x_ptr + i, tl.load(x_ptr + i) + 1.0)
+    i = tl.program_id(0) * 32 + tl.arange(0, 32)
+    x = tl.load(x_ptr + i)
+    if hold_ns > 0:
+        start = globaltimer()
+        while globaltimer() - start < hold_ns:
+            x += 0.0
+    tl.store(x_ptr + i, x + 1.0)
 
 
 def _hopper_or_later(index: int) -> bool:
@@ -82,22 +93,27 @@ _works: dict[int, bool] = {}  # device index -> whether PDL runs there (_hopper_
 
 def _probe(index: int) -> bool:
     """Whether PDL launches run right on device ``index``: two dependent launches eagerly, then two
-    captured in a CUDA graph and replayed, each adding 1. A driver, Triton or capture that refuses
-    them costs a warning and the launches without PDL, not an engine that cannot start."""
+    captured in a CUDA graph and replayed, each adding 1, the first of each pair holding its stores
+    back (``PROBE_HOLD_NS``) so that a second launch whose wait did not order would read the values
+    before them and the sum would come out short. A driver, Triton or capture that refuses them, or
+    a wait that does not order, costs a warning and the launches without PDL, not an engine that
+    cannot start or a wrong token."""
+    def pair() -> None:
+        for hold in (PROBE_HOLD_NS, 0):
+            _probe_kernel[(PROBE_PROGRAMS,)](x, hold, PDL=True, launch_pdl=True)
+
     try:
         with torch.cuda.device(index):
-            x = torch.zeros(32, device=f"cuda:{index}")
-            for _ in range(2):
-                _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+            x = torch.zeros(PROBE_PROGRAMS * 32, device=f"cuda:{index}")
+            pair()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                for _ in range(2):
-                    _probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+                pair()
             graph.replay()
             torch.cuda.synchronize(index)
             if bool((x == 4).all()):
                 return True
-            reason = f"the probe computed {x.tolist()[:4]}..., not 4"
+            reason = f"the probe computed {sorted(set(x.tolist()))}, not 4 everywhere"
     except Exception as exc:  # a refused launch or capture
         reason = f"{type(exc).__name__}: {exc}"
     logger.warning("programmatic dependent launch does not work on cuda:%d (%s); launching without it",
@@ -115,11 +131,17 @@ def enabled(t: torch.Tensor) -> bool:
     if index not in _works:
         if not _hopper_or_later(index):
             _works[index] = False
-        elif torch.cuda.is_current_stream_capturing():
+        elif _capturing(index):
             return False
         else:
             _works[index] = _probe(index)
     return _works[index]
+
+
+def _capturing(index: int) -> bool:
+    """Whether device ``index``'s current stream is capturing a CUDA graph (no probe runs then)."""
+    with torch.cuda.device(index):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def launch(t: torch.Tensor) -> dict[str, bool]:
