@@ -17,7 +17,8 @@ threads started after it), the sides interleaved repeat by repeat:
 * **hyla + compile_decode** (``--compile``): a second engine, its decode steps through
   ``torch.compile`` (its start-up, compilation included, is reported). Two engines in one process
   are two scheduler threads with an OpenMP team each, which slow each other's parallel regions at
-  more than one thread (``hyla/engine/cpu_process.py``): compare it at 1 thread;
+  more than one thread (``hyla/engine/cpu_process.py``): compare it at 1 thread, or alone
+  (``--sides compiled,llama.cpp``);
 * **llama.cpp** (``--llama-cpp DIR``, built by ``scripts/build_llama_cpp.sh``): the same checkpoint
   as an fp32 GGUF (its ``qwen35`` architecture loads it as it is), ``llama-bench`` for the prompt and
   batch-1 rows, ``llama-server --parallel 8`` for the 8 requests (``benchmarks/llama_cpp.py``).
@@ -28,14 +29,21 @@ and sampling included; llama.cpp: ``llama-bench -p 512``); decode tok/s of one r
 concurrent 128 → 64 requests, prefill included. Wall clock, medians of ``--repeats``. Prints a
 markdown table and writes the ``## CPU serving at a 0.65 B model`` section of docs/benchmarks.md.
 
+``--sides`` picks which of them run (``hyla``, ``unsplit``, ``compiled``, ``llama.cpp``; default: the
+first two, ``compiled`` with ``--compile``, ``llama.cpp`` with ``--llama-cpp``): an engine left out is
+not built, so ``--sides compiled,llama.cpp --llama-cpp DIR --threads 2`` measures the compiled engine
+with no other engine's OpenMP team in the process.
+
     .venv/bin/python benchmarks/cpu_model_size.py [--threads 1,2] [--repeats 3] [--new-tokens 32]
-        [--compile] [--llama-cpp ../llama.cpp] [--model-dir /tmp/hyla-qwen3.5-0.65b] [--no-write] [--tiny]
+        [--compile] [--llama-cpp ../llama.cpp] [--sides hyla,unsplit,compiled,llama.cpp]
+        [--model-dir /tmp/hyla-qwen3.5-0.65b] [--no-write] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import random
 import shutil
 import statistics
@@ -49,6 +57,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, concurrent_output, decode_after_prompt  # noqa: E402
 
 COMPILED = "hyla + `compile_decode`"  # the side's name
+SIDES = ("hyla", "unsplit", "compiled", "llama.cpp")  # --sides
 ROWS = {  # key: label
     "p512": f"prefill tok/s, one {PROMPT_1}-token prompt",
     "d1": f"decode tok/s, batch 1, after a {PROMPT_1}-token prompt",
@@ -117,19 +126,23 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
 
     rng = random.Random(threads)
     sizes = dict(dtype="float32", cpu_threads=threads, max_total_tokens=8192, max_state_slots=16)
-    engine = Engine(str(model_dir), **sizes)
-    vocab = engine.model_config.vocab_size
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     with contextlib.ExitStack() as stack:
-        stack.callback(engine.shutdown)
-        sides = {"hyla": hyla_side(engine, rng, args.new_tokens, vocab),
-                 "hyla, unsplit": hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)}
-        if args.compile:
+        sides = {}
+        if {"hyla", "unsplit"} & args.sides:
+            engine = Engine(str(model_dir), **sizes)
+            stack.callback(engine.shutdown)
+            if "hyla" in args.sides:
+                sides["hyla"] = hyla_side(engine, rng, args.new_tokens, vocab)
+            if "unsplit" in args.sides:
+                sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)
+        if "compiled" in args.sides:
             t0 = time.perf_counter()
             compiled = Engine(str(model_dir), compile_decode=True, **sizes)
             startup_s = time.perf_counter() - t0
             stack.callback(compiled.shutdown)
             sides[COMPILED] = hyla_side(compiled, rng, args.new_tokens, vocab)
-        if args.llama_cpp is not None:
+        if "llama.cpp" in args.sides:
             from benchmarks import llama_cpp
 
             gguf = llama_cpp.convert(model_dir, args.llama_cpp, args.llama_cpp / "models" / "hyla-qwen3.5-0.65b-f32.gguf")
@@ -147,7 +160,7 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
                 print(f"  {threads} thread(s), {name}: " + ", ".join(f"{k} {v[-1]:,.1f}" for k, v in samples[name].items()),
                       flush=True)
     result = {name: {k: statistics.median(v) for k, v in rows.items()} for name, rows in samples.items()}
-    if args.compile:
+    if "compiled" in args.sides:
         result[COMPILED]["startup_s"] = startup_s
     return result
 
@@ -178,20 +191,31 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also measure Engine(compile_decode=True)")
     ap.add_argument("--model-dir", type=Path, default=Path("/tmp/hyla-qwen3.5-0.65b"),
                     help="where the fp32 model is built (once) and read")
+    ap.add_argument("--sides", help="comma-separated sides to run, of " + ", ".join(SIDES) + " (default: hyla, "
+                    "unsplit, and compiled with --compile, llama.cpp with --llama-cpp); an engine left out is not built")
     ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's tiny dims, to test the script (implies --no-write)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     if args.llama_cpp is not None:
         args.llama_cpp = args.llama_cpp.resolve()
+    if args.sides is None:
+        args.sides = "hyla,unsplit" + (",compiled" if args.compile else "") + (",llama.cpp" if args.llama_cpp else "")
+    args.sides = {x.strip() for x in args.sides.split(",") if x.strip()}
+    if not args.sides or args.sides - set(SIDES):
+        ap.error(f"--sides: one or more of {', '.join(SIDES)}, got {sorted(args.sides)}")
+    if "llama.cpp" in args.sides and args.llama_cpp is None:
+        ap.error("--sides llama.cpp needs --llama-cpp DIR")
     model_dir = build_model(args.model_dir, args.tiny)
     t0 = time.perf_counter()
     runs = {t: measure(model_dir, t, args) for t in (int(x) for x in args.threads.split(","))}
 
     from benchmarks.report import machine
 
+    default_sides = {"hyla", "unsplit"} | ({"compiled"} if args.compile else set()) | ({"llama.cpp"} if args.llama_cpp else set())
     cmd = (f".venv/bin/python benchmarks/cpu_model_size.py --threads {args.threads} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
-           + (" --llama-cpp ../llama.cpp" if args.llama_cpp else ""))
+           + (" --llama-cpp ../llama.cpp" if args.llama_cpp else "")
+           + (f" --sides {','.join(s for s in SIDES if s in args.sides)}" if args.sides != default_sides else ""))
     startup = "".join(f" `compile_decode` start-up (engine construction, graphs compiled) at {t} thread(s): "
                       f"{run[COMPILED]['startup_s']:.0f} s." for t, run in runs.items() if COMPILED in run)
     body = f"""`{cmd}` — {machine()}; the GPU benchmark's model (Qwen3.5-style, 24 layers: 18 Gated

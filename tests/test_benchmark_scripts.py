@@ -105,6 +105,17 @@ def test_cpu_model_size_measures_every_side_at_every_thread_count(tmp_path):
     assert all(line.split("|")[4].strip()[0].isdigit() for line in rows)  # and the unsplit side
 
 
+def test_cpu_model_size_builds_only_the_sides_asked_for(tmp_path):
+    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(tmp_path / "model"), "--threads", "1",
+               "--repeats", "1", "--new-tokens", "2", "--sides", "unsplit")
+    assert "| measurement | threads | hyla, unsplit |" in out, out
+    rows = [line for line in out.splitlines() if line.startswith(("| prefill", "| decode", "| output"))]
+    assert len(rows) == 3 and all(line.split("|")[3].strip()[0].isdigit() for line in rows), out
+    bad = subprocess.run([sys.executable, "benchmarks/cpu_model_size.py", "--tiny", "--sides", "llama.cpp"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "needs --llama-cpp" in bad.stderr
+
+
 def test_cpu_gemm_times_every_path_of_every_weight():
     out = _run("benchmarks/cpu_gemm.py", "--tiny", "--threads", "1,2", "--rows", "1,8,80", "--repeats", "1",
                "--stream-mb", "1")
