@@ -218,12 +218,15 @@ def main() -> None:
            + (f" --sides {','.join(s for s in SIDES if s in args.sides)}" if args.sides != default_sides else ""))
     startup = "".join(f" `compile_decode` start-up (engine construction, graphs compiled) at {t} thread(s): "
                       f"{run[COMPILED]['startup_s']:.0f} s." for t, run in runs.items() if COMPILED in run)
+    described = {"hyla": " \"hyla\": the engine, eager (`cpu_threads` = the threads).",
+                 "unsplit": " \"hyla, unsplit\": the same engine with few-row projections as `F.linear` (before "
+                            "`layers.few_row_linear`: the split and the oneDNN LM head).",
+                 "compiled": f" \"{COMPILED}\": an engine of its own with its decode steps through `torch.compile`."}
+    sides_text = "".join(text for side, text in described.items() if side in args.sides)
     body = f"""`{cmd}` — {machine()}; the GPU benchmark's model (Qwen3.5-style, 24 layers: 18 Gated
 DeltaNet + 6 attention, hidden 1,024, vocab 151,936, tied embeddings; 0.65 B parameters, random
-weights) in fp32 (2.6 GB); hyla eager (`cpu_threads` = the threads); wall clock, medians of
-{args.repeats} runs, sides interleaved; in parentheses the ratio to llama.cpp at the same threads
-(the same checkpoint as an fp32 GGUF). "hyla, unsplit": the same engine with few-row projections
-as `F.linear` (before `layers.few_row_linear`: the split and the oneDNN LM head).{startup}
+weights) in fp32 (2.6 GB); wall clock, medians of {args.repeats} runs, sides interleaved; in parentheses
+the ratio to llama.cpp at the same threads (the same checkpoint as an fp32 GGUF).{sides_text}{startup}
 
 {table(runs)}
 """
