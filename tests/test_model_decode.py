@@ -235,6 +235,28 @@ def test_row_major_copies_are_the_weights_in_row_major_order(qwen3_next_moe_path
     assert keep_row_major_copies_(bf16) == 0 and all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
 
 
+def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_path, monkeypatch):
+    """On one thread a column-major weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more
+    keeps no copy (its one-row step is MKL's GEMM); a row-major weight (shared, no copy) and smaller
+    weights keep theirs, and on more threads every weight does."""
+    from hyla.model import layers
+
+    model = load_model(qwen3_next_moe_path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    everything = keep_row_major_copies_(model, threads=2)
+    assert keep_row_major_copies_(model, threads=1) == everything  # this model's weights are small
+    big = model.layers[3].mixer.o_proj
+    monkeypatch.setattr(layers, "ROW_COPY_MAX_ELEMENTS_ONE_THREAD", big.weight.numel())
+    model.lm_head.weight.data = model.lm_head.weight.data.contiguous()  # row-major: shared, kept at any size
+    copied = keep_row_major_copies_(model, threads=1)
+    large = [m for m in linears if not m.weight.is_contiguous() and m.weight.numel() >= big.weight.numel()]
+    assert big in large and all(m.rows is None for m in large)
+    assert all(m.rows is not None and torch.equal(m.rows, m.weight) for m in linears if m not in large)
+    assert model.lm_head.rows.data_ptr() == model.lm_head.weight.data_ptr()
+    assert copied == everything - model.lm_head.weight.nbytes - sum(m.weight.nbytes for m in large)
+    assert keep_row_major_copies_(model, threads=2) == everything - model.lm_head.weight.nbytes  # all again
+
+
 @needs_cxx
 def test_one_row_linear_reads_its_rows_only_when_compiled():
     """A compiled call of one row (a static count) is the dot product over ``rows``; eager calls

@@ -138,7 +138,8 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded).
-            copied = keep_row_major_copies_(model)  # for the one-row graph's dot products (layers.Linear)
+            copied = keep_row_major_copies_(model)  # for the one-row graph's dot products (layers.Linear; the
+            # engine's threads are set: on one thread large weights keep none)
             logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
             common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             # fullgraph: a step is one graph (a graph break is an error at start-up), so a step that no

@@ -82,8 +82,8 @@ class Linear(nn.Linear):
     dot product per output row reaches: 25 MB of the default model's projections took ~1.7 vs
     ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
     row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
-    :func:`keep_row_major_copies_`) is that dot product, ``(rows * x).sum(-1)``, which inductor
-    compiles into one vectorised reduction streaming ``rows`` once. Eager, a few-row fp32 CPU
+    :func:`keep_row_major_copies_`; on one thread a large weight holds none) is that dot product,
+    ``(rows * x).sum(-1)``, which inductor compiles into one vectorised reduction streaming ``rows`` once. Eager, a few-row fp32 CPU
     projection may take :func:`few_row_linear`: oneDNN's GEMM for a vocabulary-sized row-major weight
     (rows in ``ONEDNN_ROWS``, any threads), else with more than one thread :func:`split_linear` (up to
     ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread). Everywhere else (more rows, one thread,
@@ -1103,15 +1103,32 @@ def _mkl_weight(w: torch.Tensor) -> bool:
     return w.device.type == "cpu" and w.dtype == torch.float32
 
 
+# compile_decode's one-row graph on one thread: a column-major weight of at least this many elements
+# streams faster through MKL's one-row GEMM (F.linear in the graph) than through the dot products over a
+# row-major copy, and keeps no copy. The 0.65 B model (every projection 2-8 M elements), a decode step
+# of the one-row graph, 1 thread: 168 ms without the copies against 189 with them (eager: 182), and
+# 2 GB less memory. On more threads the dot products run in parallel and MKL's one-row GEMM does not
+# (2 threads: 102 ms with the copies, 142 without); the built-in model's weights (<= 1 M elements)
+# gain from the dot products at 1 thread too (docs/benchmarks.md, "CPU serving at a 0.65 B model: what
+# changed").
+ROW_COPY_MAX_ELEMENTS_ONE_THREAD = 1 << 21
+
+
 @torch.no_grad()
-def keep_row_major_copies_(module: nn.Module) -> int:
+def keep_row_major_copies_(module: nn.Module, threads: int | None = None) -> int:
     """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``: the weight itself where it is
     row-major already, else a row-major copy (the weights are column-major for MKL:
-    :func:`relayout_weights_`). For ``compile_decode``'s batch-1 graph; costs that copy's memory.
-    Returns the bytes copied."""
+    :func:`relayout_weights_`), except, on one thread (``threads``, default torch's), a column-major
+    weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its one-row
+    step is MKL's GEMM). For ``compile_decode``'s batch-1 graph; costs the copies' memory. Returns
+    the bytes copied."""
+    threads = torch.get_num_threads() if threads is None else threads
     copied = 0
     for m in module.modules():
         if isinstance(m, Linear) and _mkl_weight(m.weight):
+            if threads == 1 and not m.weight.is_contiguous() and m.weight.numel() >= ROW_COPY_MAX_ELEMENTS_ONE_THREAD:
+                m.rows = None
+                continue
             m.rows = m.weight.detach().contiguous()
             copied += 0 if m.rows.data_ptr() == m.weight.data_ptr() else m.rows.nbytes
     return copied
