@@ -1282,7 +1282,7 @@ def test_pdl_probe_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(pdl, "HAS_GDC", True)
     monkeypatch.setattr(pdl, "_hopper_or_later", lambda index: True)
     monkeypatch.setattr(pdl, "_works", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(pdl, "_capturing", lambda index: False)
     fake = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))  # a tensor on cuda:0, as enabled() sees it
     with caplog.at_level("WARNING", logger="hyla.model.ops.gpu.pdl"):
         assert not pdl.enabled(fake) and not pdl.enabled(fake)
