@@ -198,9 +198,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.llama_cpp is not None:
         args.llama_cpp = args.llama_cpp.resolve()
-    if args.sides is None:
-        args.sides = "hyla,unsplit" + (",compiled" if args.compile else "") + (",llama.cpp" if args.llama_cpp else "")
-    args.sides = {x.strip() for x in args.sides.split(",") if x.strip()}
+    default_sides = {"hyla", "unsplit"} | ({"compiled"} if args.compile else set()) | ({"llama.cpp"} if args.llama_cpp else set())
+    args.sides = default_sides if args.sides is None else {x.strip() for x in args.sides.split(",") if x.strip()}
     if not args.sides or args.sides - set(SIDES):
         ap.error(f"--sides: one or more of {', '.join(SIDES)}, got {sorted(args.sides)}")
     if "llama.cpp" in args.sides and args.llama_cpp is None:
@@ -211,7 +210,6 @@ def main() -> None:
 
     from benchmarks.report import machine
 
-    default_sides = {"hyla", "unsplit"} | ({"compiled"} if args.compile else set()) | ({"llama.cpp"} if args.llama_cpp else set())
     cmd = (f".venv/bin/python benchmarks/cpu_model_size.py --threads {args.threads} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
            + (" --llama-cpp ../llama.cpp" if args.llama_cpp else "")

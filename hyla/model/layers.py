@@ -83,13 +83,13 @@ class Linear(nn.Linear):
     ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
     row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
     :func:`keep_row_major_copies_`; on one thread a large weight holds none) is that dot product,
-    ``(rows * x).sum(-1)``, which inductor compiles into one vectorised reduction streaming ``rows`` once. Eager, a few-row fp32 CPU
-    projection may take :func:`few_row_linear`: oneDNN's GEMM for a vocabulary-sized row-major weight
-    (rows in ``ONEDNN_ROWS``, any threads), else with more than one thread :func:`split_linear` (up to
-    ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread). Everywhere else (more rows, one thread,
-    GPU, no ``rows``) it is ``F.linear``; in the compiled CPU steps of more rows, inductor's C++ GEMM
-    template on weights it packed at compile time (``ModelRunner``'s frozen graph). Sums in another
-    order: within fp32 rounding.
+    ``(rows * x).sum(-1)``, which inductor compiles into one vectorised reduction streaming ``rows``
+    once. Eager, a few-row fp32 CPU projection may take :func:`few_row_linear`: oneDNN's GEMM for a
+    vocabulary-sized row-major weight (rows in ``ONEDNN_ROWS``, any threads), else with more than one
+    thread :func:`split_linear` (up to ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread).
+    Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU
+    steps of more rows, inductor's C++ GEMM template on weights it packed at compile time
+    (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
