@@ -20,7 +20,7 @@ from hyla.model.layers import (
     RotaryEmbedding,
     apply_rotary,
     apply_rotary_,
-    keep_row_major_copies_,
+    keep_row_major_weights_,
     signed_sin,
 )
 from hyla.model import layers
@@ -220,41 +220,62 @@ def test_fp32_cpu_projection_weights_are_column_major_with_the_same_values(qwen3
     assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_row_major_copies_are_the_weights_in_row_major_order(qwen3_next_moe_path):
-    """``compile_decode``'s batch-1 projections read ``Linear.rows``: the weight's values, row-major;
-    a weight that is row-major already is shared, not copied; bf16 (oneDNN) models get none."""
+def test_one_thread_gives_row_major_copies_of_the_weights(qwen3_next_moe_path):
+    """``compile_decode``'s batch-1 projections read ``Linear.rows``: the weight's values, row-major.
+    On one thread the column-major weights stay (MKL's few-row GEMMs) and ``rows`` is a copy; a
+    weight that is row-major already is shared, not copied; bf16 (oneDNN) models get none."""
     model = load_model(qwen3_next_moe_path)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    copied = keep_row_major_copies_(model)
+    copied = keep_row_major_weights_(model, threads=1)
     assert linears and all(m.rows.is_contiguous() and torch.equal(m.rows, m.weight) for m in linears)
     assert copied == sum(m.weight.nbytes for m in linears if not m.weight.is_contiguous()) > 0
     model.lm_head.weight.data = model.lm_head.weight.data.contiguous()  # row-major: shared
-    assert keep_row_major_copies_(model) == copied - model.lm_head.weight.nbytes
+    assert keep_row_major_weights_(model, threads=1) == copied - model.lm_head.weight.nbytes
     assert model.lm_head.rows.data_ptr() == model.lm_head.weight.data_ptr()
     bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")
-    assert keep_row_major_copies_(bf16) == 0 and all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
+    assert keep_row_major_weights_(bf16, threads=1) == 0 and all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
+
+
+def test_more_threads_make_the_weights_row_major_in_place(qwen3_next_moe_path):
+    """On more than one thread every fp32 projection weight is made row-major in place (same values)
+    and is its own ``rows``: no copy. The eager model computes what it did column-major, within fp32
+    rounding (prefill's GEMMs and the few-row split read either layout)."""
+    model = load_model(qwen3_next_moe_path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    before = {m: m.weight.detach().clone() for m in linears}
+    assert any(not m.weight.is_contiguous() for m in linears)
+
+    def prefill_and_decode() -> list[torch.Tensor]:
+        runner = TinyRunner(model)
+        seqs = [runner.new_seq(), runner.new_seq()]
+        return [runner.step(seqs, [[3, 14, 15, 92, 65, 35], [27, 18, 28]]), runner.step(seqs, [[5], [6]])]
+
+    column_major = prefill_and_decode()
+    assert keep_row_major_weights_(model, threads=2) == 0
+    assert all(m.weight.is_contiguous() and m.rows.data_ptr() == m.weight.data_ptr()
+               and torch.equal(m.weight, before[m]) for m in linears)
+    for a, b in zip(prefill_and_decode(), column_major):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_path, monkeypatch):
     """On one thread a column-major weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more
     keeps no copy (its one-row step is MKL's GEMM); a row-major weight (shared, no copy) and smaller
-    weights keep theirs, and on more threads every weight does."""
+    weights keep theirs."""
     from hyla.model import layers
 
     model = load_model(qwen3_next_moe_path)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    everything = keep_row_major_copies_(model, threads=2)
-    assert keep_row_major_copies_(model, threads=1) == everything  # this model's weights are small
+    everything = keep_row_major_weights_(model, threads=1)  # this model's weights are small
     big = model.layers[3].mixer.o_proj
     monkeypatch.setattr(layers, "ROW_COPY_MAX_ELEMENTS_ONE_THREAD", big.weight.numel())
     model.lm_head.weight.data = model.lm_head.weight.data.contiguous()  # row-major: shared, kept at any size
-    copied = keep_row_major_copies_(model, threads=1)
+    copied = keep_row_major_weights_(model, threads=1)
     large = [m for m in linears if not m.weight.is_contiguous() and m.weight.numel() >= big.weight.numel()]
     assert big in large and all(m.rows is None for m in large)
     assert all(m.rows is not None and torch.equal(m.rows, m.weight) for m in linears if m not in large)
     assert model.lm_head.rows.data_ptr() == model.lm_head.weight.data_ptr()
     assert copied == everything - model.lm_head.weight.nbytes - sum(m.weight.nbytes for m in large)
-    assert keep_row_major_copies_(model, threads=2) == everything - model.lm_head.weight.nbytes  # all again
 
 
 @needs_cxx

@@ -22,8 +22,10 @@ compiled at construction on scratch pools (a minute or more on a small CPU), so 
 stalls on a compile; a step that no graph of the warm-up fits runs eager rather than compiling one
 (:meth:`_run_compiled`). Models with MoE layers keep an eager decode (their routing reads expert
 counts on the host). In the one-row graph each fp32 projection is a dot product per output row
-over a row-major copy of its weight (``layers.Linear``; the copy costs the projections' memory once
-more), not MKL's GEMM, which streams the weights at about half the speed with one row. The graph
+over its weight in row-major order (``layers.Linear``), not MKL's GEMM, which streams the weights at
+about half the speed with one row: on more than one thread the weights themselves, made row-major in
+place; on one thread a copy, costing the projections' memory once more
+(``layers.keep_row_major_weights_``). The graph
 of more rows (batches, verify steps) is compiled frozen: the weights are constants, which inductor
 packs once at compile time for its C++ GEMM template (another copy of the projections), where MKL's
 GEMM repacks the weight on every call with so few rows.
@@ -58,7 +60,7 @@ from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_
                                     CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import keep_row_major_copies_
+from hyla.model.layers import keep_row_major_weights_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -138,8 +140,9 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded).
-            copied = keep_row_major_copies_(model)  # for the one-row graph's dot products (layers.Linear; the
-            # engine's threads are set: on one thread large weights keep none)
+            # the one-row graph's dot products read row-major weights (layers.Linear): on more than one
+            # thread the weights themselves, relaid in place; on one, copies (the engine's threads are set)
+            copied = keep_row_major_weights_(model)
             logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
             common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             # fullgraph: a step is one graph (a graph break is an error at start-up), so a step that no
@@ -491,7 +494,7 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        # one row (dot products over the row-major copies); more (frozen, C++ GEMM template)
+        # one row (dot products over the row-major weights); more (frozen, C++ GEMM template)
         for lens in ([37], WARM_UP_LENS):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]

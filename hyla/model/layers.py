@@ -81,10 +81,10 @@ class Linear(nn.Linear):
     MKL's GEMM with one row streams an fp32 weight at about half the memory bandwidth that a plain
     dot product per output row reaches: 25 MB of the default model's projections took ~1.7 vs
     ~0.9 ms on one core (llama.cpp's matmul is such a loop). Inside a ``torch.compile`` graph of one
-    row, a ``Linear`` holding ``rows`` (a row-major ``[out, in]`` copy of its weight,
-    :func:`keep_row_major_copies_`; on one thread a large weight holds none) is that dot product,
-    ``(rows * x).sum(-1)``, which inductor compiles into one vectorised reduction streaming ``rows``
-    once. Eager, a few-row fp32 CPU projection may take :func:`few_row_linear`: oneDNN's GEMM for a
+    row, a ``Linear`` holding ``rows`` (its weight row-major, ``[out, in]``: the weight itself, or on
+    one thread a copy, where a large weight holds none: :func:`keep_row_major_weights_`) is that dot
+    product, ``(rows * x).sum(-1)``, which inductor compiles into one vectorised reduction streaming
+    ``rows`` once. Eager, a few-row fp32 CPU projection may take :func:`few_row_linear`: oneDNN's GEMM for a
     vocabulary-sized row-major weight (rows in ``ONEDNN_ROWS``, any threads), else with more than one
     thread :func:`split_linear` (up to ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread).
     Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU
@@ -1099,7 +1099,7 @@ def mlp_specs(target: str, source: str, bias: bool = False, in_proj: Sequence[st
 
 def _mkl_weight(w: torch.Tensor) -> bool:
     """An fp32 CPU weight: MKL runs its GEMMs (bf16 goes to oneDNN, GPU weights to cuBLAS), so its
-    layout is chosen for MKL (:func:`relayout_weights_`, :func:`keep_row_major_copies_`)."""
+    layout is chosen for MKL (:func:`relayout_weights_`, :func:`keep_row_major_weights_`)."""
     return w.device.type == "cpu" and w.dtype == torch.float32
 
 
@@ -1115,22 +1115,34 @@ ROW_COPY_MAX_ELEMENTS_ONE_THREAD = 1 << 21
 
 
 @torch.no_grad()
-def keep_row_major_copies_(module: nn.Module, threads: int | None = None) -> int:
-    """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``: the weight itself where it is
-    row-major already, else a row-major copy (the weights are column-major for MKL:
-    :func:`relayout_weights_`), except, on one thread (``threads``, default torch's), a column-major
-    weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its one-row
-    step is MKL's GEMM). For ``compile_decode``'s batch-1 graph; costs the copies' memory. Returns
-    the bytes copied."""
+def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> int:
+    """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``, a row-major weight for
+    ``compile_decode``'s batch-1 graph (the weights are column-major for MKL: :func:`relayout_weights_`):
+
+    * a row-major weight is its own ``rows``;
+    * on more than one thread (``threads``, default torch's), a column-major weight is made row-major
+      in place and is its own ``rows``: no copy. There every few-row eager projection is split across
+      the threads (:func:`split_linear`), as fast on either layout, and prefill's GEMMs are too; the
+      compiled graph of more rows packs its own (``ModelRunner``'s frozen graph);
+    * on one thread, where MKL's few-row GEMM is faster column-major, a row-major copy, except for a
+      weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its
+      one-row step is MKL's GEMM).
+
+    Returns the bytes copied."""
     threads = torch.get_num_threads() if threads is None else threads
     copied = 0
     for m in module.modules():
-        if isinstance(m, Linear) and _mkl_weight(m.weight):
-            if threads == 1 and not m.weight.is_contiguous() and m.weight.numel() >= ROW_COPY_MAX_ELEMENTS_ONE_THREAD:
-                m.rows = None
-                continue
+        if not isinstance(m, Linear) or not _mkl_weight(m.weight):
+            continue
+        if threads > 1 and not m.weight.is_contiguous():
+            m.weight.data = m.weight.data.contiguous()
+        if m.weight.is_contiguous():
+            m.rows = m.weight.detach()
+        elif m.weight.numel() >= ROW_COPY_MAX_ELEMENTS_ONE_THREAD:
+            m.rows = None
+        else:
             m.rows = m.weight.detach().contiguous()
-            copied += 0 if m.rows.data_ptr() == m.weight.data_ptr() else m.rows.nbytes
+            copied += m.rows.nbytes
     return copied
 
 
