@@ -280,9 +280,9 @@ def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_pat
 
 @needs_cxx
 def test_one_row_linear_reads_its_rows_only_when_compiled():
-    """A compiled call of one row (a static count) is the dot product over ``rows``; eager calls
-    and more rows (a symbolic count) are ``F.linear`` (a ``rows`` that differs from the weight shows
-    which one ran)."""
+    """A compiled call of one row (a static count) is the dot product over ``rows``; eager calls,
+    more rows (a symbolic count) and a ``Linear`` without ``rows`` are ``F.linear`` (a ``rows`` that
+    differs from the weight shows which one ran)."""
     torch.manual_seed(0)
     linear = Linear(64, 48, bias=True)
     linear.rows = 2 * linear.weight.detach().contiguous()  # not the weight: tells the paths apart
@@ -295,6 +295,12 @@ def test_one_row_linear_reads_its_rows_only_when_compiled():
             torch.testing.assert_close(call(x), x @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
         torch.testing.assert_close(linear(few), few @ linear.weight.t() + linear.bias)
+        # no rows (one thread, a large column-major weight): the one-row graph's projection is F.linear
+        linear.rows = None
+        layers.relayout_weights_(linear)
+        assert not linear.weight.is_contiguous()
+        torch.testing.assert_close(torch.compile(linear, dynamic=False, fullgraph=True)(one),
+                                   one @ linear.weight.t() + linear.bias)
 
 
 @pytest.fixture
