@@ -71,7 +71,7 @@ def _runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
     return batch.on_device or (_on_gpu(x) and not batch.is_decode)
 
 
-# --- projections -------------------------------------------------------------------------------
+# --- projections: fp32 CPU layouts and few-row paths -------------------------------------------
 
 
 class Linear(nn.Linear):
@@ -162,6 +162,78 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Te
         y = torch.bmm(x.expand(blocks, rows, k), weight.view(blocks, n // blocks, k).transpose(1, 2))
         return y.transpose(0, 1).reshape(rows, n)  # [blocks, R, out/blocks] -> [R, out]
     return None
+
+
+def _mkl_weight(w: torch.Tensor) -> bool:
+    """An fp32 CPU weight: MKL runs its GEMMs (bf16 goes to oneDNN, GPU weights to cuBLAS), so its
+    layout is chosen for MKL (:func:`relayout_weights_`, :func:`keep_row_major_weights_`)."""
+    return w.device.type == "cpu" and w.dtype == torch.float32
+
+
+# compile_decode's one-row graph on one thread: a column-major weight of at least this many elements
+# streams faster through MKL's one-row GEMM (F.linear in the graph) than through the dot products over a
+# row-major copy, and keeps no copy. The 0.65 B model (every projection 2-8 M elements), a decode step
+# of the one-row graph, 1 thread: 168 ms without the copies against 189 with them (eager: 182), and
+# 2 GB less memory. On more threads the dot products run in parallel and MKL's one-row GEMM does not
+# (2 threads: 102 ms with the copies, 142 without); the built-in model's weights (<= 1 M elements)
+# gain from the dot products at 1 thread too (docs/benchmarks.md, "CPU serving at a 0.65 B model: what
+# changed").
+ROW_COPY_MAX_ELEMENTS_ONE_THREAD = 1 << 21
+
+
+@torch.no_grad()
+def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> int:
+    """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``, a row-major weight for
+    ``compile_decode``'s batch-1 graph (the weights are column-major for MKL: :func:`relayout_weights_`):
+
+    * a row-major weight is its own ``rows``;
+    * on more than one thread (``threads``, default torch's), a column-major weight is made row-major
+      in place and is its own ``rows``: no copy. There every few-row eager projection is split across
+      the threads (:func:`split_linear`), as fast on either layout, and prefill's GEMMs are too; the
+      compiled graph of more rows packs its own (``ModelRunner``'s frozen graph);
+    * on one thread, where MKL's few-row GEMM is faster column-major, a row-major copy, except for a
+      weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its
+      one-row step is MKL's GEMM).
+
+    Returns the bytes copied."""
+    threads = torch.get_num_threads() if threads is None else threads
+    copied = 0
+    for m in module.modules():
+        if not isinstance(m, Linear) or not _mkl_weight(m.weight):
+            continue
+        if threads > 1 and not m.weight.is_contiguous():
+            m.weight.data = m.weight.data.contiguous()
+        if m.weight.is_contiguous():
+            m.rows = m.weight.detach()
+        elif m.weight.numel() >= ROW_COPY_MAX_ELEMENTS_ONE_THREAD:
+            m.rows = None
+        else:
+            m.rows = m.weight.detach().contiguous()
+            copied += m.rows.nbytes
+    return copied
+
+
+@torch.no_grad()
+def relayout_weights_(module: nn.Module, keep: torch.Tensor | None = None) -> None:
+    """Store the fp32 CPU projection weights of ``module`` (``nn.Linear`` weights, stacked experts)
+    column-major: same shapes, same values. MKL's single-thread GEMM with few rows, i.e. decode, is
+    1.3-2.4x faster on a ``[in, out]``-contiguous weight (``x @ W`` instead of ``x @ W^T``: 10 vs 17 us
+    for a 1024x256 projection at batch 1, 184 vs 444 us for the 4096-row lm_head at batch 8); prefill
+    GEMMs are unaffected, and bf16 (oneDNN) or GPU weights are left alone. A weight sharing storage
+    with ``keep`` (the embedding of a tied lm_head) keeps its layout: no second copy."""
+    keep_ptr = keep.data_ptr() if keep is not None else None
+    for m in module.modules():
+        params = []
+        if isinstance(m, nn.Linear):
+            params = [m.weight]
+        elif isinstance(m, SparseMoE):
+            params = [m.w_in, m.w_out]
+        for w in params:
+            if not _mkl_weight(w) or w.data_ptr() == keep_ptr:
+                continue
+            if w.transpose(-1, -2).is_contiguous():
+                continue
+            w.data = w.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 # --- norms -------------------------------------------------------------------------------------
@@ -1095,78 +1167,6 @@ def mlp_specs(target: str, source: str, bias: bool = False, in_proj: Sequence[st
         *scaled_linear(f"{target}.in_proj", ins, scales, scales if bias else None),
         *scaled_linear(f"{target}.out_proj", [f"{source}.{out_proj}"], (out_scale,), (out_scale,) if bias else None),
     ]
-
-
-def _mkl_weight(w: torch.Tensor) -> bool:
-    """An fp32 CPU weight: MKL runs its GEMMs (bf16 goes to oneDNN, GPU weights to cuBLAS), so its
-    layout is chosen for MKL (:func:`relayout_weights_`, :func:`keep_row_major_weights_`)."""
-    return w.device.type == "cpu" and w.dtype == torch.float32
-
-
-# compile_decode's one-row graph on one thread: a column-major weight of at least this many elements
-# streams faster through MKL's one-row GEMM (F.linear in the graph) than through the dot products over a
-# row-major copy, and keeps no copy. The 0.65 B model (every projection 2-8 M elements), a decode step
-# of the one-row graph, 1 thread: 168 ms without the copies against 189 with them (eager: 182), and
-# 2 GB less memory. On more threads the dot products run in parallel and MKL's one-row GEMM does not
-# (2 threads: 102 ms with the copies, 142 without); the built-in model's weights (<= 1 M elements)
-# gain from the dot products at 1 thread too (docs/benchmarks.md, "CPU serving at a 0.65 B model: what
-# changed").
-ROW_COPY_MAX_ELEMENTS_ONE_THREAD = 1 << 21
-
-
-@torch.no_grad()
-def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> int:
-    """Give every fp32 CPU :class:`Linear` of ``module`` its ``rows``, a row-major weight for
-    ``compile_decode``'s batch-1 graph (the weights are column-major for MKL: :func:`relayout_weights_`):
-
-    * a row-major weight is its own ``rows``;
-    * on more than one thread (``threads``, default torch's), a column-major weight is made row-major
-      in place and is its own ``rows``: no copy. There every few-row eager projection is split across
-      the threads (:func:`split_linear`), as fast on either layout, and prefill's GEMMs are too; the
-      compiled graph of more rows packs its own (``ModelRunner``'s frozen graph);
-    * on one thread, where MKL's few-row GEMM is faster column-major, a row-major copy, except for a
-      weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its
-      one-row step is MKL's GEMM).
-
-    Returns the bytes copied."""
-    threads = torch.get_num_threads() if threads is None else threads
-    copied = 0
-    for m in module.modules():
-        if not isinstance(m, Linear) or not _mkl_weight(m.weight):
-            continue
-        if threads > 1 and not m.weight.is_contiguous():
-            m.weight.data = m.weight.data.contiguous()
-        if m.weight.is_contiguous():
-            m.rows = m.weight.detach()
-        elif m.weight.numel() >= ROW_COPY_MAX_ELEMENTS_ONE_THREAD:
-            m.rows = None
-        else:
-            m.rows = m.weight.detach().contiguous()
-            copied += m.rows.nbytes
-    return copied
-
-
-@torch.no_grad()
-def relayout_weights_(module: nn.Module, keep: torch.Tensor | None = None) -> None:
-    """Store the fp32 CPU projection weights of ``module`` (``nn.Linear`` weights, stacked experts)
-    column-major: same shapes, same values. MKL's single-thread GEMM with few rows, i.e. decode, is
-    1.3-2.4x faster on a ``[in, out]``-contiguous weight (``x @ W`` instead of ``x @ W^T``: 10 vs 17 us
-    for a 1024x256 projection at batch 1, 184 vs 444 us for the 4096-row lm_head at batch 8); prefill
-    GEMMs are unaffected, and bf16 (oneDNN) or GPU weights are left alone. A weight sharing storage
-    with ``keep`` (the embedding of a tied lm_head) keeps its layout: no second copy."""
-    keep_ptr = keep.data_ptr() if keep is not None else None
-    for m in module.modules():
-        params = []
-        if isinstance(m, nn.Linear):
-            params = [m.weight]
-        elif isinstance(m, SparseMoE):
-            params = [m.w_in, m.w_out]
-        for w in params:
-            if not _mkl_weight(w) or w.data_ptr() == keep_ptr:
-                continue
-            if w.transpose(-1, -2).is_contiguous():
-                continue
-            w.data = w.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 class HybridForCausalLM(nn.Module, abc.ABC):
