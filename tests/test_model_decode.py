@@ -278,6 +278,28 @@ def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_pat
     assert copied == everything - model.lm_head.weight.nbytes - sum(m.weight.nbytes for m in large)
 
 
+@pytest.mark.skipif(not layers.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects")
+def test_packed_weights_are_the_large_projections_own(qwen3_next_moe_path):
+    """``pack_weights_`` packs the fp32 projections of at least ``min_elements`` (no other), each its own
+    :class:`PackedWeight` (equal only to itself: a compiled graph takes each as its own input), and
+    ``packed_linear`` on it is ``F.linear`` (fp32 rounding); bf16 models get none."""
+    model = load_model(qwen3_next_moe_path)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    cut = sorted(m.weight.numel() for m in linears)[len(linears) // 2]
+    nbytes = layers.pack_weights_(model, min_elements=cut)
+    large = [m for m in linears if m.weight.numel() >= cut]
+    assert 0 < len(large) < len(linears) and nbytes == sum(m.weight.nbytes for m in large)
+    assert all((m.packed is not None) == (m in large) for m in linears)
+    a, b = large[0].packed, large[1].packed
+    assert a == a and a != b and len({a, b}) == 2
+    x = torch.randn(5, large[0].weight.shape[1])
+    torch.testing.assert_close(torch.ops.hyla.packed_linear(x, large[0].weight, a), x @ large[0].weight.t(),
+                               atol=1e-4, rtol=1e-4)
+    assert layers.pack_weights_(model, min_elements=1 << 40) == 0 and all(m.packed is None for m in linears)
+    bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")
+    assert layers.pack_weights_(bf16, min_elements=1) == 0
+
+
 @needs_cxx
 def test_one_row_linear_reads_its_rows_only_when_compiled():
     """A compiled call of one row (a static count) is the dot product over ``rows``; eager calls,
@@ -491,14 +513,21 @@ def test_onednn_projections_decode_as_mkl(arch, request, onednn_calls, monkeypat
 
 @pytest.mark.slow
 @needs_cxx
-def test_compiled_decode_equals_eager(qwen3_next_short_path):
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not layers.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects"))], ids=["frozen", "packed"])
+def test_compiled_decode_equals_eager(qwen3_next_short_path, packed, monkeypatch):
     """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
     a changing larger batch (from 20 requests down to 1: both graphs, the one-row graph's dot
-    products and the frozen graph's GEMMs), with no compilation after start-up; a batch that no
-    graph fits then runs eager rather than compiling."""
+    products and the GEMMs of the graph of more rows, frozen or on the weights ``pack_weights_``
+    packed, as for a model with large projections), with no compilation after start-up; a batch
+    that no graph fits then runs eager rather than compiling."""
     import torch._dynamo
 
     from hyla import Engine
+
+    onednn_calls = []
+    if packed:
+        monkeypatch.setattr(layers, "PACK_MIN_WEIGHT", 1)  # every projection, as a model's of millions of elements
 
     rng = random.Random(0)
     lens, new = [30, 90, 7, 64] + list(range(5, 21)), [12, 20, 8, 16] + [3 + i % 7 for i in range(16)]
@@ -506,20 +535,32 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path):
     params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in new]
 
     def run(**options):
-        packed = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+        before = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
         with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=48, **options) as engine:
-            if options:  # the graph of more rows was compiled frozen (its weights packed)
-                assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > packed
-                assert not torch._inductor.config.freezing  # and freezing was set for that compile only
             runner, seen = engine.scheduler.runner, []
+            if options and packed:  # the projections' own packed weights, not frozen
+                linears = [m for m in engine.model.modules() if isinstance(m, Linear)]
+                assert linears and all(m.packed is not None for m in linears)
+                assert not runner._freeze_rows
+                assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == before
+            elif options:  # the graph of more rows was compiled frozen (its weights packed)
+                assert runner._freeze_rows
+                assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > before
+                assert not torch._inductor.config.freezing  # and freezing was set for that compile only
             if options:  # record the compiled steps' batches
                 real = runner._compiled_decode
                 runner._compiled_decode = lambda batch: seen.append(batch) or real(batch)
             frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
-            outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))
+            with monkeypatch.context() as patch:
+                if options:  # oneDNN's GEMM: what the packed weights' op calls (and nothing else at these sizes)
+                    real_onednn = torch.ops.mkldnn._linear_pointwise
+                    patch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                                  lambda x, *args: onednn_calls.append(x.shape[0]) or real_onednn(x, *args))
+                outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+                outs.append(engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True))
             if options:
                 assert runner.late_compiles == 0  # every step ran a graph of the warm-up, none fell back to eager
+                assert bool(onednn_calls) == packed and 1 not in onednn_calls  # batches of more rows only
                 # a batch no graph fits (int32 token ids: a dtype guard fails), through the real dynamo: it
                 # raises instead of compiling and the step runs eager (it rewrites the last step's slots:
                 # the engine serves nothing after this)

@@ -28,7 +28,10 @@ place; on one thread a copy, costing the projections' memory once more
 (``layers.keep_row_major_weights_``). The graph
 of more rows (batches, verify steps) is compiled frozen: the weights are constants, which inductor
 packs once at compile time for its C++ GEMM template (another copy of the projections), where MKL's
-GEMM repacks the weight on every call with so few rows.
+GEMM repacks the weight on every call with so few rows. On a model with large projections
+(``layers.PACK_MIN_WEIGHT`` elements) those run oneDNN's GEMM on weights packed once at start-up
+instead (``layers.pack_weights_``), in a graph compiled unfrozen, which inductor's cache keeps: a later
+start loads it (a 0.65 B model: 30 s against about four minutes).
 The graphs take the model's float constants as constants and leave its modules unguarded (their
 weights and attributes never change after loading); each runner compiles its own copy of the
 forward's code, so its graphs serve its own model only (``_own_code``).
@@ -60,7 +63,7 @@ from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_
                                     CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import keep_row_major_weights_
+from hyla.model.layers import keep_row_major_weights_, pack_weights_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -144,13 +147,19 @@ class ModelRunner:
             # thread the weights themselves, relaid in place; on one, copies (the engine's threads are set)
             copied = keep_row_major_weights_(model)
             logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
+            # the graph of more rows: large projections on weights packed here (layers.pack_weights_), in
+            # a graph inductor caches; else compiled frozen, its GEMMs on weights it packs itself
+            packed = pack_weights_(model)
+            self._freeze_rows = packed == 0
+            if packed:
+                logger.info("compile_decode: %.1f MB of weights packed for steps of more rows", packed / 1e6)
             common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
             # fullgraph: a step is one graph (a graph break is an error at start-up), so a step that no
             # graph fits fails before anything runs and can run eager instead (_run_compiled)
             one_row = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
                                     options={**common, **ONE_ROW_OPTIONS})
             rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
-                                 options={**common, **ROWS_OPTIONS})
+                                 options={**common, **(ROWS_OPTIONS if self._freeze_rows else PACKED_ROWS_OPTIONS)})
             self._compiled_decode = _by_row_count(one_row, rows)
             logger.info("compile_decode: compiling the decode graphs%s (a minute or more on a small CPU)",
                         " and verify graphs" if self.verify_width is not None else "")
@@ -510,10 +519,10 @@ class ModelRunner:
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
             )
             self.model.check_batch(batch)
-            with _frozen(not _one_row(batch)):
+            with _frozen(self._freeze_rows and not _one_row(batch)):
                 self._compiled_decode(batch)
         if self.verify_width is not None:
-            with _frozen(True):  # every verify step runs the graph of more rows
+            with _frozen(self._freeze_rows):  # every verify step runs the graph of more rows
                 self._warm_up_chains(k, v, conv, ssm)
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
@@ -563,6 +572,10 @@ WARM_UP_LENS = [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]
 # 8.4 against 13.5 (docs/benchmarks.md, "CPU decode: the frozen graph of more rows").
 ONE_ROW_OPTIONS = {"realize_opcount_threshold": 1}
 ROWS_OPTIONS = {"realize_opcount_threshold": 4, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# The graph of more rows on packed weights (layers.pack_weights_): not frozen, so nothing for the C++
+# template to autotune against; Python's wrapper, as the C++ one cannot pass the packed weights (opaque
+# objects) to their op
+PACKED_ROWS_OPTIONS = {"realize_opcount_threshold": 4, "cpp_wrapper": False}
 
 
 def _frozen(on: bool):

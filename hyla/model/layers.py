@@ -88,17 +88,23 @@ class Linear(nn.Linear):
     vocabulary-sized row-major weight (rows in ``ONEDNN_ROWS``, any threads), else with more than one
     thread :func:`split_linear` (up to ``SPLIT_MAX_ROWS`` rows; MKL would run it on one thread).
     Everywhere else (more rows, one thread, GPU, no ``rows``) it is ``F.linear``; in the compiled CPU
-    steps of more rows, inductor's C++ GEMM template on weights it packed at compile time
+    steps of more rows, oneDNN's GEMM on the weight packed once (``packed``, :func:`pack_weights_`,
+    large weights) or inductor's C++ GEMM template on weights it packed at compile time
     (``ModelRunner``'s frozen graph). Sums in another order: within fp32 rounding.
     """
 
     rows: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the batch-1 graph: a static row count of 1 (a symbolic one is never compared, so no guard)
         if self.rows is not None and x.dim() == 2 and type(x.shape[0]) is int and x.shape[0] == 1 \
                 and torch.compiler.is_compiling():
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
+            return y if self.bias is None else y + self.bias
+        # the graph of more rows (it guards on its row count not being 1, which it never is)
+        if self.packed is not None and x.dim() == 2 and torch.compiler.is_compiling() and x.shape[0] != 1:
+            y = torch.ops.hyla.packed_linear(x, self.weight, self.packed)
             return y if self.bias is None else y + self.bias
         # eager only, and asked first: traced, the row-count test would guard the graph to that many rows
         if not torch.compiler.is_compiling() and x.dim() == 2 and _mkl_weight(self.weight):
@@ -142,6 +148,54 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) by oneDNN's GEMM (``torch.ops.mkldnn._linear_pointwise``, the
     op of inductor's oneDNN linear fusions) on the weight as it is (``[out, in]``)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+
+class PackedWeight:
+    """An fp32 projection weight packed once for oneDNN's GEMM (``mkldnn._reorder_linear_weight``, for
+    ``PACK_ROWS`` rows; any row count runs on it), for ``compile_decode``'s graph of more rows
+    (:func:`pack_weights_`, :func:`packed_linear`). An opaque object of torch's custom ops, of the
+    value kind, hoisted: the compiled graph takes it as an input, not as a constant, so the graph holds
+    no packed tensor and inductor's cache keeps it across processes (a frozen graph's packed constants
+    cannot be pickled). Equal only to itself: every projection passes its own."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), rows)
+        self.nbytes = weight.nbytes  # the packed copy is about the weight's size
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __fx_repr__(self) -> tuple[str, dict[str, type]]:
+        return "PackedWeight", {"PackedWeight": PackedWeight}
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """``F.linear(x, weight)`` (``x [R, in]``, no bias) by oneDNN's GEMM on ``packed``, the weight
+    packed (``weight`` itself: for the output's shape while a graph is traced). The custom op
+    ``torch.ops.hyla.packed_linear``, where ``HAS_PACKED``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, None, "none", [], "")
+
+
+def _register_packed_linear() -> bool:
+    """Register :class:`PackedWeight` as an opaque type and :func:`packed_linear` as the custom op
+    ``hyla::packed_linear``; False where this torch cannot (no oneDNN, no hoisted opaque objects):
+    then nothing is packed and the frozen graph packs its own weights."""
+    if not HAS_ONEDNN:
+        return False
+    try:
+        from torch._library.opaque_object import register_opaque_type
+        register_opaque_type(PackedWeight, typ="value", hoist=True)
+    except (ImportError, TypeError):
+        return False
+    op = torch.library.custom_op("hyla::packed_linear", packed_linear, mutates_args=())
+    op.register_fake(lambda x, weight, packed: x.new_empty(x.shape[0], weight.shape[0]))
+    return True
+
+
+HAS_PACKED = _register_packed_linear()
 
 
 def split_linear(x: torch.Tensor, weight: torch.Tensor, blocks: int) -> torch.Tensor | None:
@@ -211,6 +265,36 @@ def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> in
             m.rows = m.weight.detach().contiguous()
             copied += m.rows.nbytes
     return copied
+
+
+# compile_decode's graph of more rows, on a model with an fp32 projection of at least PACK_MIN_WEIGHT
+# elements: each such projection runs oneDNN's GEMM on its weight packed once at start-up (PackedWeight),
+# in a graph compiled without freezing, which inductor's cache keeps, so a later start loads it. The
+# 0.65 B model (projections of 2-8 M elements), 2 threads: an 8-row step 0.73-0.81x the eager one's
+# time against the frozen graph's 0.76x; start-up 126 s with an empty cache, 30 s with the graph
+# cached, against 212-249 s at every start frozen. Smaller weights (the built-in model's, <= 1 M
+# elements) keep the frozen graph, whose C++ GEMM template beats oneDNN's per-call cost there (an
+# 8-row step 0.49x eager frozen, 0.54-0.57x packed) and whose start-up is a minute or so
+# (docs/benchmarks.md, "CPU serving at a 0.65 B model: what changed").
+PACK_MIN_WEIGHT = 1 << 20
+PACK_ROWS = 8  # the row count the packing is laid out for
+
+
+@torch.no_grad()
+def pack_weights_(module: nn.Module, min_elements: int | None = None) -> int:
+    """Give every fp32 CPU :class:`Linear` of ``module`` whose weight has at least ``min_elements``
+    elements (default ``PACK_MIN_WEIGHT``) its ``packed`` weight (:class:`PackedWeight`), where torch
+    has oneDNN and opaque objects (``HAS_PACKED``); the others get none. For ``compile_decode``'s
+    graph of more rows; costs the packed weights' memory. Returns their bytes (0: none packed)."""
+    min_elements = PACK_MIN_WEIGHT if min_elements is None else min_elements
+    packed = 0
+    for m in module.modules():
+        if isinstance(m, Linear):
+            m.packed = None
+            if HAS_PACKED and _mkl_weight(m.weight) and m.weight.numel() >= min_elements:
+                m.packed = PackedWeight(m.weight, PACK_ROWS)
+                packed += m.packed.nbytes
+    return packed
 
 
 @torch.no_grad()
