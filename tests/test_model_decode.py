@@ -233,7 +233,8 @@ def test_one_thread_gives_row_major_copies_of_the_weights(qwen3_next_moe_path):
     assert keep_row_major_weights_(model, threads=1) == copied - model.lm_head.weight.nbytes
     assert model.lm_head.rows.data_ptr() == model.lm_head.weight.data_ptr()
     bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")
-    assert keep_row_major_weights_(bf16, threads=1) == 0 and all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
+    assert keep_row_major_weights_(bf16, threads=1) == 0
+    assert all(m.rows is None for m in bf16.modules() if isinstance(m, Linear))
 
 
 def test_more_threads_make_the_weights_row_major_in_place(qwen3_next_moe_path):

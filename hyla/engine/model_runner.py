@@ -503,7 +503,7 @@ class ModelRunner:
     def _warm_up_batches(self, k, v, conv, ssm) -> None:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
-        # one row (dot products over the row-major weights); more (frozen, C++ GEMM template)
+        # one row (dot products over the row-major weights); more (frozen, C++ GEMM template; or packed weights)
         for lens in ([37], WARM_UP_LENS):
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
@@ -598,7 +598,7 @@ def _by_row_count(one_row: Callable[[ForwardBatch], torch.Tensor],
 
 def _one_row(batch: ForwardBatch) -> bool:
     """A decode step of one request: what the one-row graph runs; every other batch runs the
-    frozen graph of more rows (and compiles it frozen in the warm-up: :func:`_frozen`)."""
+    graph of more rows (compiled frozen in the warm-up unless the weights are packed: :func:`_frozen`)."""
     return batch.is_decode and batch.input_ids.shape[0] == 1
 
 
