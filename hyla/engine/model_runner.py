@@ -31,7 +31,7 @@ packs once at compile time for its C++ GEMM template (another copy of the projec
 GEMM repacks the weight on every call with so few rows. On a model with large projections
 (``layers.PACK_MIN_WEIGHT`` elements) those run oneDNN's GEMM on weights packed once at start-up
 instead (``layers.pack_weights_``), in a graph compiled unfrozen, which inductor's cache keeps: a later
-start loads it (a 0.65 B model: 30 s against about four minutes).
+start loads it (a 0.65 B model: 39 s against about four minutes).
 The graphs take the model's float constants as constants and leave its modules unguarded (their
 weights and attributes never change after loading); each runner compiles its own copy of the
 forward's code, so its graphs serve its own model only (``_own_code``).

@@ -97,7 +97,7 @@ class Linear(nn.Linear):
     packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the batch-1 graph: a static row count of 1 (a symbolic one is never compared, so no guard)
+        # the batch-1 graph: a static row count of 1 (the graph of more rows guards on its symbolic one not being 1)
         if self.rows is not None and x.dim() == 2 and type(x.shape[0]) is int and x.shape[0] == 1 \
                 and torch.compiler.is_compiling():
             y = (self.rows * x).sum(-1, keepdim=True).view(1, -1)  # [out, in] * [1, in] -> [1, out]
@@ -244,7 +244,7 @@ def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> in
     * on more than one thread (``threads``, default torch's), a column-major weight is made row-major
       in place and is its own ``rows``: no copy. There every few-row eager projection is split across
       the threads (:func:`split_linear`), as fast on either layout, and prefill's GEMMs are too; the
-      compiled graph of more rows packs its own (``ModelRunner``'s frozen graph);
+      compiled graph of more rows packs its own (:func:`pack_weights_`, or ``ModelRunner``'s frozen graph);
     * on one thread, where MKL's few-row GEMM is faster column-major, a row-major copy, except for a
       weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more, which keeps none (its
       one-row step is MKL's GEMM).
@@ -271,7 +271,7 @@ def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> in
 # elements: each such projection runs oneDNN's GEMM on its weight packed once at start-up (PackedWeight),
 # in a graph compiled without freezing, which inductor's cache keeps, so a later start loads it. The
 # 0.65 B model (projections of 2-8 M elements), 2 threads: an 8-row step 0.73-0.81x the eager one's
-# time against the frozen graph's 0.76x; start-up 126 s with an empty cache, 30 s with the graph
+# time against the frozen graph's 0.76x; start-up 114 s with an empty cache, 39 s with the graph
 # cached, against 212-249 s at every start frozen. Smaller weights (the built-in model's, <= 1 M
 # elements) keep the frozen graph, whose C++ GEMM template beats oneDNN's per-call cost there (an
 # 8-row step 0.49x eager frozen, 0.54-0.57x packed) and whose start-up is a minute or so
