@@ -188,9 +188,9 @@ def _register_packed_linear() -> bool:
     try:
         from torch._library.opaque_object import register_opaque_type
         register_opaque_type(PackedWeight, typ="value", hoist=True)
-    except (ImportError, TypeError):
+        op = torch.library.custom_op("hyla::packed_linear", packed_linear, mutates_args=())
+    except (ImportError, TypeError, ValueError, RuntimeError):  # an older torch's API
         return False
-    op = torch.library.custom_op("hyla::packed_linear", packed_linear, mutates_args=())
     op.register_fake(lambda x, weight, packed: x.new_empty(x.shape[0], weight.shape[0]))
     return True
 
