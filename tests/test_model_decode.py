@@ -263,8 +263,6 @@ def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_pat
     """On one thread a column-major weight of ``ROW_COPY_MAX_ELEMENTS_ONE_THREAD`` elements or more
     keeps no copy (its one-row step is MKL's GEMM); a row-major weight (shared, no copy) and smaller
     weights keep theirs."""
-    from hyla.model import layers
-
     model = load_model(qwen3_next_moe_path)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     everything = keep_row_major_weights_(model, threads=1)  # this model's weights are small

@@ -176,7 +176,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight) -
     """``F.linear(x, weight)`` (``x [R, in]``, no bias) by oneDNN's GEMM on ``packed``, the weight
     packed (``weight`` itself: for the output's shape while a graph is traced). The custom op
     ``torch.ops.hyla.packed_linear``, where ``HAS_PACKED``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, None, "none", [], "")
+    return onednn_linear(x, packed.tensor)
 
 
 def _register_packed_linear() -> bool:
