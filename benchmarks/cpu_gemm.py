@@ -3,14 +3,14 @@
 A decode or verify step multiplies a few rows (one per request, or per draft token) by every weight
 of the model, each streamed from memory. Which GEMM does that best depends on the weight's layout and
 size, the row count and the threads: MKL (``F.linear``) packs the weight on every call and runs
-a few rows on one thread; ``layers.split_linear`` spreads one call over the threads; oneDNN
-(``layers.onednn_linear``) packs on the fly too, faster at some shapes. ``layers.few_row_linear``
+a few rows on one thread; ``linear.split_linear`` spreads one call over the threads; oneDNN
+(``linear.onednn_linear``) packs on the fly too, faster at some shapes. ``linear.few_row_linear``
 picks among them with constants measured on one 2-core machine: this script measures the choice on
 any other.
 
 The weights are those of ``cpu_model_size.py``'s 0.65 B model (``gpu_decode.py``'s ``FULL``: 24
 layers, hidden 1,024, vocab 151,936, tied embeddings) in fp32, shaped and laid out as hyla loads
-them: the projections column-major (``layers.relayout_weights_``), the tied LM head row-major (the
+them: the projections column-major (``linear.relayout_weights_``), the tied LM head row-major (the
 embedding's storage). Each distinct weight is allocated in enough copies (random values) that a
 pass over them streams at least ``--stream-mb`` from memory, as a step does. For each thread count
 and row count, per path, the median over ``--repeats`` passes of the time per call; a step's
@@ -40,7 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hyla.model import layers  # noqa: E402
+from hyla.model import linear  # noqa: E402
 
 PATHS = ("MKL", "split", "oneDNN", "hyla")
 
@@ -63,13 +63,13 @@ def model_weights(dims: dict) -> Counter:
 def path_call(path: str, threads: int):
     """``f(x, w) -> y`` of one path; None where the path does not apply."""
     def split(x, w):
-        return layers.split_linear(x, w, 2 * threads)
+        return linear.split_linear(x, w, 2 * threads)
 
     def hyla(x, w):
-        y = layers.few_row_linear(x, w)
+        y = linear.few_row_linear(x, w)
         return F.linear(x, w) if y is None else y
 
-    return {"MKL": F.linear, "split": split, "oneDNN": layers.onednn_linear, "hyla": hyla}[path]
+    return {"MKL": F.linear, "split": split, "oneDNN": linear.onednn_linear, "hyla": hyla}[path]
 
 
 def measure(shapes: Counter, threads: int, rows_list: list[int], repeats: int, stream_bytes: int) -> dict:
@@ -85,9 +85,9 @@ def measure(shapes: Counter, threads: int, rows_list: list[int], repeats: int, s
         per_rows = {}
         for rows in rows_list:
             x = torch.randn(rows, inp)
-            paths = [p for p in PATHS if p != "split" or (threads > 1 and rows <= layers.SPLIT_MAX_ROWS
-                                                          and layers.split_linear(x, ws[0], 2 * threads) is not None)]
-            if not layers.HAS_ONEDNN:
+            paths = [p for p in PATHS if p != "split" or (threads > 1 and rows <= linear.SPLIT_MAX_ROWS
+                                                          and linear.split_linear(x, ws[0], 2 * threads) is not None)]
+            if not linear.HAS_ONEDNN:
                 paths.remove("oneDNN")
             calls = {p: path_call(p, threads) for p in paths}
             times: dict[str, list[float]] = {p: [] for p in paths}
@@ -150,8 +150,8 @@ def main() -> None:
            f"--repeats {args.repeats} --stream-mb {args.stream_mb}")
     body = f"""`{cmd}` — {machine()}; the 0.65 B model's projections (`cpu_model_size.py`) in fp32, as
 hyla lays them out, each streamed from memory (at least {args.stream_mb} MB a pass); wall clock, medians of
-{args.repeats} passes, paths interleaved. MKL: `F.linear`; split: `layers.split_linear` over 2 x threads
-blocks; oneDNN: `layers.onednn_linear`; hyla: `layers.few_row_linear`'s choice (else `F.linear`). A
+{args.repeats} passes, paths interleaved. MKL: `F.linear`; split: `linear.split_linear` over 2 x threads
+blocks; oneDNN: `linear.onednn_linear`; hyla: `linear.few_row_linear`'s choice (else `F.linear`). A
 step's projections: every weight of the model once, the sum of the times per call.
 
 {tables(shapes, runs, rows_list)}

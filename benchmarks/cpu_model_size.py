@@ -12,8 +12,8 @@ threads started after it), the sides interleaved repeat by repeat:
 
 * **hyla**: ``Engine`` (eager, fp32, ``cpu_threads`` = the count);
 * **hyla, unsplit**: the same engine with its few-row projections run as
-  ``F.linear`` (``unsplit_projections`` around its calls): the engine before ``layers.split_linear``
-  and the oneDNN LM head (``layers.few_row_linear``), in the same process;
+  ``F.linear`` (``unsplit_projections`` around its calls): the engine before ``linear.split_linear``
+  and the oneDNN LM head (``linear.few_row_linear``), in the same process;
 * **hyla + compile_decode** (``--compile``): a second engine, its decode steps through
   ``torch.compile`` (its start-up, compilation included, is reported). Two engines in one process
   are two scheduler threads with an OpenMP team each, which slow each other's parallel regions at
@@ -83,20 +83,20 @@ def build_model(model_dir: Path, tiny: bool = False) -> Path:
 
 @contextlib.contextmanager
 def unsplit_projections():
-    """Few-row projections as ``F.linear`` while inside (``layers.few_row_linear`` off: no split,
+    """Few-row projections as ``F.linear`` while inside (``linear.few_row_linear`` off: no split,
     no oneDNN)."""
-    from hyla.model import layers
+    from hyla.model import linear
 
-    before = layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS
-    layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS = 0, range(0)
+    before = linear.SPLIT_MAX_ROWS, linear.ONEDNN_ROWS
+    linear.SPLIT_MAX_ROWS, linear.ONEDNN_ROWS = 0, range(0)
     try:
         yield
     finally:
-        layers.SPLIT_MAX_ROWS, layers.ONEDNN_ROWS = before
+        linear.SPLIT_MAX_ROWS, linear.ONEDNN_ROWS = before
 
 
 def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False) -> dict:
-    """The three measurements of one engine; ``unsplit``: with ``layers.few_row_linear`` off."""
+    """The three measurements of one engine; ``unsplit``: with ``linear.few_row_linear`` off."""
     mode = unsplit_projections if unsplit else contextlib.nullcontext
 
     def prompt_and_decode() -> tuple[float, float]:
@@ -218,7 +218,7 @@ def main() -> None:
                       f"{run[COMPILED]['startup_s']:.0f} s." for t, run in runs.items() if COMPILED in run)
     described = {"hyla": " \"hyla\": the engine, eager (`cpu_threads` = the threads).",
                  "unsplit": " \"hyla, unsplit\": the same engine with few-row projections as `F.linear` (before "
-                            "`layers.few_row_linear`: the split and the oneDNN LM head).",
+                            "`linear.few_row_linear`: the split and the oneDNN LM head).",
                  "compiled": f" \"{COMPILED}\": an engine of its own with its decode steps through `torch.compile`."}
     sides_text = "".join(text for side, text in described.items() if side in args.sides)
     body = f"""`{cmd}` — {machine()}; the GPU benchmark's model (Qwen3.5-style, 24 layers: 18 Gated

@@ -14,16 +14,9 @@ from torch.overrides import TorchFunctionMode
 
 from hyla.model import load_model
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import (
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
-    apply_rotary_,
-    keep_row_major_weights_,
-    signed_sin,
-)
-from hyla.model import layers
+from hyla.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, signed_sin
+from hyla.model.linear import Linear, keep_row_major_weights_
+from hyla.model import linear
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -267,7 +260,7 @@ def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_pat
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     everything = keep_row_major_weights_(model, threads=1)  # this model's weights are small
     big = model.layers[3].mixer.o_proj
-    monkeypatch.setattr(layers, "ROW_COPY_MAX_ELEMENTS_ONE_THREAD", big.weight.numel())
+    monkeypatch.setattr(linear, "ROW_COPY_MAX_ELEMENTS_ONE_THREAD", big.weight.numel())
     model.lm_head.weight.data = model.lm_head.weight.data.contiguous()  # row-major: shared, kept at any size
     copied = keep_row_major_weights_(model, threads=1)
     large = [m for m in linears if not m.weight.is_contiguous() and m.weight.numel() >= big.weight.numel()]
@@ -277,7 +270,7 @@ def test_one_thread_keeps_no_row_major_copy_of_a_large_weight(qwen3_next_moe_pat
     assert copied == everything - model.lm_head.weight.nbytes - sum(m.weight.nbytes for m in large)
 
 
-@pytest.mark.skipif(not layers.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects")
+@pytest.mark.skipif(not linear.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects")
 def test_packed_weights_are_the_large_projections_own(qwen3_next_moe_path):
     """``pack_weights_`` packs the fp32 projections of at least ``min_elements`` (no other), each its own
     :class:`PackedWeight` (equal only to itself: a compiled graph takes each as its own input), and
@@ -285,7 +278,7 @@ def test_packed_weights_are_the_large_projections_own(qwen3_next_moe_path):
     model = load_model(qwen3_next_moe_path)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     cut = sorted(m.weight.numel() for m in linears)[len(linears) // 2]
-    nbytes = layers.pack_weights_(model, min_elements=cut)
+    nbytes = linear.pack_weights_(model, min_elements=cut)
     large = [m for m in linears if m.weight.numel() >= cut]
     assert 0 < len(large) < len(linears) and nbytes == sum(m.weight.nbytes for m in large)
     assert all((m.packed is not None) == (m in large) for m in linears)
@@ -294,9 +287,9 @@ def test_packed_weights_are_the_large_projections_own(qwen3_next_moe_path):
     x = torch.randn(5, large[0].weight.shape[1])
     torch.testing.assert_close(torch.ops.hyla.packed_linear(x, large[0].weight, a), x @ large[0].weight.t(),
                                atol=1e-4, rtol=1e-4)
-    assert layers.pack_weights_(model, min_elements=1 << 40) == 0 and all(m.packed is None for m in linears)
+    assert linear.pack_weights_(model, min_elements=1 << 40) == 0 and all(m.packed is None for m in linears)
     bf16 = load_model(qwen3_next_moe_path, dtype="bfloat16")
-    assert layers.pack_weights_(bf16, min_elements=1) == 0
+    assert linear.pack_weights_(bf16, min_elements=1) == 0
 
 
 @needs_cxx
@@ -305,23 +298,23 @@ def test_one_row_linear_reads_its_rows_only_when_compiled():
     more rows (a symbolic count) and a ``Linear`` without ``rows`` are ``F.linear`` (a ``rows`` that
     differs from the weight shows which one ran)."""
     torch.manual_seed(0)
-    linear = Linear(64, 48, bias=True)
-    linear.rows = 2 * linear.weight.detach().contiguous()  # not the weight: tells the paths apart
+    proj = Linear(64, 48, bias=True)
+    proj.rows = 2 * proj.weight.detach().contiguous()  # not the weight: tells the paths apart
     one, few, many = (torch.randn(n, 64) for n in (1, 3, 17))
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(linear, dynamic=False, fullgraph=True)(one),
-                                   one @ linear.rows.t() + linear.bias)
-        call = torch.compile(linear, dynamic=True, fullgraph=True)
+        torch.testing.assert_close(torch.compile(proj, dynamic=False, fullgraph=True)(one),
+                                   one @ proj.rows.t() + proj.bias)
+        call = torch.compile(proj, dynamic=True, fullgraph=True)
         for x in (few, many):
-            torch.testing.assert_close(call(x), x @ linear.weight.t() + linear.bias)
-        torch.testing.assert_close(linear(one), one @ linear.weight.t() + linear.bias)
-        torch.testing.assert_close(linear(few), few @ linear.weight.t() + linear.bias)
+            torch.testing.assert_close(call(x), x @ proj.weight.t() + proj.bias)
+        torch.testing.assert_close(proj(one), one @ proj.weight.t() + proj.bias)
+        torch.testing.assert_close(proj(few), few @ proj.weight.t() + proj.bias)
         # no rows (one thread, a large column-major weight): the one-row graph's projection is F.linear
-        linear.rows = None
-        layers.relayout_weights_(linear)
-        assert not linear.weight.is_contiguous()
-        torch.testing.assert_close(torch.compile(linear, dynamic=False, fullgraph=True)(one),
-                                   one @ linear.weight.t() + linear.bias)
+        proj.rows = None
+        linear.relayout_weights_(proj)
+        assert not proj.weight.is_contiguous()
+        torch.testing.assert_close(torch.compile(proj, dynamic=False, fullgraph=True)(one),
+                                   one @ proj.weight.t() + proj.bias)
 
 
 @pytest.fixture
@@ -335,9 +328,9 @@ def two_threads():
 
 @pytest.fixture
 def split_calls(monkeypatch):
-    """The projections that ran split across threads (``layers.split_linear`` returning a result)."""
+    """The projections that ran split across threads (``linear.split_linear`` returning a result)."""
     calls = []
-    real = layers.split_linear
+    real = linear.split_linear
 
     def spy(x, weight, blocks):
         y = real(x, weight, blocks)
@@ -345,7 +338,7 @@ def split_calls(monkeypatch):
             calls.append((x.shape[0], blocks))
         return y
 
-    monkeypatch.setattr(layers, "split_linear", spy)
+    monkeypatch.setattr(linear, "split_linear", spy)
     return calls
 
 
@@ -356,21 +349,21 @@ def test_few_row_linear_splits_its_weight_across_threads(two_threads, split_call
     weight no block count divides run ``F.linear`` itself."""
     torch.manual_seed(0)
     col = Linear(256, 384, bias=True)
-    layers.relayout_weights_(col)  # column-major, as loaded
+    linear.relayout_weights_(col)  # column-major, as loaded
     row = Linear(256, 384, bias=False)  # row-major: a tied lm_head's layout
     assert col.weight.t().is_contiguous() and row.weight.is_contiguous()
     with torch.inference_mode():
-        for linear in (col, row):
+        for proj in (col, row):
             for n in (1, 5, 16):
                 x = torch.randn(n, 256)
-                torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias),
+                torch.testing.assert_close(proj(x), torch.nn.functional.linear(x, proj.weight, proj.bias),
                                            rtol=1e-5, atol=1e-5)
         assert split_calls == [(n, 4) for n in (1, 5, 16)] * 2
         split_calls.clear()
         col(torch.randn(17, 256))  # more rows: MKL threads those itself
         odd = Linear(255, 386)  # 4 divides neither dim (row-major and column-major alike)
         odd(torch.randn(3, 255))
-        layers.relayout_weights_(odd)
+        linear.relayout_weights_(odd)
         odd(torch.randn(3, 255))
         Linear(64, 48)(torch.randn(3, 64))  # a small weight: the split's fixed cost would dominate
         torch.set_num_threads(1)
@@ -384,12 +377,12 @@ def test_compiled_projections_are_not_split(two_threads, split_calls):
     traced (it would guard a graph of more rows to at most ``SPLIT_MAX_ROWS`` rows)."""
     from torch._dynamo.testing import CompileCounter
 
-    linear = Linear(256, 384)
-    layers.relayout_weights_(linear)
+    proj = Linear(256, 384)
+    linear.relayout_weights_(proj)
     counter = CompileCounter()
-    call = torch.compile(linear, backend=counter, dynamic=True, fullgraph=True)
+    call = torch.compile(proj, backend=counter, dynamic=True, fullgraph=True)
     with torch.inference_mode():
-        for n in (3, 5, layers.SPLIT_MAX_ROWS + 7):
+        for n in (3, 5, linear.SPLIT_MAX_ROWS + 7):
             call(torch.randn(n, 256))
     assert split_calls == [] and counter.frame_count == 1
 
@@ -403,7 +396,7 @@ def test_split_projections_decode_as_unsplit(arch, request, two_threads, split_c
     prompt = [random.Random(7).randrange(3, 500) for _ in range(40)]
 
     def run(split: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(layers, "SPLIT_MIN_WEIGHT", 1 if split else 1 << 62)
+        monkeypatch.setattr(linear, "SPLIT_MIN_WEIGHT", 1 if split else 1 << 62)
         runner = TinyRunner(model)
         seq = runner.new_seq()
         with torch.inference_mode():
@@ -423,19 +416,19 @@ def test_split_projections_decode_as_unsplit(arch, request, two_threads, split_c
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """The row counts of the projections that ran on oneDNN's GEMM (``layers.onednn_linear``)."""
+    """The row counts of the projections that ran on oneDNN's GEMM (``linear.onednn_linear``)."""
     calls = []
-    real = layers.onednn_linear
+    real = linear.onednn_linear
 
     def spy(x, weight):
         calls.append(x.shape[0])
         return real(x, weight)
 
-    monkeypatch.setattr(layers, "onednn_linear", spy)
+    monkeypatch.setattr(linear, "onednn_linear", spy)
     return calls
 
 
-needs_onednn = pytest.mark.skipif(not layers.HAS_ONEDNN, reason="this torch has no oneDNN")
+needs_onednn = pytest.mark.skipif(not linear.HAS_ONEDNN, reason="this torch has no oneDNN")
 
 
 @needs_onednn
@@ -449,11 +442,11 @@ def test_few_row_linear_runs_onednn_on_a_large_row_major_weight(threads, onednn_
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT", 256 * 384)
+    monkeypatch.setattr(linear, "ONEDNN_MIN_WEIGHT", 256 * 384)
     torch.manual_seed(0)
     row = Linear(256, 384, bias=True)  # row-major: the tied lm_head's layout
     col = Linear(256, 384)
-    layers.relayout_weights_(col)
+    linear.relayout_weights_(col)
     try:
         with torch.inference_mode():
             for n in (2, 9, 64):
@@ -492,7 +485,7 @@ def test_onednn_projections_decode_as_mkl(arch, request, onednn_calls, monkeypat
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (9, 23, 5, 17)]
 
     def run(onednn: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(layers, "ONEDNN_MIN_WEIGHT", 1 if onednn else 1 << 62)
+        monkeypatch.setattr(linear, "ONEDNN_MIN_WEIGHT", 1 if onednn else 1 << 62)
         runner = TinyRunner(model)
         seqs = [runner.new_seq() for _ in prompts]
         with torch.inference_mode():
@@ -513,7 +506,7 @@ def test_onednn_projections_decode_as_mkl(arch, request, onednn_calls, monkeypat
 @pytest.mark.slow
 @needs_cxx
 @pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not layers.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects"))], ids=["frozen", "packed"])
+    not linear.HAS_PACKED, reason="this torch has no oneDNN or no opaque objects"))], ids=["frozen", "packed"])
 def test_compiled_decode_equals_eager(qwen3_next_short_path, packed, monkeypatch):
     """``Engine(compile_decode=True)``: same greedy tokens and logprobs (1e-4) as eager, batch 1 and
     a changing larger batch (from 20 requests down to 1: both graphs, the one-row graph's dot
@@ -526,7 +519,7 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path, packed, monkeypatch
 
     onednn_calls = []
     if packed:
-        monkeypatch.setattr(layers, "PACK_MIN_WEIGHT", 1)  # every projection, as a model's of millions of elements
+        monkeypatch.setattr(linear, "PACK_MIN_WEIGHT", 1)  # every projection, as a model's of millions of elements
 
     rng = random.Random(0)
     lens, new = [30, 90, 7, 64] + list(range(5, 21)), [12, 20, 8, 16] + [3 + i % 7 for i in range(16)]

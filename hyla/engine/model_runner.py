@@ -22,15 +22,15 @@ compiled at construction on scratch pools (a minute or more on a small CPU), so 
 stalls on a compile; a step that no graph of the warm-up fits runs eager rather than compiling one
 (:meth:`_run_compiled`). Models with MoE layers keep an eager decode (their routing reads expert
 counts on the host). In the one-row graph each fp32 projection is a dot product per output row
-over its weight in row-major order (``layers.Linear``), not MKL's GEMM, which streams the weights at
+over its weight in row-major order (``linear.Linear``), not MKL's GEMM, which streams the weights at
 about half the speed with one row: on more than one thread the weights themselves, made row-major in
 place; on one thread a copy, costing the projections' memory once more
-(``layers.keep_row_major_weights_``). The graph
+(``linear.keep_row_major_weights_``). The graph
 of more rows (batches, verify steps) is compiled frozen: the weights are constants, which inductor
 packs once at compile time for its C++ GEMM template (another copy of the projections), where MKL's
 GEMM repacks the weight on every call with so few rows. On a model with large projections
-(``layers.PACK_MIN_WEIGHT`` elements) those run oneDNN's GEMM on weights packed once at start-up
-instead (``layers.pack_weights_``), in a graph compiled unfrozen, which inductor's cache keeps: a later
+(``linear.PACK_MIN_WEIGHT`` elements) those run oneDNN's GEMM on weights packed once at start-up
+instead (``linear.pack_weights_``), in a graph compiled unfrozen, which inductor's cache keeps: a later
 start loads it (a 0.65 B model: 39 s against about four minutes).
 The graphs take the model's float constants as constants and leave its modules unguarded (their
 weights and attributes never change after loading); each runner compiles its own copy of the
@@ -63,7 +63,7 @@ from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_
                                     CudaGraphExtend, ExtendInputs, extend_buckets)
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import keep_row_major_weights_, pack_weights_
+from hyla.model.linear import keep_row_major_weights_, pack_weights_
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -143,11 +143,11 @@ class ModelRunner:
             # No guards on the modules: their weights and attributes never change after loading,
             # and checking every parameter before each step cost more than the rest of dynamo's
             # per-call work (the batch's tensors and sizes are still guarded).
-            # the one-row graph's dot products read row-major weights (layers.Linear): on more than one
+            # the one-row graph's dot products read row-major weights (linear.Linear): on more than one
             # thread the weights themselves, relaid in place; on one, copies (the engine's threads are set)
             copied = keep_row_major_weights_(model)
             logger.info("compile_decode: %.1f MB of row-major weight copies for one-row steps", copied / 1e6)
-            # the graph of more rows: large projections on weights packed here (layers.pack_weights_), in
+            # the graph of more rows: large projections on weights packed here (linear.pack_weights_), in
             # a graph inductor caches; else compiled frozen, its GEMMs on weights it packs itself
             packed = pack_weights_(model)
             self._freeze_rows = packed == 0
@@ -572,7 +572,7 @@ WARM_UP_LENS = [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]
 # 8.4 against 13.5 (docs/benchmarks.md, "CPU decode: the frozen graph of more rows").
 ONE_ROW_OPTIONS = {"realize_opcount_threshold": 1}
 ROWS_OPTIONS = {"realize_opcount_threshold": 4, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-# The graph of more rows on packed weights (layers.pack_weights_): not frozen, so nothing for the C++
+# The graph of more rows on packed weights (linear.pack_weights_): not frozen, so nothing for the C++
 # template to autotune against; Python's wrapper, as the C++ one cannot pass the packed weights (opaque
 # objects) to their op
 PACKED_ROWS_OPTIONS = {"realize_opcount_threshold": 4, "cpp_wrapper": False}

@@ -60,7 +60,6 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
-    Linear,
     RMSNorm,
     Rope,
     WeightSpec,
@@ -76,6 +75,7 @@ from hyla.model.layers import (
     norm_spec,
     stack_experts,
 )
+from hyla.model.linear import Linear
 from hyla.model.ops.attention import extend_sdpa
 from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update

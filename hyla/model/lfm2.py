@@ -29,7 +29,6 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
-    Linear,
     Rope,
     WeightSpec,
     _copy_decode_checkpoints,
@@ -42,6 +41,7 @@ from hyla.model.layers import (
     norm_spec,
     squeeze_conv,
 )
+from hyla.model.linear import Linear
 from hyla.model.ops.conv1d import causal_conv1d_update
 
 

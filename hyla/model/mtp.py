@@ -40,8 +40,8 @@ from torch import nn
 from hyla.cache.layout import CacheLayout
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, Linear, WeightSpec, linear_specs, norm_spec
-from hyla.model.layers import relayout_weights_
+from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, WeightSpec, linear_specs, norm_spec
+from hyla.model.linear import Linear, relayout_weights_
 from hyla.model.loader import choose_layouts, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
 
