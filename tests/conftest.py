@@ -78,6 +78,8 @@ bamba_short_path = _tiny_checkpoint("bamba_short_path", checkpoints.make_bamba, 
 lfm2_short_path = _tiny_checkpoint("lfm2_short_path", checkpoints.make_lfm2, num_hidden_layers=2,
                                    layer_types=["conv", "full_attention"])
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
+qwen3_next_moe_short_path = _tiny_checkpoint("qwen3_next_moe_short_path", checkpoints.make_qwen3_next, moe=True,
+                                             num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)
 nemotron_h_path = _tiny_checkpoint("nemotron_h_path", checkpoints.make_nemotron_h)

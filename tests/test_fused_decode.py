@@ -506,13 +506,14 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[di
 
 # Falcon-H1 and NemotronH run on a GPU only: interpreted they cost CI ~2 and ~0.7 minutes, and their
 # kernels (Mamba2's, attention's) are the ones Bamba and Qwen3.5 check here on every run; what they add
-# is both in one layer (Falcon-H1) and a fused decode beside MoE routing, without CUDA graphs (NemotronH).
+# is both in one layer (Falcon-H1) and a fused decode beside MoE layers, whose experts run gathered in
+# the CUDA graphs (NemotronH).
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
-    """fp32, prefix cache on: the fused decode (graphs on a GPU, except with MoE layers) == the
+    """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts gathered) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
     DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
     and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
@@ -528,7 +529,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
         a = _two_turns(default, None, requests)
         assert default.scheduler.runner.fused == GPU
-        assert (default.scheduler.runner.graphs is not None) == (GPU and arch != "nemotron_h")
+        assert (default.scheduler.runner.graphs is not None) == GPU
     # the other side with the overlap schedule (on a GPU the default side has it too: auto)
     with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
         b = _two_turns(other, fused=not GPU, requests=requests)

@@ -14,9 +14,9 @@ from torch.overrides import TorchFunctionMode
 
 from hyla.model import load_model
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_, signed_sin
+from hyla.model.layers import RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary, apply_rotary_, signed_sin
 from hyla.model.linear import Linear, keep_row_major_weights_
-from hyla.model import linear
+from hyla.model import layers, linear
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -36,14 +36,18 @@ needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++
 
 @pytest.fixture(scope="module")
 def nemotron_h_dense_path(tiny_ckpt_dir):
-    """NemotronH without its MoE block (MoE routing reads expert counts on the host, by design)."""
+    """NemotronH without its MoE block (a prefill's MoE routing reads expert counts on the host, by design)."""
     return make_nemotron_h(tiny_ckpt_dir, layers_block_type=[
         "linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "full_attention"])
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path"])
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
+                                  "qwen3_next_moe_path", "nemotron_h_path"])
 @torch.no_grad()
-def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request):
+def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
+    """Models with MoE layers too, whose decode steps run the experts gathered (``SparseMoE.gathers``:
+    what a GPU step of a few rows and a compiled step do)."""
+    monkeypatch.setattr(SparseMoE, "gathers", lambda self, x: True)
     model = load_model(request.getfixturevalue(ckpt))
     runner = TinyRunner(model)
     seqs = [runner.new_seq() for _ in range(3)]
@@ -571,6 +575,48 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path, packed, monkeypatch
         la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
         assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4  # the project fp32 tolerance (fused kernels reorder sums)
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_compiled_decode_runs_moe_layers_as_one_op(qwen3_next_moe_short_path, monkeypatch):
+    """A model with MoE layers compiles its decode steps too: each graph calls the experts as one op
+    (``layers.moe_experts``, whose host read does not break the graph), with the same greedy tokens
+    and logprobs (1e-4) as the eager engine and nothing compiled after start-up. The graph of more
+    rows is compiled without autotuning its GEMMs (what is tested is the MoE layers;
+    ``test_compiled_decode_equals_eager`` covers the GEMMs)."""
+    import torch._dynamo
+
+    from hyla import Engine
+    from hyla.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})
+    calls = []  # the sorted path's, eager or as the compiled graphs' op
+    real = layers.run_experts_sorted
+    monkeypatch.setattr(layers, "run_experts_sorted", lambda x, *a: calls.append(torch.compiler.is_compiling())
+                        or real(x, *a))
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (30, 9, 64, 5, 17)]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in (10, 14, 6, 12, 8)]
+
+    def run(**options):
+        with Engine(qwen3_next_moe_short_path, max_total_tokens=2048, max_state_slots=24, **options) as engine:
+            frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+            outs.append(engine.generate(input_ids=prompts[0], sampling_params=params[0], return_logprob=True))
+            assert engine.scheduler.runner.late_compiles == 0
+            return outs, torch._dynamo.utils.counters["stats"]["unique_graphs"] - frames
+
+    eager, _ = run()
+    calls.clear()
+    compiled, new_graphs = run(compile_decode=True)
+    assert new_graphs == 0, "a decode step compiled after start-up"
+    assert calls and not any(calls)  # run by the op, never traced into a graph
+    for a, b in zip(eager, compiled):
+        assert a["output_ids"] == b["output_ids"]
+        la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4
 
 
 def test_compiled_decode_compiles_each_runners_own_frame(qwen3_next_short_path, monkeypatch):

@@ -79,20 +79,54 @@ def test_nemotron_h_grouped_router_and_latent_moe_match_hf():
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
-def test_run_experts_equals_per_token_loop():
-    _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+def test_expert_paths_equal_the_per_token_loop(arch):
+    """Sorted by expert (eager, and as the op a compiled graph calls), and gathered per assignment (a
+    batched GEMV, as on a GPU): each token's weighted sum of its experts, SwiGLU and relu² alike."""
+    if arch == "qwen3_next":
+        _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    else:
+        kw = {**NEMOTRON_H_KW, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3}
+        _, cfg = config_pair(transformers.NemotronHConfig, kw, "NemotronHForCausalLM")
     moe = SparseMoE(cfg)
     randomize(moe, 2)
     x = torch.randn(9, 256)
     weights, experts = moe.route(x)
     with torch.no_grad():
-        got = moe.run_experts(x, weights, experts)
+        want = torch.zeros(9, 256)
         for t in range(9):
-            want = torch.zeros(256)
             for w, e in zip(weights[t], experts[t]):
-                gate, up = (x[t] @ moe.w_in[e].t()).chunk(2)
-                want += w * ((torch.nn.functional.silu(gate) * up) @ moe.w_out[e].t())
-            assert torch.allclose(got[t], want, rtol=1e-5, atol=1e-4)
+                h = x[t] @ moe.w_in[e].t()
+                if moe.gated:
+                    gate, up = h.chunk(2)
+                    h = torch.nn.functional.silu(gate) * up
+                else:
+                    h = torch.relu(h) ** 2
+                want[t] += w * (h @ moe.w_out[e].t())
+        traced = torch.compile(moe.run_experts, backend="eager", fullgraph=True)  # one graph: the op is opaque
+        for got in (moe.run_experts(x, weights, experts), moe.run_experts_gathered(x, weights, experts),
+                    traced(x, weights, experts)):
+            assert got.dtype == weights.dtype
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_moe_gathers_on_a_gpu_only_and_compiles_its_sorted_path_as_one_op():
+    """CPU steps sort by expert (a host read costs nothing there), compiled or not: a compiled graph
+    calls the sorted path as the op ``hyla::moe_experts``."""
+    _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    moe = SparseMoE(cfg)
+    randomize(moe, 3)
+    x = torch.randn(3, 256)
+    assert not moe.gathers(x)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(moe, backend=backend, fullgraph=True)(x), moe(x))
+    assert "hyla.moe_experts" in ops
 
 
 @torch.no_grad()

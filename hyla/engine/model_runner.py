@@ -113,13 +113,20 @@ class ModelRunner:
             self.pad_row = req_to_token.padding_row
             rows = max(cuda_graph_max_bs, 1) * (self.verify_width or 1)  # a verify step's rows: W per request
             self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
-            if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph():
-                self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
-                if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
-                    self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
-                                                         width=self.verify_width, pool=self.graphs.pool)
-            elif cuda_graph and self.device.type == "cuda":
-                logger.info("%s: MoE routing reads the host; decode runs fused, without CUDA graphs", c.architecture)
+            # a model with MoE layers: graphs of as many rows as their gathered path takes (larger
+            # steps read the experts' group sizes on the host, and run eager)
+            max_rows = model.graph_max_rows()
+            graph_bs = cuda_graph_max_bs if max_rows is None else min(cuda_graph_max_bs, max_rows)
+            verify_bs = min(graph_bs, VERIFY_GRAPH_MAX_BS) if max_rows is None else \
+                min(graph_bs, VERIFY_GRAPH_MAX_BS, max_rows // (self.verify_width or 1))
+            if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph() and graph_bs > 0:
+                if graph_bs < cuda_graph_max_bs:
+                    logger.info("%s: MoE layers; CUDA graphs for decode batches of up to %d", c.architecture, graph_bs)
+                self.graphs = CudaGraphDecode(self, graph_bs)
+                if self.verify_width is not None and verify_bs > 0:  # verify steps of chains too, sharing the
+                    # graphs' memory
+                    self.verify_graphs = CudaGraphDecode(self, verify_bs, width=self.verify_width,
+                                                         pool=self.graphs.pool)
             # extends of one sequence (a cached prompt's new part, an agent's turn) as fused extends: graphs
             # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
             extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])
@@ -134,10 +141,6 @@ class ModelRunner:
             logger.info("%s: no fused decode kernels for its layers; decode runs the PyTorch ops", c.architecture)
         if self.fused and compile_decode:
             logger.warning("compile_decode: decode runs the fused kernels on %s; not compiled", self.device)
-        elif compile_decode and ("moe" in c.layer_types or "moe" in c.ffn_types):
-            # MoE routing reads expert counts on the host: the graph would break in every MoE
-            # layer and recompile per layer; decode stays eager for these models
-            logger.warning("compile_decode: %s has MoE layers; decode steps stay eager", c.architecture)
         elif compile_decode:
             # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step).
             # No guards on the modules: their weights and attributes never change after loading,

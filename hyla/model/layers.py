@@ -656,6 +656,65 @@ class MLP(nn.Module):
         return self.out_proj(relu2(h))
 
 
+# MoE steps of at most this many (token, expert) assignments run gathered on a GPU
+# (SparseMoE.gathers): no host read, so CUDA graphs capture decode steps of up to this many
+# assignments (HybridForCausalLM.graph_max_rows). The gather copies each assignment's expert weights
+# before a batched GEMV (64 of Qwen3-Next's experts in bf16: 400 MB written and read again); larger
+# steps sort by expert and read each chosen expert once. Not yet timed on a GPU.
+GATHER_MAX_ASSIGNMENTS = 64
+
+
+def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
+                       w_out: torch.Tensor, gated: bool) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])``: ``x [T, Hin]``, ``weights, experts
+    [T, k]``, stacked experts ``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]`` (SwiGLU where
+    ``gated``, else relu²) -> ``[T, Hin]`` in ``weights.dtype``. The assignments sorted by expert, one
+    matmul pair per expert that received tokens: each chosen expert's weights read once, its group's
+    size read on the host."""
+    flat = experts.flatten()  # [T*k]
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+    token = order // experts.shape[1]  # [T*k] token of each sorted assignment
+    counts = torch.bincount(flat, minlength=w_in.shape[0]).tolist()
+    xs = x[token]  # [T*k, Hin]
+    outs = []
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        h = xs[start : start + n] @ w_in[e].t()  # [n, I or 2I]
+        if gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = relu2(h)
+        outs.append(h @ w_out[e].t())  # [n, Hin]
+        start += n
+    ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
+    return out.index_add_(0, token, ys.to(weights.dtype))
+
+
+@torch.library.custom_op("hyla::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
+                w_out: torch.Tensor, gated: bool) -> torch.Tensor:
+    """:func:`run_experts_sorted` as one op of a ``compile_decode`` graph (``torch.ops.hyla.moe_experts``):
+    opaque to the compiler, so its host read does not break the graph, and it runs MKL's GEMMs on
+    the weights as loaded, each chosen expert's once."""
+    return run_experts_sorted(x, weights, experts, w_in, w_out, gated)
+
+
+@moe_experts.register_fake
+def _(x, weights, experts, w_in, w_out, gated):
+    return x.new_empty(x.shape, dtype=weights.dtype)
+
+
+def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``w[experts[a]] @ x[a]`` for each assignment ``a``: stacked expert weights ``w [E, N, K]``,
+    ``experts [A]``, ``x [A, K]`` -> ``[A, N]`` in ``x``'s dtype: a batched GEMV on the gathered
+    weights (a copy of ``A`` experts' weights)."""
+    return torch.bmm(w[experts], x.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts plus an optional shared expert.
 
@@ -665,8 +724,17 @@ class SparseMoE(nn.Module):
     ``topk_group`` of ``n_group`` groups, weights are the uncorrected scores, renormalised, times
     ``routed_scaling_factor``; relu² experts, optional latent projection around the experts).
 
-    Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``); tokens are sorted
-    by expert and only the experts that received tokens run, one matmul pair each.
+    Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``). Two ways to run them,
+    the same numbers within fp32 rounding (:meth:`gathers` picks):
+
+    * sorted (:meth:`run_experts`): tokens sorted by expert, one matmul pair per expert that
+      received tokens; each chosen expert's weights are read once, but the group sizes are read on
+      the host, so the step's shapes depend on the routing;
+    * gathered (:meth:`run_experts_gathered`): every (token, choice) assignment runs its own expert
+      on its own token; no host read and shapes fixed by the token count, so a CUDA graph holds it,
+      at the cost of copying an expert's weights once per assignment.
+
+    A ``compile_decode`` graph runs the sorted path as one opaque op (:func:`moe_experts`).
     """
 
     stacked_weights = ("w_in", "w_out")  # fp32 CPU: column-major, as nn.Linear's (linear.relayout_weights_)
@@ -723,33 +791,41 @@ class SparseMoE(nn.Module):
         return weights * self.scaling, experts
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` -> ``[T, Hin]`` in ``weights.dtype``."""
-        flat = experts.flatten()  # [T*k]
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        token = order // self.top_k  # [T*k] token of each sorted assignment
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x[token]  # [T*k, Hin]
-        outs = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            h = xs[start : start + n] @ self.w_in[e].t()  # [n, I or 2I]
-            if self.gated:
-                gate, up = h.chunk(2, dim=-1)
-                h = F.silu(gate) * up
-            else:
-                h = relu2(h)
-            outs.append(h @ self.w_out[e].t())  # [n, Hin]
-            start += n
-        ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
-        return out.index_add_(0, token, ys.to(weights.dtype))
+        """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` -> ``[T, Hin]`` in ``weights.dtype``,
+        sorted by expert (:func:`run_experts_sorted`; inside a compiled graph as its op,
+        :func:`moe_experts`)."""
+        run = torch.ops.hyla.moe_experts if torch.compiler.is_compiling() else run_experts_sorted
+        return run(x, weights, experts, self.w_in, self.w_out, self.gated)
+
+    def gathers(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s tokens run :meth:`run_experts_gathered`: on a GPU, at most
+        ``GATHER_MAX_ASSIGNMENTS`` assignments (decode steps: no sync per layer, and CUDA graphs
+        capture them). CPU steps sort by expert, compiled or not: there a host read costs nothing,
+        and gathering the weights would copy them."""
+        return x.is_cuda and x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS
+
+    def run_experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """:meth:`run_experts` as one product per (token, choice) assignment, ``A = T * k`` of them,
+        with no host read: ``x [T, Hin]``, ``weights, experts [T, k]`` -> ``[T, Hin]`` in
+        ``weights.dtype``. Each token's choices are summed in choice order (the sorted path: in expert
+        order), so the two agree within rounding."""
+        t, k = experts.shape
+        flat = experts.flatten()  # [A]
+        xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, x.shape[1])  # [A, Hin]: token of each assignment
+        h = expert_matvec(self.w_in, flat, xs)  # [A, I or 2I]
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = relu2(h)
+        ys = expert_matvec(self.w_out, flat, h).view(t, k, -1)  # [T, k, Hin]
+        return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         h = self.latent_in(x) if self.latent_in is not None else x
-        out = self.run_experts(h, weights, experts).to(x.dtype)  # [T, Hin]
+        run = self.run_experts_gathered if self.gathers(h) else self.run_experts
+        out = run(h, weights, experts).to(x.dtype)  # [T, Hin]
         if self.latent_out is not None:
             out = self.latent_out(out)
         if self.shared_expert is not None:
@@ -1101,8 +1177,15 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             and not any(isinstance(m, SparseMoE) for m in self.modules())
 
     def supports_cuda_graph(self) -> bool:
-        """A fused decode step with no host read anywhere: MoE routing still reads expert counts."""
-        return self.supports_fused_decode() and not any(isinstance(m, SparseMoE) for m in self.modules())
+        """A fused decode step with no host read anywhere (up to :meth:`graph_max_rows` rows)."""
+        return self.supports_fused_decode()
+
+    def graph_max_rows(self) -> int | None:
+        """The most rows (tokens) a CUDA graph of a step may hold: None for any; with MoE layers as
+        many as their gathered path takes (``GATHER_MAX_ASSIGNMENTS // top_k``: larger steps sort their
+        tokens by expert, reading the group sizes on the host)."""
+        top_k = max((m.top_k for m in self.modules() if isinstance(m, SparseMoE)), default=0)
+        return GATHER_MAX_ASSIGNMENTS // top_k if top_k else None
 
     # --- forward ---
     @torch.no_grad()
