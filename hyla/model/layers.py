@@ -24,7 +24,7 @@ from torch import nn
 
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.linear import Linear, relayout_weights_
+from hyla.model.linear import Linear, few_row_linear, mkl_weight, relayout_weights_
 from hyla.model.ops.attention import (
     paged_attention,
     paged_attention_decode,
@@ -681,17 +681,25 @@ def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = xs[start : start + n] @ w_in[e].t()  # [n, I or 2I]
+        h = expert_linear(xs[start : start + n], w_in[e])  # [n, I or 2I]
         if gated:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = relu2(h)
-        outs.append(h @ w_out[e].t())  # [n, Hin]
+        outs.append(expert_linear(h, w_out[e]))  # [n, Hin]
         start += n
     ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
     return out.index_add_(0, token, ys.to(weights.dtype))
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for one expert's weight ``w [N, K]``: a few fp32 CPU rows as a dense projection's
+    (:func:`linear.few_row_linear`: on more than one thread split across them, as MKL runs such a
+    GEMM on one), else the GEMM."""
+    y = few_row_linear(x, w) if mkl_weight(w) else None
+    return x @ w.t() if y is None else y
 
 
 @torch.library.custom_op("hyla::moe_experts", mutates_args=())
