@@ -91,6 +91,30 @@ def concurrent_output(engine, rng: random.Random, vocab: int, prompt: int, new: 
     return BATCH * new / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(new)))
 
 
+def hf_side(hf, rng: random.Random, vocab: int, n: int):
+    """transformers' ``generate`` (greedy, ``n`` tokens forced): ``(decode tok/s at batch 1 after a
+    ``PROMPT_1``-token prompt, output tok/s of ``BATCH`` ``PROMPT_8`` → ``NEW_8`` requests)`` as two
+    callables, measured as hyla's are."""
+    import torch
+
+    @torch.no_grad()
+    def hf_generate(ids: torch.Tensor, max_new: int) -> None:
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                          min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == ids.shape[1] + max_new
+
+    def decode_b1() -> float:
+        p = torch.tensor([fresh(PROMPT_1, rng, vocab)])
+        short = timed(lambda: hf_generate(p, 1))
+        return n / max(timed(lambda: hf_generate(p, 1 + n)) - short, 1e-9)
+
+    def batch8() -> float:
+        return BATCH * NEW_8 / timed(lambda: hf_generate(torch.tensor([fresh(PROMPT_8, rng, vocab)
+                                                                       for _ in range(BATCH)]), NEW_8))
+
+    return decode_b1, batch8
+
+
 def measure(args) -> dict[str, dict[str, float]]:
     """Medians per side (``hyla``, optionally ``compiled``, ``hf``, optionally ``llama.cpp``) of every
     metric (llama.cpp: ``d1`` and ``b8`` only)."""
@@ -111,27 +135,9 @@ def measure(args) -> dict[str, dict[str, float]]:
     n = args.new_tokens
     sizes = dict(max_total_tokens=32768, max_state_slots=64, **thread_option(args.threads))
 
-    @torch.no_grad()
-    def hf_generate(ids: torch.Tensor, max_new: int) -> None:
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                          min_new_tokens=max_new, do_sample=False, pad_token_id=0)
-        assert out.shape[1] == ids.shape[1] + max_new
-
     def hyla_side(engine):
         return (lambda: decode_after_prompt(engine, rng, vocab, PROMPT_1, n)[1],
                 lambda: concurrent_output(engine, rng, vocab, PROMPT_8, NEW_8))
-
-    def hf_side():
-        def decode_b1() -> float:
-            p = torch.tensor([fresh(PROMPT_1, rng, vocab)])
-            short = timed(lambda: hf_generate(p, 1))
-            return n / max(timed(lambda: hf_generate(p, 1 + n)) - short, 1e-9)
-
-        def batch8() -> float:
-            return BATCH * NEW_8 / timed(lambda: hf_generate(torch.tensor([fresh(PROMPT_8, rng, vocab)
-                                                                           for _ in range(BATCH)]), NEW_8))
-
-        return decode_b1, batch8
 
     def llama_cpp_side(server):
         from benchmarks import llama_cpp
@@ -148,7 +154,7 @@ def measure(args) -> dict[str, dict[str, float]]:
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [e.shutdown() for e in engines.values()])
         sides = {name: hyla_side(e) for name, e in engines.items()}
-        sides["hf"] = hf_side()
+        sides["hf"] = hf_side(hf, rng, vocab, n)
         if args.llama_cpp is not None:
             sides["llama.cpp"] = llama_cpp_side(stack.enter_context(start_llama_server(args, path)))
         for decode_b1, batch8 in sides.values():  # warm-up

@@ -70,6 +70,10 @@ FULL = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_hid
 TINY = dict(FULL, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4, layer_types=LAYER_TYPES,
             num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
             linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32)
+# --moe: the same decoder with Qwen3.5-MoE's layer (Qwen3.5-35B-A3B's experts: top-8, 512 wide, and a
+# shared expert; 64 of them here, at hidden 1,024) in place of the MLP
+MOE = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+TINY_MOE = dict(MOE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
 def log_triton_compiles() -> bool:
@@ -120,9 +124,11 @@ def set_knobs(args: argparse.Namespace) -> list[str]:
     return done
 
 
-def build(out: Path, kw: dict, device: str, dtype: torch.dtype) -> dict:
-    """Random ``Qwen3_5ForCausalLM`` built on ``device`` in ``dtype``, saved to ``out``; returns its
-    sizes for the roofline (bytes one decode step reads of the weights)."""
+def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None) -> dict:
+    """Random ``Qwen3_5ForCausalLM`` (with ``moe``, the expert sizes: ``Qwen3_5MoeForCausalLM``)
+    built on ``device`` in ``dtype``, saved to ``out``; returns its sizes for the roofline (bytes one
+    decode step reads of the weights; with MoE layers without the routed experts, and
+    ``expert_bytes``: one expert's, every layer's)."""
     import transformers
 
     torch.manual_seed(0)
@@ -130,7 +136,12 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype) -> dict:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
+            if moe is None:
+                model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
+            else:
+                dense = {k: v for k, v in kw.items() if k != "intermediate_size"}
+                model = transformers.Qwen3_5MoeForCausalLM(
+                    transformers.Qwen3_5MoeTextConfig(**{**checkpoints.QWEN3_5_MOE_KW, **dense, **moe}))
     finally:
         torch.set_default_dtype(default)
     model.eval()
@@ -139,9 +150,12 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype) -> dict:
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = list(model.parameters())  # tied: the shared matrix once
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    experts = sum(nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
     info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
-                # every step reads the whole lm_head but only B rows of the embedding
-                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + nbytes(head))
+                # every step reads the whole lm_head but only B rows of the embedding (and of the
+                # routed experts, those its tokens chose: roofline())
+                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + nbytes(head) - experts,
+                expert_bytes=experts // moe["num_experts"] if moe else 0)
     model.save_pretrained(out, safe_serialization=True)
     del model
     return info
@@ -181,6 +195,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, 4 layers, vocab 2048) to test on CPU")
+    ap.add_argument("--moe", action="store_true", help="the model with MoE layers (MOE: 64 experts, top-8, and a "
+                    "shared expert) in place of its MLPs; writes its own section")
     ap.add_argument("--repeats", type=int, default=5)  # 3 let one stalled run move a median
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
@@ -221,6 +237,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     kernels = {k: importlib.util.find_spec(k) is not None for k in ("fla", "causal_conv1d")}
     kw = TINY if args.tiny else FULL
+    moe = (TINY_MOE if args.tiny else MOE) if args.moe else None
     log(f"{machine()}, transformers {transformers.__version__}, {dtype_name}, importable: {kernels}")
     bw, copy_bytes = bandwidth(dev)
     log(f"copy bandwidth {bw / 1e9:,.0f} GB/s")
@@ -228,7 +245,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-decode-")
     path = Path(tmp.name)
     t0 = time.perf_counter()
-    sizes = build(path, kw, dev, dtype)
+    sizes = build(path, kw, dev, dtype, moe)
     gc.collect()
     log(f"built and saved {sizes['params'] / 1e6:,.1f} M parameters ({sizes['param_bytes'] / 1e9:.3f} GB) "
         f"in {time.perf_counter() - t0:.1f} s")
@@ -347,10 +364,13 @@ def main() -> None:
     del engine, hf
     gc.collect()
 
-    # roofline: weights once per step, plus each request's states (read + write) and KV (mean context)
+    # roofline: weights once per step, plus each request's states (read + write) and KV (mean context);
+    # with MoE layers the experts B tokens choose, E * (1 - (1 - k/E)^B) distinct ones expected
     ctx = p + (1 + n) / 2
-    roof = {b: b * bw / (sizes["weight_bytes_per_step"] + b * (2 * layout.state_bytes_per_slot
-                                                              + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
+    chosen = (lambda b: moe["num_experts"] * (1 - (1 - moe["num_experts_per_tok"] / moe["num_experts"]) ** b)) \
+        if moe else (lambda b: 0)
+    roof = {b: b * bw / (sizes["weight_bytes_per_step"] + chosen(b) * sizes["expert_bytes"] + b * (
+        2 * layout.state_bytes_per_slot + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
     hf_name = "transformers" + (" + fla" if kernels["fla"] else " (no fla: torch fallback)")
     rows = []
     for b in batches:
@@ -376,12 +396,15 @@ def main() -> None:
             u = med["hyla_cached_ttft_unfused"]
             rows.append(f"| the same, fused extend (its CUDA graphs) bypassed | {1e3 * u:.1f} ms = {100 * u / h:.1f}% "
                         f"of cold; the graphs {u / c:.2f}x faster | | | |")
-    desc = (f"{'tiny ' if args.tiny else ''}Qwen3.5-style dense model, random weights: hidden {kw['hidden_size']}, "
+    kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
+            f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
+            f"in place of the MLP)") if moe else "Qwen3.5-style dense model"
+    desc = (f"{'tiny ' if args.tiny else ''}{kind}, random weights: hidden {kw['hidden_size']}, "
             f"{kw['num_hidden_layers']} layers ({kw['layer_types'].count('linear_attention')} Gated DeltaNet + "
             f"{kw['layer_types'].count('full_attention')} attention), GDN {kw['linear_num_key_heads']}/"
             f"{kw['linear_num_value_heads']} heads of {kw['linear_key_head_dim']}, attention "
-            f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, MLP "
-            f"{kw['intermediate_size']}, vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
+            f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, "
+            f"{'' if moe else 'MLP ' + str(kw['intermediate_size']) + ', '}vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
             f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
     cmd = shlex.join([".venv/bin/python", "benchmarks/gpu_decode.py", *sys.argv[1:]])
     agreed = "" if agree is None else \
@@ -396,7 +419,9 @@ def main() -> None:
         f"* Decode: B concurrent requests of {p} random prompt tokens, {n} new tokens each (greedy, EOS ignored); "
         f"tok/s = B × {n} / (t({1 + n} new) − t(1 new)), so prefill cancels; transformers runs batches "
         f"≤ {args.hf_max_batch}.",
-        f"* HBM roofline: per decode step {sizes['weight_bytes_per_step'] / 1e9:.3f} GB of weights, plus per request "
+        f"* HBM roofline: per decode step {sizes['weight_bytes_per_step'] / 1e9:.3f} GB of weights"
+        + (f" and {sizes['expert_bytes'] / 1e6:.1f} MB per distinct expert the batch's tokens choose (expected "
+           f"E(1 - (1 - k/E)^B))" if moe else "") + ", plus per request "
         f"{2 * layout.state_bytes_per_slot / 2**20:.1f} MiB of recurrent states (read + written) and "
         f"{layout.kv_bytes_per_token * (ctx + 1) / 2**20:.2f} MiB of KV (mean context), at {bw / 1e9:,.0f} GB/s "
         f"(a {copy_bytes >> 20:,} MiB device copy, read + written, measured in this run).",
@@ -412,13 +437,13 @@ def main() -> None:
     log(f"measured in {wall:.0f} s")
     if args.json:
         args.json.write_text(json.dumps(dict(command=cmd, machine=machine(), transformers=transformers.__version__,
-                                             importable=kernels, dtype=dtype_name, config=kw, sizes=sizes,
+                                             importable=kernels, dtype=dtype_name, config=kw, moe=moe, sizes=sizes,
                                              bandwidth_bytes_per_s=bw, engine_options=opts, roofline_tok_s=roof,
                                              greedy_agreement=agree,
                                              raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
                                         indent=1))
     if not args.no_write:
-        write_section("GPU decode", body)
+        write_section("GPU decode: a model with MoE layers" if moe else "GPU decode", body)
     tmp.cleanup()
 
 

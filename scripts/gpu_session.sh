@@ -13,6 +13,8 @@
 #            and where its time goes (gpu_profile.py --batches "") (~3 min)
 #   pdl      batch-1 decode with the GEMV step's kernels launched with and without programmatic dependent
 #            launch, and with cuBLAS in projections (gpu_decode.py --pdl 1|0 --gemv-in 1|0) (~4 min)
+#   moe      gpu_decode.py --moe: batch 1 and 8 of the model with MoE layers (their experts gathered in the
+#            CUDA graphs) against transformers, then without CUDA graphs (~4 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
 #            the in projections' GEMV against cuBLAS, without and with PDL
@@ -63,6 +65,10 @@ for s in "$@"; do
                  timeout 100 python3 benchmarks/gpu_decode.py --batches 1 --repeats 5 --hyla-only --no-write $ab 2>&1 \
                      | tee -a "$out/pdl.log" | grep -E "decode, batch 1|TTFT|Error|error" | tail -4
              done ;;
+        moe) timeout 240 python3 benchmarks/gpu_decode.py --moe --batches 1,8 --repeats 3 --hf-max-batch 8 \
+                 --json "$out/gpu_decode_moe.json" 2>&1 | tee "$out/moe.log" | tail -14
+             timeout 120 python3 benchmarks/gpu_decode.py --moe --batches 1,8 --repeats 3 --hyla-only --no-cuda-graph \
+                 --no-write 2>&1 | tee -a "$out/moe.log" | grep -E "decode, batch|Error|error" ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;
         outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
@@ -72,7 +78,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

@@ -8,8 +8,9 @@ separate kernels, each extend attention tile with PyTorch's SDPA. Four CPU scrip
 same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
 two worker processes, here one checkout against itself), ``cache_pressure.py`` (one workload
 seed, its ``--replay`` and its ``--timing``), ``cpu_model_size.py`` (its tiny model, both
-thread counts, the unsplit side at both) and ``cpu_gemm.py`` (the tiny model's weights, every path
-where it applies). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+thread counts, the unsplit side at both), ``cpu_gemm.py`` (the tiny model's weights, every path
+where it applies) and ``cpu_moe.py`` (its tiny model, the eager engine against transformers: the
+compiled side's start-up is minutes). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
@@ -43,6 +44,26 @@ def test_gpu_decode_runs_on_cpu(tmp_path):
     medians = json.loads(report.read_text())["medians"]
     assert medians["hyla_cached_hit"] == 48  # the cached TTFT's prompt hit its whole cached prefix
     assert all(medians[k] > 0 for k in ("hyla_decode_1", "hyla_decode_2", "hyla_ttft", "hyla_cached_ttft"))
+
+
+def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
+    """``--moe``: the model with MoE layers, both sides (their greedy check agrees), its roofline
+    counting the experts a batch chooses."""
+    report = tmp_path / "gpu_decode.json"
+    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--moe", "--batches", "1,2", "--new-tokens", "2",
+               "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json", str(report))
+    assert "Qwen3.5-MoE-style model (8 experts, top-2" in out and "per distinct expert" in out
+    data = json.loads(report.read_text())
+    assert data["greedy_agreement"] == 8 and data["moe"]["num_experts"] == 8 and data["sizes"]["expert_bytes"] > 0
+    roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
+    assert roof[2] > roof[1] > 0 and all(data["medians"][k] > 0 for k in ("hyla_decode_1", "hf_decode_2"))
+
+
+def test_cpu_moe_measures_hyla_against_transformers(tmp_path):
+    out = _run("benchmarks/cpu_moe.py", "--tiny", "--model-dir", str(tmp_path), "--repeats", "1", "--new-tokens", "4",
+               "--sides", "hyla,hf")
+    rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| output")]
+    assert len(rows) == 2 and all(line.count("x**)") == 1 for line in rows)  # hyla's ratio to transformers
 
 
 @pytest.mark.slow
