@@ -119,6 +119,10 @@ def cases():
         # the in projections' GEMV (K = the model's hidden size; a K that is not a power of two)
         for k in (1024, 1000):
             yield f"linear K={k} {n}", lambda k=k: gemv.linear(r(1, k), r(300, k))
+        # a MoE step's gathered experts (K: the hidden size into the experts, their width out of them)
+        for k, out in ((1024, 2 * 512), (512, 1024)):
+            yield f"expert_linear K={k} {n}", lambda k=k, out=out: gemv.expert_linear(
+                r(6, k), r(4, out, k), torch.tensor([0, 3, 1, 1, 2, 0]))
         # convs
         c, kk = 3 * heads * dh, 4
         for chain in (None, chains):

@@ -847,6 +847,34 @@ def test_linear_kernel(dtype, rows):
         gemv.linear(x[:, :-1], weight)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_linear_kernel(dtype):
+    """A MoE step's gathered experts (``gemv.expert_linear``: each assignment's row through its own
+    expert, read in place) == ``F.linear`` per assignment: repeated and unused experts, a K that is not
+    a power of two, column-major stacked weights (as CPU weights load), int32 ids; bad inputs refused."""
+    from hyla.model.ops.gpu import gemv
+
+    g = torch.Generator().manual_seed(10)
+    experts = torch.tensor([3, 0, 3, 1, 4], device=DEVICE)
+    for n, k in [(48, 100), (20, 64)]:
+        x = torch.randn(5, k, generator=g).to(DEVICE, dtype)
+        stack = torch.randn(6, n, k, generator=g).to(DEVICE, dtype)
+        for w in (stack, stack.transpose(1, 2).contiguous().transpose(1, 2)):
+            for ids in (experts, experts.int()):
+                y = gemv.expert_linear(x, w, ids)
+                exact = torch.stack([F.linear(x[a].float(), w[e].float()) for a, e in enumerate(experts.tolist())])
+                assert y.shape == (5, n) and y.dtype == dtype
+                if dtype == torch.float32:
+                    torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
+                else:  # at most one bf16 step from the exact sum, rounded
+                    assert ((y.float() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2**-7).all()
+    assert gemv.expert_linear(x[:0], stack, experts[:0]).shape == (0, 20)
+    with pytest.raises(ValueError, match="experts"):
+        gemv.expert_linear(x, stack, experts.float())
+    with pytest.raises(ValueError, match="x must be"):
+        gemv.expert_linear(x, stack, experts[:4])
+
+
 @pytest.mark.parametrize("in_proj", [True, False])
 def test_gemv_step_in_projections(in_proj, monkeypatch):
     """On a GEMV step (``gemv_step=True``) an MLP runs its in projection through ``gemv.linear``

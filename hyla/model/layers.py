@@ -658,9 +658,9 @@ class MLP(nn.Module):
 
 # MoE steps of at most this many (token, expert) assignments run gathered on a GPU
 # (SparseMoE.gathers): no host read, so CUDA graphs capture decode steps of up to this many
-# assignments (HybridForCausalLM.graph_max_rows). The gather copies each assignment's expert weights
-# before a batched GEMV (64 of Qwen3-Next's experts in bf16: 400 MB written and read again); larger
-# steps sort by expert and read each chosen expert once. Not yet timed on a GPU.
+# assignments (HybridForCausalLM.graph_max_rows). Each assignment reads its expert's weights once
+# (gemv.expert_linear: two assignments of one expert read it twice); larger steps sort by expert and
+# read each chosen expert once. Not yet timed on a GPU.
 GATHER_MAX_ASSIGNMENTS = 64
 
 
@@ -718,8 +718,11 @@ def _(x, weights, experts, w_in, w_out, gated):
 
 def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``w[experts[a]] @ x[a]`` for each assignment ``a``: stacked expert weights ``w [E, N, K]``,
-    ``experts [A]``, ``x [A, K]`` -> ``[A, N]`` in ``x``'s dtype: a batched GEMV on the gathered
-    weights (a copy of ``A`` experts' weights)."""
+    ``experts [A]``, ``x [A, K]`` -> ``[A, N]`` in ``x``'s dtype. On a GPU a GEMV kernel whose
+    programs read their assignment's expert in place (``gemv.expert_linear``); elsewhere, or a K it
+    does not take, a batched GEMV on the gathered weights (a copy of ``A`` experts' weights)."""
+    if _on_gpu(x) and x.stride(1) == 1 and _gpu("gemv").linear_fits(w[0]):
+        return _gpu("gemv").expert_linear(x, w, experts)
     return torch.bmm(w[experts], x.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
 
 
@@ -740,7 +743,7 @@ class SparseMoE(nn.Module):
       the host, so the step's shapes depend on the routing;
     * gathered (:meth:`run_experts_gathered`): every (token, choice) assignment runs its own expert
       on its own token; no host read and shapes fixed by the token count, so a CUDA graph holds it,
-      at the cost of copying an expert's weights once per assignment.
+      at the cost of reading an expert's weights once per assignment.
 
     A ``compile_decode`` graph runs the sorted path as one opaque op (:func:`moe_experts`).
     """
