@@ -148,6 +148,13 @@ def _linear_kernel(x_ptr, x_stride, w_ptr, w_stride_n, w_stride_k, y_ptr, M, N, 
         tl.store(y_ptr + row * N + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+def _tile(k: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of :func:`linear`'s GEMV for a K: a program holds whole rows (K padded to
+    a power of two), as many as ``LINEAR_TILE``'s elements take."""
+    block_k = triton.next_power_of_2(k)
+    return LINEAR_TILE[0] // block_k, block_k
+
+
 def linear_fits(weight: torch.Tensor) -> bool:
     """Whether :func:`linear` takes ``weight [N, K]``: K at most ``LINEAR_TILE[0] / 2`` (a program
     holds two or more whole rows)."""
@@ -168,8 +175,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, "
                          f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
     (m, k), n = x.shape, weight.shape[0]
-    block_k = triton.next_power_of_2(k)
-    block_n = LINEAR_TILE[0] // block_k
+    block_n, block_k = _tile(k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, x.stride(0), weight, weight.stride(0), weight.stride(1), y, m, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -208,8 +214,7 @@ def expert_linear(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor)
         raise ValueError(f"weights must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, and experts "
                          f"integer ids, got {weights.dtype} {list(weights.shape)}, {experts.dtype}")
     (m, k), n = x.shape, weights.shape[1]
-    block_k = triton.next_power_of_2(k)
-    block_n = LINEAR_TILE[0] // block_k
+    block_n, block_k = _tile(k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _expert_linear_kernel[(triton.cdiv(n, block_n), m)](
