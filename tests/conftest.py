@@ -73,6 +73,8 @@ qwen3_next_short_path = _tiny_checkpoint("qwen3_next_short_path", checkpoints.ma
 # time grows with the layers too)
 qwen3_5_short_path = _tiny_checkpoint("qwen3_5_short_path", checkpoints.make_qwen3_5, num_hidden_layers=2,
                                       layer_types=["linear_attention", "full_attention"])
+qwen3_5_moe_short_path = _tiny_checkpoint("qwen3_5_moe_short_path", checkpoints.make_qwen3_5_moe, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])
 bamba_short_path = _tiny_checkpoint("bamba_short_path", checkpoints.make_bamba, num_hidden_layers=2,
                                     attn_layer_indices=[1])
 lfm2_short_path = _tiny_checkpoint("lfm2_short_path", checkpoints.make_lfm2, num_hidden_layers=2,

@@ -539,6 +539,30 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(GPU, reason="on a GPU the engine tests run it for real: NemotronH above, with its CUDA graphs")
+def test_engine_fused_decode_gathers_moe_experts(qwen3_5_moe_short_path, few_splits, monkeypatch):
+    """A model with MoE layers through the fused decode step with its experts gathered, as a GPU runs
+    steps of up to ``GATHER_MAX_ASSIGNMENTS`` pairs (``SparseMoE.gathers``; ``gemv.expert_linear``, each
+    pair's expert read in place: what a CUDA graph of a MoE model replays), here interpreted == the
+    PyTorch engine, which sorts by expert: the same greedy tokens and logprobs (1e-4, up to a tie)."""
+    from hyla.model import layers
+    from hyla.model.ops.gpu import gemv
+
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    with Engine(qwen3_5_moe_short_path, **opts) as plain:
+        a = _two_turns(plain, None, requests=3)
+    pairs = []
+    with monkeypatch.context() as m:
+        m.setattr(layers.SparseMoE, "gathers", lambda self, x: x.shape[0] * self.top_k <= layers.GATHER_MAX_ASSIGNMENTS)
+        m.setattr(layers, "expert_matvec", lambda w, e, x: pairs.append(len(e)) or gemv.expert_linear(x, w, e))
+        with Engine(qwen3_5_moe_short_path, **opts) as fused:
+            b = _two_turns(fused, fused=True, requests=3)
+    assert 2 in pairs and 6 in pairs  # batch-1 steps and the 3-request ones (top-2) ran gathered
+    n = compare_outputs(a, b)
+    assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
+
+
 # Bamba and LFM2 on a GPU only: interpreted each costs CI ~a minute, and what they add to Qwen3.5's
 # run (Mamba2's and the short conv's kernels along chains) is tested kernel by kernel
 # (test_decode_kernels_run_chains)
