@@ -655,9 +655,9 @@ def _dynamo_only(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_short_path", "qwen3_5_path", "falcon_h1_path", "bamba_path", "lfm2_path",
-                                  "nemotron_h_small_path"])
+                                  "nemotron_h_small_path", "qwen3_5_moe_short_path", "granite_h_path"])
 def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
-    """Every architecture ``compile_decode`` compiles (those without MoE layers) traces a decode step
+    """Every architecture ``compile_decode`` compiles (MoE layers as one op each) traces a decode step
     as one graph (the verify graphs of chains: the slow compiled-verify test, fullgraph too): no host
     read inside the forward (what a graph break would be; LFM2's conv once validated its slots there).
     The runner compiles with ``fullgraph=True``, so a break would fail start-up; here dynamo traces
