@@ -31,14 +31,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 
 from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, concurrent_output, decode_after_prompt, hf_side  # noqa: E402
 
-MOE = dict(hidden_size=1024, num_hidden_layers=8, layer_types=["linear_attention"] * 3 + ["full_attention"],
+MOE = dict(hidden_size=1024, num_hidden_layers=8, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
            num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
            linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=4096,
            num_experts=32, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
            max_position_embeddings=4096)
-TINY = dict(MOE, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, head_dim=32, linear_num_key_heads=2,
-            linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+TINY = dict(MOE, hidden_size=64, num_hidden_layers=4, layer_types=MOE["layer_types"][:4], num_attention_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=32,
+            linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32)
 SIDES = {"hyla": "hyla", "compiled": "hyla + `compile_decode`", "hf": "transformers"}
 
 
@@ -46,9 +47,7 @@ def build_model(model_dir: Path, tiny: bool) -> Path:
     """The checkpoint (transformers' ``Qwen3_5MoeForCausalLM``, saved as it writes it), built once."""
     import checkpoints
 
-    layers = (MOE if not tiny else TINY)["num_hidden_layers"]
-    kw = dict(TINY if tiny else MOE, layer_types=MOE["layer_types"] * (layers // 4))
-    return checkpoints.make_qwen3_5_moe(model_dir, **kw)
+    return checkpoints.make_qwen3_5_moe(model_dir, **(TINY if tiny else MOE))
 
 
 def measure(path: Path, args) -> dict[str, dict[str, float]]:

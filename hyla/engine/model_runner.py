@@ -20,8 +20,8 @@ compiled graph is dynamic in the batch size and the KV length; batch size 1 is i
 its own compilation with other inductor options (``ONE_ROW_OPTIONS``, ``ROWS_OPTIONS``). Both are
 compiled at construction on scratch pools (a minute or more on a small CPU), so serving never
 stalls on a compile; a step that no graph of the warm-up fits runs eager rather than compiling one
-(:meth:`_run_compiled`). Models with MoE layers keep an eager decode (their routing reads expert
-counts on the host). In the one-row graph each fp32 projection is a dot product per output row
+(:meth:`_run_compiled`). A model's MoE layers run in the graphs as one opaque op each
+(``layers.moe_experts``: their routing reads the experts' group sizes on the host). In the one-row graph each fp32 projection is a dot product per output row
 over its weight in row-major order (``linear.Linear``), not MKL's GEMM, which streams the weights at
 about half the speed with one row: on more than one thread the weights themselves, made row-major in
 place; on one thread a copy, costing the projections' memory once more
@@ -119,7 +119,7 @@ class ModelRunner:
             graph_bs = cuda_graph_max_bs if max_rows is None else min(cuda_graph_max_bs, max_rows)
             verify_bs = min(graph_bs, VERIFY_GRAPH_MAX_BS) if max_rows is None else \
                 min(graph_bs, VERIFY_GRAPH_MAX_BS, max_rows // (self.verify_width or 1))
-            if cuda_graph and self.device.type == "cuda" and model.supports_cuda_graph() and graph_bs > 0:
+            if cuda_graph and self.device.type == "cuda" and graph_bs > 0:
                 if graph_bs < cuda_graph_max_bs:
                     logger.info("%s: MoE layers; CUDA graphs for decode batches of up to %d", c.architecture, graph_bs)
                 self.graphs = CudaGraphDecode(self, graph_bs)

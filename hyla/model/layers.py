@@ -1187,12 +1187,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers()) \
             and not any(isinstance(m, SparseMoE) for m in self.modules())
 
-    def supports_cuda_graph(self) -> bool:
-        """A fused decode step with no host read anywhere (up to :meth:`graph_max_rows` rows)."""
-        return self.supports_fused_decode()
-
     def graph_max_rows(self) -> int | None:
-        """The most rows (tokens) a CUDA graph of a step may hold: None for any; with MoE layers as
+        """The most rows (tokens) a CUDA graph of a fused decode step (which reads nothing on the host)
+        may hold: None for any; with MoE layers as
         many as their gathered path takes (``GATHER_MAX_ASSIGNMENTS // top_k``: larger steps sort their
         tokens by expert, reading the group sizes on the host)."""
         top_k = max((m.top_k for m in self.modules() if isinstance(m, SparseMoE)), default=0)
