@@ -111,7 +111,7 @@ KNOBS = {
     "gdn-wy": ("hyla.model.ops.gpu.gated_delta_chunks", "WY_PREPASS", bool, "an extend's Gated DeltaNet chunks with "
                "the WY pre-pass (1) or without (0)"),
     "moe-gather-max": ("hyla.model.layers", "GATHER_MAX_ASSIGNMENTS", int, "with --moe: steps of at most this many "
-                       "(token, expert) pairs run their experts gathered, and CUDA graphs hold up to this / top-k requests"),
+                       "(token, expert) pairs run their experts gathered, larger ones grouped (moe.expert_gemm)"),
 }
 
 

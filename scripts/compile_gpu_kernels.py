@@ -90,7 +90,7 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import logits, mamba2_decode, pdl
+    from hyla.model.ops.gpu import logits, mamba2_decode, moe, pdl
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
 
@@ -123,6 +123,13 @@ def cases():
         for k, out in ((1024, 2 * 512), (512, 1024)):
             yield f"expert_linear K={k} {n}", lambda k=k, out=out: gemv.expert_linear(
                 r(6, k), r(4, out, k), torch.tensor([0, 3, 1, 1, 2, 0]))
+        # a larger MoE step's grouped experts: decode (few pairs an expert: small tiles) and an extend (many)
+        for t, k in ((16, 8), (256, 8)):
+            ids = torch.stack([torch.randperm(64)[:k] for _ in range(t)])
+            yield f"expert_gemm in, {t} tokens top-{k} {n}", lambda ids=ids, t=t: moe.expert_gemm(
+                r(t, 1024), r(64, 2 * 512, 1024), moe.plan(ids, 64), per_row=ids.shape[1])
+            yield f"expert_gemm out, {t} tokens top-{k} {n}", lambda ids=ids, t=t: moe.expert_gemm(
+                r(t * ids.shape[1], 512), r(64, 1024, 512), moe.plan(ids, 64), per_row=1)
         # convs
         c, kk = 3 * heads * dh, 4
         for chain in (None, chains):

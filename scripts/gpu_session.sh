@@ -13,8 +13,9 @@
 #            and where its time goes (gpu_profile.py --batches "") (~3 min)
 #   pdl      batch-1 decode with the GEMV step's kernels launched with and without programmatic dependent
 #            launch, and with cuBLAS in projections (gpu_decode.py --pdl 1|0 --gemv-in 1|0) (~4 min)
-#   moe      gpu_decode.py --moe: batch 1 and 8 of the model with MoE layers (their experts gathered in the
-#            CUDA graphs) against transformers, then without CUDA graphs; batch 32 at gather caps 64 and 256 (~6 min)
+#   moe      gpu_decode.py --moe: batch 1 and 8 of the model with MoE layers (their experts gathered or grouped
+#            in the CUDA graphs) against transformers, then without CUDA graphs; batch 32 at gather caps 64
+#            (grouped) and 256 (gathered) (~6 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
 #            the in projections' GEMV against cuBLAS, without and with PDL
@@ -69,7 +70,7 @@ for s in "$@"; do
                  --json "$out/gpu_decode_moe.json" 2>&1 | tee "$out/moe.log" | tail -14
              timeout 120 python3 benchmarks/gpu_decode.py --moe --batches 1,8 --repeats 3 --hyla-only --no-cuda-graph \
                  --no-write 2>&1 | tee -a "$out/moe.log" | grep -E "decode, batch|Error|error"
-             for cap in 64 256; do  # batch 32: sorted and eager at the default cap, gathered in graphs at 256
+             for cap in 64 256; do  # batch 32 (256 pairs): grouped at the default cap, gathered at 256
                  timeout 120 python3 benchmarks/gpu_decode.py --moe --batches 32 --repeats 3 --hyla-only --no-write \
                      --moe-gather-max $cap 2>&1 | tee -a "$out/moe.log" | grep -E "decode, batch|Error|error"
              done ;;

@@ -170,13 +170,17 @@ def test_overlap_schedule_internal_error_keeps_finished_outputs(qwen3_next_dense
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3_5_path", "qwen3_5_moe_path"])
-def test_overlapped_step_never_waits_for_the_device(arch, request):
+def test_overlapped_step_never_waits_for_the_device(arch, request, monkeypatch):
     """On CUDA, nothing between drawing a step's tokens and launching the next step may synchronize
     the stream (else the host waits for the step it meant to overlap): the overlapped steps run with
     PyTorch's sync debug mode set to raise, except while the tokens are read (``complete``). With
-    MoE layers too: decode steps of up to 8 requests run their experts gathered, in the graphs."""
+    MoE layers too, in the graphs: decode steps of 1 request run their experts gathered, larger ones
+    grouped (``SparseMoE.path``, at a gather cap of 4 pairs here)."""
     import torch
 
+    from hyla.model import layers
+
+    monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 4)
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     with Engine(request.getfixturevalue(arch), **opts) as engine:
         sched = engine.scheduler

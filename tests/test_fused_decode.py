@@ -506,14 +506,14 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[di
 
 # Falcon-H1 and NemotronH run on a GPU only: interpreted they cost CI ~2 and ~0.7 minutes, and their
 # kernels (Mamba2's, attention's) are the ones Bamba and Qwen3.5 check here on every run; what they add
-# is both in one layer (Falcon-H1) and a fused decode beside MoE layers, whose experts run gathered in
-# the CUDA graphs (NemotronH).
+# is both in one layer (Falcon-H1) and a fused decode beside MoE layers, whose experts run gathered or
+# grouped in the CUDA graphs (NemotronH).
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
-    """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts gathered) == the
+    """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
     DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
     and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
@@ -541,24 +541,31 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="on a GPU the engine tests run it for real: NemotronH above, with its CUDA graphs")
-def test_engine_fused_decode_gathers_moe_experts(qwen3_5_moe_short_path, few_splits, monkeypatch):
-    """A model with MoE layers through the fused decode step with its experts gathered, as a GPU runs
-    steps of up to ``GATHER_MAX_ASSIGNMENTS`` pairs (``SparseMoE.gathers``; ``gemv.expert_linear``, each
-    pair's expert read in place: what a CUDA graph of a MoE model replays), here interpreted == the
-    PyTorch engine, which sorts by expert: the same greedy tokens and logprobs (1e-4, up to a tie)."""
+def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, monkeypatch):
+    """A model with MoE layers through the fused decode step with its experts run as on a GPU
+    (``SparseMoE.path``; here interpreted): gathered in steps of up to ``GATHER_MAX_ASSIGNMENTS``
+    pairs (``gemv.expert_linear``, each pair's expert read in place), grouped in larger ones
+    (``moe.expert_gemm``, each block's expert read once) — what CUDA graphs of a MoE model's decode
+    steps replay — == the PyTorch engine, which sorts by expert: the same greedy tokens and logprobs
+    (1e-4, up to a tie)."""
     from hyla.model import layers
-    from hyla.model.ops.gpu import gemv
+    from hyla.model.ops.gpu import gemv, moe
 
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     with Engine(qwen3_5_moe_short_path, **opts) as plain:
         a = _two_turns(plain, None, requests=3)
-    pairs = []
+    gathered, grouped = [], []
     with monkeypatch.context() as m:
-        m.setattr(layers.SparseMoE, "gathers", lambda self, x: x.shape[0] * self.top_k <= layers.GATHER_MAX_ASSIGNMENTS)
-        m.setattr(layers, "expert_matvec", lambda w, e, x: pairs.append(len(e)) or gemv.expert_linear(x, w, e))
+        # batch-1 decode steps gathered (top-2), the batch-3 ones grouped; prefills sorted, as on the
+        # other side (test_fused_extend runs them grouped)
+        m.setattr(layers.SparseMoE, "path", lambda self, x: "gathered" if x.shape[0] * self.top_k <= 4
+                  else "grouped" if x.shape[0] <= 8 else "sorted")
+        m.setattr(layers, "expert_matvec", lambda w, e, x: gathered.append(len(e)) or gemv.expert_linear(x, w, e))
+        m.setattr(moe, "expert_gemm", lambda x, w, p, per_row, run=moe.expert_gemm: grouped.append(p.pairs)
+                  or run(x, w, p, per_row))
         with Engine(qwen3_5_moe_short_path, **opts) as fused:
             b = _two_turns(fused, fused=True, requests=3)
-    assert 2 in pairs and 6 in pairs  # batch-1 steps and the 3-request ones (top-2) ran gathered
+    assert 2 in gathered and 6 in grouped  # batch-1 decode steps gathered, the 3-request ones grouped
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
@@ -897,6 +904,59 @@ def test_expert_linear_kernel(dtype):
         gemv.expert_linear(x, stack, experts.float())
     with pytest.raises(ValueError, match="x must be"):
         gemv.expert_linear(x, stack, experts[:4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_expert_gemm_kernel(dtype):
+    """A MoE step's grouped experts (``moe.plan`` + ``moe.expert_gemm``): the plan holds every pair
+    once, in blocks of one expert each, every shape set by the pair count alone, and is
+    ``moe.plan_reference``'s (a stable sort in PyTorch) up to the order inside a block; the GEMM ==
+    ``F.linear`` per pair, reading each pair's token (an in projection) or the pair's own row (an out
+    projection), with few pairs per expert (small tiles) and many (large), unused experts, a K that is
+    not a whole number of tiles, column-major stacked weights (as CPU weights load), int32 ids; bad
+    inputs refused."""
+    from hyla.model.ops.gpu import moe
+
+    g = torch.Generator().manual_seed(11)
+    for t, k, e, n, kk in [(5, 2, 6, 48, 100), (7, 3, 24, 20, 64), (40, 2, 4, 40, 72)]:
+        experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(DEVICE)
+        ids = experts if t != 7 else experts.int()
+        p, ref = moe.plan(ids, e), moe.plan_reference(ids, e)
+        a = t * k
+        bm = p.tiles[0]
+        assert p.tiles == ref.tiles == (moe.LARGE_TILES if a >= moe.LARGE_FROM * e else moe.SMALL_TILES)
+        assert p.rows.numel() == -(-(a + min(a, e) * (bm - 1)) // bm) * bm == bm * p.block_expert.numel()
+        rows, blocks = p.rows.view(-1, bm).cpu(), p.block_expert.cpu()
+        assert sorted(rows[rows < a].tolist()) == list(range(a))  # every pair once
+        flat = experts.flatten().cpu()
+        for r, b in zip(rows, blocks):  # each block one expert's pairs; blocks past the used ones empty
+            assert b == e and (r == a).all() if b == e else (flat[r[r < a]] == b).all()
+        assert torch.equal(blocks, ref.block_expert.cpu())
+        assert torch.equal(rows.sort(1).values, ref.rows.view(-1, bm).cpu().sort(1).values)
+        ref_rows = ref.rows.cpu()
+        assert (flat[ref_rows[ref_rows < a]].diff() >= 0).all() and (ref_rows[ref_rows < a].diff()[  # stable
+            flat[ref_rows[ref_rows < a]].diff() == 0] > 0).all()
+        x = torch.randn(t, kk, generator=g).to(DEVICE, dtype)
+        stack = torch.randn(e, n, kk, generator=g).to(DEVICE, dtype)
+        for w in (stack, stack.transpose(1, 2).contiguous().transpose(1, 2)):
+            h = moe.expert_gemm(x, w, p, per_row=k)  # [A, N]: pair a reads token a // k
+            assert h.shape == (a, n) and h.dtype == dtype
+            exact = torch.stack([F.linear(x[i // k].float(), w[j].float()) for i, j in enumerate(flat.tolist())])
+            y = moe.expert_gemm(h, w.transpose(1, 2), p, per_row=1)  # [A, K]: pair a reads row a
+            exact_y = torch.stack([F.linear(h[i].float(), w[j].t().float()) for i, j in enumerate(flat.tolist())])
+            for got, want in ((h, exact), (y, exact_y)):
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+                else:  # at most one bf16 step from the exact sum, rounded
+                    assert ((got.float() - want).abs() <= want.abs().clamp_min(1e-3) * 2**-7).all()
+    none = moe.plan(experts[:0], e)
+    assert none.rows.numel() == 0 and moe.expert_gemm(x[:0], stack, none, per_row=k).shape == (0, n)
+    with pytest.raises(ValueError, match="experts"):
+        moe.plan(experts.float(), e)
+    with pytest.raises(ValueError, match="pairs"):
+        moe.expert_gemm(x[:3], stack, p, per_row=k)
+    with pytest.raises(ValueError, match="x must be"):
+        moe.expert_gemm(x, stack[:2], p, per_row=k)
 
 
 @pytest.mark.parametrize("in_proj", [True, False])

@@ -121,12 +121,16 @@ def few_splits(monkeypatch):
         monkeypatch.setattr(extend_attention, "num_splits", few)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "qwen3_5_moe"])
 def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
     """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
     token counts, checkpoints written by the segment kernels, attention over the request table)
     == the PyTorch extend, token for token, logprobs within 1e-4 (Gated DeltaNet with attention:
-    Qwen3.5; Mamba2 with attention: Bamba), and the fused extends did run."""
+    Qwen3.5; Mamba2 with attention: Bamba; Qwen3.5 with MoE layers, whose experts run grouped as on
+    a GPU, ``moe.expert_gemm``: the CPU's PyTorch side sorts them by expert), and the fused extends
+    did run."""
+    from hyla.model.layers import SparseMoE
+
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
     with Engine(path, **opts) as plain:
@@ -138,6 +142,8 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     original = ModelRunner._forward_extend_fused
     monkeypatch.setattr(ModelRunner, "_forward_extend_fused",
                         lambda self, req, n, *args: ran.append(n) or original(self, req, n, *args))
+    if not GPU:
+        monkeypatch.setattr(SparseMoE, "path", lambda self, x: "grouped")
     with Engine(path, **opts) as fused:
         b = _turns(fused, 0, 3, fused_extend=64)
     assert len(ran) >= 6 and min(ran) < 16 < max(ran)  # the recurrent and the chunked segment kernels

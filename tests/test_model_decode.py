@@ -4,13 +4,14 @@ weight layout, and the compiled decode graph (``compile_decode``) against eager.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 
 import pytest
 import torch
 from checkpoints import TinyRunner, make_nemotron_h
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 
 from hyla.model import load_model
 from hyla.model.forward_batch import ForwardBatch
@@ -36,18 +37,37 @@ needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++
 
 @pytest.fixture(scope="module")
 def nemotron_h_dense_path(tiny_ckpt_dir):
-    """NemotronH without its MoE block (a prefill's MoE routing reads expert counts on the host, by design)."""
+    """NemotronH without its MoE block."""
     return make_nemotron_h(tiny_ckpt_dir, layers_block_type=[
         "linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "full_attention"])
 
 
+def run_experts_as_a_gpu(monkeypatch, path: str) -> None:
+    """MoE layers run their experts as a GPU step does (``SparseMoE.path``): ``"gathered"`` (a few
+    rows) or ``"grouped"`` (more; ``ops/gpu/moe.py``, whose kernels the interpreter runs here on the
+    host: they run outside :class:`NoHostReads`, where a GPU launches them); ``""``: as they would."""
+    if path:
+        monkeypatch.setattr(SparseMoE, "path", lambda self, x: path)
+    if path == "grouped":
+        from hyla.model.ops.gpu import moe
+
+        for name in ("plan", "expert_gemm"):
+            def launch(*args, run=getattr(moe, name), **kw):
+                with _pop_mode_temporarily() if torch._C._len_torch_function_stack() else contextlib.nullcontext():
+                    return run(*args, **kw)
+
+            monkeypatch.setattr(moe, name, launch)
+
+
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
-                                  "qwen3_next_moe_path", "nemotron_h_path"])
+                                  "qwen3_next_moe_path:gathered", "nemotron_h_path:gathered",
+                                  "qwen3_next_moe_path:grouped"])
 @torch.no_grad()
 def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
-    """Models with MoE layers too, whose decode steps run the experts gathered (``SparseMoE.gathers``:
-    what a GPU step of a few rows and a compiled step do)."""
-    monkeypatch.setattr(SparseMoE, "gathers", lambda self, x: True)
+    """Models with MoE layers too, whose experts run as on a GPU, gathered or grouped
+    (``SparseMoE.path``; what CUDA graphs of their decode steps capture)."""
+    ckpt, _, path = ckpt.partition(":")
+    run_experts_as_a_gpu(monkeypatch, path)
     model = load_model(request.getfixturevalue(ckpt))
     runner = TinyRunner(model)
     seqs = [runner.new_seq() for _ in range(3)]
@@ -60,12 +80,15 @@ def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkey
         seqs = seqs[:1]
 
 
-@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path"])
+@pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
+                                  "nemotron_h_path"])
 @torch.no_grad()
-def test_extend_forward_reads_nothing_back_from_the_device(ckpt, request):
+def test_extend_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
     """A prefill step (the chunked recurrent paths, attention over a cached prefix, checkpoints
     inside and at the end of a chunk): the batch validated its lengths, slots and checkpoints once
-    (``ForwardBatch.varlen``), so no layer reads anything back (on a GPU: no sync per layer)."""
+    (``ForwardBatch.varlen``), so no layer reads anything back (on a GPU: no sync per layer). MoE
+    layers too, their experts grouped as on a GPU."""
+    run_experts_as_a_gpu(monkeypatch, "grouped")
     model = load_model(request.getfixturevalue(ckpt))
     runner = TinyRunner(model, max_states=12)
     seqs = [runner.new_seq() for _ in range(3)]

@@ -79,8 +79,7 @@ class EngineArgs:
     debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
     disable_cuda_graph: bool = _opt(False, "CUDA: run fused decode steps eagerly instead of replaying CUDA graphs.")
     cuda_graph_max_bs: int | None = _opt(None, "CUDA: largest decode batch captured in a CUDA graph (larger ones run "
-                                               "eagerly). Default: max_running_requests, at most 256; a model with "
-                                               "MoE layers at most 64 / top-k (its experts run gathered there).")
+                                               "eagerly). Default: max_running_requests, at most 256.")
     cuda_graph_max_extend_tokens: int = _opt(1024, "CUDA: an extend of one request of up to this many tokens (a cached "
                                                    "prompt's new part, a turn; up to 8 requests prefilled together, "
                                                    "one replay each) replays a CUDA graph captured per "

@@ -10,7 +10,8 @@ On CUDA, for models whose mixers all have Triton decode kernels (``HybridForCaus
 supports_fused_decode``), decode steps run fused (``ForwardBatch.fused_decode``): attention reads
 the KV slots from the request table's device mirror (synced before each decode step), so a decode
 step sends six ints per request and reads nothing back; it is replayed from CUDA graphs
-(``cuda_graph.py``) unless ``cuda_graph=False``. An extend of one sequence that wants its last
+(``cuda_graph.py``) unless ``cuda_graph=False``. A model's MoE layers read nothing back either (their
+experts gathered or grouped on the device: ``SparseMoE.path``), at any batch size. An extend of one sequence that wants its last
 logits only (a cached prompt's new part) runs as a fused extend alike (``ForwardBatch.fused_extend``,
 ``fused_extend_max_tokens``), replayed from graphs captured per token count; a prefill batch of a
 few such sequences (concurrent agent turns), as one replay per sequence.
@@ -113,20 +114,11 @@ class ModelRunner:
             self.pad_row = req_to_token.padding_row
             rows = max(cuda_graph_max_bs, 1) * (self.verify_width or 1)  # a verify step's rows: W per request
             self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
-            # a model with MoE layers: graphs of as many rows as their gathered path takes (larger
-            # steps read the experts' group sizes on the host, and run eager)
-            max_rows = model.graph_max_rows()
-            graph_bs = cuda_graph_max_bs if max_rows is None else min(cuda_graph_max_bs, max_rows)
-            verify_bs = min(graph_bs, VERIFY_GRAPH_MAX_BS) if max_rows is None else \
-                min(graph_bs, VERIFY_GRAPH_MAX_BS, max_rows // (self.verify_width or 1))
-            if cuda_graph and self.device.type == "cuda" and graph_bs > 0:
-                if graph_bs < cuda_graph_max_bs:
-                    logger.info("%s: MoE layers; CUDA graphs for decode batches of up to %d", c.architecture, graph_bs)
-                self.graphs = CudaGraphDecode(self, graph_bs)
-                if self.verify_width is not None and verify_bs > 0:  # verify steps of chains too, sharing the
-                    # graphs' memory
-                    self.verify_graphs = CudaGraphDecode(self, verify_bs, width=self.verify_width,
-                                                         pool=self.graphs.pool)
+            if cuda_graph and self.device.type == "cuda" and cuda_graph_max_bs > 0:
+                self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
+                if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
+                    self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
+                                                         width=self.verify_width, pool=self.graphs.pool)
             # extends of one sequence (a cached prompt's new part, an agent's turn) as fused extends: graphs
             # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
             extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])

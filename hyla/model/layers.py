@@ -656,12 +656,21 @@ class MLP(nn.Module):
         return self.out_proj(relu2(h))
 
 
-# MoE steps of at most this many (token, expert) assignments run gathered on a GPU
-# (SparseMoE.gathers): no host read, so CUDA graphs capture decode steps of up to this many
-# assignments (HybridForCausalLM.graph_max_rows). Each assignment reads its expert's weights once
-# (gemv.expert_linear: two assignments of one expert read it twice); larger steps sort by expert and
-# read each chosen expert once. Not yet timed on a GPU.
+# GPU MoE steps of at most this many (token, expert) assignments run gathered (SparseMoE.path): each
+# assignment reads its expert's weights once (gemv.expert_linear: two assignments of one expert read
+# it twice); larger ones run grouped (moe.expert_gemm: each chosen expert read once per block of its
+# assignments). Neither reads the host, so CUDA graphs capture MoE steps of any size. Not yet timed
+# on a GPU.
 GATHER_MAX_ASSIGNMENTS = 64
+
+
+def expert_activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
+    """The experts' activation between their two projections: SwiGLU of ``h = [gate | up]`` where
+    ``gated``, else relu²."""
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return relu2(h)
 
 
 def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
@@ -681,12 +690,7 @@ def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = expert_linear(xs[start : start + n], w_in[e])  # [n, I or 2I]
-        if gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = relu2(h)
+        h = expert_activation(expert_linear(xs[start : start + n], w_in[e]), gated)  # [n, I]
         outs.append(expert_linear(h, w_out[e]))  # [n, Hin]
         start += n
     ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
@@ -735,17 +739,20 @@ class SparseMoE(nn.Module):
     ``topk_group`` of ``n_group`` groups, weights are the uncorrected scores, renormalised, times
     ``routed_scaling_factor``; relu² experts, optional latent projection around the experts).
 
-    Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``). Two ways to run them,
-    the same numbers within fp32 rounding (:meth:`gathers` picks):
+    Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``). Three ways to run them,
+    the same numbers within rounding (:meth:`path` picks):
 
-    * sorted (:meth:`run_experts`): tokens sorted by expert, one matmul pair per expert that
-      received tokens; each chosen expert's weights are read once, but the group sizes are read on
-      the host, so the step's shapes depend on the routing;
-    * gathered (:meth:`run_experts_gathered`): every (token, choice) assignment runs its own expert
-      on its own token; no host read and shapes fixed by the token count, so a CUDA graph holds it,
-      at the cost of reading an expert's weights once per assignment.
+    * sorted (:meth:`run_experts`, the CPU's): tokens sorted by expert, one matmul pair per expert
+      that received tokens; each chosen expert's weights are read once, but the group sizes are read
+      on the host, so the step's shapes depend on the routing. A ``compile_decode`` graph runs it as
+      one opaque op (:func:`moe_experts`);
+    * gathered (:meth:`run_experts_gathered`, small GPU steps): every (token, choice) assignment runs
+      its own expert on its own token, reading that expert's weights once per assignment;
+    * grouped (:meth:`run_experts_grouped`, larger GPU steps): the assignments sorted by expert and
+      padded to blocks on the device (``ops/gpu/moe.py``), each block's expert read once.
 
-    A ``compile_decode`` graph runs the sorted path as one opaque op (:func:`moe_experts`).
+    On a GPU neither path reads the host, and the shapes depend on the token count alone: CUDA graphs
+    capture MoE decode steps of any batch size and extends.
     """
 
     stacked_weights = ("w_in", "w_out")  # fp32 CPU: column-major, as nn.Linear's (linear.relayout_weights_)
@@ -808,12 +815,16 @@ class SparseMoE(nn.Module):
         run = torch.ops.hyla.moe_experts if torch.compiler.is_compiling() else run_experts_sorted
         return run(x, weights, experts, self.w_in, self.w_out, self.gated)
 
-    def gathers(self, x: torch.Tensor) -> bool:
-        """Whether ``x``'s tokens run :meth:`run_experts_gathered`: on a GPU, at most
-        ``GATHER_MAX_ASSIGNMENTS`` assignments (decode steps: no sync per layer, and CUDA graphs
-        capture them). CPU steps sort by expert, compiled or not: there a host read costs nothing,
-        and gathering the weights would copy them."""
-        return x.is_cuda and x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS
+    def path(self, x: torch.Tensor) -> str:
+        """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
+        costs nothing there, and gathering the weights would copy them); on a GPU ``"gathered"`` for
+        at most ``GATHER_MAX_ASSIGNMENTS`` assignments (decode steps of a few requests), else
+        ``"grouped"`` (a Triton kernel: ``"sorted"`` without Triton)."""
+        if not x.is_cuda:
+            return "sorted"
+        if x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS:
+            return "gathered"
+        return "grouped" if _on_gpu(x) else "sorted"
 
     def run_experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """:meth:`run_experts` as one product per (token, choice) assignment, ``A = T * k`` of them,
@@ -823,19 +834,26 @@ class SparseMoE(nn.Module):
         t, k = experts.shape
         flat = experts.flatten()  # [A]
         xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, x.shape[1])  # [A, Hin]: token of each assignment
-        h = expert_matvec(self.w_in, flat, xs)  # [A, I or 2I]
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = relu2(h)
+        h = expert_activation(expert_matvec(self.w_in, flat, xs), self.gated)  # [A, I]
         ys = expert_matvec(self.w_out, flat, h).view(t, k, -1)  # [T, k, Hin]
+        return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
+
+    def run_experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """:meth:`run_experts_gathered`'s sums, each projection one grouped GEMM (``ops/gpu/moe.py``):
+        the assignments sorted by expert and padded to blocks on the device, each block's expert read
+        once. No host read; the shapes depend on the token count alone."""
+        t, k = experts.shape
+        kernels = _gpu("moe")
+        plan = kernels.plan(experts, self.num_experts)
+        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k), self.gated)  # [A, I]
+        ys = kernels.expert_gemm(h, self.w_out, plan, per_row=1).view(t, k, -1)  # [T, k, Hin]
         return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         h = self.latent_in(x) if self.latent_in is not None else x
-        run = self.run_experts_gathered if self.gathers(h) else self.run_experts
+        run = {"sorted": self.run_experts, "gathered": self.run_experts_gathered,
+               "grouped": self.run_experts_grouped}[self.path(h)]
         out = run(h, weights, experts).to(x.dtype)  # [T, Hin]
         if self.latent_out is not None:
             out = self.latent_out(out)
@@ -1182,18 +1200,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def supports_fused_extend(self) -> bool:
         """Every mixer runs a fused extend (``ForwardBatch.fused_extend``: full attention, Gated
-        DeltaNet and Mamba2, whose extend kernels read only device indices), and nothing else reads
-        the host (MoE routing does): what a CUDA graph of an extend needs."""
-        return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers()) \
-            and not any(isinstance(m, SparseMoE) for m in self.modules())
-
-    def graph_max_rows(self) -> int | None:
-        """The most rows (tokens) a CUDA graph of a fused decode step (which reads nothing on the host)
-        may hold: None for any; with MoE layers as
-        many as their gathered path takes (``GATHER_MAX_ASSIGNMENTS // top_k``: larger steps sort their
-        tokens by expert, reading the group sizes on the host)."""
-        top_k = max((m.top_k for m in self.modules() if isinstance(m, SparseMoE)), default=0)
-        return GATHER_MAX_ASSIGNMENTS // top_k if top_k else None
+        DeltaNet and Mamba2, whose extend kernels read only device indices): what a CUDA graph of an
+        extend needs (MoE layers read nothing on the host on a GPU either: :meth:`SparseMoE.path`)."""
+        return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers())
 
     # --- forward ---
     @torch.no_grad()

@@ -1,0 +1,207 @@
+"""A MoE layer's experts as grouped GEMMs with no host read: what a GPU step of many (token,
+expert) pairs runs (``layers.SparseMoE``: decode batches over ``layers.GATHER_MAX_ASSIGNMENTS``
+pairs, extends), so that CUDA graphs capture it at any batch size and extend length.
+
+A step of ``T`` tokens routed to ``k`` experts each has ``A = T * k`` pairs. The CPU path
+(``layers.run_experts_sorted``) sorts them by expert and runs one GEMM pair per expert that received
+some: each chosen expert's weight is read once, but the groups' sizes are read on the host, so the
+step's launches depend on its routing. A small GPU step (``gemv.expert_linear``) reads one expert per
+pair, which reads a repeated expert's weight once per pair: at decode batch 32 of a top-8 model
+with 64 experts, 256 pairs read ~63 experts ~4 times each. Here, as in vLLM's and SGLang's fused MoE (``moe_align_block_size``
+and ``fused_moe_kernel``; written again, small):
+
+1. :func:`plan` groups the pairs by expert on the device (three small kernels: an atomic count
+   per expert, the groups' layout, each pair's row) and pads each expert's group to whole blocks of ``BLOCK_M`` rows: ``rows [R]``, the pair in each padded row (``A``: a padding row), and
+   ``block_expert [R / BLOCK_M]``, each block's expert (``E`` past the last used block). ``R`` is the
+   most the padding can take, ``A + min(A, E) * (BLOCK_M - 1)`` rounded up to a block, so every
+   shape depends on ``A`` alone.
+2. :func:`expert_gemm` runs one program per (block, ``BLOCK_N`` output columns). A program reads its
+   block's expert and rows, ends at once past the last used block, and multiplies its rows by its
+   expert's weight on the tensor cores, tile by tile along K: each used expert's weight is read once
+   per block of its rows (once, unless an expert gets more than ``BLOCK_M`` pairs).
+
+The routing is the step's own (the router's top-k), so under PDL a program waits before it reads
+anything (``pdl.py``). fp32 inputs multiply in IEEE fp32 (the tests' fp32 models, within 1e-4 of
+the sorted path); bf16/fp16 on the tensor cores with fp32 sums, rounded once to the output dtype.
+Not yet timed on a GPU: ``TILES`` are vLLM's defaults for bf16 (``get_default_config``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.model.ops.gpu import pdl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps) by the pairs an expert gets on average: few (decode) or many
+# (extends). BLOCK_M >= 16 (tl.dot's minimum).
+SMALL_TILES = (16, 32, 64, 4)
+LARGE_TILES = (64, 64, 32, 4)
+LARGE_FROM = 16  # mean pairs per expert from which a step takes LARGE_TILES
+
+
+class Plan(NamedTuple):
+    """A step's pairs sorted by expert and padded to blocks (:func:`plan`): ``rows [R]`` int32 (the
+    pair ``t * k + j`` of each padded row, ``pairs`` for padding), ``block_expert [R / block_m]``
+    int32 (``num_experts`` past the last used block)."""
+
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    pairs: int
+    num_experts: int
+    tiles: tuple[int, int, int, int]
+
+
+PLAN_CHUNK = 1024  # pairs (and padded rows) per program of the plan's kernels
+
+
+def _check_experts(experts: torch.Tensor) -> None:
+    if experts.dim() != 2 or experts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"experts must be [T, k] integer ids, got {list(experts.shape)} {experts.dtype}")
+
+
+def _tiles(pairs: int, num_experts: int) -> tuple[int, int, int, int]:
+    return LARGE_TILES if pairs >= LARGE_FROM * num_experts else SMALL_TILES
+
+
+def _padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows the padding can take (``R``): each used expert's group rounds up by < a block."""
+    return triton.cdiv(pairs + min(pairs, num_experts) * (block_m - 1), block_m) * block_m
+
+
+@triton.jit
+def _count_kernel(e_ptr, counts_ptr, rank_ptr, rows_ptr, A, R, E, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Each pair's rank in its expert's group (an atomic count), and the padded rows' sentinel."""
+    pdl.wait(PDL)  # the ids are the step's own
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    tl.store(rows_ptr + i, A, mask=i < R)
+    e = tl.load(e_ptr + i, mask=i < A, other=E).to(tl.int32)
+    rank = tl.atomic_add(counts_ptr + e, 1, mask=e < E)
+    tl.store(rank_ptr + i, rank, mask=e < E)
+
+
+@triton.jit
+def _layout_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
+    """One program: the experts' padded groups (``BLOCK_E`` >= E of them) laid end to end, each
+    group's first row, and the expert of every block."""
+    pdl.wait(PDL)
+    ex = tl.arange(0, BLOCK_E)
+    padded = (tl.load(counts_ptr + ex, mask=ex < E, other=0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)  # [BLOCK_E] the end of each expert's rows
+    tl.store(starts_ptr + ex, ends - padded, mask=ex < E)
+    for first in range(0, NUM_BLOCKS, BLOCKS):
+        b = first + tl.arange(0, BLOCKS)
+        owner = tl.sum(((ends[None, :] <= (b * BLOCK_M)[:, None]) & (ex < E)[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + b, owner, mask=b < NUM_BLOCKS)  # E past the last used block
+
+
+@triton.jit
+def _place_kernel(e_ptr, rank_ptr, starts_ptr, rows_ptr, A, E, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Each pair into its row: its expert's first row plus its rank."""
+    pdl.wait(PDL)
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    e = tl.load(e_ptr + i, mask=i < A, other=E).to(tl.int32)
+    ok = e < E
+    row = tl.load(starts_ptr + e, mask=ok, other=0) + tl.load(rank_ptr + i, mask=ok, other=0)
+    tl.store(rows_ptr + row, i, mask=ok)
+
+
+def plan(experts: torch.Tensor, num_experts: int) -> Plan:
+    """``experts [T, k]`` (the router's top-k ids, each < ``num_experts``) -> the step's :class:`Plan`,
+    in four launches (a zeroed count per expert, then :func:`_count_kernel`, :func:`_layout_kernel`,
+    :func:`_place_kernel`) whose shapes depend on ``T * k`` alone: no host read, a CUDA graph holds
+    them. A pair's place in its expert's group follows the order its atomic count came in: the GEMM's
+    rows are independent, so the order changes no number. :func:`plan_reference` is the oracle (a
+    stable sort in PyTorch ops)."""
+    _check_experts(experts)
+    flat = experts.flatten()  # [A]
+    a, dev = flat.numel(), flat.device
+    tiles = _tiles(a, num_experts)
+    r = _padded_rows(a, num_experts, tiles[0])
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=dev)
+    rank, starts = torch.empty(a, dtype=torch.int32, device=dev), torch.empty_like(counts)
+    rows = torch.empty(r, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(r // tiles[0], dtype=torch.int32, device=dev)
+    if a:
+        launch = pdl.launch(flat)
+        _count_kernel[(triton.cdiv(r, PLAN_CHUNK),)](flat, counts, rank, rows, a, r, num_experts, CHUNK=PLAN_CHUNK,
+                                                     **launch)
+        block_e = triton.next_power_of_2(num_experts)
+        _layout_kernel[(1,)](counts, starts, block_expert, num_experts, block_expert.numel(), BLOCK_M=tiles[0],
+                             BLOCK_E=block_e, BLOCKS=max(1, 8192 // block_e), **launch)
+        _place_kernel[(triton.cdiv(a, PLAN_CHUNK),)](flat, rank, starts, rows, a, num_experts, CHUNK=PLAN_CHUNK,
+                                                     **launch)
+    return Plan(rows, block_expert, a, num_experts, tiles)
+
+
+def plan_reference(experts: torch.Tensor, num_experts: int) -> Plan:
+    """:func:`plan` in PyTorch ops (~25 launches, no host read): pairs sorted by expert, stably."""
+    _check_experts(experts)
+    flat = experts.flatten().long()  # [A]
+    a, dev = flat.numel(), flat.device
+    tiles = _tiles(a, num_experts)
+    bm = tiles[0]
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm  # [E] each expert's rows, whole blocks
+    ends = padded.cumsum(0)  # [E]
+    order = torch.argsort(flat, stable=True)  # [A] the pairs by expert
+    chosen = flat[order]  # [A] the expert of each sorted pair
+    rank = torch.arange(a, device=dev) - (counts.cumsum(0) - counts)[chosen]  # its place in its expert's group
+    r = _padded_rows(a, num_experts, bm)
+    rows = torch.full((r,), a, dtype=torch.int32, device=dev).scatter_(0, (ends - padded)[chosen] + rank, order.int())
+    block_expert = torch.searchsorted(ends, torch.arange(0, r, bm, device=dev), right=True).int()  # [R / bm]
+    return Plan(rows, block_expert, a, num_experts, tiles)
+
+
+@triton.jit
+def _expert_gemm_kernel(x_ptr, x_stride, rows_ptr, block_expert_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k,
+                        y_ptr, A, N, K, E, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # the plan comes from the step's routing: nothing is read before
+    block = tl.program_id(0)
+    e = tl.load(block_expert_ptr + block)
+    if e >= E:  # past the last used block
+        return
+    pairs = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    valid = pairs < A
+    src = (pairs // PER_ROW).to(tl.int64)  # x's row of each pair: its token (in projection), itself (out)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + src[:, None] * x_stride + k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + e.to(tl.int64) * w_stride_e + n[None, :] * w_stride_n + k[:, None] * w_stride_k  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = k0 + k < K
+        xs = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & (n < N)[None, :], other=0.0)
+        acc = tl.dot(xs, w, acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * w_stride_k
+    out = y_ptr + pairs.to(tl.int64)[:, None] * N + n[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :])
+
+
+def expert_gemm(x: torch.Tensor, weights: torch.Tensor, p: Plan, per_row: int) -> torch.Tensor:
+    """``x[a // per_row] @ weights[e(a)].T`` for each pair ``a`` of :func:`plan`'s step, ``e(a)`` its
+    expert -> ``[A, N]`` in x's dtype, by pair. ``x [rows, K]`` with unit column stride: the tokens
+    (``per_row = k``: a pair reads its token's row, an in projection) or the pairs (``per_row = 1``,
+    an out projection); ``weights [E, N, K]`` stacked in x's dtype, any strides."""
+    if weights.dim() != 3 or x.dim() != 2 or x.shape[1] != weights.shape[2] or x.stride(1) != 1 \
+            or weights.dtype != x.dtype or weights.shape[0] != p.num_experts:
+        raise ValueError(f"x must be [rows, K] with unit column stride and weights [{p.num_experts}, N, K] in x's "
+                         f"dtype, got {list(x.shape)} {x.dtype} and {list(weights.shape)} {weights.dtype}")
+    if per_row < 1 or x.shape[0] * per_row != p.pairs:
+        raise ValueError(f"x's {x.shape[0]} rows x per_row {per_row} must be the plan's {p.pairs} pairs")
+    n, k = weights.shape[1], weights.shape[2]
+    bm, bn, bk, warps = p.tiles
+    y = torch.empty(p.pairs, n, dtype=x.dtype, device=x.device)
+    if p.pairs:
+        _expert_gemm_kernel[(p.block_expert.numel(), triton.cdiv(n, bn))](
+            x, x.stride(0), p.rows, p.block_expert, weights, weights.stride(0), weights.stride(1), weights.stride(2),
+            y, p.pairs, n, k, p.num_experts, PER_ROW=per_row, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **pdl.launch(x))
+    return y
