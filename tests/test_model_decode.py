@@ -42,12 +42,15 @@ def nemotron_h_dense_path(tiny_ckpt_dir):
         "linear_attention", "mlp", "linear_attention", "full_attention", "mlp", "linear_attention", "full_attention"])
 
 
-def run_experts_as_a_gpu(monkeypatch, path: str) -> None:
+def run_experts_as_a_gpu(monkeypatch, path: str, max_rows: int | None = None) -> None:
     """MoE layers run their experts as a GPU step does (``SparseMoE.path``): ``"gathered"`` (a few
     rows) or ``"grouped"`` (more; ``ops/gpu/moe.py``, whose kernels the interpreter runs here on the
-    host: they run outside :class:`NoHostReads`, where a GPU launches them); ``""``: as they would."""
+    host: they run outside :class:`NoHostReads`, where a GPU launches them); ``""``: as they would.
+    ``max_rows``: steps of more tokens (the prefills before a checked step) sort by expert, as on the
+    CPU: interpreted, a grouped prefill costs seconds a layer."""
     if path:
-        monkeypatch.setattr(SparseMoE, "path", lambda self, x: path)
+        monkeypatch.setattr(SparseMoE, "path",
+                            lambda self, x: path if max_rows is None or x.shape[0] <= max_rows else "sorted")
     if path == "grouped":
         from hyla.model.ops.gpu import moe
 
@@ -61,13 +64,13 @@ def run_experts_as_a_gpu(monkeypatch, path: str) -> None:
 
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
                                   "qwen3_next_moe_path:gathered", "nemotron_h_path:gathered",
-                                  "qwen3_next_moe_path:grouped"])
+                                  "qwen3_next_moe_path:grouped", "kimi_linear_path:gathered"])
 @torch.no_grad()
 def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
     """Models with MoE layers too, whose experts run as on a GPU, gathered or grouped
     (``SparseMoE.path``; what CUDA graphs of their decode steps capture)."""
     ckpt, _, path = ckpt.partition(":")
-    run_experts_as_a_gpu(monkeypatch, path)
+    run_experts_as_a_gpu(monkeypatch, path, max_rows=3)
     model = load_model(request.getfixturevalue(ckpt))
     runner = TinyRunner(model)
     seqs = [runner.new_seq() for _ in range(3)]
@@ -81,14 +84,16 @@ def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkey
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
-                                  "nemotron_h_path"])
+                                  "nemotron_h_path:grouped", "kimi_linear_path:gathered"])
 @torch.no_grad()
 def test_extend_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
     """A prefill step (the chunked recurrent paths, attention over a cached prefix, checkpoints
     inside and at the end of a chunk): the batch validated its lengths, slots and checkpoints once
     (``ForwardBatch.varlen``), so no layer reads anything back (on a GPU: no sync per layer). MoE
-    layers too, their experts grouped as on a GPU."""
-    run_experts_as_a_gpu(monkeypatch, "grouped")
+    layers too, their experts run as on a GPU (Kimi Linear's gathered: fast without the interpreter,
+    and its MoE is the others'; what it adds is its latent attention)."""
+    ckpt, _, path = ckpt.partition(":")
+    run_experts_as_a_gpu(monkeypatch, path)
     model = load_model(request.getfixturevalue(ckpt))
     runner = TinyRunner(model, max_states=12)
     seqs = [runner.new_seq() for _ in range(3)]

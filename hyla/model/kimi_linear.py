@@ -189,7 +189,7 @@ class LatentAttention(nn.Module):
         o = latent_paged_attention(
             q_latent, latent, batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index],
             batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens, batch.extend_lens,
-            self.scaling, self.rank, tree_masks=_tree_masks(batch),
+            self.scaling, self.rank, tree_masks=_tree_masks(batch), kv_starts=batch.kv_starts,
         )  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(t, heads * self.v_dim))
@@ -208,12 +208,13 @@ def latent_paged_attention(
     scaling: float,
     value_dim: int,
     tree_masks: Sequence[torch.Tensor | None] | None = None,
+    kv_starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Write the new tokens' latents into their pool slots, then attend causally (each new token to
     its sequence's cached prefix and the new tokens up to itself) with keys = the whole latent and
     values = its first ``value_dim`` channels. Returns ``[T, H, value_dim]`` in ``q``'s dtype; the
-    softmax is fp32 (as ``ops.attention.paged_attention``, whose slot and ``tree_masks`` conventions
-    this follows)."""
+    softmax is fp32 (as ``ops.attention.paged_attention``, whose slot, ``tree_masks`` and
+    ``kv_starts`` conventions this follows: ``kv_indptr`` on the host, so nothing is read back)."""
     t, heads, width = q.shape
     half = k_buffer.shape[-1]
     if latent.shape != (t, width) or k_buffer.shape[1:] != (1, half) or v_buffer.shape[1:] != (1, half) \
@@ -244,7 +245,7 @@ def latent_paged_attention(
         return out.view(b, heads, value_dim)
 
     out = q.new_empty(t, heads, value_dim)
-    indptr = kv_indptr.tolist()
+    indptr = list(kv_starts) if kv_starts is not None else kv_indptr.tolist()
     start = 0
     for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
         if extend == 0:
