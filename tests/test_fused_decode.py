@@ -43,12 +43,15 @@ def few_splits(monkeypatch):
     """Interpreted (no GPU), the engine tests' attention splits each sequence's keys 4 ways at most,
     not the 32 that fill an H100 at these batch sizes: the interpreter runs the programs one by one,
     and most of the 32 are empty at these lengths (``test_paged_decode_attention_kernel`` checks the
-    default and other split counts)."""
+    default and other split counts); MoE's grouped GEMM takes 128 columns a program
+    (``test_expert_gemm_kernel`` checks the default tiles)."""
     if not GPU:
-        from hyla.model.ops.gpu import decode_attention
+        from hyla.model.ops.gpu import decode_attention, moe
 
         default = decode_attention.num_splits
         monkeypatch.setattr(decode_attention, "num_splits", lambda *args, **kw: min(4, default(*args, **kw)))
+        monkeypatch.setattr(moe, "SMALL_TILES", (16, 128, 128, 4))
+        monkeypatch.setattr(moe, "LARGE_TILES", (64, 128, 128, 4))
 
 
 def _tol(dtype: torch.dtype) -> float:
@@ -506,8 +509,9 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[di
 
 # Falcon-H1 and NemotronH run on a GPU only: interpreted they cost CI ~2 and ~0.7 minutes, and their
 # kernels (Mamba2's, attention's) are the ones Bamba and Qwen3.5 check here on every run; what they add
-# is both in one layer (Falcon-H1) and a fused decode beside MoE layers, whose experts run gathered or
-# grouped in the CUDA graphs (NemotronH).
+# is both in one layer (Falcon-H1) and a fused decode beside MoE layers, whose experts run gathered
+# (batch 1) and grouped (larger batches, at a gather cap of 2 pairs here) in the CUDA graphs, against a
+# PyTorch side that sorts them by expert (NemotronH).
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
@@ -519,21 +523,30 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
     2-layer variants (one mixer of each kind: the interpreter's time grows with the layers). The
     last request decodes alone: batch-1 steps, whose projections are GEMV kernels (``gemv``)."""
-    from hyla.model.ops.gpu import gemv
+    from hyla.model import layers
+    from hyla.model.ops.gpu import gemv, moe
 
-    gemv_calls = []
+    gemv_calls, grouped = [], []
     monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: gemv_calls.append(1) or run(x, w))
+    monkeypatch.setattr(moe, "plan", lambda e, n, run=moe.plan: grouped.append(e.shape[0]) or run(e, n))
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     requests = 7 if GPU else 5  # interpreted (CPU), the fused side costs ~4 s a request
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
-    with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
-        a = _two_turns(default, None, requests)
-        assert default.scheduler.runner.fused == GPU
-        assert (default.scheduler.runner.graphs is not None) == GPU
+    with monkeypatch.context() as m:
+        m.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers: batch-1 steps gathered, larger ones grouped
+        with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
+            a = _two_turns(default, None, requests)
+            assert default.scheduler.runner.fused == GPU
+            assert (default.scheduler.runner.graphs is not None) == GPU
     # the other side with the overlap schedule (on a GPU the default side has it too: auto)
-    with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
-        b = _two_turns(other, fused=not GPU, requests=requests)
-        assert other.get_stats()["num_overlapped_steps"] > 0
+    with monkeypatch.context() as m:
+        if GPU:  # the PyTorch side sorts MoE layers' experts by expert, as on the CPU
+            m.setattr(layers.SparseMoE, "path", lambda self, x: "sorted")
+        with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
+            b = _two_turns(other, fused=not GPU, requests=requests)
+            assert other.get_stats()["num_overlapped_steps"] > 0
+    if GPU and arch == "nemotron_h":
+        assert grouped  # decode steps of more than one request (and prefills) ran grouped
     assert gemv_calls  # the in projections of the batch-1 steps
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
@@ -949,6 +962,16 @@ def test_expert_gemm_kernel(dtype):
                     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
                 else:  # at most one bf16 step from the exact sum, rounded
                     assert ((got.float() - want).abs() <= want.abs().clamp_min(1e-3) * 2**-7).all()
+    # the plan of a larger step, its kernels over many programs (counts and places) and blocks (layout)
+    ids = torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(300)]).to(DEVICE)
+    big, ref = moe.plan(ids, 256), moe.plan_reference(ids, 256)
+    assert big.rows.numel() > 2 * moe.PLAN_CHUNK and torch.equal(big.block_expert, ref.block_expert)
+    bm = big.tiles[0]
+    assert torch.equal(big.rows.view(-1, bm).sort(1).values, ref.rows.view(-1, bm).sort(1).values)
+    # rows of x strided (a split of a wider projection)
+    wide = torch.randn(t, 2 * kk, generator=g).to(DEVICE, dtype)[:, :kk]
+    torch.testing.assert_close(moe.expert_gemm(wide, stack, p, per_row=k), moe.expert_gemm(wide.contiguous(), stack, p,
+                                                                                            per_row=k), atol=0, rtol=0)
     none = moe.plan(experts[:0], e)
     assert none.rows.numel() == 0 and moe.expert_gemm(x[:0], stack, none, per_row=k).shape == (0, n)
     with pytest.raises(ValueError, match="experts"):

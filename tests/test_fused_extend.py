@@ -110,15 +110,17 @@ def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = 
 @pytest.fixture
 def few_splits(monkeypatch):
     """Interpreted (no GPU), attention splits each block's keys 2 ways at most, not the 32 that
-    fill an H100 for one block of tokens (the interpreter runs the programs one by one; the kernel
-    test checks other split counts)."""
+    fill an H100 for one block of tokens, and MoE's grouped GEMM takes 128 columns a program (the
+    interpreter runs the programs one by one; the kernel tests check the defaults)."""
     if not GPU:
-        from hyla.model.ops.gpu import decode_attention, extend_attention
+        from hyla.model.ops.gpu import decode_attention, extend_attention, moe
 
         default = decode_attention.num_splits
         few = lambda *args, **kw: min(2, default(*args, **kw))  # noqa: E731
         monkeypatch.setattr(decode_attention, "num_splits", few)
         monkeypatch.setattr(extend_attention, "num_splits", few)
+        monkeypatch.setattr(moe, "SMALL_TILES", (16, 128, 128, 4))
+        monkeypatch.setattr(moe, "LARGE_TILES", (64, 128, 128, 4))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "qwen3_5_moe"])
@@ -133,10 +135,11 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
-    with Engine(path, **opts) as plain:
-        if GPU:  # the PyTorch extend: no fused runner
+    with monkeypatch.context() as m, Engine(path, **opts) as plain:
+        if GPU:  # the PyTorch extend: no fused runner, MoE experts sorted by expert (as on the CPU)
             plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
                                                  plain.device, cuda_graph=False, fused_decode=False)
+            m.setattr(SparseMoE, "path", lambda self, x: "sorted")
         a = _turns(plain, 0, 3)
     ran = []
     original = ModelRunner._forward_extend_fused
@@ -203,22 +206,26 @@ def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monke
 
 
 @pytest.mark.gpu
-def test_engine_bf16_extend_graphs_match_eager(qwen3_5_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["qwen3_5_path", "qwen3_5_moe_path"])
+def test_engine_bf16_extend_graphs_match_eager(arch, request, monkeypatch):
     """bf16 on the GPU: extends replayed from their CUDA graphs == the same fused extends launched
     eagerly (padded alike), token for token, and the graphs did replay (padding tokens must not
     leak into real ones: the same kernels on the same inputs) — also a batch of three sequences,
-    one replay each (a replay's logits buffer is the next same-size replay's: copied before it)."""
+    one replay each (a replay's logits buffer is the next same-size replay's: copied before it).
+    With MoE layers too, their experts grouped on the device (``moe.plan`` and ``moe.expert_gemm``
+    captured: each replay plans its own routing)."""
+    path = request.getfixturevalue(arch)
     from hyla.engine.cuda_graph import CudaGraphExtend
 
     replays = []
     original = CudaGraphExtend.replay
     monkeypatch.setattr(CudaGraphExtend, "replay", lambda self, bucket: replays.append(bucket) or original(self, bucket))
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
-    with Engine(qwen3_5_path, **opts) as graphs:
+    with Engine(path, **opts) as graphs:
         assert graphs.scheduler.runner.extend_graphs is not None
         a = _turns(graphs, 0, 3) + _concurrent_turns(graphs)
     assert len(replays) >= 12
-    with Engine(qwen3_5_path, **opts) as eager:
+    with Engine(path, **opts) as eager:
         b = _turns(eager, 0, 3, fused_extend=1024) + _concurrent_turns(eager)
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
     for x, y in zip(a, b):

@@ -44,22 +44,22 @@ def nemotron_h_dense_path(tiny_ckpt_dir):
 
 def run_experts_as_a_gpu(monkeypatch, path: str, max_rows: int | None = None) -> None:
     """MoE layers run their experts as a GPU step does (``SparseMoE.path``): ``"gathered"`` (a few
-    rows) or ``"grouped"`` (more; ``ops/gpu/moe.py``, whose kernels the interpreter runs here on the
-    host: they run outside :class:`NoHostReads`, where a GPU launches them); ``""``: as they would.
+    rows) or ``"grouped"`` (more; ``ops/gpu/moe.py``, whose Triton kernels the interpreter runs here on
+    the host: each launch runs outside :class:`NoHostReads`, where a GPU only launches it); ``""``: as
+    they would.
     ``max_rows``: steps of more tokens (the prefills before a checked step) sort by expert, as on the
     CPU: interpreted, a grouped prefill costs seconds a layer."""
     if path:
         monkeypatch.setattr(SparseMoE, "path",
                             lambda self, x: path if max_rows is None or x.shape[0] <= max_rows else "sorted")
-    if path == "grouped":
-        from hyla.model.ops.gpu import moe
+    if path == "grouped":  # every interpreted launch (the wrappers' own PyTorch ops stay checked)
+        from triton.runtime.interpreter import InterpretedFunction
 
-        for name in ("plan", "expert_gemm"):
-            def launch(*args, run=getattr(moe, name), **kw):
-                with _pop_mode_temporarily() if torch._C._len_torch_function_stack() else contextlib.nullcontext():
-                    return run(*args, **kw)
+        def run(self, *args, original=InterpretedFunction.run, **kw):
+            with _pop_mode_temporarily() if torch._C._len_torch_function_stack() else contextlib.nullcontext():
+                return original(self, *args, **kw)
 
-            monkeypatch.setattr(moe, name, launch)
+        monkeypatch.setattr(InterpretedFunction, "run", run)
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",

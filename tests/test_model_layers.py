@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
@@ -107,8 +108,8 @@ def test_expert_paths_equal_the_per_token_loop(arch):
                 want[t] += w * (h @ moe.w_out[e].t())
         traced = torch.compile(moe.run_experts, backend="eager", fullgraph=True)  # one graph: the op is opaque
         paths = [moe.run_experts, moe.run_experts_gathered, traced]
-        if importlib.util.find_spec("triton") is not None:
-            paths.append(moe.run_experts_grouped)
+        if importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET") == "1":
+            paths.append(moe.run_experts_grouped)  # on CPU tensors: interpreted (a GPU's engine tests run it)
         for run in paths:
             got = run(x, weights, experts)
             assert got.dtype == weights.dtype

@@ -155,8 +155,7 @@ class Engine:
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
             draft_max_batch=self.args.speculative_disable_by_batch_size,
-            # auto: where a decode step is launched without reading the host (CUDA graphs; a model
-            # with MoE layers has them for small batches only: larger ones read the experts' group sizes)
+            # auto: where a decode step is launched without reading the host (CUDA graphs)
             overlap=self.args.speculative_algorithm is None and (
                 self.args.overlap_schedule == "on" or self.args.overlap_schedule == "auto"
                 and runner.graphs is not None),

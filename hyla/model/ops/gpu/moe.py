@@ -79,8 +79,9 @@ def _count_kernel(e_ptr, counts_ptr, rank_ptr, rows_ptr, A, R, E, CHUNK: tl.cons
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     tl.store(rows_ptr + i, A, mask=i < R)
     e = tl.load(e_ptr + i, mask=i < A, other=E).to(tl.int32)
-    rank = tl.atomic_add(counts_ptr + e, 1, mask=e < E)
-    tl.store(rank_ptr + i, rank, mask=e < E)
+    ok = (e >= 0) & (e < E)  # an id out of range (never the router's) gets no row: its pair's output is left unset
+    rank = tl.atomic_add(counts_ptr + e, 1, mask=ok)
+    tl.store(rank_ptr + i, rank, mask=ok)
 
 
 @triton.jit
@@ -105,7 +106,7 @@ def _place_kernel(e_ptr, rank_ptr, starts_ptr, rows_ptr, A, E, CHUNK: tl.constex
     pdl.wait(PDL)
     i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     e = tl.load(e_ptr + i, mask=i < A, other=E).to(tl.int32)
-    ok = e < E
+    ok = (e >= 0) & (e < E)
     row = tl.load(starts_ptr + e, mask=ok, other=0) + tl.load(rank_ptr + i, mask=ok, other=0)
     tl.store(rows_ptr + row, i, mask=ok)
 
