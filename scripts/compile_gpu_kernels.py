@@ -120,9 +120,9 @@ def cases():
         for k in (1024, 1000):
             yield f"linear K={k} {n}", lambda k=k: gemv.linear(r(1, k), r(300, k))
         # a MoE step's gathered experts (K: the hidden size into the experts, their width out of them)
-        for k, out in ((1024, 2 * 512), (512, 1024)):
-            yield f"expert_linear K={k} {n}", lambda k=k, out=out: gemv.expert_linear(
-                r(6, k), r(4, out, k), torch.tensor([0, 3, 1, 1, 2, 0]))
+        for k, out, per_row in ((1024, 2 * 512, 2), (512, 1024, 1)):  # in: 3 tokens' 2 assignments each
+            yield f"expert_linear K={k} {n}", lambda k=k, out=out, per_row=per_row: gemv.expert_linear(
+                r(6 // per_row, k), r(4, out, k), torch.tensor([0, 3, 1, 1, 2, 0]), per_row)
         # a larger MoE step's grouped experts: decode (few pairs an expert: small tiles) and an extend (many)
         for t, k in ((16, 8), (256, 8)):
             ids = torch.stack([torch.randperm(64)[:k] for _ in range(t)])

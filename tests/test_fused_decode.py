@@ -573,7 +573,8 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
         # other side (test_fused_extend runs them grouped)
         m.setattr(layers.SparseMoE, "path", lambda self, x: "gathered" if x.shape[0] * self.top_k <= 4
                   else "grouped" if x.shape[0] <= 8 else "sorted")
-        m.setattr(layers, "expert_matvec", lambda w, e, x: gathered.append(len(e)) or gemv.expert_linear(x, w, e))
+        m.setattr(layers, "expert_matvec", lambda w, e, x, per_row=1: gathered.append(len(e))
+                  or gemv.expert_linear(x, w, e, per_row))
         m.setattr(moe, "expert_gemm", lambda x, w, p, per_row, run=moe.expert_gemm: grouped.append(p.pairs)
                   or run(x, w, p, per_row))
         with Engine(qwen3_5_moe_short_path, **opts) as fused:
@@ -895,7 +896,8 @@ def test_linear_kernel(dtype, rows):
 def test_expert_linear_kernel(dtype):
     """A MoE step's gathered experts (``gemv.expert_linear``: each assignment's row through its own
     expert, read in place) == ``F.linear`` per assignment: repeated and unused experts, a K that is not
-    a power of two, column-major stacked weights (as CPU weights load), int32 ids; bad inputs refused."""
+    a power of two, column-major stacked weights (as CPU weights load), int32 ids, assignments reading
+    their token's row (``per_row``); bad inputs refused."""
     from hyla.model.ops.gpu import gemv
 
     g = torch.Generator().manual_seed(10)
@@ -912,11 +914,18 @@ def test_expert_linear_kernel(dtype):
                     torch.testing.assert_close(y, exact, atol=1e-4, rtol=1e-5)
                 else:  # at most one bf16 step from the exact sum, rounded
                     assert ((y.float() - exact).abs() <= exact.abs().clamp_min(1e-3) * 2**-7).all()
+    # per_row: the in projection, each of 2 tokens' 3 assignments reading its token's row
+    tokens, ids = x[:2], torch.tensor([3, 0, 5, 1, 3, 2], device=DEVICE)
+    exact = torch.stack([F.linear(tokens[a // 3].float(), stack[e].float()) for a, e in enumerate(ids.tolist())])
+    torch.testing.assert_close(gemv.expert_linear(tokens, stack, ids, per_row=3).float(), exact,
+                               **({"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}))
     assert gemv.expert_linear(x[:0], stack, experts[:0]).shape == (0, 20)
     with pytest.raises(ValueError, match="experts"):
         gemv.expert_linear(x, stack, experts.float())
     with pytest.raises(ValueError, match="x must be"):
         gemv.expert_linear(x, stack, experts[:4])
+    with pytest.raises(ValueError, match="x must be"):
+        gemv.expert_linear(tokens, stack, ids, per_row=2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -666,7 +666,9 @@ GATHER_MAX_ASSIGNMENTS = 64
 
 def expert_activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
     """The experts' activation between their two projections: SwiGLU of ``h = [gate | up]`` where
-    ``gated``, else relu²."""
+    ``gated`` (on a GPU one kernel, ``norms.silu_mul_fused``), else relu²."""
+    if gated and _on_gpu(h):
+        return _gpu("norms").silu_mul_fused(h)
     if gated:
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -720,14 +722,16 @@ def _(x, weights, experts, w_in, w_out, gated):
     return x.new_empty(x.shape, dtype=weights.dtype)
 
 
-def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``w[experts[a]] @ x[a]`` for each assignment ``a``: stacked expert weights ``w [E, N, K]``,
-    ``experts [A]``, ``x [A, K]`` -> ``[A, N]`` in ``x``'s dtype. On a GPU a GEMV kernel whose
-    programs read their assignment's expert in place (``gemv.expert_linear``); elsewhere, or a K it
-    does not take, a batched GEMV on the gathered weights (a copy of ``A`` experts' weights)."""
+def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+    """``w[experts[a]] @ x[a // per_row]`` for each assignment ``a``: stacked expert weights ``w [E, N,
+    K]``, ``experts [A]``, ``x [A / per_row, K]`` (the tokens, ``per_row = k``; or the assignments) ->
+    ``[A, N]`` in ``x``'s dtype. On a GPU a GEMV kernel whose programs read their assignment's expert in
+    place (``gemv.expert_linear``); elsewhere, or a K it does not take, a batched GEMV on the gathered
+    weights (a copy of ``A`` experts' weights)."""
     if _on_gpu(x) and x.stride(1) == 1 and _gpu("gemv").linear_fits(w[0]):
-        return _gpu("gemv").expert_linear(x, w, experts)
-    return torch.bmm(w[experts], x.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
+        return _gpu("gemv").expert_linear(x, w, experts, per_row)
+    xs = x.repeat_interleave(per_row, dim=0) if per_row > 1 else x  # [A, K]
+    return torch.bmm(w[experts], xs.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
 
 
 class SparseMoE(nn.Module):
@@ -833,8 +837,7 @@ class SparseMoE(nn.Module):
         order), so the two agree within rounding."""
         t, k = experts.shape
         flat = experts.flatten()  # [A]
-        xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, x.shape[1])  # [A, Hin]: token of each assignment
-        h = expert_activation(expert_matvec(self.w_in, flat, xs), self.gated)  # [A, I]
+        h = expert_activation(expert_matvec(self.w_in, flat, x, per_row=k), self.gated)  # [A, I]: token a // k
         ys = expert_matvec(self.w_out, flat, h).view(t, k, -1)  # [T, k, Hin]
         return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
 

@@ -185,8 +185,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _expert_linear_kernel(x_ptr, x_stride, e_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k, y_ptr, N, K,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    a = tl.program_id(1)  # the assignment: its row of x, its expert
+                          PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    a = tl.program_id(1)  # the assignment: its expert, and x's row a // PER_ROW
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     n_mask, k_mask = n < N, k < K
@@ -194,32 +194,34 @@ def _expert_linear_kernel(x_ptr, x_stride, e_ptr, w_ptr, w_stride_e, w_stride_n,
     e = tl.load(e_ptr + a).to(tl.int64)
     w = tl.load(w_ptr + e * w_stride_e + n[:, None] * w_stride_n + k[None, :] * w_stride_k,
                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] of its expert
-    x = tl.load(x_ptr + a * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
+    x = tl.load(x_ptr + (a // PER_ROW) * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # fp32 sums, rounded once to the output dtype
     tl.store(y_ptr + a * N + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def expert_linear(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """``x[a] @ weights[experts[a]].T`` for each assignment ``a`` of a MoE step (``x [A, K]`` with unit
-    column stride, stacked expert weights ``weights [E, N, K]`` in x's dtype with K as :func:`linear`
+def expert_linear(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+    """``x[a // per_row] @ weights[experts[a]].T`` for each assignment ``a`` of a MoE step (``x [A /
+    per_row, K]`` with unit column stride: the tokens, ``per_row = k``, for the experts' in projection,
+    each assignment reading its token's row; the assignments, ``per_row = 1``, for their out
+    projection), stacked expert weights ``weights [E, N, K]`` in x's dtype with K as :func:`linear`
     takes it, any strides, ``experts [A]`` integer ids) -> ``[A, N]``: :func:`linear`'s GEMV with each
     program reading its assignment's expert in place (a batched GEMM would need the chosen experts'
     weights gathered into a copy first). The ids are the step's own (the router's top-k): launched
     with PDL the kernel waits before it reads anything (``pdl.py``)."""
     if weights.dim() != 3 or x.dim() != 2 or x.shape[1] != weights.shape[2] or x.stride(1) != 1 \
-            or experts.shape != (x.shape[0],):
-        raise ValueError(f"x must be [A, K] with unit column stride, weights [E, N, K] and experts [A], got "
-                         f"{list(x.shape)}, {list(weights.shape)} and {list(experts.shape)}")
+            or per_row < 1 or experts.shape != (x.shape[0] * per_row,):
+        raise ValueError(f"x must be [A / per_row, K] with unit column stride, weights [E, N, K] and experts [A], "
+                         f"got {list(x.shape)}, {list(weights.shape)} and {list(experts.shape)} (per_row {per_row})")
     if weights.dtype != x.dtype or not linear_fits(weights[0]) or experts.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"weights must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, and experts "
                          f"integer ids, got {weights.dtype} {list(weights.shape)}, {experts.dtype}")
-    (m, k), n = x.shape, weights.shape[1]
+    m, k, n = experts.shape[0], x.shape[1], weights.shape[1]
     block_n, block_k = _tile(k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _expert_linear_kernel[(triton.cdiv(n, block_n), m)](
             x, x.stride(0), experts, weights, weights.stride(0), weights.stride(1), weights.stride(2), y, n, k,
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LINEAR_TILE[1], **pdl.launch(x))
+            PER_ROW=per_row, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LINEAR_TILE[1], **pdl.launch(x))
     return y
 
 
