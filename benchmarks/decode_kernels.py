@@ -13,11 +13,16 @@ count) at batch ``--batch``:
   (a ``.to`` of a tensor already in it) are counted only when they copy.
 
     .venv/bin/python benchmarks/decode_kernels.py [--batch 1] [--dtype bfloat16] [--no-write]
-        [--compare-with <a checkout of an earlier commit>] [--verify W | --extend NEW [--prefix P]]
+        [--compare-with <a checkout of an earlier commit>] [--verify W | --extend NEW [--prefix P]] [--moe]
 
 ``--verify W``: a speculative verify step of ``W``-token chains through the fused kernels instead
 (``ModelRunner.forward_chains`` on a fused runner: ``W`` decode rows per request, the recurrent
 layers run column by column), written to its own section.
+
+``--moe``: the model of ``gpu_decode.py --moe`` (a MoE layer of 64 experts, top-8, and a shared
+expert in place of each MLP; without a GPU at the tiny model's widths): a step of at most
+``layers.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs runs its experts gathered, a larger one
+grouped (``ops/gpu/moe.py``); each batch size writes its own section.
 
 ``--extend NEW``: the model forward of an extend step instead — a prompt of ``P`` cached tokens
 (sent before with a checkpoint there) and ``NEW`` new ones with its end − 1 checkpoint, the
@@ -235,6 +240,9 @@ def main() -> None:
     ap.add_argument("--extend", type=int, default=0, metavar="NEW",
                     help="count the forward of an extend step of NEW tokens after a cached prefix instead")
     ap.add_argument("--prefix", type=int, default=32, help="--extend: the cached prefix's tokens")
+    ap.add_argument("--moe", action="store_true", help="the model with MoE layers of gpu_decode.py --moe (64 "
+                    "experts, top-8; without a GPU at the tiny widths): its experts gathered up to "
+                    "layers.GATHER_MAX_ASSIGNMENTS (token, expert) pairs, grouped above")
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -242,17 +250,21 @@ def main() -> None:
     device = "cuda" if GPU else "cpu"
     kw = dict(gpu_decode.FULL, vocab_size=4096)
     w, new = args.verify, args.extend
-    if new and not GPU:  # the benchmark model's 24 layers at the tiny model's widths: the same launches,
+    narrowed = (new or args.moe) and not GPU
+    if narrowed:  # the benchmark model's 24 layers at the tiny model's widths: the same launches,
         # and the interpreted kernels' time (which grows with tokens x heads) cut ~20x
         kw.update({key: value for key, value in gpu_decode.TINY.items() if key not in ("num_hidden_layers", "layer_types")},
                   vocab_size=4096)
+    moe = None
+    if args.moe:  # the experts' count and top-k of the GPU benchmark's, narrow without a GPU
+        moe = dict(gpu_decode.MOE, **({} if GPU else {"moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}))
 
     from hyla import Engine
     from hyla.engine.model_runner import ModelRunner
     import hyla.model.layers as layers
 
     path = Path(tempfile.mkdtemp())
-    gpu_decode.build(path, kw, device, dtype)
+    gpu_decode.build(path, kw, device, dtype, moe)
     engine = Engine(path, device=device, dtype=args.dtype, max_running_requests=max(args.batch, 2),
                     max_state_slots=(max(w, 1) + 3) * args.batch + 8,
                     max_total_tokens=64 * args.batch + 512 + 2 * (args.prefix + new + 8))
@@ -275,7 +287,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(dict(counts)))
         return
-    mode = ["--verify", str(w)] if w else ["--extend", str(new), "--prefix", str(args.prefix)] if new else []
+    mode = (["--verify", str(w)] if w else ["--extend", str(new), "--prefix", str(args.prefix)] if new else []) \
+        + (["--moe"] if args.moe else [])
     before = None
     if args.compare_with is not None:
         cmd = [sys.executable, __file__, "--root", str(args.compare_with), "--json", "--batch", str(args.batch),
@@ -304,11 +317,15 @@ def main() -> None:
     cmp = f" --compare-with <checkout of {rev}>" if before is not None else ""
     flag = "".join(f" {m}" for m in mode)
     what = f"The {step_name}" if new else f"The fused {step_name}"
-    narrow = "; the tiny model's widths, which change no count" if new and not GPU else ""
+    narrow = "; the tiny model's widths, which change no count" if narrowed else ""
+    experts = (f"; a MoE layer of {moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, and a shared "
+               f"expert in place of each MLP: its experts "
+               + ("gathered" if args.batch * moe["num_experts_per_tok"] <= layers.GATHER_MAX_ASSIGNMENTS else "grouped")
+               if moe else "")
     body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{flag}{cmp}` — "
             f"{machine()}; {how}.\n\n"
             f"{what} of the GPU decode benchmark's model (24 layers: 18 Gated DeltaNet + 6 "
-            f"attention; vocabulary cut to 4,096{narrow}) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
+            f"attention{experts}; vocabulary cut to 4,096{narrow}) at batch {args.batch}, {args.dtype}: **{total} kernels**, "
             f"{gemm} of them GEMMs" + (f", {fla} fla calls" if fla else "") + f", {reads} host reads"
             + (f" ({sum(before.values())}, {_gemms(before)} and {before_reads} at {rev})" if before is not None else "")
             + ".\n\n")
@@ -323,6 +340,8 @@ def main() -> None:
     if not args.no_write:
         section = ("GPU prefill: kernels per extend step" if new else
                    "GPU decode: kernels per verify step" if w else "GPU decode: kernels per step")
+        if args.moe:
+            section += f", a model with MoE layers (batch {args.batch})"
         write_section(section, body)
 
 

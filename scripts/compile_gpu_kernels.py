@@ -130,6 +130,9 @@ def cases():
                 r(t, 1024), r(64, 2 * 512, 1024), moe.plan(ids, 64), per_row=ids.shape[1])
             yield f"expert_gemm out, {t} tokens top-{k} {n}", lambda ids=ids, t=t: moe.expert_gemm(
                 r(t * ids.shape[1], 512), r(64, 1024, 512), moe.plan(ids, 64), per_row=1)
+        # a MoE layer's softmax router and its combine (the experts' weighted sum, the gated shared expert)
+        yield f"softmax_topk {n}", lambda: moe.softmax_topk(r(3, 64), 8, True)
+        yield f"combine {n}", lambda: moe.combine(r(3 * 8, 1024), r(3, 8), r(3, 1024), r(3, 1))
         # convs
         c, kk = 3 * heads * dh, 4
         for chain in (None, chains):

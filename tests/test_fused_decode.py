@@ -991,6 +991,43 @@ def test_expert_gemm_kernel(dtype):
         moe.expert_gemm(x, stack[:2], p, per_row=k)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softmax_topk_and_combine_kernels(dtype):
+    """The MoE layer's router and combine kernels (``moe.softmax_topk``, ``moe.combine``) == their
+    PyTorch ops: the fp32 softmax's top-k (the same experts, largest first; a tie to the lower index,
+    where torch.topk's order is unspecified)
+    with and without renormalising, at 8-512 experts and k = E; the weighted sum by choice with and
+    without the shared expert and its gate; bad inputs refused."""
+    from hyla.model.ops.gpu import moe
+
+    g = torch.Generator().manual_seed(12)
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 8e-3}
+    for t, e, k, renorm in [(5, 8, 2, True), (3, 64, 8, False), (4, 10, 10, True), (2, 512, 10, True)]:
+        logits = torch.randn(t, e, generator=g).to(DEVICE, dtype)
+        logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie for the top: the lower index first
+        w, ids = moe.softmax_topk(logits, k, renorm)
+        want_w, want_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+        if renorm:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        assert ids.dtype == torch.long and w.dtype == dtype and ids[0, :2].tolist() == [3, 5]
+        assert torch.equal(ids[1:], want_ids[1:]) and torch.equal(ids[0].sort().values, want_ids[0].sort().values)
+        torch.testing.assert_close(w, want_w.to(dtype), **tol)
+    ys = torch.randn(6, 40, generator=g).to(DEVICE, dtype)
+    weights = torch.rand(3, 2, generator=g).to(DEVICE, dtype)
+    shared, gate = torch.randn(3, 40, generator=g).to(DEVICE, dtype), torch.randn(3, 1, generator=g).to(DEVICE, dtype)
+    routed = (ys.float().view(3, 2, 40) * weights.float().unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(moe.combine(ys, weights).float(), routed, **tol)
+    torch.testing.assert_close(moe.combine(ys, weights, shared).float(), routed + shared.float(), **tol)
+    torch.testing.assert_close(moe.combine(ys, weights, shared, gate).float(),
+                               routed + torch.sigmoid(gate.float()) * shared.float(), **tol)
+    with pytest.raises(ValueError, match="k <= E"):
+        moe.softmax_topk(logits, e + 1, True)
+    with pytest.raises(ValueError, match="ys must be"):
+        moe.combine(ys[:5], weights)
+    with pytest.raises(ValueError, match="gate"):
+        moe.combine(ys, weights, None, gate)
+
+
 @pytest.mark.parametrize("in_proj", [True, False])
 def test_gemv_step_in_projections(in_proj, monkeypatch):
     """On a GEMV step (``gemv_step=True``) an MLP runs its in projection through ``gemv.linear``

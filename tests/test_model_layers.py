@@ -116,6 +116,36 @@ def test_expert_paths_equal_the_per_token_loop(arch):
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the GPU code path on CPU tensors needs Triton's interpreter")
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("gather_max", [64, 0])
+def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, monkeypatch):
+    """The whole layer as a GPU runs it (``layers._on_gpu``; the kernels interpreted): the softmax
+    router in one kernel (``moe.softmax_topk``), the experts gathered or grouped, and the weighted sum
+    with the shared expert and its gate in one (``moe.combine``); NemotronH's sigmoid router and latent
+    projections around the experts keep their PyTorch ops. == the CPU's layer within fp32 rounding."""
+    from hyla.model import layers
+
+    if arch == "qwen3_next":
+        _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    else:
+        kw = {**NEMOTRON_H_KW, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
+              "moe_latent_size": 64}
+        _, cfg = config_pair(transformers.NemotronHConfig, kw, "NemotronHForCausalLM")
+    moe = SparseMoE(cfg)
+    randomize(moe, 4)
+    x = torch.randn(9, 256)
+    with torch.no_grad():
+        want = moe(x)
+        monkeypatch.setattr(layers, "_on_gpu", lambda t: True)
+        monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", gather_max)
+        assert moe.path(x) == ("gathered" if gather_max else "grouped")
+        got = moe(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_moe_sorts_on_the_cpu_only_and_compiles_its_sorted_path_as_one_op():
     """CPU steps sort by expert (a host read costs nothing there), compiled or not: a compiled graph
     calls the sorted path as the op ``hyla::moe_experts``."""

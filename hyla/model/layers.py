@@ -734,6 +734,13 @@ def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_r
     return torch.bmm(w[experts], xs.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
 
 
+def _weighted_sum(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * ys[t * k + j]``: the experts' outputs by (token, choice) ``ys [T * k, H]``
+    and ``weights [T, k]`` -> ``[T, H]`` in ``weights.dtype``, summed in choice order."""
+    t, k = weights.shape
+    return (ys.view(t, k, -1) * weights.unsqueeze(-1)).sum(1).to(weights.dtype)
+
+
 class SparseMoE(nn.Module):
     """Top-k routed experts plus an optional shared expert.
 
@@ -756,7 +763,9 @@ class SparseMoE(nn.Module):
       padded to blocks on the device (``ops/gpu/moe.py``), each block's expert read once.
 
     On a GPU neither path reads the host, and the shapes depend on the token count alone: CUDA graphs
-    capture MoE decode steps of any batch size and extends.
+    capture MoE decode steps of any batch size and extends. There the softmax router is one kernel
+    (``moe.softmax_topk``), and so are the weighted sum, the shared expert's gate and its add
+    (``moe.combine``; not around a latent projection).
     """
 
     stacked_weights = ("w_in", "w_out")  # fp32 CPU: column-major, as nn.Linear's (linear.relayout_weights_)
@@ -792,6 +801,8 @@ class SparseMoE(nn.Module):
         router, model dtype for the softmax router (as the reference)."""
         if self.router_kind == "softmax":
             logits = self.router(x)  # [T, E]
+            if _on_gpu(logits):  # the same in one kernel
+                return _gpu("moe").softmax_topk(logits, self.top_k, self.norm_topk_prob)
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
             if self.norm_topk_prob:
@@ -823,40 +834,49 @@ class SparseMoE(nn.Module):
         """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
         costs nothing there, and gathering the weights would copy them); on a GPU ``"gathered"`` for
         at most ``GATHER_MAX_ASSIGNMENTS`` assignments (decode steps of a few requests), else
-        ``"grouped"`` (a Triton kernel: ``"sorted"`` without Triton)."""
-        if not x.is_cuda:
-            return "sorted"
-        if x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS:
-            return "gathered"
-        return "grouped" if _on_gpu(x) else "sorted"
+        ``"grouped"`` (Triton kernels: without Triton, ``"sorted"``)."""
+        few = x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS
+        if _on_gpu(x):
+            return "gathered" if few else "grouped"
+        return "gathered" if x.is_cuda and few else "sorted"
+
+    def expert_outputs(self, x: torch.Tensor, experts: torch.Tensor, path: str) -> torch.Tensor:
+        """Each (token, choice) assignment's expert on its token, unweighted, gathered or grouped (no
+        host read either way): ``x [T, Hin]``, ``experts [T, k]`` -> ``[T * k, Hin]`` in x's dtype."""
+        t, k = experts.shape
+        if path == "gathered":  # each assignment's expert read once (a GEMV on a GPU)
+            flat = experts.flatten()  # [A]
+            h = expert_activation(expert_matvec(self.w_in, flat, x, per_row=k), self.gated)  # [A, I]: token a // k
+            return expert_matvec(self.w_out, flat, h)  # [A, Hin]
+        kernels = _gpu("moe")  # grouped: sorted by expert into blocks on the device, each block's expert read once
+        plan = kernels.plan(experts, self.num_experts)
+        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k), self.gated)  # [A, I]
+        return kernels.expert_gemm(h, self.w_out, plan, per_row=1)  # [A, Hin]
 
     def run_experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """:meth:`run_experts` as one product per (token, choice) assignment, ``A = T * k`` of them,
         with no host read: ``x [T, Hin]``, ``weights, experts [T, k]`` -> ``[T, Hin]`` in
         ``weights.dtype``. Each token's choices are summed in choice order (the sorted path: in expert
         order), so the two agree within rounding."""
-        t, k = experts.shape
-        flat = experts.flatten()  # [A]
-        h = expert_activation(expert_matvec(self.w_in, flat, x, per_row=k), self.gated)  # [A, I]: token a // k
-        ys = expert_matvec(self.w_out, flat, h).view(t, k, -1)  # [T, k, Hin]
-        return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
+        return _weighted_sum(self.expert_outputs(x, experts, "gathered"), weights)
 
     def run_experts_grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """:meth:`run_experts_gathered`'s sums, each projection one grouped GEMM (``ops/gpu/moe.py``):
         the assignments sorted by expert and padded to blocks on the device, each block's expert read
         once. No host read; the shapes depend on the token count alone."""
-        t, k = experts.shape
-        kernels = _gpu("moe")
-        plan = kernels.plan(experts, self.num_experts)
-        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k), self.gated)  # [A, I]
-        ys = kernels.expert_gemm(h, self.w_out, plan, per_row=1).view(t, k, -1)  # [T, k, Hin]
-        return (ys * weights.unsqueeze(-1)).sum(1).to(weights.dtype)  # [T, Hin]
+        return _weighted_sum(self.expert_outputs(x, experts, "grouped"), weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         h = self.latent_in(x) if self.latent_in is not None else x
+        path = self.path(h)
+        if path != "sorted" and _on_gpu(h) and self.latent_out is None:  # the sums, the shared expert and
+            # its gate in one kernel
+            shared = self.shared_expert(x) if self.shared_expert is not None else None
+            gate = self.shared_expert_gate(x) if shared is not None and self.shared_expert_gate is not None else None
+            return _gpu("moe").combine(self.expert_outputs(h, experts, path), weights, shared, gate)
         run = {"sorted": self.run_experts, "gathered": self.run_experts_gathered,
-               "grouped": self.run_experts_grouped}[self.path(h)]
+               "grouped": self.run_experts_grouped}[path]
         out = run(h, weights, experts).to(x.dtype)  # [T, Hin]
         if self.latent_out is not None:
             out = self.latent_out(out)

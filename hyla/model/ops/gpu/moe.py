@@ -206,3 +206,92 @@ def expert_gemm(x: torch.Tensor, weights: torch.Tensor, p: Plan, per_row: int) -
             y, p.pairs, n, k, p.num_experts, PER_ROW=per_row, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **pdl.launch(x))
     return y
+
+
+# --- the router and the combine around the experts: one kernel each ------------------------------
+
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, stride, w_ptr, e_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    t = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t * stride + ex, mask=ex < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    probs = tl.where(ex < E, p / tl.sum(p, axis=0), -1.0)  # fp32 softmax; -1 below any probability
+    kk = tl.arange(0, BLOCK_K)
+    weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    experts = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    for j in tl.static_range(K):  # the largest first; a tie to the lower index, as torch.topk
+        best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        weights = tl.where(kk == j, best, weights)
+        experts = tl.where(kk == j, idx.to(tl.int64), experts)
+        probs = tl.where(ex == idx, -1.0, probs)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=0)
+    tl.store(w_ptr + t * K + kk, weights.to(w_ptr.dtype.element_ty), mask=kk < K)
+    tl.store(e_ptr + t * K + kk, experts, mask=kk < K)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax router in one kernel: ``logits [T, E]`` -> ``(weights [T, k]`` in the logits' dtype,
+    ``experts [T, k]`` int64``)``: the fp32 softmax's ``k`` largest probabilities, largest first (a tie
+    to the lower index), renormalised to sum to one where ``renormalize``; the PyTorch ops'
+    (``layers.SparseMoE.route``) within fp32 rounding, before the cast."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or not 0 < k <= logits.shape[1]:
+        raise ValueError(f"logits must be [T, E] with unit column stride and 0 < k <= E, got "
+                         f"{list(logits.shape)} and k={k}")
+    t, e = logits.shape
+    weights = torch.empty(t, k, dtype=logits.dtype, device=logits.device)
+    experts = torch.empty(t, k, dtype=torch.long, device=logits.device)
+    if t:
+        _softmax_topk_kernel[(t,)](logits, logits.stride(0), weights, experts, e, K=k, RENORM=renormalize,
+                                   BLOCK_E=triton.next_power_of_2(e), BLOCK_K=triton.next_power_of_2(k),
+                                   **pdl.launch(logits))
+    return weights, experts
+
+
+@triton.jit
+def _combine_kernel(ys_ptr, w_ptr, shared_ptr, gate_ptr, gate_stride, out_ptr, H, K: tl.constexpr,
+                    SHARED: tl.constexpr, GATE: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = h < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(K):  # the token's experts in choice order
+        w = tl.load(w_ptr + t * K + j).to(tl.float32)
+        acc += w * tl.load(ys_ptr + (t * K + j) * H + h, mask=mask, other=0.0).to(tl.float32)
+    if SHARED:
+        shared = tl.load(shared_ptr + t * H + h, mask=mask, other=0.0).to(tl.float32)
+        if GATE:
+            shared = shared * tl.sigmoid(tl.load(gate_ptr + t * gate_stride).to(tl.float32))
+        acc += shared
+    tl.store(out_ptr + t * H + h, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def combine(ys: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None = None,
+            gate: torch.Tensor | None = None) -> torch.Tensor:
+    """A MoE layer's output in one kernel: ``sum_j weights[t, j] * ys[t * k + j]`` (+ ``shared[t]``,
+    times ``sigmoid(gate[t])`` where given) -> ``[T, H]`` in ``ys``' dtype: ``ys [T * k, H]`` the
+    experts' outputs by (token, choice), ``weights [T, k]``, ``shared [T, H]`` the shared expert's
+    output, ``gate [T, 1]`` its gate's logit. Summed in fp32 and rounded once (the PyTorch ops round
+    each product and sum in the model dtype: bf16 results may differ in the last bit)."""
+    t, k = weights.shape
+    h = ys.shape[-1]
+    if ys.shape != (t * k, h) or not ys.is_contiguous() or not weights.is_contiguous():
+        raise ValueError(f"ys must be a contiguous [{t * k}, H] and weights a contiguous [T, k], got "
+                         f"{list(ys.shape)} and {list(weights.shape)}")
+    if shared is not None and (shared.shape != (t, h) or not shared.is_contiguous()):
+        raise ValueError(f"shared must be a contiguous [{t}, {h}], got {list(shared.shape)}")
+    if gate is not None and (shared is None or gate.shape != (t, 1)):
+        raise ValueError(f"gate must be [{t}, 1], with shared")
+    out = torch.empty(t, h, dtype=ys.dtype, device=ys.device)
+    if t:
+        block = min(1024, triton.next_power_of_2(h))
+        _combine_kernel[(t, triton.cdiv(h, block))](
+            ys, weights, ys if shared is None else shared, ys if gate is None else gate,
+            1 if gate is None else gate.stride(0), out, h, K=k, SHARED=shared is not None, GATE=gate is not None,
+            BLOCK_H=block, **pdl.launch(ys))
+    return out
