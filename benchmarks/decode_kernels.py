@@ -274,6 +274,7 @@ def main() -> None:
     on_gpu = layers._on_gpu
     if not GPU:
         layers._on_gpu = lambda x: True  # the CUDA code path on CPU tensors
+        engine.model.fuse_moe_inputs_()  # as a CUDA runner does
         stand_in_fla()
     count = count_gpu if GPU else count_cpu
     try:

@@ -134,13 +134,14 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     from hyla.model.layers import SparseMoE
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
+    requests = 2 if arch == "qwen3_5_moe" and not GPU else 3  # interpreted, its grouped experts cost ~4 s a request
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
     with monkeypatch.context() as m, Engine(path, **opts) as plain:
         if GPU:  # the PyTorch extend: no fused runner, MoE experts sorted by expert (as on the CPU)
             plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
                                                  plain.device, cuda_graph=False, fused_decode=False)
             m.setattr(SparseMoE, "path", lambda self, x: "sorted")
-        a = _turns(plain, 0, 3)
+        a = _turns(plain, 0, requests)
     ran = []
     original = ModelRunner._forward_extend_fused
     monkeypatch.setattr(ModelRunner, "_forward_extend_fused",
@@ -148,8 +149,8 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     if not GPU:
         monkeypatch.setattr(SparseMoE, "path", lambda self, x: "grouped")
     with Engine(path, **opts) as fused:
-        b = _turns(fused, 0, 3, fused_extend=64)
-    assert len(ran) >= 6 and min(ran) < 16 < max(ran)  # the recurrent and the chunked segment kernels
+        b = _turns(fused, 0, requests, fused_extend=64)
+    assert len(ran) >= 2 * requests and min(ran) < 16 < max(ran)  # the recurrent and the chunked segment kernels
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 

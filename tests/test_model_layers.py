@@ -119,12 +119,15 @@ def test_expert_paths_equal_the_per_token_loop(arch):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the GPU code path on CPU tensors needs Triton's interpreter")
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
-@pytest.mark.parametrize("gather_max", [64, 0])
-def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, monkeypatch):
+@pytest.mark.parametrize("gather_max, fused", [(64, False), (0, False), (64, True), (0, True)])
+def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, monkeypatch):
     """The whole layer as a GPU runs it (``layers._on_gpu``; the kernels interpreted): the softmax
     router in one kernel (``moe.softmax_topk``), the experts gathered or grouped, and the weighted sum
     with the shared expert and its gate in one (``moe.combine``); NemotronH's sigmoid router and latent
-    projections around the experts keep their PyTorch ops. == the CPU's layer within fp32 rounding."""
+    projections around the experts keep their PyTorch ops. With the input projections fused as a GPU
+    runner fuses them (``SparseMoE.fuse_inputs_``: Qwen3-Next's router, gate and shared in projection
+    one weight, theirs views of it; the state dict unchanged) too. == the CPU's layer within fp32
+    rounding."""
     from hyla.model import layers
 
     if arch == "qwen3_next":
@@ -138,6 +141,13 @@ def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, monkeyp
     x = torch.randn(9, 256)
     with torch.no_grad():
         want = moe(x)
+        if fused:
+            before = {k: v.clone() for k, v in moe.state_dict().items()}
+            assert moe.fuse_inputs_() == (arch == "qwen3_next") and moe.fuse_inputs_() == (arch == "qwen3_next")
+            after = moe.state_dict()
+            assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+            if arch == "qwen3_next":
+                assert moe.router.weight.data_ptr() == moe.fused_inputs.data_ptr()
         monkeypatch.setattr(layers, "_on_gpu", lambda t: True)
         monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", gather_max)
         assert moe.path(x) == ("gathered" if gather_max else "grouped")

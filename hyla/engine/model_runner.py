@@ -110,6 +110,8 @@ class ModelRunner:
         self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
             and chains else None
         if self.fused:
+            if self.device.type == "cuda":  # MoE layers: the projections of their input as one GEMM
+                model.fuse_moe_inputs_()
             self.table = req_to_token.add_mirror(self.device)  # what the attention kernel reads
             self.pad_row = req_to_token.padding_row
             rows = max(cuda_graph_max_bs, 1) * (self.verify_width or 1)  # a verify step's rows: W per request

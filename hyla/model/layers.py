@@ -648,6 +648,10 @@ class MLP(nn.Module):
         h = in_projection(self.in_proj, x, gemv_step)
         if gemv_step and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (relu2 before it)
             return OutProjection(self.out_proj, h, "silu_mul") if self.gated else OutProjection(self.out_proj, relu2(h))
+        return self.down(h)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation and the out projection of the in projection's output ``h [..., I or 2I]``."""
         if self.gated and _on_gpu(h):
             return self.out_proj(_gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
         if self.gated:
@@ -769,6 +773,7 @@ class SparseMoE(nn.Module):
     """
 
     stacked_weights = ("w_in", "w_out")  # fp32 CPU: column-major, as nn.Linear's (linear.relayout_weights_)
+    takes_gemv_step = True  # forward(gemv_step=True): the fused input projection as a GEMV (fuse_inputs_)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -795,6 +800,30 @@ class SparseMoE(nn.Module):
         if c.shared_expert_intermediate_size:
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act, c.mlp_bias, c.dtype)
         self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False, dtype=c.dtype) if c.shared_expert_gate else None
+        self.fused_inputs: torch.Tensor | None = None  # fuse_inputs_: not a parameter, not in the state dict
+
+    def fuse_inputs_(self) -> bool:
+        """Give the projections that read the layer's input — the softmax router, the shared expert's
+        gate and its in projection — one weight (GPU runners, after loading): a step runs one GEMM
+        (a GEMV at batch 1) where it ran three. Their own weights become views of it (no copy), so
+        the state dict and the other paths are unchanged. Only a softmax router without bias, with
+        a shared expert and no latent projection (Qwen3-Next, Qwen3.5-MoE); returns whether fused."""
+        if self.fused_inputs is not None:
+            return True
+        parts = [self.router] + ([self.shared_expert_gate] if self.shared_expert_gate is not None else []) \
+            + ([self.shared_expert.in_proj] if self.shared_expert is not None else [])
+        if self.router_kind != "softmax" or self.shared_expert is None or self.latent_in is not None \
+                or any(p.bias is not None for p in parts):
+            return False
+        with torch.no_grad():
+            fused = torch.cat([p.weight for p in parts])  # [E (+ 1) + I or 2I, H]
+        start = 0
+        for p in parts:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
+            start += rows
+        self.fused_inputs = fused
+        return True
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(weights [T, k], experts [T, k])``; weights fp32 for the sigmoid
@@ -866,10 +895,17 @@ class SparseMoE(nn.Module):
         once. No host read; the shapes depend on the token count alone."""
         return _weighted_sum(self.expert_outputs(x, experts, "grouped"), weights)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
+        path = self.path(x)
+        if self.fused_inputs is not None and path != "sorted":  # router, gate, shared in projection: one GEMM
+            e, gated = self.num_experts, int(self.shared_expert_gate is not None)
+            y = project(x, self.fused_inputs, gemv_step)  # [T, E (+ 1) + I or 2I]
+            weights, experts = _gpu("moe").softmax_topk(y[:, :e], self.top_k, self.norm_topk_prob)
+            shared = self.shared_expert.down(y[:, e + gated:])
+            return _gpu("moe").combine(self.expert_outputs(x, experts, path), weights, shared,
+                                       y[:, e:e + 1] if gated else None)
         weights, experts = self.route(x)
         h = self.latent_in(x) if self.latent_in is not None else x
-        path = self.path(h)
         if path != "sorted" and _on_gpu(h) and self.latent_out is None:  # the sums, the shared expert and
             # its gate in one kernel
             shared = self.shared_expert(x) if self.shared_expert is not None else None
@@ -953,10 +989,17 @@ def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.
     """``linear(x)``; on a GEMV step (no bias, ``gemv.IN_PROJ``, a weight ``gemv.linear`` takes) that
     kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``)."""
     if gemv_step and linear.bias is None:
-        kernels = _gpu("gemv")
-        if kernels.IN_PROJ and kernels.linear_fits(linear.weight):
-            return kernels.linear(x, linear.weight)
+        return project(x, linear.weight, gemv_step)
     return linear(x)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, gemv_step: bool) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), through :func:`in_projection`'s GEMV on a GEMV step."""
+    if gemv_step:
+        kernels = _gpu("gemv")
+        if kernels.IN_PROJ and kernels.linear_fits(weight):
+            return kernels.linear(x, weight)
+    return F.linear(x, weight)
 
 
 def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
@@ -1226,6 +1269,11 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         DeltaNet and Mamba2, whose extend kernels read only device indices): what a CUDA graph of an
         extend needs (MoE layers read nothing on the host on a GPU either: :meth:`SparseMoE.path`)."""
         return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers())
+
+    def fuse_moe_inputs_(self) -> int:
+        """:meth:`SparseMoE.fuse_inputs_` in every MoE layer (a GPU runner's, once the weights are on
+        their device); returns how many fused."""
+        return sum(m.fuse_inputs_() for m in self.modules() if isinstance(m, SparseMoE))
 
     # --- forward ---
     @torch.no_grad()
