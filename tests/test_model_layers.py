@@ -126,8 +126,8 @@ def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, 
     with the shared expert and its gate in one (``moe.combine``); NemotronH's sigmoid router and latent
     projections around the experts keep their PyTorch ops. With the input projections fused as a GPU
     runner fuses them (``SparseMoE.fuse_inputs_``: Qwen3-Next's router, gate and shared in projection
-    one weight, theirs views of it; the state dict unchanged) too. == the CPU's layer within fp32
-    rounding."""
+    one weight, theirs views of it; the state dict unchanged) too, and on a one-row GEMV step. ==
+    the CPU's layer within fp32 rounding."""
     from hyla.model import layers
 
     if arch == "qwen3_next":
@@ -152,6 +152,9 @@ def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, 
         monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", gather_max)
         assert moe.path(x) == ("gathered" if gather_max else "grouped")
         got = moe(x)
+        if fused:  # a decode step of one row: its projections through the GEMV kernel
+            torch.testing.assert_close(moe(x[:1], gemv_step=True), want[:1], rtol=1e-5,
+                                       atol=1e-5 * want.abs().max().item())
     assert got.dtype == want.dtype
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

@@ -650,14 +650,18 @@ class MLP(nn.Module):
             return OutProjection(self.out_proj, h, "silu_mul") if self.gated else OutProjection(self.out_proj, relu2(h))
         return self.down(h)
 
-    def down(self, h: torch.Tensor) -> torch.Tensor:
-        """The activation and the out projection of the in projection's output ``h [..., I or 2I]``."""
+    def down(self, h: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
+        """The activation and the out projection of the in projection's output ``h [..., I or 2I]``
+        (on a GEMV step without bias, :func:`project`'s GEMV)."""
         if self.gated and _on_gpu(h):
-            return self.out_proj(_gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1))
-        if self.gated:
+            a = _gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
+        elif self.gated:
             gate, up = h.chunk(2, dim=-1)
-            return self.out_proj(F.silu(gate) * up)
-        return self.out_proj(relu2(h))
+            a = F.silu(gate) * up
+        else:
+            a = relu2(h)
+        return project(a, self.out_proj.weight, gemv_step) if gemv_step and self.out_proj.bias is None \
+            else self.out_proj(a)
 
 
 # GPU MoE steps of at most this many (token, expert) assignments run gathered (SparseMoE.path): each
@@ -901,7 +905,7 @@ class SparseMoE(nn.Module):
             e, gated = self.num_experts, int(self.shared_expert_gate is not None)
             y = project(x, self.fused_inputs, gemv_step)  # [T, E (+ 1) + I or 2I]
             weights, experts = _gpu("moe").softmax_topk(y[:, :e], self.top_k, self.norm_topk_prob)
-            shared = self.shared_expert.down(y[:, e + gated:])
+            shared = self.shared_expert.down(y[:, e + gated:], gemv_step)
             return _gpu("moe").combine(self.expert_outputs(x, experts, path), weights, shared,
                                        y[:, e:e + 1] if gated else None)
         weights, experts = self.route(x)
