@@ -1,29 +1,34 @@
-"""A MoE layer's experts as grouped GEMMs with no host read: what a GPU step of many (token,
-expert) pairs runs (``layers.SparseMoE``: decode batches over ``layers.GATHER_MAX_ASSIGNMENTS``
-pairs, extends), so that CUDA graphs capture it at any batch size and extend length.
+"""A MoE layer on a GPU with no host read: its experts as grouped GEMMs (decode batches over
+``layers.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs, extends), and the router and the combine
+around them as one kernel each; so CUDA graphs capture MoE steps at any batch size and extend length.
 
 A step of ``T`` tokens routed to ``k`` experts each has ``A = T * k`` pairs. The CPU path
 (``layers.run_experts_sorted``) sorts them by expert and runs one GEMM pair per expert that received
 some: each chosen expert's weight is read once, but the groups' sizes are read on the host, so the
 step's launches depend on its routing. A small GPU step (``gemv.expert_linear``) reads one expert per
-pair, which reads a repeated expert's weight once per pair: at decode batch 32 of a top-8 model
-with 64 experts, 256 pairs read ~63 experts ~4 times each. Here, as in vLLM's and SGLang's fused MoE (``moe_align_block_size``
-and ``fused_moe_kernel``; written again, small):
+pair, which reads a repeated expert's weight once per pair: at decode batch 32 of a top-8 model with
+64 experts, 256 pairs read ~63 experts ~4 times each. Here, as in vLLM's and SGLang's fused MoE
+(``moe_align_block_size`` and ``fused_moe_kernel``; written again, small):
 
-1. :func:`plan` groups the pairs by expert on the device (three small kernels: an atomic count
-   per expert, the groups' layout, each pair's row) and pads each expert's group to whole blocks of ``BLOCK_M`` rows: ``rows [R]``, the pair in each padded row (``A``: a padding row), and
+1. :func:`plan` groups the pairs by expert on the device (three small kernels: an atomic count per
+   expert, the groups' layout, each pair's row) and pads each expert's group to whole blocks of
+   ``BLOCK_M`` rows: ``rows [R]``, the pair in each padded row (``A``: a padding row), and
    ``block_expert [R / BLOCK_M]``, each block's expert (``E`` past the last used block). ``R`` is the
    most the padding can take, ``A + min(A, E) * (BLOCK_M - 1)`` rounded up to a block, so every
-   shape depends on ``A`` alone.
+   shape depends on ``A`` alone. :func:`plan_reference` is the same in PyTorch ops, the oracle.
 2. :func:`expert_gemm` runs one program per (block, ``BLOCK_N`` output columns). A program reads its
    block's expert and rows, ends at once past the last used block, and multiplies its rows by its
    expert's weight on the tensor cores, tile by tile along K: each used expert's weight is read once
    per block of its rows (once, unless an expert gets more than ``BLOCK_M`` pairs).
 
-The routing is the step's own (the router's top-k), so under PDL a program waits before it reads
-anything (``pdl.py``). fp32 inputs multiply in IEEE fp32 (the tests' fp32 models, within 1e-4 of
-the sorted path); bf16/fp16 on the tensor cores with fp32 sums, rounded once to the output dtype.
-Not yet timed on a GPU: ``TILES`` are vLLM's defaults for bf16 (``get_default_config``).
+Around them, :func:`softmax_topk` is a softmax router (fp32 softmax, top-k, renormalisation) and
+:func:`combine` the layer's output (the experts' weighted sum, the gated shared expert).
+
+The routing is the step's own (the router's top-k), so under PDL every kernel here waits before it
+reads anything (``pdl.py``). fp32 inputs multiply in IEEE fp32 (the tests' fp32 models, within 1e-4
+of the sorted path); bf16/fp16 on the tensor cores with fp32 sums, rounded once to the output dtype.
+Not yet timed on a GPU: ``SMALL_TILES`` and ``LARGE_TILES`` are vLLM's defaults for bf16
+(``get_default_config``).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ LARGE_FROM = 16  # mean pairs per expert from which a step takes LARGE_TILES
 
 
 class Plan(NamedTuple):
-    """A step's pairs sorted by expert and padded to blocks (:func:`plan`): ``rows [R]`` int32 (the
+    """A step's pairs grouped by expert and padded to blocks (:func:`plan`): ``rows [R]`` int32 (the
     pair ``t * k + j`` of each padded row, ``pairs`` for padding), ``block_expert [R / block_m]``
     int32 (``num_experts`` past the last used block)."""
 
