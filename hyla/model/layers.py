@@ -992,18 +992,20 @@ class OutProjection:
 def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
     """``linear(x)``; on a GEMV step (no bias, ``gemv.IN_PROJ``, a weight ``gemv.linear`` takes) that
     kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``)."""
-    if gemv_step and linear.bias is None:
-        return project(x, linear.weight, gemv_step)
+    if gemv_step and linear.bias is None and _gemv_takes(linear.weight):
+        return _gpu("gemv").linear(x, linear.weight)
     return linear(x)
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, gemv_step: bool) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias), through :func:`in_projection`'s GEMV on a GEMV step."""
-    if gemv_step:
-        kernels = _gpu("gemv")
-        if kernels.IN_PROJ and kernels.linear_fits(weight):
-            return kernels.linear(x, weight)
-    return F.linear(x, weight)
+    return _gpu("gemv").linear(x, weight) if gemv_step and _gemv_takes(weight) else F.linear(x, weight)
+
+
+def _gemv_takes(weight: torch.Tensor) -> bool:
+    """Whether a GEMV step runs a projection of ``weight`` through ``gemv.linear`` (``gemv.IN_PROJ``)."""
+    kernels = _gpu("gemv")
+    return kernels.IN_PROJ and kernels.linear_fits(weight)
 
 
 def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
