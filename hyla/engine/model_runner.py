@@ -10,11 +10,12 @@ On CUDA, for models whose mixers all have Triton decode kernels (``HybridForCaus
 supports_fused_decode``), decode steps run fused (``ForwardBatch.fused_decode``): attention reads
 the KV slots from the request table's device mirror (synced before each decode step), so a decode
 step sends six ints per request and reads nothing back; it is replayed from CUDA graphs
-(``cuda_graph.py``) unless ``cuda_graph=False``. A model's MoE layers read nothing back either (their
-experts gathered or grouped on the device: ``SparseMoE.path``), at any batch size. An extend of one sequence that wants its last
-logits only (a cached prompt's new part) runs as a fused extend alike (``ForwardBatch.fused_extend``,
-``fused_extend_max_tokens``), replayed from graphs captured per token count; a prefill batch of a
-few such sequences (concurrent agent turns), as one replay per sequence.
+(``cuda_graph.py``) unless ``cuda_graph=False``. A model's MoE layers read nothing back either
+(their experts gathered or grouped on the device: ``SparseMoE.path``), at any batch size. An extend
+of one sequence that wants its last logits only (a cached prompt's new part) runs as a fused extend
+alike (``ForwardBatch.fused_extend``, ``fused_extend_max_tokens``), replayed from graphs captured per
+token count; a prefill batch of a few such sequences (concurrent agent turns), as one replay per
+sequence.
 
 ``compile_decode=True`` runs decode steps through ``torch.compile`` (extend steps stay eager). The
 compiled graph is dynamic in the batch size and the KV length; batch size 1 is its own variant, of

@@ -899,22 +899,28 @@ class SparseMoE(nn.Module):
         once. No host read; the shapes depend on the token count alone."""
         return _weighted_sum(self.expert_outputs(x, experts, "grouped"), weights)
 
-    def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
-        path = self.path(x)
-        if self.fused_inputs is not None and path != "sorted":  # router, gate, shared in projection: one GEMM
-            e, gated = self.num_experts, int(self.shared_expert_gate is not None)
-            y = project(x, self.fused_inputs, gemv_step)  # [T, E (+ 1) + I or 2I]
-            weights, experts = _gpu("moe").softmax_topk(y[:, :e], self.top_k, self.norm_topk_prob)
-            shared = self.shared_expert.down(y[:, e + gated:], gemv_step)
-            return _gpu("moe").combine(self.expert_outputs(x, experts, path), weights, shared,
-                                       y[:, e:e + 1] if gated else None)
-        weights, experts = self.route(x)
-        h = self.latent_in(x) if self.latent_in is not None else x
-        if path != "sorted" and _on_gpu(h) and self.latent_out is None:  # the sums, the shared expert and
-            # its gate in one kernel
+    def _route_and_share(self, x: torch.Tensor, gemv_step: bool) -> tuple[torch.Tensor, ...]:
+        """A GPU step's ``(weights, experts)`` (:meth:`route`), the shared expert's output (None without
+        one) and its gate's logit ``[T, 1]`` (None without one); with :meth:`fuse_inputs_`, the router,
+        the gate and the shared in projection as one GEMM (a GEMV on a GEMV step)."""
+        if self.fused_inputs is None:
+            weights, experts = self.route(x)
             shared = self.shared_expert(x) if self.shared_expert is not None else None
             gate = self.shared_expert_gate(x) if shared is not None and self.shared_expert_gate is not None else None
-            return _gpu("moe").combine(self.expert_outputs(h, experts, path), weights, shared, gate)
+            return weights, experts, shared, gate
+        e, gated = self.num_experts, int(self.shared_expert_gate is not None)
+        y = project(x, self.fused_inputs, gemv_step)  # [T, E (+ 1) + I or 2I]
+        weights, experts = _gpu("moe").softmax_topk(y[:, :e], self.top_k, self.norm_topk_prob)
+        return weights, experts, self.shared_expert.down(y[:, e + gated:], gemv_step), y[:, e:e + 1] if gated else None
+
+    def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
+        path = self.path(x)
+        if path != "sorted" and _on_gpu(x) and self.latent_in is None:  # the sums, the shared expert and
+            # its gate in one kernel
+            weights, experts, shared, gate = self._route_and_share(x, gemv_step)
+            return _gpu("moe").combine(self.expert_outputs(x, experts, path), weights, shared, gate)
+        weights, experts = self.route(x)
+        h = self.latent_in(x) if self.latent_in is not None else x
         run = {"sorted": self.run_experts, "gathered": self.run_experts_gathered,
                "grouped": self.run_experts_grouped}[path]
         out = run(h, weights, experts).to(x.dtype)  # [T, Hin]

@@ -228,7 +228,7 @@ def _softmax_topk_kernel(logits_ptr, stride, w_ptr, e_ptr, E, K: tl.constexpr, R
     kk = tl.arange(0, BLOCK_K)
     weights = tl.zeros((BLOCK_K,), dtype=tl.float32)
     experts = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    for j in tl.static_range(K):  # the largest first; a tie to the lower index, as torch.topk
+    for j in tl.static_range(K):  # the largest first; a tie to the lower index (torch.topk's order is unspecified)
         best, idx = tl.max(probs, axis=0, return_indices=True, return_indices_tie_break_left=True)
         weights = tl.where(kk == j, best, weights)
         experts = tl.where(kk == j, idx.to(tl.int64), experts)
