@@ -27,7 +27,7 @@ greedy outputs must equal the cache-off run's up to each request's first floatin
 (``tests/test_engine_differential.py: compare_outputs``).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
-        [--kv-tokens 1536] [--max-running 6] [--timing ROUNDS | --replay [--options JSON]]
+        [--kv-tokens 1536] [--max-running 6] [--archs qwen3_next,nemotron_h] [--timing ROUNDS | --replay [--options JSON]]
 
 ``--kv-tokens`` / ``--max-running`` change the pools of ``POOLS``; a run with other pools writes its own
 section (``Cache under pressure, 2048 KV tokens``).
@@ -160,7 +160,7 @@ def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[
     return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
 
 
-def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str, Any]]:
+def measure(ckpt_dir: Path, seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS) -> dict[str, dict[str, Any]]:
     """Per configuration, summed over the workload seeds."""
     import checkpoints
     from test_engine_differential import compare_outputs
@@ -170,7 +170,7 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict) -> dict[str, dict[str
     paths = {"qwen3_next": checkpoints.make_qwen3_next(ckpt_dir, moe=False),
              "nemotron_h": checkpoints.make_nemotron_h(ckpt_dir)}
     results: dict[str, dict[str, Any]] = {}
-    for arch in ARCHS:
+    for arch in archs:
         for seed in seeds:
             firsts, users, max_new = workload(seed)
             with Engine(paths[arch], enable_prefix_cache=False, **pools) as off:
@@ -301,7 +301,7 @@ def _pct(part: float, whole: float) -> str:
 
 
 def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, dict[str, Any]]]],
-           seeds: list[int], pools: dict) -> str:
+           seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS) -> str:
     from benchmarks.report import machine
 
     head = "| configuration | cached / ideal | lost (per seed) |"
@@ -344,6 +344,7 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         details.append(f"* {key}: {parts or 'nothing lost'}")
     some = next(iter(after.values()))
     seeds_arg = "" if seeds == DEFAULT_SEEDS else " --seeds " + ",".join(map(str, seeds))
+    seeds_arg += "" if archs == ARCHS else " --archs " + ",".join(archs)
     pool_args = "".join(f" --{flag} {pools[key]}" for flag, key in POOL_FLAGS if pools[key] != POOLS[key])
     cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + "".join(
         f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg + pool_args
@@ -392,6 +393,8 @@ def main() -> None:
                     help="the KV pool's size in tokens (default %(default)s); another size writes its own section")
     ap.add_argument("--max-running", type=int, default=POOLS["max_running_requests"],
                     help="requests decoding at once (default %(default)s); another number writes its own section")
+    ap.add_argument("--archs", default=",".join(ARCHS),
+                    help="comma-separated architectures to measure (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print only the results as JSON (used by --compare-with)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument("--timing", type=int, default=0, metavar="ROUNDS",
@@ -422,7 +425,10 @@ def main() -> None:
               f"(runs {', '.join(f'{t:.2f}' for t in times[True])}), off {off:.2f} s "
               f"(runs {', '.join(f'{t:.2f}' for t in times[False])}): on / off {on / off:.3f}")
         return
-    after = measure(ckpt_dir, seeds, pools)
+    archs = tuple(a for a in args.archs.split(",") if a)
+    if not archs or set(archs) - set(ARCHS):
+        ap.error(f"--archs: a comma-separated subset of {','.join(ARCHS)}")
+    after = measure(ckpt_dir, seeds, pools, archs)
     if args.json:
         print(json.dumps(after))
         return
@@ -440,7 +446,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import write_section
 
-    body = render(after, befores, seeds, pools)
+    body = render(after, befores, seeds, pools, archs)
     print(body)
     if not args.no_write:
         write_section(section_title(pools), body)

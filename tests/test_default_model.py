@@ -59,9 +59,9 @@ def test_train_copy_smoke_run(tmp_path):
     shutil.copytree(DEFAULT_MODEL_DIR, model)
     before = load_file(model / "model.safetensors")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train_copy.py"), "--model-dir", str(model), "--induction-steps", "2",
-         "--mixed-steps", "2", "--threads", "1", "--benchmark-passages", "1", "--probe-new-tokens", "8",
-         "--seq-len", "256", "--batch-size", "1", "--eval-batches", "1"],  # a smoke run: 222 -> ~50 s
+        [sys.executable, str(ROOT / "scripts" / "train_copy.py"), "--model-dir", str(model), "--induction-steps", "1",
+         "--mixed-steps", "1", "--threads", "1", "--benchmark-passages", "1", "--probe-new-tokens", "8",
+         "--seq-len", "128", "--batch-size", "1", "--eval-batches", "1"],  # a smoke run: 222 -> ~30 s
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     after = load_file(model / "model.safetensors")

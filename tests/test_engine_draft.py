@@ -134,6 +134,7 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
 TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams of 2, 6 nodes, depth 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opts", [
     POOLS,
     dict(max_total_tokens=560, max_state_slots=64, max_running_requests=6, chunked_prefill_size=64),  # retraction

@@ -513,6 +513,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[di
 # (batch 1) and grouped (larger batches, at a gather cap of 2 pairs here) in the CUDA graphs, against a
 # PyTorch side that sorts them by expert (NemotronH).
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=[pytest.mark.slow, pytest.mark.gpu])])
@@ -587,6 +588,7 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
 # Bamba and LFM2 on a GPU only: interpreted each costs CI ~a minute, and what they add to Qwen3.5's
 # run (Mamba2's and the short conv's kernels along chains) is tested kernel by kernel
 # (test_decode_kernels_run_chains)
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
                                   pytest.param("lfm2", marks=pytest.mark.gpu)])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
@@ -1167,7 +1169,7 @@ def _install_all_fake_fla(monkeypatch, calls: list) -> None:
 
 
 @pytest.mark.skipif(GPU, reason="CPU only: on a GPU test_engine_bf16_fla_prefill_matches_pytorch runs fla itself")
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear"])
+@pytest.mark.parametrize("arch", [pytest.param("qwen3_5", marks=pytest.mark.slow), "bamba", "kimi_linear"])
 def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     """The layers' calls into ``fla_chunk`` (what a bf16 prefill on a GPU runs: Gated DeltaNet, Mamba2
     as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced

@@ -123,6 +123,7 @@ def few_splits(monkeypatch):
         monkeypatch.setattr(moe, "LARGE_TILES", (64, 128, 128, 4))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "qwen3_5_moe"])
 def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
     """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
@@ -175,6 +176,7 @@ def _concurrent_turns(engine: Engine, fused_extend: int | None = None) -> list[d
     return outs
 
 
+@pytest.mark.slow
 def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monkeypatch, few_splits):
     """A prefill batch of a few sequences (concurrent turns) runs as one fused extend per sequence
     (on a GPU: one graph replay each), each with its own checkpoints: == the PyTorch extend of the
