@@ -21,13 +21,14 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
 from test_engine_differential import compare_outputs
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import (POOLS, _drained, _greedy, _ids, abort_at_verify, spec_differential,
+from test_engine_speculative import (POOLS, _drained, _greedy, _ids, _watch_chains, abort_at_verify, spec_differential,
                                      stops_inside_accepted_runs)
 
 
@@ -129,6 +130,39 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
     assert not differ, f"{len(differ)} of {len(proposals)} proposals differ, e.g. {[proposals[c] for c in differ[:3]]} " \
                        f"vs {[want[c] for c in differ[:3]]}"
+
+
+@pytest.mark.parametrize("draft, opts", [
+    ("qwen3_next_dense_draft_path", POOLS),
+    ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
+                                   chunked_prefill_size=64)),  # retraction
+])
+def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, request,
+                                                                    monkeypatch):
+    """With ``compile_decode`` (or fused decode kernels) a draft model's chains are verified as
+    padded chains (``ModelRunner.forward_chains``, the compiled graph or CUDA graphs), as n-gram
+    chains are: exact, and the draft model's states stay in step through them — a chain shorter
+    than the width leaves its last fed token's state in a scratch slot, where the draft model must
+    write its own too (every proposal is the draft model's own continuation). ``torch.compile`` is
+    replaced by the function itself: what is tested is the engine's wiring and the chains, not
+    inductor (``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``)."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    draft = request.getfixturevalue(draft)
+    calls = {"n": 0}
+
+    def setup(eng):
+        runner = eng.scheduler.runner
+        assert runner.compiled and runner.verify_width == 4  # 3 drafts per step + the last sampled token
+        _watch_chains(eng, calls, width=None)
+        return _Recorder(eng.scheduler.drafter)
+
+    compared, stats, rec = spec_differential(qwen3_next_dense_path, {**_draft(draft), "compile_decode": True}, opts,
+                                             seed=2, setup=setup)
+    assert compared > 60 and calls["n"] > 0
+    proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
+    want = _draft_model_continuations(draft, list(proposals), 3)
+    differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
+    assert not differ, f"{len(differ)} of {len(proposals)} proposals differ"
 
 
 TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams of 2, 6 nodes, depth 3

@@ -137,11 +137,12 @@ class Engine:
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
                              if not self.args.disable_cuda_graph else 0,
-                             # n-gram chains: verify steps as padded chains (forward_chains) where decode is fused
-                             # or compiled, through the same kernels or graph
+                             # chains of n-gram or draft-model drafts: verify steps as padded chains (forward_chains)
+                             # where decode is fused or compiled, through the same kernels or graph (MTP's need the
+                             # hidden states, which they do not return)
                              verify_width=self.args.num_draft_tokens + 1
-                             if self.args.speculative_algorithm == "ngram" and self.args.speculative_eagle_topk == 1
-                             else None)
+                             if self.args.speculative_algorithm in ("ngram", "draft")
+                             and self.args.speculative_eagle_topk == 1 else None)
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)
@@ -186,7 +187,7 @@ class Engine:
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
-        verify_chains = runner.verify_width is not None and not drafter.keeps_state if drafter else False
+        verify_chains = runner.verify_width is not None and not drafter.wants_hidden if drafter else False
         if drafter is not None and (runner.graphs is not None or runner.compiled) and not verify_chains:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "

@@ -52,7 +52,6 @@ from hyla.model.mtp import MtpHead
 
 class MtpDrafter(Drafter):
     wants_hidden = True
-    keeps_state = True  # the hidden state each target state slot follows
 
     def __init__(self, head: MtpHead, kv_pool, state_pool, req_to_token, scratch_kv: list[int], num_draft: int):
         """``kv_pool``'s last K/V buffers are the MTP layer's; ``state_pool`` must carry hidden

@@ -188,11 +188,14 @@ class Scheduler:
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
                 width = getattr(self.runner, "verify_width", None)
-                if width and trees is None and not extra and not self.drafter.keeps_state:
+                if width and trees is None and not extra:
                     # the compiled verify: every request padded to ``width`` inside the recurrent ops
-                    # (its state after position j < width - 1 in scratch slot j, after the last in its own)
+                    # (its state after position j < width - 1 in scratch slot j, after the last in its own),
+                    # so the state after a short chain's last fed token is in a scratch slot too
                     out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch])
                     batch.chain_width = width
+                    ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
+                             for j in range(min(n, width - 1))]
                 else:
                     out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
                                                      tree_parents=trees, **extra)

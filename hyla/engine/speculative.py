@@ -79,10 +79,6 @@ class Drafter:
     num_draft: int
     topk: int = 1  # > 1: the scheduler asks for trees (propose_tree_batch)
     wants_hidden: bool = False  # observe() needs the final hidden states of the fed tokens
-    # the drafter keeps per-state-slot data in step with the target's states (a draft model's own
-    # states, the MTP's hidden states): a verify step must write exactly the checkpoints observe()
-    # is told of, so it is never run as padded chains (ModelRunner.forward_chains)
-    keeps_state: bool = False
 
     def propose(self, req: Req, limit: int) -> list[int]:
         """At most ``min(limit, num_draft)`` draft tokens to follow ``req.fill_ids``."""
@@ -106,7 +102,11 @@ class Drafter:
         """Called after every target forward, before its commit: ``reqs[i]`` fed ``lens[i]`` tokens
         after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
         (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
-        the fed tokens' final hidden states (None unless ``wants_hidden``). Nothing by default."""
+        the fed tokens' final hidden states (None unless ``wants_hidden``). A drafter that keeps
+        data per state slot in step with the target's states (a draft model's own states, the MTP's
+        hidden states) writes it for the requests' slots and ``ckpts``: every slot whose state the
+        commit may take (in a verify step of padded chains, ``ModelRunner.forward_chains``, also a
+        short chain's last fed token's, in a scratch slot). Nothing by default."""
 
     def verified(self, reqs: list[Req], verdicts: list[Verdict]) -> None:
         """Called after every verify step's acceptance, before anything is appended or committed:
