@@ -42,6 +42,11 @@ first four layers with its final norm and LM head (an early-exit draft built by 
 training: half the model's layers), the same with trees (``speculative_eagle_topk=2``), and
 ``--draft-model-path PATH`` if given.
 
+``--part draft-compiled``: that workload, the early-exit draft (chains), every engine with
+``compile_decode=True``: its verify steps as padded chains through the compiled graph, against the
+same engine with them through the eager extend path and the compiled plain engine; written to
+``## Speculative decoding: draft model with compile_decode``.
+
 ``--part compiled``: workload (a) with ``compile_decode=True`` on both sides (decode steps and, with
 n-gram chains, verify steps through ``torch.compile``), the eager pair as the peer in the same run,
 and the compiled decode vs verify step at the model runner.
@@ -568,9 +573,10 @@ def main() -> None:
                     help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "compiled", "gpu"), default="all",
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "draft-compiled", "compiled", "gpu"), default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
-                         "draft: workload (b) with separate draft models; compiled: workload (a) with compile_decode; "
+                         "draft: workload (b) with separate draft models; draft-compiled: workload (b), the early-exit "
+                         "draft, compile_decode; compiled: workload (a) with compile_decode; "
                          "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all')")
     ap.add_argument("--device", default="cuda", help="gpu: the device (cpu: a smoke test of the script)")
     ap.add_argument("--draft-model-path", default=None,
@@ -586,6 +592,8 @@ def main() -> None:
         mtp_main(args, threads)
     if args.part in ("all", "draft"):
         draft_main(args, threads)
+    if args.part in ("all", "draft-compiled"):
+        draft_compiled_main(args, threads)
     if args.part in ("all", "ngram"):
         ngram_main(args, threads)
     if args.part in ("all", "compiled"):
@@ -730,6 +738,82 @@ identical greedy token ids (checked by the script).
         write_section("Speculative decoding: GPU" + drafts_suffix(args), body)
 
 
+def draft_compiled_main(args, threads: int) -> None:
+    """Workload (b) with the early-exit draft model and ``compile_decode``: its chains verified as
+    padded chains through the compiled graph ("on"), against the same engine with its verify steps
+    through the eager extend path ("on, eager verify": ``runner.verify_width = None``, what every
+    draft-model verify step ran before), and the compiled plain engine ("off")."""
+    import tempfile
+
+    early = early_exit_draft(Path(tempfile.mkdtemp(prefix="hyla-draft-")) / "early-exit")
+    spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(early), speculative_num_steps=DRAFT_STEPS)
+    kw = dict(dtype="float32", device="cpu", **POOLS, compile_decode=True)
+    t0 = time.perf_counter()
+    engines = {"off": Engine(**kw), "on": Engine(**kw, **spec), "on, eager verify": Engine(**kw, **spec)}
+    start_up = time.perf_counter() - t0
+    engines["on, eager verify"].scheduler.runner.verify_width = None
+    parts: dict[str, dict[int, dict[str, float]]] = {}
+    try:
+        prompts = chat_prompts(engines["off"].tokenizer)
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        base = run_once(engines["off"], prompts, NUM_PROMPTS, params)[2]  # warm-up: caches the prompts
+        for side in ("on", "on, eager verify"):
+            check_identical(f"draft-compiled ({side}), warm-up", base, run_once(engines[side], prompts, NUM_PROMPTS, params)[2])
+        rows = bench(engines, prompts, prompts, "draft-compiled", args.repeats, args.new_tokens)
+        for side, eng in engines.items():
+            parts[side] = {}
+            for batch in (1, NUM_PROMPTS):
+                timers = mtp_timers(eng, "draft")
+                steps0 = eng.scheduler.num_steps
+                run_once(eng, prompts, batch, params)
+                parts[side][batch] = {k: 1e3 * v / max(1, eng.scheduler.num_steps - steps0) for k, v in timers.items()}
+                unwrap(eng)
+        late = {side: e.scheduler.runner.late_compiles for side, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part draft-compiled "
+           f"--repeats {args.repeats} --new-tokens {args.new_tokens}")
+    table = ["| batch | compiled off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | on, eager verify tok/s "
+             "| eager verify / off (CPU time) | on / eager verify (CPU time) | accept length (on, eager verify) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        on, ev = r["sides"]["on"], r["sides"]["on, eager verify"]
+        table.append(f"| {r['batch']} | {r['off']:.1f} | {on['tps']:.1f} | {on['ratio']:.2f}x | {on['cpu_ratio']:.2f}x "
+                     f"| {ev['tps']:.1f} | {ev['cpu_ratio']:.2f}x | **{on['cpu_ratio'] / ev['cpu_ratio']:.2f}x** "
+                     f"| {on['accept']:.2f}, {ev['accept']:.2f} |")
+    split = ["| ms per step | " + " | ".join(f"batch {b}" for b in (1, NUM_PROMPTS)) + " |", "|---|---|---|"]
+    for side in engines:
+        keys = (("step", "step"),) if side == "off" else (
+            ("step", "verify step"), ("model forward", "model forward over the fed tokens"),
+            ("draft observe", "draft model over the fed tokens"), ("draft drafting", f"draft model, {DRAFT_STEPS} draft steps"))
+        for key, label in keys:
+            split.append(f"| {side}: {label} | " + " | ".join(f"{parts[side][b].get(key, 0.0):.2f}"
+                                                             for b in (1, NUM_PROMPTS)) + " |")
+    body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32) with
+compile_decode, drafted by its first {EARLY_EXIT_LAYERS} layers (the early-exit draft of the section above: its
+final norm and LM head, no training), {DRAFT_STEPS} drafts per step (chains), on the chat workload; greedy.
+
+Draft-model chains now verify as padded chains (`ModelRunner.forward_chains`), as n-gram chains do:
+with `compile_decode` through the graph compiled at start-up, on a GPU through the fused kernels and
+their CUDA graphs. *on, eager verify* is the same engine with its verify steps through the eager
+extend path (`runner.verify_width = None`), which every draft-model verify step took before.
+The draft model's own steps stay eager in both. Runs of the three engines interleaved, medians of
+{args.repeats}; every engine gave **identical greedy token ids** (checked by the script). Start-up of the
+three engines, each compiling its graphs: {start_up:.0f} s; steps that ran eager for want of a graph
+(`late_compiles`): {late}.
+
+{chr(10).join(table)}
+
+Where a step's time goes (thread CPU time per step, one more run of each engine after the timed ones):
+
+{chr(10).join(split)}
+"""
+    print(body)
+    if not args.no_write:
+        write_section("Speculative decoding: draft model with compile_decode", body)
+
+
 def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
     """Wrap the model forward and the drafter's two calls of ``engine`` with timers (thread CPU
     time with one thread, else wall): seconds so far, by part ("<drafter_name> observe", ...)."""
@@ -749,6 +833,7 @@ def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
         setattr(owner, name, timed)
 
     for owner, name, label in ((s.runner, "forward_extend", "model forward"), (s.runner, "forward_decode", "model forward"),
+                               (s.runner, "forward_chains", "model forward"),
                                (drafter, "observe", f"{drafter_name} observe"),
                                (drafter, "propose_batch", f"{drafter_name} drafting"),
                                (drafter, "propose_tree_batch", f"{drafter_name} drafting"),
@@ -762,7 +847,8 @@ def unwrap(engine: Engine) -> None:
     """Undo ``mtp_timers``: back to the class's methods."""
     s = engine.scheduler
     for owner in (s.runner, s.drafter, s):
-        for name in ("forward_extend", "forward_decode", "observe", "propose_batch", "propose_tree_batch", "step"):
+        for name in ("forward_extend", "forward_decode", "forward_chains", "observe", "propose_batch",
+                     "propose_tree_batch", "step"):
             if owner is not None:
                 owner.__dict__.pop(name, None)
 
