@@ -763,11 +763,7 @@ def draft_compiled_main(args, threads: int) -> None:
         for side, eng in engines.items():
             parts[side] = {}
             for batch in (1, NUM_PROMPTS):
-                timers = mtp_timers(eng, "draft")
-                steps0 = eng.scheduler.num_steps
-                run_once(eng, prompts, batch, params)
-                parts[side][batch] = {k: 1e3 * v / max(1, eng.scheduler.num_steps - steps0) for k, v in timers.items()}
-                unwrap(eng)
+                parts[side][batch] = ms_per_step(eng, prompts, batch, params, "draft")
         late = {side: e.scheduler.runner.late_compiles for side, e in engines.items()}
     finally:
         for e in engines.values():
@@ -843,6 +839,20 @@ def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:
     return acc
 
 
+def ms_per_step(engine: Engine, prompts: list[list[int]], batch: int, params: dict,
+                drafter_name: str = "MTP") -> dict[str, float]:
+    """One more run of ``engine`` on ``prompts``, ``batch`` at a time, timed by part
+    (:func:`mtp_timers`): ms per scheduler step of each part."""
+    timers = mtp_timers(engine, drafter_name)
+    steps0 = engine.scheduler.num_steps
+    try:
+        run_once(engine, prompts, batch, params)
+    finally:
+        unwrap(engine)
+    n = max(1, engine.scheduler.num_steps - steps0)
+    return {k: 1e3 * v / n for k, v in timers.items()}
+
+
 def unwrap(engine: Engine) -> None:
     """Undo ``mtp_timers``: back to the class's methods."""
     s = engine.scheduler
@@ -866,12 +876,7 @@ def mtp_main(args, threads: int) -> None:
         parts: dict[str, dict[int, dict[str, float]]] = {"off": {}, "on": {}}
         for batch in (1, NUM_PROMPTS):  # where a step's time goes (one more run per side and batch size)
             for side, engine in engines.items():
-                timers = mtp_timers(engine)
-                steps0 = engine.scheduler.num_steps
-                run_once(engine, prompts, batch, params)
-                n = max(1, engine.scheduler.num_steps - steps0)
-                parts[side][batch] = {k: 1e3 * v / n for k, v in timers.items()}
-                unwrap(engine)
+                parts[side][batch] = ms_per_step(engine, prompts, batch, params)
                 print(f"[mtp] {side}, batch {batch}: ms per step: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in parts[side][batch].items()), flush=True)
     finally:
@@ -980,11 +985,7 @@ def draft_main(args, threads: int) -> None:
         base = run_once(off, prompts, NUM_PROMPTS, params)[2]  # warm-up: caches the prompts
         parts["off"] = {}
         for batch in (1, NUM_PROMPTS):
-            timers = mtp_timers(off)
-            steps0 = off.scheduler.num_steps
-            run_once(off, prompts, batch, params)
-            parts["off"][batch] = {k: 1e3 * v / max(1, off.scheduler.num_steps - steps0) for k, v in timers.items()}
-            unwrap(off)
+            parts["off"][batch] = ms_per_step(off, prompts, batch, params)
         for name, (path, opts) in drafts.items():
             spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(path), **opts)
             with Engine(dtype="float32", device="cpu", **POOLS, **spec) as on:
@@ -994,12 +995,7 @@ def draft_main(args, threads: int) -> None:
                     rows.append(dict(r, draft=name))
                 parts[name] = {}
                 for batch in (1, NUM_PROMPTS):
-                    timers = mtp_timers(on, "draft")
-                    steps0 = on.scheduler.num_steps
-                    run_once(on, prompts, batch, params)
-                    parts[name][batch] = {k: 1e3 * v / max(1, on.scheduler.num_steps - steps0)
-                                          for k, v in timers.items()}
-                    unwrap(on)
+                    parts[name][batch] = ms_per_step(on, prompts, batch, params, "draft")
                     print(f"[draft: {name}] batch {batch}: ms per step: "
                           + ", ".join(f"{k} {v:.2f}" for k, v in parts[name][batch].items()), flush=True)
     finally:
