@@ -636,6 +636,32 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
+@pytest.mark.gpu
+def test_fused_draft_model_chains_verify_from_cuda_graphs(qwen3_5_path, qwen3_5_draft_path, few_splits):
+    """A draft model's chains (``speculative_algorithm="draft"``) verify as padded chains through the
+    fused kernels, replayed from their CUDA graphs, as n-gram chains do: the same greedy tokens and
+    logprobs as a plain engine with the cache off, two turns with the prefix cache, the draft model
+    (a perturbed copy of the model) accepted often (its states follow the chains' scratch slots:
+    ``test_draft_chains_verify_as_padded_chains_in_step_with_the_draft`` checks them on the CPU)."""
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=64, max_running_requests=8)
+    with Engine(qwen3_5_path, enable_prefix_cache=False, **opts) as off:
+        wave1 = [dict(w, max_new=w["max_new"] + 8) for w in _workload(1, off.model_config.vocab_size)]
+        ref1 = _generate(off, wave1)
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 8} for w, o in zip(wave1, ref1)]
+        ref2 = _generate(off, wave2)
+    with Engine(qwen3_5_path, speculative_algorithm="draft", speculative_draft_model_path=str(qwen3_5_draft_path),
+                speculative_num_steps=3, **opts) as eng:
+        runner = eng.scheduler.runner
+        assert runner.fused and runner.verify_width == 4 and runner.verify_graphs is not None
+        replays, real_replay = {"n": 0}, runner.verify_graphs.replay
+        runner.verify_graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
+        out = _generate(eng, wave1) + _generate(eng, wave2)
+        eng.wait_idle()
+        eng.check_integrity()
+        assert replays["n"] > 0 and eng.get_stats()["spec_accept_length"] > 1.5
+    assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
+
+
 def test_fused_chains_refuse_bad_batches(qwen3_5_short_path):
     """A verify step of fused chains checks its requests before any kernel: every position needs a
     real state slot (-1 would drop a state mid-chain), and each request feeds 1 to W tokens."""
