@@ -100,7 +100,6 @@ class DraftModelDrafter(Drafter):
     depth ``num_steps`` and at most ``num_draft`` nodes. ``scratch_kv`` / ``scratch_states``:
     reserved slots, :meth:`scratch_per_row` of each per batch row."""
 
-
     def __init__(self, runner: ModelRunner, scratch_kv: list[int], scratch_states: list[int], num_draft: int,
                  num_steps: int | None = None, topk: int = 1):
         self.num_steps = num_draft if num_steps is None else num_steps
