@@ -183,19 +183,17 @@ class Scheduler:
         extra = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
         try:
             if batch.verify and max(batch.lens) > 1:
-                ckpts = [(i, j + 1, slot) for i, (r, slots) in enumerate(zip(batch.reqs, batch.scratch))
-                         for j, slot in enumerate(slots[:len(r.draft_ids)])]
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
                 width = getattr(self.runner, "verify_width", None)
-                if width and trees is None and not extra:
-                    # the compiled verify: every request padded to ``width`` inside the recurrent ops
-                    # (its state after position j < width - 1 in scratch slot j, after the last in its own),
-                    # so the state after a short chain's last fed token is in a scratch slot too
+                chains = bool(width) and trees is None and not extra
+                # fed token j's state goes to scratch slot j: every one's but the last (in the request's own
+                # slot); as padded chains, every one's before position width - 1 (a short chain's last too)
+                ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
+                         for j in range(min(n, width - 1) if chains else n - 1)]
+                if chains:  # the compiled verify: every request padded to ``width`` inside the recurrent ops
                     out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch])
                     batch.chain_width = width
-                    ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
-                             for j in range(min(n, width - 1))]
                 else:
                     out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
                                                      tree_parents=trees, **extra)
