@@ -47,6 +47,11 @@ training: half the model's layers), the same with trees (``speculative_eagle_top
 same engine with them through the eager extend path and the compiled plain engine; written to
 ``## Speculative decoding: draft model with compile_decode``.
 
+``--part mtp-compiled``: the MTP workload, every engine with ``compile_decode`` (MTP's steps through
+the graphs compiled to return the hidden states, its verify steps as padded chains), against the
+same with eager verify steps and the compiled plain engine; written to
+``## Speculative decoding: MTP with compile_decode``.
+
 ``--part compiled``: workload (a) with ``compile_decode=True`` on both sides (decode steps and, with
 n-gram chains, verify steps through ``torch.compile``), the eager pair as the peer in the same run,
 and the compiled decode vs verify step at the model runner.
@@ -573,8 +578,10 @@ def main() -> None:
                     help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "draft", "draft-compiled", "compiled", "gpu"), default="all",
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "mtp-compiled", "draft", "draft-compiled", "compiled", "gpu"),
+                    default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
+                         "mtp-compiled: that with compile_decode; "
                          "draft: workload (b) with separate draft models; draft-compiled: workload (b), the early-exit "
                          "draft, compile_decode; compiled: workload (a) with compile_decode; "
                          "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all')")
@@ -590,6 +597,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if args.part in ("all", "mtp"):
         mtp_main(args, threads)
+    if args.part in ("all", "mtp-compiled"):
+        mtp_compiled_main(args, threads)
     if args.part in ("all", "draft"):
         draft_main(args, threads)
     if args.part in ("all", "draft-compiled"):
@@ -739,14 +748,42 @@ identical greedy token ids (checked by the script).
 
 
 def draft_compiled_main(args, threads: int) -> None:
-    """Workload (b) with the early-exit draft model and ``compile_decode``: its chains verified as
-    padded chains through the compiled graph ("on"), against the same engine with its verify steps
-    through the eager extend path ("on, eager verify": ``runner.verify_width = None``, what every
-    draft-model verify step ran before), and the compiled plain engine ("off")."""
+    """Workload (b) with the early-exit draft model and ``compile_decode`` (:func:`compiled_spec_main`)."""
     import tempfile
 
     early = early_exit_draft(Path(tempfile.mkdtemp(prefix="hyla-draft-")) / "early-exit")
     spec = dict(speculative_algorithm="draft", speculative_draft_model_path=str(early), speculative_num_steps=DRAFT_STEPS)
+    about = f"""drafted by its first {EARLY_EXIT_LAYERS} layers (the early-exit draft of the section above: its
+final norm and LM head, no training), {DRAFT_STEPS} drafts per step (chains), on the chat workload; greedy.
+
+Draft-model chains now verify as padded chains (`ModelRunner.forward_chains`), as n-gram chains do:
+with `compile_decode` through the graph compiled at start-up, on a GPU through the fused kernels and
+their CUDA graphs. *on, eager verify* is the same engine with its verify steps through the eager
+extend path (`runner.verify_width = None`), which every draft-model verify step took before.
+The draft model's own steps stay eager in both."""
+    compiled_spec_main(args, threads, "draft-compiled", spec, "draft", "draft model", about,
+                       "Speculative decoding: draft model with compile_decode")
+
+
+def mtp_compiled_main(args, threads: int) -> None:
+    """Workload (b) with the default model's MTP head and ``compile_decode`` (:func:`compiled_spec_main`)."""
+    about = f"""its MTP head (`scripts/train_mtp_head.py`), {MTP_STEPS} drafts per step, on the chat workload; greedy.
+
+MTP's decode and verify steps now run the graphs compiled at start-up (on a GPU: the fused kernels and
+their CUDA graphs), which return the final hidden states the MTP head reads (`ModelRunner(return_hidden=True)`);
+its verify steps as padded chains (`ModelRunner.forward_chains`). Before, `compile_decode` with MTP
+compiled nothing. *on, eager verify* is the same engine with its verify steps through the eager
+extend path (`runner.verify_width = None`). The MTP head's own forwards stay eager in both."""
+    compiled_spec_main(args, threads, "mtp-compiled", MTP_SPEC, "MTP", "MTP head", about,
+                       "Speculative decoding: MTP with compile_decode")
+
+
+def compiled_spec_main(args, threads: int, part: str, spec: dict, drafter_name: str, drafter_label: str, about: str,
+                       section: str) -> None:
+    """Workload (b), every engine with ``compile_decode``, speculation ``spec`` (chains): its verify
+    steps as padded chains through the compiled graph ("on"), against the same engine with its verify
+    steps through the eager extend path ("on, eager verify": ``runner.verify_width = None``), and
+    the compiled plain engine ("off")."""
     kw = dict(dtype="float32", device="cpu", **POOLS, compile_decode=True)
     t0 = time.perf_counter()
     engines = {"off": Engine(**kw), "on": Engine(**kw, **spec), "on, eager verify": Engine(**kw, **spec)}
@@ -758,17 +795,17 @@ def draft_compiled_main(args, threads: int) -> None:
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         base = run_once(engines["off"], prompts, NUM_PROMPTS, params)[2]  # warm-up: caches the prompts
         for side in ("on", "on, eager verify"):
-            check_identical(f"draft-compiled ({side}), warm-up", base, run_once(engines[side], prompts, NUM_PROMPTS, params)[2])
-        rows = bench(engines, prompts, prompts, "draft-compiled", args.repeats, args.new_tokens)
+            check_identical(f"{part} ({side}), warm-up", base, run_once(engines[side], prompts, NUM_PROMPTS, params)[2])
+        rows = bench(engines, prompts, prompts, part, args.repeats, args.new_tokens)
         for side, eng in engines.items():
             parts[side] = {}
             for batch in (1, NUM_PROMPTS):
-                parts[side][batch] = ms_per_step(eng, prompts, batch, params, "draft")
+                parts[side][batch] = ms_per_step(eng, prompts, batch, params, drafter_name)
         late = {side: e.scheduler.runner.late_compiles for side, e in engines.items()}
     finally:
         for e in engines.values():
             e.shutdown()
-    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part draft-compiled "
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part {part} "
            f"--repeats {args.repeats} --new-tokens {args.new_tokens}")
     table = ["| batch | compiled off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | on, eager verify tok/s "
              "| eager verify / off (CPU time) | on / eager verify (CPU time) | accept length (on, eager verify) |",
@@ -779,22 +816,17 @@ def draft_compiled_main(args, threads: int) -> None:
                      f"| {ev['tps']:.1f} | {ev['cpu_ratio']:.2f}x | **{on['cpu_ratio'] / ev['cpu_ratio']:.2f}x** "
                      f"| {on['accept']:.2f}, {ev['accept']:.2f} |")
     split = ["| ms per step | " + " | ".join(f"batch {b}" for b in (1, NUM_PROMPTS)) + " |", "|---|---|---|"]
+    steps = MTP_STEPS if drafter_name == "MTP" else DRAFT_STEPS
     for side in engines:
         keys = (("step", "step"),) if side == "off" else (
             ("step", "verify step"), ("model forward", "model forward over the fed tokens"),
-            ("draft observe", "draft model over the fed tokens"), ("draft drafting", f"draft model, {DRAFT_STEPS} draft steps"))
+            (f"{drafter_name} observe", f"{drafter_label} over the fed tokens"),
+            (f"{drafter_name} drafting", f"{drafter_label}, {steps} draft steps"))
         for key, label in keys:
             split.append(f"| {side}: {label} | " + " | ".join(f"{parts[side][b].get(key, 0.0):.2f}"
                                                              for b in (1, NUM_PROMPTS)) + " |")
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32) with
-compile_decode, drafted by its first {EARLY_EXIT_LAYERS} layers (the early-exit draft of the section above: its
-final norm and LM head, no training), {DRAFT_STEPS} drafts per step (chains), on the chat workload; greedy.
-
-Draft-model chains now verify as padded chains (`ModelRunner.forward_chains`), as n-gram chains do:
-with `compile_decode` through the graph compiled at start-up, on a GPU through the fused kernels and
-their CUDA graphs. *on, eager verify* is the same engine with its verify steps through the eager
-extend path (`runner.verify_width = None`), which every draft-model verify step took before.
-The draft model's own steps stay eager in both. Runs of the three engines interleaved, medians of
+compile_decode, {about} Runs of the three engines interleaved, medians of
 {args.repeats}; every engine gave **identical greedy token ids** (checked by the script). Start-up of the
 three engines, each compiling its graphs: {start_up:.0f} s; steps that ran eager for want of a graph
 (`late_compiles`): {late}.
@@ -807,7 +839,7 @@ Where a step's time goes (thread CPU time per step, one more run of each engine 
 """
     print(body)
     if not args.no_write:
-        write_section("Speculative decoding: draft model with compile_decode", body)
+        write_section(section, body)
 
 
 def mtp_timers(engine: Engine, drafter_name: str = "MTP") -> dict[str, float]:

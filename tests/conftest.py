@@ -134,6 +134,8 @@ qwen3_next_dense_mtp_path = _tiny_checkpoint("qwen3_next_dense_mtp_path", checkp
 qwen3_next_moe_mtp_path = _tiny_checkpoint("qwen3_next_moe_mtp_path", checkpoints.make_qwen3_next, moe=True, mtp=True)
 qwen3_5_mtp_path = _tiny_checkpoint("qwen3_5_mtp_path", checkpoints.make_qwen3_5, mtp=True)
 qwen3_5_moe_mtp_path = _tiny_checkpoint("qwen3_5_moe_mtp_path", checkpoints.make_qwen3_5_moe, mtp=True)
+qwen3_5_short_mtp_path = _tiny_checkpoint("qwen3_5_short_mtp_path", checkpoints.make_qwen3_5, mtp=True,
+                                          num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
 
 # draft models for speculative_algorithm="draft": perturbed copies of the targets (they agree with
 # them most of the time), and a small NemotronH (Mamba2, attention, MLP: one layer each) whose

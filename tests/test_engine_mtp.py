@@ -25,7 +25,7 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.mtp_drafter import MtpDrafter
 from test_engine_differential import compare_outputs, run
-from test_engine_speculative import POOLS, _drained, _greedy, _ids, spec_differential
+from test_engine_speculative import POOLS, _drained, _greedy, _ids, _watch_chains, spec_differential
 
 MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 
@@ -75,22 +75,34 @@ class _Recorder:
         return out
 
 
-def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
+@pytest.mark.parametrize("chains", [False, True], ids=["extend", "chains"])
+def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chains, monkeypatch):
     """Multi-turn chats sharing system prompts on the default model (its trained head): every draft,
     keyed by request and output length, is the same with the cache off (large pools) and on (pools
     small enough for eviction and retraction). A retracted request resumes with one plain step
     (its re-prefill samples a token), so it proposes at output lengths the other run skips: only the
-    proposals both runs made are compared, and they must be most of them."""
+    proposals both runs made are compared, and they must be most of them. ``chains``: the cache-on
+    engine runs with ``compile_decode``, its verify steps as padded chains that return the hidden
+    states the MTP reads (``ModelRunner.forward_chains``), and so its decode steps through the graphs
+    compiled for them; ``torch.compile`` is replaced by the function itself (what is tested is the
+    wiring and the chains' hidden states, not inductor)."""
+    if chains:
+        monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     rng = random.Random(3)
     tok = lambda n: [rng.randrange(3, 4000) for _ in range(n)]  # noqa: E731
     systems = [tok(40), tok(70)]
     wave1 = [{"ids": systems[i % 2] + tok(rng.randrange(5, 60)), "max_new": 24, "ckpt": [40 if i % 2 == 0 else 70]}
              for i in range(10)]
     followups = [tok(5) for _ in wave1]
-    drafts, outs = {}, {}
+    drafts, outs, calls = {}, {}, {"n": 0}
     for cache, pool in ((False, 8192), (True, 360)):
         opts = dict(max_total_tokens=pool, max_state_slots=30, max_running_requests=6, chunked_prefill_size=64, **MTP)
-        with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, **opts) as eng:
+        with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True,
+                    compile_decode=chains and cache, **opts) as eng:
+            runner = eng.scheduler.runner
+            assert (runner.compiled, runner.verify_width, runner.return_hidden) == \
+                ((True, 4, True) if chains and cache else (False, None, True))
+            _watch_chains(eng, calls, width=None)
             rec = _Recorder(eng.scheduler.drafter)
             out1 = run(eng, wave1)
             wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 16, "ckpt": []}
@@ -101,6 +113,7 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path):
             _drained(eng)
     assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
     assert stats["num_evicted_tokens"] > 0 and stats["num_retractions"] > 0
+    assert (calls["n"] > 0) == chains and stats["spec_accept_length"] > 1.3
     compare_outputs(outs[True], outs[False])
     common = drafts[True].keys() & drafts[False].keys()
     assert len(common) > 0.7 * max(len(drafts[True]), len(drafts[False])) and len(common) > 100
@@ -312,19 +325,3 @@ def test_serve_flags(capsys):
     assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
     assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
     assert "speculative_eagle_topk" in capsys.readouterr().err
-
-
-def test_mtp_keeps_decode_eager_with_compile_decode(qwen3_next_dense_mtp_path, caplog):
-    """Every MTP step asks for the final hidden states, which the compiled graph does not return:
-    ``compile_decode`` with MTP warns and compiles nothing (its graphs would cost minutes of start-up
-    and never run), and the engine still speculates."""
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="hyla.engine"):
-        with Engine(qwen3_next_dense_mtp_path, **MTP, **POOLS, compile_decode=True) as eng:
-            assert eng.scheduler.runner.compiled is False
-            assert "decode=pytorch ops," in eng.summary()
-            out = eng.generate(input_ids=[5, 6, 7, 5, 6, 7, 5, 6], sampling_params={"temperature": 0,
-                                                                                     "max_new_tokens": 8})
-            assert len(out["output_ids"]) == 8
-    assert [r for r in caplog.records if "MTP steps need the model's hidden states" in r.getMessage()]

@@ -662,6 +662,51 @@ def test_fused_draft_model_chains_verify_from_cuda_graphs(qwen3_5_path, qwen3_5_
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
+@pytest.mark.slow
+def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypatch):
+    """MTP speculation (``speculative_algorithm="mtp"``) with its steps through the fused kernels: the
+    decode steps and the verify steps of padded chains return the final hidden states the MTP reads
+    (``ModelRunner(return_hidden=True)``; on a GPU from the decode and verify CUDA graphs), so every
+    draft is the one the PyTorch path proposes, and the outputs are its outputs. fp32 on both sides;
+    without a GPU the kernels run interpreted on the 2-layer variant (the MTP head, random, proposes
+    drafts the model rejects: each verify step is a full chain, and a request near its end a short one)."""
+    from hyla.model.ops.gpu import gated_delta_decode
+    from test_engine_mtp import _Recorder
+
+    if not GPU:
+        monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)  # test_fused_chain_verify_is_exact
+    path = request.getfixturevalue("qwen3_5_mtp_path" if GPU else "qwen3_5_short_mtp_path")
+    opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=48, max_running_requests=8,
+                speculative_algorithm="mtp", speculative_num_steps=3)
+    outs, drafts, replays = [], [], {"n": 0}
+    for fused in (False, True):
+        with Engine(path, **opts) as eng:
+            if fused != GPU:  # a GPU's engine is fused (with graphs), a CPU's is not: the other side's runner
+                eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token,
+                                                   eng.device, cuda_graph=False, fused_decode=fused,
+                                                   verify_width=4 if fused else None, return_hidden=True)
+            runner = eng.scheduler.runner
+            assert runner.fused == fused and runner.verify_width == (4 if fused else None)
+            if fused and GPU:
+                graphs, real_replay = runner.verify_graphs, runner.verify_graphs.replay
+                graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
+            rec = _Recorder(eng.scheduler.drafter)
+            wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 3)
+            out = _generate(eng, wave1)
+            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5}
+                                   for w, o in zip(wave1, out)])
+            eng.wait_idle()
+            eng.check_integrity()
+            assert eng.scheduler.num_verify_steps > 0
+            outs.append(out)
+            drafts.append(rec.drafts)
+    assert replays["n"] > 0 or not GPU
+    assert compare_outputs(outs[1], outs[0]) > 0.9 * sum(len(o["output_ids"]) for o in outs[0])
+    assert drafts[0].keys() == drafts[1].keys() and sum(map(len, drafts[0].values())) > 20
+    differ = [k for k in drafts[0] if drafts[0][k] != drafts[1][k]]
+    assert not differ, f"{len(differ)} of {len(drafts[0])} proposals differ"
+
+
 def test_fused_chains_refuse_bad_batches(qwen3_5_short_path):
     """A verify step of fused chains checks its requests before any kernel: every position needs a
     real state slot (-1 would drop a state mid-chain), and each request feeds 1 to W tokens."""

@@ -11,7 +11,8 @@ Inputs live in one static ``[6, max_bs]`` int64 device buffer (token, position, 
 row, KV length, KV slot); a step fills a pinned host copy and moves it in one transfer. Rows past
 ``B`` are padding with the sentinels the pools reserve: state slot ``-1`` (the recurrent kernels
 neither read nor write it), KV slot 0 and a spare request-table row (written, never read for a real
-request), KV length 1. Padded rows' logits are dropped.
+request), KV length 1. Padded rows' logits are dropped. On a runner that returns hidden states
+(``ModelRunner.return_hidden``: MTP) each graph's output is ``(logits, hidden)``.
 
 With ``width=W > 1`` the graphs are a speculative verify step's (``ModelRunner.forward_chains`` on
 the fused kernels): ``B`` requests of ``W`` rows each, and a second static buffer ``[W+1, max_bs]``
@@ -89,7 +90,7 @@ class CudaGraphDecode:
             if width > 1 else None
         self._copied = torch.cuda.Event()  # the last host -> device copy (the host buffer is reused)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = pool
         self._capture()
 
@@ -99,7 +100,8 @@ class CudaGraphDecode:
         for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
             rows = bs * self.width
             batch = self.runner.fused_batch(*(self.inputs[j, :rows] for j in range(len(FIELDS))),
-                                            chain_slots=self.chain[:, :bs] if self.chain is not None else None)
+                                            chain_slots=self.chain[:, :bs] if self.chain is not None else None,
+                                            return_hidden=self.runner.return_hidden)
             graph, self.outputs[bs] = capture(lambda: self.runner.decode_fused_step(batch), stream, pool)
             pool = graph.pool()
             self.graphs[bs] = graph
@@ -112,10 +114,11 @@ class CudaGraphDecode:
         return batch_size <= self.max_bs
 
     def replay(self, columns: Sequence[Sequence[int] | torch.Tensor], input_ids: torch.Tensor | None = None,
-               chain: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+               chain: Sequence[Sequence[int]] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``columns``: the six per-row fields of :data:`FIELDS`, each of length ``B * width`` ->
         logits ``[B * width, V]`` (a view of the graph's output: read it before the next step, in
-        stream order). ``input_ids [B]`` on the device replace the first column (the overlap
+        stream order), and the hidden states ``[B * width, H]`` too on a runner that returns them
+        (``ModelRunner.return_hidden``). ``input_ids [B]`` on the device replace the first column (the overlap
         schedule's tokens, drawn by the previous step and not read by the host). ``chain``: a
         verify step's ``[width + 1][B]`` state slots."""
         w, n = self.width, len(columns[0])
@@ -138,7 +141,8 @@ class CudaGraphDecode:
         if input_ids is not None:
             self.inputs[0, :b].copy_(input_ids)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        out = self.outputs[bs]
+        return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]
 
 
 # --- extends -------------------------------------------------------------------------------------

@@ -125,24 +125,18 @@ class Engine:
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment)
-        compile_decode = self.args.compile_decode
-        if compile_decode and self.args.speculative_algorithm == "mtp":
-            # every MTP step asks for the final hidden states, which the compiled graph does not return:
-            # its graphs would cost minutes of start-up and never run
-            logger.warning("compile_decode: MTP steps need the model's hidden states, which the compiled graph "
-                           "does not return; decode steps stay eager")
-            compile_decode = False
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
-                             compile_decode=compile_decode, cuda_graph=not self.args.disable_cuda_graph,
+                             compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
                              if not self.args.disable_cuda_graph else 0,
-                             # chains of n-gram or draft-model drafts: verify steps as padded chains (forward_chains)
-                             # where decode is fused or compiled, through the same kernels or graph (MTP's need the
-                             # hidden states, which they do not return)
+                             # chains of drafts: verify steps as padded chains (forward_chains) where decode is
+                             # fused or compiled, through the same kernels or graphs
                              verify_width=self.args.num_draft_tokens + 1
-                             if self.args.speculative_algorithm in ("ngram", "draft")
-                             and self.args.speculative_eagle_topk == 1 else None)
+                             if self.args.speculative_algorithm is not None and self.args.speculative_eagle_topk == 1
+                             else None,
+                             # MTP drafts from the model's final hidden states: every step's graphs return them
+                             return_hidden=self.args.speculative_algorithm == "mtp")
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)
@@ -187,8 +181,7 @@ class Engine:
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
-        verify_chains = runner.verify_width is not None and not drafter.wants_hidden if drafter else False
-        if drafter is not None and (runner.graphs is not None or runner.compiled) and not verify_chains:
+        if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
                            "speculation gains only where drafts are accepted often enough to pay for that",

@@ -44,6 +44,8 @@ passes it with ``compile_decode``), the same compiled function runs verify steps
 (:meth:`forward_chains`, ``ForwardBatch.chain_ckpt_rows``): the recurrent ops and attention pad
 every request to ``W`` tokens, so a verify step's shapes depend on the batch size and the token
 count only, and its variants (batch 1, larger batches) are compiled at construction too.
+``return_hidden=True`` (MTP speculation) makes every graph, compiled or CUDA, of decode and verify
+steps return the final hidden states beside the logits (what the MTP head reads).
 """
 
 from __future__ import annotations
@@ -77,14 +79,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
                  fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0),
-                 verify_width: int | None = None, fused_extend_max_tokens: int = 0):
+                 verify_width: int | None = None, fused_extend_max_tokens: int = 0, return_hidden: bool = False):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
         verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`:
         the fused kernels when decode runs fused, else models of full attention and Gated DeltaNet
         layers, compiled with ``compile_decode``). ``fused_extend_max_tokens``: on a fused runner
         whose model supports it, an extend of one sequence of up to that many tokens runs as a fused
-        extend (:meth:`forward_extend`), replayed from CUDA graphs with ``cuda_graph`` (0: never)."""
+        extend (:meth:`forward_extend`), replayed from CUDA graphs with ``cuda_graph`` (0: never).
+        ``return_hidden``: decode and verify steps also return the final hidden states (the MTP
+        drafter reads them): the compiled graphs and the decode and verify CUDA graphs are made so."""
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -97,6 +101,7 @@ class ModelRunner:
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
         self.late_compiles = 0  # compiled steps no graph of the warm-up fitted: run eager (_run_compiled)
+        self.return_hidden = return_hidden  # what the compiled and CUDA graphs of steps return: logits (and hidden)
         self.graphs = self.verify_graphs = self.extend_graphs = None
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
@@ -235,12 +240,12 @@ class ModelRunner:
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor, return_hidden: bool = False,
                        input_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Feed each request's last sampled token (position ``kv_len``); ``[B, V]`` logits, with
-        ``return_hidden`` also the final hidden states ``[B, H]`` (through the PyTorch decode: the
-        fused step and CUDA graphs do not return them). ``input_ids [B]``: those tokens as drawn on
-        the device, not yet in ``output_ids`` (the overlap schedule); the fused step reads them
-        there, the PyTorch decode reads them back."""
-        if self.fused and not return_hidden:
-            return self._forward_decode_fused(reqs, out_cache_loc, input_ids)
+        ``return_hidden`` also the final hidden states ``[B, H]`` (from the graphs only on a runner
+        built with ``return_hidden``). ``input_ids [B]``: those tokens as drawn on the device, not
+        yet in ``output_ids`` (the overlap schedule); the fused step reads them there, the PyTorch
+        decode reads them back."""
+        if self.fused:
+            return self._forward_decode_fused(reqs, out_cache_loc, input_ids, return_hidden)
         b = len(reqs)
         ids = input_ids.tolist() if input_ids is not None else [_token_at(r, r.kv_len) for r in reqs]
         pos = [r.kv_len for r in reqs]
@@ -264,7 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpt_rows: list[list[int]]) -> torch.Tensor:
+                       ckpt_rows: list[list[int]],
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A verify step of padded chains (``verify_width`` set; through the compiled graph with
         ``compile_decode``): request ``i`` feeds ``extend_lens[i] <= verify_width`` tokens after its
         ``kv_len`` (``out_cache_loc``: their KV slots, packed), as ``forward_extend`` would, but the
@@ -273,7 +279,8 @@ class ModelRunner:
         token count only. The state after its padded position ``j < verify_width - 1`` goes to
         ``ckpt_rows[i][j]`` (so the state after its last fed token is there, unless it fed
         ``verify_width``), after the last padded position to its own slot. Returns the fed tokens'
-        logits ``[sum(extend_lens), V]``, as ``forward_extend`` with ``all_logits``."""
+        logits ``[sum(extend_lens), V]``, as ``forward_extend`` with ``all_logits`` (and, with
+        ``return_hidden``, their final hidden states ``[sum(extend_lens), H]``)."""
         w = self.verify_width
         if w is None:
             raise ValueError("forward_chains needs a runner built with verify_width (a model of attention and "
@@ -283,7 +290,7 @@ class ModelRunner:
         if any(not 1 <= n <= w for n in extend_lens):
             raise ValueError(f"a verify step of chains feeds 1 to {w} tokens per request, got {list(extend_lens)}")
         if self.fused:
-            return self._forward_chains_fused(reqs, extend_lens, out_cache_loc, ckpt_rows)
+            return self._forward_chains_fused(reqs, extend_lens, out_cache_loc, ckpt_rows, return_hidden)
         ids: list[int] = []
         pos: list[int] = []
         starts = [r.kv_len for r in reqs]
@@ -302,10 +309,11 @@ class ModelRunner:
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
             conv_states=self.conv_states, ssm_states=self.ssm_states, state_slot_list=slots,
             max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[8], chain_ckpt_list=ckpt_rows,
+            return_hidden=return_hidden,
         )
         self.model.check_batch(batch)
-        run = self._run_compiled if self._compiled_decode is not None else self.model.forward_unchecked
-        return run(batch)  # [T, V]
+        run = self._run_compiled if self._compiled_for(batch) else self.model.forward_unchecked
+        return run(batch)  # [T, V] (and [T, H])
 
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
@@ -313,8 +321,8 @@ class ModelRunner:
         return self.req_to_token.table([r.req_pool_idx for r in reqs], seq_lens)
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
-    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor,
-                              input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor, input_ids: torch.Tensor | None = None,
+                              return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         pos = [r.kv_len for r in reqs]
         slots = [r.state_slot for r in reqs]
         if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
@@ -327,16 +335,17 @@ class ModelRunner:
             ids = [0] * len(reqs)
         columns = (ids, pos, slots, [r.req_pool_idx for r in reqs], [p + 1 for p in pos], out_cache_loc)
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
-        if self.graphs is not None and self.graphs.can_run(len(reqs)):
-            return self.graphs.replay(columns, input_ids)
+        if self.graphs is not None and self.graphs.can_run(len(reqs)) and self._graphed(return_hidden):
+            return _outputs(self.graphs.replay(columns, input_ids), return_hidden)
         host = _host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
         dev = self._to_device(*host)
         if input_ids is not None:
             dev[0] = input_ids.to(self.device, torch.long)
-        return self.decode_fused_step(self.fused_batch(*dev))
+        return self.decode_fused_step(self.fused_batch(*dev, return_hidden=return_hidden))
 
     def _forward_chains_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                              ckpt_rows: list[list[int]]) -> torch.Tensor:
+                              ckpt_rows: list[list[int]],
+                              return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_chains` through the fused decode kernels: request ``i``'s ``W`` padded
         tokens are ``W`` decode rows (``ForwardBatch.chain_slots``), each with its own position, KV
         length and KV slot; attention reads the request table, as in a decode step, so each row sees
@@ -368,13 +377,13 @@ class ModelRunner:
         loc[fed] = out_cache_loc.to(torch.long).cpu()
         columns = (ids, pos, [s for s in own for _ in range(w)], rows, kv_lens, loc)
         self.req_to_token.sync_mirror()  # the fed tokens' KV slots, read by attention
-        if self.verify_graphs is not None and self.verify_graphs.can_run(b):
-            logits = self.verify_graphs.replay(columns, chain=chain)  # [B*W, V]
-            return logits.index_select(0, self._to_device(torch.tensor(fed, dtype=torch.long))[0])
+        if self.verify_graphs is not None and self.verify_graphs.can_run(b) and self._graphed(return_hidden):
+            out = _outputs(self.verify_graphs.replay(columns, chain=chain), return_hidden)  # [B*W, V] (and [B*W, H])
+            return _rows(out, self._to_device(torch.tensor(fed, dtype=torch.long))[0])
         dev = self._to_device(*_host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
                               torch.tensor(fed, dtype=torch.long))
-        batch = self.fused_batch(*dev[:6], chain_slots=dev[6])
-        return self.decode_fused_step(batch).index_select(0, dev[7])  # [sum(extend_lens), V]
+        batch = self.fused_batch(*dev[:6], chain_slots=dev[6], return_hidden=return_hidden)
+        return _rows(self.decode_fused_step(batch), dev[7])  # [sum(extend_lens), V] (and [.., H])
 
     def _forward_extends_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                                ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -424,10 +433,11 @@ class ModelRunner:
         return self.model.forward_unchecked(inputs.batch(bucket))
 
     def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc,
-                    chain_slots: torch.Tensor | None = None) -> ForwardBatch:
+                    chain_slots: torch.Tensor | None = None, return_hidden: bool = False) -> ForwardBatch:
         """A fused decode batch over device tensors ``[B]`` each (no host value is read: the host
         lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors);
-        ``chain_slots``: a verify step of chains (``ForwardBatch.chain_slots``)."""
+        ``chain_slots``: a verify step of chains (``ForwardBatch.chain_slots``); ``return_hidden``:
+        the final hidden states too."""
         b = input_ids.shape[0]
         cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
         return ForwardBatch(
@@ -436,15 +446,26 @@ class ModelRunner:
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=state_slots,
             conv_states=self.conv_states, ssm_states=self.ssm_states,
             max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
-            chain_slots=chain_slots,
+            chain_slots=chain_slots, return_hidden=return_hidden,
         )
 
-    def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor:
-        """The forward of a fused decode batch: ``[B, V]`` logits. What the CUDA graphs capture."""
+    def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The forward of a fused decode batch: ``[B, V]`` logits (and ``[B, H]`` hidden states with
+        ``batch.return_hidden``). What the CUDA graphs capture."""
         return self.model.forward_unchecked(batch)
 
+    def _graphed(self, return_hidden: bool) -> bool:
+        """Whether the CUDA graphs' outputs serve a step that wants ``return_hidden`` (graphs made
+        for hidden states serve a step that wants logits only too, which drops them)."""
+        return self.return_hidden or not return_hidden
+
+    def _compiled_for(self, batch: ForwardBatch) -> bool:
+        """Whether the graphs compiled at start-up are for such a batch: those of a runner built with
+        ``return_hidden`` return the hidden states, the others do not (dynamo would compile anew)."""
+        return self._compiled_decode is not None and batch.return_hidden == self.return_hidden
+
     def _run_decode(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self._compiled_decode is None or batch.return_hidden:  # the compiled graph returns logits only
+        if not self._compiled_for(batch):
             return self.model.forward(batch)
         self.model.check_batch(batch)  # eager: it reads host ints the graph must not specialise on
         return self._run_compiled(batch)
@@ -515,6 +536,7 @@ class ModelRunner:
                 state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
+                return_hidden=self.return_hidden,
             )
             self.model.check_batch(batch)
             with _frozen(self._freeze_rows and not _one_row(batch)):
@@ -546,7 +568,7 @@ class ModelRunner:
                 kv_indices=table[table > 0], kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k,
                 v_buffers=v, state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
-                chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt,
+                chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt, return_hidden=self.return_hidden,
             )
             self.model.check_batch(batch)
             self._compiled_decode(batch)
@@ -643,6 +665,17 @@ def _checkpoints_fit(ckpts: list[tuple[int, int, int]], num_seqs: int) -> bool:
     ``EXTEND_CHECKPOINTS`` each (what a fused extend writes; else the eager extend validates them)."""
     per_seq = collections.Counter(seq for seq, _, _ in ckpts)
     return all(0 <= seq < num_seqs for seq in per_seq) and max(per_seq.values(), default=0) <= EXTEND_CHECKPOINTS
+
+
+def _outputs(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+             return_hidden: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """A graph's outputs as a step asked for them: ``(logits, hidden)``, or the logits alone."""
+    return out if return_hidden or not isinstance(out, tuple) else out[0]
+
+
+def _rows(out: torch.Tensor | tuple[torch.Tensor, ...], index: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Rows ``index`` of a step's output, or of each of its outputs."""
+    return tuple(t.index_select(0, index) for t in out) if isinstance(out, tuple) else out.index_select(0, index)
 
 
 def _dense(out_cache_loc: torch.Tensor) -> torch.Tensor:

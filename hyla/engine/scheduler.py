@@ -62,7 +62,8 @@ class Runner(Protocol):
     verify_width: int | None
 
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpt_rows: list[list[int]]) -> torch.Tensor: ...
+                       ckpt_rows: list[list[int]],
+                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -186,13 +187,14 @@ class Scheduler:
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
                 width = getattr(self.runner, "verify_width", None)
-                chains = bool(width) and trees is None and not extra
+                chains = bool(width) and trees is None
                 # fed token j's state goes to scratch slot j: every one's but the last (in the request's own
                 # slot); as padded chains, every one's before position width - 1 (a short chain's last too)
                 ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
                          for j in range(min(n, width - 1) if chains else n - 1)]
                 if chains:  # the compiled verify: every request padded to ``width`` inside the recurrent ops
-                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch])
+                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch],
+                                                     **extra)
                     batch.chain_width = width
                 else:
                     out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,

@@ -134,7 +134,7 @@ class ForwardBatch:
     return_hidden: bool = False
     """Also return the final hidden state of every fed token (after the final norm: what the LM head
     reads): ``forward`` then returns ``(logits [N, vocab], hidden [T, hidden])`` (the MTP drafter's
-    input, ``hyla/engine/mtp_drafter.py``). Not supported by the fused decode step."""
+    input, ``hyla/engine/mtp_drafter.py``); a fused decode step's (and its chains') too, one per row."""
 
     # --- optional host copies / precomputed metadata (derived below when not given) ----------
     state_slot_list: Sequence[int] | None = None
@@ -281,8 +281,6 @@ class ForwardBatch:
             raise ValueError(f"req_pool_indices, kv_lens and state_slots must be [{b}]")
         if self.num_checkpoints:
             raise ValueError("a fused decode batch takes no checkpoints (copy the final states instead)")
-        if self.return_hidden:
-            raise ValueError("a fused decode batch returns no hidden states (run the PyTorch decode instead)")
         if self.chain_slots is not None:
             w = self.chain_slots.shape[0] - 1
             if self.chain_slots.dim() != 2 or w < 1 or b % w or self.chain_slots.shape[1] != b // w:

@@ -1308,7 +1308,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
                 out, residual = layer.forward_fused(out, residual, batch, rope)
             if batch.fused_decode:
                 h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
-                return self.lm_head(h).float()  # [B, vocab]
+                logits = self.lm_head(h).float()  # [B, vocab]
+                return (logits, h) if batch.return_hidden else logits
             h = residual + out  # [T, hidden]: the last add (the final norm runs on the rows kept below)
         else:
             for layer in self.layers:
@@ -1316,7 +1317,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         if batch.return_hidden:
             h = self.norm(h)  # [T, hidden]: every new token's final hidden state
             rows = h[batch.logits_indices] if batch.logits_indices is not None else (
-                h if batch.is_decode else h[batch.last_token_indices()])
+                h if batch.is_decode or batch.chain_ckpt_rows is not None else h[batch.last_token_indices()])
             return self.lm_head(rows).float(), h  # [N, vocab], [T, hidden]
         if batch.logits_indices is not None:
             h = h[batch.logits_indices]
