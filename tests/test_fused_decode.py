@@ -691,7 +691,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
                 graphs, real_replay = runner.verify_graphs, runner.verify_graphs.replay
                 graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
             rec = _Recorder(eng.scheduler.drafter)
-            wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 3)
+            wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
             out = _generate(eng, wave1)
             out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5}
                                    for w, o in zip(wave1, out)])
