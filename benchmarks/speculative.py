@@ -773,7 +773,9 @@ MTP's decode and verify steps now run the graphs compiled at start-up (on a GPU:
 their CUDA graphs), which return the final hidden states the MTP head reads (`ModelRunner(return_hidden=True)`);
 its verify steps as padded chains (`ModelRunner.forward_chains`). Before, `compile_decode` with MTP
 compiled nothing. *on, eager verify* is the same engine with its verify steps through the eager
-extend path (`runner.verify_width = None`). The MTP head's own forwards stay eager in both."""
+extend path (`runner.verify_width = None`). The MTP head's forwards over a verify step's pairs and
+its draft steps run graphs compiled at start-up too, in both (`MtpDrafter.compile`: the head up to its
+LM head, as decode batches of a row per pair)."""
     compiled_spec_main(args, threads, "mtp-compiled", MTP_SPEC, "MTP", "MTP head", about,
                        "Speculative decoding: MTP with compile_decode")
 
@@ -801,7 +803,8 @@ def compiled_spec_main(args, threads: int, part: str, spec: dict, drafter_name: 
             parts[side] = {}
             for batch in (1, NUM_PROMPTS):
                 parts[side][batch] = ms_per_step(eng, prompts, batch, params, drafter_name)
-        late = {side: e.scheduler.runner.late_compiles for side, e in engines.items()}
+        late = {side: e.scheduler.runner.late_compiles + getattr(e.scheduler.drafter, "late_compiles", 0)
+                for side, e in engines.items()}
     finally:
         for e in engines.values():
             e.shutdown()

@@ -84,7 +84,8 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
     proposals both runs made are compared, and they must be most of them. ``chains``: the cache-on
     engine runs with ``compile_decode``, its verify steps as padded chains that return the hidden
     states the MTP reads (``ModelRunner.forward_chains``), and so its decode steps through the graphs
-    compiled for them; ``torch.compile`` is replaced by the function itself (what is tested is the
+    compiled for them, and the MTP head's forwards through its own (decode batches of a row per pair:
+    ``MtpDrafter._rows``); ``torch.compile`` is replaced by the function itself (what is tested is the
     wiring and the chains' hidden states, not inductor)."""
     if chains:
         monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
@@ -100,8 +101,8 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
         with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True,
                     compile_decode=chains and cache, **opts) as eng:
             runner = eng.scheduler.runner
-            assert (runner.compiled, runner.verify_width, runner.return_hidden) == \
-                ((True, 4, True) if chains and cache else (False, None, True))
+            assert (runner.compiled, runner.verify_width, runner.return_hidden, eng.scheduler.drafter.compiled) == \
+                ((True, 4, True, True) if chains and cache else (False, None, True, False))
             _watch_chains(eng, calls, width=None)
             rec = _Recorder(eng.scheduler.drafter)
             out1 = run(eng, wave1)
@@ -174,15 +175,15 @@ def test_mtp_drafts_match_an_independent_reference(ckpt, request):
     prompts = [[random.Random(s).randrange(3, vocab) for _ in range(n)] for s, n in ((1, 37), (2, 90))]
     with Engine(path, **MTP, **POOLS) as eng:
         drafter = eng.scheduler.drafter
-        seen, real = [], drafter.head.forward
+        seen, real = [], drafter.head.hidden_states
 
-        def head_forward(batch, hidden):
-            logits, g = real(batch, hidden)
-            if batch.is_decode:  # a draft step (the extend after a forward asks for no logits)
-                seen.append(logits.clone())
-            return logits, g
+        def head_hidden(batch, hidden):
+            g = real(batch, hidden)
+            if batch.is_decode:  # a draft step (or a verify step's pairs: after the first draft step)
+                seen.append(drafter.head.target.lm_head(g).float())
+            return g
 
-        drafter.head.forward = head_forward
+        drafter.head.hidden_states = head_hidden
         for ids in prompts:
             seen.clear()
             rec = _Recorder(drafter)
@@ -325,3 +326,32 @@ def test_serve_flags(capsys):
     assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
     assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
     assert "speculative_eagle_topk" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_compiled_mtp_head_serves_every_forward_from_its_start_up_graphs(qwen3_next_dense_mtp_path):
+    """``MtpDrafter.compile`` (what ``compile_decode`` adds for the MTP head), compiled for real on an
+    engine whose model runs eager: every one of the head's decode batches (draft steps, a verify
+    step's pairs) runs a graph compiled at start-up, none falls back to eager (a guard the warm-up's
+    batches did not meet, e.g. tensors made outside inference mode, would), and the drafts are those
+    of the eager head, the outputs those of the plain engine."""
+    prompts = [[random.Random(s).randrange(3, 500) for _ in range(n)] for s, n in ((1, 29), (2, 45), (3, 8))]
+    params = [_greedy(10), _greedy(14), _greedy(7)]
+    drafts, outs = [], []
+    for compiled in (False, True):
+        with Engine(qwen3_next_dense_mtp_path, **MTP, **POOLS) as eng:
+            drafter = eng.scheduler.drafter
+            if compiled:
+                drafter.compile()
+            rec = _Recorder(drafter)
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+            outs[-1] += [eng.generate(input_ids=prompts[0], sampling_params=_greedy(6))["output_ids"]]  # batch 1
+            drafts.append(rec.drafts)
+            assert drafter.compiled == compiled and drafter.late_compiles == 0
+            _drained(eng)
+    with Engine(qwen3_next_dense_mtp_path, **POOLS) as plain:
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+        want += [plain.generate(input_ids=prompts[0], sampling_params=_greedy(6))["output_ids"]]
+    assert outs[0] == want and outs[1] == want
+    assert drafts[0] == drafts[1] and sum(map(len, drafts[0].values())) > 30

@@ -169,6 +169,10 @@ class Engine:
             k = self.args.num_draft_tokens
             scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
             drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k)
+            if runner.compiled:  # the head's forwards too
+                start = time.perf_counter()
+                drafter.compile()
+                logger.info("compile_decode: the MTP head's graphs compiled in %.0f s", time.perf_counter() - start)
         elif self.args.speculative_algorithm == "draft":
             steps, topk = self.args.speculative_num_steps, self.args.speculative_eagle_topk
             kv_per_row, states_per_row = DraftModelDrafter.scratch_per_row(steps, topk)

@@ -167,10 +167,7 @@ class ModelRunner:
             logger.info("compile_decode: compiling the decode graphs%s (a minute or more on a small CPU)",
                         " and verify graphs" if self.verify_width is not None else "")
             start = time.perf_counter()
-            # Python floats (norm eps, scales: module constants) are baked into the graph, not turned
-            # into a 0-d tensor per float per call (~0.1 ms a step at batch 1); no batch field is a float
-            # (and the warm-up compiles its variants whatever the calling thread set: _run_compiled)
-            with torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False):
+            with warm_up_config():  # (no batch field is a float)
                 self._warm_up_compiled_decode()
             logger.info("compile_decode: compiled in %.0f s", time.perf_counter() - start)
 
@@ -476,22 +473,11 @@ class ModelRunner:
         for a compile (a minute or more on a small CPU); the step runs eager instead, and the first
         such step logs why (``late_compiles`` counts them). Dynamo's config is per thread, so
         another thread's compiles (another runner's warm-up) are untouched."""
-        cfg = torch._dynamo.config
-        before, cfg.error_on_recompile = cfg.error_on_recompile, True
-        try:
-            return self._compiled_decode(batch)
-        except torch._dynamo.exc.RecompileError as e:  # raised before the graph runs: nothing written yet
-            reason = str(e)
-        finally:
-            cfg.error_on_recompile = before
-        self.late_compiles += 1
-        if self.late_compiles == 1:
-            logger.warning("compile_decode: no graph compiled at start-up fits this step, which runs eager "
-                           "(and so will every such step: nothing is compiled while serving): %s", reason)
-        elif math.log10(self.late_compiles).is_integer():  # 10, 100, ...: a fallback that persists shows
-            logger.warning("compile_decode: %d steps ran eager (no graph compiled at start-up fits them)",
-                           self.late_compiles)
-        return self.model.forward_unchecked(batch)
+        out, reason = call_compiled(self._compiled_decode, self.model.forward_unchecked, batch)
+        if reason is not None:
+            self.late_compiles += 1
+            log_late_compile(self.late_compiles, "step", reason)
+        return out
 
     def _to_device(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Host int64 tensors -> the model's device in one transfer (views of one packed buffer)."""
@@ -596,6 +582,53 @@ ROWS_OPTIONS = {"realize_opcount_threshold": 4, "max_autotune": True, "max_autot
 # template to autotune against; Python's wrapper, as the C++ one cannot pass the packed weights (opaque
 # objects) to their op
 PACKED_ROWS_OPTIONS = {"realize_opcount_threshold": 4, "cpp_wrapper": False}
+
+
+def compile_step(method: Callable) -> Callable:
+    """``method`` (a bound method of a module whose weights never change) through ``torch.compile``
+    as a small decode-like step: dynamic in every size, one graph per call (``fullgraph``), the
+    module unguarded, its Python floats baked in when compiled under :func:`warm_up_config`, the
+    one-row graph's projections over row-major weights (``linear.keep_row_major_weights_``). What
+    ``compile_decode`` compiles of a drafter (the MTP head's steps): the graphs are made by calling
+    it at start-up, and served through :func:`call_compiled`."""
+    keep_row_major_weights_(method.__self__)
+    return torch.compile(_own_code(method), dynamic=True, fullgraph=True,
+                         options={"cpp_wrapper": True, **ONE_ROW_OPTIONS,
+                                  "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+
+
+def warm_up_config():
+    """The dynamo settings a start-up compile runs under: Python floats (norm eps, scales: module
+    constants) baked into the graph, not turned into a 0-d tensor per float per call (~0.1 ms a step
+    at batch 1); compiles allowed whatever the calling thread set (:func:`call_compiled`)."""
+    return torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False)
+
+
+def call_compiled(compiled: Callable, eager: Callable, *args) -> tuple[object, str | None]:
+    """``compiled(*args)`` through the graphs compiled at start-up, never compiling another:
+    ``(its output, None)``; where no graph's guards pass (a batch the warm-up did not foresee),
+    dynamo would stall the engine for a compile (a minute or more on a small CPU), so ``eager(*args)``
+    runs instead: ``(its output, dynamo's reason)``. Dynamo's config is per thread, so another
+    thread's compiles (another runner's warm-up) are untouched."""
+    cfg = torch._dynamo.config
+    before, cfg.error_on_recompile = cfg.error_on_recompile, True
+    try:
+        return compiled(*args), None
+    except torch._dynamo.exc.RecompileError as e:  # raised before the graph runs: nothing written yet
+        reason = str(e)
+    finally:
+        cfg.error_on_recompile = before
+    return eager(*args), reason
+
+
+def log_late_compile(count: int, what: str, reason: str) -> None:
+    """Warn of the first ``what`` that no graph compiled at start-up fitted (it ran eager, and so
+    will every such one), then of the 10th, 100th, ...: a fallback that persists shows."""
+    if count == 1:
+        logger.warning("compile_decode: no graph compiled at start-up fits this %s, which runs eager "
+                       "(and so will every such %s: nothing is compiled while serving): %s", what, what, reason)
+    elif math.log10(count).is_integer():
+        logger.warning("compile_decode: %d %ss ran eager (no graph compiled at start-up fits them)", count, what)
 
 
 def _frozen(on: bool):

@@ -38,12 +38,25 @@ the token after ``token[p]``. Its attention layer needs the K/V of every earlier
   step's argmax (greedy drafts; trees, ``speculative_eagle_topk > 1``, are not supported). These
   K/V go to scratch KV slots reserved per batch row (``CacheManager.reserve_kv``), never into a
   request's row: they are guesses, and the verify step writes position ``n``'s real entry itself.
+
+* **Its forwards are decode batches** (:meth:`MtpDrafter._rows`): every pair a row of one query
+  with its own KV length, reading its request's slots from a table (a draft step's rows, and the
+  pairs of a verify step's ``observe``, a few per request). The head's attention writes every row's
+  K/V before any row reads, so a pair sees the pairs before it in the same batch. Such batches have
+  shapes in the row count and the longest KV length only, so with ``compile_decode`` they run
+  graphs compiled at start-up (:meth:`MtpDrafter.compile`: the head up to its LM head, one graph
+  for a row and one for more; the LM head stays eager, and only a draft step needs it). A prefill's
+  ``observe`` (a prompt's pairs) runs the eager extend: as rows its table would grow as the square
+  of the prompt.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from hyla.cache.transfer import to_device_packed
+from hyla.engine.model_runner import call_compiled, compile_step, log_late_compile, warm_up_config
 from hyla.engine.request import Req
 from hyla.engine.speculative import Drafter, drafter_batch, prefix_sums
 from hyla.model.forward_batch import ForwardBatch
@@ -67,10 +80,43 @@ class MtpDrafter(Drafter):
         self.req_to_token = req_to_token
         self.device = self.k_buffer.device
         self.scratch = [scratch_kv[i:i + num_draft] for i in range(0, len(scratch_kv) - num_draft + 1, num_draft)]
+        self._compiled = None  # the head's graphs (compile)
+        self.late_compiles = 0  # its forwards no graph of the start-up fitted: run eager
+
+    @property
+    def compiled(self) -> bool:
+        """The head's forwards run graphs compiled at start-up (:meth:`compile`)."""
+        return self._compiled is not None
+
+    def compile(self) -> None:
+        """``compile_decode``: the head's forwards up to its LM head through ``torch.compile``, its
+        graphs (a row, more rows) compiled here on scratch buffers shaped like the real ones; every
+        size that varies in serving a distinct prime, as ``ModelRunner``'s warm-up does."""
+        self._compiled = compile_step(self.head.hidden_states)
+        h = self.hidden_states.shape[1]
+        kb, vb = (torch.zeros(1201, *b.shape[1:], dtype=b.dtype, device=self.device) for b in (self.k_buffer, self.v_buffer))
+        with torch.inference_mode(), warm_up_config():
+            for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
+                tables = [torch.arange(1 + 61 * i, 1 + 61 * i + n) for i, n in enumerate(lens)]
+                batch = self._rows([3] * len(lens), [n - 1 for n in lens], [int(t[-1]) for t in tables], tables, lens,
+                                   (kb, vb))
+                self._compiled(batch, torch.zeros(len(lens), h, dtype=self.hidden_states.dtype, device=self.device))
+
+    def _hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The head up to its LM head, ``g [T, H]``: through the compiled graphs for a batch of
+        rows (:meth:`_rows`) when compiled, else eager."""
+        if self._compiled is None or not batch.is_decode:
+            return self.head.hidden_states(batch, hidden)
+        g, reason = call_compiled(self._compiled, self.head.hidden_states, batch, hidden)
+        if reason is not None:
+            self.late_compiles += 1
+            log_late_compile(self.late_compiles, "MTP forward", reason)
+        return g
 
     # ------------------------------------------------------------------------------------------
     # after every model forward: the MTP KV of the fed slots, the hidden state of each state slot
     # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()  # as the model's forwards (and the graphs compiled for the head: they guard on it)
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
                 hidden: torch.Tensor | None) -> None:
         """``reqs[i]`` fed ``lens[i]`` tokens after its ``kv_len`` (not committed yet), whose final
@@ -101,9 +147,14 @@ class MtpDrafter(Drafter):
         if ids:
             pairs = torch.cat([before, hidden.to(before.dtype)]).index_select(
                 0, torch.tensor(src, dtype=torch.long, device=self.device))  # [T', H]
-            batch = self._batch(ids, pos, prefix, extend, loc, kv, is_decode=False)
-            batch.logits_indices = torch.zeros(0, dtype=torch.long, device=self.device)  # K/V only
-            self.head(batch, pairs)
+            if max(extend) <= self.num_draft + 1:  # a verify step's: a row per pair, pair p seeing pairs 1..p
+                tables = [t for t, n in zip(kv, extend) for _ in range(n)]
+                kv_lens = [p + 1 for q, n in zip(prefix, extend) for p in range(q, q + n)]
+                batch = self._rows(ids, pos, [int(t[k - 1]) for t, k in zip(tables, kv_lens)], tables, kv_lens)
+                self._hidden(batch, pairs)  # K/V only
+            else:
+                batch = self._batch(ids, pos, prefix, extend, loc, kv, is_decode=False)
+                self.head.hidden_states(batch, pairs)  # K/V only
         dst = [r.state_slot for r in reqs] + [slot for _, _, slot in ckpts]
         rows = [cu[i + 1] - 1 for i in range(b)] + [cu[i] + m - 1 for i, m, _ in ckpts]
         self.hidden_states.index_copy_(0, torch.tensor(dst, dtype=torch.long, device=self.device),
@@ -127,20 +178,20 @@ class MtpDrafter(Drafter):
             raise ValueError(f"{len(reqs)} decoding requests, scratch KV for {len(self.scratch)}")
         n = [reqs[i].kv_len for i in rows]  # position of each last sampled token
         tokens = [reqs[i].output_ids[-1] for i in rows]
-        committed = [self.req_to_token.read(reqs[i].req_pool_idx, 1, m) for i, m in zip(rows, n)]  # positions 1..n-1
+        # each row's table: its pairs' slots (positions 1..n-1), then its scratch slots
+        tables = [torch.cat([self.req_to_token.read(reqs[i].req_pool_idx, 1, m),
+                             torch.tensor(self.scratch[i][:self.num_draft], dtype=torch.long)]) for i, m in zip(rows, n)]
         g = self.hidden_states.index_select(0, torch.tensor([reqs[i].state_slot for i in rows], device=self.device))
         for j in range(max(want)):
-            scratch = [torch.tensor(self.scratch[i][:j + 1], dtype=torch.long) for i in rows]
-            batch = self._batch(tokens, [m - 1 + j for m in n], [m - 1 + j for m in n], [1] * len(rows),
-                                [s[j:] for s in scratch], [torch.cat([c, s]) for c, s in zip(committed, scratch)],
-                                is_decode=True)
-            logits, g = self.head(batch, g)  # [B', V], [B', H]
-            tokens = logits.argmax(dim=-1).tolist()
+            batch = self._rows(tokens, [m - 1 + j for m in n], [self.scratch[i][j] for i in rows], tables,
+                               [m + j for m in n])
+            g = self._hidden(batch, g)  # [B', H]
+            tokens = self.head.target.lm_head(g).argmax(dim=-1).tolist()
             for i, t in zip(rows, tokens):
                 drafts[i].append(t)
             keep = [k for k, i in enumerate(rows) if want[i] > j + 1]
             if len(keep) < len(rows):
-                rows, n, committed = [rows[k] for k in keep], [n[k] for k in keep], [committed[k] for k in keep]
+                rows, n, tables = [rows[k] for k in keep], [n[k] for k in keep], [tables[k] for k in keep]
                 tokens = [tokens[k] for k in keep]
                 g = g[torch.tensor(keep, dtype=torch.long, device=g.device)]
             if not rows:
@@ -151,6 +202,27 @@ class MtpDrafter(Drafter):
         return drafts
 
     # ------------------------------------------------------------------------------------------
+    def _rows(self, ids: list[int], pos: list[int], loc: list[int], tables: list[torch.Tensor], kv_lens: list[int],
+              buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardBatch:
+        """A decode batch over the MTP layer's KV buffer (``buffers``: others, for the warm-up): row
+        ``r`` is the pair ``ids[r]`` at RoPE position ``pos[r]``, its K/V written at slot ``loc[r]``,
+        attending to the pairs at the first ``kv_lens[r]`` slots of ``tables[r]`` (its own last).
+        Built on the host, moved in one transfer, as ``ModelRunner.forward_decode``'s."""
+        b, width = len(ids), max(kv_lens)
+        table = torch.zeros(b, width, dtype=torch.long)
+        for r, (t, k) in enumerate(zip(tables, kv_lens)):
+            table[r, :k] = t[:k]
+        host = [torch.from_numpy(np.fromiter(x, np.int64)) for x in (ids, pos, range(b + 1), prefix_sums(kv_lens),
+                                                                      kv_lens, loc)]
+        t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], self.device)
+        kb, vb = buffers if buffers is not None else (self.k_buffer, self.v_buffer)
+        return ForwardBatch(
+            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
+            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[6], kv_indptr=t[3], k_buffers=[kb], v_buffers=[vb],
+            state_slots=torch.full((b,), -1, dtype=torch.long, device=self.device), conv_states=[], ssm_states=[],
+            state_slot_list=[-1] * b, max_token_id=max(ids), kv_table=t[7], kv_lens=t[4],
+        )
+
     def _batch(self, ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
                loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool) -> ForwardBatch:
         """A batch over the MTP layer's KV buffer only: sequence ``i`` writes ``extend_lens[i]`` pairs

@@ -75,13 +75,19 @@ class MtpHead(nn.Module):
         batch's single K/V buffer is the MTP layer's (it writes each pair's K/V at
         ``batch.out_cache_loc`` and attends over ``batch.kv_indices`` as any attention layer).
         Returns ``(logits [N, vocab] fp32 at batch.logits_indices (every pair when None), g [T, H])``."""
+        g = self.hidden_states(batch, hidden)  # [T, H]
+        rows = g if batch.logits_indices is None else g[batch.logits_indices]
+        return self.target.lm_head(rows).float(), g
+
+    @torch.no_grad()
+    def hidden_states(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` up to the LM head: ``g [T, H]`` (what ``compile_decode`` compiles of the
+        head: ``hyla/engine/mtp_drafter.py``)."""
         target = self.target
         e = target.embed_tokens(batch.input_ids)  # [T, H]
         x = torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1)
         x = self.layer(self.fc(x), batch, target.rope(batch, e))  # [T, H]
-        g = self.norm(x)  # [T, H]
-        rows = g if batch.logits_indices is None else g[batch.logits_indices]
-        return target.lm_head(rows).float(), g
+        return self.norm(x)  # [T, H]
 
     @classmethod
     def from_model(cls, model: HybridForCausalLM) -> "MtpHead":
