@@ -334,8 +334,8 @@ def test_compiled_mtp_head_serves_every_forward_from_its_start_up_graphs(qwen3_n
     """``MtpDrafter.compile`` (what ``compile_decode`` adds for the MTP head), compiled for real on an
     engine whose model runs eager: every one of the head's decode batches (draft steps, a verify
     step's pairs) runs a graph compiled at start-up, none falls back to eager (a guard the warm-up's
-    batches did not meet, e.g. tensors made outside inference mode, would), and the drafts are those
-    of the eager head, the outputs those of the plain engine."""
+    batches did not meet, e.g. tensors made outside inference mode, would), and the drafts and
+    outputs are those of the eager head."""
     prompts = [[random.Random(s).randrange(3, 500) for _ in range(n)] for s, n in ((1, 29), (2, 45), (3, 8))]
     params = [_greedy(10), _greedy(14), _greedy(7)]
     drafts, outs = [], []
@@ -350,8 +350,5 @@ def test_compiled_mtp_head_serves_every_forward_from_its_start_up_graphs(qwen3_n
             drafts.append(rec.drafts)
             assert drafter.compiled == compiled and drafter.late_compiles == 0
             _drained(eng)
-    with Engine(qwen3_next_dense_mtp_path, **POOLS) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
-        want += [plain.generate(input_ids=prompts[0], sampling_params=_greedy(6))["output_ids"]]
-    assert outs[0] == want and outs[1] == want
+    assert outs[1] == outs[0]  # (the eager side's are the plain engine's: the tests above)
     assert drafts[0] == drafts[1] and sum(map(len, drafts[0].values())) > 30
