@@ -819,7 +819,7 @@ def compiled_spec_main(args, threads: int, part: str, spec: dict, drafter_name: 
                      f"| {ev['tps']:.1f} | {ev['cpu_ratio']:.2f}x | **{on['cpu_ratio'] / ev['cpu_ratio']:.2f}x** "
                      f"| {on['accept']:.2f}, {ev['accept']:.2f} |")
     split = ["| ms per step | " + " | ".join(f"batch {b}" for b in (1, NUM_PROMPTS)) + " |", "|---|---|---|"]
-    steps = MTP_STEPS if drafter_name == "MTP" else DRAFT_STEPS
+    steps = spec["speculative_num_steps"]
     for side in engines:
         keys = (("step", "step"),) if side == "off" else (
             ("step", "verify step"), ("model forward", "model forward over the fed tokens"),

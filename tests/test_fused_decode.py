@@ -625,8 +625,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
         _watch_chains(eng, calls, width=None)
         replays = {"n": 0}
         if GPU:
-            graphs, real_replay = runner.verify_graphs, runner.verify_graphs.replay
-            graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
+            _count_replays(runner.verify_graphs, replays)
         eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
         out = _generate(eng, wave1) + _generate(eng, wave2)
         eng.wait_idle()
@@ -634,6 +633,17 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
         assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and (replays["n"] > 0) == GPU
         assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in out)
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
+
+
+def _count_replays(graphs, replays: dict) -> None:
+    """Count ``graphs.replay`` calls in ``replays["n"]``."""
+    real = graphs.replay
+
+    def counted(*args, **kwargs):
+        replays["n"] += 1
+        return real(*args, **kwargs)
+
+    graphs.replay = counted
 
 
 @pytest.mark.gpu
@@ -653,8 +663,8 @@ def test_fused_draft_model_chains_verify_from_cuda_graphs(qwen3_5_path, qwen3_5_
                 speculative_num_steps=3, **opts) as eng:
         runner = eng.scheduler.runner
         assert runner.fused and runner.verify_width == 4 and runner.verify_graphs is not None
-        replays, real_replay = {"n": 0}, runner.verify_graphs.replay
-        runner.verify_graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
+        replays = {"n": 0}
+        _count_replays(runner.verify_graphs, replays)
         out = _generate(eng, wave1) + _generate(eng, wave2)
         eng.wait_idle()
         eng.check_integrity()
@@ -688,8 +698,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
             runner = eng.scheduler.runner
             assert runner.fused == fused and runner.verify_width == (4 if fused else None)
             if fused and GPU:
-                graphs, real_replay = runner.verify_graphs, runner.verify_graphs.replay
-                graphs.replay = lambda *a, **k: (replays.__setitem__("n", replays["n"] + 1), real_replay(*a, **k))[1]
+                _count_replays(runner.verify_graphs, replays)
             rec = _Recorder(eng.scheduler.drafter)
             wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
             out = _generate(eng, wave1)

@@ -142,10 +142,7 @@ class ModelRunner:
         if self.fused and compile_decode:
             logger.warning("compile_decode: decode runs the fused kernels on %s; not compiled", self.device)
         elif compile_decode:
-            # cpp_wrapper: the graph's kernel calls are driven from C++, not Python (~10% a step).
-            # No guards on the modules: their weights and attributes never change after loading,
-            # and checking every parameter before each step cost more than the rest of dynamo's
-            # per-call work (the batch's tensors and sizes are still guarded).
+            # two graphs of the forward (_compile: the batch's tensors and sizes guarded, the modules not);
             # the one-row graph's dot products read row-major weights (linear.Linear): on more than one
             # thread the weights themselves, relaid in place; on one, copies (the engine's threads are set)
             copied = keep_row_major_weights_(model)
@@ -156,13 +153,8 @@ class ModelRunner:
             self._freeze_rows = packed == 0
             if packed:
                 logger.info("compile_decode: %.1f MB of weights packed for steps of more rows", packed / 1e6)
-            common = {"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-            # fullgraph: a step is one graph (a graph break is an error at start-up), so a step that no
-            # graph fits fails before anything runs and can run eager instead (_run_compiled)
-            one_row = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
-                                    options={**common, **ONE_ROW_OPTIONS})
-            rows = torch.compile(_own_code(model.forward_unchecked), dynamic=True, fullgraph=True,
-                                 options={**common, **(ROWS_OPTIONS if self._freeze_rows else PACKED_ROWS_OPTIONS)})
+            one_row = _compile(model.forward_unchecked, ONE_ROW_OPTIONS)
+            rows = _compile(model.forward_unchecked, ROWS_OPTIONS if self._freeze_rows else PACKED_ROWS_OPTIONS)
             self._compiled_decode = _by_row_count(one_row, rows)
             logger.info("compile_decode: compiling the decode graphs%s (a minute or more on a small CPU)",
                         " and verify graphs" if self.verify_width is not None else "")
@@ -213,7 +205,7 @@ class ModelRunner:
             kv_indices = torch.cat([self.req_to_token.read(r.req_pool_idx, 0, n) for r, n in zip(reqs, seq_lens)])
         slots = [r.state_slot for r in reqs]
         cu = _cumsum(extend_lens, 0)
-        host = _host_long(ids, pos, cu, _cumsum(seq_lens, 0), slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
+        host = host_long(ids, pos, cu, _cumsum(seq_lens, 0), slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
                           [c[2] for c in ckpts])
         extra = [] if table is None else [table.to(torch.long)]
         t = self._to_device(*host, out_cache_loc.to(torch.long), kv_indices.to(torch.long), *extra)
@@ -249,7 +241,7 @@ class ModelRunner:
         seq_lens = [p + 1 for p in pos]
         slots = [r.state_slot for r in reqs]
         table, kv_indices = self._kv_table(reqs, seq_lens)
-        host = _host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
+        host = host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
         # copies made here (inference mode), like every other tensor of the batch: a compiled
         # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor (and on its
         # strides: a caller's view of a wider table would compile a graph of its own)
@@ -297,7 +289,7 @@ class ModelRunner:
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
-        host = _host_long(ids, pos, _cumsum(extend_lens, 0), _cumsum(seq_lens, 0), slots)
+        host = host_long(ids, pos, _cumsum(extend_lens, 0), _cumsum(seq_lens, 0), slots)
         t = self._to_device(*host, _dense(out_cache_loc), kv_indices.to(torch.long),
                             table.to(torch.long), torch.tensor(ckpt_rows, dtype=torch.long).view(len(reqs), w - 1))
         batch = ForwardBatch(
@@ -334,7 +326,7 @@ class ModelRunner:
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
         if self.graphs is not None and self.graphs.can_run(len(reqs)) and self._graphed(return_hidden):
             return _outputs(self.graphs.replay(columns, input_ids), return_hidden)
-        host = _host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
+        host = host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
         dev = self._to_device(*host)
         if input_ids is not None:
             dev[0] = input_ids.to(self.device, torch.long)
@@ -377,7 +369,7 @@ class ModelRunner:
         if self.verify_graphs is not None and self.verify_graphs.can_run(b) and self._graphed(return_hidden):
             out = _outputs(self.verify_graphs.replay(columns, chain=chain), return_hidden)  # [B*W, V] (and [B*W, H])
             return _rows(out, self._to_device(torch.tensor(fed, dtype=torch.long))[0])
-        dev = self._to_device(*_host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
+        dev = self._to_device(*host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
                               torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6], return_hidden=return_hidden)
         return _rows(self.decode_fused_step(batch), dev[7])  # [sum(extend_lens), V] (and [.., H])
@@ -468,11 +460,8 @@ class ModelRunner:
         return self._run_compiled(batch)
 
     def _run_compiled(self, batch: ForwardBatch) -> torch.Tensor:
-        """A checked step through the graphs compiled at start-up, never compiling another: where
-        no graph's guards pass (a batch the warm-up did not foresee), dynamo would stall the engine
-        for a compile (a minute or more on a small CPU); the step runs eager instead, and the first
-        such step logs why (``late_compiles`` counts them). Dynamo's config is per thread, so
-        another thread's compiles (another runner's warm-up) are untouched."""
+        """A checked step through the graphs compiled at start-up (:func:`call_compiled`: eager
+        where none fits, ``late_compiles`` counting such steps)."""
         out, reason = call_compiled(self._compiled_decode, self.model.forward_unchecked, batch)
         if reason is not None:
             self.late_compiles += 1
@@ -490,7 +479,7 @@ class ModelRunner:
         sizes into one symbol (or into a constant) and compile again when they differ."""
         c = self.model.config
         dev = self.device
-        kv_rows, state_rows = 1201, 67  # room for the batch of 13
+        kv_rows, state_rows = WARM_UP_KV_ROWS, 67  # room for the batch of 13
         if self.verify_width is not None:  # room for 13 chains' KV (prefix + fed) and their checkpoint slots
             kv_rows = _prime_above(max(1200, len(WARM_UP_LENS) * (max(WARM_UP_LENS) + self.verify_width)),
                                    avoid=set(WARM_UP_LENS))
@@ -509,7 +498,7 @@ class ModelRunner:
         dev = self.device
         long = dict(dtype=torch.long, device=dev)
         # one row (dot products over the row-major weights); more (frozen, C++ GEMM template; or packed weights)
-        for lens in ([37], WARM_UP_LENS):
+        for lens in WARM_UP_BATCHES:
             b, width = len(lens), max(lens)
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
@@ -563,6 +552,8 @@ class ModelRunner:
 # The warm-up's batch of more rows: 13 requests' KV lengths (decode) or cached prefixes (verify steps),
 # distinct primes (_warm_up_compiled_decode)
 WARM_UP_LENS = [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]
+WARM_UP_BATCHES = ([37], WARM_UP_LENS)  # the decode warm-up's KV lengths: a batch of one row, then of more
+WARM_UP_KV_ROWS = 1201  # the scratch KV rows of that warm-up (a prime): room for the batch of 13
 
 # Inductor options of the two compiled decode graphs. realize_opcount_threshold: an intermediate of
 # more than that many ops is stored, not inlined into its consumers. Inlined, a projection's input
@@ -585,16 +576,25 @@ PACKED_ROWS_OPTIONS = {"realize_opcount_threshold": 4, "cpp_wrapper": False}
 
 
 def compile_step(method: Callable) -> Callable:
-    """``method`` (a bound method of a module whose weights never change) through ``torch.compile``
-    as a small decode-like step: dynamic in every size, one graph per call (``fullgraph``), the
-    module unguarded, its Python floats baked in when compiled under :func:`warm_up_config`, the
-    one-row graph's projections over row-major weights (``linear.keep_row_major_weights_``). What
-    ``compile_decode`` compiles of a drafter (the MTP head's steps): the graphs are made by calling
-    it at start-up, and served through :func:`call_compiled`."""
+    """``method`` (a bound method of a module whose weights never change) through :func:`_compile`
+    with the one-row options, its module's projections given row-major weights
+    (``linear.keep_row_major_weights_``): what ``compile_decode`` compiles of a drafter (the MTP
+    head's steps), one graph for a row and one for more. The graphs are made by calling it at
+    start-up under :func:`warm_up_config`, and served through :func:`call_compiled`."""
     keep_row_major_weights_(method.__self__)
+    return _compile(method, ONE_ROW_OPTIONS)
+
+
+def _compile(method: Callable, options: dict) -> Callable:
+    """``method`` through ``torch.compile`` with inductor ``options``: dynamic in every size; one
+    graph per call (``fullgraph``: a graph break is an error at start-up, so a call that no graph
+    fits fails before anything runs and can run eager instead, :func:`call_compiled`); driven from
+    C++ (``cpp_wrapper``: ~10% of a decode step); the module unguarded (its weights and attributes
+    never change after loading, and checking every parameter before each call cost more than the
+    rest of dynamo's per-call work); a code object of its own (:func:`_own_code`)."""
     return torch.compile(_own_code(method), dynamic=True, fullgraph=True,
-                         options={"cpp_wrapper": True, **ONE_ROW_OPTIONS,
-                                  "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                         options={"cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                  **options})
 
 
 def warm_up_config():
@@ -726,7 +726,7 @@ def _cumsum(values, start: int | None = None) -> list[int]:
     return out
 
 
-def _host_long(*lists) -> list[torch.Tensor]:
+def host_long(*lists) -> list[torch.Tensor]:
     """int64 host tensors of ``lists`` (of ints): through numpy, a third of ``torch.tensor``'s cost
     (6 lists: 6 vs 17 µs, a CPU decode step's batch)."""
     return [torch.from_numpy(np.fromiter(x, np.int64)) for x in lists]

@@ -52,11 +52,11 @@ the token after ``token[p]``. Its attention layer needs the K/V of every earlier
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.model_runner import call_compiled, compile_step, log_late_compile, warm_up_config
+from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step, host_long,
+                                      log_late_compile, warm_up_config)
 from hyla.engine.request import Req
 from hyla.engine.speculative import Drafter, drafter_batch, prefix_sums
 from hyla.model.forward_batch import ForwardBatch
@@ -90,14 +90,16 @@ class MtpDrafter(Drafter):
 
     def compile(self) -> None:
         """``compile_decode``: the head's forwards up to its LM head through ``torch.compile``, its
-        graphs (a row, more rows) compiled here on scratch buffers shaped like the real ones; every
-        size that varies in serving a distinct prime, as ``ModelRunner``'s warm-up does."""
+        graphs (a row, more rows) compiled here on scratch buffers shaped like the real ones, with
+        the sizes of ``ModelRunner``'s decode warm-up (distinct primes)."""
         self._compiled = compile_step(self.head.hidden_states)
         h = self.hidden_states.shape[1]
-        kb, vb = (torch.zeros(1201, *b.shape[1:], dtype=b.dtype, device=self.device) for b in (self.k_buffer, self.v_buffer))
+        kb, vb = (torch.zeros(WARM_UP_KV_ROWS, *b.shape[1:], dtype=b.dtype, device=self.device)
+                  for b in (self.k_buffer, self.v_buffer))
         with torch.inference_mode(), warm_up_config():
-            for lens in ([37], [61, 59, 53, 47, 43, 41, 37, 31, 29, 23, 19, 17, 11]):
-                tables = [torch.arange(1 + 61 * i, 1 + 61 * i + n) for i, n in enumerate(lens)]
+            for lens in WARM_UP_BATCHES:
+                width = max(lens)
+                tables = [torch.arange(1 + width * i, 1 + width * i + n) for i, n in enumerate(lens)]  # distinct slots
                 batch = self._rows([3] * len(lens), [n - 1 for n in lens], [int(t[-1]) for t in tables], tables, lens,
                                    (kb, vb))
                 self._compiled(batch, torch.zeros(len(lens), h, dtype=self.hidden_states.dtype, device=self.device))
@@ -212,8 +214,7 @@ class MtpDrafter(Drafter):
         table = torch.zeros(b, width, dtype=torch.long)
         for r, (t, k) in enumerate(zip(tables, kv_lens)):
             table[r, :k] = t[:k]
-        host = [torch.from_numpy(np.fromiter(x, np.int64)) for x in (ids, pos, range(b + 1), prefix_sums(kv_lens),
-                                                                      kv_lens, loc)]
+        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc)
         t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], self.device)
         kb, vb = buffers if buffers is not None else (self.k_buffer, self.v_buffer)
         return ForwardBatch(
