@@ -155,7 +155,7 @@ class MtpDrafter(Drafter):
                 batch = self._rows(ids, pos, [int(t[k - 1]) for t, k in zip(tables, kv_lens)], tables, kv_lens)
                 self._hidden(batch, pairs)  # K/V only
             else:
-                batch = self._batch(ids, pos, prefix, extend, loc, kv, is_decode=False)
+                batch = self._batch(ids, pos, prefix, extend, loc, kv)
                 self.head.hidden_states(batch, pairs)  # K/V only
         dst = [r.state_slot for r in reqs] + [slot for _, _, slot in ckpts]
         rows = [cu[i + 1] - 1 for i in range(b)] + [cu[i] + m - 1 for i, m, _ in ckpts]
@@ -214,19 +214,20 @@ class MtpDrafter(Drafter):
         table = torch.zeros(b, width, dtype=torch.long)
         for r, (t, k) in enumerate(zip(tables, kv_lens)):
             table[r, :k] = t[:k]
-        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc)
+        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc, [-1] * b)  # -1: no state slot
         t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], self.device)
         kb, vb = buffers if buffers is not None else (self.k_buffer, self.v_buffer)
         return ForwardBatch(
             is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
-            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[6], kv_indptr=t[3], k_buffers=[kb], v_buffers=[vb],
-            state_slots=torch.full((b,), -1, dtype=torch.long, device=self.device), conv_states=[], ssm_states=[],
-            state_slot_list=[-1] * b, max_token_id=max(ids), kv_table=t[7], kv_lens=t[4],
+            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7], kv_indptr=t[3], k_buffers=[kb], v_buffers=[vb],
+            state_slots=t[6], conv_states=[], ssm_states=[],
+            state_slot_list=[-1] * b, max_token_id=max(ids), kv_table=t[8], kv_lens=t[4],
         )
 
     def _batch(self, ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
-               loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool) -> ForwardBatch:
-        """A batch over the MTP layer's KV buffer only: sequence ``i`` writes ``extend_lens[i]`` pairs
-        at slots ``loc[i]`` after ``prefix_lens[i]`` earlier pairs; ``kv[i]`` are all its pairs' slots."""
-        return drafter_batch(ids, pos, prefix_lens, extend_lens, loc, kv, is_decode, self.device,
+               loc: list[torch.Tensor], kv: list[torch.Tensor]) -> ForwardBatch:
+        """An extend batch over the MTP layer's KV buffer only (a prefill's pairs): sequence ``i``
+        writes ``extend_lens[i]`` pairs at slots ``loc[i]`` after ``prefix_lens[i]`` earlier pairs;
+        ``kv[i]`` are all its pairs' slots."""
+        return drafter_batch(ids, pos, prefix_lens, extend_lens, loc, kv, False, self.device,
                              [self.k_buffer], [self.v_buffer])
