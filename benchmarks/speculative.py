@@ -43,8 +43,9 @@ training: half the model's layers), the same with trees (``speculative_eagle_top
 ``--draft-model-path PATH`` if given.
 
 ``--part draft-compiled``: that workload, the early-exit draft (chains), every engine with
-``compile_decode=True``: its verify steps as padded chains through the compiled graph, against the
-same engine with them through the eager extend path and the compiled plain engine; written to
+``compile_decode=True``: the model's verify steps as padded chains through the compiled graph and the
+draft model's steps through its own compiled graphs, against the same engine with the draft model's
+steps eager and the compiled plain engine; written to
 ``## Speculative decoding: draft model with compile_decode``.
 
 ``--part mtp-compiled``: the MTP workload, every engine with ``compile_decode`` (MTP's steps through
@@ -756,13 +757,20 @@ def draft_compiled_main(args, threads: int) -> None:
     about = f"""drafted by its first {EARLY_EXIT_LAYERS} layers (the early-exit draft of the section above: its
 final norm and LM head, no training), {DRAFT_STEPS} drafts per step (chains), on the chat workload; greedy.
 
-Draft-model chains now verify as padded chains (`ModelRunner.forward_chains`), as n-gram chains do:
-with `compile_decode` through the graph compiled at start-up, on a GPU through the fused kernels and
-their CUDA graphs. *on, eager verify* is the same engine with its verify steps through the eager
-extend path (`runner.verify_width = None`), which every draft-model verify step took before.
-The draft model's own steps stay eager in both."""
+Draft-model chains verify as padded chains (`ModelRunner.forward_chains`), with `compile_decode`
+through the graph compiled at start-up. The draft model now runs as the model does: its draft steps
+(decode steps on the requests' own rows, their scratch KV slots after the committed ones:
+`ModelRunner.forward_decode_rows`) and decode steps through its own runner's compiled graphs, its
+pass over a verify step's chains as padded chains through them too (on a GPU: its fused kernels and
+CUDA graphs). *on, eager draft* is the same engine with the draft model's runner eager
+(`_compiled_decode` and `verify_width` unset), as every draft model ran before."""
+
+    def eager_draft(engine: Engine) -> None:
+        runner = engine.scheduler.drafter.runner
+        runner._compiled_decode, runner.verify_width = None, None
+
     compiled_spec_main(args, threads, "draft-compiled", spec, "draft", "draft model", about,
-                       "Speculative decoding: draft model with compile_decode")
+                       "Speculative decoding: draft model with compile_decode", ("eager draft", eager_draft))
 
 
 def mtp_compiled_main(args, threads: int) -> None:
@@ -777,26 +785,33 @@ extend path (`runner.verify_width = None`). The MTP head's forwards over a verif
 its draft steps run graphs compiled at start-up too, in both (`MtpDrafter.compile`: the head up to its
 LM head, as decode batches of a row per pair)."""
     compiled_spec_main(args, threads, "mtp-compiled", MTP_SPEC, "MTP", "MTP head", about,
-                       "Speculative decoding: MTP with compile_decode")
+                       "Speculative decoding: MTP with compile_decode", ("eager verify", eager_verify))
+
+
+def eager_verify(engine: Engine) -> None:
+    """The model's verify steps through the eager extend path instead of the compiled chains."""
+    engine.scheduler.runner.verify_width = None
 
 
 def compiled_spec_main(args, threads: int, part: str, spec: dict, drafter_name: str, drafter_label: str, about: str,
-                       section: str) -> None:
+                       section: str, peer: tuple[str, Callable[[Engine], None]]) -> None:
     """Workload (b), every engine with ``compile_decode``, speculation ``spec`` (chains): its verify
-    steps as padded chains through the compiled graph ("on"), against the same engine with its verify
-    steps through the eager extend path ("on, eager verify": ``runner.verify_width = None``), and
-    the compiled plain engine ("off")."""
+    steps as padded chains through the compiled graph ("on"), against the same engine with a part
+    made eager by ``peer = (what, make_eager)`` ("on, <what>"), and the compiled plain engine
+    ("off")."""
     kw = dict(dtype="float32", device="cpu", **POOLS, compile_decode=True)
+    what, make_eager = peer
+    side_b = f"on, {what}"
     t0 = time.perf_counter()
-    engines = {"off": Engine(**kw), "on": Engine(**kw, **spec), "on, eager verify": Engine(**kw, **spec)}
+    engines = {"off": Engine(**kw), "on": Engine(**kw, **spec), side_b: Engine(**kw, **spec)}
     start_up = time.perf_counter() - t0
-    engines["on, eager verify"].scheduler.runner.verify_width = None
+    make_eager(engines[side_b])
     parts: dict[str, dict[int, dict[str, float]]] = {}
     try:
         prompts = chat_prompts(engines["off"].tokenizer)
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         base = run_once(engines["off"], prompts, NUM_PROMPTS, params)[2]  # warm-up: caches the prompts
-        for side in ("on", "on, eager verify"):
+        for side in ("on", side_b):
             check_identical(f"{part} ({side}), warm-up", base, run_once(engines[side], prompts, NUM_PROMPTS, params)[2])
         rows = bench(engines, prompts, prompts, part, args.repeats, args.new_tokens)
         for side, eng in engines.items():
@@ -810,11 +825,11 @@ def compiled_spec_main(args, threads: int, part: str, spec: dict, drafter_name: 
             e.shutdown()
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part {part} "
            f"--repeats {args.repeats} --new-tokens {args.new_tokens}")
-    table = ["| batch | compiled off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | on, eager verify tok/s "
-             "| eager verify / off (CPU time) | on / eager verify (CPU time) | accept length (on, eager verify) |",
+    table = [f"| batch | compiled off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | {side_b} tok/s "
+             f"| {what} / off (CPU time) | on / {what} (CPU time) | accept length (on, {what}) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        on, ev = r["sides"]["on"], r["sides"]["on, eager verify"]
+        on, ev = r["sides"]["on"], r["sides"][side_b]
         table.append(f"| {r['batch']} | {r['off']:.1f} | {on['tps']:.1f} | {on['ratio']:.2f}x | {on['cpu_ratio']:.2f}x "
                      f"| {ev['tps']:.1f} | {ev['cpu_ratio']:.2f}x | **{on['cpu_ratio'] / ev['cpu_ratio']:.2f}x** "
                      f"| {on['accept']:.2f}, {ev['accept']:.2f} |")

@@ -155,6 +155,9 @@ qwen3_next_dense_draft_path = _tiny_checkpoint("qwen3_next_dense_draft_path", ch
 qwen3_next_moe_draft_path = _tiny_checkpoint("qwen3_next_moe_draft_path", checkpoints.make_perturbed,
                                              base=checkpoints.make_qwen3_next, moe=True)
 qwen3_5_draft_path = _tiny_checkpoint("qwen3_5_draft_path", checkpoints.make_perturbed, base=checkpoints.make_qwen3_5)
+qwen3_5_short_draft_path = _tiny_checkpoint("qwen3_5_short_draft_path", checkpoints.make_perturbed,
+                                            base=checkpoints.make_qwen3_5, num_hidden_layers=2,
+                                            layer_types=["linear_attention", "full_attention"])
 nemotron_h_draft_path = _tiny_checkpoint("nemotron_h_draft_path", checkpoints.make_perturbed,
                                          base=checkpoints.make_nemotron_h)
 nemotron_h_small_path = _tiny_checkpoint("nemotron_h_small_path", checkpoints.make_nemotron_h,

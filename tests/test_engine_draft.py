@@ -97,9 +97,11 @@ def test_draft_is_exact_under_pressure(qwen3_next_dense_path, qwen3_next_dense_d
 # --- the draft model's memory stays in step with the target's ------------------------------------
 
 
-def _draft_model_continuations(draft, contexts: list[tuple[int, ...]], k: int) -> dict[tuple[int, ...], list[int]]:
-    """The draft model's own greedy ``k`` tokens after each context: a plain engine, no cache."""
-    with Engine(draft, enable_prefix_cache=False, **POOLS) as alone:
+def _draft_model_continuations(draft, contexts: list[tuple[int, ...]], k: int,
+                               **opts) -> dict[tuple[int, ...], list[int]]:
+    """The draft model's own greedy ``k`` tokens after each context: a plain engine, no cache
+    (``opts``: its options, ``POOLS`` by default)."""
+    with Engine(draft, enable_prefix_cache=False, **(opts or POOLS)) as alone:
         outs = alone.generate(input_ids=[list(c) for c in contexts], sampling_params=_greedy(k))
     return {c: o["output_ids"] for c, o in zip(contexts, outs)}
 
@@ -132,33 +134,51 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
                        f"vs {[want[c] for c in differ[:3]]}"
 
 
-@pytest.mark.parametrize("draft, opts", [
-    ("qwen3_next_dense_draft_path", POOLS),
+@pytest.mark.parametrize("draft, opts, draft_chains", [
+    ("qwen3_next_dense_draft_path", POOLS, True),
     ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
-                                   chunked_prefill_size=64)),  # retraction
+                                   chunked_prefill_size=64), False),  # retraction; Mamba2: no chains
 ])
-def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, request,
-                                                                    monkeypatch):
+def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, draft_chains,
+                                                                    request, monkeypatch):
     """With ``compile_decode`` (or fused decode kernels) a draft model's chains are verified as
     padded chains (``ModelRunner.forward_chains``, the compiled graph or CUDA graphs), as n-gram
-    chains are: exact, and the draft model's states stay in step through them — a chain shorter
-    than the width leaves its last fed token's state in a scratch slot, where the draft model must
-    write its own too (every proposal is the draft model's own continuation). ``torch.compile`` is
-    replaced by the function itself: what is tested is the engine's wiring and the chains, not
-    inductor (``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``)."""
+    chains are, and the draft model runs as the model does: its draft steps (rows over its scratch
+    slots, ``speculative.row_batch``) and decode steps through its own compiled graphs, its pass over
+    a verify step's chains as padded chains too where its layers allow (a Gated DeltaNet draft; a
+    Mamba2 one runs that pass as an eager extend). Exact, and the draft model's states stay in step
+    through all of it — a chain shorter than the width leaves its last fed token's state in a
+    scratch slot, where the draft model must write its own too (every proposal is the draft model's
+    own continuation). ``torch.compile`` is replaced by the function itself: what is tested is the
+    engine's wiring and the chains, not inductor
+    (``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``)."""
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     draft = request.getfixturevalue(draft)
-    calls = {"n": 0}
+    calls, draft_calls, compiled_rows = {"n": 0}, {"n": 0}, {"n": 0}
 
     def setup(eng):
-        runner = eng.scheduler.runner
+        runner, draft_runner = eng.scheduler.runner, eng.scheduler.drafter.runner
         assert runner.compiled and runner.verify_width == 4  # 3 drafts per step + the last sampled token
+        assert draft_runner.compiled and draft_runner.verify_width == (4 if draft_chains else None)
         _watch_chains(eng, calls, width=None)
+        real_chains, real_compiled = draft_runner.forward_chains, draft_runner._run_compiled
+
+        def chains(*args, **kw):
+            draft_calls["n"] += 1
+            return real_chains(*args, **kw)
+
+        def compiled(batch):
+            compiled_rows["n"] += batch.kv_table is not None and batch.state_slot_list[0] in drafting
+            return real_compiled(batch)
+
+        drafting = {s for row in eng.scheduler.drafter.scratch_states for s in row}  # the drafting beams' slots
+        draft_runner.forward_chains, draft_runner._run_compiled = chains, compiled
         return _Recorder(eng.scheduler.drafter)
 
     compared, stats, rec = spec_differential(qwen3_next_dense_path, {**_draft(draft), "compile_decode": True}, opts,
                                              seed=2, setup=setup)
-    assert compared > 60 and calls["n"] > 0
+    assert compared > 60 and calls["n"] > 0 and compiled_rows["n"] > 0
+    assert (draft_calls["n"] == calls["n"]) if draft_chains else draft_calls["n"] == 0
     proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
     want = _draft_model_continuations(draft, list(proposals), 3)
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]

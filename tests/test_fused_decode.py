@@ -673,6 +673,57 @@ def test_fused_draft_model_chains_verify_from_cuda_graphs(qwen3_5_path, qwen3_5_
 
 
 @pytest.mark.slow
+def test_fused_draft_model_steps_follow_the_draft_model(qwen3_5_short_path, qwen3_5_short_draft_path, few_splits,
+                                                       monkeypatch):
+    """A draft model's own steps through its fused kernels (``speculative_algorithm="draft"``): its
+    draft steps as decode steps on the requests' own rows (``ModelRunner.forward_decode_rows``: the
+    rows hold its scratch KV slots while it drafts; on a GPU replayed from its decode CUDA graphs),
+    its pass over a verify step's chains as fused chains. Every proposal is the draft model's own
+    greedy continuation (a plain engine running the draft model alone), the outputs are the plain
+    model's, and the rows hold what they held before drafting (``check_integrity``). fp32. On a GPU
+    the engine's own runners (fused, with graphs); without one the draft model's runner is made fused
+    (its kernels interpreted), the model's steps run the PyTorch ops (``compile_decode`` with
+    ``torch.compile`` replaced by the function itself: so it verifies chains)."""
+    from hyla.model.ops.gpu import gated_delta_decode
+    from test_engine_draft import _draft_model_continuations, _Recorder
+
+    if not GPU:
+        monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)  # test_fused_chain_verify_is_exact
+        monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=48, max_running_requests=8)
+    with Engine(qwen3_5_short_path, speculative_algorithm="draft", speculative_num_steps=3,
+                speculative_draft_model_path=str(qwen3_5_short_draft_path), compile_decode=not GPU, **opts) as eng:
+        drafter, replays = eng.scheduler.drafter, {"n": 0}
+        if not GPU:
+            cfg = eng.model_config
+            drafter.runner = ModelRunner(drafter.model, eng.kv_pool, eng.state_pool, eng.req_to_token, eng.device,
+                                         cuda_graph=False, fused_decode=True, verify_width=4,
+                                         first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
+        else:
+            _count_replays(drafter.runner.graphs, replays)
+        assert drafter.runner.fused and drafter.runner.verify_width == eng.scheduler.runner.verify_width == 4
+        rec = _Recorder(drafter)
+        wave1 = _workload(3, eng.model_config.vocab_size, 4 if GPU else 2)
+        wave2 = lambda out: [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5}  # noqa: E731
+                             for w, o in zip(wave1, out)]
+        out = _generate(eng, wave1)
+        out += _generate(eng, wave2(out))
+        eng.wait_idle()
+        eng.check_integrity()
+        assert eng.scheduler.num_verify_steps > 0 and eng.get_stats()["spec_accept_length"] > 1.5
+    assert replays["n"] > 0 or not GPU
+    with Engine(qwen3_5_short_path, enable_prefix_cache=False, **opts) as plain:
+        ref = _generate(plain, wave1)
+        ref += _generate(plain, wave2(ref))
+    assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in ref)
+    proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
+    assert sum(map(len, proposals.values())) > 12
+    want = _draft_model_continuations(qwen3_5_short_draft_path, list(proposals), 3, **opts)
+    differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
+    assert not differ, f"{len(differ)} of {len(proposals)} proposals differ"
+
+
+@pytest.mark.slow
 def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypatch):
     """MTP speculation (``speculative_algorithm="mtp"``) with its steps through the fused kernels: the
     decode steps and the verify steps of padded chains return the final hidden states the MTP reads

@@ -91,8 +91,8 @@ class EngineArgs:
                                          "on where decode steps replay CUDA graphs, without speculation; 'on', 'off'.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after a minute or two of compilation at every start-up (docs/benchmarks.md); "
-                                       "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too "
-                                       "(docs/engine.md).")
+                                       "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too, "
+                                       "and a draft model's or MTP head's own steps (docs/engine.md).")
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:

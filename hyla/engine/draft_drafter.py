@@ -36,13 +36,21 @@ retraction, eviction. The design:
   position ``n + j`` (``n = kv_len``; ``token[n]`` is the last sampled token, then the drafts) with
   its K/V in scratch KV slots, and its argmax is the next draft. Both scratch kinds are reserved per
   batch row at start (``CacheManager.reserve_states`` / ``reserve_kv``), so drafting never touches
-  a request's live state or row: the verify step's ``observe`` computes the kept positions for real.
+  a request's live state or committed slots: the verify step's ``observe`` computes the kept
+  positions for real. The steps are decode steps of the draft model's runner on the requests' own
+  rows: the scratch KV slots are written into each row after its committed ones (positions that
+  hold nothing between steps, where the verify step then writes its own), so every decode path
+  serves them as it serves the engine's decode steps — the graphs ``compile_decode`` compiled, the
+  fused kernels and their CUDA graphs (``ModelRunner.forward_decode_rows``).
 
 * **Trees** (``speculative_eagle_topk = k > 1``, ``propose_tree_batch``): the same loop as a beam
   search of width ``k`` — every beam a row of the step's batch, with its own scratch state slot (a
   sibling starts from a copy of its parent's) and its path's scratch KV slots; the candidates are
   ranked by path log-probability and the greedy chain plus the best others are verified
-  (``_draft``). The verify step's tree goes through ``observe`` like any forward (``tree_parents``).
+  (``_draft``). A request's beams cannot share its row: each reads a KV table of its own, the
+  committed slots then its path's (``speculative.row_batch``: the compiled graphs serve it, the
+  fused kernels do not). The verify step's tree goes through ``observe`` like any forward
+  (``tree_parents``).
 
 Cost per verify step: ``num_steps`` draft decode steps (of every beam) plus one draft forward over
 the fed tokens (the drafts fed again, now into the request's own slots).
@@ -59,7 +67,7 @@ import torch
 from hyla.cache.layout import CacheLayout
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.request import Req
-from hyla.engine.speculative import Drafter, drafter_batch
+from hyla.engine.speculative import Drafter, row_batch
 from hyla.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -119,6 +127,11 @@ class DraftModelDrafter(Drafter):
         # the draft's buffers (its runner's views of the pools' companion buffers) that hold something
         self._state_buffers = [b for b in (*runner.conv_states, *runner.ssm_states) if b.numel()]
 
+    @property
+    def late_compiles(self) -> int:
+        """The draft model's steps that no graph compiled at start-up fitted (run eager)."""
+        return self.runner.late_compiles
+
     @staticmethod
     def scratch_per_row(num_steps: int, topk: int) -> tuple[int, int]:
         """(KV slots, state slots) drafting takes per batch row: one KV slot per token it feeds (the
@@ -129,14 +142,19 @@ class DraftModelDrafter(Drafter):
     # after every target forward: the same forward on the draft model
     # ------------------------------------------------------------------------------------------
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
-                hidden: torch.Tensor | None) -> None:
+                hidden: torch.Tensor | None, chain_rows: list[list[int]] | None = None) -> None:
         """The target fed ``lens[i]`` tokens of ``reqs[i]`` after its ``kv_len`` (drafts included, not
         committed yet) into the KV slots of its row, from and into its state slot, with state
-        checkpoints ``ckpts``; run the draft model over the same, into its own buffers. Computes no
-        logits (a one-token step computes one per request, as a decode step does)."""
+        checkpoints ``ckpts`` (as padded chains with checkpoint rows ``chain_rows``); run the draft
+        model over the same, into its own buffers, as the target ran: a decode step as a decode step,
+        padded chains as padded chains where the draft's runner runs them (the same width; its
+        compiled graphs or CUDA graphs), anything else as an eager extend that computes no logits."""
         loc = torch.cat([self.req_to_token.read(r.req_pool_idx, r.kv_len, r.kv_len + n) for r, n in zip(reqs, lens)])
         if max(lens) == 1 and not ckpts:  # what the scheduler runs as a decode step (the fused kernels on CUDA)
             self.runner.forward_decode(reqs, loc)
+            return
+        if chain_rows is not None and self.runner.verify_width == len(chain_rows[0]) + 1:
+            self.runner.forward_chains(reqs, lens, loc, chain_rows)
             return
         trees = [r.fed_parents() for r in reqs] if any(r.draft_parents is not None for r in reqs) else None
         self.runner.forward_extend(reqs, lens, loc, list(ckpts), logit_rows=[[] for _ in reqs], tree_parents=trees)
@@ -175,39 +193,14 @@ class DraftModelDrafter(Drafter):
         if len(reqs) > min(len(self.scratch_kv), len(self.scratch_states)):
             raise ValueError(f"{len(reqs)} decoding requests, drafting scratch for {len(self.scratch_states)} rows")
         depth = {i: min(self.num_steps, budget[i]) for i in live}
-        n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
-        committed = {i: self.req_to_token.read(reqs[i].req_pool_idx, 0, n[i]) for i in live}  # positions 0..n-1
         nodes: dict[int, list[_Node]] = {i: [] for i in live}
-        beams = {i: [_Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
-        used_kv = {i: 0 for i in live}
         self._copy_states([reqs[i].state_slot for i in live], [self.scratch_states[i][0] for i in live])
-        runner = self.runner
-        for j in range(self.num_steps):
-            live = [i for i in live if depth[i] > j]
-            if not live:
-                break
-            fed = [(i, b) for i in live for b in beams[i]]
-            for i, b in fed:  # the fed token's K/V go to the request's next scratch KV slot
-                b.path = b.path + [self.scratch_kv[i][used_kv[i]]]
-                used_kv[i] += 1
-            batch = drafter_batch(
-                [b.token for _, b in fed], [n[i] + j for i, _ in fed], [n[i] + j for i, _ in fed], [1] * len(fed),
-                [torch.tensor(b.path[-1:], dtype=torch.long) for _, b in fed],
-                [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed],
-                True, self.device, runner.k_buffers, runner.v_buffers, [b.state for _, b in fed],
-                runner.conv_states, runner.ssm_states)
-            logp = torch.log_softmax(self.model.forward(batch).float(), dim=-1)  # [F, V]
-            top, ids = logp.topk(max(widths[i] for i in live), dim=-1)
-            top, ids = top.tolist(), ids.tolist()
-            children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
-            for row, (i, b) in enumerate(fed):
-                for c in range(widths[i]):
-                    children[i].append((len(nodes[i]), beams[i].index(b)))
-                    nodes[i].append(_Node(ids[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
-            if j + 1 < self.num_steps:
-                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
-                if copies:
-                    self._copy_states(*zip(*copies))
+        if max(widths) == 1:  # chains: the draft steps are decode steps on the requests' own rows
+            rows, starts = [reqs[i].req_pool_idx for i in live], [reqs[i].kv_len for i in live]
+            self._paths_in_rows(rows, starts, [self.scratch_kv[i][:depth[i]] for i in live])
+            self._search(reqs, live, depth, nodes, widths, in_rows=True)
+        else:
+            self._search(reqs, live, depth, nodes, widths, in_rows=False)
         for i in nodes:
             chain = [k for k, node in enumerate(nodes[i]) if node.greedy]
             others = sorted((k for k, node in enumerate(nodes[i]) if not node.greedy),
@@ -222,6 +215,60 @@ class DraftModelDrafter(Drafter):
                 parents = parents[:len(ids_i)]
             out[i] = (ids_i, None if parents == list(range(len(ids_i))) else parents)
         return out
+
+    def _search(self, reqs: list[Req], live: list[int], depth: dict[int, int], nodes: dict[int, list[_Node]],
+                widths: list[int], in_rows: bool) -> None:
+        """:meth:`_draft`'s beam search, filling ``nodes``: one draft decode step per depth for every
+        live beam of the requests ``live`` (``reqs[i]`` drops out after ``depth[i]`` steps), each
+        beam's state in its scratch state slot (the first beam's already holds the request's), the
+        fed tokens' K/V in the request's scratch KV slots. ``in_rows`` (chains, one beam each): the
+        steps read the requests' own rows, where :meth:`_paths_in_rows` put those slots
+        (``ModelRunner.forward_decode_rows``: every decode path, the fused kernels' CUDA graphs
+        included); else a table per beam, the committed slots then its path's
+        (``speculative.row_batch``, ``ModelRunner.forward_batch``)."""
+        n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
+        committed = {} if in_rows else {i: self.req_to_token.read(reqs[i].req_pool_idx, 0, n[i]) for i in live}
+        beams = {i: [_Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
+        used_kv = {i: 0 for i in live}
+        runner = self.runner
+        for j in range(self.num_steps):
+            live = [i for i in live if depth[i] > j]
+            if not live:
+                break
+            fed = [(i, b) for i in live for b in beams[i]]
+            for i, b in fed:  # the fed token's K/V go to the request's next scratch KV slot
+                b.path = b.path + [self.scratch_kv[i][used_kv[i]]]
+                used_kv[i] += 1
+            ids, pos, states, kv_lens = ([b.token for _, b in fed], [n[i] + j for i, _ in fed],
+                                         [b.state for _, b in fed], [n[i] + j + 1 for i, _ in fed])
+            if in_rows:
+                logits = runner.forward_decode_rows(ids, pos, states, [reqs[i].req_pool_idx for i, _ in fed], kv_lens,
+                                                    torch.tensor([b.path[-1] for _, b in fed], dtype=torch.long))
+            else:
+                logits = runner.forward_batch(row_batch(
+                    ids, pos, [b.path[-1] for _, b in fed],
+                    [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed], kv_lens,
+                    self.device, runner.k_buffers, runner.v_buffers, states, runner.conv_states, runner.ssm_states))
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
+            top, ids = logp.topk(max(widths[i] for i in live), dim=-1)
+            top, ids = top.tolist(), ids.tolist()
+            children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
+            for row, (i, b) in enumerate(fed):
+                for c in range(widths[i]):
+                    children[i].append((len(nodes[i]), beams[i].index(b)))
+                    nodes[i].append(_Node(ids[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
+            if j + 1 < self.num_steps:
+                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
+                if copies:
+                    self._copy_states(*zip(*copies))
+
+    def _paths_in_rows(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """Chains drafted on the requests' own rows: ``paths[i]`` (the scratch KV slots of its draft
+        steps' fed tokens) written into request-table row ``rows[i]`` after its ``starts[i]``
+        committed slots. Those positions hold nothing between steps (``kv_allocated == kv_len``:
+        ``CacheManager``; past it a row holds stale slots), and the verify step writes its own
+        slots there. The writes reach the device mirror with the draft step's sync."""
+        self.req_to_token.write_batch(rows, starts, [len(p) for p in paths], [slot for p in paths for slot in p])
 
     def _next_beams(self, rows: list[int], nodes: dict[int, list[_Node]], children: dict[int, list[tuple[int, int]]],
                     beams: dict[int, list[_Beam]], widths: list[int]) -> list[tuple[int, int]]:

@@ -179,10 +179,14 @@ class Engine:
             scratch = self.cache.reserve_kv(self.max_running_requests * kv_per_row)  # the drafts' KV, per batch row
             states = self.cache.reserve_states(self.max_running_requests * states_per_row)  # the drafting beams' states
             cfg = self.model_config
+            # the draft model's steps as the model's: compiled or fused (and graphed) alike, its pass over a
+            # verify step's chains as padded chains where its layers allow (DraftModelDrafter.observe)
             draft_runner = ModelRunner(self.draft_model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
+                                       compile_decode=self.args.compile_decode,
                                        cuda_graph=not self.args.disable_cuda_graph,
                                        cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
-                                       first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers))
+                                       first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers),
+                                       verify_width=runner.verify_width)
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:

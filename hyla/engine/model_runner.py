@@ -204,8 +204,8 @@ class ModelRunner:
         else:
             kv_indices = torch.cat([self.req_to_token.read(r.req_pool_idx, 0, n) for r, n in zip(reqs, seq_lens)])
         slots = [r.state_slot for r in reqs]
-        cu = _cumsum(extend_lens, 0)
-        host = host_long(ids, pos, cu, _cumsum(seq_lens, 0), slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
+        cu = prefix_sums(extend_lens)
+        host = host_long(ids, pos, cu, prefix_sums(seq_lens), slots, [c[0] for c in ckpts], [c[1] for c in ckpts],
                           [c[2] for c in ckpts])
         extra = [] if table is None else [table.to(torch.long)]
         t = self._to_device(*host, out_cache_loc.to(torch.long), kv_indices.to(torch.long), *extra)
@@ -233,22 +233,40 @@ class ModelRunner:
         built with ``return_hidden``). ``input_ids [B]``: those tokens as drawn on the device, not
         yet in ``output_ids`` (the overlap schedule); the fused step reads them there, the PyTorch
         decode reads them back."""
-        if self.fused:
-            return self._forward_decode_fused(reqs, out_cache_loc, input_ids, return_hidden)
-        b = len(reqs)
-        ids = input_ids.tolist() if input_ids is not None else [_token_at(r, r.kv_len) for r in reqs]
         pos = [r.kv_len for r in reqs]
-        seq_lens = [p + 1 for p in pos]
-        slots = [r.state_slot for r in reqs]
-        table, kv_indices = self._kv_table(reqs, seq_lens)
-        host = host_long(ids, pos, range(b + 1), _cumsum(seq_lens, 0), slots, seq_lens)
+        ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
+        return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
+                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids)
+
+    @torch.inference_mode()
+    def forward_decode_rows(self, ids: list[int], positions: list[int], state_slots: list[int], req_rows: list[int],
+                            kv_lens: list[int], out_cache_loc: torch.Tensor) -> torch.Tensor:
+        """A decode step over explicit columns, for a drafter's own steps (a draft model's chains):
+        row ``b`` feeds ``ids[b]`` at ``positions[b]``, its K/V written at slot ``out_cache_loc[b]``,
+        attending to the first ``kv_lens[b]`` slots of request-table row ``req_rows[b]`` (which must
+        list ``out_cache_loc[b]`` last), from and into state slot ``state_slots[b]``. Every decode path
+        serves it as it serves :meth:`forward_decode`: the eager ops, the graphs compiled at start-up,
+        the fused kernels and their CUDA graphs. ``[B, V]`` logits."""
+        return self._decode(ids, positions, state_slots, req_rows, kv_lens, out_cache_loc)
+
+    def _decode(self, ids: list[int] | None, pos: list[int], slots: list[int], rows: list[int], kv_lens: list[int],
+                out_cache_loc: torch.Tensor, return_hidden: bool = False,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs."""
+        if self.fused:
+            return self._decode_fused(ids, pos, slots, rows, kv_lens, out_cache_loc, input_ids, return_hidden)
+        b = len(rows)
+        if ids is None:
+            ids = input_ids.tolist()
+        table, kv_indices = self.req_to_token.table(rows, kv_lens)  # every row's slots in one gather
+        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), slots, kv_lens)
         # copies made here (inference mode), like every other tensor of the batch: a compiled
         # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor (and on its
         # strides: a caller's view of a wider table would compile a graph of its own)
         t = self._to_device(*host, _dense(out_cache_loc), table.to(torch.long),
                             kv_indices.to(torch.long))
         batch = ForwardBatch(
-            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=pos,
+            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
             cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
             conv_states=self.conv_states, ssm_states=self.ssm_states,
@@ -289,7 +307,7 @@ class ModelRunner:
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
-        host = host_long(ids, pos, _cumsum(extend_lens, 0), _cumsum(seq_lens, 0), slots)
+        host = host_long(ids, pos, prefix_sums(extend_lens), prefix_sums(seq_lens), slots)
         t = self._to_device(*host, _dense(out_cache_loc), kv_indices.to(torch.long),
                             table.to(torch.long), torch.tensor(ckpt_rows, dtype=torch.long).view(len(reqs), w - 1))
         batch = ForwardBatch(
@@ -304,27 +322,36 @@ class ModelRunner:
         run = self._run_compiled if self._compiled_for(batch) else self.model.forward_unchecked
         return run(batch)  # [T, V] (and [T, H])
 
+    @torch.inference_mode()
+    def forward_batch(self, batch: ForwardBatch) -> torch.Tensor:
+        """A decode batch a drafter built over its scratch slots (:func:`speculative.row_batch`: a
+        token per row, each with its own KV table and state slot; a draft model's trees) on this
+        runner's buffers, through the path of :meth:`forward_decode`'s PyTorch steps: the graphs
+        compiled at start-up with ``compile_decode``, else the eager ops (on a fused runner too: its
+        kernels read the request table's rows). ``[B, V]`` logits."""
+        if not batch.is_decode or batch.fused_decode or batch.return_hidden:
+            raise ValueError("forward_batch takes a decode batch of rows (speculative.row_batch), logits only")
+        return self._run_decode(batch)
+
     def _kv_table(self, reqs: list[Req], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [B, max(seq_lens)], kv_indices [sum(seq_lens)])``: every request's row of the
         request table in one gather, padded with slot 0, and the same slots packed."""
         return self.req_to_token.table([r.req_pool_idx for r in reqs], seq_lens)
 
     # --- the fused decode step (CUDA) ---------------------------------------------------------
-    def _forward_decode_fused(self, reqs: list[Req], out_cache_loc: torch.Tensor, input_ids: torch.Tensor | None = None,
-                              return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        pos = [r.kv_len for r in reqs]
-        slots = [r.state_slot for r in reqs]
+    def _decode_fused(self, ids: list[int] | None, pos: list[int], slots: list[int], rows: list[int],
+                      kv_lens: list[int], out_cache_loc: torch.Tensor, input_ids: torch.Tensor | None = None,
+                      return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
             check_slot_values(slots, self.conv_states[0].shape[0], "state_slots")
-        if input_ids is None:
-            ids = [_token_at(r, r.kv_len) for r in reqs]
+        if ids is not None:
             if max(ids) >= self.model.config.vocab_size:
                 raise ValueError(f"token id {max(ids)} is outside the vocabulary ({self.model.config.vocab_size})")
-        else:  # drawn from this model's logits: inside the vocabulary
-            ids = [0] * len(reqs)
-        columns = (ids, pos, slots, [r.req_pool_idx for r in reqs], [p + 1 for p in pos], out_cache_loc)
+        else:  # drawn from this model's logits (input_ids): inside the vocabulary
+            ids = [0] * len(rows)
+        columns = (ids, pos, slots, rows, kv_lens, out_cache_loc)
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
-        if self.graphs is not None and self.graphs.can_run(len(reqs)) and self._graphed(return_hidden):
+        if self.graphs is not None and self.graphs.can_run(len(rows)) and self._graphed(return_hidden):
             return _outputs(self.graphs.replay(columns, input_ids), return_hidden)
         host = host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
         dev = self._to_device(*host)
@@ -507,7 +534,7 @@ class ModelRunner:
                 is_decode=True, input_ids=torch.full((b,), 3, **long), positions=last, extend_lens=[1] * b,
                 prefix_lens=last.tolist(), cu_seqlens=torch.arange(b + 1, **long),
                 out_cache_loc=table[torch.arange(b, device=dev), last], kv_indices=table[table > 0],
-                kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k, v_buffers=v,
+                kv_indptr=torch.tensor(prefix_sums(lens), **long), k_buffers=k, v_buffers=v,
                 state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 kv_lens=torch.tensor(lens, **long),  # as forward_decode's: the mask is made in the graph
@@ -538,9 +565,9 @@ class ModelRunner:
             batch = ForwardBatch(
                 is_decode=False, input_ids=torch.full((sum(fed),), 3, **long),
                 positions=torch.tensor([p + j for p, n in zip(prefix, fed) for j in range(n)], **long),
-                extend_lens=fed, prefix_lens=prefix, cu_seqlens=torch.tensor(_cumsum(fed, 0), **long),
+                extend_lens=fed, prefix_lens=prefix, cu_seqlens=torch.tensor(prefix_sums(fed), **long),
                 out_cache_loc=torch.cat([table[i, p:p + n] for i, (p, n) in enumerate(zip(prefix, fed))]),
-                kv_indices=table[table > 0], kv_indptr=torch.tensor(_cumsum(lens, 0), **long), k_buffers=k,
+                kv_indices=table[table > 0], kv_indptr=torch.tensor(prefix_sums(lens), **long), k_buffers=k,
                 v_buffers=v, state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
                 chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt, return_hidden=self.return_hidden,
@@ -717,12 +744,11 @@ def _dense(out_cache_loc: torch.Tensor) -> torch.Tensor:
     return out_cache_loc.to(torch.long, copy=True, memory_format=torch.contiguous_format)
 
 
-def _cumsum(values, start: int | None = None) -> list[int]:
-    out = [] if start is None else [start]
-    total = 0
+def prefix_sums(values) -> list[int]:
+    """``[0, v0, v0 + v1, ...]``: each sequence's offset into packed tokens, and the total."""
+    out = [0]
     for v in values:
-        total += v
-        out.append(total)
+        out.append(out[-1] + v)
     return out
 
 

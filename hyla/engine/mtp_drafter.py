@@ -54,11 +54,10 @@ from __future__ import annotations
 
 import torch
 
-from hyla.cache.transfer import to_device_packed
-from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step, host_long,
-                                      log_late_compile, warm_up_config)
+from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step,
+                                      log_late_compile, prefix_sums, warm_up_config)
 from hyla.engine.request import Req
-from hyla.engine.speculative import Drafter, drafter_batch, prefix_sums
+from hyla.engine.speculative import Drafter, drafter_batch, row_batch
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.mtp import MtpHead
 
@@ -120,7 +119,7 @@ class MtpDrafter(Drafter):
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()  # as the model's forwards (and the graphs compiled for the head: they guard on it)
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
-                hidden: torch.Tensor | None) -> None:
+                hidden: torch.Tensor | None, chain_rows: list[list[int]] | None = None) -> None:
         """``reqs[i]`` fed ``lens[i]`` tokens after its ``kv_len`` (not committed yet), whose final
         hidden states are ``hidden [sum(lens), H]``; the forward wrote the recurrent states of the
         requests' slots and of the checkpoint slots ``ckpts``. Writes the MTP entries of the fed
@@ -208,26 +207,15 @@ class MtpDrafter(Drafter):
               buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardBatch:
         """A decode batch over the MTP layer's KV buffer (``buffers``: others, for the warm-up): row
         ``r`` is the pair ``ids[r]`` at RoPE position ``pos[r]``, its K/V written at slot ``loc[r]``,
-        attending to the pairs at the first ``kv_lens[r]`` slots of ``tables[r]`` (its own last).
-        Built on the host, moved in one transfer, as ``ModelRunner.forward_decode``'s."""
-        b, width = len(ids), max(kv_lens)
-        table = torch.zeros(b, width, dtype=torch.long)
-        for r, (t, k) in enumerate(zip(tables, kv_lens)):
-            table[r, :k] = t[:k]
-        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc, [-1] * b)  # -1: no state slot
-        t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], self.device)
+        attending to the pairs at the first ``kv_lens[r]`` slots of ``tables[r]`` (its own last)
+        (:func:`row_batch`)."""
         kb, vb = buffers if buffers is not None else (self.k_buffer, self.v_buffer)
-        return ForwardBatch(
-            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
-            cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7], kv_indptr=t[3], k_buffers=[kb], v_buffers=[vb],
-            state_slots=t[6], conv_states=[], ssm_states=[],
-            state_slot_list=[-1] * b, max_token_id=max(ids), kv_table=t[8], kv_lens=t[4],
-        )
+        return row_batch(ids, pos, loc, tables, kv_lens, self.device, [kb], [vb])
 
     def _batch(self, ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
                loc: list[torch.Tensor], kv: list[torch.Tensor]) -> ForwardBatch:
         """An extend batch over the MTP layer's KV buffer only (a prefill's pairs): sequence ``i``
         writes ``extend_lens[i]`` pairs at slots ``loc[i]`` after ``prefix_lens[i]`` earlier pairs;
         ``kv[i]`` are all its pairs' slots."""
-        return drafter_batch(ids, pos, prefix_lens, extend_lens, loc, kv, False, self.device,
-                             [self.k_buffer], [self.v_buffer])
+        return drafter_batch(ids, pos, prefix_lens, extend_lens, loc, kv, self.device, [self.k_buffer],
+                             [self.v_buffer])

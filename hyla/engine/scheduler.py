@@ -182,6 +182,7 @@ class Scheduler:
         schedule's, not yet appended to the requests)."""
         loc = torch.cat(batch.out_cache_loc) if len(batch.out_cache_loc) > 1 else batch.out_cache_loc[0]
         extra = {"return_hidden": True} if self.drafter is not None and self.drafter.wants_hidden else {}
+        chain_rows = None
         try:
             if batch.verify and max(batch.lens) > 1:
                 trees = [r.fed_parents() for r in batch.reqs] \
@@ -193,8 +194,8 @@ class Scheduler:
                 ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
                          for j in range(min(n, width - 1) if chains else n - 1)]
                 if chains:  # the compiled verify: every request padded to ``width`` inside the recurrent ops
-                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, [s[:width - 1] for s in batch.scratch],
-                                                     **extra)
+                    chain_rows = [s[:width - 1] for s in batch.scratch]
+                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, chain_rows, **extra)
                     batch.chain_width = width
                 else:
                     out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,
@@ -212,7 +213,7 @@ class Scheduler:
             if self.drafter is None:
                 return out
             logits, hidden = out if extra else (out, None)  # [N, V], [sum(lens), H]
-            self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden)  # before the commit: see Drafter
+            self.drafter.observe(batch.reqs, batch.lens, ckpts, hidden, chain_rows)  # before the commit: see Drafter
             return logits
         except Exception:
             for r in batch.reqs:

@@ -51,7 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hyla.cache.transfer import to_device_packed
 from hyla.engine.grammar import TokenMask, apply_token_mask
+from hyla.engine.model_runner import host_long, prefix_sums
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, raw_distribution, target_probs, top_logprobs, uniform
 from hyla.model.forward_batch import ForwardBatch
@@ -98,7 +100,7 @@ class Drafter:
         return [self.propose_tree(r, limit) for r, limit in zip(reqs, limits)]
 
     def observe(self, reqs: list[Req], lens: list[int], ckpts: list[tuple[int, int, int]],
-                hidden: torch.Tensor | None) -> None:
+                hidden: torch.Tensor | None, chain_rows: list[list[int]] | None = None) -> None:
         """Called after every target forward, before its commit: ``reqs[i]`` fed ``lens[i]`` tokens
         after its ``kv_len`` (drafts included), the forward wrote state checkpoints ``ckpts``
         (``(batch index, tokens of this step consumed, state slot)``), ``hidden [sum(lens), H]`` are
@@ -106,7 +108,8 @@ class Drafter:
         data per state slot in step with the target's states (a draft model's own states, the MTP's
         hidden states) writes it for the requests' slots and ``ckpts``: every slot whose state the
         commit may take (in a verify step of padded chains, ``ModelRunner.forward_chains``, also a
-        short chain's last fed token's, in a scratch slot). Nothing by default."""
+        short chain's last fed token's, in a scratch slot). ``chain_rows``: the step ran as padded
+        chains with these checkpoint rows (a draft model may run its own so). Nothing by default."""
 
     def verified(self, reqs: list[Req], verdicts: list[Verdict]) -> None:
         """Called after every verify step's acceptance, before anything is appended or committed:
@@ -116,34 +119,48 @@ class Drafter:
 
 
 def drafter_batch(ids: list[int], pos: list[int], prefix_lens: list[int], extend_lens: list[int],
-                  loc: list[torch.Tensor], kv: list[torch.Tensor], is_decode: bool, device: torch.device,
-                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], state_slots: list[int] | None = None,
-                  conv_states: list[torch.Tensor] = (), ssm_states: list[torch.Tensor] = ()) -> ForwardBatch:
-    """A ``ForwardBatch`` over explicit slots, for a drafter's own forwards (its scratch KV and state
-    slots, never a request's row): sequence ``i`` feeds ``extend_lens[i]`` tokens (``ids``, at
-    positions ``pos``, packed) whose K/V go to slots ``loc[i]``, after ``prefix_lens[i]`` earlier
-    tokens; ``kv[i]`` are all its KV slots in order (``[prefix + extend]``); ``state_slots[i]`` its
-    recurrent state slot, updated in place (None: no state, ``-1``). The buffers are the drafter's."""
-    long = dict(dtype=torch.long)
-    host = [torch.tensor(ids, **long), torch.tensor(pos, **long), torch.tensor(prefix_sums(extend_lens), **long),
-            torch.tensor(prefix_sums([k.numel() for k in kv]), **long), torch.cat(loc).to(torch.long),
-            torch.cat(kv).to(torch.long),
-            torch.tensor(state_slots if state_slots is not None else [-1] * len(extend_lens), **long)]
-    t = [x.to(device) for x in host]
+                  loc: list[torch.Tensor], kv: list[torch.Tensor], device: torch.device,
+                  k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor]) -> ForwardBatch:
+    """An extend ``ForwardBatch`` over explicit KV slots and no recurrent state, for a drafter's
+    forward over many tokens of a sequence (the MTP head's over a prompt's pairs): sequence ``i``
+    feeds ``extend_lens[i]`` tokens (``ids``, at positions ``pos``, packed) whose K/V go to slots
+    ``loc[i]``, after ``prefix_lens[i]`` earlier tokens; ``kv[i]`` are all its KV slots in order
+    (``[prefix + extend]``). The buffers are the drafter's. Moved in one transfer."""
+    n = len(extend_lens)
+    host = host_long(ids, pos, prefix_sums(extend_lens), prefix_sums(k.numel() for k in kv), [-1] * n)
+    t = to_device_packed(host + [torch.cat(loc).to(torch.long), torch.cat(kv).to(torch.long)], device)
     return ForwardBatch(
-        is_decode=is_decode, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
-        prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[4], kv_indices=t[5], kv_indptr=t[3],
-        k_buffers=k_buffers, v_buffers=v_buffers, state_slots=t[6], conv_states=conv_states, ssm_states=ssm_states,
-        state_slot_list=state_slots, max_token_id=max(ids),
+        is_decode=False, input_ids=t[0], positions=t[1], extend_lens=list(extend_lens),
+        prefix_lens=list(prefix_lens), cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[6], kv_indptr=t[3],
+        k_buffers=k_buffers, v_buffers=v_buffers, state_slots=t[4], conv_states=[], ssm_states=[],
+        state_slot_list=[-1] * n, max_token_id=max(ids),
     )
 
 
-def prefix_sums(values: list[int]) -> list[int]:
-    """``[0, v0, v0 + v1, ...]``: each sequence's offset into packed tokens, and the total."""
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+def row_batch(ids: list[int], pos: list[int], loc: list[int], tables: list[torch.Tensor], kv_lens: list[int],
+              device: torch.device, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+              state_slots: list[int] | None = None, conv_states: list[torch.Tensor] = (),
+              ssm_states: list[torch.Tensor] = ()) -> ForwardBatch:
+    """A decode ``ForwardBatch`` of one token per row over explicit slots, for a drafter's steps (its
+    scratch KV and state slots, never a request's row): row ``r`` feeds ``ids[r]`` at position
+    ``pos[r]``, its K/V written at slot ``loc[r]``, attending to the first ``kv_lens[r]`` slots of
+    ``tables[r]`` (its own last), its recurrent state in slot ``state_slots[r]``, updated in place
+    (None: no state, ``-1``). Laid out as ``ModelRunner.forward_decode``'s (a ``[B, max(kv_lens)]``
+    KV table padded with slot 0, moved in one transfer), so its shapes are the row count and the
+    longest KV length only, and the graphs compiled for decode steps serve it."""
+    b, width = len(ids), max(kv_lens)
+    table = torch.zeros(b, width, dtype=torch.long)
+    for r, (t, k) in enumerate(zip(tables, kv_lens)):
+        table[r, :k] = t[:k]
+    slots = list(state_slots) if state_slots is not None else [-1] * b
+    host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc, slots)
+    t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], device)
+    return ForwardBatch(
+        is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
+        cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7], kv_indptr=t[3], k_buffers=k_buffers,
+        v_buffers=v_buffers, state_slots=t[6], conv_states=conv_states, ssm_states=ssm_states,
+        state_slot_list=slots, max_token_id=max(ids), kv_table=t[8], kv_lens=t[4],
+    )
 
 
 class NgramDrafter(Drafter):
