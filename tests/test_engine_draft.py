@@ -108,18 +108,17 @@ def _draft_model_continuations(draft, contexts: list[tuple[int, ...]], k: int,
 
 @pytest.mark.parametrize("draft, opts", [
     ("nemotron_h_small_path", POOLS),
-    ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
-                                   chunked_prefill_size=64)),  # retraction
     ("nemotron_h_small_path", dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6,
                                    chunked_prefill_size=128, page_size=16)),
     ("lfm2_path", POOLS),  # short convolutions: a conv window and no SSM state per slot
 ])
 def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path, draft, opts, request):
     """A small NemotronH (or an LFM2) drafting for Qwen3-Next — another architecture: Mamba2 states
-    beside Gated DeltaNet ones, KV of another shape: after prefix-cache hits, chunked prefills,
-    partly accepted verify steps, retraction and re-admission, every proposal is exactly what the
-    draft model alone continues the request's tokens with — its KV and state followed every commit
-    and rollback."""
+    beside Gated DeltaNet ones, KV of another shape: after prefix-cache hits, chunked prefills and
+    partly accepted verify steps, every proposal is exactly what the draft model alone continues the
+    request's tokens with — its KV and state followed every commit and rollback. (Under retraction
+    and re-admission: ``test_draft_chains_verify_as_padded_chains_in_step_with_the_draft``, the same
+    draft and workload, the model's verify steps as padded chains.)"""
     draft = request.getfixturevalue(draft)
     compared, stats, drafts = _run_differential(qwen3_next_dense_path, draft, opts, seed=2)
     assert compared > 60
