@@ -250,13 +250,13 @@ class DraftModelDrafter(Drafter):
                     [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed], kv_lens,
                     self.device, runner.k_buffers, runner.v_buffers, states, runner.conv_states, runner.ssm_states))
             logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
-            top, ids = logp.topk(max(widths[i] for i in live), dim=-1)
-            top, ids = top.tolist(), ids.tolist()
+            top, best = logp.topk(max(widths[i] for i in live), dim=-1)
+            top, best = top.tolist(), best.tolist()
             children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
             for row, (i, b) in enumerate(fed):
                 for c in range(widths[i]):
                     children[i].append((len(nodes[i]), beams[i].index(b)))
-                    nodes[i].append(_Node(ids[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
+                    nodes[i].append(_Node(best[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
             if j + 1 < self.num_steps:
                 copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
                 if copies:
