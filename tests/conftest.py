@@ -75,8 +75,71 @@ def _list_interpreter_builtins_once() -> None:
     interpreter._patch_builtin = _patch_builtin
 
 
+def _patch_language_once_per_launch() -> None:
+    """Two more costs of Triton's interpreter that change nothing it computes (py-spy, an
+    interpreted verify test). A call of a ``@triton.jit`` helper from inside a kernel patches the
+    ``triton.language`` modules its globals name again (``InterpretedFunction.__call__`` ->
+    ``_patch_lang``), though the launch around it has patched them already: 9% of the test. Inside
+    a launch such a call now patches only modules the launch has not patched yet (a helper of
+    ``triton.language`` itself names ``triton.language.core``; like the original, that patch stays
+    until the next launch's). ``_get_np_dtype`` builds a dict of 15 dtypes on every call (7%): now
+    cached per (hashable) dtype. A Triton without those functions is left alone."""
+    import functools
+    import inspect
+
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch_lang, np_dtype = getattr(interpreter, "_patch_lang", None), getattr(interpreter, "_get_np_dtype", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    if patch_lang is None or np_dtype is None or executor is None or getattr(patch_lang, "once_per_launch", False):
+        return
+    launches: list[set[int]] = []  # per launch running: the modules patched in it
+    langs_of: dict = {}  # function -> the triton.language modules its globals name (what _patch_lang patches)
+
+    class _Patched:
+        def restore(self) -> None:
+            pass
+
+    def _patch_lang(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
+        if launches and langs <= launches[-1]:
+            return _Patched()
+        if launches:
+            launches[-1].update(langs)
+        return patch_lang(fn)
+
+    launch = executor.__call__
+
+    def _launch(self, *args, **kwargs):
+        launches.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    _patch_lang.once_per_launch = True
+    interpreter._patch_lang = _patch_lang
+    executor.__call__ = _launch
+    cached = functools.lru_cache(maxsize=None)(np_dtype)
+
+    def _get_np_dtype(tt_dtype):
+        try:
+            return cached(tt_dtype)
+        except TypeError:  # an unhashable type (pointers): as before
+            return np_dtype(tt_dtype)
+
+    interpreter._get_np_dtype = _get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _list_interpreter_builtins_once()
+    _patch_language_once_per_launch()
 
 import checkpoints  # noqa: E402  (needs the path above)
 
