@@ -46,6 +46,11 @@ every request to ``W`` tokens, so a verify step's shapes depend on the batch siz
 count only, and its variants (batch 1, larger batches) are compiled at construction too.
 ``return_hidden=True`` (MTP speculation) makes every graph, compiled or CUDA, of decode and verify
 steps return the final hidden states beside the logits (what the MTP head reads).
+
+A draft model's runner (``speculative_algorithm="draft"``) is built the same way over the pools'
+companion buffers; its drafting steps are decode steps over explicit columns on the requests' own
+rows (:meth:`forward_decode_rows`), so every path above serves them, or, for a tree's beams, decode
+batches over KV tables of their own (:meth:`forward_batch`: the eager ops or the compiled graphs).
 """
 
 from __future__ import annotations
