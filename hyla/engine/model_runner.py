@@ -260,23 +260,11 @@ class ModelRunner:
         """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs."""
         if self.fused:
             return self._decode_fused(ids, pos, slots, rows, kv_lens, out_cache_loc, input_ids, return_hidden)
-        b = len(rows)
         if ids is None:
             ids = input_ids.tolist()
         table, kv_indices = self.req_to_token.table(rows, kv_lens)  # every row's slots in one gather
-        host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), slots, kv_lens)
-        # copies made here (inference mode), like every other tensor of the batch: a compiled
-        # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor (and on its
-        # strides: a caller's view of a wider table would compile a graph of its own)
-        t = self._to_device(*host, _dense(out_cache_loc), table.to(torch.long),
-                            kv_indices.to(torch.long))
-        batch = ForwardBatch(
-            is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
-            cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3],
-            k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
-            conv_states=self.conv_states, ssm_states=self.ssm_states,
-            state_slot_list=slots, max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
-        )
+        batch = decode_batch(ids, pos, slots, kv_lens, out_cache_loc, table, kv_indices, self.device,
+                             self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states, return_hidden)
         return self._run_decode(batch)  # [B, V] (and [B, H])
 
     @torch.inference_mode()
@@ -741,6 +729,30 @@ def _outputs(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
 def _rows(out: torch.Tensor | tuple[torch.Tensor, ...], index: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Rows ``index`` of a step's output, or of each of its outputs."""
     return tuple(t.index_select(0, index) for t in out) if isinstance(out, tuple) else out.index_select(0, index)
+
+
+def decode_batch(ids: list[int], pos: list[int], slots: list[int], kv_lens: list[int], out_cache_loc: torch.Tensor,
+                 table: torch.Tensor, kv_indices: torch.Tensor, device: torch.device, k_buffers: list[torch.Tensor],
+                 v_buffers: list[torch.Tensor], conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor],
+                 return_hidden: bool = False) -> ForwardBatch:
+    """A PyTorch decode step's batch: row ``b`` feeds ``ids[b]`` at ``pos[b]`` from and into state
+    slot ``slots[b]`` (-1: none), its K/V written at ``out_cache_loc[b]``, attending to the first
+    ``kv_lens[b]`` slots of ``table [B, max(kv_lens)]`` (padded with slot 0; ``kv_indices``: the same
+    slots packed). Built on the host, moved in one transfer; its shapes are the row count and the
+    longest KV length only, so the graphs ``compile_decode`` compiled serve it
+    (:meth:`ModelRunner.forward_decode`, a drafter's rows: ``speculative.row_batch``)."""
+    b = len(ids)
+    host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), slots, kv_lens)
+    # copies made here (inference mode), like every other tensor of the batch: a compiled
+    # graph guards on that, and the scheduler's out_cache_loc is an ordinary tensor (and on its
+    # strides: a caller's view of a wider table would compile a graph of its own)
+    t = to_device_packed([*host, _dense(out_cache_loc), table.to(torch.long), kv_indices.to(torch.long)], device)
+    return ForwardBatch(
+        is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
+        cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3], k_buffers=k_buffers,
+        v_buffers=v_buffers, state_slots=t[4], conv_states=conv_states, ssm_states=ssm_states,
+        state_slot_list=list(slots), max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
+    )
 
 
 def _dense(out_cache_loc: torch.Tensor) -> torch.Tensor:

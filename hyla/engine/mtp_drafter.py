@@ -104,9 +104,9 @@ class MtpDrafter(Drafter):
                 self._compiled(batch, torch.zeros(len(lens), h, dtype=self.hidden_states.dtype, device=self.device))
 
     def _hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        """The head up to its LM head, ``g [T, H]``: through the compiled graphs for a batch of
-        rows (:meth:`_rows`) when compiled, else eager."""
-        if self._compiled is None or not batch.is_decode:
+        """The head up to its LM head over a batch of rows (:meth:`_rows`), ``g [T, H]``: through
+        the compiled graphs when compiled, else eager."""
+        if self._compiled is None:
             return self.head.hidden_states(batch, hidden)
         g, reason = call_compiled(self._compiled, self.head.hidden_states, batch, hidden)
         if reason is not None:

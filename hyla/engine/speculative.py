@@ -53,7 +53,7 @@ import torch
 
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.grammar import TokenMask, apply_token_mask
-from hyla.engine.model_runner import host_long, prefix_sums
+from hyla.engine.model_runner import decode_batch, host_long, prefix_sums
 from hyla.engine.request import Req
 from hyla.engine.sampler import apply_penalties, draw, raw_distribution, target_probs, top_logprobs, uniform
 from hyla.model.forward_batch import ForwardBatch
@@ -145,22 +145,16 @@ def row_batch(ids: list[int], pos: list[int], loc: list[int], tables: list[torch
     scratch KV and state slots, never a request's row): row ``r`` feeds ``ids[r]`` at position
     ``pos[r]``, its K/V written at slot ``loc[r]``, attending to the first ``kv_lens[r]`` slots of
     ``tables[r]`` (its own last), its recurrent state in slot ``state_slots[r]``, updated in place
-    (None: no state, ``-1``). Laid out as ``ModelRunner.forward_decode``'s (a ``[B, max(kv_lens)]``
-    KV table padded with slot 0, moved in one transfer), so its shapes are the row count and the
-    longest KV length only, and the graphs compiled for decode steps serve it."""
+    (None: no state, ``-1``). A decode step's batch (``model_runner.decode_batch``), so the graphs
+    compiled for decode steps serve it."""
     b, width = len(ids), max(kv_lens)
     table = torch.zeros(b, width, dtype=torch.long)
     for r, (t, k) in enumerate(zip(tables, kv_lens)):
         table[r, :k] = t[:k]
-    slots = list(state_slots) if state_slots is not None else [-1] * b
-    host = host_long(ids, pos, range(b + 1), prefix_sums(kv_lens), kv_lens, loc, slots)
-    t = to_device_packed(host + [table[torch.arange(width) < host[4][:, None]], table], device)
-    return ForwardBatch(
-        is_decode=True, input_ids=t[0], positions=t[1], extend_lens=[1] * b, prefix_lens=[k - 1 for k in kv_lens],
-        cu_seqlens=t[2], out_cache_loc=t[5], kv_indices=t[7], kv_indptr=t[3], k_buffers=k_buffers,
-        v_buffers=v_buffers, state_slots=t[6], conv_states=conv_states, ssm_states=ssm_states,
-        state_slot_list=slots, max_token_id=max(ids), kv_table=t[8], kv_lens=t[4],
-    )
+    kv_indices = table[torch.arange(width) < torch.tensor(kv_lens)[:, None]]
+    return decode_batch(ids, pos, state_slots if state_slots is not None else [-1] * b, kv_lens,
+                        torch.tensor(loc, dtype=torch.long), table, kv_indices, device, k_buffers, v_buffers,
+                        list(conv_states), list(ssm_states))
 
 
 class NgramDrafter(Drafter):
