@@ -24,6 +24,12 @@ expert in place of each MLP; without a GPU at the tiny model's widths): a step o
 ``layers.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs runs its experts gathered, a larger one
 grouped (``ops/gpu/moe.py``); each batch size writes its own section.
 
+``--mtp``: the MTP head's launches instead (``speculative_algorithm="mtp"``, 3 draft steps, on the
+model with a random MTP head added): one draft of 3 steps and one pass over a verify step's pairs,
+at batch ``--batch``, through the fused kernels (``MtpDrafter(fused=True)``: what a GPU replays from
+one CUDA graph each) beside the head's PyTorch rows (``fused=False``: what a GPU launched one by one
+before 2026-11-30). Written to the section "GPU decode: kernels per MTP draft".
+
 ``--extend NEW``: the model forward of an extend step instead — a prompt of ``P`` cached tokens
 (sent before with a checkpoint there) and ``NEW`` new ones with its end − 1 checkpoint, the
 cached-TTFT case of ``gpu_decode.py`` (which has ``NEW`` = 296; above ``SHORT_EXTEND`` = 8 tokens
@@ -193,6 +199,73 @@ def decode_counts(engine, runner, count, batch: int, w: int) -> collections.Coun
     return count(lambda: step(captured[-1]))
 
 
+def mtp_counts(engine, count, batch: int) -> dict[str, collections.Counter]:
+    """The MTP head's launches per draft (its ``num_draft`` steps for ``batch`` requests) and per pass
+    over a verify step's pairs, as ``count`` sees them, for its fused rows and its PyTorch rows:
+    ``{"<rows> draft": ..., "<rows> pairs": ...}``. The first of each in a short greedy run (a
+    prompt's pass over its pairs, where the verify step's is counted, is told apart by its empty
+    prefix); on a GPU the run before warms the kernels up."""
+    from hyla.engine.mtp_drafter import MtpDrafter
+
+    old, counts = engine.scheduler.drafter, {}
+    scratch = [s for row in old.scratch for s in row]
+    for name, fused in (("PyTorch", False), ("fused", True)):
+        drafter = MtpDrafter(engine.mtp_head, engine.kv_pool, engine.state_pool, engine.req_to_token, scratch,
+                             old.num_draft, fused=fused)
+        engine.scheduler.drafter = drafter
+        propose, observe, box = drafter.propose_batch, drafter.observe, {}
+
+        def counted_propose(reqs, limits, _real=propose, _box=box, _name=name):
+            if f"{_name} draft" in _box or not _box.get("warm", not GPU):
+                return _real(reqs, limits)
+            out = []
+            _box[f"{_name} draft"] = count(lambda: out.append(_real(reqs, limits)))
+            return out[0]
+
+        def counted_observe(reqs, lens, *a, _real=observe, _box=box, _name=name, **k):
+            verify = min(r.kv_len for r in reqs) > 0 and max(lens) > 1
+            if not verify or f"{_name} pairs" in _box or not _box.get("warm", not GPU):
+                return _real(reqs, lens, *a, **k)
+            _box[f"{_name} pairs"] = count(lambda: _real(reqs, lens, *a, **k))
+
+        drafter.propose_batch, drafter.observe = counted_propose, counted_observe
+        for _ in range(2 if GPU else 1):
+            engine.generate(input_ids=[[5 + i, 6, 7, 8] for i in range(batch)],
+                            sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+            box["warm"] = True
+        missing = {f"{name} draft", f"{name} pairs"} - box.keys()
+        if missing:
+            raise RuntimeError(f"the run made no {sorted(missing)}: nothing was drafted or verified")
+        counts.update((key, box[key]) for key in (f"{name} draft", f"{name} pairs"))
+    engine.scheduler.drafter = old
+    return counts
+
+
+def mtp_section(args, counts: dict[str, collections.Counter]) -> str:
+    """The ``--mtp`` report: each count's total, GEMMs and host reads, and the kernels side by side."""
+    for c in counts.values():
+        c.setdefault("host read", 0)
+    reads = {k: c.pop("host read") for k, c in counts.items()}
+    total = {k: sum(c.values()) for k, c in counts.items()}
+    how = ("CUDA kernels recorded by torch.profiler, eager (no graph)" if GPU else
+           "the CUDA code path on CPU tensors (Triton interpreted): ATen ops that compute + Triton launches")
+    summary = "; ".join(f"{k}: **{total[k]} kernels**, {_gemms(counts[k])} GEMMs, {reads[k]} host reads"
+                        for k in counts)
+    keys = list(counts)
+    names = sorted(set().union(*counts.values()), key=lambda n: tuple(-counts[k].get(n, 0) for k in keys) + (n,))
+    body = (f"`.venv/bin/python benchmarks/decode_kernels.py --mtp --batch {args.batch} --dtype {args.dtype}` — "
+            f"{machine()}; {how}.\n\n"
+            f"The MTP head (`speculative_algorithm=\"mtp\"`, 3 draft steps; a random head on the GPU decode "
+            f"benchmark's model, vocabulary cut to 4,096{'; the tiny model widths, which change no count' if not GPU else ''}) at batch {args.batch}, {args.dtype}: one draft of 3 steps "
+            f"and one pass over a verify step's pairs, through its PyTorch rows (`MtpDrafter(fused=False)`: "
+            f"what a GPU launched one by one until 2026-11-30) and through the fused kernels (`fused=True`: on "
+            f"a GPU, one CUDA graph replay each, `cuda_graph.CudaGraphMtp`). {summary}.\n\n")
+    body += "| kernels | " + " | ".join(keys) + " |\n" + "|---" * (len(keys) + 1) + "|\n"
+    body += "\n".join(f"| `{n}` | " + " | ".join(str(counts[k].get(n, 0)) for k in keys) + " |" for n in names)
+    body += "\n| **total** | " + " | ".join(f"**{total[k]}**" for k in keys) + " |\n"
+    return body
+
+
 def extend_counts(engine, runner, count, prefix: int, new: int) -> collections.Counter:
     """The model forward of one extend step: a prompt whose first ``prefix`` tokens are cached (sent
     before with another tail and a checkpoint there: ``gpu_decode.py``'s cached TTFT) and ``new``
@@ -243,6 +316,8 @@ def main() -> None:
     ap.add_argument("--moe", action="store_true", help="the model with MoE layers of gpu_decode.py --moe (64 "
                     "experts, top-8; without a GPU at the tiny widths): its experts gathered up to "
                     "layers.GATHER_MAX_ASSIGNMENTS (token, expert) pairs, grouped above")
+    ap.add_argument("--mtp", action="store_true", help="the MTP head's launches per draft and per verify pass "
+                    "(fused rows against PyTorch rows); its own section")
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -250,7 +325,7 @@ def main() -> None:
     device = "cuda" if GPU else "cpu"
     kw = dict(gpu_decode.FULL, vocab_size=4096)
     w, new = args.verify, args.extend
-    narrowed = (new or args.moe) and not GPU
+    narrowed = (new or args.moe or args.mtp) and not GPU
     if narrowed:  # the benchmark model's 24 layers at the tiny model's widths: the same launches,
         # and the interpreted kernels' time (which grows with tokens x heads) cut ~20x
         kw.update({key: value for key, value in gpu_decode.TINY.items() if key not in ("num_hidden_layers", "layer_types")},
@@ -265,11 +340,18 @@ def main() -> None:
 
     path = Path(tempfile.mkdtemp())
     gpu_decode.build(path, kw, device, dtype, moe)
+    spec = {}
+    if args.mtp:  # a random MTP head, and the engine drafting from it (3 steps: chains of 4)
+        sys.path.insert(0, str(ROOT / "tests"))
+        import checkpoints
+
+        checkpoints.add_mtp_tensors(path)
+        w, spec = 4, dict(speculative_algorithm="mtp", speculative_num_steps=3)
     engine = Engine(path, device=device, dtype=args.dtype, max_running_requests=max(args.batch, 2),
                     max_state_slots=(max(w, 1) + 3) * args.batch + 8,
-                    max_total_tokens=64 * args.batch + 512 + 2 * (args.prefix + new + 8))
+                    max_total_tokens=64 * args.batch + 512 + 2 * (args.prefix + new + 8), **spec)
     runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
-                         cuda_graph=False, fused_decode=True, verify_width=w or None)
+                         cuda_graph=False, fused_decode=True, verify_width=w or None, return_hidden=args.mtp)
     engine.scheduler.runner = runner
     on_gpu = layers._on_gpu
     if not GPU:
@@ -278,6 +360,12 @@ def main() -> None:
         stand_in_fla()
     count = count_gpu if GPU else count_cpu
     try:
+        if args.mtp:
+            body = mtp_section(args, mtp_counts(engine, count, args.batch))
+            print(body)
+            if not args.no_write:
+                write_section("GPU decode: kernels per MTP draft", body)
+            return
         if new:
             counts = extend_counts(engine, runner, count, args.prefix, new)
         else:

@@ -635,15 +635,66 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
-def _count_replays(graphs, replays: dict) -> None:
-    """Count ``graphs.replay`` calls in ``replays["n"]``."""
-    real = graphs.replay
+def _count_replays(graphs, replays: dict, method: str = "replay") -> None:
+    """Count ``graphs.replay`` calls in ``replays["n"]`` (another ``method``: in ``replays[method]``)."""
+    real, key = getattr(graphs, method), "n" if method == "replay" else method
 
     def counted(*args, **kwargs):
-        replays["n"] += 1
+        replays[key] = replays.get(key, 0) + 1
         return real(*args, **kwargs)
 
-    graphs.replay = counted
+    setattr(graphs, method, counted)
+
+
+class _EmulatedGraph:
+    """A CUDA graph's contract on the CPU: ``replay`` runs the captured function again and writes
+    its outputs into the tensors the capture returned (what a replay does to the graph's memory)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        new = self.fn()
+        for dst, src in zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (self.out, new))):
+            dst.copy_(src)
+
+    def pool(self):
+        return None
+
+
+def _emulate_cuda_graphs(monkeypatch) -> None:
+    """Without a GPU, ``hyla.engine.cuda_graph``'s classes run on CPU tensors: captures become
+    :class:`_EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only). Their staging of inputs and
+    padding, their choice of graph and their outputs are then tested in CI, with the kernels
+    interpreted; what only CUDA can show (a host read inside a capture) is the GPU run's to find."""
+    from types import SimpleNamespace
+
+    from hyla.engine import cuda_graph
+
+    def capture(fn, stream, pool=None):  # (no warm-up runs: nothing to compile or autotune)
+        out = fn()
+        return _EmulatedGraph(fn, out), out
+
+    class Torch:  # torch, as the module sees it, with torch.cuda's streams and events as no-ops
+        cuda = SimpleNamespace(Stream=lambda *a, **k: None, synchronize=lambda *a, **k: None,
+                               Event=lambda *a, **k: SimpleNamespace(record=lambda: None, synchronize=lambda: None))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "torch", Torch())
+
+
+def _count_calls(obj, methods: tuple[str, ...]) -> dict[str, int]:
+    """Count calls of ``obj``'s ``methods`` (its own bound methods, wrapped): ``{method: calls}``."""
+    calls = dict.fromkeys(methods, 0)
+    for name in methods:
+        def counted(*args, _real=getattr(obj, name), _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+        setattr(obj, name, counted)
+    return calls
 
 
 @pytest.mark.gpu
@@ -723,19 +774,27 @@ def test_fused_draft_model_steps_follow_the_draft_model(qwen3_5_short_path, qwen
     assert not differ, f"{len(differ)} of {len(proposals)} proposals differ"
 
 
+ATTENTION_SCALE = 100  # the random MTP head's o_proj, scaled: test_fused_mtp_chains_return_the_hidden_states
+
+
 @pytest.mark.slow
 def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypatch):
     """MTP speculation (``speculative_algorithm="mtp"``) with its steps through the fused kernels: the
     decode steps and the verify steps of padded chains return the final hidden states the MTP reads
-    (``ModelRunner(return_hidden=True)``; on a GPU from the decode and verify CUDA graphs), so every
+    (``ModelRunner(return_hidden=True)``; on a GPU from the decode and verify CUDA graphs), and the
+    MTP head's own forwards run the fused kernels too (``MtpDrafter(fused=True)``: its draft steps on
+    the requests' rows, its pass over a verify step's pairs; on a GPU from its CUDA graphs), so every
     draft is the one the PyTorch path proposes, and the outputs are its outputs. fp32 on both sides;
     without a GPU the kernels run interpreted on the 2-layer variant (the MTP head, random, proposes
     drafts the model rejects: each verify step is a full chain, and a request near its end a short one)."""
+    from hyla.engine.cuda_graph import CudaGraphMtp
+    from hyla.engine.mtp_drafter import MtpDrafter
     from hyla.model.ops.gpu import gated_delta_decode
     from test_engine_mtp import _Recorder
 
     if not GPU:
         monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)  # test_fused_chain_verify_is_exact
+        _emulate_cuda_graphs(monkeypatch)
     path = request.getfixturevalue("qwen3_5_mtp_path" if GPU else "qwen3_5_short_mtp_path")
     opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=48, max_running_requests=8,
                 speculative_algorithm="mtp", speculative_num_steps=3)
@@ -746,21 +805,40 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
                 eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token,
                                                    eng.device, cuda_graph=False, fused_decode=fused,
                                                    verify_width=4 if fused else None, return_hidden=True)
-            runner = eng.scheduler.runner
-            assert runner.fused == fused and runner.verify_width == (4 if fused else None)
+                old = eng.scheduler.drafter
+                eng.scheduler.drafter = MtpDrafter(eng.mtp_head, eng.kv_pool, eng.state_pool, eng.req_to_token,
+                                                   [s for row in old.scratch for s in row], 3, fused=fused)
+                if fused:  # the head's graphs, emulated (_emulate_cuda_graphs): the drafts of two requests and
+                    # the pairs replay them, the draft of one (the lone second turn) runs the fused kernels eagerly
+                    graphs = eng.scheduler.drafter.graphs = CudaGraphMtp(eng.scheduler.drafter, 2)
+                    graphs.can_run = lambda batch_size: batch_size == 2
+            # the random head's attention output, scaled up on both sides, weighs in its argmax: drafts that
+            # read the wrong pairs (or the right ones at the wrong RoPE positions) then differ
+            with torch.no_grad():
+                eng.mtp_head.layer.mixer.o_proj.weight.mul_(ATTENTION_SCALE)
+            runner, drafter = eng.scheduler.runner, eng.scheduler.drafter
+            assert runner.fused == fused == drafter.fused and runner.verify_width == (4 if fused else None)
             if fused and GPU:
                 _count_replays(runner.verify_graphs, replays)
-            rec = _Recorder(eng.scheduler.drafter)
+            if fused:
+                for what in ("draft", "pairs"):  # the MTP head's graphs
+                    _count_replays(drafter.graphs, replays, what)
+            fused_calls = _count_calls(drafter, ("draft_steps", "pair_pass"))  # outside graphs
+            rec = _Recorder(drafter)
             wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
             out = _generate(eng, wave1)
-            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5}
-                                   for w, o in zip(wave1, out)])
+            # the second turns end 5 tokens apart: the last one drafts alone for a while (a batch of one)
+            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 5 * i}
+                                   for i, (w, o) in enumerate(zip(wave1, out))])
             eng.wait_idle()
             eng.check_integrity()
             assert eng.scheduler.num_verify_steps > 0
+            # outside graphs the fused head ran only the lone request's drafts, interpreted; on a GPU nothing
+            assert (fused_calls["draft_steps"] > 0) == (fused and not GPU) and fused_calls["pair_pass"] == 0
             outs.append(out)
             drafts.append(rec.drafts)
-    assert replays["n"] > 0 or not GPU
+
+    assert replays.get("draft", 0) > 0 and replays.get("pairs", 0) > 0 and (replays["n"] > 0 or not GPU)
     assert compare_outputs(outs[1], outs[0]) > 0.9 * sum(len(o["output_ids"]) for o in outs[0])
     assert drafts[0].keys() == drafts[1].keys() and sum(map(len, drafts[0].values())) > 20
     differ = [k for k in drafts[0] if drafts[0][k] != drafts[1][k]]

@@ -24,10 +24,14 @@ an agent's turn: ``ForwardBatch.fused_extend``), captured per token count on a l
 ``cuda_graph_max_extend_tokens`` and padded to the smallest that fits; its static inputs
 (:class:`ExtendInputs`) are one int64 buffer moved in one transfer, and it shares the decode
 graphs' memory pool too.
+
+:class:`CudaGraphMtp` captures the MTP head's forwards (its drafts of ``num_draft`` steps, and its
+pass over a verify step's pairs), in a memory pool of their own.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import TYPE_CHECKING, Sequence
 
@@ -53,6 +57,13 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     if max_bs < 1:
         raise ValueError(f"cuda_graph_max_bs must be >= 1, got {max_bs}")
     return sorted({bs for bs in BATCH_SIZES if bs < max_bs} | {max_bs})
+
+
+def host_buffer(*shape: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int64 host buffer for a graph's inputs: pinned for ``device`` on CUDA (a copy from it is
+    asynchronous)."""
+    t = torch.zeros(*shape, dtype=torch.long)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def capture(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -261,3 +272,122 @@ class CudaGraphExtend:
         it) -> its last real token's logits ``[1, V]`` (a view: read it before the next step)."""
         self.graphs[bucket].replay()
         return self.outputs[bucket]
+
+
+# --- the MTP head --------------------------------------------------------------------------------
+
+
+class CudaGraphMtp:
+    """The MTP head's forwards on a fused runner (``MtpDrafter`` with ``fused``), captured in CUDA
+    graphs that share no memory with the model's (a draft runs between the model's steps):
+
+    * **a draft** per batch size of :func:`capture_batch_sizes` ``(max_bs)``: the whole loop of
+      ``num_draft`` steps (``MtpDrafter.draft_steps``), each step's tokens the argmax of the step
+      before, on the device. Static inputs: each step's positions, request rows, KV lengths and KV
+      slots ``[num_draft, 4, bs]`` and the first tokens ``[bs]`` in one int64 buffer, moved in one
+      transfer; the first hidden states gathered from the state slots on the device. Output: the
+      drafts ``[num_draft, bs]``. A draft of fewer steps pads the rest (its outputs are dropped).
+    * **a pass over a verify step's pairs** (``MtpDrafter.pair_pass``, K/V writes) per row count
+      ``bs * W`` (``W = num_draft + 1`` pairs per request at most), for the batch sizes up to
+      :data:`VERIFY_GRAPH_MAX_BS`: tokens, positions, request rows, KV lengths, KV slots ``[5, rows]``
+      and the pairs' hidden states ``[rows, H]``.
+
+    Padding rows are the sentinels: the spare request row, KV length 1, KV slot 0."""
+
+    def __init__(self, drafter, max_bs: int):
+        self.drafter = drafter
+        self.steps = drafter.num_draft
+        self.width = drafter.num_draft + 1
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.row_counts = [bs * self.width for bs in self.batch_sizes if bs <= VERIFY_GRAPH_MAX_BS]
+        dev, k, rows = drafter.device, self.steps, self.row_counts[-1]
+        self.pad_step = torch.tensor([0, drafter.pad_row, 1, 0], dtype=torch.long)  # position, row, KV length, slot
+        self.pad_pair = torch.tensor([0, 0, drafter.pad_row, 1, 0], dtype=torch.long)  # token first
+        # the draft's inputs: [k, 4, max_bs] step columns, then [max_bs] first tokens, then [max_bs] state slots
+        self.draft_size = (4 * k + 2) * self.max_bs
+        self.draft_in = torch.zeros(self.draft_size, dtype=torch.long, device=dev)
+        self.draft_host = host_buffer(self.draft_size, device=dev)
+        self.draft_hidden = torch.zeros(self.max_bs, drafter.hidden_states.shape[1], dtype=drafter.hidden_states.dtype,
+                                        device=dev)
+        self.pair_in = torch.zeros(5, rows, dtype=torch.long, device=dev)
+        self.pair_host = host_buffer(5, rows, device=dev)
+        self.pair_hidden = torch.zeros(rows, drafter.hidden_states.shape[1], dtype=drafter.hidden_states.dtype,
+                                       device=dev)
+        self._fill_draft_padding(0)
+        self.draft_in.copy_(self.draft_host)
+        self.pair_in.copy_(self.pad_pair[:, None].expand(-1, rows))
+        self._copied = torch.cuda.Event()  # the last host -> device copy (the host buffers are reused)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.pool = None
+        self._capture()
+
+    def _draft_views(self, buf: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(steps [k, 4, bs], tokens [bs], state slots [bs])`` of a draft's input buffer."""
+        k, m = self.steps, self.max_bs
+        steps = buf[:4 * k * m].view(k, 4, m)[:, :, :bs]
+        return steps, buf[4 * k * m:4 * k * m + bs], buf[(4 * k + 1) * m:(4 * k + 1) * m + bs]
+
+    def _fill_draft_padding(self, b: int) -> None:
+        steps, tokens, slots = self._draft_views(self.draft_host, self.max_bs)
+        steps[:, :, b:] = self.pad_step[None, :, None]
+        tokens[b:] = 0
+        slots[b:] = 0  # state slot 0: a real row to gather a hidden state from (the pool's sentinel)
+
+    def _capture(self) -> None:
+        d, pool = self.drafter, None
+        stream = torch.cuda.Stream(d.device)
+        for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
+            steps, tokens, _ = self._draft_views(self.draft_in, bs)
+            hidden = self.draft_hidden[:bs]
+            graph, self.outputs["draft", bs] = capture(functools.partial(d.draft_steps, steps, tokens, hidden), stream,
+                                                       pool)
+            pool = graph.pool()
+            self.graphs["draft", bs] = graph
+        for rows in reversed(self.row_counts):
+            cols, hidden = self.pair_in[:, :rows], self.pair_hidden[:rows]
+            graph, self.outputs["pairs", rows] = capture(functools.partial(d.pair_pass, cols, hidden), stream, pool)
+            pool = graph.pool()
+            self.graphs["pairs", rows] = graph
+        self.pool = pool
+        torch.cuda.synchronize(d.device)
+        logger.info("CUDA graphs captured for the MTP head: drafts of %d steps for batch sizes %s, verify pairs "
+                    "for row counts %s", self.steps, self.batch_sizes, self.row_counts)
+
+    def can_run(self, batch_size: int) -> bool:
+        return batch_size <= self.max_bs
+
+    def can_run_pairs(self, rows: int) -> bool:
+        return rows <= self.row_counts[-1]
+
+    def draft(self, steps: torch.Tensor, tokens: torch.Tensor, state_slots: torch.Tensor) -> torch.Tensor:
+        """A draft of ``B`` rows: ``steps [k, 4, B]`` (``k <= num_draft``), ``tokens [B]`` and
+        ``state_slots [B]`` on the host (the first hidden states are those slots') -> the drafts
+        ``[num_draft, B]`` (a view of the graph's output: read it before the next draft)."""
+        k, b = steps.shape[0], steps.shape[2]
+        bs = next(s for s in self.batch_sizes if s >= b)
+        self._copied.synchronize()
+        self._fill_draft_padding(b)
+        host_steps, host_tokens, host_slots = self._draft_views(self.draft_host, self.max_bs)
+        host_steps[:k, :, :b] = steps
+        host_steps[k:] = self.pad_step[None, :, None]
+        host_tokens[:b], host_slots[:b] = tokens, state_slots
+        self.draft_in.copy_(self.draft_host, non_blocking=True)
+        self._copied.record()
+        slots = self._draft_views(self.draft_in, bs)[2]
+        torch.index_select(self.drafter.hidden_states, 0, slots, out=self.draft_hidden[:bs])
+        self.graphs["draft", bs].replay()
+        return self.outputs["draft", bs][:, :b]
+
+    def pairs(self, cols: torch.Tensor, hidden: torch.Tensor) -> None:
+        """The pass over ``T`` pairs: ``cols [5, T]`` on the host, ``hidden [T, H]`` on the device."""
+        t = cols.shape[1]
+        rows = next(r for r in self.row_counts if r >= t)
+        self._copied.synchronize()
+        self.pair_host[:, :t] = cols
+        self.pair_host[:, t:rows] = self.pad_pair[:, None]
+        self.pair_in.copy_(self.pair_host, non_blocking=True)
+        self._copied.record()
+        self.pair_hidden[:t].copy_(hidden)
+        self.graphs["pairs", rows].replay()

@@ -168,7 +168,9 @@ class Engine:
         elif self.args.speculative_algorithm == "mtp":
             k = self.args.num_draft_tokens
             scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
-            drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k)
+            # on a fused runner the head's steps run the fused kernels too, from CUDA graphs beside the model's
+            drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k,
+                                 fused=runner.fused, cuda_graph_max_bs=runner.graphs.max_bs if runner.graphs else 0)
             if runner.compiled:  # the head's forwards too
                 start = time.perf_counter()
                 drafter.compile()

@@ -37,7 +37,8 @@ the token after ``token[p]``. Its attention layer needs the K/V of every earlier
   state slot at ``j = 0`` and the MTP's own output hidden after that, and ``token[n+j+1]`` is the
   step's argmax (greedy drafts; trees, ``speculative_eagle_topk > 1``, are not supported). These
   K/V go to scratch KV slots reserved per batch row (``CacheManager.reserve_kv``), never into a
-  request's row: they are guesses, and the verify step writes position ``n``'s real entry itself.
+  slot of the request's: they are guesses, and the verify step writes position ``n``'s real entry
+  itself.
 
 * **Its forwards are decode batches** (:meth:`MtpDrafter._rows`): every pair a row of one query
   with its own KV length, reading its request's slots from a table (a draft step's rows, and the
@@ -48,12 +49,25 @@ the token after ``token[p]``. Its attention layer needs the K/V of every earlier
   for a row and one for more; the LM head stays eager, and only a draft step needs it). A prefill's
   ``observe`` (a prompt's pairs) runs the eager extend: as rows its table would grow as the square
   of the prompt.
+
+* **On a fused runner** (``fused``: the model's steps run the Triton kernels, on a GPU) the head's
+  forwards over rows are fused decode batches too (:meth:`MtpDrafter._fused_batch`), on the
+  request table's own rows: the device mirror from its second column is, row by row, the slots of
+  the pairs ``1, 2, ...``, so a pair reads its request's pairs up to its own as a decode row reads
+  its tokens. A draft writes its scratch slots into the request's row after the committed ones
+  (positions that hold nothing between steps; the verify step writes its own slots there, as a
+  draft model's steps do: ``draft_drafter.py``), and its steps keep the batch's shape (a request
+  past its drafts pads), so on a GPU the whole draft of ``num_draft`` steps is one CUDA graph
+  replay with one read of the drafts at the end, and a verify step's pairs another
+  (``cuda_graph.CudaGraphMtp``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hyla.cache.transfer import to_device_packed
+from hyla.engine.cuda_graph import CudaGraphMtp
 from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step,
                                       log_late_compile, prefix_sums, warm_up_config)
 from hyla.engine.request import Req
@@ -65,9 +79,12 @@ from hyla.model.mtp import MtpHead
 class MtpDrafter(Drafter):
     wants_hidden = True
 
-    def __init__(self, head: MtpHead, kv_pool, state_pool, req_to_token, scratch_kv: list[int], num_draft: int):
+    def __init__(self, head: MtpHead, kv_pool, state_pool, req_to_token, scratch_kv: list[int], num_draft: int,
+                 fused: bool = False, cuda_graph_max_bs: int = 0):
         """``kv_pool``'s last K/V buffers are the MTP layer's; ``state_pool`` must carry hidden
-        states; ``scratch_kv``: reserved KV slots, ``num_draft`` per batch row."""
+        states; ``scratch_kv``: reserved KV slots, ``num_draft`` per batch row. ``fused``: the head's
+        forwards over rows run the fused decode kernels (:meth:`_fused_batch`; the model's runner is
+        fused), captured in CUDA graphs up to ``cuda_graph_max_bs`` requests on a GPU (0: never)."""
         if state_pool.hidden_states is None:
             raise ValueError("the MTP drafter needs a state pool with hidden states (mtp_cache_layout)")
         if num_draft < 1 or len(scratch_kv) < num_draft:
@@ -81,6 +98,19 @@ class MtpDrafter(Drafter):
         self.scratch = [scratch_kv[i:i + num_draft] for i in range(0, len(scratch_kv) - num_draft + 1, num_draft)]
         self._compiled = None  # the head's graphs (compile)
         self.late_compiles = 0  # its forwards no graph of the start-up fitted: run eager
+        self.fused = fused
+        self.graphs: CudaGraphMtp | None = None
+        if fused:
+            # pair p's entry sits in the slot of position p (1, 2, ...): the request table's device
+            # mirror from its second column lists a request's pairs in order, so row r of this view,
+            # read up to kv_len p, is exactly the pairs 1..p (the row stride is the mirror's)
+            self.table = req_to_token.add_mirror(self.device)[:, 1:]
+            self.pad_row = req_to_token.padding_row  # never a request's: padding rows read and write it
+            rows = max(cuda_graph_max_bs, 1) * (num_draft + 1)  # an observe's pairs: W per request
+            self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
+            self._no_state = torch.full((rows,), -1, dtype=torch.long, device=self.device)
+            if cuda_graph_max_bs > 0 and self.device.type == "cuda":
+                self.graphs = CudaGraphMtp(self, min(cuda_graph_max_bs, len(self.scratch)))
 
     @property
     def compiled(self) -> bool:
@@ -151,8 +181,12 @@ class MtpDrafter(Drafter):
             if max(extend) <= self.num_draft + 1:  # a verify step's: a row per pair, pair p seeing pairs 1..p
                 tables = [t for t, n in zip(kv, extend) for _ in range(n)]
                 kv_lens = [p + 1 for q, n in zip(prefix, extend) for p in range(q, q + n)]
-                batch = self._rows(ids, pos, [int(t[k - 1]) for t, k in zip(tables, kv_lens)], tables, kv_lens)
-                self._hidden(batch, pairs)  # K/V only
+                loc = [int(t[k - 1]) for t, k in zip(tables, kv_lens)]
+                if self.fused:  # on the request table's rows (the forward's slots are in them)
+                    rows = [r.req_pool_idx for r, n in zip(reqs, extend) for _ in range(n)]
+                    self._pairs_fused(ids, pos, rows, kv_lens, loc, pairs)
+                else:
+                    self._hidden(self._rows(ids, pos, loc, tables, kv_lens), pairs)  # K/V only
             else:
                 batch = self._batch(ids, pos, prefix, extend, loc, kv)
                 self.head.hidden_states(batch, pairs)  # K/V only
@@ -177,6 +211,19 @@ class MtpDrafter(Drafter):
             return drafts
         if len(reqs) > len(self.scratch):
             raise ValueError(f"{len(reqs)} decoding requests, scratch KV for {len(self.scratch)}")
+        if self.fused:
+            self._draft_fused(reqs, want, drafts)
+        else:
+            self._draft_rows(reqs, rows, want, drafts)
+        for r, d in zip(reqs, drafts):
+            if r.grammar is not None and d:
+                del d[r.grammar.valid_prefix(d):]
+        return drafts
+
+    def _draft_rows(self, reqs: list[Req], rows: list[int], want: list[int], drafts: list[list[int]]) -> None:
+        """:meth:`propose_batch`'s draft steps as batches of rows with tables of their own
+        (:meth:`_rows`: the PyTorch ops, or the graphs ``compile_decode`` compiled), appended to
+        ``drafts``; a request drops out of the batch once it has its ``want``."""
         n = [reqs[i].kv_len for i in rows]  # position of each last sampled token
         tokens = [reqs[i].output_ids[-1] for i in rows]
         # each row's table: its pairs' slots (positions 1..n-1), then its scratch slots
@@ -197,10 +244,79 @@ class MtpDrafter(Drafter):
                 g = g[torch.tensor(keep, dtype=torch.long, device=g.device)]
             if not rows:
                 break
-        for r, d in zip(reqs, drafts):
-            if r.grammar is not None and d:
-                del d[r.grammar.valid_prefix(d):]
-        return drafts
+
+    def _draft_fused(self, reqs: list[Req], want: list[int], drafts: list[list[int]]) -> None:
+        """:meth:`propose_batch`'s draft steps through the fused decode kernels, on the requests' own
+        rows: request ``i``'s scratch KV slots are written into its row after its ``n = kv_len``
+        committed slots (positions that hold nothing between steps: ``kv_allocated == kv_len``, and
+        the verify step writes its own slots there), so step ``j``'s pair (position ``n + j``) reads
+        pairs ``1..n + j`` from the row. Every request takes every step, padded after its ``want``
+        (a padding row: the spare request row, KV slot 0), so the steps have the batch's shape only:
+        replayed from a CUDA graph of the whole loop on a GPU, one read of the drafts at the end."""
+        b, k = len(reqs), max(want)
+        live = [i for i in range(b) if want[i]]
+        self.req_to_token.write_batch([reqs[i].req_pool_idx for i in live], [reqs[i].kv_len for i in live],
+                                      [want[i] for i in live], [s for i in live for s in self.scratch[i][:want[i]]])
+        self.req_to_token.sync_mirror()
+        pad = (0, self.pad_row, 1, 0)
+        steps = [list(zip(*((reqs[i].kv_len - 1 + j, reqs[i].req_pool_idx, reqs[i].kv_len + j, self.scratch[i][j])
+                            if j < want[i] else pad for i in range(b)))) for j in range(k)]
+        cols = torch.tensor(steps, dtype=torch.long)  # [k, 4, B]: position, request row, KV length, KV slot
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
+        slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.long)
+        if self.graphs is not None and self.graphs.can_run(b):
+            out = self.graphs.draft(cols, tokens, slots)  # [num_draft, B]
+        else:
+            cols, tokens, slots = to_device_packed([cols, tokens, slots], self.device)
+            out = self.draft_steps(cols, tokens, self.hidden_states.index_select(0, slots))  # [k, B]
+        for i, column in enumerate(out[:k].T.tolist()):
+            drafts[i] += column[:want[i]]
+
+    @torch.no_grad()  # captured at start-up, outside inference mode
+    def draft_steps(self, cols: torch.Tensor, tokens: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``k`` fused draft steps of ``B`` rows on the device, no host read (what
+        :class:`CudaGraphMtp` captures): ``cols [k, 4, B]`` each step's positions, request rows, KV
+        lengths (pairs read) and KV slots, ``tokens [B]`` the first step's tokens, ``g [B, H]`` its
+        hidden states; step ``j + 1`` feeds step ``j``'s argmax and output hidden state. Returns
+        the drafts ``[k, B]``."""
+        out = []
+        for step in cols:
+            g = self.head.hidden_states(self._fused_batch(tokens, *step), g)  # [B, H]
+            tokens = self.head.target.lm_head(g).argmax(dim=-1)  # [B]
+            out.append(tokens)
+        return torch.stack(out)
+
+    @torch.no_grad()  # captured at start-up, outside inference mode
+    def pair_pass(self, cols: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        """The head over pairs as fused decode rows (K/V written; what :class:`CudaGraphMtp`
+        captures): ``cols [5, T]`` tokens, positions, request rows, KV lengths, KV slots; ``pairs
+        [T, H]`` their hidden states. Returns ``g [T, H]``."""
+        return self.head.hidden_states(self._fused_batch(*cols), pairs)
+
+    def _pairs_fused(self, ids: list[int], pos: list[int], rows: list[int], kv_lens: list[int], loc: list[int],
+                     pairs: torch.Tensor) -> None:
+        """:meth:`observe`'s pairs of a verify step through :meth:`pair_pass` (replayed from a CUDA
+        graph on a GPU, padded to the smallest captured row count)."""
+        cols = torch.tensor([ids, pos, rows, kv_lens, loc], dtype=torch.long)  # [5, T]
+        if self.graphs is not None and self.graphs.can_run_pairs(len(ids)):
+            self.graphs.pairs(cols, pairs)
+        else:
+            self.pair_pass(to_device_packed([cols], self.device)[0], pairs)
+
+    def _fused_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor,
+                     kv_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> ForwardBatch:
+        """A fused decode batch of pairs over the MTP layer's KV buffer, device tensors ``[B]`` each:
+        row ``r`` feeds ``input_ids[r]`` at RoPE position ``positions[r]``, its K/V written at slot
+        ``out_cache_loc[r]``, attending to the first ``kv_lens[r]`` pairs of request row
+        ``req_rows[r]`` (:attr:`table`: its own last). No host value is read."""
+        b = input_ids.shape[0]
+        cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
+        none = self._no_state[:b] if b <= self._no_state.numel() else torch.full((b,), -1, device=self.device)
+        return ForwardBatch(
+            is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
+            cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
+            k_buffers=[self.k_buffer], v_buffers=[self.v_buffer], state_slots=none, conv_states=[], ssm_states=[],
+            max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens)
 
     # ------------------------------------------------------------------------------------------
     def _rows(self, ids: list[int], pos: list[int], loc: list[int], tables: list[torch.Tensor], kv_lens: list[int],

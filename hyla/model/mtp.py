@@ -40,7 +40,8 @@ from torch import nn
 from hyla.cache.layout import CacheLayout
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, WeightSpec, linear_specs, norm_spec
+from hyla.model.layers import (Attention, HybridForCausalLM, HybridLayer, WeightSpec, add_rms_norm, linear_specs,
+                               norm_spec)
 from hyla.model.linear import Linear, relayout_weights_
 from hyla.model.loader import choose_layouts, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
@@ -86,8 +87,11 @@ class MtpHead(nn.Module):
         target = self.target
         e = target.embed_tokens(batch.input_ids)  # [T, H]
         x = torch.cat([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1)
-        x = self.layer(self.fc(x), batch, target.rope(batch, e))  # [T, H]
-        return self.norm(x)  # [T, H]
+        x, rope = self.fc(x), target.rope(batch, e)  # [T, H]
+        if batch.fused_decode:  # as the model's fused step: each residual add inside the next norm's kernel
+            out, residual = self.layer.forward_fused(None, x, batch, rope)
+            return add_rms_norm(out, residual, self.norm)[0]  # [T, H]
+        return self.norm(self.layer(x, batch, rope))  # [T, H]
 
     @classmethod
     def from_model(cls, model: HybridForCausalLM) -> "MtpHead":
