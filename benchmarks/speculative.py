@@ -63,6 +63,10 @@ too (fused verify chains: docs/engine.md); written to ``## Speculative decoding:
 on a GPU is launch-bound: a step costs what its kernels' launches do, whatever the tokens it feeds,
 which is where a verify step of several tokens pays most.
 
+``--part mtp-gpu`` (on a GPU): workload (b), the MTP head on vs off in fp32 on CUDA; the model's
+decode and verify steps and the head's drafts and verify passes replayed from CUDA graphs
+(``cuda_graph.CudaGraphMtp``); written to ``## Speculative decoding: MTP on a GPU``.
+
 Then (n-gram) a profile of one verify step vs one plain decode step (CPU time of the scheduler thread per
 step, by wrapping the functions the model layers call; exact with ``OMP_NUM_THREADS=1``) and a
 micro-benchmark of the gated-delta-rule layer on a verify-shaped input: the chunked kernel the
@@ -579,13 +583,15 @@ def main() -> None:
                     help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "mtp-compiled", "draft", "draft-compiled", "compiled", "gpu"),
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "mtp-compiled", "draft", "draft-compiled", "compiled", "gpu",
+                                       "mtp-gpu"),
                     default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
                          "mtp-compiled: that with compile_decode; "
                          "draft: workload (b) with separate draft models; draft-compiled: workload (b), the early-exit "
                          "draft, compile_decode; compiled: workload (a) with compile_decode; "
-                         "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all')")
+                         "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all'); "
+                         "mtp-gpu: workload (b) on CUDA, the MTP head's drafts from CUDA graphs too (not in 'all')")
     ap.add_argument("--device", default="cuda", help="gpu: the device (cpu: a smoke test of the script)")
     ap.add_argument("--draft-model-path", default=None,
                     help="draft: one more draft model to measure (same vocabulary as the default model)")
@@ -610,6 +616,8 @@ def main() -> None:
         compiled_main(args, threads)
     if args.part == "gpu":
         gpu_main(args)
+    if args.part == "mtp-gpu":
+        mtp_gpu_main(args)
 
 
 def drafts_suffix(args) -> str:
@@ -714,13 +722,18 @@ The last column is the eager pair of the n-gram section, measured in the same ru
         write_section("Speculative decoding: n-gram with compile_decode" + drafts_suffix(args), body)
 
 
+def gpu_engines(args, part: str, spec: dict) -> dict[str, Engine]:
+    """A GPU part's engines on ``args.device``, fp32: the plain one ("off") and the speculative one ("on")."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--part {part} needs a CUDA device (--device cpu: a smoke test of the script)")
+    kw = dict(dtype="float32", device=args.device, **POOLS)
+    return {"off": Engine(**kw), "on": Engine(**kw, **spec)}
+
+
 def gpu_main(args) -> None:
     """Workload (a) on CUDA: the default model (fp32) with and without n-gram speculation, decode
     and verify steps replayed from CUDA graphs."""
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--part gpu needs a CUDA device (--device cpu: a smoke test of the script)")
-    kw = dict(dtype="float32", device=args.device, **POOLS)
-    engines = {"off": Engine(**kw), "on": Engine(**kw, **SPEC)}
+    engines = gpu_engines(args, "gpu", SPEC)
     try:
         modes = {side: e._decode_mode() for side, e in engines.items()}
         loads = workloads(engines["off"].tokenizer)
@@ -746,6 +759,42 @@ identical greedy token ids (checked by the script).
     print(body, flush=True)
     if not args.no_write:
         write_section("Speculative decoding: GPU" + drafts_suffix(args), body)
+
+
+def mtp_gpu_main(args) -> None:
+    """Workload (b) on CUDA: the default model (fp32) with and without its MTP head, every step
+    replayed from CUDA graphs (the head's drafts and verify passes too)."""
+    engines = gpu_engines(args, "mtp-gpu", MTP_SPEC)
+    try:
+        modes = {side: e._decode_mode() for side, e in engines.items()}
+        drafter = engines["on"].scheduler.drafter
+        head = "replayed from CUDA graphs" if drafter.graphs is not None else \
+            "through the fused kernels, launched eagerly" if drafter.fused else "through the PyTorch ops"
+        prompts = chat_prompts(engines["off"].tokenizer)
+        params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}  # warm-up
+        check_identical("mtp-gpu, warm-up", outs["off"], outs["on"])
+        rows = bench(engines, prompts, prompts, "mtp-gpu", args.repeats, args.new_tokens)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    cmd = (f".venv/bin/python benchmarks/speculative.py --part mtp-gpu --device {args.device} --repeats {args.repeats} "
+           f"--new-tokens {args.new_tokens}")
+    table = ["| batch | off tok/s | on tok/s | on / off | accept length | verify steps |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** | {r['accept']:.2f} "
+                     f"| {r['steps']} |")
+    body = f"""`{cmd}` — {machine()}; built-in default model (tiny Qwen3-Next, 8 layers, fp32) with its MTP head
+(`scripts/train_mtp_head.py`), greedy; workload (b) (the *Speculative decoding: MTP* section: {NUM_PROMPTS} chat prompts,
+{args.new_tokens} new tokens each, prompts cached by a warm-up run), `speculative_num_steps={MTP_STEPS}`. Decode: {modes['off']};
+MTP engine: {modes['on']}, the head's drafts and verify passes {head}.
+Runs interleaved, medians of {args.repeats}; MTP on and off gave identical greedy token ids (checked by the script).
+
+{chr(10).join(table)}
+"""
+    print(body, flush=True)
+    if not args.no_write:
+        write_section("Speculative decoding: MTP on a GPU", body)
 
 
 def draft_compiled_main(args, threads: int) -> None:

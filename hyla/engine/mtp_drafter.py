@@ -311,7 +311,8 @@ class MtpDrafter(Drafter):
         ``req_rows[r]`` (:attr:`table`: its own last). No host value is read."""
         b = input_ids.shape[0]
         cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
-        none = self._no_state[:b] if b <= self._no_state.numel() else torch.full((b,), -1, device=self.device)
+        none = self._no_state[:b] if b <= self._no_state.numel() else torch.full((b,), -1, dtype=torch.long,
+                                                                                 device=self.device)
         return ForwardBatch(
             is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
             cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
