@@ -827,8 +827,8 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
             rec = _Recorder(drafter)
             wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
             out = _generate(eng, wave1)
-            # the second turns end 5 tokens apart: the last one drafts alone for a while (a batch of one)
-            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 5 * i}
+            # the second turns end 3 tokens apart: the last one drafts alone (a batch of one)
+            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
                                    for i, (w, o) in enumerate(zip(wave1, out))])
             eng.wait_idle()
             eng.check_integrity()
