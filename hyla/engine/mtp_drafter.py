@@ -259,9 +259,13 @@ class MtpDrafter(Drafter):
                                       [want[i] for i in live], [s for i in live for s in self.scratch[i][:want[i]]])
         self.req_to_token.sync_mirror()
         pad = (0, self.pad_row, 1, 0)
-        steps = [list(zip(*((reqs[i].kv_len - 1 + j, reqs[i].req_pool_idx, reqs[i].kv_len + j, self.scratch[i][j])
-                            if j < want[i] else pad for i in range(b)))) for j in range(k)]
-        cols = torch.tensor(steps, dtype=torch.long)  # [k, 4, B]: position, request row, KV length, KV slot
+
+        def row(i: int, j: int) -> tuple[int, int, int, int]:  # step j's pair of request i (position n + j)
+            r = reqs[i]
+            return (r.kv_len - 1 + j, r.req_pool_idx, r.kv_len + j, self.scratch[i][j]) if j < want[i] else pad
+
+        # [k, 4, B]: each step's RoPE positions, request rows, KV lengths (pairs read), KV slots
+        cols = torch.tensor([list(zip(*(row(i, j) for i in range(b)))) for j in range(k)], dtype=torch.long)
         tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long)
         slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.long)
         if self.graphs is not None and self.graphs.can_run(b):
