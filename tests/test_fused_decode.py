@@ -654,8 +654,8 @@ class _EmulatedGraph:
         self.fn, self.out = fn, out
 
     def replay(self) -> None:
-        new = self.fn()
-        for dst, src in zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (self.out, new))):
+        new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
+        for dst, src in [(self.out, new)] if isinstance(new, torch.Tensor) else zip(self.out, new):
             dst.copy_(src)
 
     def pool(self):
@@ -664,9 +664,10 @@ class _EmulatedGraph:
 
 def _emulate_cuda_graphs(monkeypatch) -> None:
     """Without a GPU, ``hyla.engine.cuda_graph``'s classes run on CPU tensors: captures become
-    :class:`_EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only). Their staging of inputs and
-    padding, their choice of graph and their outputs are then tested in CI, with the kernels
-    interpreted; what only CUDA can show (a host read inside a capture) is the GPU run's to find."""
+    :class:`_EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only).
+    Their staging of inputs and padding, their choice of graph and their outputs are then tested in
+    CI, with the kernels interpreted; what only CUDA can show (a host read inside a capture) is the
+    GPU run's to find."""
     from types import SimpleNamespace
 
     from hyla.engine import cuda_graph
