@@ -92,7 +92,7 @@ class CudaGraphDecode:
         self.max_bs = self.batch_sizes[-1]
         dev, rows = runner.device, self.max_bs * width
         self.inputs = torch.zeros(len(FIELDS), rows, dtype=torch.long, device=dev)
-        self.host = torch.zeros(len(FIELDS), rows, dtype=torch.long).pin_memory()
+        self.host = host_buffer(len(FIELDS), rows, device=dev)
         self.padding = torch.tensor([0, 0, -1, runner.pad_row, 1, 0], dtype=torch.long)  # per field
         self.inputs.copy_(self.padding[:, None].expand(-1, rows))
         # a verify step's chain slots (padded requests: -1, no read, no write)
@@ -191,9 +191,7 @@ class ExtendInputs:
         dev = runner.device
         self.size = 4 * tokens + 7 + 2 * m
         self.inputs = torch.zeros(self.size, dtype=torch.long, device=dev)
-        self.host = torch.zeros(self.size, dtype=torch.long)
-        if dev.type == "cuda":
-            self.host = self.host.pin_memory()
+        self.host = host_buffer(self.size, device=dev)
         self.zeros = torch.zeros(max(tokens, m), dtype=torch.long, device=dev)  # every token's sequence
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the host buffer is reused
 

@@ -447,16 +447,9 @@ class ModelRunner:
         lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors);
         ``chain_slots``: a verify step of chains (``ForwardBatch.chain_slots``); ``return_hidden``:
         the final hidden states too."""
-        b = input_ids.shape[0]
-        cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
-        return ForwardBatch(
-            is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
-            cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
-            k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=state_slots,
-            conv_states=self.conv_states, ssm_states=self.ssm_states,
-            max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens,
-            chain_slots=chain_slots, return_hidden=return_hidden,
-        )
+        return fused_decode_batch(input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, self._arange,
+                                  self.table, self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states,
+                                  chain_slots, return_hidden)
 
     def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward of a fused decode batch: ``[B, V]`` logits (and ``[B, H]`` hidden states with
@@ -752,6 +745,27 @@ def decode_batch(ids: list[int], pos: list[int], slots: list[int], kv_lens: list
         cu_seqlens=t[2], out_cache_loc=t[6], kv_indices=t[8], kv_indptr=t[3], k_buffers=k_buffers,
         v_buffers=v_buffers, state_slots=t[4], conv_states=conv_states, ssm_states=ssm_states,
         state_slot_list=list(slots), max_token_id=max(ids), kv_table=t[7], kv_lens=t[5], return_hidden=return_hidden,
+    )
+
+
+def fused_decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, state_slots: torch.Tensor,
+                       req_rows: torch.Tensor, kv_lens: torch.Tensor, out_cache_loc: torch.Tensor,
+                       arange: torch.Tensor, req_to_token: torch.Tensor, k_buffers: list[torch.Tensor],
+                       v_buffers: list[torch.Tensor], conv_states: list[torch.Tensor], ssm_states: list[torch.Tensor],
+                       chain_slots: torch.Tensor | None = None, return_hidden: bool = False) -> ForwardBatch:
+    """A fused decode batch over device tensors ``[B]`` each, reading request table ``req_to_token``
+    (no host value is read: the host lists a ``ForwardBatch`` carries are placeholders, the kernels
+    use the device tensors): :meth:`ModelRunner.fused_batch`'s, and the MTP head's rows
+    (``MtpDrafter``). ``arange``: a device ``arange`` of more than ``B`` entries, whose first
+    ``B + 1`` are the batch's ``cu_seqlens`` (a longer batch makes its own)."""
+    b = input_ids.shape[0]
+    cu = arange[:b + 1] if b < arange.numel() else torch.arange(b + 1, device=input_ids.device)
+    return ForwardBatch(
+        is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
+        cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
+        k_buffers=k_buffers, v_buffers=v_buffers, state_slots=state_slots, conv_states=conv_states,
+        ssm_states=ssm_states, max_token_id=0, fused_decode=True, req_to_token=req_to_token,
+        req_pool_indices=req_rows, kv_lens=kv_lens, chain_slots=chain_slots, return_hidden=return_hidden,
     )
 
 

@@ -69,7 +69,7 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.cuda_graph import CudaGraphMtp
 from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step,
-                                      log_late_compile, prefix_sums, warm_up_config)
+                                      fused_decode_batch, log_late_compile, prefix_sums, warm_up_config)
 from hyla.engine.request import Req
 from hyla.engine.speculative import Drafter, drafter_batch, row_batch
 from hyla.model.forward_batch import ForwardBatch
@@ -309,19 +309,16 @@ class MtpDrafter(Drafter):
 
     def _fused_batch(self, input_ids: torch.Tensor, positions: torch.Tensor, req_rows: torch.Tensor,
                      kv_lens: torch.Tensor, out_cache_loc: torch.Tensor) -> ForwardBatch:
-        """A fused decode batch of pairs over the MTP layer's KV buffer, device tensors ``[B]`` each:
+        """A fused decode batch of pairs over the MTP layer's KV buffer (``fused_decode_batch``), device
+        tensors ``[B]`` each:
         row ``r`` feeds ``input_ids[r]`` at RoPE position ``positions[r]``, its K/V written at slot
         ``out_cache_loc[r]``, attending to the first ``kv_lens[r]`` pairs of request row
         ``req_rows[r]`` (:attr:`table`: its own last). No host value is read."""
         b = input_ids.shape[0]
-        cu = self._arange[:b + 1] if b < self._arange.numel() else torch.arange(b + 1, device=self.device)
         none = self._no_state[:b] if b <= self._no_state.numel() else torch.full((b,), -1, dtype=torch.long,
                                                                                  device=self.device)
-        return ForwardBatch(
-            is_decode=True, input_ids=input_ids, positions=positions, extend_lens=[1] * b, prefix_lens=[0] * b,
-            cu_seqlens=cu, out_cache_loc=out_cache_loc, kv_indices=cu[:0], kv_indptr=cu,
-            k_buffers=[self.k_buffer], v_buffers=[self.v_buffer], state_slots=none, conv_states=[], ssm_states=[],
-            max_token_id=0, fused_decode=True, req_to_token=self.table, req_pool_indices=req_rows, kv_lens=kv_lens)
+        return fused_decode_batch(input_ids, positions, none, req_rows, kv_lens, out_cache_loc, self._arange,
+                                  self.table, [self.k_buffer], [self.v_buffer], [], [])
 
     # ------------------------------------------------------------------------------------------
     def _rows(self, ids: list[int], pos: list[int], loc: list[int], tables: list[torch.Tensor], kv_lens: list[int],
