@@ -778,6 +778,14 @@ def test_fused_draft_model_steps_follow_the_draft_model(qwen3_5_short_path, qwen
 ATTENTION_SCALE = 100  # the random MTP head's o_proj, scaled: test_fused_mtp_chains_return_the_hidden_states
 
 
+def _two_turns_mtp(engine: Engine, wave1: list[dict]) -> list[dict]:
+    """``wave1``, then each request's second turn; the second turns end 3 tokens apart, so the last
+    one drafts alone (a batch of one)."""
+    out = _generate(engine, wave1)
+    return out + _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
+                                    for i, (w, o) in enumerate(zip(wave1, out))])
+
+
 @pytest.mark.slow
 def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypatch):
     """MTP speculation (``speculative_algorithm="mtp"``) with its steps through the fused kernels: the
@@ -785,7 +793,8 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
     (``ModelRunner(return_hidden=True)``; on a GPU from the decode and verify CUDA graphs), and the
     MTP head's own forwards run the fused kernels too (``MtpDrafter(fused=True)``: its draft steps on
     the requests' rows, its pass over a verify step's pairs; on a GPU from its CUDA graphs), so every
-    draft is the one the PyTorch path proposes, and the outputs are its outputs. fp32 on both sides;
+    draft is the one the PyTorch path proposes, and the outputs are its outputs and a plain engine's
+    (speculation off). fp32 on every side;
     without a GPU the kernels run interpreted on the 2-layer variant (the MTP head, random, proposes
     drafts the model rejects: each verify step is a full chain, and a request near its end a short one)."""
     from hyla.engine.cuda_graph import CudaGraphMtp
@@ -827,10 +836,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
             fused_calls = _count_calls(drafter, ("draft_steps", "pair_pass"))  # outside graphs
             rec = _Recorder(drafter)
             wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
-            out = _generate(eng, wave1)
-            # the second turns end 3 tokens apart: the last one drafts alone (a batch of one)
-            out += _generate(eng, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
-                                   for i, (w, o) in enumerate(zip(wave1, out))])
+            out = _two_turns_mtp(eng, wave1)
             eng.wait_idle()
             eng.check_integrity()
             assert eng.scheduler.num_verify_steps > 0
@@ -841,6 +847,10 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
 
     assert replays.get("draft", 0) > 0 and replays.get("pairs", 0) > 0 and (replays["n"] > 0 or not GPU)
     assert compare_outputs(outs[1], outs[0]) > 0.9 * sum(len(o["output_ids"]) for o in outs[0])
+    plain = {k: v for k, v in opts.items() if not k.startswith("speculative")}
+    with Engine(path, **plain) as eng:  # speculation off: the same tokens
+        off = _two_turns_mtp(eng, wave1)
+    assert compare_outputs(outs[1], off) > 0.9 * sum(len(o["output_ids"]) for o in off)
     assert drafts[0].keys() == drafts[1].keys() and sum(map(len, drafts[0].values())) > 20
     differ = [k for k in drafts[0] if drafts[0][k] != drafts[1][k]]
     assert not differ, f"{len(differ)} of {len(drafts[0])} proposals differ"
