@@ -76,22 +76,26 @@ MOE = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, sha
 TINY_MOE = dict(MOE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
-def log_triton_compiles() -> bool:
+def log_triton_compiles() -> list[str] | None:
     """From now on, log every Triton kernel compiled (its name and specialization) with the time:
-    a compile inside a timed run is a stall (``--log-compiles``). False if this Triton has no
+    a compile inside a timed run is a stall (``--log-compiles``). Returns the list each compiled
+    kernel's name is appended to; None if this Triton has no
     ``triton.knobs.runtime.jit_post_compile_hook``."""
     try:
         from triton import knobs
     except ImportError:
-        return False
+        return None
     if not hasattr(knobs.runtime, "jit_post_compile_hook"):
-        return False
+        return None
+    compiled: list[str] = []
 
     def hook(*_, **kw) -> None:  # key: each argument's (type, specialization: 'D' divisible by 16, ...)
-        log(f"Triton compiled {str(kw.get('repr', '?')).partition('[')[0]} {str(kw.get('key', ''))[:400]}")
+        name = str(kw.get("repr", "?")).partition("[")[0]
+        compiled.append(name)
+        log(f"Triton compiled {name} {str(kw.get('key', ''))[:400]}")
 
     knobs.runtime.jit_post_compile_hook = hook
-    return True
+    return compiled
 
 
 def log(msg: str) -> None:
@@ -256,7 +260,7 @@ def main() -> None:
     rng = random.Random(0)
     fresh = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
 
-    engine, hf, opts, knobs = None, None, {}, []
+    engine, hf, opts, knobs, compiled = None, None, {}, [], None
     if not args.hf_only:
         have = {f.name for f in dataclasses.fields(EngineArgs)}
         if "disable_cuda_graph" in have:
@@ -275,7 +279,7 @@ def main() -> None:
         knobs = set_knobs(args)
         for knob in knobs:
             log(knob)
-        if args.log_compiles and not log_triton_compiles():
+        if args.log_compiles and (compiled := log_triton_compiles()) is None:
             log("this Triton has no jit_post_compile_hook: --log-compiles ignored")
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
@@ -359,7 +363,10 @@ def main() -> None:
         log(f"{tag}: TTFT " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in raw.items() if "ttft" in k))
         if rep == 0:
             raw = {}
+            warm_compiles = len(compiled) if compiled is not None else 0
     wall = time.perf_counter() - t_start
+    # Triton compiles inside the timed repeats (--log-compiles): each a stall of the request it hit
+    stalls = sorted(set(compiled[warm_compiles:])) if compiled is not None else None
     med = {k: statistics.median(v) for k, v in raw.items()}
     if engine is not None:
         engine.shutdown()
@@ -430,6 +437,9 @@ def main() -> None:
         f"* Prefill: TTFT of one fresh prompt (transformers: one forward, last logits only). Cached: a prompt of the "
         f"same length whose first {args.cached_tokens:,} tokens were sent before with another tail and a checkpoint there.",
         f"* Medians of {args.repeats} runs after one warm-up pass, hyla and transformers interleaved.{agreed}",
+        *([] if stalls is None else [
+            f"* Triton compiles inside the timed repeats (`--log-compiles`): {len(compiled) - warm_compiles}"
+            + (f" ({', '.join(stalls)})" if stalls else "") + f"; {warm_compiles} before them."]),
         "",
         f"| measurement | hyla | {hf_name} | hyla / transformers | HBM roofline |",
         "|---|---|---|---|---|",
@@ -441,7 +451,7 @@ def main() -> None:
         args.json.write_text(json.dumps(dict(command=cmd, machine=machine(), transformers=transformers.__version__,
                                              importable=kernels, dtype=dtype_name, config=kw, moe=moe, sizes=sizes,
                                              bandwidth_bytes_per_s=bw, engine_options=opts, roofline_tok_s=roof,
-                                             greedy_agreement=agree,
+                                             greedy_agreement=agree, triton_compiles=compiled,
                                              raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
                                         indent=1))
     if not args.no_write:

@@ -42,7 +42,11 @@ def test_gpu_decode_runs_on_cpu(tmp_path):
                "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--hyla-only", "--no-write",
                "--log-compiles", "--json", str(report), "--pdl", "0", "--gemv-in", "0")
     assert "pdl.PDL = False" in out and "gemv.IN_PROJ = False" in out  # the A/B switches, set before the engine
-    medians = json.loads(report.read_text())["medians"]
+    data = json.loads(report.read_text())
+    medians = data["medians"]
+    # --log-compiles counts the Triton compiles in the timed repeats (the CPU runs no Triton kernel)
+    assert "Triton compiles inside the timed repeats (`--log-compiles`): 0; 0 before them" in out
+    assert data["triton_compiles"] == []
     assert medians["hyla_cached_hit"] == 48  # the cached TTFT's prompt hit its whole cached prefix
     assert all(medians[k] > 0 for k in ("hyla_ttft", "hyla_cached_ttft"))  # timed directly
     # a decode time is the difference of two runs (1 + N tokens minus 1): a number, whose sign a loaded machine

@@ -33,6 +33,7 @@ from hyla.model.ops.gated_delta import recurrent_gated_delta_rule_update  # noqa
 from hyla.model.ops.gpu.conv1d_decode import causal_conv1d_update_fused  # noqa: E402
 from hyla.model.ops.gpu.decode_attention import paged_decode_attention  # noqa: E402
 from hyla.model.ops.gpu.gated_delta_decode import gated_delta_decode_fused  # noqa: E402
+from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
 from test_engine_differential import compare_outputs, differential  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
@@ -494,14 +495,21 @@ def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
                                             for s in specs])
 
 
-def _two_turns(engine: Engine, fused: bool | None, requests: int = 7) -> list[dict]:
+def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: CompileKeys | None = None) -> list[dict]:
+    """Two waves of requests, the second continuing the first's (prefix cache hits); ``keys``: the
+    second compiles nothing the first did not (``compile_keys``)."""
     if fused is not None:  # swap the runner before any request: the other decode path
         engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                               engine.device, cuda_graph=False, fused_decode=fused)
     wave1 = _workload(0, engine.model_config.vocab_size, requests)
     out1 = _generate(engine, wave1)
+    if keys is not None:
+        keys.mark()
     wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 4} for w, o in zip(wave1, out1)]
     out2 = _generate(engine, wave2)
+    if keys is not None:
+        assert keys.keys, "no launch recorded"
+        assert keys.new_variants() == {}, "launches the second turn would compile anew on a GPU"
     engine.wait_idle()
     engine.check_integrity()
     return out1 + out2
@@ -544,7 +552,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
         if GPU:  # the PyTorch side sorts MoE layers' experts by expert, as on the CPU
             m.setattr(layers.SparseMoE, "path", lambda self, x: "sorted")
         with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
-            b = _two_turns(other, fused=not GPU, requests=requests)
+            b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m))
             assert other.get_stats()["num_overlapped_steps"] > 0
     if GPU and arch == "nemotron_h":
         assert grouped  # decode steps of more than one request (and prefills) ran grouped
@@ -627,7 +635,13 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
         if GPU:
             _count_replays(runner.verify_graphs, replays)
         eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
-        out = _generate(eng, wave1) + _generate(eng, wave2)
+        keys = None if GPU else record_compile_keys(monkeypatch)
+        out = _generate(eng, wave1)
+        if keys is not None:
+            keys.mark()
+        out += _generate(eng, wave2)
+        if keys is not None:
+            assert keys.keys and keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
         eng.wait_idle()
         eng.check_integrity()
         assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and (replays["n"] > 0) == GPU
@@ -778,12 +792,17 @@ def test_fused_draft_model_steps_follow_the_draft_model(qwen3_5_short_path, qwen
 ATTENTION_SCALE = 100  # the random MTP head's o_proj, scaled: test_fused_mtp_chains_return_the_hidden_states
 
 
-def _two_turns_mtp(engine: Engine, wave1: list[dict]) -> list[dict]:
+def _two_turns_mtp(engine: Engine, wave1: list[dict], keys: CompileKeys | None = None) -> list[dict]:
     """``wave1``, then each request's second turn; the second turns end 3 tokens apart, so the last
-    one drafts alone (a batch of one)."""
+    one drafts alone (a batch of one). ``keys``: the second turns compile nothing the first did not."""
     out = _generate(engine, wave1)
-    return out + _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
-                                    for i, (w, o) in enumerate(zip(wave1, out))])
+    if keys is not None:
+        keys.mark()
+    out += _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
+                              for i, (w, o) in enumerate(zip(wave1, out))])
+    if keys is not None:
+        assert keys.keys and keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
+    return out
 
 
 @pytest.mark.slow
@@ -836,7 +855,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
             fused_calls = _count_calls(drafter, ("draft_steps", "pair_pass"))  # outside graphs
             rec = _Recorder(drafter)
             wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
-            out = _two_turns_mtp(eng, wave1)
+            out = _two_turns_mtp(eng, wave1, record_compile_keys(monkeypatch) if fused and not GPU else None)
             eng.wait_idle()
             eng.check_integrity()
             assert eng.scheduler.num_verify_steps > 0

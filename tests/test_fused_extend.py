@@ -27,6 +27,7 @@ from hyla import Engine  # noqa: E402
 from hyla.engine.model_runner import ModelRunner  # noqa: E402
 from hyla.model.ops.attention import extend_sdpa  # noqa: E402
 from hyla.model.ops.gpu.extend_attention import paged_extend_attention  # noqa: E402
+from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
 from test_engine_differential import compare_outputs  # noqa: E402
 
 
@@ -81,11 +82,13 @@ def test_paged_extend_attention_refuses_bad_shapes():
         paged_extend_attention(q, kb, kb, table, row, torch.ones(5, dtype=torch.long, device=DEVICE), 1.0, splits=3)
 
 
-def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = None) -> list[dict]:
+def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = None,
+           keys: CompileKeys | None = None) -> list[dict]:
     """Two turns of ``requests`` requests, one request at a time (each prefill one sequence's
     extend): prompts of 3-70 tokens, half after a shared 37-token system prompt; turn 2 repeats each
     prompt, then extends each turn-1 conversation. ``fused_extend``: first swap in a fused runner whose single-sequence extends
-    of up to that many tokens run as fused extends (CPU: interpreted, no graphs)."""
+    of up to that many tokens run as fused extends (CPU: interpreted, no graphs). ``keys``: turn 2
+    compiles nothing turn 1 did not (``compile_keys``)."""
     if fused_extend is not None:
         engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                               engine.device, cuda_graph=False, fused_decode=True,
@@ -97,6 +100,8 @@ def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = 
             for i in range(requests)]
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}  # extends only: no decode step
     outs = [engine.generate(input_ids=ids, return_logprob=True, sampling_params=params) for ids in wave]
+    if keys is not None:
+        keys.mark()
     # turn 2: each prompt again (its prefill's end - 1 checkpoint hit: a 1-token extend from it), then
     # the conversation continued (the finished turn's state hit)
     for ids, first in zip(wave, list(outs)):
@@ -104,6 +109,9 @@ def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = 
             outs.append(engine.generate(input_ids=again, return_logprob=True, sampling_params=params))
     engine.wait_idle()
     engine.check_integrity()
+    if keys is not None:
+        assert keys.keys, "no launch recorded"
+        assert keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
     return outs
 
 
@@ -150,7 +158,7 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     if not GPU:
         monkeypatch.setattr(SparseMoE, "path", lambda self, x: "grouped")
     with Engine(path, **opts) as fused:
-        b = _turns(fused, 0, requests, fused_extend=64)
+        b = _turns(fused, 0, requests, fused_extend=64, keys=None if GPU else record_compile_keys(monkeypatch))
     assert len(ran) >= 2 * requests and min(ran) < 16 < max(ran)  # the recurrent and the chunked segment kernels
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)

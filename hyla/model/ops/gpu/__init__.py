@@ -21,6 +21,17 @@ by cutting sequences into rounds).
 
 Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly): the CPU test suite checks
 them that way; ``tests/test_gpu.py`` checks them on a GPU.
+
+**One compile per model.** Triton compiles a kernel anew for every new specialization of its
+arguments (an int equal to 1 or a multiple of 16, a pointer aligned to 16 bytes): ~1-3 s on a GPU,
+in the middle of a step, whenever the request data first makes one. So an argument that follows
+the step's data (a token count, a chain's stride, which is its number of sequences, an index array
+sliced from a packed buffer at an offset its lengths decide) is declared in ``@triton.jit``'s
+``do_not_specialize`` or ``do_not_specialize_on_alignment``; what stays specialized is the model's
+(its dimensions, its weights' strides) and the constexprs each launch chooses (tiles, paths, split
+counts: a few values each, compiled as the warm-up and the CUDA graphs' captures first meet them).
+The engine tests check it (``tests/compile_keys.py``): a second turn of other lengths launches no
+kernel with constexprs the first turn had but another compile key.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import triton.language as tl
 from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
 def _conv1d_update_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride, chain_ptr, chain_stride, y_ptr, C,
                           W: tl.constexpr, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           BLOCK_C: tl.constexpr, PDL: tl.constexpr):

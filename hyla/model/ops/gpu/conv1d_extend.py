@@ -35,7 +35,7 @@ from hyla.model.ops.gpu import conv_kernel_size, pdl
 from hyla.model.ops.varlen import VarlenPlan
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _conv1d_extend_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride, tok_seq_ptr, starts_ptr, slots_ptr,
                           y_ptr, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
@@ -67,7 +67,7 @@ def _conv1d_extend_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride
     tl.store(y_ptr + t[:, None] * C + c[None, :], acc.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mc[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["win_seq_ptr", "win_len_ptr", "win_dst_ptr"])
 def _conv1d_windows_kernel(x_ptr, x_stride, state_ptr, state_stride, win_seq_ptr, win_len_ptr, win_dst_ptr,
                            starts_ptr, slots_ptr, C, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
                            PDL: tl.constexpr):

@@ -78,7 +78,7 @@ def _store_partials(part_o_ptr, part_lse_ptr, out, acc, m_i, l_i, mask, d, md, D
     tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
 def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr, part_lse_ptr, scale,
             kv_stride_s, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
             BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
@@ -178,7 +178,7 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtyp
     return o
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "loc_ptr"])
 def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, pos_ptr, inv_freq_ptr, loc_ptr, q_ptr,
                         k_ptr, v_ptr, kv_stride_s, eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                         Q_HEAD_STRIDE: tl.constexpr, Q_SIZE: tl.constexpr, ROT: tl.constexpr,

@@ -35,7 +35,7 @@ TILE_KEYS = 0  # keys per step of its loop; 0: 32 in fp32 or for heads over 128 
 NUM_WARPS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["row_ptr", "lens_ptr"])
 def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
                    part_lse_ptr, scale, kv_stride_s, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                    BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,

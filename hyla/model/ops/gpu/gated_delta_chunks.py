@@ -114,7 +114,7 @@ def _substitute(A, rhs, t, BT: tl.constexpr):
     return x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                    starts_ptr, cu_ptr, w_ptr, u_ptr, num_chunks,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,

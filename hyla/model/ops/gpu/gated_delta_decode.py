@@ -137,7 +137,7 @@ def _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV: tl.constexpr, DK: tl
     tl.store(state_ptr + dst * (HV * DK * DV) + offs, S, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
 def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                        W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -192,7 +192,7 @@ def _conv_weights(cw_ptr, c, mask):
         tl.load(cw_ptr + c * 4 + 3, mask=mask, other=0.0).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
 def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                             cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                             W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,

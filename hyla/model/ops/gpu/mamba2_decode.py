@@ -97,7 +97,7 @@ def _mamba2_program(a_ptr, d_ptr, dt_bias_ptr, H: tl.constexpr, G: tl.constexpr,
         tl.load(d_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
 def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                           state_ptr, chain_ptr, chain_stride, y_ptr, dt_min, dt_max,
                           W: tl.constexpr, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,

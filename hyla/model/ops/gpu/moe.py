@@ -77,7 +77,7 @@ def _padded_rows(pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(pairs + min(pairs, num_experts) * (block_m - 1), block_m) * block_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A", "R"])
 def _count_kernel(e_ptr, counts_ptr, rank_ptr, rows_ptr, A, R, E, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Each pair's rank in its expert's group (an atomic count), and the padded rows' sentinel."""
     pdl.wait(PDL)  # the ids are the step's own
@@ -89,7 +89,7 @@ def _count_kernel(e_ptr, counts_ptr, rank_ptr, rows_ptr, A, R, E, CHUNK: tl.cons
     tl.store(rank_ptr + i, rank, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_BLOCKS"])
 def _layout_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, NUM_BLOCKS, BLOCK_M: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """One program: the experts' padded groups (``BLOCK_E`` >= E of them) laid end to end, each
@@ -105,7 +105,7 @@ def _layout_kernel(counts_ptr, starts_ptr, block_expert_ptr, E, NUM_BLOCKS, BLOC
         tl.store(block_expert_ptr + b, owner, mask=b < NUM_BLOCKS)  # E past the last used block
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _place_kernel(e_ptr, rank_ptr, starts_ptr, rows_ptr, A, E, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Each pair into its row: its expert's first row plus its rank."""
     pdl.wait(PDL)
@@ -163,7 +163,7 @@ def plan_reference(experts: torch.Tensor, num_experts: int) -> Plan:
     return Plan(rows, block_expert, a, num_experts, tiles)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _expert_gemm_kernel(x_ptr, x_stride, rows_ptr, block_expert_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k,
                         y_ptr, A, N, K, E, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
