@@ -26,6 +26,7 @@ DEVICE = "cuda" if GPU else "cpu"
 pytest.importorskip("triton")
 
 from hyla import Engine  # noqa: E402
+from hyla.engine.cuda_graph import CudaGraphDecode  # noqa: E402
 from hyla.engine.model_runner import ModelRunner  # noqa: E402
 from hyla.model.ops.attention import decode_attention, decode_kv_table  # noqa: E402
 from hyla.model.ops.conv1d import causal_conv1d_update  # noqa: E402
@@ -34,6 +35,7 @@ from hyla.model.ops.gpu.conv1d_decode import causal_conv1d_update_fused  # noqa:
 from hyla.model.ops.gpu.decode_attention import paged_decode_attention  # noqa: E402
 from hyla.model.ops.gpu.gated_delta_decode import gated_delta_decode_fused  # noqa: E402
 from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
+from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs  # noqa: E402
 from test_engine_differential import compare_outputs, differential  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
@@ -495,12 +497,16 @@ def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
                                             for s in specs])
 
 
-def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: CompileKeys | None = None) -> list[dict]:
+def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: CompileKeys | None = None,
+               graphs: int = 0) -> list[dict]:
     """Two waves of requests, the second continuing the first's (prefix cache hits); ``keys``: the
-    second compiles nothing the first did not (``compile_keys``)."""
+    second compiles nothing the first did not (``compile_keys``); ``graphs``: the swapped-in fused
+    runner's decode steps of up to that many requests replay (emulated) CUDA graphs."""
     if fused is not None:  # swap the runner before any request: the other decode path
         engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                               engine.device, cuda_graph=False, fused_decode=fused)
+        if graphs:
+            attach_graphs(engine.scheduler.runner, decode_max_bs=graphs)
     wave1 = _workload(0, engine.model_config.vocab_size, requests)
     out1 = _generate(engine, wave1)
     if keys is not None:
@@ -547,13 +553,25 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
             a = _two_turns(default, None, requests)
             assert default.scheduler.runner.fused == GPU
             assert (default.scheduler.runner.graphs is not None) == GPU
-    # the other side with the overlap schedule (on a GPU the default side has it too: auto)
+    # the other side with the overlap schedule (on a GPU the default side has it too: auto); on the CPU
+    # its decode steps of up to 4 requests replay emulated CUDA graphs (captured for 1, 2 and 4: a step of
+    # 3 pads a row), fed the overlap's device tokens
+    replays = {"n": 0}
     with monkeypatch.context() as m:
         if GPU:  # the PyTorch side sorts MoE layers' experts by expert, as on the CPU
             m.setattr(layers.SparseMoE, "path", lambda self, x: "sorted")
+        else:
+            def counted(self, *args, _run=CudaGraphDecode.replay, **kwargs):
+                replays["n"] += 1
+                return _run(self, *args, **kwargs)
+
+            emulate_cuda_graphs(m)
+            m.setattr(CudaGraphDecode, "replay", counted)
         with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
-            b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m))
+            b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m),
+                           graphs=0 if GPU else 4)
             assert other.get_stats()["num_overlapped_steps"] > 0
+    assert replays["n"] > 0 or GPU
     if GPU and arch == "nemotron_h":
         assert grouped  # decode steps of more than one request (and prefills) ran grouped
     assert gemv_calls  # the in projections of the batch-1 steps
@@ -605,8 +623,8 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     states passed from column to column through ``chain_slots``): the same greedy tokens and
     logprobs as a plain engine with the cache off, with drafts (the reference's, some corrupted)
     accepted whole, in part and not at all, two turns with the prefix cache. On a GPU the verify
-    steps replay their CUDA graphs; without one the kernels run interpreted, on the 2-layer
-    variants, and Gated DeltaNet's conv in a kernel of its own (``FUSE_CONV = False``: the engine
+    steps replay their CUDA graphs; without one those of up to 2 requests replay emulated graphs
+    (``emulated_cuda_graphs``), the kernels run interpreted, on the 2-layer variants, and Gated DeltaNet's conv in a kernel of its own (``FUSE_CONV = False``: the engine
     path of the two kernels stays tested, and the fused one's chains are checked against it
     bitwise in ``test_gated_delta_conv_decode_kernel``; interpreted it costs this test ~6 s)."""
     from hyla.model.ops.gpu import gated_delta_decode
@@ -625,15 +643,17 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     reference = {tuple(w["ids"]): o["output_ids"] for w, o in zip(wave1 + wave2, ref1 + ref2)}
     calls = {"n": 0}
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=5, **opts) as eng:
-        if not GPU:  # the engine's runner there runs the PyTorch ops: a fused one, verify steps as chains
+        if not GPU:  # the engine's runner there runs the PyTorch ops: a fused one, verify steps as chains,
+            # those of up to 2 requests replaying (emulated) CUDA graphs
             eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token, eng.device,
                                                cuda_graph=False, fused_decode=True, verify_width=5)
+            emulate_cuda_graphs(monkeypatch)
+            attach_graphs(eng.scheduler.runner, verify_max_bs=2)
         runner = eng.scheduler.runner
-        assert runner.fused and runner.verify_width == 5 and (runner.verify_graphs is not None) == GPU
+        assert runner.fused and runner.verify_width == 5 and runner.verify_graphs is not None
         _watch_chains(eng, calls, width=None)
         replays = {"n": 0}
-        if GPU:
-            _count_replays(runner.verify_graphs, replays)
+        _count_replays(runner.verify_graphs, replays)
         eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
         keys = None if GPU else record_compile_keys(monkeypatch)
         out = _generate(eng, wave1)
@@ -644,7 +664,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
             assert keys.keys and keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
         eng.wait_idle()
         eng.check_integrity()
-        assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and (replays["n"] > 0) == GPU
+        assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and replays["n"] > 0
         assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in out)
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
@@ -658,47 +678,6 @@ def _count_replays(graphs, replays: dict, method: str = "replay") -> None:
         return real(*args, **kwargs)
 
     setattr(graphs, method, counted)
-
-
-class _EmulatedGraph:
-    """A CUDA graph's contract on the CPU: ``replay`` runs the captured function again and writes
-    its outputs into the tensors the capture returned (what a replay does to the graph's memory)."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
-        for dst, src in [(self.out, new)] if isinstance(new, torch.Tensor) else zip(self.out, new):
-            dst.copy_(src)
-
-    def pool(self):
-        return None
-
-
-def _emulate_cuda_graphs(monkeypatch) -> None:
-    """Without a GPU, ``hyla.engine.cuda_graph``'s classes run on CPU tensors: captures become
-    :class:`_EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only).
-    Their staging of inputs and padding, their choice of graph and their outputs are then tested in
-    CI, with the kernels interpreted; what only CUDA can show (a host read inside a capture) is the
-    GPU run's to find."""
-    from types import SimpleNamespace
-
-    from hyla.engine import cuda_graph
-
-    def capture(fn, stream, pool=None):  # (no warm-up runs: nothing to compile or autotune)
-        out = fn()
-        return _EmulatedGraph(fn, out), out
-
-    class Torch:  # torch, as the module sees it, with torch.cuda's streams and events as no-ops
-        cuda = SimpleNamespace(Stream=lambda *a, **k: None, synchronize=lambda *a, **k: None,
-                               Event=lambda *a, **k: SimpleNamespace(record=lambda: None, synchronize=lambda: None))
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    monkeypatch.setattr(cuda_graph, "capture", capture)
-    monkeypatch.setattr(cuda_graph, "torch", Torch())
 
 
 def _count_calls(obj, methods: tuple[str, ...]) -> dict[str, int]:
@@ -823,7 +802,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
 
     if not GPU:
         monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)  # test_fused_chain_verify_is_exact
-        _emulate_cuda_graphs(monkeypatch)
+        emulate_cuda_graphs(monkeypatch)
     path = request.getfixturevalue("qwen3_5_mtp_path" if GPU else "qwen3_5_short_mtp_path")
     opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=48, max_running_requests=8,
                 speculative_algorithm="mtp", speculative_num_steps=3)
@@ -837,7 +816,7 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
                 old = eng.scheduler.drafter
                 eng.scheduler.drafter = MtpDrafter(eng.mtp_head, eng.kv_pool, eng.state_pool, eng.req_to_token,
                                                    [s for row in old.scratch for s in row], 3, fused=fused)
-                if fused:  # the head's graphs, emulated (_emulate_cuda_graphs): the drafts of two requests and
+                if fused:  # the head's graphs, emulated (emulate_cuda_graphs): the drafts of two requests and
                     # the pairs replay them, the draft of one (the lone second turn) runs the fused kernels eagerly
                     graphs = eng.scheduler.drafter.graphs = CudaGraphMtp(eng.scheduler.drafter, 2)
                     graphs.can_run = lambda batch_size: batch_size == 2

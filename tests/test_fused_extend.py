@@ -24,10 +24,12 @@ DEVICE = "cuda" if GPU else "cpu"
 pytest.importorskip("triton")
 
 from hyla import Engine  # noqa: E402
+from hyla.engine.cuda_graph import CudaGraphExtend  # noqa: E402
 from hyla.engine.model_runner import ModelRunner  # noqa: E402
 from hyla.model.ops.attention import extend_sdpa  # noqa: E402
 from hyla.model.ops.gpu.extend_attention import paged_extend_attention  # noqa: E402
 from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
+from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs  # noqa: E402
 from test_engine_differential import compare_outputs  # noqa: E402
 
 
@@ -90,9 +92,7 @@ def _turns(engine: Engine, seed: int, requests: int, fused_extend: int | None = 
     of up to that many tokens run as fused extends (CPU: interpreted, no graphs). ``keys``: turn 2
     compiles nothing turn 1 did not (``compile_keys``)."""
     if fused_extend is not None:
-        engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
-                                              engine.device, cuda_graph=False, fused_decode=True,
-                                              fused_extend_max_tokens=fused_extend)
+        _fused_runner(engine, fused_extend)
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     system = [rng.randrange(3, vocab) for _ in range(37)]
@@ -164,16 +164,25 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-def _concurrent_turns(engine: Engine, fused_extend: int | None = None) -> list[dict]:
+def _fused_runner(engine: Engine, fused_extend: int, graphs: bool = False) -> None:
+    """Swap in a fused runner whose single-sequence extends of up to ``fused_extend`` tokens run as
+    fused extends: eager, or replaying CUDA graphs (``graphs``; emulated on the CPU:
+    ``emulate_cuda_graphs`` first)."""
+    engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
+                                          engine.device, cuda_graph=False, fused_decode=True,
+                                          fused_extend_max_tokens=fused_extend)
+    if graphs:
+        attach_graphs(engine.scheduler.runner, extends=True)
+
+
+def _concurrent_turns(engine: Engine, fused_extend: int | None = None, graphs: bool = False) -> list[dict]:
     """Two turns of three conversations, each turn one ``generate`` of the three (one prefill batch
     of three sequences): fresh prompts, then each conversation continued from its cached turn."""
     if fused_extend is not None:
-        engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
-                                              engine.device, cuda_graph=False, fused_decode=True,
-                                              fused_extend_max_tokens=fused_extend)
+        _fused_runner(engine, fused_extend, graphs)
     rng = random.Random(3)
     vocab = engine.model_config.vocab_size
-    wave = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 40, 23)]
+    wave = [[rng.randrange(3, vocab) for _ in range(n)] for n in (9, 30, 23)]
     params = {"temperature": 0, "max_new_tokens": 1, "ignore_eos": True}
     outs = engine.generate(input_ids=wave, return_logprob=True, sampling_params=params)
     nxt = [ids + o["output_ids"] + [5, 6, 7] for ids, o in zip(wave, outs)]
@@ -186,10 +195,11 @@ def _concurrent_turns(engine: Engine, fused_extend: int | None = None) -> list[d
 
 @pytest.mark.slow
 def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monkeypatch, few_splits):
-    """A prefill batch of a few sequences (concurrent turns) runs as one fused extend per sequence
-    (on a GPU: one graph replay each), each with its own checkpoints: == the PyTorch extend of the
-    whole batch, token for token, logprobs within 1e-4. Out of the fused path: more sequences than
-    ``EXTEND_MAX_SEQS``."""
+    """A prefill batch of a few sequences (concurrent turns) runs as one fused extend per sequence,
+    each with its own checkpoints, each a graph replay (on the CPU emulated CUDA graphs: the logits
+    of all but the last copied before the next replay; a GPU runs them eager here): == the PyTorch
+    extend of the whole batch, token for token, logprobs within 1e-4. Out of the fused path: more
+    sequences than ``EXTEND_MAX_SEQS``."""
     from hyla.engine import model_runner
 
     path = qwen3_5_short_path
@@ -203,15 +213,22 @@ def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monke
     original = ModelRunner._forward_extends_fused
     monkeypatch.setattr(ModelRunner, "_forward_extends_fused",
                         lambda self, reqs, lens, *args: batches.append(list(lens)) or original(self, reqs, lens, *args))
-    with Engine(path, **opts) as fused:
-        b = _concurrent_turns(fused, fused_extend=64)
+    replays = []
+    monkeypatch.setattr(CudaGraphExtend, "replay",
+                        lambda self, bucket, run=CudaGraphExtend.replay: replays.append(bucket) or run(self, bucket))
+    if not GPU:  # each sequence's fused extend replays an emulated CUDA graph, one after the other in a step
+        emulate_cuda_graphs(monkeypatch)
+    with Engine(path, **opts) as fused:  # up to 32 tokens: the graphs of 16 and 32
+        b = _concurrent_turns(fused, fused_extend=32, graphs=not GPU)
     assert len(batches) == 2 and all(len(lens) == 3 for lens in batches)
+    buckets = sorted(16 if n <= 16 else 32 for lens in batches for n in lens)
+    assert sorted(replays) == (buckets if not GPU else [])
     n = compare_outputs(a, b)
     assert n == sum(len(o["output_ids"]) for o in a)
     batches.clear()  # a batch of more sequences than the bound: the eager extend
     monkeypatch.setattr(model_runner, "EXTEND_MAX_SEQS", 2)
     with Engine(path, **opts) as fused:
-        c = _concurrent_turns(fused, fused_extend=64)
+        c = _concurrent_turns(fused, fused_extend=32)
     assert batches == []
     assert compare_outputs(a, c) == sum(len(o["output_ids"]) for o in a)
 

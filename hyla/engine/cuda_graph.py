@@ -68,7 +68,9 @@ def host_buffer(*shape: int, device: torch.device) -> torch.Tensor:
 
 def capture(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """``fn()`` run twice on ``stream`` (Triton compiles, cuBLAS picks its kernels), then captured
-    in a CUDA graph in memory ``pool`` -> ``(graph, the output its replays write)``."""
+    in a CUDA graph in memory ``pool`` -> ``(graph, the output its replays write)``. ``fn`` has its
+    inputs bound (``functools.partial``), never a loop variable's latest value: the CPU tests'
+    emulated graphs run it again at every replay (``tests/emulated_cuda_graphs.py``)."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
@@ -97,8 +99,7 @@ class CudaGraphDecode:
         self.inputs.copy_(self.padding[:, None].expand(-1, rows))
         # a verify step's chain slots (padded requests: -1, no read, no write)
         self.chain = torch.full((width + 1, self.max_bs), -1, dtype=torch.long, device=dev) if width > 1 else None
-        self.chain_host = torch.full((width + 1, self.max_bs), -1, dtype=torch.long).pin_memory() \
-            if width > 1 else None
+        self.chain_host = host_buffer(width + 1, self.max_bs, device=dev).fill_(-1) if width > 1 else None
         self._copied = torch.cuda.Event()  # the last host -> device copy (the host buffer is reused)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -113,7 +114,7 @@ class CudaGraphDecode:
             batch = self.runner.fused_batch(*(self.inputs[j, :rows] for j in range(len(FIELDS))),
                                             chain_slots=self.chain[:, :bs] if self.chain is not None else None,
                                             return_hidden=self.runner.return_hidden)
-            graph, self.outputs[bs] = capture(lambda: self.runner.decode_fused_step(batch), stream, pool)
+            graph, self.outputs[bs] = capture(functools.partial(self.runner.decode_fused_step, batch), stream, pool)
             pool = graph.pool()
             self.graphs[bs] = graph
         self.pool = pool
@@ -258,7 +259,7 @@ class CudaGraphExtend:
             self.inputs.fill([0] * bucket, range(bucket), torch.zeros(bucket, dtype=torch.long), bucket, 0,
                              runner.pad_row, [])
             batch = self.inputs.batch(bucket)
-            graph, self.outputs[bucket] = capture(lambda: runner.model.forward_unchecked(batch), stream, pool)
+            graph, self.outputs[bucket] = capture(functools.partial(runner.model.forward_unchecked, batch), stream, pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
         self.pool = pool

@@ -1,0 +1,73 @@
+"""CUDA graphs on the CPU: ``hyla.engine.cuda_graph``'s classes tested in CI.
+
+The graphs' host side (the inputs staged into static buffers, the padding rows, the graph chosen
+for a batch size or token count, the outputs sliced) only runs where a GPU captures graphs. Here a
+capture becomes an :class:`EmulatedGraph` whose replay runs the captured function again into the
+captured outputs, and ``torch.cuda``'s streams and events become no-ops for that module only; with
+the kernels interpreted (``TRITON_INTERPRET=1``) an engine then serves from "graphs" on the CPU.
+``ModelRunner`` captures none off CUDA: :func:`attach_graphs` gives a fused runner the graphs a
+GPU's would have.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class EmulatedGraph:
+    """A CUDA graph's contract on the CPU: ``replay`` runs the captured function again and writes
+    its outputs into the tensors the capture returned (what a replay does to the graph's memory)."""
+
+    def __init__(self, fn, out):
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
+        for dst, src in [(self.out, new)] if isinstance(new, torch.Tensor) else zip(self.out, new):
+            dst.copy_(src)
+
+    def pool(self):
+        return None
+
+
+def emulate_cuda_graphs(monkeypatch) -> None:
+    """Without a GPU, ``hyla.engine.cuda_graph``'s classes run on CPU tensors: captures become
+    :class:`EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only).
+    Their staging of inputs and padding, their choice of graph and their outputs are then tested in
+    CI, with the kernels interpreted; what only CUDA can show (a host read inside a capture) is the
+    GPU run's to find."""
+    from types import SimpleNamespace
+
+    from hyla.engine import cuda_graph
+
+    def capture(fn, stream, pool=None):  # (no warm-up runs: nothing to compile or autotune)
+        out = fn()
+        return EmulatedGraph(fn, out), out
+
+    class Torch:  # torch, as the module sees it, with torch.cuda's streams and events as no-ops
+        cuda = SimpleNamespace(Stream=lambda *a, **k: None, synchronize=lambda *a, **k: None,
+                               Event=lambda *a, **k: SimpleNamespace(record=lambda: None, synchronize=lambda: None))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    monkeypatch.setattr(cuda_graph, "capture", capture)
+    monkeypatch.setattr(cuda_graph, "torch", Torch())
+
+
+def attach_graphs(runner, decode_max_bs: int = 0, verify_max_bs: int = 0, extends: bool = False) -> None:
+    """Capture (emulated: :func:`emulate_cuda_graphs` first) what ``ModelRunner`` captures on CUDA, for
+    a fused runner built on the CPU: decode steps up to ``decode_max_bs`` requests, verify steps of
+    chains up to ``verify_max_bs`` (its ``verify_width``), and extends of one sequence at its token
+    counts (``fused_extend_max_tokens``)."""
+    from hyla.engine.cuda_graph import CudaGraphDecode, CudaGraphExtend
+
+    if not runner.fused:
+        raise ValueError("graphs capture the fused step: a runner with fused_decode=True")
+    if decode_max_bs:
+        runner.graphs = CudaGraphDecode(runner, decode_max_bs)
+    if verify_max_bs:
+        runner.verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width)
+    if extends:
+        runner.extend_graphs = CudaGraphExtend(runner, runner._extend_buckets)
+        runner.extend_inputs = runner.extend_graphs.inputs
