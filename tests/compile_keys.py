@@ -25,6 +25,8 @@ from collections import defaultdict
 
 
 class CompileKeys:
+    """The compile keys of the launches :func:`record_compile_keys` saw, per kernel."""
+
     def __init__(self) -> None:
         self.keys: dict[str, set[tuple]] = defaultdict(set)  # kernel -> (constexprs, runtime specialization)
         self.before: dict[str, set[tuple]] | None = None
