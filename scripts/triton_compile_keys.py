@@ -39,6 +39,7 @@ def main() -> None:
     import hyla.model.ops.gpu as gpu_ops
     from compile_keys import record_compile_keys
     from hyla import Engine
+    from hyla.model.layers import SparseMoE
 
     short = dict(num_hidden_layers=2)
     make = {"qwen3_5": lambda d: checkpoints.make_qwen3_5(d, mtp=args.speculative == "mtp", **short,
@@ -52,6 +53,7 @@ def main() -> None:
     path = make(Path(tmp.name))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gpu_ops, "available", lambda device: True)  # the fused path (CUDA's) on the CPU
+        mp.setattr(SparseMoE, "path", lambda self, x: "grouped")  # MoE experts as on a GPU (moe.expert_gemm)
         keys = record_compile_keys(mp)
         opts = dict(device="cpu", dtype="float32", max_total_tokens=8192, max_state_slots=48, max_running_requests=8)
         if args.speculative:

@@ -53,6 +53,12 @@ class CompileKeys:
             table[kernel] = (len(keys), len(by_consts), varied)
         return table
 
+    def assert_no_new_variants(self) -> None:
+        """Launches were recorded, and none since :meth:`mark` would compile anew on a GPU."""
+        assert self.keys, "no Triton launch recorded"
+        new = self.new_variants()
+        assert not new, f"launches since the warm-up would compile anew on a GPU: {new}"
+
     def new_variants(self) -> dict[str, list[str]]:
         """Per kernel, each argument whose specialization made a key new since :meth:`mark`, where the
         kernel had been launched with the same constexprs before it (``{}``: none)."""

@@ -514,8 +514,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
     wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 4} for w, o in zip(wave1, out1)]
     out2 = _generate(engine, wave2)
     if keys is not None:
-        assert keys.keys, "no launch recorded"
-        assert keys.new_variants() == {}, "launches the second turn would compile anew on a GPU"
+        keys.assert_no_new_variants()
     engine.wait_idle()
     engine.check_integrity()
     return out1 + out2
@@ -624,8 +623,9 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     logprobs as a plain engine with the cache off, with drafts (the reference's, some corrupted)
     accepted whole, in part and not at all, two turns with the prefix cache. On a GPU the verify
     steps replay their CUDA graphs; without one those of up to 2 requests replay emulated graphs
-    (``emulated_cuda_graphs``), the kernels run interpreted, on the 2-layer variants, and Gated DeltaNet's conv in a kernel of its own (``FUSE_CONV = False``: the engine
-    path of the two kernels stays tested, and the fused one's chains are checked against it
+    (``emulated_cuda_graphs``), the kernels run interpreted, on the 2-layer variants, and Gated
+    DeltaNet's conv in a kernel of its own (``FUSE_CONV = False``: the engine path of the two
+    kernels stays tested, and the fused one's chains are checked against it
     bitwise in ``test_gated_delta_conv_decode_kernel``; interpreted it costs this test ~6 s)."""
     from hyla.model.ops.gpu import gated_delta_decode
     from test_engine_speculative import OracleDrafter, _watch_chains
@@ -661,7 +661,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
             keys.mark()
         out += _generate(eng, wave2)
         if keys is not None:
-            assert keys.keys and keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
+            keys.assert_no_new_variants()
         eng.wait_idle()
         eng.check_integrity()
         assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and replays["n"] > 0
@@ -780,7 +780,7 @@ def _two_turns_mtp(engine: Engine, wave1: list[dict], keys: CompileKeys | None =
     out += _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
                               for i, (w, o) in enumerate(zip(wave1, out))])
     if keys is not None:
-        assert keys.keys and keys.new_variants() == {}, "launches of turn 2 would compile anew on a GPU"
+        keys.assert_no_new_variants()
     return out
 
 
