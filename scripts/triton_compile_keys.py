@@ -41,12 +41,10 @@ def main() -> None:
     from hyla import Engine
     from hyla.model.layers import SparseMoE
 
-    short = dict(num_hidden_layers=2)
-    make = {"qwen3_5": lambda d: checkpoints.make_qwen3_5(d, mtp=args.speculative == "mtp", **short,
-                                                          layer_types=["linear_attention", "full_attention"]),
-            "qwen3_5_moe": lambda d: checkpoints.make_qwen3_5_moe(d, **short,
-                                                                  layer_types=["linear_attention", "full_attention"]),
-            "bamba": lambda d: checkpoints.make_bamba(d, **short, attn_layer_indices=[1])}[args.model]
+    short = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])  # as tests/conftest.py's
+    make = {"qwen3_5": lambda d: checkpoints.make_qwen3_5(d, mtp=args.speculative == "mtp", **short),
+            "qwen3_5_moe": lambda d: checkpoints.make_qwen3_5_moe(d, **short),
+            "bamba": lambda d: checkpoints.make_bamba(d, num_hidden_layers=2, attn_layer_indices=[1])}[args.model]
     if args.speculative == "mtp" and args.model != "qwen3_5":
         ap.error("--speculative mtp: the qwen3_5 model (its checkpoint has an MTP head)")
     tmp = tempfile.TemporaryDirectory(prefix="hyla-compile-keys-")

@@ -26,7 +26,6 @@ DEVICE = "cuda" if GPU else "cpu"
 pytest.importorskip("triton")
 
 from hyla import Engine  # noqa: E402
-from hyla.engine.cuda_graph import CudaGraphDecode  # noqa: E402
 from hyla.engine.model_runner import ModelRunner  # noqa: E402
 from hyla.model.ops.attention import decode_attention, decode_kv_table  # noqa: E402
 from hyla.model.ops.conv1d import causal_conv1d_update  # noqa: E402
@@ -498,15 +497,17 @@ def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
 
 
 def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: CompileKeys | None = None,
-               graphs: int = 0) -> list[dict]:
+               graphs: int = 0, replays: dict | None = None) -> list[dict]:
     """Two waves of requests, the second continuing the first's (prefix cache hits); ``keys``: the
     second compiles nothing the first did not (``compile_keys``); ``graphs``: the swapped-in fused
-    runner's decode steps of up to that many requests replay (emulated) CUDA graphs."""
+    runner's decode steps of up to that many requests replay (emulated) CUDA graphs, counted in
+    ``replays`` (:func:`_count_replays`)."""
     if fused is not None:  # swap the runner before any request: the other decode path
         engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                               engine.device, cuda_graph=False, fused_decode=fused)
         if graphs:
             attach_graphs(engine.scheduler.runner, decode_max_bs=graphs)
+            _count_replays(engine.scheduler.runner.graphs, replays)
     wave1 = _workload(0, engine.model_config.vocab_size, requests)
     out1 = _generate(engine, wave1)
     if keys is not None:
@@ -560,15 +561,10 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
         if GPU:  # the PyTorch side sorts MoE layers' experts by expert, as on the CPU
             m.setattr(layers.SparseMoE, "path", lambda self, x: "sorted")
         else:
-            def counted(self, *args, _run=CudaGraphDecode.replay, **kwargs):
-                replays["n"] += 1
-                return _run(self, *args, **kwargs)
-
             emulate_cuda_graphs(m)
-            m.setattr(CudaGraphDecode, "replay", counted)
         with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
             b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m),
-                           graphs=0 if GPU else 4)
+                           graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
     assert replays["n"] > 0 or GPU
     if GPU and arch == "nemotron_h":
