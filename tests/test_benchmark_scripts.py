@@ -10,7 +10,8 @@ two worker processes, here one checkout against itself), ``cache_pressure.py`` (
 seed, its ``--replay`` and its ``--timing``), ``cpu_model_size.py`` (its tiny model, both
 thread counts, the unsplit side at both), ``cpu_gemm.py`` (the tiny model's weights, every path
 where it applies) and ``cpu_moe.py`` (its tiny model, the eager engine against transformers: the
-compiled side's start-up is minutes). ``recurrent_tiles.py`` is left out (minutes in the interpreter);
+compiled side's start-up is minutes); ``startup.py``'s measurement runs in this process.
+``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
 
@@ -178,3 +179,14 @@ def test_cache_pressure_reports_every_configuration_replays_and_times_the_hold()
     assert {r[1].strip(): r[2].strip() for r in rows} == lost  # without a model, the engine's own lost shares
     out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--timing", "1")
     assert "protect_waiting_prefixes on" in out and "on / off" in out
+
+
+def test_startup_measures_the_first_requests_of_a_process():
+    """``startup.py``'s measurement, in this process (the script runs it in a fresh process per
+    repeat): every phase timed, the cached requests hit exactly the cached prefix (it raises
+    otherwise), the warm-up ran."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.startup import PHASES, measure
+
+    out = measure(None, "cpu", "float32", "on", prompt=64, cached=48)
+    assert set(out) == set(PHASES) and all(v > 0 for v in out.values())

@@ -172,6 +172,7 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(page_size=0), "page_size"),
     (dict(dtype="float64"), "dtype"),
     (dict(schedule_policy="random"), "schedule_policy"),
+    (dict(warmup="yes"), "warmup"),
     (dict(state_memory_ratio=0), "state_memory_ratio"),
     (dict(max_state_slots=4, max_running_requests=4), "max_running_requests"),
     (dict(chunked_prefill_size=8, page_size=16), "chunked_prefill_size"),

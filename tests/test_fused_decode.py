@@ -546,7 +546,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     monkeypatch.setattr(moe, "plan", lambda e, n, run=moe.plan: grouped.append(e.shape[0]) or run(e, n))
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     requests = 7 if GPU else 5  # interpreted (CPU), the fused side costs ~4 s a request
-    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    # (no warm-up on a GPU: its steps would count as the test's GEMV and grouped calls)
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
     with monkeypatch.context() as m:
         m.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers: batch-1 steps gathered, larger ones grouped
         with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch

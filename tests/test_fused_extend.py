@@ -143,7 +143,8 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     requests = 2 if arch == "qwen3_5_moe" and not GPU else 3  # interpreted, its grouped experts cost ~4 s a request
-    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    # (no warm-up on a GPU: its extends would count as the test's)
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4, warmup="off")
     with monkeypatch.context() as m, Engine(path, **opts) as plain:
         if GPU:  # the PyTorch extend: no fused runner, MoE experts sorted by expert (as on the CPU)
             plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
@@ -247,7 +248,8 @@ def test_engine_bf16_extend_graphs_match_eager(arch, request, monkeypatch):
     replays = []
     original = CudaGraphExtend.replay
     monkeypatch.setattr(CudaGraphExtend, "replay", lambda self, bucket: replays.append(bucket) or original(self, bucket))
-    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=4,
+                warmup="off")  # its replays would count as the test's
     with Engine(path, **opts) as graphs:
         assert graphs.scheduler.runner.extend_graphs is not None
         a = _turns(graphs, 0, 3) + _concurrent_turns(graphs)

@@ -51,6 +51,8 @@ def test_flags_reach_the_engine_options():
     assert (args.model_path, args.host, args.port, args.api_key, args.served_model_name) == (
         "/models/x", "0.0.0.0", 8080, "k", "m")
     EngineArgs(model_path=args.model_path, **opts)  # a valid EngineArgs
+    assert cli.engine_options(_parse(["--skip-server-warmup"]))["warmup"] == "off"  # SGLang's flag
+    assert cli.engine_options(_parse(["--warmup", "on"]))["warmup"] == "on"
 
 
 def test_help_explains_every_flag(capsys):
@@ -69,6 +71,7 @@ def test_help_explains_every_flag(capsys):
     (["--page-size", "0"], "page_size"),
     (["--dtype", "int3"], "dtype"),
     (["--state-memory-ratio", "-0.5"], "state_memory_ratio"),
+    (["--warmup", "always"], "warmup"),
     (["--model", "/no/such/dir"], "config.json"),
     (["--port", "70000"], "--port"),
     (["--max-request-bytes", "0"], "--max-request-bytes"),

@@ -5,6 +5,7 @@ are aborted and every pool slot comes back)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -246,6 +247,27 @@ def test_non_streaming_client_disconnect_aborts_its_request(server):
     assert_pools_clean(engine)
 
 
+def test_flush_cache_is_200_when_idle_and_409_while_a_request_runs(server):
+    engine = _engine(server)
+    body = {"input_ids": list(range(40, 100)), "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    _post(server, "/generate", json=body)
+    assert _post(server, "/generate", json=body).json()["meta_info"]["cached_tokens"] > 0
+    resp = _post(server, "/flush_cache")
+    assert resp.status_code == 200 and resp.json()["status"] == "ok"
+    assert engine.tree.total_size() == 0
+    assert _post(server, "/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
+    long = {**body, "stream": True, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with httpx.stream("POST", server.url + "/generate", json=long, timeout=60) as running:
+        lines = running.iter_lines()  # (kept: a dropped iterator closes the stream, which aborts the request)
+        next(lines)
+        err = _assert_error(_post(server, "/flush_cache"), 409, "invalid_request_error")
+        assert err["code"] == "engine_busy"
+        assert json.loads([line for line in lines if line][-2][len("data: "):])["meta_info"]["completion_tokens"] == 1000
+    wait_until_idle(engine)
+    assert_pools_clean(engine)
+    assert 'route="/flush_cache"' in httpx.get(server.url + "/metrics").text
+
+
 # --------------------------------------------------------------------------------------------
 # 401: API key
 # --------------------------------------------------------------------------------------------
@@ -259,6 +281,8 @@ def test_api_key(model_dir):
             resp = _post(srv, "/v1/chat/completions", json=body, headers={"Authorization": header})
             _assert_error(resp, 401, "authentication_error")
         _assert_error(_post(srv, "/generate", json={"text": "x"}), 401, "authentication_error")
+        _assert_error(_post(srv, "/flush_cache"), 401, "authentication_error")
+        assert _post(srv, "/flush_cache", headers={"Authorization": f"Bearer {key}"}).json()["status"] == "ok"
         _assert_error(_post(srv, "/v1/completions", json={"model": MODEL, "prompt": "x"}), 401, "authentication_error")
         _assert_error(httpx.get(srv.url + "/v1/models"), 401, "authentication_error")
         assert httpx.get(srv.url + "/health").status_code == 200  # open for load balancers

@@ -748,11 +748,16 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def reset(self) -> None:
-        """Free every slot the tree holds and empty it. ValueError while any node is locked."""
-        if self._protected or any(node.state_lock for node in self.nodes()):
+        """Free every slot the tree holds and empty it (a ledger records each node as removed, how
+        "reset"). ValueError while any node is locked."""
+        nodes = list(self.nodes())
+        if self._protected or any(node.state_lock for node in nodes):
             raise ValueError("reset() while requests hold locks on the tree")
-        kv_out = [node.value for node in self.nodes()]
-        state_out = [node.state for node in self.nodes() if node.state is not None]
+        if self.ledger is not None:
+            for node in nodes:
+                self.ledger.removed(node, kv=True, how="reset")
+        kv_out = [node.value for node in nodes]
+        state_out = [node.state for node in nodes if node.state is not None]
         self._release(kv_out, state_out)
         self._init_tree()
 

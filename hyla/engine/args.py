@@ -12,6 +12,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
+WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 
 
@@ -89,6 +90,11 @@ class EngineArgs:
                                          "the host's per-step work runs while the device computes (SGLang's "
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
                                          "on where decode steps replay CUDA graphs, without speculation; 'on', 'off'.")
+    warmup: str = _opt("auto", "Before serving, run a few requests through the engine (a long cold prompt, its "
+                               "cached next turn, a batch of short prompts with every sampler path), then empty "
+                               "the cache and zero the counters, so that the first user request does not pay for "
+                               "compiles and autotuning (SGLang's server warm-up). 'auto' = on a GPU; 'on', 'off' "
+                               "(docs/engine.md).")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after a minute or two of compilation at every start-up (docs/benchmarks.md); "
                                        "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too, "
@@ -108,6 +114,8 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.overlap_schedule not in OVERLAP_MODES:
             raise ValueError(f"overlap_schedule must be one of {OVERLAP_MODES}, got {self.overlap_schedule!r}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {WARMUP_MODES}, got {self.warmup!r}")
         if self.schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {self.schedule_policy!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):

@@ -415,6 +415,20 @@ class CacheManager:
         self.num_reserved_tokens += tokens
         return slots
 
+    def flush(self) -> tuple[int, int]:
+        """Empty the tree: every cached prefix's KV slots and state checkpoints back to their pools
+        (a ledger records them as removed, "reset", for "flush_cache"). Between requests only: no
+        waiting request's hit held, no node locked (ValueError otherwise). Returns the KV tokens and
+        the checkpoints dropped."""
+        if self._holds:
+            raise ValueError(f"flush() while {len(self._holds)} waiting requests' hits are held")
+        if self.tree is None:
+            return 0, 0
+        dropped = self.tree.total_size(), self.tree.num_checkpoints()
+        with self._because("flush_cache"):
+            self.tree.reset()
+        return dropped
+
     def free_checkpoints(self, ckpts: StepCheckpoints) -> None:
         """A failed step: return checkpoint slots the tree never received."""
         if ckpts.forward:

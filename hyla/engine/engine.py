@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 import zlib
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +44,7 @@ from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter
+from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.mtp import MtpHead, mtp_cache_layout
@@ -93,6 +95,13 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
         self._thread.start()
         logger.info("%s", self.summary())
+        self.warmup_stats: dict[str, Any] | None = None  # what the warm-up ran (warmup.warm_up); None: none
+        if warmup_enabled(self.args.warmup, self.device.type):
+            try:
+                self.warmup_stats = warm_up(self)
+            except BaseException:
+                self.shutdown()
+                raise
 
     # ------------------------------------------------------------------------------------------
     # set-up
@@ -375,6 +384,14 @@ class Engine:
         self._inbox.put(("abort", rid))
         self._wakeup.set()
 
+    def flush_cache(self, timeout: float = 60.0) -> bool:
+        """Empty the prefix cache: every cached prefix's KV and state checkpoints go back to the
+        pools, so that the next request computes its whole prompt (a cold measurement, a fresh start
+        for a study). It runs on the scheduler thread between steps, and only while no request is
+        waiting or running, those submitted before the call included (SGLang's ``flush_cache``):
+        otherwise it returns False and changes nothing. The counters of ``get_stats`` go on."""
+        return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
+
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for logs and /metrics (read without locking: approximate)."""
         s, out, cache = self.scheduler, self.scheduler.output, self.cache
@@ -618,6 +635,23 @@ class Engine:
                     self.scheduler.add_request(req)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
+            elif cmd == "call":
+                fn, result = arg
+                try:
+                    result.set_result(fn())
+                except Exception as exc:
+                    result.set_exception(exc)
+
+    def _on_scheduler_thread(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """``fn()`` run on the scheduler thread between steps, after everything submitted before
+        (the inbox is one queue); its result, or its exception raised here."""
+        result: Future = Future()
+        with self._inbox_lock:
+            if self._stopped:
+                raise RuntimeError("the engine has been shut down")
+            self._inbox.put(("call", (fn, result)))
+        self._wakeup.set()
+        return result.result(timeout)
 
 
 def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tuple]:

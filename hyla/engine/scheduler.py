@@ -129,15 +129,19 @@ class Scheduler:
             k = drafter.num_draft
             slots = cache.reserve_states(config.max_running_requests * k) if k else []
             self.scratch = [slots[i * k:(i + 1) * k] for i in range(config.max_running_requests)]
-        self.num_verify_steps = 0
-        self.num_accepted_tokens = 0  # draft tokens accepted
-        self.num_fed_tokens = 0  # tokens verify steps fed (last sampled + drafts), summed over requests
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
         # the overlap schedule: a decode step launched, its logits not yet sampled
         self.inflight: tuple[Batch, torch.Tensor] | None = None
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
-        # counters (the cache manager and the output processor keep their own)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Zero every counter ``Engine.get_stats`` reports: the scheduler's (set here), the output
+        processor's and the cache manager's (the engine's warm-up is not the user's traffic)."""
+        self.num_verify_steps = 0
+        self.num_accepted_tokens = 0  # draft tokens accepted
+        self.num_fed_tokens = 0  # tokens verify steps fed (last sampled + drafts), summed over requests
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_retractions = 0
@@ -146,6 +150,8 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         self._decode_tokens_since_log = 0
         self._last_log_time = time.monotonic()
+        self.output.num_generated_tokens = self.output.num_requests_finished = 0
+        self.cache.num_evicted_tokens = self.cache.num_evicted_states = 0
 
     # ------------------------------------------------------------------------------------------
     # the step
@@ -371,6 +377,17 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.inflight)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (``CacheManager.flush``) and the admission heuristic's memory of
+        past steps, only while no request is waiting, running or in flight (SGLang's
+        ``flush_cache``): False then, and nothing changes."""
+        if self.has_work():
+            return False
+        tokens, states = self.cache.flush()
+        self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
+        logger.info("flush_cache: dropped %d cached KV tokens and %d state checkpoints", tokens, states)
+        return True
 
     @property
     def num_running(self) -> int:

@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"Address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
     parser.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1/* and /generate (default: no key).")
+                        help="Require 'Authorization: Bearer KEY' on /v1/*, /generate and /flush_cache (default: no key).")
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")
@@ -86,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             shown = "" if default is None else f" (default: {default})"  # None: the help says what happens
             group.add_argument(flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
                                help=help_text + shown)
+    group.add_argument("--skip-server-warmup", dest="warmup", action="store_const", const="off",
+                       help="--warmup off (SGLang's flag).")  # after --warmup: its default is the dest's
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

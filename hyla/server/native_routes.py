@@ -1,10 +1,13 @@
-"""SGLang's native API: ``POST /generate``.
+"""SGLang's native API: ``POST /generate`` and ``POST /flush_cache``.
 
 A request, top-down: one job per prompt (``text`` or ``input_ids``, one or a list), each with its
 own ``sampling_params``, ``rid`` and ``checkpoints`` when lists are given; start them as one
 ``Generation``; answer ``{"text", "output_ids", "meta_info"}`` per job (a list for a batch). A
 stream (single requests only) sends, as SGLang does, the **cumulative** text, ids and meta_info
 of the request in each event, then ``[DONE]``.
+
+``/flush_cache`` empties the prefix cache (``Engine.flush_cache``) while no request runs or
+waits: ``{"status": "ok"}``, else a 409 (``engine_busy``) and nothing changes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class NativeRoutes:
     def router(self) -> APIRouter:
         router = APIRouter()
         router.post("/generate")(self.generate)
+        router.post("/flush_cache")(self.flush_cache)
         return router
 
     async def _tokenized(self, jobs: list[Job]) -> list[Job]:
@@ -55,6 +59,13 @@ class NativeRoutes:
             return gen.stream(_events(gen))
         outs = [_output(c) for c in await gen.collect(request)]
         return JSONResponse(outs[0] if body.is_single() else outs)
+
+    async def flush_cache(self) -> Response:
+        engine = self.server.admit()
+        if not await asyncio.to_thread(engine.flush_cache):
+            raise APIError(409, "the cache was not flushed: requests are running or waiting (retry when the "
+                                "server is idle)", code="engine_busy")
+        return JSONResponse({"status": "ok", "message": "cache flushed"})
 
 
 def _output(choice: Choice) -> dict[str, Any]:
