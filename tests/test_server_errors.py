@@ -256,13 +256,13 @@ def test_flush_cache_is_200_when_idle_and_409_while_a_request_runs(server):
     assert resp.status_code == 200 and resp.json()["status"] == "ok"
     assert engine.tree.total_size() == 0
     assert _post(server, "/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
-    long = {**body, "stream": True, "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    long = {**body, "stream": True, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
     with httpx.stream("POST", server.url + "/generate", json=long, timeout=60) as running:
         lines = running.iter_lines()  # (kept: a dropped iterator closes the stream, which aborts the request)
         next(lines)
         err = _assert_error(_post(server, "/flush_cache"), 409, "invalid_request_error")
         assert err["code"] == "engine_busy"
-        assert json.loads([line for line in lines if line][-2][len("data: "):])["meta_info"]["completion_tokens"] == 1000
+        assert json.loads([line for line in lines if line][-2][len("data: "):])["meta_info"]["completion_tokens"] == 100
     wait_until_idle(engine)
     assert_pools_clean(engine)
     assert 'route="/flush_cache"' in httpx.get(server.url + "/metrics").text

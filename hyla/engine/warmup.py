@@ -1,11 +1,12 @@
 """The start-up warm-up: a few requests through the whole engine before it serves anyone, so that
 the first user request does not pay what a first run costs. On a GPU that is Triton's compiles and
 fla's autotuning of the eager prefill's kernels, seconds of them (a CUDA graph's capture compiles
-only the kernels it captures); on CPU, ~70 ms of first-touch work (docs/benchmarks.md, "Engine
+only the kernels it captures); on CPU, ~50-130 ms of first-touch work (docs/benchmarks.md, "Engine
 start-up: the warm-up"). SGLang's server sends one warm-up request (``--skip-server-warmup``);
 vLLM's model runner runs dummy batches before it serves.
 
-The requests (input ids from a fixed seed, ``ignore_eos``, ``GEN_TOKENS`` new tokens each), through
+The requests (input ids from a fixed seed, ``ignore_eos``, ``GEN_TOKENS`` new tokens each, fewer
+in a context under 32 tokens), through
 the public API and the scheduler, as a user's would go:
 
 1. a cold prompt as long as the longest prefill step (``chunked_prefill_size`` tokens, and at
@@ -69,26 +70,30 @@ def warm_up(engine: "Engine") -> dict[str, Any]:
     def prompt(n: int) -> list[int]:
         return [rng.choice(tokens) for _ in range(n)]
 
-    # what one request may hold: the context (with its new tokens), and a third of the free KV
-    # (the first prompt stays cached while its next turn runs)
-    room = min(engine.context_length, engine.kv_pool.available_size() // 3) - GEN_TOKENS
+    # the longest prompt one request may have: the context less its new tokens, and a third of the
+    # free KV (the first prompt stays cached while its next turn runs)
+    gen = max(1, min(GEN_TOKENS, engine.context_length // 4))
+    room = min(engine.context_length, engine.kv_pool.available_size() // 3) - gen
     graphs = engine.args.cuda_graph_max_extend_tokens if not engine.args.disable_cuda_graph else 0
     long_len = max(engine.args.chunked_prefill_size, graphs + LONG_PROMPT_PAST_GRAPHS if graphs else 0)
-    long_len = max(1, min(long_len, room - TURN_TOKENS - GEN_TOKENS))
-    greedy = {"max_new_tokens": GEN_TOKENS, "ignore_eos": True, "temperature": 0.0}
+    long_len = max(1, min(long_len, room - gen - TURN_TOKENS))
+    greedy = {"max_new_tokens": gen, "ignore_eos": True, "temperature": 0.0}
     lens = [max(1, min(n, room)) for n in SHORT_PROMPTS][:engine.max_running_requests]
 
     first = prompt(long_len)
     out = engine.generate(input_ids=first, sampling_params=greedy, rid="warmup-0")
-    turn = first + out["output_ids"] + prompt(max(1, min(TURN_TOKENS, room - len(first) - GEN_TOKENS)))
-    engine.generate(input_ids=turn, sampling_params=greedy, rid="warmup-1")
+    turn = first + out["output_ids"]
+    turn += prompt(max(0, min(TURN_TOKENS, room - len(turn))))
+    prompts = [first, turn] if len(turn) <= room else [first]  # (a tiny context: no next turn)
+    if len(prompts) == 2:
+        engine.generate(input_ids=turn, sampling_params=greedy, rid="warmup-1")
     engine.generate(input_ids=[prompt(n) for n in lens],
                     sampling_params=[{**greedy, **SHORT_SAMPLING[i % len(SHORT_SAMPLING)]} for i in range(len(lens))],
                     return_logprob=True, rid=[f"warmup-{2 + i}" for i in range(len(lens))])
     if not engine.flush_cache():
         raise RuntimeError("the engine is still busy after its warm-up's requests returned")
     engine.scheduler.reset_stats()  # idle: the scheduler thread runs no step until the next request
-    ran = {"requests": 2 + len(lens), "prompt_tokens": len(first) + len(turn) + sum(lens),
+    ran = {"requests": len(prompts) + len(lens), "prompt_tokens": sum(map(len, prompts)) + sum(lens),
            "seconds": time.perf_counter() - start}
     logger.info("warm-up: %d requests (%d prompt tokens) in %.2f s; cache flushed, counters zeroed",
                 ran["requests"], ran["prompt_tokens"], ran["seconds"])
