@@ -76,6 +76,14 @@ def _make_app(log: list[dict]) -> FastAPI:
         finally:
             state["in_flight"] -= 1
 
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if state["in_flight"]:
+            return JSONResponse({"error": "busy"}, status_code=409)
+        seen.clear()
+        state["flushes"] = state.get("flushes", 0) + 1
+        return {"status": "ok"}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
@@ -244,6 +252,24 @@ def test_cli_writes_output_file(server, tmp_path, capsys):
     assert record["config"]["model"] == "stub-model"  # no --model: the server's first listed model
 
 
+def test_flush_cache_empties_the_server_cache_before_the_run(server, capsys):
+    """``--flush-cache``: the same workload twice hits the first run's prefixes unless the server's
+    cache is flushed first; a server that refuses is an error (exit 2), not a run."""
+    base_url, _, counters = server
+    argv = ["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "3", "--random-input-len", "8",
+            "--random-output-len", "2", "--max-concurrency", "1", "--disable-tqdm"]
+
+    def cached() -> float:
+        return float(capsys.readouterr().out.split("Server cache hit rate:")[1].split("%")[0])
+
+    assert hyla_main(argv) == 0
+    first = cached()
+    assert hyla_main(argv) == 0 and cached() > first  # the second run hits the first one's prompts
+    assert hyla_main(argv + ["--flush-cache"]) == 0 and cached() == first and counters["flushes"] == 1
+    assert hyla_main(argv[:2] + ["http://127.0.0.1:9/"] + argv[3:] + ["--model", "m", "--flush-cache"]) == 2
+    assert "could not flush the cache" in capsys.readouterr().err
+
+
 def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkeypatch):
     """``hyla bench --help`` (issue 13): every option is listed with a line of help that states its default."""
     import argparse
@@ -258,7 +284,7 @@ def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkey
     parser = argparse.ArgumentParser(prog="hyla bench")
     bench_cli.add_arguments(parser)
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 19
+    assert len(options) == 20
     for action in options:
         flag = max(action.option_strings, key=len)
         assert flag in out

@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "lists).")
     server.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="Per-request timeout; a request past it counts as failed (default: %(default)s).")
+    server.add_argument("--flush-cache", action="store_true",
+                        help="POST /flush_cache before the run (hyla's and SGLang's servers), so that it starts "
+                             "from an empty prefix cache: a second run of a workload would otherwise hit the "
+                             "first run's prefixes (default: off).")
 
     data = parser.add_argument_group("workload")
     data.add_argument("--dataset", choices=("sharegpt", "random"), default="sharegpt",
@@ -85,6 +89,16 @@ def served_model(base_url: str, timeout: float) -> str:
         raise ValueError(f"could not read the model name from {base_url}/v1/models ({e}); pass --model") from e
 
 
+def flush_cache(base_url: str, timeout: float) -> None:
+    """Empty the server's prefix cache (``POST /flush_cache``); ValueError if it does not."""
+    try:
+        resp = httpx.post(base_url.rstrip("/") + "/flush_cache", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise ValueError(f"could not flush the cache at {base_url}/flush_cache ({e})") from e
+    if resp.status_code != 200:
+        raise ValueError(f"the server did not flush its cache: {resp.status_code} {resp.text[:300]}")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         if args.dataset == "random":
@@ -95,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             sessions = sharegpt_sessions(args.num_prompts, args.sharegpt_min_turns, args.sharegpt_max_turns,
                                          args.sharegpt_output_len)
         args.model = args.model or served_model(args.base_url, args.timeout)
+        if args.flush_cache:
+            flush_cache(args.base_url, args.timeout)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
             args.seed, not args.disable_tqdm, args.timeout))
