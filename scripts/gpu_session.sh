@@ -5,7 +5,8 @@
 #
 # Stages (each bounded by a timeout, its log in --out):
 #   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
-#            decode against eager, extend graphs against eager fused extends, the cache differential under pressure (~50-120 s)
+#            decode against eager, extend graphs against eager fused extends, the cache differential under pressure,
+#            a warmed-up engine's bits against an unwarmed one's (~50-120 s)
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only

@@ -896,6 +896,22 @@ def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
 
 
 @pytest.mark.gpu
+def test_engine_warm_up_changes_no_bit(qwen3_5_path):
+    """bf16, CUDA graphs: an engine that warmed up (the default on a GPU: the eager prefill's
+    compiles and fla's autotuning paid at start-up, then the cache flushed and the counters zeroed)
+    gives the bits of one that did not — the same kernels on the same inputs, in other KV slots."""
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+    with Engine(qwen3_5_path, **opts) as warm:
+        assert warm.warmup_stats is not None and warm.tree.total_size() == 0
+        assert warm.get_stats()["num_requests_finished"] == 0
+        a = _two_turns(warm, None)
+    with Engine(qwen3_5_path, warmup="off", **opts) as cold:
+        b = _two_turns(cold, None)
+    assert [o["meta_info"]["output_token_logprobs"] for o in a] == \
+        [o["meta_info"]["output_token_logprobs"] for o in b]
+
+
+@pytest.mark.gpu
 def test_engine_pdl_changes_no_bit(qwen3_5_path, monkeypatch):
     """bf16, CUDA graphs: the decode step's kernels launched with programmatic dependent launch
     (``ops/gpu/pdl.py``) give the bits they give without it — the same kernels on the same inputs
