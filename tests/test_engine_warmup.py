@@ -5,6 +5,9 @@ ids, equal); a flush drops every cached prefix, only between requests, and chang
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from hyla import Engine
@@ -84,6 +87,16 @@ def _flush_cache(engine: Engine) -> None:
     assert engine.flush_cache() is False
     assert engine.tree.total_size() >= cached
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+    # a caller that gives up waiting (the scheduler thread busy: here, asleep) leaves the cache alone
+    busy = threading.Thread(target=engine._on_scheduler_thread, args=(lambda: time.sleep(0.3), 5.0))
+    busy.start()
+    time.sleep(0.05)
+    with pytest.raises(TimeoutError):
+        engine.flush_cache(timeout=0.01)
+    busy.join()
+    engine.wait_idle()
+    assert engine.tree.total_size() > 0
 
     assert engine.flush_cache() is True
     assert_drained(engine)

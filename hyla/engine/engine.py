@@ -637,6 +637,8 @@ class Engine:
                 self.scheduler.abort(arg)
             elif cmd == "call":
                 fn, result = arg
+                if not result.set_running_or_notify_cancel():  # its caller gave up waiting
+                    continue
                 try:
                     result.set_result(fn())
                 except Exception as exc:
@@ -644,14 +646,19 @@ class Engine:
 
     def _on_scheduler_thread(self, fn: Callable[[], Any], timeout: float) -> Any:
         """``fn()`` run on the scheduler thread between steps, after everything submitted before
-        (the inbox is one queue); its result, or its exception raised here."""
+        (the inbox is one queue); its result, or its exception raised here. After ``timeout``
+        seconds: ``TimeoutError``, and ``fn`` does not run unless it has begun."""
         result: Future = Future()
         with self._inbox_lock:
             if self._stopped:
                 raise RuntimeError("the engine has been shut down")
             self._inbox.put(("call", (fn, result)))
         self._wakeup.set()
-        return result.result(timeout)
+        try:
+            return result.result(timeout)
+        except TimeoutError:
+            result.cancel()
+            raise
 
 
 def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tuple]:
