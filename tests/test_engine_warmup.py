@@ -113,3 +113,22 @@ def test_flush_cache_after_shutdown_raises(qwen3_next_dense_path):
     engine.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.flush_cache()
+
+
+def test_a_failing_warm_up_fails_the_constructor_and_stops_the_engine(qwen3_next_dense_path, monkeypatch):
+    """A warm-up step that fails (here: "out of memory" in any prefill of more than 100 tokens, the
+    warm-up's first prompt) aborts its request, and the constructor raises instead of returning an
+    engine whose first long prompt would fail the same way; the engine's thread stops."""
+    original = Scheduler.run
+
+    def run(self, batch, *args, **kwargs):
+        if not batch.is_decode and sum(batch.lens) > 100:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return original(self, batch, *args, **kwargs)
+
+    monkeypatch.setattr(Scheduler, "run", run)
+    alive = lambda: sum(t.name == "hyla-scheduler" and t.is_alive() for t in threading.enumerate())  # noqa: E731
+    before = alive()
+    with pytest.raises(RuntimeError, match="did not run to its length.*out of memory"):
+        Engine(qwen3_next_dense_path, warmup="on", **POOLS)
+    assert alive() == before

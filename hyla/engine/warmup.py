@@ -26,8 +26,9 @@ warm-up gives (``tests/test_engine_warmup.py``). A request's sampling seed comes
 the warm-up's ids (``warmup-*``) are not the user's.
 
 Sizes shrink to fit a small context or KV pool; the warm-up takes one ``Engine.generate`` call per
-stage, on the constructing thread, with the engine's loop running; an error fails the engine's
-construction.
+stage, on the constructing thread, with the engine's loop running. A request that does not run to
+its length (a step that failed: out of memory at the longest prefill, say) fails the engine's
+construction, rather than the first user request that would fail the same way.
 """
 
 from __future__ import annotations
@@ -80,16 +81,27 @@ def warm_up(engine: "Engine") -> dict[str, Any]:
     greedy = {"max_new_tokens": gen, "ignore_eos": True, "temperature": 0.0}
     lens = [max(1, min(n, room)) for n in SHORT_PROMPTS][:engine.max_running_requests]
 
+    def run(**kw: Any) -> list[dict]:
+        """``engine.generate(**kw)``; RuntimeError unless every request ran to its length (a step
+        that fails, out of memory say, aborts its requests: the engine would fail the same way on
+        the first such request of a user)."""
+        outs = engine.generate(**kw)
+        outs = outs if isinstance(outs, list) else [outs]
+        for out in outs:
+            if out["meta_info"]["finish_reason"]["type"] != "length":
+                raise RuntimeError(f"the warm-up's request {out['meta_info']['id']} did not run to its length: "
+                                   f"{out['meta_info']['finish_reason']}")
+        return outs
+
     first = prompt(long_len)
-    out = engine.generate(input_ids=first, sampling_params=greedy, rid="warmup-0")
-    turn = first + out["output_ids"]
+    turn = first + run(input_ids=first, sampling_params=greedy, rid="warmup-0")[0]["output_ids"]
     turn += prompt(max(0, min(TURN_TOKENS, room - len(turn))))
     prompts = [first, turn] if len(turn) <= room else [first]  # (a tiny context: no next turn)
     if len(prompts) == 2:
-        engine.generate(input_ids=turn, sampling_params=greedy, rid="warmup-1")
-    engine.generate(input_ids=[prompt(n) for n in lens],
-                    sampling_params=[{**greedy, **SHORT_SAMPLING[i % len(SHORT_SAMPLING)]} for i in range(len(lens))],
-                    return_logprob=True, rid=[f"warmup-{2 + i}" for i in range(len(lens))])
+        run(input_ids=turn, sampling_params=greedy, rid="warmup-1")
+    run(input_ids=[prompt(n) for n in lens],
+        sampling_params=[{**greedy, **SHORT_SAMPLING[i % len(SHORT_SAMPLING)]} for i in range(len(lens))],
+        return_logprob=True, rid=[f"warmup-{2 + i}" for i in range(len(lens))])
     if not engine.flush_cache():
         raise RuntimeError("the engine is still busy after its warm-up's requests returned")
     engine.scheduler.reset_stats()  # idle: the scheduler thread runs no step until the next request
