@@ -90,7 +90,7 @@ def warm_up(engine: "Engine") -> dict[str, Any]:
         for out in outs:
             if out["meta_info"]["finish_reason"]["type"] != "length":
                 raise RuntimeError(f"the warm-up's request {out['meta_info']['id']} did not run to its length: "
-                                   f"{out['meta_info']['finish_reason']}")
+                                   f"{out['meta_info']['finish_reason']} (warmup='off' starts without the warm-up)")
         return outs
 
     first = prompt(long_len)
