@@ -1202,7 +1202,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         super().__init__()
         c = config
         self.config = c
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=c.dtype)
+        # no random init (the loader fills every parameter): nn.Embedding's normal_ on the meta device
+        # goes through a decomposition that imports torch._dynamo, ~2-4 s of every engine's start-up
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
+                                         _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype))
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)

@@ -21,7 +21,6 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from hyla.model.ops.varlen import write_rows_
 
@@ -129,14 +128,24 @@ def extend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     or with a token tree's ``[E, E]`` mask over the new tokens (``extend_mask``).
 
     The inputs go to SDPA as 4-D tensors: with 3-D ones it takes its math path on CPU and CUDA alike
-    (a CPU prefill of 4,096 tokens: 10-18x slower). No prefix: ``is_causal``. A prefix: a lower-right
-    causal bias, which CUDA's flash kernel runs without a mask tensor. A tree: an explicit mask, with
-    the K/V heads repeated on CUDA, whose fused kernels take a mask only without grouped-query heads.
+    (a CPU prefill of 4,096 tokens: 10-18x slower). No prefix: ``is_causal``. A prefix: on CUDA a
+    lower-right causal bias, which the flash kernel runs without a mask tensor; on CPU the mask that
+    bias would make there (``extend_mask``: the same call, without importing ``torch.nn.attention.bias``,
+    whose import of ``torch._dynamo`` costs every process ~2 s at start-up). A tree: an explicit
+    mask, with the K/V heads repeated on CUDA, whose fused kernels take a mask only without
+    grouped-query heads.
     """
     q, k, v = q[None], k[None], v[None]  # [1, H, L, D]
     extend, length = q.shape[2], k.shape[2]
     if tree is None:
-        causal = {"is_causal": True} if prefix == 0 else {"attn_mask": causal_lower_right(extend, length)}
+        if prefix == 0:
+            causal = {"is_causal": True}
+        elif q.is_cuda:
+            from torch.nn.attention.bias import causal_lower_right
+
+            causal = {"attn_mask": causal_lower_right(extend, length)}
+        else:
+            causal = {"attn_mask": extend_mask(prefix, extend, None, q.device)}
         return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=True, **causal)[0]
     groups = q.shape[1] // k.shape[1]
     if q.is_cuda and groups > 1:
