@@ -81,7 +81,7 @@ def _flush_cache(engine: Engine) -> None:
     again = engine.generate(input_ids=prompt, sampling_params=params, return_logprob=True)
     assert again["meta_info"]["cached_tokens"] > 0
 
-    stream = engine.generate(input_ids=prompt[:40], stream=True, sampling_params={**params, "max_new_tokens": 30})
+    stream = engine.generate(input_ids=prompt[:40], stream=True, sampling_params={**params, "max_new_tokens": 200})
     next(stream)  # running: the flush is refused and nothing changes
     cached = engine.tree.total_size()
     assert engine.flush_cache() is False
