@@ -94,11 +94,12 @@ def warm_up(engine: "Engine") -> dict[str, Any]:
         return outs
 
     first = prompt(long_len)
+    prompts = [first]  # the single prompts that ran
     turn = first + run(input_ids=first, sampling_params=greedy, rid="warmup-0")[0]["output_ids"]
     turn += prompt(max(0, min(TURN_TOKENS, room - len(turn))))
-    prompts = [first, turn] if len(turn) <= room else [first]  # (a tiny context: no next turn)
-    if len(prompts) == 2:
+    if len(turn) <= room:  # (a tiny context: no next turn)
         run(input_ids=turn, sampling_params=greedy, rid="warmup-1")
+        prompts.append(turn)
     run(input_ids=[prompt(n) for n in lens],
         sampling_params=[{**greedy, **SHORT_SAMPLING[i % len(SHORT_SAMPLING)]} for i in range(len(lens))],
         return_logprob=True, rid=[f"warmup-{2 + i}" for i in range(len(lens))])
