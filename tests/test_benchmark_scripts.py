@@ -10,7 +10,8 @@ two worker processes, here one checkout against itself), ``cache_pressure.py`` (
 seed, its ``--replay`` and its ``--timing``), ``cpu_model_size.py`` (its tiny model, both
 thread counts, the unsplit side at both), ``cpu_gemm.py`` (the tiny model's weights, every path
 where it applies) and ``cpu_moe.py`` (its tiny model, the eager engine against transformers: the
-compiled side's start-up is minutes); ``startup.py``'s measurement runs in this process.
+compiled side's start-up is minutes); ``startup.py``'s and ``mixed_chunk.py``'s measurements run
+in this process.
 ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
@@ -190,3 +191,25 @@ def test_startup_measures_the_first_requests_of_a_process():
 
     out = measure(None, "cpu", "float32", "on", prompt=64, cached=48)
     assert set(out) == set(PHASES) and all(v > 0 for v in out.values())
+
+
+def test_mixed_chunk_measures_the_streams_during_a_long_prefill(qwen3_next_dense_path):
+    """``mixed_chunk.py``'s window, in this process: with mixed steps each of the long prompt's
+    prefill steps feeds every stream a token; without them the streams wait for all of them."""
+    import argparse
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.mixed_chunk import METRICS, window
+    from hyla import Engine
+
+    args = argparse.Namespace(streams=2, prompt=256, stream_tokens=400)
+    tokens = {}
+    for mixed in (False, True):
+        with Engine(qwen3_next_dense_path, chunked_prefill_size=64, enable_mixed_chunk=mixed, max_total_tokens=4096,
+                    max_state_slots=16) as engine:
+            out = window(engine, random.Random(0), args)
+        assert set(out) == set(METRICS) and out["max gap (ms)"] >= out["median gap (ms)"] > 0
+        tokens[mixed] = out["tokens / stream"]
+    # ceil(256 / (64 - 2)) = 5 mixed steps (a decode step may also fall between the arrival and the admission)
+    assert tokens[True] >= 5 and tokens[False] <= 1

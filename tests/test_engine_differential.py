@@ -75,7 +75,8 @@ def assert_drained(engine: Engine) -> None:
     assert st.available_size() + held_states == st.size
 
 
-def differential(path: str, seed: int, **engine_kw) -> None:
+def differential(path: str, seed: int, on: dict | None = None, **engine_kw) -> None:
+    """``on``: options of the cached side only (a scheduling feature checked against the plain reference)."""
     opts = dict(max_total_tokens=1200, max_state_slots=20, max_running_requests=8,
                 chunked_prefill_size=128, debug_checks=True)
     opts.update(engine_kw)
@@ -88,17 +89,19 @@ def differential(path: str, seed: int, **engine_kw) -> None:
         out2_off = run(off, wave2)
         assert_drained(off)
         retract_off = off.get_stats()["num_retractions"]
-    with Engine(path, enable_prefix_cache=True, **opts) as on:
-        out1_on = run(on, wave1)
-        out2_on = run(on, wave2)
-        assert_drained(on)
-        stats = on.get_stats()
+    with Engine(path, enable_prefix_cache=True, **{**opts, **(on or {})}) as engine:
+        out1_on = run(engine, wave1)
+        out2_on = run(engine, wave2)
+        assert_drained(engine)
+        stats = engine.get_stats()
     n = compare_outputs(out1_on + out2_on, out1_off + out2_off)
     assert n > 0.9 * sum(s["max_new"] for s in wave1 + wave2)  # ties are rare, not the rule
     # the workload really exercised the cache, eviction and retraction
     assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
     assert stats["num_retractions"] > 0 or retract_off > 0
     assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0
+    if (on or {}).get("enable_mixed_chunk"):
+        assert stats["num_mixed_tokens"] > 0
 
 
 # The differential on every architecture's tiny checkpoint: (checkpoint fixture, workload seed, engine options)
@@ -106,6 +109,8 @@ DIFFERENTIALS = [
     pytest.param("qwen3_next_dense", 1, {}, id="qwen3_next"),
     pytest.param("qwen3_next_dense", 2, dict(page_size=16, max_total_tokens=1280), id="qwen3_next_paged"),
     pytest.param("qwen3_next_dense", 4, dict(schedule_policy="fcfs", checkpoint_alignment=16), id="fcfs_aligned"),
+    # decoding requests fed in prefill steps, through the extend kernels (against the unmixed, uncached run)
+    pytest.param("qwen3_next_dense", 12, dict(on=dict(enable_mixed_chunk=True)), id="mixed_chunk"),
     pytest.param("nemotron_h", 3, {}, id="nemotron_h"),
     # every Falcon-H1 layer holds KV and a state: both pools and the tree's checkpoints per layer
     pytest.param("falcon_h1", 5, {}, id="falcon_h1"),

@@ -17,7 +17,7 @@ from test_engine_differential import assert_drained, compare_outputs, make_workl
 POOLS = dict(max_total_tokens=1200, max_state_slots=20, max_running_requests=8, chunked_prefill_size=128,
              debug_checks=True)
 COUNTERS = ("num_prompt_tokens", "num_cached_tokens", "num_generated_tokens", "num_requests_finished",
-            "num_retractions", "num_overlapped_steps", "num_evicted_tokens", "num_evicted_states")
+            "num_retractions", "num_overlapped_steps", "num_mixed_tokens", "num_evicted_tokens", "num_evicted_states")
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,11 @@ class EngineArgs:
                                          "the host's per-step work runs while the device computes (SGLang's "
                                          "overlap scheduler; off there with --disable-overlap-schedule). 'auto' = "
                                          "on where decode steps replay CUDA graphs, without speculation; 'on', 'off'.")
+    enable_mixed_chunk: bool = _opt(False, "A prefill step also feeds every decoding request its next token (SGLang's "
+                                           "--enable-mixed-chunk), within chunked_prefill_size: running streams "
+                                           "keep producing tokens while a long prompt is prefilled in chunks, "
+                                           "instead of waiting for all of them (docs/engine.md). Not with "
+                                           "speculative decoding.")
     warmup: str = _opt("auto", "Before serving, run a few requests through the engine (a long cold prompt, its "
                                "cached next turn, a batch of short prompts with every sampler path), then empty "
                                "the cache and zero the counters, so that the first user request does not pay for "
@@ -161,9 +166,13 @@ class EngineArgs:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         for name in ("enable_prefix_cache", "protect_waiting_prefixes", "debug_checks", "compile_decode",
-                     "disable_cuda_graph", "speculative_ngram_adaptive"):
+                     "disable_cuda_graph", "speculative_ngram_adaptive", "enable_mixed_chunk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+        if self.enable_mixed_chunk and self.speculative_algorithm is not None:
+            raise ValueError("enable_mixed_chunk is not supported with speculative decoding (a decoding request's "
+                             "step is a verify step of its drafts); turn one of them off")
 
     @property
     def num_draft_tokens(self) -> int:

@@ -159,6 +159,7 @@ class Engine:
             log_interval=self.args.log_interval,
             debug_checks=self.args.debug_checks,
             draft_max_batch=self.args.speculative_disable_by_batch_size,
+            mixed_chunk=self.args.enable_mixed_chunk,
             # auto: where a decode step is launched without reading the host (CUDA graphs)
             overlap=self.args.speculative_algorithm is None and (
                 self.args.overlap_schedule == "on" or self.args.overlap_schedule == "auto"
@@ -403,6 +404,7 @@ class Engine:
             "num_requests_finished": out.num_requests_finished,
             "num_retractions": s.num_retractions,
             "num_overlapped_steps": s.num_overlapped_steps,
+            "num_mixed_tokens": s.num_mixed_tokens,
             "num_evicted_tokens": cache.num_evicted_tokens,
             "num_evicted_states": cache.num_evicted_states,
             "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),

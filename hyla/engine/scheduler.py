@@ -7,7 +7,9 @@
 
 A step is either a *prefill* (extend) batch — the next chunk of prompts still being prefilled,
 then new requests, under a token budget of ``chunked_prefill_size`` — or a *decode* batch of every
-running request. Prefill goes first whenever there is something to admit, as in SGLang. Memory
+running request. Prefill goes first whenever there is something to admit, as in SGLang; with
+``mixed_chunk`` a prefill step also feeds every decoding request its next token, so that a long
+prompt does not stall the running streams for its chunks' duration. Memory
 is the ``CacheManager``'s (admission, allocation, commit, release: see its contract); sampling,
 stop conditions and delivery are the ``OutputProcessor``'s. What stays here is policy: queue
 order (longest cached prefix first), chunking, the decode reserve, retraction.
@@ -78,6 +80,9 @@ class SchedulerConfig:
     prompt_logits_chunk: int = 1 << 30  # max tokens per step of a request computing prompt logprobs
     draft_max_batch: int | None = None  # speculation: no drafts in a step of more decoding requests
     overlap: bool = False  # the overlap schedule (see the module docstring; decode without speculation)
+    # SGLang's --enable-mixed-chunk: a prefill step also feeds every decoding request its next token
+    # (without speculation), so that a long prompt's chunks do not stall the running streams
+    mixed_chunk: bool = False
     # LPM: while a request runs, an admission may not evict another waiting request's hit
     # (_hold_waiting): it waits for room instead
     protect_waiting_prefixes: bool = True
@@ -98,6 +103,7 @@ class Batch:
     scratch: list[list[int]] = field(default_factory=list)  # verify: per request, state slot after fed token j+1
     chain_width: int = 0  # verify run as padded chains (ModelRunner.forward_chains): the tokens each was padded to
     num_cached: int = 0  # prefix tokens served by the cache to requests admitted this step
+    num_mixed: int = 0  # a prefill step's last ``num_mixed`` requests decode one token each (mixed_chunk)
     # prompt logprobs: the logits rows the step returns per request (its prompt-logprob positions,
     # then its last token), set by run(); None: one row per request (its last token)
     logit_rows: list[list[int]] | None = None
@@ -147,6 +153,7 @@ class Scheduler:
         self.num_retractions = 0
         self.num_steps = 0
         self.num_overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
+        self.num_mixed_tokens = 0  # decoding requests' tokens fed in prefill steps (mixed_chunk)
         self.last_gen_throughput = 0.0
         self._decode_tokens_since_log = 0
         self._last_log_time = time.monotonic()
@@ -240,7 +247,12 @@ class Scheduler:
                 row += len(offs)
                 last.append(row - 1)
             logits = logits[last]
-        self.cache.commit_batch(batch.reqs, batch.lens, batch.ckpts.per_req or None, insert=not batch.is_decode)
+        if batch.num_mixed:  # a prefill's requests commit to the tree; a decode's tokens as a decode step's do
+            k = len(batch.reqs) - batch.num_mixed
+            self.cache.commit_batch(batch.reqs[:k], batch.lens[:k], batch.ckpts.per_req[:k] or None, insert=True)
+            self.cache.commit_batch(batch.reqs[k:], batch.lens[k:], None, insert=False)
+        else:
+            self.cache.commit_batch(batch.reqs, batch.lens, batch.ckpts.per_req or None, insert=not batch.is_decode)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
@@ -257,7 +269,9 @@ class Scheduler:
         if batch.is_decode:
             self._after_decode(len(batch.reqs), len(batch.reqs))
         else:
-            self._log_prefill(len(batch.reqs), sum(batch.lens), batch.num_cached)
+            self._decode_tokens_since_log += batch.num_mixed
+            self.num_mixed_tokens += batch.num_mixed
+            self._log_prefill(len(batch.reqs) - batch.num_mixed, sum(batch.lens) - batch.num_mixed, batch.num_cached)
 
     # ------------------------------------------------------------------------------------------
     # the overlap schedule
@@ -453,6 +467,9 @@ class Scheduler:
         """Continue chunked prompts first, then admit waiting requests in policy order."""
         cache = self.cache
         budget = self.config.chunked_prefill_size
+        mixed = [r for r in self.running if r.is_decoding] if self.config.mixed_chunk else []
+        if mixed:  # their tokens share the step's budget (SGLang's mixed_with_decode_tokens), a page left at least
+            budget = max(self.config.page_size, budget - len(mixed))
         batch = Batch(is_decode=False)
         # 1) admitted requests whose prompt is still being prefilled in chunks
         for req in self.running:
@@ -497,10 +514,25 @@ class Scheduler:
                     cache.unhold(hit)
         if not batch.reqs:
             return None
+        if mixed:
+            self._mix_decodes(batch, mixed)
         # released before the admitted requests' checkpoints take slots: a turn's end may still push
         # out a waiting request's older checkpoint (holding it too lost 4-6 points at alignment 64)
         batch.ckpts = cache.alloc_checkpoints(batch.reqs, batch.ckpt_pos)
         return batch
+
+    def _mix_decodes(self, batch: Batch, reqs: list[Req]) -> None:
+        """Append the decoding requests to a prefill batch, one token each, no checkpoint asked: the
+        tokens a decode step would feed them, through the extend kernels. Only when their KV fits
+        (evicting from the tree if needed): a mixed step retracts nothing; a decode step does that."""
+        lens = [1] * len(reqs)
+        if not self.cache.can_allocate(reqs, lens):
+            return
+        batch.out_cache_loc.append(self.cache.allocate(reqs, lens))
+        batch.reqs += reqs
+        batch.lens += lens
+        batch.ckpt_pos += [[] for _ in reqs]
+        batch.num_mixed = len(reqs)
 
     def _on_admitted(self, req: Req) -> None:
         self.waiting.remove(req)

@@ -30,6 +30,8 @@ ENGINE_COUNTERS = (
     ("num_retractions", "retractions", "Requests retracted from decoding to free KV memory."),
     ("num_overlapped_steps", "overlapped_decode_steps",
      "Decode steps launched before the previous step's tokens were read (the overlap schedule)."),
+    ("num_mixed_tokens", "mixed_decode_tokens",
+     "Decoding requests' tokens fed in prefill steps (--enable-mixed-chunk)."),
 )
 # (engine stats key, metric name, help) — gauges
 ENGINE_GAUGES = (

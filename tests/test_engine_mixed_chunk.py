@@ -1,0 +1,65 @@
+"""Mixed chunked prefill (``enable_mixed_chunk``): while a long prompt is prefilled in chunks, every
+step also feeds the decoding requests their next token, and nothing they compute changes.
+
+The cache-pressure differential with mixed steps against the plain uncached run is
+``test_engine_differential.py``'s ``mixed_chunk`` case.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyla import Engine
+from hyla.engine.args import EngineArgs
+from test_engine_differential import assert_drained, compare_outputs
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def _streams_during_a_long_prefill(path, mixed: bool) -> tuple[list[dict], int]:
+    """Two streams decode; then a 600-token prompt arrives and is prefilled in 64-token steps.
+    Returns every request's output (the streams' chunks joined) and the decode tokens fed in those
+    steps."""
+    rng = random.Random(0)
+    shorts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (9, 17)]
+    long_prompt = [rng.randrange(3, 2000) for _ in range(600)]
+    with Engine(path, chunked_prefill_size=64, enable_mixed_chunk=mixed, max_total_tokens=2048, max_state_slots=16,
+                debug_checks=True) as engine:
+        # long enough to outlive the long prompt's prefill whatever the machine's speed
+        streams = [engine.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=200),
+                                   return_logprob=True, stream=True) for p in shorts]
+        firsts = [next(s) for s in streams]  # both are decoding now
+        long_out = engine.generate(input_ids=long_prompt, sampling_params=dict(GREEDY, max_new_tokens=8),
+                                   return_logprob=True)
+        mixed_tokens = engine.get_stats()["num_mixed_tokens"]
+        outs = []
+        for first, stream in zip(firsts, streams):
+            chunks = [first, *stream]
+            outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]],
+                         "meta_info": {"id": first["meta_info"]["id"], "output_token_logprobs": [
+                             lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}})
+        assert_drained(engine)
+    return [*outs, long_out], mixed_tokens
+
+
+def test_a_long_prefill_feeds_the_running_streams_and_changes_no_output(qwen3_next_dense_path):
+    plain, plain_mixed = _streams_during_a_long_prefill(qwen3_next_dense_path, mixed=False)
+    mixed, mixed_tokens = _streams_during_a_long_prefill(qwen3_next_dense_path, mixed=True)
+    assert plain_mixed == 0
+    # every one of the long prompt's ceil(600 / (64 - 2)) = 10 prefill steps fed both streams a token
+    assert mixed_tokens == 2 * 10
+    assert [len(o["output_ids"]) for o in mixed] == [200, 200, 8]
+    assert compare_outputs(mixed, plain) > 0.9 * (200 + 200 + 8)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_enable_mixed_chunk_takes_a_bool(bad):
+    with pytest.raises(ValueError, match="enable_mixed_chunk must be a bool"):
+        EngineArgs(enable_mixed_chunk=bad)
+
+
+def test_mixed_chunk_is_refused_with_speculative_decoding():
+    with pytest.raises(ValueError, match="enable_mixed_chunk is not supported with speculative decoding"):
+        EngineArgs(enable_mixed_chunk=True, speculative_algorithm="ngram")
