@@ -21,6 +21,8 @@
 #            step from CUDA graphs (the MTP head's drafts too) (~4 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
 #            its steady ones, with the engine's start-up warm-up and without (~3 min)
+#   mixed    benchmarks/mixed_chunk.py --gpu-model: 8 streams while an 8,192-token prompt is prefilled, with mixed
+#            chunked prefill (enable_mixed_chunk) and without (~2 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
 #            the in projections' GEMV against cuBLAS, without and with PDL
@@ -85,6 +87,8 @@ for s in "$@"; do
                   | tee "$out/spec-mtp.log" | tail -12 ;;
         startup) timeout 240 python3 benchmarks/startup.py --device cuda --gpu-model --repeats 2 2>&1 \
                      | tee "$out/startup.log" | tail -14 ;;
+        mixed) timeout 200 python3 benchmarks/mixed_chunk.py --device cuda --gpu-model --repeats 3 2>&1 \
+                     | tee "$out/mixed.log" | tail -10 ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;
         outproj) timeout 150 python3 benchmarks/out_projection.py --sweep --rows 2,1 --repeats 10 2>&1 \
@@ -94,7 +98,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe spec startup profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"
