@@ -7,6 +7,7 @@ The cache-pressure differential with mixed steps against the plain uncached run 
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -18,24 +19,25 @@ from test_engine_differential import assert_drained, compare_outputs
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-def _streams_during_a_long_prefill(path, mixed: bool) -> tuple[list[dict], int]:
-    """Two streams decode; then a 600-token prompt arrives and is prefilled in 64-token steps.
-    Returns every request's output (the streams' chunks joined) and the decode tokens fed in those
-    steps."""
+def _streams_during_a_long_prefill(path, mixed: bool, streams: int = 2, **opts) -> tuple[list[dict], int]:
+    """``streams`` requests decode; then a 600-token prompt arrives and is prefilled in 64-token steps.
+    Returns every request's output (the streams' chunks joined) and the decode tokens fed in the long
+    prompt's prefill steps."""
     rng = random.Random(0)
-    shorts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (9, 17)]
+    shorts = [[rng.randrange(3, 2000) for _ in range(9 + 8 * i)] for i in range(streams)]
     long_prompt = [rng.randrange(3, 2000) for _ in range(600)]
-    with Engine(path, chunked_prefill_size=64, enable_mixed_chunk=mixed, max_total_tokens=2048, max_state_slots=16,
-                debug_checks=True) as engine:
+    with Engine(path, chunked_prefill_size=64, enable_mixed_chunk=mixed, max_total_tokens=4096, max_state_slots=32,
+                debug_checks=True, **opts) as engine:
         # long enough to outlive the long prompt's prefill whatever the machine's speed
-        streams = [engine.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=200),
-                                   return_logprob=True, stream=True) for p in shorts]
-        firsts = [next(s) for s in streams]  # both are decoding now
+        its = [engine.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=200), return_logprob=True,
+                               stream=True) for p in shorts]
+        firsts = [next(s) for s in its]  # all are decoding now: no prefill step until the long prompt's
+        before = engine.get_stats()["num_mixed_tokens"]  # (a stream admitted after another mixed it in)
         long_out = engine.generate(input_ids=long_prompt, sampling_params=dict(GREEDY, max_new_tokens=8),
                                    return_logprob=True)
-        mixed_tokens = engine.get_stats()["num_mixed_tokens"]
+        mixed_tokens = engine.get_stats()["num_mixed_tokens"] - before
         outs = []
-        for first, stream in zip(firsts, streams):
+        for first, stream in zip(firsts, its):
             chunks = [first, *stream]
             outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]],
                          "meta_info": {"id": first["meta_info"]["id"], "output_token_logprobs": [
@@ -44,14 +46,27 @@ def _streams_during_a_long_prefill(path, mixed: bool) -> tuple[list[dict], int]:
     return [*outs, long_out], mixed_tokens
 
 
-def test_a_long_prefill_feeds_the_running_streams_and_changes_no_output(qwen3_next_dense_path):
-    plain, plain_mixed = _streams_during_a_long_prefill(qwen3_next_dense_path, mixed=False)
-    mixed, mixed_tokens = _streams_during_a_long_prefill(qwen3_next_dense_path, mixed=True)
+def _check_mixed_against_plain(path, streams: int, **opts) -> None:
+    plain, plain_mixed = _streams_during_a_long_prefill(path, False, streams, **opts)
+    mixed, mixed_tokens = _streams_during_a_long_prefill(path, True, streams, **opts)
     assert plain_mixed == 0
-    # every one of the long prompt's ceil(600 / (64 - 2)) = 10 prefill steps fed both streams a token
-    assert mixed_tokens == 2 * 10
-    assert [len(o["output_ids"]) for o in mixed] == [200, 200, 8]
-    assert compare_outputs(mixed, plain) > 0.9 * (200 + 200 + 8)
+    # every one of the long prompt's prefill steps (its chunks 64 - streams tokens) fed each stream a token
+    assert mixed_tokens == streams * math.ceil(600 / (64 - streams))
+    assert [len(o["output_ids"]) for o in mixed] == [200] * streams + [8]
+    assert compare_outputs(mixed, plain) > 0.9 * (200 * streams + 8)
+
+
+def test_a_long_prefill_feeds_the_running_streams_and_changes_no_output(qwen3_next_dense_path):
+    _check_mixed_against_plain(qwen3_next_dense_path, streams=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [2, 9])
+def test_mixed_steps_on_a_gpu(qwen3_5_path, streams):
+    """fp32 on CUDA with its graphs: the decoding requests' tokens leave the decode step's CUDA graph
+    for the extend (up to 8 sequences: each a fused extend replayed from its graph; 10: the eager
+    extend, fla's kernels), within 1e-4 of the decode kernels'."""
+    _check_mixed_against_plain(qwen3_5_path, streams, device="cuda", dtype="float32")
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
