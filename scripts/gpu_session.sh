@@ -6,7 +6,7 @@
 # Stages (each bounded by a timeout, its log in --out):
 #   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
 #            decode against eager, extend graphs against eager fused extends, the cache differential under pressure,
-#            a warmed-up engine's bits against an unwarmed one's (~50-120 s)
+#            a warmed-up engine's bits against an unwarmed one's, mixed chunked prefill against plain steps (~50-120 s)
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
@@ -59,7 +59,7 @@ for s in "$@"; do
     stage "$s"
     case $s in
         tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fused_decode.py \
-                   tests/test_fused_extend.py tests/test_engine_overlap.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
+                   tests/test_fused_extend.py tests/test_engine_overlap.py tests/test_engine_mixed_chunk.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
         decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \
                     --log-compiles --extend-ab --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
         ttft) timeout 150 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
