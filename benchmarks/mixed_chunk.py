@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
-from benchmarks.startup import model_dir  # noqa: E402
+from benchmarks.startup import add_model_arguments, model_dir  # noqa: E402
 from hyla import Engine  # noqa: E402
 
 METRICS = ("max gap (ms)", "median gap (ms)", "tokens / stream", "long TTFT (ms)")
@@ -87,10 +87,7 @@ def window(engine: Engine, rng: random.Random, args: argparse.Namespace) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--gpu-model", action="store_true", help="issue 10's model (benchmarks/gpu_decode.py's FULL)")
-    ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's TINY model (a smoke test)")
+    add_model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--prompt", type=int, default=8192, help="the long prompt's tokens")
     ap.add_argument("--chunk", type=int, default=2048, help="chunked_prefill_size")

@@ -83,6 +83,14 @@ def measure(path: str | None, device: str, dtype: str, mode: str, prompt: int, c
     return out
 
 
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options :func:`model_dir` reads: the device, the dtype, the model."""
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--gpu-model", action="store_true", help="issue 10's model (benchmarks/gpu_decode.py's FULL)")
+    ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's TINY model (a smoke test)")
+
+
 def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str | None, str]:
     """The model's directory (None: the built-in model) and its description."""
     if args.gpu_model or args.tiny:
@@ -99,10 +107,7 @@ def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str | None, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--gpu-model", action="store_true", help="issue 10's model (benchmarks/gpu_decode.py's FULL)")
-    ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's TINY model (a smoke test)")
+    add_model_arguments(ap)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=4096)
     ap.add_argument("--cached", type=int, default=3800)
