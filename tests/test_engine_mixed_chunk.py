@@ -14,6 +14,8 @@ import pytest
 
 from hyla import Engine
 from hyla.engine.args import EngineArgs
+from hyla.engine.model_runner import ModelRunner
+from hyla.engine.scheduler import Scheduler
 from test_engine_differential import assert_drained, compare_outputs
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -34,7 +36,7 @@ def _streams_during_a_long_prefill(path, mixed: bool, streams: int = 2, **opts) 
         firsts = [next(s) for s in its]  # all are decoding now: no prefill step until the long prompt's
         before = engine.get_stats()["num_mixed_tokens"]  # (a stream admitted after another mixed it in)
         long_out = engine.generate(input_ids=long_prompt, sampling_params=dict(GREEDY, max_new_tokens=8),
-                                   return_logprob=True)
+                                   return_logprob=True, logprob_start_len=570)  # its last chunk's logits rows too
         mixed_tokens = engine.get_stats()["num_mixed_tokens"] - before
         outs = []
         for first, stream in zip(firsts, its):
@@ -54,18 +56,30 @@ def _check_mixed_against_plain(path, streams: int, **opts) -> None:
     assert mixed_tokens == streams * math.ceil(600 / (64 - streams))
     assert [len(o["output_ids"]) for o in mixed] == [200] * streams + [8]
     assert compare_outputs(mixed, plain) > 0.9 * (200 * streams + 8)
+    prompt = [lp for lp in mixed[-1]["meta_info"]["input_token_logprobs"]], plain[-1]["meta_info"]["input_token_logprobs"]
+    assert len(prompt[0]) == 30 and all(a[1] == b[1] and abs(a[0] - b[0]) < 1e-4 for a, b in zip(*prompt))
 
 
-def test_a_long_prefill_feeds_the_running_streams_and_changes_no_output(qwen3_next_dense_path):
+@pytest.mark.parametrize("apart", [False, True], ids=["in_the_extend", "decode_step_apart"])
+def test_a_long_prefill_feeds_the_running_streams_and_changes_no_output(qwen3_next_dense_path, apart, monkeypatch):
+    """In the extend (CPU), and as a decode step of their own after it (``decodes_apart``: where
+    decode steps replay CUDA graphs, here the eager decode)."""
+    steps = []
+    if apart:
+        monkeypatch.setattr(ModelRunner, "decodes_apart", True)
+        real = Scheduler._run_mixed_apart
+        monkeypatch.setattr(Scheduler, "_run_mixed_apart", lambda self, batch, ckpts: steps.append(batch.num_mixed)
+                            or real(self, batch, ckpts))
     _check_mixed_against_plain(qwen3_next_dense_path, streams=2)
+    assert steps.count(2) >= 10 if apart else not steps  # the long prompt's steps (and a stream's admission)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("streams", [2, 9])
 def test_mixed_steps_on_a_gpu(qwen3_5_path, streams):
-    """fp32 on CUDA with its graphs: the decoding requests' tokens leave the decode step's CUDA graph
-    for the extend (up to 8 sequences: each a fused extend replayed from its graph; 10: the eager
-    extend, fla's kernels), within 1e-4 of the decode kernels'."""
+    """fp32 on CUDA with its graphs: a mixed step runs the long prompt's chunk as a fused extend (its
+    graph) and the decoding requests as a decode step of their own (``decodes_apart``: the decode
+    graph of their batch size, 2 or 9), after it; the outputs within 1e-4 of the plain steps'."""
     _check_mixed_against_plain(qwen3_5_path, streams, device="cuda", dtype="float32")
 
 

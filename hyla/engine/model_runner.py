@@ -173,6 +173,15 @@ class ModelRunner:
         """Decode steps run through ``torch.compile`` (``compile_decode``)."""
         return self._compiled_decode is not None
 
+    @property
+    def decodes_apart(self) -> bool:
+        """A mixed prefill step (``enable_mixed_chunk``) runs its decoding requests as a decode step
+        of their own (``Scheduler.run``): where decode steps replay CUDA graphs, one replay through
+        the decode kernels. In the extend they would be fused extends replayed one per sequence (each
+        replay a pass over the weights) or rows of the eager extend. Elsewhere they ride along in the
+        extend, at no cost of their own."""
+        return self.graphs is not None
+
     @torch.inference_mode()
     def forward_extend(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpts: list[tuple[int, int, int]], all_logits: bool = False,

@@ -62,6 +62,8 @@ class Runner(Protocol):
 
     # set when verify steps run as padded chains (compiled): each request padded to this many tokens
     verify_width: int | None
+    # optional: a mixed step's decoding requests run as a decode step of their own (ModelRunner.decodes_apart)
+    decodes_apart: bool
 
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                        ckpt_rows: list[list[int]],
@@ -221,8 +223,11 @@ class Scheduler:
             else:
                 ckpts = batch.ckpts.forward
                 batch.logit_rows, batch.prompt_rows = _logit_rows(batch.reqs, batch.lens)
-                out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, logit_rows=batch.logit_rows,
-                                                 **extra)
+                if batch.num_mixed and getattr(self.runner, "decodes_apart", False):
+                    out = self._run_mixed_apart(batch, ckpts)
+                else:
+                    out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts,
+                                                     logit_rows=batch.logit_rows, **extra)
             if self.drafter is None:
                 return out
             logits, hidden = out if extra else (out, None)  # [N, V], [sum(lens), H]
@@ -234,6 +239,16 @@ class Scheduler:
                 self.cache.rollback(r)
             self.cache.free_checkpoints(batch.ckpts)
             raise
+
+    def _run_mixed_apart(self, batch: Batch, ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
+        """A mixed step on a runner whose decode steps replay CUDA graphs (``decodes_apart``): the
+        prompts' tokens as an extend, then the decoding requests (the batch's last ``num_mixed``, with
+        the last KV allocation) as a decode step, one replay; their logits rows after the extend's."""
+        k = len(batch.reqs) - batch.num_mixed
+        loc = batch.out_cache_loc[:-1]
+        head = self.runner.forward_extend(batch.reqs[:k], batch.lens[:k], torch.cat(loc) if len(loc) > 1 else loc[0],
+                                          ckpts, logit_rows=None if batch.logit_rows is None else batch.logit_rows[:k])
+        return torch.cat([head, self.runner.forward_decode(batch.reqs[k:], batch.out_cache_loc[-1])])
 
     def process(self, batch: Batch, logits: torch.Tensor) -> None:
         """Commit what the model computed, then sample for every request that has fed all its tokens."""
