@@ -543,9 +543,11 @@ class ModelRunner:
                 self._warm_up_chains(k, v, conv, ssm)
 
     def _warm_up_chains(self, k, v, conv, ssm) -> None:
-        """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 (compiled
-        first for one token count, then again generalised over it: dynamo specialises the first) and
-        larger batches; sizes as distinct primes, as for decode."""
+        """The verify graph's variants, as :meth:`forward_chains` builds them: batch 1 and larger
+        batches; sizes as distinct primes, as for decode. Batch 1 runs twice, with two token counts:
+        the second call runs the first one's graph (a check that it is general in the token count;
+        with duck shaping a token count equal to the conv's window had made it specialise there,
+        and the second call compiled a graph again: :func:`warm_up_config`)."""
         dev, w = self.device, self.verify_width
         long = dict(dtype=torch.long, device=dev)
         one = [[min(w, 3)], [2]] if w > 2 else [[2]]  # batch 1: tokens fed
@@ -620,10 +622,15 @@ def _compile(method: Callable, options: dict) -> Callable:
 
 
 def warm_up_config():
-    """The dynamo settings a start-up compile runs under: Python floats (norm eps, scales: module
-    constants) baked into the graph, not turned into a 0-d tensor per float per call (~0.1 ms a step
-    at batch 1); compiles allowed whatever the calling thread set (:func:`call_compiled`)."""
-    return torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False)
+    """The settings a start-up compile runs under (per thread): Python floats (norm eps, scales:
+    module constants) baked into the graph, not turned into a 0-d tensor per float per call (~0.1 ms
+    a step at batch 1); compiles allowed whatever the calling thread set (:func:`call_compiled`); no
+    duck shaping: a size that happens to equal another (a verify step's 3 tokens and the conv's
+    3-token window) gets a symbol of its own instead of sharing one that a check of the other then
+    specialises (the warm-up's sizes are distinct primes for the same reason; its one size that
+    cannot be, a verify step's token count, cost a whole compile more: 5 graphs at start-up, now 4)."""
+    return _patches(torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False),
+                    torch.fx.experimental._config.patch(use_duck_shape=False))
 
 
 def call_compiled(compiled: Callable, eager: Callable, *args) -> tuple[object, str | None]:
@@ -641,6 +648,15 @@ def call_compiled(compiled: Callable, eager: Callable, *args) -> tuple[object, s
     finally:
         cfg.error_on_recompile = before
     return eager(*args), reason
+
+
+@contextlib.contextmanager
+def _patches(*patches):
+    """Every context manager of ``patches``, entered in order."""
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
 
 
 def log_late_compile(count: int, what: str, reason: str) -> None:
