@@ -47,8 +47,9 @@ def _trace(turns: list[list[dict]]) -> list[TraceRequest]:
             for t, turn in enumerate(turns) for i, r in enumerate(turn)]
 
 
-@pytest.mark.parametrize("opts", [dict(page_size=1), dict(page_size=16), dict(page_size=1, checkpoint_alignment=64)],
-                         ids=["page1", "page16", "align64"])
+@pytest.mark.parametrize("opts", [dict(page_size=1), dict(page_size=16), dict(page_size=1, checkpoint_alignment=64),
+                                  dict(page_size=1, enable_mixed_chunk=True)],
+                         ids=["page1", "page16", "align64", "mixed_chunk"])
 def test_the_engine_replay_reproduces_every_hit_under_pressure(qwen3_next_dense_path, opts):
     pools = dict(max_total_tokens=1024, max_state_slots=12, max_running_requests=5, chunked_prefill_size=128)
     max_new = [30, 8, 25, 12, 40, 16]
@@ -62,3 +63,5 @@ def test_the_engine_replay_reproduces_every_hit_under_pressure(qwen3_next_dense_
     assert (replay.cache.num_evicted_tokens, replay.cache.num_evicted_states) == \
         (stats["num_evicted_tokens"], stats["num_evicted_states"])
     assert sum(replay.cached_tokens) > 0
+    if opts.get("enable_mixed_chunk"):  # the engine's mixed steps, replayed as such
+        assert stats["num_mixed_tokens"] > 0 and replay.scheduler.num_mixed_tokens == stats["num_mixed_tokens"]
