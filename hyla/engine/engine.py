@@ -149,17 +149,8 @@ class Engine:
         output = OutputProcessor(self.eos_token_ids, self.context_length,
                                  make_detokenizer=self._make_detokenizer if self.tokenizer is not None else None,
                                  grammars=self.grammars)
-        sched_cfg = SchedulerConfig(
-            page_size=self.args.page_size,
-            chunked_prefill_size=self.args.chunked_prefill_size,
-            max_running_requests=self.max_running_requests,
-            schedule_policy=self.args.schedule_policy,
-            protect_waiting_prefixes=self.args.protect_waiting_prefixes,
-            max_context_len=self.context_length,
-            log_interval=self.args.log_interval,
-            debug_checks=self.args.debug_checks,
-            draft_max_batch=self.args.speculative_disable_by_batch_size,
-            mixed_chunk=self.args.enable_mixed_chunk,
+        sched_cfg = SchedulerConfig.from_args(
+            self.args, self.max_running_requests, self.context_length,
             # auto: where a decode step is launched without reading the host (CUDA graphs)
             overlap=self.args.speculative_algorithm is None and (
                 self.args.overlap_schedule == "on" or self.args.overlap_schedule == "auto"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,6 +43,9 @@ from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoi
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.speculative import Drafter, verify
+
+if TYPE_CHECKING:
+    from hyla.engine.args import EngineArgs
 
 logger = logging.getLogger("hyla.engine")
 
@@ -88,6 +91,18 @@ class SchedulerConfig:
     # LPM: while a request runs, an admission may not evict another waiting request's hit
     # (_hold_waiting): it waits for room instead
     protect_waiting_prefixes: bool = True
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, max_running_requests: int, max_context_len: int,
+                  **runtime: Any) -> SchedulerConfig:
+        """The scheduler's settings from the engine options (what ``Engine`` and ``hyla sim
+        --engine``'s replay both build: the one place that maps the options), with the sizes
+        resolved and ``runtime`` settings (the overlap schedule, the prompt-logits chunk)."""
+        return cls(page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
+                   max_running_requests=max_running_requests, schedule_policy=args.schedule_policy,
+                   max_context_len=max_context_len, log_interval=args.log_interval, debug_checks=args.debug_checks,
+                   draft_max_batch=args.speculative_disable_by_batch_size, mixed_chunk=args.enable_mixed_chunk,
+                   protect_waiting_prefixes=args.protect_waiting_prefixes, **runtime)
 
 
 @dataclass

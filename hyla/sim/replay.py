@@ -101,10 +101,7 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
     ledger = CacheLedger() if record else None
     if ledger is not None:
         cache.record(ledger)
-    config = SchedulerConfig(page_size=ps, chunked_prefill_size=args.chunked_prefill_size, max_running_requests=running,
-                             schedule_policy=args.schedule_policy, max_context_len=context,
-                             protect_waiting_prefixes=args.protect_waiting_prefixes,
-                             mixed_chunk=args.enable_mixed_chunk)
+    config = SchedulerConfig.from_args(args, running, context)
     rids = [f"{r.session_id}/{r.turn_id}/{i}" for i, r in enumerate(trace)]
     outputs = dict(zip(rids, (r.output_tokens for r in trace)))
     vocab = 1 + max(max(itertools.chain(r.input_tokens, r.output_tokens)) for r in trace)
