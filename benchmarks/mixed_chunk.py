@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
-from benchmarks.startup import add_model_arguments, model_dir  # noqa: E402
+from benchmarks.startup import add_model_arguments, model_dir, model_flags, resolve_dtype  # noqa: E402
 from hyla import Engine  # noqa: E402
 
 METRICS = ("max gap (ms)", "median gap (ms)", "tokens / stream", "long TTFT (ms)")
@@ -96,7 +96,7 @@ def main() -> None:
                     help="each stream's max_new_tokens (aborted once the window closes; it must outlive it)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    resolve_dtype(args)
     if args.prompt <= args.chunk:
         ap.error("--prompt must be longer than --chunk (the long prompt is prefilled in several steps)")
 
@@ -119,7 +119,7 @@ def main() -> None:
             for engine in engines.values():
                 engine.shutdown()
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in METRICS} for mode, rs in runs.items()}
-    flags = f"--device {args.device}" + (" --gpu-model" if args.gpu_model else " --tiny" if args.tiny else "")
+    flags = model_flags(args)
     ratio = lambda k: f"{med['on'][k] / med['off'][k]:.2f}x" if med["off"][k] else "—"  # noqa: E731
     rows = "\n".join(f"| {k} | {med['off'][k]:,.1f} | {med['on'][k]:,.1f} | {ratio(k)} |" for k in METRICS)
     body = f"""`.venv/bin/python benchmarks/mixed_chunk.py {flags} --repeats {args.repeats} --prompt {args.prompt} --chunk {args.chunk} --streams {args.streams}` — {machine()}; {model}, {args.dtype}; {args.streams} streams decoding while a {args.prompt:,}-token prompt is prefilled in {args.chunk:,}-token steps; medians of {args.repeats} windows (from the prompt's arrival to its first token).

@@ -91,6 +91,16 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's TINY model (a smoke test)")
 
 
+def resolve_dtype(args: argparse.Namespace) -> None:
+    """``--dtype``'s default, from the device: bfloat16 on CUDA, float32 elsewhere."""
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+
+
+def model_flags(args: argparse.Namespace) -> str:
+    """The model options of a section's command line."""
+    return f"--device {args.device}" + (" --gpu-model" if args.gpu_model else " --tiny" if args.tiny else "")
+
+
 def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str | None, str]:
     """The model's directory (None: the built-in model) and its description."""
     if args.gpu_model or args.tiny:
@@ -116,7 +126,7 @@ def main() -> None:
     ap.add_argument("--mode", default="off", help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    resolve_dtype(args)
     if not 0 < args.cached < args.prompt:
         ap.error("--cached must be in (0, --prompt)")
     if args.child:
@@ -141,7 +151,7 @@ def main() -> None:
                                                                         for k, v in runs[mode][-1].items()), flush=True)
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in PHASES} for mode, rs in runs.items()}
     ratio = lambda m, kind: med[m][f"first {kind}"] / med[m][f"steady {kind}"]  # noqa: E731
-    flags = f"--device {args.device}" + (" --gpu-model" if args.gpu_model else " --tiny" if args.tiny else "")
+    flags = model_flags(args)
     rows = "\n".join(f"| {k} | {med['off'][k] * 1e3:,.0f} | {med['on'][k] * 1e3:,.0f} |" for k in PHASES)
     body = f"""`.venv/bin/python benchmarks/startup.py {flags} --repeats {args.repeats} --prompt {args.prompt} --cached {args.cached}` — {machine()}; {model}, {args.dtype}; medians of {args.repeats} fresh processes per column (ms).
 

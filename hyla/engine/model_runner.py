@@ -621,6 +621,7 @@ def _compile(method: Callable, options: dict) -> Callable:
                                   **options})
 
 
+@contextlib.contextmanager
 def warm_up_config():
     """The settings a start-up compile runs under (per thread): Python floats (norm eps, scales:
     module constants) baked into the graph, not turned into a 0-d tensor per float per call (~0.1 ms
@@ -629,8 +630,9 @@ def warm_up_config():
     3-token window) gets a symbol of its own instead of sharing one that a check of the other then
     specialises (the warm-up's sizes are distinct primes for the same reason; its one size that
     cannot be, a verify step's token count, cost a whole compile more: 5 graphs at start-up, now 4)."""
-    return _patches(torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False),
-                    torch.fx.experimental._config.patch(use_duck_shape=False))
+    with torch._dynamo.config.patch(specialize_float=True, error_on_recompile=False), \
+            torch.fx.experimental._config.patch(use_duck_shape=False):
+        yield
 
 
 def call_compiled(compiled: Callable, eager: Callable, *args) -> tuple[object, str | None]:
@@ -648,15 +650,6 @@ def call_compiled(compiled: Callable, eager: Callable, *args) -> tuple[object, s
     finally:
         cfg.error_on_recompile = before
     return eager(*args), reason
-
-
-@contextlib.contextmanager
-def _patches(*patches):
-    """Every context manager of ``patches``, entered in order."""
-    with contextlib.ExitStack() as stack:
-        for p in patches:
-            stack.enter_context(p)
-        yield
 
 
 def log_late_compile(count: int, what: str, reason: str) -> None:

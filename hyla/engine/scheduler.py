@@ -277,12 +277,11 @@ class Scheduler:
                 row += len(offs)
                 last.append(row - 1)
             logits = logits[last]
-        if batch.num_mixed:  # a prefill's requests commit to the tree; a decode's tokens as a decode step's do
-            k = len(batch.reqs) - batch.num_mixed
-            self.cache.commit_batch(batch.reqs[:k], batch.lens[:k], batch.ckpts.per_req[:k] or None, insert=True)
+        k = len(batch.reqs) - batch.num_mixed  # a mixed step's decoding requests commit as a decode step's do
+        self.cache.commit_batch(batch.reqs[:k], batch.lens[:k], batch.ckpts.per_req[:k] or None,
+                                insert=not batch.is_decode)
+        if batch.num_mixed:
             self.cache.commit_batch(batch.reqs[k:], batch.lens[k:], None, insert=False)
-        else:
-            self.cache.commit_batch(batch.reqs, batch.lens, batch.ckpts.per_req or None, insert=not batch.is_decode)
         ready = [i for i, r in enumerate(batch.reqs) if r.kv_len == r.num_fill]
         if ready:
             rows = logits if len(ready) == len(batch.reqs) else logits[ready]
