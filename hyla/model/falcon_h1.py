@@ -50,6 +50,8 @@ from hyla.model.layers import (
     HybridLayer,
     Mamba2Mixer,
     Rope,
+)
+from hyla.model.weight_specs import (
     WeightSpec,
     attention_specs,
     embedding_specs,

@@ -42,6 +42,8 @@ from hyla.model.config import (
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+)
+from hyla.model.weight_specs import (
     WeightSpec,
     embedding_specs,
     mamba2_specs,

@@ -62,23 +62,25 @@ from hyla.model.layers import (
     HybridLayer,
     RMSNorm,
     Rope,
-    WeightSpec,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
     _fla_prefill,
     _gpu,
     _tree_masks,
     conv1d_extend,
+)
+from hyla.model.linear import Linear
+from hyla.model.ops.attention import extend_sdpa
+from hyla.model.ops.conv1d import causal_conv1d_update
+from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
+from hyla.model.weight_specs import (
+    WeightSpec,
     embedding_specs,
     linear_specs,
     mlp_specs,
     norm_spec,
     stack_experts,
 )
-from hyla.model.linear import Linear
-from hyla.model.ops.attention import extend_sdpa
-from hyla.model.ops.conv1d import causal_conv1d_update
-from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
 
 # transformers builds the MLA q_a / kv_a norms without an eps: its RMSNorm default
 MLA_NORM_EPS = 1e-6

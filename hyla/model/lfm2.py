@@ -30,19 +30,21 @@ from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     Rope,
-    WeightSpec,
     _copy_decode_checkpoints,
     _gpu,
-    attention_specs,
     conv1d_extend,
+)
+from hyla.model.linear import Linear
+from hyla.model.ops.conv1d import causal_conv1d_update
+from hyla.model.weight_specs import (
+    WeightSpec,
+    attention_specs,
     embedding_specs,
     linear_specs,
     mlp_specs,
     norm_spec,
     squeeze_conv,
 )
-from hyla.model.linear import Linear
-from hyla.model.ops.conv1d import causal_conv1d_update
 
 
 class Lfm2ShortConv(nn.Module):

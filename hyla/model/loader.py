@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
-from hyla.model.layers import HybridForCausalLM, WeightSpec
+from hyla.model.layers import HybridForCausalLM
+from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
 

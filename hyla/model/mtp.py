@@ -40,11 +40,11 @@ from torch import nn
 from hyla.cache.layout import CacheLayout
 from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import (Attention, HybridForCausalLM, HybridLayer, WeightSpec, add_rms_norm, linear_specs,
-                               norm_spec)
+from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, add_rms_norm
 from hyla.model.linear import Linear, relayout_weights_
 from hyla.model.loader import choose_layouts, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
+from hyla.model.weight_specs import WeightSpec, linear_specs, norm_spec
 
 MTP_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 """Architectures whose checkpoints carry an MTP head of this form."""

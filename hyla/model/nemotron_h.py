@@ -25,6 +25,8 @@ from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+)
+from hyla.model.weight_specs import (
     WeightSpec,
     attention_specs,
     embedding_specs,

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import torch
 
 from hyla.model.config import ModelConfig
-from hyla.model.layers import WeightSpec, concat_rows
 from hyla.model.qwen3_next import Qwen3NextForCausalLM, qwen_config_fields, qwen_specs
+from hyla.model.weight_specs import WeightSpec, concat_rows
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

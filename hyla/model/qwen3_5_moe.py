@@ -25,9 +25,9 @@ from typing import Any, Mapping
 import torch
 
 from hyla.model.config import ModelConfig
-from hyla.model.layers import WeightSpec
 from hyla.model.qwen3_5 import Qwen3_5ForCausalLM, vl_text_config
 from hyla.model.qwen3_next import qwen_config_fields
+from hyla.model.weight_specs import WeightSpec
 
 # HF's Qwen3_5MoeTextConfig defaults for the MoE keys (used when config.json omits one)
 _MOE_DEFAULTS: dict[str, Any] = {

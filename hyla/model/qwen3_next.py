@@ -31,6 +31,8 @@ from hyla.model.config import (
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+)
+from hyla.model.weight_specs import (
     WeightSpec,
     attention_specs,
     embedding_specs,
