@@ -7,6 +7,13 @@ captured outputs, and ``torch.cuda``'s streams and events become no-ops for that
 the kernels interpreted (``TRITON_INTERPRET=1``) an engine then serves from "graphs" on the CPU.
 ``ModelRunner`` captures none off CUDA: :func:`attach_graphs` gives a fused runner the graphs a
 GPU's would have.
+
+Graphs captured into one memory pool (``capture(..., pool)``: a runner's decode, verify and extend
+graphs share one) also share memory here, as much as they may on a GPU: a graph captured later can
+keep its outputs in memory that an earlier one freed after its capture, and which that earlier
+one's replays write again. So replaying a graph poisons (NaN, or -2**40 in integer outputs) the
+outputs of every graph captured after it in its pool: an output read after another graph of its
+pool replayed, which on a GPU may be overwritten, is here certainly wrong.
 """
 
 from __future__ import annotations
@@ -16,18 +23,27 @@ import torch
 
 class EmulatedGraph:
     """A CUDA graph's contract on the CPU: ``replay`` runs the captured function again and writes
-    its outputs into the tensors the capture returned (what a replay does to the graph's memory)."""
+    its outputs into the tensors the capture returned (what a replay does to the graph's memory),
+    then poisons the outputs of the graphs captured after it in its memory pool (the module
+    docstring)."""
 
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
+    def __init__(self, fn, out, pool: list[EmulatedGraph]):
+        self.fn, self.out, self._pool = fn, out, pool
+        pool.append(self)  # capture order
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.out] if isinstance(self.out, torch.Tensor) else list(self.out)
 
     def replay(self) -> None:
         new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
-        for dst, src in [(self.out, new)] if isinstance(new, torch.Tensor) else zip(self.out, new):
+        for dst, src in zip(self.outputs(), [new] if isinstance(new, torch.Tensor) else new):
             dst.copy_(src)
+        for later in self._pool[self._pool.index(self) + 1:]:
+            for t in later.outputs():
+                t.fill_(float("nan") if t.is_floating_point() else -2 ** 40)
 
-    def pool(self):
-        return None
+    def pool(self) -> list[EmulatedGraph]:
+        return self._pool
 
 
 def emulate_cuda_graphs(monkeypatch) -> None:
@@ -42,7 +58,7 @@ def emulate_cuda_graphs(monkeypatch) -> None:
 
     def capture(fn, stream, pool=None):  # (no warm-up runs: nothing to compile or autotune)
         out = fn()
-        return EmulatedGraph(fn, out), out
+        return EmulatedGraph(fn, out, [] if pool is None else pool), out
 
     class Torch:  # torch, as the module sees it, with torch.cuda's streams and events as no-ops
         cuda = SimpleNamespace(Stream=lambda *a, **k: None, synchronize=lambda *a, **k: None,
@@ -64,10 +80,13 @@ def attach_graphs(runner, decode_max_bs: int = 0, verify_max_bs: int = 0, extend
 
     if not runner.fused:
         raise ValueError("graphs capture the fused step: a runner with fused_decode=True")
+    pool = None  # one memory pool, as ModelRunner's graphs share
     if decode_max_bs:
         runner.graphs = CudaGraphDecode(runner, decode_max_bs)
+        pool = runner.graphs.pool
     if verify_max_bs:
-        runner.verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width)
+        runner.verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width, pool=pool)
+        pool = runner.verify_graphs.pool
     if extends:
-        runner.extend_graphs = CudaGraphExtend(runner, runner._extend_buckets)
+        runner.extend_graphs = CudaGraphExtend(runner, runner._extend_buckets, pool=pool)
         runner.extend_inputs = runner.extend_graphs.inputs

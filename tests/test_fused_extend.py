@@ -164,15 +164,16 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-def _fused_runner(engine: Engine, fused_extend: int, graphs: bool = False) -> None:
+def _fused_runner(engine: Engine, fused_extend: int, graphs: bool = False, decode_graphs: int = 0) -> None:
     """Swap in a fused runner whose single-sequence extends of up to ``fused_extend`` tokens run as
     fused extends: eager, or replaying CUDA graphs (``graphs``; emulated on the CPU:
-    ``emulate_cuda_graphs`` first)."""
+    ``emulate_cuda_graphs`` first), with decode steps of up to ``decode_graphs`` requests replaying
+    theirs (the extend graphs in their memory pool, as a GPU runner's)."""
     engine.scheduler.runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token,
                                           engine.device, cuda_graph=False, fused_decode=True,
                                           fused_extend_max_tokens=fused_extend)
     if graphs:
-        attach_graphs(engine.scheduler.runner, extends=True)
+        attach_graphs(engine.scheduler.runner, decode_max_bs=decode_graphs, extends=True)
 
 
 def _concurrent_turns(engine: Engine, fused_extend: int | None = None, graphs: bool = False) -> list[dict]:
@@ -274,3 +275,57 @@ def test_extend_buckets_and_their_option():
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="cuda_graph_max_extend_tokens"):
             EngineArgs(cuda_graph_max_extend_tokens=bad)
+
+
+def _arrivals_while_streams_decode(engine: Engine, mixed_steps: list | None = None) -> list[dict]:
+    """Two streams decode; meanwhile two short prompts arrive one after the other (each admitted in a
+    prefill step of its own, which with ``enable_mixed_chunk`` also feeds the streams a token). Returns
+    the streams' outputs (their chunks joined), then the two prompts'."""
+    rng = random.Random(5)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (7, 12, 9, 20)]
+    greedy = {"temperature": 0, "ignore_eos": True}
+    streams = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=16), return_logprob=True,
+                               stream=True) for p in prompts[:2]]
+    firsts = [next(s) for s in streams]  # both decoding now
+    arrivals = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=3), return_logprob=True)
+                for p in prompts[2:]]
+    outs = []
+    for first, stream in zip(firsts, streams):
+        chunks = [first, *stream]
+        outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]],
+                     "meta_info": {"id": first["meta_info"]["id"], "output_token_logprobs": [
+                         lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}})
+    engine.wait_idle()
+    engine.check_integrity()
+    return outs + arrivals
+
+
+@pytest.mark.slow
+def test_mixed_steps_replay_the_extend_and_decode_graphs(qwen3_5_short_path, monkeypatch, few_splits):
+    """Mixed chunked prefill (``enable_mixed_chunk``) on a runner with graphs (``decodes_apart``): a
+    prompt admitted while two streams decode runs as a fused extend, its graph replayed, and the
+    streams as a decode step after it, their graph replayed. The two graphs share a memory pool, so
+    the decode replay may overwrite the extend graph's output (emulated on the CPU, it does: the
+    prompt's logits must have been copied before it). fp32: tokens and logprobs == the plain
+    engine's (no mixed steps; on the CPU the PyTorch ops)."""
+    from hyla.engine.scheduler import Scheduler
+
+    path = qwen3_5_short_path
+    opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    with Engine(path, **opts) as plain:
+        a = _arrivals_while_streams_decode(plain)
+    apart = []
+    monkeypatch.setattr(Scheduler, "_run_mixed_apart", lambda self, batch, ckpts, run=Scheduler._run_mixed_apart:
+                        apart.append(batch.num_mixed) or run(self, batch, ckpts))
+    replays = []
+    monkeypatch.setattr(CudaGraphExtend, "replay",
+                        lambda self, bucket, run=CudaGraphExtend.replay: replays.append(bucket) or run(self, bucket))
+    if not GPU:
+        emulate_cuda_graphs(monkeypatch)
+    with Engine(path, enable_mixed_chunk=True, **opts) as mixed:
+        if not GPU:  # the graphs a GPU runner captures: extends of up to 32 tokens, decode steps of 1 and 2
+            _fused_runner(mixed, 32, graphs=True, decode_graphs=2)
+        b = _arrivals_while_streams_decode(mixed)
+    assert apart.count(2) == 2 and len(replays) >= 2  # each arrival's step: its extend replayed, the streams apart
+    assert compare_outputs(a, b) == sum(len(o["output_ids"]) for o in a)

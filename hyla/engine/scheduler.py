@@ -258,11 +258,14 @@ class Scheduler:
     def _run_mixed_apart(self, batch: Batch, ckpts: list[tuple[int, int, int]]) -> torch.Tensor:
         """A mixed step on a runner whose decode steps replay CUDA graphs (``decodes_apart``): the
         prompts' tokens as an extend, then the decoding requests (the batch's last ``num_mixed``, with
-        the last KV allocation) as a decode step, one replay; their logits rows after the extend's."""
+        the last KV allocation) as a decode step, one replay; their logits rows after the extend's.
+        The extend's logits may be an extend graph's output, in the memory pool the decode graphs
+        share, which the decode replay may overwrite: they are copied first (in stream order)."""
         k = len(batch.reqs) - batch.num_mixed
         loc = batch.out_cache_loc[:-1]
         head = self.runner.forward_extend(batch.reqs[:k], batch.lens[:k], torch.cat(loc) if len(loc) > 1 else loc[0],
                                           ckpts, logit_rows=None if batch.logit_rows is None else batch.logit_rows[:k])
+        head = head.clone()
         return torch.cat([head, self.runner.forward_decode(batch.reqs[k:], batch.out_cache_loc[-1])])
 
     def process(self, batch: Batch, logits: torch.Tensor) -> None:
