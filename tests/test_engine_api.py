@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 
 import pytest
 import torch
@@ -143,6 +144,19 @@ class _FakeReq:
     (dict(input_ids=[1, 2], checkpoints=[5]), "checkpoint"),
     (dict(prompt="hello"), "no tokenizer"),
     (dict(), "exactly one"),
+    # wrong types: a ValueError naming the argument, never a TypeError from deep inside
+    (dict(prompt=5), "prompt must be"),
+    (dict(input_ids=5), "input_ids must be"),
+    (dict(input_ids=[[1, 2], 3]), "not a mix"),
+    (dict(input_ids=[1, 2], rid=5), "rid must be"),
+    (dict(input_ids=[1, 2], rid=[5]), "rid must be"),
+    (dict(input_ids=[1, 2], return_logprob="yes"), "return_logprob must be a bool"),
+    (dict(input_ids=[1, 2], sampling_params={"stop": 5}), "stop must be a list"),
+    (dict(input_ids=[1, 2], sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list"),
+    (dict(input_ids=[1, 2], sampling_params={"skip_special_tokens": "no"}), "skip_special_tokens must be a bool"),
+    (dict(input_ids=[1, 2], sampling_params={"ignore_eos": None}), "ignore_eos must be a bool"),
+    (dict(input_ids=[1, 2], sampling_params={"temperature": float("inf")}), "temperature must be a finite"),
+    (dict(input_ids=[1, 2], sampling_params={"repetition_penalty": float("inf")}), "repetition_penalty"),
 ])
 def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
     stream = engine.generate(input_ids=_ids(30, 8), stream=True,
@@ -229,6 +243,80 @@ def test_internal_error_aborts_the_batch_and_engine_keeps_serving(which, request
     kv, st, tree = engine.kv_pool, engine.state_pool, engine.tree
     assert kv.available_size() + tree.total_size() == kv.size
     assert st.available_size() + tree.num_checkpoints() == st.size
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(engine):
+    """1e-45 is 0 in fp32: dividing the logits by it made every probability NaN (and the token the
+    last of the vocabulary). Below ``GREEDY_TEMPERATURE`` a request samples greedily."""
+    ids = _ids(12, 21)
+    want = engine.generate(input_ids=ids, sampling_params=GREEDY)
+    for t in (1e-45, 1e-300, 1e-6):
+        got = engine.generate(input_ids=ids, sampling_params=dict(GREEDY, temperature=t), return_logprob=True)
+        assert got["output_ids"] == want["output_ids"], t
+
+
+def test_a_step_whose_text_fails_aborts_and_the_engine_keeps_serving(engine, monkeypatch):
+    """A request whose text cannot be made (its detokenizer raises, at its end) fails the step; the
+    step's requests are aborted and told so, that one with the error, even though finishing it
+    raises again; the scheduler thread lives on and serves the next request. (The thread died here
+    once, and every later request waited forever.)"""
+    import concurrent.futures
+
+    output = engine.scheduler.output
+
+    def detokenizer(req):
+        if req.rid == "bad-text":
+            raise TypeError("injected detokenizer failure")
+        return None
+
+    monkeypatch.setattr(output, "make_detokenizer", detokenizer)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (a dead scheduler thread: a timeout, not a hang)
+        out = pool.submit(engine.generate, input_ids=_ids(12, 22), rid="bad-text", sampling_params=GREEDY).result(60)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "injected detokenizer failure" in out["meta_info"]["finish_reason"]["message"]
+    assert engine.is_alive
+    monkeypatch.undo()
+    again = engine.generate(input_ids=_ids(12, 23), sampling_params=GREEDY)
+    assert again["meta_info"]["finish_reason"]["type"] == "length"
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_a_grammar_compiles_off_the_event_loop(monkeypatch):
+    """``async_generate`` makes a request with a grammar in a worker thread: while a (slow) grammar
+    compiles, the event loop runs its other tasks."""
+    from hyla.engine.engine import _asks_for_grammar
+    from hyla.engine.grammar import Grammars
+    from hyla.engine.sampling_params import SamplingParams
+
+    assert _asks_for_grammar({"regex": "a+"}) and _asks_for_grammar([None, SamplingParams(json_schema={})])
+    assert not _asks_for_grammar(None) and not _asks_for_grammar([{"temperature": 0}])
+
+    def slow_compile(self, kind, source):
+        time.sleep(1.0)
+        raise ValueError("slow grammar refused")
+
+    monkeypatch.setattr(Grammars, "_compile", slow_compile)
+    with Engine(max_total_tokens=2048, max_state_slots=16, max_running_requests=4) as eng:  # (a tokenizer)
+
+        async def main():
+            ticks = []
+
+            async def tick():
+                while True:
+                    ticks.append(time.perf_counter())
+                    await asyncio.sleep(0.05)
+
+            ticker = asyncio.create_task(tick())
+            with pytest.raises(ValueError, match="slow grammar refused"):
+                await eng.async_generate("hi", {"regex": "a+", "max_new_tokens": 2})
+            ticker.cancel()
+            return ticks
+
+        ticks = asyncio.run(main())
+        assert len(ticks) >= 10  # the loop ran on through the second of the compile
+        assert max(b - a for a, b in zip(ticks, ticks[1:])) < 0.5
+        assert eng.generate("hi", {"max_new_tokens": 2})["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_queue_limit_counts_requests_not_yet_scheduled_and_streams_submit_eagerly(qwen3_next_dense_path):

@@ -240,3 +240,23 @@ def test_api_key_closes_the_docs(model_dir):
             assert httpx.get(srv.url + path).status_code == 404
         ok = _post(srv, "/v1/chat/completions", json=CHAT, headers={"Authorization": "bearer k"})
         assert ok.status_code == 200  # the auth scheme is case-insensitive (RFC 7235)
+
+
+def test_a_dead_scheduler_thread_is_unhealthy_and_refuses_requests(server, monkeypatch):
+    """Should the engine's scheduler thread die (it survives failed steps: test_engine_api.py), the
+    server says so: ``/health`` is 503 ``engine_dead`` and requests get a 503 at once, instead of a
+    healthy front door over requests that wait forever."""
+    engine = _engine(server)
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    monkeypatch.setattr(engine, "_thread", dead)
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+    err = _assert_error(_post(server, "/v1/chat/completions", json=CHAT), 503, "service_unavailable")
+    assert err["code"] == "engine_dead"
+    with pytest.raises(RuntimeError, match="scheduler thread has died"):
+        engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})
+    monkeypatch.undo()
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert _post(server, "/v1/chat/completions", json=CHAT).status_code == 200

@@ -17,6 +17,7 @@ Outputs follow SGLang's ``Engine`` conventions: ``{"text", "output_ids", "meta_i
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
 import logging
@@ -35,7 +36,7 @@ from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePoo
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
-from hyla.engine.grammar import Grammars
+from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
@@ -351,9 +352,12 @@ class Engine:
                              stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                              rid: str | list[str] | None = None, namespace: Any = None,
                              logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False) -> Any:
-        """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator."""
-        reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len, speculative_checkpoints)
+        """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
+        with a grammar is made in a worker thread: compiling one can take seconds (a large schema),
+        which the event loop must not wait for."""
+        make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
+                                 rid, namespace, logprob_start_len, speculative_checkpoints)
+        reqs, single = await asyncio.to_thread(make) if _asks_for_grammar(sampling_params) else make()
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -448,20 +452,25 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
                        logprob_start_len=-1, speculative_checkpoints=False):
-        if not isinstance(speculative_checkpoints, bool):
-            raise ValueError(f"speculative_checkpoints must be a bool, got {speculative_checkpoints!r}")
+        for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         if prompt is not None:
             single = isinstance(prompt, str)
-            prompts = [prompt] if single else list(prompt)
-            if not all(isinstance(p, str) for p in prompts):
+            prompts = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else None
+            if prompts is None or not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompt must be a string or a list of strings")
             if self.tokenizer is None:
                 raise ValueError(f"model {self.model_path} has no tokenizer: pass input_ids instead of prompt")
             id_lists = [self.tokenizer.encode(p) for p in prompts]
         else:
+            if not isinstance(input_ids, (list, tuple)):
+                raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")
             single = len(input_ids) == 0 or not isinstance(input_ids[0], (list, tuple))
+            if not single and not all(isinstance(x, (list, tuple)) for x in input_ids):
+                raise ValueError("input_ids must be a list of token ids or a list of such lists, not a mix")
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
         n = len(id_lists)
         if n == 0:
@@ -470,7 +479,10 @@ class Engine:
         if len(params) != n:
             raise ValueError(f"{len(params)} sampling_params for {n} requests")
         ckpts = _per_request_checkpoints(checkpoints, n, single)
-        rids = [rid] if isinstance(rid, str) else (list(rid) if rid is not None else [None] * n)
+        rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) \
+            else [None] * n if rid is None else None
+        if rids is None or not all(isinstance(r, str) for r in rids if r is not None):
+            raise ValueError(f"rid must be a string or a list of strings, got {rid!r}")
         if len(rids) != n or len(ckpts) != n:
             raise ValueError("rid and checkpoints must have one entry per request")
         starts = list(logprob_start_len) if isinstance(logprob_start_len, (list, tuple)) else [logprob_start_len] * n
@@ -522,10 +534,18 @@ class Engine:
                    speculative_checkpoints=speculative_checkpoints, namespace=namespace, return_logprob=return_logprob,
                    logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
 
+    @property
+    def is_alive(self) -> bool:
+        """The engine serves: not shut down, and its scheduler thread runs (it survives any failed
+        step; should it die all the same, requests are refused, not left waiting forever)."""
+        return not self._stopped and self._thread.is_alive()
+
     def _submit(self, reqs: list[Req]) -> None:
         with self._inbox_lock:  # requests still in the inbox count as queued too
             if self._stopped:  # checked under the lock shutdown() sets it under: no request slips past
                 raise RuntimeError("the engine has been shut down")
+            if not self._thread.is_alive():
+                raise RuntimeError("the engine's scheduler thread has died (see the log): restart the engine")
             rids = [r.rid for r in reqs]
             clash = (set(rids) & self._live_rids) | {r for r in rids if rids.count(r) > 1}
             if clash:
@@ -611,7 +631,7 @@ class Engine:
                 self.scheduler.step()
             except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
                 logger.exception("scheduler step failed; aborting the %d running requests", self.scheduler.num_running)
-                self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")
+                self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")  # (never raises)
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
@@ -652,6 +672,14 @@ class Engine:
         except TimeoutError:
             result.cancel()
             raise
+
+
+def _asks_for_grammar(sampling_params: Any) -> bool:
+    """Whether any of ``generate``'s ``sampling_params`` (a dict, a ``SamplingParams`` or a list of
+    them) sets a grammar (``GRAMMAR_KINDS``), which making its request compiles."""
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    return any((p.get(k) if isinstance(p, dict) else getattr(p, k, None)) is not None
+               for p in params for k in GRAMMAR_KINDS)
 
 
 def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tuple]:

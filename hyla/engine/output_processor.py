@@ -135,15 +135,22 @@ class OutputProcessor:
         return len(tokens)
 
     def set_finished(self, req: Req, reason: dict[str, Any]) -> None:
+        """Finish ``req`` with ``reason``, its text completed. If the text raises, ``req`` is finished
+        all the same, aborted with that error (and the error raised: the step fails)."""
         req.finished_reason = reason
-        matched = reason.get("matched")
-        if not isinstance(matched, str):  # (a stop string's match cut the text already)
-            # a stop token's own text is left out, as _check_finished leaves it out token by token
-            self._catch_up_text(req, stop_token=isinstance(matched, int))
-            if req.detokenizer is not None:
-                req.text += req.detokenizer.flush()  # what was held back for an unfinished character
-        req.status = ReqStatus.FINISHED
-        self.num_requests_finished += 1
+        try:
+            matched = reason.get("matched")
+            if not isinstance(matched, str):  # (a stop string's match cut the text already)
+                # a stop token's own text is left out, as _check_finished leaves it out token by token
+                self._catch_up_text(req, stop_token=isinstance(matched, int))
+                if req.detokenizer is not None:
+                    req.text += req.detokenizer.flush()  # what was held back for an unfinished character
+        except Exception as exc:
+            req.finished_reason = {"type": "abort", "message": f"internal error: {type(exc).__name__}: {exc}"}
+            raise
+        finally:
+            req.status = ReqStatus.FINISHED
+            self.num_requests_finished += 1
 
     def deliver(self, req: Req) -> bool:
         """Hand ``req``'s new output to its consumer (everything, once it is finished). Returns

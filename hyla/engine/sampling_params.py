@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hyla.engine.grammar import GRAMMAR_KINDS, grammar_source
+
+# A temperature below this samples greedily (vLLM's and SGLang's rule): dividing the logits by it
+# would overflow them (1e-45 is 0 in fp32: every probability NaN)
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -49,8 +54,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop = _check_list("stop", self.stop)
+        self.stop_token_ids = _check_list("stop_token_ids", self.stop_token_ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_num("temperature", self.temperature, lo=0.0)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
@@ -74,11 +82,21 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Argmax sampling: temperature 0 (or below ``GREEDY_TEMPERATURE``, which divided into the
+        logits would overflow them), or top-k 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def _check_list(name: str, value: Any) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return list(value)
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
@@ -89,8 +107,8 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
 
 
 def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
     if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
         bracket = "(" if lo_open else "["
         raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {value}")

@@ -463,8 +463,11 @@ class Scheduler:
             except Exception:
                 logger.exception("could not release request %s; dropping it", req.rid)
             self.running.remove(req)
-            # a request the overlap schedule holds finished already: it keeps its reason
-            self._finish(req, None if req.finished else {"type": "abort", "message": message})
+            try:  # a request the overlap schedule holds finished already: it keeps its reason
+                self._finish(req, None if req.finished else {"type": "abort", "message": message})
+            except Exception:  # (its text, say, cannot be made): it ends all the same, told so
+                logger.exception("could not finish request %s; delivering it as it is", req.rid)
+                self.output.deliver(req)
 
     def _finish(self, req: Req, reason: dict | None = None) -> None:
         """Release ``req``'s memory (caching what it computed), then deliver its last output. (A

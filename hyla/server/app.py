@@ -100,6 +100,9 @@ class Server:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="server_shutting_down")
         if self.engine is None:
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_not_ready")
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine has stopped (see the server's log)", type="service_unavailable",
+                           code="engine_dead")
         return self.engine
 
     async def start_generation(self, endpoint: str, jobs: list[Job], arrival: float) -> Generation:
