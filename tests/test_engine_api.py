@@ -255,25 +255,60 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily(engine):
         assert got["output_ids"] == want["output_ids"], t
 
 
-def test_a_step_whose_text_fails_aborts_and_the_engine_keeps_serving(engine, monkeypatch):
-    """A request whose text cannot be made (its detokenizer raises, at its end) fails the step; the
-    step's requests are aborted and told so, that one with the error, even though finishing it
-    raises again; the scheduler thread lives on and serves the next request. (The thread died here
-    once, and every later request waited forever.)"""
+def _generate_within(engine, seconds: float, **kwargs) -> dict:
+    """``engine.generate(**kwargs)``, failing the test after ``seconds`` (a dead scheduler thread
+    leaves it waiting forever) instead of hanging it."""
     import concurrent.futures
 
-    output = engine.scheduler.output
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(engine.generate, **kwargs).result(seconds)
+    finally:
+        pool.shutdown(wait=False)
 
-    def detokenizer(req):
-        if req.rid == "bad-text":
+
+def _failing_detokenizer(rid: str | None):
+    """A ``make_detokenizer`` that raises for request ``rid`` (None: for every request)."""
+    def make(req):
+        if rid is None or req.rid == rid:
             raise TypeError("injected detokenizer failure")
         return None
+    return make
 
-    monkeypatch.setattr(output, "make_detokenizer", detokenizer)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (a dead scheduler thread: a timeout, not a hang)
-        out = pool.submit(engine.generate, input_ids=_ids(12, 22), rid="bad-text", sampling_params=GREEDY).result(60)
+
+def test_a_request_whose_text_fails_is_aborted_alone(engine, monkeypatch):
+    """A request whose own host work raises (its detokenizer, at its end) is aborted with the error;
+    the requests beside it in its steps go on (a stream here), and the engine serves on. (Such an
+    error failed the whole step once, and finishing the request raised again and killed the
+    scheduler thread: every later request waited forever.)"""
+    monkeypatch.setattr(engine.scheduler.output, "make_detokenizer", _failing_detokenizer("bad-text"))
+    stream = engine.generate(input_ids=_ids(12, 24), stream=True, sampling_params=dict(GREEDY, max_new_tokens=20))
+    next(stream)
+    out = _generate_within(engine, 60, input_ids=_ids(12, 22), rid="bad-text", sampling_params=GREEDY)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert "injected detokenizer failure" in out["meta_info"]["finish_reason"]["message"]
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert engine.is_alive
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_a_failed_step_whose_requests_cannot_finish_cleanly_leaves_the_engine_serving(engine, monkeypatch):
+    """A step fails (an injected runner error), and finishing its requests as aborted raises too
+    (their text): each is delivered all the same, aborted, and the scheduler thread lives on."""
+    runner = engine.scheduler.runner
+    real, calls = runner.forward_decode, {"n": 0}
+
+    def flaky(reqs, out_cache_loc, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real(reqs, out_cache_loc, **kw)
+
+    monkeypatch.setattr(runner, "forward_decode", flaky)
+    monkeypatch.setattr(engine.scheduler.output, "make_detokenizer", _failing_detokenizer(None))
+    out = _generate_within(engine, 60, input_ids=_ids(12, 25), sampling_params=GREEDY)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
     assert engine.is_alive
     monkeypatch.undo()
     again = engine.generate(input_ids=_ids(12, 23), sampling_params=GREEDY)

@@ -90,7 +90,11 @@ class OutputProcessor:
         sreqs = draw.reqs
         out = draw.drawn.collect()
         for r, tok, lp, top in zip(sreqs, out.token_ids, out.logprobs, out.top_logprobs):
-            self.append(r, [tok], [lp], [top])
+            try:
+                self.append(r, [tok], [lp], [top])
+            except Exception as exc:  # its own host work (its text, its grammar) failed: it alone is aborted
+                logger.exception("request %s failed on its new token; aborting it", r.rid)
+                self.fail(r, exc)
             if r.finished:
                 finished.append(r)
             elif r.stream and not self.deliver(r):
@@ -149,6 +153,14 @@ class OutputProcessor:
             req.finished_reason = {"type": "abort", "message": f"internal error: {type(exc).__name__}: {exc}"}
             raise
         finally:
+            req.status = ReqStatus.FINISHED
+            self.num_requests_finished += 1
+
+    def fail(self, req: Req, exc: Exception) -> None:
+        """Finish ``req`` as aborted by ``exc`` (an error of its own), its text as it is (unless
+        :meth:`set_finished` already did, its text failing)."""
+        if not req.finished:
+            req.finished_reason = {"type": "abort", "message": f"internal error: {type(exc).__name__}: {exc}"}
             req.status = ReqStatus.FINISHED
             self.num_requests_finished += 1
 

@@ -390,7 +390,13 @@ class Scheduler:
         self.drafter.verified(batch.reqs, verdicts)
         ns, states, paths = [], [], []
         for r, fed, v, scratch in zip(batch.reqs, batch.lens, verdicts, batch.scratch, strict=True):
-            appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
+            before = len(r.output_ids)
+            try:
+                appended = self.output.append(r, v.tokens, v.logprobs, v.top_logprobs)
+            except Exception as exc:  # its own host work failed: it alone is aborted, after what it appended
+                logger.exception("request %s failed on its new tokens; aborting it", r.rid)
+                self.output.fail(r, exc)
+                appended = len(r.output_ids) - before  # (as a stop inside the run ends it there)
             n = 1 + min(v.num_accepted, appended)
             ns.append(n)
             paths.append(v.path[:n])
