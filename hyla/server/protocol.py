@@ -15,6 +15,9 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
+* Chat messages, tools and ``chat_template_kwargs`` nest lists and objects at most
+  ``MAX_NESTING_DEPTH`` levels deep (the chat template's bound), and a tool's ``parameters`` is
+  shaped as a JSON Schema where the server reads it (``check_function_parameters``).
 
 The size caps (``DEFAULT_MAX_REQUEST_BYTES``, ``PROMPT_CHARS_PER_TOKEN``) and the shutdown timeout
 live here too, so that ``hyla serve --help`` shows them without importing the server.
@@ -26,7 +29,9 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from hyla.tokenizer.chat_template import check_nesting
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
@@ -270,11 +275,76 @@ class ChatMessage(BaseModel):
         return msg
 
 
+def check_function_parameters(name: str, parameters: Any) -> None:
+    """``ValueError`` naming the function and the keyword when a tool's ``parameters`` is not shaped
+    as a JSON Schema where the server reads it (the chat template, the tool-call parsers, the
+    forced-call grammar): ``parameters`` is an object; a schema in it an object or a boolean, with
+    ``properties`` an object of schemas, ``required`` a list of strings, ``enum`` a list, ``type`` a
+    string or a non-empty list of strings, ``anyOf`` / ``oneOf`` non-empty lists of schemas. What
+    the keywords say (an unknown type name, an empty enum) is left to the grammar compiler, which
+    refuses a schema it cannot enforce. Iterative: nesting is bounded elsewhere."""
+    if parameters is None:
+        return
+    if not isinstance(parameters, dict):
+        raise ValueError(f"function {name!r}: parameters must be a JSON Schema (an object), "
+                         f"got {_json_type(parameters)}")
+    stack: list[tuple[Any, str]] = [(parameters, "parameters")]
+    while stack:
+        schema, where = stack.pop()
+        if isinstance(schema, bool):
+            continue
+        if not isinstance(schema, dict):
+            raise ValueError(f"function {name!r}: {where} must be a JSON Schema (an object), got {_json_type(schema)}")
+        problem = _schema_keyword_problem(schema)
+        if problem is not None:
+            keyword, expected = problem
+            raise ValueError(f"function {name!r}: {where}.{keyword} must be {expected}, "
+                             f"got {_json_type(schema[keyword])}")
+        stack.extend((v, f"{where}.properties.{k}") for k, v in (schema.get("properties") or {}).items())
+        for keyword in ("anyOf", "oneOf"):
+            stack.extend((b, f"{where}.{keyword}[{i}]") for i, b in enumerate(schema.get(keyword) or ()))
+
+
+def _schema_keyword_problem(schema: dict[str, Any]) -> tuple[str, str] | None:
+    """``(keyword, what it must be)`` for the first of a schema's keywords the server reads that is
+    malformed, or None."""
+    properties, required, kind = schema.get("properties"), schema.get("required"), schema.get("type")
+    if properties is not None and not isinstance(properties, dict):
+        return "properties", "an object mapping each parameter to its schema"
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        return "required", "a list of property names"
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return "enum", "a list of values"
+    if kind is not None and not (isinstance(kind, str) or
+                                 (isinstance(kind, list) and kind and all(isinstance(t, str) for t in kind))):
+        return "type", "a type name or a non-empty list of them"
+    for keyword in ("anyOf", "oneOf"):
+        branches = schema.get(keyword)
+        if branches is not None and not (isinstance(branches, list) and branches):
+            return keyword, "a non-empty list of schemas"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    """``value``'s JSON type, as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__)
+
+
 class FunctionDefinition(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_parameters(self) -> "FunctionDefinition":
+        check_function_parameters(self.name, self.parameters)
+        return self
 
 
 class Tool(_Strict):
@@ -304,6 +374,18 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
+    @classmethod
+    def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
+        """At most ``MAX_NESTING_DEPTH`` levels of lists and objects (checked before anything walks
+        them), counted as the chat template counts them: from each message, from the tools list."""
+        if info.field_name == "messages" and isinstance(value, list):
+            for i, message in enumerate(value):
+                check_nesting(message, f"messages[{i}]")
+        else:
+            check_nesting(value, str(info.field_name))
+        return value
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

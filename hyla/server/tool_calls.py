@@ -18,6 +18,10 @@ syntax (``forced_grammar``), whose JSON is constrained by the tools' parameter s
 model that never learned the syntax returns a valid call.
 
 A block that is not valid JSON with a string ``name`` stays in the content as text (as vLLM does).
+Parsing never raises: the model's text and the request's tool schemas may hold anything (a schema
+the request validation let through, JSON nested past Python's recursion limit). ``forced_grammar``
+raises ``ValueError`` for parameters that are not shaped as a JSON Schema
+(``check_function_parameters``, which the HTTP API applies to every request's tools).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hyla.engine.grammar import JSON_DEFAULTS
+from hyla.server.protocol import check_function_parameters
 
 TOOL_CALL_PARSERS = ("qwen", "nemotron_json", "qwen3_coder")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
@@ -71,17 +76,18 @@ class ToolCallParser:
         self._block = re.compile(re.escape(self.start) + r"(.*?)" + re.escape(self.end), re.S)
 
     def calls_of(self, body: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall] | None:
-        """The calls a block's body holds, or None if it is not a well-formed block."""
-        if self.xml:
-            return xml_calls(body, tools)
+        """The calls a block's body holds, or None if it is not a well-formed block (JSON nested
+        too deep for Python to read or write included)."""
         try:
+            if self.xml:
+                return xml_calls(body, tools)
             value = json.loads(body)
-        except ValueError:
+            items = value if self.listed and isinstance(value, list) else [value] if not self.listed else None
+            if not items:
+                return None
+            calls = [_call(item) for item in items]
+        except (ValueError, RecursionError):
             return None
-        items = value if self.listed and isinstance(value, list) else [value] if not self.listed else None
-        if not items:
-            return None
-        calls = [_call(item) for item in items]
         return None if any(c is None for c in calls) else calls
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
@@ -113,7 +119,10 @@ class ToolCallParser:
 
     def forced_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """An ``ebnf`` (Lark) grammar: one call (or several, ``parallel``) of one of ``tools``
-        (OpenAI ``function`` objects), each with arguments following its ``parameters`` schema."""
+        (OpenAI ``function`` objects), each with arguments following its ``parameters`` schema.
+        ``ValueError`` when a function's ``parameters`` is not shaped as a JSON Schema."""
+        for fn in tools:
+            check_function_parameters(fn.get("name", "?"), fn.get("parameters"))
         if self.xml:
             return xml_forced_grammar(tools, parallel)
         options = []
@@ -145,7 +154,8 @@ def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] |
         if body[pos:fn.start()].strip():
             return None
         name, inner = fn.group(1).strip(), fn.group(2)
-        properties = _parameters(tools, name).get("properties") or {}
+        properties = _parameters(tools, name).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         args, at = {}, 0
         for p in _PARAMETER.finditer(inner):
             if inner[at:p.start()].strip():
@@ -175,21 +185,34 @@ def xml_argument(text: str, schema: dict[str, Any] | None) -> Any:
         return text
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
-def _allows_string(schema: dict[str, Any] | None) -> bool:
-    if not isinstance(schema, dict):
-        return True
-    kind = schema.get("type")
-    if kind is None:  # an enum, anyOf, ...: a string if any string value or branch allows it
-        if "enum" in schema or "const" in schema:
-            values = schema.get("enum", [schema.get("const")])
-            return any(isinstance(v, str) for v in values)
+def _allows_string(schema: Any) -> bool:
+    """Whether a parameter's schema lets its value be a string: no schema (or not an object), a
+    ``type`` naming ``string``, an ``enum`` / ``const`` with a string value, or, without those, any
+    ``anyOf`` / ``oneOf`` branch that does. Iterative, and any JSON value is taken."""
+    stack = [schema]
+    while stack:
+        schema = stack.pop()
+        if not isinstance(schema, dict):
+            return True
+        kind = schema.get("type")
+        if kind is not None:
+            if kind == "string" or (isinstance(kind, list) and "string" in kind):
+                return True
+            continue
+        if "enum" in schema or "const" in schema:  # a string if any string value allows it
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            if isinstance(values, list) and any(isinstance(v, str) for v in values):
+                return True
+            continue
         branches = schema.get("anyOf") or schema.get("oneOf")
-        return any(_allows_string(b) for b in branches) if branches else True
-    return kind == "string" or (isinstance(kind, list) and "string" in kind)
+        if not isinstance(branches, list) or not branches:
+            return True
+        stack.extend(branches)
+    return False
 
 
 def _parameters(tools: list[dict[str, Any]] | None, name: str) -> dict[str, Any]:
@@ -210,7 +233,7 @@ def xml_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
     value following the schema."""
     rules, options = [], []
     for f, fn in enumerate(tools):
-        params = fn.get("parameters") or {}
+        params = fn.get("parameters") or {}  # forced_grammar checked its shape (check_function_parameters)
         required = set(params.get("required") or ())
         items = []
         for k, (key, schema) in enumerate((params.get("properties") or {}).items()):
@@ -239,6 +262,8 @@ def _choices(schema: Any) -> list[str] | None:
     if not isinstance(schema, dict) or not ("enum" in schema or "const" in schema):
         return None
     values = schema["enum"] if "enum" in schema else [schema["const"]]
+    if not isinstance(values, list):
+        return None
     return [json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in values] or None
 
 
@@ -294,7 +319,7 @@ def _decoded_arguments(call: Any) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: kept as text
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 

@@ -6,8 +6,9 @@ sandboxed jinja2 environment as transformers (``trim_blocks``, ``lstrip_blocks``
 messages it renders the same string; templates see JSON values only (no objects with methods),
 and ``namespace()`` refuses underscore attributes.
 
-Bad input (wrong message types, a template that does not compile or that rejects the
-conversation) raises ``ValueError``.
+Bad input (wrong message types, malformed ``tool_calls``, values nested deeper than
+``MAX_NESTING_DEPTH``, a template that does not compile, that rejects the conversation or that
+fails on it) raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -72,23 +73,87 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+MAX_NESTING_DEPTH = 64
+"""Messages, tools, documents and template variables may nest lists and objects this deep (a
+message object is one level, its ``tool_calls`` list two, ...); deeper is a ``ValueError``. Real
+conversations and tool schemas stay far below it; the bound keeps every walk over them (the copy
+below, the template, JSON encoding) far from Python's recursion limit."""
+
+
+def check_nesting(value: Any, where: str) -> None:
+    """``ValueError`` naming the spot when ``value`` nests lists and objects deeper than
+    ``MAX_NESTING_DEPTH``. Iterative: the value may nest arbitrarily deep."""
+    # (value, its level, its path as a linked list of (key or index, is_index, parent))
+    stack: list[tuple[Any, int, Any]] = [(value, 1, None)]
+    while stack:
+        item, level, path = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = ((v, (k, False, path)) for k, v in item.items())
+        elif isinstance(item, (list, tuple)):
+            children = ((v, (i, True, path)) for i, v in enumerate(item))
+        else:
+            continue
+        if level > MAX_NESTING_DEPTH:
+            parts = []
+            while path is not None:
+                key, is_index, path = path
+                parts.append(f"[{key}]" if is_index else f".{key}")
+            parts.reverse()
+            shown = where + "".join(parts[:3]) + ("..." if len(parts) > 3 else "")
+            raise ValueError(f"{shown} nests lists and objects more than {MAX_NESTING_DEPTH} levels deep")
+        stack.extend((v, level + 1, at) for v, at in children)
+
+
 def _plain(value: Any, where: str) -> Any:
     """A copy of ``value`` made of JSON types only: templates never see objects with methods."""
+    check_nesting(value, where)
+    return _plain_copy(value, where)
+
+
+def _plain_copy(value: Any, where: str) -> Any:
     if value is None or type(value) in (str, int, float, bool):
         return value
     if isinstance(value, Mapping):
-        return {str(k): _plain(v, where) for k, v in value.items()}
+        return {str(k): _plain_copy(v, where) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v, where) for v in value]
+        return [_plain_copy(v, where) for v in value]
     for base in (bool, str, int, float):  # subclasses (str enums, numpy floats): strip to the base type
         if isinstance(value, base):
             return base(value) if base is not str else str.__str__(value)
     raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
 
 
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's ``tool_calls`` as OpenAI's API takes them: a list of
+    ``{"id"?: str, "type"?: "function", "function": {"name": str, "arguments": str}}``, where
+    ``arguments`` may also be an object (transformers' convention, which templates read too)."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls must be a list of tool calls, got {type(calls).__name__}")
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, Mapping):
+            raise ValueError(f"{at} must be an object with a 'function', got {type(call).__name__}")
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise ValueError(f"{at}.id must be a string, got {type(call['id']).__name__}")
+        if call.get("type") is not None and call["type"] != "function":
+            raise ValueError(f"{at}.type must be 'function', got {call['type']!r}")
+        fn = call.get("function")
+        if not isinstance(fn, Mapping):
+            got = "none" if fn is None else type(fn).__name__
+            raise ValueError(f"{at}.function must be an object with 'name' and 'arguments', got {got}")
+        if not isinstance(fn.get("name"), str):
+            got = "none" if fn.get("name") is None else type(fn["name"]).__name__
+            raise ValueError(f"{at}.function.name must be a string, got {got}")
+        if not isinstance(fn.get("arguments"), (str, Mapping)):
+            got = "none" if fn.get("arguments") is None else type(fn["arguments"]).__name__
+            raise ValueError(f"{at}.function.arguments must be a string (the arguments as JSON text) or an "
+                             f"object, got {got}")
+
+
 def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Validate chat messages and return plain copies without ``None`` fields (as transformers does:
-    OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key)."""
+    OpenAI clients send ``content=None`` next to ``tool_calls``, and templates test for a missing key).
+    ``tool_calls`` must be well formed (``_check_tool_calls``): templates index into them."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or len(messages) == 0:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -97,7 +162,10 @@ def check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             raise ValueError(f"messages[{i}] must be a dict, got {type(message).__name__}")
         if not isinstance(message.get("role"), str):
             raise ValueError(f"messages[{i}] needs a string 'role'")
-        out.append({k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None})
+        plain = {k: v for k, v in _plain(message, f"messages[{i}]").items() if v is not None}
+        if "tool_calls" in plain:
+            _check_tool_calls(plain["tool_calls"], f"messages[{i}]")
+        out.append(plain)
     return out
 
 
@@ -135,20 +203,21 @@ class ChatTemplate:
     ) -> str:
         """Render ``messages`` (the same result as transformers). ``template_kwargs`` become template
         variables (special tokens such as ``bos_token``, or switches such as ``enable_thinking``). A
-        template that calls ``raise_exception`` raises ``ValueError``."""
+        template that calls ``raise_exception``, or that fails on the values it is given (a
+        ``TypeError`` adding a number to a string, ...), raises ``ValueError``."""
         chat = check_messages(messages)
-        if tools is not None and (isinstance(tools, (str, bytes)) or not all(isinstance(t, Mapping) for t in tools)):
+        if tools is not None and (isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence)
+                                  or not all(isinstance(t, Mapping) for t in tools)):
             raise ValueError("tools must be a list of JSON-schema dicts")
+        variables = dict(tools=_plain(tools, "tools"), documents=_plain(documents, "documents"),
+                         add_generation_prompt=add_generation_prompt, **_plain(template_kwargs, "template_kwargs"))
+        compiled = self._compiled
         try:
-            return self._compiled.render(
-                messages=chat,
-                tools=_plain(tools, "tools"),
-                documents=_plain(documents, "documents"),
-                add_generation_prompt=add_generation_prompt,
-                **_plain(template_kwargs, "template_kwargs"),
-            )
+            return compiled.render(messages=chat, **variables)
         except jinja2.exceptions.TemplateError as e:
             raise ValueError(f"chat template rejected the conversation: {e}") from e
+        except Exception as e:  # the template's code failed on these values: they are not what it expects
+            raise ValueError(f"chat template could not render the messages ({type(e).__name__}: {e})") from e
 
 
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
