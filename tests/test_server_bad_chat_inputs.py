@@ -98,11 +98,20 @@ def test_well_formed_tool_calls_in_the_history_are_served(server):
     r = _post(server, {**CHAT, "messages": [USER, {"role": "assistant", "content": None, "tool_calls": calls},
                                             {"role": "tool", "content": "sunny"}]})
     assert r.status_code == 200, r.text
-    # and an error from the template's own code on these values (here a kwarg shadowing the
-    # template's raise_exception, which the template calls for a late system message) is a 400
+    # a kwarg may not shadow the template's own helpers (raise_exception, which it calls for a late
+    # system message: a TypeError inside the template once)
     body = {**CHAT, "messages": [USER, {"role": "system", "content": "late"}],
             "chat_template_kwargs": {"raise_exception": "not callable"}}
-    _assert_400_then_serves(server, body, "messages", "could not render", "TypeError")
+    _assert_400_then_serves(server, body, "chat_template_kwargs", "may not set", "raise_exception")
+
+
+def test_an_error_of_the_templates_own_code_is_a_value_error():
+    """A template that fails on the values it is given (a TypeError, adding a number to a string) is
+    a ValueError, which the server answers with a 400."""
+    from hyla.tokenizer.chat_template import render_chat_template
+
+    with pytest.raises(ValueError, match=r"could not render the messages \(TypeError"):
+        render_chat_template("{{ messages[0]['content'] + 1 }}", [USER])
 
 
 # --------------------------------------------------------------------------------------------

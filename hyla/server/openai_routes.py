@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 CHAT_CHECKPOINTS = 8
 """Message ends per chat request where the engine caches the recurrent state: the first message's (a
 shared system prompt) and the last seven's. Each costs a render of the conversation up to it."""
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries"})
+# what the template's own variables and helpers are named: chat_template_kwargs may not replace them
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries",
+                                         "raise_exception", "strftime_now", "namespace"})
 
 Logprobs = list[tuple[float, int]]
 TopLogprobs = list[list[tuple[float, int]]]
@@ -145,7 +147,8 @@ class OpenAIRoutes:
                                                tools=body.template_tools(), max_boundaries=CHAT_CHECKPOINTS,
                                                **(body.chat_template_kwargs or {}))
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
+            param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
+            raise APIError(400, str(exc), param=param) from exc
         max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
@@ -153,7 +156,10 @@ class OpenAIRoutes:
         forced = body.forced_tools()
         if forced:
             parallel = body.parallel_tool_calls and body.tool_choice_mode() == "required"
-            grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
+            try:  # (the request's tools are checked when it is parsed: a safety net)
+                grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools") from exc
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True) for j in range(body.n)]
         gen = await self._start(body, "chat", jobs, arrival)
