@@ -17,6 +17,14 @@ from hyla import Engine
 TOL = 1e-4
 
 
+def join_stream(chunks: list[dict]) -> dict:
+    """A streamed request's chunks as one output (``output_ids`` and ``output_token_logprobs``
+    joined, its id), for :func:`compare_outputs`."""
+    return {"output_ids": [t for c in chunks for t in c["output_ids"]],
+            "meta_info": {"id": chunks[0]["meta_info"]["id"], "output_token_logprobs": [
+                lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}}
+
+
 def compare_outputs(on: list[dict], off: list[dict]) -> int:
     """Assert equality up to each request's first tie; returns the number of tokens compared."""
     compared = 0

@@ -16,7 +16,7 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.scheduler import Scheduler
-from test_engine_differential import assert_drained, compare_outputs
+from test_engine_differential import assert_drained, compare_outputs, join_stream
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -38,12 +38,7 @@ def _streams_during_a_long_prefill(path, mixed: bool, streams: int = 2, **opts) 
         long_out = engine.generate(input_ids=long_prompt, sampling_params=dict(GREEDY, max_new_tokens=8),
                                    return_logprob=True, logprob_start_len=570)  # its last chunk's logits rows too
         mixed_tokens = engine.get_stats()["num_mixed_tokens"] - before
-        outs = []
-        for first, stream in zip(firsts, its):
-            chunks = [first, *stream]
-            outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]],
-                         "meta_info": {"id": first["meta_info"]["id"], "output_token_logprobs": [
-                             lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}})
+        outs = [join_stream([first, *stream]) for first, stream in zip(firsts, its)]
         assert_drained(engine)
     return [*outs, long_out], mixed_tokens
 

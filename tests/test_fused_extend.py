@@ -30,7 +30,7 @@ from hyla.model.ops.attention import extend_sdpa  # noqa: E402
 from hyla.model.ops.gpu.extend_attention import paged_extend_attention  # noqa: E402
 from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
 from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs  # noqa: E402
-from test_engine_differential import compare_outputs  # noqa: E402
+from test_engine_differential import compare_outputs, join_stream  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if GPU else [torch.float32])
@@ -290,12 +290,7 @@ def _arrivals_while_streams_decode(engine: Engine, mixed_steps: list | None = No
     firsts = [next(s) for s in streams]  # both decoding now
     arrivals = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=3), return_logprob=True)
                 for p in prompts[2:]]
-    outs = []
-    for first, stream in zip(firsts, streams):
-        chunks = [first, *stream]
-        outs.append({"output_ids": [t for c in chunks for t in c["output_ids"]],
-                     "meta_info": {"id": first["meta_info"]["id"], "output_token_logprobs": [
-                         lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}})
+    outs = [join_stream([first, *stream]) for first, stream in zip(firsts, streams)]
     engine.wait_idle()
     engine.check_integrity()
     return outs + arrivals
