@@ -24,12 +24,37 @@ Contracts:
   accepting state); a grammar that can no longer extend (``terminated``) allows EOS only.
 * A matcher is used by one thread at a time (the scheduler's, after submission); ``Grammars`` is
   safe to call from any thread.
+
+Bad grammars are refused at submission with a ``ValueError``, never by a crash or mid-request:
+
+* Compiling runs on a thread of its own with a 1 GiB stack (``COMPILE_STACK_BYTES``, address space:
+  only the pages a compile touches are used, and they go with the thread): llguidance's compilers
+  recurse once per link of a ``$ref`` chain (~9 kB of stack a link) or of a chain of Lark rules
+  (~3 kB), and overflowing a stack kills the process (SIGSEGV) — an 8 MB stack did at ~930 links of
+  a JSON schema and ~2,700 Lark rules. What bounds the depth: llguidance's own JSON-schema limit
+  (50,000 schema nodes, "schema too large"; the deepest a schema gets under it needs ~170 MB) and,
+  for ``regex`` / ``ebnf``, ``MAX_GRAMMAR_CHARS`` (1 MiB of grammar: at most ~115,000 rules in a
+  chain, ~350 MB).
+* Each compiled grammar is probed: its first mask, and the mask after one token. A grammar that
+  matches nothing, or only the empty output (``[^\s\S]``, ``{"$ref": "#"}``, ``root ::= ""``),
+  or that exceeds llguidance's parser limits from the start (one alternation of more than
+  ``MAX_ITEMS_IN_ROW`` branches: an ``anyOf`` of 3,000 objects) is refused. A limit first met
+  deeper in an output (a right-recursive rule repeated 1,000 times, an ``anyOf`` that large nested
+  in a property) still ends that request with an abort (``GrammarMatcher.error``, one line).
+* JSON-schema integer bounds that llguidance would enforce loosely (it keeps them as 64-bit floats,
+  then saturates to 64-bit integers: ``minimum: 1e30`` became 9223372036854775807, ``minimum:
+  2**53 + 1`` allowed 2**53) are refused; a bound it only tightens (``maximum: 1e30``) is fine.
+* GBNF is converted to Lark with llguidance's parser but a linear pass for its terminal rules
+  (``llguidance.gbnf_to_lark``'s own is quadratic in a chain of rules, in Python, holding the GIL:
+  ~9 s for 2,000 rules, ~150 s for 8,000); the Lark text it makes is the same.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -56,6 +81,29 @@ model pad forever between tokens; a schema can still ask for it with llguidance'
 ``"x-guidance": {"whitespace_flexible": true}``."""
 
 
+COMPILE_STACK_BYTES = 1 << 30
+"""The stack of the thread that compiles a grammar (see the module's docstring for the measured
+depths; 6x the deepest a JSON schema under llguidance's size limit needs, 3x the deepest a Lark
+grammar under ``MAX_GRAMMAR_CHARS`` does)."""
+
+MAX_GRAMMAR_CHARS = 1 << 20
+"""The longest ``regex`` / ``ebnf`` accepted (characters). A JSON schema's size is bounded by
+llguidance instead (50,000 schema nodes: "schema too large")."""
+
+MAX_ITEMS_IN_ROW = 2_000
+"""llguidance's ``max_items_in_row`` (its default, kept): the most Earley items one parser row may
+hold. Raising it lets a right-recursive rule (``items ::= "a" ("," items)?``, two items a
+repetition) cost more per token for every repetition: at 1,000 repetitions (this limit) a token
+costs ~5 ms to consume and ~8 ms to mask on one core, at 5,000 (a limit of 10,000) ~60 ms and
+~140 ms, stalling the batch. What exceeds it at once (one alternation of thousands of branches) is
+refused at compile time by the probe."""
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT_BOUNDS = {"minimum": (True, False), "exclusiveMinimum": (True, True),
+               "maximum": (False, False), "exclusiveMaximum": (False, True)}  # key -> (lower, exclusive)
+_NOT_SCHEMAS = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+
+
 class GrammarMatcher:
     """One request's grammar state. Wraps an ``llguidance.LLMatcher``, which never raises for a
     grammar-level problem but enters an error state; ``accept`` reports it as ``False``."""
@@ -76,7 +124,7 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        return _first_lines(self._m.get_error())
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading ``tokens`` the grammar accepts from here (the state is unchanged)."""
@@ -120,6 +168,8 @@ class Grammars:
             num_threads = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) > 2 else 0
         self.executor = llguidance.LLExecutor(num_threads=num_threads) if num_threads > 0 else None
         self.min_parallel = min_parallel
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = llguidance.LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW, verbose_errors=False)
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, source) -> pristine LLMatcher
         self._lock = threading.Lock()
@@ -148,22 +198,57 @@ class Grammars:
         return GrammarMatcher(compiled.deep_copy(), kind)
 
     def _compile(self, kind: str, source: str) -> Any:
+        if kind not in GRAMMAR_KINDS:
+            raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+        if kind != "json_schema" and len(source) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{kind} cannot be compiled: grammar too large ({len(source)} characters; "
+                             f"at most {MAX_GRAMMAR_CHARS})")
+        if kind == "json_schema":
+            _check_integer_bounds(source)
+        return _on_large_stack(self._build, kind, source)
+
+    def _build(self, kind: str, source: str) -> Any:
+        """Compile and probe (on the compile thread: llguidance's compilers recurse)."""
         llg = self._llg
         try:
             if kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(source)
-            elif kind == "ebnf":
-                grammar = llg.grammar_from("ebnf", source)  # GBNF (``root ::= ...``, SGLang's) or Lark
-            else:
-                raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
+            else:  # GBNF (``root ::= ...``, SGLang's) or Lark
+                grammar = llg.LLMatcher.grammar_from_lark(ebnf_to_lark(source))
         except ValueError as e:
             raise ValueError(f"{kind} cannot be compiled: {e}") from None
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise ValueError(f"{kind} cannot be compiled: {_first_lines(matcher.get_error())}")
+        self._probe(kind, matcher)
         return matcher
+
+    def _probe(self, kind: str, matcher: Any) -> None:
+        """Refuse a grammar whose first mask allows nothing but EOS (it matches nothing, or only the
+        empty output) or that llguidance cannot follow past its first token (a parser limit met at
+        once: one alternation of thousands of branches). On a copy; the lowest allowed id is the
+        probe's first token."""
+        m = matcher.deep_copy()
+        bitmask = torch.zeros((1, self.words), dtype=torch.int32)
+        eos = np.fromiter(self.eos_token_ids, dtype=np.int64)
+        for step in range(2):
+            m.unsafe_compute_mask_ptr(bitmask.data_ptr(), self.words * 4)
+            if m.is_error():
+                error = _first_lines(m.get_error())
+                if step == 0 and error.startswith("NoExtension"):  # llguidance: no output can start
+                    raise ValueError(f"{kind} cannot be compiled: it matches no output")
+                raise ValueError(f"{kind} cannot be compiled: too complex ({error})")
+            allowed = unpack_bitmask(bitmask, self.words * 32)[0].numpy().nonzero()[0]
+            tokens = allowed[~np.isin(allowed, eos)]
+            if step == 0 and not len(tokens):
+                raise ValueError(f"{kind} cannot be compiled: it matches "
+                                 + ("only the empty output" if len(allowed) else "no output"))
+            if not len(tokens) or m.is_stopped():
+                return
+            if not m.consume_token(int(tokens[0])):
+                raise ValueError(f"{kind} cannot be compiled: too complex ({_first_lines(m.get_error())})")
 
     # --- masks -----------------------------------------------------------------------------------
     def fill(self, matchers: Sequence[GrammarMatcher | None], drafts: Sequence[Sequence[int]] | None = None,
@@ -243,12 +328,16 @@ def grammar_source(kind: str, value: Any) -> str:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("json_schema is nested too deeply") from None
         if not isinstance(value, dict):
             raise ValueError(f"json_schema must be a JSON object (or its text), got {type(value).__name__}")
         try:
             return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"json_schema is not JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("json_schema is nested too deeply") from None
     if kind not in GRAMMAR_KINDS:
         raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
     if not isinstance(value, str) or not value:
@@ -266,5 +355,169 @@ def _carry_forward(bitmask: torch.Tensor, runs: list[tuple[int, int]]) -> None:
 
 
 def _first_lines(text: str, n: int = 6) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in text.strip().splitlines() if ln.strip() and ln.strip() != "<non-verbose/>"]
     return "\n".join(lines[:n])
+
+
+_stack_size_lock = threading.Lock()
+
+
+def _on_large_stack(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a new thread with a ``COMPILE_STACK_BYTES`` stack; returns its result or
+    raises its exception. ``threading.stack_size`` is process-wide: it is set only while this
+    thread starts (under a lock) and restored at once; a thread another library starts meanwhile
+    gets the large stack too, which costs it address space only."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            result["error"] = e
+
+    with _stack_size_lock:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="hyla-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in result:
+        raise result.pop("error")
+    return result["value"]
+
+
+def _check_integer_bounds(source: str) -> None:
+    """Refuse an integer bound (``minimum`` etc. of a ``"type": "integer"`` schema) that llguidance
+    would enforce loosely. It reads a bound as a 64-bit float, rounds it to an integer (``x + 1`` for
+    an exclusive one) and saturates it to 64 bits: ``minimum: 1e30`` became 2**63 - 1 (below the
+    bound), ``minimum: 2**53 + 1`` became 2**53. A bound this makes tighter (``maximum: 1e30``) is
+    fine: every output still satisfies it. Walks the schema without recursion."""
+    try:
+        schema = json.loads(source)
+    except (ValueError, RecursionError):
+        return  # llguidance names the problem
+    todo: list[tuple[Any, str]] = [(schema, "#")]  # (node, its JSON pointer)
+    while todo:
+        node, path = todo.pop()
+        if isinstance(node, list):
+            todo.extend((v, f"{path}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            continue
+        if not isinstance(node, dict):
+            continue
+        todo.extend((v, f"{path}/{k.replace('~', '~0').replace('/', '~1')}") for k, v in node.items()
+                    if isinstance(v, (dict, list)) and k not in _NOT_SCHEMAS)
+        kind = node.get("type")
+        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
+            continue
+        for key, (lower, exclusive) in _INT_BOUNDS.items():
+            bound = node.get(key)
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)):
+                continue
+            if not exclusive:  # draft 4: "exclusiveMinimum": true makes "minimum" exclusive
+                exclusive = node.get("exclusive" + key.capitalize()) is True
+            if _loosened(bound, lower, exclusive):
+                raise ValueError(f"json_schema cannot be compiled: the integer bound {key} {bound} at "
+                                 f"{path} cannot be enforced exactly (llguidance keeps integer bounds "
+                                 f"as 64-bit numbers)")
+
+
+def _loosened(bound: float, lower: bool, exclusive: bool) -> bool:
+    """llguidance's integer bound (``normalize_integer_bounds``) lets through a value ``bound``
+    excludes."""
+    try:
+        f = float(bound)
+    except OverflowError:
+        return False  # beyond any float: llguidance refuses the schema itself
+    if lower:
+        rounded = f + 1.0 if exclusive and f.is_integer() else math.ceil(f)
+    else:
+        rounded = f - 1.0 if exclusive and f.is_integer() else math.floor(f)
+    enforced = min(max(int(rounded), _INT64_MIN), _INT64_MAX)  # Rust's saturating `as i64`
+    if lower:
+        return enforced <= bound if exclusive else enforced < bound
+    return enforced >= bound if exclusive else enforced > bound
+
+
+def ebnf_to_lark(text: str) -> str:
+    """An ``ebnf`` grammar as Lark: Lark text is returned as is; GBNF is converted as
+    ``llguidance.gbnf_to_lark`` does (its parser and syntax tree, the same Lark out), except that
+    the rules that are terminals are found in one pass over the references (a worklist) where
+    llguidance re-scans every rule until nothing changes — once per link of a chain of rules,
+    quadratic. Raises ``ValueError`` as ``llguidance.grammar_from`` does."""
+    from llguidance import gbnf_to_lark as g2l
+
+    if g2l.is_lark_syntax(text):
+        return text
+    if not all(hasattr(g2l, name) for name in ("GrammarParser", "RuleRefNode")):  # another llguidance: its own
+        try:
+            return g2l.any_to_lark(text)
+        except Exception as e:  # noqa: BLE001 - as llguidance.grammar_from
+            raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {e}") from None
+    try:
+        rules = g2l.GrammarParser().parse(text)
+        _resolve_gbnf(rules, g2l.RuleRefNode)
+        out = ["%llguidance {}\n\n"]
+        prev_nl = True
+        for rule in sorted(rules.values(), key=lambda r: r.order):
+            line = str(rule)
+            if not prev_nl and "\n" in line:
+                out.append("\n")
+            out.append(line + "\n")
+            prev_nl = "\n" in line
+            if prev_nl:
+                out.append("\n")
+        return "".join(out)
+    except Exception as e:  # noqa: BLE001 - as llguidance.grammar_from (RecursionError included)
+        raise ValueError(f"Failed to convert the grammar from GBNF to Lark: {e}") from None
+
+
+def _resolve_gbnf(rules: dict[str, Any], rule_ref: type) -> None:
+    """``llguidance.gbnf_to_lark.resolve`` with a linear terminal-rule pass (same result: a rule
+    other than ``start`` is a terminal when every rule it refers to is one)."""
+    def rename(rule: Any, name: str) -> None:
+        if name in rules:
+            raise Exception(f"Rule '{name}' already exists")
+        del rules[rule.name]
+        rule.name = name
+        rules[name] = rule
+
+    for i, rule in enumerate(rules.values()):
+        rule.order = i
+        rule.alternatives = rule.alternatives.simplify()
+    refers: dict[int, set[int]] = {}  # id(rule) -> ids of the rules it refers to
+    users: dict[int, list[Any]] = {}  # id(rule) -> the rules that refer to it
+    for rule in rules.values():
+        targets: set[int] = set()
+        todo = list(reversed(rule.children()))
+        while todo:  # depth first, in order (llguidance's order: the first missing rule is named)
+            node = todo.pop()
+            todo.extend(reversed(node.children()))
+            if isinstance(node, rule_ref):
+                if node.name not in rules:
+                    raise Exception(f"Rule '{node.name}' not found")
+                node.target = rules[node.name]
+                if id(node.target) not in targets:
+                    targets.add(id(node.target))
+                    users.setdefault(id(node.target), []).append(rule)
+        refers[id(rule)] = targets
+    if "root" not in rules:
+        raise Exception("No 'root' rule found")
+    rename(rules["root"], "start")
+
+    pending = {key: len(targets) for key, targets in refers.items()}
+    ready = [rule for rule in rules.values() if not pending[id(rule)] and rule.name != "start"]
+    while ready:
+        rule = ready.pop()
+        rule.rule_is_terminal = True
+        for user in users.get(id(rule), ()):
+            pending[id(user)] -= 1
+            if not pending[id(user)] and user.name != "start":
+                ready.append(user)
+
+    for rule in list(rules.values()):
+        name = re.sub(r"([a-z])([A-Z])", r"\1_\2", rule.name.replace("-", "_")).lower()
+        name = name.upper() if rule.rule_is_terminal else name
+        if rule.name != name:
+            rename(rule, name)
