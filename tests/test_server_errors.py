@@ -334,3 +334,18 @@ def test_full_queue_is_429_with_retry_after(model_dir):
         assert_pools_clean(engine)
         resp = _post(srv, "/v1/chat/completions", json={**CHAT, "temperature": 0})
         assert resp.status_code == 200  # and the server takes requests again
+
+
+@pytest.mark.parametrize("message, status, code", [
+    ("grammar: Parser Error: Current row has 2001 items; max is 2000", 400, "grammar_error"),
+    ("engine shut down", 503, "engine_shutdown"),
+    ("internal error: RuntimeError: boom", 500, "request_aborted"),
+])
+def test_an_engine_abort_is_answered_by_its_cause(message, status, code):
+    """A request the engine aborted: its grammar failing deep in the output (a parser limit no
+    compile-time probe finds) is the request's fault, a 400; a shutdown a 503; anything else a 500."""
+    from hyla.server.errors import abort_error
+
+    err = abort_error({"type": "abort", "message": message})
+    assert (err.status, err.body()["error"]["code"]) == (status, code)
+    assert err.body()["error"]["message"] == message

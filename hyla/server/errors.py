@@ -71,6 +71,9 @@ def abort_error(reason: dict[str, Any]) -> APIError:
     message = str(reason.get("message", "aborted"))
     if "shut down" in message:
         return APIError(503, message, type="service_unavailable", code="engine_shutdown")
+    if message.startswith("grammar:"):  # the request's grammar could not follow its output (a parser limit
+        # met deep in it, which no compile-time probe finds): the grammar's fault, not the server's
+        return APIError(400, message, code="grammar_error")
     return APIError(500, message, type="internal_error", code="request_aborted")
 
 
