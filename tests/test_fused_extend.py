@@ -285,10 +285,10 @@ def _arrivals_while_streams_decode(engine: Engine, mixed_steps: list | None = No
     vocab = engine.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (7, 12, 9, 20)]
     greedy = {"temperature": 0, "ignore_eos": True}
-    streams = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=16), return_logprob=True,
+    streams = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=12), return_logprob=True,
                                stream=True) for p in prompts[:2]]
     firsts = [next(s) for s in streams]  # both decoding now
-    arrivals = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=3), return_logprob=True)
+    arrivals = [engine.generate(input_ids=p, sampling_params=dict(greedy, max_new_tokens=2), return_logprob=True)
                 for p in prompts[2:]]
     outs = [join_stream([first, *stream]) for first, stream in zip(firsts, streams)]
     engine.wait_idle()
