@@ -268,7 +268,9 @@ class CudaGraphExtend:
 
     def replay(self, bucket: int) -> torch.Tensor:
         """The captured extend of ``bucket`` tokens on the inputs :attr:`inputs` holds (filled for
-        it) -> its last real token's logits ``[1, V]`` (a view: read it before the next step)."""
+        it) -> its last real token's logits ``[1, V]`` (a view: read or copy it, in stream order, before
+        any other graph of its memory pool replays, a decode step's included: that replay may
+        overwrite it)."""
         self.graphs[bucket].replay()
         return self.outputs[bucket]
 

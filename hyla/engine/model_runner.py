@@ -408,7 +408,8 @@ class ModelRunner:
         """:meth:`forward_extend` of each sequence as a fused extend of its own, in order (each
         computes from its own state slot and request row, so one after another equals one batch):
         their last logits ``[B, V]``. A replay's logits are the graph's output buffer, which the
-        next replay of the same graph overwrites: all but the last are copied, in stream order."""
+        next replay of any graph of its pool may overwrite: all but the last are copied, in stream order
+        (the caller reads or copies the last before another replay: ``Scheduler._run_mixed_apart``)."""
         if out_cache_loc.shape != (sum(extend_lens),):
             raise ValueError(f"out_cache_loc must be [{sum(extend_lens)}], got {list(out_cache_loc.shape)}")
         slots = [r.state_slot for r in reqs] + [slot for _, _, slot in ckpts]
