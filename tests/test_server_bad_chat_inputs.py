@@ -117,6 +117,23 @@ def test_an_error_of_the_templates_own_code_is_a_value_error():
 # --------------------------------------------------------------------------------------------
 # nesting
 # --------------------------------------------------------------------------------------------
+def test_the_template_refuses_values_nested_past_the_bound():
+    """The library's own bound (the copy the template gets), whatever reaches it past the server's
+    request check: a message counts one level, each list inside it one more."""
+    from hyla.tokenizer.chat_template import render_chat_template
+
+    def message(levels: int) -> dict:
+        value: object = "x"
+        for _ in range(levels - 1):
+            value = [value]
+        return {**USER, "x": value}
+
+    assert render_chat_template("{{ messages[0]['content'] }}", [message(MAX_NESTING_DEPTH)])
+    for levels in (MAX_NESTING_DEPTH + 1, 5000):
+        with pytest.raises(ValueError, match=rf"messages\[0\] nests lists and objects more than {MAX_NESTING_DEPTH}"):
+            render_chat_template("{{ messages[0]['content'] }}", [message(levels)])
+
+
 @pytest.mark.parametrize("where", ["message", "chat_template_kwargs", "tools"])
 def test_deep_nesting_is_400(server, where):
     # "DEEP" is where _post nests lists (levels counted from the message, the tools list, the kwargs)

@@ -104,19 +104,18 @@ def check_nesting(value: Any, where: str) -> None:
         stack.extend((v, level + 1, at) for v, at in children)
 
 
-def _plain(value: Any, where: str) -> Any:
-    """A copy of ``value`` made of JSON types only: templates never see objects with methods."""
-    check_nesting(value, where)
-    return _plain_copy(value, where)
-
-
-def _plain_copy(value: Any, where: str) -> Any:
+def _plain(value: Any, where: str, level: int = 1) -> Any:
+    """A copy of ``value`` made of JSON types only: templates never see objects with methods.
+    ``ValueError`` past ``MAX_NESTING_DEPTH`` levels of lists and objects (so the copy's recursion
+    stays shallow; ``check_nesting`` names the spot, for the server's requests)."""
     if value is None or type(value) in (str, int, float, bool):
         return value
+    if isinstance(value, (Mapping, list, tuple)) and level > MAX_NESTING_DEPTH:
+        raise ValueError(f"{where} nests lists and objects more than {MAX_NESTING_DEPTH} levels deep")
     if isinstance(value, Mapping):
-        return {str(k): _plain_copy(v, where) for k, v in value.items()}
+        return {str(k): _plain(v, where, level + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain_copy(v, where) for v in value]
+        return [_plain(v, where, level + 1) for v in value]
     for base in (bool, str, int, float):  # subclasses (str enums, numpy floats): strip to the base type
         if isinstance(value, base):
             return base(value) if base is not str else str.__str__(value)
