@@ -40,7 +40,7 @@ from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
-from hyla.engine.output_processor import OutputProcessor
+from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
@@ -631,7 +631,7 @@ class Engine:
                 self.scheduler.step()
             except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
                 logger.exception("scheduler step failed; aborting the %d running requests", self.scheduler.num_running)
-                self.scheduler.fail_running(f"internal error: {type(exc).__name__}: {exc}")  # (never raises)
+                self.scheduler.fail_running(internal_error(exc))  # (never raises)
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):

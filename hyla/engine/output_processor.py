@@ -34,6 +34,11 @@ from hyla.engine.sampler import Drawn, draw_batch, raw_distribution, raw_logprob
 logger = logging.getLogger("hyla.engine")
 
 
+def internal_error(exc: Exception) -> str:
+    """The abort message of a request that an error inside the engine ended."""
+    return f"internal error: {type(exc).__name__}: {exc}"
+
+
 @dataclass
 class Draw:
     """One step's tokens drawn on the device (``OutputProcessor.draw``), awaiting ``complete``."""
@@ -150,7 +155,7 @@ class OutputProcessor:
                 if req.detokenizer is not None:
                     req.text += req.detokenizer.flush()  # what was held back for an unfinished character
         except Exception as exc:
-            req.finished_reason = {"type": "abort", "message": f"internal error: {type(exc).__name__}: {exc}"}
+            req.finished_reason = {"type": "abort", "message": internal_error(exc)}
             raise
         finally:
             req.status = ReqStatus.FINISHED
@@ -160,7 +165,7 @@ class OutputProcessor:
         """Finish ``req`` as aborted by ``exc`` (an error of its own), its text as it is (unless
         :meth:`set_finished` already did, its text failing)."""
         if not req.finished:
-            req.finished_reason = {"type": "abort", "message": f"internal error: {type(exc).__name__}: {exc}"}
+            req.finished_reason = {"type": "abort", "message": internal_error(exc)}
             req.status = ReqStatus.FINISHED
             self.num_requests_finished += 1
 
