@@ -79,6 +79,7 @@ def test_abort_running_request_frees_everything(engine):
     engine.abort("to-abort")
     last = list(stream)[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["finish_reason"]["cause"] == "client"
     engine.wait_idle()
     engine.check_integrity()
 
@@ -234,6 +235,7 @@ def test_internal_error_aborts_the_batch_and_engine_keeps_serving(which, request
     monkeypatch.setattr(runner, "forward_decode", flaky)
     out = engine.generate(input_ids=_ids(20, 10), sampling_params=GREEDY)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"]["cause"] == "internal"
     assert "injected failure" in out["meta_info"]["finish_reason"]["message"]
     monkeypatch.setattr(runner, "forward_decode", real)
     again = engine.generate(input_ids=_ids(20, 11), sampling_params=GREEDY)
@@ -286,6 +288,7 @@ def test_a_request_whose_text_fails_is_aborted_alone(engine, monkeypatch):
     next(stream)
     out = _generate_within(engine, 60, input_ids=_ids(12, 22), rid="bad-text", sampling_params=GREEDY)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"]["cause"] == "internal"
     assert "injected detokenizer failure" in out["meta_info"]["finish_reason"]["message"]
     assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert engine.is_alive

@@ -336,16 +336,29 @@ def test_full_queue_is_429_with_retry_after(model_dir):
         assert resp.status_code == 200  # and the server takes requests again
 
 
-@pytest.mark.parametrize("message, status, code", [
-    ("grammar: Parser Error: Current row has 2001 items; max is 2000", 400, "grammar_error"),
-    ("engine shut down", 503, "engine_shutdown"),
-    ("internal error: RuntimeError: boom", 500, "request_aborted"),
+@pytest.mark.parametrize("message, cause, status, code", [
+    ("grammar: Parser Error: Current row has 2001 items; max is 2000", "grammar", 400, "grammar_error"),
+    ("engine shut down", "shutdown", 503, "engine_shutdown"),
+    ("internal error: RuntimeError: boom", "internal", 500, "request_aborted"),
+    ("the consumer of this request failed", "consumer", 500, "request_aborted"),
+    # the cause decides, not the words: a grammar's message that mentions a shutdown is still its fault
+    ("grammar: the engine shut down its parser", "grammar", 400, "grammar_error"),
 ])
-def test_an_engine_abort_is_answered_by_its_cause(message, status, code):
+def test_an_engine_abort_is_answered_by_its_cause(message, cause, status, code):
     """A request the engine aborted: its grammar failing deep in the output (a parser limit no
     compile-time probe finds) is the request's fault, a 400; a shutdown a 503; anything else a 500."""
+    from hyla.engine.request import abort_reason
     from hyla.server.errors import abort_error
 
-    err = abort_error({"type": "abort", "message": message})
+    err = abort_error(abort_reason(message, cause))
     assert (err.status, err.body()["error"]["code"]) == (status, code)
     assert err.body()["error"]["message"] == message
+
+
+def test_an_abort_reason_names_a_known_cause():
+    from hyla.engine.request import ABORT_CAUSES, abort_reason
+
+    assert abort_reason("x", "client") == {"type": "abort", "message": "x", "cause": "client"}
+    assert set(ABORT_CAUSES) == {"client", "shutdown", "grammar", "consumer", "internal"}
+    with pytest.raises(ValueError, match="unknown abort cause"):
+        abort_reason("x", "timeout")

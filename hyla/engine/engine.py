@@ -635,7 +635,7 @@ class Engine:
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.scheduler.abort(req.rid, message="engine shut down")
+            self.scheduler.abort(req.rid, message="engine shut down", cause="shutdown")
 
     def _drain_inbox(self) -> None:
         while True:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from hyla.engine.grammar import Grammars, TokenMask
-from hyla.engine.request import Req, ReqStatus
+from hyla.engine.request import Req, ReqStatus, abort_reason
 from hyla.engine.sampler import Drawn, draw_batch, raw_distribution, raw_logprobs, top_logprobs
 
 logger = logging.getLogger("hyla.engine")
@@ -135,7 +135,7 @@ class OutputProcessor:
             self.num_generated_tokens += 1
             if req.grammar is not None and not req.grammar.accept(tok):
                 # only if the mask was bypassed: never silently return output the grammar refuses
-                self.set_finished(req, {"type": "abort", "message": f"grammar: {req.grammar.error}"})
+                self.set_finished(req, abort_reason(f"grammar: {req.grammar.error}", "grammar"))
                 return i + 1
             reason = self._check_finished(req, self._detokenize(req, tok) if self._text_per_token(req) else req.text)
             if reason is not None:
@@ -155,7 +155,7 @@ class OutputProcessor:
                 if req.detokenizer is not None:
                     req.text += req.detokenizer.flush()  # what was held back for an unfinished character
         except Exception as exc:
-            req.finished_reason = {"type": "abort", "message": internal_error(exc)}
+            req.finished_reason = abort_reason(internal_error(exc), "internal")
             raise
         finally:
             req.status = ReqStatus.FINISHED
@@ -165,7 +165,7 @@ class OutputProcessor:
         """Finish ``req`` as aborted by ``exc`` (an error of its own), its text as it is (unless
         :meth:`set_finished` already did, its text failing)."""
         if not req.finished:
-            req.finished_reason = {"type": "abort", "message": internal_error(exc)}
+            req.finished_reason = abort_reason(internal_error(exc), "internal")
             req.status = ReqStatus.FINISHED
             self.num_requests_finished += 1
 

@@ -33,6 +33,24 @@ import torch
 from hyla.engine.sampling_params import SamplingParams
 
 
+# Why the engine aborted a request: the "cause" of its ``finish_reason`` (``abort_reason``), what a
+# caller branches on (the server's HTTP status: hyla/server/errors.py); the message is for people
+ABORT_CAUSES = (
+    "client",  # Engine.abort: the caller asked (a client's hang-up at the server)
+    "shutdown",  # the engine stopped before the request finished
+    "grammar",  # its grammar could not follow its output (a parser limit met deep in it)
+    "consumer",  # its stream's consumer failed (a callback raised, a queue was closed)
+    "internal",  # an error inside the engine (a failed step, or the request's own host work)
+)
+
+
+def abort_reason(message: str, cause: str) -> dict[str, Any]:
+    """An aborted request's ``finish_reason``: ``{"type": "abort", "message", "cause"}``."""
+    if cause not in ABORT_CAUSES:
+        raise ValueError(f"unknown abort cause {cause!r}; one of {ABORT_CAUSES}")
+    return {"type": "abort", "message": message, "cause": cause}
+
+
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -41,7 +41,7 @@ from hyla.cache import MatchResult
 from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
-from hyla.engine.request import Req, ReqStatus
+from hyla.engine.request import Req, ReqStatus, abort_reason
 from hyla.engine.speculative import Drafter, verify
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ class Scheduler:
             for r in finished:
                 self._finish(r)
             for r in failed:
-                self.abort(r.rid, message="the consumer of this request failed")
+                self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
         if batch.is_decode:
             self._after_decode(len(batch.reqs), len(batch.reqs))
         else:
@@ -349,9 +349,9 @@ class Scheduler:
         for r in failed:
             if r in held:  # released after the step that holds it
                 if not r.finished:
-                    self.output.set_finished(r, {"type": "abort", "message": "the consumer of this request failed"})
+                    self.output.set_finished(r, abort_reason("the consumer of this request failed", "consumer"))
             else:
-                self.abort(r.rid, message="the consumer of this request failed")
+                self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
         self._after_decode(len(batch.reqs), len(live))
 
     def _overlap_next(self, draw) -> Batch | None:
@@ -418,7 +418,7 @@ class Scheduler:
         for r in finished:
             self._finish(r)
         for r in failed:
-            self.abort(r.rid, message="the consumer of this request failed")
+            self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
         self._after_decode(len(batch.reqs), num_tokens)
 
     # ------------------------------------------------------------------------------------------
@@ -449,12 +449,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def abort(self, rid: str, message: str = "aborted by the client") -> bool:
+    def abort(self, rid: str, message: str = "aborted by the client", cause: str = "client") -> bool:
         self.drain()
         for queue in (self.waiting, self.running):
             for req in queue:
                 if req.rid == rid:
-                    self._finish(req, {"type": "abort", "message": message})
+                    self._finish(req, abort_reason(message, cause))
                     return True
         return False
 
@@ -470,7 +470,7 @@ class Scheduler:
                 logger.exception("could not release request %s; dropping it", req.rid)
             self.running.remove(req)
             try:  # a request the overlap schedule holds finished already: it keeps its reason
-                self._finish(req, None if req.finished else {"type": "abort", "message": message})
+                self._finish(req, None if req.finished else abort_reason(message, "internal"))
             except Exception:  # (its text, say, cannot be made): it ends all the same, told so
                 logger.exception("could not finish request %s; delivering it as it is", req.rid)
                 self.output.deliver(req)

@@ -6,7 +6,8 @@ Where each status comes from:
 * a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field;
 * what the engine raises at submission (``engine_error``): ``ValueError`` → 400,
   ``EngineOverloadedError`` → 429 with ``Retry-After``, anything else → 500;
-* a request the engine aborted on its own (``abort_error``): shut down → 503, else 500;
+* a request the engine aborted on its own (``abort_error``, by its cause): shut down → 503, its
+  grammar → 400, else 500;
 * Starlette's 404 / 405 for unknown paths and methods; any other exception → 500.
 
 ``add_error_handlers(app)`` installs the handlers that turn each of these into a response. An
@@ -66,13 +67,14 @@ def engine_error(exc: BaseException) -> APIError:
 
 
 def abort_error(reason: dict[str, Any]) -> APIError:
-    """The engine aborted a request the client did not abort (an internal error or a shutdown);
-    ``reason`` is the engine's ``finish_reason``."""
+    """The engine aborted a request the client did not abort; ``reason`` is the engine's
+    ``finish_reason``, whose ``cause`` (``hyla.engine.request.ABORT_CAUSES``) decides the status."""
     message = str(reason.get("message", "aborted"))
-    if "shut down" in message:
+    cause = reason.get("cause")
+    if cause == "shutdown":
         return APIError(503, message, type="service_unavailable", code="engine_shutdown")
-    if message.startswith("grammar:"):  # the request's grammar could not follow its output (a parser limit
-        # met deep in it, which no compile-time probe finds): the grammar's fault, not the server's
+    if cause == "grammar":  # the request's grammar could not follow its output (a parser limit met deep
+        # in it, which no compile-time probe finds): the grammar's fault, not the server's
         return APIError(400, message, code="grammar_error")
     return APIError(500, message, type="internal_error", code="request_aborted")
 
