@@ -189,6 +189,9 @@ bamba_short_path = _tiny_checkpoint("bamba_short_path", checkpoints.make_bamba, 
                                     attn_layer_indices=[1])
 lfm2_short_path = _tiny_checkpoint("lfm2_short_path", checkpoints.make_lfm2, num_hidden_layers=2,
                                    layer_types=["conv", "full_attention"])
+falcon_h1_short_path = _tiny_checkpoint("falcon_h1_short_path", checkpoints.make_falcon_h1, num_hidden_layers=2)
+granite_h_short_path = _tiny_checkpoint("granite_h_short_path", checkpoints.make_granite_h, num_hidden_layers=2,
+                                        layer_types=["mamba", "attention"])
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
 qwen3_next_moe_short_path = _tiny_checkpoint("qwen3_next_moe_short_path", checkpoints.make_qwen3_next, moe=True,
                                              num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])

@@ -616,14 +616,17 @@ def test_compiled_decode_runs_moe_layers_as_one_op(qwen3_next_moe_short_path, mo
     """A model with MoE layers compiles its decode steps too: each graph calls the experts as one op
     (``layers.moe_experts``, whose host read does not break the graph), with the same greedy tokens
     and logprobs (1e-4) as the eager engine and nothing compiled after start-up. The graph of more
-    rows is compiled without autotuning its GEMMs (what is tested is the MoE layers;
-    ``test_compiled_decode_equals_eager`` covers the GEMMs)."""
+    rows runs its projections on packed weights, as a large model's do: not frozen, so inductor's
+    cache keeps it and a later run loads it (a frozen graph's packed constants are never cached:
+    ~30 s more of this test each run), and without a GEMM to autotune (what is tested is the MoE
+    layers; ``test_compiled_decode_equals_eager`` covers the GEMMs, frozen and packed)."""
     import torch._dynamo
 
     from hyla import Engine
     from hyla.engine import model_runner
 
-    monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})
+    monkeypatch.setattr(linear, "PACK_MIN_WEIGHT", 1)  # the graph of more rows on packed weights (inductor caches it)
+    monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})  # or frozen, not autotuned
     calls = []  # the sorted path's, eager or as the compiled graphs' op
     real = layers.run_experts_sorted
     monkeypatch.setattr(layers, "run_experts_sorted", lambda x, *a: calls.append(torch.compiler.is_compiling())
@@ -687,8 +690,9 @@ def _dynamo_only(monkeypatch) -> None:
 
 
 # the 2-layer variants where there is one (a layer of each kind): dynamo's trace time grows with the layers
-@pytest.mark.parametrize("arch", ["qwen3_next_short_path", "qwen3_5_short_path", "falcon_h1_path", "bamba_short_path",
-                                  "lfm2_short_path", "nemotron_h_small_path", "qwen3_5_moe_short_path", "granite_h_path"])
+@pytest.mark.parametrize("arch", ["qwen3_next_short_path", "qwen3_5_short_path", "falcon_h1_short_path",
+                                  "bamba_short_path", "lfm2_short_path", "nemotron_h_small_path",
+                                  "qwen3_5_moe_short_path", "granite_h_short_path"])
 def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
     """Every architecture ``compile_decode`` compiles (MoE layers as one op each) traces a decode step
     as one graph (the verify graphs of chains: the slow compiled-verify test, fullgraph too): no host
