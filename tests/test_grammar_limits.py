@@ -136,6 +136,11 @@ def _anyof_objects(n: int) -> dict:
      "the integer bound minimum 9007199254740993 at #/properties/n cannot be enforced exactly"),
     ({"json_schema": {"type": "integer", "exclusiveMinimum": 2**60}}, "exclusiveMinimum 1152921504606846976"),
     ({"json_schema": {"type": "integer", "maximum": -(10**30)}}, "maximum -1000000000000000000000000000000"),
+    # a bound in a subschema of an integer's (allOf / anyOf / ...), or beside one in an allOf: 2**53 was generated
+    ({"json_schema": {"type": "integer", "allOf": [{"minimum": 2**53 + 1, "maximum": 2**53 + 9}]}},
+     "the integer bound minimum 9007199254740993 at #/allOf/0 cannot be enforced exactly"),
+    ({"json_schema": {"allOf": [{"type": "integer"}, {"anyOf": [{"maximum": 5}, {"minimum": 10**30}]}]}},
+     "the integer bound minimum 1000000000000000000000000000000 at #/allOf/1/anyOf/1"),
     ({"json_schema": {"$ref": "#"}}, "json_schema cannot be compiled: it matches no output"),
     ({"regex": r"[^\s\S]"}, "regex cannot be compiled: it matches no output"),
     ({"ebnf": "root ::= "}, "ebnf cannot be compiled: it matches only the empty output"),
@@ -157,6 +162,10 @@ def test_unenforceable_grammar_is_a_value_error(engine, params, message):
     ({"type": "integer", "minimum": -5, "maximum": 2**63 - 1}, lambda v: v >= -5),  # int64's own maximum
     ({"type": "integer", "minimum": 2**62, "maximum": 2**62 + 2**12}, lambda v: 2**62 <= v <= 2**62 + 2**12),
     ({"type": "object", "properties": {"a": {"$ref": "#"}}}, lambda v: isinstance(v, dict)),  # recursion below the root
+    # a number's bounds are not an integer's, nor are its properties' those of an integer beside it
+    ({"type": "number", "allOf": [{"minimum": 2**53 + 1}]}, lambda v: v >= 2**53 + 1),
+    ({"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": {"type": "number", "minimum": 2**53 + 1}}}]},
+     lambda v: isinstance(v, (int, dict))),
 ])
 def test_enforceable_bounds_still_compile(engine, schema, check):
     out = engine.generate("Here is a number:", {"temperature": 0, "max_new_tokens": 40, "json_schema": schema})

@@ -102,6 +102,7 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _INT_BOUNDS = {"minimum": (True, False), "exclusiveMinimum": (True, True),
                "maximum": (False, False), "exclusiveMaximum": (False, True)}  # key -> (lower, exclusive)
 _NOT_SCHEMAS = ("const", "enum", "default", "examples")  # keywords whose values are data, not schemas
+_SAME_VALUE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else")  # subschemas of the schema's own value
 
 
 class GrammarMatcher:
@@ -389,27 +390,38 @@ def _on_large_stack(fn: Any, *args: Any) -> Any:
 
 
 def _check_integer_bounds(source: str) -> None:
-    """Refuse an integer bound (``minimum`` etc. of a ``"type": "integer"`` schema) that llguidance
-    would enforce loosely. It reads a bound as a 64-bit float, rounds it to an integer (``x + 1`` for
-    an exclusive one) and saturates it to 64 bits: ``minimum: 1e30`` became 2**63 - 1 (below the
+    """Refuse an integer bound (``minimum`` etc. that applies to an integer) that llguidance would
+    enforce loosely. It reads a bound as a 64-bit float, rounds it to an integer (``x + 1`` for an
+    exclusive one) and saturates it to 64 bits: ``minimum: 1e30`` became 2**63 - 1 (below the
     bound), ``minimum: 2**53 + 1`` became 2**53. A bound this makes tighter (``maximum: 1e30``) is
-    fine: every output still satisfies it. Walks the schema without recursion."""
+    fine: every output still satisfies it. A bound applies to an integer in a schema of ``"type":
+    "integer"`` (or a list with it), and in the subschemas that constrain the same value
+    (``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if``/``then``/``else``) of such a schema or beside
+    one in an ``allOf``; a ``$ref`` is not followed (its target is checked where it is defined, by
+    its own type). Walks the schema without recursion."""
     try:
         schema = json.loads(source)
     except (ValueError, RecursionError):
         return  # llguidance names the problem
-    todo: list[tuple[Any, str]] = [(schema, "#")]  # (node, its JSON pointer)
+    todo: list[tuple[Any, str, bool]] = [(schema, "#", False)]  # (node, its JSON pointer, an integer's)
     while todo:
-        node, path = todo.pop()
+        node, path, integer = todo.pop()
         if isinstance(node, list):
-            todo.extend((v, f"{path}/{i}") for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            todo.extend((v, f"{path}/{i}", False) for i, v in enumerate(node) if isinstance(v, (dict, list)))
             continue
         if not isinstance(node, dict):
             continue
-        todo.extend((v, f"{path}/{k.replace('~', '~0').replace('/', '~1')}") for k, v in node.items()
-                    if isinstance(v, (dict, list)) and k not in _NOT_SCHEMAS)
-        kind = node.get("type")
-        if kind != "integer" and not (isinstance(kind, list) and "integer" in kind):
+        integer = integer or _typed_integer(node) or (
+            isinstance(node.get("allOf"), list) and any(isinstance(s, dict) and _typed_integer(s) for s in node["allOf"]))
+        for k, v in node.items():
+            if k in _NOT_SCHEMAS or not isinstance(v, (dict, list)):
+                continue
+            where = f"{path}/{k.replace('~', '~0').replace('/', '~1')}"
+            if k in _SAME_VALUE and isinstance(v, list):
+                todo.extend((s, f"{where}/{i}", integer) for i, s in enumerate(v))
+            else:
+                todo.append((v, where, integer and k in _SAME_VALUE))
+        if not integer:
             continue
         for key, (lower, exclusive) in _INT_BOUNDS.items():
             bound = node.get(key)
@@ -421,6 +433,12 @@ def _check_integer_bounds(source: str) -> None:
                 raise ValueError(f"json_schema cannot be compiled: the integer bound {key} {bound} at "
                                  f"{path} cannot be enforced exactly (llguidance keeps integer bounds "
                                  f"as 64-bit numbers)")
+
+
+def _typed_integer(node: dict) -> bool:
+    """A schema whose ``type`` is ``"integer"`` or a list with it."""
+    kind = node.get("type")
+    return kind == "integer" or (isinstance(kind, list) and "integer" in kind)
 
 
 def _loosened(bound: float, lower: bool, exclusive: bool) -> bool:
