@@ -16,10 +16,12 @@ flash or memory-efficient kernel, the causal mask aligned to the end: the peer, 
 gathers nor merges splits). Every choice's output is checked against the default's. Writes
 ``## GPU prefill: extend attention tiles``.
 
-    .venv/bin/python benchmarks/attention_tiles.py [--repeats 10] [--no-write]
+    .venv/bin/python benchmarks/attention_tiles.py [--repeats 10] [--no-write] [--splits N]
 
 Without a GPU (``--device cpu``) it runs Triton's interpreter on a few choices and a small shape,
-to check the script (times meaningless; nothing written).
+to check the script (times meaningless; nothing written). ``--splits N`` splits each call's keys N
+ways instead of the kernel's choice (``num_splits``: 32 at the small shape, most of them empty, each
+an interpreted program): the tests' quick run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--splits", type=int, default=None,
+                    help="split each call's keys this many ways (a power of 2; default: the kernel's num_splits)")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
@@ -76,7 +80,7 @@ def main() -> None:
         scale = d**-0.5
 
         def ours():
-            return ea.paged_extend_attention(q, kb, vb, table, row, lens, scale)
+            return ea.paged_extend_attention(q, kb, vb, table, row, lens, scale, splits=args.splits)
 
         k, v = kb[slots].transpose(0, 1)[None], vb[slots].transpose(0, 1)[None]  # [1, Hkv, S, D], gathered
         mask = causal_lower_right(new, total)
@@ -108,7 +112,8 @@ def main() -> None:
         print(best_rows[-1], flush=True)
     if tiny or args.no_write:
         return
-    body = (f"`.venv/bin/python benchmarks/attention_tiles.py --repeats {args.repeats}` — {machine()}; bf16, "
+    splits_arg = f" --splits {args.splits}" if args.splits else ""
+    body = (f"`.venv/bin/python benchmarks/attention_tiles.py --repeats {args.repeats}{splits_arg}` — {machine()}; bf16, "
             f"{hq} query / {hkv} KV heads of {d}; µs per call, 20 calls in one CUDA graph, median of "
             f"{args.repeats} replays. hyla: `paged_extend_attention` (stage 1 over the request table + the merge); "
             "SDPA: `F.scaled_dot_product_attention` on the keys gathered beforehand (not timed), the causal mask "

@@ -28,9 +28,11 @@ greedy outputs must equal the cache-off run's up to each request's first floatin
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py [--compare-with /path/to/old/checkout ...] [--seeds 1,2,3]
         [--kv-tokens 1536] [--max-running 6] [--archs qwen3_next,nemotron_h] [--timing ROUNDS | --replay [--options JSON]]
+        [--sessions 8] [--turns 4]
 
 ``--kv-tokens`` / ``--max-running`` change the pools of ``POOLS``; a run with other pools writes its own
-section (``Cache under pressure, 2048 KV tokens``).
+section (``Cache under pressure, 2048 KV tokens``). ``--sessions`` / ``--turns`` shrink the workload
+(the tests' quick run, with a pool shrunk to match); another workload too writes its own section.
 
 ``--compare-with`` (repeatable) runs the same workload on another checkout's ``hyla`` (a
 subprocess with that tree first on ``sys.path``), e.g. ``git worktree add /tmp/d59eaa7 d59eaa7``:
@@ -67,9 +69,10 @@ SYSTEM_PROMPT = 40  # tokens every session starts with
 CATEGORIES = ("KV evicted", "checkpoint evicted", "no room for a checkpoint", "no checkpoint taken",
               "off the checkpoint grid", "never cached")
 DEFAULT_SEEDS = [1, 2, 3, 4, 5, 6, 7]
+SESSIONS, TURNS = 8, 4  # concurrent sessions, turns each (--sessions, --turns)
 
 
-def workload(seed: int, num_sessions: int = 8, num_turns: int = 4) -> tuple[list[list[int]], list[list[list[int]]], list[int]]:
+def workload(seed: int, num_sessions: int = SESSIONS, num_turns: int = TURNS) -> tuple[list[list[int]], list[list[list[int]]], list[int]]:
     """First prompts (a shared system prompt + a user message), later user messages, output lengths."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(3, 2048) for _ in range(n)]  # noqa: E731
@@ -160,7 +163,8 @@ def simulator_agrees(path: Path, prompts: list[list[list[int]]], got: list[list[
     return replay.cached_tokens == [o["meta_info"]["cached_tokens"] for outs in got for o in outs]
 
 
-def measure(ckpt_dir: Path, seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS) -> dict[str, dict[str, Any]]:
+def measure(ckpt_dir: Path, seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS, sessions: int = SESSIONS,
+            turns: int = TURNS) -> dict[str, dict[str, Any]]:
     """Per configuration, summed over the workload seeds."""
     import checkpoints
     from test_engine_differential import compare_outputs
@@ -172,7 +176,7 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict, archs: tuple[str, ...
     results: dict[str, dict[str, Any]] = {}
     for arch in archs:
         for seed in seeds:
-            firsts, users, max_new = workload(seed)
+            firsts, users, max_new = workload(seed, sessions, turns)
             with Engine(paths[arch], enable_prefix_cache=False, **pools) as off:
                 prompts, want = reference(off, firsts, users, max_new)
             fed = [[len(p) + len(o["output_ids"]) - 1 for p, o in zip(ps, outs)] for ps, outs in zip(prompts, want)]
@@ -223,7 +227,8 @@ def measure(ckpt_dir: Path, seeds: list[int], pools: dict, archs: tuple[str, ...
     return results
 
 
-def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int) -> dict[bool, list[float]]:
+def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int, sessions: int = SESSIONS,
+           turns: int = TURNS) -> dict[bool, list[float]]:
     """Wall time of the cached runs (every turn of every seed; qwen3_next, page 1) with
     ``protect_waiting_prefixes`` on and off, the two interleaved round by round (the order
     alternating), each from a fresh engine; the prompts are the cache-off runs'."""
@@ -236,7 +241,7 @@ def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int) -> dict[b
     path = checkpoints.make_qwen3_next(ckpt_dir, moe=False)
     workloads = []
     for seed in seeds:
-        firsts, users, max_new = workload(seed)
+        firsts, users, max_new = workload(seed, sessions, turns)
         with Engine(path, enable_prefix_cache=False, **pools) as off:
             workloads.append((reference(off, firsts, users, max_new)[0], max_new))
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -253,7 +258,8 @@ def timing(ckpt_dir: Path, seeds: list[int], pools: dict, rounds: int) -> dict[b
     return times
 
 
-def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict) -> dict[str, dict[str, float]]:
+def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict, sessions: int = SESSIONS,
+           turns: int = TURNS) -> dict[str, dict[str, float]]:
     """The workload replayed through the engine's own scheduler and cache manager without a model
     (``hyla.sim.replay``: what ``hyla sim --engine`` runs), in seconds: outputs of the workload's
     lengths made of random tokens (only lengths and distinct histories matter to the cache). Per
@@ -271,7 +277,7 @@ def replay(ckpt_dir: Path, seeds: list[int], pools: dict, options: dict) -> dict
         grid = math.lcm(opts.get("page_size", 1), opts.get("checkpoint_alignment", 1))
         cached = ideal = steps = 0
         for seed in seeds:
-            firsts, users, max_new = workload(seed)
+            firsts, users, max_new = workload(seed, sessions, turns)
             rng = random.Random(-seed)
             prompts, outs = [list(map(list, firsts))], []
             for t in range(len(users[0])):
@@ -301,7 +307,8 @@ def _pct(part: float, whole: float) -> str:
 
 
 def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, dict[str, Any]]]],
-           seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS) -> str:
+           seeds: list[int], pools: dict, archs: tuple[str, ...] = ARCHS, sessions: int = SESSIONS,
+           turns: int = TURNS) -> str:
     from benchmarks.report import machine
 
     head = "| configuration | cached / ideal | lost (per seed) |"
@@ -346,6 +353,7 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
     seeds_arg = "" if seeds == DEFAULT_SEEDS else " --seeds " + ",".join(map(str, seeds))
     seeds_arg += "" if archs == ARCHS else " --archs " + ",".join(archs)
     pool_args = "".join(f" --{flag} {pools[key]}" for flag, key in POOL_FLAGS if pools[key] != POOLS[key])
+    pool_args += workload_args(sessions, turns)
     cmd = "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_pressure.py" + "".join(
         f" --compare-with <checkout of {label}>" for label, _ in befores) + seeds_arg + pool_args
     most, kv = max(some["history_tokens"]), some["kv_pool"]
@@ -353,7 +361,7 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
     fit = (f"they cannot all stay cached, and {running} need room besides" if most > kv
            else f"they fit, but not beside {running}")
     return (
-        f"`{cmd}` — {machine()}; tiny test checkpoints (fp32); 8 concurrent sessions × 4 turns, workload seeds "
+        f"`{cmd}` — {machine()}; tiny test checkpoints (fp32); {sessions} concurrent sessions × {turns} turns, workload seeds "
         f"{', '.join(map(str, seeds))} (totals over the seeds; the lost share of each seed in parentheses); pools "
         f"{pools}. Ideal = each turn hits the previous turn's prompt + output − 1, rounded down to the grid. "
         "Every configuration is fed the cache-off run's prompts, and its greedy outputs equal the cache-off "
@@ -376,10 +384,17 @@ def render(after: dict[str, dict[str, Any]], befores: list[tuple[str, dict[str, 
         + "\n\nIn detail (how the tree let go of it, and what needed the room):\n\n" + "\n".join(details))
 
 
-def section_title(pools: dict) -> str:
-    """``Cache under pressure``, or with the pool settings that differ from ``POOLS``."""
+def workload_args(sessions: int, turns: int) -> str:
+    """``--sessions`` / ``--turns`` where they differ from the defaults (what old checkouts know without them)."""
+    return (f" --sessions {sessions}" if sessions != SESSIONS else "") + (f" --turns {turns}" if turns != TURNS else "")
+
+
+def section_title(pools: dict, sessions: int = SESSIONS, turns: int = TURNS) -> str:
+    """``Cache under pressure``, or with the pool settings and workload that differ from the defaults."""
     changed = [f"{pools[key]} {'KV tokens' if key == 'max_total_tokens' else 'running requests'}"
                for _, key in POOL_FLAGS if pools[key] != POOLS[key]]
+    changed += [f"{n} {what}" for n, default, what in ((sessions, SESSIONS, "sessions"), (turns, TURNS, "turns"))
+                if n != default]
     return "Cache under pressure" + (", " + ", ".join(changed) if changed else "")
 
 
@@ -405,6 +420,10 @@ def main() -> None:
                          "configuration's lost share and steps (writes nothing)")
     ap.add_argument("--options", default="{}", metavar="JSON",
                     help="with --replay: more engine options, e.g. '{\"protect_waiting_prefixes\": false}'")
+    ap.add_argument("--sessions", type=int, default=SESSIONS,
+                    help="concurrent sessions (default %(default)s); another number writes its own section")
+    ap.add_argument("--turns", type=int, default=TURNS,
+                    help="turns of each session (default %(default)s); another number writes its own section")
     args = ap.parse_args()
     seeds = [int(x) for x in args.seeds.split(",")]
     ckpt_dir = Path(tempfile.gettempdir()) / "hyla-bench-ckpts"
@@ -413,13 +432,13 @@ def main() -> None:
         options = json.loads(args.options)
         print(f"replayed without a model, seeds {args.seeds}, pools {pools}, options {options}:\n")
         print("| configuration | lost | steps |\n|---|---|---|")
-        for name, r in replay(ckpt_dir, seeds, pools, options).items():
+        for name, r in replay(ckpt_dir, seeds, pools, options, args.sessions, args.turns).items():
             print(f"| {name} | {100 * r['lost']:.1f}% | {r['steps']:,} |")
         return
     if args.timing:
         import statistics
 
-        times = timing(ckpt_dir, seeds, pools, args.timing)
+        times = timing(ckpt_dir, seeds, pools, args.timing, args.sessions, args.turns)
         on, off = (statistics.median(times[k]) for k in (True, False))
         print(f"cached runs' wall time, {pools}: protect_waiting_prefixes on {on:.2f} s "
               f"(runs {', '.join(f'{t:.2f}' for t in times[True])}), off {off:.2f} s "
@@ -428,7 +447,7 @@ def main() -> None:
     archs = tuple(a for a in args.archs.split(",") if a)
     if not archs or set(archs) - set(ARCHS):
         ap.error(f"--archs: a comma-separated subset of {','.join(ARCHS)}")
-    after = measure(ckpt_dir, seeds, pools, archs)
+    after = measure(ckpt_dir, seeds, pools, archs, args.sessions, args.turns)
     if args.json:
         print(json.dumps(after))
         return
@@ -436,7 +455,8 @@ def main() -> None:
     for checkout in args.compare_with:
         env = dict(os.environ, PYTHONPATH=str(checkout.resolve()))
         out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--json", "--seeds", args.seeds,
-                              "--kv-tokens", str(args.kv_tokens), "--max-running", str(args.max_running)],
+                              "--kv-tokens", str(args.kv_tokens), "--max-running", str(args.max_running),
+                              *workload_args(args.sessions, args.turns).split()],
                              env=env, check=True, capture_output=True, text=True, cwd=checkout).stdout
         before = json.loads(out.strip().splitlines()[-1])
         for key, r in after.items():
@@ -446,10 +466,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from benchmarks.report import write_section
 
-    body = render(after, befores, seeds, pools, archs)
+    body = render(after, befores, seeds, pools, archs, args.sessions, args.turns)
     print(body)
     if not args.no_write:
-        write_section(section_title(pools), body)
+        write_section(section_title(pools, args.sessions, args.turns), body)
 
 
 if __name__ == "__main__":

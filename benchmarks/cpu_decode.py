@@ -91,9 +91,10 @@ def concurrent_output(engine, rng: random.Random, vocab: int, prompt: int, new: 
     return BATCH * new / timed(lambda: engine.generate(input_ids=prompts, sampling_params=greedy(new)))
 
 
-def hf_side(hf, rng: random.Random, vocab: int, n: int):
+def hf_side(hf, rng: random.Random, vocab: int, n: int, prompt: int = PROMPT_1, batch_prompt: int = PROMPT_8,
+            batch_new: int = NEW_8):
     """transformers' ``generate`` (greedy, ``n`` tokens forced): ``(decode tok/s at batch 1 after a
-    ``PROMPT_1``-token prompt, output tok/s of ``BATCH`` ``PROMPT_8`` → ``NEW_8`` requests)`` as two
+    ``prompt``-token prompt, output tok/s of ``BATCH`` ``batch_prompt`` → ``batch_new`` requests)`` as two
     callables, measured as hyla's are."""
     import torch
 
@@ -104,13 +105,13 @@ def hf_side(hf, rng: random.Random, vocab: int, n: int):
         assert out.shape[1] == ids.shape[1] + max_new
 
     def decode_b1() -> float:
-        p = torch.tensor([fresh(PROMPT_1, rng, vocab)])
+        p = torch.tensor([fresh(prompt, rng, vocab)])
         short = timed(lambda: hf_generate(p, 1))
         return n / max(timed(lambda: hf_generate(p, 1 + n)) - short, 1e-9)
 
     def batch8() -> float:
-        return BATCH * NEW_8 / timed(lambda: hf_generate(torch.tensor([fresh(PROMPT_8, rng, vocab)
-                                                                       for _ in range(BATCH)]), NEW_8))
+        return BATCH * batch_new / timed(lambda: hf_generate(torch.tensor([fresh(batch_prompt, rng, vocab)
+                                                                           for _ in range(BATCH)]), batch_new))
 
     return decode_b1, batch8
 

@@ -26,7 +26,8 @@ threads started after it), the sides interleaved repeat by repeat:
 Rows: prefill tok/s of one 512-token prompt (hyla: ``512 / t(1 new token)``, its one decode step
 and sampling included; llama.cpp: ``llama-bench -p 512``); decode tok/s of one request after a
 512-token prompt (``N / (t(1 + N) - t(1))``, llama.cpp: ``llama-bench -d 512 -n N``); output tok/s of 8
-concurrent 128 → 64 requests, prefill included. Wall clock, medians of ``--repeats``. Prints a
+concurrent 128 → 64 requests, prefill included (``--prompt`` / ``--batch-prompt`` / ``--batch-new``
+change those lengths: the tests' quick run). Wall clock, medians of ``--repeats``. Prints a
 markdown table and writes the ``## CPU serving at a 0.65 B model`` section of docs/benchmarks.md.
 
 ``--sides`` picks which of them run (``hyla``, ``unsplit``, ``compiled``, ``llama.cpp``; default: the
@@ -36,7 +37,7 @@ with no other engine's OpenMP team in the process.
 
     .venv/bin/python benchmarks/cpu_model_size.py [--threads 1,2] [--repeats 3] [--new-tokens 32]
         [--compile] [--llama-cpp ../llama.cpp] [--sides hyla,unsplit,compiled,llama.cpp]
-        [--model-dir /tmp/hyla-qwen3.5-0.65b] [--no-write] [--tiny]
+        [--model-dir /tmp/hyla-qwen3.5-0.65b] [--no-write] [--tiny] [--prompt 512] [--batch-prompt 128] [--batch-new 64]
 """
 
 from __future__ import annotations
@@ -58,11 +59,16 @@ from cpu_decode import BATCH, NEW_8, PROMPT_1, PROMPT_8, concurrent_output, deco
 
 COMPILED = "hyla + `compile_decode`"  # the side's name
 SIDES = ("hyla", "unsplit", "compiled", "llama.cpp")  # --sides
-ROWS = {  # key: label
-    "p512": f"prefill tok/s, one {PROMPT_1}-token prompt",
-    "d1": f"decode tok/s, batch 1, after a {PROMPT_1}-token prompt",
-    "b8": f"output tok/s, {BATCH} concurrent {PROMPT_8} → {NEW_8} requests",
-}
+
+
+def row_labels(prompt: int = PROMPT_1, batch_prompt: int = PROMPT_8, batch_new: int = NEW_8) -> dict[str, str]:
+    """Each row's key and label, for the prompt and request lengths measured."""
+    return {"p512": f"prefill tok/s, one {prompt}-token prompt",
+            "d1": f"decode tok/s, batch 1, after a {prompt}-token prompt",
+            "b8": f"output tok/s, {BATCH} concurrent {batch_prompt} → {batch_new} requests"}
+
+
+ROWS = row_labels()  # key: label
 
 
 def build_model(model_dir: Path, tiny: bool = False) -> Path:
@@ -95,29 +101,32 @@ def unsplit_projections():
         linear.SPLIT_MAX_ROWS, linear.ONEDNN_ROWS = before
 
 
-def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False) -> dict:
+def hyla_side(engine, rng: random.Random, n: int, vocab: int, unsplit: bool = False, prompt: int = PROMPT_1,
+              batch_prompt: int = PROMPT_8, batch_new: int = NEW_8) -> dict:
     """The three measurements of one engine; ``unsplit``: with ``linear.few_row_linear`` off."""
     mode = unsplit_projections if unsplit else contextlib.nullcontext
 
     def prompt_and_decode() -> tuple[float, float]:
         with mode():
-            return decode_after_prompt(engine, rng, vocab, PROMPT_1, n)
+            return decode_after_prompt(engine, rng, vocab, prompt, n)
 
     def batch8() -> float:
         with mode():
-            return concurrent_output(engine, rng, vocab, PROMPT_8, NEW_8)
+            return concurrent_output(engine, rng, vocab, batch_prompt, batch_new)
 
     return {"p512+d1": prompt_and_decode, "b8": batch8}
 
 
-def llama_cpp_side(server, rng: random.Random, n: int) -> dict:
+def llama_cpp_side(server, rng: random.Random, n: int, prompt: int = PROMPT_1, batch_prompt: int = PROMPT_8,
+                   batch_new: int = NEW_8) -> dict:
     from benchmarks import llama_cpp
 
     def prompt_and_decode() -> tuple[float, float]:
-        return (llama_cpp.prefill_tok_s(server.llama_dir, server.gguf, server.threads, PROMPT_1),
-                llama_cpp.decode_tok_s(server.llama_dir, server.gguf, server.threads, PROMPT_1, n))
+        return (llama_cpp.prefill_tok_s(server.llama_dir, server.gguf, server.threads, prompt),
+                llama_cpp.decode_tok_s(server.llama_dir, server.gguf, server.threads, prompt, n))
 
-    return {"p512+d1": prompt_and_decode, "b8": lambda: llama_cpp.serve_output_tok_s(server, rng, BATCH, PROMPT_8, NEW_8)}
+    return {"p512+d1": prompt_and_decode,
+            "b8": lambda: llama_cpp.serve_output_tok_s(server, rng, BATCH, batch_prompt, batch_new)}
 
 
 def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
@@ -127,27 +136,28 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
     rng = random.Random(threads)
     sizes = dict(dtype="float32", cpu_threads=threads, max_total_tokens=8192, max_state_slots=16)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    lengths = dict(prompt=args.prompt, batch_prompt=args.batch_prompt, batch_new=args.batch_new)
     with contextlib.ExitStack() as stack:
         sides = {}
         if {"hyla", "unsplit"} & args.sides:
             engine = Engine(str(model_dir), **sizes)
             stack.callback(engine.shutdown)
             if "hyla" in args.sides:
-                sides["hyla"] = hyla_side(engine, rng, args.new_tokens, vocab)
+                sides["hyla"] = hyla_side(engine, rng, args.new_tokens, vocab, **lengths)
             if "unsplit" in args.sides:
-                sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True)
+                sides["hyla, unsplit"] = hyla_side(engine, rng, args.new_tokens, vocab, unsplit=True, **lengths)
         if "compiled" in args.sides:
             t0 = time.perf_counter()
             compiled = Engine(str(model_dir), compile_decode=True, **sizes)
             startup_s = time.perf_counter() - t0
             stack.callback(compiled.shutdown)
-            sides[COMPILED] = hyla_side(compiled, rng, args.new_tokens, vocab)
+            sides[COMPILED] = hyla_side(compiled, rng, args.new_tokens, vocab, **lengths)
         if "llama.cpp" in args.sides:
             from benchmarks import llama_cpp
 
             gguf = llama_cpp.convert(model_dir, args.llama_cpp, args.llama_cpp / "models" / "hyla-qwen3.5-0.65b-f32.gguf")
             server = stack.enter_context(llama_cpp.LlamaServer(args.llama_cpp, gguf, threads))
-            sides["llama.cpp"] = llama_cpp_side(server, rng, args.new_tokens)
+            sides["llama.cpp"] = llama_cpp_side(server, rng, args.new_tokens, **lengths)
         for side in sides.values():  # warm-up
             side["p512+d1"](), side["b8"]()
         samples = {name: {k: [] for k in ROWS} for name in sides}
@@ -165,12 +175,12 @@ def measure(model_dir: Path, threads: int, args) -> dict[str, dict[str, float]]:
     return result
 
 
-def table(runs: dict[int, dict[str, dict[str, float]]]) -> str:
+def table(runs: dict[int, dict[str, dict[str, float]]], labels: dict[str, str] = ROWS) -> str:
     """One row per measurement and thread count; in parentheses each hyla side's ratio to llama.cpp."""
     present = {side for run in runs.values() for side in run}
     sides = [s for s in ("hyla", "hyla, unsplit", COMPILED, "llama.cpp") if s in present]
     lines = ["| measurement | threads | " + " | ".join(sides) + " |", "|---|---|" + "---|" * len(sides)]
-    for key, label in ROWS.items():
+    for key, label in labels.items():
         for threads, run in runs.items():
             peer = run.get("llama.cpp", {}).get(key)
             cells = []
@@ -195,6 +205,11 @@ def main() -> None:
                     "unsplit, and compiled with --compile, llama.cpp with --llama-cpp); an engine left out is not built")
     ap.add_argument("--tiny", action="store_true", help="gpu_decode.py's tiny dims, to test the script (implies --no-write)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--prompt", type=int, default=PROMPT_1, help="the batch-1 rows' prompt tokens (default %(default)s)")
+    ap.add_argument("--batch-prompt", type=int, default=PROMPT_8,
+                    help=f"the {BATCH} concurrent requests' prompt tokens (default %(default)s)")
+    ap.add_argument("--batch-new", type=int, default=NEW_8,
+                    help=f"the {BATCH} concurrent requests' new tokens (default %(default)s)")
     args = ap.parse_args()
     if args.llama_cpp is not None:
         args.llama_cpp = args.llama_cpp.resolve()
@@ -213,7 +228,10 @@ def main() -> None:
     cmd = (f".venv/bin/python benchmarks/cpu_model_size.py --threads {args.threads} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}" + (" --compile" if args.compile else "")
            + (" --llama-cpp ../llama.cpp" if args.llama_cpp else "")
-           + (f" --sides {','.join(s for s in SIDES if s in args.sides)}" if args.sides != default_sides else ""))
+           + (f" --sides {','.join(s for s in SIDES if s in args.sides)}" if args.sides != default_sides else "")
+           + "".join(f" --{flag} {value}" for flag, value, default in (
+               ("prompt", args.prompt, PROMPT_1), ("batch-prompt", args.batch_prompt, PROMPT_8),
+               ("batch-new", args.batch_new, NEW_8)) if value != default))
     startup = "".join(f" `compile_decode` start-up (engine construction, graphs compiled) at {t} thread(s): "
                       f"{run[COMPILED]['startup_s']:.0f} s." for t, run in runs.items() if COMPILED in run)
     described = {"hyla": " \"hyla\": the engine, eager (`cpu_threads` = the threads).",
@@ -226,7 +244,7 @@ DeltaNet + 6 attention, hidden 1,024, vocab 151,936, tied embeddings; 0.65 B par
 weights) in fp32 (2.6 GB); wall clock, medians of {args.repeats} runs, sides interleaved; in parentheses
 the ratio to llama.cpp at the same threads (the same checkpoint as an fp32 GGUF).{sides_text}{startup}
 
-{table(runs)}
+{table(runs, row_labels(args.prompt, args.batch_prompt, args.batch_new))}
 """
     print(body)
     print(f"(total {time.perf_counter() - t0:.0f} s)")

@@ -11,9 +11,11 @@ decode tok/s at batch 1 after a 512-token prompt (``t(1 + N) - t(1)``: prefill c
 output tok/s of 8 concurrent 128 → 64 requests (prefill included). hyla's MoE layers run sorted by
 expert in both engines: eager as PyTorch ops, compiled as one op of the graph (``layers.moe_experts``).
 Prints a markdown table and writes the ``## CPU decode: a model with MoE layers`` section of
-docs/benchmarks.md.
+docs/benchmarks.md. ``--prompt`` / ``--batch-prompt`` / ``--batch-new`` change those lengths (the tests'
+quick run).
 
     .venv/bin/python benchmarks/cpu_moe.py [--threads 1] [--repeats 3] [--new-tokens 32] [--no-write]
+        [--prompt 512] [--batch-prompt 128] [--batch-new 64]
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def measure(path: Path, args) -> dict[str, dict[str, float]]:
     transformers.logging.set_verbosity_error()
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab, rng, n = hf.config.vocab_size, random.Random(0), args.new_tokens
+    prompt, batch_prompt, batch_new = args.prompt, args.batch_prompt, args.batch_new
     sizes = dict(dtype="float32", max_total_tokens=8192, max_state_slots=32, cpu_threads=args.threads)
     engines, startup = {}, None
     if "hyla" in args.sides:
@@ -72,10 +75,11 @@ def measure(path: Path, args) -> dict[str, dict[str, float]]:
         startup = time.perf_counter() - t0
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [e.shutdown() for e in engines.values()])
-        sides = {name: (lambda e=e: decode_after_prompt(e, rng, vocab, PROMPT_1, n)[1],
-                        lambda e=e: concurrent_output(e, rng, vocab, PROMPT_8, NEW_8)) for name, e in engines.items()}
+        sides = {name: (lambda e=e: decode_after_prompt(e, rng, vocab, prompt, n)[1],
+                        lambda e=e: concurrent_output(e, rng, vocab, batch_prompt, batch_new))
+                 for name, e in engines.items()}
         if "hf" in args.sides:
-            sides["hf"] = hf_side(hf, rng, vocab, n)
+            sides["hf"] = hf_side(hf, rng, vocab, n, prompt, batch_prompt, batch_new)
         for d1, b8 in sides.values():  # warm-up
             d1(), b8()
         samples = {s: {"d1": [], "b8": []} for s in sides}
@@ -89,11 +93,12 @@ def measure(path: Path, args) -> dict[str, dict[str, float]]:
     return result
 
 
-def table(r: dict[str, dict[str, float]]) -> str:
+def table(r: dict[str, dict[str, float]], prompt: int = PROMPT_1, batch_prompt: int = PROMPT_8,
+          batch_new: int = NEW_8) -> str:
     sides = [s for s in SIDES if s in r]
     rows = [f"| measurement | {' | '.join(SIDES[s] for s in sides)} |", "|---" * (len(sides) + 1) + "|"]
-    for key, label in (("d1", f"decode tok/s, batch 1, after a {PROMPT_1}-token prompt"),
-                       ("b8", f"output tok/s, {BATCH} concurrent {PROMPT_8} → {NEW_8} requests")):
+    for key, label in (("d1", f"decode tok/s, batch 1, after a {prompt}-token prompt"),
+                       ("b8", f"output tok/s, {BATCH} concurrent {batch_prompt} → {batch_new} requests")):
         cells = [f"{r[s][key]:.1f}" + ("" if s == "hf" or "hf" not in r else f" (**{r[s][key] / r['hf'][key]:.2f}x**)")
                  for s in sides]
         rows.append(f"| {label} | {' | '.join(cells)} |")
@@ -109,6 +114,11 @@ def main() -> None:
     ap.add_argument("--sides", default=",".join(SIDES), help="comma-separated, of " + ", ".join(SIDES) + " (default: all)")
     ap.add_argument("--tiny", action="store_true", help="tiny dims, to test the script (implies --no-write)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--prompt", type=int, default=PROMPT_1, help="the batch-1 row's prompt tokens (default %(default)s)")
+    ap.add_argument("--batch-prompt", type=int, default=PROMPT_8,
+                    help=f"the {BATCH} concurrent requests' prompt tokens (default %(default)s)")
+    ap.add_argument("--batch-new", type=int, default=NEW_8,
+                    help=f"the {BATCH} concurrent requests' new tokens (default %(default)s)")
     args = ap.parse_args()
     args.sides = {x.strip() for x in args.sides.split(",") if x.strip()}
     if not args.sides or args.sides - set(SIDES):
@@ -119,7 +129,9 @@ def main() -> None:
     from benchmarks.report import machine
 
     cmd = (f".venv/bin/python benchmarks/cpu_moe.py --threads {args.threads} --repeats {args.repeats} "
-           f"--new-tokens {args.new_tokens}")
+           f"--new-tokens {args.new_tokens}" + "".join(f" --{flag} {value}" for flag, value, default in (
+               ("prompt", args.prompt, PROMPT_1), ("batch-prompt", args.batch_prompt, PROMPT_8),
+               ("batch-new", args.batch_new, NEW_8)) if value != default))
     startup = "" if "compiled" not in result else \
         f" `compile_decode` start-up (engine construction, graphs compiled): {result['compiled']['startup_s']:.0f} s."
     body = f"""`{cmd}` — {machine()}; Qwen3.5-MoE's architecture (hidden 1,024, 8 layers: 6 Gated DeltaNet +
@@ -127,7 +139,7 @@ def main() -> None:
 4,096; random weights) in fp32, 0.5 B parameters; wall clock, medians of {args.repeats} runs, sides
 interleaved; in parentheses the ratio to transformers in the same run.{startup}
 
-{table(result)}
+{table(result, args.prompt, args.batch_prompt, args.batch_new)}
 """
     print(body)
     print(f"(total {time.perf_counter() - t0:.0f} s)")

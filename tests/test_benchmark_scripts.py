@@ -7,11 +7,13 @@ prefix, the profile has each phase's Python profile, the fused out projection ag
 separate kernels, each extend attention tile with PyTorch's SDPA. Four CPU scripts are run the
 same way: ``state_ops.py`` (both paths of the state pool's slot operations), ``cpu_ab.py`` (its
 two worker processes, here one checkout against itself), ``cache_pressure.py`` (one workload
-seed, its ``--replay`` and its ``--timing``), ``cpu_model_size.py`` (its tiny model, both
-thread counts, the unsplit side at both), ``cpu_gemm.py`` (the tiny model's weights, every path
-where it applies) and ``cpu_moe.py`` (its tiny model, the eager engine against transformers: the
+seed of a smaller workload, then its ``--replay`` and its ``--timing`` through its ``main`` in
+this process), ``cpu_model_size.py`` (its tiny model, both thread counts, the unsplit side at
+both, shorter prompts), ``cpu_gemm.py`` (the tiny model's weights, every path where it applies)
+and ``cpu_moe.py`` (its tiny model, shorter prompts, the eager engine against transformers: the
 compiled side's start-up is minutes); ``startup.py``'s and ``mixed_chunk.py``'s measurements run
-in this process.
+in this process. A script's engine that failed a step (its requests aborted, ``generate``
+returning them) fails the test too.
 ``recurrent_tiles.py`` is left out (minutes in the interpreter);
 ``fla_prefill.py`` needs fla, which CPU installs lack.
 """
@@ -31,9 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, timeout: int = 300) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # OMP_WAIT_POLICY: a script's run at 2 threads (cpu_model_size.py, cpu_gemm.py) times nothing here, and its
+    # OpenMP workers spinning between parallel regions would burn a core the suite's other worker needs
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "passive", "PYTHONUNBUFFERED": "1"}
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, f"{args[0]} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    # a step that raises aborts its requests and generate returns them (hyla/engine/engine.py's _loop): the log is
+    # all that says so, and a script would go on to time requests that did nothing
+    assert "scheduler step failed" not in out.stderr, f"{args[0]} aborted requests:\n{out.stderr[-3000:]}"
     return out.stdout
 
 
@@ -70,10 +77,12 @@ def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
 
 
 def test_cpu_moe_measures_hyla_against_transformers(tmp_path):
+    # shorter prompts than the script's (32 tokens, not 512; 8 requests of 16 -> 4, not 128 -> 64)
     out = _run("benchmarks/cpu_moe.py", "--tiny", "--model-dir", str(tmp_path), "--repeats", "1", "--new-tokens", "4",
-               "--sides", "hyla,hf")
+               "--sides", "hyla,hf", "--prompt", "32", "--batch-prompt", "16", "--batch-new", "4")
     rows = [line for line in out.splitlines() if line.startswith("| decode") or line.startswith("| output")]
     assert len(rows) == 2 and all(line.count("x**)") == 1 for line in rows)  # hyla's ratio to transformers
+    assert "after a 32-token prompt" in rows[0] and "8 concurrent 16 → 4 requests" in rows[1]  # the lengths run
 
 
 @pytest.mark.slow
@@ -104,9 +113,11 @@ def test_out_projection_runs_on_cpu_and_matches_the_separate_kernels():
 
 
 def test_attention_tiles_agree_with_sdpa():
-    """Each tile's output against the default's, and the default against PyTorch's SDPA (fp32 here)."""
-    rows = [line for line in _run("benchmarks/attention_tiles.py", "--device", "cpu", "--repeats", "1").splitlines()
-            if line.startswith("| ")]
+    """Each tile's output against the default's, and the default against PyTorch's SDPA (fp32 here).
+    The keys split 2 ways, not the kernel's 32 (most of them empty at this shape, each an interpreted
+    program): still two partials merged; ``test_fused_extend.py`` checks the kernel's own choice."""
+    rows = [line for line in _run("benchmarks/attention_tiles.py", "--device", "cpu", "--repeats", "1",
+                                  "--splits", "2").splitlines() if line.startswith("| ")]
     assert len(rows) == 4  # 3 tiles, then the summary
     assert all(float(r.rstrip(" |").rsplit("|", 1)[1]) <= 1e-5 for r in rows)  # max diffs
 
@@ -126,19 +137,32 @@ def test_cpu_ab_runs_both_workers_in_turn():
     assert set(lines) == {"b1", "b8", "p8"} and all("1 rounds" in line for line in lines.values())
 
 
+# cpu_model_size.py's prompts shortened (32 tokens, not 512; 8 requests of 16 -> 4, not 128 -> 64): at 2 threads on a
+# busy machine its OpenMP team waits on the other worker, and the default lengths take a minute
+CPU_MODEL_SIZE_LENGTHS = ("--new-tokens", "2", "--prompt", "32", "--batch-prompt", "16", "--batch-new", "4")
+
+
+@pytest.fixture(scope="module")
+def model_size_dir(tmp_path_factory) -> Path:
+    """cpu_model_size.py's ``--model-dir``: the first of its tests to run builds the tiny model there (a
+    transformers import and a build, ~5 s CPU), the other reads it."""
+    return tmp_path_factory.mktemp("cpu-model-size") / "model"
+
+
 @pytest.mark.slow
-def test_cpu_model_size_measures_every_side_at_every_thread_count(tmp_path):
-    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(tmp_path / "model"), "--threads", "1,2",
-               "--repeats", "1", "--new-tokens", "2")
+def test_cpu_model_size_measures_every_side_at_every_thread_count(model_size_dir):
+    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(model_size_dir), "--threads", "1,2",
+               "--repeats", "1", *CPU_MODEL_SIZE_LENGTHS)
     rows = [line for line in out.splitlines() if line.startswith(("| prefill", "| decode", "| output"))]
     assert len(rows) == 6, out  # 3 measurements x 2 thread counts
+    assert "one 32-token prompt" in rows[0] and "8 concurrent 16 → 4 requests" in rows[-1], out  # the lengths run
     assert all(line.split("|")[3].strip()[0].isdigit() for line in rows)  # hyla measured at both
     assert all(line.split("|")[4].strip()[0].isdigit() for line in rows)  # and the unsplit side
 
 
-def test_cpu_model_size_builds_only_the_sides_asked_for(tmp_path):
-    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(tmp_path / "model"), "--threads", "1",
-               "--repeats", "1", "--new-tokens", "2", "--sides", "unsplit")
+def test_cpu_model_size_builds_only_the_sides_asked_for(model_size_dir):
+    out = _run("benchmarks/cpu_model_size.py", "--tiny", "--model-dir", str(model_size_dir), "--threads", "1",
+               "--repeats", "1", *CPU_MODEL_SIZE_LENGTHS, "--sides", "unsplit")
     assert "| measurement | threads | hyla, unsplit |" in out, out
     rows = [line for line in out.splitlines() if line.startswith(("| prefill", "| decode", "| output"))]
     assert len(rows) == 3 and all(line.split("|")[3].strip()[0].isdigit() for line in rows), out
@@ -168,17 +192,32 @@ def test_chunk_sizes_times_every_scan_at_every_size():
 
 
 @pytest.mark.slow
-def test_cache_pressure_reports_every_configuration_replays_and_times_the_hold():
-    out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--archs", "qwen3_next", "--no-write")  # 2 archs: ~2x
+def test_cache_pressure_reports_every_configuration_replays_and_times_the_hold(monkeypatch, capsys):
+    """The measurement in a process of its own, then ``--replay`` and ``--timing`` through the
+    script's ``main`` in this one (a fresh process's imports cost more than either)."""
+    # a smaller workload than the script's (4 sessions x 3 turns, not 8 x 4) on a KV pool shrunk to match (512
+    # tokens, not 1,536): still under pressure, every configuration losing some of its ideal to evictions
+    small = ("--seeds", "1", "--sessions", "4", "--turns", "3", "--kv-tokens", "512")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import cache_pressure
+
+    def main(*args: str) -> str:
+        monkeypatch.setattr(sys, "argv", ["cache_pressure.py", *args])
+        cache_pressure.main()
+        return capsys.readouterr().out
+
+    out = _run("benchmarks/cache_pressure.py", *small, "--archs", "qwen3_next", "--no-write")  # 2 archs: ~2x
     rows = [line for line in out.splitlines() if line.startswith("| qwen3_next") or line.startswith("| nemotron_h")]
     assert len(rows) == 3 * 3  # the main table, the cost table and the decomposition: 3 grids
-    assert "--archs qwen3_next" in out  # the section's command says what it measured
+    assert "--kv-tokens 512 --sessions 4 --turns 3" in out  # the section's command says what it measured
+    assert "--archs qwen3_next" in out and "4 concurrent sessions × 3 turns" in out
     assert "reported every request's cached tokens exactly as the engine did" in out  # hyla sim --engine agreed
     lost = {r.split("|")[1].strip().removeprefix("qwen3_next, "): r.split("|")[3].split()[0] for r in rows[:3]}
-    replayed = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--replay")
+    assert all(float(share.rstrip("%")) > 0 for share in lost.values()), rows  # the pool was under pressure
+    replayed = main(*small, "--replay")
     rows = [line.split("|") for line in replayed.splitlines() if line.startswith("| page")]
     assert {r[1].strip(): r[2].strip() for r in rows} == lost  # without a model, the engine's own lost shares
-    out = _run("benchmarks/cache_pressure.py", "--seeds", "1", "--timing", "1")
+    out = main("--seeds", "1", "--sessions", "2", "--turns", "2", "--timing", "1")  # what it times is not checked
     assert "protect_waiting_prefixes on" in out and "on / off" in out
 
 
