@@ -28,7 +28,7 @@ from hyla.cache import Checkpoint, KVPool, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
-from test_engine_differential import compare_outputs
+from test_engine_differential import compare_outputs, hold_for_next_submission
 
 
 def _ids(n: int, seed: int) -> list[int]:
@@ -122,7 +122,7 @@ def test_the_waiting_queue_keeps_the_prefix_it_admits_first(qwen3_next_dense_pat
         a2 = a + outs[1]["output_ids"] + _ids(10, 12)
         b2 = b + outs[2]["output_ids"] + _ids(10, 13)
         r = z + outs[0]["output_ids"] + _ids(10, 14)
-        got = eng.generate(input_ids=[a2, b2, r], sampling_params=[_greedy(2), _greedy(2), _greedy(100)])
+        got = eng.generate(input_ids=[a2, b2, r], sampling_params=[_greedy(2), _greedy(2), _greedy(50)])
         assert eng.get_stats()["num_evicted_tokens"] > 0
         assert [o["meta_info"]["cached_tokens"] for o in got] == [150, 0, 300]
 
@@ -149,7 +149,7 @@ def test_an_admission_that_cannot_fit_evicts_nothing():
 
 def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_path):
     """Two at a time, a 700-token pool holding three finished histories (z 300, b 150, c 100). R
-    (z's next turn, 100 new tokens) runs first; B2 (b's, 130 new) comes next in LPM order, but
+    (z's next turn, 30 new tokens) runs first; B2 (b's, 130 new) comes next in LPM order, but
     its 131 tokens and R's decode reserve fit only if something cached goes — and the only
     unlocked candidates are b's own history and c's, which C2, waiting behind B2, is about to
     hit. With ``protect_waiting_prefixes`` B2 waits for R to finish (R's history, which no
@@ -165,7 +165,7 @@ def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_
             r = z + outs[0]["output_ids"] + _ids(10, 33)
             b2 = b + outs[1]["output_ids"] + _ids(130, 34)
             c2 = c + outs[2]["output_ids"] + _ids(10, 35)
-            got = eng.generate(input_ids=[r, b2, c2], sampling_params=[_greedy(100), _greedy(2), _greedy(2)],
+            got = eng.generate(input_ids=[r, b2, c2], sampling_params=[_greedy(30), _greedy(2), _greedy(2)],
                                return_logprob=True)
             hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]
             outputs[protect] = outs + got
@@ -177,7 +177,11 @@ def test_an_admission_does_not_evict_a_waiting_requests_prefix(qwen3_next_dense_
 
 
 def _while_running(eng: Engine, prompts: list[list[int]], max_new: int, then):
-    """``then()`` once every request of ``prompts`` (decoding ``max_new`` tokens) is running."""
+    """``then()`` once every request of ``prompts`` (decoding ``max_new`` tokens) is running: the
+    engine waits for what ``then`` submits, so that it arrives one decode step later whatever the
+    machine's speed (the requests need decode only a few tokens more)."""
+    hold_for_next_submission(eng, lambda sched: len(sched.running) == len(prompts)
+                             and all(r.output_ids for r in sched.running))
     runners = threading.Thread(target=eng.generate, kwargs=dict(input_ids=prompts, sampling_params=_greedy(max_new)))
     runners.start()
     deadline = time.monotonic() + 60
@@ -198,7 +202,7 @@ def test_an_admission_in_chunks_counts_its_whole_prompt(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, checkpoint_alignment=64, max_total_tokens=600, max_state_slots=16,
                 max_running_requests=2, chunked_prefill_size=64, debug_checks=True) as eng:
         outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (a, w)]
-        got = _while_running(eng, [_ids(20, 52)], 200, lambda: eng.generate(
+        got = _while_running(eng, [_ids(20, 52)], 16, lambda: eng.generate(
             input_ids=[a + outs[0]["output_ids"] + _ids(400, 53), w + outs[1]["output_ids"] + _ids(10, 54)],
             sampling_params=_greedy(1)))
     assert [o["meta_info"]["cached_tokens"] for o in got] == [128, 64]
@@ -206,7 +210,7 @@ def test_an_admission_in_chunks_counts_its_whole_prompt(qwen3_next_dense_path):
 
 def test_an_admission_does_not_evict_a_waiting_requests_checkpoint(qwen3_next_dense_path):
     """Four state slots on a 256-token grid: two finished turns' ends (a and w, at 256) and two
-    running requests' own states (X and Y: 20-token prompts decoding 200 tokens, never reaching
+    running requests' own states (X and Y: 20-token prompts decoding 16 tokens, never reaching
     the grid). A2 and W2 then arrive: A2's own state slot could come only from a checkpoint, and
     the one not its own is W2's hit. Held (``protect_waiting_prefixes``), it stays: A2 waits
     for X and Y to finish and both hit 256; without the hold A2 takes W2's checkpoint."""
@@ -216,7 +220,7 @@ def test_an_admission_does_not_evict_a_waiting_requests_checkpoint(qwen3_next_de
         with Engine(qwen3_next_dense_path, checkpoint_alignment=256, max_total_tokens=4096, max_state_slots=4,
                     max_running_requests=3, protect_waiting_prefixes=protect, debug_checks=True) as eng:
             outs = [eng.generate(input_ids=p, sampling_params=_greedy(1)) for p in (a, w)]
-            got = _while_running(eng, [_ids(20, 42), _ids(20, 43)], 200, lambda: eng.generate(
+            got = _while_running(eng, [_ids(20, 42), _ids(20, 43)], 16, lambda: eng.generate(
                 input_ids=[a + outs[0]["output_ids"] + _ids(10, 44), w + outs[1]["output_ids"] + _ids(10, 45)],
                 sampling_params=_greedy(2)))
             hits[protect] = [o["meta_info"]["cached_tokens"] for o in got]

@@ -9,10 +9,13 @@ position where the two runs chose different tokens whose logprobs are within 1e-
 from __future__ import annotations
 
 import random
+import time
+from typing import Callable
 
 import pytest
 
 from hyla import Engine
+from hyla.engine.scheduler import Scheduler
 
 TOL = 1e-4
 
@@ -42,24 +45,27 @@ def compare_outputs(on: list[dict], off: list[dict]) -> int:
     return compared
 
 
-def make_workload(seed: int, vocab: int, num_sessions: int, num_shared: int) -> tuple[list, list]:
+def make_workload(seed: int, vocab: int, num_sessions: int, num_shared: int,
+                  scale: float = 1.0) -> tuple[list, list]:
     """Wave 1: first turns of chat sessions (each with a system prompt shared by a group) and
-    shared-prefix requests; wave 2 (built from wave-1 outputs): second turns."""
+    shared-prefix requests; wave 2 (built from wave-1 outputs): second turns. ``scale``: every
+    prompt part's length range scaled by it (1: the same workload as ever for a seed)."""
     rng = random.Random(seed)
     tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
-    systems = [tok(rng.randrange(20, 90)) for _ in range(4)]
-    docs = [tok(rng.randrange(60, 200)) for _ in range(3)]
+    length = lambda lo, hi: rng.randrange(max(1, round(lo * scale)), max(2, round(hi * scale)))  # noqa: E731
+    systems = [tok(length(20, 90)) for _ in range(4)]
+    docs = [tok(length(60, 200)) for _ in range(3)]
     wave1 = []
     for i in range(num_sessions):
         sys_ids = systems[i % len(systems)]
         long_output = i % 8 == 0  # outlives the scheduler's decode reserve: forces retraction
-        wave1.append({"ids": sys_ids + tok(rng.randrange(5, 120)),
+        wave1.append({"ids": sys_ids + tok(length(5, 120)),
                       "max_new": rng.randrange(30, 48) if long_output else rng.randrange(2, 12),
                       "ckpt": [len(sys_ids)] if i % 3 == 0 else []})
     for i in range(num_shared):
         doc = docs[i % len(docs)]
-        wave1.append({"ids": doc + tok(rng.randrange(1, 40)), "max_new": rng.randrange(1, 10), "ckpt": []})
-    followups = [tok(rng.randrange(3, 60)) for _ in range(num_sessions)]
+        wave1.append({"ids": doc + tok(length(1, 40)), "max_new": rng.randrange(1, 10), "ckpt": []})
+    followups = [tok(length(3, 60)) for _ in range(num_sessions)]
     return wave1, followups
 
 
@@ -83,13 +89,62 @@ def assert_drained(engine: Engine) -> None:
     assert st.available_size() + held_states == st.size
 
 
-def differential(path: str, seed: int, on: dict | None = None, **engine_kw) -> None:
-    """``on``: options of the cached side only (a scheduling feature checked against the plain reference)."""
+def hold_for_next_submission(engine: Engine, when: Callable[[Scheduler], bool]) -> None:
+    """The first step before which ``when(engine.scheduler)`` holds waits (up to 60 s) for the next
+    submission to ``engine``: what the test thread submits then is admitted right after that one
+    step, however slowly the thread runs (so requests meant to be running then need decode only a
+    few tokens more, not enough to outlive any delay). Once only."""
+    sched = engine.scheduler
+    step = sched.step
+    armed = [True]
+
+    def held():
+        if armed[0] and when(sched):
+            armed[0] = False
+            deadline = time.monotonic() + 60
+            # (submitted: in the engine's inbox, or already taken from it into the waiting queue)
+            while engine._inbox.empty() and not sched.waiting and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return step()
+
+    sched.step = held
+
+
+def count_prefill_chunks(engine: Engine) -> dict[str, int]:
+    """Start recording how many prefill steps (chunks) each of ``engine``'s requests took to feed
+    its prompt: the returned dict maps a request id to its most chunks in one admission (a
+    retracted request is prefilled again; a mixed step's decoding requests are not counted)."""
+    most: dict[str, int] = {}
+    current: dict[str, tuple[int, int]] = {}  # per request: (chunks so far, where the last one ended)
+    sched = engine.scheduler
+    schedule_prefill = sched._schedule_prefill
+
+    def counted():
+        batch = schedule_prefill()
+        if batch is not None:
+            for r, n in zip(batch.reqs[:len(batch.reqs) - batch.num_mixed], batch.lens):
+                k, end = current.get(r.rid, (0, -1))
+                k = k + 1 if end == r.kv_len else 1  # r.kv_len: where this chunk starts
+                current[r.rid] = (k, r.kv_len + n)
+                most[r.rid] = max(most.get(r.rid, 0), k)
+        return batch
+
+    sched._schedule_prefill = counted
+    return most
+
+
+def differential(path: str, seed: int, on: dict | None = None, *, num_sessions: int = 48, num_shared: int = 48,
+                 scale: float = 1.0, **engine_kw) -> dict:
+    """``on``: options of the cached side only (a scheduling feature checked against the plain reference).
+    ``num_sessions``, ``num_shared``, ``scale``: the workload's (:func:`make_workload`). Returns what
+    the cached side did, for the caller to check the conditions it is about: ``stats``
+    (``get_stats``), the cached tokens of each wave's requests (``hits1``, ``hits2``), the wave-1
+    prompts' lengths (``prompt_lens``) and the chunks each request's prefill took (``prefill_chunks``)."""
     opts = dict(max_total_tokens=1200, max_state_slots=20, max_running_requests=8,
                 chunked_prefill_size=128, debug_checks=True)
     opts.update(engine_kw)
     vocab = 2048
-    wave1, followups = make_workload(seed, vocab, num_sessions=48, num_shared=48)
+    wave1, followups = make_workload(seed, vocab, num_sessions=num_sessions, num_shared=num_shared, scale=scale)
     with Engine(path, enable_prefix_cache=False, **opts) as off:
         out1_off = run(off, wave1)
         wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 4, "ckpt": []}
@@ -98,6 +153,7 @@ def differential(path: str, seed: int, on: dict | None = None, **engine_kw) -> N
         assert_drained(off)
         retract_off = off.get_stats()["num_retractions"]
     with Engine(path, enable_prefix_cache=True, **{**opts, **(on or {})}) as engine:
+        prefill_chunks = count_prefill_chunks(engine)
         out1_on = run(engine, wave1)
         out2_on = run(engine, wave2)
         assert_drained(engine)
@@ -110,12 +166,33 @@ def differential(path: str, seed: int, on: dict | None = None, **engine_kw) -> N
     assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0
     if (on or {}).get("enable_mixed_chunk"):
         assert stats["num_mixed_tokens"] > 0
+    return {"stats": stats, "hits1": [o["meta_info"]["cached_tokens"] for o in out1_on],
+            "hits2": [o["meta_info"]["cached_tokens"] for o in out2_on],
+            "prompt_lens": [len(w["ids"]) for w in wave1], "prefill_chunks": prefill_chunks}
 
+
+def assert_exercised(done: dict, chunk: int) -> None:
+    """What a shortened :func:`differential` must still have done (``done``: its result; ``chunk``:
+    the engine's ``chunked_prefill_size``): a first turn hit a checkpoint taken inside a prefill
+    chunk (a system prompt's end, a branch point: not a chunk boundary), a second turn continued
+    from its whole first turn (multi-turn reuse), and prompts were prefilled in 3 chunks or more."""
+    assert any(h % chunk for h in done["hits1"] if h), done["hits1"]
+    assert any(h >= n for h, n in zip(done["hits2"], done["prompt_lens"])), done["hits2"]
+    assert max(done["prefill_chunks"].values()) >= 3
+
+
+# The workload and pools of the tests' differentials: 40 first turns (16 chat sessions, 24 requests
+# sharing 3 documents; prompts of up to ~120 tokens) and 16 second turns (up to ~150), prefilled
+# in chunks of 64 on a 500-token KV pool with 16 state slots — enough for hits inside chunks, second
+# turns continuing their first, prompts of 3 chunks, KV and checkpoint evictions and retraction
+# (``differential`` and ``assert_exercised`` check that they happened).
+SHORT = dict(num_sessions=16, num_shared=24, scale=0.5, max_total_tokens=500, max_state_slots=16,
+             chunked_prefill_size=64)
 
 # The differential on every architecture's tiny checkpoint: (checkpoint fixture, workload seed, engine options)
 DIFFERENTIALS = [
     pytest.param("qwen3_next_dense", 1, {}, id="qwen3_next"),
-    pytest.param("qwen3_next_dense", 2, dict(page_size=16, max_total_tokens=1280), id="qwen3_next_paged"),
+    pytest.param("qwen3_next_dense", 2, dict(page_size=16, max_total_tokens=544), id="qwen3_next_paged"),
     pytest.param("qwen3_next_dense", 4, dict(schedule_policy="fcfs", checkpoint_alignment=16), id="fcfs_aligned"),
     # decoding requests fed in prefill steps, through the extend kernels (against the unmixed, uncached run)
     pytest.param("qwen3_next_dense", 12, dict(on=dict(enable_mixed_chunk=True)), id="mixed_chunk"),
@@ -128,11 +205,13 @@ DIFFERENTIALS = [
     # conv-only states: checkpoints, forks and copies of the conv windows, empty SSM buffers
     pytest.param("lfm2", 9, {}, id="lfm2"),
     # KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V
-    pytest.param("kimi_linear", 10, {}, id="kimi_linear"),
+    pytest.param("kimi_linear", 10, dict(max_total_tokens=450), id="kimi_linear"),  # (at 500 it retracts nothing)
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint, seed, engine_kw", DIFFERENTIALS)
 def test_differential(checkpoint, seed, engine_kw, request):
-    differential(request.getfixturevalue(f"{checkpoint}_path"), seed=seed, **engine_kw)
+    opts = {**SHORT, **engine_kw}
+    done = differential(request.getfixturevalue(f"{checkpoint}_path"), seed=seed, **opts)
+    assert_exercised(done, opts["chunked_prefill_size"])

@@ -16,9 +16,12 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.scheduler import Scheduler
-from test_engine_differential import assert_drained, compare_outputs, join_stream
+from test_engine_differential import assert_drained, compare_outputs, hold_for_next_submission, join_stream
 
 GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+STREAM_TOKENS = 32  # each stream's output: it decodes through the long prompt's 10-11 prefill steps
 
 
 def _streams_during_a_long_prefill(path, mixed: bool, streams: int = 2, **opts) -> tuple[list[dict], int]:
@@ -30,9 +33,12 @@ def _streams_during_a_long_prefill(path, mixed: bool, streams: int = 2, **opts) 
     long_prompt = [rng.randrange(3, 2000) for _ in range(600)]
     with Engine(path, chunked_prefill_size=64, enable_mixed_chunk=mixed, max_total_tokens=4096, max_state_slots=32,
                 debug_checks=True, **opts) as engine:
-        # long enough to outlive the long prompt's prefill whatever the machine's speed
-        its = [engine.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=200), return_logprob=True,
-                               stream=True) for p in shorts]
+        # once every stream decodes, the engine waits for the long prompt: it is admitted one decode
+        # step later whatever the machine's speed, and the streams outlive its prefill
+        hold_for_next_submission(engine, lambda sched: len(sched.running) == streams
+                                 and all(r.output_ids for r in sched.running))
+        its = [engine.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=STREAM_TOKENS),
+                               return_logprob=True, stream=True) for p in shorts]
         firsts = [next(s) for s in its]  # all are decoding now: no prefill step until the long prompt's
         before = engine.get_stats()["num_mixed_tokens"]  # (a stream admitted after another mixed it in)
         long_out = engine.generate(input_ids=long_prompt, sampling_params=dict(GREEDY, max_new_tokens=8),
@@ -49,8 +55,8 @@ def _check_mixed_against_plain(path, streams: int, **opts) -> None:
     assert plain_mixed == 0
     # every one of the long prompt's prefill steps (its chunks 64 - streams tokens) fed each stream a token
     assert mixed_tokens == streams * math.ceil(600 / (64 - streams))
-    assert [len(o["output_ids"]) for o in mixed] == [200] * streams + [8]
-    assert compare_outputs(mixed, plain) > 0.9 * (200 * streams + 8)
+    assert [len(o["output_ids"]) for o in mixed] == [STREAM_TOKENS] * streams + [8]
+    assert compare_outputs(mixed, plain) > 0.9 * (STREAM_TOKENS * streams + 8)
     got, want = (o[-1]["meta_info"]["input_token_logprobs"] for o in (mixed, plain))  # the long prompt's last 30
     assert len(got) == 30 and all(a[1] == b[1] and abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, want))
 

@@ -13,18 +13,19 @@ import random
 import pytest
 
 from hyla import Engine
-from test_engine_differential import assert_drained, compare_outputs, differential
+from test_engine_differential import SHORT, assert_drained, assert_exercised, compare_outputs, differential
 
 OPTS = dict(max_total_tokens=1536, max_state_slots=24, max_running_requests=5, chunked_prefill_size=128,
             debug_checks=True)
 
 
 def _workload(seed: int, vocab: int) -> list[dict]:
+    """10 requests, half of them after a shared system prompt, of up to 15 new tokens."""
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(30)]
     specs = []
-    for i in range(14):
-        sp = {"max_new_tokens": rng.randrange(1, 24), "temperature": 0, "ignore_eos": True}
+    for i in range(10):
+        sp = {"max_new_tokens": rng.randrange(1, 16), "temperature": 0, "ignore_eos": True}
         if i % 4 == 1:  # seeded sampling with penalties: the draw reads output_ids up to the last token
             sp.update(temperature=0.8, top_p=0.9, seed=1000 + i, repetition_penalty=1.3, frequency_penalty=0.2)
         specs.append({"ids": (system if i % 2 else []) + [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 50))],
@@ -90,11 +91,14 @@ def test_overlap_schedule_changes_no_output(arch, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed, kw", [(4, {}), (2, dict(page_size=16, max_total_tokens=1280))], ids=["page1", "page16"])
+@pytest.mark.parametrize("seed, kw", [(4, {}), (2, dict(page_size=16, max_total_tokens=544))], ids=["page1", "page16"])
 def test_overlap_schedule_cache_differential_under_pressure(qwen3_next_dense_path, seed, kw):
     """The cache on/off differential (eviction and retraction; with pages of 16, decode checkpoints
-    forked at commit) with the overlap schedule on both sides."""
-    differential(qwen3_next_dense_path, seed=seed, overlap_schedule="on", **kw)
+    forked at commit) with the overlap schedule on both sides (``SHORT``'s workload and pools)."""
+    opts = {**SHORT, **kw}
+    done = differential(qwen3_next_dense_path, seed=seed, overlap_schedule="on", **opts)
+    assert_exercised(done, opts["chunked_prefill_size"])
+    assert done["stats"]["num_overlapped_steps"] > 0
 
 
 def test_overlap_schedule_abort_in_flight(qwen3_next_dense_path):
