@@ -28,8 +28,8 @@ from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
 from test_engine_differential import compare_outputs
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import (POOLS, _drained, _greedy, _ids, _watch_chains, abort_at_verify, spec_differential,
-                                     stops_inside_accepted_runs)
+from test_engine_speculative import (POOLS, WORKLOAD, _drained, _greedy, _ids, _watch_chains, abort_at_verify,
+                                     spec_differential, stops_inside_accepted_runs)
 
 
 def _draft(path, num_steps: int = 3) -> dict:
@@ -54,44 +54,53 @@ class _Recorder:
         return proposed
 
 
-def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: int = 3,
+def _run_differential(target, draft, on_opts: dict, seed: int = 0, num_steps: int = 3, workload: dict | None = None,
                       **spec) -> tuple[int, dict, dict]:
     """The differential workload (shared prefixes, checkpoints, second turns) with the draft model on
     vs a plain engine with the cache off. Returns (tokens compared, the spec engine's stats, its
     proposals keyed by the tokens they follow)."""
     compared, stats, rec = spec_differential(target, {**_draft(draft, num_steps), **spec}, on_opts, seed,
-                                             setup=lambda eng: _Recorder(eng.scheduler.drafter))
+                                             setup=lambda eng: _Recorder(eng.scheduler.drafter), workload=workload)
     return compared, stats, rec.drafts
+
+
+def _accepted_whole_and_in_part(stats: dict) -> bool:
+    """Some verify steps accepted all their drafts, some only a part (and some none: ``spec_differential``)."""
+    return stats["verdicts"]["full"] > 0 and stats["verdicts"]["partial"] > 0
 
 
 @pytest.mark.parametrize("target, draft", [
     ("qwen3_next_dense_path", "qwen3_next_dense_draft_path"),
-    ("qwen3_5_path", "qwen3_5_draft_path"),
+    ("qwen3_5_short_path", "qwen3_5_short_draft_path"),  # (2 layers, a layer of each kind: not about depth)
     ("nemotron_h_path", "nemotron_h_draft_path"),
 ])
 def test_draft_is_exact_with_the_prefix_cache(target, draft, request):
     compared, stats, _ = _run_differential(request.getfixturevalue(target), request.getfixturevalue(draft), POOLS)
     assert compared > 60
     assert 1.5 < stats["spec_accept_length"] < 3.9  # accepted in full, in part and not at all
+    assert _accepted_whole_and_in_part(stats)
 
 
 @pytest.mark.slow
 def test_draft_is_exact_on_moe(qwen3_next_moe_path, qwen3_next_moe_draft_path):
-    compared, stats, _ = _run_differential(qwen3_next_moe_path, qwen3_next_moe_draft_path, POOLS)
-    assert compared > 60 and stats["spec_accept_length"] > 1.5
+    # prompts of the differential tests' full lengths: the perturbed MoE draft (its routing flips)
+    # agrees with its target less often over the shorter ones (accept length ~1.4)
+    compared, stats, _ = _run_differential(qwen3_next_moe_path, qwen3_next_moe_draft_path, POOLS,
+                                           workload=dict(WORKLOAD, scale=1.0))
+    assert compared > 60 and stats["spec_accept_length"] > 1.5 and _accepted_whole_and_in_part(stats)
 
 
 @pytest.mark.parametrize("opts", [
-    dict(max_total_tokens=600, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64),  # retraction
-    dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+    dict(max_total_tokens=480, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64),  # retraction
+    dict(max_total_tokens=850, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
          page_size=16),  # pages + grid: pending checkpoints from the per-token states
-    dict(max_total_tokens=2048, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+    dict(max_total_tokens=1000, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
          checkpoint_alignment=8),
 ])
 def test_draft_is_exact_under_pressure(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts):
     compared, stats, _ = _run_differential(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts, seed=1,
                                            num_steps=2)
-    assert compared > 60 and stats["spec_accept_length"] > 1.3
+    assert compared > 60 and stats["spec_accept_length"] > 1.3 and _accepted_whole_and_in_part(stats)
 
 
 # --- the draft model's memory stays in step with the target's ------------------------------------
@@ -108,7 +117,7 @@ def _draft_model_continuations(draft, contexts: list[tuple[int, ...]], k: int,
 
 @pytest.mark.parametrize("draft, opts", [
     ("nemotron_h_small_path", POOLS),
-    ("nemotron_h_small_path", dict(max_total_tokens=1536, max_state_slots=40, max_running_requests=6,
+    ("nemotron_h_small_path", dict(max_total_tokens=700, max_state_slots=40, max_running_requests=6,
                                    chunked_prefill_size=128, page_size=16)),
     ("lfm2_path", POOLS),  # short convolutions: a conv window and no SSM state per slot
 ])
@@ -123,7 +132,7 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
     compared, stats, drafts = _run_differential(qwen3_next_dense_path, draft, opts, seed=2)
     assert compared > 60
     # hits happened, so the draft's memory was restored from the cache too (page 16 on this tight pool:
-    # ~18% of the prompt tokens, the caller's checkpoints taking slots as finished turns do)
+    # ~20% of the prompt tokens, the caller's checkpoints taking slots as finished turns do)
     assert stats["num_cached_tokens"] > 0.15 * stats["num_prompt_tokens"]
     proposals = {c: ids for c, (ids, _) in drafts.items() if ids}
     assert len(proposals) > 50
@@ -178,6 +187,8 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
                                              seed=2, setup=setup)
     assert compared > 60 and calls["n"] > 0 and compiled_rows["n"] > 0
     assert (draft_calls["n"] == calls["n"]) if draft_chains else draft_calls["n"] == 0
+    if draft_chains:  # (the small NemotronH's drafts are all rejected)
+        assert _accepted_whole_and_in_part(stats)
     proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
     want = _draft_model_continuations(draft, list(proposals), 3)
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
@@ -191,7 +202,7 @@ TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams o
 @pytest.mark.parametrize("opts", [
     POOLS,
     dict(max_total_tokens=560, max_state_slots=64, max_running_requests=6, chunked_prefill_size=64),  # retraction
-    dict(max_total_tokens=1536, max_state_slots=64, max_running_requests=6, chunked_prefill_size=128,
+    dict(max_total_tokens=700, max_state_slots=64, max_running_requests=6, chunked_prefill_size=128,
          page_size=16),  # the accepted path's KV (both models') moves inside pages
 ])
 def test_draft_trees_are_exact_and_follow_the_draft_model(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts):
@@ -201,31 +212,43 @@ def test_draft_trees_are_exact_and_follow_the_draft_model(qwen3_next_dense_path,
     path's state and KV, siblings from copies of their parent's state)."""
     compared, stats, drafts = _run_differential(qwen3_next_dense_path, qwen3_next_dense_draft_path, opts, seed=3,
                                                 **TREE)
-    assert compared > 60 and stats["spec_accept_length"] > 1.5
+    assert compared > 60 and stats["spec_accept_length"] > 1.5 and _accepted_whole_and_in_part(stats)
     trees = {c: (ids, parents) for c, (ids, parents) in drafts.items() if parents is not None}
     assert len(trees) > 30 and any(len(ids) == 6 for ids, _ in trees.values())
-    greedy = _draft_model_continuations(qwen3_next_dense_draft_path, list(trees), 3)
-    paths = []
+    assert any(len(set(parents)) < len(parents) for _, parents in trees.values())  # siblings
+    # The draft model alone, one request per root-to-leaf path of each tree (prompt: the tree's
+    # context and the path; prompt logprobs from the path's first node): its two likeliest tokens
+    # after the context and after every node of the path, the leaf's from the output token. Every
+    # node is on such a path: all of them are checked.
+    leaves, prompts = [], []
+    for context, (ids, parents) in trees.items():
+        for leaf in set(range(1, len(ids) + 1)) - set(parents):
+            path, p = [], leaf
+            while p:
+                path.append(p)
+                p = parents[p - 1]
+            leaves.append((context, path[::-1]))
+            prompts.append(list(context) + [ids[p - 1] for p in reversed(path)])
+    with Engine(qwen3_next_dense_draft_path, enable_prefix_cache=False, **POOLS) as alone:
+        outs = alone.generate(input_ids=prompts, return_logprob=True, sampling_params=_greedy(1, top_logprobs_num=2),
+                              logprob_start_len=[len(c) for c, _ in leaves])
+    top2: dict[tuple, list] = {}  # (context, node): the (logprob, token)s after its path (node 0: the root)
+    for (context, path), out in zip(leaves, outs):
+        rows = out["meta_info"]["input_top_logprobs"] + out["meta_info"]["output_top_logprobs"]
+        for node, row in zip([0, *path], rows, strict=True):
+            top2[context, node] = row
     for context, (ids, parents) in trees.items():
         children: dict[int, dict[int, int]] = {}
         for j, parent in enumerate(parents):
             children.setdefault(parent, {})[ids[j]] = j + 1
-            path, p = [], j + 1
-            while p:
-                path.append(ids[p - 1])
-                p = parents[p - 1]
-            paths.append((context + tuple(reversed(path[1:])), ids[j]))
+            assert ids[j] in [t for _, t in top2[context, parent]], \
+                f"node {j + 1} of the tree {ids}, {parents}: the draft model's top 2 are {top2[context, parent]}"
         node = 0
-        for t in greedy[context][:min(3, len(ids))]:
-            assert t in children.get(node, {}), f"the draft model's greedy {greedy[context]} is not in the tree {ids}, {parents}"
-            node = children[node][t]
-    paths = paths[::max(1, len(paths) // 120)]  # every node's check, on an evenly spread sample of them
-    with Engine(qwen3_next_dense_draft_path, enable_prefix_cache=False, **POOLS) as alone:
-        outs = alone.generate(input_ids=[list(c) for c, _ in paths], return_logprob=True,
-                              sampling_params=_greedy(1, top_logprobs_num=2))
-    for (context, token), out in zip(paths, outs):
-        top = out["meta_info"]["output_top_logprobs"][0]
-        assert token in [t for _, t in top], f"{token} after {len(context)} tokens: the draft model's top 2 are {top}"
+        for _ in range(min(3, len(ids))):  # the draft model's greedy continuation: a path from the root
+            greedy = max(top2[context, node])[1]
+            assert greedy in children.get(node, {}), \
+                f"the draft model's greedy {greedy} after node {node} is not in the tree {ids}, {parents}"
+            node = children[node][greedy]
 
 
 def test_the_target_as_its_own_draft_is_accepted_in_full(qwen3_next_dense_path):
