@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from hyla.engine.args import EngineArgs
 
 logger = logging.getLogger("hyla.engine")
+CONSUMER_FAILED = "the consumer of this request failed"  # the abort message of a request whose stream broke
 
 IN_BATCH_PREFIX_THRESHOLD = 32  # defer a request whose prefix an admitted request of this step will cache
 LPM_MAX_QUEUE = 128  # past this many waiting requests, LPM falls back to FCFS (matching is O(queue))
@@ -297,7 +298,7 @@ class Scheduler:
             for r in finished:
                 self._finish(r)
             for r in failed:
-                self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
+                self.abort(r.rid, message=CONSUMER_FAILED, cause="consumer")
         if batch.is_decode:
             self._after_decode(len(batch.reqs), len(batch.reqs))
         else:
@@ -349,9 +350,9 @@ class Scheduler:
         for r in failed:
             if r in held:  # released after the step that holds it
                 if not r.finished:
-                    self.output.set_finished(r, abort_reason("the consumer of this request failed", "consumer"))
+                    self.output.set_finished(r, abort_reason(CONSUMER_FAILED, "consumer"))
             else:
-                self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
+                self.abort(r.rid, message=CONSUMER_FAILED, cause="consumer")
         self._after_decode(len(batch.reqs), len(live))
 
     def _overlap_next(self, draw) -> Batch | None:
@@ -418,7 +419,7 @@ class Scheduler:
         for r in finished:
             self._finish(r)
         for r in failed:
-            self.abort(r.rid, message="the consumer of this request failed", cause="consumer")
+            self.abort(r.rid, message=CONSUMER_FAILED, cause="consumer")
         self._after_decode(len(batch.reqs), num_tokens)
 
     # ------------------------------------------------------------------------------------------
