@@ -99,6 +99,17 @@ def test_completion_is_the_engine_output(client, engine):
     assert resp.usage.total_tokens == len(ids) + 8
 
 
+def test_priority_needs_priority_scheduling(client):
+    """Both OpenAI endpoints take ``priority`` (SGLang's and vLLM's extra field); this server runs
+    without priority scheduling, so a priority other than 0 is a 400 naming the flag."""
+    for create, first in ((client.chat.completions.create, {"messages": _chat("Hi")}),
+                          (client.completions.create, {"prompt": "Hi"})):
+        with pytest.raises(openai.BadRequestError, match="enable-priority-scheduling"):
+            create(model=MODEL, max_tokens=2, extra_body={"priority": 3}, **first)
+        out = create(model=MODEL, max_tokens=2, extra_body={"priority": 0, "ignore_eos": True}, **first)
+        assert out.usage.completion_tokens == 2
+
+
 def test_completion_batch_of_prompts_with_n(client, engine):
     prompts = ["Once upon a time", "In the beginning"]
     resp = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0)

@@ -48,6 +48,17 @@ class EngineArgs:
                                                 "prefix of a request still waiting; it waits for room instead "
                                                 "(more hits, fewer requests at once when the pool is full; "
                                                 "docs/engine.md). Off: admissions evict any unlocked prefix.")
+    enable_priority_scheduling: bool = _opt(False, "Admit waiting requests by their priority (a request's `priority`, "
+                                                   "default 0), then by schedule_policy; a waiting request that does not "
+                                                   "fit may preempt running requests of a priority lower by more than "
+                                                   "priority_scheduling_preemption_threshold (SGLang's flag; "
+                                                   "docs/engine.md). Off: a request's priority must be 0 or unset.")
+    schedule_low_priority_values_first: bool = _opt(False, "Priority scheduling: a lower priority value is more urgent "
+                                                           "(vLLM's convention). Default: a higher one is (SGLang's).")
+    priority_scheduling_preemption_threshold: int = _opt(10, "Priority scheduling: a waiting request preempts (retracts, "
+                                                             "its work cached) running requests only when its priority "
+                                                             "is more urgent than theirs by more than this (SGLang's "
+                                                             "default: 10).")
     checkpoint_alignment: int = _opt(1, "Take state checkpoints only at multiples of this many tokens (1 = exact positions).")
     speculative_algorithm: str | None = _opt(None, "Speculative decoding: 'ngram' (drafts from the request's own "
                                                    "prompt and output), 'mtp' (the checkpoint's multi-token-prediction "
@@ -165,8 +176,14 @@ class EngineArgs:
             raise ValueError(f"cpu_threads must be a non-negative integer or None, got {self.cpu_threads!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.priority_scheduling_preemption_threshold, bool) \
+                or not isinstance(self.priority_scheduling_preemption_threshold, int) \
+                or self.priority_scheduling_preemption_threshold < 0:
+            raise ValueError(f"priority_scheduling_preemption_threshold must be an integer >= 0 (requests of equal "
+                             f"priority never preempt each other), got {self.priority_scheduling_preemption_threshold!r}")
         for name in ("enable_prefix_cache", "protect_waiting_prefixes", "debug_checks", "compile_decode",
-                     "disable_cuda_graph", "speculative_ngram_adaptive", "enable_mixed_chunk"):
+                     "disable_cuda_graph", "speculative_ngram_adaptive", "enable_mixed_chunk",
+                     "enable_priority_scheduling", "schedule_low_priority_values_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -562,14 +562,18 @@ class CacheManager:
             return -1
         return int(self.req_to_token.read(req.req_pool_idx, req.kv_allocated - 1, req.kv_allocated)[0])
 
+    def kv_room(self) -> int:
+        """KV slots an allocation could have now: the free ones and every unlocked tree entry's (an
+        upper bound: a state-locked leaf holds its KV too)."""
+        return self.kv_pool.available_size() + (self.tree.evictable_size() if self.tree is not None else 0)
+
     def _could_free(self, num_tokens: int, num_slots: int) -> bool:
         """Whether ``num_tokens`` KV slots and ``num_slots`` state slots could be had, evicting every
-        unlocked tree entry if need be (an upper bound: a state-locked leaf holds its KV too)."""
-        kv, states = self.kv_pool.available_size(), self.state_pool.available_size()
+        unlocked tree entry if need be (:meth:`kv_room`)."""
+        states = self.state_pool.available_size()
         if self.tree is not None:
-            kv += self.tree.evictable_size()
             states += self.tree.evictable_checkpoints()
-        return kv >= num_tokens and states >= num_slots
+        return self.kv_room() >= num_tokens and states >= num_slots
 
     def _ensure_kv(self, num_tokens: int, cause: str) -> bool:
         """Free KV slots for ``num_tokens``, evicting tree entries if needed — none when even

@@ -319,7 +319,8 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                  stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | list[str] | None = None, namespace: Any = None,
-                 logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False) -> Any:
+                 logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
+                 priority: int | list[int] | None = None) -> Any:
         """Generate for one request (returns a dict) or a list (returns a list of dicts).
 
         ``checkpoints``: extra token positions of the prompt (e.g. the end of a shared system
@@ -332,10 +333,13 @@ class Engine:
         ``return_logprob`` with ``logprob_start_len=k >= 0`` (SGLang's) also returns the logprobs
         of prompt tokens ``k..`` (``meta_info["input_token_logprobs"]``; token 0 has none: None).
         A cached token has no logits, so such a request reuses the prefix cache only up to ``k - 1``.
+        ``priority`` (an int, or one per request; with ``enable_priority_scheduling``, else 0 or
+        None): waiting requests are admitted by priority first, and one may preempt running requests
+        of a much lower one (docs/engine.md, "Priority scheduling").
         ``stream=True`` (one request) returns an iterator of incremental chunks.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len, speculative_checkpoints)
+                                           logprob_start_len, speculative_checkpoints, priority)
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -351,12 +355,13 @@ class Engine:
                              input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                              stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                              rid: str | list[str] | None = None, namespace: Any = None,
-                             logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False) -> Any:
+                             logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
+                             priority: int | list[int] | None = None) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
         with a grammar is made in a worker thread: compiling one can take seconds (a large schema),
         which the event loop must not wait for."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
-                                 rid, namespace, logprob_start_len, speculative_checkpoints)
+                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority)
         reqs, single = await asyncio.to_thread(make) if _asks_for_grammar(sampling_params) else make()
         if stream:
             if not single:
@@ -398,6 +403,7 @@ class Engine:
             "num_generated_tokens": out.num_generated_tokens,
             "num_requests_finished": out.num_requests_finished,
             "num_retractions": s.num_retractions,
+            "num_preemptions": s.num_preemptions,
             "num_overlapped_steps": s.num_overlapped_steps,
             "num_mixed_tokens": s.num_mixed_tokens,
             "num_evicted_tokens": cache.num_evicted_tokens,
@@ -451,7 +457,7 @@ class Engine:
     # requests
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                       logprob_start_len=-1, speculative_checkpoints=False):
+                       logprob_start_len=-1, speculative_checkpoints=False, priority=None):
         for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
@@ -488,9 +494,26 @@ class Engine:
         starts = list(logprob_start_len) if isinstance(logprob_start_len, (list, tuple)) else [logprob_start_len] * n
         if len(starts) != n:
             raise ValueError(f"{len(starts)} logprob_start_len values for {n} requests")
+        priorities = self._priorities(priority, n)
         reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
+        for req, prio in zip(reqs, priorities):
+            req.priority = prio
         return reqs, single
+
+    def _priorities(self, priority: Any, n: int) -> list[int]:
+        """``priority`` (None, an int, or one per request) as one int per request. A priority other
+        than 0 needs ``enable_priority_scheduling``: without it, it would be silently ignored."""
+        values = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
+        if len(values) != n:
+            raise ValueError(f"{len(values)} priorities for {n} requests")
+        for v in values:
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"priority must be an integer, got {v!r}")
+            if v and not self.args.enable_priority_scheduling:
+                raise ValueError(f"priority={v}: priority scheduling is off (start the engine with "
+                                 f"enable_priority_scheduling=True, hyla serve --enable-priority-scheduling)")
+        return [v or 0 for v in values]
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
                       rid: str | None, namespace: Any, logprob_start_len: int = -1,

@@ -69,6 +69,9 @@ class Req:
     namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
     return_logprob: bool = False
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
+    # priority scheduling (SchedulerConfig.priority_scheduling): which waiting request goes first, which
+    # running one a more urgent request may preempt (higher = more urgent unless low_priority_values_first)
+    priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     stream: bool = False  # deliver each step's new output (else only the final output)
     # called on the scheduler thread with an output chunk (see OutputProcessor) and whether it is the last

@@ -92,6 +92,11 @@ class SchedulerConfig:
     # LPM: while a request runs, an admission may not evict another waiting request's hit
     # (_hold_waiting): it waits for room instead
     protect_waiting_prefixes: bool = True
+    # priority scheduling (SGLang's): waiting requests in order of priority first; a waiting request
+    # that does not fit preempts running ones less urgent than it by more than the threshold
+    priority_scheduling: bool = False
+    low_priority_values_first: bool = False  # vLLM's convention; SGLang's default: higher is more urgent
+    preemption_threshold: int = 10
 
     @classmethod
     def from_args(cls, args: EngineArgs, max_running_requests: int, max_context_len: int,
@@ -103,7 +108,10 @@ class SchedulerConfig:
                    max_running_requests=max_running_requests, schedule_policy=args.schedule_policy,
                    max_context_len=max_context_len, log_interval=args.log_interval, debug_checks=args.debug_checks,
                    draft_max_batch=args.speculative_disable_by_batch_size, mixed_chunk=args.enable_mixed_chunk,
-                   protect_waiting_prefixes=args.protect_waiting_prefixes, **runtime)
+                   protect_waiting_prefixes=args.protect_waiting_prefixes,
+                   priority_scheduling=args.enable_priority_scheduling,
+                   low_priority_values_first=args.schedule_low_priority_values_first,
+                   preemption_threshold=args.priority_scheduling_preemption_threshold, **runtime)
 
 
 @dataclass
@@ -169,6 +177,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_retractions = 0
+        self.num_preemptions = 0  # retractions for a more urgent waiting request (priority scheduling)
         self.num_steps = 0
         self.num_overlapped_steps = 0  # decode steps launched before the previous step's tokens were read
         self.num_mixed_tokens = 0  # decoding requests' tokens fed in prefill steps (mixed_chunk)
@@ -490,17 +499,24 @@ class Scheduler:
             self.waiting.remove(req)
         self.output.deliver(req)  # a failing consumer of a finished request is only logged
 
-    def retract(self, req: Req) -> None:
+    def retract(self, req: Req, preempted_for: Req | None = None) -> None:
         """Preempt ``req``: cache what it computed, free its slots, requeue it to recompute later.
-        Its output so far is kept; it resumes by prefilling prompt + output (mostly cache hits)."""
+        Its output so far is kept; it resumes by prefilling prompt + output (mostly cache hits).
+        ``preempted_for``: the more urgent waiting request it makes room for (priority scheduling),
+        else the pool is short."""
         self.cache.release(req, insert=True)
         self.running.remove(req)
         req.clear_drafts()
         req.status = ReqStatus.WAITING
         self.num_retractions += 1
         self.waiting.insert(0, req)
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
-        logger.warning("retracted request %s (running=%d, queued=%d)", req.rid, len(self.running), len(self.waiting))
+        if preempted_for is None:  # admitted too much: reserve more for decoding from now on
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+            logger.warning("retracted request %s (running=%d, queued=%d)", req.rid, len(self.running), len(self.waiting))
+        else:
+            self.num_preemptions += 1
+            logger.info("preempted request %s (priority %d) for request %s (priority %d)", req.rid, req.priority,
+                        preempted_for.rid, preempted_for.priority)
 
     # ------------------------------------------------------------------------------------------
     # prefill
@@ -531,16 +547,15 @@ class Scheduler:
                 else []
             try:
                 for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its own request
-                    if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                    if budget <= 0:
                         break
                     if self._deferred_for_in_batch_prefix(req, batch.reqs):
                         continue
-                    hit = cache.match(req)
-                    n = self._chunk_len(req, budget)  # a budget too small for one page: admit next step
-                    reserve = self._decode_reserve()
-                    if held:  # room for its later chunks too: they are allocated with nothing held
-                        reserve += req.extend_target - n
-                    loc = cache.admit(req, hit, n, kv_reserve=reserve)
+                    if len(self.running) >= self.config.max_running_requests and not self._preempt_for(req, batch):
+                        break
+                    loc, n = self._admit(req, budget, bool(held))
+                    while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
+                        loc, n = self._admit(req, budget, bool(held))
                     if loc is None:
                         break  # out of memory: keep queue order (no starvation of big requests)
                     self._on_admitted(req)
@@ -556,12 +571,56 @@ class Scheduler:
                     cache.unhold(hit)
         if not batch.reqs:
             return None
+        mixed = [r for r in mixed if r.status is ReqStatus.RUNNING]  # not those preempted meanwhile
         if mixed:
             self._mix_decodes(batch, mixed)
         # released before the admitted requests' checkpoints take slots: a turn's end may still push
         # out a waiting request's older checkpoint (holding it too lost 4-6 points at alignment 64)
         batch.ckpts = cache.alloc_checkpoints(batch.reqs, batch.ckpt_pos)
         return batch
+
+    def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
+        """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the
+        chunk's length)."""
+        hit = self.cache.match(req)
+        n = self._chunk_len(req, budget)  # a budget too small for one page: admit next step
+        reserve = self._decode_reserve()
+        if held:  # room for its later chunks too: they are allocated with nothing held
+            reserve += req.extend_target - n
+        return self.cache.admit(req, hit, n, kv_reserve=reserve), n
+
+    # ------------------------------------------------------------------------------------------
+    # priority scheduling
+    # ------------------------------------------------------------------------------------------
+    def _rank(self, req: Req) -> int:
+        """Where ``req`` stands under priority scheduling: lower goes first (0 for all without it)."""
+        if not self.config.priority_scheduling:
+            return 0
+        return req.priority if self.config.low_priority_values_first else -req.priority
+
+    def _preempt_for(self, req: Req, batch: Batch, tokens: int | None = None) -> bool:
+        """Priority scheduling: retract the running request least worth keeping for ``req``, which
+        waits for a running slot (``tokens=None``) or for memory (its chunk of ``tokens`` did not fit).
+        Only a request whose rank is worse than ``req``'s by more than the preemption threshold, and
+        not one this step already feeds, is preempted: the least urgent first, then the youngest.
+        For memory, none when retracting every such request could not make the room (its KV and its
+        decode reserve, an upper bound on what retracting frees). Returns whether one was retracted.
+
+        A preempted request is retracted as for a short pool: its KV and its live state go into the
+        prefix cache and it waits again, to resume from them (or recompute what was evicted since)."""
+        if not self.config.priority_scheduling:
+            return False
+        floor = self._rank(req) + self.config.preemption_threshold
+        victims = [r for r in self.running if self._rank(r) > floor and r not in batch.reqs]
+        if not victims:
+            return False
+        if tokens is not None:
+            ratio = self.new_token_ratio
+            room = sum(r.kv_allocated + max(0, r.sampling.max_new_tokens - len(r.output_ids)) * ratio for r in victims)
+            if room + self.cache.kv_room() < tokens + self._decode_reserve():
+                return False
+        self.retract(max(victims, key=lambda r: (self._rank(r), r.arrival_time, r.rid)), preempted_for=req)
+        return True
 
     def _mix_decodes(self, batch: Batch, reqs: list[Req]) -> None:
         """Append the decoding requests to a prefill batch, one token each, no checkpoint asked: the
@@ -593,9 +652,10 @@ class Scheduler:
         earlier admission may have evicted."""
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE \
                 or len(self.waiting) == 1:  # one request: no order to find (its match refreshes its hit)
-            return list(self.waiting), None
+            # FCFS, within each priority with priority scheduling (sorted is stable)
+            return sorted(self.waiting, key=self._rank) if self.config.priority_scheduling else list(self.waiting), None
         peeked = {id(r): self.cache.peek(r) for r in self.waiting}
-        order = sorted(self.waiting, key=lambda r: -peeked[id(r)].prefix_len)
+        order = sorted(self.waiting, key=lambda r: (self._rank(r), -peeked[id(r)].prefix_len))
         hits = [peeked[id(r)] for r in order]
         self.cache.touch(hits[::-1])  # evict the prefix admitted last first
         return order, hits
@@ -663,7 +723,7 @@ class Scheduler:
             for r in reqs:
                 r.clear_drafts()
         while reqs and not self.cache.can_allocate(reqs, [1 + len(r.draft_ids) for r in reqs]):
-            victim = self._youngest()
+            victim = self._victim()
             self.retract(victim)
             if victim in reqs:
                 reqs.remove(victim)
@@ -686,14 +746,16 @@ class Scheduler:
         wait for KV only retraction can free: retract the youngest. False when idle."""
         if not self.running:
             return False
-        self.retract(self._youngest())
+        self.retract(self._victim())
         return True
 
-    def _youngest(self) -> Req:
+    def _victim(self) -> Req:
+        """The running request to retract when the pool is short: the youngest (of the least
+        urgent, with priority scheduling)."""
         if len(self.running) == 1:
             # cannot happen for a validated request (prompt + max_new_tokens <= pool size)
             raise RuntimeError("the KV pool cannot hold a single request; raise max_total_tokens")
-        return max(self.running, key=lambda r: (r.arrival_time, r.rid))
+        return max(self.running, key=lambda r: (self._rank(r), r.arrival_time, r.rid))
 
     # ------------------------------------------------------------------------------------------
     # checks and logs (the per-step lines SGLang users know)

@@ -52,6 +52,7 @@ class Job:
     speculative_checkpoints: bool = False  # the checkpoints are guesses (a chat's message ends)
     rid: str | None = None
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
+    priority: int | None = None  # priority scheduling (Engine.generate's docstring)
 
 
 @dataclass
@@ -160,7 +161,8 @@ class Generation:
                 stream = await self.engine.async_generate(
                     prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
                     return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid,
-                    logprob_start_len=job.logprob_start_len, speculative_checkpoints=job.speculative_checkpoints)
+                    logprob_start_len=job.logprob_start_len, speculative_checkpoints=job.speculative_checkpoints,
+                    priority=job.priority)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))

@@ -27,7 +27,10 @@ ENGINE_COUNTERS = (
     ("num_cached_tokens", "cached_tokens", "Prompt tokens served from the prefix cache."),
     ("num_generated_tokens", "generation_tokens", "Generated tokens."),
     ("num_requests_finished", "engine_requests_finished", "Requests the engine finished (any reason)."),
-    ("num_retractions", "retractions", "Requests retracted from decoding to free KV memory."),
+    ("num_retractions", "retractions", "Requests retracted (their work cached, requeued): to free KV memory, "
+                                       "or preempted for a more urgent request."),
+    ("num_preemptions", "preemptions", "Retractions that made room for a more urgent waiting request "
+                                       "(--enable-priority-scheduling)."),
     ("num_overlapped_steps", "overlapped_decode_steps",
      "Decode steps launched before the previous step's tokens were read (the overlap schedule)."),
     ("num_mixed_tokens", "mixed_decode_tokens",

@@ -99,16 +99,17 @@ def _jobs(body: GenerateRequest) -> list[Job]:
     params = per_item(body.sampling_params, "sampling_params", isinstance(body.sampling_params, list))
     starts = per_item(body.logprob_start_len, "logprob_start_len", isinstance(body.logprob_start_len, list))
     rids = per_item(body.rid, "rid", isinstance(body.rid, list))
+    priorities = per_item(body.priority, "priority", isinstance(body.priority, list))
     single_ckpt = body.checkpoints is None or not body.checkpoints or isinstance(body.checkpoints[0], int)
     if body.checkpoints and n > 1 and single_ckpt:
         raise APIError(400, "checkpoints must be a list of lists for a batch", param="checkpoints")
     ckpts = [body.checkpoints or []] if single_ckpt else per_item(body.checkpoints, "checkpoints", True)
     ckpts = ckpts * n if len(ckpts) == 1 else ckpts
     jobs = []
-    for prompt, p, rid, ck, start in zip(prompts, params, rids, ckpts, starts):
+    for prompt, p, rid, ck, start, prio in zip(prompts, params, rids, ckpts, starts, priorities):
         p = dict(p or {})
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
         jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,
-                        logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints))
+                        logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints, priority=prio))
     return jobs

@@ -82,7 +82,7 @@ class OpenAIRoutes:
         for ids in id_lists:
             max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
-                         logprob_start_len=start) for j in range(body.n)]
+                         logprob_start_len=start, priority=body.priority) for j in range(body.n)]
         echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -161,7 +161,8 @@ class OpenAIRoutes:
             except ValueError as exc:
                 raise APIError(400, str(exc), param="tools") from exc
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
-                    checkpoints=list(encoding.boundaries), speculative_checkpoints=True) for j in range(body.n)]
+                    checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority)
+                for j in range(body.n)]
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser

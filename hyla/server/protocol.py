@@ -164,6 +164,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    # SGLang / vLLM: with --enable-priority-scheduling (else 0 or absent); which is more urgent: docs/engine.md
+    priority: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     # accepted, no effect on the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -449,6 +451,7 @@ class GenerateRequest(_Request):
     rid: str | list[str] | None = None
     checkpoints: list[int] | list[list[int]] | None = None
     speculative_checkpoints: bool = False  # the checkpoints are guesses (Engine.generate's docstring)
+    priority: int | list[int] | None = None  # one, or one per item (--enable-priority-scheduling; docs/engine.md)
 
     @model_validator(mode="after")
     def _check_input(self) -> "GenerateRequest":
