@@ -7,8 +7,9 @@ output that breaks it.
   compile on a 1 GiB-stack thread now (``grammar.COMPILE_STACK_BYTES``), checked in a subprocess.
 * Parser limits: a top-level alternation of thousands of branches failed on the first token, a
   500 mid-request; it is refused when compiled (the probe: the mask after one token).
-* Unenforceable: integer bounds llguidance saturates or rounds, an empty language, a self-referential
-  root (``{"$ref": "#"}``), a grammar that only matches the empty output.
+* Unenforceable: integer bounds llguidance saturates or rounds (written in an integer's schema or
+  reached from it through a local ``$ref``), an empty language, a self-referential root
+  (``{"$ref": "#"}``), a grammar that only matches the empty output.
 * GBNF conversion: linear in the rules (llguidance's converter is quadratic in a chain of them).
 """
 
@@ -34,6 +35,7 @@ from hyla.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = dict(max_total_tokens=4096, max_state_slots=16, max_running_requests=4, chunked_prefill_size=256)
+BIG = {"minimum": 2**53 + 1, "maximum": 2**53 + 9}  # llguidance let 2**53 through
 
 
 def ref_chain(n: int) -> dict:
@@ -128,6 +130,13 @@ def _anyof_objects(n: int) -> dict:
                        "additionalProperties": False} for i in range(n)]}
 
 
+def _nested_id(inner: dict, outer: dict) -> dict:
+    """A property with an ``$id`` whose ``$ref`` ``#/$defs/x`` names its own ``$defs`` entry (``inner``;
+    llguidance resolves it there), not the root's (``outer``)."""
+    n = {"$id": "http://example.com/n", "type": "integer", "$ref": "#/$defs/x", "$defs": {"x": inner}}
+    return {"type": "object", "properties": {"n": n}, "required": ["n"], "$defs": {"x": outer}}
+
+
 @pytest.mark.parametrize("params, message", [
     # llguidance keeps integer bounds as 64-bit floats, saturated to int64: 2**63 - 1 was generated
     ({"json_schema": {"type": "integer", "minimum": 10**30, "maximum": 10**30 + 5}},
@@ -141,6 +150,20 @@ def _anyof_objects(n: int) -> dict:
      "the integer bound minimum 9007199254740993 at #/allOf/0 cannot be enforced exactly"),
     ({"json_schema": {"allOf": [{"type": "integer"}, {"anyOf": [{"maximum": 5}, {"minimum": 10**30}]}]}},
      "the integer bound minimum 1000000000000000000000000000000 at #/allOf/1/anyOf/1"),
+    # ... or in a subschema a local $ref of an integer's points at (no type of its own): 2**53 was generated
+    ({"json_schema": {"type": "integer", "allOf": [{"$ref": "#/$defs/big"}], "$defs": {"big": BIG}}},
+     "the integer bound minimum 9007199254740993 at #/$defs/big cannot be enforced exactly"),
+    ({"json_schema": {"type": "integer", "$ref": "#/definitions/big", "definitions": {"big": BIG}}},
+     "the integer bound minimum 9007199254740993 at #/definitions/big cannot be enforced exactly"),
+    ({"json_schema": {"type": ["integer", "null"], "$ref": "#/$defs/a",  # a chain, and an escaped name
+                      "$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b~1c~0"}]}, "b/c~": {"maximum": -(10**30)}}}},
+     "the integer bound maximum -1000000000000000000000000000000 at #/$defs/b~1c~0 cannot"),
+    ({"json_schema": {"minimum": 2**60 + 1, "anyOf": [{"type": "string"}, {"type": "integer", "$ref": "#"}]}},
+     "the integer bound minimum 1152921504606846977 at # cannot be enforced exactly"),  # the root, a cycle
+    ({"json_schema": {"type": "integer", "$ref": "#/$defs/a%20b", "$defs": {"a b": BIG}}},  # percent-encoded
+     "the integer bound minimum 9007199254740993 at #/$defs/a b cannot be enforced exactly"),
+    ({"json_schema": _nested_id(inner=BIG, outer={"minimum": 3})},  # resolved in the schema with the $id
+     "the integer bound minimum 9007199254740993 at #/properties/n/$defs/x cannot be enforced exactly"),
     ({"json_schema": {"$ref": "#"}}, "json_schema cannot be compiled: it matches no output"),
     ({"regex": r"[^\s\S]"}, "regex cannot be compiled: it matches no output"),
     ({"ebnf": "root ::= "}, "ebnf cannot be compiled: it matches only the empty output"),
@@ -166,11 +189,55 @@ def test_unenforceable_grammar_is_a_value_error(engine, params, message):
     ({"type": "number", "allOf": [{"minimum": 2**53 + 1}]}, lambda v: v >= 2**53 + 1),
     ({"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": {"type": "number", "minimum": 2**53 + 1}}}]},
      lambda v: isinstance(v, (int, dict))),
+    # a local $ref of an integer's to in-range bounds; the target's properties are not the integer's
+    ({"type": "integer", "$ref": "#/$defs/small", "$defs": {"small": {"minimum": 3, "maximum": 7}}},
+     lambda v: 3 <= v <= 7),
+    ({"type": "integer", "allOf": [{"$ref": "#/$defs/a"}],
+      "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"maximum": 10**30}}},
+     lambda v: v <= 10**30),
+    ({"type": ["integer", "object"], "$ref": "#/$defs/o",
+      "$defs": {"o": {"properties": {"x": {"type": "number", "minimum": 2**53 + 1}}}}},
+     lambda v: isinstance(v, (int, dict))),
+    (_nested_id(inner={"minimum": 3, "maximum": 7}, outer=BIG), lambda v: 3 <= v["n"] <= 7),  # not the root's $defs
 ])
 def test_enforceable_bounds_still_compile(engine, schema, check):
     out = engine.generate("Here is a number:", {"temperature": 0, "max_new_tokens": 40, "json_schema": schema})
     if out["meta_info"]["finish_reason"]["type"] == "stop":
         assert check(json.loads(out["text"])), out["text"]
+
+
+def test_integer_bounds_follow_a_long_ref_chain_without_recursion(grammars):
+    """The check walks a chain of local ``$ref`` links iteratively: 20,000 links (far past Python's
+    recursion limit) to an unenforceable bound are refused by the check, before llguidance."""
+    n = 20_000
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(n)}
+    defs[f"d{n}"] = {"exclusiveMinimum": 2**60}
+    source = grammar_source("json_schema", {"type": "integer", "$ref": "#/$defs/d0", "$defs": defs})
+    with pytest.raises(ValueError, match=re.escape(f"exclusiveMinimum 1152921504606846976 at #/$defs/d{n} cannot")):
+        grammars.matcher("json_schema", source)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "$ref": "#"},
+    {"type": "integer", "$ref": "#/$defs/a",
+     "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"allOf": [{"$ref": "#/$defs/a"}]}}},
+    {"type": "integer", "minimum": 1, "$ref": "#/$defs/a", "$defs": {"a": {"maximum": 9, "anyOf": [{"$ref": "#"}]}}},
+])
+def test_cyclic_refs_from_an_integer_terminate(grammars, schema):
+    """A ``$ref`` cycle reached from an integer (``#`` itself, mutual references) ends the check:
+    the schema compiles, or llguidance refuses it with a ``ValueError``, no hang or RecursionError."""
+    try:
+        grammars.matcher("json_schema", grammar_source("json_schema", schema))
+    except ValueError as e:
+        assert str(e).startswith("json_schema cannot be compiled: "), e
+        assert "integer bound" not in str(e), e
+
+
+def test_a_ref_cycle_still_finds_an_unenforceable_bound(grammars):
+    schema = {"type": "integer", "$ref": "#/$defs/a",
+              "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a", "minimum": 2**60 + 1}}}
+    with pytest.raises(ValueError, match=re.escape("the integer bound minimum 1152921504606846977 at #/$defs/b")):
+        grammars.matcher("json_schema", grammar_source("json_schema", schema))
 
 
 def test_a_long_right_recursive_list_meets_the_row_limit_with_a_one_line_error(grammars):

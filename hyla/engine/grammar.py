@@ -43,7 +43,8 @@ Bad grammars are refused at submission with a ``ValueError``, never by a crash o
   in a property) still ends that request with an abort (``GrammarMatcher.error``, one line).
 * JSON-schema integer bounds that llguidance would enforce loosely (it keeps them as 64-bit floats,
   then saturates to 64-bit integers: ``minimum: 1e30`` became 9223372036854775807, ``minimum:
-  2**53 + 1`` allowed 2**53) are refused; a bound it only tightens (``maximum: 1e30``) is fine.
+  2**53 + 1`` allowed 2**53) are refused, in an integer's schema or in a subschema it reaches by a
+  local ``$ref``; a bound it only tightens (``maximum: 1e30``) is fine.
 * GBNF is converted to Lark with llguidance's parser but a linear pass for its terminal rules
   (``llguidance.gbnf_to_lark``'s own is quadratic in a chain of rules, in Python, holding the GIL:
   ~9 s for 2,000 rules, ~150 s for 8,000); the Lark text it makes is the same.
@@ -60,6 +61,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -396,31 +398,45 @@ def _check_integer_bounds(source: str) -> None:
     bound), ``minimum: 2**53 + 1`` became 2**53. A bound this makes tighter (``maximum: 1e30``) is
     fine: every output still satisfies it. A bound applies to an integer in a schema of ``"type":
     "integer"`` (or a list with it), and in the subschemas that constrain the same value
-    (``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if``/``then``/``else``) of such a schema or beside
-    one in an ``allOf``; a ``$ref`` is not followed (its target is checked where it is defined, by
-    its own type). Walks the schema without recursion."""
+    (``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if``/``then``/``else``, and the target of a local
+    ``$ref``: ``#`` or a JSON pointer ``#/...`` into, as llguidance resolves it, the nearest
+    enclosing schema with an ``$id``, else the root) of such a schema or beside one in an
+    ``allOf``. Other ``$ref``s are left to llguidance, and a ``$ref`` does not make a schema an
+    integer's (its target is checked by its own type). Walks the schema without recursion, each
+    subschema at most once as an integer's and once not (``$ref`` cycles end)."""
     try:
         schema = json.loads(source)
     except (ValueError, RecursionError):
         return  # llguidance names the problem
-    todo: list[tuple[Any, str, bool]] = [(schema, "#", False)]  # (node, its JSON pointer, an integer's)
+    # (node, its JSON pointer, an integer's, (the schema its local $refs point into, its pointer))
+    todo: list[tuple[Any, str, bool, tuple[Any, str]]] = [(schema, "#", False, (schema, "#"))]
+    walked: set[tuple[int, bool]] = set()  # (id(schema object), an integer's): a $ref reaches one again
     while todo:
-        node, path, integer = todo.pop()
+        node, path, integer, base = todo.pop()
         if isinstance(node, list):
-            todo.extend((v, f"{path}/{i}", False) for i, v in enumerate(node) if isinstance(v, (dict, list)))
+            todo.extend((v, f"{path}/{i}", False, base) for i, v in enumerate(node) if isinstance(v, (dict, list)))
             continue
         if not isinstance(node, dict):
             continue
         integer = integer or _typed_integer(node) or (
             isinstance(node.get("allOf"), list) and any(isinstance(s, dict) and _typed_integer(s) for s in node["allOf"]))
+        if (id(node), integer) in walked:
+            continue
+        walked.add((id(node), integer))
+        if isinstance(node.get("$id"), str):
+            base = (node, path)
+        if integer:
+            target = _local_ref(base[0], node.get("$ref"))
+            if target is not None:
+                todo.append((target[0], base[1] + target[1], True, base))
         for k, v in node.items():
             if k in _NOT_SCHEMAS or not isinstance(v, (dict, list)):
                 continue
             where = f"{path}/{k.replace('~', '~0').replace('/', '~1')}"
             if k in _SAME_VALUE and isinstance(v, list):
-                todo.extend((s, f"{where}/{i}", integer) for i, s in enumerate(v))
+                todo.extend((s, f"{where}/{i}", integer, base) for i, s in enumerate(v))
             else:
-                todo.append((v, where, integer and k in _SAME_VALUE))
+                todo.append((v, where, integer and k in _SAME_VALUE, base))
         if not integer:
             continue
         for key, (lower, exclusive) in _INT_BOUNDS.items():
@@ -433,6 +449,26 @@ def _check_integer_bounds(source: str) -> None:
                 raise ValueError(f"json_schema cannot be compiled: the integer bound {key} {bound} at "
                                  f"{path} cannot be enforced exactly (llguidance keeps integer bounds "
                                  f"as 64-bit numbers)")
+
+
+def _local_ref(resource: Any, ref: Any) -> tuple[dict, str] | None:
+    """The subschema of ``resource`` that a local JSON-pointer ``$ref`` names, and its pointer
+    (``""`` for ``#``, ``resource`` itself): the URI fragment percent-decoded, then each part
+    unescaped (``#/$defs/a~1b`` is the ``$defs`` entry ``a/b``; ``~1`` is ``/``, ``~0`` is ``~``).
+    ``None`` for any other ``ref`` (another document, an anchor) or a pointer to no object."""
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    pointer = unquote(ref[1:])
+    node = resource
+    for part in pointer.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isascii() and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return (node, pointer) if isinstance(node, dict) else None
 
 
 def _typed_integer(node: dict) -> bool:
