@@ -25,12 +25,12 @@ threads) in two stages:
 Held out of every stage: the conversations ``benchmarks/speculative.py`` takes its passages from,
 and the base script's evaluation windows. Measured before and after (printed and written to the model
 card's "Copying from the context" section): the held-out loss of the base script's evaluation windows,
-the next-token accuracy on a held-out span's repeat vs its first occurrence, and the share of output
-4-grams found in the passage when the model is asked to repeat each benchmark passage (greedy; the
-benchmark's ``copy_shares`` also counts 4-grams starting in the prompt). The model's tensors are replaced in ``model.safetensors`` (bf16, names
-unchanged); an MTP head (``mtp.*``) is dropped with its config key and card section, because it was
-trained on the old model: run ``train_mtp_head.py`` afterwards. The card's sample exchanges are
-regenerated.
+the next-token accuracy on held-out spans' repeat vs their first occurrence (``span_probes`` spans of
+100 tokens), and the share of output 4-grams found in the passage when the model is asked to repeat
+each benchmark passage (greedy; the benchmark's ``copy_shares`` also counts 4-grams starting in the
+prompt). The model's tensors are replaced in ``model.safetensors`` (bf16, names unchanged); an MTP
+head (``mtp.*``) is dropped with its config key and card section, because it was trained on the old
+model: run ``train_mtp_head.py`` afterwards. The card's sample exchanges are regenerated.
 
 Run it after ``train_default_model.py`` and before ``train_mtp_head.py``.
 """
@@ -95,7 +95,14 @@ class CopyConfig:
     passage_max_chars: int = 900
     benchmark_passages: int = 8
     probe_new_tokens: int = 64
-    eval_batches: int = 0  # held-out loss over this many batches of 4 evaluation windows; 0: all (as committed)
+    span_probes: int = 8  # held-out 100-token spans, each repeated once, whose next-token accuracy is measured
+    eval_batches: int = 0  # held-out loss over this many batches of evaluation windows; 0: all (as committed)
+    eval_batch_size: int = 4  # evaluation windows (of the base script's seq_len) per held-out-loss batch
+
+    def __post_init__(self):
+        for name in ("span_probes", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -209,19 +216,21 @@ def four_gram_share(output: list[int], source: list[int]) -> float:
 
 @torch.no_grad()
 def measure(model, data: CopyData, passages: list[str], cfg: CopyConfig) -> dict:
-    """Held-out loss (the base script's evaluation windows), next-token accuracy on held-out spans'
-    first occurrence vs repeat, and the benchmark passages' greedy 4-gram share."""
+    """Held-out loss (the base script's evaluation windows), next-token accuracy on ``span_probes``
+    held-out spans' first occurrence vs repeat, and the benchmark passages' greedy 4-gram share;
+    with how many tokens the loss and how many spans the accuracy were measured on."""
     model.eval()
-    batches = data.eval_windows.split(4)
-    losses = [loss_on(model, w, w).item() for w in batches[:cfg.eval_batches or len(batches)]]
+    batches = data.eval_windows.split(cfg.eval_batch_size)[:cfg.eval_batches or None]
+    losses = [loss_on(model, w, w).item() for w in batches]
     rng = random.Random(cfg.seed + 1)
     tokens = data.eval_windows.flatten().tolist()
     first = repeat = 0.0
-    for _ in range(8):
+    n = cfg.span_probes
+    for _ in range(n):
         s = rng.randrange(len(tokens) - 100)
         x = torch.tensor([tokens[s:s + 100] * 2])
         hit = (model(input_ids=x).logits[0, :-1].argmax(-1) == x[0, 1:]).float()
-        first, repeat = first + hit[:99].mean().item() / 8, repeat + hit[100:].mean().item() / 8
+        first, repeat = first + hit[:99].mean().item() / n, repeat + hit[100:].mean().item() / n
     shares = []
     for p in passages:
         prompt = data.tok.encode(data.tok.apply_chat_template([{"role": "user", "content": ASKS[0].format(p=p)}]),
@@ -229,7 +238,8 @@ def measure(model, data: CopyData, passages: list[str], cfg: CopyConfig) -> dict
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=cfg.probe_new_tokens,
                              pad_token_id=data.tok.pad_token_id)[0, len(prompt):].tolist()
         shares.append(four_gram_share(out, data.tok.encode(p, add_special_tokens=False)))
-    return {"eval_loss": sum(losses) / len(losses), "span_first": first, "span_repeat": repeat,
+    return {"eval_loss": sum(losses) / len(losses), "eval_tokens": sum(w.numel() for w in batches),
+            "span_first": first, "span_repeat": repeat, "spans": n,
             "passage_share": sum(shares) / len(shares)}
 
 
@@ -284,8 +294,8 @@ steps mixing plain chat (full loss), chat exchanges where the assistant repeats 
 and repeated spans; {cfg.batch_size} x {cfg.seq_len} tokens a step, {seconds / 60:.1f} min on {cfg.threads} CPU threads.
 Held out: the base training's evaluation windows and the passages `benchmarks/speculative.py` asks
 the model to repeat. Before -> after:
-* held-out loss: {before['eval_loss']:.2f} -> **{after['eval_loss']:.2f}** nats/token;
-* next-token accuracy on a held-out 100-token span repeated: {before['span_repeat']:.0%} -> **{after['span_repeat']:.0%}**
+* held-out loss ({after['eval_tokens']:,} tokens): {before['eval_loss']:.2f} -> **{after['eval_loss']:.2f}** nats/token;
+* next-token accuracy on a held-out 100-token span repeated ({after['spans']} spans): {before['span_repeat']:.0%} -> **{after['span_repeat']:.0%}**
   on the repeat (its first occurrence: {before['span_first']:.0%} -> {after['span_first']:.0%});
 * asked to repeat a passage (greedy, {cfg.probe_new_tokens} tokens, {cfg.benchmark_passages} passages): output 4-grams found in the passage
   {before['passage_share']:.0%} -> **{after['passage_share']:.0%}**.

@@ -61,7 +61,8 @@ def test_train_copy_smoke_run(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train_copy.py"), "--model-dir", str(model), "--induction-steps", "1",
          "--mixed-steps", "1", "--threads", "1", "--benchmark-passages", "1", "--probe-new-tokens", "8",
-         "--seq-len", "128", "--batch-size", "1", "--eval-batches", "1"],  # a smoke run: 222 -> ~30 s
+         "--seq-len", "128", "--batch-size", "1", "--eval-batches", "1", "--eval-batch-size", "1",
+         "--span-probes", "2"],  # a smoke run: 222 -> ~30 s
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     after = load_file(model / "model.safetensors")
@@ -72,5 +73,7 @@ def test_train_copy_smoke_run(tmp_path):
     card = (model / "README.md").read_text()
     assert "## Copying from the context" in card and "## MTP head" not in card
     assert card.index("## Copying from the context") < card.index("## Reproduce")
+    assert "held-out loss (512 tokens)" in card  # what was measured: --eval-batch-size, --span-probes
+    assert "100-token span repeated (2 spans)" in card
     with Engine(model) as eng:
         assert len(eng.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})["output_ids"]) == 4
