@@ -232,6 +232,26 @@ def test_startup_measures_the_first_requests_of_a_process():
     assert set(out) == set(PHASES) and all(v > 0 for v in out.values())
 
 
+def test_priority_measures_interactive_requests_behind_a_batch(qwen3_next_dense_path):
+    """``priority.py``'s round, in this process: the interactive requests arrive once the batch
+    fills every slot; with priority scheduling they preempt batch requests, without it none is."""
+    import argparse
+    import random
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.priority import METRICS, measure
+    from hyla import Engine
+
+    args = argparse.Namespace(batch=6, batch_prompt=40, batch_tokens=60, running=3, interactive=2, interval=1.0,
+                              prompt=30, new_tokens=4)
+    for on in (False, True):
+        with Engine(qwen3_next_dense_path, enable_priority_scheduling=on, max_running_requests=3,
+                    max_total_tokens=2048, max_state_slots=32) as engine:
+            out = measure(engine, random.Random(0), args, priority=20 if on else 0)
+        assert set(out) == set(METRICS) and out["interactive latency (ms)"] >= out["interactive TTFT (ms)"] > 0
+        assert (out["preemptions"] > 0) == on
+
+
 def test_mixed_chunk_measures_the_streams_during_a_long_prefill(qwen3_next_dense_path):
     """``mixed_chunk.py``'s window, in this process: with mixed steps each of the long prompt's
     prefill steps feeds every stream a token; without them the streams wait for all of them."""
