@@ -14,6 +14,7 @@ import random
 import pytest
 
 from hyla import Engine
+from test_engine_differential import assert_drained
 
 TOL = 1e-4
 
@@ -36,16 +37,6 @@ def _same(a: dict, b: dict) -> None:
             return  # a tie: both runs are right
     assert a["output_ids"] == b["output_ids"]
     assert a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
-
-
-def _drained(e: Engine) -> None:
-    e.wait_idle(timeout=30)
-    e.check_integrity()
-    kv, st, tree = e.kv_pool, e.state_pool, e.tree
-    assert kv.available_size() + tree.total_size() == kv.size
-    assert st.available_size() + tree.num_checkpoints() == st.size
-    assert e.req_to_token.available_size() == e.max_running_requests + 1
-    assert not e.scheduler.running and not e.scheduler.waiting
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +73,14 @@ def test_abort_mid_chunked_prefill_waiting_unknown_and_twice(qwen3_next_dense_pa
         runner.forward_extend = real
         assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort" and outs[0]["output_ids"] == []
         assert outs[1]["meta_info"]["finish_reason"]["type"] == "abort" and outs[1]["output_ids"] == []
-        _drained(eng)
+        assert_drained(eng)
         want = _ref(ref, [long, other], _greedy(6))
         _same(outs[2], want[1])
         # the aborted prefill left its computed chunks (and a chunk-boundary checkpoint) in the tree
         again = eng.generate(input_ids=long, sampling_params=_greedy(6), return_logprob=True)
         assert again["meta_info"]["cached_tokens"] == 64
         _same(again, want[0])
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_abort_of_a_retracted_request(qwen3_next_dense_path, ref):
@@ -118,7 +109,7 @@ def test_abort_of_a_retracted_request(qwen3_next_dense_path, ref):
                 assert o["output_ids"] == w["output_ids"][: len(o["output_ids"])]
             else:
                 _same(o, w)
-        _drained(eng)
+        assert_drained(eng)
 
 
 @pytest.mark.parametrize("order", [("A", "B", "L"), ("L", "A", "B")])
@@ -150,7 +141,7 @@ def test_retraction_beside_a_chunked_prefill(qwen3_next_dense_path, ref, order):
             assert rid == "B" and decoding and running["L"] is False
         for o, w in zip(outs, _ref(ref, prompts, params)):
             _same(o, w)
-        _drained(eng)
+        assert_drained(eng)
 
 
 @pytest.mark.parametrize("page_size, alignment", [(16, 1), (16, 48), (4, 6)])
@@ -168,7 +159,7 @@ def test_pages_grid_chunks_retraction_and_second_turns(qwen3_next_dense_path, re
         for o, w in zip(outs1 + outs2, want1 + want2):
             _same(o, w)
         assert sum(o["meta_info"]["cached_tokens"] for o in outs2) > 0
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_degenerate_lengths_and_in_batch_duplicates(qwen3_next_dense_path, ref):
@@ -183,14 +174,14 @@ def test_degenerate_lengths_and_in_batch_duplicates(qwen3_next_dense_path, ref):
             for o, w in zip(outs, want):
                 _same(o, w)
             assert [len(o["output_ids"]) for o in outs] == [0, 1, 3, 3, 1, 0, 2, 5]
-            _drained(eng)
+            assert_drained(eng)
         assert outs[2]["meta_info"]["cached_tokens"] == 49
     with Engine(qwen3_next_dense_path, page_size=16, max_total_tokens=1024, max_state_slots=24,
                 max_running_requests=8, chunked_prefill_size=32, debug_checks=True) as eng:
         for _ in range(2):
             for o, w in zip(eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True), want):
                 _same(o, w)
-            _drained(eng)
+            assert_drained(eng)
 
 
 def test_stop_at_first_token_and_eos(qwen3_next_dense_path, ref):
@@ -209,7 +200,7 @@ def test_stop_at_first_token_and_eos(qwen3_next_dense_path, ref):
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
         ignored = eng.generate(input_ids=ids, sampling_params=_greedy(10))
         assert ignored["output_ids"] == full
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_tiny_pools_serialize_without_deadlock(qwen3_next_dense_path, ref):
@@ -223,7 +214,7 @@ def test_tiny_pools_serialize_without_deadlock(qwen3_next_dense_path, ref):
         for _ in range(2):
             for o, w in zip(eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True), want):
                 _same(o, w)
-            _drained(eng)
+            assert_drained(eng)
 
 
 def test_namespaces_and_top_logprobs(qwen3_next_dense_path, ref):
@@ -241,7 +232,7 @@ def test_namespaces_and_top_logprobs(qwen3_next_dense_path, ref):
                 assert all(abs(x - y) < TOL for (x, _), (y, _) in zip(got, exp))
             seen.append(out["meta_info"]["cached_tokens"])
         assert seen == [0, 0, 59, 0, 0, 59]
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_stream_closed_early_aborts_and_frees(qwen3_next_dense_path):
@@ -250,7 +241,7 @@ def test_stream_closed_early_aborts_and_frees(qwen3_next_dense_path):
         stream = eng.generate(input_ids=_ids(100, 90), sampling_params=_greedy(1000), stream=True)
         assert next(stream)["output_ids"]
         stream.close()
-        _drained(eng)
+        assert_drained(eng)
         assert eng.get_stats()["num_generated_tokens"] < 1000
 
         async def main():
@@ -264,7 +255,7 @@ def test_stream_closed_early_aborts_and_frees(qwen3_next_dense_path):
                 await asyncio.sleep(0.01)
 
         asyncio.run(main())
-        _drained(eng)
+        assert_drained(eng)
         assert eng._thread.is_alive()
         assert eng.get_stats()["num_generated_tokens"] < 2000
 
@@ -284,7 +275,7 @@ def test_checkpoints_beyond_the_state_pool_do_not_block_admission(qwen3_next_den
         th.join(timeout=30)
         assert "outs" in done, f"requests never admitted: {eng.get_stats()}"
         assert [o["meta_info"]["finish_reason"]["type"] for o in done["outs"]] == ["length", "length"]
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_a_consumer_on_a_closed_event_loop_loses_only_its_request(qwen3_next_dense_path):
@@ -306,4 +297,4 @@ def test_a_consumer_on_a_closed_event_loop_loses_only_its_request(qwen3_next_den
         out = eng.generate(input_ids=_ids(20, 4), sampling_params=_greedy(4))
         assert eng._thread.is_alive()
         assert out["meta_info"]["finish_reason"]["type"] == "length"
-        _drained(eng)
+        assert_drained(eng)

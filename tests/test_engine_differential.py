@@ -78,15 +78,16 @@ def run(engine: Engine, specs: list[dict]) -> list[dict]:
     )
 
 
-def assert_drained(engine: Engine) -> None:
-    engine.wait_idle()
+def assert_drained(engine: Engine, timeout: float = 60) -> None:
+    """Idle, consistent, and every slot free, cached in the tree or reserved for speculation."""
+    engine.wait_idle(timeout=timeout)
     engine.check_integrity()
-    kv, st = engine.kv_pool, engine.state_pool
-    tree = engine.tree
-    held_kv = tree.total_size() if tree is not None else 0
-    held_states = tree.num_checkpoints() if tree is not None else 0
-    assert kv.available_size() + held_kv == kv.size
-    assert st.available_size() + held_states == st.size
+    kv, st, tree = engine.kv_pool, engine.state_pool, engine.tree
+    cached_kv, cached_states = (tree.total_size(), tree.num_checkpoints()) if tree is not None else (0, 0)
+    assert kv.available_size() + cached_kv + engine.cache.num_reserved_tokens == kv.size
+    assert st.available_size() + cached_states + engine.cache.num_reserved_states == st.size
+    assert engine.req_to_token.available_size() == engine.max_running_requests + 1
+    assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
 def hold_for_next_submission(engine: Engine, when: Callable[[Scheduler], bool]) -> None:

@@ -26,9 +26,9 @@ import torch
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
-from test_engine_differential import compare_outputs
+from test_engine_differential import assert_drained, compare_outputs
 from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
-from test_engine_speculative import (POOLS, WORKLOAD, _drained, _greedy, _ids, _watch_chains, abort_at_verify,
+from test_engine_speculative import (POOLS, WORKLOAD, _greedy, _ids, _watch_chains, abort_at_verify,
                                      spec_differential, stops_inside_accepted_runs)
 
 
@@ -263,7 +263,7 @@ def test_the_target_as_its_own_draft_is_accepted_in_full(qwen3_next_dense_path):
                 **POOLS) as eng:
         got = eng.generate(input_ids=prompts, sampling_params=_greedy(41), return_logprob=True)
         accept = eng.get_stats()["spec_accept_length"]
-        _drained(eng)
+        assert_drained(eng)
         # the draft's KV and states live on the same slots: each token and state slot holds both models'
         layout = eng.model_config.cache_layout
         assert eng.kv_pool.bytes_per_token == 2 * layout.kv_bytes_per_token
@@ -286,7 +286,7 @@ def test_stops_inside_an_accepted_draft_run(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, debug_checks=True, **_draft(qwen3_next_dense_path, 8), **POOLS) as eng:
         chunks = stops_inside_accepted_runs(eng, ids, full, stop_at=6, eos_at=11)  # 6: the first step's 6th draft
         assert max(len(c["output_ids"]) for c in chunks) == 9  # 8 drafts and the bonus in one step
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_abort_mid_verify_zero_drafts_and_penalties(qwen3_next_dense_path, qwen3_next_dense_draft_path):
@@ -308,7 +308,7 @@ def test_abort_mid_verify_zero_drafts_and_penalties(qwen3_next_dense_path, qwen3
         # a max_new_tokens of 2 leaves room for no draft at its one verify step
         two = eng.generate(input_ids=ids, sampling_params=_greedy(2))
         assert two["output_ids"] == want["output_ids"][:2] and two["meta_info"]["spec_accept_length"] == 1.0
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_draft_with_a_grammar_on_the_default_model():
@@ -322,7 +322,7 @@ def test_draft_with_a_grammar_on_the_default_model():
         want = ref.generate(PROMPTS[0], params, return_logprob=True)
     with Engine(debug_checks=True, **_draft(DEFAULT_MODEL_DIR)) as eng:
         got = eng.generate(PROMPTS[0], params, return_logprob=True)
-        _drained(eng)
+        assert_drained(eng)
     compare_outputs([got], [want])
     check_schema(json.loads(got["text"]), SCHEMA)
     # the draft model drafts unconstrained: where the grammar forces another token than its argmax,

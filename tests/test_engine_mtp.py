@@ -24,8 +24,8 @@ import torch
 from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.mtp_drafter import MtpDrafter
-from test_engine_differential import compare_outputs, run
-from test_engine_speculative import POOLS, _drained, _greedy, _ids, _watch_chains, spec_differential
+from test_engine_differential import assert_drained, compare_outputs, run
+from test_engine_speculative import POOLS, _greedy, _ids, _watch_chains, spec_differential
 
 MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 
@@ -118,7 +118,7 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
             out2 = run(eng, wave2)
             drafts[cache], outs[cache] = rec.drafts, out1 + out2
             stats = eng.get_stats()
-            _drained(eng)
+            assert_drained(eng)
         if not cache:
             _CACHE_OFF_RUNS.append((drafts[cache], outs[cache]))
     assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
@@ -249,7 +249,7 @@ def test_default_model_head_is_accepted():
         prompts = _chat_prompts(eng)
         got = eng.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         accept = eng.get_stats()["spec_accept_length"]
-        _drained(eng)
+        assert_drained(eng)
     with Engine(enable_prefix_cache=False) as ref:
         want = ref.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     compare_outputs(got, want)
@@ -284,7 +284,7 @@ def test_stops_inside_an_accepted_mtp_run():
         chunks = list(eng.generate(input_ids=prompt, sampling_params=_greedy(40), stream=True))
         assert [t for c in chunks for t in c["output_ids"]] == full
         assert any(len(c["output_ids"]) > 1 for c in chunks)  # several tokens per verify step
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_mtp_with_sampling_and_penalties(qwen3_next_dense_mtp_path):
@@ -297,7 +297,7 @@ def test_mtp_with_sampling_and_penalties(qwen3_next_dense_mtp_path):
             outs.append(eng.generate(input_ids=[ids, ids], sampling_params=params, rid=["a", "b"]))
             pen = eng.generate(input_ids=ids, sampling_params=_greedy(8, repetition_penalty=1.3))
             assert pen["meta_info"]["spec_accept_length"] == 1.0
-            _drained(eng)
+            assert_drained(eng)
     assert [o["output_ids"] for o in outs[0]] == [o["output_ids"] for o in outs[1]]
 
 
@@ -358,6 +358,6 @@ def test_compiled_mtp_head_serves_every_forward_from_its_start_up_graphs(qwen3_n
             outs[-1] += [eng.generate(input_ids=prompts[0], sampling_params=_greedy(6))["output_ids"]]  # batch 1
             drafts.append(rec.drafts)
             assert drafter.compiled == compiled and drafter.late_compiles == 0
-            _drained(eng)
+            assert_drained(eng)
     assert outs[1] == outs[0]  # (the eager side's are the plain engine's: the tests above)
     assert drafts[0] == drafts[1] and sum(map(len, drafts[0].values())) > 30

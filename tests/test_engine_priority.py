@@ -205,13 +205,15 @@ def test_the_pool_retracts_the_least_urgent_first(qwen3_next_dense_path):
 # the differential: priorities and preemption change no output
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("mixed", [False, True])
-def test_priority_scheduling_is_exact_under_pressure(qwen3_next_dense_path, mixed):
+@pytest.mark.parametrize("on", [{}, dict(enable_mixed_chunk=True), dict(speculative_algorithm="ngram", max_state_slots=48)],
+                         ids=["plain", "mixed_chunk", "ngram"])
+def test_priority_scheduling_is_exact_under_pressure(qwen3_next_dense_path, on):
     """The differential workload (chat sessions, shared documents, second turns) with random
     priorities and a threshold of 0, its first turns submitted in two halves (the second while the
     first runs), on small pools, against the plain engine with the cache off: the same greedy
-    tokens and logprobs; preemptions and evictions happened. ``mixed``: prefill steps feed the
-    decoding requests too (``enable_mixed_chunk``), those preempted in the step excepted."""
+    tokens and logprobs; preemptions and evictions happened. ``on``: with prefill steps that feed
+    the decoding requests too (``enable_mixed_chunk``: not those preempted in the step), with
+    n-gram speculation (preempted requests' drafts and states rolled back)."""
     wave1, followups = make_workload(seed=21, vocab=2048, num_sessions=16, num_shared=24, scale=0.5)
     rng = random.Random(21)
     prios = [rng.randrange(-5, 6) for _ in wave1]
@@ -228,8 +230,7 @@ def test_priority_scheduling_is_exact_under_pressure(qwen3_next_dense_path, mixe
                  for w, o, f in zip(wave1, out1_off, followups)]
         out2_off = submit(off, wave2)
     half = len(wave1) // 2
-    with Engine(qwen3_next_dense_path, priority_scheduling_preemption_threshold=0, enable_mixed_chunk=mixed,
-                **opts, **PRIORITY) as eng:
+    with Engine(qwen3_next_dense_path, priority_scheduling_preemption_threshold=0, **{**opts, **on}, **PRIORITY) as eng:
         a, b = _then(eng, lambda: submit(eng, wave1[:half], prios[:half]),
                      lambda: submit(eng, wave1[half:], prios[half:]), when=lambda s: len(s.running) >= 4)
         out2_on = submit(eng, wave2, [rng.randrange(-5, 6) for _ in wave2])
@@ -237,7 +238,8 @@ def test_priority_scheduling_is_exact_under_pressure(qwen3_next_dense_path, mixe
         stats = eng.get_stats()
     n = compare_outputs(a + b + out2_on, out1_off + out2_off)
     assert n > 0.9 * sum(s["max_new"] for s in wave1 + wave2)
-    assert stats["num_preemptions"] > 0 and (stats["num_mixed_tokens"] > 0) == mixed
+    assert stats["num_preemptions"] > 0 and (stats["num_mixed_tokens"] > 0) == bool(on.get("enable_mixed_chunk"))
+    assert (stats["spec_accept_length"] is not None) == bool(on.get("speculative_algorithm"))
     assert stats["num_evicted_tokens"] > 0 and stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
 
 

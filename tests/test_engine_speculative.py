@@ -22,7 +22,7 @@ from hyla.engine.cache_manager import CacheManager
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.speculative import Drafter, NgramDrafter, Verdict, verify
-from test_engine_differential import compare_outputs, make_workload, run
+from test_engine_differential import assert_drained, compare_outputs, make_workload, run
 
 POOLS = dict(max_total_tokens=8192, max_state_slots=96, max_running_requests=8, chunked_prefill_size=256)
 
@@ -87,18 +87,6 @@ class OracleTreeDrafter(OracleDrafter):
             node = len(ids) - len(options) + options.index(main) + 1
         self.num_proposed += len(ids)
         return ids, parents
-
-
-def _drained(e: Engine) -> None:
-    """Idle, consistent, and every slot free, cached in the tree or reserved for speculation."""
-    e.wait_idle(timeout=60)
-    e.check_integrity()
-    kv, st, tree = e.kv_pool, e.state_pool, e.tree
-    cached_kv, cached_states = (tree.total_size(), tree.num_checkpoints()) if tree is not None else (0, 0)
-    assert kv.available_size() + cached_kv + e.cache.num_reserved_tokens == kv.size
-    assert st.available_size() + cached_states + e.cache.num_reserved_states == st.size
-    assert e.req_to_token.available_size() == e.max_running_requests + 1
-    assert not e.scheduler.running and not e.scheduler.waiting
 
 
 def _count_calls(obj, name: str) -> dict:
@@ -175,7 +163,7 @@ def spec_differential(path, spec: dict, on_opts: dict, seed: int = 0, setup=None
         verdicts = _count_verdicts(eng)
         on1 = run(eng, wave1)
         on2 = run(eng, wave2)
-        _drained(eng)
+        assert_drained(eng)
         assert eng.scheduler.num_verify_steps > 0
         stats = dict(eng.get_stats(), verdicts=verdicts,
                      request_accept_lengths=[o["meta_info"].get("spec_accept_length", 1) for o in on1 + on2])
@@ -354,7 +342,7 @@ def test_stops_inside_an_accepted_run(qwen3_next_dense_path):
         eng.scheduler.drafter = OracleDrafter({tuple(ids): full}, num_draft=8, error_rate=0.0)
         chunks = stops_inside_accepted_runs(eng, ids, full, stop_at=6, eos_at=10)
         assert any(len(c["output_ids"]) > 1 for c in chunks)  # several tokens per verify step
-        _drained(eng)
+        assert_drained(eng)
 
 
 def stops_inside_accepted_runs(eng: Engine, ids: list[int], full: list[int], stop_at: int,
@@ -389,7 +377,7 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
         got = eng.generate(input_ids=ids, sampling_params=_greedy(30), return_logprob=True)
         compare_outputs([got], [want])
         assert got["meta_info"]["spec_verify_ct"] == 29 and got["meta_info"]["spec_accept_length"] == 1.0
-        _drained(eng)
+        assert_drained(eng)
     with Engine(qwen3_next_dense_path, speculative_algorithm="ngram", speculative_num_draft_tokens=5,
                 debug_checks=True, **POOLS) as eng:
         eng.scheduler.drafter = OracleDrafter({tuple(ids): want["output_ids"]}, num_draft=4)
@@ -399,7 +387,7 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
         assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort"
         assert outs[0]["output_ids"] == want["output_ids"][: len(outs[0]["output_ids"])]
         compare_outputs([outs[1]], [want])
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
@@ -428,7 +416,7 @@ def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):
         compare_outputs([got], [want])
         assert eng.scheduler.num_verify_steps > 0
         assert eng.get_stats()["spec_accept_length"] >= 1.0
-        _drained(eng)
+        assert_drained(eng)
 
 
 def test_no_drafts_above_the_batch_size_limit(qwen3_next_dense_path):
@@ -540,7 +528,7 @@ def test_adaptive_ngram_is_exact_feeds_less_and_forgets_finished_requests(qwen3_
             compare_outputs(got, want)
             fed.setdefault(adaptive, eng.scheduler.num_fed_tokens)
             assert drafter.adaptive == adaptive and eng.scheduler.num_verify_steps > 0
-            _drained(eng)
+            assert_drained(eng)
             assert seen and all(r.draft_state is None for r in seen)
     assert fed[True] < fed[False]
 
