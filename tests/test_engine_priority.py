@@ -98,6 +98,41 @@ def test_waiting_requests_are_admitted_by_priority(qwen3_next_dense_path, policy
     assert [rid for rid, _ in order] == [f"r{i}" for i in expected]
 
 
+@pytest.mark.parametrize("high", [5, 0])
+def test_a_more_urgent_request_goes_before_a_long_prompts_chunks(qwen3_next_dense_path, high):
+    """A priority-0 prompt of 640 tokens is prefilled in 64-token steps; a 30-token request of
+    priority 5 arriving after its first chunks is admitted at once, the long prompt's chunk taking
+    what budget it leaves (34 tokens), so its first token does not wait for the long prefill. At
+    priority 0 the long prompt's chunks go first, as without priority scheduling."""
+    steps: list[dict[str, tuple[int, int]]] = []  # per prefill step: rid -> (start, tokens)
+    with Engine(qwen3_next_dense_path, max_total_tokens=4000, max_state_slots=24, chunked_prefill_size=64,
+                **PRIORITY) as eng:
+        sched = eng.scheduler
+        schedule_prefill = sched._schedule_prefill
+
+        def recorded():
+            batch = schedule_prefill()
+            if batch is not None:
+                steps.append({r.rid: (r.kv_len, n) for r, n in zip(batch.reqs, batch.lens)})
+            return batch
+
+        sched._schedule_prefill = recorded
+        long, short = _then(
+            eng, lambda: eng.generate(input_ids=_ids(50, 640), rid="long", sampling_params={**GREEDY, "max_new_tokens": 2}),
+            lambda: eng.generate(input_ids=_ids(51, 30), rid="short", priority=high,
+                                 sampling_params={**GREEDY, "max_new_tokens": 2}),
+            when=lambda s: any(r.rid == "long" and 64 <= r.kv_len < 640 for r in s.running))
+        assert_drained(eng)
+    at = next(i for i, step in enumerate(steps) if "short" in step)
+    assert steps[at]["short"] == (0, 30)
+    start, n = steps[at].get("long", (640, 0))
+    if high:  # the long prompt's next chunk, in the budget the admission left, far from its end
+        assert n == 34 and start <= 192
+    else:  # admitted with the long prompt's last chunk, or after it
+        assert start + n == 640
+    assert len(long["output_ids"]) == len(short["output_ids"]) == 2
+
+
 # ----------------------------------------------------------------------------------------------
 # preemption
 # ----------------------------------------------------------------------------------------------

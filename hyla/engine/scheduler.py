@@ -522,7 +522,9 @@ class Scheduler:
     # prefill
     # ------------------------------------------------------------------------------------------
     def _schedule_prefill(self) -> Batch | None:
-        """Continue chunked prompts first, then admit waiting requests in policy order."""
+        """Continue chunked prompts first, then admit waiting requests in policy order (with
+        priority scheduling, a chunked prompt less urgent than a waiting request continues after
+        the admissions, with the budget they leave)."""
         cache = self.cache
         budget = self.config.chunked_prefill_size
         mixed = [r for r in self.running if r.is_decoding] if self.config.mixed_chunk else []
@@ -530,14 +532,12 @@ class Scheduler:
             budget = max(self.config.page_size, budget - len(mixed))
         batch = Batch(is_decode=False)
         # 1) admitted requests whose prompt is still being prefilled in chunks
-        for req in self.running:
-            if req.is_decoding or budget <= 0:
-                continue
-            n = self._chunk_len(req, budget)
-            if n == 0 or not cache.can_allocate([req], [n]):
-                break
-            batch.add(req, n, cache.allocate([req], [n]), cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
-            budget -= n
+        chunking = [r for r in self.running if not r.is_decoding]
+        later: list[Req] = []  # priority scheduling: those less urgent than the most urgent waiting request
+        if self.config.priority_scheduling and self.waiting:
+            urgent = min(map(self._rank, self.waiting))
+            later = [r for r in chunking if self._rank(r) > urgent]
+        budget = self._continue_chunks(batch, [r for r in chunking if r not in later], budget)
         # 2) new admissions
         if budget > 0 and self.waiting:
             order, hits = self._ordered_waiting()
@@ -569,6 +569,8 @@ class Scheduler:
             finally:
                 for hit in held:
                     cache.unhold(hit)
+        if later:  # 3) the less urgent chunked prompts (not those the admissions preempted)
+            self._continue_chunks(batch, [r for r in later if r.status is ReqStatus.RUNNING], budget)
         if not batch.reqs:
             return None
         mixed = [r for r in mixed if r.status is ReqStatus.RUNNING]  # not those preempted meanwhile
@@ -578,6 +580,20 @@ class Scheduler:
         # out a waiting request's older checkpoint (holding it too lost 4-6 points at alignment 64)
         batch.ckpts = cache.alloc_checkpoints(batch.reqs, batch.ckpt_pos)
         return batch
+
+    def _continue_chunks(self, batch: Batch, reqs: list[Req], budget: int) -> int:
+        """Add the next chunk of each of these admitted prompts to ``batch``, in order, while the
+        budget lasts and the KV fits; returns the budget left."""
+        for req in reqs:
+            if budget <= 0:
+                break
+            n = self._chunk_len(req, budget)
+            if n == 0 or not self.cache.can_allocate([req], [n]):
+                break
+            batch.add(req, n, self.cache.allocate([req], [n]),
+                      self.cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
+            budget -= n
+        return budget
 
     def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
         """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the
