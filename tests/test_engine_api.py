@@ -363,7 +363,7 @@ def test_queue_limit_counts_requests_not_yet_scheduled_and_streams_submit_eagerl
     with Engine(qwen3_next_dense_path, max_total_tokens=4096, max_state_slots=16, max_running_requests=2,
                 max_queued_requests=3) as eng:
         with eng._inbox_lock:  # as if five submitted requests had not reached the scheduler yet
-            eng._live_rids.update(f"pending-{i}" for i in range(5))
+            eng._live.update(dict.fromkeys(f"pending-{i}" for i in range(5)))
         with pytest.raises(EngineOverloadedError):
             eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY, stream=True)  # raises before iteration
 
@@ -373,7 +373,8 @@ def test_queue_limit_counts_requests_not_yet_scheduled_and_streams_submit_eagerl
 
         asyncio.run(main())
         with eng._inbox_lock:
-            eng._live_rids.difference_update(f"pending-{i}" for i in range(5))
+            for i in range(5):
+                del eng._live[f"pending-{i}"]
         assert eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 8
 
 
@@ -390,7 +391,7 @@ def test_an_idle_engine_takes_a_batch_of_running_plus_queued_slots(qwen3_next_de
         with pytest.raises(ValueError, match="seed"):
             eng.generate(input_ids=[1, 2, 3], sampling_params={"seed": 2**70})
         eng.wait_idle()
-        assert not eng._live_rids
+        assert not eng._live
 
 
 def test_generation_config_defaults_fill_unset_sampling_params():

@@ -133,6 +133,52 @@ def test_a_more_urgent_request_goes_before_a_long_prompts_chunks(qwen3_next_dens
     assert len(long["output_ids"]) == len(short["output_ids"]) == 2
 
 
+def test_a_full_queue_gives_a_queued_requests_place_to_a_more_urgent_one(qwen3_next_dense_path):
+    """One running slot and a queue of two, full: a request of priority 5 takes the place of the
+    least urgent queued one (priority 0; never the running one), which ends as an abort of cause
+    ``overloaded``; one of priority 4 then takes the place of the next (priority 3), not again of
+    the one being displaced; a request no queued one is less urgent than is refused as before. The
+    scheduler is held meanwhile, so every submission finds the others still queued. Nothing leaks."""
+    from hyla.engine.engine import EngineOverloadedError
+
+    with Engine(qwen3_next_dense_path, max_total_tokens=2000, max_state_slots=24, max_running_requests=1,
+                max_queued_requests=2, **PRIORITY) as eng:
+        gate, blocked = threading.Event(), threading.Event()
+        step = eng.scheduler.step
+
+        def gated():
+            if not gate.is_set():
+                blocked.set()
+                assert gate.wait(60)
+            return step()
+
+        gate.set()
+        eng.scheduler.step = gated
+
+        def stream(rid, prio, n=4):
+            return eng.generate(input_ids=_ids(sum(map(ord, rid)), 20), rid=rid, priority=prio, stream=True,
+                                sampling_params={**GREEDY, "max_new_tokens": n})
+
+        streams = {"running": stream("running", 0, n=40)}
+        first = next(streams["running"])  # it runs
+        gate.clear()
+        try:
+            assert blocked.wait(60)  # the scheduler waits before its next step (its inbox drained)
+            for rid, prio in (("low", 0), ("mid", 3), ("urgent", 5), ("urgent2", 4)):
+                streams[rid] = stream(rid, prio)
+            with pytest.raises(EngineOverloadedError):
+                stream("another", 0)  # nothing queued is less urgent
+        finally:
+            gate.set()
+        ends = {rid: list(chunks)[-1]["meta_info"]["finish_reason"] for rid, chunks in streams.items()}
+        assert first["meta_info"]["finish_reason"] is None
+        for rid in ("low", "mid"):
+            assert ends[rid]["type"] == "abort" and ends[rid]["cause"] == "overloaded", ends
+        assert all(ends[rid]["type"] == "length" for rid in ("running", "urgent", "urgent2")), ends
+        assert_drained(eng)
+        assert not eng._live and not eng._displacing
+
+
 # ----------------------------------------------------------------------------------------------
 # preemption
 # ----------------------------------------------------------------------------------------------

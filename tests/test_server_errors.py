@@ -341,12 +341,15 @@ def test_full_queue_is_429_with_retry_after(model_dir):
     ("engine shut down", "shutdown", 503, "engine_shutdown"),
     ("internal error: RuntimeError: boom", "internal", 500, "request_aborted"),
     ("the consumer of this request failed", "consumer", 500, "request_aborted"),
+    ("the queue is full and a more urgent request took this one's place", "overloaded", 429, "rate_limit_exceeded"),
     # the cause decides, not the words: a grammar's message that mentions a shutdown is still its fault
     ("grammar: the engine shut down its parser", "grammar", 400, "grammar_error"),
 ])
 def test_an_engine_abort_is_answered_by_its_cause(message, cause, status, code):
     """A request the engine aborted: its grammar failing deep in the output (a parser limit no
-    compile-time probe finds) is the request's fault, a 400; a shutdown a 503; anything else a 500."""
+    compile-time probe finds) is the request's fault, a 400; a shutdown a 503; a request a more
+    urgent one displaced from the full queue a 429, as a full queue answers at submission; anything
+    else a 500."""
     from hyla.engine.request import abort_reason
     from hyla.server.errors import abort_error
 
@@ -359,6 +362,6 @@ def test_an_abort_reason_names_a_known_cause():
     from hyla.engine.request import ABORT_CAUSES, abort_reason
 
     assert abort_reason("x", "client") == {"type": "abort", "message": "x", "cause": "client"}
-    assert set(ABORT_CAUSES) == {"client", "shutdown", "grammar", "consumer", "internal"}
+    assert set(ABORT_CAUSES) == {"client", "shutdown", "grammar", "consumer", "internal", "overloaded"}
     with pytest.raises(ValueError, match="unknown abort cause"):
         abort_reason("x", "timeout")

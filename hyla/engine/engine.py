@@ -41,7 +41,7 @@ from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cp
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
-from hyla.engine.request import Req
+from hyla.engine.request import Req, ReqStatus
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter
@@ -90,7 +90,10 @@ class Engine:
         self._rid_counter = itertools.count()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_lock = threading.Lock()
-        self._live_rids: set[str] = set()  # submitted and not finished: abort(rid) must be unambiguous
+        # submitted and not finished, by id: abort(rid) must be unambiguous; priority scheduling may
+        # displace a queued one (_displaceable)
+        self._live: dict[str, Req] = {}
+        self._displacing: set[str] = set()  # of those, the ones a displacement is finishing (not counted)
         self._wakeup = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
@@ -570,27 +573,55 @@ class Engine:
             if not self._thread.is_alive():
                 raise RuntimeError("the engine's scheduler thread has died (see the log): restart the engine")
             rids = [r.rid for r in reqs]
-            clash = (set(rids) & self._live_rids) | {r for r in rids if rids.count(r) > 1}
+            clash = (set(rids) & self._live.keys()) | {r for r in rids if rids.count(r) > 1}
             if clash:
                 raise ValueError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live requests")
             # live = running + waiting + in the inbox; a submission fits while the live requests stay
             # within the running slots plus the queue (an idle engine takes a batch of that size)
-            live = len(self._live_rids)
-            if live + len(reqs) > self.max_live_requests:
+            live = len(self._live) - len(self._displacing)
+            excess = live + len(reqs) - self.max_live_requests
+            displaced = self._displaceable(reqs, excess) if excess > 0 else []
+            if len(displaced) < excess:
                 raise EngineOverloadedError(
                     f"{live} requests are live (max_running_requests={self.max_running_requests} + "
                     f"max_queued_requests={self.args.max_queued_requests})")
-            self._live_rids.update(rids)
             for req in reqs:
+                self._live[req.rid] = req
                 req.on_output = self._forget_rid_when_done(req.on_output)
+            for victim in displaced:  # finished by the scheduler (if still waiting: Scheduler.displace)
+                self._displacing.add(victim.rid)
+                self._inbox.put(("displace", victim.rid))
             self._inbox.put(("add", reqs))  # one message: a batch reaches the scheduler together
         self._wakeup.set()
+
+    def _displaceable(self, reqs: list[Req], k: int) -> list[Req]:
+        """Priority scheduling, a full queue: ``k`` queued requests that ``reqs`` may take the place
+        of (SGLang's), or fewer when there are not as many: requests still waiting for their first
+        admission (none that has produced output, retracted since), each less urgent than the new
+        request it makes room for — the least urgent first, the youngest among equals. Called
+        under the inbox lock; the statuses read may be a step old, so the scheduler displaces a
+        request only if it still waits (``Scheduler.displace``; one admitted meanwhile runs on, and
+        the queue is over its limit until a request finishes). A request being displaced no longer
+        counts as live, nor can it be displaced again."""
+        if not self.args.enable_priority_scheduling:
+            return []
+        rank = self.scheduler.rank
+        queued = sorted((r for r in self._live.values()
+                         if r.status is ReqStatus.WAITING and not r.admitted_once and r.rid not in self._displacing),
+                        key=lambda r: (rank(r), r.arrival_time), reverse=True)
+        displaced = []
+        for new, victim in zip(sorted(reqs, key=rank), queued):
+            if len(displaced) == k or rank(victim) <= rank(new):
+                break
+            displaced.append(victim)
+        return displaced
 
     def _forget_rid_when_done(self, on_output):
         def wrapped(out: dict[str, Any], done: bool) -> None:
             if done:
                 with self._inbox_lock:
-                    self._live_rids.discard(out["meta_info"]["id"])
+                    self._live.pop(out["meta_info"]["id"], None)
+                    self._displacing.discard(out["meta_info"]["id"])
             if on_output is not None:
                 on_output(out, done)
         return wrapped
@@ -671,6 +702,8 @@ class Engine:
                     self.scheduler.add_request(req)
             elif cmd == "abort":
                 self.scheduler.abort(arg)
+            elif cmd == "displace":
+                self.scheduler.displace(arg)
             elif cmd == "call":
                 fn, result = arg
                 if not result.set_running_or_notify_cancel():  # its caller gave up waiting

@@ -41,6 +41,7 @@ ABORT_CAUSES = (
     "grammar",  # its grammar could not follow its output (a parser limit met deep in it)
     "consumer",  # its stream's consumer failed (a callback raised, a queue was closed)
     "internal",  # an error inside the engine (a failed step, or the request's own host work)
+    "overloaded",  # priority scheduling: the queue was full and a more urgent request took its place
 )
 
 

@@ -468,6 +468,18 @@ class Scheduler:
                     return True
         return False
 
+    def displace(self, rid: str) -> bool:
+        """Priority scheduling, a full queue: finish ``rid`` as aborted (cause ``overloaded``) to make
+        room for a more urgent submission (``Engine._displaceable``), if it still waits for its first
+        admission; else (admitted since) leave it, and the queue is over its limit until a request
+        finishes."""
+        for req in self.waiting:
+            if req.rid == rid and not req.admitted_once:
+                self._finish(req, abort_reason("the queue is full and a more urgent request took this one's place",
+                                               "overloaded"))
+                return True
+        return False
+
     def fail_running(self, message: str) -> None:
         """After an internal error: finish every running request as aborted, releasing what it
         holds without inserting into the tree (which the error may have left inconsistent), and
@@ -535,8 +547,8 @@ class Scheduler:
         chunking = [r for r in self.running if not r.is_decoding]
         later: list[Req] = []  # priority scheduling: those less urgent than the most urgent waiting request
         if self.config.priority_scheduling and self.waiting:
-            urgent = min(map(self._rank, self.waiting))
-            later = [r for r in chunking if self._rank(r) > urgent]
+            urgent = min(map(self.rank, self.waiting))
+            later = [r for r in chunking if self.rank(r) > urgent]
         budget = self._continue_chunks(batch, [r for r in chunking if r not in later], budget)
         # 2) new admissions
         if budget > 0 and self.waiting:
@@ -608,7 +620,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # priority scheduling
     # ------------------------------------------------------------------------------------------
-    def _rank(self, req: Req) -> int:
+    def rank(self, req: Req) -> int:
         """Where ``req`` stands under priority scheduling: lower goes first (0 for all without it)."""
         if not self.config.priority_scheduling:
             return 0
@@ -626,8 +638,8 @@ class Scheduler:
         prefix cache and it waits again, to resume from them (or recompute what was evicted since)."""
         if not self.config.priority_scheduling:
             return False
-        floor = self._rank(req) + self.config.preemption_threshold
-        victims = [r for r in self.running if self._rank(r) > floor and r not in batch.reqs]
+        floor = self.rank(req) + self.config.preemption_threshold
+        victims = [r for r in self.running if self.rank(r) > floor and r not in batch.reqs]
         if not victims:
             return False
         if tokens is not None:
@@ -635,7 +647,7 @@ class Scheduler:
             room = sum(r.kv_allocated + max(0, r.sampling.max_new_tokens - len(r.output_ids)) * ratio for r in victims)
             if room + self.cache.kv_room() < tokens + self._decode_reserve():
                 return False
-        self.retract(max(victims, key=lambda r: (self._rank(r), r.arrival_time, r.rid)), preempted_for=req)
+        self.retract(max(victims, key=lambda r: (self.rank(r), r.arrival_time, r.rid)), preempted_for=req)
         return True
 
     def _mix_decodes(self, batch: Batch, reqs: list[Req]) -> None:
@@ -669,9 +681,9 @@ class Scheduler:
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE \
                 or len(self.waiting) == 1:  # one request: no order to find (its match refreshes its hit)
             # FCFS, within each priority with priority scheduling (sorted is stable)
-            return sorted(self.waiting, key=self._rank) if self.config.priority_scheduling else list(self.waiting), None
+            return sorted(self.waiting, key=self.rank) if self.config.priority_scheduling else list(self.waiting), None
         peeked = {id(r): self.cache.peek(r) for r in self.waiting}
-        order = sorted(self.waiting, key=lambda r: (self._rank(r), -peeked[id(r)].prefix_len))
+        order = sorted(self.waiting, key=lambda r: (self.rank(r), -peeked[id(r)].prefix_len))
         hits = [peeked[id(r)] for r in order]
         self.cache.touch(hits[::-1])  # evict the prefix admitted last first
         return order, hits
@@ -771,7 +783,7 @@ class Scheduler:
         if len(self.running) == 1:
             # cannot happen for a validated request (prompt + max_new_tokens <= pool size)
             raise RuntimeError("the KV pool cannot hold a single request; raise max_total_tokens")
-        return max(self.running, key=lambda r: (self._rank(r), r.arrival_time, r.rid))
+        return max(self.running, key=lambda r: (self.rank(r), r.arrival_time, r.rid))
 
     # ------------------------------------------------------------------------------------------
     # checks and logs (the per-step lines SGLang users know)

@@ -7,7 +7,7 @@ Where each status comes from:
 * what the engine raises at submission (``engine_error``): ``ValueError`` → 400,
   ``EngineOverloadedError`` → 429 with ``Retry-After``, anything else → 500;
 * a request the engine aborted on its own (``abort_error``, by its cause): shut down → 503, its
-  grammar → 400, else 500;
+  grammar → 400, displaced from a full queue by a more urgent request → 429, else 500;
 * Starlette's 404 / 405 for unknown paths and methods; any other exception → 500.
 
 ``add_error_handlers(app)`` installs the handlers that turn each of these into a response. An
@@ -58,12 +58,16 @@ def engine_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloadedError):
-        return APIError(429, f"the server is overloaded: {exc}", type="rate_limit_error",
-                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return _overloaded(f"the server is overloaded: {exc}")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     logger.error("request failed", exc_info=exc)
     return APIError(500, f"internal error: {exc}", type="internal_error", code="internal_error")
+
+
+def _overloaded(message: str) -> APIError:
+    return APIError(429, message, type="rate_limit_error", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def abort_error(reason: dict[str, Any]) -> APIError:
@@ -73,6 +77,8 @@ def abort_error(reason: dict[str, Any]) -> APIError:
     cause = reason.get("cause")
     if cause == "shutdown":
         return APIError(503, message, type="service_unavailable", code="engine_shutdown")
+    if cause == "overloaded":  # displaced from the full queue by a more urgent request: as a 429 at submission
+        return _overloaded(message)
     if cause == "grammar":  # the request's grammar could not follow its output (a parser limit met deep
         # in it, which no compile-time probe finds): the grammar's fault, not the server's
         return APIError(400, message, code="grammar_error")
