@@ -48,10 +48,11 @@ def _make_app(log: list[dict]) -> FastAPI:
         seen.append(words)
         return best
 
-    async def stream(kind: str, prompt: str, max_tokens: int):
+    async def stream(kind: str, prompt: str, max_tokens: int, priority: int | None = None):
         words = prompt.split()
         cached = cached_prefix(words)
-        log.append({"kind": kind, "prompt": prompt, "max_tokens": max_tokens, "t": time.perf_counter()})
+        log.append({"kind": kind, "prompt": prompt, "max_tokens": max_tokens, "t": time.perf_counter(),
+                    "priority": priority})
         state["in_flight"] += 1
         state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
         try:
@@ -91,21 +92,23 @@ def _make_app(log: list[dict]) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: Request):
         body = await req.json()
-        return StreamingResponse(stream("completions", body["prompt"], body["max_tokens"]), media_type="text/event-stream")
+        return StreamingResponse(stream("completions", body["prompt"], body["max_tokens"], body.get("priority")),
+                                 media_type="text/event-stream")
 
     @app.post("/v1/chat/completions")
     async def chat(req: Request):
         body = await req.json()
         prompt = render_transcript(body["messages"])
-        return StreamingResponse(stream("chat", prompt, body["max_tokens"]), media_type="text/event-stream")
+        return StreamingResponse(stream("chat", prompt, body["max_tokens"], body.get("priority")),
+                                 media_type="text/event-stream")
 
     @app.post("/generate")
     async def generate(req: Request):
         body = await req.json()
         if body["sampling_params"]["max_new_tokens"] > 1000:
             return JSONResponse({"error": "too long"}, status_code=400)
-        return StreamingResponse(stream("native", body["text"], body["sampling_params"]["max_new_tokens"]),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream("native", body["text"], body["sampling_params"]["max_new_tokens"],
+                                        body.get("priority")), media_type="text/event-stream")
 
     return app
 
@@ -252,6 +255,42 @@ def test_cli_writes_output_file(server, tmp_path, capsys):
     assert record["config"]["model"] == "stub-model"  # no --model: the server's first listed model
 
 
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "hyla"])
+def test_a_share_of_sessions_sends_a_priority_and_the_report_splits_by_it(server, tmp_path, capsys, backend):
+    """``--priority-share 0.5 --priority 7``: half the sessions (every turn of each) send
+    ``priority: 7`` in each API's body, the others no priority field; the report and the JSON give
+    TTFT and latency per class, and each request record its priority."""
+    base_url, log, _ = server
+    out = tmp_path / "bench.json"
+    rc = hyla_main(["bench", "--base-url", base_url, "--backend", backend, "--dataset", "random", "--num-prompts",
+                    "6", "--random-input-len", "8", "--random-output-len", "2", "--priority-share", "0.5",
+                    "--priority", "7", "--output-file", str(out), "--disable-tqdm"])
+    assert rc == 0
+    assert sorted(e["priority"] for e in log if e["priority"] is not None) == [7, 7, 7]
+    assert sum(e["priority"] is None for e in log) == 3
+    record = json.loads(out.read_text())
+    by = record["summary"]["by_priority"]
+    assert set(by) == {"none", "7"} and by["7"]["completed"] == by["none"]["completed"] == 3
+    assert by["7"]["latency_ms"]["p50"] >= by["7"]["ttft_ms"]["p50"] > 0
+    assert sorted(str(r["priority"]) for r in record["requests"]) == ["7"] * 3 + ["None"] * 3
+    assert "priority 7 (3/3):" in capsys.readouterr().out
+
+
+def test_priorities_are_assigned_to_a_seeded_share_of_sessions():
+    from hyla.bench.runner import assign_priorities
+
+    picked = assign_priorities(10, 0.3, 5, seed=1)
+    assert picked.count(5) == 3 and picked.count(None) == 7
+    assert picked == assign_priorities(10, 0.3, 5, seed=1) != assign_priorities(10, 0.3, 5, seed=2)
+    assert assign_priorities(4, 0.0, 5) == [None] * 4 and assign_priorities(4, 1.0, 5) == [5] * 4
+    with pytest.raises(ValueError, match="share"):
+        assign_priorities(4, 1.5, 5)
+    _, body = build_payload("openai-chat", "m", [{"role": "user", "content": "x"}], 3, priority=-2)
+    assert body["priority"] == -2
+    assert "priority" not in build_payload("hyla", "m", [{"role": "user", "content": "x"}], 3)[1]
+    assert summarize([RequestResult(0, 0, success=True, ttft=0.1, latency=0.2)], 1.0)["by_priority"] == {}
+
+
 def test_flush_cache_empties_the_server_cache_before_the_run(server, capsys):
     """``--flush-cache``: the same workload twice hits the first run's prefixes unless the server's
     cache is flushed first; a server that refuses is an error (exit 2), not a run."""
@@ -284,7 +323,7 @@ def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkey
     parser = argparse.ArgumentParser(prog="hyla bench")
     bench_cli.add_arguments(parser)
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 20
+    assert len(options) == 22
     for action in options:
         flag = max(action.option_strings, key=len)
         assert flag in out

@@ -11,7 +11,8 @@ Backends (``--backend``):
 
 All three speak server-sent events (``data: {...}`` lines, ``data: [DONE]`` at the end). The
 server-reported prompt cache hit is read from ``usage.prompt_tokens_details.cached_tokens``
-(OpenAI) or ``meta_info.cached_tokens`` (native).
+(OpenAI) or ``meta_info.cached_tokens`` (native). A request with a ``priority`` sends it as the
+``priority`` field of each API (SGLang's and vLLM's; hyla's with ``--enable-priority-scheduling``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ BACKENDS = ("openai", "openai-chat", "hyla")
 class RequestResult:
     session_id: int
     turn_id: int
+    priority: int | None = None  # sent with the request (None: no priority field)
     success: bool = False
     error: str = ""
     ttft: float = 0.0  # seconds from send to the first content chunk
@@ -54,23 +56,25 @@ def render_transcript(messages: list[dict[str, str]]) -> str:
     return "\n".join(lines) + "\nAssistant:"
 
 
-def build_payload(backend: str, model: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, dict[str, Any]]:
+def build_payload(backend: str, model: str, messages: list[dict[str, str]], max_tokens: int,
+                  priority: int | None = None) -> tuple[str, dict[str, Any]]:
     """(path, JSON body) of one streaming request."""
+    extra = {} if priority is None else {"priority": priority}
     if backend == "openai-chat":
         return "/v1/chat/completions", {
             "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **extra,
         }
     prompt = render_transcript(messages)
     if backend == "openai":
         return "/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, **extra,
         }
     if backend == "hyla":
         return "/generate", {
             "text": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}, **extra,
         }
     raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
 
@@ -119,10 +123,11 @@ async def send_request(
     max_tokens: int,
     session_id: int = 0,
     turn_id: int = 0,
+    priority: int | None = None,
 ) -> RequestResult:
     """Send one streaming request and time it; failures come back as ``success=False`` with the error."""
-    result = RequestResult(session_id, turn_id)
-    path, payload = build_payload(backend, model, messages, max_tokens)
+    result = RequestResult(session_id, turn_id, priority)
+    path, payload = build_payload(backend, model, messages, max_tokens, priority)
     start = time.perf_counter()
     last = start
     num_chunks = 0

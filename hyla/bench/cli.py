@@ -18,7 +18,7 @@ import httpx
 from hyla.bench.backends import BACKENDS
 from hyla.bench.datasets import random_sessions, sharegpt_sessions
 from hyla.bench.metrics import format_report, summarize
-from hyla.bench.runner import run_benchmark
+from hyla.bench.runner import assign_priorities, run_benchmark
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default: %(default)s, all at once).")
     load.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                       help="At most this many requests in flight (default: no cap).")
+    load.add_argument("--priority-share", type=float, default=0.0, metavar="F",
+                      help="Send --priority with every request of this share of the sessions (random, seeded); "
+                           "the report adds TTFT and latency per priority class (default: %(default)s, no "
+                           "priority field).")
+    load.add_argument("--priority", type=int, default=20, metavar="P",
+                      help="The priority those sessions send (hyla and SGLang: higher is more urgent unless the "
+                           "server schedules low values first; hyla: --enable-priority-scheduling) "
+                           "(default: %(default)s).")
     load.add_argument("--seed", type=int, default=0,
                       help="Seed of the arrival times and the random prompts (default: %(default)s).")
 
@@ -111,9 +119,10 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model or served_model(args.base_url, args.timeout)
         if args.flush_cache:
             flush_cache(args.base_url, args.timeout)
+        priorities = assign_priorities(len(sessions), args.priority_share, args.priority, args.seed)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
-            args.seed, not args.disable_tqdm, args.timeout))
+            args.seed, not args.disable_tqdm, args.timeout, priorities))
     except ValueError as e:
         print(f"hyla bench: error: {e}", file=sys.stderr)
         return 2
@@ -124,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
             "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
             "summary": summary,
             "requests": [
-                {"session_id": r.session_id, "turn_id": r.turn_id, "success": r.success, "error": r.error,
+                {"session_id": r.session_id, "turn_id": r.turn_id, "priority": r.priority, "success": r.success,
+                 "error": r.error,
                  "ttft_s": r.ttft, "latency_s": r.latency, "itl_s": r.itl, "prompt_tokens": r.prompt_tokens,
                  "completion_tokens": r.completion_tokens, "cached_tokens": r.cached_tokens}
                 for r in results

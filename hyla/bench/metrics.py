@@ -3,7 +3,8 @@
 * throughput: completed requests, input (prompt) tokens and output tokens per second of wall time;
 * TTFT (time to first token), TPOT (time per output token after the first, per request) and ITL
   (every gap between streamed chunks): mean, P50, P90, P99 in milliseconds;
-* cache hit rate: Σ server-reported cached prompt tokens / Σ prompt tokens.
+* cache hit rate: Σ server-reported cached prompt tokens / Σ prompt tokens;
+* with priorities sent (``--priority-share``): TTFT and latency per priority class.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
     if duration_s <= 0:
         raise ValueError(f"duration must be positive, got {duration_s}")
     ok = [r for r in results if r.success]
+    classes = sorted({r.priority for r in results}, key=lambda p: (p is not None, p or 0))
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.completion_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -48,6 +50,14 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         "tpot_ms": latency_stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": latency_stats_ms([g for r in ok for g in r.itl]),
         "errors": sorted({r.error for r in results if not r.success})[:10],
+        # per priority sent ("none": no priority field), when any request had one
+        "by_priority": {} if classes == [None] else {
+            "none" if p is None else str(p): {
+                "num_requests": sum(r.priority == p for r in results),
+                "completed": sum(r.priority == p for r in ok),
+                "ttft_ms": latency_stats_ms([r.ttft for r in ok if r.priority == p]),
+                "latency_ms": latency_stats_ms([r.latency for r in ok if r.priority == p]),
+            } for p in classes},
     }
 
 
@@ -71,6 +81,12 @@ def format_report(summary: dict[str, Any]) -> str:
         for stat in ("mean", *[f"p{p}" for p in PERCENTILES]):
             label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {key.split('_')[0].upper()} (ms):"
             lines.append(f"{label:<40}{summary[key][stat]:>12.2f}")
+    if summary["by_priority"]:
+        lines.append("-" * 15 + " By priority (TTFT / latency P50, P99 ms) " + "-" * 15)
+        for p, c in summary["by_priority"].items():
+            label = f"priority {p} ({c['completed']}/{c['num_requests']}):"
+            lines.append(f"{label:<28}{c['ttft_ms']['p50']:>9.1f}{c['ttft_ms']['p99']:>9.1f}"
+                         f"{c['latency_ms']['p50']:>10.1f}{c['latency_ms']['p99']:>10.1f}")
     for err in summary["errors"]:
         lines.append(f"error: {err}")
     lines.append("=" * 66)

@@ -8,6 +8,8 @@ Scheduling rules:
   holds the server's actual reply to turn ``k`` (so the server can hit its cache on it). A failed
   turn ends its session.
 * ``max_concurrency`` caps requests in flight across all sessions (a semaphore around each send).
+* ``priorities`` (one per session, or None) are sent with every turn of their session
+  (:func:`assign_priorities`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ from tqdm.auto import tqdm
 
 from hyla.bench.backends import RequestResult, send_request
 from hyla.bench.datasets import BenchSession
+
+
+def assign_priorities(num: int, share: float, priority: int, seed: int = 0) -> list[int | None]:
+    """Per session: ``priority`` for a random ``share`` of the ``num`` sessions (``round(share * num)``
+    of them, drawn with ``seed``), None (no priority field) for the rest."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"the priority share must be in [0, 1], got {share}")
+    chosen = set(random.Random(seed).sample(range(num), round(share * num)))
+    return [priority if i in chosen else None for i in range(num)]
 
 
 def arrival_times(num: int, request_rate: float, seed: int = 0) -> list[float]:
@@ -49,6 +60,7 @@ async def _run_session(
     semaphore: asyncio.Semaphore | None,
     results: list[RequestResult],
     progress: tqdm | None,
+    priority: int | None = None,
 ) -> None:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     history: list[dict[str, str]] = []
@@ -56,10 +68,12 @@ async def _run_session(
         user = session.prefix + turn.user if k == 0 else turn.user
         messages = history + [{"role": "user", "content": user}]
         if semaphore is None:
-            result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id, k)
+            result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id, k,
+                                        priority)
         else:
             async with semaphore:
-                result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id, k)
+                result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id,
+                                            k, priority)
         results.append(result)
         if progress is not None:
             progress.update(1)
@@ -80,10 +94,14 @@ async def run_benchmark(
     seed: int = 0,
     show_progress: bool = True,
     timeout_s: float = 600.0,
+    priorities: Sequence[int | None] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Run every session; returns the per-request results and the wall-clock duration (s)."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    priorities = list(priorities) if priorities is not None else [None] * len(sessions)
+    if len(priorities) != len(sessions):
+        raise ValueError(f"{len(priorities)} priorities for {len(sessions)} sessions")
     starts = arrival_times(len(sessions), request_rate, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     results: list[RequestResult] = []
@@ -93,8 +111,8 @@ async def run_benchmark(
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(
-            _run_session(client, s, start, t0, backend, model, semaphore, results, progress)
-            for s, start in zip(sessions, starts)
+            _run_session(client, s, start, t0, backend, model, semaphore, results, progress, prio)
+            for s, start, prio in zip(sessions, starts, priorities)
         ))
         duration = time.perf_counter() - t0
     progress.close()
