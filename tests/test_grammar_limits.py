@@ -164,6 +164,12 @@ def _nested_id(inner: dict, outer: dict) -> dict:
      "the integer bound minimum 9007199254740993 at #/$defs/a b cannot be enforced exactly"),
     ({"json_schema": _nested_id(inner=BIG, outer={"minimum": 3})},  # resolved in the schema with the $id
      "the integer bound minimum 9007199254740993 at #/properties/n/$defs/x cannot be enforced exactly"),
+    # ... or beside a local $ref whose chain reaches a schema typed integer
+    ({"json_schema": {"$ref": "#/$defs/int", "minimum": 2**53 + 1, "$defs": {"int": {"type": "integer"}}}},
+     "the integer bound minimum 9007199254740993 at # cannot be enforced exactly"),
+    ({"json_schema": {"allOf": [{"$ref": "#/$defs/a"}], "maximum": -(10**30),
+                      "$defs": {"a": {"$ref": "#/$defs/int"}, "int": {"type": ["integer", "null"]}}}},
+     "the integer bound maximum -1000000000000000000000000000000 at # cannot be enforced exactly"),
     ({"json_schema": {"$ref": "#"}}, "json_schema cannot be compiled: it matches no output"),
     ({"regex": r"[^\s\S]"}, "regex cannot be compiled: it matches no output"),
     ({"ebnf": "root ::= "}, "ebnf cannot be compiled: it matches only the empty output"),
@@ -199,6 +205,9 @@ def test_unenforceable_grammar_is_a_value_error(engine, params, message):
       "$defs": {"o": {"properties": {"x": {"type": "number", "minimum": 2**53 + 1}}}}},
      lambda v: isinstance(v, (int, dict))),
     (_nested_id(inner={"minimum": 3, "maximum": 7}, outer=BIG), lambda v: 3 <= v["n"] <= 7),  # not the root's $defs
+    # beside a $ref to a number (not an integer), or to an integer with bounds in range
+    ({"$ref": "#/$defs/num", "minimum": 2**53 + 1, "$defs": {"num": {"type": "number"}}}, lambda v: v >= 2**53 + 1),
+    ({"$ref": "#/$defs/int", "minimum": 3, "maximum": 7, "$defs": {"int": {"type": "integer"}}}, lambda v: 3 <= v <= 7),
 ])
 def test_enforceable_bounds_still_compile(engine, schema, check):
     out = engine.generate("Here is a number:", {"temperature": 0, "max_new_tokens": 40, "json_schema": schema})
@@ -214,6 +223,11 @@ def test_integer_bounds_follow_a_long_ref_chain_without_recursion(grammars):
     defs[f"d{n}"] = {"exclusiveMinimum": 2**60}
     source = grammar_source("json_schema", {"type": "integer", "$ref": "#/$defs/d0", "$defs": defs})
     with pytest.raises(ValueError, match=re.escape(f"exclusiveMinimum 1152921504606846976 at #/$defs/d{n} cannot")):
+        grammars.matcher("json_schema", source)
+    # the other way: the type at the chain's end, the bound at its start (each link's chain walked once)
+    defs[f"d{n}"] = {"type": "integer"}
+    source = grammar_source("json_schema", {"$ref": "#/$defs/d0", "minimum": 2**60 + 1, "$defs": defs})
+    with pytest.raises(ValueError, match=re.escape("minimum 1152921504606846977 at # cannot")):
         grammars.matcher("json_schema", source)
 
 

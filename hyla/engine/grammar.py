@@ -401,9 +401,10 @@ def _check_integer_bounds(source: str) -> None:
     (``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if``/``then``/``else``, and the target of a local
     ``$ref``: ``#`` or a JSON pointer ``#/...`` into, as llguidance resolves it, the nearest
     enclosing schema with an ``$id``, else the root) of such a schema or beside one in an
-    ``allOf``. Other ``$ref``s are left to llguidance, and a ``$ref`` does not make a schema an
-    integer's (its target is checked by its own type). Walks the schema without recursion, each
-    subschema at most once as an integer's and once not (``$ref`` cycles end)."""
+    ``allOf``. A schema whose local ``$ref`` chain reaches a schema typed integer is an integer's
+    too (``{"$ref": "#/$defs/int", "minimum": ...}``). Other ``$ref``s are left to llguidance.
+    Walks the schema without recursion, each subschema at most once as an integer's and once not
+    (``$ref`` cycles end), and each ``$ref`` chain once (:func:`_refers_to_integer`)."""
     try:
         schema = json.loads(source)
     except (ValueError, RecursionError):
@@ -411,6 +412,7 @@ def _check_integer_bounds(source: str) -> None:
     # (node, its JSON pointer, an integer's, (the schema its local $refs point into, its pointer))
     todo: list[tuple[Any, str, bool, tuple[Any, str]]] = [(schema, "#", False, (schema, "#"))]
     walked: set[tuple[int, bool]] = set()  # (id(schema object), an integer's): a $ref reaches one again
+    refers: dict[int, bool] = {}  # id(schema object) -> whether its $ref chain reaches an integer's type
     while todo:
         node, path, integer, base = todo.pop()
         if isinstance(node, list):
@@ -418,13 +420,14 @@ def _check_integer_bounds(source: str) -> None:
             continue
         if not isinstance(node, dict):
             continue
-        integer = integer or _typed_integer(node) or (
-            isinstance(node.get("allOf"), list) and any(isinstance(s, dict) and _typed_integer(s) for s in node["allOf"]))
+        if isinstance(node.get("$id"), str):
+            base = (node, path)
+        typed = lambda s: _typed_integer(s) or _refers_to_integer(s, base[0], refers)  # noqa: E731
+        integer = integer or typed(node) or (
+            isinstance(node.get("allOf"), list) and any(isinstance(s, dict) and typed(s) for s in node["allOf"]))
         if (id(node), integer) in walked:
             continue
         walked.add((id(node), integer))
-        if isinstance(node.get("$id"), str):
-            base = (node, path)
         if integer:
             target = _local_ref(base[0], node.get("$ref"))
             if target is not None:
@@ -469,6 +472,35 @@ def _local_ref(resource: Any, ref: Any) -> tuple[dict, str] | None:
         else:
             return None
     return (node, pointer) if isinstance(node, dict) else None
+
+
+def _refers_to_integer(node: dict, resource: Any, memo: dict[int, bool]) -> bool:
+    """Whether ``node``'s chain of local ``$ref``s (resolved in ``resource``, or in a target's own
+    ``$id`` schema from there on) reaches a schema typed integer. Each schema of a chain is
+    memoized in ``memo`` (by ``id``), so walking every schema of a long chain stays linear; a
+    cycle without an integer is False."""
+    chain: set[int] = set()
+    result = False
+    while True:
+        key = id(node)
+        if key in memo:
+            result = memo[key]
+            break
+        if key in chain:  # a cycle: no schema on it is typed integer
+            break
+        chain.add(key)
+        target = _local_ref(resource, node.get("$ref"))
+        if target is None:
+            break
+        node = target[0]
+        if isinstance(node.get("$id"), str):
+            resource = node
+        if _typed_integer(node):
+            result = True
+            break
+    for key in chain:
+        memo[key] = result
+    return result
 
 
 def _typed_integer(node: dict) -> bool:
