@@ -12,7 +12,8 @@ running request. Prefill goes first whenever there is something to admit, as in 
 prompt does not stall the running streams for its chunks' duration. Memory
 is the ``CacheManager``'s (admission, allocation, commit, release: see its contract); sampling,
 stop conditions and delivery are the ``OutputProcessor``'s. What stays here is policy: queue
-order (longest cached prefix first), chunking, the decode reserve, retraction.
+order (longest cached prefix first; with priority scheduling, requests' priorities first), chunking,
+the decode reserve, retraction and preemption.
 
 With the overlap schedule (``SchedulerConfig.overlap``; on by default where decode steps replay CUDA graphs) a
 decode step's tokens are drawn on the device and not read at once: the next step samples them,
