@@ -102,6 +102,8 @@ BAD_CHAT_BODIES = [
     pytest.param({**CHAT, "seed": -1}, None, id="negative-seed"),
     pytest.param({**CHAT, "top_k": -5}, None, id="engine-rejects-top-k"),
     pytest.param({**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", id="reserved-template-var"),
+    # encode_chat's own first parameter (was a TypeError, a 500)
+    pytest.param({**CHAT, "chat_template_kwargs": {"self": 1}}, "chat_template_kwargs", id="template-var-self"),
     pytest.param({**CHAT, "messages": [{"role": "user", "content": {"nested": "object"}}]}, None, id="dict-content"),
 ]
 

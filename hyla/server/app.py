@@ -32,6 +32,7 @@ from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
+from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
 from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 
@@ -39,7 +40,8 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/flush_cache", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/flush_cache", "/tokenize", "/detokenize",
+          "/health", "/metrics")
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
 would grow /metrics without bound)."""
@@ -153,8 +155,9 @@ class Server:
                            param="model", code="model_not_found")
 
     async def check_api_key(self, request: Request) -> None:
-        """FastAPI dependency of the /v1, /generate and /flush_cache routes (``Authorization: Bearer
-        KEY``); async so that FastAPI runs it on the event loop, not on a worker thread."""
+        """FastAPI dependency of the /v1, /generate, /flush_cache, /tokenize and /detokenize routes
+        (``Authorization: Bearer KEY``); async so that FastAPI runs it on the event loop, not on a
+        worker thread."""
         if self.api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -234,9 +237,9 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
-    built-in model). With ``api_key``, /v1/*, /generate and /flush_cache need ``Authorization:
-    Bearer <api_key>`` (the scheme's case does not matter, RFC 7235), /docs and /openapi.json are
-    off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
+    built-in model). With ``api_key``, /v1/*, /generate, /flush_cache, /tokenize and /detokenize
+    need ``Authorization: Bearer <api_key>`` (the scheme's case does not matter, RFC 7235), /docs
+    and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
     tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``)."""
@@ -271,6 +274,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     auth = [Depends(server.check_api_key)]
     app.include_router(OpenAIRoutes(server).router(), dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
+    app.include_router(TokenRoutes(server).router(), dependencies=auth)
     return app
 
 

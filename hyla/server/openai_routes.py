@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,13 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
 from hyla.server.protocol import (
-    ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
+    ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChatCompletionResponse, ChatResponseMessage, FunctionCall, ToolCallOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
     text_chars,
 )
 from hyla.engine.engine import Engine
-from hyla.tokenizer import Tokenizer, TokenText
+from hyla.tokenizer import ChatEncoding, Tokenizer, TokenText
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 CHAT_CHECKPOINTS = 8
 """Message ends per chat request where the engine caches the recurrent state: the first message's (a
 shared system prompt) and the last seven's. Each costs a render of the conversation up to it."""
-# what the template's own variables and helpers are named: chat_template_kwargs may not replace them
+# what the template's own variables and helpers are named (and ``self``, ``Tokenizer.encode_chat``'s
+# own first parameter): chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries",
-                                         "raise_exception", "strftime_now", "namespace"})
+                                         "raise_exception", "strftime_now", "namespace", "self"})
 
 Logprobs = list[tuple[float, int]]
 TopLogprobs = list[list[tuple[float, int]]]
@@ -137,18 +138,8 @@ class OpenAIRoutes:
         engine = self.server.admit()
         if engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-        messages = self.server.tool_call_parser.for_template([m.for_template() for m in body.messages])
-        reserved = sorted(set(body.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
-        if reserved:
-            raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-        self.server.check_prompt_chars(text_chars(messages) + text_chars(body.chat_template_kwargs), "messages")
-        try:  # on a worker thread: a long conversation does not stall the event loop
-            encoding = await asyncio.to_thread(engine.tokenizer.encode_chat, messages, add_generation_prompt=True,
-                                               tools=body.template_tools(), max_boundaries=CHAT_CHECKPOINTS,
-                                               **(body.chat_template_kwargs or {}))
-        except ValueError as exc:
-            param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
-            raise APIError(400, str(exc), param=param) from exc
+        encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
+                                     body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
         max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
@@ -251,6 +242,27 @@ class OpenAIRoutes:
         self.server.check_prompt_chars(sum(map(len, texts)), "prompt")
         encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
+
+
+async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                      template_kwargs: dict[str, Any] | None, *, add_generation_prompt: bool = True,
+                      max_boundaries: int = 0) -> ChatEncoding:
+    """``chat`` rendered with the model's template and tokenized, as a chat completion feeds it to the
+    engine (``/tokenize`` too): the messages converted for the template (the tool-call parser's
+    form of earlier calls), ``template_kwargs`` checked against the reserved variables, the prompt
+    cap, then ``Tokenizer.encode_chat`` on a worker thread (a long conversation does not stall the
+    event loop). A template's ``ValueError`` is a 400 naming ``messages`` or ``chat_template_kwargs``."""
+    messages = server.tool_call_parser.for_template([m.for_template() for m in chat])
+    reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
+    server.check_prompt_chars(text_chars(messages) + text_chars(template_kwargs), "messages")
+    try:
+        return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt=add_generation_prompt,
+                                       tools=tools, max_boundaries=max_boundaries, **(template_kwargs or {}))
+    except ValueError as exc:
+        param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
+        raise APIError(400, str(exc), param=param) from exc
 
 
 def _max_new_tokens(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:

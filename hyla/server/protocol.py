@@ -467,6 +467,73 @@ class GenerateRequest(_Request):
         return not (self.input_ids and isinstance(self.input_ids[0], list))
 
 
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's; SGLang serves the same shape): exactly one of ``prompt``, a text
+    tokenized as /v1/completions tokenizes it, and ``messages``, a chat rendered and tokenized as
+    /v1/chat/completions renders it. ``model`` may be left out (the served model is meant).
+
+    With ``prompt``: ``add_special_tokens`` (default true: the tokenizer's post-processor, e.g. a
+    BOS). With ``messages``: ``add_generation_prompt`` (default true: what a chat completion
+    renders), ``chat_template_kwargs``, ``tools`` (rendered as a chat completion with the default
+    ``tool_choice`` renders them); ``add_special_tokens`` and ``continue_final_message`` may only be
+    false (vLLM's defaults: a chat completion adds nothing to the template's markup and never
+    continues the last message). ``form_error`` says which field breaks these rules."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true with prompt, false with messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    return_token_strs: bool | None = False  # also answer each token's vocabulary string
+
+    @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
+    @classmethod
+    def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
+        """The chat completion's bound on nesting (``ChatCompletionRequest._check_nesting``)."""
+        if info.field_name == "messages" and isinstance(value, list):
+            for i, message in enumerate(value):
+                check_nesting(message, f"messages[{i}]")
+        else:
+            check_nesting(value, str(info.field_name))
+        return value
+
+    def form_error(self) -> tuple[str, str] | None:
+        """``(field, message)`` for the first field that does not fit the request's form (a
+        ``prompt`` or ``messages``), or None when the request is one of the two."""
+        if self.prompt is None and self.messages is None:
+            return "prompt", "give prompt (a text) or messages (a chat) to tokenize"
+        if self.prompt is not None and self.messages is not None:
+            return "messages", "give prompt or messages, not both"
+        if self.prompt is not None:
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"):
+                if name in self.model_fields_set:
+                    return name, f"{name} goes with messages, not with prompt"
+            return None
+        if self.add_special_tokens:
+            return "add_special_tokens", ("add_special_tokens must be false with messages: the chat template "
+                                          "writes the special tokens, and a chat completion adds none of its own")
+        if self.continue_final_message:
+            return "continue_final_message", ("continue_final_message is not supported: a chat completion always "
+                                              "starts a new assistant turn")
+        return None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (None: render none), as a chat completion with
+        the default ``tool_choice`` passes them."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): ``tokens``, each in the model's vocabulary, back to text.
+    ``model`` may be left out (the served model is meant)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # --------------------------------------------------------------------------------------------
 # responses
 # --------------------------------------------------------------------------------------------
@@ -588,6 +655,20 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    """``/tokenize``'s answer: the ids, their number, the context length they must fit (prompt and
+    answer together), and with ``return_token_strs`` each id's vocabulary string (else null)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):
