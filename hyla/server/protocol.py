@@ -380,14 +380,7 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
     @classmethod
     def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
-        """At most ``MAX_NESTING_DEPTH`` levels of lists and objects (checked before anything walks
-        them), counted as the chat template counts them: from each message, from the tools list."""
-        if info.field_name == "messages" and isinstance(value, list):
-            for i, message in enumerate(value):
-                check_nesting(message, f"messages[{i}]")
-        else:
-            check_nesting(value, str(info.field_name))
-        return value
+        return check_chat_nesting(value, str(info.field_name))
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
@@ -467,6 +460,18 @@ class GenerateRequest(_Request):
         return not (self.input_ids and isinstance(self.input_ids[0], list))
 
 
+def check_chat_nesting(value: Any, field_name: str) -> Any:
+    """A chat field (``messages``, ``tools``, ``chat_template_kwargs``) of at most
+    ``MAX_NESTING_DEPTH`` levels of lists and objects (checked before anything walks it), counted
+    as the chat template counts them: from each message, from the tools list. Returns ``value``."""
+    if field_name == "messages" and isinstance(value, list):
+        for i, message in enumerate(value):
+            check_nesting(message, f"messages[{i}]")
+    else:
+        check_nesting(value, field_name)
+    return value
+
+
 class TokenizeRequest(_Request):
     """``POST /tokenize`` (vLLM's; SGLang serves the same shape): exactly one of ``prompt``, a text
     tokenized as /v1/completions tokenizes it, and ``messages``, a chat rendered and tokenized as
@@ -492,13 +497,7 @@ class TokenizeRequest(_Request):
     @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
     @classmethod
     def _check_nesting(cls, value: Any, info: ValidationInfo) -> Any:
-        """The chat completion's bound on nesting (``ChatCompletionRequest._check_nesting``)."""
-        if info.field_name == "messages" and isinstance(value, list):
-            for i, message in enumerate(value):
-                check_nesting(message, f"messages[{i}]")
-        else:
-            check_nesting(value, str(info.field_name))
-        return value
+        return check_chat_nesting(value, str(info.field_name))
 
     def form_error(self) -> tuple[str, str] | None:
         """``(field, message)`` for the first field that does not fit the request's form (a
