@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import machine, off_on, off_on_rows, write_section  # noqa: E402
 from benchmarks.startup import add_model_arguments, model_dir, model_flags, resolve_dtype  # noqa: E402
 from hyla import Engine  # noqa: E402
 
@@ -106,22 +106,9 @@ def main() -> None:
                     context_length=args.prompt + 4096, max_total_tokens=2 * args.prompt + 8192 * args.streams,
                     max_state_slots=4 * args.streams + 8, max_running_requests=args.streams + 1)
         engines = {mode: Engine(path, enable_mixed_chunk=mode == "on", **opts) for mode in ("off", "on")}
-        try:
-            runs: dict[str, list[dict]] = {mode: [] for mode in engines}
-            for rep in range(1 + args.repeats):  # the first round warms both engines up, untimed
-                for mode, engine in engines.items():
-                    res = window(engine, random.Random(rep), args)
-                    if rep:
-                        runs[mode].append(res)
-                        print(f"repeat {rep}, mixed {mode}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()),
-                              flush=True)
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in METRICS} for mode, rs in runs.items()}
+        med = off_on(engines, args.repeats, lambda mode, engine, rep: window(engine, random.Random(rep), args), "mixed")
     flags = model_flags(args)
-    ratio = lambda k: f"{med['on'][k] / med['off'][k]:.2f}x" if med["off"][k] else "—"  # noqa: E731
-    rows = "\n".join(f"| {k} | {med['off'][k]:,.1f} | {med['on'][k]:,.1f} | {ratio(k)} |" for k in METRICS)
+    rows = off_on_rows(med, METRICS)
     body = f"""`.venv/bin/python benchmarks/mixed_chunk.py {flags} --repeats {args.repeats} --prompt {args.prompt} --chunk {args.chunk} --streams {args.streams}` — {machine()}; {model}, {args.dtype}; {args.streams} streams decoding while a {args.prompt:,}-token prompt is prefilled in {args.chunk:,}-token steps; medians of {args.repeats} windows (from the prompt's arrival to its first token).
 
 | streams, in the window | mixed off | mixed on | on / off |

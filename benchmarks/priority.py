@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import machine, off_on, off_on_rows, write_section  # noqa: E402
 from benchmarks.startup import add_model_arguments, model_dir, model_flags, resolve_dtype  # noqa: E402
 from hyla import Engine  # noqa: E402
 
@@ -122,24 +122,15 @@ def main() -> None:
                     max_total_tokens=tokens + 4096, max_state_slots=4 * (args.batch + args.interactive),
                     context_length=max(args.batch_prompt + args.batch_tokens, args.prompt + args.new_tokens) + 64)
         engines = {mode: Engine(path, enable_priority_scheduling=mode == "on", **opts) for mode in ("off", "on")}
-        try:
-            runs: dict[str, list[dict]] = {mode: [] for mode in engines}
-            for rep in range(1 + args.repeats):  # the first round warms both engines up, untimed
-                for mode, engine in engines.items():
-                    res = measure(engine, random.Random(rep), args, args.priority if mode == "on" else 0)
-                    engine.wait_idle()
-                    engine.flush_cache()  # each round starts cold: the same work on both engines
-                    if rep:
-                        runs[mode].append(res)
-                        print(f"repeat {rep}, priority scheduling {mode}: "
-                              + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()), flush=True)
-        finally:
-            for engine in engines.values():
-                engine.shutdown()
-    med = {mode: {k: statistics.median(r[k] for r in rs) for k in METRICS} for mode, rs in runs.items()}
-    ratio = lambda k: f"{med['on'][k] / med['off'][k]:.2f}x" if med["off"][k] else "—"  # noqa: E731
-    fmt = lambda k, v: f"{v:,.{DIGITS.get(k, 1)}f}"  # noqa: E731
-    rows = "\n".join(f"| {k} | {fmt(k, med['off'][k])} | {fmt(k, med['on'][k])} | {ratio(k)} |" for k in METRICS)
+
+        def round_(mode: str, engine: Engine, rep: int) -> dict[str, float]:
+            res = measure(engine, random.Random(rep), args, args.priority if mode == "on" else 0)
+            engine.wait_idle()
+            engine.flush_cache()  # each round starts cold: the same work on both engines
+            return res
+
+        med = off_on(engines, args.repeats, round_, "priority scheduling")
+    rows = off_on_rows(med, METRICS, DIGITS)
     body = f"""`.venv/bin/python benchmarks/priority.py {model_flags(args)} --repeats {args.repeats} --batch {args.batch} --running {args.running} --interactive {args.interactive} --interval {args.interval:g}` — {machine()}; {model}, {args.dtype}; a batch of {args.batch} requests ({args.batch_prompt} prompt tokens, {args.batch_tokens} new, priority 0) on {args.running} running slots, then {args.interactive} interactive requests ({args.prompt} prompt tokens, {args.new_tokens} new; priority {args.priority} with priority scheduling on) one every {args.interval:g} ms once every slot decodes; medians of {args.repeats} rounds (interactive: the median request of each round), greedy.
 
 | | priority scheduling off | on | on / off |

@@ -3,6 +3,8 @@
 Every benchmark script calls ``write_section`` with a markdown body; the section is replaced in
 place (or appended), other sections are left as they are. ``graph_us`` times a few GPU kernels per
 call as a CUDA graph replays them (the launch gaps of a decode step's graph, not Python's).
+``off_on`` runs an A/B of two engines (a feature off and on) in alternating rounds and
+``off_on_rows`` makes its table.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -24,6 +27,34 @@ HEADER = ("# Benchmarks\n\nEach section is written by the script it names; re-ru
 def machine() -> str:
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.processor() or platform.machine()})"
     return f"{dev}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+
+
+def off_on(engines: dict[str, Any], repeats: int, measure: Callable[[str, Any, int], dict[str, float]],
+           label: str) -> dict[str, dict[str, float]]:
+    """``measure(mode, engine, round)`` of each engine (``{"off": ..., "on": ...}``) in turn, for a
+    first round that warms them up (untimed) and ``repeats`` more, each printed; then shuts the
+    engines down. Returns, per mode, each metric's median over the timed rounds."""
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in engines}
+    try:
+        for rep in range(1 + repeats):
+            for mode, engine in engines.items():
+                res = measure(mode, engine, rep)
+                if rep:
+                    runs[mode].append(res)
+                    print(f"repeat {rep}, {label} {mode}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()),
+                          flush=True)
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    return {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
+
+
+def off_on_rows(med: dict[str, dict[str, float]], metrics: Sequence[str], digits: dict[str, int] | None = None) -> str:
+    """Markdown rows ``| metric | off | on | on / off |`` of :func:`off_on`'s medians (1 decimal,
+    or ``digits[metric]``)."""
+    fmt = lambda k, v: f"{v:,.{(digits or {}).get(k, 1)}f}"  # noqa: E731
+    ratio = lambda k: f"{med['on'][k] / med['off'][k]:.2f}x" if med["off"][k] else "—"  # noqa: E731
+    return "\n".join(f"| {k} | {fmt(k, med['off'][k])} | {fmt(k, med['on'][k])} | {ratio(k)} |" for k in metrics)
 
 
 def write_section(title: str, body: str, doc: Path = DOC) -> None:
