@@ -65,7 +65,7 @@ class Drawn:
             self.host = (self.chosen, lps, tops)
             return
         pinned = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
-        self.host = (pinned(self.chosen), pinned(lps), [None if t is None else (pinned(t.values), pinned(t.indices))
+        self.host = (pinned(self.chosen), pinned(lps), [None if t is None else (pinned(t[0]), pinned(t[1]))
                                                        for t in tops])
         self.ready = torch.cuda.Event()
         self.ready.record()
