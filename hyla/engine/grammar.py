@@ -36,7 +36,7 @@ Bad grammars are refused at submission with a ``ValueError``, never by a crash o
   for ``regex`` / ``ebnf``, ``MAX_GRAMMAR_CHARS`` (1 MiB of grammar: at most ~115,000 rules in a
   chain, ~350 MB).
 * Each compiled grammar is probed: its first mask, and the mask after one token. A grammar that
-  matches nothing, or only the empty output (``[^\s\S]``, ``{"$ref": "#"}``, ``root ::= ""``),
+  matches nothing, or only the empty output (``[^\\s\\S]``, ``{"$ref": "#"}``, ``root ::= ""``),
   or that exceeds llguidance's parser limits from the start (one alternation of more than
   ``MAX_ITEMS_IN_ROW`` branches: an ``anyOf`` of 3,000 objects) is refused. A limit first met
   deeper in an output (a right-recursive rule repeated 1,000 times, an ``anyOf`` that large nested
