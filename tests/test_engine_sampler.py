@@ -71,3 +71,19 @@ def test_logprobs_only_when_a_request_asks_for_them():
     assert loud.token_ids == quiet.token_ids  # the same draws either way
     want = torch.log_softmax(logits, dim=-1)[torch.arange(3), torch.tensor(loud.token_ids)]
     torch.testing.assert_close(torch.tensor(loud.logprobs), want)
+
+
+def test_top_logprobs_are_the_rows_most_likely_tokens():
+    """A request asking for top logprobs gets its row's ``k`` most likely ``(logprob, id)`` pairs,
+    most likely first; one asking for none gets ``[]`` (``Drawn``'s host copies: one path for CPU
+    and CUDA, where a ``topk`` result read as a tuple once broke every request asking for them)."""
+    from hyla.engine.sampler import sample
+
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)) * 4
+    reqs = [_req(temperature=0.0, top_logprobs_num=3), _req(temperature=0.0)]
+    reqs[0].return_logprob = True
+    out = sample(logits, reqs)
+    want = torch.log_softmax(logits[0], dim=-1).topk(3)
+    assert [i for _, i in out.top_logprobs[0]] == want.indices.tolist() and out.top_logprobs[1] == []
+    torch.testing.assert_close(torch.tensor([lp for lp, _ in out.top_logprobs[0]]), want.values)
+    assert out.token_ids[0] == want.indices[0]

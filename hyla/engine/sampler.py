@@ -61,14 +61,15 @@ class Drawn:
         lps = raw_logprobs(self.rows, self.lse, self.chosen)
         tops = [raw_top_logprobs(self.rows[i], self.lse[i], k) if (k := num_top_logprobs(r)) else None
                 for i, r in enumerate(self.reqs)]
-        if self.chosen.device.type != "cuda":
-            self.host = (self.chosen, lps, tops)
-            return
-        pinned = lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)  # noqa: E731
-        self.host = (pinned(self.chosen), pinned(lps), [None if t is None else (pinned(t[0]), pinned(t[1]))
-                                                       for t in tops])
-        self.ready = torch.cuda.Event()
-        self.ready.record()
+        cuda = self.chosen.device.type == "cuda"
+        # one path for both devices (the CPU's runs the CUDA one's structure): on CUDA each tensor's
+        # copy to pinned host memory is queued, the event recorded after them
+        host = (lambda t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)) \
+            if cuda else (lambda t: t)
+        self.host = (host(self.chosen), host(lps), [None if t is None else (host(t[0]), host(t[1])) for t in tops])
+        if cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
 
     def collect(self) -> SampleOutput:
         """Read the tokens and their logprobs (the step's one wait for the device)."""
