@@ -57,7 +57,8 @@ class TokenRoutes:
             prompt = body.prompt or ""
             self.server.check_prompt_chars(len(prompt), "prompt")
             ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens is not False)
-        strs = [tokenizer.id_to_token(i) or "" for i in ids] if body.return_token_strs else None
+        strs = await asyncio.to_thread(lambda: [tokenizer.id_to_token(i) or "" for i in ids]) \
+            if body.return_token_strs else None  # (a long prompt's strings: off the event loop too)
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=engine.context_length, tokens=ids,
                                              token_strs=strs).model_dump())
 
