@@ -27,7 +27,6 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.draft_drafter import DraftModelDrafter
 from test_engine_differential import assert_drained, compare_outputs
-from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema
 from test_engine_speculative import (POOLS, WORKLOAD, _greedy, _ids, _watch_chains, abort_at_verify,
                                      spec_differential, stops_inside_accepted_runs)
 
@@ -316,6 +315,7 @@ def test_draft_with_a_grammar_on_the_default_model():
     grammar-valid prefix, output exactly that of constrained decoding without speculation, and
     what the grammar accepts."""
     from hyla.engine.engine import DEFAULT_MODEL_DIR
+    from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema  # (it imports the server: fastapi)
 
     params = {**GREEDY, "json_schema": SCHEMA}
     with Engine(enable_prefix_cache=False) as ref:

@@ -537,7 +537,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
     and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
     2-layer variants (one mixer of each kind: the interpreter's time grows with the layers). The
-    last request decodes alone: batch-1 steps, whose projections are GEMV kernels (``gemv``)."""
+    last request decodes alone: batch-1 steps, whose projections are GEMV kernels (``gemv``; not
+    Falcon-H1's)."""
     from hyla.model import layers
     from hyla.model.ops.gpu import gemv, moe
 
@@ -563,14 +564,17 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
             m.setattr(layers.SparseMoE, "path", lambda self, x: "sorted")
         else:
             emulate_cuda_graphs(m)
-        with Engine(path, overlap_schedule="on", **opts) as other:  # GPU: PyTorch; CPU: fused, interpreted
+        # (on a GPU no graphs: the PyTorch decode's sorted experts read the host, which a capture refuses)
+        with Engine(path, overlap_schedule="on", disable_cuda_graph=GPU, **opts) as other:  # GPU: PyTorch; CPU: fused
             b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m),
                            graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
     assert replays["n"] > 0 or GPU
     if GPU and arch == "nemotron_h":
         assert grouped  # decode steps of more than one request (and prefills) ran grouped
-    assert gemv_calls  # the in projections of the batch-1 steps
+    # the in projections of the batch-1 steps; Falcon-H1's parallel layer runs its own forward, whose
+    # projections are cuBLAS's (HybridForCausalLM._residual_fusable)
+    assert bool(gemv_calls) == (arch != "falcon_h1")
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
@@ -885,14 +889,18 @@ def test_differential_qwen3_next_cuda(qwen3_next_dense_path):
 
 @pytest.mark.gpu
 def test_engine_bf16_cuda_graph_matches_eager(qwen3_5_path):
-    """bf16 on the GPU: graph replay == the same fused kernels launched eagerly, token for token
-    (the same kernels on the same inputs: padding rows must not leak into real ones)."""
+    """bf16 on the GPU: graph replay == the same fused kernels launched eagerly (padding rows must not
+    leak into real ones): the same tokens up to each request's first tie, logprobs within bf16's
+    tolerance. Not bit for bit: a replay runs a step of B requests at the captured size (a step of 3
+    as 4 rows), where cuBLAS's LM head and the attention's splits may take another order of sums
+    (one token differed on an H200 when the test asked for equal tokens)."""
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     with Engine(qwen3_5_path, **opts) as graphs:
         a = _two_turns(graphs, None)
     with Engine(qwen3_5_path, disable_cuda_graph=True, **opts) as eager:
         b = _two_turns(eager, None)
-    assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]
+    n = compare_outputs(a, b, tol=0.05)  # the logits are bf16's: one step is 1/32 at 4-8
+    assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
 @pytest.mark.gpu
@@ -1161,11 +1169,25 @@ def test_expert_linear_kernel(dtype):
         gemv.expert_linear(tokens, stack, ids, per_row=2)
 
 
+def _assert_same_groups(plan, ref) -> None:
+    """``plan`` and ``ref`` place each expert's pairs in the same blocks, the padding rows last (the
+    same block layout), up to the order of the pairs among the expert's blocks: ``moe.plan`` takes a
+    pair's rank in its group from an atomic count, whose order a GPU does not fix."""
+    bm = plan.tiles[0]
+    rows, ref_rows, blocks = plan.rows.view(-1, bm).cpu(), ref.rows.view(-1, bm).cpu(), plan.block_expert.cpu()
+    assert torch.equal(blocks, ref.block_expert.cpu())
+    for expert in blocks.unique().tolist():
+        group, want = rows[blocks == expert].flatten(), ref_rows[blocks == expert].flatten()
+        assert torch.equal(group.sort().values, want.sort().values), f"expert {expert}: other pairs"
+        pairs = int((want < plan.pairs).sum())
+        assert (group[:pairs] < plan.pairs).all(), f"expert {expert}: a padding row before a pair"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_expert_gemm_kernel(dtype):
     """A MoE step's grouped experts (``moe.plan`` + ``moe.expert_gemm``): the plan holds every pair
     once, in blocks of one expert each, every shape set by the pair count alone, and is
-    ``moe.plan_reference``'s (a stable sort in PyTorch) up to the order inside a block; the GEMM ==
+    ``moe.plan_reference``'s (a stable sort in PyTorch) up to the order of an expert's pairs; the GEMM ==
     ``F.linear`` per pair, reading each pair's token (an in projection) or the pair's own row (an out
     projection), with few pairs per expert (small tiles) and many (large), unused experts, a K that is
     not a whole number of tiles, column-major stacked weights (as CPU weights load), int32 ids; bad
@@ -1187,7 +1209,7 @@ def test_expert_gemm_kernel(dtype):
         for r, b in zip(rows, blocks):  # each block one expert's pairs; blocks past the used ones empty
             assert b == e and (r == a).all() if b == e else (flat[r[r < a]] == b).all()
         assert torch.equal(blocks, ref.block_expert.cpu())
-        assert torch.equal(rows.sort(1).values, ref.rows.view(-1, bm).cpu().sort(1).values)
+        _assert_same_groups(p, ref)
         ref_rows = ref.rows.cpu()
         assert (flat[ref_rows[ref_rows < a]].diff() >= 0).all() and (ref_rows[ref_rows < a].diff()[  # stable
             flat[ref_rows[ref_rows < a]].diff() == 0] > 0).all()
@@ -1208,8 +1230,7 @@ def test_expert_gemm_kernel(dtype):
     ids = torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(300)]).to(DEVICE)
     big, ref = moe.plan(ids, 256), moe.plan_reference(ids, 256)
     assert big.rows.numel() > 2 * moe.PLAN_CHUNK and torch.equal(big.block_expert, ref.block_expert)
-    bm = big.tiles[0]
-    assert torch.equal(big.rows.view(-1, bm).sort(1).values, ref.rows.view(-1, bm).sort(1).values)
+    _assert_same_groups(big, ref)
     # rows of x strided (a split of a wider projection)
     wide = torch.randn(t, 2 * kk, generator=g).to(DEVICE, dtype)[:, :kk]
     torch.testing.assert_close(moe.expert_gemm(wide, stack, p, per_row=k), moe.expert_gemm(wide.contiguous(), stack, p,
@@ -1239,11 +1260,16 @@ def test_softmax_topk_and_combine_kernels(dtype):
         logits = torch.randn(t, e, generator=g).to(DEVICE, dtype)
         logits[0, 3] = logits[0, 5] = logits[0].max() + 1  # a tie for the top: the lower index first
         w, ids = moe.softmax_topk(logits, k, renorm)
-        want_w, want_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        want_w, want_ids = torch.topk(probs, k, dim=-1)
         if renorm:
             want_w = want_w / want_w.sum(-1, keepdim=True)
         assert ids.dtype == torch.long and w.dtype == dtype and ids[0, :2].tolist() == [3, 5]
-        assert torch.equal(ids[1:], want_ids[1:]) and torch.equal(ids[0].sort().values, want_ids[0].sort().values)
+        # the same experts as torch.topk's up to equal scores (a bf16 row has ties besides row 0's),
+        # each tie in index order
+        chosen = probs.gather(1, ids)
+        assert torch.equal(chosen, probs.gather(1, want_ids)) and all(len(set(r)) == k for r in ids.tolist())
+        assert (ids[:, 1:] > ids[:, :-1])[chosen[:, 1:] == chosen[:, :-1]].all()
         torch.testing.assert_close(w, want_w.to(dtype), **tol)
     ys = torch.randn(6, 40, generator=g).to(DEVICE, dtype)
     weights = torch.rand(3, 2, generator=g).to(DEVICE, dtype)

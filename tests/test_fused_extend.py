@@ -204,7 +204,8 @@ def test_engine_fused_extends_of_a_batch_match_pytorch(qwen3_5_short_path, monke
     from hyla.engine import model_runner
 
     path = qwen3_5_short_path
-    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4)
+    # no warm-up (a GPU's default): its extends would count as the test's batches
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4, warmup="off")
     with Engine(path, **opts) as plain:
         if GPU:
             plain.scheduler.runner = ModelRunner(plain.model, plain.kv_pool, plain.state_pool, plain.req_to_token,
