@@ -49,7 +49,11 @@ from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     Mamba2Mixer,
+    OutProjection,
     Rope,
+    add_rms_norm,
+    is_gemv_step,
+    on_gemv_step,
 )
 from hyla.model.weight_specs import (
     WeightSpec,
@@ -66,7 +70,7 @@ class FalconH1Layer(HybridLayer):
 
     The two mixers are hyla's shared ``Attention`` and ``Mamba2Mixer`` (the latter configured by
     ``mamba_rms_norm``, ``mamba_norm_before_gate`` and ``mamba_out_proj_bias`` = HF's ``projectors_bias``);
-    both have fused decode kernels, so the fused GPU decode step covers Falcon-H1."""
+    both have fused decode kernels, so the fused GPU decode step covers Falcon-H1 (:meth:`forward_fused`)."""
 
     def __init__(self, config: ModelConfig, index: int, new_norm: Callable[[], nn.Module]):
         c = config
@@ -82,6 +86,24 @@ class FalconH1Layer(HybridLayer):
         h = self.mixer_norm(x)  # [T, hidden]
         x = x + (self.mamba(h, batch) + self.attn(h, batch, rope))  # HF's order: (mamba + attention) + residual
         return x + self.ffn(self.ffn_norm(x))
+
+    def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope | None) -> tuple[torch.Tensor | OutProjection, torch.Tensor]:
+        """:meth:`forward` as :meth:`HybridLayer.forward_fused` runs a layer: each residual add in
+        the next norm's kernel, and on a GEMV step every projection a GEMV. The two mixers' outputs
+        are summed before the residual add (HF's order), so their out projections run here
+        (:meth:`OutProjection.run`); the MLP's is left to the next layer's norm."""
+        gemv_step = is_gemv_step(batch, residual)
+        h, residual = add_rms_norm(out, residual, self.mixer_norm)  # [T, hidden] each
+        mamba = on_gemv_step(self.mamba, gemv_step)(h, batch)
+        attn = on_gemv_step(self.attn, gemv_step)(h, batch, rope)
+        mixed = _ran(mamba) + _ran(attn)  # [T, hidden]
+        h, residual = add_rms_norm(mixed, residual, self.ffn_norm)
+        return on_gemv_step(self.ffn, gemv_step)(h), residual
+
+
+def _ran(out: torch.Tensor | OutProjection) -> torch.Tensor:
+    return out.run() if isinstance(out, OutProjection) else out
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):

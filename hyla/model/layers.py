@@ -967,17 +967,22 @@ class HybridLayer(nn.Module):
         projection as a GEMV (:func:`in_projection`) and leaves its out projection to the next
         norm's kernel (:class:`OutProjection`); a part's module says it takes such a step with
         ``takes_gemv_step`` and its forward's ``gemv_step=True``."""
-        gemv_step = batch.fused_decode and residual.shape[0] <= _gpu("gemv").MAX_ROWS
+        gemv_step = is_gemv_step(batch, residual)
         if self.mixer is not None:
             h, residual = add_rms_norm(out, residual, self.mixer_norm)
-            out = _on_gemv_step(self.mixer, gemv_step)(h, batch, rope)
+            out = on_gemv_step(self.mixer, gemv_step)(h, batch, rope)
         if self.ffn is not None:
             h, residual = add_rms_norm(out, residual, self.ffn_norm)
-            out = _on_gemv_step(self.ffn, gemv_step)(h)
+            out = on_gemv_step(self.ffn, gemv_step)(h)
         return out, residual
 
 
-def _on_gemv_step(module: nn.Module, gemv_step: bool) -> Callable[..., torch.Tensor | OutProjection]:
+def is_gemv_step(batch: ForwardBatch, residual: torch.Tensor) -> bool:
+    """A fused decode step of at most ``gemv.MAX_ROWS`` rows (:meth:`HybridLayer.forward_fused`)."""
+    return batch.fused_decode and residual.shape[0] <= _gpu("gemv").MAX_ROWS
+
+
+def on_gemv_step(module: nn.Module, gemv_step: bool) -> Callable[..., torch.Tensor | OutProjection]:
     """``module``'s forward, told that this is a GEMV step (``gemv_step=True``) where it takes one."""
     return functools.partial(module, gemv_step=True) if gemv_step and getattr(module, "takes_gemv_step", False) \
         else module
@@ -994,6 +999,14 @@ class OutProjection:
     x: torch.Tensor
     prologue: str = "plain"
     gate: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+    def run(self) -> torch.Tensor:
+        """The projection, run now (a GEMV where :func:`project` takes one): for a part whose output
+        is summed with another's before the next norm (Falcon-H1's parallel mixers). Plain prologues
+        only: the parts whose projections carry a prologue (MLP, Gated DeltaNet) never need this."""
+        if self.prologue != "plain":
+            raise NotImplementedError(f"OutProjection.run with the {self.prologue!r} prologue")
+        return project(self.x, self.linear.weight, True)
 
 
 def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
@@ -1113,10 +1126,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     @functools.cached_property
     def _residual_fusable(self) -> bool:
-        """The fused decode step and CUDA extend steps may run :meth:`HybridLayer.forward_fused`:
-        plain layers (not Falcon-H1's parallel one) whose norms are all :class:`RMSNorm`."""
+        """The fused decode step and CUDA extend steps may run :meth:`HybridLayer.forward_fused`
+        (Falcon-H1's parallel layer has its own): every norm an :class:`RMSNorm`."""
         norms = [self.norm] + [n for layer in self.layers for n in (layer.mixer_norm, layer.ffn_norm) if n is not None]
-        return all(type(layer) is HybridLayer for layer in self.layers) and all(type(n) is RMSNorm for n in norms)
+        return all(type(n) is RMSNorm for n in norms)
 
     def supports_chain_verify(self) -> bool:
         """Every mixer runs a verify step of padded chains (``ForwardBatch.chain_ckpt_rows``, the
