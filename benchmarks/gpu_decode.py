@@ -33,7 +33,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--json PATH] [--no-write]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
 """
@@ -119,15 +119,38 @@ KNOBS = {
 }
 
 
-def set_knobs(args: argparse.Namespace) -> list[str]:
-    """Set the switches given on the command line (KNOBS); returns ``module.NAME = value`` for each."""
+def set_knobs(values: dict[str, int]) -> list[str]:
+    """Set switches (KNOBS: ``{flag: value}``); returns ``module.NAME = value`` for each."""
     done = []
-    for flag, (module, name, kind, _) in KNOBS.items():
-        value = getattr(args, flag.replace("-", "_"))
-        if value is not None:
-            setattr(importlib.import_module(module), name, kind(value))
-            done.append(f"{module.rsplit('.', 1)[1]}.{name} = {kind(value)}")
+    for flag, value in values.items():
+        module, name, kind, _ = KNOBS[flag]
+        setattr(importlib.import_module(module), name, kind(value))
+        done.append(f"{module.rsplit('.', 1)[1]}.{name} = {kind(value)}")
     return done
+
+
+def knob_value(flag: str) -> int:
+    """A switch's current value, as the command line gives it."""
+    module, name, _, _ = KNOBS[flag]
+    return int(getattr(importlib.import_module(module), name))
+
+
+def parse_variants(text: str) -> dict[str, dict[str, int]]:
+    """``--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"`` -> ``{label: {flag: value}}``, in order."""
+    variants = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        values = {}
+        for pair in item.split(","):
+            flag, _, value = pair.strip().partition("=")
+            if flag not in KNOBS or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"--variants: {pair.strip()!r} is not SWITCH=INT with a switch of {sorted(KNOBS)}")
+            if KNOBS[flag][2] is bool and value.strip() not in ("0", "1"):
+                raise ValueError(f"--variants: {flag} takes 0 or 1, got {value.strip()}")
+            values[flag] = int(value)
+        variants[item] = values
+    if len(variants) < 2:
+        raise ValueError("--variants needs two or more variants, separated by ';'")
+    return variants
 
 
 def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None) -> dict:
@@ -218,6 +241,10 @@ def main() -> None:
     for flag, (module, name, kind, what) in KNOBS.items():
         ap.add_argument(f"--{flag}", type=int, choices=None if kind is int else (0, 1), default=None,
                         help=f"set {module.rsplit('.', 1)[1]}.{name}: {what}")
+    ap.add_argument("--variants", metavar="SPEC", help="time these settings of the switches above in one engine, "
+                    "interleaved, each on a runner of its own (its graphs captured under them): e.g. "
+                    "\"pdl=1,gemv-in=1; pdl=0,gemv-in=1\"; the tables are the first's, a table compares the others "
+                    "with it")
     ap.add_argument("--log-compiles", action="store_true", help="log each Triton compile with the time (a compile "
                     "inside a timed repeat is a stall: the repeats' medians have hidden single runs 10x slower)")
     side = ap.add_mutually_exclusive_group()
@@ -232,6 +259,12 @@ def main() -> None:
     dtype = getattr(torch, dtype_name)
     if not 0 < args.cached_tokens < args.prefill_tokens:
         ap.error("--cached-tokens must be in (0, --prefill-tokens)")
+    try:
+        variants = parse_variants(args.variants) if args.variants else {}
+    except ValueError as e:
+        ap.error(str(e))
+    if variants and args.hf_only:
+        ap.error("--variants times hyla's engine: not with --hf-only")
 
     import transformers
 
@@ -276,7 +309,8 @@ def main() -> None:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
                     max_total_tokens=2 * max(max(batches) * (p + n + 2), 2 * (args.prefill_tokens + 2)) + 4096)
-        knobs = set_knobs(args)
+        knobs = set_knobs({flag: getattr(args, flag.replace("-", "_")) for flag in KNOBS
+                           if getattr(args, flag.replace("-", "_")) is not None})
         for knob in knobs:
             log(knob)
         if args.log_compiles and (compiled := log_triton_compiles()) is None:
@@ -284,6 +318,23 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
+    runners: dict[str, object] = {}  # --variants: each one's runner, and every switch any of them sets
+    if variants:
+        base = {flag: knob_value(flag) for values in variants.values() for flag in values}
+        variants = {label: {**base, **values} for label, values in variants.items()}
+        for label, values in variants.items():
+            set_knobs(values)
+            t0 = time.perf_counter()
+            runners[label] = engine.scheduler.runner.rebuilt()
+            log(f"variant {label}: its runner's graphs captured in {time.perf_counter() - t0:.1f} s")
+
+    def use(label: str | None) -> str:
+        """Make ``label``'s switches and runner the engine's (the engine is idle); the suffix of its keys."""
+        if label is None:
+            return ""
+        set_knobs(variants[label])
+        engine.scheduler.runner = runners[label]
+        return "" if label == next(iter(variants)) else f"@{label}"
     if not args.hyla_only:
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
         log(f"transformers model loaded ({hf.config._attn_implementation} attention)")
@@ -343,21 +394,25 @@ def main() -> None:
     raw: dict[str, list] = {}
     add = lambda key, v: raw.setdefault(key, []).append(v)  # noqa: E731
     t_start = time.perf_counter()
+    labels = list(variants) or [None]
     for rep in range(args.repeats + 1):  # pass 0: warm-up, discarded
         tag = "warm-up" if rep == 0 else f"repeat {rep}/{args.repeats}"
         for b in batches:
-            if engine is not None:
-                add(f"hyla_decode_{b}", hyla_decode(b))
+            for label in labels if engine is not None else []:
+                at = use(label)
+                add(f"hyla_decode_{b}{at}", hyla_decode(b))
             if hf is not None and b <= args.hf_max_batch:
                 add(f"hf_decode_{b}", hf_decode(b))
-            log(f"{tag}: decode batch {b}: " + ", ".join(f"{s} {b * n / raw[f'{s}_decode_{b}'][-1]:,.0f} tok/s"
-                                                         for s in ("hyla", "hf") if f"{s}_decode_{b}" in raw))
-        if engine is not None:
-            add("hyla_ttft", hyla_ttft())
+            this_b = [(k.replace(f"_decode_{b}", ""), v) for k, v in raw.items()  # "hyla", "hyla@<variant>", "hf"
+                      if k.partition("@")[0] in (f"hyla_decode_{b}", f"hf_decode_{b}")]
+            log(f"{tag}: decode batch {b}: " + ", ".join(f"{side} {b * n / v[-1]:,.0f} tok/s" for side, v in this_b))
+        for label in labels if engine is not None else []:
+            at = use(label)
+            add(f"hyla_ttft{at}", hyla_ttft())
             t, hit = hyla_cached()
-            add("hyla_cached_ttft", t), add("hyla_cached_hit", hit)
+            add(f"hyla_cached_ttft{at}", t), add(f"hyla_cached_hit{at}", hit)
             if args.extend_ab:
-                add("hyla_cached_ttft_unfused", hyla_cached(fused=False)[0])
+                add(f"hyla_cached_ttft_unfused{at}", hyla_cached(fused=False)[0])
         if hf is not None:
             add("hf_ttft", hf_ttft())
         log(f"{tag}: TTFT " + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in raw.items() if "ttft" in k))
@@ -405,6 +460,23 @@ def main() -> None:
             u = med["hyla_cached_ttft_unfused"]
             rows.append(f"| the same, fused extend (its CUDA graphs) bypassed | {1e3 * u:.1f} ms = {100 * u / h:.1f}% "
                         f"of cold; the graphs {u / c:.2f}x faster | | | |")
+    if variants:  # each variant against the first, which the table above shows
+        first = next(iter(variants))
+        head = [f"decode, batch {b}" for b in batches] + ["prefill TTFT", "cached TTFT (% of its cold)"]
+        rows += ["", f"Variants (`--variants`, each on its own runner in this engine, interleaved; in parentheses "
+                 f"the ratio to `{first}`: tok/s for decode, time for TTFTs):", "",
+                 "| variant | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+        for label in variants:
+            at = "" if label == first else f"@{label}"
+            cells = []
+            for b in batches:
+                t, t0 = med[f"hyla_decode_{b}{at}"], med[f"hyla_decode_{b}"]
+                cells.append(f"{b * n / t:,.0f} tok/s ({t0 / t:.3f}x)")
+            t, t0 = med[f"hyla_ttft{at}"], med["hyla_ttft"]
+            cells.append(f"{1e3 * t:.1f} ms ({t / t0:.3f}x)")
+            c, c0 = med[f"hyla_cached_ttft{at}"], med["hyla_cached_ttft"]
+            cells.append(f"{1e3 * c:.2f} ms = {100 * c / t:.1f}% ({c / c0:.3f}x)")
+            rows.append(f"| `{label}` | " + " | ".join(cells) + " |")
     kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
             f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
             f"in place of the MLP)") if moe else "Qwen3.5-style dense model"

@@ -10,10 +10,11 @@
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
-#            --extend-ab --no-write), then without the Gated DeltaNet chunks' WY pre-pass (--gdn-wy 0),
-#            and where its time goes (gpu_profile.py --batches "") (~3 min)
+#            --extend-ab --no-write), with and without the Gated DeltaNet chunks' WY pre-pass (--variants, one
+#            engine), and where its time goes (gpu_profile.py --batches "") (~2.5 min)
 #   pdl      batch-1 decode with the GEMV step's kernels launched with and without programmatic dependent
-#            launch, and with cuBLAS in projections (gpu_decode.py --pdl 1|0 --gemv-in 1|0) (~4 min)
+#            launch, and with cuBLAS in projections: four variants in one engine, interleaved
+#            (gpu_decode.py --variants "pdl=1,gemv-in=1; ...") (~2 min)
 #   moe      gpu_decode.py --moe: batch 1 and 8 of the model with MoE layers (their experts gathered or grouped
 #            in the CUDA graphs) against transformers, then without CUDA graphs; batch 32 at gather caps 64
 #            (grouped) and 256 (gathered) (~6 min)
@@ -62,17 +63,13 @@ for s in "$@"; do
                    tests/test_fused_extend.py tests/test_engine_overlap.py tests/test_engine_mixed_chunk.py 2>&1 | tee "$out/tests.log" | tail -30 ;;
         decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \
                     --log-compiles --extend-ab --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
-        ttft) timeout 150 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
-                  2>&1 | tee "$out/ttft.log" | tail -12
-              timeout 120 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --gdn-wy 0 --no-write \
-                  2>&1 | tee "$out/ttft-no-wy.log" | tail -6
+        ttft) timeout 180 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
+                  --variants "gdn-wy=1; gdn-wy=0" 2>&1 | tee "$out/ttft.log" | tail -16
               timeout 120 python3 benchmarks/gpu_profile.py --out "$out/profile-ttft" --batches "" --no-traces 2>&1 \
                   | tee "$out/profile-ttft.log" | tail -12 ;;
-        pdl) for ab in "--pdl 1 --gemv-in 1" "--pdl 0 --gemv-in 1" "--pdl 0 --gemv-in 0" "--pdl 1 --gemv-in 0"; do
-                 # shellcheck disable=SC2086
-                 timeout 100 python3 benchmarks/gpu_decode.py --batches 1 --repeats 5 --hyla-only --no-write $ab 2>&1 \
-                     | tee -a "$out/pdl.log" | grep -E "decode, batch 1|TTFT|Error|error" | tail -4
-             done ;;
+        pdl) timeout 200 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --no-write \
+                 --variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1; pdl=0,gemv-in=0; pdl=1,gemv-in=0" 2>&1 \
+                 | tee "$out/pdl.log" | tail -10 ;;
         moe) timeout 240 python3 benchmarks/gpu_decode.py --moe --batches 1,8 --repeats 3 --hf-max-batch 8 \
                  --json "$out/gpu_decode_moe.json" 2>&1 | tee "$out/moe.log" | tail -14
              timeout 120 python3 benchmarks/gpu_decode.py --moe --batches 1,8 --repeats 3 --hyla-only --no-cuda-graph \

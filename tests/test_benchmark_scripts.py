@@ -49,10 +49,16 @@ def test_gpu_decode_runs_on_cpu(tmp_path):
     report = tmp_path / "gpu_decode.json"
     out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--batches", "1,2", "--new-tokens", "4",
                "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--hyla-only", "--no-write",
-               "--log-compiles", "--json", str(report), "--pdl", "0", "--gemv-in", "0")
+               "--log-compiles", "--json", str(report), "--pdl", "0", "--gemv-in", "0",
+               "--variants", "gemv-max-rows=1; gemv-max-rows=0,fuse-conv=0")
     assert "pdl.PDL = False" in out and "gemv.IN_PROJ = False" in out  # the A/B switches, set before the engine
     data = json.loads(report.read_text())
     medians = data["medians"]
+    # --variants: each timed on a runner of its own (the first's numbers are the tables'), in a table against the first
+    assert all(f"variant {v}: its runner's graphs captured" in out for v in ("gemv-max-rows=1", "gemv-max-rows=0,fuse-conv=0"))
+    assert "| `gemv-max-rows=0,fuse-conv=0` | " in out and "| `gemv-max-rows=1` | " in out
+    assert all(k in medians for k in ("hyla_decode_2@gemv-max-rows=0,fuse-conv=0", "hyla_cached_ttft@gemv-max-rows=0,"
+                                      "fuse-conv=0", "hyla_decode_2"))
     # --log-compiles counts the Triton compiles in the timed repeats (the CPU runs no Triton kernel)
     assert "Triton compiles inside the timed repeats (`--log-compiles`): 0; 0 before them" in out
     assert data["triton_compiles"] == []
@@ -61,6 +67,12 @@ def test_gpu_decode_runs_on_cpu(tmp_path):
     # a decode time is the difference of two runs (1 + N tokens minus 1): a number, whose sign a loaded machine
     # can flip at N = 4 (this test's first failure, 2026-11-30: the suite's other worker busy)
     assert all(math.isfinite(medians[k]) for k in ("hyla_decode_1", "hyla_decode_2"))
+
+
+def test_gpu_decode_refuses_a_bad_variant():
+    bad = subprocess.run([sys.executable, "benchmarks/gpu_decode.py", "--device", "cpu", "--variants", "pdl=2; pdl=0"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "pdl takes 0 or 1" in bad.stderr
 
 
 def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):

@@ -94,6 +94,9 @@ class ModelRunner:
         extend (:meth:`forward_extend`), replayed from CUDA graphs with ``cuda_graph`` (0: never).
         ``return_hidden``: decode and verify steps also return the final hidden states (the MTP
         drafter reads them): the compiled graphs and the decode and verify CUDA graphs are made so."""
+        self._options = dict(compile_decode=compile_decode, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
+                             fused_decode=fused_decode, first_buffers=first_buffers, verify_width=verify_width,
+                             fused_extend_max_tokens=fused_extend_max_tokens, return_hidden=return_hidden)
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -167,6 +170,12 @@ class ModelRunner:
             with warm_up_config():  # (no batch field is a float)
                 self._warm_up_compiled_decode()
             logger.info("compile_decode: compiled in %.0f s", time.perf_counter() - start)
+
+    def rebuilt(self) -> "ModelRunner":
+        """A new runner of the same model, pools and options, its graphs captured (or compiled) anew:
+        what the kernels' module switches say now goes into them (``benchmarks/gpu_decode.py
+        --variants`` times several in one engine, swapping ``Scheduler.runner`` while it is idle)."""
+        return ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device, **self._options)
 
     @property
     def compiled(self) -> bool:
