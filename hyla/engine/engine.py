@@ -535,6 +535,8 @@ class Engine:
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if sp.logit_bias is not None and max(sp.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(sp.logit_bias)} is outside the vocabulary [0, {vocab})")
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "

@@ -13,6 +13,11 @@ until it cannot. Any other request gets one chunk when it finishes, holding its 
 it has no stop strings (and no grammar) its text is only made then, in one detokenizer step over
 all its tokens, not one step per token on every decode step (~25 µs a request a step on a CPU).
 
+``min_new_tokens``: before a request has that many output tokens, nothing but its length limits
+ends it — the sampler keeps it from sampling the ids that would (``SamplingParams.ending_token_ids``:
+its stop token ids, and ``eos_token_ids`` unless ``ignore_eos``), and its stop strings are not
+looked for. A complete grammar (below) still ends it.
+
 Structured outputs (``req.grammar``): the grammar's token mask constrains sampling (``grammar_masks``
 fills it for the batch), every appended token advances the grammar, and a request whose grammar is
 complete (nothing but EOS could follow) finishes at once with ``{"type": "stop", "matched": <its last
@@ -84,7 +89,7 @@ class OutputProcessor:
                 finished.append(r)
         sreqs = [reqs[i] for i in to_sample]
         rows = logits if len(to_sample) == len(reqs) else logits[to_sample]
-        drawn = draw_batch(rows, sreqs, self.grammar_masks(sreqs)) if sreqs else None
+        drawn = draw_batch(rows, sreqs, self.grammar_masks(sreqs), self.eos_token_ids) if sreqs else None
         return Draw(sreqs, drawn, finished)
 
     def complete(self, draw: "Draw") -> tuple[list[Req], list[Req]]:
@@ -228,22 +233,26 @@ class OutputProcessor:
 
     def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
         """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that
-        token; it becomes ``req.text`` here, cut before a stop string."""
+        token; it becomes ``req.text`` here, cut before a stop string.
+
+        Before ``min_new_tokens`` output tokens no stop token and no stop string ends it (vLLM's
+        and SGLang's rule; the sampler does not let it sample those tokens then): a stop string
+        counts only if it ends in the text of token ``min_new_tokens`` or a later one (it may start
+        before)."""
         tok = req.output_ids[-1]
         p = req.sampling
-        if tok in p.stop_token_ids:
-            return {"type": "stop", "matched": tok}
-        if not p.ignore_eos and tok in self.eos_token_ids:
+        if tok in p.ending_token_ids(self.eos_token_ids) and len(req.output_ids) >= p.min_new_tokens:
             return {"type": "stop", "matched": tok}
         if p.stop and req.detokenizer is not None:
-            # only the tail can hold a new match: the text before it was checked on earlier tokens
-            start = max(0, req.num_checked_chars - max(len(s) for s in p.stop) + 1)
-            hits = [(pos, s) for s in p.stop if (pos := text.find(s, start)) >= 0]
-            req.num_checked_chars = len(text)
-            if hits:
-                pos, s = min(hits)
-                req.text = text[:pos]
-                return {"type": "stop", "matched": s}
+            # only the tail can hold a new match: a stop string ending in text checked on earlier
+            # tokens (or before the minimum) does not count
+            checked, req.num_checked_chars = req.num_checked_chars, len(text)
+            if len(req.output_ids) >= p.min_new_tokens:
+                hits = [(pos, s) for s in p.stop if (pos := text.find(s, max(0, checked - len(s) + 1))) >= 0]
+                if hits:
+                    pos, s = min(hits)
+                    req.text = text[:pos]
+                    return {"type": "stop", "matched": s}
         req.text = text
         if req.grammar is not None and req.grammar.terminated:
             return {"type": "stop", "matched": tok}

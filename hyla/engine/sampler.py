@@ -1,21 +1,28 @@
-"""Turn a batch of next-token logits into tokens: penalties → grammar mask → temperature →
-top-k/top-p/min-p → draw.
+"""Turn a batch of next-token logits into tokens: processing (penalties, logit bias, min_new_tokens)
+→ grammar mask → temperature → top-k/top-p/min-p → draw.
 
-A grammar's mask (``hyla.engine.grammar.TokenMask``) sets forbidden tokens to ``-inf`` after the
-penalties, so greedy and random rows alike choose only among allowed tokens (top-k and top-p then
-count allowed tokens only). Greedy rows take the argmax of the penalised, masked logits. Random
-rows are processed together (their distributions as one ``[R, V]`` batch, each row with its own
+Processing (:func:`process_row`) changes the rows of the requests that need it
+(:func:`needs_processing`: penalties, a ``logit_bias``, or output still short of
+``min_new_tokens``, whose EOS and stop token ids it sets to ``-inf``), one row at a time; a batch in
+which no request needs it skips the stage, Python loop included. The same predicate keeps such
+requests from drafting, and speculative verification processes their one row with the same
+function (``speculative.verify``).
+A grammar's mask (``hyla.engine.grammar.TokenMask``) sets forbidden tokens to ``-inf`` after
+processing, so greedy and random rows alike choose only among allowed tokens (top-k and top-p then
+count allowed tokens only). Greedy rows take the argmax of the processed, masked logits. Random
+rows are drawn together (their distributions as one ``[R, V]`` batch, each row with its own
 temperature / top-k / top-p / min-p) and each draws by inverse CDF from one uniform number of its
 request's own ``torch.Generator`` (seeded from ``SamplingParams.seed`` or from the engine seed),
 so a request's output does not depend on what else shares its batch, and a step costs a few batched
 kernels, not a softmax and a sort per request.
-Log-probabilities reported to the user are those of the model's raw distribution (the unpenalised,
-unmasked fp32 logits), the same for greedy and random rows, which is what the cache-on/cache-off
-differential tests compare: :func:`raw_distribution` gives rows and a per-row ``lse`` whose
-difference they are (:func:`raw_logprobs`). On CUDA the rows are the logits and ``lse`` their
-logsumexp, from one Triton pass that also gives the argmax (``ops/gpu/logits.py``: PyTorch's
-``log_softmax`` runs one block per row, 34 µs at batch 1 on an H100); on CPU they are
-``log_softmax``'s (PyTorch's fused CPU kernel is faster there than a logsumexp) and ``lse`` is 0.
+Log-probabilities reported to the user are those of the model's raw distribution (the unprocessed,
+unmasked fp32 logits: no penalty, bias or ban shows in them), the same for greedy and random rows,
+which is what the cache-on/cache-off differential tests compare: :func:`raw_distribution` gives rows
+and a per-row ``lse`` whose difference they are (:func:`raw_logprobs`). On CUDA the rows are the
+logits and ``lse`` their logsumexp, from one Triton pass that also gives the argmax
+(``ops/gpu/logits.py``: PyTorch's ``log_softmax`` runs one block per row, 34 µs at batch 1 on an
+H100); on CPU they are ``log_softmax``'s (PyTorch's fused CPU kernel is faster there than a
+logsumexp) and ``lse`` is 0.
 A CPU batch in which no request asked for logprobs skips them: the argmax alone (a CPU decode step
 at batch 1 spent ~50 µs of ~2.2 ms on logprobs nobody read).
 """
@@ -23,6 +30,7 @@ at batch 1 spent ~50 µs of ~2.2 ms on logprobs nobody read).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
@@ -81,29 +89,25 @@ class Drawn:
                             [[] if t is None else _pairs(*t) for t in tops])
 
 
-def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> SampleOutput:
+def sample(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None,
+           eos_token_ids: Collection[int] = ()) -> SampleOutput:
     """logits: [B, V] fp32, one row per request in ``reqs``; ``mask``: the grammar masks of the
-    constrained rows (``None``: no row is constrained)."""
-    return draw_batch(logits, reqs, mask).collect()
+    constrained rows (``None``: no row is constrained); ``eos_token_ids``: the model's EOS ids
+    (``OutputProcessor.eos_token_ids``; a request short of its ``min_new_tokens`` cannot sample them)."""
+    return draw_batch(logits, reqs, mask, eos_token_ids).collect()
 
 
-def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None) -> Drawn:
+def draw_batch(logits: torch.Tensor, reqs: list[Req], mask: TokenMask | None = None,
+               eos_token_ids: Collection[int] = ()) -> Drawn:
     """:func:`sample` up to the host read: every kernel launched, nothing read back."""
     logits = logits.float()
     if any(r.return_logprob for r in reqs) or gpu_ops.available(logits.device):
         argmax, rows, lse = raw_distribution(logits)
     else:  # no logprobs to report (the module docstring): the argmax alone
         argmax, rows, lse = torch.argmax(logits, dim=-1), None, None
-    penalised = [i for i, req in enumerate(reqs) if req.sampling.has_penalties]
-    constrained = mask is not None and bool(mask.rows)
-    processed = logits
-    chosen = argmax
-    if penalised or constrained:
-        processed = logits.clone()  # (the raw logits stay as they are)
-        for i in penalised:
-            processed[i] = apply_penalties(processed[i], reqs[i])
-        apply_token_mask(processed, mask)
-        chosen = torch.argmax(processed, dim=-1)  # [B]
+    processed_rows = [i for i, req in enumerate(reqs) if needs_processing(req)]
+    processed = process_logits(logits, processed_rows, [reqs[i] for i in processed_rows], mask, eos_token_ids)
+    chosen = argmax if processed is logits else torch.argmax(processed, dim=-1)  # [B]
     random = [i for i, req in enumerate(reqs) if not req.sampling.is_greedy]
     if random:  # all random rows at once: one batched distribution, one uniform draw per request
         rreqs = [reqs[i] for i in random]
@@ -158,8 +162,54 @@ def _pairs(values: torch.Tensor, ids: torch.Tensor) -> list[tuple[float, int]]:
     return list(zip(values.tolist(), ids.tolist()))
 
 
+def needs_processing(req: Req) -> bool:
+    """Whether ``req``'s next-token logits change before the grammar mask (:func:`process_row`): it has
+    penalties or a ``logit_bias``, or its output is still short of ``min_new_tokens``. Its row then
+    depends on the tokens before it, so such a request gets no drafts (``Scheduler._draft_limit``):
+    a draft's row would depend on that draft."""
+    p = req.sampling
+    return p.changes_logits or len(req.output_ids) < p.min_new_tokens
+
+
+def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Req], mask: TokenMask | None,
+                   eos_token_ids: Collection[int]) -> torch.Tensor:
+    """The logits ``[N, V]`` tokens are chosen from: row ``rows[i]`` (the next-token row of ``reqs[i]``)
+    processed (:func:`process_row`), then the grammar ``mask`` over every row. A new tensor (the raw
+    logits stay as they are, for logprobs), or ``logits`` itself when there is nothing to do."""
+    if not rows and (mask is None or not mask.rows):
+        return logits
+    processed = logits.clone()
+    for row, req in zip(rows, reqs, strict=True):
+        processed[row] = process_row(processed[row], req, eos_token_ids)
+    return apply_token_mask(processed, mask)
+
+
+def process_row(row: torch.Tensor, req: Req, eos_token_ids: Collection[int]) -> torch.Tensor:
+    """``req``'s next-token logits ``[V]`` as it samples from them (a new tensor), in this order:
+
+    1. penalties: repetition over prompt + output tokens (HF: divides a positive logit, multiplies
+       a negative one); frequency and presence over output tokens (OpenAI: minus the penalty times
+       the token's count, minus the penalty if it occurs);
+    2. ``logit_bias``: each biased token's bias added to its logit (OpenAI; +100 all but forces it);
+    3. ``min_new_tokens``: while the output is shorter, every id that would end the request
+       (``SamplingParams.ending_token_ids``: its stop token ids, and ``eos_token_ids`` unless
+       ``ignore_eos``) is ``-inf``, whatever its bias (ids beyond the row are none of its tokens)."""
+    p = req.sampling
+    row = apply_penalties(row, req) if p.has_penalties else row.clone()
+    if p.logit_bias is not None:
+        ids = to_device(list(p.logit_bias), torch.long, row.device)
+        row.index_add_(0, ids, to_device(list(p.logit_bias.values()), row.dtype, row.device))
+    if len(req.output_ids) < p.min_new_tokens:
+        vocab = row.shape[-1]
+        banned = [t for t in p.ending_token_ids(eos_token_ids) if t < vocab]
+        if banned:
+            row.index_fill_(0, to_device(banned, torch.long, row.device), float("-inf"))
+    return row
+
+
 def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
-    """Repetition penalty over prompt+output tokens (HF); frequency/presence over output (OpenAI)."""
+    """Repetition penalty over prompt+output tokens (HF); frequency/presence over output (OpenAI).
+    A new tensor. (Part of :func:`process_row`.)"""
     p = req.sampling
     row = row.clone()
     if p.repetition_penalty != 1.0:

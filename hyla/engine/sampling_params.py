@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Collection
 
 from hyla.engine.grammar import GRAMMAR_KINDS, grammar_source
 
 # A temperature below this samples greedily (vLLM's and SGLang's rule): dividing the logits by it
 # would overflow them (1e-45 is 0 in fp32: every probability NaN)
 GREEDY_TEMPERATURE = 1e-5
+
+# A logit bias is at most this much either way (OpenAI's range): +100 all but forces a token, -100
+# all but bans it
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -23,6 +28,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF semantics: divides positive / multiplies negative logits of seen tokens
     frequency_penalty: float = 0.0  # OpenAI semantics: - penalty * count(token in output)
     presence_penalty: float = 0.0  # OpenAI semantics: - penalty * [token in output]
+    # OpenAI's: token id -> a number in [-100, 100] added to its logit (keys ints or decimal strings,
+    # as JSON sends them; stored as ints, an empty dict as None)
+    logit_bias: dict[int, float] | None = None
+    # SGLang's (vLLM's min_tokens): before this many output tokens nothing ends the request but its
+    # length limits (or a complete grammar) — no EOS or stop token id is sampled, no stop string counts
+    min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -36,6 +47,10 @@ class SamplingParams:
     # set from the three above: (kind, canonical text) — a JSON schema object becomes compact JSON
     # text, the key of the engine's compile cache
     grammar: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
+    # set from the fields above: penalties or a logit bias, which change every logits row of the
+    # request (sampler.needs_processing reads it for every request of every step: one attribute read,
+    # not the comparisons of has_penalties)
+    changes_logits: bool = field(default=False, init=False, repr=False, compare=False)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
@@ -60,6 +75,10 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
+        _check_int("min_new_tokens", self.min_new_tokens, lo=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
+                             f"({self.max_new_tokens})")
         _check_num("temperature", self.temperature, lo=0.0)
         _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
@@ -75,6 +94,8 @@ class SamplingParams:
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
+        self.logit_bias = check_logit_bias(self.logit_bias)
+        self.changes_logits = self.has_penalties or self.logit_bias is not None
         given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"at most one of json_schema, regex and ebnf may be given, got {given}")
@@ -89,6 +110,47 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def ending_token_ids(self, eos_token_ids: Collection[int]) -> Collection[int]:
+        """The token ids whose sampling ends a request with these parameters: its ``stop_token_ids``,
+        and the model's EOS ids ``eos_token_ids`` unless ``ignore_eos``. The one statement of the
+        rule: ``OutputProcessor`` ends a request on them, and the sampler makes them unsampleable
+        before ``min_new_tokens`` (``sampler.process_row``). May be one of the given collections
+        (no copy in the common case): read it, never change it."""
+        if self.ignore_eos or not eos_token_ids:
+            return self.stop_token_ids
+        if not self.stop_token_ids:
+            return eos_token_ids
+        return [*self.stop_token_ids, *eos_token_ids]
+
+
+_DECIMAL = re.compile(r"[0-9]+")
+
+
+def check_logit_bias(value: Any) -> dict[int, float] | None:
+    """A ``logit_bias`` as ``{token id: bias}``, or None for none (None or an empty dict). Keys are
+    token ids: non-negative ints, or the same as decimal strings (``"50256"``: JSON object keys, what
+    OpenAI clients and ``/generate`` send); values finite numbers in [-100, 100]. Whether an id is in
+    the model's vocabulary is the engine's check (at submission). ``ValueError`` naming
+    ``logit_bias`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if isinstance(key, str) and _DECIMAL.fullmatch(key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+            token = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers, or their decimal "
+                             f"strings), got {key!r:.40}")
+        _check_num(f"logit_bias[{key!r:.40}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        if token in out:
+            raise ValueError(f"logit_bias gives token id {token} twice")
+        out[token] = float(bias)
+    return out or None
 
 
 def _check_list(name: str, value: Any) -> list:

@@ -43,6 +43,7 @@ from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req, ReqStatus, abort_reason
+from hyla.engine.sampler import needs_processing
 from hyla.engine.speculative import Drafter, verify
 
 if TYPE_CHECKING:
@@ -397,7 +398,8 @@ class Scheduler:
         state is in scratch slot ``j`` (the last one's in the request's own slot; padded chains:
         every real one's in its scratch slot but a full chain's last)."""
         finished, failed, num_tokens = [], [], 0
-        verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True))
+        verdicts = verify(batch.reqs, batch.lens, logits, self.output.grammar_masks(batch.reqs, drafts=True),
+                          self.output.eos_token_ids)
         self.drafter.verified(batch.reqs, verdicts)
         ns, states, paths = [], [], []
         for r, fed, v, scratch in zip(batch.reqs, batch.lens, verdicts, batch.scratch, strict=True):
@@ -764,8 +766,10 @@ class Scheduler:
                      scratch=self.scratch[:len(reqs)])
 
     def _draft_limit(self, req: Req) -> int:
-        """Drafts that could all be used: within max_new_tokens and the context, none with penalties."""
-        if req.sampling.has_penalties:
+        """Drafts that could all be used: within max_new_tokens and the context; none while the
+        sampler processes the request's logits (``sampler.needs_processing``: penalties, a logit
+        bias, output short of min_new_tokens)."""
+        if needs_processing(req):
             return 0
         return min(req.sampling.max_new_tokens - len(req.output_ids) - 1,
                    self.config.max_context_len - req.num_fill - 1)

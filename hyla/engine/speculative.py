@@ -16,9 +16,11 @@ logits at every fed position and for the recurrent state after each of the first
   generator, so a seeded request is reproducible.
 
 The accepted prefix's state becomes the live state and the KV of rejected tokens is freed
-(``CacheManager.commit``): nothing of a rejected token survives. Requests with repetition,
-frequency or presence penalties get no drafts (their distribution at ``j`` depends on the drafts
-before it); they still take the verify path with ``k = 0``.
+(``CacheManager.commit``): nothing of a rejected token survives. Requests whose logits the sampler
+processes (``sampler.needs_processing``: penalties, a logit bias, output short of
+``min_new_tokens``) get no drafts (their distribution at ``j`` depends on the drafts before it);
+they still take the verify path with ``k = 0``, their one row processed as the sampler processes it
+(``sampler.process_row``, before the grammar mask).
 
 Structured outputs: a request with a grammar drafts only the grammar-valid prefix of its proposal,
 and verification runs on the grammar-masked logits of every fed position (``mask``, one row per
@@ -48,14 +50,16 @@ separate small model, its memory on the model's slots; trees from a beam search)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Collection
 
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.grammar import TokenMask, apply_token_mask
+from hyla.engine.grammar import TokenMask
 from hyla.engine.model_runner import decode_batch, host_long, prefix_sums
 from hyla.engine.request import Req
-from hyla.engine.sampler import apply_penalties, draw, raw_distribution, target_probs, top_logprobs, uniform
+from hyla.engine.sampler import (draw, needs_processing, process_logits, raw_distribution, target_probs, top_logprobs,
+                                 uniform)
 from hyla.model.forward_batch import ForwardBatch
 
 @dataclass
@@ -349,41 +353,43 @@ class _NgramIndex:
         self.num_indexed = max(self.num_indexed, end)
 
 
-def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMask | None = None) -> list[Verdict]:
+def verify(reqs: list[Req], lens: list[int], logits: torch.Tensor, mask: TokenMask | None = None,
+           eos_token_ids: Collection[int] = ()) -> list[Verdict]:
     """Accept or reject each request's drafts. ``logits``: ``[sum(lens), V]`` fp32, request ``i``'s
     ``lens[i] = 1 + len(req.draft_ids)`` rows in order; ``mask``: grammar masks of those rows
-    (``OutputProcessor.grammar_masks(reqs, drafts=True)``). Logprobs are the raw model's. The
-    greedy targets (argmax of every row) and the emitted tokens' logprobs are read in one op each
-    for the whole batch; only sampling and penalties work row by row."""
+    (``OutputProcessor.grammar_masks(reqs, drafts=True)``); ``eos_token_ids``: the model's EOS ids
+    (``OutputProcessor.eos_token_ids``, for ``min_new_tokens``). A request whose logits are processed
+    (``sampler.needs_processing``) has no drafts, and its one row is processed as the sampler does it,
+    before the mask. Logprobs are the raw model's. The greedy targets (argmax of every row) and the
+    emitted tokens' logprobs are read in one op each for the whole batch; only sampling and
+    processing work row by row."""
     raw_logits = logits.float()  # [T, V]
     raw_argmax, raw_rows, lse = raw_distribution(raw_logits)  # [T], [T, V], [T]
-    if mask is not None:
-        logits = apply_token_mask(raw_logits.clone(), mask)
-    greedy = [r.sampling.is_greedy and not r.sampling.has_penalties for r in reqs]
-    argmax = (raw_argmax if mask is None else logits.argmax(dim=-1)).tolist() if any(greedy) else []  # [T]
+    starts = prefix_sums(lens)
+    processed = [i for i, r in enumerate(reqs) if needs_processing(r)]
+    for i in processed:
+        if reqs[i].draft_ids:
+            raise ValueError(f"request {reqs[i].rid}: drafts for a request whose logits are processed "
+                             f"(penalties, logit_bias or min_new_tokens)")
+    # the one row of a processed request is its next token's: its first
+    logits = process_logits(raw_logits, [starts[i] for i in processed], [reqs[i] for i in processed], mask,
+                            eos_token_ids)  # [T, V]
+    greedy = any(r.sampling.is_greedy for r in reqs)
+    argmax = (raw_argmax if logits is raw_logits else logits.argmax(dim=-1)).tolist() if greedy else []  # [T]
     accepted: list[tuple[list[int], list[int]]] = []  # per request: (tokens, path)
-    offset = 0
-    for req, n, plain_greedy in zip(reqs, lens, greedy):
+    for req, n, offset in zip(reqs, lens, starts):
         drafts = req.draft_ids
         if len(drafts) != n - 1:
             raise ValueError(f"request {req.rid}: {len(drafts)} drafts for {n} fed tokens")
-        rows = logits[offset:offset + n].float()
-        if req.sampling.has_penalties:
-            if drafts:
-                raise ValueError(f"request {req.rid}: drafts for a request with penalties")
-            rows = apply_penalties(rows[0], req).unsqueeze(0)  # the one row: the next token's
         children: list[list[int]] = [[] for _ in range(n)]  # fed index -> its children, in order
         for j, parent in enumerate(req.fed_parents()[1:], start=1):
             children[parent].append(j)
         if not req.sampling.is_greedy:
-            accepted.append(_accept_sampled(rows, [-1] + drafts, children, req))
+            accepted.append(_accept_sampled(logits[offset:offset + n], [-1] + drafts, children, req))
         else:
-            target = argmax[offset:offset + n] if plain_greedy else rows.argmax(dim=-1).tolist()
-            accepted.append(_accept_greedy(target, [-1] + drafts, children))
-        offset += n
+            accepted.append(_accept_greedy(argmax[offset:offset + n], [-1] + drafts, children))
     # raw logprob of token t at row r: raw_rows[r, t] - lse[r] (the sampler's raw_logprobs; only the
     # emitted tokens' are read)
-    starts = prefix_sums(lens)
     dev = raw_logits.device
     taken = torch.tensor([starts[i] + j for i, (_, path) in enumerate(accepted) for j in path], device=dev)  # [E]
     emitted = torch.tensor([t for tokens, _ in accepted for t in tokens], device=dev)  # [E]

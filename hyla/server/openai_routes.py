@@ -82,6 +82,7 @@ class OpenAIRoutes:
         jobs = []
         for ids in id_lists:
             max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
+            _check_min_tokens(body.min_tokens, max_new, "max_tokens")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
                          logprob_start_len=start, priority=body.priority) for j in range(body.n)]
         echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
@@ -142,6 +143,8 @@ class OpenAIRoutes:
                                      body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
         max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
+        _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
+                          else "the tokens the context leaves after the prompt")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         grammar = {}
         forced = body.forced_tools()
@@ -278,6 +281,13 @@ def _max_new_tokens(engine: Engine, prompt_len: int, requested: int | None, max_
         raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
                             f"length ({context})", param=max_param, code="context_length_exceeded")
     return requested
+
+
+def _check_min_tokens(min_tokens: int | None, max_new: int, limit: str) -> None:
+    """``min_tokens`` may not exceed the tokens the request may generate, ``max_new`` (``limit`` says
+    what sets it: a field, or the context): a 400 naming ``min_tokens``."""
+    if min_tokens is not None and min_tokens > max_new:
+        raise APIError(400, f"min_tokens ({min_tokens}) must be at most {limit} ({max_new})", param="min_tokens")
 
 
 def _token_text(tokenizer: Tokenizer | None, token_id: int) -> TokenText:

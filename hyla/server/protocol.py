@@ -2,14 +2,14 @@
 
 The OpenAI models follow https://platform.openai.com/docs/api-reference (completions, chat
 completions, models) plus the sampling extras SGLang and vLLM accept (``top_k``, ``min_p``,
-``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
 ``chat_template_kwargs``). ``GenerateRequest`` is the native SGLang-style ``POST /generate``.
 
 Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
 * Types are strict: ``"16"`` is not an integer, ``1`` is not a bool; numbers are finite.
 * Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
-  ``logit_bias`` fails loudly instead of being silently ignored. The few fields that change
+  ``prediction`` fails loudly instead of being silently ignored. The few fields that change
   nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are accepted
   and ignored.
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
@@ -156,12 +156,15 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    # token id (a decimal string: a JSON key) -> bias in [-100, 100], added to its logit
+    logit_bias: dict[str, float] | None = None
     # SGLang / vLLM extras
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's: the engine's min_new_tokens (at most the max tokens)
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     # SGLang / vLLM: with --enable-priority-scheduling (else 0 or absent); which is more urgent: docs/engine.md
@@ -171,6 +174,16 @@ class _SamplingFields(_Request):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        # the engine's rule (keys decimal token ids, biases in [-100, 100]); imported here: it imports
+        # torch, which `hyla serve --help` (importing this module for its defaults) must not wait for
+        from hyla.engine.sampling_params import check_logit_bias
+
+        check_logit_bias(value)
+        return value
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
@@ -203,7 +216,7 @@ class _SamplingFields(_Request):
             "temperature": self.temperature, "top_p": self.top_p,
             "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
             "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-            "stop_token_ids": self.stop_token_ids,
+            "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias, "min_new_tokens": self.min_tokens,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
