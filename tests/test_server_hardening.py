@@ -260,3 +260,72 @@ def test_a_dead_scheduler_thread_is_unhealthy_and_refuses_requests(server, monke
     monkeypatch.undo()
     assert httpx.get(server.url + "/health").status_code == 200
     assert _post(server, "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_huge_integers_in_generate_sampling_fields_harm_no_batch(server):
+    """``/generate``'s sampling params pass JSON ints through. A large one (10**30) is a number like
+    any other (it was left an int, and the sampler's arithmetic on it failed the scheduler step of
+    every request batched with it: found fuzzing); one too large for a float (10**400) is a 400. A
+    stream running meanwhile finishes as it would have."""
+    stream = {**CHAT, "max_tokens": 24, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as client, \
+            client.stream("POST", "/v1/chat/completions", json=stream) as running:
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # it decodes
+        params = {"max_new_tokens": 4, "repetition_penalty": 10**30}
+        assert _post(server, "/generate", json={"text": "Hi", "sampling_params": params}).status_code == 200
+        for field in ("repetition_penalty", "temperature", "top_p", "min_p", "frequency_penalty"):
+            err = _assert_error(_post(server, "/generate", json={"text": "Hi", "sampling_params": {
+                "max_new_tokens": 4, field: 10**400}}), 400, "invalid_request_error", None)
+            assert field in err["message"] and "finite number" in err["message"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    chunks = [json.loads(line[len("data: "):]) for line in rest[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]] \
+        == ["length"]
+
+
+def test_out_of_vocabulary_stop_token_ids_are_400(server):
+    vocab = _engine(server).model_config.vocab_size
+    err = _assert_error(_post(server, "/v1/chat/completions", json={**CHAT, "stop_token_ids": [vocab]}),
+                        400, "invalid_request_error", None)
+    assert "stop_token_ids" in err["message"] and "outside the vocabulary" in err["message"]
+
+
+def test_tools_count_against_the_prompt_cap(server):
+    """The tools are rendered into the prompt: a huge tool list is a 413 before it is tokenized."""
+    limit = server.app.state.server.max_prompt_chars or 16 * _engine(server).context_length
+    tool = {"type": "function", "function": {"name": "f", "description": "word " * (limit // 5 + 1)}}
+    start = time.monotonic()
+    err = _assert_error(_post(server, "/v1/chat/completions", json={**CHAT, "tools": [tool]}), 413,
+                        "invalid_request_error", "messages")
+    assert err["code"] == "prompt_too_large" and time.monotonic() - start < 5
+
+
+def test_a_body_of_millions_of_values_is_checked_in_one_pass():
+    """Validating a chat body walks its values (surrogates, nesting, the prompt cap's count): millions
+    of numbers in one list (a message's extra key, under the body cap) cost one C pass each walk, not
+    a Python step and a path string per value: 3 million took ~13 s of the event loop, now a fraction
+    of one (a generous bound: no timing, just not the old walk)."""
+    from hyla.server.protocol import ChatCompletionRequest, CompletionRequest, _lone_surrogate_at, text_chars
+    from hyla.tokenizer.chat_template import check_nesting
+
+    numbers = [0] * 3_000_000
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi", "x": numbers}]}
+    start = time.monotonic()
+    request = ChatCompletionRequest.model_validate(body)
+    assert text_chars([m.for_template() for m in request.messages]) == 3_000_000 + len("user") + len("hi")
+    CompletionRequest.model_validate({"model": MODEL, "prompt": numbers})  # ids: one shape's validator, not all
+    assert time.monotonic() - start < 6
+    # the walks still find what they look for, with the spot
+    assert _lone_surrogate_at({"a": [1, ["x", {"k": [2, "\ud800"]}]]}) == "a.1.1.k.1"
+    assert _lone_surrogate_at({"a": [1, {"\udc00": 1}]}) == "a.1"
+    assert _lone_surrogate_at(json.loads('{"a": ["\\ud83d\\ude00", 1.5, null]}')) is None  # a pair: one character
+    assert text_chars({"n": [1, True, None, "abc"], "m": {"kk": "x"}}) == 3 + 3 + 1
+    assert text_chars({"n": [1, "abc"], "m": {"kk": "x"}}, keys=True) == 1 + 1 + 3 + 1 + 2 + 1  # n, 1, abc, m, kk, x
+    deep: list = [0]
+    for _ in range(100):
+        deep = [1, deep]
+    with pytest.raises(ValueError, match=r"messages\[0\]\[1\]\[1\]\[1\]\.\.\. nests"):
+        check_nesting(deep, "messages[0]")
+    check_nesting([[0] * 1000] * 30, "tools")

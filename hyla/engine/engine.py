@@ -535,8 +535,9 @@ class Engine:
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                     raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if sp.logit_bias is not None and max(sp.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias: token id {max(sp.logit_bias)} is outside the vocabulary [0, {vocab})")
+        for name, given in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
+            if given and max(given) >= vocab:
+                raise ValueError(f"{name}: token id {max(given)} is outside the vocabulary [0, {vocab})")
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "

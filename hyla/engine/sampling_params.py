@@ -79,13 +79,13 @@ class SamplingParams:
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
                              f"({self.max_new_tokens})")
-        _check_num("temperature", self.temperature, lo=0.0)
-        _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        self.temperature = _check_num("temperature", self.temperature, lo=0.0)
+        self.top_p = _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
-        _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
-        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self.min_p = _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
+        self.repetition_penalty = _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        self.frequency_penalty = _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        self.presence_penalty = _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_int("top_logprobs_num", self.top_logprobs_num, lo=0, hi=20)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)  # a torch.Generator seed
@@ -146,7 +146,7 @@ def check_logit_bias(value: Any) -> dict[int, float] | None:
         else:
             raise ValueError(f"logit_bias keys must be token ids (non-negative integers, or their decimal "
                              f"strings), got {key!r:.40}")
-        _check_num(f"logit_bias[{key!r:.40}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+        bias = _check_num(f"logit_bias[{key!r:.40}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
         if token in out:
             raise ValueError(f"logit_bias gives token id {token} twice")
         out[token] = float(bias)
@@ -168,9 +168,19 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
         raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
 
 
-def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
+    """``value`` as a float, checked: finite, in range. An int too large for a float (``10**30``, which
+    ``/generate``'s JSON passes through as an int) is refused here, not left to fail in the sampler's
+    arithmetic, where it would fail the step of every request batched with it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
+    if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < lo or (lo_open and value == lo) or (hi is not None and value > hi):
+    if number < lo or (lo_open and number == lo) or (hi is not None and number > hi):
         bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {value}")
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {number}")
+    return number

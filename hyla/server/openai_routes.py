@@ -259,7 +259,9 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
-    server.check_prompt_chars(text_chars(messages) + text_chars(template_kwargs), "messages")
+    # the tools are rendered into the prompt too (their JSON, keys and all)
+    server.check_prompt_chars(text_chars(messages) + text_chars(template_kwargs) + text_chars(tools, keys=True),
+                              "messages")
     try:
         return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt=add_generation_prompt,
                                        tools=tools, max_boundaries=max_boundaries, **(template_kwargs or {}))

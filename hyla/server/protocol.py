@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from hyla.tokenizer.chat_template import check_nesting
 
@@ -53,10 +53,51 @@ class _Strict(BaseModel):
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+_SCALARS = frozenset((int, float, bool, type(None)))
+
+
+def _split(values: Any) -> tuple[list[str], list[Any], int]:
+    """The strings, the lists and objects, and the count of other values among ``values`` (a list or
+    an object's values). A list of numbers costs a few passes in C (``set(map(type, ...))``), not
+    a Python step each: a body of millions of them must not hold the event loop for seconds."""
+    kinds = set(map(type, values))
+    strings = [v for v in values if type(v) is str] if str in kinds else []
+    nested = [] if kinds <= _SCALARS | {str} else [v for v in values if isinstance(v, (dict, list))]
+    return strings, nested, len(values) - len(strings) - len(nested)
+
+
+def _strings_hold_a_surrogate(data: Any) -> bool:
+    """Whether a string (or an object key) in parsed JSON holds a lone UTF-16 surrogate: one search
+    over each list's or object's strings joined (joining makes no pair: a Python string holds code
+    points). Iterative."""
+    search = _LONE_SURROGATE.search
+    stack = [data]
+    while stack:
+        value = stack.pop()
+        if type(value) is str:
+            if search(value):
+                return True
+            continue
+        if isinstance(value, dict):
+            if search("".join(k for k in value if type(k) is str)):
+                return True
+            value = value.values()
+        elif not isinstance(value, list):
+            continue
+        strings, nested, _ = _split(value)
+        if strings and search("".join(strings)):
+            return True
+        stack.extend(nested)
+    return False
+
+
 def _lone_surrogate_at(data: Any) -> str | None:
     """Where (``messages.0.content``) a string in parsed JSON holds a lone UTF-16 surrogate, or None.
     json.loads joins each escaped pair (``\\ud83d\\ude00``) into one character, so any surrogate
-    left is unpaired. Iterative: bodies may nest deeply."""
+    left is unpaired. Iterative: bodies may nest deeply. The path is looked for only once a cheap
+    pass found one (:func:`_strings_hold_a_surrogate`)."""
+    if not _strings_hold_a_surrogate(data):
+        return None
     stack: list[tuple[Any, str]] = [(data, "")]
     while stack:
         value, path = stack.pop()
@@ -71,18 +112,49 @@ def _lone_surrogate_at(data: Any) -> str | None:
     return None
 
 
-def text_chars(value: Any) -> int:
-    """Characters of all the strings in a JSON value (what tokenizing it costs). Iterative."""
+def text_chars(value: Any, keys: bool = False) -> int:
+    """What rendering a JSON value into a prompt costs, in characters (the prompt cap's measure):
+    every string's characters, with ``keys`` every object key's too (tools: a template writes their
+    JSON), and one for any other value (a number, a bool, a null renders as one character at least;
+    one a template leaves out is still work to walk and copy). Iterative, a few C passes per list or
+    object (:func:`_split`)."""
     total, stack = 0, [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str):
+        if type(v) is str:
             total += len(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
+            continue
+        if isinstance(v, dict):
+            if keys:
+                total += sum(len(k) if type(k) is str else 1 for k in v)
+            v = v.values()
+        elif not isinstance(v, list):
+            total += 1
+            continue
+        strings, nested, others = _split(v)
+        total += sum(map(len, strings)) + others
+        stack.extend(nested)
     return total
+
+
+def _prompt_shape(value: Any) -> str:
+    """The shape of a prompt-like field, from its first item: ``text``, ``texts``, ``ids`` or
+    ``batches`` (of ids). Only that shape's validator then runs: pydantic's smart union tries every
+    member, and a million ids failing as strings first cost ~0.4 µs each (1.3 s of the event loop for
+    the 3 million a 16 MiB body holds)."""
+    if not isinstance(value, list):
+        return "text"
+    first = value[0] if value else 0
+    return "texts" if isinstance(first, str) else "batches" if isinstance(first, list) else "ids"
+
+
+Texts = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")]], Discriminator(_prompt_shape)]
+TokenIds = Annotated[Union[Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("batches")]],
+                     Discriminator(_prompt_shape)]
+Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],
+                         Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("batches")]],
+                   Discriminator(_prompt_shape)]
+"""A completion's prompt: a text, texts, token ids, or lists of token ids."""
 
 
 class _Request(_Strict):
@@ -230,7 +302,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids, or a
     list of token-id lists; a list gives ``n`` choices per prompt, indexed ``prompt * n + j``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
@@ -447,8 +519,8 @@ class GenerateRequest(_Request):
     """Native ``POST /generate`` (SGLang's): exactly one of ``text`` / ``input_ids``; a list of
     them is a batch (one output per item; no streaming)."""
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: Texts | None = None
+    input_ids: TokenIds | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     logprob_start_len: int | list[int] = -1  # with return_logprob: prompt logprobs from this position
