@@ -329,3 +329,11 @@ def test_a_body_of_millions_of_values_is_checked_in_one_pass():
     with pytest.raises(ValueError, match=r"messages\[0\]\[1\]\[1\]\[1\]\.\.\. nests"):
         check_nesting(deep, "messages[0]")
     check_nesting([[0] * 1000] * 30, "tools")
+
+
+def test_a_validators_message_is_its_own(server):
+    """A rule checked across fields (a model validator) answers with its own words, not pydantic's
+    "Value error, " before them."""
+    err = _assert_error(_post(server, "/v1/chat/completions", json={**CHAT, "stream_options": {"include_usage": True}}),
+                        400, "invalid_request_error", None)
+    assert err["message"].startswith("stream_options") and "Value error" not in err["message"]

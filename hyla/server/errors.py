@@ -99,7 +99,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not loc and first.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
         return APIError(400, "the request body must be a JSON object (Content-Type: application/json)",
                         code="invalid_json")
-    msg = first.get("msg", "invalid value")
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's, before a validator's own)
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
     return APIError(400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
 
