@@ -337,3 +337,15 @@ def test_a_validators_message_is_its_own(server):
     err = _assert_error(_post(server, "/v1/chat/completions", json={**CHAT, "stream_options": {"include_usage": True}}),
                         400, "invalid_request_error", None)
     assert err["message"].startswith("stream_options") and "Value error" not in err["message"]
+
+
+@pytest.mark.parametrize("raw, headers", [
+    pytest.param(b'{"model": "\xff\xfe"}', {}, id="not-utf8"),
+    pytest.param(__import__("gzip").compress(json.dumps(CHAT).encode()), {"content-encoding": "gzip"}, id="gzip"),
+    pytest.param(b"[" * 5000 + b"]" * 5000, {}, id="nested-too-deep"),
+    pytest.param(b'{"model": "m", "seed": ' + b"9" * 5000 + b"}", {}, id="integer-of-5000-digits"),
+])
+def test_a_body_json_cannot_read_is_400_invalid_json(server, raw, headers):
+    err = _assert_error(_post(server, "/v1/chat/completions", content=raw,
+                              headers={"content-type": "application/json", **headers}), 400, "invalid_request_error")
+    assert err["code"] == "invalid_json" and "could not be read as JSON" in err["message"]

@@ -30,6 +30,7 @@ from hyla.server.protocol import ErrorInfo, ErrorResponse
 logger = logging.getLogger("hyla.server")
 
 RETRY_AFTER_SECONDS = 1
+UNPARSED_BODY = "There was an error parsing the body"  # FastAPI's 400 for a body json.loads failed on otherwise
 
 
 class APIError(Exception):
@@ -119,7 +120,11 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = "request_too_large" if exc.status_code == 413 else None  # a body over --max-request-bytes
-        return APIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == UNPARSED_BODY:  # FastAPI's, for what json.loads did not raise
+            message, code = ("the request body could not be read as JSON: not UTF-8, compressed (no Content-Encoding "
+                             "is supported), nested too deep, or an integer of more than 4,300 digits"), "invalid_json"
+        return APIError(exc.status_code, message, type=kind, code=code, headers=exc.headers).response()
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
