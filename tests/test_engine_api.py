@@ -158,6 +158,14 @@ class _FakeReq:
     (dict(input_ids=[1, 2], sampling_params={"ignore_eos": None}), "ignore_eos must be a bool"),
     (dict(input_ids=[1, 2], sampling_params={"temperature": float("inf")}), "temperature must be a finite"),
     (dict(input_ids=[1, 2], sampling_params={"repetition_penalty": float("inf")}), "repetition_penalty"),
+    # found fuzzing the library: an unhashable namespace failed every later step's admission (the queue
+    # stalled), a huge int in a float field failed the sampler, an out-of-vocabulary stop id was kept
+    (dict(input_ids=[1, 2], namespace=[1]), "namespace must be hashable"),
+    (dict(input_ids=[1, 2], namespace=(1, [2])), "namespace must be hashable"),
+    (dict(input_ids=[1, 2], sampling_params={"temperature": 10**400}), "temperature must be a finite"),
+    (dict(input_ids=[1, 2], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids: token id"),
+    (dict(input_ids=[1, 2], sampling_params={"min_new_tokens": 2, "stop_token_ids": list(range(2048))}),
+     "cover the whole vocabulary"),
 ])
 def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
     stream = engine.generate(input_ids=_ids(30, 8), stream=True,
@@ -192,10 +200,17 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(max_state_slots=4, max_running_requests=4), "max_running_requests"),
     (dict(chunked_prefill_size=8, page_size=16), "chunked_prefill_size"),
     (dict(bogus_option=1), "bogus_option"),
+    (dict(max_running_request=4), "did you mean 'max_running_requests'"),
     (dict(speculative_algorithm="ngram", speculative_ngram_adaptive="yes"), "speculative_ngram_adaptive"),
+    (dict(device="bogus"), "device must be"),
+    (dict(device=None), "device must be"),
+    (dict(device="meta"), "device must be"),
+    pytest.param(dict(device="cuda"), "no CUDA device", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="a machine with CUDA")),
+    (dict(mem_fraction="0.5"), "mem_fraction"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
-    with pytest.raises((ValueError, TypeError), match=match):
+    with pytest.raises(ValueError, match=match):
         Engine(qwen3_next_dense_path, **opts)
 
 
@@ -448,3 +463,38 @@ def test_a_request_its_token_ends_is_cached_before_the_token_is_read(qwen3_next_
         again = engine.generate(input_ids=prompt + [7, 8], sampling_params={"max_new_tokens": 1, "temperature": 0})
         assert again["meta_info"]["cached_tokens"] == 41  # the failed turn's release cached its prompt
         assert_drained(engine)
+
+
+def test_extreme_sampling_values_found_fuzzing(engine):
+    """What fuzzing the library found, each now sound: a ``SamplingParams`` object changed after it
+    was made is checked again at submission (its bad field failed the whole batch's step); a
+    ``top_p`` that rounds to 0 in fp32 keeps the top token, and a repetition penalty small enough to
+    divide a logit into inf samples a real token (both drew the last token of the vocabulary,
+    through a NaN distribution)."""
+    from hyla.engine.sampling_params import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=3)
+    sp.top_k = "x"
+    with pytest.raises(ValueError, match="top_k"):
+        engine.generate(input_ids=[1, 2, 3], sampling_params=sp)
+    ids = _ids(20, 3)
+    greedy = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 6})["output_ids"]
+    tiny_p = engine.generate(input_ids=ids, sampling_params={"temperature": 1.0, "top_p": 1e-300, "max_new_tokens": 6,
+                                                             "ignore_eos": True})["output_ids"]
+    assert tiny_p == greedy  # only the top token is left: greedy
+    vocab = engine.model_config.vocab_size
+    out = engine.generate(input_ids=ids, sampling_params={"temperature": 1.0, "repetition_penalty": 1e-40,
+                                                          "max_new_tokens": 6, "ignore_eos": True, "seed": 1})
+    assert out["output_ids"] != [vocab - 1] * 6
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_value_error():
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+    from hyla.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    with pytest.raises(ValueError, match="lone UTF-16 surrogate at character 2"):
+        tok.encode("ab\ud800c")
+    assert tok.encode("ab\U0001F600c")  # a character beyond the BMP is text

@@ -6,6 +6,7 @@ fields (each field's ``help`` metadata is the flag's help text), so the two neve
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -169,8 +170,10 @@ class EngineArgs:
         if isinstance(self.state_memory_ratio, bool) or not isinstance(self.state_memory_ratio, (int, float)) \
                 or not 0.0 < self.state_memory_ratio <= 100.0:
             raise ValueError(f"state_memory_ratio must be in (0, 100], got {self.state_memory_ratio!r}")
-        if not 0.0 <= self.mem_fraction < 1.0:
-            raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction}")
+        if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, (int, float)) \
+                or not 0.0 <= self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction!r}")
+        self._check_device()
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
                                              or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0):
             raise ValueError(f"cpu_threads must be a non-negative integer or None, got {self.cpu_threads!r}")
@@ -190,6 +193,31 @@ class EngineArgs:
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             raise ValueError("enable_mixed_chunk is not supported with speculative decoding (a decoding request's "
                              "step is a verify step of its drafts); turn one of them off")
+
+    def _check_device(self) -> None:
+        """``device``: ``cpu``, or ``cuda`` / ``cuda:N`` of a GPU this machine has."""
+        import torch  # (here: the CLI imports this module for its flags, and --help must not wait for torch)
+
+        try:
+            device = torch.device(self.device) if isinstance(self.device, str) else None
+        except RuntimeError:
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+            raise ValueError(f"device {self.device!r}: " + ("this machine has no CUDA device (or this torch has no CUDA)"
+                             if not torch.cuda.is_available() else f"there are {torch.cuda.device_count()} CUDA devices"))
+
+    @classmethod
+    def from_options(cls, model_path: str | None, options: dict[str, Any]) -> "EngineArgs":
+        """``EngineArgs(model_path=..., **options)``, an unknown option a ``ValueError`` naming the
+        closest known one (a dataclass's own error is a ``TypeError``)."""
+        known = {f.name for f in fields(cls)}
+        for name in options:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                raise ValueError(f"unknown engine option {name!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+        return cls(model_path=model_path, **options)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -74,7 +74,7 @@ class EngineOverloadedError(RuntimeError):
 
 class Engine:
     def __init__(self, model_path: str | os.PathLike | None = None, **options: Any):
-        self.args = EngineArgs(model_path=str(model_path) if model_path is not None else None, **options)
+        self.args = EngineArgs.from_options(str(model_path) if model_path is not None else None, options)
         path = Path(self.args.model_path) if self.args.model_path else DEFAULT_MODEL_DIR
         if not (path / "config.json").is_file():
             raise ValueError(f"no config.json in model directory {str(path)!r}")
@@ -466,6 +466,11 @@ class Engine:
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
+        try:  # the prefix cache keys its trees on it: an unhashable one would fail every step's admission
+            hash(namespace)
+        except TypeError:
+            raise ValueError(f"namespace must be hashable (a str, an int, a tuple of them), got "
+                             f"{type(namespace).__name__}") from None
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else None
@@ -538,6 +543,10 @@ class Engine:
         for name, given in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
             if given and max(given) >= vocab:
                 raise ValueError(f"{name}: token id {max(given)} is outside the vocabulary [0, {vocab})")
+        if sp.min_new_tokens and len(sp.stop_token_ids) + len(self.eos_token_ids) >= vocab \
+                and len(set(sp.ending_token_ids(self.eos_token_ids))) >= vocab:
+            raise ValueError("min_new_tokens: the stop token ids and EOS cover the whole vocabulary, so no token "
+                             "could be sampled before the minimum")
         if len(ids) + sp.max_new_tokens > self.context_length:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "

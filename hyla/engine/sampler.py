@@ -222,7 +222,9 @@ def apply_penalties(row: torch.Tensor, req: Req) -> torch.Tensor:
         counts = torch.zeros(row.numel(), dtype=row.dtype, device=row.device).index_add_(
             0, out, torch.ones(out.numel(), dtype=row.dtype, device=row.device))
         row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
-    return row
+    # a tiny repetition penalty (1e-40) divides a logit into inf: the largest finite value instead (an
+    # inf would make the softmax NaN and every draw the last token)
+    return torch.nan_to_num(row, nan=float("-inf"), posinf=torch.finfo(row.dtype).max, neginf=float("-inf"))
 
 
 def target_probs(row: torch.Tensor, req: Req) -> torch.Tensor:
@@ -248,6 +250,7 @@ def target_probs_batch(rows: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= to_device([[t] for t in top_p], torch.float32, dev)
+        drop[:, 0] = False  # (a top_p that rounds to 0 in fp32, 1e-300, would drop the top token too)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0))
     min_p = [p.min_p for p in params]
     if any(m > 0.0 for m in min_p):

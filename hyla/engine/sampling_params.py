@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -56,8 +57,8 @@ class SamplingParams:
     def from_dict(cls, params: dict[str, Any] | "SamplingParams" | None) -> "SamplingParams":
         if params is None:
             return cls()
-        if isinstance(params, SamplingParams):
-            return params
+        if isinstance(params, SamplingParams):  # checked again (a field may have been set since), as a copy
+            return dataclasses.replace(params)
         if not isinstance(params, dict):
             raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
         known = {f.name for f in fields(cls) if f.init}

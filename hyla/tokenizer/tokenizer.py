@@ -180,6 +180,11 @@ class Tokenizer:
         in transformers v5, ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored."""
         if not isinstance(text, str):
             raise ValueError(f"encode expects a str, got {type(text).__name__}")
+        try:  # tokenizers takes Unicode text only: a lone surrogate ("\ud800") would be its TypeError
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text holds a lone UTF-16 surrogate at character {exc.start}: not valid Unicode "
+                             "text") from None
         # encode_batch releases the GIL (encode does not): a long text does not stall other threads
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
