@@ -206,7 +206,7 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(device=None), "device must be"),
     (dict(device="meta"), "device must be"),
     pytest.param(dict(device="cuda"), "no CUDA device", marks=pytest.mark.skipif(
-        __import__("torch").cuda.is_available(), reason="a machine with CUDA")),
+        torch.cuda.is_available(), reason="a machine with CUDA")),
     (dict(mem_fraction="0.5"), "mem_fraction"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
@@ -471,8 +471,6 @@ def test_extreme_sampling_values_found_fuzzing(engine):
     ``top_p`` that rounds to 0 in fp32 keeps the top token, and a repetition penalty small enough to
     divide a logit into inf samples a real token (both drew the last token of the vocabulary,
     through a NaN distribution)."""
-    from hyla.engine.sampling_params import SamplingParams
-
     sp = SamplingParams(max_new_tokens=3)
     sp.top_k = "x"
     with pytest.raises(ValueError, match="top_k"):
@@ -498,3 +496,15 @@ def test_a_lone_surrogate_in_a_prompt_is_a_value_error():
     with pytest.raises(ValueError, match="lone UTF-16 surrogate at character 2"):
         tok.encode("ab\ud800c")
     assert tok.encode("ab\U0001F600c")  # a character beyond the BMP is text
+
+
+def test_an_engine_shut_down_refuses_work_and_waits_for_nothing(qwen3_next_dense_path):
+    eng = Engine(qwen3_next_dense_path, max_total_tokens=1024, max_state_slots=8, max_running_requests=2)
+    eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        eng.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)
+    eng.abort("nobody")  # nothing to abort: no message left in an inbox nobody reads
+    start = time.monotonic()
+    eng.wait_idle(timeout=30)  # returns at once (it waited out its timeout, then raised TimeoutError)
+    assert time.monotonic() - start < 5

@@ -384,7 +384,10 @@ class Engine:
         return outs[0] if single else outs
 
     def abort(self, rid: str) -> None:
-        """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``."""
+        """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``.
+        Nothing on an engine shut down."""
+        if self._stopped:
+            return
         self._inbox.put(("abort", rid))
         self._wakeup.set()
 
@@ -430,10 +433,11 @@ class Engine:
         return ledger
 
     def wait_idle(self, timeout: float = 60.0) -> None:
-        """Block until every submitted request has finished (tests, benchmarks)."""
+        """Block until every submitted request has finished (tests, benchmarks); at once on an engine
+        shut down (nothing will run)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._inbox.empty() and not self.scheduler.has_work():
+            if self._stopped or self._inbox.empty() and not self.scheduler.has_work():
                 return
             time.sleep(0.005)
         raise TimeoutError("engine still busy")
