@@ -592,6 +592,10 @@ class Engine:
             clash = (set(rids) & self._live.keys()) | {r for r in rids if rids.count(r) > 1}
             if clash:
                 raise ValueError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live requests")
+            if len(reqs) > self.max_live_requests:  # never fits, however long one waits: not an overload
+                raise ValueError(f"a batch of {len(reqs)} requests can never fit: the engine holds at most "
+                                 f"{self.max_live_requests} at once (max_running_requests={self.max_running_requests}"
+                                 f" + max_queued_requests={self.args.max_queued_requests})")
             # live = running + waiting + in the inbox; a submission fits while the live requests stay
             # within the running slots plus the queue (an idle engine takes a batch of that size)
             live = len(self._live) - len(self._displacing)
