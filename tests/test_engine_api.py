@@ -208,6 +208,8 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     pytest.param(dict(device="cuda"), "no CUDA device", marks=pytest.mark.skipif(
         torch.cuda.is_available(), reason="a machine with CUDA")),
     (dict(mem_fraction="0.5"), "mem_fraction"),
+    (dict(speculative_num_steps=5), "speculative_num_steps set without speculative_algorithm"),
+    (dict(priority_scheduling_preemption_threshold=3), "set without enable_priority_scheduling"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
     with pytest.raises(ValueError, match=match):

@@ -190,6 +190,19 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
+        # an option of a feature that is off would be ignored: more likely a mistake than a wish
+        defaults = {f.name: f.default for f in fields(self)}
+        for feature, on, names in (
+                ("speculative_algorithm", self.speculative_algorithm is not None,
+                 ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+                  "speculative_disable_by_batch_size")),
+                ("enable_priority_scheduling", self.enable_priority_scheduling,
+                 ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold"))):
+            changed = [name for name in names if getattr(self, name) != defaults[name]]
+            if changed and not on:
+                raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
+                                 f"{'them' if len(changed) > 1 else 'it'}")
+
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             raise ValueError("enable_mixed_chunk is not supported with speculative decoding (a decoding request's "
                              "step is a verify step of its drafts); turn one of them off")
