@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
-from hyla.tokenizer.chat_template import check_nesting
+from hyla.tokenizer.chat_template import JSON_SCALARS, check_nesting
 
 MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
@@ -53,16 +53,13 @@ class _Strict(BaseModel):
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-_SCALARS = frozenset((int, float, bool, type(None)))
-
-
 def _split(values: Any) -> tuple[list[str], list[Any], int]:
     """The strings, the lists and objects, and the count of other values among ``values`` (a list or
     an object's values). A list of numbers costs a few passes in C (``set(map(type, ...))``), not
     a Python step each: a body of millions of them must not hold the event loop for seconds."""
     kinds = set(map(type, values))
     strings = [v for v in values if type(v) is str] if str in kinds else []
-    nested = [] if kinds <= _SCALARS | {str} else [v for v in values if isinstance(v, (dict, list))]
+    nested = [] if kinds <= JSON_SCALARS else [v for v in values if isinstance(v, (dict, list))]
     return strings, nested, len(values) - len(strings) - len(nested)
 
 
@@ -148,12 +145,11 @@ def _prompt_shape(value: Any) -> str:
     return "texts" if isinstance(first, str) else "batches" if isinstance(first, list) else "ids"
 
 
-Texts = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")]], Discriminator(_prompt_shape)]
-TokenIds = Annotated[Union[Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("batches")]],
-                     Discriminator(_prompt_shape)]
-Prompt = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")],
-                         Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("batches")]],
-                   Discriminator(_prompt_shape)]
+_TEXT, _TEXTS = Annotated[str, Tag("text")], Annotated[list[str], Tag("texts")]
+_IDS, _BATCHES = Annotated[list[int], Tag("ids")], Annotated[list[list[int]], Tag("batches")]
+Texts = Annotated[Union[_TEXT, _TEXTS], Discriminator(_prompt_shape)]
+TokenIds = Annotated[Union[_IDS, _BATCHES], Discriminator(_prompt_shape)]
+Prompt = Annotated[Union[_TEXT, _TEXTS, _IDS, _BATCHES], Discriminator(_prompt_shape)]
 """A completion's prompt: a text, texts, token ids, or lists of token ids."""
 
 

@@ -73,6 +73,9 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+"""The types of JSON's scalar values as ``json.loads`` makes them (subclasses are not among them)."""
+
 MAX_NESTING_DEPTH = 64
 """Messages, tools, documents and template variables may nest lists and objects this deep (a
 message object is one level, its ``tool_calls`` list two, ...); deeper is a ``ValueError``. Real
@@ -93,12 +96,9 @@ def _nests_too_deep(value: Any) -> bool:
             continue
         if level > MAX_NESTING_DEPTH:
             return True
-        if not set(map(type, item)) <= _SCALARS:  # (a list of numbers or strings: one pass in C)
+        if not set(map(type, item)) <= JSON_SCALARS:  # (a list of numbers or strings: one pass in C)
             stack.extend((v, level + 1) for v in item if isinstance(v, (Mapping, list, tuple)))
     return False
-
-
-_SCALARS = frozenset((str, int, float, bool, type(None)))
 
 
 def check_nesting(value: Any, where: str) -> None:
@@ -132,7 +132,7 @@ def _plain(value: Any, where: str, level: int = 1) -> Any:
     """A copy of ``value`` made of JSON types only: templates never see objects with methods.
     ``ValueError`` past ``MAX_NESTING_DEPTH`` levels of lists and objects (so the copy's recursion
     stays shallow; ``check_nesting`` names the spot, for the server's requests)."""
-    if value is None or type(value) in (str, int, float, bool):
+    if type(value) in JSON_SCALARS:
         return value
     if isinstance(value, (Mapping, list, tuple)) and level > MAX_NESTING_DEPTH:
         raise ValueError(f"{where} nests lists and objects more than {MAX_NESTING_DEPTH} levels deep")
