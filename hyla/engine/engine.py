@@ -628,7 +628,7 @@ class Engine:
         rank = self.scheduler.rank
         queued = sorted((r for r in self._live.values()
                          if r.status is ReqStatus.WAITING and not r.admitted_once and r.rid not in self._displacing),
-                        key=lambda r: (rank(r), r.arrival_time), reverse=True)
+                        key=self.scheduler.give_way_order, reverse=True)
         displaced = []
         for new, victim in zip(sorted(reqs, key=rank), queued):
             if len(displaced) == k or rank(victim) <= rank(new):

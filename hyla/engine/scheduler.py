@@ -629,6 +629,11 @@ class Scheduler:
             return 0
         return req.priority if self.config.low_priority_values_first else -req.priority
 
+    def give_way_order(self, req: Req) -> tuple:
+        """The order in which requests give way (retracted, preempted, displaced from a full queue):
+        the largest first — the least urgent, then the youngest (the request id breaks ties)."""
+        return self.rank(req), req.arrival_time, req.rid
+
     def _preempt_for(self, req: Req, batch: Batch, tokens: int | None = None) -> bool:
         """Priority scheduling: retract the running request least worth keeping for ``req``, which
         waits for a running slot (``tokens=None``) or for memory (its chunk of ``tokens`` did not fit).
@@ -650,7 +655,7 @@ class Scheduler:
             room = sum(r.kv_allocated + max(0, r.sampling.max_new_tokens - len(r.output_ids)) * ratio for r in victims)
             if room + self.cache.kv_room() < tokens + self._decode_reserve():
                 return False
-        self.retract(max(victims, key=lambda r: (self.rank(r), r.arrival_time, r.rid)), preempted_for=req)
+        self.retract(max(victims, key=self.give_way_order), preempted_for=req)
         return True
 
     def _mix_decodes(self, batch: Batch, reqs: list[Req]) -> None:
@@ -788,7 +793,7 @@ class Scheduler:
         if len(self.running) == 1:
             # cannot happen for a validated request (prompt + max_new_tokens <= pool size)
             raise RuntimeError("the KV pool cannot hold a single request; raise max_total_tokens")
-        return max(self.running, key=lambda r: (self.rank(r), r.arrival_time, r.rid))
+        return max(self.running, key=self.give_way_order)
 
     # ------------------------------------------------------------------------------------------
     # checks and logs (the per-step lines SGLang users know)
