@@ -150,7 +150,7 @@ def check_logit_bias(value: Any) -> dict[int, float] | None:
         bias = _check_num(f"logit_bias[{key!r:.40}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
         if token in out:
             raise ValueError(f"logit_bias gives token id {token} twice")
-        out[token] = float(bias)
+        out[token] = bias
     return out or None
 
 
@@ -170,9 +170,9 @@ def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = No
 
 
 def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
-    """``value`` as a float, checked: finite, in range. An int too large for a float (``10**30``, which
-    ``/generate``'s JSON passes through as an int) is refused here, not left to fail in the sampler's
-    arithmetic, where it would fail the step of every request batched with it."""
+    """``value`` as a float, checked: finite, in range. An int (``/generate``'s JSON passes ``10**30``
+    through as one) becomes a float here, not in the sampler's arithmetic, where it failed the step
+    of every request batched with it; one too large for a float (``10**400``) is refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
     try:
