@@ -84,6 +84,92 @@ def test_abort_running_request_frees_everything(engine):
     engine.check_integrity()
 
 
+LONG = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}
+
+
+def _generated_while(engine, fn) -> int:
+    """Tokens the engine generated from ``fn()`` until it was idle again."""
+    engine.wait_idle()
+    before = engine.get_stats()["num_generated_tokens"]
+    fn()
+    engine.wait_idle()
+    return engine.get_stats()["num_generated_tokens"] - before
+
+
+@pytest.mark.parametrize("how", ["dropped before its first chunk", "dropped after one", "closed", "break"])
+def test_a_stream_nobody_reads_aborts_its_request(engine, how):
+    """An abandoned stream must not run its request to the end (1,500 tokens here): dropping it —
+    also before its first chunk, which a generator function cannot notice — closing it, or
+    breaking out of its loop aborts the request, and nothing leaks."""
+    def abandon():
+        stream = engine.generate(input_ids=_ids(20, 40), sampling_params=LONG, stream=True)
+        if how == "break":
+            for _ in stream:
+                break
+            return  # (the loop's stream goes with the frame)
+        if how != "dropped before its first chunk":
+            assert next(stream)["output_ids"]
+        if how == "closed":
+            stream.close()
+            stream.close()  # idempotent
+            assert list(stream) == []
+        del stream
+
+    assert _generated_while(engine, abandon) < 1000
+    engine.check_integrity()
+
+
+def test_an_async_stream_nobody_reads_aborts_its_request(engine):
+    async def abandon():
+        dropped = await engine.async_generate(input_ids=_ids(20, 41), sampling_params=LONG, stream=True)
+        del dropped
+        closed = await engine.async_generate(input_ids=_ids(20, 42), sampling_params=LONG, stream=True)
+        assert (await closed.__anext__())["output_ids"]
+        await closed.aclose()
+        waiting = await engine.async_generate(input_ids=_ids(20, 43), sampling_params=LONG, stream=True)
+        task = asyncio.ensure_future(waiting.__anext__())
+        await asyncio.sleep(0)
+        task.cancel()  # its consumer cancelled while it waits for a chunk
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    assert _generated_while(engine, lambda: asyncio.run(abandon())) < 1000
+    engine.check_integrity()
+
+
+def test_a_request_whose_admission_fails_ends_alone(engine, monkeypatch):
+    """A request whose admission raises (an injected error in its prefix match: a cause submission
+    does not refuse) is aborted alone: it does not stay first in the queue failing every step, the
+    requests queued behind it are admitted, and a running stream is untouched."""
+    cache = engine.scheduler.cache
+    match = cache.match
+    monkeypatch.setattr(cache, "match", lambda req: 1 / 0 if req.rid == "poison" else match(req))
+    running = engine.generate(input_ids=_ids(30, 46), stream=True,
+                              sampling_params={"temperature": 0, "max_new_tokens": 30, "ignore_eos": True})
+    next(running)
+    bad = engine.generate(input_ids=_ids(20, 47), rid="poison", sampling_params=GREEDY, stream=True)
+    behind = [engine.generate(input_ids=_ids(20 + i, 48 + i), sampling_params=GREEDY, stream=True) for i in range(2)]
+    engine.wait_idle(timeout=60)  # (before the fix, it never was: TimeoutError)
+    assert [list(s)[-1]["meta_info"]["finish_reason"]["type"] for s in behind] == ["length", "length"]
+    reason = list(bad)[-1]["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["cause"] == "internal" and "ZeroDivisionError" in reason["message"]
+    assert list(running)[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 30}
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_a_finished_stream_dropped_unread_aborts_nothing(engine):
+    """A stream dropped after its request ended, its last chunk unread, aborts nothing: its request
+    id may already name a new request."""
+    old = engine.generate(input_ids=_ids(20, 44), rid="reused", sampling_params=GREEDY, stream=True)
+    engine.wait_idle()  # the request has ended; its chunks wait unread
+    new = engine.generate(input_ids=_ids(20, 45), rid="reused", sampling_params={**GREEDY, "max_new_tokens": 40},
+                          stream=True)
+    del old
+    last = list(new)[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 40}
+
+
 def test_stop_token_ids_and_max_new_tokens_zero(engine):
     ids = _ids(20, 4)
     ref = engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]

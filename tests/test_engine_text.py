@@ -90,3 +90,37 @@ def test_text_at_the_end_equals_text_token_by_token(engine):
 def test_tokenizer_is_loaded_from_the_model_dir(engine):
     assert isinstance(engine.tokenizer, Tokenizer)
     assert engine.tokenizer.eos_token_ids
+
+
+def test_async_generate_tokenizes_a_long_prompt_off_the_event_loop(engine):
+    """A prompt of megabytes takes ~1 s to tokenize (then it is refused: it cannot fit the context);
+    ``async_generate`` tokenizes it in a worker thread, so the event loop's other tasks keep their
+    pace meanwhile."""
+    import asyncio
+    import time
+
+    text = "lorem ipsum dolor sit amet, " * 40_000  # 1.1 M characters
+
+    async def main():
+        gaps, stop = [], asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.02)
+        t = time.perf_counter()
+        with pytest.raises(ValueError, match="context length"):
+            await engine.async_generate(text, PARAMS)
+        took = time.perf_counter() - t
+        stop.set()
+        await tick
+        return took, max(gaps)
+
+    took, worst = asyncio.run(main())
+    assert worst < max(0.25, took / 3), (took, worst)  # the loop never waited for the tokenizer

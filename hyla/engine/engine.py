@@ -28,7 +28,7 @@ import time
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -45,6 +45,7 @@ from hyla.engine.request import Req, ReqStatus
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter
+from hyla.engine.streams import AsyncRequestStream, RequestStream
 from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
@@ -339,7 +340,9 @@ class Engine:
         ``priority`` (an int, or one per request; with ``enable_priority_scheduling``, else 0 or
         None): waiting requests are admitted by priority first, and one may preempt running requests
         of a much lower one (docs/engine.md, "Priority scheduling").
-        ``stream=True`` (one request) returns an iterator of incremental chunks.
+        ``stream=True`` (one request) returns an iterator of incremental chunks (``RequestStream``):
+        closing it, or dropping it before the request ends, aborts the request. A call interrupted
+        while it waits (``KeyboardInterrupt``) aborts its requests too.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
                                            logprob_start_len, speculative_checkpoints, priority)
@@ -351,7 +354,13 @@ class Engine:
         for req, sink in zip(reqs, sinks):
             req.on_output = lambda out, done, s=sink: s.put(out)
         self._submit(reqs)
-        outs = [sink.get() for sink in sinks]
+        try:
+            outs = [sink.get() for sink in sinks]
+        except BaseException:  # interrupted while waiting: nobody will read these
+            for req, sink in zip(reqs, sinks):
+                if sink.empty():  # (a request whose output came has ended; its rid may be reused)
+                    self._abort_soon(req.rid)
+            raise
         return outs[0] if single else outs
 
     async def async_generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
@@ -361,11 +370,13 @@ class Engine:
                              logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
                              priority: int | list[int] | None = None) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
-        with a grammar is made in a worker thread: compiling one can take seconds (a large schema),
-        which the event loop must not wait for."""
+        with a grammar, or long prompts (``WORKER_THREAD_PROMPT_SIZE``), are made in a worker thread:
+        compiling a grammar can take seconds (a large schema), tokenizing megabytes of text too, and
+        the event loop must not wait for either."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
                                  rid, namespace, logprob_start_len, speculative_checkpoints, priority)
-        reqs, single = await asyncio.to_thread(make) if _asks_for_grammar(sampling_params) else make()
+        slow = _asks_for_grammar(sampling_params) or _long_text(prompt) or _long_ids(input_ids)
+        reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
             if not single:
                 raise ValueError("stream=True takes a single request")
@@ -646,45 +657,27 @@ class Engine:
                 on_output(out, done)
         return wrapped
 
-    def _stream_sync(self, req: Req) -> Iterator[dict[str, Any]]:
+    def _stream_sync(self, req: Req) -> RequestStream:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
-        sink: queue.SimpleQueue = queue.SimpleQueue()
+        stream = RequestStream(req.rid, self._abort_soon)
         req.stream = True
-        req.on_output = lambda chunk, done: sink.put((chunk, done))
+        req.on_output = stream.sink()
         self._submit([req])
-        return self._iterate_sync(req, sink)
+        return stream
 
-    def _iterate_sync(self, req: Req, sink: queue.SimpleQueue) -> Iterator[dict[str, Any]]:
-        done = False
-        try:
-            while not done:
-                chunk, done = sink.get()
-                yield chunk
-        finally:
-            if not done:
-                self.abort(req.rid)
-
-    def _stream_async(self, req: Req) -> AsyncIterator[dict[str, Any]]:
+    def _stream_async(self, req: Req) -> AsyncRequestStream:
         """Submit now (so a full queue raises in ``async_generate``); iterate later."""
-        loop = asyncio.get_running_loop()
-        sink: asyncio.Queue = asyncio.Queue()
+        stream = AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop())
         req.stream = True
-        req.on_output = lambda chunk, done: loop.call_soon_threadsafe(sink.put_nowait, (chunk, done))
+        req.on_output = stream.sink()
         self._submit([req])
-        return self._iterate_async(req, sink)
+        return stream
 
-    async def _iterate_async(self, req: Req, sink: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
-        done = False
-        try:
-            while not done:
-                chunk, done = await sink.get()
-                while not done and not sink.empty():  # coalesce: the client may be slower than decode
-                    more, done = sink.get_nowait()
-                    chunk = _merge_chunks(chunk, more)
-                yield chunk
-        finally:
-            if not done:
-                self.abort(req.rid)
+    def _abort_soon(self, rid: str) -> None:
+        """``abort`` for a stream's finalizer: only the inbox's ``put`` (reentrant: it may run while
+        this thread holds any lock); the scheduler drains the inbox at its next step or idle wake-up."""
+        if not self._stopped:
+            self._inbox.put(("abort", rid))
 
     def _make_detokenizer(self, req: Req):
         return self.tokenizer.detokenizer(prompt_ids=req.input_ids,
@@ -750,6 +743,23 @@ class Engine:
             raise
 
 
+WORKER_THREAD_PROMPT_SIZE = 1 << 16
+"""Prompts of more characters (or token ids) than this in all make their requests in a worker
+thread in ``async_generate`` (tokenizing 64K characters takes ~10 ms here; a 20 MB prompt, half a
+minute)."""
+
+
+def _long_text(prompt: Any) -> bool:
+    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, (list, tuple)) else ()
+    return sum(len(t) for t in texts if isinstance(t, str)) > WORKER_THREAD_PROMPT_SIZE
+
+
+def _long_ids(input_ids: Any) -> bool:
+    if not isinstance(input_ids, (list, tuple)):
+        return False
+    return sum(len(x) if isinstance(x, (list, tuple)) else 1 for x in input_ids) > WORKER_THREAD_PROMPT_SIZE
+
+
 def _asks_for_grammar(sampling_params: Any) -> bool:
     """Whether any of ``generate``'s ``sampling_params`` (a dict, a ``SamplingParams`` or a list of
     them) sets a grammar (``GRAMMAR_KINDS``), which making its request compiles."""
@@ -773,15 +783,6 @@ def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tup
     if not all(nested):
         raise ValueError("checkpoints of a batch must be a list with one list of positions per request")
     return [tuple(c) for c in checkpoints]
-
-
-def _merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """One stream chunk holding ``a`` then ``b`` (``b``'s meta_info, both chunks' logprobs)."""
-    meta = dict(b["meta_info"])
-    for key in ("output_token_logprobs", "output_top_logprobs"):
-        if key in meta:
-            meta[key] = a["meta_info"][key] + meta[key]
-    return {"text": a["text"] + b["text"], "output_ids": a["output_ids"] + b["output_ids"], "meta_info": meta}
 
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -41,7 +41,7 @@ import torch
 from hyla.cache import MatchResult
 from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
-from hyla.engine.output_processor import OutputProcessor
+from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus, abort_reason
 from hyla.engine.sampler import needs_processing
 from hyla.engine.speculative import Drafter, verify
@@ -568,9 +568,13 @@ class Scheduler:
                         continue
                     if len(self.running) >= self.config.max_running_requests and not self._preempt_for(req, batch):
                         break
-                    loc, n = self._admit(req, budget, bool(held))
-                    while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
+                    try:
                         loc, n = self._admit(req, budget, bool(held))
+                        while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
+                            loc, n = self._admit(req, budget, bool(held))
+                    except Exception as exc:  # this request's data broke admission: it alone ends
+                        self._refuse(req, exc)
+                        continue
                     if loc is None:
                         break  # out of memory: keep queue order (no starvation of big requests)
                     self._on_admitted(req)
@@ -609,6 +613,21 @@ class Scheduler:
                       self.cache.checkpoint_positions(req, req.kv_len, req.kv_len + n))
             budget -= n
         return budget
+
+    def _refuse(self, req: Req, exc: Exception) -> None:
+        """Admitting ``req`` raised: finish it as aborted (cause ``internal``), returning whatever the
+        admission gave it, so that it does not stay first in the queue failing every step while
+        nothing behind it is ever admitted (submission refuses each known cause, as an unhashable
+        namespace; this is the net under the unknown ones). Locks a failed match took on the tree
+        may stay (``check_integrity`` would say so): the engine keeps serving."""
+        logger.exception("admitting request %s failed; aborting it", req.rid)
+        try:
+            self.cache.release(req, insert=False)  # (nothing if it got no row)
+        except Exception:
+            logger.exception("could not release request %s; dropping it", req.rid)
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, abort_reason(internal_error(exc), "internal"))
 
     def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
         """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the

@@ -1,0 +1,138 @@
+"""A streamed request's chunks, as the caller iterates them (``Engine.generate(stream=True)`` and
+``async_generate``'s).
+
+The contract: the request runs until it ends or until its consumer stops listening, whichever
+comes first. A consumer stops listening by closing the stream (``close()`` / ``aclose()``, or
+breaking out of a ``for`` loop over it), or by dropping it unfinished — also before its first
+chunk, which a generator function could not see (its ``finally`` never runs if it never
+started): an abandoned request must not hold a running slot and the device until its last token.
+
+Both iterators abort through ``abort_soon`` (``Engine._abort_soon``), which only puts a command on
+the engine's inbox (a ``queue.SimpleQueue``, whose ``put`` may run inside a finalizer: it takes no
+lock a collected object could hold). Whether the request has ended is known from the scheduler's
+side (``_Ending.ended``, set by the sink callback when its last chunk is delivered), not from what
+the consumer read: a stream dropped after its request ended with the last chunk unread aborts
+nothing (the request id may already belong to a new request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from typing import Any, Callable
+
+
+class _Ending:
+    """Whether the request's last chunk has been delivered. The sink callback holds this, not the
+    stream: a callback that held the stream would keep it alive while the request runs (the
+    request holds the callback), and dropping it would then abort nothing."""
+
+    __slots__ = ("ended",)
+
+    def __init__(self) -> None:
+        self.ended = False
+
+
+class RequestStream:
+    """The chunks of one streamed request (a sync iterator); ``close()`` or dropping it unfinished
+    aborts the request."""
+
+    def __init__(self, rid: str, abort_soon: Callable[[str], None]):
+        self.rid = rid
+        self._abort_soon = abort_soon
+        self._sink: queue.SimpleQueue = queue.SimpleQueue()
+        self._ending = _Ending()
+        self._done = False  # the consumer has read the last chunk (or closed the stream)
+
+    def sink(self) -> Callable[[dict[str, Any], bool], None]:
+        """The request's ``on_output`` (runs on the scheduler thread)."""
+        put, ending = self._sink.put, self._ending
+
+        def on_output(chunk: dict[str, Any], done: bool) -> None:
+            if done:
+                ending.ended = True
+            put((chunk, done))
+        return on_output
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._done:
+            raise StopIteration
+        chunk, self._done = self._sink.get()
+        return chunk
+
+    def close(self) -> None:
+        """Stop listening: abort the request unless it has ended. Idempotent."""
+        if not self._done:
+            self._done = True
+            if not self._ending.ended:
+                self._abort_soon(self.rid)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class AsyncRequestStream:
+    """The chunks of one streamed request (an async iterator); chunks that arrived while the
+    consumer was busy come merged into one (a client slower than decoding reads fewer, larger
+    chunks). ``aclose()`` or dropping it unfinished aborts the request; so does a consumer
+    cancelled while it waits for a chunk."""
+
+    def __init__(self, rid: str, abort_soon: Callable[[str], None], loop: asyncio.AbstractEventLoop):
+        self.rid = rid
+        self._abort_soon = abort_soon
+        self._loop = loop
+        self._sink: asyncio.Queue = asyncio.Queue()
+        self._ending = _Ending()
+        self._done = False
+
+    def sink(self) -> Callable[[dict[str, Any], bool], None]:
+        """The request's ``on_output`` (runs on the scheduler thread; hands the chunk to the loop)."""
+        loop, put, ending = self._loop, self._sink.put_nowait, self._ending
+
+        def on_output(chunk: dict[str, Any], done: bool) -> None:
+            if done:
+                ending.ended = True
+            loop.call_soon_threadsafe(put, (chunk, done))
+        return on_output
+
+    def __aiter__(self) -> AsyncRequestStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            chunk, done = await self._sink.get()
+        except BaseException:  # cancelled while waiting: nobody will read the rest
+            self.close()
+            raise
+        while not done and not self._sink.empty():  # coalesce what arrived meanwhile
+            more, done = self._sink.get_nowait()
+            chunk = merge_chunks(chunk, more)
+        self._done = done
+        return chunk
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop listening: abort the request unless it has ended. Idempotent."""
+        if not self._done:
+            self._done = True
+            if not self._ending.ended:
+                self._abort_soon(self.rid)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """One stream chunk holding ``a`` then ``b`` (``b``'s meta_info, both chunks' logprobs)."""
+    meta = dict(b["meta_info"])
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = a["meta_info"][key] + meta[key]
+    return {"text": a["text"] + b["text"], "output_ids": a["output_ids"] + b["output_ids"], "meta_info": meta}
