@@ -296,6 +296,9 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(mem_fraction="0.5"), "mem_fraction"),
     (dict(speculative_num_steps=5), "speculative_num_steps set without speculative_algorithm"),
     (dict(priority_scheduling_preemption_threshold=3), "set without enable_priority_scheduling"),
+    (dict(seed=2**64), r"seed must be an integer in \[0, 2\*\*63\)"),
+    (dict(max_state_slots=10**30), r"max_state_slots must be at most 2\*\*40"),
+    (dict(max_total_tokens=10**30), r"max_total_tokens must be at most 2\*\*40"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
     with pytest.raises(ValueError, match=match):

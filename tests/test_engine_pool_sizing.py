@@ -91,3 +91,16 @@ def test_a_budget_below_the_caps_sizes_the_pools_as_before(monkeypatch):
 def test_too_few_slots_are_still_refused(options):
     with pytest.raises(ValueError, match="max_state_slots|max_running_requests"):
         Engine(**options)
+
+
+def test_a_context_length_the_kv_pool_cannot_hold_is_refused(caplog):
+    """An explicit context_length longer than the KV pool holds for one request is a ValueError
+    saying what to raise (it was silently cut to the pool); past the model's
+    max_position_embeddings (the built-in model's 4,096) it runs, with a warning."""
+    with pytest.raises(ValueError, match=r"context_length=5000 does not fit the KV pool \(4096 tokens.*max_total_tokens"):
+        Engine(max_total_tokens=4096, context_length=5000)
+    with caplog.at_level("WARNING", logger="hyla.engine"), Engine(max_total_tokens=6000, context_length=5000) as e:
+        assert e.context_length == 5000
+        out = e.generate(input_ids=[3 + i % 4000 for i in range(4600)], sampling_params=GREEDY)  # positions past 4,096
+        assert out["meta_info"]["completion_tokens"] == 6
+    assert "longer than the model's max_position_embeddings (4096)" in caplog.text

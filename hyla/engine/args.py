@@ -15,6 +15,7 @@ POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
+MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -124,6 +125,8 @@ class EngineArgs:
                 return
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            if v > MAX_OPTION_INT:  # (a size that large would fail deep inside torch, naming nothing)
+                raise ValueError(f"{name} must be at most 2**40, got {v!r}")
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -177,8 +180,8 @@ class EngineArgs:
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
                                              or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0):
             raise ValueError(f"cpu_threads must be a non-negative integer or None, got {self.cpu_threads!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if isinstance(self.priority_scheduling_preemption_threshold, bool) \
                 or not isinstance(self.priority_scheduling_preemption_threshold, int) \
                 or self.priority_scheduling_preemption_threshold < 0:

@@ -274,7 +274,7 @@ class Engine:
             if self.mtp_head is not None or self.draft_model is not None else 0
         if reserved >= num_tokens:
             raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the drafts' {reserved} KV slots")
-        self.context_length = min(args.context_length or cfg.max_position_embeddings, num_tokens - reserved)
+        self.context_length = _context_length(args.context_length, cfg.max_position_embeddings, num_tokens - reserved)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
             self.tree = RadixCache(kv_pool=self.kv_pool, page_size=args.page_size,
@@ -741,6 +741,23 @@ class Engine:
         except TimeoutError:
             result.cancel()
             raise
+
+
+def _context_length(asked: int | None, model_max: int, kv_room: int) -> int:
+    """The context length: the one ``asked`` (``context_length``), which must fit the KV pool beside
+    the drafts' reserve (``kv_room``; before, a longer one was silently cut to it, as vLLM refuses
+    it too). Past the model's ``max_position_embeddings`` it is allowed with a warning: attention
+    then sees positions it was not trained on (the linear layers have none). Not asked: the
+    model's, cut to the pool."""
+    if asked is None:
+        return min(model_max, kv_room)
+    if asked > kv_room:
+        raise ValueError(f"context_length={asked} does not fit the KV pool ({kv_room} tokens for one request): raise "
+                         f"max_total_tokens (or mem_fraction), or lower context_length")
+    if asked > model_max:
+        logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
+                       "see positions it was not trained on", asked, model_max)
+    return asked
 
 
 WORKER_THREAD_PROMPT_SIZE = 1 << 16
