@@ -137,6 +137,29 @@ def test_an_async_stream_nobody_reads_aborts_its_request(engine):
     engine.check_integrity()
 
 
+def test_a_slow_async_consumer_gets_merged_chunks_with_nothing_lost(engine):
+    """An async stream read only after its request ended gets its chunks merged into one: the same
+    text, ids and output logprobs, and the prompt logprobs only the first chunk carried (they were
+    dropped by the merge: an echo with logprobs under load came back without its prompt)."""
+    ids = _ids(20, 50)
+    kw = dict(input_ids=ids, sampling_params={**GREEDY, "top_logprobs_num": 2}, return_logprob=True,
+              logprob_start_len=0)
+    full = engine.generate(**kw)
+
+    async def read_late():
+        stream = await engine.async_generate(stream=True, **kw)
+        await asyncio.to_thread(engine.wait_idle)  # every chunk is queued, unread
+        return [c async for c in stream]
+
+    chunks = asyncio.run(read_late())
+    assert len(chunks) == 1
+    meta, want = chunks[0]["meta_info"], full["meta_info"]
+    assert chunks[0]["output_ids"] == full["output_ids"] and chunks[0]["text"] == full["text"]
+    for key in ("input_token_logprobs", "input_top_logprobs", "output_token_logprobs", "output_top_logprobs",
+                "finish_reason", "completion_tokens"):
+        assert meta[key] == want[key], key
+
+
 def test_a_request_whose_admission_fails_ends_alone(engine, monkeypatch):
     """A request whose admission raises (an injected error in its prefix match: a cause submission
     does not refuse) is aborted alone: it does not stay first in the queue failing every step, the

@@ -98,9 +98,9 @@ BAD_CHAT_BODIES = [
                  None, id="image-content"),
     pytest.param({**CHAT, "stream_options": {"include_usage": True}}, None, id="stream-options-no-stream"),
     pytest.param({**CHAT, "max_tokens": 5000}, None, id="max-tokens-beyond-context"),
-    pytest.param({**CHAT, "stop": [""]}, None, id="empty-stop-string"),
-    pytest.param({**CHAT, "seed": -1}, None, id="negative-seed"),
-    pytest.param({**CHAT, "top_k": -5}, None, id="engine-rejects-top-k"),
+    pytest.param({**CHAT, "stop": [""]}, "stop", id="empty-stop-string"),
+    pytest.param({**CHAT, "seed": -1}, "seed", id="negative-seed"),
+    pytest.param({**CHAT, "top_k": -5}, "top_k", id="engine-rejects-top-k"),
     pytest.param({**CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", id="reserved-template-var"),
     # encode_chat's own first parameter (was a TypeError, a 500)
     pytest.param({**CHAT, "chat_template_kwargs": {"self": 1}}, "chat_template_kwargs", id="template-var-self"),
@@ -140,22 +140,35 @@ def test_prompt_too_long_is_400(server):
 
 def test_bad_completion_and_generate_requests_are_400(server):
     vocab = _engine(server).model_config.vocab_size
-    cases = [
-        ("/v1/completions", {"model": MODEL, "prompt": [1, vocab + 7]}),
-        ("/v1/completions", {"model": MODEL, "prompt": []}),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}),
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}),
-        ("/generate", {"text": "x", "input_ids": [1, 2]}),
-        ("/generate", {}),
-        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": -1}}),
-        ("/generate", {"text": "x", "sampling_params": {"no_such_param": 1}}),
-        ("/generate", {"text": ["a", "b"], "stream": True}),
-        ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}),
-        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [7]}),
-        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [2], "speculative_checkpoints": 1}),
+    cases = [  # (path, body, the error's param: what the engine refused is named in the endpoint's words)
+        ("/v1/completions", {"model": MODEL, "prompt": [1, vocab + 7]}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(vocab + 1): 5}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -5}, "top_k"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0.0}, "repetition_penalty"),
+        ("/v1/chat/completions", {**CHAT, "min_p": 1.5}, "min_p"),
+        ("/generate", {"text": "x", "input_ids": [1, 2]}, None),
+        ("/generate", {}, None),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "temperature": -1}},
+         "sampling_params.temperature"),
+        ("/generate", {"text": "x", "sampling_params": {"no_such_param": 1}}, "sampling_params"),
+        ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
+         "sampling_params.min_new_tokens"),
+        ("/generate", {"text": ["a", "b"], "stream": True}, None),
+        ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [7]}, "checkpoints"),
+        ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [2], "speculative_checkpoints": 1},
+         "speculative_checkpoints"),
+        ("/generate", {"input_ids": [1, vocab]}, "input_ids"),
+        ("/generate", {"text": "hello " * 3000}, "text"),  # beyond the context once tokenized
+        ("/generate", {"input_ids": [1, 2, 3], "logprob_start_len": 1}, "logprob_start_len"),
     ]
-    for path, body in cases:
-        _assert_error(_post(server, path, json=body), 400, "invalid_request_error")
+    for path, body, param in cases:
+        err = _assert_error(_post(server, path, json=body), 400, "invalid_request_error")
+        if param is not None:
+            assert err["param"] == param, (path, body, err)
 
 
 def test_chat_message_ends_are_speculative_checkpoints(server, monkeypatch):

@@ -35,6 +35,7 @@ import torch
 from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import EngineArgs
 from hyla.engine.cache_manager import CacheManager
+from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
@@ -67,10 +68,6 @@ CHECKPOINTS_PER_RUNNING_REQUEST = 3
 def default_max_running_requests(device: torch.device) -> int:
     """The running requests pools sized from memory are made for, when none are given."""
     return MAX_RUNNING_REQUESTS if device.type == "cuda" else CPU_MAX_RUNNING_REQUESTS
-
-
-class EngineOverloadedError(RuntimeError):
-    """The waiting queue is full; retry later (the server answers 429 with Retry-After)."""
 
 
 class Engine:
@@ -348,7 +345,7 @@ class Engine:
                                            logprob_start_len, speculative_checkpoints, priority)
         if stream:
             if not single:
-                raise ValueError("stream=True takes a single request")
+                raise RequestError("stream=True takes a single request", "stream")
             return self._stream_sync(reqs[0])
         sinks = [queue.SimpleQueue() for _ in reqs]
         for req, sink in zip(reqs, sinks):
@@ -379,7 +376,7 @@ class Engine:
         reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
             if not single:
-                raise ValueError("stream=True takes a single request")
+                raise RequestError("stream=True takes a single request", "stream")
             return self._stream_async(reqs[0])
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in reqs]
@@ -478,45 +475,49 @@ class Engine:
                        logprob_start_len=-1, speculative_checkpoints=False, priority=None):
         for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob)):
             if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
+                raise RequestError(f"{name} must be a bool, got {flag!r}", name)
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         try:  # the prefix cache keys its trees on it: an unhashable one would fail every step's admission
             hash(namespace)
         except TypeError:
-            raise ValueError(f"namespace must be hashable (a str, an int, a tuple of them), got "
-                             f"{type(namespace).__name__}") from None
+            raise RequestError(f"namespace must be hashable (a str, an int, a tuple of them), got "
+                               f"{type(namespace).__name__}", "namespace") from None
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else None
             if prompts is None or not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompt must be a string or a list of strings")
+                raise RequestError("prompt must be a string or a list of strings", "prompt")
             if self.tokenizer is None:
-                raise ValueError(f"model {self.model_path} has no tokenizer: pass input_ids instead of prompt")
-            id_lists = [self.tokenizer.encode(p) for p in prompts]
+                raise RequestError(f"model {self.model_path} has no tokenizer: pass input_ids instead of prompt", "prompt")
+            try:
+                id_lists = [self.tokenizer.encode(p) for p in prompts]
+            except ValueError as exc:  # (a lone surrogate)
+                raise RequestError(str(exc), "prompt") from None
         else:
             if not isinstance(input_ids, (list, tuple)):
-                raise ValueError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}")
+                raise RequestError(f"input_ids must be a list of token ids or a list of such lists, got {input_ids!r}",
+                                   "input_ids")
             single = len(input_ids) == 0 or not isinstance(input_ids[0], (list, tuple))
             if not single and not all(isinstance(x, (list, tuple)) for x in input_ids):
-                raise ValueError("input_ids must be a list of token ids or a list of such lists, not a mix")
+                raise RequestError("input_ids must be a list of token ids or a list of such lists, not a mix", "input_ids")
             id_lists = [list(input_ids)] if single else [list(x) for x in input_ids]
         n = len(id_lists)
         if n == 0:
             raise ValueError("no request given")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
         if len(params) != n:
-            raise ValueError(f"{len(params)} sampling_params for {n} requests")
+            raise RequestError(f"{len(params)} sampling_params for {n} requests", "sampling_params")
         ckpts = _per_request_checkpoints(checkpoints, n, single)
         rids = [rid] if isinstance(rid, str) else list(rid) if isinstance(rid, (list, tuple)) \
             else [None] * n if rid is None else None
         if rids is None or not all(isinstance(r, str) for r in rids if r is not None):
-            raise ValueError(f"rid must be a string or a list of strings, got {rid!r}")
+            raise RequestError(f"rid must be a string or a list of strings, got {rid!r}", "rid")
         if len(rids) != n or len(ckpts) != n:
-            raise ValueError("rid and checkpoints must have one entry per request")
+            raise RequestError("rid and checkpoints must have one entry per request", "rid" if len(rids) != n else "checkpoints")
         starts = list(logprob_start_len) if isinstance(logprob_start_len, (list, tuple)) else [logprob_start_len] * n
         if len(starts) != n:
-            raise ValueError(f"{len(starts)} logprob_start_len values for {n} requests")
+            raise RequestError(f"{len(starts)} logprob_start_len values for {n} requests", "logprob_start_len")
         priorities = self._priorities(priority, n)
         reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
@@ -529,13 +530,13 @@ class Engine:
         than 0 needs ``enable_priority_scheduling``: without it, it would be silently ignored."""
         values = list(priority) if isinstance(priority, (list, tuple)) else [priority] * n
         if len(values) != n:
-            raise ValueError(f"{len(values)} priorities for {n} requests")
+            raise RequestError(f"{len(values)} priorities for {n} requests", "priority")
         for v in values:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"priority must be an integer, got {v!r}")
+                raise RequestError(f"priority must be an integer, got {v!r}", "priority")
             if v and not self.args.enable_priority_scheduling:
-                raise ValueError(f"priority={v}: priority scheduling is off (start the engine with "
-                                 f"enable_priority_scheduling=True, hyla serve --enable-priority-scheduling)")
+                raise RequestError(f"priority={v}: priority scheduling is off (start the engine with "
+                                   f"enable_priority_scheduling=True, hyla serve --enable-priority-scheduling)", "priority")
         return [v or 0 for v in values]
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
@@ -545,44 +546,48 @@ class Engine:
             params = {**self.sampling_defaults, **(params or {})}
         sp = SamplingParams.from_dict(params)
         if not ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "input_ids")
         if len(ids) >= self.context_length:  # before the O(prompt) walk below
-            raise ValueError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}")
+            raise RequestError(f"the prompt has {len(ids)} tokens; the context length is {self.context_length}",
+                               "input_ids")
         vocab = self.model_config.vocab_size
         # plain ints (what clients send) in C loops: a 4,096-token prompt in 0.35 ms, not 0.53 (measured here);
         # anything else (bools, int subclasses, floats, numpy scalars) gets the per-token check
         if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab):
             for t in ids:
                 if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab})")
+                    raise RequestError(f"token id {t!r} is outside the vocabulary [0, {vocab})", "input_ids")
         for name, given in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
             if given and max(given) >= vocab:
-                raise ValueError(f"{name}: token id {max(given)} is outside the vocabulary [0, {vocab})")
+                raise RequestError(f"{name}: token id {max(given)} is outside the vocabulary [0, {vocab})", name)
         if sp.min_new_tokens and len(sp.stop_token_ids) + len(self.eos_token_ids) >= vocab \
                 and len(set(sp.ending_token_ids(self.eos_token_ids))) >= vocab:
-            raise ValueError("min_new_tokens: the stop token ids and EOS cover the whole vocabulary, so no token "
-                             "could be sampled before the minimum")
+            raise RequestError("min_new_tokens: the stop token ids and EOS cover the whole vocabulary, so no token "
+                               "could be sampled before the minimum", "min_new_tokens")
         if len(ids) + sp.max_new_tokens > self.context_length:
-            raise ValueError(
+            raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds the context length "
-                f"({self.context_length})")
+                f"({self.context_length})", "max_new_tokens")
         if sp.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+            raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
         for c in checkpoints:
             if isinstance(c, bool) or not isinstance(c, int) or not 0 < c <= len(ids):
-                raise ValueError(f"checkpoint position {c!r} is outside the prompt (1..{len(ids)})")
+                raise RequestError(f"checkpoint position {c!r} is outside the prompt (1..{len(ids)})", "checkpoints")
         if sp.grammar is not None and self.grammars is None:
-            raise ValueError(f"{sp.grammar[0]} needs a tokenizer; model {self.model_path} has none")
-        grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None  # ValueError if bad
+            raise RequestError(f"{sp.grammar[0]} needs a tokenizer; model {self.model_path} has none", sp.grammar[0])
+        try:
+            grammar = self.grammars.matcher(*sp.grammar) if sp.grammar is not None else None
+        except ValueError as exc:  # it cannot be compiled
+            raise RequestError(str(exc), sp.grammar[0]) from None
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
         seed = sp.seed if sp.seed is not None else (self.args.seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**63
         gen = torch.Generator(device=self.device).manual_seed(seed)
         if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) \
                 or not -1 <= logprob_start_len < len(ids):
-            raise ValueError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
-                             f"[0, {len(ids)}), got {logprob_start_len!r}")
+            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                               f"[0, {len(ids)}), got {logprob_start_len!r}", "logprob_start_len")
         if logprob_start_len >= 0 and not return_logprob:
-            raise ValueError("logprob_start_len asks for prompt logprobs: set return_logprob too")
+            raise RequestError("logprob_start_len asks for prompt logprobs: set return_logprob too", "logprob_start_len")
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints,
                    speculative_checkpoints=speculative_checkpoints, namespace=namespace, return_logprob=return_logprob,
                    logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
@@ -602,7 +607,8 @@ class Engine:
             rids = [r.rid for r in reqs]
             clash = (set(rids) & self._live.keys()) | {r for r in rids if rids.count(r) > 1}
             if clash:
-                raise ValueError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live requests")
+                raise RequestError(f"request id(s) {sorted(clash)} already in use: rids must be unique among live "
+                                   "requests", "rid")
             if len(reqs) > self.max_live_requests:  # never fits, however long one waits: not an overload
                 raise ValueError(f"a batch of {len(reqs)} requests can never fit: the engine holds at most "
                                  f"{self.max_live_requests} at once (max_running_requests={self.max_running_requests}"
@@ -791,14 +797,14 @@ def _per_request_checkpoints(checkpoints: Any, n: int, single: bool) -> list[tup
     if checkpoints is None or (isinstance(checkpoints, (list, tuple)) and len(checkpoints) == 0):
         return [()] * n
     if not isinstance(checkpoints, (list, tuple)):
-        raise ValueError(f"checkpoints must be a list, got {type(checkpoints).__name__}")
+        raise RequestError(f"checkpoints must be a list, got {type(checkpoints).__name__}", "checkpoints")
     nested = [isinstance(c, (list, tuple)) for c in checkpoints]
     if single:
         if any(nested):
-            raise ValueError("checkpoints of a single request must be a flat list of positions")
+            raise RequestError("checkpoints of a single request must be a flat list of positions", "checkpoints")
         return [tuple(checkpoints)]
     if not all(nested):
-        raise ValueError("checkpoints of a batch must be a list with one list of positions per request")
+        raise RequestError("checkpoints of a batch must be a list with one list of positions per request", "checkpoints")
     return [tuple(c) for c in checkpoints]
 
 

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Collection
 
+from hyla.engine.errors import RequestError
 from hyla.engine.grammar import GRAMMAR_KINDS, grammar_source
 
 # A temperature below this samples greedily (vLLM's and SGLang's rule): dividing the logits by it
@@ -60,11 +61,12 @@ class SamplingParams:
         if isinstance(params, SamplingParams):  # checked again (a field may have been set since), as a copy
             return dataclasses.replace(params)
         if not isinstance(params, dict):
-            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}")
-        known = {f.name for f in fields(cls) if f.init}
-        unknown = sorted(set(params) - known)
+            raise RequestError(f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}",
+                               "sampling_params")
+        unknown = sorted(set(params) - SAMPLING_FIELDS, key=str)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; known: {sorted(known)}")
+            raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(SAMPLING_FIELDS)}",
+                               "sampling_params")
         return cls(**params)
 
     def __post_init__(self) -> None:
@@ -74,12 +76,12 @@ class SamplingParams:
         self.stop_token_ids = _check_list("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)
         _check_int("min_new_tokens", self.min_new_tokens, lo=0)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
-                             f"({self.max_new_tokens})")
+            raise RequestError(f"min_new_tokens ({self.min_new_tokens}) must be at most max_new_tokens "
+                               f"({self.max_new_tokens})", "min_new_tokens")
         self.temperature = _check_num("temperature", self.temperature, lo=0.0)
         self.top_p = _check_num("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _check_int("top_k", self.top_k, lo=-1)
@@ -92,15 +94,18 @@ class SamplingParams:
             _check_int("seed", self.seed, lo=0, hi=2**63 - 1)  # a torch.Generator seed
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+                raise RequestError(f"stop strings must be non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[]", t, lo=0)
         self.logit_bias = check_logit_bias(self.logit_bias)
         self.changes_logits = self.has_penalties or self.logit_bias is not None
         given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"at most one of json_schema, regex and ebnf may be given, got {given}")
-        self.grammar = (given[0], grammar_source(given[0], getattr(self, given[0]))) if given else None
+            raise RequestError(f"at most one of json_schema, regex and ebnf may be given, got {given}", given[1])
+        try:
+            self.grammar = (given[0], grammar_source(given[0], getattr(self, given[0]))) if given else None
+        except ValueError as exc:
+            raise RequestError(str(exc), given[0]) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -125,6 +130,9 @@ class SamplingParams:
         return [*self.stop_token_ids, *eos_token_ids]
 
 
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+"""The names ``sampling_params`` takes."""
+
 _DECIMAL = re.compile(r"[0-9]+")
 
 
@@ -137,7 +145,8 @@ def check_logit_bias(value: Any) -> dict[int, float] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ValueError(f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}")
+        raise RequestError(f"logit_bias must be an object mapping token ids to biases, got {type(value).__name__}",
+                           "logit_bias")
     out: dict[int, float] = {}
     for key, bias in value.items():
         if isinstance(key, str) and _DECIMAL.fullmatch(key):
@@ -145,28 +154,33 @@ def check_logit_bias(value: Any) -> dict[int, float] | None:
         elif isinstance(key, int) and not isinstance(key, bool) and key >= 0:
             token = key
         else:
-            raise ValueError(f"logit_bias keys must be token ids (non-negative integers, or their decimal "
-                             f"strings), got {key!r:.40}")
+            raise RequestError(f"logit_bias keys must be token ids (non-negative integers, or their decimal "
+                               f"strings), got {key!r:.40}", "logit_bias")
         bias = _check_num(f"logit_bias[{key!r:.40}]", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
         if token in out:
-            raise ValueError(f"logit_bias gives token id {token} twice")
+            raise RequestError(f"logit_bias gives token id {token} twice", "logit_bias")
         out[token] = bias
     return out or None
+
+
+def _field(name: str) -> str:
+    """The field a checked value belongs to: ``logit_bias['5']`` and ``stop_token_ids[]`` are items."""
+    return name.split("[", 1)[0]
 
 
 def _check_list(name: str, value: Any) -> list:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{name} must be a list, got {value!r}")
+        raise RequestError(f"{name} must be a list, got {value!r}", _field(name))
     return list(value)
 
 
 def _check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise RequestError(f"{name} must be an integer, got {value!r}", _field(name))
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ValueError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+        raise RequestError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}", _field(name))
 
 
 def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_open: bool = False) -> float:
@@ -174,14 +188,16 @@ def _check_num(name: str, value: Any, lo: float, hi: float | None = None, lo_ope
     through as one) becomes a float here, not in the sampler's arithmetic, where it failed the step
     of every request batched with it; one too large for a float (``10**400``) is refused."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+        raise RequestError(f"{name} must be a finite number, got {value!r:.40}", _field(name))
     try:
         number = float(value)
     except OverflowError:
-        raise ValueError(f"{name} must be a finite number, got an integer too large for a float") from None
+        raise RequestError(f"{name} must be a finite number, got an integer too large for a float",
+                           _field(name)) from None
     if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(f"{name} must be a finite number, got {value!r}", _field(name))
     if number < lo or (lo_open and number == lo) or (hi is not None and number > hi):
         bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {number}")
+        raise RequestError(f"{name} must be in {bracket}{lo}, {hi if hi is not None else 'inf'}], got {number}",
+                           _field(name))
     return number

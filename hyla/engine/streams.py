@@ -130,9 +130,11 @@ class AsyncRequestStream:
 
 
 def merge_chunks(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """One stream chunk holding ``a`` then ``b`` (``b``'s meta_info, both chunks' logprobs)."""
-    meta = dict(b["meta_info"])
+    """One stream chunk holding ``a`` then ``b``: ``b``'s counts and finish reason, both chunks'
+    output logprobs, and what only ``a`` carries (the first chunk's prompt logprobs, which were lost
+    when a client slower than decoding got its first chunk merged with the next)."""
+    meta = {**a["meta_info"], **b["meta_info"]}
     for key in ("output_token_logprobs", "output_top_logprobs"):
-        if key in meta:
-            meta[key] = a["meta_info"][key] + meta[key]
+        if key in b["meta_info"]:
+            meta[key] = a["meta_info"][key] + b["meta_info"][key]
     return {"text": a["text"] + b["text"], "output_ids": a["output_ids"] + b["output_ids"], "meta_info": meta}

@@ -4,8 +4,9 @@ Where each status comes from:
 
 * ``APIError`` raised by the server itself (unknown model 404, bad API key 401, engine not running 503);
 * a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field;
-* what the engine raises at submission (``engine_error``): ``ValueError`` → 400,
-  ``EngineOverloadedError`` → 429 with ``Retry-After``, anything else → 500;
+* what the engine raises at submission (``engine_error``): ``ValueError`` → 400 (a ``RequestError``
+  names its field: ``param``, in the endpoint's words, ``api_param``), ``EngineOverloadedError`` →
+  429 with ``Retry-After``, anything else → 500;
 * a request the engine aborted on its own (``abort_error``, by its cause): shut down → 503, its
   grammar → 400, displaced from a full queue by a more urgent request → 429, else 500;
 * Starlette's 404 / 405 for unknown paths and methods; any other exception → 500.
@@ -24,7 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hyla.engine.engine import EngineOverloadedError
+from hyla.engine.errors import EngineOverloadedError, RequestError
+from hyla.engine.sampling_params import SAMPLING_FIELDS
 from hyla.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("hyla.server")
@@ -54,12 +56,35 @@ class ClientDisconnected(Exception):
     """The client went away before its response was ready (answered 499, which nobody reads)."""
 
 
-def engine_error(exc: BaseException) -> APIError:
-    """What the engine raised (at submission or mid-stream) as an HTTP error."""
+# the OpenAI endpoints' names of the engine's request fields where they differ (the engine's names are
+# SGLang's); a chat's prompt is its messages
+_OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
+                  "regex": "response_format", "ebnf": "response_format", "input_ids": "prompt"}
+_API_PARAMS = {"completions": {**_OPENAI_PARAMS, "top_logprobs_num": "logprobs"},
+               "chat": {**_OPENAI_PARAMS, "input_ids": "messages", "prompt": "messages",
+                        "top_logprobs_num": "top_logprobs"}}
+
+
+def api_param(param: str | None, endpoint: str) -> str | None:
+    """The field an ``endpoint`` (``Server.start_generation``'s names) calls the engine's request field
+    ``param``: ``max_new_tokens`` is ``max_tokens`` at ``/v1/completions``, and
+    ``sampling_params.max_new_tokens`` at ``/generate``, whose body nests the sampling fields."""
+    if param is None:
+        return None
+    if endpoint in _API_PARAMS:
+        return _API_PARAMS[endpoint].get(param, param)
+    return f"sampling_params.{param}" if param in SAMPLING_FIELDS else param
+
+
+def engine_error(exc: BaseException, endpoint: str) -> APIError:
+    """What the engine raised (at submission or mid-stream) as an HTTP error; a ``RequestError``'s
+    field in ``endpoint``'s words."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloadedError):
         return _overloaded(f"the server is overloaded: {exc}")
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc), param=api_param(exc.param, endpoint))
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     logger.error("request failed", exc_info=exc)

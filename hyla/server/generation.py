@@ -170,7 +170,7 @@ class Generation:
         except BaseException as exc:  # e.g. EngineOverloadedError from a later job: abort the earlier ones
             self.close()
             if isinstance(exc, Exception):
-                raise engine_error(exc) from exc
+                raise engine_error(exc, self.endpoint) from exc
             raise
 
     def abort(self, error: APIError) -> None:
@@ -201,7 +201,7 @@ class Generation:
                 self._num_open -= 1
                 continue
             if isinstance(item, BaseException):
-                raise engine_error(item) from item
+                raise engine_error(item, self.endpoint) from item
             choice.fold(item, time.monotonic())
             reason = choice.finish_reason
             if reason is not None:
@@ -234,7 +234,7 @@ class Generation:
                 async for line in lines:
                     yield line
             except Exception as exc:
-                yield sse(engine_error(exc).body())
+                yield sse(engine_error(exc, self.endpoint).body())
                 yield SSE_DONE
             finally:
                 self.close()

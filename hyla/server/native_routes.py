@@ -54,7 +54,12 @@ class NativeRoutes:
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
         jobs = await self._tokenized(_jobs(body))
-        gen = await self.server.start_generation("generate", jobs, arrival)
+        try:
+            gen = await self.server.start_generation("generate", jobs, arrival)
+        except APIError as exc:  # the engine's prompt is the body's text when it sent one (tokenized above)
+            if exc.param in ("input_ids", "prompt") and body.text is not None:
+                exc.param = "text"
+            raise
         if body.stream:
             return gen.stream(_events(gen))
         outs = [_output(c) for c in await gen.collect(request)]

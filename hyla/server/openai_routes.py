@@ -226,12 +226,13 @@ class OpenAIRoutes:
     # --- shared ----------------------------------------------------------------------------------
     async def _start(self, body: CompletionRequest | ChatCompletionRequest, endpoint: str, jobs: list[Job],
                      arrival: float) -> Generation:
-        """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field."""
+        """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field
+        (``response_format``, or ``tool_choice`` where the tools made the grammar)."""
         try:
             return await self.server.start_generation(endpoint, jobs, arrival)
         except APIError as exc:
-            if exc.status == 400 and exc.param is None and "cannot be compiled" in exc.message:
-                exc.param = "response_format" if body.response_format is not None else "tool_choice"
+            if exc.status == 400 and exc.param == "response_format" and body.response_format is None:
+                exc.param = "tool_choice"
             raise
 
     async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
