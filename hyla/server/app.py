@@ -148,6 +148,15 @@ class Server:
             raise APIError(413, f"the prompt text has {chars} characters; this server takes at most {limit} "
                                 "(--max-prompt-chars)", param=param, code="prompt_too_large")
 
+    async def encode_texts(self, tokenizer, texts: list[str], param: str, add_special_tokens: bool = True
+                           ) -> list[list[int]]:
+        """Each text's token ids, as a prompt is tokenized at every endpoint: the prompt cap first
+        (``param`` names the field in its 413), then the tokenizer on a worker thread (a long prompt
+        does not stall the event loop)."""
+        self.check_prompt_chars(sum(map(len, texts)), param)
+        return await asyncio.to_thread(lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens)
+                                                for t in texts])
+
     def check_model(self, model: str) -> None:
         """404 unless ``model`` is the served name."""
         if model != self.model_name:

@@ -47,8 +47,7 @@ class NativeRoutes:
         tokenizer = self.server.admit().tokenizer
         if not texts or tokenizer is None:
             return jobs
-        self.server.check_prompt_chars(sum(map(len, texts)), "text")
-        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        encoded = iter(await self.server.encode_texts(tokenizer, texts, "text"))
         return [replace(job, prompt=next(encoded)) if isinstance(job.prompt, str) else job for job in jobs]
 
     async def generate(self, body: GenerateRequest, request: Request) -> Response:

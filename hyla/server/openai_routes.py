@@ -243,8 +243,7 @@ class OpenAIRoutes:
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        self.server.check_prompt_chars(sum(map(len, texts)), "prompt")
-        encoded = iter(await asyncio.to_thread(lambda: [tokenizer.encode(t) for t in texts]))
+        encoded = iter(await self.server.encode_texts(tokenizer, texts, "prompt"))
         return [next(encoded) if isinstance(p, str) else p for p in prompts]
 
 

@@ -54,9 +54,8 @@ class TokenRoutes:
             ids = (await render_chat(self.server, tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt)).ids
         else:  # as /v1/completions tokenizes a text prompt
-            prompt = body.prompt or ""
-            self.server.check_prompt_chars(len(prompt), "prompt")
-            ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens is not False)
+            (ids,) = await self.server.encode_texts(tokenizer, [body.prompt or ""], "prompt",
+                                                    add_special_tokens=body.add_special_tokens is not False)
         strs = await asyncio.to_thread(lambda: [tokenizer.id_to_token(i) or "" for i in ids]) \
             if body.return_token_strs else None  # (a long prompt's strings: off the event loop too)
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=engine.context_length, tokens=ids,
