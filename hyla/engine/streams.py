@@ -33,35 +33,25 @@ class _Ending:
         self.ended = False
 
 
-class RequestStream:
-    """The chunks of one streamed request (a sync iterator); ``close()`` or dropping it unfinished
-    aborts the request."""
+class _Stream:
+    """What both streams share: the request id, whether it has ended, and aborting on close."""
 
     def __init__(self, rid: str, abort_soon: Callable[[str], None]):
         self.rid = rid
         self._abort_soon = abort_soon
-        self._sink: queue.SimpleQueue = queue.SimpleQueue()
         self._ending = _Ending()
         self._done = False  # the consumer has read the last chunk (or closed the stream)
 
-    def sink(self) -> Callable[[dict[str, Any], bool], None]:
-        """The request's ``on_output`` (runs on the scheduler thread)."""
-        put, ending = self._sink.put, self._ending
-
+    @staticmethod
+    def _on_output(ending: _Ending, put: Callable[[tuple[dict[str, Any], bool]], None]
+                   ) -> Callable[[dict[str, Any], bool], None]:
+        """The request's ``on_output`` (runs on the scheduler thread): notes the end, hands the chunk
+        on. A static method: the callback must not hold the stream (see ``_Ending``)."""
         def on_output(chunk: dict[str, Any], done: bool) -> None:
             if done:
                 ending.ended = True
             put((chunk, done))
         return on_output
-
-    def __iter__(self) -> RequestStream:
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self._done:
-            raise StopIteration
-        chunk, self._done = self._sink.get()
-        return chunk
 
     def close(self) -> None:
         """Stop listening: abort the request unless it has ended. Idempotent."""
@@ -74,29 +64,43 @@ class RequestStream:
         self.close()
 
 
-class AsyncRequestStream:
+class RequestStream(_Stream):
+    """The chunks of one streamed request (a sync iterator); ``close()`` or dropping it unfinished
+    aborts the request."""
+
+    def __init__(self, rid: str, abort_soon: Callable[[str], None]):
+        super().__init__(rid, abort_soon)
+        self._sink: queue.SimpleQueue = queue.SimpleQueue()
+
+    def sink(self) -> Callable[[dict[str, Any], bool], None]:
+        """The request's ``on_output``."""
+        return self._on_output(self._ending, self._sink.put)
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._done:
+            raise StopIteration
+        chunk, self._done = self._sink.get()
+        return chunk
+
+
+class AsyncRequestStream(_Stream):
     """The chunks of one streamed request (an async iterator); chunks that arrived while the
     consumer was busy come merged into one (a client slower than decoding reads fewer, larger
     chunks). ``aclose()`` or dropping it unfinished aborts the request; so does a consumer
     cancelled while it waits for a chunk."""
 
     def __init__(self, rid: str, abort_soon: Callable[[str], None], loop: asyncio.AbstractEventLoop):
-        self.rid = rid
-        self._abort_soon = abort_soon
+        super().__init__(rid, abort_soon)
         self._loop = loop
         self._sink: asyncio.Queue = asyncio.Queue()
-        self._ending = _Ending()
-        self._done = False
 
     def sink(self) -> Callable[[dict[str, Any], bool], None]:
-        """The request's ``on_output`` (runs on the scheduler thread; hands the chunk to the loop)."""
-        loop, put, ending = self._loop, self._sink.put_nowait, self._ending
-
-        def on_output(chunk: dict[str, Any], done: bool) -> None:
-            if done:
-                ending.ended = True
-            loop.call_soon_threadsafe(put, (chunk, done))
-        return on_output
+        """The request's ``on_output`` (hands the chunk to the event loop)."""
+        loop, put = self._loop, self._sink.put_nowait
+        return self._on_output(self._ending, lambda item: loop.call_soon_threadsafe(put, item))
 
     def __aiter__(self) -> AsyncRequestStream:
         return self
@@ -116,16 +120,6 @@ class AsyncRequestStream:
         return chunk
 
     async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop listening: abort the request unless it has ended. Idempotent."""
-        if not self._done:
-            self._done = True
-            if not self._ending.ended:
-                self._abort_soon(self.rid)
-
-    def __del__(self) -> None:
         self.close()
 
 
