@@ -24,10 +24,11 @@ from hyla.sim.replay import replay_engine
 from hyla.sim.trace import TraceRequest
 
 
-def _turns(engine: Engine, seed: int, num_sessions: int, num_turns: int, max_new: list[int]) -> list[list[dict]]:
+def _turns(engine: Engine, seed: int, num_sessions: int, num_turns: int, max_new: list[int],
+           priorities: list[int] | None = None) -> list[list[dict]]:
     """Concurrent chat sessions (a shared system prompt): each turn, every session's next prompt is
-    its last prompt + output + a new user message, all submitted together. Returns per turn the
-    (prompt, output, cached) of each session."""
+    its last prompt + output + a new user message, all submitted together (with ``priorities``, one
+    per session). Returns per turn the (prompt, output, cached) of each session."""
     rng = random.Random(seed)
     ids = lambda n: [rng.randrange(3, 2048) for _ in range(n)]  # noqa: E731
     system = ids(40)
@@ -35,15 +36,16 @@ def _turns(engine: Engine, seed: int, num_sessions: int, num_turns: int, max_new
     turns = []
     for _ in range(num_turns):
         outs = engine.generate(input_ids=prompts, sampling_params=[
-            {"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in max_new])
+            {"temperature": 0, "max_new_tokens": m, "ignore_eos": True} for m in max_new], priority=priorities)
         turns.append([{"prompt": p, "output": o["output_ids"], "cached": o["meta_info"]["cached_tokens"]}
                       for p, o in zip(prompts, outs)])
         prompts = [p + o["output_ids"] + ids(rng.randrange(10, 50)) for p, o in zip(prompts, outs)]
     return turns
 
 
-def _trace(turns: list[list[dict]]) -> list[TraceRequest]:
-    return [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=r["prompt"], output_tokens=r["output"])
+def _trace(turns: list[list[dict]], priorities: list[int] | None = None) -> list[TraceRequest]:
+    return [TraceRequest(session_id=i, turn_id=t, ts=float(t), input_tokens=r["prompt"], output_tokens=r["output"],
+                         priority=priorities[i] if priorities else 0)
             for t, turn in enumerate(turns) for i, r in enumerate(turn)]
 
 
@@ -65,3 +67,27 @@ def test_the_engine_replay_reproduces_every_hit_under_pressure(qwen3_next_dense_
     assert sum(replay.cached_tokens) > 0
     if opts.get("enable_mixed_chunk"):  # the engine's mixed steps, replayed as such
         assert stats["num_mixed_tokens"] > 0 and replay.scheduler.num_mixed_tokens == stats["num_mixed_tokens"]
+
+
+def test_the_engine_replay_reproduces_priority_scheduling(qwen3_next_dense_path):
+    """A trace's priorities replay as the engine's: each wave's urgent sessions admitted first, so
+    the same hits and evictions (different ones than the trace without its priorities gives). (A
+    replay drains each wave before the next arrives: a request preempted for one that arrived while
+    it ran is not replayed.)"""
+    pools = dict(max_total_tokens=1024, max_state_slots=12, max_running_requests=3, chunked_prefill_size=128,
+                 enable_priority_scheduling=True)
+    max_new, priorities = [30, 8, 25, 12, 40, 16], [0, 5, 0, 9, 0, 5]
+    with Engine(qwen3_next_dense_path, **pools) as eng:
+        turns = _turns(eng, seed=5, num_sessions=6, num_turns=3, max_new=max_new, priorities=priorities)
+        stats = eng.get_stats()
+    layout = resolve_model(str(qwen3_next_dense_path)).layout
+    replay = replay_engine(_trace(turns, priorities), layout, **pools)
+    assert replay.cached_tokens == [r["cached"] for turn in turns for r in turn]
+    assert (replay.scheduler.num_retractions, replay.scheduler.num_preemptions) == \
+        (stats["num_retractions"], stats["num_preemptions"])
+    assert (replay.cache.num_evicted_tokens, replay.cache.num_evicted_states) == \
+        (stats["num_evicted_tokens"], stats["num_evicted_states"])
+    plain = replay_engine(_trace(turns), layout, **pools)  # the same trace without its priorities
+    assert plain.cached_tokens != replay.cached_tokens  # (so the priorities were replayed, not ignored)
+    with pytest.raises(ValueError, match="enable_priority_scheduling"):
+        replay_engine(_trace(turns, priorities), layout, **{**pools, "enable_priority_scheduling": False})

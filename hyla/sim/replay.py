@@ -86,6 +86,11 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
         raise ValueError("replay_engine needs max_total_tokens and max_state_slots")
     if args.speculative_algorithm is not None:
         raise ValueError("replay_engine replays no speculative decoding (its drafts depend on the outputs' timing)")
+    prioritized = next((r for r in trace if r.priority), None)
+    if prioritized is not None and not args.enable_priority_scheduling:
+        raise ValueError(f"request (session {prioritized.session_id!r}, turn {prioritized.turn_id}) has priority "
+                         f"{prioritized.priority}: replay with enable_priority_scheduling=True, or the priorities "
+                         "would be ignored")
     ps = args.page_size
     running = args.max_running_requests or max(1, min(args.max_state_slots // 2, 32))
     context = max(len(r.input_tokens) + len(r.output_tokens) for r in trace)
@@ -116,6 +121,7 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
             req = Req(rid=rids[i], input_ids=list(r.input_tokens), checkpoints=tuple(r.boundaries),
                       speculative_checkpoints=True,  # message ends: the simulator's rule
                       sampling=SamplingParams(max_new_tokens=len(r.output_tokens), temperature=0.0, ignore_eos=True))
+            req.priority = r.priority
             reqs.append(req)
             scheduler.add_request(req)
         while scheduler.step():

@@ -13,6 +13,9 @@ One request per line::
 * ``boundaries`` (optional): token positions of message ends inside ``input_tokens``
   (``1 <= b <= len(input_tokens)``, strictly increasing). The ``hyla`` admission rule stores
   state checkpoints there, where a later conversation is likely to branch.
+* ``priority`` (optional int, default 0): the request's priority for the engine replay with
+  ``enable_priority_scheduling`` (``replay_engine``: admission order and preemption, as the engine's
+  ``generate(priority=...)``); the policy simulator serves one request at a time and ignores it.
 
 Invalid lines raise ``ValueError`` naming the line.
 """
@@ -33,6 +36,7 @@ class TraceRequest:
     input_tokens: Sequence[int]
     output_tokens: Sequence[int]
     boundaries: tuple[int, ...] = ()
+    priority: int = 0
 
     def __post_init__(self) -> None:
         where = f"request (session {self.session_id!r}, turn {self.turn_id})"
@@ -50,6 +54,8 @@ class TraceRequest:
                     f"got {list(self.boundaries)}"
                 )
             prev = b
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"{where}: priority must be an int, got {self.priority!r}")
 
     @property
     def num_input_tokens(self) -> int:
@@ -69,6 +75,8 @@ class TraceRequest:
         }
         if self.boundaries:
             out["boundaries"] = list(self.boundaries)
+        if self.priority:
+            out["priority"] = self.priority
         return out
 
 
@@ -96,6 +104,7 @@ def parse_request(obj: Any, where: str = "request") -> TraceRequest:
             input_tokens=obj["input_tokens"],
             output_tokens=obj["output_tokens"],
             boundaries=tuple(obj.get("boundaries", ())),
+            priority=obj.get("priority", 0),
         )
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
