@@ -399,6 +399,15 @@ class Engine:
         self._inbox.put(("abort", rid))
         self._wakeup.set()
 
+    def abort_all(self) -> int:
+        """``abort`` every live request (waiting, running, or submitted and not yet scheduled);
+        returns how many were told to. Requests submitted after the call run."""
+        with self._inbox_lock:
+            rids = list(self._live)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Empty the prefix cache: every cached prefix's KV and state checkpoints go back to the
         pools, so that the next request computes its whole prompt (a cold measurement, a fresh start

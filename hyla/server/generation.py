@@ -193,8 +193,10 @@ class Generation:
 
     async def events(self) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
         """``(choice, chunk)`` for every engine chunk, in arrival order, the chunk already folded
-        into ``choice``; ends when every job has finished. A request the engine aborted raises
-        ``abort_error``, an engine failure ``engine_error`` (both ``APIError``s)."""
+        into ``choice``; ends when every job has finished. A request the engine aborted on its own
+        (a shutdown, an internal error...) raises ``abort_error``, an engine failure ``engine_error``
+        (both ``APIError``s); one a client aborted (``POST /abort_request``: cause ``client``) ends
+        with what it produced and ``finish_reason`` abort, as SGLang's."""
         while self._num_open:
             choice, item = await self._queue.get()
             if item is _END:
@@ -207,8 +209,8 @@ class Generation:
             if reason is not None:
                 self.metrics.observe_request(self.endpoint, reason["type"], self.arrival, choice.first_token_time,
                                              choice.last_token_time, len(choice.output_ids))
-                if reason["type"] == "abort":
-                    raise self._abort_error or abort_error(reason)
+                if reason["type"] == "abort" and (self._abort_error is not None or reason.get("cause") != "client"):
+                    raise self._abort_error or abort_error(reason)  # (a client's abort: its output so far)
             yield choice, item
 
     async def collect(self, request: Request) -> list[Choice]:

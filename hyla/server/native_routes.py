@@ -1,4 +1,5 @@
-"""SGLang's native API: ``POST /generate`` and ``POST /flush_cache``.
+"""SGLang's native API: ``POST /generate``, ``POST /flush_cache``, ``POST /abort_request``,
+``GET /get_model_info``, ``GET /get_server_info`` and ``GET /health_generate``.
 
 A request, top-down: one job per prompt (``text`` or ``input_ids``, one or a list), each with its
 own ``sampling_params``, ``rid`` and ``checkpoints`` when lists are given; start them as one
@@ -7,25 +8,34 @@ stream (single requests only) sends, as SGLang does, the **cumulative** text, id
 of the request in each event, then ``[DONE]``.
 
 ``/flush_cache`` empties the prefix cache (``Engine.flush_cache``) while no request runs or
-waits: ``{"status": "ok"}``, else a 409 (``engine_busy``) and nothing changes.
+waits: ``{"status": "ok"}``, else a 409 (``engine_busy``) and nothing changes. The others: their
+methods' docstrings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
+import hyla
+from hyla.engine.errors import EngineOverloadedError
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
-from hyla.server.protocol import GenerateRequest
+from hyla.server.protocol import AbortRequest, GenerateRequest
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
+
+HEALTH_GENERATE_SECONDS = 20.0  # SGLang's: how long /health_generate waits for the engine
+HEALTH_NAMESPACE = "hyla-health-generate"  # its one-token prompts share no prefix with users'
 
 
 class NativeRoutes:
@@ -38,6 +48,10 @@ class NativeRoutes:
         router = APIRouter()
         router.post("/generate")(self.generate)
         router.post("/flush_cache")(self.flush_cache)
+        router.post("/abort_request")(self.abort_request)
+        router.get("/get_model_info")(self.get_model_info)
+        router.get("/get_server_info")(self.get_server_info)
+        router.get("/health_generate")(self.health_generate)
         return router
 
     async def _tokenized(self, jobs: list[Job]) -> list[Job]:
@@ -70,6 +84,61 @@ class NativeRoutes:
             raise APIError(409, "the cache was not flushed: requests are running or waiting (retry when the "
                                 "server is idle)", code="engine_busy")
         return JSONResponse({"status": "ok", "message": "cache flushed"})
+
+
+    async def abort_request(self, body: AbortRequest) -> Response:
+        """Abort the request ``rid`` (as given to ``/generate``: an unknown or finished one is left
+        alone), or every live one with ``abort_all``. An aborted request's client gets what it produced
+        so far, ``finish_reason`` abort (cause ``client``)."""
+        engine = self.server.admit()
+        if body.abort_all:
+            engine.abort_all()
+        else:
+            engine.abort(body.rid)
+        return JSONResponse({"status": "ok"})
+
+    async def get_model_info(self) -> Response:
+        """What is served (SGLang's fields, and the context length and vocabulary size)."""
+        engine = self.server.admit()
+        return JSONResponse({
+            "model_path": str(engine.model_path), "served_model_name": self.server.model_name,
+            "tokenizer_path": str(engine.model_path) if engine.tokenizer is not None else None,
+            "is_generation": True, "preferred_sampling_params": engine.sampling_defaults or None,
+            "context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size})
+
+    async def get_server_info(self) -> Response:
+        """The engine's options as resolved (``EngineArgs``), the sizes it chose, and its counters
+        (``get_stats``: SGLang's ``internal_states``)."""
+        engine = self.server.admit()
+        args = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(engine.args).items()}
+        return JSONResponse(jsonable_encoder({
+            "version": hyla.__version__, "served_model_name": self.server.model_name, "engine_args": args,
+            "max_running_requests": engine.max_running_requests, "context_length": engine.context_length,
+            "max_total_num_tokens": engine.kv_pool.size, "max_state_slots": engine.state_pool.size,
+            "internal_states": [engine.get_stats()]}))
+
+    async def health_generate(self) -> Response:
+        """A health check through the engine (SGLang's): 200 once a one-token request has been
+        generated — or, when the queue is full, once the engine has made any progress — within
+        ``HEALTH_GENERATE_SECONDS``, else 503 ``engine_stalled``. (``/health`` answers without the
+        engine: it says the server admits requests, not that the scheduler moves.)"""
+        engine = self.server.admit()
+        progress = lambda: (engine.get_stats()["num_generated_tokens"], engine.get_stats()["num_requests_finished"])  # noqa: E731
+        before, deadline = progress(), time.monotonic() + HEALTH_GENERATE_SECONDS
+        try:
+            await asyncio.wait_for(engine.async_generate(input_ids=[0], namespace=HEALTH_NAMESPACE,
+                                                         sampling_params={"max_new_tokens": 1, "temperature": 0}),
+                                   HEALTH_GENERATE_SECONDS)
+            return JSONResponse({"status": "ok"})
+        except EngineOverloadedError:  # busy, not necessarily stalled: healthy if anything moves
+            while time.monotonic() < deadline:
+                if progress() != before:
+                    return JSONResponse({"status": "ok"})
+                await asyncio.sleep(0.05)
+        except asyncio.TimeoutError:  # (async_generate aborted its request on the cancellation)
+            pass
+        raise APIError(503, f"the engine generated nothing within {HEALTH_GENERATE_SECONDS:g} s",
+                       type="service_unavailable", code="engine_stalled")
 
 
 def _output(choice: Choice) -> dict[str, Any]:

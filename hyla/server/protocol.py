@@ -606,6 +606,20 @@ class TokenizeRequest(_Request):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class AbortRequest(_Request):
+    """``POST /abort_request`` (SGLang's): the request ``rid`` (as given to ``/generate``), or every
+    live request with ``abort_all``."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "AbortRequest":
+        if bool(self.rid) == self.abort_all:
+            raise ValueError("give exactly one of rid (a request id) and abort_all: true")
+        return self
+
+
 class DetokenizeRequest(_Request):
     """``POST /detokenize`` (vLLM's): ``tokens``, each in the model's vocabulary, back to text.
     ``model`` may be left out (the served model is meant)."""
@@ -647,7 +661,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None  # abort: POST /abort_request
 
 
 class CompletionResponse(BaseModel):
@@ -695,7 +709,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -711,7 +725,7 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
     logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
