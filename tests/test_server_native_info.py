@@ -124,3 +124,21 @@ def test_health_generate(server, monkeypatch):
     monkeypatch.setattr(engine, "async_generate", stalled)
     resp = httpx.get(server.url + "/health_generate", timeout=30)
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_stalled"
+
+
+def test_health_generate_behind_a_busy_engine_is_healthy(server, monkeypatch):
+    """A health request that waits behind others past the deadline is not a stall when the engine
+    moved meanwhile (its own one-token request is made to never finish here)."""
+    engine = _engine(server)
+
+    async def queued(*args, **kwargs):
+        import asyncio
+        await asyncio.sleep(3600)
+
+    monkeypatch.setattr(native_routes, "HEALTH_GENERATE_SECONDS", 0.5)
+    monkeypatch.setattr(engine, "async_generate", queued)
+    busy = _in_thread(lambda: engine.generate(input_ids=[5, 6, 7], sampling_params={**LONG, "max_new_tokens": 400}))
+    _wait_running(engine, 1)
+    resp = httpx.get(server.url + "/health_generate", timeout=30)
+    assert resp.status_code == 200 and resp.json() == {"status": "ok"}
+    assert busy()["meta_info"]["finish_reason"]["type"] == "length"

@@ -119,8 +119,8 @@ class NativeRoutes:
 
     async def health_generate(self) -> Response:
         """A health check through the engine (SGLang's): 200 once a one-token request has been
-        generated — or, when the queue is full, once the engine has made any progress — within
-        ``HEALTH_GENERATE_SECONDS``, else 503 ``engine_stalled``. (``/health`` answers without the
+        generated — or, when the queue is full or the request waited behind others, once the engine
+        has made any progress — within ``HEALTH_GENERATE_SECONDS``, else 503 ``engine_stalled``. (``/health`` answers without the
         engine: it says the server admits requests, not that the scheduler moves.)"""
         engine = self.server.admit()
         progress = lambda: (engine.get_stats()["num_generated_tokens"], engine.get_stats()["num_requests_finished"])  # noqa: E731
@@ -135,8 +135,9 @@ class NativeRoutes:
                 if progress() != before:
                     return JSONResponse({"status": "ok"})
                 await asyncio.sleep(0.05)
-        except asyncio.TimeoutError:  # (async_generate aborted its request on the cancellation)
-            pass
+        except asyncio.TimeoutError:  # (async_generate aborted its request on the cancellation); a long
+            if progress() != before:  # queue ahead of it, not a stall, when other requests moved meanwhile
+                return JSONResponse({"status": "ok"})
         raise APIError(503, f"the engine generated nothing within {HEALTH_GENERATE_SECONDS:g} s",
                        type="service_unavailable", code="engine_stalled")
 
