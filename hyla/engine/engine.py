@@ -372,7 +372,7 @@ class Engine:
         the event loop must not wait for either."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
                                  rid, namespace, logprob_start_len, speculative_checkpoints, priority)
-        slow = _asks_for_grammar(sampling_params) or _long_text(prompt) or _long_ids(input_ids)
+        slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE
         reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
             if not single:
@@ -394,9 +394,7 @@ class Engine:
     def abort(self, rid: str) -> None:
         """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``.
         Nothing on an engine shut down."""
-        if self._stopped:
-            return
-        self._inbox.put(("abort", rid))
+        self._abort_soon(rid)
         self._wakeup.set()
 
     def abort_all(self) -> int:
@@ -781,15 +779,16 @@ thread in ``async_generate`` (tokenizing 64K characters takes ~10 ms here; a 20 
 minute)."""
 
 
-def _long_text(prompt: Any) -> bool:
-    texts = [prompt] if isinstance(prompt, str) else prompt if isinstance(prompt, (list, tuple)) else ()
-    return sum(len(t) for t in texts if isinstance(t, str)) > WORKER_THREAD_PROMPT_SIZE
-
-
-def _long_ids(input_ids: Any) -> bool:
-    if not isinstance(input_ids, (list, tuple)):
-        return False
-    return sum(len(x) if isinstance(x, (list, tuple)) else 1 for x in input_ids) > WORKER_THREAD_PROMPT_SIZE
+def _prompt_size(prompt: Any, input_ids: Any) -> int:
+    """Characters of ``prompt``'s texts, or ``input_ids``' token ids, in all (malformed ones count
+    nothing: ``_make_requests`` refuses them)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return sum(len(t) for t in prompt if isinstance(t, str))
+    if isinstance(input_ids, (list, tuple)):
+        return sum(len(x) if isinstance(x, (list, tuple)) else 1 for x in input_ids)
+    return 0
 
 
 def _asks_for_grammar(sampling_params: Any) -> bool:

@@ -489,16 +489,22 @@ class Scheduler:
         always telling its consumer — a caller must never wait forever."""
         self.inflight = None  # released below with everything else (what it allocated included)
         for req in list(self.running):
-            try:
-                self.cache.release(req, insert=False)
-            except Exception:
-                logger.exception("could not release request %s; dropping it", req.rid)
+            self._end_after_error(req, message)
+
+    def _end_after_error(self, req: Req, message: str) -> None:
+        """Finish ``req`` (running or waiting) as aborted with ``message`` (cause ``internal``) after an
+        error: what it holds returned without inserting into the tree, its consumer always told."""
+        try:
+            self.cache.release(req, insert=False)  # (nothing if it holds no row)
+        except Exception:
+            logger.exception("could not release request %s; dropping it", req.rid)
+        if req in self.running:
             self.running.remove(req)
-            try:  # a request the overlap schedule holds finished already: it keeps its reason
-                self._finish(req, None if req.finished else abort_reason(message, "internal"))
-            except Exception:  # (its text, say, cannot be made): it ends all the same, told so
-                logger.exception("could not finish request %s; delivering it as it is", req.rid)
-                self.output.deliver(req)
+        try:  # a request the overlap schedule holds finished already: it keeps its reason
+            self._finish(req, None if req.finished else abort_reason(message, "internal"))
+        except Exception:  # (its text, say, cannot be made): it ends all the same, told so
+            logger.exception("could not finish request %s; delivering it as it is", req.rid)
+            self.output.deliver(req)
 
     def _finish(self, req: Req, reason: dict | None = None) -> None:
         """Release ``req``'s memory (caching what it computed), then deliver its last output. (A
@@ -621,13 +627,7 @@ class Scheduler:
         namespace; this is the net under the unknown ones). Locks a failed match took on the tree
         may stay (``check_integrity`` would say so): the engine keeps serving."""
         logger.exception("admitting request %s failed; aborting it", req.rid)
-        try:
-            self.cache.release(req, insert=False)  # (nothing if it got no row)
-        except Exception:
-            logger.exception("could not release request %s; dropping it", req.rid)
-        if req in self.running:
-            self.running.remove(req)
-        self._finish(req, abort_reason(internal_error(exc), "internal"))
+        self._end_after_error(req, internal_error(exc))
 
     def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
         """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the

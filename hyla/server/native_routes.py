@@ -85,7 +85,6 @@ class NativeRoutes:
                                 "server is idle)", code="engine_busy")
         return JSONResponse({"status": "ok", "message": "cache flushed"})
 
-
     async def abort_request(self, body: AbortRequest) -> Response:
         """Abort the request ``rid`` (as given to ``/generate``: an unknown or finished one is left
         alone), or every live one with ``abort_all``. An aborted request's client gets what it produced
@@ -120,10 +119,15 @@ class NativeRoutes:
     async def health_generate(self) -> Response:
         """A health check through the engine (SGLang's): 200 once a one-token request has been
         generated — or, when the queue is full or the request waited behind others, once the engine
-        has made any progress — within ``HEALTH_GENERATE_SECONDS``, else 503 ``engine_stalled``. (``/health`` answers without the
-        engine: it says the server admits requests, not that the scheduler moves.)"""
+        has made any progress — within ``HEALTH_GENERATE_SECONDS``, else 503 ``engine_stalled``.
+        (``/health`` answers without the engine: it says the server admits requests, not that the
+        scheduler moves.)"""
         engine = self.server.admit()
-        progress = lambda: (engine.get_stats()["num_generated_tokens"], engine.get_stats()["num_requests_finished"])  # noqa: E731
+
+        def progress() -> tuple[int, int]:
+            stats = engine.get_stats()
+            return stats["num_generated_tokens"], stats["num_requests_finished"]
+
         before, deadline = progress(), time.monotonic() + HEALTH_GENERATE_SECONDS
         try:
             await asyncio.wait_for(engine.async_generate(input_ids=[0], namespace=HEALTH_NAMESPACE,
