@@ -336,3 +336,39 @@ def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear
     assert torch.equal(moonshot.layers[0].ffn.out_proj.weight, raw["model.layers.0.block_sparse_moe.down_proj.weight"])
     assert moonshot.lm_head.weight.data_ptr() != moonshot.embed_tokens.weight.data_ptr()
     assert torch.equal(prefill_logits(moonshot, IDS), prefill_logits(fused, IDS))
+
+
+def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,
+                                                            tmp_path):
+    """``read_weights`` + ``copy_weights_`` (a weight update): the model computes what the new checkpoint
+    loaded afresh computes, every parameter and every derived weight the model cached (``-exp(A_log)``,
+    ``1 + w`` of the norms: what a CUDA graph captured reads) at its old address, recomputed."""
+    from checkpoints import make_qwen3_next
+
+    from hyla.model.layers import _DerivedWeight
+    from hyla.model.loader import copy_weights_, read_weights
+
+    new = make_qwen3_next(tiny_ckpt_dir, moe=False, seed=1)  # the same model, other weights
+    model = load_model(qwen3_next_dense_path)
+    old_logits = prefill_logits(model, IDS)  # caches the derived weights
+    derived = [d for m in model.modules() for d in vars(m).values()
+               if isinstance(d, _DerivedWeight) and d.value is not None]
+    assert len(derived) >= 10  # the norms' scales, the Gated DeltaNet layers' -exp(A_log), ...
+    addresses = [p.data_ptr() for p in model.parameters()] + [d.value.data_ptr() for d in derived]
+    values = [d.value.clone() for d in derived]
+    state, mtp = read_weights(new, model)
+    assert not mtp and torch.equal(prefill_logits(model, IDS), old_logits)  # read, not yet written
+    copy_weights_(model, state)
+    assert [p.data_ptr() for p in model.parameters()] + [d.value.data_ptr() for d in derived] == addresses
+    assert any(not torch.equal(d.value, v) for d, v in zip(derived, values))
+    assert torch.equal(prefill_logits(model, IDS), prefill_logits(load_model(new), IDS))
+    # another model's checkpoint, or a broken one: ValueError naming why, nothing read into the model
+    with pytest.raises(ValueError, match="describes another model"):
+        read_weights(nemotron_h_path, model)
+    wider = rewrite(qwen3_next_dense_path, tmp_path / "wider", edit_config=lambda c: {**c, "rms_norm_eps": 0.5})
+    with pytest.raises(ValueError, match=r"differs in norm_eps"):
+        read_weights(wider, model)
+    short = rewrite(qwen3_next_dense_path, tmp_path / "short",
+                    edit_tensors=lambda t: {k: v[:-1] if k == "model.norm.weight" else v for k, v in t.items()})
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        read_weights(short, model)

@@ -18,6 +18,12 @@ SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
 
 
+def check_weight_version(value: Any) -> None:
+    """A weight version (``EngineArgs.weight_version``, a weight update's) is a non-empty string."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"weight_version must be a non-empty string, got {value!r}")
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -113,6 +119,9 @@ class EngineArgs:
                                "the cache and zero the counters, so that the first user request does not pay for "
                                "compiles and autotuning (SGLang's server warm-up). 'auto' = on a GPU; 'on', 'off' "
                                "(docs/engine.md).")
+    weight_version: str = _opt("default", "A name for the weights served, in every output's meta_info and in "
+                                          "/get_model_info; a weight update may give the new ones another "
+                                          "(SGLang's --weight-version).")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
                                        "after a minute or two of compilation at every start-up (docs/benchmarks.md); "
                                        "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too, "
@@ -177,6 +186,7 @@ class EngineArgs:
                 or not 0.0 <= self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction!r}")
         self._check_device()
+        check_weight_version(self.weight_version)
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
                                              or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0):
             raise ValueError(f"cpu_threads must be a non-negative integer or None, got {self.cpu_threads!r}")

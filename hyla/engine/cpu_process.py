@@ -48,11 +48,12 @@ import logging
 import math
 import os
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_MMAP_THRESHOLD = -3
@@ -124,14 +125,16 @@ def usable_cores(sys_root: str = "/sys") -> int:
     return n
 
 
-def run_in_own_thread(fn: Callable[[], None]) -> None:
-    """``fn()`` on a new thread, waited for; its exception is raised here. The thread's OpenMP team
-    (workers of the parallel torch work it ran) ends with it (see the module docstring)."""
+def run_in_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a new thread, waited for; its result returned, its exception raised here. The
+    thread's OpenMP team (workers of the parallel torch work it ran) ends with it (see the module
+    docstring)."""
     errors: list[BaseException] = []
+    results: list[T] = []
 
     def target() -> None:
         try:
-            fn()
+            results.append(fn())
         except BaseException as e:  # re-raised on the calling thread
             errors.append(e)
 
@@ -140,3 +143,4 @@ def run_in_own_thread(fn: Callable[[], None]) -> None:
     thread.join()
     if errors:
         raise errors[0]
+    return results[0]

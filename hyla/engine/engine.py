@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
-from hyla.engine.args import EngineArgs
+from hyla.engine.args import EngineArgs, check_weight_version
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
@@ -48,6 +48,7 @@ from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter
 from hyla.engine.streams import AsyncRequestStream, RequestStream
 from hyla.engine.warmup import warm_up, warmup_enabled
+from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.mtp import MtpHead, mtp_cache_layout
@@ -62,6 +63,8 @@ CPU_MAX_RUNNING_REQUESTS = 32
 """Default ``max_running_requests`` on CPU, where a larger decode batch adds little throughput (the
 built-in model, one thread: 948 tokens/s at batch 32, 1106 at 64, 1225 at 128)."""
 CHECKPOINTS_PER_RUNNING_REQUEST = 3
+# how long update_weights_from_disk waits for the update itself, once begun (compile_decode compiles then)
+WEIGHT_UPDATE_APPLY_SECONDS = 3600.0
 """Pools sized from memory hold at most this many cached state checkpoints per running request."""
 
 
@@ -93,6 +96,7 @@ class Engine:
         self._live: dict[str, Req] = {}
         self._displacing: set[str] = set()  # of those, the ones a displacement is finishing (not counted)
         self._wakeup = threading.Event()
+        self._update_lock = threading.Lock()  # update_weights_from_disk: one at a time
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="hyla-scheduler", daemon=True)
         self._thread.start()
@@ -194,6 +198,7 @@ class Engine:
                                        verify_width=runner.verify_width)
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
+        self.scheduler.weight_version = self.args.weight_version
         if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
@@ -413,6 +418,70 @@ class Engine:
         waiting or running, those submitted before the call included (SGLang's ``flush_cache``):
         otherwise it returns False and changes nothing. The counters of ``get_stats`` go on."""
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
+
+    def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
+                                 weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
+        """Serve the weights of another checkpoint of the same model from now on (a trainer's latest,
+        in reinforcement learning): SGLang's ``update_weights_from_disk``, without a restart.
+
+        The checkpoint is read and checked first, on this thread while the engine serves on (into
+        host memory: the model's size once more); one that is no checkpoint of this model (another
+        ``config.json``, a missing, unexpected or mis-shaped tensor) is a ``ValueError`` and nothing
+        changes. Then no request is admitted for the first time while those running finish on the
+        old weights (new ones queue, as usual); with ``abort_all_requests`` every live request is
+        aborted instead (its client gets its output so far, finish reason abort). Between two steps
+        the weights are written in place, the prefix cache is emptied (it was computed with the old
+        weights), and the queue runs on the new ones: no request's output mixes two weights. With
+        ``compile_decode`` the decode graphs are compiled again meanwhile (a minute or more on a
+        small CPU). See ``hyla/engine/weight_update.py``.
+
+        ``weight_version``: the new weights' name, in the ``meta_info`` of every request that runs
+        on them (default: the current one). ``TimeoutError`` when the running requests have not
+        finished after ``timeout`` seconds: nothing changed, and the queue moves again. Returns
+        ``{"model_path", "weight_version", "num_aborted_requests", "seconds"}``."""
+        if weight_version is not None:
+            check_weight_version(weight_version)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        with self._update_lock:  # one update at a time
+            start = time.monotonic()
+            read = functools.partial(NewWeights.read, model_path, self.model, self.mtp_head)
+            new = run_in_own_thread(read) if self.device.type == "cpu" else read()  # (no OpenMP team kept here)
+            version = weight_version or self.weight_version
+            # (read by the scheduler at its next admission: one it is making now may still start, and is waited for)
+            self.scheduler.admit_new = False
+            try:
+                aborted = self.abort_all() if abort_all_requests else 0
+                deadline = start + timeout
+                while not self._drained_before(deadline):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"requests still running after {timeout:g} s: the weights were not updated")
+                    time.sleep(0.005)
+
+                def apply() -> None:
+                    new.apply(self.model, self.mtp_head, self.scheduler)
+                    self.scheduler.weight_version = version
+                    self.model_path = new.path
+                # the update itself is not cut short: with compile_decode it compiles
+                self._on_scheduler_thread(apply, WEIGHT_UPDATE_APPLY_SECONDS)
+            finally:
+                self.scheduler.admit_new = True
+                self._wakeup.set()
+        logger.info("weights updated from %s (version %s)", new.path, version)
+        return {"model_path": str(new.path), "weight_version": version, "num_aborted_requests": aborted,
+                "seconds": time.monotonic() - start}
+
+    def _drained_before(self, deadline: float) -> bool:
+        """``Scheduler.drained``, asked between two steps; False when no answer comes before ``deadline``."""
+        try:
+            return self._on_scheduler_thread(self.scheduler.drained, max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+
+    @property
+    def weight_version(self) -> str:
+        """The name of the weights served (``weight_version``; changed by a weight update)."""
+        return self.scheduler.weight_version
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for logs and /metrics (read without locking: approximate)."""
@@ -708,10 +777,14 @@ class Engine:
                 self._wakeup.clear()
                 continue
             try:
-                self.scheduler.step()
+                progressed = self.scheduler.step()
             except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
                 logger.exception("scheduler step failed; aborting the %d running requests", self.scheduler.num_running)
                 self.scheduler.fail_running(internal_error(exc))  # (never raises)
+                progressed = True
+            if not progressed:  # requests wait that nothing can admit now (a weight update's drain): no spinning
+                self._wakeup.wait(timeout=0.05)
+                self._wakeup.clear()
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):

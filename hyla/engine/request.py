@@ -86,6 +86,7 @@ class Req:
     cache_protected_len: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     admitted_once: bool = False
+    weight_version: str | None = None  # of the weights it runs on (set at its first admission)
     req_pool_idx: int | None = None
     state_slot: int | None = None
     last_node: Any = None
@@ -199,6 +200,8 @@ class Req:
             "cached_tokens": self.cached_tokens,
             "finish_reason": self.finished_reason,
         }
+        if self.weight_version is not None:
+            info["weight_version"] = self.weight_version
         if self.spec_verify_ct:
             info["spec_verify_ct"] = self.spec_verify_ct
             info["spec_accept_length"] = self.spec_num_tokens / self.spec_verify_ct

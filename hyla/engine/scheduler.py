@@ -165,6 +165,10 @@ class Scheduler:
             self.scratch = [slots[i * k:(i + 1) * k] for i in range(config.max_running_requests)]
         self.waiting: list[Req] = []
         self.running: list[Req] = []  # admitted requests, in admission order (oldest first)
+        # False while a weight update waits for the running requests (Engine.update_weights_from_disk):
+        # only requests admitted before (retracted since) are admitted, so none mixes two weights
+        self.admit_new = True
+        self.weight_version = "default"  # of the weights the requests admitted now run on (meta_info)
         # the overlap schedule: a decode step launched, its logits not yet sampled
         self.inflight: tuple[Batch, torch.Tensor] | None = None
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
@@ -438,16 +442,25 @@ class Scheduler:
     # requests in and out
     # ------------------------------------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        req.weight_version = self.weight_version  # (its first admission sets it again: a weight update may come first)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.inflight)
 
-    def flush_cache(self) -> bool:
+    def drained(self) -> bool:
+        """No request runs, is in flight, or waits having run (retracted): the waiting ones, if any,
+        hold nothing of the pools or the tree and have produced nothing."""
+        return not self.running and self.inflight is None and not any(r.admitted_once for r in self.waiting)
+
+    def flush_cache(self, with_waiting: bool = False) -> bool:
         """Drop every cached prefix (``CacheManager.flush``) and the admission heuristic's memory of
         past steps, only while no request is waiting, running or in flight (SGLang's
-        ``flush_cache``): False then, and nothing changes."""
-        if self.has_work():
+        ``flush_cache``), or with ``with_waiting`` while the scheduler is :meth:`drained` (a weight
+        update: the waiting requests will compute their prompts on the new weights): False
+        otherwise, and nothing changes."""
+        idle = self.drained() if with_waiting else not self.has_work()
+        if not idle:
             return False
         tokens, states = self.cache.flush()
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
@@ -562,6 +575,9 @@ class Scheduler:
         # 2) new admissions
         if budget > 0 and self.waiting:
             order, hits = self._ordered_waiting()
+            if not self.admit_new:  # a weight update waits: only requests that ran before (retracted since)
+                kept = [i for i, r in enumerate(order) if r.admitted_once]
+                order, hits = [order[i] for i in kept], None if hits is None else [hits[i] for i in kept]
             protect = hits is not None and self.config.protect_waiting_prefixes
             # while some request runs (and another may join it), the waiting requests' hits are held
             held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
@@ -696,6 +712,7 @@ class Scheduler:
         req.status = ReqStatus.RUNNING
         if not req.admitted_once:
             req.admitted_once = True
+            req.weight_version = self.weight_version
             req.cached_tokens = req.cache_protected_len
             self.num_prompt_tokens += len(req.input_ids)
             self.num_cached_tokens += req.cache_protected_len

@@ -8,11 +8,16 @@ exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in `
 an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
 
+``read_weights`` reads another checkpoint of a loaded model the same way (its ``config.json`` must
+describe the same model) and ``copy_weights_`` writes it into the model in place: a serving
+engine's weight update (``Engine.update_weights_from_disk``).
+
 Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, or wrong shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -20,10 +25,11 @@ from typing import Iterable
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
-from hyla.model.layers import HybridForCausalLM
+from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
 from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
@@ -91,12 +97,60 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
     cls = ARCHITECTURES[config.architecture].model_class
+    with torch.device("meta"):
+        model = cls(config)
+    state, mtp = _read_weights(path, cls, config, model, device)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.mtp_weights = mtp
+    return model.eval()
+
+
+def read_weights(path: str | os.PathLike, model: HybridForCausalLM,
+                 device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Another checkpoint of ``model`` (a training step's, say), read as :func:`load_model` reads
+    one: ``(parameters, mtp.* tensors)``, every parameter of ``model`` by name (tied ones under each
+    name) in its dtype, on ``device``. Nothing of ``model`` changes (``copy_weights_`` puts them in).
+
+    ``ValueError`` when the checkpoint's ``config.json`` describes another model (every field of
+    ``ModelConfig`` must be equal, the dtype aside: the differing ones are named), or a tensor is
+    missing, unexpected or mis-shaped."""
+    path = Path(path)
+    config = read_config(path, dtype=model.config.dtype)
+    differ = config_differences(model.config, config)
+    if differ:
+        raise ValueError(f"{path}: config.json describes another model than the one loaded (it differs in "
+                         f"{name_listing(differ)}); a weight update needs a checkpoint of the same model")
+    return _read_weights(path, type(model), config, model, device)
+
+
+def config_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """The names of the ``ModelConfig`` fields in which ``a`` and ``b`` differ (the raw
+    ``config.json``, ``extra``, aside)."""
+    return [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)]
+
+
+@torch.no_grad()
+def copy_weights_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Write ``state`` (every parameter of ``model`` by name, as :func:`read_weights` gives them)
+    into ``model``'s parameters in place: their storage, layout and addresses stay (a CUDA graph
+    replays the new values; a weight relaid column-major stays so), and every derived weight
+    (``layers._DerivedWeight``) sees the write."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if set(params) != set(state):
+        raise ValueError(f"internal: weights for {name_listing(set(state) ^ set(params))} do not match the model's")
+    for name, param in params.items():
+        param.copy_(state[name])
+    refresh_derived_weights_(model)
+
+
+def _read_weights(path: Path, cls: type[HybridForCausalLM], config: ModelConfig, model: nn.Module,
+                  device: str | torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The checkpoint ``path``'s tensors as ``model``'s parameters (``model`` may be on the meta
+    device: only its parameters' names, shapes and dtypes are read) and its ``mtp.*`` tensors."""
     reader, mtp_names = _index_checkpoint(path, cls)
     specs = choose_layouts(cls.hf_weight_specs(config), set(reader.files))
     _check_names(path, config, specs, set(reader.files))
-
-    with torch.device("meta"):
-        model = cls(config)
     params = dict(model.named_parameters(remove_duplicate=False))
     state: dict[str, torch.Tensor] = {}
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
@@ -119,12 +173,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     unbuilt = set(params) - set(state)
     if unbuilt:
         raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
-    model.load_state_dict(state, strict=True, assign=True)
-    model.to(device)
-    model.mtp_weights = {
-        name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()
-    }
-    return model.eval()
+    mtp = {name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()}
+    return state, mtp
 
 
 def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_TensorReader, dict[str, Path]]:

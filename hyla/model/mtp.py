@@ -99,25 +99,31 @@ class MtpHead(nn.Module):
         Qwen3-Next / Qwen3.5 model, asks for more than one MTP layer, or when the ``mtp.*`` tensors
         are not exactly the ones the head needs (missing / unexpected names, wrong shapes)."""
         c = model.config
-        weights = model.mtp_weights
-        if not weights:
-            raise ValueError("this checkpoint has no mtp.* tensors: speculative_algorithm='mtp' needs a "
-                             "checkpoint with an MTP head (Qwen3-Next / Qwen3.5)")
+        _require_mtp_tensors(model.mtp_weights)
         if c.model_type not in MTP_MODEL_TYPES:
             raise ValueError(f"MTP heads are supported for {MTP_MODEL_TYPES}, not {c.architecture}")
         if c.mtp_num_hidden_layers not in (0, 1):
             raise ValueError(f"mtp_num_hidden_layers is {c.mtp_num_hidden_layers}: hyla runs one MTP layer")
-        specs = choose_layouts(mtp_weight_specs(c), set(weights))
+        with torch.device("meta"):
+            head = cls(model)
+        head.load_state_dict(head.state_from(model.mtp_weights), strict=True, assign=True)
+        relayout_weights_(head)
+        return head.eval()
+
+    def state_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This head's parameters built from a checkpoint's ``mtp.*`` tensors, by name, on the
+        target's device (the head itself may be on the meta device). ``ValueError`` when there are
+        none, or they are not exactly the ones the head needs (missing / unexpected, wrong shapes)."""
+        _require_mtp_tensors(weights)
+        specs = choose_layouts(mtp_weight_specs(self.target.config), set(weights))
         needed = {name for spec in specs for name in spec.sources}
         missing, unexpected = needed - set(weights), set(weights) - needed
         if missing or unexpected:
             raise ValueError("the checkpoint's mtp.* tensors do not fit its config: "
                              + "; ".join(f"{what}: {name_listing(names)}" for what, names in
                                          (("missing", missing), ("unexpected", unexpected)) if names))
-        device = model.embed_tokens.weight.device
-        with torch.device("meta"):
-            head = cls(model)
-        params = dict(head.named_parameters())
+        device = self.target.embed_tokens.weight.device
+        params = dict(self.named_parameters(remove_duplicate=False))
         state = {}
         for spec in specs:
             tensor = spec.build([weights[name] for name in spec.sources])
@@ -126,9 +132,13 @@ class MtpHead(nn.Module):
                 raise ValueError(f"tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for the MTP "
                                  f"head's {spec.target}, the config implies {tuple(target.shape)}")
             state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
-        head.load_state_dict(state, strict=True, assign=True)
-        relayout_weights_(head)
-        return head.eval()
+        return state
+
+
+def _require_mtp_tensors(weights: dict[str, torch.Tensor]) -> None:
+    if not weights:
+        raise ValueError("this checkpoint has no mtp.* tensors: speculative_algorithm='mtp' needs a "
+                         "checkpoint with an MTP head (Qwen3-Next / Qwen3.5)")
 
 
 def mtp_ffn_kind(config: ModelConfig) -> str:

@@ -246,7 +246,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
-    built-in model). With ``api_key``, /v1/*, /generate, /flush_cache, /tokenize and /detokenize
+    built-in model). With ``api_key``, /v1/*, the native endpoints (/generate, /flush_cache, ...), /tokenize and /detokenize
     need ``Authorization: Bearer <api_key>`` (the scheme's case does not matter, RFC 7235), /docs
     and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``

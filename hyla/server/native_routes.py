@@ -1,5 +1,6 @@
 """SGLang's native API: ``POST /generate``, ``POST /flush_cache``, ``POST /abort_request``,
-``GET /get_model_info``, ``GET /get_server_info`` and ``GET /health_generate``.
+``GET /get_model_info``, ``GET /get_server_info``, ``GET /health_generate``, and for reinforcement
+learning ``POST /update_weights_from_disk`` and ``GET /get_weight_version``.
 
 A request, top-down: one job per prompt (``text`` or ``input_ids``, one or a list), each with its
 own ``sampling_params``, ``rid`` and ``checkpoints`` when lists are given; start them as one
@@ -29,7 +30,7 @@ import hyla
 from hyla.engine.errors import EngineOverloadedError
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
-from hyla.server.protocol import AbortRequest, GenerateRequest
+from hyla.server.protocol import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -52,6 +53,8 @@ class NativeRoutes:
         router.get("/get_model_info")(self.get_model_info)
         router.get("/get_server_info")(self.get_server_info)
         router.get("/health_generate")(self.health_generate)
+        router.post("/update_weights_from_disk")(self.update_weights_from_disk)
+        router.get("/get_weight_version")(self.get_weight_version)
         return router
 
     async def _tokenized(self, jobs: list[Job]) -> list[Job]:
@@ -96,6 +99,31 @@ class NativeRoutes:
             engine.abort(body.rid)
         return JSONResponse({"status": "ok"})
 
+    async def update_weights_from_disk(self, body: UpdateWeightsFromDiskRequest) -> Response:
+        """Serve another checkpoint of the same model (``Engine.update_weights_from_disk``: running
+        requests finish on the old weights, or are aborted with ``abort_all_requests``; new ones wait
+        meanwhile). SGLang's answer, ``{"success", "message", "num_paused_requests"}``, with
+        ``weight_version``; a checkpoint of another model is a 400 (``param`` model_path), running
+        requests that do not finish in ten minutes a 409 (``engine_busy``), the body's ``success``
+        false in both."""
+        engine = self.server.admit()
+        try:
+            done = await asyncio.to_thread(engine.update_weights_from_disk, body.model_path,
+                                           abort_all_requests=body.abort_all_requests,
+                                           weight_version=body.weight_version)
+        except ValueError as exc:
+            raise WeightUpdateFailed(400, f"the weights were not updated: {exc}", param="model_path") from None
+        except TimeoutError as exc:
+            raise WeightUpdateFailed(409, str(exc), code="engine_busy") from None
+        return JSONResponse({"success": True, "message": f"updated the weights from {done['model_path']} in "
+                                                         f"{done['seconds']:.1f} s",
+                             "num_paused_requests": 0, "num_aborted_requests": done["num_aborted_requests"],
+                             "weight_version": done["weight_version"]})
+
+    async def get_weight_version(self) -> Response:
+        """``{"weight_version"}``: the name of the weights served (also in ``/get_model_info``)."""
+        return JSONResponse({"weight_version": self.server.admit().weight_version})
+
     async def get_model_info(self) -> Response:
         """What is served (SGLang's fields, and the context length and vocabulary size)."""
         engine = self.server.admit()
@@ -103,7 +131,8 @@ class NativeRoutes:
             "model_path": str(engine.model_path), "served_model_name": self.server.model_name,
             "tokenizer_path": str(engine.model_path) if engine.tokenizer is not None else None,
             "is_generation": True, "preferred_sampling_params": engine.sampling_defaults or None,
-            "context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size})
+            "context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
+            "weight_version": engine.weight_version})
 
     async def get_server_info(self) -> Response:
         """The engine's options as resolved (``EngineArgs``), the sizes it chose, and its counters
@@ -144,6 +173,13 @@ class NativeRoutes:
                 return JSONResponse({"status": "ok"})
         raise APIError(503, f"the engine generated nothing within {HEALTH_GENERATE_SECONDS:g} s",
                        type="service_unavailable", code="engine_stalled")
+
+
+class WeightUpdateFailed(APIError):
+    """A failed weight update's error: the OpenAI-style body, with SGLang's ``success`` and ``message``."""
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), "success": False, "message": self.message}
 
 
 def _output(choice: Choice) -> dict[str, Any]:

@@ -620,6 +620,19 @@ class AbortRequest(_Request):
         return self
 
 
+class UpdateWeightsFromDiskRequest(_Request):
+    """``POST /update_weights_from_disk`` (SGLang's): serve the checkpoint at ``model_path`` (the same
+    model's) from now on; ``Engine.update_weights_from_disk``. ``load_format``: the checkpoint's,
+    safetensors (the only one hyla reads). ``flush_cache`` cannot be false: the prefix cache holds
+    what the old weights computed, and the cache never changes what the model computes."""
+
+    model_path: str = Field(min_length=1)
+    abort_all_requests: bool = False
+    weight_version: str | None = Field(default=None, min_length=1)
+    load_format: Literal["auto", "safetensors"] | None = None
+    flush_cache: Literal[True] = True
+
+
 class DetokenizeRequest(_Request):
     """``POST /detokenize`` (vLLM's): ``tokens``, each in the model's vocabulary, back to text.
     ``model`` may be left out (the served model is meant)."""

@@ -1,0 +1,259 @@
+"""``Engine.update_weights_from_disk``: another checkpoint of the same model served in place.
+
+* Differential: after an update the engine gives what a fresh engine on the new checkpoint gives
+  (greedy tokens, logprobs within 1e-4 up to each request's first tie, the same cache hits: the
+  prefixes cached from the old weights are gone), with the prefix cache on under eviction and
+  retraction pressure; the MTP head is updated too (its drafts are the fresh engine's).
+* No request's output mixes two weights: a request running when the update is asked for finishes on
+  the old weights, one submitted meanwhile runs on the new ones (``meta_info["weight_version"]``
+  says which); ``abort_all_requests`` ends the running ones instead.
+* A checkpoint of another model, a broken one, bad arguments, or running requests outlasting the
+  timeout: an error, and the engine serves on, unchanged.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import pytest
+
+import checkpoints
+from hyla import Engine
+from test_engine_differential import assert_drained, compare_outputs, make_workload, run
+
+OPTS = dict(max_total_tokens=360, max_state_slots=16, max_running_requests=10, chunked_prefill_size=64,
+            debug_checks=True)
+
+
+@pytest.fixture(scope="module")
+def other_seed_path(tiny_ckpt_dir):
+    """The tiny Qwen3-Next of another seed: the same model, other weights (most tokens differ)."""
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=False, seed=1)
+
+
+@pytest.fixture(scope="module")
+def stepped_mtp_path(tiny_ckpt_dir):
+    """The tiny Qwen3-Next with an MTP head, every matrix nudged (the head's too): a training step."""
+    return checkpoints.make_perturbed(tiny_ckpt_dir, base=checkpoints.make_qwen3_next, moe=False, mtp=True)
+
+
+def _greedy(n: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def _stepped(path, tmp_path, edit) -> str:
+    """A copy of the checkpoint ``path`` whose tensors ``edit(dict)`` changed in place."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "edited"
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+def test_update_serves_the_new_checkpoint_exactly(qwen3_next_dense_path, qwen3_next_dense_draft_path):
+    """The old weights' prefixes cached (and evicted, retracted), then an update: the same workload gives
+    what a fresh engine on the new checkpoint gives, with that engine's hits."""
+    new = qwen3_next_dense_draft_path  # the same model, every matrix nudged
+    wave1, followups = make_workload(5, 2048, num_sessions=16, num_shared=24, scale=0.5)
+
+    def second_turns(outs: list[dict]) -> list[dict]:
+        return [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 4, "ckpt": []}
+                for w, o, f in zip(wave1, outs, followups)]
+
+    with Engine(new, **OPTS) as fresh:
+        want = run(fresh, wave1)
+        wave2 = second_turns(want)
+        want += run(fresh, wave2)
+    with Engine(qwen3_next_dense_path, weight_version="step-0", **OPTS) as engine:
+        before = run(engine, wave1)
+        before += run(engine, second_turns(before))
+        assert engine.tree.total_size() > 0
+        done = engine.update_weights_from_disk(new, weight_version="step-1")
+        assert done["weight_version"] == engine.weight_version == "step-1" and done["num_aborted_requests"] == 0
+        assert engine.tree.total_size() == 0 and str(engine.model_path) == str(new)
+        got = run(engine, wave1) + run(engine, wave2)
+        assert_drained(engine)
+        stats = engine.get_stats()
+    assert stats["num_retractions"] > 0 and stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0
+    assert {o["meta_info"]["weight_version"] for o in before} == {"step-0"}
+    assert {o["meta_info"]["weight_version"] for o in got} == {"step-1"}
+    assert [o["output_ids"] for o in before] != [o["output_ids"] for o in want]  # the weights did change
+    assert compare_outputs(got, want) > 0.9 * sum(s["max_new"] for s in wave1 + wave2)
+    assert [o["meta_info"]["cached_tokens"] for o in got] == [o["meta_info"]["cached_tokens"] for o in want]
+
+
+def test_update_reaches_the_mtp_head(qwen3_next_dense_mtp_path, stepped_mtp_path):
+    """An engine drafting with the checkpoint's MTP head drafts with the new head after an update:
+    the same tokens and the same verify steps per request as a fresh engine on the new checkpoint."""
+    opts = dict(max_total_tokens=600, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64,
+                speculative_algorithm="mtp", speculative_num_steps=3)
+    wave1, _ = make_workload(7, 2048, num_sessions=6, num_shared=6, scale=0.5)
+    with Engine(stepped_mtp_path, **opts) as fresh:
+        want = run(fresh, wave1)
+    with Engine(qwen3_next_dense_mtp_path, **opts) as engine:
+        run(engine, wave1)
+        engine.update_weights_from_disk(stepped_mtp_path)
+        got = run(engine, wave1)
+        assert_drained(engine)
+    assert compare_outputs(got, want) > 0.9 * sum(s["max_new"] for s in wave1)
+    assert [o["meta_info"].get("spec_verify_ct") for o in got] == [o["meta_info"].get("spec_verify_ct") for o in want]
+
+
+def _reference(path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    with Engine(path, **OPTS) as engine:
+        return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=_greedy(n))]
+
+
+def _slow_steps(engine: Engine, seconds: float = 0.005) -> None:
+    """Every step of ``engine`` takes ``seconds`` longer: a request of ``n`` tokens runs at least ``n``
+    times that, however fast the machine (so that it still runs when the test acts)."""
+    step = engine.scheduler.step
+    engine.scheduler.step = lambda: (time.sleep(seconds), step())[1]
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.002)
+
+
+def test_running_requests_finish_on_the_old_weights(qwen3_next_dense_path, other_seed_path):
+    """A request running when the update is asked for ends on the old weights; one submitted while the
+    update waits for it queues and runs on the new ones; nothing mixes."""
+    first, second = list(range(3, 40)), list(range(50, 70))
+    old = _reference(qwen3_next_dense_path, [first], 120)[0]
+    new = _reference(other_seed_path, [second], 30)[0]
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        _slow_steps(engine)  # the first request runs >= 0.6 s
+        stream = engine.generate(input_ids=first, sampling_params=_greedy(120), stream=True)
+        chunks = [next(stream)]
+        done: dict = {}
+        updater = threading.Thread(target=lambda: done.update(
+            engine.update_weights_from_disk(other_seed_path, weight_version="v2")))
+        updater.start()
+        _wait(lambda: not engine.scheduler.admit_new, "the update did not close admission")
+        queued = engine.generate(input_ids=second, sampling_params=_greedy(30), stream=True)
+        chunks += list(stream)
+        updater.join(60)
+        later = list(queued)
+        assert done["weight_version"] == "v2"
+        assert_drained(engine)
+    assert [t for c in chunks for t in c["output_ids"]] == old
+    assert chunks[-1]["meta_info"]["weight_version"] == "default"
+    assert [t for c in later for t in c["output_ids"]] == new
+    assert later[-1]["meta_info"]["weight_version"] == "v2"
+
+
+def test_abort_all_requests_ends_the_running_ones(qwen3_next_dense_path, other_seed_path):
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        _slow_steps(engine)  # the request would run >= 1.5 s
+        stream = engine.generate(input_ids=list(range(3, 40)), sampling_params=_greedy(300), stream=True)
+        next(stream)
+        done = engine.update_weights_from_disk(other_seed_path, abort_all_requests=True)
+        last = list(stream)[-1]
+        assert done["num_aborted_requests"] == 1
+        assert last["meta_info"]["finish_reason"]["type"] == "abort"
+        out = engine.generate(input_ids=list(range(50, 70)), sampling_params=_greedy(30))
+        assert_drained(engine)
+    assert out["output_ids"] == _reference(other_seed_path, [list(range(50, 70))], 30)[0]
+
+
+def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemotron_h_path, tmp_path):
+    prompt = list(range(3, 30))
+    missing = _stepped(other_seed_path, tmp_path, lambda t: t.pop("model.norm.weight"))
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        before = engine.generate(input_ids=prompt, sampling_params=_greedy(20))
+        for path, match in [(nemotron_h_path, "describes another model"), (missing, "lacks tensor"),
+                            (tmp_path, "no config.json")]:
+            with pytest.raises(ValueError, match=match):
+                engine.update_weights_from_disk(path)
+        for kw, match in [(dict(weight_version=""), "weight_version"), (dict(timeout=0), "timeout")]:
+            with pytest.raises(ValueError, match=match):
+                engine.update_weights_from_disk(other_seed_path, **kw)
+        # running requests that outlast the timeout: nothing changes, and the queue moves again
+        _slow_steps(engine)  # the request runs >= 1.5 s
+        stream = engine.generate(input_ids=prompt, sampling_params=_greedy(300), stream=True)
+        next(stream)
+        with pytest.raises(TimeoutError, match="not updated"):
+            engine.update_weights_from_disk(other_seed_path, weight_version="v2", timeout=0.2)
+        after = engine.generate(input_ids=prompt, sampling_params=_greedy(20))
+        assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+        assert engine.weight_version == "default" and after["meta_info"]["weight_version"] == "default"
+        assert_drained(engine)
+    assert after["output_ids"] == before["output_ids"]
+
+
+def test_update_recompiles_compiled_decode(qwen3_next_short_path, tiny_ckpt_dir, monkeypatch):
+    """``compile_decode``: the graphs compiled from the old weights are compiled again (the graph of more
+    rows holds the weights as constants, or here, as for a model with large projections, runs on
+    weights packed at start-up: ``linear.pack_weights_``, a graph inductor's cache keeps, so that the
+    recompile is a load); the engine then decodes as an eager one on the new weights."""
+    from hyla.engine import model_runner
+    from hyla.model import linear
+
+    monkeypatch.setattr(linear, "PACK_MIN_WEIGHT", 1)  # every projection packed: stale copies unless rebuilt
+    monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})  # (not autotuned)
+    new = checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=False, seed=1, num_hidden_layers=2,
+                                      layer_types=["linear_attention", "full_attention"])
+    prompts = [list(range(3 + i, 30 + 2 * i)) for i in range(3)]
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(new, **OPTS) as eager:
+        want = eager.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+    with Engine(qwen3_next_short_path, compile_decode=True, **OPTS) as engine:
+        engine.generate(input_ids=prompts, sampling_params=params)
+        old_runner = engine.scheduler.runner
+        engine.update_weights_from_disk(new)
+        assert engine.scheduler.runner is not old_runner and engine.scheduler.runner.compiled
+        one = engine.generate(input_ids=prompts[0], sampling_params=params, return_logprob=True)  # the one-row graph
+        rows = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)  # more rows
+        assert engine.scheduler.runner.late_compiles == 0
+        assert_drained(engine)
+    assert compare_outputs([one] + rows, want[:1] + want) > 0.9 * 4 * 12
+
+
+def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
+    """``POST /update_weights_from_disk`` and ``GET /get_weight_version`` (SGLang's), as an RL loop calls
+    them: the next generations run on the new weights and say so; a bad request is a 400 whose body has
+    SGLang's ``success: false`` beside the OpenAI-style error."""
+    import httpx
+
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import make_chat_model
+
+    path = make_chat_model(tiny_ckpt_dir)
+    stepped = _stepped(path, tmp_path, lambda t: t.update(
+        {k: v * 1.5 for k, v in t.items() if k.endswith("proj.weight")}))
+    body = {"text": "Hello there", "sampling_params": _greedy(8)}
+    with BackgroundServer(create_app(path, max_total_tokens=4096, max_state_slots=16, max_running_requests=4)) as srv:
+        url = srv.url
+        before = httpx.post(url + "/generate", json=body, timeout=60).json()
+        assert before["meta_info"]["weight_version"] == "default"
+        resp = httpx.post(url + "/update_weights_from_disk", timeout=60,
+                          json={"model_path": stepped, "weight_version": "rl-step-1"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["success"] is True and resp.json()["weight_version"] == "rl-step-1"
+        after = httpx.post(url + "/generate", json=body, timeout=60).json()
+        assert after["meta_info"]["weight_version"] == "rl-step-1" and after["meta_info"]["cached_tokens"] == 0
+        assert httpx.get(url + "/get_weight_version", timeout=10).json() == {"weight_version": "rl-step-1"}
+        info = httpx.get(url + "/get_model_info", timeout=10).json()
+        assert info["weight_version"] == "rl-step-1" and info["model_path"] == stepped
+        for bad, param in [({"model_path": str(tmp_path / "nowhere")}, "model_path"),
+                           ({"model_path": stepped, "flush_cache": False}, "flush_cache"),
+                           ({"model_path": stepped, "weight_version": ""}, "weight_version"),
+                           ({}, "model_path")]:
+            resp = httpx.post(url + "/update_weights_from_disk", json=bad, timeout=60)
+            assert resp.status_code == 400, (bad, resp.text)
+            assert resp.json()["error"]["param"] == param, resp.text
+        resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tmp_path)}, timeout=60)
+        assert resp.json()["success"] is False and "no config.json" in resp.json()["message"]
+        assert httpx.get(url + "/get_weight_version", timeout=10).json() == {"weight_version": "rl-step-1"}
+    assert after["output_ids"] != before["output_ids"]
+    with Engine(stepped, max_total_tokens=4096, max_state_slots=16) as engine:
+        assert engine.generate("Hello there", sampling_params=_greedy(8))["output_ids"] == after["output_ids"]
