@@ -63,9 +63,10 @@ CPU_MAX_RUNNING_REQUESTS = 32
 """Default ``max_running_requests`` on CPU, where a larger decode batch adds little throughput (the
 built-in model, one thread: 948 tokens/s at batch 32, 1106 at 64, 1225 at 128)."""
 CHECKPOINTS_PER_RUNNING_REQUEST = 3
-# how long update_weights_from_disk waits for the update itself, once begun (compile_decode compiles then)
-WEIGHT_UPDATE_APPLY_SECONDS = 3600.0
 """Pools sized from memory hold at most this many cached state checkpoints per running request."""
+WEIGHT_UPDATE_APPLY_SECONDS = 3600.0
+"""How long ``update_weights_from_disk`` waits for the update itself once it has begun (with
+``compile_decode`` it compiles then)."""
 
 
 def default_max_running_requests(device: torch.device) -> int:
