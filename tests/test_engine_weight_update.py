@@ -257,3 +257,22 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
     assert after["output_ids"] != before["output_ids"]
     with Engine(stepped, max_total_tokens=4096, max_state_slots=16) as engine:
         assert engine.generate("Hello there", sampling_params=_greedy(8))["output_ids"] == after["output_ids"]
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_new_weights(qwen3_next_dense_path, other_seed_path):
+    """On a GPU, decode and cached-extend steps replay CUDA graphs captured with the old weights' addresses:
+    after an update they compute with the new ones (written in place, and the derived weights the graphs
+    read, ``-exp(A_log)`` and the norms' scales, recomputed in place), as a fresh engine on the new
+    checkpoint does. fp32, greedy; the same workload as the first test, cache on."""
+    opts = dict(OPTS, device="cuda", dtype="float32")
+    wave1, _ = make_workload(5, 2048, num_sessions=8, num_shared=8, scale=0.5)
+    with Engine(other_seed_path, **opts) as fresh:
+        assert fresh.scheduler.runner.graphs is not None
+        want = run(fresh, wave1) + run(fresh, wave1)  # the second time from the cache (cached extends)
+    with Engine(qwen3_next_dense_path, **opts) as engine:
+        run(engine, wave1)
+        engine.update_weights_from_disk(other_seed_path)
+        got = run(engine, wave1) + run(engine, wave1)
+        assert_drained(engine)
+    assert compare_outputs(got, want) > 0.9 * 2 * sum(s["max_new"] for s in wave1)
