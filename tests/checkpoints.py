@@ -1,7 +1,7 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
-``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``) construct a tiny model with
+``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``, ``make_jamba``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -101,6 +101,14 @@ GRANITE_H_KW: dict[str, Any] = dict(
 # LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, untied embeddings (tied,
 # HF's default, this tiny model repeats its input token with probability ~1: no comparison of tokens or
 # logprobs could tell a wrong path from a right one); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
+JAMBA_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=6, attn_layer_period=3,
+    attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+    num_attention_heads=4, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
 LFM2_KW: dict[str, Any] = dict(
     vocab_size=2048, hidden_size=256, intermediate_size=700, num_hidden_layers=6,
     layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
@@ -191,6 +199,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+        "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -249,6 +258,12 @@ def make_kimi_linear(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Pa
     """Tiny ``KimiLinearForCausalLM`` (6 layers: KDA, MLA at 2 and 5; dense MLP in layer 0, then MoE),
     saved as transformers writes it (Moonshot's tensor names)."""
     return _build("kimi_linear", tmp_dir, seed, {**KIMI_LINEAR_KW, **overrides})
+
+
+def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``JambaForCausalLM`` (6 layers: Mamba1, attention at 1 and 4; MoE of 4 experts, top-2, in the
+    odd layers, SwiGLU MLPs in the even ones), saved as transformers writes it (AI21's tensor names)."""
+    return _build("jamba", tmp_dir, seed, {**JAMBA_KW, **overrides})
 
 
 @torch.no_grad()

@@ -208,6 +208,8 @@ DIFFERENTIALS = [
     pytest.param("lfm2", 9, {}, id="lfm2"),
     # KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V
     pytest.param("kimi_linear", 10, dict(max_total_tokens=450), id="kimi_linear"),  # (at 500 it retracts nothing)
+    # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
+    pytest.param("jamba", 13, {}, id="jamba"),
 ]
 
 

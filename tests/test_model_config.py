@@ -565,3 +565,29 @@ def test_kimi_linear_state_shapes_match_hf_cache_and_flops(kimi):
 def test_kimi_linear_bad_configs_are_value_errors(kimi, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**kimi.extra["hf_config"], **bad})
+
+
+def test_jamba_layout_state_and_hf_defaults():
+    """Jamba 1.5 Mini's config.json: attention every 8th layer from 4, experts every 2nd from 1; Mamba1
+    states of [I, K-1] conv inputs and [I, N] fp32 SSM states (HF's cache shapes), no RoPE."""
+    mini = {"architectures": ["JambaForCausalLM"], "vocab_size": 65536, "hidden_size": 4096, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 14336, "num_experts": 16,
+            "num_experts_per_tok": 2, "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2,
+            "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+            "mamba_dt_rank": 256, "torch_dtype": "bfloat16"}
+    c = ModelConfig.from_hf(mini)
+    assert c.model_type == "jamba" and c.linear_kind == "mamba1" and c.rotary_dim == 0
+    assert [i for i, t in enumerate(c.layer_types) if t == "attention"] == [4, 12, 20, 28]
+    assert [i for i, t in enumerate(c.ffn_types) if t == "moe"] == list(range(1, 32, 2))
+    assert c.conv_shape == (8192, 3) and c.ssm_shape == (8192, 16) and c.mamba1_dt_rank == 256
+    assert c.num_experts == 16 and not c.norm_topk_prob and c.moe_intermediate_size == 14336
+    assert c.cache_layout.state_bytes_per_slot == 28 * (8192 * 3 * 2 + 8192 * 16 * 4)  # bf16 conv, fp32 SSM
+    f = c.flops_per_token(1)
+    assert f.linear == pytest.approx(28 * (2 * 4096 * 2 * 8192 + 2 * 8192 * (256 + 32) + 2 * 256 * 8192
+                                           + 2 * 8192 * 4096 + 2 * 8192 * 4 + 2 * 3 * 8192 * 16))
+    # HF's defaults: dt rank ceil(hidden / 16), one expert means plain MLPs
+    small = ModelConfig.from_hf({**mini, "mamba_dt_rank": "auto", "num_experts": 1, "hidden_size": 40})
+    assert small.mamba1_dt_rank == 3 and small.ffn_types == ("mlp",) * 32 and small.num_experts == 0
+    for bad, match in [({"attn_layer_offset": 8}, "attn_layer_offset"), ({"hidden_act": "gelu"}, "hidden_act")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf({**mini, **bad})

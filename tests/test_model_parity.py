@@ -30,7 +30,7 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "kimi_linear"]
+         "granite_h", "lfm2", "kimi_linear", "jamba"]
 
 
 @pytest.fixture(scope="module")

@@ -60,6 +60,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 7 MLA layers x the latent (kv_lora_rank 512 + rope 64) x bf16; 20 KDA layers x (conv 3 x 32 x 128 x 3
         # bf16 + SSM 32 x 128 x 128 fp32)
         ("kimi-linear-48b-a3b", 7 * 576 * 2, 20 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4)),
+        # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 28 Mamba1 layers x (conv 8192 x 3 bf16 + SSM
+        # 8192 x 16 fp32)
+        ("jamba-1.5-mini", 4 * 2 * 8 * 128 * 2, 28 * (8192 * 3 * 2 + 8192 * 16 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -174,3 +177,13 @@ def test_kimi_linear_48b_a3b_preset_is_48b_with_3b_active():
     assert 3e9 < active < 4e9  # "A3B"
     total = active + 26 * (256 - 8) * 3 * 2304 * 1024  # plus the idle experts
     assert 46e9 < total < 50e9  # "48B"
+
+
+def test_jamba_1_5_mini_preset_is_52b_with_12b_active():
+    cfg = ModelConfig.from_hf(HF_CONFIGS["jamba-1.5-mini"])
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (4, 28) and cfg.linear_kind == "mamba1"
+    one = cfg.flops_per_token(1)
+    active = (one.total - 4 * 4 * 32 * 128) / 2 + 65536 * 4096  # weights used per token + the embedding
+    assert 11e9 < active < 13e9  # "12B active"
+    total = active + 16 * (16 - 2) * 3 * 4096 * 14336  # plus the idle experts
+    assert 50e9 < total < 54e9  # "52B"

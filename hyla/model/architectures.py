@@ -19,6 +19,7 @@ from hyla.model import (
     bamba,
     falcon_h1,
     granitemoehybrid,
+    jamba,
     kimi_linear,
     lfm2,
     nemotron_h,
@@ -57,6 +58,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Lfm2ForCausalLM": Architecture(lfm2.Lfm2ForCausalLM, lfm2.parse_hf_config, "lfm2"),
     "KimiLinearForCausalLM": Architecture(
         kimi_linear.KimiLinearForCausalLM, kimi_linear.parse_hf_config, "kimi_linear"),
+    "JambaForCausalLM": Architecture(jamba.JambaForCausalLM, jamba.parse_hf_config, "jamba"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

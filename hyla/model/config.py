@@ -54,6 +54,7 @@ _DTYPES: dict[str, torch.dtype] = {
 ATTENTION_KINDS: tuple[str, ...] = ("attention", "hybrid")
 LINEAR_KINDS: tuple[str, ...] = ("linear", "hybrid")
 LAYER_KINDS: tuple[str, ...] = ("attention", "linear", "hybrid", "mlp", "moe")
+LINEAR_MIXER_KINDS: tuple[str, ...] = ("gdn", "kda", "mamba2", "mamba1", "short_conv")  # ModelConfig.linear_kind
 
 # config.json layer type names (Qwen ``layer_types``, NemotronH ``layers_block_type``) -> hyla's
 HF_LAYER_TYPES: dict[str, str] = {
@@ -95,7 +96,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
-    # | "kimi_linear"
+    # | "kimi_linear" | "jamba"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -129,8 +130,9 @@ class ModelConfig:
     mla_v_head_dim: int = 0
 
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
-    # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "short_conv" (LFM2:
-    # a conv window, no SSM state) | "none"
+    # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "mamba1" (Jamba: a
+    # selective scan whose decay is per channel and state) | "short_conv" (LFM2: a conv window, no SSM state)
+    # | "none"
     linear_kind: str = "none"
     conv_kernel: int = 4
     # Gated DeltaNet and Kimi Delta Attention
@@ -150,6 +152,10 @@ class ModelConfig:
     mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
     mamba_rms_norm: bool = True  # False (Falcon-H1 option): no output norm, y * silu(z)
     mamba_norm_before_gate: bool = False  # Falcon-H1 option: w * norm(y) * silu(z) instead of w * norm(y * silu(z))
+    # Mamba1 (Jamba): ``ssm_state_size`` states per channel, ``mamba_conv_bias``, ``mamba_proj_bias`` as above
+    mamba1_inner_size: int = 0  # channels I (mamba_expand * hidden_size)
+    mamba1_dt_rank: int = 0  # the rank of dt's projection
+    mamba1_bcdt_norms: bool = False  # Jamba: RMSNorms on dt, B and C before the scan
     # LFM2 gated short convolution
     short_conv_bias: bool = False  # LFM2's conv_bias: bias on its in_proj, conv and out_proj
 
@@ -194,11 +200,11 @@ class ModelConfig:
         bad = {t for t in self.layer_types} - set(LAYER_KINDS)
         if bad:
             raise ValueError(f"unknown layer types {sorted(bad)}")
-        if self.num_linear_layers and self.linear_kind not in ("gdn", "kda", "mamba2", "short_conv"):
-            raise ValueError(
-                "layers with a recurrent mixer need linear_kind 'gdn', 'kda', 'mamba2' or 'short_conv', "
-                f"got {self.linear_kind!r}"
-            )
+        if self.num_linear_layers and self.linear_kind not in LINEAR_MIXER_KINDS:
+            raise ValueError(f"layers with a recurrent mixer need a linear_kind in {LINEAR_MIXER_KINDS}, "
+                             f"got {self.linear_kind!r}")
+        if self.linear_kind == "mamba1" and min(self.mamba1_inner_size, self.mamba1_dt_rank, self.ssm_state_size) <= 0:
+            raise ValueError("Mamba1 layers need mamba1_inner_size, mamba1_dt_rank and ssm_state_size > 0")
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
             raise ValueError("ssm_multipliers needs 5 entries (z, x, B, C, dt) and mlp_multipliers 2 (gate, down)")
         if self.num_attention_layers and (self.num_attention_heads <= 0 or self.num_kv_heads <= 0):
@@ -263,6 +269,8 @@ class ModelConfig:
             return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
         if self.linear_kind == "mamba2":
             return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.ssm_state_size
+        if self.linear_kind == "mamba1":
+            return self.mamba1_inner_size  # the scan's input x
         if self.linear_kind == "short_conv":
             return self.hidden_size  # LFM2 convolves B * x, one channel per hidden unit
         return 0
@@ -282,13 +290,15 @@ class ModelConfig:
 
     @property
     def ssm_shape(self) -> tuple[int, ...]:
-        """Per-slot recurrent state: GDN and KDA ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; LFM2's short
+        """Per-slot recurrent state: GDN and KDA ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; Mamba1 ``[I, N]``; LFM2's short
         convolution has none: ``(0,)``, zero elements (its whole state is the conv window), so the
         pools keep one empty SSM buffer per linear layer and the layout counts 0 bytes for it."""
         if self.linear_kind in ("gdn", "kda"):
             return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         if self.linear_kind == "mamba2":
             return (self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size)
+        if self.linear_kind == "mamba1":
+            return (self.mamba1_inner_size, self.ssm_state_size)
         if self.linear_kind == "short_conv":
             return (0,)
         return (0, 0, 0)

@@ -133,6 +133,11 @@ def _linear_flops(cfg: ModelConfig) -> float:
         proj = 2.0 * h * (inner + cfg.conv_dim + cfg.mamba_num_heads) + 2.0 * inner * h
         state = 2.0 * 3 * math.prod(cfg.ssm_shape)  # decay + B x write, C read
         return proj + 2.0 * cfg.conv_dim * k + state
+    if cfg.linear_kind == "mamba1":  # Jamba: in_proj to [x | z], x_proj to [dt | B | C], dt_proj, out_proj
+        inner, rank, n = cfg.mamba1_inner_size, cfg.mamba1_dt_rank, cfg.ssm_state_size
+        proj = 2.0 * h * 2 * inner + 2.0 * inner * (rank + 2 * n) + 2.0 * rank * inner + 2.0 * inner * h
+        state = 2.0 * 3 * math.prod(cfg.ssm_shape)  # decay + B x write, C read
+        return proj + 2.0 * cfg.conv_dim * k + state
     if cfg.linear_kind == "short_conv":  # LFM2: in_proj to [B | C | x], depthwise conv of B*x, out_proj
         return 2.0 * h * 3 * h + 2.0 * h * h + 2.0 * cfg.conv_dim * k  # the B*x and C*y gates ignored
     return 0.0

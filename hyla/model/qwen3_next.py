@@ -77,14 +77,19 @@ def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:
     ]
 
 
-def moe_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+def expert_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+    """The stacked experts ``w_in [E, 2I, H]`` (``[gate | up]``) and ``w_out [E, H, I]`` from each
+    expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` (``{source}.experts.{e}.*``)."""
     experts = range(config.num_experts)
     gate_up = tuple(f"{source}.experts.{e}.{p}.weight" for e in experts for p in ("gate_proj", "up_proj"))
     down = tuple(f"{source}.experts.{e}.down_proj.weight" for e in experts)
+    return [WeightSpec(f"{target}.w_in", gate_up, stack_experts(2)), WeightSpec(f"{target}.w_out", down, stack_experts(1))]
+
+
+def moe_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
     return [
         WeightSpec(f"{target}.router.weight", (f"{source}.gate.weight",)),
-        WeightSpec(f"{target}.w_in", gate_up, stack_experts(2)),
-        WeightSpec(f"{target}.w_out", down, stack_experts(1)),
+        *expert_specs(config, target, source),
         *mlp_specs(f"{target}.shared_expert", f"{source}.shared_expert"),
         *linear_specs(f"{target}.shared_expert_gate", [f"{source}.shared_expert_gate"], False),
     ]

@@ -2,7 +2,7 @@
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
 as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
-LFM2-1.2B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+LFM2-1.2B and Jamba-1.5-Mini keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -296,6 +296,41 @@ KIMI_LINEAR_48B_A3B: dict[str, Any] = {
     "vocab_size": 163840,
 }
 
+# ai21labs/AI21-Jamba-1.5-Mini: 32 layers, attention (32 query / 8 KV heads of 128, no positional encoding)
+# every 8th from layer 4, Mamba1 in the other 28 (inner 8192, 16 states, conv 4, dt rank 256); MoE of 16
+# experts (top-2, 14336 wide) every 2nd layer from 1, SwiGLU MLPs between; vocabulary 65536, 256K context,
+# bf16 -- 52B parameters, 12B active. Its sizes only (init-only and serving keys left out).
+JAMBA_1_5_MINI: dict[str, Any] = {
+    "architectures": ["JambaForCausalLM"],
+    "attn_layer_offset": 4,
+    "attn_layer_period": 8,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "expert_layer_offset": 1,
+    "expert_layer_period": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "mamba_conv_bias": True,
+    "mamba_d_conv": 4,
+    "mamba_d_state": 16,
+    "mamba_dt_rank": 256,
+    "mamba_expand": 2,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 262144,
+    "model_type": "jamba",
+    "num_attention_heads": 32,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 65536,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -304,4 +339,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     "lfm2-1.2b": LFM2_1_2B,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
+    "jamba-1.5-mini": JAMBA_1_5_MINI,
 }
