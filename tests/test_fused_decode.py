@@ -42,16 +42,17 @@ DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
 
 @pytest.fixture
 def few_splits(monkeypatch):
-    """Interpreted (no GPU), the engine tests' attention splits each sequence's keys 4 ways at most,
+    """Interpreted (no GPU), the engine tests' attention splits each sequence's keys 2 ways at most,
     not the 32 that fill an H100 at these batch sizes: the interpreter runs the programs one by one,
-    and most of the 32 are empty at these lengths (``test_paged_decode_attention_kernel`` checks the
-    default and other split counts); MoE's grouped GEMM takes 128 columns a program
-    (``test_expert_gemm_kernel`` checks the default tiles)."""
+    and most of the 32 are empty at these lengths (each still a program to run); 2 still merge two
+    partials for the sequences past 32 keys, and an empty one for the shorter ones
+    (``test_paged_decode_attention_kernel`` checks the default and other split counts); MoE's grouped
+    GEMM takes 128 columns a program (``test_expert_gemm_kernel`` checks the default tiles)."""
     if not GPU:
         from hyla.model.ops.gpu import decode_attention, moe
 
         default = decode_attention.num_splits
-        monkeypatch.setattr(decode_attention, "num_splits", lambda *args, **kw: min(4, default(*args, **kw)))
+        monkeypatch.setattr(decode_attention, "num_splits", lambda *args, **kw: min(2, default(*args, **kw)))
         monkeypatch.setattr(moe, "SMALL_TILES", (16, 128, 128, 4))
         monkeypatch.setattr(moe, "LARGE_TILES", (64, 128, 128, 4))
 
@@ -497,8 +498,11 @@ def _generate(engine: Engine, specs: list[dict]) -> list[dict]:
 
 
 def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: CompileKeys | None = None,
-               graphs: int = 0, replays: dict | None = None) -> list[dict]:
-    """Two waves of requests, the second continuing the first's (prefix cache hits); ``keys``: the
+               graphs: int = 0, replays: dict | None = None, few_tokens: bool = not GPU) -> list[dict]:
+    """Two waves of requests, the second continuing the first's (prefix cache hits; 4 new tokens);
+    ``few_tokens`` (interpreted, where each decode step costs seconds): the first wave's requests take
+    2, 3, 4, ... new tokens (a decode step of every batch size from all of them down to the last
+    request alone) and the second's 2 (one decode step from the restored states). ``keys``: the
     second compiles nothing the first did not (``compile_keys``); ``graphs``: the swapped-in fused
     runner's decode steps of up to that many requests replay (emulated) CUDA graphs, counted in
     ``replays`` (:func:`_count_replays`)."""
@@ -509,10 +513,13 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
             attach_graphs(engine.scheduler.runner, decode_max_bs=graphs)
             _count_replays(engine.scheduler.runner.graphs, replays)
     wave1 = _workload(0, engine.model_config.vocab_size, requests)
+    if few_tokens:
+        wave1 = [dict(w, max_new=2 + i) for i, w in enumerate(wave1)]
     out1 = _generate(engine, wave1)
     if keys is not None:
         keys.mark()
-    wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 4} for w, o in zip(wave1, out1)]
+    wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 2 if few_tokens else 4}
+             for w, o in zip(wave1, out1)]
     out2 = _generate(engine, wave2)
     if keys is not None:
         keys.assert_no_new_variants()
@@ -525,7 +532,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 # attention's) are the ones Bamba and Qwen3.5 check here on every run; what it adds is a fused decode
 # beside MoE layers, whose experts run gathered (batch 1) and grouped (larger batches, at a gather cap of
 # 2 pairs here) in the CUDA graphs, against a PyTorch side that sorts them by expert. Falcon-H1 runs on
-# the CPU too, with 2 requests (~30 s): its layer's own fused forward (both mixers' out projections run
+# the CPU too, with 2 requests (~20 s): its layer's own fused forward (both mixers' out projections run
 # before their sum) is checked nowhere else.
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
 @pytest.mark.slow
@@ -546,7 +553,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: gemv_calls.append(1) or run(x, w))
     monkeypatch.setattr(moe, "plan", lambda e, n, run=moe.plan: grouped.append(e.shape[0]) or run(e, n))
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
-    # interpreted (CPU), the fused side costs ~4 s a request (Falcon-H1's two mixers a layer: ~10 s)
+    # interpreted (CPU), the fused side costs ~3 s a request and ~8 s for its graphs' captures (1, 2 and 4
+    # rows): ~23 s (Falcon-H1's two mixers a layer: ~14 s for its 2)
     requests = 7 if GPU else 2 if arch == "falcon_h1" else 5
     # (no warm-up on a GPU: its steps would count as the test's GEMV and grouped calls)
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
@@ -635,10 +643,13 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=48, max_running_requests=8)
+    # interpreted, each request costs a verify step's 5 rows a step: 3 requests, 3 more tokens (8-11) in
+    # turn 1 (its first steps of 3 requests run eager, past the graphs), the first 2 of them in turn 2
+    n, more = (4, 4) if GPU else (3, 3)
     with Engine(path, enable_prefix_cache=False, **opts) as off:
-        wave1 = [dict(w, max_new=w["max_new"] + 4) for w in _workload(1, off.model_config.vocab_size)][:4]
+        wave1 = [dict(w, max_new=w["max_new"] + more) for w in _workload(1, off.model_config.vocab_size)][:n]
         ref1 = _generate(off, wave1)
-        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 6} for w, o in zip(wave1[:3], ref1)]
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 6} for w, o in zip(wave1[:n - 1], ref1)]
         ref2 = _generate(off, wave2)
     reference = {tuple(w["ids"]): o["output_ids"] for w, o in zip(wave1 + wave2, ref1 + ref2)}
     calls = {"n": 0}
@@ -777,7 +788,8 @@ def _two_turns_mtp(engine: Engine, wave1: list[dict], keys: CompileKeys | None =
     out = _generate(engine, wave1)
     if keys is not None:
         keys.mark()
-    out += _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": 5 + 3 * i}
+    first = 5 if GPU else 4  # (interpreted, each step costs seconds: one fewer, still 20+ draft tokens)
+    out += _generate(engine, [{"ids": w["ids"] + o["output_ids"] + [5, 6], "max_new": first + 3 * i}
                               for i, (w, o) in enumerate(zip(wave1, out))])
     if keys is not None:
         keys.assert_no_new_variants()
@@ -1441,7 +1453,7 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     requests = 3  # the CUDA paths' kernels run interpreted: ~0.1 s a token through the attention prologue
     with Engine(path, **opts) as plain:
-        ref = _two_turns(plain, None, requests)
+        ref = _two_turns(plain, None, requests, few_tokens=False)  # (the prompts its rounds are cut for)
     calls: list = []
     _install_all_fake_fla(monkeypatch, calls)
     fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
@@ -1455,7 +1467,7 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     monkeypatch.setattr(gated_delta_chunks, "CHUNKED_MIN_LEN", 4)
     monkeypatch.setattr(mamba2_chunks, "CHUNKED_MIN_LEN", 4)
     with Engine(path, **opts) as eng:
-        out = _two_turns(eng, None, requests)
+        out = _two_turns(eng, None, requests, few_tokens=False)
     # Gated DeltaNet's and Mamba2's short rounds run hyla's own recurrent kernels, KDA's fla's
     assert {c[0] for c in calls} == ({"chunk", "recurrent"} if arch == "kimi_linear" else {"chunk"})
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)

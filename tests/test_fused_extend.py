@@ -142,7 +142,10 @@ def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_spl
     from hyla.model.layers import SparseMoE
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
-    requests = 2 if arch == "qwen3_5_moe" and not GPU else 3  # interpreted, its grouped experts cost ~4 s a request
+    # interpreted, 2 requests (~4 s an extend, its experts grouped): a fresh prompt of 21 tokens (chunked)
+    # and one of 96, past the fused extends' 64 (the eager extend), then each again (a 1-token extend from
+    # its end - 1 checkpoint) and continued (4 tokens from its cached turn): the short ones recurrent
+    requests = 3 if GPU else 2
     # (no warm-up on a GPU: its extends would count as the test's)
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=4, warmup="off")
     with monkeypatch.context() as m, Engine(path, **opts) as plain:
