@@ -1,6 +1,7 @@
 """Model forward throughput: hyla vs Hugging Face transformers on the same tiny checkpoint.
 
-For each tiny checkpoint (Qwen3-Next dense, Qwen3-Next MoE, NemotronH; built as in the tests):
+For each tiny checkpoint (Qwen3-Next dense, Qwen3-Next MoE, NemotronH, or those ``--models`` names; built as in
+the tests):
 * prefill: tokens/s for one fresh prompt of 512 and of 4,096 tokens (HF: one forward with a fresh cache);
 * decode: ms per step for a batch of B sequences (B = 1, 8, 32), each with a 64-token prompt
   already prefilled (HF: one batched forward of B tokens with its cache).
@@ -8,6 +9,7 @@ Numbers are medians over repeated runs (hyla and HF interleaved), in fp32, in on
 ``## Model forward`` section of docs/benchmarks.md).
 
     .venv/bin/python benchmarks/model_forward.py [--repeats 5] [--steps 8] [--threads 1] [--cpu-time] [--prefill-tokens 512,4096]
+        [--models "qwen3_next dense,qwen3_next MoE,nemotron_h"] (also: jamba)
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ BATCHES = (1, 8, 32)
 
 
 CLOCK = time.perf_counter  # --cpu-time switches to time.process_time
+
+BUILDERS = {
+    "qwen3_next dense": lambda d: checkpoints.make_qwen3_next(d, moe=False),
+    "qwen3_next MoE": lambda d: checkpoints.make_qwen3_next(d, moe=True),
+    "nemotron_h": lambda d: checkpoints.make_nemotron_h(d),
+    "jamba": lambda d: checkpoints.make_jamba(d),
+}
+DEFAULT_MODELS = ("qwen3_next dense", "qwen3_next MoE", "nemotron_h")
 
 
 def timed(fn) -> float:
@@ -107,6 +117,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--prefill-tokens", default=",".join(map(str, PREFILL_TOKENS)),
                         help="comma-separated prompt lengths of the prefill rows (default %(default)s)")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated checkpoints, of {', '.join(BUILDERS)} (default %(default)s)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="measure process CPU time instead of wall time (robust on a shared, loaded "
                              "machine; meaningful with --threads 1)")
@@ -119,11 +131,11 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    builders = {
-        "qwen3_next dense": lambda d: checkpoints.make_qwen3_next(d, moe=False),
-        "qwen3_next MoE": lambda d: checkpoints.make_qwen3_next(d, moe=True),
-        "nemotron_h": lambda d: checkpoints.make_nemotron_h(d),
-    }
+    names = args.models.split(",")
+    unknown = sorted(set(names) - set(BUILDERS))
+    if unknown:
+        parser.error(f"unknown --models {unknown}; choose from {', '.join(BUILDERS)}")
+    builders = {name: BUILDERS[name] for name in names}
     clock = "process CPU time" if args.cpu_time else "wall time"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
           f"thread(s), fp32, {clock}, medians of {args.repeats} interleaved runs\n")
