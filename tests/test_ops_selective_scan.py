@@ -56,12 +56,15 @@ def test_reference_is_hugging_faces_scan_and_update():
     torch.testing.assert_close(h[0], h1, **TOL)
 
 
-def test_varlen_scan_with_checkpoints_matches_the_reference_per_sequence():
-    lengths = [1, 20, 9, 3, 33]  # a long one and short ones (the scan's chains), one of a single token
+@pytest.mark.parametrize("short", [False, True])
+def test_varlen_scan_with_checkpoints_matches_the_reference_per_sequence(short):
+    # the chunked path (chunks of 16): padded last chunks, a sequence of one token; checkpoints inside
+    # chunks and at a chunk's end. ``short``: every sequence within SHORT_EXTEND, the token-by-token path
+    lengths, ckpt_len = ([1, 8, 5, 3, 7], [7, 8, 1, 2, 6]) if short else ([1, 20, 9, 3, 33], [7, 20, 1, 2, 32])
+    ckpt_seq, ckpt_slot = [1, 1, 4, 3, 4], [10, 11, 6, 7, 8]
     inp = Inputs(lengths)
     before = inp.pool.clone()
     slots = [4, 0, -1, 2, 9]
-    ckpt_seq, ckpt_len, ckpt_slot = [1, 1, 4, 3], [7, 20, 1, 2], [10, 11, 6, 7]
     y = selective_scan_varlen(*inp.params(), inp.cu, inp.pool, torch.tensor(slots), torch.tensor(ckpt_seq),
                               torch.tensor(ckpt_len), torch.tensor(ckpt_slot))
     for i, slot in enumerate(slots):
@@ -75,18 +78,26 @@ def test_varlen_scan_with_checkpoints_matches_the_reference_per_sequence():
     assert torch.equal(inp.pool[untouched], before[untouched])
 
 
-def test_decode_update_equals_the_scan_bitwise():
-    """A decode step per token gives the scan's outputs and states bit for bit (the scan is those steps)."""
-    inp = Inputs([12, 12], seed=1)
+@pytest.mark.parametrize("length", [6, 40])
+def test_decode_steps_equal_the_scan(length):
+    """A decode step per token gives the scan's outputs and states: bit for bit on a short extend (the
+    token-by-token path), up to fp32 rounding on a long one (the chunked path, 3 chunks of 16)."""
+    inp = Inputs([length, length], seed=1)
     pool = inp.pool.clone()
     y_scan = selective_scan_varlen(*inp.params(), inp.cu, pool, torch.tensor([3, 5]))
     steps = inp.pool.clone()
     x, dt, A, B, C, D, dt_bias = inp.params()
-    for t in range(12):
-        rows = [t, 12 + t]
-        y = selective_state_update(x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, steps, torch.tensor([3, 5]))
-        assert torch.equal(y, y_scan[rows])
-    assert torch.equal(steps, pool)
+    ys = []
+    for t in range(length):
+        rows = [t, length + t]
+        ys.append(selective_state_update(x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, steps,
+                                         torch.tensor([3, 5])))
+    y_steps = torch.stack(ys, 1).flatten(0, 1)  # [2 * length, I] in packed order
+    if length <= 8:
+        assert torch.equal(y_steps, y_scan) and torch.equal(steps, pool)
+    else:
+        torch.testing.assert_close(y_steps, y_scan, **TOL)
+        torch.testing.assert_close(steps, pool, **TOL)
 
 
 def test_bad_shapes_are_value_errors():

@@ -9,11 +9,20 @@ Per channel ``d`` (``I`` of them) with state ``h_d [N]`` (fp32), a decay per cha
 
 (Hugging Face's ``mamba_selective_state_update`` and ``mamba_selective_scan``; the gate
 ``y * silu(z)`` is the layer's.) Unlike Mamba2 (``ssd.py``), whose decay is one scalar per head,
-the decay varies along the state, so SSD's chunked matrix form does not apply: an extend runs token
-by token with the decode update (``tree.tree_scan``: one chain per sequence, its checkpoints written
-on the way; a verify step's trees alike), so prefill, decode and verification are the same
-arithmetic, bitwise. The cost is one small update per token and layer: prefill is the slow path of
-this layer kind (a chunked or Triton scan would be the fast one).
+the decay varies along the state, so SSD's matrix form (a ``[Q, Q]`` decay per head) would be a
+``[Q, Q, I, N]`` tensor here. Two paths instead:
+
+* short extends (at most ``tree.SHORT_EXTEND`` tokens a sequence: verify steps, a cached prompt's
+  few new tokens) and token trees run token by token with the decode update (``tree.tree_scan``),
+  the same arithmetic as decode steps, bitwise;
+* longer extends run in chunks of ``Q`` tokens (``varlen.chunk_scan_on_pool``: chunks per sequence,
+  checkpoints anywhere): inside a chunk, a parallel prefix scan (Hillis-Steele, ``log2(Q)`` rounds)
+  of the pairs ``(a_t, b_t) = (exp(dt_t A), dt_t x_t B_t)`` under ``(a, b) o (a', b') = (a a', a' b +
+  b')`` gives every position's decay product and state from zero, then ``h_t = a_t h_0 + b_t`` from
+  the state entering the chunk — products of decays only (no ``exp(-cumsum)``, which overflows), so
+  it equals the token loop up to fp32 rounding. ``Q`` tokens cost ``O(log Q)`` operations on
+  ``[Q, I, N]`` instead of ``Q`` on ``[I, N]``: fewer, larger operations (what a GPU and a small CPU
+  model need; see docs/benchmarks.md, "Model forward").
 
 Pool rules (``varlen.py``): ``ssm_states [S, I, N]`` fp32; ``slots[i] == -1`` starts from zeros and
 writes nothing; all reads precede all writes; checkpoint rows are distinct from the batch's own.
@@ -25,7 +34,16 @@ import torch
 
 from hyla.model.ops.ssd import discretize_dt
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
-from hyla.model.ops.varlen import SlotPlan, VarlenPlan, as_slot_plan, open_state_rows, write_states
+from hyla.model.ops.varlen import (
+    CheckpointPlan,
+    ChunkLayout,
+    SlotPlan,
+    VarlenPlan,
+    as_slot_plan,
+    chunk_scan_on_pool,
+    open_state_rows,
+    write_states,
+)
 
 
 def check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states) -> None:
@@ -85,23 +103,65 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
     return y.to(x.dtype)
 
 
+CHUNK = 16
+"""Tokens per chunk of the chunked path (its ``[Q, I, N]`` rounds per active sequence: Jamba-1.5-Mini's
+8192 x 16 states, 16 tokens: 8 MiB a tensor)."""
+
+
 def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None, dt_bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
                           ssm_states: torch.Tensor, slots: torch.Tensor,
                           ckpt_seq: torch.Tensor | None = None, ckpt_len: torch.Tensor | None = None,
                           ckpt_slot: torch.Tensor | None = None, tree: TokenTree | TreeScan | None = None,
-                          varlen: VarlenPlan | None = None) -> torch.Tensor:
+                          varlen: VarlenPlan | None = None, chunk_size: int = CHUNK) -> torch.Tensor:
     """The scan over packed sequences: ``x``, raw ``dt [T, I]``, ``B, C [T, N]`` -> ``y [T, I]``
     (dtype of ``x``), any sequence lengths. Sequence ``i`` starts from ``ssm_states[slots[i]]`` and
     its final state is written back there; for each checkpoint ``j`` the state after ``ckpt_len[j]``
     new tokens of sequence ``ckpt_seq[j]`` goes to ``ssm_states[ckpt_slot[j]]``. ``tree``: the new
     tokens form trees (``ops/tree.py``). ``varlen``: a plan validated once per step
-    (``ForwardBatch.varlen``; ``ckpt_*`` then None). Every path runs :func:`selective_state_update`
-    token by token (chains when no tree is given)."""
+    (``ForwardBatch.varlen``; ``ckpt_*`` then None). Trees and short extends run
+    :func:`selective_state_update` token by token, longer extends the chunked scan (module docstring)."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                              x.device, varlen)
-    if scan is None:  # a long extend: its sequences as chains, with the plan's slots and checkpoints
-        scan = TokenTree.chains(list(varlen.lengths), x.device).plan(varlen.slots, varlen.ckpts)
-    step = lambda x, dt, B, C, pool, rows: selective_state_update(x, dt, A, B, C, D, dt_bias, pool, rows)  # noqa: E731
-    return tree_scan(step, (x, dt, B, C), ssm_states, slots, scan)
+    if scan is not None:
+        step = lambda x, dt, B, C, pool, rows: selective_state_update(  # noqa: E731
+            x, dt, A, B, C, D, dt_bias, pool, rows)
+        return tree_scan(step, (x, dt, B, C), ssm_states, slots, scan)
+    xf, Af = x.float(), A.float()
+    dtf = discretize_dt(dt, dt_bias, None)  # [T, I]
+    y = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, xf, dtf, Af, B.float(), C.float(),
+                                                                   state),
+                           varlen, chunk_size, ssm_states, x.device)  # [T, I] fp32
+    if D is not None:
+        y = y.addcmul_(D.float(), xf)
+    return y.to(x.dtype)
+
+
+def _chunk_scan(layout: ChunkLayout, plan: CheckpointPlan, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                B: torch.Tensor, C: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 core, without the ``D`` skip: ``x``, discretised ``dt [T, I]``, ``B, C [T, N]``, ``state [R, I, N]``
+    in rank order -> ``(y [T, I], final state [R, I, N] in rank order, checkpoint states [M, I, N])``.
+    Padding positions have ``dt = 0``: decay 1, input 0, so a sequence's state passes them unchanged."""
+    xc, dtc, Bc, Cc = (layout.chunk(v) for v in (x, dt, B, C))  # [NC, Q, I] or [NC, Q, N]
+    q = layout.chunk_size
+    y = x.new_empty(layout.num_chunks, q, x.shape[1])  # [NC, Q, I]
+    ckpt_states = state.new_empty(plan.num_checkpoints, *state.shape[1:])  # [M, I, N]
+    state = state.clone()
+    for j, (first, active) in enumerate(layout.steps()):
+        rows = slice(first, first + active)
+        a = (dtc[rows].unsqueeze(-1) * A).exp_()  # [n, Q, I, N]: each token's decay
+        b = (dtc[rows] * xc[rows]).unsqueeze(-1) * Bc[rows].unsqueeze(2)  # [n, Q, I, N]: its input
+        k = 1
+        while k < q:  # after round r, position t holds the product over its last 2^r tokens
+            b[:, k:] = torch.addcmul(b[:, k:], a[:, k:], b[:, :-k])  # (reads b before the write: a new tensor)
+            a[:, k:] = a[:, k:] * a[:, :-k]
+            k *= 2
+        h = b.addcmul_(a, state[:active].unsqueeze(1))  # [n, Q, I, N]: h_t = (prod a) h_0 + b_t
+        y[rows] = torch.matmul(h, Cc[rows].unsqueeze(-1)).squeeze(-1)  # [n, Q, I]: h_t C_t
+        state[:active] = h[:, -1]
+        at = plan.at_step(j)
+        if at is not None:
+            entries, _ = at
+            ckpt_states[entries] = h[plan.chunk[entries] - first, plan.within[entries] - 1]
+    return layout.unchunk(y), state, ckpt_states
