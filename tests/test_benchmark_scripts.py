@@ -85,7 +85,9 @@ def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
     data = json.loads(report.read_text())
     assert data["greedy_agreement"] == 8 and data["moe"]["num_experts"] == 8 and data["sizes"]["expert_bytes"] > 0
     roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
-    assert roof[2] > roof[1] > 0 and all(data["medians"][k] > 0 for k in ("hyla_decode_1", "hf_decode_2"))
+    # (transformers' decode time is a difference of two timings, 1 + n tokens less 1: with n = 2 on a
+    # loaded machine it can come out <= 0, so only hyla's must be positive)
+    assert roof[2] > roof[1] > 0 and data["medians"]["hyla_decode_1"] > 0 and "hf_decode_2" in data["medians"]
 
 
 def test_cpu_moe_measures_hyla_against_transformers(tmp_path):
