@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import threading
 import time
@@ -176,6 +177,8 @@ def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemo
         for kw, match in [(dict(weight_version=""), "weight_version"), (dict(timeout=0), "timeout")]:
             with pytest.raises(ValueError, match=match):
                 engine.update_weights_from_disk(other_seed_path, **kw)
+        # no limit: the same update (the weights back as they were; a huge wait once overflowed the lock's)
+        assert engine.update_weights_from_disk(qwen3_next_dense_path, timeout=math.inf)["num_aborted_requests"] == 0
         # running requests that outlast the timeout: nothing changes, and the queue moves again
         _slow_steps(engine)  # the request runs >= 1.5 s
         stream = engine.generate(input_ids=prompt, sampling_params=_greedy(300), stream=True)

@@ -438,7 +438,8 @@ class Engine:
 
         ``weight_version``: the new weights' name, in the ``meta_info`` of every request that runs
         on them (default: the current one). ``TimeoutError`` when the running requests have not
-        finished after ``timeout`` seconds: nothing changed, and the queue moves again. Returns
+        finished after ``timeout`` seconds (``math.inf``: no limit): nothing changed, and the queue
+        moves again. Returns
         ``{"model_path", "weight_version", "num_aborted_requests", "seconds"}``."""
         if weight_version is not None:
             check_weight_version(weight_version)
@@ -473,9 +474,11 @@ class Engine:
                 "seconds": time.monotonic() - start}
 
     def _drained_before(self, deadline: float) -> bool:
-        """``Scheduler.drained``, asked between two steps; False when no answer comes before ``deadline``."""
+        """``Scheduler.drained``, asked between two steps; False when no answer comes before ``deadline``
+        (or within a minute: the caller asks again; a ``timeout`` of ``inf`` waits for ever)."""
         try:
-            return self._on_scheduler_thread(self.scheduler.drained, max(0.001, deadline - time.monotonic()))
+            return self._on_scheduler_thread(self.scheduler.drained,
+                                             min(60.0, max(0.001, deadline - time.monotonic())))
         except TimeoutError:
             return False
 
