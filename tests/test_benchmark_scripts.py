@@ -284,5 +284,7 @@ def test_mixed_chunk_measures_the_streams_during_a_long_prefill(qwen3_next_dense
             out = window(engine, random.Random(0), args)
         assert set(out) == set(METRICS) and out["max gap (ms)"] >= out["median gap (ms)"] > 0
         tokens[mixed] = out["tokens / stream"]
-    # ceil(256 / (64 - 2)) = 5 mixed steps (a decode step may also fall between the arrival and the admission)
-    assert tokens[True] >= 5 and tokens[False] <= 1
+    # ceil(256 / (64 - 2)) = 5 mixed steps (a decode step may also fall between the arrival and the admission);
+    # the last one's stream token can be stamped by its consumer thread after the long prompt's answer
+    # closed the window (a loaded machine: 4 once), so 4 or more
+    assert tokens[True] >= 4 and tokens[False] <= 1
