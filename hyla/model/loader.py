@@ -151,7 +151,18 @@ def _read_weights(path: Path, cls: type[HybridForCausalLM], config: ModelConfig,
     reader, mtp_names = _index_checkpoint(path, cls)
     specs = choose_layouts(cls.hf_weight_specs(config), set(reader.files))
     _check_names(path, config, specs, set(reader.files))
-    params = dict(model.named_parameters(remove_duplicate=False))
+    state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), reader.get, device,
+                             prefix=f"{path}: ")
+    mtp = {name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()}
+    return state, mtp
+
+
+def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get, device: str | torch.device,
+                     prefix: str = "", owner: str = "") -> dict[str, torch.Tensor]:
+    """Every parameter of ``params`` (name -> the parameter, possibly on the meta device) built from
+    its spec's source tensors (``get(name)``), checked against its shape, in its dtype on ``device``;
+    a plain copy of the same sources is built once, so tied weights share storage. ``ValueError``
+    for a mis-shaped result (``prefix``, ``owner``: where, and whose parameter, in the message)."""
     state: dict[str, torch.Tensor] = {}
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
     for spec in specs:
@@ -161,11 +172,11 @@ def _read_weights(path: Path, cls: type[HybridForCausalLM], config: ModelConfig,
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
             state[spec.target] = built[spec.sources]
             continue
-        tensor = spec.build([reader.get(name) for name in spec.sources])
+        tensor = spec.build([get(name) for name in spec.sources])
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
-                f"{path}: tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
-                f"{spec.target}, the config implies {tuple(target.shape)}"
+                f"{prefix}tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
+                f"{owner}{spec.target}, the config implies {tuple(target.shape)}"
             )
         state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
         if spec.combine is None:
@@ -173,8 +184,7 @@ def _read_weights(path: Path, cls: type[HybridForCausalLM], config: ModelConfig,
     unbuilt = set(params) - set(state)
     if unbuilt:
         raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
-    mtp = {name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()}
-    return state, mtp
+    return state
 
 
 def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_TensorReader, dict[str, Path]]:

@@ -42,7 +42,7 @@ from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, add_rms_norm
 from hyla.model.linear import Linear, relayout_weights_
-from hyla.model.loader import choose_layouts, name_listing
+from hyla.model.loader import build_parameters, choose_layouts, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
 from hyla.model.weight_specs import WeightSpec, linear_specs, norm_spec
 
@@ -122,17 +122,8 @@ class MtpHead(nn.Module):
             raise ValueError("the checkpoint's mtp.* tensors do not fit its config: "
                              + "; ".join(f"{what}: {name_listing(names)}" for what, names in
                                          (("missing", missing), ("unexpected", unexpected)) if names))
-        device = self.target.embed_tokens.weight.device
-        params = dict(self.named_parameters(remove_duplicate=False))
-        state = {}
-        for spec in specs:
-            tensor = spec.build([weights[name] for name in spec.sources])
-            target = params[spec.target]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for the MTP "
-                                 f"head's {spec.target}, the config implies {tuple(target.shape)}")
-            state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
-        return state
+        return build_parameters(specs, dict(self.named_parameters(remove_duplicate=False)), weights.__getitem__,
+                                self.target.embed_tokens.weight.device, owner="the MTP head's ")
 
 
 def _require_mtp_tensors(weights: dict[str, torch.Tensor]) -> None:
