@@ -51,9 +51,7 @@ class NewWeights:
         """``ValueError`` when ``path`` is no checkpoint of ``model`` (and, with an MTP head, has no
         fitting ``mtp.*`` tensors)."""
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"no config.json in model directory {str(path)!r}")
-        state, mtp = read_weights(path, model)
+        state, mtp = read_weights(path, model)  # (ValueError for a directory without config.json too)
         head_state = mtp_head.state_from(mtp) if mtp_head is not None else None
         return cls(path, state, mtp, head_state)
 
