@@ -90,7 +90,7 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import logits, mamba2_decode, moe, pdl
+    from hyla.model.ops.gpu import logits, mamba2_decode, moe, pdl, selective_scan
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
 
@@ -186,6 +186,21 @@ def cases():
                     mamba2_chunks.mamba2_chunks_fused(r(12, h * p), r(12, h), f32(h), r(12, g * ns), r(12, g * ns),
                                                       f32(h), f32(h), mstates, long(1, 2), long(0, 5), long(0, 5, 12),
                                                       torch.empty(12, h, p, dtype=dt), (0.0, 1e9), with_ckpts)
+        # Mamba1 (Jamba): decode and chains with the gate, segments with and without checkpoints
+        ch, n1 = 256, 16
+        sstates, a1 = f32(8, ch, n1), -f32(ch, n1).abs()
+        for chain in (None, chains):
+            rows = 2 if chain is None else 4
+            yield f"mamba1_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
+                selective_scan.selective_state_update_fused(r(rows, ch), r(rows, ch), a1, r(rows, n1), r(rows, n1),
+                                                            f32(ch), f32(ch), sstates, long(1, 2), r(rows, ch),
+                                                            chain=chain)
+        sckpts = SegmentCheckpoints(sstates, long(0, 1, 2), long(3, 6), long(5, 6))
+        for with_ckpts in (None, sckpts):
+            yield f"mamba1_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                selective_scan.selective_scan_segments_fused(r(12, ch), r(12, ch), a1, r(12, n1), r(12, n1), f32(ch),
+                                                             f32(ch), sstates, long(1, 2), long(0, 5), long(0, 5, 12),
+                                                             torch.empty(12, ch, dtype=dt), r(12, ch), with_ckpts)
         # attention: the q/k prologue (norm + RoPE + K/V writes), split-KV decode with the output gate
         hq, hkv, d = 4, 1, 256
         kb, vb = r(64, hkv, d), r(64, hkv, d)

@@ -538,7 +538,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
-                                  pytest.param("falcon_h1", marks=pytest.mark.slow)])
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba"])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
@@ -623,7 +623,7 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
 # (test_decode_kernels_run_chains)
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
-                                  pytest.param("lfm2", marks=pytest.mark.gpu)])
+                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba"])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     """Speculation with verify steps as padded chains through the fused decode kernels
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its

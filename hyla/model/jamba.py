@@ -23,8 +23,9 @@ is a mixture of experts when ``i % expert_layer_period == expert_layer_offset`` 
   (AI21's and transformers' ``save_pretrained``) hold each expert's ``gate_proj`` / ``up_proj`` /
   ``down_proj`` and the ``router``.
 
-Norms are plain RMSNorms (``w * norm(x)``). No fused GPU kernels yet for the Mamba1 layers: on a GPU
-they run the PyTorch ops (and decode steps are not captured in CUDA graphs).
+Norms are plain RMSNorms (``w * norm(x)``). On a GPU the Mamba1 layers run Triton kernels
+(``ops/gpu/selective_scan.py``; :class:`Mamba1Mixer`), so Jamba's decode steps are fused and
+captured in CUDA graphs as the other architectures' are.
 """
 
 from __future__ import annotations
@@ -41,12 +42,19 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
+    OutProjection,
     RMSNorm,
     Rope,
     _ckpt_kwargs,
     _copy_decode_checkpoints,
     _DerivedWeight,
+    _gpu,
+    _on_gpu,
     conv1d_extend,
+    conv1d_fused_extend,
+    in_projection,
+    out_projection,
+    run_fused_extend_segments,
 )
 from hyla.model.linear import Linear
 from hyla.model.ops.conv1d import causal_conv1d_update
@@ -65,7 +73,17 @@ from hyla.model.weight_specs import (
 
 class Mamba1Mixer(nn.Module):
     """Jamba's Mamba1 layer (see the module docstring). State: ``batch.conv_states[j]`` ``[S, I, K-1]``
-    and ``batch.ssm_states[j]`` ``[S, I, N]`` (``j`` = the layer's linear ordinal)."""
+    and ``batch.ssm_states[j]`` ``[S, I, N]`` (``j`` = the layer's linear ordinal).
+
+    On a GPU (``ops/gpu/selective_scan.py``): a fused decode step runs the conv window kernel, then
+    the scan's kernel with the gate ``silu(z)`` fused in (verify steps' chains in the same two
+    launches); an extend runs the conv's extend kernels and the scan's segments kernel, whole
+    sequences in one launch with their checkpoints (a fused extend: its one sequence). Token trees
+    take the PyTorch ops' tree scan."""
+
+    fused_decode = True
+    fused_extend = True
+    takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -87,26 +105,50 @@ class Mamba1Mixer(nn.Module):
         self.out_proj = Linear(inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [I, N] fp32
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
-        xs, z = self.in_proj(x).chunk(2, dim=-1)  # [T, I] each
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
+                gemv_step: bool = False) -> torch.Tensor | OutProjection:
+        xs, z = in_projection(self.in_proj, x, gemv_step).chunk(2, dim=-1)  # [T, I] each (strided views)
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
+        A = self._neg_A(self.A_log)
+        if batch.fused_decode:  # Triton: the conv window, then the scan step with the gate
+            xs = _gpu("conv1d_decode").causal_conv1d_update_fused(xs, self.conv_weight, self.conv_bias, conv_states,
+                                                                  batch.state_slots, "silu", chain=batch.chain_slots)
+            dt, B, C = self._dt_b_c(xs, gemv_step)
+            y = _gpu("selective_scan").selective_state_update_fused(
+                xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.state_slots, z, chain=batch.chain_slots)
+            return out_projection(self.out_proj, y, gemv_step)  # [B, I] gated
+        if batch.fused_extend is not None:  # Triton: the conv, then the scan in one launch (padding rows: 0)
+            xs = conv1d_fused_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")
+            dt, B, C = self._dt_b_c(xs)
+            y = torch.zeros_like(xs)
+            run_fused_extend_segments(_gpu("selective_scan").segment_kernel(xs, dt, A, B, C, self.D, self.dt_bias, z),
+                                      y, ssm_states, batch)
+            return self.out_proj(y)
         if batch.is_decode:  # (the slots as validated at batch construction: no host read here)
             xs = causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, "silu")
         else:
             xs = conv1d_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, I]
-        dt, B, C = self.x_proj(xs).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        if self.norms is not None:
-            dt, B, C = (norm(v) for norm, v in zip(self.norms, (dt, B, C)))
-        dt = self.dt_proj(dt)  # [T, I]: the bias is the scan's (in fp32, before the softplus)
-        A = self._neg_A(self.A_log)
+        dt, B, C = self._dt_b_c(xs)
         if batch.is_decode:
             y = selective_state_update(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.state_slot_plan)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
+        elif _on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
+            return self.out_proj(_gpu("selective_scan").selective_scan_extend_fused(
+                xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.varlen, z))
         else:
             y = selective_scan_varlen(xs, dt, A, B, C, self.D, self.dt_bias, batch.cu_seqlens, ssm_states,
                                       batch.state_slots, **_ckpt_kwargs(batch))  # [T, I]
         return self.out_proj((y.float() * F.silu(z.float())).to(x.dtype))
+
+    def _dt_b_c(self, xs: torch.Tensor, gemv_step: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scan's raw ``dt [T, I]`` (``dt_proj``'s, its bias still to add) and ``B, C [T, N]`` from
+        the conv's output: ``x_proj``, Jamba's three RMSNorms, ``dt_proj`` (GEMVs on a GEMV step)."""
+        dt, B, C = in_projection(self.x_proj, xs, gemv_step).split([self.dt_rank, self.state_size, self.state_size],
+                                                                    dim=-1)
+        if self.norms is not None:
+            dt, B, C = (norm(v) for norm, v in zip(self.norms, (dt, B, C)))
+        return in_projection(self.dt_proj, dt, gemv_step), B, C
 
 
 class JambaForCausalLM(HybridForCausalLM):

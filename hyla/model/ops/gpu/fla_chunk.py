@@ -27,6 +27,9 @@ the output), fla's fused recurrent kernel for KDA.
 Where the op has its own kernel and every sequence of the batch is that short (a cached prompt's
 new part, a short extend), there are no rounds: one launch runs whole sequences and writes the
 checkpoints itself as it passes them (:func:`single_pass`), as the decode step's chain kernels do.
+An op with no fla kernel (Mamba1's, ``selective_scan``: no matrix form to chunk) runs the same plans
+through its own segments kernel alone: one pass at any length, rounds only where two checkpoints of
+a sequence share a position.
 Below ~1,000 tokens an fla call is host-bound, and the chunked one costs ~1 ms more of it
 (measured on an H100, one layer's call, wall time: Gated DeltaNet with 16 heads of 128x128, chunked
 ~1.5-1.9 ms at any length up to 2,048 tokens, recurrent 0.4-0.6 ms up to 256 tokens, 0.9 ms at 512,
@@ -165,16 +168,16 @@ class SinglePass:
     longest: int  # the longest sequence's tokens
 
 
-def single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | None:
-    """The batch's :class:`SinglePass`, built once per step; None when a sequence is too long for a
-    recurrent kernel, the batch too large, or two checkpoints of a sequence share a position (then
-    the rounds run)."""
-    return varlen.derive(("fla_single_pass", device), lambda: _plan_single_pass(varlen, device))
+def single_pass(varlen: VarlenPlan, device: torch.device, bounded: bool = True) -> SinglePass | None:
+    """The batch's :class:`SinglePass`, built once per step; None when (``bounded``: where fla's
+    chunked kernel would run instead) a sequence is too long for a recurrent kernel or the batch too
+    large, or when two checkpoints of a sequence share a position (then the rounds run)."""
+    return varlen.derive(("fla_single_pass", device, bounded), lambda: _plan_single_pass(varlen, device, bounded))
 
 
-def _plan_single_pass(varlen: VarlenPlan, device: torch.device) -> SinglePass | None:
+def _plan_single_pass(varlen: VarlenPlan, device: torch.device, bounded: bool) -> SinglePass | None:
     lengths, ckpts = varlen.lengths, varlen.ckpts
-    if not lengths or max(lengths) > RECURRENT_MAX_LEN or sum(lengths) > RECURRENT_MAX_TOKENS:
+    if not lengths or bounded and (max(lengths) > RECURRENT_MAX_LEN or sum(lengths) > RECURRENT_MAX_TOKENS):
         return None
     per_seq = [sorted((n, slot) for s, n, slot in zip(ckpts.seq, ckpts.num_tokens, ckpts.slot_list) if s == i)
                for i in range(len(lengths))]
@@ -202,7 +205,7 @@ def batch_plan(varlen: VarlenPlan | None, tree, cu_seqlens: torch.Tensor, num_to
                                    ssm_states.device)
 
 
-def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
+def scan_in_rounds(chunk: FlaKernel | None, recurrent: FlaKernel | None,
                    xs: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]], out: torch.Tensor,
                    ssm_states: torch.Tensor, varlen: VarlenPlan, segments: SegmentKernel | None = None) -> torch.Tensor:
     """Run fla's ``chunk`` kernel (or its ``recurrent`` one, for rounds of segments of at most
@@ -215,16 +218,18 @@ def scan_in_rounds(chunk: FlaKernel, recurrent: FlaKernel,
     states go to their rows as their rounds end. Where the op has its own recurrent kernel
     (``segments``: Gated DeltaNet's, Mamba2's), the short rounds run it instead of fla's: one launch
     on the running states, writing into ``out``, where an fla call costs ~0.4 ms of host time
-    (a prompt's last token after its end - 1 checkpoint, the new part of a cached prompt). No
-    device read."""
+    (a prompt's last token after its end - 1 checkpoint, the new part of a cached prompt). An op
+    with no fla kernel (``chunk`` and ``recurrent`` None: Mamba1's ``selective_scan``) runs every
+    round, of any length, through ``segments``. No device read."""
     # [B, *state]: the pool rows themselves when the slots are one run (fp32 pools), else a copy (zeros for -1)
     state, write_back = open_state_rows(ssm_states, varlen.slots, torch.float32)
-    one = single_pass(varlen, out.device) if segments is not None else None
+    own_only = chunk is None
+    one = single_pass(varlen, out.device, bounded=not own_only) if segments is not None else None
     if one is not None:  # every sequence short: one launch, writing its checkpoints on the way
         segments(state, one.rows, one.starts, one.cu_seqlens, out,
                  SegmentCheckpoints(ssm_states, one.offsets, one.pos, one.slot), longest=one.longest)
     for rnd in [] if one is not None else fla_rounds(varlen, out.device):
-        if segments is not None and _recurrent(rnd):
+        if segments is not None and (own_only or _recurrent(rnd)):
             segments(state, rnd.seqs, rnd.seg_starts, rnd.cu_seqlens, out, longest=rnd.longest)
         else:
             if callable(xs):

@@ -167,7 +167,7 @@ def _check_inputs(x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.T
     if x.shape != (rows, num_heads * head_dim) or dt.shape != (rows, num_heads) \
             or B.shape != (rows, groups * n) or C.shape != B.shape or C.stride(0) != B.stride(0):
         raise ValueError("x [R, H*P], dt [R, H], B and C [R, G*N] (one row stride) must fit ssm_states")
-    if min(x.stride(1), dt.stride(1), B.stride(1), C.stride(1)) != 1:
+    if any(v.stride(1) != 1 for v in (x, dt, B, C)):
         raise ValueError("x, dt, B and C need unit column stride")
     return num_heads, head_dim, n, groups
 
