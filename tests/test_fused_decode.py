@@ -1698,6 +1698,8 @@ def test_mamba2_decode_kernel(dtype, limit):
     live = [0, 2]
     torch.testing.assert_close(y[live].float(), ref[live].float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unit column stride"):  # one input strided along its columns
+        mamba2_state_update_fused(x, dt.t().contiguous().t(), a, bb, cc, d, dt_bias, pool, slots, limit)
 
 
 def test_argmax_logsumexp_kernel():
