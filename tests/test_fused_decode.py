@@ -636,7 +636,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     kernels stays tested, and the fused one's chains are checked against it
     bitwise in ``test_gated_delta_conv_decode_kernel``; interpreted it costs this test ~6 s)."""
     from hyla.model.ops.gpu import gated_delta_decode
-    from test_engine_speculative import OracleDrafter, _watch_chains
+    from test_engine_speculative import OracleDrafter, _count_verdicts, _watch_chains
 
     if not GPU:
         monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)
@@ -666,6 +666,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
         replays = {"n": 0}
         _count_replays(runner.verify_graphs, replays)
         eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
+        verdicts = _count_verdicts(eng)
         keys = None if GPU else record_compile_keys(monkeypatch)
         out = _generate(eng, wave1)
         if keys is not None:
@@ -677,6 +678,7 @@ def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
         eng.check_integrity()
         assert eng.scheduler.num_accepted_tokens > 0 and calls["n"] > 0 and replays["n"] > 0
         assert any(o["meta_info"].get("spec_accept_length", 1) > 1 for o in out)
+        assert min(verdicts.values()) > 0, verdicts  # drafts accepted whole, in part and not at all
     assert compare_outputs(out, ref1 + ref2) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 
