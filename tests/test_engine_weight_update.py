@@ -8,20 +8,33 @@
   the old weights, one submitted meanwhile runs on the new ones (``meta_info["weight_version"]``
   says which); ``abort_all_requests`` ends the running ones instead.
 * A checkpoint of another model, a broken one, bad arguments, or running requests outlasting the
-  timeout: an error, and the engine serves on, unchanged.
+  timeout: an error, and the engine serves on, unchanged. What the files' headers tell is checked
+  before any tensor data is read.
+* The weights are read one parameter at a time: no more of the checkpoint in host memory at once.
+* A checkpoint broken after its check (a shard truncated before the weights are written): a failed
+  update, the old weights read back and served exactly; the served checkpoint broken too: an error
+  that says the weights are inconsistent. A later update works.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 import shutil
 import threading
 import time
+import weakref
+from pathlib import Path
 
 import pytest
+import torch
 
 import checkpoints
 from hyla import Engine
+from hyla.engine.weight_update import NewWeights
+from hyla.model.loader import TensorReader
 from test_engine_differential import assert_drained, compare_outputs, make_workload, run
 
 OPTS = dict(max_total_tokens=360, max_state_slots=16, max_running_requests=10, chunked_prefill_size=64,
@@ -190,6 +203,146 @@ def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemo
         assert engine.weight_version == "default" and after["meta_info"]["weight_version"] == "default"
         assert_drained(engine)
     assert after["output_ids"] == before["output_ids"]
+
+
+def test_read_checks_the_headers_and_reads_no_tensor_data(qwen3_next_dense_mtp_path, stepped_mtp_path, tmp_path,
+                                                         monkeypatch):
+    """``NewWeights.read`` refuses a tensor of the wrong shape, the model's or the MTP head's, from the
+    headers alone: every read of tensor data raises here, and a good checkpoint still passes."""
+    from hyla.model import load_model
+    from hyla.model.mtp import MtpHead
+
+    model = load_model(qwen3_next_dense_mtp_path)
+    head = MtpHead.from_model(model)
+    down, fc = "model.layers.5.mlp.down_proj.weight", "mtp.fc.weight"
+    short_down = _stepped(stepped_mtp_path, tmp_path / "down", lambda t: t.update({down: t[down][:-1].clone()}))
+    short_fc = _stepped(stepped_mtp_path, tmp_path / "fc", lambda t: t.update({fc: t[fc][:, :-1].clone()}))
+
+    def no_data(self, name):
+        raise AssertionError(f"tensor data read: {name}")
+
+    monkeypatch.setattr(TensorReader, "get", no_data)
+    assert NewWeights.read(stepped_mtp_path, model, head).path == Path(stepped_mtp_path)
+    for path, match in [(short_down, r"down_proj\.weight.*give shape"), (short_fc, r"give shape.*the MTP head's fc")]:
+        with pytest.raises(ValueError, match=match):
+            NewWeights.read(path, model, head)
+    NewWeights.read(short_fc, model, None)  # (an engine without the head does not read it)
+
+
+def test_update_holds_one_parameter_of_the_checkpoint_at_a_time(qwen3_next_dense_path, other_seed_path, monkeypatch):
+    """The host memory an update costs: while the weights are written, the checkpoint's tensors alive at
+    once (read, not yet dropped) are at most those one parameter is built from, though all are read."""
+    from hyla.model.loader import check_weights
+
+    lock = threading.Lock()
+    count = {"live": 0, "most": 0, "read": 0}
+
+    def dropped(nbytes: int) -> None:
+        with lock:
+            count["live"] -= nbytes
+
+    real_get = TensorReader.get
+
+    def get(self, name):
+        tensor = real_get(self, name)
+        nbytes = tensor.numel() * tensor.element_size()
+        with lock:
+            count["live"] += nbytes
+            count["most"], count["read"] = max(count["most"], count["live"]), count["read"] + nbytes
+        weakref.finalize(tensor, dropped, nbytes)
+        return tensor
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        checked = check_weights(other_seed_path, engine.model)
+        headers = {name: checked.tensors.meta(name) for name in checked.tensors.files}
+        one_parameter = max(sum(size(headers[n]) for n in spec.sources) for spec in checked.specs)
+        monkeypatch.setattr(TensorReader, "get", get)  # (after the engine loaded its weights)
+        engine.update_weights_from_disk(other_seed_path)
+        monkeypatch.undo()
+    assert count["read"] == sum(size(t) for t in headers.values())  # every tensor read, once
+    assert 0 < count["most"] <= one_parameter < count["read"] / 4
+    assert count["live"] == 0
+
+
+SECOND_SHARD = "model-00002-of-00002.safetensors"
+
+
+def _sharded(path, out: Path) -> Path:
+    """A copy of the checkpoint ``path`` in two shards, the second holding its last layer (read last)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    last = f"model.layers.{max(int(k.split('.')[2]) for k in tensors if k.startswith('model.layers.'))}."
+    shards = {SECOND_SHARD.replace("2-of", "1-of"): {k: v for k, v in tensors.items() if not k.startswith(last)},
+              SECOND_SHARD: {k: v for k, v in tensors.items() if k.startswith(last)}}
+    for file, part in shards.items():
+        save_file(part, out / file, metadata={"format": "pt"})
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def test_a_checkpoint_broken_after_its_check_leaves_the_old_weights(qwen3_next_dense_path, other_seed_path, tmp_path,
+                                                                     monkeypatch, caplog):
+    """A shard truncated after ``read`` checked the checkpoint and before ``apply`` reads it (a trainer
+    rewriting it, say), once the first shard's parameters are written: the update fails naming the file,
+    the weights written are read back from the checkpoint served, and the engine serves exactly what it
+    did (tokens, logprobs), consistent; a later update works. With the served checkpoint broken too,
+    the read back fails: an error, logged, that says the weights are inconsistent; an update from a good
+    checkpoint mends them."""
+    old = _sharded(qwen3_next_dense_path, tmp_path / "old")
+    new, new_again = _sharded(other_seed_path, tmp_path / "new"), _sharded(other_seed_path, tmp_path / "new-again")
+    breaks: dict[Path, list[Path]] = {}  # checkpoint -> the shards truncated once NewWeights.read checked it
+    real_read, real_get = NewWeights.read, TensorReader.get
+    reads: list[tuple[Path, str]] = []  # (checkpoint, tensor), in order
+
+    def read_then_break(path, model, mtp_head):
+        checked = real_read(path, model, mtp_head)
+        for shard in breaks.pop(Path(path), []):
+            os.truncate(shard, shard.stat().st_size // 2)
+        return checked
+
+    def get(self, name):
+        tensor = real_get(self, name)
+        reads.append((self.files[name].parent, name))
+        return tensor
+
+    prompt, params = list(range(3, 30)), dict(sampling_params=_greedy(16), return_logprob=True)
+    with Engine(old, weight_version="v0", **OPTS) as engine:
+        before = engine.generate(input_ids=prompt, **params)
+        monkeypatch.setattr(NewWeights, "read", read_then_break)
+        monkeypatch.setattr(TensorReader, "get", get)
+        breaks[new] = [new / SECOND_SHARD]
+        with pytest.raises(ValueError, match="reading the checkpoint failed during the update") as err:
+            engine.update_weights_from_disk(new, weight_version="v1")
+        assert SECOND_SHARD in str(err.value) and f"read back from {old}" in str(err.value)
+        first_old = next(i for i, (ckpt, _) in enumerate(reads) if ckpt == old)
+        assert first_old > 0 and {ckpt for ckpt, _ in reads[:first_old]} == {new}  # some parameters written
+        read_back = reads[first_old:]  # every tensor of the served checkpoint, once
+        weight_map = json.loads((old / "model.safetensors.index.json").read_text())["weight_map"]
+        assert {ckpt for ckpt, _ in read_back} == {old} and len(set(read_back)) == len(read_back) == len(weight_map)
+        assert engine.weight_version == "v0" and engine.model_path == old
+        after = engine.generate(input_ids=prompt, **params)
+        assert_drained(engine)  # (check_integrity)
+        assert after["output_ids"] == before["output_ids"]
+        assert after["meta_info"]["weight_version"] == "v0"
+        got, want = after["meta_info"]["output_token_logprobs"], before["meta_info"]["output_token_logprobs"]
+        assert max(abs(g[0] - w[0]) for g, w in zip(got, want)) <= 1e-4
+
+        breaks[new_again] = [new_again / SECOND_SHARD, old / SECOND_SHARD]  # the served checkpoint broken too
+        with caplog.at_level(logging.ERROR, logger="hyla.engine"), pytest.raises(RuntimeError, match="inconsistent"):
+            engine.update_weights_from_disk(new_again)
+        assert any(r.levelno == logging.ERROR and "inconsistent" in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()
+        assert engine.update_weights_from_disk(other_seed_path, weight_version="v2")["weight_version"] == "v2"
+        later = engine.generate(input_ids=prompt, sampling_params=_greedy(16))
+        assert_drained(engine)
+    assert later["output_ids"] == _reference(other_seed_path, [prompt], 16)[0] != before["output_ids"]
 
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,

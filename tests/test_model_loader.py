@@ -340,13 +340,13 @@ def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear
 
 def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,
                                                             tmp_path):
-    """``read_weights`` + ``copy_weights_`` (a weight update): the model computes what the new checkpoint
+    """``check_weights`` + ``copy_weights_`` (a weight update): the model computes what the new checkpoint
     loaded afresh computes, every parameter and every derived weight the model cached (``-exp(A_log)``,
     ``1 + w`` of the norms: what a CUDA graph captured reads) at its old address, recomputed."""
     from checkpoints import make_qwen3_next
 
     from hyla.model.layers import _DerivedWeight
-    from hyla.model.loader import copy_weights_, read_weights
+    from hyla.model.loader import check_weights, copy_weights_
 
     new = make_qwen3_next(tiny_ckpt_dir, moe=False, seed=1)  # the same model, other weights
     model = load_model(qwen3_next_dense_path)
@@ -356,19 +356,59 @@ def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_pat
     assert len(derived) >= 10  # the norms' scales, the Gated DeltaNet layers' -exp(A_log), ...
     addresses = [p.data_ptr() for p in model.parameters()] + [d.value.data_ptr() for d in derived]
     values = [d.value.clone() for d in derived]
-    state, mtp = read_weights(new, model)
-    assert not mtp and torch.equal(prefill_logits(model, IDS), old_logits)  # read, not yet written
-    copy_weights_(model, state)
+    checked = check_weights(new, model)
+    assert not checked.mtp.files and torch.equal(prefill_logits(model, IDS), old_logits)  # checked, not written
+    copy_weights_(model, checked.specs, checked.tensors.get)
     assert [p.data_ptr() for p in model.parameters()] + [d.value.data_ptr() for d in derived] == addresses
     assert any(not torch.equal(d.value, v) for d, v in zip(derived, values))
     assert torch.equal(prefill_logits(model, IDS), prefill_logits(load_model(new), IDS))
     # another model's checkpoint, or a broken one: ValueError naming why, nothing read into the model
     with pytest.raises(ValueError, match="describes another model"):
-        read_weights(nemotron_h_path, model)
+        check_weights(nemotron_h_path, model)
     wider = rewrite(qwen3_next_dense_path, tmp_path / "wider", edit_config=lambda c: {**c, "rms_norm_eps": 0.5})
     with pytest.raises(ValueError, match=r"differs in norm_eps"):
-        read_weights(wider, model)
+        check_weights(wider, model)
     short = rewrite(qwen3_next_dense_path, tmp_path / "short",
                     edit_tensors=lambda t: {k: v[:-1] if k == "model.norm.weight" else v for k, v in t.items()})
     with pytest.raises(ValueError, match="model.norm.weight"):
-        read_weights(short, model)
+        check_weights(short, model)
+
+
+def test_check_weights_reads_no_tensor_data(qwen3_next_dense_path, falcon_h1_short_path, tmp_path, monkeypatch):
+    """``check_weights`` finds from the headers alone what loading would: a tensor that gives its parameter
+    another shape through its spec (a conv weight squeezed, q/k/v rows stacked into one projection, µP row
+    scales folded in: each run on meta tensors), a non-float tensor; a good checkpoint passes. No tensor's
+    data is read (every data read raises here)."""
+    from hyla.model.loader import TensorReader, check_weights
+
+    model, falcon = load_model(qwen3_next_dense_path), load_model(falcon_h1_short_path)
+
+    def no_data(self, name):
+        raise AssertionError(f"tensor data read: {name}")
+
+    monkeypatch.setattr(TensorReader, "get", no_data)
+    check_weights(qwen3_next_dense_path, model)
+    check_weights(falcon_h1_short_path, falcon)  # (µP row scales: tensors of the specs' own, meta here)
+    conv = "model.layers.0.linear_attn.conv1d.weight"  # [C, 1, K] -> conv_weight [C, K]
+    k_proj = "model.layers.3.self_attn.k_proj.weight"  # one of the rows stacked into qkv_proj
+    mup_in = "model.layers.1.mamba.in_proj.weight"  # [rows, H] times one factor per row
+
+    def shorter(name: str, dim: int):  # the tensor ``name`` one shorter along ``dim``
+        return lambda t: {**t, name: t[name].narrow(dim, 0, t[name].shape[dim] - 1).contiguous()}
+
+    for path, edit, parameter, match in [
+        (qwen3_next_dense_path, shorter(conv, 2), "layers.0.mixer.conv_weight", "give shape"),
+        (qwen3_next_dense_path, shorter(k_proj, 0), "layers.3.mixer.qkv_proj.weight", "give shape"),
+        (falcon_h1_short_path, shorter(mup_in, 1), "layers.1.mamba.in_proj.weight", "give shape"),
+        # sources that do not combine: rows of another width stacked, row scales for another number of rows
+        (qwen3_next_dense_path, shorter(k_proj, 1), "layers.3.mixer.qkv_proj.weight", "do not make"),
+        (falcon_h1_short_path, shorter(mup_in, 0), "layers.1.mamba.in_proj.weight", "do not make"),
+    ]:
+        bad = rewrite(path, tmp_path / "bad", edit_tensors=edit)
+        with pytest.raises(ValueError, match=match) as err:
+            check_weights(bad, falcon if path == falcon_h1_short_path else model)
+        assert parameter in str(err.value), err.value
+    norm = "model.norm.weight"
+    ints = rewrite(qwen3_next_dense_path, tmp_path / "ints", edit_tensors=lambda t: {**t, norm: t[norm].long()})
+    with pytest.raises(ValueError, match=f"'{norm}' is I64"):
+        check_weights(ints, model)

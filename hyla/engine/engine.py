@@ -425,16 +425,19 @@ class Engine:
         """Serve the weights of another checkpoint of the same model from now on (a trainer's latest,
         in reinforcement learning): SGLang's ``update_weights_from_disk``, without a restart.
 
-        The checkpoint is read and checked first, on this thread while the engine serves on (into
-        host memory: the model's size once more); one that is no checkpoint of this model (another
-        ``config.json``, a missing, unexpected or mis-shaped tensor) is a ``ValueError`` and nothing
-        changes. Then no request is admitted for the first time while those running finish on the
-        old weights (new ones queue, as usual); with ``abort_all_requests`` every live request is
-        aborted instead (its client gets its output so far, finish reason abort). Between two steps
-        the weights are written in place, the prefix cache is emptied (it was computed with the old
-        weights), and the queue runs on the new ones: no request's output mixes two weights. With
+        The checkpoint is checked first from its files' headers, on this thread while the engine
+        serves on (no tensor data read); one that is no checkpoint of this model (another
+        ``config.json``, a missing, unexpected, non-float or mis-shaped tensor) is a ``ValueError``
+        and nothing changes. Then no request is admitted for the first time while those running
+        finish on the old weights (new ones queue, as usual); with ``abort_all_requests`` every live
+        request is aborted instead (its client gets its output so far, finish reason abort). Between
+        two steps the weights are read and written in place one parameter at a time (host memory:
+        one parameter's worth), the prefix cache is emptied (it was computed with the old weights),
+        and the queue runs on the new ones: no request's output mixes two weights. With
         ``compile_decode`` the decode graphs are compiled again meanwhile (a minute or more on a
-        small CPU). See ``hyla/engine/weight_update.py``.
+        small CPU). A read failing then (a file changed since the check): the old weights are read
+        back from ``model_path`` and the error is a ``ValueError``; should that fail too, a
+        ``RuntimeError`` says the weights are inconsistent. See ``hyla/engine/weight_update.py``.
 
         ``weight_version``: the new weights' name, in the ``meta_info`` of every request that runs
         on them (default: the current one). ``TimeoutError`` when the running requests have not
@@ -460,8 +463,8 @@ class Engine:
                         raise TimeoutError(f"requests still running after {timeout:g} s: the weights were not updated")
                     time.sleep(0.005)
 
-                def apply() -> None:
-                    new.apply(self.model, self.mtp_head, self.scheduler)
+                def apply() -> None:  # (the weights served now came from model_path: read back should a read fail)
+                    new.apply(self.model, self.mtp_head, self.scheduler, self.model_path)
                     self.scheduler.weight_version = version
                     self.model_path = new.path
                 # the update itself is not cut short: with compile_decode it compiles

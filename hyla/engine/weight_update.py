@@ -4,17 +4,30 @@ What reinforcement-learning loops do between rollouts (SGLang's ``update_weights
 trainer saves a checkpoint, the engine serves it next. ``Engine.update_weights_from_disk`` runs it
 in two halves:
 
-* :meth:`NewWeights.read`, on the caller's thread while the engine serves on: the checkpoint read
-  and checked as the loader checks one (``loader.read_weights``: its ``config.json`` must describe
-  the same model, every tensor there with its shape), into host memory, the MTP head's tensors
-  too where the engine drafts with it. A bad checkpoint is a ``ValueError`` and nothing changed.
+* :meth:`NewWeights.read`, on the caller's thread while the engine serves on: the checkpoint
+  checked as the loader checks one, from its files' headers alone (``loader.check_weights``: its
+  ``config.json`` must describe the same model; every tensor there, a float, giving its parameter
+  the parameter's shape), the MTP head's ``mtp.*`` tensors too where the engine drafts with it
+  (``MtpHead.state_from`` on their headers). No tensor data is read. A bad checkpoint is a
+  ``ValueError`` and nothing changed.
 * :meth:`NewWeights.apply`, on the scheduler thread between two steps, once no request runs or has
-  run and waits (``Scheduler.drained``): every parameter written in place (``loader.copy_weights_``;
-  storage and addresses stay, so CUDA graphs replay the new values, and the weights' derived copies
-  the model keeps are recomputed), the graphs ``compile_decode`` compiled from the old weights
-  compiled again (their graph of more rows holds the weights as constants), and the prefix cache
-  emptied: what it holds was computed with the old weights, and the cache must never change what
-  the model computes.
+  run and waits (``Scheduler.drained``): every parameter read from the checkpoint and written in
+  place, one at a time (``loader.copy_weights_``: host memory holds one parameter's tensors at
+  most; storage and addresses stay, so CUDA graphs replay the new values, and the weights' derived
+  copies the model keeps are recomputed), the graphs ``compile_decode`` compiled from the old
+  weights compiled again (their graph of more rows holds the weights as constants), and the prefix
+  cache emptied: what it holds was computed with the old weights, and the cache must never change
+  what the model computes.
+
+A read that fails during ``apply`` (a file truncated, deleted or rewritten since ``read`` checked
+it, an I/O error) leaves some parameters new and the others old. As SGLang does, the weights the
+engine served are then read back the same way from the checkpoint they came from (the engine's
+``model_path``: the one it loaded, or its last successful update), the graphs compiled and the cache
+emptied as after an update, and the error is raised as a ``ValueError``: a failed update, the old
+weights served on. Should that read fail too, the engine's weights are a mix of two checkpoints: a
+``RuntimeError`` that says so, logged as an error (another update, from a good checkpoint, mends
+it). So everything the headers tell is checked before a weight changes; what only the data can
+tell costs a second read of the old checkpoint when it goes wrong.
 
 A draft model (``speculative_algorithm="draft"``) keeps its weights: drafts only propose, the
 model verifies every token. The tokenizer, chat template and generation defaults stay those loaded
@@ -31,7 +44,7 @@ from pathlib import Path
 import torch
 
 from hyla.model.layers import HybridForCausalLM
-from hyla.model.loader import copy_weights_, read_weights
+from hyla.model.loader import CheckedWeights, check_weights, copy_mtp_weights_, copy_weights_
 from hyla.model.mtp import MtpHead
 
 logger = logging.getLogger("hyla.engine")
@@ -39,49 +52,75 @@ logger = logging.getLogger("hyla.engine")
 
 @dataclass
 class NewWeights:
-    """A checkpoint read for a weight update, checked against the model it is for."""
+    """A checkpoint for a weight update, checked against the model it is for from its headers."""
 
-    path: Path
-    state: dict[str, torch.Tensor]  # every parameter of the model, by name, on the host
-    mtp: dict[str, torch.Tensor]  # the checkpoint's mtp.* tensors
-    head_state: dict[str, torch.Tensor] | None  # the MTP head's parameters (an engine drafting with it)
+    checked: CheckedWeights
+
+    @property
+    def path(self) -> Path:
+        return self.checked.path
 
     @classmethod
     def read(cls, path: str | Path, model: HybridForCausalLM, mtp_head: MtpHead | None) -> "NewWeights":
         """``ValueError`` when ``path`` is no checkpoint of ``model`` (and, with an MTP head, has no
-        fitting ``mtp.*`` tensors)."""
-        path = Path(path)
-        state, mtp = read_weights(path, model)  # (ValueError for a directory without config.json too)
-        head_state = mtp_head.state_from(mtp) if mtp_head is not None else None
-        return cls(path, state, mtp, head_state)
+        fitting ``mtp.*`` tensors). Reads the files' headers, no tensor data; leaves no file open."""
+        checked = check_weights(path, model)  # (ValueError for a directory without config.json too)
+        if mtp_head is not None:
+            with torch.device("meta"):
+                mtp_head.state_from(checked.mtp_headers(), device="meta")
+        return cls(checked)
 
     @torch.no_grad()
-    def apply(self, model: HybridForCausalLM, mtp_head: MtpHead | None, scheduler) -> None:
-        """Write the weights into ``model`` (and ``mtp_head``), rebuild what holds them otherwise,
-        empty the prefix cache. Scheduler thread only, while ``scheduler.drained()``."""
+    def apply(self, model: HybridForCausalLM, mtp_head: MtpHead | None, scheduler, current: Path) -> None:
+        """Read the weights into ``model`` (and ``mtp_head``) in place, rebuild what holds them
+        otherwise, empty the prefix cache. Scheduler thread only, while ``scheduler.drained()``.
+
+        ``current``: the checkpoint of the weights served now. Should a read fail, they are read
+        back from it and the error is raised as a ``ValueError``; should that fail too, a
+        ``RuntimeError`` (the weights are a mix of both): see the module docstring."""
         if not scheduler.drained():
             raise RuntimeError("internal: weights written while requests run")
         start = time.perf_counter()
-        copy_weights_(model, self.state)
-        if mtp_head is not None:
-            copy_weights_(mtp_head, self.head_state)
-        _replace_tensors(model.mtp_weights, self.mtp, model.embed_tokens.weight.device)
-        if scheduler.runner.compiled:  # graphs holding the old weights as constants: compiled again
-            logger.info("weight update: compiling the decode graphs again (compile_decode)")
-            scheduler.runner = scheduler.runner.rebuilt()
-            drafter = scheduler.drafter
-            if getattr(drafter, "compiled", False) and getattr(drafter, "head", None) is mtp_head:
-                drafter.compile()
-        scheduler.flush_cache(with_waiting=True)
+        try:
+            _write(self.checked, model, mtp_head)
+        except Exception as exc:
+            logger.warning("weight update: reading %s failed (%s); reading the weights served back from %s",
+                           self.path, exc, current)
+            try:
+                _write(NewWeights.read(current, model, mtp_head).checked, model, mtp_head)
+            except Exception as again:
+                message = (f"weight update: reading {self.path} failed ({exc}), and reading the weights served "
+                           f"back from {current} failed too ({again}): the engine's weights are now "
+                           f"inconsistent, parts of two checkpoints; update them from a good checkpoint")
+                logger.error("%s", message)
+                raise RuntimeError(message) from again
+            _rebuild(mtp_head, scheduler)
+            raise ValueError(f"{self.path}: reading the checkpoint failed during the update ({exc}); the "
+                             f"weights served before were read back from {current}") from exc
+        _rebuild(mtp_head, scheduler)
         logger.info("weight update: %s in place in %.2f s", self.path, time.perf_counter() - start)
 
 
-def _replace_tensors(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], device: torch.device) -> None:
-    """``old`` (the model's ``mtp_weights``) given ``new``'s values: written in place where names and
-    shapes agree (an MTP head built from them may share their storage), else replaced."""
-    if old.keys() == new.keys() and all(old[k].shape == new[k].shape for k in old):
-        for name, tensor in new.items():
-            old[name].copy_(tensor)
-    else:
-        old.clear()
-        old.update({name: tensor.to(device) for name, tensor in new.items()})
+def _write(checked: CheckedWeights, model: HybridForCausalLM, mtp_head: MtpHead | None) -> None:
+    """Every weight of ``model`` (its ``mtp_weights`` too) and ``mtp_head`` read from the checkpoint
+    ``checked`` and written in place, one parameter at a time; its files closed after."""
+    prefix = f"{checked.path}: "
+    try:
+        copy_weights_(model, checked.specs, checked.tensors.get, prefix=prefix)
+        if mtp_head is not None:
+            mtp_head.copy_from_(set(checked.mtp.files), checked.mtp.get, prefix=prefix)
+        copy_mtp_weights_(model, checked.mtp)
+    finally:
+        checked.close()
+
+
+def _rebuild(mtp_head: MtpHead | None, scheduler) -> None:
+    """After the weights were written: the compiled graphs (which hold them as constants) compiled
+    again, the prefix cache (computed with the old ones) emptied."""
+    if scheduler.runner.compiled:
+        logger.info("weight update: compiling the decode graphs again (compile_decode)")
+        scheduler.runner = scheduler.runner.rebuilt()
+        drafter = scheduler.drafter
+        if getattr(drafter, "compiled", False) and getattr(drafter, "head", None) is mtp_head:
+            drafter.compile()
+    scheduler.flush_cache(with_waiting=True)

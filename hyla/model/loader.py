@@ -8,11 +8,14 @@ exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in `
 an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
 
-``read_weights`` reads another checkpoint of a loaded model the same way (its ``config.json`` must
-describe the same model) and ``copy_weights_`` writes it into the model in place: a serving
-engine's weight update (``Engine.update_weights_from_disk``).
+``check_weights`` checks another checkpoint of a loaded model the same way from its files' headers
+alone, no tensor data read (its ``config.json`` must describe the same model; each parameter's
+shape comes from its spec run on meta tensors), and ``copy_weights_`` then reads it parameter by
+parameter into the model in place: a serving engine's weight update
+(``Engine.update_weights_from_disk``).
 
-Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, or wrong shape.
+Only float tensors are read (``SOURCE_DTYPES``). Errors are ``ValueError`` naming the offending
+tensor(s): missing, unexpected, of another dtype, or wrong shape.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from hyla.model.architectures import ARCHITECTURES
@@ -33,6 +37,10 @@ from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
 from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
+
+SOURCE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""The tensors the loader reads, by their dtype's name in a safetensors header: the float types it
+converts to a model's dtype (an integer or FP8 tensor, which would need more than a cast, is refused)."""
 
 
 def read_config(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> ModelConfig:
@@ -70,19 +78,50 @@ def name_listing(names: Iterable[str]) -> str:
     return shown + (f" (and {more} more)" if more > 0 else "")
 
 
-class _TensorReader:
-    """Reads tensors by (normalised) name, keeping each shard file open once."""
+class TensorReader:
+    """A checkpoint's tensors by name (normalised, or the file's own), from their shard files: a
+    tensor's header (:meth:`meta`: its shape and dtype, no data read) or its data (:meth:`get`).
+    ``ValueError`` naming the file for a tensor whose dtype is not in ``SOURCE_DTYPES``, and for a
+    file safetensors cannot read (one truncated, say: a file must cover its header, which is
+    checked when it is opened). A file is opened (memory-mapped) on first use and stays open until
+    :meth:`close`; one truncated while open is not safe to read."""
 
-    def __init__(self, files: dict[str, Path], original: dict[str, str]):
-        self.files = files  # normalised name -> shard file
-        self.original = original  # normalised name -> name in the file
+    def __init__(self, files: dict[str, Path], original: dict[str, str] | None = None):
+        self.files = files  # name -> shard file
+        self.original = original or {}  # name -> name in the file, where they differ
         self._handles: dict[Path, object] = {}
 
+    def meta(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` as its header describes it: a meta tensor of its shape and dtype."""
+        header = self._read(name, lambda f, name_in_file: f.get_slice(name_in_file))
+        dtype = SOURCE_DTYPES.get(header.get_dtype())
+        if dtype is None:
+            raise ValueError(f"{self.files[name]}: tensor {self.original.get(name, name)!r} is {header.get_dtype()}; "
+                             f"the loader reads {', '.join(SOURCE_DTYPES)} tensors")
+        return torch.empty(header.get_shape(), dtype=dtype, device="meta")
+
     def get(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (its dtype checked first, as :meth:`meta`), on safetensors' mapping of
+        the file: what is kept must be copied off it first (:func:`_owned`), or it would follow the
+        file's later changes (a parameter kept on it would change with a trainer's next checkpoint
+        written over it, or fault once the file is truncated, even after an update wrote it in
+        place)."""
+        self.meta(name)
+        return self._read(name, lambda f, name_in_file: f.get_tensor(name_in_file))
+
+    def close(self) -> None:
+        """Close the files; a later read opens them again."""
+        self._handles.clear()
+
+    def _read(self, name: str, read):
+        """``read(file handle, name in the file)``, the file opened first where it is not."""
         file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(file, framework="pt")
-        return self._handles[file].get_tensor(self.original[name])
+        try:
+            if file not in self._handles:
+                self._handles[file] = safe_open(file, framework="pt")
+            return read(self._handles[file], self.original.get(name, name))
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: {exc}") from exc
 
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
@@ -92,36 +131,73 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights and activations; recurrent
     states and the SSM/router parameters ``A_log``, ``dt_bias``, ``D``, ``e_score_correction_bias``
     are fp32 regardless). Raises ``ValueError`` for an unsupported architecture, a missing,
-    unexpected or mis-shaped tensor.
+    unexpected, mis-shaped or non-float tensor.
     """
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
     cls = ARCHITECTURES[config.architecture].model_class
     with torch.device("meta"):
         model = cls(config)
-    state, mtp = _read_weights(path, cls, config, model, device)
+    tensors, mtp = _index_checkpoint(path, cls)
+    specs = _checkpoint_specs(path, cls, config, set(tensors.files))
+    state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.get, device,
+                             prefix=f"{path}: ")
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
-    model.mtp_weights = mtp
+    model.mtp_weights = _read_mtp(mtp, config, device)
     return model.eval()
 
 
-def read_weights(path: str | os.PathLike, model: HybridForCausalLM,
-                 device: str | torch.device = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Another checkpoint of ``model`` (a training step's, say), read as :func:`load_model` reads
-    one: ``(parameters, mtp.* tensors)``, every parameter of ``model`` by name (tied ones under each
-    name) in its dtype, on ``device``. Nothing of ``model`` changes (``copy_weights_`` puts them in).
+@dataclass
+class CheckedWeights:
+    """Another checkpoint of a loaded model, checked against it from its headers
+    (:func:`check_weights`); :func:`copy_weights_` reads it into the model. Its files are closed
+    (:meth:`close`) between reads."""
+
+    path: Path
+    specs: list[WeightSpec]  # one per parameter of the model: the checkpoint's tensors that build it
+    tensors: TensorReader  # the tensors the specs read, by normalised name
+    mtp: TensorReader  # the checkpoint's mtp.* tensors, by name
+
+    def mtp_headers(self) -> dict[str, torch.Tensor]:
+        """Every ``mtp.*`` tensor as its header describes it (meta tensors: ``TensorReader.meta``)."""
+        try:
+            return {name: self.mtp.meta(name) for name in self.mtp.files}
+        finally:
+            self.mtp.close()
+
+    def close(self) -> None:
+        self.tensors.close()
+        self.mtp.close()
+
+
+def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedWeights:
+    """Another checkpoint of ``model`` (a training step's, say), checked as :func:`load_model` checks
+    one but from its files' headers alone: no tensor data is read, nothing of ``model`` changes, and
+    no file stays open.
 
     ``ValueError`` when the checkpoint's ``config.json`` describes another model (every field of
     ``ModelConfig`` must be equal, the dtype aside: the differing ones are named), or a tensor is
-    missing, unexpected or mis-shaped."""
+    missing, unexpected, not a float (``SOURCE_DTYPES``; the ``mtp.*`` ones too), or gives its
+    parameter another shape (each spec run on meta tensors of the headers' shapes)."""
     path = Path(path)
     config = read_config(path, dtype=model.config.dtype)
     differ = config_differences(model.config, config)
     if differ:
         raise ValueError(f"{path}: config.json describes another model than the one loaded (it differs in "
                          f"{name_listing(differ)}); a weight update needs a checkpoint of the same model")
-    return _read_weights(path, type(model), config, model, device)
+    cls = type(model)
+    tensors, mtp = _index_checkpoint(path, cls)
+    checked = CheckedWeights(path, _checkpoint_specs(path, cls, config, set(tensors.files)), tensors, mtp)
+    try:
+        with torch.device("meta"):  # the same specs, their own constants (µP row scales) on the meta device too
+            specs = _checkpoint_specs(path, cls, config, set(tensors.files))
+        build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.meta, "meta",
+                         prefix=f"{path}: ")
+        checked.mtp_headers()
+    finally:
+        checked.close()
+    return checked
 
 
 def config_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
@@ -131,65 +207,122 @@ def config_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
 
 
 @torch.no_grad()
-def copy_weights_(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Write ``state`` (every parameter of ``model`` by name, as :func:`read_weights` gives them)
-    into ``model``'s parameters in place: their storage, layout and addresses stay (a CUDA graph
-    replays the new values; a weight relaid column-major stays so), and every derived weight
-    (``layers._DerivedWeight``) sees the write."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if set(params) != set(state):
-        raise ValueError(f"internal: weights for {name_listing(set(state) ^ set(params))} do not match the model's")
-    for name, param in params.items():
-        param.copy_(state[name])
-    refresh_derived_weights_(model)
+def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str], torch.Tensor],
+                  prefix: str = "", owner: str = "") -> None:
+    """Write every parameter of ``module`` in place, one at a time: built from its spec's source
+    tensors (``get(name)``) as :func:`build_parameters` builds it, checked against its shape, then
+    copied into it. Host memory holds one parameter's sources and value at most; the parameters'
+    storage, layout and addresses stay (a CUDA graph replays the new values; a weight relaid
+    column-major stays so), and a plain copy of the same sources into one storage (tied weights)
+    is written once. Then every derived weight (``layers._DerivedWeight``) is recomputed.
+
+    An error (a mis-shaped value: ``ValueError``; a failed read) is raised as it comes: the
+    parameters before it are written, the others not, the derived weights stale."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    _check_targets(specs, params)
+    written: set[tuple[int, tuple[str, ...]]] = set()  # (address, sources) of the plain copies written
+    for spec in specs:
+        param = params[spec.target]
+        if spec.combine is None and (param.data_ptr(), spec.sources) in written:
+            continue
+        param.copy_(_build(spec, param, get, prefix, owner))
+        if spec.combine is None:
+            written.add((param.data_ptr(), spec.sources))
+    refresh_derived_weights_(module)
 
 
-def _read_weights(path: Path, cls: type[HybridForCausalLM], config: ModelConfig, model: nn.Module,
-                  device: str | torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The checkpoint ``path``'s tensors as ``model``'s parameters (``model`` may be on the meta
-    device: only its parameters' names, shapes and dtypes are read) and its ``mtp.*`` tensors."""
-    reader, mtp_names = _index_checkpoint(path, cls)
-    specs = choose_layouts(cls.hf_weight_specs(config), set(reader.files))
-    _check_names(path, config, specs, set(reader.files))
-    state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), reader.get, device,
-                             prefix=f"{path}: ")
-    mtp = {name: tensor.to(device=device, dtype=config.dtype) for name, tensor in _read_all(mtp_names).items()}
-    return state, mtp
+@torch.no_grad()
+def copy_mtp_weights_(model: HybridForCausalLM, mtp: TensorReader) -> None:
+    """``model.mtp_weights`` given the checkpoint's ``mtp.*`` tensors (``mtp``), read one at a time:
+    written in place where the names and the headers' shapes agree with the current ones (an MTP head
+    built from them may share their storage), else replaced by the new ones once all are read."""
+    current = model.mtp_weights
+    if current.keys() == mtp.files.keys() and all(current[n].shape == mtp.meta(n).shape for n in current):
+        for name, tensor in current.items():
+            tensor.copy_(mtp.get(name))
+    else:
+        new = _read_mtp(mtp, model.config, model.embed_tokens.weight.device)
+        current.clear()
+        current.update(new)
 
 
-def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get, device: str | torch.device,
-                     prefix: str = "", owner: str = "") -> dict[str, torch.Tensor]:
+def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """The ``mtp.*`` tensors as a model keeps them (``mtp_weights``): in its dtype, on its device."""
+    weights = {}
+    for name in mtp.files:
+        source = mtp.get(name)
+        weights[name] = _owned(source.to(device=device, dtype=config.dtype), [source])
+    return weights
+
+
+def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get: Callable[[str], torch.Tensor],
+                     device: str | torch.device, prefix: str = "", owner: str = "") -> dict[str, torch.Tensor]:
     """Every parameter of ``params`` (name -> the parameter, possibly on the meta device) built from
     its spec's source tensors (``get(name)``), checked against its shape, in its dtype on ``device``;
     a plain copy of the same sources is built once, so tied weights share storage. ``ValueError``
-    for a mis-shaped result (``prefix``, ``owner``: where, and whose parameter, in the message)."""
+    for a mis-shaped result (``prefix``, ``owner``: where, and whose parameter, in the message).
+    Meta tensors from ``get`` and ``device="meta"``: the same checks, no data."""
+    _check_targets(specs, params)
     state: dict[str, torch.Tensor] = {}
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
     for spec in specs:
-        if spec.target not in params:
-            raise ValueError(f"internal: weight spec targets unknown parameter {spec.target!r}")
         target = params[spec.target]
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
             state[spec.target] = built[spec.sources]
             continue
-        tensor = spec.build([get(name) for name in spec.sources])
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{prefix}tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
-                f"{owner}{spec.target}, the config implies {tuple(target.shape)}"
-            )
-        state[spec.target] = tensor.to(device=device, dtype=target.dtype).contiguous()
+        state[spec.target] = _build(spec, target, get, prefix, owner, device)
         if spec.combine is None:
             built[spec.sources] = state[spec.target]
-    unbuilt = set(params) - set(state)
-    if unbuilt:
-        raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
     return state
 
 
-def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_TensorReader, dict[str, Path]]:
-    """Split the checkpoint's tensors into those the architecture reads (by normalised name) and
-    the ``mtp.*`` ones; names the architecture ignores are dropped."""
+def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Tensor], prefix: str,
+           owner: str, device: str | torch.device | None = None) -> torch.Tensor:
+    """``spec``'s value for the parameter ``target`` from its source tensors (``get(name)``) in
+    ``target``'s dtype: on the sources' device (``device`` None: for a caller that copies it), else
+    contiguous on ``device`` in memory of its own (:func:`_owned`). ``ValueError`` when its shape is
+    not ``target``'s, or the sources do not combine (rows of other widths stacked, row scales for
+    another number of rows)."""
+    sources = [get(name) for name in spec.sources]
+    try:
+        tensor = spec.build(sources)
+    except RuntimeError as exc:
+        raise ValueError(f"{prefix}tensor(s) {name_listing(spec.sources)} of shapes "
+                         f"{[tuple(t.shape) for t in sources]} do not make {owner}{spec.target}: {exc}") from exc
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ValueError(
+            f"{prefix}tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
+            f"{owner}{spec.target}, the config implies {tuple(target.shape)}"
+        )
+    if device is None:
+        return tensor.to(dtype=target.dtype)
+    return _owned(tensor.to(device=device, dtype=target.dtype).contiguous(), sources)
+
+
+def _owned(tensor: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor``, or a copy of it where it is still the memory of one of ``sources`` (a CPU
+    parameter of the checkpoint's dtype, a plain copy of its tensor: safetensors' mapping of the
+    file, ``TensorReader.get``). A GPU parameter, or one converted or combined, is a copy already."""
+    if tensor.device.type != "meta" and any(
+            s.device == tensor.device and s.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            for s in sources):
+        return tensor.clone()
+    return tensor
+
+
+def _check_targets(specs: list[WeightSpec], params: dict[str, torch.Tensor]) -> None:
+    """Internal: every spec targets a parameter of ``params``, and every parameter has a spec."""
+    unknown = {spec.target for spec in specs} - set(params)
+    if unknown:
+        raise ValueError(f"internal: weight specs target unknown parameters {name_listing(unknown)}")
+    unbuilt = set(params) - {spec.target for spec in specs}
+    if unbuilt:
+        raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
+
+
+def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[TensorReader, TensorReader]:
+    """The checkpoint's tensors the architecture reads (by normalised name) and its ``mtp.*`` ones;
+    names the architecture ignores are dropped."""
     files: dict[str, Path] = {}
     original: dict[str, str] = {}
     mtp: dict[str, Path] = {}
@@ -203,7 +336,17 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[_Tensor
         if normalised in files:
             raise ValueError(f"{path}: tensors {original[normalised]!r} and {name!r} are the same weight")
         files[normalised], original[normalised] = file, name
-    return _TensorReader(files, original), mtp
+    return TensorReader(files, original), TensorReader(mtp)
+
+
+def _checkpoint_specs(path: Path, cls: type[HybridForCausalLM], config: ModelConfig,
+                      available: set[str]) -> list[WeightSpec]:
+    """One spec per parameter of ``cls`` for ``config``, in the layout the checkpoint holding the
+    tensors ``available`` has (``choose_layouts``); ``ValueError`` unless those are exactly the
+    tensors the specs read."""
+    specs = choose_layouts(cls.hf_weight_specs(config), available)
+    _check_names(path, config, specs, available)
+    return specs
 
 
 def choose_layouts(specs: list[WeightSpec], available: set[str]) -> list[WeightSpec]:
@@ -238,15 +381,3 @@ def _check_names(path: Path, config: ModelConfig, specs: list[WeightSpec], avail
             f"{path}: checkpoint has tensor(s) that {config.architecture} with this config.json does not "
             f"use: {name_listing(unexpected)}"
         )
-
-
-def _read_all(names: dict[str, Path]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, file in names.items():
-        by_file.setdefault(file, []).append(name)
-    for file, file_names in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name in file_names:
-                out[name] = f.get_tensor(name)
-    return out

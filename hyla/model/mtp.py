@@ -33,6 +33,7 @@ buffer (the MTP layer's, an extra attention layer of the KV pool: :func:`mtp_cac
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Collection
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, add_rms_norm
 from hyla.model.linear import Linear, relayout_weights_
-from hyla.model.loader import build_parameters, choose_layouts, name_listing
+from hyla.model.loader import build_parameters, choose_layouts, copy_weights_, name_listing
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
 from hyla.model.weight_specs import WeightSpec, linear_specs, norm_spec
 
@@ -110,24 +111,45 @@ class MtpHead(nn.Module):
         relayout_weights_(head)
         return head.eval()
 
-    def state_from(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This head's parameters built from a checkpoint's ``mtp.*`` tensors, by name, on the
-        target's device (the head itself may be on the meta device). ``ValueError`` when there are
-        none, or they are not exactly the ones the head needs (missing / unexpected, wrong shapes)."""
-        _require_mtp_tensors(weights)
-        specs = choose_layouts(mtp_weight_specs(self.target.config), set(weights))
+    def state_from(self, weights: dict[str, torch.Tensor],
+                   device: str | torch.device | None = None) -> dict[str, torch.Tensor]:
+        """This head's parameters built from a checkpoint's ``mtp.*`` tensors, by name, on ``device``
+        (default: the target's; the head itself may be on the meta device). ``ValueError`` when there
+        are none, or they are not exactly the ones the head needs (missing / unexpected, wrong
+        shapes). A check from the headers alone: meta tensors (``loader.TensorReader.meta``),
+        ``device="meta"``, called under ``torch.device("meta")`` (the specs' own constants meta too)."""
+        specs = self.weight_specs(set(weights))
+        device = self.target.embed_tokens.weight.device if device is None else device
+        return build_parameters(specs, dict(self.named_parameters(remove_duplicate=False)), weights.__getitem__,
+                                device, owner=_OWNER)
+
+    def copy_from_(self, names: set[str], get: Callable[[str], torch.Tensor], prefix: str = "") -> None:
+        """Write this head's parameters in place from a checkpoint's ``mtp.*`` tensors (``names``,
+        read by ``get(name)``), one parameter at a time (``loader.copy_weights_``): what
+        :meth:`state_from` builds, with its errors."""
+        copy_weights_(self, self.weight_specs(names), get, prefix=prefix, owner=_OWNER)
+
+    def weight_specs(self, names: set[str]) -> list[WeightSpec]:
+        """How this head's parameters are built from a checkpoint whose ``mtp.*`` tensors are ``names``
+        (one spec per parameter, in the layout the checkpoint holds: ``choose_layouts``).
+        ``ValueError`` when there are none, or they are not exactly the ones the head needs."""
+        _require_mtp_tensors(names)
+        specs = choose_layouts(mtp_weight_specs(self.target.config), names)
         needed = {name for spec in specs for name in spec.sources}
-        missing, unexpected = needed - set(weights), set(weights) - needed
+        missing, unexpected = needed - names, names - needed
         if missing or unexpected:
             raise ValueError("the checkpoint's mtp.* tensors do not fit its config: "
-                             + "; ".join(f"{what}: {name_listing(names)}" for what, names in
-                                         (("missing", missing), ("unexpected", unexpected)) if names))
-        return build_parameters(specs, dict(self.named_parameters(remove_duplicate=False)), weights.__getitem__,
-                                self.target.embed_tokens.weight.device, owner="the MTP head's ")
+                             + "; ".join(f"{what}: {name_listing(listed)}" for what, listed in
+                                         (("missing", missing), ("unexpected", unexpected)) if listed))
+        return specs
 
 
-def _require_mtp_tensors(weights: dict[str, torch.Tensor]) -> None:
-    if not weights:
+_OWNER = "the MTP head's "
+"""Whose parameters the loader's messages about the head's weights name (its ``owner``)."""
+
+
+def _require_mtp_tensors(names: Collection[str]) -> None:
+    if not names:
         raise ValueError("this checkpoint has no mtp.* tensors: speculative_algorithm='mtp' needs a "
                          "checkpoint with an MTP head (Qwen3-Next / Qwen3.5)")
 
