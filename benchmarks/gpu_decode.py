@@ -6,6 +6,9 @@ transformers' ``Qwen3_5ForCausalLM`` and saved to a temporary directory: hidden 
 128, attention 8 query / 2 KV heads of 256, MLP 3584, vocab 151,936, tied embeddings, partial RoPE
 (0.25, theta 1e7); ~0.65 B parameters, ~1.31 GB in bf16. No tokenizer: every request is
 ``input_ids``. ``--tiny`` shrinks it (hidden 64, 3 + 1 layers, vocab 2,048) to test on CPU.
+``--moe``: the same with Qwen3.5-MoE's layers (``MOE``). ``--jamba``: a Jamba-style model instead
+(``JAMBA``: transformers' ``JambaForCausalLM``, Mamba1 + attention layers, MoE in every 2nd layer;
+~0.92 B parameters, ~1.85 GB in bf16), its section ``GPU decode: Jamba``.
 
 Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
 ``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
@@ -33,7 +36,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--json PATH] [--no-write]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba] [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
 """
@@ -74,6 +77,25 @@ TINY = dict(FULL, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hi
 # shared expert; 64 of them here, at hidden 1,024) in place of the MLP
 MOE = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
 TINY_MOE = dict(MOE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# --jamba: transformers' JambaForCausalLM (hyla/model/jamba.py; its Mamba1 layers' Triton kernels in
+# hyla/model/ops/gpu/selective_scan.py). Jamba's own layout (v0.1, 1.5 Mini and Large alike) scaled to the
+# Qwen3.5 model's width and depth: hidden 1,024 and 24 layers, attention in every 8th from layer 4 (3 attention
+# + 21 Mamba1: Jamba's 1:7), Mamba1 d_state 16, expand 2 (inner 2,048), conv 4, dt rank auto (64); MoE in every
+# 2nd layer (12 of 24) with Jamba's routing, 16 experts, top-2 — so the engine meets the E and k a real Jamba
+# has. The FFN width is the one knob scaled down (Jamba's 3.5 x hidden would make 2.2 B parameters): 1,024 for
+# the experts and the other layers' MLPs alike (Jamba has one intermediate_size), which lands at ~0.92 B
+# parameters (1.85 GB in bf16; a batch-1 step reads ~0.33 B of them, the Qwen3.5 model's 0.65 B), the same
+# order as the Qwen3.5 model. Attention: 8 query / 2 KV heads as the Qwen3.5 model's, of 128 (Jamba: hidden / heads; no RoPE).
+# Jamba's vocab of 65,536, untied embeddings; its token ids (pad 0, bos 1, eos 2).
+JAMBA = dict(vocab_size=65536, hidden_size=1024, intermediate_size=1024, num_hidden_layers=24, attn_layer_period=8,
+             attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, num_experts=16, num_experts_per_tok=2,
+             num_attention_heads=8, num_key_value_heads=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+             mamba_dt_rank="auto", max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# tiny: 4 layers (3 Mamba1 + attention at layer 2, as the tiny Qwen3.5 model's 3 + 1), MoE in layers 1 and 3 (4
+# experts, top-2), dt rank auto (4)
+TINY_JAMBA = dict(JAMBA, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  attn_layer_period=4, attn_layer_offset=2, num_experts=4, num_attention_heads=2, num_key_value_heads=1)
 
 
 def log_triton_compiles() -> list[str] | None:
@@ -153,11 +175,11 @@ def parse_variants(text: str) -> dict[str, dict[str, int]]:
     return variants
 
 
-def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None) -> dict:
-    """Random ``Qwen3_5ForCausalLM`` (with ``moe``, the expert sizes: ``Qwen3_5MoeForCausalLM``)
-    built on ``device`` in ``dtype``, saved to ``out``; returns its sizes for the roofline (bytes one
-    decode step reads of the weights; with MoE layers without the routed experts, and
-    ``expert_bytes``: one expert's, every layer's)."""
+def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None, jamba: bool = False) -> dict:
+    """Random ``Qwen3_5ForCausalLM`` (with ``moe``, the expert sizes: ``Qwen3_5MoeForCausalLM``; with
+    ``jamba``, ``JambaForCausalLM`` of ``kw`` alone, its experts in it) built on ``device`` in ``dtype``,
+    saved to ``out``; returns its sizes for the roofline (bytes one decode step reads of the weights;
+    with MoE layers without the routed experts, and ``expert_bytes``: one expert's, every layer's)."""
     import transformers
 
     torch.manual_seed(0)
@@ -165,7 +187,9 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            if moe is None:
+            if jamba:
+                model = transformers.JambaForCausalLM(transformers.JambaConfig(**{**checkpoints.JAMBA_KW, **kw}))
+            elif moe is None:
                 model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
             else:
                 dense = {k: v for k, v in kw.items() if k != "intermediate_size"}
@@ -175,16 +199,23 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None
         torch.set_default_dtype(default)
     model.eval()
     with torch.no_grad():
-        checkpoints.perturb_constants(model)  # non-constant norms; peaked lm_head (the tied embedding)
+        # non-constant norms (Jamba: also D, the conv and dt biases); peaked lm_head (Qwen3.5: the tied embedding)
+        checkpoints.perturb_constants(model)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = list(model.parameters())  # tied: the shared matrix once
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    # the routed experts: Qwen3.5-MoE's mlp.experts.*, Jamba's feed_forward.experts.* (not the shared expert, the
+    # routers, nor Jamba's dense MLPs)
     experts = sum(nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
+    routed = kw["num_experts"] if jamba else moe["num_experts"] if moe else 0
+    tied = embed.data_ptr() == head.data_ptr()
     info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
                 # every step reads the whole lm_head but only B rows of the embedding (and of the
-                # routed experts, those its tokens chose: roofline())
-                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + nbytes(head) - experts,
-                expert_bytes=experts // moe["num_experts"] if moe else 0)
+                # routed experts, those its tokens chose: roofline()); untied (Jamba): the lm_head
+                # is among the parameters already
+                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + (nbytes(head) if tied else 0)
+                - experts,
+                expert_bytes=experts // routed if experts else 0)
     model.save_pretrained(out, safe_serialization=True)
     del model
     return info
@@ -224,8 +255,11 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, 4 layers, vocab 2048) to test on CPU")
-    ap.add_argument("--moe", action="store_true", help="the model with MoE layers (MOE: 64 experts, top-8, and a "
-                    "shared expert) in place of its MLPs; writes its own section")
+    model_kind = ap.add_mutually_exclusive_group()
+    model_kind.add_argument("--moe", action="store_true", help="the model with MoE layers (MOE: 64 experts, top-8, "
+                            "and a shared expert) in place of its MLPs; writes its own section")
+    model_kind.add_argument("--jamba", action="store_true", help="a Jamba-style model instead (JAMBA: 21 Mamba1 + 3 "
+                            "attention layers, 16 experts, top-2, in every 2nd); writes its own section")
     ap.add_argument("--repeats", type=int, default=5)  # 3 let one stalled run move a median
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
@@ -274,9 +308,16 @@ def main() -> None:
     from hyla.model.config import ModelConfig
 
     transformers.logging.set_verbosity_error()
-    kernels = {k: importlib.util.find_spec(k) is not None for k in ("fla", "causal_conv1d")}
-    kw = TINY if args.tiny else FULL
-    moe = (TINY_MOE if args.tiny else MOE) if args.moe else None
+    # transformers' Jamba runs mamba_ssm's kernels (and causal_conv1d's) where importable, else PyTorch
+    kernels = {k: importlib.util.find_spec(k) is not None
+               for k in ("fla", "causal_conv1d", *(("mamba_ssm",) if args.jamba else ()))}
+    if args.jamba:
+        kw = TINY_JAMBA if args.tiny else JAMBA
+        # its routing, for the roofline (the experts are in kw; num_experts 1: dense MLPs only)
+        moe = {k: kw[k] for k in ("num_experts", "num_experts_per_tok")} if kw["num_experts"] > 1 else None
+    else:
+        kw = TINY if args.tiny else FULL
+        moe = (TINY_MOE if args.tiny else MOE) if args.moe else None
     log(f"{machine()}, transformers {transformers.__version__}, {dtype_name}, importable: {kernels}")
     bw, copy_bytes = bandwidth(dev)
     log(f"copy bandwidth {bw / 1e9:,.0f} GB/s")
@@ -284,7 +325,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-decode-")
     path = Path(tmp.name)
     t0 = time.perf_counter()
-    sizes = build(path, kw, dev, dtype, moe)
+    sizes = build(path, kw, dev, dtype, None if args.jamba else moe, jamba=args.jamba)
     gc.collect()
     log(f"built and saved {sizes['params'] / 1e6:,.1f} M parameters ({sizes['param_bytes'] / 1e9:.3f} GB) "
         f"in {time.perf_counter() - t0:.1f} s")
@@ -435,7 +476,10 @@ def main() -> None:
         if moe else (lambda b: 0)
     roof = {b: b * bw / (sizes["weight_bytes_per_step"] + chosen(b) * sizes["expert_bytes"] + b * (
         2 * layout.state_bytes_per_slot + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
-    hf_name = "transformers" + (" + fla" if kernels["fla"] else " (no fla: torch fallback)")
+    if args.jamba:
+        hf_name = "transformers" + (" + mamba_ssm" if kernels["mamba_ssm"] else " (no mamba_ssm: torch fallback)")
+    else:
+        hf_name = "transformers" + (" + fla" if kernels["fla"] else " (no fla: torch fallback)")
     rows = []
     for b in batches:
         cells = {}
@@ -477,22 +521,41 @@ def main() -> None:
             c, c0 = med[f"hyla_cached_ttft{at}"], med["hyla_cached_ttft"]
             cells.append(f"{1e3 * c:.2f} ms = {100 * c / t:.1f}% ({c / c0:.3f}x)")
             rows.append(f"| `{label}` | " + " | ".join(cells) + " |")
-    kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
-            f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
-            f"in place of the MLP)") if moe else "Qwen3.5-style dense model"
-    desc = (f"{'tiny ' if args.tiny else ''}{kind}, random weights: hidden {kw['hidden_size']}, "
-            f"{kw['num_hidden_layers']} layers ({kw['layer_types'].count('linear_attention')} Gated DeltaNet + "
-            f"{kw['layer_types'].count('full_attention')} attention), GDN {kw['linear_num_key_heads']}/"
-            f"{kw['linear_num_value_heads']} heads of {kw['linear_key_head_dim']}, attention "
-            f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, "
-            f"{'' if moe else 'MLP ' + str(kw['intermediate_size']) + ', '}vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
-            f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+    if args.jamba:
+        layers = range(kw["num_hidden_layers"])
+        attn = [i for i in layers if i % kw["attn_layer_period"] == kw["attn_layer_offset"]]
+        moe_layers = [i for i in layers if i % kw["expert_layer_period"] == kw["expert_layer_offset"]] if moe else []
+        inner, dt_rank = kw["mamba_expand"] * kw["hidden_size"], kw["mamba_dt_rank"]
+        dt_rank = -(-kw["hidden_size"] // 16) if dt_rank == "auto" else dt_rank  # JambaConfig's auto
+        ffn = (f"MoE in {len(moe_layers)} layers (i % {kw['expert_layer_period']} = {kw['expert_layer_offset']}: "
+               f"{kw['num_experts']} experts, top-{kw['num_experts_per_tok']}, "
+               f"{kw['intermediate_size']} wide, no shared expert), SwiGLU MLP {kw['intermediate_size']} in the "
+               f"other {len(layers) - len(moe_layers)}") if moe else f"SwiGLU MLP {kw['intermediate_size']}"
+        desc = (f"{'tiny ' if args.tiny else ''}Jamba-style model (`JambaForCausalLM`), random weights: hidden "
+                f"{kw['hidden_size']}, {len(layers)} layers ({len(layers) - len(attn)} Mamba1 + {len(attn)} attention "
+                f"at {', '.join(map(str, attn))}), Mamba1 d_state {kw['mamba_d_state']}, expand {kw['mamba_expand']} "
+                f"(inner {inner}), conv {kw['mamba_d_conv']}, dt rank {dt_rank}, attention "
+                f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of "
+                f"{kw['hidden_size'] // kw['num_attention_heads']} (no RoPE), {ffn}, vocab {vocab:,}, "
+                f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings; {sizes['params'] / 1e6:,.1f} M "
+                f"parameters, {sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+    else:
+        kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
+                f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
+                f"in place of the MLP)") if moe else "Qwen3.5-style dense model"
+        desc = (f"{'tiny ' if args.tiny else ''}{kind}, random weights: hidden {kw['hidden_size']}, "
+                f"{kw['num_hidden_layers']} layers ({kw['layer_types'].count('linear_attention')} Gated DeltaNet + "
+                f"{kw['layer_types'].count('full_attention')} attention), GDN {kw['linear_num_key_heads']}/"
+                f"{kw['linear_num_value_heads']} heads of {kw['linear_key_head_dim']}, attention "
+                f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, "
+                f"{'' if moe else 'MLP ' + str(kw['intermediate_size']) + ', '}vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
+                f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
     cmd = shlex.join([".venv/bin/python", "benchmarks/gpu_decode.py", *sys.argv[1:]])
     agreed = "" if agree is None else \
         f" Greedy check before timing: hyla and transformers agree on the first {agree} of 8 tokens."
     body = "\n".join([
-        f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: fla {kernels['fla']}, "
-        f"causal_conv1d {kernels['causal_conv1d']}; hyla engine options {opts or '—'}"
+        f"`{cmd}` — {machine()}, transformers {transformers.__version__}; importable: "
+        f"{', '.join(f'{k} {v}' for k, v in kernels.items())}; hyla engine options {opts or '—'}"
         f"{''.join(f'; {knob}' for knob in knobs)}.",
         "",
         f"{desc}.",
@@ -527,7 +590,8 @@ def main() -> None:
                                              raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
                                         indent=1))
     if not args.no_write:
-        write_section("GPU decode: a model with MoE layers" if moe else "GPU decode", body)
+        write_section("GPU decode: Jamba" if args.jamba else "GPU decode: a model with MoE layers" if moe
+                      else "GPU decode", body)
     tmp.cleanup()
 
 

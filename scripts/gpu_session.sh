@@ -18,6 +18,8 @@
 #   moe      gpu_decode.py --moe: batch 1 and 8 of the model with MoE layers (their experts gathered or grouped
 #            in the CUDA graphs) against transformers, then without CUDA graphs; batch 32 at gather caps 64
 #            (grouped) and 256 (gathered) (~6 min)
+#   jamba    gpu_decode.py --jamba --batches 1,8,64: the Jamba-style model (Mamba1 layers on selective_scan.py's
+#            Triton kernels, in CUDA graphs; 16 experts, top-2) against transformers, and the HBM roofline (~4 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too) (~4 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -80,6 +82,8 @@ for s in "$@"; do
                  timeout 120 python3 benchmarks/gpu_decode.py --moe --batches 32 --repeats 3 --hyla-only --no-write \
                      --moe-gather-max $cap 2>&1 | tee -a "$out/moe.log" | grep -E "decode, batch|Error|error"
              done ;;
+        jamba) timeout 300 python3 benchmarks/gpu_decode.py --jamba --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
+                   --json "$out/gpu_decode_jamba.json" 2>&1 | tee "$out/jamba.log" | tail -20 ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \
@@ -97,7 +101,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

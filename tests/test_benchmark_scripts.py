@@ -90,6 +90,27 @@ def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
     assert roof[2] > roof[1] > 0 and data["medians"]["hyla_decode_1"] > 0 and "hf_decode_2" in data["medians"]
 
 
+def test_gpu_decode_runs_on_cpu_with_jamba(tmp_path):
+    """``--jamba``: the Jamba-style model (Mamba1 + attention, MoE in every 2nd layer), both sides (their
+    greedy check agrees), its cached TTFT hitting the whole prefix, its roofline counting the experts a
+    batch chooses and the untied lm_head once."""
+    report = tmp_path / "gpu_decode.json"
+    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--jamba", "--batches", "1,2", "--new-tokens",
+               "2", "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json",
+               str(report))
+    assert "Jamba-style model (`JambaForCausalLM`)" in out and "(3 Mamba1 + 1 attention at 2)" in out
+    assert "4 experts, top-2" in out and "per distinct expert" in out
+    data = json.loads(report.read_text())
+    sizes, medians = data["sizes"], data["medians"]
+    assert data["greedy_agreement"] == 8 and data["moe"] == {"num_experts": 4, "num_experts_per_tok": 2}
+    # every parameter: the step's weights (lm_head among them), the embedding (B rows a step), the 4 experts
+    h, vocab = data["config"]["hidden_size"], data["config"]["vocab_size"]
+    assert sizes["expert_bytes"] > 0
+    assert sizes["param_bytes"] == sizes["weight_bytes_per_step"] + 4 * vocab * h + 4 * sizes["expert_bytes"]
+    roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
+    assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians
+    assert medians["hyla_cached_hit"] == 48
+
 def test_cpu_moe_measures_hyla_against_transformers(tmp_path):
     # shorter prompts than the script's (32 tokens, not 512; 8 requests of 16 -> 4, not 128 -> 64)
     out = _run("benchmarks/cpu_moe.py", "--tiny", "--model-dir", str(tmp_path), "--repeats", "1", "--new-tokens", "4",
