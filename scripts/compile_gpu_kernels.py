@@ -90,7 +90,7 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import logits, mamba2_decode, moe, pdl, selective_scan
+    from hyla.model.ops.gpu import kda_decode, latent_attention, logits, mamba2_decode, moe, pdl, selective_scan
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.varlen import VarlenPlan
 
@@ -201,6 +201,17 @@ def cases():
                 selective_scan.selective_scan_segments_fused(r(12, ch), r(12, ch), a1, r(12, n1), r(12, n1), f32(ch),
                                                              f32(ch), sstates, long(1, 2), long(0, 5), long(0, 5, 12),
                                                              torch.empty(12, ch, dtype=dt), r(12, ch), with_ckpts)
+        # Kimi-Linear: KDA's decode (heads of 128, as the published model) and chains; MLA's decode
+        # attention over its 576-wide latent (halves of 288 in the K and V buffers), 32 heads
+        kstates = f32(8, 2, 128, 128)
+        for chain in (None, chains):
+            rows = 2 if chain is None else 4
+            yield f"kda_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
+                kda_decode.kda_decode_fused(r(rows, 3 * 2 * 128), r(rows, 2 * 128), r(rows, 2), f32(2), f32(2 * 128),
+                                            kstates, long(1, 2), chain=chain)
+        ltable = torch.zeros(4, 16, dtype=torch.long)
+        yield f"latent_decode_attention {n}", lambda: latent_attention.paged_latent_decode_attention(
+            r(2, 32, 576), r(64, 1, 288), r(64, 1, 288), ltable, long(1, 2), long(9, 3), 576**-0.5, 512)
         # attention: the q/k prologue (norm + RoPE + K/V writes), split-KV decode with the output gate
         hq, hkv, d = 4, 1, 256
         kb, vb = r(64, hkv, d), r(64, hkv, d)

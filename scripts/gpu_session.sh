@@ -62,7 +62,8 @@ for s in "$@"; do
     stage "$s"
     case $s in
         tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fused_decode.py \
-                   tests/test_fused_extend.py tests/test_fused_selective_scan.py tests/test_engine_overlap.py \
+                   tests/test_fused_extend.py tests/test_fused_selective_scan.py tests/test_fused_kimi_linear.py \
+                   tests/test_engine_overlap.py \
                    tests/test_engine_mixed_chunk.py \
                    tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights 2>&1 | tee "$out/tests.log" | tail -30 ;;
         decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \

@@ -203,6 +203,8 @@ bamba_path = _tiny_checkpoint("bamba_path", checkpoints.make_bamba)
 granite_h_path = _tiny_checkpoint("granite_h_path", checkpoints.make_granite_h)
 lfm2_path = _tiny_checkpoint("lfm2_path", checkpoints.make_lfm2)
 kimi_linear_path = _tiny_checkpoint("kimi_linear_path", checkpoints.make_kimi_linear)
+kimi_linear_short_path = _tiny_checkpoint("kimi_linear_short_path", checkpoints.make_kimi_linear, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])  # MLP, then MoE
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)

@@ -538,7 +538,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
-                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba"])
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba", "kimi_linear"])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
@@ -623,7 +623,7 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
 # (test_decode_kernels_run_chains)
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
-                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba"])
+                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba", "kimi_linear"])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     """Speculation with verify steps as padded chains through the fused decode kernels
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its
@@ -885,8 +885,13 @@ def test_fused_chains_refuse_bad_batches(qwen3_5_short_path):
             runner.forward_chains([req], [2], torch.tensor([10, 11]), [[1, 3]])
 
 
-def test_fused_decode_refuses_layers_without_kernels(kimi_linear_path):
-    with Engine(kimi_linear_path, max_total_tokens=256, max_state_slots=8) as engine:
+def test_fused_decode_refuses_layers_without_kernels(kimi_linear_short_path, monkeypatch):
+    """A model with a mixer that has no fused decode path (every architecture's have one now: here
+    Kimi's MLA made to say it has none) gets no fused runner, with a clear error."""
+    from hyla.model.kimi_linear import LatentAttention
+
+    monkeypatch.setattr(LatentAttention, "fused_decode", False)
+    with Engine(kimi_linear_short_path, max_total_tokens=256, max_state_slots=8) as engine:
         assert not engine.model.supports_fused_decode()
         with pytest.raises(ValueError, match="fused decode kernel"):
             ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,

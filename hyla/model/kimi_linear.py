@@ -92,7 +92,11 @@ MLA_NORM_EPS = 1e-6
 class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``qkv_proj`` rows are ``[q | k | v]`` (``H·D`` each, heads contiguous), the conv
     runs over those ``3·H·D`` channels. State: ``batch.conv_states[j]`` ``[S, 3HD, K-1]`` and
-    ``batch.ssm_states[j]`` ``[S, H, D, D]`` (``j`` = the layer's linear ordinal)."""
+    ``batch.ssm_states[j]`` ``[S, H, D, D]`` (``j`` = the layer's linear ordinal). A fused decode step
+    (a GPU's) runs the conv window's kernel and ``ops/gpu/kda_decode.py``'s; a GPU extend fla's
+    ``chunk_kda``."""
+
+    fused_decode = True  # see HybridForCausalLM.supports_fused_decode
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -119,6 +123,13 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
+        if batch.fused_decode:  # Triton: the conv window, then the gates and the state update (chains too)
+            mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states, slots,
+                                                                     "silu", chain=batch.chain_slots)
+            o = _gpu("kda_decode").kda_decode_fused(mixed, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
+                                                    self.A_log, self.dt_bias, ssm_states, slots,
+                                                    chain=batch.chain_slots)  # [B, H, D]
+            return self._out(o, x)
         plan = batch.state_slot_plan  # decode: validated at batch construction
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
@@ -139,6 +150,12 @@ class KimiDeltaAttention(nn.Module):
         else:
             o = chunk_kda_varlen(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
                                  use_qk_l2norm=True)  # [T, H, D]
+        return self._out(o, x)
+
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The KDA output ``o [T, H, D]`` through each head's RMSNorm (fp32), gated by
+        ``sigmoid(g_b(g_a(x)))``, and ``o_proj``."""
+        t, heads, d = o.shape
         gate = self.g_b_proj(self.g_a_proj(x)).view(t, heads, d)
         o32 = o.float()
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
@@ -151,7 +168,11 @@ class KimiDeltaAttention(nn.Module):
 
 class LatentAttention(nn.Module):
     """MLA without RoPE, attending in the latent space over the paged KV pool (see the module
-    docstring: the pool holds each token's latent ``[c_kv | k_pe]``, half in K, half in V)."""
+    docstring: the pool holds each token's latent ``[c_kv | k_pe]``, half in K, half in V). A fused
+    decode step (a GPU's) attends through ``ops/gpu/latent_attention.py``'s split-KV kernel over the
+    request table on the device."""
+
+    fused_decode = True  # see HybridForCausalLM.supports_fused_decode
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
@@ -188,11 +209,17 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, r], [H, v, r]
         q_latent = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)  # [T, H, r + rope]
-        o = latent_paged_attention(
-            q_latent, latent, batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index],
-            batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens, batch.extend_lens,
-            self.scaling, self.rank, tree_masks=_tree_masks(batch), kv_starts=batch.kv_starts,
-        )  # [T, H, r]
+        kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
+        if batch.fused_decode:  # the latents written to their slots, then a Triton split-KV attention
+            write_latents(latent, kb, vb, batch.out_cache_loc)
+            o = _gpu("latent_attention").paged_latent_decode_attention(
+                q_latent, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling,
+                self.rank)  # [B, H, r]
+        else:
+            o = latent_paged_attention(
+                q_latent, latent, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
+                batch.extend_lens, self.scaling, self.rank, tree_masks=_tree_masks(batch), kv_starts=batch.kv_starts,
+            )  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(t, heads * self.v_dim))
 
@@ -225,9 +252,7 @@ def latent_paged_attention(
                          f"{tuple(k_buffer.shape)}, {tuple(v_buffer.shape)} (two halves of the latent)")
     if sum(extend_lens) != t or out_cache_loc.numel() != t:
         raise ValueError(f"extend_lens / out_cache_loc disagree with the {t} new tokens")
-    padded = F.pad(latent, (0, 2 * half - width)).to(k_buffer.dtype)  # [T, 2*half]
-    k_buffer.index_copy_(0, out_cache_loc, padded[:, None, :half])
-    v_buffer.index_copy_(0, out_cache_loc, padded[:, None, half:])
+    write_latents(latent, k_buffer, v_buffer, out_cache_loc)
 
     def read(slots: torch.Tensor) -> torch.Tensor:  # [n] -> [n, L] latents in q's dtype
         rows = torch.cat([k_buffer.index_select(0, slots), v_buffer.index_select(0, slots)], dim=-1)[:, 0]
@@ -261,6 +286,16 @@ def latent_paged_attention(
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
     return out
+
+
+def write_latents(latent: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                  out_cache_loc: torch.Tensor) -> None:
+    """The new tokens' latents ``[T, L]`` into their pool slots: the first half of each (zero-padded
+    to ``2 * half``) in the K buffer, the second in the V buffer (``[S, 1, half]``). No host read."""
+    half = k_buffer.shape[-1]
+    padded = F.pad(latent, (0, 2 * half - latent.shape[1])).to(k_buffer.dtype)  # [T, 2*half]
+    k_buffer.index_copy_(0, out_cache_loc, padded[:, None, :half])
+    v_buffer.index_copy_(0, out_cache_loc, padded[:, None, half:])
 
 
 # --- the model ---------------------------------------------------------------------------------

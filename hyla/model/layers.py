@@ -1138,9 +1138,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     # --- what the fused (Triton) decode step covers ---
     def supports_fused_decode(self) -> bool:
-        """Every mixer has a fused decode path (its class sets ``fused_decode``: full attention, Gated
-        DeltaNet, Mamba2 and LFM2's short conv so far, Falcon-H1's parallel pair included; KDA and
-        MLA decode through their PyTorch ops)."""
+        """Every mixer has a fused decode path (its class sets ``fused_decode``: every mixer of every
+        architecture now — full attention, Gated DeltaNet, Mamba2, Mamba1, LFM2's short conv, KDA and
+        MLA, Falcon-H1's parallel pair included)."""
         return all(getattr(mixer, "fused_decode", False) for layer in self.layers for mixer in layer.mixers())
 
     @functools.cached_property
@@ -1157,7 +1157,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def supports_fused_extend(self) -> bool:
         """Every mixer runs a fused extend (``ForwardBatch.fused_extend``: full attention, Gated
-        DeltaNet and Mamba2, whose extend kernels read only device indices): what a CUDA graph of an
+        DeltaNet, Mamba2 and Mamba1, whose extend kernels read only device indices; not yet KDA and
+        MLA, nor LFM2's short conv): what a CUDA graph of an
         extend needs (MoE layers read nothing on the host on a GPU either: :meth:`SparseMoE.path`)."""
         return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers())
 

@@ -1,0 +1,113 @@
+"""One Kimi Delta Attention decode step as one Triton kernel: the gates, q/k l2norm and the in-place
+update of the fp32 state pool, with a state-slot index (Kimi-Linear's KDA layers on a GPU).
+
+Reference: the layer's gating (``KimiDeltaAttention.forward``) followed by
+:func:`hyla.model.ops.kda.recurrent_kda_update`. Gated DeltaNet's kernel
+(``gated_delta_decode``) with the decay moved inside the key dimension: per sequence ``i`` and head
+``h`` (Kimi-Linear has as many key heads as value heads), with ``S = ssm_states[slots[i], h]
+[Dk, Dv]``::
+
+    beta = sigmoid(b)  (rounded to b's dtype, as the layer computes it)
+    g    = -exp(A_log[h]) * softplus(f + dt_bias)   [Dk]: one log-decay per key channel
+    q    = l2norm(q) * Dk**-0.5,   k = l2norm(k),   e = exp(g)
+    delta = beta * (v - (e k)^T S);   o = (e q)^T S + (q . k) delta;   S <- diag(e) S + k delta^T
+
+Each program owns one ``(sequence, head, block of Dv columns)`` of the state. ``slots[i] == -1``:
+zero state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S``
+sequences of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token
+to token and written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]``
+is read. The conv before it is ``conv1d_decode``'s kernel; an extend runs fla's ``chunk_kda``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.model.ops.gpu import chain_of, pdl
+from hyla.model.ops.gpu.gated_delta_decode import _chain_state, _gdn_gates, _store_chain_state
+
+# (value columns of the state per program, warps): a program runs the recurrence on a [Dk, BV] block.
+# Read at each launch; as Gated DeltaNet's decode (gated_delta_decode.DECODE_TILES, timed on an H100
+# for 128x128 heads, Kimi-Linear's size). Not yet timed for KDA on a GPU.
+DECODE_TILES = (32, 4)
+
+
+@triton.jit
+def _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale):
+    """One token on a ``[BK, BV]`` block of a head's fp32 state, from its loaded inputs: ``q, k [BK]``,
+    ``v [BV]``, the raw decay input ``f [BK]`` and gate ``b``; ``neg_a = -exp(A_log[h])``, ``dt_bias
+    [BK]`` fp32. Returns ``(S, o [BV])``."""
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    g, beta = _gdn_gates(f, b, neg_a, dt_bias)  # g [BK]: Gated DeltaNet's gate, per channel
+    e = tl.exp(g)
+    kS = tl.sum((k * e)[:, None] * S, axis=0)  # [BV]: k^T diag(e) S
+    qS = tl.sum((q * e)[:, None] * S, axis=0)
+    delta = (v - kS) * beta
+    o = qS + tl.sum(q * k, axis=0) * delta
+    S = e[:, None] * S + k[:, None] * delta[None, :]
+    return S, o
+
+
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
+def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                       W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
+    pid = tl.program_id(0)
+    i = pid // H
+    h = pid % H
+    dk = tl.arange(0, BK)
+    mk = dk < DK
+    dv = tl.program_id(1) * BV + tl.arange(0, BV)
+    mv = dv < DV
+    neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    S = _chain_state(state_ptr, tl.load(chain_ptr + i).to(tl.int64), offs, mk, mv, H, DK, DV, BK, BV)  # fp32
+    for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
+        r = i * W + j
+        row = qkv_ptr + r * qkv_stride
+        q = tl.load(row + h * DK + dk, mask=mk, other=0.0)
+        k = tl.load(row + H * DK + h * DK + dk, mask=mk, other=0.0)
+        v = tl.load(row + 2 * H * DK + h * DV + dv, mask=mv, other=0.0)
+        f = tl.load(f_ptr + r * f_stride + h * DK + dk, mask=mk, other=0.0)
+        S, o = _kda_step(S, q, k, v, f, tl.load(b_ptr + r * b_stride + h), neg_a, dt_bias, scale)
+        dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+        _store_chain_state(state_ptr, dst, S, offs, mk, mv, H, DK, DV, BK, BV)
+        tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                     dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                     chain: torch.Tensor | None = None) -> torch.Tensor:
+    """``qkv [B, 3*H*D]`` (the conv's output, ``[q | k | v]`` with heads contiguous; rows may be
+    strided), the raw decay input ``f [B, H*Dk]`` (``f_b(f_a(x))``) and gate ``b [B, H]``
+    (``b_proj(x)``), ``a_log [H]`` and ``dt_bias [H*Dk]``; ``ssm_states [S, H, Dk, Dv]`` fp32 updated
+    in place at ``slots [B]`` (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, H, Dv]``
+    in qkv's dtype."""
+    rows = qkv.shape[0]
+    if ssm_states.dim() != 4 or ssm_states.dtype != torch.float32 or not ssm_states.is_contiguous():
+        raise ValueError(f"ssm_states must be a contiguous fp32 [S, H, Dk, Dv] tensor, got {list(ssm_states.shape)}")
+    heads, dk, dv = ssm_states.shape[1:]
+    if qkv.shape != (rows, heads * (2 * dk + dv)) or f.shape != (rows, heads * dk) or b.shape != (rows, heads):
+        raise ValueError(f"qkv [B, {heads * (2 * dk + dv)}], f [B, {heads * dk}] and b [B, {heads}] must fit "
+                         f"ssm_states {list(ssm_states.shape)}")
+    if a_log.shape != (heads,) or dt_bias.shape != (heads * dk,):
+        raise ValueError(f"a_log must be [{heads}] and dt_bias [{heads * dk}]")
+    if any(t.stride(1) != 1 for t in (qkv, f, b)):
+        raise ValueError("qkv, f and b need unit column stride")
+    w, chain, seqs = chain_of(chain, slots, rows)
+    o = torch.empty(rows, heads, dv, dtype=qkv.dtype, device=qkv.device)
+    bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
+    _kda_decode_kernel[(seqs * heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, ssm_states, chain, chain.stride(0), o,
+        dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=warps,
+        **pdl.launch(qkv))
+    return o

@@ -1,0 +1,133 @@
+"""Multi-head latent attention (MLA, Kimi-Linear's full-attention layers) for a decode step in
+Triton: one query per sequence over the latents in the paged pool, split-KV, read through the
+request table on the device (so a step has no host read and a fixed shape per batch size: CUDA
+graphs capture it).
+
+Reference: the decode path of :func:`hyla.model.kimi_linear.latent_paged_attention` (same result,
+fp32 softmax). The pool holds each token's latent ``[c_kv | k_pe]`` (width ``L``), its first half in
+the layer's K buffer, the second in its V buffer (``[S, 1, half]``, zero-padded past ``L``); with the
+up-projections absorbed, every head attends with the latent as its key and the latent's first
+``value_dim`` channels as its value::
+
+    o[h] = softmax_s(scale * q[h] . latent_s) @ latent_s[:value_dim]        q [H, L]
+
+Stage 1: program ``(sequence, block of BH heads, split)`` runs an online softmax over its share of
+the keys, the scores ``q[:half] . K + q[half:] . V`` and the two halves of the output accumulated
+apart, and writes a partial output ``[2*half]`` with its log-sum-exp per head; stage 2 is
+``decode_attention``'s merge of the splits (``merge_splits``). The new token's latent is in the
+pool before (the layer writes it). Verify steps' chains need nothing more: each row of the step is
+a query with its own request row and length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hyla.model.ops.gpu import pdl
+from hyla.model.ops.gpu.decode_attention import _store_partials, merge_splits, num_splits
+
+# (heads per program, keys per block, warps). Read at each launch. Not yet timed on a GPU: Kimi-Linear's
+# 32 heads over a 576-wide latent (halves of 288, padded to 512 in registers) hold two [16, 512] fp32
+# accumulators a program at 16 heads.
+TILES = (16, 16, 4)
+
+
+@triton.jit
+def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, scale, d, md, R: tl.constexpr,
+                   BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    """The online softmax of query rows ``q1, q2 [R, BD]`` (each head's latent query, first and second
+    half) over keys ``[start, end)`` of one request-table row ``table`` -> ``(acc1, acc2 [R, BD], m [R],
+    l [R])``: the value's two halves accumulated apart."""
+    m_i = tl.full([R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([R], dtype=tl.float32)
+    acc1 = tl.zeros([R, BD], dtype=tl.float32)
+    acc2 = tl.zeros([R, BD], dtype=tl.float32)
+    for n0 in range(start, end, BN):
+        n = n0 + tl.arange(0, BN)
+        mn = n < end
+        slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
+        off = slot[:, None] * kv_stride_s + d[None, :]
+        mask = mn[:, None] & md[None, :]
+        k1 = tl.load(k_ptr + off, mask=mask, other=0.0)  # [BN, BD]: the latents' first halves
+        k2 = tl.load(v_ptr + off, mask=mask, other=0.0)  # and their second
+        if IEEE:
+            s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
+        else:
+            s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+        s = tl.where(mn[None, :], s.to(tl.float32) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv1 = tl.dot(p, k1.to(tl.float32), input_precision="ieee")
+            pv2 = tl.dot(p, k2.to(tl.float32), input_precision="ieee")
+        else:
+            pv1 = tl.dot(p.to(k1.dtype), k1)
+            pv2 = tl.dot(p.to(k2.dtype), k2)
+        acc1 = acc1 * alpha[:, None] + pv1
+        acc2 = acc2 * alpha[:, None] + pv2
+        m_i = m_new
+    return acc1, acc2, m_i, l_i
+
+
+@triton.jit(do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
+def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr,
+                   part_lse_ptr, scale, kv_stride_s, H: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr,
+                   BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
+    i = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    mh = h < H
+    d = tl.arange(0, BD)
+    md = d < HALF
+    row = q_ptr + i * q_stride + h[:, None] * L
+    q1 = tl.load(row + d[None, :], mask=mh[:, None] & (md & (d < L))[None, :], other=0.0)
+    q2 = tl.load(row + HALF + d[None, :], mask=mh[:, None] & (md & (HALF + d < L))[None, :], other=0.0)
+
+    length = tl.load(lens_ptr + i).to(tl.int32)
+    table = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * table_stride
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
+    start = split * per
+    end = tl.minimum(start + per, length)
+    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, scale, d, md,
+                                          BH, BD, BN, IEEE)
+    out = (i * H + h) * SPLITS + split
+    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mh, d, md, 2 * HALF)
+    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mh, d, md, 2 * HALF)
+
+
+def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                                  req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
+                                  scaling: float, value_dim: int, splits: int | None = None) -> torch.Tensor:
+    """``q [B, H, L]`` (each head's latent query: ``[q_nope W_uk | q_pe]``; rows may be strided) over
+    the latents in ``k_buffer / v_buffer [S, 1, half]`` (first and second half, ``L <= 2*half``);
+    sequence ``i`` attends to the slots ``req_to_token[req_rows[i], :seq_lens[i]]`` -> ``o [B, H,
+    value_dim]`` (dtype of q): the softmax-weighted sum of the latents' first ``value_dim`` channels."""
+    b, heads, width = q.shape
+    half = k_buffer.shape[-1]
+    if k_buffer.shape[1:] != (1, half) or v_buffer.shape != k_buffer.shape or not width <= 2 * half \
+            or not 0 < value_dim <= width:
+        raise ValueError(f"q {list(q.shape)} and value_dim {value_dim} do not fit the KV buffers "
+                         f"{list(k_buffer.shape)}, {list(v_buffer.shape)} (two halves of the latent)")
+    if q.stride(2) != 1 or q.stride(1) != width or not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
+        raise ValueError("q rows [H, L] and the KV buffers must be contiguous")
+    if req_rows.shape != (b,) or seq_lens.shape != (b,) or req_to_token.stride(1) != 1:
+        raise ValueError("req_rows and seq_lens must be [B]; req_to_token rows contiguous")
+    splits = splits or num_splits(b, 1)
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    part_o = torch.empty(b, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+    bh, bn, warps = TILES
+    bh = max(16, min(bh, triton.next_power_of_2(heads)))
+    _latent_stage1[(b, triton.cdiv(heads, bh), splits)](
+        q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o,
+        part_lse, scaling, k_buffer.stride(0), H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
+        BH=bh, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
+    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]

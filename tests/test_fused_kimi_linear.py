@@ -1,0 +1,146 @@
+"""Kimi-Linear's decode kernels (``hyla/model/ops/gpu/kda_decode.py``: Kimi Delta Attention's step;
+``latent_attention.py``: MLA over the latents in the pool) against the PyTorch ops they replace
+(``ops/kda.py``'s ``recurrent_kda_update`` with the layer's gates; ``kimi_linear.latent_paged_attention``).
+The engine runs them in ``test_fused_decode`` (the fused decode step and verify chains).
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set
+before any kernel is defined, as ``test_fused_decode`` does); on a GPU they run for real, bf16 too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before hyla.model.ops.gpu defines its kernels
+DEVICE = "cuda" if GPU else "cpu"
+
+pytest.importorskip("triton")
+
+from hyla.model.kimi_linear import latent_paged_attention, write_latents  # noqa: E402
+from hyla.model.ops.gpu import kda_decode  # noqa: E402
+from hyla.model.ops.gpu.latent_attention import paged_latent_decode_attention  # noqa: E402
+from hyla.model.ops.kda import recurrent_kda_update  # noqa: E402
+from test_fused_decode import _chain_reference, _tol  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
+H, D = 3, 16  # KDA heads of D x D
+
+
+def _kda_inputs(g: torch.Generator, rows: int, dtype: torch.dtype):
+    """A KDA layer's decode inputs as it passes them: the conv output ``qkv [R, 3HD]`` (strided rows),
+    the raw decay input ``f [R, HD]`` and gate ``b [R, H]``; ``a_log [H]``, ``dt_bias [HD]`` fp32."""
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    qkv = rnd(rows, 3 * H * D + 5).to(dtype)[:, :3 * H * D]
+    return qkv, rnd(rows, H * D).to(dtype), rnd(rows, H).to(dtype), rnd(H), rnd(H * D)
+
+
+def _kda_reference(qkv, f, b, a_log, dt_bias, pool, slots):
+    """The layer's PyTorch decode: its gates (``KimiDeltaAttention.forward``), then ``recurrent_kda_update``."""
+    rows = qkv.shape[0]
+    q, k, v = (t.reshape(rows, H, D) for t in qkv.split(H * D, dim=-1))
+    x = f.float() + dt_bias
+    g = -torch.exp(a_log.float())[:, None] * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x))).view(rows, H, D)
+    return recurrent_kda_update(q, k, v, g, torch.sigmoid(b), pool, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_decode_kernel(dtype, monkeypatch):
+    """A decode step == the layer's gates and ``recurrent_kda_update``: outputs and the pool updated in
+    place at the slots (two blocks of value columns a head); a padding row (slot -1) writes nothing.
+    Run twice: the second step continues from the first's states. Bad shapes are refused."""
+    monkeypatch.setattr(kda_decode, "DECODE_TILES", (8, 4))  # two blocks of the 16 value columns
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn(6, H, D, D, generator=g).to(DEVICE)
+    ref_pool = pool.clone()
+    slots = torch.tensor([4, -1, 1], device=DEVICE)
+    for _ in range(2):
+        qkv, f, b, a_log, dt_bias = _kda_inputs(g, 3, dtype)
+        o = kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, slots)
+        ref = _kda_reference(qkv, f, b, a_log, dt_bias, ref_pool, slots)
+        assert o.shape == (3, H, D) and o.dtype == dtype
+        torch.testing.assert_close(o[[0, 2]].float(), ref[[0, 2]].float(), atol=_tol(dtype), rtol=_tol(dtype))
+        torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="must fit"):
+        kda_decode.kda_decode_fused(qkv, f[:, :-1], b, a_log, dt_bias, pool, slots)
+    with pytest.raises(ValueError, match="unit column stride"):
+        kda_decode.kda_decode_fused(qkv, f.t().contiguous().t(), b, a_log, dt_bias, pool, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_decode_kernel_runs_chains(dtype):
+    """A verify step's chains in one launch (``chain [W+1, S]``: token ``j`` of sequence ``i`` reads its
+    state at ``chain[j, i]`` and writes it at ``chain[j + 1, i]``) == the reference token by token; a
+    padded sequence (-1 throughout) reads and writes nothing."""
+    g = torch.Generator().manual_seed(4)
+    seqs, w = 2, 3
+    chain = torch.tensor([[2, -1], [5, -1], [1, -1], [2, -1]], device=DEVICE)  # own row 2, scratch 5, 1
+    qkv, f, b, a_log, dt_bias = _kda_inputs(g, seqs * w, dtype)
+    pool = torch.randn(6, H, D, D, generator=g).to(DEVICE)
+    ref_pool = pool.clone()
+    o = kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, chain[0], chain=chain)
+    col = lambda t, j: t.view(seqs, w, *t.shape[1:])[:, j]  # noqa: E731  (column j's rows, strided)
+    ref = _chain_reference(ref_pool, chain, lambda j, slots: _kda_reference(
+        col(qkv, j), col(f, j), col(b, j), a_log, dt_bias, ref_pool, slots))
+    torch.testing.assert_close(o.view(seqs, w, H, D)[0].float(), ref[0].float(), atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_latent_decode_attention_kernel(dtype, splits):
+    """MLA's decode attention over the request table == ``latent_paged_attention``'s decode path:
+    20 heads (two blocks of 16, the second partial), an odd latent of 49 (halves of 25, the V half
+    zero-padded), values spanning both halves (40 channels), contexts of 1, 5, 21 and 40 tokens over
+    scattered slots, the new tokens' latents written first (``write_latents``, as the layer does)."""
+    g = torch.Generator().manual_seed(8)
+    heads, rank, rope = 20, 40, 9
+    width, half = rank + rope, (rank + rope + 1) // 2
+    prefix = [0, 4, 20, 39]
+    b, slots_total = len(prefix), 96
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    kb, vb = rnd(slots_total, 1, half).to(dtype), rnd(slots_total, 1, half).to(dtype)
+    write_latents(rnd(slots_total, width).to(dtype), kb, vb, torch.arange(slots_total, device=DEVICE))  # the cache
+    perm = torch.randperm(slots_total - 1, generator=g).to(DEVICE) + 1  # (slot 0: the padding sentinel)
+    table = torch.zeros(b + 2, 64, dtype=torch.long, device=DEVICE)
+    seqs, used = [], 0
+    for i, n in enumerate(prefix):
+        seqs.append(perm[used:used + n + 1])  # its cached tokens' slots, then the new token's
+        table[i + 2, :n + 1] = seqs[-1]
+        used += n + 1
+    q = rnd(b, heads, width + 3).to(dtype)[:, :, :width].contiguous()
+    latent = rnd(b, width).to(dtype)  # the new tokens'
+    loc = torch.stack([s[-1] for s in seqs])
+    ref_k, ref_v = kb.clone(), vb.clone()
+    indptr = torch.tensor([0, *torch.tensor([n + 1 for n in prefix]).cumsum(0).tolist()], device=DEVICE)
+    ref = latent_paged_attention(q, latent, ref_k, ref_v, loc, torch.cat(seqs), indptr, prefix, [1] * b, 0.2, rank)
+    write_latents(latent, kb, vb, loc)
+    out = paged_latent_decode_attention(q, kb, vb, table, torch.arange(2, b + 2, device=DEVICE),
+                                        torch.tensor([n + 1 for n in prefix], device=DEVICE), 0.2, rank, splits=splits)
+    assert out.shape == (b, heads, rank) and torch.equal(kb, ref_k) and torch.equal(vb, ref_v)
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_latent_decode_attention(q, kb[:, :, :20].contiguous(), vb[:, :, :20].contiguous(), table,
+                                      torch.arange(2, b + 2, device=DEVICE), loc, 0.2, rank)
+
+
+def test_latent_decode_attention_is_not_the_other_half():
+    """The kernel's scores use both halves of the latent and its values both halves too: zeroing the
+    pool's V half (the latent's second half) changes the output (a kernel reading only the K buffer
+    would pass the test above only by chance: this guards the two accumulators)."""
+    g = torch.Generator().manual_seed(1)
+    heads, width, half = 16, 40, 20
+    kb = torch.randn(8, 1, half, generator=g).to(DEVICE)
+    vb = torch.randn(8, 1, half, generator=g).to(DEVICE)
+    table = torch.arange(8, device=DEVICE).view(1, 8)
+    q = torch.randn(1, heads, width, generator=g).to(DEVICE)
+    args = (table, torch.zeros(1, dtype=torch.long, device=DEVICE), torch.tensor([8], device=DEVICE), 0.3, width)
+    full = paged_latent_decode_attention(q, kb, vb, *args)
+    keys = torch.cat([kb, vb], dim=-1)[:, 0]  # [8, 40]
+    torch.testing.assert_close(full[0], F.softmax(0.3 * q[0] @ keys.T, dim=-1) @ keys, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(full, paged_latent_decode_attention(q, kb, torch.zeros_like(vb), *args))
