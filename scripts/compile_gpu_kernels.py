@@ -209,9 +209,17 @@ def cases():
             yield f"kda_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
                 kda_decode.kda_decode_fused(r(rows, 3 * 2 * 128), r(rows, 2 * 128), r(rows, 2), f32(2), f32(2 * 128),
                                             kstates, long(1, 2), chain=chain)
+        kckpts = SegmentCheckpoints(kstates, long(0, 1, 2), long(3, 6), long(5, 6))
+        for with_ckpts in (None, kckpts):
+            yield f"kda_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \
+                kda_decode.kda_segments_fused(r(12, 3 * 2 * 128), r(12, 2 * 128), r(12, 2), f32(2), f32(2 * 128),
+                                              kstates, long(1, 2), long(0, 5), long(0, 5, 12),
+                                              torch.empty(12, 2, 128, dtype=dt), with_ckpts)
         ltable = torch.zeros(4, 16, dtype=torch.long)
         yield f"latent_decode_attention {n}", lambda: latent_attention.paged_latent_decode_attention(
             r(2, 32, 576), r(64, 1, 288), r(64, 1, 288), ltable, long(1, 2), long(9, 3), 576**-0.5, 512)
+        yield f"latent_extend_attention {n}", lambda: latent_attention.paged_latent_extend_attention(
+            r(5, 32, 576), r(64, 1, 288), r(64, 1, 288), ltable, long(1), long(9, 10, 11, 12, 13), 576**-0.5, 512)
         # attention: the q/k prologue (norm + RoPE + K/V writes), split-KV decode with the output gate
         hq, hkv, d = 4, 1, 256
         kb, vb = r(64, hkv, d), r(64, hkv, d)

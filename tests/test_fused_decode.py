@@ -1450,8 +1450,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     as simple GLA, KDA), with fla stood in for by the reference recurrences and the fla path forced
     on, and the rest of the layers' CUDA paths (Triton kernels, interpreted; Qwen3.5): an
     fp32 engine's greedy tokens and logprobs (two turns, prefix cache on: checkpoints cut the
-    rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran (chunked; KDA's short rounds
-    recurrent, the others' through hyla's own kernels, recurrent and chunked)."""
+    rounds) equal the PyTorch ops' within 1e-4, and fla's kernels ran chunked (the short rounds
+    through hyla's own kernels, recurrent and chunked; KDA's recurrent)."""
     import hyla.model.kimi_linear as kimi_linear
     import hyla.model.layers as layers
     from hyla.model.ops.gpu import fla_chunk, gated_delta_chunks, mamba2_chunks
@@ -1475,8 +1475,8 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
     monkeypatch.setattr(mamba2_chunks, "CHUNKED_MIN_LEN", 4)
     with Engine(path, **opts) as eng:
         out = _two_turns(eng, None, requests, few_tokens=False)
-    # Gated DeltaNet's and Mamba2's short rounds run hyla's own recurrent kernels, KDA's fla's
-    assert {c[0] for c in calls} == ({"chunk", "recurrent"} if arch == "kimi_linear" else {"chunk"})
+    # the short rounds run hyla's own recurrent kernels (Gated DeltaNet's, Mamba2's, KDA's), never fla's
+    assert {c[0] for c in calls} == {"chunk"}
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in out)
 
 

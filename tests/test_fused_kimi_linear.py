@@ -144,3 +144,71 @@ def test_latent_decode_attention_is_not_the_other_half():
     keys = torch.cat([kb, vb], dim=-1)[:, 0]  # [8, 40]
     torch.testing.assert_close(full[0], F.softmax(0.3 * q[0] @ keys.T, dim=-1) @ keys, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(full, paged_latent_decode_attention(q, kb, torch.zeros_like(vb), *args))
+
+
+LENGTHS = [0, 1, 6, 19]  # an empty segment, a one-token one, two longer
+MARKS = {1: [(1, 6)], 2: [(2, 7), (6, 8)], 3: [(1, 9), (11, 10), (19, 11)]}  # (tokens, pool row) per segment
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kda_segments_kernel(dtype):
+    """An extend's segments in one launch (``kda_segments_fused``) == the layer's decode step token by
+    token: outputs, final states in their rows (given in another order than the segments'), and the
+    checkpoints written on the way (after a segment's first token, inside, at its end)."""
+    from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
+
+    g = torch.Generator().manual_seed(6)
+    t = sum(LENGTHS)
+    qkv, f, b, a_log, dt_bias = _kda_inputs(g, t, dtype)
+    rows = [3, 0, 4, 1]
+    marks = [MARKS.get(i, []) for i in range(len(LENGTHS))]
+    cu = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+    pool = torch.randn(13, H, D, D, generator=g).to(DEVICE)
+    ref_pool, ref_out = pool.clone(), []
+    for i, (start, n) in enumerate(zip(cu, LENGTHS)):  # the reference: decode steps, checkpoints copied
+        slot = torch.tensor([rows[i]], device=DEVICE)
+        for j in range(start, start + n):
+            ref_out.append(_kda_reference(qkv[j:j + 1], f[j:j + 1], b[j:j + 1], a_log, dt_bias, ref_pool, slot)[0])
+            for pos, row in marks[i]:
+                if j - start + 1 == pos:
+                    ref_pool[row] = ref_pool[rows[i]]
+    out = torch.full((t, H, D), float("nan"), dtype=dtype, device=DEVICE)
+    long = lambda v: torch.tensor(v, device=DEVICE)  # noqa: E731
+    ckpts = SegmentCheckpoints(pool, long([0, *torch.tensor([len(m) for m in marks]).cumsum(0).tolist()]),
+                               long([q for m in marks for q, _ in m]), long([r for m in marks for _, r in m]))
+    kda_decode.kda_segments_fused(qkv, f, b, a_log, dt_bias, pool, long(rows), long(cu[:-1]), long(cu), out, ckpts)
+    torch.testing.assert_close(out.float(), torch.stack(ref_out).float(), atol=_tol(dtype), rtol=_tol(dtype))
+    torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [4, 20])
+def test_latent_extend_attention_kernel(dtype, heads):
+    """MLA's causal extend attention of one sequence's new tokens over the request table (a fused
+    extend's) == ``latent_paged_attention``'s extend path: 7 new tokens after a 23-token cached prefix,
+    an odd latent (49: halves of 25), values spanning both halves; 4 heads (a tile of 4 tokens, each
+    seeing only its own keys) or 20 (blocks of 16 heads, a token a tile)."""
+    from hyla.model.ops.gpu.latent_attention import paged_latent_extend_attention
+
+    g = torch.Generator().manual_seed(12)
+    rank, rope = 40, 9
+    width, half = rank + rope, (rank + rope + 1) // 2
+    prefix, new = 23, 7
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    kb, vb = rnd(64, 1, half).to(dtype), rnd(64, 1, half).to(dtype)
+    write_latents(rnd(64, width).to(dtype), kb, vb, torch.arange(64, device=DEVICE))
+    slots = (torch.randperm(63, generator=g) + 1)[:prefix + new].to(DEVICE)
+    table = torch.zeros(3, 48, dtype=torch.long, device=DEVICE)
+    table[2, :prefix + new] = slots
+    q = rnd(new, heads, width).to(dtype)
+    latent = rnd(new, width).to(dtype)
+    loc = slots[prefix:]
+    ref_k, ref_v = kb.clone(), vb.clone()
+    ref = latent_paged_attention(q, latent, ref_k, ref_v, loc, slots, torch.tensor([0, prefix + new], device=DEVICE),
+                                 [prefix], [new], 0.2, rank)
+    write_latents(latent, kb, vb, loc)
+    lens = torch.arange(prefix + 1, prefix + new + 1, device=DEVICE)
+    out = paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens, 0.2, rank)
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    with pytest.raises(ValueError, match="kv_lens"):
+        paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens[:3], 0.2, rank)

@@ -68,6 +68,8 @@ from hyla.model.layers import (
     _gpu,
     _tree_masks,
     conv1d_extend,
+    conv1d_fused_extend,
+    run_fused_extend_segments,
 )
 from hyla.model.linear import Linear
 from hyla.model.ops.attention import extend_sdpa
@@ -93,10 +95,12 @@ class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``qkv_proj`` rows are ``[q | k | v]`` (``H·D`` each, heads contiguous), the conv
     runs over those ``3·H·D`` channels. State: ``batch.conv_states[j]`` ``[S, 3HD, K-1]`` and
     ``batch.ssm_states[j]`` ``[S, H, D, D]`` (``j`` = the layer's linear ordinal). A fused decode step
-    (a GPU's) runs the conv window's kernel and ``ops/gpu/kda_decode.py``'s; a GPU extend fla's
-    ``chunk_kda``."""
+    (a GPU's) runs the conv window's kernel and ``ops/gpu/kda_decode.py``'s; a fused extend the conv's
+    extend kernels and ``kda_decode``'s segments kernel; a GPU extend fla's ``chunk_kda``, its short
+    rounds through that segments kernel."""
 
     fused_decode = True  # see HybridForCausalLM.supports_fused_decode
+    fused_extend = True  # see HybridForCausalLM.supports_fused_extend
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -123,12 +127,19 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
+        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)  # the raw decay input [T, HD] and gate [T, H]
+        kernels = _gpu("kda_decode") if batch.on_device or _fla_prefill(x, batch) else None
         if batch.fused_decode:  # Triton: the conv window, then the gates and the state update (chains too)
             mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states, slots,
                                                                      "silu", chain=batch.chain_slots)
-            o = _gpu("kda_decode").kda_decode_fused(mixed, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x),
-                                                    self.A_log, self.dt_bias, ssm_states, slots,
-                                                    chain=batch.chain_slots)  # [B, H, D]
+            o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
+                                         chain=batch.chain_slots)  # [B, H, D]
+            return self._out(o, x)
+        if batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch (padding rows: 0)
+            mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
+            o = torch.zeros(t, heads, d, dtype=x.dtype, device=x.device)
+            run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias), o, ssm_states,
+                                      batch)
             return self._out(o, x)
         plan = batch.state_slot_plan  # decode: validated at batch construction
         if batch.is_decode:
@@ -136,21 +147,29 @@ class KimiDeltaAttention(nn.Module):
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
-        f = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias  # [T, HD] fp32
-        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly
-        g = -torch.exp(self.A_log.float())[:, None] * softplus.view(t, heads, d)  # [T, H, D] fp32, <= 0
-        beta = torch.sigmoid(self.b_proj(x))  # [T, H]
         if batch.is_decode:
-            o = recurrent_kda_update(q, k, v, g, beta, ssm_states, plan)
+            o = recurrent_kda_update(q, k, v, *self._gates(f, b), ssm_states, plan)
             _copy_decode_checkpoints(conv_states, batch)
             _copy_decode_checkpoints(ssm_states, batch)
-        elif _fla_prefill(q, batch):  # fla's chunked Triton kernel
-            o = _gpu("fla_chunk").chunk_kda_fla(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots,
-                                                **_ckpt_kwargs(batch, scan=False))  # [T, H, D]
+        elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
+            o = _gpu("fla_chunk").chunk_kda_fla(
+                q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch, scan=False),
+                segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias),
+                gates=lambda: self._gates(f, b))  # [T, H, D]
         else:
-            o = chunk_kda_varlen(q, k, v, g, beta, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch),
-                                 use_qk_l2norm=True)  # [T, H, D]
+            o = chunk_kda_varlen(q, k, v, *self._gates(f, b), batch.cu_seqlens, ssm_states, slots,
+                                 **_ckpt_kwargs(batch), use_qk_l2norm=True)  # [T, H, D]
         return self._out(o, x)
+
+    def _gates(self, f: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g [T, H, D], beta [T, H])``: the per-channel log-decay ``-exp(A_log) * softplus(f +
+        dt_bias)`` (fp32, transformers' softplus: ``x`` above 20) and ``sigmoid(b)`` (b's dtype) from the
+        raw ``f [T, HD]``, ``b [T, H]``."""
+        t = f.shape[0]
+        f = f.float() + self.dt_bias
+        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly
+        g = -torch.exp(self.A_log.float())[:, None] * softplus.view(t, self.num_heads, self.head_dim)  # <= 0
+        return g, torch.sigmoid(b)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The KDA output ``o [T, H, D]`` through each head's RMSNorm (fp32), gated by
@@ -170,9 +189,10 @@ class LatentAttention(nn.Module):
     """MLA without RoPE, attending in the latent space over the paged KV pool (see the module
     docstring: the pool holds each token's latent ``[c_kv | k_pe]``, half in K, half in V). A fused
     decode step (a GPU's) attends through ``ops/gpu/latent_attention.py``'s split-KV kernel over the
-    request table on the device."""
+    request table on the device, a fused extend through its causal form."""
 
     fused_decode = True  # see HybridForCausalLM.supports_fused_decode
+    fused_extend = True  # see HybridForCausalLM.supports_fused_extend
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
@@ -215,6 +235,11 @@ class LatentAttention(nn.Module):
             o = _gpu("latent_attention").paged_latent_decode_attention(
                 q_latent, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling,
                 self.rank)  # [B, H, r]
+        elif batch.fused_extend is not None:  # the same for one sequence's new tokens, causal
+            write_latents(latent, kb, vb, batch.out_cache_loc)
+            fe = batch.fused_extend
+            o = _gpu("latent_attention").paged_latent_extend_attention(
+                q_latent, kb, vb, batch.req_to_token, fe.req_row, fe.kv_lens, self.scaling, self.rank)  # [T, H, r]
         else:
             o = latent_paged_attention(
                 q_latent, latent, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,

@@ -16,7 +16,13 @@ Each program owns one ``(sequence, head, block of Dv columns)`` of the state. ``
 zero state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S``
 sequences of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token
 to token and written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]``
-is read. The conv before it is ``conv1d_decode``'s kernel; an extend runs fla's ``chunk_kda``.
+is read. The conv before it is ``conv1d_decode``'s kernel.
+
+:func:`kda_segments_fused` runs an extend's segments through the same recurrence (``_kda_step``),
+each program looping over its segment's tokens, checkpoints written on the way: a fused extend's one
+sequence (the cached TTFT's graphs), and the short rounds of a GPU prefill, where fla's
+``fused_recurrent_kda`` costs ~0.4 ms of host time a call (``fla_chunk.scan_in_rounds``); longer
+rounds run fla's ``chunk_kda``.
 """
 
 from __future__ import annotations
@@ -25,13 +31,22 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, pdl
+from hyla.model.ops.gpu import chain_of, pdl, segments_of
 from hyla.model.ops.gpu.gated_delta_decode import _chain_state, _gdn_gates, _store_chain_state
+from hyla.model.ops.gpu.segment_checkpoints import (
+    SegmentCheckpoints,
+    first_checkpoint,
+    open_segment,
+    segment_checkpoint_args,
+    write_checkpoint,
+)
 
 # (value columns of the state per program, warps): a program runs the recurrence on a [Dk, BV] block.
 # Read at each launch; as Gated DeltaNet's decode (gated_delta_decode.DECODE_TILES, timed on an H100
 # for 128x128 heads, Kimi-Linear's size). Not yet timed for KDA on a GPU.
 DECODE_TILES = (32, 4)
+SEGMENT_TILES = (16, 1)  # the segments kernel's: as gated_delta_decode.SEGMENT_TILES (a chain of one
+# token's reductions, which one warp runs without barriers)
 
 
 @triton.jit
@@ -54,34 +69,101 @@ def _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale):
     return S, o
 
 
-@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
-def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
-                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
-                       W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait(PDL)  # (pdl.py)
+@triton.jit
+def _kda_program(a_log_ptr, dt_bias_ptr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr):
+    """A program's share: sequence (a decode step's, a segment) ``i``, head ``h``, the state's rows
+    ``dk`` and its block of value columns ``dv`` (and their masks), ``-exp(A_log[h])`` and the head's
+    dt bias ``[BK]``, fp32."""
     pid = tl.program_id(0)
     i = pid // H
     h = pid % H
     dk = tl.arange(0, BK)
     mk = dk < DK
     dv = tl.program_id(1) * BV + tl.arange(0, BV)
-    mv = dv < DV
     neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h * DK + dk, mask=mk, other=0.0).to(tl.float32)
+    return i, h, dk, mk, dv, dv < DV, neg_a, dt_bias
+
+
+@triton.jit
+def _kda_load(row, f_row, b_ptr, h, dk, mk, dv, mv, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """A token's inputs as stored: ``q, k [BK]``, ``v [BV]`` from its ``[q | k | v]`` row, ``f [BK]``
+    from its decay-input row, the gate ``b`` at ``b_ptr``."""
+    q = tl.load(row + h * DK + dk, mask=mk, other=0.0)
+    k = tl.load(row + H * DK + h * DK + dk, mask=mk, other=0.0)
+    v = tl.load(row + 2 * H * DK + h * DV + dv, mask=mv, other=0.0)
+    return q, k, v, tl.load(f_row + h * DK + dk, mask=mk, other=0.0), tl.load(b_ptr)
+
+
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
+def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                       state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                       W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
+    i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
     offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]
     S = _chain_state(state_ptr, tl.load(chain_ptr + i).to(tl.int64), offs, mk, mv, H, DK, DV, BK, BV)  # fp32
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
-        row = qkv_ptr + r * qkv_stride
-        q = tl.load(row + h * DK + dk, mask=mk, other=0.0)
-        k = tl.load(row + H * DK + h * DK + dk, mask=mk, other=0.0)
-        v = tl.load(row + 2 * H * DK + h * DV + dv, mask=mv, other=0.0)
-        f = tl.load(f_ptr + r * f_stride + h * DK + dk, mask=mk, other=0.0)
-        S, o = _kda_step(S, q, k, v, f, tl.load(b_ptr + r * b_stride + h), neg_a, dt_bias, scale)
+        q, k, v, f, b = _kda_load(qkv_ptr + r * qkv_stride, f_ptr + r * f_stride, b_ptr + r * b_stride + h, h, dk,
+                                  mk, dv, mv, H, DK, DV)
+        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         _store_chain_state(state_ptr, dst, S, offs, mk, mv, H, DK, DV, BK, BV)
         tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _kda_segments_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                         state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
+                         pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
+                         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         CKPT: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
+    # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
+    i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
+    inner = h * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    mask = mk[:, None] & mv[None, :]
+    start, n, ptr, S = open_segment(state_ptr, rows_ptr, starts_ptr, cu_ptr, i, H * DK * DV, inner, mask)  # fp32
+    if CKPT:  # the segment's checkpoints c .. c_end, the next one after nxt tokens (0: none left)
+        c, c_end, nxt = first_checkpoint(ck_off_ptr, ck_pos_ptr, i)
+    # the tokens in order, each one's inputs loaded a token ahead (the row ahead clamped to the last)
+    last = tl.maximum(start + n - 1, 0)
+    first = tl.minimum(start, last)
+    nq, nk, nv, nf, nb = _kda_load(qkv_ptr + first * qkv_stride, f_ptr + first * f_stride,
+                                   b_ptr + first * b_stride + h, h, dk, mk, dv, mv, H, DK, DV)
+    for j in range(n):
+        r = start + j
+        q, k, v, f, b = nq, nk, nv, nf, nb
+        ahead = tl.minimum(r + 1, last)
+        nq, nk, nv, nf, nb = _kda_load(qkv_ptr + ahead * qkv_stride, f_ptr + ahead * f_stride,
+                                       b_ptr + ahead * b_stride + h, h, dk, mk, dv, mv, H, DK, DV)
+        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale)
+        tl.store(o_ptr + r * o_stride + h * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        if CKPT:
+            c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, H * DK * DV, inner, mask)
+    tl.store(ptr, S, mask=mask)
+
+
+def _check_inputs(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                  states: torch.Tensor) -> tuple[int, int, int]:
+    """The kernels' shared checks: ``qkv [R, H*(2*Dk + Dv)]``, ``f [R, H*Dk]``, ``b [R, H]`` (unit column
+    stride, rows may be strided), ``a_log [H]``, ``dt_bias [H*Dk]`` against ``states [S, H, Dk, Dv]``
+    fp32 contiguous. Returns ``(H, Dk, Dv)``."""
+    rows = qkv.shape[0]
+    if states.dim() != 4 or states.dtype != torch.float32 or not states.is_contiguous():
+        raise ValueError(f"ssm_states must be a contiguous fp32 [S, H, Dk, Dv] tensor, got {list(states.shape)}")
+    heads, dk, dv = states.shape[1:]
+    if qkv.shape != (rows, heads * (2 * dk + dv)) or f.shape != (rows, heads * dk) or b.shape != (rows, heads):
+        raise ValueError(f"qkv [R, {heads * (2 * dk + dv)}], f [R, {heads * dk}] and b [R, {heads}] must fit "
+                         f"ssm_states {list(states.shape)}")
+    if a_log.shape != (heads,) or dt_bias.shape != (heads * dk,):
+        raise ValueError(f"a_log must be [{heads}] and dt_bias [{heads * dk}]")
+    if any(t.stride(1) != 1 for t in (qkv, f, b)):
+        raise ValueError("qkv, f and b need unit column stride")
+    return heads, dk, dv
 
 
 def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
@@ -93,16 +175,7 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log:
     in place at ``slots [B]`` (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, H, Dv]``
     in qkv's dtype."""
     rows = qkv.shape[0]
-    if ssm_states.dim() != 4 or ssm_states.dtype != torch.float32 or not ssm_states.is_contiguous():
-        raise ValueError(f"ssm_states must be a contiguous fp32 [S, H, Dk, Dv] tensor, got {list(ssm_states.shape)}")
-    heads, dk, dv = ssm_states.shape[1:]
-    if qkv.shape != (rows, heads * (2 * dk + dv)) or f.shape != (rows, heads * dk) or b.shape != (rows, heads):
-        raise ValueError(f"qkv [B, {heads * (2 * dk + dv)}], f [B, {heads * dk}] and b [B, {heads}] must fit "
-                         f"ssm_states {list(ssm_states.shape)}")
-    if a_log.shape != (heads,) or dt_bias.shape != (heads * dk,):
-        raise ValueError(f"a_log must be [{heads}] and dt_bias [{heads * dk}]")
-    if any(t.stride(1) != 1 for t in (qkv, f, b)):
-        raise ValueError("qkv, f and b need unit column stride")
+    heads, dk, dv = _check_inputs(qkv, f, b, a_log, dt_bias, ssm_states)
     w, chain, seqs = chain_of(chain, slots, rows)
     o = torch.empty(rows, heads, dv, dtype=qkv.dtype, device=qkv.device)
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
@@ -111,3 +184,30 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log:
         dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=warps,
         **pdl.launch(qkv))
     return o
+
+
+def kda_segments_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                       dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
+                       cu_seqlens: torch.Tensor, out: torch.Tensor, ckpts: SegmentCheckpoints | None = None) -> None:
+    """An extend's segments through the recurrence, one launch (``gated_delta_segments_fused``'s
+    contract): segment ``i`` is the packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]``
+    of them) of ``qkv``, ``f``, ``b`` (:func:`kda_decode_fused`'s inputs, ``[T, ...]``), run from
+    ``states[rows[i]]`` (``[R, H, Dk, Dv]`` fp32, updated in place), its outputs written into those rows
+    of ``out [T, H, Dv]``; with ``ckpts``, the states after given tokens written to pool rows on the way."""
+    heads, dk, dv = _check_inputs(qkv, f, b, a_log, dt_bias, states)
+    segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], heads, dv))
+    if qkv.shape[0] == 0:  # no token: nothing to run (the kernel reads a row ahead)
+        return
+    bv, warps = min(triton.next_power_of_2(dv), SEGMENT_TILES[0]), SEGMENT_TILES[1]
+    _kda_segments_kernel[(segments * heads, triton.cdiv(dv, bv))](
+        qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, states, rows, starts, cu_seqlens, out,
+        out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), H=heads, DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=bv, CKPT=ckpts is not None, num_warps=warps, **pdl.launch(qkv))
+
+
+def segment_kernel(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """The layer's own kernel for an extend's segments (``fla_chunk.SegmentKernel``: the fused extend's
+    ``run_fused_extend_segments``, ``fla_chunk.scan_in_rounds``' short rounds), on its raw inputs."""
+    def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
+        kda_segments_fused(qkv, f, b, a_log, dt_bias, states, rows, starts, cu_seqlens, out, ckpts)
+    return run

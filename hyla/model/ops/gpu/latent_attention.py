@@ -17,6 +17,10 @@ apart, and writes a partial output ``[2*half]`` with its log-sum-exp per head; s
 ``decode_attention``'s merge of the splits (``merge_splits``). The new token's latent is in the
 pool before (the layer writes it). Verify steps' chains need nothing more: each row of the step is
 a query with its own request row and length.
+
+:func:`paged_latent_extend_attention` is the same for one sequence's new tokens, causal (a fused
+extend's, ``extend_attention``'s contract): program ``(block of tokens, block of heads, split)``,
+``BM`` tokens times ``BH`` heads a tile, token ``j`` seeing its first ``kv_lens[j]`` keys.
 """
 
 from __future__ import annotations
@@ -28,18 +32,19 @@ import triton.language as tl
 from hyla.model.ops.gpu import pdl
 from hyla.model.ops.gpu.decode_attention import _store_partials, merge_splits, num_splits
 
-# (heads per program, keys per block, warps). Read at each launch. Not yet timed on a GPU: Kimi-Linear's
-# 32 heads over a 576-wide latent (halves of 288, padded to 512 in registers) hold two [16, 512] fp32
-# accumulators a program at 16 heads.
+# (query rows per program: heads in a decode step, tokens x heads in an extend; keys per block; warps). Read
+# at each launch. Not yet timed on a GPU: Kimi-Linear's 32 heads over a 576-wide latent (halves of 288,
+# padded to 512 in registers) hold two [16, 512] fp32 accumulators a program at 16 rows.
 TILES = (16, 16, 4)
 
 
 @triton.jit
-def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, scale, d, md, R: tl.constexpr,
-                   BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md, R: tl.constexpr,
+                   BD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     """The online softmax of query rows ``q1, q2 [R, BD]`` (each head's latent query, first and second
     half) over keys ``[start, end)`` of one request-table row ``table`` -> ``(acc1, acc2 [R, BD], m [R],
-    l [R])``: the value's two halves accumulated apart."""
+    l [R])``: the value's two halves accumulated apart (``decode_attention._attend_split``'s loop); with
+    ``CAUSAL`` row ``r`` sees only keys below ``lens[r]``."""
     m_i = tl.full([R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([R], dtype=tl.float32)
     acc1 = tl.zeros([R, BD], dtype=tl.float32)
@@ -56,7 +61,10 @@ def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, scale, 
             s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
         else:
             s = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
-        s = tl.where(mn[None, :], s.to(tl.float32) * scale, float("-inf"))
+        seen = mn[None, :]  # [1, BN]
+        if CAUSAL:
+            seen = seen & (n[None, :] < lens[:, None])  # [R, BN]: each row's own keys
+        s = tl.where(seen, s.to(tl.float32) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
         p = tl.exp(s - m_safe[:, None])
@@ -95,8 +103,8 @@ def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_
     per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
     start = split * per
     end = tl.minimum(start + per, length)
-    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, scale, d, md,
-                                          BH, BD, BN, IEEE)
+    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, length, scale, d,
+                                          md, BH, BD, BN, False, IEEE)
     out = (i * H + h) * SPLITS + split
     _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mh, d, md, 2 * HALF)
     _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mh, d, md, 2 * HALF)
@@ -109,7 +117,83 @@ def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buf
     the latents in ``k_buffer / v_buffer [S, 1, half]`` (first and second half, ``L <= 2*half``);
     sequence ``i`` attends to the slots ``req_to_token[req_rows[i], :seq_lens[i]]`` -> ``o [B, H,
     value_dim]`` (dtype of q): the softmax-weighted sum of the latents' first ``value_dim`` channels."""
-    b, heads, width = q.shape
+    b, heads, width = _check(q, k_buffer, v_buffer, req_to_token, value_dim)
+    if req_rows.shape != (b,) or seq_lens.shape != (b,):
+        raise ValueError("req_rows and seq_lens must be [B]")
+    half = k_buffer.shape[-1]
+    splits = _splits(splits or num_splits(b, 1))
+    part_o = torch.empty(b, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+    rows, bn, warps = TILES
+    bh = max(16, min(rows, triton.next_power_of_2(heads)))
+    _latent_stage1[(b, triton.cdiv(heads, bh), splits)](
+        q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o,
+        part_lse, scaling, k_buffer.stride(0), H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
+        BH=bh, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
+    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
+
+
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["row_ptr", "lens_ptr"])
+def _latent_extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
+                          part_lse_ptr, scale, kv_stride_s, T, H: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr,
+                          BD: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait(PDL)  # (pdl.py)
+    r = tl.arange(0, BM * BH)  # the tile's rows: token blk * BM + r // BH, head hb * BH + r % BH
+    tok = tl.program_id(0) * BM + r // BH
+    h = tl.program_id(1) * BH + r % BH
+    split = tl.program_id(2)
+    mr = (tok < T) & (h < H)
+    d = tl.arange(0, BD)
+    md = d < HALF
+    row = q_ptr + tok[:, None] * q_stride + h[:, None] * L
+    q1 = tl.load(row + d[None, :], mask=mr[:, None] & (md & (d < L))[None, :], other=0.0)
+    q2 = tl.load(row + HALF + d[None, :], mask=mr[:, None] & (md & (HALF + d < L))[None, :], other=0.0)
+    lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys
+    length = tl.max(lens, axis=0)  # the block's longest
+    table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN
+    start = split * per
+    end = tl.minimum(start + per, length)
+    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d,
+                                          md, BM * BH, BD, BN, True, IEEE)
+    out = (tok * H + h) * SPLITS + split
+    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mr, d, md, 2 * HALF)
+    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mr, d, md, 2 * HALF)
+
+
+def paged_latent_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                                  req_to_token: torch.Tensor, req_row: torch.Tensor, kv_lens: torch.Tensor,
+                                  scaling: float, value_dim: int, splits: int | None = None) -> torch.Tensor:
+    """``q [T, H, L]``: one sequence's new tokens' latent queries over the latents in ``k_buffer /
+    v_buffer [S, 1, half]``; token ``j`` attends to the slots ``req_to_token[req_row, :kv_lens[j]]``
+    (``req_row [1]``, ``kv_lens [T]`` on the device; the new tokens' latents written first) -> ``o [T,
+    H, value_dim]`` (dtype of q)."""
+    t, heads, width = _check(q, k_buffer, v_buffer, req_to_token, value_dim)
+    if req_row.shape != (1,) or kv_lens.shape != (t,):
+        raise ValueError(f"req_row must be [1] and kv_lens [{t}]")
+    half = k_buffer.shape[-1]
+    rows, bn, warps = TILES
+    bh = min(rows, triton.next_power_of_2(heads))
+    bm = max(1, rows // bh)
+    blocks = triton.cdiv(t, bm)
+    splits = _splits(splits or num_splits(blocks * triton.cdiv(heads, bh), 1))
+    part_o = torch.empty(t, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(t, heads, splits, dtype=torch.float32, device=q.device)
+    if t:
+        _latent_extend_stage1[(blocks, triton.cdiv(heads, bh), splits)](
+            q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
+            part_lse, scaling, k_buffer.stride(0), t, H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
+            BH=bh, BM=bm, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
+    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
+
+
+def _check(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
+           value_dim: int) -> tuple[int, int, int]:
+    """Both kernels' checks: ``q [N, H, L]`` with contiguous rows, the K and V buffers ``[S, 1, half]``
+    contiguous with ``L <= 2*half``, ``0 < value_dim <= L``, request-table rows contiguous. Returns
+    ``q``'s shape."""
+    n, heads, width = q.shape
     half = k_buffer.shape[-1]
     if k_buffer.shape[1:] != (1, half) or v_buffer.shape != k_buffer.shape or not width <= 2 * half \
             or not 0 < value_dim <= width:
@@ -117,17 +201,12 @@ def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buf
                          f"{list(k_buffer.shape)}, {list(v_buffer.shape)} (two halves of the latent)")
     if q.stride(2) != 1 or q.stride(1) != width or not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
         raise ValueError("q rows [H, L] and the KV buffers must be contiguous")
-    if req_rows.shape != (b,) or seq_lens.shape != (b,) or req_to_token.stride(1) != 1:
-        raise ValueError("req_rows and seq_lens must be [B]; req_to_token rows contiguous")
-    splits = splits or num_splits(b, 1)
+    if req_to_token.stride(1) != 1:
+        raise ValueError("req_to_token rows must be contiguous")
+    return n, heads, width
+
+
+def _splits(splits: int) -> int:
     if splits & (splits - 1):
         raise ValueError(f"splits must be a power of two, got {splits}")
-    part_o = torch.empty(b, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
-    bh, bn, warps = TILES
-    bh = max(16, min(bh, triton.next_power_of_2(heads)))
-    _latent_stage1[(b, triton.cdiv(heads, bh), splits)](
-        q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o,
-        part_lse, scaling, k_buffer.stride(0), H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
-        BH=bh, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
-    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
+    return splits
