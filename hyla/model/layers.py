@@ -1157,8 +1157,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def supports_fused_extend(self) -> bool:
         """Every mixer runs a fused extend (``ForwardBatch.fused_extend``: full attention, Gated
-        DeltaNet, Mamba2 and Mamba1, whose extend kernels read only device indices; not yet KDA and
-        MLA, nor LFM2's short conv): what a CUDA graph of an
+        DeltaNet, Mamba2, Mamba1, KDA, MLA and LFM2's short conv — every mixer of every architecture now
+        —, whose extend kernels read only device indices): what a CUDA graph of an
         extend needs (MoE layers read nothing on the host on a GPU either: :meth:`SparseMoE.path`)."""
         return all(getattr(mixer, "fused_extend", False) for layer in self.layers for mixer in layer.mixers())
 

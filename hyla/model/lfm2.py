@@ -33,6 +33,7 @@ from hyla.model.layers import (
     _copy_decode_checkpoints,
     _gpu,
     conv1d_extend,
+    conv1d_fused_extend,
 )
 from hyla.model.linear import Linear
 from hyla.model.ops.conv1d import causal_conv1d_update
@@ -56,6 +57,7 @@ class Lfm2ShortConv(nn.Module):
     """
 
     fused_decode = True  # the conv window's Triton kernel (no activation); the gates stay elementwise
+    fused_extend = True  # the conv's extend kernels on the fused extend's device indices
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -74,6 +76,8 @@ class Lfm2ShortConv(nn.Module):
         if batch.fused_decode:
             y = _gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
                                                                  batch.state_slots, None, chain=batch.chain_slots)
+        elif batch.fused_extend is not None:  # its windows (checkpoints', the final one) written on the way
+            y = conv1d_fused_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)
         elif batch.is_decode:  # the slots as validated at batch construction: no host read here
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, None)
             _copy_decode_checkpoints(conv_states, batch)
