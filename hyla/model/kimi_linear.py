@@ -29,7 +29,9 @@ is MLA's exact cache size. Attention runs in the latent space with the up-projec
     out_t       = (sum_s p_ts c_kv_s) W_uv^T
 
 which is transformers' expanded form regrouped (equal up to fp32 rounding; no per-step expansion of the
-cached tokens). Prefill, chunked prefill and decode all take this one path.
+cached tokens). Prefill, chunked prefill and decode all take this one path
+(``latent_paged_attention``); a GPU's fused decode steps and extends run it as Triton kernels
+(``ops/gpu/latent_attention.py``, reading the request table on the device).
 
 FFN per ``mlp_layer_types`` (or the first ``first_k_dense_replace`` layers dense): a SwiGLU MLP, or a
 MoE: sigmoid router with score-correction bias (``num_expert_group`` / ``topk_group`` grouping),
