@@ -8,7 +8,9 @@ transformers' ``Qwen3_5ForCausalLM`` and saved to a temporary directory: hidden 
 ``input_ids``. ``--tiny`` shrinks it (hidden 64, 3 + 1 layers, vocab 2,048) to test on CPU.
 ``--moe``: the same with Qwen3.5-MoE's layers (``MOE``). ``--jamba``: a Jamba-style model instead
 (``JAMBA``: transformers' ``JambaForCausalLM``, Mamba1 + attention layers, MoE in every 2nd layer;
-~0.92 B parameters, ~1.85 GB in bf16), its section ``GPU decode: Jamba``.
+~0.92 B parameters, ~1.85 GB in bf16), its section ``GPU decode: Jamba``. ``--kimi``: a Kimi-Linear-style model
+(``KIMI``: transformers' ``KimiLinearForCausalLM``, Kimi Delta Attention + MLA layers 3:1, MoE after a dense
+first layer; ~1.06 B parameters, ~2.11 GB in bf16), its section ``GPU decode: Kimi-Linear``.
 
 Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
 ``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
@@ -36,7 +38,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba] [--json PATH] [--no-write]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi] [--json PATH] [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
 """
@@ -96,6 +98,36 @@ JAMBA = dict(vocab_size=65536, hidden_size=1024, intermediate_size=1024, num_hid
 # experts, top-2), dt rank auto (4)
 TINY_JAMBA = dict(JAMBA, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   attn_layer_period=4, attn_layer_offset=2, num_experts=4, num_attention_heads=2, num_key_value_heads=1)
+# --kimi: transformers' KimiLinearForCausalLM (hyla/model/kimi_linear.py; its decode kernels in
+# hyla/model/ops/gpu/kda_decode.py and latent_attention.py). Kimi-Linear-48B-A3B's layout scaled to the Qwen3.5
+# model's width and depth: hidden 1,024 and 24 layers, MLA in every 4th ([KDA x 3, MLA] x 6: 18 KDA + 6 MLA,
+# Kimi's 3:1 and its 1-based full_attn_layers 4, 8, ..., 24, less its 27th); KDA 8 heads of 128 (the KDA width
+# = hidden, where Kimi's 32 x 128 is 1.8 x its 2,304), conv 4; MLA exactly Kimi's per head: 8 heads (= KV heads),
+# kv_lora_rank 512 + rope 64 (a 576-wide latent cached per token), nope 128, v 128, no q LoRA, no RoPE (Kimi's
+# MLA is NoPE: k_pe is never rotated). FFN: layer 0 a dense SwiGLU MLP of 4 x hidden (Kimi's 9,216 = 4 x 2,304,
+# first_k_dense_replace 1), then MoE in 23 layers with Kimi's routing (sigmoid scores + correction bias, one
+# group, renormalised top-k x 2.446) and one shared expert: top-8, Kimi's k, so the engine meets the 8
+# (token, expert) pairs a token makes in a real Kimi-Linear; 32 experts of 256 (Kimi's 256 experts would be
+# 4.6 B parameters even at this width; 32 x top-8 is k/E = 1/4, and a token's routed width 8 x 256 = 2 x hidden,
+# Kimi's 8 x 1,024 = 3.6 x its hidden). Kimi's vocab of 163,840, untied (transformers' Kimi-Linear never ties);
+# ~1.06 B parameters (2.11 GB in bf16: 0.58 B of them routed experts, 0.34 B the embedding and lm_head), of
+# which a batch-1 step reads ~0.45 B (the Qwen3.5 model's 0.65 B, the Jamba model's 0.33 B). Token ids as the
+# tests' (pad 0, bos 1, eos 2; the random prompts draw from 3 up).
+KIMI = dict(vocab_size=163840, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=256,
+            num_hidden_layers=24, layer_types=LAYER_TYPES * 6, mlp_layer_types=["dense"] + ["sparse"] * 23,
+            num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+            qk_rope_head_dim=64, v_head_dim=128, linear_num_heads=8, linear_head_dim=128, linear_conv_kernel_dim=4,
+            num_local_experts=32, num_experts_per_tok=8, n_shared_experts=1, routed_scaling_factor=2.446,
+            max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+# tiny: 4 layers (3 KDA + MLA at layer 3, as the tiny Qwen3.5 model's 3 + 1), KDA 2 heads of 32; MLA 2 heads,
+# kv_lora_rank 32 + rope 16 (a 48-wide latent), nope 32, v 32; layer 0 dense (128), MoE in 1-3 (4 experts of
+# 32, top-2, a shared expert)
+TINY_KIMI = dict(KIMI, vocab_size=2048, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=4, layer_types=LAYER_TYPES, mlp_layer_types=["dense"] + ["sparse"] * 3,
+                 num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_nope_head_dim=32,
+                 qk_rope_head_dim=16, v_head_dim=32, linear_num_heads=2, linear_head_dim=32, num_local_experts=4,
+                 num_experts_per_tok=2)
 
 
 def log_triton_compiles() -> list[str] | None:
@@ -175,9 +207,11 @@ def parse_variants(text: str) -> dict[str, dict[str, int]]:
     return variants
 
 
-def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None, jamba: bool = False) -> dict:
+def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None, jamba: bool = False,
+          kimi: bool = False) -> dict:
     """Random ``Qwen3_5ForCausalLM`` (with ``moe``, the expert sizes: ``Qwen3_5MoeForCausalLM``; with
-    ``jamba``, ``JambaForCausalLM`` of ``kw`` alone, its experts in it) built on ``device`` in ``dtype``,
+    ``jamba``, ``JambaForCausalLM`` of ``kw`` alone, its experts in it; with ``kimi``, ``KimiLinearForCausalLM``
+    likewise) built on ``device`` in ``dtype``,
     saved to ``out``; returns its sizes for the roofline (bytes one decode step reads of the weights;
     with MoE layers without the routed experts, and ``expert_bytes``: one expert's, every layer's)."""
     import transformers
@@ -189,6 +223,9 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None
         with torch.device(device):
             if jamba:
                 model = transformers.JambaForCausalLM(transformers.JambaConfig(**{**checkpoints.JAMBA_KW, **kw}))
+            elif kimi:
+                model = transformers.KimiLinearForCausalLM(
+                    transformers.KimiLinearConfig(**{**checkpoints.KIMI_LINEAR_KW, **kw}))
             elif moe is None:
                 model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
             else:
@@ -199,19 +236,21 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None
         torch.set_default_dtype(default)
     model.eval()
     with torch.no_grad():
-        # non-constant norms (Jamba: also D, the conv and dt biases); peaked lm_head (Qwen3.5: the tied embedding)
+        # non-constant norms (Jamba: also D, the conv and dt biases; Kimi-Linear: also the routers' score-correction
+        # biases); peaked lm_head (Qwen3.5: the tied embedding)
         checkpoints.perturb_constants(model)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = list(model.parameters())  # tied: the shared matrix once
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
-    # the routed experts: Qwen3.5-MoE's mlp.experts.*, Jamba's feed_forward.experts.* (not the shared expert, the
-    # routers, nor Jamba's dense MLPs)
+    # the routed experts: Qwen3.5-MoE's mlp.experts.*, Jamba's feed_forward.experts.*, Kimi-Linear's
+    # mlp.experts.gate_up_proj / down_proj (in memory; not the shared expert — Kimi's mlp.shared_experts.* —, the
+    # routers, nor the dense MLPs)
     experts = sum(nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
-    routed = kw["num_experts"] if jamba else moe["num_experts"] if moe else 0
+    routed = kw["num_experts"] if jamba else kw["num_local_experts"] if kimi else moe["num_experts"] if moe else 0
     tied = embed.data_ptr() == head.data_ptr()
     info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
                 # every step reads the whole lm_head but only B rows of the embedding (and of the
-                # routed experts, those its tokens chose: roofline()); untied (Jamba): the lm_head
+                # routed experts, those its tokens chose: roofline()); untied (Jamba, Kimi): the lm_head
                 # is among the parameters already
                 weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + (nbytes(head) if tied else 0)
                 - experts,
@@ -260,6 +299,9 @@ def main() -> None:
                             "and a shared expert) in place of its MLPs; writes its own section")
     model_kind.add_argument("--jamba", action="store_true", help="a Jamba-style model instead (JAMBA: 21 Mamba1 + 3 "
                             "attention layers, 16 experts, top-2, in every 2nd); writes its own section")
+    model_kind.add_argument("--kimi", action="store_true", help="a Kimi-Linear-style model instead (KIMI: 18 KDA + 6 "
+                            "MLA layers, 32 experts, top-8, and a shared expert, after a dense layer 0); writes its "
+                            "own section")
     ap.add_argument("--repeats", type=int, default=5)  # 3 let one stalled run move a median
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
@@ -308,13 +350,18 @@ def main() -> None:
     from hyla.model.config import ModelConfig
 
     transformers.logging.set_verbosity_error()
-    # transformers' Jamba runs mamba_ssm's kernels (and causal_conv1d's) where importable, else PyTorch
+    # transformers' Jamba runs mamba_ssm's kernels (and causal_conv1d's) where importable, else PyTorch; its
+    # Qwen3.5 and Kimi-Linear, fla's (chunk / fused_recurrent gated delta rule, KDA) and causal_conv1d's
     kernels = {k: importlib.util.find_spec(k) is not None
                for k in ("fla", "causal_conv1d", *(("mamba_ssm",) if args.jamba else ()))}
     if args.jamba:
         kw = TINY_JAMBA if args.tiny else JAMBA
         # its routing, for the roofline (the experts are in kw; num_experts 1: dense MLPs only)
         moe = {k: kw[k] for k in ("num_experts", "num_experts_per_tok")} if kw["num_experts"] > 1 else None
+    elif args.kimi:
+        kw = TINY_KIMI if args.tiny else KIMI
+        # its routing, for the roofline (the experts are in kw)
+        moe = dict(num_experts=kw["num_local_experts"], num_experts_per_tok=kw["num_experts_per_tok"])
     else:
         kw = TINY if args.tiny else FULL
         moe = (TINY_MOE if args.tiny else MOE) if args.moe else None
@@ -325,7 +372,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-decode-")
     path = Path(tmp.name)
     t0 = time.perf_counter()
-    sizes = build(path, kw, dev, dtype, None if args.jamba else moe, jamba=args.jamba)
+    sizes = build(path, kw, dev, dtype, None if args.jamba or args.kimi else moe, jamba=args.jamba, kimi=args.kimi)
     gc.collect()
     log(f"built and saved {sizes['params'] / 1e6:,.1f} M parameters ({sizes['param_bytes'] / 1e9:.3f} GB) "
         f"in {time.perf_counter() - t0:.1f} s")
@@ -539,6 +586,23 @@ def main() -> None:
                 f"{kw['hidden_size'] // kw['num_attention_heads']} (no RoPE), {ffn}, vocab {vocab:,}, "
                 f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings; {sizes['params'] / 1e6:,.1f} M "
                 f"parameters, {sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+    elif args.kimi:
+        types, ffn_types = kw["layer_types"], kw["mlp_layer_types"]
+        mla = [i for i, t in enumerate(types) if t == "full_attention"]
+        dense = [i for i, t in enumerate(ffn_types) if t == "dense"]
+        desc = (f"{'tiny ' if args.tiny else ''}Kimi-Linear-style model (`KimiLinearForCausalLM`), random weights: "
+                f"hidden {kw['hidden_size']}, {len(types)} layers ({len(types) - len(mla)} KDA + {len(mla)} MLA at "
+                f"{', '.join(map(str, mla))}), KDA {kw['linear_num_heads']} heads of {kw['linear_head_dim']}, conv "
+                f"{kw['linear_conv_kernel_dim']}, MLA {kw['num_attention_heads']} heads (nope {kw['qk_nope_head_dim']} "
+                f"+ rope {kw['qk_rope_head_dim']}, v {kw['v_head_dim']}, no RoPE, "
+                f"{'no q LoRA' if kw['q_lora_rank'] is None else 'q LoRA ' + str(kw['q_lora_rank'])}) on a latent of "
+                f"{kw['kv_lora_rank']} + {kw['qk_rope_head_dim']} per token, MoE in {len(ffn_types) - len(dense)} "
+                f"layers ({kw['num_local_experts']} experts, top-{kw['num_experts_per_tok']}, "
+                f"{kw['moe_intermediate_size']} wide, sigmoid router, and {kw['n_shared_experts']} shared expert of "
+                f"{kw['moe_intermediate_size'] * kw['n_shared_experts']}), SwiGLU MLP {kw['intermediate_size']} in "
+                f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}, vocab {vocab:,}, untied "
+                f"embeddings; {sizes['params'] / 1e6:,.1f} M parameters, {sizes['param_bytes'] / 1e9:.3f} GB in "
+                f"{dtype_name}")
     else:
         kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
                 f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
@@ -590,7 +654,8 @@ def main() -> None:
                                              raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
                                         indent=1))
     if not args.no_write:
-        write_section("GPU decode: Jamba" if args.jamba else "GPU decode: a model with MoE layers" if moe
+        write_section("GPU decode: Jamba" if args.jamba else "GPU decode: Kimi-Linear" if args.kimi
+                      else "GPU decode: a model with MoE layers" if moe
                       else "GPU decode", body)
     tmp.cleanup()
 

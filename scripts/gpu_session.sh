@@ -20,6 +20,9 @@
 #            (grouped) and 256 (gathered) (~6 min)
 #   jamba    gpu_decode.py --jamba --batches 1,8,64: the Jamba-style model (Mamba1 layers on selective_scan.py's
 #            Triton kernels, in CUDA graphs; 16 experts, top-2) against transformers, and the HBM roofline (~4 min)
+#   kimi     gpu_decode.py --kimi --batches 1,8,64: the Kimi-Linear-style model (KDA on kda_decode.py's and MLA on
+#            latent_attention.py's Triton kernels, in CUDA graphs; 32 experts, top-8, a shared expert) against
+#            transformers + fla, and the HBM roofline (~4 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too) (~4 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -85,6 +88,8 @@ for s in "$@"; do
              done ;;
         jamba) timeout 300 python3 benchmarks/gpu_decode.py --jamba --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                    --json "$out/gpu_decode_jamba.json" 2>&1 | tee "$out/jamba.log" | tail -20 ;;
+        kimi) timeout 300 python3 benchmarks/gpu_decode.py --kimi --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
+                  --json "$out/gpu_decode_kimi.json" 2>&1 | tee "$out/kimi.log" | tail -20 ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \
@@ -102,7 +107,7 @@ for s in "$@"; do
         kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe jamba spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

@@ -111,6 +111,32 @@ def test_gpu_decode_runs_on_cpu_with_jamba(tmp_path):
     assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians
     assert medians["hyla_cached_hit"] == 48
 
+
+def test_gpu_decode_runs_on_cpu_with_kimi(tmp_path):
+    """``--kimi``: the Kimi-Linear-style model (KDA + MLA 3:1, a dense layer 0 then MoE with a shared
+    expert), both sides (their greedy check agrees), its cached TTFT hitting the whole prefix, its
+    roofline counting the experts a batch chooses (transformers' fused ``mlp.experts.gate_up_proj`` /
+    ``down_proj``, not the shared expert) and the untied lm_head once, MLA's latent as its KV."""
+    report = tmp_path / "gpu_decode.json"
+    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--kimi", "--batches", "1,2", "--new-tokens",
+               "2", "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json",
+               str(report))
+    assert "Kimi-Linear-style model (`KimiLinearForCausalLM`)" in out and "(3 KDA + 1 MLA at 3)" in out
+    assert "KDA 2 heads of 32" in out and "a latent of 32 + 16 per token" in out
+    assert "4 experts, top-2" in out and "per distinct expert" in out
+    data = json.loads(report.read_text())
+    sizes, medians, config = data["sizes"], data["medians"], data["config"]
+    assert data["greedy_agreement"] == 8 and data["moe"] == {"num_experts": 4, "num_experts_per_tok": 2}
+    # every parameter (fp32 here): the step's weights (lm_head among them), the embedding (B rows a step), the 4
+    # experts, each 3 matrices of hidden x moe_intermediate_size in each of the 3 MoE layers
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    assert sizes["expert_bytes"] == 3 * 3 * h * config["moe_intermediate_size"] * 4
+    assert sizes["param_bytes"] == sizes["weight_bytes_per_step"] + 4 * vocab * h + 4 * sizes["expert_bytes"]
+    roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
+    assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians
+    assert medians["hyla_cached_hit"] == 48
+
+
 def test_cpu_moe_measures_hyla_against_transformers(tmp_path):
     # shorter prompts than the script's (32 tokens, not 512; 8 requests of 16 -> 4, not 128 -> 64)
     out = _run("benchmarks/cpu_moe.py", "--tiny", "--model-dir", str(tmp_path), "--repeats", "1", "--new-tokens", "4",
