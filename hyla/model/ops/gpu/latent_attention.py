@@ -82,6 +82,27 @@ def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, s
     return acc1, acc2, m_i, l_i
 
 
+@triton.jit
+def _latent_tile(row, mask, table, lens, length, k_ptr, v_ptr, kv_stride_s, part_o_ptr, part_lse_ptr, out, split,
+                 scale, L: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
+                 SPLITS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """A tile's work (both stage-1 kernels): its ``R`` query rows (``row``: each row's latent query,
+    ``mask``: the live ones) loaded in two halves, the online softmax over its split of the first
+    ``length`` keys of the request-table row ``table`` (with ``CAUSAL``, row ``r`` sees ``lens[r]``),
+    and the partial outputs and log-sum-exps stored at stage 2's rows ``out``."""
+    d = tl.arange(0, BD)
+    md = d < HALF
+    q1 = tl.load(row + d[None, :], mask=mask[:, None] & (md & (d < L))[None, :], other=0.0)
+    q2 = tl.load(row + HALF + d[None, :], mask=mask[:, None] & (md & (HALF + d < L))[None, :], other=0.0)
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
+    start = split * per
+    end = tl.minimum(start + per, length)
+    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md,
+                                          R, BD, BN, CAUSAL, IEEE)
+    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mask, d, md, 2 * HALF)
+    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mask, d, md, 2 * HALF)
+
+
 @triton.jit(do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
 def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr,
                    part_lse_ptr, scale, kv_stride_s, H: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr,
@@ -92,22 +113,11 @@ def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
     mh = h < H
-    d = tl.arange(0, BD)
-    md = d < HALF
-    row = q_ptr + i * q_stride + h[:, None] * L
-    q1 = tl.load(row + d[None, :], mask=mh[:, None] & (md & (d < L))[None, :], other=0.0)
-    q2 = tl.load(row + HALF + d[None, :], mask=mh[:, None] & (md & (HALF + d < L))[None, :], other=0.0)
-
     length = tl.load(lens_ptr + i).to(tl.int32)
     table = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * table_stride
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
-    start = split * per
-    end = tl.minimum(start + per, length)
-    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, length, scale, d,
-                                          md, BH, BD, BN, False, IEEE)
-    out = (i * H + h) * SPLITS + split
-    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mh, d, md, 2 * HALF)
-    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mh, d, md, 2 * HALF)
+    _latent_tile(q_ptr + i * q_stride + h[:, None] * L, mh, table, length, length, k_ptr, v_ptr, kv_stride_s,
+                 part_o_ptr, part_lse_ptr, (i * H + h) * SPLITS + split, split, scale, L, HALF, BD, BH, BN, SPLITS,
+                 False, IEEE)
 
 
 def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -143,23 +153,11 @@ def _latent_extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride
     tok = tl.program_id(0) * BM + r // BH
     h = tl.program_id(1) * BH + r % BH
     split = tl.program_id(2)
-    mr = (tok < T) & (h < H)
-    d = tl.arange(0, BD)
-    md = d < HALF
-    row = q_ptr + tok[:, None] * q_stride + h[:, None] * L
-    q1 = tl.load(row + d[None, :], mask=mr[:, None] & (md & (d < L))[None, :], other=0.0)
-    q2 = tl.load(row + HALF + d[None, :], mask=mr[:, None] & (md & (HALF + d < L))[None, :], other=0.0)
     lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys
-    length = tl.max(lens, axis=0)  # the block's longest
     table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN
-    start = split * per
-    end = tl.minimum(start + per, length)
-    acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d,
-                                          md, BM * BH, BD, BN, True, IEEE)
-    out = (tok * H + h) * SPLITS + split
-    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mr, d, md, 2 * HALF)
-    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mr, d, md, 2 * HALF)
+    _latent_tile(q_ptr + tok[:, None] * q_stride + h[:, None] * L, (tok < T) & (h < H), table, lens,
+                 tl.max(lens, axis=0), k_ptr, v_ptr, kv_stride_s, part_o_ptr, part_lse_ptr,
+                 (tok * H + h) * SPLITS + split, split, scale, L, HALF, BD, BM * BH, BN, SPLITS, True, IEEE)
 
 
 def paged_latent_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
