@@ -10,7 +10,9 @@ both are bound by the latency of one token's step, which smaller blocks and fewe
 (a reduction within one warp needs no barrier) at the price of fewer programs per SM.
 
 This times every choice per call for the GPU benchmark model's Gated DeltaNet (16 heads of
-128x128) and a NemotronH-sized Mamba2 (64 heads of 64x128, 8 groups): decode at batch 1, 8 and 64,
+128x128), a NemotronH-sized Mamba2 (64 heads of 64x128, 8 groups), Jamba-1.5-Mini's Mamba1 (8,192
+channels of 16 states, ``selective_scan``: blocks of channels) and Kimi-Linear-48B's KDA (32 heads of
+128x128, ``kda_decode``): decode at batch 1, 8 and 64,
 and one sequence's segments launch of 296 and 512 tokens (bf16 inputs, fp32 states), each call
 captured 20 times in a CUDA graph (``report.graph_us``), medians of ``--repeats`` replays. Every
 choice's output is checked against the default's (the same recurrence: equal up to the sums'
@@ -114,6 +116,55 @@ def mamba2_cases(m2):
         yield f"Mamba2 segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
 
 
+def mamba1_cases(ss):
+    """``(row name, module attribute, call, the states it updates)`` for Mamba1's kernels
+    (``selective_scan``): Jamba-1.5-Mini's 8,192 channels of 16 states (256 without a GPU)."""
+    i, n = (8192 if DEV == "cuda" else 256), 16
+    a, d, dt_bias = -torch.rand(i, n, device=DEV), torch.randn(i, device=DEV), torch.randn(i, device=DEV)
+    for b in BATCHES:
+        x, z, dt, bc = _bf16(b, i), _bf16(b, i), _bf16(b, i), _bf16(b, 2 * n)
+        states = torch.zeros(b + 1, i, n, device=DEV)
+        slots = torch.arange(1, b + 1, device=DEV)
+        yield f"Mamba1 decode (gated), batch {b}", "DECODE_TILES", \
+            lambda x=x, z=z, dt=dt, bc=bc, states=states, slots=slots: ss.selective_state_update_fused(
+                x, dt, a, bc[:, :n], bc[:, n:], d, dt_bias, states, slots, z), (states,)
+    for t in LENGTHS:
+        x, z, dt, bc = _bf16(t, i), _bf16(t, i), _bf16(t, i), _bf16(t, 2 * n)
+        states = torch.zeros(2, i, n, device=DEV)
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
+        out = torch.empty(t, i, device=DEV, dtype=torch.bfloat16)
+
+        def segments(x=x, z=z, dt=dt, bc=bc, states=states, rows=rows, starts=starts, cu=cu, out=out):
+            ss.selective_scan_segments_fused(x, dt, a, bc[:, :n], bc[:, n:], d, dt_bias, states, rows, starts, cu,
+                                             out, z)
+            return out
+        yield f"Mamba1 segments (gated), {t} tokens", "SEGMENT_TILES", segments, (states,)
+
+
+def kda_cases(kd):
+    """``(row name, module attribute, call, the states it updates)`` for Kimi Delta Attention's kernels
+    (``kda_decode``): Kimi-Linear-48B's 32 heads of 128x128."""
+    h, dk = 32, 128
+    a_log, dt_bias = torch.randn(h, device=DEV), torch.randn(h * dk, device=DEV)
+    for b in BATCHES:
+        qkv, f, bb = _bf16(b, 3 * h * dk), _bf16(b, h * dk), _bf16(b, h)
+        states = torch.zeros(b + 1, h, dk, dk, device=DEV)
+        slots = torch.arange(1, b + 1, device=DEV)
+        yield f"KDA decode, batch {b}", "DECODE_TILES", \
+            lambda qkv=qkv, f=f, bb=bb, states=states, slots=slots: kd.kda_decode_fused(
+                qkv, f, bb, a_log, dt_bias, states, slots), (states,)
+    for t in LENGTHS:
+        qkv, f, bb = _bf16(t, 3 * h * dk), _bf16(t, h * dk), _bf16(t, h)
+        states = torch.zeros(2, h, dk, dk, device=DEV)
+        rows, starts, cu = (torch.tensor(v, device=DEV) for v in ([1], [0], [0, t]))
+        out = torch.empty(t, h, dk, device=DEV, dtype=torch.bfloat16)
+
+        def segments(qkv=qkv, f=f, bb=bb, states=states, rows=rows, starts=starts, cu=cu, out=out):
+            kd.kda_segments_fused(qkv, f, bb, a_log, dt_bias, states, rows, starts, cu, out)
+            return out
+        yield f"KDA segments, {t} tokens", "SEGMENT_TILES", segments, (states,)
+
+
 def chunk_cases(gdc, gdn, m2c, m2):
     """``(layer, chunked module, recurrent call, chunked call, out, states)`` per layer and sequence
     length of the second table: one sequence of ``t`` tokens, bf16 inputs, from state row 1."""
@@ -200,7 +251,9 @@ def main() -> None:
     from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu import gated_delta_decode as gdn
     from hyla.model.ops.gpu import mamba2_chunks as m2c
+    from hyla.model.ops.gpu import kda_decode as kd
     from hyla.model.ops.gpu import mamba2_decode as m2
+    from hyla.model.ops.gpu import selective_scan as ss
 
     def per_call_us(fn) -> float:
         return graph_us(fn, args.repeats, device=DEV)
@@ -209,7 +262,7 @@ def main() -> None:
     choices = list(itertools.product(BLOCKS, WARPS))
     head = "| kernel | " + " | ".join(f"{b}/{w}" for b, w in choices) + " | best | default |"
     lines = [head, "|---|" + "---|" * (len(choices) + 2)]
-    for module, cases in ((gdn, gdn_cases), (m2, mamba2_cases)):
+    for module, cases in ((gdn, gdn_cases), (m2, mamba2_cases), (ss, mamba1_cases), (kd, kda_cases)):
         for name, attr, call, states in cases(module):
             default = getattr(module, attr)
             for t in states:
@@ -240,8 +293,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     body = "\n".join([
         f"`.venv/bin/python benchmarks/recurrent_tiles.py --repeats {args.repeats}` — {machine()}; "
-        "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet value columns, "
-        "Mamba2 state rows) / warps per program.", "", *lines, "",
+        "µs per call (CUDA graph of 20 calls, medians); columns: block (Gated DeltaNet and KDA value columns, "
+        "Mamba2 state rows, Mamba1 channels) / warps per program.", "", *lines, "",
         "The extend in chunks (`gated_delta_chunks`, `mamba2_chunks`: `CHUNK_TILES` = tokens per chunk x "
         "value columns or state rows / warps; `HALF_DOT_PRECISION`, bf16 inputs) beside the recurrent segments kernel (default "
         "tiles), one sequence, µs per call:", "",

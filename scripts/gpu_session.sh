@@ -34,8 +34,8 @@
 #            the in projections' GEMV against cuBLAS, without and with PDL
 #   state    benchmarks/state_ops.py --device cuda: the state pool's slot operations
 #   attn     benchmarks/attention_tiles.py: the extend attention's tiles against PyTorch's SDPA (~2 min)
-#   kernels  benchmarks/recurrent_tiles.py and fla_prefill.py: the recurrent kernels' tiles, and
-#            hyla's chunked kernels against fla's per length
+#   kernels  benchmarks/recurrent_tiles.py and fla_prefill.py: the recurrent kernels' tiles (Gated DeltaNet,
+#            Mamba2, Mamba1, KDA), and hyla's chunked kernels against fla's per length (~8 min)
 #
 # --wheels DIR: pip-install the wheels there first (into /tmp/site, no index, no dependencies), for a
 # machine that cannot reach PyPI: fla-core (the Triton GDN kernels; the GPU extra) and llguidance.
@@ -104,7 +104,7 @@ for s in "$@"; do
                      | tee "$out/outproj.log" | tail -40 ;;
         attn) timeout 150 python3 benchmarks/attention_tiles.py --repeats 10 2>&1 | tee "$out/attn.log" | tail -12 ;;
         state) timeout 60 python3 benchmarks/state_ops.py --device cuda 2>&1 | tee "$out/state.log" ;;
-        kernels) timeout 200 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -40
+        kernels) timeout 400 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -48
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
         *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
