@@ -212,3 +212,30 @@ def test_latent_extend_attention_kernel(dtype, heads):
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
     with pytest.raises(ValueError, match="kv_lens"):
         paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens[:3], 0.2, rank)
+
+
+def test_kimi_extends_run_the_latent_extend_kernel(kimi_linear_short_path, monkeypatch):
+    """A CUDA extend's MLA (``kimi_linear.latent_extend_by_sequence``: the causal latent kernel, one
+    launch a sequence, over its slots in ``kv_indices``; here interpreted, the rest on the PyTorch ops)
+    == the PyTorch extend (gathered latents, SDPA): fp32, prefix cache on, greedy tokens and logprobs
+    within 1e-4 up to a tie, over batched prompts, then their conversations continued from cached
+    prefixes (the kernel reads cached latents: a prefix per sequence)."""
+    from hyla import Engine
+    from hyla.model import kimi_linear
+    from hyla.model.ops.gpu import latent_attention
+    from test_engine_differential import compare_outputs
+    from test_fused_decode import _two_turns
+
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
+    with Engine(kimi_linear_short_path, **opts) as plain:
+        ref = _two_turns(plain, None, requests=3)
+    launches = []
+    run = latent_attention.paged_latent_extend_attention
+    monkeypatch.setattr(latent_attention, "paged_latent_extend_attention",
+                        lambda q, kb, vb, table, row, lens, *a: launches.append((q.shape[0], table.shape[1]))
+                        or run(q, kb, vb, table, row, lens, *a))
+    monkeypatch.setattr(kimi_linear, "_on_gpu", lambda x: True)  # MLA's CUDA extend (its only kernel here)
+    with Engine(kimi_linear_short_path, **opts) as eng:
+        out = _two_turns(eng, None, requests=3)
+    assert any(keys > new for new, keys in launches)  # extends after a cached prefix
+    assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in ref)

@@ -68,6 +68,7 @@ from hyla.model.layers import (
     _copy_decode_checkpoints,
     _fla_prefill,
     _gpu,
+    _on_gpu,
     _tree_masks,
     conv1d_extend,
     conv1d_fused_extend,
@@ -242,6 +243,9 @@ class LatentAttention(nn.Module):
             fe = batch.fused_extend
             o = _gpu("latent_attention").paged_latent_extend_attention(
                 q_latent, kb, vb, batch.req_to_token, fe.req_row, fe.kv_lens, self.scaling, self.rank)  # [T, H, r]
+        elif _on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
+            write_latents(latent, kb, vb, batch.out_cache_loc)
+            o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
         else:
             o = latent_paged_attention(
                 q_latent, latent, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
@@ -312,6 +316,28 @@ def latent_paged_attention(
                          tree_masks[i] if tree_masks is not None else None, scaling)  # [H, E, value_dim]
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
+    return out
+
+
+def latent_extend_by_sequence(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, batch: ForwardBatch,
+                              scaling: float, value_dim: int) -> torch.Tensor:
+    """A CUDA extend's MLA (chains: no token trees), its new latents already in the pool: each
+    sequence's new tokens through ``latent_attention.paged_latent_extend_attention``, causal over its
+    slots (``kv_indices`` from its ``kv_starts``, one launch a sequence; token ``j`` sees ``positions[j]
+    + 1`` keys) -> ``[T, H, value_dim]``. Where the PyTorch path gathers each sequence's latents and
+    runs SDPA, whose math fallback (a 576-wide head is past the flash kernels) builds the whole ``[H, E,
+    L]`` score matrix: 1 GB in bf16 for one 4,096-token prompt of 32 heads."""
+    kernels = _gpu("latent_attention")
+    out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+    row = torch.zeros(1, dtype=torch.long, device=q.device)
+    start = 0
+    for i, n in enumerate(batch.extend_lens):
+        if n:
+            table = batch.kv_indices[batch.kv_starts[i]:batch.kv_starts[i + 1]].unsqueeze(0)  # [1, prefix + n]
+            out[start:start + n] = kernels.paged_latent_extend_attention(
+                q[start:start + n], k_buffer, v_buffer, table, row, batch.positions[start:start + n] + 1, scaling,
+                value_dim)
+        start += n
     return out
 
 
