@@ -618,12 +618,14 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-# Bamba and LFM2 on a GPU only: interpreted each costs CI ~a minute, and what they add to Qwen3.5's
-# run (Mamba2's and the short conv's kernels along chains) is tested kernel by kernel
-# (test_decode_kernels_run_chains)
+# Bamba, LFM2 and Kimi-Linear on a GPU only: interpreted each costs CI ~half a minute to a minute, and
+# what they add to Qwen3.5's run (Mamba2's, the short conv's and KDA's kernels along chains) is tested
+# kernel by kernel (test_decode_kernels_run_chains, test_fused_kimi_linear; MLA's rows are independent
+# queries, chains or not). Jamba's (~15 s) runs here: Mamba1 beside MoE layers
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
-                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba", "kimi_linear"])
+                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba",
+                                  pytest.param("kimi_linear", marks=pytest.mark.gpu)])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     """Speculation with verify steps as padded chains through the fused decode kernels
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its
