@@ -182,12 +182,13 @@ def test_kda_segments_kernel(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", [4, 20])
-def test_latent_extend_attention_kernel(dtype, heads):
+@pytest.mark.parametrize("heads, splits", [(4, None), (20, None), (4, 1)])
+def test_latent_extend_attention_kernel(dtype, heads, splits):
     """MLA's causal extend attention of one sequence's new tokens over the request table (a fused
     extend's) == ``latent_paged_attention``'s extend path: 7 new tokens after a 23-token cached prefix,
     an odd latent (49: halves of 25), values spanning both halves; 4 heads (a tile of 4 tokens, each
-    seeing only its own keys) or 20 (blocks of 16 heads, a token a tile)."""
+    seeing only its own keys) or 20 (blocks of 16 heads, a token a tile); split keys merged by stage 2,
+    or one split writing the output directly."""
     from hyla.model.ops.gpu.latent_attention import paged_latent_extend_attention
 
     g = torch.Generator().manual_seed(12)
@@ -208,7 +209,8 @@ def test_latent_extend_attention_kernel(dtype, heads):
                                  [prefix], [new], 0.2, rank)
     write_latents(latent, kb, vb, loc)
     lens = torch.arange(prefix + 1, prefix + new + 1, device=DEVICE)
-    out = paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens, 0.2, rank)
+    out = paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens, 0.2, rank,
+                                        splits=splits)
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
     with pytest.raises(ValueError, match="kv_lens"):
         paged_latent_extend_attention(q, kb, vb, table, torch.tensor([2], device=DEVICE), lens[:3], 0.2, rank)
@@ -219,10 +221,12 @@ def test_kimi_extends_run_the_latent_extend_kernel(kimi_linear_short_path, monke
     launch a sequence, over its slots in ``kv_indices``; here interpreted, the rest on the PyTorch ops)
     == the PyTorch extend (gathered latents, SDPA): fp32, prefix cache on, greedy tokens and logprobs
     within 1e-4 up to a tie, over batched prompts, then their conversations continued from cached
-    prefixes (the kernel reads cached latents: a prefix per sequence)."""
+    prefixes (the kernel reads cached latents). The second turn compiles no kernel variant the first
+    did not (the sequences' offsets and lengths are data, not compile keys)."""
     from hyla import Engine
     from hyla.model import kimi_linear
     from hyla.model.ops.gpu import latent_attention
+    from compile_keys import record_compile_keys
     from test_engine_differential import compare_outputs
     from test_fused_decode import _two_turns
 
@@ -232,10 +236,44 @@ def test_kimi_extends_run_the_latent_extend_kernel(kimi_linear_short_path, monke
     launches = []
     run = latent_attention.paged_latent_extend_attention
     monkeypatch.setattr(latent_attention, "paged_latent_extend_attention",
-                        lambda q, kb, vb, table, row, lens, *a: launches.append((q.shape[0], table.shape[1]))
+                        lambda q, kb, vb, table, row, lens, *a: launches.append((q.shape[0], int(lens.max())))
                         or run(q, kb, vb, table, row, lens, *a))
     monkeypatch.setattr(kimi_linear, "_on_gpu", lambda x: True)  # MLA's CUDA extend (its only kernel here)
     with Engine(kimi_linear_short_path, **opts) as eng:
-        out = _two_turns(eng, None, requests=3)
+        out = _two_turns(eng, None, requests=3, keys=record_compile_keys(monkeypatch))
     assert any(keys > new for new, keys in launches)  # extends after a cached prefix
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in ref)
+
+
+def test_latent_extend_by_sequence_compiles_one_variant(monkeypatch):
+    """``latent_extend_by_sequence``'s launches for one batch and then another, whose sequences start at
+    other offsets of ``kv_indices`` and have other lengths (5 and 19 slots, then 1, 16 and 16: lengths a
+    GPU launch specialises on), would compile nothing new on a
+    GPU: the table is the whole ``kv_indices`` and the offsets are data (a table sliced per sequence
+    specialised on its alignment and its length); and the outputs equal the PyTorch path's."""
+    import itertools
+    from types import SimpleNamespace
+
+    from hyla.model import kimi_linear
+    from compile_keys import record_compile_keys
+
+    g = torch.Generator().manual_seed(3)
+    heads, rank, width, half = 4, 24, 33, 17
+    kb, vb = torch.randn(80, 1, half, generator=g).to(DEVICE), torch.randn(80, 1, half, generator=g).to(DEVICE)
+    keys = record_compile_keys(monkeypatch)
+    for prefix, extend in (([0, 3], [5, 16]), ([0, 1, 2], [1, 15, 14])):  # sequences of 5, 19; then 1, 16, 16
+        starts = [0, *itertools.accumulate(p + n for p, n in zip(prefix, extend))]
+        batch = SimpleNamespace(extend_lens=extend, prefix_lens=prefix, kv_starts=starts,
+                                kv_indices=(torch.randperm(79, generator=g)[:starts[-1]] + 1).to(DEVICE))
+        q = torch.randn(sum(extend), heads, width, generator=g).to(DEVICE)
+        out = kimi_linear.latent_extend_by_sequence(q, kb, vb, batch, 0.3, rank)
+        ref = kimi_linear.latent_paged_attention(  # (rewrites the new tokens' latents as they are)
+            q, torch.cat([kb, vb], dim=-1)[batch.kv_indices, 0][[s for p, n, st in zip(prefix, extend, starts)
+                                                                  for s in range(st + p, st + p + n)], :width],
+            kb.clone(), vb.clone(), torch.cat([batch.kv_indices[st + p:st + p + n]
+                                               for p, n, st in zip(prefix, extend, starts)]),
+            batch.kv_indices, torch.tensor(starts, device=DEVICE), prefix, extend, 0.3, rank)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        if keys.before is None:
+            keys.mark()
+    keys.assert_no_new_variants()

@@ -198,3 +198,39 @@ def test_jamba_extends_run_the_segments_kernel(jamba_short_path, monkeypatch):
     assert max(n for n, _ in launches) > 1  # batches of several sequences in one launch
     assert any(ckpts is not None and ckpts.pos.numel() for _, ckpts in launches)  # checkpoints on the way
     assert compare_outputs(out, ref) > 0.9 * sum(len(o["output_ids"]) for o in ref)
+
+
+def test_segments_kernels_never_specialize_on_their_index_offsets(monkeypatch):
+    """The recurrent segments kernels (Gated DeltaNet's, Mamba2's, Mamba1's, KDA's) launched with their
+    index tensors (rows, starts, cu_seqlens, the checkpoints') as views at odd offsets of one buffer —
+    what a GPU's packed host-to-device copy hands them, at offsets that follow the batch — compile
+    nothing a launch with fresh tensors did not (``segment_checkpoints.INDEX_ARGS``)."""
+    from compile_keys import record_compile_keys
+    from hyla.model.ops.gpu import gated_delta_decode, kda_decode, mamba2_decode
+
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
+    t, h, d = 6, 2, 16
+    pool = rnd(6, h, d, d)
+    calls = {  # name -> run(rows, starts, cu, ckpts)
+        "gated_delta": lambda *ix: gated_delta_decode.gated_delta_segments_fused(
+            rnd(t, 3 * h * d), rnd(t, h), rnd(t, h), rnd(h), rnd(h), pool, *ix[:3], torch.empty(t, h, d), h, d,
+            SegmentCheckpoints(pool, *ix[3:])),
+        "mamba2": lambda *ix: mamba2_decode.mamba2_segments_fused(
+            rnd(t, h * d), rnd(t, h), -torch.rand(h, generator=g), rnd(t, 16), rnd(t, 16), rnd(h), rnd(h),
+            pool.view(6, h, d, d)[:, :, :, :16].contiguous(), *ix[:3], torch.empty(t, h, d), None, None),
+        "mamba1": lambda *ix: kernels.selective_scan_segments_fused(
+            *_inputs(g, t, torch.float32)[:2], -torch.rand(I, N, generator=g), rnd(t, N), rnd(t, N), rnd(I), rnd(I),
+            rnd(6, I, N), *ix[:3], torch.empty(t, I), None, SegmentCheckpoints(rnd(6, I, N), *ix[3:])),
+        "kda": lambda *ix: kda_decode.kda_segments_fused(
+            rnd(t, 3 * h * d), rnd(t, h * d), rnd(t, h), rnd(h), rnd(h * d), pool, *ix[:3], torch.empty(t, h, d),
+            SegmentCheckpoints(pool, *ix[3:])),
+    }
+    values = ([1, 2], [0, 2], [0, 2, 6], [0, 1, 1], [1], [4])  # rows, starts, cu, ckpt offsets, pos, slot
+    keys = record_compile_keys(monkeypatch)
+    for run in calls.values():
+        run(*(torch.tensor(v, device=DEVICE) for v in values))
+    keys.mark()
+    for run in calls.values():  # each index tensor 1 element into a buffer of its own (8 bytes: unaligned)
+        run(*(torch.tensor([0, *v], device=DEVICE)[1:] for v in values))
+    keys.assert_no_new_variants()

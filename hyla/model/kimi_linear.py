@@ -243,7 +243,8 @@ class LatentAttention(nn.Module):
             fe = batch.fused_extend
             o = _gpu("latent_attention").paged_latent_extend_attention(
                 q_latent, kb, vb, batch.req_to_token, fe.req_row, fe.kv_lens, self.scaling, self.rank)  # [T, H, r]
-        elif _on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
+        elif _on_gpu(q_latent) and not batch.is_decode and batch.tree_parents is None:  # a CUDA extend: that
+            # kernel, sequence by sequence (an unfused decode step keeps the one batched SDPA below)
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
         else:
@@ -323,19 +324,25 @@ def latent_extend_by_sequence(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
                               scaling: float, value_dim: int) -> torch.Tensor:
     """A CUDA extend's MLA (chains: no token trees), its new latents already in the pool: each
     sequence's new tokens through ``latent_attention.paged_latent_extend_attention``, causal over its
-    slots (``kv_indices`` from its ``kv_starts``, one launch a sequence; token ``j`` sees ``positions[j]
-    + 1`` keys) -> ``[T, H, value_dim]``. Where the PyTorch path gathers each sequence's latents and
-    runs SDPA, whose math fallback (a 576-wide head is past the flash kernels) builds the whole ``[H, E,
-    L]`` score matrix: 1 GB in bf16 for one 4,096-token prompt of 32 heads."""
+    slots in ``kv_indices`` (from ``kv_starts[i]``; new token ``j`` sees ``prefix_lens[i] + j + 1``
+    keys), one launch a sequence -> ``[T, H, value_dim]``. Where the PyTorch path gathers each
+    sequence's latents and runs SDPA, whose math fallback (a 576-wide head is past the flash kernels)
+    builds the whole ``[H, E, L]`` score matrix: 1 GB in bf16 for one 4,096-token prompt of 32 heads.
+    Every launch passes the whole ``kv_indices`` as a one-column table (its row the sequence's start)
+    and slices of two index tensors made once, so no batch compiles another kernel variant."""
     kernels = _gpu("latent_attention")
+    b = len(batch.extend_lens)
+    host = torch.tensor([*batch.kv_starts[:b], *(p + 1 + j for p, n in zip(batch.prefix_lens, batch.extend_lens)
+                                                for j in range(n))], dtype=torch.long)
+    index = host.to(q.device, non_blocking=True)
+    rows, lens = index[:b], index[b:]  # each sequence's first slot in kv_indices; each token's keys
+    table = batch.kv_indices.view(-1, 1)
     out = q.new_empty(q.shape[0], q.shape[1], value_dim)
-    row = torch.zeros(1, dtype=torch.long, device=q.device)
     start = 0
     for i, n in enumerate(batch.extend_lens):
         if n:
-            table = batch.kv_indices[batch.kv_starts[i]:batch.kv_starts[i + 1]].unsqueeze(0)  # [1, prefix + n]
             out[start:start + n] = kernels.paged_latent_extend_attention(
-                q[start:start + n], k_buffer, v_buffer, table, row, batch.positions[start:start + n] + 1, scaling,
+                q[start:start + n], k_buffer, v_buffer, table, rows[i:i + 1], lens[start:start + n], scaling,
                 value_dim)
         start += n
     return out

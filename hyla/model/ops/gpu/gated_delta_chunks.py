@@ -50,6 +50,7 @@ from hyla.model.ops.gpu import pdl, segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
 from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_gates, _gdn_program, gated_delta_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     chunk_decay,
     chunk_state_at,
@@ -114,7 +115,7 @@ def _substitute(A, rhs, t, BT: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["num_chunks"])
+@triton.jit(do_not_specialize=["num_chunks"], do_not_specialize_on_alignment=INDEX_ARGS[1:3])
 def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                    starts_ptr, cu_ptr, w_ptr, u_ptr, num_chunks,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -148,7 +149,7 @@ def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_
         tl.store(u_ptr + (r[:, None] * HV + hv) * DV + dv[None, :], u, mask=live[:, None] & mv[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                        pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr, w_ptr, u_ptr,

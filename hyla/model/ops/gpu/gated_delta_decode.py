@@ -41,6 +41,7 @@ import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     first_checkpoint,
     open_segment,
@@ -256,7 +257,7 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
         tl.atomic_xchg(ticket_ptr + i * HK + hk, 0)  # zero for the next launch
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,

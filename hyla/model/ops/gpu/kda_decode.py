@@ -34,6 +34,7 @@ import triton.language as tl
 from hyla.model.ops.gpu import chain_of, pdl, segments_of
 from hyla.model.ops.gpu.gated_delta_decode import _chain_state, _gdn_gates, _store_chain_state
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     first_checkpoint,
     open_segment,
@@ -115,7 +116,7 @@ def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_
         tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _kda_segments_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,

@@ -14,7 +14,9 @@ up-projections absorbed, every head attends with the latent as its key and the l
 Stage 1: program ``(sequence, block of BH heads, split)`` runs an online softmax over its share of
 the keys, the scores ``q[:half] . K + q[half:] . V`` and the two halves of the output accumulated
 apart, and writes a partial output ``[2*half]`` with its log-sum-exp per head; stage 2 is
-``decode_attention``'s merge of the splits (``merge_splits``). The new token's latent is in the
+``decode_attention``'s merge of the splits (``merge_splits``). A launch of one split (large batches,
+long extends) writes the output itself: no partials (an 8,192-token extend's would be 600 MB of fp32),
+no stage 2. The new token's latent is in the
 pool before (the layer writes it). Verify steps' chains need nothing more: each row of the step is
 a query with its own request row and length.
 
@@ -36,6 +38,8 @@ from hyla.model.ops.gpu.decode_attention import _store_partials, merge_splits, n
 # at each launch. Not yet timed on a GPU: Kimi-Linear's 32 heads over a 576-wide latent (halves of 288,
 # padded to 512 in registers) hold two [16, 512] fp32 accumulators a program at 16 rows.
 TILES = (16, 16, 4)
+MAX_SPLITS = 8  # stage 2 merges a [splits, 2*half] fp32 tile a row (1,024 wide for Kimi's latent): at most 8
+# keeps it in registers. A launch of one split writes its output directly (no partials, no stage 2).
 
 
 @triton.jit
@@ -84,12 +88,13 @@ def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, s
 
 @triton.jit
 def _latent_tile(row, mask, table, lens, length, k_ptr, v_ptr, kv_stride_s, part_o_ptr, part_lse_ptr, out, split,
-                 scale, L: tl.constexpr, HALF: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
-                 SPLITS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                 scale, L: tl.constexpr, HALF: tl.constexpr, VALUE: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+                 BN: tl.constexpr, SPLITS: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
     """A tile's work (both stage-1 kernels): its ``R`` query rows (``row``: each row's latent query,
     ``mask``: the live ones) loaded in two halves, the online softmax over its split of the first
     ``length`` keys of the request-table row ``table`` (with ``CAUSAL``, row ``r`` sees ``lens[r]``),
-    and the partial outputs and log-sum-exps stored at stage 2's rows ``out``."""
+    and the partial outputs and log-sum-exps stored at stage 2's rows ``out`` — with one split, the
+    output's first ``VALUE`` channels themselves."""
     d = tl.arange(0, BD)
     md = d < HALF
     q1 = tl.load(row + d[None, :], mask=mask[:, None] & (md & (d < L))[None, :], other=0.0)
@@ -99,14 +104,22 @@ def _latent_tile(row, mask, table, lens, length, k_ptr, v_ptr, kv_stride_s, part
     end = tl.minimum(start + per, length)
     acc1, acc2, m_i, l_i = _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md,
                                           R, BD, BN, CAUSAL, IEEE)
-    _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mask, d, md, 2 * HALF)
-    _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mask, d, md, 2 * HALF)
+    if SPLITS == 1:  # the output itself, [N, H, VALUE] in its dtype: part_o_ptr is the output's (rows out)
+        inv = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
+        o = part_o_ptr + out[:, None] * VALUE + d[None, :]
+        tl.store(o, (acc1 * inv[:, None]).to(part_o_ptr.dtype.element_ty),
+                 mask=mask[:, None] & (md & (d < VALUE))[None, :])
+        tl.store(o + HALF, (acc2 * inv[:, None]).to(part_o_ptr.dtype.element_ty),
+                 mask=mask[:, None] & (md & (HALF + d < VALUE))[None, :])
+    else:
+        _store_partials(part_o_ptr, part_lse_ptr, out, acc1, m_i, l_i, mask, d, md, 2 * HALF)
+        _store_partials(part_o_ptr + HALF, part_lse_ptr, out, acc2, m_i, l_i, mask, d, md, 2 * HALF)
 
 
 @triton.jit(do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
 def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr,
                    part_lse_ptr, scale, kv_stride_s, H: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr,
-                   BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                   VALUE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
                    IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     i = tl.program_id(0)
@@ -116,8 +129,8 @@ def _latent_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_
     length = tl.load(lens_ptr + i).to(tl.int32)
     table = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * table_stride
     _latent_tile(q_ptr + i * q_stride + h[:, None] * L, mh, table, length, length, k_ptr, v_ptr, kv_stride_s,
-                 part_o_ptr, part_lse_ptr, (i * H + h) * SPLITS + split, split, scale, L, HALF, BD, BH, BN, SPLITS,
-                 False, IEEE)
+                 part_o_ptr, part_lse_ptr, (i * H + h) * SPLITS + split, split, scale, L, HALF, VALUE, BD, BH, BN,
+                 SPLITS, False, IEEE)
 
 
 def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -131,22 +144,21 @@ def paged_latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buf
     if req_rows.shape != (b,) or seq_lens.shape != (b,):
         raise ValueError("req_rows and seq_lens must be [B]")
     half = k_buffer.shape[-1]
-    splits = _splits(splits or num_splits(b, 1))
-    part_o = torch.empty(b, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
+    splits = _splits(splits or min(MAX_SPLITS, num_splits(b, 1)))
+    out, part_o, part_lse = _outputs(q, half, value_dim, splits)
     rows, bn, warps = TILES
     bh = max(16, min(rows, triton.next_power_of_2(heads)))
     _latent_stage1[(b, triton.cdiv(heads, bh), splits)](
         q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o,
-        part_lse, scaling, k_buffer.stride(0), H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
-        BH=bh, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
-    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
+        part_lse, scaling, k_buffer.stride(0), H=heads, L=width, HALF=half, VALUE=value_dim, BD=_block(half), BH=bh,
+        BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
+    return out if splits == 1 else merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
 
 
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["row_ptr", "lens_ptr"])
 def _latent_extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
                           part_lse_ptr, scale, kv_stride_s, T, H: tl.constexpr, L: tl.constexpr, HALF: tl.constexpr,
-                          BD: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          VALUE: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     r = tl.arange(0, BM * BH)  # the tile's rows: token blk * BM + r // BH, head hb * BH + r % BH
@@ -157,7 +169,7 @@ def _latent_extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride
     table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
     _latent_tile(q_ptr + tok[:, None] * q_stride + h[:, None] * L, (tok < T) & (h < H), table, lens,
                  tl.max(lens, axis=0), k_ptr, v_ptr, kv_stride_s, part_o_ptr, part_lse_ptr,
-                 (tok * H + h) * SPLITS + split, split, scale, L, HALF, BD, BM * BH, BN, SPLITS, True, IEEE)
+                 (tok * H + h) * SPLITS + split, split, scale, L, HALF, VALUE, BD, BM * BH, BN, SPLITS, True, IEEE)
 
 
 def paged_latent_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
@@ -175,15 +187,14 @@ def paged_latent_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buf
     bh = min(rows, triton.next_power_of_2(heads))
     bm = max(1, rows // bh)
     blocks = triton.cdiv(t, bm)
-    splits = _splits(splits or num_splits(blocks * triton.cdiv(heads, bh), 1))
-    part_o = torch.empty(t, heads, splits, 2 * half, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(t, heads, splits, dtype=torch.float32, device=q.device)
+    splits = _splits(splits or min(MAX_SPLITS, num_splits(blocks * triton.cdiv(heads, bh), 1)))
+    out, part_o, part_lse = _outputs(q, half, value_dim, splits)
     if t:
         _latent_extend_stage1[(blocks, triton.cdiv(heads, bh), splits)](
             q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
-            part_lse, scaling, k_buffer.stride(0), t, H=heads, L=width, HALF=half, BD=triton.next_power_of_2(half),
+            part_lse, scaling, k_buffer.stride(0), t, H=heads, L=width, HALF=half, VALUE=value_dim, BD=_block(half),
             BH=bh, BM=bm, BN=bn, SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=warps, **pdl.launch(q))
-    return merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
+    return out if splits == 1 else merge_splits(part_o, part_lse, q.dtype)[:, :, :value_dim]
 
 
 def _check(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_to_token: torch.Tensor,
@@ -202,6 +213,23 @@ def _check(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, req_
     if req_to_token.stride(1) != 1:
         raise ValueError("req_to_token rows must be contiguous")
     return n, heads, width
+
+
+def _outputs(q: torch.Tensor, half: int, value_dim: int, splits: int) -> tuple:
+    """``(out, part_o, part_lse)`` for a launch of ``splits`` splits over queries ``q [N, H, L]``: with
+    one split the output ``[N, H, value_dim]`` itself, which stage 1 writes (``part_o`` is it,
+    ``part_lse`` unused), else stage 2's partials ``[N, H, splits, 2*half]`` and ``[N, H, splits]`` fp32."""
+    n, heads = q.shape[:2]
+    if splits == 1:
+        out = torch.empty(n, heads, value_dim, dtype=q.dtype, device=q.device)
+        return out, out, out
+    return None, torch.empty(n, heads, splits, 2 * half, dtype=torch.float32, device=q.device), \
+        torch.empty(n, heads, splits, dtype=torch.float32, device=q.device)
+
+
+def _block(half: int) -> int:
+    """The register width of a latent half: a power of two, at least ``tl.dot``'s 16."""
+    return max(16, triton.next_power_of_2(half))
 
 
 def _splits(splits: int) -> int:

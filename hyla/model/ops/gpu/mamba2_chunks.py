@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from hyla.model.ops.gpu import pdl, segments_of
 from hyla.model.ops.gpu.mamba2_decode import _check_inputs, _mamba2_dt, _mamba2_program, mamba2_segments_fused
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     chunk_decay,
     chunk_state_at,
@@ -54,7 +55,7 @@ CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many to
 # each launch (as gated_delta_chunks.CHUNKED_MIN_LEN; benchmarks/fla_prefill.py times both kernels)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _mamba2_chunks_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                           state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
                           pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,

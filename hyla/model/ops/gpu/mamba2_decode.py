@@ -24,6 +24,7 @@ import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of, pdl, segments_of
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     first_checkpoint,
     open_segment,
@@ -120,7 +121,7 @@ def _mamba2_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_pt
         tl.store(y_ptr + (r * H + h) * P + p, y.to(y_ptr.dtype.element_ty), mask=mp)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _mamba2_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, a_ptr, b_ptr, c_ptr, bc_stride, d_ptr, dt_bias_ptr,
                             state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride, dt_min, dt_max,
                             pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,

@@ -15,6 +15,13 @@ import triton
 import triton.language as tl
 
 
+INDEX_ARGS = ["rows_ptr", "starts_ptr", "cu_ptr", "ck_off_ptr", "ck_pos_ptr", "ck_slot_ptr"]
+"""A segments kernel's index arguments (``@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)``):
+on a GPU they are views of one packed host-to-device copy (``fla_chunk``'s plans,
+``cache.transfer.to_device_packed``) at offsets that follow the batch, so their alignment must not be
+a compile key (a new one would compile the kernel again mid-serving: ``ops/gpu/__init__.py``)."""
+
+
 @dataclass(frozen=True)
 class SegmentCheckpoints:
     """The checkpoints a segments launch writes itself (``gated_delta_segments_fused``,

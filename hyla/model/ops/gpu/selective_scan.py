@@ -35,6 +35,7 @@ import triton.language as tl
 from hyla.model.ops.gpu import chain_of, pdl, segments_of
 from hyla.model.ops.gpu.mamba2_decode import _mamba2_dt
 from hyla.model.ops.gpu.segment_checkpoints import (
+    INDEX_ARGS,
     SegmentCheckpoints,
     first_checkpoint,
     open_segment,
@@ -118,7 +119,7 @@ def _mamba1_decode_kernel(x_ptr, x_stride, dt_ptr, dt_stride, z_ptr, z_stride, a
         tl.store(y_ptr + r * I + d, y, mask=md)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _mamba1_segments_kernel(x_ptr, x_stride, dt_ptr, dt_stride, z_ptr, z_stride, a_ptr, b_ptr, b_stride, c_ptr,
                             c_stride, d_ptr, dt_bias_ptr, state_ptr, rows_ptr, starts_ptr, cu_ptr, y_ptr, y_stride,
                             pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
