@@ -29,9 +29,10 @@ is MLA's exact cache size. Attention runs in the latent space with the up-projec
     out_t       = (sum_s p_ts c_kv_s) W_uv^T
 
 which is transformers' expanded form regrouped (equal up to fp32 rounding; no per-step expansion of the
-cached tokens). Prefill, chunked prefill and decode all take this one path
-(``latent_paged_attention``); a GPU's fused decode steps and extends run it as Triton kernels
-(``ops/gpu/latent_attention.py``, reading the request table on the device).
+cached tokens). Prefill and chunked prefill take ``latent_paged_attention``, decode steps
+``latent_decode_attention`` (one batched attention over the step's KV table, which a compiled CPU
+decode graph traces once); a GPU's fused decode steps and extends, and its prefills, run it as
+Triton kernels (``ops/gpu/latent_attention.py``, reading the request table on the device).
 
 FFN per ``mlp_layer_types`` (or the first ``first_k_dense_replace`` layers dense): a SwiGLU MLP, or a
 MoE: sigmoid router with score-correction bias (``num_expert_group`` / ``topk_group`` grouping),
@@ -243,8 +244,11 @@ class LatentAttention(nn.Module):
             fe = batch.fused_extend
             o = _gpu("latent_attention").paged_latent_extend_attention(
                 q_latent, kb, vb, batch.req_to_token, fe.req_row, fe.kv_lens, self.scaling, self.rank)  # [T, H, r]
-        elif _on_gpu(q_latent) and not batch.is_decode and batch.tree_parents is None:  # a CUDA extend: that
-            # kernel, sequence by sequence (an unfused decode step keeps the one batched SDPA below)
+        elif batch.is_decode:  # one batched attention over the step's KV table (what a compiled graph traces)
+            write_latents(latent, kb, vb, batch.out_cache_loc)
+            o = latent_decode_attention(q_latent, kb, vb, batch.kv_table, batch.decode_kv_layout()[1], self.scaling,
+                                        self.rank)  # [B, H, r]
+        elif _on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
         else:
@@ -286,23 +290,6 @@ def latent_paged_attention(
         raise ValueError(f"extend_lens / out_cache_loc disagree with the {t} new tokens")
     write_latents(latent, k_buffer, v_buffer, out_cache_loc)
 
-    def read(slots: torch.Tensor) -> torch.Tensor:  # [n] -> [n, L] latents in q's dtype
-        rows = torch.cat([k_buffer.index_select(0, slots), v_buffer.index_select(0, slots)], dim=-1)[:, 0]
-        return rows[:, :width].to(q.dtype)
-
-    if tree_masks is None and all(n == 1 for n in extend_lens):  # decode: one padded batched attention (padding reads slot 0, masked)
-        b, max_len = t, max(prefix_lens) + 1
-        offsets = torch.arange(max_len, device=q.device)
-        valid = offsets[None, :] < (kv_indptr[1:] - kv_indptr[:-1])[:, None]  # [B, L]
-        pos = (kv_indptr[:-1, None] + offsets[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-        slots = kv_indices.index_select(0, pos.flatten()).masked_fill_(~valid.flatten(), 0)
-        keys = read(slots).view(b, 1, max_len, width)  # [B, 1, L, W]
-        out = F.scaled_dot_product_attention(
-            q.view(b, heads, 1, width), keys, keys[..., :value_dim],
-            attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=True,
-        )  # [B, H, 1, value_dim]
-        return out.view(b, heads, value_dim)
-
     out = q.new_empty(t, heads, value_dim)
     indptr = list(kv_starts) if kv_starts is not None else kv_indptr.tolist()
     start = 0
@@ -312,12 +299,37 @@ def latent_paged_attention(
         if indptr[i + 1] - indptr[i] != prefix + extend:
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, "
                              f"expected {prefix + extend}")
-        keys = read(kv_indices[indptr[i] : indptr[i + 1]])[None]  # [1, L, W]
+        slots = kv_indices[indptr[i] : indptr[i + 1]]
+        keys = read_latents(k_buffer, v_buffer, slots, width)[None].to(q.dtype)  # [1, L, W]
         oi = extend_sdpa(q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], prefix,
                          tree_masks[i] if tree_masks is not None else None, scaling)  # [H, E, value_dim]
         out[start : start + extend] = oi.transpose(0, 1)
         start += extend
     return out
+
+
+def latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, kv_table: torch.Tensor,
+                            kv_mask: torch.Tensor | None, scaling: float, value_dim: int) -> torch.Tensor:
+    """A decode step's MLA, the new latents already in the pool: query ``q [B, H, L]`` of sequence ``i``
+    over the latents of its slots ``kv_table[i]`` (``[B, Lk]``, padded; ``kv_mask [B, Lk]`` additive fp32,
+    -inf past each sequence's length, or None) -> ``[B, H, value_dim]`` in q's dtype (fp32 softmax).
+    ``ops.attention.decode_attention``'s form — one gather per buffer, two batched matmuls, shapes from
+    the step's table — so a compiled decode graph traces it once for every context length."""
+    b, heads, width = q.shape
+    length = kv_table.shape[1]
+    keys = read_latents(k_buffer, v_buffer, kv_table.reshape(-1), width).view(b, length, width).float()
+    scores = torch.matmul(q.float() * scaling, keys.transpose(-1, -2))  # [B, H, Lk]
+    if kv_mask is not None:
+        scores += kv_mask.view(b, 1, length)
+    return torch.matmul(torch.softmax(scores, dim=-1), keys[..., :value_dim]).to(q.dtype)  # [B, H, value_dim]
+
+
+def read_latents(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:
+    """The latents ``[n, width]`` of pool slots ``slots [n]``: their two halves from the K and V buffers
+    (``[S, 1, half]``), joined, the zero padding cut (the buffers' dtype)."""
+    half = k_buffer.shape[-1]
+    return torch.cat([k_buffer.view(-1, half).index_select(0, slots), v_buffer.view(-1, half).index_select(0, slots)],
+                     dim=-1)[:, :width]
 
 
 def latent_extend_by_sequence(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, batch: ForwardBatch,
