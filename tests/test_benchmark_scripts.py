@@ -78,11 +78,8 @@ def test_gpu_decode_refuses_a_bad_variant():
 def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
     """``--moe``: the model with MoE layers, both sides (their greedy check agrees), its roofline
     counting the experts a batch chooses."""
-    report = tmp_path / "gpu_decode.json"
-    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--moe", "--batches", "1,2", "--new-tokens", "2",
-               "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json", str(report))
+    out, data = _tiny_gpu_decode(tmp_path, "--moe")
     assert "Qwen3.5-MoE-style model (8 experts, top-2" in out and "per distinct expert" in out
-    data = json.loads(report.read_text())
     assert data["greedy_agreement"] == 8 and data["moe"]["num_experts"] == 8 and data["sizes"]["expert_bytes"] > 0
     roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
     # (transformers' decode time is a difference of two timings, 1 + n tokens less 1: with n = 2 on a
@@ -94,22 +91,10 @@ def test_gpu_decode_runs_on_cpu_with_jamba(tmp_path):
     """``--jamba``: the Jamba-style model (Mamba1 + attention, MoE in every 2nd layer), both sides (their
     greedy check agrees), its cached TTFT hitting the whole prefix, its roofline counting the experts a
     batch chooses and the untied lm_head once."""
-    report = tmp_path / "gpu_decode.json"
-    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--jamba", "--batches", "1,2", "--new-tokens",
-               "2", "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json",
-               str(report))
+    out, data = _tiny_gpu_decode(tmp_path, "--jamba")
     assert "Jamba-style model (`JambaForCausalLM`)" in out and "(3 Mamba1 + 1 attention at 2)" in out
-    assert "4 experts, top-2" in out and "per distinct expert" in out
-    data = json.loads(report.read_text())
-    sizes, medians = data["sizes"], data["medians"]
-    assert data["greedy_agreement"] == 8 and data["moe"] == {"num_experts": 4, "num_experts_per_tok": 2}
-    # every parameter: the step's weights (lm_head among them), the embedding (B rows a step), the 4 experts
-    h, vocab = data["config"]["hidden_size"], data["config"]["vocab_size"]
-    assert sizes["expert_bytes"] > 0
-    assert sizes["param_bytes"] == sizes["weight_bytes_per_step"] + 4 * vocab * h + 4 * sizes["expert_bytes"]
-    roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
-    assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians
-    assert medians["hyla_cached_hit"] == 48
+    assert data["sizes"]["expert_bytes"] > 0
+    _assert_untied_moe_report(out, data)
 
 
 def test_gpu_decode_runs_on_cpu_with_kimi(tmp_path):
@@ -117,20 +102,32 @@ def test_gpu_decode_runs_on_cpu_with_kimi(tmp_path):
     expert), both sides (their greedy check agrees), its cached TTFT hitting the whole prefix, its
     roofline counting the experts a batch chooses (transformers' fused ``mlp.experts.gate_up_proj`` /
     ``down_proj``, not the shared expert) and the untied lm_head once, MLA's latent as its KV."""
-    report = tmp_path / "gpu_decode.json"
-    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", "--kimi", "--batches", "1,2", "--new-tokens",
-               "2", "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json",
-               str(report))
+    out, data = _tiny_gpu_decode(tmp_path, "--kimi")
     assert "Kimi-Linear-style model (`KimiLinearForCausalLM`)" in out and "(3 KDA + 1 MLA at 3)" in out
     assert "KDA 2 heads of 32" in out and "a latent of 32 + 16 per token" in out
+    # each expert: 3 matrices of hidden x moe_intermediate_size (fp32 here) in each of the 3 MoE layers
+    config = data["config"]
+    assert data["sizes"]["expert_bytes"] == 3 * 3 * config["hidden_size"] * config["moe_intermediate_size"] * 4
+    _assert_untied_moe_report(out, data)
+
+
+def _tiny_gpu_decode(tmp_path, model: str) -> tuple[str, dict]:
+    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``), both sides,
+    batches 1 and 2, a 64-token cached TTFT with 48 cached: ``(its output, its JSON report)``."""
+    report = tmp_path / "gpu_decode.json"
+    out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", model, "--batches", "1,2", "--new-tokens", "2",
+               "--prefill-tokens", "64", "--cached-tokens", "48", "--repeats", "1", "--no-write", "--json", str(report))
+    return out, json.loads(report.read_text())
+
+
+def _assert_untied_moe_report(out: str, data: dict) -> None:
+    """The tiny Jamba and Kimi-Linear reports alike: 4 experts top-2, both sides agreeing, every parameter
+    counted once (the step's weights, the untied lm_head among them; the embedding, B rows a step; the 4
+    experts), a roofline growing with the batch, the cached prompt hitting its whole prefix."""
+    sizes, medians = data["sizes"], data["medians"]
     assert "4 experts, top-2" in out and "per distinct expert" in out
-    data = json.loads(report.read_text())
-    sizes, medians, config = data["sizes"], data["medians"], data["config"]
     assert data["greedy_agreement"] == 8 and data["moe"] == {"num_experts": 4, "num_experts_per_tok": 2}
-    # every parameter (fp32 here): the step's weights (lm_head among them), the embedding (B rows a step), the 4
-    # experts, each 3 matrices of hidden x moe_intermediate_size in each of the 3 MoE layers
-    h, vocab = config["hidden_size"], config["vocab_size"]
-    assert sizes["expert_bytes"] == 3 * 3 * h * config["moe_intermediate_size"] * 4
+    h, vocab = data["config"]["hidden_size"], data["config"]["vocab_size"]
     assert sizes["param_bytes"] == sizes["weight_bytes_per_step"] + 4 * vocab * h + 4 * sizes["expert_bytes"]
     roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
     assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians

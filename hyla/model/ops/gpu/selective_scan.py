@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of, pdl, segments_of
+from hyla.model.ops.gpu.fla_chunk import scan_in_rounds
 from hyla.model.ops.gpu.mamba2_decode import _mamba2_dt
 from hyla.model.ops.gpu.segment_checkpoints import (
     INDEX_ARGS,
@@ -239,7 +240,5 @@ def selective_scan_extend_fused(x: torch.Tensor, dt: torch.Tensor, A: torch.Tens
     contract, the sequences and checkpoints as the batch's ``varlen`` plan holds them; chains only):
     ``y [T, I]`` in x's dtype (gated by ``z`` where given). Every sequence in one launch where the
     plan allows (``fla_chunk.single_pass``), else in rounds cut at the checkpoints; no device read."""
-    from hyla.model.ops.gpu.fla_chunk import scan_in_rounds  # (fla_chunk imports the op modules)
-
     out = torch.empty(x.shape[0], A.shape[0], dtype=x.dtype, device=x.device)
     return scan_in_rounds(None, None, (), out, ssm_states, varlen, segment_kernel(x, dt, A, B, C, D, dt_bias, z))
