@@ -14,11 +14,76 @@ keep its outputs in memory that an earlier one freed after its capture, and whic
 one's replays write again. So replaying a graph poisons (NaN, or -2**40 in integer outputs) the
 outputs of every graph captured after it in its pool: an output read after another graph of its
 pool replayed, which on a GPU may be overwritten, is here certainly wrong.
+
+A capture also keeps what a CUDA capture refuses (:class:`CaptureRules`): the captured function may
+not read the device from the host (``.item()``, ``.tolist()``, a tensor's truth value, ops whose
+output's size follows the data: ``nonzero``, a boolean mask's indexing, ``repeat_interleave``
+without its ``output_size``), nor make a tensor of host data (``torch.tensor``, ``torch.as_tensor``
+of a list: a copy from pageable memory, which a capture refuses; and had it been taken, the graph would
+replay the values of the capture). On a GPU these fail the capture at start-up; here the test.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
+
+aten = torch.ops.aten
+# ops that read the device from the host (a synchronization, which a capture refuses): a scalar's value,
+# and ops whose output's size is data (their kernels copy a count back)
+SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+               aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+               aten.lift_fresh.default}  # (lift_fresh: a tensor of host data, torch.tensor's)
+HOST_READS = ("tolist", "numpy")  # Tensor methods that read the data without dispatching an op
+
+
+class CaptureRules(TorchDispatchMode):
+    """Fails on what a CUDA graph capture refuses (the module docstring), naming the op. Triton
+    launches are exempt (``TRITON_INTERPRET=1``: the interpreter copies its arguments to the host,
+    where a GPU only launches a kernel)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNCING_OPS or (func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None):
+            raise AssertionError(f"not allowed in a CUDA graph capture: {func}")
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None):
+            raise AssertionError(f"not allowed in a CUDA graph capture: {func} with a boolean mask")
+        return func(*args, **kwargs)
+
+
+class _NoHostReads(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            raise AssertionError(f"not allowed in a CUDA graph capture: Tensor.{func.__name__}")
+        return func(*args, **(kwargs or {}))
+
+
+def in_emulated_graph() -> bool:
+    """Whether the code runs inside an emulated graph's capture or replay."""
+    return any(isinstance(m, CaptureRules) for m in _get_current_dispatch_mode_stack())
+
+
+@contextlib.contextmanager
+def capture_rules():
+    """:class:`CaptureRules` over the block, Triton's interpreted launches exempt."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def exempt(self, *args, **kwargs):
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = exempt
+    try:
+        with CaptureRules(), _NoHostReads():
+            yield
+    finally:
+        InterpretedFunction.run = run
 
 
 class EmulatedGraph:
@@ -35,7 +100,8 @@ class EmulatedGraph:
         return [self.out] if isinstance(self.out, torch.Tensor) else list(self.out)
 
     def replay(self) -> None:
-        new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
+        with capture_rules():  # a replay runs what the capture ran
+            new = self.fn()  # a tensor, or a tuple of them (logits, hidden)
         for dst, src in zip(self.outputs(), [new] if isinstance(new, torch.Tensor) else new):
             dst.copy_(src)
         for later in self._pool[self._pool.index(self) + 1:]:
@@ -50,14 +116,15 @@ def emulate_cuda_graphs(monkeypatch) -> None:
     """Without a GPU, ``hyla.engine.cuda_graph``'s classes run on CPU tensors: captures become
     :class:`EmulatedGraph`, streams and events no-ops (its host buffers are pinned on CUDA only).
     Their staging of inputs and padding, their choice of graph and their outputs are then tested in
-    CI, with the kernels interpreted; what only CUDA can show (a host read inside a capture) is the
-    GPU run's to find."""
+    CI, with the kernels interpreted, and each capture keeps :class:`CaptureRules`."""
     from types import SimpleNamespace
 
     from hyla.engine import cuda_graph
+    from hyla.model.layers import SparseMoE
 
     def capture(fn, stream, pool=None):  # (no warm-up runs: nothing to compile or autotune)
-        out = fn()
+        with capture_rules():
+            out = fn()
         return EmulatedGraph(fn, out, [] if pool is None else pool), out
 
     class Torch:  # torch, as the module sees it, with torch.cuda's streams and events as no-ops
@@ -69,6 +136,10 @@ def emulate_cuda_graphs(monkeypatch) -> None:
 
     monkeypatch.setattr(cuda_graph, "capture", capture)
     monkeypatch.setattr(cuda_graph, "torch", Torch())
+    # MoE layers inside a graph run their experts as a GPU's would (gathered or grouped, no host read);
+    # outside, as they would here (eager steps: sorted)
+    monkeypatch.setattr(SparseMoE, "path", lambda self, x, cpu=SparseMoE.path:
+                        self.device_path(x) if in_emulated_graph() else cpu(self, x))
 
 
 def attach_graphs(runner, decode_max_bs: int = 0, verify_max_bs: int = 0, extends: bool = False) -> None:

@@ -558,12 +558,11 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     requests = 7 if GPU else 2 if arch == "falcon_h1" else 5
     # (no warm-up on a GPU: its steps would count as the test's GEMV and grouped calls)
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
-    with monkeypatch.context() as m:
-        m.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers: batch-1 steps gathered, larger ones grouped
-        with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
-            a = _two_turns(default, None, requests)
-            assert default.scheduler.runner.fused == GPU
-            assert (default.scheduler.runner.graphs is not None) == GPU
+    monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers' fused steps: batch 1 gathered, more grouped
+    with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
+        a = _two_turns(default, None, requests)
+        assert default.scheduler.runner.fused == GPU
+        assert (default.scheduler.runner.graphs is not None) == GPU
     # the other side with the overlap schedule (on a GPU the default side has it too: auto); on the CPU
     # its decode steps of up to 4 requests replay emulated CUDA graphs (captured for 1, 2 and 4: a step of
     # 3 pads a row), fed the overlap's device tokens
@@ -579,8 +578,8 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
                            graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
     assert replays["n"] > 0 or GPU
-    if GPU and arch == "nemotron_h":
-        assert grouped  # decode steps of more than one request (and prefills) ran grouped
+    if arch in ("nemotron_h", "jamba", "kimi_linear"):  # models with MoE layers: steps of more than one
+        assert grouped  # request ran grouped (on the CPU those replaying graphs, as a GPU's would)
     assert gemv_calls  # the in projections of the batch-1 steps (Falcon-H1's mixers' out projections too)
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
@@ -898,6 +897,45 @@ def test_fused_decode_refuses_layers_without_kernels(kimi_linear_short_path, mon
         with pytest.raises(ValueError, match="fused decode kernel"):
             ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
                         fused_decode=True)
+
+
+@pytest.mark.skipif(GPU, reason="on a GPU captures are real: CUDA itself refuses these")
+@pytest.mark.parametrize("refused", [
+    lambda x: x.sum().item(), lambda x: x.tolist(), lambda x: bool(x.sum() > 0), lambda x: x.nonzero(),
+    lambda x: x[x > 0], lambda x: x.masked_fill(x > 0, 0)[torch.tensor([0, 1])], lambda x: torch.unique(x),
+    lambda x: torch.repeat_interleave(x, (x > 0).long()), lambda x: x.masked_select(x > 0)])
+def test_emulated_capture_keeps_cuda_graph_rules(refused, monkeypatch):
+    """The CPU tests' graphs (emulated_cuda_graphs) refuse, at capture and at replay, what a CUDA
+    capture refuses: a host read of the device, a shape that follows the data, a tensor of host data;
+    what a graph may hold passes, interpreted Triton launches included."""
+    from hyla.engine import cuda_graph
+
+    emulate_cuda_graphs(monkeypatch)
+    x = torch.randn(8)
+    with pytest.raises(AssertionError, match="not allowed in a CUDA graph capture"):
+        cuda_graph.capture(lambda: refused(x), None)
+
+    slots, counts = torch.tensor([2, -1, 4]), torch.tensor([1, 2, 0])
+    w, pool = torch.randn(8, 4), torch.randn(6, 8, 3)
+
+    def allowed():  # arithmetic, an index tensor's gather, a sized repeat_interleave, a Triton kernel
+        y = (x * 2).softmax(0)[slots.clamp_min(0)] + torch.repeat_interleave(slots, counts, output_size=3)
+        return y, causal_conv1d_update_fused(x.expand(3, 8), w, None, pool, slots, "silu")
+
+    graph, out = cuda_graph.capture(allowed, None)
+    expected = [t.clone() for t in out]
+    graph.replay()
+    torch.testing.assert_close(out[0], expected[0], atol=0, rtol=0)
+
+    replays = [0]  # a replay keeps the rules too: a function that reads the host on its second run
+
+    def reads_on_replay():
+        replays[0] += 1
+        return x * 2 if replays[0] == 1 else x.sum().item()
+
+    graph, _ = cuda_graph.capture(reads_on_replay, None)
+    with pytest.raises(AssertionError, match="not allowed in a CUDA graph capture"):
+        graph.replay()
 
 
 @pytest.mark.gpu

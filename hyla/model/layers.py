@@ -885,13 +885,16 @@ class SparseMoE(nn.Module):
 
     def path(self, x: torch.Tensor) -> str:
         """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
-        costs nothing there, and gathering the weights would copy them); on a GPU ``"gathered"`` for
-        at most ``GATHER_MAX_ASSIGNMENTS`` assignments (decode steps of a few requests), else
-        ``"grouped"`` (Triton kernels: without Triton, ``"sorted"``)."""
-        few = x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS
+        costs nothing there, and gathering the weights would copy them); on a GPU
+        :meth:`device_path` (without Triton: gathered where few, else ``"sorted"``)."""
         if _on_gpu(x):
-            return "gathered" if few else "grouped"
-        return "gathered" if x.is_cuda and few else "sorted"
+            return self.device_path(x)
+        return "gathered" if x.is_cuda and x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS else "sorted"
+
+    def device_path(self, x: torch.Tensor) -> str:
+        """A GPU's way, no host read: ``"gathered"`` for at most ``GATHER_MAX_ASSIGNMENTS``
+        assignments (decode steps of a few requests), else ``"grouped"`` (Triton kernels)."""
+        return "gathered" if x.shape[0] * self.top_k <= GATHER_MAX_ASSIGNMENTS else "grouped"
 
     def expert_outputs(self, x: torch.Tensor, experts: torch.Tensor, path: str) -> torch.Tensor:
         """Each (token, choice) assignment's expert on its token, unweighted, gathered or grouped (no
