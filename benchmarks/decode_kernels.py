@@ -339,7 +339,7 @@ def main() -> None:
     import hyla.model.layers as layers
 
     path = Path(tempfile.mkdtemp())
-    gpu_decode.build(path, kw, device, dtype, moe)
+    gpu_decode.build(path, {**kw, **moe} if moe else kw, device, dtype, "moe" if moe else "qwen3_5")
     spec = {}
     if args.mtp:  # a random MTP head, and the engine drafting from it (3 steps: chains of 4)
         sys.path.insert(0, str(ROOT / "tests"))

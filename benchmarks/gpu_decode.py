@@ -57,6 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -128,6 +129,121 @@ TINY_KIMI = dict(KIMI, vocab_size=2048, hidden_size=64, intermediate_size=128, m
                  num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32, qk_nope_head_dim=32,
                  qk_rope_head_dim=16, v_head_dim=32, linear_num_heads=2, linear_head_dim=32, num_local_experts=4,
                  num_experts_per_tok=2)
+
+
+def _qwen3_5(kw: dict):
+    import transformers
+
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
+
+
+def _qwen3_5_moe(kw: dict):  # (Qwen3.5-MoE has no dense MLP: no intermediate_size)
+    import transformers
+
+    kw = {k: v for k, v in kw.items() if k != "intermediate_size"}
+    return transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**{**checkpoints.QWEN3_5_MOE_KW, **kw}))
+
+
+def _jamba(kw: dict):
+    import transformers
+
+    return transformers.JambaForCausalLM(transformers.JambaConfig(**{**checkpoints.JAMBA_KW, **kw}))
+
+
+def _kimi(kw: dict):
+    import transformers
+
+    return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**{**checkpoints.KIMI_LINEAR_KW, **kw}))
+
+
+def _describe_qwen3_5(kw: dict) -> str:
+    moe = "num_experts" in kw
+    kind = (f"Qwen3.5-MoE-style model ({kw['num_experts']} experts, top-{kw['num_experts_per_tok']}, "
+            f"{kw['moe_intermediate_size']} wide, and a shared expert of {kw['shared_expert_intermediate_size']}, "
+            f"in place of the MLP)") if moe else "Qwen3.5-style dense model"
+    return (f"{kind}, random weights: hidden {kw['hidden_size']}, {kw['num_hidden_layers']} layers "
+            f"({kw['layer_types'].count('linear_attention')} Gated DeltaNet + {kw['layer_types'].count('full_attention')} "
+            f"attention), GDN {kw['linear_num_key_heads']}/{kw['linear_num_value_heads']} heads of "
+            f"{kw['linear_key_head_dim']}, attention {kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of "
+            f"{kw['head_dim']}, {'' if moe else 'MLP ' + str(kw['intermediate_size']) + ', '}vocab "
+            f"{kw['vocab_size']:,}, tied embeddings")
+
+
+def _describe_jamba(kw: dict) -> str:
+    layers = range(kw["num_hidden_layers"])
+    attn = [i for i in layers if i % kw["attn_layer_period"] == kw["attn_layer_offset"]]
+    moe = kw["num_experts"] > 1
+    moe_layers = [i for i in layers if i % kw["expert_layer_period"] == kw["expert_layer_offset"]] if moe else []
+    inner, dt_rank = kw["mamba_expand"] * kw["hidden_size"], kw["mamba_dt_rank"]
+    dt_rank = -(-kw["hidden_size"] // 16) if dt_rank == "auto" else dt_rank  # JambaConfig's auto
+    ffn = (f"MoE in {len(moe_layers)} layers (i % {kw['expert_layer_period']} = {kw['expert_layer_offset']}: "
+           f"{kw['num_experts']} experts, top-{kw['num_experts_per_tok']}, {kw['intermediate_size']} wide, no shared "
+           f"expert), SwiGLU MLP {kw['intermediate_size']} in the other {len(layers) - len(moe_layers)}") if moe \
+        else f"SwiGLU MLP {kw['intermediate_size']}"
+    return (f"Jamba-style model (`JambaForCausalLM`), random weights: hidden {kw['hidden_size']}, {len(layers)} layers "
+            f"({len(layers) - len(attn)} Mamba1 + {len(attn)} attention at {', '.join(map(str, attn))}), Mamba1 d_state "
+            f"{kw['mamba_d_state']}, expand {kw['mamba_expand']} (inner {inner}), conv {kw['mamba_d_conv']}, dt rank "
+            f"{dt_rank}, attention {kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of "
+            f"{kw['hidden_size'] // kw['num_attention_heads']} (no RoPE), {ffn}, vocab {kw['vocab_size']:,}, "
+            f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings")
+
+
+def _describe_kimi(kw: dict) -> str:
+    types, ffn_types = kw["layer_types"], kw["mlp_layer_types"]
+    mla = [i for i, t in enumerate(types) if t == "full_attention"]
+    dense = [i for i, t in enumerate(ffn_types) if t == "dense"]
+    return (f"Kimi-Linear-style model (`KimiLinearForCausalLM`), random weights: hidden {kw['hidden_size']}, "
+            f"{len(types)} layers ({len(types) - len(mla)} KDA + {len(mla)} MLA at {', '.join(map(str, mla))}), KDA "
+            f"{kw['linear_num_heads']} heads of {kw['linear_head_dim']}, conv {kw['linear_conv_kernel_dim']}, MLA "
+            f"{kw['num_attention_heads']} heads (nope {kw['qk_nope_head_dim']} + rope {kw['qk_rope_head_dim']}, v "
+            f"{kw['v_head_dim']}, no RoPE, "
+            f"{'no q LoRA' if kw['q_lora_rank'] is None else 'q LoRA ' + str(kw['q_lora_rank'])}) on a latent of "
+            f"{kw['kv_lora_rank']} + {kw['qk_rope_head_dim']} per token, MoE in {len(ffn_types) - len(dense)} layers "
+            f"({kw['num_local_experts']} experts, top-{kw['num_experts_per_tok']}, {kw['moe_intermediate_size']} wide, "
+            f"sigmoid router, and {kw['n_shared_experts']} shared expert of "
+            f"{kw['moe_intermediate_size'] * kw['n_shared_experts']}), SwiGLU MLP {kw['intermediate_size']} in "
+            f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}, vocab {kw['vocab_size']:,}, untied "
+            f"embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``; the default ``qwen3_5``): its
+    config keys at full size and ``--tiny``, its transformers model from them, its routed experts'
+    config keys (count, top-k) for the roofline, what transformers' side runs where importable (the
+    peer's kernels, named in the table), and its section of docs/benchmarks.md."""
+
+    full: dict
+    tiny: dict
+    make: Callable[[dict], object]  # config keys -> a transformers model, random weights
+    describe: Callable[[dict], str]  # config keys -> the section's description of the model
+    section: str
+    experts: tuple[str, str] | None = None  # the keys of the routed experts' count and top-k
+    peer: str = "fla"  # transformers' Qwen3.5 and Kimi-Linear run fla's kernels, its Jamba mamba_ssm's
+    help: str = ""
+
+    def routing(self, kw: dict) -> dict | None:
+        """``{num_experts, num_experts_per_tok}`` of the routed experts (None: dense MLPs only)."""
+        if self.experts is None or kw[self.experts[0]] <= 1:
+            return None
+        return dict(num_experts=kw[self.experts[0]], num_experts_per_tok=kw[self.experts[1]])
+
+
+MODELS = {
+    "qwen3_5": ModelKind(FULL, TINY, _qwen3_5, _describe_qwen3_5, "GPU decode"),
+    "moe": ModelKind({**FULL, **MOE}, {**TINY, **TINY_MOE}, _qwen3_5_moe, _describe_qwen3_5,
+                     "GPU decode: a model with MoE layers", ("num_experts", "num_experts_per_tok"),
+                     help="the model with MoE layers (MOE: 64 experts, top-8, and a shared expert) in place of its "
+                          "MLPs; writes its own section"),
+    "jamba": ModelKind(JAMBA, TINY_JAMBA, _jamba, _describe_jamba, "GPU decode: Jamba",
+                       ("num_experts", "num_experts_per_tok"), peer="mamba_ssm",
+                       help="a Jamba-style model instead (JAMBA: 21 Mamba1 + 3 attention layers, 16 experts, top-2, in "
+                            "every 2nd); writes its own section"),
+    "kimi": ModelKind(KIMI, TINY_KIMI, _kimi, _describe_kimi, "GPU decode: Kimi-Linear",
+                      ("num_local_experts", "num_experts_per_tok"),
+                      help="a Kimi-Linear-style model instead (KIMI: 18 KDA + 6 MLA layers, 32 experts, top-8, and a "
+                           "shared expert, after a dense layer 0); writes its own section"),
+}
 
 
 def log_triton_compiles() -> list[str] | None:
@@ -207,31 +323,18 @@ def parse_variants(text: str) -> dict[str, dict[str, int]]:
     return variants
 
 
-def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None = None, jamba: bool = False,
-          kimi: bool = False) -> dict:
-    """Random ``Qwen3_5ForCausalLM`` (with ``moe``, the expert sizes: ``Qwen3_5MoeForCausalLM``; with
-    ``jamba``, ``JambaForCausalLM`` of ``kw`` alone, its experts in it; with ``kimi``, ``KimiLinearForCausalLM``
-    likewise) built on ``device`` in ``dtype``,
-    saved to ``out``; returns its sizes for the roofline (bytes one decode step reads of the weights;
-    with MoE layers without the routed experts, and ``expert_bytes``: one expert's, every layer's)."""
-    import transformers
-
+def build(out: Path, kw: dict, device: str, dtype: torch.dtype, kind: str = "qwen3_5") -> dict:
+    """The random transformers model of ``MODELS[kind]`` with config keys ``kw``, built on ``device`` in
+    ``dtype``, saved to ``out``; returns its sizes for the roofline (bytes one decode step reads of the
+    weights; with MoE layers without the routed experts, and ``expert_bytes``: one expert's, every
+    layer's)."""
+    model_kind = MODELS[kind]
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            if jamba:
-                model = transformers.JambaForCausalLM(transformers.JambaConfig(**{**checkpoints.JAMBA_KW, **kw}))
-            elif kimi:
-                model = transformers.KimiLinearForCausalLM(
-                    transformers.KimiLinearConfig(**{**checkpoints.KIMI_LINEAR_KW, **kw}))
-            elif moe is None:
-                model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**{**checkpoints.QWEN3_5_KW, **kw}))
-            else:
-                dense = {k: v for k, v in kw.items() if k != "intermediate_size"}
-                model = transformers.Qwen3_5MoeForCausalLM(
-                    transformers.Qwen3_5MoeTextConfig(**{**checkpoints.QWEN3_5_MOE_KW, **dense, **moe}))
+            model = model_kind.make(kw)
     finally:
         torch.set_default_dtype(default)
     model.eval()
@@ -246,7 +349,8 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, moe: dict | None
     # mlp.experts.gate_up_proj / down_proj (in memory; not the shared expert — Kimi's mlp.shared_experts.* —, the
     # routers, nor the dense MLPs)
     experts = sum(nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
-    routed = kw["num_experts"] if jamba else kw["num_local_experts"] if kimi else moe["num_experts"] if moe else 0
+    routing = model_kind.routing(kw)
+    routed = routing["num_experts"] if routing else 0
     tied = embed.data_ptr() == head.data_ptr()
     info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
                 # every step reads the whole lm_head but only B rows of the embedding (and of the
@@ -295,13 +399,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny dims (hidden 64, 4 layers, vocab 2048) to test on CPU")
     model_kind = ap.add_mutually_exclusive_group()
-    model_kind.add_argument("--moe", action="store_true", help="the model with MoE layers (MOE: 64 experts, top-8, "
-                            "and a shared expert) in place of its MLPs; writes its own section")
-    model_kind.add_argument("--jamba", action="store_true", help="a Jamba-style model instead (JAMBA: 21 Mamba1 + 3 "
-                            "attention layers, 16 experts, top-2, in every 2nd); writes its own section")
-    model_kind.add_argument("--kimi", action="store_true", help="a Kimi-Linear-style model instead (KIMI: 18 KDA + 6 "
-                            "MLA layers, 32 experts, top-8, and a shared expert, after a dense layer 0); writes its "
-                            "own section")
+    for name, kind in MODELS.items():
+        if name != "qwen3_5":  # (the default)
+            model_kind.add_argument(f"--{name}", dest="model", action="store_const", const=name, help=kind.help)
     ap.add_argument("--repeats", type=int, default=5)  # 3 let one stalled run move a median
     ap.add_argument("--batches", default="1,8,32,64,128", help="comma-separated decode batch sizes")
     ap.add_argument("--hf-max-batch", type=int, default=32, help="largest batch transformers runs")
@@ -352,19 +452,10 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     # transformers' Jamba runs mamba_ssm's kernels (and causal_conv1d's) where importable, else PyTorch; its
     # Qwen3.5 and Kimi-Linear, fla's (chunk / fused_recurrent gated delta rule, KDA) and causal_conv1d's
-    kernels = {k: importlib.util.find_spec(k) is not None
-               for k in ("fla", "causal_conv1d", *(("mamba_ssm",) if args.jamba else ()))}
-    if args.jamba:
-        kw = TINY_JAMBA if args.tiny else JAMBA
-        # its routing, for the roofline (the experts are in kw; num_experts 1: dense MLPs only)
-        moe = {k: kw[k] for k in ("num_experts", "num_experts_per_tok")} if kw["num_experts"] > 1 else None
-    elif args.kimi:
-        kw = TINY_KIMI if args.tiny else KIMI
-        # its routing, for the roofline (the experts are in kw)
-        moe = dict(num_experts=kw["num_local_experts"], num_experts_per_tok=kw["num_experts_per_tok"])
-    else:
-        kw = TINY if args.tiny else FULL
-        moe = (TINY_MOE if args.tiny else MOE) if args.moe else None
+    model = MODELS[args.model or "qwen3_5"]
+    kernels = {k: importlib.util.find_spec(k) is not None for k in dict.fromkeys(("fla", "causal_conv1d", model.peer))}
+    kw = model.tiny if args.tiny else model.full
+    moe = model.routing(kw)  # the routed experts, for the roofline (their weights are in kw)
     log(f"{machine()}, transformers {transformers.__version__}, {dtype_name}, importable: {kernels}")
     bw, copy_bytes = bandwidth(dev)
     log(f"copy bandwidth {bw / 1e9:,.0f} GB/s")
@@ -372,7 +463,7 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(prefix="hyla-gpu-decode-")
     path = Path(tmp.name)
     t0 = time.perf_counter()
-    sizes = build(path, kw, dev, dtype, None if args.jamba or args.kimi else moe, jamba=args.jamba, kimi=args.kimi)
+    sizes = build(path, kw, dev, dtype, args.model or "qwen3_5")
     gc.collect()
     log(f"built and saved {sizes['params'] / 1e6:,.1f} M parameters ({sizes['param_bytes'] / 1e9:.3f} GB) "
         f"in {time.perf_counter() - t0:.1f} s")
@@ -523,10 +614,7 @@ def main() -> None:
         if moe else (lambda b: 0)
     roof = {b: b * bw / (sizes["weight_bytes_per_step"] + chosen(b) * sizes["expert_bytes"] + b * (
         2 * layout.state_bytes_per_slot + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
-    if args.jamba:
-        hf_name = "transformers" + (" + mamba_ssm" if kernels["mamba_ssm"] else " (no mamba_ssm: torch fallback)")
-    else:
-        hf_name = "transformers" + (" + fla" if kernels["fla"] else " (no fla: torch fallback)")
+    hf_name = "transformers" + (f" + {model.peer}" if kernels[model.peer] else f" (no {model.peer}: torch fallback)")
     rows = []
     for b in batches:
         cells = {}
@@ -568,52 +656,8 @@ def main() -> None:
             c, c0 = med[f"hyla_cached_ttft{at}"], med["hyla_cached_ttft"]
             cells.append(f"{1e3 * c:.2f} ms = {100 * c / t:.1f}% ({c / c0:.3f}x)")
             rows.append(f"| `{label}` | " + " | ".join(cells) + " |")
-    if args.jamba:
-        layers = range(kw["num_hidden_layers"])
-        attn = [i for i in layers if i % kw["attn_layer_period"] == kw["attn_layer_offset"]]
-        moe_layers = [i for i in layers if i % kw["expert_layer_period"] == kw["expert_layer_offset"]] if moe else []
-        inner, dt_rank = kw["mamba_expand"] * kw["hidden_size"], kw["mamba_dt_rank"]
-        dt_rank = -(-kw["hidden_size"] // 16) if dt_rank == "auto" else dt_rank  # JambaConfig's auto
-        ffn = (f"MoE in {len(moe_layers)} layers (i % {kw['expert_layer_period']} = {kw['expert_layer_offset']}: "
-               f"{kw['num_experts']} experts, top-{kw['num_experts_per_tok']}, "
-               f"{kw['intermediate_size']} wide, no shared expert), SwiGLU MLP {kw['intermediate_size']} in the "
-               f"other {len(layers) - len(moe_layers)}") if moe else f"SwiGLU MLP {kw['intermediate_size']}"
-        desc = (f"{'tiny ' if args.tiny else ''}Jamba-style model (`JambaForCausalLM`), random weights: hidden "
-                f"{kw['hidden_size']}, {len(layers)} layers ({len(layers) - len(attn)} Mamba1 + {len(attn)} attention "
-                f"at {', '.join(map(str, attn))}), Mamba1 d_state {kw['mamba_d_state']}, expand {kw['mamba_expand']} "
-                f"(inner {inner}), conv {kw['mamba_d_conv']}, dt rank {dt_rank}, attention "
-                f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of "
-                f"{kw['hidden_size'] // kw['num_attention_heads']} (no RoPE), {ffn}, vocab {vocab:,}, "
-                f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings; {sizes['params'] / 1e6:,.1f} M "
-                f"parameters, {sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
-    elif args.kimi:
-        types, ffn_types = kw["layer_types"], kw["mlp_layer_types"]
-        mla = [i for i, t in enumerate(types) if t == "full_attention"]
-        dense = [i for i, t in enumerate(ffn_types) if t == "dense"]
-        desc = (f"{'tiny ' if args.tiny else ''}Kimi-Linear-style model (`KimiLinearForCausalLM`), random weights: "
-                f"hidden {kw['hidden_size']}, {len(types)} layers ({len(types) - len(mla)} KDA + {len(mla)} MLA at "
-                f"{', '.join(map(str, mla))}), KDA {kw['linear_num_heads']} heads of {kw['linear_head_dim']}, conv "
-                f"{kw['linear_conv_kernel_dim']}, MLA {kw['num_attention_heads']} heads (nope {kw['qk_nope_head_dim']} "
-                f"+ rope {kw['qk_rope_head_dim']}, v {kw['v_head_dim']}, no RoPE, "
-                f"{'no q LoRA' if kw['q_lora_rank'] is None else 'q LoRA ' + str(kw['q_lora_rank'])}) on a latent of "
-                f"{kw['kv_lora_rank']} + {kw['qk_rope_head_dim']} per token, MoE in {len(ffn_types) - len(dense)} "
-                f"layers ({kw['num_local_experts']} experts, top-{kw['num_experts_per_tok']}, "
-                f"{kw['moe_intermediate_size']} wide, sigmoid router, and {kw['n_shared_experts']} shared expert of "
-                f"{kw['moe_intermediate_size'] * kw['n_shared_experts']}), SwiGLU MLP {kw['intermediate_size']} in "
-                f"layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))}, vocab {vocab:,}, untied "
-                f"embeddings; {sizes['params'] / 1e6:,.1f} M parameters, {sizes['param_bytes'] / 1e9:.3f} GB in "
-                f"{dtype_name}")
-    else:
-        kind = (f"Qwen3.5-MoE-style model ({moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, "
-                f"{moe['moe_intermediate_size']} wide, and a shared expert of {moe['shared_expert_intermediate_size']}, "
-                f"in place of the MLP)") if moe else "Qwen3.5-style dense model"
-        desc = (f"{'tiny ' if args.tiny else ''}{kind}, random weights: hidden {kw['hidden_size']}, "
-                f"{kw['num_hidden_layers']} layers ({kw['layer_types'].count('linear_attention')} Gated DeltaNet + "
-                f"{kw['layer_types'].count('full_attention')} attention), GDN {kw['linear_num_key_heads']}/"
-                f"{kw['linear_num_value_heads']} heads of {kw['linear_key_head_dim']}, attention "
-                f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['head_dim']}, "
-                f"{'' if moe else 'MLP ' + str(kw['intermediate_size']) + ', '}vocab {vocab:,}, tied embeddings; {sizes['params'] / 1e6:,.1f} M parameters, "
-                f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+    desc = (f"{'tiny ' if args.tiny else ''}{model.describe(kw)}; {sizes['params'] / 1e6:,.1f} M parameters, "
+            f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
     cmd = shlex.join([".venv/bin/python", "benchmarks/gpu_decode.py", *sys.argv[1:]])
     agreed = "" if agree is None else \
         f" Greedy check before timing: hyla and transformers agree on the first {agree} of 8 tokens."
@@ -654,9 +698,7 @@ def main() -> None:
                                              raw_seconds=raw, medians=med, args={k: str(v) for k, v in vars(args).items()}),
                                         indent=1))
     if not args.no_write:
-        write_section("GPU decode: Jamba" if args.jamba else "GPU decode: Kimi-Linear" if args.kimi
-                      else "GPU decode: a model with MoE layers" if moe
-                      else "GPU decode", body)
+        write_section(model.section, body)
     tmp.cleanup()
 
 
