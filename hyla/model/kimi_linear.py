@@ -51,6 +51,7 @@ accepted as well.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Mapping, Sequence
 
@@ -341,13 +342,17 @@ def latent_extend_by_sequence(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     sequence's latents and runs SDPA, whose math fallback (a 576-wide head is past the flash kernels)
     builds the whole ``[H, E, L]`` score matrix: 1 GB in bf16 for one 4,096-token prompt of 32 heads.
     Every launch passes the whole ``kv_indices`` as a one-column table (its row the sequence's start)
-    and slices of two index tensors made once, so no batch compiles another kernel variant."""
+    and slices of two index tensors made once, so no batch compiles another kernel variant; those are
+    made on the device from ``3 B`` host numbers (not one per token: a long prompt's 8,192 would cost
+    ~1 ms of Python in every MLA layer)."""
     kernels = _gpu("latent_attention")
-    b = len(batch.extend_lens)
-    host = torch.tensor([*batch.kv_starts[:b], *(p + 1 + j for p, n in zip(batch.prefix_lens, batch.extend_lens)
-                                                for j in range(n))], dtype=torch.long)
-    index = host.to(q.device, non_blocking=True)
-    rows, lens = index[:b], index[b:]  # each sequence's first slot in kv_indices; each token's keys
+    b, t = len(batch.extend_lens), q.shape[0]
+    cu = itertools.accumulate(batch.extend_lens, initial=0)
+    host = torch.tensor([*batch.kv_starts[:b], *(p + 1 - c for p, c in zip(batch.prefix_lens, cu)), *batch.extend_lens],
+                        dtype=torch.long)
+    rows, shift, counts = host.to(q.device, non_blocking=True).view(3, b)
+    # each sequence's first slot in kv_indices; each token's keys: its sequence's prefix + its index in it + 1
+    lens = torch.arange(t, device=q.device) + torch.repeat_interleave(shift, counts, output_size=t)
     table = batch.kv_indices.view(-1, 1)
     out = q.new_empty(q.shape[0], q.shape[1], value_dim)
     start = 0
