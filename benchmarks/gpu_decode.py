@@ -282,6 +282,8 @@ KNOBS = {
             "launch (1) or without (0)"),
     "fuse-conv": ("hyla.model.ops.gpu.gated_delta_decode", "FUSE_CONV", bool, "the decode step's conv in the Gated "
                   "DeltaNet kernel (1) or a kernel of its own (0)"),
+    "kda-fuse-conv": ("hyla.model.ops.gpu.kda_decode", "FUSE_CONV", bool, "with --kimi: the decode step's conv in the "
+                      "KDA kernel (1) or a kernel of its own (0)"),
     "gdn-wy": ("hyla.model.ops.gpu.gated_delta_chunks", "WY_PREPASS", bool, "an extend's Gated DeltaNet chunks with "
                "the WY pre-pass (1) or without (0)"),
     "moe-gather-max": ("hyla.model.layers", "GATHER_MAX_ASSIGNMENTS", int, "with --moe: steps of at most this many "

@@ -209,6 +209,10 @@ def cases():
             yield f"kda_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
                 kda_decode.kda_decode_fused(r(rows, 3 * 2 * 128), r(rows, 2 * 128), r(rows, 2), f32(2), f32(2 * 128),
                                             kstates, long(1, 2), chain=chain)
+            yield f"kda_conv_decode chain={chain is not None} {n}", lambda chain=chain, rows=rows: \
+                kda_decode.kda_conv_decode_fused(
+                    r(rows, 3 * 2 * 128), r(3 * 2 * 128, 4), r(8, 3 * 2 * 128, 3), torch.zeros(2 * 2, dtype=torch.int32),
+                    r(rows, 2 * 128), r(rows, 2), f32(2), f32(2 * 128), kstates, long(1, 2), chain=chain)
         kckpts = SegmentCheckpoints(kstates, long(0, 1, 2), long(3, 6), long(5, 6))
         for with_ckpts in (None, kckpts):
             yield f"kda_segments ckpts={with_ckpts is not None} {n}", lambda with_ckpts=with_ckpts: \

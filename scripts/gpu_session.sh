@@ -22,7 +22,8 @@
 #            Triton kernels, in CUDA graphs; 16 experts, top-2) against transformers, and the HBM roofline (~4 min)
 #   kimi     gpu_decode.py --kimi --batches 1,8,64: the Kimi-Linear-style model (KDA on kda_decode.py's and MLA on
 #            latent_attention.py's Triton kernels, in CUDA graphs; 32 experts, top-8, a shared expert) against
-#            transformers + fla, and the HBM roofline (~4 min)
+#            transformers + fla, and the HBM roofline; then its decode with KDA's conv in the KDA kernel and in
+#            a kernel of its own (--variants kda-fuse-conv=1/0) (~6 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too) (~4 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -89,7 +90,9 @@ for s in "$@"; do
         jamba) timeout 300 python3 benchmarks/gpu_decode.py --jamba --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                    --json "$out/gpu_decode_jamba.json" 2>&1 | tee "$out/jamba.log" | tail -20 ;;
         kimi) timeout 300 python3 benchmarks/gpu_decode.py --kimi --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
-                  --json "$out/gpu_decode_kimi.json" 2>&1 | tee "$out/kimi.log" | tail -20 ;;
+                  --json "$out/gpu_decode_kimi.json" 2>&1 | tee "$out/kimi.log" | tail -20
+              timeout 150 python3 benchmarks/gpu_decode.py --kimi --batches 1,8 --repeats 5 --hyla-only --no-write \
+                  --variants "kda-fuse-conv=1; kda-fuse-conv=0" 2>&1 | tee "$out/kimi-conv.log" | tail -8 ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \

@@ -92,6 +92,44 @@ def test_kda_decode_kernel_runs_chains(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1, 3])
+def test_kda_conv_decode_kernel(dtype, width, monkeypatch):
+    """The conv and the KDA step in one kernel (``kda_conv_decode_fused``) == the conv kernel then
+    ``kda_decode_fused``, bitwise (outputs, SSM states, conv windows): a decode step (``width`` 1, in
+    place; one padding sequence) and a verify step's chains of 3 tokens. Two blocks of value columns a
+    head: two programs read each head's q/k windows, the last writes them. Run twice: the tickets come
+    back zeroed, the second step continues from the first's states."""
+    from hyla.model.ops.gpu.conv1d_decode import causal_conv1d_update_fused
+
+    monkeypatch.setattr(kda_decode, "DECODE_TILES", (8, 4))  # two blocks of the 16 value columns
+    g = torch.Generator().manual_seed(12)
+    seqs, c = 3, 3 * H * D
+    if width == 1:
+        chain = torch.tensor([[2, -1, 4], [2, -1, 4]], device=DEVICE)  # in place; the second a padding row
+    else:
+        chain = torch.tensor([[2, -1, 4], [5, -1, 6], [1, -1, 3], [2, -1, 4]], device=DEVICE)
+    chained = chain if width > 1 else None
+    x, f, b, a_log, dt_bias = _kda_inputs(g, seqs * width, dtype)  # x: the raw projection, strided rows
+    wt = torch.randn(c, 4, generator=g).to(DEVICE, dtype)
+    conv, ssm = torch.randn(8, c, 3, generator=g).to(DEVICE, dtype), torch.randn(8, H, D, D, generator=g).to(DEVICE)
+    ref_conv, ref_ssm = conv.clone(), ssm.clone()
+    tickets = torch.zeros(seqs * H, dtype=torch.int32, device=DEVICE)
+    live = [r for r in range(seqs * width) if r // width != 1]
+    for step in range(2):
+        o = kda_decode.kda_conv_decode_fused(x, wt, conv, tickets, f, b, a_log, dt_bias, ssm, chain[0], chain=chained)
+        mixed = causal_conv1d_update_fused(x, wt, None, ref_conv, chain[0], "silu", chain=chained)
+        ref = kda_decode.kda_decode_fused(mixed, f, b, a_log, dt_bias, ref_ssm, chain[0], chain=chained)
+        assert torch.equal(o[live], ref[live]), f"step {step}"
+        assert torch.equal(ssm, ref_ssm) and torch.equal(conv, ref_conv), f"step {step}"
+        assert not tickets.any()
+    with pytest.raises(ValueError, match="4 wide"):
+        kda_decode.kda_conv_decode_fused(x, wt[:, :3].contiguous(), conv[:, :, :2].contiguous(), tickets, f, b, a_log,
+                                         dt_bias, ssm, chain[0], chain=chained)
+    with pytest.raises(ValueError, match="tickets"):
+        kda_decode.kda_conv_decode_fused(x, wt, conv, tickets[:1], f, b, a_log, dt_bias, ssm, chain[0], chain=chained)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 4])
 def test_latent_decode_attention_kernel(dtype, splits):
     """MLA's decode attention over the request table == ``latent_paged_attention``'s decode path:

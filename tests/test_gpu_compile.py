@@ -19,8 +19,10 @@ import pytest
 triton = pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
-# the kernels that load weights before their PDL wait (gemv.py, gated_delta_decode.py; pdl.py's rule 1)
-LOADS_BEFORE_WAIT = {"_linear_kernel", "_linear_add_rms_norm_kernel", "_gdn_decode_kernel", "_gdn_conv_decode_kernel"}
+# the kernels that load weights before their PDL wait (gemv.py, gated_delta_decode.py, kda_decode.py; pdl.py's
+# rule 1)
+LOADS_BEFORE_WAIT = {"_linear_kernel", "_linear_add_rms_norm_kernel", "_gdn_decode_kernel", "_gdn_conv_decode_kernel",
+                     "_kda_conv_decode_kernel"}
 
 
 @pytest.mark.slow  # cold, minutes: started first (conftest's order), not last while the other workers run dry

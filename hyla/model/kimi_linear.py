@@ -62,6 +62,7 @@ from torch import nn
 from hyla.model.config import ModelConfig, hf_common_fields, hf_first, hf_layer_types, hf_require, hf_silu_only
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
+    ConvTickets,
     HybridForCausalLM,
     HybridLayer,
     RMSNorm,
@@ -100,9 +101,9 @@ class KimiDeltaAttention(nn.Module):
     """KDA mixer. ``qkv_proj`` rows are ``[q | k | v]`` (``H·D`` each, heads contiguous), the conv
     runs over those ``3·H·D`` channels. State: ``batch.conv_states[j]`` ``[S, 3HD, K-1]`` and
     ``batch.ssm_states[j]`` ``[S, H, D, D]`` (``j`` = the layer's linear ordinal). A fused decode step
-    (a GPU's) runs the conv window's kernel and ``ops/gpu/kda_decode.py``'s; a fused extend the conv's
-    extend kernels and ``kda_decode``'s segments kernel; a GPU extend fla's ``chunk_kda``, its short
-    rounds through that segments kernel."""
+    (a GPU's) runs ``ops/gpu/kda_decode.py``'s kernel with the conv inside (``FUSE_CONV``); a fused
+    extend the conv's extend kernels and ``kda_decode``'s segments kernel; a GPU extend fla's
+    ``chunk_kda``, its short rounds through that segments kernel."""
 
     fused_decode = True  # see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # see HybridForCausalLM.supports_fused_extend
@@ -126,6 +127,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
         self.o_norm = nn.Parameter(torch.empty(d, dtype=c.dtype))  # the per-head output RMSNorm weight
         self.o_proj = Linear(self.dim, h, bias=False, dtype=c.dtype)
+        self._tickets = ConvTickets()  # the fused conv decode kernel's counters
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads, d = x.shape[0], self.num_heads, self.head_dim
@@ -134,11 +136,18 @@ class KimiDeltaAttention(nn.Module):
         mixed = self.qkv_proj(x)  # [T, 3HD]
         f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)  # the raw decay input [T, HD] and gate [T, H]
         kernels = _gpu("kda_decode") if batch.on_device or _fla_prefill(x, batch) else None
-        if batch.fused_decode:  # Triton: the conv window, then the gates and the state update (chains too)
-            mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states, slots,
-                                                                     "silu", chain=batch.chain_slots)
-            o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
-                                         chain=batch.chain_slots)  # [B, H, D]
+        if batch.fused_decode:  # Triton: the conv window, the gates and the state update in one kernel (chains
+            # too), or the conv in a kernel of its own
+            chain = batch.chain_slots
+            if kernels.FUSE_CONV and self.conv_weight.shape[1] == kernels.CONV_WIDTH:
+                seqs = slots.shape[0] if chain is None else chain.shape[1]
+                o = kernels.kda_conv_decode_fused(mixed, self.conv_weight, conv_states, self._tickets(seqs * heads, x.device),
+                                                  f, b, self.A_log, self.dt_bias, ssm_states, slots, chain=chain)
+            else:
+                mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
+                                                                         slots, "silu", chain=chain)
+                o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
+                                             chain=chain)  # [B, H, D]
             return self._out(o, x)
         if batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch (padding rows: 0)
             mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")

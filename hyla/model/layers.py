@@ -415,6 +415,25 @@ def _tree_masks(batch: ForwardBatch):
     return batch.tree.masks if batch.tree_parents is not None else None
 
 
+class ConvTickets:
+    """A layer's counters for the decode kernels with the conv inside (``gated_delta_decode.
+    gated_delta_conv_decode_fused``, ``kda_decode.kda_conv_decode_fused``: one per sequence and key
+    head, which the kernel leaves zeroed). ``tickets(n, device)``: at least ``n`` zeroed int32
+    counters, grown when a batch needs more; a buffer grown out of stays referenced, as a captured
+    CUDA graph may still use it."""
+
+    def __init__(self):
+        self._buf: torch.Tensor | None = None
+        self._retired: list[torch.Tensor] = []
+
+    def __call__(self, n: int, device: torch.device) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < n or self._buf.device != device:
+            if self._buf is not None:
+                self._retired.append(self._buf)
+            self._buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
+        return self._buf
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet mixer (Qwen3-Next / Qwen3.5 ``linear_attention`` layers).
 
@@ -445,8 +464,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, c.norm_eps, norm_before_gate=True, dtype=c.dtype)
         self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
         self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [Hv] fp32
-        self._ticket_buf: torch.Tensor | None = None  # the fused conv decode kernel's counters (_tickets)
-        self._retired_tickets: list[torch.Tensor] = []
+        self._tickets = ConvTickets()  # the fused conv decode kernel's counters
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
                 gemv_step: bool = False) -> torch.Tensor | OutProjection:
@@ -486,16 +504,6 @@ class GatedDeltaNet(nn.Module):
         else:
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
         return self.out_proj(o.reshape(t, self.value_dim))
-
-    def _tickets(self, n: int, device: torch.device) -> torch.Tensor:
-        """At least ``n`` zeroed int32 counters for ``gated_delta_conv_decode_fused`` (one per
-        sequence and key head; the kernel leaves them zeroed). Grown when a batch needs more; a
-        buffer grown out of stays referenced, as a captured CUDA graph may still use it."""
-        if self._ticket_buf is None or self._ticket_buf.numel() < n or self._ticket_buf.device != device:
-            if self._ticket_buf is not None:
-                self._retired_tickets.append(self._ticket_buf)
-            self._ticket_buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        return self._ticket_buf
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)``."""

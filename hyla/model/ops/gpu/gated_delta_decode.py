@@ -240,11 +240,20 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
         # this program's v windows: its own
         _store_window(conv_ptr + dst * (C * 3), cv, v0, v1, v2, mv & ((tl.zeros([BV], dtype=tl.int64) + dst) >= 0))
-    # the q/k windows: the key head's last program to get here writes them, after all have read chain[0]
+    _last_writes_qk_windows(x_ptr, x_stride, conv_ptr, C, cq, ck, mk, iq0, iq1, iq2, ik0, ik1, ik2, chain_ptr,
+                            chain_stride, ticket_ptr + i * HK + hk, i, W, GROUP, BK)
+
+
+@triton.jit
+def _last_writes_qk_windows(x_ptr, x_stride, conv_ptr, C, cq, ck, mk, q0, q1, q2, k0, k1, k2, chain_ptr, chain_stride,
+                            ticket, i, W: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr):
+    """The end of a conv decode kernel's program (this module's, ``kda_decode``'s): the q/k windows of
+    its key head (``q0..k2`` as read from ``chain[0]``, which all ``GROUP`` programs of the key head
+    read) are written along the chain by the last of them to get here, counted on ``ticket`` (zeroed
+    again for the next launch)."""
     tl.debug_barrier()
-    ticket = tl.atomic_add(ticket_ptr + i * HK + hk, 1, sem="acq_rel")
-    if ticket == GROUP - 1:
-        q0, q1, q2, k0, k1, k2 = iq0, iq1, iq2, ik0, ik1, ik2
+    if tl.atomic_add(ticket, 1, sem="acq_rel") == GROUP - 1:
+        cdt = conv_ptr.dtype.element_ty
         for j in tl.static_range(W):
             row = x_ptr + (i * W + j) * x_stride
             xq = tl.load(row + cq, mask=mk, other=0.0).to(cdt)
@@ -254,7 +263,7 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
             lq_dst = mk & ((tl.zeros([BK], dtype=tl.int64) + dst) >= 0)
             _store_window(conv_ptr + dst * (C * 3), cq, q0, q1, q2, lq_dst)
             _store_window(conv_ptr + dst * (C * 3), ck, k0, k1, k2, lq_dst)
-        tl.atomic_xchg(ticket_ptr + i * HK + hk, 0)  # zero for the next launch
+        tl.atomic_xchg(ticket, 0)  # zero for the next launch
 
 
 @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)

@@ -16,7 +16,9 @@ Each program owns one ``(sequence, head, block of Dv columns)`` of the state. ``
 zero state, no write, don't-care output. ``chain [W+1, S]`` (a speculative verify step): ``S``
 sequences of ``W`` tokens (row ``i*W + j``) in one launch, the state kept in registers from token
 to token and written after token ``j`` at ``chain[j+1, i]`` (``-1``: not written); ``chain[0, i]``
-is read. The conv before it is ``conv1d_decode``'s kernel.
+is read. The conv before it runs in the same kernel (:func:`kda_conv_decode_fused`, Gated DeltaNet's
+``FUSE_CONV`` form: each program convolves its head's q and k channels and its block's v channels,
+the head's last program to finish writes the q/k windows), or in ``conv1d_decode``'s kernel.
 
 :func:`kda_segments_fused` runs an extend's segments through the same recurrence (``_kda_step``),
 each program looping over its segment's tokens, checkpoints written on the way: a fused extend's one
@@ -31,8 +33,18 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import chain_of, pdl, segments_of
-from hyla.model.ops.gpu.gated_delta_decode import _chain_state, _gdn_gates, _store_chain_state
+from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl, segments_of
+from hyla.model.ops.gpu.gated_delta_decode import (
+    CONV_WIDTH,
+    _chain_state,
+    _conv4,
+    _conv_weights,
+    _gdn_gates,
+    _last_writes_qk_windows,
+    _store_chain_state,
+    _store_window,
+    _window,
+)
 from hyla.model.ops.gpu.segment_checkpoints import (
     INDEX_ARGS,
     SegmentCheckpoints,
@@ -46,6 +58,7 @@ from hyla.model.ops.gpu.segment_checkpoints import (
 # Read at each launch; as Gated DeltaNet's decode (gated_delta_decode.DECODE_TILES, timed on an H100
 # for 128x128 heads, Kimi-Linear's size). Not yet timed for KDA on a GPU.
 DECODE_TILES = (32, 4)
+FUSE_CONV = True  # the decode step's conv in the recurrence's kernel (kda_conv_decode_fused); read each step
 SEGMENT_TILES = (16, 1)  # the segments kernel's: as gated_delta_decode.SEGMENT_TILES (a chain of one
 # token's reductions, which one warp runs without barriers)
 
@@ -116,6 +129,54 @@ def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_
         tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
+@triton.jit(do_not_specialize=["chain_stride"], do_not_specialize_on_alignment=["chain_ptr"])
+def _kda_conv_decode_kernel(x_ptr, x_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
+                            cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
+                            W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    # gated_delta_decode._gdn_conv_decode_kernel's conv, with one key head per head
+    i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
+    C = 2 * H * DK + H * DV  # the conv's channels: [q | k | v]
+    cq = h * DK + dk
+    ck = H * DK + cq
+    cv = 2 * H * DK + h * DV + dv
+    cdt = conv_ptr.dtype.element_ty
+    wq0, wq1, wq2, wq3 = _conv_weights(cw_ptr, cq, mk)
+    wk0, wk1, wk2, wk3 = _conv_weights(cw_ptr, ck, mk)
+    wv0, wv1, wv2, wv3 = _conv_weights(cw_ptr, cv, mv)
+    pdl.wait(PDL)  # the parameters loaded: now the inputs, the windows and the state (pdl.py)
+
+    slot = tl.load(chain_ptr + i).to(tl.int64)
+    offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    S = _chain_state(state_ptr, slot, offs, mk, mv, H, DK, DV, BK, BV)  # [BK, BV] fp32
+    lq = mk & ((tl.zeros([BK], dtype=tl.int64) + slot) >= 0)
+    lv = mv & ((tl.zeros([BV], dtype=tl.int64) + slot) >= 0)
+    win = conv_ptr + slot * (C * 3)
+    q0, q1, q2 = _window(win, cq, lq)
+    k0, k1, k2 = _window(win, ck, lq)
+    v0, v1, v2 = _window(win, cv, lv)
+    iq0, iq1, iq2, ik0, ik1, ik2 = q0, q1, q2, k0, k1, k2  # for the q/k windows' writer, at the end
+    ydt = x_ptr.dtype.element_ty  # the conv's output dtype (the projection's), as conv1d_decode's
+    for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
+        r = i * W + j
+        row = x_ptr + r * x_stride
+        xq = tl.load(row + cq, mask=mk, other=0.0).to(cdt)
+        xk = tl.load(row + ck, mask=mk, other=0.0).to(cdt)
+        xv = tl.load(row + cv, mask=mv, other=0.0).to(cdt)
+        q = _conv4(q0, q1, q2, xq, wq0, wq1, wq2, wq3, ydt)
+        k = _conv4(k0, k1, k2, xk, wk0, wk1, wk2, wk3, ydt)
+        v = _conv4(v0, v1, v2, xv, wv0, wv1, wv2, wv3, ydt)
+        q0, q1, q2, k0, k1, k2, v0, v1, v2 = q1, q2, xq, k1, k2, xk, v1, v2, xv
+        f = tl.load(f_ptr + r * f_stride + h * DK + dk, mask=mk, other=0.0)
+        S, o = _kda_step(S, q, k, v, f, tl.load(b_ptr + r * b_stride + h), neg_a, dt_bias, scale)
+        dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
+        _store_chain_state(state_ptr, dst, S, offs, mk, mv, H, DK, DV, BK, BV)
+        tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
+        _store_window(conv_ptr + dst * (C * 3), cv, v0, v1, v2, mv & ((tl.zeros([BV], dtype=tl.int64) + dst) >= 0))
+    _last_writes_qk_windows(x_ptr, x_stride, conv_ptr, C, cq, ck, mk, iq0, iq1, iq2, ik0, ik1, ik2, chain_ptr,
+                            chain_stride, ticket_ptr + i * H + h, i, W, GROUP, BK)
+
+
 @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _kda_segments_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
@@ -184,6 +245,33 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log:
         qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, ssm_states, chain, chain.stride(0), o,
         dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=warps,
         **pdl.launch(qkv))
+    return o
+
+
+def kda_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
+                          tickets: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                          dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+                          chain: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`kda_decode_fused` with the conv before it in the same kernel, as
+    ``gated_delta_decode.gated_delta_conv_decode_fused`` (its contract: ``x [B, 3*H*D]`` the raw
+    projection, ``conv_weight [C, 4]`` without bias, silu, ``conv_states [S, C, 3]`` updated along the
+    same slots or chain, ``tickets`` a zeroed int32 ``[>= sequences * H]`` left zeroed, a chain's
+    intermediate slots other than ``chain[0]``, the parameters read before PDL's wait). Returns ``o [B,
+    H, Dv]``, as the conv kernel followed by :func:`kda_decode_fused`."""
+    rows = x.shape[0]
+    heads, dk, dv = _check_inputs(x, f, b, a_log, dt_bias, ssm_states)
+    if conv_kernel_size(x, conv_weight, None, conv_states, "silu") != CONV_WIDTH:
+        raise ValueError(f"the fused conv is {CONV_WIDTH} wide, got {conv_weight.shape[1]}")
+    w, chain, seqs = chain_of(chain, slots, rows)
+    if tickets.dtype != torch.int32 or tickets.dim() != 1 or tickets.numel() < seqs * heads or tickets.device != x.device:
+        raise ValueError(f"tickets must be an int32 [>= {seqs * heads}] on x's device")
+    o = torch.empty(rows, heads, dv, dtype=x.dtype, device=x.device)
+    bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
+    blocks = triton.cdiv(dv, bv)
+    _kda_conv_decode_kernel[(seqs * heads, blocks)](
+        x, x.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
+        chain, chain.stride(0), o, dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        GROUP=blocks, num_warps=warps, **pdl.launch(x))
     return o
 
 
