@@ -40,7 +40,9 @@ def _conv1d_extend_kernel(x_ptr, x_stride, w_ptr, b_ptr, state_ptr, state_stride
                           y_ptr, T, C, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT] packed tokens
+    # [BT] packed tokens. int64: the output's t * C passes 2**31 elements past ~262K tokens of Qwen3-Next's
+    # 8,192 channels (~210K of NemotronH-8B's 10,240)
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC] channels
     mt = t < T
     mc = c < C

@@ -108,7 +108,9 @@ def _stage2(part_o_ptr, part_lse_ptr, o_ptr, gate_ptr, gate_stride, HQ: tl.const
             BD: tl.constexpr, SPLITS: tl.constexpr, GATE: tl.constexpr, GATE_HEAD_STRIDE: tl.constexpr,
             PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)  # (sequence, query head)
+    # (sequence, query head): an extend's token and head too (merge_splits). int64: row * D, and the gate's
+    # (row // HQ) * gate_stride (Qwen3-Next's projection: 9,216 wide), pass 2**31 elements past ~233K tokens
+    row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, BD)
     md = d < D
@@ -184,7 +186,8 @@ def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, pos_ptr, inv_freq_ptr, l
                         Q_HEAD_STRIDE: tl.constexpr, Q_SIZE: tl.constexpr, ROT: tl.constexpr,
                         NORM: tl.constexpr, ROPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # a token (an extend's too): i * qkv_stride passes 2**31 elements past
+    # ~233K tokens of Qwen3-Next's 9,216-wide projection
     h = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, BLOCK)
     md = d < D

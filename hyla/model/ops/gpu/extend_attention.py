@@ -46,7 +46,9 @@ def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_p
     split = tl.program_id(2)
     G: tl.constexpr = HQ // HKV
     r = tl.arange(0, BM * BH)  # the tile's rows: token blk * BM + r // BH, query head kvh * G + r % BH
-    tok = blk * BM + r // BH
+    # int64: tok * q_stride and the partials' rows (tok * Hq * D) pass 2**31 elements past ~524K tokens of
+    # 16 query heads of 256 (Qwen3-Next)
+    tok = (blk * BM + r // BH).to(tl.int64)
     h = r % BH
     mr = (tok < T) & (h < G)
     d = tl.arange(0, BD)

@@ -162,7 +162,9 @@ def _latent_extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride
                           SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     r = tl.arange(0, BM * BH)  # the tile's rows: token blk * BM + r // BH, head hb * BH + r % BH
-    tok = tl.program_id(0) * BM + r // BH
+    # int64: the query rows (tok * H*L) and the output rows (tok * H * VALUE) pass 2**31 elements past
+    # ~116K tokens of Kimi-Linear's 32 heads of 576-wide latents
+    tok = (tl.program_id(0) * BM + r // BH).to(tl.int64)
     h = tl.program_id(1) * BH + r % BH
     split = tl.program_id(2)
     lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys

@@ -220,7 +220,7 @@ def expert_gemm(x: torch.Tensor, weights: torch.Tensor, p: Plan, per_row: int) -
 def _softmax_topk_kernel(logits_ptr, stride, w_ptr, e_ptr, E, K: tl.constexpr, RENORM: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # int64: t * stride (the logits may be a view of a wider projection)
     ex = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t * stride + ex, mask=ex < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, axis=0))
@@ -261,7 +261,9 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch
 def _combine_kernel(ys_ptr, w_ptr, shared_ptr, gate_ptr, gate_stride, out_ptr, H, K: tl.constexpr,
                     SHARED: tl.constexpr, GATE: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)
-    t = tl.program_id(0)
+    # int64: the experts' outputs at (t * K + j) * H pass 2**31 elements past ~105K tokens of Qwen3-Next's
+    # (10 a token of 2,048), ~117K of Kimi-Linear's (8 of 2,304)
+    t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)

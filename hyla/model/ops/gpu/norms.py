@@ -19,7 +19,9 @@ from hyla.model.ops.gpu import pdl
 def _rms_norm_kernel(x_ptr, x_stride, scale_ptr, y_ptr, D, eps, SCALE_ROWS: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)
+    # int64: a row per token, or per token and head (the q/k norms: Qwen3-Next's 18 heads of 256 pass 2**31
+    # elements past ~466K tokens)
+    row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < D
     x = tl.load(x_ptr + row * x_stride + d, mask=mask, other=0.0).to(tl.float32)
@@ -47,7 +49,7 @@ def rms_norm_fused(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Te
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, scale_ptr, y_ptr, s_ptr, D, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: row * D passes 2**31 elements past ~524K tokens at D = 4,096
     d = tl.arange(0, BLOCK)
     mask = d < D
     x = tl.load(x_ptr + row * D + d, mask=mask, other=0.0)
@@ -83,7 +85,9 @@ def add_rms_norm_fused(x: torch.Tensor, residual: torch.Tensor, scale: torch.Ten
 def _gated_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, w_ptr, y_ptr, D, eps,
                            H: tl.constexpr, ROUND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)  # (token, head)
+    # (token, head). int64: t * z_stride (z read in place from Qwen3-Next's 12,352-wide projection) passes 2**31
+    # elements past ~174K tokens
+    row = tl.program_id(0).to(tl.int64)
     t = row // H
     h = row % H
     d = tl.arange(0, BLOCK)
@@ -118,7 +122,9 @@ def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 @triton.jit
 def _silu_mul_kernel(h_ptr, h_stride, y_ptr, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    t = tl.program_id(0)
+    # int64: t * h_stride passes 2**31 elements past ~210K tokens of Qwen3-Next's MoE (10 rows of 2 x 512 a
+    # token), ~75K of Jamba-1.5-Mini's MLP (rows of 2 x 14,336)
+    t = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = i < I
     gate = tl.load(h_ptr + t * h_stride + i, mask=mask, other=0.0)
@@ -144,7 +150,8 @@ def silu_mul_fused(h: torch.Tensor) -> torch.Tensor:
 def _sigmoid_gate_kernel(o_ptr, o_stride_t, o_stride_h, g_ptr, g_stride_t, g_stride_h, y_ptr, HQ: tl.constexpr,
                          D: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # int64: t * g_stride_t (Qwen3-Next's 9,216-wide projection) passes 2**31
+    # elements past ~233K tokens
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK)
     mask = d < D
