@@ -24,6 +24,8 @@ if not GPU:
 DEVICE = "cuda" if GPU else "cpu"
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from hyla import Engine  # noqa: E402
 from hyla.engine.model_runner import ModelRunner  # noqa: E402
@@ -32,6 +34,7 @@ from hyla.model.ops.conv1d import causal_conv1d_update  # noqa: E402
 from hyla.model.ops.gated_delta import recurrent_gated_delta_rule_update  # noqa: E402
 from hyla.model.ops.gpu.conv1d_decode import causal_conv1d_update_fused  # noqa: E402
 from hyla.model.ops.gpu.decode_attention import paged_decode_attention  # noqa: E402
+from hyla.model.ops.gpu.elementwise import softplus  # noqa: E402
 from hyla.model.ops.gpu.gated_delta_decode import gated_delta_decode_fused  # noqa: E402
 from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
 from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs  # noqa: E402
@@ -1790,3 +1793,27 @@ def test_pdl_probe_falls_back_with_a_warning(monkeypatch, caplog):
     assert pdl._works == {0: False}
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "does not work on cuda:0" in caplog.records[0].message
+
+
+@triton.jit
+def _softplus_kernel(x_ptr, y_ptr, n, LOG1P: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + i, softplus(tl.load(x_ptr + i, mask=i < n), LOG1P), mask=i < n)
+
+
+def test_softplus_matches_log1p():
+    """The kernels' softplus (``elementwise.softplus``): ``LOG1P`` (Gated DeltaNet's and Mamba's
+    gates) is ``F.softplus`` to a few ulps over the whole range, small results included, where
+    ``log(1 + exp(x))`` (KDA's, transformers' form, kept as its reference computes it) loses up to
+    ~1% to the rounding of ``1 + exp(x)``."""
+    x = torch.linspace(-40.0, 30.0, 7001, device=DEVICE)  # steps of 0.01: -12 near its worst rounding
+    exact = F.softplus(x.double())
+    for log1p in (True, False):
+        y = torch.empty_like(x)
+        _softplus_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), log1p, 1024)
+        rel = ((y.double() - exact).abs() / exact).max().item()
+        if log1p:
+            assert rel < 1e-6, rel
+        else:
+            assert rel > 1e-3, rel  # what LOG1P corrects; and exp and log may differ from torch's by an ulp:
+            torch.testing.assert_close(y, torch.where(x > 20, x, torch.log(1 + torch.exp(x))), atol=0, rtol=2e-5)

@@ -22,7 +22,7 @@ Prefill (extend steps) on bf16/fp16 runs fla's chunked kernels where fla is inst
 by cutting sequences into rounds).
 
 Under ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly): the CPU test suite checks
-them that way; ``tests/test_gpu.py`` checks them on a GPU.
+them that way; on a GPU the same tests run them for real (``tests/test_fused_*.py``).
 
 **One compile per model.** Triton compiles a kernel anew for every new specialization of its
 arguments (an int equal to 1 or a multiple of 16, a pointer aligned to 16 bytes): ~1-3 s on a GPU,

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of, conv_kernel_size, pdl, segments_of
+from hyla.model.ops.gpu.elementwise import softplus
 from hyla.model.ops.gpu.segment_checkpoints import (
     INDEX_ARGS,
     SegmentCheckpoints,
@@ -79,12 +80,13 @@ def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: t
 
 
 @triton.jit
-def _gdn_gates(a, b, neg_a, dt_bias):
+def _gdn_gates(a, b, neg_a, dt_bias, LOG1P: tl.constexpr = True):
     """The raw gates ``a, b`` (any shape) -> ``(g, beta)`` in fp32: the log-decay ``-exp(A_log) *
     softplus(a + dt_bias)`` and ``sigmoid(b)`` rounded to b's dtype, as the layer computes it.
-    Shared with the chunked kernel (``gated_delta_chunks``)."""
+    Shared with the chunked kernel (``gated_delta_chunks``) and KDA's (``LOG1P`` False: its
+    softplus in transformers' form, ``elementwise.softplus``)."""
     x = a.to(tl.float32) + dt_bias
-    g = neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    g = neg_a * softplus(x, LOG1P)
     return g, tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
 
 

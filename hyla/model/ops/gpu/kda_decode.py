@@ -73,7 +73,7 @@ def _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale):
     v = v.to(tl.float32)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g, beta = _gdn_gates(f, b, neg_a, dt_bias)  # g [BK]: Gated DeltaNet's gate, per channel
+    g, beta = _gdn_gates(f, b, neg_a, dt_bias, False)  # g [BK]: Gated DeltaNet's gate, per channel
     e = tl.exp(g)
     kS = tl.sum((k * e)[:, None] * S, axis=0)  # [BV]: k^T diag(e) S
     qS = tl.sum((q * e)[:, None] * S, axis=0)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import chain_of, pdl, segments_of
+from hyla.model.ops.gpu.elementwise import softplus
 from hyla.model.ops.gpu.segment_checkpoints import (
     INDEX_ARGS,
     SegmentCheckpoints,
@@ -65,7 +66,7 @@ def _mamba2_dt(dt, dt_bias, dt_min, dt_max, HAS_BIAS: tl.constexpr):
     dt = dt.to(tl.float32)
     if HAS_BIAS:
         dt += dt_bias
-    return tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), dt_min), dt_max)
+    return tl.minimum(tl.maximum(softplus(dt, True), dt_min), dt_max)
 
 
 @triton.jit
