@@ -9,7 +9,7 @@ tokenizer's); 0.5 B parameters (2 GB), ~0.15 B of them read per token. Built onc
 Measured as ``cpu_decode.py`` measures the built-in model, every side interleaved repeat by repeat:
 decode tok/s at batch 1 after a 512-token prompt (``t(1 + N) - t(1)``: prefill cancels out), and
 output tok/s of 8 concurrent 128 → 64 requests (prefill included). hyla's MoE layers run sorted by
-expert in both engines: eager as PyTorch ops, compiled as one op of the graph (``layers.moe_experts``).
+expert in both engines: eager as PyTorch ops, compiled as one op of the graph (``sparse_moe.moe_experts``).
 Prints a markdown table and writes the ``## CPU decode: a model with MoE layers`` section of
 docs/benchmarks.md. ``--prompt`` / ``--batch-prompt`` / ``--batch-new`` change those lengths (the tests'
 quick run).

@@ -7,7 +7,7 @@ a CUDA graph, so the count is a cost in itself (issue 10). This counts the fused
 count) at batch ``--batch``:
 
 * on a GPU: the CUDA kernels ``torch.profiler`` records for one eager fused step (no graph);
-* without one: the CUDA code path run on CPU tensors (``layers._on_gpu`` answers yes, Triton in its
+* without one: the CUDA code path run on CPU tensors (``layers.device.on_gpu`` answers yes, Triton in its
   interpreter), counting every ATen op that computes (views and allocations excluded: on CUDA they
   launch nothing) and every Triton launch. Elementwise ops that are no-ops at the CPU run's dtype
   (a ``.to`` of a tensor already in it) are counted only when they copy.
@@ -21,7 +21,7 @@ layers run column by column), written to its own section.
 
 ``--moe``: the model of ``gpu_decode.py --moe`` (a MoE layer of 64 experts, top-8, and a shared
 expert in place of each MLP; without a GPU at the tiny model's widths): a step of at most
-``layers.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs runs its experts gathered, a larger one
+``sparse_moe.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs runs its experts gathered, a larger one
 grouped (``ops/gpu/moe.py``); each batch size writes its own section.
 
 ``--mtp``: the MTP head's launches instead (``speculative_algorithm="mtp"``, 3 draft steps, on the
@@ -315,7 +315,7 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=32, help="--extend: the cached prefix's tokens")
     ap.add_argument("--moe", action="store_true", help="the model with MoE layers of gpu_decode.py --moe (64 "
                     "experts, top-8; without a GPU at the tiny widths): its experts gathered up to "
-                    "layers.GATHER_MAX_ASSIGNMENTS (token, expert) pairs, grouped above")
+                    "sparse_moe.GATHER_MAX_ASSIGNMENTS (token, expert) pairs, grouped above")
     ap.add_argument("--mtp", action="store_true", help="the MTP head's launches per draft and per verify pass "
                     "(fused rows against PyTorch rows); its own section")
     ap.add_argument("--root", type=Path, help=argparse.SUPPRESS)
@@ -353,9 +353,9 @@ def main() -> None:
     runner = ModelRunner(engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device,
                          cuda_graph=False, fused_decode=True, verify_width=w or None, return_hidden=args.mtp)
     engine.scheduler.runner = runner
-    on_gpu = layers._on_gpu
+    on_gpu = layers.device.on_gpu
     if not GPU:
-        layers._on_gpu = lambda x: True  # the CUDA code path on CPU tensors
+        layers.device.on_gpu = lambda x: True  # the CUDA code path on CPU tensors
         engine.model.fuse_moe_inputs_()  # as a CUDA runner does
         stand_in_fla()
     count = count_gpu if GPU else count_cpu
@@ -371,7 +371,7 @@ def main() -> None:
         else:
             counts = decode_counts(engine, runner, count, args.batch, w)
     finally:
-        layers._on_gpu = on_gpu
+        layers.device.on_gpu = on_gpu
         engine.shutdown()
     if args.json:
         print(json.dumps(dict(counts)))
@@ -409,7 +409,7 @@ def main() -> None:
     narrow = "; the tiny model's widths, which change no count" if narrowed else ""
     experts = (f"; a MoE layer of {moe['num_experts']} experts, top-{moe['num_experts_per_tok']}, and a shared "
                f"expert in place of each MLP: its experts "
-               + ("gathered" if args.batch * moe["num_experts_per_tok"] <= layers.GATHER_MAX_ASSIGNMENTS else "grouped")
+               + ("gathered" if args.batch * moe["num_experts_per_tok"] <= layers.sparse_moe.GATHER_MAX_ASSIGNMENTS else "grouped")
                if moe else "")
     body = (f"`.venv/bin/python benchmarks/decode_kernels.py --batch {args.batch} --dtype {args.dtype}{flag}{cmp}` — "
             f"{machine()}; {how}.\n\n"

@@ -286,8 +286,9 @@ KNOBS = {
                       "KDA kernel (1) or a kernel of its own (0)"),
     "gdn-wy": ("hyla.model.ops.gpu.gated_delta_chunks", "WY_PREPASS", bool, "an extend's Gated DeltaNet chunks with "
                "the WY pre-pass (1) or without (0)"),
-    "moe-gather-max": ("hyla.model.layers", "GATHER_MAX_ASSIGNMENTS", int, "with --moe: steps of at most this many "
-                       "(token, expert) pairs run their experts gathered, larger ones grouped (moe.expert_gemm)"),
+    "moe-gather-max": ("hyla.model.layers.sparse_moe", "GATHER_MAX_ASSIGNMENTS", int, "with --moe: steps of at most "
+                       "this many (token, expert) pairs run their experts gathered, larger ones grouped "
+                       "(moe.expert_gemm)"),
 }
 
 

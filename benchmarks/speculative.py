@@ -347,13 +347,13 @@ def _spec_counters(engine: Engine) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------------
 # profile: one verify step vs one plain decode step
 # ------------------------------------------------------------------------------------------------
-LAYER_FUNCS = {  # hyla.model.layers name -> row label
-    "recurrent_gated_delta_rule_update": "gated delta rule",
-    "chunk_gated_delta_rule_varlen": "gated delta rule",
-    "causal_conv1d_update": "causal conv1d",
-    "causal_conv1d_varlen": "causal conv1d",
-    "paged_attention": "attention (paged)",
-    "paged_attention_short_extend": "attention (paged)",
+LAYER_FUNCS = {  # (hyla.model.layers module, the name it calls) -> row label
+    ("gated_deltanet", "recurrent_gated_delta_rule_update"): "gated delta rule",
+    ("gated_deltanet", "chunk_gated_delta_rule_varlen"): "gated delta rule",
+    ("gated_deltanet", "causal_conv1d_update"): "causal conv1d",
+    ("recurrent", "causal_conv1d_varlen"): "causal conv1d",
+    ("attention", "paged_attention"): "attention (paged)",
+    ("attention", "paged_attention_short_extend"): "attention (paged)",
 }
 
 
@@ -364,14 +364,14 @@ class StepProfiler:
     def __init__(self) -> None:
         import hyla.engine.scheduler as sched_mod
         import hyla.engine.speculative as spec_mod
-        import hyla.model.layers as layers
+        import importlib
 
         self.clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
         self.acc: dict[str, float] = collections.defaultdict(float)
         self.steps: list[dict[str, float]] = []
         self.patches: list[tuple[Any, str, Any]] = []
-        for fn, label in LAYER_FUNCS.items():
-            self._wrap(layers, fn, label)
+        for (module, fn), label in LAYER_FUNCS.items():
+            self._wrap(importlib.import_module(f"hyla.model.layers.{module}"), fn, label)
         self._wrap(sched_mod, "verify", "verify(): acceptance, logprobs")
         self._wrap(spec_mod.NgramDrafter, "propose", "n-gram drafter (propose)")
         self._wrap(torch.nn.Linear, "forward", "linear layers + LM head")

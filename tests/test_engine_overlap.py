@@ -182,9 +182,9 @@ def test_overlapped_step_never_waits_for_the_device(arch, request, monkeypatch):
     grouped (``SparseMoE.path``, at a gather cap of 4 pairs here)."""
     import torch
 
-    from hyla.model import layers
+    from hyla.model.layers import sparse_moe
 
-    monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 4)
+    monkeypatch.setattr(sparse_moe, "GATHER_MAX_ASSIGNMENTS", 4)
     opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
     with Engine(request.getfixturevalue(arch), **opts) as engine:
         sched = engine.scheduler

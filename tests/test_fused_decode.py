@@ -561,7 +561,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     requests = 7 if GPU else 2 if arch == "falcon_h1" else 5
     # (no warm-up on a GPU: its steps would count as the test's GEMV and grouped calls)
     opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
-    monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers' fused steps: batch 1 gathered, more grouped
+    monkeypatch.setattr(layers.sparse_moe, "GATHER_MAX_ASSIGNMENTS", 2)  # MoE layers' fused steps: batch 1 gathered, more grouped
     with Engine(path, **opts) as default:  # GPU: fused (+ CUDA graphs); CPU: PyTorch
         a = _two_turns(default, None, requests)
         assert default.scheduler.runner.fused == GPU
@@ -609,7 +609,7 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
         # side (test_fused_extend runs them grouped)
         m.setattr(layers.SparseMoE, "path", lambda self, x: "gathered" if x.shape[0] == 1
                   else "grouped" if x.shape[0] <= 8 else "sorted")
-        m.setattr(layers, "expert_matvec", lambda w, e, x, per_row=1: gathered.append(len(e))
+        m.setattr(layers.sparse_moe, "expert_matvec", lambda w, e, x, per_row=1: gathered.append(len(e))
                   or gemv.expert_linear(x, w, e, per_row))
         m.setattr(moe, "expert_gemm", lambda x, w, p, per_row, run=moe.expert_gemm: grouped.append(p.pairs)
                   or run(x, w, p, per_row))
@@ -1506,12 +1506,12 @@ def test_layers_run_their_prefill_through_fla(arch, request, monkeypatch):
         ref = _two_turns(plain, None, requests, few_tokens=False)  # (the prompts its rounds are cut for)
     calls: list = []
     _install_all_fake_fla(monkeypatch, calls)
-    fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what _fla_prefill says on a GPU)
-    monkeypatch.setattr(layers, "_fla_prefill", fla_path)
+    fla_path = lambda x, batch: batch.tree_parents is None  # noqa: E731  (what fla_prefill says on a GPU)
+    monkeypatch.setattr(layers.device, "fla_prefill", fla_path)
     if arch == "qwen3_5":  # the layers' CUDA paths, their kernels interpreted (Bamba's, Kimi's: their fla calls;
         # Mamba2's CUDA conv and segments kernels are checked kernel by kernel, for CI's time)
-        monkeypatch.setattr(layers, "_on_gpu", lambda x: True)
-    monkeypatch.setattr(kimi_linear, "_fla_prefill", fla_path)
+        monkeypatch.setattr(layers.device, "on_gpu", lambda x: True)
+    monkeypatch.setattr(kimi_linear, "fla_prefill", fla_path)
     monkeypatch.setattr(fla_chunk, "RECURRENT_MAX_LEN", 8)  # these prompts' rounds: both kernels
     # Gated DeltaNet's and Mamba2's rounds of 4-8 tokens in chunks, shorter ones token by token
     monkeypatch.setattr(gated_delta_chunks, "CHUNKED_MIN_LEN", 4)

@@ -276,7 +276,7 @@ def test_kimi_extends_run_the_latent_extend_kernel(kimi_linear_short_path, monke
     monkeypatch.setattr(latent_attention, "paged_latent_extend_attention",
                         lambda q, kb, vb, table, row, lens, *a: launches.append((q.shape[0], int(lens.max())))
                         or run(q, kb, vb, table, row, lens, *a))
-    monkeypatch.setattr(kimi_linear, "_on_gpu", lambda x: True)  # MLA's CUDA extend (its only kernel here)
+    monkeypatch.setattr(kimi_linear, "on_gpu", lambda x: True)  # MLA's CUDA extend (its only kernel here)
     with Engine(kimi_linear_short_path, **opts) as eng:
         out = _two_turns(eng, None, requests=3, keys=record_compile_keys(monkeypatch))
     assert any(keys > new for new, keys in launches)  # extends after a cached prefix

@@ -191,7 +191,7 @@ def test_jamba_extends_run_the_segments_kernel(jamba_short_path, monkeypatch):
     run = kernels.selective_scan_segments_fused
     monkeypatch.setattr(kernels, "selective_scan_segments_fused",
                         lambda *args, **kw: launches.append((args[8].shape[0], args[13])) or run(*args, **kw))
-    monkeypatch.setattr(jamba, "_on_gpu", lambda x: True)  # the scan's GPU path (the layer's only kernel here)
+    monkeypatch.setattr(jamba, "on_gpu", lambda x: True)  # the scan's GPU path (the layer's only kernel here)
     with Engine(jamba_short_path, **opts) as eng:
         out = waves(eng)
         assert sum(o["meta_info"]["cached_tokens"] for o in out[4:8]) > 0  # the prompts again: checkpoint hits

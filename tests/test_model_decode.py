@@ -13,11 +13,10 @@ import torch
 from checkpoints import TinyRunner, make_nemotron_h
 from torch.overrides import TorchFunctionMode, _pop_mode_temporarily
 
-from hyla.model import load_model
+from hyla.model import linear, load_model
 from hyla.model.forward_batch import ForwardBatch
-from hyla.model.layers import RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary, apply_rotary_, signed_sin
+from hyla.model.layers import RMSNorm, RotaryEmbedding, SparseMoE, apply_rotary, apply_rotary_, signed_sin, sparse_moe
 from hyla.model.linear import Linear, keep_row_major_weights_
-from hyla.model import layers, linear
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")
 
@@ -614,7 +613,7 @@ def test_compiled_decode_equals_eager(qwen3_next_short_path, packed, monkeypatch
 @needs_cxx
 def test_compiled_decode_runs_moe_layers_as_one_op(qwen3_next_moe_short_path, monkeypatch):
     """A model with MoE layers compiles its decode steps too: each graph calls the experts as one op
-    (``layers.moe_experts``, whose host read does not break the graph), with the same greedy tokens
+    (``sparse_moe.moe_experts``, whose host read does not break the graph), with the same greedy tokens
     and logprobs (1e-4) as the eager engine and nothing compiled after start-up. The graph of more
     rows runs its projections on packed weights, as a large model's do: not frozen, so inductor's
     cache keeps it and a later run loads it (a frozen graph's packed constants are never cached:
@@ -628,8 +627,8 @@ def test_compiled_decode_runs_moe_layers_as_one_op(qwen3_next_moe_short_path, mo
     monkeypatch.setattr(linear, "PACK_MIN_WEIGHT", 1)  # the graph of more rows on packed weights (inductor caches it)
     monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})  # or frozen, not autotuned
     calls = []  # the sorted path's, eager or as the compiled graphs' op
-    real = layers.run_experts_sorted
-    monkeypatch.setattr(layers, "run_experts_sorted", lambda x, *a: calls.append(torch.compiler.is_compiling())
+    real = sparse_moe.run_experts_sorted
+    monkeypatch.setattr(sparse_moe, "run_experts_sorted", lambda x, *a: calls.append(torch.compiler.is_compiling())
                         or real(x, *a))
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (30, 9, 64, 5, 17)]

@@ -121,14 +121,14 @@ def test_expert_paths_equal_the_per_token_loop(arch):
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
 @pytest.mark.parametrize("gather_max, fused", [(64, False), (0, False), (64, True), (0, True)])
 def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, monkeypatch):
-    """The whole layer as a GPU runs it (``layers._on_gpu``; the kernels interpreted): the softmax
+    """The whole layer as a GPU runs it (``device.on_gpu``; the kernels interpreted): the softmax
     router in one kernel (``moe.softmax_topk``), the experts gathered or grouped, and the weighted sum
     with the shared expert and its gate in one (``moe.combine``); NemotronH's sigmoid router and latent
     projections around the experts keep their PyTorch ops. With the input projections fused as a GPU
     runner fuses them (``SparseMoE.fuse_inputs_``: Qwen3-Next's router, gate and shared in projection
     one weight, theirs views of it; the state dict unchanged) too, and on a one-row GEMV step. ==
     the CPU's layer within fp32 rounding."""
-    from hyla.model import layers
+    from hyla.model.layers import device, sparse_moe
 
     if arch == "qwen3_next":
         _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
@@ -148,8 +148,8 @@ def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, 
             assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
             if arch == "qwen3_next":
                 assert moe.router.weight.data_ptr() == moe.fused_inputs.data_ptr()
-        monkeypatch.setattr(layers, "_on_gpu", lambda t: True)
-        monkeypatch.setattr(layers, "GATHER_MAX_ASSIGNMENTS", gather_max)
+        monkeypatch.setattr(device, "on_gpu", lambda t: True)
+        monkeypatch.setattr(sparse_moe, "GATHER_MAX_ASSIGNMENTS", gather_max)
         assert moe.path(x) == ("gathered" if gather_max else "grouped")
         got = moe(x)
         if fused:  # a decode step of one row: its projections through the GEMV kernel

@@ -345,14 +345,14 @@ def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_pat
     ``1 + w`` of the norms: what a CUDA graph captured reads) at its old address, recomputed."""
     from checkpoints import make_qwen3_next
 
-    from hyla.model.layers import _DerivedWeight
+    from hyla.model.layers import DerivedWeight
     from hyla.model.loader import check_weights, copy_weights_
 
     new = make_qwen3_next(tiny_ckpt_dir, moe=False, seed=1)  # the same model, other weights
     model = load_model(qwen3_next_dense_path)
     old_logits = prefill_logits(model, IDS)  # caches the derived weights
     derived = [d for m in model.modules() for d in vars(m).values()
-               if isinstance(d, _DerivedWeight) and d.value is not None]
+               if isinstance(d, DerivedWeight) and d.value is not None]
     assert len(derived) >= 10  # the norms' scales, the Gated DeltaNet layers' -exp(A_log), ...
     addresses = [p.data_ptr() for p in model.parameters()] + [d.value.data_ptr() for d in derived]
     values = [d.value.clone() for d in derived]

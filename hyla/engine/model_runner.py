@@ -23,7 +23,7 @@ its own compilation with other inductor options (``ONE_ROW_OPTIONS``, ``ROWS_OPT
 compiled at construction on scratch pools (a minute or more on a small CPU), so serving never
 stalls on a compile; a step that no graph of the warm-up fits runs eager rather than compiling one
 (:meth:`_run_compiled`). A model's MoE layers run in the graphs as one opaque op each
-(``layers.moe_experts``: their routing reads the experts' group sizes on the host). In the one-row graph each fp32 projection is a dot product per output row
+(``sparse_moe.moe_experts``: their routing reads the experts' group sizes on the host). In the one-row graph each fp32 projection is a dot product per output row
 over its weight in row-major order (``linear.Linear``), not MKL's GEMM, which streams the weights at
 about half the speed with one row: on more than one thread the weights themselves, made row-major in
 place; on one thread a copy, costing the projections' memory once more

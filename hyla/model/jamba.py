@@ -40,22 +40,21 @@ from torch import nn
 from hyla.model.config import ModelConfig, hf_attention_fields, hf_common_fields, hf_require
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import (
+    DerivedWeight,
     HybridForCausalLM,
     HybridLayer,
     OutProjection,
     RMSNorm,
     Rope,
-    _ckpt_kwargs,
-    _copy_decode_checkpoints,
-    _DerivedWeight,
-    _gpu,
-    _on_gpu,
+    ckpt_kwargs,
     conv1d_extend,
     conv1d_fused_extend,
+    copy_decode_checkpoints,
     in_projection,
     out_projection,
     run_fused_extend_segments,
 )
+from hyla.model.layers.device import gpu, on_gpu
 from hyla.model.linear import Linear
 from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.selective_scan import selective_scan_varlen, selective_state_update
@@ -103,7 +102,7 @@ class Mamba1Mixer(nn.Module):
             self.norms = nn.ModuleList([RMSNorm(n, c.norm_eps, dtype=c.dtype)
                                         for n in (self.dt_rank, self.state_size, self.state_size)])
         self.out_proj = Linear(inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
-        self._neg_A = _DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [I, N] fp32
+        self._neg_A = DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [I, N] fp32
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None,
                 gemv_step: bool = False) -> torch.Tensor | OutProjection:
@@ -111,17 +110,17 @@ class Mamba1Mixer(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         A = self._neg_A(self.A_log)
         if batch.fused_decode:  # Triton: the conv window, then the scan step with the gate
-            xs = _gpu("conv1d_decode").causal_conv1d_update_fused(xs, self.conv_weight, self.conv_bias, conv_states,
+            xs = gpu("conv1d_decode").causal_conv1d_update_fused(xs, self.conv_weight, self.conv_bias, conv_states,
                                                                   batch.state_slots, "silu", chain=batch.chain_slots)
             dt, B, C = self._dt_b_c(xs, gemv_step)
-            y = _gpu("selective_scan").selective_state_update_fused(
+            y = gpu("selective_scan").selective_state_update_fused(
                 xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.state_slots, z, chain=batch.chain_slots)
             return out_projection(self.out_proj, y, gemv_step)  # [B, I] gated
         if batch.fused_extend is not None:  # Triton: the conv, then the scan in one launch (padding rows: 0)
             xs = conv1d_fused_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")
             dt, B, C = self._dt_b_c(xs)
             y = torch.zeros_like(xs)
-            run_fused_extend_segments(_gpu("selective_scan").segment_kernel(xs, dt, A, B, C, self.D, self.dt_bias, z),
+            run_fused_extend_segments(gpu("selective_scan").segment_kernel(xs, dt, A, B, C, self.D, self.dt_bias, z),
                                       y, ssm_states, batch)
             return self.out_proj(y)
         if batch.is_decode:  # (the slots as validated at batch construction: no host read here)
@@ -131,14 +130,14 @@ class Mamba1Mixer(nn.Module):
         dt, B, C = self._dt_b_c(xs)
         if batch.is_decode:
             y = selective_state_update(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.state_slot_plan)
-            _copy_decode_checkpoints(conv_states, batch)
-            _copy_decode_checkpoints(ssm_states, batch)
-        elif _on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
-            return self.out_proj(_gpu("selective_scan").selective_scan_extend_fused(
+            copy_decode_checkpoints(conv_states, batch)
+            copy_decode_checkpoints(ssm_states, batch)
+        elif on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
+            return self.out_proj(gpu("selective_scan").selective_scan_extend_fused(
                 xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.varlen, z))
         else:
             y = selective_scan_varlen(xs, dt, A, B, C, self.D, self.dt_bias, batch.cu_seqlens, ssm_states,
-                                      batch.state_slots, **_ckpt_kwargs(batch))  # [T, I]
+                                      batch.state_slots, **ckpt_kwargs(batch))  # [T, I]
         return self.out_proj((y.float() * F.silu(z.float())).to(x.dtype))
 
     def _dt_b_c(self, xs: torch.Tensor, gemv_step: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -67,16 +67,14 @@ from hyla.model.layers import (
     HybridLayer,
     RMSNorm,
     Rope,
-    _ckpt_kwargs,
-    _copy_decode_checkpoints,
-    _fla_prefill,
-    _gpu,
-    _on_gpu,
-    _tree_masks,
+    ckpt_kwargs,
     conv1d_extend,
     conv1d_fused_extend,
+    copy_decode_checkpoints,
     run_fused_extend_segments,
+    tree_masks,
 )
+from hyla.model.layers.device import fla_prefill, gpu, on_gpu
 from hyla.model.linear import Linear
 from hyla.model.ops.attention import extend_sdpa
 from hyla.model.ops.conv1d import causal_conv1d_update
@@ -135,7 +133,7 @@ class KimiDeltaAttention(nn.Module):
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
         f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)  # the raw decay input [T, HD] and gate [T, H]
-        kernels = _gpu("kda_decode") if batch.on_device or _fla_prefill(x, batch) else None
+        kernels = gpu("kda_decode") if batch.on_device or fla_prefill(x, batch) else None
         if batch.fused_decode:  # Triton: the conv window, the gates and the state update in one kernel (chains
             # too), or the conv in a kernel of its own
             chain = batch.chain_slots
@@ -144,7 +142,7 @@ class KimiDeltaAttention(nn.Module):
                 o = kernels.kda_conv_decode_fused(mixed, self.conv_weight, conv_states, self._tickets(seqs * heads, x.device),
                                                   f, b, self.A_log, self.dt_bias, ssm_states, slots, chain=chain)
             else:
-                mixed = _gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
+                mixed = gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
                                                                          slots, "silu", chain=chain)
                 o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
                                              chain=chain)  # [B, H, D]
@@ -163,16 +161,16 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
         if batch.is_decode:
             o = recurrent_kda_update(q, k, v, *self._gates(f, b), ssm_states, plan)
-            _copy_decode_checkpoints(conv_states, batch)
-            _copy_decode_checkpoints(ssm_states, batch)
+            copy_decode_checkpoints(conv_states, batch)
+            copy_decode_checkpoints(ssm_states, batch)
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
-            o = _gpu("fla_chunk").chunk_kda_fla(
-                q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **_ckpt_kwargs(batch, scan=False),
+            o = gpu("fla_chunk").chunk_kda_fla(
+                q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),
                 segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias),
                 gates=lambda: self._gates(f, b))  # [T, H, D]
         else:
             o = chunk_kda_varlen(q, k, v, *self._gates(f, b), batch.cu_seqlens, ssm_states, slots,
-                                 **_ckpt_kwargs(batch), use_qk_l2norm=True)  # [T, H, D]
+                                 **ckpt_kwargs(batch), use_qk_l2norm=True)  # [T, H, D]
         return self._out(o, x)
 
     def _gates(self, f: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,25 +244,25 @@ class LatentAttention(nn.Module):
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
         if batch.fused_decode:  # the latents written to their slots, then a Triton split-KV attention
             write_latents(latent, kb, vb, batch.out_cache_loc)
-            o = _gpu("latent_attention").paged_latent_decode_attention(
+            o = gpu("latent_attention").paged_latent_decode_attention(
                 q_latent, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling,
                 self.rank)  # [B, H, r]
         elif batch.fused_extend is not None:  # the same for one sequence's new tokens, causal
             write_latents(latent, kb, vb, batch.out_cache_loc)
             fe = batch.fused_extend
-            o = _gpu("latent_attention").paged_latent_extend_attention(
+            o = gpu("latent_attention").paged_latent_extend_attention(
                 q_latent, kb, vb, batch.req_to_token, fe.req_row, fe.kv_lens, self.scaling, self.rank)  # [T, H, r]
         elif batch.is_decode:  # one batched attention over the step's KV table (what a compiled graph traces)
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_decode_attention(q_latent, kb, vb, batch.kv_table, batch.decode_kv_layout()[1], self.scaling,
                                         self.rank)  # [B, H, r]
-        elif _on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
+        elif on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
         else:
             o = latent_paged_attention(
                 q_latent, latent, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
-                batch.extend_lens, self.scaling, self.rank, tree_masks=_tree_masks(batch), kv_starts=batch.kv_starts,
+                batch.extend_lens, self.scaling, self.rank, tree_masks=tree_masks(batch), kv_starts=batch.kv_starts,
             )  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
         return self.o_proj(o.reshape(t, heads * self.v_dim))
@@ -354,7 +352,7 @@ def latent_extend_by_sequence(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer:
     and slices of two index tensors made once, so no batch compiles another kernel variant; those are
     made on the device from ``3 B`` host numbers (not one per token: a long prompt's 8,192 would cost
     ~1 ms of Python in every MLA layer)."""
-    kernels = _gpu("latent_attention")
+    kernels = gpu("latent_attention")
     b, t = len(batch.extend_lens), q.shape[0]
     cu = itertools.accumulate(batch.extend_lens, initial=0)
     host = torch.tensor([*batch.kv_starts[:b], *(p + 1 - c for p, c in zip(batch.prefix_lens, cu)), *batch.extend_lens],

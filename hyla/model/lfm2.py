@@ -30,11 +30,11 @@ from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
     Rope,
-    _copy_decode_checkpoints,
-    _gpu,
     conv1d_extend,
     conv1d_fused_extend,
+    copy_decode_checkpoints,
 )
+from hyla.model.layers.device import gpu
 from hyla.model.linear import Linear
 from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.weight_specs import (
@@ -74,13 +74,13 @@ class Lfm2ShortConv(nn.Module):
         bx = b * xs  # [T, H]: what the conv (and its window) sees
         conv_states = batch.conv_states[self.state_index]  # [S, H, K-1]
         if batch.fused_decode:
-            y = _gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
+            y = gpu("conv1d_decode").causal_conv1d_update_fused(bx, self.conv_weight, self.conv_bias, conv_states,
                                                                  batch.state_slots, None, chain=batch.chain_slots)
         elif batch.fused_extend is not None:  # its windows (checkpoints', the final one) written on the way
             y = conv1d_fused_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)
         elif batch.is_decode:  # the slots as validated at batch construction: no host read here
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, None)
-            _copy_decode_checkpoints(conv_states, batch)
+            copy_decode_checkpoints(conv_states, batch)
         else:
             y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
         return self.out_proj(c * y)

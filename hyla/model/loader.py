@@ -214,7 +214,7 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
     copied into it. Host memory holds one parameter's sources and value at most; the parameters'
     storage, layout and addresses stay (a CUDA graph replays the new values; a weight relaid
     column-major stays so), and a plain copy of the same sources into one storage (tied weights)
-    is written once. Then every derived weight (``layers._DerivedWeight``) is recomputed.
+    is written once. Then every derived weight (``layers.DerivedWeight``) is recomputed.
 
     An error (a mis-shaped value: ``ValueError``; a failed read) is raised as it comes: the
     parameters before it are written, the others not, the derived weights stale."""

@@ -43,7 +43,7 @@ pool rules are ``varlen.py``'s (fp32 states, ``-1`` slots start from zeros and w
 reads before all writes); the running states are the pool rows themselves when the slots are one
 run (``open_state_rows``), each sequence writing only its own row.
 
-These run for bf16/fp16 models only (``layers._fla_prefill``): fla's fp32 dots run in tf32, so fp32
+These run for bf16/fp16 models only (``layers.device.fla_prefill``): fla's fp32 dots run in tf32, so fp32
 models keep the exact PyTorch ops. fla's kernels do not run in Triton's interpreter: without a GPU
 the tests stand in a reference recurrence with fla's signature.
 """

@@ -1,9 +1,9 @@
 """A MoE layer on a GPU with no host read: its experts as grouped GEMMs (decode batches over
-``layers.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs, extends), and the router and the combine
+``sparse_moe.GATHER_MAX_ASSIGNMENTS`` (token, expert) pairs, extends), and the router and the combine
 around them as one kernel each; so CUDA graphs capture MoE steps at any batch size and extend length.
 
 A step of ``T`` tokens routed to ``k`` experts each has ``A = T * k`` pairs. The CPU path
-(``layers.run_experts_sorted``) sorts them by expert and runs one GEMM pair per expert that received
+(``sparse_moe.run_experts_sorted``) sorts them by expert and runs one GEMM pair per expert that received
 some: each chosen expert's weight is read once, but the groups' sizes are read on the host, so the
 step's launches depend on its routing. A small GPU step (``gemv.expert_linear``) reads one expert per
 pair, which reads a repeated expert's weight once per pair: at decode batch 32 of a top-8 model with

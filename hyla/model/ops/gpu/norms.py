@@ -2,7 +2,7 @@
 residual add that precedes it), the gated RMSNorm of Gated DeltaNet, SwiGLU's ``silu(gate) * up``,
 and attention's output gate ``o * sigmoid(gate)`` on an extend (a decode step's is in its
 attention kernel). Each replaces a handful of PyTorch kernels (casts,
-reductions, products) with one, and rounds where its PyTorch form rounds (``layers.py``), so
+reductions, products) with one, and rounds where its PyTorch form rounds (``hyla/model/layers``), so
 bf16 results match it to the last bit or one rounding step.
 """
 

@@ -1,0 +1,86 @@
+"""The projections of a fused decode step at a few rows (a *GEMV step*): in projections as a GEMV,
+out projections left for the next norm's kernel (:class:`OutProjection`, :func:`add_rms_norm`)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hyla.model.forward_batch import ForwardBatch
+from hyla.model.layers import device
+from hyla.model.layers.norms import RMSNorm
+
+
+def is_gemv_step(batch: ForwardBatch, residual: torch.Tensor) -> bool:
+    """A fused decode step of at most ``gemv.MAX_ROWS`` rows (:meth:`HybridLayer.forward_fused`)."""
+    return batch.fused_decode and residual.shape[0] <= device.gpu("gemv").MAX_ROWS
+
+
+def on_gemv_step(module: nn.Module, gemv_step: bool) -> Callable[..., torch.Tensor | OutProjection]:
+    """``module``'s forward, told that this is a GEMV step (``gemv_step=True``) where it takes one."""
+    return functools.partial(module, gemv_step=True) if gemv_step and getattr(module, "takes_gemv_step", False) \
+        else module
+
+
+@dataclass(frozen=True)
+class OutProjection:
+    """A part's output projection ``linear(prologue(x))``, left for the next :func:`add_rms_norm` to
+    run in one kernel with the residual add and the norm (``ops/gpu/gemv.py``): the fused decode
+    step at a few rows. ``prologue``: ``"plain"``, ``"silu_mul"`` (SwiGLU of ``x = [gate | up]``) or
+    ``"gated_norm"`` (Gated DeltaNet's, ``gate = (z, weight, eps)``). The linear has no bias."""
+
+    linear: nn.Linear
+    x: torch.Tensor
+    prologue: str = "plain"
+    gate: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+    def run(self) -> torch.Tensor:
+        """The projection, run now (a GEMV where :func:`project` takes one): for a part whose output
+        is summed with another's before the next norm (Falcon-H1's parallel mixers). Plain prologues
+        only: the parts whose projections carry a prologue (MLP, Gated DeltaNet) never need this."""
+        if self.prologue != "plain":
+            raise NotImplementedError(f"OutProjection.run with the {self.prologue!r} prologue")
+        return project(self.x, self.linear.weight, True)
+
+
+def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
+    """``linear(x)``; on a GEMV step (no bias, ``gemv.IN_PROJ``, a weight ``gemv.linear`` takes) that
+    kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``)."""
+    if gemv_step and linear.bias is None and _gemv_takes(linear.weight):
+        return device.gpu("gemv").linear(x, linear.weight)
+    return linear(x)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, gemv_step: bool) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias), through :func:`in_projection`'s GEMV on a GEMV step."""
+    return device.gpu("gemv").linear(x, weight) if gemv_step and _gemv_takes(weight) else F.linear(x, weight)
+
+
+def _gemv_takes(weight: torch.Tensor) -> bool:
+    """Whether a GEMV step runs a projection of ``weight`` through ``gemv.linear`` (``gemv.IN_PROJ``)."""
+    kernels = device.gpu("gemv")
+    return kernels.IN_PROJ and kernels.linear_fits(weight)
+
+
+def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
+    """``linear(x)``, or with ``gemv_step`` (and no bias) the projection left as an :class:`OutProjection`."""
+    return OutProjection(linear, x) if gemv_step and linear.bias is None else linear(x)
+
+
+def add_rms_norm(out: torch.Tensor | OutProjection | None, residual: torch.Tensor,
+                 norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = residual + out`` and ``norm(s)`` in one Triton kernel (``out`` None: ``s = residual``;
+    an :class:`OutProjection`: the projection too): returns ``(norm(s), s)``. The fused decode
+    step's and CUDA extend steps'; it runs the kernels on any device."""
+    if isinstance(out, OutProjection):
+        return device.gpu("gemv").linear_add_rms_norm(out.x, out.linear.weight, residual, norm.scale(), norm.eps,
+                                                       norm.ticket(residual.device), out.prologue, out.gate)
+    kernels = device.gpu("norms")
+    if out is None:
+        return kernels.rms_norm_fused(residual, norm.scale(), norm.eps), residual
+    return kernels.add_rms_norm_fused(out, residual, norm.scale(), norm.eps)
