@@ -122,8 +122,10 @@ class EngineArgs:
     weight_version: str = _opt("default", "A name for the weights served, in every output's meta_info and in "
                                           "/get_model_info; a weight update may give the new ones another "
                                           "(SGLang's --weight-version).")
-    compile_decode: bool = _opt(False, "Run decode steps through torch.compile: ~2x faster CPU decode steps, "
-                                       "after a minute or two of compilation at every start-up (docs/benchmarks.md); "
+    compile_decode: bool = _opt(False, "Run decode steps through torch.compile: CPU decode steps 2-3x faster on "
+                                       "the built-in model (docs/benchmarks.md), after compiling at start-up: "
+                                       "minutes the first time, ~30-40 s on 2 cores once inductor's on-disk cache "
+                                       "holds its graphs; "
                                        "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too, "
                                        "and a draft model's or MTP head's own steps (docs/engine.md).")
 
