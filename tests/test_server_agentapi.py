@@ -323,10 +323,12 @@ def test_qwen3_coder_through_the_server(server, client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    pytest.param({"tool_choice": "auto"}, None, id="tool-choice-without-tools"),
+    pytest.param({"tool_choice": "auto"}, "tool_choice", id="tool-choice-without-tools"),
     pytest.param({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", id="unknown-tool-choice"),
-    pytest.param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None,
-                 id="unknown-function"),
+    pytest.param({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                 "tool_choice", id="unknown-function"),
+    pytest.param({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                 "response_format", id="forced-call-and-response-format"),
     pytest.param({"tools": [{"type": "retrieval"}]}, "tools", id="not-a-function"),
     pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-name"),
     pytest.param({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", id="string-parallel"),

@@ -90,13 +90,16 @@ BAD_CHAT_BODIES = [
     pytest.param({**CHAT, "n": 0}, "n", id="n-zero"),
     pytest.param({**CHAT, "n": True}, "n", id="bool-n"),
     pytest.param({**CHAT, "stream": "yes"}, "stream", id="string-stream"),
-    pytest.param({**CHAT, "top_logprobs": 3}, None, id="top-logprobs-without-logprobs"),
+    pytest.param({**CHAT, "top_logprobs": 3}, "top_logprobs", id="top-logprobs-without-logprobs"),
+    pytest.param({**CHAT, "top_logprobs": 3, "logprobs": None}, "top_logprobs", id="top-logprobs-null-logprobs"),
     pytest.param({**CHAT, "top_logprobs": 50, "logprobs": True}, "top_logprobs", id="top-logprobs-too-many"),
     pytest.param({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function", id="tool-without-function"),
     pytest.param({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, None, id="unknown-role"),
     pytest.param({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
                  None, id="image-content"),
-    pytest.param({**CHAT, "stream_options": {"include_usage": True}}, None, id="stream-options-no-stream"),
+    pytest.param({**CHAT, "stream_options": {"include_usage": True}}, "stream_options", id="stream-options-no-stream"),
+    pytest.param({**CHAT, "stop": ["x"] * 17}, "stop", id="too-many-stop-strings"),
+    pytest.param({**CHAT, "messages": [{"role": "user"}]}, "messages.0.content", id="no-content"),
     pytest.param({**CHAT, "max_tokens": 5000}, None, id="max-tokens-beyond-context"),
     pytest.param({**CHAT, "stop": [""]}, "stop", id="empty-stop-string"),
     pytest.param({**CHAT, "seed": -1}, "seed", id="negative-seed"),
@@ -142,7 +145,9 @@ def test_bad_completion_and_generate_requests_are_400(server):
     vocab = _engine(server).model_config.vocab_size
     cases = [  # (path, body, the error's param: what the engine refused is named in the endpoint's words)
         ("/v1/completions", {"model": MODEL, "prompt": [1, vocab + 7]}, "prompt"),
-        ("/v1/completions", {"model": MODEL, "prompt": []}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": []}, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "n": None, "echo": "yes"}, "echo"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {str(vocab + 1): 5}}, "logit_bias"),
@@ -156,7 +161,8 @@ def test_bad_completion_and_generate_requests_are_400(server):
         ("/generate", {"text": "x", "sampling_params": {"no_such_param": 1}}, "sampling_params"),
         ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}},
          "sampling_params.min_new_tokens"),
-        ("/generate", {"text": ["a", "b"], "stream": True}, None),
+        ("/generate", {"text": ["a", "b"], "stream": True}, "stream"),
+        ("/generate", {"text": ["a", "b"], "rid": ["x"]}, "rid"),
         ("/generate", {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
         ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [7]}, "checkpoints"),
         ("/generate", {"input_ids": [1, 2, 3], "checkpoints": [2], "speculative_checkpoints": 1},
@@ -169,6 +175,21 @@ def test_bad_completion_and_generate_requests_are_400(server):
         err = _assert_error(_post(server, path, json=body), 400, "invalid_request_error")
         if param is not None:
             assert err["param"] == param, (path, body, err)
+
+
+def test_a_batch_needs_a_list_of_rids(server):
+    """``/generate`` with a batch of prompts takes a list of rids, one per prompt, all different (SGLang's
+    rule): one string for two prompts, or an id twice, is a 400 saying so, not the engine's "already in
+    use" (what the second request with the same id met)."""
+    for rid, words in (("x", "a list of rids, one per prompt"), (["x", "x"], "twice")):
+        err = _assert_error(_post(server, "/generate", json={"text": ["a", "b"], "rid": rid}), 400,
+                            "invalid_request_error", "rid")
+        assert words in err["message"] and "in use" not in err["message"], err
+    ok = _post(server, "/generate", json={"text": ["a", "b"], "rid": ["rid-a", "rid-b"],
+                                          "sampling_params": {"max_new_tokens": 1}})
+    assert ok.status_code == 200 and len(ok.json()) == 2
+    one = _post(server, "/generate", json={"text": ["a"], "rid": "rid-c", "sampling_params": {"max_new_tokens": 1}})
+    assert one.status_code == 200 and len(one.json()) == 1  # a batch of one: its one id
 
 
 def test_chat_message_ends_are_speculative_checkpoints(server, monkeypatch):

@@ -141,6 +141,134 @@ def test_completion_logprobs(client, engine):
         assert top[token] == pytest.approx(logprob)
 
 
+MULTIBYTE = "日本 😀 é ü 日本 😀 é ü"  # characters of 2-4 UTF-8 bytes: each split across byte tokens
+
+
+def _completion_streamed(server, body: dict) -> tuple[str, dict]:
+    """A streamed completion (one choice) added up: its text and its logprobs' four lists."""
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        events = [json.loads(e) for e in _sse_events(r) if e != "[DONE]"]
+    text, lists = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for choice in (c for e in events for c in e["choices"]):
+        text += choice["text"]
+        for key in lists:
+            lists[key] += (choice["logprobs"] or {}).get(key, [])
+    return text, lists
+
+
+def _assert_offsets_follow_the_text(offsets: list[int], text: str, before: list[str]) -> None:
+    """``offsets`` (a completion's ``text_offset``) are where each token starts in ``text``, ``before[i]``
+    being the decode of the tokens before token ``i``: they never decrease nor pass the end of the
+    text, the text up to token ``i``'s offset is what the tokens before it decode to, and only a
+    character they leave incomplete (U+FFFD at the end: the next token may complete it) is left out."""
+    assert offsets == sorted(offsets) and all(0 <= o <= len(text) for o in offsets)
+    for offset, decoded in zip(offsets, before):
+        assert decoded.startswith(text[:offset])
+        assert offset == len(decoded) or (offset == len(decoded) - 1 and decoded.endswith("\ufffd"))
+
+
+def test_completion_text_offset_of_multibyte_characters(server, engine):
+    """A token holding the first bytes of a character (``bytes:\\xe6``) adds nothing to the text; the
+    one completing it adds the character: text_offset follows the text, not the tokens' display
+    strings (which ran past the end of the text). The same streamed; with echo, the prompt's too."""
+    tok = engine.tokenizer
+    ids = tok.encode(MULTIBYTE)
+    assert any(tok.token_text(i).text.startswith("bytes:") for i in ids)
+    # the output: byte tokens of 日 and é, and a space, drawn at random (seeded); partial, complete and
+    # invalid (U+FFFD) characters mixed
+    bias = {str(t): 100 for t in tok.encode("日 é")}
+    body = {"model": MODEL, "prompt": MULTIBYTE, "max_tokens": 12, "temperature": 1.0, "seed": 7, "logprobs": 0,
+            "logit_bias": bias}
+    out_ids = engine.generate(prompt=MULTIBYTE, sampling_params={
+        "max_new_tokens": 12, "temperature": 1.0, "seed": 7, "logit_bias": bias})["output_ids"]
+    assert any(tok.token_text(i).text.startswith("bytes:") for i in out_ids)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    choice = r["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.token_text(i).text for i in out_ids]
+    assert choice["text"] == tok.decode(out_ids)
+    out_before = [tok.decode(out_ids[:i]) for i in range(len(out_ids))]
+    _assert_offsets_follow_the_text(lp["text_offset"], choice["text"], out_before)
+    assert _completion_streamed(server, body) == (choice["text"], lp)
+
+    # echo: the prompt's tokens first (from 0), then the completion's from the prompt's end; the prompt
+    # is valid text: a token's offset is the length of the complete characters before it
+    echo = httpx.post(server.url + "/v1/completions", json={**body, "echo": True}, timeout=60).json()["choices"][0]
+    assert echo["text"] == MULTIBYTE + choice["text"]
+    offsets = echo["logprobs"]["text_offset"]
+    assert offsets[:len(ids)] == [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert offsets[len(ids):] == [len(MULTIBYTE) + o for o in lp["text_offset"]]
+    _assert_offsets_follow_the_text(offsets, echo["text"], [tok.decode(ids[:i]) for i in range(len(ids))]
+                                    + [MULTIBYTE + t for t in out_before])
+    assert _completion_streamed(server, {**body, "echo": True}) == (echo["text"], echo["logprobs"])
+
+    # a prompt of token ids: echoed decoded, the offsets in that text
+    echo_ids = httpx.post(server.url + "/v1/completions", json={**body, "prompt": ids, "echo": True, "max_tokens": 0},
+                          timeout=60).json()["choices"][0]
+    assert echo_ids["text"] == MULTIBYTE
+    assert echo_ids["logprobs"]["text_offset"] == offsets[:len(ids)]
+
+
+def test_completion_text_offset_with_a_stop_string(server):
+    """A stop string cuts the text before the tokens that hold it (they are in the logprobs): their
+    offsets stop at the text's end; streamed, a token whose text may still be cut waits for the chunk
+    that sends its text (or the last one), so the stream adds up to the same logprobs."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0, "logprobs": 1}
+    full = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    text, offsets = full["text"], full["logprobs"]["text_offset"]
+    # a stop string of three tokens' text (the first place it occurs in the output)
+    first = next(i for i in range(2, 12) if len(set(offsets[i:i + 4])) == 4
+                 and text.find(text[offsets[i]:offsets[i + 3]]) == offsets[i])
+    stop = text[offsets[first]:offsets[first + 3]]
+    cut = {**body, "stop": [stop]}
+    r = httpx.post(server.url + "/v1/completions", json=cut, timeout=60).json()["choices"][0]
+    assert r["finish_reason"] == "stop" and r["text"] == text[:offsets[first]]
+    lp = r["logprobs"]
+    assert lp["tokens"] == full["logprobs"]["tokens"][:first + 3]  # the stop string's tokens with the rest
+    assert lp["text_offset"] == [min(o, len(r["text"])) for o in offsets[:first + 3]]
+    assert _completion_streamed(server, cut) == (r["text"], lp)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token(server, client):
+    """OpenAI's legacy logprobs always hold the sampled token's logprob (up to logprobs + 1 entries),
+    as vLLM's: ``logprobs: 0`` gives the token alone; with echo, the prompt's tokens too (but the
+    first, which has no logprob)."""
+    kw = dict(model=MODEL, prompt="Counting: one, two", max_tokens=8, temperature=1.5, seed=11)
+    for k in (0, 1):
+        r = client.completions.create(logprobs=k, **kw)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == 8
+        for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert top[token] == pytest.approx(logprob) and 1 <= len(top) <= k + 1
+        if k == 1:  # sampled hot: some token was not the most likely one, beside it
+            assert any(len(top) == 2 for top in lp.top_logprobs)
+        chunks = list(client.completions.create(logprobs=k, stream=True, **kw))
+        assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.top_logprobs] \
+            == lp.top_logprobs
+    echo = client.completions.create(model=MODEL, prompt="Counting: one, two", max_tokens=0, echo=True, logprobs=0)
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(top == {token: logprob} for token, logprob, top in
+               zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]))
+
+
+def test_null_is_the_default(server, client):
+    """``null`` in a field OpenAI lets be null (the openai client sends it for a None) is its default."""
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, temperature=0, n=None, stream=None,
+                                  echo=None, logprobs=None)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None and not r.choices[0].text.startswith("Hi")
+    chat = {"model": MODEL, "messages": _chat("Hi"), "max_tokens": 3, "temperature": 0, "n": None, "stream": None,
+            "logprobs": None, "parallel_tool_calls": None}
+    resp = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "chat.completion" and len(body["choices"]) == 1 and body["choices"][0]["logprobs"] is None
+    streamed = httpx.post(server.url + "/v1/chat/completions", json={**chat, "stream": None,
+                                                                     "stream_options": {"include_usage": True}})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream_options"
+
+
 # --------------------------------------------------------------------------------------------
 # chat
 # --------------------------------------------------------------------------------------------

@@ -164,7 +164,7 @@ class Server:
                            param="model", code="model_not_found")
 
     async def check_api_key(self, request: Request) -> None:
-        """FastAPI dependency of the /v1, /generate, /flush_cache, /tokenize and /detokenize routes
+        """FastAPI dependency of the /v1, the native (/generate, /flush_cache, ...), /tokenize and /detokenize routes
         (``Authorization: Bearer KEY``); async so that FastAPI runs it on the event loop, not on a
         worker thread."""
         if self.api_key is None:

@@ -57,8 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"Address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
     parser.add_argument("--api-key", default=None,
-                        help="Require 'Authorization: Bearer KEY' on /v1/*, /generate, /flush_cache, /tokenize and "
-                             "/detokenize (default: no key).")
+                        help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
+                             "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate), "
+                             "/tokenize and /detokenize; /health and /metrics stay open (default: no key).")
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")

@@ -3,7 +3,8 @@
 Where each status comes from:
 
 * ``APIError`` raised by the server itself (unknown model 404, bad API key 401, engine not running 503);
-* a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field;
+* a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field (a
+  rule over several fields, the one that broke it: ``protocol.FieldError``);
 * what the engine raises at submission (``engine_error``): ``ValueError`` → 400 (a ``RequestError``
   names its field: ``param``, in the endpoint's words, ``api_param``), ``EngineOverloadedError`` →
   429 with ``Retry-After``, anything else → 500;
@@ -27,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.engine.sampling_params import SAMPLING_FIELDS
-from hyla.server.protocol import ErrorInfo, ErrorResponse
+from hyla.server.protocol import ErrorInfo, ErrorResponse, FieldError
 
 logger = logging.getLogger("hyla.server")
 
@@ -127,7 +128,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
                         code="invalid_json")
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")  # (pydantic's, before a validator's own)
     more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
-    return APIError(400, f"{param}: {msg}{more}" if param else f"{msg}{more}", param=param)
+    message = f"{param}: {msg}{more}" if param else f"{msg}{more}"
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):  # a whole object's rule that one of its fields broke: that field
+        param = ".".join([*loc, cause.param])
+    return APIError(400, message, param=param)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -193,7 +193,8 @@ async def _events(gen: Generation) -> AsyncIterator[str]:
 
 
 def _jobs(body: GenerateRequest) -> list[Job]:
-    """One job per prompt; per-item lists (sampling_params, rid, checkpoints) must match the batch."""
+    """One job per prompt; per-item lists (sampling_params, rid, checkpoints) must match the batch, and
+    a batch's ``rid`` is a list (SGLang's rule: one id each, all different)."""
     prompts: list[str | list[int]]
     if body.text is not None:
         prompts = [body.text] if isinstance(body.text, str) else list(body.text)
@@ -212,6 +213,11 @@ def _jobs(body: GenerateRequest) -> list[Job]:
 
     params = per_item(body.sampling_params, "sampling_params", isinstance(body.sampling_params, list))
     starts = per_item(body.logprob_start_len, "logprob_start_len", isinstance(body.logprob_start_len, list))
+    if isinstance(body.rid, str) and n > 1:  # (the engine would see one id for every request: "in use")
+        raise APIError(400, f"rid is one id for a batch of {n} requests: a batch needs a list of rids, one per "
+                            "prompt", param="rid")
+    if isinstance(body.rid, list) and len(set(body.rid)) < len(body.rid):
+        raise APIError(400, "rid lists an id twice: each request of a batch needs its own", param="rid")
     rids = per_item(body.rid, "rid", isinstance(body.rid, list))
     priorities = per_item(body.priority, "priority", isinstance(body.priority, list))
     single_ckpt = body.checkpoints is None or not body.checkpoints or isinstance(body.checkpoints[0], int)

@@ -10,12 +10,15 @@ Fields and semantics: docs/server.md.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import codecs
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from tokenizers import decoders
 
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
@@ -26,7 +29,8 @@ from hyla.server.protocol import (
     text_chars,
 )
 from hyla.engine.engine import Engine
-from hyla.tokenizer import ChatEncoding, Tokenizer, TokenText
+from hyla.tokenizer import REPLACEMENT_CHAR, ChatEncoding, Tokenizer, TokenText
+from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -38,6 +42,11 @@ shared system prompt) and the last seven's. Each costs a render of the conversat
 # own first parameter): chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries",
                                          "raise_exception", "strftime_now", "namespace", "self"})
+
+MAX_PENDING_IDS = 8
+"""``TextOffsets`` over a window of ids: ids whose text still ends in U+FFFD after this many end in
+invalid bytes (a character's bytes span 4 tokens at most), counted as the U+FFFD the text shows, so
+that garbage output keeps the window short."""
 
 Logprobs = list[tuple[float, int]]
 TopLogprobs = list[list[tuple[float, int]]]
@@ -89,40 +98,57 @@ class OpenAIRoutes:
         gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return gen.stream(self._completion_events(body, gen, rid, echoed))
+            return gen.stream(self._completion_events(body, gen, rid, prompts, id_lists, echoed))
         choices = []
         for c in await gen.collect(request):
-            prefix = echoed[c.index // body.n] if echoed is not None else ""
+            p = c.index // body.n
+            prefix = echoed[p] if echoed is not None else ""
+            text = prefix + c.text
             logprobs = None
             if body.logprobs is not None:
-                logprobs = completion_logprobs(engine.tokenizer, *_logprobs(c), len(prefix))
+                offsets = TextOffsets(engine.tokenizer, id_lists[p], body.skip_special_tokens, start=len(prefix))
+                logprobs = completion_logprobs(engine.tokenizer, *_logprobs(c), offsets, end=len(text))
                 if echoed is not None:
-                    logprobs = _prompt_logprobs(engine.tokenizer, c).extend(logprobs)
-            choices.append(CompletionChoice(index=c.index, text=prefix + c.text, logprobs=logprobs,
+                    logprobs = _prompt_logprobs(engine.tokenizer, c, prompts[p], prefix).extend(logprobs)
+            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                             finish_reason=c.openai_finish_reason()))
         return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                usage=usage(gen.choices, body.n)).model_dump())
 
     async def _completion_events(self, body: CompletionRequest, gen: Generation, rid: str,
+                                 prompts: list[str | list[int]], id_lists: list[list[int]],
                                  echoed: list[str] | None) -> AsyncIterator[str]:
         created = int(time.time())
-        offsets = [0] * len(gen.choices)  # text_offset continues across a choice's chunks
+        tokenizer = gen.engine.tokenizer
+        # text_offset continues across a choice's chunks (its TextOffsets, made at its first chunk); a
+        # token goes out with the first chunk whose text reaches its offset (a stop string may still cut
+        # the text held back: then the last chunk has it, its offset at the text's end), so the streamed
+        # logprobs are the whole answer's
+        offsets: dict[int, TextOffsets] = {}
+        held: dict[int, CompletionLogprobs] = {}  # tokens that start beyond the text sent so far
         started = [False] * len(gen.choices)  # echo: the prompt goes before a choice's first chunk
+        sent = [0] * len(gen.choices)  # characters of each choice's text sent so far
         async for choice, chunk in gen.events():
             text, logprobs = chunk["text"], None
             prompt_logprobs = None
-            if echoed is not None and not started[choice.index]:
-                text = echoed[choice.index // body.n] + text
+            finish = choice.openai_finish_reason()
+            p = choice.index // body.n
+            if not started[choice.index]:
+                started[choice.index] = True
+                prefix = echoed[p] if echoed is not None else ""
+                text = prefix + text
                 if body.logprobs is not None:
-                    prompt_logprobs = _prompt_logprobs(gen.engine.tokenizer, choice)
-                    offsets[choice.index] = len(echoed[choice.index // body.n])
-            started[choice.index] = True
+                    offsets[choice.index] = TextOffsets(tokenizer, id_lists[p], body.skip_special_tokens,
+                                                        start=len(prefix))
+                    held[choice.index] = CompletionLogprobs()
+                    if echoed is not None:
+                        prompt_logprobs = _prompt_logprobs(tokenizer, choice, prompts[p], prefix)
+            sent[choice.index] += len(text)
             if body.logprobs is not None:
-                logprobs = completion_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk), offsets[choice.index])
-                offsets[choice.index] += sum(len(t) for t in logprobs.tokens)
+                new = completion_logprobs(tokenizer, *chunk_logprobs(chunk), offsets[choice.index])
+                logprobs = _take_started(held[choice.index].extend(new), sent[choice.index], final=finish is not None)
                 if prompt_logprobs is not None:
                     logprobs = prompt_logprobs.extend(logprobs)
-            finish = choice.openai_finish_reason()
             if text or finish or (logprobs and logprobs.tokens):
                 out = CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[
                     CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish)])
@@ -296,18 +322,98 @@ def _token_text(tokenizer: Tokenizer | None, token_id: int) -> TokenText:
     return tokenizer.token_text(token_id) if tokenizer is not None else TokenText(f"token_id:{token_id}", [])
 
 
-def completion_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs,
-                        offset: int) -> CompletionLogprobs:
-    """OpenAI's legacy logprobs; ``offset`` is the text offset of the first token."""
+class TextOffsets:
+    """Where each token of one sequence starts in its text (OpenAI's ``text_offset``): after the
+    characters that the tokens before it decode to. A character split across tokens (the bytes of
+    ``日``, of an emoji) counts once it is complete: the tokens holding its first bytes advance the
+    offset by nothing, the one completing it by the character; so the offsets never pass the text
+    and each token's span is the text it adds. A token the text leaves out (a special token with
+    ``skip_special_tokens``) adds nothing either.
+
+    Incremental: ``advance`` over a stream's chunks one after another gives the offsets one
+    ``advance`` of all its ids gives. A byte-level BPE tokenizer's text is its tokens' bytes
+    decoded (invalid bytes as U+FFFD), so the tokens' bytes go through an incremental UTF-8
+    decoder: exact, and O(1) a token. Any other tokenizer's text is decoded over a window of ids, as
+    ``IncrementalDetokenizer`` decodes it: ``context_ids`` (a completion's prompt: its last few ids)
+    come first, and a U+FFFD at the end of the window's text is a character still incomplete.
+    ``start``: the first token's offset. Without a tokenizer there is no text: every offset is
+    ``start``."""
+
+    def __init__(self, tokenizer: Tokenizer | None, context_ids: Sequence[int] = (), skip_special_tokens: bool = True,
+                 start: int = 0):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.offset = start  # where the next token starts
+        self._utf8 = None
+        if tokenizer is None:
+            return
+        if isinstance(tokenizer.backend.decoder, decoders.ByteLevel):
+            self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+            self._skipped = frozenset(tokenizer.all_special_ids if skip_special_tokens else ())
+            return
+        context = list(context_ids)[-PROMPT_CONTEXT_TOKENS:]
+        while context and REPLACEMENT_CHAR in self._decode(context):
+            context = context[1:]  # start at a character boundary (as the detokenizer does)
+        self._last, self._pending = context, []
+        self._last_text = self._decode(context)
+        self._counted = 0  # characters of the pending ids' text already in ``offset``
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def advance(self, token_ids: Iterable[int]) -> list[int]:
+        """The offsets of ``token_ids``, the sequence's next tokens."""
+        out = []
+        for tid in token_ids:
+            out.append(self.offset)
+            if self._utf8 is not None:
+                data = b"" if tid in self._skipped else bytes(self.tokenizer.token_text(tid).bytes)
+                self.offset += len(self._utf8.decode(data))
+            elif self.tokenizer is not None:
+                self._advance_window(tid)
+        return out
+
+    def _advance_window(self, tid: int) -> None:
+        self._pending.append(tid)
+        new = self._decode(self._last + self._pending)[len(self._last_text):]
+        # U+FFFD at the end: a character still incomplete (unless too many ids hold it: invalid bytes)
+        incomplete = new.endswith(REPLACEMENT_CHAR) and len(self._pending) < MAX_PENDING_IDS
+        complete = len(new.rstrip(REPLACEMENT_CHAR)) if incomplete else len(new)
+        self.offset += max(0, complete - self._counted)
+        self._counted = max(self._counted, complete)
+        if not incomplete:  # all complete: slide the window
+            self._last, self._pending, self._counted = self._pending, [], 0
+            self._last_text = self._decode(self._last)
+
+
+def completion_logprobs(tokenizer: Tokenizer | None, lps: Logprobs, tops: TopLogprobs, offsets: TextOffsets,
+                        end: int | None = None) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of the next tokens of a sequence (``offsets``: its ``TextOffsets``).
+    ``top_logprobs`` always holds the token itself beside its alternatives (OpenAI's "up to
+    logprobs+1 elements", as vLLM), so ``logprobs: 0`` gives the token alone; a token without a
+    logprob (a prompt's first) has null. ``end``: the length of the text, where known (a stop string
+    cuts the text before the tokens that hold it): no offset goes past it."""
     out = CompletionLogprobs()
-    for i, (lp, tid) in enumerate(lps):
+    starts = offsets.advance(tid for _, tid in lps)
+    for i, ((lp, tid), start) in enumerate(zip(lps, starts)):
         text = _token_text(tokenizer, tid).text
         out.tokens.append(text)
         out.token_logprobs.append(lp)
-        top = tops[i] if i < len(tops) else None
-        out.top_logprobs.append({_token_text(tokenizer, t).text: v for v, t in top} if top else None)
-        out.text_offset.append(offset)
-        offset += len(text)
+        top = {_token_text(tokenizer, t).text: v for v, t in (tops[i] if i < len(tops) else None) or ()}
+        if lp is not None:  # (an alternative with the same text is the token itself: one entry)
+            top.setdefault(text, lp)
+        out.top_logprobs.append(top or None)
+        out.text_offset.append(start if end is None else min(start, end))
+    return out
+
+
+def _take_started(held: CompletionLogprobs, end: int, final: bool) -> CompletionLogprobs:
+    """The first tokens of ``held`` that start within the first ``end`` characters of the text (the
+    text sent so far; ``final``: all of them, none starting past ``end``), taken out of ``held``."""
+    k = len(held.tokens) if final else bisect.bisect_right(held.text_offset, end)
+    out = CompletionLogprobs(tokens=held.tokens[:k], token_logprobs=held.token_logprobs[:k],
+                             top_logprobs=held.top_logprobs[:k], text_offset=[min(o, end) for o in held.text_offset[:k]])
+    for values in (held.tokens, held.token_logprobs, held.top_logprobs, held.text_offset):
+        del values[:k]
     return out
 
 
@@ -330,10 +436,14 @@ def _prompt_text(engine: Engine, prompt: str | list[int]) -> str:
     return engine.tokenizer.decode(prompt) if engine.tokenizer is not None else ""
 
 
-def _prompt_logprobs(tokenizer: Tokenizer | None, choice: Choice) -> CompletionLogprobs:
-    """``echo`` + ``logprobs``: the prompt tokens' logprobs (the first token's is null), from offset 0."""
+def _prompt_logprobs(tokenizer: Tokenizer | None, choice: Choice, prompt: str | list[int],
+                     echoed: str) -> CompletionLogprobs:
+    """``echo`` + ``logprobs``: the prompt tokens' logprobs (the first token's is null), their offsets
+    in ``echoed``, the prompt's text (``_prompt_text``: a text prompt as sent, special-token text
+    included; token ids decoded without their special tokens)."""
     lps = [(lp, tid) for lp, tid, _ in choice.input_logprobs or ()]
-    return completion_logprobs(tokenizer, lps, choice.input_top_logprobs or [], 0)
+    offsets = TextOffsets(tokenizer, skip_special_tokens=not isinstance(prompt, str))
+    return completion_logprobs(tokenizer, lps, choice.input_top_logprobs or [], offsets, end=len(echoed))
 
 
 def _logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:

@@ -13,6 +13,10 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
   nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are accepted
   and ignored.
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
+* ``null`` is the default in the fields OpenAI lets be null that have one (``NULL_MEANS_DEFAULT``:
+  ``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``), as the other optional fields
+  take it for "unset".
+* A rule over several fields that one of them breaks names that field (``FieldError``).
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
 * Chat messages, tools and ``chat_template_kwargs`` nest lists and objects at most
@@ -153,6 +157,16 @@ Prompt = Annotated[Union[_TEXT, _TEXTS, _IDS, _BATCHES], Discriminator(_prompt_s
 """A completion's prompt: a text, texts, token ids, or lists of token ids."""
 
 
+class FieldError(ValueError):
+    """A rule of a whole request (a model validator's) that one field breaks: its 400 names ``param``
+    (``hyla.server.errors.validation_error``), as a field's own rule does. Raised inside a nested
+    object, ``param`` is that object's location followed by this field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class _Request(_Strict):
     """A top-level request body. A lone UTF-16 surrogate (``"\\ud800"``, what a JavaScript client
     sends after cutting a string inside an emoji) is not Unicode text: 400, as OpenAI answers."""
@@ -196,9 +210,9 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _check_schema(self) -> "ResponseFormat":
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format type json_schema needs a json_schema object")
+            raise FieldError("json_schema", "response_format type json_schema needs a json_schema object")
         if self.type != "json_schema" and self.json_schema is not None:
-            raise ValueError(f"response_format type {self.type} takes no json_schema")
+            raise FieldError("json_schema", f"response_format type {self.type} takes no json_schema")
         return self
 
     def grammar(self) -> dict[str, Any]:
@@ -211,12 +225,18 @@ class ResponseFormat(_Strict):
         return {}
 
 
+NULL_MEANS_DEFAULT = ("n", "stream", "echo", "parallel_tool_calls", "logprobs")
+"""Fields of the OpenAI endpoints that take null for their default (not every endpoint has them all:
+a completion's ``logprobs`` defaults to null, a chat's to false)."""
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str
-    n: int = Field(1, ge=1, le=MAX_N)
-    stream: bool = False
+    # null (what the openai client sends for a None) is the default: _null_is_default
+    n: int | None = Field(1, ge=1, le=MAX_N)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -243,6 +263,13 @@ class _SamplingFields(_Request):
     store: bool | None = None
     service_tier: str | None = None
 
+    @field_validator(*NULL_MEANS_DEFAULT, mode="before", check_fields=False)
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's (and vLLM's) nullable fields that have a default: null is that default, so that
+        later code never sees None (``n`` stays a number, ``stream`` a bool)."""
+        return cls.model_fields[str(info.field_name)].default if value is None else value
+
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
@@ -257,9 +284,9 @@ class _SamplingFields(_Request):
     def _check_common(self) -> "_SamplingFields":
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
+            raise FieldError("stop", f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
     def stop_list(self) -> list[str]:
@@ -301,14 +328,14 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False  # the prompt before the completion, with its logprobs when logprobs is set
+    echo: bool | None = False  # the prompt before the completion, with its logprobs when logprobs is set
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "CompletionRequest":
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt", "prompt must not be empty")
         if self.max_tokens == 0 and not self.echo:  # 0: only the prompt's logprobs (evaluation harnesses)
-            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+            raise FieldError("max_tokens", "max_tokens must be at least 1 (0 only with echo)")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -348,7 +375,7 @@ class ChatMessage(BaseModel):
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs content")
+            raise FieldError("content", f"a {self.role} message needs content")
         return self
 
     def for_template(self) -> dict[str, Any]:
@@ -449,12 +476,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -466,16 +493,17 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.tool_choice is not None and not self.tools:
-            raise ValueError("tool_choice is only allowed when tools are specified")
+            raise FieldError("tool_choice", "tool_choice is only allowed when tools are specified")
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or ()]
             if self.tool_choice.function.name not in names:
-                raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
-                                 f"in tools ({', '.join(names)})")
+                raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
+                                                f"which is not in tools ({', '.join(names)})")
         if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format cannot be combined with tool_choice required or a named function")
+            raise FieldError("response_format",
+                             "response_format cannot be combined with tool_choice required or a named function")
         return self
 
     def tool_choice_mode(self) -> str:
@@ -532,7 +560,7 @@ class GenerateRequest(_Request):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         if self.stream and not self.is_single():
-            raise ValueError("stream=true takes a single request (text: str or input_ids: list[int])")
+            raise FieldError("stream", "stream=true takes a single request (text: str or input_ids: list[int])")
         return self
 
     def is_single(self) -> bool:
