@@ -224,10 +224,13 @@ def keep_row_major_weights_(module: nn.Module, threads: int | None = None) -> in
 # in a graph compiled without freezing, which inductor's cache keeps, so a later start loads it. The
 # 0.65 B model (projections of 2-8 M elements), 2 threads: an 8-row step 0.73-0.81x the eager one's
 # time against the frozen graph's 0.76x; start-up 114 s with an empty cache, 39 s with the graph
-# cached, against 212-249 s at every start frozen. Smaller weights (the built-in model's, <= 1 M
-# elements) keep the frozen graph, whose C++ GEMM template beats oneDNN's per-call cost there (an
-# 8-row step 0.49x eager frozen, 0.54-0.57x packed) and whose start-up is a minute or so
-# (docs/benchmarks.md, "CPU serving at a 0.65 B model: what changed").
+# cached, against 212-249 s at every start frozen. A model whose weights are all smaller keeps the
+# frozen graph, whose C++ GEMM template beats oneDNN's per-call cost on such weights one by one (an
+# 8-row step of the built-in model's sizes 0.49x eager frozen, 0.54-0.57x packed) and whose start-up
+# is a minute or so (docs/benchmarks.md, "CPU serving at a 0.65 B model: what changed"). The
+# built-in model's LM head (4096 x 256) is at the threshold, so the built-in model runs packed: 8
+# concurrent 128 -> 64 requests 370 output tok/s against 366 frozen (medians of 5, interleaved, 2
+# threads, a loaded machine), start-up 19 s with inductor's cache against 100 s (2026-12-02).
 PACK_MIN_WEIGHT = 1 << 20
 PACK_ROWS = 8  # the row count the packing is laid out for
 
