@@ -89,6 +89,22 @@ def test_wrong_typed_flag_is_an_argparse_error(capsys):
     assert exit_info.value.code == 2 and "invalid int value" in capsys.readouterr().err
 
 
+def test_cors_flags_take_json_lists(capsys):
+    """vLLM's CORS flags: JSON lists of strings, any origin by default."""
+    args = _parse([])
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
+        ["*"], ["*"], ["*"], False)
+    args = _parse(["--allowed-origins", '["https://ui.example", "http://localhost:3000"]',
+                   "--allowed-headers", '["content-type"]', "--allow-credentials"])
+    assert args.allowed_origins == ["https://ui.example", "http://localhost:3000"]
+    assert args.allowed_headers == ["content-type"] and args.allow_credentials
+    assert _parse(["--allowed-origins", "[]"]).allowed_origins == []
+    for bad, message in (("https://ui.example", "not JSON"), ('{"a": 1}', "a JSON list of strings"), ("[1]", "list")):
+        with pytest.raises(SystemExit) as exit_info:
+            _parse(["--allowed-origins", bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------------------------
 # the real command
 # --------------------------------------------------------------------------------------------

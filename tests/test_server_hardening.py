@@ -242,6 +242,48 @@ def test_api_key_closes_the_docs(model_dir):
         assert ok.status_code == 200  # the auth scheme is case-insensitive (RFC 7235)
 
 
+def test_cors_lets_browsers_call_the_api(server):
+    """By default (vLLM's and SGLang's) any origin's page may call the API: a preflight is answered
+    for any origin, and every answer, an error too, carries the allow-origin header."""
+    origin = {"Origin": "https://ui.example"}
+    pre = httpx.options(server.url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    ok = _post(server, "/v1/chat/completions", json=CHAT, headers=origin)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    bad = _post(server, "/v1/chat/completions", json={**CHAT, "n": 0}, headers=origin)
+    assert bad.status_code == 400 and bad.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in _post(server, "/v1/chat/completions", json=CHAT).headers
+
+
+def test_cors_restricted_to_origins_with_an_api_key(model_dir):
+    """``allowed_origins``: those origins only (a preflight from another is refused, and no answer
+    names it); a preflight needs no API key (browsers send none), the request itself does, and its
+    401 still reaches the page. ``[]``: no CORS at all."""
+    from fastapi.middleware.cors import CORSMiddleware
+
+    app = create_app(model_dir, served_model_name=MODEL, api_key="k", allowed_origins=["https://ui.example"],
+                     allowed_headers=["content-type", "authorization"], max_total_tokens=4096, max_state_slots=16)
+    ask = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    with BackgroundServer(app) as srv:
+        pre = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": "https://ui.example", **ask})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://ui.example"
+        other = httpx.options(srv.url + "/v1/chat/completions", headers={"Origin": "https://evil.example", **ask})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+        denied = _post(srv, "/v1/chat/completions", json=CHAT, headers={"Origin": "https://ui.example"})
+        assert denied.status_code == 401 and denied.headers["access-control-allow-origin"] == "https://ui.example"
+        ok = _post(srv, "/v1/chat/completions", json=CHAT,
+                   headers={"Origin": "https://ui.example", "Authorization": "Bearer k"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
+        stranger = _post(srv, "/v1/chat/completions", json=CHAT,
+                         headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in stranger.headers
+    closed = create_app(model_dir, served_model_name=MODEL, allowed_origins=[])  # (no engine: never started)
+    assert not any(m.cls is CORSMiddleware for m in closed.user_middleware)
+    assert any(m.cls is CORSMiddleware for m in app.user_middleware)
+
+
 def test_a_dead_scheduler_thread_is_unhealthy_and_refuses_requests(server, monkeypatch):
     """Should the engine's scheduler thread die (it survives failed steps: test_engine_api.py), the
     server says so: ``/health`` is 503 ``engine_dead`` and requests get a 503 at once, instead of a

@@ -18,9 +18,10 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -241,7 +242,9 @@ class _LimitBody:
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
-               reasoning_parser: str | None = None, **engine_options: Any) -> FastAPI:
+               reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
+               allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
+               allow_credentials: bool = False, **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
@@ -251,7 +254,10 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
-    tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``)."""
+    tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
+    ``allowed_origins`` / ``_methods`` / ``_headers`` / ``allow_credentials``: CORS, as vLLM's flags
+    (default: any origin, as vLLM and SGLang; empty ``allowed_origins``: no CORS headers, so browsers
+    refuse other origins' pages)."""
     server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
     server.tool_call_parser = ToolCallParser(tool_call_parser)
     server.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
@@ -268,7 +274,10 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     app = FastAPI(title="hyla", version=_version(), lifespan=lifespan, **docs)
     app.state.server = server
     app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
-    app.add_middleware(_CountRequests, metrics=server.metrics)  # outermost: counts the 413s too
+    app.add_middleware(_CountRequests, metrics=server.metrics)  # counts the 413s too
+    if allowed_origins:  # outermost: a browser reads every answer, errors too; preflights need no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                           allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
