@@ -261,6 +261,7 @@ class _FakeReq:
     (dict(input_ids=[1, 2], rid=5), "rid must be"),
     (dict(input_ids=[1, 2], rid=[5]), "rid must be"),
     (dict(input_ids=[1, 2], return_logprob="yes"), "return_logprob must be a bool"),
+    (dict(input_ids=[1, 2], stream=1), "stream must be a bool"),
     (dict(input_ids=[1, 2], sampling_params={"stop": 5}), "stop must be a list"),
     (dict(input_ids=[1, 2], sampling_params={"stop_token_ids": 5}), "stop_token_ids must be a list"),
     (dict(input_ids=[1, 2], sampling_params={"skip_special_tokens": "no"}), "skip_special_tokens must be a bool"),
@@ -285,6 +286,20 @@ def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
     rest = list(stream)
     assert rest[-1]["meta_info"]["finish_reason"]["type"] == "length"
     engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_bad_calls_of_the_other_methods_are_value_errors(engine):
+    """``abort``, ``flush_cache``: a ``ValueError`` naming the argument (an ``abort(123)`` was a silent
+    no-op, a ``flush_cache(timeout="1")`` a ``TypeError`` from a ``Future``)."""
+    for rid in (123, ["x"], None):
+        with pytest.raises(ValueError, match="rid must be a string"):
+            engine.abort(rid)
+    for timeout in ("1", 0, -1, True, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            engine.flush_cache(timeout=timeout)
+    engine.abort("no-such-request")  # an id no live request has: nothing (it may have just finished)
+    assert engine.flush_cache(timeout=30)
     engine.check_integrity()
 
 
@@ -593,9 +608,14 @@ def test_extreme_sampling_values_found_fuzzing(engine):
                                                              "ignore_eos": True})["output_ids"]
     assert tiny_p == greedy  # only the top token is left: greedy
     vocab = engine.model_config.vocab_size
-    out = engine.generate(input_ids=ids, sampling_params={"temperature": 1.0, "repetition_penalty": 1e-40,
-                                                          "max_new_tokens": 6, "ignore_eos": True, "seed": 1})
-    assert out["output_ids"] != [vocab - 1] * 6
+    for temperature in (1.0, 0.7):  # below 1 the temperature made the largest finite logit inf again
+        out = engine.generate(input_ids=ids, sampling_params={"temperature": temperature, "repetition_penalty": 1e-40,
+                                                              "max_new_tokens": 6, "ignore_eos": True, "seed": 1})
+        assert out["output_ids"] != [vocab - 1] * 6
+        seen = list(ids)  # the penalty boosts the tokens already seen (with a positive logit): only they are drawn
+        for t in out["output_ids"]:
+            assert t in seen, (temperature, out["output_ids"])
+            seen.append(t)
     engine.wait_idle()
     engine.check_integrity()
 

@@ -151,6 +151,24 @@ def test_outputs_satisfy_their_grammar(engine, base):
         check_output(i, out)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_grammar_that_must_end_ends_before_min_new_tokens(engine, tokenizer, temperature):
+    """``min_new_tokens`` bans the ids that end a request; where a grammar allows nothing else (it is
+    complete, or its only next tokens are stop token ids) the ban yields, and the output still
+    satisfies the grammar: before, every token was -inf and the argmax (0) or the last id was drawn,
+    outside the grammar."""
+    params = {"temperature": temperature, "max_new_tokens": 5, "seed": 3}
+    out = engine.generate(PROMPTS[2], {**params, "regex": "y", "min_new_tokens": 3})
+    assert out["text"] == "y"
+    assert_complete(out)  # EOS where the grammar ends, though 3 tokens were asked for
+    only_y = tokenizer.encode("y")
+    assert len(only_y) == 1  # the built-in tokenizer spells "y" one way: the grammar's first token
+    out = engine.generate(PROMPTS[2], {**params, "regex": "y", "stop_token_ids": only_y, "min_new_tokens": 2})
+    assert out["output_ids"] == only_y and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": only_y[0]}
+    engine.wait_idle()
+    engine.check_integrity()
+
+
 def test_json_schema_as_text_equals_as_object(engine):
     a = engine.generate(PROMPTS[0], {**GREEDY, "json_schema": SCHEMA})
     b = engine.generate(PROMPTS[0], {**GREEDY, "json_schema": json.dumps(SCHEMA, indent=2)})

@@ -181,10 +181,14 @@ def test_abort_all_requests_ends_the_running_ones(qwen3_next_dense_path, other_s
 def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemotron_h_path, tmp_path):
     prompt = list(range(3, 30))
     missing = _stepped(other_seed_path, tmp_path, lambda t: t.pop("model.norm.weight"))
+    truncated = tmp_path / "truncated"  # a file safetensors cannot read (was its SafetensorError, no ValueError)
+    shutil.copytree(other_seed_path, truncated)
+    os.truncate(truncated / "model.safetensors", (truncated / "model.safetensors").stat().st_size // 2)
     with Engine(qwen3_next_dense_path, **OPTS) as engine:
         before = engine.generate(input_ids=prompt, sampling_params=_greedy(20))
         for path, match in [(nemotron_h_path, "describes another model"), (missing, "lacks tensor"),
-                            (tmp_path, "no config.json")]:
+                            (tmp_path, "no config.json"), (truncated, "model.safetensors: .*header"),
+                            (None, "model_path must be a path"), (123, "model_path must be a path")]:
             with pytest.raises(ValueError, match=match):
                 engine.update_weights_from_disk(path)
         for kw, match in [(dict(weight_version=""), "weight_version"), (dict(timeout=0), "timeout")]:

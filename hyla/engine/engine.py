@@ -348,7 +348,7 @@ class Engine:
         while it waits (``KeyboardInterrupt``) aborts its requests too.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len, speculative_checkpoints, priority)
+                                           logprob_start_len, speculative_checkpoints, priority, stream)
         if stream:
             if not single:
                 raise RequestError("stream=True takes a single request", "stream")
@@ -377,7 +377,7 @@ class Engine:
         compiling a grammar can take seconds (a large schema), tokenizing megabytes of text too, and
         the event loop must not wait for either."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
-                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority)
+                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream)
         slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE
         reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
@@ -399,7 +399,9 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``.
-        Nothing on an engine shut down."""
+        Nothing on an engine shut down; an id no live request has, nothing either (it finished)."""
+        if not isinstance(rid, str):
+            raise ValueError(f"rid must be a string, got {rid!r}")
         self._abort_soon(rid)
         self._wakeup.set()
 
@@ -417,7 +419,9 @@ class Engine:
         pools, so that the next request computes its whole prompt (a cold measurement, a fresh start
         for a study). It runs on the scheduler thread between steps, and only while no request is
         waiting or running, those submitted before the call included (SGLang's ``flush_cache``):
-        otherwise it returns False and changes nothing. The counters of ``get_stats`` go on."""
+        otherwise it returns False and changes nothing. The counters of ``get_stats`` go on.
+        ``TimeoutError`` when the scheduler thread has not answered after ``timeout`` seconds."""
+        _check_timeout(timeout)
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
@@ -444,10 +448,11 @@ class Engine:
         finished after ``timeout`` seconds (``math.inf``: no limit): nothing changed, and the queue
         moves again. Returns
         ``{"model_path", "weight_version", "num_aborted_requests", "seconds"}``."""
+        if not isinstance(model_path, (str, os.PathLike)):
+            raise ValueError(f"model_path must be a path, got {model_path!r}")
         if weight_version is not None:
             check_weight_version(weight_version)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        _check_timeout(timeout)
         with self._update_lock:  # one update at a time
             start = time.monotonic()
             read = functools.partial(NewWeights.read, model_path, self.model, self.mtp_head)
@@ -555,8 +560,9 @@ class Engine:
     # requests
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                       logprob_start_len=-1, speculative_checkpoints=False, priority=None):
-        for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob)):
+                       logprob_start_len=-1, speculative_checkpoints=False, priority=None, stream=False):
+        for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob),
+                           ("stream", stream)):
             if not isinstance(flag, bool):
                 raise RequestError(f"{name} must be a bool, got {flag!r}", name)
         if (prompt is None) == (input_ids is None):
@@ -834,6 +840,12 @@ class Engine:
         except TimeoutError:
             result.cancel()
             raise
+
+
+def _check_timeout(timeout: Any) -> None:
+    """``ValueError`` unless ``timeout`` is a positive number of seconds (``math.inf``: no limit)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
 def _context_length(asked: int | None, model_max: int, kv_room: int) -> int:

@@ -35,7 +35,7 @@ from typing import Collection
 import torch
 
 from hyla.cache.transfer import to_device
-from hyla.engine.grammar import TokenMask, apply_token_mask
+from hyla.engine.grammar import TokenMask, apply_token_mask, unpack_bitmask
 from hyla.engine.request import Req
 from hyla.model.ops import gpu as gpu_ops
 
@@ -175,16 +175,32 @@ def process_logits(logits: torch.Tensor, rows: list[int], reqs: list[Req], mask:
                    eos_token_ids: Collection[int]) -> torch.Tensor:
     """The logits ``[N, V]`` tokens are chosen from: row ``rows[i]`` (the next-token row of ``reqs[i]``)
     processed (:func:`process_row`), then the grammar ``mask`` over every row. A new tensor (the raw
-    logits stay as they are, for logprobs), or ``logits`` itself when there is nothing to do."""
+    logits stay as they are, for logprobs), or ``logits`` itself when there is nothing to do.
+    ``min_new_tokens``' ban of the ending ids yields to a grammar that allows nothing else here (it
+    must end): banning them would leave no token to choose (:func:`_grammar_needs_an_end`)."""
     if not rows and (mask is None or not mask.rows):
         return logits
     processed = logits.clone()
+    masked = {r: i for i, r in enumerate(mask.rows)} if mask is not None else {}
     for row, req in zip(rows, reqs, strict=True):
-        processed[row] = process_row(processed[row], req, eos_token_ids)
+        i = masked.get(row)
+        ban = i is None or not _grammar_needs_an_end(mask.bitmask[i], req, eos_token_ids, logits.shape[-1])
+        processed[row] = process_row(processed[row], req, eos_token_ids, ban_ends=ban)
     return apply_token_mask(processed, mask)
 
 
-def process_row(row: torch.Tensor, req: Req, eos_token_ids: Collection[int]) -> torch.Tensor:
+def _grammar_needs_an_end(bitmask: torch.Tensor, req: Req, eos_token_ids: Collection[int], vocab: int) -> bool:
+    """Whether a grammar's allowed tokens (``bitmask [W]``, one row of a ``TokenMask``, on the host) are
+    all ids that end ``req`` while its output is still short of ``min_new_tokens`` (a grammar complete
+    here, its stop token ids or EOS the only way on)."""
+    if len(req.output_ids) >= req.sampling.min_new_tokens:
+        return False
+    allowed = unpack_bitmask(bitmask[None], vocab)[0]  # [V] bool
+    allowed[[t for t in req.sampling.ending_token_ids(eos_token_ids) if t < vocab]] = False
+    return not bool(allowed.any())
+
+
+def process_row(row: torch.Tensor, req: Req, eos_token_ids: Collection[int], ban_ends: bool = True) -> torch.Tensor:
     """``req``'s next-token logits ``[V]`` as it samples from them (a new tensor), in this order:
 
     1. penalties: repetition over prompt + output tokens (HF: divides a positive logit, multiplies
@@ -193,13 +209,14 @@ def process_row(row: torch.Tensor, req: Req, eos_token_ids: Collection[int]) -> 
     2. ``logit_bias``: each biased token's bias added to its logit (OpenAI; +100 all but forces it);
     3. ``min_new_tokens``: while the output is shorter, every id that would end the request
        (``SamplingParams.ending_token_ids``: its stop token ids, and ``eos_token_ids`` unless
-       ``ignore_eos``) is ``-inf``, whatever its bias (ids beyond the row are none of its tokens)."""
+       ``ignore_eos``) is ``-inf``, whatever its bias (ids beyond the row are none of its tokens);
+       not with ``ban_ends=False`` (a grammar that must end here: :func:`process_logits`)."""
     p = req.sampling
     row = apply_penalties(row, req) if p.has_penalties else row.clone()
     if p.logit_bias is not None:
         ids = to_device(list(p.logit_bias), torch.long, row.device)
         row.index_add_(0, ids, to_device(list(p.logit_bias.values()), row.dtype, row.device))
-    if len(req.output_ids) < p.min_new_tokens:
+    if ban_ends and len(req.output_ids) < p.min_new_tokens:
         vocab = row.shape[-1]
         banned = [t for t in p.ending_token_ids(eos_token_ids) if t < vocab]
         if banned:
@@ -237,6 +254,9 @@ def target_probs_batch(rows: torch.Tensor, reqs: list[Req]) -> torch.Tensor:
     dev = rows.device
     params = [r.sampling for r in reqs]
     rows = rows / to_device([[p.temperature] for p in params], rows.dtype, dev)
+    # a logit apply_penalties left at the largest finite value, over a temperature below 1, is inf again:
+    # the largest finite value once more (an inf makes the softmax NaN and every draw the last token)
+    rows = rows.clamp_(max=torch.finfo(rows.dtype).max)
     top_k = [min(p.top_k, rows.shape[1]) if p.top_k > 0 else 0 for p in params]
     if any(top_k):  # each row's k-th largest logit (rows without top-k keep everything)
         kth = torch.topk(rows, max(top_k), dim=-1).values  # [R, max k]

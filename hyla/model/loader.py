@@ -67,8 +67,11 @@ def _shard_map(path: Path) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except SafetensorError as exc:  # a truncated file, a garbage header: the file's fault, as TensorReader says
+        raise ValueError(f"{single}: {exc}") from exc
 
 
 def name_listing(names: Iterable[str]) -> str:
