@@ -388,6 +388,10 @@ def test_abort_mid_verify_and_zero_draft_steps(qwen3_next_dense_path):
         assert outs[0]["output_ids"] == want["output_ids"][: len(outs[0]["output_ids"])]
         compare_outputs([outs[1]], [want])
         assert_drained(eng)
+        # the verify steps' scratch states are reserved for good: an emptied engine still reads no usage
+        assert eng.flush_cache() and eng.cache.num_reserved_states > 0
+        stats = eng.get_stats()
+        assert (stats["token_usage"], stats["state_usage"]) == (0.0, 0.0)
 
 
 def test_ngram_drafter_on_a_repetitive_prompt(qwen3_next_dense_path):

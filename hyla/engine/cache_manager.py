@@ -596,10 +596,12 @@ class CacheManager:
         return avail >= num_slots
 
     def usage(self) -> tuple[float, float]:
-        """Share of the KV pool and of the state pool in use (requests and tree)."""
+        """Share of the KV pool and of the state pool in use by requests and the tree, of what they can
+        use: the slots reserved for good (speculative decoding's scratch: ``reserve_states``,
+        ``reserve_kv``) count on neither side, so an idle engine reads 0 with speculation on too."""
         kv, st = self.kv_pool, self.state_pool
-        return ((kv.size - kv.available_size()) / max(1, kv.size),
-                (st.size - st.available_size()) / max(1, st.size))
+        kv_room, st_room = kv.size - self.num_reserved_tokens, st.size - self.num_reserved_states
+        return ((kv_room - kv.available_size()) / max(1, kv_room), (st_room - st.available_size()) / max(1, st_room))
 
     def check_integrity(self) -> None:
         assert not self._holds, f"{len(self._holds)} waiting requests' hits still held between steps"
