@@ -6,7 +6,8 @@
 # Stages (each bounded by a timeout, its log in --out):
 #   tests    the GPU tests: fused kernels against the PyTorch references, CUDA-graph and overlap
 #            decode against eager, extend graphs against eager fused extends, the cache differential under pressure,
-#            a warmed-up engine's bits against an unwarmed one's, mixed chunked prefill against plain steps (~50-120 s)
+#            a warmed-up engine's bits against an unwarmed one's, mixed chunked prefill against plain steps (~50-120 s);
+#            then the kernels' offsets past 2^31 elements (tests/test_kernel_offsets.py, one worker: 16-32 GiB a case)
 #   decode   benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --log-compiles: decode, prefill and
 #            the cached TTFT against transformers + fla and the HBM roofline (~4 min)
 #   ttft     the cached TTFT alone, fused extend on and bypassed (gpu_decode.py --batches 1 --hyla-only
@@ -69,7 +70,10 @@ for s in "$@"; do
                    tests/test_fused_extend.py tests/test_fused_selective_scan.py tests/test_fused_kimi_linear.py \
                    tests/test_engine_overlap.py \
                    tests/test_engine_mixed_chunk.py \
-                   tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights 2>&1 | tee "$out/tests.log" | tail -30 ;;
+                   tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights 2>&1 | tee "$out/tests.log" | tail -30
+               # one worker: each case holds 16-32 GiB of device memory (rows 2^31 elements apart)
+               timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_kernel_offsets.py 2>&1 \
+                   | tee "$out/offsets.log" | tail -8 ;;
         decode) timeout 330 python3 benchmarks/gpu_decode.py --batches 1,8,64 --repeats 5 --hf-max-batch 8 \
                     --log-compiles --extend-ab --json "$out/gpu_decode.json" 2>&1 | tee "$out/decode.log" | tail -60 ;;
         ttft) timeout 180 python3 benchmarks/gpu_decode.py --batches 1 --repeats 7 --hyla-only --extend-ab --no-write \
