@@ -168,6 +168,38 @@ def _assert_offsets_follow_the_text(offsets: list[int], text: str, before: list[
         assert offset == len(decoded) or (offset == len(decoded) - 1 and decoded.endswith("\ufffd"))
 
 
+def test_text_offsets_of_a_byte_fallback_tokenizer():
+    """``TextOffsets`` for a tokenizer whose text is not its tokens' bytes (Llama's SentencePiece
+    layout: ``▁`` for a space, ``<0xC3>`` byte tokens, the first space stripped): the window decode,
+    where the built-in model's byte-level tokenizer takes the UTF-8 decoder. Each offset is the length
+    of what the tokens before decode to, but the character their bytes leave incomplete; chunks as a
+    stream gives them equal one call."""
+    from tokenizers import Tokenizer as BackendTokenizer, decoders, models
+
+    from hyla.server.openai_routes import TextOffsets
+    from hyla.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for word in ("▁hello", "▁wor", "ld", "▁", "日"):
+        vocab[word] = len(vocab)
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = Tokenizer(backend)
+    byte = lambda b: vocab[f"<0x{b:02X}>"]  # noqa: E731
+    ids = [vocab["▁hello"], byte(0xC3), byte(0xA9), vocab["▁wor"], vocab["ld"], byte(0xF0), byte(0x9F), byte(0x98),
+           byte(0x80), vocab["日"], vocab["▁"], vocab["▁hello"]]
+    assert tok.decode(ids) == "helloé world😀日  hello"
+    offsets = TextOffsets(tok).advance(ids)
+    assert offsets == [0, 5, 5, 6, 10, 12, 12, 12, 12, 13, 14, 15]
+    # (byte fallback shows each byte of an incomplete character as a U+FFFD)
+    assert offsets == [len(tok.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    stream = TextOffsets(tok)
+    assert stream.advance(ids[:2]) + stream.advance(ids[2:6]) + stream.advance(ids[6:]) == offsets
+    # after a prompt's last ids (a completion's context): offsets from start, the prompt's text not counted
+    assert TextOffsets(tok, ids[:3], start=7).advance(ids[3:5]) == [7, 13]
+
+
 def test_completion_text_offset_of_multibyte_characters(server, engine):
     """A token holding the first bytes of a character (``bytes:\\xe6``) adds nothing to the text; the
     one completing it adds the character: text_offset follows the text, not the tokens' display
