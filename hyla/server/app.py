@@ -6,8 +6,8 @@
 The engine is created in the app's lifespan (on a worker thread) and shut down with the app; its
 scheduler runs on its own thread, the handlers only await queues. This file wires the pieces:
 ``Server`` (what every route shares), the error handlers (``errors.py``), the request counter, the
-routes (``openai_routes.py``, ``native_routes.py``) behind the API key, and the open ``/health``
-and ``/metrics``. Endpoints and fields: docs/server.md.
+routes (``openai_routes.py``, ``responses_routes.py``, ``native_routes.py``) behind the API key, and
+the open ``/health`` and ``/metrics``. Endpoints and fields: docs/server.md.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
+from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
 from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
@@ -41,8 +42,8 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/generate", "/flush_cache", "/tokenize", "/detokenize",
-          "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/generate", "/flush_cache",
+          "/tokenize", "/detokenize", "/health", "/metrics")
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
 would grow /metrics without bound)."""
@@ -291,6 +292,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     auth = [Depends(server.check_api_key)]
     app.include_router(OpenAIRoutes(server).router(), dependencies=auth)
+    app.include_router(ResponsesRoutes(server).router(), dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
     app.include_router(TokenRoutes(server).router(), dependencies=auth)
     return app

@@ -1,0 +1,372 @@
+"""Request and response bodies of OpenAI's Responses API (``POST /v1/responses``,
+``GET /v1/responses/{id}``), as pydantic models, with ``protocol.py``'s rules: strict types, unknown
+fields refused (400 naming the field), a lone UTF-16 surrogate refused, ``null`` for an optional
+field is its default, a rule over several fields names the field that breaks it (``FieldError``).
+
+Supported (docs/server.md): ``input`` as a string (one user message) or a list of items — messages
+(``role`` user / system / developer / assistant, content a string or ``input_text`` /
+``output_text`` parts), ``function_call``, ``function_call_output`` and ``reasoning`` items (what a
+client copies back from an earlier response's ``output``) — ``instructions``,
+``previous_response_id``, ``store``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``
+(hyla's extra), ``stream``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
+``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``reasoning`` (accepted,
+no effect: a model thinks as its chat template says). Anything else (other item or content types,
+other tool types, ``background``, ``include``...) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from hyla.tokenizer.chat_template import check_nesting
+from hyla.server.protocol import (
+    MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_chat_nesting, check_function_parameters,
+)
+
+MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+RESPONSES_NULL_MEANS_DEFAULT = ("stream", "store", "parallel_tool_calls")
+
+
+# --------------------------------------------------------------------------------------------
+# input items
+# --------------------------------------------------------------------------------------------
+class InputTextPart(_Strict):
+    """A message's text part: ``input_text`` (what a user, system or developer wrote) or
+    ``output_text`` (an earlier assistant answer copied back; its ``annotations`` and ``logprobs``
+    are accepted and ignored)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_Strict):
+    """``{"role", "content"}`` (``type: "message"`` optional; ``id`` / ``status`` of an output item
+    copied back are accepted)."""
+
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputTextPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("input_text", "output_text"):
+                    raise FieldError(f"{i}.type", f"only input_text and output_text content parts are supported, "
+                                                  f"got {kind!r}")
+        return content
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    """A function call the model made (an earlier response's output item, sent back)."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    """The result of the call ``call_id``: a string, or text parts."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[InputTextPart]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class ReasoningTextPart(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Strict):
+    """An earlier response's reasoning, sent back: its text goes to the next assistant turn as
+    ``reasoning_content`` (the chat template decides whether it is rendered)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningTextPart] = Field(default_factory=list)
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or ())
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+ITEM_TYPES: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                        "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+
+
+def _item(value: Any, index: int) -> InputItem:
+    """One input item, validated by its ``type`` (a message may leave it out); a broken rule is a
+    ``FieldError`` naming ``<index>.<field>``."""
+    if not isinstance(value, dict):
+        raise FieldError(str(index), "an input item must be an object")
+    kind = value.get("type", "message")
+    model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise FieldError(f"{index}.type", f"unsupported input item type {kind!r}; supported: {', '.join(ITEM_TYPES)}")
+    try:
+        return model.model_validate(value)  # type: ignore[return-value]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(x) for x in first.get("loc", ())]
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, FieldError):
+            loc.append(cause.param)
+        msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+        raise FieldError(".".join([str(index), *loc]), f"input[{index}]: {msg}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# tools, text format
+# --------------------------------------------------------------------------------------------
+class FunctionTool(_Strict):
+    """A function tool (the Responses shape: ``name`` etc. at the top level, no ``function`` object)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_parameters(self) -> "FunctionTool":
+        check_function_parameters(self.name, self.parameters)
+        return self
+
+    def chat_tool(self) -> dict[str, Any]:
+        """The same tool as chat completions takes it."""
+        fn = FunctionDefinition(name=self.name, description=self.description, parameters=self.parameters,
+                                strict=self.strict)
+        return {"type": "function", "function": fn.model_dump(exclude_none=True)}
+
+
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Strict):
+    """``text.format``: ``text`` (unconstrained), ``json_object`` (any JSON object) or ``json_schema``
+    (``name`` and ``schema``: the output follows the schema; ``strict`` changes nothing, as in chat's
+    ``response_format``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> "TextFormat":
+        if self.type == "json_schema":
+            if self.name is None:
+                raise FieldError("name", "text.format type json_schema needs a name")
+            if self.schema_ is None:
+                raise FieldError("schema", "text.format type json_schema needs a schema")
+        else:
+            for field in ("name", "description", "schema_", "strict"):
+                if getattr(self, field) is not None:
+                    raise FieldError(field.rstrip("_"), f"text.format type {self.type} takes no {field.rstrip('_')}")
+        return self
+
+    def response_format(self) -> dict[str, Any]:
+        """The same constraint as chat's ``response_format``."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        schema = {"name": self.name, "schema": self.schema_}
+        if self.description is not None:
+            schema["description"] = self.description
+        if self.strict is not None:
+            schema["strict"] = self.strict
+        return {"type": "json_schema", "json_schema": schema}
+
+    def echo(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Strict):
+    """Accepted, no effect (a model thinks as its chat template says)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# the request
+# --------------------------------------------------------------------------------------------
+class ResponsesRequest(_Request):
+    """``POST /v1/responses``."""
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1)
+    store: bool | None = True
+    stream: bool | None = False
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+    @field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[str(info.field_name)].default if value is None else value
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _check_input(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("input must be a string or a list of input items")
+        if not value:
+            raise ValueError("input must not be empty")
+        for i, item in enumerate(value):  # each item as deep as a chat message may be
+            check_nesting(item, f"input[{i}]")
+        return [_item(v, i) for i, v in enumerate(value)]
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            check_chat_nesting(value, "tools")
+            for i, tool in enumerate(value):
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                if kind != "function":
+                    raise FieldError(f"{i}.type", f"only function tools are supported, got {kind!r}")
+                if "function" in tool:  # chat completions' shape
+                    raise FieldError(f"{i}.function", "a Responses function tool has its name, description and "
+                                                      "parameters at the top level, not in a function object")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > MAX_METADATA_KEYS:
+                raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys")
+            for k, v in value.items():
+                if len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS:
+                    raise ValueError(f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters, values "
+                                     f"{MAX_METADATA_VALUE_CHARS}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> "ResponsesRequest":
+        names = [t.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise FieldError("tools", "tools name the same function twice")
+        if isinstance(self.tool_choice, FunctionToolChoice) and self.tool_choice.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.name!r}, which is "
+                                            f"not in tools ({', '.join(names) or 'none given'})")
+        if self.tool_choice in ("required",) and not names:
+            raise FieldError("tool_choice", "tool_choice required needs tools")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, FunctionToolChoice)
+        if forced and self.text_format().type != "text":
+            raise FieldError("text", "text.format cannot be combined with tool_choice required or a named function")
+        return self
+
+    def items(self) -> list[InputItem]:
+        """The input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def text_format(self) -> TextFormat:
+        return self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+
+    def tool_choice_echo(self) -> str | dict[str, Any]:
+        if self.tool_choice is None:
+            return "auto"
+        return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+
+# --------------------------------------------------------------------------------------------
+# the response
+# --------------------------------------------------------------------------------------------
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int = 0
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseObject(BaseModel):
+    """A response, as returned, streamed in ``response.completed`` and stored. ``output`` holds
+    plain dicts (the output items, docs/server.md)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    status: Literal["in_progress", "completed", "incomplete", "cancelled"]
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    output: list[dict[str, Any]] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    store: bool = True
+    user: str | None = None

@@ -1,0 +1,440 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET /v1/responses/{response_id}``.
+
+A response is a chat completion underneath. A request, top-down: check the model; the
+conversation is the stored conversation of ``previous_response_id`` (its input and output, without
+its ``instructions``), then this request's ``input`` items as chat messages (``items_to_messages``);
+``instructions`` goes first as a system message; the whole is validated as a
+``ChatCompletionRequest`` (one choice) and rendered with ``render_chat``, with the same message-end
+checkpoints as a chat completion, so a chained turn renders the previous turn's prompt and answer as
+the same token prefix and the prefix cache hits it; one ``Job``; the output is split as a chat
+completion's (reasoning parser, then tool-call parser) into output items (``output_items``):
+reasoning, message, function calls. With ``store`` (the default) the response and its conversation
+are kept in memory (``ResponseStore``, LRU) for ``GET`` and ``previous_response_id``.
+
+Streaming sends OpenAI's typed events (``event: <type>`` + ``data: {...}`` with a
+``sequence_number``): ``response.created``, ``response.in_progress``, the output items as they
+grow, then ``response.completed`` / ``response.incomplete`` with the whole response, the same
+object a non-streaming request returns. Function calls are sent once the output is complete.
+Fields and semantics: docs/server.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from hyla.server.errors import APIError, validation_error
+from hyla.server.generation import Choice, Generation, Job
+from hyla.server.openai_routes import CHAT_CHECKPOINTS, _max_new_tokens, render_chat
+from hyla.server.protocol import ChatCompletionRequest
+from hyla.server.responses_protocol import (
+    FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
+    MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage, _item,
+)
+from hyla.server.tool_calls import ToolCall
+
+if TYPE_CHECKING:
+    from hyla.server.app import Server
+
+DEFAULT_STORED_RESPONSES = 4096
+"""Responses kept for ``GET`` and ``previous_response_id`` (the least recently used is dropped
+first). Each holds its conversation as a list of message dicts, shared with the responses that
+continue it, so the memory is about the text of the conversations kept."""
+
+ENDPOINT = "responses"
+# a field of the chat request (or the engine's request) underneath, as the Responses API names it
+_PARAMS = {"messages": "input", "prompt": "input", "input_ids": "input", "response_format": "text.format",
+           "json_schema": "text.format", "regex": "text.format", "ebnf": "text.format",
+           "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+           "max_new_tokens": "max_output_tokens", "chat_template_kwargs": "input"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class StoredResponse:
+    response: dict[str, Any]  # the response object, as returned
+    conversation: list[dict[str, Any]]  # chat messages: the chain's inputs and outputs (no instructions)
+
+
+class ResponseStore:
+    """Stored responses by id, in memory, at most ``capacity`` (least recently used dropped first)."""
+
+    def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES):
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        self._items[stored.response["id"]] = stored
+        self._items.move_to_end(stored.response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._items.get(response_id)
+        if stored is not None:
+            self._items.move_to_end(response_id)
+        return stored
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+# --------------------------------------------------------------------------------------------
+# items <-> chat messages
+# --------------------------------------------------------------------------------------------
+def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
+    """Input (or output) items as chat messages, as a chat completion's client would send them:
+    an assistant message, the reasoning before it (``reasoning_content``) and the function calls
+    after it make one assistant turn (``tool_calls``); a ``function_call_output`` is a ``tool``
+    message; every other message is itself (its text parts joined)."""
+    out: list[dict[str, Any]] = []
+    turn: dict[str, Any] | None = None  # the assistant turn being built
+
+    def flush() -> None:
+        nonlocal turn
+        if turn is not None:
+            if turn.get("content") is None and not turn.get("tool_calls"):
+                turn["content"] = ""
+            out.append(turn)
+        turn = None
+
+    for item in items:
+        if isinstance(item, ReasoningItem):
+            flush()
+            turn = {"role": "assistant", "content": None, "reasoning_content": item.text()}
+        elif isinstance(item, MessageItem) and item.role == "assistant":
+            if turn is None or turn.get("content") is not None or turn.get("tool_calls"):
+                flush()
+                turn = {"role": "assistant", "content": None}
+            turn["content"] = item.text()
+        elif isinstance(item, FunctionCallItem):
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+            turn.setdefault("tool_calls", []).append(
+                {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+        elif isinstance(item, FunctionCallOutputItem):
+            flush()
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        else:
+            flush()
+            out.append({"role": item.role, "content": item.text()})  # type: ignore[union-attr]
+    flush()
+    return out
+
+
+def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any]
+                 ) -> list[dict[str, Any]]:
+    """A response's output items: the reasoning (when the reasoning parser found some), the message
+    (when there is text, or no call), one function call per call. ``ids``: ``reasoning``,
+    ``message`` (item ids) and ``calls`` (one item id per call, made here when missing)."""
+    out: list[dict[str, Any]] = []
+    if thoughts is not None:
+        out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
+                    "content": [{"type": "reasoning_text", "text": thoughts}]})
+    if text or not calls:
+        out.append(message_item(ids["message"], text, "completed" if complete else "incomplete"))
+    fc_ids = ids.setdefault("calls", [])
+    while len(fc_ids) < len(calls):
+        fc_ids.append(new_id("fc"))
+    for call, fc_id in zip(calls, fc_ids):
+        out.append({"type": "function_call", "id": fc_id, "call_id": call.id, "name": call.name,
+                    "arguments": call.arguments, "status": "completed"})
+    return out
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _remap(exc: APIError, body: ResponsesRequest) -> APIError:
+    """An error of the chat request (or the engine's) underneath, naming the Responses field."""
+    if exc.param:
+        param = exc.param.removeprefix("sampling_params.")
+        head, dot, rest = param.partition(".")
+        if head in ("response_format", "json_schema", "regex", "ebnf") and body.text_format().type == "text":
+            exc.param = "tool_choice"  # the grammar the tools made
+        else:
+            exc.param = _PARAMS.get(head, head) + (dot + rest if head not in _PARAMS else "")
+    return exc
+
+
+# --------------------------------------------------------------------------------------------
+# routes
+# --------------------------------------------------------------------------------------------
+class ResponsesRoutes:
+    """The Responses endpoints of one ``Server``, and the responses they stored."""
+
+    def __init__(self, server: Server, max_stored: int = DEFAULT_STORED_RESPONSES):
+        self.server = server
+        self.store = ResponseStore(max_stored)
+
+    def router(self) -> APIRouter:
+        router = APIRouter()
+        router.post("/v1/responses")(self.create)
+        router.get("/v1/responses/{response_id}")(self.retrieve)
+        return router
+
+    async def retrieve(self, response_id: str) -> JSONResponse:
+        stored = self.store.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id {response_id!r} not found.", type="not_found_error",
+                           param="response_id", code="response_not_found")
+        return JSONResponse(stored.response)
+
+    async def create(self, body: ResponsesRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        self.server.check_model(body.model)
+        engine = self.server.admit()
+        if engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id is not None:
+            previous = self.store.get(body.previous_response_id)
+            if previous is None:
+                raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
+                               param="previous_response_id", code="previous_response_not_found")
+            history = previous.conversation
+        conversation = history + items_to_messages(body.items())
+        system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
+        chat = self._chat_request(body, system + conversation)
+        try:
+            encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
+                                         max_boundaries=CHAT_CHECKPOINTS)
+            max_new = _max_new_tokens(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
+        except APIError as exc:
+            raise _remap(exc, body) from None
+        grammar = {}
+        forced = chat.forced_tools()
+        if forced:
+            parallel = chat.parallel_tool_calls and chat.tool_choice_mode() == "required"
+            try:
+                grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="tools") from exc
+        job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},
+                  checkpoints=list(encoding.boundaries), speculative_checkpoints=True)
+        try:
+            gen = await self.server.start_generation(ENDPOINT, [job], arrival)
+        except APIError as exc:
+            raise _remap(exc, body) from None
+        reasoning = self.server.reasoning_parser
+        in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
+        turn = _Turn(self, body, chat, conversation, new_id("resp"), in_thinking)
+        if body.stream:
+            return gen.stream(turn.events(gen))
+        (choice,) = await gen.collect(request)
+        return JSONResponse(turn.finish(choice))
+
+    def _chat_request(self, body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat completion underneath (one choice, no logprobs); a rule it breaks is a 400
+        naming the Responses field."""
+        payload: dict[str, Any] = {"model": body.model, "messages": messages,
+                                   "parallel_tool_calls": body.parallel_tool_calls}
+        for name, value in (("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
+                            ("top_p", body.top_p), ("seed", body.seed)):
+            if value is not None:
+                payload[name] = value
+        if body.tools:
+            payload["tools"] = [t.chat_tool() for t in body.tools]
+            if isinstance(body.tool_choice, FunctionToolChoice):
+                payload["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+            elif body.tool_choice is not None:
+                payload["tool_choice"] = body.tool_choice
+        fmt = body.text_format()
+        if fmt.type != "text":
+            payload["response_format"] = fmt.response_format()
+        try:
+            return ChatCompletionRequest.model_validate(payload)
+        except ValidationError as exc:
+            raise _remap(validation_error(RequestValidationError(exc.errors())), body) from None
+
+
+class _Turn:
+    """One response being made: its request, its chat request, its conversation so far, its ids;
+    ``finish`` builds (and stores) the response object, ``events`` streams it."""
+
+    def __init__(self, routes: ResponsesRoutes, body: ResponsesRequest, chat: ChatCompletionRequest,
+                 conversation: list[dict[str, Any]], rid: str, in_thinking: bool):
+        self.routes, self.server = routes, routes.server
+        self.body, self.chat, self.conversation = body, chat, conversation
+        self.rid, self.in_thinking = rid, in_thinking
+        self.created_at = int(time.time())
+        self.ids: dict[str, Any] = {"reasoning": new_id("rs"), "message": new_id("msg"), "calls": []}
+
+    def skeleton(self, status: str = "in_progress") -> ResponseObject:
+        """The response object without its output and usage (what ``response.created`` sends)."""
+        b = self.body
+        return ResponseObject(
+            id=self.rid, created_at=self.created_at, model=self.server.model_name, status=status,
+            instructions=b.instructions, previous_response_id=b.previous_response_id,
+            tools=[t.model_dump() for t in b.tools or ()], tool_choice=b.tool_choice_echo(),
+            parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,
+            max_output_tokens=b.max_output_tokens, text={"format": b.text_format().echo()},
+            reasoning=b.reasoning.model_dump() if b.reasoning is not None else None, metadata=b.metadata or {},
+            store=bool(b.store), user=b.user)
+
+    def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
+        """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
+        reasoning = self.server.reasoning_parser
+        thoughts, text = reasoning.parse(text, self.in_thinking) if reasoning is not None else (None, text)
+        calls: list[ToolCall] = []
+        if self.chat.tool_choice_mode() != "none":
+            text, calls = self.server.tool_call_parser.parse(text, self.chat.template_tools())
+            calls = calls if self.chat.parallel_tool_calls else calls[:1]
+        return thoughts, text, calls
+
+    def finish(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> dict[str, Any]:
+        """The finished response object (stored with its conversation when ``store``).
+        ``calls_seen``: the calls a stream found (their call ids are kept)."""
+        thoughts, text, calls = self.parse(choice.text)
+        for call, seen in zip(calls, calls_seen):
+            call.id = seen.id
+        finish = choice.openai_finish_reason()
+        status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "", "completed")
+        response = self.skeleton(status)
+        response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
+        response.output = output_items(thoughts, text, calls, status == "completed", self.ids)
+        prompt = choice.meta.get("prompt_tokens", 0)
+        completion = choice.meta.get("completion_tokens", 0)
+        reasoning_tokens = 0
+        if thoughts:
+            tokenizer = self.server.engine.tokenizer if self.server.engine is not None else None
+            reasoning_tokens = min(completion, len(tokenizer.encode(thoughts, add_special_tokens=False))) \
+                if tokenizer is not None else 0
+        cached = InputTokensDetails(cached_tokens=choice.meta.get("cached_tokens", 0))
+        response.usage = ResponseUsage(
+            input_tokens=prompt, input_tokens_details=cached,
+            output_tokens=completion, output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
+            total_tokens=prompt + completion)
+        out = response.model_dump()
+        if self.body.store:
+            outputs = [_item(o, i) for i, o in enumerate(out["output"])]
+            self.routes.store.put(StoredResponse(out, self.conversation + items_to_messages(outputs)))
+        return out
+
+    async def events(self, gen: Generation) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            payload = {"type": kind, **fields, "sequence_number": seq}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        skeleton = self.skeleton().model_dump()
+        yield event("response.created", response=skeleton)
+        yield event("response.in_progress", response=skeleton)
+        reasoning = self.server.reasoning_parser
+        thinking = reasoning.stream(self.in_thinking) if reasoning is not None else None
+        tools = self.server.tool_call_parser.stream(self.chat.template_tools()) \
+            if self.chat.tool_choice_mode() != "none" else None
+        calls: list[ToolCall] = []
+        next_index = 0
+        rs_index = msg_index = None  # output indices of the open items
+        rs_open = msg_open = False
+        pending = ""  # whitespace held until text follows (around a call it is layout)
+        rs_id, msg_id = self.ids["reasoning"], self.ids["message"]
+
+        def open_reasoning() -> list[str]:
+            nonlocal rs_index, rs_open, next_index
+            rs_index, rs_open, next_index = next_index, True, next_index + 1
+            item = {"type": "reasoning", "id": rs_id, "summary": [], "content": []}
+            return [event("response.output_item.added", output_index=rs_index, item=item),
+                    event("response.content_part.added", item_id=rs_id, output_index=rs_index, content_index=0,
+                          part={"type": "reasoning_text", "text": ""})]
+
+        def close_reasoning(text: str) -> list[str]:
+            nonlocal rs_open
+            rs_open = False
+            part = {"type": "reasoning_text", "text": text}
+            item = {"type": "reasoning", "id": rs_id, "summary": [], "content": [part]}
+            return [event("response.reasoning_text.done", item_id=rs_id, output_index=rs_index, content_index=0,
+                          text=text),
+                    event("response.content_part.done", item_id=rs_id, output_index=rs_index, content_index=0,
+                          part=part),
+                    event("response.output_item.done", output_index=rs_index, item=item)]
+
+        def open_message() -> list[str]:
+            nonlocal msg_index, msg_open, next_index
+            msg_index, msg_open, next_index = next_index, True, next_index + 1
+            return [event("response.output_item.added", output_index=msg_index,
+                          item=message_item(msg_id, None, "in_progress")),
+                    event("response.content_part.added", item_id=msg_id, output_index=msg_index, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})]
+
+        def text_delta(delta: str) -> str:
+            return event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
+                         delta=delta, logprobs=[])
+
+        choice = gen.choices[0]
+        async for choice, chunk in gen.events():
+            final = choice.finish_reason is not None
+            text = chunk["text"]
+            if thinking is not None:
+                thought, text = thinking.feed(text, final=final)
+                if thinking.seen_reasoning and rs_index is None:
+                    for line in open_reasoning():
+                        yield line
+                if thought:
+                    yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
+                                content_index=0, delta=thought)
+            if tools is not None:
+                text, new = tools.feed(text, final=final)
+                calls += new
+            if not text:
+                continue
+            pending += text
+            if not msg_open and not pending.strip():
+                continue
+            if rs_open:
+                for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
+                    yield line
+            if not msg_open:
+                for line in open_message():
+                    yield line
+            yield text_delta(pending)
+            pending = ""
+        response = self.finish(choice, calls)
+        items = {item["type"]: item for item in response["output"] if item["type"] != "function_call"}
+        if rs_open:
+            for line in close_reasoning(items["reasoning"]["content"][0]["text"] if "reasoning" in items else ""):
+                yield line
+        if "message" in items:
+            text = items["message"]["content"][0]["text"]
+            if not msg_open:
+                for line in open_message():
+                    yield line
+                if pending:
+                    yield text_delta(pending)
+            part = items["message"]["content"][0]
+            yield event("response.output_text.done", item_id=msg_id, output_index=msg_index, content_index=0,
+                        text=text, logprobs=[])
+            yield event("response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0,
+                        part=part)
+            yield event("response.output_item.done", output_index=msg_index, item=items["message"])
+        for item in response["output"]:
+            if item["type"] != "function_call":
+                continue
+            index, next_index = next_index, next_index + 1
+            yield event("response.output_item.added", output_index=index,
+                        item={**item, "arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                        name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+                    response=response)

@@ -1,0 +1,376 @@
+"""OpenAI's Responses API (``/v1/responses``) through the official ``openai`` client and raw httpx.
+Same server as ``test_server_openai`` (a tiny random model: its outputs are not language, so every
+check compares a response with the chat completion underneath, with itself streamed, or with the
+structure a grammar or the parsers guarantee)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
+from hyla.server.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, FunctionCallOutputItem
+from hyla.server.responses_routes import ResponseStore, StoredResponse, items_to_messages, output_items
+from hyla.server.tool_calls import ToolCall
+
+INSTRUCTIONS = SYSTEM["content"]
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                                           "unit": {"enum": ["C", "F"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+
+
+def _post(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+
+
+def _stream_events(server, body: dict) -> list[tuple[str, dict]]:
+    """``(event line's name, data)`` of each event of a streamed response."""
+    events, name = [], None
+    with httpx.stream("POST", server.url + "/v1/responses", json={"model": MODEL, "stream": True, **body},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line[len("event: "):]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[len("data: "):])))
+                name = None
+    return events
+
+
+def _without_ids(response: dict) -> dict:
+    """A response with what differs between two runs of one request left out: ids, time, cache hits."""
+    out = {k: v for k, v in response.items() if k not in ("id", "created_at")}
+    out["output"] = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+    out["usage"] = {**response["usage"], "input_tokens_details": None}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# a response is the chat completion underneath
+# --------------------------------------------------------------------------------------------
+def test_response_is_the_chat_completion(client):
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", instructions=INSTRUCTIONS,
+                                max_output_tokens=8, temperature=0)
+    chat = client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content":
+                                                                          "What is the capital of France?"}],
+                                          max_tokens=8, temperature=0)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.instructions == INSTRUCTIONS and r.previous_response_id is None and r.error is None
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.id.startswith("msg_")
+    assert [c.type for c in item.content] == ["output_text"] and item.content[0].annotations == []
+    assert r.output_text == chat.choices[0].message.content  # (output_text: the SDK's join of the text parts)
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.max_output_tokens == 8 and r.temperature == 0 and r.tool_choice == "auto" and r.tools == []
+    assert r.store is True and r.text.format.type == "text"
+
+
+def test_max_output_tokens_is_incomplete(client, server):
+    r = client.responses.create(model=MODEL, input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3 and r.output[0].status == "incomplete"
+    events = _stream_events(server, {"input": "Tell me a long story.", "max_output_tokens": 3, "temperature": 0})
+    assert events[-1][1]["type"] == "response.incomplete"
+    assert _without_ids(events[-1][1]["response"]) == _without_ids(r.model_dump(exclude_unset=True))
+
+
+# --------------------------------------------------------------------------------------------
+# streaming
+# --------------------------------------------------------------------------------------------
+def test_streaming_final_response_is_the_non_streaming_one(server, client):
+    body = {"input": "Tell me about rivers.", "instructions": INSTRUCTIONS, "max_output_tokens": 12,
+            "temperature": 0, "metadata": {"k": "v"}}
+    full = _post(server, body).json()
+    events = _stream_events(server, body)
+    names = [name for name, _ in events]
+    data = [d for _, d in events]
+    assert names == [d["type"] for d in data]  # an event: line names each event
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    types = [d["type"] for d in data]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if full["status"] == "completed" else "response.incomplete"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert data[0]["response"]["status"] == "in_progress" and data[0]["response"]["output"] == []
+    final = data[-1]["response"]
+    assert _without_ids(final) == _without_ids(full)
+    deltas = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert deltas == final["output"][0]["content"][0]["text"] == data[-4]["text"]
+    msg_id = final["output"][0]["id"]
+    assert all(d["item_id"] == msg_id for d in data if "item_id" in d)
+    assert final["metadata"] == {"k": "v"}
+
+    # the official client parses the same stream
+    stream = client.responses.create(model=MODEL, stream=True, **body)
+    parsed = list(stream)
+    assert [e.type for e in parsed] == types
+    assert parsed[-1].response.output_text == full["output"][0]["content"][0]["text"]
+    # ...and so does its stream helper, which rebuilds the output items from the events (its
+    # get_final_response() needs a response.completed: this answer stops at max_output_tokens)
+    with client.responses.stream(model=MODEL, **body) as helper:
+        seen = list(helper)
+    assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
+    assert seen[-1].type == types[-1] and seen[-1].response.output_text == deltas
+
+
+# --------------------------------------------------------------------------------------------
+# previous_response_id, instructions, store, GET
+# --------------------------------------------------------------------------------------------
+def test_previous_response_id_continues_the_conversation_from_the_cache(client):
+    instructions = "Conversation test R: you are terse."
+    r1 = client.responses.create(model=MODEL, input="First question?", instructions=instructions,
+                                 max_output_tokens=6, temperature=0)
+    r2 = client.responses.create(model=MODEL, input="And a follow-up?", instructions=instructions,
+                                 previous_response_id=r1.id, max_output_tokens=6, temperature=0)
+    assert r2.previous_response_id == r1.id
+    # the same conversation through chat completions: the same prompt, the same answer
+    system = {"role": "system", "content": instructions}
+    turn2 = [system, {"role": "user", "content": "First question?"}, {"role": "assistant", "content": r1.output_text},
+             {"role": "user", "content": "And a follow-up?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=6, temperature=0)
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens
+    assert r2.output_text == chat.choices[0].message.content
+    # the second turn's prompt starts with the first turn's prompt and answer, token for token: the
+    # cache holds all of it (but the last output token, which was sampled, never fed back)
+    cached = r2.usage.input_tokens_details.cached_tokens
+    assert r1.usage.input_tokens + r1.usage.output_tokens - 1 <= cached < r2.usage.input_tokens
+
+
+def test_instructions_are_not_carried_over(client):
+    r1 = client.responses.create(model=MODEL, input="Hello there.", instructions="Instructions test S.",
+                                 max_output_tokens=4, temperature=0)
+    r2 = client.responses.create(model=MODEL, input="Again.", previous_response_id=r1.id, max_output_tokens=4,
+                                 temperature=0)
+    assert r2.instructions is None
+    without = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": r1.output_text},
+               {"role": "user", "content": "Again."}]
+    chat = client.chat.completions.create(model=MODEL, messages=without, max_tokens=4, temperature=0)
+    assert r2.usage.input_tokens == chat.usage.prompt_tokens
+    assert r2.output_text == chat.choices[0].message.content
+
+
+def test_get_a_stored_response_and_store_false(server, client):
+    r = client.responses.create(model=MODEL, input="Remember me.", max_output_tokens=4, temperature=0)
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    raw = httpx.get(f"{server.url}/v1/responses/{r.id}")
+    assert raw.status_code == 200 and raw.json()["id"] == r.id
+
+    unstored = client.responses.create(model=MODEL, input="Forget me.", max_output_tokens=4, temperature=0,
+                                       store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError) as info:
+        client.responses.retrieve(unstored.id)
+    assert info.value.status_code == 404 and info.value.body["code"] == "response_not_found"
+    missing = httpx.get(f"{server.url}/v1/responses/resp_nope")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    # an unstored response cannot be continued (OpenAI: 400 previous_response_not_found)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=unstored.id, max_output_tokens=2)
+    assert info.value.body["param"] == "previous_response_id"
+    assert info.value.body["code"] == "previous_response_not_found"
+
+
+def test_response_store_is_bounded_lru():
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        store.put(StoredResponse({"id": rid}, []))
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.put(StoredResponse({"id": "c"}, []))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+
+
+# --------------------------------------------------------------------------------------------
+# tools, text.format
+# --------------------------------------------------------------------------------------------
+def _check_call(item) -> None:
+    assert item.type == "function_call" and item.id.startswith("fc_") and item.call_id.startswith("call_")
+    assert item.name == "get_weather" and item.status == "completed"
+    args = json.loads(item.arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "name": "get_weather"}],
+                         ids=["required", "named"])
+def test_forced_function_call_and_its_output(server, client, tool_choice):
+    ask = "What is the weather in Paris?"
+    r = client.responses.create(model=MODEL, input=ask, instructions=INSTRUCTIONS, tools=[WEATHER],
+                                tool_choice=tool_choice, parallel_tool_calls=False, max_output_tokens=64,
+                                temperature=0)
+    assert r.status == "completed"
+    (call,) = r.output
+    _check_call(call)
+    # the same call through chat completions
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[SYSTEM, {"role": "user", "content": ask}], max_tokens=64, temperature=0,
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        tool_choice="required", parallel_tool_calls=False)
+    assert chat.choices[0].message.tool_calls[0].function.arguments == call.arguments
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+    # streamed: the call's events, and the same final response
+    events = [d for _, d in _stream_events(server, {
+        "input": ask, "instructions": INSTRUCTIONS, "tools": [WEATHER], "tool_choice": tool_choice,
+        "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0})]
+    types = [d["type"] for d in events]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert events[4]["arguments"] == call.arguments and events[4]["name"] == "get_weather"
+    assert _without_ids(events[-1]["response"]) == _without_ids(r.model_dump(exclude_unset=True))
+    with client.responses.stream(model=MODEL, input=ask, instructions=INSTRUCTIONS, tools=[WEATHER],
+                                 tool_choice=tool_choice, parallel_tool_calls=False, max_output_tokens=64,
+                                 temperature=0) as helper:
+        (streamed_call,) = helper.get_final_response().output
+    assert streamed_call.arguments == call.arguments and streamed_call.name == call.name
+
+    # the result, by previous_response_id: the call and its output render in the next turn
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature": 21}'}
+    r2 = client.responses.create(model=MODEL, previous_response_id=r.id, input=[result], tools=[WEATHER],
+                                 instructions=INSTRUCTIONS, max_output_tokens=8, temperature=0)
+    assert r2.status in ("completed", "incomplete") and r2.usage.input_tokens > r.usage.input_tokens
+    assert r2.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens + r.usage.output_tokens - 1
+    # ... and the same turn sent whole (the output items copied back, as clients do) is the same prompt
+    again = client.responses.create(model=MODEL, input=[{"role": "user", "content": ask}, *[
+        o.model_dump(exclude_none=True) for o in r.output], result], tools=[WEATHER], instructions=INSTRUCTIONS,
+        max_output_tokens=8, temperature=0)
+    assert again.usage.input_tokens == r2.usage.input_tokens and again.output_text == r2.output_text
+    follow = client.chat.completions.create(
+        model=MODEL, max_tokens=8, temperature=0,
+        tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}],
+        messages=[SYSTEM, {"role": "user", "content": ask}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"temperature": 21}'}])
+    assert follow.usage.prompt_tokens == r2.usage.input_tokens
+
+
+def test_text_format_json_schema(server, client):
+    text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
+    r = client.responses.create(model=MODEL, input="Is the sky blue? Answer in JSON.", text=text,
+                                max_output_tokens=64, temperature=0)
+    assert r.status == "completed"
+    value = json.loads(r.output_text)
+    assert set(value) == {"ok", "color"} and isinstance(value["ok"], bool)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "answer"
+    obj = _post(server, {"input": "JSON please.", "text": {"format": {"type": "json_object"}},
+                         "max_output_tokens": 48, "temperature": 0}).json()
+    assert obj["output"][0]["content"][0]["text"].startswith("{")
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    pytest.param({"input": "hi", "frobnicate": 1}, "frobnicate", id="unknown-field"),
+    pytest.param({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type", id="bad-item-type"),
+    pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                 "input.0.content.0.type", id="image-part"),
+    pytest.param({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", id="bad-role"),
+    pytest.param({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id",
+                 id="output-without-call-id"),
+    pytest.param({"input": []}, "input", id="empty-input"),
+    pytest.param({"input": 3}, "input", id="input-not-text"),
+    pytest.param({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type", id="unsupported-tool"),
+    pytest.param({"input": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools.0.function",
+                 id="chat-shaped-tool"),
+    pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+                 "tool_choice", id="unknown-function"),
+    pytest.param({"input": "hi", "tool_choice": "required"}, "tool_choice", id="required-without-tools"),
+    pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": "required",
+                  "text": {"format": {"type": "json_object"}}}, "text", id="forced-call-and-format"),
+    pytest.param({"input": "hi", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format.name",
+                 id="schema-without-name"),
+    pytest.param({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                                      "schema": {"type": "nonsense"}}}}, "text.format",
+                 id="schema-does-not-compile"),
+    pytest.param({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id",
+                 id="unknown-previous-response"),
+    pytest.param({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", id="zero-max-output-tokens"),
+    pytest.param({"input": "hi", "max_output_tokens": 10 ** 7}, "max_output_tokens", id="past-the-context"),
+    pytest.param({"input": "hi", "temperature": "0"}, "temperature", id="string-temperature"),
+    pytest.param({"input": [{"role": "assistant", "content": "a"}, {"role": "system", "content": "late"}]},
+                 "input", id="template-refuses-a-late-system-message"),
+])
+def test_bad_requests_are_400_naming_the_field(server, body, param):
+    r = _post(server, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_null_is_the_default_and_unknown_model_is_404(server):
+    r = _post(server, {"input": "hi", "max_output_tokens": 2, "stream": None, "store": None, "tools": None,
+                       "tool_choice": None, "parallel_tool_calls": None, "text": None, "temperature": None,
+                       "instructions": None, "previous_response_id": None, "metadata": None,
+                       "reasoning": {"effort": "low"}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["store"] is True and out["parallel_tool_calls"] is True and out["tool_choice"] == "auto"
+    assert httpx.get(f"{server.url}/v1/responses/{out['id']}").status_code == 200  # stored by default
+    bad = httpx.post(server.url + "/v1/responses", json={"model": "nope", "input": "hi"}, timeout=60)
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "model"
+
+
+# --------------------------------------------------------------------------------------------
+# the mapping, unit
+# --------------------------------------------------------------------------------------------
+def test_items_become_chat_turns():
+    items = [MessageItem(role="user", content="q"),
+             ReasoningItem(type="reasoning", content=[{"type": "reasoning_text", "text": "hmm"}]),
+             MessageItem(role="assistant", content=[{"type": "output_text", "text": "let me look", "annotations": []}]),
+             FunctionCallItem(type="function_call", call_id="c1", name="f", arguments="{}"),
+             FunctionCallItem(type="function_call", call_id="c2", name="g", arguments='{"a": 1}'),
+             FunctionCallOutputItem(type="function_call_output", call_id="c1", output="r1"),
+             FunctionCallOutputItem(type="function_call_output", call_id="c2", output=[{"type": "input_text",
+                                                                                         "text": "r2"}]),
+             MessageItem(role="assistant", content="done"),
+             MessageItem(role="assistant", content="more")]
+    assert items_to_messages(items) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "let me look", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "r2"},
+        {"role": "assistant", "content": "done"},
+        {"role": "assistant", "content": "more"}]
+
+
+def test_output_items_order_and_shape():
+    ids = {"reasoning": "rs_1", "message": "msg_1"}
+    out = output_items("thinking", "", [ToolCall("f", "{}", id="call_1")], True, ids)
+    assert [o["type"] for o in out] == ["reasoning", "function_call"]  # no text beside a call: no message
+    assert out[0] == {"type": "reasoning", "id": "rs_1", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": "thinking"}]}
+    assert out[1]["call_id"] == "call_1" and out[1]["id"] == ids["calls"][0] and out[1]["id"].startswith("fc_")
+    out = output_items(None, "", [], False, {"reasoning": "rs_2", "message": "msg_2"})
+    assert out == [{"type": "message", "id": "msg_2", "role": "assistant", "status": "incomplete",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}]}]
+
+
+def test_reasoning_parser_splits_a_reasoning_item(server, client):
+    """With a reasoning parser the tiny model (which never writes ``<think>``) still answers with a
+    message only; the reasoning item's shape is ``test_output_items_order_and_shape``'s."""
+    from hyla.server.reasoning import ReasoningParser
+
+    state = server.app.state.server
+    state.reasoning_parser = ReasoningParser("qwen3")
+    try:
+        r = client.responses.create(model=MODEL, input="Think about it.", max_output_tokens=6, temperature=0)
+        assert [o.type for o in r.output] == ["message"]
+        events = _stream_events(server, {"input": "Think about it.", "max_output_tokens": 6, "temperature": 0})
+        assert _without_ids(events[-1][1]["response"]) == _without_ids(r.model_dump(exclude_unset=True))
+    finally:
+        state.reasoning_parser = None
