@@ -28,6 +28,9 @@ from hyla.cli import main as hyla_main
 
 FIRST_DELAY = 0.05  # s before the first streamed token
 TOKEN_DELAY = 0.01  # s between later tokens
+SLOW_DELAY = 0.1  # s before each token of a FAULT=slow stream
+# what hyla's server (and OpenAI's, vLLM's) sends when a request fails after its stream started
+SERVER_ERROR = {"error": {"message": "engine crashed", "type": "internal_error", "param": None, "code": 500}}
 
 
 def _make_app(log: list[dict]) -> FastAPI:
@@ -53,12 +56,29 @@ def _make_app(log: list[dict]) -> FastAPI:
         cached = cached_prefix(words)
         log.append({"kind": kind, "prompt": prompt, "max_tokens": max_tokens, "t": time.perf_counter(),
                     "priority": priority})
+        # a word FAULT=<mode> in the prompt makes the stream misbehave (see FAULTS)
+        fault = next((w.split("=", 1)[1] for w in words if w.startswith("FAULT=")), None)
         state["in_flight"] += 1
         state["max_in_flight"] = max(state["max_in_flight"], state["in_flight"])
         try:
             text = ""
+            if fault == "early_error":
+                yield f"data: {json.dumps(SERVER_ERROR)}\n\n"
+                yield "data: [DONE]\n\n"
+                return
             for i in range(max_tokens):
-                await asyncio.sleep(FIRST_DELAY if i == 0 else TOKEN_DELAY)
+                if fault == "midstream_error" and i == 2:
+                    yield f"data: {json.dumps(SERVER_ERROR)}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                if fault == "not_an_object" and i == 1:
+                    yield "data: 5\n\n"
+                if fault == "bad_choices" and i == 1:
+                    bad = {"text": 5} if kind == "native" else {"choices": [5]}
+                    yield f"data: {json.dumps(bad)}\n\n"
+                if fault == "no_done" and i == 2:
+                    return
+                await asyncio.sleep(SLOW_DELAY if fault == "slow" else FIRST_DELAY if i == 0 else TOKEN_DELAY)
                 piece = f"w{i} "
                 text += piece
                 if kind == "chat":
@@ -332,3 +352,105 @@ def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkey
         assert expanded in out, flag
         if action.default not in (None, False):
             assert f"(default: {action.default}" in expanded, flag  # the value itself, not a description
+
+
+def _send(base_url: str, backend: str, content: str, max_tokens: int = 5, timeout_s: float | None = None):
+    async def go() -> RequestResult:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            return await send_request(client, backend, "m", [{"role": "user", "content": content}], max_tokens,
+                                      timeout_s=timeout_s)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat", "hyla"])
+@pytest.mark.parametrize("fault, message", [
+    ("midstream_error", "server error: engine crashed (internal_error, code 500)"),  # after 2 tokens
+    ("early_error", "server error: engine crashed (internal_error, code 500)"),  # before any text
+    ("no_done", "ended without [DONE]"),  # a broken stream
+    ("not_an_object", "malformed event (not a JSON object): 5"),
+    ("bad_choices", "malformed event"),
+])
+def test_a_stream_that_fails_after_its_headers_is_a_failed_request(server, backend, fault, message):
+    """An error event (``data: {"error": ...}``, then ``[DONE]``: hyla's, OpenAI's and vLLM's way to
+    fail a started stream), a stream that ends without ``[DONE]`` and a malformed event make the
+    request fail with that message, whichever backend; none raises."""
+    base_url, _, _ = server
+    r = _send(base_url, backend, f"a b FAULT={fault}")
+    assert not r.success
+    assert message in r.error, r.error
+
+
+def test_a_malformed_or_failed_request_does_not_stop_the_run(server, tmp_path, capsys):
+    """One request's bad event fails that request (and ends its session); the others complete."""
+    base_url, _, _ = server
+    sessions = [BenchSession(0, (BenchTurn("FAULT=not_an_object", 3), BenchTurn("never sent", 2))),
+                BenchSession(1, (BenchTurn("FAULT=midstream_error", 4),)),
+                BenchSession(2, (BenchTurn("fine", 3), BenchTurn("again", 2)))]
+    results, duration = asyncio.run(run_benchmark(base_url, sessions, backend="openai", show_progress=False))
+    assert [(r.session_id, r.turn_id, r.success) for r in results] == [(0, 0, False), (1, 0, False), (2, 0, True),
+                                                                         (2, 1, True)]
+    summary = summarize(results, duration)
+    assert summary["completed"] == 2 and summary["failed"] == 2
+    assert any("malformed event" in e for e in summary["errors"])
+    assert any("engine crashed" in e for e in summary["errors"])
+
+
+def test_timeout_limits_the_whole_request_not_each_read(server):
+    """``--timeout`` is a limit on a whole request: a stream whose every gap (0.1 s) is under it but
+    whose whole (1 s) is not fails with 'timed out after ...'; under the limit it completes."""
+    base_url, _, _ = server
+    sessions = [BenchSession(0, (BenchTurn("FAULT=slow", 10),)), BenchSession(1, (BenchTurn("quick", 2),))]
+    start = time.perf_counter()
+    results, _ = asyncio.run(run_benchmark(base_url, sessions, backend="openai-chat", show_progress=False,
+                                           timeout_s=0.45))
+    assert time.perf_counter() - start < 0.9
+    slow, quick = results
+    assert not slow.success and slow.error.startswith("timed out after 0.45 s"), slow.error
+    assert quick.success
+    assert _send(base_url, "hyla", "FAULT=slow", max_tokens=2, timeout_s=5).success
+    with pytest.raises(ValueError, match="timeout"):
+        asyncio.run(run_benchmark(base_url, sessions, timeout_s=0, show_progress=False))
+
+
+def test_a_transport_error_has_a_message():
+    """httpx's timeouts carry an empty message: the error names what timed out."""
+    from hyla.bench.backends import _describe
+
+    assert _describe(httpx.ReadTimeout("")) == "ReadTimeout: timed out waiting for data"
+    assert _describe(httpx.ConnectError("refused")) == "ConnectError: refused"
+    assert _describe(httpx.RemoteProtocolError("")) == "RemoteProtocolError (no message)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--timeout", "0"], "--timeout must be positive"),
+    (["--timeout", "-5"], "--timeout must be positive"),
+    (["--timeout", "nan"], "--timeout must be positive"),
+    (["--dataset", "sharegpt", "--sharegpt-output-len", "0"], "--sharegpt-output-len must be >= 1"),
+    (["--dataset", "sharegpt", "--sharegpt-output-len", "-3"], "--sharegpt-output-len must be >= 1"),
+    (["--output-file", "/nonexistent/dir/x.json"], "does not exist"),
+])
+def test_bad_values_exit_2_before_the_run(server, capsys, argv, message):
+    base_url, log, _ = server
+    rc = hyla_main(["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "2",
+                    "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm", *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert log == []  # nothing was sent
+    with pytest.raises(ValueError, match="output length"):
+        sharegpt_sessions(1, output_len=0, conversations=[])
+
+
+def test_output_file_is_checked_before_the_run(server, tmp_path, capsys, monkeypatch):
+    """A directory, or a file in a missing directory, is refused before any request; a bare file
+    name goes to the working directory."""
+    base_url, log, _ = server
+    argv = ["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "2", "--random-input-len", "4",
+            "--random-output-len", "2", "--disable-tqdm", "--output-file"]
+    assert hyla_main(argv + [str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+    assert hyla_main(argv + [str(tmp_path / "missing" / "x.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert log == []
+    monkeypatch.chdir(tmp_path)
+    assert hyla_main(argv + ["bench-out.json"]) == 0
+    assert json.loads((tmp_path / "bench-out.json").read_text())["summary"]["completed"] == 2

@@ -126,3 +126,82 @@ def test_engine_replay_prints_the_engines_hits(tmp_path, capsys):
                          ('{"max_total_tokens": 64, "max_state_slots": 4, "warp": 9}', "warp")):
         assert hyla_main(["sim", str(_trace(tmp_path)), "--engine", bad]) == 2
         assert message in capsys.readouterr().err
+
+
+ENGINE = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--policy", "lru"], "--policy does not apply with --engine"),
+    (["--cache-size", "1GB"], "--cache-size does not apply with --engine"),
+    (["--plot", "x.png"], "--plot does not apply with --engine"),
+    (["--policy", "hyla", "--cache-size", "4GB"], "--policy, --cache-size do not apply with --engine"),
+])
+def test_policy_options_are_refused_with_engine(tmp_path, capsys, argv, message):
+    """--engine replays the engine's own eviction and pools: a policy, cache size or plot would be ignored."""
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--engine", ENGINE, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--output", "--plot"])
+def test_output_paths_are_checked_before_the_run(tmp_path, capsys, option):
+    """A file in a missing directory, or a directory, is refused (exit 2) before the simulation runs."""
+    trace = str(_trace(tmp_path))
+    assert hyla_main(["sim", trace, "--no-progress", option, str(tmp_path / "missing" / "out")]) == 2
+    captured = capsys.readouterr()
+    assert f"{option} " in captured.err and "does not exist" in captured.err
+    assert "token hit" not in captured.out  # nothing ran
+    assert hyla_main(["sim", trace, "--no-progress", option, str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert hyla_main(["sim", trace, "--no-progress", "--engine", ENGINE, "--output",
+                      str(tmp_path / "missing" / "out.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    # the trace's requests are 340 and 442 tokens
+    ({"max_total_tokens": 4096, "max_state_slots": 16, "context_length": 50},
+     "request (session 0, turn 0): prompt (300 tokens) + output (40 tokens) does not fit context_length=50"),
+    ({"max_total_tokens": 400, "max_state_slots": 16},
+     "request (session 0, turn 1): prompt (440 tokens) + output (2 tokens) does not fit the KV pool of 400 tokens"),
+    ({"max_total_tokens": 100, "max_state_slots": 16}, "the KV pool cannot hold a single such request"),
+    ({"max_total_tokens": 100, "max_state_slots": 16, "context_length": 200}, "does not fit the KV pool"),
+    ({"max_total_tokens": 4096, "max_state_slots": 8, "max_running_requests": 8}, "must be below max_state_slots"),
+    ({"max_total_tokens": 4096, "max_state_slots": 1}, "max_state_slots must be at least 2"),
+])
+def test_engine_replay_refuses_what_the_engine_would_refuse(tmp_path, capsys, options, message):
+    """Requests too long for the context (or the KV pool) and pool sizes the engine refuses exit 2
+    with a message naming the first such request, not per-request tracebacks or a RuntimeError."""
+    rc = hyla_main(["sim", str(_trace(tmp_path)), "--model", "nemotron-h-8b", "--engine", json.dumps(options)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("model, tokens, message", [
+    ("nemotron-h-8b", [1, 2, 2**40], "input_tokens has token id 1099511627776, outside the model's vocabulary "
+                                     "[0, 131072)"),
+    ("nemotron-h-8b", [1, 2, 131072], "outside the model's vocabulary [0, 131072)"),
+    ("marconi-7b", [1, 2, 2**40], "the model gives no vocab_size"),
+])
+def test_engine_replay_refuses_token_ids_outside_the_vocabulary(tmp_path, capsys, model, tokens, message):
+    path = tmp_path / "big.jsonl"
+    write_trace(path, [TraceRequest(0, 0, 0.0, [1, 2, 3], [5, 6]), TraceRequest(0, 1, 1.0, tokens, [5])])
+    assert hyla_main(["sim", str(path), "--model", model, "--engine", ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert "request (session 0, turn 1)" in err and message in err, err
+    assert hyla_main(["sim", str(path), "--model", model, "--no-progress"]) == 0  # the policy simulator: any id
+
+
+def test_negative_token_ids_name_the_line(tmp_path, capsys):
+    path = tmp_path / "neg.jsonl"
+    path.write_text('{"session_id":0,"turn_id":0,"ts":0,"input_tokens":[1,2,-7],"output_tokens":[3]}\n')
+    for extra in ([], ["--engine", ENGINE]):
+        assert hyla_main(["sim", str(path), "--no-progress", *extra]) == 2
+        assert f"{path}:1: input_tokens must be non-negative token ids, got -7" in capsys.readouterr().err
+
+
+def test_a_model_config_that_is_not_an_object_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("[1]")
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--model", str(tmp_path), "--no-progress"]) == 2
+    assert "a model config is a JSON object, got list" in capsys.readouterr().err

@@ -87,6 +87,18 @@ def test_any_config_json_path(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         resolve_model(str(tmp_path / "bad.json"))
+    assert by_dir.vocab_size == HF_CONFIGS["nemotron-h-8b"]["vocab_size"] and marconi_7b().vocab_size is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1]", "a model config is a JSON object, got list"),
+    ("null", "a model config is a JSON object, got NoneType"),
+    (json.dumps({**HF_CONFIGS["nemotron-h-8b"], "hidden_size": "abc"}), "config.json: invalid literal"),
+])
+def test_a_config_json_that_is_not_a_config_is_a_value_error(tmp_path, content, message):
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        resolve_model(str(tmp_path))
 
 
 def test_pure_attention_model_is_rejected():

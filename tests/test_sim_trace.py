@@ -44,6 +44,8 @@ def test_round_trip_and_arrival_order(tmp_path):
         (_line(turn_id=-2), "turn_id must be a non-negative int"),
         (_line(boundaries=[2, 2]), "strictly increasing"),
         (_line(boundaries=[4]), "strictly increasing ints in [1, 3]"),
+        (_line(input_tokens=[1, 2, -7]), "input_tokens must be non-negative token ids, got -7"),
+        (_line(output_tokens=[-5, 3]), "output_tokens must be non-negative token ids, got -5"),
     ],
 )
 def test_bad_lines_name_the_line(tmp_path, line, message):
@@ -121,3 +123,10 @@ def test_packaged_sharegpt_protocol_set(tmp_path, monkeypatch):
     assert list(tmp_path.glob("sim/sharegpt-*.json"))
     monkeypatch.setattr(sharegpt, "load_conversations", lambda: pytest.fail("should read the cache"))
     assert build_sessions(num_sessions=2) == first
+
+
+def test_any_non_negative_token_id_is_a_valid_trace(tmp_path):
+    """The policy simulator only compares ids: a huge one is fine (the engine replay checks the vocabulary)."""
+    path = tmp_path / "big.jsonl"
+    path.write_text(_line(input_tokens=[0, 2, 2**40]) + "\n")
+    assert list(load_trace(path)[0].input_tokens) == [0, 2, 2**40]

@@ -11,7 +11,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -33,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Model name sent in OpenAI requests (default: the first one the server's /v1/models "
                              "lists).")
     server.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="Per-request timeout; a request past it counts as failed (default: %(default)s).")
+                        help="Limit on each whole request, from its send to the end of its stream; a request past "
+                             "it counts as failed ('timed out after ...'); must be positive, inf for no limit "
+                             "(default: %(default)s).")
     server.add_argument("--flush-cache", action="store_true",
                         help="POST /flush_cache before the run (hyla's and SGLang's servers), so that it starts "
                              "from an empty prefix cache: a second run of a workload would otherwise hit the "
@@ -50,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--sharegpt-max-turns", type=int, default=None, metavar="N",
                       help="sharegpt: send at most this many turns per session (default: every turn).")
     data.add_argument("--sharegpt-output-len", type=int, default=None, metavar="TOKENS",
-                      help="sharegpt: output tokens asked per turn (default: the recorded reply's word count).")
+                      help="sharegpt: output tokens asked per turn, >= 1 (default: the recorded reply's word count).")
     data.add_argument("--random-input-len", type=int, default=1024, metavar="WORDS",
                       help="random: prompt length in words, about a token each (default: %(default)s).")
     data.add_argument("--random-output-len", type=int, default=128, metavar="TOKENS",
@@ -87,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="No progress bar (default: a progress bar on stderr).")
 
 
-def served_model(base_url: str, timeout: float) -> str:
+def served_model(base_url: str, timeout: float | None) -> str:
     """The first model id a server lists at ``GET /v1/models`` (what OpenAI clients would pick)."""
     try:
         resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
@@ -97,7 +101,7 @@ def served_model(base_url: str, timeout: float) -> str:
         raise ValueError(f"could not read the model name from {base_url}/v1/models ({e}); pass --model") from e
 
 
-def flush_cache(base_url: str, timeout: float) -> None:
+def flush_cache(base_url: str, timeout: float | None) -> None:
     """Empty the server's prefix cache (``POST /flush_cache``); ValueError if it does not."""
     try:
         resp = httpx.post(base_url.rstrip("/") + "/flush_cache", timeout=timeout)
@@ -107,8 +111,28 @@ def flush_cache(base_url: str, timeout: float) -> None:
         raise ValueError(f"the server did not flush its cache: {resp.status_code} {resp.text[:300]}")
 
 
+def check_output_path(path: str, option: str) -> None:
+    """ValueError unless ``path`` can be written: its directory exists and is writable, and it is
+    not a directory (checked before a run, so that a long run is not lost to a typo)."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path}: not writable")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if not args.timeout > 0:  # also NaN
+            raise ValueError(f"--timeout must be positive (inf: no limit), got {args.timeout}")
+        if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+            raise ValueError(f"--sharegpt-output-len must be >= 1 (omit it for the recorded replies' lengths), "
+                             f"got {args.sharegpt_output_len}")
+        if args.output_file:
+            check_output_path(args.output_file, "--output-file")
         if args.dataset == "random":
             sessions = random_sessions(args.num_prompts, args.random_input_len, args.random_output_len,
                                        args.shared_prefix_ratio, args.num_shared_prefixes,
@@ -116,9 +140,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             sessions = sharegpt_sessions(args.num_prompts, args.sharegpt_min_turns, args.sharegpt_max_turns,
                                          args.sharegpt_output_len)
-        args.model = args.model or served_model(args.base_url, args.timeout)
+        http_timeout = None if math.isinf(args.timeout) else args.timeout
+        args.model = args.model or served_model(args.base_url, http_timeout)
         if args.flush_cache:
-            flush_cache(args.base_url, args.timeout)
+            flush_cache(args.base_url, http_timeout)
         priorities = assign_priorities(len(sessions), args.priority_share, args.priority, args.seed)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
@@ -140,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
                 for r in results
             ],
         }
-        with open(args.output_file, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
+        try:
+            with open(args.output_file, "w", encoding="utf-8") as f:
+                json.dump(record, f, indent=1)
+        except OSError as e:
+            print(f"hyla bench: error: could not write --output-file {args.output_file}: {e}", file=sys.stderr)
+            return 2
     return 0 if summary["completed"] else 1

@@ -96,10 +96,13 @@ def sharegpt_sessions(
     """The first ``num_sessions`` ShareGPT conversations with at least ``min_turns`` rounds.
 
     Each turn sends the human message; the output length asked is the number of words of the
-    recorded reply (a cheap stand-in for its token count), or ``output_len`` when given.
+    recorded reply (a cheap stand-in for its token count), or ``output_len`` (>= 1) when given.
     """
     if num_sessions < 1 or min_turns < 1 or (max_turns is not None and max_turns < 1):
         raise ValueError(f"bad ShareGPT workload: {num_sessions=}, {min_turns=}, {max_turns=}")
+    if output_len is not None and output_len < 1:
+        raise ValueError(f"the ShareGPT output length must be >= 1 token (omit it for the recorded replies' "
+                         f"lengths), got {output_len}")
     if conversations is None:
         conversations = load_conversations()
     sessions: list[BenchSession] = []
@@ -108,6 +111,6 @@ def sharegpt_sessions(
         turns = []
         for k in range(num_rounds(conv)):
             user, reply = str(messages[2 * k].get("value", "")), str(messages[2 * k + 1].get("value", ""))
-            turns.append(BenchTurn(user, output_len or max(1, len(reply.split()))))
+            turns.append(BenchTurn(user, output_len if output_len is not None else max(1, len(reply.split()))))
         sessions.append(BenchSession(i, tuple(turns[:max_turns])))
     return sessions

@@ -61,6 +61,7 @@ async def _run_session(
     results: list[RequestResult],
     progress: tqdm | None,
     priority: int | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     await asyncio.sleep(max(0.0, t0 + start_at - time.perf_counter()))
     history: list[dict[str, str]] = []
@@ -69,11 +70,11 @@ async def _run_session(
         messages = history + [{"role": "user", "content": user}]
         if semaphore is None:
             result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id, k,
-                                        priority)
+                                        priority, timeout_s)
         else:
             async with semaphore:
                 result = await send_request(client, backend, model, messages, turn.max_tokens, session.session_id,
-                                            k, priority)
+                                            k, priority, timeout_s)
         results.append(result)
         if progress is not None:
             progress.update(1)
@@ -93,10 +94,17 @@ async def run_benchmark(
     max_concurrency: int | None = None,
     seed: int = 0,
     show_progress: bool = True,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = 600.0,
     priorities: Sequence[int | None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Run every session; returns the per-request results and the wall-clock duration (s)."""
+    """Run every session; returns the per-request results and the wall-clock duration (s).
+    ``timeout_s`` limits each whole request, from its send (after any wait for a
+    ``max_concurrency`` slot) to the end of its stream; a request past it counts as failed
+    (None or inf: no limit)."""
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"the timeout must be positive, got {timeout_s}")
+    if timeout_s is not None and math.isinf(timeout_s):
+        timeout_s = None  # no limit
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     priorities = list(priorities) if priorities is not None else [None] * len(sessions)
@@ -111,7 +119,7 @@ async def run_benchmark(
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(
-            _run_session(client, s, start, t0, backend, model, semaphore, results, progress, prio)
+            _run_session(client, s, start, t0, backend, model, semaphore, results, progress, prio, timeout_s)
             for s, start, prio in zip(sessions, starts, priorities)
         ))
         duration = time.perf_counter() - t0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -71,16 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="marconi-7b",
                         help=f"a preset ({', '.join(PRESETS)}) or a config.json path (default marconi-7b)")
     parser.add_argument("--policy", default=None,
-                        help=f"comma-separated policies from {', '.join(POLICIES)} (default: hyla; sweep: all)")
+                        help=f"comma-separated policies from {', '.join(POLICIES)} (default: hyla; sweep: all; "
+                             "not with --engine)")
     parser.add_argument("--cache-size", default=None,
-                        help="comma-separated cache sizes, e.g. 1GB,4GB (default 4GB; sweep: 1,2,3,4,5,10 GB)")
+                        help="comma-separated cache sizes, e.g. 1GB,4GB (default 4GB; sweep: 1,2,3,4,5,10 GB; "
+                             "not with --engine)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object, last")
     parser.add_argument("--output", default=None, help="also write the JSON results to this file")
-    parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy")
+    parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy "
+                                                     "(not with --engine)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--engine", default=None, metavar="OPTIONS",
                         help="replay hyla's engine instead of a policy (hyla/sim/replay.py): a JSON object of Engine "
-                             "options, max_total_tokens and max_state_slots required")
+                             "options, max_total_tokens and max_state_slots required; the trace's requests must fit "
+                             "its context length and token ids the model's vocabulary")
     sweep = parser.add_argument_group("sweep (--sweep sharegpt)")
     sweep.add_argument("--rates", default=None, help="sessions per second (default 0.25,0.5,1,2,5,10)")
     sweep.add_argument("--sessions", type=int, default=100, help="ShareGPT sessions with >= 10 rounds (default 100)")
@@ -88,8 +93,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--words-per-minute", type=float, default=90.0, help="typing speed between turns")
 
 
+def check_output_path(path: str, option: str) -> None:
+    """ValueError unless ``path`` can be written: its directory exists and is writable, and it is
+    not a directory (checked before a run, so that a long run is not lost to a typo)."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path}: not writable")
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Options that cannot apply, and output paths, before anything runs."""
+    if args.engine is not None:
+        if args.sweep:
+            raise ValueError("--engine replays a TRACE, not a --sweep")
+        given = [flag for flag, value in (("--policy", args.policy), ("--cache-size", args.cache_size),
+                                          ("--plot", args.plot), ("--rates", args.rates)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply with --engine (the "
+                             "engine's own eviction and its max_total_tokens / max_state_slots replace the "
+                             "policy and the cache size)")
+    for flag, value in (("--output", args.output), ("--plot", args.plot)):
+        if value is not None:
+            check_output_path(value, flag)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        _check_options(args)
         if args.sweep:
             out = _run_sweep(args)
         elif args.trace and args.engine is not None:
@@ -103,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     text = json.dumps(out)
     if args.output:
-        Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+        try:
+            Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
+        except OSError as e:
+            print(f"hyla sim: error: could not write --output {args.output}: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print(text)
     return 0
@@ -140,8 +179,8 @@ def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace)
     model = resolve_model(args.model)
     try:
-        replay = replay_engine(trace, model.layout, **options)
-    except TypeError as e:
+        replay = replay_engine(trace, model.layout, vocab_size=model.vocab_size, **options)
+    except (TypeError, ValueError) as e:
         raise ValueError(f"--engine: {e}") from None
     inputs = sum(r.num_input_tokens for r in trace)
     cached = sum(replay.cached_tokens)

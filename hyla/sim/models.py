@@ -56,6 +56,7 @@ class CostModel:
     attention_context_flops: float  # per token per context token: QK^T and PV of all attention layers
     linear_flops: float  # per token: all recurrent (SSM / Gated DeltaNet) layers
     ffn_flops: float  # per token: all MLP / MoE blocks (active experts only)
+    vocab_size: int | None = None  # the config's; None: unknown (marconi-7b). The engine replay checks ids against it.
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0 or self.state_bytes_per_slot <= 0:
@@ -131,6 +132,7 @@ def from_model_config(config: Any, name: str) -> CostModel:
         attention_context_flops=attention_context,
         linear_flops=one.linear,
         ffn_flops=one.mlp + one.moe,
+        vocab_size=config.vocab_size,
     )
 
 
@@ -165,4 +167,11 @@ def resolve_model(spec: str) -> CostModel:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
-    return from_hf_config(config, path.parent.name or str(path))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a model config is a JSON object, got {type(config).__name__}")
+    try:
+        return from_hf_config(config, path.parent.name or str(path))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

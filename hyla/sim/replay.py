@@ -75,28 +75,83 @@ class Replay:
     ledger: CacheLedger | None
 
 
+# Without a model's vocabulary size (``vocab_size=None``) token ids must stay below this: the
+# runner's logits have a column per id up to the largest.
+MAX_UNKNOWN_VOCAB = 1 << 20
+
+
+def _where(r: TraceRequest) -> str:
+    return f"request (session {r.session_id!r}, turn {r.turn_id})"
+
+
+def check_trace(trace: Sequence[TraceRequest], context_length: int, vocab_size: int | None = None,
+                limit: str = "") -> None:
+    """``ValueError`` naming the first request (in trace order) the engine would refuse: one
+    without output tokens, a prompt of ``context_length`` tokens or more, a prompt + output
+    longer than ``context_length`` (the engine's checks of a request, with ``max_new_tokens`` =
+    its traced output), or a token id outside ``[0, vocab_size)`` (``vocab_size=None``:
+    ``MAX_UNKNOWN_VOCAB``). ``limit`` names the limit in the message (default: the context length)."""
+    vocab = MAX_UNKNOWN_VOCAB if vocab_size is None else vocab_size
+    for r in trace:
+        n_in, n_out = len(r.input_tokens), len(r.output_tokens)
+        if not n_out:
+            raise ValueError(f"{_where(r)}: a replay needs at least one output token")
+        if n_in >= context_length or n_in + n_out > context_length:
+            raise ValueError(f"{_where(r)}: prompt ({n_in} tokens) + output ({n_out} tokens) does not fit "
+                             f"{limit or f'the context length {context_length}'}")
+        for key, ids in (("input_tokens", r.input_tokens), ("output_tokens", r.output_tokens)):
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                what = (f"the model's vocabulary [0, {vocab})" if vocab_size is not None else
+                        f"[0, {vocab}) (the model gives no vocab_size: use a config.json that does)")
+                raise ValueError(f"{_where(r)}: {key} has token id {bad}, outside {what}")
+
+
 def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record: bool = False,
-                  **options: Any) -> Replay:
+                  vocab_size: int | None = None, **options: Any) -> Replay:
     """Serve ``trace`` as ``Engine(model, **options)`` would, on accounting pools of ``layout``.
     ``max_total_tokens`` and ``max_state_slots`` must be given (there is no memory to size them
     from); the other engine options keep their defaults (``max_running_requests``: half the state
-    slots, at most 32, as on CPU). ``record``: attach a ``CacheLedger`` (``Replay.ledger``)."""
+    slots, at most 32, as on CPU). ``record``: attach a ``CacheLedger`` (``Replay.ledger``).
+    ``vocab_size``: the model's, which token ids must stay below (None: ``MAX_UNKNOWN_VOCAB``).
+
+    Options the engine would refuse, and requests it would refuse (``check_trace``; the context
+    length is ``context_length``, else the KV pool), raise ``ValueError`` before the replay."""
     args = EngineArgs(**options)
     if args.max_total_tokens is None or args.max_state_slots is None:
         raise ValueError("replay_engine needs max_total_tokens and max_state_slots")
     if args.speculative_algorithm is not None:
         raise ValueError("replay_engine replays no speculative decoding (its drafts depend on the outputs' timing)")
+    if not trace:
+        raise ValueError("replay_engine needs at least one request")
     prioritized = next((r for r in trace if r.priority), None)
     if prioritized is not None and not args.enable_priority_scheduling:
         raise ValueError(f"request (session {prioritized.session_id!r}, turn {prioritized.turn_id}) has priority "
                          f"{prioritized.priority}: replay with enable_priority_scheduling=True, or the priorities "
                          "would be ignored")
     ps = args.page_size
+    # the engine's checks of its sizes (Engine._build_pools, _context_length)
+    if args.max_state_slots < 2:
+        raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
     running = args.max_running_requests or max(1, min(args.max_state_slots // 2, 32))
-    context = max(len(r.input_tokens) + len(r.output_tokens) for r in trace)
+    if running >= args.max_state_slots:
+        raise ValueError(f"max_running_requests ({running}) must be below max_state_slots ({args.max_state_slots}): "
+                         "each running request holds one state slot, and checkpoints need more")
+    kv_tokens = args.max_total_tokens - args.max_total_tokens % ps
+    if kv_tokens < 1:
+        raise ValueError(f"max_total_tokens ({args.max_total_tokens}) is less than one page ({ps} tokens)")
+    if args.context_length is not None and args.context_length > kv_tokens:
+        raise ValueError(f"context_length={args.context_length} does not fit the KV pool ({kv_tokens} tokens for "
+                         "one request): raise max_total_tokens, or lower context_length")
     if args.context_length is not None:
-        context = min(context, args.context_length)
-    kv_pool = KVPool.from_layout(layout, args.max_total_tokens - args.max_total_tokens % ps, ps, accounting=True)
+        check_trace(trace, args.context_length, vocab_size,
+                    f"context_length={args.context_length}: the engine would refuse it")
+    else:  # the engine's context length is then cut to the KV pool
+        check_trace(trace, kv_tokens, vocab_size, f"the KV pool of {kv_tokens} tokens (max_total_tokens): the KV "
+                                                  "pool cannot hold a single such request; raise max_total_tokens")
+    context = max(len(r.input_tokens) + len(r.output_tokens) for r in trace)
+    kv_pool = KVPool.from_layout(layout, kv_tokens, ps, accounting=True)
     state_pool = StatePool.from_layout(layout, args.max_state_slots, accounting=True)
     tree = None
     if args.enable_prefix_cache:
@@ -109,15 +164,13 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
     config = SchedulerConfig.from_args(args, running, context)
     rids = [f"{r.session_id}/{r.turn_id}/{i}" for i, r in enumerate(trace)]
     outputs = dict(zip(rids, (r.output_tokens for r in trace)))
-    vocab = 1 + max(max(itertools.chain(r.input_tokens, r.output_tokens)) for r in trace)
+    vocab = 1 + max(max(itertools.chain(r.input_tokens, r.output_tokens)) for r in trace)  # ids checked above
     scheduler = Scheduler(config, cache, TraceRunner(outputs, vocab), OutputProcessor((), context))
     reqs: list[Req] = []
     order = sorted(range(len(trace)), key=lambda i: trace[i].ts)  # stable: ties keep trace order
     for _, wave in itertools.groupby(order, key=lambda i: trace[i].ts):
         for i in wave:
             r = trace[i]
-            if not r.output_tokens:
-                raise ValueError(f"request {rids[i]}: a replay needs at least one output token")
             req = Req(rid=rids[i], input_ids=list(r.input_tokens), checkpoints=tuple(r.boundaries),
                       speculative_checkpoints=True,  # message ends: the simulator's rule
                       sampling=SamplingParams(max_new_tokens=len(r.output_tokens), temperature=0.0, ignore_eos=True))
@@ -132,4 +185,4 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
     return Replay(rids, [by_rid[rid].cached_tokens for rid in rids], scheduler, cache, ledger)
 
 
-__all__ = ["Replay", "TraceRunner", "replay_engine"]
+__all__ = ["MAX_UNKNOWN_VOCAB", "Replay", "TraceRunner", "check_trace", "replay_engine"]

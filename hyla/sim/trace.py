@@ -9,7 +9,8 @@ One request per line::
   ``t + 1`` of a chat normally starts with turn ``t``'s input followed by its output.
 * ``ts``: arrival time in seconds from the start of the trace (non-negative).
 * ``input_tokens``: the whole prompt (history + new message); ``output_tokens``: what the model
-  answered (the simulator allocates them as decode output).
+  answered (the simulator allocates them as decode output). Token ids are non-negative ints (the
+  engine replay also needs them below the model's vocabulary size).
 * ``boundaries`` (optional): token positions of message ends inside ``input_tokens``
   (``1 <= b <= len(input_tokens)``, strictly increasing). The ``hyla`` admission rule stores
   state checkpoints there, where a later conversation is likely to branch.
@@ -94,6 +95,8 @@ def parse_request(obj: Any, where: str = "request") -> TraceRequest:
         value = obj.get(key, [])
         if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             raise ValueError(f"{where}: {key} must be a list of ints")
+        if key != "boundaries" and value and min(value) < 0:
+            raise ValueError(f"{where}: {key} must be non-negative token ids, got {min(value)}")
     if not isinstance(obj["ts"], (int, float)) or isinstance(obj["ts"], bool):
         raise ValueError(f"{where}: ts must be a number, got {obj['ts']!r}")
     try:
