@@ -12,13 +12,29 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from pathlib import Path
 
 SUBCOMMANDS = {
     "serve": ("hyla.server.cli", "Start the OpenAI-compatible HTTP server."),
     "sim": ("hyla.sim.cli", "Replay a request trace through the prefix cache in accounting mode."),
     "bench": ("hyla.bench.cli", "Benchmark a running OpenAI-compatible server."),
 }
+
+
+def check_output_path(path: str, option: str) -> None:
+    """``ValueError`` unless ``path`` can be written: its directory exists and is writable, and it is
+    not a directory (the subcommands check their output files before a run, so that a long run is
+    not lost to a typo)."""
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a directory")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{option} {path}: not writable")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -398,16 +398,13 @@ def test_a_malformed_or_failed_request_does_not_stop_the_run(server, tmp_path, c
 
 def test_timeout_limits_the_whole_request_not_each_read(server):
     """``--timeout`` is a limit on a whole request: a stream whose every gap (0.1 s) is under it but
-    whose whole (1 s) is not fails with 'timed out after ...'; under the limit it completes."""
+    whose whole (1 s) is not fails with 'timed out after ...' (httpx's read timeout, the same
+    number, never fires: no gap reaches it); under the limit it completes."""
     base_url, _, _ = server
-    sessions = [BenchSession(0, (BenchTurn("FAULT=slow", 10),)), BenchSession(1, (BenchTurn("quick", 2),))]
-    start = time.perf_counter()
-    results, _ = asyncio.run(run_benchmark(base_url, sessions, backend="openai-chat", show_progress=False,
+    sessions = [BenchSession(0, (BenchTurn("FAULT=slow", 10),))]
+    (slow,), _ = asyncio.run(run_benchmark(base_url, sessions, backend="openai-chat", show_progress=False,
                                            timeout_s=0.45))
-    assert time.perf_counter() - start < 0.9
-    slow, quick = results
     assert not slow.success and slow.error.startswith("timed out after 0.45 s"), slow.error
-    assert quick.success
     assert _send(base_url, "hyla", "FAULT=slow", max_tokens=2, timeout_s=5).success
     with pytest.raises(ValueError, match="timeout"):
         asyncio.run(run_benchmark(base_url, sessions, timeout_s=0, show_progress=False))

@@ -11,9 +11,7 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
-from pathlib import Path
 
 import httpx
 
@@ -21,6 +19,7 @@ from hyla.bench.backends import BACKENDS
 from hyla.bench.datasets import random_sessions, sharegpt_sessions
 from hyla.bench.metrics import format_report, summarize
 from hyla.bench.runner import assign_priorities, run_benchmark
+from hyla.cli import check_output_path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,19 +108,6 @@ def flush_cache(base_url: str, timeout: float | None) -> None:
         raise ValueError(f"could not flush the cache at {base_url}/flush_cache ({e})") from e
     if resp.status_code != 200:
         raise ValueError(f"the server did not flush its cache: {resp.status_code} {resp.text[:300]}")
-
-
-def check_output_path(path: str, option: str) -> None:
-    """ValueError unless ``path`` can be written: its directory exists and is writable, and it is
-    not a directory (checked before a run, so that a long run is not lost to a typo)."""
-    target = Path(path)
-    parent = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise ValueError(f"{option} {path}: is a directory")
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{option} {path}: not writable")
 
 
 def run(args: argparse.Namespace) -> int:

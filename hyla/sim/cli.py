@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from hyla.cli import check_output_path
 from hyla.sim.models import PRESETS, resolve_model
 from hyla.sim.policies import POLICIES
 from hyla.sim.simulator import SimConfig, SimResult, simulate
@@ -91,19 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep.add_argument("--sessions", type=int, default=100, help="ShareGPT sessions with >= 10 rounds (default 100)")
     sweep.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     sweep.add_argument("--words-per-minute", type=float, default=90.0, help="typing speed between turns")
-
-
-def check_output_path(path: str, option: str) -> None:
-    """ValueError unless ``path`` can be written: its directory exists and is writable, and it is
-    not a directory (checked before a run, so that a long run is not lost to a typo)."""
-    target = Path(path)
-    parent = target.parent
-    if target.is_dir():
-        raise ValueError(f"{option} {path}: is a directory")
-    if not parent.is_dir():
-        raise ValueError(f"{option} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise ValueError(f"{option} {path}: not writable")
 
 
 def _check_options(args: argparse.Namespace) -> None:
