@@ -178,8 +178,7 @@ class Timeline:
                     time.sleep(0.001)
                 once = {}  # a method called twice in one call (a release that finds nothing left): the first call
                 for label, a, b in self.marks:
-                    if a >= t0:  # (not the scheduler loop's idle schedule() begun before the call, ended after)
-                        once.setdefault(label, (a, b))
+                    once.setdefault(label, (a, b))
                 runs.append([(label, 1e3 * (a - t0), 1e3 * (b - t0)) for label, (a, b) in once.items()]
                             + [("call returned",) + (1e3 * (returned - t0),) * 2])
         finally:

@@ -82,9 +82,10 @@ def test_gpu_decode_runs_on_cpu_with_moe_layers(tmp_path):
     assert "Qwen3.5-MoE-style model (8 experts, top-2" in out and "per distinct expert" in out
     assert data["greedy_agreement"] == 8 and data["moe"]["num_experts"] == 8 and data["sizes"]["expert_bytes"] > 0
     roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
-    # (transformers' decode time is a difference of two timings, 1 + n tokens less 1: with n = 2 on a
-    # loaded machine it can come out <= 0, so only hyla's must be positive)
-    assert roof[2] > roof[1] > 0 and data["medians"]["hyla_decode_1"] > 0 and "hf_decode_2" in data["medians"]
+    # (a decode time is a difference of two timings, 1 + n tokens less 1: with n = 2 on a loaded machine
+    # it can come out <= 0, hyla's too, once in a full run: measured, not asserted)
+    medians = data["medians"]
+    assert roof[2] > roof[1] > 0 and math.isfinite(medians["hyla_decode_1"]) and "hf_decode_2" in medians
 
 
 def test_gpu_decode_runs_on_cpu_with_jamba(tmp_path):
@@ -130,7 +131,7 @@ def _assert_untied_moe_report(out: str, data: dict) -> None:
     h, vocab = data["config"]["hidden_size"], data["config"]["vocab_size"]
     assert sizes["param_bytes"] == sizes["weight_bytes_per_step"] + 4 * vocab * h + 4 * sizes["expert_bytes"]
     roof = {int(b): v for b, v in data["roofline_tok_s"].items()}
-    assert roof[2] > roof[1] > 0 and medians["hyla_decode_1"] > 0 and "hf_decode_2" in medians
+    assert roof[2] > roof[1] > 0 and math.isfinite(medians["hyla_decode_1"]) and "hf_decode_2" in medians
     assert medians["hyla_cached_hit"] == 48
 
 
@@ -157,12 +158,12 @@ def test_gpu_profile_runs_on_cpu_for_the_prefill_phases_alone(tmp_path):
     assert [r[0][2:] for r in rows][:3] == ["requests validated and built",
                                             "scheduled: prefix matched, admitted, state restored", "forward launched"]
     assert rows[-1][0] == "| call returned"
-    for col in (1, 3):  # cold and cached: start <= end <= the next mark's start
-        times = [float(t) for r in rows for t in (r[col], r[col + 1].rstrip(" |"))]
-        # but the delivery's end: the scheduler thread ends it after the output woke the caller, whose
-        # return may come first (on a loaded machine it did): its start is before the return, its end after it
-        delivered_end = times.pop(-3)
-        assert times == sorted(times) and times[-1] > 0 and delivered_end >= times[-3]
+    for col in (1, 3):  # cold and cached: each mark a start no later than its end, the call's return last
+        # (not each mark ending before the next starts: the scheduler thread's marks overlap the caller's
+        # on a loaded machine — an idle schedule() begun before the call, a delivery ending after its return)
+        spans = [(float(r[col]), float(r[col + 1].rstrip(" |"))) for r in rows]
+        assert all(start <= end for start, end in spans) and spans[-1][0] > 0
+        assert spans[-1][0] >= max(start for start, _ in spans)
 
 
 @pytest.mark.slow

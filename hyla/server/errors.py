@@ -112,13 +112,25 @@ def abort_error(reason: dict[str, Any]) -> APIError:
     return APIError(500, message, type="internal_error", code="request_aborted")
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _union_member(part: object) -> bool:
+    """Whether a part of pydantic's error location names the member of a union that was tried
+    (``str``, ``literal['none','auto']``, ``function-after[...]``, a model's class name), not a
+    field: the client's ``param`` is the field (``tool_choice``, ``input.0.content``)."""
+    if not isinstance(part, str):
+        return False
+    return part in _TYPE_TAGS or not part.replace("_", "a").isalnum() or part[:1].isupper()
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """pydantic's first complaint about a request body as a 400 naming the field."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _union_member(x)]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         ctx = first.get("ctx", {}).get("error", "")
@@ -131,7 +143,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     message = f"{param}: {msg}{more}" if param else f"{msg}{more}"
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):  # a whole object's rule that one of its fields broke: that field
-        param = ".".join([*loc, cause.param])
+        param = ".".join([*loc, *(p for p in cause.param.split(".") if not _union_member(p))])
     return APIError(400, message, param=param)
 
 

@@ -213,6 +213,7 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect (Codex sends it)
 
 
 class ReasoningConfig(_Strict):
@@ -246,6 +247,12 @@ class ResponsesRequest(_Request):
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # what clients send by default and hyla accepts without acting on (the Agents SDK and Codex send
+    # include; Codex prompt_cache_key, which the exact prefix cache needs no hint for)
+    include: list[str] | None = None  # nothing extra to include: no encrypted reasoning, no logprobs
+    prompt_cache_key: str | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (drop the oldest items to fit) is not supported
+    service_tier: str | None = None
 
     @field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")
     @classmethod
@@ -326,6 +333,7 @@ class ResponsesRequest(_Request):
 # --------------------------------------------------------------------------------------------
 class InputTokensDetails(BaseModel):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0  # (the SDK's model requires it; nothing is billed here)
 
 
 class OutputTokensDetails(BaseModel):

@@ -134,6 +134,19 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
+def with_instructions(instructions: str | None, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages of a turn: ``instructions`` and the conversation's leading system and
+    developer messages as one system message (chat templates take one system message, first;
+    OpenAI takes instructions beside developer items, as Codex sends them), then the rest."""
+    lead = 0
+    while lead < len(conversation) and conversation[lead]["role"] in ("system", "developer"):
+        lead += 1
+    parts = ([instructions] if instructions is not None else []) + [m["content"] for m in conversation[:lead]]
+    if instructions is None and lead <= 1:
+        return conversation  # (one developer or system message stays itself: the template's own handling)
+    return [{"role": "system", "content": "\n\n".join(parts)}, *conversation[lead:]]
+
+
 def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any]
                  ) -> list[dict[str, Any]]:
     """A response's output items: the reasoning (when the reasoning parser found some), the message
@@ -208,8 +221,7 @@ class ResponsesRoutes:
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.conversation
         conversation = history + items_to_messages(body.items())
-        system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-        chat = self._chat_request(body, system + conversation)
+        chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
                                          max_boundaries=CHAT_CHECKPOINTS)
@@ -436,5 +448,6 @@ class _Turn:
             yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                         name=item["name"], arguments=item["arguments"])
             yield event("response.output_item.done", output_index=index, item=item)
-        yield event("response.incomplete" if response["status"] == "incomplete" else "response.completed",
+        # (a cancelled response, aborted by /abort_request, did not complete either)
+        yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                     response=response)
