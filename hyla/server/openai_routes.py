@@ -90,7 +90,7 @@ class OpenAIRoutes:
         start = 0 if body.echo and body.logprobs is not None else -1
         jobs = []
         for ids in id_lists:
-            max_new = _max_new_tokens(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
+            max_new = output_budget(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             _check_min_tokens(body.min_tokens, max_new, "max_tokens")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
                          logprob_start_len=start, priority=body.priority) for j in range(body.n)]
@@ -167,19 +167,12 @@ class OpenAIRoutes:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
-        max_new = _max_new_tokens(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
+        max_new = output_budget(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
                           else "the tokens the context leaves after the prompt")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
-        grammar = {}
-        forced = body.forced_tools()
-        if forced:
-            parallel = body.parallel_tool_calls and body.tool_choice_mode() == "required"
-            try:  # (the request's tools are checked when it is parsed: a safety net)
-                grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="tools") from exc
+        grammar = forced_tool_grammar(self.server, body)
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority)
                 for j in range(body.n)]
@@ -296,7 +289,7 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
         raise APIError(400, str(exc), param=param) from exc
 
 
-def _max_new_tokens(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
+def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
     """The engine's max_new_tokens (None = up to the context length). A prompt that leaves no room
     is a 400 naming the field to change (checked here, before the engine walks the ids)."""
     context = engine.context_length
@@ -309,6 +302,19 @@ def _max_new_tokens(engine: Engine, prompt_len: int, requested: int | None, max_
         raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
                             f"length ({context})", param=max_param, code="context_length_exceeded")
     return requested
+
+
+def forced_tool_grammar(server: Server, body: ChatCompletionRequest) -> dict[str, str]:
+    """The sampling parameters that force a chat request's tool call (``tool_choice`` ``required`` or a
+    named function: an ``ebnf`` grammar of the parser's call syntax); ``{}`` when none is forced."""
+    forced = body.forced_tools()
+    if not forced:
+        return {}
+    parallel = body.parallel_tool_calls and body.tool_choice_mode() == "required"
+    try:  # (the request's tools are checked when it is parsed: a safety net)
+        return {"ebnf": server.tool_call_parser.forced_grammar(forced, parallel)}
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from exc
 
 
 def _check_min_tokens(min_tokens: int | None, max_new: int, limit: str) -> None:

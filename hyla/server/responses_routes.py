@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
-from hyla.server.openai_routes import CHAT_CHECKPOINTS, _max_new_tokens, render_chat
+from hyla.server.openai_routes import CHAT_CHECKPOINTS, forced_tool_grammar, output_budget, render_chat
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
@@ -225,17 +225,10 @@ class ResponsesRoutes:
         try:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
                                          max_boundaries=CHAT_CHECKPOINTS)
-            max_new = _max_new_tokens(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
+            max_new = output_budget(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
         except APIError as exc:
             raise _remap(exc, body) from None
-        grammar = {}
-        forced = chat.forced_tools()
-        if forced:
-            parallel = chat.parallel_tool_calls and chat.tool_choice_mode() == "required"
-            try:
-                grammar = {"ebnf": self.server.tool_call_parser.forced_grammar(forced, parallel)}
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="tools") from exc
+        grammar = forced_tool_grammar(self.server, chat)
         job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},
                   checkpoints=list(encoding.boundaries), speculative_checkpoints=True)
         try:
