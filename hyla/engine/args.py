@@ -2,11 +2,14 @@
 
 ``Engine(model_path, **options)`` and ``hyla serve --option value`` are generated from the same
 fields (each field's ``help`` metadata is the flag's help text), so the two never drift apart.
+The rules that tie the sizes the engine settles on together (``check_state_slots``,
+``context_length_for``) are here too, for the engine and for the simulator's engine replay.
 """
 
 from __future__ import annotations
 
 import difflib
+import logging
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -16,6 +19,8 @@ OVERLAP_MODES = ("auto", "on", "off")
 WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
+
+logger = logging.getLogger("hyla.engine")
 
 
 def check_weight_version(value: Any) -> None:
@@ -262,3 +267,32 @@ class EngineArgs:
     def field_help(cls) -> dict[str, tuple[Any, str]]:
         """name -> (default, help) for every option: the CLI builds its flags from this."""
         return {f.name: (f.default, f.metadata.get("help", "")) for f in fields(cls)}
+
+
+def check_state_slots(num_slots: int, running: int, per_req: int = 1, holds: str = "") -> None:
+    """``ValueError`` unless ``num_slots`` state slots hold ``running`` requests of ``per_req`` slots
+    each with room left for checkpoints (``holds``: what else a request holds, for the message).
+    The engine's rule; ``hyla.sim.replay`` checks its pools with it too."""
+    if num_slots < 2:
+        raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
+    if running * per_req >= num_slots:
+        raise ValueError(f"max_running_requests ({running}) x {per_req} state slots each must be below "
+                         f"max_state_slots ({num_slots}): each running request holds one state slot{holds}, "
+                         "and checkpoints need more")
+
+
+def context_length_for(asked: int | None, model_max: int, kv_room: int) -> int:
+    """The context length: the one ``asked`` (``context_length``), which must fit the KV pool beside
+    the drafts' reserve (``kv_room``; before, a longer one was silently cut to it, as vLLM refuses
+    it too). Past the model's ``max_position_embeddings`` it is allowed with a warning: attention
+    then sees positions it was not trained on (the linear layers have none). Not asked: the
+    model's, cut to the pool."""
+    if asked is None:
+        return min(model_max, kv_room)
+    if asked > kv_room:
+        raise ValueError(f"context_length={asked} does not fit the KV pool ({kv_room} tokens for one request): raise "
+                         f"max_total_tokens (or mem_fraction), or lower context_length")
+    if asked > model_max:
+        logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
+                       "see positions it was not trained on", asked, model_max)
+    return asked

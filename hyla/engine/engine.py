@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
-from hyla.engine.args import EngineArgs, check_weight_version
+from hyla.engine.args import EngineArgs, check_state_slots, check_weight_version, context_length_for
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
@@ -248,19 +248,13 @@ class Engine:
                                  layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
         num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), slot_cap, 4096)
-        if num_slots < 2:
-            raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
         # explicit slots: as many running requests as leave half the slots to checkpoints (at most 256);
         # slots from memory: the same, at most the device's default
         cap = MAX_RUNNING_REQUESTS if args.max_state_slots else default_max_running_requests(self.device)
         self.max_running_requests = args.max_running_requests or max(1, min(cap, num_slots // (1 + per_req)))
-        if self.max_running_requests * per_req >= num_slots:
-            raise ValueError(
-                f"max_running_requests ({self.max_running_requests}) x {per_req} state slots each must be below "
-                f"max_state_slots ({num_slots}): each running request holds one state slot"
-                f"{' and one scratch slot per draft token' if per_req > 1 else ''}"
-                f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}, "
-                "and checkpoints need more")
+        check_state_slots(num_slots, self.max_running_requests, per_req,
+                          f"{' and one scratch slot per draft token' if per_req > 1 else ''}"
+                          f"{f' (and {drafting_states} for the draft model while it drafts)' if self.draft_model is not None else ''}")
         kv_running = max(running, self.max_running_requests)
         kv_cap = -(-kv_running * context // args.page_size) * args.page_size  # whole pages
         num_tokens = args.max_total_tokens or min(max(split.num_kv_tokens, 4 * args.page_size), kv_cap, 1 << 22)
@@ -277,7 +271,7 @@ class Engine:
             if self.mtp_head is not None or self.draft_model is not None else 0
         if reserved >= num_tokens:
             raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the drafts' {reserved} KV slots")
-        self.context_length = _context_length(args.context_length, cfg.max_position_embeddings, num_tokens - reserved)
+        self.context_length = context_length_for(args.context_length, cfg.max_position_embeddings, num_tokens - reserved)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
             self.tree = RadixCache(kv_pool=self.kv_pool, page_size=args.page_size,
@@ -846,23 +840,6 @@ def _check_timeout(timeout: Any) -> None:
     """``ValueError`` unless ``timeout`` is a positive number of seconds (``math.inf``: no limit)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
-def _context_length(asked: int | None, model_max: int, kv_room: int) -> int:
-    """The context length: the one ``asked`` (``context_length``), which must fit the KV pool beside
-    the drafts' reserve (``kv_room``; before, a longer one was silently cut to it, as vLLM refuses
-    it too). Past the model's ``max_position_embeddings`` it is allowed with a warning: attention
-    then sees positions it was not trained on (the linear layers have none). Not asked: the
-    model's, cut to the pool."""
-    if asked is None:
-        return min(model_max, kv_room)
-    if asked > kv_room:
-        raise ValueError(f"context_length={asked} does not fit the KV pool ({kv_room} tokens for one request): raise "
-                         f"max_total_tokens (or mem_fraction), or lower context_length")
-    if asked > model_max:
-        logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
-                       "see positions it was not trained on", asked, model_max)
-    return asked
 
 
 WORKER_THREAD_PROMPT_SIZE = 1 << 16

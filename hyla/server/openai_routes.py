@@ -161,10 +161,7 @@ class OpenAIRoutes:
     # --- /v1/chat/completions ------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.server.check_model(body.model)
-        engine = self.server.admit()
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+        engine = admit_chat(self.server, body.model)
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
         max_new = output_budget(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
@@ -302,6 +299,16 @@ def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_pa
         raise APIError(400, f"the prompt ({prompt_len} tokens) + {max_param} ({requested}) exceeds the context "
                             f"length ({context})", param=max_param, code="context_length_exceeded")
     return requested
+
+
+def admit_chat(server: Server, model: str) -> Engine:
+    """The engine for a conversation addressed to ``model`` (``Server.check_model``, ``admit``): a 400
+    when the model has no tokenizer, so no chat template (chat completions, responses)."""
+    server.check_model(model)
+    engine = server.admit()
+    if engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    return engine
 
 
 def forced_tool_grammar(server: Server, body: ChatCompletionRequest) -> dict[str, str]:

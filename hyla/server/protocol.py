@@ -225,6 +225,13 @@ class ResponseFormat(_Strict):
         return {}
 
 
+def default_if_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A ``mode="before"`` field validator: null is the field's default, so that later code never sees
+    None (``n`` stays a number, ``stream`` a bool): OpenAI's (and vLLM's) nullable fields that have a
+    default, what the openai client sends for a ``None``."""
+    return cls.model_fields[str(info.field_name)].default if value is None else value
+
+
 NULL_MEANS_DEFAULT = ("n", "stream", "echo", "parallel_tool_calls", "logprobs")
 """Fields of the OpenAI endpoints that take null for their default (not every endpoint has them all:
 a completion's ``logprobs`` defaults to null, a chat's to false)."""
@@ -263,12 +270,7 @@ class _SamplingFields(_Request):
     store: bool | None = None
     service_tier: str | None = None
 
-    @field_validator(*NULL_MEANS_DEFAULT, mode="before", check_fields=False)
-    @classmethod
-    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        """OpenAI's (and vLLM's) nullable fields that have a default: null is that default, so that
-        later code never sees None (``n`` stays a number, ``stream`` a bool)."""
-        return cls.model_fields[str(info.field_name)].default if value is None else value
+    _null_is_default = field_validator(*NULL_MEANS_DEFAULT, mode="before", check_fields=False)(default_if_null)
 
     @field_validator("logit_bias")
     @classmethod

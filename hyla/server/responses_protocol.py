@@ -10,8 +10,10 @@ client copies back from an earlier response's ``output``) — ``instructions``,
 ``previous_response_id``, ``store``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``
 (hyla's extra), ``stream``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
 ``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``reasoning`` (accepted,
-no effect: a model thinks as its chat template says). Anything else (other item or content types,
-other tool types, ``background``, ``include``...) is a 400 naming it.
+no effect: a model thinks as its chat template says); what the Agents SDK and Codex send by default
+is accepted and ignored (``include``, ``prompt_cache_key``, ``truncation: "disabled"``,
+``service_tier``, ``text.verbosity``). Anything else (other item or content types, other tool types,
+``background``...) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hyla.tokenizer.chat_template import check_nesting
 from hyla.server.protocol import (
-    MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_chat_nesting, check_function_parameters,
+    MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_chat_nesting, default_if_null,
 )
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -144,25 +146,15 @@ def _item(value: Any, index: int) -> InputItem:
 # --------------------------------------------------------------------------------------------
 # tools, text format
 # --------------------------------------------------------------------------------------------
-class FunctionTool(_Strict):
-    """A function tool (the Responses shape: ``name`` etc. at the top level, no ``function`` object)."""
+class FunctionTool(FunctionDefinition):
+    """A function tool (the Responses shape: chat's function definition at the top level, beside
+    ``type``, not in a ``function`` object)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _check_parameters(self) -> "FunctionTool":
-        check_function_parameters(self.name, self.parameters)
-        return self
 
     def chat_tool(self) -> dict[str, Any]:
         """The same tool as chat completions takes it."""
-        fn = FunctionDefinition(name=self.name, description=self.description, parameters=self.parameters,
-                                strict=self.strict)
-        return {"type": "function", "function": fn.model_dump(exclude_none=True)}
+        return {"type": "function", "function": self.model_dump(exclude={"type"}, exclude_none=True)}
 
 
 class FunctionToolChoice(_Strict):
@@ -254,10 +246,7 @@ class ResponsesRequest(_Request):
     truncation: Literal["disabled"] | None = None  # "auto" (drop the oldest items to fit) is not supported
     service_tier: str | None = None
 
-    @field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        return cls.model_fields[str(info.field_name)].default if value is None else value
+    _null_is_default = field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")(default_if_null)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
-from hyla.server.openai_routes import CHAT_CHECKPOINTS, forced_tool_grammar, output_budget, render_chat
+from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
@@ -209,10 +209,7 @@ class ResponsesRoutes:
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.server.check_model(body.model)
-        engine = self.server.admit()
-        if engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+        engine = admit_chat(self.server, body.model)
         history: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)

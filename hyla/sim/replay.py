@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 from hyla.cache import CacheLayout, CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool
-from hyla.engine.args import EngineArgs
+from hyla.engine.args import EngineArgs, check_state_slots, context_length_for
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
@@ -131,19 +131,12 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
                          f"{prioritized.priority}: replay with enable_priority_scheduling=True, or the priorities "
                          "would be ignored")
     ps = args.page_size
-    # the engine's checks of its sizes (Engine._build_pools, _context_length)
-    if args.max_state_slots < 2:
-        raise ValueError("max_state_slots must be at least 2 (one running state + one checkpoint)")
     running = args.max_running_requests or max(1, min(args.max_state_slots // 2, 32))
-    if running >= args.max_state_slots:
-        raise ValueError(f"max_running_requests ({running}) must be below max_state_slots ({args.max_state_slots}): "
-                         "each running request holds one state slot, and checkpoints need more")
+    check_state_slots(args.max_state_slots, running)  # the engine's checks of its sizes
     kv_tokens = args.max_total_tokens - args.max_total_tokens % ps
     if kv_tokens < 1:
         raise ValueError(f"max_total_tokens ({args.max_total_tokens}) is less than one page ({ps} tokens)")
-    if args.context_length is not None and args.context_length > kv_tokens:
-        raise ValueError(f"context_length={args.context_length} does not fit the KV pool ({kv_tokens} tokens for "
-                         "one request): raise max_total_tokens, or lower context_length")
+    context_length_for(args.context_length, kv_tokens, kv_tokens)  # (no model: no position limit to warn of)
     if args.context_length is not None:
         check_trace(trace, args.context_length, vocab_size,
                     f"context_length={args.context_length}: the engine would refuse it")
