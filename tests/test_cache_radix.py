@@ -87,6 +87,19 @@ def test_namespaces_never_share() -> None:
         cache.match_prefix([1, 2], namespace=["unhashable"])
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_namespaces_equal_in_python_are_still_distinct(page_size: int) -> None:
+    """1, 1.0 and True are one dict key in Python; as namespaces they are three tenants."""
+    cache = make(page_size)
+    put(cache, [1, 2, 3, 4], namespace=1)
+    for other in (1.0, True, (1,), "1"):
+        assert cache.match_prefix([1, 2, 3, 4], namespace=other).prefix_len == 0, other
+    put(cache, [1, 2, 3, 4], namespace=(1, "a"))
+    assert cache.match_prefix([1, 2, 3, 4], namespace=(True, "a")).prefix_len == 0
+    assert cache.match_prefix([1, 2, 3, 4], namespace=(1, "a")).prefix_len == 4
+    assert cache.match_prefix([1, 2, 3, 4], namespace=1).prefix_len == 4
+
+
 def test_insert_frees_only_the_callers_duplicates() -> None:
     cache = make(num_tokens=64)
     _, kv = put(cache, [1, 2, 3, 4])

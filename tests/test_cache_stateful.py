@@ -353,7 +353,7 @@ class CacheMachine(RuleBasedStateMachine):
     def every_slot_holds_what_it_claims(self) -> None:
         if not hasattr(self, "cache"):
             return
-        stack = [(child, list(child.key), child.child_key[0]) for child in self.cache.root.children.values()]
+        stack = [(child, list(child.key), child.child_key[0][0]) for child in self.cache.root.children.values()]
         while stack:
             node, tokens, ns = stack.pop()  # tokens: the whole path from the root through node
             got = self.kv_pool.k_buffers[0][torch.from_numpy(node.value.copy()), 0]  # [len, 3]

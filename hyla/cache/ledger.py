@@ -36,10 +36,9 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Iterator, Sequence
+from typing import Hashable, Iterator, Sequence
 
-if TYPE_CHECKING:
-    from hyla.cache.radix_types import TreeNode
+from hyla.cache.radix_types import TreeNode, namespace_key
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Removal:
     """A node's KV (and with it any checkpoint at its end) or only its checkpoint left the tree."""
 
     time: int
-    namespace: Hashable
+    namespace: tuple  # namespace_key(namespace), as the tree keys it
     path: tuple  # token ids from the root through the node's end
     start: int  # the node's edge is path[start:]
     kv: bool  # the edge's KV left (else only the checkpoint at its end)
@@ -61,7 +60,7 @@ class Drop:
     """A checkpoint the user wanted at ``position`` (the end of ``path``) and found no room for."""
 
     time: int
-    namespace: Hashable
+    namespace: tuple  # namespace_key
     path: tuple
     what: str
 
@@ -69,7 +68,7 @@ class Drop:
 @dataclass(frozen=True)
 class Admission:
     time: int
-    namespace: Hashable
+    namespace: tuple  # namespace_key
     tokens: tuple  # the request's tokens at admission (prompt, + output so far after a retraction)
     hit: int  # cached prefix served (ends at a checkpoint)
     kv_match: int  # how far the KV alone matched
@@ -103,7 +102,7 @@ class CacheLedger:
             self.cause = outer
 
     # ---- records -------------------------------------------------------------------------------
-    def removed(self, node: "TreeNode", kv: bool, how: str) -> None:
+    def removed(self, node: TreeNode, kv: bool, how: str) -> None:
         """Called by the tree before ``node``'s KV (``kv``) or only its checkpoint leaves it: the
         node is still linked to its ancestors."""
         keys = [node.key]
@@ -120,11 +119,12 @@ class CacheLedger:
 
     def dropped(self, tokens: Sequence[int], position: int, what: str, namespace: Hashable = None) -> None:
         """The user wanted a checkpoint after ``tokens[:position]`` and the state pool had no room."""
-        self.drops.append(Drop(self._tick(), namespace, tuple(tokens[:position]), what))
+        self.drops.append(Drop(self._tick(), namespace_key(namespace), tuple(tokens[:position]), what))
 
     def admitted(self, key: Hashable, tokens: Sequence[int], hit: int, kv_match: int,
                  namespace: Hashable = None) -> None:
-        self.admissions.setdefault(key, []).append(Admission(self._tick(), namespace, tuple(tokens), hit, kv_match))
+        self.admissions.setdefault(key, []).append(
+            Admission(self._tick(), namespace_key(namespace), tuple(tokens), hit, kv_match))
 
     def released(self, key: Hashable) -> None:
         self.releases.setdefault(key, []).append(self._tick())

@@ -7,8 +7,8 @@ Structure
   ``page_size`` long) and ``value`` (the KV slots of those tokens, an ``int64`` numpy array of the
   same length, whole pages). ``depth`` is the number of tokens from the root through the node.
 * Children are found by the first page of their edge: ``key[0]`` when ``page_size == 1``, else
-  the tuple ``key[:page_size]``. Children of the root are keyed by ``(namespace, first page)`` so
-  that different namespaces (LoRA id, cache salt) never share a node.
+  the tuple ``key[:page_size]``. Children of the root are keyed by ``(namespace_key(namespace),
+  first page)`` so that different namespaces (LoRA id, cache salt) never share a node.
 * Keys are rounded down to whole pages: ``match_prefix``/``insert`` ignore a partial last page;
   that tail stays private to the request.
 * Splitting an edge makes a *new upper node*; the existing node keeps its identity, its suffix,
@@ -73,6 +73,7 @@ from hyla.cache.radix_types import (
     MatchResult,
     TreeNode,
     concat_slots,
+    namespace_key,
 )
 from hyla.cache.state_pool import StatePool
 
@@ -256,7 +257,7 @@ class RadixCache:
         ps = self.page_size
         node = self.root
         off = 0
-        ck: Hashable = (namespace, tokens[0] if ps == 1 else tokens[:ps])
+        ck: Hashable = (namespace_key(namespace), tokens[0] if ps == 1 else tokens[:ps])
         try:
             hash(ck)
         except TypeError:
@@ -435,7 +436,7 @@ class RadixCache:
                   now: float) -> TreeNode:
         ps = self.page_size
         first = key[0] if ps == 1 else key[:ps]
-        ck = (namespace, first) if parent is self.root else first
+        ck = (namespace_key(namespace), first) if parent is self.root else first
         leaf = TreeNode(next(self._ids), parent, ck, key, value, parent.depth + len(key), now)
         parent.children[ck] = leaf
         self._num_nodes += 1

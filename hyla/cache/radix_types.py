@@ -26,6 +26,22 @@ def concat_slots(values: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(values))
 
 
+def namespace_key(namespace: Hashable) -> tuple:
+    """The tree's key for a namespace: ``(namespace, its type signature)``.
+
+    Python's equality makes ``1``, ``1.0`` and ``True`` (and ``(1,)``, ``(True,)``) one dict key;
+    as namespaces (two tenants' cache salts, a LoRA id) they are distinct partitions, so the key
+    carries the types too, item by item inside a tuple.
+    """
+    return namespace, _signature(namespace)
+
+
+def _signature(value: Hashable) -> Hashable:
+    if isinstance(value, tuple):
+        return type(value), tuple(_signature(v) for v in value)
+    return type(value)
+
+
 class Checkpoint(NamedTuple):
     """A checkpoint handed to ``RadixCache.insert``: the state after ``length`` tokens, in state-pool
     ``slot`` (a fresh fork the tree adopts). A plain ``(length, slot)`` pair means ``speculative=False``.
