@@ -261,6 +261,62 @@ def test_forced_function_call_and_its_output(server, client, tool_choice):
     assert follow.usage.prompt_tokens == r2.usage.input_tokens
 
 
+def _call_output(call_id: str) -> dict:
+    return {"type": "function_call_output", "call_id": call_id, "output": '{"temperature": 21}'}
+
+
+def _call(call_id: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather",
+            "arguments": '{"city": "Paris", "unit": "C"}'}
+
+
+def _no_tool_call(r: httpx.Response, call_id: str) -> None:
+    """``r`` is OpenAI's 400 for a function call output answering no earlier call."""
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err == {"message": f"No tool call found for function call output with call_id {call_id}.",
+                   "type": "invalid_request_error", "param": "input", "code": None}, err
+
+
+def test_function_call_output_must_answer_an_earlier_call(server):
+    """As OpenAI: a ``function_call_output`` whose ``call_id`` no earlier ``function_call`` made is a
+    400 naming ``input`` (hyla rendered it silently, a tool response to nothing); a matched pair in
+    the same input, and a call not answered yet, are fine."""
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    base = {"tools": [WEATHER], "max_output_tokens": 2, "temperature": 0}
+    _no_tool_call(_post(server, {**base, "input": [ask, _call_output("call_orphan")]}), "call_orphan")
+    _no_tool_call(_post(server, {**base, "input": [ask, _call("call_a"), _call_output("call_b")]}), "call_b")
+    _no_tool_call(_post(server, {**base, "input": [ask, _call_output("call_a"), _call("call_a")]}), "call_a")
+    _no_tool_call(_post(server, {**base, "stream": True, "input": [ask, _call_output("call_s")]}), "call_s")
+    paired = _post(server, {**base, "input": [ask, _call("call_a"), _call("call_b"), _call_output("call_b"),
+                                              _call_output("call_a")]})
+    assert paired.status_code == 200, paired.text
+    unanswered = _post(server, {**base, "input": [ask, _call("call_a"), _call_output("call_a"), _call("call_c")]})
+    assert unanswered.status_code == 200, unanswered.text
+
+
+def test_function_call_output_answers_a_call_of_the_previous_response(server):
+    """The call an output answers may be in the stored conversation of ``previous_response_id``
+    (the previous response's output, or its input); a call id it does not hold is a 400."""
+    first = _post(server, {"input": "What is the weather in Paris?", "tools": [WEATHER], "max_output_tokens": 64,
+                           "tool_choice": {"type": "function", "name": "get_weather"},
+                           "parallel_tool_calls": False, "temperature": 0}).json()
+    (call,) = first["output"]
+    assert call["type"] == "function_call"
+    base = {"tools": [WEATHER], "max_output_tokens": 2, "temperature": 0, "previous_response_id": first["id"]}
+    answered = _post(server, {**base, "input": [_call_output(call["call_id"])]})
+    assert answered.status_code == 200, answered.text
+    _no_tool_call(_post(server, {**base, "input": [_call_output("call_elsewhere")]}), "call_elsewhere")
+    _no_tool_call(_post(server, {"tools": [WEATHER], "max_output_tokens": 2,  # (no chain: no call)
+                                 "input": [_call_output(call["call_id"])]}), call["call_id"])
+    # a call in an earlier request's input is in the conversation too, answered two turns on
+    asked = _post(server, {"input": [{"role": "user", "content": "Weather?"}, _call("call_in_input")],
+                           "tools": [WEATHER], "max_output_tokens": 2, "temperature": 0}).json()
+    later = _post(server, {**base, "previous_response_id": asked["id"], "input": "Still there?"}).json()
+    again = _post(server, {**base, "previous_response_id": later["id"], "input": [_call_output("call_in_input")]})
+    assert again.status_code == 200, again.text
+
+
 def test_text_format_json_schema(server, client):
     text = {"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}}
     r = client.responses.create(model=MODEL, input="Is the sky blue? Answer in JSON.", text=text,

@@ -2,7 +2,8 @@
 
 A response is a chat completion underneath. A request, top-down: check the model; the
 conversation is the stored conversation of ``previous_response_id`` (its input and output, without
-its ``instructions``), then this request's ``input`` items as chat messages (``items_to_messages``);
+its ``instructions``), then this request's ``input`` items as chat messages (``items_to_messages``;
+a ``function_call_output`` must answer an earlier ``function_call``: ``input_conversation``);
 ``instructions`` goes first as a system message; the whole is validated as a
 ``ChatCompletionRequest`` (one choice) and rendered with ``render_chat``, with the same message-end
 checkpoints as a chat completion, so a chained turn renders the previous turn's prompt and answer as
@@ -134,6 +135,23 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return out
 
 
+def input_conversation(history: list[dict[str, Any]], items: list[InputItem]) -> list[dict[str, Any]]:
+    """A request's conversation: the stored ``history`` (``previous_response_id``'s, else empty),
+    then its input ``items`` as chat messages (``items_to_messages``). As OpenAI, a
+    ``function_call_output`` must answer a ``function_call`` with its ``call_id`` earlier in the
+    conversation (in ``history`` or before it in ``items``): one that does not is a 400 naming
+    ``input``. A call not answered yet is fine (the client answers it in a later request), and a
+    ``call_id`` made twice is not refused."""
+    messages = items_to_messages(items)
+    calls = {call["id"] for message in history for call in message.get("tool_calls") or ()}
+    for message in messages:
+        calls.update(call["id"] for call in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in calls:
+            raise APIError(400, f"No tool call found for function call output with call_id "
+                                f"{message['tool_call_id']}.", param="input")
+    return history + messages
+
+
 def with_instructions(instructions: str | None, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages of a turn: ``instructions`` and the conversation's leading system and
     developer messages as one system message (chat templates take one system message, first;
@@ -217,7 +235,7 @@ class ResponsesRoutes:
                 raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.conversation
-        conversation = history + items_to_messages(body.items())
+        conversation = input_conversation(history, body.items())
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
