@@ -53,6 +53,7 @@ class Job:
     rid: str | None = None
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
     priority: int | None = None  # priority scheduling (Engine.generate's docstring)
+    namespace: Any = None  # the prefix cache's partition (a cache_salt's: protocol.cache_namespace)
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Generation:
                     prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
                     return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid,
                     logprob_start_len=job.logprob_start_len, speculative_checkpoints=job.speculative_checkpoints,
-                    priority=job.priority)
+                    priority=job.priority, namespace=job.namespace)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))

@@ -30,7 +30,7 @@ import hyla
 from hyla.engine.errors import EngineOverloadedError
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
-from hyla.server.protocol import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest
+from hyla.server.protocol import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest, cache_namespace
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -231,5 +231,6 @@ def _jobs(body: GenerateRequest) -> list[Job]:
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
         jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,
-                        logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints, priority=prio))
+                        logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints, priority=prio,
+                        namespace=cache_namespace(body.cache_salt)))
     return jobs

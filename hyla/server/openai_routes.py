@@ -26,7 +26,7 @@ from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChatCompletionResponse, ChatResponseMessage, FunctionCall, ToolCallOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, PromptTokensDetails, TopLogprob, UsageInfo,
-    text_chars,
+    cache_namespace, text_chars,
 )
 from hyla.engine.engine import Engine
 from hyla.tokenizer import REPLACEMENT_CHAR, ChatEncoding, Tokenizer, TokenText
@@ -93,7 +93,8 @@ class OpenAIRoutes:
             max_new = output_budget(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             _check_min_tokens(body.min_tokens, max_new, "max_tokens")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
-                         logprob_start_len=start, priority=body.priority) for j in range(body.n)]
+                         logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt))
+                     for j in range(body.n)]
         echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -171,7 +172,8 @@ class OpenAIRoutes:
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         grammar = forced_tool_grammar(self.server, body)
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
-                    checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority)
+                    checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
+                    namespace=cache_namespace(body.cache_salt))
                 for j in range(body.n)]
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

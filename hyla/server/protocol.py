@@ -232,6 +232,24 @@ def default_if_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> A
     return cls.model_fields[str(info.field_name)].default if value is None else value
 
 
+CACHE_SALT_ERROR = "Parameter 'cache_salt' must be a non-empty string if provided."  # vLLM's words
+
+
+def check_cache_salt(cls: type[BaseModel], value: str | None) -> str | None:
+    """A ``cache_salt`` field validator: a salt is a non-empty string (vLLM's rule), or absent/null."""
+    if value is not None and not value:
+        raise ValueError(CACHE_SALT_ERROR)
+    return value
+
+
+def cache_namespace(salt: str | None) -> tuple[str, str] | None:
+    """The engine's prefix-cache ``namespace`` for a request's ``cache_salt`` (None: unsalted, the
+    shared partition). Tagged, so no salt can name another partition (the health check's
+    ``"hyla-health-generate"``, the unsalted ``None``): the radix cache shares a prefix only between
+    requests of the same namespace (by value and type, ``hyla.cache.radix_types.namespace_key``)."""
+    return None if salt is None else ("cache_salt", salt)
+
+
 NULL_MEANS_DEFAULT = ("n", "stream", "echo", "parallel_tool_calls", "logprobs")
 """Fields of the OpenAI endpoints that take null for their default (not every endpoint has them all:
 a completion's ``logprobs`` defaults to null, a chat's to false)."""
@@ -264,6 +282,8 @@ class _SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     # SGLang / vLLM: with --enable-priority-scheduling (else 0 or absent); which is more urgent: docs/engine.md
     priority: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    # vLLM's: requests share cached prefixes only with requests of the same salt (cache_namespace)
+    cache_salt: str | None = None
     # accepted, no effect on the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -271,6 +291,7 @@ class _SamplingFields(_Request):
     service_tier: str | None = None
 
     _null_is_default = field_validator(*NULL_MEANS_DEFAULT, mode="before", check_fields=False)(default_if_null)
+    _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
 
     @field_validator("logit_bias")
     @classmethod
@@ -556,6 +577,9 @@ class GenerateRequest(_Request):
     checkpoints: list[int] | list[list[int]] | None = None
     speculative_checkpoints: bool = False  # the checkpoints are guesses (Engine.generate's docstring)
     priority: int | list[int] | None = None  # one, or one per item (--enable-priority-scheduling; docs/engine.md)
+    cache_salt: str | None = None  # the whole batch's (vLLM's field: cache_namespace)
+
+    _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
 
     @model_validator(mode="after")
     def _check_input(self) -> "GenerateRequest":

@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hyla.tokenizer.chat_template import check_nesting
 from hyla.server.protocol import (
-    MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_chat_nesting, default_if_null,
+    MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_cache_salt, check_chat_nesting,
+    default_if_null,
 )
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -239,6 +240,8 @@ class ResponsesRequest(_Request):
     reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    # vLLM's: the turn shares cached prefixes only with requests of the same salt (protocol.cache_namespace)
+    cache_salt: str | None = None
     # what clients send by default and hyla accepts without acting on (the Agents SDK and Codex send
     # include; Codex prompt_cache_key, which the exact prefix cache needs no hint for)
     include: list[str] | None = None  # nothing extra to include: no encrypted reasoning, no logprobs
@@ -247,6 +250,7 @@ class ResponsesRequest(_Request):
     service_tier: str | None = None
 
     _null_is_default = field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")(default_if_null)
+    _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
 
     @field_validator("input", mode="before")
     @classmethod

@@ -36,7 +36,7 @@ from pydantic import ValidationError
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
 from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
-from hyla.server.protocol import ChatCompletionRequest
+from hyla.server.protocol import ChatCompletionRequest, cache_namespace
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage, _item,
@@ -245,7 +245,8 @@ class ResponsesRoutes:
             raise _remap(exc, body) from None
         grammar = forced_tool_grammar(self.server, chat)
         job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},
-                  checkpoints=list(encoding.boundaries), speculative_checkpoints=True)
+                  checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
+                  namespace=cache_namespace(body.cache_salt))
         try:
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
