@@ -5,7 +5,6 @@ salt reaches the health check's partition. An empty or non-string salt is a 400 
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from hyla.server.native_routes import HEALTH_NAMESPACE
