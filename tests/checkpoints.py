@@ -1,7 +1,8 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
-``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``, ``make_jamba``) construct a tiny model with
+``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``, ``make_jamba``, ``make_mamba``,
+``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -98,9 +99,7 @@ GRANITE_H_KW: dict[str, Any] = dict(
 )
 
 
-# LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, untied embeddings (tied,
-# HF's default, this tiny model repeats its input token with probability ~1: no comparison of tokens or
-# logprobs could tell a wrong path from a right one); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
+# Jamba: Mamba1 with attention at layers 1 and 4 (no RoPE); MoE of 4 experts (top-2) in the odd layers.
 JAMBA_KW: dict[str, Any] = dict(
     vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=6, attn_layer_period=3,
     attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
@@ -109,6 +108,28 @@ JAMBA_KW: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# Mamba and FalconMamba: 4 Mamba1 layers (256 channels, 16 states, dt rank ceil(128 / 16) = 8), untied
+# embeddings (tied, HF's default, a tiny model mostly repeats its input token; the parity variants tie them).
+# initializer_range 0.05, not HF's 0.1 (nor the hybrids' 0.02): logits of std ~4.6 with lm_head's x8 (~9 at 0.1:
+# fp32 errors ~4e-5, close to the 1e-4 tolerance), the mixers' part of the residual stream still large.
+MAMBA_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, num_hidden_layers=4, state_size=16, conv_kernel=4, expand=2,
+    time_step_rank="auto", layer_norm_epsilon=1e-5, initializer_range=0.05, tie_word_embeddings=False,
+    eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+FALCON_MAMBA_KW: dict[str, Any] = {**MAMBA_KW, "mixer_rms_eps": 1e-6}
+
+# Mamba2: 4 layers of 8 heads of 32 (expand 2 x 128), 2 groups of 32 states, untied embeddings, initializer_range
+# as Mamba's.
+MAMBA2_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, num_hidden_layers=4, num_heads=8, head_dim=32, expand=2, state_size=32,
+    n_groups=2, conv_kernel=4, chunk_size=64, layer_norm_epsilon=1e-5, initializer_range=0.05,
+    tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+
+# LFM2: gated short convolutions (conv_L_cache 3) with attention at layers 2 and 4, untied embeddings (tied,
+# HF's default, this tiny model repeats its input token with probability ~1: no comparison of tokens or
+# logprobs could tell a wrong path from a right one); intermediate_size 700 -> HF's auto-adjusted MLP width int(2/3 * 700) = 466, rounded up to 512.
 LFM2_KW: dict[str, Any] = dict(
     vocab_size=2048, hidden_size=256, intermediate_size=700, num_hidden_layers=6,
     layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"],
@@ -200,6 +221,9 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
+        "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
+        "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
+        "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM),
     }[kind]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()
@@ -264,6 +288,21 @@ def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``JambaForCausalLM`` (6 layers: Mamba1, attention at 1 and 4; MoE of 4 experts, top-2, in the
     odd layers, SwiGLU MLPs in the even ones), saved as transformers writes it (AI21's tensor names)."""
     return _build("jamba", tmp_dir, seed, {**JAMBA_KW, **overrides})
+
+
+def make_mamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``MambaForCausalLM`` (4 Mamba1 layers, no attention, no MLP)."""
+    return _build("mamba", tmp_dir, seed, {**MAMBA_KW, **overrides})
+
+
+def make_falcon_mamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``FalconMambaForCausalLM`` (4 Mamba1 layers with weightless RMSNorms on dt, B and C)."""
+    return _build("falcon_mamba", tmp_dir, seed, {**FALCON_MAMBA_KW, **overrides})
+
+
+def make_mamba2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Mamba2ForCausalLM`` (4 Mamba2 layers, no attention, no MLP)."""
+    return _build("mamba2", tmp_dir, seed, {**MAMBA2_KW, **overrides})
 
 
 @torch.no_grad()

@@ -208,6 +208,12 @@ kimi_linear_short_path = _tiny_checkpoint("kimi_linear_short_path", checkpoints.
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)
+# the pure state-space models (every layer a Mamba1 / Mamba2 mixer: no attention, no MLP)
+mamba_path = _tiny_checkpoint("mamba_path", checkpoints.make_mamba)
+falcon_mamba_path = _tiny_checkpoint("falcon_mamba_path", checkpoints.make_falcon_mamba)
+mamba2_path = _tiny_checkpoint("mamba2_path", checkpoints.make_mamba2)
+falcon_mamba_short_path = _tiny_checkpoint("falcon_mamba_short_path", checkpoints.make_falcon_mamba,
+                                           num_hidden_layers=2)
 
 # the same checkpoints with a random MTP head (mtp.* tensors) for speculative_algorithm="mtp"
 qwen3_next_dense_mtp_path = _tiny_checkpoint("qwen3_next_dense_mtp_path", checkpoints.make_qwen3_next, moe=False,

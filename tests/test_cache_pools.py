@@ -423,6 +423,21 @@ def test_split_memory_pure_attention_and_errors() -> None:
         split_memory(1 << 20, -1, 1024, 10)
 
 
+def test_split_memory_without_attention_gives_the_states_everything() -> None:
+    """A model without attention layers (Mamba) stores no KV: its states take the whole budget
+    whatever the ratio, and its KV pool is indices alone."""
+    from hyla.cache.memory import INDEX_ONLY_KV_TOKENS
+
+    for ratio in (0.9, 0.0):
+        split = split_memory(1 << 20, ratio, 0, 1000, page_size=16)
+        assert split.num_state_slots == (1 << 20) // 1000 - 1 and split.kv_bytes == 0
+        assert split.state_bytes <= 1 << 20 and split.num_kv_tokens == INDEX_ONLY_KV_TOKENS
+    with pytest.raises(ValueError):
+        split_memory(1500, 0.9, 0, 1000)  # not even one slot beside the sentinel
+    with pytest.raises(ValueError):
+        split_memory(1 << 20, 0.9, 0, 0)  # nothing to store at all
+
+
 @pytest.mark.parametrize("numpy_view", [True, False])
 def test_req_to_token_table_pads_each_row_past_its_length_with_slot_0(numpy_view) -> None:
     """``table(rows, lens)``: row ``i`` holds the first ``lens[i]`` slots of request row ``rows[i]``

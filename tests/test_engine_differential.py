@@ -210,6 +210,10 @@ DIFFERENTIALS = [
     pytest.param("kimi_linear", 10, dict(max_total_tokens=450), id="kimi_linear"),  # (at 500 it retracts nothing)
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
     pytest.param("jamba", 13, {}, id="jamba"),
+    # pure state-space models: no KV at all (the tree's pages hold token ids only), every hit a state checkpoint
+    pytest.param("mamba", 14, {}, id="mamba"),
+    pytest.param("falcon_mamba", 15, {}, id="falcon_mamba"),
+    pytest.param("mamba2", 16, {}, id="mamba2"),
 ]
 
 

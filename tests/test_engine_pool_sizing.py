@@ -104,3 +104,18 @@ def test_a_context_length_the_kv_pool_cannot_hold_is_refused(caplog):
         out = e.generate(input_ids=[3 + i % 4000 for i in range(4600)], sampling_params=GREEDY)  # positions past 4,096
         assert out["meta_info"]["completion_tokens"] == 6
     assert "longer than the model's max_position_embeddings (4096)" in caplog.text
+
+
+def test_a_model_without_attention_sizes_its_pools_from_memory(mamba2_path, monkeypatch):
+    """A pure state-space model (Mamba2: no KV at all) with no explicit sizes: the split of the budget
+    needs KV bytes per token (it raised a ValueError), so the state pool takes the whole budget and the
+    KV pool (token indices only, zero bytes) its cap; a small budget then bounds the slots, not the caps."""
+    with Engine(mamba2_path) as e:
+        assert e.model_config.cache_layout.kv_bytes_per_token == 0
+        assert e.kv_pool.size == 32 * CONTEXT and e.state_pool.size == 32 * (1 + CHECKPOINTS_PER_RUNNING_REQUEST)
+        assert e.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
+    per_slot = e.model_config.cache_layout.state_bytes_per_slot
+    monkeypatch.setattr(engine_module, "_cache_budget_bytes", lambda device, fraction: 41 * per_slot)
+    with Engine(mamba2_path) as e:
+        assert e.state_pool.size == 40 and e.max_running_requests == 20
+        assert "state from memory" in e.summary()

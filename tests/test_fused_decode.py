@@ -538,15 +538,18 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 # the CPU too, with 2 requests (~20 s): its layer's own fused forward (both mixers' out projections run
 # before their sum) is checked nowhere else.
 # LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
+# FalconMamba (~5 s): layers of a Mamba1 mixer alone (no FFN after it), the weightless dt/B/C norms in the fused step
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
-                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba", "kimi_linear"])
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba", "kimi_linear",
+                                  "falcon_mamba"])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
     DeltaNet (Qwen3.5), Mamba2 (Bamba; NemotronH with its MoE), LFM2's gated short conv, attention
-    and Mamba2 in parallel in every layer (Falcon-H1). Without a GPU the kernels run interpreted, on
+    and Mamba2 in parallel in every layer (Falcon-H1), layers of a Mamba1 mixer alone (FalconMamba: its
+    weightless dt/B/C norms before the scan kernel). Without a GPU the kernels run interpreted, on
     2-layer variants (one mixer of each kind: the interpreter's time grows with the layers). The
     last request decodes alone: batch-1 steps, whose projections are GEMV kernels (``gemv``)."""
     from hyla.model import layers

@@ -11,9 +11,12 @@ import transformers
 from checkpoints import (
     BAMBA_KW,
     FALCON_H1_KW,
+    FALCON_MAMBA_KW,
     GRANITE_H_KW,
     KIMI_LINEAR_KW,
     LFM2_KW,
+    MAMBA2_KW,
+    MAMBA_KW,
     NEMOTRON_H_KW,
     QWEN3_5_KW,
     QWEN3_5_MOE_KW,
@@ -591,3 +594,95 @@ def test_jamba_layout_state_and_hf_defaults():
     for bad, match in [({"attn_layer_offset": 8}, "attn_layer_offset"), ({"hidden_act": "gelu"}, "hidden_act")]:
         with pytest.raises(ValueError, match=match):
             ModelConfig.from_hf({**mini, **bad})
+
+
+# --- the pure state-space models: Mamba, FalconMamba (Mamba1), Mamba2 ----------------------------------------------
+# config.json of tiiuae/falcon-mamba-7b (expand 16, but the explicit intermediate_size 8192 is what HF builds) and of
+# mistralai/Mamba-Codestral-7B-v0.1 (transformers 4.44's keys: rms_norm, time_step_limit with Infinity)
+FALCON_MAMBA_7B = {"architectures": ["FalconMambaForCausalLM"], "model_type": "falcon_mamba", "bos_token_id": 0,
+                   "conv_kernel": 4, "eos_token_id": 11, "expand": 16, "hidden_act": "silu", "hidden_size": 4096,
+                   "intermediate_size": 8192, "layer_norm_epsilon": 1e-05, "num_hidden_layers": 64, "pad_token_id": 11,
+                   "residual_in_fp32": True, "state_size": 16, "tie_word_embeddings": False, "time_step_rank": 256,
+                   "torch_dtype": "bfloat16", "use_bias": False, "use_conv_bias": True, "vocab_size": 65024}
+MAMBA_CODESTRAL_7B = {"architectures": ["Mamba2ForCausalLM"], "model_type": "mamba2", "bos_token_id": 0,
+                      "chunk_size": 256, "conv_kernel": 4, "eos_token_id": 0, "expand": 2, "head_dim": 64,
+                      "hidden_act": "silu", "hidden_size": 4096, "layer_norm_epsilon": 1e-05, "n_groups": 8,
+                      "num_heads": 128, "num_hidden_layers": 64, "pad_token_id": 0, "residual_in_fp32": True,
+                      "rms_norm": True, "state_size": 128, "tie_word_embeddings": False,
+                      "time_step_limit": [0.0, {"__float__": "Infinity"}], "time_step_max": 0.1, "time_step_min": 0.001,
+                      "time_step_rank": 256, "torch_dtype": "bfloat16", "use_bias": False, "use_conv_bias": True,
+                      "vocab_size": 32768}
+
+
+def test_pure_ssm_layouts_states_and_hf_defaults():
+    """FalconMamba-7B, Mamba-Codestral-7B and HF's Mamba defaults: every layer a recurrent mixer with no KV
+    and no feed-forward; Mamba1 states [I, K-1] / [I, N], Mamba2's [C, K-1] / [H, P, N]; HF's defaults for
+    what a config leaves out (tied Mamba embeddings, dt rank ceil(hidden / 16), expand * hidden)."""
+    falcon = ModelConfig.from_hf(FALCON_MAMBA_7B)
+    assert falcon.model_type == "falcon_mamba" and falcon.linear_kind == "mamba1" and falcon.dtype == torch.bfloat16
+    assert falcon.layer_types == ("linear",) * 64 and falcon.ffn_types == ("none",) * 64
+    assert (falcon.num_attention_layers, falcon.num_linear_layers) == (0, 64)
+    assert falcon.conv_shape == (8192, 3) and falcon.ssm_shape == (8192, 16) and falcon.mamba1_dt_rank == 256
+    assert falcon.mamba1_bcdt_norms and not falcon.mamba1_bcdt_norm_weights and falcon.mamba1_bcdt_norm_eps == 1e-6
+    assert not falcon.tie_word_embeddings and falcon.norm_eps == 1e-5 and falcon.eos_token_ids == (11,)
+    assert falcon.cache_layout.kv_bytes_per_token == 0
+    assert falcon.cache_layout.state_bytes_per_slot == 64 * (8192 * 3 * 2 + 8192 * 16 * 4)  # bf16 conv, fp32 SSM
+    f = falcon.flops_per_token(1)
+    assert f.attention == 0 and f.mlp == 0 and f.moe == 0
+    assert f.linear == pytest.approx(64 * (2 * 4096 * 2 * 8192 + 2 * 8192 * (256 + 32) + 2 * 256 * 8192
+                                           + 2 * 8192 * 4096 + 2 * 8192 * 4 + 2 * 3 * 8192 * 16))
+    # plain Mamba: HF's defaults (tied embeddings, expand * hidden, "auto" dt rank), no dt/B/C norms
+    mamba = ModelConfig.from_hf({"architectures": ["MambaForCausalLM"], "vocab_size": 50280, "hidden_size": 40,
+                                 "num_hidden_layers": 2})
+    assert mamba.model_type == "mamba" and mamba.tie_word_embeddings and not mamba.mamba1_bcdt_norms
+    assert mamba.mamba1_inner_size == 80 and mamba.mamba1_dt_rank == 3 and mamba.ssm_state_size == 16
+    assert mamba.conv_kernel == 4 and mamba.mamba_conv_bias and not mamba.mamba_proj_bias
+    codestral = ModelConfig.from_hf(MAMBA_CODESTRAL_7B)
+    assert codestral.model_type == "mamba2" and codestral.linear_kind == "mamba2" and not codestral.tie_word_embeddings
+    assert codestral.layer_types == ("linear",) * 64 and codestral.num_attention_layers == 0
+    assert codestral.conv_shape == (8192 + 2 * 8 * 128, 3) and codestral.ssm_shape == (128, 64, 128)
+    assert codestral.mamba_dt_limit == (0.0, math.inf) and codestral.mamba_rms_norm
+    assert not codestral.mamba_norm_before_gate and codestral.mamba_n_groups == 8
+    limited = ModelConfig.from_hf({**MAMBA_CODESTRAL_7B, "time_step_limit": [0.01, 0.5]})
+    assert limited.mamba_dt_limit == (0.01, 0.5)  # read as it is (NemotronH's HF mixer ignores it)
+    # no "architectures": HF's model_type names each
+    for model_type, arch in (("mamba", "MambaForCausalLM"), ("falcon_mamba", "FalconMambaForCausalLM"),
+                             ("mamba2", "Mamba2ForCausalLM")):
+        assert architecture_name({"model_type": model_type}) == arch
+
+
+@pytest.mark.parametrize("config_cls, kw, arch", [
+    (transformers.MambaConfig, MAMBA_KW, "MambaForCausalLM"),
+    (transformers.FalconMambaConfig, FALCON_MAMBA_KW, "FalconMambaForCausalLM"),
+    (transformers.Mamba2Config, MAMBA2_KW, "Mamba2ForCausalLM"),
+], ids=["mamba", "falcon_mamba", "mamba2"])
+def test_pure_ssm_state_shapes_match_hf_caches(config_cls, kw, arch):
+    hf_config = config_cls(**kw)
+    cfg = ModelConfig.from_hf(hf_dict(hf_config, arch))
+    model = getattr(transformers, arch)(hf_config)
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    for layer in out.cache.layers:  # (HF 5.24 returns the cache as ``cache``)
+        assert tuple(layer.conv_states[0].shape[1:]) == (cfg.conv_shape[0], cfg.conv_shape[1] + 1)
+        assert tuple(layer.recurrent_states[0].shape[1:]) == cfg.ssm_shape
+    assert cfg.num_linear_layers == len(out.cache.layers) and cfg.num_attention_layers == 0
+
+
+@pytest.mark.parametrize("base, bad, match", [
+    (FALCON_MAMBA_7B, {"hidden_act": "gelu"}, "hidden_act"),
+    ({**FALCON_MAMBA_7B, "architectures": ["MambaForCausalLM"]}, {"hidden_act": "relu"}, "hidden_act"),
+    (FALCON_MAMBA_7B, {"state_size": 0}, "state_size"),
+    (MAMBA_CODESTRAL_7B, {"hidden_act": "gelu"}, "hidden_act"),
+    (MAMBA_CODESTRAL_7B, {"rms_norm": False}, "rms_norm"),
+    (MAMBA_CODESTRAL_7B, {"norm_before_gate": True}, "norm_before_gate"),
+    (MAMBA_CODESTRAL_7B, {"num_heads": 64}, "expand"),
+    (MAMBA_CODESTRAL_7B, {"n_groups": 3}, "n_groups"),
+    (MAMBA_CODESTRAL_7B, {"n_groups": 0}, "n_groups"),
+    (MAMBA_CODESTRAL_7B, {"time_step_limit": [0.5, 0.1]}, "time_step_limit"),
+    (MAMBA_CODESTRAL_7B, {"num_hidden_layers": None}, "num_hidden_layers"),
+], ids=["falcon_mamba-act", "mamba-act", "falcon_mamba-state", "mamba2-act", "mamba2-rms_norm",
+        "mamba2-norm_before_gate", "mamba2-heads", "mamba2-groups", "mamba2-no-groups", "mamba2-dt-limit",
+        "mamba2-layers"])
+def test_pure_ssm_bad_configs_are_value_errors(base, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**base, **bad})

@@ -152,7 +152,7 @@ def test_wrong_shape_is_named(qwen3_next_dense_path, tmp_path):
 
 def test_unsupported_architecture_lists_supported(qwen3_next_dense_path, tmp_path):
     bad = rewrite(qwen3_next_dense_path, tmp_path / "bad",
-                  edit_config=lambda c: {**c, "architectures": ["MambaForCausalLM"], "model_type": "mamba"})
+                  edit_config=lambda c: {**c, "architectures": ["RwkvForCausalLM"], "model_type": "rwkv"})
     with pytest.raises(ValueError, match="unsupported architecture") as err:
         load_model(bad)
     assert all(arch in str(err.value) for arch in SUPPORTED_ARCHITECTURES)
@@ -412,3 +412,19 @@ def test_check_weights_reads_no_tensor_data(qwen3_next_dense_path, falcon_h1_sho
     ints = rewrite(qwen3_next_dense_path, tmp_path / "ints", edit_tensors=lambda t: {**t, norm: t[norm].long()})
     with pytest.raises(ValueError, match=f"'{norm}' is I64"):
         check_weights(ints, model)
+
+
+def test_pure_ssm_checkpoint_names(mamba_path, falcon_mamba_path, tmp_path):
+    """Mamba's older ``backbone.embedding`` name (what HF's ``MambaModel.load_hook`` renames) loads the
+    same model; FalconMamba's dt/B/C norms have no weight, in the checkpoint (HF's are non-persistent
+    buffers of ones) or in hyla's model."""
+    renamed = rewrite(mamba_path, tmp_path / "renamed", edit_tensors=lambda t: {
+        k.replace("backbone.embeddings.", "backbone.embedding."): v for k, v in t.items()})
+    assert "backbone.embedding.weight" in load_file(renamed / "model.safetensors")
+    assert torch.equal(prefill_logits(load_model(renamed), IDS), prefill_logits(load_model(mamba_path), IDS))
+    assert not any("layernorm" in name for name in load_file(falcon_mamba_path / "model.safetensors"))
+    falcon = load_model(falcon_mamba_path)
+    assert not any(".norms." in name for name, _ in falcon.named_parameters())
+    assert [type(n).__name__ for n in falcon.layers[0].mixer.norms] == ["WeightlessRMSNorm"] * 3
+    assert all(n.eps == 1e-6 for n in falcon.layers[0].mixer.norms)
+    assert load_model(mamba_path).layers[0].mixer.norms is None

@@ -1,7 +1,7 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2, Kimi-Linear):
+Granite 4.0-H, LFM2, Kimi-Linear, Jamba, and the pure state-space models Mamba, FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -11,6 +11,8 @@ chunk boundary of the linear-attention kernels.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -18,9 +20,12 @@ from checkpoints import (
     TinyRunner,
     make_bamba,
     make_falcon_h1,
+    make_falcon_mamba,
     make_granite_h,
     make_kimi_linear,
     make_lfm2,
+    make_mamba,
+    make_mamba2,
     make_nemotron_h,
     make_qwen3_5_moe,
     make_qwen3_next,
@@ -30,7 +35,7 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "kimi_linear", "jamba"]
+         "granite_h", "lfm2", "kimi_linear", "jamba", "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +67,16 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 @torch.no_grad()
 def hf_decode(hf: torch.nn.Module, token: int, cache, position: int):
     """One HF cached decode step. The position is explicit: HF's Bamba numbers positions from 0
-    when a forward gets none, even after a cache (its ``generate`` passes them)."""
-    return hf(torch.tensor([[token]]), past_key_values=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+    when a forward gets none, even after a cache (its ``generate`` passes them). The cache goes in
+    as ``cache`` where the forward takes that name (transformers 5.24: the others still accept
+    ``past_key_values``, the Mamba models would leave it unread in their ``**kwargs``)."""
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
+    return hf(torch.tensor([[token]]), **{name: cache}, use_cache=True, position_ids=torch.tensor([[position]]))
+
+
+def hf_cache(out):
+    """The cache a HF forward returned: ``past_key_values``, the Mamba models' ``cache``."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -120,13 +133,13 @@ def test_32_decode_steps(models, arch):
     seq = runner.new_seq()
     got = runner.step([seq], [prompt])
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache = out.past_key_values
+    cache = hf_cache(out)
     assert max_diff(got, out.logits[:, -1].float()) <= TOL
     next_token = int(out.logits[0, -1].argmax())
     for step in range(32):
         got = runner.step([seq], [[next_token]], decode=True)
         out = hf_decode(hf, next_token, cache, len(prompt) + step)
-        cache = out.past_key_values
+        cache = hf_cache(out)
         assert max_diff(got, out.logits[:, -1].float()) <= TOL, f"decode step {step}"
         assert int(got.argmax()) == int(out.logits[0, -1].argmax())
         next_token = int(out.logits[0, -1].argmax())
@@ -181,10 +194,10 @@ def test_nemotron_h_decode_applies_the_dt_clamp_like_prefill(tiny_ckpt_dir):
 
     full = hf_logits(hf, prompt + steps)  # clamped everywhere
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache, hf_steps = out.past_key_values, []
+    cache, hf_steps = hf_cache(out), []
     for i, t in enumerate(steps):
         out = hf_decode(hf, t, cache, len(prompt) + i)
-        cache = out.past_key_values
+        cache = hf_cache(out)
         hf_steps.append(out.logits[0, -1])
     assert max_diff(torch.stack(hf_steps), full[len(prompt) :]) > 2 * TOL  # the clamp binds here
 
@@ -209,17 +222,30 @@ def test_falcon_h1_dt_clamp_applies_in_prefill_and_decode(tiny_ckpt_dir):
     HF's own decode differs from its full forward; hyla's prefill *and* decode match HF's full
     forward, and HF's decode only where the limit does not bind (the default limit: the parity tests).
     """
-    path = make_falcon_h1(tiny_ckpt_dir, time_step_limit=[0.0, 0.05])
+    _check_dt_limit_in_prefill_and_decode(make_falcon_h1(tiny_ckpt_dir, time_step_limit=[0.0, 0.05]))
+
+
+@torch.no_grad()
+def test_mamba2_time_step_limit_applies_in_prefill_and_decode(tiny_ckpt_dir):
+    """Mamba2's ``time_step_limit`` (read as it is, where NemotronH's HF mixer hard-codes
+    ``(time_step_min, inf)``) clamps softplus(dt + dt_bias) in both hyla paths, as Falcon-H1's: HF
+    applies it in its chunked scan only."""
+    _check_dt_limit_in_prefill_and_decode(make_mamba2(tiny_ckpt_dir, time_step_limit=[0.0, 0.05]))
+
+
+def _check_dt_limit_in_prefill_and_decode(path) -> None:
+    """The checkpoint at ``path`` has ``time_step_limit = (0, 0.05)``: HF's decode and full forward
+    disagree (> 1e-3); hyla's prefill and decode both match HF's full forward (1e-4)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = load_model(path)
     assert model.config.mamba_dt_limit == (0.0, 0.05)
     prompt, steps = tokens(40, seed=7), tokens(6, seed=8)
     full = hf_logits(hf, prompt + steps)
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache, hf_steps = out.past_key_values, []
+    cache, hf_steps = hf_cache(out), []
     for i, t in enumerate(steps):
         out = hf_decode(hf, t, cache, len(prompt) + i)
-        cache = out.past_key_values
+        cache = hf_cache(out)
         hf_steps.append(out.logits[0, -1])
     assert max_diff(torch.stack(hf_steps), full[len(prompt) :]) > 1e-3  # HF's asymmetry is real here
 
@@ -245,6 +271,24 @@ VARIANTS = {
         projectors_bias=True, mamba_conv_bias=False, mamba_n_groups=1, tie_word_embeddings=True,
         mamba_d_ssm=None, mamba_expand=1, mamba_n_heads=8, mamba_d_head="auto",
         embedding_multiplier=0.5, lm_head_multiplier=0.5,  # the tied lm_head is the embedding scaled by 8
+    ),
+    # Mamba: in/out projection biases, no conv bias, tied embeddings, a dt rank of 5 (not ceil(hidden / 16)),
+    # a 3-wide conv, 8 states, an intermediate_size (192) other than expand * hidden
+    "mamba_variant": lambda d: make_mamba(
+        d, seed=1, use_bias=True, use_conv_bias=False, tie_word_embeddings=True, time_step_rank=5, conv_kernel=3,
+        state_size=8, intermediate_size=192, num_hidden_layers=3,
+    ),
+    # FalconMamba: a mixer_rms_eps that matters (0.1: wrong eps or a missing dt/B/C norm shows), another
+    # layer_norm_epsilon, tied embeddings, falcon-mamba-7b's expand 16 overridden by intermediate_size
+    "falcon_mamba_variant": lambda d: make_falcon_mamba(
+        d, seed=1, mixer_rms_eps=0.1, layer_norm_epsilon=1e-3, tie_word_embeddings=True, expand=16,
+        intermediate_size=256, use_bias=True, num_hidden_layers=3,
+    ),
+    # Mamba2: in/out projection biases, no conv bias, one group, tied embeddings, 4 heads of 64, a 3-wide conv,
+    # an eps that matters for the block norms and the gated norm
+    "mamba2_variant": lambda d: make_mamba2(
+        d, seed=1, use_bias=True, use_conv_bias=False, n_groups=1, tie_word_embeddings=True, num_heads=4,
+        head_dim=64, conv_kernel=3, layer_norm_epsilon=1e-2, num_hidden_layers=3,
     ),
     # gated norm applied before the gate (w * norm(y) * silu(z)) over 4 groups, 5 layers
     "falcon_h1_norm_before_gate": lambda d: make_falcon_h1(
@@ -308,9 +352,9 @@ def test_config_variants_prefill_and_decode(variant, tiny_ckpt_dir):
     got = torch.cat([got, runner.step([seq], [prompt[70:]], all_logits=True)])
     assert max_diff(got, hf_logits(hf, prompt)) <= TOL
     out = hf(torch.tensor([prompt]), use_cache=True)
-    cache = out.past_key_values
+    cache = hf_cache(out)
     for i, t in enumerate(tokens(4, seed=11)):
         got = runner.step([seq], [[t]], decode=True)
         out = hf_decode(hf, t, cache, len(prompt) + i)
-        cache = out.past_key_values
+        cache = hf_cache(out)
         assert max_diff(got, out.logits[:, -1].float()) <= TOL

@@ -4,12 +4,16 @@ SGLang sizes its two pools once at start-up with ``--mamba-full-memory-ratio``: 
 state (mamba) pool divided by the bytes of the full-attention KV pool. ``split_memory`` takes the
 same ratio: ``state_bytes = total * r / (1 + r)``, ``kv_bytes = total / (1 + r)``. Each pool's
 sentinel (one KV page, one state slot) is paid out of its own share, so the pools built from the
-result occupy at most ``total_bytes``.
+result occupy at most ``total_bytes``. A model without attention layers (Mamba, Mamba2) stores no KV:
+its states take the whole budget, and its KV pool is token indices alone (the tree's and the
+requests' positions, no memory on the device), ``INDEX_ONLY_KV_TOKENS`` of them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+INDEX_ONLY_KV_TOKENS = 1 << 22  # a KV pool without KV bytes: ~32 MB of host-side free list at most
 
 
 @dataclass(frozen=True)
@@ -30,15 +34,25 @@ def split_memory(
     """Pool sizes for a budget of ``total_bytes`` with ``state_bytes / kv_bytes == state_ratio``.
 
     ``state_ratio`` is SGLang's ``mamba_full_memory_ratio`` (e.g. 0.9: the state pool gets 0.9/1.9
-    of the budget). A pure-attention model passes ``state_bytes_per_slot=0`` and ``state_ratio=0``.
-    Raises ValueError when the budget cannot hold one KV page (plus one state slot for a hybrid).
+    of the budget). A pure-attention model passes ``state_bytes_per_slot=0`` and ``state_ratio=0``; a
+    model without attention ``kv_bytes_per_token=0`` (the states take the whole budget, whatever the
+    ratio; ``INDEX_ONLY_KV_TOKENS`` KV indices). Raises ValueError when the budget cannot hold one KV
+    page (plus one state slot for a hybrid).
     """
     if total_bytes <= 0:
         raise ValueError(f"total_bytes must be > 0, got {total_bytes}")
     if state_ratio < 0:
         raise ValueError(f"state_ratio must be >= 0, got {state_ratio}")
-    if kv_bytes_per_token <= 0 or state_bytes_per_slot < 0 or page_size < 1:
-        raise ValueError("need kv_bytes_per_token > 0, state_bytes_per_slot >= 0 and page_size >= 1")
+    if kv_bytes_per_token < 0 or state_bytes_per_slot < 0 or page_size < 1 or \
+            kv_bytes_per_token == state_bytes_per_slot == 0:
+        raise ValueError("need kv_bytes_per_token >= 0, state_bytes_per_slot >= 0 (not both 0) and page_size >= 1")
+    if kv_bytes_per_token == 0:  # no attention layer: the states take it all, the KV pool is indices alone
+        num_slots = total_bytes // state_bytes_per_slot - 1
+        if num_slots < 1:
+            raise ValueError(f"{total_bytes} bytes cannot hold one state slot")
+        pages = INDEX_ONLY_KV_TOKENS // page_size
+        return MemorySplit(num_kv_tokens=pages * page_size, num_state_slots=num_slots, kv_bytes=0,
+                           state_bytes=(num_slots + 1) * state_bytes_per_slot)
     if state_bytes_per_slot > 0 and state_ratio == 0:
         raise ValueError("a model with recurrent state needs state_ratio > 0")
     state_share = total_bytes * state_ratio / (1.0 + state_ratio) if state_bytes_per_slot else 0.0

@@ -22,6 +22,8 @@ from hyla.model import (
     jamba,
     kimi_linear,
     lfm2,
+    mamba,
+    mamba2,
     nemotron_h,
     qwen3_5,
     qwen3_5_moe,
@@ -59,6 +61,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "KimiLinearForCausalLM": Architecture(
         kimi_linear.KimiLinearForCausalLM, kimi_linear.parse_hf_config, "kimi_linear"),
     "JambaForCausalLM": Architecture(jamba.JambaForCausalLM, jamba.parse_hf_config, "jamba"),
+    "MambaForCausalLM": Architecture(mamba.MambaForCausalLM, mamba.parse_hf_config, "mamba"),
+    "FalconMambaForCausalLM": Architecture(mamba.FalconMambaForCausalLM, mamba.parse_hf_config, "falcon_mamba"),
+    "Mamba2ForCausalLM": Architecture(mamba2.Mamba2ForCausalLM, mamba2.parse_hf_config, "mamba2"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -96,7 +96,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
-    # | "kimi_linear" | "jamba"
+    # | "kimi_linear" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -130,7 +130,7 @@ class ModelConfig:
     mla_v_head_dim: int = 0
 
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
-    # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "mamba1" (Jamba: a
+    # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "mamba1" (Jamba, Mamba: a
     # selective scan whose decay is per channel and state) | "short_conv" (LFM2: a conv window, no SSM state)
     # | "none"
     linear_kind: str = "none"
@@ -152,10 +152,13 @@ class ModelConfig:
     mamba_dt_limit: tuple[float, float] = (0.0, math.inf)
     mamba_rms_norm: bool = True  # False (Falcon-H1 option): no output norm, y * silu(z)
     mamba_norm_before_gate: bool = False  # Falcon-H1 option: w * norm(y) * silu(z) instead of w * norm(y * silu(z))
-    # Mamba1 (Jamba): ``ssm_state_size`` states per channel, ``mamba_conv_bias``, ``mamba_proj_bias`` as above
+    # Mamba1 (Jamba, Mamba, FalconMamba): ``ssm_state_size`` states per channel, ``mamba_conv_bias``,
+    # ``mamba_proj_bias`` as above
     mamba1_inner_size: int = 0  # channels I (mamba_expand * hidden_size)
     mamba1_dt_rank: int = 0  # the rank of dt's projection
-    mamba1_bcdt_norms: bool = False  # Jamba: RMSNorms on dt, B and C before the scan
+    mamba1_bcdt_norms: bool = False  # Jamba, FalconMamba: RMSNorms on dt, B and C before the scan
+    mamba1_bcdt_norm_weights: bool = True  # False (FalconMamba): those norms have no weight (x * rsqrt(...))
+    mamba1_bcdt_norm_eps: float | None = None  # their eps (FalconMamba's mixer_rms_eps); None: norm_eps
     # LFM2 gated short convolution
     short_conv_bias: bool = False  # LFM2's conv_bias: bias on its in_proj, conv and out_proj
 
@@ -430,10 +433,6 @@ def hf_mamba2_fields(cfg: Mapping[str, Any], width_key: str | None = None) -> di
     if heads <= 0 or heads * d_head != inner:
         raise ValueError(f"mamba_n_heads ({heads}) * mamba_d_head ({d_head}) must equal the Mamba2 width "
                          f"{what} ({inner})")
-    limit = cfg.get("time_step_limit", (0.0, math.inf))
-    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
-    if len(limit) != 2 or not limit[0] <= limit[1]:
-        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
     return dict(
         linear_kind="mamba2",
         conv_kernel=int(cfg.get("mamba_d_conv", 4)),
@@ -443,8 +442,18 @@ def hf_mamba2_fields(cfg: Mapping[str, Any], width_key: str | None = None) -> di
         mamba_n_groups=int(cfg.get("mamba_n_groups", 1)),
         mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        mamba_dt_limit=limit,
+        mamba_dt_limit=hf_time_step_limit(cfg),
     )
+
+
+def hf_time_step_limit(cfg: Mapping[str, Any]) -> tuple[float, float]:
+    """``time_step_limit`` as a Mamba2 ``mamba_dt_limit`` (Bamba, Granite 4.0-H, Falcon-H1, Mamba2): default
+    (and null) ``(0, inf)``, which never binds; ``ValueError`` unless it is ``(lo, hi)`` with ``lo <= hi``."""
+    limit = cfg.get("time_step_limit", (0.0, math.inf))
+    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
+    if len(limit) != 2 or not limit[0] <= limit[1]:
+        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
+    return limit
 
 
 def hf_silu_only(cfg: Mapping[str, Any], name: str) -> str:

@@ -46,6 +46,7 @@ from hyla.model.layers import (
     OutProjection,
     RMSNorm,
     Rope,
+    WeightlessRMSNorm,
     ckpt_kwargs,
     conv1d_extend,
     conv1d_fused_extend,
@@ -71,8 +72,11 @@ from hyla.model.weight_specs import (
 
 
 class Mamba1Mixer(nn.Module):
-    """Jamba's Mamba1 layer (see the module docstring). State: ``batch.conv_states[j]`` ``[S, I, K-1]``
-    and ``batch.ssm_states[j]`` ``[S, I, N]`` (``j`` = the layer's linear ordinal).
+    """Jamba's Mamba1 layer (see the module docstring), also the whole of Mamba's and FalconMamba's
+    layers (``mamba.py``): the norms of dt, B and C are there with ``mamba1_bcdt_norms`` (Jamba's
+    RMSNorms; without a weight, ``mamba1_bcdt_norm_weights=False``: FalconMamba's), absent otherwise
+    (Mamba). State: ``batch.conv_states[j]`` ``[S, I, K-1]`` and ``batch.ssm_states[j]`` ``[S, I, N]``
+    (``j`` = the layer's linear ordinal).
 
     On a GPU (``ops/gpu/selective_scan.py``): a fused decode step runs the conv window kernel, then
     the scan's kernel with the gate ``silu(z)`` fused in (verify steps' chains in the same two
@@ -98,8 +102,10 @@ class Mamba1Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(inner, self.state_size, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(inner, dtype=torch.float32))
         self.norms = None
-        if c.mamba1_bcdt_norms:  # dt, B, C
-            self.norms = nn.ModuleList([RMSNorm(n, c.norm_eps, dtype=c.dtype)
+        if c.mamba1_bcdt_norms:  # dt, B, C: Jamba's RMSNorms, or FalconMamba's without a weight
+            eps = c.norm_eps if c.mamba1_bcdt_norm_eps is None else c.mamba1_bcdt_norm_eps
+            self.norms = nn.ModuleList([RMSNorm(n, eps, dtype=c.dtype) if c.mamba1_bcdt_norm_weights
+                                        else WeightlessRMSNorm(n, eps)
                                         for n in (self.dt_rank, self.state_size, self.state_size)])
         self.out_proj = Linear(inner, c.hidden_size, bias=c.mamba_proj_bias, dtype=c.dtype)
         self._neg_A = DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [I, N] fp32
@@ -142,7 +148,9 @@ class Mamba1Mixer(nn.Module):
 
     def _dt_b_c(self, xs: torch.Tensor, gemv_step: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The scan's raw ``dt [T, I]`` (``dt_proj``'s, its bias still to add) and ``B, C [T, N]`` from
-        the conv's output: ``x_proj``, Jamba's three RMSNorms, ``dt_proj`` (GEMVs on a GEMV step)."""
+        the conv's output: ``x_proj``, the three RMSNorms where the model has them (Jamba; FalconMamba's
+        without a weight), ``dt_proj`` (GEMVs on a GEMV step). Every path (PyTorch, fused decode,
+        fused extend) takes dt, B and C from here: the kernels see them normalised or not alike."""
         dt, B, C = in_projection(self.x_proj, xs, gemv_step).split([self.dt_rank, self.state_size, self.state_size],
                                                                     dim=-1)
         if self.norms is not None:
@@ -177,7 +185,8 @@ class JambaForCausalLM(HybridForCausalLM):
 
 
 def mamba1_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]:
-    """:class:`Mamba1Mixer` from HF's ``mamba.*`` tensors."""
+    """:class:`Mamba1Mixer` from HF's Mamba1 mixer tensors (Jamba's ``mamba.*``, Mamba's and
+    FalconMamba's ``mixer.*``; the dt/B/C norms' weights where they have one)."""
     specs = [
         *linear_specs(f"{target}.in_proj", [f"{source}.in_proj"], config.mamba_proj_bias),
         WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), squeeze_conv),  # [I, 1, K] -> [I, K]
@@ -190,7 +199,7 @@ def mamba1_specs(config: ModelConfig, target: str, source: str) -> list[WeightSp
     ]
     if config.mamba_conv_bias:
         specs.append(WeightSpec(f"{target}.conv_bias", (f"{source}.conv1d.bias",)))
-    if config.mamba1_bcdt_norms:
+    if config.mamba1_bcdt_norms and config.mamba1_bcdt_norm_weights:  # (FalconMamba's have no weight)
         specs += [norm_spec(f"{target}.norms.{k}.weight", f"{source}.{name}_layernorm.weight")
                   for k, name in enumerate(("dt", "b", "c"))]
     return specs

@@ -1,4 +1,5 @@
-"""RMSNorm, and the gated RMSNorm of the recurrent mixers' outputs: fp32 inside, cast back."""
+"""RMSNorm (with or without a weight), and the gated RMSNorm of the recurrent mixers' outputs: fp32 inside,
+cast back."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ class RMSNorm(nn.Module):
         if device.on_gpu(x):
             return device.gpu("norms").rms_norm_fused(x.reshape(-1, x.shape[-1]), scale, self.eps).view(x.shape)
         return F.rms_norm(x.float(), scale.shape, scale, self.eps).to(x.dtype)
+
+
+class WeightlessRMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps)`` in fp32, cast back to the input dtype: an RMSNorm without a
+    weight (FalconMamba's norms of dt, B and C). No parameter, nothing for a checkpoint to hold; the
+    same PyTorch ops on every device (a few elementwise kernels on rows of a few hundred values,
+    which CUDA graphs capture as they are)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (self.dim,), None, self.eps).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
 
 
 class GatedRMSNorm(nn.Module):
