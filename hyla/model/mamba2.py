@@ -24,10 +24,11 @@ decode), so with a binding limit hyla's decode follows HF's full forward, not HF
 docs/models.md). NemotronH differs: HF hard-codes its limit to ``(time_step_min, inf)``.
 
 Refused (``ValueError``): a conv activation (``hidden_act``) other than ``silu``, ``num_heads *
-head_dim`` other than ``expand * hidden_size`` (transformers refuses it too), and the legacy keys
-that would change the output norm, which transformers' Mamba2 never reads — ``rms_norm: false``
-(mamba_ssm: no norm, ``y * silu(z)``) and ``norm_before_gate: true`` — rather than serve a model
-whose norm is ambiguous. ``residual_in_fp32`` (default true: HF's residual stream in fp32 under a
+head_dim`` other than ``expand * hidden_size`` (transformers refuses it too), and ``rms_norm: false``
+(mamba_ssm: no norm, ``y * silu(z)``; transformers never reads the key and always normalises), rather
+than serve a model whose norm is ambiguous. ``norm_before_gate`` is ignored, as transformers and vLLM
+ignore it (the output norm gates first, ``norm(y * silu(z))``): Mamba-Codestral's own config says
+``true`` for weights trained gate-first (its conversion to transformers dropped the key). ``residual_in_fp32`` (default true: HF's residual stream in fp32 under a
 bf16 model) is not followed: hyla keeps the residual in the model dtype (the same numbers in fp32).
 """
 
@@ -70,9 +71,6 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if cfg.get("rms_norm") is False:
         raise ValueError("Mamba2 with rms_norm: false (no gated output norm) is not served: transformers' Mamba2 "
                          "ignores the key and always normalises, mamba_ssm would not; hyla refuses the ambiguity")
-    if cfg.get("norm_before_gate"):
-        raise ValueError("Mamba2 with norm_before_gate: true is not served: transformers' Mamba2 ignores the key "
-                         "and gates before normalising, mamba_ssm would normalise first; hyla refuses the ambiguity")
     inner = int(float(cfg.get("expand", 2)) * hidden)
     heads, head_dim = int(cfg.get("num_heads", 128)), int(cfg.get("head_dim", 64))
     if heads <= 0 or heads * head_dim != inner:
