@@ -63,6 +63,10 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 28 Mamba1 layers x (conv 8192 x 3 bf16 + SSM
         # 8192 x 16 fp32)
         ("jamba-1.5-mini", 4 * 2 * 8 * 128 * 2, 28 * (8192 * 3 * 2 + 8192 * 16 * 4)),
+        # no attention: no KV; 64 Mamba1 layers x (conv 8192 x 3 bf16 + SSM 8192 x 16 fp32)
+        ("falcon-mamba-7b", 0, 64 * (8192 * 3 * 2 + 8192 * 16 * 4)),
+        # no attention: no KV; 64 Mamba2 layers x (conv (8192 + 2*8*128) x 3 bf16 + SSM 128 x 64 x 128 fp32)
+        ("mamba-codestral-7b", 0, 64 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -105,6 +109,26 @@ def test_pure_attention_model_is_rejected():
     cfg = ModelConfig.from_hf({**HF_CONFIGS["qwen3-next-80b-a3b"], "layer_types": ["full_attention"] * 48})
     with pytest.raises(ValueError, match="hybrid model"):
         from_model_config(cfg, "dense")
+
+
+def test_a_pure_state_space_model_caches_checkpoints_alone():
+    """No KV bytes: its accounting KV pool is token indices alone (the engine's, ``split_memory``),
+    and a cache is checkpoints; the simulator hits at a checkpoint's exact position."""
+    from hyla.cache.memory import INDEX_ONLY_KV_TOKENS
+    from hyla.sim.simulator import SimConfig, Simulator
+    from hyla.sim.trace import TraceRequest
+
+    m = resolve_model("falcon-mamba-7b")
+    assert m.kv_bytes_per_token == 0 and m.state_to_kv_ratio() == float("inf")
+    kv, state = m.make_pools(10**9)
+    assert kv.size == INDEX_ONLY_KV_TOKENS and state.size == 10**9 // m.state_bytes_per_slot
+    sim = Simulator(SimConfig(m, "hyla", 10**9))
+    first = TraceRequest(0, 0, 0.0, list(range(1, 301)), list(range(1000, 1040)))
+    second = TraceRequest(0, 1, 9.0, list(range(1, 301)) + list(range(1000, 1040)) + [7, 8], [5])
+    assert sim.serve(first).cached_tokens == 0
+    assert sim.serve(second).cached_tokens == 339  # the first turn's end: prompt + output, less its last token
+    assert sim.kv_bytes() == 0 and 0 < sim.state_bytes() <= 10**9
+    sim.tree.check_integrity()
 
 
 def test_accounting_pools_use_the_model_layout():

@@ -27,6 +27,9 @@ Presets (``PRESETS``):
   state is its short convolutions' conv windows alone (80 KiB per checkpoint). Kimi-Linear's MLA
   layers cache the 576-wide latent per token (7 layers: 7.9 KiB per token). Jamba's Mamba1 states
   are ``[8192, 16]`` per layer (a decay per channel and state), 28 layers: 15.3 MiB per checkpoint.
+* ``falcon-mamba-7b``, ``mamba-codestral-7b``: pure state-space models (64 Mamba1 / Mamba2 layers, no
+  attention): no KV bytes at all, so a cache is checkpoints alone and a hit is one at the exact
+  position (FalconMamba 35 MiB a checkpoint, Codestral 260 MiB).
 
 Any other ``config.json`` path goes through the same parser.
 """
@@ -34,6 +37,7 @@ Any other ``config.json`` path goes through the same parser.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -42,6 +46,7 @@ import torch
 
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
+from hyla.cache.memory import INDEX_ONLY_KV_TOKENS
 from hyla.cache.state_pool import StatePool
 
 
@@ -59,10 +64,10 @@ class CostModel:
     vocab_size: int | None = None  # the config's; None: unknown (marconi-7b). The engine replay checks ids against it.
 
     def __post_init__(self) -> None:
-        if self.kv_bytes_per_token <= 0 or self.state_bytes_per_slot <= 0:
+        if self.kv_bytes_per_token < 0 or self.state_bytes_per_slot <= 0:
             raise ValueError(
-                f"{self.name}: the simulator needs a hybrid model with both KV ({self.kv_bytes_per_token} B/token) "
-                f"and recurrent state ({self.state_bytes_per_slot} B/slot)"
+                f"{self.name}: the simulator needs a hybrid model with recurrent state ({self.state_bytes_per_slot} "
+                f"B/slot; KV {self.kv_bytes_per_token} B/token, none for a pure state-space model)"
             )
 
     @property
@@ -89,12 +94,14 @@ class CostModel:
         return extend_len * self.flops_per_token_base + self.attention_context_flops * contexts
 
     def state_to_kv_ratio(self) -> float:
-        """How many tokens of KV one state checkpoint costs (~409 for marconi-7b)."""
-        return self.state_bytes_per_slot / self.kv_bytes_per_token
+        """How many tokens of KV one state checkpoint costs (~409 for marconi-7b; infinite for a pure
+        state-space model, whose tokens cost nothing)."""
+        return self.state_bytes_per_slot / self.kv_bytes_per_token if self.kv_bytes_per_token else math.inf
 
     def make_pools(self, cache_bytes: int) -> tuple[KVPool, StatePool]:
-        """Accounting pools that could each hold the whole budget (the simulator enforces the sum)."""
-        num_tokens = cache_bytes // self.kv_bytes_per_token
+        """Accounting pools that could each hold the whole budget (the simulator enforces the sum); a
+        pure state-space model's KV pool is token indices alone, as the engine's (``split_memory``)."""
+        num_tokens = cache_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else INDEX_ONLY_KV_TOKENS
         num_slots = cache_bytes // self.state_bytes_per_slot
         if num_tokens < 1 or num_slots < 1:
             raise ValueError(f"a cache of {cache_bytes} bytes cannot hold one state of {self.name} "
@@ -149,7 +156,8 @@ def _preset_from_hf(name: str) -> CostModel:
 
 
 PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small",
-           "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini")
+           "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini", "falcon-mamba-7b",
+           "mamba-codestral-7b")
 
 
 def resolve_model(spec: str) -> CostModel:

@@ -2,7 +2,7 @@
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
 as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
-LFM2-1.2B and Jamba-1.5-Mini keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+LFM2-1.2B, Jamba-1.5-Mini, Falcon-Mamba-7B and Mamba-Codestral-7B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -331,6 +331,55 @@ JAMBA_1_5_MINI: dict[str, Any] = {
     "vocab_size": 65536,
 }
 
+# tiiuae/falcon-mamba-7b: 64 Mamba1 layers (4096 wide, 8192 inner, state 16, dt rank 256, weightless
+# dt/B/C norms), no attention; vocabulary 65024, bf16. Its sizes only (init-only keys left out).
+FALCON_MAMBA_7B: dict[str, Any] = {
+    "architectures": ["FalconMambaForCausalLM"],
+    "conv_kernel": 4,
+    "expand": 16,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "intermediate_size": 8192,
+    "layer_norm_epsilon": 1e-05,
+    "mixer_rms_eps": 1e-06,
+    "model_type": "falcon_mamba",
+    "num_hidden_layers": 64,
+    "residual_in_fp32": True,
+    "state_size": 16,
+    "tie_word_embeddings": False,
+    "time_step_rank": 256,
+    "torch_dtype": "bfloat16",
+    "use_bias": False,
+    "use_conv_bias": True,
+    "vocab_size": 65024,
+}
+
+# mistralai/Mamba-Codestral-7B-v0.1: 64 Mamba2 layers (4096 wide, 128 heads of 64, 8 groups, state 128),
+# no attention; vocabulary 32768, bf16. Its sizes only (init-only keys left out).
+MAMBA_CODESTRAL_7B: dict[str, Any] = {
+    "architectures": ["Mamba2ForCausalLM"],
+    "chunk_size": 256,
+    "conv_kernel": 4,
+    "expand": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "layer_norm_epsilon": 1e-05,
+    "model_type": "mamba2",
+    "n_groups": 8,
+    "norm_before_gate": True,
+    "num_heads": 128,
+    "num_hidden_layers": 64,
+    "residual_in_fp32": True,
+    "rms_norm": True,
+    "state_size": 128,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_bias": False,
+    "use_conv_bias": True,
+    "vocab_size": 32768,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -340,4 +389,6 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2-1.2b": LFM2_1_2B,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
     "jamba-1.5-mini": JAMBA_1_5_MINI,
+    "falcon-mamba-7b": FALCON_MAMBA_7B,
+    "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
 }
