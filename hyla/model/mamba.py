@@ -84,6 +84,26 @@ class FalconMambaForCausalLM(MambaForCausalLM):
 # ------------------------------------------------------------------------------------------------
 # config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
 # ------------------------------------------------------------------------------------------------
+def backbone_fields(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields every pure state-space backbone shares (Mamba's, FalconMamba's,
+    Mamba2's): one recurrent mixer a layer and no feed-forward, HF's ``layer_norm_epsilon`` norms, the
+    conv's width and bias (``conv_kernel``, ``use_conv_bias``), ``use_bias`` on the projections.
+    Raises ``ValueError`` for a conv activation (``hidden_act``) other than ``silu``."""
+    num_layers = int(hf_require(cfg, "num_hidden_layers"))
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} for {name} (its conv's activation; hyla runs 'silu')")
+    return dict(
+        layer_types=("linear",) * num_layers,
+        ffn_types=("none",) * num_layers,
+        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
+        zero_centered_norm=False,
+        conv_kernel=int(cfg.get("conv_kernel", 4)),
+        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
+        mamba_proj_bias=bool(cfg.get("use_bias", False)),
+    )
+
+
 def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
     """``ModelConfig`` fields of a Mamba or FalconMamba ``config.json`` (HF ``MambaConfig`` /
     ``FalconMambaConfig`` keys and defaults). Raises ``ValueError`` for a conv activation other than
@@ -92,11 +112,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     name = "FalconMamba" if falcon else "Mamba"
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     common["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", True))  # both HF classes tie by default
-    num_layers = int(hf_require(cfg, "num_hidden_layers"))
+    backbone = backbone_fields(cfg, name)
     hidden = int(cfg["hidden_size"])
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} for {name} (its conv's activation; hyla runs 'silu')")
     # HF: an explicit intermediate_size wins over expand * hidden_size (falcon-mamba-7b: 8192, expand 16)
     inner = cfg.get("intermediate_size")
     inner = int(float(cfg.get("expand", 2)) * hidden) if inner is None else int(inner)
@@ -108,19 +125,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
                          f"state_size ({state})")
     return dict(
         **common,
+        **backbone,
         model_type="falcon_mamba" if falcon else "mamba",
-        layer_types=("linear",) * num_layers,
-        ffn_types=("none",) * num_layers,
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        zero_centered_norm=False,
         linear_kind="mamba1",
-        conv_kernel=int(cfg.get("conv_kernel", 4)),
         ssm_state_size=state,
         mamba1_inner_size=inner,
         mamba1_dt_rank=rank,
         mamba1_bcdt_norms=falcon,
         mamba1_bcdt_norm_weights=not falcon,
         mamba1_bcdt_norm_eps=float(cfg.get("mixer_rms_eps", 1e-6)) if falcon else None,
-        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
     )

@@ -39,9 +39,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require, hf_time_step_limit
+from hyla.model.config import ModelConfig, hf_common_fields, hf_time_step_limit
 from hyla.model.layers import Mamba2Mixer
-from hyla.model.mamba import MambaForCausalLM
+from hyla.model.mamba import MambaForCausalLM, backbone_fields
 from hyla.model.weight_specs import WeightSpec, mamba2_specs
 
 
@@ -63,11 +63,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     Raises ``ValueError`` for what the module docstring lists as refused, and for a bad
     ``time_step_limit``."""
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
-    num_layers = int(hf_require(cfg, "num_hidden_layers"))
+    backbone = backbone_fields(cfg, "Mamba2")
     hidden = int(cfg["hidden_size"])
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} for Mamba2 (its conv's activation; hyla runs 'silu')")
     if cfg.get("rms_norm") is False:
         raise ValueError("Mamba2 with rms_norm: false (no gated output norm) is not served: transformers' Mamba2 "
                          "ignores the key and always normalises, mamba_ssm would not; hyla refuses the ambiguity")
@@ -81,18 +78,12 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         raise ValueError(f"Mamba2 n_groups must be positive, got {groups}")
     return dict(
         **common,
+        **backbone,
         model_type="mamba2",
-        layer_types=("linear",) * num_layers,
-        ffn_types=("none",) * num_layers,
-        norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
-        zero_centered_norm=False,
         linear_kind="mamba2",
-        conv_kernel=int(cfg.get("conv_kernel", 4)),
         mamba_num_heads=heads,
         mamba_head_dim=head_dim,
         ssm_state_size=int(cfg.get("state_size", 128)),
         mamba_n_groups=groups,  # (ModelConfig checks that it divides num_heads)
-        mamba_conv_bias=bool(cfg.get("use_conv_bias", True)),
-        mamba_proj_bias=bool(cfg.get("use_bias", False)),
         mamba_dt_limit=hf_time_step_limit(cfg),
     )
