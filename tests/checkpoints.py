@@ -1,8 +1,8 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
-``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_kimi_linear``, ``make_jamba``, ``make_mamba``,
-``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_jamba``,
+``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -140,6 +140,20 @@ LFM2_KW: dict[str, Any] = dict(
 )
 
 
+# LFM2-MoE: LFM2's mixers (short convolutions, attention at layers 1 and 3) with layer 0 dense (a SwiGLU MLP of
+# intermediate_size as given) and layers 1-3 sparse: 8 experts (top-2, sigmoid router, expert_bias perturbed away
+# from HF's zeros by perturb_constants, renormalised, scaled by 1.7), no shared expert. Untied embeddings (as LFM2_KW).
+LFM2_MOE_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+    layer_types=["conv", "full_attention", "conv", "full_attention"], num_dense_layers=1,
+    num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3, num_experts=8, num_experts_per_tok=2,
+    use_expert_bias=True, norm_topk_prob=True, routed_scaling_factor=1.7,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    max_position_embeddings=4096, norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
+
 # Kimi-Linear: KDA (4 heads of 32, conv 4) with MLA at layers 2 and 5 (4 heads, kv_lora_rank 64, nope 32 /
 # rope 32 / v 48: a 96-wide latent in the pool, 48 in K and 48 in V); layer 0 dense, then MoE of 8 experts
 # (top-2, sigmoid router) + a shared expert.
@@ -219,6 +233,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "bamba": (transformers.BambaConfig, transformers.BambaForCausalLM),
         "granitemoehybrid": (transformers.GraniteMoeHybridConfig, transformers.GraniteMoeHybridForCausalLM),
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
+        "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
@@ -276,6 +291,13 @@ def make_granite_h(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path
 def make_lfm2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``Lfm2ForCausalLM`` (6 layers: short convolutions, attention at 2 and 4, SwiGLU MLP in each)."""
     return _build("lfm2", tmp_dir, seed, {**LFM2_KW, **overrides})
+
+
+def make_lfm2_moe(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Lfm2MoeForCausalLM`` (4 layers: short convolutions, attention at 1 and 3; a SwiGLU MLP in layer 0,
+    then MoE of 8 experts, top-2, with a nonzero expert bias), saved as transformers writes it (per-expert
+    ``w1/w3/w2`` tensors, LiquidAI's layout)."""
+    return _build("lfm2_moe", tmp_dir, seed, {**LFM2_MOE_KW, **overrides})
 
 
 def make_kimi_linear(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -202,6 +202,9 @@ falcon_h1_path = _tiny_checkpoint("falcon_h1_path", checkpoints.make_falcon_h1)
 bamba_path = _tiny_checkpoint("bamba_path", checkpoints.make_bamba)
 granite_h_path = _tiny_checkpoint("granite_h_path", checkpoints.make_granite_h)
 lfm2_path = _tiny_checkpoint("lfm2_path", checkpoints.make_lfm2)
+lfm2_moe_path = _tiny_checkpoint("lfm2_moe_path", checkpoints.make_lfm2_moe)
+lfm2_moe_short_path = _tiny_checkpoint("lfm2_moe_short_path", checkpoints.make_lfm2_moe, num_hidden_layers=2,
+                                       layer_types=["conv", "full_attention"])  # MLP, then MoE
 kimi_linear_path = _tiny_checkpoint("kimi_linear_path", checkpoints.make_kimi_linear)
 kimi_linear_short_path = _tiny_checkpoint("kimi_linear_short_path", checkpoints.make_kimi_linear, num_hidden_layers=2,
                                           layer_types=["linear_attention", "full_attention"])  # MLP, then MoE

@@ -206,6 +206,8 @@ DIFFERENTIALS = [
     pytest.param("qwen3_5_moe", 8, {}, id="qwen3_5_moe"),
     # conv-only states: checkpoints, forks and copies of the conv windows, empty SSM buffers
     pytest.param("lfm2", 9, {}, id="lfm2"),
+    # LFM2's conv windows with sigmoid-routed MoE layers (expert bias, renormalised, scaled)
+    pytest.param("lfm2_moe", 17, {}, id="lfm2_moe"),
     # KDA states (per-channel decay) checkpointed at any position; MLA's latent cached half in K, half in V
     pytest.param("kimi_linear", 10, dict(max_total_tokens=450), id="kimi_linear"),  # (at 500 it retracts nothing)
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE

@@ -537,13 +537,15 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 # 2 pairs here) in the CUDA graphs, against a PyTorch side that sorts them by expert. Falcon-H1 runs on
 # the CPU too, with 2 requests (~20 s): its layer's own fused forward (both mixers' out projections run
 # before their sum) is checked nowhere else.
-# LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel
+# LFM2 too (~0.5 minute): its conv kernel without activation is checked in test_conv1d_update_kernel; LFM2-MoE
+# (~17 s interpreted): its sigmoid router runs in PyTorch on every path, its experts' kernels are Kimi-Linear's and
+# Jamba's here, and test_fused_extend runs it interpreted
 # FalconMamba (~5 s): layers of a Mamba1 mixer alone (no FFN after it), the weightless dt/B/C norms in the fused step
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba", "kimi_linear",
-                                  "falcon_mamba"])
+                                  "falcon_mamba", pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
@@ -584,7 +586,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
                            graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
     assert replays["n"] > 0 or GPU
-    if arch in ("nemotron_h", "jamba", "kimi_linear"):  # models with MoE layers: steps of more than one
+    if arch in ("nemotron_h", "jamba", "kimi_linear", "lfm2_moe"):  # models with MoE layers: steps of more than one
         assert grouped  # request ran grouped (on the CPU those replaying graphs, as a GPU's would)
     assert gemv_calls  # the in projections of the batch-1 steps (Falcon-H1's mixers' out projections too)
     n = compare_outputs(a, b)
@@ -630,7 +632,8 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
                                   pytest.param("lfm2", marks=pytest.mark.gpu), "jamba",
-                                  pytest.param("kimi_linear", marks=pytest.mark.gpu)])
+                                  pytest.param("kimi_linear", marks=pytest.mark.gpu),
+                                  pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):
     """Speculation with verify steps as padded chains through the fused decode kernels
     (``ModelRunner.forward_chains`` on a fused runner: each request's tokens are decode rows, its

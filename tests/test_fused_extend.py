@@ -131,15 +131,16 @@ def few_splits(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "qwen3_5_moe", "jamba", "kimi_linear", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "qwen3_5_moe", "jamba", "kimi_linear", "lfm2", "lfm2_moe"])
 def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
     """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
     token counts, checkpoints written by the segment kernels, attention over the request table)
     == the PyTorch extend, token for token, logprobs within 1e-4 (Gated DeltaNet with attention:
     Qwen3.5; Mamba2 with attention: Bamba; Qwen3.5 with MoE layers, whose experts run grouped as on
     a GPU, ``moe.expert_gemm``: the CPU's PyTorch side sorts them by expert; Mamba1 with attention
-    and MoE layers: Jamba; KDA and MLA: Kimi-Linear; LFM2's gated short conv), and the fused extends
-    did run."""
+    and MoE layers: Jamba; KDA and MLA: Kimi-Linear; LFM2's gated short conv; LFM2-MoE's, beside MoE
+    layers whose sigmoid router runs in the model dtype, biased, renormalised with +1e-6), and the fused
+    extends did run."""
     from hyla.model.layers import SparseMoE
 
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")

@@ -15,6 +15,7 @@ from checkpoints import (
     GRANITE_H_KW,
     KIMI_LINEAR_KW,
     LFM2_KW,
+    LFM2_MOE_KW,
     MAMBA2_KW,
     MAMBA_KW,
     NEMOTRON_H_KW,
@@ -437,7 +438,7 @@ def test_lfm2_layout_conv_only_state_and_legacy_keys(lfm2):
     # HF's defaults and legacy keys: attention at full_attn_idxs (every layer without it), block_ff_dim and
     # tie_embedding win, default theta 1e6, no auto-adjust keeps the width
     base = {"architectures": ["Lfm2ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 4,
-            "num_attention_heads": 4}
+            "num_attention_heads": 16}
     legacy = ModelConfig.from_hf({**base, "full_attn_idxs": [1], "block_ff_dim": 96, "intermediate_size": 10,
                                   "tie_embedding": False, "tie_word_embeddings": True, "conv_bias": True,
                                   "block_auto_adjust_ff_dim": False, "conv_L_cache": 4})
@@ -446,7 +447,7 @@ def test_lfm2_layout_conv_only_state_and_legacy_keys(lfm2):
     bare = ModelConfig.from_hf(base)
     assert bare.layer_types == ("attention",) * 4 and bare.num_linear_layers == 0  # HF: all attention
     assert bare.intermediate_size == 8192 and bare.tie_word_embeddings and bare.max_position_embeddings == 128_000
-    assert bare.rope_theta == 1e6 and bare.num_kv_heads == 4 and bare.head_dim == 8
+    assert bare.rope_theta == 1e6 and bare.num_kv_heads == 8 and bare.head_dim == 2  # HF: 8 KV heads by default
     no_multiplier = ModelConfig.from_hf({**base, "intermediate_size": 100, "block_ffn_dim_multiplier": None})
     assert no_multiplier.intermediate_size == 66  # int(2/3 * 100), HF rounds only with a multiplier
 
@@ -478,6 +479,94 @@ def test_lfm2_state_shapes_match_hf_cache_and_flops(lfm2):
 def test_lfm2_bad_configs_are_value_errors(lfm2, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**lfm2.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def lfm2_moe() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Lfm2MoeConfig(**LFM2_MOE_KW), "Lfm2MoeForCausalLM"))
+
+
+def test_lfm2_moe_layout_router_and_hf_defaults(lfm2_moe):
+    c = lfm2_moe
+    assert c.model_type == "lfm2_moe" and c.linear_kind == "short_conv"
+    assert c.layer_types == ("linear", "attention", "linear", "attention")
+    assert c.ffn_types == ("mlp", "moe", "moe", "moe")  # num_dense_layers = 1
+    assert c.intermediate_size == 256  # as given: LFM2's block_auto_adjust_ff_dim rule is not LFM2-MoE's
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == \
+        (8, 2, 64, 0)
+    assert c.router == "sigmoid" and c.router_bias and c.norm_topk_prob and c.routed_scaling_factor == 1.7
+    # HF's Lfm2MoeTopKRouter: w / (sum + 1e-6), logits and sigmoid in the model dtype, no groups
+    assert c.router_norm_eps == 1e-6 and not c.router_fp32 and (c.router_num_groups, c.router_topk_groups) == (1, 1)
+    assert c.conv_shape == (128, 2) and c.ssm_shape == (0,) and c.qk_norm and c.rotary_dim == 32
+    assert not c.tie_word_embeddings and c.rope_theta == 1e6 and c.norm_eps == 1e-5
+    # the published LFM2-8B-A1B config.json (transformers 4.57's spelling: tie_embedding, top-level rope_theta)
+    layer_types = ["conv"] * 24
+    for i in (2, 6, 10, 14, 18, 21):
+        layer_types[i] = "full_attention"
+    published = {
+        "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": 65536, "hidden_size": 2048,
+        "intermediate_size": 7168, "moe_intermediate_size": 1792, "num_hidden_layers": 24, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "layer_types": layer_types, "conv_L_cache": 3, "conv_bias": False, "norm_eps": 1e-5,
+        "rope_theta": 1e6, "max_position_embeddings": 128000, "num_dense_layers": 2, "num_experts": 32,
+        "num_experts_per_tok": 4, "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+        "tie_embedding": True, "bos_token_id": 1, "eos_token_id": 7, "pad_token_id": 0, "dtype": "bfloat16",
+    }
+    big = ModelConfig.from_hf(published)
+    assert big.ffn_types == ("mlp",) * 2 + ("moe",) * 22 and big.num_attention_layers == 6
+    assert (big.num_experts, big.num_experts_per_tok, big.moe_intermediate_size, big.intermediate_size) == \
+        (32, 4, 1792, 7168)
+    assert big.tie_word_embeddings and big.eos_token_ids == (7,) and big.dtype == torch.bfloat16
+    assert big.cache_layout.state_bytes_per_slot == 18 * 2048 * 2 * 2  # 18 conv windows of [2048, 2], bf16
+    # HF's defaults (checked against Lfm2MoeConfig's own), LFM2's block_* width keys not read, tie_embedding wins
+    base = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 16,
+            "layer_types": ["conv", "full_attention", "conv"], "block_ff_dim": 96, "block_auto_adjust_ff_dim": True}
+    ref = transformers.Lfm2MoeConfig(**base)
+    bare = ModelConfig.from_hf({**base, "architectures": ["Lfm2MoeForCausalLM"]})
+    assert bare.ffn_types == ("mlp", "mlp", "moe") and ref.num_dense_layers == 2
+    assert (bare.intermediate_size, bare.moe_intermediate_size) == (ref.intermediate_size, ref.moe_intermediate_size)
+    assert (bare.num_experts, bare.num_experts_per_tok) == (ref.num_experts, ref.num_experts_per_tok) == (32, 4)
+    assert bare.router_bias == ref.use_expert_bias and bare.norm_topk_prob == ref.norm_topk_prob
+    assert bare.routed_scaling_factor == ref.routed_scaling_factor and bare.norm_eps == ref.norm_eps
+    assert bare.tie_word_embeddings == ref.tie_word_embeddings and bare.rope_theta == ref.rope_parameters["rope_theta"]
+    assert bare.max_position_embeddings == ref.max_position_embeddings and bare.num_kv_heads == ref.num_key_value_heads
+    off = ModelConfig.from_hf({**base, "model_type": "lfm2_moe", "use_expert_bias": False, "norm_topk_prob": False,
+                               "tie_embedding": False, "tie_word_embeddings": True, "num_dense_layers": 0})
+    assert off.architecture == "Lfm2MoeForCausalLM" and off.ffn_types == ("moe",) * 3
+    assert not off.router_bias and not off.norm_topk_prob and not off.tie_word_embeddings
+    dense = ModelConfig.from_hf({**base, "architectures": ["Lfm2MoeForCausalLM"], "num_dense_layers": 5})
+    assert dense.ffn_types == ("mlp",) * 3 and dense.num_experts == 0  # every layer dense: no experts at all
+
+
+def test_lfm2_moe_state_shapes_match_hf_cache_and_flops(lfm2_moe):
+    c = lfm2_moe
+    model = transformers.Lfm2MoeForCausalLM(transformers.Lfm2MoeConfig(**LFM2_MOE_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    cache = out["cache"]
+    assert tuple(cache.layers[0].conv_states[0].shape[1:]) == (c.conv_shape[0], c.conv_shape[1] + 1)  # HF: K, hyla K-1
+    assert tuple(cache.layers[1].keys.shape[1::2]) == (c.num_kv_heads, c.head_dim)
+    h = 128
+    f1 = c.flops_per_token(1)
+    assert f1.linear == pytest.approx(2 * (2 * h * 3 * h + 2 * h * h + 2 * h * 3))
+    assert f1.mlp == pytest.approx(2 * 3 * h * 256)  # the one dense layer
+    assert f1.moe == pytest.approx(3 * (2 * h * 8 + 2 * 2 * 3 * h * 64))  # router + 2 active experts, 3 layers
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"layer_types": None}, "needs layer_types"),
+    ({"layer_types": None, "full_attn_idxs": [1]}, "needs layer_types"),  # HF's Lfm2MoeConfig cannot build it
+    ({"layer_types": ["conv"] * 3}, "num_hidden_layers"),
+    ({"layer_types": ["conv"] * 3 + ["sliding_attention"]}, "conv' or 'full_attention"),
+    ({"num_experts": 0}, "num_experts"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"moe_intermediate_size": 0}, "moe_intermediate_size"),
+    ({"intermediate_size": 0}, "intermediate_size"),
+    ({"conv_L_cache": 1}, "conv_L_cache"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+])
+def test_lfm2_moe_bad_configs_are_value_errors(lfm2_moe, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**lfm2_moe.extra["hf_config"], **bad})
 
 
 @pytest.fixture(scope="module")

@@ -67,7 +67,8 @@ def run_experts_as_a_gpu(monkeypatch, path: str, max_rows: int | None = None) ->
 
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_5_path", "nemotron_h_dense_path",
                                   "qwen3_next_moe_path:gathered", "nemotron_h_path:gathered",
-                                  "qwen3_next_moe_path:grouped", "kimi_linear_path:gathered"])
+                                  "qwen3_next_moe_path:grouped", "kimi_linear_path:gathered",
+                                  "lfm2_moe_short_path:grouped"])
 @torch.no_grad()
 def test_decode_forward_reads_nothing_back_from_the_device(ckpt, request, monkeypatch):
     """Models with MoE layers too, whose experts run as on a GPU, gathered or grouped

@@ -1,5 +1,6 @@
 """Layers against the Hugging Face modules they reimplement (MoE routers incl. NemotronH's grouped
-routing and latent projection, norms, partial RoPE), and model-level batch rules."""
+routing and latent projection and LFM2-MoE's model-dtype router, norms, partial RoPE), and model-level
+batch rules."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import os
 import pytest
 import torch
 import transformers
-from checkpoints import NEMOTRON_H_KW, QWEN3_NEXT_KW, Seq, TinyRunner
+from checkpoints import LFM2_MOE_KW, NEMOTRON_H_KW, QWEN3_NEXT_KW, Seq, TinyRunner
+from transformers.models.lfm2_moe import modeling_lfm2_moe as hf_lfm2_moe
 from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
 
@@ -81,6 +83,60 @@ def test_nemotron_h_grouped_router_and_latent_moe_match_hf():
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias, renormalise", [(True, True), (False, False)])
+@torch.no_grad()
+def test_lfm2_moe_block_matches_hf(dtype, bias, renormalise):
+    """LFM2-MoE's sparse block: sigmoid router (logits and sigmoid in the model dtype), top-k on the
+    scores plus the fp32 ``expert_bias`` (or on the scores alone), ``w / (sum + 1e-6)`` where
+    renormalised, times ``routed_scaling_factor``; SwiGLU experts from HF's fused ``gate_up_proj``. The
+    same experts as HF's router and the same weights (bf16: within its rounding, HF normalising in bf16),
+    the same output. In bf16 with the bias, HF's rounded scores choose other experts than fp32 scores would
+    for some tokens (what ``router_fp32 = False`` is for)."""
+    kw = {**LFM2_MOE_KW, "use_expert_bias": bias, "norm_topk_prob": renormalise}
+    hf_cfg, cfg = config_pair(transformers.Lfm2MoeConfig, kw, "Lfm2MoeForCausalLM")
+    ref = hf_lfm2_moe.Lfm2MoeSparseMoeBlock(hf_cfg).eval()
+    randomize(ref, 5)
+    expert_bias = ref.expert_bias.clone() if bias else None  # fp32, as HF keeps it in a bf16 model
+    ref.to(dtype)
+    moe = SparseMoE(cfg.with_dtype(dtype))
+    assert (moe.e_score_correction_bias is None) == (not bias) and not moe.router_fp32 and moe.norm_eps == 1e-6
+    moe.router.weight.copy_(ref.gate.weight)
+    moe.w_in.copy_(ref.experts.gate_up_proj)  # [E, 2I, H]: gate rows then up rows
+    moe.w_out.copy_(ref.experts.down_proj)
+    if bias:
+        ref.expert_bias = expert_bias
+        moe.e_score_correction_bias.copy_(expert_bias)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(0)).to(dtype)
+    weights, experts = moe.route(x)
+    _, ref_weights, ref_experts = ref.gate(x, expert_bias)
+    order, ref_order = experts.argsort(-1), ref_experts.argsort(-1)
+    # bf16 without the bias: scores rounded to bf16 tie now and then, and a tie may go either way
+    ties = dtype == torch.bfloat16 and not bias
+    same = (experts.gather(1, order) == ref_experts.gather(1, ref_order)).all(-1)  # [T]
+    assert bool(same.all()) or (ties and same.float().mean() > 0.9)
+    atol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(weights.gather(1, order)[same], ref_weights.gather(1, ref_order)[same].float(),
+                               rtol=0, atol=atol)
+    got, want = moe(x).float(), ref(x[None])[0].float()
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert (got - want)[same].abs().max() <= tol * want.abs().max()
+    if dtype == torch.bfloat16 and bias:  # the same router with fp32 logits and sigmoid: other experts somewhere
+        moe.router_fp32 = True
+        assert not torch.equal(moe.route(x)[1].sort(-1).values, ref_experts.sort(-1).values)
+        moe.router_fp32 = False
+    # logits ~ -19: every score ~5e-9, far below the renormalisation's eps 1e-6, which then dominates (as in HF)
+    far = -0.15 + 0.01 * torch.randn(ref.gate.weight.shape, generator=torch.Generator().manual_seed(1))
+    ref.gate.weight.copy_(far)
+    moe.router.weight.copy_(ref.gate.weight)
+    ones = torch.ones(4, 128, dtype=dtype)
+    weights, experts = moe.route(ones)
+    _, ref_weights, ref_experts = ref.gate(ones, expert_bias)
+    assert torch.equal(experts.sort(-1).values, ref_experts.sort(-1).values)
+    torch.testing.assert_close(weights.sort(-1).values, ref_weights.float().sort(-1).values, rtol=2e-2, atol=0)
+    assert float(weights.sum(-1).max()) < 0.1  # 1.7 with an eps of 1e-20, where renormalised
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
 def test_expert_paths_equal_the_per_token_loop(arch):
     """Sorted by expert (eager, and as the op a compiled graph calls), gathered per assignment (a
@@ -118,13 +174,14 @@ def test_expert_paths_equal_the_per_token_loop(arch):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the GPU code path on CPU tensors needs Triton's interpreter")
-@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "lfm2_moe"])
 @pytest.mark.parametrize("gather_max, fused", [(64, False), (0, False), (64, True), (0, True)])
 def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, monkeypatch):
     """The whole layer as a GPU runs it (``device.on_gpu``; the kernels interpreted): the softmax
     router in one kernel (``moe.softmax_topk``), the experts gathered or grouped, and the weighted sum
     with the shared expert and its gate in one (``moe.combine``); NemotronH's sigmoid router and latent
-    projections around the experts keep their PyTorch ops. With the input projections fused as a GPU
+    projections around the experts keep their PyTorch ops, as LFM2-MoE's router (model-dtype logits, no
+    shared expert: the combine kernel's weighted sum alone). With the input projections fused as a GPU
     runner fuses them (``SparseMoE.fuse_inputs_``: Qwen3-Next's router, gate and shared in projection
     one weight, theirs views of it; the state dict unchanged) too, and on a one-row GEMV step. ==
     the CPU's layer within fp32 rounding."""
@@ -132,13 +189,15 @@ def test_moe_layer_on_the_gpu_path_equals_the_cpu_path(arch, gather_max, fused, 
 
     if arch == "qwen3_next":
         _, cfg = config_pair(transformers.Qwen3NextConfig, QWEN3_NEXT_KW, "Qwen3NextForCausalLM")
+    elif arch == "lfm2_moe":
+        _, cfg = config_pair(transformers.Lfm2MoeConfig, LFM2_MOE_KW, "Lfm2MoeForCausalLM")
     else:
         kw = {**NEMOTRON_H_KW, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 3,
               "moe_latent_size": 64}
         _, cfg = config_pair(transformers.NemotronHConfig, kw, "NemotronHForCausalLM")
     moe = SparseMoE(cfg)
     randomize(moe, 4)
-    x = torch.randn(9, 256)
+    x = torch.randn(9, cfg.hidden_size)
     with torch.no_grad():
         want = moe(x)
         if fused:

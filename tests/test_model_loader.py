@@ -338,6 +338,43 @@ def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear
     assert torch.equal(prefill_logits(moonshot, IDS), prefill_logits(fused, IDS))
 
 
+def test_lfm2_moe_reads_per_expert_and_fused_experts(lfm2_moe_path, tmp_path):
+    """LiquidAI's per-expert layout (what save_pretrained writes: feed_forward.experts.{e}.w1/w3/w2) and
+    transformers' in-memory state dict (experts.gate_up_proj [E, 2I, H] = [gate | up], down_proj [E, H, I])
+    load the same weights; the router is feed_forward.gate, its bias the block's fp32 expert_bias; the dense
+    layer's MLP is LFM2's w1/w3/w2. A checkpoint without the bias is refused unless use_expert_bias is off."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_moe_path, dtype=torch.float32)
+    in_memory = tmp_path / "in_memory"
+    in_memory.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, in_memory / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(lfm2_moe_path / "config.json", in_memory / "config.json")
+    assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
+    per_expert, fused = load_model(lfm2_moe_path), load_model(in_memory)
+    for (name, a), (_, b) in zip(per_expert.state_dict().items(), fused.state_dict().items()):
+        assert torch.equal(a, b), name
+    raw = load_file(lfm2_moe_path / "model.safetensors")
+    moe, mlp = per_expert.layers[1].ffn, per_expert.layers[0].ffn
+    src = "model.layers.1.feed_forward"
+    gate, up = moe.w_in[3].chunk(2)  # [2I, H]: [gate | up]
+    assert torch.equal(gate, raw[f"{src}.experts.3.w1.weight"]) and torch.equal(up, raw[f"{src}.experts.3.w3.weight"])
+    assert torch.equal(moe.w_out[3], raw[f"{src}.experts.3.w2.weight"])
+    assert torch.equal(moe.router.weight, raw[f"{src}.gate.weight"]) and moe.shared_expert is None
+    assert moe.e_score_correction_bias.dtype == torch.float32 and bool(moe.e_score_correction_bias.ne(0).all())
+    assert torch.equal(moe.e_score_correction_bias, raw[f"{src}.expert_bias"])
+    assert torch.equal(mlp.in_proj.weight.chunk(2)[1], raw["model.layers.0.feed_forward.w3.weight"])
+    assert torch.equal(prefill_logits(per_expert, IDS), prefill_logits(fused, IDS))
+
+    def drop_bias(t):
+        return {k: v for k, v in t.items() if not k.endswith("expert_bias")}
+
+    with pytest.raises(ValueError, match=r"lacks tensor\(s\) .*layers\.1\.feed_forward\.expert_bias"):
+        load_model(rewrite(lfm2_moe_path, tmp_path / "no_bias", edit_tensors=drop_bias))
+    unbiased = load_model(rewrite(lfm2_moe_path, tmp_path / "unbiased", edit_tensors=drop_bias,
+                                  edit_config=lambda c: {**c, "use_expert_bias": False}))
+    assert unbiased.layers[1].ffn.e_score_correction_bias is None
+
+
 def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,
                                                             tmp_path):
     """``check_weights`` + ``copy_weights_`` (a weight update): the model computes what the new checkpoint

@@ -1,7 +1,7 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2, Kimi-Linear, Jamba, and the pure state-space models Mamba, FalconMamba, Mamba2):
+Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Jamba, and the pure state-space models Mamba, FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -24,6 +24,7 @@ from checkpoints import (
     make_granite_h,
     make_kimi_linear,
     make_lfm2,
+    make_lfm2_moe,
     make_mamba,
     make_mamba2,
     make_nemotron_h,
@@ -35,7 +36,7 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "kimi_linear", "jamba", "mamba", "falcon_mamba", "mamba2"]
+         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "jamba", "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -319,6 +320,13 @@ VARIANTS = {
         d, seed=1, conv_bias=True, conv_L_cache=4, tie_word_embeddings=False, layer_types=None,
         full_attn_idxs=[0, 3], num_hidden_layers=5, block_auto_adjust_ff_dim=False, intermediate_size=384,
         num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    ),
+    # no expert bias (the top-k of the sigmoid scores themselves), weights not renormalised, two dense layers, top-3
+    # of 6 experts, conv biases, a 4-wide conv, tied embeddings, attention first
+    "lfm2_moe_variant": lambda d: make_lfm2_moe(
+        d, seed=1, use_expert_bias=False, norm_topk_prob=False, num_dense_layers=2, num_experts=6,
+        num_experts_per_tok=3, routed_scaling_factor=0.8, conv_bias=True, conv_L_cache=4, tie_word_embeddings=True,
+        num_hidden_layers=4, layer_types=["full_attention", "conv", "conv", "full_attention"],
     ),
     # low-rank q (q_a/q_b), attention biases, an odd 79-wide latent (63 + 16: zero-padded in the pool), grouped
     # routing (top-3 within the best 2 of 4 groups), other scaling, dense and sparse layers interleaved, MLA

@@ -22,6 +22,7 @@ from hyla.model import (
     jamba,
     kimi_linear,
     lfm2,
+    lfm2_moe,
     mamba,
     mamba2,
     nemotron_h,
@@ -58,6 +59,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GraniteMoeHybridForCausalLM": Architecture(
         granitemoehybrid.GraniteMoeHybridForCausalLM, granitemoehybrid.parse_hf_config, "granitemoehybrid"),
     "Lfm2ForCausalLM": Architecture(lfm2.Lfm2ForCausalLM, lfm2.parse_hf_config, "lfm2"),
+    "Lfm2MoeForCausalLM": Architecture(lfm2_moe.Lfm2MoeForCausalLM, lfm2_moe.parse_hf_config, "lfm2_moe"),
     "KimiLinearForCausalLM": Architecture(
         kimi_linear.KimiLinearForCausalLM, kimi_linear.parse_hf_config, "kimi_linear"),
     "JambaForCausalLM": Architecture(jamba.JambaForCausalLM, jamba.parse_hf_config, "jamba"),

@@ -96,7 +96,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
-    # | "kimi_linear" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
+    # | "lfm2_moe" | "kimi_linear" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -173,6 +173,13 @@ class ModelConfig:
     shared_expert_gate: bool = False  # Qwen: shared expert output scaled by sigmoid(gate(x))
     norm_topk_prob: bool = True
     router: str = "softmax"  # "softmax" (Qwen) | "sigmoid" (NemotronH, with score-correction bias)
+    # the sigmoid router's options: the choice adds e_score_correction_bias (False: LFM2-MoE's use_expert_bias
+    # off, the top-k of the scores themselves); the renormalisation's w / (sum + eps) (NemotronH, Kimi-Linear:
+    # 1e-20; LFM2-MoE: 1e-6); logits and sigmoid in fp32 (NemotronH, Kimi-Linear) or in the model dtype, then fp32
+    # (LFM2-MoE, as transformers' Lfm2MoeTopKRouter: the choice sees the same rounded scores)
+    router_bias: bool = True
+    router_norm_eps: float = 1e-20
+    router_fp32: bool = True
     router_num_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0

@@ -101,7 +101,7 @@ class Lfm2ForCausalLM(HybridForCausalLM):
             specs += [
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.operator_norm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.ffn_norm.weight"),
-                *mlp_specs(f"{t}.ffn", f"{s}.feed_forward", in_proj=("w1", "w3"), out_proj="w2"),  # [gate | up], down
+                *cls.ffn_specs(c, i, f"{t}.ffn", f"{s}.feed_forward"),
             ]
             if kind == "attention":
                 specs += attention_specs(c, f"{t}.mixer", f"{s}.self_attn", o_proj="out_proj",
@@ -117,6 +117,12 @@ class Lfm2ForCausalLM(HybridForCausalLM):
                     specs.append(WeightSpec(f"{t}.mixer.conv_bias", (f"{conv}.conv.bias",)))
         return specs
 
+    @classmethod
+    def ffn_specs(cls, config: ModelConfig, index: int, target: str, source: str) -> list[WeightSpec]:
+        """Layer ``index``'s feed-forward: the SwiGLU MLP's ``w1`` (gate) / ``w3`` (up) stacked into
+        ``in_proj`` ``[gate | up]``, ``w2`` (down) as ``out_proj`` (LFM2-MoE's sparse layers differ)."""
+        return mlp_specs(target, source, in_proj=("w1", "w3"), out_proj="w2")
+
 
 # ------------------------------------------------------------------------------------------------
 # config.json parsing (``ModelConfig.from_hf`` through ``hyla.model.architectures``)
@@ -129,23 +135,39 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     including its legacy ``block_ff_dim`` and ``tie_embedding``, which win over ``intermediate_size``
     and ``tie_word_embeddings`` as in HF). Raises ``ValueError`` for unknown layer types, attention
     indices outside the stack, a non-default RoPE or a non-positive width."""
+    fields, cfg = lfm2_backbone_fields(cfg, arch, dtype)
+    num_layers = int(cfg["num_hidden_layers"])
+    return dict(
+        **fields,
+        model_type="lfm2",
+        layer_types=lfm2_layer_types(cfg, num_layers),
+        ffn_types=("mlp",) * num_layers,
+        intermediate_size=lfm2_mlp_width(cfg),
+    )
+
+
+def lfm2_backbone_fields(cfg: Mapping[str, Any], arch: str,
+                         dtype: str | torch.dtype | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``ModelConfig`` fields LFM2 and LFM2-MoE read alike (HF's defaults: tied embeddings, the
+    legacy ``tie_embedding`` winning, 128k positions, 8 KV heads, RoPE theta 1e6; the short conv;
+    q/k-normed GQA; SwiGLU), all but the layout, the feed-forward kinds and their widths; and the config as read
+    (``tie_word_embeddings`` resolved). Raises ``ValueError`` for a missing required key, a
+    non-default RoPE or ``conv_L_cache < 2``."""
     cfg = dict(cfg)
     if "tie_embedding" in cfg:
         cfg["tie_word_embeddings"] = cfg["tie_embedding"]
     cfg.setdefault("tie_word_embeddings", True)  # HF's LFM2 default
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     common["max_position_embeddings"] = int(cfg.get("max_position_embeddings", 128_000))  # HF's LFM2 default
-    num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    attention = hf_attention_fields(cfg)
+    hf_require(cfg, "num_hidden_layers")
+    # HF's Lfm2Config / Lfm2MoeConfig default to 8 KV heads, not to as many as the query heads
+    attention = hf_attention_fields({**cfg, "num_key_value_heads": cfg.get("num_key_value_heads") or 8})
     rope = hf_rope_parameters(cfg, default_theta=1e6)  # HF's default_theta
     kernel = int(cfg.get("conv_L_cache", 3))
     if kernel < 2:
         raise ValueError(f"LFM2 conv_L_cache must be >= 2 (a causal conv window), got {kernel}")
-    return dict(
+    fields = dict(
         **common,
-        model_type="lfm2",
-        layer_types=_lfm2_layer_types(cfg, num_layers),
-        ffn_types=("mlp",) * num_layers,
         norm_eps=float(cfg.get("norm_eps", 1e-5)),
         zero_centered_norm=False,
         **attention,
@@ -156,10 +178,10 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         linear_kind="short_conv",
         conv_kernel=kernel,
         short_conv_bias=bool(cfg.get("conv_bias", False)),
-        intermediate_size=lfm2_mlp_width(cfg),
         hidden_act="silu",
         mlp_bias=False,
     )
+    return fields, cfg
 
 
 def lfm2_mlp_width(cfg: Mapping[str, Any]) -> int:
@@ -179,7 +201,9 @@ def lfm2_mlp_width(cfg: Mapping[str, Any]) -> int:
     return width
 
 
-def _lfm2_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+def lfm2_layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """hyla's layer kinds of an LFM2 config: ``layer_types`` (``conv`` / ``full_attention``), else
+    attention at ``full_attn_idxs`` (every layer without them, as HF's ``Lfm2Config``)."""
     listed = cfg.get("layer_types")
     if listed is None:  # HF: attention at full_attn_idxs, every layer when that is absent too
         indices = cfg.get("full_attn_idxs")

@@ -1,4 +1,5 @@
-"""Routed experts with an optional shared expert (Qwen3-Next, Qwen3.5-MoE, NemotronH, Jamba, Kimi-Linear)."""
+"""Routed experts with an optional shared expert (Qwen3-Next, Qwen3.5-MoE, NemotronH, Jamba, Kimi-Linear,
+LFM2-MoE)."""
 
 from __future__ import annotations
 
@@ -104,8 +105,13 @@ class SparseMoE(nn.Module):
     Routers: ``"softmax"`` (Qwen3-Next: softmax in fp32, top-k, renormalise if ``norm_topk_prob``,
     shared expert scaled by ``sigmoid(shared_expert_gate(x))``) and ``"sigmoid"`` (NemotronH:
     ``sigmoid`` scores, top-k chosen on ``scores + e_score_correction_bias`` within the best
-    ``topk_group`` of ``n_group`` groups, weights are the uncorrected scores, renormalised, times
-    ``routed_scaling_factor``; relu² experts, optional latent projection around the experts).
+    ``topk_group`` of ``n_group`` groups, weights are the uncorrected scores, renormalised
+    (``w / (sum + router_norm_eps)``), times ``routed_scaling_factor``; relu² experts, optional latent
+    projection around the experts). The sigmoid router's options (``ModelConfig``): ``router_bias``
+    (False: no bias, the top-k of the scores themselves: LFM2-MoE's ``use_expert_bias: false``),
+    ``router_norm_eps`` (1e-20; LFM2-MoE 1e-6) and ``router_fp32`` (logits and sigmoid in fp32; False:
+    in the model dtype, then fp32, as LFM2-MoE's reference). It runs in PyTorch on every path (the GPU
+    kernel ``moe.softmax_topk`` is the softmax router's alone).
 
     Experts stay stacked (``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]``). Three ways to run them,
     the same numbers within rounding (:meth:`path` picks):
@@ -136,12 +142,14 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = c.norm_topk_prob
         self.num_groups, self.topk_groups = c.router_num_groups, c.router_topk_groups
         self.scaling = c.routed_scaling_factor
+        self.norm_eps, self.router_fp32 = c.router_norm_eps, c.router_fp32
         self.gated = c.hidden_act == "silu"
         inner = c.moe_latent_size or c.hidden_size
         width = c.moe_intermediate_size * (2 if self.gated else 1)
         self.router = Linear(c.hidden_size, c.num_experts, bias=False, dtype=c.dtype)
         self.e_score_correction_bias = (
-            nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32)) if c.router == "sigmoid" else None
+            nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
+            if c.router == "sigmoid" and c.router_bias else None
         )
         self.w_in = nn.Parameter(torch.empty(c.num_experts, width, inner, dtype=c.dtype))  # [E, I or 2I, Hin]
         self.w_out = nn.Parameter(torch.empty(c.num_experts, inner, c.moe_intermediate_size, dtype=c.dtype))
@@ -181,7 +189,9 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` -> ``(weights [T, k], experts [T, k])``; weights fp32 for the sigmoid
-        router, model dtype for the softmax router (as the reference)."""
+        router, model dtype for the softmax router (as the reference). The sigmoid router's scores
+        are fp32 from fp32 logits, or (``router_fp32`` off) the model dtype's sigmoid of the model
+        dtype's logits, made fp32 (the same numbers in an fp32 model)."""
         if self.router_kind == "softmax":
             logits = self.router(x)  # [T, E]
             if device.on_gpu(logits):  # the same in one kernel
@@ -191,8 +201,12 @@ class SparseMoE(nn.Module):
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return weights.to(logits.dtype), experts
-        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # [T, E]
-        choice = scores + self.e_score_correction_bias  # [T, E]
+        if self.router_fp32:
+            scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # [T, E]
+        else:
+            scores = torch.sigmoid(self.router(x)).float()  # [T, E]
+        bias = self.e_score_correction_bias
+        choice = scores if bias is None else scores + bias  # [T, E]
         if self.num_groups > 1:
             grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)  # [T, G, E/G]
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
@@ -203,7 +217,7 @@ class SparseMoE(nn.Module):
         experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices  # [T, k]
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.norm_eps)
         return weights * self.scaling, experts
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
