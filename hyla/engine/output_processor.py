@@ -9,9 +9,11 @@ a ``Req`` concurrently: each gets *chunks* built here, once —
 
 A streaming request (``req.stream``) gets one chunk per step that produced something visible, and
 a last one with the ``finish_reason``; text that may still turn into a stop string is held back
-until it cannot. Any other request gets one chunk when it finishes, holding its whole output; if
-it has no stop strings (and no grammar) its text is only made then, in one detokenizer step over
-all its tokens, not one step per token on every decode step (~25 µs a request a step on a CPU).
+until it cannot (none with ``include_stop_str_in_output``, vLLM's: the text keeps a matched stop
+string, cut at its end, and a stop token's text). Any other request gets one chunk when it
+finishes, holding its whole output; if it has no stop strings (and no grammar) its text is only
+made then, in one detokenizer step over all its tokens, not one step per token on every decode
+step (~25 µs a request a step on a CPU).
 
 ``min_new_tokens``: before a request has that many output tokens, nothing but its length limits
 ends it — the sampler keeps it from sampling the ids that would (``SamplingParams.ending_token_ids``:
@@ -155,8 +157,10 @@ class OutputProcessor:
         try:
             matched = reason.get("matched")
             if not isinstance(matched, str):  # (a stop string's match cut the text already)
-                # a stop token's own text is left out, as _check_finished leaves it out token by token
-                self._catch_up_text(req, stop_token=isinstance(matched, int))
+                # a stop token's own text is left out (unless include_stop_str_in_output), as
+                # _check_finished leaves it out token by token
+                self._catch_up_text(req, stop_token=isinstance(matched, int)
+                                    and not req.sampling.include_stop_str_in_output)
                 if req.detokenizer is not None:
                     req.text += req.detokenizer.flush()  # what was held back for an unfinished character
         except Exception as exc:
@@ -233,7 +237,8 @@ class OutputProcessor:
 
     def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
         """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that
-        token; it becomes ``req.text`` here, cut before a stop string.
+        token; it becomes ``req.text`` here, cut before a stop string (after it, and with a stop
+        token's text, with ``include_stop_str_in_output``: vLLM's rule).
 
         Before ``min_new_tokens`` output tokens no stop token and no stop string ends it (vLLM's
         and SGLang's rule; the sampler does not let it sample those tokens then): a stop string
@@ -242,6 +247,8 @@ class OutputProcessor:
         tok = req.output_ids[-1]
         p = req.sampling
         if tok in p.ending_token_ids(self.eos_token_ids) and len(req.output_ids) >= p.min_new_tokens:
+            if p.include_stop_str_in_output:
+                req.text = text  # the stop token's text too
             return {"type": "stop", "matched": tok}
         if p.stop and req.detokenizer is not None:
             # only the tail can hold a new match: a stop string ending in text checked on earlier
@@ -251,7 +258,7 @@ class OutputProcessor:
                 hits = [(pos, s) for s in p.stop if (pos := text.find(s, max(0, checked - len(s) + 1))) >= 0]
                 if hits:
                     pos, s = min(hits)
-                    req.text = text[:pos]
+                    req.text = text[:pos + len(s)] if p.include_stop_str_in_output else text[:pos]
                     return {"type": "stop", "matched": s}
         req.text = text
         if req.grammar is not None and req.grammar.terminated:
@@ -264,9 +271,9 @@ class OutputProcessor:
 
     def _chunk(self, req: Req, done: bool) -> dict[str, Any] | None:
         """What is new since the last chunk; before the end, text that may still become a stop
-        string is held back."""
+        string is held back (unless ``include_stop_str_in_output``: a match stays in the text)."""
         text_end = len(req.text)
-        if not done:
+        if not done and not req.sampling.include_stop_str_in_output:  # (a match is kept: nothing to hold)
             hold = max((len(s) - 1 for s in req.sampling.stop), default=0)
             text_end = max(req.num_sent_chars, text_end - hold)
         start, end = req.num_sent_ids, len(req.output_ids)

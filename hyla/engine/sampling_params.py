@@ -38,6 +38,10 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # vLLM's: the text that ended the request stays in it — a matched stop string (the text is cut at its
+    # end instead of its start, and a stream holds nothing back for it), and the text of a stop token
+    # (EOS or a stop token id; a special token's is "" with skip_special_tokens)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
@@ -74,7 +78,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = _check_list("stop", self.stop)
         self.stop_token_ids = _check_list("stop_token_ids", self.stop_token_ids)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
         _check_int("max_new_tokens", self.max_new_tokens, lo=0)

@@ -86,6 +86,11 @@ class OpenAIRoutes:
         top_k = body.logprobs or 0
         prompts = body.prompts()
         id_lists = await self._prompt_ids(engine, prompts)
+        if body.truncate_prompt_tokens is not None:
+            kept = [truncate_prompt(body, ids, engine.context_length, body.max_tokens) for ids in id_lists]
+            # a cut prompt is echoed as what the engine was fed: its kept ids, decoded
+            prompts = [k if len(k) < len(ids) else p for p, ids, k in zip(prompts, id_lists, kept)]
+            id_lists = kept
         # echo + logprobs: the prompt's logprobs too (its first token has none)
         start = 0 if body.echo and body.logprobs is not None else -1
         jobs = []
@@ -112,7 +117,8 @@ class OpenAIRoutes:
                 if echoed is not None:
                     logprobs = _prompt_logprobs(engine.tokenizer, c, prompts[p], prefix).extend(logprobs)
             choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                            finish_reason=c.openai_finish_reason()))
+                                            finish_reason=c.openai_finish_reason(),
+                                            **_token_ids(body, id_lists[p], c.output_ids)))
         return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                usage=usage(gen.choices, body.n)).model_dump())
 
@@ -134,7 +140,8 @@ class OpenAIRoutes:
             prompt_logprobs = None
             finish = choice.openai_finish_reason()
             p = choice.index // body.n
-            if not started[choice.index]:
+            first = not started[choice.index]
+            if first:
                 started[choice.index] = True
                 prefix = echoed[p] if echoed is not None else ""
                 text = prefix + text
@@ -150,9 +157,12 @@ class OpenAIRoutes:
                 logprobs = _take_started(held[choice.index].extend(new), sent[choice.index], final=finish is not None)
                 if prompt_logprobs is not None:
                     logprobs = prompt_logprobs.extend(logprobs)
-            if text or finish or (logprobs and logprobs.tokens):
+            # (with return_token_ids every engine chunk goes out: its ids, even where it shows no text)
+            if text or finish or (logprobs and logprobs.tokens) or body.return_token_ids:
+                ids = _token_ids(body, id_lists[p] if first else None, chunk["output_ids"])
                 out = CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[
-                    CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish)])
+                    CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish, **ids)],
+                    usage=usage([choice], 1) if body.continuous_usage() else None)
                 yield sse(out)
         if body.include_usage():
             yield sse(CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[],
@@ -165,6 +175,9 @@ class OpenAIRoutes:
         engine = admit_chat(self.server, body.model)
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
+        if body.truncate_prompt_tokens is not None:
+            encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
+                                                               body.max_new_tokens()))
         max_new = output_budget(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
                                   "messages")
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
@@ -180,7 +193,7 @@ class OpenAIRoutes:
         reasoning = self.server.reasoning_parser
         in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
         if body.stream:
-            return gen.stream(self._chat_events(body, gen, rid, in_thinking))
+            return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
         choices = []
         for c in await gen.collect(request):
             thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
@@ -195,12 +208,15 @@ class OpenAIRoutes:
                             for t in calls] or None)
             choices.append(ChatChoice(
                 index=c.index, message=message, finish_reason="tool_calls" if calls and finish == "stop" else finish,
-                logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None))
+                logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None,
+                token_ids=list(c.output_ids) if body.return_token_ids else None))
         return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
-                                                   usage=usage(gen.choices, body.n)).model_dump())
+                                                   usage=usage(gen.choices, body.n),
+                                                   prompt_token_ids=encoding.ids if body.return_token_ids else None,
+                                                   ).model_dump())
 
     async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str,
-                           in_thinking: bool) -> AsyncIterator[str]:
+                           in_thinking: bool, prompt_ids: list[int]) -> AsyncIterator[str]:
         created = int(time.time())
         reasoning = self.server.reasoning_parser
         thinking = {c.index: reasoning.stream(in_thinking) for c in gen.choices} if reasoning is not None else {}
@@ -209,11 +225,16 @@ class OpenAIRoutes:
             if use_tools else {}
         num_calls = {c.index: 0 for c in gen.choices}
 
-        def chunk_of(choice: ChatChunkChoice) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice]))
+        def chunk_of(choice: ChatChunkChoice, **extra: Any) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice],
+                                           **extra))
 
+        # each choice's first chunk: its role (and, as vLLM's, the prompt's ids and the usage so far)
+        first: dict[str, Any] = {"prompt_token_ids": prompt_ids} if body.return_token_ids else {}
+        if body.continuous_usage():
+            first["usage"] = UsageInfo(prompt_tokens=len(prompt_ids), total_tokens=len(prompt_ids))
         for choice in gen.choices:
-            yield chunk_of(ChatChunkChoice(index=choice.index, delta={"role": "assistant", "content": ""}))
+            yield chunk_of(ChatChunkChoice(index=choice.index, delta={"role": "assistant", "content": ""}), **first)
         async for choice, chunk in gen.events():
             logprobs = chat_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk)) if body.logprobs else None
             finish = choice.openai_finish_reason()
@@ -233,9 +254,12 @@ class OpenAIRoutes:
                 delta["content"] = text
             if finish == "stop" and num_calls[choice.index]:
                 finish = "tool_calls"
-            if delta or finish or (logprobs and logprobs.content):
+            # (with return_token_ids every engine chunk goes out: its ids, even where the parsers hold its text)
+            if delta or finish or (logprobs and logprobs.content) or body.return_token_ids:
+                token_ids = list(chunk["output_ids"]) if body.return_token_ids else None
                 yield chunk_of(ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs,
-                                               finish_reason=finish))
+                                               finish_reason=finish, token_ids=token_ids),
+                               usage=usage([choice], 1) if body.continuous_usage() else None)
         if body.include_usage():
             yield sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[],
                                           usage=usage(gen.choices, body.n)))
@@ -245,12 +269,13 @@ class OpenAIRoutes:
     async def _start(self, body: CompletionRequest | ChatCompletionRequest, endpoint: str, jobs: list[Job],
                      arrival: float) -> Generation:
         """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field
-        (``response_format``, or ``tool_choice`` where the tools made the grammar)."""
+        (``response_format``, ``structured_outputs.<kind>``, ``guided_*``, or ``tool_choice`` where the
+        tools made the grammar)."""
         try:
             return await self.server.start_generation(endpoint, jobs, arrival)
         except APIError as exc:
-            if exc.status == 400 and exc.param == "response_format" and body.response_format is None:
-                exc.param = "tool_choice"
+            if exc.status == 400 and exc.param == "response_format":  # (the engine's grammar fields, renamed)
+                exc.param = body.constraint_field() or "tool_choice"
             raise
 
     async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -324,6 +349,40 @@ def forced_tool_grammar(server: Server, body: ChatCompletionRequest) -> dict[str
         return {"ebnf": server.tool_call_parser.forced_grammar(forced, parallel)}
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools") from exc
+
+
+def truncate_prompt(body: CompletionRequest | ChatCompletionRequest, ids: list[int], context_length: int,
+                    max_new_tokens: int | None) -> list[int]:
+    """``truncate_prompt_tokens`` (vLLM's): the last N of the prompt's ``ids`` (all of them when no
+    more). vLLM's bound: N is at most the context length less the requested output tokens
+    (``max_new_tokens``, unset: 0), else a 400 naming the field; ``-1`` is that bound."""
+    n = body.truncate_prompt_tokens
+    if n is None:
+        return ids
+    limit = context_length - (max_new_tokens or 0)
+    if n > limit:
+        raise APIError(400, f"truncate_prompt_tokens ({n}) must be at most the context length ({context_length}) "
+                            f"less the requested output tokens ({max_new_tokens or 0}): {limit}",
+                       param="truncate_prompt_tokens")
+    keep = limit if n == -1 else n
+    return ids[-keep:] if 0 < keep < len(ids) else ids  # (-1 with no room left: the output's 400 follows)
+
+
+def truncate_chat(encoding: ChatEncoding, ids: list[int]) -> ChatEncoding:
+    """``encoding`` with its prompt cut to ``ids``, its last tokens (``truncate_prompt``): the message
+    ends still inside it, moved with the cut."""
+    cut = len(encoding.ids) - len(ids)
+    if not cut:
+        return encoding
+    return ChatEncoding(text=encoding.text, ids=ids, boundaries=[b - cut for b in encoding.boundaries if b > cut])
+
+
+def _token_ids(body: CompletionRequest, prompt_ids: list[int] | None, output_ids: list[int]) -> dict[str, Any]:
+    """A completion choice's ``return_token_ids`` fields (vLLM's): ``prompt_token_ids`` (where given:
+    a stream sends them in a choice's first chunk) and ``token_ids``; none unless asked for."""
+    if not body.return_token_ids:
+        return {}
+    return {"prompt_token_ids": list(prompt_ids) if prompt_ids is not None else None, "token_ids": list(output_ids)}
 
 
 def _check_min_tokens(min_tokens: int | None, max_new: int, limit: str) -> None:

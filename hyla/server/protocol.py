@@ -3,7 +3,9 @@
 The OpenAI models follow https://platform.openai.com/docs/api-reference (completions, chat
 completions, models) plus the sampling extras SGLang and vLLM accept (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``min_tokens``, ``skip_special_tokens``,
-``chat_template_kwargs``). ``GenerateRequest`` is the native SGLang-style ``POST /generate``.
+``chat_template_kwargs``) and vLLM's (``cache_salt``, ``return_token_ids``, ``include_stop_str_in_output``,
+``structured_outputs`` and the older ``guided_*``, ``truncate_prompt_tokens``,
+``stream_options.continuous_usage_stats``). ``GenerateRequest`` is the native SGLang-style ``POST /generate``.
 
 Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 
@@ -14,8 +16,8 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
   and ignored.
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * ``null`` is the default in the fields OpenAI lets be null that have one (``NULL_MEANS_DEFAULT``:
-  ``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``), as the other optional fields
-  take it for "unset".
+  ``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``; and vLLM's ``return_token_ids``),
+  as the other optional fields take it for "unset".
 * A rule over several fields that one of them breaks names that field (``FieldError``).
 * Ranges are OpenAI's where the engine has no stricter rule; the engine validates the sampling
   parameters once more (``SamplingParams``) and its ``ValueError`` is a 400 too.
@@ -31,9 +33,12 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_serializer,
+    model_validator,
+)
 
 from hyla.tokenizer.chat_template import JSON_SCALARS, check_nesting
 
@@ -185,6 +190,8 @@ class _Request(_Strict):
 # --------------------------------------------------------------------------------------------
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (without it: no effect, as vLLM)
+    continuous_usage_stats: bool = False
 
 
 class JSONSchemaFormat(_Strict):
@@ -225,6 +232,86 @@ class ResponseFormat(_Strict):
         return {}
 
 
+def choice_regex(choices: list[str]) -> str:
+    """A regex (llguidance's syntax) matching exactly one of the ``choices``, literally: every character
+    but an ASCII letter or digit is written ``\\x{hex}``, which stands for that character alone."""
+    def literal(text: str) -> str:
+        return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
+
+    return "(" + "|".join(literal(c) for c in choices) + ")"
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""``structured_outputs``' constraints (vLLM's names), one per request."""
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): exactly one constraint, mapped onto
+    the engine's grammar (``grammar_params()``): ``json`` (a JSON schema, an object or its text) and
+    ``json_object: true`` (any JSON object) a ``json_schema``, ``regex`` a ``regex``, ``choice`` (one of
+    these strings, literally) a ``regex`` over the escaped alternatives, ``grammar`` (GBNF or Lark, as
+    vLLM's backends take it) an ``ebnf``. ``disable_fallback`` and ``disable_any_whitespace`` change
+    nothing here (one grammar backend, which never falls back; a JSON output never has free
+    whitespace); what hyla cannot enforce as vLLM means it is refused: ``whitespace_pattern``,
+    ``structural_tag``, ``disable_additional_properties: true``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _check_one(self) -> "StructuredOutputs":
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise FieldError(name, f"structured_outputs.{name} is not supported")
+        if self.disable_additional_properties:
+            raise FieldError("disable_additional_properties", "structured_outputs.disable_additional_properties is "
+                             "not supported: write additionalProperties: false in the schema")
+        if self.json_object is False:  # vLLM's rule
+            raise FieldError("json_object", "structured_outputs.json_object must be true if set")
+        if self.choice is not None and not self.choice:
+            raise FieldError("choice", "structured_outputs.choice must not be an empty list")
+        given = self.kinds()
+        if len(given) > 1:
+            raise FieldError(given[1], f"structured_outputs takes one constraint ({', '.join(STRUCTURED_KINDS)}), "
+                                       f"got {' and '.join(given)}")
+        if not given:
+            raise ValueError(f"structured_outputs needs one constraint: {', '.join(STRUCTURED_KINDS)}")
+        return self
+
+    def kinds(self) -> list[str]:
+        """The constraints given, by their vLLM names."""
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                  "json_object": self.json_object}
+        return [k for k in STRUCTURED_KINDS if values[k] is not None]
+
+    def grammar_params(self) -> dict[str, Any]:
+        """The engine's sampling parameter constraining the output."""
+        kind = self.kinds()[0]
+        if kind == "json":
+            return {"json_schema": self.json_}
+        if kind == "json_object":
+            return {"json_schema": {"type": "object"}}
+        if kind == "choice":
+            return {"regex": choice_regex(self.choice or [])}
+        return {"regex": self.regex} if kind == "regex" else {"ebnf": self.grammar}
+
+
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "regex",
+                 "guided_grammar": "ebnf"}
+"""vLLM's older constraint fields (deprecated by vLLM for ``structured_outputs``, still sent by clients):
+the engine's sampling parameter each becomes (``guided_choice``: its ``choice_regex``)."""
+
+
 def default_if_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
     """A ``mode="before"`` field validator: null is the field's default, so that later code never sees
     None (``n`` stays a number, ``stream`` a bool): OpenAI's (and vLLM's) nullable fields that have a
@@ -250,7 +337,7 @@ def cache_namespace(salt: str | None) -> tuple[str, str] | None:
     return None if salt is None else ("cache_salt", salt)
 
 
-NULL_MEANS_DEFAULT = ("n", "stream", "echo", "parallel_tool_calls", "logprobs")
+NULL_MEANS_DEFAULT = ("n", "stream", "echo", "parallel_tool_calls", "logprobs", "return_token_ids")
 """Fields of the OpenAI endpoints that take null for their default (not every endpoint has them all:
 a completion's ``logprobs`` defaults to null, a chat's to false)."""
 
@@ -280,6 +367,19 @@ class _SamplingFields(_Request):
     min_tokens: int | None = Field(None, ge=0)  # vLLM's: the engine's min_new_tokens (at most the max tokens)
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    # vLLM's structured outputs (at most one constraint per request, response_format's included:
+    # constraints()), the current form and the older guided_* fields
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's: a matched stop string (and a stop token's text) stays at the end of the text
+    include_stop_str_in_output: bool = False
+    # vLLM's: the response carries the prompt's token ids and each choice's output token ids
+    return_token_ids: bool | None = False
+    # vLLM's: keep only the last N prompt tokens (-1: as many as the context leaves for the output)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=MAX_SEED)
     # SGLang / vLLM: with --enable-priority-scheduling (else 0 or absent); which is more urgent: docs/engine.md
     priority: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     # vLLM's: requests share cached prefixes only with requests of the same salt (cache_namespace)
@@ -303,6 +403,20 @@ class _SamplingFields(_Request):
         check_logit_bias(value)
         return value
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _check_truncate(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: as many as the context allows)")
+        return value
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _check_guided_choice(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:
+            raise ValueError("guided_choice must not be an empty list")
+        return value
+
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -310,13 +424,44 @@ class _SamplingFields(_Request):
             raise FieldError("stop", f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        given = self.constraints()
+        if len(given) > 1:
+            raise FieldError(given[1][0], f"a request takes one output constraint, got {given[0][0]} and {given[1][0]}")
         return self
+
+    def constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """The output constraints the request gives, each as ``(the field, the engine's sampling
+        parameter)``: ``response_format`` (other than ``text``), ``structured_outputs``, ``guided_*``.
+        vLLM's rule: a ``json_schema`` response format replaces the schema of ``structured_outputs.json``
+        or ``guided_json``; any other two are two constraints (a 400: ``_check_common``)."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(("response_format", self.response_format.grammar()))
+        so = self.structured_outputs
+        if so is not None:
+            found.append((f"structured_outputs.{so.kinds()[0]}", so.grammar_params()))
+        for name, kind in GUIDED_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {kind: choice_regex(value) if name == "guided_choice" else value}))
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            found = [f for f in found if f[0] not in ("structured_outputs.json", "guided_json")]
+        return found
+
+    def constraint_field(self) -> str | None:
+        """The field the request's output constraint comes from (what a grammar error names), or None."""
+        given = self.constraints()
+        return given[0][0] if given else None
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's: only with ``include_usage``)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def sampling_params(self, max_new_tokens: int, top_logprobs_num: int, choice: int) -> dict[str, Any]:
         """The engine's ``sampling_params`` for choice number ``choice`` (0-based) of this request.
@@ -339,8 +484,10 @@ class _SamplingFields(_Request):
         params.update({k: v for k, v in optional.items() if v is not None})
         if self.seed is not None:
             params["seed"] = (self.seed + choice) % (MAX_SEED + 1)
-        if self.response_format is not None:
-            params.update(self.response_format.grammar())
+        if self.include_stop_str_in_output:
+            params["include_stop_str_in_output"] = True
+        for _, grammar in self.constraints()[:1]:
+            params.update(grammar)
         return params
 
 
@@ -524,9 +671,10 @@ class ChatCompletionRequest(_SamplingFields):
             if self.tool_choice.function.name not in names:
                 raise FieldError("tool_choice", f"tool_choice names the function {self.tool_choice.function.name!r}, "
                                                 f"which is not in tools ({', '.join(names)})")
-        if self.forced_tools() and self.response_format is not None and self.response_format.type != "text":
-            raise FieldError("response_format",
-                             "response_format cannot be combined with tool_choice required or a named function")
+        constraint = self.constraint_field()
+        if self.forced_tools() and constraint is not None:
+            raise FieldError(constraint, f"{constraint.partition('.')[0]} cannot be combined with tool_choice required "
+                                         "or a named function")
         return self
 
     def tool_choice_mode(self) -> str:
@@ -698,6 +846,22 @@ class DetokenizeRequest(_Request):
 # --------------------------------------------------------------------------------------------
 # responses
 # --------------------------------------------------------------------------------------------
+class _OmitsNone(BaseModel):
+    """A response part whose ``OMITTED_IF_NONE`` fields (vLLM's extras, set only when asked for:
+    ``return_token_ids``) are left out of the JSON while None, so an answer that did not ask for them
+    is OpenAI's shape."""
+
+    OMITTED_IF_NONE: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> Any:
+        data = handler(self)
+        for name in self.OMITTED_IF_NONE:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -724,11 +888,16 @@ class CompletionLogprobs(BaseModel):
         return self
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_OmitsNone):
+    OMITTED_IF_NONE = ("prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None  # abort: POST /abort_request
+    # return_token_ids (vLLM's): the prompt's ids (streamed: in a choice's first chunk), the output's
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -772,36 +941,48 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_OmitsNone):
+    OMITTED_IF_NONE = ("token_ids",)
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+    token_ids: list[int] | None = None  # return_token_ids (vLLM's): the output's ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_OmitsNone):
+    OMITTED_IF_NONE = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids (vLLM's): the rendered prompt's ids
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_OmitsNone):
+    OMITTED_IF_NONE = ("token_ids",)
+
     index: int
     delta: dict[str, Any]  # {"role": "assistant", "content": ""} first, then {"content": ...}, {} last
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids this chunk adds
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_OmitsNone):
+    OMITTED_IF_NONE = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in each choice's first (role) chunk
 
 
 class ModelCard(BaseModel):
