@@ -156,6 +156,25 @@ def test_namespaces_never_share(engine_factory):
     assert _gen(eng, ids, namespace="tenant-a")["meta_info"]["cached_tokens"] == 99
 
 
+def test_lpm_in_batch_dedup_waits_only_for_its_own_namespace(qwen3_next_dense_path):
+    """LPM defers a request for an admitted one sharing its new prefix only within its namespace:
+    another tenant's cache is never its own, and waiting for it would let one cache salt's prompts
+    delay another's."""
+    from hyla.engine.request import Req
+    from hyla.engine.sampling_params import SamplingParams
+
+    with Engine(qwen3_next_dense_path, schedule_policy="lpm", max_total_tokens=4096, max_state_slots=16) as eng:
+        prefix = _prompt(200, seed=47)
+        def req(ns, seed: int) -> Req:
+            return Req(f"r-{ns}-{seed}", prefix + _prompt(10, seed=seed), SamplingParams(), namespace=ns)
+
+        deferred = eng.scheduler._deferred_for_in_batch_prefix
+        a, b = ("cache_salt", "A"), ("cache_salt", "B")
+        assert deferred(req(a, 48), [req(a, 49)])  # its own namespace: wait for the prefix
+        assert not deferred(req(b, 48), [req(a, 49)])
+        assert not deferred(req(True, 48), [req(1, 49)])  # equal in Python, two namespaces
+
+
 @pytest.mark.parametrize("policy, want", [("lpm", 200), ("fcfs", 0)])
 def test_lpm_in_batch_dedup_caches_a_new_shared_prefix_once(qwen3_next_dense_path, policy, want):
     """Three requests sharing a new 200-token prefix arrive together. LPM admits one and defers the

@@ -131,6 +131,25 @@ def test_a_pure_state_space_model_caches_checkpoints_alone():
     sim.tree.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["block", "lru", "marconi", "hyla"])
+def test_a_pure_state_space_model_evicts_when_its_token_ids_run_out(monkeypatch, policy):
+    """Its tokens cost no bytes, so what binds at a large budget is the KV pool's token ids: the
+    simulator evicts for them as the engine does (it crashed with PoolExhaustedError)."""
+    import random
+
+    from hyla.sim import models
+    from hyla.sim.simulator import SimConfig, simulate
+    from hyla.sim.trace import TraceRequest
+
+    monkeypatch.setattr(models, "INDEX_ONLY_KV_TOKENS", 3000)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 65024) for _ in range(1000)] for _ in range(6)]
+    trace = [TraceRequest(i, 0, float(i), p, [1, 2]) for i, p in enumerate(prompts)]
+    trace.append(TraceRequest(5, 1, 9.0, prompts[-1] + [1, 2, 7, 8], [5]))  # the last session's next turn
+    res = simulate(trace, SimConfig(resolve_model("falcon-mamba-7b"), policy, 10**12))
+    assert res.request_hit_rate > 0  # the newest checkpoint survived the evictions for token ids
+
+
 def test_accounting_pools_use_the_model_layout():
     m = marconi_7b()
     kv, state = m.make_pools(10**9)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from hyla.cache import MatchResult
+from hyla.cache.radix_types import namespace_key
 from hyla.cache.transfer import to_device
 from hyla.engine.cache_manager import CacheManager, StepCheckpoint, StepCheckpoints
 from hyla.engine.output_processor import OutputProcessor, internal_error
@@ -749,11 +750,14 @@ class Scheduler:
 
     def _deferred_for_in_batch_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """LPM's in-batch deduplication: if a request admitted in this step shares a long prefix
-        with ``req`` that the tree does not have yet, admit ``req`` later, once that prefix is cached."""
+        with ``req`` that the tree does not have yet, admit ``req`` later, once that prefix is cached.
+        Only a request of its own namespace counts: another's cache is never ``req``'s, and waiting for
+        it would let one tenant's prompts delay another's (a timing signal across cache salts)."""
         if self.cache.tree is None or self.config.schedule_policy != "lpm" or not admitted:
             return False
-        fill = req.fill_ids
-        shared = max(_common_prefix_len(fill, other.fill_ids) for other in admitted)
+        fill, ns = req.fill_ids, namespace_key(req.namespace)
+        shared = max((_common_prefix_len(fill, other.fill_ids) for other in admitted
+                      if namespace_key(other.namespace) == ns), default=0)
         if shared < IN_BATCH_PREFIX_THRESHOLD:
             return False
         return shared - self.cache.peek(req).kv_only_len >= IN_BATCH_PREFIX_THRESHOLD

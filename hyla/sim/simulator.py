@@ -132,7 +132,10 @@ class Simulator:
         return self.kv_bytes() + self.state_bytes()
 
     def _fits(self, num_tokens: int, num_states: int) -> bool:
-        return self.used_bytes() + num_tokens * self._kvb + num_states * self._sb <= self.config.cache_bytes
+        """Within the budget, and within the KV pool's free token ids (what binds for a pure
+        state-space model, whose tokens cost no bytes: its pool is indices alone)."""
+        return (self.used_bytes() + num_tokens * self._kvb + num_states * self._sb <= self.config.cache_bytes
+                and num_tokens <= self.kv_pool.available_size())
 
     def _make_room(self, num_tokens: int, num_states: int, for_speculative: bool = False) -> bool:
         """Evict in policy order until ``num_tokens`` KV + ``num_states`` checkpoints fit the budget;
@@ -191,10 +194,11 @@ class Simulator:
     def _trim(self, plan: Admission, have: int) -> tuple[int, tuple[int, ...]]:
         """The deepest checkpoint of ``plan`` (with those before it) that fits what is free now."""
         free = self.config.cache_bytes - self.used_bytes()
+        free_ids = self.kv_pool.available_size()
         positions = sorted({*plan.prompt_checkpoints, *plan.final_checkpoints})
         best: tuple[int, tuple[int, ...]] = (0, ())
         for i, p in enumerate(positions):
-            if max(0, p - have) * self._kvb + (i + 1) * self._sb <= free:
+            if max(0, p - have) * self._kvb + (i + 1) * self._sb <= free and max(0, p - have) <= free_ids:
                 best = (p, tuple(positions[: i + 1]))
         return best
 
