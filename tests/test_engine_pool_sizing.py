@@ -119,3 +119,14 @@ def test_a_model_without_attention_sizes_its_pools_from_memory(mamba2_path, monk
     with Engine(mamba2_path) as e:
         assert e.state_pool.size == 40 and e.max_running_requests == 20
         assert "state from memory" in e.summary()
+
+
+def test_a_long_context_warns_only_where_attention_has_positions(mamba2_path, caplog):
+    """Past max_position_embeddings only attention layers see untrained positions: a pure state-space
+    model (whose configs give no limit: the default 4,096) runs a longer context without the warning."""
+    with caplog.at_level("WARNING", logger="hyla.engine"), \
+            Engine(mamba2_path, max_total_tokens=6000, max_state_slots=8, context_length=5000) as e:
+        assert e.context_length == 5000
+        out = e.generate(input_ids=[3 + i % 200 for i in range(4600)], sampling_params=GREEDY)
+        assert out["meta_info"]["completion_tokens"] == 6
+    assert "max_position_embeddings" not in caplog.text

@@ -281,18 +281,19 @@ def check_state_slots(num_slots: int, running: int, per_req: int = 1, holds: str
                          "and checkpoints need more")
 
 
-def context_length_for(asked: int | None, model_max: int, kv_room: int) -> int:
+def context_length_for(asked: int | None, model_max: int, kv_room: int, attention: bool = True) -> int:
     """The context length: the one ``asked`` (``context_length``), which must fit the KV pool beside
     the drafts' reserve (``kv_room``; before, a longer one was silently cut to it, as vLLM refuses
-    it too). Past the model's ``max_position_embeddings`` it is allowed with a warning: attention
-    then sees positions it was not trained on (the linear layers have none). Not asked: the
+    it too). Past the model's ``max_position_embeddings`` it is allowed, with a warning where the
+    model has ``attention`` layers: they then see positions they were not trained on (the linear
+    layers have none; a pure state-space model's configs give no such limit). Not asked: the
     model's, cut to the pool."""
     if asked is None:
         return min(model_max, kv_room)
     if asked > kv_room:
         raise ValueError(f"context_length={asked} does not fit the KV pool ({kv_room} tokens for one request): raise "
                          f"max_total_tokens (or mem_fraction), or lower context_length")
-    if asked > model_max:
+    if asked > model_max and attention:
         logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
                        "see positions it was not trained on", asked, model_max)
     return asked

@@ -271,7 +271,8 @@ class Engine:
             if self.mtp_head is not None or self.draft_model is not None else 0
         if reserved >= num_tokens:
             raise ValueError(f"max_total_tokens ({num_tokens}) leaves nothing beside the drafts' {reserved} KV slots")
-        self.context_length = context_length_for(args.context_length, cfg.max_position_embeddings, num_tokens - reserved)
+        self.context_length = context_length_for(args.context_length, cfg.max_position_embeddings, num_tokens - reserved,
+                                                 attention=cfg.num_attention_layers > 0)
         self.req_to_token = ReqToTokenPool(self.max_running_requests + 1, self.context_length + args.page_size)
         if args.enable_prefix_cache:
             self.tree = RadixCache(kv_pool=self.kv_pool, page_size=args.page_size,
