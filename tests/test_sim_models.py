@@ -63,6 +63,8 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 4 attention layers x K,V x 8 KV heads x 128 x bf16; 28 Mamba1 layers x (conv 8192 x 3 bf16 + SSM
         # 8192 x 16 fp32)
         ("jamba-1.5-mini", 4 * 2 * 8 * 128 * 2, 28 * (8192 * 3 * 2 + 8192 * 16 * 4)),
+        # 6 attention layers x K,V x 8 KV heads x 64 x bf16; 18 short-conv layers x conv window 2048 x 2 bf16
+        ("lfm2-8b-a1b", 6 * 2 * 8 * 64 * 2, 18 * 2048 * 2 * 2),
         # no attention: no KV; 64 Mamba1 layers x (conv 8192 x 3 bf16 + SSM 8192 x 16 fp32)
         ("falcon-mamba-7b", 0, 64 * (8192 * 3 * 2 + 8192 * 16 * 4)),
         # no attention: no KV; 64 Mamba2 layers x (conv (8192 + 2*8*128) x 3 bf16 + SSM 128 x 64 x 128 fp32)

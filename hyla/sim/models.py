@@ -21,7 +21,7 @@ Presets (``PRESETS``):
   (Marconi counts the full ``L × L`` attention matrix, ``4·L²·d`` per layer; we count the causal
   half, the same convention as ``ModelConfig.flops_per_token``.)
 * ``qwen3-next-80b-a3b``, ``nemotron-h-8b``, ``falcon-h1-7b``, ``granite-4.0-h-small``,
-  ``qwen3.5-35b-a3b``, ``lfm2-1.2b``, ``kimi-linear-48b-a3b``, ``jamba-1.5-mini``: the published ``config.json`` contents
+  ``qwen3.5-35b-a3b``, ``lfm2-1.2b``, ``lfm2-8b-a1b``, ``kimi-linear-48b-a3b``, ``jamba-1.5-mini``: the published ``config.json`` contents
   (``hyla/sim/presets.py``) through ``ModelConfig.from_hf``, at the checkpoint's dtype (bf16).
   Falcon-H1 runs attention and Mamba2 in every layer: 44 KV layers *and* 44 state layers. LFM2's
   state is its short convolutions' conv windows alone (80 KiB per checkpoint). Kimi-Linear's MLA
@@ -156,7 +156,7 @@ def _preset_from_hf(name: str) -> CostModel:
 
 
 PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small",
-           "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini", "falcon-mamba-7b",
+           "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini", "lfm2-8b-a1b", "falcon-mamba-7b",
            "mamba-codestral-7b")
 
 

@@ -2,7 +2,7 @@
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
 as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
-LFM2-1.2B, Jamba-1.5-Mini, Falcon-Mamba-7B and Mamba-Codestral-7B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
+LFM2-1.2B, LFM2-8B-A1B, Jamba-1.5-Mini, Falcon-Mamba-7B and Mamba-Codestral-7B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
 from __future__ import annotations
@@ -331,6 +331,37 @@ JAMBA_1_5_MINI: dict[str, Any] = {
     "vocab_size": 65536,
 }
 
+# LiquidAI/LFM2-8B-A1B: LFM2's 18 short-conv + 6 attention layers (2048 wide), the first 2 with dense
+# SwiGLU MLPs, the rest 32 sigmoid-routed experts (top-4, 1792 wide, expert bias); vocabulary 65536,
+# bf16. Its sizes only (transformers 4.57's spelling: tie_embedding, a top-level rope_theta).
+LFM2_8B_A1B: dict[str, Any] = {
+    "architectures": ["Lfm2MoeForCausalLM"],
+    "conv_L_cache": 3,
+    "conv_bias": False,
+    "hidden_size": 2048,
+    "intermediate_size": 7168,
+    "layer_types": ["conv", "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv",
+                    "conv", "full_attention", "conv", "conv", "conv", "full_attention", "conv", "conv", "conv",
+                    "full_attention", "conv", "conv", "full_attention", "conv", "conv"],
+    "max_position_embeddings": 128000,
+    "model_type": "lfm2_moe",
+    "moe_intermediate_size": 1792,
+    "norm_eps": 1e-05,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_dense_layers": 2,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "rope_theta": 1000000.0,
+    "routed_scaling_factor": 1.0,
+    "tie_embedding": True,
+    "torch_dtype": "bfloat16",
+    "use_expert_bias": True,
+    "vocab_size": 65536,
+}
+
 # tiiuae/falcon-mamba-7b: 64 Mamba1 layers (4096 wide, 8192 inner, state 16, dt rank 256, weightless
 # dt/B/C norms), no attention; vocabulary 65024, bf16. Its sizes only (init-only keys left out).
 FALCON_MAMBA_7B: dict[str, Any] = {
@@ -389,6 +420,7 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2-1.2b": LFM2_1_2B,
     "kimi-linear-48b-a3b": KIMI_LINEAR_48B_A3B,
     "jamba-1.5-mini": JAMBA_1_5_MINI,
+    "lfm2-8b-a1b": LFM2_8B_A1B,
     "falcon-mamba-7b": FALCON_MAMBA_7B,
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
 }
