@@ -309,21 +309,32 @@ def test_lfm2_tensor_layout(tmp_path):
     assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()  # tied
 
 
+def _in_memory_checkpoint(path, tmp_path):
+    """A checkpoint of transformers' in-memory state dict (its fused names, not what save_pretrained
+    writes), beside the same config.json."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    out = tmp_path / "in_memory"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    shutil.copy(path / "config.json", out / "config.json")
+    return out
+
+
+def _assert_same_weights(a, b) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+
 def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear_path, tmp_path):
     """Moonshot's layout (what save_pretrained writes: q/k/v_conv1d, f_a/f_b/dt_bias/A_log on self_attn,
     block_sparse_moe.experts.{e}.w1/w3/w2, the dense MLP under block_sparse_moe) and transformers'
     in-memory state dict (fused conv1d, forget_gate.*, mlp.*, experts.gate_up_proj / down_proj) load the
     same weights; lm_head is never tied."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(kimi_linear_path, dtype=torch.float32)
-    in_memory = tmp_path / "in_memory"
-    in_memory.mkdir()
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, in_memory / "model.safetensors",
-              metadata={"format": "pt"})
-    shutil.copy(kimi_linear_path / "config.json", in_memory / "config.json")
+    in_memory = _in_memory_checkpoint(kimi_linear_path, tmp_path)
     assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
     moonshot, fused = load_model(kimi_linear_path), load_model(in_memory)
-    for (name, a), (_, b) in zip(moonshot.state_dict().items(), fused.state_dict().items()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(moonshot, fused)
     raw = load_file(kimi_linear_path / "model.safetensors")
     kda, mla, moe = moonshot.layers[0].mixer, moonshot.layers[2].mixer, moonshot.layers[1].ffn
     hd = KIMI_LINEAR_KW["linear_num_heads"] * KIMI_LINEAR_KW["linear_head_dim"]
@@ -343,16 +354,10 @@ def test_lfm2_moe_reads_per_expert_and_fused_experts(lfm2_moe_path, tmp_path):
     transformers' in-memory state dict (experts.gate_up_proj [E, 2I, H] = [gate | up], down_proj [E, H, I])
     load the same weights; the router is feed_forward.gate, its bias the block's fp32 expert_bias; the dense
     layer's MLP is LFM2's w1/w3/w2. A checkpoint without the bias is refused unless use_expert_bias is off."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(lfm2_moe_path, dtype=torch.float32)
-    in_memory = tmp_path / "in_memory"
-    in_memory.mkdir()
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, in_memory / "model.safetensors",
-              metadata={"format": "pt"})
-    shutil.copy(lfm2_moe_path / "config.json", in_memory / "config.json")
+    in_memory = _in_memory_checkpoint(lfm2_moe_path, tmp_path)
     assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
     per_expert, fused = load_model(lfm2_moe_path), load_model(in_memory)
-    for (name, a), (_, b) in zip(per_expert.state_dict().items(), fused.state_dict().items()):
-        assert torch.equal(a, b), name
+    _assert_same_weights(per_expert, fused)
     raw = load_file(lfm2_moe_path / "model.safetensors")
     moe, mlp = per_expert.layers[1].ffn, per_expert.layers[0].ffn
     src = "model.layers.1.feed_forward"
