@@ -40,7 +40,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from hyla.model.config import ModelConfig, hf_common_fields, hf_require
+from hyla.model.config import ModelConfig, hf_common_fields, hf_require, hf_silu_only
 from hyla.model.jamba import Mamba1Mixer, mamba1_specs
 from hyla.model.layers import HybridForCausalLM, HybridLayer
 from hyla.model.weight_specs import WeightSpec, embedding_specs, norm_spec
@@ -90,9 +90,7 @@ def backbone_fields(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
     conv's width and bias (``conv_kernel``, ``use_conv_bias``), ``use_bias`` on the projections.
     Raises ``ValueError`` for a conv activation (``hidden_act``) other than ``silu``."""
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} for {name} (its conv's activation; hyla runs 'silu')")
+    hf_silu_only(cfg, name)
     return dict(
         layer_types=("linear",) * num_layers,
         ffn_types=("none",) * num_layers,

@@ -28,8 +28,9 @@ head_dim`` other than ``expand * hidden_size`` (transformers refuses it too), an
 (mamba_ssm: no norm, ``y * silu(z)``; transformers never reads the key and always normalises), rather
 than serve a model whose norm is ambiguous. ``norm_before_gate`` is ignored, as transformers and vLLM
 ignore it (the output norm gates first, ``norm(y * silu(z))``): Mamba-Codestral's own config says
-``true`` for weights trained gate-first (its conversion to transformers dropped the key). ``residual_in_fp32`` (default true: HF's residual stream in fp32 under a
-bf16 model) is not followed: hyla keeps the residual in the model dtype (the same numbers in fp32).
+``true`` for weights trained gate-first (its conversion to transformers dropped the key).
+``residual_in_fp32`` (default true: HF's residual stream in fp32 under a bf16 model) is not followed:
+hyla keeps the residual in the model dtype (the same numbers in fp32).
 """
 
 from __future__ import annotations

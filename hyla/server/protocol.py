@@ -288,28 +288,38 @@ class StructuredOutputs(_Strict):
             raise ValueError(f"structured_outputs needs one constraint: {', '.join(STRUCTURED_KINDS)}")
         return self
 
-    def kinds(self) -> list[str]:
-        """The constraints given, by their vLLM names."""
+    def given(self) -> dict[str, Any]:
+        """The constraints given, by their vLLM names (in ``STRUCTURED_KINDS``' order), with their values."""
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                   "json_object": self.json_object}
-        return [k for k in STRUCTURED_KINDS if values[k] is not None]
+        return {k: values[k] for k in STRUCTURED_KINDS if values[k] is not None}
+
+    def kinds(self) -> list[str]:
+        """The constraints given, by their vLLM names."""
+        return list(self.given())
 
     def grammar_params(self) -> dict[str, Any]:
         """The engine's sampling parameter constraining the output."""
-        kind = self.kinds()[0]
-        if kind == "json":
-            return {"json_schema": self.json_}
-        if kind == "json_object":
-            return {"json_schema": {"type": "object"}}
-        if kind == "choice":
-            return {"regex": choice_regex(self.choice or [])}
-        return {"regex": self.regex} if kind == "regex" else {"ebnf": self.grammar}
+        kind, value = next(iter(self.given().items()))
+        return constraint_params(kind, value)
 
 
-GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "regex",
-                 "guided_grammar": "ebnf"}
-"""vLLM's older constraint fields (deprecated by vLLM for ``structured_outputs``, still sent by clients):
-the engine's sampling parameter each becomes (``guided_choice``: its ``choice_regex``)."""
+def constraint_params(kind: str, value: Any) -> dict[str, Any]:
+    """The engine's grammar sampling parameter for one vLLM constraint, by its ``structured_outputs``
+    name (``STRUCTURED_KINDS``; the ``guided_*`` fields name the same kinds: ``GUIDED_FIELDS``)."""
+    if kind == "json":
+        return {"json_schema": value}
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "choice":
+        return {"regex": choice_regex(value)}
+    return {"regex": value} if kind == "regex" else {"ebnf": value}
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+"""vLLM's older constraint fields (deprecated by vLLM for ``structured_outputs``, still sent by clients)
+and the ``structured_outputs`` kind each is (``constraint_params``)."""
 
 
 def default_if_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
@@ -443,7 +453,7 @@ class _SamplingFields(_Request):
         for name, kind in GUIDED_FIELDS.items():
             value = getattr(self, name)
             if value is not None:
-                found.append((name, {kind: choice_regex(value) if name == "guided_choice" else value}))
+                found.append((name, constraint_params(kind, value)))
         if self.response_format is not None and self.response_format.type == "json_schema":
             found = [f for f in found if f[0] not in ("structured_outputs.json", "guided_json")]
         return found
