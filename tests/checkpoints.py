@@ -1,8 +1,8 @@
 """Tiny random Hugging Face checkpoints for tests and benchmarks, and a minimal pool harness.
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
-``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_jamba``,
-``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_bailing_hybrid``,
+``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -169,6 +169,21 @@ KIMI_LINEAR_KW: dict[str, Any] = dict(
 )
 
 
+# Ling 3 (Bailing-Hybrid): KDA (4 heads of 32, conv 4, full-rank gates, the bounded decay at -5) with MLA at
+# layers 2 and 5 (layer_group_size 3: 4 heads, kv_lora_rank 64, nope 32 / rope 16 / v 48, RoPE of theta 1e4
+# on q_pe / k_pe, each head's output gated); layer 0 dense, then MoE of 8 experts in 2 groups (top-2 within the
+# best group) + a shared expert; one MTP layer in config.json (transformers writes none of its tensors).
+BAILING_HYBRID_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=6,
+    layer_group_size=3, num_attention_heads=4, num_key_value_heads=4, head_dim=32, kv_lora_rank=64,
+    q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48, short_conv_kernel_size=4,
+    num_local_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    routed_scaling_factor=2.5, first_k_dense_replace=1, rope_theta=10000.0, kda_safe_gate=True,
+    kda_lower_bound=-5.0, num_mtp_layers=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -235,6 +250,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "lfm2": (transformers.Lfm2Config, transformers.Lfm2ForCausalLM),
         "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
+        "bailing_hybrid": (transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
         "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
@@ -304,6 +320,12 @@ def make_kimi_linear(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Pa
     """Tiny ``KimiLinearForCausalLM`` (6 layers: KDA, MLA at 2 and 5; dense MLP in layer 0, then MoE),
     saved as transformers writes it (Moonshot's tensor names)."""
     return _build("kimi_linear", tmp_dir, seed, {**KIMI_LINEAR_KW, **overrides})
+
+
+def make_bailing_hybrid(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``BailingHybridForCausalLM`` (Ling 3; 6 layers: KDA, MLA with RoPE at 2 and 5; dense MLP in layer 0,
+    then MoE), saved as transformers writes it (inclusionAI's tensor names)."""
+    return _build("bailing_hybrid", tmp_dir, seed, {**BAILING_HYBRID_KW, **overrides})
 
 
 def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -208,6 +208,9 @@ lfm2_moe_short_path = _tiny_checkpoint("lfm2_moe_short_path", checkpoints.make_l
 kimi_linear_path = _tiny_checkpoint("kimi_linear_path", checkpoints.make_kimi_linear)
 kimi_linear_short_path = _tiny_checkpoint("kimi_linear_short_path", checkpoints.make_kimi_linear, num_hidden_layers=2,
                                           layer_types=["linear_attention", "full_attention"])  # MLP, then MoE
+bailing_hybrid_path = _tiny_checkpoint("bailing_hybrid_path", checkpoints.make_bailing_hybrid)
+bailing_hybrid_short_path = _tiny_checkpoint("bailing_hybrid_short_path", checkpoints.make_bailing_hybrid,
+                                             num_hidden_layers=2, layer_group_size=2)  # KDA + MLP, then MLA + MoE
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)

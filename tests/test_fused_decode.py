@@ -541,10 +541,14 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 # (~17 s interpreted): its sigmoid router runs in PyTorch on every path, its experts' kernels are Kimi-Linear's and
 # Jamba's here, and test_fused_extend runs it interpreted
 # FalconMamba (~5 s): layers of a Mamba1 mixer alone (no FFN after it), the weightless dt/B/C norms in the fused step
+# Ling 3 (Bailing-Hybrid, ~15 s): Kimi-Linear's KDA and MLA kernels with KDA's bounded decay and MLA's RoPE made
+# from the positions (no tables), beside MoE layers; Kimi-Linear itself (~22 s: the softplus decay, checked kernel
+# by kernel in test_fused_kimi_linear) on a GPU only
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
-                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba", "kimi_linear",
+                                  pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba",
+                                  pytest.param("kimi_linear", marks=pytest.mark.gpu), "bailing_hybrid",
                                   "falcon_mamba", pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
@@ -586,7 +590,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
                            graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
     assert replays["n"] > 0 or GPU
-    if arch in ("nemotron_h", "jamba", "kimi_linear", "lfm2_moe"):  # models with MoE layers: steps of more than one
+    if arch in ("nemotron_h", "jamba", "kimi_linear", "bailing_hybrid", "lfm2_moe"):  # models with MoE layers: steps of more than one
         assert grouped  # request ran grouped (on the CPU those replaying graphs, as a GPU's would)
     assert gemv_calls  # the in projections of the batch-1 steps (Falcon-H1's mixers' out projections too)
     n = compare_outputs(a, b)
@@ -628,10 +632,11 @@ def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, 
 # Bamba, LFM2 and Kimi-Linear on a GPU only: interpreted each costs CI ~half a minute to a minute, and
 # what they add to Qwen3.5's run (Mamba2's, the short conv's and KDA's kernels along chains) is tested
 # kernel by kernel (test_decode_kernels_run_chains, test_fused_kimi_linear; MLA's rows are independent
-# queries, chains or not). Jamba's (~15 s) runs here: Mamba1 beside MoE layers
+# queries, chains or not). Jamba's too (~33 s here: Mamba1's chains are checked kernel by kernel in
+# test_fused_selective_scan, its MoE layers' fused steps in test_engine_fused_decode_matches_pytorch)
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", pytest.param("bamba", marks=pytest.mark.gpu),
-                                  pytest.param("lfm2", marks=pytest.mark.gpu), "jamba",
+                                  pytest.param("lfm2", marks=pytest.mark.gpu), pytest.param("jamba", marks=pytest.mark.gpu),
                                   pytest.param("kimi_linear", marks=pytest.mark.gpu),
                                   pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
 def test_fused_chain_verify_is_exact(arch, request, monkeypatch, few_splits):

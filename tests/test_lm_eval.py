@@ -67,7 +67,7 @@ def test_lm_eval_local_completions_matches_hf_backend(tiny_ckpt_dir, tmp_path, m
     (tmp_path / "hyla_gen.yaml").write_text(GEN_TASK.format(data=data))
     from lm_eval.tasks import TaskManager
 
-    tasks = TaskManager(include_path=str(tmp_path))
+    tasks = TaskManager(include_path=str(tmp_path), include_defaults=False)  # (indexing every built-in task: ~10 s)
     app = create_app(path, served_model_name=MODEL, max_total_tokens=4096, max_state_slots=32)
     with BackgroundServer(app) as server:
         served = lm_eval.simple_evaluate(

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import (
+    BAILING_HYBRID_KW,
     BAMBA_KW,
     FALCON_H1_KW,
     FALCON_MAMBA_KW,
@@ -657,6 +658,69 @@ def test_kimi_linear_state_shapes_match_hf_cache_and_flops(kimi):
 def test_kimi_linear_bad_configs_are_value_errors(kimi, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**kimi.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def ling() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.BailingHybridConfig(**BAILING_HYBRID_KW),
+                                       "BailingHybridForCausalLM"))
+
+
+def test_bailing_hybrid_layout_rope_gates_and_defaults(ling):
+    """Ling 3: Kimi-Linear's geometry (the latent in the pool, KDA states) with RoPE on MLA's 16 rope channels,
+    full-rank KDA gates, the bounded decay, the per-head MLA gate; transformers' saved config.json (its head_dim
+    rewritten to qk_rope_head_dim, linear_head_dim kept) and the bare defaults (Ling-3.0-Flash's sizes)."""
+    c = ling
+    assert c.model_type == "bailing_hybrid" and c.linear_kind == "kda"
+    assert c.layer_types == ("linear", "linear", "attention") * 2  # layer_group_size 3
+    assert c.ffn_types == ("mlp",) + ("moe",) * 5
+    assert (c.rotary_dim, c.rope_theta, c.mla_output_gate) == (16, 10000.0, True)
+    assert (c.kda_full_rank_gates, c.kda_gate_lower_bound) == (True, -5.0)
+    assert (c.num_attention_heads, c.num_kv_heads, c.head_dim) == (4, 1, 40)  # the 80-wide latent, halved
+    assert c.conv_shape == (3 * 4 * 32, 3) and c.ssm_shape == (4, 32, 32) and c.mtp_num_hidden_layers == 1
+    assert (c.router_num_groups, c.router_topk_groups, c.routed_scaling_factor) == (2, 1, 2.5)
+    assert c.extra["hf_config"]["head_dim"] == 16  # what save_pretrained writes: not the linear heads' dim
+    assert ModelConfig.from_hf({**c.extra["hf_config"], "kda_safe_gate": False}).kda_gate_lower_bound == 0.0
+    bare = ModelConfig.from_hf({"architectures": ["BailingHybridForCausalLM"], "vocab_size": 157184,
+                                "hidden_size": 2560, "num_hidden_layers": 42, "tie_word_embeddings": True})
+    assert [i for i, t in enumerate(bare.layer_types) if t == "attention"] == [5, 11, 17, 23, 29, 35, 41]
+    assert bare.ffn_types == ("mlp",) * 2 + ("moe",) * 40 and not bare.tie_word_embeddings
+    assert (bare.num_experts, bare.num_experts_per_tok, bare.shared_expert_intermediate_size) == (512, 8, 768)
+    assert (bare.linear_num_value_heads, bare.linear_key_head_dim, bare.head_dim, bare.rope_theta) == \
+        (32, 128, 288, 6e6)
+    assert bare.max_position_embeddings == 262144 and bare.mtp_num_hidden_layers == 0
+
+
+def test_bailing_hybrid_state_shapes_match_hf_cache_and_flops(ling):
+    model = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**BAILING_HYBRID_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    kda = out.past_key_values.layers[0]
+    assert tuple(kda.conv_states[0].shape[1:]) == (ling.conv_shape[0], ling.conv_shape[1] + 1)
+    assert tuple(kda.recurrent_states[0].shape[1:]) == ling.ssm_shape
+    mla = out.past_key_values.layers[2]
+    assert mla.keys.shape[-1] + mla.values.shape[-1] == 2 * ling.head_dim
+    mixers = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n and p.dim() == 2)  # matrices
+    f1, heads, d = ling.flops_per_token(1), 4, 32
+    kda_extra = 4 * (2 * 3 * heads * d * 4 + 2 * 4 * heads * d * d)  # 4 KDA layers' convs and state updates
+    mla_scores = 2 * 2 * heads * (2 * 64 + 16)  # 2 MLA layers: one token's scores and values over the latent
+    assert f1.linear + f1.attention == pytest.approx(2 * mixers + kda_extra + mla_scores)
+    assert f1.moe == pytest.approx(5 * (2 * 256 * 8 + 2 * 2 * 3 * 256 * 128 + 2 * 3 * 256 * 128))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"kda_lower_bound": 1.0}, "kda_lower_bound"),
+    ({"kda_lower_bound": 0.0}, "zero decay"),
+    ({"layer_types": None, "layer_group_size": 0}, "layer_group_size"),
+    ({"layer_types": ["linear_attention"] * 5}, "num_hidden_layers"),
+    ({"mlp_layer_types": ["dense"] * 5 + ["moe"]}, "'dense' or 'sparse'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"num_expert_group": 3}, "n_group"),
+])
+def test_bailing_hybrid_bad_configs_are_value_errors(ling, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**ling.extra["hf_config"], **bad})
 
 
 def test_jamba_layout_state_and_hf_defaults():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import KIMI_LINEAR_KW, TinyRunner, make_lfm2, make_qwen3_5
+from checkpoints import BAILING_HYBRID_KW, KIMI_LINEAR_KW, TinyRunner, make_lfm2, make_qwen3_5
 from safetensors.torch import load_file, save_file
 
 from hyla.model import load_model
@@ -378,6 +378,47 @@ def test_lfm2_moe_reads_per_expert_and_fused_experts(lfm2_moe_path, tmp_path):
     unbiased = load_model(rewrite(lfm2_moe_path, tmp_path / "unbiased", edit_tensors=drop_bias,
                                   edit_config=lambda c: {**c, "use_expert_bias": False}))
     assert unbiased.layers[1].ffn.e_score_correction_bias is None
+
+
+def test_bailing_hybrid_reads_inclusionai_and_transformers_names_and_skips_mtp_layers(bailing_hybrid_path, tmp_path):
+    """Ling 3: inclusionAI's layout (what save_pretrained writes: word_embeddings, attention.* with dense as the
+    output projection, q/k/v_conv1d, f_proj / g_proj, mlp.gate.expert_bias, experts.{e}.gate/up/down_proj) and
+    transformers' in-memory state dict (embed_tokens, self_attn.*, forget_gate.*, fused conv1d and experts,
+    e_score_correction_bias) load the same weights; MLA's RoPE rows are de-interleaved (evens, then odds); the
+    multi-token-prediction layer after the decoder (num_nextn_predict_layers: 1) is not read, a layer past it
+    is refused; lm_head is never tied."""
+    in_memory = _in_memory_checkpoint(bailing_hybrid_path, tmp_path)
+    assert "model.layers.1.self_attn.forget_gate.f_proj.weight" in load_file(in_memory / "model.safetensors")
+    ling, fused = load_model(bailing_hybrid_path), load_model(in_memory)
+    _assert_same_weights(ling, fused)
+    raw = load_file(bailing_hybrid_path / "model.safetensors")
+    kda, mla, moe = ling.layers[0].mixer, ling.layers[2].mixer, ling.layers[1].ffn
+    hd = BAILING_HYBRID_KW["num_attention_heads"] * BAILING_HYBRID_KW["head_dim"]
+    assert kda.f_a_proj is None and kda.lower_bound == -5.0
+    assert torch.equal(kda.f_proj.weight, raw["model.layers.0.attention.f_proj.weight"])
+    assert torch.equal(kda.g_proj.weight, raw["model.layers.0.attention.g_proj.weight"])
+    assert torch.equal(kda.conv_weight[2 * hd :], raw["model.layers.0.attention.v_conv1d.weight"][:, 0])
+    assert torch.equal(kda.o_proj.weight, raw["model.layers.0.attention.dense.weight"])
+    rank, rope = BAILING_HYBRID_KW["kv_lora_rank"], BAILING_HYBRID_KW["qk_rope_head_dim"]
+    kv_a = raw["model.layers.2.attention.kv_a_proj_with_mqa.weight"]
+    assert torch.equal(mla.kv_a_proj.weight[:rank], kv_a[:rank])
+    assert torch.equal(mla.kv_a_proj.weight[rank : rank + rope // 2], kv_a[rank::2])  # the pairs' first halves
+    assert torch.equal(mla.kv_a_proj.weight[rank + rope // 2 :], kv_a[rank + 1 :: 2])
+    assert torch.equal(mla.g_proj.weight, raw["model.layers.2.attention.g_proj.weight"])
+    assert torch.equal(moe.e_score_correction_bias, raw["model.layers.1.mlp.gate.expert_bias"])
+    assert torch.equal(moe.w_in[3].chunk(2)[1], raw["model.layers.1.mlp.experts.3.up_proj.weight"])
+    assert torch.equal(ling.embed_tokens.weight, raw["model.word_embeddings.weight"])
+    assert ling.lm_head.weight.data_ptr() != ling.embed_tokens.weight.data_ptr()
+    logits = prefill_logits(ling, IDS)
+    assert torch.equal(logits, prefill_logits(fused, IDS))
+
+    def add_layer(n):  # a copy of layer 5's tensors as layer n
+        return lambda t: {**t, **{k.replace("layers.5.", f"layers.{n}."): v.clone() for k, v in t.items() if "layers.5." in k}}
+
+    with_mtp = load_model(rewrite(bailing_hybrid_path, tmp_path / "mtp", edit_tensors=add_layer(6)))
+    assert torch.equal(prefill_logits(with_mtp, IDS), logits)
+    with pytest.raises(ValueError, match=r"does not use: .*model\.layers\.7\."):
+        load_model(rewrite(bailing_hybrid_path, tmp_path / "past_mtp", edit_tensors=add_layer(7)))
 
 
 def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,

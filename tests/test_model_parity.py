@@ -1,7 +1,8 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Jamba, and the pure state-space models Mamba, FalconMamba, Mamba2):
+Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), Jamba, and the pure state-space models Mamba,
+FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -18,6 +19,7 @@ import torch
 import transformers
 from checkpoints import (
     TinyRunner,
+    make_bailing_hybrid,
     make_bamba,
     make_falcon_h1,
     make_falcon_mamba,
@@ -36,7 +38,7 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "jamba", "mamba", "falcon_mamba", "mamba2"]
+         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -337,6 +339,16 @@ VARIANTS = {
         num_hidden_layers=5, mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
         linear_num_heads=2, linear_head_dim=48, linear_conv_kernel_dim=3,
+    ),
+    # Kimi-Linear's softplus decay (kda_safe_gate off), low-rank q (q_a/q_b, its RoPE rows de-interleaved), attention
+    # biases, an odd 71-wide latent (63 + 8), top-3 of 8 experts within the best 2 of 4 groups, no renormalisation,
+    # explicit layer lists (MLA first, dense layers between), 2 KDA heads of 48 with a 3-wide conv, RoPE theta 6e6
+    "bailing_hybrid_variant": lambda d: make_bailing_hybrid(
+        d, seed=1, kda_safe_gate=False, q_lora_rank=48, attention_bias=True, kv_lora_rank=63, qk_rope_head_dim=8,
+        n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=False, routed_scaling_factor=1.5,
+        num_hidden_layers=5, mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=2, head_dim=48, short_conv_kernel_size=3, rope_theta=6e6,
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

@@ -69,6 +69,8 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         ("falcon-mamba-7b", 0, 64 * (8192 * 3 * 2 + 8192 * 16 * 4)),
         # no attention: no KV; 64 Mamba2 layers x (conv (8192 + 2*8*128) x 3 bf16 + SSM 128 x 64 x 128 fp32)
         ("mamba-codestral-7b", 0, 64 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
+        # 7 MLA layers x the 576-wide latent; 35 KDA layers x (conv 3 x 4096 x 3 bf16 + 32 x 128 x 128 fp32)
+        ("ling-3.0-flash", 7 * 576 * 2, 35 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from hyla.model import (
+    bailing_hybrid,
     bamba,
     falcon_h1,
     granitemoehybrid,
@@ -66,6 +67,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MambaForCausalLM": Architecture(mamba.MambaForCausalLM, mamba.parse_hf_config, "mamba"),
     "FalconMambaForCausalLM": Architecture(mamba.FalconMambaForCausalLM, mamba.parse_hf_config, "falcon_mamba"),
     "Mamba2ForCausalLM": Architecture(mamba2.Mamba2ForCausalLM, mamba2.parse_hf_config, "mamba2"),
+    "BailingHybridForCausalLM": Architecture(
+        bailing_hybrid.BailingHybridForCausalLM, bailing_hybrid.parse_hf_config, "bailing_hybrid"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -96,7 +96,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
-    # | "lfm2_moe" | "kimi_linear" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
+    # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -120,14 +120,16 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen: per-head RMSNorm on q and k before RoPE
     rotary_dim: int = 0  # 0 = no RoPE (NemotronH)
     rope_theta: float = 10000.0
-    # multi-head latent attention (Kimi-Linear's MLA, no RoPE; 0 = plain attention). The KV pool holds
-    # each token's latent [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], split over K and V:
-    # num_kv_heads = 1, head_dim = ceil((kv_lora_rank + qk_rope_head_dim) / 2) (see kimi_linear.py)
+    # multi-head latent attention (Kimi-Linear's MLA, no RoPE; Ling 3's with RoPE on q_pe / k_pe where
+    # rotary_dim = mla_qk_rope_head_dim; 0 = plain attention). The KV pool holds each token's latent
+    # [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], split over K and V: num_kv_heads = 1,
+    # head_dim = ceil((kv_lora_rank + qk_rope_head_dim) / 2) (see kimi_linear.py)
     mla_kv_lora_rank: int = 0
     mla_q_lora_rank: int = 0  # 0 = a full-rank q_proj
     mla_qk_nope_head_dim: int = 0
     mla_qk_rope_head_dim: int = 0
     mla_v_head_dim: int = 0
+    mla_output_gate: bool = False  # Ling 3: each head's output * sigmoid(g_proj(x)) (one gate a head)
 
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
     # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "mamba1" (Jamba, Mamba: a
@@ -140,6 +142,12 @@ class ModelConfig:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # Kimi Delta Attention's gates: Kimi-Linear's low-rank forget and output gate projections (f_a/f_b,
+    # g_a/g_b) or Ling 3's full-rank ones (f_proj, g_proj); the decay -exp(A_log) * softplus(f + dt_bias)
+    # (Kimi-Linear) or, with a lower bound < 0, Ling 3's bounded ("safe") lower_bound * sigmoid(exp(A_log) *
+    # (f + dt_bias)), in [lower_bound, 0]
+    kda_full_rank_gates: bool = False
+    kda_gate_lower_bound: float = 0.0  # 0 = the softplus decay
     # Mamba2
     mamba_num_heads: int = 0
     mamba_head_dim: int = 0
@@ -226,6 +234,9 @@ class ModelConfig:
             )
         if self.linear_kind in ("gdn", "kda") and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.kda_gate_lower_bound > 0 or not math.isfinite(self.kda_gate_lower_bound):
+            raise ValueError(f"kda_gate_lower_bound must be finite and <= 0 (0: the softplus decay), "
+                             f"got {self.kda_gate_lower_bound}")
         if self.linear_kind == "mamba2" and self.mamba_num_heads % self.mamba_n_groups:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
         uses_moe = "moe" in self.layer_types or "moe" in self.ffn_types

@@ -110,6 +110,7 @@ def _mla_flops(cfg: ModelConfig, context_len: int) -> float:
     q_out = hq * (nope + rope)
     q = h * cfg.mla_q_lora_rank + cfg.mla_q_lora_rank * q_out if cfg.mla_q_lora_rank else h * q_out
     proj = 2.0 * (q + h * (r + rope) + hq * nope * r + hq * r * vd + hq * vd * h)
+    proj += 2.0 * h * hq if cfg.mla_output_gate else 0.0  # Ling 3's per-head output gate
     return proj + 2.0 * hq * (2 * r + rope) * context_len  # scores over [c_kv | k_pe], values in c_kv
 
 
@@ -121,11 +122,14 @@ def _linear_flops(cfg: ModelConfig) -> float:
         proj = 2.0 * h * (cfg.conv_dim + value_dim + 2 * hv) + 2.0 * value_dim * h
         state = 2.0 * 4 * hv * dk * dv  # decay, read (k^T S), write (k delta^T), output (q^T S)
         return proj + 2.0 * cfg.conv_dim * k + state
-    if cfg.linear_kind == "kda":  # Kimi Delta Attention: q/k/v, low-rank forget gate and output gate, beta, o
+    if cfg.linear_kind == "kda":  # Kimi Delta Attention: q/k/v, the forget gate and output gate, beta, o
         hv, dk, dv = cfg.ssm_shape
         value_dim = hv * dv
         proj = 2.0 * h * (cfg.conv_dim + hv) + 2.0 * value_dim * h
-        gates = 2.0 * (h * dk + dk * hv * dk) + 2.0 * (h * dv + dv * value_dim)  # f_a/f_b and g_a/g_b
+        if cfg.kda_full_rank_gates:  # Ling 3's f_proj and g_proj
+            gates = 2.0 * h * hv * dk + 2.0 * h * value_dim
+        else:  # Kimi-Linear's f_a/f_b and g_a/g_b
+            gates = 2.0 * (h * dk + dk * hv * dk) + 2.0 * (h * dv + dv * value_dim)
         state = 2.0 * 4 * hv * dk * dv  # per-channel decay, read (k^T S), write (k delta^T), output (q^T S)
         return proj + gates + 2.0 * cfg.conv_dim * k + state
     if cfg.linear_kind == "mamba2":

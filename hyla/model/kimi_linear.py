@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -67,10 +67,12 @@ from hyla.model.layers import (
     HybridLayer,
     RMSNorm,
     Rope,
+    apply_rotary_,
     ckpt_kwargs,
     conv1d_extend,
     conv1d_fused_extend,
     copy_decode_checkpoints,
+    rope_tables,
     run_fused_extend_segments,
     tree_masks,
 )
@@ -116,13 +118,20 @@ class KimiDeltaAttention(nn.Module):
         h, d = c.hidden_size, self.head_dim
         self.qkv_proj = Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
         self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, c.conv_kernel, dtype=c.dtype))  # [3HD, K]
-        self.f_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
-        self.f_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
+        self.lower_bound = c.kda_gate_lower_bound  # 0: the softplus decay; < 0: the bounded one (Ling 3)
+        if c.kda_full_rank_gates:  # Ling 3: f_proj and g_proj, [HD, h] each
+            self.f_proj = Linear(h, self.dim, bias=False, dtype=c.dtype)
+            self.g_proj = Linear(h, self.dim, bias=False, dtype=c.dtype)
+            self.f_a_proj = self.f_b_proj = self.g_a_proj = self.g_b_proj = None
+        else:  # Kimi-Linear: rank-D pairs
+            self.f_proj = self.g_proj = None
+            self.f_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
+            self.f_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
+            self.g_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
+            self.g_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.dim, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.b_proj = Linear(h, self.num_heads, bias=False, dtype=c.dtype)
-        self.g_a_proj = Linear(h, d, bias=False, dtype=c.dtype)
-        self.g_b_proj = Linear(d, self.dim, bias=False, dtype=c.dtype)
         self.o_norm = nn.Parameter(torch.empty(d, dtype=c.dtype))  # the per-head output RMSNorm weight
         self.o_proj = Linear(self.dim, h, bias=False, dtype=c.dtype)
         self._tickets = ConvTickets()  # the fused conv decode kernel's counters
@@ -132,7 +141,8 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
-        f, b = self.f_b_proj(self.f_a_proj(x)), self.b_proj(x)  # the raw decay input [T, HD] and gate [T, H]
+        f = self.f_proj(x) if self.f_proj is not None else self.f_b_proj(self.f_a_proj(x))  # the raw decay input [T, HD]
+        b, bound = self.b_proj(x), self.lower_bound  # the raw gate [T, H]
         kernels = gpu("kda_decode") if batch.on_device or fla_prefill(x, batch) else None
         if batch.fused_decode:  # Triton: the conv window, the gates and the state update in one kernel (chains
             # too), or the conv in a kernel of its own
@@ -140,18 +150,19 @@ class KimiDeltaAttention(nn.Module):
             if kernels.FUSE_CONV and self.conv_weight.shape[1] == kernels.CONV_WIDTH:
                 seqs = slots.shape[0] if chain is None else chain.shape[1]
                 o = kernels.kda_conv_decode_fused(mixed, self.conv_weight, conv_states, self._tickets(seqs * heads, x.device),
-                                                  f, b, self.A_log, self.dt_bias, ssm_states, slots, chain=chain)
+                                                  f, b, self.A_log, self.dt_bias, ssm_states, slots, chain=chain,
+                                                  lower_bound=bound)
             else:
                 mixed = gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
                                                                          slots, "silu", chain=chain)
                 o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
-                                             chain=chain)  # [B, H, D]
+                                             chain=chain, lower_bound=bound)  # [B, H, D]
             return self._out(o, x)
         if batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch (padding rows: 0)
             mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
             o = torch.zeros(t, heads, d, dtype=x.dtype, device=x.device)
-            run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias), o, ssm_states,
-                                      batch)
+            run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, bound), o,
+                                      ssm_states, batch)
             return self._out(o, x)
         plan = batch.state_slot_plan  # decode: validated at batch construction
         if batch.is_decode:
@@ -166,7 +177,7 @@ class KimiDeltaAttention(nn.Module):
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
             o = gpu("fla_chunk").chunk_kda_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),
-                segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias),
+                segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, bound),
                 gates=lambda: self._gates(f, b))  # [T, H, D]
         else:
             o = chunk_kda_varlen(q, k, v, *self._gates(f, b), batch.cu_seqlens, ssm_states, slots,
@@ -175,19 +186,22 @@ class KimiDeltaAttention(nn.Module):
 
     def _gates(self, f: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g [T, H, D], beta [T, H])``: the per-channel log-decay ``-exp(A_log) * softplus(f +
-        dt_bias)`` (fp32, transformers' softplus: ``x`` above 20) and ``sigmoid(b)`` (b's dtype) from the
-        raw ``f [T, HD]``, ``b [T, H]``."""
+        dt_bias)`` (fp32, transformers' softplus: ``x`` above 20), or with a lower bound ``lb``,
+        ``lb * sigmoid(exp(A_log) * (f + dt_bias))``, and ``sigmoid(b)`` (b's dtype) from the raw
+        ``f [T, HD]``, ``b [T, H]``."""
         t = f.shape[0]
-        f = f.float() + self.dt_bias
+        f = (f.float() + self.dt_bias).view(t, self.num_heads, self.head_dim)
+        rate = torch.exp(self.A_log.float())[:, None]  # [H, 1]
+        if self.lower_bound:
+            return self.lower_bound * torch.sigmoid(rate * f), torch.sigmoid(b)  # in [lb, 0]
         softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly
-        g = -torch.exp(self.A_log.float())[:, None] * softplus.view(t, self.num_heads, self.head_dim)  # <= 0
-        return g, torch.sigmoid(b)
+        return -rate * softplus, torch.sigmoid(b)  # g <= 0
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The KDA output ``o [T, H, D]`` through each head's RMSNorm (fp32), gated by
-        ``sigmoid(g_b(g_a(x)))``, and ``o_proj``."""
+        ``sigmoid(g_b(g_a(x)))`` (or ``sigmoid(g_proj(x))``), and ``o_proj``."""
         t, heads, d = o.shape
-        gate = self.g_b_proj(self.g_a_proj(x)).view(t, heads, d)
+        gate = (self.g_proj(x) if self.g_proj is not None else self.g_b_proj(self.g_a_proj(x))).view(t, heads, d)
         o32 = o.float()
         o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         o = (o32 * torch.sigmoid(gate.float())).to(x.dtype)  # [T, H, D]
@@ -198,8 +212,10 @@ class KimiDeltaAttention(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """MLA without RoPE, attending in the latent space over the paged KV pool (see the module
-    docstring: the pool holds each token's latent ``[c_kv | k_pe]``, half in K, half in V). A fused
+    """MLA, attending in the latent space over the paged KV pool (see the module docstring: the pool
+    holds each token's latent ``[c_kv | k_pe]``, half in K, half in V). Kimi-Linear's has no RoPE; Ling 3's
+    (``config.rotary_dim``) rotates ``q_pe`` and ``k_pe`` (before ``k_pe`` enters the pool) and gates each
+    head's output by ``sigmoid(g_proj(x))`` (``config.mla_output_gate``). A fused
     decode step (a GPU's) attends through ``ops/gpu/latent_attention.py``'s split-KV kernel over the
     request table on the device, a fused extend through its causal form."""
 
@@ -228,6 +244,10 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(self.rank, MLA_NORM_EPS, dtype=c.dtype)
         self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
         self.o_proj = Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
+        self.g_proj = Linear(h, heads, bias=False, dtype=c.dtype) if c.mla_output_gate else None
+        if c.rotary_dim not in (0, self.rope):
+            raise ValueError(f"MLA's RoPE rotates all of qk_rope_head_dim={self.rope}, got rotary_dim={c.rotary_dim}")
+        self.rotates = bool(c.rotary_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads = x.shape[0], self.num_heads
@@ -237,6 +257,9 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
+        if self.rotates:  # the standard rotate-half RoPE (interleaved checkpoints are de-interleaved at load)
+            cos, sin = rope_tables(rope, x.dtype)  # sin: signed_sin's
+            q_pe, k_pe = apply_rotary_(q_pe, cos, sin), apply_rotary_(k_pe[:, None], cos, sin)[:, 0]
         latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # [T, r + rope]
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, r], [H, v, r]
@@ -265,6 +288,8 @@ class LatentAttention(nn.Module):
                 batch.extend_lens, self.scaling, self.rank, tree_masks=tree_masks(batch), kv_starts=batch.kv_starts,
             )  # [T, H, r]
         o = torch.einsum("thr,hvr->thv", o, w_uv)  # [T, H, v]
+        if self.g_proj is not None:  # transformers: sigmoid in fp32, rounded to the model dtype
+            o = o * torch.sigmoid(self.g_proj(x).float()).to(o.dtype)[..., None]
         return self.o_proj(o.reshape(t, heads * self.v_dim))
 
 
@@ -408,10 +433,10 @@ class KimiLinearForCausalLM(HybridForCausalLM):
                 norm_spec(f"{t}.mixer_norm.weight", f"{s}.input_layernorm.weight"),
                 norm_spec(f"{t}.ffn_norm.weight", f"{s}.post_attention_layernorm.weight"),
             ]
-            specs += _mla_specs(c, f"{t}.mixer", f"{s}.self_attn") if mixer == "attention" else \
-                _kda_specs(f"{t}.mixer", f"{s}.self_attn")
+            specs += mla_specs(c, f"{t}.mixer", f"{s}.self_attn") if mixer == "attention" else \
+                kda_specs(c, f"{t}.mixer", f"{s}.self_attn")
             moe = f"{s}.block_sparse_moe"
-            specs += _moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else mlp_specs(f"{t}.ffn", moe)
+            specs += moe_specs(c, f"{t}.ffn", moe) if ffn == "moe" else mlp_specs(f"{t}.ffn", moe)
         return specs
 
 
@@ -420,52 +445,83 @@ def _squeeze_concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([w.squeeze(1) for w in tensors], dim=0)
 
 
-def _kda_specs(target: str, source: str) -> list[WeightSpec]:
+def kda_specs(c: ModelConfig, target: str, source: str, out: str = "o_proj") -> list[WeightSpec]:
+    """A KDA layer from separate ``{q,k,v}_conv1d`` (or transformers' fused ``conv1d``), its gate
+    projections as ``config.kda_full_rank_gates`` says, the output projection ``out``."""
     convs = tuple(f"{source}.{p}_conv1d.weight" for p in "qkv")
+    gates = ("f_proj", "g_proj") if c.kda_full_rank_gates else ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")
     return [
         *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"], False),
         WeightSpec(f"{target}.conv_weight", convs, _squeeze_concat_convs),
         WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), _squeeze_concat_convs),  # transformers'
-        *linear_specs(f"{target}.f_a_proj", [f"{source}.f_a_proj"], False),
-        *linear_specs(f"{target}.f_b_proj", [f"{source}.f_b_proj"], False),
+        *(spec for g in gates for spec in linear_specs(f"{target}.{g}", [f"{source}.{g}"], False)),
         WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",), lambda ts: ts[0].reshape(-1)),
         WeightSpec(f"{target}.A_log", (f"{source}.A_log",), lambda ts: ts[0].reshape(-1)),  # [1, 1, H, 1] -> [H]
         *linear_specs(f"{target}.b_proj", [f"{source}.b_proj"], False),
-        *linear_specs(f"{target}.g_a_proj", [f"{source}.g_a_proj"], False),
-        *linear_specs(f"{target}.g_b_proj", [f"{source}.g_b_proj"], False),
         WeightSpec(f"{target}.o_norm", (f"{source}.o_norm.weight",)),
-        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], False),
+        *linear_specs(f"{target}.o_proj", [f"{source}.{out}"], False),
     ]
 
 
-def _mla_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+def mla_specs(c: ModelConfig, target: str, source: str, out: str = "o_proj",
+              interleaved_rope: bool = False) -> list[WeightSpec]:
+    """An MLA layer (``q_proj`` or the ``q_a`` / ``q_b`` pair, the latent projections, ``config.mla_output_gate``'s
+    ``g_proj``), the output projection ``out``. ``interleaved_rope``: the checkpoint's RoPE channels are
+    DeepSeek's interleaved pairs, reordered here (:func:`deinterleave_rope_rows`)."""
     bias = c.attention_bias
+    q_rows = rope_rows = None
+    if interleaved_rope:
+        q_rows = deinterleave_rope_rows(c.mla_qk_nope_head_dim + c.mla_qk_rope_head_dim, c.mla_qk_rope_head_dim)
+        rope_rows = deinterleave_rope_rows(c.mla_kv_lora_rank + c.mla_qk_rope_head_dim, c.mla_qk_rope_head_dim)
     if c.mla_q_lora_rank:
         q = [
             *linear_specs(f"{target}.q_a_proj", [f"{source}.q_a_proj"], bias),
             norm_spec(f"{target}.q_a_norm.weight", f"{source}.q_a_layernorm.weight"),
-            *linear_specs(f"{target}.q_b_proj", [f"{source}.q_b_proj"], False),
+            WeightSpec(f"{target}.q_b_proj.weight", (f"{source}.q_b_proj.weight",), q_rows),
         ]
     else:
-        q = linear_specs(f"{target}.q_proj", [f"{source}.q_proj"], False)
+        q = [WeightSpec(f"{target}.q_proj.weight", (f"{source}.q_proj.weight",), q_rows)]
+    kv_a = [WeightSpec(f"{target}.kv_a_proj.{p}", (f"{source}.kv_a_proj_with_mqa.{p}",), rope_rows)
+            for p in (("weight", "bias") if bias else ("weight",))]
+    gate = linear_specs(f"{target}.g_proj", [f"{source}.g_proj"], False) if c.mla_output_gate else []
     return [
         *q,
-        *linear_specs(f"{target}.kv_a_proj", [f"{source}.kv_a_proj_with_mqa"], bias),
+        *kv_a,
         norm_spec(f"{target}.kv_a_norm.weight", f"{source}.kv_a_layernorm.weight"),
         *linear_specs(f"{target}.kv_b_proj", [f"{source}.kv_b_proj"], False),
-        *linear_specs(f"{target}.o_proj", [f"{source}.o_proj"], bias),
+        *gate,
+        *linear_specs(f"{target}.o_proj", [f"{source}.{out}"], bias),
     ]
 
 
-def _moe_specs(c: ModelConfig, target: str, source: str) -> list[WeightSpec]:
+def deinterleave_rope_rows(rows_per_head: int, rope: int) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """A projection's rows (weight or bias) with the last ``rope`` of every ``rows_per_head`` in DeepSeek's
+    interleaved RoPE layout (pairs ``(x0, x1), (x2, x3), ...``, each rotated by one frequency) reordered to
+    the rotate-half layout (``x0, x2, ..., x1, x3, ...``): transformers' ``apply_rotary_pos_emb_interleave`` is
+    then exactly the rotate-half RoPE of ``apply_rotary_`` (its output is in that order too, and scores
+    see the same permutation on both sides)."""
+    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
+        w = tensors[0]
+        keep = torch.arange(rows_per_head - rope, device=w.device)
+        pairs = torch.arange(rope, device=w.device).view(-1, 2).t().reshape(-1) + (rows_per_head - rope)
+        return w.reshape(-1, rows_per_head, *w.shape[1:])[:, torch.cat([keep, pairs])].reshape(w.shape)
+    return combine
+
+
+def moe_specs(c: ModelConfig, target: str, source: str, expert_names: tuple[str, str, str] = ("w1", "w3", "w2"),
+              router_bias: str = "e_score_correction_bias") -> list[WeightSpec]:
+    """DeepSeek-V3's MoE: the router ``gate`` (its score-correction bias ``gate.{router_bias}``), the experts
+    per expert (``experts.{e}.{gate | up | down}``: ``expert_names``) or fused as transformers holds them,
+    the shared experts."""
     experts = range(c.num_experts)
-    gate_up = tuple(f"{source}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3"))
+    gate, up, down = expert_names
+    gate_up = tuple(f"{source}.experts.{e}.{w}.weight" for e in experts for w in (gate, up))
     specs = [
         WeightSpec(f"{target}.router.weight", (f"{source}.gate.weight",)),
-        WeightSpec(f"{target}.e_score_correction_bias", (f"{source}.gate.e_score_correction_bias",)),
-        WeightSpec(f"{target}.w_in", gate_up, stack_experts(2)),  # [E, 2I, H]: [gate (w1) | up (w3)]
+        WeightSpec(f"{target}.e_score_correction_bias", (f"{source}.gate.{router_bias}",)),
+        WeightSpec(f"{target}.w_in", gate_up, stack_experts(2)),  # [E, 2I, H]: [gate | up]
         WeightSpec(f"{target}.w_in", (f"{source}.experts.gate_up_proj",)),  # transformers' fused layout
-        WeightSpec(f"{target}.w_out", tuple(f"{source}.experts.{e}.w2.weight" for e in experts), stack_experts(1)),
+        WeightSpec(f"{target}.w_out", tuple(f"{source}.experts.{e}.{down}.weight" for e in experts), stack_experts(1)),
         WeightSpec(f"{target}.w_out", (f"{source}.experts.down_proj",)),
     ]
     if c.shared_expert_intermediate_size:
@@ -507,61 +563,82 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         raise ValueError("Kimi-Linear moe_layer_freq != 1 is not supported (transformers reads "
                          "first_k_dense_replace only)")
 
+    linear_heads = int(hf_first(linear, ("num_heads",), cfg.get("linear_num_heads", 32)))
+    linear_dim = int(hf_first(linear, ("head_dim",), cfg.get("linear_head_dim", 128)))
+    kernel = int(hf_first(linear, ("short_conv_kernel_size",), cfg.get("linear_conv_kernel_dim", 4)))
+    ffn_types = ffn_layer_types(cfg, num_layers, "Kimi-Linear", first_dense=1)
+    return dict(
+        **common,
+        model_type="kimi_linear",
+        layer_types=_layer_types(cfg, linear, num_layers),
+        ffn_types=ffn_types,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        zero_centered_norm=False,
+        **kda_fields(linear_heads, linear_dim, kernel, "Kimi-Linear"),
+        **latent_attention_fields(cfg, "Kimi-Linear"),
+        rotary_dim=0,
+        **moe_fields(cfg, ffn_types, "Kimi-Linear", intermediate=9216, num_experts=256, moe_width=1024,
+                     routed_scaling=2.446),
+    )
+
+
+def kda_fields(heads: int, head_dim: int, kernel: int, name: str) -> dict[str, Any]:
+    """The ``ModelConfig`` fields of KDA layers of ``heads`` heads of ``head_dim`` (as many key as value
+    heads) and a ``kernel``-wide short conv (``ValueError`` below 2)."""
+    if kernel < 2:
+        raise ValueError(f"{name} short_conv_kernel_size must be >= 2, got {kernel}")
+    return dict(linear_kind="kda", conv_kernel=kernel, linear_num_key_heads=heads, linear_num_value_heads=heads,
+                linear_key_head_dim=head_dim, linear_value_head_dim=head_dim)
+
+
+def latent_attention_fields(cfg: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """MLA's ``ModelConfig`` fields from DeepSeek-V3's keys (``num_attention_heads``, ``kv_lora_rank``,
+    ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``attention_bias``, with
+    their defaults): the KV pool's geometry is the latent's (one "head" of half its width)."""
     heads = int(cfg.get("num_attention_heads", 32))
     rank, rope = int(cfg.get("kv_lora_rank", 512)), int(cfg.get("qk_rope_head_dim", 64))
     nope, v_dim = int(cfg.get("qk_nope_head_dim", 128)), int(cfg.get("v_head_dim") or 128)
     if min(heads, rank, nope + rope, v_dim) <= 0:
-        raise ValueError("Kimi-Linear MLA needs positive num_attention_heads, kv_lora_rank, "
+        raise ValueError(f"{name} MLA needs positive num_attention_heads, kv_lora_rank, "
                          "qk_nope_head_dim + qk_rope_head_dim and v_head_dim")
-    linear_heads = int(hf_first(linear, ("num_heads",), cfg.get("linear_num_heads", 32)))
-    linear_dim = int(hf_first(linear, ("head_dim",), cfg.get("linear_head_dim", 128)))
-    kernel = int(hf_first(linear, ("short_conv_kernel_size",), cfg.get("linear_conv_kernel_dim", 4)))
-    if kernel < 2:
-        raise ValueError(f"Kimi-Linear short_conv_kernel_size must be >= 2, got {kernel}")
-
-    layer_types = _layer_types(cfg, linear, num_layers)
-    ffn_types = _ffn_types(cfg, num_layers)
-    num_experts = int(hf_first(cfg, ("num_experts", "num_local_experts"), 256))
-    if "moe" in ffn_types and num_experts < 1:
-        raise ValueError(f"Kimi-Linear sparse layers need num_experts >= 1, got {num_experts}")
-    moe_width = int(cfg.get("moe_intermediate_size", 1024))
-    shared = int(hf_first(cfg, ("num_shared_experts", "n_shared_experts"), 1))
     return dict(
-        **common,
-        model_type="kimi_linear",
-        layer_types=layer_types,
-        ffn_types=ffn_types,
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-        zero_centered_norm=False,
         num_attention_heads=heads,
         num_kv_heads=1,
         head_dim=math.ceil((rank + rope) / 2),  # the pool holds the latent, half in K, half in V
         attention_bias=bool(cfg.get("attention_bias", False)),
-        rotary_dim=0,
         mla_kv_lora_rank=rank,
         mla_q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         mla_qk_nope_head_dim=nope,
         mla_qk_rope_head_dim=rope,
         mla_v_head_dim=v_dim,
-        linear_kind="kda",
-        conv_kernel=kernel,
-        linear_num_key_heads=linear_heads,
-        linear_num_value_heads=linear_heads,
-        linear_key_head_dim=linear_dim,
-        linear_value_head_dim=linear_dim,
-        intermediate_size=int(cfg.get("intermediate_size", 9216)),
+    )
+
+
+def moe_fields(cfg: Mapping[str, Any], ffn_types: Sequence[str], name: str, *, intermediate: int, num_experts: int,
+               moe_width: int, routed_scaling: float) -> dict[str, Any]:
+    """The FFN fields of DeepSeek-V3's MoE (a SwiGLU MLP of ``intermediate_size`` in the dense layers;
+    the sigmoid router with score-correction bias and expert groups, shared experts) from Moonshot's /
+    Ling's keys or transformers' names for them; the keyword arguments are the architecture's defaults.
+    (The caller checks ``hidden_act``: ``hf_silu_only``.)"""
+    moe = "moe" in ffn_types
+    experts = int(hf_first(cfg, ("num_experts", "num_local_experts"), num_experts))
+    if moe and experts < 1:
+        raise ValueError(f"{name} sparse layers need num_experts >= 1, got {experts}")
+    width = int(cfg.get("moe_intermediate_size", moe_width))
+    shared = int(hf_first(cfg, ("num_shared_experts", "n_shared_experts"), 1))
+    return dict(
+        intermediate_size=int(cfg.get("intermediate_size", intermediate)),
         hidden_act="silu",
-        num_experts=num_experts if "moe" in ffn_types else 0,
-        num_experts_per_tok=int(hf_first(cfg, ("num_experts_per_token", "num_experts_per_tok"), 8))
-        if "moe" in ffn_types else 0,
-        moe_intermediate_size=moe_width if "moe" in ffn_types else 0,
-        shared_expert_intermediate_size=moe_width * shared if "moe" in ffn_types else 0,
+        num_experts=experts if moe else 0,
+        num_experts_per_tok=int(hf_first(cfg, ("num_experts_per_token", "num_experts_per_tok"), 8)) if moe else 0,
+        moe_intermediate_size=width if moe else 0,
+        shared_expert_intermediate_size=width * shared if moe else 0,
         shared_expert_gate=False,
         norm_topk_prob=bool(hf_first(cfg, ("moe_renormalize", "norm_topk_prob"), True)),
         router="sigmoid",
         router_num_groups=int(hf_first(cfg, ("num_expert_group", "n_group"), 1)),
         router_topk_groups=int(hf_first(cfg, ("topk_group",), 1)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.446)),
+        routed_scaling_factor=float(hf_first(cfg, ("routed_scaling_factor",), routed_scaling)),
     )
 
 
@@ -581,15 +658,17 @@ def _layer_types(cfg: Mapping[str, Any], linear: Mapping[str, Any], num_layers: 
     return hf_layer_types(listed, num_layers, "Kimi-Linear", "full_attention / linear_attention")
 
 
-def _ffn_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+def ffn_layer_types(cfg: Mapping[str, Any], num_layers: int, name: str, first_dense: int) -> tuple[str, ...]:
+    """Each layer's FFN: ``mlp_layer_types`` (``dense`` / ``sparse``), else dense in the first
+    ``first_k_dense_replace`` layers (default ``first_dense``), MoE after."""
     listed = cfg.get("mlp_layer_types")
     if listed is None:
-        dense = int(cfg.get("first_k_dense_replace", 1))
+        dense = int(hf_first(cfg, ("first_k_dense_replace",), first_dense))
         return tuple("mlp" if i < dense else "moe" for i in range(num_layers))
     if len(listed) != num_layers:
-        raise ValueError(f"Kimi-Linear mlp_layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
+        raise ValueError(f"{name} mlp_layer_types has {len(listed)} entries, num_hidden_layers is {num_layers}")
     names = {"dense": "mlp", "sparse": "moe"}
     bad = sorted({t for t in listed if t not in names})
     if bad:
-        raise ValueError(f"Kimi-Linear mlp_layer_types must be 'dense' or 'sparse', got {bad}")
+        raise ValueError(f"{name} mlp_layer_types must be 'dense' or 'sparse', got {bad}")
     return tuple(names[t] for t in listed)

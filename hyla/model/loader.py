@@ -141,7 +141,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     cls = ARCHITECTURES[config.architecture].model_class
     with torch.device("meta"):
         model = cls(config)
-    tensors, mtp = _index_checkpoint(path, cls)
+    tensors, mtp = _index_checkpoint(path, cls, config)
     specs = _checkpoint_specs(path, cls, config, set(tensors.files))
     state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.get, device,
                              prefix=f"{path}: ")
@@ -190,7 +190,7 @@ def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedW
         raise ValueError(f"{path}: config.json describes another model than the one loaded (it differs in "
                          f"{name_listing(differ)}); a weight update needs a checkpoint of the same model")
     cls = type(model)
-    tensors, mtp = _index_checkpoint(path, cls)
+    tensors, mtp = _index_checkpoint(path, cls, config)
     checked = CheckedWeights(path, _checkpoint_specs(path, cls, config, set(tensors.files)), tensors, mtp)
     try:
         with torch.device("meta"):  # the same specs, their own constants (µP row scales) on the meta device too
@@ -323,7 +323,8 @@ def _check_targets(specs: list[WeightSpec], params: dict[str, torch.Tensor]) -> 
         raise ValueError(f"internal: no weight spec for parameters {name_listing(unbuilt)}")
 
 
-def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[TensorReader, TensorReader]:
+def _index_checkpoint(path: Path, cls: type[HybridForCausalLM],
+                      config: ModelConfig) -> tuple[TensorReader, TensorReader]:
     """The checkpoint's tensors the architecture reads (by normalised name) and its ``mtp.*`` ones;
     names the architecture ignores are dropped."""
     files: dict[str, Path] = {}
@@ -332,6 +333,8 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM]) -> tuple[TensorR
     for name, file in _shard_map(path).items():
         if name.startswith("mtp."):
             mtp[name] = file
+            continue
+        if cls.ignores_hf_name(config, name):
             continue
         normalised = cls.normalize_hf_name(name)
         if normalised is None:

@@ -411,6 +411,49 @@ MAMBA_CODESTRAL_7B: dict[str, Any] = {
     "vocab_size": 32768,
 }
 
+# Ling-3.0-Flash: transformers 5.24's BailingHybridConfig defaults, which its docstring gives as
+# inclusionAI/Ling-3.0-Flash's (the published config.json is not among the sources here), in inclusionAI's keys:
+# 35 KDA + 7 MLA layers (every 6th), MoE of 512 experts top-8 (8 groups, top-4) + a shared expert after 2 dense
+# layers, one MTP layer
+LING_3_0_FLASH: dict[str, Any] = {
+    "architectures": ["BailingHybridForCausalLM"],
+    "dtype": "bfloat16",
+    "eos_token_id": 156895,
+    "first_k_dense_replace": 2,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "intermediate_size": 6144,
+    "kda_lower_bound": -5.0,
+    "kda_safe_gate": True,
+    "kv_lora_rank": 512,
+    "layer_group_size": 6,
+    "model_max_length": 262144,
+    "model_type": "bailing_hybrid",
+    "moe_intermediate_size": 768,
+    "moe_renormalize": True,
+    "num_attention_heads": 32,
+    "num_expert_group": 8,
+    "num_experts": 512,
+    "num_experts_per_token": 8,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 32,
+    "num_nextn_predict_layers": 1,
+    "num_shared_experts": 1,
+    "pad_token_id": 156892,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 6000000.0,
+    "routed_scaling_factor": 2.5,
+    "short_conv_kernel_size": 4,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "v_head_dim": 128,
+    "vocab_size": 157184,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -423,4 +466,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2-8b-a1b": LFM2_8B_A1B,
     "falcon-mamba-7b": FALCON_MAMBA_7B,
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
+    "ling-3.0-flash": LING_3_0_FLASH,
 }

@@ -105,6 +105,13 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """Map a checkpoint tensor name to the name ``hf_weight_specs`` uses; ``None`` = ignore it."""
         return name
 
+    @classmethod
+    def ignores_hf_name(cls, config: ModelConfig, name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` is one this model, as ``config`` describes it, never
+        reads (Ling 3's multi-token-prediction layers, numbered after the decoder's); asked before
+        :meth:`normalize_hf_name`."""
+        return False
+
     attention_mixer: type[nn.Module] = Attention  # the mixer of "attention" layers (Kimi-Linear: MLA)
     linear_mixer: type[nn.Module] | None = None  # of "linear" layers; None: GatedDeltaNet / Mamba2Mixer (linear_kind)
 
