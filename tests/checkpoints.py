@@ -2,7 +2,7 @@
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
 ``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_bailing_hybrid``,
-``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_olmo_hybrid``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -184,6 +184,19 @@ BAILING_HYBRID_KW: dict[str, Any] = dict(
 )
 
 
+# OLMo-Hybrid: Gated DeltaNet (4 key and value heads: keys of 48, values of 64, beta = 2 sigmoid(b)) with OLMo-3's
+# post-norm attention at layers 2 and 5 (4 heads of 64, q/k normalised over all heads, NoPE as the released
+# checkpoints: rope_theta null), a SwiGLU MLP in each layer.
+OLMO_HYBRID_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention"] * 2, num_attention_heads=4,
+    num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=48,
+    linear_value_head_dim=64, linear_conv_kernel_dim=4, linear_allow_neg_eigval=True,
+    rope_parameters={"rope_type": "default", "rope_theta": None}, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+)
+
+
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
     return Path(tmp_dir) / f"{kind}-seed{seed}-{key}"
@@ -251,6 +264,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "lfm2_moe": (transformers.Lfm2MoeConfig, transformers.Lfm2MoeForCausalLM),
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
         "bailing_hybrid": (transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM),
+        "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
         "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
@@ -326,6 +340,12 @@ def make_bailing_hybrid(tmp_dir: str | Path, seed: int = 0, **overrides: Any) ->
     """Tiny ``BailingHybridForCausalLM`` (Ling 3; 6 layers: KDA, MLA with RoPE at 2 and 5; dense MLP in layer 0,
     then MoE), saved as transformers writes it (inclusionAI's tensor names)."""
     return _build("bailing_hybrid", tmp_dir, seed, {**BAILING_HYBRID_KW, **overrides})
+
+
+def make_olmo_hybrid(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``OlmoHybridForCausalLM`` (6 layers: Gated DeltaNet, post-norm attention at 2 and 5, a SwiGLU MLP in
+    each), saved as transformers writes it (OLMo-core's tensor names)."""
+    return _build("olmo_hybrid", tmp_dir, seed, {**OLMO_HYBRID_KW, **overrides})
 
 
 def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

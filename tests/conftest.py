@@ -211,6 +211,9 @@ kimi_linear_short_path = _tiny_checkpoint("kimi_linear_short_path", checkpoints.
 bailing_hybrid_path = _tiny_checkpoint("bailing_hybrid_path", checkpoints.make_bailing_hybrid)
 bailing_hybrid_short_path = _tiny_checkpoint("bailing_hybrid_short_path", checkpoints.make_bailing_hybrid,
                                              num_hidden_layers=2, layer_group_size=2)  # KDA + MLP, then MLA + MoE
+olmo_hybrid_path = _tiny_checkpoint("olmo_hybrid_path", checkpoints.make_olmo_hybrid)
+olmo_hybrid_short_path = _tiny_checkpoint("olmo_hybrid_short_path", checkpoints.make_olmo_hybrid, num_hidden_layers=2,
+                                          layer_types=["linear_attention", "full_attention"])
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)

@@ -212,6 +212,8 @@ DIFFERENTIALS = [
     pytest.param("kimi_linear", 10, dict(max_total_tokens=450), id="kimi_linear"),  # (at 500 it retracts nothing)
     # Ling 3: KDA's bounded decay, MLA's RoPE'd k_pe in the cached latent
     pytest.param("bailing_hybrid", 18, dict(max_total_tokens=450), id="bailing_hybrid"),
+    # OLMo-Hybrid: Gated DeltaNet with beta up to 2, post-norm NoPE attention
+    pytest.param("olmo_hybrid", 20, {}, id="olmo_hybrid"),
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
     pytest.param("jamba", 13, {}, id="jamba"),
     # pure state-space models: no KV at all (the tree's pages hold token ids only), every hit a state checkpoint

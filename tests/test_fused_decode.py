@@ -142,9 +142,10 @@ def test_conv1d_extend_kernel(dtype, bias, activation, early):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_delta_decode_kernel(dtype):
+@pytest.mark.parametrize("beta_scale", [1.0, 2.0])
+def test_gated_delta_decode_kernel(dtype, beta_scale):
     """Gating, l2norm and the state update fused == the layer's gating + the reference update
-    (two value heads per key head; one padding row)."""
+    (two value heads per key head; one padding row); ``beta = scale * sigmoid(b)`` (OLMo-Hybrid's 2)."""
     g = torch.Generator().manual_seed(1)
     b, hk, hv, dk, dv, s = 3, 2, 4, 16, 24, 6
     qkv = torch.randn(b, 2 * hk * dk + hv * dv, generator=g).to(DEVICE, dtype)
@@ -155,9 +156,9 @@ def test_gated_delta_decode_kernel(dtype):
     pool = torch.randn(s, hv, dk, dv, generator=g).to(DEVICE)
     ref_pool = pool.clone()
     slots = torch.tensor([2, -1, 4], device=DEVICE)
-    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk)
+    o = gated_delta_decode_fused(qkv, a, bg, a_log, dt_bias, pool, slots, hk, dk, beta_scale=beta_scale)
     q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], -1)
-    beta = torch.sigmoid(bg)
+    beta = torch.sigmoid(bg) * beta_scale
     gate = -torch.exp(a_log) * F.softplus(a.float() + dt_bias)
     ref = recurrent_gated_delta_rule_update(q.reshape(b, hk, dk), k.reshape(b, hk, dk), v.reshape(b, hv, dv),
                                             gate, beta, ref_pool, slots)
@@ -250,7 +251,8 @@ def test_gated_delta_conv_decode_kernel(dtype, width):
     bitwise (outputs, SSM states, conv windows): a decode step (``width`` 1, in place; one padding
     sequence) and a verify step's chains of 3 tokens. Two value heads per key head and two blocks of
     value columns: four programs read each key head's q/k windows, the last writes them. Run twice:
-    the tickets come back zeroed, the second step continues from the first's states."""
+    the tickets come back zeroed, the second step continues from the first's states. The chains take
+    OLMo-Hybrid's ``beta = 2 sigmoid(b)``."""
     from hyla.model.ops.gpu import gated_delta_decode as gdn
 
     g = torch.Generator().manual_seed(11)
@@ -275,10 +277,12 @@ def test_gated_delta_conv_decode_kernel(dtype, width):
     try:
         for step in range(2):
             chained = chain if width > 1 else None
+            scale = 2.0 if width > 1 else 1.0
             o = gdn.gated_delta_conv_decode_fused(x, wt, conv, tickets, a, bg, a_log, dt_bias, ssm, chain[0], hk, dk,
-                                                  chain=chained)
+                                                  chain=chained, beta_scale=scale)
             mixed = causal_conv1d_update_fused(x, wt, None, ref_conv, chain[0], "silu", chain=chained)
-            ref = gdn.gated_delta_decode_fused(mixed, a, bg, a_log, dt_bias, ref_ssm, chain[0], hk, dk, chain=chained)
+            ref = gdn.gated_delta_decode_fused(mixed, a, bg, a_log, dt_bias, ref_ssm, chain[0], hk, dk, chain=chained,
+                                               beta_scale=scale)
             live = [r for r in range(rows) if r // width != 1]
             assert torch.equal(o[live], ref[live]), f"step {step}"
             assert torch.equal(ssm, ref_ssm) and torch.equal(conv, ref_conv), f"step {step}"
@@ -348,12 +352,15 @@ def test_gated_delta_chunks_kernel(dtype, wy, monkeypatch):
     ``fla_chunk``): the cases of :func:`_chunks_match_the_recurrence`, with two value heads per key
     head, two blocks of value columns (the second part masked), strided gates, a huge decay in the
     middle of a chunk; with the WY pre-pass (its grid sized by the longest segment, not the tokens)
-    and without. ``segment_kernel`` takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
+    and without; OLMo-Hybrid's ``beta = 2 sigmoid(b)`` in both kernels (``sigmoid(b)`` alone: every
+    engine test of Qwen3.5). ``segment_kernel`` takes the chunks from ``CHUNKED_MIN_LEN`` tokens on."""
     from hyla.model.ops.gpu import gated_delta_chunks as gdc
     from hyla.model.ops.gpu.gated_delta_decode import gated_delta_segments_fused
 
     monkeypatch.setattr(gdc, "WY_PREPASS", wy)
-    chunked = functools.partial(gdc.gated_delta_chunks_fused, longest=max(SEGMENT_LENGTHS))
+    beta_scale = 2.0
+    chunked = functools.partial(gdc.gated_delta_chunks_fused, longest=max(SEGMENT_LENGTHS), beta_scale=beta_scale)
+    recurrent = functools.partial(gated_delta_segments_fused, beta_scale=beta_scale)
 
     g = torch.Generator().manual_seed(11)
     rnd = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)  # noqa: E731
@@ -367,7 +374,7 @@ def test_gated_delta_chunks_kernel(dtype, wy, monkeypatch):
     a_log, dt_bias = rnd(hv), rnd(hv)
     # bf16 activations multiply in tf32 (HALF_DOT_PRECISION: 10-bit products), so their states are as
     # close as the bf16 outputs; fp32 ones in tf32x3
-    _chunks_match_the_recurrence(gated_delta_segments_fused, chunked,
+    _chunks_match_the_recurrence(recurrent, chunked,
                                  lambda kernel, *rest: kernel(qkv, a, b, a_log, dt_bias, *rest[:5], hk, dk, rest[5]),
                                  (hv, dk, dv), (hv, dv), dtype, rnd,
                                  state_tol=1e-4 if dtype == torch.float32 else _tol(dtype))
@@ -544,12 +551,15 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
 # Ling 3 (Bailing-Hybrid, ~15 s): Kimi-Linear's KDA and MLA kernels with KDA's bounded decay and MLA's RoPE made
 # from the positions (no tables), beside MoE layers; Kimi-Linear itself (~22 s: the softplus decay, checked kernel
 # by kernel in test_fused_kimi_linear) on a GPU only
+# OLMo-Hybrid (~15 s): post-norm attention layers in the fused step (PostNormLayer.forward_fused: the layer before's
+# deferred GEMV projection added in), q/k normalised over all heads, Gated DeltaNet with beta = 2 sigmoid(b) and keys
+# narrower than values
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", pytest.param("lfm2", marks=pytest.mark.gpu),
                                   pytest.param("nemotron_h", marks=[pytest.mark.slow, pytest.mark.gpu]),
                                   pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba",
                                   pytest.param("kimi_linear", marks=pytest.mark.gpu), "bailing_hybrid",
-                                  "falcon_mamba", pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
+                                  "olmo_hybrid", "falcon_mamba", pytest.param("lfm2_moe", marks=pytest.mark.gpu)])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated

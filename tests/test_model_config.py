@@ -20,6 +20,7 @@ from checkpoints import (
     MAMBA2_KW,
     MAMBA_KW,
     NEMOTRON_H_KW,
+    OLMO_HYBRID_KW,
     QWEN3_5_KW,
     QWEN3_5_MOE_KW,
     QWEN3_NEXT_KW,
@@ -721,6 +722,60 @@ def test_bailing_hybrid_state_shapes_match_hf_cache_and_flops(ling):
 def test_bailing_hybrid_bad_configs_are_value_errors(ling, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**ling.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def olmo() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.OlmoHybridConfig(**OLMO_HYBRID_KW), "OlmoHybridForCausalLM"))
+
+
+def test_olmo_hybrid_layout_rope_and_defaults(olmo):
+    """OLMo-Hybrid: Gated DeltaNet (keys of 48, values of 64, beta x 2, output norm eps 1e-5) and post-norm
+    attention with q/k normalised over all heads, NoPE (rope_theta null) as the released checkpoints; RoPE
+    when a theta is set, and transformers' default when rope_parameters is absent; OlmoHybridConfig's defaults."""
+    c = olmo
+    assert c.model_type == "olmo_hybrid" and c.linear_kind == "gdn" and c.ffn_types == ("mlp",) * 6
+    assert c.layer_types == ("linear", "linear", "attention") * 2
+    assert (c.qk_norm_whole, c.qk_norm, c.attn_output_gate, c.rotary_dim) == (True, False, False, 0)
+    assert (c.gdn_beta_scale, c.linear_norm_eps, c.norm_eps) == (2.0, 1e-5, 1e-6)
+    assert c.ssm_shape == (4, 48, 64) and c.conv_shape == (2 * 4 * 48 + 4 * 64, 3)
+    hf = c.extra["hf_config"]
+    roped = ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5},
+                                 "linear_allow_neg_eigval": False})
+    assert (roped.rotary_dim, roped.rope_theta, roped.gdn_beta_scale) == (64, 5e5, 1.0)
+    assert ModelConfig.from_hf({k: v for k, v in hf.items() if k != "rope_parameters"}).rotary_dim == 64
+    bare = ModelConfig.from_hf({"architectures": ["OlmoHybridForCausalLM"], "vocab_size": 100352,
+                                "hidden_size": 3840, "num_hidden_layers": 32, "num_attention_heads": 30})
+    assert [i for i, t in enumerate(bare.layer_types) if t == "attention"] == [3, 7, 11, 15, 19, 23, 27, 31]
+    assert (bare.linear_num_key_heads, bare.linear_key_head_dim, bare.linear_value_head_dim) == (30, 96, 192)
+    assert (bare.head_dim, bare.num_kv_heads, bare.intermediate_size) == (128, 30, 11008)
+    two = ModelConfig.from_hf({**hf, "num_hidden_layers": 2, "layer_types": None})
+    assert two.layer_types == ("linear", "attention")  # at least one attention layer: the last
+
+
+def test_olmo_hybrid_state_shapes_match_hf_cache(olmo):
+    model = transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(**OLMO_HYBRID_KW))
+    with torch.no_grad():
+        out = model(torch.tensor([[5, 6, 7]]), use_cache=True)
+    gdn = out.past_key_values.layers[0]
+    assert tuple(gdn.conv_states[0].shape[1:]) == (olmo.conv_shape[0], olmo.conv_shape[1] + 1)
+    assert tuple(gdn.recurrent_states[0].shape[1:]) == olmo.ssm_shape
+    attn = out.past_key_values.layers[2]
+    assert tuple(attn.keys.shape[1:]) == (olmo.num_kv_heads, 3, olmo.head_dim)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"layer_types": ["linear_attention"] * 6}, "at least one"),
+    ({"layer_types": ["linear_attention"] * 5}, "num_hidden_layers"),
+    ({"layer_types": ["sliding_attention"] * 6}, "full_attention / linear_attention"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"linear_conv_kernel_dim": 1}, "linear_conv_kernel_dim"),
+    ({"linear_num_value_heads": 6}, "multiple"),
+])
+def test_olmo_hybrid_bad_configs_are_value_errors(olmo, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**olmo.extra["hf_config"], **bad})
 
 
 def test_jamba_layout_state_and_hf_defaults():

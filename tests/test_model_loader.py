@@ -421,6 +421,33 @@ def test_bailing_hybrid_reads_inclusionai_and_transformers_names_and_skips_mtp_l
         load_model(rewrite(bailing_hybrid_path, tmp_path / "past_mtp", edit_tensors=add_layer(7)))
 
 
+def test_olmo_hybrid_reads_olmo_core_and_transformers_in_memory_names(olmo_hybrid_path, tmp_path):
+    """OLMo-Hybrid: OLMo-core's layout (what save_pretrained writes: attention_layer_norm / feedforward_layer_norm,
+    separate q/k/v_conv1d; an attention layer's feedforward_layer_norm is its post-attention norm) and transformers'
+    in-memory state dict (input_layernorm / post_attention_layernorm, the fused conv1d) load the same weights: the
+    GDN's projections stacked [q | k | v | g | b | a], q/k norms over all heads, the GDN output norm's eps 1e-5."""
+    in_memory = _in_memory_checkpoint(olmo_hybrid_path, tmp_path)
+    assert "model.layers.0.linear_attn.conv1d.weight" in load_file(in_memory / "model.safetensors")
+    core, fused = load_model(olmo_hybrid_path), load_model(in_memory)
+    _assert_same_weights(core, fused)
+    raw = load_file(olmo_hybrid_path / "model.safetensors")
+    gdn, attn = core.layers[0].mixer, core.layers[2].mixer
+    kd, vd = 4 * 48, 4 * 64
+    assert torch.equal(gdn.in_proj.weight[2 * kd + vd : 2 * kd + 2 * vd], raw["model.layers.0.linear_attn.g_proj.weight"])
+    assert torch.equal(gdn.in_proj.weight[-4:], raw["model.layers.0.linear_attn.a_proj.weight"])
+    # (transformers' save_pretrained cuts the fused conv into near-equal thirds, 214 / 214 / 212 channels here, not
+    # q / k / v's 192 / 192 / 256: only their concatenation is the conv, which is all hyla reads)
+    convs = [raw[f"model.layers.0.linear_attn.{p}_conv1d.weight"][:, 0] for p in "qkv"]
+    assert torch.equal(gdn.conv_weight, torch.cat(convs)) and gdn.conv_weight.shape[0] == 2 * kd + vd
+    assert gdn.norm.eps == 1e-5 and gdn.beta_scale == 2.0
+    assert torch.equal(attn.q_whole_norm.weight, raw["model.layers.2.self_attn.q_norm.weight"])
+    assert tuple(attn.k_whole_norm.weight.shape) == (4 * 64,) and attn.q_norm is None
+    assert torch.equal(core.layers[2].mixer_norm.weight, raw["model.layers.2.feedforward_layer_norm.weight"])
+    assert torch.equal(core.layers[2].ffn_norm.weight, raw["model.layers.2.post_feedforward_layernorm.weight"])
+    assert torch.equal(core.layers[0].mixer_norm.weight, raw["model.layers.0.attention_layer_norm.weight"])
+    assert torch.equal(prefill_logits(core, IDS), prefill_logits(fused, IDS))
+
+
 def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,
                                                             tmp_path):
     """``check_weights`` + ``copy_weights_`` (a weight update): the model computes what the new checkpoint

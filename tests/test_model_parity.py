@@ -1,8 +1,8 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), Jamba, and the pure state-space models Mamba,
-FalconMamba, Mamba2):
+Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), OLMo-Hybrid, Jamba, and the pure state-space
+models Mamba, FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
 taken at an unaligned position plus the cached KV; 32 decode steps; a packed batch of
@@ -30,6 +30,7 @@ from checkpoints import (
     make_mamba,
     make_mamba2,
     make_nemotron_h,
+    make_olmo_hybrid,
     make_qwen3_5_moe,
     make_qwen3_next,
 )
@@ -38,7 +39,8 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "jamba", "mamba", "falcon_mamba", "mamba2"]
+         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "jamba", "mamba",
+         "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +351,14 @@ VARIANTS = {
         num_hidden_layers=5, mlp_layer_types=["sparse", "dense", "sparse", "sparse", "dense"],
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention"],
         num_attention_heads=2, head_dim=48, short_conv_kernel_size=3, rope_theta=6e6,
+    ),
+    # RoPE (theta 5e5), beta = sigmoid(b) (allow_neg_eigval off), 2 key heads for 4 value heads of equal width,
+    # grouped-query attention (4 heads, 2 KV heads), a 3-wide conv, tied embeddings, attention first
+    "olmo_hybrid_variant": lambda d: make_olmo_hybrid(
+        d, seed=1, rope_parameters={"rope_type": "default", "rope_theta": 5e5}, linear_allow_neg_eigval=False,
+        linear_num_key_heads=2, linear_key_head_dim=64, num_key_value_heads=2, linear_conv_kernel_dim=3,
+        tie_word_embeddings=True, num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

@@ -71,6 +71,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         ("mamba-codestral-7b", 0, 64 * ((8192 + 2 * 8 * 128) * 3 * 2 + 128 * 64 * 128 * 4)),
         # 7 MLA layers x the 576-wide latent; 35 KDA layers x (conv 3 x 4096 x 3 bf16 + 32 x 128 x 128 fp32)
         ("ling-3.0-flash", 7 * 576 * 2, 35 * (3 * 4096 * 3 * 2 + 32 * 128 * 128 * 4)),
+        # 8 attention layers x K,V x 30 KV heads x 128 x bf16; 24 GDN layers x (conv (2 x 30 x 96 + 30 x 192) x 3 bf16
+        # + SSM 30 x 96 x 192 fp32)
+        ("olmo-hybrid-7b", 8 * 2 * 30 * 128 * 2, 24 * ((2 * 30 * 96 + 30 * 192) * 3 * 2 + 30 * 96 * 192 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):

@@ -27,6 +27,7 @@ from hyla.model import (
     mamba,
     mamba2,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -69,6 +70,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Mamba2ForCausalLM": Architecture(mamba2.Mamba2ForCausalLM, mamba2.parse_hf_config, "mamba2"),
     "BailingHybridForCausalLM": Architecture(
         bailing_hybrid.BailingHybridForCausalLM, bailing_hybrid.parse_hf_config, "bailing_hybrid"),
+    "OlmoHybridForCausalLM": Architecture(
+        olmo_hybrid.OlmoHybridForCausalLM, olmo_hybrid.parse_hf_config, "olmo_hybrid"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -96,7 +96,7 @@ class ModelConfig:
 
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
-    # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
+    # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "olmo_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -118,6 +118,7 @@ class ModelConfig:
     attention_bias: bool = False
     attn_output_gate: bool = False  # Qwen: q_proj also emits a per-head sigmoid gate
     qk_norm: bool = False  # Qwen: per-head RMSNorm on q and k before RoPE
+    qk_norm_whole: bool = False  # OLMo-Hybrid: RMSNorm over all of q's heads at once, and over all of k's
     rotary_dim: int = 0  # 0 = no RoPE (NemotronH)
     rope_theta: float = 10000.0
     # multi-head latent attention (Kimi-Linear's MLA, no RoPE; Ling 3's with RoPE on q_pe / k_pe where
@@ -148,6 +149,10 @@ class ModelConfig:
     # (f + dt_bias)), in [lower_bound, 0]
     kda_full_rank_gates: bool = False
     kda_gate_lower_bound: float = 0.0  # 0 = the softplus decay
+    # Gated DeltaNet's options: beta = scale * sigmoid(b) (OLMo-Hybrid's allow_neg_eigval: 2, beta in [0, 2]: the
+    # transition I - beta k k^T may have negative eigenvalues); its output norm's eps (None: norm_eps)
+    gdn_beta_scale: float = 1.0
+    linear_norm_eps: float | None = None
     # Mamba2
     mamba_num_heads: int = 0
     mamba_head_dim: int = 0
@@ -234,6 +239,10 @@ class ModelConfig:
             )
         if self.linear_kind in ("gdn", "kda") and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not 0.0 < self.gdn_beta_scale <= 2.0:
+            raise ValueError(f"gdn_beta_scale must be in (0, 2], got {self.gdn_beta_scale}")
+        if self.qk_norm_whole and (self.qk_norm or self.attn_output_gate):
+            raise ValueError("qk_norm_whole excludes the per-head qk_norm and the attention output gate")
         if self.kda_gate_lower_bound > 0 or not math.isfinite(self.kda_gate_lower_bound):
             raise ValueError(f"kda_gate_lower_bound must be finite and <= 0 (0: the softplus decay), "
                              f"got {self.kda_gate_lower_bound}")

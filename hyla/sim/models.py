@@ -29,6 +29,8 @@ Presets (``PRESETS``):
   are ``[8192, 16]`` per layer (a decay per channel and state), 28 layers: 15.3 MiB per checkpoint.
 * ``ling-3.0-flash``: transformers' ``BailingHybridConfig`` defaults (given there as Ling-3.0-Flash's):
   Kimi-Linear's cache shapes at 35 KDA layers, 72.5 MiB a checkpoint, 7 MLA layers of 576-wide latents.
+* ``olmo-hybrid-7b``: transformers' ``OlmoHybridConfig`` defaults (given there as Olmo-Hybrid-7B's), NoPE:
+  24 Gated DeltaNet layers (keys of 96, values of 192: 52.2 MiB a checkpoint), 8 attention layers of 30 KV heads.
 * ``falcon-mamba-7b``, ``mamba-codestral-7b``: pure state-space models (64 Mamba1 / Mamba2 layers, no
   attention): no KV bytes at all, so a cache is checkpoints alone and a hit is one at the exact
   position (FalconMamba 35 MiB a checkpoint, Codestral 260 MiB).
@@ -159,7 +161,7 @@ def _preset_from_hf(name: str) -> CostModel:
 
 PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small",
            "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini", "lfm2-8b-a1b", "falcon-mamba-7b",
-           "mamba-codestral-7b", "ling-3.0-flash")
+           "mamba-codestral-7b", "ling-3.0-flash", "olmo-hybrid-7b")
 
 
 def resolve_model(spec: str) -> CostModel:

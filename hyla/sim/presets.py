@@ -454,6 +454,30 @@ LING_3_0_FLASH: dict[str, Any] = {
     "vocab_size": 157184,
 }
 
+# Olmo-Hybrid-7B: transformers 5.24's OlmoHybridConfig defaults, which its docstring gives as allenai/Olmo-Hybrid-7B's,
+# with NoPE as the released checkpoints: 24 Gated DeltaNet + 8 attention layers (every 4th), 30 heads of 128,
+# linear keys of 96 and values of 192
+OLMO_HYBRID_7B: dict[str, Any] = {
+    "architectures": ["OlmoHybridForCausalLM"],
+    "dtype": "bfloat16",
+    "eos_token_id": 100257,
+    "hidden_act": "silu",
+    "hidden_size": 3840,
+    "intermediate_size": 11008,
+    "linear_allow_neg_eigval": True,
+    "linear_conv_kernel_dim": 4,
+    "max_position_embeddings": 65536,
+    "model_type": "olmo_hybrid",
+    "num_attention_heads": 30,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 30,
+    "pad_token_id": 100277,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": None},
+    "tie_word_embeddings": False,
+    "vocab_size": 100352,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -467,4 +491,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "falcon-mamba-7b": FALCON_MAMBA_7B,
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
     "ling-3.0-flash": LING_3_0_FLASH,
+    "olmo-hybrid-7b": OLMO_HYBRID_7B,
 }

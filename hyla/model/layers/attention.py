@@ -34,7 +34,8 @@ class Attention(nn.Module):
 
     Qwen3-Next / Qwen3.5: ``q_proj`` also emits a per-head output gate (``[q | gate]`` per head),
     per-head zero-centred q/k RMSNorm before partial RoPE, output ``* sigmoid(gate)``.
-    NemotronH: plain q/k/v, no RoPE. ``qkv_proj`` holds the q, k and v projections stacked by rows.
+    NemotronH: plain q/k/v, no RoPE. OLMo-Hybrid: q and k RMS-normalised over all their heads at
+    once (``qk_norm_whole``), RoPE or none. ``qkv_proj`` holds the q, k and v projections stacked by rows.
     """
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
@@ -54,6 +55,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias, dtype=c.dtype)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
+        # OLMo-Hybrid: q and k each normalised over all their heads at once, before the kernels and RoPE
+        whole = c.qk_norm_whole
+        self.q_whole_norm = RMSNorm(self.q_size, c.norm_eps, c.zero_centered_norm, c.dtype) if whole else None
+        self.k_whole_norm = RMSNorm(self.kv_size, c.norm_eps, c.zero_centered_norm, c.dtype) if whole else None
         # q_norm and k_norm as one per-head scale table [Hq + Hkv, D]: both norms in one rms_norm
         offset, hq, hkv = (self.q_norm.offset if c.qk_norm else 0.0), self.num_heads, self.num_kv_heads
         self._qk_scale = DerivedWeight(lambda wq, wk: torch.cat([
@@ -65,6 +70,9 @@ class Attention(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
         qkv = in_projection(self.qkv_proj, x, gemv_step)
+        if self.q_whole_norm is not None:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_whole_norm(q), self.k_whole_norm(k), v], dim=-1)
         if batch.on_device:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
             return out_projection(self.o_proj, self._attend_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
                                   gemv_step)

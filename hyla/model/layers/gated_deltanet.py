@@ -36,7 +36,8 @@ class GatedDeltaNet(nn.Module):
     ``in_proj`` rows are ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) | z (Hv*Dv) | b (Hv) | a (Hv)]``, heads
     contiguous (the loader reorders Qwen3-Next's per-key-head grouped layout into this). The first
     ``conv_dim = 2*Hk*Dk + Hv*Dv`` channels go through the causal conv (no bias) and ``silu``.
-    ``beta = sigmoid(b)``, log-decay ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32).
+    ``beta = sigmoid(b)`` (OLMo-Hybrid: ``2 * sigmoid(b)``, ``config.gdn_beta_scale``), log-decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` (fp32).
     """
 
     fused_decode = True
@@ -57,7 +58,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, c.conv_kernel, dtype=c.dtype))  # [C, K]
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads, dtype=torch.float32))
-        self.norm = GatedRMSNorm(self.head_v_dim, c.norm_eps, norm_before_gate=True, dtype=c.dtype)
+        eps = c.norm_eps if c.linear_norm_eps is None else c.linear_norm_eps
+        self.norm = GatedRMSNorm(self.head_v_dim, eps, norm_before_gate=True, dtype=c.dtype)
+        self.beta_scale = c.gdn_beta_scale  # OLMo-Hybrid's allow_neg_eigval: 2
         self.out_proj = Linear(self.value_dim, c.hidden_size, bias=False, dtype=c.dtype)
         self._neg_A = DerivedWeight(lambda a_log: -torch.exp(a_log.float()))  # [Hv] fp32
         self._tickets = ConvTickets()  # the fused conv decode kernel's counters
@@ -77,17 +80,19 @@ class GatedDeltaNet(nn.Module):
                 o = gdn.gated_delta_conv_decode_fused(
                     mixed, self.conv_weight, conv_states, self._tickets(seqs * self.num_k_heads, x.device), a, b,
                     self.A_log, self.dt_bias, ssm_states, batch.state_slots, self.num_k_heads, self.head_k_dim,
-                    chain=chain)  # [B, Hv, Dv]
+                    chain=chain, beta_scale=self.beta_scale)  # [B, Hv, Dv]
             else:
                 mixed = device.gpu("conv1d_decode").causal_conv1d_update_fused(
                     mixed, self.conv_weight, None, conv_states, batch.state_slots, "silu", chain=chain)
                 o = gdn.gated_delta_decode_fused(mixed, a, b, self.A_log, self.dt_bias, ssm_states, batch.state_slots,
-                                                 self.num_k_heads, self.head_k_dim, chain=chain)  # [B, Hv, Dv]
+                                                 self.num_k_heads, self.head_k_dim, chain=chain,
+                                                 beta_scale=self.beta_scale)  # [B, Hv, Dv]
         elif batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch
             mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
             o = torch.zeros(t, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)  # padding rows: 0
             run_fused_extend_segments(device.gpu("gated_delta_chunks").segment_kernel(
-                mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim), o, ssm_states, batch)
+                mixed, a, b, self.A_log, self.dt_bias, self.num_k_heads, self.head_k_dim, self.beta_scale), o,
+                ssm_states, batch)
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         d = self.head_v_dim
@@ -102,8 +107,11 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(t, self.value_dim))
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)``."""
-        return self._neg_A(self.A_log) * F.softplus(a.float() + self.dt_bias), torch.sigmoid(b)
+        """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)`` (times
+        ``beta_scale``, in b's dtype, as transformers' OLMo-Hybrid)."""
+        beta = torch.sigmoid(b)
+        return self._neg_A(self.A_log) * F.softplus(a.float() + self.dt_bias), \
+            beta if self.beta_scale == 1.0 else beta * self.beta_scale
 
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
         """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
@@ -124,7 +132,8 @@ class GatedDeltaNet(nn.Module):
             # short rounds: hyla's own kernel (recurrent or chunked), which gates a and b itself (the gates computed
             # only if fla runs)
             segments = device.gpu("gated_delta_chunks").segment_kernel(mixed, a, b, self.A_log, self.dt_bias,
-                                                                        self.num_k_heads, self.head_k_dim)
+                                                                        self.num_k_heads, self.head_k_dim,
+                                                                        self.beta_scale)
             return device.gpu("fla_chunk").chunk_gated_delta_rule_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, batch.state_slots,
                 **ckpt_kwargs(batch, scan=False), segments=segments, gates=lambda: self._gates(a, b))

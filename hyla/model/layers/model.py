@@ -62,6 +62,29 @@ class HybridLayer(nn.Module):
         return out, residual
 
 
+class PostNormLayer(HybridLayer):
+    """A residual layer with OLMo-2/3's reordered norms (OLMo-Hybrid's attention layers): each norm
+    on its part's output, none on the input: ``x + mixer_norm(mixer(x))`` then ``x + ffn_norm(ffn(x))``.
+    Both parts are required."""
+
+    def __init__(self, mixer: nn.Module, mixer_norm: nn.Module, ffn: nn.Module, ffn_norm: nn.Module):
+        super().__init__(mixer, mixer_norm, ffn, ffn_norm)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None) -> torch.Tensor:
+        x = x + self.mixer_norm(self.mixer(x, batch, rope))
+        return x + self.ffn_norm(self.ffn(x))
+
+    def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` in :meth:`HybridLayer.forward_fused`'s contract: the input ``residual + out``
+        from the add-norm kernel (its norm unused: ``out`` may be the layer before's deferred GEMV
+        projection), the parts run as plain forwards (their outputs go through a norm, not into the
+        residual stream), the last add left to the next layer's kernel: ``(ffn_norm(ffn(x)), x)``."""
+        x = residual if out is None else add_rms_norm(out, residual, self.mixer_norm)[1]
+        x = x + self.mixer_norm(self.mixer(x, batch, rope))
+        return self.ffn_norm(self.ffn(x)), x
+
+
 class HybridForCausalLM(nn.Module, abc.ABC):
     """Embedding -> hybrid layers -> final norm -> lm_head, driven by a ``ForwardBatch``.
 

@@ -48,7 +48,13 @@ import triton.language as tl
 
 from hyla.model.ops.gpu import pdl, segments_of
 from hyla.model.ops.gpu.fla_chunk import SegmentKernel
-from hyla.model.ops.gpu.gated_delta_decode import _check_inputs, _gdn_gates, _gdn_program, gated_delta_segments_fused
+from hyla.model.ops.gpu.gated_delta_decode import (
+    _beta,
+    _check_inputs,
+    _gdn_gates,
+    _gdn_program,
+    gated_delta_segments_fused,
+)
 from hyla.model.ops.gpu.segment_checkpoints import (
     INDEX_ARGS,
     SegmentCheckpoints,
@@ -79,7 +85,7 @@ CHUNKED_MIN_LEN = 32  # a launch whose longest segment has at least this many to
 
 @triton.jit
 def _gdn_chunk_inputs(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, r, live, hk, hv, dk, mk, vcol, mv,
-                      neg_a, dt_bias, scale, HK: tl.constexpr, DK: tl.constexpr):
+                      neg_a, dt_bias, scale, HK: tl.constexpr, DK: tl.constexpr, BETA_SCALE: tl.constexpr = 1.0):
     """A chunk's inputs at packed rows ``r [BT]`` (``live``: within the segment): ``q`` (l2norm'd,
     scaled), ``k`` (l2norm'd) ``[BT, BK]``, ``v [BT, BV]`` (value columns ``vcol`` of all heads')
     and the gates ``g``, ``beta [BT]``, all fp32 and zero past the segment's end (no decay, no
@@ -93,7 +99,7 @@ def _gdn_chunk_inputs(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, r, 
     bv = tl.load(b_ptr + r * b_stride + hv, mask=live, other=0.0)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
     k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-    g, beta = _gdn_gates(av, bv, neg_a, dt_bias)  # [BT] each
+    g, beta = _gdn_gates(av, bv, neg_a, dt_bias, True, BETA_SCALE)  # [BT] each
     return q, k, v, tl.where(live, g, 0.0), tl.where(live, beta, 0.0)
 
 
@@ -119,7 +125,8 @@ def _substitute(A, rhs, t, BT: tl.constexpr):
 def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                    starts_ptr, cu_ptr, w_ptr, u_ptr, num_chunks,
                    HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   BK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                   BK: tl.constexpr, BDV: tl.constexpr, BT: tl.constexpr, PRECISION: tl.constexpr,
+                   BETA_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     # program (segment i, its chunk j, value head hv): the chunk's W [BT, Dk] and U [BT, Dv] (module docstring)
     pid = tl.program_id(0)
@@ -138,7 +145,7 @@ def _gdn_wy_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_
         mv = dv < DV
         _, k, v, g, beta = _gdn_chunk_inputs(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, r, live, hk,
                                              hv, dk, mk, hv * DV + dv, mv, -tl.exp(tl.load(a_log_ptr + hv)),
-                                             tl.load(dt_bias_ptr + hv), 1.0, HK, DK)
+                                             tl.load(dt_bias_ptr + hv), 1.0, HK, DK, BETA_SCALE)
         decay = chunk_decay(g, t)  # [BT, BT]: exp(G_t - G_s), s <= t
         # T = (I + A)^-1: the substitution on the identity
         T = _substitute(_chunk_a(k, beta, decay, t, PRECISION), tl.where(t[:, None] == t[None, :], 1.0, 0.0), t, BT)
@@ -155,7 +162,7 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
                        pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr, w_ptr, u_ptr,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, CKPT: tl.constexpr,
-                       WY: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       WY: tl.constexpr, PRECISION: tl.constexpr, BETA_SCALE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
@@ -170,7 +177,7 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
         live = (c0 + t) < n  # [BT]: the chunk's tokens (the last chunk's tail is masked)
         r = start + c0 + t
         q, k, v, g, beta = _gdn_chunk_inputs(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, r, live, hk, hv,
-                                             dk, mk, hv * DV + dv, mv, neg_a, dt_bias, scale, HK, DK)
+                                             dk, mk, hv * DV + dv, mv, neg_a, dt_bias, scale, HK, DK, BETA_SCALE)
         G = tl.cumsum(g, axis=0)
         gamma = tl.exp(G)
         decay = chunk_decay(g, t)  # [BT, BT]: exp(G_t - G_s), s <= t
@@ -197,13 +204,14 @@ def _gdn_chunks_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
 def gated_delta_chunks_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                              dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                              cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int,
-                             ckpts: SegmentCheckpoints | None = None, longest: int | None = None) -> None:
+                             ckpts: SegmentCheckpoints | None = None, longest: int | None = None,
+                             beta_scale: float = 1.0) -> None:
     """``gated_delta_decode.gated_delta_segments_fused``'s contract, in chunks (the module docstring):
     segment ``i`` is the packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them)
     of ``qkv [T, 2*Hk*Dk + Hv*Dv]`` (post-conv) and the raw gates ``a, b [T, Hv]``, run from
     ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32, updated in place), its outputs written into those
-    rows of ``out [T, Hv, Dv]``; with ``ckpts``, the states after given tokens written to pool rows.
-    ``longest``: a bound on the segments' tokens known on the host (default ``T``), which sizes the
+    rows of ``out [T, Hv, Dv]``; with ``ckpts``, the states after given tokens written to pool rows;
+    ``beta = beta_scale * sigmoid(b)``. ``longest``: a bound on the segments' tokens known on the host (default ``T``), which sizes the
     WY pre-pass's grid (its programs past a segment's end return at once)."""
     num_v_heads, dk, dv = _check_inputs(qkv, a, b, states, num_k_heads, head_k_dim)
     segments = segments_of(rows, starts, cu_seqlens, out, (qkv.shape[0], num_v_heads, dv))
@@ -222,18 +230,18 @@ def gated_delta_chunks_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
         _gdn_wy_kernel[(segments * chunks, num_v_heads)](
             qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, starts, cu_seqlens, w, u, chunks,
             HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BDV=max(16, triton.next_power_of_2(dv)), BT=bt,
-            PRECISION=precision, num_warps=WY_WARPS, **pdl.launch(qkv))
+            PRECISION=precision, BETA_SCALE=_beta(beta_scale), num_warps=WY_WARPS, **pdl.launch(qkv))
     else:
         w = u = out  # placeholders: WY=False reads neither
     _gdn_chunks_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), w, u, HK=num_k_heads,
         HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BT=bt, CKPT=ckpts is not None, WY=wy, PRECISION=precision,
-        num_warps=warps, **pdl.launch(qkv))
+        BETA_SCALE=_beta(beta_scale), num_warps=warps, **pdl.launch(qkv))
 
 
 def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                   num_k_heads: int, head_k_dim: int) -> SegmentKernel:
+                   num_k_heads: int, head_k_dim: int, beta_scale: float = 1.0) -> SegmentKernel:
     """The layer's own kernel for an extend's segments (``fla_chunk.scan_in_rounds``: its single pass
     and its short rounds), on its post-conv ``qkv [T, ...]`` and raw gates ``a, b [T, Hv]``: this
     module's chunks when the longest segment has at least ``CHUNKED_MIN_LEN`` tokens, else the
@@ -241,5 +249,6 @@ def segment_kernel(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: t
     def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
         kernel = functools.partial(gated_delta_chunks_fused, longest=longest) if longest >= CHUNKED_MIN_LEN \
             else gated_delta_segments_fused
-        kernel(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads, head_k_dim, ckpts)
+        kernel(qkv, a, b, A_log, dt_bias, states, rows, starts, cu_seqlens, out, num_k_heads, head_k_dim, ckpts,
+               beta_scale=beta_scale)
     return run

@@ -63,11 +63,11 @@ CONV_WIDTH = 4  # the conv kernel width it supports (Qwen3-Next's and Qwen3.5's)
 
 @triton.jit
 def _gdn_token(S, row, a_ptr, b_ptr, neg_a, dt_bias, hk, hv, dk, mk, dv, mv, scale,
-               HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+               HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BETA_SCALE: tl.constexpr = 1.0):
     """One token on a ``[BK, BV]`` block of a value head's fp32 state: ``row`` points at its
     ``[q | k | v]`` projection, ``a_ptr`` / ``b_ptr`` at its raw gates. Returns ``(S, o [BV])``."""
     q, k, v, a, b = _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK, DK, DV)
-    return _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale)
+    return _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale, BETA_SCALE)
 
 
 @triton.jit
@@ -80,25 +80,26 @@ def _gdn_load(row, a_ptr, b_ptr, hk, hv, dk, mk, dv, mv, HK: tl.constexpr, DK: t
 
 
 @triton.jit
-def _gdn_gates(a, b, neg_a, dt_bias, LOG1P: tl.constexpr = True):
+def _gdn_gates(a, b, neg_a, dt_bias, LOG1P: tl.constexpr = True, BETA_SCALE: tl.constexpr = 1.0):
     """The raw gates ``a, b`` (any shape) -> ``(g, beta)`` in fp32: the log-decay ``-exp(A_log) *
-    softplus(a + dt_bias)`` and ``sigmoid(b)`` rounded to b's dtype, as the layer computes it.
-    Shared with the chunked kernel (``gated_delta_chunks``) and KDA's (``LOG1P`` False: its
-    softplus in transformers' form, ``elementwise.softplus``)."""
+    softplus(a + dt_bias)`` and ``sigmoid(b)`` rounded to b's dtype, times ``BETA_SCALE`` (OLMo-Hybrid's
+    2: exact in any dtype), as the layer computes it. Shared with the chunked kernel
+    (``gated_delta_chunks``) and KDA's (``LOG1P`` False: its softplus in transformers' form,
+    ``elementwise.softplus``)."""
     x = a.to(tl.float32) + dt_bias
     g = neg_a * softplus(x, LOG1P)
-    return g, tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    return g, tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32) * BETA_SCALE
 
 
 @triton.jit
-def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale):
+def _gdn_step(S, q, k, v, a, b, neg_a, dt_bias, scale, BETA_SCALE: tl.constexpr = 1.0):
     """:func:`_gdn_token`'s math on loaded inputs."""
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g, beta = _gdn_gates(a, b, neg_a, dt_bias)
+    g, beta = _gdn_gates(a, b, neg_a, dt_bias, True, BETA_SCALE)
     e = tl.exp(g)
     kS = tl.sum(k[:, None] * S, axis=0)  # [BV]
     qS = tl.sum(q[:, None] * S, axis=0)
@@ -144,7 +145,7 @@ def _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV: tl.constexpr, DK: tl
 def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                        W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, BETA_SCALE: tl.constexpr, PDL: tl.constexpr):
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     pdl.wait(PDL)  # the head's weights loaded: now the inputs and the state (pdl.py)
     offs = hv * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -152,7 +153,7 @@ def _gdn_decode_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, a_
     for j in tl.static_range(W):  # the sequence's tokens in order (a decode step: one)
         r = i * W + j
         S, o = _gdn_token(S, qkv_ptr + r * qkv_stride, a_ptr + r * a_stride + hv, b_ptr + r * b_stride + hv, neg_a,
-                          dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV)
+                          dt_bias, hk, hv, dk, mk, dv, mv, scale, HK, DK, DV, BETA_SCALE)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV, DK, DV, BK, BV)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -200,7 +201,7 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
                             cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                             W: tl.constexpr, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr,
                             DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr,
-                            PDL: tl.constexpr):
+                            BETA_SCALE: tl.constexpr, PDL: tl.constexpr):
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
     C = 2 * HK * DK + HV * DV  # the conv's channels: [q | k | v]
     cq = hk * DK + dk
@@ -236,7 +237,7 @@ def _gdn_conv_decode_kernel(x_ptr, x_stride, a_ptr, a_stride, b_ptr, b_stride, a
         v = _conv4(v0, v1, v2, xv, wv0, wv1, wv2, wv3, ydt)
         q0, q1, q2, k0, k1, k2, v0, v1, v2 = q1, q2, xq, k1, k2, xk, v1, v2, xv
         S, o = _gdn_step(S, q, k, v, tl.load(a_ptr + r * a_stride + hv), tl.load(b_ptr + r * b_stride + hv), neg_a,
-                         dt_bias, scale)
+                         dt_bias, scale, BETA_SCALE)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         _store_chain_state(state_ptr, dst, S, offs, mk, mv, HV, DK, DV, BK, BV)
         tl.store(o_ptr + (r * HV + hv) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -273,7 +274,8 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                          HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr, PDL: tl.constexpr):
+                         BK: tl.constexpr, BV: tl.constexpr, CKPT: tl.constexpr, BETA_SCALE: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, hv, hk, dk, mk, dv, mv, neg_a, dt_bias = _gdn_program(a_log_ptr, dt_bias_ptr, HK, HV, DK, DV, BK, BV)
@@ -296,7 +298,7 @@ def _gdn_segments_kernel(qkv_ptr, qkv_stride, a_ptr, a_stride, b_ptr, b_stride, 
         ahead = tl.minimum(r + 1, last)
         nq, nk, nv, na, nb = _gdn_load(qkv_ptr + ahead * qkv_stride, a_ptr + ahead * a_stride + hv,
                                        b_ptr + ahead * b_stride + hv, hk, hv, dk, mk, dv, mv, HK, DK, DV)
-        S, o = _gdn_step(S, q, k, v, av, bv, neg_a, dt_bias, scale)
+        S, o = _gdn_step(S, q, k, v, av, bv, neg_a, dt_bias, scale, BETA_SCALE)
         tl.store(o_ptr + r * o_stride + hv * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if CKPT:
             c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, (HV * DK * DV), inner, mask)
@@ -322,9 +324,10 @@ def _check_inputs(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, states: t
 
 def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                              dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                             num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
-    """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided),
-    ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
+                             num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None,
+                             beta_scale: float = 1.0) -> torch.Tensor:
+    """``qkv [B, 2*Hk*Dk + Hv*Dv]`` (post-conv), raw gates ``a, b [B, Hv]`` (rows may be strided;
+    ``beta = beta_scale * sigmoid(b)``), ``A_log, dt_bias [Hv]`` fp32, ``ssm_states [S, Hv, Dk, Dv]`` fp32 updated in place at ``slots [B]``
     (or along ``chain [W+1, B/W]``: the module docstring) -> ``o [B, Hv, Dv]`` in qkv's dtype.
     Launched with PDL the kernel reads ``A_log`` and ``dt_bias`` before it waits for the kernel before
     it (``pdl.py``): pass the layer's parameters as it holds them, never a value computed in the step."""
@@ -336,14 +339,16 @@ def gated_delta_decode_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
     _gdn_decode_kernel[(seqs * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, ssm_states, chain, chain.stride(0), o,
-        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, num_warps=warps, **pdl.launch(qkv))
+        dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, BETA_SCALE=_beta(beta_scale),
+        num_warps=warps, **pdl.launch(qkv))
     return o
 
 
 def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                                   tickets: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                   dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                                  num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None) -> torch.Tensor:
+                                  num_k_heads: int, head_k_dim: int, chain: torch.Tensor | None = None,
+                                  beta_scale: float = 1.0) -> torch.Tensor:
     """:func:`gated_delta_decode_fused` with the conv before it in the same kernel (the module
     docstring): ``x [B, 2*Hk*Dk + Hv*Dv]`` the raw projection (before the conv), ``conv_weight [C,
     4]`` (no bias, silu), ``conv_states [S, C, 3]`` updated in place along the same slots or chain,
@@ -368,14 +373,14 @@ def gated_delta_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, co
     _gdn_conv_decode_kernel[(seqs * num_v_heads, blocks)](
         x, x.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
         chain, chain.stride(0), o, dk**-0.5, W=w, HK=num_k_heads, HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv,
-        GROUP=(num_v_heads // num_k_heads) * blocks, num_warps=warps, **pdl.launch(x))
+        GROUP=(num_v_heads // num_k_heads) * blocks, BETA_SCALE=_beta(beta_scale), num_warps=warps, **pdl.launch(x))
     return o
 
 
 def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                                dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                                cu_seqlens: torch.Tensor, out: torch.Tensor, num_k_heads: int, head_k_dim: int,
-                               ckpts: SegmentCheckpoints | None = None) -> None:
+                               ckpts: SegmentCheckpoints | None = None, beta_scale: float = 1.0) -> None:
     """An extend's segments through the recurrence, one launch: segment ``i`` is the packed tokens
     ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]`` of them) of ``qkv [T, ...]`` (post-conv)
     and the raw gates ``a, b [T, Hv]``, run from ``states[rows[i]]`` (``[B, Hv, Dk, Dv]`` fp32,
@@ -390,4 +395,12 @@ def gated_delta_segments_fused(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tens
     _gdn_segments_kernel[(segments * num_v_heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), a, a.stride(0), b, b.stride(0), A_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), HK=num_k_heads,
-        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, num_warps=warps, **pdl.launch(qkv))
+        HV=num_v_heads, DK=dk, DV=dv, BK=bk, BV=bv, CKPT=ckpts is not None, BETA_SCALE=_beta(beta_scale),
+        num_warps=warps, **pdl.launch(qkv))
+
+
+def _beta(beta_scale: float) -> float:
+    """``beta_scale`` as the kernels' constexpr: a float in ``(0, 2]`` (1: ``sigmoid(b)``; OLMo-Hybrid's 2)."""
+    if not 0.0 < beta_scale <= 2.0:
+        raise ValueError(f"beta_scale must be in (0, 2], got {beta_scale}")
+    return float(beta_scale)
