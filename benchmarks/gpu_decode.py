@@ -10,7 +10,9 @@ transformers' ``Qwen3_5ForCausalLM`` and saved to a temporary directory: hidden 
 (``JAMBA``: transformers' ``JambaForCausalLM``, Mamba1 + attention layers, MoE in every 2nd layer;
 ~0.92 B parameters, ~1.85 GB in bf16), its section ``GPU decode: Jamba``. ``--kimi``: a Kimi-Linear-style model
 (``KIMI``: transformers' ``KimiLinearForCausalLM``, Kimi Delta Attention + MLA layers 3:1, MoE after a dense
-first layer; ~1.06 B parameters, ~2.11 GB in bf16), its section ``GPU decode: Kimi-Linear``.
+first layer; ~1.06 B parameters, ~2.11 GB in bf16), its section ``GPU decode: Kimi-Linear``. ``--olmo``: an
+OLMo-Hybrid-style model (``OLMO``: transformers' ``OlmoHybridForCausalLM``, Gated DeltaNet with ``beta = 2 sigmoid(b)``
++ post-norm NoPE attention 3:1, dense MLPs; ~0.74 B parameters), its section ``GPU decode: OLMo-Hybrid``.
 
 Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
 ``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
@@ -38,7 +40,8 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi] [--json PATH] [--no-write]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi | --olmo] [--json PATH]
+        [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
 """
@@ -131,6 +134,24 @@ TINY_KIMI = dict(KIMI, vocab_size=2048, hidden_size=64, intermediate_size=128, m
                  num_experts_per_tok=2)
 
 
+# --olmo: transformers' OlmoHybridForCausalLM (hyla/model/olmo_hybrid.py: Qwen3.5's Gated DeltaNet kernels with
+# beta = 2 sigmoid(b), attention layers post-norm). Olmo-Hybrid-7B's layout scaled to the Qwen3.5 model's width and
+# depth: hidden 1,024, 24 layers ([GDN x 3, attention] x 6, OLMo's every 4th from layer 3), attention 8 heads of 128
+# (= KV heads, OLMo's MHA; hidden / heads), NoPE as the released checkpoints, q/k normalised over all heads; GDN as
+# many key as value heads (8), keys of 96 (0.75 x hidden / heads, OLMo's default) and values of 192 (twice), conv 4;
+# SwiGLU MLP 3,584 (the Qwen3.5 model's); OLMo's vocab of 100,352, untied. ~0.74 B parameters (~1.47 GB in bf16).
+OLMO = dict(vocab_size=100352, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+            layer_types=LAYER_TYPES * 6, num_attention_heads=8, num_key_value_heads=8, linear_num_key_heads=8,
+            linear_num_value_heads=8, linear_key_head_dim=96, linear_value_head_dim=192, linear_conv_kernel_dim=4,
+            linear_allow_neg_eigval=True, rope_parameters={"rope_type": "default", "rope_theta": None},
+            max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+# tiny: 4 layers (3 GDN + attention at layer 3), GDN 2 heads, keys of 24 and values of 48, attention 2 heads of 32
+TINY_OLMO = dict(OLMO, vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 layer_types=LAYER_TYPES, num_attention_heads=2, num_key_value_heads=2, linear_num_key_heads=2,
+                 linear_num_value_heads=2, linear_key_head_dim=24, linear_value_head_dim=48)
+
+
 def _qwen3_5(kw: dict):
     import transformers
 
@@ -154,6 +175,27 @@ def _kimi(kw: dict):
     import transformers
 
     return transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**{**checkpoints.KIMI_LINEAR_KW, **kw}))
+
+
+def _olmo(kw: dict):
+    import transformers
+
+    return transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(**{**checkpoints.OLMO_HYBRID_KW, **kw}))
+
+
+def _describe_olmo(kw: dict) -> str:
+    types = kw["layer_types"]
+    attn = [i for i, t in enumerate(types) if t == "full_attention"]
+    rope = (kw.get("rope_parameters") or {}).get("rope_theta")
+    return (f"OLMo-Hybrid-style model (`OlmoHybridForCausalLM`), random weights: hidden {kw['hidden_size']}, "
+            f"{len(types)} layers ({len(types) - len(attn)} Gated DeltaNet + {len(attn)} post-norm attention at "
+            f"{', '.join(map(str, attn))}), GDN {kw['linear_num_key_heads']}/{kw['linear_num_value_heads']} heads, keys "
+            f"of {kw['linear_key_head_dim']} and values of {kw['linear_value_head_dim']}, beta = "
+            f"{'2 sigmoid(b)' if kw['linear_allow_neg_eigval'] else 'sigmoid(b)'}, attention "
+            f"{kw['num_attention_heads']}/{kw['num_key_value_heads']} heads of {kw['hidden_size'] // kw['num_attention_heads']} "
+            f"({'NoPE' if rope is None else f'RoPE theta {rope:g}'}, q/k normalised over all heads), SwiGLU MLP "
+            f"{kw['intermediate_size']}, vocab {kw['vocab_size']:,}, "
+            f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings")
 
 
 def _describe_qwen3_5(kw: dict) -> str:
@@ -208,7 +250,7 @@ def _describe_kimi(kw: dict) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelKind:
-    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``; the default ``qwen3_5``): its
+    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``; the default ``qwen3_5``): its
     config keys at full size and ``--tiny``, its transformers model from them, its routed experts'
     config keys (count, top-k) for the roofline, what transformers' side runs where importable (the
     peer's kernels, named in the table), and its section of docs/benchmarks.md."""
@@ -243,6 +285,9 @@ MODELS = {
                       ("num_local_experts", "num_experts_per_tok"),
                       help="a Kimi-Linear-style model instead (KIMI: 18 KDA + 6 MLA layers, 32 experts, top-8, and a "
                            "shared expert, after a dense layer 0); writes its own section"),
+    "olmo": ModelKind(OLMO, TINY_OLMO, _olmo, _describe_olmo, "GPU decode: OLMo-Hybrid",
+                      help="an OLMo-Hybrid-style model instead (OLMO: 18 Gated DeltaNet with beta = 2 sigmoid(b) + 6 "
+                           "post-norm NoPE attention layers, dense MLPs); writes its own section"),
 }
 
 

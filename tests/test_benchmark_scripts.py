@@ -112,8 +112,17 @@ def test_gpu_decode_runs_on_cpu_with_kimi(tmp_path):
     _assert_untied_moe_report(out, data)
 
 
+def test_gpu_decode_runs_on_cpu_with_olmo(tmp_path):
+    """``--olmo``: the OLMo-Hybrid-style model (Gated DeltaNet with beta = 2 sigmoid(b), post-norm NoPE attention
+    3:1, dense MLPs), both sides (their greedy check agrees), no experts, its cached TTFT hitting the whole prefix."""
+    out, data = _tiny_gpu_decode(tmp_path, "--olmo")
+    assert "OLMo-Hybrid-style model (`OlmoHybridForCausalLM`)" in out and "(3 Gated DeltaNet + 1 post-norm" in out
+    assert "beta = 2 sigmoid(b)" in out and "NoPE" in out
+    assert data["greedy_agreement"] == 8 and data["moe"] is None and data["medians"]["hyla_cached_hit"] == 48
+
+
 def _tiny_gpu_decode(tmp_path, model: str) -> tuple[str, dict]:
-    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``), both sides,
+    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``), both sides,
     batches 1 and 2, a 64-token cached TTFT with 48 cached: ``(its output, its JSON report)``."""
     report = tmp_path / "gpu_decode.json"
     out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", model, "--batches", "1,2", "--new-tokens", "2",
