@@ -92,6 +92,7 @@ def cases():
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
     from hyla.model.ops.gpu import kda_decode, latent_attention, logits, mamba2_decode, moe, pdl, selective_scan
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
+    from hyla.model.ops.kda import DecayGate
     from hyla.model.ops.varlen import VarlenPlan
 
     long = lambda *v: torch.tensor(v, dtype=torch.long)  # noqa: E731
@@ -170,6 +171,21 @@ def cases():
                         r(12, width), r(12, hv), r(12, hv), f32(hv), f32(hv), states, long(1, 2), long(0, 5),
                         long(0, 5, 12), torch.empty(12, hv, dv, dtype=dt), hk, dk, with_ckpts, longest=7)
                 yield f"gdn_chunks wy={wy} ckpts={with_ckpts is not None} {n}", gdn_chunks
+        # OLMo-Hybrid's Gated DeltaNet: keys of 96, values of 192, beta = 2 sigmoid(b) (BETA_SCALE)
+        ohk, odk, odv = 2, 96, 192
+        owidth, ostates = 2 * ohk * odk + ohk * odv, f32(8, ohk, odk, odv)
+        yield f"gdn_decode olmo {n}", lambda: gated_delta_decode.gated_delta_decode_fused(
+            r(2, owidth), r(2, ohk), r(2, ohk), f32(ohk), f32(ohk), ostates, long(1, 2), ohk, odk, beta_scale=2.0)
+        yield f"gdn_conv_decode olmo {n}", lambda: gated_delta_decode.gated_delta_conv_decode_fused(
+            r(2, owidth), r(owidth, 4), r(8, owidth, 3), torch.zeros(2 * ohk, dtype=torch.int32), r(2, ohk), r(2, ohk),
+            f32(ohk), f32(ohk), ostates, long(1, 2), ohk, odk, beta_scale=2.0)
+        yield f"gdn_segments olmo {n}", lambda: gated_delta_decode.gated_delta_segments_fused(
+            r(12, owidth), r(12, ohk), r(12, ohk), f32(ohk), f32(ohk), ostates, long(1, 2), long(0, 5), long(0, 5, 12),
+            torch.empty(12, ohk, odv, dtype=dt), ohk, odk, None, beta_scale=2.0)
+        if dt == torch.bfloat16:
+            yield f"gdn_chunks olmo {n}", lambda: gated_delta_chunks.gated_delta_chunks_fused(
+                r(12, owidth), r(12, ohk), r(12, ohk), f32(ohk), f32(ohk), ostates, long(1, 2), long(0, 5),
+                long(0, 5, 12), torch.empty(12, ohk, odv, dtype=dt), ohk, odk, None, longest=7, beta_scale=2.0)
         # Mamba2: decode, segments (recurrent, in chunks)
         h, p, g, ns = 4, 64, 1, 128
         mstates = f32(8, h, p, ns)
@@ -219,6 +235,15 @@ def cases():
                 kda_decode.kda_segments_fused(r(12, 3 * 2 * 128), r(12, 2 * 128), r(12, 2), f32(2), f32(2 * 128),
                                               kstates, long(1, 2), long(0, 5), long(0, 5, 12),
                                               torch.empty(12, 2, 128, dtype=dt), with_ckpts)
+        ling = DecayGate(-5.0, True)  # Ling 3's decay: bounded, rounded to the model dtype
+        yield f"kda_decode ling {n}", lambda: kda_decode.kda_decode_fused(
+            r(2, 3 * 2 * 128), r(2, 2 * 128), r(2, 2), f32(2), f32(2 * 128), kstates, long(1, 2), gate=ling)
+        yield f"kda_conv_decode ling {n}", lambda: kda_decode.kda_conv_decode_fused(
+            r(2, 3 * 2 * 128), r(3 * 2 * 128, 4), r(8, 3 * 2 * 128, 3), torch.zeros(2 * 2, dtype=torch.int32),
+            r(2, 2 * 128), r(2, 2), f32(2), f32(2 * 128), kstates, long(1, 2), gate=ling)
+        yield f"kda_segments ling {n}", lambda: kda_decode.kda_segments_fused(
+            r(12, 3 * 2 * 128), r(12, 2 * 128), r(12, 2), f32(2), f32(2 * 128), kstates, long(1, 2), long(0, 5),
+            long(0, 5, 12), torch.empty(12, 2, 128, dtype=dt), None, gate=ling)
         ltable = torch.zeros(4, 16, dtype=torch.long)
         yield f"latent_decode_attention {n}", lambda: latent_attention.paged_latent_decode_attention(
             r(2, 32, 576), r(64, 1, 288), r(64, 1, 288), ltable, long(1, 2), long(9, 3), 576**-0.5, 512)

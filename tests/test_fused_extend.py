@@ -135,10 +135,12 @@ def few_splits(monkeypatch):
 # On a GPU only (CI's time: 20-35 s each interpreted): Qwen3.5-MoE (its experts: Kimi-Linear's grouped path here),
 # Jamba (its Mamba1 segments kernel: test_jamba_extends_run_the_segments_kernel), LFM2 and LFM2-MoE (the short
 # conv's extend kernels: test_conv1d_extend_kernel; the router runs in PyTorch on every path), Ling 3 (Kimi-Linear's
-# kernels: the bounded decay checked kernel by kernel, MLA's RoPE in test_engine_fused_decode_matches_pytorch)
+# kernels: the bounded decay checked kernel by kernel, MLA's RoPE in test_engine_fused_decode_matches_pytorch),
+# OLMo-Hybrid (Qwen3.5's kernels: beta's scale checked kernel by kernel, its post-norm layers in
+# test_engine_fused_decode_matches_pytorch)
 @pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear",
-                                  *(pytest.param(a, marks=pytest.mark.gpu)
-                                    for a in ("qwen3_5_moe", "jamba", "lfm2", "lfm2_moe", "bailing_hybrid"))])
+                                  *(pytest.param(a, marks=pytest.mark.gpu) for a in (
+                                      "qwen3_5_moe", "jamba", "lfm2", "lfm2_moe", "bailing_hybrid", "olmo_hybrid"))])
 def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
     """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
     token counts, checkpoints written by the segment kernels, attention over the request table)

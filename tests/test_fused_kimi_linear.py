@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 from hyla.model.kimi_linear import latent_paged_attention, write_latents  # noqa: E402
 from hyla.model.ops.gpu import kda_decode  # noqa: E402
 from hyla.model.ops.gpu.latent_attention import paged_latent_decode_attention  # noqa: E402
-from hyla.model.ops.kda import recurrent_kda_update  # noqa: E402
+from hyla.model.ops.kda import DecayGate, recurrent_kda_update  # noqa: E402
 from test_fused_decode import _chain_reference, _tol  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if GPU else [torch.float32]
@@ -40,20 +40,22 @@ def _kda_inputs(g: torch.Generator, rows: int, dtype: torch.dtype):
     return qkv, rnd(rows, H * D).to(dtype), rnd(rows, H).to(dtype), rnd(H), rnd(H * D)
 
 
-def _kda_reference(qkv, f, b, a_log, dt_bias, pool, slots, bound=0.0):
-    """The layer's PyTorch decode: its gates (``KimiDeltaAttention.forward``: Kimi-Linear's softplus decay, or
-    Ling 3's bounded one, ``bound * sigmoid(exp(A_log) * x)``), then ``recurrent_kda_update``."""
+def _kda_reference(qkv, f, b, a_log, dt_bias, pool, slots, gate=DecayGate()):
+    """The layer's PyTorch decode: its gates (``KimiDeltaAttention.forward``: the layer's ``DecayGate``,
+    Kimi-Linear's softplus decay or Ling 3's), then ``recurrent_kda_update``."""
     rows = qkv.shape[0]
     q, k, v = (t.reshape(rows, H, D) for t in qkv.split(H * D, dim=-1))
-    x = (f.float() + dt_bias).view(rows, H, D)
-    rate = torch.exp(a_log.float())[:, None]
-    g = bound * torch.sigmoid(rate * x) if bound else -rate * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
-    return recurrent_kda_update(q, k, v, g, torch.sigmoid(b), pool, slots)
+    return recurrent_kda_update(q, k, v, gate(f, a_log, dt_bias, H), torch.sigmoid(b), pool, slots)
+
+
+# Kimi-Linear's decay; Ling 3's bounded one and its softplus form (F.softplus; both rounded to the model dtype)
+GATES = [pytest.param(DecayGate(), id="kimi"), pytest.param(DecayGate(-5.0, True), id="ling-bounded"),
+         pytest.param(DecayGate(0.0, True), id="ling-softplus")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bound", [0.0, -5.0], ids=["softplus", "bounded"])
-def test_kda_decode_kernel(dtype, bound, monkeypatch):
+@pytest.mark.parametrize("gate", GATES)
+def test_kda_decode_kernel(dtype, gate, monkeypatch):
     """A decode step == the layer's gates (Kimi-Linear's softplus decay; Ling 3's bounded one) and
     ``recurrent_kda_update``: outputs and the pool updated in place at the slots (two blocks of value
     columns a head); a padding row (slot -1) writes nothing. Run twice: the second step continues from
@@ -65,8 +67,8 @@ def test_kda_decode_kernel(dtype, bound, monkeypatch):
     slots = torch.tensor([4, -1, 1], device=DEVICE)
     for _ in range(2):
         qkv, f, b, a_log, dt_bias = _kda_inputs(g, 3, dtype)
-        o = kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, slots, lower_bound=bound)
-        ref = _kda_reference(qkv, f, b, a_log, dt_bias, ref_pool, slots, bound)
+        o = kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, slots, gate=gate)
+        ref = _kda_reference(qkv, f, b, a_log, dt_bias, ref_pool, slots, gate)
         assert o.shape == (3, H, D) and o.dtype == dtype
         torch.testing.assert_close(o[[0, 2]].float(), ref[[0, 2]].float(), atol=_tol(dtype), rtol=_tol(dtype))
         torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
@@ -74,8 +76,8 @@ def test_kda_decode_kernel(dtype, bound, monkeypatch):
         kda_decode.kda_decode_fused(qkv, f[:, :-1], b, a_log, dt_bias, pool, slots)
     with pytest.raises(ValueError, match="unit column stride"):
         kda_decode.kda_decode_fused(qkv, f.t().contiguous().t(), b, a_log, dt_bias, pool, slots)
-    with pytest.raises(ValueError, match="lower bound must be <= 0"):
-        kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, slots, lower_bound=1.0)
+    with pytest.raises(ValueError, match="lower bound must be finite and <= 0"):
+        kda_decode.kda_decode_fused(qkv, f, b, a_log, dt_bias, pool, slots, gate=DecayGate(1.0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,13 +123,12 @@ def test_kda_conv_decode_kernel(dtype, width, monkeypatch):
     ref_conv, ref_ssm = conv.clone(), ssm.clone()
     tickets = torch.zeros(seqs * H, dtype=torch.int32, device=DEVICE)
     live = [r for r in range(seqs * width) if r // width != 1]
-    bound = -5.0 if width > 1 else 0.0
+    gate = DecayGate(-5.0, True) if width > 1 else DecayGate()
     for step in range(2):
         o = kda_decode.kda_conv_decode_fused(x, wt, conv, tickets, f, b, a_log, dt_bias, ssm, chain[0], chain=chained,
-                                             lower_bound=bound)
+                                             gate=gate)
         mixed = causal_conv1d_update_fused(x, wt, None, ref_conv, chain[0], "silu", chain=chained)
-        ref = kda_decode.kda_decode_fused(mixed, f, b, a_log, dt_bias, ref_ssm, chain[0], chain=chained,
-                                          lower_bound=bound)
+        ref = kda_decode.kda_decode_fused(mixed, f, b, a_log, dt_bias, ref_ssm, chain[0], chain=chained, gate=gate)
         assert torch.equal(o[live], ref[live]), f"step {step}"
         assert torch.equal(ssm, ref_ssm) and torch.equal(conv, ref_conv), f"step {step}"
         assert not tickets.any()
@@ -198,8 +199,8 @@ MARKS = {1: [(1, 6)], 2: [(2, 7), (6, 8)], 3: [(1, 9), (11, 10), (19, 11)]}  # (
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bound", [0.0, -5.0], ids=["softplus", "bounded"])
-def test_kda_segments_kernel(dtype, bound):
+@pytest.mark.parametrize("gate", GATES[:2])
+def test_kda_segments_kernel(dtype, gate):
     """An extend's segments in one launch (``kda_segments_fused``) == the layer's decode step token by
     token: outputs, final states in their rows (given in another order than the segments'), and the
     checkpoints written on the way (after a segment's first token, inside, at its end); the softplus and
@@ -218,7 +219,7 @@ def test_kda_segments_kernel(dtype, bound):
         slot = torch.tensor([rows[i]], device=DEVICE)
         for j in range(start, start + n):
             ref_out.append(_kda_reference(qkv[j:j + 1], f[j:j + 1], b[j:j + 1], a_log, dt_bias, ref_pool, slot,
-                                          bound)[0])
+                                          gate)[0])
             for pos, row in marks[i]:
                 if j - start + 1 == pos:
                     ref_pool[row] = ref_pool[rows[i]]
@@ -227,7 +228,7 @@ def test_kda_segments_kernel(dtype, bound):
     ckpts = SegmentCheckpoints(pool, long([0, *torch.tensor([len(m) for m in marks]).cumsum(0).tolist()]),
                                long([q for m in marks for q, _ in m]), long([r for m in marks for _, r in m]))
     kda_decode.kda_segments_fused(qkv, f, b, a_log, dt_bias, pool, long(rows), long(cu[:-1]), long(cu), out, ckpts,
-                                  lower_bound=bound)
+                                  gate=gate)
     torch.testing.assert_close(out.float(), torch.stack(ref_out).float(), atol=_tol(dtype), rtol=_tol(dtype))
     torch.testing.assert_close(pool, ref_pool, atol=1e-5, rtol=1e-5)
 

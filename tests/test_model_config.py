@@ -689,7 +689,10 @@ def test_bailing_hybrid_layout_rope_gates_and_defaults(ling):
     assert (bare.num_experts, bare.num_experts_per_tok, bare.shared_expert_intermediate_size) == (512, 8, 768)
     assert (bare.linear_num_value_heads, bare.linear_key_head_dim, bare.head_dim, bare.rope_theta) == \
         (32, 128, 288, 6e6)
-    assert bare.max_position_embeddings == 262144 and bare.mtp_num_hidden_layers == 0
+    assert bare.max_position_embeddings == 262144 and bare.mtp_num_hidden_layers == 1  # transformers' defaults
+    assert (bare.router_num_groups, bare.router_topk_groups, bare.eos_token_ids, bare.pad_token_id) == \
+        (8, 4, (156895,), 156892)
+    assert bare.kda_decay_rounded and bare.kda_gate_lower_bound == -5.0
 
 
 def test_bailing_hybrid_state_shapes_match_hf_cache_and_flops(ling):
@@ -718,6 +721,10 @@ def test_bailing_hybrid_state_shapes_match_hf_cache_and_flops(ling):
     ({"mlp_layer_types": ["dense"] * 5 + ["moe"]}, "'dense' or 'sparse'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
     ({"num_expert_group": 3}, "n_group"),
+    ({"use_mla_nope": True}, "use_mla_nope"),
+    ({"rope_interleave": False}, "rope_interleave"),
+    ({"score_function": "softmax"}, "score_function"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
 ])
 def test_bailing_hybrid_bad_configs_are_value_errors(ling, bad, match):
     with pytest.raises(ValueError, match=match):
@@ -751,6 +758,7 @@ def test_olmo_hybrid_layout_rope_and_defaults(olmo):
     assert (bare.head_dim, bare.num_kv_heads, bare.intermediate_size) == (128, 30, 11008)
     two = ModelConfig.from_hf({**hf, "num_hidden_layers": 2, "layer_types": None})
     assert two.layer_types == ("linear", "attention")  # at least one attention layer: the last
+    assert (bare.max_position_embeddings, bare.eos_token_ids, bare.pad_token_id) == (65536, (100257,), 100277)
 
 
 def test_olmo_hybrid_state_shapes_match_hf_cache(olmo):

@@ -394,7 +394,7 @@ def test_bailing_hybrid_reads_inclusionai_and_transformers_names_and_skips_mtp_l
     raw = load_file(bailing_hybrid_path / "model.safetensors")
     kda, mla, moe = ling.layers[0].mixer, ling.layers[2].mixer, ling.layers[1].ffn
     hd = BAILING_HYBRID_KW["num_attention_heads"] * BAILING_HYBRID_KW["head_dim"]
-    assert kda.f_a_proj is None and kda.lower_bound == -5.0
+    assert kda.f_a_proj is None and kda.gate == (-5.0, True)
     assert torch.equal(kda.f_proj.weight, raw["model.layers.0.attention.f_proj.weight"])
     assert torch.equal(kda.g_proj.weight, raw["model.layers.0.attention.g_proj.weight"])
     assert torch.equal(kda.conv_weight[2 * hd :], raw["model.layers.0.attention.v_conv1d.weight"][:, 0])

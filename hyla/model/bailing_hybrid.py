@@ -7,7 +7,8 @@ router with expert groups and shared experts), with what transformers' ``bailing
 * **KDA**: full-rank gate projections, ``f = f_proj(x)`` and the output gate ``sigmoid(g_proj(x))``
   (``[H·D, hidden]`` each, where Kimi-Linear has rank-``D`` pairs), and, with ``kda_safe_gate``
   (the default), a bounded decay ``g = kda_lower_bound * sigmoid(exp(A_log) * (f + dt_bias))`` in
-  ``[lower_bound, 0]`` (else Kimi-Linear's ``-exp(A_log) * softplus(f + dt_bias)``).
+  ``[lower_bound, 0]`` (else ``-exp(A_log) * F.softplus(f + dt_bias)``), rounded to the model dtype as
+  transformers' forget gate returns it (``ops.kda.DecayGate``, ``rounded``).
 * **MLA**: RoPE on ``q_pe`` and ``k_pe`` (``qk_rope_head_dim`` channels, default RoPE of
   ``rope_theta``; ``k_pe`` is rotated before it enters the pool, so the pool's latent is what
   transformers caches), and each head's output times ``sigmoid(g_proj(x))`` (one gate a head) before
@@ -106,12 +107,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     ``linear_num_heads``) or transformers' names for them, with ``BailingHybridConfig``'s defaults.
     Raises ``ValueError`` for a non-``silu`` activation, a RoPE other than the default, a bound
     ``kda_lower_bound > 0`` and inconsistent layer lists."""
-    cfg = dict(cfg)
+    cfg = {"eos_token_id": 156895, "pad_token_id": 156892, **cfg}  # BailingHybridConfig's token ids
     cfg["max_position_embeddings"] = hf_first(cfg, ("model_max_length", "max_position_embeddings"), 262144)
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     common["tie_word_embeddings"] = False  # transformers' BailingHybridForCausalLM ties nothing
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
     hf_silu_only(cfg, arch)
+    _refuse_other_variants(cfg)
     mla = latent_attention_fields(cfg, "Ling 3")
     # transformers: the linear heads are the attention heads, of the config's head_dim (before DeepSeek-V3's
     # config rewrites head_dim to qk_rope_head_dim: a saved config.json keeps linear_head_dim)
@@ -136,14 +138,31 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         **kda_fields(linear_heads, linear_dim, kernel, "Ling 3"),
         kda_full_rank_gates=True,
         kda_gate_lower_bound=bound,
+        kda_decay_rounded=True,
         **mla,
         mla_output_gate=True,
         rotary_dim=mla["mla_qk_rope_head_dim"],
         rope_theta=float(rope["rope_theta"]),
         **moe_fields(cfg, ffn_types, "Ling 3", intermediate=6144, num_experts=512, moe_width=768,
-                     routed_scaling=2.5),
-        mtp_num_hidden_layers=int(hf_first(cfg, ("num_nextn_predict_layers", "num_mtp_layers"), 0)),
+                     routed_scaling=2.5, groups=8, topk_groups=4),
+        mtp_num_hidden_layers=int(hf_first(cfg, ("num_nextn_predict_layers", "num_mtp_layers"), 1)),
     )
+
+
+def _refuse_other_variants(cfg: Mapping[str, Any]) -> None:
+    """``ValueError`` for the keys of inclusionAI's own (remote-code) Ling configs that would name
+    something transformers' ``bailing_hybrid`` does not compute: MLA without RoPE, RoPE not interleaved,
+    a router other than sigmoid, MoE on a layer period."""
+    if cfg.get("use_mla_nope"):
+        raise ValueError("Ling 3 use_mla_nope (MLA without RoPE) is not supported: transformers' bailing_hybrid "
+                         "rotates q_pe and k_pe")
+    if cfg.get("rope_interleave") is False:
+        raise ValueError("Ling 3 rope_interleave: false is not supported (DeepSeek's interleaved rope rows expected)")
+    for key in ("score_function", "scoring_func", "moe_router_activation_func"):
+        if cfg.get(key, "sigmoid") != "sigmoid":
+            raise ValueError(f"Ling 3 {key}={cfg[key]!r} is not supported (expected 'sigmoid')")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        raise ValueError("Ling 3 moe_layer_freq != 1 is not supported (transformers reads first_k_dense_replace)")
 
 
 def _layer_types(cfg: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:

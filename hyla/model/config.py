@@ -148,7 +148,8 @@ class ModelConfig:
     # (Kimi-Linear) or, with a lower bound < 0, Ling 3's bounded ("safe") lower_bound * sigmoid(exp(A_log) *
     # (f + dt_bias)), in [lower_bound, 0]
     kda_full_rank_gates: bool = False
-    kda_gate_lower_bound: float = 0.0  # 0 = the softplus decay
+    kda_gate_lower_bound: float = 0.0  # 0 = the softplus decay (checked by the layer's ops.kda.DecayGate)
+    kda_decay_rounded: bool = False  # Ling 3: F.softplus, the decay rounded to the model dtype (ops.kda.DecayGate)
     # Gated DeltaNet's options: beta = scale * sigmoid(b) (OLMo-Hybrid's allow_neg_eigval: 2, beta in [0, 2]: the
     # transition I - beta k k^T may have negative eigenvalues); its output norm's eps (None: norm_eps)
     gdn_beta_scale: float = 1.0
@@ -243,9 +244,6 @@ class ModelConfig:
             raise ValueError(f"gdn_beta_scale must be in (0, 2], got {self.gdn_beta_scale}")
         if self.qk_norm_whole and (self.qk_norm or self.attn_output_gate):
             raise ValueError("qk_norm_whole excludes the per-head qk_norm and the attention output gate")
-        if self.kda_gate_lower_bound > 0 or not math.isfinite(self.kda_gate_lower_bound):
-            raise ValueError(f"kda_gate_lower_bound must be finite and <= 0 (0: the softplus decay), "
-                             f"got {self.kda_gate_lower_bound}")
         if self.linear_kind == "mamba2" and self.mamba_num_heads % self.mamba_n_groups:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
         uses_moe = "moe" in self.layer_types or "moe" in self.ffn_types

@@ -80,7 +80,7 @@ from hyla.model.layers.device import fla_prefill, gpu, on_gpu
 from hyla.model.linear import Linear
 from hyla.model.ops.attention import extend_sdpa
 from hyla.model.ops.conv1d import causal_conv1d_update
-from hyla.model.ops.kda import chunk_kda_varlen, recurrent_kda_update
+from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, recurrent_kda_update
 from hyla.model.weight_specs import (
     WeightSpec,
     embedding_specs,
@@ -118,7 +118,7 @@ class KimiDeltaAttention(nn.Module):
         h, d = c.hidden_size, self.head_dim
         self.qkv_proj = Linear(h, 3 * self.dim, bias=False, dtype=c.dtype)
         self.conv_weight = nn.Parameter(torch.empty(3 * self.dim, c.conv_kernel, dtype=c.dtype))  # [3HD, K]
-        self.lower_bound = c.kda_gate_lower_bound  # 0: the softplus decay; < 0: the bounded one (Ling 3)
+        self.gate = DecayGate(c.kda_gate_lower_bound, c.kda_decay_rounded).check()  # Kimi-Linear's or Ling 3's
         if c.kda_full_rank_gates:  # Ling 3: f_proj and g_proj, [HD, h] each
             self.f_proj = Linear(h, self.dim, bias=False, dtype=c.dtype)
             self.g_proj = Linear(h, self.dim, bias=False, dtype=c.dtype)
@@ -142,7 +142,7 @@ class KimiDeltaAttention(nn.Module):
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
         f = self.f_proj(x) if self.f_proj is not None else self.f_b_proj(self.f_a_proj(x))  # the raw decay input [T, HD]
-        b, bound = self.b_proj(x), self.lower_bound  # the raw gate [T, H]
+        b, gate = self.b_proj(x), self.gate  # the raw gate [T, H]
         kernels = gpu("kda_decode") if batch.on_device or fla_prefill(x, batch) else None
         if batch.fused_decode:  # Triton: the conv window, the gates and the state update in one kernel (chains
             # too), or the conv in a kernel of its own
@@ -151,17 +151,17 @@ class KimiDeltaAttention(nn.Module):
                 seqs = slots.shape[0] if chain is None else chain.shape[1]
                 o = kernels.kda_conv_decode_fused(mixed, self.conv_weight, conv_states, self._tickets(seqs * heads, x.device),
                                                   f, b, self.A_log, self.dt_bias, ssm_states, slots, chain=chain,
-                                                  lower_bound=bound)
+                                                  gate=gate)
             else:
                 mixed = gpu("conv1d_decode").causal_conv1d_update_fused(mixed, self.conv_weight, None, conv_states,
                                                                          slots, "silu", chain=chain)
                 o = kernels.kda_decode_fused(mixed, f, b, self.A_log, self.dt_bias, ssm_states, slots,
-                                             chain=chain, lower_bound=bound)  # [B, H, D]
+                                             chain=chain, gate=gate)  # [B, H, D]
             return self._out(o, x)
         if batch.fused_extend is not None:  # Triton: the conv, then the recurrence in one launch (padding rows: 0)
             mixed = conv1d_fused_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
             o = torch.zeros(t, heads, d, dtype=x.dtype, device=x.device)
-            run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, bound), o,
+            run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, gate), o,
                                       ssm_states, batch)
             return self._out(o, x)
         plan = batch.state_slot_plan  # decode: validated at batch construction
@@ -177,7 +177,7 @@ class KimiDeltaAttention(nn.Module):
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
             o = gpu("fla_chunk").chunk_kda_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),
-                segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, bound),
+                segments=kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, gate),
                 gates=lambda: self._gates(f, b))  # [T, H, D]
         else:
             o = chunk_kda_varlen(q, k, v, *self._gates(f, b), batch.cu_seqlens, ssm_states, slots,
@@ -185,17 +185,9 @@ class KimiDeltaAttention(nn.Module):
         return self._out(o, x)
 
     def _gates(self, f: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g [T, H, D], beta [T, H])``: the per-channel log-decay ``-exp(A_log) * softplus(f +
-        dt_bias)`` (fp32, transformers' softplus: ``x`` above 20), or with a lower bound ``lb``,
-        ``lb * sigmoid(exp(A_log) * (f + dt_bias))``, and ``sigmoid(b)`` (b's dtype) from the raw
-        ``f [T, HD]``, ``b [T, H]``."""
-        t = f.shape[0]
-        f = (f.float() + self.dt_bias).view(t, self.num_heads, self.head_dim)
-        rate = torch.exp(self.A_log.float())[:, None]  # [H, 1]
-        if self.lower_bound:
-            return self.lower_bound * torch.sigmoid(rate * f), torch.sigmoid(b)  # in [lb, 0]
-        softplus = torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))  # transformers' form, exactly
-        return -rate * softplus, torch.sigmoid(b)  # g <= 0
+        """``(g [T, H, D], beta [T, H])``: the per-channel log-decay of the layer's :class:`DecayGate`
+        (fp32) and ``sigmoid(b)`` (b's dtype) from the raw ``f [T, HD]``, ``b [T, H]``."""
+        return self.gate(f, self.A_log, self.dt_bias, self.num_heads), torch.sigmoid(b)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The KDA output ``o [T, H, D]`` through each head's RMSNorm (fp32), gated by
@@ -615,7 +607,7 @@ def latent_attention_fields(cfg: Mapping[str, Any], name: str) -> dict[str, Any]
 
 
 def moe_fields(cfg: Mapping[str, Any], ffn_types: Sequence[str], name: str, *, intermediate: int, num_experts: int,
-               moe_width: int, routed_scaling: float) -> dict[str, Any]:
+               moe_width: int, routed_scaling: float, groups: int = 1, topk_groups: int = 1) -> dict[str, Any]:
     """The FFN fields of DeepSeek-V3's MoE (a SwiGLU MLP of ``intermediate_size`` in the dense layers;
     the sigmoid router with score-correction bias and expert groups, shared experts) from Moonshot's /
     Ling's keys or transformers' names for them; the keyword arguments are the architecture's defaults.
@@ -636,8 +628,8 @@ def moe_fields(cfg: Mapping[str, Any], ffn_types: Sequence[str], name: str, *, i
         shared_expert_gate=False,
         norm_topk_prob=bool(hf_first(cfg, ("moe_renormalize", "norm_topk_prob"), True)),
         router="sigmoid",
-        router_num_groups=int(hf_first(cfg, ("num_expert_group", "n_group"), 1)),
-        router_topk_groups=int(hf_first(cfg, ("topk_group",), 1)),
+        router_num_groups=int(hf_first(cfg, ("num_expert_group", "n_group"), groups)),
+        router_topk_groups=int(hf_first(cfg, ("topk_group",), topk_groups)),
         routed_scaling_factor=float(hf_first(cfg, ("routed_scaling_factor",), routed_scaling)),
     )
 

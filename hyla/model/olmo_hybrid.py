@@ -107,6 +107,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     dim ``0.75 · hidden / heads``, value dim twice that). Raises ``ValueError`` for a non-``silu``
     activation, a RoPE other than the default, a model without linear or without attention layers,
     and inconsistent layer lists."""
+    # OlmoHybridConfig's context length and token ids where the config gives none
+    cfg = {"max_position_embeddings": 65536, "eos_token_id": 100257, "pad_token_id": 100277, **cfg}
     common = hf_common_fields(cfg, arch, dtype)  # first: its required keys are checked first
     num_layers = int(hf_require(cfg, "num_hidden_layers"))
     hf_silu_only(cfg, arch)

@@ -9,7 +9,8 @@ Reference: the layer's gating (``KimiDeltaAttention.forward``) followed by
 
     beta = sigmoid(b)  (rounded to b's dtype, as the layer computes it)
     g    = -exp(A_log[h]) * softplus(f + dt_bias)   [Dk]: one log-decay per key channel
-         (with a lower bound lb < 0, Ling 3's: lb * sigmoid(exp(A_log[h]) * (f + dt_bias)))
+         (ops.kda.DecayGate: with a lower bound lb < 0, Ling 3's lb * sigmoid(exp(A_log[h]) * (f + dt_bias));
+         rounded to f's dtype for Ling 3)
     q    = l2norm(q) * Dk**-0.5,   k = l2norm(k),   e = exp(g)
     delta = beta * (v - (e k)^T S);   o = (e q)^T S + (q . k) delta;   S <- diag(e) S + k delta^T
 
@@ -54,6 +55,7 @@ from hyla.model.ops.gpu.segment_checkpoints import (
     segment_checkpoint_args,
     write_checkpoint,
 )
+from hyla.model.ops.kda import DecayGate
 
 # (value columns of the state per program, warps): a program runs the recurrence on a [Dk, BV] block.
 # Read at each launch; as Gated DeltaNet's decode (gated_delta_decode.DECODE_TILES, timed on an H100
@@ -65,19 +67,22 @@ SEGMENT_TILES = (16, 1)  # the segments kernel's: as gated_delta_decode.SEGMENT_
 
 
 @triton.jit
-def _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND: tl.constexpr):
+def _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND: tl.constexpr, ROUND_DECAY: tl.constexpr):
     """One token on a ``[BK, BV]`` block of a head's fp32 state, from its loaded inputs: ``q, k [BK]``,
     ``v [BV]``, the raw decay input ``f [BK]`` and gate ``b``; ``neg_a = -exp(A_log[h])``, ``dt_bias
-    [BK]`` fp32; ``LOWER_BOUND`` 0 (the softplus decay) or the bounded decay's bound. Returns ``(S, o
-    [BV])``."""
+    [BK]`` fp32; ``LOWER_BOUND``, ``ROUND_DECAY``: the layer's ``DecayGate``. Returns ``(S, o [BV])``."""
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
     q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    g, beta = _gdn_gates(f, b, neg_a, dt_bias, False)  # g [BK]: Gated DeltaNet's gate, per channel
-    if LOWER_BOUND < 0:  # Ling 3's bounded decay instead (beta as above)
+    if LOWER_BOUND < 0:  # Ling 3's bounded decay
         g = LOWER_BOUND * tl.sigmoid(-neg_a * (f.to(tl.float32) + dt_bias))
+        beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)
+    else:  # g [BK]: Gated DeltaNet's gate, per channel (Ling 3's softplus: F.softplus's log1p)
+        g, beta = _gdn_gates(f, b, neg_a, dt_bias, ROUND_DECAY)
+    if ROUND_DECAY:  # Ling 3: transformers' gate returns the decay in the model dtype
+        g = g.to(f.dtype).to(tl.float32)
     e = tl.exp(g)
     kS = tl.sum((k * e)[:, None] * S, axis=0)  # [BV]: k^T diag(e) S
     qS = tl.sum((q * e)[:, None] * S, axis=0)
@@ -118,7 +123,8 @@ def _kda_load(row, f_row, b_ptr, h, dk, mk, dv, mv, H: tl.constexpr, DK: tl.cons
 def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_log_ptr, dt_bias_ptr,
                        state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                        W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, LOWER_BOUND: tl.constexpr, PDL: tl.constexpr):
+                       BK: tl.constexpr, BV: tl.constexpr, LOWER_BOUND: tl.constexpr, ROUND_DECAY: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
     offs = h * (DK * DV) + dk[:, None] * DV + dv[None, :]
@@ -127,7 +133,7 @@ def _kda_decode_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, a_
         r = i * W + j
         q, k, v, f, b = _kda_load(qkv_ptr + r * qkv_stride, f_ptr + r * f_stride, b_ptr + r * b_stride + h, h, dk,
                                   mk, dv, mv, H, DK, DV)
-        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND)
+        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND, ROUND_DECAY)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         _store_chain_state(state_ptr, dst, S, offs, mk, mv, H, DK, DV, BK, BV)
         tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -138,7 +144,7 @@ def _kda_conv_decode_kernel(x_ptr, x_stride, f_ptr, f_stride, b_ptr, b_stride, a
                             cw_ptr, conv_ptr, ticket_ptr, state_ptr, chain_ptr, chain_stride, o_ptr, scale,
                             W: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, LOWER_BOUND: tl.constexpr,
-                            PDL: tl.constexpr):
+                            ROUND_DECAY: tl.constexpr, PDL: tl.constexpr):
     # gated_delta_decode._gdn_conv_decode_kernel's conv, with one key head per head
     i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
     C = 2 * H * DK + H * DV  # the conv's channels: [q | k | v]
@@ -173,7 +179,8 @@ def _kda_conv_decode_kernel(x_ptr, x_stride, f_ptr, f_stride, b_ptr, b_stride, a
         v = _conv4(v0, v1, v2, xv, wv0, wv1, wv2, wv3, ydt)
         q0, q1, q2, k0, k1, k2, v0, v1, v2 = q1, q2, xq, k1, k2, xk, v1, v2, xv
         f = tl.load(f_ptr + r * f_stride + h * DK + dk, mask=mk, other=0.0)
-        S, o = _kda_step(S, q, k, v, f, tl.load(b_ptr + r * b_stride + h), neg_a, dt_bias, scale, LOWER_BOUND)
+        S, o = _kda_step(S, q, k, v, f, tl.load(b_ptr + r * b_stride + h), neg_a, dt_bias, scale, LOWER_BOUND,
+                         ROUND_DECAY)
         dst = tl.load(chain_ptr + (j + 1) * chain_stride + i).to(tl.int64)
         _store_chain_state(state_ptr, dst, S, offs, mk, mv, H, DK, DV, BK, BV)
         tl.store(o_ptr + (r * H + h) * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
@@ -187,7 +194,7 @@ def _kda_segments_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, 
                          state_ptr, rows_ptr, starts_ptr, cu_ptr, o_ptr, o_stride, scale,
                          pool_ptr, ck_off_ptr, ck_pos_ptr, ck_slot_ptr,
                          H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                         CKPT: tl.constexpr, LOWER_BOUND: tl.constexpr, PDL: tl.constexpr):
+                         CKPT: tl.constexpr, LOWER_BOUND: tl.constexpr, ROUND_DECAY: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     # segment i: packed tokens starts[i] .. + (cu[i+1] - cu[i]), from state row rows[i]
     i, h, dk, mk, dv, mv, neg_a, dt_bias = _kda_program(a_log_ptr, dt_bias_ptr, H, DK, DV, BK, BV)
@@ -207,7 +214,7 @@ def _kda_segments_kernel(qkv_ptr, qkv_stride, f_ptr, f_stride, b_ptr, b_stride, 
         ahead = tl.minimum(r + 1, last)
         nq, nk, nv, nf, nb = _kda_load(qkv_ptr + ahead * qkv_stride, f_ptr + ahead * f_stride,
                                        b_ptr + ahead * b_stride + h, h, dk, mk, dv, mv, H, DK, DV)
-        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND)
+        S, o = _kda_step(S, q, k, v, f, b, neg_a, dt_bias, scale, LOWER_BOUND, ROUND_DECAY)
         tl.store(o_ptr + r * o_stride + h * DV + dv, o.to(o_ptr.dtype.element_ty), mask=mv)
         if CKPT:
             c, nxt = write_checkpoint(S, j, c, c_end, nxt, ck_pos_ptr, ck_slot_ptr, pool_ptr, H * DK * DV, inner, mask)
@@ -235,10 +242,10 @@ def _check_inputs(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: to
 
 def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                      dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                     chain: torch.Tensor | None = None, lower_bound: float = 0.0) -> torch.Tensor:
+                     chain: torch.Tensor | None = None, gate: DecayGate = DecayGate()) -> torch.Tensor:
     """``qkv [B, 3*H*D]`` (the conv's output, ``[q | k | v]`` with heads contiguous; rows may be
     strided), the raw decay input ``f [B, H*Dk]`` (``f_b(f_a(x))`` or ``f_proj(x)``) and gate ``b [B, H]``
-    (``b_proj(x)``), ``a_log [H]`` and ``dt_bias [H*Dk]``, the decay's ``lower_bound`` (0: softplus);
+    (``b_proj(x)``), ``a_log [H]`` and ``dt_bias [H*Dk]``, the layer's decay ``gate`` (``ops.kda.DecayGate``);
     ``ssm_states [S, H, Dk, Dv]`` fp32 updated in place at ``slots [B]`` (or along ``chain [W+1, B/W]``:
     the module docstring) -> ``o [B, H, Dv]`` in qkv's dtype."""
     rows = qkv.shape[0]
@@ -248,7 +255,7 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log:
     bv, warps = min(triton.next_power_of_2(dv), DECODE_TILES[0]), DECODE_TILES[1]
     _kda_decode_kernel[(seqs * heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, ssm_states, chain, chain.stride(0), o,
-        dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, LOWER_BOUND=_bound(lower_bound),
+        dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, **_gate_constants(gate),
         num_warps=warps, **pdl.launch(qkv))
     return o
 
@@ -256,7 +263,7 @@ def kda_decode_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log:
 def kda_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
                           tickets: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                           dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
-                          chain: torch.Tensor | None = None, lower_bound: float = 0.0) -> torch.Tensor:
+                          chain: torch.Tensor | None = None, gate: DecayGate = DecayGate()) -> torch.Tensor:
     """:func:`kda_decode_fused` with the conv before it in the same kernel, as
     ``gated_delta_decode.gated_delta_conv_decode_fused`` (its contract: ``x [B, 3*H*D]`` the raw
     projection, ``conv_weight [C, 4]`` without bias, silu, ``conv_states [S, C, 3]`` updated along the
@@ -276,14 +283,14 @@ def kda_conv_decode_fused(x: torch.Tensor, conv_weight: torch.Tensor, conv_state
     _kda_conv_decode_kernel[(seqs * heads, blocks)](
         x, x.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, conv_weight, conv_states, tickets, ssm_states,
         chain, chain.stride(0), o, dk**-0.5, W=w, H=heads, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        GROUP=blocks, LOWER_BOUND=_bound(lower_bound), num_warps=warps, **pdl.launch(x))
+        GROUP=blocks, **_gate_constants(gate), num_warps=warps, **pdl.launch(x))
     return o
 
 
 def kda_segments_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
                        dt_bias: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                        cu_seqlens: torch.Tensor, out: torch.Tensor, ckpts: SegmentCheckpoints | None = None,
-                       lower_bound: float = 0.0) -> None:
+                       gate: DecayGate = DecayGate()) -> None:
     """An extend's segments through the recurrence, one launch (``gated_delta_segments_fused``'s
     contract): segment ``i`` is the packed tokens ``starts[i] ..`` (``cu_seqlens[i+1] - cu_seqlens[i]``
     of them) of ``qkv``, ``f``, ``b`` (:func:`kda_decode_fused`'s inputs, ``[T, ...]``), run from
@@ -297,21 +304,20 @@ def kda_segments_fused(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_lo
     _kda_segments_kernel[(segments * heads, triton.cdiv(dv, bv))](
         qkv, qkv.stride(0), f, f.stride(0), b, b.stride(0), a_log, dt_bias, states, rows, starts, cu_seqlens, out,
         out.stride(0), dk**-0.5, *segment_checkpoint_args(ckpts, states, rows, segments), H=heads, DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=bv, CKPT=ckpts is not None, LOWER_BOUND=_bound(lower_bound),
+        BK=triton.next_power_of_2(dk), BV=bv, CKPT=ckpts is not None, **_gate_constants(gate),
         num_warps=warps, **pdl.launch(qkv))
 
 
 def segment_kernel(qkv: torch.Tensor, f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
-                   lower_bound: float = 0.0):
+                   gate: DecayGate = DecayGate()):
     """The layer's own kernel for an extend's segments (``fla_chunk.SegmentKernel``: the fused extend's
     ``run_fused_extend_segments``, ``fla_chunk.scan_in_rounds``' short rounds), on its raw inputs."""
     def run(states, rows, starts, cu_seqlens, out, ckpts=None, *, longest: int) -> None:
-        kda_segments_fused(qkv, f, b, a_log, dt_bias, states, rows, starts, cu_seqlens, out, ckpts, lower_bound)
+        kda_segments_fused(qkv, f, b, a_log, dt_bias, states, rows, starts, cu_seqlens, out, ckpts, gate)
     return run
 
 
-def _bound(lower_bound: float) -> float:
-    """The decay's lower bound as the kernels' constexpr: a float ``<= 0`` (0: the softplus decay)."""
-    if not lower_bound <= 0.0:
-        raise ValueError(f"the decay's lower bound must be <= 0 (0: softplus), got {lower_bound}")
-    return float(lower_bound)
+def _gate_constants(gate: DecayGate) -> dict:
+    """The layer's ``DecayGate`` as the kernels' constexprs (``ValueError`` for a bound above 0)."""
+    gate.check()
+    return dict(LOWER_BOUND=float(gate.lower_bound), ROUND_DECAY=bool(gate.rounded))
