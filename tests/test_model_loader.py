@@ -326,16 +326,23 @@ def _assert_same_weights(a, b) -> None:
         assert torch.equal(x, y), name
 
 
+def _both_layouts(path, tmp_path, in_memory_name: str):
+    """The checkpoint at ``path`` and :func:`_in_memory_checkpoint` of it (which must hold ``in_memory_name``,
+    a name of transformers' own), loaded, their weights asserted equal: ``(published, in-memory, the
+    published file's tensors)``."""
+    in_memory = _in_memory_checkpoint(path, tmp_path)
+    assert in_memory_name in load_file(in_memory / "model.safetensors")
+    published, fused = load_model(path), load_model(in_memory)
+    _assert_same_weights(published, fused)
+    return published, fused, load_file(path / "model.safetensors")
+
+
 def test_kimi_linear_reads_moonshot_and_transformers_in_memory_names(kimi_linear_path, tmp_path):
     """Moonshot's layout (what save_pretrained writes: q/k/v_conv1d, f_a/f_b/dt_bias/A_log on self_attn,
     block_sparse_moe.experts.{e}.w1/w3/w2, the dense MLP under block_sparse_moe) and transformers'
     in-memory state dict (fused conv1d, forget_gate.*, mlp.*, experts.gate_up_proj / down_proj) load the
     same weights; lm_head is never tied."""
-    in_memory = _in_memory_checkpoint(kimi_linear_path, tmp_path)
-    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
-    moonshot, fused = load_model(kimi_linear_path), load_model(in_memory)
-    _assert_same_weights(moonshot, fused)
-    raw = load_file(kimi_linear_path / "model.safetensors")
+    moonshot, fused, raw = _both_layouts(kimi_linear_path, tmp_path, "model.layers.1.mlp.experts.gate_up_proj")
     kda, mla, moe = moonshot.layers[0].mixer, moonshot.layers[2].mixer, moonshot.layers[1].ffn
     hd = KIMI_LINEAR_KW["linear_num_heads"] * KIMI_LINEAR_KW["linear_head_dim"]
     assert torch.equal(kda.conv_weight[hd : 2 * hd], raw["model.layers.0.self_attn.k_conv1d.weight"][:, 0])
@@ -354,11 +361,7 @@ def test_lfm2_moe_reads_per_expert_and_fused_experts(lfm2_moe_path, tmp_path):
     transformers' in-memory state dict (experts.gate_up_proj [E, 2I, H] = [gate | up], down_proj [E, H, I])
     load the same weights; the router is feed_forward.gate, its bias the block's fp32 expert_bias; the dense
     layer's MLP is LFM2's w1/w3/w2. A checkpoint without the bias is refused unless use_expert_bias is off."""
-    in_memory = _in_memory_checkpoint(lfm2_moe_path, tmp_path)
-    assert "model.layers.1.feed_forward.experts.gate_up_proj" in load_file(in_memory / "model.safetensors")
-    per_expert, fused = load_model(lfm2_moe_path), load_model(in_memory)
-    _assert_same_weights(per_expert, fused)
-    raw = load_file(lfm2_moe_path / "model.safetensors")
+    per_expert, fused, raw = _both_layouts(lfm2_moe_path, tmp_path, "model.layers.1.feed_forward.experts.gate_up_proj")
     moe, mlp = per_expert.layers[1].ffn, per_expert.layers[0].ffn
     src = "model.layers.1.feed_forward"
     gate, up = moe.w_in[3].chunk(2)  # [2I, H]: [gate | up]
@@ -387,11 +390,8 @@ def test_bailing_hybrid_reads_inclusionai_and_transformers_names_and_skips_mtp_l
     e_score_correction_bias) load the same weights; MLA's RoPE rows are de-interleaved (evens, then odds); the
     multi-token-prediction layer after the decoder (num_nextn_predict_layers: 1) is not read, a layer past it
     is refused; lm_head is never tied."""
-    in_memory = _in_memory_checkpoint(bailing_hybrid_path, tmp_path)
-    assert "model.layers.1.self_attn.forget_gate.f_proj.weight" in load_file(in_memory / "model.safetensors")
-    ling, fused = load_model(bailing_hybrid_path), load_model(in_memory)
-    _assert_same_weights(ling, fused)
-    raw = load_file(bailing_hybrid_path / "model.safetensors")
+    ling, fused, raw = _both_layouts(bailing_hybrid_path, tmp_path,
+                                     "model.layers.1.self_attn.forget_gate.f_proj.weight")
     kda, mla, moe = ling.layers[0].mixer, ling.layers[2].mixer, ling.layers[1].ffn
     hd = BAILING_HYBRID_KW["num_attention_heads"] * BAILING_HYBRID_KW["head_dim"]
     assert kda.f_a_proj is None and kda.gate == (-5.0, True)
@@ -426,11 +426,7 @@ def test_olmo_hybrid_reads_olmo_core_and_transformers_in_memory_names(olmo_hybri
     separate q/k/v_conv1d; an attention layer's feedforward_layer_norm is its post-attention norm) and transformers'
     in-memory state dict (input_layernorm / post_attention_layernorm, the fused conv1d) load the same weights: the
     GDN's projections stacked [q | k | v | g | b | a], q/k norms over all heads, the GDN output norm's eps 1e-5."""
-    in_memory = _in_memory_checkpoint(olmo_hybrid_path, tmp_path)
-    assert "model.layers.0.linear_attn.conv1d.weight" in load_file(in_memory / "model.safetensors")
-    core, fused = load_model(olmo_hybrid_path), load_model(in_memory)
-    _assert_same_weights(core, fused)
-    raw = load_file(olmo_hybrid_path / "model.safetensors")
+    core, fused, raw = _both_layouts(olmo_hybrid_path, tmp_path, "model.layers.0.linear_attn.conv1d.weight")
     gdn, attn = core.layers[0].mixer, core.layers[2].mixer
     kd, vd = 4 * 48, 4 * 64
     assert torch.equal(gdn.in_proj.weight[2 * kd + vd : 2 * kd + 2 * vd], raw["model.layers.0.linear_attn.g_proj.weight"])

@@ -47,7 +47,7 @@ from hyla.model.kimi_linear import (
     moe_fields,
     moe_specs,
 )
-from hyla.model.weight_specs import WeightSpec, embedding_specs, mlp_specs, norm_spec
+from hyla.model.weight_specs import WeightSpec, embedding_specs, mlp_specs, norm_spec, renamed
 
 # transformers' in-memory names -> inclusionAI's (the names hf_weight_specs reads), in this order
 _IN_MEMORY_NAMES = (
@@ -65,9 +65,7 @@ class BailingHybridForCausalLM(KimiLinearForCausalLM):
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:
-        for old, new in _IN_MEMORY_NAMES:
-            name = name.replace(old, new)
-        return name
+        return renamed(name, _IN_MEMORY_NAMES)
 
     @classmethod
     def ignores_hf_name(cls, config: ModelConfig, name: str) -> bool:

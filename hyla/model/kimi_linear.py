@@ -141,8 +141,9 @@ class KimiDeltaAttention(nn.Module):
         conv_states, ssm_states = batch.conv_states[self.state_index], batch.ssm_states[self.state_index]
         slots = batch.state_slots
         mixed = self.qkv_proj(x)  # [T, 3HD]
-        f = self.f_proj(x) if self.f_proj is not None else self.f_b_proj(self.f_a_proj(x))  # the raw decay input [T, HD]
-        b, gate = self.b_proj(x), self.gate  # the raw gate [T, H]
+        # the raw decay input [T, HD] and gate [T, H]
+        f = self.f_proj(x) if self.f_proj is not None else self.f_b_proj(self.f_a_proj(x))
+        b, gate = self.b_proj(x), self.gate
         kernels = gpu("kda_decode") if batch.on_device or fla_prefill(x, batch) else None
         if batch.fused_decode:  # Triton: the conv window, the gates and the state update in one kernel (chains
             # too), or the conv in a kernel of its own

@@ -38,7 +38,15 @@ from hyla.model.config import (
     hf_silu_only,
 )
 from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, MLP, PostNormLayer
-from hyla.model.weight_specs import WeightSpec, embedding_specs, linear_specs, mlp_specs, norm_spec, squeeze_conv
+from hyla.model.weight_specs import (
+    WeightSpec,
+    embedding_specs,
+    linear_specs,
+    mlp_specs,
+    norm_spec,
+    renamed,
+    squeeze_conv,
+)
 
 # transformers' in-memory names -> OLMo-core's (the names hf_weight_specs reads)
 _IN_MEMORY_NAMES = ((".input_layernorm.", ".attention_layer_norm."),
@@ -57,9 +65,7 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
 
     @classmethod
     def normalize_hf_name(cls, name: str) -> str | None:
-        for old, new in _IN_MEMORY_NAMES:
-            name = name.replace(old, new)
-        return name
+        return renamed(name, _IN_MEMORY_NAMES)
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:

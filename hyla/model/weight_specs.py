@@ -30,6 +30,14 @@ class WeightSpec:
         return tensors[0] if self.combine is None else self.combine(tensors)
 
 
+def renamed(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """``name`` with each ``(old, new)`` substring replaced, in order: a checkpoint's other spelling
+    (transformers' in-memory names) to the one an architecture's ``hf_weight_specs`` reads."""
+    for old, new in renames:
+        name = name.replace(old, new)
+    return name
+
+
 def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
