@@ -72,7 +72,6 @@ from hyla.model.layers import (
     conv1d_extend,
     conv1d_fused_extend,
     copy_decode_checkpoints,
-    rope_tables,
     run_fused_extend_segments,
     tree_masks,
 )
@@ -207,7 +206,8 @@ class KimiDeltaAttention(nn.Module):
 class LatentAttention(nn.Module):
     """MLA, attending in the latent space over the paged KV pool (see the module docstring: the pool
     holds each token's latent ``[c_kv | k_pe]``, half in K, half in V). Kimi-Linear's has no RoPE; Ling 3's
-    (``config.rotary_dim``) rotates ``q_pe`` and ``k_pe`` (before ``k_pe`` enters the pool) and gates each
+    (``config.rotary_dim``) rotates ``q_pe`` and ``k_pe`` (before ``k_pe`` enters the pool; on every path with
+    the PyTorch ops, from the tables of the model's ``Rope``, which a fused step makes for it) and gates each
     head's output by ``sigmoid(g_proj(x))`` (``config.mla_output_gate``). A fused
     decode step (a GPU's) attends through ``ops/gpu/latent_attention.py``'s split-KV kernel over the
     request table on the device, a fused extend through its causal form."""
@@ -240,7 +240,7 @@ class LatentAttention(nn.Module):
         self.g_proj = Linear(h, heads, bias=False, dtype=c.dtype) if c.mla_output_gate else None
         if c.rotary_dim not in (0, self.rope):
             raise ValueError(f"MLA's RoPE rotates all of qk_rope_head_dim={self.rope}, got rotary_dim={c.rotary_dim}")
-        self.rotates = bool(c.rotary_dim)
+        self.rotates_in_pytorch = bool(c.rotary_dim)  # on every path: the model's Rope brings its tables
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None = None) -> torch.Tensor:
         t, heads = x.shape[0], self.num_heads
@@ -250,9 +250,9 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(t, heads, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         c_kv, k_pe = self.kv_a_proj(x).split([self.rank, self.rope], dim=-1)
-        if self.rotates:  # the standard rotate-half RoPE (interleaved checkpoints are de-interleaved at load)
-            cos, sin = rope_tables(rope, x.dtype)  # sin: signed_sin's
-            q_pe, k_pe = apply_rotary_(q_pe, cos, sin), apply_rotary_(k_pe[:, None], cos, sin)[:, 0]
+        if self.rotates_in_pytorch:  # rotate-half RoPE (interleaved checkpoints are de-interleaved at load)
+            q_pe = apply_rotary_(q_pe, rope.cos, rope.sin)  # (rope.sin: signed_sin's)
+            k_pe = apply_rotary_(k_pe[:, None], rope.cos, rope.sin)[:, 0]
         latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # [T, r + rope]
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, r], [H, v, r]

@@ -53,7 +53,7 @@ from hyla.model.layers.recurrent import (
     copy_decode_checkpoints,
     run_fused_extend_segments,
 )
-from hyla.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary, apply_rotary_, rope_tables, signed_sin
+from hyla.model.layers.rotary import Rope, RotaryEmbedding, apply_rotary, apply_rotary_, signed_sin
 from hyla.model.layers.sparse_moe import SparseMoE
 
 __all__ = [
@@ -62,6 +62,6 @@ __all__ = [
     "WeightlessRMSNorm",
     "add_rms_norm", "apply_rotary", "apply_rotary_", "ckpt_kwargs", "conv1d_extend", "conv1d_fused_extend",
     "copy_decode_checkpoints", "device", "in_projection", "is_gemv_step", "on_gemv_step", "out_projection", "project",
-    "refresh_derived_weights_", "relu2", "rope_tables", "run_fused_extend_segments", "runs_prologue_kernel", "signed_sin",
+    "refresh_derived_weights_", "relu2", "run_fused_extend_segments", "runs_prologue_kernel", "signed_sin",
     "tree_masks",
 ]

@@ -170,6 +170,11 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         return all(getattr(mixer, "fused_decode", False) for layer in self.layers for mixer in layer.mixers())
 
     @functools.cached_property
+    def _rotates_in_pytorch(self) -> bool:
+        """Some mixer applies RoPE with the PyTorch ops on every path (its ``rotates_in_pytorch``)."""
+        return any(getattr(m, "rotates_in_pytorch", False) for layer in self.layers for m in layer.mixers())
+
+    @functools.cached_property
     def _residual_fusable(self) -> bool:
         """The fused decode step and CUDA extend steps may run :meth:`HybridLayer.forward_fused`
         (Falcon-H1's parallel layer has its own): every norm an :class:`RMSNorm`."""
@@ -234,11 +239,11 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def rope(self, batch: ForwardBatch, x: torch.Tensor) -> Rope | None:
         """The batch's :class:`Rope`, once per step for every attention layer (``x``: the hidden
-        states, for their dtype and device); its tables only where attention runs the PyTorch path.
-        None without RoPE."""
+        states, for their dtype and device); its tables only where attention runs the PyTorch path, or
+        where a mixer always rotates in PyTorch (Ling 3's MLA: ``rotates_in_pytorch``). None without RoPE."""
         if self.rotary is None:
             return None
-        if runs_prologue_kernel(batch, x):
+        if runs_prologue_kernel(batch, x) and not self._rotates_in_pytorch:
             return Rope(batch.positions, self.rotary.inv_freq, None, None)
         cos, sin = self.rotary(batch.positions, x.dtype)
         return Rope(batch.positions, self.rotary.inv_freq, cos, signed_sin(sin))

@@ -32,24 +32,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)  # [rotary_dim/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return cos_sin(positions, self.inv_freq, dtype)
-
-
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The RoPE tables ``cos, sin [T, rotary_dim]`` of ``positions [T]`` for ``inv_freq [rotary_dim / 2]``."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rope_tables(rope: Rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, signed_sin)`` ``[T, rotary_dim]`` of a batch's :class:`Rope` for a layer that always
-    rotates in PyTorch (MLA's ``q_pe`` / ``k_pe``): its tables, or, where attention runs the prologue
-    kernel (no tables), made from its positions."""
-    if rope.cos is not None:
-        return rope.cos, rope.sin
-    cos, sin = cos_sin(rope.positions, rope.inv_freq, dtype)
-    return cos, signed_sin(sin)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
