@@ -1,6 +1,6 @@
 """Layers against the Hugging Face modules they reimplement (MoE routers incl. NemotronH's grouped
-routing and latent projection and LFM2-MoE's model-dtype router, norms, partial RoPE), and model-level
-batch rules."""
+routing and latent projection and LFM2-MoE's model-dtype router, Ling 3's KDA decay, norms, partial RoPE),
+and model-level batch rules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 import transformers
-from checkpoints import LFM2_MOE_KW, NEMOTRON_H_KW, QWEN3_NEXT_KW, Seq, TinyRunner
+from checkpoints import BAILING_HYBRID_KW, LFM2_MOE_KW, NEMOTRON_H_KW, QWEN3_NEXT_KW, Seq, TinyRunner
 from transformers.models.lfm2_moe import modeling_lfm2_moe as hf_lfm2_moe
 from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen
@@ -238,6 +238,32 @@ def test_moe_sorts_on_the_cpu_only_and_compiles_its_sorted_path_as_one_op():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("safe", [True, False], ids=["bounded", "softplus"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_ling_decay_gate_matches_hf(dtype, safe):
+    """Ling 3's KDA decay (``ops.kda.DecayGate``, the layer's and the kernels' one definition) == transformers'
+    ``BailingHybridForgetGate``, bitwise: the bounded form and the softplus one, each rounded to the model
+    dtype as transformers' gate returns it (bf16: the decay of a channel differs by up to ~1.6% otherwise)."""
+    from transformers.models.bailing_hybrid import modeling_bailing_hybrid as hf_ling
+
+    from hyla.model.ops.kda import DecayGate
+
+    kw = dict(BAILING_HYBRID_KW, kda_safe_gate=safe)
+    hf = hf_ling.BailingHybridForgetGate(transformers.BailingHybridConfig(**kw))
+    hf.f_proj.to(dtype)  # A_log and dt_bias stay fp32, as transformers loads them (_keep_in_fp32_modules_strict)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        hf.A_log.copy_(torch.rand(hf.A_log.shape, generator=g) * 2.7)  # exp: 1..15, as its init
+        hf.dt_bias.copy_(torch.randn(hf.dt_bias.shape, generator=g) * 3)
+        hf.f_proj.weight.copy_(torch.randn(hf.f_proj.weight.shape, generator=g).to(dtype) * 0.5)
+    x = torch.randn(1, 37, kw["hidden_size"], generator=g).to(dtype)
+    want = hf(x)[0]  # [T, H, D]
+    gate = DecayGate(kw["kda_lower_bound"] if safe else 0.0, True)
+    got = gate(hf.f_proj(x)[0], hf.A_log, hf.dt_bias, kw["num_attention_heads"])
+    assert want.dtype == dtype and torch.equal(got, want.float())
+
+
 def test_norms_match_hf():
     x, z = torch.randn(6, 64), torch.randn(6, 64)
     ref = hf_qwen.Qwen3NextRMSNorm(64, eps=1e-6)
