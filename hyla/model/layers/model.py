@@ -67,9 +67,6 @@ class PostNormLayer(HybridLayer):
     on its part's output, none on the input: ``x + mixer_norm(mixer(x))`` then ``x + ffn_norm(ffn(x))``.
     Both parts are required."""
 
-    def __init__(self, mixer: nn.Module, mixer_norm: nn.Module, ffn: nn.Module, ffn_norm: nn.Module):
-        super().__init__(mixer, mixer_norm, ffn, ffn_norm)
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None) -> torch.Tensor:
         x = x + self.mixer_norm(self.mixer(x, batch, rope))
         return x + self.ffn_norm(self.ffn(x))
