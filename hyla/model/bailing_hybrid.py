@@ -47,6 +47,7 @@ from hyla.model.kimi_linear import (
     moe_fields,
     moe_specs,
 )
+from hyla.model.ops.kda import DecayGate
 from hyla.model.weight_specs import WeightSpec, embedding_specs, mlp_specs, norm_spec, renamed
 
 # transformers' in-memory names -> inclusionAI's (the names hf_weight_specs reads), in this order
@@ -119,8 +120,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     linear_dim = int(hf_first(cfg, ("linear_head_dim", "head_dim"), 128))
     kernel = int(hf_first(cfg, ("linear_conv_kernel_dim", "short_conv_kernel_size"), 4))
     bound = float(hf_first(cfg, ("kda_lower_bound",), -5.0)) if cfg.get("kda_safe_gate", True) else 0.0
-    if bound > 0:
-        raise ValueError(f"Ling 3 kda_lower_bound must be <= 0, got {bound}")
+    DecayGate(bound).check("Ling 3 kda_lower_bound")
     if cfg.get("kda_safe_gate", True) and bound == 0:
         raise ValueError("Ling 3 kda_safe_gate with kda_lower_bound 0 is a zero decay (every state erased each "
                          "token); set a negative bound or kda_safe_gate false")

@@ -82,6 +82,7 @@ from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, recurrent_kda_update
 from hyla.model.weight_specs import (
     WeightSpec,
+    concat_convs,
     embedding_specs,
     linear_specs,
     mlp_specs,
@@ -433,11 +434,6 @@ class KimiLinearForCausalLM(HybridForCausalLM):
         return specs
 
 
-def _squeeze_concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``q/k/v_conv1d.weight [HD, 1, K]`` each (or transformers' fused ``conv1d.weight``) -> ``[3HD, K]``."""
-    return torch.cat([w.squeeze(1) for w in tensors], dim=0)
-
-
 def kda_specs(c: ModelConfig, target: str, source: str, out: str = "o_proj") -> list[WeightSpec]:
     """A KDA layer from separate ``{q,k,v}_conv1d`` (or transformers' fused ``conv1d``), its gate
     projections as ``config.kda_full_rank_gates`` says, the output projection ``out``."""
@@ -445,8 +441,8 @@ def kda_specs(c: ModelConfig, target: str, source: str, out: str = "o_proj") -> 
     gates = ("f_proj", "g_proj") if c.kda_full_rank_gates else ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")
     return [
         *linear_specs(f"{target}.qkv_proj", [f"{source}.q_proj", f"{source}.k_proj", f"{source}.v_proj"], False),
-        WeightSpec(f"{target}.conv_weight", convs, _squeeze_concat_convs),
-        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), _squeeze_concat_convs),  # transformers'
+        WeightSpec(f"{target}.conv_weight", convs, concat_convs),
+        WeightSpec(f"{target}.conv_weight", (f"{source}.conv1d.weight",), concat_convs),  # transformers'
         *(spec for g in gates for spec in linear_specs(f"{target}.{g}", [f"{source}.{g}"], False)),
         WeightSpec(f"{target}.dt_bias", (f"{source}.dt_bias",), lambda ts: ts[0].reshape(-1)),
         WeightSpec(f"{target}.A_log", (f"{source}.A_log",), lambda ts: ts[0].reshape(-1)),  # [1, 1, H, 1] -> [H]

@@ -35,11 +35,13 @@ from hyla.model.config import (
     hf_common_fields,
     hf_layer_types,
     hf_require,
+    hf_rope_parameters,
     hf_silu_only,
 )
 from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, MLP, PostNormLayer
 from hyla.model.weight_specs import (
     WeightSpec,
+    concat_convs,
     embedding_specs,
     linear_specs,
     mlp_specs,
@@ -93,7 +95,7 @@ class OlmoHybridForCausalLM(HybridForCausalLM):
                     *linear_specs(f"{t}.mixer.in_proj", [f"{g}.{p}" for p in ("q_proj", "k_proj", "v_proj", "g_proj",
                                                                                "b_proj", "a_proj")], False),
                     WeightSpec(f"{t}.mixer.conv_weight", tuple(f"{g}.{p}_conv1d.weight" for p in "qkv"),
-                               lambda ts: torch.cat([w.squeeze(1) for w in ts])),
+                               concat_convs),
                     WeightSpec(f"{t}.mixer.conv_weight", (f"{g}.conv1d.weight",), squeeze_conv),  # transformers'
                     WeightSpec(f"{t}.mixer.dt_bias", (f"{g}.dt_bias",)),
                     WeightSpec(f"{t}.mixer.A_log", (f"{g}.A_log",)),
@@ -167,12 +169,5 @@ def _rope(cfg: Mapping[str, Any], head_dim: int) -> tuple[int, float]:
     """``(rotary_dim, theta)``: the default RoPE over whole heads, or ``rotary_dim`` 0 (NoPE) when
     ``rope_parameters.rope_theta`` is null, as transformers builds no rotary embedding then (a missing
     ``rope_parameters`` is transformers' default, RoPE of theta 10000). ``ValueError`` for another RoPE type."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
-    if params is None:
-        theta = cfg.get("rope_theta", 10000.0)
-        return (0, 10000.0) if theta is None else (head_dim, float(theta))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"unsupported rope_type {rope_type!r}: hyla implements the default RoPE only")
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = hf_rope_parameters(cfg)["rope_theta"]
     return (0, 10000.0) if theta is None else (head_dim, float(theta))

@@ -42,6 +42,11 @@ def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
 
 
+def concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Depthwise ``conv1d.weight [C_i, 1, K]`` tensors (separate q / k / v convs, or one fused) -> ``[sum C_i, K]``."""
+    return torch.cat([w.squeeze(1) for w in tensors], dim=0)
+
+
 def squeeze_conv(tensors: list[torch.Tensor]) -> torch.Tensor:
     """HF depthwise ``conv1d.weight [C, 1, K]`` -> ``[C, K]``."""
     return tensors[0].squeeze(1)

@@ -42,35 +42,6 @@ import torch
 import torch.nn.functional as F
 
 from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, prepare_qk, solve_unit_lower
-
-
-class DecayGate(NamedTuple):
-    """How a KDA layer's per-channel log-decay ``g [T, H, D] <= 0`` comes from its raw input ``f [T, H*D]``
-    (with ``x = f + dt_bias`` in fp32): Kimi-Linear's ``-exp(A_log) * softplus(x)`` (transformers'
-    ``log(1 + exp(x))`` form, ``x`` above 20, fp32), or with ``lower_bound < 0`` Ling 3's bounded
-    ``lower_bound * sigmoid(exp(A_log) * x)``, in ``[lower_bound, 0]``. ``rounded`` (Ling 3, both forms):
-    ``F.softplus``, and ``g`` rounded to ``f``'s dtype, as transformers' ``BailingHybridForgetGate`` returns
-    it. The fused kernels (``ops/gpu/kda_decode.py``) take both as compile-time constants."""
-
-    lower_bound: float = 0.0
-    rounded: bool = False
-
-    def check(self) -> "DecayGate":
-        if not (self.lower_bound <= 0.0 and math.isfinite(self.lower_bound)):
-            raise ValueError(f"the decay's lower bound must be finite and <= 0 (0: softplus), got {self.lower_bound}")
-        return self
-
-    def __call__(self, f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, heads: int) -> torch.Tensor:
-        t = f.shape[0]
-        x = (f.float() + dt_bias).view(t, heads, -1)
-        rate = torch.exp(a_log.float())[:, None]  # [H, 1]
-        if self.lower_bound:
-            g = self.lower_bound * torch.sigmoid(rate * x)
-        elif self.rounded:
-            g = -rate * F.softplus(x)
-        else:
-            g = -rate * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # transformers' Kimi form, exactly
-        return g.to(f.dtype).float() if self.rounded else g
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
@@ -84,6 +55,36 @@ from hyla.model.ops.varlen import (
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
+
+
+class DecayGate(NamedTuple):
+    """How a KDA layer's per-channel log-decay ``g [T, H, D] <= 0`` comes from its raw input ``f [T, H*D]``
+    (with ``x = f + dt_bias`` in fp32): Kimi-Linear's ``-exp(A_log) * softplus(x)`` (transformers'
+    ``log(1 + exp(x))`` form, ``x`` above 20, fp32), or with ``lower_bound < 0`` Ling 3's bounded
+    ``lower_bound * sigmoid(exp(A_log) * x)``, in ``[lower_bound, 0]``. ``rounded`` (Ling 3, both forms):
+    ``F.softplus``, and ``g`` rounded to ``f``'s dtype, as transformers' ``BailingHybridForgetGate`` returns
+    it. The fused kernels (``ops/gpu/kda_decode.py``) take both as compile-time constants."""
+
+    lower_bound: float = 0.0
+    rounded: bool = False
+
+    def check(self, what: str = "the decay's lower bound") -> "DecayGate":
+        """``self``; ``ValueError`` naming ``what`` unless the bound is finite and ``<= 0``."""
+        if not (self.lower_bound <= 0.0 and math.isfinite(self.lower_bound)):
+            raise ValueError(f"{what} must be finite and <= 0 (0: softplus), got {self.lower_bound}")
+        return self
+
+    def __call__(self, f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, heads: int) -> torch.Tensor:
+        t = f.shape[0]
+        x = (f.float() + dt_bias).view(t, heads, -1)
+        rate = torch.exp(a_log.float())[:, None]  # [H, 1]
+        if self.lower_bound:
+            g = self.lower_bound * torch.sigmoid(rate * x)
+        elif self.rounded:
+            g = -rate * F.softplus(x)
+        else:
+            g = -rate * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))  # transformers' Kimi form, exactly
+        return g.to(f.dtype).float() if self.rounded else g
 
 
 _SUB_CHUNK = 16  # rows per sub-chunk of the intra-chunk products (see _intra_chunk)
