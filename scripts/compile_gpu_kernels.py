@@ -265,6 +265,14 @@ def cases():
             r(5, hq, d), kb, vb, table, long(1), long(9, 10, 11, 1, 1), d**-0.5, gate=r(5, hq, 2 * d)[:, :, d:])
         yield f"paged_extend_attention 8x128 {n}", lambda: extend_attention.paged_extend_attention(
             r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5)
+        # both with a sliding window (WINDOW: its own variant of each)
+        yield f"paged_decode_attention window {n}", lambda: decode_attention.paged_decode_attention(
+            r(2, hq, d), kb, vb, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:], window=4)
+        yield f"paged_extend_attention window {n}", lambda: extend_attention.paged_extend_attention(
+            r(5, hq, d), kb, vb, table, long(1), long(9, 10, 11, 1, 1), d**-0.5, gate=r(5, hq, 2 * d)[:, :, d:],
+            window=4)
+        yield f"paged_extend_attention 8x128 window {n}", lambda: extend_attention.paged_extend_attention(
+            r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5, window=4)
     # the probe of PDL launches (pdl._probe: launched with PDL wherever it runs)
     yield "pdl_probe pdl", lambda: pdl._probe_kernel[(pdl.PROBE_PROGRAMS,)](
         torch.zeros(pdl.PROBE_PROGRAMS * 32), pdl.PROBE_HOLD_NS, PDL=True, launch_pdl=True)

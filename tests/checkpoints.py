@@ -2,7 +2,7 @@
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
 ``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_bailing_hybrid``,
-``make_olmo_hybrid``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_olmo_hybrid``, ``make_lara_mini``, ``make_lfm3``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -196,6 +196,29 @@ OLMO_HYBRID_KW: dict[str, Any] = dict(
     tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
 )
 
+# Lara-4-Mini: the released layer pattern (linear, sliding, linear, full, sliding) and one more GDN layer; a
+# window of 6 positions, so that the tests' prompts and decodes run past it (the sliding layers' masks bind)
+LARA_MINI_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, num_hidden_layers=6,
+    layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention", "sliding_attention",
+                 "linear_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=6,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+    linear_conv_kernel_dim=4, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+    max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+)
+
+# LFM3: short convolutions (a window of 7), global attention at 2 (proportional RoPE over half the frequencies),
+# sliding-window attention (a window of 6) at 4, sandwich norms, per-head attention gates
+LFM3_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=384, num_hidden_layers=6,
+    layer_types=["conv", "conv", "full_attention", "conv", "sliding_attention", "conv"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=6, conv_L_cache=7,
+    max_position_embeddings=4096, norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
 
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -265,6 +288,8 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "kimi_linear": (transformers.KimiLinearConfig, transformers.KimiLinearForCausalLM),
         "bailing_hybrid": (transformers.BailingHybridConfig, transformers.BailingHybridForCausalLM),
         "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM),
+        "lara_mini": (transformers.LaraMiniConfig, transformers.LaraMiniForCausalLM),
+        "lfm3": (transformers.Lfm3Config, transformers.Lfm3ForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
         "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
@@ -346,6 +371,20 @@ def make_olmo_hybrid(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Pa
     """Tiny ``OlmoHybridForCausalLM`` (6 layers: Gated DeltaNet, post-norm attention at 2 and 5, a SwiGLU MLP in
     each), saved as transformers writes it (OLMo-core's tensor names)."""
     return _build("olmo_hybrid", tmp_dir, seed, {**OLMO_HYBRID_KW, **overrides})
+
+
+def make_lara_mini(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``LaraMiniForCausalLM`` (6 layers: Gated DeltaNet, sliding-window attention (a window of 6) at 1 and 4,
+    global NoPE attention at 3; MoE of 8 experts, top-2, + an ungated shared expert in each), saved as transformers
+    writes it (the published layout: fused GDN ``in_proj``, ``out_norm``)."""
+    return _build("lara_mini", tmp_dir, seed, {**LARA_MINI_KW, **overrides})
+
+
+def make_lfm3(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Lfm3ForCausalLM`` (6 layers: short convolutions, global attention at 2, sliding-window attention (a
+    window of 6) at 4; sandwich norms, per-head attention gates, a SwiGLU MLP in each), saved as transformers writes
+    it (``self_attn.gate_proj``)."""
+    return _build("lfm3", tmp_dir, seed, {**LFM3_KW, **overrides})
 
 
 def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -214,6 +214,12 @@ bailing_hybrid_short_path = _tiny_checkpoint("bailing_hybrid_short_path", checkp
 olmo_hybrid_path = _tiny_checkpoint("olmo_hybrid_path", checkpoints.make_olmo_hybrid)
 olmo_hybrid_short_path = _tiny_checkpoint("olmo_hybrid_short_path", checkpoints.make_olmo_hybrid, num_hidden_layers=2,
                                           layer_types=["linear_attention", "full_attention"])
+lara_mini_path = _tiny_checkpoint("lara_mini_path", checkpoints.make_lara_mini)
+lara_mini_short_path = _tiny_checkpoint("lara_mini_short_path", checkpoints.make_lara_mini, num_hidden_layers=2,
+                                        layer_types=["linear_attention", "sliding_attention"])
+lfm3_path = _tiny_checkpoint("lfm3_path", checkpoints.make_lfm3)
+lfm3_short_path = _tiny_checkpoint("lfm3_short_path", checkpoints.make_lfm3, num_hidden_layers=2,
+                                   layer_types=["conv", "sliding_attention"])
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)

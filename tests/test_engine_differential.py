@@ -214,6 +214,10 @@ DIFFERENTIALS = [
     pytest.param("bailing_hybrid", 18, dict(max_total_tokens=450), id="bailing_hybrid"),
     # OLMo-Hybrid: Gated DeltaNet with beta up to 2, post-norm NoPE attention
     pytest.param("olmo_hybrid", 20, {}, id="olmo_hybrid"),
+    # Lara-4-Mini: sliding-window attention (a window of 6: every request runs past it) beside global NoPE attention
+    pytest.param("lara_mini", 21, {}, id="lara_mini"),
+    # LFM3: conv windows, sliding-window attention and global attention with proportional RoPE, sandwich norms
+    pytest.param("lfm3", 22, {}, id="lfm3"),
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
     pytest.param("jamba", 13, {}, id="jamba"),
     # pure state-space models: no KV at all (the tree's pages hold token ids only), every hit a state checkpoint

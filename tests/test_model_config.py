@@ -15,6 +15,8 @@ from checkpoints import (
     FALCON_MAMBA_KW,
     GRANITE_H_KW,
     KIMI_LINEAR_KW,
+    LARA_MINI_KW,
+    LFM3_KW,
     LFM2_KW,
     LFM2_MOE_KW,
     MAMBA2_KW,
@@ -784,6 +786,91 @@ def test_olmo_hybrid_state_shapes_match_hf_cache(olmo):
 def test_olmo_hybrid_bad_configs_are_value_errors(olmo, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**olmo.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def lara() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.LaraMiniConfig(**LARA_MINI_KW), "LaraMiniForCausalLM"))
+
+
+def test_lara_mini_layout_windows_ropes_and_defaults(lara):
+    """Lara-4-Mini: sliding-window layers (RoPE over whole heads) and NoPE global layers, Qwen3's attention (no
+    output gate), plain norms, an ungated shared expert and an fp32 router in every layer; LaraMiniConfig's
+    defaults (the released pattern of period 5, a window of 512)."""
+    c = lara
+    assert c.model_type == "lara_mini" and c.linear_kind == "gdn" and c.ffn_types == ("moe",) * 6
+    assert c.layer_types == ("linear", "attention", "linear", "attention", "attention", "linear")
+    assert (c.sliding_window, c.sliding_layers, c.sliding_rope, c.rotary_dim) == (6, (1, 4), (64, 10000.0), 0)
+    assert (c.zero_centered_norm, c.attn_output_gate, c.qk_norm, c.shared_expert_gate) == (False, False, True, False)
+    assert (c.router, c.router_logits_fp32, c.norm_topk_prob, c.num_experts_per_tok) == ("softmax", True, True, 2)
+    bare = ModelConfig.from_hf({"architectures": ["LaraMiniForCausalLM"]})
+    assert bare.num_hidden_layers == 34 and bare.sliding_window == 512
+    assert bare.sliding_layers == tuple(i for i in range(34) if i % 5 in (1, 4))
+    assert [i for i, t in enumerate(bare.layer_types) if t == "attention" and i not in bare.sliding_layers] == \
+        list(range(3, 34, 5))
+    assert (bare.hidden_size, bare.num_experts, bare.head_dim, bare.linear_num_value_heads) == (1024, 128, 128, 16)
+    assert (bare.tie_word_embeddings, bare.eos_token_ids, bare.max_position_embeddings) == (True, (151643,), 131072)
+    no_sliding = ModelConfig.from_hf({**c.extra["hf_config"], "layer_types": ["linear_attention", "full_attention"],
+                                      "num_hidden_layers": 2})
+    assert (no_sliding.sliding_window, no_sliding.sliding_layers, no_sliding.sliding_rope) == (0, (), None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"layer_types": ["linear_attention"] * 5 + ["chunked_attention"]}, "linear_attention / sliding_attention"),
+    ({"layer_types": ["linear_attention"] * 5}, "num_hidden_layers"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_lara_mini_bad_configs_are_value_errors(lara, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**lara.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def lfm3() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Lfm3Config(**LFM3_KW), "Lfm3ForCausalLM"))
+
+
+def test_lfm3_layout_ropes_and_defaults(lfm3):
+    """LFM3: short convolutions (a window of 7), global attention with the proportional RoPE (half the frequencies
+    rotate), sliding-window attention with the default RoPE (theta 1e4), sandwich norms, per-head gates; the
+    intermediate size as given; Lfm3Config's defaults (global at 2 mod 4, sliding at 0 mod 4 from 4)."""
+    c = lfm3
+    assert c.model_type == "lfm3" and c.linear_kind == "short_conv" and c.conv_kernel == 7
+    assert c.layer_types == ("linear", "linear", "attention", "linear", "attention", "linear")
+    assert (c.sliding_window, c.sliding_layers, c.sliding_rope) == (6, (4,), (64, 10000.0))
+    assert (c.rotary_dim, c.rope_theta, c.rope_angles) == (64, 1e6, 16)
+    assert (c.attn_head_gate, c.sandwich_norm, c.qk_norm, c.attn_output_gate) == (True, True, True, False)
+    assert (c.intermediate_size, c.norm_eps, c.tie_word_embeddings) == (384, 1e-5, True)
+    bare = ModelConfig.from_hf({"architectures": ["Lfm3ForCausalLM"]})
+    assert [i for i, t in enumerate(bare.layer_types) if t == "attention"] == [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]
+    assert bare.sliding_layers == (4, 8, 12, 16, 20) and bare.sliding_window == 256
+    assert (bare.hidden_size, bare.intermediate_size, bare.num_kv_heads, bare.head_dim) == (2048, 7680, 4, 128)
+    assert (bare.eos_token_ids, bare.pad_token_id, bare.vocab_size) == ((124_900,), 124_893, 128_000)
+    assert (bare.rope_angles, bare.sliding_rope) == (32, (128, 10000.0))
+    hf = c.extra["hf_config"]
+    plain = ModelConfig.from_hf({**hf, "use_sandwich_norm": False, "use_attention_gate": False, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 2e5}, "sliding_attention": {"rope_theta": 5e5}}})
+    assert (plain.sandwich_norm, plain.attn_head_gate, plain.rope_angles, plain.rope_theta, plain.sliding_rope) == (
+        False, False, 0, 2e5, (64, 5e5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"sliding_window": None}, "sliding_window"),
+    ({"layer_types": ["conv"] * 5 + ["chunked_attention"]}, "conv / sliding_attention"),
+    ({"layer_types": ["conv"] * 5}, "num_hidden_layers"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}}, "RoPE"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "factor": 2.0}}},
+     "RoPE"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                                "partial_rotary_factor": 0.5}}}, "default RoPE"),
+    ({"conv_L_cache": 1}, "conv_L_cache"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "per layer type"),
+])
+def test_lfm3_bad_configs_are_value_errors(lfm3, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**lfm3.extra["hf_config"], **bad})
 
 
 def test_jamba_layout_state_and_hf_defaults():

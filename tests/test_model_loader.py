@@ -315,8 +315,10 @@ def _in_memory_checkpoint(path, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out = tmp_path / "in_memory"
     out.mkdir()
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, out / "model.safetensors",
-              metadata={"format": "pt"})
+    state = hf.state_dict()
+    if hf.config.tie_word_embeddings:  # a tied lm_head is the embedding (save_pretrained leaves it out too)
+        state.pop("lm_head.weight")
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(path / "config.json", out / "config.json")
     return out
 
@@ -442,6 +444,37 @@ def test_olmo_hybrid_reads_olmo_core_and_transformers_in_memory_names(olmo_hybri
     assert torch.equal(core.layers[2].ffn_norm.weight, raw["model.layers.2.post_feedforward_layernorm.weight"])
     assert torch.equal(core.layers[0].mixer_norm.weight, raw["model.layers.0.attention_layer_norm.weight"])
     assert torch.equal(prefill_logits(core, IDS), prefill_logits(fused, IDS))
+
+
+def test_lara_mini_reads_the_published_and_transformers_in_memory_names(lara_mini_path, tmp_path):
+    """Lara-4-Mini: the published layout (what save_pretrained writes: one fused GDN in_proj whose rows are
+    [q | k | v | z | b | a], the gated norm as out_norm, fused experts) and transformers' in-memory state dict
+    (in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, norm) load the same weights; no shared-expert gate, plain
+    (not 1 + w) norms; the sliding layers' window and RoPE, the global layer's none."""
+    published, split, raw = _both_layouts(lara_mini_path, tmp_path, "model.layers.0.linear_attn.in_proj_z.weight")
+    gdn, moe = published.layers[0].mixer, published.layers[0].ffn
+    assert torch.equal(gdn.in_proj.weight, raw["model.layers.0.linear_attn.in_proj.weight"])
+    assert torch.equal(gdn.norm.weight, raw["model.layers.0.linear_attn.out_norm.weight"])
+    assert moe.shared_expert_gate is None and moe.logits_fp32
+    assert torch.equal(moe.w_in, raw["model.layers.0.mlp.experts.gate_up_proj"])
+    assert published.norm.offset == 0.0 and published.layers[1].mixer.q_norm.offset == 0.0
+    assert [getattr(layer.mixer, "window", None) for layer in published.layers] == [None, 6, None, 0, 6, None]
+    assert published.rotary is None and published.sliding_rotary.inv_freq.shape == (32,)
+    assert torch.equal(prefill_logits(published, IDS), prefill_logits(split, IDS))
+
+
+def test_lfm3_reads_the_published_and_transformers_in_memory_names(lfm3_path, tmp_path):
+    """LFM3: the head gates as save_pretrained writes them (self_attn.gate_proj) and as transformers holds them
+    (g_proj) load the same weights; the sandwich norms, Qwen3's attention names, the proportional RoPE."""
+    published, in_memory, raw = _both_layouts(lfm3_path, tmp_path, "model.layers.2.self_attn.g_proj.weight")
+    layer, attn = published.layers[2], published.layers[2].mixer
+    assert torch.equal(attn.head_gate.weight, raw["model.layers.2.self_attn.gate_proj.weight"])
+    assert torch.equal(attn.o_proj.weight, raw["model.layers.2.self_attn.o_proj.weight"])
+    assert torch.equal(layer.post_mixer_norm.weight, raw["model.layers.2.post_operator_norm.weight"])
+    assert torch.equal(published.layers[0].post_ffn_norm.weight, raw["model.layers.0.post_ffn_norm.weight"])
+    assert (attn.window, published.layers[4].mixer.window) == (0, 6)
+    assert torch.count_nonzero(published.rotary.inv_freq) == 16 and published.sliding_rotary.inv_freq.shape == (32,)
+    assert torch.equal(prefill_logits(published, IDS), prefill_logits(in_memory, IDS))
 
 
 def test_weights_of_another_checkpoint_are_written_in_place(qwen3_next_dense_path, tiny_ckpt_dir, nemotron_h_path,

@@ -1,7 +1,8 @@
 """hyla vs Hugging Face transformers (the test-only oracle), fp32, max |Δlogit| <= 1e-4.
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
-Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), OLMo-Hybrid, Jamba, and the pure state-space
+Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), OLMo-Hybrid, Lara-4-Mini and LFM3 (sliding-window
+attention), Jamba, and the pure state-space
 models Mamba, FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
@@ -25,8 +26,10 @@ from checkpoints import (
     make_falcon_mamba,
     make_granite_h,
     make_kimi_linear,
+    make_lara_mini,
     make_lfm2,
     make_lfm2_moe,
+    make_lfm3,
     make_mamba,
     make_mamba2,
     make_nemotron_h,
@@ -39,8 +42,8 @@ from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "jamba", "mamba",
-         "falcon_mamba", "mamba2"]
+         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "lara_mini", "lfm3", "jamba",
+         "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -359,6 +362,22 @@ VARIANTS = {
         linear_num_key_heads=2, linear_key_head_dim=64, num_key_value_heads=2, linear_conv_kernel_dim=3,
         tie_word_embeddings=True, num_hidden_layers=4,
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+    ),
+    # a window of 3 (the tree and decode masks bind sooner), sliding attention first, 4 query heads a KV head,
+    # attention biases, top-3 without renormalisation, tied embeddings, RoPE theta 5e5
+    "lara_mini_variant": lambda d: make_lara_mini(
+        d, seed=1, sliding_window=3, num_key_value_heads=1, attention_bias=True, num_experts_per_tok=3,
+        norm_topk_prob=False, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+        num_hidden_layers=5,
+        layer_types=["sliding_attention", "linear_attention", "full_attention", "sliding_attention", "linear_attention"],
+    ),
+    # no sandwich norms, no head gates, the default RoPE for the global layers too (theta 2e5; the sliding ones' 5e5),
+    # a window of 2, global attention first, a 3-wide conv with biases, untied embeddings
+    "lfm3_variant": lambda d: make_lfm3(
+        d, seed=1, use_sandwich_norm=False, use_attention_gate=False, sliding_window=2, conv_L_cache=3, conv_bias=True,
+        tie_word_embeddings=False, num_hidden_layers=4, layer_types=["full_attention", "conv", "sliding_attention", "conv"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 2e5},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}},
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

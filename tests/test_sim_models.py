@@ -74,6 +74,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 8 attention layers x K,V x 30 KV heads x 128 x bf16; 24 GDN layers x (conv (2 x 30 x 96 + 30 x 192) x 3 bf16
         # + SSM 30 x 96 x 192 fp32)
         ("olmo-hybrid-7b", 8 * 2 * 30 * 128 * 2, 24 * ((2 * 30 * 96 + 30 * 192) * 3 * 2 + 30 * 96 * 192 * 4)),
+        # 20 attention layers (13 of them sliding-window: their K/V kept whole) x K,V x 4 KV heads x 128 x bf16;
+        # 14 GDN layers x (conv (2 x 8 x 128 + 16 x 128) x 3 bf16 + SSM 16 x 128 x 128 fp32)
+        ("lara-4-mini", 20 * 2 * 4 * 128 * 2, 14 * ((2 * 8 * 128 + 16 * 128) * 3 * 2 + 16 * 128 * 128 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):

@@ -22,8 +22,10 @@ from hyla.model import (
     granitemoehybrid,
     jamba,
     kimi_linear,
+    lara_mini,
     lfm2,
     lfm2_moe,
+    lfm3,
     mamba,
     mamba2,
     nemotron_h,
@@ -72,6 +74,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         bailing_hybrid.BailingHybridForCausalLM, bailing_hybrid.parse_hf_config, "bailing_hybrid"),
     "OlmoHybridForCausalLM": Architecture(
         olmo_hybrid.OlmoHybridForCausalLM, olmo_hybrid.parse_hf_config, "olmo_hybrid"),
+    "LaraMiniForCausalLM": Architecture(lara_mini.LaraMiniForCausalLM, lara_mini.parse_hf_config, "lara_mini"),
+    "Lfm3ForCausalLM": Architecture(lfm3.Lfm3ForCausalLM, lfm3.parse_hf_config, "lfm3"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -97,6 +97,7 @@ class ModelConfig:
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
     # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "olmo_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
+    # | "lara_mini" | "lfm3"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -119,8 +120,18 @@ class ModelConfig:
     attn_output_gate: bool = False  # Qwen: q_proj also emits a per-head sigmoid gate
     qk_norm: bool = False  # Qwen: per-head RMSNorm on q and k before RoPE
     qk_norm_whole: bool = False  # OLMo-Hybrid: RMSNorm over all of q's heads at once, and over all of k's
+    attn_head_gate: bool = False  # LFM3: each head's output * sigmoid(g_proj(x)), one gate a head (g_proj [Hq, hidden])
     rotary_dim: int = 0  # 0 = no RoPE (NemotronH)
     rope_theta: float = 10000.0
+    # HF's "proportional" RoPE (LFM3's global layers): of the rotary_dim / 2 frequencies theta^(-2i / rotary_dim),
+    # only the first rope_angles rotate, the rest are 0 (0 = all rotate: the default RoPE)
+    rope_angles: int = 0
+    # sliding-window attention (Lara-4-Mini, LFM3): the layers sliding_layers (indices into layer_types, plain
+    # attention) attend to their last sliding_window positions (attention_window). Their RoPE, when it is not
+    # the other attention layers': sliding_rope = (rotary_dim, theta) of a default RoPE (rotary_dim 0: none)
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    sliding_rope: tuple[int, float] | None = None
     # multi-head latent attention (Kimi-Linear's MLA, no RoPE; Ling 3's with RoPE on q_pe / k_pe where
     # rotary_dim = mla_qk_rope_head_dim; 0 = plain attention). The KV pool holds each token's latent
     # [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], split over K and V: num_kv_heads = 1,
@@ -180,6 +191,7 @@ class ModelConfig:
     intermediate_size: int = 0
     hidden_act: str = "silu"  # "silu" -> gated SwiGLU MLP; "relu2" -> non-gated relu(x)^2 MLP
     mlp_bias: bool = False
+    sandwich_norm: bool = False  # LFM3: each part's output normed too: x + post_norm(part(norm(x)))
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -194,6 +206,7 @@ class ModelConfig:
     router_bias: bool = True
     router_norm_eps: float = 1e-20
     router_fp32: bool = True
+    router_logits_fp32: bool = False  # the softmax router's logits from fp32 input and weight (Lara-4-Mini)
     router_num_groups: int = 1
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
@@ -242,8 +255,11 @@ class ModelConfig:
             raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
         if not 0.0 < self.gdn_beta_scale <= 2.0:
             raise ValueError(f"gdn_beta_scale must be in (0, 2], got {self.gdn_beta_scale}")
+        self._check_attention_positions()
         if self.qk_norm_whole and (self.qk_norm or self.attn_output_gate):
             raise ValueError("qk_norm_whole excludes the per-head qk_norm and the attention output gate")
+        if self.attn_head_gate and self.attn_output_gate:
+            raise ValueError("attn_head_gate (one gate a head) excludes attn_output_gate (one a channel)")
         if self.linear_kind == "mamba2" and self.mamba_num_heads % self.mamba_n_groups:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
         uses_moe = "moe" in self.layer_types or "moe" in self.ffn_types
@@ -260,6 +276,25 @@ class ModelConfig:
                 )
             if not 0 < self.router_topk_groups <= groups:
                 raise ValueError(f"topk_group={self.router_topk_groups} must be in [1, n_group={groups}]")
+
+    def _check_attention_positions(self) -> None:
+        """``ValueError`` unless the RoPE and sliding-window fields describe this model's attention layers."""
+        if self.rotary_dim < 0 or self.rotary_dim % 2 or not 0 <= self.rope_angles <= self.rotary_dim // 2:
+            raise ValueError(f"rotary_dim must be an even number >= 0 and rope_angles in [0, rotary_dim / 2], got "
+                             f"{self.rotary_dim} and {self.rope_angles}")
+        layers = self.sliding_layers
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < len(self.layer_types) for i in layers):
+            raise ValueError(f"sliding_layers must be ascending layer indices, got {list(layers)}")
+        if any(self.layer_types[i] != "attention" for i in layers) or (layers and self.mla_kv_lora_rank):
+            raise ValueError("sliding_layers must be plain attention layers (not hybrid, not latent attention)")
+        if bool(layers) != (self.sliding_window > 0) or self.sliding_window < 0:
+            raise ValueError(f"sliding_window ({self.sliding_window}) must be > 0 exactly when sliding_layers "
+                             f"({list(layers)}) name layers")
+        if self.sliding_rope is not None:
+            dim, theta = self.sliding_rope
+            if not layers or dim < 0 or dim % 2 or dim > self.head_dim or not theta > 0:
+                raise ValueError(f"sliding_rope must be (an even rotary_dim <= head_dim, theta > 0) of sliding "
+                                 f"layers, got {self.sliding_rope}")
 
     # --- counts and ordinals --------------------------------------------------------------------
     @property
@@ -281,6 +316,10 @@ class ModelConfig:
         if self.layer_types[layer] not in ATTENTION_KINDS:
             raise ValueError(f"layer {layer} is {self.layer_types[layer]!r}, not attention")
         return sum(t in ATTENTION_KINDS for t in self.layer_types[:layer])
+
+    def attention_window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (its attention sees its last so many positions); 0: full attention."""
+        return self.sliding_window if layer in self.sliding_layers else 0
 
     def linear_ordinal(self, layer: int) -> int:
         """Index of layer ``layer`` among the layers with a recurrent mixer (its conv/ssm state buffer)."""

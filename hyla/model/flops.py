@@ -42,9 +42,10 @@ def flops_per_token(cfg: ModelConfig, context_len: int) -> FlopCount:
     if context_len < 1:
         raise ValueError(f"context_len must be >= 1, got {context_len}")
     counts = {"attention": 0.0, "linear": 0.0, "mlp": 0.0, "moe": 0.0}
-    for mixer, ffn in zip(cfg.layer_types, cfg.ffn_types):
+    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types, cfg.ffn_types)):
         if mixer in ("attention", "hybrid"):  # a hybrid layer (Falcon-H1) runs attention and Mamba2 both
-            counts["attention"] += _attention_flops(cfg, context_len)
+            window = cfg.attention_window(i)  # a sliding-window layer attends to its last `window` tokens
+            counts["attention"] += _attention_flops(cfg, min(context_len, window) if window else context_len)
         if mixer in ("linear", "hybrid"):
             counts["linear"] += _linear_flops(cfg)
         for kind in (mixer, ffn):
@@ -59,18 +60,33 @@ def prefill_flops(cfg: ModelConfig, extend_len: int, prefix_len: int = 0) -> flo
     """Total FLOPs to prefill ``extend_len`` tokens after ``prefix_len`` cached ones.
 
     Exact sum of ``flops_per_token(cfg, prefix_len + j + 1).total`` for ``j < extend_len`` (closed
-    form: the per-token cost is affine in the context length). This is what a cached prefix of
-    ``prefix_len`` tokens saves relative to recomputing it. Raises ``ValueError`` for negative lengths.
+    form: the per-token cost is affine in the context length, a sliding-window layer's in the context
+    capped at its window). This is what a cached prefix of ``prefix_len`` tokens saves relative to
+    recomputing it. Raises ``ValueError`` for negative lengths.
     """
     if extend_len < 0 or prefix_len < 0:
         raise ValueError("extend_len and prefix_len must be >= 0")
     if extend_len == 0:
         return 0.0
-    base = flops_per_token(cfg, 1).total
-    slope = flops_per_token(cfg, 2).total - base  # FLOPs per extra context token
     first, last = prefix_len + 1, prefix_len + extend_len
-    contexts = (first + last) * extend_len / 2.0
-    return extend_len * (base - slope) + slope * contexts
+    window = cfg.sliding_window
+    per_key = _attention_flops(cfg, 2) - _attention_flops(cfg, 1) if cfg.num_attention_layers else 0.0
+    windowed = per_key * len(cfg.sliding_layers)  # FLOPs per extra context token of the sliding-window layers
+    base = flops_per_token(cfg, 1).total
+    slope = flops_per_token(cfg, 2).total - base - (windowed if window > 1 else 0.0)  # of the other layers
+    total = extend_len * (base - slope - windowed) + slope * context_sum(first, last)
+    return total + windowed * context_sum(first, last, window) if windowed else total
+
+
+def context_sum(first: int, last: int, cap: int = 0) -> float:
+    """``sum(min(c, cap) for c in first..last)`` in closed form (``cap`` 0: no cap; 0 when ``last < first``):
+    the context lengths a prefill's tokens attend to, a sliding-window layer's capped at its window."""
+    def plain(a: int, b: int) -> float:
+        return (a + b) * (b - a + 1) / 2.0 if b >= a else 0.0
+
+    if not cap:
+        return plain(first, last)
+    return plain(first, min(last, cap)) + max(0, last - max(first, cap + 1) + 1) * cap
 
 
 def _mlp_flops(cfg: ModelConfig, intermediate: int, hidden: int | None = None) -> float:

@@ -49,6 +49,7 @@ from hyla.model.ops.attention import (
     decode_kv_rows,
     decode_kv_table,
     padding_mask,
+    window_mask,
 )
 from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
 from hyla.model.ops.varlen import (
@@ -187,6 +188,9 @@ class ForwardBatch:
     kv_mask: torch.Tensor | None = field(init=False, repr=False, default=None)
     kv_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode: what :meth:`decode_kv_layout` returns, once it has been asked for (eager)."""
+    window_layouts: dict = field(init=False, repr=False, default_factory=dict)
+    """Sliding-window attention's masks of this step, per window, once asked for (eager):
+    :meth:`decode_kv_layout`'s and :meth:`short_extend_layout`'s."""
     decode_ckpt_src: torch.Tensor | None = field(init=False, repr=False, default=None)
     decode_ckpt_dst: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Decode checkpoints (each is the sequence's final state): copy state rows ``src`` to ``dst``."""
@@ -223,6 +227,7 @@ class ForwardBatch:
         self.kv_starts = list(itertools.accumulate(self.seq_lens, initial=0))
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
+        self.window_layouts = {}
         self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = None
         if self.fused_extend is not None:  # everything on the device, checked by its builder
             return
@@ -324,7 +329,7 @@ class ForwardBatch:
         if self.kv_lens is not None and tuple(self.kv_lens.shape) != (self.batch_size,):
             raise ValueError(f"kv_lens must be [{self.batch_size}], got {list(self.kv_lens.shape)}")
 
-    def decode_kv_layout(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def decode_kv_layout(self, window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode: what every attention layer reads, ``(kv_rows [B, Hkv, L], kv_mask [B, L] or
         None)`` with ``L = max(seq_lens)``: the rows of ``k_buffer.view(-1, D)`` of each sequence's
         slots, head-major (one gather yields the keys laid out ``[B, Hkv, L, D]``), and the additive
@@ -333,7 +338,12 @@ class ForwardBatch:
 
         Made on first use and kept, so an eager step makes them once for all its attention layers.
         Inside a compiled decode graph they are traced, not kept: a few index ops that fuse into
-        the gathers, and none of them is paid when the batch is built (from ``kv_lens``, then)."""
+        the gathers, and none of them is paid when the batch is built (from ``kv_lens``, then).
+
+        ``window``: the layout of sliding-window attention layers (``ops.attention.window_mask``: the
+        mask also hides the keys before each sequence's last ``window``; a tensor at every batch size)."""
+        if window:
+            return self._windowed(("decode", window), lambda: self._decode_window_mask(window))
         if self.kv_rows is not None:
             return self.kv_rows, self.kv_mask
         rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
@@ -346,6 +356,28 @@ class ForwardBatch:
         if not torch.compiler.is_compiling():
             self.kv_rows, self.kv_mask = rows, mask
         return rows, mask
+
+    def _decode_window_mask(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, _ = self.decode_kv_layout()
+        lens = self.kv_lens if self.kv_lens is not None else torch.tensor(
+            self.seq_lens, dtype=torch.long, device=self.kv_table.device)
+        return rows, window_mask(lens, self.kv_table.shape[1], window)
+
+    def short_extend_layout(self, window: int = 0) -> ShortExtendLayout:
+        """A verify step's attention layout (``short_extend``), for sliding-window attention layers
+        with their ``window`` (:meth:`ShortExtendLayout.windowed`)."""
+        if not window:
+            return self.short_extend
+        return self._windowed(("short_extend", window), lambda: self.short_extend.windowed(window))
+
+    def _windowed(self, key, build):
+        """``window_layouts[key]``, built on first use and kept (not while compiling: traced)."""
+        if key in self.window_layouts:
+            return self.window_layouts[key]
+        made = build()
+        if not torch.compiler.is_compiling():
+            self.window_layouts[key] = made
+        return made
 
     def _check_chains(self) -> None:
         """A verify step of padded chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``);

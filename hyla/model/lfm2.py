@@ -88,6 +88,8 @@ class Lfm2ShortConv(nn.Module):
 
 class Lfm2ForCausalLM(HybridForCausalLM):
     linear_mixer = Lfm2ShortConv
+    # the checkpoint's names of attention's output projection and q / k norms (LFM3: Qwen3's)
+    attention_names: dict[str, Any] = dict(o_proj="out_proj", qk_norms=("q_layernorm", "k_layernorm"))
 
     def build_layer(self, index: int) -> HybridLayer:
         return self.mixer_ffn_layer(index)  # the short convolution or Attention, then the MLP
@@ -104,8 +106,7 @@ class Lfm2ForCausalLM(HybridForCausalLM):
                 *cls.ffn_specs(c, i, f"{t}.ffn", f"{s}.feed_forward"),
             ]
             if kind == "attention":
-                specs += attention_specs(c, f"{t}.mixer", f"{s}.self_attn", o_proj="out_proj",
-                                         qk_norms=("q_layernorm", "k_layernorm"))
+                specs += attention_specs(c, f"{t}.mixer", f"{s}.self_attn", **cls.attention_names)
             else:
                 conv, bias = f"{s}.conv", c.short_conv_bias
                 specs += [

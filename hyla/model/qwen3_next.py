@@ -91,7 +91,8 @@ def moe_specs(config: ModelConfig, target: str, source: str) -> list[WeightSpec]
         WeightSpec(f"{target}.router.weight", (f"{source}.gate.weight",)),
         *expert_specs(config, target, source),
         *mlp_specs(f"{target}.shared_expert", f"{source}.shared_expert"),
-        *linear_specs(f"{target}.shared_expert_gate", [f"{source}.shared_expert_gate"], False),
+        *(linear_specs(f"{target}.shared_expert_gate", [f"{source}.shared_expert_gate"], False)
+          if config.shared_expert_gate else []),  # Lara-4-Mini's shared expert has no gate
     ]
 
 

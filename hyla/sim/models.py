@@ -31,6 +31,9 @@ Presets (``PRESETS``):
   Kimi-Linear's cache shapes at 35 KDA layers, 72.5 MiB a checkpoint, 7 MLA layers of 576-wide latents.
 * ``olmo-hybrid-7b``: transformers' ``OlmoHybridConfig`` defaults (given there as Olmo-Hybrid-7B's), NoPE:
   24 Gated DeltaNet layers (keys of 96, values of 192: 52.2 MiB a checkpoint), 8 attention layers of 30 KV heads.
+* ``lara-4-mini``: transformers' ``LaraMiniConfig`` defaults (given there as Lara-4-Mini-Base's): 14 Gated DeltaNet
+  layers (14.3 MiB a checkpoint), 13 sliding-window and 7 global attention layers of 4 KV heads, 40 KiB a token:
+  hyla keeps the sliding layers' K/V whole (their window is a mask), so the accounting does too.
 * ``falcon-mamba-7b``, ``mamba-codestral-7b``: pure state-space models (64 Mamba1 / Mamba2 layers, no
   attention): no KV bytes at all, so a cache is checkpoints alone and a hit is one at the exact
   position (FalconMamba 35 MiB a checkpoint, Codestral 260 MiB).
@@ -52,6 +55,8 @@ from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
 from hyla.cache.memory import INDEX_ONLY_KV_TOKENS
 from hyla.cache.state_pool import StatePool
+from hyla.model.flops import context_sum
+from hyla.sim.presets import HF_CONFIGS
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ class CostModel:
     attention_context_flops: float  # per token per context token: QK^T and PV of all attention layers
     linear_flops: float  # per token: all recurrent (SSM / Gated DeltaNet) layers
     ffn_flops: float  # per token: all MLP / MoE blocks (active experts only)
+    window: int = 0  # sliding-window attention layers' window (0: none)
+    window_context_flops: float = 0.0  # per token per context token up to the window: of the sliding-window layers
     vocab_size: int | None = None  # the config's; None: unknown (marconi-7b). The engine replay checks ids against it.
 
     def __post_init__(self) -> None:
@@ -94,8 +101,9 @@ class CostModel:
         """
         if extend_len < 0 or prefix_len < 0:
             raise ValueError(f"extend_len and prefix_len must be >= 0, got {extend_len}, {prefix_len}")
-        contexts = (2 * prefix_len + extend_len + 1) * extend_len / 2.0  # sum of (prefix + j + 1), j < n
-        return extend_len * self.flops_per_token_base + self.attention_context_flops * contexts
+        first, last = prefix_len + 1, prefix_len + extend_len  # the tokens' context lengths
+        windowed = self.window_context_flops * context_sum(first, last, self.window) if self.window_context_flops else 0
+        return extend_len * self.flops_per_token_base + self.attention_context_flops * context_sum(first, last) + windowed
 
     def state_to_kv_ratio(self) -> float:
         """How many tokens of KV one state checkpoint costs (~409 for marconi-7b; infinite for a pure
@@ -133,14 +141,21 @@ def marconi_7b() -> CostModel:
 
 def from_model_config(config: Any, name: str) -> CostModel:
     """A ``CostModel`` from a ``hyla.model.config.ModelConfig``: its ``cache_layout`` (KV and conv
-    state at the config's dtype, SSM state fp32: the layout the engine's pools use) and FLOP model."""
+    state at the config's dtype, SSM state fp32: the layout the engine's pools use) and FLOP model (a
+    sliding-window layer's context cost capped at its window)."""
     one, two = config.flops_per_token(1), config.flops_per_token(2)
-    attention_context = two.attention - one.attention
+    window = config.sliding_window
+    past = config.flops_per_token(window + 2).attention - config.flops_per_token(window + 1).attention
+    attention_context = past if window else two.attention - one.attention  # per context token, past any window
+    # (a window of 1: the sliding layers' context cost is a constant, in attention_flops)
+    window_context = two.attention - one.attention - attention_context if window > 1 else 0.0
     return CostModel(
         name=name,
         layout=config.cache_layout,
-        attention_flops=one.attention - attention_context,
+        attention_flops=one.attention - attention_context - window_context,
         attention_context_flops=attention_context,
+        window=window,
+        window_context_flops=window_context,
         linear_flops=one.linear,
         ffn_flops=one.mlp + one.moe,
         vocab_size=config.vocab_size,
@@ -154,14 +169,10 @@ def from_hf_config(config_json: Mapping[str, Any], name: str) -> CostModel:
 
 
 def _preset_from_hf(name: str) -> CostModel:
-    from hyla.sim.presets import HF_CONFIGS
-
     return from_hf_config(HF_CONFIGS[name], name)
 
 
-PRESETS = ("marconi-7b", "qwen3-next-80b-a3b", "nemotron-h-8b", "falcon-h1-7b", "granite-4.0-h-small",
-           "qwen3.5-35b-a3b", "lfm2-1.2b", "kimi-linear-48b-a3b", "jamba-1.5-mini", "lfm2-8b-a1b", "falcon-mamba-7b",
-           "mamba-codestral-7b", "ling-3.0-flash", "olmo-hybrid-7b")
+PRESETS = ("marconi-7b", *HF_CONFIGS)
 
 
 def resolve_model(spec: str) -> CostModel:

@@ -478,6 +478,16 @@ OLMO_HYBRID_7B: dict[str, Any] = {
     "vocab_size": 100352,
 }
 
+# Lara-4-Mini: transformers 5.24's LaraMiniConfig defaults, which its docstring gives as translated/Lara-4-Mini-Base's:
+# 34 layers in the period-5 pattern (14 Gated DeltaNet, 13 sliding-window attention layers of 512 positions, 7 global
+# NoPE ones), 4 KV heads of 128, MoE 128 experts top-4 + an ungated shared expert in every layer. hyla keeps every
+# token's K/V in the sliding layers too (their window is a mask), so a token costs all 20 attention layers' KV
+LARA_4_MINI: dict[str, Any] = {
+    "architectures": ["LaraMiniForCausalLM"],
+    "dtype": "bfloat16",
+    "model_type": "lara_mini",
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -492,4 +502,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "mamba-codestral-7b": MAMBA_CODESTRAL_7B,
     "ling-3.0-flash": LING_3_0_FLASH,
     "olmo-hybrid-7b": OLMO_HYBRID_7B,
+    "lara-4-mini": LARA_4_MINI,
 }

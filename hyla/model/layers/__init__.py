@@ -11,9 +11,10 @@ back; routers, gates and recurrent states are fp32; the small SSM parameters (``
 
 One idea a file, in the order a forward meets them:
 
-* ``model`` — :class:`HybridLayer` (the residual layer; :class:`PostNormLayer`: OLMo's reordered norms) and
-  :class:`HybridForCausalLM` (embedding, layers, final norm, LM head), which each architecture's file
-  (``hyla/model/<arch>.py``) subclasses.
+* ``model`` — :class:`HybridLayer` (the residual layer; :class:`PostNormLayer`: OLMo's reordered norms;
+  :class:`SandwichLayer`: LFM3's norms before and after each part) and :class:`HybridForCausalLM`
+  (embedding, layers, final norm, LM head), which each architecture's file (``hyla/model/<arch>.py``)
+  subclasses.
 * ``norms``, ``rotary`` — RMSNorm (also without a weight) and the gated RMSNorm; RoPE.
 * ``attention`` — full attention over the paged KV pool.
 * ``gated_deltanet``, ``mamba2`` — the recurrent mixers; ``recurrent`` — what they (and the other
@@ -34,7 +35,7 @@ from hyla.model.layers.derived import DerivedWeight, refresh_derived_weights_
 from hyla.model.layers.gated_deltanet import GatedDeltaNet
 from hyla.model.layers.mamba2 import Mamba2Mixer
 from hyla.model.layers.mlp import MLP, relu2
-from hyla.model.layers.model import HybridForCausalLM, HybridLayer, PostNormLayer
+from hyla.model.layers.model import HybridForCausalLM, HybridLayer, PostNormLayer, SandwichLayer
 from hyla.model.layers.norms import GatedRMSNorm, RMSNorm, WeightlessRMSNorm
 from hyla.model.layers.projections import (
     OutProjection,
@@ -58,8 +59,8 @@ from hyla.model.layers.sparse_moe import SparseMoE
 
 __all__ = [
     "Attention", "ConvTickets", "DerivedWeight", "GatedDeltaNet", "GatedRMSNorm", "HybridForCausalLM", "HybridLayer",
-    "MLP", "Mamba2Mixer", "OutProjection", "PostNormLayer", "RMSNorm", "Rope", "RotaryEmbedding", "SparseMoE",
-    "WeightlessRMSNorm",
+    "MLP", "Mamba2Mixer", "OutProjection", "PostNormLayer", "RMSNorm", "Rope", "RotaryEmbedding", "SandwichLayer",
+    "SparseMoE", "WeightlessRMSNorm",
     "add_rms_norm", "apply_rotary", "apply_rotary_", "ckpt_kwargs", "conv1d_extend", "conv1d_fused_extend",
     "copy_decode_checkpoints", "device", "in_projection", "is_gemv_step", "on_gemv_step", "out_projection", "project",
     "refresh_derived_weights_", "relu2", "run_fused_extend_segments", "runs_prologue_kernel", "signed_sin",

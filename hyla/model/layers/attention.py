@@ -1,4 +1,4 @@
-"""Full attention over the paged KV pool (GQA; Qwen3-Next's output gate, q/k norms, partial RoPE)."""
+"""Attention over the paged KV pool (GQA; Qwen3-Next's output gate, q/k norms, partial RoPE, sliding windows)."""
 
 from __future__ import annotations
 
@@ -36,16 +36,20 @@ class Attention(nn.Module):
     per-head zero-centred q/k RMSNorm before partial RoPE, output ``* sigmoid(gate)``.
     NemotronH: plain q/k/v, no RoPE. OLMo-Hybrid: q and k RMS-normalised over all their heads at
     once (``qk_norm_whole``), RoPE or none. ``qkv_proj`` holds the q, k and v projections stacked by rows.
+    A layer of ``config.sliding_layers`` attends within ``config.sliding_window`` (``window``: each
+    token over its last ``window`` positions, the rest of its KV kept in the pool but masked). LFM3:
+    each head's output times ``sigmoid(head_gate(x))``, one gate a head (``attn_head_gate``).
     """
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # and a fused extend (ForwardBatch.fused_extend): HybridForCausalLM.supports_fused_extend
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
-    def __init__(self, config: ModelConfig, attention_ordinal: int):
+    def __init__(self, config: ModelConfig, attention_ordinal: int, window: int = 0):
         super().__init__()
         c = config
         self.kv_index = attention_ordinal
+        self.window = window  # a sliding window (config.attention_window); 0: full attention
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_kv_heads, c.head_dim
         self.output_gate = c.attn_output_gate
         self.q_size = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
@@ -53,6 +57,7 @@ class Attention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, dtype=c.dtype)
         self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias, dtype=c.dtype)
+        self.head_gate = Linear(c.hidden_size, self.num_heads, bias=False, dtype=c.dtype) if c.attn_head_gate else None
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         # OLMo-Hybrid: q and k each normalised over all their heads at once, before the kernels and RoPE
@@ -74,19 +79,19 @@ class Attention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             qkv = torch.cat([self.q_whole_norm(q), self.k_whole_norm(k), v], dim=-1)
         if batch.on_device:  # three Triton kernels: q/k norm + RoPE + the K/V writes, then attention (+ gate)
-            return out_projection(self.o_proj, self._attend_fused(qkv, kb, vb, batch, rope).reshape(t, hq * d),
-                                  gemv_step)
+            o = self._head_gated(self._attend_fused(qkv, kb, vb, batch, rope), x)
+            return out_projection(self.o_proj, o.reshape(t, hq * d), gemv_step)
         if runs_prologue_kernel(batch, qkv):  # an extend on CUDA: the prologue kernel, then attention over the pool
             q = self._prologue(qkv, kb, vb, batch, rope)  # [T, Hq, D]
             if batch.short_extend is not None:
-                o = short_extend_attention(q, kb, vb, batch.short_extend, self.scaling)
+                o = short_extend_attention(q, kb, vb, batch.short_extend_layout(self.window), self.scaling)
             else:
                 o = paged_attention_written(q, kb, vb, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
                                             batch.extend_lens, self.scaling, tree_masks=tree_masks(batch),
-                                            kv_starts=batch.kv_starts)  # [T, Hq, D]
+                                            kv_starts=batch.kv_starts, window=self.window)  # [T, Hq, D]
             if self.output_gate:  # o * sigmoid(gate) in one kernel, the gate read in place
                 o = device.gpu("norms").sigmoid_gate_fused(o, qkv[:, :self.q_size].view(t, hq, 2 * d)[:, :, d:])
-            return self.o_proj(o.reshape(t, hq * d))
+            return self.o_proj(self._head_gated(o, x).reshape(t, hq * d))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         gate = None
         if self.output_gate:
@@ -105,20 +110,27 @@ class Attention(nn.Module):
         q, k = qk[:, :hq], qk[:, hq:]  # [T, Hq, D], [T, Hkv, D] views
         v = v.view(t, hkv, d)  # [T, Hkv, D]
         if batch.is_decode:
-            rows, mask = batch.decode_kv_layout()
+            rows, mask = batch.decode_kv_layout(self.window)
             o = paged_attention_decode(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_table, mask, self.scaling,
                                        kv_rows=rows)  # [B, Hq, D]
         elif batch.short_extend is not None:  # a verify step: one batched attention
-            o = paged_attention_short_extend(q, k, v, kb, vb, batch.out_cache_loc, batch.short_extend,
-                                             self.scaling)  # [T, Hq, D]
+            o = paged_attention_short_extend(q, k, v, kb, vb, batch.out_cache_loc,
+                                             batch.short_extend_layout(self.window), self.scaling)  # [T, Hq, D]
         else:
             o = paged_attention(q, k, v, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr,
                                 batch.prefix_lens, batch.extend_lens, self.scaling,
-                                tree_masks=tree_masks(batch), kv_starts=batch.kv_starts)  # [T, Hq, D]
-        o = o.reshape(t, hq * d)
+                                tree_masks=tree_masks(batch), kv_starts=batch.kv_starts, window=self.window)
+        o = self._head_gated(o, x).reshape(t, hq * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(o)
+
+    def _head_gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``o [T, Hq, D]`` times LFM3's per-head gate ``sigmoid(head_gate(x)) [T, Hq]`` (in the model
+        dtype, as transformers'); ``o`` itself without one."""
+        if self.head_gate is None:
+            return o
+        return o * torch.sigmoid(self.head_gate(x)).unsqueeze(-1)
 
     def _attend_fused(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
                       rope: Rope | None) -> torch.Tensor:
@@ -131,9 +143,11 @@ class Attention(nn.Module):
         fe = batch.fused_extend
         if fe is not None:
             return device.gpu("extend_attention").paged_extend_attention(q, kb, vb, batch.req_to_token, fe.req_row,
-                                                                          fe.kv_lens, self.scaling, gate=gate)
+                                                                          fe.kv_lens, self.scaling, gate=gate,
+                                                                          window=self.window)
         return device.gpu("decode_attention").paged_decode_attention(
-            q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling, gate=gate)
+            q, kb, vb, batch.req_to_token, batch.req_pool_indices, batch.kv_lens, self.scaling, gate=gate,
+            window=self.window)
 
     def _prologue(self, qkv: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, batch: ForwardBatch,
                   rope: Rope | None) -> torch.Tensor:

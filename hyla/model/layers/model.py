@@ -82,6 +82,31 @@ class PostNormLayer(HybridLayer):
         return self.ffn_norm(self.ffn(x)), x
 
 
+class SandwichLayer(HybridLayer):
+    """A residual layer with each part between two norms (LFM3's ``use_sandwich_norm``):
+    ``x + post_mixer_norm(mixer(mixer_norm(x)))`` then ``x + post_ffn_norm(ffn(ffn_norm(x)))``. Both parts
+    are required."""
+
+    def __init__(self, mixer: nn.Module, mixer_norm: nn.Module, ffn: nn.Module, ffn_norm: nn.Module,
+                 post_mixer_norm: nn.Module, post_ffn_norm: nn.Module):
+        super().__init__(mixer, mixer_norm, ffn, ffn_norm)
+        self.post_mixer_norm, self.post_ffn_norm = post_mixer_norm, post_ffn_norm
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None) -> torch.Tensor:
+        x = x + self.post_mixer_norm(self.mixer(self.mixer_norm(x), batch, rope))
+        return x + self.post_ffn_norm(self.ffn(self.ffn_norm(x)))
+
+    def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
+                      rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` in :meth:`HybridLayer.forward_fused`'s contract: each input norm in the
+        add-norm kernel, the parts run as plain forwards (their outputs go through a norm, not into
+        the residual stream), the last add left to the next layer's kernel."""
+        h, residual = add_rms_norm(out, residual, self.mixer_norm)
+        out = self.post_mixer_norm(self.mixer(h, batch, rope))
+        h, residual = add_rms_norm(out, residual, self.ffn_norm)
+        return self.post_ffn_norm(self.ffn(h)), residual
+
+
 class HybridForCausalLM(nn.Module, abc.ABC):
     """Embedding -> hybrid layers -> final norm -> lm_head, driven by a ``ForwardBatch``.
 
@@ -101,7 +126,10 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
-        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta) if c.rotary_dim and c.num_attention_layers else None
+        self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.rope_angles or None) \
+            if c.rotary_dim and c.num_attention_layers else None
+        # sliding-window layers' own RoPE (sliding_rope; None: theirs is self.rotary, or none at all)
+        self.sliding_rotary = RotaryEmbedding(*c.sliding_rope) if c.sliding_rope and c.sliding_rope[0] else None
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self.register_load_state_dict_post_hook(lambda module, _keys: module.relayout_weights_())
 
@@ -139,7 +167,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """The mixer of an ``"attention"`` or ``"linear"`` layer, built as ``cls(config, ordinal)``."""
         c = self.config
         if c.layer_types[index] == "attention":
-            return self.attention_mixer(c, c.attention_ordinal(index))
+            window = c.attention_window(index)  # a sliding window: plain attention only (ModelConfig checks)
+            return self.attention_mixer(c, c.attention_ordinal(index), **({"window": window} if window else {}))
         mixer = self.linear_mixer or (GatedDeltaNet if c.linear_kind == "gdn" else Mamba2Mixer)
         return mixer(c, c.linear_ordinal(index))
 
@@ -209,11 +238,11 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """:meth:`forward` without :meth:`check_batch` (the runner checks, then runs this compiled:
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
-        rope = self.rope(batch, h)
+        ropes = self.layer_ropes(batch, h)
         if (batch.on_device or device.on_gpu(h)) and self._residual_fusable:  # each residual add in the next
             # norm's kernel
             out, residual = None, h
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes):
                 out, residual = layer.forward_fused(out, residual, batch, rope)
             if batch.fused_decode:
                 h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
@@ -221,7 +250,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
                 return (logits, h) if batch.return_hidden else logits
             h = residual + out  # [T, hidden]: the last add (the final norm runs on the rows kept below)
         else:
-            for layer in self.layers:
+            for layer, rope in zip(self.layers, ropes):
                 h = layer(h, batch, rope)
         if batch.return_hidden:
             h = self.norm(h)  # [T, hidden]: every new token's final hidden state
@@ -234,16 +263,29 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             h = h[batch.last_token_indices()]
         return self.lm_head(self.norm(h)).float()  # [N, vocab]
 
-    def rope(self, batch: ForwardBatch, x: torch.Tensor) -> Rope | None:
-        """The batch's :class:`Rope`, once per step for every attention layer (``x``: the hidden
-        states, for their dtype and device); its tables only where attention runs the PyTorch path, or
-        where a mixer always rotates in PyTorch (Ling 3's MLA: ``rotates_in_pytorch``). None without RoPE."""
-        if self.rotary is None:
+    def rope(self, batch: ForwardBatch, x: torch.Tensor, rotary: RotaryEmbedding | None = None) -> Rope | None:
+        """The batch's :class:`Rope` of ``rotary`` (default: the model's), once per step for every
+        attention layer (``x``: the hidden states, for their dtype and device); its tables only where
+        attention runs the PyTorch path, or where a mixer always rotates in PyTorch (Ling 3's MLA:
+        ``rotates_in_pytorch``). None without RoPE."""
+        rotary = self.rotary if rotary is None else rotary
+        if rotary is None:
             return None
         if runs_prologue_kernel(batch, x) and not self._rotates_in_pytorch:
-            return Rope(batch.positions, self.rotary.inv_freq, None, None)
-        cos, sin = self.rotary(batch.positions, x.dtype)
-        return Rope(batch.positions, self.rotary.inv_freq, cos, signed_sin(sin))
+            return Rope(batch.positions, rotary.inv_freq, None, None)
+        cos, sin = rotary(batch.positions, x.dtype)
+        return Rope(batch.positions, rotary.inv_freq, cos, signed_sin(sin))
+
+    def layer_ropes(self, batch: ForwardBatch, x: torch.Tensor) -> list[Rope | None]:
+        """Each layer's :class:`Rope` (:meth:`rope`): the model's, but a sliding-window layer's own
+        where the model gives it one (``config.sliding_rope``: Lara-4-Mini's sliding layers rotate and its
+        global ones do not; LFM3's rotate with another theta and all their channels)."""
+        rope = self.rope(batch, x)
+        c = self.config
+        if c.sliding_rope is None:
+            return [rope] * len(self.layers)
+        sliding = self.rope(batch, x, self.sliding_rotary) if self.sliding_rotary is not None else None
+        return [sliding if i in c.sliding_layers else rope for i in range(len(self.layers))]
 
     def check_batch(self, batch: ForwardBatch) -> None:
         """``ValueError`` unless the batch fits this model (pools per layer kind, token ids)."""

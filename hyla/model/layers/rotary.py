@@ -22,14 +22,21 @@ class Rope(NamedTuple):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (non-interleaved, "rotate half") RoPE on the first ``rotary_dim`` channels of a head."""
+    """Default (non-interleaved, "rotate half") RoPE on the first ``rotary_dim`` channels of a head.
+    ``angles``: HF's "proportional" RoPE, where only the first ``angles`` of the ``rotary_dim / 2``
+    frequencies rotate and the rest are 0 (their channels pass through: ``cos = 1``, ``sin = 0``)."""
 
-    def __init__(self, rotary_dim: int, theta: float):
+    def __init__(self, rotary_dim: int, theta: float, angles: int | None = None):
         super().__init__()
         if rotary_dim <= 0 or rotary_dim % 2:
             raise ValueError(f"rotary_dim must be a positive even number, got {rotary_dim}")
-        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
-        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)  # [rotary_dim/2]
+        angles = rotary_dim // 2 if angles is None else angles
+        if not 0 <= angles <= rotary_dim // 2:
+            raise ValueError(f"angles must be in [0, rotary_dim / 2 = {rotary_dim // 2}], got {angles}")
+        exponents = torch.arange(0, 2 * angles, 2, dtype=torch.float32, device="cpu") / rotary_dim
+        inv_freq = torch.zeros(rotary_dim // 2, device="cpu")  # (not the meta device a model is built on)
+        inv_freq[:angles] = 1.0 / (theta**exponents)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]

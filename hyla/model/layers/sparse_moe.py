@@ -143,6 +143,7 @@ class SparseMoE(nn.Module):
         self.num_groups, self.topk_groups = c.router_num_groups, c.router_topk_groups
         self.scaling = c.routed_scaling_factor
         self.norm_eps, self.router_fp32 = c.router_norm_eps, c.router_fp32
+        self.logits_fp32 = c.router_logits_fp32  # the softmax router's logits from fp32 (Lara-4-Mini)
         self.gated = c.hidden_act == "silu"
         inner = c.moe_latent_size or c.hidden_size
         width = c.moe_intermediate_size * (2 if self.gated else 1)
@@ -175,7 +176,7 @@ class SparseMoE(nn.Module):
         parts = [self.router] + ([self.shared_expert_gate] if self.shared_expert_gate is not None else []) \
             + ([self.shared_expert.in_proj] if self.shared_expert is not None else [])
         if self.router_kind != "softmax" or self.shared_expert is None or self.latent_in is not None \
-                or any(p.bias is not None for p in parts):
+                or self.logits_fp32 or any(p.bias is not None for p in parts):
             return False
         with torch.no_grad():
             fused = torch.cat([p.weight for p in parts])  # [E (+ 1) + I or 2I, H]
@@ -191,16 +192,21 @@ class SparseMoE(nn.Module):
         """``x [T, H]`` -> ``(weights [T, k], experts [T, k])``; weights fp32 for the sigmoid
         router, model dtype for the softmax router (as the reference). The sigmoid router's scores
         are fp32 from fp32 logits, or (``router_fp32`` off) the model dtype's sigmoid of the model
-        dtype's logits, made fp32 (the same numbers in an fp32 model)."""
+        dtype's logits, made fp32 (the same numbers in an fp32 model). The softmax router's logits are
+        the model dtype's, or (``router_logits_fp32``) fp32 from fp32 input and weight."""
         if self.router_kind == "softmax":
-            logits = self.router(x)  # [T, E]
+            if self.logits_fp32:
+                logits = F.linear(x.float(), self.router.weight.float())  # [T, E] fp32
+            else:
+                logits = self.router(x)  # [T, E]
             if device.on_gpu(logits):  # the same in one kernel
-                return device.gpu("moe").softmax_topk(logits, self.top_k, self.norm_topk_prob)
+                weights, experts = device.gpu("moe").softmax_topk(logits, self.top_k, self.norm_topk_prob)
+                return weights.to(x.dtype), experts
             probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
             if self.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            return weights.to(logits.dtype), experts
+            return weights.to(x.dtype), experts
         if self.router_fp32:
             scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))  # [T, E]
         else:

@@ -11,12 +11,15 @@ Invariants
   are harmless, nobody reads slot 0 as a real token).
 * New token ``j`` of sequence ``i`` (absolute position ``prefix_lens[i] + j``) attends to the
   sequence's keys ``0 .. prefix_lens[i] + j`` inclusive: causal over prefix + itself.
+* Sliding-window attention (``window = W > 0``, Hugging Face's ``sliding_window``): a query at
+  position ``p`` sees only the keys at positions ``p - W < k <= p``, its last ``W`` tokens. Every
+  token's K/V stays in the pool; the window is a mask (``window_mask``, ``extend_mask``).
 * Softmax is computed in fp32; the output has the dtype of ``q``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -39,6 +42,7 @@ def paged_attention(
     scaling: float,
     tree_masks: Sequence[torch.Tensor | None] | None = None,
     kv_starts: Sequence[int] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Write the new K/V into their pool slots, then attend causally to prefix + new tokens.
 
@@ -47,12 +51,14 @@ def paged_attention(
     ``tree_masks``: a tree verify step (``ops/tree.py``): new token ``j`` of sequence ``i`` sees the
     prefix and the new tokens ``a`` with ``tree_masks[i][j, a]`` (its ancestors and itself).
     ``kv_starts``: ``kv_indptr`` on the host (``ForwardBatch.kv_starts``), so nothing is read back.
+    ``window``: sliding-window attention over the last ``window`` positions (0: none).
     """
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
+    check_window(window)
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
     return _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks,
-                   kv_starts)
+                   kv_starts, window)
 
 
 def paged_attention_written(
@@ -66,20 +72,29 @@ def paged_attention_written(
     scaling: float,
     tree_masks: Sequence[torch.Tensor | None] | None = None,
     kv_starts: Sequence[int] | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """:func:`paged_attention` once the new tokens' K/V are in the pool (on CUDA the attention
     layer's prologue kernel writes them: ``gpu.decode_attention.decode_qk_prologue``)."""
     _check_batch(q.shape[0], kv_indptr, prefix_lens, extend_lens)
+    check_window(window)
     return _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks,
-                   kv_starts)
+                   kv_starts, window)
 
 
-def _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks, kv_starts):
+def check_window(window: int) -> None:
+    """``ValueError`` unless ``window`` is a sliding window (an int > 0) or 0 (none)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+
+
+def _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks, kv_starts,
+            window):
     """Both entry points' attention over the pool, their inputs checked."""
     if tree_masks is None and all(n == 1 for n in extend_lens):
-        return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling)
+        return _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling, window)
     return _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
-                             tree_masks, kv_starts)
+                             tree_masks, kv_starts, window)
 
 
 def _check_batch(num_tokens: int, kv_indptr: torch.Tensor, prefix_lens: Sequence[int],
@@ -102,7 +117,7 @@ def _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, exte
 
 
 def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling,
-                      tree_masks=None, kv_starts=None):
+                      tree_masks=None, kv_starts=None, window=0):
     out = torch.empty_like(q)  # [T, Hq, D]
     indptr = list(kv_starts) if kv_starts is not None else kv_indptr.tolist()
     start = 0
@@ -116,16 +131,17 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         tree = tree_masks[i] if tree_masks is not None else None
-        out[start : start + extend] = extend_sdpa(qi, ki, vi, prefix, tree, scaling).transpose(0, 1)
+        out[start : start + extend] = extend_sdpa(qi, ki, vi, prefix, tree, scaling, window).transpose(0, 1)
         start += extend
     return out
 
 
 def extend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, tree: torch.Tensor | None,
-                scaling: float) -> torch.Tensor:
+                scaling: float, window: int = 0) -> torch.Tensor:
     """One sequence's new tokens over its keys: ``q [Hq, E, D]``, ``k [Hkv, prefix + E, D]``,
     ``v [Hkv, prefix + E, Dv]`` -> ``[Hq, E, Dv]``; causal (token ``j`` sees keys ``0 .. prefix + j``),
-    or with a token tree's ``[E, E]`` mask over the new tokens (``extend_mask``).
+    or with a token tree's ``[E, E]`` mask over the new tokens (``extend_mask``); with a sliding
+    ``window``, only the keys within it (an explicit mask, ``extend_mask``).
 
     The inputs go to SDPA as 4-D tensors: with 3-D ones it takes its math path on CPU and CUDA alike
     (a CPU prefill of 4,096 tokens: 10-18x slower). No prefix: ``is_causal``. A prefix: on CUDA a
@@ -137,6 +153,9 @@ def extend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     """
     q, k, v = q[None], k[None], v[None]  # [1, H, L, D]
     extend, length = q.shape[2], k.shape[2]
+    if tree is None and window and window < length:  # (a window over the whole sequence masks nothing)
+        mask = extend_mask(prefix, extend, None, q.device, window)  # [E, L]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)[0]
     if tree is None:
         if prefix == 0:
             causal = {"is_causal": True}
@@ -150,22 +169,34 @@ def extend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, 
     groups = q.shape[1] // k.shape[1]
     if q.is_cuda and groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    mask = extend_mask(prefix, extend, tree, q.device)  # [E, L]
+    mask = extend_mask(prefix, extend, tree, q.device, window)  # [E, L]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)[0]
 
 
-def extend_mask(prefix: int, extend: int, tree: torch.Tensor | None, device) -> torch.Tensor:
+def extend_mask(prefix: int, extend: int, tree: torch.Tensor | None, device, window: int = 0) -> torch.Tensor:
     """``[E, prefix + E]`` bool: which keys each new token sees. Causal: token ``j`` sees keys
-    ``0 .. prefix + j``; with a token tree's ``[E, E]`` mask: the prefix and its ancestors-or-self."""
+    ``0 .. prefix + j``; with a token tree's ``[E, E]`` mask: the prefix and its ancestors-or-self.
+    A sliding ``window`` keeps of those the keys less than ``window`` positions back (a tree token's
+    position is ``prefix + depth``, its depth the number of its ancestors)."""
+    ones = torch.ones(extend, prefix + extend, dtype=torch.bool, device=device)
     if tree is None:
-        return torch.ones(extend, prefix + extend, dtype=torch.bool, device=device).tril(prefix)
-    return torch.cat([torch.ones(extend, prefix, dtype=torch.bool, device=device), tree], dim=1)
+        seen = ones.tril(prefix)
+        return seen & ~ones.tril(prefix - window) if window else seen
+    seen = torch.cat([ones[:, :prefix], tree], dim=1)
+    if not window:
+        return seen
+    depth = tree.sum(dim=1) - 1  # [E]
+    key_pos = torch.cat([torch.arange(prefix, device=device), prefix + depth])  # [prefix + E]
+    return seen & (key_pos[None, :] > (prefix + depth)[:, None] - window)
 
 
-def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling):
+def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, scaling, window=0):
     """One query per sequence: lay every sequence's slots out as a padded ``[B, L_max]`` table
     and run :func:`decode_attention` (the K/V are already in the pool)."""
-    table, mask = decode_kv_table(kv_indices, kv_indptr, [p + 1 for p in prefix_lens])
+    seq_lens = [p + 1 for p in prefix_lens]
+    table, mask = decode_kv_table(kv_indices, kv_indptr, seq_lens)
+    if window:
+        mask = window_mask(torch.tensor(seq_lens, dtype=torch.long, device=q.device), table.shape[1], window)
     return decode_attention(q, k_buffer, v_buffer, table, mask, scaling)
 
 
@@ -203,6 +234,15 @@ def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     a symbolic size)."""
     past = torch.arange(width, device=lens.device) >= lens[:, None]  # [B, width]
     return torch.zeros(past.shape, device=lens.device).masked_fill_(past, float("-inf"))
+
+
+def window_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
+    """A decode step's :func:`padding_mask` for sliding-window attention: ``[B, width]`` additive
+    fp32, also ``-inf`` at offsets ``< lens[b] - window`` (the query, at position ``lens[b] - 1``,
+    sees its last ``window`` keys). Reads nothing back (traceable)."""
+    offsets = torch.arange(width, device=lens.device)
+    hidden = (offsets >= lens[:, None]) | (offsets < lens[:, None] - window)  # [B, width]
+    return torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
 
 
 def decode_kv_rows(kv_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -285,6 +325,16 @@ class ShortExtendLayout:
     mask: torch.Tensor  # [B, 1, 1, E, L] additive fp32: 0 where query (b, e) sees key l, else -inf
     q_rows: torch.Tensor | None  # [B*E] packed query of each padded row (None: every extend has E tokens)
     out_rows: torch.Tensor | None  # [T] padded row of each packed token
+    key_pos: torch.Tensor  # [B, 1, L] int64 each key's position (a tree token's: prefix + its depth)
+    query_pos: torch.Tensor  # [B, E, 1] int64 each query's position (a padding row's: 0, it sees key 0)
+
+    def windowed(self, window: int) -> "ShortExtendLayout":
+        """This layout for sliding-window attention: each query also blind to the keys ``window`` or
+        more positions back. Reads nothing back (traceable: a compiled verify step builds it inside)."""
+        b, e, length = self.mask.shape[0], self.width, self.mask.shape[-1]
+        hidden = self.key_pos <= self.query_pos - window  # [B, E, L]
+        mask = self.mask.view(b, e, length).masked_fill(hidden, float("-inf"))
+        return replace(self, mask=mask.view(b, 1, 1, e, length))
 
     @classmethod
     def build(cls, kv_table: torch.Tensor, prefix_lens: Sequence[int], extend_lens: Sequence[int],
@@ -309,6 +359,7 @@ class ShortExtendLayout:
         cols = torch.arange(length, device=dev)
         offset = (cols - prefix[:, None]).unsqueeze(1)  # [B, 1, L] a key's offset among the new tokens
         queries = torch.arange(width, device=dev)[None, :, None]  # [1, E, 1]
+        key_pos, query_pos = cols.expand(b, 1, length), prefix[:, None, None] + queries  # [B, 1, L], [B, E, 1]
         if parents is None:
             seen = offset <= queries  # [B, E, L]: the prefix and new tokens up to the query (incl.)
         else:
@@ -322,11 +373,16 @@ class ShortExtendLayout:
             anc = torch.tensor(rows, dtype=torch.bool, device=dev)
             new = anc.gather(2, offset.clamp(0, width - 1).expand(b, width, length))  # [B, E, L]
             seen = (offset < 0) | (new & (offset < width))
+            depth = anc.sum(dim=2) - 1  # [B, E] each new token's depth (a padding row's: -1, unused)
+            query_pos = prefix[:, None, None] + depth[:, :, None]
+            new_pos = prefix[:, None] + depth.gather(1, offset[:, 0].clamp(0, width - 1))  # [B, L]
+            key_pos = torch.where(offset[:, 0] < 0, cols, new_pos).unsqueeze(1)
         q_rows = out_rows = None
         if fixed or any(n != width for n in extend_lens):
             pad = queries.view(1, width) >= torch.tensor(list(extend_lens), **long)[:, None]  # [B, E] padding rows
             seen = seen & ~pad[:, :, None]
             seen[:, :, 0] |= pad
+            query_pos = query_pos.masked_fill(pad[:, :, None], 0)
             starts = [0]
             for n in extend_lens:
                 starts.append(starts[-1] + n)
@@ -335,7 +391,7 @@ class ShortExtendLayout:
             out_rows = torch.tensor([i * width + e for i, n in enumerate(extend_lens) for e in range(n)], **long)
         mask = torch.zeros(b, width, length, device=dev).masked_fill_(~seen, float("-inf"))
         return cls(b, width, decode_kv_rows(kv_table, num_kv_heads), mask.view(b, 1, 1, width, length), q_rows,
-                   out_rows)
+                   out_rows, key_pos.contiguous(), query_pos.expand(b, width, 1).contiguous())
 
 
 def paged_attention_short_extend(
@@ -401,8 +457,10 @@ def paged_attention_reference(
     prefix_lens: Sequence[int],
     extend_lens: Sequence[int],
     scaling: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Naive per-token, per-head reference of :func:`paged_attention` (for tests; slow)."""
+    """Naive per-token, per-head reference of :func:`paged_attention` (for tests; slow), causal;
+    with a sliding ``window``, each token over its last ``window`` keys."""
     k_buffer[out_cache_loc] = k.to(k_buffer.dtype)
     v_buffer[out_cache_loc] = v.to(v_buffer.dtype)
     group = q.shape[1] // k.shape[1]
@@ -411,7 +469,7 @@ def paged_attention_reference(
     for i, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
         slots = kv_indices[int(kv_indptr[i]) : int(kv_indptr[i + 1])]
         for j in range(extend):
-            visible = slots[: prefix + j + 1]
+            visible = slots[max(0, prefix + j + 1 - window) if window else 0 : prefix + j + 1]
             for h in range(q.shape[1]):
                 keys = k_buffer[visible, h // group].float()  # [L, D]
                 vals = v_buffer[visible, h // group].float()  # [L, D]

@@ -6,10 +6,16 @@ the request table on the device: sequence ``i`` owns row ``req_rows[i]`` of ``re
 first ``seq_lens[i]`` entries (the new token's K/V already written). Both come from the device, so
 the launch has a fixed shape for a batch size (CUDA-graph friendly).
 
+With a sliding window ``W > 0`` (Hugging Face's ``sliding_window`` mask: the query at position ``p``
+sees key ``k`` iff ``k <= p`` and ``p - k < W``) sequence ``i`` attends only to its last
+``min(W, seq_lens[i])`` keys, ``[max(0, seq_lens[i] - W), seq_lens[i])``: its key range starts there,
+so a long context costs only the window. ``W = 0``: no window (the kernel compiled without it).
+
 Stage 1: program ``(i, kv_head, split)`` runs an online softmax over its share of the keys for the
 ``Hq/Hkv`` query heads of that KV head (padded to 16 rows for ``tl.dot``) and writes a partial
-output with its log-sum-exp. Stage 2 merges the splits (empty splits carry ``lse = -inf``) and
-applies the output gate ``* sigmoid(gate)`` (Qwen3-Next / Qwen3.5) when there is one.
+output with its log-sum-exp. Stage 2 merges the splits (empty splits, such as those past a short
+window, carry ``lse = -inf``) and applies the output gate ``* sigmoid(gate)`` (Qwen3-Next / Qwen3.5)
+when there is one.
 
 Before them, :func:`decode_qk_prologue` turns the layer's projection into what they read, in one
 kernel: per-head q/k RMSNorm, partial RoPE, and the new token's K/V written to the pool. Its
@@ -30,11 +36,12 @@ from hyla.model.ops.gpu import pdl
 
 
 @triton.jit
-def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, d, md, R: tl.constexpr,
-                  BD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, window, scale, d, md, R: tl.constexpr,
+                  BD: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """The online softmax of query rows ``q [R, BD]`` over keys ``[start, end)`` of one request-table
-    row ``table`` (``k_ptr`` / ``v_ptr`` at the KV head's first element) -> ``(acc [R, BD], m [R], l [R])``; with ``CAUSAL`` row ``r``
-    sees only keys below ``lens[r]`` (a row may see none in a block: no NaN from ``-inf - -inf``)."""
+    row ``table`` (``k_ptr`` / ``v_ptr`` at the KV head's first element) -> ``(acc [R, BD], m [R], l [R])``;
+    with ``CAUSAL`` row ``r`` sees only keys below ``lens[r]``, with ``WINDOW`` only keys from ``lens[r] -
+    window`` on (a row may see none in a block: no NaN from ``-inf - -inf``)."""
     m_i = tl.full([R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([R], dtype=tl.float32)
     acc = tl.zeros([R, BD], dtype=tl.float32)
@@ -52,6 +59,8 @@ def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, scale, 
         seen = mn[None, :]  # [1, BN]
         if CAUSAL:
             seen = seen & (n[None, :] < lens[:, None])  # [R, BN]: each row's own keys
+        if WINDOW:
+            seen = seen & (n[None, :] >= lens[:, None] - window)  # [R, BN]: and only its last `window`
         s = tl.where(seen, s.to(tl.float32) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
@@ -78,10 +87,11 @@ def _store_partials(part_o_ptr, part_lse_ptr, out, acc, m_i, l_i, mask, d, md, D
     tl.store(part_lse_ptr + out, tl.where(empty, float("-inf"), m_i + tl.log(l_i)), mask=mask)
 
 
-@triton.jit(do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["window"], do_not_specialize_on_alignment=["rows_ptr", "lens_ptr"])
 def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, lens_ptr, part_o_ptr, part_lse_ptr, scale,
-            kv_stride_s, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-            BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+            kv_stride_s, window, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+            BH: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+            PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     i = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -95,11 +105,16 @@ def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, le
 
     length = tl.load(lens_ptr + i).to(tl.int32)
     table = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * table_stride
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
-    start = split * per
+    if WINDOW:  # only the window's keys [length - window, length) are split: every key there is seen (no mask)
+        lo = tl.maximum(length - window, 0)
+        per = tl.cdiv(tl.cdiv(length - lo, SPLITS), BN) * BN  # keys per split, whole blocks
+        start = lo + split * per
+    else:
+        per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
+        start = split * per
     end = tl.minimum(start + per, length)
     acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, length,
-                                  scale, d, md, BH, BD, BN, False, IEEE)
+                                  window, scale, d, md, BH, BD, BN, False, False, IEEE)
     _store_partials(part_o_ptr, part_lse_ptr, (i * HQ + kvh * G + h) * SPLITS + split, acc, m_i, l_i, mh, d, md, D)
 
 
@@ -133,10 +148,13 @@ def num_splits(batch_size: int, num_kv_heads: int, num_sms: int = 132) -> int:
 
 def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: torch.Tensor,
-                           scaling: float, splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                           scaling: float, splits: int | None = None, gate: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """``q [B, Hq, D]`` (rows may be strided) over ``k_buffer / v_buffer [S, Hkv, D]``; sequence ``i`` attends to the slots
     ``req_to_token[req_rows[i], :seq_lens[i]]`` -> ``o [B, Hq, D]`` (dtype of q), times ``sigmoid(gate)``
-    with a ``gate [B, Hq, D]`` (a strided view of the projection, unit stride along D)."""
+    with a ``gate [B, Hq, D]`` (a strided view of the projection, unit stride along D). A sliding ``window
+    > 0``: only the last ``window`` of those slots, ``[max(0, seq_lens[i] - window), seq_lens[i])``."""
+    window = check_window(window)
     b, hq, d = q.shape
     hkv = k_buffer.shape[1]
     if hq % hkv or k_buffer.shape[2] != d or v_buffer.shape != k_buffer.shape:
@@ -153,9 +171,17 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     ieee = q.dtype == torch.float32
     _stage1[(b, hkv, splits)](
         q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_rows, seq_lens, part_o, part_lse, scaling,
-        k_buffer.stride(0), HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
-        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, IEEE=ieee, num_warps=4, **pdl.launch(q))
+        k_buffer.stride(0), window, HQ=hq, HKV=hkv, D=d, BD=bd, BH=max(16, triton.next_power_of_2(hq // hkv)),
+        BN=32 if ieee or bd > 128 else 64, SPLITS=splits, WINDOW=window > 0, IEEE=ieee, num_warps=4, **pdl.launch(q))
     return merge_splits(part_o, part_lse, q.dtype, gate)
+
+
+def check_window(window: int) -> int:
+    """A sliding window for the kernels (an int >= 0; 0: none) as their int32 argument: a larger one than
+    2**31 - 1 becomes that, which masks no key of any sequence either."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    return min(window, 2**31 - 1)
 
 
 def split_partials(q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:

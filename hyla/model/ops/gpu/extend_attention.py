@@ -17,6 +17,14 @@ tile for ``tl.dot``), so each key tile is read once for ``BM`` tokens, where one
 would read the whole prefix once per token. Keys past a token's length are masked (the causal
 mask, and the end of a shorter block-mate's keys). The splits are merged, and the output gate
 applied, by the decode kernel's second stage.
+
+With a sliding window ``W > 0`` (Hugging Face's ``sliding_window`` mask: the query at position ``p``
+sees key ``k`` iff ``k <= p`` and ``p - k < W``) token ``j`` attends only to the last ``min(W,
+kv_lens[j])`` of its keys, ``[max(0, kv_lens[j] - W), kv_lens[j])``: keys below a row's window are
+masked too, and a program's key range starts at its block's shortest length minus ``W`` (clamped to
+0; the keys below it no row of the block sees), so a long prefix costs only the window (but for the
+block holding a graph's padding tokens: their length 1 starts it at 0). ``W = 0``: no window (the
+kernel compiled without it).
 """
 
 from __future__ import annotations
@@ -26,8 +34,8 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import pdl
-from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, merge_splits, num_splits, \
-    split_partials
+from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, check_window, merge_splits, \
+    num_splits, split_partials
 
 # A program's tile, read at each launch (benchmarks/attention_tiles.py times every choice; not yet on a GPU):
 TILE_ROWS = 64  # query rows: BM tokens x the query heads of one KV head (padded to a power of 2)
@@ -35,11 +43,11 @@ TILE_KEYS = 0  # keys per step of its loop; 0: 32 in fp32 or for heads over 128 
 NUM_WARPS = 8
 
 
-@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["row_ptr", "lens_ptr"])
+@triton.jit(do_not_specialize=["T", "window"], do_not_specialize_on_alignment=["row_ptr", "lens_ptr"])
 def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_ptr, lens_ptr, part_o_ptr,
-                   part_lse_ptr, scale, kv_stride_s, T, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                   BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
-                   PDL: tl.constexpr):
+                   part_lse_ptr, scale, kv_stride_s, T, window, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                   BD: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLITS: tl.constexpr,
+                   WINDOW: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -58,22 +66,31 @@ def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_p
     lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys
     length = tl.max(lens, axis=0)  # the block's longest
     table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
-    start = split * per
+    if WINDOW:  # no row sees a key below the block's shortest length - window: split only the keys from there
+        shortest = tl.min(tl.where(tok < T, lens, length), axis=0)  # (the rows past T: none of the block's)
+        lo = tl.maximum(shortest - window, 0)
+        per = tl.cdiv(tl.cdiv(length - lo, SPLITS), BN) * BN  # keys per split, whole blocks
+        start = lo + split * per
+    else:
+        per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
+        start = split * per
     end = tl.minimum(start + per, length)
-    acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, lens, scale,
-                                  d, md, BM * BH, BD, BN, True, IEEE)
+    acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, lens, window,
+                                  scale, d, md, BM * BH, BD, BN, True, WINDOW, IEEE)
     # the decode kernel's partial layout
     _store_partials(part_o_ptr, part_lse_ptr, (tok * HQ + kvh * G + h) * SPLITS + split, acc, m_i, l_i, mr, d, md, D)
 
 
 def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
                            req_to_token: torch.Tensor, req_row: torch.Tensor, kv_lens: torch.Tensor, scaling: float,
-                           splits: int | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                           splits: int | None = None, gate: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """``q [T, Hq, D]`` (contiguous heads; rows may be strided): one sequence's new tokens over
     ``k_buffer / v_buffer [S, Hkv, D]``; token ``j`` attends to the slots ``req_to_token[req_row,
     :kv_lens[j]]`` (``req_row [1]``, ``kv_lens [T]`` on the device) -> ``o [T, Hq, D]`` (dtype of
-    q), times ``sigmoid(gate)`` with a ``gate [T, Hq, D]`` (unit stride along D)."""
+    q), times ``sigmoid(gate)`` with a ``gate [T, Hq, D]`` (unit stride along D). A sliding ``window >
+    0``: only the last ``window`` of those slots, ``[max(0, kv_lens[j] - window), kv_lens[j])``."""
+    window = check_window(window)
     t, hq, d = q.shape
     hkv = k_buffer.shape[1]
     if hq % hkv or k_buffer.shape[2] != d or v_buffer.shape != k_buffer.shape:
@@ -99,6 +116,6 @@ def paged_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
     if t:
         _extend_stage1[(blocks, hkv, splits)](
             q, q.stride(0), k_buffer, v_buffer, req_to_token, req_to_token.stride(0), req_row, kv_lens, part_o,
-            part_lse, scaling, k_buffer.stride(0), t, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm,
-            BN=bn, SPLITS=splits, IEEE=ieee, num_warps=NUM_WARPS, **pdl.launch(q))
+            part_lse, scaling, k_buffer.stride(0), t, window, HQ=hq, HKV=hkv, D=d, BD=bd, BH=bh, BM=bm,
+            BN=bn, SPLITS=splits, WINDOW=window > 0, IEEE=ieee, num_warps=NUM_WARPS, **pdl.launch(q))
     return merge_splits(part_o, part_lse, q.dtype, gate)
