@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hyla.model.ops import attention
 from hyla.model.ops.gpu import pdl
 
 
@@ -78,6 +79,14 @@ def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, window,
 
 
 @triton.jit
+def _split_range(lo, length, split, SPLITS: tl.constexpr, BN: tl.constexpr):
+    """Split ``split``'s share ``[start, end)`` of the keys ``[lo, length)``, in whole blocks of ``BN``."""
+    per = tl.cdiv(tl.cdiv(length - lo, SPLITS), BN) * BN  # keys per split
+    start = lo + split * per
+    return start, tl.minimum(start + per, length)
+
+
+@triton.jit
 def _store_partials(part_o_ptr, part_lse_ptr, out, acc, m_i, l_i, mask, d, md, D: tl.constexpr):
     """A split's partial output and log-sum-exp at rows ``out`` of stage 2's layout (an empty
     split: ``lse = -inf``, which stage 2 weighs 0)."""
@@ -105,14 +114,10 @@ def _stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, rows_ptr, le
 
     length = tl.load(lens_ptr + i).to(tl.int32)
     table = table_ptr + tl.load(rows_ptr + i).to(tl.int64) * table_stride
+    lo = 0
     if WINDOW:  # only the window's keys [length - window, length) are split: every key there is seen (no mask)
         lo = tl.maximum(length - window, 0)
-        per = tl.cdiv(tl.cdiv(length - lo, SPLITS), BN) * BN  # keys per split, whole blocks
-        start = lo + split * per
-    else:
-        per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
-        start = split * per
-    end = tl.minimum(start + per, length)
+    start, end = _split_range(lo, length, split, SPLITS, BN)
     acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, length,
                                   window, scale, d, md, BH, BD, BN, False, False, IEEE)
     _store_partials(part_o_ptr, part_lse_ptr, (i * HQ + kvh * G + h) * SPLITS + split, acc, m_i, l_i, mh, d, md, D)
@@ -179,8 +184,7 @@ def paged_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: to
 def check_window(window: int) -> int:
     """A sliding window for the kernels (an int >= 0; 0: none) as their int32 argument: a larger one than
     2**31 - 1 becomes that, which masks no key of any sequence either."""
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ValueError(f"window must be an int >= 0 (0: no sliding window), got {window!r}")
+    attention.check_window(window)  # the ops' rule
     return min(window, 2**31 - 1)
 
 

@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import pdl
-from hyla.model.ops.gpu.decode_attention import _attend_split, _store_partials, check_window, merge_splits, \
-    num_splits, split_partials
+from hyla.model.ops.gpu.decode_attention import _attend_split, _split_range, _store_partials, check_window, \
+    merge_splits, num_splits, split_partials
 
 # A program's tile, read at each launch (benchmarks/attention_tiles.py times every choice; not yet on a GPU):
 TILE_ROWS = 64  # query rows: BM tokens x the query heads of one KV head (padded to a power of 2)
@@ -66,15 +66,11 @@ def _extend_stage1(q_ptr, q_stride, k_ptr, v_ptr, table_ptr, table_stride, row_p
     lens = tl.load(lens_ptr + tok, mask=tok < T, other=0).to(tl.int32)  # [M] each row's keys
     length = tl.max(lens, axis=0)  # the block's longest
     table = table_ptr + tl.load(row_ptr).to(tl.int64) * table_stride  # the sequence's request-table row
+    lo = 0
     if WINDOW:  # no row sees a key below the block's shortest length - window: split only the keys from there
         shortest = tl.min(tl.where(tok < T, lens, length), axis=0)  # (the rows past T: none of the block's)
         lo = tl.maximum(shortest - window, 0)
-        per = tl.cdiv(tl.cdiv(length - lo, SPLITS), BN) * BN  # keys per split, whole blocks
-        start = lo + split * per
-    else:
-        per = tl.cdiv(tl.cdiv(length, SPLITS), BN) * BN  # keys per split, whole blocks
-        start = split * per
-    end = tl.minimum(start + per, length)
+    start, end = _split_range(lo, length, split, SPLITS, BN)
     acc, m_i, l_i = _attend_split(q, table, k_ptr + kvh * D, v_ptr + kvh * D, kv_stride_s, start, end, lens, window,
                                   scale, d, md, BM * BH, BD, BN, True, WINDOW, IEEE)
     # the decode kernel's partial layout
