@@ -2,7 +2,7 @@
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
 ``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_bailing_hybrid``,
-``make_olmo_hybrid``, ``make_lara_mini``, ``make_lfm3``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_olmo_hybrid``, ``make_lara_mini``, ``make_lfm3``, ``make_zamba2``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -219,6 +219,19 @@ LFM3_KW: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# Zamba2: Mamba2 layers and three hybrid ones over two shared blocks (the third runs the first block again, with
+# adapters of its own), q/k/v adapters, RoPE; time_step_min low enough that the dt clamp (which transformers applies
+# in its chunked scan only) never binds, so its decode steps are its full forward's
+ZAMBA2_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "mamba", "hybrid"],
+    num_attention_heads=4, num_key_value_heads=4, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, n_mamba_heads=8,
+    mamba_ngroups=2, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=16, use_mem_rope=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, time_step_min=1e-6, hidden_act="gelu",
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
 
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -290,6 +303,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "olmo_hybrid": (transformers.OlmoHybridConfig, transformers.OlmoHybridForCausalLM),
         "lara_mini": (transformers.LaraMiniConfig, transformers.LaraMiniForCausalLM),
         "lfm3": (transformers.Lfm3Config, transformers.Lfm3ForCausalLM),
+        "zamba2": (transformers.Zamba2Config, transformers.Zamba2ForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
         "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
@@ -385,6 +399,12 @@ def make_lfm3(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     window of 6) at 4; sandwich norms, per-head attention gates, a SwiGLU MLP in each), saved as transformers writes
     it (``self_attn.gate_proj``)."""
     return _build("lfm3", tmp_dir, seed, {**LFM3_KW, **overrides})
+
+
+def make_zamba2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Zamba2ForCausalLM`` (6 layers: Mamba2, hybrid at 1, 3 and 5 over two shared attention + GeGLU blocks,
+    q/k/v and MLP adapters, RoPE), saved as transformers writes it (each block at the first layer that runs it)."""
+    return _build("zamba2", tmp_dir, seed, {**ZAMBA2_KW, **overrides})
 
 
 def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -218,6 +218,8 @@ DIFFERENTIALS = [
     pytest.param("lara_mini", 21, {}, id="lara_mini"),
     # LFM3: conv windows, sliding-window attention and global attention with proportional RoPE, sandwich norms
     pytest.param("lfm3", 22, {}, id="lfm3"),
+    # Zamba2: hybrid layers (KV and a state each) running weight-shared attention blocks on [x | embeddings]
+    pytest.param("zamba2", 23, dict(max_total_tokens=450), id="zamba2"),  # (at 500 it retracts nothing)
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
     pytest.param("jamba", 13, {}, id="jamba"),
     # pure state-space models: no KV at all (the tree's pages hold token ids only), every hit a state checkpoint

@@ -220,7 +220,7 @@ def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter,
                                   "nemotron_h_path", "falcon_h1_path", "bamba_short_path", "granite_h_path",
                                   "lfm2_short_path", "lfm2_moe_short_path", "kimi_linear_path",
                                   "bailing_hybrid_short_path", "olmo_hybrid_short_path", "lara_mini_short_path",
-                                  "lfm3_short_path", "jamba_path", "mamba_path", "falcon_mamba_path", "mamba2_path"])
+                                  "lfm3_short_path", "zamba2_short_path", "jamba_path", "mamba_path", "falcon_mamba_path", "mamba2_path"])
 def test_speculation_is_exact_with_the_prefix_cache(arch, request):
     compared = _run_differential(request.getfixturevalue(arch), POOLS)
     assert compared > 60

@@ -17,6 +17,7 @@ from checkpoints import (
     KIMI_LINEAR_KW,
     LARA_MINI_KW,
     LFM3_KW,
+    ZAMBA2_KW,
     LFM2_KW,
     LFM2_MOE_KW,
     MAMBA2_KW,
@@ -871,6 +872,49 @@ def test_lfm3_layout_ropes_and_defaults(lfm3):
 def test_lfm3_bad_configs_are_value_errors(lfm3, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**lfm3.extra["hf_config"], **bad})
+
+
+@pytest.fixture(scope="module")
+def zamba2() -> ModelConfig:
+    return ModelConfig.from_hf(hf_dict(transformers.Zamba2Config(**ZAMBA2_KW), "Zamba2ForCausalLM"))
+
+
+def test_zamba2_layout_blocks_and_defaults(zamba2):
+    """Zamba2: Mamba2 and hybrid layers (KV and a state each), heads 2 hidden / heads wide, RoPE over whole heads,
+    the Mamba2 fields under their Zamba2 names with the clamp at time_step_min, the gated norm's eps 1e-5, a GeGLU
+    MLP, the shared blocks and adapters; Zamba2Config's defaults (Zamba2-2.7B's 54 layers, 9 hybrid); untied
+    embeddings give every hybrid layer a block of its own (transformers ties the blocks with the embeddings)."""
+    c = zamba2
+    assert c.model_type == "zamba2" and c.linear_kind == "mamba2"
+    assert c.layer_types == ("linear", "hybrid") * 3 and c.ffn_types == ("none",) * 6
+    assert (c.num_attention_layers, c.num_linear_layers) == (3, 6)
+    assert (c.num_attention_heads, c.num_kv_heads, c.head_dim, c.rotary_dim) == (4, 4, 64, 64)
+    assert (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.mamba_n_groups) == (8, 32, 16, 2)
+    assert c.mamba_dt_limit == (1e-6, math.inf) and c.linear_norm_eps == 1e-5
+    assert (c.hidden_act, c.intermediate_size, c.mlp_bias, c.mamba_proj_bias) == ("gelu", 256, False, False)
+    assert (c.shared_blocks, c.shared_adapter_rank, c.shared_attention_adapters) == (2, 16, True)
+    bare = ModelConfig.from_hf({"architectures": ["Zamba2ForCausalLM"]})
+    assert (bare.num_hidden_layers, bare.layer_types.count("hybrid"), bare.hidden_size) == (54, 9, 2560)
+    assert (bare.head_dim, bare.intermediate_size, bare.rotary_dim, bare.mamba_dt_limit[0]) == (160, 10240, 0, 1e-3)
+    assert (bare.mamba_num_heads, bare.mamba_head_dim, bare.shared_blocks, bare.tie_word_embeddings) == (8, 640, 1,
+                                                                                                         True)
+    untied = ModelConfig.from_hf({**c.extra["hf_config"], "tie_word_embeddings": False})
+    assert untied.shared_blocks == 3
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"layers_block_type": ["mamba", "hybrid", "attention"] * 2}, "Mamba2 or hybrid"),
+    ({"layers_block_type": ["mamba", "hybrid"]}, "num_hidden_layers"),
+    ({"hidden_act": "silu"}, "gelu"),
+    ({"num_key_value_heads": 2}, "as many KV heads"),
+    ({"num_attention_heads": 3, "num_key_value_heads": 3}, "multiple of num_attention_heads"),
+    ({"use_long_context": True}, "use_long_context"),
+    ({"num_mem_blocks": 0}, "num_mem_blocks"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+])
+def test_zamba2_bad_configs_are_value_errors(zamba2, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**zamba2.extra["hf_config"], **bad})
 
 
 def test_jamba_layout_state_and_hf_defaults():

@@ -318,7 +318,8 @@ def _in_memory_checkpoint(path, tmp_path):
     state = hf.state_dict()
     if hf.config.tie_word_embeddings:  # a tied lm_head is the embedding (save_pretrained leaves it out too)
         state.pop("lm_head.weight")
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    # (copies: a model's tied modules share their tensors, which safetensors refuses to write twice)
+    save_file({k: v.contiguous().clone() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(path / "config.json", out / "config.json")
     return out
 
@@ -474,6 +475,30 @@ def test_lfm3_reads_the_published_and_transformers_in_memory_names(lfm3_path, tm
     assert torch.equal(published.layers[0].post_ffn_norm.weight, raw["model.layers.0.post_ffn_norm.weight"])
     assert (attn.window, published.layers[4].mixer.window) == (0, 6)
     assert torch.count_nonzero(published.rotary.inv_freq) == 16 and published.sliding_rotary.inv_freq.shape == (32,)
+    assert torch.equal(prefill_logits(published, IDS), prefill_logits(in_memory, IDS))
+
+
+def test_zamba2_reads_each_block_once_and_shares_it(zamba2_path, tmp_path):
+    """Zamba2: the checkpoint save_pretrained writes (each shared block at the first layer that runs it) and
+    transformers' in-memory state dict (a copy at every hybrid layer, as older checkpoints hold them) load the
+    same weights; the hybrid layers that run a block borrow its projections (one parameter, named once, as the
+    model's ``blocks``), each with adapters of its own read from the block's list at its hybrid index."""
+    published, in_memory, raw = _both_layouts(zamba2_path, tmp_path,
+                                              "model.layers.5.shared_transformer.self_attn.q_proj.weight")
+    first, third = published.layers[1], published.layers[5]  # hybrid layers 0 and 2: block 0
+    assert first.attn.qkv_proj is third.attn.qkv_proj is published.blocks[0].qkv_proj
+    assert published.layers[3].attn.o_proj is published.blocks[1].o_proj
+    assert (first.attn.kv_index, published.layers[3].attn.kv_index, third.attn.kv_index) == (0, 1, 2)
+    names = [name for name, _ in published.named_parameters(remove_duplicate=False)]
+    assert not any(".attn.qkv_proj." in name or ".attn.o_proj." in name for name in names)
+    block = "model.layers.1.shared_transformer"
+    q, k = (raw[f"{block}.self_attn.{p}_proj.weight"] for p in "qk")
+    assert torch.equal(published.blocks[0].qkv_proj.weight[: q.shape[0]], q)
+    assert torch.equal(published.blocks[0].qkv_proj.weight[q.shape[0] : q.shape[0] + k.shape[0]], k)
+    assert torch.equal(third.mlp_adapter.up.weight, raw[f"{block}.feed_forward.gate_up_proj_adapter_list.2.1.weight"])
+    assert torch.equal(third.attn.adapters[2].down.weight, raw[f"{block}.self_attn.linear_v_adapter_list.2.0.weight"])
+    assert torch.equal(third.linear.weight, raw["model.layers.5.linear.weight"])
+    assert published.lm_head.weight.data_ptr() == published.embed_tokens.weight.data_ptr()
     assert torch.equal(prefill_logits(published, IDS), prefill_logits(in_memory, IDS))
 
 

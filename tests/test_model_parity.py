@@ -36,14 +36,15 @@ from checkpoints import (
     make_olmo_hybrid,
     make_qwen3_5_moe,
     make_qwen3_next,
+    make_zamba2,
 )
 
 from hyla.model import load_model
 
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
-         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "lara_mini", "lfm3", "jamba",
-         "mamba", "falcon_mamba", "mamba2"]
+         "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "lara_mini", "lfm3", "zamba2",
+         "jamba", "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +185,12 @@ def test_packed_batch_equals_each_alone(models, arch):
             assert max_diff(got[i], hf_logits(hf, s.tokens)[-1]) <= TOL, f"decode step {step}, seq {i}"
 
 
+@pytest.mark.parametrize("make", [make_nemotron_h, make_zamba2], ids=["nemotron_h", "zamba2"])
 @torch.no_grad()
-def test_nemotron_h_decode_applies_the_dt_clamp_like_prefill(tiny_ckpt_dir):
+def test_decode_applies_the_time_step_min_clamp_like_prefill(tiny_ckpt_dir, make):
     """Regression (issue 12, defect 4): decode steps must compute the state a prefill of the same
-    tokens computes, on a checkpoint whose ``time_step_min`` clamp binds.
+    tokens computes, on a checkpoint whose ``time_step_min`` clamp binds (NemotronH's and Zamba2's HF
+    mixers hard-code ``time_step_limit = (time_step_min, inf)``).
 
     HF clamps ``softplus(dt + dt_bias)`` at ``time_step_min`` in its chunked (full) forward but not
     in its decode, so there its decode differs from its own full forward. hyla clamps on both paths:
@@ -195,7 +198,7 @@ def test_nemotron_h_decode_applies_the_dt_clamp_like_prefill(tiny_ckpt_dir):
     gives what a cache-off prefill gives.
     """
     # time_step_min = time_step_max: HF's init centres softplus(dt + dt_bias) on the clamp (binds ~half the time)
-    path = make_nemotron_h(tiny_ckpt_dir, time_step_min=0.1, time_step_max=0.1)
+    path = make(tiny_ckpt_dir, time_step_min=0.1, time_step_max=0.1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = load_model(path)
     prompt, steps = tokens(40, seed=7), tokens(8, seed=8)
@@ -378,6 +381,14 @@ VARIANTS = {
         tie_word_embeddings=False, num_hidden_layers=4, layer_types=["full_attention", "conv", "sliding_attention", "conv"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 2e5},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}},
+    ),
+    # one shared block for every hybrid layer (each with its own MLP adapter), no q/k/v adapters, no RoPE, 2 KV heads
+    # for 4, one group of B/C, biases on the Mamba2 and MLP projections (add_bias_linear), a 3-wide conv, untied
+    # embeddings, a hybrid layer first
+    "zamba2_variant": lambda d: make_zamba2(
+        d, seed=1, num_mem_blocks=1, use_shared_attention_adapter=False, use_mem_rope=False, num_key_value_heads=2,
+        mamba_ngroups=1, add_bias_linear=True, mamba_d_conv=3, tie_word_embeddings=False, num_hidden_layers=4,
+        layers_block_type=["hybrid", "mamba", "hybrid", "mamba"],
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout
     "qwen3_next_variant": lambda d: make_qwen3_next(

@@ -33,6 +33,7 @@ from hyla.model import (
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
+    zamba2,
 )
 from hyla.model.layers import HybridForCausalLM
 
@@ -76,6 +77,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         olmo_hybrid.OlmoHybridForCausalLM, olmo_hybrid.parse_hf_config, "olmo_hybrid"),
     "LaraMiniForCausalLM": Architecture(lara_mini.LaraMiniForCausalLM, lara_mini.parse_hf_config, "lara_mini"),
     "Lfm3ForCausalLM": Architecture(lfm3.Lfm3ForCausalLM, lfm3.parse_hf_config, "lfm3"),
+    "Zamba2ForCausalLM": Architecture(zamba2.Zamba2ForCausalLM, zamba2.parse_hf_config, "zamba2"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

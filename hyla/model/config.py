@@ -97,7 +97,7 @@ class ModelConfig:
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
     # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "olmo_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
-    # | "lara_mini" | "lfm3"
+    # | "lara_mini" | "lfm3" | "zamba2"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -162,7 +162,8 @@ class ModelConfig:
     kda_gate_lower_bound: float = 0.0  # 0 = the softplus decay (checked by the layer's ops.kda.DecayGate)
     kda_decay_rounded: bool = False  # Ling 3: F.softplus, the decay rounded to the model dtype (ops.kda.DecayGate)
     # Gated DeltaNet's options: beta = scale * sigmoid(b) (OLMo-Hybrid's allow_neg_eigval: 2, beta in [0, 2]: the
-    # transition I - beta k k^T may have negative eigenvalues); its output norm's eps (None: norm_eps)
+    # transition I - beta k k^T may have negative eigenvalues); its output norm's eps, Mamba2's gated norm's too
+    # (None: norm_eps)
     gdn_beta_scale: float = 1.0
     linear_norm_eps: float | None = None
     # Mamba2
@@ -189,7 +190,7 @@ class ModelConfig:
 
     # --- feed-forward ---------------------------------------------------------------------------
     intermediate_size: int = 0
-    hidden_act: str = "silu"  # "silu" -> gated SwiGLU MLP; "relu2" -> non-gated relu(x)^2 MLP
+    hidden_act: str = "silu"  # "silu" -> gated SwiGLU MLP; "gelu" -> GeGLU (Zamba2); "relu2" -> non-gated relu(x)^2 MLP
     mlp_bias: bool = False
     sandwich_norm: bool = False  # LFM3: each part's output normed too: x + post_norm(part(norm(x)))
     num_experts: int = 0
@@ -211,6 +212,14 @@ class ModelConfig:
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0
     moe_latent_size: int = 0  # NemotronH: experts run in a smaller latent space (0 = hidden_size)
+
+    # --- Zamba2's shared blocks -----------------------------------------------------------------
+    # Its "hybrid" layers run one of shared_blocks weight-shared attention + MLP blocks (in turn) on [x | the
+    # embeddings], each layer with its own KV and its own low-rank adapters (rank shared_adapter_rank) on the block's
+    # MLP in projection, and on its q / k / v projections with shared_attention_adapters (zamba2.py). 0: none
+    shared_blocks: int = 0
+    shared_adapter_rank: int = 0
+    shared_attention_adapters: bool = False
 
     # --- multi-token prediction (Qwen3-Next / Qwen3.5 ``mtp.*`` tensors; hyla/model/mtp.py) ------------
     mtp_num_hidden_layers: int = 0  # config.json's mtp_num_hidden_layers (0: not given)

@@ -48,6 +48,8 @@ def flops_per_token(cfg: ModelConfig, context_len: int) -> FlopCount:
             counts["attention"] += _attention_flops(cfg, min(context_len, window) if window else context_len)
         if mixer in ("linear", "hybrid"):
             counts["linear"] += _linear_flops(cfg)
+        if mixer == "hybrid" and cfg.shared_blocks:  # Zamba2: the shared block's MLP, its adapters, the layer's linear
+            counts["mlp"] += _zamba2_block_flops(cfg)
         for kind in (mixer, ffn):
             if kind == "mlp":
                 counts["mlp"] += _mlp_flops(cfg, cfg.intermediate_size)
@@ -91,7 +93,7 @@ def context_sum(first: int, last: int, cap: int = 0) -> float:
 
 def _mlp_flops(cfg: ModelConfig, intermediate: int, hidden: int | None = None) -> float:
     hidden = cfg.hidden_size if hidden is None else hidden
-    mats = 3 if cfg.hidden_act == "silu" else 2  # gated: gate, up, down; relu2: up, down
+    mats = 2 if cfg.hidden_act == "relu2" else 3  # gated (SwiGLU, GeGLU): gate, up, down; relu2: up, down
     return 2.0 * mats * hidden * intermediate
 
 
@@ -113,8 +115,18 @@ def _attention_flops(cfg: ModelConfig, context_len: int) -> float:
         return _mla_flops(cfg, context_len)
     h, d, hq, hkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_kv_heads
     q_out = hq * d * (2 if cfg.attn_output_gate else 1)
-    proj = 2.0 * h * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
+    h_in = 2 * h if cfg.shared_blocks else h  # Zamba2's shared attention reads [x | the embeddings]
+    proj = 2.0 * h_in * (q_out + 2 * hkv * d) + 2.0 * hq * d * h
+    if cfg.shared_attention_adapters:  # Zamba2: q, k and v low-rank adapters
+        proj += 2.0 * 3 * cfg.shared_adapter_rank * (h_in + hq * d)
     return proj + 2.0 * 2 * hq * d * context_len  # QK^T and PV over the context
+
+
+def _zamba2_block_flops(cfg: ModelConfig) -> float:
+    """A Zamba2 hybrid layer's FLOPs besides its attention and Mamba2: the shared block's MLP, the layer's
+    low-rank adapter on its in projection, the layer's ``linear`` (hidden -> hidden)."""
+    h, i, r = cfg.hidden_size, cfg.intermediate_size, cfg.shared_adapter_rank
+    return _mlp_flops(cfg, i) + 2.0 * r * (h + 2 * i) + 2.0 * h * h
 
 
 def _mla_flops(cfg: ModelConfig, context_len: int) -> float:

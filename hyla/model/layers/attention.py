@@ -45,7 +45,10 @@ class Attention(nn.Module):
     fused_extend = True  # and a fused extend (ForwardBatch.fused_extend): HybridForCausalLM.supports_fused_extend
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
-    def __init__(self, config: ModelConfig, attention_ordinal: int, window: int = 0):
+    def __init__(self, config: ModelConfig, attention_ordinal: int, window: int = 0,
+                 projections: tuple[nn.Linear, nn.Linear] | None = None):
+        """``projections``: the ``(qkv_proj, o_proj)`` to use, owned elsewhere and not registered here (Zamba2:
+        a shared block's, which every layer that runs the block borrows); None: this layer's own."""
         super().__init__()
         c = config
         self.kv_index = attention_ordinal
@@ -55,8 +58,12 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim * (2 if self.output_gate else 1)
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scaling = self.head_dim**-0.5
-        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, dtype=c.dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias, dtype=c.dtype)
+        if projections is None:
+            self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, dtype=c.dtype)
+            self.o_proj = Linear(self.num_heads * self.head_dim, c.hidden_size, bias=c.attention_bias, dtype=c.dtype)
+        else:  # borrowed: plain attributes, so that the parameters have one name (their owner's)
+            object.__setattr__(self, "qkv_proj", projections[0])
+            object.__setattr__(self, "o_proj", projections[1])
         self.head_gate = Linear(c.hidden_size, self.num_heads, bias=False, dtype=c.dtype) if c.attn_head_gate else None
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.zero_centered_norm, c.dtype) if c.qk_norm else None
@@ -74,7 +81,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         kb, vb = batch.k_buffers[self.kv_index], batch.v_buffers[self.kv_index]
-        qkv = in_projection(self.qkv_proj, x, gemv_step)
+        qkv = self.project_qkv(x, gemv_step)
         if self.q_whole_norm is not None:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             qkv = torch.cat([self.q_whole_norm(q), self.k_whole_norm(k), v], dim=-1)
@@ -124,6 +131,10 @@ class Attention(nn.Module):
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, hq * d))
         return self.o_proj(o)
+
+    def project_qkv(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
+        """The stacked ``[q | k | v]`` projection of ``x`` (Zamba2 adds its layer's adapters)."""
+        return in_projection(self.qkv_proj, x, gemv_step)
 
     def _head_gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o [T, Hq, D]`` times LFM3's per-head gate ``sigmoid(head_gate(x)) [T, Hq]`` (in the model

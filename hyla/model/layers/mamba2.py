@@ -62,7 +62,8 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.norm = (
-            GatedRMSNorm(self.inner, c.norm_eps, self.inner // self.n_groups,
+            GatedRMSNorm(self.inner, c.norm_eps if c.linear_norm_eps is None else c.linear_norm_eps,
+                         self.inner // self.n_groups,
                          norm_before_gate=c.mamba_norm_before_gate, dtype=c.dtype)
             if c.mamba_rms_norm else None
         )

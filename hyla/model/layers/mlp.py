@@ -1,4 +1,4 @@
-"""The dense feed-forward (SwiGLU or relu²)."""
+"""The dense feed-forward (SwiGLU, GeGLU or relu²)."""
 
 from __future__ import annotations
 
@@ -15,34 +15,44 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+def gated_act(h: torch.Tensor, act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``h = [gate (I) | up (I)]`` in PyTorch: ``"silu"`` (SwiGLU) or ``"gelu"``
+    (GeGLU, the exact erf GELU: Hugging Face's ``"gelu"``)."""
+    gate, up = h.chunk(2, dim=-1)
+    return (F.silu(gate) if act == "silu" else F.gelu(gate)) * up
+
+
 class MLP(nn.Module):
     """Dense feed-forward. ``act="silu"``: gated SwiGLU, ``in_proj`` rows ``[gate (I) | up (I)]``;
-    ``act="relu2"``: ``down(relu(up(x))^2)``, ``in_proj`` rows ``[up (I)]``."""
+    ``act="gelu"``: the same rows, GeGLU (Zamba2); ``act="relu2"``: ``down(relu(up(x))^2)``, ``in_proj``
+    rows ``[up (I)]``."""
 
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
-        if act not in ("silu", "relu2"):
+        if act not in ("silu", "gelu", "relu2"):
             raise ValueError(f"unsupported activation {act!r}")
-        self.gated = act == "silu"
+        self.act = act
+        self.gated = act != "relu2"
         self.in_proj = Linear(hidden, intermediate * (2 if self.gated else 1), bias=bias, dtype=dtype)
         self.out_proj = Linear(intermediate, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor | OutProjection:
         h = in_projection(self.in_proj, x, gemv_step)
-        if gemv_step and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (relu2 before it)
-            return OutProjection(self.out_proj, h, "silu_mul") if self.gated else OutProjection(self.out_proj, relu2(h))
+        if gemv_step and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (the others before it)
+            if self.act == "silu":
+                return OutProjection(self.out_proj, h, "silu_mul")
+            return OutProjection(self.out_proj, gated_act(h, self.act) if self.gated else relu2(h))
         return self.down(h)
 
     def down(self, h: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
         """The activation and the out projection of the in projection's output ``h [..., I or 2I]``
         (on a GEMV step without bias, :func:`project`'s GEMV)."""
-        if self.gated and device.on_gpu(h):
+        if self.act == "silu" and device.on_gpu(h):
             a = device.gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         elif self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            a = F.silu(gate) * up
+            a = gated_act(h, self.act)
         else:
             a = relu2(h)
         return project(a, self.out_proj.weight, gemv_step) if gemv_step and self.out_proj.bias is None \

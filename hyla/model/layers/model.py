@@ -161,6 +161,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         return False
 
     attention_mixer: type[nn.Module] = Attention  # the mixer of "attention" layers (Kimi-Linear: MLA)
+    # every layer's forward and forward_fused also take the token embeddings (embeds=, [T, hidden]; Zamba2's)
+    layers_read_embeddings: bool = False
     linear_mixer: type[nn.Module] | None = None  # of "linear" layers; None: GatedDeltaNet / Mamba2Mixer (linear_kind)
 
     def build_mixer(self, index: int) -> nn.Module:
@@ -239,11 +241,12 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         the checks read host ints a compiled graph would specialise on)."""
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         ropes = self.layer_ropes(batch, h)
+        embeds = {"embeds": h} if self.layers_read_embeddings else {}  # (nothing writes h in place)
         if (batch.on_device or device.on_gpu(h)) and self._residual_fusable:  # each residual add in the next
             # norm's kernel
             out, residual = None, h
             for layer, rope in zip(self.layers, ropes):
-                out, residual = layer.forward_fused(out, residual, batch, rope)
+                out, residual = layer.forward_fused(out, residual, batch, rope, **embeds)
             if batch.fused_decode:
                 h, _ = add_rms_norm(out, residual, self.norm)  # [B, hidden]
                 logits = self.lm_head(h).float()  # [B, vocab]
@@ -251,7 +254,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             h = residual + out  # [T, hidden]: the last add (the final norm runs on the rows kept below)
         else:
             for layer, rope in zip(self.layers, ropes):
-                h = layer(h, batch, rope)
+                h = layer(h, batch, rope, **embeds)
         if batch.return_hidden:
             h = self.norm(h)  # [T, hidden]: every new token's final hidden state
             rows = h[batch.logits_indices] if batch.logits_indices is not None else (
