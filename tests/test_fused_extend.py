@@ -137,10 +137,12 @@ def few_splits(monkeypatch):
 # conv's extend kernels: test_conv1d_extend_kernel; the router runs in PyTorch on every path), Ling 3 (Kimi-Linear's
 # kernels: the bounded decay checked kernel by kernel, MLA's RoPE in test_engine_fused_decode_matches_pytorch),
 # OLMo-Hybrid (Qwen3.5's kernels: beta's scale checked kernel by kernel, its post-norm layers in
-# test_engine_fused_decode_matches_pytorch)
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear",
+# test_engine_fused_decode_matches_pytorch), Lara-4-Mini (~10 s; the windowed extend kernel: LFM3's here, ~10 s),
+# Zamba2 (~25 s; Bamba's kernels, its shared blocks in test_engine_fused_decode_matches_pytorch)
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear", "lfm3",
                                   *(pytest.param(a, marks=pytest.mark.gpu) for a in (
-                                      "qwen3_5_moe", "jamba", "lfm2", "lfm2_moe", "bailing_hybrid", "olmo_hybrid"))])
+                                      "qwen3_5_moe", "jamba", "lfm2", "lfm2_moe", "bailing_hybrid", "olmo_hybrid",
+                                      "lara_mini", "zamba2"))])
 def test_engine_fused_extend_matches_pytorch(arch, request, monkeypatch, few_splits):
     """fp32, prefix cache on: single-sequence extends as fused extends (padded to the captured
     token counts, checkpoints written by the segment kernels, attention over the request table)
