@@ -77,6 +77,9 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 20 attention layers (13 of them sliding-window: their K/V kept whole) x K,V x 4 KV heads x 128 x bf16;
         # 14 GDN layers x (conv (2 x 8 x 128 + 16 x 128) x 3 bf16 + SSM 16 x 128 x 128 fp32)
         ("lara-4-mini", 20 * 2 * 4 * 128 * 2, 14 * ((2 * 8 * 128 + 16 * 128) * 3 * 2 + 16 * 128 * 128 * 4)),
+        # 9 hybrid layers x K,V x 32 heads x 160 (2 x 2560 / 32) x bf16; 54 Mamba2 layers x (conv (5120 + 2 x 64) x 3
+        # bf16 + SSM 8 x 640 x 64 fp32)
+        ("zamba2-2.7b", 9 * 2 * 32 * 160 * 2, 54 * ((5120 + 2 * 64) * 3 * 2 + 8 * 640 * 64 * 4)),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):

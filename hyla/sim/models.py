@@ -34,6 +34,8 @@ Presets (``PRESETS``):
 * ``lara-4-mini``: transformers' ``LaraMiniConfig`` defaults (given there as Lara-4-Mini-Base's): 14 Gated DeltaNet
   layers (14.3 MiB a checkpoint), 13 sliding-window and 7 global attention layers of 4 KV heads, 40 KiB a token:
   hyla keeps the sliding layers' K/V whole (their window is a mask), so the accounting does too.
+* ``zamba2-2.7b``: transformers' ``Zamba2Config`` defaults (a Zamba2-2.7B-style configuration): 54 Mamba2 layers
+  (72.5 MB a checkpoint), 9 of them hybrid with a KV of 32 heads of 160 (180 KiB a token) over a shared block.
 * ``falcon-mamba-7b``, ``mamba-codestral-7b``: pure state-space models (64 Mamba1 / Mamba2 layers, no
   attention): no KV bytes at all, so a cache is checkpoints alone and a hit is one at the exact
   position (FalconMamba 35 MiB a checkpoint, Codestral 260 MiB).

@@ -488,6 +488,15 @@ LARA_4_MINI: dict[str, Any] = {
     "model_type": "lara_mini",
 }
 
+# Zamba2-2.7B: transformers 5.24's Zamba2Config defaults, which its docstring gives as a Zamba2-2.7B-style
+# configuration: 54 Mamba2 layers (8 heads of 640, 64 states), 9 of them hybrid with a KV of 32 heads of 160 (the
+# heads read [x | embeddings]: 2 hidden / heads wide) over one shared attention block
+ZAMBA2_2_7B: dict[str, Any] = {
+    "architectures": ["Zamba2ForCausalLM"],
+    "dtype": "bfloat16",
+    "model_type": "zamba2",
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -503,4 +512,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "ling-3.0-flash": LING_3_0_FLASH,
     "olmo-hybrid-7b": OLMO_HYBRID_7B,
     "lara-4-mini": LARA_4_MINI,
+    "zamba2-2.7b": ZAMBA2_2_7B,
 }
