@@ -53,6 +53,7 @@ from hyla.model.layers import (
     Rope,
     add_rms_norm,
     is_gemv_step,
+    materialized,
     on_gemv_step,
 )
 from hyla.model.weight_specs import (
@@ -97,13 +98,9 @@ class FalconH1Layer(HybridLayer):
         h, residual = add_rms_norm(out, residual, self.mixer_norm)  # [T, hidden] each
         mamba = on_gemv_step(self.mamba, gemv_step)(h, batch)
         attn = on_gemv_step(self.attn, gemv_step)(h, batch, rope)
-        mixed = _ran(mamba) + _ran(attn)  # [T, hidden]
+        mixed = materialized(mamba) + materialized(attn)  # [T, hidden]
         h, residual = add_rms_norm(mixed, residual, self.ffn_norm)
         return on_gemv_step(self.ffn, gemv_step)(h), residual
-
-
-def _ran(out: torch.Tensor | OutProjection) -> torch.Tensor:
-    return out.run() if isinstance(out, OutProjection) else out
 
 
 class FalconH1ForCausalLM(HybridForCausalLM):

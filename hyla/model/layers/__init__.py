@@ -42,6 +42,7 @@ from hyla.model.layers.projections import (
     add_rms_norm,
     in_projection,
     is_gemv_step,
+    materialized,
     on_gemv_step,
     out_projection,
     project,
@@ -62,7 +63,7 @@ __all__ = [
     "MLP", "Mamba2Mixer", "OutProjection", "PostNormLayer", "RMSNorm", "Rope", "RotaryEmbedding", "SandwichLayer",
     "SparseMoE", "WeightlessRMSNorm",
     "add_rms_norm", "apply_rotary", "apply_rotary_", "ckpt_kwargs", "conv1d_extend", "conv1d_fused_extend",
-    "copy_decode_checkpoints", "device", "in_projection", "is_gemv_step", "on_gemv_step", "out_projection", "project",
+    "copy_decode_checkpoints", "device", "in_projection", "is_gemv_step", "materialized", "on_gemv_step", "out_projection", "project",
     "refresh_derived_weights_", "relu2", "run_fused_extend_segments", "runs_prologue_kernel", "signed_sin",
     "tree_masks",
 ]

@@ -16,7 +16,7 @@ from hyla.model.layers.gated_deltanet import GatedDeltaNet
 from hyla.model.layers.mamba2 import Mamba2Mixer
 from hyla.model.layers.mlp import MLP
 from hyla.model.layers.norms import RMSNorm
-from hyla.model.layers.projections import OutProjection, add_rms_norm, is_gemv_step, on_gemv_step
+from hyla.model.layers.projections import OutProjection, add_rms_norm, is_gemv_step, materialized, on_gemv_step
 from hyla.model.layers.rotary import Rope, RotaryEmbedding, signed_sin
 from hyla.model.layers.sparse_moe import SparseMoE
 from hyla.model.linear import Linear, relayout_weights_
@@ -75,11 +75,13 @@ class PostNormLayer(HybridLayer):
                       rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` in :meth:`HybridLayer.forward_fused`'s contract: the input ``residual + out``
         from the add-norm kernel (its norm unused: ``out`` may be the layer before's deferred GEMV
-        projection), the parts run as plain forwards (their outputs go through a norm, not into the
-        residual stream), the last add left to the next layer's kernel: ``(ffn_norm(ffn(x)), x)``."""
+        projection), each part's output materialised for its norm (on a GEMV step its projections are
+        GEMVs too: :meth:`OutProjection.run`), the last add left to the next layer's kernel:
+        ``(ffn_norm(ffn(x)), x)``."""
+        gemv_step = is_gemv_step(batch, residual)
         x = residual if out is None else add_rms_norm(out, residual, self.mixer_norm)[1]
-        x = x + self.mixer_norm(self.mixer(x, batch, rope))
-        return self.ffn_norm(self.ffn(x)), x
+        x = x + self.mixer_norm(materialized(on_gemv_step(self.mixer, gemv_step)(x, batch, rope)))
+        return self.ffn_norm(materialized(on_gemv_step(self.ffn, gemv_step)(x))), x
 
 
 class SandwichLayer(HybridLayer):
@@ -99,12 +101,13 @@ class SandwichLayer(HybridLayer):
     def forward_fused(self, out: torch.Tensor | OutProjection | None, residual: torch.Tensor, batch: ForwardBatch,
                       rope: Rope | None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` in :meth:`HybridLayer.forward_fused`'s contract: each input norm in the
-        add-norm kernel, the parts run as plain forwards (their outputs go through a norm, not into
-        the residual stream), the last add left to the next layer's kernel."""
+        add-norm kernel, each part's output materialised for its post-norm (on a GEMV step its projections
+        are GEMVs too: :meth:`OutProjection.run`), the last add left to the next layer's kernel."""
+        gemv_step = is_gemv_step(batch, residual)
         h, residual = add_rms_norm(out, residual, self.mixer_norm)
-        out = self.post_mixer_norm(self.mixer(h, batch, rope))
+        out = self.post_mixer_norm(materialized(on_gemv_step(self.mixer, gemv_step)(h, batch, rope)))
         h, residual = add_rms_norm(out, residual, self.ffn_norm)
-        return self.post_ffn_norm(self.ffn(h)), residual
+        return self.post_ffn_norm(materialized(on_gemv_step(self.ffn, gemv_step)(h))), residual
 
 
 class HybridForCausalLM(nn.Module, abc.ABC):

@@ -41,11 +41,19 @@ class OutProjection:
 
     def run(self) -> torch.Tensor:
         """The projection, run now (a GEMV where :func:`project` takes one): for a part whose output
-        is summed with another's before the next norm (Falcon-H1's parallel mixers). Plain prologues
-        only: the parts whose projections carry a prologue (MLP, Gated DeltaNet) never need this."""
+        is summed with another's before the next norm (Falcon-H1's parallel mixers), or goes through a norm
+        of its own (post-norm and sandwich layers). Plain and SwiGLU prologues (the latter in its own kernel
+        first); Gated DeltaNet's gated norm is never run this way."""
+        if self.prologue == "silu_mul":
+            return project(device.gpu("norms").silu_mul_fused(self.x), self.linear.weight, True)
         if self.prologue != "plain":
             raise NotImplementedError(f"OutProjection.run with the {self.prologue!r} prologue")
         return project(self.x, self.linear.weight, True)
+
+
+def materialized(out: torch.Tensor | OutProjection) -> torch.Tensor:
+    """``out`` itself, or a deferred projection run now (:meth:`OutProjection.run`)."""
+    return out.run() if isinstance(out, OutProjection) else out
 
 
 def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
