@@ -900,6 +900,8 @@ def test_zamba2_layout_blocks_and_defaults(zamba2):
                                                                                                          True)
     untied = ModelConfig.from_hf({**c.extra["hf_config"], "tie_word_embeddings": False})
     assert untied.shared_blocks == 3
+    one = ModelConfig.from_hf({**c.extra["hf_config"], "num_hidden_layers": 2, "layers_block_type": ["mamba", "hybrid"]})
+    assert one.shared_blocks == 1  # num_mem_blocks 2, one hybrid layer: the block no layer runs is not built
 
 
 @pytest.mark.parametrize("bad, match", [

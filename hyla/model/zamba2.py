@@ -283,6 +283,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         raise ValueError(f"Zamba2's hybrid layers need num_mem_blocks >= 1, got {blocks}")
     if not common["tie_word_embeddings"]:  # transformers ties the blocks only with the embeddings (its
         blocks = types.count("hybrid")  # _tied_weights_keys): untied, every hybrid layer has a block of its own
+    blocks = min(blocks, types.count("hybrid"))  # (a block no layer runs is not built, by transformers either)
     adapters = bool(cfg.get("use_shared_attention_adapter", False))
     if adapters and kv_heads != heads:
         raise ValueError(f"use_shared_attention_adapter needs as many KV heads as heads (transformers adds a "
