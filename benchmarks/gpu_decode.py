@@ -13,6 +13,9 @@ transformers' ``Qwen3_5ForCausalLM`` and saved to a temporary directory: hidden 
 first layer; ~1.06 B parameters, ~2.11 GB in bf16), its section ``GPU decode: Kimi-Linear``. ``--olmo``: an
 OLMo-Hybrid-style model (``OLMO``: transformers' ``OlmoHybridForCausalLM``, Gated DeltaNet with ``beta = 2 sigmoid(b)``
 + post-norm NoPE attention 3:1, dense MLPs; ~0.74 B parameters), its section ``GPU decode: OLMo-Hybrid``.
+``--zamba2``: a Zamba2-style model (``ZAMBA2``: transformers' ``Zamba2ForCausalLM``, Mamba2 layers, every 6th a hybrid
+that runs one of two weight-shared attention + GeGLU blocks with its own adapters; ~0.52 B parameters), its section
+``GPU decode: Zamba2`` (its roofline reads a shared block's weights once per layer that runs it).
 
 Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
 ``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
@@ -40,7 +43,7 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi | --olmo] [--json PATH]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi | --olmo | --zamba2] [--json PATH]
         [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
@@ -152,6 +155,24 @@ TINY_OLMO = dict(OLMO, vocab_size=2048, hidden_size=64, intermediate_size=128, n
                  linear_num_value_heads=2, linear_key_head_dim=24, linear_value_head_dim=48)
 
 
+# --zamba2: transformers' Zamba2ForCausalLM (hyla/model/zamba2.py: Bamba's Mamba2 kernels, attention on [x | e]).
+# Zamba2's layout at the Qwen3.5 model's width and depth: hidden 1,024, 24 layers ([Mamba2 x 5, hybrid] x 4), Mamba2
+# 32 heads of 64 (expand 2), 64 states, one group, conv 4; two shared blocks (the hybrid layers take them in turn),
+# attention 8 heads of 256 (2 hidden / heads; KV heads as many: the q/k/v adapters need it), RoPE theta 1e4, GeGLU MLP
+# 4 hidden; adapters of rank 128 on q, k, v and the MLP; Zamba2's vocab of 32,000, tied. ~0.52 B parameters.
+ZAMBA2 = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=24,
+              layers_block_type=(["mamba"] * 5 + ["hybrid"]) * 4, num_attention_heads=8, num_key_value_heads=8,
+              mamba_d_state=64, mamba_d_conv=4, mamba_expand=2, n_mamba_heads=32, mamba_ngroups=1, num_mem_blocks=2,
+              use_shared_attention_adapter=True, adapter_rank=128, use_mem_rope=True, intermediate_size=4096,
+              hidden_act="gelu", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              time_step_min=0.001, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=True,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# tiny: 4 layers (Mamba2, hybrid, Mamba2, hybrid) over one shared block (run twice), 2 heads of 64
+TINY_ZAMBA2 = dict(ZAMBA2, vocab_size=2048, hidden_size=64, num_hidden_layers=4,
+                   layers_block_type=["mamba", "hybrid"] * 2, num_attention_heads=2, num_key_value_heads=2,
+                   mamba_d_state=16, n_mamba_heads=4, num_mem_blocks=1, adapter_rank=8, intermediate_size=128)
+
+
 def _qwen3_5(kw: dict):
     import transformers
 
@@ -181,6 +202,39 @@ def _olmo(kw: dict):
     import transformers
 
     return transformers.OlmoHybridForCausalLM(transformers.OlmoHybridConfig(**{**checkpoints.OLMO_HYBRID_KW, **kw}))
+
+
+def _zamba2(kw: dict):
+    import transformers
+
+    return transformers.Zamba2ForCausalLM(transformers.Zamba2Config(**{**checkpoints.ZAMBA2_KW, **kw}))
+
+
+def _zamba2_reads(kw: dict, name: str) -> bool:
+    """A hybrid layer reads its block's weights and, of the block's adapters, its own (``*_adapter_list.{k}``, ``k``
+    its hybrid ordinal)."""
+    parts = name.split(".")
+    if "shared_transformer" not in parts or not any(p.endswith("_adapter_list") for p in parts):
+        return True
+    layer = int(parts[parts.index("layers") + 1])
+    k = int(parts[next(i for i, p in enumerate(parts) if p.endswith("_adapter_list")) + 1])
+    return kw["layers_block_type"][:layer].count("hybrid") == k
+
+
+def _describe_zamba2(kw: dict) -> str:
+    types, h, heads = kw["layers_block_type"], kw["hidden_size"], kw["num_attention_heads"]
+    hybrid = [i for i, t in enumerate(types) if t == "hybrid"]
+    inner = kw["mamba_expand"] * h
+    adapters = "q, k, v and the MLP" if kw["use_shared_attention_adapter"] else "the MLP"
+    return (f"Zamba2-style model (`Zamba2ForCausalLM`), random weights: hidden {h}, {len(types)} layers "
+            f"({len(types) - len(hybrid)} Mamba2 + {len(hybrid)} hybrid at {', '.join(map(str, hybrid))}: Mamba2 after "
+            f"one of {min(kw['num_mem_blocks'], len(hybrid))} shared attention + GeGLU blocks), Mamba2 "
+            f"{kw['n_mamba_heads']} heads of {inner // kw['n_mamba_heads']}, {kw['mamba_d_state']} states, "
+            f"{kw['mamba_ngroups']} group(s), conv {kw['mamba_d_conv']}, attention on [x | embeddings] "
+            f"{heads}/{kw['num_key_value_heads']} heads of {2 * h // heads} "
+            f"({'RoPE' if kw['use_mem_rope'] else 'NoPE'}), GeGLU MLP {kw['intermediate_size']}, adapters of rank "
+            f"{kw['adapter_rank']} on {adapters}, vocab {kw['vocab_size']:,}, "
+            f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings")
 
 
 def _describe_olmo(kw: dict) -> str:
@@ -250,7 +304,7 @@ def _describe_kimi(kw: dict) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelKind:
-    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``; the default ``qwen3_5``): its
+    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``; the default ``qwen3_5``): its
     config keys at full size and ``--tiny``, its transformers model from them, its routed experts'
     config keys (count, top-k) for the roofline, what transformers' side runs where importable (the
     peer's kernels, named in the table), and its section of docs/benchmarks.md."""
@@ -263,6 +317,9 @@ class ModelKind:
     experts: tuple[str, str] | None = None  # the keys of the routed experts' count and top-k
     peer: str = "fla"  # transformers' Qwen3.5 and Kimi-Linear run fla's kernels, its Jamba mamba_ssm's
     help: str = ""
+    # whether a step reads the parameter of this name (in transformers' model, each module that holds a shared
+    # one naming it: Zamba2's blocks hold every layer's adapters, of which a layer reads its own)
+    reads: Callable[[dict, str], bool] = lambda kw, name: True
 
     def routing(self, kw: dict) -> dict | None:
         """``{num_experts, num_experts_per_tok}`` of the routed experts (None: dense MLPs only)."""
@@ -288,6 +345,10 @@ MODELS = {
     "olmo": ModelKind(OLMO, TINY_OLMO, _olmo, _describe_olmo, "GPU decode: OLMo-Hybrid",
                       help="an OLMo-Hybrid-style model instead (OLMO: 18 Gated DeltaNet with beta = 2 sigmoid(b) + 6 "
                            "post-norm NoPE attention layers, dense MLPs); writes its own section"),
+    "zamba2": ModelKind(ZAMBA2, TINY_ZAMBA2, _zamba2, _describe_zamba2, "GPU decode: Zamba2", peer="mamba_ssm",
+                        reads=_zamba2_reads,
+                        help="a Zamba2-style model instead (ZAMBA2: 20 Mamba2 + 4 hybrid layers over 2 shared "
+                             "attention + GeGLU blocks with per-layer adapters); writes its own section"),
 }
 
 
@@ -393,19 +454,20 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, kind: str = "qwe
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = list(model.parameters())  # tied: the shared matrix once
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    # what a step reads: every parameter once per module that uses it (Zamba2's shared blocks: once per layer that
+    # runs one, too big to stay in a cache between them), but the embedding (B rows) and the lm_head (once)
+    uses = [p for name, p in model.named_parameters(remove_duplicate=False)
+            if p is not embed and p is not head and model_kind.reads(kw, name)]
     # the routed experts: Qwen3.5-MoE's mlp.experts.*, Jamba's feed_forward.experts.*, Kimi-Linear's
     # mlp.experts.gate_up_proj / down_proj (in memory; not the shared expert — Kimi's mlp.shared_experts.* —, the
     # routers, nor the dense MLPs)
     experts = sum(nbytes(p) for name, p in model.named_parameters() if ".experts." in name)
     routing = model_kind.routing(kw)
     routed = routing["num_experts"] if routing else 0
-    tied = embed.data_ptr() == head.data_ptr()
     info = dict(params=sum(p.numel() for p in params), param_bytes=sum(nbytes(p) for p in params),
-                # every step reads the whole lm_head but only B rows of the embedding (and of the
-                # routed experts, those its tokens chose: roofline()); untied (Jamba, Kimi): the lm_head
-                # is among the parameters already
-                weight_bytes_per_step=sum(nbytes(p) for p in params) - nbytes(embed) + (nbytes(head) if tied else 0)
-                - experts,
+                # every step reads the whole lm_head (tied or not) but only B rows of the embedding (and
+                # of the routed experts, those its tokens chose: roofline())
+                weight_bytes_per_step=sum(nbytes(p) for p in uses) + nbytes(head) - experts,
                 expert_bytes=experts // routed if experts else 0)
     model.save_pretrained(out, safe_serialization=True)
     del model

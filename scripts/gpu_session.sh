@@ -28,6 +28,9 @@
 #   olmo     gpu_decode.py --olmo --batches 1,8,64: the OLMo-Hybrid-style model (Gated DeltaNet kernels with beta =
 #            2 sigmoid(b), post-norm NoPE attention, in CUDA graphs) against transformers + fla, and the HBM roofline
 #            (~4 min)
+#   zamba2   gpu_decode.py --zamba2 --batches 1,8,64: the Zamba2-style model (Mamba2 kernels, hybrid layers running
+#            shared attention + GeGLU blocks on [x | embeddings], in CUDA graphs) against transformers (+ mamba_ssm
+#            where installed), and the HBM roofline (~4 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too) (~4 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -102,6 +105,8 @@ for s in "$@"; do
                   --variants "kda-fuse-conv=1; kda-fuse-conv=0" 2>&1 | tee "$out/kimi-conv.log" | tail -8 ;;
         olmo) timeout 300 python3 benchmarks/gpu_decode.py --olmo --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                   --json "$out/gpu_decode_olmo.json" 2>&1 | tee "$out/olmo.log" | tail -20 ;;
+        zamba2) timeout 300 python3 benchmarks/gpu_decode.py --zamba2 --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
+                  --json "$out/gpu_decode_zamba2.json" 2>&1 | tee "$out/zamba2.log" | tail -20 ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \
@@ -119,7 +124,7 @@ for s in "$@"; do
         kernels) timeout 400 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -48
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

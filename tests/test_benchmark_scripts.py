@@ -121,8 +121,30 @@ def test_gpu_decode_runs_on_cpu_with_olmo(tmp_path):
     assert data["greedy_agreement"] == 8 and data["moe"] is None and data["medians"]["hyla_cached_hit"] == 48
 
 
+def test_gpu_decode_runs_on_cpu_with_zamba2(tmp_path):
+    """``--zamba2``: the Zamba2-style model (Mamba2 + hybrid layers over one shared block, run twice), both sides
+    (their greedy check agrees), its roofline reading the block once per layer that runs it (and of its adapters,
+    each layer its own), its cached TTFT hitting the whole prefix."""
+    import checkpoints
+    import transformers
+
+    from benchmarks.gpu_decode import TINY_ZAMBA2
+
+    out, data = _tiny_gpu_decode(tmp_path, "--zamba2")
+    assert "Zamba2-style model (`Zamba2ForCausalLM`)" in out and "(2 Mamba2 + 2 hybrid at 1, 3: Mamba2 after one" in out
+    assert data["greedy_agreement"] == 8 and data["moe"] is None and data["medians"]["hyla_cached_hit"] == 48
+    hf = transformers.Zamba2ForCausalLM(transformers.Zamba2Config(**{**checkpoints.ZAMBA2_KW, **TINY_ZAMBA2}))
+    block = hf.model.layers[1].shared_transformer
+    assert hf.model.layers[3].shared_transformer.self_attn.q_proj.weight is block.self_attn.q_proj.weight
+    nbytes = lambda ps: sum(p.numel() * 4 for p in ps)  # noqa: E731  (fp32 on the CPU)
+    adapters = [p for name, p in block.named_parameters() if "_adapter_list." in name]
+    # each unique parameter once, the shared block (less the adapters) once more, the tied lm_head read once
+    want = nbytes(hf.parameters()) + nbytes(block.parameters()) - nbytes(adapters)
+    assert data["sizes"]["weight_bytes_per_step"] == want
+
+
 def _tiny_gpu_decode(tmp_path, model: str) -> tuple[str, dict]:
-    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``), both sides,
+    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``), both sides,
     batches 1 and 2, a 64-token cached TTFT with 48 cached: ``(its output, its JSON report)``."""
     report = tmp_path / "gpu_decode.json"
     out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", model, "--batches", "1,2", "--new-tokens", "2",
