@@ -223,6 +223,15 @@ def test_state_ops_times_both_paths():
     assert all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)  # the speed-up column
 
 
+def test_window_attention_times_both_paths():
+    """Small sizes: each call checks the window's keys against the whole context (the script asserts it), then
+    times both."""
+    out = _run("benchmarks/window_attention.py", "--no-write", "--repeats", "1", "--threads", "1", "--window", "16",
+               "--decodes", "1x64,2x40", "--extends", "64+8,8+8")
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 4 and all(float(r.split("|")[4].strip().rstrip("x")) > 0 for r in rows)
+
+
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1", "--new-tokens", "30")

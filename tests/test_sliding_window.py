@@ -22,6 +22,7 @@ from hyla.model.ops.attention import (
     paged_attention,
     paged_attention_reference,
     paged_attention_short_extend,
+    window_kv_table,
     window_mask,
 )
 from hyla.model.ops.tree import TokenTree
@@ -71,6 +72,41 @@ def test_decode_window_mask_matches_reference():
         want = paged_attention_reference(q, k, v, k_buf.clone(), v_buf.clone(), out_loc, kv_indices, indptr, prefix,
                                          [1] * 4, D**-0.5, window=window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 4, 12, 30])
+def test_decode_reads_the_window_alone(window):
+    """``window_kv_table``: of each row the last ``window`` slots (fewer where a sequence is shorter, masked), the
+    decode over them == the reference over the whole context; what the decode paths (``ForwardBatch``, the
+    padded decode) use, narrower than the context once it exceeds the window."""
+    prefix = [0, 3, 9, 20]
+    q, k, v, k_buf, v_buf, (out_loc, kv_indices, indptr, *_), = make_case(prefix, [1] * 4)
+    k_buf[out_loc], v_buf[out_loc] = k, v
+    seq_lens = torch.tensor([p + 1 for p in prefix])
+    full, _ = decode_kv_table(kv_indices, indptr, seq_lens.tolist())
+    table, mask = window_kv_table(full, seq_lens, window)
+    assert table.shape == (4, min(window, 21)) and mask.shape == table.shape
+    for b, n in enumerate(seq_lens.tolist()):  # each row: its last min(window, n) slots, left-aligned
+        kept = min(window, n)
+        assert torch.equal(table[b, :kept], full[b, n - kept : n]) and bool((mask[b, kept:] == float("-inf")).all())
+    got = decode_attention(q, k_buf, v_buf, table, mask, D**-0.5, decode_kv_rows(table, HKV))
+    want = paged_attention_reference(q, k, v, k_buf.clone(), v_buf.clone(), out_loc, kv_indices, indptr, prefix,
+                                     [1] * 4, D**-0.5, window=window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prefix, window", [(40, 8), (40, 41), (7, 8), (64, 1)])
+def test_extend_reads_the_window_alone(prefix, window, monkeypatch):
+    """An extend over a long prefix: a sliding layer gathers the keys from ``prefix - window + 1`` on (no new token
+    sees the earlier ones), == the reference over the whole sequence."""
+    from hyla.model.ops import attention
+
+    seen = []
+    run = attention.extend_sdpa
+    monkeypatch.setattr(attention, "extend_sdpa", lambda q, k, *a, **kw: seen.append(k.shape[1]) or run(q, k, *a, **kw))
+    got, want = _both([prefix], [5], window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert seen == [min(prefix, window - 1) + 5]
 
 
 def _tree_reference(q, k_buf, v_buf, slots, prefix, parents, window):

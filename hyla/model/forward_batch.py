@@ -49,7 +49,7 @@ from hyla.model.ops.attention import (
     decode_kv_rows,
     decode_kv_table,
     padding_mask,
-    window_mask,
+    window_kv_table,
 )
 from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
 from hyla.model.ops.varlen import (
@@ -340,10 +340,11 @@ class ForwardBatch:
         Inside a compiled decode graph they are traced, not kept: a few index ops that fuse into
         the gathers, and none of them is paid when the batch is built (from ``kv_lens``, then).
 
-        ``window``: the layout of sliding-window attention layers (``ops.attention.window_mask``: the
-        mask also hides the keys before each sequence's last ``window``; a tensor at every batch size)."""
+        ``window``: the layout of sliding-window attention layers (``ops.attention.window_kv_table``: the
+        rows of each sequence's last ``window`` keys alone, ``L = min(window, max(seq_lens))``, and a mask, a
+        tensor at every batch size, over the rows of sequences shorter than that)."""
         if window:
-            return self._windowed(("decode", window), lambda: self._decode_window_mask(window))
+            return self._windowed(("decode", window), lambda: self._decode_window_layout(window))
         if self.kv_rows is not None:
             return self.kv_rows, self.kv_mask
         rows = decode_kv_rows(self.kv_table, self.k_buffers[0].shape[1])
@@ -357,11 +358,13 @@ class ForwardBatch:
             self.kv_rows, self.kv_mask = rows, mask
         return rows, mask
 
-    def _decode_window_mask(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, _ = self.decode_kv_layout()
+    def _decode_window_layout(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows and mask of each sequence's last ``window`` keys (``window_kv_table``): a sliding
+        layer's decode reads its window, whatever the context."""
         lens = self.kv_lens if self.kv_lens is not None else torch.tensor(
             self.seq_lens, dtype=torch.long, device=self.kv_table.device)
-        return rows, window_mask(lens, self.kv_table.shape[1], window)
+        table, mask = window_kv_table(self.kv_table, lens, window)
+        return decode_kv_rows(table, self.k_buffers[0].shape[1]), mask
 
     def short_extend_layout(self, window: int = 0) -> ShortExtendLayout:
         """A verify step's attention layout (``short_extend``), for sliding-window attention layers

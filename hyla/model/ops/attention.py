@@ -127,6 +127,9 @@ def _extend_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
         if indptr[i + 1] - indptr[i] != prefix + extend:
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, expected {prefix + extend}")
         slots = kv_indices[indptr[i] : indptr[i + 1]]
+        if window and prefix >= window:  # no new token sees the keys before prefix - window + 1 (a tree's neither:
+            lo = prefix - window + 1  # its tokens sit at prefix + depth): a sliding layer reads its window only
+            slots, prefix = slots[lo:], prefix - lo
         qi = q[start : start + extend].transpose(0, 1)  # [Hq, E, D]
         ki = k_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
         vi = v_buffer.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [Hkv, L, D]
@@ -196,7 +199,7 @@ def _decode_attention(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens,
     seq_lens = [p + 1 for p in prefix_lens]
     table, mask = decode_kv_table(kv_indices, kv_indptr, seq_lens)
     if window:
-        mask = window_mask(torch.tensor(seq_lens, dtype=torch.long, device=q.device), table.shape[1], window)
+        table, mask = window_kv_table(table, torch.tensor(seq_lens, dtype=torch.long, device=q.device), window)
     return decode_attention(q, k_buffer, v_buffer, table, mask, scaling)
 
 
@@ -239,10 +242,25 @@ def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
 def window_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
     """A decode step's :func:`padding_mask` for sliding-window attention: ``[B, width]`` additive
     fp32, also ``-inf`` at offsets ``< lens[b] - window`` (the query, at position ``lens[b] - 1``,
-    sees its last ``window`` keys). Reads nothing back (traceable)."""
+    sees its last ``window`` keys). Reads nothing back (traceable). The decode paths read the window's
+    columns alone (:func:`window_kv_table`); this is their reference."""
     offsets = torch.arange(width, device=lens.device)
     hidden = (offsets >= lens[:, None]) | (offsets < lens[:, None] - window)  # [B, width]
     return torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
+
+
+def window_kv_table(kv_table: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's keys for sliding-window attention: of each row of ``kv_table [B, L]`` (``lens [B]`` slots)
+    the last ``w = min(window, L)`` slots, ``[B, w]``, and the additive fp32 mask ``[B, w]`` that hides the
+    columns past a row shorter than ``w`` (left-aligned; slot 0 there). What :func:`window_mask` keeps of the
+    whole table, so a sliding layer's decode reads its window, not its context. Reads nothing back (traceable:
+    ``L`` may be symbolic)."""
+    width = kv_table.shape[1]
+    w = torch.sym_min(window, width)
+    offsets = (lens - w).clamp(min=0)[:, None] + torch.arange(w, device=lens.device)  # [B, w]
+    table = kv_table.gather(1, offsets.clamp(max=width - 1))
+    hidden = offsets >= lens[:, None]
+    return table, torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
 
 
 def decode_kv_rows(kv_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
