@@ -221,9 +221,9 @@ lfm3_path = _tiny_checkpoint("lfm3_path", checkpoints.make_lfm3)
 lfm3_short_path = _tiny_checkpoint("lfm3_short_path", checkpoints.make_lfm3, num_hidden_layers=2,
                                    layer_types=["conv", "sliding_attention"])
 zamba2_path = _tiny_checkpoint("zamba2_path", checkpoints.make_zamba2)
-# a Mamba2 layer and a hybrid one (of the two blocks the config names, the one a layer runs is built)
-zamba2_short_path = _tiny_checkpoint("zamba2_short_path", checkpoints.make_zamba2, num_hidden_layers=2,
-                                     layers_block_type=["mamba", "hybrid"])
+# a Mamba2 layer and two hybrid ones running one shared block
+zamba2_short_path = _tiny_checkpoint("zamba2_short_path", checkpoints.make_zamba2, num_hidden_layers=3,
+                                     layers_block_type=["mamba", "hybrid", "hybrid"], num_mem_blocks=1)
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)

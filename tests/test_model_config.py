@@ -902,6 +902,11 @@ def test_zamba2_layout_blocks_and_defaults(zamba2):
     assert untied.shared_blocks == 3
     one = ModelConfig.from_hf({**c.extra["hf_config"], "num_hidden_layers": 2, "layers_block_type": ["mamba", "hybrid"]})
     assert one.shared_blocks == 1  # num_mem_blocks 2, one hybrid layer: the block no layer runs is not built
+    # as transformers 5.24: use_long_context sets the context length alone, use_conv_bias is never read, a RoPE
+    # that no layer applies (use_mem_rope off) is not checked
+    other = ModelConfig.from_hf({**c.extra["hf_config"], "use_long_context": True, "use_conv_bias": False,
+                                 "use_mem_rope": False, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    assert (other.max_position_embeddings, other.mamba_conv_bias, other.rotary_dim) == (16_384, True, 0)
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -910,7 +915,6 @@ def test_zamba2_layout_blocks_and_defaults(zamba2):
     ({"hidden_act": "silu"}, "gelu"),
     ({"num_key_value_heads": 2}, "as many KV heads"),
     ({"num_attention_heads": 3, "num_key_value_heads": 3}, "multiple of num_attention_heads"),
-    ({"use_long_context": True}, "use_long_context"),
     ({"num_mem_blocks": 0}, "num_mem_blocks"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
 ])

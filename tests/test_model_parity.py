@@ -383,11 +383,12 @@ VARIANTS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}},
     ),
     # one shared block for every hybrid layer (each with its own MLP adapter), no q/k/v adapters, no RoPE, 2 KV heads
-    # for 4, one group of B/C, biases on the Mamba2 and MLP projections (add_bias_linear), a 3-wide conv, untied
-    # embeddings, a hybrid layer first
+    # for 4, one group of B/C, biases on the Mamba2 and MLP projections (add_bias_linear), a 3-wide conv (its bias
+    # there whatever use_conv_bias says, as transformers'), untied embeddings, a hybrid layer first
     "zamba2_variant": lambda d: make_zamba2(
         d, seed=1, num_mem_blocks=1, use_shared_attention_adapter=False, use_mem_rope=False, num_key_value_heads=2,
-        mamba_ngroups=1, add_bias_linear=True, mamba_d_conv=3, tie_word_embeddings=False, num_hidden_layers=4,
+        mamba_ngroups=1, add_bias_linear=True, mamba_d_conv=3, use_conv_bias=False, tie_word_embeddings=False,
+        num_hidden_layers=4,
         layers_block_type=["hybrid", "mamba", "hybrid", "mamba"],
     ),
     # attention bias, half-rotary heads, MoE only every 2nd layer but not layer 3, other layout

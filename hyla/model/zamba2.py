@@ -264,8 +264,10 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     hybrid layers share ``num_mem_blocks`` blocks when ``tie_word_embeddings`` (the default, and every published
     checkpoint's); otherwise each has its own, as transformers loads such a checkpoint.
     Raises ``ValueError`` for layer types other than Mamba2 and hybrid, an activation other than ``gelu``,
-    a non-default RoPE, attention adapters with fewer KV than query heads (transformers adds a full-width
-    adapter to k and v), or no shared block with hybrid layers."""
+    a non-default RoPE with ``use_mem_rope``, attention adapters with fewer KV than query heads (transformers adds
+    a full-width adapter to k and v), or no shared block with hybrid layers. ``use_long_context`` sets the
+    context length to 16,384 (all transformers 5.24 does with it); ``use_conv_bias`` is not read (transformers'
+    mixer always has a conv bias)."""
     given, cfg = cfg, {**_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k not in _DEFAULTS}}
     common = hf_common_fields(cfg, arch, dtype)
     common["extra"] = {"hf_config": dict(given)}  # the config.json as given
@@ -291,13 +293,15 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if (2 * hidden) % heads:
         raise ValueError(f"2 * hidden_size ({2 * hidden}) must be a multiple of num_attention_heads ({heads})")
     head_dim = 2 * hidden // heads
-    rope = hf_rope_parameters(cfg)
-    if cfg.get("use_long_context"):
-        raise ValueError("Zamba2's use_long_context (a rescaled RoPE) is not served")
+    rope_on = bool(cfg.get("use_mem_rope", False))
+    rope = hf_rope_parameters(cfg) if rope_on else {"rope_theta": float(cfg.get("rope_theta") or 10_000.0)}
+    if cfg.get("use_long_context"):  # transformers 5.24: the context length only (its RoPE unchanged)
+        common["max_position_embeddings"] = 16_384
     mamba = hf_mamba2_fields({
         "hidden_size": hidden, "mamba_expand": cfg.get("mamba_expand", 2), "mamba_n_heads": cfg.get("n_mamba_heads", 8),
         "mamba_d_state": cfg.get("mamba_d_state", 64), "mamba_d_conv": cfg.get("mamba_d_conv", 4),
-        "mamba_n_groups": cfg.get("mamba_ngroups", 1), "mamba_conv_bias": cfg.get("use_conv_bias", True),
+        # transformers' Zamba2 mixer always has (and applies) a conv bias: use_conv_bias is never read
+        "mamba_n_groups": cfg.get("mamba_ngroups", 1), "mamba_conv_bias": True,
         "mamba_proj_bias": cfg.get("add_bias_linear", False),
         "time_step_limit": (float(cfg.get("time_step_min", 0.001)), float("inf"))})
     return dict(
@@ -311,7 +315,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=float(rope["rope_theta"]),
-        rotary_dim=head_dim if cfg.get("use_mem_rope", False) else 0,
+        rotary_dim=head_dim if rope_on else 0,
         **mamba,
         linear_norm_eps=1e-5,  # transformers' Zamba2RMSNormGated(eps=1e-5), whatever rms_norm_eps says
         intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
