@@ -577,7 +577,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
     from hyla.model.ops.gpu import gemv, moe
 
     gemv_calls, grouped = [], []
-    monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: gemv_calls.append(1) or run(x, w))
+    monkeypatch.setattr(gemv, "linear", lambda x, w, run=gemv.linear: gemv_calls.append(w.data_ptr()) or run(x, w))
     monkeypatch.setattr(moe, "plan", lambda e, n, run=moe.plan: grouped.append(e.shape[0]) or run(e, n))
     path = request.getfixturevalue(f"{arch}_path" if GPU else f"{arch}_short_path")
     # interpreted (CPU), the fused side costs ~3 s a request and ~8 s for its graphs' captures (1, 2 and 4
@@ -606,6 +606,10 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
             b = _two_turns(other, fused=not GPU, requests=requests, keys=None if GPU else record_compile_keys(m),
                            graphs=0 if GPU else 4, replays=replays)
             assert other.get_stats()["num_overlapped_steps"] > 0
+            if arch == "zamba2" and not GPU:  # the shared block's projections (and the layers' linear): GEMVs too
+                block = other.model.blocks[0]
+                assert {block.qkv_proj.weight.data_ptr(), block.gate_up.weight.data_ptr(),
+                        other.model.layers[1].linear.weight.data_ptr()} <= set(gemv_calls)
     assert replays["n"] > 0 or GPU
     if arch in ("nemotron_h", "jamba", "kimi_linear", "bailing_hybrid", "lfm2_moe"):  # models with MoE layers: steps of more than one
         assert grouped  # request ran grouped (on the CPU those replaying graphs, as a GPU's would)

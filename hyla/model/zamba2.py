@@ -52,7 +52,9 @@ from hyla.model.layers import (
     RMSNorm,
     Rope,
     add_rms_norm,
+    in_projection,
     is_gemv_step,
+    materialized,
     on_gemv_step,
 )
 from hyla.model.layers.mlp import gated_act
@@ -142,14 +144,15 @@ class Zamba2HybridLayer(HybridLayer):
         return [self.attn, self.mamba]
 
     def transformer(self, x: torch.Tensor, embeds: torch.Tensor, batch: ForwardBatch,
-                    rope: Rope | None) -> torch.Tensor:
+                    rope: Rope | None, gemv_step: bool = False) -> torch.Tensor:
         """``t = linear(mlp(ff_norm(attention(in_norm([x | e])))))`` ``[T, hidden]``: what the layer adds
-        to the Mamba2's input."""
+        to the Mamba2's input. On a GEMV step (the fused decode at a few rows) every projection of the
+        block and the layer's ``linear`` is a GEMV (the adapters, of a few ranks, are not)."""
         b = self.block
-        a = self.attn(b.in_norm(torch.cat([x, embeds], dim=-1)), batch, rope)  # [T, hidden]
-        a = b.ff_norm(a)
-        h = b.gate_up(a) + self.mlp_adapter(a)  # [T, 2I]
-        return self.linear(b.down(gated_act(h, self.act)))
+        a = on_gemv_step(self.attn, gemv_step)(b.in_norm(torch.cat([x, embeds], dim=-1)), batch, rope)
+        a = b.ff_norm(materialized(a))  # [T, hidden]
+        h = in_projection(b.gate_up, a, gemv_step) + self.mlp_adapter(a)  # [T, 2I]
+        return in_projection(self.linear, in_projection(b.down, gated_act(h, self.act), gemv_step), gemv_step)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope: Rope | None,
                 embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,12 +163,14 @@ class Zamba2HybridLayer(HybridLayer):
                       rope: Rope | None, embeds: torch.Tensor | None = None) -> tuple[torch.Tensor | OutProjection,
                                                                                         torch.Tensor]:
         """:meth:`forward` in :meth:`HybridLayer.forward_fused`'s contract: the input ``x = residual + out``
-        from the add-norm kernel (its norm unused), the block as plain forwards, ``x + t`` and the Mamba2's
-        norm in one kernel (``x`` stays the residual), the Mamba2's output left to the next layer's kernel."""
+        from the add-norm kernel (its norm unused), the block (its projections GEMVs on a GEMV step), ``x + t``
+        and the Mamba2's norm in one kernel (``x`` stays the residual), the Mamba2's output left to the next
+        layer's kernel."""
+        gemv_step = is_gemv_step(batch, residual)
         x = residual if out is None else add_rms_norm(out, residual, self.mixer_norm)[1]
-        t = self.transformer(x, embeds, batch, rope)
+        t = self.transformer(x, embeds, batch, rope, gemv_step)
         h, _ = add_rms_norm(t, x, self.mixer_norm)  # norm(x + t)
-        return on_gemv_step(self.mamba, is_gemv_step(batch, x))(h, batch), x
+        return on_gemv_step(self.mamba, gemv_step)(h, batch), x
 
 
 class Zamba2ForCausalLM(HybridForCausalLM):
