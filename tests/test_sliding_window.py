@@ -133,16 +133,20 @@ def _tree_reference(q, k_buf, v_buf, slots, prefix, parents, window):
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 6, 40])
-def test_short_extend_window_over_chains_and_trees(window):
+@pytest.mark.parametrize("prefix_lens", [[7, 2], [30, 2], [2, 41]])
+def test_short_extend_window_over_chains_and_trees(window, prefix_lens):
     """A verify step's layout (``ShortExtendLayout.windowed``): chains padded to a fixed width, and a
-    token tree whose tokens' positions are their depths; against the per-token reference."""
-    prefix_lens, parents = [7, 2], [[-1, 0, 0, 1, 3], [-1, 0, 1]]
+    token tree whose tokens' positions are their depths; against the per-token reference. Its keys are
+    narrowed to the window's columns (``window - 1 + E`` at most) where the context is longer."""
+    parents = [[-1, 0, 0, 1, 3], [-1, 0, 1]]
     extend_lens = [len(p) for p in parents]
     q, k, v, k_buf, v_buf, (out_loc, kv_indices, indptr, *_), = make_case(prefix_lens, extend_lens)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     table, _ = decode_kv_table(kv_indices, indptr, seq_lens)
     for tree, width in ((parents, None), (None, 6)):
         layout = ShortExtendLayout.build(table, prefix_lens, extend_lens, HKV, tree, width).windowed(window)
+        e = width or max(extend_lens)
+        assert layout.kv_rows.shape[-1] == min(table.shape[1], window - 1 + e) == layout.mask.shape[-1]
         got = paged_attention_short_extend(q, k, v, k_buf.clone(), v_buf.clone(), out_loc, layout, D**-0.5)
         kb, vb = k_buf.clone(), v_buf.clone()
         kb[out_loc], vb[out_loc] = k, v

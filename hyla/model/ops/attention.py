@@ -348,11 +348,23 @@ class ShortExtendLayout:
 
     def windowed(self, window: int) -> "ShortExtendLayout":
         """This layout for sliding-window attention: each query also blind to the keys ``window`` or
-        more positions back. Reads nothing back (traceable: a compiled verify step builds it inside)."""
+        more positions back, and the keys narrowed to the ``w = min(L, window - 1 + E)`` columns from each
+        sequence's ``prefix - window + 1`` (no query sees earlier ones: its first query, at ``prefix``, is the
+        earliest), so a sliding layer's verify step reads its window, not its context. Columns past ``L``
+        are masked; a padding row, which then may see nothing, sees its first column (its output is
+        dropped). Reads nothing back (traceable: a compiled verify step builds it inside)."""
         b, e, length = self.mask.shape[0], self.width, self.mask.shape[-1]
-        hidden = self.key_pos <= self.query_pos - window  # [B, E, L]
-        mask = self.mask.view(b, e, length).masked_fill(hidden, float("-inf"))
-        return replace(self, mask=mask.view(b, 1, 1, e, length))
+        w = torch.sym_min(length, window - 1 + e)
+        start = (self.query_pos[:, 0, 0] - window + 1).clamp(min=0)  # [B] (row 0: each sequence's first query)
+        cols = start[:, None] + torch.arange(w, device=start.device)  # [B, w]
+        idx = cols.clamp(max=length - 1)[:, None, :]  # [B, 1, w]
+        kv_rows = self.kv_rows.gather(2, idx.expand(b, self.kv_rows.shape[1], w))  # [B, Hkv, w]
+        key_pos = self.key_pos.gather(2, idx)  # [B, 1, w]
+        hidden = (key_pos <= self.query_pos - window) | (cols >= length)[:, None, :]  # [B, E, w]
+        mask = self.mask.view(b, e, length).gather(2, idx.expand(b, e, w)).masked_fill(hidden, float("-inf"))
+        dead = (mask == float("-inf")).all(dim=-1, keepdim=True)  # [B, E, 1]: padding rows only
+        mask = torch.cat([mask[..., :1].masked_fill(dead, 0.0), mask[..., 1:]], dim=-1)
+        return replace(self, kv_rows=kv_rows, mask=mask.view(b, 1, 1, e, w), key_pos=key_pos)
 
     @classmethod
     def build(cls, kv_table: torch.Tensor, prefix_lens: Sequence[int], extend_lens: Sequence[int],
