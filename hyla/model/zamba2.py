@@ -176,10 +176,11 @@ class Zamba2HybridLayer(HybridLayer):
 class Zamba2ForCausalLM(HybridForCausalLM):
     layers_read_embeddings = True
 
+    def build_shared(self) -> None:
+        self.blocks = nn.ModuleList([SharedBlock(self.config) for _ in range(self.config.shared_blocks)])
+
     def build_layer(self, index: int) -> HybridLayer:
         c = self.config
-        if "blocks" not in self._modules:  # built with the first layer (HybridForCausalLM builds the layers)
-            self.blocks = nn.ModuleList([SharedBlock(c) for _ in range(c.shared_blocks)])
         if c.layer_types[index] == "linear":
             return Zamba2MambaLayer(mixer=Mamba2Mixer(c, c.linear_ordinal(index)), mixer_norm=self.new_norm(),
                                     ffn=None, ffn_norm=None)

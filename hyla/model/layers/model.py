@@ -126,6 +126,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         # goes through a decomposition that imports torch._dynamo, ~2-4 s of every engine's start-up
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype))
+        self.build_shared()
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
@@ -142,6 +143,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         relayout_weights_(self, keep=self.embed_tokens.weight)
 
     # --- construction (architecture files override) ---
+    def build_shared(self) -> None:
+        """Modules several layers use, built before the layers (Zamba2's shared blocks); none by default."""
+
     @abc.abstractmethod
     def build_layer(self, index: int) -> HybridLayer:
         """Layer ``index`` of this architecture, from ``self.config``."""
