@@ -186,13 +186,13 @@ class Zamba2ForCausalLM(HybridForCausalLM):
                                     ffn=None, ffn_norm=None)
         if c.layer_types[index] != "hybrid":
             raise ValueError(f"Zamba2 layers are linear or hybrid, layer {index} is {c.layer_types[index]!r}")
-        return Zamba2HybridLayer(c, index, self.blocks[hybrid_ordinal(c, index) % c.shared_blocks])
+        return Zamba2HybridLayer(c, index, self.blocks[hybrid_layers(c).index(index) % c.shared_blocks])
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
         c = config
         specs = embedding_specs(c, "model.embed_tokens.weight", "model.final_layernorm.weight")
-        hybrid = [i for i, kind in enumerate(c.layer_types) if kind == "hybrid"]
+        hybrid = hybrid_layers(c)
         for k, layer in enumerate(hybrid[:c.shared_blocks]):  # each block where transformers saves it
             t, s = f"blocks.{k}", f"model.layers.{layer}.shared_transformer"
             specs += [
@@ -229,7 +229,7 @@ class Zamba2ForCausalLM(HybridForCausalLM):
         if len(parts) < 5 or parts[:2] != ["model", "layers"] or parts[3] != "shared_transformer" \
                 or not parts[2].isdigit():
             return False
-        hybrid = [i for i, kind in enumerate(config.layer_types) if kind == "hybrid"]
+        hybrid = hybrid_layers(config)
         layer = int(parts[2])
         if layer not in hybrid[:config.shared_blocks]:
             return True
@@ -246,9 +246,9 @@ def _low_rank(target: str, source: str) -> list[WeightSpec]:
             WeightSpec(f"{target}.up.weight", (f"{source}.1.weight",))]
 
 
-def hybrid_ordinal(config: ModelConfig, layer: int) -> int:
-    """Index of layer ``layer`` among the hybrid layers (which block it runs, which adapters are its)."""
-    return sum(kind == "hybrid" for kind in config.layer_types[:layer])
+def hybrid_layers(config: ModelConfig) -> list[int]:
+    """The hybrid layers' indices: the ``k``-th runs block ``k % shared_blocks``, with its block's adapters ``k``."""
+    return [i for i, kind in enumerate(config.layer_types) if kind == "hybrid"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +327,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
         hidden_act="gelu",
         mlp_bias=bool(cfg.get("add_bias_linear", False)),  # the shared MLP's, as the Mamba2 projections
-        shared_blocks=blocks if "hybrid" in types else 0,
+        shared_blocks=blocks,  # (0 without hybrid layers: min above)
         shared_adapter_rank=int(cfg.get("adapter_rank", 128)),
         shared_attention_adapters=adapters,
     )

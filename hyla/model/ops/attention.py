@@ -231,12 +231,17 @@ def decode_kv_mask(seq_lens: Sequence[int], device: torch.device | str, always: 
     return padding_mask(torch.tensor(list(seq_lens), dtype=torch.long, device=device), max_len)
 
 
+def additive_mask(hidden: torch.Tensor) -> torch.Tensor:
+    """The additive fp32 mask of a bool ``hidden`` (same shape and device): 0 where a key is seen, ``-inf`` where
+    ``hidden``."""
+    return torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+
+
 def padding_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, width]`` additive fp32 mask from the lengths ``lens [B]`` (on their device): 0 where a
     key is real, ``-inf`` at offsets ``>= lens[b]``. Reads nothing back (traceable: ``width`` may be
     a symbolic size)."""
-    past = torch.arange(width, device=lens.device) >= lens[:, None]  # [B, width]
-    return torch.zeros(past.shape, device=lens.device).masked_fill_(past, float("-inf"))
+    return additive_mask(torch.arange(width, device=lens.device) >= lens[:, None])  # [B, width]
 
 
 def window_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
@@ -245,8 +250,7 @@ def window_mask(lens: torch.Tensor, width: int, window: int) -> torch.Tensor:
     sees its last ``window`` keys). Reads nothing back (traceable). The decode paths read the window's
     columns alone (:func:`window_kv_table`); this is their reference."""
     offsets = torch.arange(width, device=lens.device)
-    hidden = (offsets >= lens[:, None]) | (offsets < lens[:, None] - window)  # [B, width]
-    return torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
+    return additive_mask((offsets >= lens[:, None]) | (offsets < lens[:, None] - window))  # [B, width]
 
 
 def window_kv_table(kv_table: torch.Tensor, lens: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,8 +263,7 @@ def window_kv_table(kv_table: torch.Tensor, lens: torch.Tensor, window: int) -> 
     w = torch.sym_min(window, width)
     offsets = (lens - w).clamp(min=0)[:, None] + torch.arange(w, device=lens.device)  # [B, w]
     table = kv_table.gather(1, offsets.clamp(max=width - 1))
-    hidden = offsets >= lens[:, None]
-    return table, torch.zeros(hidden.shape, device=lens.device).masked_fill_(hidden, float("-inf"))
+    return table, additive_mask(offsets >= lens[:, None])
 
 
 def decode_kv_rows(kv_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -419,7 +422,7 @@ class ShortExtendLayout:
             q_rows = torch.tensor([starts[i] + e if e < n else 0 for i, n in enumerate(extend_lens)
                                    for e in range(width)], **long)
             out_rows = torch.tensor([i * width + e for i, n in enumerate(extend_lens) for e in range(n)], **long)
-        mask = torch.zeros(b, width, length, device=dev).masked_fill_(~seen, float("-inf"))
+        mask = additive_mask(~seen)
         return cls(b, width, decode_kv_rows(kv_table, num_kv_heads), mask.view(b, 1, 1, width, length), q_rows,
                    out_rows, key_pos.contiguous(), query_pos.expand(b, width, 1).contiguous())
 
