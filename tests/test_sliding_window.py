@@ -59,26 +59,11 @@ def test_window_changes_the_result_and_covers_the_whole_sequence_as_full_attenti
     torch.testing.assert_close(_both([10], [6], 16)[0], full, atol=0, rtol=0)  # a window over all 16 keys: none
 
 
-def test_decode_window_mask_matches_reference():
-    """A decode step's layout (``decode_kv_table`` + ``window_mask``) over sequences of different lengths."""
-    prefix = [0, 3, 9, 20]
-    q, k, v, k_buf, v_buf, (out_loc, kv_indices, indptr, *_), = make_case(prefix, [1] * 4)
-    k_buf[out_loc], v_buf[out_loc] = k, v
-    seq_lens = [p + 1 for p in prefix]
-    table, _ = decode_kv_table(kv_indices, indptr, seq_lens)
-    for window in (1, 4, 30):
-        mask = window_mask(torch.tensor(seq_lens), table.shape[1], window)
-        got = decode_attention(q, k_buf, v_buf, table, mask, D**-0.5, decode_kv_rows(table, HKV))
-        want = paged_attention_reference(q, k, v, k_buf.clone(), v_buf.clone(), out_loc, kv_indices, indptr, prefix,
-                                         [1] * 4, D**-0.5, window=window)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.parametrize("window", [1, 4, 12, 30])
 def test_decode_reads_the_window_alone(window):
-    """``window_kv_table``: of each row the last ``window`` slots (fewer where a sequence is shorter, masked), the
-    decode over them == the reference over the whole context; what the decode paths (``ForwardBatch``, the
-    padded decode) use, narrower than the context once it exceeds the window."""
+    """A decode step over sequences of different lengths: ``window_kv_table`` keeps of each row the last ``window``
+    slots (fewer where a sequence is shorter, masked), what the decode paths (``ForwardBatch``, the padded decode)
+    read; the decode over them, and over the whole table under ``window_mask``, == the per-token reference."""
     prefix = [0, 3, 9, 20]
     q, k, v, k_buf, v_buf, (out_loc, kv_indices, indptr, *_), = make_case(prefix, [1] * 4)
     k_buf[out_loc], v_buf[out_loc] = k, v
@@ -89,10 +74,14 @@ def test_decode_reads_the_window_alone(window):
     for b, n in enumerate(seq_lens.tolist()):  # each row: its last min(window, n) slots, left-aligned
         kept = min(window, n)
         assert torch.equal(table[b, :kept], full[b, n - kept : n]) and bool((mask[b, kept:] == float("-inf")).all())
-    got = decode_attention(q, k_buf, v_buf, table, mask, D**-0.5, decode_kv_rows(table, HKV))
     want = paged_attention_reference(q, k, v, k_buf.clone(), v_buf.clone(), out_loc, kv_indices, indptr, prefix,
                                      [1] * 4, D**-0.5, window=window)
+    got = decode_attention(q, k_buf, v_buf, table, mask, D**-0.5, decode_kv_rows(table, HKV))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the whole table under window_mask (the masks' reference) gives the same
+    whole = decode_attention(q, k_buf, v_buf, full, window_mask(seq_lens, full.shape[1], window), D**-0.5,
+                             decode_kv_rows(full, HKV))
+    torch.testing.assert_close(whole, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("prefix, window", [(40, 8), (40, 41), (7, 8), (64, 1)])
