@@ -337,6 +337,12 @@ def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
     (dict(seed=2**64), r"seed must be an integer in \[0, 2\*\*63\)"),
     (dict(max_state_slots=10**30), r"max_state_slots must be at most 2\*\*40"),
     (dict(max_total_tokens=10**30), r"max_total_tokens must be at most 2\*\*40"),
+    (dict(hicache_ratio=4.0), "hicache_ratio set without enable_hierarchical_cache"),
+    (dict(enable_hierarchical_cache=True, enable_prefix_cache=False), "needs enable_prefix_cache"),
+    (dict(enable_hierarchical_cache=True, hicache_ratio=0), "hicache_ratio must be a number"),
+    (dict(enable_hierarchical_cache=True, hicache_size=-1), "hicache_size must be a number"),
+    (dict(enable_hierarchical_cache=True, hicache_size=1e-9), "hicache_size=1e-09 GiB is too small"),
+    (dict(enable_hierarchical_cache=True, hicache_size=10**6), "host pools need .* GiB, more than"),
 ])
 def test_bad_engine_options(qwen3_next_dense_path, opts, match):
     with pytest.raises(ValueError, match=match):

@@ -168,6 +168,8 @@ def differential(path: str, seed: int, on: dict | None = None, *, num_sessions: 
     assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0
     if (on or {}).get("enable_mixed_chunk"):
         assert stats["num_mixed_tokens"] > 0
+    if (on or {}).get("enable_hierarchical_cache"):  # prefixes came back from host memory
+        assert stats["num_host_hit_tokens"] > 0 and stats["num_host_loaded_tokens"] > 0
     return {"stats": stats, "hits1": [o["meta_info"]["cached_tokens"] for o in out1_on],
             "hits2": [o["meta_info"]["cached_tokens"] for o in out2_on],
             "prompt_lens": [len(w["ids"]) for w in wave1], "prefill_chunks": prefill_chunks}
@@ -198,6 +200,11 @@ DIFFERENTIALS = [
     pytest.param("qwen3_next_dense", 4, dict(schedule_policy="fcfs", checkpoint_alignment=16), id="fcfs_aligned"),
     # decoding requests fed in prefill steps, through the extend kernels (against the unmixed, uncached run)
     pytest.param("qwen3_next_dense", 12, dict(on=dict(enable_mixed_chunk=True)), id="mixed_chunk"),
+    # the host tier: evicted prefixes (KV and checkpoints) saved to host memory and loaded back on a hit
+    pytest.param("qwen3_next_dense", 24, dict(on=dict(enable_hierarchical_cache=True)), id="hierarchical"),
+    pytest.param("qwen3_next_dense", 25, dict(page_size=16, max_total_tokens=544,
+                                              on=dict(enable_hierarchical_cache=True, hicache_ratio=0.5)),
+                 id="hierarchical_paged_small_host"),
     pytest.param("nemotron_h", 3, {}, id="nemotron_h"),
     # every Falcon-H1 layer holds KV and a state: both pools and the tree's checkpoints per layer
     pytest.param("falcon_h1", 5, {}, id="falcon_h1"),
@@ -226,6 +233,7 @@ DIFFERENTIALS = [
     pytest.param("mamba", 14, {}, id="mamba"),
     pytest.param("falcon_mamba", 15, {}, id="falcon_mamba"),
     pytest.param("mamba2", 16, {}, id="mamba2"),
+    pytest.param("mamba2", 26, dict(on=dict(enable_hierarchical_cache=True)), id="mamba2_hierarchical"),
 ]
 
 

@@ -130,3 +130,19 @@ def test_a_long_context_warns_only_where_attention_has_positions(mamba2_path, ca
         out = e.generate(input_ids=[3 + i % 200 for i in range(4600)], sampling_params=GREEDY)
         assert out["meta_info"]["completion_tokens"] == 6
     assert "max_position_embeddings" not in caplog.text
+
+
+def test_the_host_tier_is_sized_by_ratio_or_by_size(qwen3_next_dense_path):
+    """hicache_ratio multiplies both device pools; hicache_size (GiB) is split between KV and states
+    as the device's budget is (state_memory_ratio)."""
+    with Engine(qwen3_next_dense_path, max_total_tokens=600, max_state_slots=20, enable_hierarchical_cache=True,
+                hicache_ratio=1.5) as e:
+        host = e.cache.host
+        assert (host.kv_pool.size, host.state_pool.size) == (900, 30)
+        assert host.kv_pool.device.type == "cpu" and "host tier: 900 tokens, 30 state slots" in e.summary()
+        assert e.get_stats()["host_token_usage"] == 0.0
+    with Engine(qwen3_next_dense_path, max_total_tokens=600, max_state_slots=20, enable_hierarchical_cache=True,
+                hicache_size=0.01) as e:
+        layout, host = e.model_config.cache_layout, e.cache.host
+        split = split_memory(int(0.01 * 2**30), 0.9, layout.kv_bytes_per_token, layout.state_bytes_per_slot, 1)
+        assert (host.kv_pool.size, host.state_pool.size) == (split.num_kv_tokens, split.num_state_slots)

@@ -514,6 +514,7 @@ def test_metrics(server, client, engine):
     assert 0 < after["hyla_kv_pool_usage"] <= 1 and 0 < after["hyla_state_pool_usage"] <= 1  # the tree holds some
     assert after["hyla_num_running_requests"] == 0 and after["hyla_num_queued_requests"] == 0
     assert "hyla_spec_accept_length" not in after  # speculation is off
+    assert "hyla_host_cache_usage" not in after and after["hyla_host_cache_hit_tokens_total"] == 0  # no host tier
     assert after["hyla_time_to_first_token_seconds_count"] - before["hyla_time_to_first_token_seconds_count"] == 2
     assert after["hyla_time_per_output_token_seconds_count"] - before["hyla_time_per_output_token_seconds_count"] == 2
     assert after["hyla_requests_finished_total{endpoint=chat,finish_reason=length}"] >= 2

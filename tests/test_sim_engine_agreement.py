@@ -50,23 +50,30 @@ def _trace(turns: list[list[dict]], priorities: list[int] | None = None) -> list
 
 
 @pytest.mark.parametrize("opts", [dict(page_size=1), dict(page_size=16), dict(page_size=1, checkpoint_alignment=64),
-                                  dict(page_size=1, enable_mixed_chunk=True)],
-                         ids=["page1", "page16", "align64", "mixed_chunk"])
+                                  dict(page_size=1, enable_mixed_chunk=True),
+                                  # a KV pool too small to keep every session: prefixes come back from the host
+                                  dict(page_size=1, enable_hierarchical_cache=True, max_total_tokens=640)],
+                         ids=["page1", "page16", "align64", "mixed_chunk", "hierarchical"])
 def test_the_engine_replay_reproduces_every_hit_under_pressure(qwen3_next_dense_path, opts):
-    pools = dict(max_total_tokens=1024, max_state_slots=12, max_running_requests=5, chunked_prefill_size=128)
+    pools = {**dict(max_total_tokens=1024, max_state_slots=12, max_running_requests=5, chunked_prefill_size=128), **opts}
     max_new = [30, 8, 25, 12, 40, 16]
-    with Engine(qwen3_next_dense_path, **pools, **opts) as eng:
+    with Engine(qwen3_next_dense_path, **pools) as eng:
         turns = _turns(eng, seed=3, num_sessions=6, num_turns=3, max_new=max_new)
         stats = eng.get_stats()
     assert stats["num_evicted_tokens"] > 0 and stats["num_evicted_states"] > 0  # the pools were under pressure
-    replay = replay_engine(_trace(turns), resolve_model(str(qwen3_next_dense_path)).layout, **pools, **opts)
+    replay = replay_engine(_trace(turns), resolve_model(str(qwen3_next_dense_path)).layout, **pools)
     assert replay.cached_tokens == [r["cached"] for turn in turns for r in turn]
     assert replay.scheduler.num_retractions == stats["num_retractions"]
     assert (replay.cache.num_evicted_tokens, replay.cache.num_evicted_states) == \
         (stats["num_evicted_tokens"], stats["num_evicted_states"])
     assert sum(replay.cached_tokens) > 0
-    if opts.get("enable_mixed_chunk"):  # the engine's mixed steps, replayed as such
+    if pools.get("enable_mixed_chunk"):  # the engine's mixed steps, replayed as such
         assert stats["num_mixed_tokens"] > 0 and replay.scheduler.num_mixed_tokens == stats["num_mixed_tokens"]
+    if pools.get("enable_hierarchical_cache"):  # the host tier's books, kept by the replay as by the engine
+        host = replay.cache.host
+        assert stats["num_host_hit_tokens"] > 0 and replay.cache.num_host_hit_tokens == stats["num_host_hit_tokens"]
+        assert (host.num_saved_tokens, host.num_loaded_tokens) == \
+            (stats["num_host_saved_tokens"], stats["num_host_loaded_tokens"])
 
 
 def test_the_engine_replay_reproduces_priority_scheduling(qwen3_next_dense_path):

@@ -4,6 +4,7 @@ Knows nothing of models: the engine and the simulator drive it through this publ
 """
 
 from hyla.cache.allocator import PoolExhaustedError
+from hyla.cache.host_cache import HostCache
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
 from hyla.cache.ledger import CacheLedger
@@ -19,6 +20,7 @@ __all__ = [
     "CacheLedger",
     "Checkpoint",
     "EvictionPolicy",
+    "HostCache",
     "InsertResult",
     "KVPool",
     "LRUPolicy",

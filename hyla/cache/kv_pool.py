@@ -29,7 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import to_device
+from hyla.cache.transfer import copy_rows, to_device
 
 
 class KVPool:
@@ -71,6 +71,7 @@ class KVPool:
         if companion is not None:
             shapes += [(companion.num_kv_heads, companion.head_dim, companion.kv_dtype)] * companion.num_attention_layers
         self.num_buffers = len(shapes)
+        self.buffer_shapes = tuple(shapes)  # (heads, head dim, dtype) per buffer pair: what copy_from checks
         self._pages = FreeList(self.num_pages)
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
@@ -230,6 +231,22 @@ class KVPool:
         si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
         for buf in (*self.k_buffers, *self.v_buffers):
             buf.index_copy_(0, di, buf.index_select(0, si))
+
+    def copy_from(self, other: "KVPool", src: IndexLike, dst: IndexLike) -> None:
+        """K and V of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer: a pool of
+        the same layout on another device (the host tier, ``HostCache``). Slots must be allocated in
+        their pools; ``dst`` distinct. No data moves where either pool is in accounting mode."""
+        s, d = as_index_array(src), as_index_array(dst)
+        if other.buffer_shapes != self.buffer_shapes:
+            raise ValueError(f"copy_from a KV pool of another layout: {other.buffer_shapes} vs {self.buffer_shapes}")
+        if s.size != d.size:
+            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
+        if len(set(d.tolist())) != d.size:
+            raise ValueError("copy destinations must be distinct")
+        if s.size and not (other.is_allocated(s) and self.is_allocated(d)):
+            raise ValueError("copy between slots that are not allocated")
+        if s.size and not (self.accounting or other.accounting):
+            copy_rows((*self.k_buffers, *self.v_buffers), d, (*other.k_buffers, *other.v_buffers), s)
 
     def is_allocated(self, indices: IndexLike) -> bool:
         """True iff every slot lies on an allocated page."""

@@ -83,6 +83,9 @@ KV_EVICTION = "KV eviction"
 STATE_EVICTION = "checkpoint eviction"
 CHECKPOINT_EVICTION = "superseded in advance"  # evict_checkpoint: the caller will store a deeper one
 GARBAGE = CacheLedger.garbage  # an unlocked tombstone leaf, given back: no checkpoint at or below
+# the evictions whose victims a lower tier may keep (``on_evict``): not a checkpoint the caller
+# supersedes itself, nor garbage, nor a reset
+_SPILLED = (KV_EVICTION, STATE_EVICTION)
 
 
 class RadixCache:
@@ -111,6 +114,10 @@ class RadixCache:
         self.page_size = kv_pool.page_size
         self.policy = policy if policy is not None else LRUPolicy()
         self.ledger = ledger  # if set, told of every node whose KV or checkpoint leaves the tree
+        # if set, called with each node whose checkpoint an eviction is about to free (without a state
+        # pool: each leaf whose KV it frees), while the node, its path and their slots are intact: a
+        # lower tier keeps a copy there (``HostCache.save``). It must not change this tree or its pools.
+        self.on_evict: Callable[[TreeNode], None] | None = None
         # hooks are called only when the policy overrides them (LRU reads the time stamps directly)
         self._on_access = _hook(self.policy, "on_access")
         self._on_create = _hook(self.policy, "on_create")
@@ -667,6 +674,8 @@ class RadixCache:
         while True:
             if self.ledger is not None:
                 self.ledger.removed(node, kv=True, how=how)
+            if self.on_evict is not None and how in _SPILLED and (node.state is not None or self.state_pool is None):
+                self.on_evict(node)
             parent = node.parent
             del parent.children[node.child_key]
             n = len(node.key)
@@ -696,6 +705,8 @@ class RadixCache:
         """Detach ``node``'s (unlocked) checkpoint, making it a tombstone; returns the slot."""
         if record and self.ledger is not None:
             self.ledger.removed(node, kv=False, how=how)
+        if record and self.on_evict is not None and how in _SPILLED:
+            self.on_evict(node)
         slot = node.state
         del self._slot_owner[slot]
         node.state = None
@@ -739,6 +750,21 @@ class RadixCache:
             token_ids = tuple(token_ids)
         n = len(token_ids)
         return token_ids, n - n % self.page_size
+
+    def path_of(self, node: TreeNode) -> tuple[Hashable, tuple, np.ndarray]:
+        """``(namespace, token ids, KV slots)`` of the prefix that ends at ``node``: its path from the
+        root (what a lower tier stores; for a node an eviction is about to free too: ``on_evict``)."""
+        keys: list[tuple] = []
+        values: list[np.ndarray] = []
+        top = node
+        while node is not self.root:
+            keys.append(node.key)
+            values.append(node.value)
+            top, node = node, node.parent
+        if not keys:
+            return None, (), EMPTY_SLOTS
+        namespace = top.child_key[0][0]  # a child of the root: (namespace_key(namespace), first page)
+        return namespace, tuple(itertools.chain.from_iterable(reversed(keys))), np.concatenate(values[::-1])
 
     def nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, parents before children (O(n); for tests, stats and reset)."""

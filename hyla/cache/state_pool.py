@@ -28,7 +28,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import to_device
+from hyla.cache.transfer import copy_rows, to_device
 
 # up to this many slots, ``alloc`` zeroes and ``copy`` copies them as row views, one foreach op
 # per dtype (on CUDA one multi-tensor kernel: 2 launches instead of 1-2 per layer buffer, ~72 for
@@ -78,6 +78,8 @@ class StatePool:
             kinds += [(companion.conv_shape, companion.conv_dtype, companion.ssm_shape, companion.ssm_dtype)] \
                 * companion.num_linear_layers
         self.num_buffers = len(kinds)
+        # what copy_from checks: the buffers' kinds, and the MTP hidden state's size and dtype
+        self.buffer_kinds = (tuple(kinds), hidden_size, hidden_dtype if hidden_size else None)
         self._slots = FreeList(num_slots)
         self.conv_states: list[torch.Tensor] = []
         self.ssm_states: list[torch.Tensor] = []
@@ -89,8 +91,7 @@ class StatePool:
         if hidden_size and not accounting:
             self.hidden_states = torch.zeros(num_slots + 1, hidden_size, dtype=hidden_dtype, device=self.device)
         # the buffers that hold something (a conv-only model's SSM buffers hold no element)
-        extra = [self.hidden_states] if self.hidden_states is not None else []
-        self._filled = [b for b in (*self.conv_states, *self.ssm_states, *extra) if b.numel()]
+        self._filled = [b for b in self._all_buffers() if b.numel()]
         # the same buffers grouped by dtype: a few slots are copied or zeroed as one foreach op per
         # group over their rows (one multi-tensor kernel on CUDA), not one or two ops per buffer
         self._by_dtype = [[b for b in self._filled if b.dtype == dt] for dt in dict.fromkeys(b.dtype for b in self._filled)]
@@ -158,6 +159,28 @@ class StatePool:
         for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
 
+    def copy_from(self, other: "StatePool", src: IndexLike, dst: IndexLike) -> None:
+        """State of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer (and the
+        hidden state): a pool of the same layout on another device (the host tier, ``HostCache``).
+        Slots must be allocated in their pools; ``dst`` distinct. No data moves where either pool is
+        in accounting mode."""
+        s, d = as_index_array(src), as_index_array(dst)
+        if other.buffer_kinds != self.buffer_kinds:
+            raise ValueError("copy_from a state pool of another layout")
+        if s.size != d.size:
+            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
+        if not (other.is_allocated(s) and self.is_allocated(d)):
+            raise ValueError("copy between slots that are not allocated")
+        if len(set(d.tolist())) != d.size:
+            raise ValueError("copy destinations must be distinct")
+        if s.size and not (self.accounting or other.accounting):
+            copy_rows(self._all_buffers(), d, other._all_buffers(), s)
+
+    def _all_buffers(self) -> list[torch.Tensor]:
+        """Every buffer, in one order for pools of one layout (``copy_from``)."""
+        extra = [self.hidden_states] if self.hidden_states is not None else []
+        return [*self.conv_states, *self.ssm_states, *extra]
+
     def fork(self, slots: IndexLike) -> torch.Tensor:
         """Fresh slots holding a copy of ``slots`` (what a request hands to the tree). ``[n]`` int64."""
         src = as_index_array(slots)
@@ -181,8 +204,7 @@ class StatePool:
         self._slots.check_integrity()
         if not self.accounting:
             assert len(self.conv_states) == len(self.ssm_states) == self.num_buffers
-            extra = [self.hidden_states] if self.hidden_states is not None else []
-            assert all(b.shape[0] == self.size + 1 for b in (*self.conv_states, *self.ssm_states, *extra)), "buffer rows"
+            assert all(b.shape[0] == self.size + 1 for b in self._all_buffers()), "buffer rows"
 
 
 __all__ = ["StatePool", "PoolExhaustedError"]

@@ -6,11 +6,14 @@ the overlap schedule (``Scheduler._step_overlapped``), which queues the next ste
 runs the current one; a pinned source copied ``non_blocking`` does not wait. The pools send their
 slot indices this way, and so do the engine's sampler and grammar masks, and the model's ops the
 index tensors they derive from a step's plan (``VarlenPlan.derive``): on an extend step a waiting
-copy in every layer would keep the host from running ahead of the device at all. Knows nothing of
+copy in every layer would keep the host from running ahead of the device at all. ``copy_rows``
+moves pool rows between a device and host memory (the host tier, ``HostCache``). Knows nothing of
 models or pools: the one module of ``hyla.cache`` that ``hyla.model`` imports besides the layout.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -33,3 +36,25 @@ def to_device_packed(parts, device: torch.device | str) -> list[torch.Tensor]:
         return host
     flat = to_device(torch.cat([t.reshape(-1) for t in host]), torch.long, device)
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in host]), host)]
+
+
+def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor], src_rows) -> None:
+    """``dst[i][dst_rows] = src[i][src_rows]`` for each buffer pair, the two sides on any devices
+    (a cache's host and device tiers; the pairs agree in row shape and dtype). The rows are gathered
+    where they are, moved in one transfer per dtype and scattered where they go. The transfer is a
+    plain copy, which waits for the device: the rows a move to the host reads are those the kernels
+    queued before it wrote, and the host may read the copy at once."""
+    pairs = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel()]  # (a conv-only model's empty SSM buffers)
+    n = len(src_rows)
+    if not pairs or not n:
+        return
+    si = to_device(src_rows, torch.long, pairs[0][1].device)
+    di = to_device(dst_rows, torch.long, pairs[0][0].device)
+    for dtype in dict.fromkeys(s.dtype for _, s in pairs):
+        group = [(d, s) for d, s in pairs if s.dtype == dtype]
+        moved = torch.cat([s.index_select(0, si).reshape(n, -1) for _, s in group], dim=1).to(group[0][0].device)
+        offset = 0
+        for d, s in group:
+            width = s[0].numel()
+            d.index_copy_(0, di, moved[:, offset:offset + width].reshape(n, *s.shape[1:]))
+            offset += width

@@ -61,6 +61,16 @@ class EngineArgs:
                                                 "prefix of a request still waiting; it waits for room instead "
                                                 "(more hits, fewer requests at once when the pool is full; "
                                                 "docs/engine.md). Off: admissions evict any unlocked prefix.")
+    enable_hierarchical_cache: bool = _opt(False, "Keep what the prefix cache evicts in host memory and load it back "
+                                                  "on a later hit: a prefix's KV and its recurrent-state checkpoint "
+                                                  "together (SGLang's --enable-hierarchical-cache, whose hybrid "
+                                                  "version drops the states; docs/cache.md). Needs "
+                                                  "enable_prefix_cache.")
+    hicache_ratio: float = _opt(2.0, "Hierarchical cache: host pools this many times the device's (KV tokens and "
+                                     "state slots; SGLang's default, 2).")
+    hicache_size: float = _opt(0.0, "Hierarchical cache: host pools of this many GiB, split between KV and states "
+                                    "as the device's are (state_memory_ratio); overrides hicache_ratio. 0: use "
+                                    "hicache_ratio.")
     enable_priority_scheduling: bool = _opt(False, "Admit waiting requests by their priority (a request's `priority`, "
                                                    "default 0), then by schedule_policy; a waiting request that does not "
                                                    "fit may preempt running requests of a priority lower by more than "
@@ -192,6 +202,13 @@ class EngineArgs:
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, (int, float)) \
                 or not 0.0 <= self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction!r}")
+        for name, low, high in (("hicache_ratio", 0.0, 1000.0), ("hicache_size", -1.0, float(1 << 20))):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v <= high:
+                raise ValueError(f"{name} must be a number in ({max(low, 0.0):g}, {high:g}]"
+                                 f"{' or 0 (use hicache_ratio)' if name == 'hicache_size' else ''}, got {v!r}")
+        if self.enable_hierarchical_cache is True and not self.enable_prefix_cache:
+            raise ValueError("enable_hierarchical_cache keeps what the prefix cache evicts: it needs enable_prefix_cache")
         self._check_device()
         check_weight_version(self.weight_version)
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
@@ -204,7 +221,8 @@ class EngineArgs:
                 or self.priority_scheduling_preemption_threshold < 0:
             raise ValueError(f"priority_scheduling_preemption_threshold must be an integer >= 0 (requests of equal "
                              f"priority never preempt each other), got {self.priority_scheduling_preemption_threshold!r}")
-        for name in ("enable_prefix_cache", "protect_waiting_prefixes", "debug_checks", "compile_decode",
+        for name in ("enable_prefix_cache", "enable_hierarchical_cache", "protect_waiting_prefixes", "debug_checks",
+                     "compile_decode",
                      "disable_cuda_graph", "speculative_ngram_adaptive", "enable_mixed_chunk",
                      "enable_priority_scheduling", "schedule_low_priority_values_first"):
             if not isinstance(getattr(self, name), bool):
@@ -216,6 +234,7 @@ class EngineArgs:
                 ("speculative_algorithm", self.speculative_algorithm is not None,
                  ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
                   "speculative_disable_by_batch_size")),
+                ("enable_hierarchical_cache", self.enable_hierarchical_cache, ("hicache_ratio", "hicache_size")),
                 ("enable_priority_scheduling", self.enable_priority_scheduling,
                  ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold"))):
             changed = [name for name in names if getattr(self, name) != defaults[name]]
@@ -297,3 +316,24 @@ def context_length_for(asked: int | None, model_max: int, kv_room: int, attentio
         logger.warning("context_length=%d is longer than the model's max_position_embeddings (%d): attention will "
                        "see positions it was not trained on", asked, model_max)
     return asked
+
+
+def host_cache_sizes(args: EngineArgs, num_tokens: int, num_slots: int, kv_bytes_per_token: int,
+                     state_bytes_per_slot: int) -> tuple[int, int]:
+    """The host tier's KV tokens and state slots (``enable_hierarchical_cache``): ``hicache_size``
+    GiB split as the device's pools are (``state_memory_ratio``), else ``hicache_ratio`` times the
+    device's ``num_tokens`` and ``num_slots``. The engine's rule; ``hyla.sim.replay`` sizes its tier
+    with it too."""
+    from hyla.cache.memory import INDEX_ONLY_KV_TOKENS, split_memory  # (here: --help must not wait for torch)
+
+    if args.hicache_size:
+        try:
+            split = split_memory(int(args.hicache_size * 2**30), args.state_memory_ratio, kv_bytes_per_token,
+                                 state_bytes_per_slot, args.page_size)
+        except ValueError as exc:
+            raise ValueError(f"hicache_size={args.hicache_size} GiB is too small: {exc}") from None
+        return split.num_kv_tokens, max(1, split.num_state_slots)
+    tokens = int(num_tokens * args.hicache_ratio)
+    if not kv_bytes_per_token:  # a model without attention: KV indices alone
+        tokens = min(tokens, INDEX_ONLY_KV_TOKENS)
+    return max(args.page_size, tokens - tokens % args.page_size), max(1, int(num_slots * args.hicache_ratio))

@@ -40,6 +40,9 @@ Ownership and locks — the whole contract:
 * ``reserve_states`` / ``reserve_kv`` take slots for good (speculative decoding's scratch states,
   the MTP and draft-model drafters' scratch KV and drafting states): neither the tree nor any
   request owns them.
+* With a host tier (``host``, a ``HostCache``), what the tree evicts is copied into host memory
+  first (the tree's ``on_evict`` hook), and ``match`` loads a longer prefix the host holds into
+  fresh device slots and the tree before it locks the hit: the host's slots are never a request's.
 * Eviction happens only here, only of unlocked tree entries, and only when an allocation needs
   the room (``_ensure_kv`` / ``_ensure_state``; KV and admissions evict nothing when even
   evicting everything unlocked could not make the room, checkpoints are best effort and keep what
@@ -56,7 +59,7 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from hyla.cache import CacheLedger, Checkpoint, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import CacheLedger, Checkpoint, HostCache, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
 from hyla.engine.request import Req
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
@@ -69,6 +72,7 @@ BRANCH_CHECKPOINT = "a branch-point checkpoint"
 SPECULATIVE_CHECKPOINT = "a speculative checkpoint"
 PENDING_CHECKPOINT = "a pending decode checkpoint"
 FINISH_CHECKPOINT = "a finish checkpoint"
+HOST_LOAD = "a prefix loaded from the host tier"
 
 
 @dataclass
@@ -85,16 +89,20 @@ class StepCheckpoints:
 
 class CacheManager:
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, req_to_token: ReqToTokenPool,
-                 tree: RadixCache | None, checkpoint_alignment: int = 1) -> None:
+                 tree: RadixCache | None, checkpoint_alignment: int = 1, host: HostCache | None = None) -> None:
+        if host is not None and (tree is None or host.device_tree is not tree):
+            raise ValueError("a host tier needs the prefix cache: the tree it keeps evicted prefixes of")
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.req_to_token = req_to_token
         self.tree = tree
+        self.host = host  # the host tier under the tree (hierarchical cache), or None
         self.page_size = kv_pool.page_size
         # checkpoints only at multiples of the grid: the tree shares whole pages only
         self.grid = math.lcm(self.page_size, checkpoint_alignment)
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
+        self.num_host_hit_tokens = 0  # hit tokens the host tier added past the device's hits
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
         self.ledger: CacheLedger | None = None  # see record()
@@ -163,17 +171,25 @@ class CacheManager:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
         if self.tree is None:
             return None
-        # the last token is always computed: its logits give the next token; a request that wants
-        # prompt logprobs recomputes from the first position whose logits it needs
+        return self.tree.match_prefix(req.fill_ids[:self._match_limit(req)], namespace=req.namespace)
+
+    @staticmethod
+    def _match_limit(req: Req) -> int:
+        """How many of ``req``'s tokens a hit may cover: the last token is always computed (its
+        logits give the next token); a request that wants prompt logprobs recomputes from the
+        first position whose logits it needs."""
         limit = req.num_fill - 1
         if req.prompt_logits_from is not None:
             limit = min(limit, req.prompt_logits_from)
-        return self.tree.match_prefix(req.fill_ids[:limit], namespace=req.namespace)
+        return limit
 
     def match(self, req: Req) -> MatchResult | None:
         """Find ``req``'s cached prefix and protect it (KV lock on the path, state lock on the
-        checkpoint) until ``admit``. Sets ``req.kv_len`` to the hit and ``req.branch_point``."""
+        checkpoint) until ``admit``. Sets ``req.kv_len`` to the hit and ``req.branch_point``. With
+        a host tier, a longer prefix there is loaded into the device tree first (``_load_from_host``)."""
         hit = self.peek(req)
+        if self.host is not None:
+            hit = self._load_from_host(req, hit)
         req.kv_len = req.kv_allocated = hit.prefix_len if hit is not None else 0
         if hit is not None:
             self.tree.inc_lock_ref(hit.last_node)
@@ -216,6 +232,38 @@ class CacheManager:
             self.ledger.admitted(req.rid, req.fill_ids, prefix_len, hit.kv_only_len if hit is not None else 0,
                                  req.namespace)
         return self.allocate([req], [n])
+
+    def _load_from_host(self, req: Req, hit: MatchResult) -> MatchResult:
+        """Where the host tier holds a longer usable prefix of ``req`` than the device tree's ``hit``,
+        copy what the device lacks of it — the KV past the device's KV match, and the checkpoint —
+        into fresh device slots (evicting unlocked device entries for them, as an admission does) and
+        insert them into the device tree; returns the device's hit then. Where the device cannot
+        make the room, the host's prefix is not used."""
+        tokens = req.fill_ids[:self._match_limit(req)]
+        host_hit = self.host.match(tokens, req.namespace)
+        if host_hit is None:
+            return hit
+        end = host_hit.prefix_len
+        start = min(hit.kv_only_len, end)  # the device holds the prefix's KV up to here
+        if end <= hit.prefix_len:
+            self.host.unlock(host_hit)
+            return hit
+        device_kv = hit.kv_only_indices[:start]
+        states = 1 if self.tree.state_pool is not None else 0
+        self.tree.inc_lock_ref(hit.kv_only_node)  # the device's part stays while room is made
+        try:
+            ok = self._ensure_kv(end - start, cause=HOST_LOAD) and (not states or self._ensure_state(1, cause=HOST_LOAD))
+            if ok:
+                kv = self.kv_pool.alloc(end - start) if end > start else torch.zeros(0, dtype=torch.int64)
+                slot = int(self.state_pool.alloc(1, zero=False)[0]) if states else None
+                self.host.load(host_hit, start, kv, slot)
+                self.tree.insert(tokens[:end], torch.cat([device_kv, kv]), [(end, slot)] if states else [],
+                                 namespace=req.namespace)
+                self.num_host_hit_tokens += end - hit.prefix_len
+        finally:
+            self.tree.dec_lock_ref(hit.kv_only_node)
+            self.host.unlock(host_hit)
+        return self.peek(req)
 
     # ------------------------------------------------------------------------------------------
     # one step
@@ -417,7 +465,7 @@ class CacheManager:
 
     def flush(self) -> tuple[int, int]:
         """Empty the tree: every cached prefix's KV slots and state checkpoints back to their pools
-        (a ledger records them as removed, "reset", for "flush_cache"). Between requests only: no
+        (a ledger records them as removed, "reset", for "flush_cache"), and the host tier. Between requests only: no
         waiting request's hit held, no node locked (ValueError otherwise). Returns the KV tokens and
         the checkpoints dropped."""
         if self._holds:
@@ -427,6 +475,8 @@ class CacheManager:
         dropped = self.tree.total_size(), self.tree.num_checkpoints()
         with self._because("flush_cache"):
             self.tree.reset()
+        if self.host is not None:
+            self.host.reset()
         return dropped
 
     def free_checkpoints(self, ckpts: StepCheckpoints) -> None:
@@ -609,3 +659,6 @@ class CacheManager:
         self.state_pool.check_integrity()
         if self.tree is not None:
             self.tree.check_integrity()
+        if self.host is not None:
+            self.host.check_integrity()
+            assert not self.host.tree.protected_size(), "a host hit is still locked between steps"

@@ -32,8 +32,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from hyla.cache import CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
-from hyla.engine.args import EngineArgs, check_state_slots, check_weight_version, context_length_for
+from hyla.cache import CacheLedger, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
+from hyla.engine.args import EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
@@ -140,7 +140,7 @@ class Engine:
 
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
-                                  checkpoint_alignment=self.args.checkpoint_alignment)
+                                  checkpoint_alignment=self.args.checkpoint_alignment, host=self.host_cache)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
                              compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
@@ -279,6 +279,17 @@ class Engine:
                                    state_pool=self.state_pool if cfg.num_linear_layers else None)
         else:
             self.tree = None
+        self.host_cache = None  # the hierarchical cache's host tier
+        if args.enable_hierarchical_cache:
+            host_tokens, host_slots = host_cache_sizes(args, num_tokens, num_slots, layout.kv_bytes_per_token,
+                                                       layout.state_bytes_per_slot)
+            host_bytes = (host_tokens + args.page_size) * layout.kv_bytes_per_token + \
+                ((host_slots + 1) * layout.state_bytes_per_slot if cfg.num_linear_layers else 0)
+            if host_bytes > _available_ram():
+                raise ValueError(f"the hierarchical cache's host pools need {host_bytes / 2**30:.1f} GiB, more than the "
+                                 f"{_available_ram() / 2**30:.1f} GiB of RAM available: lower hicache_ratio or "
+                                 "hicache_size")
+            self.host_cache = HostCache.from_layout(layout, self.tree, host_tokens, host_slots)
 
     @property
     def max_live_requests(self) -> int:
@@ -286,6 +297,13 @@ class Engine:
         beyond it raises ``EngineOverloadedError`` (the server: 429, or 400 for a batch larger than
         this on its own)."""
         return self.max_running_requests + self.args.max_queued_requests
+
+    def _host_summary(self) -> str:
+        host = self.host_cache
+        if host is None:
+            return ""
+        slots = f", {host.state_pool.size} state slots" if host.state_pool is not None else ""
+        return f" (host tier: {host.kv_pool.size} tokens{slots}, {host.total_bytes / 2**20:.1f} MiB)"
 
     def summary(self) -> str:
         cfg = self.model_config
@@ -296,7 +314,8 @@ class Engine:
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "
-                f"prefix_cache={'on' if self.tree is not None else 'off'}, decode={self._decode_mode()}"
+                f"prefix_cache={'on' if self.tree is not None else 'off'}{self._host_summary()}, "
+                f"decode={self._decode_mode()}"
                 f"{', overlap schedule' if self.scheduler.config.overlap else ''}, "
                 f"speculative={self.args.speculative_algorithm or 'off'}"
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
@@ -492,7 +511,7 @@ class Engine:
 
     def get_stats(self) -> dict[str, Any]:
         """Counters and gauges for logs and /metrics (read without locking: approximate)."""
-        s, out, cache = self.scheduler, self.scheduler.output, self.cache
+        s, out, cache, host = self.scheduler, self.scheduler.output, self.cache, self.cache.host
         tok_usage, state_usage = cache.usage()
         return {
             "num_prompt_tokens": s.num_prompt_tokens,
@@ -505,6 +524,10 @@ class Engine:
             "num_mixed_tokens": s.num_mixed_tokens,
             "num_evicted_tokens": cache.num_evicted_tokens,
             "num_evicted_states": cache.num_evicted_states,
+            "num_host_hit_tokens": cache.num_host_hit_tokens,
+            "num_host_saved_tokens": host.num_saved_tokens if host is not None else 0,
+            "num_host_loaded_tokens": host.num_loaded_tokens if host is not None else 0,
+            "host_token_usage": host.tree.total_size() / host.kv_pool.size if host is not None else None,
             "cache_hit_rate": s.num_cached_tokens / max(1, s.num_prompt_tokens),
             "token_usage": tok_usage,
             "state_usage": state_usage,
@@ -915,11 +938,15 @@ def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * (mem_fraction or 0.85))
+    return int(_available_ram() * (mem_fraction or 0.1))
+
+
+def _available_ram() -> int:
+    """Bytes of RAM free now (8 GiB where the system does not say)."""
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        avail = 8 << 30
-    return int(avail * (mem_fraction or 0.1))
+        return 8 << 30
 
 
 def _how_sized(given: int | None, size: int, cap: int, cap_text: str) -> str:

@@ -193,6 +193,9 @@ class Scheduler:
         self._last_log_time = time.monotonic()
         self.output.num_generated_tokens = self.output.num_requests_finished = 0
         self.cache.num_evicted_tokens = self.cache.num_evicted_states = 0
+        self.cache.num_host_hit_tokens = 0
+        if self.cache.host is not None:
+            self.cache.host.reset_counters()
 
     # ------------------------------------------------------------------------------------------
     # the step

@@ -35,12 +35,17 @@ ENGINE_COUNTERS = (
      "Decode steps launched before the previous step's tokens were read (the overlap schedule)."),
     ("num_mixed_tokens", "mixed_decode_tokens",
      "Decoding requests' tokens fed in prefill steps (--enable-mixed-chunk)."),
+    ("num_host_hit_tokens", "host_cache_hit_tokens",
+     "Cached prompt tokens the host tier added past the device's hits (--enable-hierarchical-cache)."),
+    ("num_host_saved_tokens", "host_cache_saved_tokens", "KV tokens copied from the device into the host tier."),
+    ("num_host_loaded_tokens", "host_cache_loaded_tokens", "KV tokens copied from the host tier back to the device."),
 )
 # (engine stats key, metric name, help) — gauges
 ENGINE_GAUGES = (
     ("cache_hit_rate", "cache_hit_rate", "Cached prompt tokens / prompt tokens since start."),
     ("token_usage", "kv_pool_usage", "Share of the KV pool in use (requests + prefix tree)."),
     ("state_usage", "state_pool_usage", "Share of the recurrent-state pool in use (requests + checkpoints)."),
+    ("host_token_usage", "host_cache_usage", "Share of the host tier's KV pool holding cached prefixes (absent when off)."),
     ("num_running_requests", "num_running_requests", "Requests admitted to the running batch."),
     ("num_queued_requests", "num_queued_requests", "Requests waiting for admission."),
     ("gen_throughput", "gen_throughput", "Decode throughput over the last log interval (tokens/s)."),

@@ -27,8 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-from hyla.cache import CacheLayout, CacheLedger, KVPool, RadixCache, ReqToTokenPool, StatePool
-from hyla.engine.args import EngineArgs, check_state_slots, context_length_for
+from hyla.cache import CacheLayout, CacheLedger, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool
+from hyla.engine.args import EngineArgs, check_state_slots, context_length_for, host_cache_sizes
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.output_processor import OutputProcessor
 from hyla.engine.request import Req
@@ -149,8 +149,13 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
     tree = None
     if args.enable_prefix_cache:
         tree = RadixCache(kv_pool, ps, state_pool=state_pool if layout.num_linear_layers else None)
+    host = None  # enable_hierarchical_cache: the host tier, sized as the engine sizes it
+    if args.enable_hierarchical_cache:
+        host = HostCache.from_layout(layout, tree, *host_cache_sizes(args, kv_tokens, args.max_state_slots,
+                                                                     layout.kv_bytes_per_token,
+                                                                     layout.state_bytes_per_slot), accounting=True)
     cache = CacheManager(kv_pool, state_pool, ReqToTokenPool(running + 1, context + ps), tree,
-                         checkpoint_alignment=args.checkpoint_alignment)
+                         checkpoint_alignment=args.checkpoint_alignment, host=host)
     ledger = CacheLedger() if record else None
     if ledger is not None:
         cache.record(ledger)

@@ -1,0 +1,186 @@
+"""The host tier: prefixes the device's prefix cache evicts, kept in host memory for a later hit.
+
+A hybrid model's prefix is usable only with the recurrent state after it. SGLang's hierarchical
+cache (HiCache) demotes evicted KV to host memory but drops the states of hybrid models (#33713,
+#40680), and external KV stores that bring KV back without the state garble outputs (LMCache
+#2845). Here an evicted checkpoint goes down together with its path's KV, and a hit from the host
+brings both back: the prefix resumes exactly where it was.
+
+How it works:
+
+* A second ``RadixCache`` over host pools (a ``KVPool`` and a ``StatePool`` of the device pools'
+  layout, in CPU memory) holds the host's prefixes, with its own LRU; what it evicts is dropped.
+* ``save(node)`` is the device tree's ``on_evict`` hook: before the device frees a checkpoint (or,
+  in a tree without states, a leaf's KV), the prefix ending at that node — its path's KV and the
+  checkpoint — is copied into the host tree. What the host already holds of the path (an earlier
+  turn of the chat, a shared system prompt) is not copied again. Where the host cannot make room
+  (its entries locked, or the prefix larger than its pools) the prefix is not kept.
+* ``match(tokens, namespace)`` finds and locks the host's hit; the cache manager, when it is longer
+  than the device's, takes device slots for the part the device lacks (evicting there, which may
+  ``save`` into the host: the locked hit stays), has ``load`` copy the host's KV and checkpoint into
+  them, inserts them into the device tree as it would a computed prefix, and ``unlock``s the hit.
+* Inclusive: the host keeps its copy after a load, so when the device evicts that prefix again,
+  ``save`` finds it there and copies nothing.
+
+Copies are exact (the same bytes), so a hit from the host changes no output: the engine's
+differential tests run with the tier on. Ownership: the host tree owns the host slots and the
+device tree never sees one. Single-threaded: the scheduler's cache manager is the only caller.
+Knows nothing of models. In accounting mode (the simulator's replay) the pools hold no data and
+the tier keeps only the books.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from hyla.cache.kv_pool import KVPool
+from hyla.cache.layout import CacheLayout
+from hyla.cache.radix_cache import RadixCache
+from hyla.cache.radix_types import MatchResult, TreeNode
+from hyla.cache.state_pool import StatePool
+
+
+class HostCache:
+    """The host tier under ``device_tree``: host pools of ``num_tokens`` KV slots and ``num_slots``
+    state slots (none for a tree without a state pool) and a tree over them."""
+
+    def __init__(self, device_tree: RadixCache, kv_pool: KVPool, state_pool: StatePool | None) -> None:
+        if kv_pool.page_size != device_tree.page_size:
+            raise ValueError(f"the host KV pool's page size {kv_pool.page_size} differs from the device's "
+                             f"{device_tree.page_size}")
+        if (state_pool is None) != (device_tree.state_pool is None):
+            raise ValueError("the host tier needs a state pool exactly when the device tree has one")
+        if device_tree.on_evict is not None:
+            raise ValueError("the device tree already has a lower tier")
+        self.device_tree = device_tree
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.tree = RadixCache(kv_pool, state_pool=state_pool)
+        self.reset_counters()
+        device_tree.on_evict = self.save
+
+    def reset_counters(self) -> None:
+        self.num_saved_tokens = 0  # KV tokens copied into the host
+        self.num_saved_checkpoints = 0  # checkpoints copied into the host
+        self.num_unsaved = 0  # evicted prefixes the host had no room for
+        self.num_loaded_tokens = 0  # KV tokens copied back to the device
+        self.num_loaded_checkpoints = 0  # checkpoints copied back to the device
+
+    @classmethod
+    def from_layout(cls, layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int,
+                    accounting: bool = False) -> "HostCache":
+        """The host tier of ``layout`` under ``device_tree``: host pools of ``num_tokens`` KV slots
+        (rounded down to whole pages) and ``num_slots`` state slots (unused without a state pool)."""
+        ps = device_tree.page_size
+        kv = KVPool.from_layout(layout, max(ps, num_tokens - num_tokens % ps), ps, "cpu", accounting)
+        states = StatePool.from_layout(layout, max(1, num_slots), "cpu", accounting) \
+            if device_tree.state_pool is not None else None
+        return cls(device_tree, kv, states)
+
+    # ------------------------------------------------------------------------------------------
+    # device -> host
+    # ------------------------------------------------------------------------------------------
+    def save(self, node: TreeNode) -> None:
+        """Keep a copy of the prefix ending at ``node`` (of the device tree, about to be evicted):
+        the KV of its path the host lacks, and ``node``'s checkpoint. Nothing when the host has it
+        already or cannot make room."""
+        device = self.device_tree
+        namespace, tokens, slots = device.path_of(node)
+        n = len(tokens)
+        hit = self.tree.match_prefix(tokens, namespace)  # refreshes what the host has of it
+        if hit.prefix_len == n:
+            return
+        have = hit.kv_only_len  # whole pages of the path's KV the host holds
+        self.tree.inc_lock_ref(hit.kv_only_node)  # not evicted while room is made for the rest
+        try:
+            state = node.state if self.state_pool is not None else None
+            if not self._make_room(n - have, 0 if state is None else 1):
+                self.num_unsaved += 1
+                return
+            new = self.kv_pool.alloc(n - have) if n > have else torch.zeros(0, dtype=torch.int64)
+            self.kv_pool.copy_from(device.kv_pool, slots[have:], new)
+            ckpts = []
+            if state is not None:
+                host_slot = self.state_pool.alloc(1, zero=False)
+                self.state_pool.copy_from(device.state_pool, [state], host_slot)
+                ckpts.append((n, int(host_slot[0])))
+                self.num_saved_checkpoints += 1
+            self.tree.insert(tokens, torch.cat([hit.kv_only_indices, new]), ckpts, namespace)
+            self.num_saved_tokens += n - have
+        finally:
+            self.tree.dec_lock_ref(hit.kv_only_node)
+
+    def _make_room(self, num_tokens: int, num_slots: int) -> bool:
+        """Free host KV for ``num_tokens`` and ``num_slots`` state slots, evicting the host's least
+        recently used entries — none when even evicting every unlocked one could not do it."""
+        kv_short = num_tokens - self.kv_pool.available_size()
+        states_short = num_slots - (self.state_pool.available_size() if self.state_pool is not None else 0)
+        if kv_short > self.tree.evictable_size() or states_short > self.tree.evictable_checkpoints():
+            return False
+        if kv_short > 0:
+            self.tree.evict(kv_short)
+        if states_short > 0:
+            self.tree.evict_state(states_short)
+        return self.kv_pool.available_size() >= num_tokens and (
+            not num_slots or self.state_pool.available_size() >= num_slots)
+
+    # ------------------------------------------------------------------------------------------
+    # host -> device
+    # ------------------------------------------------------------------------------------------
+    def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> MatchResult | None:
+        """The host's longest usable prefix of ``token_ids``, locked (its path's KV and its
+        checkpoint) until ``unlock``; None when the host holds none."""
+        hit = self.tree.match_prefix(token_ids, namespace)
+        if not hit.prefix_len:
+            return None
+        self.tree.inc_lock_ref(hit.last_node)
+        if hit.state_slot is not None:
+            self.tree.inc_state_lock(hit.last_node)
+        hit.kv_indices  # noqa: B018 (the slots as of now: later splits of its path do not move them)
+        return hit
+
+    def unlock(self, hit: MatchResult) -> None:
+        """Undo ``match``'s locks on ``hit``."""
+        if hit.state_slot is not None:
+            self.tree.dec_state_lock(hit.last_node)
+        self.tree.dec_lock_ref(hit.last_node)
+
+    def load(self, hit: MatchResult, start: int, kv_slots: torch.Tensor, state_slot: int | None) -> None:
+        """Copy a locked ``hit``'s KV of positions ``[start, hit.prefix_len)`` into the device KV slots
+        ``kv_slots`` and its checkpoint into the device state slot ``state_slot`` (None: a tree
+        without states)."""
+        device = self.device_tree
+        if len(kv_slots) != hit.prefix_len - start:
+            raise ValueError(f"load of positions [{start}, {hit.prefix_len}) into {len(kv_slots)} KV slots")
+        device.kv_pool.copy_from(self.kv_pool, hit.kv_indices[start:], kv_slots)
+        self.num_loaded_tokens += len(kv_slots)
+        if hit.state_slot is not None:
+            device.state_pool.copy_from(self.state_pool, [hit.state_slot], [state_slot])
+            self.num_loaded_checkpoints += 1
+
+    # ------------------------------------------------------------------------------------------
+    # misc
+    # ------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop everything the host holds (a flush of the cache: new weights, ``flush_cache``)."""
+        self.tree.reset()
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the host pools."""
+        return self.kv_pool.total_bytes + (self.state_pool.total_bytes if self.state_pool is not None else 0)
+
+    def check_integrity(self) -> None:
+        self.kv_pool.check_integrity()
+        if self.state_pool is not None:
+            self.state_pool.check_integrity()
+        self.tree.check_integrity()
+
+    def __repr__(self) -> str:
+        return (f"HostCache(tokens={self.tree.total_size()}/{self.kv_pool.size}, "
+                f"checkpoints={self.tree.num_checkpoints()}/{self.state_pool.size if self.state_pool else 0})")
+
+
+__all__ = ["HostCache"]
