@@ -7,7 +7,9 @@ an own slot → allocate the miss → "prefill" (write fingerprints) → insert 
 → take the tree's canonical slots and move the lock → finish (insert the live state, unlock, free
 the own slot and private tail) or abort. Interleaved with lookups, held KV/state locks, dry-run
 branch points, both evictions, and the eviction that makes room for speculative checkpoints (which
-may take only speculative or superseded ones). After every step:
+may take only speculative or superseded ones). With a host tier (``HostCache``), every eviction
+saves into it and a request's match first loads a longer host hit into the device tree, as the
+engine's cache manager does. After every step, in both tiers:
 
 * every KV page and every state slot is free xor owned exactly once (tree, or one request);
 * lock counts are never negative, evictable + protected = total (``check_integrity``);
@@ -25,7 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hyla.cache import Checkpoint, KVPool, RadixCache, StatePool, TreeNode
+from hyla.cache import Checkpoint, HostCache, KVPool, RadixCache, StatePool, TreeNode
 
 BASES = [[(i * 7 + b * 3) % 5 for i in range(96)] for b in range(3)]  # shared prefixes
 NAMESPACES = {None: 0.0, "lora": 1.0}
@@ -62,20 +64,23 @@ tails = st.lists(st.integers(0, 4), max_size=20)
 
 
 class CacheMachine(RuleBasedStateMachine):
-    @initialize(page_size=st.sampled_from([1, 16]), hybrid=st.booleans())
-    def setup(self, page_size: int, hybrid: bool) -> None:
+    @initialize(page_size=st.sampled_from([1, 16]), hybrid=st.booleans(), host=st.booleans())
+    def setup(self, page_size: int, hybrid: bool, host: bool) -> None:
         self.ps = page_size
         self.hybrid = hybrid
-        self.kv_pool = KVPool(256 if page_size == 1 else 24 * 16, page_size, 1, 1, 3, torch.float64)
-        if hybrid:
-            self.state_pool = StatePool(10, 1, (1, 1), torch.float64, (2,), torch.float64)
-            self.cache: RadixCache = RadixCache(self.kv_pool, state_pool=self.state_pool)
-        else:
-            self.state_pool = None
-            self.cache = RadixCache(self.kv_pool)
+        # (with a host tier, a device pool of a few prompts: evictions, and hits back from the host, are frequent)
+        self.kv_pool, self.state_pool = self.pools((96 if host else 256) if page_size == 1 else (8 if host else 24) * 16,
+                                                   6 if host else 10)
+        self.cache: RadixCache = RadixCache(self.kv_pool, state_pool=self.state_pool)
+        # the host tier: evictions save into it, ``start`` loads a longer hit from it (the engine's flow)
+        self.host = HostCache(self.cache, *self.pools(192 if page_size == 1 else 12 * 16, 6)) if host else None
         self.reqs: list[Req] = []
         self.seen: list[tuple[list[int], str | None]] = []  # recent prompts: repeats and next turns
         self.held: list[tuple[TreeNode, bool]] = []  # extra locks from lookups: (node, state lock too)
+
+    def pools(self, num_tokens: int, num_slots: int) -> tuple[KVPool, StatePool | None]:
+        kv = KVPool(num_tokens, self.ps, 1, 1, 3, torch.float64)
+        return kv, StatePool(num_slots, 1, (1, 1), torch.float64, (2,), torch.float64) if self.hybrid else None
 
     # ------------------------------------------------------------------------------------------
     # fingerprints
@@ -85,18 +90,18 @@ class CacheMachine(RuleBasedStateMachine):
         for i, s in enumerate(slots):
             buf[s, 0] = torch.tensor([tokens[start + i], start + i, NAMESPACES[namespace]], dtype=torch.float64)
 
-    def check_kv(self, slots, tokens: list[int], namespace) -> None:
+    def check_kv(self, slots, tokens: list[int], namespace, kv_pool: KVPool | None = None) -> None:
         if len(slots) == 0:
             return
-        got = self.kv_pool.k_buffers[0][torch.as_tensor(slots, dtype=torch.long), 0]  # [n, 3]
+        got = (kv_pool or self.kv_pool).k_buffers[0][torch.as_tensor(slots, dtype=torch.long), 0]  # [n, 3]
         want = torch.tensor([[t, i, NAMESPACES[namespace]] for i, t in enumerate(tokens)], dtype=torch.float64)
         assert torch.equal(got, want), "a KV slot does not hold the token it claims"
 
     def write_state(self, slot: int, namespace, tokens: list[int]) -> None:
         self.state_pool.ssm_states[0][slot] = torch.tensor([prefix_hash(namespace, tokens), len(tokens)])
 
-    def check_state(self, slot: int, namespace, tokens: list[int]) -> None:
-        got = self.state_pool.ssm_states[0][slot].tolist()
+    def check_state(self, slot: int, namespace, tokens: list[int], state_pool: StatePool | None = None) -> None:
+        got = (state_pool or self.state_pool).ssm_states[0][slot].tolist()
         assert got == [prefix_hash(namespace, tokens), len(tokens)], "a checkpoint holds another prefix's state"
 
     def check_match(self, res, tokens: list[int], namespace) -> None:
@@ -135,11 +140,36 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------------------------------
     # the engine's flow
     # ------------------------------------------------------------------------------------------
+    def load_from_host(self, tokens: list[int], ns) -> None:
+        """``CacheManager._load_from_host``: where the host holds a longer usable prefix than the
+        device, copy what the device lacks into fresh device slots and insert them."""
+        cache, host = self.cache, self.host
+        res = cache.match_prefix(tokens, namespace=ns)
+        hit = host.match(tokens, ns)
+        if hit is None:
+            return
+        end = hit.prefix_len
+        start = min(res.kv_only_len, end)
+        if end > res.prefix_len:
+            device_kv = res.kv_only_indices[:start]
+            cache.inc_lock_ref(res.kv_only_node)
+            if self.ensure_kv(end - start) and (not self.hybrid or self.ensure_states(1)):
+                kv = self.kv_pool.alloc(end - start) if end > start else torch.zeros(0, dtype=torch.long)
+                slot = int(self.state_pool.alloc(1, zero=False)[0]) if self.hybrid else None
+                host.load(hit, start, kv, slot)
+                cache.insert(tokens[:end], torch.cat([device_kv, kv]), [(end, slot)] if self.hybrid else [],
+                             namespace=ns)
+                assert cache.match_prefix(tokens, namespace=ns).prefix_len == end
+            cache.dec_lock_ref(res.kv_only_node)
+        host.unlock(hit)
+
     @rule(data=st.data())
     def start(self, data) -> None:
         tokens, ns = self.draw_prompt(data)
         self.seen = (self.seen + [(tokens, ns)])[-12:]
         cache = self.cache
+        if self.host is not None:
+            self.load_from_host(tokens, ns)
         res = cache.match_prefix(tokens, namespace=ns)
         self.check_match(res, tokens, ns)
         p, n = res.prefix_len, len(tokens)
@@ -321,52 +351,64 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------------------------------
     # invariants
     # ------------------------------------------------------------------------------------------
+    def tiers(self) -> list[tuple[RadixCache, KVPool, StatePool | None, list[Req]]]:
+        """(tree, KV pool, state pool, requests holding slots of it) of the device and the host tier."""
+        tiers = [(self.cache, self.kv_pool, self.state_pool, self.reqs)]
+        if self.host is not None:
+            tiers.append((self.host.tree, self.host.kv_pool, self.host.state_pool, []))
+        return tiers
+
     @invariant()
     def integrity(self) -> None:
         if not hasattr(self, "cache"):
             return
-        self.cache.check_integrity()
-        self.kv_pool.check_integrity()
-        assert self.cache.evictable_size() + self.cache.protected_size() == self.cache.total_size()
-        if self.hybrid:
-            self.state_pool.check_integrity()
+        for tree, kv_pool, state_pool, _ in self.tiers():
+            tree.check_integrity()
+            kv_pool.check_integrity()
+            assert tree.evictable_size() + tree.protected_size() == tree.total_size()
+            if self.hybrid:
+                state_pool.check_integrity()
+        if self.host is not None:
+            assert not self.host.tree.protected_size(), "a host hit still locked after its load"
 
     @invariant()
     def every_slot_is_free_xor_owned_once(self) -> None:
         if not hasattr(self, "cache"):
             return
         ps = self.ps
-        owners = np.zeros(self.kv_pool.num_pages + 1, dtype=np.int64)
-        for node in self.cache.nodes():
-            np.add.at(owners, np.unique(node.value // ps), 1)
-        for req in self.reqs:
-            own = np.asarray(req.kv[req.protected_len :], dtype=np.int64)
-            np.add.at(owners, np.unique(own // ps), 1)
-        allocated = np.zeros_like(owners)
-        allocated[self.kv_pool.allocated_pages()] = 1
-        assert np.array_equal(owners, allocated), "a KV page is leaked, shared, or owned while free"
-        if self.hybrid:
-            held = [n.state for n in self.cache.nodes() if n.state is not None] + [r.slot for r in self.reqs]
-            assert sorted(held) == self.state_pool.allocated_slots(), "a state slot is leaked or shared"
+        for tree, kv_pool, state_pool, reqs in self.tiers():
+            owners = np.zeros(kv_pool.num_pages + 1, dtype=np.int64)
+            for node in tree.nodes():
+                np.add.at(owners, np.unique(node.value // ps), 1)
+            for req in reqs:
+                own = np.asarray(req.kv[req.protected_len :], dtype=np.int64)
+                np.add.at(owners, np.unique(own // ps), 1)
+            allocated = np.zeros_like(owners)
+            allocated[kv_pool.allocated_pages()] = 1
+            assert np.array_equal(owners, allocated), "a KV page is leaked, shared, or owned while free"
+            if self.hybrid:
+                held = [n.state for n in tree.nodes() if n.state is not None] + [r.slot for r in reqs]
+                assert sorted(held) == state_pool.allocated_slots(), "a state slot is leaked or shared"
 
     @invariant()
     def every_slot_holds_what_it_claims(self) -> None:
         if not hasattr(self, "cache"):
             return
-        stack = [(child, list(child.key), child.child_key[0][0]) for child in self.cache.root.children.values()]
-        while stack:
-            node, tokens, ns = stack.pop()  # tokens: the whole path from the root through node
-            got = self.kv_pool.k_buffers[0][torch.from_numpy(node.value.copy()), 0]  # [len, 3]
-            want = torch.tensor([[t, node.start + i, NAMESPACES[ns]] for i, t in enumerate(node.key)],
-                                dtype=torch.float64)
-            assert torch.equal(got, want), f"tree node {node!r} holds foreign KV"
-            if node.state is not None:
-                self.check_state(node.state, ns, tokens)
-            stack.extend((c, tokens + list(c.key), ns) for c in node.children.values())
-        for req in self.reqs:
-            self.check_kv(req.kv, req.tokens, req.namespace)
-            if self.hybrid:
-                self.check_state(req.slot, req.namespace, req.tokens)
+        for tree, kv_pool, state_pool, reqs in self.tiers():
+            stack = [(child, list(child.key), child.child_key[0][0]) for child in tree.root.children.values()]
+            while stack:
+                node, tokens, ns = stack.pop()  # tokens: the whole path from the root through node
+                got = kv_pool.k_buffers[0][torch.from_numpy(node.value.copy()), 0]  # [len, 3]
+                want = torch.tensor([[t, node.start + i, NAMESPACES[ns]] for i, t in enumerate(node.key)],
+                                    dtype=torch.float64)
+                assert torch.equal(got, want), f"tree node {node!r} holds foreign KV"
+                if node.state is not None:
+                    self.check_state(node.state, ns, tokens, state_pool)
+                stack.extend((c, tokens + list(c.key), ns) for c in node.children.values())
+            for req in reqs:
+                self.check_kv(req.kv, req.tokens, req.namespace)
+                if self.hybrid:
+                    self.check_state(req.slot, req.namespace, req.tokens)
 
     def teardown(self) -> None:
         """Release everything: the pools must be full again (nothing leaked)."""
@@ -380,9 +422,11 @@ class CacheMachine(RuleBasedStateMachine):
                 self.cache.dec_state_lock(node)
             self.cache.dec_lock_ref(node)
         self.cache.evict(self.cache.total_size())
-        assert self.cache.total_size() == 0 and self.kv_pool.available_size() == self.kv_pool.size
-        if self.hybrid:
-            assert self.cache.num_checkpoints() == 0 and self.state_pool.available_size() == self.state_pool.size
+        for tree, kv_pool, state_pool, _ in self.tiers():
+            tree.evict(tree.total_size())
+            assert tree.total_size() == 0 and kv_pool.available_size() == kv_pool.size
+            if self.hybrid:
+                assert tree.num_checkpoints() == 0 and state_pool.available_size() == state_pool.size
 
 
 CacheMachine.TestCase.settings = settings(
