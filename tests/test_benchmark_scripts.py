@@ -232,6 +232,15 @@ def test_window_attention_times_both_paths():
     assert len(rows) == 4 and all(float(r.split("|")[4].strip().rstrip("x")) > 0 for r in rows)
 
 
+def test_host_cache_benchmark_measures_the_tier_against_the_device_alone():
+    """A short run: the tier brings back prefixes the device pool evicted (more cached tokens)."""
+    out = _run("benchmarks/host_cache.py", "--no-write", "--sessions", "3", "--turns", "2", "--kv-tokens", "1024",
+               "--repeats", "1", "--ratios", "4")
+    off, on = (line for line in out.splitlines() if line.startswith(("prefix cache only:", "host tier x4:")))
+    hit = lambda line: float(line.split("hit ")[1].split("%")[0])  # noqa: E731
+    assert hit(on) > hit(off) and "loaded 0 tokens" not in on
+
+
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1", "--new-tokens", "30")

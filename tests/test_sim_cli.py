@@ -128,6 +128,26 @@ def test_engine_replay_prints_the_engines_hits(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+def test_engine_replay_with_a_host_tier_prints_its_hits(tmp_path, capsys):
+    """A session whose prefix another session pushes out of a 512-token KV pool: its next turn
+    recomputes it, unless the host tier (enable_hierarchical_cache) kept it."""
+    a0 = TraceRequest(0, 0, 0.0, list(range(1, 301)), list(range(1000, 1040)))
+    b0 = TraceRequest(1, 0, 1.0, list(range(3000, 3400)), [7, 8])
+    a1 = TraceRequest(0, 1, 2.0, a0.input_tokens + a0.output_tokens + [9, 10], [5, 6])
+    path = tmp_path / "evicting.jsonl"
+    write_trace(path, [a0, b0, a1])
+    pools = {"max_total_tokens": 512, "max_state_slots": 8}
+    outs = []
+    for extra in ({}, {"enable_hierarchical_cache": True}):
+        assert hyla_main(["sim", str(path), "--model", "nemotron-h-8b", "--engine", json.dumps({**pools, **extra}),
+                          "--json"]) == 0
+        outs.append(_last_json(capsys))
+    assert outs[0]["cached_tokens_per_request"] == [0, 0, 0] and "host_hit_tokens" not in outs[0]
+    assert outs[1]["cached_tokens_per_request"] == [0, 0, 339]  # all turn 0 fed, back from the host
+    assert outs[1]["host_hit_tokens"] == 339 and outs[1]["host_kv_tokens"] == 1024
+    assert outs[1]["host_saved_tokens"] >= 339 and outs[1]["host_loaded_tokens"] > 0
+
+
 ENGINE = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16})
 
 

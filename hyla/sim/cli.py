@@ -178,9 +178,15 @@ def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
            "num_evicted_tokens": replay.cache.num_evicted_tokens,
            "num_evicted_states": replay.cache.num_evicted_states,
            "cached_tokens_per_request": replay.cached_tokens}
+    host = replay.cache.host
+    if host is not None:  # enable_hierarchical_cache: the host tier's books
+        out.update(host_hit_tokens=replay.cache.num_host_hit_tokens, host_saved_tokens=host.num_saved_tokens,
+                   host_loaded_tokens=host.num_loaded_tokens, host_kv_tokens=host.kv_pool.size)
     print(f"engine replay of {len(trace)} requests on {model.name}: token hit {100 * out['token_hit_rate']:.2f}%, "
           f"request hit {100 * out['request_hit_rate']:.1f}%, {out['num_retractions']} retractions, "
-          f"{out['num_evicted_tokens']} tokens and {out['num_evicted_states']} checkpoints evicted")
+          f"{out['num_evicted_tokens']} tokens and {out['num_evicted_states']} checkpoints evicted"
+          + (f"; host tier ({host.kv_pool.size} tokens): {out['host_hit_tokens']} hit tokens, "
+             f"{out['host_saved_tokens']} saved, {out['host_loaded_tokens']} loaded" if host is not None else ""))
     return out
 
 
