@@ -234,7 +234,7 @@ def test_window_attention_times_both_paths():
 
 def test_host_cache_benchmark_measures_the_tier_against_the_device_alone():
     """A short run: the tier brings back prefixes the device pool evicted (more cached tokens)."""
-    out = _run("benchmarks/host_cache.py", "--no-write", "--sessions", "3", "--turns", "2", "--kv-tokens", "1024",
+    out = _run("benchmarks/host_cache.py", "--no-write", "--sessions", "2", "--turns", "2", "--kv-tokens", "768",
                "--repeats", "1", "--ratios", "4")
     off, on = (line for line in out.splitlines() if line.startswith(("prefix cache only:", "host tier x4:")))
     hit = lambda line: float(line.split("hit ")[1].split("%")[0])  # noqa: E731
