@@ -219,13 +219,7 @@ class KVPool:
         """K and V of slot ``src[i]`` into slot ``dst[i]``, every layer (a tree verify step moves its
         accepted tokens' KV to their positions' slots). All sources are read before any destination
         is written, so the two may overlap; ``dst`` must be distinct, and every slot allocated."""
-        s, d = as_index_array(src), as_index_array(dst)
-        if s.size != d.size:
-            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
-        if len(set(d.tolist())) != d.size:
-            raise ValueError("copy destinations must be distinct")
-        if s.size and not (self.is_allocated(s) and self.is_allocated(d)):
-            raise ValueError("copy between slots that are not allocated")
+        s, d = self._copy_slots(self, src, dst)
         if s.size == 0 or self.accounting:
             return
         si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
@@ -236,17 +230,23 @@ class KVPool:
         """K and V of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer: a pool of
         the same layout on another device (the host tier, ``HostCache``). Slots must be allocated in
         their pools; ``dst`` distinct. No data moves where either pool is in accounting mode."""
-        s, d = as_index_array(src), as_index_array(dst)
         if other.buffer_shapes != self.buffer_shapes:
             raise ValueError(f"copy_from a KV pool of another layout: {other.buffer_shapes} vs {self.buffer_shapes}")
+        s, d = self._copy_slots(other, src, dst)
+        if s.size and not (self.accounting or other.accounting):
+            copy_rows((*self.k_buffers, *self.v_buffers), d, (*other.k_buffers, *other.v_buffers), s)
+
+    def _copy_slots(self, source: "KVPool", src: IndexLike, dst: IndexLike) -> tuple[np.ndarray, np.ndarray]:
+        """A copy's slots as arrays, checked: as many sources (allocated in ``source``) as destinations
+        (distinct, allocated here)."""
+        s, d = as_index_array(src), as_index_array(dst)
         if s.size != d.size:
             raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
         if len(set(d.tolist())) != d.size:
             raise ValueError("copy destinations must be distinct")
-        if s.size and not (other.is_allocated(s) and self.is_allocated(d)):
+        if s.size and not (source.is_allocated(s) and self.is_allocated(d)):
             raise ValueError("copy between slots that are not allocated")
-        if s.size and not (self.accounting or other.accounting):
-            copy_rows((*self.k_buffers, *self.v_buffers), d, (*other.k_buffers, *other.v_buffers), s)
+        return s, d
 
     def is_allocated(self, indices: IndexLike) -> bool:
         """True iff every slot lies on an allocated page."""
