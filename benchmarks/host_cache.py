@@ -21,6 +21,15 @@ one's up to each request's first floating-point tie (``tests/test_engine_differe
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/host_cache.py [--sessions 16] [--turns 4] [--kv-tokens 4096]
         [--ratios 2,8] [--repeats 3] [--device cuda --gpu-model] [--no-write]
+
+``--replay MODEL`` (a simulator preset, e.g. ``qwen3-next-80b-a3b``) runs no model: the same kind of
+workload at that model's size (an 8K-token system prompt, tool outputs of up to 4K tokens) through the
+engine's scheduler and cache manager on accounting pools (``hyla.sim.replay``), for each host ratio, and
+reports the cached share, the modelled prefill time (``hyla.sim.latency``) and the bytes the tier copies
+(and their time over PCIe) — its own section:
+
+    .venv/bin/python benchmarks/host_cache.py --replay qwen3-next-80b-a3b --sessions 32 --turns 6 \
+        --kv-tokens 131072 --state-slots 48 --ratios 1,2,4,8
 """
 
 from __future__ import annotations
@@ -76,6 +85,86 @@ def run_workload(engine: Engine, seed: int, sessions: int, turns: int, vocab: in
     return {"outputs": outputs, "ttfts": ttfts, "prompt": prompt, "cached": cached}
 
 
+# the replay study (--replay MODEL): agentic sessions at a real model's size, on the engine's scheduler and cache
+# manager with accounting pools (hyla.sim.replay): a shared system prompt, a first message, tool outputs, replies
+R_SYSTEM, R_FIRST, R_TOOL, R_REPLY = 8192, (1024, 4096), (512, 4096), 64
+PCIE_BYTES_PER_S = 25e9  # host <-> device, pinned, PCIe 4 x16 / a loaded Gen5 link
+
+
+def replay_trace(seed: int, sessions: int, turns: int, vocab: int) -> list:
+    """Agentic sessions served round-robin, one request at a time (each its own arrival)."""
+    from hyla.sim.trace import TraceRequest
+
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    system = tok(R_SYSTEM)
+    contexts = [system + tok(rng.randrange(*R_FIRST)) for _ in range(sessions)]
+    trace = []
+    for t in range(turns):
+        for s in range(sessions):
+            reply = tok(R_REPLY)
+            trace.append(TraceRequest(s, t, float(len(trace)), list(contexts[s]), reply))
+            contexts[s] = contexts[s] + reply + tok(rng.randrange(*R_TOOL))
+    return trace
+
+
+def replay_study(args) -> None:
+    """``--replay MODEL``: the host tier's hits and copies at a real model's size (accounting pools), with
+    the modelled prefill time (``hyla.sim.latency``: one H100 at 40%) and the copies' time over PCIe."""
+    from hyla.sim.latency import LatencyModel
+    from hyla.sim.models import resolve_model
+    from hyla.sim.replay import replay_engine
+
+    model = resolve_model(args.replay)
+    layout, latency = model.layout, LatencyModel()
+    trace = replay_trace(args.seed, args.sessions, args.turns, min(model.vocab_size or 32000, 32000))
+    pools = dict(max_total_tokens=args.kv_tokens, max_state_slots=args.state_slots, max_running_requests=8,
+                 chunked_prefill_size=8192, page_size=args.page_size)
+    later = [i for i, r in enumerate(trace) if r.turn_id]  # turns after each session's first
+    prompt = sum(len(trace[i].input_tokens) for i in later)
+    rows = []
+    for ratio in [0.0] + [float(r) for r in args.ratios.split(",")]:
+        options = dict(pools, **(dict(enable_hierarchical_cache=True, hicache_ratio=ratio) if ratio else {}))
+        start = time.perf_counter()
+        replay = replay_engine(trace, layout, vocab_size=model.vocab_size, **options)
+        took = time.perf_counter() - start
+        cached = sum(replay.cached_tokens[i] for i in later)
+        prefill = sum(latency.ttft(model, len(trace[i].input_tokens), replay.cached_tokens[i]) for i in later)
+        host = replay.cache.host
+        moved = {"saved": 0.0, "loaded": 0.0}
+        if host is not None:
+            moved = {"saved": host.num_saved_tokens * layout.kv_bytes_per_token
+                     + host.num_saved_checkpoints * layout.state_bytes_per_slot,
+                     "loaded": host.num_loaded_tokens * layout.kv_bytes_per_token
+                     + host.num_loaded_checkpoints * layout.state_bytes_per_slot}
+        rows.append((f"x{ratio:g}" if ratio else "prefix cache only", host.total_bytes / 2**30 if host else 0.0,
+                     cached / prompt, prefill, moved["saved"] / 2**30, moved["loaded"] / 2**30,
+                     (moved["saved"] + moved["loaded"]) / PCIE_BYTES_PER_S))
+        print(f"{rows[-1][0]}: hit {cached / prompt:.1%}, modelled prefill {prefill:.1f} s, host copies "
+              f"{rows[-1][4]:.1f} GiB saved / {rows[-1][5]:.1f} GiB loaded ({took:.0f} s to replay)", flush=True)
+    base = rows[0][3]
+    table = "\n".join(f"| {name} | {gib:.0f} | {hit:.1%} | {prefill:.1f} | {saved:.1f} | {loaded:.1f} | {pcie:.1f} | "
+                      f"{base / (prefill + pcie):.2f}x |" for name, gib, hit, prefill, saved, loaded, pcie in rows)
+    device_gib = (args.kv_tokens * layout.kv_bytes_per_token + args.state_slots * layout.state_bytes_per_slot) / 2**30
+    body = f"""`benchmarks/host_cache.py --replay {args.replay} --sessions {args.sessions} --turns {args.turns} --kv-tokens \
+{args.kv_tokens} --state-slots {args.state_slots} --page-size {args.page_size} --ratios {args.ratios}` ({machine()}): the
+engine's scheduler and cache manager replayed on accounting pools (`hyla.sim.replay`) at {model.name}'s size — device
+pools of {args.kv_tokens:,} KV tokens and {args.state_slots} state slots ({device_gib:.1f} GiB; a state slot is
+{layout.state_bytes_per_slot / 2**20:.0f} MiB, a token's KV {layout.kv_bytes_per_token / 2**10:.0f} KiB). {args.sessions}
+agentic sessions share a {R_SYSTEM:,}-token system prompt; each of {args.turns} turns appends a {R_REPLY}-token reply and a
+{R_TOOL[0]:,}-{R_TOOL[1]:,}-token tool output; the sessions come round-robin, one request at a time. Over the turns after
+the first ({prompt:,} prompt tokens): cached share, the modelled prefill time summed (`hyla.sim.latency`: 5 ms + the
+uncached part's FLOPs at 40% of an H100), the host tier's copies (KV and checkpoints) and their time at
+{PCIE_BYTES_PER_S / 1e9:.0f} GB/s, and the speed-up of prefill + copies over the device alone.
+
+| host tier | host pools (GiB) | cached share | modelled prefill (s) | saved to host (GiB) | loaded from host (GiB) | copies at {PCIE_BYTES_PER_S / 1e9:.0f} GB/s (s) | vs prefix cache only |
+|---|---|---|---|---|---|---|---|
+""" + table
+    print(body)
+    if not args.no_write:
+        write_section(f"Hierarchical cache: the host tier at {model.name}'s size (engine replay)", body)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
@@ -86,7 +175,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--replay", default=None, metavar="MODEL",
+                   help="the replay study at a simulator model's size (e.g. qwen3-next-80b-a3b): no model runs")
+    p.add_argument("--state-slots", type=int, default=64, help="--replay: device state slots")
+    p.add_argument("--page-size", type=int, default=1, help="--replay: page size")
     args = p.parse_args()
+    if args.replay:
+        return replay_study(args)
     resolve_dtype(args)
     configs = [("prefix cache only", {})] + [(f"host tier x{r:g}", dict(enable_hierarchical_cache=True, hicache_ratio=r))
                                               for r in map(float, args.ratios.split(","))]

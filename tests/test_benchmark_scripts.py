@@ -241,6 +241,14 @@ def test_host_cache_benchmark_measures_the_tier_against_the_device_alone():
     assert hit(on) > hit(off) and "loaded 0 tokens" not in on
 
 
+def test_host_cache_replay_study_runs_at_a_real_models_size():
+    out = _run("benchmarks/host_cache.py", "--no-write", "--replay", "qwen3-next-80b-a3b", "--sessions", "6",
+               "--turns", "2", "--kv-tokens", "32768", "--state-slots", "16", "--ratios", "4")
+    off, on = (line for line in out.splitlines() if line.startswith(("prefix cache only:", "x4:")))
+    hit = lambda line: float(line.split("hit ")[1].split("%")[0])  # noqa: E731
+    assert hit(on) > hit(off)
+
+
 @pytest.mark.slow
 def test_cpu_ab_runs_both_workers_in_turn():
     out = _run("benchmarks/cpu_ab.py", ".", ".", "--eager", "--small", "--rounds", "1", "--new-tokens", "30")
