@@ -285,6 +285,8 @@ def test_the_cache_manager_loads_a_host_hit_only_where_the_device_has_room() -> 
     put(tree, x)
     tree.evict(40)
     req = lambda: Req(rid="r", input_ids=x + [1, 2], sampling=SamplingParams(max_new_tokens=1))  # noqa: E731
+    assert cache.cached_len(req(), cache.peek(req())) == 40  # what LPM ranks by: the host's hit counts
+    assert host.tree.num_nodes() == 1 and not host.tree.protected_size()  # (and ranking changed nothing)
     held = tree.kv_pool.alloc(30)  # a running request's KV: 34 slots free, the prefix needs 40
     hit = cache.match(r := req())
     assert hit.prefix_len == 0 and r.kv_len == 0 and cache.num_host_hit_tokens == 0
@@ -297,3 +299,15 @@ def test_the_cache_manager_loads_a_host_hit_only_where_the_device_has_room() -> 
     cache.admit(r, hit, 0)
     cache.check_integrity()
     assert cache.flush() == (40, 1) and host.tree.total_size() == 0  # flushing empties both tiers
+
+
+def test_usable_len_is_match_prefix_without_its_side_effects() -> None:
+    for states in (True, False):
+        tree, _ = make(states=states)
+        x = tokens_of(24, 40)
+        put(tree, x[:8])
+        put(tree, x)
+        nodes, probe = tree.num_nodes(), x[:20] + [99]
+        assert tree.usable_len(probe) == (8 if states else 20) and tree.num_nodes() == nodes  # no split
+        assert tree.usable_len(probe) == tree.match_prefix(probe).prefix_len
+        assert tree.usable_len(x, namespace="other") == 0 and tree.usable_len(x) == 24

@@ -237,6 +237,18 @@ class RadixCache:
             values.append(child.value[:k])
         return concat_slots(values)
 
+    def usable_len(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> int:
+        """``match_prefix(token_ids).prefix_len`` without its side effects (no split, no recency
+        refresh): for ranking requests by what they would hit (a lower tier's, ``HostCache``)."""
+        tokens, n = self._tokens(token_ids)
+        path, off, _, k = self._descend(tokens, n, namespace)
+        if self.state_pool is None:  # the whole KV match, into an edge too
+            return off + k
+        for node in reversed(path):  # a checkpoint ends a node: the deepest whole-edge node holding one
+            if node.state is not None:
+                return node.depth
+        return 0
+
     def branch_point(self, token_ids: Sequence[int] | torch.Tensor, namespace: Hashable = None) -> int | None:
         """Dry-run insert (nothing changes): the length at which inserting ``token_ids`` would split
         an existing edge or add a second child to an existing node — where Marconi's speculative

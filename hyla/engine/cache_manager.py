@@ -173,6 +173,15 @@ class CacheManager:
             return None
         return self.tree.match_prefix(req.fill_ids[:self._match_limit(req)], namespace=req.namespace)
 
+    def cached_len(self, req: Req, hit: MatchResult | None) -> int:
+        """The prefix ``req`` would find cached, given its device ``hit`` (``peek``): the longer of
+        that and the host tier's (which ``match`` would load), changing nothing. For ranking the
+        waiting queue (LPM)."""
+        device = hit.prefix_len if hit is not None else 0
+        if self.host is None:
+            return device
+        return max(device, self.host.tree.usable_len(req.fill_ids[:self._match_limit(req)], req.namespace))
+
     @staticmethod
     def _match_limit(req: Req) -> int:
         """How many of ``req``'s tokens a hit may cover: the last token is always computed (its

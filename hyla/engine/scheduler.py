@@ -723,15 +723,16 @@ class Scheduler:
 
     def _ordered_waiting(self) -> tuple[list[Req], list[MatchResult] | None]:
         """Waiting requests in policy order, and with LPM their current hits in that order. LPM:
-        longest usable cached prefix first (FCFS among equals), the hits touched in reverse order
-        so that LRU evicts the one admitted last first. Matches are recomputed at admission: an
-        earlier admission may have evicted."""
+        longest usable cached prefix first (a host tier's counts: ``match`` loads it), FCFS among
+        equals, the hits touched in reverse order so that LRU evicts the one admitted last first.
+        Matches are recomputed at admission: an earlier admission may have evicted."""
         if self.config.schedule_policy != "lpm" or self.cache.tree is None or len(self.waiting) > LPM_MAX_QUEUE \
                 or len(self.waiting) == 1:  # one request: no order to find (its match refreshes its hit)
             # FCFS, within each priority with priority scheduling (sorted is stable)
             return sorted(self.waiting, key=self.rank) if self.config.priority_scheduling else list(self.waiting), None
         peeked = {id(r): self.cache.peek(r) for r in self.waiting}
-        order = sorted(self.waiting, key=lambda r: (self.rank(r), -peeked[id(r)].prefix_len))
+        cached = {id(r): self.cache.cached_len(r, peeked[id(r)]) for r in self.waiting}  # (the host tier's too)
+        order = sorted(self.waiting, key=lambda r: (self.rank(r), -cached[id(r)]))
         hits = [peeked[id(r)] for r in order]
         self.cache.touch(hits[::-1])  # evict the prefix admitted last first
         return order, hits
