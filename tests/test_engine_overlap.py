@@ -91,14 +91,26 @@ def test_overlap_schedule_changes_no_output(arch, request):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed, kw", [(4, {}), (2, dict(page_size=16, max_total_tokens=544))], ids=["page1", "page16"])
+@pytest.mark.parametrize("seed, kw", [(4, {}), (2, dict(page_size=16, max_total_tokens=544)),
+                                      (5, dict(on=dict(enable_hierarchical_cache=True)))],
+                         ids=["page1", "page16", "host_tier"])
 def test_overlap_schedule_cache_differential_under_pressure(qwen3_next_dense_path, seed, kw):
     """The cache on/off differential (eviction and retraction; with pages of 16, decode checkpoints
-    forked at commit) with the overlap schedule on both sides (``SHORT``'s workload and pools)."""
+    forked at commit; with the host tier, prefixes saved and loaded while steps are in flight) with the
+    overlap schedule on both sides (``SHORT``'s workload and pools)."""
     opts = {**SHORT, **kw}
     done = differential(qwen3_next_dense_path, seed=seed, overlap_schedule="on", **opts)
     assert_exercised(done, opts["chunked_prefill_size"])
     assert done["stats"]["num_overlapped_steps"] > 0
+
+
+@pytest.mark.gpu
+def test_host_tier_cache_differential_on_cuda(qwen3_next_dense_path):
+    """On CUDA (CUDA graphs, the overlap schedule): the host tier's copies between device and host
+    pools, in the stream's order, change no output under pressure."""
+    done = differential(qwen3_next_dense_path, seed=6, on=dict(enable_hierarchical_cache=True), device="cuda",
+                        overlap_schedule="on", **SHORT)
+    assert done["stats"]["num_host_loaded_tokens"] > 0 and done["stats"]["num_overlapped_steps"] > 0
 
 
 def test_overlap_schedule_abort_in_flight(qwen3_next_dense_path):
