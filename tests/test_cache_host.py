@@ -294,9 +294,11 @@ def test_the_cache_manager_loads_a_host_hit_only_where_the_device_has_room() -> 
     assert not host.tree.protected_size() and tree.kv_pool.available_size() == 34
     tree.kv_pool.free(held)
     hit = cache.match(r := req())
-    assert hit.prefix_len == 40 and hit.state_slot is not None and cache.num_host_hit_tokens == 40
+    assert hit.prefix_len == 40 and hit.state_slot is not None
     assert kv_ok(tree.kv_pool, hit.kv_indices, None, x, 0) and state_ok(tree.state_pool, hit.state_slot, None, x)
-    cache.admit(r, hit, 0)
+    assert cache.num_host_hit_tokens == 0  # counted when the request is admitted: it may not be
+    assert cache.admit(r, hit, 2) is not None and cache.num_host_hit_tokens == 40
+    cache.release(r, insert=False)
     cache.check_integrity()
     assert cache.flush() == (40, 1) and host.tree.total_size() == 0  # flushing empties both tiers
 
@@ -311,3 +313,52 @@ def test_usable_len_is_match_prefix_without_its_side_effects() -> None:
         assert tree.usable_len(probe) == (8 if states else 20) and tree.num_nodes() == nodes  # no split
         assert tree.usable_len(probe) == tree.match_prefix(probe).prefix_len
         assert tree.usable_len(x, namespace="other") == 0 and tree.usable_len(x) == 24
+
+
+def test_a_failed_copy_between_the_tiers_leaks_nothing_and_the_eviction_goes_on(monkeypatch) -> None:
+    """A save whose copy raises (a device out of memory) keeps nothing and frees what it took; the
+    device's eviction finishes; a load whose copy raises leaves the device's own hit."""
+    from hyla.cache import ReqToTokenPool
+    from hyla.engine.cache_manager import CacheManager
+    from hyla.engine.request import Req
+    from hyla.engine.sampling_params import SamplingParams
+
+    tree, host = make()
+    x, y = tokens_of(20, 50), tokens_of(20, 51)
+    put(tree, x)
+    put(tree, y)
+    copy_from = KVPool.copy_from
+
+    def failing(self, *a, **k):
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(KVPool, "copy_from", failing)
+    assert tree.evict(40) == 40 and tree.total_size() == 0  # both leaves went, though neither was kept
+    assert host.tree.total_size() == 0 and host.kv_pool.available_size() == host.kv_pool.size
+    assert host.state_pool.available_size() == host.state_pool.size
+    tree.check_integrity()
+    host.check_integrity()
+    monkeypatch.setattr(KVPool, "copy_from", copy_from)
+    put(tree, x)
+    tree.evict(20)  # kept this time
+    cache = CacheManager(tree.kv_pool, tree.state_pool, ReqToTokenPool(4, 128), tree, host=host)
+    monkeypatch.setattr(KVPool, "copy_from", failing)
+    free = tree.kv_pool.available_size(), tree.state_pool.available_size()
+    r = Req(rid="r", input_ids=x + [1], sampling=SamplingParams(max_new_tokens=1))
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.match(r)
+    assert (tree.kv_pool.available_size(), tree.state_pool.available_size()) == free
+    assert not host.tree.protected_size() and not tree.protected_size()
+    cache.check_integrity()
+
+
+def test_copies_move_in_blocks_of_rows(monkeypatch) -> None:
+    """A prefix's copy moves a block of rows at a time (``transfer.COPY_BLOCK_BYTES``), exact at any block."""
+    from hyla.cache import transfer
+
+    monkeypatch.setattr(transfer, "COPY_BLOCK_BYTES", 40)  # a few rows of the test pools' dtype groups
+    tree, host = make()
+    x = tokens_of(30, 60)
+    put(tree, x)
+    tree.evict(30)
+    assert load_and_check(tree, host, x) == 30

@@ -100,15 +100,20 @@ class HostCache:
                 self.num_unsaved += 1
                 return
             new = self.kv_pool.alloc(n - have) if n > have else torch.zeros(0, dtype=torch.int64)
-            self.kv_pool.copy_from(device.kv_pool, slots[have:], new)
-            ckpts = []
-            if state is not None:
-                host_slot = self.state_pool.alloc(1, zero=False)
-                self.state_pool.copy_from(device.state_pool, [state], host_slot)
-                ckpts.append((n, int(host_slot[0])))
-                self.num_saved_checkpoints += 1
+            host_slot = self.state_pool.alloc(1, zero=False) if state is not None else None
+            try:
+                self.kv_pool.copy_from(device.kv_pool, slots[have:], new)
+                if host_slot is not None:
+                    self.state_pool.copy_from(device.state_pool, [state], host_slot)
+            except BaseException:  # (a copy out of memory): nothing kept, nothing leaked
+                self.kv_pool.free(new)
+                if host_slot is not None:
+                    self.state_pool.free(host_slot)
+                raise
+            ckpts = [(n, int(host_slot[0]))] if host_slot is not None else []
             self.tree.insert(tokens, torch.cat([hit.kv_only_indices, new]), ckpts, namespace)
             self.num_saved_tokens += n - have
+            self.num_saved_checkpoints += len(ckpts)
         finally:
             self.tree.dec_lock_ref(hit.kv_only_node)
 

@@ -56,6 +56,7 @@ Everything here is single-threaded: the scheduler is the only caller (as in SGLa
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Callable, Hashable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -77,6 +78,8 @@ from hyla.cache.radix_types import (
 )
 from hyla.cache.state_pool import StatePool
 
+
+logger = logging.getLogger("hyla.cache")
 
 # how a node's KV or checkpoint left the tree (for the ledger)
 KV_EVICTION = "KV eviction"
@@ -687,7 +690,7 @@ class RadixCache:
             if self.ledger is not None:
                 self.ledger.removed(node, kv=True, how=how)
             if self.on_evict is not None and how in _SPILLED and (node.state is not None or self.state_pool is None):
-                self.on_evict(node)
+                self._tell_lower_tier(node)
             parent = node.parent
             del parent.children[node.child_key]
             n = len(node.key)
@@ -713,12 +716,20 @@ class RadixCache:
                 return freed
             node = parent  # an unlocked tombstone leaf: no hit can ever use its KV
 
+    def _tell_lower_tier(self, node: TreeNode) -> None:
+        """``on_evict(node)``; a lower tier's failure (a copy out of memory) is logged, and the
+        eviction goes on: the prefix is then only not kept."""
+        try:
+            self.on_evict(node)
+        except Exception:  # noqa: BLE001 (the eviction must finish: the tree's books depend on it)
+            logger.exception("the lower cache tier failed to keep an evicted prefix; it is dropped")
+
     def _take_state(self, node: TreeNode, how: str, record: bool = True) -> int:
         """Detach ``node``'s (unlocked) checkpoint, making it a tombstone; returns the slot."""
         if record and self.ledger is not None:
             self.ledger.removed(node, kv=False, how=how)
         if record and self.on_evict is not None and how in _SPILLED:
-            self.on_evict(node)
+            self._tell_lower_tier(node)
         slot = node.state
         del self._slot_owner[slot]
         node.state = None

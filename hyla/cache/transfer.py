@@ -38,10 +38,15 @@ def to_device_packed(parts, device: torch.device | str) -> list[torch.Tensor]:
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in host]), host)]
 
 
+# rows moved per transfer in ``copy_rows``: its staging buffers hold at most about this many bytes
+COPY_BLOCK_BYTES = 64 << 20
+
+
 def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor], src_rows) -> None:
     """``dst[i][dst_rows] = src[i][src_rows]`` for each buffer pair, the two sides on any devices
     (a cache's host and device tiers; the pairs agree in row shape and dtype). The rows are gathered
-    where they are, moved in one transfer per dtype and scattered where they go. The transfer is a
+    where they are, moved one transfer per dtype and block of rows (``COPY_BLOCK_BYTES``: a long
+    prefix's copy needs no buffer of its size) and scattered where they go. Each transfer is a
     plain copy, which waits for the device: the rows a move to the host reads are those the kernels
     queued before it wrote, and the host may read the copy at once."""
     pairs = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel()]  # (a conv-only model's empty SSM buffers)
@@ -52,9 +57,13 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
     di = to_device(dst_rows, torch.long, pairs[0][0].device)
     for dtype in dict.fromkeys(s.dtype for _, s in pairs):
         group = [(d, s) for d, s in pairs if s.dtype == dtype]
-        moved = torch.cat([s.index_select(0, si).reshape(n, -1) for _, s in group], dim=1).to(group[0][0].device)
-        offset = 0
-        for d, s in group:
-            width = s[0].numel()
-            d.index_copy_(0, di, moved[:, offset:offset + width].reshape(n, *s.shape[1:]))
-            offset += width
+        row_bytes = sum(s[0].numel() for _, s in group) * group[0][1].element_size()
+        block = max(1, COPY_BLOCK_BYTES // row_bytes)
+        for lo in range(0, n, block):
+            sb, db = si[lo:lo + block], di[lo:lo + block]
+            moved = torch.cat([s.index_select(0, sb).reshape(len(sb), -1) for _, s in group], dim=1).to(group[0][0].device)
+            offset = 0
+            for d, s in group:
+                width = s[0].numel()
+                d.index_copy_(0, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
+                offset += width

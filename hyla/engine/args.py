@@ -202,11 +202,11 @@ class EngineArgs:
         if isinstance(self.mem_fraction, bool) or not isinstance(self.mem_fraction, (int, float)) \
                 or not 0.0 <= self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in [0, 1), got {self.mem_fraction!r}")
-        for name, low, high in (("hicache_ratio", 0.0, 1000.0), ("hicache_size", -1.0, float(1 << 20))):
+        for name, high, zero in (("hicache_ratio", 1000.0, False), ("hicache_size", float(1 << 20), True)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not low < v <= high:
-                raise ValueError(f"{name} must be a number in ({max(low, 0.0):g}, {high:g}]"
-                                 f"{' or 0 (use hicache_ratio)' if name == 'hicache_size' else ''}, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v <= high or (zero and v == 0)):
+                raise ValueError(f"{name} must be a number in (0, {high:g}]"
+                                 f"{' or 0 (use hicache_ratio)' if zero else ''}, got {v!r}")
         if self.enable_hierarchical_cache is True and not self.enable_prefix_cache:
             raise ValueError("enable_hierarchical_cache keeps what the prefix cache evicts: it needs enable_prefix_cache")
         self._check_device()

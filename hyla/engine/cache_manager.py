@@ -102,7 +102,8 @@ class CacheManager:
         self.grid = math.lcm(self.page_size, checkpoint_alignment)
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
-        self.num_host_hit_tokens = 0  # hit tokens the host tier added past the device's hits
+        self.num_host_hit_tokens = 0  # hit tokens the host tier added past the device's hits (admitted requests')
+        self._host_hits: dict[int, int] = {}  # id(req) -> what its match loaded, until its admission
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
         self.ledger: CacheLedger | None = None  # see record()
@@ -198,6 +199,7 @@ class CacheManager:
         a host tier, a longer prefix there is loaded into the device tree first (``_load_from_host``)."""
         hit = self.peek(req)
         if self.host is not None:
+            self._host_hits.pop(id(req), None)  # (a match that was never admitted)
             hit = self._load_from_host(req, hit)
         req.kv_len = req.kv_allocated = hit.prefix_len if hit is not None else 0
         if hit is not None:
@@ -227,6 +229,9 @@ class CacheManager:
             if prefix_len:
                 self.req_to_token.write(req.req_pool_idx, 0, hit.kv_indices)
                 self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
+        loaded = self._host_hits.pop(id(req), 0)
+        if ok:
+            self.num_host_hit_tokens += loaded
         if hit is not None and prefix_len:
             self.tree.dec_state_lock(hit.last_node)  # the request has its own copy now
         if not ok:
@@ -265,10 +270,16 @@ class CacheManager:
             if ok:
                 kv = self.kv_pool.alloc(end - start) if end > start else torch.zeros(0, dtype=torch.int64)
                 slot = int(self.state_pool.alloc(1, zero=False)[0]) if states else None
-                self.host.load(host_hit, start, kv, slot)
+                try:
+                    self.host.load(host_hit, start, kv, slot)
+                except BaseException:  # (a copy out of memory): the device's own hit stands, nothing leaked
+                    self.kv_pool.free(kv)
+                    if slot is not None:
+                        self.state_pool.free([slot])
+                    raise
                 self.tree.insert(tokens[:end], torch.cat([device_kv, kv]), [(end, slot)] if states else [],
                                  namespace=req.namespace)
-                self.num_host_hit_tokens += end - hit.prefix_len
+                self._host_hits[id(req)] = end - hit.prefix_len  # counted if the admission succeeds
         finally:
             self.tree.dec_lock_ref(hit.kv_only_node)
             self.host.unlock(host_hit)
