@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from benchmarks.report import machine, write_section  # noqa: E402
 from benchmarks.startup import add_model_arguments, model_dir, model_flags, resolve_dtype  # noqa: E402
 from hyla import Engine  # noqa: E402
-from test_engine_differential import compare_outputs  # noqa: E402
+from test_engine_differential import compare_outputs, join_stream  # noqa: E402
 
 SYSTEM, FIRST, TOOL, REPLY = 256, (200, 400), (100, 300), 16  # tokens: system prompt, first user message, tool outputs, replies
 
@@ -73,9 +73,7 @@ def run_workload(engine: Engine, seed: int, sessions: int, turns: int, vocab: in
                 if not chunks:
                     first = time.perf_counter() - start
                 chunks.append(chunk)
-            out = {"output_ids": [i for c in chunks for i in c["output_ids"]],
-                   "meta_info": {"id": f"{s}/{t}", "output_token_logprobs": [
-                       lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}}
+            out = join_stream(chunks)
             outputs.append(out)
             if t:
                 ttfts.append(first)

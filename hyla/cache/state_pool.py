@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
@@ -141,13 +142,7 @@ class StatePool:
     def copy(self, src: IndexLike, dst: IndexLike) -> None:
         """State of ``src[i]`` into ``dst[i]`` for every layer (batched). All slots must be
         allocated; ``dst`` must be distinct and disjoint from ``src``."""
-        s, d = as_index_array(src), as_index_array(dst)
-        if s.size != d.size:
-            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
-        if not (self._slots.is_allocated(s) and self._slots.is_allocated(d)):
-            raise ValueError("copy between slots that are not allocated")
-        if len(set(d.tolist())) != d.size or set(d.tolist()) & set(s.tolist()):
-            raise ValueError("copy destinations must be distinct and disjoint from the sources")
+        s, d = self._copy_slots(self, src, dst, disjoint=True)
         if s.size == 0 or self.accounting:
             return
         if s.size <= ROW_OPS_MAX_SLOTS:  # a prefix hit's restore, a fork: row views, one op per dtype
@@ -164,17 +159,24 @@ class StatePool:
         hidden state): a pool of the same layout on another device (the host tier, ``HostCache``).
         Slots must be allocated in their pools; ``dst`` distinct. No data moves where either pool is
         in accounting mode."""
-        s, d = as_index_array(src), as_index_array(dst)
         if other.buffer_kinds != self.buffer_kinds:
             raise ValueError("copy_from a state pool of another layout")
-        if s.size != d.size:
-            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
-        if not (other.is_allocated(s) and self.is_allocated(d)):
-            raise ValueError("copy between slots that are not allocated")
-        if len(set(d.tolist())) != d.size:
-            raise ValueError("copy destinations must be distinct")
+        s, d = self._copy_slots(other, src, dst, disjoint=False)
         if s.size and not (self.accounting or other.accounting):
             copy_rows(self._all_buffers(), d, other._all_buffers(), s)
+
+    def _copy_slots(self, source: "StatePool", src: IndexLike, dst: IndexLike,
+                    disjoint: bool) -> tuple[np.ndarray, np.ndarray]:
+        """A copy's slots as arrays, checked: as many sources (allocated in ``source``) as destinations
+        (allocated here, distinct, and with ``disjoint`` none of them a source: a copy within a pool)."""
+        s, d = as_index_array(src), as_index_array(dst)
+        if s.size != d.size:
+            raise ValueError(f"copy needs as many sources as destinations, got {s.size} and {d.size}")
+        if not (source.is_allocated(s) and self.is_allocated(d)):
+            raise ValueError("copy between slots that are not allocated")
+        if len(set(d.tolist())) != d.size or (disjoint and set(d.tolist()) & set(s.tolist())):
+            raise ValueError("copy destinations must be distinct" + (" and disjoint from the sources" if disjoint else ""))
+        return s, d
 
     def _all_buffers(self) -> list[torch.Tensor]:
         """Every buffer, in one order for pools of one layout (``copy_from``)."""
