@@ -102,7 +102,9 @@ SGLANG_ACCEPT = "2.7–4.2 (SGLang, MTP on Qwen3-Next)"
 MTP_STEPS = 3
 MTP_SPEC = dict(speculative_algorithm="mtp", speculative_num_steps=MTP_STEPS)
 DRAFT_STEPS = 3
-DRAFT_TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)
+DRAFT_TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams of 2, at most 6 nodes
+MTP_TREE = dict(MTP_SPEC, **DRAFT_TREE)  # the MTP head's trees: depth MTP_STEPS
+TREE_LABEL = f"tree (top-2, {DRAFT_TREE['speculative_num_draft_tokens'] - 1} nodes)"
 EARLY_EXIT_LAYERS = 4  # the early-exit draft: the default model's first layers (3 Gated DeltaNet + 1 attention)
 
 REPETITIVE = [
@@ -965,14 +967,16 @@ def unwrap(engine: Engine) -> None:
 def mtp_main(args, threads: int) -> None:
     """Workload (b): the default model with its MTP head, spec on vs off, batch 1 and 8."""
     engines = {"off": Engine(dtype="float32", device="cpu", **POOLS),
-               "on": Engine(dtype="float32", device="cpu", **POOLS, **MTP_SPEC)}
+               "on": Engine(dtype="float32", device="cpu", **POOLS, **MTP_SPEC),
+               "tree": Engine(dtype="float32", device="cpu", **POOLS, **MTP_TREE)}
     try:
         prompts = chat_prompts(engines["off"].tokenizer)
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}  # warm-up
         check_identical("mtp, warm-up", outs["off"], outs["on"])
+        check_identical("mtp trees, warm-up", outs["off"], outs["tree"])
         rows = bench(engines, prompts, prompts, "mtp", args.repeats, args.new_tokens)
-        parts: dict[str, dict[int, dict[str, float]]] = {"off": {}, "on": {}}
+        parts: dict[str, dict[int, dict[str, float]]] = {side: {} for side in engines}
         for batch in (1, NUM_PROMPTS):  # where a step's time goes (one more run per side and batch size)
             for side, engine in engines.items():
                 parts[side][batch] = ms_per_step(engine, prompts, batch, params)
@@ -984,15 +988,17 @@ def mtp_main(args, threads: int) -> None:
     by = {r["batch"]: r for r in rows}
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part mtp --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}")
-    table = ["| batch | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length | verify steps |",
-             "|---|---|---|---|---|---|---|"]
+    table = ["| batch | drafts | off tok/s | on tok/s | on / off (wall) | on / off (CPU time) | accept length | "
+             "verify steps | tokens fed per request and step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x "
-                     f"| **{r['accept']:.2f}** | {r['steps']} |")
-    split = [f"| ms per step | batch 1 decode | batch 1 verify | batch {NUM_PROMPTS} decode | batch {NUM_PROMPTS} verify |",
-             "|---|---|---|---|---|"]
+        for side, label in (("on", f"chain of {MTP_STEPS}"), ("tree", TREE_LABEL)):
+            t = r["sides"][side]
+            table.append(f"| {r['batch']} | {label} | {r['off']:.1f} | {t['tps']:.1f} | **{t['ratio']:.2f}x** | "
+                         f"{t['cpu_ratio']:.2f}x | **{t['accept']:.2f}** | {t['steps']} | {t['fed']:.2f} |")
+    split = [f"| ms per step | batch 1 decode | batch 1 verify | batch 1 verify, tree | batch {NUM_PROMPTS} decode | "
+             f"batch {NUM_PROMPTS} verify | batch {NUM_PROMPTS} verify, tree |", "|---|---|---|---|---|---|---|"]
     for key in ("step", "model forward", "MTP observe", "MTP drafting"):
-        cells = [parts[side][b].get(key) for b in (1, NUM_PROMPTS) for side in ("off", "on")]
+        cells = [parts[side][b].get(key) for b in (1, NUM_PROMPTS) for side in ("off", "on", "tree")]
         split.append(f"| {key} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
     decode_ms = parts["off"][1]["step"]
     on1 = parts["on"][1]
@@ -1003,15 +1009,18 @@ its MTP head (`scripts/train_mtp_head.py`), greedy.
 Workload (b): {NUM_PROMPTS} chat prompts (the first user message of ShareGPT conversations in the chat template,
 {plen[0]}–{plen[1]} tokens), {args.new_tokens} new tokens each (`ignore_eos`); batch 1 = one after the other, batch
 {NUM_PROMPTS} = all at once. Speculation: `speculative_algorithm="mtp"`, `speculative_num_steps={MTP_STEPS}` (3 greedy
-MTP drafts per verify step). Prefix cache on, prompts cached by a warm-up run; runs of the two engines
-interleaved, medians of {args.repeats}; the CPU-time column is the same ratio in process CPU time (this shared
-2-core machine is noisy: trust it where the two disagree). Speculation on and off gave **identical greedy
+MTP drafts per verify step), and the same with trees. Prefix cache on, prompts cached by a warm-up run; runs of
+the three engines interleaved, medians of {args.repeats}; the CPU-time column is the same ratio in process CPU time (this shared
+2-core machine is noisy: trust it where the two disagree). Speculation on (both) and off gave **identical greedy
 token ids** in every run (checked by the script).
 
 {chr(10).join(table)}
 
 Accept length (output tokens per verify step) **{by[1]['accept']:.2f}** at batch 1 and **{by[NUM_PROMPTS]['accept']:.2f}** at batch
-{NUM_PROMPTS}, vs {SGLANG_ACCEPT} — a 0.8M-parameter head trained for minutes on CPU in front of a 7.4M-parameter
+{NUM_PROMPTS} with chains, **{by[1]['sides']['tree']['accept']:.2f}** and **{by[NUM_PROMPTS]['sides']['tree']['accept']:.2f}** with
+trees (`speculative_eagle_topk=2`, `speculative_num_draft_tokens={DRAFT_TREE['speculative_num_draft_tokens']}`: a beam
+search of width 2 and depth {MTP_STEPS} over the head, its greedy chain and the best other candidates up to
+{DRAFT_TREE['speculative_num_draft_tokens'] - 1} nodes verified), vs {SGLANG_ACCEPT} — a 0.8M-parameter head trained for minutes on CPU in front of a 7.4M-parameter
 model, against Qwen's own heads on an 80B model. Where a verify step's time goes (one more run per batch
 size and side, wrapped in-process, {"thread CPU time" if threads == 1 else "wall time"}; mean ms per step over the run, the few prefill
 steps of the cached prompts included):

@@ -25,7 +25,7 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.mtp_drafter import MtpDrafter
 from test_engine_differential import assert_drained, compare_outputs, run
-from test_engine_speculative import POOLS, _greedy, _ids, _watch_chains, spec_differential
+from test_engine_speculative import POOLS, _count_calls, _greedy, _ids, _watch_chains, spec_differential
 
 MTP = dict(speculative_algorithm="mtp", speculative_num_steps=3)
 
@@ -62,25 +62,27 @@ def test_mtp_is_exact_under_pressure(qwen3_next_dense_mtp_path, opts):
 
 
 class _Recorder:
-    """Wraps a drafter's ``propose_batch``: drafts per (prompt, output length)."""
+    """Wraps a drafter's ``propose_batch`` (or ``propose_tree_batch``: ``trees``): drafts (trees: drafts
+    and parents) per (prompt, output length)."""
 
-    def __init__(self, drafter: MtpDrafter):
-        self.drafter, self.real = drafter, drafter.propose_batch
-        self.drafts: dict[tuple, list[int]] = {}
-        drafter.propose_batch = self
+    def __init__(self, drafter: MtpDrafter, trees: bool = False):
+        self.method = "propose_tree_batch" if trees else "propose_batch"
+        self.drafter, self.real = drafter, getattr(drafter, self.method)
+        self.drafts: dict[tuple, list[int] | tuple[list[int], list[int] | None]] = {}
+        setattr(drafter, self.method, self)
 
     def __call__(self, reqs, limits):
         out = self.real(reqs, limits)
         for r, d in zip(reqs, out):
-            self.drafts[(tuple(r.input_ids), len(r.output_ids))] = list(d)
+            self.drafts[(tuple(r.input_ids), len(r.output_ids))] = d if isinstance(d, tuple) else list(d)
         return out
 
 
 _CACHE_OFF_RUNS: list[tuple[dict, list]] = []  # the cache-off side of the test below: (drafts, outputs)
 
 
-@pytest.mark.parametrize("chains", [False, True], ids=["extend", "chains"])
-def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chains, monkeypatch):
+@pytest.mark.parametrize("mode", ["extend", "chains", "trees"])
+def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, mode, monkeypatch):
     """Multi-turn chats sharing system prompts on the default model (its trained head): every draft,
     keyed by request and output length, is the same with the cache off (large pools) and on (pools
     small enough for eviction and retraction). A retracted request resumes with one plain step
@@ -90,8 +92,11 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
     states the MTP reads (``ModelRunner.forward_chains``), and so its decode steps through the graphs
     compiled for them, and the MTP head's forwards through its own (decode batches of a row per pair:
     ``MtpDrafter._rows``); ``torch.compile`` is replaced by the function itself (what is tested is the
-    wiring and the chains' hidden states, not inductor)."""
-    if chains:
+    wiring and the chains' hidden states, not inductor). ``trees``: both engines draft trees
+    (:data:`TREE`), the cache-on one with ``compile_decode`` (its beams' rows through the head's
+    graphs; verify steps of trees run the eager extend), and every tree is the same."""
+    chains, trees = mode == "chains", mode == "trees"
+    if chains or trees:
         monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     rng = random.Random(3)
     tok = lambda n: [rng.randrange(3, 4000) for _ in range(n)]  # noqa: E731
@@ -101,17 +106,19 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
     followups = [tok(5) for _ in wave1]
     drafts, outs, calls = {}, {}, {"n": 0}
     for cache, pool in ((False, 8192), (True, 360)):
-        if not cache and _CACHE_OFF_RUNS:  # run by the other parameter: the same engine (no chains), the same workload
+        if not cache and not trees and _CACHE_OFF_RUNS:  # run by the other parameter: the same engine and workload
             drafts[cache], outs[cache] = _CACHE_OFF_RUNS[0]
             continue
-        opts = dict(max_total_tokens=pool, max_state_slots=30, max_running_requests=6, chunked_prefill_size=64, **MTP)
-        with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True,
-                    compile_decode=chains and cache, **opts) as eng:
+        opts = dict(max_total_tokens=pool, max_state_slots=64 if trees else 30, max_running_requests=6,
+                    chunked_prefill_size=64, **(TREE if trees else MTP))
+        compiled = cache and mode != "extend"
+        with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, compile_decode=compiled,
+                    **opts) as eng:
             runner = eng.scheduler.runner
             assert (runner.compiled, runner.verify_width, runner.return_hidden, eng.scheduler.drafter.compiled) == \
-                ((True, 4, True, True) if chains and cache else (False, None, True, False))
+                (compiled, 4 if compiled and chains else None, True, compiled)
             _watch_chains(eng, calls, width=None)
-            rec = _Recorder(eng.scheduler.drafter)
+            rec = _Recorder(eng.scheduler.drafter, trees=trees)
             out1 = run(eng, wave1)
             wave2 = [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 16, "ckpt": []}
                      for w, o, f in zip(wave1, out1, followups)]
@@ -119,7 +126,7 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
             drafts[cache], outs[cache] = rec.drafts, out1 + out2
             stats = eng.get_stats()
             assert_drained(eng)
-        if not cache:
+        if not cache and not trees:
             _CACHE_OFF_RUNS.append((drafts[cache], outs[cache]))
     assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
     assert stats["num_evicted_tokens"] > 0 and stats["num_retractions"] > 0
@@ -127,7 +134,9 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
     compare_outputs(outs[True], outs[False])
     common = drafts[True].keys() & drafts[False].keys()
     assert len(common) > 0.7 * max(len(drafts[True]), len(drafts[False])) and len(common) > 100
-    assert sum(len(drafts[True][k]) for k in common) > 200
+    assert sum(len(drafts[True][k][0] if trees else drafts[True][k]) for k in common) > 200
+    if trees:
+        assert sum(drafts[True][k][1] is not None for k in common) > 50
     differ = [k for k in common if drafts[True][k] != drafts[False][k]]
     assert not differ, f"{len(differ)} of {len(common)} proposals differ, e.g. {differ[:2]}"
 
@@ -135,46 +144,58 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, chai
 # --- the drafter computes the checkpoint's MTP ----------------------------------------------------
 
 
-@torch.no_grad()
-def _reference_mtp(path, tokens: list[int], num_steps: int) -> tuple[list[int], torch.Tensor]:
+class _ReferenceMtp:
     """Independent of hyla: transformers' Qwen3-Next gives the model's final hidden states (after
     its final norm); transformers' decoder layer, RMSNorm and RoPE with the ``mtp.*`` weights run the
-    MTP over the whole sequence of pairs ``(tokens[t+1], hidden[t])`` with a plain causal mask, then
-    ``num_steps`` autoregressive steps (each appends ``(draft, the MTP's own last hidden)``).
-    ``tokens``: the prompt and the first sampled token. Returns the drafts and the first step's logits."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+    MTP over the whole sequence of pairs ``(tokens[t+1], hidden[t])`` with a plain causal mask."""
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    weights = {k: v.float() for k, v in load_file(path / "model.safetensors").items() if k.startswith("mtp.")}
-    cfg = AutoConfig.from_pretrained(path)
-    cfg.layer_types, cfg.num_hidden_layers, cfg._attn_implementation = ["full_attention"], 1, "eager"
-    layer = hf.Qwen3NextDecoderLayer(cfg, 0).eval()
-    layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in weights.items() if k.startswith("mtp.layers.0.")})
-    norms = {}
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = hf.Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        norms[name].weight.copy_(weights[f"mtp.{name}.weight"])
-    fc, rotary = weights["mtp.fc.weight"], hf.Qwen3NextRotaryEmbedding(cfg)
-    embed = model.model.embed_tokens
+    @torch.no_grad()
+    def __init__(self, path):
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-    hidden = model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state  # [1, n, H]
-    nxt = list(tokens[1:])  # the token of each pair
-    drafts, first_logits = [], None
-    for _ in range(num_steps):
-        x = torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor([nxt]))),
-                       norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ fc.t()  # [1, T, H]
-        t = x.shape[1]
-        pos = torch.arange(t)[None]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        g = norms["norm"](layer(x, position_embeddings=rotary(x, pos), attention_mask=mask, position_ids=pos))
-        logits = model.lm_head(g[0, -1])
-        first_logits = logits if first_logits is None else first_logits
-        drafts.append(int(logits.argmax()))
-        nxt.append(drafts[-1])
-        hidden = torch.cat([hidden, g[:, -1:]], dim=1)
-    return drafts, first_logits
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        weights = {k: v.float() for k, v in load_file(path / "model.safetensors").items() if k.startswith("mtp.")}
+        cfg = AutoConfig.from_pretrained(path)
+        cfg.layer_types, cfg.num_hidden_layers, cfg._attn_implementation = ["full_attention"], 1, "eager"
+        self.layer = hf.Qwen3NextDecoderLayer(cfg, 0).eval()
+        self.layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in weights.items()
+                                    if k.startswith("mtp.layers.0.")})
+        self.norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            self.norms[name] = hf.Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.norms[name].weight.copy_(weights[f"mtp.{name}.weight"])
+        self.fc, self.rotary = weights["mtp.fc.weight"], hf.Qwen3NextRotaryEmbedding(cfg)
+
+    @torch.no_grad()
+    def logits(self, tokens: list[int], num_steps: int, forced: list[int] = ()) -> list[torch.Tensor]:
+        """``tokens``: the prompt and the first sampled token. ``num_steps`` autoregressive steps, each
+        appending ``(next token, the MTP's own last hidden)``, the next token the step's argmax or, while
+        there are, the ``forced`` ones. Returns each step's logits ``[V]``."""
+        embed, norms = self.model.model.embed_tokens, self.norms
+        hidden = self.model.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state  # [1, n, H]
+        nxt = list(tokens[1:])  # the token of each pair
+        out = []
+        for step in range(num_steps):
+            x = torch.cat([norms["pre_fc_norm_embedding"](embed(torch.tensor([nxt]))),
+                           norms["pre_fc_norm_hidden"](hidden)], dim=-1) @ self.fc.t()  # [1, T, H]
+            t = x.shape[1]
+            pos = torch.arange(t)[None]
+            mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+            g = norms["norm"](self.layer(x, position_embeddings=self.rotary(x, pos), attention_mask=mask,
+                                         position_ids=pos))
+            out.append(self.model.lm_head(g[0, -1]))
+            nxt.append(forced[step] if step < len(forced) else int(out[-1].argmax()))
+            hidden = torch.cat([hidden, g[:, -1:]], dim=1)
+        return out
+
+
+def _reference_mtp(path, tokens: list[int], num_steps: int) -> tuple[list[int], torch.Tensor]:
+    """The drafts of ``num_steps`` greedy MTP steps after ``tokens`` (the prompt and the first
+    sampled token) and the first step's logits (:class:`_ReferenceMtp`)."""
+    logits = _ReferenceMtp(path).logits(tokens, num_steps)
+    return [int(x.argmax()) for x in logits], logits[0]
 
 
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_mtp_path", "default_mtp_path"])
@@ -197,12 +218,77 @@ def test_mtp_drafts_match_an_independent_reference(ckpt, request):
             seen.clear()
             rec = _Recorder(drafter)
             out = eng.generate(input_ids=ids, sampling_params=_greedy(5))  # 3 drafts at the first decode step
-            drafter.propose_batch = rec.real
+            setattr(drafter, rec.method, rec.real)
             first = out["output_ids"][0]
             drafts = rec.drafts[(tuple(ids), 1)]
             want, want_logits = _reference_mtp(path, ids + [first], 3)
             assert drafts == want
             torch.testing.assert_close(seen[0][0], want_logits, rtol=1e-3, atol=1e-3)
+
+
+# --- trees (speculative_eagle_topk > 1) ----------------------------------------------------------
+
+TREE = dict(speculative_algorithm="mtp", speculative_num_steps=3, speculative_eagle_topk=2,
+            speculative_num_draft_tokens=7)  # beams of 2, at most 6 nodes, depth 3
+
+
+@pytest.mark.parametrize("arch, opts", [
+    ("default_mtp_path", POOLS),  # its trained head: trees accepted whole, in part, off the greedy chain
+    ("qwen3_next_dense_mtp_path",
+     dict(max_total_tokens=340, max_state_slots=64, max_running_requests=6, chunked_prefill_size=64)),  # retraction
+    pytest.param("qwen3_5_moe_mtp_path", dict(max_total_tokens=850, max_state_slots=64, max_running_requests=6,
+                                              chunked_prefill_size=128, page_size=16),  # pages: moves inside pages
+                 marks=pytest.mark.slow),
+])
+def test_mtp_trees_are_exact(arch, opts, request):
+    """MTP trees: the differential (speculation on, the prefix cache on under pressure, vs a plain
+    engine with the cache off); trees with siblings were verified, and (the trained head) some
+    accepted path left the greedy chain, so the commit moved its KV and MTP entries."""
+    def setup(eng):
+        return _Recorder(eng.scheduler.drafter, trees=True), _count_calls(eng.kv_pool, "copy")
+
+    compared, stats, (rec, moves) = spec_differential(request.getfixturevalue(arch), TREE, opts, seed=2, setup=setup)
+    assert compared > 60
+    trees = [(ids, parents) for ids, parents in rec.drafts.values() if parents is not None]
+    assert len(trees) > 10 and any(len(set(parents)) < len(parents) for _, parents in trees)  # siblings
+    if arch == "default_mtp_path":
+        assert stats["spec_accept_length"] > 1.3 and stats["verdicts"]["full"] > 0 and moves["n"] > 0
+
+
+def test_mtp_trees_follow_the_head(qwen3_next_dense_mtp_path):
+    """Every node of a tree is one of the MTP head's two likeliest tokens after the request's tokens
+    and the node's ancestors, and the head's greedy continuation is a path from the root: checked
+    against the independent reference (:class:`_ReferenceMtp`, over each node's path)."""
+    path = qwen3_next_dense_mtp_path
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    prompts = [[random.Random(s).randrange(3, vocab) for _ in range(n)] for s, n in ((4, 41), (5, 23))]
+    with Engine(path, **TREE, **POOLS) as eng:
+        rec = _Recorder(eng.scheduler.drafter, trees=True)
+        outs = eng.generate(input_ids=prompts, sampling_params=_greedy(12))
+        assert_drained(eng)
+    ref = _ReferenceMtp(path)
+    for ids, out in zip(prompts, outs):
+        drafts, parents = rec.drafts[(tuple(ids), 1)]  # the first decode step's tree
+        assert len(drafts) == 6 and parents is not None
+        tokens = ids + out["output_ids"][:1]
+        paths = {0: []}  # node (0: the last sampled token) -> the drafts on its path
+        for j, parent in enumerate(parents, start=1):
+            paths[j] = paths[parent] + [drafts[j - 1]]
+        logp = {}  # node -> the reference's log-probabilities after its path
+
+        def after(node):
+            if node not in logp:
+                logp[node] = ref.logits(tokens, len(paths[node]) + 1, forced=paths[node])[-1].log_softmax(-1)
+            return logp[node]
+
+        for j, parent in enumerate(parents, start=1):
+            second = after(parent).topk(2).values[-1]
+            assert after(parent)[drafts[j - 1]] >= second - 1e-3, f"node {j} of {drafts}, {parents}"
+        node = 0
+        for _ in range(3):
+            greedy = int(after(node).argmax())
+            node = next((j for j, p in enumerate(parents, start=1) if p == node and drafts[j - 1] == greedy), None)
+            assert node is not None, f"the head's greedy {greedy} is not in the tree {drafts}, {parents}"
 
 
 # --- the default model's trained head ------------------------------------------------------------
@@ -309,8 +395,8 @@ def test_mtp_needs_mtp_tensors(qwen3_next_dense_path, qwen3_next_dense_mtp_path,
         Engine(qwen3_next_dense_path, **MTP, **POOLS)
     with pytest.raises(ValueError, match="no mtp"):
         Engine(nemotron_h_path, **MTP, **POOLS)
-    with pytest.raises(ValueError, match="not supported yet"):
-        EngineArgs(speculative_algorithm="mtp", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="mtp trees .* at least 2"):
+        EngineArgs(speculative_algorithm="mtp", speculative_eagle_topk=2, speculative_num_draft_tokens=1)
     # a missing and an unexpected mtp tensor are named
     from safetensors.torch import load_file, save_file
 
@@ -333,7 +419,11 @@ def test_serve_flags(capsys):
     opts = cli.engine_options(_parse(["--speculative-algorithm", "mtp", "--speculative-num-steps", "2"]))
     args = EngineArgs(**opts)
     assert args.speculative_algorithm == "mtp" and args.num_draft_tokens == 2
-    assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2"])) == 2
+    opts = cli.engine_options(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2",
+                                      "--speculative-num-draft-tokens", "6"]))
+    assert EngineArgs(**opts).num_draft_tokens == 5  # a tree: speculative_num_draft_tokens - 1 drafts
+    assert cli.run(_parse(["--speculative-algorithm", "mtp", "--speculative-eagle-topk", "2",
+                           "--speculative-num-draft-tokens", "1"])) == 2
     assert "speculative_eagle_topk" in capsys.readouterr().err
 
 

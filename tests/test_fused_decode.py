@@ -904,6 +904,32 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
     assert not differ, f"{len(differ)} of {len(drafts[0])} proposals differ"
 
 
+@pytest.mark.gpu
+def test_fused_mtp_trees_are_exact_on_cuda(qwen3_5_mtp_path, few_splits):
+    """MTP trees (``speculative_eagle_topk=2``) on a GPU's fused engine: the beams draft through the
+    head's eager rows (no draft graphs are captured for trees), a verify step's tree runs the eager
+    extend and returns the hidden states, and the head's pass over its fed pairs replays the head's
+    CUDA graphs; fp32, the outputs are a plain engine's."""
+    from test_engine_mtp import TREE, _Recorder
+
+    opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=80, max_running_requests=8)
+    replays: dict = {}
+    with Engine(qwen3_5_mtp_path, **opts, **TREE) as eng:
+        drafter = eng.scheduler.drafter
+        assert drafter.fused and drafter.graphs is not None and not any(k[0] == "draft" for k in drafter.graphs.graphs)
+        _count_replays(drafter.graphs, replays, "pairs")
+        rec = _Recorder(drafter, trees=True)
+        wave1 = _workload(2, eng.model_config.vocab_size, 4)
+        out = _two_turns_mtp(eng, wave1)
+        eng.wait_idle()
+        eng.check_integrity()
+    assert replays.get("pairs", 0) > 0
+    assert any(parents is not None and len(set(parents)) < len(parents) for _, parents in rec.drafts.values())
+    with Engine(qwen3_5_mtp_path, **opts) as eng:
+        off = _two_turns_mtp(eng, wave1)
+    assert compare_outputs(out, off) > 0.9 * sum(len(o["output_ids"]) for o in off)
+
+
 def test_fused_chains_refuse_bad_batches(qwen3_5_short_path):
     """A verify step of fused chains checks its requests before any kernel: every position needs a
     real state slot (-1 would drop a state mid-chain), and each request feeds 1 to W tokens."""

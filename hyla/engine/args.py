@@ -89,14 +89,15 @@ class EngineArgs:
                                                    "the same vocabulary: speculative_draft_model_path), or none.")
     speculative_draft_model_path: str | None = _opt(None, "draft: the draft model's directory (HF format, any "
                                                           "architectures hyla loads, the model's vocabulary).")
-    speculative_num_draft_tokens: int = _opt(4, "ngram, draft trees: tokens fed per verify step: the last sampled token + "
-                                                "this minus one drafts.")
+    speculative_num_draft_tokens: int = _opt(4, "ngram, mtp and draft trees: tokens fed per verify step: the last "
+                                                "sampled token + this minus one drafts.")
     speculative_num_steps: int = _opt(3, "mtp, draft: draft tokens per verify step (drafter steps; a chain feeds this "
-                                         "plus one tokens; draft trees: their depth).")
+                                         "plus one tokens; mtp and draft trees: their depth).")
     speculative_eagle_topk: int = _opt(1, "Draft branches: > 1 verifies a tree of drafts per step (ngram: the "
                                           "continuations of up to this many earlier matches, merged into a trie; "
                                           "draft: a beam search of this width over the draft model, its best "
-                                          "speculative_num_draft_tokens - 1 candidates; mtp: chains only).")
+                                          "speculative_num_draft_tokens - 1 candidates; mtp: the same over the "
+                                          "MTP head).")
     speculative_ngram_min_match_window_size: int = _opt(1, "ngram: shortest suffix matched against earlier tokens.")
     speculative_ngram_max_match_window_size: int = _opt(12, "ngram: longest suffix matched against earlier tokens.")
     speculative_ngram_adaptive: bool = _opt(True, "ngram: adapt each request's drafts to how they fare: fewer after "
@@ -175,13 +176,11 @@ class EngineArgs:
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs",
                      "speculative_disable_by_batch_size"):
             pos_int(name, allow_none=True)
-        if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "mtp":
-            raise ValueError(f"speculative_eagle_topk={self.speculative_eagle_topk}: MTP tree drafts (top-k > 1) are not "
-                             "supported yet; use 1 (a chain of drafts), or ngram or draft for trees")
-        if self.speculative_eagle_topk != 1 and self.speculative_algorithm == "draft" \
+        if self.speculative_eagle_topk != 1 and self.speculative_algorithm in ("mtp", "draft") \
                 and self.speculative_num_draft_tokens < 2:
-            raise ValueError("draft trees (speculative_eagle_topk > 1) verify speculative_num_draft_tokens tokens per "
-                             "step: it must be at least 2 (the last sampled token and one draft)")
+            raise ValueError(f"{self.speculative_algorithm} trees (speculative_eagle_topk > 1) verify "
+                             "speculative_num_draft_tokens tokens per step: it must be at least 2 (the last sampled "
+                             "token and one draft)")
         if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
             raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path (the draft model's "
                              "directory)")
@@ -274,11 +273,10 @@ class EngineArgs:
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens per request and verify step: ``speculative_num_steps`` for mtp and draft
-        chains, ``speculative_num_draft_tokens - 1`` for ngram and draft trees, 0 without speculation."""
+        chains, ``speculative_num_draft_tokens - 1`` for ngram and for mtp and draft trees, 0 without speculation."""
         if self.speculative_algorithm is None:
             return 0
-        if self.speculative_algorithm == "mtp" or (self.speculative_algorithm == "draft"
-                                                   and self.speculative_eagle_topk == 1):
+        if self.speculative_algorithm in ("mtp", "draft") and self.speculative_eagle_topk == 1:
             return self.speculative_num_steps
         return self.speculative_num_draft_tokens - 1
 

@@ -339,7 +339,8 @@ class CudaGraphMtp:
     def _capture(self) -> None:
         d, pool = self.drafter, None
         stream = torch.cuda.Stream(d.device)
-        for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
+        # largest first: the smaller graphs reuse its memory; trees (topk > 1) draft through the head's eager rows
+        for bs in reversed(self.batch_sizes if d.topk == 1 else []):
             steps, tokens, _ = self._draft_views(self.draft_in, bs)
             hidden = self.draft_hidden[:bs]
             graph, self.outputs["draft", bs] = capture(functools.partial(d.draft_steps, steps, tokens, hidden), stream,
@@ -354,10 +355,11 @@ class CudaGraphMtp:
         self.pool = pool
         torch.cuda.synchronize(d.device)
         logger.info("CUDA graphs captured for the MTP head: drafts of %d steps for batch sizes %s, verify pairs "
-                    "for row counts %s", self.steps, self.batch_sizes, self.row_counts)
+                    "for row counts %s", self.steps, self.batch_sizes if d.topk == 1 else "(none: trees)",
+                    self.row_counts)
 
     def can_run(self, batch_size: int) -> bool:
-        return batch_size <= self.max_bs
+        return self.drafter.topk == 1 and batch_size <= self.max_bs  # trees: no draft graphs
 
     def can_run_pairs(self, rows: int) -> bool:
         return rows <= self.row_counts[-1]

@@ -59,7 +59,6 @@ the fed tokens (the drafts fed again, now into the request's own slots).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -67,7 +66,7 @@ import torch
 from hyla.cache.layout import CacheLayout
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.request import Req
-from hyla.engine.speculative import Drafter, row_batch
+from hyla.engine.speculative import Beam, Candidate, Drafter, beam_kv_slots, expand_beams, row_batch, tree_of
 from hyla.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -134,9 +133,9 @@ class DraftModelDrafter(Drafter):
 
     @staticmethod
     def scratch_per_row(num_steps: int, topk: int) -> tuple[int, int]:
-        """(KV slots, state slots) drafting takes per batch row: one KV slot per token it feeds (the
-        last sampled token, then ``topk`` beams per further step) and one state slot per beam."""
-        return 1 + (num_steps - 1) * topk, topk
+        """(KV slots, state slots) drafting takes per batch row: one KV slot per token it feeds
+        (``speculative.beam_kv_slots``) and one state slot per beam."""
+        return beam_kv_slots(num_steps, topk), topk
 
     # ------------------------------------------------------------------------------------------
     # after every target forward: the same forward on the draft model
@@ -176,15 +175,11 @@ class DraftModelDrafter(Drafter):
     def _draft(self, reqs: list[Req], limits: list[int], widths: list[int]) -> list[tuple[list[int], list[int] | None]]:
         """Beam search of width ``widths[i]`` over the draft model's log-probabilities, ``num_steps``
         deep, for all requests at once (one draft decode step per depth for every live beam; requests
-        drop out at their depth, ``min(num_steps, budget)``). Every child a beam expanded (its top
-        ``width`` tokens) is a candidate node, scored by its path's cumulative log-probability. The
-        greedy path (each step's argmax) is always a beam, the best ``width - 1`` other candidates of
-        a depth are the others. The tree is that greedy chain, then the best other candidates by
-        score up to ``budget = min(limit, num_draft)`` nodes (a child never scores above its parent,
-        so every chosen node's ancestors are chosen: EAGLE-2's reranking), parents first. With the
-        chain inside it, a tree is accepted at least as far as the chain would be (greedy
-        verification follows the target's argmax down the tree). Width 1 is the greedy chain. A
-        request with a grammar keeps the grammar-valid prefix of its chain."""
+        drop out at their depth, ``min(num_steps, budget)``): every child a beam expanded (its top
+        ``width`` tokens) is a candidate scored by its path's log-probability (``expand_beams``), and
+        the tree verified is the greedy chain plus the best other candidates up to ``budget =
+        min(limit, num_draft)`` nodes (``speculative.tree_of``, EAGLE-2's reranking). Width 1 is the
+        greedy chain. A request with a grammar keeps the grammar-valid prefix of its chain."""
         out: list[tuple[list[int], list[int] | None]] = [([], None) for _ in reqs]
         budget = [min(limit, self.num_draft) for limit in limits]
         live = [i for i, b in enumerate(budget) if b > 0]
@@ -193,7 +188,7 @@ class DraftModelDrafter(Drafter):
         if len(reqs) > min(len(self.scratch_kv), len(self.scratch_states)):
             raise ValueError(f"{len(reqs)} decoding requests, drafting scratch for {len(self.scratch_states)} rows")
         depth = {i: min(self.num_steps, budget[i]) for i in live}
-        nodes: dict[int, list[_Node]] = {i: [] for i in live}
+        nodes: dict[int, list[Candidate]] = {i: [] for i in live}
         self._copy_states([reqs[i].state_slot for i in live], [self.scratch_states[i][0] for i in live])
         if max(widths) == 1:  # chains: the draft steps are decode steps on the requests' own rows
             rows, starts = [reqs[i].req_pool_idx for i in live], [reqs[i].kv_len for i in live]
@@ -202,21 +197,13 @@ class DraftModelDrafter(Drafter):
         else:
             self._search(reqs, live, depth, nodes, widths, in_rows=False)
         for i in nodes:
-            chain = [k for k, node in enumerate(nodes[i]) if node.greedy]
-            others = sorted((k for k, node in enumerate(nodes[i]) if not node.greedy),
-                            key=lambda k: (-nodes[i][k].score, nodes[i][k].depth, k))
-            chosen = sorted((chain + others)[:budget[i]], key=lambda k: (nodes[i][k].depth, not nodes[i][k].greedy,
-                                                                          -nodes[i][k].score, k))
-            at = {k: pos for pos, k in enumerate(chosen)}
-            ids_i = [nodes[i][k].token for k in chosen]
-            parents = [0 if nodes[i][k].parent < 0 else at[nodes[i][k].parent] + 1 for k in chosen]
+            ids_i, parents = tree_of(nodes[i], budget[i])
             if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
                 ids_i = ids_i[:reqs[i].grammar.valid_prefix(ids_i)]
-                parents = parents[:len(ids_i)]
-            out[i] = (ids_i, None if parents == list(range(len(ids_i))) else parents)
+            out[i] = (ids_i, parents)
         return out
 
-    def _search(self, reqs: list[Req], live: list[int], depth: dict[int, int], nodes: dict[int, list[_Node]],
+    def _search(self, reqs: list[Req], live: list[int], depth: dict[int, int], nodes: dict[int, list[Candidate]],
                 widths: list[int], in_rows: bool) -> None:
         """:meth:`_draft`'s beam search, filling ``nodes``: one draft decode step per depth for every
         live beam of the requests ``live`` (``reqs[i]`` drops out after ``depth[i]`` steps), each
@@ -228,7 +215,7 @@ class DraftModelDrafter(Drafter):
         (``speculative.row_batch``, ``ModelRunner.forward_batch``)."""
         n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
         committed = {} if in_rows else {i: self.req_to_token.read(reqs[i].req_pool_idx, 0, n[i]) for i in live}
-        beams = {i: [_Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
+        beams = {i: [Beam(-1, reqs[i].output_ids[-1], 0.0, self.scratch_states[i][0], [], True)] for i in live}
         used_kv = {i: 0 for i in live}
         runner = self.runner
         for j in range(self.num_steps):
@@ -252,13 +239,13 @@ class DraftModelDrafter(Drafter):
             logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
             top, best = logp.topk(max(widths[i] for i in live), dim=-1)
             top, best = top.tolist(), best.tolist()
-            children: dict[int, list[tuple[int, int]]] = {i: [] for i in live}  # (node index, parent beam index)
-            for row, (i, b) in enumerate(fed):
-                for c in range(widths[i]):
-                    children[i].append((len(nodes[i]), beams[i].index(b)))
-                    nodes[i].append(_Node(best[row][c], b.node, j + 1, b.score + top[row][c], b.greedy and c == 0))
+            nxt, at = {}, 0  # per request: its next beams, (candidate, parent beam index)
+            for i in live:  # a request's beams are consecutive rows
+                k = len(beams[i])
+                nxt[i] = expand_beams(nodes[i], beams[i], j + 1, top[at:at + k], best[at:at + k], widths[i])
+                at += k
             if j + 1 < self.num_steps:
-                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, children, beams, widths)
+                copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, nxt, beams)
                 if copies:
                     self._copy_states(*zip(*copies))
 
@@ -270,23 +257,21 @@ class DraftModelDrafter(Drafter):
         slots there. The writes reach the device mirror with the draft step's sync."""
         self.req_to_token.write_batch(rows, starts, [len(p) for p in paths], [slot for p in paths for slot in p])
 
-    def _next_beams(self, rows: list[int], nodes: dict[int, list[_Node]], children: dict[int, list[tuple[int, int]]],
-                    beams: dict[int, list[_Beam]], widths: list[int]) -> list[tuple[int, int]]:
-        """Request ``i``'s next beams: the greedy child, then the best ``widths[i] - 1`` other children
-        of this depth. A child continues from its parent beam's state: the first child of a parent
-        takes the parent's state slot as it is, another child a slot no beam keeps, into which the
-        parent's state is copied. Returns those copies ``(src, dst)`` (sources and destinations
-        disjoint)."""
+    def _next_beams(self, rows: list[int], nodes: dict[int, list[Candidate]], nxt: dict[int, list[tuple[int, int]]],
+                    beams: dict[int, list[Beam]]) -> list[tuple[int, int]]:
+        """Request ``i``'s next beams ``nxt[i]`` (:func:`expand_beams`). A child continues from its parent
+        beam's state: the first child of a parent takes the parent's state slot as it is, another child
+        a slot no beam keeps, into which the parent's state is copied. Returns those copies ``(src,
+        dst)`` (sources and destinations disjoint)."""
         copies = []
         for i in rows:
-            best = sorted(children[i], key=lambda c: (not nodes[i][c[0]].greedy, -nodes[i][c[0]].score))[:widths[i]]
-            kept = {parent for _, parent in best}
+            kept = {parent for _, parent in nxt[i]}
             in_use = {b.state for b in beams[i]}
             spare = [beams[i][k].state for k in range(len(beams[i])) if k not in kept] + \
                 [s for s in self.scratch_states[i] if s not in in_use]
             taken: set[int] = set()
             new = []
-            for node, parent in best:
+            for node, parent in nxt[i]:
                 src = beams[i][parent]
                 if parent not in taken:
                     taken.add(parent)
@@ -294,8 +279,8 @@ class DraftModelDrafter(Drafter):
                 else:
                     state = spare.pop()
                     copies.append((src.state, state))
-                new.append(_Beam(node, nodes[i][node].token, nodes[i][node].score, state, src.path,
-                                 nodes[i][node].greedy))
+                new.append(Beam(node, nodes[i][node].token, nodes[i][node].score, state, src.path,
+                                nodes[i][node].greedy))
             beams[i] = new
         return copies
 
@@ -305,33 +290,6 @@ class DraftModelDrafter(Drafter):
         d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
         for buf in self._state_buffers:
             buf.index_copy_(0, d, buf.index_select(0, s))
-
-
-@dataclass
-class _Node:
-    """A candidate draft: its token, parent (index among the request's candidates, -1 = the last
-    sampled token), depth (1 = a child of the last sampled token), path log-probability, and
-    whether it is on the greedy path (every token its parent's argmax)."""
-
-    token: int
-    parent: int
-    depth: int
-    score: float
-    greedy: bool
-
-
-@dataclass(eq=False)
-class _Beam:
-    """A path being extended: its last node (-1: the last sampled token), the token to feed next,
-    its log-probability, the scratch state slot holding the draft's state before that token, the
-    scratch KV slots of the path's fed tokens so far, and whether it is the greedy path."""
-
-    node: int
-    token: int
-    score: float
-    state: int
-    path: list[int]
-    greedy: bool
 
 
 def _rows(slots: list[int], per_row: int) -> list[list[int]]:

@@ -45,7 +45,7 @@ from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
-from hyla.engine.speculative import NgramDrafter
+from hyla.engine.speculative import NgramDrafter, beam_kv_slots
 from hyla.engine.streams import AsyncRequestStream, RequestStream
 from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
@@ -174,11 +174,14 @@ class Engine:
                                    self.args.speculative_eagle_topk,
                                    adaptive=self.args.speculative_ngram_adaptive)
         elif self.args.speculative_algorithm == "mtp":
-            k = self.args.num_draft_tokens
-            scratch = self.cache.reserve_kv(self.max_running_requests * k)  # the drafts' KV, per batch row
+            steps, topk = self.args.speculative_num_steps, self.args.speculative_eagle_topk
+            # the drafts' KV, per batch row
+            scratch = self.cache.reserve_kv(self.max_running_requests * beam_kv_slots(steps, topk))
             # on a fused runner the head's steps run the fused kernels too, from CUDA graphs beside the model's
-            drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch, k,
-                                 fused=runner.fused, cuda_graph_max_bs=runner.graphs.max_bs if runner.graphs else 0)
+            drafter = MtpDrafter(self.mtp_head, self.kv_pool, self.state_pool, self.req_to_token, scratch,
+                                 self.args.num_draft_tokens, fused=runner.fused,
+                                 cuda_graph_max_bs=runner.graphs.max_bs if runner.graphs else 0, num_steps=steps,
+                                 topk=topk)
             if runner.compiled:  # the head's forwards too
                 start = time.perf_counter()
                 drafter.compile()
@@ -231,9 +234,9 @@ class Engine:
             layout = cfg.cache_layout
         # each running request holds a state slot, plus one scratch slot per draft token with
         # speculation, plus (draft model) one per beam for the draft state while it drafts
-        drafting_kv, drafting_states = DraftModelDrafter.scratch_per_row(args.speculative_num_steps,
-                                                                         args.speculative_eagle_topk) \
-            if self.draft_model is not None else (args.num_draft_tokens, 0)
+        steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
+        drafting_kv, drafting_states = DraftModelDrafter.scratch_per_row(steps, topk) if self.draft_model is not None \
+            else (beam_kv_slots(steps, topk) if self.mtp_head is not None else 0, 0)
         per_req = 1 + args.num_draft_tokens + drafting_states
         context = args.context_length or cfg.max_position_embeddings
         # Sizes not given explicitly come from one memory budget split by SGLang's ratio, capped by

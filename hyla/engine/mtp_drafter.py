@@ -35,10 +35,17 @@ the token after ``token[p]``. Its attention layer needs the K/V of every earlier
   decoding requests): step ``j`` feeds ``(token[n+j], g)`` at RoPE position ``n - 1 + j``, where
   ``token[n]`` is the last sampled token (``n = kv_len``), ``g = hidden[n-1]`` from the request's
   state slot at ``j = 0`` and the MTP's own output hidden after that, and ``token[n+j+1]`` is the
-  step's argmax (greedy drafts; trees, ``speculative_eagle_topk > 1``, are not supported). These
-  K/V go to scratch KV slots reserved per batch row (``CacheManager.reserve_kv``), never into a
-  slot of the request's: they are guesses, and the verify step writes position ``n``'s real entry
-  itself.
+  step's argmax (greedy drafts). These K/V go to scratch KV slots reserved per batch row
+  (``CacheManager.reserve_kv``), never into a slot of the request's: they are guesses, and the
+  verify step writes position ``n``'s real entry itself.
+
+* **Trees** (``speculative_eagle_topk = k > 1``, ``propose_tree_batch``): the same steps as a beam
+  search of width ``k`` (every beam a row with a table of its own: its request's pairs, then its
+  path's scratch slots; a beam continues from its parent's output hidden state), the tree verified
+  the greedy chain plus the likeliest other candidates (``speculative.tree_of``, shared with the
+  draft model's trees). In the verify step's ``observe`` a tree's fed token ``f`` pairs with its
+  parent's hidden state at RoPE position ``kv_len - 1 + depth(f)``, so the accepted path's entries,
+  moved to their positions' slots by the commit, are the ones a chain would have written.
 
 * **Its forwards are decode batches** (:meth:`MtpDrafter._rows`): every pair a row of one query
   with its own KV length, reading its request's slots from a table (a draft step's rows, and the
@@ -71,7 +78,8 @@ from hyla.engine.cuda_graph import CudaGraphMtp
 from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step,
                                       fused_decode_batch, log_late_compile, prefix_sums, warm_up_config)
 from hyla.engine.request import Req
-from hyla.engine.speculative import Drafter, drafter_batch, row_batch
+from hyla.engine.speculative import (Beam, Candidate, Drafter, beam_kv_slots, drafter_batch, expand_beams, row_batch,
+                                    tree_of)
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.mtp import MtpHead
 
@@ -80,22 +88,29 @@ class MtpDrafter(Drafter):
     wants_hidden = True
 
     def __init__(self, head: MtpHead, kv_pool, state_pool, req_to_token, scratch_kv: list[int], num_draft: int,
-                 fused: bool = False, cuda_graph_max_bs: int = 0):
+                 fused: bool = False, cuda_graph_max_bs: int = 0, num_steps: int | None = None, topk: int = 1):
         """``kv_pool``'s last K/V buffers are the MTP layer's; ``state_pool`` must carry hidden
-        states; ``scratch_kv``: reserved KV slots, ``num_draft`` per batch row. ``fused``: the head's
+        states; ``scratch_kv``: reserved KV slots, ``beam_kv_slots(num_steps, topk)`` per batch row.
+        Chains (``topk == 1``) of ``num_draft`` drafts (``num_steps`` is then ``num_draft``); with
+        ``topk > 1`` trees of at most ``num_draft`` drafts, ``num_steps`` deep. ``fused``: the head's
         forwards over rows run the fused decode kernels (:meth:`_fused_batch`; the model's runner is
         fused), captured in CUDA graphs up to ``cuda_graph_max_bs`` requests on a GPU (0: never)."""
         if state_pool.hidden_states is None:
             raise ValueError("the MTP drafter needs a state pool with hidden states (mtp_cache_layout)")
-        if num_draft < 1 or len(scratch_kv) < num_draft:
-            raise ValueError(f"the MTP drafter needs num_draft >= 1 scratch KV slots per batch row, got {num_draft}")
+        self.num_steps = num_draft if num_steps is None or topk == 1 else num_steps
+        per_row = beam_kv_slots(self.num_steps, topk)
+        if num_draft < 1 or self.num_steps < 1 or topk < 1 or len(scratch_kv) < per_row:
+            raise ValueError(f"the MTP drafter needs num_draft >= 1, num_steps >= 1, topk >= 1 and {per_row} "
+                             f"scratch KV slots per batch row, got num_draft={num_draft}, num_steps={self.num_steps}, "
+                             f"topk={topk} and {len(scratch_kv)} slots")
+        self.topk = topk
         self.head = head
         self.num_draft = num_draft
         self.k_buffer, self.v_buffer = kv_pool.k_buffers[-1], kv_pool.v_buffers[-1]  # [S, Hkv, D] each
         self.hidden_states = state_pool.hidden_states  # [num_slots + 1, H]
         self.req_to_token = req_to_token
         self.device = self.k_buffer.device
-        self.scratch = [scratch_kv[i:i + num_draft] for i in range(0, len(scratch_kv) - num_draft + 1, num_draft)]
+        self.scratch = [scratch_kv[i:i + per_row] for i in range(0, len(scratch_kv) - per_row + 1, per_row)]
         self._compiled = None  # the head's graphs (compile)
         self.late_compiles = 0  # its forwards no graph of the start-up fitted: run eager
         self.fused = fused
@@ -168,9 +183,16 @@ class MtpDrafter(Drafter):
                 continue
             row = self.req_to_token.read(r.req_pool_idx, 1, a + n)  # KV slots of positions 1 .. a+n-1
             ids += r.tokens(first, a + n)
-            pos += range(first - 1, a + n - 1)
-            # hidden[p-1]: the state slot's for p == a, else this forward's row of position p - 1
-            src += [i if p == a else b + cu[i] + p - 1 - a for p in range(first, a + n)]
+            if r.draft_parents is None:
+                pos += range(first - 1, a + n - 1)
+                # hidden[p-1]: the state slot's for p == a, else this forward's row of position p - 1
+                src += [i if p == a else b + cu[i] + p - 1 - a for p in range(first, a + n)]
+            else:  # a verify step's tree (a >= 1): fed token f continues its parent's row, at a - 1 + its depth
+                parents, depth = r.fed_parents(), [0]
+                for q in parents[1:]:
+                    depth.append(depth[q] + 1)
+                pos += [a - 1 + d for d in depth]
+                src += [i] + [b + cu[i] + q for q in parents[1:]]
             prefix.append(first - 1)
             extend.append(a + n - first)
             loc.append(row[first - 1:])
@@ -178,7 +200,9 @@ class MtpDrafter(Drafter):
         if ids:
             pairs = torch.cat([before, hidden.to(before.dtype)]).index_select(
                 0, torch.tensor(src, dtype=torch.long, device=self.device))  # [T', H]
-            if max(extend) <= self.num_draft + 1:  # a verify step's: a row per pair, pair p seeing pairs 1..p
+            # a verify step's: a row per pair, pair p seeing pairs 1..p (a tree's pair sees the fed pairs
+            # before it, its ancestors and others: only the K/V are kept, and they depend on the pair alone)
+            if max(extend) <= self.num_draft + 1:
                 tables = [t for t, n in zip(kv, extend) for _ in range(n)]
                 kv_lens = [p + 1 for q, n in zip(prefix, extend) for p in range(q, q + n)]
                 loc = [int(t[k - 1]) for t, k in zip(tables, kv_lens)]
@@ -219,6 +243,60 @@ class MtpDrafter(Drafter):
             if r.grammar is not None and d:
                 del d[r.grammar.valid_prefix(d):]
         return drafts
+
+    @torch.inference_mode()
+    def propose_tree_batch(self, reqs: list[Req], limits: list[int]) -> list[tuple[list[int], list[int] | None]]:
+        """``topk > 1``: a tree of at most ``min(limits[i], num_draft)`` drafts per decoding request, from
+        a beam search of width ``topk`` over the head's log-probabilities, ``num_steps`` deep (a request
+        with a grammar: width 1, its grammar-valid chain). Every beam is a row of each step's batch
+        (:meth:`_rows`) reading a table of its own: its request's pairs, then its path's scratch KV slots.
+        The head keeps no recurrent state, so a beam continues from its parent's output hidden state
+        (a row of the step's output, nothing copied). Candidates and the tree verified:
+        ``speculative.expand_beams`` and ``tree_of`` (the greedy chain always in it)."""
+        out: list[tuple[list[int], list[int] | None]] = [([], None) for _ in reqs]
+        budget = [min(limit, self.num_draft) for limit in limits]
+        live = [i for i, k in enumerate(budget) if k > 0]
+        if not live:
+            return out
+        if len(reqs) > len(self.scratch):
+            raise ValueError(f"{len(reqs)} decoding requests, scratch KV for {len(self.scratch)}")
+        widths = [1 if r.grammar is not None else self.topk for r in reqs]
+        depth = {i: min(self.num_steps, budget[i]) for i in live}
+        n = {i: reqs[i].kv_len for i in live}  # position of each last sampled token
+        committed = {i: self.req_to_token.read(reqs[i].req_pool_idx, 1, n[i]) for i in live}  # pairs 1..n-1
+        # a beam's state: its row of g, the hidden state its next pair reads
+        beams = {i: [Beam(-1, reqs[i].output_ids[-1], 0.0, k, [], True)] for k, i in enumerate(live)}
+        g = self.hidden_states.index_select(0, torch.tensor([reqs[i].state_slot for i in live], device=self.device))
+        nodes: dict[int, list[Candidate]] = {i: [] for i in live}
+        used = {i: 0 for i in live}
+        for j in range(self.num_steps):
+            live = [i for i in live if depth[i] > j]
+            if not live:
+                break
+            fed = [(i, b) for i in live for b in beams[i]]
+            for i, b in fed:  # the pair's K/V go to the request's next scratch KV slot
+                b.path = b.path + [self.scratch[i][used[i]]]
+                used[i] += 1
+            batch = self._rows([b.token for _, b in fed], [n[i] - 1 + j for i, _ in fed], [b.path[-1] for _, b in fed],
+                               [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed],
+                               [n[i] + j for i, _ in fed])
+            g = self._hidden(batch, g.index_select(0, torch.tensor([b.state for _, b in fed], device=self.device)))
+            logp = torch.log_softmax(self.head.target.lm_head(g).float(), dim=-1)  # [F, V]
+            top, best = logp.topk(max(widths[i] for i in live), dim=-1)
+            top, best = top.tolist(), best.tolist()
+            at = 0
+            for i in live:  # a request's beams are consecutive rows of g
+                k = len(beams[i])
+                nxt = expand_beams(nodes[i], beams[i], j + 1, top[at:at + k], best[at:at + k], widths[i])
+                beams[i] = [Beam(c, nodes[i][c].token, nodes[i][c].score, at + parent, beams[i][parent].path,
+                                 nodes[i][c].greedy) for c, parent in nxt]
+                at += k
+        for i in nodes:
+            ids, parents = tree_of(nodes[i], budget[i])
+            if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
+                ids = ids[:reqs[i].grammar.valid_prefix(ids)]
+            out[i] = (ids, parents)
+        return out
 
     def _draft_rows(self, reqs: list[Req], rows: list[int], want: list[int], drafts: list[list[int]]) -> None:
         """:meth:`propose_batch`'s draft steps as batches of rows with tables of their own

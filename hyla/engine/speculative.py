@@ -161,6 +161,74 @@ def row_batch(ids: list[int], pos: list[int], loc: list[int], tables: list[torch
                         list(conv_states), list(ssm_states))
 
 
+# ------------------------------------------------------------------------------------------------
+# draft trees from a beam search (the MTP and draft-model drafters with speculative_eagle_topk > 1)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """A candidate draft of a beam search: its token, parent (index among the request's
+    candidates, -1 = the last sampled token), depth (1 = a child of the last sampled token), path
+    log-probability, and whether it is on the greedy path (every token its parent's argmax)."""
+
+    token: int
+    parent: int
+    depth: int
+    score: float
+    greedy: bool
+
+
+@dataclass(eq=False)
+class Beam:
+    """A path being extended: its last candidate (-1: the last sampled token), the token to feed
+    next, its log-probability, what the drafter continues it from (``state``: a scratch state slot
+    for a draft model, a row of the last step's hidden states for the MTP head), the scratch KV
+    slots of the path's fed tokens so far, and whether it is the greedy path."""
+
+    node: int
+    token: int
+    score: float
+    state: int
+    path: list[int]
+    greedy: bool
+
+
+def beam_kv_slots(num_steps: int, topk: int) -> int:
+    """Scratch KV slots a beam search takes per batch row: one per token it feeds (the last sampled
+    token, then ``topk`` beams at each further step)."""
+    return 1 + (num_steps - 1) * topk
+
+
+def expand_beams(nodes: list[Candidate], beams: list[Beam], depth: int, top: list[list[float]],
+                 best: list[list[int]], width: int) -> list[tuple[int, int]]:
+    """One step of a request's beam search: beam ``b`` (``beams[b]``, fed this step at ``depth - 1``)
+    predicted its ``width`` likeliest next tokens ``best[b]`` with log-probabilities ``top[b]``
+    (sorted, the argmax first). Each becomes a candidate in ``nodes``; returns the next beams as
+    ``(candidate, parent beam index)``: the greedy child, then the best ``width - 1`` other children
+    by path log-probability."""
+    children = []
+    for k, b in enumerate(beams):
+        for c in range(width):
+            children.append((len(nodes), k))
+            nodes.append(Candidate(best[k][c], b.node, depth, b.score + top[k][c], b.greedy and c == 0))
+    return sorted(children, key=lambda c: (not nodes[c[0]].greedy, -nodes[c[0]].score))[:width]
+
+
+def tree_of(nodes: list[Candidate], budget: int) -> tuple[list[int], list[int] | None]:
+    """The drafts to verify from a beam search's candidates: the greedy chain, then the best other
+    candidates by score up to ``budget`` nodes (a child never scores above its parent, so every
+    chosen node's ancestors are chosen: EAGLE-2's reranking), parents first. Returns the drafts and
+    their parents (``Req.set_drafts``; None: a chain). With the chain inside it, a tree is accepted at
+    least as far as the chain would be (greedy verification follows the target's argmax down it)."""
+    chain = [k for k, node in enumerate(nodes) if node.greedy]
+    others = sorted((k for k, node in enumerate(nodes) if not node.greedy),
+                    key=lambda k: (-nodes[k].score, nodes[k].depth, k))
+    chosen = sorted((chain + others)[:budget], key=lambda k: (nodes[k].depth, not nodes[k].greedy, -nodes[k].score, k))
+    at = {k: pos for pos, k in enumerate(chosen)}
+    ids = [nodes[k].token for k in chosen]
+    parents = [0 if nodes[k].parent < 0 else at[nodes[k].parent] + 1 for k in chosen]
+    return ids, (None if parents == list(range(len(ids))) else parents)
+
+
 class NgramDrafter(Drafter):
     """Propose the continuation of the longest recent n-gram match in the request's own tokens.
 
