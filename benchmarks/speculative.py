@@ -1001,7 +1001,7 @@ def mtp_main(args, threads: int) -> None:
         cells = [parts[side][b].get(key) for b in (1, NUM_PROMPTS) for side in ("off", "on", "tree")]
         split.append(f"| {key} | " + " | ".join("–" if c is None else f"{c:.2f}" for c in cells) + " |")
     decode_ms = parts["off"][1]["step"]
-    on1 = parts["on"][1]
+    on1, tr1, tree1 = parts["on"][1], parts["tree"][1], by[1]["sides"]["tree"]
     plen = (min(map(len, prompts)), max(map(len, prompts)))
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32) with
 its MTP head (`scripts/train_mtp_head.py`), greedy.
@@ -1037,6 +1037,12 @@ steps of the cached prompts included):
   if on1['model forward'] / decode_ms >= by[1]['accept'] else f"a free drafter at this accept length would gain {by[1]['accept'] * decode_ms / on1['model forward']:.2f}x; the MTP's own forwards cost {(on1['MTP observe'] + on1['MTP drafting']) / decode_ms:.1f} decode steps per verify step"}.
   Speculation pays where a verify step costs about one decode step
   (large models on GPUs, where SGLang's accept lengths were measured); not measured here (no GPU).
+* **Trees** accept {tree1['accept'] / by[1]['accept']:.2f}x as many tokens per verify step as chains for
+  {tree1['fed'] / by[1]['fed']:.2f}x the tokens fed: at batch 1 their verify step costs {tr1['step']:.2f} ms (model forward
+  {tr1['model forward']:.2f}, the MTP {tr1['MTP observe'] + tr1['MTP drafting']:.2f}: its beams are rows of their own, the head's
+  eager ops), {tr1['step'] / on1['step']:.2f}x a chain's. On this CPU, where every fed token costs, that loses
+  ({tree1['ratio']:.2f}x plain decoding against the chains' {by[1]['ratio']:.2f}x); trees are for GPUs, where a verify
+  step of {DRAFT_TREE['speculative_num_draft_tokens']} tokens costs about what one of {MTP_STEPS + 1} does.
 """
     print(body)
     if not args.no_write:

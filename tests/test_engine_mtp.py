@@ -291,6 +291,37 @@ def test_mtp_trees_follow_the_head(qwen3_next_dense_mtp_path):
             assert node is not None, f"the head's greedy {greedy} is not in the tree {drafts}, {parents}"
 
 
+def test_speculation_keeps_the_prefix_caches_hits(default_mtp_path):
+    """Speculation costs no prefix-cache reuse (SGLang's EAGLE dropped it from 97% to 40-53%,
+    #32459): multi-turn chats on the default model (its trained head: drafts accepted), each turn
+    sent after the previous answers, find exactly the cached tokens per request with MTP chains, MTP
+    trees and n-gram drafts that they find without speculation (pools large enough that nothing is
+    evicted: the tree holds the same tokens and checkpoints either way)."""
+    rng = random.Random(11)
+    tok = lambda n: [rng.randrange(3, 4000) for _ in range(n)]  # noqa: E731
+    system = tok(50)
+    turn = [{"ids": system + tok(rng.randrange(5, 40)), "max_new": 20, "ckpt": []} for _ in range(5)]
+    followups = [[tok(6) for _ in turn] for _ in range(2)]
+    cached, outs = {}, {}
+    for name, spec in (("off", {}), ("mtp", MTP), ("mtp trees", TREE),
+                       ("ngram", dict(speculative_algorithm="ngram", speculative_num_draft_tokens=4))):
+        with Engine(default_mtp_path, debug_checks=True, **POOLS, **spec) as eng:
+            specs, out = turn, run(eng, turn)
+            for more in followups:
+                specs = [{"ids": s["ids"] + o["output_ids"] + f, "max_new": 20, "ckpt": []}
+                         for s, o, f in zip(specs, out[-len(specs):], more)]
+                out += run(eng, specs)
+            assert eng.get_stats()["num_evicted_tokens"] == 0
+            if spec:
+                assert eng.get_stats()["spec_accept_length"] > 1.1, name
+            assert_drained(eng)
+        cached[name], outs[name] = [o["meta_info"]["cached_tokens"] for o in out], out
+    assert sum(cached["off"]) > 0.5 * sum(len(s["ids"]) for s in turn)
+    for name in cached:
+        compare_outputs(outs[name], outs["off"])
+        assert cached[name] == cached["off"], name
+
+
 # --- the default model's trained head ------------------------------------------------------------
 
 
