@@ -146,3 +146,18 @@ def test_the_host_tier_is_sized_by_ratio_or_by_size(qwen3_next_dense_path):
         layout, host = e.model_config.cache_layout, e.cache.host
         split = split_memory(int(0.01 * 2**30), 0.9, layout.kv_bytes_per_token, layout.state_bytes_per_slot, 1)
         assert (host.kv_pool.size, host.state_pool.size) == (split.num_kv_tokens, split.num_state_slots)
+
+
+def test_a_host_tier_larger_than_the_ram_is_refused(qwen3_next_dense_path, monkeypatch):
+    """The host pools' bytes (``HostCache.planned_bytes``: the pools' own ``total_bytes``, before they
+    are built) are checked against the RAM available: more is a ValueError naming both."""
+    opts = dict(max_total_tokens=600, max_state_slots=20, enable_hierarchical_cache=True, hicache_ratio=2.0)
+    with Engine(qwen3_next_dense_path, **opts) as e:
+        planned = e.cache.host.total_bytes
+        assert planned == e.cache.host.planned_bytes(e.model_config.cache_layout, e.tree, 1200, 40)
+    monkeypatch.setattr(engine_module, "_available_ram", lambda: planned - 1)
+    with pytest.raises(ValueError, match=r"host pools need .* GiB, more than the .* GiB of RAM available"):
+        Engine(qwen3_next_dense_path, **opts)
+    monkeypatch.setattr(engine_module, "_available_ram", lambda: planned)
+    with Engine(qwen3_next_dense_path, **opts) as e:
+        assert e.cache.host.total_bytes == planned

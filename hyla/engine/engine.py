@@ -286,8 +286,7 @@ class Engine:
         if args.enable_hierarchical_cache:
             host_tokens, host_slots = host_cache_sizes(args, num_tokens, num_slots, layout.kv_bytes_per_token,
                                                        layout.state_bytes_per_slot)
-            host_bytes = (host_tokens + args.page_size) * layout.kv_bytes_per_token + \
-                ((host_slots + 1) * layout.state_bytes_per_slot if cfg.num_linear_layers else 0)
+            host_bytes = HostCache.planned_bytes(layout, self.tree, host_tokens, host_slots)
             if host_bytes > _available_ram():
                 raise ValueError(f"the hierarchical cache's host pools need {host_bytes / 2**30:.1f} GiB, more than the "
                                  f"{_available_ram() / 2**30:.1f} GiB of RAM available: lower hicache_ratio or "
