@@ -291,6 +291,29 @@ def test_mtp_trees_follow_the_head(qwen3_next_dense_mtp_path):
             assert node is not None, f"the head's greedy {greedy} is not in the tree {drafts}, {parents}"
 
 
+def test_mtp_trees_beside_a_grammar(default_mtp_path):
+    """In one batch, a JSON-schema request drafts a chain (its masks follow one path), cut to its
+    grammar-valid prefix, while an unconstrained one drafts trees; both outputs are exactly those
+    of decoding without speculation."""
+    from test_engine_grammar import GREEDY, PROMPTS, SCHEMA, check_schema  # (it imports the server: fastapi)
+
+    params = [{**GREEDY, "json_schema": SCHEMA}, GREEDY]
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    with Engine(default_mtp_path, enable_prefix_cache=False) as ref:
+        want = ref.generate(prompts, params, return_logprob=True)
+    with Engine(default_mtp_path, debug_checks=True, **TREE) as eng:
+        rec = _Recorder(eng.scheduler.drafter, trees=True)
+        got = eng.generate(prompts, params, return_logprob=True)
+        assert_drained(eng)
+    compare_outputs(got, want)
+    check_schema(json.loads(got[0]["text"]), SCHEMA)
+    shapes: dict[tuple, set] = {}  # each prompt's token ids -> the shapes of its drafts
+    for (prompt, _), (ids, parents) in rec.drafts.items():
+        if ids:
+            shapes.setdefault(prompt, set()).add("chain" if parents is None else "tree")
+    assert len(shapes) == 2 and sorted("tree" in s for s in shapes.values()) == [False, True]
+
+
 def test_speculation_keeps_the_prefix_caches_hits(default_mtp_path):
     """Speculation costs no prefix-cache reuse (SGLang's EAGLE dropped it from 97% to 40-53%,
     #32459): multi-turn chats on the default model (its trained head: drafts accepted), each turn

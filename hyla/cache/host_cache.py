@@ -73,23 +73,25 @@ class HostCache:
                     accounting: bool = False) -> "HostCache":
         """The host tier of ``layout`` under ``device_tree``: host pools of ``num_tokens`` KV slots
         (rounded down to whole pages) and ``num_slots`` state slots (unused without a state pool)."""
-        return cls(device_tree, *cls._pools(layout, device_tree, num_tokens, num_slots, accounting))
+        ps = device_tree.page_size
+        tokens, slots = cls._sizes(ps, num_tokens, num_slots)
+        kv = KVPool.from_layout(layout, tokens, ps, "cpu", accounting)
+        states = StatePool.from_layout(layout, slots, "cpu", accounting) if device_tree.state_pool is not None else None
+        return cls(device_tree, kv, states)
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int) -> int:
-        """What :meth:`from_layout`'s host pools would occupy (checked against the RAM before
-        building them): the pools' own ``total_bytes``, of pools built in accounting mode."""
-        kv, states = cls._pools(layout, device_tree, num_tokens, num_slots, accounting=True)
-        return kv.total_bytes + (states.total_bytes if states is not None else 0)
+        """What :meth:`from_layout`'s host pools would occupy, computed before building them (the
+        engine checks it against the RAM): the pools' own ``bytes_for`` at the sizes they would get."""
+        ps = device_tree.page_size
+        tokens, slots = cls._sizes(ps, num_tokens, num_slots)
+        states = StatePool.bytes_for(slots, layout.state_bytes_per_slot) if device_tree.state_pool is not None else 0
+        return KVPool.bytes_for(tokens, ps, layout.kv_bytes_per_token) + states
 
     @staticmethod
-    def _pools(layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int,
-               accounting: bool) -> tuple[KVPool, StatePool | None]:
-        ps = device_tree.page_size
-        kv = KVPool.from_layout(layout, max(ps, num_tokens - num_tokens % ps), ps, "cpu", accounting)
-        states = StatePool.from_layout(layout, max(1, num_slots), "cpu", accounting) \
-            if device_tree.state_pool is not None else None
-        return kv, states
+    def _sizes(page_size: int, num_tokens: int, num_slots: int) -> tuple[int, int]:
+        """The host pools' sizes: KV rounded down to whole pages (a page at least), a state slot at least."""
+        return max(page_size, num_tokens - num_tokens % page_size), max(1, num_slots)
 
     # ------------------------------------------------------------------------------------------
     # device -> host

@@ -108,7 +108,13 @@ class KVPool:
     @property
     def total_bytes(self) -> int:
         """Bytes the K/V buffers occupy (or would, in accounting mode), sentinel page included."""
-        return (self.size + self.page_size) * self.bytes_per_token
+        return self.bytes_for(self.size, self.page_size, self.bytes_per_token)
+
+    @staticmethod
+    def bytes_for(num_tokens: int, page_size: int, bytes_per_token: int) -> int:
+        """Bytes of a pool of ``num_tokens`` slots (whole pages) before it is built: its buffers'
+        rows are the slots and the sentinel page."""
+        return (num_tokens + page_size) * bytes_per_token
 
     # ------------------------------------------------------------------------------------------
     # allocation

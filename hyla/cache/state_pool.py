@@ -114,7 +114,12 @@ class StatePool:
 
     @property
     def total_bytes(self) -> int:
-        return (self.size + 1) * self.bytes_per_slot
+        return self.bytes_for(self.size, self.bytes_per_slot)
+
+    @staticmethod
+    def bytes_for(num_slots: int, bytes_per_slot: int) -> int:
+        """Bytes of a pool of ``num_slots`` before it is built: the slots and the sentinel slot."""
+        return (num_slots + 1) * bytes_per_slot
 
     def can_alloc(self, n: int) -> bool:
         return n <= self._slots.num_free()

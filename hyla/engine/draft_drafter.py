@@ -197,10 +197,7 @@ class DraftModelDrafter(Drafter):
         else:
             self._search(reqs, live, depth, nodes, widths, in_rows=False)
         for i in nodes:
-            ids_i, parents = tree_of(nodes[i], budget[i])
-            if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
-                ids_i = ids_i[:reqs[i].grammar.valid_prefix(ids_i)]
-            out[i] = (ids_i, parents)
+            out[i] = tree_of(nodes[i], budget[i], reqs[i].grammar)
         return out
 
     def _search(self, reqs: list[Req], live: list[int], depth: dict[int, int], nodes: dict[int, list[Candidate]],

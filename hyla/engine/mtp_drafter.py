@@ -292,10 +292,7 @@ class MtpDrafter(Drafter):
                                  nodes[i][c].greedy) for c, parent in nxt]
                 at += k
         for i in nodes:
-            ids, parents = tree_of(nodes[i], budget[i])
-            if reqs[i].grammar is not None:  # a chain (width 1): keep what the grammar accepts
-                ids = ids[:reqs[i].grammar.valid_prefix(ids)]
-            out[i] = (ids, parents)
+            out[i] = tree_of(nodes[i], budget[i], reqs[i].grammar)
         return out
 
     def _draft_rows(self, reqs: list[Req], rows: list[int], want: list[int], drafts: list[list[int]]) -> None:

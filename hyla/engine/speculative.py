@@ -55,7 +55,7 @@ from typing import Collection
 import torch
 
 from hyla.cache.transfer import to_device_packed
-from hyla.engine.grammar import TokenMask
+from hyla.engine.grammar import GrammarMatcher, TokenMask
 from hyla.engine.model_runner import decode_batch, host_long, prefix_sums
 from hyla.engine.request import Req
 from hyla.engine.sampler import (draw, needs_processing, process_logits, raw_distribution, target_probs, top_logprobs,
@@ -213,12 +213,15 @@ def expand_beams(nodes: list[Candidate], beams: list[Beam], depth: int, top: lis
     return sorted(children, key=lambda c: (not nodes[c[0]].greedy, -nodes[c[0]].score))[:width]
 
 
-def tree_of(nodes: list[Candidate], budget: int) -> tuple[list[int], list[int] | None]:
+def tree_of(nodes: list[Candidate], budget: int,
+            grammar: GrammarMatcher | None = None) -> tuple[list[int], list[int] | None]:
     """The drafts to verify from a beam search's candidates: the greedy chain, then the best other
     candidates by score up to ``budget`` nodes (a child never scores above its parent, so every
     chosen node's ancestors are chosen: EAGLE-2's reranking), parents first. Returns the drafts and
     their parents (``Req.set_drafts``; None: a chain). With the chain inside it, a tree is accepted at
-    least as far as the chain would be (greedy verification follows the target's argmax down it)."""
+    least as far as the chain would be (greedy verification follows the target's argmax down it).
+    A request with a ``grammar`` searched with width 1: its chain, cut where the grammar stops
+    accepting it."""
     chain = [k for k, node in enumerate(nodes) if node.greedy]
     others = sorted((k for k, node in enumerate(nodes) if not node.greedy),
                     key=lambda k: (-nodes[k].score, nodes[k].depth, k))
@@ -226,6 +229,9 @@ def tree_of(nodes: list[Candidate], budget: int) -> tuple[list[int], list[int] |
     at = {k: pos for pos, k in enumerate(chosen)}
     ids = [nodes[k].token for k in chosen]
     parents = [0 if nodes[k].parent < 0 else at[nodes[k].parent] + 1 for k in chosen]
+    if grammar is not None:
+        ids = ids[:grammar.valid_prefix(ids)]
+        parents = parents[:len(ids)]
     return ids, (None if parents == list(range(len(ids))) else parents)
 
 
