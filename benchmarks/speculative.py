@@ -724,12 +724,13 @@ The last column is the eager pair of the n-gram section, measured in the same ru
         write_section("Speculative decoding: n-gram with compile_decode" + drafts_suffix(args), body)
 
 
-def gpu_engines(args, part: str, spec: dict) -> dict[str, Engine]:
-    """A GPU part's engines on ``args.device``, fp32: the plain one ("off") and the speculative one ("on")."""
+def gpu_engines(args, part: str, spec: dict, tree: dict | None = None) -> dict[str, Engine]:
+    """A GPU part's engines on ``args.device``, fp32: the plain one ("off"), the speculative one
+    ("on") and, given ``tree``, one with those options ("tree")."""
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--part {part} needs a CUDA device (--device cpu: a smoke test of the script)")
     kw = dict(dtype="float32", device=args.device, **POOLS)
-    return {"off": Engine(**kw), "on": Engine(**kw, **spec)}
+    return {"off": Engine(**kw), "on": Engine(**kw, **spec), **({"tree": Engine(**kw, **tree)} if tree else {})}
 
 
 def gpu_main(args) -> None:
@@ -766,7 +767,7 @@ identical greedy token ids (checked by the script).
 def mtp_gpu_main(args) -> None:
     """Workload (b) on CUDA: the default model (fp32) with and without its MTP head, every step
     replayed from CUDA graphs (the head's drafts and verify passes too)."""
-    engines = gpu_engines(args, "mtp-gpu", MTP_SPEC)
+    engines = gpu_engines(args, "mtp-gpu", MTP_SPEC, MTP_TREE)
     try:
         modes = {side: e._decode_mode() for side, e in engines.items()}
         drafter = engines["on"].scheduler.drafter
@@ -776,21 +777,28 @@ def mtp_gpu_main(args) -> None:
         params = {"temperature": 0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         outs = {side: run_once(e, prompts, NUM_PROMPTS, params)[2] for side, e in engines.items()}  # warm-up
         check_identical("mtp-gpu, warm-up", outs["off"], outs["on"])
+        check_identical("mtp-gpu trees, warm-up", outs["off"], outs["tree"])
         rows = bench(engines, prompts, prompts, "mtp-gpu", args.repeats, args.new_tokens)
     finally:
         for e in engines.values():
             e.shutdown()
     cmd = (f".venv/bin/python benchmarks/speculative.py --part mtp-gpu --device {args.device} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}")
-    table = ["| batch | off tok/s | on tok/s | on / off | accept length | verify steps |", "|---|---|---|---|---|---|"]
+    table = ["| batch | drafts | off tok/s | on tok/s | on / off | accept length | tokens fed per request and step | "
+             "verify steps |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['batch']} | {r['off']:.1f} | {r['on']:.1f} | **{r['ratio']:.2f}x** | {r['accept']:.2f} "
-                     f"| {r['steps']} |")
+        for side, label in (("on", f"chain of {MTP_STEPS}"), ("tree", TREE_LABEL)):
+            t = r["sides"][side]
+            table.append(f"| {r['batch']} | {label} | {r['off']:.1f} | {t['tps']:.1f} | **{t['ratio']:.2f}x** | "
+                         f"{t['accept']:.2f} | {t['fed']:.2f} | {t['steps']} |")
     body = f"""`{cmd}` — {machine()}; built-in default model (tiny Qwen3-Next, 8 layers, fp32) with its MTP head
 (`scripts/train_mtp_head.py`), greedy; workload (b) (the *Speculative decoding: MTP* section: {NUM_PROMPTS} chat prompts,
 {args.new_tokens} new tokens each, prompts cached by a warm-up run), `speculative_num_steps={MTP_STEPS}`. Decode: {modes['off']};
-MTP engine: {modes['on']}, the head's drafts and verify passes {head}.
-Runs interleaved, medians of {args.repeats}; MTP on and off gave identical greedy token ids (checked by the script).
+MTP engine: {modes['on']}, the head's drafts and verify passes {head}; MTP trees
+(`speculative_eagle_topk=2`, `speculative_num_draft_tokens={DRAFT_TREE['speculative_num_draft_tokens']}`): {modes['tree']}, their
+verify steps the eager extend and the beams the head's eager rows.
+Runs interleaved, medians of {args.repeats}; MTP (chains and trees) and plain decoding gave identical greedy token ids
+(checked by the script).
 
 {chr(10).join(table)}
 """

@@ -32,7 +32,7 @@
 #            shared attention + GeGLU blocks on [x | embeddings], in CUDA graphs) against transformers (+ mamba_ssm
 #            where installed), and the HBM roofline (~4 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
-#            step from CUDA graphs (the MTP head's drafts too) (~4 min)
+#            step from CUDA graphs (the MTP head's drafts too), and MTP trees (top-2, 6 nodes) beside the chains (~5 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
 #            its steady ones, with the engine's start-up warm-up and without (~3 min)
 #   mixed    benchmarks/mixed_chunk.py --gpu-model: 8 streams while an 8,192-token prompt is prefilled, with mixed
