@@ -291,6 +291,46 @@ def test_mtp_trees_follow_the_head(qwen3_next_dense_mtp_path):
             assert node is not None, f"the head's greedy {greedy} is not in the tree {drafts}, {parents}"
 
 
+def test_mtp_tree_verify_steps_write_the_entries_a_prefill_writes(default_mtp_path):
+    """A verify step's tree leaves the MTP entries (and hidden state) of its accepted path exactly as
+    a prefill of the same tokens does (``observe``: each fed token paired with its parent's hidden
+    state at its depth's position): after every verify step of a greedy run with trees (some
+    accepted paths leave the greedy chain), the next tree equals the one a fresh prefill of the
+    prompt and the output so far drafts (cache off, fp32)."""
+    opts = dict(enable_prefix_cache=False, max_total_tokens=4096, max_state_slots=64, max_running_requests=4)
+    params = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    with Engine(default_mtp_path, **opts, **TREE) as eng:
+        prompt = _chat_prompts(eng)[1]
+        drafter = eng.scheduler.drafter
+        rec = _Recorder(drafter, trees=True)
+        off_chain = {"n": 0}  # accepted paths that left the greedy chain (the first node of each depth)
+        real_verified = drafter.verified
+
+        def verified(reqs, verdicts):
+            for r, v in zip(reqs, verdicts):
+                depth = [0]
+                for q in r.fed_parents()[1:]:
+                    depth.append(depth[q] + 1)
+                off_chain["n"] += any(depth.index(depth[j]) != j for j in v.path)
+            return real_verified(reqs, verdicts)
+
+        drafter.verified = verified
+        out = eng.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+        during = {n: tree for (_, n), tree in rec.drafts.items()}
+        assert off_chain["n"] > 0
+        compared = 0
+        for n, tree in during.items():
+            if not 2 <= n <= params["max_new_tokens"] - 8:  # (near the end the run's budget shrinks)
+                continue
+            fresh = _Recorder(drafter, trees=True)
+            eng.generate(input_ids=prompt + out[:n - 1], sampling_params=_greedy(8))
+            setattr(drafter, fresh.method, fresh.real)
+            assert fresh.drafts[(tuple(prompt + out[:n - 1]), 1)] == tree, f"after {n} output tokens"
+            compared += 1
+        assert compared > 10
+        assert_drained(eng)
+
+
 def test_mtp_trees_beside_a_grammar(default_mtp_path):
     """In one batch, a JSON-schema request drafts a chain (its masks follow one path), cut to its
     grammar-valid prefix, while an unconstrained one drafts trees; both outputs are exactly those
@@ -451,6 +491,12 @@ def test_mtp_needs_mtp_tensors(qwen3_next_dense_path, qwen3_next_dense_mtp_path,
         Engine(nemotron_h_path, **MTP, **POOLS)
     with pytest.raises(ValueError, match="mtp trees .* at least 2"):
         EngineArgs(speculative_algorithm="mtp", speculative_eagle_topk=2, speculative_num_draft_tokens=1)
+    # the default 4 tokens fed: 3 drafts, all of them the greedy chain of speculative_num_steps=3
+    with pytest.raises(ValueError, match=r"no room beyond the chain .* above 4 \(e\.g\. 7\)"):
+        EngineArgs(speculative_algorithm="mtp", speculative_eagle_topk=2)
+    with pytest.raises(ValueError, match="draft trees .* no room beyond the chain"):
+        EngineArgs(speculative_algorithm="draft", speculative_draft_model_path="/x", speculative_eagle_topk=2,
+                   speculative_num_steps=5, speculative_num_draft_tokens=6)
     # a missing and an unexpected mtp tensor are named
     from safetensors.torch import load_file, save_file
 

@@ -176,11 +176,17 @@ class EngineArgs:
         for name in ("max_running_requests", "max_total_tokens", "max_state_slots", "context_length", "cuda_graph_max_bs",
                      "speculative_disable_by_batch_size"):
             pos_int(name, allow_none=True)
-        if self.speculative_eagle_topk != 1 and self.speculative_algorithm in ("mtp", "draft") \
-                and self.speculative_num_draft_tokens < 2:
-            raise ValueError(f"{self.speculative_algorithm} trees (speculative_eagle_topk > 1) verify "
-                             "speculative_num_draft_tokens tokens per step: it must be at least 2 (the last sampled "
-                             "token and one draft)")
+        if self.speculative_eagle_topk != 1 and self.speculative_algorithm in ("mtp", "draft"):
+            algorithm, n, steps = self.speculative_algorithm, self.speculative_num_draft_tokens, self.speculative_num_steps
+            if n < 2:
+                raise ValueError(f"{algorithm} trees (speculative_eagle_topk > 1) verify speculative_num_draft_tokens "
+                                 "tokens per step: it must be at least 2 (the last sampled token and one draft)")
+            if n - 1 <= steps:  # the tree keeps the greedy chain of `steps` drafts first: no room for another node
+                raise ValueError(f"{algorithm} trees (speculative_eagle_topk > 1) verify the greedy chain of "
+                                 f"speculative_num_steps={steps} drafts and then the likeliest other candidates, up to "
+                                 f"speculative_num_draft_tokens - 1 = {n - 1} drafts: that leaves no room beyond the "
+                                 f"chain (a chain at a beam search's cost); set speculative_num_draft_tokens above "
+                                 f"{steps + 1} (e.g. {2 * steps + 1}), or speculative_eagle_topk=1")
         if self.speculative_algorithm == "draft" and not self.speculative_draft_model_path:
             raise ValueError("speculative_algorithm='draft' needs speculative_draft_model_path (the draft model's "
                              "directory)")

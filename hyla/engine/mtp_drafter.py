@@ -206,7 +206,9 @@ class MtpDrafter(Drafter):
                 tables = [t for t, n in zip(kv, extend) for _ in range(n)]
                 kv_lens = [p + 1 for q, n in zip(prefix, extend) for p in range(q, q + n)]
                 loc = [int(t[k - 1]) for t, k in zip(tables, kv_lens)]
-                if self.fused:  # on the request table's rows (the forward's slots are in them)
+                # fused: on the request table's rows (a chain's forward synced its slots into their device
+                # mirror; a tree's eager extend did not, so its pairs read stale slots there: harmless, as above)
+                if self.fused:
                     rows = [r.req_pool_idx for r, n in zip(reqs, extend) for _ in range(n)]
                     self._pairs_fused(ids, pos, rows, kv_lens, loc, pairs)
                 else:
@@ -225,11 +227,12 @@ class MtpDrafter(Drafter):
     # ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose_batch(self, reqs: list[Req], limits: list[int]) -> list[list[int]]:
-        """Up to ``min(limits[i], num_draft)`` greedy MTP drafts after each decoding request's last
-        sampled token; one MTP forward per draft step for the whole batch (requests whose limit is
-        reached drop out). A request with a grammar keeps the grammar-valid prefix of its drafts."""
+        """Up to ``min(limits[i], num_steps)`` greedy MTP drafts (a chain: ``num_steps`` is
+        ``num_draft``) after each decoding request's last sampled token; one MTP forward per draft
+        step for the whole batch (requests whose limit is reached drop out). A request with a
+        grammar keeps the grammar-valid prefix of its drafts."""
         drafts: list[list[int]] = [[] for _ in reqs]
-        want = [min(limit, self.num_draft) for limit in limits]
+        want = [min(limit, self.num_steps) for limit in limits]
         rows = [i for i, k in enumerate(want) if k > 0]
         if not rows:
             return drafts
@@ -303,7 +306,7 @@ class MtpDrafter(Drafter):
         tokens = [reqs[i].output_ids[-1] for i in rows]
         # each row's table: its pairs' slots (positions 1..n-1), then its scratch slots
         tables = [torch.cat([self.req_to_token.read(reqs[i].req_pool_idx, 1, m),
-                             torch.tensor(self.scratch[i][:self.num_draft], dtype=torch.long)]) for i, m in zip(rows, n)]
+                             torch.tensor(self.scratch[i][:self.num_steps], dtype=torch.long)]) for i, m in zip(rows, n)]
         g = self.hidden_states.index_select(0, torch.tensor([reqs[i].state_slot for i in rows], device=self.device))
         for j in range(max(want)):
             batch = self._rows(tokens, [m - 1 + j for m in n], [self.scratch[i][j] for i in rows], tables,
