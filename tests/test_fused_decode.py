@@ -904,28 +904,47 @@ def test_fused_mtp_chains_return_the_hidden_states(request, few_splits, monkeypa
     assert not differ, f"{len(differ)} of {len(drafts[0])} proposals differ"
 
 
-@pytest.mark.gpu
-def test_fused_mtp_trees_are_exact_on_cuda(qwen3_5_mtp_path, few_splits):
-    """MTP trees (``speculative_eagle_topk=2``) on a GPU's fused engine: the beams draft through the
-    head's eager rows (no draft graphs are captured for trees), a verify step's tree runs the eager
-    extend and returns the hidden states, and the head's pass over its fed pairs replays the head's
-    CUDA graphs; fp32, the outputs are a plain engine's."""
+@pytest.mark.slow
+def test_fused_mtp_trees_are_exact(request, few_splits, monkeypatch):
+    """MTP trees (``speculative_eagle_topk=2``) on a fused runner: the beams draft through the head's
+    eager rows (no draft graphs are captured for trees), a verify step's tree runs the eager extend
+    and returns the hidden states, and the head's pass over its fed pairs replays the head's CUDA
+    graphs; fp32, the outputs are a plain engine's. On a GPU the engine's own runner and graphs;
+    without one the fused runner and the head's graphs (emulated) put in, the kernels interpreted on
+    the 2-layer variant, the random head's attention scaled up (its drafts then depend on the pairs
+    it reads)."""
+    from hyla.engine.cuda_graph import CudaGraphMtp
+    from hyla.engine.mtp_drafter import MtpDrafter
+    from hyla.model.ops.gpu import gated_delta_decode
     from test_engine_mtp import TREE, _Recorder
 
+    if not GPU:
+        monkeypatch.setattr(gated_delta_decode, "FUSE_CONV", False)  # test_fused_chain_verify_is_exact
+        emulate_cuda_graphs(monkeypatch)
+    path = request.getfixturevalue("qwen3_5_mtp_path" if GPU else "qwen3_5_short_mtp_path")
     opts = dict(device=DEVICE, dtype="float32", max_total_tokens=2048, max_state_slots=80, max_running_requests=8)
     replays: dict = {}
-    with Engine(qwen3_5_mtp_path, **opts, **TREE) as eng:
+    with Engine(path, **opts, **TREE) as eng:
+        if not GPU:
+            eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token, eng.device,
+                                               cuda_graph=False, fused_decode=True, return_hidden=True)
+            scratch = [s for row in eng.scheduler.drafter.scratch for s in row]
+            eng.scheduler.drafter = MtpDrafter(eng.mtp_head, eng.kv_pool, eng.state_pool, eng.req_to_token, scratch,
+                                               6, fused=True, num_steps=3, topk=2)
+            eng.scheduler.drafter.graphs = CudaGraphMtp(eng.scheduler.drafter, 2)
+            with torch.no_grad():
+                eng.mtp_head.layer.mixer.o_proj.weight.mul_(ATTENTION_SCALE)
         drafter = eng.scheduler.drafter
         assert drafter.fused and drafter.graphs is not None and not any(k[0] == "draft" for k in drafter.graphs.graphs)
         _count_replays(drafter.graphs, replays, "pairs")
         rec = _Recorder(drafter, trees=True)
-        wave1 = _workload(2, eng.model_config.vocab_size, 4)
+        wave1 = _workload(2, eng.model_config.vocab_size, 4 if GPU else 2)
         out = _two_turns_mtp(eng, wave1)
         eng.wait_idle()
         eng.check_integrity()
     assert replays.get("pairs", 0) > 0
     assert any(parents is not None and len(set(parents)) < len(parents) for _, parents in rec.drafts.values())
-    with Engine(qwen3_5_mtp_path, **opts) as eng:
+    with Engine(path, **opts) as eng:
         off = _two_turns_mtp(eng, wave1)
     assert compare_outputs(out, off) > 0.9 * sum(len(o["output_ids"]) for o in off)
 
