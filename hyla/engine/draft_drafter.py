@@ -66,7 +66,7 @@ import torch
 from hyla.cache.layout import CacheLayout
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.request import Req
-from hyla.engine.speculative import Beam, Candidate, Drafter, beam_kv_slots, expand_beams, row_batch, tree_of
+from hyla.engine.speculative import Beam, Candidate, Drafter, beam_kv_slots, expand_beams, row_batch, scratch_rows, tree_of
 from hyla.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -121,8 +121,8 @@ class DraftModelDrafter(Drafter):
         self.topk = topk
         self.req_to_token = runner.req_to_token
         self.device = runner.device
-        self.scratch_kv = _rows(scratch_kv, kv_per_row)
-        self.scratch_states = _rows(scratch_states, states_per_row)
+        self.scratch_kv = scratch_rows(scratch_kv, kv_per_row)
+        self.scratch_states = scratch_rows(scratch_states, states_per_row)
         # the draft's buffers (its runner's views of the pools' companion buffers) that hold something
         self._state_buffers = [b for b in (*runner.conv_states, *runner.ssm_states) if b.numel()]
 
@@ -233,14 +233,7 @@ class DraftModelDrafter(Drafter):
                     ids, pos, [b.path[-1] for _, b in fed],
                     [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed], kv_lens,
                     self.device, runner.k_buffers, runner.v_buffers, states, runner.conv_states, runner.ssm_states))
-            logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
-            top, best = logp.topk(max(widths[i] for i in live), dim=-1)
-            top, best = top.tolist(), best.tolist()
-            nxt, at = {}, 0  # per request: its next beams, (candidate, parent beam index)
-            for i in live:  # a request's beams are consecutive rows
-                k = len(beams[i])
-                nxt[i] = expand_beams(nodes[i], beams[i], j + 1, top[at:at + k], best[at:at + k], widths[i])
-                at += k
+            nxt = expand_beams(logits, live, beams, nodes, widths, j + 1)  # a request's beams: consecutive rows
             if j + 1 < self.num_steps:
                 copies = self._next_beams([i for i in live if depth[i] > j + 1], nodes, nxt, beams)
                 if copies:
@@ -276,8 +269,7 @@ class DraftModelDrafter(Drafter):
                 else:
                     state = spare.pop()
                     copies.append((src.state, state))
-                new.append(Beam(node, nodes[i][node].token, nodes[i][node].score, state, src.path,
-                                nodes[i][node].greedy))
+                new.append(src.child(node, nodes[i][node], state))
             beams[i] = new
         return copies
 
@@ -288,6 +280,3 @@ class DraftModelDrafter(Drafter):
         for buf in self._state_buffers:
             buf.index_copy_(0, d, buf.index_select(0, s))
 
-
-def _rows(slots: list[int], per_row: int) -> list[list[int]]:
-    return [slots[i:i + per_row] for i in range(0, len(slots) - per_row + 1, per_row)]

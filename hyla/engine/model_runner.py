@@ -218,7 +218,7 @@ class ModelRunner:
         starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n) if tree_parents is None else _depths(tree_parents[i], start))
+            pos.extend(range(start, start + n) if tree_parents is None else tree_positions(tree_parents[i], start))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table = None
         if tree_parents is not None or max(extend_lens, default=0) <= SHORT_EXTEND:
@@ -726,7 +726,7 @@ def _token_at(req: Req, i: int) -> int:
     return req.input_ids[i] if i < n else req.output_ids[i - n]
 
 
-def _depths(parents: list[int], start: int) -> list[int]:
+def tree_positions(parents: list[int], start: int) -> list[int]:
     """Positions of a token tree's nodes: ``start`` + each node's depth (``parents[0] == -1``)."""
     out: list[int] = []
     for p in parents:

@@ -76,10 +76,11 @@ import torch
 from hyla.cache.transfer import to_device_packed
 from hyla.engine.cuda_graph import CudaGraphMtp
 from hyla.engine.model_runner import (WARM_UP_BATCHES, WARM_UP_KV_ROWS, call_compiled, compile_step,
-                                      fused_decode_batch, log_late_compile, prefix_sums, warm_up_config)
+                                      fused_decode_batch, log_late_compile, prefix_sums, tree_positions,
+                                      warm_up_config)
 from hyla.engine.request import Req
 from hyla.engine.speculative import (Beam, Candidate, Drafter, beam_kv_slots, drafter_batch, expand_beams, row_batch,
-                                    tree_of)
+                                    scratch_rows, tree_of)
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.mtp import MtpHead
 
@@ -110,7 +111,7 @@ class MtpDrafter(Drafter):
         self.hidden_states = state_pool.hidden_states  # [num_slots + 1, H]
         self.req_to_token = req_to_token
         self.device = self.k_buffer.device
-        self.scratch = [scratch_kv[i:i + per_row] for i in range(0, len(scratch_kv) - per_row + 1, per_row)]
+        self.scratch = scratch_rows(scratch_kv, per_row)
         self._compiled = None  # the head's graphs (compile)
         self.late_compiles = 0  # its forwards no graph of the start-up fitted: run eager
         self.fused = fused
@@ -188,10 +189,8 @@ class MtpDrafter(Drafter):
                 # hidden[p-1]: the state slot's for p == a, else this forward's row of position p - 1
                 src += [i if p == a else b + cu[i] + p - 1 - a for p in range(first, a + n)]
             else:  # a verify step's tree (a >= 1): fed token f continues its parent's row, at a - 1 + its depth
-                parents, depth = r.fed_parents(), [0]
-                for q in parents[1:]:
-                    depth.append(depth[q] + 1)
-                pos += [a - 1 + d for d in depth]
+                parents = r.fed_parents()
+                pos += tree_positions(parents, a - 1)
                 src += [i] + [b + cu[i] + q for q in parents[1:]]
             prefix.append(first - 1)
             extend.append(a + n - first)
@@ -284,16 +283,11 @@ class MtpDrafter(Drafter):
                                [torch.cat([committed[i], torch.tensor(b.path, dtype=torch.long)]) for i, b in fed],
                                [n[i] + j for i, _ in fed])
             g = self._hidden(batch, g.index_select(0, torch.tensor([b.state for _, b in fed], device=self.device)))
-            logp = torch.log_softmax(self.head.target.lm_head(g).float(), dim=-1)  # [F, V]
-            top, best = logp.topk(max(widths[i] for i in live), dim=-1)
-            top, best = top.tolist(), best.tolist()
-            at = 0
-            for i in live:  # a request's beams are consecutive rows of g
-                k = len(beams[i])
-                nxt = expand_beams(nodes[i], beams[i], j + 1, top[at:at + k], best[at:at + k], widths[i])
-                beams[i] = [Beam(c, nodes[i][c].token, nodes[i][c].score, at + parent, beams[i][parent].path,
-                                 nodes[i][c].greedy) for c, parent in nxt]
-                at += k
+            nxt = expand_beams(self.head.target.lm_head(g), live, beams, nodes, widths, j + 1)
+            row = 0  # a request's beams are consecutive rows of g: a child continues from its parent's row
+            for i in live:
+                first, row = row, row + len(beams[i])
+                beams[i] = [beams[i][k].child(c, nodes[i][c], first + k) for c, k in nxt[i]]
         for i in nodes:
             out[i] = tree_of(nodes[i], budget[i], reqs[i].grammar)
         return out

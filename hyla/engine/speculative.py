@@ -191,6 +191,15 @@ class Beam:
     path: list[int]
     greedy: bool
 
+    def child(self, node: int, candidate: Candidate, state: int) -> Beam:
+        """The beam that extends this one by ``candidate`` (index ``node``), continuing from ``state``."""
+        return Beam(node, candidate.token, candidate.score, state, self.path, candidate.greedy)
+
+
+def scratch_rows(slots: list[int], per_row: int) -> list[list[int]]:
+    """Reserved scratch slots cut into batch rows of ``per_row`` each (a drafter's)."""
+    return [slots[i:i + per_row] for i in range(0, len(slots) - per_row + 1, per_row)]
+
 
 def beam_kv_slots(num_steps: int, topk: int) -> int:
     """Scratch KV slots a beam search takes per batch row: one per token it feeds (the last sampled
@@ -198,19 +207,26 @@ def beam_kv_slots(num_steps: int, topk: int) -> int:
     return 1 + (num_steps - 1) * topk
 
 
-def expand_beams(nodes: list[Candidate], beams: list[Beam], depth: int, top: list[list[float]],
-                 best: list[list[int]], width: int) -> list[tuple[int, int]]:
-    """One step of a request's beam search: beam ``b`` (``beams[b]``, fed this step at ``depth - 1``)
-    predicted its ``width`` likeliest next tokens ``best[b]`` with log-probabilities ``top[b]``
-    (sorted, the argmax first). Each becomes a candidate in ``nodes``; returns the next beams as
-    ``(candidate, parent beam index)``: the greedy child, then the best ``width - 1`` other children
-    by path log-probability."""
-    children = []
-    for k, b in enumerate(beams):
-        for c in range(width):
-            children.append((len(nodes), k))
-            nodes.append(Candidate(best[k][c], b.node, depth, b.score + top[k][c], b.greedy and c == 0))
-    return sorted(children, key=lambda c: (not nodes[c[0]].greedy, -nodes[c[0]].score))[:width]
+def expand_beams(logits: torch.Tensor, live: list[int], beams: dict[int, list[Beam]],
+                 nodes: dict[int, list[Candidate]], widths: list[int], depth: int) -> dict[int, list[tuple[int, int]]]:
+    """One step of the beam searches of the requests ``live``: ``logits [F, V]`` are those of the
+    beams fed this step (at ``depth - 1``), request ``i``'s ``beams[i]`` consecutive rows, in
+    ``live``'s order. Each beam's ``widths[i]`` likeliest next tokens become candidates in
+    ``nodes[i]``, scored by their path's log-probability; returns each request's next beams as
+    ``(candidate, parent beam index)``: the greedy child, then the best ``width - 1`` other children."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [F, V]
+    top, best = logp.topk(max(widths[i] for i in live), dim=-1)
+    top, best = top.tolist(), best.tolist()
+    nxt, row = {}, 0
+    for i in live:
+        children = []
+        for k, b in enumerate(beams[i]):
+            for c in range(widths[i]):
+                children.append((len(nodes[i]), k))
+                nodes[i].append(Candidate(best[row][c], b.node, depth, b.score + top[row][c], b.greedy and c == 0))
+            row += 1
+        nxt[i] = sorted(children, key=lambda c: (not nodes[i][c[0]].greedy, -nodes[i][c[0]].score))[:widths[i]]
+    return nxt
 
 
 def tree_of(nodes: list[Candidate], budget: int,
