@@ -302,6 +302,8 @@ class CudaGraphMtp:
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         self.row_counts = [bs * self.width for bs in self.batch_sizes if bs <= VERIFY_GRAPH_MAX_BS]
+        # the batch sizes a draft is captured for: none for trees (topk > 1: the head's eager rows draft them)
+        self.draft_batch_sizes = self.batch_sizes if drafter.topk == 1 else []
         dev, k, rows = drafter.device, self.steps, self.row_counts[-1]
         self.pad_step = torch.tensor([0, drafter.pad_row, 1, 0], dtype=torch.long)  # position, row, KV length, slot
         self.pad_pair = torch.tensor([0, 0, drafter.pad_row, 1, 0], dtype=torch.long)  # token first
@@ -339,8 +341,7 @@ class CudaGraphMtp:
     def _capture(self) -> None:
         d, pool = self.drafter, None
         stream = torch.cuda.Stream(d.device)
-        # largest first: the smaller graphs reuse its memory; trees (topk > 1) draft through the head's eager rows
-        for bs in reversed(self.batch_sizes if d.topk == 1 else []):
+        for bs in reversed(self.draft_batch_sizes):  # largest first: the smaller graphs reuse its memory
             steps, tokens, _ = self._draft_views(self.draft_in, bs)
             hidden = self.draft_hidden[:bs]
             graph, self.outputs["draft", bs] = capture(functools.partial(d.draft_steps, steps, tokens, hidden), stream,
@@ -355,11 +356,10 @@ class CudaGraphMtp:
         self.pool = pool
         torch.cuda.synchronize(d.device)
         logger.info("CUDA graphs captured for the MTP head: drafts of %d steps for batch sizes %s, verify pairs "
-                    "for row counts %s", self.steps, self.batch_sizes if d.topk == 1 else "(none: trees)",
-                    self.row_counts)
+                    "for row counts %s", self.steps, self.draft_batch_sizes, self.row_counts)
 
     def can_run(self, batch_size: int) -> bool:
-        return self.drafter.topk == 1 and batch_size <= self.max_bs  # trees: no draft graphs
+        return batch_size <= max(self.draft_batch_sizes, default=0)
 
     def can_run_pairs(self, rows: int) -> bool:
         return rows <= self.row_counts[-1]
