@@ -455,6 +455,54 @@ def make_perturbed(tmp_dir: str | Path, base, std: float = 0.05, seed: int = 1, 
     return out
 
 
+def quantized_tensor(name: str, tensor: torch.Tensor) -> bool:
+    """Whether an FP8 checkpoint quantizes ``name``, as the published ones do: the matrices of the
+    projections and experts (``mtp.*`` too), not embeddings, ``lm_head``, norms, convolutions or
+    routers."""
+    skipped = ("embed", "lm_head", "norm", "conv", ".gate.", "router", "A_log", "dt_bias")
+    return tensor.dim() >= 2 and tensor.is_floating_point() and not any(s in name for s in skipped)
+
+
+@torch.no_grad()
+def quantize_checkpoint(src: Path, block: tuple[int, int] | None = (64, 64), dequantized: bool = False) -> Path:
+    """An FP8 copy of the checkpoint ``src`` beside it: every :func:`quantized_tensor` as float8
+    with its scales (``block``: per block, ``X_scale_inv``; ``None``: per tensor, ``X.weight_scale``
+    and an ``input_scale`` per layer), ``quantization_config`` in ``config.json``. With
+    ``dequantized``, the same values read back in fp32 and no ``quantization_config``: the
+    unquantized checkpoint an FP8 one must load as."""
+    from safetensors.torch import load_file, save_file
+
+    from hyla.model.quantization import Fp8Scheme
+
+    scheme = Fp8Scheme(block)
+    tag = "pertensor" if block is None else f"{block[0]}x{block[1]}"
+    out = src.with_name(f"{src.name}-fp8-{tag}{'-dequantized' if dequantized else ''}")
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if not quantized_tensor(name, t):
+            tensors[name] = t
+            continue
+        q, scale = scheme.quantize(t)
+        if dequantized:
+            tensors[name] = scheme.dequantize(q, scale)
+        else:
+            tensors[name], tensors[name + scheme.scale_suffix] = q, scale
+            if block is None:
+                tensors[name.removesuffix(".weight") + ".input_scale"] = torch.tensor(0.01)
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    if not dequantized:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         **({} if block is None else {"weight_block_size": list(block)})}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    tmp.rename(out)
+    return out
+
+
 # --- a minimal harness: plain-tensor pools and per-sequence bookkeeping ------------------------
 
 

@@ -51,6 +51,7 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
+from hyla.model.loader import read_quantization
 from hyla.model.mtp import MtpHead, mtp_cache_layout
 
 logger = logging.getLogger("hyla.engine")
@@ -124,6 +125,7 @@ class Engine:
 
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
         self.model_config = self.model.config
+        self.checkpoint_quantization = read_quantization(path)  # FP8 weights, served dequantized (or None)
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
         self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
         self.tokenizer = _load_tokenizer(path)
@@ -310,7 +312,8 @@ class Engine:
     def summary(self) -> str:
         cfg = self.model_config
         kinds = ", ".join(f"{k}={v}" for k, v in _count_layer_kinds(cfg).items())
-        return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}, "
+        return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}"
+                f"{self._weights_summary()}, "
                 f"device={self.device}{f' (intra-op threads: {self.cpu_threads})' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
                 f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB), "
                 f"state pool={self.state_pool.size} slots "
@@ -323,6 +326,13 @@ class Engine:
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
                 f"pool sizes: {self.pool_sizing}")
+
+    def _weights_summary(self) -> str:
+        q = self.checkpoint_quantization
+        if q is None:
+            return ""
+        scales = "per tensor" if q.block is None else f"per {q.block[0]}x{q.block[1]} block"
+        return f" (from an FP8 checkpoint, scales {scales}: weights dequantized to {self.args.dtype})"
 
     def _decode_mode(self) -> str:
         runner = self.scheduler.runner

@@ -14,8 +14,10 @@ shape comes from its spec run on meta tensors), and ``copy_weights_`` then reads
 parameter into the model in place: a serving engine's weight update
 (``Engine.update_weights_from_disk``).
 
-Only float tensors are read (``SOURCE_DTYPES``). Errors are ``ValueError`` naming the offending
-tensor(s): missing, unexpected, of another dtype, or wrong shape.
+Only float tensors are read (``SOURCE_DTYPES``), and float8 ones with their scales in an FP8
+checkpoint (``quantization.py``: each is read dequantized, in fp32, then converted as any other).
+Errors are ``ValueError`` naming the offending tensor(s): missing, unexpected, of another dtype,
+or wrong shape.
 """
 
 from __future__ import annotations
@@ -34,22 +36,37 @@ from torch import nn
 from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
 from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
+from hyla.model.quantization import BLOCK_SCALE, FP8_DTYPES, INPUT_SCALE, TENSOR_SCALE, Fp8Scheme
 from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
 
 SOURCE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 """The tensors the loader reads, by their dtype's name in a safetensors header: the float types it
-converts to a model's dtype (an integer or FP8 tensor, which would need more than a cast, is refused)."""
+converts to a model's dtype. An integer tensor is refused, and a float8 one unless it comes with
+its scales in an FP8 checkpoint (``FP8_DTYPES``)."""
 
 
 def read_config(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> ModelConfig:
     """``ModelConfig`` of the checkpoint directory ``path`` (no weights read)."""
+    return ModelConfig.from_hf(_config_json(path), dtype=dtype)
+
+
+def read_quantization(path: str | os.PathLike) -> Fp8Scheme | None:
+    """How the checkpoint directory ``path`` stores its FP8 tensors (``None``: it has none);
+    ``ValueError`` for a quantization hyla does not read."""
+    try:
+        return Fp8Scheme.from_hf(_config_json(path))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+
+
+def _config_json(path: str | os.PathLike) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.json")
     with open(config_file) as f:
-        return ModelConfig.from_hf(json.load(f), dtype=dtype)
+        return json.load(f)
 
 
 def _shard_map(path: Path) -> dict[str, Path]:
@@ -84,24 +101,50 @@ def name_listing(names: Iterable[str]) -> str:
 class TensorReader:
     """A checkpoint's tensors by name (normalised, or the file's own), from their shard files: a
     tensor's header (:meth:`meta`: its shape and dtype, no data read) or its data (:meth:`get`).
-    ``ValueError`` naming the file for a tensor whose dtype is not in ``SOURCE_DTYPES``, and for a
-    file safetensors cannot read (one truncated, say: a file must cover its header, which is
-    checked when it is opened). A file is opened (memory-mapped) on first use and stays open until
-    :meth:`close`; one truncated while open is not safe to read."""
+    A float8 tensor of an FP8 checkpoint (one with ``scales``) is its dequantized value: fp32.
+    ``ValueError`` naming the file for a tensor whose dtype is not in ``SOURCE_DTYPES`` (nor float8
+    with scales), scales that do not fit their tensor, and a file safetensors cannot read (one
+    truncated, say: a file must cover its header, which is checked when it is opened). A file is
+    opened (memory-mapped) on first use and stays open until :meth:`close`; one truncated while
+    open is not safe to read."""
 
-    def __init__(self, files: dict[str, Path], original: dict[str, str] | None = None):
+    def __init__(self, files: dict[str, Path], original: dict[str, str] | None = None,
+                 scales: dict[str, tuple[Path, str]] | None = None, scheme: Fp8Scheme | None = None):
         self.files = files  # name -> shard file
         self.original = original or {}  # name -> name in the file, where they differ
+        self.scales = scales or {}  # name of a quantized tensor -> (file, name in the file) of its scales
+        self.scheme = scheme  # how the scales apply (set where there are scales)
         self._handles: dict[Path, object] = {}
 
     def meta(self, name: str) -> torch.Tensor:
-        """The tensor ``name`` as its header describes it: a meta tensor of its shape and dtype."""
-        header = self._read(name, lambda f, name_in_file: f.get_slice(name_in_file))
-        dtype = SOURCE_DTYPES.get(header.get_dtype())
+        """The tensor ``name`` as its header describes it: a meta tensor of its shape and dtype (fp32
+        for a quantized one, as :meth:`get` returns it)."""
+        file, name_in_file = self.files[name], self.original.get(name, name)
+        header = self._read(file, name_in_file, lambda f, n: f.get_slice(n))
+        shape, dtype_name = tuple(header.get_shape()), header.get_dtype()
+        if name in self.scales:
+            scale_file, scale_name = self.scales[name]
+            scale = self._read(scale_file, scale_name, lambda f, n: f.get_slice(n))
+            if dtype_name not in FP8_DTYPES:
+                raise ValueError(f"{file}: tensor {name_in_file!r} has scales ({scale_name!r}) but is {dtype_name}, "
+                                 f"not {', '.join(FP8_DTYPES)}")
+            if scale.get_dtype() not in SOURCE_DTYPES:
+                raise ValueError(f"{scale_file}: scales {scale_name!r} are {scale.get_dtype()}; the loader reads "
+                                 f"{', '.join(SOURCE_DTYPES)} scales")
+            if not self.scheme.scale_fits(shape, tuple(scale.get_shape())):
+                raise ValueError(f"{scale_file}: scales {scale_name!r} of shape {tuple(scale.get_shape())} do not fit "
+                                 f"{name_in_file!r} of shape {shape} (expected {self.scheme.scale_shape(shape)})")
+            return torch.empty(shape, dtype=torch.float32, device="meta")
+        dtype = SOURCE_DTYPES.get(dtype_name)
         if dtype is None:
-            raise ValueError(f"{self.files[name]}: tensor {self.original.get(name, name)!r} is {header.get_dtype()}; "
-                             f"the loader reads {', '.join(SOURCE_DTYPES)} tensors")
-        return torch.empty(header.get_shape(), dtype=dtype, device="meta")
+            if dtype_name in FP8_DTYPES:
+                why = (f"an FP8 checkpoint's float8 tensor needs its scales ({name_in_file}"
+                       f"{self.scheme.scale_suffix if self.scheme else '_scale_inv'}) and config.json's "
+                       f"quantization_config" + ("" if self.scheme else ", which this checkpoint has not"))
+            else:
+                why = f"the loader reads {', '.join(SOURCE_DTYPES)} tensors"
+            raise ValueError(f"{file}: tensor {name_in_file!r} is {dtype_name}; {why}")
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor ``name`` (its dtype checked first, as :meth:`meta`), on safetensors' mapping of
@@ -110,19 +153,21 @@ class TensorReader:
         written over it, or fault once the file is truncated, even after an update wrote it in
         place)."""
         self.meta(name)
-        return self._read(name, lambda f, name_in_file: f.get_tensor(name_in_file))
+        tensor = self._read(self.files[name], self.original.get(name, name), lambda f, n: f.get_tensor(n))
+        if name not in self.scales:
+            return tensor
+        return self.scheme.dequantize(tensor, self._read(*self.scales[name], lambda f, n: f.get_tensor(n)))
 
     def close(self) -> None:
         """Close the files; a later read opens them again."""
         self._handles.clear()
 
-    def _read(self, name: str, read):
-        """``read(file handle, name in the file)``, the file opened first where it is not."""
-        file = self.files[name]
+    def _read(self, file: Path, name_in_file: str, read):
+        """``read(file handle, name_in_file)``, the file opened first where it is not."""
         try:
             if file not in self._handles:
                 self._handles[file] = safe_open(file, framework="pt")
-            return read(self._handles[file], self.original.get(name, name))
+            return read(self._handles[file], name_in_file)
         except SafetensorError as exc:
             raise ValueError(f"{file}: {exc}") from exc
 
@@ -326,11 +371,34 @@ def _check_targets(specs: list[WeightSpec], params: dict[str, torch.Tensor]) -> 
 def _index_checkpoint(path: Path, cls: type[HybridForCausalLM],
                       config: ModelConfig) -> tuple[TensorReader, TensorReader]:
     """The checkpoint's tensors the architecture reads (by normalised name) and its ``mtp.*`` ones;
-    names the architecture ignores are dropped."""
+    names the architecture ignores are dropped. In an FP8 checkpoint, a tensor's scales (and a
+    per-tensor scheme's ``input_scale`` beside its weight) go with the tensor, not in the listing;
+    scales of no tensor stay in it, as unexpected names."""
+    scheme = read_quantization(path)
+    shard = _shard_map(path)
+    scales: dict[str, tuple[Path, str]] = {}  # a quantized tensor's name in its file -> its scales
+    consumed: set[str] = set()
+    if scheme is None:
+        scale_names = [name for name in shard if name.endswith((BLOCK_SCALE, ".weight" + TENSOR_SCALE))]
+        if scale_names:
+            raise ValueError(f"{path}: the checkpoint holds FP8 scales ({name_listing(scale_names)}) but its "
+                             f"config.json has no quantization_config")
+    else:
+        for name, file in shard.items():
+            tensor = name.removesuffix(scheme.scale_suffix)
+            if tensor != name and tensor in shard:
+                scales[tensor] = (file, name)
+                consumed.add(name)
+            elif scheme.block is None and name.endswith(INPUT_SCALE) \
+                    and name.removesuffix(INPUT_SCALE) + ".weight" in shard:
+                consumed.add(name)
     files: dict[str, Path] = {}
     original: dict[str, str] = {}
+    own_scales: dict[str, tuple[Path, str]] = {}  # by normalised name
     mtp: dict[str, Path] = {}
-    for name, file in _shard_map(path).items():
+    for name, file in shard.items():
+        if name in consumed:
+            continue
         if name.startswith("mtp."):
             mtp[name] = file
             continue
@@ -342,7 +410,10 @@ def _index_checkpoint(path: Path, cls: type[HybridForCausalLM],
         if normalised in files:
             raise ValueError(f"{path}: tensors {original[normalised]!r} and {name!r} are the same weight")
         files[normalised], original[normalised] = file, name
-    return TensorReader(files, original), TensorReader(mtp)
+        if name in scales:
+            own_scales[normalised] = scales[name]
+    mtp_scales = {name: scales[name] for name in mtp if name in scales}
+    return TensorReader(files, original, own_scales, scheme), TensorReader(mtp, scales=mtp_scales, scheme=scheme)
 
 
 def _checkpoint_specs(path: Path, cls: type[HybridForCausalLM], config: ModelConfig,
