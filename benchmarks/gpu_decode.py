@@ -474,6 +474,22 @@ def build(out: Path, kw: dict, device: str, dtype: torch.dtype, kind: str = "qwe
     return info
 
 
+def fp8_savings(model: torch.nn.Module, dtype: torch.dtype) -> tuple[int, int]:
+    """The bytes hyla's float8 weights save against ``dtype`` (a byte an element instead of the
+    dtype's, less their fp32 scales): ``(dense projections, routed experts)``, each module once."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    dense = routed = 0
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype == torch.float8_e4m3fn:
+                saved = p.numel() * (size - 1) - 4 * getattr(module, f"{name}_scale").numel()
+                if name in getattr(module, "stacked_weights", ()):
+                    routed += saved
+                else:
+                    dense += saved
+    return dense, routed
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -520,6 +536,9 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=4096, help="prompt length of the TTFT measurements")
     ap.add_argument("--cached-tokens", type=int, default=3800, help="cached prefix of the cached-TTFT prompt")
     ap.add_argument("--no-cuda-graph", action="store_true", help="Engine(disable_cuda_graph=True), if it has it")
+    ap.add_argument("--quantization", choices=("fp8",), help="Engine(quantization=...): hyla's projections and "
+                    "experts quantized to float8 at load (transformers keeps the model's dtype); the roofline then "
+                    "counts the bytes hyla's weights take")
     ap.add_argument("--extend-ab", action="store_true", help="also time each cached TTFT with the fused extend "
                     "(its CUDA graphs) bypassed, in the same engine: the row the graphs are measured against")
     ap.add_argument("--overlap-schedule", default=None, help="Engine(overlap_schedule=...), if it has it "
@@ -594,6 +613,10 @@ def main() -> None:
                 opts["overlap_schedule"] = args.overlap_schedule
             else:
                 log("EngineArgs has no overlap_schedule: --overlap-schedule ignored")
+        if args.quantization:
+            if "quantization" not in have:
+                ap.error("this EngineArgs has no quantization")
+            opts["quantization"] = args.quantization
         if "cuda_graph_max_bs" in have and not args.no_cuda_graph:
             opts["cuda_graph_max_bs"] = max(batches)
         opts.update(max_running_requests=max(batches), max_state_slots=2 * max(batches) + 16,
@@ -607,6 +630,12 @@ def main() -> None:
         t0 = time.perf_counter()
         engine = Engine(path, device=dev, dtype=dtype_name, **opts)
         log(f"engine up in {time.perf_counter() - t0:.1f} s: {engine.summary()}")
+        if args.quantization:  # the roofline's weight bytes as hyla holds them (float8 and their scales)
+            dense, routed = fp8_savings(engine.model, dtype)
+            experts = (moe or {}).get("num_experts", 1)
+            sizes = dict(sizes, weight_bytes_per_step=sizes["weight_bytes_per_step"] - dense,
+                         expert_bytes=sizes["expert_bytes"] - routed / experts, saved=dense + routed)
+            log(f"--quantization {args.quantization}: hyla's float8 weights save {(dense + routed) / 1e9:.3f} GB")
     runners: dict[str, object] = {}  # --variants: each one's runner, and every switch any of them sets
     if variants:
         base = {flag: knob_value(flag) for values in variants.values() for flag in values}
@@ -767,7 +796,10 @@ def main() -> None:
             cells.append(f"{1e3 * c:.2f} ms = {100 * c / t:.1f}% ({c / c0:.3f}x)")
             rows.append(f"| `{label}` | " + " | ".join(cells) + " |")
     desc = (f"{'tiny ' if args.tiny else ''}{model.describe(kw)}; {sizes['params'] / 1e6:,.1f} M parameters, "
-            f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}")
+            f"{sizes['param_bytes'] / 1e9:.3f} GB in {dtype_name}"
+            + (f"; hyla's projections and experts quantized to float8 at load (`--quantization "
+               f"{args.quantization}`): {sizes['saved'] / 1e9:.3f} GB fewer, which its roofline counts"
+               if "saved" in sizes else ""))
     cmd = shlex.join([".venv/bin/python", "benchmarks/gpu_decode.py", *sys.argv[1:]])
     agreed = "" if agree is None else \
         f" Greedy check before timing: hyla and transformers agree on the first {agree} of 8 tokens."

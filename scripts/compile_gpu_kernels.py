@@ -90,7 +90,7 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import kda_decode, latent_attention, logits, mamba2_decode, moe, pdl, selective_scan
+    from hyla.model.ops.gpu import fp8, kda_decode, latent_attention, logits, mamba2_decode, moe, pdl, selective_scan
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.kda import DecayGate
     from hyla.model.ops.varlen import VarlenPlan
@@ -131,6 +131,21 @@ def cases():
                 r(t, 1024), r(64, 2 * 512, 1024), moe.plan(ids, 64), per_row=ids.shape[1])
             yield f"expert_gemm out, {t} tokens top-{k} {n}", lambda ids=ids, t=t: moe.expert_gemm(
                 r(t * ids.shape[1], 512), r(64, 1024, 512), moe.plan(ids, 64), per_row=1)
+        # FP8 weights with 128 x 128 block scales (hyla/model/quantization.py): the GEMV, the GEMM past it,
+        # the experts gathered and grouped; bf16 only (what a GPU engine computes in)
+        if dt == torch.bfloat16:
+            q = lambda *shape: torch.randn(*shape).to(torch.float8_e4m3fn)  # noqa: E731
+            s = lambda *shape: torch.rand(*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))  # noqa: E731
+            yield "fp8 linear x1 (GEMV)", lambda: fp8.linear(r(1, 1024), q(300, 1024), s(300, 1024), (128, 128))
+            yield "fp8 linear x40 (GEMM) + bias", lambda: fp8.linear(r(40, 1024), q(300, 1024), s(300, 1024),
+                                                                     (128, 128), r(300))
+            yield "fp8 expert_linear", lambda: gemv.expert_linear(r(3, 1024), q(4, 1024, 1024), torch.tensor(
+                [0, 3, 1, 1, 2, 0]), 2, scale=s(4, 1024, 1024), block=(128, 128))
+            for t in (16, 256):
+                ids = torch.stack([torch.randperm(64)[:8] for _ in range(t)])
+                yield f"fp8 expert_gemm in, {t} tokens", lambda ids=ids, t=t: moe.expert_gemm(
+                    r(t, 1024), q(64, 1024, 1024), moe.plan(ids, 64), per_row=8, scale=s(64, 1024, 1024),
+                    block=(128, 128))
         # a MoE layer's softmax router and its combine (the experts' weighted sum, the gated shared expert)
         yield f"softmax_topk {n}", lambda: moe.softmax_topk(r(3, 64), 8, True)
         yield f"combine {n}", lambda: moe.combine(r(3 * 8, 1024), r(3, 8), r(3, 1024), r(3, 1))

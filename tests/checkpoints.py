@@ -491,7 +491,7 @@ def quantize_checkpoint(src: Path, block: tuple[int, int] | None = (64, 64), deq
             tensors[name] = scheme.dequantize(q, scale)
         else:
             tensors[name], tensors[name + scheme.scale_suffix] = q, scale
-            if block is None:
+            if block is None and name.endswith(".weight"):
                 tensors[name.removesuffix(".weight") + ".input_scale"] = torch.tensor(0.01)
     save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())

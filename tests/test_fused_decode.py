@@ -36,6 +36,7 @@ from hyla.model.ops.gpu.conv1d_decode import causal_conv1d_update_fused  # noqa:
 from hyla.model.ops.gpu.decode_attention import paged_decode_attention  # noqa: E402
 from hyla.model.ops.gpu.elementwise import softplus  # noqa: E402
 from hyla.model.ops.gpu.gated_delta_decode import gated_delta_decode_fused  # noqa: E402
+import checkpoints  # noqa: E402
 from compile_keys import CompileKeys, record_compile_keys  # noqa: E402
 from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs  # noqa: E402
 from test_engine_differential import compare_outputs, differential  # noqa: E402
@@ -620,32 +621,43 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
 
 @pytest.mark.slow
 @pytest.mark.skipif(GPU, reason="on a GPU the engine tests run it for real: NemotronH above, with its CUDA graphs")
-def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, few_splits, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_engine_fused_decode_of_moe_experts(qwen3_5_moe_short_path, fp8, few_splits, monkeypatch):
     """A model with MoE layers through the fused decode step with its experts run as on a GPU
     (``SparseMoE.path``; here interpreted): gathered in steps of up to ``GATHER_MAX_ASSIGNMENTS``
     pairs (``gemv.expert_linear``, each pair's expert read in place), grouped in larger ones
     (``moe.expert_gemm``, each block's expert read once) — what CUDA graphs of a MoE model's decode
     steps replay — == the PyTorch engine, which sorts by expert: the same greedy tokens and logprobs
-    (1e-4, up to a tie)."""
-    from hyla.model import layers
+    (1e-4, up to a tie). ``fp8``: an FP8 checkpoint whose projections and experts stay float8
+    (``fp8_weights="keep"``) — the PyTorch side dequantizes them per step, the fused side's
+    projections run ``ops/gpu/fp8.py``'s kernels and its experts the two kernels' FP8 paths."""
+    from hyla.model import layers, linear
+    from hyla.model.ops.gpu import fp8 as fp8_kernels
     from hyla.model.ops.gpu import gemv, moe
 
-    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
-    with Engine(qwen3_5_moe_short_path, **opts) as plain:
+    path = checkpoints.quantize_checkpoint(qwen3_5_moe_short_path) if fp8 else qwen3_5_moe_short_path
+    opts = dict(device=DEVICE, max_total_tokens=2048, max_state_slots=32, max_running_requests=8,
+                **({"fp8_weights": "keep"} if fp8 else {}))
+    with Engine(path, **opts) as plain:
         a = _two_turns(plain, None, requests=2)
-    gathered, grouped = [], []
+    gathered, grouped, fp8_linears = [], [], []
     with monkeypatch.context() as m:
+        if fp8:  # (on a GPU, quantization.fp8_linear's own choice)
+            m.setattr(linear, "fp8_linear", lambda x, w, s, block, bias=None: fp8_linears.append(w.shape)
+                      or fp8_kernels.linear(x, w, s, block, bias))
         # batch-1 decode steps gathered, the batch-2 ones grouped; prefills sorted, as on the other
         # side (test_fused_extend runs them grouped)
         m.setattr(layers.SparseMoE, "path", lambda self, x: "gathered" if x.shape[0] == 1
                   else "grouped" if x.shape[0] <= 8 else "sorted")
-        m.setattr(layers.sparse_moe, "expert_matvec", lambda w, e, x, per_row=1: gathered.append(len(e))
-                  or gemv.expert_linear(x, w, e, per_row))
-        m.setattr(moe, "expert_gemm", lambda x, w, p, per_row, run=moe.expert_gemm: grouped.append(p.pairs)
-                  or run(x, w, p, per_row))
-        with Engine(qwen3_5_moe_short_path, **opts) as fused:
+        m.setattr(layers.sparse_moe, "expert_matvec", lambda w, e, x, per_row=1, fp8=None: gathered.append(len(e))
+                  or gemv.expert_linear(x, w, e, per_row, *(fp8 or ())))
+        m.setattr(moe, "expert_gemm", lambda x, w, p, per_row, run=moe.expert_gemm, **kw: grouped.append(p.pairs)
+                  or run(x, w, p, per_row, **kw))
+        with Engine(path, **opts) as fused:
             b = _two_turns(fused, fused=True, requests=2)
+            assert fp8 == any(p.dtype == torch.float8_e4m3fn for p in fused.model.parameters())
     assert 2 in gathered and 4 in grouped  # batch-1 decode steps gathered (top-2), the 2-request ones grouped
+    assert bool(fp8_linears) == fp8
     n = compare_outputs(a, b)
     assert n > 0.9 * sum(len(o["output_ids"]) for o in a)
 

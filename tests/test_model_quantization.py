@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 import checkpoints
 from hyla import Engine
 from hyla.model.loader import load_model
-from hyla.model.quantization import FP8_MAX, Fp8Scheme
+from hyla.model.quantization import FP8_MAX, Fp8Scheme, is_fp8
 
 IDS = list(range(5, 45))
 
@@ -204,3 +204,156 @@ def test_broken_fp8_checkpoints_are_named(qwen3_next_moe_path, tmp_path):
     for i, (edit, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
             load_model(_edited(fp8, tmp_path / str(i), **edit))
+
+
+# --- weights kept in FP8 (load_model(keep_fp8=True), Engine(fp8_weights="keep")) ---------------------
+
+
+def _fp8_share(model) -> float:
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if is_fp8(p)) / sum(p.numel() for p in params)
+
+
+@pytest.mark.parametrize("block", [(64, 64), None])
+@pytest.mark.parametrize("fixture", ARCHITECTURES)
+def test_kept_fp8_weights_compute_the_dequantized_model(fixture, block, request):
+    """Projections and experts kept float8 with their scales (PyTorch's dequantization per step on
+    the CPU): the logits of the model loaded dequantized, within fp32 rounding (another summation
+    order). Every architecture keeps some weights so, but Falcon-H1, whose µP factors change every
+    projection's values."""
+    fp8 = checkpoints.quantize_checkpoint(request.getfixturevalue(fixture), block=block)
+    kept = load_model(fp8, keep_fp8=True)
+    assert _fp8_share(kept) > 0 or fixture == "falcon_h1_path"
+    for name, p in kept.named_parameters():
+        if is_fp8(p):
+            module, _, param = name.rpartition(".")
+            scale = getattr(kept.get_submodule(module), f"{param}_scale")
+            block_ = getattr(kept.get_submodule(module), f"{param}_block")
+            assert scale.dtype == torch.float32 and tuple(scale.shape) == Fp8Scheme(block_).scale_shape(p.shape)
+    outs = []
+    for model in (load_model(fp8), kept):
+        runner = checkpoints.TinyRunner(model)
+        outs.append(runner.step([runner.new_seq()], [IDS], all_logits=True))
+    assert (outs[0] - outs[1]).abs().max() < 1e-4
+
+
+def test_what_stays_fp8(qwen3_next_moe_path, qwen3_5_moe_path):
+    """Qwen3-Next: the experts, the shared expert, attention's q/k/v (stacked by rows) and out
+    projections, Gated DeltaNet's out projection; not its in projection (its rows regrouped per key
+    head: no longer whole blocks), nor the router, the norms, the embeddings, lm_head. Blocks that
+    do not divide a stacked tensor's rows keep it dequantized; a lone tensor's last block may be
+    partial."""
+    from hyla.model.quantization import FP8
+
+    model = load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_path), keep_fp8=True)
+    moe, attn, gdn = model.layers[3].ffn, model.layers[3].mixer, model.layers[0].mixer
+    assert moe.w_in.dtype == moe.w_out.dtype == FP8 and moe.w_in_scale.shape == (8, 4, 4)
+    assert moe.shared_expert.in_proj.weight.dtype == FP8 and attn.qkv_proj.weight.dtype == FP8
+    assert attn.o_proj.weight.dtype == gdn.out_proj.weight.dtype == FP8
+    assert gdn.in_proj.weight.dtype == moe.router.weight.dtype == model.lm_head.weight.dtype == torch.float32
+    # 48-row blocks: the experts' gate (128 rows) does not end on a block, so w_in is dequantized; w_out's
+    # experts are one tensor each (256 rows: 6 blocks, the last partial) and stay float8
+    model = load_model(checkpoints.quantize_checkpoint(qwen3_5_moe_path, block=(48, 80)), keep_fp8=True)
+    moe = model.layers[3].ffn
+    assert moe.w_in.dtype == torch.float32 and moe.w_out.dtype == FP8 and moe.w_out_scale.shape == (8, 6, 2)
+
+
+OPTS = dict(max_total_tokens=360, max_state_slots=16, max_running_requests=10, chunked_prefill_size=64,
+            debug_checks=True)
+
+
+def test_engine_differential_kept_against_dequantized(qwen3_next_moe_path):
+    """The cache differential workload (two waves of chats and shared prefixes, eviction and
+    retraction) on an engine keeping the FP8 weights and one dequantizing them: the same greedy
+    tokens and logprobs within 1e-4 up to each request's first tie, the same cache hits."""
+    from test_engine_differential import assert_drained, compare_outputs, make_workload, run
+
+    fp8 = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
+    wave1, _ = make_workload(11, 2048, num_sessions=12, num_shared=12, scale=0.5)
+    outs = {}
+    for mode in ("keep", "dequantize"):
+        with Engine(fp8, fp8_weights=mode, **OPTS) as engine:
+            outs[mode] = run(engine, wave1)
+            assert_drained(engine)
+            stats = engine.get_stats()
+            assert ("kept in float8" in engine.summary()) == (mode == "keep")
+        assert stats["num_evicted_tokens"] > 0
+    assert compare_outputs(outs["keep"], outs["dequantize"]) > 0.9 * sum(s["max_new"] for s in wave1)
+    assert [o["meta_info"]["cached_tokens"] for o in outs["keep"]] == \
+        [o["meta_info"]["cached_tokens"] for o in outs["dequantize"]]
+
+
+def test_weight_update_of_kept_fp8_weights(qwen3_next_moe_path, tiny_ckpt_dir):
+    """An engine keeping FP8 weights updates from another FP8 checkpoint of the model (the weights and
+    their scales written in place): it then serves what a fresh engine on it serves. An unquantized
+    checkpoint, or one quantized in other blocks, is refused before anything is written."""
+    old = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
+    new = checkpoints.quantize_checkpoint(checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, seed=1))
+    opts = dict(max_total_tokens=600, fp8_weights="keep")
+    with Engine(new, **opts) as fresh:
+        want = fresh.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+    with Engine(old, **opts) as engine:
+        before = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+        w_in = engine.model.layers[3].ffn.w_in
+        for bad, match in [(qwen3_next_moe_path, "served in float8"),
+                           (checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=(32, 32)), "served in float8")]:
+            with pytest.raises(ValueError, match=match):
+                engine.update_weights_from_disk(bad)
+        again = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))  # the refused updates changed nothing
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in before]
+        engine.update_weights_from_disk(new)
+        assert engine.model.layers[3].ffn.w_in is w_in and w_in.dtype == torch.float8_e4m3fn  # in place
+        got = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert [o["output_ids"] for o in before] != [o["output_ids"] for o in want]
+
+
+def test_quantize_fp8_at_load_is_the_fp8_checkpoints_quantization(qwen3_next_moe_path):
+    """``quantize_fp8``: an unquantized checkpoint's projections and experts quantized per 128 x 128
+    block at load — exactly the float8 weights and scales of the FP8 checkpoint quantized the same
+    way, where that one keeps them; the rest of them too (Gated DeltaNet's regrouped in projection);
+    never lm_head, the router, the shared expert's one-row gate, the norms."""
+    from hyla.model.quantization import FP8
+
+    online = load_model(qwen3_next_moe_path, quantize_fp8=True)
+    kept = load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=(128, 128)), keep_fp8=True)
+    po, pk = dict(online.named_parameters()), dict(kept.named_parameters())
+    fp8_kept = [name for name, p in pk.items() if is_fp8(p)]
+    assert fp8_kept
+    for name in fp8_kept:
+        module, _, param = name.rpartition(".")
+        assert torch.equal(po[name].float(), pk[name].float()), name
+        assert torch.equal(getattr(online.get_submodule(module), f"{param}_scale"),
+                           getattr(kept.get_submodule(module), f"{param}_scale")), name
+    assert online.layers[0].mixer.in_proj.weight.dtype == FP8 != kept.layers[0].mixer.in_proj.weight.dtype
+    ffn = online.layers[0].ffn
+    assert ffn.router.weight.dtype == ffn.shared_expert_gate.weight.dtype == online.lm_head.weight.dtype \
+        == online.norm.weight.dtype == torch.float32
+
+
+def test_engine_quantization_fp8_cache_on_and_off(qwen3_next_moe_path):
+    """``Engine(quantization="fp8")``: the cache never changes what the quantized model computes —
+    the differential workload with the prefix cache on (eviction, retraction) and off gives the same
+    greedy tokens and logprobs (1e-4, up to a tie)."""
+    from test_engine_differential import assert_drained, compare_outputs, make_workload, run
+
+    wave1, _ = make_workload(12, 2048, num_sessions=12, num_shared=12, scale=0.5)
+    outs = []
+    for cache in (True, False):
+        with Engine(qwen3_next_moe_path, quantization="fp8", enable_prefix_cache=cache, **OPTS) as engine:
+            assert "quantized to FP8 at load" in engine.summary() and engine.keeps_fp8
+            outs.append(run(engine, wave1))
+            assert_drained(engine)
+    assert compare_outputs(*outs) > 0.9 * sum(s["max_new"] for s in wave1)
+
+
+@pytest.mark.parametrize("opts, match", [
+    (dict(fp8_weights="yes"), "fp8_weights must be one of"),
+    (dict(quantization="int4"), "quantization must be one of"),
+    (dict(quantization="fp8", fp8_weights="dequantize"), "contradicts"),
+])
+def test_bad_fp8_options(opts, match):
+    from hyla.engine.args import EngineArgs
+
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**opts)

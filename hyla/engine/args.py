@@ -16,6 +16,8 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16")
 POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
+FP8_WEIGHT_MODES = ("auto", "keep", "dequantize")
+QUANTIZATIONS = ("fp8",)
 WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
@@ -38,6 +40,15 @@ class EngineArgs:
     model_path: str | None = _opt(None, "Model directory (HF format). Default: the built-in default model.")
     dtype: str = _opt("float32", f"Weights and activations dtype, one of {DTYPES}.")
     device: str = _opt("cpu", "Torch device: cpu, cuda, cuda:1, ...")
+    fp8_weights: str = _opt(
+        "auto", f"An FP8 checkpoint's weights, one of {FP8_WEIGHT_MODES}: keep = projections and experts stay float8 "
+                "with their scales (half of bf16's memory; Triton kernels dequantize them as they read them on a "
+                "GPU, PyTorch per step elsewhere), dequantize = every weight converted to dtype at load; auto = keep "
+                "on CUDA, dequantize on CPU.")
+    quantization: str | None = _opt(
+        None, "fp8: quantize an unquantized checkpoint's projections and experts to float8 at load (per 128x128 "
+              "block, kept as fp8_weights=keep keeps an FP8 checkpoint's; SGLang's and vLLM's --quantization fp8). "
+              "Outputs then differ from the unquantized model's by float8's rounding.")
     cpu_threads: int | None = _opt(
         None, "Torch intra-op threads of a CPU engine (set from the engine's constructor, for its scheduler thread). "
               "Default: the physical cores this process may use (within its CPU quota); OMP_NUM_THREADS in the "
@@ -157,6 +168,12 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.fp8_weights not in FP8_WEIGHT_MODES:
+            raise ValueError(f"fp8_weights must be one of {FP8_WEIGHT_MODES}, got {self.fp8_weights!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.fp8_weights == "dequantize":
+            raise ValueError("quantization='fp8' keeps weights in float8: it contradicts fp8_weights='dequantize'")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.overlap_schedule not in OVERLAP_MODES:

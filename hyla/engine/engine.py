@@ -52,6 +52,7 @@ from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.loader import read_quantization
+from hyla.model.quantization import is_fp8
 from hyla.model.mtp import MtpHead, mtp_cache_layout
 
 logger = logging.getLogger("hyla.engine")
@@ -123,9 +124,10 @@ class Engine:
             keep_freed_memory()  # each forward's activations on pages already mapped
             self.cpu_threads = set_cpu_threads(self.args.cpu_threads)  # one per physical core unless set
 
-        self.model = load_model(path, dtype=self.args.dtype, device=self.args.device)
+        self.checkpoint_quantization = read_quantization(path)  # an FP8 checkpoint's scheme (or None)
+        self.model = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8,
+                                quantize_fp8=self.args.quantization == "fp8")
         self.model_config = self.model.config
-        self.checkpoint_quantization = read_quantization(path)  # FP8 weights, served dequantized (or None)
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
         self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
         self.tokenizer = _load_tokenizer(path)
@@ -217,7 +219,7 @@ class Engine:
         path = Path(self.args.speculative_draft_model_path)
         if not (path / "config.json").is_file():
             raise ValueError(f"no config.json in draft model directory {str(path)!r}")
-        draft = load_model(path, dtype=self.args.dtype, device=self.args.device)
+        draft = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8)
         check_draft_model(self.model_config, draft.config,
                           self.args.context_length or self.model_config.max_position_embeddings,
                           self.tokenizer, _load_tokenizer(path))
@@ -327,12 +329,25 @@ class Engine:
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
                 f"pool sizes: {self.pool_sizing}")
 
+    @property
+    def keeps_fp8(self) -> bool:
+        """Whether an FP8 checkpoint's weights stay float8 (``fp8_weights``; auto: on CUDA, or
+        ``quantization="fp8"``)."""
+        mode = self.args.fp8_weights
+        return mode == "keep" or (mode == "auto" and (self.device.type == "cuda" or self.args.quantization == "fp8"))
+
     def _weights_summary(self) -> str:
         q = self.checkpoint_quantization
-        if q is None:
+        if q is None and self.args.quantization is None:
             return ""
+        kept = sum(p.numel() for p in self.model.parameters() if is_fp8(p))
+        total = sum(p.numel() for p in self.model.parameters())
+        how = f"{kept / total:.0%} of the weights kept in float8" if self.keeps_fp8 \
+            else f"weights dequantized to {self.args.dtype}"
+        if q is None:
+            return f" (quantized to FP8 at load: {how})"
         scales = "per tensor" if q.block is None else f"per {q.block[0]}x{q.block[1]} block"
-        return f" (from an FP8 checkpoint, scales {scales}: weights dequantized to {self.args.dtype})"
+        return f" (from an FP8 checkpoint, scales {scales}: {how})"
 
     def _decode_mode(self) -> str:
         runner = self.scheduler.runner

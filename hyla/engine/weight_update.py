@@ -106,7 +106,7 @@ def _write(checked: CheckedWeights, model: HybridForCausalLM, mtp_head: MtpHead 
     ``checked`` and written in place, one parameter at a time; its files closed after."""
     prefix = f"{checked.path}: "
     try:
-        copy_weights_(model, checked.specs, checked.tensors.get, prefix=prefix)
+        copy_weights_(model, checked.specs, checked.tensors.get, prefix=prefix, tensors=checked.tensors)
         if mtp_head is not None:
             mtp_head.copy_from_(set(checked.mtp.files), checked.mtp.get, prefix=prefix)
         copy_mtp_weights_(model, checked.mtp)

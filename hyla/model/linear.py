@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.model.quantization import FP8, fp8_linear
+
 
 class Linear(nn.Linear):
     """``nn.Linear``, plus a path for a compiled CPU decode step of one row and ones for eager steps
@@ -49,6 +51,8 @@ class Linear(nn.Linear):
     packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8:  # a weight kept in FP8 with its scales (quantization.py)
+            return fp8_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
         # the batch-1 graph: a static row count of 1 (the graph of more rows guards on its symbolic one not being 1)
         if self.rows is not None and x.dim() == 2 and type(x.shape[0]) is int and x.shape[0] == 1 \
                 and torch.compiler.is_compiling():

@@ -36,7 +36,8 @@ from torch import nn
 from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
 from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
-from hyla.model.quantization import BLOCK_SCALE, FP8_DTYPES, INPUT_SCALE, TENSOR_SCALE, Fp8Scheme
+from hyla.model.quantization import (BLOCK_SCALE, FP8, FP8_DTYPES, INPUT_SCALE, ONLINE_BLOCK, TENSOR_SCALE,
+                                     Fp8Scheme, attach_scales_, block_form, is_fp8, keep_fp8_targets)
 from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
@@ -158,6 +159,22 @@ class TensorReader:
             return tensor
         return self.scheme.dequantize(tensor, self._read(*self.scales[name], lambda f, n: f.get_tensor(n)))
 
+    def quantized(self, name: str) -> bool:
+        """Whether ``name`` is a float8 tensor with scales (:meth:`get` dequantizes it)."""
+        return name in self.scales
+
+    def raw(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """A quantized tensor as stored: ``(float8 tensor, its scales in block form, block)``
+        (``quantization.block_form``), checked as :meth:`meta` checks it."""
+        self.meta(name)
+        q = self._read(self.files[name], self.original.get(name, name), lambda f, n: f.get_tensor(n))
+        return q, *block_form(self.scheme, q, self._read(*self.scales[name], lambda f, n: f.get_tensor(n)))
+
+    def raw_block(self, name: str) -> tuple[int, int]:
+        """The block :meth:`raw` would give, from the headers alone."""
+        shape = tuple(self.meta(name).shape)
+        return self.scheme.block or shape[-2:]
+
     def close(self) -> None:
         """Close the files; a later read opens them again."""
         self._handles.clear()
@@ -173,13 +190,18 @@ class TensorReader:
 
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> HybridForCausalLM:
+               device: str | torch.device = "cpu", keep_fp8: bool = False,
+               quantize_fp8: bool = False) -> HybridForCausalLM:
     """Load the Hugging Face checkpoint directory ``path`` as a hyla model in eval mode.
 
     ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights and activations; recurrent
     states and the SSM/router parameters ``A_log``, ``dt_bias``, ``D``, ``e_score_correction_bias``
-    are fp32 regardless). Raises ``ValueError`` for an unsupported architecture, a missing,
-    unexpected, mis-shaped or non-float tensor.
+    are fp32 regardless). ``keep_fp8``: an FP8 checkpoint's projection and expert weights stay
+    float8 where they can, with their scales (``quantization.py``: weights kept in FP8); otherwise
+    every tensor is dequantized to ``dtype``. ``quantize_fp8`` (implies ``keep_fp8``): the others of
+    those weights quantized at load, per ``ONLINE_BLOCK`` block, from their values in ``dtype``
+    (SGLang's and vLLM's ``--quantization fp8`` for an unquantized checkpoint). Raises ``ValueError``
+    for an unsupported architecture, a missing, unexpected, mis-shaped or non-float tensor.
     """
     path = Path(path)
     config = read_config(path, dtype=parse_dtype(dtype))
@@ -188,10 +210,18 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         model = cls(config)
     tensors, mtp = _index_checkpoint(path, cls, config)
     specs = _checkpoint_specs(path, cls, config, set(tensors.files))
+    keep = KeepFp8(tensors, keep_fp8_targets(model)) if keep_fp8 or quantize_fp8 else None
     state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.get, device,
-                             prefix=f"{path}: ")
+                             prefix=f"{path}: ", keep=keep)
+    if quantize_fp8:
+        online = Fp8Scheme(ONLINE_BLOCK)
+        for name in sorted(keep.targets - keep.scales.keys()):
+            q, scale = online.quantize(state[name])
+            state[name], keep.scales[name] = q, (scale, online.block)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
+    if keep is not None:
+        attach_scales_(model, keep.scales)
     model.mtp_weights = _read_mtp(mtp, config, device)
     return model.eval()
 
@@ -227,7 +257,9 @@ def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedW
     ``ValueError`` when the checkpoint's ``config.json`` describes another model (every field of
     ``ModelConfig`` must be equal, the dtype aside: the differing ones are named), or a tensor is
     missing, unexpected, not a float (``SOURCE_DTYPES``; the ``mtp.*`` ones too), or gives its
-    parameter another shape (each spec run on meta tensors of the headers' shapes)."""
+    parameter another shape (each spec run on meta tensors of the headers' shapes), or a parameter
+    the model keeps in float8 (``load_model(keep_fp8=True)``) would not be float8 in the same blocks
+    from this checkpoint."""
     path = Path(path)
     config = read_config(path, dtype=model.config.dtype)
     differ = config_differences(model.config, config)
@@ -240,8 +272,14 @@ def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedW
     try:
         with torch.device("meta"):  # the same specs, their own constants (µP row scales) on the meta device too
             specs = _checkpoint_specs(path, cls, config, set(tensors.files))
-        build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.meta, "meta",
-                         prefix=f"{path}: ")
+        params = dict(model.named_parameters(remove_duplicate=False))
+        build_parameters(specs, params, tensors.meta, "meta", prefix=f"{path}: ")
+        for spec in specs:
+            fp8 = params[spec.target]
+            if is_fp8(fp8) and _fp8_block(spec, tensors) != _kept_block(model, spec.target):
+                raise ValueError(f"{path}: {spec.target} is served in float8 (fp8_weights) but would not be float8 "
+                                 f"in the same blocks from tensor(s) {name_listing(spec.sources)}: a weight update of "
+                                 f"FP8 weights needs an FP8 checkpoint quantized as the served one")
         checked.mtp_headers()
     finally:
         checked.close()
@@ -254,15 +292,23 @@ def config_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)]
 
 
+def _kept_block(model: nn.Module, target: str) -> tuple[int, int]:
+    module_name, _, param = target.rpartition(".")
+    return getattr(model.get_submodule(module_name), f"{param}_block")
+
+
 @torch.no_grad()
 def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str], torch.Tensor],
-                  prefix: str = "", owner: str = "") -> None:
+                  prefix: str = "", owner: str = "", tensors: TensorReader | None = None) -> None:
     """Write every parameter of ``module`` in place, one at a time: built from its spec's source
     tensors (``get(name)``) as :func:`build_parameters` builds it, checked against its shape, then
     copied into it. Host memory holds one parameter's sources and value at most; the parameters'
     storage, layout and addresses stay (a CUDA graph replays the new values; a weight relaid
     column-major stays so), and a plain copy of the same sources into one storage (tied weights)
     is written once. Then every derived weight (``layers.DerivedWeight``) is recomputed.
+
+    A parameter kept in float8 is written from ``tensors`` as stored, its scales too (the
+    checkpoint checked for it: :func:`check_weights`).
 
     An error (a mis-shaped value: ``ValueError``; a failed read) is raised as it comes: the
     parameters before it are written, the others not, the derived weights stale."""
@@ -273,7 +319,16 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
         param = params[spec.target]
         if spec.combine is None and (param.data_ptr(), spec.sources) in written:
             continue
-        param.copy_(_build(spec, param, get, prefix, owner))
+        if is_fp8(param):
+            if tensors is None or _fp8_block(spec, tensors) != _kept_block(module, spec.target):
+                raise ValueError(f"{prefix}{owner}{spec.target} is kept in float8: it is written from an FP8 "
+                                 f"checkpoint's tensors as stored, quantized in the same blocks")
+            value, (scale, _) = _build_fp8(spec, param, tensors, prefix, owner, param.device)
+            param.copy_(value)
+            module_name, _, name = spec.target.rpartition(".")
+            getattr(module.get_submodule(module_name), f"{name}_scale").copy_(scale)
+        else:
+            param.copy_(_build(spec, param, get, prefix, owner))
         if spec.combine is None:
             written.add((param.data_ptr(), spec.sources))
     refresh_derived_weights_(module)
@@ -303,18 +358,35 @@ def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device
     return weights
 
 
+@dataclass
+class KeepFp8:
+    """What :func:`build_parameters` keeps float8 (``load_model(keep_fp8=True)``): parameters named
+    in ``targets`` whose sources in ``tensors`` are all quantized and can stay so
+    (:func:`_fp8_block`); their scales and blocks are left in ``scales`` by name."""
+
+    tensors: TensorReader
+    targets: set[str]
+    scales: dict[str, tuple[torch.Tensor, tuple[int, int]]] = dataclasses.field(default_factory=dict)
+
+
 def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get: Callable[[str], torch.Tensor],
-                     device: str | torch.device, prefix: str = "", owner: str = "") -> dict[str, torch.Tensor]:
+                     device: str | torch.device, prefix: str = "", owner: str = "",
+                     keep: KeepFp8 | None = None) -> dict[str, torch.Tensor]:
     """Every parameter of ``params`` (name -> the parameter, possibly on the meta device) built from
     its spec's source tensors (``get(name)``), checked against its shape, in its dtype on ``device``;
     a plain copy of the same sources is built once, so tied weights share storage. ``ValueError``
     for a mis-shaped result (``prefix``, ``owner``: where, and whose parameter, in the message).
-    Meta tensors from ``get`` and ``device="meta"``: the same checks, no data."""
+    Meta tensors from ``get`` and ``device="meta"``: the same checks, no data. With ``keep``, the
+    parameters it can keep float8 are built in float8 from the sources as stored (:class:`KeepFp8`)."""
     _check_targets(specs, params)
     state: dict[str, torch.Tensor] = {}
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
     for spec in specs:
         target = params[spec.target]
+        if keep is not None and spec.target in keep.targets and _fp8_block(spec, keep.tensors) is not None:
+            state[spec.target], keep.scales[spec.target] = _build_fp8(spec, target, keep.tensors, prefix, owner,
+                                                                      device)
+            continue
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
             state[spec.target] = built[spec.sources]
             continue
@@ -345,6 +417,36 @@ def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Te
     if device is None:
         return tensor.to(dtype=target.dtype)
     return _owned(tensor.to(device=device, dtype=target.dtype).contiguous(), sources)
+
+
+def _fp8_block(spec: WeightSpec, tensors: TensorReader) -> tuple[int, int] | None:
+    """The block of ``spec``'s parameter built in float8 from ``tensors`` as stored, or None where
+    it cannot be: a source not quantized, a spec that changes values (not ``moves_rows_only``),
+    sources of other blocks, or a concatenated source other than the last of its matrix whose rows
+    are no whole number of blocks (its last scale row would cover the next source's rows too).
+    Headers alone are read."""
+    if not spec.moves_rows_only or not all(tensors.quantized(name) for name in spec.sources):
+        return None
+    blocks = {tensors.raw_block(name) for name in spec.sources}
+    if len(blocks) != 1:
+        return None
+    block = blocks.pop()
+    group = getattr(spec.combine, "rows_group", 0) or len(spec.sources)  # sources per concatenated matrix
+    for i, name in enumerate(spec.sources):
+        if (i + 1) % group and tensors.meta(name).shape[-2] % block[0]:
+            return None
+    return block
+
+
+def _build_fp8(spec: WeightSpec, target: torch.Tensor, tensors: TensorReader, prefix: str, owner: str,
+               device: str | torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int]]]:
+    """``spec``'s parameter in float8 from its quantized sources as stored (:func:`_fp8_block`
+    allows it) -> ``(float8 value, (scales, block))``, contiguous on ``device``; ``ValueError`` as
+    :func:`_build` for a value not of ``target``'s shape."""
+    raws = {name: tensors.raw(name) for name in spec.sources}
+    value = _build(spec, target.new_empty(target.shape, dtype=FP8), lambda name: raws[name][0], prefix, owner, device)
+    scale = spec.build([raws[name][1] for name in spec.sources]).to(device=device).contiguous()
+    return value, (scale, raws[spec.sources[0]][2])
 
 
 def _owned(tensor: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:

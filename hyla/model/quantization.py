@@ -124,3 +124,86 @@ class Fp8Scheme:
         scale = (blocks.abs().amax(dim=(-3, -1)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [..., nr, nc]
         q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return q.reshape(*w.shape[:-2], nr * br, nc * bc)[..., :rows, :cols].contiguous(), scale
+
+
+# --- weights kept in FP8 ----------------------------------------------------------------------------
+#
+# With ``keep_fp8`` (``load_model``; the engine's ``fp8_weights``), a parameter whose checkpoint tensors
+# are all quantized stays float8 where it can: a ``Linear``'s weight or a stack of expert weights
+# (``keep_fp8_targets``), built from its tensors by rows alone (``WeightSpec.moves_rows_only``), each
+# tensor's rows a whole number of blocks (so that the stacked scales still describe the stacked
+# weight). Its scales go beside it, ``[..., ceil(rows / bn), ceil(cols / bk)]`` as a buffer named
+# ``<param>_scale``, its block as the attribute ``<param>_block`` (a per-tensor scale is the block
+# form of one block the tensor's size). Every other parameter is dequantized as above. The forward
+# pass then computes ``x @ dequantize(W).to(x.dtype).T`` (:func:`fp8_linear`): on a GPU Triton
+# kernels that dequantize tiles as they stream the float8 weight (``ops/gpu/fp8.py``, half the
+# bytes of bf16), elsewhere this file's PyTorch reference. The numbers are the dequantized model's,
+# but for the summation order of the kernels.
+
+FP8 = torch.float8_e4m3fn
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == FP8
+
+
+def block_form(scheme: Fp8Scheme, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """``q``'s scales as a block grid over its last two dims -> ``(scale [..., rows', cols'] fp32,
+    block)``: block-wise ones as they are, a per-tensor one as one block ``[rows, cols]``."""
+    if scheme.block is not None:
+        return scale.float(), scheme.block
+    return scale.float().reshape(()).expand(*q.shape[:-2], 1, 1).contiguous(), (q.shape[-2], q.shape[-1])
+
+
+ONLINE_BLOCK = (128, 128)  # the blocks of load_model(quantize_fp8=True): Qwen's and DeepSeek's
+
+
+def keep_fp8_targets(model: torch.nn.Module) -> set[str]:
+    """The parameters of ``model`` that may stay float8: every ``Linear``'s weight (but a module's
+    whose ``keeps_fp8`` is False: ``lm_head``, a MoE router, a weight read as a matrix as
+    Kimi-Linear's absorbed ``kv_b_proj``) and the stacked expert weights a module names in
+    ``stacked_weights``."""
+    from hyla.model.linear import Linear  # (linear.py imports this file)
+
+    targets = set()
+    for name, m in model.named_modules(remove_duplicate=False):  # (a module shared by layers: each of its names)
+        prefix = f"{name}." if name else ""
+        if isinstance(m, Linear) and getattr(m, "keeps_fp8", True):
+            targets.add(prefix + "weight")
+        targets.update(prefix + w for w in getattr(m, "stacked_weights", ()))
+    return targets
+
+
+def attach_scales_(model: torch.nn.Module, scales: dict[str, tuple[torch.Tensor, tuple[int, int]]]) -> None:
+    """Give each float8 parameter of ``model`` (``scales``: its name -> its scales and block) its
+    ``<param>_scale`` buffer and ``<param>_block`` attribute."""
+    for target, (scale, block) in scales.items():
+        module_name, _, param = target.rpartition(".")
+        module = model.get_submodule(module_name)
+        module.register_buffer(f"{param}_scale", scale)
+        setattr(module, f"{param}_block", block)
+
+
+def fp8_scales(module: torch.nn.Module, param: str) -> tuple[torch.Tensor, tuple[int, int]] | None:
+    """``(scale, block)`` of ``module``'s parameter ``param`` where it is float8, else None."""
+    if not is_fp8(getattr(module, param)):
+        return None
+    return getattr(module, f"{param}_scale"), getattr(module, f"{param}_block")
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A float8 weight kept with its block scales -> its value in ``dtype`` (what the loader would
+    have built from the checkpoint without ``keep_fp8``)."""
+    return Fp8Scheme(block).dequantize(weight, scale).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, dequantized(weight, scale, block, x.dtype), bias)``: on a GPU a Triton kernel
+    reading the float8 weight (``ops/gpu/fp8.py``), elsewhere that reference."""
+    from hyla.model.layers import device  # (the layers import linear.py, which imports this file)
+
+    if device.on_gpu(x):
+        y = device.gpu("fp8").linear(x.reshape(-1, x.shape[-1]), weight, scale, block, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, dequantized(weight, scale, block, x.dtype), bias)

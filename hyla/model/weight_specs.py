@@ -29,6 +29,13 @@ class WeightSpec:
     def build(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if self.combine is None else self.combine(tensors)
 
+    @property
+    def moves_rows_only(self) -> bool:
+        """Whether the parameter is its sources' rows, moved (copied, concatenated, stacked) but not
+        changed: built the same way, float8 sources and their block scales make it in float8
+        (``quantization.py``: weights kept in FP8)."""
+        return self.combine is None or getattr(self.combine, "moves_rows_only", False)
+
 
 def renamed(name: str, renames: Sequence[tuple[str, str]]) -> str:
     """``name`` with each ``(old, new)`` substring replaced, in order: a checkpoint's other spelling
@@ -40,6 +47,10 @@ def renamed(name: str, renames: Sequence[tuple[str, str]]) -> str:
 
 def concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
+
+
+concat_rows.moves_rows_only = True
+concat_rows.rows_group = 0  # every source's rows in one matrix
 
 
 def concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -60,6 +71,8 @@ def stack_experts(parts_per_expert: int) -> Callable[[list[torch.Tensor]], torch
         groups = [tensors[i : i + parts_per_expert] for i in range(0, len(tensors), parts_per_expert)]
         return torch.stack([torch.cat(g, dim=0) for g in groups])
 
+    combine.moves_rows_only = True
+    combine.rows_group = parts_per_expert  # each expert's matrix: this many sources' rows
     return combine
 
 

@@ -11,7 +11,7 @@ from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import device
 from hyla.model.layers.derived import DerivedWeight
 from hyla.model.layers.norms import GatedRMSNorm
-from hyla.model.layers.projections import OutProjection, in_projection
+from hyla.model.layers.projections import OutProjection, deferrable, in_projection
 from hyla.model.layers.recurrent import (
     ConvTickets,
     ckpt_kwargs,
@@ -96,7 +96,7 @@ class GatedDeltaNet(nn.Module):
         else:
             o = self._mix(mixed, b, a, batch, slots, conv_states, ssm_states)
         d = self.head_v_dim
-        if gemv_step and self.out_proj.bias is None and d & (d - 1) == 0:  # the gated norm in the projection's kernel
+        if gemv_step and deferrable(self.out_proj) and d & (d - 1) == 0:  # the gated norm in the projection's kernel
             return OutProjection(self.out_proj, o.reshape(t, self.value_dim), "gated_norm",
                                  (z, self.norm.weight, self.norm.eps))
         if device.on_gpu(o):  # one kernel, reading z in place from the projection

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.layers import device
-from hyla.model.layers.projections import OutProjection, in_projection, project
+from hyla.model.layers.projections import OutProjection, deferrable, in_projection, project
 from hyla.model.linear import Linear
 
 
@@ -40,7 +40,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, gemv_step: bool = False) -> torch.Tensor | OutProjection:
         h = in_projection(self.in_proj, x, gemv_step)
-        if gemv_step and self.out_proj.bias is None:  # SwiGLU in the down projection's kernel (the others before it)
+        if gemv_step and deferrable(self.out_proj):  # SwiGLU in the down projection's kernel (the others before it)
             if self.act == "silu":
                 return OutProjection(self.out_proj, h, "silu_mul")
             return OutProjection(self.out_proj, gated_act(h, self.act) if self.gated else relu2(h))
@@ -55,5 +55,5 @@ class MLP(nn.Module):
             a = gated_act(h, self.act)
         else:
             a = relu2(h)
-        return project(a, self.out_proj.weight, gemv_step) if gemv_step and self.out_proj.bias is None \
+        return project(a, self.out_proj.weight, gemv_step) if gemv_step and deferrable(self.out_proj) \
             else self.out_proj(a)

@@ -130,6 +130,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
+        self.lm_head.keeps_fp8 = False  # (the logits in the model's precision, as vLLM and SGLang keep them)
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.rope_angles or None) \
             if c.rotary_dim and c.num_attention_layers else None
         # sliding-window layers' own RoPE (sliding_rope; None: theirs is self.rotary, or none at all)

@@ -14,6 +14,7 @@ from torch import nn
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import device
 from hyla.model.layers.norms import RMSNorm
+from hyla.model.quantization import is_fp8
 
 
 def is_gemv_step(batch: ForwardBatch, residual: torch.Tensor) -> bool:
@@ -70,14 +71,23 @@ def project(x: torch.Tensor, weight: torch.Tensor, gemv_step: bool) -> torch.Ten
 
 
 def _gemv_takes(weight: torch.Tensor) -> bool:
-    """Whether a GEMV step runs a projection of ``weight`` through ``gemv.linear`` (``gemv.IN_PROJ``)."""
+    """Whether a GEMV step runs a projection of ``weight`` through ``gemv.linear`` (``gemv.IN_PROJ``;
+    a weight kept in FP8 goes through its ``Linear``, whose kernel is a GEMV at a few rows too)."""
     kernels = device.gpu("gemv")
-    return kernels.IN_PROJ and kernels.linear_fits(weight)
+    return kernels.IN_PROJ and not is_fp8(weight) and kernels.linear_fits(weight)
+
+
+def deferrable(linear: nn.Linear) -> bool:
+    """Whether a GEMV step may leave ``linear``'s projection to the next norm's kernel
+    (:class:`OutProjection`): no bias, and a weight in the model's dtype (one kept in FP8 runs its
+    own kernel, ``Linear.forward``)."""
+    return linear.bias is None and not is_fp8(linear.weight)
 
 
 def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
-    """``linear(x)``, or with ``gemv_step`` (and no bias) the projection left as an :class:`OutProjection`."""
-    return OutProjection(linear, x) if gemv_step and linear.bias is None else linear(x)
+    """``linear(x)``, or with ``gemv_step`` (where :func:`deferrable`) the projection left as an
+    :class:`OutProjection`."""
+    return OutProjection(linear, x) if gemv_step and deferrable(linear) else linear(x)
 
 
 def add_rms_norm(out: torch.Tensor | OutProjection | None, residual: torch.Tensor,

@@ -12,6 +12,7 @@ from hyla.model.layers import device
 from hyla.model.layers.mlp import MLP, relu2
 from hyla.model.layers.projections import project
 from hyla.model.linear import Linear, few_row_linear, mkl_weight
+from hyla.model.quantization import dequantized, fp8_scales
 
 
 # GPU MoE steps of at most this many (token, expert) assignments run gathered (SparseMoE.path): each
@@ -34,12 +35,14 @@ def expert_activation(h: torch.Tensor, gated: bool) -> torch.Tensor:
 
 
 def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
-                       w_out: torch.Tensor, gated: bool) -> torch.Tensor:
+                       w_out: torch.Tensor, gated: bool, fp8_in: FP8Weight | None = None,
+                       fp8_out: FP8Weight | None = None) -> torch.Tensor:
     """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])``: ``x [T, Hin]``, ``weights, experts
     [T, k]``, stacked experts ``w_in [E, I or 2I, Hin]``, ``w_out [E, Hin, I]`` (SwiGLU where
     ``gated``, else relu²) -> ``[T, Hin]`` in ``weights.dtype``. The assignments sorted by expert, one
     matmul pair per expert that received tokens: each chosen expert's weights read once, its group's
-    size read on the host."""
+    size read on the host. Weights kept in FP8 come with their ``(scale, block)`` (``fp8_in``,
+    ``fp8_out``): each chosen expert is dequantized to x's dtype first."""
     flat = experts.flatten()  # [T*k]
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert
     token = order // experts.shape[1]  # [T*k] token of each sorted assignment
@@ -50,12 +53,20 @@ def run_experts_sorted(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     for e, n in enumerate(counts):
         if n == 0:
             continue
-        h = expert_activation(expert_linear(xs[start : start + n], w_in[e]), gated)  # [n, I]
-        outs.append(expert_linear(h, w_out[e]))  # [n, Hin]
+        h = expert_activation(expert_linear(xs[start : start + n], _expert(w_in, fp8_in, e, x.dtype)), gated)  # [n, I]
+        outs.append(expert_linear(h, _expert(w_out, fp8_out, e, x.dtype)))  # [n, Hin]
         start += n
     ys = torch.cat(outs) * weights.flatten()[order, None]  # [T*k, Hin]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=weights.dtype, device=x.device)
     return out.index_add_(0, token, ys.to(weights.dtype))
+
+
+FP8Weight = tuple[torch.Tensor, tuple[int, int]]  # a stacked weight kept in FP8: its (scale, block)
+
+
+def _expert(w: torch.Tensor, fp8: FP8Weight | None, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s matrix of the stacked ``w``, dequantized to ``dtype`` where kept in FP8."""
+    return w[e] if fp8 is None else dequantized(w[e], fp8[0][e], fp8[1], dtype)
 
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -80,16 +91,25 @@ def _(x, weights, experts, w_in, w_out, gated):
     return x.new_empty(x.shape, dtype=weights.dtype)
 
 
-def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_row: int = 1,
+                  fp8: FP8Weight | None = None) -> torch.Tensor:
     """``w[experts[a]] @ x[a // per_row]`` for each assignment ``a``: stacked expert weights ``w [E, N,
-    K]``, ``experts [A]``, ``x [A / per_row, K]`` (the tokens, ``per_row = k``; or the assignments) ->
-    ``[A, N]`` in ``x``'s dtype. On a GPU a GEMV kernel whose programs read their assignment's expert in
-    place (``gemv.expert_linear``); elsewhere, or a K it does not take, a batched GEMV on the gathered
-    weights (a copy of ``A`` experts' weights)."""
+    K]`` (kept in FP8: with their ``(scale, block)``), ``experts [A]``, ``x [A / per_row, K]`` (the
+    tokens, ``per_row = k``; or the assignments) -> ``[A, N]`` in ``x``'s dtype. On a GPU a GEMV
+    kernel whose programs read their assignment's expert in place (``gemv.expert_linear``);
+    elsewhere, or a K it does not take, a batched GEMV on the gathered weights (a copy of ``A``
+    experts' weights, dequantized)."""
+    scale, block = fp8 if fp8 is not None else (None, None)
     if device.on_gpu(x) and x.stride(1) == 1 and device.gpu("gemv").linear_fits(w[0]):
-        return device.gpu("gemv").expert_linear(x, w, experts, per_row)
+        return device.gpu("gemv").expert_linear(x, w, experts, per_row, scale=scale, block=block)
     xs = x.repeat_interleave(per_row, dim=0) if per_row > 1 else x  # [A, K]
-    return torch.bmm(w[experts], xs.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
+    ws = w[experts] if fp8 is None else dequantized(w[experts], scale[experts], block, x.dtype)  # [A, N, K]
+    return torch.bmm(ws, xs.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
+
+
+def _kernel_scales(fp8: FP8Weight | None) -> dict:
+    """The keyword arguments that give a stacked weight kept in FP8 its scales in a kernel call."""
+    return {} if fp8 is None else {"scale": fp8[0], "block": fp8[1]}
 
 
 def _weighted_sum(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -148,6 +168,7 @@ class SparseMoE(nn.Module):
         inner = c.moe_latent_size or c.hidden_size
         width = c.moe_intermediate_size * (2 if self.gated else 1)
         self.router = Linear(c.hidden_size, c.num_experts, bias=False, dtype=c.dtype)
+        self.router.keeps_fp8 = False  # (the routing in the model's precision, as FP8 checkpoints keep it)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
             if c.router == "sigmoid" and c.router_bias else None
@@ -163,6 +184,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size, c.hidden_act, c.mlp_bias,
                                      c.dtype)
         self.shared_expert_gate = Linear(c.hidden_size, 1, bias=False, dtype=c.dtype) if c.shared_expert_gate else None
+        if self.shared_expert_gate is not None:
+            self.shared_expert_gate.keeps_fp8 = False  # (one row: nothing to save)
         self.fused_inputs: torch.Tensor | None = None  # fuse_inputs_: not a parameter, not in the state dict
 
     def fuse_inputs_(self) -> bool:
@@ -176,7 +199,8 @@ class SparseMoE(nn.Module):
         parts = [self.router] + ([self.shared_expert_gate] if self.shared_expert_gate is not None else []) \
             + ([self.shared_expert.in_proj] if self.shared_expert is not None else [])
         if self.router_kind != "softmax" or self.shared_expert is None or self.latent_in is not None \
-                or self.logits_fp32 or any(p.bias is not None for p in parts):
+                or self.logits_fp32 or any(p.bias is not None or p.weight.dtype != self.router.weight.dtype
+                                           for p in parts):  # (a shared expert kept in FP8 runs its own kernels)
             return False
         with torch.no_grad():
             fused = torch.cat([p.weight for p in parts])  # [E (+ 1) + I or 2I, H]
@@ -230,6 +254,9 @@ class SparseMoE(nn.Module):
         """``sum_k weights[t, k] * expert_{experts[t, k]}(x[t])`` -> ``[T, Hin]`` in ``weights.dtype``,
         sorted by expert (:func:`run_experts_sorted`; inside a compiled graph as its op,
         :func:`moe_experts`)."""
+        fp8_in, fp8_out = fp8_scales(self, "w_in"), fp8_scales(self, "w_out")
+        if fp8_in is not None or fp8_out is not None:  # (not through the compiled graph's op, whose schema has no scales)
+            return run_experts_sorted(x, weights, experts, self.w_in, self.w_out, self.gated, fp8_in, fp8_out)
         run = torch.ops.hyla.moe_experts if torch.compiler.is_compiling() else run_experts_sorted
         return run(x, weights, experts, self.w_in, self.w_out, self.gated)
 
@@ -250,15 +277,18 @@ class SparseMoE(nn.Module):
         """Each (token, choice) assignment's expert on its token, unweighted, gathered or grouped (no
         host read either way): ``x [T, Hin]``, ``experts [T, k]`` -> ``[T * k, Hin]`` in x's dtype."""
         t, k = experts.shape
+        fp8_in, fp8_out = fp8_scales(self, "w_in"), fp8_scales(self, "w_out")
         if path == "gathered":  # each assignment's expert read once (a GEMV on a GPU)
             flat = experts.flatten()  # [A]
-            h = expert_activation(expert_matvec(self.w_in, flat, x, per_row=k), self.gated)  # [A, I]: token a // k
-            return expert_matvec(self.w_out, flat, h)  # [A, Hin]
+            h = expert_activation(expert_matvec(self.w_in, flat, x, per_row=k, fp8=fp8_in), self.gated)  # [A, I]:
+            # token a // k
+            return expert_matvec(self.w_out, flat, h, fp8=fp8_out)  # [A, Hin]
         kernels = device.gpu("moe")  # grouped: sorted by expert into blocks on the device, each block's expert read
         # once
         plan = kernels.plan(experts, self.num_experts)
-        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k), self.gated)  # [A, I]
-        return kernels.expert_gemm(h, self.w_out, plan, per_row=1)  # [A, Hin]
+        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k, **_kernel_scales(fp8_in)),
+                              self.gated)  # [A, I]
+        return kernels.expert_gemm(h, self.w_out, plan, per_row=1, **_kernel_scales(fp8_out))  # [A, Hin]
 
     def run_experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """:meth:`run_experts` as one product per (token, choice) assignment, ``A = T * k`` of them,

@@ -27,6 +27,12 @@ weight in registers, loaded before it waits for its input (``pdl.py``), so that 
 weight streams in while the kernel before it (the previous part's norm) finishes. cuBLAS's GEMM,
 which it replaces there (``IN_PROJ``), does not take part in PDL: the kernel after a GEMM starts
 only when it has ended.
+
+FP8 weights (``float8_e4m3fn`` with fp32 block scales, ``hyla/model/quantization.py``) take
+:func:`linear` and :func:`expert_linear` as they are (:func:`scale_args`: their arguments): a program
+dequantizes the slice it holds (each element times its block's scale, rounded to the model dtype) and
+goes on as with a weight in that dtype, having read a byte per weight instead of two. More rows take
+``fp8.py``'s GEMM.
 """
 
 from __future__ import annotations
@@ -133,7 +139,8 @@ def _linear_add_rms_norm_kernel(x_ptr, x_stride, z_ptr, z_stride, gw_ptr, g_eps,
 
 
 @triton.jit
-def _linear_kernel(x_ptr, x_stride, w_ptr, w_stride_n, w_stride_k, y_ptr, M, N, K,
+def _linear_kernel(x_ptr, x_stride, w_ptr, w_stride_n, w_stride_k, s_ptr, s_stride_n, s_stride_k, y_ptr, M, N, K,
+                   FP8: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -141,6 +148,10 @@ def _linear_kernel(x_ptr, x_stride, w_ptr, w_stride_n, w_stride_k, y_ptr, M, N, 
     # the program's whole slice of the weight, before the wait: no kernel writes it (pdl.py)
     w = tl.load(w_ptr + n[:, None] * w_stride_n + k[None, :] * w_stride_k, mask=n_mask[:, None] & k_mask[None, :],
                 other=0.0)  # [BLOCK_N, BLOCK_K]
+    if FP8:  # each element times its block's scale (a parameter too), rounded to the model dtype as the model reads it
+        s = tl.load(s_ptr + (n // QBLOCK_N)[:, None] * s_stride_n + (k // QBLOCK_K)[None, :] * s_stride_k,
+                    mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = (w.to(tl.float32) * s).to(x_ptr.dtype.element_ty)
     pdl.wait(PDL)
     for row in range(0, M):
         x = tl.load(x_ptr + row * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
@@ -156,35 +167,74 @@ def _tile(k: int) -> tuple[int, int]:
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
-    """Whether :func:`linear` takes ``weight [N, K]``: K at most ``LINEAR_TILE[0] / 2`` (a program
-    holds two or more whole rows)."""
+    """Whether :func:`linear` takes ``weight [N, K]`` (in any dtype it takes): K at most
+    ``LINEAR_TILE[0] / 2`` (a program holds two or more whole rows)."""
     return weight.dim() == 2 and 2 * triton.next_power_of_2(weight.shape[1]) <= LINEAR_TILE[0]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+FP8_DTYPE = torch.float8_e4m3fn  # the weight-only FP8 projections' weights (hyla/model/quantization.py)
+FP8_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the model dtypes they compute in
+
+
+def scale_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+               block: tuple[int, int] | None) -> tuple[torch.Tensor, tuple[int, ...], dict]:
+    """The scale arguments of a projection kernel that takes FP8 weights (:func:`linear`,
+    :func:`expert_linear`, ``moe.expert_gemm``, ``fp8.linear``): ``(scale, its strides, constexprs
+    FP8, QBLOCK_N, QBLOCK_K)``. An FP8 ``weight [..., N, K]`` (float8_e4m3fn) needs ``block = (bn,
+    bk)`` and its fp32 ``scale [..., ceil(N / bn), ceil(K / bk)]`` (any strides): element ``(n, k)``
+    is ``weight[..., n, k] * scale[..., n // bn, k // bk]`` (``Fp8Scheme(block).dequantize``), which
+    the kernels round to x's dtype before they multiply. A weight in x's dtype takes neither: the
+    weight stands in for the pointer the kernel does not read. ``ValueError`` otherwise."""
+    if weight.dtype != FP8_DTYPE:
+        if scale is not None or block is not None:
+            raise ValueError(f"scale and block go with a float8_e4m3fn weight, got a {weight.dtype} one")
+        return weight, (0,) * weight.dim(), dict(FP8=False, QBLOCK_N=1, QBLOCK_K=1)
+    if scale is None or block is None:
+        raise ValueError("a float8_e4m3fn weight needs its scale and block")
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise ValueError(f"block must be two positive ints (bn, bk), got {block!r}")
+    bn, bk = block
+    want = (*weight.shape[:-2], triton.cdiv(weight.shape[-2], bn), triton.cdiv(weight.shape[-1], bk))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want or scale.device != weight.device:
+        raise ValueError(f"the scale of a {list(weight.shape)} weight in blocks of {(bn, bk)} must be fp32 {list(want)} "
+                         f"on its device, got {scale.dtype} {list(scale.shape)}")
+    if x.dtype not in FP8_X_DTYPES:
+        raise ValueError(f"FP8 weights compute in x's dtype, one of {FP8_X_DTYPES}, got {x.dtype}")
+    return scale, scale.stride(), dict(FP8=True, QBLOCK_N=bn, QBLOCK_K=bk)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+           block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x @ weight.T`` for a few rows (``x [M, K]`` with unit column stride, ``weight [N, K]`` in x's
     dtype, any strides, no bias; :func:`linear_fits`) -> ``[M, N]``: each program holds a
     ``[BLOCK_N, K]`` slice of the weight and computes its columns for every row (the module
     docstring). fp32 sums in another order than cuBLAS's: bf16 outputs may differ in the last bit.
-    Launched with PDL the kernel reads ``weight`` before it waits for the kernel before it
-    (``pdl.py``): a parameter as the module holds it, never a value computed in the step."""
+    An FP8 weight (float8_e4m3fn) comes with its ``scale`` and ``block`` (:func:`scale_args`): the
+    slice dequantized and rounded to x's dtype, then the same, so the result is
+    ``F.linear(x, Fp8Scheme(block).dequantize(weight, scale).to(x.dtype))``'s.
+    Launched with PDL the kernel reads ``weight`` (and ``scale``) before it waits for the kernel before
+    it (``pdl.py``): parameters as the module holds them, never values computed in the step."""
     if weight.dim() != 2 or x.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with unit column stride and weight [N, K], got {list(x.shape)} "
                          f"and {list(weight.shape)}")
-    if weight.dtype != x.dtype or not linear_fits(weight):
-        raise ValueError(f"weight must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, "
+    if weight.dtype not in (x.dtype, FP8_DTYPE) or not linear_fits(weight):
+        raise ValueError(f"weight must be in x's dtype {x.dtype} (or float8_e4m3fn) with K <= {LINEAR_TILE[0] // 2}, "
                          f"got {weight.dtype} [{weight.shape[0]}, {weight.shape[1]}]")
+    s, s_strides, fp8 = scale_args(x, weight, scale, block)
     (m, k), n = x.shape, weight.shape[0]
     block_n, block_k = _tile(k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _linear_kernel[(triton.cdiv(n, block_n),)](
-        x, x.stride(0), weight, weight.stride(0), weight.stride(1), y, m, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=LINEAR_TILE[1], **pdl.launch(x))
+        x, x.stride(0), weight, weight.stride(0), weight.stride(1), s, *s_strides, y, m, n, k, **fp8,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LINEAR_TILE[1], **pdl.launch(x))
     return y
 
 
 @triton.jit
-def _expert_linear_kernel(x_ptr, x_stride, e_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k, y_ptr, N, K,
+def _expert_linear_kernel(x_ptr, x_stride, e_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k,
+                          s_ptr, s_stride_e, s_stride_n, s_stride_k, y_ptr, N, K,
+                          FP8: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
                           PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     a = tl.program_id(1)  # the assignment: its expert, and x's row a // PER_ROW
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -194,34 +244,44 @@ def _expert_linear_kernel(x_ptr, x_stride, e_ptr, w_ptr, w_stride_e, w_stride_n,
     e = tl.load(e_ptr + a).to(tl.int64)
     w = tl.load(w_ptr + e * w_stride_e + n[:, None] * w_stride_n + k[None, :] * w_stride_k,
                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] of its expert
+    if FP8:  # dequantized with its expert's scales, rounded to the model dtype (as linear)
+        s = tl.load(s_ptr + e * s_stride_e + (n // QBLOCK_N)[:, None] * s_stride_n
+                    + (k // QBLOCK_K)[None, :] * s_stride_k, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = (w.to(tl.float32) * s).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + (a // PER_ROW) * x_stride + k, mask=k_mask, other=0.0).to(tl.float32)  # [BLOCK_K]
     y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)  # fp32 sums, rounded once to the output dtype
     tl.store(y_ptr + a * N + n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def expert_linear(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_row: int = 1) -> torch.Tensor:
+def expert_linear(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, per_row: int = 1,
+                  scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x[a // per_row] @ weights[experts[a]].T`` for each assignment ``a`` of a MoE step (``x [A /
     per_row, K]`` with unit column stride: the tokens, ``per_row = k``, for the experts' in projection,
     each assignment reading its token's row; the assignments, ``per_row = 1``, for their out
     projection), stacked expert weights ``weights [E, N, K]`` in x's dtype with K as :func:`linear`
     takes it, any strides, ``experts [A]`` integer ids) -> ``[A, N]``: :func:`linear`'s GEMV with each
     program reading its assignment's expert in place (a batched GEMM would need the chosen experts'
-    weights gathered into a copy first). The ids are the step's own (the router's top-k): launched
+    weights gathered into a copy first). FP8 weights (float8_e4m3fn) come with ``scale [E, ceil(N /
+    bn), ceil(K / bk)]`` and ``block`` (:func:`scale_args`), each expert's slice dequantized and rounded
+    to x's dtype as in :func:`linear`. The ids are the step's own (the router's top-k): launched
     with PDL the kernel waits before it reads anything (``pdl.py``)."""
     if weights.dim() != 3 or x.dim() != 2 or x.shape[1] != weights.shape[2] or x.stride(1) != 1 \
             or per_row < 1 or experts.shape != (x.shape[0] * per_row,):
         raise ValueError(f"x must be [A / per_row, K] with unit column stride, weights [E, N, K] and experts [A], "
                          f"got {list(x.shape)}, {list(weights.shape)} and {list(experts.shape)} (per_row {per_row})")
-    if weights.dtype != x.dtype or not linear_fits(weights[0]) or experts.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"weights must be in x's dtype {x.dtype} with K <= {LINEAR_TILE[0] // 2}, and experts "
-                         f"integer ids, got {weights.dtype} {list(weights.shape)}, {experts.dtype}")
+    if weights.dtype not in (x.dtype, FP8_DTYPE) or not linear_fits(weights[0]) \
+            or experts.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"weights must be in x's dtype {x.dtype} (or float8_e4m3fn) with K <= {LINEAR_TILE[0] // 2}, "
+                         f"and experts integer ids, got {weights.dtype} {list(weights.shape)}, {experts.dtype}")
+    s, s_strides, fp8 = scale_args(x, weights, scale, block)
     m, k, n = experts.shape[0], x.shape[1], weights.shape[1]
     block_n, block_k = _tile(k)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         _expert_linear_kernel[(triton.cdiv(n, block_n), m)](
-            x, x.stride(0), experts, weights, weights.stride(0), weights.stride(1), weights.stride(2), y, n, k,
-            PER_ROW=per_row, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LINEAR_TILE[1], **pdl.launch(x))
+            x, x.stride(0), experts, weights, weights.stride(0), weights.stride(1), weights.stride(2), s, *s_strides,
+            y, n, k, **fp8, PER_ROW=per_row, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=LINEAR_TILE[1],
+            **pdl.launch(x))
     return y
 
 

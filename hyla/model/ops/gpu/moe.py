@@ -27,6 +27,8 @@ Around them, :func:`softmax_topk` is a softmax router (fp32 softmax, top-k, reno
 The routing is the step's own (the router's top-k), so under PDL every kernel here waits before it
 reads anything (``pdl.py``). fp32 inputs multiply in IEEE fp32 (the tests' fp32 models, within 1e-4
 of the sorted path); bf16/fp16 on the tensor cores with fp32 sums, rounded once to the output dtype.
+FP8 experts (``float8_e4m3fn`` with block scales, ``gemv.scale_args``) have each weight tile
+dequantized and rounded to x's dtype before its dot: the same numbers as their dequantized weights.
 Not yet timed on a GPU: ``SMALL_TILES`` and ``LARGE_TILES`` are vLLM's defaults for bf16
 (``get_default_config``).
 """
@@ -39,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hyla.model.ops.gpu import pdl
+from hyla.model.ops.gpu import gemv, pdl
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps) by the pairs an expert gets on average: few (decode) or many
 # (extends). BLOCK_M >= 16 (tl.dot's minimum).
@@ -165,7 +167,9 @@ def plan_reference(experts: torch.Tensor, num_experts: int) -> Plan:
 
 @triton.jit(do_not_specialize=["A"])
 def _expert_gemm_kernel(x_ptr, x_stride, rows_ptr, block_expert_ptr, w_ptr, w_stride_e, w_stride_n, w_stride_k,
-                        y_ptr, A, N, K, E, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        s_ptr, s_stride_e, s_stride_n, s_stride_k, y_ptr, A, N, K, E,
+                        FP8: tl.constexpr, QBLOCK_N: tl.constexpr, QBLOCK_K: tl.constexpr,
+                        PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # the plan comes from the step's routing: nothing is read before
     block = tl.program_id(0)
@@ -184,6 +188,14 @@ def _expert_gemm_kernel(x_ptr, x_stride, rows_ptr, block_expert_ptr, w_ptr, w_st
         k_mask = k0 + k < K
         xs = tl.load(x_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & (n < N)[None, :], other=0.0)
+        if FP8:  # the tile dequantized with its expert's scales, rounded to x's dtype, then the same dot
+            s_cols = s_ptr + e.to(tl.int64) * s_stride_e + (n // QBLOCK_N)[None, :] * s_stride_n  # [1, BLOCK_N]
+            if QBLOCK_K % BLOCK_K == 0:  # the tile inside one block along K (128 x 128 blocks): a scale per column
+                s = tl.load(s_cols + (k0 // QBLOCK_K) * s_stride_k, mask=(n < N)[None, :], other=0.0)
+            else:  # blocks narrower than the tile or across it: each element's own
+                s = tl.load(s_cols + ((k0 + k) // QBLOCK_K)[:, None] * s_stride_k,
+                            mask=k_mask[:, None] & (n < N)[None, :], other=0.0)
+            w = (w.to(tl.float32) * s).to(xs.dtype)
         acc = tl.dot(xs, w, acc, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * w_stride_k
@@ -191,25 +203,31 @@ def _expert_gemm_kernel(x_ptr, x_stride, rows_ptr, block_expert_ptr, w_ptr, w_st
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :])
 
 
-def expert_gemm(x: torch.Tensor, weights: torch.Tensor, p: Plan, per_row: int) -> torch.Tensor:
+def expert_gemm(x: torch.Tensor, weights: torch.Tensor, p: Plan, per_row: int, scale: torch.Tensor | None = None,
+                block: tuple[int, int] | None = None) -> torch.Tensor:
     """``x[a // per_row] @ weights[e(a)].T`` for each pair ``a`` of :func:`plan`'s step, ``e(a)`` its
     expert -> ``[A, N]`` in x's dtype, by pair. ``x [rows, K]`` with unit column stride: the tokens
     (``per_row = k``: a pair reads its token's row, an in projection) or the pairs (``per_row = 1``,
-    an out projection); ``weights [E, N, K]`` stacked in x's dtype, any strides."""
+    an out projection); ``weights [E, N, K]`` stacked in x's dtype, any strides. FP8 weights
+    (float8_e4m3fn) come with ``scale [E, ceil(N / bn), ceil(K / bk)]`` and ``block = (bn, bk)``
+    (``gemv.scale_args``): each weight tile is dequantized and rounded to x's dtype before its dot,
+    so the result is ``F.linear`` of the dequantized weight in x's dtype, as for a weight in it."""
     if weights.dim() != 3 or x.dim() != 2 or x.shape[1] != weights.shape[2] or x.stride(1) != 1 \
-            or weights.dtype != x.dtype or weights.shape[0] != p.num_experts:
+            or weights.dtype not in (x.dtype, gemv.FP8_DTYPE) or weights.shape[0] != p.num_experts:
         raise ValueError(f"x must be [rows, K] with unit column stride and weights [{p.num_experts}, N, K] in x's "
-                         f"dtype, got {list(x.shape)} {x.dtype} and {list(weights.shape)} {weights.dtype}")
+                         f"dtype (or float8_e4m3fn), got {list(x.shape)} {x.dtype} and {list(weights.shape)} "
+                         f"{weights.dtype}")
     if per_row < 1 or x.shape[0] * per_row != p.pairs:
         raise ValueError(f"x's {x.shape[0]} rows x per_row {per_row} must be the plan's {p.pairs} pairs")
+    s, s_strides, fp8 = gemv.scale_args(x, weights, scale, block)
     n, k = weights.shape[1], weights.shape[2]
     bm, bn, bk, warps = p.tiles
     y = torch.empty(p.pairs, n, dtype=x.dtype, device=x.device)
     if p.pairs:
         _expert_gemm_kernel[(p.block_expert.numel(), triton.cdiv(n, bn))](
             x, x.stride(0), p.rows, p.block_expert, weights, weights.stride(0), weights.stride(1), weights.stride(2),
-            y, p.pairs, n, k, p.num_experts, PER_ROW=per_row, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **pdl.launch(x))
+            s, *s_strides, y, p.pairs, n, k, p.num_experts, **fp8, PER_ROW=per_row, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, **pdl.launch(x))
     return y
 
 
