@@ -31,6 +31,10 @@
 #   zamba2   gpu_decode.py --zamba2 --batches 1,8,64: the Zamba2-style model (Mamba2 kernels, hybrid layers running
 #            shared attention + GeGLU blocks on [x | embeddings], in CUDA graphs) against transformers (+ mamba_ssm
 #            where installed), and the HBM roofline (~4 min)
+#   fp8      FP8 weights kept in float8: their kernels and engines against the dequantized model
+#            (tests/test_fp8_kernels.py, test_model_quantization.py's gpu tests), then decode and TTFT of the benchmark
+#            model quantized at load (gpu_decode.py --quantization fp8 --hyla-only; the bf16 numbers: the decode
+#            stage) and of the model with MoE layers (~4 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too), and MTP trees (top-2, 6 nodes) beside the chains (~5 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -109,6 +113,12 @@ for s in "$@"; do
                   --json "$out/gpu_decode_olmo.json" 2>&1 | tee "$out/olmo.log" | tail -20 ;;
         zamba2) timeout 300 python3 benchmarks/gpu_decode.py --zamba2 --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                   --json "$out/gpu_decode_zamba2.json" 2>&1 | tee "$out/zamba2.log" | tail -20 ;;
+        fp8) timeout 200 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fp8_kernels.py \
+                 "tests/test_model_quantization.py::test_gpu_engine_with_kept_fp8_weights" 2>&1 | tee "$out/fp8.log" | tail -8
+             timeout 240 python3 benchmarks/gpu_decode.py --quantization fp8 --batches 1,8,64 --repeats 5 --hyla-only \
+                 --no-write --json "$out/gpu_decode_fp8.json" 2>&1 | tee -a "$out/fp8.log" | tail -14
+             timeout 200 python3 benchmarks/gpu_decode.py --moe --quantization fp8 --batches 1,8 --repeats 3 --hyla-only \
+                 --no-write 2>&1 | tee -a "$out/fp8.log" | grep -E "decode, batch|prefill|TTFT|Error|error" ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \
@@ -128,7 +138,7 @@ for s in "$@"; do
         kernels) timeout 400 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -48
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 fp8 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

@@ -357,3 +357,45 @@ def test_bad_fp8_options(opts, match):
 
     with pytest.raises(ValueError, match=match):
         EngineArgs(**opts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixture", ["qwen3_next_moe_path", "qwen3_5_path"])
+def test_gpu_engine_with_kept_fp8_weights(fixture, request):
+    """On a GPU (fp32, CUDA graphs, the fused decode and extend): an engine keeping the FP8 weights
+    (``fp8_weights`` auto: its projections on ``ops/gpu/fp8.py``, its experts on the FP8 paths of the
+    gathered and grouped kernels) against one dequantizing them (the same kernels in fp32, cuBLAS):
+    the differential workload's greedy tokens and logprobs within 1e-4 up to each first tie."""
+    from test_engine_differential import assert_drained, compare_outputs, make_workload, run
+
+    fp8 = checkpoints.quantize_checkpoint(request.getfixturevalue(fixture), block=(128, 128))
+    wave1, _ = make_workload(13, 2048, num_sessions=16, num_shared=16, scale=0.5)
+    outs = {}
+    for mode in ("auto", "dequantize"):
+        with Engine(fp8, device="cuda", fp8_weights=mode, **OPTS) as engine:
+            assert engine.keeps_fp8 == (mode == "auto") and engine.scheduler.runner.graphs is not None
+            outs[mode] = run(engine, wave1)
+            assert_drained(engine)
+    assert compare_outputs(outs["auto"], outs["dequantize"]) > 0.9 * sum(s["max_new"] for s in wave1)
+
+
+def test_the_compiled_graphs_expert_op_takes_fp8_experts(qwen3_next_moe_path):
+    """``torch.ops.hyla.moe_experts`` (the op a ``compile_decode`` graph runs a MoE layer's experts
+    with) takes float8 experts with their scales and blocks: what the eager sorted path computes.
+    (An engine with ``quantization="fp8"`` and ``compile_decode`` gave the eager one's greedy tokens
+    and logprobs on the 2-layer Qwen3-Next MoE, by hand: compiling it costs minutes.)"""
+    from hyla.model.layers import sparse_moe
+
+    ffn = load_model(qwen3_next_moe_path, quantize_fp8=True).layers[0].ffn
+    assert is_fp8(ffn.w_in) and is_fp8(ffn.w_out)
+    x = torch.randn(5, 256)
+    weights, experts = ffn.route(x)
+    fp8_in, fp8_out = (ffn.w_in_scale, ffn.w_in_block), (ffn.w_out_scale, ffn.w_out_block)
+    want = sparse_moe.run_experts_sorted(x, weights, experts, ffn.w_in, ffn.w_out, ffn.gated, fp8_in, fp8_out)
+    got = torch.ops.hyla.moe_experts(x, weights, experts, ffn.w_in, ffn.w_out, ffn.gated, in_scale=ffn.w_in_scale,
+                                     in_block=list(ffn.w_in_block), out_scale=ffn.w_out_scale,
+                                     out_block=list(ffn.w_out_block))
+    assert torch.equal(got, want)
+    dense = sparse_moe.run_experts_sorted(x, weights, experts, sparse_moe.dequantized(ffn.w_in, *fp8_in, x.dtype),
+                                          sparse_moe.dequantized(ffn.w_out, *fp8_out, x.dtype), ffn.gated)
+    assert (got - dense).abs().max() < 1e-5

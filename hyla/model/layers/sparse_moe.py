@@ -79,15 +79,20 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hyla::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
-                w_out: torch.Tensor, gated: bool) -> torch.Tensor:
+                w_out: torch.Tensor, gated: bool, in_scale: torch.Tensor | None = None,
+                in_block: list[int] | None = None, out_scale: torch.Tensor | None = None,
+                out_block: list[int] | None = None) -> torch.Tensor:
     """:func:`run_experts_sorted` as one op of a ``compile_decode`` graph (``torch.ops.hyla.moe_experts``):
     opaque to the compiler, so its host read does not break the graph, and it runs MKL's GEMMs on
-    the weights as loaded, each chosen expert's once."""
-    return run_experts_sorted(x, weights, experts, w_in, w_out, gated)
+    the weights as loaded, each chosen expert's once (weights kept in FP8: with their scales and
+    blocks)."""
+    fp8_in = (in_scale, tuple(in_block)) if in_scale is not None else None
+    fp8_out = (out_scale, tuple(out_block)) if out_scale is not None else None
+    return run_experts_sorted(x, weights, experts, w_in, w_out, gated, fp8_in, fp8_out)
 
 
 @moe_experts.register_fake
-def _(x, weights, experts, w_in, w_out, gated):
+def _(x, weights, experts, w_in, w_out, gated, in_scale=None, in_block=None, out_scale=None, out_block=None):
     return x.new_empty(x.shape, dtype=weights.dtype)
 
 
@@ -255,10 +260,11 @@ class SparseMoE(nn.Module):
         sorted by expert (:func:`run_experts_sorted`; inside a compiled graph as its op,
         :func:`moe_experts`)."""
         fp8_in, fp8_out = fp8_scales(self, "w_in"), fp8_scales(self, "w_out")
-        if fp8_in is not None or fp8_out is not None:  # (not through the compiled graph's op, whose schema has no scales)
+        if not torch.compiler.is_compiling():
             return run_experts_sorted(x, weights, experts, self.w_in, self.w_out, self.gated, fp8_in, fp8_out)
-        run = torch.ops.hyla.moe_experts if torch.compiler.is_compiling() else run_experts_sorted
-        return run(x, weights, experts, self.w_in, self.w_out, self.gated)
+        scales = {f"{side}_{what}": (None if fp8 is None else list(fp8[1]) if what == "block" else fp8[0])
+                  for side, fp8 in (("in", fp8_in), ("out", fp8_out)) for what in ("scale", "block")}
+        return torch.ops.hyla.moe_experts(x, weights, experts, self.w_in, self.w_out, self.gated, **scales)
 
     def path(self, x: torch.Tensor) -> str:
         """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
