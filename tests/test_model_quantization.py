@@ -380,8 +380,8 @@ def test_gpu_engine_with_kept_fp8_weights(fixture, request):
 
 
 def test_the_compiled_graphs_expert_op_takes_fp8_experts(qwen3_next_moe_path):
-    """``torch.ops.hyla.moe_experts`` (the op a ``compile_decode`` graph runs a MoE layer's experts
-    with) takes float8 experts with their scales and blocks: what the eager sorted path computes.
+    """``torch.ops.hyla.moe_experts_fp8`` (the op a ``compile_decode`` graph runs a MoE layer's float8
+    experts with) takes their scales and blocks: what the eager sorted path computes.
     (An engine with ``quantization="fp8"`` and ``compile_decode`` gave the eager one's greedy tokens
     and logprobs on the 2-layer Qwen3-Next MoE, by hand: compiling it costs minutes.)"""
     from hyla.model.layers import sparse_moe
@@ -392,7 +392,7 @@ def test_the_compiled_graphs_expert_op_takes_fp8_experts(qwen3_next_moe_path):
     weights, experts = ffn.route(x)
     fp8_in, fp8_out = (ffn.w_in_scale, ffn.w_in_block), (ffn.w_out_scale, ffn.w_out_block)
     want = sparse_moe.run_experts_sorted(x, weights, experts, ffn.w_in, ffn.w_out, ffn.gated, fp8_in, fp8_out)
-    got = torch.ops.hyla.moe_experts(x, weights, experts, ffn.w_in, ffn.w_out, ffn.gated, in_scale=ffn.w_in_scale,
+    got = torch.ops.hyla.moe_experts_fp8(x, weights, experts, ffn.w_in, ffn.w_out, ffn.gated, in_scale=ffn.w_in_scale,
                                      in_block=list(ffn.w_in_block), out_scale=ffn.w_out_scale,
                                      out_block=list(ffn.w_out_block))
     assert torch.equal(got, want)

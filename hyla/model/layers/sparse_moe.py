@@ -79,20 +79,33 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hyla::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
-                w_out: torch.Tensor, gated: bool, in_scale: torch.Tensor | None = None,
-                in_block: list[int] | None = None, out_scale: torch.Tensor | None = None,
-                out_block: list[int] | None = None) -> torch.Tensor:
+                w_out: torch.Tensor, gated: bool) -> torch.Tensor:
     """:func:`run_experts_sorted` as one op of a ``compile_decode`` graph (``torch.ops.hyla.moe_experts``):
     opaque to the compiler, so its host read does not break the graph, and it runs MKL's GEMMs on
-    the weights as loaded, each chosen expert's once (weights kept in FP8: with their scales and
-    blocks)."""
+    the weights as loaded, each chosen expert's once."""
+    return run_experts_sorted(x, weights, experts, w_in, w_out, gated)
+
+
+@moe_experts.register_fake
+def _(x, weights, experts, w_in, w_out, gated):
+    return x.new_empty(x.shape, dtype=weights.dtype)
+
+
+# (an op of its own, not optional arguments of moe_experts: inductor's on-disk cache does not key its
+# graphs on an op's schema, and a graph cached against moe_experts' schema crashed once it changed)
+@torch.library.custom_op("hyla::moe_experts_fp8", mutates_args=())
+def moe_experts_fp8(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
+                    w_out: torch.Tensor, gated: bool, in_scale: torch.Tensor | None, in_block: list[int] | None,
+                    out_scale: torch.Tensor | None, out_block: list[int] | None) -> torch.Tensor:
+    """:func:`moe_experts` with experts kept in FP8 (``quantization.py``): each stacked weight's scales
+    and block, or None for one in the model's dtype."""
     fp8_in = (in_scale, tuple(in_block)) if in_scale is not None else None
     fp8_out = (out_scale, tuple(out_block)) if out_scale is not None else None
     return run_experts_sorted(x, weights, experts, w_in, w_out, gated, fp8_in, fp8_out)
 
 
-@moe_experts.register_fake
-def _(x, weights, experts, w_in, w_out, gated, in_scale=None, in_block=None, out_scale=None, out_block=None):
+@moe_experts_fp8.register_fake
+def _(x, weights, experts, w_in, w_out, gated, in_scale, in_block, out_scale, out_block):
     return x.new_empty(x.shape, dtype=weights.dtype)
 
 
@@ -262,9 +275,11 @@ class SparseMoE(nn.Module):
         fp8_in, fp8_out = fp8_scales(self, "w_in"), fp8_scales(self, "w_out")
         if not torch.compiler.is_compiling():
             return run_experts_sorted(x, weights, experts, self.w_in, self.w_out, self.gated, fp8_in, fp8_out)
+        if fp8_in is None and fp8_out is None:
+            return torch.ops.hyla.moe_experts(x, weights, experts, self.w_in, self.w_out, self.gated)
         scales = {f"{side}_{what}": (None if fp8 is None else list(fp8[1]) if what == "block" else fp8[0])
                   for side, fp8 in (("in", fp8_in), ("out", fp8_out)) for what in ("scale", "block")}
-        return torch.ops.hyla.moe_experts(x, weights, experts, self.w_in, self.w_out, self.gated, **scales)
+        return torch.ops.hyla.moe_experts_fp8(x, weights, experts, self.w_in, self.w_out, self.gated, **scales)
 
     def path(self, x: torch.Tensor) -> str:
         """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
