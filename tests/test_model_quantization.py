@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 import checkpoints
 from hyla import Engine
+from hyla.model.linear import Linear
 from hyla.model.loader import load_model
 from hyla.model.quantization import FP8_MAX, Fp8Scheme, is_fp8
 
@@ -83,7 +84,13 @@ def test_unsupported_quantization_configs(cfg, match):
         == Fp8Scheme((128, 64))
 
 
-ARCHITECTURES = ["qwen3_next_moe_mtp_path", "qwen3_5_mtp_path", "qwen3_5_moe_path", "nemotron_h_path",
+@pytest.fixture(scope="module")
+def qwen3_next_bias_path(tiny_ckpt_dir):
+    """The tiny Qwen3-Next MoE with biases in its attention projections (a kept Linear with a bias)."""
+    return checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, attention_bias=True)
+
+
+ARCHITECTURES = ["qwen3_next_moe_mtp_path", "qwen3_next_bias_path", "qwen3_5_mtp_path", "qwen3_5_moe_path", "nemotron_h_path",
                  "falcon_h1_path", "bamba_path", "granite_h_path", "lfm2_moe_path", "kimi_linear_path",
                  "bailing_hybrid_path", "olmo_hybrid_path", "lara_mini_path", "lfm3_path", "zamba2_path",
                  "jamba_path", "mamba_path", "mamba2_path"]
@@ -135,19 +142,28 @@ def _greedy(n: int) -> dict:
 PROMPTS = [IDS, list(range(100, 170)), [7, 8, 9]]
 
 
-def test_engine_serves_an_fp8_checkpoint_with_its_mtp_head(qwen3_5_mtp_path):
+@pytest.mark.parametrize("fp8_weights", ["auto", "keep"])
+def test_engine_serves_an_fp8_checkpoint_with_its_mtp_head(qwen3_5_mtp_path, fp8_weights):
     """An engine on an FP8 checkpoint drafting with its (FP8) MTP head gives what an engine on the
-    dequantized checkpoint gives: the same tokens, the same verify steps."""
+    dequantized checkpoint gives: dequantized at load (auto, on the CPU) the same tokens and verify
+    steps; the model's weights kept in float8 (the head's dequantized) the same greedy tokens and
+    logprobs within 1e-4 up to each first tie."""
+    from test_engine_differential import compare_outputs
+
     opts = dict(max_total_tokens=600, max_state_slots=16, speculative_algorithm="mtp", speculative_num_steps=3)
     results = []
     for path in (checkpoints.quantize_checkpoint(qwen3_5_mtp_path),
                  checkpoints.quantize_checkpoint(qwen3_5_mtp_path, dequantized=True)):
-        with Engine(path, **opts) as engine:
-            results.append(engine.generate(input_ids=PROMPTS, sampling_params=_greedy(24)))
+        with Engine(path, fp8_weights=fp8_weights, **opts) as engine:
+            results.append(engine.generate(input_ids=PROMPTS, sampling_params=_greedy(24), return_logprob=True))
             assert ("from an FP8 checkpoint, scales per 64x64 block" in engine.summary()) == (len(results) == 1)
+            assert engine.keeps_fp8 == (fp8_weights == "keep")
     fp8, reference = results
-    assert [o["output_ids"] for o in fp8] == [o["output_ids"] for o in reference]
-    assert [o["meta_info"]["spec_verify_ct"] for o in fp8] == [o["meta_info"]["spec_verify_ct"] for o in reference]
+    assert compare_outputs(fp8, reference) > 0.9 * 24 * len(PROMPTS)
+    if fp8_weights == "auto":
+        assert [o["output_ids"] for o in fp8] == [o["output_ids"] for o in reference]
+        assert [o["meta_info"]["spec_verify_ct"] for o in fp8] == \
+            [o["meta_info"]["spec_verify_ct"] for o in reference]
 
 
 def test_weight_update_from_an_fp8_checkpoint(qwen3_next_moe_path):
@@ -178,6 +194,7 @@ def _edited(src, dst, edit_tensors=None, edit_config=None):
 
 
 Q = "model.layers.3.self_attn.q_proj.weight"
+N = "model.layers.3.input_layernorm.weight"
 
 
 def test_broken_fp8_checkpoints_are_named(qwen3_next_moe_path, tmp_path):
@@ -200,6 +217,12 @@ def test_broken_fp8_checkpoints_are_named(qwen3_next_moe_path, tmp_path):
          r"does not use: .*x_proj\.weight_scale_inv"),
         # another quantization
         (dict(edit_config=lambda c: c.update(quantization_config={"quant_method": "gptq"})), "'gptq' is not supported"),
+        # a vector with block scales
+        (dict(edit_tensors=lambda t: t.update({N: t[N].to(torch.float8_e4m3fn), N + "_scale_inv": torch.ones(1, 1)})),
+         rf"{N}' of shape \(256,\) has block scales"),
+        # scales that are not finite, or negative
+        (dict(edit_tensors=lambda t: t[Q + "_scale_inv"].__setitem__((0, 0), float("nan"))), "_scale_inv' hold a"),
+        (dict(edit_tensors=lambda t: t[Q + "_scale_inv"].__setitem__((0, 0), -1.0)), "_scale_inv' hold a negative"),
     ]
     for i, (edit, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
@@ -214,7 +237,7 @@ def _fp8_share(model) -> float:
     return sum(p.numel() for p in params if is_fp8(p)) / sum(p.numel() for p in params)
 
 
-@pytest.mark.parametrize("block", [(64, 64), None])
+@pytest.mark.parametrize("block", [(32, 128), None])  # (not square: a block read the wrong way round shows)
 @pytest.mark.parametrize("fixture", ARCHITECTURES)
 def test_kept_fp8_weights_compute_the_dequantized_model(fixture, block, request):
     """Projections and experts kept float8 with their scales (PyTorch's dequantization per step on
@@ -224,6 +247,8 @@ def test_kept_fp8_weights_compute_the_dequantized_model(fixture, block, request)
     fp8 = checkpoints.quantize_checkpoint(request.getfixturevalue(fixture), block=block)
     kept = load_model(fp8, keep_fp8=True)
     assert _fp8_share(kept) > 0 or fixture == "falcon_h1_path"
+    if fixture == "qwen3_next_bias_path":  # a float8 projection with a bias (o_proj; per block also qkv_proj)
+        assert any(isinstance(m, Linear) and is_fp8(m.weight) and m.bias is not None for m in kept.modules())
     for name, p in kept.named_parameters():
         if is_fp8(p):
             module, _, param = name.rpartition(".")
@@ -283,27 +308,42 @@ def test_engine_differential_kept_against_dequantized(qwen3_next_moe_path):
         [o["meta_info"]["cached_tokens"] for o in outs["dequantize"]]
 
 
+def _kept_scale(model, name: str) -> torch.Tensor:
+    module, _, param = name.rpartition(".")
+    return getattr(model.get_submodule(module), f"{param}_scale")
+
+
 def test_weight_update_of_kept_fp8_weights(qwen3_next_moe_path, tiny_ckpt_dir):
     """An engine keeping FP8 weights updates from another FP8 checkpoint of the model (the weights and
-    their scales written in place): it then serves what a fresh engine on it serves. An unquantized
-    checkpoint, or one quantized in other blocks, is refused before anything is written."""
+    their scales written in place as stored): it then serves what a fresh engine on it serves. From
+    an unquantized checkpoint (a trainer's), or one quantized in other blocks, its float8 weights are
+    quantized again in their own blocks, as ``quantize_fp8`` quantizes at load, and the others read
+    as they are."""
     old = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
-    new = checkpoints.quantize_checkpoint(checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, seed=1))
+    dense = checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, seed=1)
+    new = checkpoints.quantize_checkpoint(dense)
     opts = dict(max_total_tokens=600, fp8_weights="keep")
     with Engine(new, **opts) as fresh:
         want = fresh.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
     with Engine(old, **opts) as engine:
         before = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
         w_in = engine.model.layers[3].ffn.w_in
-        for bad, match in [(qwen3_next_moe_path, "served in float8"),
-                           (checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=(32, 32)), "served in float8")]:
-            with pytest.raises(ValueError, match=match):
-                engine.update_weights_from_disk(bad)
-        again = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))  # the refused updates changed nothing
-        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in before]
         engine.update_weights_from_disk(new)
         assert engine.model.layers[3].ffn.w_in is w_in and w_in.dtype == torch.float8_e4m3fn  # in place
         got = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+        for source, blocks_ref in [(dense, new), (checkpoints.quantize_checkpoint(dense, block=(32, 32)), None)]:
+            engine.update_weights_from_disk(source)
+            kept = load_model(blocks_ref, keep_fp8=True) if blocks_ref else None
+            plain = load_model(source)
+            for name, p in engine.model.named_parameters():
+                if not is_fp8(p):
+                    assert torch.equal(p, dict(plain.named_parameters())[name]), name
+                elif kept is not None:  # quantized per 64 x 64 block from the unquantized values: the FP8 checkpoint's
+                    assert torch.equal(p.float(), dict(kept.named_parameters())[name].float()), name
+                    assert torch.equal(_kept_scale(engine.model, name), _kept_scale(kept, name)), name
+                else:  # from the 32 x 32 checkpoint's dequantized values
+                    q, s = Fp8Scheme((64, 64)).quantize(dict(plain.named_parameters())[name])
+                    assert torch.equal(p.float(), q.float()) and torch.equal(_kept_scale(engine.model, name), s)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["output_ids"] for o in before] != [o["output_ids"] for o in want]
 
@@ -399,3 +439,27 @@ def test_the_compiled_graphs_expert_op_takes_fp8_experts(qwen3_next_moe_path):
     dense = sparse_moe.run_experts_sorted(x, weights, experts, sparse_moe.dequantized(ffn.w_in, *fp8_in, x.dtype),
                                           sparse_moe.dequantized(ffn.w_out, *fp8_out, x.dtype), ffn.gated)
     assert (got - dense).abs().max() < 1e-5
+
+
+def test_fp8_experts_on_every_path(qwen3_next_moe_path):
+    """A MoE layer's float8 experts on the paths the engine tests reach only on a GPU or replace: the
+    experts gathered without Triton (``expert_matvec``'s dequantizing fallback), the sorted path
+    traced whole (``run_experts`` under ``torch.compile``: the ``moe_experts_fp8`` op, given each
+    side's scales); and ``fuse_inputs_`` leaves a float8 shared expert apart from the router."""
+    from hyla.model.layers import sparse_moe
+
+    plain = load_model(qwen3_next_moe_path).layers[0].ffn
+    ffn = load_model(qwen3_next_moe_path, quantize_fp8=True).layers[0].ffn
+    x = torch.randn(5, 256)
+    weights, experts = ffn.route(x)
+    w_in = sparse_moe.dequantized(ffn.w_in, ffn.w_in_scale, ffn.w_in_block, x.dtype)
+    w_out = sparse_moe.dequantized(ffn.w_out, ffn.w_out_scale, ffn.w_out_block, x.dtype)
+    flat = experts.flatten()
+    got = sparse_moe.expert_matvec(ffn.w_in, flat, x, per_row=2, fp8=(ffn.w_in_scale, ffn.w_in_block))
+    assert (got - sparse_moe.expert_matvec(w_in, flat, x, per_row=2)).abs().max() < 1e-5
+    want = ffn.run_experts(x, weights, experts)
+    dense = sparse_moe.run_experts_sorted(x, weights, experts, w_in, w_out, ffn.gated)
+    assert (want - dense).abs().max() < 1e-5
+    compiled = torch.compile(ffn.run_experts, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x, weights, experts), want)
+    assert plain.fuse_inputs_() and not ffn.fuse_inputs_()

@@ -132,6 +132,9 @@ class TensorReader:
             if scale.get_dtype() not in SOURCE_DTYPES:
                 raise ValueError(f"{scale_file}: scales {scale_name!r} are {scale.get_dtype()}; the loader reads "
                                  f"{', '.join(SOURCE_DTYPES)} scales")
+            if self.scheme.block is not None and len(shape) < 2:
+                raise ValueError(f"{file}: tensor {name_in_file!r} of shape {shape} has block scales "
+                                 f"({scale_name!r}); block-quantized tensors are matrices (or stacks of them)")
             if not self.scheme.scale_fits(shape, tuple(scale.get_shape())):
                 raise ValueError(f"{scale_file}: scales {scale_name!r} of shape {tuple(scale.get_shape())} do not fit "
                                  f"{name_in_file!r} of shape {shape} (expected {self.scheme.scale_shape(shape)})")
@@ -157,7 +160,16 @@ class TensorReader:
         tensor = self._read(self.files[name], self.original.get(name, name), lambda f, n: f.get_tensor(n))
         if name not in self.scales:
             return tensor
-        return self.scheme.dequantize(tensor, self._read(*self.scales[name], lambda f, n: f.get_tensor(n)))
+        return self.scheme.dequantize(tensor, self._scales(name))
+
+    def _scales(self, name: str) -> torch.Tensor:
+        """The scales of the quantized tensor ``name``; ``ValueError`` naming them unless every one is
+        finite and not negative."""
+        file, scale_name = self.scales[name]
+        scale = self._read(file, scale_name, lambda f, n: f.get_tensor(n))
+        if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
+            raise ValueError(f"{file}: scales {scale_name!r} hold a negative, infinite or NaN value")
+        return scale
 
     def quantized(self, name: str) -> bool:
         """Whether ``name`` is a float8 tensor with scales (:meth:`get` dequantizes it)."""
@@ -168,7 +180,7 @@ class TensorReader:
         (``quantization.block_form``), checked as :meth:`meta` checks it."""
         self.meta(name)
         q = self._read(self.files[name], self.original.get(name, name), lambda f, n: f.get_tensor(n))
-        return q, *block_form(self.scheme, q, self._read(*self.scales[name], lambda f, n: f.get_tensor(n)))
+        return q, *block_form(self.scheme, q, self._scales(name))
 
     def raw_block(self, name: str) -> tuple[int, int]:
         """The block :meth:`raw` would give, from the headers alone."""
@@ -257,9 +269,7 @@ def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedW
     ``ValueError`` when the checkpoint's ``config.json`` describes another model (every field of
     ``ModelConfig`` must be equal, the dtype aside: the differing ones are named), or a tensor is
     missing, unexpected, not a float (``SOURCE_DTYPES``; the ``mtp.*`` ones too), or gives its
-    parameter another shape (each spec run on meta tensors of the headers' shapes), or a parameter
-    the model keeps in float8 (``load_model(keep_fp8=True)``) would not be float8 in the same blocks
-    from this checkpoint."""
+    parameter another shape (each spec run on meta tensors of the headers' shapes)."""
     path = Path(path)
     config = read_config(path, dtype=model.config.dtype)
     differ = config_differences(model.config, config)
@@ -272,14 +282,8 @@ def check_weights(path: str | os.PathLike, model: HybridForCausalLM) -> CheckedW
     try:
         with torch.device("meta"):  # the same specs, their own constants (µP row scales) on the meta device too
             specs = _checkpoint_specs(path, cls, config, set(tensors.files))
-        params = dict(model.named_parameters(remove_duplicate=False))
-        build_parameters(specs, params, tensors.meta, "meta", prefix=f"{path}: ")
-        for spec in specs:
-            fp8 = params[spec.target]
-            if is_fp8(fp8) and _fp8_block(spec, tensors) != _kept_block(model, spec.target):
-                raise ValueError(f"{path}: {spec.target} is served in float8 (fp8_weights) but would not be float8 "
-                                 f"in the same blocks from tensor(s) {name_listing(spec.sources)}: a weight update of "
-                                 f"FP8 weights needs an FP8 checkpoint quantized as the served one")
+        build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.meta, "meta",
+                         prefix=f"{path}: ")
         checked.mtp_headers()
     finally:
         checked.close()
@@ -292,11 +296,6 @@ def config_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
     return [f.name for f in dataclasses.fields(a) if f.compare and getattr(a, f.name) != getattr(b, f.name)]
 
 
-def _kept_block(model: nn.Module, target: str) -> tuple[int, int]:
-    module_name, _, param = target.rpartition(".")
-    return getattr(model.get_submodule(module_name), f"{param}_block")
-
-
 @torch.no_grad()
 def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str], torch.Tensor],
                   prefix: str = "", owner: str = "", tensors: TensorReader | None = None) -> None:
@@ -307,8 +306,9 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
     column-major stays so), and a plain copy of the same sources into one storage (tied weights)
     is written once. Then every derived weight (``layers.DerivedWeight``) is recomputed.
 
-    A parameter kept in float8 is written from ``tensors`` as stored, its scales too (the
-    checkpoint checked for it: :func:`check_weights`).
+    A parameter kept in float8 is written with its scales: from ``tensors`` as stored where they
+    hold it quantized in its blocks, else built as any other and quantized in its blocks, as
+    ``load_model(quantize_fp8=True)`` quantizes (a trainer's unquantized checkpoint, served in FP8).
 
     An error (a mis-shaped value: ``ValueError``; a failed read) is raised as it comes: the
     parameters before it are written, the others not, the derived weights stale."""
@@ -320,13 +320,17 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
         if spec.combine is None and (param.data_ptr(), spec.sources) in written:
             continue
         if is_fp8(param):
-            if tensors is None or _fp8_block(spec, tensors) != _kept_block(module, spec.target):
-                raise ValueError(f"{prefix}{owner}{spec.target} is kept in float8: it is written from an FP8 "
-                                 f"checkpoint's tensors as stored, quantized in the same blocks")
-            value, (scale, _) = _build_fp8(spec, param, tensors, prefix, owner, param.device)
-            param.copy_(value)
             module_name, _, name = spec.target.rpartition(".")
-            getattr(module.get_submodule(module_name), f"{name}_scale").copy_(scale)
+            owner_module = module.get_submodule(module_name)
+            block = getattr(owner_module, f"{name}_block")
+            if tensors is not None and _fp8_block(spec, tensors) == block:
+                value, (scale, _) = _build_fp8(spec, param, tensors, prefix, owner, param.device)
+            else:
+                # (built in the model's dtype, as load_model quantizes it)
+                dense = _build(spec, param.new_empty(param.shape, dtype=module.config.dtype), get, prefix, owner)
+                value, scale = Fp8Scheme(block).quantize(dense)
+            param.copy_(value)
+            getattr(owner_module, f"{name}_scale").copy_(scale)
         else:
             param.copy_(_build(spec, param, get, prefix, owner))
         if spec.combine is None:

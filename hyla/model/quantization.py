@@ -15,8 +15,8 @@ one ``X_scale`` (``weight_scale``) per weight and an ``input_scale`` for a stati
 Tensors the config leaves unconverted (norms, embeddings, gates) are plain float tensors.
 
 The loader (``loader.TensorReader``) gives every quantized tensor to the weight specs already
-dequantized, in fp32, so every architecture, layout and weight update reads FP8 checkpoints with
-no code of its own, and the model computes in its dtype (weight-only dequantization, as vLLM's and
+dequantized, in fp32, so every architecture and layout reads FP8 checkpoints with no code of its
+own, and the model computes in its dtype (weight-only dequantization, as vLLM's and
 transformers' fallbacks where the GPU has no FP8 tensor cores; an ``input_scale`` is therefore not
 used). The values are exactly transformers' (``FineGrainedFP8Config(dequantize=True)``).
 
