@@ -464,3 +464,18 @@ def test_fp8_experts_on_every_path(qwen3_next_moe_path):
     compiled = torch.compile(ffn.run_experts, backend="eager", fullgraph=True)
     assert torch.equal(compiled(x, weights, experts), want)
     assert plain.fuse_inputs_() and not ffn.fuse_inputs_()
+
+
+def test_fp8_linear_takes_any_rows(monkeypatch):
+    """``fp8_linear`` on a GPU's path (here the kernels interpreted): inputs of more than two dims,
+    and columns of a stride other than one, give the reference's result."""
+    from hyla.model import quantization
+    from hyla.model.layers import device
+
+    g = torch.Generator().manual_seed(0)
+    q, s = Fp8Scheme((32, 64)).quantize(torch.randn(48, 96, generator=g))
+    x = torch.randn(2, 3, 192, generator=g)[..., ::2]  # [2, 3, 96], column stride 2
+    want = torch.nn.functional.linear(x, Fp8Scheme((32, 64)).dequantize(q, s))
+    monkeypatch.setattr(device, "on_gpu", lambda t: True)
+    got = quantization.fp8_linear(x, q, s, (32, 64))
+    assert got.shape == (2, 3, 48) and (got - want).abs().max() < 1e-5

@@ -204,6 +204,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     from hyla.model.layers import device  # (the layers import linear.py, which imports this file)
 
     if device.on_gpu(x):
-        y = device.gpu("fp8").linear(x.reshape(-1, x.shape[-1]), weight, scale, block, bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:  # (the kernels read rows of unit column stride; any row stride)
+            rows = rows.contiguous()
+        y = device.gpu("fp8").linear(rows, weight, scale, block, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, dequantized(weight, scale, block, x.dtype), bias)
