@@ -281,6 +281,11 @@ def test_what_stays_fp8(qwen3_next_moe_path, qwen3_5_moe_path):
     model = load_model(checkpoints.quantize_checkpoint(qwen3_5_moe_path, block=(48, 80)), keep_fp8=True)
     moe = model.layers[3].ffn
     assert moe.w_in.dtype == torch.float32 and moe.w_out.dtype == FP8 and moe.w_out_scale.shape == (8, 6, 2)
+    # Qwen3.5's Gated DeltaNet in projection [qkv | z | b | a] (512 + 256 + 4 + 4 rows): qkv and z float8, b and a
+    # (no whole blocks) its tail, in the model's dtype
+    proj = load_model(checkpoints.quantize_checkpoint(qwen3_5_moe_path), keep_fp8=True).layers[0].mixer.in_proj
+    assert proj.weight.dtype == FP8 and proj.weight.shape == (776, 256) and proj.weight_tail.shape == (8, 256)
+    assert proj.weight_tail.dtype == torch.float32 and not proj.weight_scale[12:].any()
 
 
 OPTS = dict(max_total_tokens=360, max_state_slots=16, max_running_requests=10, chunked_prefill_size=64,
@@ -313,37 +318,47 @@ def _kept_scale(model, name: str) -> torch.Tensor:
     return getattr(model.get_submodule(module), f"{param}_scale")
 
 
-def test_weight_update_of_kept_fp8_weights(qwen3_next_moe_path, tiny_ckpt_dir):
+@pytest.mark.parametrize("make", [checkpoints.make_qwen3_next, checkpoints.make_qwen3_5])
+def test_weight_update_of_kept_fp8_weights(make, tiny_ckpt_dir):
     """An engine keeping FP8 weights updates from another FP8 checkpoint of the model (the weights and
     their scales written in place as stored): it then serves what a fresh engine on it serves. From
     an unquantized checkpoint (a trainer's), or one quantized in other blocks, its float8 weights are
     quantized again in their own blocks, as ``quantize_fp8`` quantizes at load, and the others read
     as they are."""
-    old = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
-    dense = checkpoints.make_qwen3_next(tiny_ckpt_dir, moe=True, seed=1)
+    kw = {"moe": True} if make is checkpoints.make_qwen3_next else {}  # (Qwen3.5: in projections with a tail)
+    old = checkpoints.quantize_checkpoint(make(tiny_ckpt_dir, **kw))
+    dense = make(tiny_ckpt_dir, seed=1, **kw)
     new = checkpoints.quantize_checkpoint(dense)
     opts = dict(max_total_tokens=600, fp8_weights="keep")
     with Engine(new, **opts) as fresh:
         want = fresh.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
     with Engine(old, **opts) as engine:
         before = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
-        w_in = engine.model.layers[3].ffn.w_in
+        w_in = engine.model.layers[3].mixer.o_proj.weight
         engine.update_weights_from_disk(new)
-        assert engine.model.layers[3].ffn.w_in is w_in and w_in.dtype == torch.float8_e4m3fn  # in place
+        assert engine.model.layers[3].mixer.o_proj.weight is w_in and w_in.dtype == torch.float8_e4m3fn  # in place
         got = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
         for source, blocks_ref in [(dense, new), (checkpoints.quantize_checkpoint(dense, block=(32, 32)), None)]:
             engine.update_weights_from_disk(source)
             kept = load_model(blocks_ref, keep_fp8=True) if blocks_ref else None
             plain = load_model(source)
             for name, p in engine.model.named_parameters():
+                value = dict(plain.named_parameters())[name]
                 if not is_fp8(p):
-                    assert torch.equal(p, dict(plain.named_parameters())[name]), name
-                elif kept is not None:  # quantized per 64 x 64 block from the unquantized values: the FP8 checkpoint's
-                    assert torch.equal(p.float(), dict(kept.named_parameters())[name].float()), name
-                    assert torch.equal(_kept_scale(engine.model, name), _kept_scale(kept, name)), name
-                else:  # from the 32 x 32 checkpoint's dequantized values
-                    q, s = Fp8Scheme((64, 64)).quantize(dict(plain.named_parameters())[name])
-                    assert torch.equal(p.float(), q.float()) and torch.equal(_kept_scale(engine.model, name), s)
+                    assert torch.equal(p, value), name
+                    continue
+                module, _, param = name.rpartition(".")
+                tail = getattr(engine.model.get_submodule(module), f"{param}_tail", None)
+                rows = p.shape[0] - (0 if tail is None else tail.shape[0])  # the float8 ones
+                if tail is not None:  # the tail: the new values as they are, its float8 rows and scales zero
+                    assert torch.equal(tail, value[rows:]) and not p[rows:].float().any(), name
+                    assert not _kept_scale(engine.model, name)[rows // 64:].any(), name
+                if kept is not None:  # quantized per 64 x 64 block from the unquantized values: the FP8 checkpoint's
+                    want_q, want_s = dict(kept.named_parameters())[name], _kept_scale(kept, name)
+                else:  # from the 32 x 32 checkpoint's dequantized values, quantized again
+                    want_q, want_s = Fp8Scheme((64, 64)).quantize(value[:rows])
+                assert torch.equal(p[:rows].float(), want_q[:rows].float()), name
+                assert torch.equal(_kept_scale(engine.model, name)[:rows // 64], want_s[:rows // 64]), name
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert [o["output_ids"] for o in before] != [o["output_ids"] for o in want]
 

@@ -52,7 +52,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:  # a weight kept in FP8 with its scales (quantization.py)
-            return fp8_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
+            y = fp8_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
+            tail = getattr(self, "weight_tail", None)  # its last rows in the model's dtype
+            if tail is not None:
+                start = self.weight.shape[0] - tail.shape[0]
+                y[..., start:] = F.linear(x, tail, None if self.bias is None else self.bias[start:])
+            return y
         # the batch-1 graph: a static row count of 1 (the graph of more rows guards on its symbolic one not being 1)
         if self.rows is not None and x.dim() == 2 and type(x.shape[0]) is int and x.shape[0] == 1 \
                 and torch.compiler.is_compiling():

@@ -229,7 +229,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
         online = Fp8Scheme(ONLINE_BLOCK)
         for name in sorted(keep.targets - keep.scales.keys()):
             q, scale = online.quantize(state[name])
-            state[name], keep.scales[name] = q, (scale, online.block)
+            state[name], keep.scales[name] = q, (scale, online.block, None)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if keep is not None:
@@ -322,15 +322,18 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
         if is_fp8(param):
             module_name, _, name = spec.target.rpartition(".")
             owner_module = module.get_submodule(module_name)
-            block = getattr(owner_module, f"{name}_block")
-            if tensors is not None and _fp8_block(spec, tensors) == block:
-                value, (scale, _) = _build_fp8(spec, param, tensors, prefix, owner, param.device)
-            else:
-                # (built in the model's dtype, as load_model quantizes it)
-                dense = _build(spec, param.new_empty(param.shape, dtype=module.config.dtype), get, prefix, owner)
-                value, scale = Fp8Scheme(block).quantize(dense)
+            block, dtype = getattr(owner_module, f"{name}_block"), module.config.dtype
+            tail = getattr(owner_module, f"{name}_tail", None)
+            rows = param.shape[0] - (0 if tail is None else tail.shape[0])
+            if tensors is not None and _rows_of(spec, tensors) == rows and _fp8_block(spec, tensors)[0] == block:
+                value, (scale, _, new_tail) = _build_fp8(spec, param, tensors, prefix, owner, param.device, dtype)
+            else:  # built in the model's dtype, as load_model quantizes it
+                dense = _build(spec, param.new_empty(param.shape, dtype=dtype), get, prefix, owner)
+                value, (scale, _, new_tail) = _quantized_rows(dense, block, rows)
             param.copy_(value)
             getattr(owner_module, f"{name}_scale").copy_(scale)
+            if tail is not None:
+                tail.copy_(new_tail)
         else:
             param.copy_(_build(spec, param, get, prefix, owner))
         if spec.combine is None:
@@ -370,7 +373,8 @@ class KeepFp8:
 
     tensors: TensorReader
     targets: set[str]
-    scales: dict[str, tuple[torch.Tensor, tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    scales: dict[str, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]] = \
+        dataclasses.field(default_factory=dict)  # name -> (scales, block, tail)
 
 
 def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get: Callable[[str], torch.Tensor],
@@ -389,7 +393,7 @@ def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], g
         target = params[spec.target]
         if keep is not None and spec.target in keep.targets and _fp8_block(spec, keep.tensors) is not None:
             state[spec.target], keep.scales[spec.target] = _build_fp8(spec, target, keep.tensors, prefix, owner,
-                                                                      device)
+                                                                      device, target.dtype)
             continue
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
             state[spec.target] = built[spec.sources]
@@ -423,34 +427,84 @@ def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Te
     return _owned(tensor.to(device=device, dtype=target.dtype).contiguous(), sources)
 
 
-def _fp8_block(spec: WeightSpec, tensors: TensorReader) -> tuple[int, int] | None:
-    """The block of ``spec``'s parameter built in float8 from ``tensors`` as stored, or None where
-    it cannot be: a source not quantized, a spec that changes values (not ``moves_rows_only``),
-    sources of other blocks, or a concatenated source other than the last of its matrix whose rows
-    are no whole number of blocks (its last scale row would cover the next source's rows too).
-    Headers alone are read."""
-    if not spec.moves_rows_only or not all(tensors.quantized(name) for name in spec.sources):
+def _fp8_block(spec: WeightSpec, tensors: TensorReader) -> tuple[tuple[int, int], int] | None:
+    """``(block, head)`` of ``spec``'s parameter built in float8 from ``tensors`` as stored: its
+    first ``head`` sources (all of them, or a concatenation's leading ones: the rest, its *tail*,
+    dequantized), or None where none can be. A source is float8 with its scales where it is
+    quantized in the block of the ones before it and, unless it is the last of its matrix, a whole
+    number of blocks tall (else its last scale row would cover the next source's rows). A tail
+    (Qwen3.5's Gated DeltaNet in projection ``[qkv | z | b | a]``, whose ``b`` and ``a`` rows are no
+    whole blocks, or not quantized) is for a plain concatenation (``concat_rows``); a spec that
+    changes values (not ``moves_rows_only``) has none. Headers alone are read."""
+    if not spec.moves_rows_only:
         return None
-    blocks = {tensors.raw_block(name) for name in spec.sources}
-    if len(blocks) != 1:
-        return None
-    block = blocks.pop()
-    group = getattr(spec.combine, "rows_group", 0) or len(spec.sources)  # sources per concatenated matrix
+    n = len(spec.sources)
+    group = getattr(spec.combine, "rows_group", 0) or n  # sources per concatenated matrix
+    block, head = None, 0
     for i, name in enumerate(spec.sources):
-        if (i + 1) % group and tensors.meta(name).shape[-2] % block[0]:
-            return None
-    return block
+        if not tensors.quantized(name) or block not in (None, tensors.raw_block(name)):
+            break
+        if (i + 1) % group and tensors.meta(name).shape[-2] % tensors.raw_block(name)[0]:
+            break  # (not the last of its matrix, and no whole number of blocks tall)
+        block = tensors.raw_block(name)
+        head += 1
+    if head == n or (head and group == n and head < n and _rows(spec, tensors, head) % block[0] == 0):
+        return block, head
+    return None
+
+
+def _rows(spec: WeightSpec, tensors: TensorReader, head: int) -> int:
+    """Rows of ``spec``'s first ``head`` sources, concatenated."""
+    return sum(tensors.meta(name).shape[-2] for name in spec.sources[:head])
+
+
+def _rows_of(spec: WeightSpec, tensors: TensorReader) -> int | None:
+    """How many of the dim-0 rows of ``spec``'s parameter built from ``tensors`` are float8 (a
+    tail's are not; without one, all), or None where it would not be float8. Headers alone."""
+    plan = _fp8_block(spec, tensors)
+    if plan is None:
+        return None
+    if plan[1] < len(spec.sources):
+        return _rows(spec, tensors, plan[1])
+    return spec.build([tensors.meta(name) for name in spec.sources]).shape[0]
+
+
+Fp8Value = tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]]  # weight, (scale, block,
+# tail: the dense rows after the float8 ones, or None)
 
 
 def _build_fp8(spec: WeightSpec, target: torch.Tensor, tensors: TensorReader, prefix: str, owner: str,
-               device: str | torch.device) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int]]]:
+               device: str | torch.device, dtype: torch.dtype) -> Fp8Value:
     """``spec``'s parameter in float8 from its quantized sources as stored (:func:`_fp8_block`
-    allows it) -> ``(float8 value, (scales, block))``, contiguous on ``device``; ``ValueError`` as
-    :func:`_build` for a value not of ``target``'s shape."""
-    raws = {name: tensors.raw(name) for name in spec.sources}
-    value = _build(spec, target.new_empty(target.shape, dtype=FP8), lambda name: raws[name][0], prefix, owner, device)
-    scale = spec.build([raws[name][1] for name in spec.sources]).to(device=device).contiguous()
-    return value, (scale, raws[spec.sources[0]][2])
+    allows it) -> ``(float8 value, (scales, block, tail))``, contiguous on ``device``: a tail's rows
+    zero in the float8 value and its scales, and built in ``dtype`` as any other parameter;
+    ``ValueError`` as :func:`_build` for a value not of ``target``'s shape."""
+    block, head = _fp8_block(spec, tensors)
+    fp8_names = spec.sources[:head]
+    raws = {name: tensors.raw(name) for name in fp8_names}
+    if head == len(spec.sources):
+        value = _build(spec, target.new_empty(target.shape, dtype=FP8), lambda name: raws[name][0], prefix, owner,
+                       device)
+        return value, (spec.build([raws[name][1] for name in fp8_names]).to(device=device).contiguous(), block, None)
+    # a tail: the whole parameter built dense for its shape check and its tail rows, the head as stored
+    dense = _build(spec, target.new_empty(target.shape, dtype=dtype), tensors.get, prefix, owner, device)
+    rows = _rows(spec, tensors, head)
+    value = torch.zeros(target.shape, dtype=FP8, device=device)
+    value[:rows] = torch.cat([raws[name][0] for name in fp8_names]).to(device)
+    scale = torch.zeros(Fp8Scheme(block).scale_shape(target.shape), dtype=torch.float32, device=device)
+    scale[:rows // block[0]] = torch.cat([raws[name][1] for name in fp8_names]).to(device)
+    return value, (scale, block, dense[rows:].clone())
+
+
+def _quantized_rows(dense: torch.Tensor, block: tuple[int, int], rows: int) -> Fp8Value:
+    """A dense parameter value quantized in ``block`` as a kept one with ``rows`` float8 rows: the
+    rest its tail (``_build_fp8``'s layout)."""
+    value, scale = Fp8Scheme(block).quantize(dense)
+    if rows == dense.shape[0]:
+        return value, (scale, block, None)
+    value[rows:] = 0
+    scale[rows // block[0]:] = 0
+    return value, (scale, block, dense[rows:].clone())
 
 
 def _owned(tensor: torch.Tensor, sources: list[torch.Tensor]) -> torch.Tensor:

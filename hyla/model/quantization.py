@@ -174,14 +174,18 @@ def keep_fp8_targets(model: torch.nn.Module) -> set[str]:
     return targets
 
 
-def attach_scales_(model: torch.nn.Module, scales: dict[str, tuple[torch.Tensor, tuple[int, int]]]) -> None:
-    """Give each float8 parameter of ``model`` (``scales``: its name -> its scales and block) its
-    ``<param>_scale`` buffer and ``<param>_block`` attribute."""
-    for target, (scale, block) in scales.items():
+def attach_scales_(model: torch.nn.Module,
+                   scales: dict[str, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]]) -> None:
+    """Give each float8 parameter of ``model`` (``scales``: its name -> its scales, block and tail)
+    its ``<param>_scale`` buffer, ``<param>_block`` attribute and, with a tail, ``<param>_tail``
+    buffer: the parameter's last rows in the model's dtype (their float8 rows and scales zero)."""
+    for target, (scale, block, tail) in scales.items():
         module_name, _, param = target.rpartition(".")
         module = model.get_submodule(module_name)
         module.register_buffer(f"{param}_scale", scale)
         setattr(module, f"{param}_block", block)
+        if tail is not None:
+            module.register_buffer(f"{param}_tail", tail)
 
 
 def fp8_scales(module: torch.nn.Module, param: str) -> tuple[torch.Tensor, tuple[int, int]] | None:
