@@ -27,7 +27,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -37,7 +37,7 @@ from hyla.model.architectures import ARCHITECTURES
 from hyla.model.config import ModelConfig, parse_dtype
 from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
 from hyla.model.quantization import (BLOCK_SCALE, FP8, FP8_DTYPES, INPUT_SCALE, ONLINE_BLOCK, TENSOR_SCALE,
-                                     Fp8Scheme, attach_scales_, block_form, is_fp8, keep_fp8_targets)
+                                     Fp8Scheme, attach_scales_, block_form, fp8_scales, is_fp8, keep_fp8_targets)
 from hyla.model.weight_specs import WeightSpec
 
 _MAX_NAMES_IN_ERROR = 8
@@ -322,16 +322,18 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
         if is_fp8(param):
             module_name, _, name = spec.target.rpartition(".")
             owner_module = module.get_submodule(module_name)
-            block, dtype = getattr(owner_module, f"{name}_block"), module.config.dtype
+            (scale, block), dtype = fp8_scales(owner_module, name), module.config.dtype
             tail = getattr(owner_module, f"{name}_tail", None)
             rows = param.shape[0] - (0 if tail is None else tail.shape[0])
-            if tensors is not None and _rows_of(spec, tensors) == rows and _fp8_block(spec, tensors)[0] == block:
-                value, (scale, _, new_tail) = _build_fp8(spec, param, tensors, prefix, owner, param.device, dtype)
+            plan = _fp8_plan(spec, tensors) if tensors is not None else None
+            if plan is not None and (plan.block, plan.rows) == (block, rows):
+                value, (new_scale, _, new_tail) = _build_fp8(spec, plan, param, tensors, prefix, owner, param.device,
+                                                             dtype)
             else:  # built in the model's dtype, as load_model quantizes it
-                dense = _build(spec, param.new_empty(param.shape, dtype=dtype), get, prefix, owner)
-                value, (scale, _, new_tail) = _quantized_rows(dense, block, rows)
+                dense = _build(spec, torch.empty(param.shape, dtype=dtype, device="meta"), get, prefix, owner)
+                value, (new_scale, _, new_tail) = _quantized_rows(dense, block, rows)
             param.copy_(value)
-            getattr(owner_module, f"{name}_scale").copy_(scale)
+            scale.copy_(new_scale)
             if tail is not None:
                 tail.copy_(new_tail)
         else:
@@ -368,8 +370,8 @@ def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device
 @dataclass
 class KeepFp8:
     """What :func:`build_parameters` keeps float8 (``load_model(keep_fp8=True)``): parameters named
-    in ``targets`` whose sources in ``tensors`` are all quantized and can stay so
-    (:func:`_fp8_block`); their scales and blocks are left in ``scales`` by name."""
+    in ``targets`` whose sources in ``tensors`` are quantized and can stay so (:func:`_fp8_plan`);
+    their scales, blocks and tails are left in ``scales`` by name."""
 
     tensors: TensorReader
     targets: set[str]
@@ -391,8 +393,9 @@ def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], g
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
     for spec in specs:
         target = params[spec.target]
-        if keep is not None and spec.target in keep.targets and _fp8_block(spec, keep.tensors) is not None:
-            state[spec.target], keep.scales[spec.target] = _build_fp8(spec, target, keep.tensors, prefix, owner,
+        plan = _fp8_plan(spec, keep.tensors) if keep is not None and spec.target in keep.targets else None
+        if plan is not None:
+            state[spec.target], keep.scales[spec.target] = _build_fp8(spec, plan, target, keep.tensors, prefix, owner,
                                                                       device, target.dtype)
             continue
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
@@ -427,73 +430,66 @@ def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Te
     return _owned(tensor.to(device=device, dtype=target.dtype).contiguous(), sources)
 
 
-def _fp8_block(spec: WeightSpec, tensors: TensorReader) -> tuple[tuple[int, int], int] | None:
-    """``(block, head)`` of ``spec``'s parameter built in float8 from ``tensors`` as stored: its
-    first ``head`` sources (all of them, or a concatenation's leading ones: the rest, its *tail*,
-    dequantized), or None where none can be. A source is float8 with its scales where it is
-    quantized in the block of the ones before it and, unless it is the last of its matrix, a whole
-    number of blocks tall (else its last scale row would cover the next source's rows). A tail
-    (Qwen3.5's Gated DeltaNet in projection ``[qkv | z | b | a]``, whose ``b`` and ``a`` rows are no
-    whole blocks, or not quantized) is for a plain concatenation (``concat_rows``); a spec that
-    changes values (not ``moves_rows_only``) has none. Headers alone are read."""
+class Fp8Plan(NamedTuple):
+    """How a parameter is built in float8 from a checkpoint's tensors as stored (:func:`_fp8_plan`)."""
+
+    block: tuple[int, int]
+    head: int  # its first sources float8 (all of them, or a concatenation's leading ones; the rest its tail)
+    rows: int  # its dim-0 rows those make (without a tail, all of them)
+
+
+def _fp8_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
+    """How ``spec``'s parameter is built in float8 from ``tensors`` as stored, or None where it cannot
+    be. A source is float8 with its scales where it is quantized in the block of the ones before it
+    and, unless it is the last of its matrix, a whole number of blocks tall (else its last scale row
+    would cover the next source's rows). A tail (Qwen3.5's Gated DeltaNet in projection ``[qkv | z |
+    b | a]``, whose ``b`` and ``a`` rows are no whole blocks, or not quantized) is for a plain
+    concatenation (``concat_rows``); a spec that changes values (not ``moves_rows_only``) has none.
+    Headers alone are read."""
     if not spec.moves_rows_only:
         return None
     n = len(spec.sources)
     group = getattr(spec.combine, "rows_group", 0) or n  # sources per concatenated matrix
-    block, head = None, 0
+    block, head, rows = None, 0, 0
     for i, name in enumerate(spec.sources):
-        if not tensors.quantized(name) or block not in (None, tensors.raw_block(name)):
+        if not tensors.quantized(name):
             break
-        if (i + 1) % group and tensors.meta(name).shape[-2] % tensors.raw_block(name)[0]:
-            break  # (not the last of its matrix, and no whole number of blocks tall)
-        block = tensors.raw_block(name)
-        head += 1
-    if head == n or (head and group == n and head < n and _rows(spec, tensors, head) % block[0] == 0):
-        return block, head
+        own, height = tensors.raw_block(name), tensors.meta(name).shape[-2]
+        if block not in (None, own) or ((i + 1) % group and height % own[0]):
+            break  # (another block; or not the last of its matrix, and no whole number of blocks tall)
+        block, head, rows = own, head + 1, rows + height
+    if head == n:  # every source: the parameter's own rows
+        return Fp8Plan(block, head, spec.build([tensors.meta(name) for name in spec.sources]).shape[0])
+    if head and group == n and rows % block[0] == 0:
+        return Fp8Plan(block, head, rows)
     return None
-
-
-def _rows(spec: WeightSpec, tensors: TensorReader, head: int) -> int:
-    """Rows of ``spec``'s first ``head`` sources, concatenated."""
-    return sum(tensors.meta(name).shape[-2] for name in spec.sources[:head])
-
-
-def _rows_of(spec: WeightSpec, tensors: TensorReader) -> int | None:
-    """How many of the dim-0 rows of ``spec``'s parameter built from ``tensors`` are float8 (a
-    tail's are not; without one, all), or None where it would not be float8. Headers alone."""
-    plan = _fp8_block(spec, tensors)
-    if plan is None:
-        return None
-    if plan[1] < len(spec.sources):
-        return _rows(spec, tensors, plan[1])
-    return spec.build([tensors.meta(name) for name in spec.sources]).shape[0]
 
 
 Fp8Value = tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]]  # weight, (scale, block,
 # tail: the dense rows after the float8 ones, or None)
 
 
-def _build_fp8(spec: WeightSpec, target: torch.Tensor, tensors: TensorReader, prefix: str, owner: str,
+def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: TensorReader, prefix: str, owner: str,
                device: str | torch.device, dtype: torch.dtype) -> Fp8Value:
-    """``spec``'s parameter in float8 from its quantized sources as stored (:func:`_fp8_block`
-    allows it) -> ``(float8 value, (scales, block, tail))``, contiguous on ``device``: a tail's rows
-    zero in the float8 value and its scales, and built in ``dtype`` as any other parameter;
+    """``spec``'s parameter in float8 from its quantized sources as stored, as ``plan`` says
+    (:func:`_fp8_plan`) -> ``(float8 value, (scales, block, tail))``, contiguous on ``device``: a
+    tail's rows zero in the float8 value and its scales, built from its sources in ``dtype``;
     ``ValueError`` as :func:`_build` for a value not of ``target``'s shape."""
-    block, head = _fp8_block(spec, tensors)
-    fp8_names = spec.sources[:head]
+    fp8_names = spec.sources[:plan.head]
     raws = {name: tensors.raw(name) for name in fp8_names}
-    if head == len(spec.sources):
-        value = _build(spec, target.new_empty(target.shape, dtype=FP8), lambda name: raws[name][0], prefix, owner,
-                       device)
-        return value, (spec.build([raws[name][1] for name in fp8_names]).to(device=device).contiguous(), block, None)
-    # a tail: the whole parameter built dense for its shape check and its tail rows, the head as stored
-    dense = _build(spec, target.new_empty(target.shape, dtype=dtype), tensors.get, prefix, owner, device)
-    rows = _rows(spec, tensors, head)
+    if plan.head == len(spec.sources):
+        value = _build(spec, torch.empty(target.shape, dtype=FP8, device="meta"), lambda name: raws[name][0], prefix,
+                       owner, device)
+        scale = spec.build([raws[name][1] for name in fp8_names]).to(device=device).contiguous()
+        return value, (scale, plan.block, None)
+    # a tail (a plain concatenation): the shape checked from the headers, the head as stored, the tail dequantized
+    _build(spec, torch.empty(target.shape, dtype=dtype, device="meta"), tensors.meta, prefix, owner)
     value = torch.zeros(target.shape, dtype=FP8, device=device)
-    value[:rows] = torch.cat([raws[name][0] for name in fp8_names]).to(device)
-    scale = torch.zeros(Fp8Scheme(block).scale_shape(target.shape), dtype=torch.float32, device=device)
-    scale[:rows // block[0]] = torch.cat([raws[name][1] for name in fp8_names]).to(device)
-    return value, (scale, block, dense[rows:].clone())
+    value[:plan.rows] = torch.cat([raws[name][0] for name in fp8_names]).to(device)
+    scale = torch.zeros(Fp8Scheme(plan.block).scale_shape(target.shape), dtype=torch.float32, device=device)
+    scale[:plan.rows // plan.block[0]] = torch.cat([raws[name][1] for name in fp8_names]).to(device)
+    tail = torch.cat([tensors.get(name) for name in spec.sources[plan.head:]]).to(device=device, dtype=dtype)
+    return value, (scale, plan.block, tail)
 
 
 def _quantized_rows(dense: torch.Tensor, block: tuple[int, int], rows: int) -> Fp8Value:

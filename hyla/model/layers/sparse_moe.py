@@ -117,7 +117,7 @@ def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_r
     kernel whose programs read their assignment's expert in place (``gemv.expert_linear``);
     elsewhere, or a K it does not take, a batched GEMV on the gathered weights (a copy of ``A``
     experts' weights, dequantized)."""
-    scale, block = fp8 if fp8 is not None else (None, None)
+    scale, block = _scale_block(fp8)
     if device.on_gpu(x) and x.stride(1) == 1 and device.gpu("gemv").linear_fits(w[0]):
         return device.gpu("gemv").expert_linear(x, w, experts, per_row, scale=scale, block=block)
     xs = x.repeat_interleave(per_row, dim=0) if per_row > 1 else x  # [A, K]
@@ -125,9 +125,10 @@ def expert_matvec(w: torch.Tensor, experts: torch.Tensor, x: torch.Tensor, per_r
     return torch.bmm(ws, xs.unsqueeze(-1)).squeeze(-1)  # [A, N, K] @ [A, K, 1] -> [A, N]
 
 
-def _kernel_scales(fp8: FP8Weight | None) -> dict:
-    """The keyword arguments that give a stacked weight kept in FP8 its scales in a kernel call."""
-    return {} if fp8 is None else {"scale": fp8[0], "block": fp8[1]}
+def _scale_block(fp8: FP8Weight | None) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+    """A stacked weight's ``(scale, block)`` where kept in FP8, else ``(None, None)``: what the kernels
+    and ``moe_experts_fp8`` take for it."""
+    return fp8 if fp8 is not None else (None, None)
 
 
 def _weighted_sum(ys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -277,9 +278,9 @@ class SparseMoE(nn.Module):
             return run_experts_sorted(x, weights, experts, self.w_in, self.w_out, self.gated, fp8_in, fp8_out)
         if fp8_in is None and fp8_out is None:
             return torch.ops.hyla.moe_experts(x, weights, experts, self.w_in, self.w_out, self.gated)
-        scales = {f"{side}_{what}": (None if fp8 is None else list(fp8[1]) if what == "block" else fp8[0])
-                  for side, fp8 in (("in", fp8_in), ("out", fp8_out)) for what in ("scale", "block")}
-        return torch.ops.hyla.moe_experts_fp8(x, weights, experts, self.w_in, self.w_out, self.gated, **scales)
+        (in_scale, in_block), (out_scale, out_block) = _scale_block(fp8_in), _scale_block(fp8_out)
+        return torch.ops.hyla.moe_experts_fp8(x, weights, experts, self.w_in, self.w_out, self.gated, in_scale,
+                                              in_block and list(in_block), out_scale, out_block and list(out_block))
 
     def path(self, x: torch.Tensor) -> str:
         """How ``x``'s tokens run their experts: ``"sorted"`` on the CPU, compiled or not (a host read
@@ -307,9 +308,10 @@ class SparseMoE(nn.Module):
         kernels = device.gpu("moe")  # grouped: sorted by expert into blocks on the device, each block's expert read
         # once
         plan = kernels.plan(experts, self.num_experts)
-        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k, **_kernel_scales(fp8_in)),
+        (in_scale, in_block), (out_scale, out_block) = _scale_block(fp8_in), _scale_block(fp8_out)
+        h = expert_activation(kernels.expert_gemm(x, self.w_in, plan, per_row=k, scale=in_scale, block=in_block),
                               self.gated)  # [A, I]
-        return kernels.expert_gemm(h, self.w_out, plan, per_row=1, **_kernel_scales(fp8_out))  # [A, Hin]
+        return kernels.expert_gemm(h, self.w_out, plan, per_row=1, scale=out_scale, block=out_block)  # [A, Hin]
 
     def run_experts_gathered(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """:meth:`run_experts` as one product per (token, choice) assignment, ``A = T * k`` of them,
