@@ -30,7 +30,10 @@ def _old_sizes(e: Engine) -> tuple[int, int]:
     return min(max(split.num_kv_tokens, 4), 1 << 22), min(max(split.num_state_slots, 8), 4096)
 
 
-def test_default_model_pools_are_sized_for_the_model_and_still_serve():
+def test_default_model_pools_are_sized_for_the_model_and_still_serve(monkeypatch):
+    # one reading of free RAM for the engine and for _old_sizes: other processes' memory moves in between
+    ram = engine_module._available_ram()
+    monkeypatch.setattr(engine_module, "_available_ram", lambda: ram)
     assert default_max_running_requests(torch.device("cpu")) == CPU_MAX_RUNNING_REQUESTS == 32
     assert default_max_running_requests(torch.device("cuda")) == MAX_RUNNING_REQUESTS == 256
     with Engine() as e:

@@ -83,8 +83,21 @@ def test_nemotron_h_layout_and_shapes(nemotron):
     assert c.conv_shape == (384, 3)  # HF: [B, 384, 4]
     assert c.ssm_shape == (8, 32, 32)  # HF: [B, H=8, P=32, N=32]
     assert c.rotary_dim == 0 and not c.zero_centered_norm
-    assert c.mamba_dt_limit == (0.001, math.inf)  # HF hard-codes (time_step_min, inf)
+    assert c.mamba_dt_limit == (0.0, math.inf)  # time_step_limit's default; time_step_min (0.001) only inits
     assert c.router == "sigmoid" and c.hidden_act == "relu2"
+
+
+def test_nemotron_h_dt_clamp_is_time_step_limit():
+    """NemotronH clamps dt to ``time_step_limit`` (legacy ``mamba_dt_limit``, which wins, as in HF's config),
+    as NVIDIA's reference and transformers >= 5.25 do; ``time_step_min`` only initialises ``dt_bias``."""
+    base = hf_dict(transformers.NemotronHConfig(**NEMOTRON_H_KW), "NemotronHForCausalLM")
+    limited = hf_dict(transformers.NemotronHConfig(**NEMOTRON_H_KW, time_step_limit=(0.01, 0.5)), "NemotronHForCausalLM")
+    assert ModelConfig.from_hf(limited).mamba_dt_limit == (0.01, 0.5)
+    assert ModelConfig.from_hf({**base, "time_step_min": 0.2}).mamba_dt_limit == (0.0, math.inf)
+    legacy = {**base, "mamba_dt_limit": [0.02, 0.3], "time_step_limit": [0.01, 0.5]}
+    assert ModelConfig.from_hf(legacy).mamba_dt_limit == (0.02, 0.3)
+    with pytest.raises(ValueError, match="time_step_limit must be"):
+        ModelConfig.from_hf({**base, "time_step_limit": [0.5, 0.1]})
 
 
 def test_state_shapes_match_hf_caches(qwen_moe, nemotron):
@@ -124,13 +137,13 @@ def test_legacy_keys_and_infinity_encoding():
         "hybrid_override_pattern": "M-M*E", "num_attention_heads": 4, "num_key_value_heads": 2,
         "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "mamba_n_groups": 2,
         "mamba_d_conv": 3, "mamba_chunk_size": 32, "mamba_dt_min": 0.01,
-        "time_step_limit": [0.0, {"__float__": "Infinity"}], "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "time_step_limit": [0.02, {"__float__": "Infinity"}], "n_routed_experts": 4, "num_experts_per_tok": 2,
         "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32, "intermediate_size": 32,
     }
     c = ModelConfig.from_hf(nemo)
     assert c.layer_types == ("linear", "mlp", "linear", "attention", "moe")
     assert c.conv_kernel == 3 and c.conv_shape == (64 + 2 * 2 * 8, 2)
-    assert c.mamba_n_groups == 2 and c.mamba_dt_limit == (0.01, math.inf)
+    assert c.mamba_n_groups == 2 and c.mamba_dt_limit == (0.02, math.inf)  # mamba_dt_min only inits dt_bias
     legacy_names = {**nemo, "layers_block_type": ["mamba", "attention", "moe"]}
     del legacy_names["hybrid_override_pattern"]
     assert ModelConfig.from_hf(legacy_names).layer_types == ("linear", "attention", "moe")
@@ -999,7 +1012,7 @@ def test_pure_ssm_layouts_states_and_hf_defaults():
     # its config.json says norm_before_gate: true, which transformers and vLLM ignore (the norm gates first)
     assert not codestral.mamba_norm_before_gate and codestral.mamba_n_groups == 8
     limited = ModelConfig.from_hf({**MAMBA_CODESTRAL_7B, "time_step_limit": [0.01, 0.5]})
-    assert limited.mamba_dt_limit == (0.01, 0.5)  # read as it is (NemotronH's HF mixer ignores it)
+    assert limited.mamba_dt_limit == (0.01, 0.5)  # read as it is
     # no "architectures": HF's model_type names each
     for model_type, arch in (("mamba", "MambaForCausalLM"), ("falcon_mamba", "FalconMambaForCausalLM"),
                              ("mamba2", "Mamba2ForCausalLM")):

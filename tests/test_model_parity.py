@@ -185,20 +185,22 @@ def test_packed_batch_equals_each_alone(models, arch):
             assert max_diff(got[i], hf_logits(hf, s.tokens)[-1]) <= TOL, f"decode step {step}, seq {i}"
 
 
-@pytest.mark.parametrize("make", [make_nemotron_h, make_zamba2], ids=["nemotron_h", "zamba2"])
+@pytest.mark.parametrize("make,limit", [(make_nemotron_h, {"time_step_limit": (0.1, float("inf"))}), (make_zamba2, {})],
+                         ids=["nemotron_h", "zamba2"])
 @torch.no_grad()
-def test_decode_applies_the_time_step_min_clamp_like_prefill(tiny_ckpt_dir, make):
+def test_decode_applies_the_dt_clamp_like_prefill(tiny_ckpt_dir, make, limit):
     """Regression (issue 12, defect 4): decode steps must compute the state a prefill of the same
-    tokens computes, on a checkpoint whose ``time_step_min`` clamp binds (NemotronH's and Zamba2's HF
-    mixers hard-code ``time_step_limit = (time_step_min, inf)``).
+    tokens computes, on a checkpoint whose dt clamp binds: NemotronH's ``time_step_limit``, and
+    Zamba2's ``(time_step_min, inf)``, which its HF mixer hard-codes (as NemotronH's did up to
+    transformers 5.24).
 
-    HF clamps ``softplus(dt + dt_bias)`` at ``time_step_min`` in its chunked (full) forward but not
-    in its decode, so there its decode differs from its own full forward. hyla clamps on both paths:
-    its decode follows HF's full forward, and the cache (which resumes from states left by decode)
-    gives what a cache-off prefill gives.
+    HF clamps ``softplus(dt + dt_bias)`` in its chunked (full) forward but not in its decode, so
+    there its decode differs from its own full forward. hyla clamps on both paths: its decode
+    follows HF's full forward, and the cache (which resumes from states left by decode) gives what
+    a cache-off prefill gives.
     """
     # time_step_min = time_step_max: HF's init centres softplus(dt + dt_bias) on the clamp (binds ~half the time)
-    path = make(tiny_ckpt_dir, time_step_min=0.1, time_step_max=0.1)
+    path = make(tiny_ckpt_dir, time_step_min=0.1, time_step_max=0.1, **limit)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = load_model(path)
     prompt, steps = tokens(40, seed=7), tokens(8, seed=8)

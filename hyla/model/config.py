@@ -519,13 +519,14 @@ def hf_mamba2_fields(cfg: Mapping[str, Any], width_key: str | None = None) -> di
     )
 
 
-def hf_time_step_limit(cfg: Mapping[str, Any]) -> tuple[float, float]:
-    """``time_step_limit`` as a Mamba2 ``mamba_dt_limit`` (Bamba, Granite 4.0-H, Falcon-H1, Mamba2): default
-    (and null) ``(0, inf)``, which never binds; ``ValueError`` unless it is ``(lo, hi)`` with ``lo <= hi``."""
-    limit = cfg.get("time_step_limit", (0.0, math.inf))
-    limit = (0.0, math.inf) if limit is None else tuple(float(v) for v in limit)
+def hf_time_step_limit(cfg: Mapping[str, Any], keys: Sequence[str] = ("time_step_limit",)) -> tuple[float, float]:
+    """``time_step_limit`` (the first of ``keys`` set, as ``hf_first``) as a Mamba2 ``mamba_dt_limit`` (Bamba,
+    Granite 4.0-H, Falcon-H1, Mamba2, NemotronH): default (and null) ``(0, inf)``, which never binds;
+    ``ValueError`` unless it is ``(lo, hi)`` with ``lo <= hi``."""
+    raw = hf_first(cfg, keys, None)
+    limit = (0.0, math.inf) if raw is None else tuple(float(v) for v in raw)
     if len(limit) != 2 or not limit[0] <= limit[1]:
-        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {cfg.get('time_step_limit')}")
+        raise ValueError(f"time_step_limit must be (lo, hi) with lo <= hi, got {raw}")
     return limit
 
 

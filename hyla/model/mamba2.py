@@ -21,7 +21,7 @@ initialisation keys change nothing at inference.
 The dt clamp is ``time_step_limit`` (default ``(0, inf)``, which never binds), applied on every path
 as ``Mamba2Mixer`` applies it; transformers' Mamba2 applies it in its chunked scan only (not in its
 decode), so with a binding limit hyla's decode follows HF's full forward, not HF's decode (see
-docs/models.md). NemotronH differs: HF hard-codes its limit to ``(time_step_min, inf)``.
+docs/models.md). NemotronH's is the same (Zamba2's HF mixer hard-codes ``(time_step_min, inf)``).
 
 Refused (``ValueError``): a conv activation (``hidden_act``) other than ``silu``, ``num_heads *
 head_dim`` other than ``expand * hidden_size`` (transformers refuses it too), and ``rms_norm: false``

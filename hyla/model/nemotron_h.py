@@ -6,9 +6,11 @@ Each block is ``x + mixer(norm(x))`` with exactly one of: a Mamba2 mixer (``M`` 
 shared relu² expert, optional latent projection). The layout comes from ``layers_block_type`` or
 the legacy ``hybrid_override_pattern``; norms are plain RMSNorm (``w``, not ``1 + w``).
 
-Both Mamba2 paths (chunked extend and decode step) clamp ``softplus(dt + dt_bias)`` at
-``time_step_min``; Hugging Face's decode does not, and hyla deliberately differs from it there so
-that prefill and decode compute the same states (see docs/models.md).
+Both Mamba2 paths (chunked extend and decode step) clamp ``softplus(dt + dt_bias)`` to
+``time_step_limit`` (legacy ``mamba_dt_limit``; default ``(0, inf)``, which never binds), as
+transformers >= 5.25 does (transformers <= 5.24 hard-coded ``(time_step_min, inf)``).
+Hugging Face's decode step does not clamp; hyla deliberately differs from it there so that prefill
+and decode compute the same states (see docs/models.md).
 
 Checkpoint names start with ``backbone.`` (``model.`` is accepted too) except ``lm_head.weight``,
 which is always read (HF's NemotronH has no weight tying, whatever ``tie_word_embeddings`` says).
@@ -16,12 +18,11 @@ which is always read (HF's NemotronH has no weight tying, whatever ``tie_word_em
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
 
-from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_first
+from hyla.model.config import HF_LAYER_TYPES, ModelConfig, hf_common_fields, hf_first, hf_time_step_limit
 from hyla.model.layers import (
     HybridForCausalLM,
     HybridLayer,
@@ -109,7 +110,6 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if cfg.get("mamba_hidden_act", "silu") != "silu":
         raise ValueError("NemotronH mamba_hidden_act must be 'silu'")
     uses_moe = "moe" in types
-    time_step_min = float(hf_first(cfg, ("time_step_min", "mamba_dt_min"), 0.001))
     return dict(
         **common,
         model_type="nemotron_h",
@@ -130,8 +130,7 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         mamba_n_groups=int(hf_first(cfg, ("n_groups", "mamba_n_groups"), 8)),
         mamba_conv_bias=bool(hf_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),
-        # HF hard-codes (time_step_min, inf) for NemotronH and ignores config.time_step_limit.
-        mamba_dt_limit=(time_step_min, math.inf),
+        mamba_dt_limit=hf_time_step_limit(cfg, keys=("mamba_dt_limit", "time_step_limit")),
         intermediate_size=int(cfg.get("intermediate_size", 0)),
         hidden_act=act,
         mlp_bias=bool(cfg.get("mlp_bias", False)),

@@ -10,9 +10,9 @@ Per head ``h`` with state ``S [P, N]`` (fp32), scalar ``A[h] < 0`` and ``dt = so
 ``B`` and ``C`` have ``G`` groups, repeated over heads (``repeat_interleave(H // G)``). The chunked
 path is Hugging Face's ``mamba2_chunk_scan`` (intra-chunk "attention" with a stable segment sum,
 chunk states, inter-chunk recurrence, state-to-output); the decode step is HF's
-``mamba2_selective_state_update``. HF's NemotronH clamps ``dt`` to ``(time_step_min, inf)`` in the
+``mamba2_selective_state_update``. HF's Mamba2 mixers clamp ``dt`` to their limit in the
 chunked path only and not in decode; both ops take ``dt_limit`` (``None`` = no clamp) and hyla's
-NemotronH layer passes the config's limit to both, so prefill and decode agree (docs/models.md).
+mixers pass the config's limit to both, so prefill and decode agree (docs/models.md).
 
 Pool rules (see ``varlen.py``): ``ssm_states [S, H, P, N]`` fp32; ``slots[i] == -1`` starts from zeros
 and writes nothing; all reads precede all writes; checkpoint rows are distinct from the batch's own.
