@@ -288,6 +288,19 @@ def cases():
             window=4)
         yield f"paged_extend_attention 8x128 window {n}", lambda: extend_attention.paged_extend_attention(
             r(5, 8, 128), r(64, 1, 128), r(64, 1, 128), table, long(1), long(9, 10, 11, 1, 1), 128**-0.5, window=4)
+        if dt == torch.bfloat16:  # a float8 KV cache (kv_cache_dtype): written rounded, read widened (bf16 q;
+            # named without the dtype: no PDL variant of its own, the bf16 cases check the PDL waits)
+            kb8, vb8, lb8 = kb.to(torch.float8_e4m3fn), vb.to(torch.float8_e4m3fn), r(64, 1, 288).to(torch.float8_e4m3fn)
+            yield "qk_prologue kv=float8", lambda: decode_attention.decode_qk_prologue(
+                qkv, hq, hkv, d, True, kb8, vb8, long(5, 6), f32(hq + hkv, d), 1e-6, rope)
+            yield "paged_decode_attention kv=float8", lambda: decode_attention.paged_decode_attention(
+                r(2, hq, d), kb8, vb8, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:])
+            yield "paged_extend_attention kv=float8", lambda: extend_attention.paged_extend_attention(
+                r(5, hq, d), kb8, vb8, table, long(1), long(9, 10, 11, 1, 1), d**-0.5, gate=r(5, hq, 2 * d)[:, :, d:])
+            yield "latent_decode_attention kv=float8", lambda: latent_attention.paged_latent_decode_attention(
+                r(2, 32, 576), lb8, lb8, ltable, long(1, 2), long(9, 3), 576**-0.5, 512)
+            yield "latent_extend_attention kv=float8", lambda: latent_attention.paged_latent_extend_attention(
+                r(5, 32, 576), lb8, lb8, ltable, long(1), long(9, 10, 11, 12, 13), 576**-0.5, 512)
     # the probe of PDL launches (pdl._probe: launched with PDL wherever it runs)
     yield "pdl_probe pdl", lambda: pdl._probe_kernel[(pdl.PROBE_PROGRAMS,)](
         torch.zeros(pdl.PROBE_PROGRAMS * 32), pdl.PROBE_HOLD_NS, PDL=True, launch_pdl=True)

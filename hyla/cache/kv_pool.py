@@ -29,7 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import copy_rows, to_device
+from hyla.cache.transfer import copy_rows, put_rows_, to_device
 
 
 class KVPool:
@@ -230,7 +230,7 @@ class KVPool:
             return
         si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
         for buf in (*self.k_buffers, *self.v_buffers):
-            buf.index_copy_(0, di, buf.index_select(0, si))
+            put_rows_(buf, di, buf.index_select(0, si))
 
     def copy_from(self, other: "KVPool", src: IndexLike, dst: IndexLike) -> None:
         """K and V of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer: a pool of

@@ -9,7 +9,7 @@ Plain numbers and dtypes: the cache room still imports nothing from ``hyla.model
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -61,6 +61,11 @@ class CacheLayout:
                              f"{self.ssm_shape} are both empty")
         if self.companion is not None and self.companion.companion is not None:
             raise ValueError("a companion layout cannot have a companion of its own")
+
+    def with_kv_dtype(self, dtype: torch.dtype) -> CacheLayout:
+        """This layout with its K/V (and its companion's) kept in ``dtype`` (``kv_cache_dtype``)."""
+        companion = self.companion.with_kv_dtype(dtype) if self.companion is not None else None
+        return replace(self, kv_dtype=dtype, companion=companion)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -38,6 +38,16 @@ def to_device_packed(parts, device: torch.device | str) -> list[torch.Tensor]:
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in host]), host)]
 
 
+def put_rows_(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
+    """``dst[index[i]] = rows[i]`` in place (``index`` distinct, ``rows`` in ``dst``'s dtype): ``index_copy_``,
+    or ``index_put_`` for a float8 ``dst`` (a ``kv_cache_dtype`` KV buffer), which PyTorch's CPU
+    ``index_copy_`` has no kernel for."""
+    if dst.dtype.itemsize == 1 and dst.dtype.is_floating_point:
+        dst.index_put_((index,), rows)
+    else:
+        dst.index_copy_(0, index, rows)
+
+
 # rows moved per transfer in ``copy_rows``: its staging buffers hold at most about this many bytes
 COPY_BLOCK_BYTES = 64 << 20
 
@@ -65,5 +75,5 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
             offset = 0
             for d, s in group:
                 width = s[0].numel()
-                d.index_copy_(0, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
+                put_rows_(d, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
                 offset += width

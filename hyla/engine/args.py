@@ -18,6 +18,7 @@ POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 FP8_WEIGHT_MODES = ("auto", "keep", "dequantize")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8 = fp8_e4m3, as vLLM's
 WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
@@ -49,6 +50,11 @@ class EngineArgs:
         None, "fp8: quantize an unquantized checkpoint's projections and experts to float8 at load (per 128x128 "
               "block, kept as fp8_weights=keep keeps an FP8 checkpoint's; SGLang's and vLLM's --quantization fp8). "
               "Outputs then differ from the unquantized model's by float8's rounding.")
+    kv_cache_dtype: str = _opt(
+        "auto", f"The attention layers' KV cache, one of {KV_CACHE_DTYPES}: auto = dtype; fp8_e4m3 (or fp8) = "
+                "float8 e4m3, half of bf16's bytes per token, so twice the tokens in the same memory (SGLang's and "
+                "vLLM's --kv-cache-dtype; scale 1, values saturate at +-448). Outputs then differ from a KV cache in "
+                "dtype by float8's rounding; the prefix cache still never changes them.")
     cpu_threads: int | None = _opt(
         None, "Torch intra-op threads of a CPU engine (set from the engine's constructor, for its scheduler thread). "
               "Default: the physical cores this process may use (within its CPU quota); OMP_NUM_THREADS in the "
@@ -174,6 +180,8 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantization == "fp8" and self.fp8_weights == "dequantize":
             raise ValueError("quantization='fp8' keeps weights in float8: it contradicts fp8_weights='dequantize'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.overlap_schedule not in OVERLAP_MODES:

@@ -236,6 +236,8 @@ class Engine:
             layout = draft_cache_layout(cfg, self.draft_model.config)
         else:
             layout = cfg.cache_layout
+        if args.kv_cache_dtype != "auto":  # float8 K/V (ops/attention.py: written rounded, read back widened)
+            layout = layout.with_kv_dtype(torch.float8_e4m3fn)
         # each running request holds a state slot, plus one scratch slot per draft token with
         # speculation, plus (draft model) one per beam for the draft state while it drafts
         steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
@@ -317,7 +319,8 @@ class Engine:
         return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}"
                 f"{self._weights_summary()}, "
                 f"device={self.device}{f' (intra-op threads: {self.cpu_threads})' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
-                f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB), "
+                f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB"
+                f"{f', {self.kv_pool.dtype}' if self.args.kv_cache_dtype != 'auto' else ''}), "
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "

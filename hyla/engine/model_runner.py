@@ -517,8 +517,9 @@ class ModelRunner:
                                    avoid=set(WARM_UP_LENS))
             state_rows = _prime_above(len(WARM_UP_LENS) * self.verify_width + 1, avoid={*WARM_UP_LENS, kv_rows})
         pool = lambda rows, shape, dtype: torch.zeros(rows, *shape, dtype=dtype, device=dev)  # noqa: E731
-        k = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
-        v = [pool(kv_rows, (c.num_kv_heads, c.head_dim), c.dtype) for _ in range(c.num_attention_layers)]
+        # the real buffers' rows and dtype (a float8 kv_cache_dtype: the graphs guard on it)
+        k = [pool(kv_rows, buf.shape[1:], buf.dtype) for buf in self.k_buffers]
+        v = [pool(kv_rows, buf.shape[1:], buf.dtype) for buf in self.v_buffers]
         conv = [pool(state_rows, c.conv_shape, c.conv_dtype) for _ in range(c.num_linear_layers)]
         ssm = [pool(state_rows, c.ssm_shape, torch.float32) for _ in range(c.num_linear_layers)]
         # the pools above are ordinary tensors like the engine's; the batches are built under

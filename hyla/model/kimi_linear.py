@@ -80,6 +80,7 @@ from hyla.model.linear import Linear
 from hyla.model.ops.attention import extend_sdpa
 from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, recurrent_kda_update
+from hyla.model.ops.varlen import write_rows_
 from hyla.model.weight_specs import (
     WeightSpec,
     concat_convs,
@@ -398,8 +399,8 @@ def write_latents(latent: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     to ``2 * half``) in the K buffer, the second in the V buffer (``[S, 1, half]``). No host read."""
     half = k_buffer.shape[-1]
     padded = F.pad(latent, (0, 2 * half - latent.shape[1])).to(k_buffer.dtype)  # [T, 2*half]
-    k_buffer.index_copy_(0, out_cache_loc, padded[:, None, :half])
-    v_buffer.index_copy_(0, out_cache_loc, padded[:, None, half:])
+    write_rows_(k_buffer, out_cache_loc, padded[:, None, :half])
+    write_rows_(v_buffer, out_cache_loc, padded[:, None, half:])
 
 
 # --- the model ---------------------------------------------------------------------------------

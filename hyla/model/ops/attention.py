@@ -55,8 +55,8 @@ def paged_attention(
     """
     _check_inputs(q, k, v, k_buffer, out_cache_loc, kv_indptr, prefix_lens, extend_lens)
     check_window(window)
-    k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
-    v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
+    write_rows_(k_buffer, out_cache_loc, k.to(k_buffer.dtype))
+    write_rows_(v_buffer, out_cache_loc, v.to(v_buffer.dtype))
     return _attend(q, k_buffer, v_buffer, kv_indices, kv_indptr, prefix_lens, extend_lens, scaling, tree_masks,
                    kv_starts, window)
 

@@ -22,7 +22,7 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
-from hyla.cache.transfer import to_device, to_device_packed
+from hyla.cache.transfer import put_rows_, to_device, to_device_packed
 
 T = TypeVar("T")
 
@@ -307,13 +307,13 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Te
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
 
-    Eager: ``index_copy_``. Under ``torch.compile``: ``index_put_``, which the compiler keeps in
+    Eager: ``index_copy_`` (``index_put_`` into a float8 KV buffer: ``transfer.put_rows_``). Under ``torch.compile``: ``index_put_``, which the compiler keeps in
     place on the pool (and fuses into the kernel computing ``values``); an ``index_copy_`` into a
     graph input would be functionalised into a copy of the whole pool every step."""
     if torch.compiler.is_compiling():
         pool.index_put_((index,), values)
     else:
-        pool.index_copy_(0, index, values)
+        put_rows_(pool, index, values)
 
 
 # --- chunk math ------------------------------------------------------------------------------

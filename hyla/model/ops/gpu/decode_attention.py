@@ -34,6 +34,7 @@ import triton.language as tl
 
 from hyla.model.ops import attention
 from hyla.model.ops.gpu import pdl
+from hyla.model.ops.gpu.fp8 import store_rounded
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, window,
         slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
         kv_off = slot[:, None] * kv_stride_s + d[None, :]
         kv_mask = mn[:, None] & md[None, :]
-        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        keys = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [BN, BD] (float8 K/V widened)
         if IEEE:
             s = tl.dot(q, tl.trans(keys), input_precision="ieee")
         else:
@@ -68,7 +69,7 @@ def _attend_split(q, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, window,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)  # [BN, BD]
+        values = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0).to(q.dtype)  # [BN, BD]
         if IEEE:
             pv = tl.dot(p, values.to(tl.float32), input_precision="ieee")
         else:
@@ -255,8 +256,8 @@ def _qk_prologue_kernel(qkv_ptr, qkv_stride, scale_ptr, pos_ptr, inv_freq_ptr, l
     tl.store(q_ptr + (i * HQ + h) * D + d, y, mask=md & is_q)
     slot = tl.load(loc_ptr + i).to(tl.int64)
     kv = slot * kv_stride_s + j * D + d
-    tl.store(k_ptr + kv, y.to(k_ptr.dtype.element_ty), mask=md & ~is_q & ~is_v)
-    tl.store(v_ptr + kv, y.to(v_ptr.dtype.element_ty), mask=md & is_v)
+    store_rounded(k_ptr + kv, y, md & ~is_q & ~is_v)  # (a float8 buffer: rounded as PyTorch rounds)
+    store_rounded(v_ptr + kv, y, md & is_v)
 
 
 def decode_qk_prologue(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, output_gate: bool,

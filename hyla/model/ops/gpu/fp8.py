@@ -17,6 +17,9 @@ the model dtype's, as for an unquantized model (no FP8 tensor cores, no activati
 
 The sums run in another order than cuBLAS's on the dequantized weight: bf16 outputs may differ in
 the last bit. Not yet timed on a GPU: ``GEMV_ROWS`` and ``TILES`` are a first choice, not measured.
+
+:func:`store_rounded` is how a kernel writes a KV buffer that may be float8 (``kv_cache_dtype``):
+the value PyTorch's cast gives, so a kernel's writes and the PyTorch ops' agree to the bit.
 """
 
 from __future__ import annotations
@@ -26,6 +29,30 @@ import triton
 import triton.language as tl
 
 from hyla.model.ops.gpu import gemv, pdl
+
+@triton.jit
+def e4m3_round(x):
+    """fp32 ``x`` rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448), in fp32:
+    ``x.to(torch.float8_e4m3fn)``'s value. Computed in exact fp32 steps (a power-of-two scale, floor), so
+    the cast that follows is exact: Triton's interpreter casts to float8 otherwise than a GPU does."""
+    a = tl.minimum(tl.abs(x), 448.0)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade; subnormals: the least normal's
+    v = a * ((130 - e) << 23).to(tl.float32, bitcast=True)  # a / 2^(e-3): 3 mantissa bits above the point
+    f = tl.floor(v)
+    up = (v - f > 0.5) | ((v - f == 0.5) & ((f.to(tl.int32) & 1) == 1))
+    r = tl.where(up, f + 1.0, f) * ((e + 124) << 23).to(tl.float32, bitcast=True)  # times 2^(e-3)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def store_rounded(ptr, x, mask):
+    """``tl.store(ptr, x.to(element type), mask)``; into a float8 e4m3 buffer, rounded as PyTorch rounds
+    (:func:`e4m3_round`)."""
+    if ptr.dtype.element_ty == tl.float8e4nv:
+        tl.store(ptr, e4m3_round(x.to(tl.float32)).to(tl.float8e4nv), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
 
 GEMV_ROWS = 16  # at most this many rows take gemv.linear (its loop re-reads x per row; the weight once)
 # the GEMM's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): BLOCK_K divides 128 (a 128 x 128 block's tiles

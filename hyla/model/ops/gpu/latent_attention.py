@@ -59,8 +59,8 @@ def _attend_latent(q1, q2, table, k_ptr, v_ptr, kv_stride_s, start, end, lens, s
         slot = tl.load(table + n, mask=mn, other=0).to(tl.int64)
         off = slot[:, None] * kv_stride_s + d[None, :]
         mask = mn[:, None] & md[None, :]
-        k1 = tl.load(k_ptr + off, mask=mask, other=0.0)  # [BN, BD]: the latents' first halves
-        k2 = tl.load(v_ptr + off, mask=mask, other=0.0)  # and their second
+        k1 = tl.load(k_ptr + off, mask=mask, other=0.0).to(q1.dtype)  # [BN, BD]: the latents' first halves
+        k2 = tl.load(v_ptr + off, mask=mask, other=0.0).to(q1.dtype)  # and their second (float8: widened)
         if IEEE:
             s = tl.dot(q1, tl.trans(k1), input_precision="ieee") + tl.dot(q2, tl.trans(k2), input_precision="ieee")
         else:
