@@ -34,7 +34,8 @@
 #   fp8      FP8 weights kept in float8: their kernels and engines against the dequantized model
 #            (tests/test_fp8_kernels.py, test_model_quantization.py's gpu tests), then decode and TTFT of the benchmark
 #            model quantized at load (gpu_decode.py --quantization fp8 --hyla-only; the bf16 numbers: the decode
-#            stage) and of the model with MoE layers (~4 min)
+#            stage) and of the model with MoE layers; a float8 KV cache: its kernels and engines
+#            (tests/test_kv_cache_fp8.py), and decode after 4,096 tokens against bf16 KV (kv_cache_dtype.py) (~6 min)
 #   spec     benchmarks/speculative.py --part gpu and --part mtp-gpu: n-gram and MTP speculation on vs off, every
 #            step from CUDA graphs (the MTP head's drafts too), and MTP trees (top-2, 6 nodes) beside the chains (~5 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
@@ -114,11 +115,14 @@ for s in "$@"; do
         zamba2) timeout 300 python3 benchmarks/gpu_decode.py --zamba2 --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                   --json "$out/gpu_decode_zamba2.json" 2>&1 | tee "$out/zamba2.log" | tail -20 ;;
         fp8) timeout 200 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fp8_kernels.py \
+                 tests/test_kv_cache_fp8.py \
                  "tests/test_model_quantization.py::test_gpu_engine_with_kept_fp8_weights" 2>&1 | tee "$out/fp8.log" | tail -8
              timeout 240 python3 benchmarks/gpu_decode.py --quantization fp8 --batches 1,8,64 --repeats 5 --hyla-only \
                  --no-write --json "$out/gpu_decode_fp8.json" 2>&1 | tee -a "$out/fp8.log" | tail -14
              timeout 200 python3 benchmarks/gpu_decode.py --moe --quantization fp8 --batches 1,8 --repeats 3 --hyla-only \
-                 --no-write 2>&1 | tee -a "$out/fp8.log" | grep -E "decode, batch|prefill|TTFT|Error|error" ;;
+                 --no-write 2>&1 | tee -a "$out/fp8.log" | grep -E "decode, batch|prefill|TTFT|Error|error"
+             timeout 200 python3 benchmarks/kv_cache_dtype.py --device cuda --gpu-model --repeats 3 --context 4096 \
+                 --batch 32 --no-write 2>&1 | tee -a "$out/fp8.log" | tail -12 ;;
         spec) timeout 200 python3 benchmarks/speculative.py --part gpu --repeats 3 --new-tokens 128 2>&1 \
                   | tee "$out/spec.log" | tail -12
               timeout 200 python3 benchmarks/speculative.py --part mtp-gpu --repeats 3 --new-tokens 128 2>&1 \

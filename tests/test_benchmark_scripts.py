@@ -393,3 +393,14 @@ def test_mixed_chunk_measures_the_streams_during_a_long_prefill(qwen3_next_dense
     # the last one's stream token can be stamped by its consumer thread after the long prompt's answer
     # closed the window (a loaded machine: 4 once), so 4 or more
     assert tokens[True] >= 4 and tokens[False] <= 1
+
+
+def test_kv_cache_dtype_measures_float8_against_auto():
+    """The tiny model, one round: every metric for both engines, the bytes per token a quarter in fp32, and
+    the outputs' comparison."""
+    out = _run("benchmarks/kv_cache_dtype.py", "--tiny", "--repeats", "1", "--context", "48", "--new-tokens", "4",
+               "--prompts", "2", "--batch", "2", "--no-write")
+    rows = {r.split("|")[1].strip(): r.split("|")[2:5] for r in out.splitlines() if r.startswith("| ") and "---" not in r}
+    assert len(rows) == 6 and rows["KV bytes per token"][2].strip() == "0.25x"
+    assert all(float(r[2].strip().rstrip("x")) > 0 for name, r in rows.items() if name != "measurement")
+    assert "tokens (" in out and "equal up to each request's first divergence" in out

@@ -53,6 +53,27 @@ def test_policy_and_size_lists_plot_and_output(tmp_path, capsys):
     assert json.loads(out_file.read_text())["results"] == results
 
 
+def test_a_float8_kv_cache_fits_a_prefix_the_models_dtype_does_not(tmp_path, capsys):
+    """``--kv-cache-dtype fp8_e4m3``: the model's KV at a byte per element (half of NemotronH's bf16), as the
+    engine's option keeps it; in a cache with room for turn 0's state and its 340 tokens' KV in float8 but not in
+    bf16, turn 1 hits only with float8."""
+    from hyla.sim.models import resolve_model
+
+    bf16, fp8 = resolve_model("nemotron-h-8b"), resolve_model("nemotron-h-8b", "fp8_e4m3")
+    assert fp8.kv_bytes_per_token * 2 == bf16.kv_bytes_per_token and fp8.name == "nemotron-h-8b (fp8 KV)"
+    assert fp8.state_bytes_per_slot == bf16.state_bytes_per_slot
+    size = bf16.state_bytes_per_slot + 345 * fp8.kv_bytes_per_token
+    hits = {}
+    for kv in ("auto", "fp8_e4m3"):
+        assert hyla_main(["sim", str(_trace(tmp_path)), "--model", "nemotron-h-8b", "--cache-size", str(size),
+                          "--kv-cache-dtype", kv, "--json", "--no-progress"]) == 0
+        out = _last_json(capsys)
+        hits[kv] = out["cached_tokens"]
+    assert hits == {"auto": 0, "fp8_e4m3": 339}
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        resolve_model("nemotron-h-8b", "int8")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--cache-size", "4XB"], "bad size"),
     (["--policy", "lru,fifo"], "unknown policy fifo"),
@@ -146,6 +167,14 @@ def test_engine_replay_with_a_host_tier_prints_its_hits(tmp_path, capsys):
     assert outs[1]["cached_tokens_per_request"] == [0, 0, 339]  # all turn 0 fed, back from the host
     assert outs[1]["host_hit_tokens"] == 339 and outs[1]["host_kv_tokens"] == 1024
     assert outs[1]["host_saved_tokens"] >= 339 and outs[1]["host_loaded_tokens"] > 0
+    # a host tier given in GiB holds twice the tokens of a float8 KV cache (the engine's kv_cache_dtype)
+    sized = {"enable_hierarchical_cache": True, "hicache_size": 1}
+    tokens = []
+    for kv in ("auto", "fp8"):
+        assert hyla_main(["sim", str(path), "--model", "nemotron-h-8b", "--engine",
+                          json.dumps({**pools, **sized, "kv_cache_dtype": kv}), "--json"]) == 0
+        tokens.append(_last_json(capsys)["host_kv_tokens"])
+    assert tokens[1] == pytest.approx(2 * tokens[0], rel=1e-3)
 
 
 ENGINE = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16})
@@ -156,6 +185,7 @@ ENGINE = json.dumps({"max_total_tokens": 4096, "max_state_slots": 16})
     (["--cache-size", "1GB"], "--cache-size does not apply with --engine"),
     (["--plot", "x.png"], "--plot does not apply with --engine"),
     (["--policy", "hyla", "--cache-size", "4GB"], "--policy, --cache-size do not apply with --engine"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype does not apply with --engine"),
 ])
 def test_policy_options_are_refused_with_engine(tmp_path, capsys, argv, message):
     """--engine replays the engine's own eviction and pools: a policy, cache size or plot would be ignored."""

@@ -32,6 +32,16 @@ def check_weight_version(value: Any) -> None:
         raise ValueError(f"weight_version must be a non-empty string, got {value!r}")
 
 
+def kv_cache_torch_dtype(name: str):
+    """The KV buffers' dtype of ``kv_cache_dtype`` ``name``: None for ``auto`` (the model's), else
+    ``torch.float8_e4m3fn``; ``ValueError`` for a name not in ``KV_CACHE_DTYPES``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    import torch  # (here: the CLI imports this module for its flags, and --help must not wait for torch)
+
+    return None if name == "auto" else torch.float8_e4m3fn
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 

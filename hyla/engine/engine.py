@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hyla.cache import CacheLedger, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
-from hyla.engine.args import EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes
+from hyla.engine.args import (EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes,
+                              kv_cache_torch_dtype)
 from hyla.engine.cache_manager import CacheManager
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
@@ -236,8 +237,9 @@ class Engine:
             layout = draft_cache_layout(cfg, self.draft_model.config)
         else:
             layout = cfg.cache_layout
-        if args.kv_cache_dtype != "auto":  # float8 K/V (ops/attention.py: written rounded, read back widened)
-            layout = layout.with_kv_dtype(torch.float8_e4m3fn)
+        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype)
+        if kv_dtype is not None:  # float8 K/V (docs/engine.md: written rounded, read back widened)
+            layout = layout.with_kv_dtype(kv_dtype)
         # each running request holds a state slot, plus one scratch slot per draft token with
         # speculation, plus (draft model) one per beam for the draft state while it drafts
         steps, topk = args.speculative_num_steps, args.speculative_eagle_topk
@@ -316,11 +318,12 @@ class Engine:
     def summary(self) -> str:
         cfg = self.model_config
         kinds = ", ".join(f"{k}={v}" for k, v in _count_layer_kinds(cfg).items())
+        kv_dtype = f", {str(self.kv_pool.dtype).split('.')[-1]}" if self.args.kv_cache_dtype != "auto" else ""
         return (f"hyla engine: model={self.model_path} ({cfg.architecture}, {kinds}), dtype={self.args.dtype}"
                 f"{self._weights_summary()}, "
                 f"device={self.device}{f' (intra-op threads: {self.cpu_threads})' if self.cpu_threads else ''}, KV pool={self.kv_pool.size} tokens "
                 f"({self.kv_pool.size * self.kv_pool.bytes_per_token / 2**20:.1f} MiB"
-                f"{f', {self.kv_pool.dtype}' if self.args.kv_cache_dtype != 'auto' else ''}), "
+                f"{kv_dtype}), "
                 f"state pool={self.state_pool.size} slots "
                 f"({self.state_pool.size * self.state_pool.bytes_per_slot / 2**20:.1f} MiB), "
                 f"max_running_requests={self.max_running_requests}, context_length={self.context_length}, "

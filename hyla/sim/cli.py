@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hyla.cli import check_output_path
+from hyla.engine.args import KV_CACHE_DTYPES
 from hyla.sim.models import PRESETS, resolve_model
 from hyla.sim.policies import POLICIES
 from hyla.sim.simulator import SimConfig, SimResult, simulate
@@ -77,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-size", default=None,
                         help="comma-separated cache sizes, e.g. 1GB,4GB (default 4GB; sweep: 1,2,3,4,5,10 GB; "
                              "not with --engine)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the model's KV as the engine's --kv-cache-dtype keeps it: auto (its dtype) or fp8_e4m3 "
+                             "(a byte per element: twice bf16's tokens in a cache size; not with --engine, whose "
+                             "options take kv_cache_dtype)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object, last")
     parser.add_argument("--output", default=None, help="also write the JSON results to this file")
     parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy "
@@ -99,7 +104,9 @@ def _check_options(args: argparse.Namespace) -> None:
         if args.sweep:
             raise ValueError("--engine replays a TRACE, not a --sweep")
         given = [flag for flag, value in (("--policy", args.policy), ("--cache-size", args.cache_size),
-                                          ("--plot", args.plot), ("--rates", args.rates)) if value is not None]
+                                          ("--plot", args.plot), ("--rates", args.rates),
+                                          ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else 1))
+                 if value is not None]
         if given:
             raise ValueError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply with --engine (the "
                              "engine's own eviction and its max_total_tokens / max_state_slots replace the "
@@ -137,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_trace(args: argparse.Namespace) -> dict[str, Any]:
     trace = load_trace(args.trace)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.kv_cache_dtype)
     policies = _policies(args.policy or "hyla")
     sizes = [parse_size(s) for s in _csv(args.cache_size or "4GB")]
     results: list[SimResult] = []
@@ -196,11 +203,12 @@ def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     rates = [float(r) for r in _csv(args.rates)] if args.rates else list(SHAREGPT_RATES)
     sizes = [parse_size(s) / GB for s in _csv(args.cache_size)] if args.cache_size else list(SHAREGPT_CACHE_GB)
     policies = _policies(args.policy or ",".join(POLICIES))
-    resolve_model(args.model)  # fail early on a bad model
+    resolve_model(args.model, args.kv_cache_dtype)  # fail early on a bad model
     sessions = build_sessions(num_sessions=args.sessions)
     start = time.perf_counter()
     points = run_sharegpt_sweep(sessions, policies, rates, sizes, args.model, args.words_per_minute,
-                                workers=args.workers, show_progress=not args.no_progress)
+                                workers=args.workers, show_progress=not args.no_progress,
+                                kv_cache_dtype=args.kv_cache_dtype)
     elapsed = time.perf_counter() - start
     summary = summarize(points)
     print(f"{len(rates) * len(sizes)} configurations x {len(policies)} policies, {len(sessions)} sessions, "

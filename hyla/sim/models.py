@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -57,6 +57,7 @@ from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
 from hyla.cache.memory import INDEX_ONLY_KV_TOKENS
 from hyla.cache.state_pool import StatePool
+from hyla.engine.args import kv_cache_torch_dtype
 from hyla.model.flops import context_sum
 from hyla.sim.presets import HF_CONFIGS
 
@@ -82,6 +83,14 @@ class CostModel:
                 f"{self.name}: the simulator needs a hybrid model with recurrent state ({self.state_bytes_per_slot} "
                 f"B/slot; KV {self.kv_bytes_per_token} B/token, none for a pure state-space model)"
             )
+
+    def with_kv_cache_dtype(self, kv_cache_dtype: str) -> CostModel:
+        """This model with its KV in the engine's ``kv_cache_dtype`` (``auto``: as it is; ``fp8_e4m3``: a
+        byte per element, named so)."""
+        dtype = kv_cache_torch_dtype(kv_cache_dtype)
+        if dtype is None:
+            return self
+        return replace(self, name=f"{self.name} (fp8 KV)", layout=self.layout.with_kv_dtype(dtype))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -177,8 +186,13 @@ def _preset_from_hf(name: str) -> CostModel:
 PRESETS = ("marconi-7b", *HF_CONFIGS)
 
 
-def resolve_model(spec: str) -> CostModel:
-    """A preset name or a path to a ``config.json`` (or to a directory holding one)."""
+def resolve_model(spec: str, kv_cache_dtype: str = "auto") -> CostModel:
+    """A preset name or a path to a ``config.json`` (or to a directory holding one), its KV in
+    ``kv_cache_dtype`` (the engine's option: ``auto``, ``fp8_e4m3``)."""
+    return _resolve_model(spec).with_kv_cache_dtype(kv_cache_dtype)
+
+
+def _resolve_model(spec: str) -> CostModel:
     if spec == "marconi-7b":
         return marconi_7b()
     if spec in PRESETS:

@@ -46,10 +46,10 @@ def _init_worker(sessions: list[Session]) -> None:
     _WORKER_SESSIONS = sessions
 
 
-def _run_task(task: tuple[float, str, str, tuple[float, ...], float]) -> list[SweepPoint]:
+def _run_task(task: tuple[float, str, str, tuple[float, ...], float, str]) -> list[SweepPoint]:
     """One rate and policy over all cache sizes (the trace is built once per task)."""
-    rate, policy, model_spec, cache_gbs, wpm = task
-    model = resolve_model(model_spec)
+    rate, policy, model_spec, cache_gbs, wpm, kv_cache_dtype = task
+    model = resolve_model(model_spec, kv_cache_dtype)
     trace = sessions_to_trace(_WORKER_SESSIONS, rate, wpm)
     return [
         SweepPoint(rate, gb, simulate(trace, SimConfig(model, policy, int(gb * GB))))
@@ -66,9 +66,11 @@ def run_sharegpt_sweep(
     words_per_minute: float = 90.0,
     workers: int = 2,
     show_progress: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> list[SweepPoint]:
-    """Every (rate, cache size, policy); ``workers > 1`` runs tasks on a process pool."""
-    tasks = [(r, p, model_spec, tuple(cache_gbs), words_per_minute) for r in rates for p in policies]
+    """Every (rate, cache size, policy); ``workers > 1`` runs tasks on a process pool. ``kv_cache_dtype``: the
+    model's KV as the engine's option keeps it (``resolve_model``)."""
+    tasks = [(r, p, model_spec, tuple(cache_gbs), words_per_minute, kv_cache_dtype) for r in rates for p in policies]
     points: list[SweepPoint] = []
     progress = tqdm(total=len(tasks) * len(cache_gbs), desc="sweep", unit="config", disable=not show_progress)
     if workers <= 1:
