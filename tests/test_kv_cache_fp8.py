@@ -252,3 +252,18 @@ def test_fused_decode_over_a_float8_kv_cache(qwen3_5_short_path, monkeypatch):
         b = _two_turns(other, fused=not GPU, requests=3)
         assert all(buf.dtype == F8 for buf in other.kv_pool.k_buffers)
     assert compare_outputs(a, b, FP8_KV_TOL) > 0.9 * sum(len(o["output_ids"]) for o in a)
+
+
+def test_widened_is_pytorchs_cast_of_every_byte():
+    """``attention.widened`` (the CPU's table of the 256 bytes' values) == PyTorch's cast, for every byte
+    (the NaN codes too) and every dtype a pool is read in; other dtypes pass through ``.to``."""
+    from hyla.model.ops.attention import widened
+
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(F8).view(4, 4, 16)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got, ref = widened(every, dtype), every.to(dtype)
+        assert got.dtype == dtype and got.shape == ref.shape
+        assert torch.equal(got.view(-1)[~ref.view(-1).isnan()], ref.view(-1)[~ref.view(-1).isnan()])
+        assert torch.equal(got.isnan(), ref.isnan())
+    x = torch.randn(3, 5)
+    assert torch.equal(widened(x.bfloat16(), torch.float32), x.bfloat16().float())

@@ -29,7 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import copy_rows, put_rows_, to_device
+from hyla.cache.transfer import as_bytes, copy_rows, to_device
 
 
 class KVPool:
@@ -229,8 +229,8 @@ class KVPool:
         if s.size == 0 or self.accounting:
             return
         si, di = to_device(s, torch.long, self.device), to_device(d, torch.long, self.device)
-        for buf in (*self.k_buffers, *self.v_buffers):
-            put_rows_(buf, di, buf.index_select(0, si))
+        for buf in map(as_bytes, (*self.k_buffers, *self.v_buffers)):  # (float8 buffers as their bytes)
+            buf.index_copy_(0, di, buf.index_select(0, si))
 
     def copy_from(self, other: "KVPool", src: IndexLike, dst: IndexLike) -> None:
         """K and V of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer: a pool of

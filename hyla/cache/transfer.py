@@ -38,14 +38,16 @@ def to_device_packed(parts, device: torch.device | str) -> list[torch.Tensor]:
     return [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in host]), host)]
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor (a ``kv_cache_dtype`` KV buffer) viewed as ``uint8``, for the row copies PyTorch has no
+    float8 kernels of (``index_copy_`` on a CPU); any other tensor as it is."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
 def put_rows_(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> None:
     """``dst[index[i]] = rows[i]`` in place (``index`` distinct, ``rows`` in ``dst``'s dtype): ``index_copy_``,
-    or ``index_put_`` for a float8 ``dst`` (a ``kv_cache_dtype`` KV buffer), which PyTorch's CPU
-    ``index_copy_`` has no kernel for."""
-    if dst.dtype.itemsize == 1 and dst.dtype.is_floating_point:
-        dst.index_put_((index,), rows)
-    else:
-        dst.index_copy_(0, index, rows)
+    a float8 ``dst`` as its bytes (:func:`as_bytes`)."""
+    as_bytes(dst).index_copy_(0, index, as_bytes(rows))
 
 
 # rows moved per transfer in ``copy_rows``: its staging buffers hold at most about this many bytes
@@ -59,7 +61,8 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
     prefix's copy needs no buffer of its size) and scattered where they go. Each transfer is a
     plain copy, which waits for the device: the rows a move to the host reads are those the kernels
     queued before it wrote, and the host may read the copy at once."""
-    pairs = [(d, s) for d, s in zip(dst, src, strict=True) if s.numel()]  # (a conv-only model's empty SSM buffers)
+    # (a conv-only model's empty SSM buffers left out; float8 KV buffers moved as their bytes)
+    pairs = [(as_bytes(d), as_bytes(s)) for d, s in zip(dst, src, strict=True) if s.numel()]
     n = len(src_rows)
     if not pairs or not n:
         return
@@ -75,5 +78,5 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
             offset = 0
             for d, s in group:
                 width = s[0].numel()
-                put_rows_(d, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
+                d.index_copy_(0, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
                 offset += width

@@ -77,7 +77,7 @@ from hyla.model.layers import (
 )
 from hyla.model.layers.device import fla_prefill, gpu, on_gpu
 from hyla.model.linear import Linear
-from hyla.model.ops.attention import extend_sdpa
+from hyla.model.ops.attention import extend_sdpa, widened
 from hyla.model.ops.conv1d import causal_conv1d_update
 from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, recurrent_kda_update
 from hyla.model.ops.varlen import write_rows_
@@ -329,7 +329,7 @@ def latent_paged_attention(
             raise ValueError(f"sequence {i}: kv_indptr gives {indptr[i + 1] - indptr[i]} slots, "
                              f"expected {prefix + extend}")
         slots = kv_indices[indptr[i] : indptr[i + 1]]
-        keys = read_latents(k_buffer, v_buffer, slots, width)[None].to(q.dtype)  # [1, L, W]
+        keys = widened(read_latents(k_buffer, v_buffer, slots, width), q.dtype)[None]  # [1, L, W]
         oi = extend_sdpa(q[start : start + extend].transpose(0, 1), keys, keys[..., :value_dim], prefix,
                          tree_masks[i] if tree_masks is not None else None, scaling)  # [H, E, value_dim]
         out[start : start + extend] = oi.transpose(0, 1)
@@ -346,7 +346,7 @@ def latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     the step's table — so a compiled decode graph traces it once for every context length."""
     b, heads, width = q.shape
     length = kv_table.shape[1]
-    keys = read_latents(k_buffer, v_buffer, kv_table.reshape(-1), width).view(b, length, width).float()
+    keys = widened(read_latents(k_buffer, v_buffer, kv_table.reshape(-1), width), torch.float32).view(b, length, width)
     scores = torch.matmul(q.float() * scaling, keys.transpose(-1, -2))  # [B, H, Lk]
     if kv_mask is not None:
         scores += kv_mask.view(b, 1, length)

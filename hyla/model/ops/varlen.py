@@ -307,7 +307,8 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Te
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
 
-    Eager: ``index_copy_`` (``index_put_`` into a float8 KV buffer: ``transfer.put_rows_``). Under ``torch.compile``: ``index_put_``, which the compiler keeps in
+    Eager: ``index_copy_`` (into a float8 KV buffer as bytes: ``transfer.put_rows_``). Under
+    ``torch.compile``: ``index_put_``, which the compiler keeps in
     place on the pool (and fuses into the kernel computing ``values``); an ``index_copy_`` into a
     graph input would be functionalised into a copy of the whole pool every step."""
     if torch.compiler.is_compiling():
