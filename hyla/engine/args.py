@@ -55,7 +55,7 @@ class EngineArgs:
         "auto", f"An FP8 checkpoint's weights, one of {FP8_WEIGHT_MODES}: keep = projections and experts stay float8 "
                 "with their scales (half of bf16's memory; Triton kernels dequantize them as they read them on a "
                 "GPU, PyTorch per step elsewhere), dequantize = every weight converted to dtype at load; auto = keep "
-                "on CUDA (and with quantization='fp8'), dequantize on CPU.")
+                "on CUDA of compute capability 8.9 or more (and with quantization='fp8'), dequantize elsewhere.")
     quantization: str | None = _opt(
         None, "fp8: quantize an unquantized checkpoint's projections and experts to float8 at load (per 128x128 "
               "block, kept as fp8_weights=keep keeps an FP8 checkpoint's; SGLang's and vLLM's --quantization fp8). "

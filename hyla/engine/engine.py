@@ -53,6 +53,7 @@ from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.loader import read_quantization
+from hyla.model.ops import gpu as gpu_ops
 from hyla.model.quantization import is_fp8
 from hyla.model.mtp import MtpHead, mtp_cache_layout
 
@@ -126,6 +127,7 @@ class Engine:
             self.cpu_threads = set_cpu_threads(self.args.cpu_threads)  # one per physical core unless set
 
         self.checkpoint_quantization = read_quantization(path)  # an FP8 checkpoint's scheme (or None)
+        self._check_float8()
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8,
                                 quantize_fp8=self.args.quantization == "fp8")
         self.model_config = self.model.config
@@ -337,10 +339,26 @@ class Engine:
 
     @property
     def keeps_fp8(self) -> bool:
-        """Whether an FP8 checkpoint's weights stay float8 (``fp8_weights``; auto: on CUDA, or
-        ``quantization="fp8"``)."""
+        """Whether an FP8 checkpoint's weights stay float8 (``fp8_weights``; auto: on a CUDA device whose kernels
+        take float8 (compute capability 8.9 on), or ``quantization="fp8"``)."""
         mode = self.args.fp8_weights
-        return mode == "keep" or (mode == "auto" and (self.device.type == "cuda" or self.args.quantization == "fp8"))
+        on_gpu = self.device.type == "cuda" and gpu_ops.float8_supported(self.device)
+        return mode == "keep" or (mode == "auto" and (on_gpu or self.args.quantization == "fp8"))
+
+    def _check_float8(self) -> None:
+        """``ValueError`` for float8 a CUDA device's kernels cannot take (compute capability below 8.9: Triton
+        has no float8 e4m3 there): kept FP8 weights (``fp8_weights="keep"``, ``quantization="fp8"``) or a float8
+        KV cache. ``fp8_weights="auto"`` dequantizes there instead."""
+        if gpu_ops.float8_supported(self.device):
+            return
+        asked = [what for what, on in (("fp8_weights='keep'", self.args.fp8_weights == "keep"),
+                                       ("quantization='fp8'", self.args.quantization == "fp8"),
+                                       (f"kv_cache_dtype={self.args.kv_cache_dtype!r}", self.args.kv_cache_dtype != "auto"))
+                 if on]
+        if asked:
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ValueError(f"{', '.join(asked)}: {self.device} (compute capability {major}.{minor}) has no float8 "
+                             f"kernels (Triton's float8 e4m3 needs 8.9: Ada, Hopper and later); leave them off here")
 
     def _weights_summary(self) -> str:
         q = self.checkpoint_quantization

@@ -50,6 +50,16 @@ def available(device: torch.device | str) -> bool:
     return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
+FLOAT8_MIN_CAPABILITY = (8, 9)  # Triton's float8 e4m3 (fp8e4nv): Ada and Hopper on; A100 (8.0) has none
+
+
+def float8_supported(device: torch.device | str) -> bool:
+    """Whether ``device``'s kernels can read and write float8 e4m3 (FP8 weights kept, a float8 KV cache):
+    any device but CUDA (PyTorch's paths), or a CUDA device of compute capability 8.9 or more."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FLOAT8_MIN_CAPABILITY
+
+
 def chain_of(chain: torch.Tensor | None, slots: torch.Tensor, rows: int) -> tuple[int, torch.Tensor, int]:
     """``(W, chain, sequences)`` for a launch over ``rows`` rows: a verify step's ``chain [W+1, S]``
     (``rows = S*W``), or a decode step's slots as the one-token chain ``[slots, slots]`` (a row

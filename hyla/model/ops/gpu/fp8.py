@@ -32,16 +32,18 @@ from hyla.model.ops.gpu import gemv, pdl
 
 @triton.jit
 def e4m3_round(x):
-    """fp32 ``x`` rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448), in fp32:
-    ``x.to(torch.float8_e4m3fn)``'s value. Computed in exact fp32 steps (a power-of-two scale, floor), so
-    the cast that follows is exact: Triton's interpreter casts to float8 otherwise than a GPU does."""
+    """fp32 ``x`` rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448; NaN stays NaN,
+    -0 stays -0), in fp32: ``x.to(torch.float8_e4m3fn)``'s value. Computed in exact fp32 steps (a power-of-two
+    scale, floor), so the cast that follows is exact: Triton's interpreter casts to float8 otherwise than a GPU
+    does."""
     a = tl.minimum(tl.abs(x), 448.0)
     e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade; subnormals: the least normal's
     v = a * ((130 - e) << 23).to(tl.float32, bitcast=True)  # a / 2^(e-3): 3 mantissa bits above the point
     f = tl.floor(v)
     up = (v - f > 0.5) | ((v - f == 0.5) & ((f.to(tl.int32) & 1) == 1))
     r = tl.where(up, f + 1.0, f) * ((e + 124) << 23).to(tl.float32, bitcast=True)  # times 2^(e-3)
-    return tl.where(x < 0, -r, r)
+    r = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 too
+    return tl.where(x != x, x, r)  # NaN (tl.minimum above dropped it)
 
 
 @triton.jit
@@ -49,7 +51,9 @@ def store_rounded(ptr, x, mask):
     """``tl.store(ptr, x.to(element type), mask)``; into a float8 e4m3 buffer, rounded as PyTorch rounds
     (:func:`e4m3_round`)."""
     if ptr.dtype.element_ty == tl.float8e4nv:
-        tl.store(ptr, e4m3_round(x.to(tl.float32)).to(tl.float8e4nv), mask=mask)
+        x32 = x.to(tl.float32)
+        nan = tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # (the interpreter casts NaN to 384)
+        tl.store(ptr, tl.where(x32 != x32, nan, e4m3_round(x32).to(tl.float8e4nv)), mask=mask)
     else:
         tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
