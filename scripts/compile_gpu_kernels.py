@@ -301,6 +301,11 @@ def cases():
                 r(2, 32, 576), lb8, lb8, ltable, long(1, 2), long(9, 3), 576**-0.5, 512)
             yield "latent_extend_attention kv=float8", lambda: latent_attention.paged_latent_extend_attention(
                 r(5, 32, 576), lb8, lb8, ltable, long(1), long(9, 10, 11, 12, 13), 576**-0.5, 512)
+            kb5, vb5 = kb.to(torch.float8_e5m2), vb.to(torch.float8_e5m2)  # e5m2 (kv_cache_dtype="fp8_e5m2")
+            yield "qk_prologue kv=float8_e5m2", lambda: decode_attention.decode_qk_prologue(
+                qkv, hq, hkv, d, True, kb5, vb5, long(5, 6), f32(hq + hkv, d), 1e-6, rope)
+            yield "paged_decode_attention kv=float8_e5m2", lambda: decode_attention.paged_decode_attention(
+                r(2, hq, d), kb5, vb5, table, long(1, 2), long(9, 3), d**-0.5, gate=r(2, hq, 2 * d)[:, :, d:])
     # the probe of PDL launches (pdl._probe: launched with PDL wherever it runs)
     yield "pdl_probe pdl", lambda: pdl._probe_kernel[(pdl.PROBE_PROGRAMS,)](
         torch.zeros(pdl.PROBE_PROGRAMS * 32), pdl.PROBE_HOLD_NS, PDL=True, launch_pdl=True)

@@ -250,6 +250,7 @@ DIFFERENTIALS = [
                                               on=dict(enable_hierarchical_cache=True)), id="fp8_kv_hierarchical_paged"),
     pytest.param("kimi_linear", 29, dict(kv_cache_dtype="fp8", max_total_tokens=450), id="kimi_linear_fp8_kv"),
     pytest.param("lara_mini", 21, dict(kv_cache_dtype="fp8"), id="lara_mini_fp8_kv"),
+    pytest.param("qwen3_next_dense", 31, dict(kv_cache_dtype="fp8_e5m2"), id="fp8_e5m2_kv"),
 ]
 
 

@@ -35,6 +35,7 @@ from hyla.model.ops.gpu.latent_attention import (paged_latent_decode_attention, 
                                                  paged_latent_extend_attention)
 
 F8 = torch.float8_e4m3fn
+FLOAT8 = pytest.mark.parametrize("f8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 
 
 @triton.jit
@@ -43,47 +44,54 @@ def _store_kernel(x_ptr, y_ptr, N: tl.constexpr):
     store_rounded(y_ptr + i, tl.load(x_ptr + i), i < N)
 
 
+@FLOAT8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernels_round_to_float8_as_pytorch(dtype):
-    """``store_rounded`` into a float8 buffer == PyTorch's cast, value for value: every e4m3 value, every
-    midpoint between two (ties to even), both signs, subnormals, past the largest (saturation at 448), the
-    infinities (saturated too), NaN and -0, random values; into a buffer of another dtype a plain cast. (The
+def test_kernels_round_to_float8_as_pytorch(dtype, f8):
+    """``store_rounded`` into a float8 buffer == PyTorch's cast, value for value: every e4m3 / e5m2 value, every
+    midpoint between two (ties to even), both signs, subnormals, past the largest (e4m3 saturates at 448,
+    e5m2 overflows to infinity from 61440), the infinities, NaN and -0, random values; into a buffer of another dtype a plain cast. (The
     interpreter's own cast to float8 differs from a GPU's and PyTorch's on about one value in five.)"""
     g = torch.Generator().manual_seed(0)
-    grid = torch.arange(256, dtype=torch.uint8).view(F8).float()
-    grid = grid[~grid.isnan()]
+    grid = torch.arange(256, dtype=torch.uint8).view(f8).float()
+    grid = grid[grid.isfinite()].sort().values
     mids = (grid[:-1] + grid[1:]) / 2
     x = torch.cat([grid, mids, -mids, torch.randn(1 << 13, generator=g) * 4, torch.randn(1 << 11, generator=g) / 64,
+                   torch.randn(1 << 11, generator=g) * 3e4,
                    torch.tensor([449.0, 464.0, 465.0, 479.0, 480.0, 1e4, -1e4, 2.0**-10, 3 * 2.0**-11, 2.0**-11,
+                                 57344.0, 60000.0, 61440.0, 1e6, 2.0**-16, 2.0**-17, 3 * 2.0**-18,
                                  float("inf"), -float("inf"), float("nan"), -0.0, -1e-9])])
     n = 1 << (x.numel() - 1).bit_length()
     x = torch.cat([x, torch.zeros(n - x.numel())]).to(dtype)
-    ref = x.to(F8)
-    assert ref.float().nan_to_num().abs().max() == 448  # (saturation is PyTorch's too)
-    y = torch.empty(n, dtype=F8, device=DEVICE)
+    ref = x.to(f8)
+    if f8 == F8:
+        assert ref.float().nan_to_num().abs().max() == 448  # (saturation is PyTorch's too)
+    else:
+        assert ref.float().isinf().sum() > 2  # (e5m2's overflow: PyTorch's too)
+    y = torch.empty(n, dtype=f8, device=DEVICE)
     _store_kernel[(1,)](x.to(DEVICE), y, N=n)
     got, want = y.cpu().float(), ref.float()
     nan = want.isnan()  # (a NaN's sign is not kept: the kernel writes 0x7f)
     assert torch.equal(got.isnan(), nan) and torch.equal(got.signbit()[~nan], want.signbit()[~nan])
-    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=0, rtol=0)
+    assert torch.equal(got[~nan], want[~nan])
     same = torch.empty(n, dtype=dtype, device=DEVICE)
     _store_kernel[(1,)](x.to(DEVICE), same, N=n)
     torch.testing.assert_close(same.cpu(), x, atol=0, rtol=0, equal_nan=True)
 
 
-def _pool(g: torch.Generator, rows: int, heads: int, dim: int) -> torch.Tensor:
-    """A float8 pool of values spread over e4m3's range (magnitudes 1/64 to ~50)."""
+def _pool(g: torch.Generator, rows: int, heads: int, dim: int, f8: torch.dtype = F8) -> torch.Tensor:
+    """A float8 pool of values spread over its range (magnitudes 1/64 to ~50)."""
     return (torch.randn(rows, heads, dim, generator=g) * torch.exp2(torch.randint(-6, 6, (rows, heads, 1),
-                                                                                   generator=g).float())).to(F8)
+                                                                                   generator=g).float())).to(f8)
 
 
+@FLOAT8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_and_extend_kernels_read_float8_as_its_widened_values(dtype):
+def test_decode_and_extend_kernels_read_float8_as_its_widened_values(dtype, f8):
     """``paged_decode_attention`` and ``paged_extend_attention`` over float8 buffers == over buffers in q's
     dtype holding the widened values, to the bit (the kernels widen each key and value tile first)."""
     g = torch.Generator().manual_seed(1)
     hq, hkv, d = 4, 2, 16
-    kb, vb = _pool(g, 150, hkv, d), _pool(g, 150, hkv, d)
+    kb, vb = _pool(g, 150, hkv, d, f8), _pool(g, 150, hkv, d, f8)
     table = torch.zeros(4, 96, dtype=torch.int32)
     lens = [7, 70, 1]
     for r, n in zip((3, 0, 2), lens):
@@ -103,12 +111,13 @@ def test_decode_and_extend_kernels_read_float8_as_its_widened_values(dtype):
     assert torch.isfinite(got).all() and torch.equal(got, ref)
 
 
-def test_latent_kernels_read_float8_as_its_widened_values():
+@FLOAT8
+def test_latent_kernels_read_float8_as_its_widened_values(f8):
     """MLA's kernels (Kimi-Linear, Ling 3: the latent cached half in K, half in V) over float8 halves ==
     over fp32 halves holding the widened values, to the bit."""
     g = torch.Generator().manual_seed(2)
     heads, width, half, rank = 5, 20, 10, 12
-    kb, vb = _pool(g, 90, 1, half), _pool(g, 90, 1, half)
+    kb, vb = _pool(g, 90, 1, half, f8), _pool(g, 90, 1, half, f8)
     table = torch.zeros(3, 64, dtype=torch.int32)
     table[1, :40] = (torch.randperm(89, generator=g)[:40] + 1).int()
     table[2, :9] = (torch.randperm(89, generator=g)[:9] + 1).int()
@@ -125,8 +134,9 @@ def test_latent_kernels_read_float8_as_its_widened_values():
     assert torch.equal(got, paged_latent_extend_attention(*dev(qe, *wide, table, *args), 0.2, rank, splits=2))
 
 
+@FLOAT8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prologue_writes_float8_as_pytorch_rounds(dtype):
+def test_prologue_writes_float8_as_pytorch_rounds(dtype, f8):
     """``decode_qk_prologue`` (q/k norm, RoPE, the K/V writes) into float8 buffers: the K and V the kernel
     writes into a buffer of the model's dtype, rounded by PyTorch's cast; q unchanged."""
     g = torch.Generator().manual_seed(3)
@@ -137,27 +147,28 @@ def test_prologue_writes_float8_as_pytorch_rounds(dtype):
     rope = (torch.tensor([0, 5, 17, 2, 300]), 1.0 / 10000 ** (torch.arange(0, 16, 2).float() / 16))
     dev = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
     outs = {}
-    for kv_dtype in (dtype, F8):
+    for kv_dtype in (dtype, f8):
         kb, vb = torch.zeros(16, hkv, d, dtype=kv_dtype, device=DEVICE), torch.zeros(16, hkv, d, dtype=kv_dtype,
                                                                                   device=DEVICE)
         q = decode_qk_prologue(*dev(qkv), hq, hkv, d, False, kb, vb, *dev(loc), scale.to(DEVICE), 1e-6,
                                tuple(dev(*rope)))
         outs[kv_dtype] = (q.cpu(), kb.cpu(), vb.cpu())
-    (q, k, v), (q8, k8, v8) = outs[dtype], outs[F8]
+    (q, k, v), (q8, k8, v8) = outs[dtype], outs[f8]
     assert torch.equal(q, q8)
     assert k.abs().max() > 448  # (the saturation is exercised)
-    torch.testing.assert_close(k8.float(), k.to(F8).float(), atol=0, rtol=0)
-    torch.testing.assert_close(v8.float(), v.to(F8).float(), atol=0, rtol=0)
+    torch.testing.assert_close(k8.float(), k.to(f8).float(), atol=0, rtol=0)
+    torch.testing.assert_close(v8.float(), v.to(f8).float(), atol=0, rtol=0)
 
 
-def test_pytorch_attention_over_float8_is_the_widened_buffers():
+@FLOAT8
+def test_pytorch_attention_over_float8_is_the_widened_buffers(f8):
     """The PyTorch ops (the CPU path, and a GPU's extends and verify steps): ``paged_attention`` (a prefill
     after a cached prefix, a tree verify, a sliding window) and ``paged_attention_decode`` write the new K/V
     rounded to float8 and attend over the widened pool: equal to the same op given the rounded K/V over an
     fp32 pool holding the widened values."""
     g = torch.Generator().manual_seed(4)
     hq, hkv, d = 4, 2, 8
-    pool8 = [_pool(g, 64, hkv, d) for _ in range(2)]
+    pool8 = [_pool(g, 64, hkv, d, f8) for _ in range(2)]
     pool32 = [p.float() for p in pool8]
     prefix, new = [9, 0, 20], [5, 7, 3]
     slots = torch.randperm(63, generator=g)[:sum(prefix) + sum(new)] + 1
@@ -175,7 +186,7 @@ def test_pytorch_attention_over_float8_is_the_widened_buffers():
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     for kw in (dict(), dict(window=4), dict(tree_masks=[None, None, tree])):
         a = paged_attention(q, k, v, *pool8, out_loc, kv_indices, indptr, prefix, new, 0.3, **kw)
-        b = paged_attention(q, k.to(F8).float(), v.to(F8).float(), *pool32, out_loc, kv_indices, indptr, prefix,
+        b = paged_attention(q, k.to(f8).float(), v.to(f8).float(), *pool32, out_loc, kv_indices, indptr, prefix,
                             new, 0.3, **kw)
         assert torch.equal(a, b)
         assert torch.equal(pool8[0].float(), pool32[0]) and torch.equal(pool8[1].float(), pool32[1])
@@ -189,7 +200,7 @@ def test_pytorch_attention_over_float8_is_the_widened_buffers():
     mask = torch.zeros(3, width).masked_fill_(torch.arange(width) >= torch.tensor(lens)[:, None], float("-inf"))
     qd, kd, vd = q[:3], k[:3] * 3, v[:3]
     a = paged_attention_decode(qd, kd, vd, *pool8, last, table, mask, 0.3)
-    b = paged_attention_decode(qd, kd.to(F8).float(), vd.to(F8).float(), *pool32, last, table, mask, 0.3)
+    b = paged_attention_decode(qd, kd.to(f8).float(), vd.to(f8).float(), *pool32, last, table, mask, 0.3)
     assert torch.equal(a, b)
 
 
@@ -203,18 +214,19 @@ def test_engine_kv_cache_dtype_halves_the_bytes_and_doubles_the_tokens(monkeypat
     f8 = layout.with_kv_dtype(F8)
     assert f8.kv_dtype == f8.companion.kv_dtype == F8 and f8.kv_bytes_per_token * 2 == layout.kv_bytes_per_token
     sizes = {}
-    ram = engine_module._available_ram()  # one reading for both engines: other processes' memory moves
-    monkeypatch.setattr(engine_module, "_available_ram", lambda: ram)
-    for kv in ("auto", "fp8"):
-        with Engine(kv_cache_dtype=kv, mem_fraction=1e-4, max_state_slots=64) as e:
-            assert all(b.dtype == (F8 if kv == "fp8" else torch.float32) for b in e.kv_pool.k_buffers)
+    # the same free RAM for every engine (16 GiB: other processes' memory moves, and machines differ)
+    monkeypatch.setattr(engine_module, "_available_ram", lambda: 16 << 30)
+    kinds = {"auto": torch.float32, "fp8": F8, "fp8_e5m2": torch.float8_e5m2}
+    for kv, kind in kinds.items():
+        with Engine(kv_cache_dtype=kv, mem_fraction=1e-3, max_state_slots=64) as e:
+            assert all(b.dtype == kind for b in e.kv_pool.k_buffers)
             sizes[kv] = (e.kv_pool.bytes_per_token, e.kv_pool.size)
-            assert ("float8_e4m3fn" in e.summary()) == (kv == "fp8")
+            assert (f", {str(kind).split('.')[-1]})" in e.summary()) == (kv != "auto")
             out = e.generate(input_ids=[5, 6, 7, 8] * 10, sampling_params={"temperature": 0, "max_new_tokens": 4})
             assert len(out["output_ids"]) == 4
-    assert sizes["auto"][0] == 4 * sizes["fp8"][0]
-    assert sizes["fp8"][1] >= 3.9 * sizes["auto"][1]
-    for bad in ("int8", "fp8_e5m2", "float8"):
+    assert sizes["auto"][0] == 4 * sizes["fp8"][0] == 4 * sizes["fp8_e5m2"][0]
+    assert sizes["fp8"][1] >= 3.9 * sizes["auto"][1] and sizes["fp8_e5m2"][1] == sizes["fp8"][1]
+    for bad in ("int8", "fp8_e4m3fn", "float8"):
         with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
             EngineArgs(kv_cache_dtype=bad)
 
@@ -261,12 +273,13 @@ def test_fused_decode_over_a_float8_kv_cache(qwen3_5_short_path, monkeypatch):
     assert compare_outputs(a, b, FP8_KV_TOL) > 0.9 * sum(len(o["output_ids"]) for o in a)
 
 
-def test_widened_is_pytorchs_cast_of_every_byte():
+@FLOAT8
+def test_widened_is_pytorchs_cast_of_every_byte(f8):
     """``attention.widened`` (the CPU's table of the 256 bytes' values) == PyTorch's cast, for every byte
     (the NaN codes too) and every dtype a pool is read in; other dtypes pass through ``.to``."""
     from hyla.model.ops.attention import widened
 
-    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(F8).view(4, 4, 16)
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f8).view(4, 4, 16)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         got, ref = widened(every, dtype), every.to(dtype)
         assert got.dtype == dtype and got.shape == ref.shape
@@ -277,7 +290,7 @@ def test_widened_is_pytorchs_cast_of_every_byte():
 
 
 def test_float8_needs_compute_capability_8_9_on_cuda(monkeypatch):
-    """Triton has float8 e4m3 from compute capability 8.9 (Ada, Hopper): on an older GPU (an A100) a float8 KV
+    """Triton has float8 e4m3 from compute capability 8.9 (Ada, Hopper), e5m2 from 8.0: on an older GPU a float8 KV
     cache, ``fp8_weights="keep"`` and ``quantization="fp8"`` are a ``ValueError`` at start-up naming them (not a
     compile error in the first step), and ``fp8_weights="auto"`` dequantizes an FP8 checkpoint instead."""
     from types import SimpleNamespace
@@ -291,8 +304,14 @@ def test_float8_needs_compute_capability_8_9_on_cuda(monkeypatch):
     for opts, named in ((dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
                         (dict(fp8_weights="keep"), "fp8_weights='keep'"),
                         (dict(quantization="fp8"), "quantization='fp8'")):
-        with pytest.raises(ValueError, match=f"{named}.*compute capability 8.0"):
+        with pytest.raises(ValueError, match=f"compute capability 8.0.*{named} needs 8.9"):
             Engine._check_float8(SimpleNamespace(device=cuda, args=EngineArgs(**opts)))
+    e5m2 = SimpleNamespace(device=cuda, args=EngineArgs(kv_cache_dtype="fp8_e5m2"))
+    Engine._check_float8(e5m2)  # e5m2: from 8.0 (an A100)
+    capability["value"] = (7, 5)
+    with pytest.raises(ValueError, match="compute capability 7.5.*kv_cache_dtype='fp8_e5m2' needs 8.0"):
+        Engine._check_float8(e5m2)
+    capability["value"] = (8, 0)
     auto = SimpleNamespace(device=cuda, args=EngineArgs())
     Engine._check_float8(auto)
     assert not Engine.keeps_fp8.fget(auto)

@@ -18,7 +18,7 @@ POLICIES = ("lpm", "fcfs")
 OVERLAP_MODES = ("auto", "on", "off")
 FP8_WEIGHT_MODES = ("auto", "keep", "dequantize")
 QUANTIZATIONS = ("fp8",)
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8 = fp8_e4m3, as vLLM's
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8", "fp8_e5m2")  # fp8 = fp8_e4m3, as vLLM's
 WARMUP_MODES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("ngram", "mtp", "draft")
 MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token pools, slots, steps)
@@ -33,13 +33,14 @@ def check_weight_version(value: Any) -> None:
 
 
 def kv_cache_torch_dtype(name: str):
-    """The KV buffers' dtype of ``kv_cache_dtype`` ``name``: None for ``auto`` (the model's), else
-    ``torch.float8_e4m3fn``; ``ValueError`` for a name not in ``KV_CACHE_DTYPES``."""
+    """The KV buffers' dtype of ``kv_cache_dtype`` ``name``: None for ``auto`` (the model's),
+    ``torch.float8_e4m3fn`` for ``fp8_e4m3`` / ``fp8``, ``torch.float8_e5m2`` for ``fp8_e5m2``; ``ValueError`` for
+    a name not in ``KV_CACHE_DTYPES``."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
     import torch  # (here: the CLI imports this module for its flags, and --help must not wait for torch)
 
-    return None if name == "auto" else torch.float8_e4m3fn
+    return {"auto": None, "fp8_e5m2": torch.float8_e5m2}.get(name, torch.float8_e4m3fn)
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -63,8 +64,10 @@ class EngineArgs:
     kv_cache_dtype: str = _opt(
         "auto", f"The attention layers' KV cache, one of {KV_CACHE_DTYPES}: auto = dtype; fp8_e4m3 (or fp8) = "
                 "float8 e4m3, half of bf16's bytes per token, so twice the tokens in the same memory (SGLang's and "
-                "vLLM's --kv-cache-dtype; scale 1, values saturate at +-448). Outputs then differ from a KV cache in "
-                "dtype by float8's rounding; the prefix cache still never changes them.")
+                "vLLM's --kv-cache-dtype; scale 1, values saturate at +-448; CUDA: compute capability 8.9 on); "
+                "fp8_e5m2 = float8 e5m2 (2 mantissa bits, coarser; range to 57344; CUDA: 8.0 on, an A100 too). "
+                "Outputs then differ from a KV cache in dtype by float8's rounding; the prefix cache still never "
+                "changes them.")
     cpu_threads: int | None = _opt(
         None, "Torch intra-op threads of a CPU engine (set from the engine's constructor, for its scheduler thread). "
               "Default: the physical cores this process may use (within its CPU quota); OMP_NUM_THREADS in the "

@@ -346,19 +346,21 @@ class Engine:
         return mode == "keep" or (mode == "auto" and (on_gpu or self.args.quantization == "fp8"))
 
     def _check_float8(self) -> None:
-        """``ValueError`` for float8 a CUDA device's kernels cannot take (compute capability below 8.9: Triton
-        has no float8 e4m3 there): kept FP8 weights (``fp8_weights="keep"``, ``quantization="fp8"``) or a float8
-        KV cache. ``fp8_weights="auto"`` dequantizes there instead."""
-        if gpu_ops.float8_supported(self.device):
-            return
-        asked = [what for what, on in (("fp8_weights='keep'", self.args.fp8_weights == "keep"),
-                                       ("quantization='fp8'", self.args.quantization == "fp8"),
-                                       (f"kv_cache_dtype={self.args.kv_cache_dtype!r}", self.args.kv_cache_dtype != "auto"))
-                 if on]
-        if asked:
+        """``ValueError`` for float8 a CUDA device's kernels cannot take (``gpu_ops.FLOAT8_MIN_CAPABILITY``:
+        e4m3 from 8.9, e5m2 from 8.0): kept FP8 weights (``fp8_weights="keep"``, ``quantization="fp8"``: e4m3) or a
+        float8 KV cache. ``fp8_weights="auto"`` dequantizes where e4m3 is missing instead."""
+        kv = kv_cache_torch_dtype(self.args.kv_cache_dtype)
+        asked = [(what, dtype) for what, dtype, on in (
+            ("fp8_weights='keep'", torch.float8_e4m3fn, self.args.fp8_weights == "keep"),
+            ("quantization='fp8'", torch.float8_e4m3fn, self.args.quantization == "fp8"),
+            (f"kv_cache_dtype={self.args.kv_cache_dtype!r}", kv, kv is not None)) if on]
+        missing = [(what, dtype) for what, dtype in asked if not gpu_ops.float8_supported(self.device, dtype)]
+        if missing:
             major, minor = torch.cuda.get_device_capability(self.device)
-            raise ValueError(f"{', '.join(asked)}: {self.device} (compute capability {major}.{minor}) has no float8 "
-                             f"kernels (Triton's float8 e4m3 needs 8.9: Ada, Hopper and later); leave them off here")
+            needs = "; ".join(f"{what} needs {'.'.join(map(str, gpu_ops.FLOAT8_MIN_CAPABILITY[dtype]))}"
+                              for what, dtype in missing)
+            raise ValueError(f"{self.device} (compute capability {major}.{minor}) has no Triton float8 kernels of "
+                             f"that type: {needs} (fp8_e5m2 runs from 8.0, an A100 too)")
 
     def _weights_summary(self) -> str:
         q = self.checkpoint_quantization

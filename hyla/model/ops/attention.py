@@ -88,15 +88,18 @@ def widened(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (``kv_cache_dtype``) on a CPU go through a table of the 256 bytes' values (that cast's, so the same
     values): PyTorch's CPU cast from float8 takes ~4 ns an element, the table ~1 (2048 x 2 x 128 values:
     2.1 ms against 0.45). Compiled graphs cast (inductor generates the conversion)."""
-    if kv.dtype != torch.float8_e4m3fn or kv.device.type != "cpu" or torch.compiler.is_compiling():
+    if kv.dtype not in FLOAT8 or kv.device.type != "cpu" or torch.compiler.is_compiling():
         return kv.to(dtype)
-    return _e4m3_values(dtype).index_select(0, kv.reshape(-1).view(torch.uint8).int()).view(kv.shape)
+    return _float8_values(kv.dtype, dtype).index_select(0, kv.reshape(-1).view(torch.uint8).int()).view(kv.shape)
+
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # a float8 KV cache's dtypes (engine.args.KV_CACHE_DTYPES)
 
 
 @functools.cache
-def _e4m3_values(dtype: torch.dtype) -> torch.Tensor:
-    """``[256]``: the value of each float8 e4m3 byte in ``dtype`` (a constant table, built once per dtype)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
+def _float8_values(float8: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``[256]``: the value of each ``float8`` byte in ``dtype`` (a constant table, built once per pair)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(float8).to(dtype)
 
 
 def check_window(window: int) -> None:

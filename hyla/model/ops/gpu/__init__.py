@@ -50,14 +50,16 @@ def available(device: torch.device | str) -> bool:
     return HAS_TRITON and torch.device(device).type == "cuda" and torch.cuda.is_available()
 
 
-FLOAT8_MIN_CAPABILITY = (8, 9)  # Triton's float8 e4m3 (fp8e4nv): Ada and Hopper on; A100 (8.0) has none
+# the compute capability Triton's float8 types need: e4m3 (fp8e4nv) Ada and Hopper on, not an A100 (8.0);
+# e5m2 (fp8e5) Ampere on
+FLOAT8_MIN_CAPABILITY = {torch.float8_e4m3fn: (8, 9), torch.float8_e5m2: (8, 0)}
 
 
-def float8_supported(device: torch.device | str) -> bool:
-    """Whether ``device``'s kernels can read and write float8 e4m3 (FP8 weights kept, a float8 KV cache):
-    any device but CUDA (PyTorch's paths), or a CUDA device of compute capability 8.9 or more."""
+def float8_supported(device: torch.device | str, dtype: torch.dtype = torch.float8_e4m3fn) -> bool:
+    """Whether ``device``'s kernels can read and write float8 ``dtype`` (FP8 weights kept: e4m3; a float8 KV
+    cache): any device but CUDA (PyTorch's paths), or a CUDA device of ``FLOAT8_MIN_CAPABILITY[dtype]`` or more."""
     device = torch.device(device)
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FLOAT8_MIN_CAPABILITY
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FLOAT8_MIN_CAPABILITY[dtype]
 
 
 def chain_of(chain: torch.Tensor | None, slots: torch.Tensor, rows: int) -> tuple[int, torch.Tensor, int]:

@@ -30,32 +30,42 @@ import triton.language as tl
 
 from hyla.model.ops.gpu import gemv, pdl
 
+
 @triton.jit
-def e4m3_round(x):
-    """fp32 ``x`` rounded to the nearest float8 e4m3 value (ties to even, saturating at +-448; NaN stays NaN,
-    -0 stays -0), in fp32: ``x.to(torch.float8_e4m3fn)``'s value. Computed in exact fp32 steps (a power-of-two
-    scale, floor), so the cast that follows is exact: Triton's interpreter casts to float8 otherwise than a GPU
-    does."""
-    a = tl.minimum(tl.abs(x), 448.0)
-    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, -6)  # the binade; subnormals: the least normal's
-    v = a * ((130 - e) << 23).to(tl.float32, bitcast=True)  # a / 2^(e-3): 3 mantissa bits above the point
+def fp8_round(x, MANT: tl.constexpr, MIN_EXP: tl.constexpr, MAX: tl.constexpr, SATURATE: tl.constexpr):
+    """fp32 ``x`` rounded to the nearest value of a float8 format with ``MANT`` mantissa bits, least normal
+    binade ``2^MIN_EXP`` and largest value ``MAX`` (ties to even; -0 stays -0), in fp32: what PyTorch's cast
+    gives. Past ``MAX``: ``MAX`` with ``SATURATE`` (e4m3, which has no infinity), else infinity (e5m2).
+    Computed in exact fp32 steps (power-of-two scales, a floor), so the cast that follows is exact:
+    Triton's interpreter casts to float8 otherwise than a GPU does. NaN: :func:`store_rounded`."""
+    a = tl.abs(x)
+    e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, MIN_EXP)  # the binade; subnormals: the least normal's
+    v = a * ((127 + MANT - e) << 23).to(tl.float32, bitcast=True)  # a / 2^(e - MANT): MANT bits above the point
     f = tl.floor(v)
     up = (v - f > 0.5) | ((v - f == 0.5) & ((f.to(tl.int32) & 1) == 1))
-    r = tl.where(up, f + 1.0, f) * ((e + 124) << 23).to(tl.float32, bitcast=True)  # times 2^(e-3)
-    r = tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 too
-    return tl.where(x != x, x, r)  # NaN (tl.minimum above dropped it)
+    r = tl.where(up, f + 1.0, f) * ((127 - MANT + e) << 23).to(tl.float32, bitcast=True)  # times 2^(e - MANT)
+    if SATURATE:
+        r = tl.minimum(r, MAX)
+    else:
+        r = tl.where(r > MAX, float("inf"), r)
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -r, r)  # the sign bit: -0 too
 
 
 @triton.jit
 def store_rounded(ptr, x, mask):
-    """``tl.store(ptr, x.to(element type), mask)``; into a float8 e4m3 buffer, rounded as PyTorch rounds
-    (:func:`e4m3_round`)."""
-    if ptr.dtype.element_ty == tl.float8e4nv:
+    """``tl.store(ptr, x.to(element type), mask)``; into a float8 buffer (e4m3 or e5m2: a ``kv_cache_dtype``
+    KV cache) rounded as PyTorch's cast rounds (:func:`fp8_round`), NaN kept NaN."""
+    ty: tl.constexpr = ptr.dtype.element_ty
+    if ty == tl.float8e4nv or ty == tl.float8e5:
         x32 = x.to(tl.float32)
-        nan = tl.full(x.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # (the interpreter casts NaN to 384)
-        tl.store(ptr, tl.where(x32 != x32, nan, e4m3_round(x32).to(tl.float8e4nv)), mask=mask)
+        if ty == tl.float8e4nv:
+            r = fp8_round(x32, 3, -6, 448.0, True)
+        else:
+            r = fp8_round(x32, 2, -14, 57344.0, False)
+        nan = tl.full(x.shape, 0x7F, tl.uint8).to(ty, bitcast=True)  # (the interpreter casts NaN to a number)
+        tl.store(ptr, tl.where(x32 != x32, nan, r.to(ty)), mask=mask)
     else:
-        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+        tl.store(ptr, x.to(ty), mask=mask)
 
 
 GEMV_ROWS = 16  # at most this many rows take gemv.linear (its loop re-reads x per row; the weight once)
