@@ -69,21 +69,26 @@ def _stepped(path, tmp_path, edit) -> str:
     return str(out)
 
 
-def test_update_serves_the_new_checkpoint_exactly(qwen3_next_dense_path, qwen3_next_dense_draft_path):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_update_serves_the_new_checkpoint_exactly(qwen3_next_dense_path, qwen3_next_dense_draft_path, kv_cache_dtype):
     """The old weights' prefixes cached (and evicted, retracted), then an update: the same workload gives
-    what a fresh engine on the new checkpoint gives, with that engine's hits."""
+    what a fresh engine on the new checkpoint gives, with that engine's hits. ``fp8``: over a float8 KV
+    cache (``test_engine_differential.FP8_KV_TOL``)."""
+    from test_engine_differential import FP8_KV_TOL, TOL
+
     new = qwen3_next_dense_draft_path  # the same model, every matrix nudged
+    opts = {**OPTS, "kv_cache_dtype": kv_cache_dtype}
     wave1, followups = make_workload(5, 2048, num_sessions=16, num_shared=24, scale=0.5)
 
     def second_turns(outs: list[dict]) -> list[dict]:
         return [{"ids": w["ids"] + o["output_ids"] + f, "max_new": 4, "ckpt": []}
                 for w, o, f in zip(wave1, outs, followups)]
 
-    with Engine(new, **OPTS) as fresh:
+    with Engine(new, **opts) as fresh:
         want = run(fresh, wave1)
         wave2 = second_turns(want)
         want += run(fresh, wave2)
-    with Engine(qwen3_next_dense_path, weight_version="step-0", **OPTS) as engine:
+    with Engine(qwen3_next_dense_path, weight_version="step-0", **opts) as engine:
         before = run(engine, wave1)
         before += run(engine, second_turns(before))
         assert engine.tree.total_size() > 0
@@ -97,7 +102,7 @@ def test_update_serves_the_new_checkpoint_exactly(qwen3_next_dense_path, qwen3_n
     assert {o["meta_info"]["weight_version"] for o in before} == {"step-0"}
     assert {o["meta_info"]["weight_version"] for o in got} == {"step-1"}
     assert [o["output_ids"] for o in before] != [o["output_ids"] for o in want]  # the weights did change
-    assert compare_outputs(got, want) > 0.9 * sum(s["max_new"] for s in wave1 + wave2)
+    assert compare_outputs(got, want, TOL if kv_cache_dtype == "auto" else FP8_KV_TOL) > 0.9 * sum(s["max_new"] for s in wave1 + wave2)
     assert [o["meta_info"]["cached_tokens"] for o in got] == [o["meta_info"]["cached_tokens"] for o in want]
 
 
