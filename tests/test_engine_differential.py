@@ -244,8 +244,7 @@ DIFFERENTIALS = [
     pytest.param("mamba2", 16, {}, id="mamba2"),
     pytest.param("mamba2", 26, dict(on=dict(enable_hierarchical_cache=True)), id="mamba2_hierarchical"),
     # float8 KV (kv_cache_dtype) on both sides: written rounded, read widened, so a hit reads what a prefill wrote;
-    # moved to the host tier and back as bytes; MLA's latent halves; sliding-window layers
-    pytest.param("qwen3_next_dense", 27, dict(kv_cache_dtype="fp8"), id="fp8_kv"),
+    # moved to the host tier and back as bytes (pages of 16); MLA's latent halves; sliding-window layers; e5m2
     pytest.param("qwen3_next_dense", 28, dict(kv_cache_dtype="fp8", page_size=16, max_total_tokens=544,
                                               on=dict(enable_hierarchical_cache=True)), id="fp8_kv_hierarchical_paged"),
     pytest.param("kimi_linear", 29, dict(kv_cache_dtype="fp8", max_total_tokens=450), id="kimi_linear_fp8_kv"),

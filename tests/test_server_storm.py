@@ -199,5 +199,7 @@ def test_storm_of_streams_hangups_and_a_huge_body_then_sigterm(tmp_path):
     log = server.log()
     assert code == 0, log
     assert "Traceback" not in log and "CancelledError" not in log, log
-    assert "pool sizes: KV capped at 32 requests x 4096 tokens" in log  # the start-up summary says so
+    # the start-up summary says how the KV pool was sized: capped (its RSS is checked above), or from memory
+    # when other processes leave the machine less free RAM than the cap's 256 MiB of KV needs (a loaded CI box)
+    assert re.search(r"pool sizes: KV (capped at 32 requests x 4096 tokens|from memory)", log), log[-2000:]
     assert "gc.freeze: " in log  # hyla serve froze the start-up heap
