@@ -62,8 +62,10 @@ class CacheLayout:
         if self.companion is not None and self.companion.companion is not None:
             raise ValueError("a companion layout cannot have a companion of its own")
 
-    def with_kv_dtype(self, dtype: torch.dtype) -> CacheLayout:
-        """This layout with its K/V (and its companion's) kept in ``dtype`` (``kv_cache_dtype``)."""
+    def with_kv_dtype(self, dtype: torch.dtype | None) -> CacheLayout:
+        """This layout with its K/V (and its companion's) kept in ``dtype`` (``kv_cache_dtype``); None: as it is."""
+        if dtype is None:
+            return self
         companion = self.companion.with_kv_dtype(dtype) if self.companion is not None else None
         return replace(self, kv_dtype=dtype, companion=companion)
 

@@ -32,12 +32,17 @@ def check_weight_version(value: Any) -> None:
         raise ValueError(f"weight_version must be a non-empty string, got {value!r}")
 
 
+def check_kv_cache_dtype(name: Any) -> None:
+    """``ValueError`` unless ``name`` is one of ``KV_CACHE_DTYPES``."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
 def kv_cache_torch_dtype(name: str):
     """The KV buffers' dtype of ``kv_cache_dtype`` ``name``: None for ``auto`` (the model's),
     ``torch.float8_e4m3fn`` for ``fp8_e4m3`` / ``fp8``, ``torch.float8_e5m2`` for ``fp8_e5m2``; ``ValueError`` for
     a name not in ``KV_CACHE_DTYPES``."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    check_kv_cache_dtype(name)
     import torch  # (here: the CLI imports this module for its flags, and --help must not wait for torch)
 
     return {"auto": None, "fp8_e5m2": torch.float8_e5m2}.get(name, torch.float8_e4m3fn)
@@ -193,8 +198,7 @@ class EngineArgs:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.quantization == "fp8" and self.fp8_weights == "dequantize":
             raise ValueError("quantization='fp8' keeps weights in float8: it contradicts fp8_weights='dequantize'")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be 'auto' or 'none', got {self.generation_config!r}")
         if self.overlap_schedule not in OVERLAP_MODES:

@@ -239,9 +239,8 @@ class Engine:
             layout = draft_cache_layout(cfg, self.draft_model.config)
         else:
             layout = cfg.cache_layout
-        kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype)
-        if kv_dtype is not None:  # float8 K/V (docs/engine.md: written rounded, read back widened)
-            layout = layout.with_kv_dtype(kv_dtype)
+        # float8 K/V with kv_cache_dtype (docs/engine.md: written rounded, read back widened)
+        layout = layout.with_kv_dtype(kv_cache_torch_dtype(args.kv_cache_dtype))
         # each running request holds a state slot, plus one scratch slot per draft token with
         # speculation, plus (draft model) one per beam for the draft state while it drafts
         steps, topk = args.speculative_num_steps, args.speculative_eagle_topk

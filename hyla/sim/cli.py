@@ -79,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated cache sizes, e.g. 1GB,4GB (default 4GB; sweep: 1,2,3,4,5,10 GB; "
                              "not with --engine)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="the model's KV as the engine's --kv-cache-dtype keeps it: auto (its dtype) or fp8_e4m3 "
-                             "(a byte per element: twice bf16's tokens in a cache size; not with --engine, whose "
-                             "options take kv_cache_dtype)")
+                        help="the model's KV as the engine's --kv-cache-dtype keeps it: auto (its dtype), fp8_e4m3 or "
+                             "fp8_e5m2 (a byte per element: twice bf16's tokens in a cache size; not with --engine, "
+                             "whose options take kv_cache_dtype)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object, last")
     parser.add_argument("--output", default=None, help="also write the JSON results to this file")
     parser.add_argument("--plot", default=None, help="write a PNG of token hit rate vs cache size per policy "

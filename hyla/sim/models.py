@@ -85,8 +85,8 @@ class CostModel:
             )
 
     def with_kv_cache_dtype(self, kv_cache_dtype: str) -> CostModel:
-        """This model with its KV in the engine's ``kv_cache_dtype`` (``auto``: as it is; ``fp8_e4m3``: a
-        byte per element, named so)."""
+        """This model with its KV in the engine's ``kv_cache_dtype`` (``auto``: as it is; ``fp8_e4m3``,
+        ``fp8_e5m2``: a byte per element, named so)."""
         dtype = kv_cache_torch_dtype(kv_cache_dtype)
         if dtype is None:
             return self

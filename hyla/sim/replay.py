@@ -144,9 +144,7 @@ def replay_engine(trace: Sequence[TraceRequest], layout: CacheLayout, *, record:
         check_trace(trace, kv_tokens, vocab_size, f"the KV pool of {kv_tokens} tokens (max_total_tokens): the KV "
                                                   "pool cannot hold a single such request; raise max_total_tokens")
     context = max(len(r.input_tokens) + len(r.output_tokens) for r in trace)
-    kv_dtype = kv_cache_torch_dtype(args.kv_cache_dtype)
-    if kv_dtype is not None:  # the engine's float8 KV: what a hicache_size in GiB holds
-        layout = layout.with_kv_dtype(kv_dtype)
+    layout = layout.with_kv_dtype(kv_cache_torch_dtype(args.kv_cache_dtype))  # (float8 KV: what a GiB holds)
     kv_pool = KVPool.from_layout(layout, kv_tokens, ps, accounting=True)
     state_pool = StatePool.from_layout(layout, args.max_state_slots, accounting=True)
     tree = None
