@@ -2,7 +2,7 @@
 
 Builders (``make_qwen3_next``, ``make_qwen3_5``, ``make_qwen3_5_moe``, ``make_nemotron_h``, ``make_falcon_h1``,
 ``make_bamba``, ``make_granite_h``, ``make_lfm2``, ``make_lfm2_moe``, ``make_kimi_linear``, ``make_bailing_hybrid``,
-``make_olmo_hybrid``, ``make_lara_mini``, ``make_lfm3``, ``make_zamba2``, ``make_jamba``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
+``make_olmo_hybrid``, ``make_lara_mini``, ``make_lfm3``, ``make_zamba2``, ``make_jamba``, ``make_minimax``, ``make_mamba``, ``make_falcon_mamba``, ``make_mamba2``) construct a tiny model with
 transformers (the configs of ``shared/notes/hf-reference.md``), add N(0, 0.1) noise to every
 parameter that initialisation sets to a constant (norm weights, ``dt_bias``, ``D``, ``A_log``,
 conv bias, router bias: otherwise the ``1 + w`` norms and biases are never exercised), scale
@@ -232,6 +232,21 @@ ZAMBA2_KW: dict[str, Any] = dict(
     pad_token_id=0,
 )
 
+# MiniMax: lightning attention at 0, 1, 3 and 4, softmax attention (RoPE) at 2 and 5, every layer a MoE of 4 experts,
+# top-2; the residual factors (1 in transformers' defaults, ~3.56 for alpha in MiniMax-Text-01's) set apart from 1 with
+# beta 1 in two of the three parts, so both kinds of fused step run (a part's out projection deferred or not); blocks
+# of 16 tokens in transformers' chunked prefill
+MINIMAX_KW: dict[str, Any] = dict(
+    vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention",
+                 "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+    block_size=16, full_attn_alpha_factor=1.0, full_attn_beta_factor=0.75, linear_attn_alpha_factor=1.5,
+    linear_attn_beta_factor=1.0, mlp_alpha_factor=1.25, mlp_beta_factor=1.0,
+    max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+    pad_token_id=0,
+)
+
 
 def _checkpoint_dir(tmp_dir: str | Path, kind: str, seed: int, kw: dict[str, Any]) -> Path:
     key = hashlib.sha1(json.dumps(kw, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -305,6 +320,7 @@ def _build(kind: str, tmp_dir: str | Path, seed: int, kw: dict[str, Any], mtp: b
         "lfm3": (transformers.Lfm3Config, transformers.Lfm3ForCausalLM),
         "zamba2": (transformers.Zamba2Config, transformers.Zamba2ForCausalLM),
         "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM),
+        "minimax": (transformers.MiniMaxConfig, transformers.MiniMaxForCausalLM),
         "mamba": (transformers.MambaConfig, transformers.MambaForCausalLM),
         "falcon_mamba": (transformers.FalconMambaConfig, transformers.FalconMambaForCausalLM),
         "mamba2": (transformers.Mamba2Config, transformers.Mamba2ForCausalLM),
@@ -405,6 +421,13 @@ def make_zamba2(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Tiny ``Zamba2ForCausalLM`` (6 layers: Mamba2, hybrid at 1, 3 and 5 over two shared attention + GeGLU blocks,
     q/k/v and MLP adapters, RoPE), saved as transformers writes it (each block at the first layer that runs it)."""
     return _build("zamba2", tmp_dir, seed, {**ZAMBA2_KW, **overrides})
+
+
+def make_minimax(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``MiniMaxForCausalLM`` (6 layers: lightning attention, softmax attention at 2 and 5; a MoE of 4
+    experts, top-2, in every layer), saved as transformers writes it (MiniMax's tensor names: ``block_sparse_moe``,
+    each expert's ``w1`` / ``w2`` / ``w3``; the lightning layers' decay tables too)."""
+    return _build("minimax", tmp_dir, seed, {**MINIMAX_KW, **overrides})
 
 
 def make_jamba(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:

@@ -227,6 +227,9 @@ zamba2_short_path = _tiny_checkpoint("zamba2_short_path", checkpoints.make_zamba
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)
+minimax_path = _tiny_checkpoint("minimax_path", checkpoints.make_minimax)
+minimax_short_path = _tiny_checkpoint("minimax_short_path", checkpoints.make_minimax, num_hidden_layers=2,
+                                      layer_types=["linear_attention", "full_attention"])
 # the pure state-space models (every layer a Mamba1 / Mamba2 mixer: no attention, no MLP)
 mamba_path = _tiny_checkpoint("mamba_path", checkpoints.make_mamba)
 falcon_mamba_path = _tiny_checkpoint("falcon_mamba_path", checkpoints.make_falcon_mamba)

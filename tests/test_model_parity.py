@@ -2,7 +2,7 @@
 
 For every architecture (Qwen3-Next dense and MoE, Qwen3.5, Qwen3.5-MoE, NemotronH, Falcon-H1, Bamba,
 Granite 4.0-H, LFM2, LFM2-MoE, Kimi-Linear, Ling 3 (Bailing-Hybrid), OLMo-Hybrid, Lara-4-Mini and LFM3 (sliding-window
-attention), Jamba, and the pure state-space
+attention), Jamba, MiniMax (lightning attention), and the pure state-space
 models Mamba, FalconMamba, Mamba2):
 one full prefill; the same
 prompt prefilled in chunks with state and KV carried; a continuation started from a checkpoint
@@ -44,7 +44,7 @@ from hyla.model import load_model
 TOL = 1e-4
 ARCHS = ["qwen3_next_dense", "qwen3_next_moe", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "bamba",
          "granite_h", "lfm2", "lfm2_moe", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "lara_mini", "lfm3", "zamba2",
-         "jamba", "mamba", "falcon_mamba", "mamba2"]
+         "jamba", "minimax", "mamba", "falcon_mamba", "mamba2"]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from hyla.model import (
     lfm3,
     mamba,
     mamba2,
+    minimax,
     nemotron_h,
     olmo_hybrid,
     qwen3_5,
@@ -78,6 +79,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "LaraMiniForCausalLM": Architecture(lara_mini.LaraMiniForCausalLM, lara_mini.parse_hf_config, "lara_mini"),
     "Lfm3ForCausalLM": Architecture(lfm3.Lfm3ForCausalLM, lfm3.parse_hf_config, "lfm3"),
     "Zamba2ForCausalLM": Architecture(zamba2.Zamba2ForCausalLM, zamba2.parse_hf_config, "zamba2"),
+    "MiniMaxForCausalLM": Architecture(minimax.MiniMaxForCausalLM, minimax.parse_hf_config, "minimax"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)

@@ -54,7 +54,7 @@ _DTYPES: dict[str, torch.dtype] = {
 ATTENTION_KINDS: tuple[str, ...] = ("attention", "hybrid")
 LINEAR_KINDS: tuple[str, ...] = ("linear", "hybrid")
 LAYER_KINDS: tuple[str, ...] = ("attention", "linear", "hybrid", "mlp", "moe")
-LINEAR_MIXER_KINDS: tuple[str, ...] = ("gdn", "kda", "mamba2", "mamba1", "short_conv")  # ModelConfig.linear_kind
+LINEAR_MIXER_KINDS: tuple[str, ...] = ("gdn", "kda", "mamba2", "mamba1", "short_conv", "lightning")  # ModelConfig.linear_kind
 
 # config.json layer type names (Qwen ``layer_types``, NemotronH ``layers_block_type``) -> hyla's
 HF_LAYER_TYPES: dict[str, str] = {
@@ -97,7 +97,7 @@ class ModelConfig:
     architecture: str  # HF architecture name, e.g. "Qwen3NextForCausalLM"
     # "qwen3_next" | "qwen3_5" | "qwen3_5_moe" | "nemotron_h" | "falcon_h1" | "bamba" | "granitemoehybrid" | "lfm2"
     # | "lfm2_moe" | "kimi_linear" | "bailing_hybrid" | "olmo_hybrid" | "jamba" | "mamba" | "falcon_mamba" | "mamba2"
-    # | "lara_mini" | "lfm3" | "zamba2"
+    # | "lara_mini" | "lfm3" | "zamba2" | "minimax"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -146,10 +146,11 @@ class ModelConfig:
     # --- recurrent mixer ("linear" layers) ------------------------------------------------------
     # "gdn" | "kda" (Kimi Delta Attention: GDN with a per-channel decay) | "mamba2" | "mamba1" (Jamba, Mamba: a
     # selective scan whose decay is per channel and state) | "short_conv" (LFM2: a conv window, no SSM state)
-    # | "none"
+    # | "lightning" (MiniMax: a linear attention with a fixed decay per head, no conv; its heads and head sizes
+    # in the linear_* fields below) | "none"
     linear_kind: str = "none"
     conv_kernel: int = 4
-    # Gated DeltaNet and Kimi Delta Attention
+    # Gated DeltaNet and Kimi Delta Attention (and lightning attention: as many key as value heads, of one size)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -213,6 +214,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     moe_latent_size: int = 0  # NemotronH: experts run in a smaller latent space (0 = hidden_size)
 
+    # --- MiniMax's scaled post-norm residuals (minimax.py) -----------------------------------------
+    # per layer ((a_mix, b_mix), (a_ffn, b_ffn)): each part's output is a * norm(x) + b * part(norm(x)), the residual
+    # stream the normed input; () = the plain pre-norm residual x + part(norm(x)) of every other architecture
+    residual_factors: tuple[tuple[tuple[float, float], tuple[float, float]], ...] = ()
+
     # --- Zamba2's shared blocks -----------------------------------------------------------------
     # Its "hybrid" layers run one of shared_blocks weight-shared attention + MLP blocks (in turn) on [x | the
     # embeddings], each layer with its own KV and its own low-rank adapters (rank shared_adapter_rank) on the block's
@@ -271,6 +277,13 @@ class ModelConfig:
             raise ValueError("attn_head_gate (one gate a head) excludes attn_output_gate (one a channel)")
         if self.linear_kind == "mamba2" and self.mamba_num_heads % self.mamba_n_groups:
             raise ValueError("mamba_num_heads must be a multiple of n_groups")
+        if self.linear_kind == "lightning" and (self.linear_num_key_heads != self.linear_num_value_heads
+                                                or self.linear_key_head_dim != self.linear_value_head_dim
+                                                or min(self.linear_num_value_heads, self.linear_value_head_dim) <= 0):
+            raise ValueError("lightning attention needs as many key as value heads (> 0), of one size (> 0)")
+        if self.residual_factors and len(self.residual_factors) != len(self.layer_types):
+            raise ValueError(f"residual_factors needs one entry per layer ({len(self.layer_types)}), "
+                             f"got {len(self.residual_factors)}")
         uses_moe = "moe" in self.layer_types or "moe" in self.ffn_types
         if uses_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
@@ -368,7 +381,8 @@ class ModelConfig:
     def ssm_shape(self) -> tuple[int, ...]:
         """Per-slot recurrent state: GDN and KDA ``[Hv, Dk, Dv]``; Mamba2 ``[H, P, N]``; Mamba1 ``[I, N]``; LFM2's short
         convolution has none: ``(0,)``, zero elements (its whole state is the conv window), so the
-        pools keep one empty SSM buffer per linear layer and the layout counts 0 bytes for it."""
+        pools keep one empty SSM buffer per linear layer and the layout counts 0 bytes for it; lightning
+        attention ``[H, Dv, Dk]`` (and no conv window: ``conv_dim`` 0)."""
         if self.linear_kind in ("gdn", "kda"):
             return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         if self.linear_kind == "mamba2":
@@ -377,6 +391,8 @@ class ModelConfig:
             return (self.mamba1_inner_size, self.ssm_state_size)
         if self.linear_kind == "short_conv":
             return (0,)
+        if self.linear_kind == "lightning":  # Mamba2's SSD layout [H, P, N]: value channels, then key channels
+            return (self.linear_num_value_heads, self.linear_value_head_dim, self.linear_key_head_dim)
         return (0, 0, 0)
 
     @property

@@ -170,6 +170,10 @@ def _linear_flops(cfg: ModelConfig) -> float:
         proj = 2.0 * h * 2 * inner + 2.0 * inner * (rank + 2 * n) + 2.0 * rank * inner + 2.0 * inner * h
         state = 2.0 * 3 * math.prod(cfg.ssm_shape)  # decay + B x write, C read
         return proj + 2.0 * cfg.conv_dim * k + state
+    if cfg.linear_kind == "lightning":  # MiniMax: qkv_proj, output_gate, out_proj; no conv
+        hv, dv, dk = cfg.ssm_shape
+        value_dim = hv * dv
+        return 2.0 * h * 4 * value_dim + 2.0 * value_dim * h + 2.0 * 3 * hv * dk * dv  # decay + k v^T write, q read
     if cfg.linear_kind == "short_conv":  # LFM2: in_proj to [B | C | x], depthwise conv of B*x, out_proj
         return 2.0 * h * 3 * h + 2.0 * h * h + 2.0 * cfg.conv_dim * k  # the B*x and C*y gates ignored
     return 0.0
