@@ -238,6 +238,9 @@ DIFFERENTIALS = [
     pytest.param("zamba2", 23, dict(max_total_tokens=450), id="zamba2"),  # (at 500 it retracts nothing)
     # Mamba1 states (a decay per channel and state) checkpointed at any position; attention without RoPE
     pytest.param("jamba", 13, {}, id="jamba"),
+    # MiniMax: lightning attention (a fixed decay per head, no conv window) beside RoPE attention, scaled post-norm
+    # residuals, a MoE in every layer
+    pytest.param("minimax", 32, dict(max_total_tokens=450), id="minimax"),
     # pure state-space models: no KV at all (the tree's pages hold token ids only), every hit a state checkpoint
     pytest.param("mamba", 14, {}, id="mamba"),
     pytest.param("falcon_mamba", 15, {}, id="falcon_mamba"),

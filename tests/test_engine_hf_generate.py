@@ -29,7 +29,7 @@ def hf_greedy(path, prompt: list[int]) -> tuple[list[int], list[float]]:
 @pytest.mark.parametrize("ckpt", ["qwen3_next_dense_path", "qwen3_next_moe_path", "qwen3_5_moe_path", "nemotron_h_path",
                                   "falcon_h1_path", "bamba_path", "granite_h_path", "lfm2_path",
                                   "lfm2_moe_path", "kimi_linear_path", "bailing_hybrid_path", "olmo_hybrid_path",
-                                  "lara_mini_path", "lfm3_path", "zamba2_path", "jamba_path", "mamba_path", "falcon_mamba_path",
+                                  "lara_mini_path", "lfm3_path", "zamba2_path", "jamba_path", "minimax_path", "mamba_path", "falcon_mamba_path",
                                   "mamba2_path"])
 def test_engine_greedy_equals_transformers_generate(ckpt, request):
     path = request.getfixturevalue(ckpt)

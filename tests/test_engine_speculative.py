@@ -220,7 +220,8 @@ def _run_differential(path, on_opts: dict, seed: int = 0, drafter=OracleDrafter,
                                   "nemotron_h_path", "falcon_h1_path", "bamba_short_path", "granite_h_path",
                                   "lfm2_short_path", "lfm2_moe_short_path", "kimi_linear_path",
                                   "bailing_hybrid_short_path", "olmo_hybrid_short_path", "lara_mini_short_path",
-                                  "lfm3_short_path", "zamba2_short_path", "jamba_path", "mamba_path", "falcon_mamba_path", "mamba2_path"])
+                                  "lfm3_short_path", "zamba2_short_path", "jamba_path", "minimax_short_path", "mamba_path",
+                                  "falcon_mamba_path", "mamba2_path"])
 def test_speculation_is_exact_with_the_prefix_cache(arch, request):
     compared = _run_differential(request.getfixturevalue(arch), POOLS)
     assert compared > 60
@@ -319,7 +320,7 @@ def test_compile_decode_warm_up_fits_wide_verify_steps(qwen3_next_short_path, mo
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next_dense_path", "qwen3_5_short_path", "nemotron_h_path", "falcon_h1_path",
-                                  "lfm2_short_path", "kimi_linear_path", "jamba_path", "mamba_path",
+                                  "lfm2_short_path", "kimi_linear_path", "jamba_path", "minimax_short_path", "mamba_path",
                                   "falcon_mamba_path", "mamba2_path"])  # (2-layer variants: as above)
 def test_tree_speculation_is_exact_with_the_prefix_cache(arch, request):
     """Tree verification: siblings, rejections at any depth, chains and zero-draft steps in one run."""

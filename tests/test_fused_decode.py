@@ -565,7 +565,7 @@ def _two_turns(engine: Engine, fused: bool | None, requests: int = 7, keys: Comp
                                   pytest.param("falcon_h1", marks=pytest.mark.slow), "jamba",
                                   pytest.param("kimi_linear", marks=pytest.mark.gpu), "bailing_hybrid",
                                   "olmo_hybrid", "falcon_mamba", pytest.param("lfm2_moe", marks=pytest.mark.gpu),
-                                  "lara_mini", "lfm3", "zamba2"])
+                                  "lara_mini", "lfm3", "zamba2", "minimax"])
 def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypatch):
     """fp32, prefix cache on: the fused decode (graphs on a GPU, MoE layers' experts on the device) == the
     PyTorch decode, one side with the overlap schedule (fed its tokens on the device). Gated
@@ -612,7 +612,7 @@ def test_engine_fused_decode_matches_pytorch(arch, request, few_splits, monkeypa
                 assert {block.qkv_proj.weight.data_ptr(), block.gate_up.weight.data_ptr(),
                         other.model.layers[1].linear.weight.data_ptr()} <= set(gemv_calls)
     assert replays["n"] > 0 or GPU
-    if arch in ("nemotron_h", "jamba", "kimi_linear", "bailing_hybrid", "lfm2_moe"):  # models with MoE layers: steps of more than one
+    if arch in ("nemotron_h", "jamba", "kimi_linear", "bailing_hybrid", "lfm2_moe", "minimax"):  # models with MoE layers: steps of more than one
         assert grouped  # request ran grouped (on the CPU those replaying graphs, as a GPU's would)
     assert gemv_calls  # the in projections of the batch-1 steps (Falcon-H1's mixers' out projections too)
     n = compare_outputs(a, b)

@@ -139,7 +139,7 @@ def few_splits(monkeypatch):
 # OLMo-Hybrid (Qwen3.5's kernels: beta's scale checked kernel by kernel, its post-norm layers in
 # test_engine_fused_decode_matches_pytorch), Lara-4-Mini (~10 s; the windowed extend kernel: LFM3's here, ~10 s),
 # Zamba2 (~25 s; Bamba's kernels, its shared blocks in test_engine_fused_decode_matches_pytorch)
-@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear", "lfm3",
+@pytest.mark.parametrize("arch", ["qwen3_5", "bamba", "kimi_linear", "lfm3", "minimax",
                                   *(pytest.param(a, marks=pytest.mark.gpu) for a in (
                                       "qwen3_5_moe", "jamba", "lfm2", "lfm2_moe", "bailing_hybrid", "olmo_hybrid",
                                       "lara_mini", "zamba2"))])

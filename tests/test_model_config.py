@@ -962,6 +962,51 @@ def test_jamba_layout_state_and_hf_defaults():
             ModelConfig.from_hf({**mini, **bad})
 
 
+# MiniMax-Text-01's sizes in MiniMax's own keys (attn_type_list: softmax attention after every 7 lightning layers,
+# layernorm_*_alpha / _beta, rotary_dim over half of each head, postnorm)
+MINIMAX_TEXT_01 = {"architectures": ["MiniMaxText01ForCausalLM"], "vocab_size": 200064,
+                   "hidden_size": 6144, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+                   "head_dim": 128, "intermediate_size": 9216, "num_local_experts": 32, "num_experts_per_tok": 2,
+                   "attn_type_list": [0, 0, 0, 0, 0, 0, 0, 1] * 10, "rotary_dim": 64, "rope_theta": 10000000,
+                   "layernorm_full_attention_alpha": 3.5565588200778455, "layernorm_full_attention_beta": 1.0,
+                   "layernorm_linear_attention_alpha": 3.5565588200778455, "layernorm_linear_attention_beta": 1.0,
+                   "layernorm_mlp_alpha": 3.5565588200778455, "layernorm_mlp_beta": 1.0, "postnorm": True,
+                   "shared_intermediate_size": 0, "rms_norm_eps": 1e-05, "torch_dtype": "bfloat16"}
+
+
+def test_minimax_layout_state_and_hf_keys():
+    """MiniMax: lightning layers hold an [H, D, D] fp32 state and no conv window, softmax layers K/V; the
+    layer list and residual factors read from transformers' keys or MiniMax's; the lightning FLOPs;
+    ValueErrors for what transformers' MiniMax does not have."""
+    c = ModelConfig.from_hf(MINIMAX_TEXT_01)
+    assert c.architecture == "MiniMaxText01ForCausalLM" and c.model_type == "minimax" and c.linear_kind == "lightning"
+    assert [i for i, t in enumerate(c.layer_types) if t == "attention"] == list(range(7, 80, 8))
+    assert c.ffn_types == ("moe",) * 80 and c.num_experts == 32 and c.moe_intermediate_size == 9216
+    assert c.norm_topk_prob and c.router == "softmax" and c.rotary_dim == 64 and c.rope_theta == 1e7
+    assert c.residual_factors == (((3.5565588200778455, 1.0), (3.5565588200778455, 1.0)),) * 80
+    assert c.conv_shape == (0, 3) and c.ssm_shape == (64, 128, 128)
+    assert c.cache_layout.state_bytes_per_slot == 70 * 64 * 128 * 128 * 4  # no conv window: the fp32 states alone
+    assert c.cache_layout.kv_bytes_per_token == 10 * 2 * 8 * 128 * 2  # bf16 K and V of the softmax layers
+    inner = 64 * 128
+    assert c.flops_per_token(1).linear == pytest.approx(70 * (2 * 6144 * 4 * inner + 2 * inner * 6144
+                                                              + 2 * 3 * 64 * 128 * 128))
+    # transformers' keys; its default layout (softmax attention at the even layers); whole-head RoPE by default
+    hf = {k: v for k, v in MINIMAX_TEXT_01.items() if k not in ("attn_type_list", "rotary_dim") and "layernorm" not in k}
+    d = ModelConfig.from_hf({**hf, "num_hidden_layers": 4, "full_attn_alpha_factor": 2, "mlp_beta_factor": 0.5})
+    assert d.layer_types == ("attention", "linear", "attention", "linear") and d.rotary_dim == 128
+    assert d.residual_factors[0] == ((2.0, 1.0), (1.0, 0.5)) and d.residual_factors[1] == ((1.0, 1.0), (1.0, 0.5))
+    listed = ModelConfig.from_hf({**hf, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+                                  "sliding_window": 16})
+    assert listed.layer_types == ("linear", "attention") and listed.sliding_window == 16
+    assert listed.sliding_layers == (1,)
+    for bad, match in [({"postnorm": False}, "postnorm"), ({"shared_intermediate_size": 512}, "shared experts"),
+                       ({"hidden_act": "gelu"}, "hidden_act"), ({"rotary_dim": 130}, "rotary_dim"),
+                       ({"attn_type_list": [0, 1]}, "layer_types"), ({"sliding_window": 0}, "sliding_window"),
+                       ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf({**MINIMAX_TEXT_01, **bad})
+
+
 # --- the pure state-space models: Mamba, FalconMamba (Mamba1), Mamba2 ----------------------------------------------
 # config.json of tiiuae/falcon-mamba-7b (expand 16, but the explicit intermediate_size 8192 is what HF builds) and of
 # mistralai/Mamba-Codestral-7B-v0.1 (transformers 4.44's keys: rms_norm, time_step_limit with Infinity)

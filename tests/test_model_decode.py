@@ -696,7 +696,7 @@ def _dynamo_only(monkeypatch) -> None:
                                   "bamba_short_path", "lfm2_short_path", "nemotron_h_small_path",
                                   "qwen3_5_moe_short_path", "jamba_short_path", "bailing_hybrid_short_path",
                                   "olmo_hybrid_short_path", "lara_mini_short_path", "lfm3_short_path",
-                                  "zamba2_short_path", "falcon_mamba_short_path"])
+                                  "zamba2_short_path", "falcon_mamba_short_path", "minimax_short_path"])
 def test_compiled_decode_is_one_graph_per_step(arch, request, monkeypatch):
     """Every architecture ``compile_decode`` compiles (MoE layers as one op each) traces a decode step
     as one graph (the verify graphs of chains: the slow compiled-verify test, fullgraph too): no host

@@ -592,3 +592,38 @@ def test_pure_ssm_checkpoint_names(mamba_path, falcon_mamba_path, tmp_path):
     assert [type(n).__name__ for n in falcon.layers[0].mixer.norms] == ["WeightlessRMSNorm"] * 3
     assert all(n.eps == 1e-6 for n in falcon.layers[0].mixer.norms)
     assert load_model(mamba_path).layers[0].mixer.norms is None
+
+
+def test_minimax_regroups_qkv_and_needs_no_decay_tables(minimax_path, tmp_path):
+    """MiniMax: the lightning layers' qkv_proj rows regrouped from transformers' per-head [q_h | k_h | v_h] to
+    [q | k | v]; the decay tables transformers saves as buffers (slope_rate, *_decay) are not read, so a checkpoint
+    without them (MiniMax's own) loads the same model; the slopes are each layer's own; experts from w1 / w3 / w2;
+    MiniMax's architecture name and config keys load the same weights too."""
+    raw = load_file(minimax_path / "model.safetensors")
+    model = load_model(minimax_path)
+    mixer = model.layers[0].mixer
+    h, d = 4, 32
+    w = raw["model.layers.0.self_attn.qkv_proj.weight"].view(h, 3, d, -1)
+    assert torch.equal(mixer.qkv_proj.weight.view(3, h, d, -1), w.transpose(0, 1))
+    assert torch.equal(mixer.neg_slope, -raw["model.layers.0.self_attn.slope_rate"].flatten())
+    assert not torch.equal(model.layers[1].mixer.neg_slope, mixer.neg_slope)  # a decay per layer
+    moe = model.layers[0].ffn
+    e1 = "model.layers.0.block_sparse_moe.experts.1."
+    assert torch.equal(moe.w_in[1], torch.cat([raw[e1 + "w1.weight"], raw[e1 + "w3.weight"]]))
+    assert torch.equal(moe.w_out[1], raw[e1 + "w2.weight"])
+
+    def minimax_own(config: dict) -> dict:  # MiniMax's names for what transformers calls layer_types and the factors
+        config = {k: v for k, v in config.items() if k != "layer_types" and not k.endswith("_factor")}
+        return {**config, "architectures": ["MiniMaxText01ForCausalLM"], "postnorm": True,
+                "attn_type_list": [0, 0, 1, 0, 0, 1], "layernorm_full_attention_alpha": 1.0,
+                "layernorm_full_attention_beta": 0.75, "layernorm_linear_attention_alpha": 1.5,
+                "layernorm_linear_attention_beta": 1.0, "layernorm_mlp_alpha": 1.25, "layernorm_mlp_beta": 1.0}
+
+    tables = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+    own = load_model(rewrite(minimax_path, tmp_path / "own",
+                             lambda t: {k: v for k, v in t.items() if k.rsplit(".", 1)[-1] not in tables}, minimax_own))
+    assert torch.equal(prefill_logits(own, IDS), prefill_logits(model, IDS))
+    missing = rewrite(minimax_path, tmp_path / "missing",
+                      lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.output_gate" not in k})
+    with pytest.raises(ValueError, match="output_gate"):
+        load_model(missing)

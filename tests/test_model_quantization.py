@@ -93,7 +93,7 @@ def qwen3_next_bias_path(tiny_ckpt_dir):
 ARCHITECTURES = ["qwen3_next_moe_mtp_path", "qwen3_next_bias_path", "qwen3_5_mtp_path", "qwen3_5_moe_path", "nemotron_h_path",
                  "falcon_h1_path", "bamba_path", "granite_h_path", "lfm2_moe_path", "kimi_linear_path",
                  "bailing_hybrid_path", "olmo_hybrid_path", "lara_mini_path", "lfm3_path", "zamba2_path",
-                 "jamba_path", "mamba_path", "mamba2_path"]
+                 "jamba_path", "minimax_path", "mamba_path", "mamba2_path"]
 
 
 @pytest.mark.parametrize("fixture", ARCHITECTURES)

@@ -16,7 +16,7 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 4, 3]
 SHORT = [-1, 0, 0]  # the second sequence: a root and two alternatives
 ARCHS = ["qwen3_next_dense_path", "qwen3_next_moe_path", "qwen3_5_path", "nemotron_h_path", "falcon_h1_path",
          "bamba_path", "lfm2_path", "kimi_linear_path", "bailing_hybrid_path", "olmo_hybrid_path",
-         "lara_mini_path", "lfm3_path", "zamba2_path", "jamba_path"]
+         "lara_mini_path", "lfm3_path", "zamba2_path", "jamba_path", "minimax_path"]
 
 
 def _path(parents: list[int], j: int) -> list[int]:

@@ -80,6 +80,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Lfm3ForCausalLM": Architecture(lfm3.Lfm3ForCausalLM, lfm3.parse_hf_config, "lfm3"),
     "Zamba2ForCausalLM": Architecture(zamba2.Zamba2ForCausalLM, zamba2.parse_hf_config, "zamba2"),
     "MiniMaxForCausalLM": Architecture(minimax.MiniMaxForCausalLM, minimax.parse_hf_config, "minimax"),
+    # MiniMax's own names for the same checkpoints (its config keys: minimax.parse_hf_config), as vLLM registers them
+    "MiniMaxText01ForCausalLM": Architecture(minimax.MiniMaxForCausalLM, minimax.parse_hf_config, "minimax_text_01"),
+    "MiniMaxM1ForCausalLM": Architecture(minimax.MiniMaxForCausalLM, minimax.parse_hf_config, "minimax_m1"),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(ARCHITECTURES)
