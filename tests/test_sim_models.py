@@ -80,6 +80,8 @@ def test_prefill_flops_closed_form_is_the_per_token_sum(extend, prefix):
         # 9 hybrid layers x K,V x 32 heads x 160 (2 x 2560 / 32) x bf16; 54 Mamba2 layers x (conv (5120 + 2 x 64) x 3
         # bf16 + SSM 8 x 640 x 64 fp32)
         ("zamba2-2.7b", 9 * 2 * 32 * 160 * 2, 54 * ((5120 + 2 * 64) * 3 * 2 + 8 * 640 * 64 * 4)),
+        # 10 softmax attention layers x K,V x 8 KV heads x 128 x bf16; 70 lightning layers x 64 x 128 x 128 fp32 (no conv)
+        ("minimax-text-01", 10 * 2 * 8 * 128 * 2, 70 * 64 * 128 * 128 * 4),
     ],
 )
 def test_hf_presets_go_through_the_model_config_parser(name, kv_bytes, state_bytes):
@@ -255,3 +257,17 @@ def test_jamba_1_5_mini_preset_is_52b_with_12b_active():
     assert 11e9 < active < 13e9  # "12B active"
     total = active + 16 * (16 - 2) * 3 * 4096 * 14336  # plus the idle experts
     assert 50e9 < total < 54e9  # "52B"
+
+
+def test_minimax_text_01_preset_is_456b():
+    """MiniMax-Text-01's sizes give its published 456 B parameters and 45.9 B activated per token (the report's
+    count leaves out the embedding and the LM head: 2.5 B more)."""
+    cfg = ModelConfig.from_hf(HF_CONFIGS["minimax-text-01"])
+    assert (cfg.num_attention_layers, cfg.num_linear_layers) == (10, 70) and cfg.linear_kind == "lightning"
+    one = cfg.flops_per_token(1)
+    lightning_state = 70 * 3 * 64 * 128 * 128  # the state's multiply-adds, not weights
+    attention = 10 * 2 * 64 * 128  # the one context token's scores and values
+    active = (one.total - 2 * lightning_state - 2 * attention) / 2 + 200064 * 6144  # weights per token + embedding
+    assert 45.8e9 < active - 2 * 200064 * 6144 < 46.0e9  # "45.9B activated"
+    total = active + 80 * (32 - 2) * 3 * 6144 * 9216  # plus the idle experts
+    assert 450e9 < total < 460e9  # "456B"

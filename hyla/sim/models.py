@@ -36,6 +36,9 @@ Presets (``PRESETS``):
   hyla keeps the sliding layers' K/V whole (their window is a mask), so the accounting does too.
 * ``zamba2-2.7b``: transformers' ``Zamba2Config`` defaults (a Zamba2-2.7B-style configuration): 54 Mamba2 layers
   (72.5 MB a checkpoint), 9 of them hybrid with a KV of 32 heads of 160 (180 KiB a token) over a shared block.
+* ``minimax-text-01``: MiniMax-Text-01's published sizes: 70 lightning-attention layers, whose state is ``[64, 128,
+  128]`` fp32 and no conv window (280 MiB a checkpoint, the largest of the presets), and 10 softmax attention layers
+  of 8 KV heads (40 KiB a token): 7,168 tokens of KV per checkpoint.
 * ``falcon-mamba-7b``, ``mamba-codestral-7b``: pure state-space models (64 Mamba1 / Mamba2 layers, no
   attention): no KV bytes at all, so a cache is checkpoints alone and a hit is one at the exact
   position (FalconMamba 35 MiB a checkpoint, Codestral 260 MiB).

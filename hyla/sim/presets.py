@@ -1,7 +1,7 @@
 """Published ``config.json`` contents of the hybrid models the simulator ships as presets.
 
 Copied from the model cards on the Hugging Face Hub (fields that matter to no part of hyla, such
-as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B and
+as ``initializer_range``, kept for fidelity; Falcon-H1-7B, Granite-4.0-H-Small, Qwen3.5-35B-A3B, MiniMax-Text-01 and
 LFM2-1.2B, LFM2-8B-A1B, Jamba-1.5-Mini, Falcon-Mamba-7B and Mamba-Codestral-7B keep only their sizes, see their comments; Kimi-Linear-48B-A3B leaves out ``auto_map``); parsed by ``ModelConfig.from_hf`` like any other checkpoint.
 """
 
@@ -497,6 +497,43 @@ ZAMBA2_2_7B: dict[str, Any] = {
     "model_type": "zamba2",
 }
 
+# MiniMax-Text-01: its published sizes (the MiniMax-01 report and model card: 456 B parameters, 45.9 B activated,
+# which these give: tests/test_sim_models.py; 80 layers, softmax
+# attention after every 7 lightning layers, 64 heads of 128 with 8 KV heads, RoPE over half of each head, 32 experts
+# top-2 of 9,216, DeepNorm's alpha (2 * 80) ** 0.25 on every residual) in MiniMax's own config keys
+MINIMAX_TEXT_01: dict[str, Any] = {
+    "architectures": ["MiniMaxText01ForCausalLM"],
+    "attn_type_list": [0, 0, 0, 0, 0, 0, 0, 1] * 10,
+    "block_size": 256,
+    "bos_token_id": None,
+    "eos_token_id": 200020,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 6144,
+    "intermediate_size": 9216,
+    "layernorm_full_attention_alpha": 3.5565588200778455,
+    "layernorm_full_attention_beta": 1.0,
+    "layernorm_linear_attention_alpha": 3.5565588200778455,
+    "layernorm_linear_attention_beta": 1.0,
+    "layernorm_mlp_alpha": 3.5565588200778455,
+    "layernorm_mlp_beta": 1.0,
+    "max_position_embeddings": 10240000,
+    "model_type": "minimax_text_01",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 80,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "postnorm": True,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000000,
+    "rotary_dim": 64,
+    "shared_intermediate_size": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 200064,
+}
+
 HF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "nemotron-h-8b": NEMOTRON_H_8B,
@@ -513,4 +550,5 @@ HF_CONFIGS: dict[str, dict[str, Any]] = {
     "olmo-hybrid-7b": OLMO_HYBRID_7B,
     "lara-4-mini": LARA_4_MINI,
     "zamba2-2.7b": ZAMBA2_2_7B,
+    "minimax-text-01": MINIMAX_TEXT_01,
 }
