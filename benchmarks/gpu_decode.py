@@ -15,7 +15,9 @@ OLMo-Hybrid-style model (``OLMO``: transformers' ``OlmoHybridForCausalLM``, Gate
 + post-norm NoPE attention 3:1, dense MLPs; ~0.74 B parameters), its section ``GPU decode: OLMo-Hybrid``.
 ``--zamba2``: a Zamba2-style model (``ZAMBA2``: transformers' ``Zamba2ForCausalLM``, Mamba2 layers, every 6th a hybrid
 that runs one of two weight-shared attention + GeGLU blocks with its own adapters; ~0.52 B parameters), its section
-``GPU decode: Zamba2`` (its roofline reads a shared block's weights once per layer that runs it).
+``GPU decode: Zamba2`` (its roofline reads a shared block's weights once per layer that runs it). ``--minimax``: a
+MiniMax-style model (``MINIMAX``: transformers' ``MiniMaxForCausalLM``, lightning attention + softmax attention 7:1, a
+MoE in every layer, scaled post-norm residuals; ~1.43 B parameters), its section ``GPU decode: MiniMax``.
 
 Measured in one process, hyla and transformers interleaved repeat by repeat, medians of
 ``--repeats`` after one untimed warm-up pass of everything (Triton compilation, graph capture):
@@ -43,7 +45,8 @@ rounding on random weights may part them after a few tokens). Prints a markdown 
         [--hf-max-batch 32] [--prompt-tokens 128] [--new-tokens 128] [--prefill-tokens 4096]
         [--cached-tokens 3800] [--no-cuda-graph] [--overlap-schedule auto|on|off] [--hyla-only | --hf-only]
         [--log-compiles] [--gemv-max-rows N] [--gemv-in 0|1] [--pdl 0|1] [--fuse-conv 0|1] [--gdn-wy 0|1]
-        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi | --olmo | --zamba2] [--json PATH]
+        [--variants "pdl=1,gemv-in=1; pdl=0,gemv-in=1"] [--moe | --jamba | --kimi | --olmo | --zamba2 | --minimax]
+        [--json PATH]
         [--no-write]
     .venv/bin/python benchmarks/gpu_decode.py --device cpu --tiny --batches 1,2 --new-tokens 4 \\
         --prefill-tokens 64 --cached-tokens 48 --repeats 1 --no-write            # CPU smoke test
@@ -172,6 +175,26 @@ TINY_ZAMBA2 = dict(ZAMBA2, vocab_size=2048, hidden_size=64, num_hidden_layers=4,
                    layers_block_type=["mamba", "hybrid"] * 2, num_attention_heads=2, num_key_value_heads=2,
                    mamba_d_state=16, n_mamba_heads=4, num_mem_blocks=1, adapter_rank=8, intermediate_size=128)
 
+# --minimax: transformers' MiniMaxForCausalLM (hyla/model/minimax.py: lightning attention on Mamba2's SSD kernels with
+# dt held at 1). MiniMax-Text-01's layout at the Qwen3.5 model's width and depth: hidden 1,024, 24 layers ([lightning x 7,
+# softmax] x 3: MiniMax's 7:1), 8 heads of 128 (lightning and softmax alike; hidden / heads, as MiniMax's 64 x 128 at
+# 6,144), softmax attention with 1 KV head (MiniMax's 8 query heads a KV head) and RoPE theta 1e7 over whole heads
+# (transformers'); a MoE in every layer, top-2 as MiniMax's, 8 experts of 1,536 (MiniMax's 1.5 x hidden; its 32
+# experts would be 3.6 B parameters at this width); DeepNorm's alpha (2 x 24) ** 0.25 on every residual, beta 1
+# (MiniMax's kind of factors); MiniMax's vocab of 200,064, untied. ~1.43 B parameters (0.91 B of them routed
+# experts, 0.2 B each embedding), of which a batch-1 step reads ~0.55 B.
+MINIMAX = dict(vocab_size=200064, hidden_size=1024, intermediate_size=1536, num_hidden_layers=24,
+               layer_types=(["linear_attention"] * 7 + ["full_attention"]) * 3, num_attention_heads=8,
+               num_key_value_heads=1, head_dim=128, num_local_experts=8, num_experts_per_tok=2,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e7},
+               **{f"{part}_alpha_factor": 48 ** 0.25 for part in ("full_attn", "linear_attn", "mlp")},
+               **{f"{part}_beta_factor": 1.0 for part in ("full_attn", "linear_attn", "mlp")},
+               block_size=256, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# tiny: 4 layers (3 lightning + softmax attention at layer 3), 2 heads of 32, 4 experts of 96, top-2
+TINY_MINIMAX = dict(MINIMAX, vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    layer_types=LAYER_TYPES, num_attention_heads=2, head_dim=32, num_local_experts=4)
+
 
 def _qwen3_5(kw: dict):
     import transformers
@@ -210,6 +233,12 @@ def _zamba2(kw: dict):
     return transformers.Zamba2ForCausalLM(transformers.Zamba2Config(**{**checkpoints.ZAMBA2_KW, **kw}))
 
 
+def _minimax(kw: dict):
+    import transformers
+
+    return transformers.MiniMaxForCausalLM(transformers.MiniMaxConfig(**{**checkpoints.MINIMAX_KW, **kw}))
+
+
 def _zamba2_reads(kw: dict, name: str) -> bool:
     """A hybrid layer reads its block's weights and, of the block's adapters, its own (``*_adapter_list.{k}``, ``k``
     its hybrid ordinal)."""
@@ -235,6 +264,20 @@ def _describe_zamba2(kw: dict) -> str:
             f"({'RoPE' if kw['use_mem_rope'] else 'NoPE'}), GeGLU MLP {kw['intermediate_size']}, adapters of rank "
             f"{kw['adapter_rank']} on {adapters}, vocab {kw['vocab_size']:,}, "
             f"{'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings")
+
+
+def _describe_minimax(kw: dict) -> str:
+    types = kw["layer_types"]
+    attn = [i for i, t in enumerate(types) if t == "full_attention"]
+    heads, dim = kw["num_attention_heads"], kw["head_dim"]
+    return (f"MiniMax-style model (`MiniMaxForCausalLM`), random weights: hidden {kw['hidden_size']}, {len(types)} "
+            f"layers ({len(types) - len(attn)} lightning attention + {len(attn)} softmax attention at "
+            f"{', '.join(map(str, attn))}), {heads} heads of {dim} (lightning: a fixed decay per head, an [{dim}, {dim}] "
+            f"state each; softmax: {kw['num_key_value_heads']} KV head(s), RoPE theta "
+            f"{kw['rope_parameters']['rope_theta']:g}), MoE in every layer ({kw['num_local_experts']} experts, "
+            f"top-{kw['num_experts_per_tok']}, {kw['intermediate_size']} wide, no shared expert), residuals "
+            f"{kw['linear_attn_alpha_factor']:.3f} x norm(x) + {kw['linear_attn_beta_factor']:g} x part, vocab "
+            f"{kw['vocab_size']:,}, {'tied' if kw['tie_word_embeddings'] else 'untied'} embeddings")
 
 
 def _describe_olmo(kw: dict) -> str:
@@ -304,7 +347,8 @@ def _describe_kimi(kw: dict) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ModelKind:
-    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``; the default ``qwen3_5``): its
+    """A model the benchmark builds (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``, ``--minimax``; the
+    default ``qwen3_5``): its
     config keys at full size and ``--tiny``, its transformers model from them, its routed experts'
     config keys (count, top-k) for the roofline, what transformers' side runs where importable (the
     peer's kernels, named in the table), and its section of docs/benchmarks.md."""
@@ -315,7 +359,8 @@ class ModelKind:
     describe: Callable[[dict], str]  # config keys -> the section's description of the model
     section: str
     experts: tuple[str, str] | None = None  # the keys of the routed experts' count and top-k
-    peer: str = "fla"  # transformers' Qwen3.5 and Kimi-Linear run fla's kernels, its Jamba mamba_ssm's
+    # transformers' Qwen3.5 and Kimi-Linear run fla's kernels, its Jamba mamba_ssm's; None: PyTorch alone (MiniMax)
+    peer: str | None = "fla"
     help: str = ""
     # whether a step reads the parameter of this name (in transformers' model, each module that holds a shared
     # one naming it: Zamba2's blocks hold every layer's adapters, of which a layer reads its own)
@@ -349,6 +394,10 @@ MODELS = {
                         reads=_zamba2_reads,
                         help="a Zamba2-style model instead (ZAMBA2: 20 Mamba2 + 4 hybrid layers over 2 shared "
                              "attention + GeGLU blocks with per-layer adapters); writes its own section"),
+    "minimax": ModelKind(MINIMAX, TINY_MINIMAX, _minimax, _describe_minimax, "GPU decode: MiniMax",
+                         ("num_local_experts", "num_experts_per_tok"), peer=None,
+                         help="a MiniMax-style model instead (MINIMAX: 21 lightning + 3 softmax attention layers, 8 "
+                              "experts, top-2, in every layer); writes its own section"),
 }
 
 
@@ -582,7 +631,8 @@ def main() -> None:
     # transformers' Jamba runs mamba_ssm's kernels (and causal_conv1d's) where importable, else PyTorch; its
     # Qwen3.5 and Kimi-Linear, fla's (chunk / fused_recurrent gated delta rule, KDA) and causal_conv1d's
     model = MODELS[args.model or "qwen3_5"]
-    kernels = {k: importlib.util.find_spec(k) is not None for k in dict.fromkeys(("fla", "causal_conv1d", model.peer))}
+    kernels = {k: importlib.util.find_spec(k) is not None
+               for k in dict.fromkeys(("fla", "causal_conv1d", *([model.peer] if model.peer else [])))}
     kw = model.tiny if args.tiny else model.full
     moe = model.routing(kw)  # the routed experts, for the roofline (their weights are in kw)
     log(f"{machine()}, transformers {transformers.__version__}, {dtype_name}, importable: {kernels}")
@@ -753,7 +803,8 @@ def main() -> None:
         if moe else (lambda b: 0)
     roof = {b: b * bw / (sizes["weight_bytes_per_step"] + chosen(b) * sizes["expert_bytes"] + b * (
         2 * layout.state_bytes_per_slot + layout.kv_bytes_per_token * (ctx + 1))) for b in batches}
-    hf_name = "transformers" + (f" + {model.peer}" if kernels[model.peer] else f" (no {model.peer}: torch fallback)")
+    hf_name = "transformers (PyTorch)" if model.peer is None else "transformers" + (
+        f" + {model.peer}" if kernels[model.peer] else f" (no {model.peer}: torch fallback)")
     rows = []
     for b in batches:
         cells = {}

@@ -31,6 +31,9 @@
 #   zamba2   gpu_decode.py --zamba2 --batches 1,8,64: the Zamba2-style model (Mamba2 kernels, hybrid layers running
 #            shared attention + GeGLU blocks on [x | embeddings], in CUDA graphs) against transformers (+ mamba_ssm
 #            where installed), and the HBM roofline (~4 min)
+#   minimax  gpu_decode.py --minimax --batches 1,8,64: the MiniMax-style model (lightning attention on the Mamba2
+#            kernels with dt held at 1, softmax attention 7:1, 8 experts top-2 in every layer, in CUDA graphs) against
+#            transformers' PyTorch lightning attention, and the HBM roofline (~4 min)
 #   fp8      FP8 weights kept in float8: their kernels and engines against the dequantized model
 #            (tests/test_fp8_kernels.py, test_model_quantization.py's gpu tests), then decode and TTFT of the benchmark
 #            model quantized at load (gpu_decode.py --quantization fp8 --hyla-only; the bf16 numbers: the decode
@@ -114,6 +117,8 @@ for s in "$@"; do
                   --json "$out/gpu_decode_olmo.json" 2>&1 | tee "$out/olmo.log" | tail -20 ;;
         zamba2) timeout 300 python3 benchmarks/gpu_decode.py --zamba2 --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
                   --json "$out/gpu_decode_zamba2.json" 2>&1 | tee "$out/zamba2.log" | tail -20 ;;
+        minimax) timeout 300 python3 benchmarks/gpu_decode.py --minimax --batches 1,8,64 --repeats 3 --hf-max-batch 8 \
+                     --json "$out/gpu_decode_minimax.json" 2>&1 | tee "$out/minimax.log" | tail -20 ;;
         fp8) timeout 200 python3 -m pytest -q -p no:cacheprovider -n "$workers" -rfE tests/test_fp8_kernels.py \
                  tests/test_kv_cache_fp8.py \
                  "tests/test_model_quantization.py::test_gpu_engine_with_kept_fp8_weights" 2>&1 | tee "$out/fp8.log" | tail -8
@@ -142,7 +147,7 @@ for s in "$@"; do
         kernels) timeout 400 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -48
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 fp8 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 minimax fp8 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"

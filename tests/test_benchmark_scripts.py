@@ -98,6 +98,16 @@ def test_gpu_decode_runs_on_cpu_with_jamba(tmp_path):
     _assert_untied_moe_report(out, data)
 
 
+def test_gpu_decode_runs_on_cpu_with_minimax(tmp_path):
+    """``--minimax``: the MiniMax-style model (lightning + softmax attention 3:1, a MoE in every layer), both sides
+    (their greedy check agrees), transformers named as PyTorch alone, its cached TTFT hitting the whole prefix, its
+    roofline counting the experts a batch chooses, the untied lm_head once and no conv window in the states."""
+    out, data = _tiny_gpu_decode(tmp_path, "--minimax")
+    assert "MiniMax-style model (`MiniMaxForCausalLM`)" in out and "(3 lightning attention + 1 softmax attention at 3)" in out
+    assert "transformers (PyTorch)" in out
+    _assert_untied_moe_report(out, data)
+
+
 def test_gpu_decode_runs_on_cpu_with_kimi(tmp_path):
     """``--kimi``: the Kimi-Linear-style model (KDA + MLA 3:1, a dense layer 0 then MoE with a shared
     expert), both sides (their greedy check agrees), its cached TTFT hitting the whole prefix, its
@@ -144,7 +154,8 @@ def test_gpu_decode_runs_on_cpu_with_zamba2(tmp_path):
 
 
 def _tiny_gpu_decode(tmp_path, model: str) -> tuple[str, dict]:
-    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``), both sides,
+    """``gpu_decode.py --tiny`` on the CPU for ``model`` (``--moe``, ``--jamba``, ``--kimi``, ``--olmo``, ``--zamba2``,
+    ``--minimax``), both sides,
     batches 1 and 2, a 64-token cached TTFT with 48 cached: ``(its output, its JSON report)``."""
     report = tmp_path / "gpu_decode.json"
     out = _run("benchmarks/gpu_decode.py", "--device", "cpu", "--tiny", model, "--batches", "1,2", "--new-tokens", "2",
