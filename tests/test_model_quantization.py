@@ -25,7 +25,7 @@ import checkpoints
 from hyla import Engine
 from hyla.model.linear import Linear
 from hyla.model.loader import load_model
-from hyla.model.quantization import FP8_MAX, Fp8Scheme, is_fp8
+from hyla.model.quantization import FP8_MAX, Fp8Scheme, dequantized, is_fp8
 
 IDS = list(range(5, 45))
 
@@ -264,18 +264,37 @@ def test_kept_fp8_weights_compute_the_dequantized_model(fixture, block, request)
 
 def test_what_stays_fp8(qwen3_next_moe_path, qwen3_5_moe_path):
     """Qwen3-Next: the experts, the shared expert, attention's q/k/v (stacked by rows) and out
-    projections, Gated DeltaNet's out projection; not its in projection (its rows regrouped per key
-    head: no longer whole blocks), nor the router, the norms, the embeddings, lm_head. Blocks that
-    do not divide a stacked tensor's rows keep it dequantized; a lone tensor's last block may be
-    partial."""
+    projections, Gated DeltaNet's out projection and in projection (its rows regrouped per key head: the
+    q, k, v and z rows whole blocks, moved with their scales' rows; b and a its tail); not the router,
+    the norms, the embeddings, lm_head. Blocks that do not divide a stacked tensor's rows keep it
+    dequantized; a lone tensor's last block may be partial."""
+    from safetensors.torch import load_file
+
     from hyla.model.quantization import FP8
 
-    model = load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_path), keep_fp8=True)
+    fp8 = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
+    model = load_model(fp8, keep_fp8=True)
     moe, attn, gdn = model.layers[3].ffn, model.layers[3].mixer, model.layers[0].mixer
     assert moe.w_in.dtype == moe.w_out.dtype == FP8 and moe.w_in_scale.shape == (8, 4, 4)
     assert moe.shared_expert.in_proj.weight.dtype == FP8 and attn.qkv_proj.weight.dtype == FP8
     assert attn.o_proj.weight.dtype == gdn.out_proj.weight.dtype == FP8
-    assert gdn.in_proj.weight.dtype == moe.router.weight.dtype == model.lm_head.weight.dtype == torch.float32
+    assert moe.router.weight.dtype == model.lm_head.weight.dtype == torch.float32
+    # [q | k | v | z] of 2 key heads (64 + 64 + 128 + 128 rows each, blocks of 64): 12 block rows, regrouped from the
+    # checkpoint's per-head [q_h | k_h | v_h | z_h]; [b | a] (2 x 2 x 2 rows) the fp32 tail
+    raw = load_file(fp8 / "model.safetensors")
+    qkvz, scale = (raw[f"model.layers.0.linear_attn.in_proj_qkvz.weight{s}"] for s in ("", "_scale_inv"))
+    assert gdn.in_proj.weight.dtype == FP8 and gdn.in_proj.weight_tail.shape == (8, 256)
+    assert torch.equal(gdn.in_proj.weight[:64].view(torch.uint8), qkvz[:64].view(torch.uint8))  # head 0's q
+    assert torch.equal(gdn.in_proj.weight[64:128].view(torch.uint8), qkvz[384:448].view(torch.uint8))  # head 1's q
+    assert torch.equal(gdn.in_proj.weight_scale[1], scale[6]) and torch.equal(gdn.in_proj.weight_scale[2], scale[1])
+    assert not gdn.in_proj.weight[768:].view(torch.uint8).any() and not gdn.in_proj.weight_scale[12:].any()
+    dense = load_model(fp8)  # the same values, dequantized
+    assert torch.equal(gdn.in_proj.weight_tail, dense.layers[0].mixer.in_proj.weight[768:])
+    assert torch.equal(dequantized(gdn.in_proj.weight[:768], gdn.in_proj.weight_scale[:12], (64, 64), torch.float32),
+                       dense.layers[0].mixer.in_proj.weight[:768])
+    # 48-row blocks do not divide a key head's 64 q rows: dequantized
+    odd = load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=(48, 80)), keep_fp8=True)
+    assert odd.layers[0].mixer.in_proj.weight.dtype == torch.float32
     # 48-row blocks: the experts' gate (128 rows) does not end on a block, so w_in is dequantized; w_out's
     # experts are one tensor each (256 rows: 6 blocks, the last partial) and stay float8
     model = load_model(checkpoints.quantize_checkpoint(qwen3_5_moe_path, block=(48, 80)), keep_fp8=True)

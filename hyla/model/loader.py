@@ -436,6 +436,9 @@ class Fp8Plan(NamedTuple):
     block: tuple[int, int]
     head: int  # its first sources float8 (all of them, or a concatenation's leading ones; the rest its tail)
     rows: int  # its dim-0 rows those make (without a tail, all of them)
+    # a row-regrouping combine's (weight_specs.row_segments) ranges, (source, first row, rows): its first `head`
+    # ranges float8, the rest its tail (None: `head` counts sources)
+    segments: tuple[tuple[int, int, int], ...] | None = None
 
 
 def _fp8_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
@@ -448,6 +451,8 @@ def _fp8_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
     Headers alone are read."""
     if not spec.moves_rows_only:
         return None
+    if getattr(spec.combine, "row_segments", None) is not None:
+        return _segments_plan(spec, tensors)
     n = len(spec.sources)
     group = getattr(spec.combine, "rows_group", 0) or n  # sources per concatenated matrix
     block, head, rows = None, 0, 0
@@ -465,6 +470,28 @@ def _fp8_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
     return None
 
 
+def _segments_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
+    """:func:`_fp8_plan` for a row-regrouping combine (``weight_specs.row_segments``): its leading row
+    ranges float8 where each is of a quantized source in one block, starts on a block and is whole blocks
+    tall (the last range may end on its source's partial last block); the ranges after them its tail,
+    which must start on a block."""
+    shapes = [tuple(tensors.meta(name).shape) for name in spec.sources]
+    segments = tuple(spec.combine.row_segments(shapes))
+    block, head, rows = None, 0, 0
+    for k, (s, first, n) in enumerate(segments):
+        name = spec.sources[s]
+        if not tensors.quantized(name):
+            break
+        own = tensors.raw_block(name)
+        ends_partial = k == len(segments) - 1 and first + n == shapes[s][0]  # (its scales' last row: the source's)
+        if block not in (None, own) or first % own[0] or (n % own[0] and not ends_partial):
+            break
+        block, head, rows = own, head + 1, rows + n
+    if not head or (head < len(segments) and rows % block[0]):
+        return None
+    return Fp8Plan(block, head, rows, segments)
+
+
 Fp8Value = tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]]  # weight, (scale, block,
 # tail: the dense rows after the float8 ones, or None)
 
@@ -475,6 +502,8 @@ def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: T
     (:func:`_fp8_plan`) -> ``(float8 value, (scales, block, tail))``, contiguous on ``device``: a
     tail's rows zero in the float8 value and its scales, built from its sources in ``dtype``;
     ``ValueError`` as :func:`_build` for a value not of ``target``'s shape."""
+    if plan.segments is not None:
+        return _build_fp8_segments(spec, plan, target, tensors, prefix, owner, device, dtype)
     fp8_names = spec.sources[:plan.head]
     raws = {name: tensors.raw(name) for name in fp8_names}
     if plan.head == len(spec.sources):
@@ -489,6 +518,26 @@ def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: T
     scale = torch.zeros(Fp8Scheme(plan.block).scale_shape(target.shape), dtype=torch.float32, device=device)
     scale[:plan.rows // plan.block[0]] = torch.cat([raws[name][1] for name in fp8_names]).to(device)
     tail = torch.cat([tensors.get(name) for name in spec.sources[plan.head:]]).to(device=device, dtype=dtype)
+    return value, (scale, plan.block, tail)
+
+
+def _build_fp8_segments(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: TensorReader, prefix: str,
+                        owner: str, device: str | torch.device, dtype: torch.dtype) -> Fp8Value:
+    """:func:`_build_fp8` for a row-regrouping combine: its float8 ranges' rows and their scales' rows moved
+    alike, the rest its tail, built in ``dtype``; the shape checked from the headers first."""
+    _build(spec, torch.empty(target.shape, dtype=dtype, device="meta"), tensors.meta, prefix, owner)
+    fp8, dense = plan.segments[:plan.head], plan.segments[plan.head:]
+    raws = {s: tensors.raw(spec.sources[s]) for s in dict.fromkeys(s for s, _, _ in fp8)}
+    br = plan.block[0]
+    value = torch.zeros(target.shape, dtype=FP8, device=device)
+    value[:plan.rows] = torch.cat([raws[s][0][first:first + n] for s, first, n in fp8]).to(device)
+    scale = torch.zeros(Fp8Scheme(plan.block).scale_shape(target.shape), dtype=torch.float32, device=device)
+    scale[:-(-plan.rows // br)] = torch.cat([raws[s][1][first // br:-(-(first + n) // br)]
+                                             for s, first, n in fp8]).to(device)
+    tail = None
+    if dense:
+        values = {s: tensors.get(spec.sources[s]) for s in dict.fromkeys(s for s, _, _ in dense)}
+        tail = torch.cat([values[s][first:first + n] for s, first, n in dense]).to(device=device, dtype=dtype)
     return value, (scale, plan.block, tail)
 
 

@@ -68,7 +68,15 @@ from hyla.model.layers import (
 from hyla.model.layers import device
 from hyla.model.linear import Linear
 from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
-from hyla.model.weight_specs import WeightSpec, attention_specs, embedding_specs, linear_specs, norm_spec, stack_experts
+from hyla.model.weight_specs import (
+    WeightSpec,
+    attention_specs,
+    embedding_specs,
+    linear_specs,
+    norm_spec,
+    row_segments,
+    stack_experts,
+)
 
 DT_ONE = (1.0, 1.0)  # the SSD's dt clamp that holds dt at exactly 1 (see the module docstring)
 NORM_EPS = 1e-6  # the lightning output norm's eps: transformers' MiniMaxRMSNorm default, not rms_norm_eps
@@ -223,14 +231,16 @@ _DECAY_TABLES = frozenset({"slope_rate", "query_decay", "key_decay", "diagonal_d
 
 
 def regroup_qkv(config: ModelConfig):
-    """``qkv_proj.weight`` from transformers' per-head rows ``[H, (q|k|v), D]`` to ``[(q|k|v), H, D]``."""
+    """``qkv_proj.weight`` from transformers' per-head rows ``[H, (q|k|v), D]`` to ``[(q|k|v), H, D]``
+    (:func:`weight_specs.row_segments`: float8 where ``D`` is whole blocks of rows)."""
     heads, dim = config.linear_num_value_heads, config.linear_value_head_dim
 
-    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
-        w = tensors[0]
-        return w.reshape(heads, 3, dim, w.shape[-1]).transpose(0, 1).reshape(3 * heads * dim, w.shape[-1])
+    def segments(shapes: list[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        if shapes[0][0] != 3 * heads * dim:
+            raise ValueError(f"qkv_proj {shapes[0]} does not fit {heads} heads of q, k and v of dim {dim}")
+        return [(0, (h * 3 + j) * dim, dim) for j in range(3) for h in range(heads)]
 
-    return combine
+    return row_segments(segments)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from hyla.model.weight_specs import (
     linear_specs,
     mlp_specs,
     norm_spec,
+    row_segments,
     squeeze_conv,
     stack_experts,
 )
@@ -46,24 +47,25 @@ from hyla.model.weight_specs import (
 
 def regroup_qkvz_ba(config: ModelConfig):
     """Combine ``[in_proj_qkvz, in_proj_ba]`` (grouped per key head) into hyla's contiguous
-    ``[q | k | v | z | b | a]`` rows."""
+    ``[q | k | v | z | b | a]`` rows (:func:`weight_specs.row_segments`: an FP8 checkpoint's
+    projection stays float8 where the head sizes are whole blocks, ``b`` and ``a`` its tail)."""
     nk, dk, dv = config.linear_num_key_heads, config.linear_key_head_dim, config.linear_value_head_dim
     r = config.linear_num_value_heads // nk  # value heads per key head
+    group = 2 * dk + 2 * r * dv  # a key head's rows of in_proj_qkvz: [q | k | v-group | z-group]
 
-    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
-        qkvz, ba = tensors
-        hidden = qkvz.shape[-1]
-        if qkvz.shape[0] != nk * (2 * dk + 2 * r * dv) or ba.shape[0] != nk * 2 * r:
+    def segments(shapes: list[tuple[int, ...]]) -> list[tuple[int, int, int]]:
+        qkvz, ba = shapes
+        if qkvz[0] != nk * group or ba[0] != nk * 2 * r:
             raise ValueError(
-                f"in_proj_qkvz {tuple(qkvz.shape)} / in_proj_ba {tuple(ba.shape)} do not fit "
+                f"in_proj_qkvz {qkvz} / in_proj_ba {ba} do not fit "
                 f"{nk} key heads of dim {dk} and {nk * r} value heads of dim {dv}"
             )
-        g = qkvz.view(nk, 2 * dk + 2 * r * dv, hidden)  # per key head: [q | k | v-group | z-group]
-        q, k, v, z = g.split([dk, dk, r * dv, r * dv], dim=1)
-        b, a = ba.view(nk, 2 * r, hidden).split([r, r], dim=1)
-        return torch.cat([part.reshape(-1, hidden) for part in (q, k, v, z, b, a)], dim=0)
+        parts = [(0, first, rows) for first, rows in ((0, dk), (dk, dk), (2 * dk, r * dv), (2 * dk + r * dv, r * dv))]
+        parts += [(1, 0, r), (1, r, r)]
+        span = {0: group, 1: 2 * r}  # a key head's rows in each source
+        return [(s, h * span[s] + first, rows) for s, first, rows in parts for h in range(nk)]
 
-    return combine
+    return row_segments(segments)
 
 
 def gdn_common_specs(target: str, source: str) -> list[WeightSpec]:

@@ -53,6 +53,26 @@ concat_rows.moves_rows_only = True
 concat_rows.rows_group = 0  # every source's rows in one matrix
 
 
+RowSegment = tuple[int, int, int]  # (source index, first row, rows)
+
+
+def row_segments(segments: Callable[[list[tuple[int, ...]]], list[RowSegment]]) -> Callable[[list[torch.Tensor]],
+                                                                                          torch.Tensor]:
+    """A combine that regroups rows: its matrix is the row ranges ``segments(the sources' shapes)`` lists,
+    ``[(source, first row, rows), ...]``, one after another (a per-head layout made contiguous, as
+    Qwen3-Next's in projection). It changes no value, and the loader keeps float8 sources float8 through
+    it where each range is whole blocks of rows: their scales' rows move the same way
+    (``loader._fp8_plan``)."""
+
+    def combine(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([tensors[s][first:first + rows] for s, first, rows in segments([tuple(t.shape)
+                                                                                          for t in tensors])])
+
+    combine.moves_rows_only = True
+    combine.row_segments = segments
+    return combine
+
+
 def concat_convs(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Depthwise ``conv1d.weight [C_i, 1, K]`` tensors (separate q / k / v convs, or one fused) -> ``[sum C_i, K]``."""
     return torch.cat([w.squeeze(1) for w in tensors], dim=0)
