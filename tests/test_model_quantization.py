@@ -25,7 +25,7 @@ import checkpoints
 from hyla import Engine
 from hyla.model.linear import Linear
 from hyla.model.loader import load_model
-from hyla.model.quantization import FP8_MAX, Fp8Scheme, dequantized, is_fp8
+from hyla.model.quantization import FP8, FP8_MAX, Fp8Scheme, dequantized, is_fp8
 
 IDS = list(range(5, 45))
 
@@ -146,8 +146,8 @@ PROMPTS = [IDS, list(range(100, 170)), [7, 8, 9]]
 def test_engine_serves_an_fp8_checkpoint_with_its_mtp_head(qwen3_5_mtp_path, fp8_weights):
     """An engine on an FP8 checkpoint drafting with its (FP8) MTP head gives what an engine on the
     dequantized checkpoint gives: dequantized at load (auto, on the CPU) the same tokens and verify
-    steps; the model's weights kept in float8 (the head's dequantized) the same greedy tokens and
-    logprobs within 1e-4 up to each first tie."""
+    steps; the weights kept in float8 (the model's and the head's) the same greedy tokens and logprobs
+    within 1e-4 up to each first tie. The head holds its weights alone: the model keeps no mtp.* copy."""
     from test_engine_differential import compare_outputs
 
     opts = dict(max_total_tokens=600, max_state_slots=16, speculative_algorithm="mtp", speculative_num_steps=3)
@@ -158,12 +158,64 @@ def test_engine_serves_an_fp8_checkpoint_with_its_mtp_head(qwen3_5_mtp_path, fp8
             results.append(engine.generate(input_ids=PROMPTS, sampling_params=_greedy(24), return_logprob=True))
             assert ("from an FP8 checkpoint, scales per 64x64 block" in engine.summary()) == (len(results) == 1)
             assert engine.keeps_fp8 == (fp8_weights == "keep")
+            head = engine.mtp_head
+            assert head.fc.weight.dtype == (FP8 if engine.keeps_fp8 and len(results) == 1 else torch.float32)
+            assert engine.model.mtp_weights == {} and engine.model.mtp_scales == {}
     fp8, reference = results
     assert compare_outputs(fp8, reference) > 0.9 * 24 * len(PROMPTS)
     if fp8_weights == "auto":
         assert [o["output_ids"] for o in fp8] == [o["output_ids"] for o in reference]
         assert [o["meta_info"]["spec_verify_ct"] for o in fp8] == \
             [o["meta_info"]["spec_verify_ct"] for o in reference]
+
+
+def test_mtp_head_keeps_fp8_weights(qwen3_next_moe_mtp_path, tmp_path):
+    """load_model(keep_fp8=True) keeps an FP8 checkpoint's quantized mtp.* tensors float8 as stored, with their
+    scales (model.mtp_scales), and the MTP head built from them keeps its projections and experts so: each the
+    head of the dequantized checkpoint's value, exactly, once dequantized; the norms and the rest in the model's
+    dtype. Without mtp (an engine that drafts with no MTP head) the model reads no mtp.* tensor."""
+    from hyla.model.mtp import MtpHead
+
+    fp8 = checkpoints.quantize_checkpoint(qwen3_next_moe_mtp_path)
+    model = load_model(fp8, keep_fp8=True)
+    assert model.mtp_scales and all(model.mtp_weights[n].dtype == FP8 for n in model.mtp_scales)
+    head = MtpHead.from_model(model)
+    dense = MtpHead.from_model(load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_mtp_path, dequantized=True)))
+    kept = {name for name, p in head.named_parameters() if is_fp8(p)}
+    assert {"fc.weight", "layer.mixer.qkv_proj.weight", "layer.mixer.o_proj.weight", "layer.ffn.w_in",
+            "layer.ffn.w_out", "layer.ffn.shared_expert.in_proj.weight"} <= kept
+    for name, p in dense.named_parameters():
+        got = dict(head.named_parameters())[name]
+        if name in kept:
+            module, _, param = name.rpartition(".")
+            scale, block = (getattr(head.get_submodule(module), f"{param}_{what}") for what in ("scale", "block"))
+            got = dequantized(got, scale, block, torch.float32)
+        assert torch.equal(got, p), name
+    assert head.norm.weight.dtype == head.layer.ffn.router.weight.dtype == torch.float32
+    taken = MtpHead.from_model(model, take=True)  # the head takes the weights: one copy of them
+    assert model.mtp_weights == {} and model.mtp_scales == {} and is_fp8(taken.fc.weight)
+    with pytest.raises(ValueError, match="no mtp"):
+        MtpHead.from_model(model)
+    assert load_model(fp8, keep_fp8=True, mtp=False).mtp_weights == {}
+
+
+def test_weight_update_of_a_kept_fp8_mtp_head(tiny_ckpt_dir):
+    """An engine drafting with a float8 MTP head, updated from another FP8 checkpoint: the head's float8 weights
+    and scales written in place as stored (not quantized again), the engine then serving what a fresh one does."""
+    old = checkpoints.quantize_checkpoint(checkpoints.make_qwen3_5(tiny_ckpt_dir, mtp=True))
+    new = checkpoints.quantize_checkpoint(checkpoints.make_qwen3_5(tiny_ckpt_dir, seed=1, mtp=True))
+    opts = dict(max_total_tokens=600, fp8_weights="keep", speculative_algorithm="mtp", speculative_num_steps=2)
+    with Engine(new, **opts) as fresh:
+        want = fresh.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+    raw = load_file(new / "model.safetensors")
+    with Engine(old, **opts) as engine:
+        fc = engine.mtp_head.fc.weight
+        engine.update_weights_from_disk(new)
+        assert engine.mtp_head.fc.weight is fc and is_fp8(fc)
+        assert torch.equal(fc.view(torch.uint8), raw["mtp.fc.weight"].view(torch.uint8))
+        assert torch.equal(engine.mtp_head.fc.weight_scale, raw["mtp.fc.weight_scale_inv"])
+        got = engine.generate(input_ids=PROMPTS, sampling_params=_greedy(16))
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
 
 
 def test_weight_update_from_an_fp8_checkpoint(qwen3_next_moe_path):
@@ -268,10 +320,6 @@ def test_what_stays_fp8(qwen3_next_moe_path, qwen3_5_moe_path):
     q, k, v and z rows whole blocks, moved with their scales' rows; b and a its tail); not the router,
     the norms, the embeddings, lm_head. Blocks that do not divide a stacked tensor's rows keep it
     dequantized; a lone tensor's last block may be partial."""
-    from safetensors.torch import load_file
-
-    from hyla.model.quantization import FP8
-
     fp8 = checkpoints.quantize_checkpoint(qwen3_next_moe_path)
     model = load_model(fp8, keep_fp8=True)
     moe, attn, gdn = model.layers[3].ffn, model.layers[3].mixer, model.layers[0].mixer
@@ -387,7 +435,6 @@ def test_quantize_fp8_at_load_is_the_fp8_checkpoints_quantization(qwen3_next_moe
     block at load — exactly the float8 weights and scales of the FP8 checkpoint quantized the same
     way, where that one keeps them; the rest of them too (Gated DeltaNet's regrouped in projection);
     never lm_head, the router, the shared expert's one-row gate, the norms."""
-    from hyla.model.quantization import FP8
 
     online = load_model(qwen3_next_moe_path, quantize_fp8=True)
     kept = load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=(128, 128)), keep_fp8=True)

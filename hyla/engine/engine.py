@@ -128,11 +128,13 @@ class Engine:
 
         self.checkpoint_quantization = read_quantization(path)  # an FP8 checkpoint's scheme (or None)
         self._check_float8()
+        mtp = self.args.speculative_algorithm == "mtp"  # (the mtp.* tensors read only for an MTP head)
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8,
-                                quantize_fp8=self.args.quantization == "fp8")
+                                quantize_fp8=self.args.quantization == "fp8", mtp=mtp)
         self.model_config = self.model.config
-        # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none)
-        self.mtp_head = MtpHead.from_model(self.model) if self.args.speculative_algorithm == "mtp" else None
+        # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none), holding its
+        # weights alone
+        self.mtp_head = MtpHead.from_model(self.model, take=True) if mtp else None
         self.tokenizer = _load_tokenizer(path)
         # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
         self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
@@ -222,7 +224,7 @@ class Engine:
         path = Path(self.args.speculative_draft_model_path)
         if not (path / "config.json").is_file():
             raise ValueError(f"no config.json in draft model directory {str(path)!r}")
-        draft = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8)
+        draft = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8, mtp=False)
         check_draft_model(self.model_config, draft.config,
                           self.args.context_length or self.model_config.max_position_embeddings,
                           self.tokenizer, _load_tokenizer(path))

@@ -108,7 +108,7 @@ def _write(checked: CheckedWeights, model: HybridForCausalLM, mtp_head: MtpHead 
     try:
         copy_weights_(model, checked.specs, checked.tensors.get, prefix=prefix, tensors=checked.tensors)
         if mtp_head is not None:
-            mtp_head.copy_from_(set(checked.mtp.files), checked.mtp.get, prefix=prefix)
+            mtp_head.copy_from_(set(checked.mtp.files), checked.mtp.get, prefix=prefix, tensors=checked.mtp)
         copy_mtp_weights_(model, checked.mtp)
     finally:
         checked.close()

@@ -203,7 +203,7 @@ class TensorReader:
 
 def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", keep_fp8: bool = False,
-               quantize_fp8: bool = False) -> HybridForCausalLM:
+               quantize_fp8: bool = False, mtp: bool = True) -> HybridForCausalLM:
     """Load the Hugging Face checkpoint directory ``path`` as a hyla model in eval mode.
 
     ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (weights and activations; recurrent
@@ -212,7 +212,10 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     float8 where they can, with their scales (``quantization.py``: weights kept in FP8); otherwise
     every tensor is dequantized to ``dtype``. ``quantize_fp8`` (implies ``keep_fp8``): the others of
     those weights quantized at load, per ``ONLINE_BLOCK`` block, from their values in ``dtype``
-    (SGLang's and vLLM's ``--quantization fp8`` for an unquantized checkpoint). Raises ``ValueError``
+    (SGLang's and vLLM's ``--quantization fp8`` for an unquantized checkpoint). ``mtp``: whether the
+    checkpoint's ``mtp.*`` tensors are read into ``model.mtp_weights`` (in ``dtype`` on ``device``; with
+    ``keep_fp8``, the quantized ones float8 as stored, their scales in ``model.mtp_scales``), for an MTP
+    head (``mtp.MtpHead.from_model``); a model that drafts with none leaves them on disk. Raises ``ValueError``
     for an unsupported architecture, a missing, unexpected, mis-shaped or non-float tensor.
     """
     path = Path(path)
@@ -220,7 +223,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     cls = ARCHITECTURES[config.architecture].model_class
     with torch.device("meta"):
         model = cls(config)
-    tensors, mtp = _index_checkpoint(path, cls, config)
+    tensors, mtp_reader = _index_checkpoint(path, cls, config)
     specs = _checkpoint_specs(path, cls, config, set(tensors.files))
     keep = KeepFp8(tensors, keep_fp8_targets(model)) if keep_fp8 or quantize_fp8 else None
     state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.get, device,
@@ -234,7 +237,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     model.to(device)
     if keep is not None:
         attach_scales_(model, keep.scales)
-    model.mtp_weights = _read_mtp(mtp, config, device)
+    if mtp:
+        model.mtp_weights, model.mtp_scales = _read_mtp(mtp_reader, config, device, keep_fp8 or quantize_fp8)
     return model.eval()
 
 
@@ -345,26 +349,68 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
 
 @torch.no_grad()
 def copy_mtp_weights_(model: HybridForCausalLM, mtp: TensorReader) -> None:
-    """``model.mtp_weights`` given the checkpoint's ``mtp.*`` tensors (``mtp``), read one at a time:
-    written in place where the names and the headers' shapes agree with the current ones (an MTP head
-    built from them may share their storage), else replaced by the new ones once all are read."""
+    """``model.mtp_weights`` given the checkpoint's ``mtp.*`` tensors (``mtp``), where the model keeps
+    any (none: it drafts with no MTP head, or its head took them: ``MtpHead.from_model(take=True)``):
+    read one at a time and written in place where the names and the headers' shapes agree with the
+    current ones and none is kept float8, else replaced by the new ones once all are read."""
     current = model.mtp_weights
-    if current.keys() == mtp.files.keys() and all(current[n].shape == mtp.meta(n).shape for n in current):
+    if not current:
+        return
+    if not model.mtp_scales and current.keys() == mtp.files.keys() \
+            and all(current[n].shape == mtp.meta(n).shape for n in current):
         for name, tensor in current.items():
             tensor.copy_(mtp.get(name))
     else:
-        new = _read_mtp(mtp, model.config, model.embed_tokens.weight.device)
+        new, scales = _read_mtp(mtp, model.config, model.embed_tokens.weight.device, bool(model.mtp_scales))
         current.clear()
         current.update(new)
+        model.mtp_scales = scales
 
 
-def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device) -> dict[str, torch.Tensor]:
-    """The ``mtp.*`` tensors as a model keeps them (``mtp_weights``): in its dtype, on its device."""
-    weights = {}
+MtpScales = dict[str, tuple[torch.Tensor, tuple[int, int]]]  # a float8 mtp.* tensor's name -> (block scales, block)
+
+
+def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device,
+              keep_fp8: bool = False) -> tuple[dict[str, torch.Tensor], MtpScales]:
+    """The ``mtp.*`` tensors as a model keeps them (``mtp_weights``), on its device: in its dtype, or
+    with ``keep_fp8`` the quantized ones float8 as stored, with their scales in block form (``mtp_scales``)."""
+    weights, scales = {}, {}
     for name in mtp.files:
+        if keep_fp8 and mtp.quantized(name):
+            q, scale, block = mtp.raw(name)
+            weights[name], scales[name] = _owned(q.to(device), [q]), (scale.to(device), block)
+            continue
         source = mtp.get(name)
         weights[name] = _owned(source.to(device=device, dtype=config.dtype), [source])
-    return weights
+    return weights, scales
+
+
+class StoredTensors:
+    """Tensors already in memory, some float8 with block scales (``model.mtp_weights`` and
+    ``mtp_scales``), read as a :class:`TensorReader` reads a checkpoint: what :class:`KeepFp8` and
+    :func:`build_parameters` take."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], scales: MtpScales):
+        self.tensors, self.scales = tensors, scales
+
+    def meta(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        return torch.empty(t.shape, dtype=torch.float32 if name in self.scales else t.dtype, device="meta")
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.scales:
+            return self.tensors[name]
+        scale, block = self.scales[name]
+        return Fp8Scheme(block).dequantize(self.tensors[name], scale)
+
+    def quantized(self, name: str) -> bool:
+        return name in self.scales
+
+    def raw(self, name: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        return self.tensors[name], *self.scales[name]
+
+    def raw_block(self, name: str) -> tuple[int, int]:
+        return self.scales[name][1]
 
 
 @dataclass

@@ -43,7 +43,16 @@ from hyla.model.config import ModelConfig
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.layers import Attention, HybridForCausalLM, HybridLayer, add_rms_norm
 from hyla.model.linear import Linear, relayout_weights_
-from hyla.model.loader import build_parameters, choose_layouts, copy_weights_, name_listing
+from hyla.model.loader import (
+    KeepFp8,
+    StoredTensors,
+    TensorReader,
+    build_parameters,
+    choose_layouts,
+    copy_weights_,
+    name_listing,
+)
+from hyla.model.quantization import attach_scales_, keep_fp8_targets
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
 from hyla.model.weight_specs import WeightSpec, linear_specs, norm_spec
 
@@ -70,6 +79,11 @@ class MtpHead(nn.Module):
     def target(self) -> HybridForCausalLM:
         return self._target[0]
 
+    @property
+    def config(self) -> ModelConfig:
+        """The target's config (its dtype is the head's)."""
+        return self.target.config
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP forward over packed pairs: ``batch.input_ids [T]`` the tokens ``token[t+1]``,
@@ -95,10 +109,14 @@ class MtpHead(nn.Module):
         return self.norm(self.layer(x, batch, rope))  # [T, H]
 
     @classmethod
-    def from_model(cls, model: HybridForCausalLM) -> "MtpHead":
-        """The MTP head from ``model.mtp_weights``. ``ValueError`` when the model has none, is not a
-        Qwen3-Next / Qwen3.5 model, asks for more than one MTP layer, or when the ``mtp.*`` tensors
-        are not exactly the ones the head needs (missing / unexpected names, wrong shapes)."""
+    def from_model(cls, model: HybridForCausalLM, take: bool = False) -> "MtpHead":
+        """The MTP head from ``model.mtp_weights``: its projections and experts float8 with their
+        scales where the loader kept those tensors so (``model.mtp_scales``: ``load_model(keep_fp8=True)``),
+        as the model's own. ``take``: the head takes them — ``model.mtp_weights`` is emptied, so that
+        the device holds them once (an engine's head: a weight update writes the head itself).
+        ``ValueError`` when the model has none, is not a Qwen3-Next / Qwen3.5 model, asks for more
+        than one MTP layer, or when the ``mtp.*`` tensors are not exactly the ones the head needs
+        (missing / unexpected names, wrong shapes)."""
         c = model.config
         _require_mtp_tensors(model.mtp_weights)
         if c.model_type not in MTP_MODEL_TYPES:
@@ -107,8 +125,17 @@ class MtpHead(nn.Module):
             raise ValueError(f"mtp_num_hidden_layers is {c.mtp_num_hidden_layers}: hyla runs one MTP layer")
         with torch.device("meta"):
             head = cls(model)
-        head.load_state_dict(head.state_from(model.mtp_weights), strict=True, assign=True)
+        stored = StoredTensors(model.mtp_weights, model.mtp_scales)
+        keep = KeepFp8(stored, keep_fp8_targets(head)) if model.mtp_scales else None
+        specs = head.weight_specs(set(model.mtp_weights))
+        state = build_parameters(specs, dict(head.named_parameters(remove_duplicate=False)), stored.get,
+                                 model.embed_tokens.weight.device, owner=_OWNER, keep=keep)
+        head.load_state_dict(state, strict=True, assign=True)
+        if keep is not None:
+            attach_scales_(head, keep.scales)
         relayout_weights_(head)
+        if take:
+            model.mtp_weights, model.mtp_scales = {}, {}
         return head.eval()
 
     def state_from(self, weights: dict[str, torch.Tensor],
@@ -123,11 +150,13 @@ class MtpHead(nn.Module):
         return build_parameters(specs, dict(self.named_parameters(remove_duplicate=False)), weights.__getitem__,
                                 device, owner=_OWNER)
 
-    def copy_from_(self, names: set[str], get: Callable[[str], torch.Tensor], prefix: str = "") -> None:
+    def copy_from_(self, names: set[str], get: Callable[[str], torch.Tensor], prefix: str = "",
+                   tensors: TensorReader | None = None) -> None:
         """Write this head's parameters in place from a checkpoint's ``mtp.*`` tensors (``names``,
         read by ``get(name)``), one parameter at a time (``loader.copy_weights_``): what
-        :meth:`state_from` builds, with its errors."""
-        copy_weights_(self, self.weight_specs(names), get, prefix=prefix, owner=_OWNER)
+        :meth:`state_from` builds, with its errors; a float8 parameter from ``tensors`` (the checkpoint's
+        reader) as stored where they hold it quantized in its blocks."""
+        copy_weights_(self, self.weight_specs(names), get, prefix=prefix, owner=_OWNER, tensors=tensors)
 
     def weight_specs(self, names: set[str]) -> list[WeightSpec]:
         """How this head's parameters are built from a checkpoint whose ``mtp.*`` tensors are ``names``

@@ -115,7 +115,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     Subclasses (one per architecture) build ``self.layers`` from the config and describe how HF
     checkpoint tensors map onto their parameters (``hf_weight_specs``). ``mtp_weights`` holds the
-    checkpoint's multi-token-prediction tensors (``mtp.*``) untouched, for speculative decoding.
+    checkpoint's multi-token-prediction tensors (``mtp.*``) for speculative decoding, where the loader
+    read them (``load_model(mtp=True)``); ``mtp_scales`` the scales of those it kept float8.
     """
 
     def __init__(self, config: ModelConfig):
@@ -136,6 +137,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         # sliding-window layers' own RoPE (sliding_rope; None: theirs is self.rotary, or none at all)
         self.sliding_rotary = RotaryEmbedding(*c.sliding_rope) if c.sliding_rope and c.sliding_rope[0] else None
         self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.mtp_scales: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}  # the float8 ones': (scales, block)
         self.register_load_state_dict_post_hook(lambda module, _keys: module.relayout_weights_())
 
     def relayout_weights_(self) -> None:
