@@ -233,16 +233,16 @@ ZAMBA2_KW: dict[str, Any] = dict(
 )
 
 # MiniMax: lightning attention at 0, 1, 3 and 4, softmax attention (RoPE) at 2 and 5, every layer a MoE of 4 experts,
-# top-2; the residual factors (1 in transformers' defaults, ~3.56 for alpha in MiniMax-Text-01's) set apart from 1 with
-# beta 1 in two of the three parts, so both kinds of fused step run (a part's out projection deferred or not); blocks
-# of 16 tokens in transformers' chunked prefill
+# top-2; the residual factors (1 in transformers' defaults, ~3.56 for alpha in MiniMax-Text-01's) set apart from 1,
+# but the lightning layers' beta (and the softmax layers' alpha), so both kinds of fused step run (a part's out
+# projection deferred to the next norm's kernel, or run and scaled); blocks of 16 tokens in transformers' prefill
 MINIMAX_KW: dict[str, Any] = dict(
     vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention",
                  "full_attention"],
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
     block_size=16, full_attn_alpha_factor=1.0, full_attn_beta_factor=0.75, linear_attn_alpha_factor=1.5,
-    linear_attn_beta_factor=1.0, mlp_alpha_factor=1.25, mlp_beta_factor=1.0,
+    linear_attn_beta_factor=1.0, mlp_alpha_factor=1.25, mlp_beta_factor=0.9,
     max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
     pad_token_id=0,
 )

@@ -227,6 +227,9 @@ zamba2_short_path = _tiny_checkpoint("zamba2_short_path", checkpoints.make_zamba
 jamba_path = _tiny_checkpoint("jamba_path", checkpoints.make_jamba)
 jamba_short_path = _tiny_checkpoint("jamba_short_path", checkpoints.make_jamba, num_hidden_layers=2, attn_layer_period=2,
                                     attn_layer_offset=1)
+# no linear layer at all: attention alone (a tree of KV, no checkpoints)
+qwen3_next_attention_path = _tiny_checkpoint("qwen3_next_attention_path", checkpoints.make_qwen3_next, moe=False,
+                                             num_hidden_layers=2, layer_types=["full_attention"] * 2)
 minimax_path = _tiny_checkpoint("minimax_path", checkpoints.make_minimax)
 minimax_short_path = _tiny_checkpoint("minimax_short_path", checkpoints.make_minimax, num_hidden_layers=2,
                                       layer_types=["linear_attention", "full_attention"])

@@ -999,7 +999,15 @@ def test_minimax_layout_state_and_hf_keys():
                                   "sliding_window": 16})
     assert listed.layer_types == ("linear", "attention") and listed.sliding_window == 16
     assert listed.sliding_layers == (1,)
+    assert ModelConfig.from_hf({**MINIMAX_TEXT_01, "shared_intermediate_size": [0]}).num_experts == 32  # (MiniMax-VL's)
+    no_postnorm = {k: v for k, v in MINIMAX_TEXT_01.items() if k != "postnorm"}
+    with pytest.raises(ValueError, match="postnorm"):  # MiniMax's code reads a missing postnorm as false
+        ModelConfig.from_hf(no_postnorm)
+    assert ModelConfig.from_hf({**no_postnorm, "architectures": ["MiniMaxForCausalLM"]}).residual_factors
     for bad, match in [({"postnorm": False}, "postnorm"), ({"shared_intermediate_size": 512}, "shared experts"),
+                       ({"shared_intermediate_size": [0, 512]}, "shared experts"),
+                       ({"attn_type_list": [0, 2] * 40}, "attn_type_list"),
+                       ({"num_local_experts": None}, "num_local_experts"),
                        ({"hidden_act": "gelu"}, "hidden_act"), ({"rotary_dim": 130}, "rotary_dim"),
                        ({"attn_type_list": [0, 1]}, "layer_types"), ({"sliding_window": 0}, "sliding_window"),
                        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type")]:

@@ -613,11 +613,12 @@ def test_minimax_regroups_qkv_and_needs_no_decay_tables(minimax_path, tmp_path):
     assert torch.equal(moe.w_out[1], raw[e1 + "w2.weight"])
 
     def minimax_own(config: dict) -> dict:  # MiniMax's names for what transformers calls layer_types and the factors
+        own = {"attn_type_list": [int(t == "full_attention") for t in config["layer_types"]]}
+        for part, name in (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp")):
+            for which in ("alpha", "beta"):
+                own[f"layernorm_{name}_{which}"] = config[f"{part}_{which}_factor"]
         config = {k: v for k, v in config.items() if k != "layer_types" and not k.endswith("_factor")}
-        return {**config, "architectures": ["MiniMaxText01ForCausalLM"], "postnorm": True,
-                "attn_type_list": [0, 0, 1, 0, 0, 1], "layernorm_full_attention_alpha": 1.0,
-                "layernorm_full_attention_beta": 0.75, "layernorm_linear_attention_alpha": 1.5,
-                "layernorm_linear_attention_beta": 1.0, "layernorm_mlp_alpha": 1.25, "layernorm_mlp_beta": 1.0}
+        return {**config, **own, "architectures": ["MiniMaxText01ForCausalLM"], "postnorm": True}
 
     tables = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
     own = load_model(rewrite(minimax_path, tmp_path / "own",

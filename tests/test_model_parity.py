@@ -395,11 +395,11 @@ VARIANTS = {
         layers_block_type=["hybrid", "mamba", "hybrid", "mamba"],
     ),
     # transformers' default layout (softmax attention at the even layers, first), a sliding window of 8 on every
-    # attention layer, MiniMax-Text-01's kind of factors (alpha ~3.56, beta 1: scaled residuals, deferred projections),
-    # 8 heads of 16 (MHA), 3 experts top-1, tied embeddings, transformers' 256-token blocks
+    # attention layer, MiniMax-Text-01's kind of factors (alpha ~3.56, beta 1; the lightning layers' beta 0.9), 8 heads
+    # of 16 (MHA), 3 experts top-1, tied embeddings, transformers' 256-token blocks
     "minimax_variant": lambda d: make_minimax(
         d, seed=1, layer_types=None, num_hidden_layers=4, sliding_window=8, full_attn_alpha_factor=3.5565588200778455,
-        full_attn_beta_factor=1.0, linear_attn_alpha_factor=3.5565588200778455, linear_attn_beta_factor=1.0,
+        full_attn_beta_factor=1.0, linear_attn_alpha_factor=3.5565588200778455, linear_attn_beta_factor=0.9,
         mlp_alpha_factor=3.5565588200778455, mlp_beta_factor=1.0, num_attention_heads=8, num_key_value_heads=8,
         head_dim=16, num_local_experts=3, num_experts_per_tok=1, tie_word_embeddings=True, block_size=256,
     ),

@@ -96,6 +96,9 @@ class CacheManager:
         self.state_pool = state_pool
         self.req_to_token = req_to_token
         self.tree = tree
+        # whether the tree keeps state checkpoints: not for a model with no linear layer (KV alone, every prefix
+        # usable; its requests' state slots hold nothing)
+        self.checkpoints = tree is not None and tree.state_pool is not None
         self.host = host  # the host tier under the tree (hierarchical cache), or None
         self.page_size = kv_pool.page_size
         # checkpoints only at multiples of the grid: the tree shares whole pages only
@@ -204,7 +207,7 @@ class CacheManager:
         req.kv_len = req.kv_allocated = hit.prefix_len if hit is not None else 0
         if hit is not None:
             self.tree.inc_lock_ref(hit.last_node)
-            if hit.prefix_len:
+            if hit.prefix_len and self.checkpoints:
                 self.tree.inc_state_lock(hit.last_node)
             req.branch_point = self.tree.branch_point(req.fill_ids, namespace=req.namespace)
         return hit
@@ -228,11 +231,12 @@ class CacheManager:
             (req.state_slot,) = self.state_pool.alloc(1, zero=not prefix_len).tolist()  # a hit copies into it
             if prefix_len:
                 self.req_to_token.write(req.req_pool_idx, 0, hit.kv_indices)
-                self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
+                if self.checkpoints:
+                    self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
         loaded = self._host_hits.pop(id(req), 0)
         if ok:
             self.num_host_hit_tokens += loaded
-        if hit is not None and prefix_len:
+        if hit is not None and prefix_len and self.checkpoints:
             self.tree.dec_state_lock(hit.last_node)  # the request has its own copy now
         if not ok:
             if hit is not None:
@@ -316,8 +320,9 @@ class CacheManager:
         branch point and the positions the caller asked for are required; chunk boundaries, the
         prompt end minus one and the caller's guesses (``req.speculative_checkpoints``: a chat's
         message ends) are *speculative* — they may never be used, so they get room only from free
-        slots or in place of other speculative or superseded checkpoints."""
-        if self.tree is None:
+        slots or in place of other speculative or superseded checkpoints. None without a tree, nor
+        for a model with no recurrent state (no linear layer: its tree holds KV alone, every prefix usable)."""
+        if not self.checkpoints:
             return []
         grid = self.grid
         speculative = {len(req.input_ids) - 1}  # (1) end of the prompt minus one
@@ -429,7 +434,7 @@ class CacheManager:
         for req, old, ck, st in zip(reqs, olds, ckpts, states):
             if insert:
                 self._insert_and_relock(req, req.kv_len - req.kv_len % self.page_size, list(ck))
-            if self.grid > 1 and (not insert or req.kv_len == req.num_fill):
+            if self.grid > 1 and self.checkpoints and (not insert or req.kv_len == req.num_fill):
                 g = req.kv_len - req.kv_len % self.grid  # the last grid position this step reached
                 if g == req.kv_len:
                     self._set_pending_checkpoint(req, g, req.state_slot)
@@ -519,7 +524,7 @@ class CacheManager:
         if self.tree is not None:
             ckpts: list[tuple[int, int]] = []
             end = req.kv_len - req.kv_len % self.page_size
-            on_grid = insert and req.kv_len > 0 and req.kv_len % self.grid == 0
+            on_grid = insert and self.checkpoints and req.kv_len > 0 and req.kv_len % self.grid == 0
             if on_grid and self._ensure_state(1, cause=FINISH_CHECKPOINT):
                 (slot,) = self.state_pool.fork(torch.tensor([req.state_slot])).tolist()
                 ckpts.append((req.kv_len, slot))  # (4) the live state after the last fed token

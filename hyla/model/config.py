@@ -216,7 +216,7 @@ class ModelConfig:
 
     # --- MiniMax's scaled post-norm residuals (minimax.py) -----------------------------------------
     # per layer ((a_mix, b_mix), (a_ffn, b_ffn)): each part's output is a * norm(x) + b * part(norm(x)), the residual
-    # stream the normed input; () = the plain pre-norm residual x + part(norm(x)) of every other architecture
+    # stream the normed input. Only MiniMax's layers read it (() there: every factor 1, transformers' default)
     residual_factors: tuple[tuple[tuple[float, float], tuple[float, float]], ...] = ()
 
     # --- Zamba2's shared blocks -----------------------------------------------------------------

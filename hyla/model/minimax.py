@@ -109,7 +109,7 @@ class LightningAttention(nn.Module):
         self.inner = self.num_heads * self.head_dim
         self.qkv_proj = Linear(c.hidden_size, 3 * self.inner, bias=False, dtype=c.dtype)
         self.output_gate = Linear(c.hidden_size, self.inner, bias=False, dtype=c.dtype)
-        self.norm = RMSNorm(self.inner, NORM_EPS, dtype=c.dtype)
+        self.norm = RMSNorm(self.inner, c.norm_eps if c.linear_norm_eps is None else c.linear_norm_eps, dtype=c.dtype)
         self.out_proj = Linear(self.inner, c.hidden_size, bias=False, dtype=c.dtype)
         # A = -s [H] fp32: a function of the layer's place, not a weight
         self.register_buffer("neg_slope", -lightning_slopes(self.num_heads, layer, c.num_hidden_layers),
@@ -190,9 +190,9 @@ class MiniMaxForCausalLM(HybridForCausalLM):
 
     def build_layer(self, index: int) -> HybridLayer:
         c = self.config
-        mixer_factors, ffn_factors = c.residual_factors[index]
+        factors = c.residual_factors[index] if c.residual_factors else ((1.0, 1.0), (1.0, 1.0))  # (transformers')
         return MiniMaxLayer(self.build_mixer(index), self.new_norm(), self.build_ffn(c.ffn_types[index]),
-                            self.new_norm(), (mixer_factors, ffn_factors))
+                            self.new_norm(), factors)
 
     @classmethod
     def hf_weight_specs(cls, config: ModelConfig) -> list[WeightSpec]:
@@ -263,6 +263,12 @@ def _factors(cfg: Mapping[str, Any], part: str) -> tuple[float, float]:
     return out[0], out[1]
 
 
+def _whole(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"MiniMax {key} must be an integer, got {value!r}")
+    return value
+
+
 def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype | None) -> dict[str, Any]:
     """``ModelConfig`` fields of a MiniMax ``config.json`` (transformers' ``MiniMaxConfig`` keys and
     defaults, or MiniMax's own: ``attn_type_list``, ``layernorm_*_alpha`` / ``_beta``, ``rotary_dim``).
@@ -274,14 +280,20 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     if cfg.get("layer_types") is not None:
         listed = list(cfg["layer_types"])
     elif cfg.get("attn_type_list") is not None:
-        listed = ["full_attention" if int(a) == 1 else "linear_attention" for a in cfg["attn_type_list"]]
+        kinds = {0: "linear_attention", 1: "full_attention"}
+        if any(a not in kinds for a in cfg["attn_type_list"]):
+            raise ValueError(f"MiniMax attn_type_list entries must be 0 (lightning) or 1 (softmax), got "
+                             f"{cfg['attn_type_list']!r}")
+        listed = [kinds[a] for a in cfg["attn_type_list"]]
     else:  # transformers' default: softmax attention at the even layers
         listed = ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(num_layers)]
     layer_types = hf_layer_types(listed, num_layers, "MiniMax", "full_attention / linear_attention")
-    if cfg.get("postnorm") is False:
-        raise ValueError("MiniMax with postnorm false (pre-norm residuals) is not supported: transformers' "
-                         "MiniMax has post-norm residuals only")
-    if int(cfg.get("shared_intermediate_size") or 0) > 0:
+    # (transformers' MiniMax is post-norm and has no such key; MiniMax's own code reads a missing one as false)
+    if not cfg.get("postnorm", arch == "MiniMaxForCausalLM"):
+        raise ValueError("MiniMax with postnorm false or absent (pre-norm residuals) is not supported: "
+                         "transformers' MiniMax has post-norm residuals only")
+    shared = cfg.get("shared_intermediate_size") or 0
+    if any(_whole(v, "shared_intermediate_size") > 0 for v in (shared if isinstance(shared, list) else [shared])):
         raise ValueError("MiniMax shared experts (shared_intermediate_size > 0) are not supported: "
                          "transformers' MiniMax has none")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -319,8 +331,8 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
         linear_norm_eps=NORM_EPS,
         intermediate_size=intermediate,
         hidden_act="silu",
-        num_experts=int(cfg.get("num_local_experts", cfg.get("num_experts", 8))),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+        num_experts=_whole(cfg.get("num_local_experts", cfg.get("num_experts", 8)), "num_local_experts"),
+        num_experts_per_tok=_whole(cfg.get("num_experts_per_tok", 2), "num_experts_per_tok"),
         moe_intermediate_size=intermediate,
         norm_topk_prob=True,
         router="softmax",
