@@ -452,6 +452,27 @@ def test_quantize_fp8_at_load_is_the_fp8_checkpoints_quantization(qwen3_next_moe
         == online.norm.weight.dtype == torch.float32
 
 
+def test_quantize_fp8_at_load_quantizes_the_mtp_head(qwen3_next_moe_mtp_path):
+    """``quantize_fp8`` quantizes the MTP head as the model: its projections and experts exactly the float8 weights and
+    scales of the FP8 checkpoint's head quantized the same way (the rest of them too: those the FP8 checkpoint's
+    head does not keep, quantized from their values), its norms and router not."""
+    from hyla.model.mtp import MtpHead
+
+    online = MtpHead.from_model(load_model(qwen3_next_moe_mtp_path, quantize_fp8=True))
+    kept = MtpHead.from_model(load_model(checkpoints.quantize_checkpoint(qwen3_next_moe_mtp_path, block=(128, 128)),
+                                         keep_fp8=True))
+    po, pk = dict(online.named_parameters()), dict(kept.named_parameters())
+    assert {"fc.weight", "layer.mixer.qkv_proj.weight", "layer.ffn.w_in", "layer.ffn.w_out"} <= \
+        {name for name, p in po.items() if is_fp8(p)}
+    for name, p in pk.items():
+        if is_fp8(p):
+            module, _, param = name.rpartition(".")
+            assert torch.equal(po[name].float(), p.float()), name
+            assert torch.equal(getattr(online.get_submodule(module), f"{param}_scale"),
+                               getattr(kept.get_submodule(module), f"{param}_scale")), name
+    assert online.norm.weight.dtype == online.layer.ffn.router.weight.dtype == torch.float32
+
+
 def test_engine_quantization_fp8_cache_on_and_off(qwen3_next_moe_path):
     """``Engine(quantization="fp8")``: the cache never changes what the quantized model computes —
     the differential workload with the prefix cache on (eviction, retraction) and off gives the same

@@ -229,10 +229,8 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     state = build_parameters(specs, dict(model.named_parameters(remove_duplicate=False)), tensors.get, device,
                              prefix=f"{path}: ", keep=keep)
     if quantize_fp8:
-        online = Fp8Scheme(ONLINE_BLOCK)
-        for name in sorted(keep.targets - keep.scales.keys()):
-            q, scale = online.quantize(state[name])
-            state[name], keep.scales[name] = q, (scale, online.block, None)
+        quantize_the_rest_(state, keep)
+    model.quantized_at_load = quantize_fp8
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if keep is not None:
@@ -423,6 +421,15 @@ class KeepFp8:
     targets: set[str]
     scales: dict[str, tuple[torch.Tensor, tuple[int, int], torch.Tensor | None]] = \
         dataclasses.field(default_factory=dict)  # name -> (scales, block, tail)
+
+
+def quantize_the_rest_(state: dict[str, torch.Tensor], keep: KeepFp8) -> None:
+    """``load_model(quantize_fp8=True)``: each parameter of ``state`` that ``keep`` names and could not keep
+    float8 from the checkpoint, quantized from its value per ``ONLINE_BLOCK`` block (its scales into ``keep``)."""
+    online = Fp8Scheme(ONLINE_BLOCK)
+    for name in sorted(keep.targets - keep.scales.keys()):
+        q, scale = online.quantize(state[name])
+        state[name], keep.scales[name] = q, (scale, online.block, None)
 
 
 def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get: Callable[[str], torch.Tensor],

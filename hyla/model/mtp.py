@@ -51,6 +51,7 @@ from hyla.model.loader import (
     choose_layouts,
     copy_weights_,
     name_listing,
+    quantize_the_rest_,
 )
 from hyla.model.quantization import attach_scales_, keep_fp8_targets
 from hyla.model.qwen3_next import attention_specs, mlp_specs, moe_specs
@@ -112,7 +113,7 @@ class MtpHead(nn.Module):
     def from_model(cls, model: HybridForCausalLM, take: bool = False) -> "MtpHead":
         """The MTP head from ``model.mtp_weights``: its projections and experts float8 with their
         scales where the loader kept those tensors so (``model.mtp_scales``: ``load_model(keep_fp8=True)``),
-        as the model's own. ``take``: the head takes them — ``model.mtp_weights`` is emptied, so that
+        as the model's own, and the rest of them quantized where the model's were (``quantize_fp8``). ``take``: the head takes them — ``model.mtp_weights`` is emptied, so that
         the device holds them once (an engine's head: a weight update writes the head itself).
         ``ValueError`` when the model has none, is not a Qwen3-Next / Qwen3.5 model, asks for more
         than one MTP layer, or when the ``mtp.*`` tensors are not exactly the ones the head needs
@@ -126,10 +127,12 @@ class MtpHead(nn.Module):
         with torch.device("meta"):
             head = cls(model)
         stored = StoredTensors(model.mtp_weights, model.mtp_scales)
-        keep = KeepFp8(stored, keep_fp8_targets(head)) if model.mtp_scales else None
+        keep = KeepFp8(stored, keep_fp8_targets(head)) if model.mtp_scales or model.quantized_at_load else None
         specs = head.weight_specs(set(model.mtp_weights))
         state = build_parameters(specs, dict(head.named_parameters(remove_duplicate=False)), stored.get,
                                  model.embed_tokens.weight.device, owner=_OWNER, keep=keep)
+        if model.quantized_at_load:  # quantization="fp8": the head's others too, as the model's
+            quantize_the_rest_(state, keep)
         head.load_state_dict(state, strict=True, assign=True)
         if keep is not None:
             attach_scales_(head, keep.scales)

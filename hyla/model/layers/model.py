@@ -138,6 +138,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         self.sliding_rotary = RotaryEmbedding(*c.sliding_rope) if c.sliding_rope and c.sliding_rope[0] else None
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self.mtp_scales: dict[str, tuple[torch.Tensor, tuple[int, int]]] = {}  # the float8 ones': (scales, block)
+        self.quantized_at_load = False  # load_model(quantize_fp8=True): its projections and experts quantized
         self.register_load_state_dict_post_hook(lambda module, _keys: module.relayout_weights_())
 
     def relayout_weights_(self) -> None:
