@@ -22,6 +22,7 @@ from hyla.engine.cache_manager import CacheManager
 from hyla.engine.request import Req
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.speculative import Drafter, NgramDrafter, Verdict, verify
+from hyla.model import load_model
 from test_engine_differential import assert_drained, compare_outputs, make_workload, run
 
 POOLS = dict(max_total_tokens=8192, max_state_slots=96, max_running_requests=8, chunked_prefill_size=256)
@@ -256,6 +257,20 @@ def _watch_chains(eng: Engine, calls: dict, width: int | None = 5) -> None:
         return real(*args, **kw)
 
     runner.forward_chains = counted
+
+
+@pytest.mark.parametrize("arch", ["bamba_short_path", "nemotron_h_path", "falcon_h1_path", "minimax_short_path",
+                                  "mamba2_path"])
+def test_padded_chain_verify_is_exact_on_mamba2_layers(arch, request):
+    """The padded chains of verify steps (``ops.ssd.mamba2_chains``, the conv's chains) through Mamba2 layers:
+    beside attention (Bamba; NemotronH with its MoE; Falcon-H1's parallel layers), MiniMax's lightning attention (dt
+    held at 1), a pure Mamba2 model — exact against a plain engine, under retraction."""
+    path = request.getfixturevalue(arch)
+    assert load_model(path).supports_chain_verify()
+    calls = {"n": 0}
+    opts = dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64)
+    assert _run_differential(path, opts, seed=1, setup=lambda e: _watch_chains(e, calls)) > 60
+    assert calls["n"] > 0
 
 
 @pytest.mark.parametrize("opts", [POOLS, dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6,

@@ -211,7 +211,7 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]])
 def test_padded_chains_equal_the_tree_path_bitwise(lens):
-    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` (the compiled verify step's ops:
+    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` / ``mamba2_chains`` (the compiled verify step's ops:
     chains padded to a width of 4 inside the op, fixed shapes) compute what the tree path computes
     for the same chains, bitwise: outputs, each checkpoint state, each final state, and no other
     pool row; a chain shorter than the width leaves the state after its last token in its
@@ -262,6 +262,21 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     check(a, c, pool)
     with pytest.raises(ValueError, match="chains"):  # more tokens than the padded layout holds
         causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=torch.arange(t + 1))
+
+    # Mamba2's SSD (lightning attention's too: dt held at 1 by its clamp), 2 groups of B/C over 4 heads, with D
+    from hyla.model.ops import mamba2_chains
+
+    x, dt, A = torch.randn(t, HV, DV, generator=gen), torch.randn(t, HV, generator=gen), -torch.rand(HV, generator=gen)
+    Bm, Cm, D = torch.randn(t, 2, DK, generator=gen), torch.randn(t, 2, DK, generator=gen), torch.randn(HV, generator=gen)
+    dt_bias = torch.randn(HV, generator=gen)
+    for limit in (None, (1.0, 1.0)):
+        pool = torch.randn(num_slots, HV, DV, DK, generator=gen)
+        a, c = pool.clone(), pool.clone()
+        out = mamba2_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, dt_limit=limit)
+        want = mamba2_chunk_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan,
+                                        dt_limit=limit)
+        assert torch.equal(out, want)
+        check(a, c, pool)
 
 
 def test_a_batch_of_chains_is_validated_when_built():

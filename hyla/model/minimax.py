@@ -67,7 +67,7 @@ from hyla.model.layers import (
 )
 from hyla.model.layers import device
 from hyla.model.linear import Linear
-from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
+from hyla.model.ops.ssd import mamba2_chains, mamba2_chunk_scan_varlen, mamba2_state_update
 from hyla.model.weight_specs import (
     WeightSpec,
     attention_specs,
@@ -99,6 +99,7 @@ class LightningAttention(nn.Module):
 
     fused_decode = True
     fused_extend = True
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int, layer: int):
@@ -134,6 +135,9 @@ class LightningAttention(nn.Module):
             if batch.is_decode:
                 y = mamba2_state_update(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, dt_limit=DT_ONE)
                 copy_decode_checkpoints(states, batch)
+            elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
+                y = mamba2_chains(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, batch.chain_ckpt_rows,
+                                  rows=batch.chain_rows, dt_limit=DT_ONE)
             elif device.fla_prefill(vs, batch):  # fla's simple GLA
                 y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                     vs, dt, A, ks, qs, None, None, batch.cu_seqlens, states, batch.state_slots,

@@ -43,6 +43,7 @@ class Attention(nn.Module):
 
     fused_decode = True  # a fused (Triton) decode path: see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # and a fused extend (ForwardBatch.fused_extend): HybridForCausalLM.supports_fused_extend
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, attention_ordinal: int, window: int = 0,

@@ -42,6 +42,7 @@ class GatedDeltaNet(nn.Module):
 
     fused_decode = True
     fused_extend = True
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):

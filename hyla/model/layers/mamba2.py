@@ -21,8 +21,8 @@ from hyla.model.layers.recurrent import (
 )
 from hyla.model.layers.rotary import Rope
 from hyla.model.linear import Linear
-from hyla.model.ops.conv1d import causal_conv1d_update
-from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_state_update
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update
+from hyla.model.ops.ssd import mamba2_chains, mamba2_chunk_scan_varlen, mamba2_state_update
 
 
 class Mamba2Mixer(nn.Module):
@@ -43,6 +43,7 @@ class Mamba2Mixer(nn.Module):
 
     fused_decode = True
     fused_extend = True
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
@@ -97,8 +98,12 @@ class Mamba2Mixer(nn.Module):
                 xs, dt, A, bs, cs, None, self.dt_bias, self.dt_limit), y, ssm_states, batch)
             y = (y.float() + self.D.float()[:, None] * xs.view(t, self.num_heads, self.head_dim).float()).to(x.dtype)
             return self._out(y, z, t, x.dtype)
+        chains = batch.chain_ckpt_rows  # a verify step of padded chains (the compiled verify)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
+        elif chains is not None:
+            xbc = causal_conv1d_chains(xbc, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
+                                       rows=batch.chain_rows)
         else:
             xbc = conv1d_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, conv_dim]
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
@@ -110,6 +115,9 @@ class Mamba2Mixer(nn.Module):
                                     dt_limit=self.dt_limit)
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
+        elif chains is not None:
+            y = mamba2_chains(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, chains,
+                              rows=batch.chain_rows, dt_limit=self.dt_limit)
         elif device.fla_prefill(xs, batch):  # fla's chunked Triton kernel, as simple GLA
             y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,

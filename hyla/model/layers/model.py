@@ -222,8 +222,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def supports_chain_verify(self) -> bool:
         """Every mixer runs a verify step of padded chains (``ForwardBatch.chain_ckpt_rows``, the
-        compiled verify step): full attention and Gated DeltaNet so far."""
-        return all(type(mixer) in (Attention, GatedDeltaNet) for layer in self.layers for mixer in layer.mixers())
+        compiled verify step): its class says so with ``chain_verify`` (full attention, Gated DeltaNet,
+        Mamba2 and MiniMax's lightning attention so far)."""
+        return all(getattr(mixer, "chain_verify", False) for layer in self.layers for mixer in layer.mixers())
 
     def supports_fused_extend(self) -> bool:
         """Every mixer runs a fused extend (``ForwardBatch.fused_extend``: full attention, Gated

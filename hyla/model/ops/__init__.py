@@ -11,7 +11,7 @@ from hyla.model.ops.gated_delta import (
     recurrent_gated_delta_rule_update,
 )
 from hyla.model.ops.kda import chunk_kda_varlen, kda_ref, recurrent_kda_update
-from hyla.model.ops.ssd import mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
+from hyla.model.ops.ssd import mamba2_chains, mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
 
 __all__ = [
     "causal_conv1d_chains",
@@ -23,6 +23,7 @@ __all__ = [
     "gated_delta_rule_chains",
     "gated_delta_rule_ref",
     "kda_ref",
+    "mamba2_chains",
     "mamba2_chunk_scan_varlen",
     "mamba2_ssd_ref",
     "mamba2_state_update",

@@ -29,10 +29,14 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
+    check_chains,
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
     open_state_rows,
+    read_states,
+    scatter_rows,
+    write_rows_,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -150,10 +154,9 @@ def mamba2_chunk_scan_varlen(
     chunk_size = chunk_size_for(chunk_size, x.device, accelerator=128)
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                x.device, varlen)
-    if scan is not None:
-        step = lambda x, dt, B, C, pool, rows: mamba2_state_update(  # noqa: E731
-            x, dt, A, B, C, D, dt_bias, pool, rows, dt_limit)
-        return tree_scan(step, (x, dt, B, C), ssm_states, slots, scan)
+    if scan is not None:  # token by token; each token's dt terms computed once, for all of them
+        step = lambda x, dtf, decay, B, C, pool, rows: _update_on_pool(x, dtf, decay, B, C, D, pool, rows)  # noqa: E731
+        return tree_scan(step, (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C), ssm_states, slots, scan)
 
     num_heads = x.shape[1]
     xf, Af = x.float(), A.float()
@@ -258,20 +261,83 @@ def mamba2_state_update(
     Heads are grouped under their B/C group and broadcast against it (no repeated copies).
     """
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    return _update_on_pool(x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C, D, ssm_states, slots)
+
+
+def _dt_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None,
+              dt_limit: tuple[float, float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's discretized ``dt`` and decay ``exp(dt A)``, ``[N, H]`` fp32. Computed once for all the
+    tokens an op scans (``exp`` and ``softplus`` may round a vector's tail otherwise than its body), so
+    that the tree scan and the padded chains see the same numbers."""
+    dtf = discretize_dt(dt, dt_bias, dt_limit)
+    return dtf, (dtf * A.float()).exp_()
+
+
+def _update_on_pool(x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor | SlotPlan) -> torch.Tensor:
+    """:func:`_step_` on the pool rows of ``slots`` (in place where they are one run, else read and
+    written back) -> ``y`` in x's dtype."""
+    plan = as_slot_plan(slots, pool, x.shape[0])
+    S, copied = open_state_rows(pool, plan, torch.float32)  # [B, H, P, N]
+    y = _step_(S, x, dtf, decay, B, C, D)
+    if copied:
+        write_states(pool, plan, S)
+    return y.to(x.dtype)
+
+
+def _step_(S: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor,
+           C: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    """The decode update of fp32 states ``S [B, H, P, N]`` in place, one token a row (``x [B, H, P]``,
+    ``dtf, decay [B, H]`` (:func:`_dt_terms`), ``B, C [B, G, N]``) -> fp32 ``y [B, H, P]``: products and
+    sums alone, so each row's numbers are its own whatever ``B`` (the tree scan and the padded chains
+    agree bitwise)."""
     b, num_heads, head_dim = x.shape
     groups, n = B.shape[1:]
     h = num_heads // groups  # heads per group
-    plan = as_slot_plan(slots, ssm_states, b)
-    dtf = discretize_dt(dt, dt_bias, dt_limit)  # [B, H]
     xf = x.float()
-    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, H, P, N]
     S5 = S.view(b, groups, h, head_dim, n)
-    decay = (dtf * A.float()).exp_().view(b, groups, h, 1, 1)  # [B, G, h, 1, 1]
+    decay = decay.view(b, groups, h, 1, 1)  # [B, G, h, 1, 1]
     x_dt = (xf * dtf.unsqueeze(-1)).view(b, groups, h, head_dim, 1)  # [B, G, h, P, 1]
     S5.mul_(decay).addcmul_(x_dt, B.float().view(b, groups, 1, 1, n))  # exp(dt A) S + dt x B^T
     y = torch.matmul(S5, C.float().view(b, groups, 1, n, 1)).view(b, num_heads, head_dim)  # [B, H, P]: S C
     if D is not None:
         y = y.addcmul_(D.float().view(1, num_heads, 1), xf)
-    if copied:
-        write_states(ssm_states, plan, S)
-    return y.to(x.dtype)
+    return y
+
+
+def mamba2_chains(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    slots: SlotPlan,
+    ckpt_rows: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    dt_limit: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """A verify step of chains padded to one width (``gated_delta.gated_delta_rule_chains``' contract):
+    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded
+    row of each packed token of ``x [T, H, P]``, raw ``dt [T, H]``, ``B, C [T, G, N]`` (None: already
+    padded) -> ``y [T, H, P]``, token by token with the decode step's arithmetic (the tree path's
+    result, bitwise). The state after padded token ``j < W - 1`` of sequence ``i`` goes to
+    ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so
+    the step compiles to one graph."""
+    check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
+    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
+    terms = (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C)  # (padding: zeros, decay 0)
+    if rows is not None:
+        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
+    x, dtf, decay, B, C = (t.view(batch, width, *t.shape[1:]) for t in terms)
+    S = read_states(ssm_states, slots, torch.float32)  # [B, H, P, N], a copy
+    ys = []
+    for j in range(width):
+        ys.append(_step_(S, x[:, j], dtf[:, j], decay[:, j], B[:, j], C[:, j], D))
+        if j < width - 1:
+            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
+    write_states(ssm_states, slots, S)
+    y = torch.stack(ys, dim=1).view(batch * width, *ys[0].shape[1:])  # [B*W, H, P]
+    return (y if rows is None else y.index_select(0, rows)).to(x.dtype)
