@@ -141,19 +141,21 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
                        f"vs {[want[c] for c in differ[:3]]}"
 
 
-@pytest.mark.parametrize("draft, opts, draft_chains", [
-    ("qwen3_next_dense_draft_path", POOLS, True),
+@pytest.mark.parametrize("draft, opts, draft_chains, accepted", [
+    ("qwen3_next_dense_draft_path", POOLS, True, True),
+    # retraction; Mamba2's chains (the small NemotronH's drafts are all rejected)
     ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
-                                   chunked_prefill_size=64), False),  # retraction; Mamba2: no chains
+                                   chunked_prefill_size=64), True, False),
+    ("jamba_short_path", POOLS, False, False),  # Mamba1: no chains
 ])
 def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, draft_chains,
-                                                                    request, monkeypatch):
+                                                                    accepted, request, monkeypatch):
     """With ``compile_decode`` (or fused decode kernels) a draft model's chains are verified as
     padded chains (``ModelRunner.forward_chains``, the compiled graph or CUDA graphs), as n-gram
     chains are, and the draft model runs as the model does: its draft steps (rows over its scratch
     slots, ``speculative.row_batch``) and decode steps through its own compiled graphs, its pass over
-    a verify step's chains as padded chains too where its layers allow (a Gated DeltaNet draft; a
-    Mamba2 one runs that pass as an eager extend). Exact, and the draft model's states stay in step
+    a verify step's chains as padded chains too where its layers allow (a Gated DeltaNet or Mamba2 draft;
+    a Mamba1 one runs that pass as an eager extend). Exact, and the draft model's states stay in step
     through all of it — a chain shorter than the width leaves its last fed token's state in a
     scratch slot, where the draft model must write its own too (every proposal is the draft model's
     own continuation). ``torch.compile`` is replaced by the function itself: what is tested is the
@@ -186,7 +188,7 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
                                              seed=2, setup=setup)
     assert compared > 60 and calls["n"] > 0 and compiled_rows["n"] > 0
     assert (draft_calls["n"] == calls["n"]) if draft_chains else draft_calls["n"] == 0
-    if draft_chains:  # (the small NemotronH's drafts are all rejected)
+    if accepted:
         assert _accepted_whole_and_in_part(stats)
     proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
     want = _draft_model_continuations(draft, list(proposals), 3)

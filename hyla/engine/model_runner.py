@@ -119,7 +119,7 @@ class ModelRunner:
         self.fused = model.supports_fused_decode() and gpu_ops.available(self.device) \
             if fused_decode is None else fused_decode
         # verify steps as padded chains (forward_chains): through the fused kernels, or the PyTorch
-        # ops' models of attention and Gated DeltaNet layers (compiled with compile_decode)
+        # ops' models of the layers that run them (HybridForCausalLM.supports_chain_verify; compiled with compile_decode)
         chains = self.fused or (compile_decode and model.supports_chain_verify())
         self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
             and chains else None
@@ -301,8 +301,8 @@ class ModelRunner:
         ``return_hidden``, their final hidden states ``[sum(extend_lens), H]``)."""
         w = self.verify_width
         if w is None:
-            raise ValueError("forward_chains needs a runner built with verify_width (a model of attention and "
-                             "Gated DeltaNet layers)")
+            raise ValueError("forward_chains needs a runner built with verify_width (a model whose layers run "
+                             "padded chains: HybridForCausalLM.supports_chain_verify)")
         if [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
             raise ValueError(f"a verify step of chains takes {w - 1} checkpoint slots per request")
         if any(not 1 <= n <= w for n in extend_lens):
