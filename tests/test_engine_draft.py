@@ -146,7 +146,7 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
     # retraction; Mamba2's chains (the small NemotronH's drafts are all rejected)
     ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
                                    chunked_prefill_size=64), True, False),
-    ("jamba_short_path", POOLS, False, False),  # Mamba1: no chains
+    ("jamba_short_path", POOLS, False, False),  # its Mamba1 mixer told to run no chains (a new mixer's default)
 ])
 def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, draft_chains,
                                                                     accepted, request, monkeypatch):
@@ -154,14 +154,18 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
     padded chains (``ModelRunner.forward_chains``, the compiled graph or CUDA graphs), as n-gram
     chains are, and the draft model runs as the model does: its draft steps (rows over its scratch
     slots, ``speculative.row_batch``) and decode steps through its own compiled graphs, its pass over
-    a verify step's chains as padded chains too where its layers allow (a Gated DeltaNet or Mamba2 draft;
-    a Mamba1 one runs that pass as an eager extend). Exact, and the draft model's states stay in step
+    a verify step's chains as padded chains too where its layers allow (every mixer hyla has; a draft
+    with a mixer that does not say ``chain_verify`` runs that pass as an eager extend). Exact, and the draft model's states stay in step
     through all of it — a chain shorter than the width leaves its last fed token's state in a
     scratch slot, where the draft model must write its own too (every proposal is the draft model's
     own continuation). ``torch.compile`` is replaced by the function itself: what is tested is the
     engine's wiring and the chains, not inductor
     (``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``)."""
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    if not draft_chains:
+        from hyla.model.jamba import Mamba1Mixer
+
+        monkeypatch.setattr(Mamba1Mixer, "chain_verify", False)
     draft = request.getfixturevalue(draft)
     calls, draft_calls, compiled_rows = {"n": 0}, {"n": 0}, {"n": 0}
 

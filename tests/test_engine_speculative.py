@@ -260,11 +260,17 @@ def _watch_chains(eng: Engine, calls: dict, width: int | None = 5) -> None:
 
 
 @pytest.mark.parametrize("arch", ["bamba_short_path", "nemotron_h_path", "falcon_h1_path", "minimax_short_path",
-                                  "mamba2_path"])
-def test_padded_chain_verify_is_exact_on_mamba2_layers(arch, request):
-    """The padded chains of verify steps (``ops.ssd.mamba2_chains``, the conv's chains) through Mamba2 layers:
-    beside attention (Bamba; NemotronH with its MoE; Falcon-H1's parallel layers), MiniMax's lightning attention (dt
-    held at 1), a pure Mamba2 model — exact against a plain engine, under retraction."""
+                                  "mamba2_path", "jamba_path", "falcon_mamba_path", "kimi_linear_path",
+                                  "bailing_hybrid_short_path", "lfm2_short_path", "lfm3_short_path",
+                                  "zamba2_short_path", "lara_mini_short_path"])
+def test_padded_chain_verify_is_exact_on_every_mixer(arch, request):
+    """The padded chains of verify steps through every other mixer: Mamba2 (``ops.ssd.mamba2_chains``, the conv's
+    chains) beside attention (Bamba; NemotronH with its MoE; Falcon-H1's parallel layers), MiniMax's lightning
+    attention (dt held at 1), a pure Mamba2 model; Mamba1 (``selective_scan_chains``: Jamba beside attention,
+    FalconMamba alone); KDA and MLA (``kda_chains``, ``latent_short_extend_attention``: Kimi Linear, Ling 3 with
+    its RoPE); LFM2's short convolution (LFM2, LFM3 with sliding-window attention); Zamba2's shared attention
+    blocks; Gated DeltaNet beside sliding-window attention (Lara-4-Mini) — exact against a plain engine, under
+    retraction."""
     path = request.getfixturevalue(arch)
     assert load_model(path).supports_chain_verify()
     calls = {"n": 0}

@@ -211,7 +211,8 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]])
 def test_padded_chains_equal_the_tree_path_bitwise(lens):
-    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` / ``mamba2_chains`` (the compiled verify step's ops:
+    """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` / ``mamba2_chains`` / ``selective_scan_chains`` /
+    ``kda_chains`` (the compiled verify step's ops:
     chains padded to a width of 4 inside the op, fixed shapes) compute what the tree path computes
     for the same chains, bitwise: outputs, each checkpoint state, each final state, and no other
     pool row; a chain shorter than the width leaves the state after its last token in its
@@ -277,6 +278,29 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
                                         dt_limit=limit)
         assert torch.equal(out, want)
         check(a, c, pool)
+
+    # Mamba1's selective scan (a decay per channel and state), with D
+    from hyla.model.ops import chunk_kda_varlen, kda_chains, selective_scan_chains, selective_scan_varlen
+
+    inner, n = 24, 6
+    x, dt = torch.randn(t, inner, generator=gen), torch.randn(t, inner, generator=gen)
+    A, D, dt_bias = -torch.rand(inner, n, generator=gen), torch.randn(inner, generator=gen), torch.randn(inner, generator=gen)
+    Bm, Cm = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
+    pool = torch.randn(num_slots, inner, n, generator=gen)
+    a, c = pool.clone(), pool.clone()
+    out = selective_scan_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows)
+    want = selective_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan)
+    assert torch.equal(out, want)
+    check(a, c, pool)
+
+    # KDA: Gated DeltaNet's rule with a decay per key channel
+    g = -torch.rand(t, HV, DK, generator=gen)
+    pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
+    a, c = pool.clone(), pool.clone()
+    out = kda_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
+    want = chunk_kda_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
+    assert torch.equal(out, want)
+    check(a, c, pool)
 
 
 def test_a_batch_of_chains_is_validated_when_built():

@@ -57,8 +57,8 @@ from hyla.model.layers import (
 )
 from hyla.model.layers.device import gpu, on_gpu
 from hyla.model.linear import Linear
-from hyla.model.ops.conv1d import causal_conv1d_update
-from hyla.model.ops.selective_scan import selective_scan_varlen, selective_state_update
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update
+from hyla.model.ops.selective_scan import selective_scan_chains, selective_scan_varlen, selective_state_update
 from hyla.model.qwen3_next import expert_specs
 from hyla.model.weight_specs import (
     WeightSpec,
@@ -87,6 +87,7 @@ class Mamba1Mixer(nn.Module):
     fused_decode = True
     fused_extend = True
     takes_gemv_step = True  # forward(gemv_step=True): see HybridLayer.forward_fused
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -129,15 +130,22 @@ class Mamba1Mixer(nn.Module):
             run_fused_extend_segments(gpu("selective_scan").segment_kernel(xs, dt, A, B, C, self.D, self.dt_bias, z),
                                       y, ssm_states, batch)
             return self.out_proj(y)
+        slots, chains = batch.state_slot_plan, batch.chain_ckpt_rows  # (chains: the compiled verify step)
         if batch.is_decode:  # (the slots as validated at batch construction: no host read here)
-            xs = causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, "silu")
+            xs = causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
+        elif chains is not None:
+            xs = causal_conv1d_chains(xs, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
+                                      rows=batch.chain_rows)
         else:
             xs = conv1d_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, I]
         dt, B, C = self._dt_b_c(xs)
         if batch.is_decode:
-            y = selective_state_update(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.state_slot_plan)
+            y = selective_state_update(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, slots)
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
+        elif chains is not None:
+            y = selective_scan_chains(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, slots, chains,
+                                      rows=batch.chain_rows)
         elif on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
             return self.out_proj(gpu("selective_scan").selective_scan_extend_fused(
                 xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.varlen, z))

@@ -77,9 +77,9 @@ from hyla.model.layers import (
 )
 from hyla.model.layers.device import fla_prefill, gpu, on_gpu
 from hyla.model.linear import Linear
-from hyla.model.ops.attention import extend_sdpa, widened
-from hyla.model.ops.conv1d import causal_conv1d_update
-from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, recurrent_kda_update
+from hyla.model.ops.attention import ShortExtendLayout, extend_sdpa, widened
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update
+from hyla.model.ops.kda import DecayGate, chunk_kda_varlen, kda_chains, recurrent_kda_update
 from hyla.model.ops.varlen import write_rows_
 from hyla.model.weight_specs import (
     WeightSpec,
@@ -108,6 +108,7 @@ class KimiDeltaAttention(nn.Module):
 
     fused_decode = True  # see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # see HybridForCausalLM.supports_fused_extend
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -166,9 +167,12 @@ class KimiDeltaAttention(nn.Module):
             run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, gate), o,
                                       ssm_states, batch)
             return self._out(o, x)
-        plan = batch.state_slot_plan  # decode: validated at batch construction
+        plan, chains = batch.state_slot_plan, batch.chain_ckpt_rows  # (chains: the compiled verify step)
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
+        elif chains is not None:
+            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, plan, chains, "silu",
+                                         rows=batch.chain_rows)
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
@@ -176,6 +180,8 @@ class KimiDeltaAttention(nn.Module):
             o = recurrent_kda_update(q, k, v, *self._gates(f, b), ssm_states, plan)
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
+        elif chains is not None:
+            o = kda_chains(q, k, v, *self._gates(f, b), ssm_states, plan, chains, rows=batch.chain_rows)
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
             o = gpu("fla_chunk").chunk_kda_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),
@@ -216,6 +222,7 @@ class LatentAttention(nn.Module):
 
     fused_decode = True  # see HybridForCausalLM.supports_fused_decode
     fused_extend = True  # see HybridForCausalLM.supports_fused_extend
+    chain_verify = True  # a verify step of padded chains (latent_short_extend_attention)
 
     def __init__(self, config: ModelConfig, attention_ordinal: int):
         super().__init__()
@@ -278,6 +285,9 @@ class LatentAttention(nn.Module):
         elif on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
+        elif batch.short_extend is not None:  # a verify step (trees, chains, padded chains): one batched attention
+            write_latents(latent, kb, vb, batch.out_cache_loc)
+            o = latent_short_extend_attention(q_latent, kb, vb, batch.short_extend, self.scaling, self.rank)
         else:
             o = latent_paged_attention(
                 q_latent, latent, kb, vb, batch.out_cache_loc, batch.kv_indices, batch.kv_indptr, batch.prefix_lens,
@@ -351,6 +361,26 @@ def latent_decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: t
     if kv_mask is not None:
         scores += kv_mask.view(b, 1, length)
     return torch.matmul(torch.softmax(scores, dim=-1), keys[..., :value_dim]).to(q.dtype)  # [B, H, value_dim]
+
+
+def latent_short_extend_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
+                                  layout: ShortExtendLayout, scaling: float, value_dim: int) -> torch.Tensor:
+    """A short extend's MLA (a verify step: chains, padded chains or token trees), the new latents already in
+    the pool: ``ops.attention.short_extend_attention``'s layout (each sequence's slots, its new tokens padded
+    to ``E`` rows, one additive mask) with :func:`latent_decode_attention`'s math, ``q [T, H, L]`` ->
+    ``[T, H, value_dim]``. Shapes from the layout alone, so a compiled verify step traces it once."""
+    b, e, length = layout.kv_rows.shape[0], layout.width, layout.kv_rows.shape[-1]
+    heads, width = q.shape[1:]
+    keys = widened(read_latents(k_buffer, v_buffer, layout.kv_rows.reshape(-1), width),
+                   torch.float32).view(b, length, width)  # [B, Lk, L]
+    qp = q if layout.q_rows is None else q.index_select(0, layout.q_rows)  # [B*E, H, L]
+    scores = torch.matmul(qp.float().view(b, e * heads, width) * scaling, keys.transpose(-1, -2))  # [B, E*H, Lk]
+    scores.view(b, e, heads, length).add_(layout.mask.view(b, e, 1, length))
+    out = torch.matmul(torch.softmax(scores, dim=-1), keys[..., :value_dim])  # [B, E*H, value_dim]
+    out = out.view(b * e, heads, value_dim)
+    if layout.out_rows is not None:
+        out = out.index_select(0, layout.out_rows)
+    return out.to(q.dtype)  # [T, H, value_dim]
 
 
 def read_latents(k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor, width: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from hyla.model.layers import (
 )
 from hyla.model.layers.device import gpu
 from hyla.model.linear import Linear
-from hyla.model.ops.conv1d import causal_conv1d_update
+from hyla.model.ops.conv1d import causal_conv1d_chains, causal_conv1d_update
 from hyla.model.weight_specs import (
     WeightSpec,
     attention_specs,
@@ -58,6 +58,7 @@ class Lfm2ShortConv(nn.Module):
 
     fused_decode = True  # the conv window's Triton kernel (no activation); the gates stay elementwise
     fused_extend = True  # the conv's extend kernels on the fused extend's device indices
+    chain_verify = True  # a verify step of padded chains: HybridForCausalLM.supports_chain_verify
 
     def __init__(self, config: ModelConfig, linear_ordinal: int):
         super().__init__()
@@ -81,6 +82,9 @@ class Lfm2ShortConv(nn.Module):
         elif batch.is_decode:  # the slots as validated at batch construction: no host read here
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, None)
             copy_decode_checkpoints(conv_states, batch)
+        elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
+            y = causal_conv1d_chains(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan,
+                                     batch.chain_ckpt_rows, None, rows=batch.chain_rows)
         else:
             y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
         return self.out_proj(c * y)

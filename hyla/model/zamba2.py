@@ -96,8 +96,6 @@ class Zamba2Attention(Attention):
     """A hybrid layer's attention: its own KV buffer (``kv_index``) and, with
     ``shared_attention_adapters``, its q / k / v adapters; the projections are its block's."""
 
-    chain_verify = False  # (Attention's chains not checked through the shared blocks: verify steps stay eager)
-
     def __init__(self, config: ModelConfig, attention_ordinal: int, block: SharedBlock):
         super().__init__(config, attention_ordinal, projections=(block.qkv_proj, block.o_proj))
         c = config

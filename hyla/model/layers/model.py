@@ -222,8 +222,9 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def supports_chain_verify(self) -> bool:
         """Every mixer runs a verify step of padded chains (``ForwardBatch.chain_ckpt_rows``, the
-        compiled verify step): its class says so with ``chain_verify`` (full attention, Gated DeltaNet,
-        Mamba2 and MiniMax's lightning attention so far)."""
+        compiled verify step): its class says so with ``chain_verify`` (every mixer hyla has: attention, MLA,
+        Gated DeltaNet, KDA, Mamba1, Mamba2, MiniMax's lightning attention, LFM2's short convolution; a new
+        mixer is eager until it says so)."""
         return all(getattr(mixer, "chain_verify", False) for layer in self.layers for mixer in layer.mixers())
 
     def supports_fused_extend(self) -> bool:
@@ -312,7 +313,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             raise ValueError(f"the model has {c.num_linear_layers} linear layers, the batch brings "
                              f"{len(batch.conv_states)} conv and {len(batch.ssm_states)} SSM state buffers")
         if batch.chain_ckpt_rows is not None and not self.supports_chain_verify():
-            raise ValueError(f"{c.architecture}: a verify step of padded chains needs full attention and "
-                             "Gated DeltaNet layers only")
+            raise ValueError(f"{c.architecture}: a verify step of padded chains needs mixers that run them "
+                             "(chain_verify: HybridForCausalLM.supports_chain_verify)")
         if batch.max_token_id >= c.vocab_size:  # read once when the batch was built, not here
             raise ValueError(f"token id {batch.max_token_id} is outside the vocabulary ({c.vocab_size})")

@@ -10,7 +10,8 @@ from hyla.model.ops.gated_delta import (
     gated_delta_rule_ref,
     recurrent_gated_delta_rule_update,
 )
-from hyla.model.ops.kda import chunk_kda_varlen, kda_ref, recurrent_kda_update
+from hyla.model.ops.kda import chunk_kda_varlen, kda_chains, kda_ref, recurrent_kda_update
+from hyla.model.ops.selective_scan import selective_scan_chains, selective_scan_varlen, selective_state_update
 from hyla.model.ops.ssd import mamba2_chains, mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "chunk_kda_varlen",
     "gated_delta_rule_chains",
     "gated_delta_rule_ref",
+    "kda_chains",
     "kda_ref",
     "mamba2_chains",
     "mamba2_chunk_scan_varlen",
@@ -29,4 +31,7 @@ __all__ = [
     "mamba2_state_update",
     "recurrent_gated_delta_rule_update",
     "recurrent_kda_update",
+    "selective_scan_chains",
+    "selective_scan_varlen",
+    "selective_state_update",
 ]

@@ -48,10 +48,14 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
+    check_chains,
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
+    open_state_rows,
     read_states,
+    scatter_rows,
+    write_rows_,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -167,10 +171,9 @@ def chunk_kda_varlen(
     chunk_size = chunk_size_for(chunk_size, q.device, accelerator=64)
     scan, varlen = plan_scan(tree, cu_seqlens, q.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                                q.device, varlen)
-    if scan is not None:
-        step = lambda q, k, v, g, beta, pool, rows: recurrent_kda_update(  # noqa: E731
-            q, k, v, g, beta, pool, rows, use_qk_l2norm)
-        return tree_scan(step, (q, k, v, g, beta), ssm_states, slots, scan)
+    if scan is not None:  # token by token with the decode step; each token's terms computed once, for all of them
+        terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
+        return tree_scan(_state_step, terms, ssm_states, slots, scan).to(q.dtype)
 
     qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [T, Hv, Dk]
     vf, gf, bf = v.float(), g.float(), beta.float()
@@ -289,13 +292,71 @@ def recurrent_kda_update(
     """
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
     plan = as_slot_plan(slots, ssm_states, q.shape[0])
-    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [B, H, Dk]
-    S = read_states(ssm_states, plan, torch.float32)  # [B, H, Dk, Dv] fp32 copy (zeros for -1)
-    S.mul_(g.float().exp().unsqueeze(-1))
-    predicted = (kf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
-    delta = (v.float() - predicted) * beta.float().unsqueeze(-1)  # [B, H, Dv]
+    return _state_step(*_token_terms(q, k, v, g, beta, use_qk_l2norm), ssm_states, plan).to(q.dtype)
+
+
+def _token_terms(q, k, v, g, beta, use_qk_l2norm: bool) -> tuple[torch.Tensor, ...]:
+    """The per-token factors of the decode step (no state involved), fp32, per value head: ``q, k [N, Hv, Dk]``
+    (l2-normalised, q scaled), ``decay = exp(g) [N, Hv, Dk, 1]``, ``v [N, Hv, Dv]``, ``beta [N, Hv, 1]``.
+    Computed once for all the tokens an op scans (a tree step's, a padded chain's, a decode step's batch),
+    so that the tree scan and the padded chains see the same numbers."""
+    qf, kf = _prepare_qk(q, k, v.shape[1], use_qk_l2norm)  # [N, Hv, Dk]
+    return qf, kf, g.float().exp().unsqueeze(-1), v.float(), beta.float().unsqueeze(-1)
+
+
+def _state_step(q, k, decay, v, beta, ssm_states: torch.Tensor, plan: SlotPlan) -> torch.Tensor:
+    """One token per row on the states ``ssm_states[plan]`` (updated in place) from :func:`_token_terms`
+    -> fp32 ``o [N, Hv, Dv]``: the decode step's math (trees and short extends run it through ``tree_scan``)."""
+    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [N, Hv, Dk, Dv]
+    o = _update_(S, q, k, decay, v, beta)
+    if copied:
+        write_states(ssm_states, plan, S)
+    return o
+
+
+def _update_(S, q, k, decay, v, beta) -> torch.Tensor:
+    """The decode step on fp32 states ``S [N, Hv, Dk, Dv]``, updated in place -> ``o [N, Hv, Dv]``: row ``d``
+    of each state decays by ``exp(g[d])``, then the delta rule. Products and sums alone, each row its own."""
+    S.mul_(decay)
+    predicted = (k.unsqueeze(-2) @ S).squeeze(-2)  # [N, Hv, Dv]: k^T S
+    delta = (v - predicted) * beta  # [N, Hv, Dv]
     dk, dv = S.shape[-2:]
-    S.view(-1, dk, dv).baddbmm_(kf.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
-    o = (qf.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, Dv]
-    write_states(ssm_states, plan, S)
-    return o.to(q.dtype)
+    S.view(-1, dk, dv).baddbmm_(k.reshape(-1, dk, 1), delta.reshape(-1, 1, dv))  # S += k delta^T
+    return (q.unsqueeze(-2) @ S).squeeze(-2)  # [N, Hv, Dv]: q^T S
+
+
+def kda_chains(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_states: torch.Tensor,
+    slots: SlotPlan,
+    ckpt_rows: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """A verify step of chains padded to one width (``gated_delta.gated_delta_rule_chains``' contract):
+    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded row
+    of each packed token of ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``, ``beta [T, Hv]``
+    (None: already padded) -> ``o [T, Hv, Dv]``, token by token with the decode step's math (the tree
+    path's result, bitwise). The state after padded token ``j < W - 1`` of sequence ``i`` goes to
+    ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so the
+    step compiles to one graph. Padding rows are zeros (decay 0 too: the caller takes the state after a
+    chain's last real token from its checkpoint row)."""
+    check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
+    batch, width = check_chains(q.shape[0], slots, ckpt_rows, rows)
+    terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
+    if rows is not None:
+        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
+    terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
+    S = read_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv], a copy
+    outs = []
+    for j in range(width):
+        outs.append(_update_(S, *(t[:, j] for t in terms)))
+        if j < width - 1:
+            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
+    write_states(ssm_states, slots, S)
+    o = torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:])  # [B*W, Hv, Dv]
+    return (o if rows is None else o.index_select(0, rows)).to(q.dtype)

@@ -40,8 +40,12 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
+    check_chains,
     chunk_scan_on_pool,
     open_state_rows,
+    read_states,
+    scatter_rows,
+    write_rows_,
     write_states,
 )
 
@@ -90,17 +94,67 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
     is don't-care and nothing is written. ``slots`` may be a :class:`SlotPlan` validated at batch
     construction (then nothing here reads the device)."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
-    plan = as_slot_plan(slots, ssm_states, x.shape[0])
-    dtf = discretize_dt(dt, dt_bias, None)  # [B, I]
+    return _update_on_pool(x, *_dt_terms(dt, A, dt_bias), B, C, D, ssm_states, slots)
+
+
+def _dt_terms(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's discretized ``dt [n, I]`` and decay ``exp(dt A) [n, I, N]``, fp32. Computed once for all
+    the tokens an op scans (``exp`` and ``softplus`` may round a vector's tail otherwise than its body), so
+    that the tree scan and the padded chains see the same numbers (``ssd._dt_terms``, per channel and state)."""
+    dtf = discretize_dt(dt, dt_bias, None)
+    return dtf, (dtf.unsqueeze(-1) * A.float()).exp_()
+
+
+def _update_on_pool(x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                    D: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor | SlotPlan) -> torch.Tensor:
+    """:func:`_step_` on the pool rows of ``slots`` (in place where they are one run, else read and
+    written back) -> ``y`` in x's dtype."""
+    plan = as_slot_plan(slots, pool, x.shape[0])
+    h, copied = open_state_rows(pool, plan, torch.float32)  # [B, I, N]
+    y = _step_(h, x, dtf, decay, B, C, D)
+    if copied:
+        write_states(pool, plan, h)
+    return y.to(x.dtype)
+
+
+def _step_(h: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor,
+           C: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    """The decode update of fp32 states ``h [B, I, N]`` in place, one token a row (``x [B, I]``, ``dtf [B, I]``
+    and ``decay [B, I, N]`` (:func:`_dt_terms`), ``B, C [B, N]``) -> fp32 ``y [B, I]``: products and sums
+    alone, so each row's numbers are its own whatever ``B`` (the tree scan and the padded chains agree
+    bitwise)."""
     xf = x.float()
-    h, copied = open_state_rows(ssm_states, plan, torch.float32)  # [B, I, N]
-    h.mul_((dtf.unsqueeze(-1) * A.float()).exp_()).addcmul_((dtf * xf).unsqueeze(-1), B.float().unsqueeze(1))
+    h.mul_(decay).addcmul_((dtf * xf).unsqueeze(-1), B.float().unsqueeze(1))  # exp(dt A) h + dt x B
     y = torch.matmul(h, C.float().unsqueeze(-1)).squeeze(-1)  # [B, I]: h C
     if D is not None:
         y = y.addcmul_(D.float(), xf)
-    if copied:
-        write_states(ssm_states, plan, h)
-    return y.to(x.dtype)
+    return y
+
+
+def selective_scan_chains(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                          D: torch.Tensor | None, dt_bias: torch.Tensor | None, ssm_states: torch.Tensor,
+                          slots: SlotPlan, ckpt_rows: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A verify step of chains padded to one width (``gated_delta.gated_delta_rule_chains``' contract):
+    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded
+    row of each packed token of ``x``, raw ``dt [T, I]``, ``B, C [T, N]`` (None: already padded) ->
+    ``y [T, I]``, token by token with the decode step's arithmetic (the tree path's result, bitwise).
+    The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
+    after the last to its own slot; nothing is read on the host, so the step compiles to one graph."""
+    check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
+    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
+    terms = (x, *_dt_terms(dt, A, dt_bias), B, C)  # (padding: zeros, decay 0)
+    if rows is not None:
+        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
+    x, dtf, decay, B, C = (t.view(batch, width, *t.shape[1:]) for t in terms)
+    h = read_states(ssm_states, slots, torch.float32)  # [B, I, N], a copy
+    ys = []
+    for j in range(width):
+        ys.append(_step_(h, x[:, j], dtf[:, j], decay[:, j], B[:, j], C[:, j], D))
+        if j < width - 1:
+            write_rows_(ssm_states, ckpt_rows[:, j], h.to(ssm_states.dtype))
+    write_states(ssm_states, slots, h)
+    y = torch.stack(ys, dim=1).view(batch * width, -1)  # [B*W, I]
+    return (y if rows is None else y.index_select(0, rows)).to(x.dtype)
 
 
 CHUNK = 16
@@ -124,10 +178,9 @@ def selective_scan_varlen(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
     scan, varlen = plan_scan(tree, cu_seqlens, x.shape[0], slots, ssm_states, ckpt_seq, ckpt_len, ckpt_slot,
                              x.device, varlen)
-    if scan is not None:
-        step = lambda x, dt, B, C, pool, rows: selective_state_update(  # noqa: E731
-            x, dt, A, B, C, D, dt_bias, pool, rows)
-        return tree_scan(step, (x, dt, B, C), ssm_states, slots, scan)
+    if scan is not None:  # token by token; each token's dt terms computed once, for all of them
+        step = lambda x, dtf, decay, B, C, pool, rows: _update_on_pool(x, dtf, decay, B, C, D, pool, rows)  # noqa: E731
+        return tree_scan(step, (x, *_dt_terms(dt, A, dt_bias), B, C), ssm_states, slots, scan)
     xf, Af = x.float(), A.float()
     dtf = discretize_dt(dt, dt_bias, None)  # [T, I]
     y = chunk_scan_on_pool(lambda layout, plan, state: _chunk_scan(layout, plan, xf, dtf, Af, B.float(), C.float(),
