@@ -80,8 +80,10 @@ def test_varlen_scan_with_checkpoints_matches_the_reference_per_sequence(short):
 
 @pytest.mark.parametrize("length", [6, 40])
 def test_decode_steps_equal_the_scan(length):
-    """A decode step per token gives the scan's outputs and states: bit for bit on a short extend (the
-    token-by-token path), up to fp32 rounding on a long one (the chunked path, 3 chunks of 16)."""
+    """A decode step per token gives the scan's outputs and states, up to fp32 rounding: on a short extend
+    (the token-by-token path: the decode step's arithmetic, but each token's softplus and exp computed once
+    for all the extend's tokens, where a vector's tail may round by an ulp otherwise than a decode batch's
+    body) and on a long one (the chunked path, 3 chunks of 16)."""
     inp = Inputs([length, length], seed=1)
     pool = inp.pool.clone()
     y_scan = selective_scan_varlen(*inp.params(), inp.cu, pool, torch.tensor([3, 5]))
@@ -93,11 +95,8 @@ def test_decode_steps_equal_the_scan(length):
         ys.append(selective_state_update(x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, steps,
                                          torch.tensor([3, 5])))
     y_steps = torch.stack(ys, 1).flatten(0, 1)  # [2 * length, I] in packed order
-    if length <= 8:
-        assert torch.equal(y_steps, y_scan) and torch.equal(steps, pool)
-    else:
-        torch.testing.assert_close(y_steps, y_scan, **TOL)
-        torch.testing.assert_close(steps, pool, **TOL)
+    torch.testing.assert_close(y_steps, y_scan, **TOL)
+    torch.testing.assert_close(steps, pool, **TOL)
 
 
 def test_bad_shapes_are_value_errors():

@@ -2,7 +2,9 @@
 
 * ``TreeScan`` (lanes: in place on the pool rows, or a gathered buffer with forks) runs the Gated
   DeltaNet and Mamba2 decode updates over token trees: every token's output, every checkpoint and
-  every final state equal decode steps along the token's path, bitwise;
+  every final state equal decode steps along the token's path (bitwise for Gated DeltaNet; Mamba2's
+  batched per-token terms within fp32 rounding);
+* the padded chains (the compiled verify step's ops) equal the tree path, bitwise, for every mixer;
 * the conv op's tree path (every token at once from its ancestors' inputs) equals decode updates
   along each path, bitwise;
 * ``paged_attention_short_extend`` (one padded attention with one mask for the batch) equals the

@@ -14,7 +14,9 @@ the decay varies along the state, so SSD's matrix form (a ``[Q, Q]`` decay per h
 
 * short extends (at most ``tree.SHORT_EXTEND`` tokens a sequence: verify steps, a cached prompt's
   few new tokens) and token trees run token by token with the decode update (``tree.tree_scan``),
-  the same arithmetic as decode steps, bitwise;
+  the decode step's arithmetic, each token's softplus and ``exp`` computed once for all the tokens
+  (bitwise the padded chains' :func:`selective_scan_chains`; a decode batch's vectors may round
+  those by an ulp otherwise);
 * longer extends run in chunks of ``Q`` tokens (``varlen.chunk_scan_on_pool``: chunks per sequence,
   checkpoints anywhere): inside a chunk, a parallel prefix scan (Hillis-Steele, ``log2(Q)`` rounds)
   of the pairs ``(a_t, b_t) = (exp(dt_t A), dt_t x_t B_t)`` under ``(a, b) o (a', b') = (a a', a' b +
