@@ -35,9 +35,7 @@ from hyla.model.ops.varlen import (
     chunk_size_for,
     decay_exp,
     open_state_rows,
-    read_states,
-    scatter_rows,
-    write_rows_,
+    scan_padded_chains,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -376,16 +374,6 @@ def gated_delta_rule_chains(
     only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
     compiled verify)."""
     check_inputs(q, k, v, g, beta, ssm_states)
-    batch, width = check_chains(q.shape[0], slots, ckpt_rows, rows)
-    if rows is not None:
-        q, k, v, g, beta = (scatter_rows(x, rows, batch * width) for x in (q, k, v, g, beta))
-    terms = [t.view(batch, width, *t.shape[1:]) for t in _token_terms(q, k, v, g, beta, use_qk_l2norm)]
-    S = read_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv], a copy
-    outs = []
-    for j in range(width):
-        outs.append(_update_(S, *(t[:, j] for t in terms)))
-        if j < width - 1:
-            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
-    write_states(ssm_states, slots, S)
-    o = torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:])  # [B*W, Hv, Dv]
-    return (o if rows is None else o.index_select(0, rows)).to(q.dtype)
+    check_chains(q.shape[0], slots, ckpt_rows, rows)
+    terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # (as the tree path: once, packed)
+    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]

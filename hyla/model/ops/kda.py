@@ -53,9 +53,7 @@ from hyla.model.ops.varlen import (
     chunk_size_for,
     decay_exp,
     open_state_rows,
-    read_states,
-    scatter_rows,
-    write_rows_,
+    scan_padded_chains,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -346,17 +344,6 @@ def kda_chains(
     step compiles to one graph. Padding rows are zeros (decay 0 too: the caller takes the state after a
     chain's last real token from its checkpoint row)."""
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    batch, width = check_chains(q.shape[0], slots, ckpt_rows, rows)
+    check_chains(q.shape[0], slots, ckpt_rows, rows)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
-    if rows is not None:
-        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
-    terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
-    S = read_states(ssm_states, slots, torch.float32)  # [B, Hv, Dk, Dv], a copy
-    outs = []
-    for j in range(width):
-        outs.append(_update_(S, *(t[:, j] for t in terms)))
-        if j < width - 1:
-            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
-    write_states(ssm_states, slots, S)
-    o = torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:])  # [B*W, Hv, Dv]
-    return (o if rows is None else o.index_select(0, rows)).to(q.dtype)
+    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]

@@ -45,9 +45,7 @@ from hyla.model.ops.varlen import (
     check_chains,
     chunk_scan_on_pool,
     open_state_rows,
-    read_states,
-    scatter_rows,
-    write_rows_,
+    scan_padded_chains,
     write_states,
 )
 
@@ -143,20 +141,10 @@ def selective_scan_chains(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
     after the last to its own slot; nothing is read on the host, so the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
-    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
+    check_chains(x.shape[0], slots, ckpt_rows, rows)
     terms = (x, *_dt_terms(dt, A, dt_bias), B, C)  # (padding: zeros, decay 0)
-    if rows is not None:
-        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
-    x, dtf, decay, B, C = (t.view(batch, width, *t.shape[1:]) for t in terms)
-    h = read_states(ssm_states, slots, torch.float32)  # [B, I, N], a copy
-    ys = []
-    for j in range(width):
-        ys.append(_step_(h, x[:, j], dtf[:, j], decay[:, j], B[:, j], C[:, j], D))
-        if j < width - 1:
-            write_rows_(ssm_states, ckpt_rows[:, j], h.to(ssm_states.dtype))
-    write_states(ssm_states, slots, h)
-    y = torch.stack(ys, dim=1).view(batch * width, -1)  # [B*W, I]
-    return (y if rows is None else y.index_select(0, rows)).to(x.dtype)
+    step = lambda h, x, dtf, decay, B, C: _step_(h, x, dtf, decay, B, C, D)  # noqa: E731
+    return scan_padded_chains(step, terms, ssm_states, slots, ckpt_rows, rows).to(x.dtype)  # [T, I]
 
 
 CHUNK = 16

@@ -34,9 +34,7 @@ from hyla.model.ops.varlen import (
     chunk_size_for,
     decay_exp,
     open_state_rows,
-    read_states,
-    scatter_rows,
-    write_rows_,
+    scan_padded_chains,
     write_states,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
@@ -327,17 +325,7 @@ def mamba2_chains(
     ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so
     the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
+    check_chains(x.shape[0], slots, ckpt_rows, rows)
     terms = (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C)  # (padding: zeros, decay 0)
-    if rows is not None:
-        terms = tuple(scatter_rows(t, rows, batch * width) for t in terms)
-    x, dtf, decay, B, C = (t.view(batch, width, *t.shape[1:]) for t in terms)
-    S = read_states(ssm_states, slots, torch.float32)  # [B, H, P, N], a copy
-    ys = []
-    for j in range(width):
-        ys.append(_step_(S, x[:, j], dtf[:, j], decay[:, j], B[:, j], C[:, j], D))
-        if j < width - 1:
-            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
-    write_states(ssm_states, slots, S)
-    y = torch.stack(ys, dim=1).view(batch * width, *ys[0].shape[1:])  # [B*W, H, P]
-    return (y if rows is None else y.index_select(0, rows)).to(x.dtype)
+    step = lambda S, x, dtf, decay, B, C: _step_(S, x, dtf, decay, B, C, D)  # noqa: E731
+    return scan_padded_chains(step, terms, ssm_states, slots, ckpt_rows, rows).to(x.dtype)  # [T, H, P]

@@ -304,6 +304,31 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Te
     return x.new_zeros(num_rows, *x.shape[1:]).index_copy_(0, rows, x)
 
 
+def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[torch.Tensor],
+                       ssm_states: torch.Tensor, slots: "SlotPlan", ckpt_rows: torch.Tensor,
+                       rows: torch.Tensor | None) -> torch.Tensor:
+    """The loop of every recurrent op's padded chains (``gated_delta.gated_delta_rule_chains``' contract,
+    ``(B, W)`` from :func:`check_chains`): the packed per-token ``terms [T, ...]`` (the op's decode
+    factors, computed once for all the tokens as its tree path computes them) laid out padded (``rows``;
+    padding rows all zeros), then ``update_(S, *terms of column j) -> out_j`` on fp32 copies ``S`` of
+    ``ssm_states[slots]``, column by column: the state after column ``j < W - 1`` goes to
+    ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. -> fp32 ``[T, ...]`` (packed again).
+    Fixed shapes, no host read: one graph under ``torch.compile``."""
+    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
+    if rows is not None:
+        terms = [scatter_rows(t, rows, batch * width) for t in terms]
+    terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
+    S = read_states(ssm_states, slots, torch.float32)  # a copy
+    outs = []
+    for j in range(width):
+        outs.append(update_(S, *(t[:, j] for t in terms)))
+        if j < width - 1:
+            write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
+    write_states(ssm_states, slots, S)
+    out = torch.stack(outs, dim=1).view(batch * width, *outs[0].shape[1:])  # [B*W, ...]
+    return out if rows is None else out.index_select(0, rows)
+
+
 def write_rows_(pool: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
     """``pool[index[i]] = values[i]`` in place (``index`` distinct): how every op writes a pool.
 
