@@ -263,20 +263,42 @@ def _watch_chains(eng: Engine, calls: dict, width: int | None = 5) -> None:
                                   "mamba2_path", "jamba_path", "falcon_mamba_path", "kimi_linear_path",
                                   "bailing_hybrid_short_path", "lfm2_short_path", "lfm3_short_path",
                                   "zamba2_short_path", "lara_mini_short_path"])
-def test_padded_chain_verify_is_exact_on_every_mixer(arch, request):
+def test_padded_chain_verify_is_exact_on_every_mixer(arch, request, monkeypatch):
     """The padded chains of verify steps through every other mixer: Mamba2 (``ops.ssd.mamba2_chains``, the conv's
     chains) beside attention (Bamba; NemotronH with its MoE; Falcon-H1's parallel layers), MiniMax's lightning
     attention (dt held at 1), a pure Mamba2 model; Mamba1 (``selective_scan_chains``: Jamba beside attention,
     FalconMamba alone); KDA and MLA (``kda_chains``, ``latent_short_extend_attention``: Kimi Linear, Ling 3 with
     its RoPE); LFM2's short convolution (LFM2, LFM3 with sliding-window attention); Zamba2's shared attention
     blocks; Gated DeltaNet beside sliding-window attention (Lara-4-Mini) — exact against a plain engine, under
-    retraction."""
+    retraction. And each of the model's mixer classes is asked: one that says ``chain_verify = False`` makes
+    the model refuse a batch of padded chains (``check_batch``)."""
     path = request.getfixturevalue(arch)
     assert load_model(path).supports_chain_verify()
-    calls = {"n": 0}
+    calls, seen = {"n": 0}, {}
+
+    def setup(eng):
+        _watch_chains(eng, calls)
+        model, check = eng.scheduler.runner.model, eng.scheduler.runner.model.check_batch
+        seen["model"] = model
+
+        def record(batch):
+            if batch.chain_ckpt_rows is not None:
+                seen["batch"] = batch
+            check(batch)
+
+        model.check_batch = record
+
     opts = dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64)
-    assert _run_differential(path, opts, seed=1, setup=lambda e: _watch_chains(e, calls)) > 60
+    assert _run_differential(path, opts, seed=1, setup=setup) > 60
     assert calls["n"] > 0
+    model, batch = seen["model"], seen["batch"]
+    del model.check_batch  # the class's again
+    model.check_batch(batch)
+    for cls in {type(mixer) for layer in model.layers for mixer in layer.mixers()}:
+        with monkeypatch.context() as m:
+            m.setattr(cls, "chain_verify", False)
+            with pytest.raises(ValueError, match="padded chains needs mixers that run them"):
+                model.check_batch(batch)
 
 
 @pytest.mark.parametrize("opts", [POOLS, dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6,

@@ -1,6 +1,6 @@
 """Gated DeltaNet beyond the contract it shares with KDA (``test_ops_delta_rule.py``): short extends
-run token by token with the decode step's math, bitwise (every recurrent op does, through
-``ops/tree.py``; ``test_model_tree.py`` checks them all at model level)."""
+run token by token with the decode step's math, bitwise (through ``ops/tree.py``; Mamba1 and Mamba2
+within an ulp of their per-token terms; ``test_model_tree.py`` checks them all at model level)."""
 
 from __future__ import annotations
 

@@ -210,6 +210,24 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(kb, k_buf) and torch.equal(vb, v_buf)  # the new K/V landed where the reference put them
 
+    # MLA (Kimi Linear, Ling 3): a latent per token, its halves in the K and V buffers; keys the whole latent,
+    # values its first value_dim channels; the same layout (one KV head), the latents written first
+    from hyla.model.kimi_linear import latent_paged_attention, latent_short_extend_attention, write_latents
+
+    heads, width, value_dim = 3, 20, 12
+    half = (width + 1) // 2
+    q_lat, latent = torch.randn(t, heads, width, generator=gen), torch.randn(t, width, generator=gen)
+    k_lat, v_lat = torch.randn(300, 1, half, generator=gen), torch.randn(300, 1, half, generator=gen)
+    layout = ShortExtendLayout.build(table, prefix_lens, extend_lens, 1, None if chain else trees)
+    kb, vb = k_lat.clone(), v_lat.clone()
+    write_latents(latent, kb, vb, torch.tensor(out_loc))
+    got = latent_short_extend_attention(q_lat, kb, vb, layout, width**-0.5, value_dim)
+    want = latent_paged_attention(q_lat, latent, k_lat, v_lat, torch.tensor(out_loc), kv_indices, indptr, prefix_lens,
+                                  extend_lens, width**-0.5, value_dim, tree_masks=None if chain else tree.masks)
+    assert got.shape == (t, heads, value_dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(kb, k_lat) and torch.equal(vb, v_lat)
+
 
 @pytest.mark.parametrize("lens", [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]])
 def test_padded_chains_equal_the_tree_path_bitwise(lens):
@@ -249,20 +267,22 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
 
     q, k = torch.randn(t, HK, DK, generator=gen), torch.randn(t, HK, DK, generator=gen)
     v, g, beta = torch.randn(t, HV, DV, generator=gen), -torch.rand(t, HV, generator=gen), torch.rand(t, HV, generator=gen)
-    pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
-    a, c = pool.clone(), pool.clone()
-    out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
-    want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
-    assert torch.equal(out, want)
-    check(a, c, pool)
+    for dtype in (torch.float32, torch.bfloat16):  # (a pool of bf16 states: rounded after every token on both paths)
+        pool = torch.randn(num_slots, HV, DK, DV, generator=gen).to(dtype)
+        a, c = pool.clone(), pool.clone()
+        out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
+        want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
+        assert torch.equal(out, want)
+        check(a, c, pool)
 
     x, w, bias = torch.randn(t, C, generator=gen), torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
-    pool = torch.randn(num_slots, C, K - 1, generator=gen)
-    a, c = pool.clone(), pool.clone()
-    out = causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=rows)
-    want = causal_conv1d_varlen(x, w, bias, cu, c, torch.tensor(slots), "silu", tree=scan)
-    assert torch.equal(out, want)
-    check(a, c, pool)
+    for b_, act in ((bias, "silu"), (None, None)):  # (KDA's conv has no bias, LFM2's no activation)
+        pool = torch.randn(num_slots, C, K - 1, generator=gen)
+        a, c = pool.clone(), pool.clone()
+        out = causal_conv1d_chains(x, w, b_, a, plan, ckpt_rows, act, rows=rows)
+        want = causal_conv1d_varlen(x, w, b_, cu, c, torch.tensor(slots), act, tree=scan)
+        assert torch.equal(out, want)
+        check(a, c, pool)
     with pytest.raises(ValueError, match="chains"):  # more tokens than the padded layout holds
         causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=torch.arange(t + 1))
 
@@ -284,7 +304,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     # Mamba1's selective scan (a decay per channel and state), with D
     from hyla.model.ops import chunk_kda_varlen, kda_chains, selective_scan_chains, selective_scan_varlen
 
-    inner, n = 24, 6
+    inner, n = 100, 6  # (I >= 64: where a batched matmul of one row rounded otherwise than of several)
     x, dt = torch.randn(t, inner, generator=gen), torch.randn(t, inner, generator=gen)
     A, D, dt_bias = -torch.rand(inner, n, generator=gen), torch.randn(inner, generator=gen), torch.randn(inner, generator=gen)
     Bm, Cm = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
@@ -307,7 +327,8 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
 
 def test_a_batch_of_chains_is_validated_when_built():
     """``ForwardBatch.chain_ckpt_rows``: chains of 1..W tokens only, checkpoint rows of the right shape that
-    are distinct state slots and none a sequence's own; a model with other mixers refuses it."""
+    are distinct state slots and none a sequence's own (a model with a mixer that runs no chains refuses
+    it: ``test_engine_speculative.test_padded_chain_verify_is_exact_on_every_mixer``)."""
     from hyla.model.forward_batch import ForwardBatch
 
     long = dict(dtype=torch.long)

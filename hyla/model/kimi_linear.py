@@ -282,10 +282,11 @@ class LatentAttention(nn.Module):
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_decode_attention(q_latent, kb, vb, batch.kv_table, batch.decode_kv_layout()[1], self.scaling,
                                         self.rank)  # [B, H, r]
-        elif on_gpu(q_latent) and batch.tree_parents is None:  # a CUDA extend: that kernel, sequence by sequence
-            write_latents(latent, kb, vb, batch.out_cache_loc)
+        elif on_gpu(q_latent) and batch.tree_parents is None and batch.chain_ckpt_rows is None:
+            write_latents(latent, kb, vb, batch.out_cache_loc)  # a CUDA extend: that kernel, sequence by sequence
             o = latent_extend_by_sequence(q_latent, kb, vb, batch, self.scaling, self.rank)  # [T, H, r]
-        elif batch.short_extend is not None:  # a verify step (trees, chains, padded chains): one batched attention
+        elif batch.short_extend is not None:  # a short extend (a verify step's trees, chains or padded chains, or
+            # a few tokens a sequence): one batched fp32 attention, shapes from the layout (a compiled graph's)
             write_latents(latent, kb, vb, batch.out_cache_loc)
             o = latent_short_extend_attention(q_latent, kb, vb, batch.short_extend, self.scaling, self.rank)
         else:

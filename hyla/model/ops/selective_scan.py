@@ -125,7 +125,7 @@ def _step_(h: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Ten
     bitwise)."""
     xf = x.float()
     h.mul_(decay).addcmul_((dtf * xf).unsqueeze(-1), B.float().unsqueeze(1))  # exp(dt A) h + dt x B
-    y = torch.matmul(h, C.float().unsqueeze(-1)).squeeze(-1)  # [B, I]: h C
+    y = (h * C.float().unsqueeze(1)).sum(-1)  # [B, I]: h C (not a matmul: a batch of one row rounds otherwise)
     if D is not None:
         y = y.addcmul_(D.float(), xf)
     return y

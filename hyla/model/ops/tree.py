@@ -13,7 +13,9 @@ its *path* (the first token, ..., its parent, itself) would:
 * recurrent layers (conv windows, SSM states): the state entering token ``j`` is the state its
   parent left. :func:`tree_scan` runs an op's *decode update* level by level (all tokens of depth
   ``d`` of every sequence in one call), so each token's output and state equal those of decode
-  steps along its path, bitwise. The conv op needs no scan: a token's window is its ``K - 1``
+  steps along its path: bitwise where the op computes its per-token terms as a decode step does
+  (Gated DeltaNet, KDA, the conv), within an ulp of those terms where it computes them once for all
+  the tokens (Mamba1's and Mamba2's softplus and ``exp``, as their padded chains do). The conv op needs no scan: a token's window is its ``K - 1``
   nearest ancestors (:meth:`TreeScan.conv_rows`).
 
 A chain is the tree ``parents = [-1, 0, 1, ...]``. Checkpoints keep their meaning ("the state after
@@ -367,7 +369,7 @@ def check_tree(tree: TokenTree, lengths: Sequence[int]) -> None:
 def short_extend_tree(tree: TokenTree | None, lengths: Sequence[int], device) -> TokenTree | None:
     """The tree an op scans: the given one (checked), or chains when every sequence feeds at most
     :data:`SHORT_EXTEND` tokens (a verify step, a short cached tail: token by token with the decode
-    step's math is cheaper than padding each to a chunk, and equals decode steps bitwise), or None
+    step's math is cheaper than padding each to a chunk, and equals decode steps: module docstring), or None
     (the chunked path)."""
     if tree is not None:
         check_tree(tree, lengths)

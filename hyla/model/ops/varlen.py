@@ -312,8 +312,9 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
     factors, computed once for all the tokens as its tree path computes them) laid out padded (``rows``;
     padding rows all zeros), then ``update_(S, *terms of column j) -> out_j`` on fp32 copies ``S`` of
     ``ssm_states[slots]``, column by column: the state after column ``j < W - 1`` goes to
-    ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. -> fp32 ``[T, ...]`` (packed again).
-    Fixed shapes, no host read: one graph under ``torch.compile``."""
+    ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. A pool of another dtype than fp32 has
+    ``S`` rounded to it after every token, as the tree scan's lanes (pool rows) and decode steps are.
+    -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``."""
     batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
@@ -322,6 +323,8 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
     outs = []
     for j in range(width):
         outs.append(update_(S, *(t[:, j] for t in terms)))
+        if ssm_states.dtype != torch.float32:
+            S.copy_(S.to(ssm_states.dtype))
         if j < width - 1:
             write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
     write_states(ssm_states, slots, S)
