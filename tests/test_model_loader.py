@@ -628,3 +628,9 @@ def test_minimax_regroups_qkv_and_needs_no_decay_tables(minimax_path, tmp_path):
                       lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.output_gate" not in k})
     with pytest.raises(ValueError, match="output_gate"):
         load_model(missing)
+    # a qkv_proj of a row too few: the combine's own message, with where (the checkpoint, the tensor, the parameter)
+    short = rewrite(minimax_path, tmp_path / "short", lambda t: {
+        **t, "model.layers.0.self_attn.qkv_proj.weight": t["model.layers.0.self_attn.qkv_proj.weight"][1:]})
+    with pytest.raises(ValueError, match=r"short.*model\.layers\.0\.self_attn\.qkv_proj\.weight.* do not make "
+                                         r"layers\.0\.mixer\.qkv_proj\.weight: qkv_proj .* does not fit 4 heads"):
+        load_model(short)

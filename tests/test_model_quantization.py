@@ -192,11 +192,39 @@ def test_mtp_head_keeps_fp8_weights(qwen3_next_moe_mtp_path, tmp_path):
             got = dequantized(got, scale, block, torch.float32)
         assert torch.equal(got, p), name
     assert head.norm.weight.dtype == head.layer.ffn.router.weight.dtype == torch.float32
-    taken = MtpHead.from_model(model, take=True)  # the head takes the weights: one copy of them
+    # a head built without take shares nothing with the model's kept tensors (a weight update writes it in place)
+    storages = {t.untyped_storage().data_ptr() for t in [*model.mtp_weights.values(),
+                                                          *(s for s, _ in model.mtp_scales.values())]}
+    assert not storages & {t.untyped_storage().data_ptr() for t in head.state_dict().values()}
+    taken = MtpHead.from_model(model, take=True)  # the head takes the weights: one copy of them, none made
     assert model.mtp_weights == {} and model.mtp_scales == {} and is_fp8(taken.fc.weight)
-    with pytest.raises(ValueError, match="no mtp"):
+    assert {"fc.weight", "fc.weight_scale"} <= {n for n, t in taken.state_dict().items()
+                                                if t.untyped_storage().data_ptr() in storages}
+    with pytest.raises(ValueError, match="this model has no mtp.* tensors: .* a head took them"):
         MtpHead.from_model(model)
     assert load_model(fp8, keep_fp8=True, mtp=False).mtp_weights == {}
+
+
+def test_kept_fp8_weights_hold_none_of_the_files_memory(qwen3_next_moe_mtp_path, tmp_path):
+    """A model loaded with keep_fp8 and its MTP head hold their weights and scales in memory of their own: a
+    trainer overwriting the checkpoint in place afterwards changes none of them (the scales were the file's
+    memory-mapped bytes on the CPU)."""
+    import shutil
+
+    from hyla.model.mtp import MtpHead
+
+    path = shutil.copytree(checkpoints.quantize_checkpoint(qwen3_next_moe_mtp_path), tmp_path / "fp8")
+    model = load_model(path, keep_fp8=True)
+    head = MtpHead.from_model(model, take=True)
+    before = {f"{who}.{n}": t.clone() for who, m in (("model", model), ("head", head)) for n, t in m.state_dict().items()}
+    assert any(n.endswith("_scale") for n in before)
+    for shard in path.glob("*.safetensors"):  # the data after the header, overwritten in place (the same inode)
+        header = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+        with open(shard, "r+b") as f:
+            f.seek(header)
+            f.write(b"\x7f" * (shard.stat().st_size - header))
+    after = {f"{who}.{n}": t for who, m in (("model", model), ("head", head)) for n, t in m.state_dict().items()}
+    assert [n for n in before if not torch.equal(before[n], after[n])] == []
 
 
 def test_weight_update_of_a_kept_fp8_mtp_head(tiny_ckpt_dir):

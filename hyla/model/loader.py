@@ -376,7 +376,7 @@ def _read_mtp(mtp: TensorReader, config: ModelConfig, device: str | torch.device
     for name in mtp.files:
         if keep_fp8 and mtp.quantized(name):
             q, scale, block = mtp.raw(name)
-            weights[name], scales[name] = _owned(q.to(device), [q]), (scale.to(device), block)
+            weights[name], scales[name] = _owned(q.to(device), [q]), (_owned(scale.to(device), [scale]), block)
             continue
         source = mtp.get(name)
         weights[name] = _owned(source.to(device=device, dtype=config.dtype), [source])
@@ -434,10 +434,12 @@ def quantize_the_rest_(state: dict[str, torch.Tensor], keep: KeepFp8) -> None:
 
 def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], get: Callable[[str], torch.Tensor],
                      device: str | torch.device, prefix: str = "", owner: str = "",
-                     keep: KeepFp8 | None = None) -> dict[str, torch.Tensor]:
+                     keep: KeepFp8 | None = None, copy: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter of ``params`` (name -> the parameter, possibly on the meta device) built from
     its spec's source tensors (``get(name)``), checked against its shape, in its dtype on ``device``;
-    a plain copy of the same sources is built once, so tied weights share storage. ``ValueError``
+    a plain copy of the same sources is built once, so tied weights share storage. ``copy`` False: a
+    parameter that is a source as it is (its dtype, on ``device``) is that tensor, not a copy (the
+    caller gives the sources up: ``MtpHead.from_model(take=True)``). ``ValueError``
     for a mis-shaped result (``prefix``, ``owner``: where, and whose parameter, in the message).
     Meta tensors from ``get`` and ``device="meta"``: the same checks, no data. With ``keep``, the
     parameters it can keep float8 are built in float8 from the sources as stored (:class:`KeepFp8`)."""
@@ -449,28 +451,28 @@ def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], g
         plan = _fp8_plan(spec, keep.tensors) if keep is not None and spec.target in keep.targets else None
         if plan is not None:
             state[spec.target], keep.scales[spec.target] = _build_fp8(spec, plan, target, keep.tensors, prefix, owner,
-                                                                      device, target.dtype)
+                                                                      device, target.dtype, copy)
             continue
         if spec.combine is None and spec.sources in built and built[spec.sources].dtype == target.dtype:
             state[spec.target] = built[spec.sources]
             continue
-        state[spec.target] = _build(spec, target, get, prefix, owner, device)
+        state[spec.target] = _build(spec, target, get, prefix, owner, device, copy)
         if spec.combine is None:
             built[spec.sources] = state[spec.target]
     return state
 
 
 def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Tensor], prefix: str,
-           owner: str, device: str | torch.device | None = None) -> torch.Tensor:
+           owner: str, device: str | torch.device | None = None, copy: bool = True) -> torch.Tensor:
     """``spec``'s value for the parameter ``target`` from its source tensors (``get(name)``) in
     ``target``'s dtype: on the sources' device (``device`` None: for a caller that copies it), else
-    contiguous on ``device`` in memory of its own (:func:`_owned`). ``ValueError`` when its shape is
+    contiguous on ``device`` in memory of its own (:func:`_owned`; ``copy`` False: maybe a source's). ``ValueError`` when its shape is
     not ``target``'s, or the sources do not combine (rows of other widths stacked, row scales for
     another number of rows)."""
     sources = [get(name) for name in spec.sources]
     try:
         tensor = spec.build(sources)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # (a combine's own check, e.g. heads that do not fit: where, too)
         raise ValueError(f"{prefix}tensor(s) {name_listing(spec.sources)} of shapes "
                          f"{[tuple(t.shape) for t in sources]} do not make {owner}{spec.target}: {exc}") from exc
     if tuple(tensor.shape) != tuple(target.shape):
@@ -480,7 +482,8 @@ def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Te
         )
     if device is None:
         return tensor.to(dtype=target.dtype)
-    return _owned(tensor.to(device=device, dtype=target.dtype).contiguous(), sources)
+    tensor = tensor.to(device=device, dtype=target.dtype).contiguous()
+    return _owned(tensor, sources) if copy else tensor
 
 
 class Fp8Plan(NamedTuple):
@@ -550,7 +553,7 @@ Fp8Value = tuple[torch.Tensor, tuple[torch.Tensor, tuple[int, int], torch.Tensor
 
 
 def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: TensorReader, prefix: str, owner: str,
-               device: str | torch.device, dtype: torch.dtype) -> Fp8Value:
+               device: str | torch.device, dtype: torch.dtype, copy: bool = True) -> Fp8Value:
     """``spec``'s parameter in float8 from its quantized sources as stored, as ``plan`` says
     (:func:`_fp8_plan`) -> ``(float8 value, (scales, block, tail))``, contiguous on ``device``: a
     tail's rows zero in the float8 value and its scales, built from its sources in ``dtype``;
@@ -561,9 +564,10 @@ def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: T
     raws = {name: tensors.raw(name) for name in fp8_names}
     if plan.head == len(spec.sources):
         value = _build(spec, torch.empty(target.shape, dtype=FP8, device="meta"), lambda name: raws[name][0], prefix,
-                       owner, device)
-        scale = spec.build([raws[name][1] for name in fp8_names]).to(device=device).contiguous()
-        return value, (scale, plan.block, None)
+                       owner, device, copy)
+        scales = [raws[name][1] for name in fp8_names]  # (a file's memory, or a model's kept scales: copied)
+        scale = spec.build(scales).to(device=device).contiguous()
+        return value, (_owned(scale, scales) if copy else scale, plan.block, None)
     # a tail (a plain concatenation): the shape checked from the headers, the head as stored, the tail dequantized
     _build(spec, torch.empty(target.shape, dtype=dtype, device="meta"), tensors.meta, prefix, owner)
     value = torch.zeros(target.shape, dtype=FP8, device=device)

@@ -119,6 +119,10 @@ class MtpHead(nn.Module):
         than one MTP layer, or when the ``mtp.*`` tensors are not exactly the ones the head needs
         (missing / unexpected names, wrong shapes)."""
         c = model.config
+        if not model.mtp_weights and c.model_type in MTP_MODEL_TYPES:
+            raise ValueError("this model has no mtp.* tensors: its checkpoint has none (speculative_algorithm='mtp' "
+                             "needs a checkpoint with an MTP head), it was loaded with load_model(mtp=False), or a "
+                             "head took them (MtpHead.from_model(take=True))")
         _require_mtp_tensors(model.mtp_weights)
         if c.model_type not in MTP_MODEL_TYPES:
             raise ValueError(f"MTP heads are supported for {MTP_MODEL_TYPES}, not {c.architecture}")
@@ -130,7 +134,8 @@ class MtpHead(nn.Module):
         keep = KeepFp8(stored, keep_fp8_targets(head)) if model.mtp_scales or model.quantized_at_load else None
         specs = head.weight_specs(set(model.mtp_weights))
         state = build_parameters(specs, dict(head.named_parameters(remove_duplicate=False)), stored.get,
-                                 model.embed_tokens.weight.device, owner=_OWNER, keep=keep)
+                                 model.embed_tokens.weight.device, owner=_OWNER, keep=keep,
+                                 copy=not take)  # (taken: the model's tensors become the head's, no copy)
         if model.quantized_at_load:  # quantization="fp8": the head's others too, as the model's
             quantize_the_rest_(state, keep)
         head.load_state_dict(state, strict=True, assign=True)
