@@ -341,6 +341,7 @@ def test_mtp_trees_beside_a_grammar(default_mtp_path):
     prompts = [PROMPTS[0], PROMPTS[1]]
     with Engine(default_mtp_path, enable_prefix_cache=False) as ref:
         want = ref.generate(prompts, params, return_logprob=True)
+        assert ref.model.mtp_weights == {} and ref.mtp_head is None  # no MTP: no mtp.* tensor read
     with Engine(default_mtp_path, debug_checks=True, **TREE) as eng:
         rec = _Recorder(eng.scheduler.drafter, trees=True)
         got = eng.generate(prompts, params, return_logprob=True)

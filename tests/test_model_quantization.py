@@ -169,7 +169,7 @@ def test_engine_serves_an_fp8_checkpoint_with_its_mtp_head(qwen3_5_mtp_path, fp8
             [o["meta_info"]["spec_verify_ct"] for o in reference]
 
 
-def test_mtp_head_keeps_fp8_weights(qwen3_next_moe_mtp_path, tmp_path):
+def test_mtp_head_keeps_fp8_weights(qwen3_next_moe_mtp_path):
     """load_model(keep_fp8=True) keeps an FP8 checkpoint's quantized mtp.* tensors float8 as stored, with their
     scales (model.mtp_scales), and the MTP head built from them keeps its projections and experts so: each the
     head of the dequantized checkpoint's value, exactly, once dequantized; the norms and the rest in the model's
