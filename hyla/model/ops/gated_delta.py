@@ -34,9 +34,8 @@ from hyla.model.ops.varlen import (
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
-    open_state_rows,
     scan_padded_chains,
-    write_states,
+    update_on_pool,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
@@ -333,11 +332,7 @@ def _state_step(qk, decay, v, beta, qk_dot, ssm_states: torch.Tensor, plan: Slot
     """One token per row on the states ``ssm_states[plan]`` (updated in place) from
     :func:`_token_terms` -> fp32 ``o [N, Hv, Dv]``: the decode step's math (short extends and trees
     run it too, through ``tree_scan``, so a verify step computes what decode steps would)."""
-    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [N, Hv, Dk, Dv]
-    o = _update_(S, qk, decay, v, beta, qk_dot)
-    if copied:
-        write_states(ssm_states, plan, S)
-    return o
+    return update_on_pool(_update_, (qk, decay, v, beta, qk_dot), ssm_states, plan)
 
 
 def _update_(S, qk, decay, v, beta, qk_dot) -> torch.Tensor:

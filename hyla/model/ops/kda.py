@@ -52,9 +52,8 @@ from hyla.model.ops.varlen import (
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
-    open_state_rows,
     scan_padded_chains,
-    write_states,
+    update_on_pool,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
@@ -305,11 +304,7 @@ def _token_terms(q, k, v, g, beta, use_qk_l2norm: bool) -> tuple[torch.Tensor, .
 def _state_step(q, k, decay, v, beta, ssm_states: torch.Tensor, plan: SlotPlan) -> torch.Tensor:
     """One token per row on the states ``ssm_states[plan]`` (updated in place) from :func:`_token_terms`
     -> fp32 ``o [N, Hv, Dv]``: the decode step's math (trees and short extends run it through ``tree_scan``)."""
-    S, copied = open_state_rows(ssm_states, plan, torch.float32)  # [N, Hv, Dk, Dv]
-    o = _update_(S, q, k, decay, v, beta)
-    if copied:
-        write_states(ssm_states, plan, S)
-    return o
+    return update_on_pool(_update_, (q, k, decay, v, beta), ssm_states, plan)
 
 
 def _update_(S, q, k, decay, v, beta) -> torch.Tensor:

@@ -33,9 +33,8 @@ from hyla.model.ops.varlen import (
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
-    open_state_rows,
     scan_padded_chains,
-    write_states,
+    update_on_pool,
 )
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 
@@ -275,12 +274,8 @@ def _update_on_pool(x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: 
                     D: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor | SlotPlan) -> torch.Tensor:
     """:func:`_step_` on the pool rows of ``slots`` (in place where they are one run, else read and
     written back) -> ``y`` in x's dtype."""
-    plan = as_slot_plan(slots, pool, x.shape[0])
-    S, copied = open_state_rows(pool, plan, torch.float32)  # [B, H, P, N]
-    y = _step_(S, x, dtf, decay, B, C, D)
-    if copied:
-        write_states(pool, plan, S)
-    return y.to(x.dtype)
+    step = lambda S, *terms: _step_(S, *terms, D)  # noqa: E731
+    return update_on_pool(step, (x, dtf, decay, B, C), pool, as_slot_plan(slots, pool, x.shape[0])).to(x.dtype)
 
 
 def _step_(S: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor,

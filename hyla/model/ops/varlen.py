@@ -286,6 +286,18 @@ def open_state_rows(pool: torch.Tensor, plan: SlotPlan, dtype: torch.dtype) -> t
     return read_states(pool, plan, dtype), True
 
 
+def update_on_pool(update_: Callable[..., torch.Tensor], terms: Sequence[torch.Tensor], pool: torch.Tensor,
+                   plan: "SlotPlan") -> torch.Tensor:
+    """``update_(S, *terms) -> out`` on fp32 states ``S`` of the pool rows of ``plan``, updated in place:
+    the rows themselves where :func:`open_state_rows` allows, else a copy written back. How every recurrent
+    op's decode step (and so its tree scan's step) meets the pool."""
+    S, copied = open_state_rows(pool, plan, torch.float32)
+    out = update_(S, *terms)
+    if copied:
+        write_states(pool, plan, S)
+    return out
+
+
 def check_chains(num_tokens: int, slots: "SlotPlan", ckpt_rows: torch.Tensor,
                  rows: torch.Tensor | None) -> tuple[int, int]:
     """``(B, W)`` of a verify step of padded chains (``gated_delta_rule_chains``,
