@@ -106,11 +106,14 @@ def test_update_serves_the_new_checkpoint_exactly(qwen3_next_dense_path, qwen3_n
     assert [o["meta_info"]["cached_tokens"] for o in got] == [o["meta_info"]["cached_tokens"] for o in want]
 
 
-def test_update_reaches_the_mtp_head(qwen3_next_dense_mtp_path, stepped_mtp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_update_reaches_the_mtp_head(qwen3_next_dense_mtp_path, stepped_mtp_path, quantization):
     """An engine drafting with the checkpoint's MTP head drafts with the new head after an update:
-    the same tokens and the same verify steps per request as a fresh engine on the new checkpoint."""
+    the same tokens and the same verify steps per request as a fresh engine on the new checkpoint.
+    ``fp8``: the model and its head quantized at load (``quantization="fp8"``), and the update quantizes
+    the new weights as a fresh engine's load does."""
     opts = dict(max_total_tokens=600, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64,
-                speculative_algorithm="mtp", speculative_num_steps=3)
+                speculative_algorithm="mtp", speculative_num_steps=3, quantization=quantization)
     wave1, _ = make_workload(7, 2048, num_sessions=6, num_shared=6, scale=0.5)
     with Engine(stepped_mtp_path, **opts) as fresh:
         want = run(fresh, wave1)
@@ -119,6 +122,7 @@ def test_update_reaches_the_mtp_head(qwen3_next_dense_mtp_path, stepped_mtp_path
         engine.update_weights_from_disk(stepped_mtp_path)
         got = run(engine, wave1)
         assert_drained(engine)
+        assert (engine.mtp_head.fc.weight.dtype == torch.float8_e4m3fn) == (quantization == "fp8")
     assert compare_outputs(got, want) > 0.9 * sum(s["max_new"] for s in wave1)
     assert [o["meta_info"].get("spec_verify_ct") for o in got] == [o["meta_info"].get("spec_verify_ct") for o in want]
 
