@@ -227,6 +227,18 @@ def test_kept_fp8_weights_hold_none_of_the_files_memory(qwen3_next_moe_mtp_path,
     assert [n for n in before if not torch.equal(before[n], after[n])] == []
 
 
+def test_minimax_lightning_qkv_stays_fp8(minimax_path):
+    """MiniMax's lightning qkv_proj, regrouped from transformers' per-head [q_h | k_h | v_h] rows to [q | k | v]:
+    float8 where each head's rows are whole blocks (32-row blocks, heads of 32), its scale rows moved alike, the
+    dequantized checkpoint's value exactly; 64-row blocks split no head evenly: dequantized at load."""
+    fp8 = checkpoints.quantize_checkpoint(minimax_path, block=(32, 128))
+    qkv, dense = load_model(fp8, keep_fp8=True).layers[0].mixer.qkv_proj, load_model(fp8).layers[0].mixer.qkv_proj
+    assert is_fp8(qkv.weight) and qkv.weight_block == (32, 128)
+    assert torch.equal(dequantized(qkv.weight, qkv.weight_scale, qkv.weight_block, torch.float32), dense.weight)
+    odd = load_model(checkpoints.quantize_checkpoint(minimax_path, block=(64, 64)), keep_fp8=True)
+    assert odd.layers[0].mixer.qkv_proj.weight.dtype == torch.float32
+
+
 def test_weight_update_of_a_kept_fp8_mtp_head(tiny_ckpt_dir):
     """An engine drafting with a float8 MTP head, updated from another FP8 checkpoint: the head's float8 weights
     and scales written in place as stored (not quantized again), the engine then serving what a fresh one does."""
