@@ -345,6 +345,37 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
     assert graphs["runner"].late_compiles == 0, "a step no graph of the warm-up fitted ran eager"
 
 
+@pytest.mark.parametrize("arch", ["kimi_linear_short_path", "jamba_short_path", "zamba2_short_path"])
+def test_every_mixers_chains_trace_to_one_graph(arch, request, monkeypatch):
+    """``compile_decode`` with n-gram drafts on the mixers whose chains are not Qwen3-Next's (KDA + MLA, Mamba1 +
+    MoE, Mamba2 + Zamba2's shared attention; LFM2's short convolution runs Gated DeltaNet's conv chains): dynamo traces every start-up graph whole
+    (``fullgraph``) and serves every verify step from them — no graph traced after start-up, no late compile —
+    with the plain engine's tokens. Dynamo's ``eager`` backend instead of inductor: the trace is what is tested
+    here (inductor's code for the same graphs: ``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``
+    on Qwen3-Next, the others checked by hand, docs/engine.md)."""
+    import torch._dynamo
+
+    path = request.getfixturevalue(arch)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=kw.get("dynamic"),
+                                                                 fullgraph=kw.get("fullgraph", False)))
+    prompt, params = [5, 6, 7, 8] * 6, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(path, **POOLS) as plain:
+        first = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+        prompt = prompt + first + prompt + first[:6]  # what follows has been seen: n-gram drafts
+        expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    calls = {"n": 0}
+    with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, compile_decode=True,
+                **dict(POOLS, max_running_requests=2)) as eng:
+        runner = eng.scheduler.runner
+        assert runner.compiled and runner.verify_width == 4
+        _watch_chains(eng, calls, width=None)
+        start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert eng.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
+        assert calls["n"] > 0 and runner.late_compiles == 0
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == start, "traced after start-up"
+
+
 def test_compile_decode_warm_up_fits_wide_verify_steps(qwen3_next_short_path, monkeypatch):
     """``compile_decode`` with verify steps of 90 tokens: the warm-up's batch of 13 chains (up to 61
     cached + 90 fed tokens each) needs more scratch KV rows than the 1,201 that decode's warm-up
