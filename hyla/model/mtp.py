@@ -119,11 +119,10 @@ class MtpHead(nn.Module):
         than one MTP layer, or when the ``mtp.*`` tensors are not exactly the ones the head needs
         (missing / unexpected names, wrong shapes)."""
         c = model.config
-        if not model.mtp_weights and c.model_type in MTP_MODEL_TYPES:
+        if not model.mtp_weights:
             raise ValueError("this model has no mtp.* tensors: its checkpoint has none (speculative_algorithm='mtp' "
                              "needs a checkpoint with an MTP head), it was loaded with load_model(mtp=False), or a "
                              "head took them (MtpHead.from_model(take=True))")
-        _require_mtp_tensors(model.mtp_weights)
         if c.model_type not in MTP_MODEL_TYPES:
             raise ValueError(f"MTP heads are supported for {MTP_MODEL_TYPES}, not {c.architecture}")
         if c.mtp_num_hidden_layers not in (0, 1):

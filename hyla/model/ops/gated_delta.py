@@ -30,7 +30,6 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
-    check_chains,
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
@@ -369,6 +368,5 @@ def gated_delta_rule_chains(
     only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
     compiled verify)."""
     check_inputs(q, k, v, g, beta, ssm_states)
-    check_chains(q.shape[0], slots, ckpt_rows, rows)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # (as the tree path: once, packed)
     return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]

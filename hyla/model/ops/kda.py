@@ -48,7 +48,6 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
-    check_chains,
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
@@ -339,6 +338,5 @@ def kda_chains(
     step compiles to one graph. Padding rows are zeros (decay 0 too: the caller takes the state after a
     chain's last real token from its checkpoint row)."""
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
-    check_chains(q.shape[0], slots, ckpt_rows, rows)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
     return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]

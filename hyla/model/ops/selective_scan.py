@@ -32,6 +32,8 @@ writes nothing; all reads precede all writes; checkpoint rows are distinct from 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hyla.model.ops.ssd import discretize_dt
@@ -42,7 +44,6 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
-    check_chains,
     chunk_scan_on_pool,
     scan_padded_chains,
     update_on_pool,
@@ -108,8 +109,8 @@ def _update_on_pool(x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: 
                     D: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor | SlotPlan) -> torch.Tensor:
     """:func:`_step_` on the pool rows of ``slots`` (in place where they are one run, else read and
     written back) -> ``y`` in x's dtype."""
-    step = lambda S, *terms: _step_(S, *terms, D)  # noqa: E731
-    return update_on_pool(step, (x, dtf, decay, B, C), pool, as_slot_plan(slots, pool, x.shape[0])).to(x.dtype)
+    plan = as_slot_plan(slots, pool, x.shape[0])
+    return update_on_pool(functools.partial(_step_, D=D), (x, dtf, decay, B, C), pool, plan).to(x.dtype)
 
 
 def _step_(h: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor,
@@ -136,10 +137,9 @@ def selective_scan_chains(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B:
     The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
     after the last to its own slot; nothing is read on the host, so the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
-    check_chains(x.shape[0], slots, ckpt_rows, rows)
     terms = (x, *_dt_terms(dt, A, dt_bias), B, C)  # (padding: zeros, decay 0)
-    step = lambda h, x, dtf, decay, B, C: _step_(h, x, dtf, decay, B, C, D)  # noqa: E731
-    return scan_padded_chains(step, terms, ssm_states, slots, ckpt_rows, rows).to(x.dtype)  # [T, I]
+    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, ckpt_rows,
+                              rows).to(x.dtype)  # [T, I]
 
 
 CHUNK = 16

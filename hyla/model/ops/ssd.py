@@ -20,6 +20,8 @@ and writes nothing; all reads precede all writes; checkpoint rows are distinct f
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +31,6 @@ from hyla.model.ops.varlen import (
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
-    check_chains,
     chunk_scan_on_pool,
     chunk_size_for,
     decay_exp,
@@ -274,8 +275,8 @@ def _update_on_pool(x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: 
                     D: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor | SlotPlan) -> torch.Tensor:
     """:func:`_step_` on the pool rows of ``slots`` (in place where they are one run, else read and
     written back) -> ``y`` in x's dtype."""
-    step = lambda S, *terms: _step_(S, *terms, D)  # noqa: E731
-    return update_on_pool(step, (x, dtf, decay, B, C), pool, as_slot_plan(slots, pool, x.shape[0])).to(x.dtype)
+    plan = as_slot_plan(slots, pool, x.shape[0])
+    return update_on_pool(functools.partial(_step_, D=D), (x, dtf, decay, B, C), pool, plan).to(x.dtype)
 
 
 def _step_(S: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Tensor, B: torch.Tensor,
@@ -320,7 +321,6 @@ def mamba2_chains(
     ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so
     the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
-    check_chains(x.shape[0], slots, ckpt_rows, rows)
     terms = (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C)  # (padding: zeros, decay 0)
-    step = lambda S, x, dtf, decay, B, C: _step_(S, x, dtf, decay, B, C, D)  # noqa: E731
-    return scan_padded_chains(step, terms, ssm_states, slots, ckpt_rows, rows).to(x.dtype)  # [T, H, P]
+    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, ckpt_rows,
+                              rows).to(x.dtype)  # [T, H, P]

@@ -320,14 +320,14 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
                        ssm_states: torch.Tensor, slots: "SlotPlan", ckpt_rows: torch.Tensor,
                        rows: torch.Tensor | None) -> torch.Tensor:
     """The loop of every recurrent op's padded chains (``gated_delta.gated_delta_rule_chains``' contract,
-    ``(B, W)`` from :func:`check_chains`): the packed per-token ``terms [T, ...]`` (the op's decode
+    checked by :func:`check_chains`: ``ValueError`` before any pool write): the packed per-token ``terms [T, ...]`` (the op's decode
     factors, computed once for all the tokens as its tree path computes them) laid out padded (``rows``;
     padding rows all zeros), then ``update_(S, *terms of column j) -> out_j`` on fp32 copies ``S`` of
     ``ssm_states[slots]``, column by column: the state after column ``j < W - 1`` goes to
     ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. A pool of another dtype than fp32 has
     ``S`` rounded to it after every token, as the tree scan's lanes (pool rows) and decode steps are.
     -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``."""
-    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
+    batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows)
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
     terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
