@@ -57,6 +57,12 @@ same with eager verify steps and the compiled plain engine; written to
 n-gram chains, verify steps through ``torch.compile``), the eager pair as the peer in the same run,
 and the compiled decode vs verify step at the model runner.
 
+``--part tree-compiled``: workload (a) with n-gram *trees* (``speculative_eagle_topk=2``), every engine with
+``compile_decode=True``: the trees' verify steps as padded trees through the compiled graphs
+(``verify_trees``), against the same engine with its verify steps on the eager ops (what trees ran before
+2026-12-04), the n-gram chains through the compiled graphs, and the compiled plain engine; written to
+``## Speculative decoding: n-gram trees with compile_decode``.
+
 ``--part gpu`` (on a GPU): workload (a) on the default model in fp32 on CUDA, n-gram speculation on
 vs off, both engines' decode steps replayed from CUDA graphs and the speculative one's verify steps
 too (fused verify chains: docs/engine.md); written to ``## Speculative decoding: GPU``. A tiny model
@@ -585,13 +591,14 @@ def main() -> None:
                     help="n-gram parts: speculative_num_draft_tokens (the last token + at most this - 1 drafts)")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step profile and the kernel micro-benchmark")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--part", choices=("all", "ngram", "mtp", "mtp-compiled", "draft", "draft-compiled", "compiled", "gpu",
-                                       "mtp-gpu"),
+    ap.add_argument("--part", choices=("all", "ngram", "mtp", "mtp-compiled", "draft", "draft-compiled", "compiled",
+                                       "tree-compiled", "gpu", "mtp-gpu"),
                     default="all",
                     help="ngram: workload (a) and its profile; mtp: workload (b), the default model's MTP head; "
                          "mtp-compiled: that with compile_decode; "
                          "draft: workload (b) with separate draft models; draft-compiled: workload (b), the early-exit "
-                         "draft, compile_decode; compiled: workload (a) with compile_decode; "
+                         "draft, compile_decode; compiled: workload (a) with compile_decode; tree-compiled: "
+                         "workload (a), n-gram trees with compile_decode; "
                          "gpu: workload (a) on CUDA, decode and verify steps from CUDA graphs (not in 'all'); "
                          "mtp-gpu: workload (b) on CUDA, the MTP head's drafts from CUDA graphs too (not in 'all')")
     ap.add_argument("--device", default="cuda", help="gpu: the device (cpu: a smoke test of the script)")
@@ -616,6 +623,8 @@ def main() -> None:
         ngram_main(args, threads)
     if args.part in ("all", "compiled"):
         compiled_main(args, threads)
+    if args.part in ("all", "tree-compiled"):
+        tree_compiled_main(args, threads)
     if args.part == "gpu":
         gpu_main(args)
     if args.part == "mtp-gpu":
@@ -722,6 +731,51 @@ The last column is the eager pair of the n-gram section, measured in the same ru
     print(body)
     if not args.no_write:
         write_section("Speculative decoding: n-gram with compile_decode" + drafts_suffix(args), body)
+
+
+def tree_compiled_main(args, threads: int) -> None:
+    """Workload (a) with n-gram trees and ``compile_decode``: verify steps as padded trees through the
+    compiled graphs ("on") against the same engine verifying on the eager ops ("eager verify": its runner's
+    ``verify_width`` taken away, as trees were verified before padded trees), the compiled n-gram chains
+    and the compiled plain engine ("off")."""
+    kw = dict(dtype="float32", device="cpu", compile_decode=True, **POOLS)
+    trees = dict(SPEC, speculative_eagle_topk=2)
+    engines = {"off": Engine(**kw), "on": Engine(**kw, **trees), "eager verify": Engine(**kw, **trees),
+               "chains": Engine(**kw, **SPEC)}
+    if not engines["on"].scheduler.runner.verify_trees:
+        raise SystemExit("the tree engine's runner runs no padded trees (verify_trees)")
+    engines["eager verify"].scheduler.runner.verify_width = None  # every verify step on the eager ops
+    try:
+        rows = warm_and_bench(engines, workloads(engines["off"].tokenizer), args)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part tree-compiled "
+           f"--repeats {args.repeats} --new-tokens {args.new_tokens}{drafts_flag(args)}")
+    table = ["| workload | batch | compiled off tok/s | trees, padded: tok/s (CPU time vs off) | trees, eager verify "
+             "| chains, compiled | accept length: trees / chains | tokens fed: trees / chains |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        on, ev, ch = (r["sides"][k] for k in ("on", "eager verify", "chains"))
+        table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | **{on['tps']:.1f}** ({on['cpu_ratio']:.2f}x) "
+                     f"| {ev['tps']:.1f} ({ev['cpu_ratio']:.2f}x) | {ch['tps']:.1f} ({ch['cpu_ratio']:.2f}x) "
+                     f"| {on['accept']:.2f} / {ch['accept']:.2f} | {on['fed']:.2f} / {ch['fed']:.2f} |")
+    body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
+
+The n-gram section's workloads, every engine with `compile_decode=True`. *Trees*: n-gram drafts with
+`speculative_eagle_topk=2` (the continuations of the two most recent matches merged into a trie), at most
+{SPEC['speculative_num_draft_tokens']} tokens fed per request and step; verified as **padded trees** through
+the compiled graphs (`verify_trees`: `ModelRunner.forward_chains` with `tree_parents`), or on the eager ops
+(the same engine with its runner's `verify_width` taken away: how trees were verified before 2026-12-04).
+*Chains*: the same drafter with `speculative_eagle_topk=1`, verified as padded chains. Runs of the four
+engines interleaved, medians of {args.repeats}; every engine gave **identical greedy token ids** (checked by
+the script). In parentheses: CPU time of the plain compiled engine / the engine's.
+
+{chr(10).join(table)}
+"""
+    print(body)
+    if not args.no_write:
+        write_section("Speculative decoding: n-gram trees with compile_decode" + drafts_suffix(args), body)
 
 
 def gpu_engines(args, part: str, spec: dict, tree: dict | None = None) -> dict[str, Engine]:

@@ -141,15 +141,16 @@ def test_proposals_are_the_draft_models_own_continuations(qwen3_next_dense_path,
                        f"vs {[want[c] for c in differ[:3]]}"
 
 
-@pytest.mark.parametrize("draft, opts, draft_chains, accepted", [
-    ("qwen3_next_dense_draft_path", POOLS, True, True),
+@pytest.mark.parametrize("draft, opts, draft_chains, accepted, trees", [
+    ("qwen3_next_dense_draft_path", POOLS, True, True, False),
     # retraction; Mamba2's chains (the small NemotronH's drafts are all rejected)
     ("nemotron_h_small_path", dict(max_total_tokens=600, max_state_slots=36, max_running_requests=6,
-                                   chunked_prefill_size=64), True, False),
-    ("jamba_short_path", POOLS, False, False),  # its Mamba1 mixer told to run no chains (a new mixer's default)
+                                   chunked_prefill_size=64), True, False, False),
+    ("jamba_short_path", POOLS, False, False, False),  # its Mamba1 mixer told to run no chains (a new mixer's default)
+    ("qwen3_next_dense_draft_path", POOLS, True, True, True),  # trees: padded trees, the draft model's too
 ])
 def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_dense_path, draft, opts, draft_chains,
-                                                                    accepted, request, monkeypatch):
+                                                                    accepted, trees, request, monkeypatch):
     """With ``compile_decode`` (or fused decode kernels) a draft model's chains are verified as
     padded chains (``ModelRunner.forward_chains``, the compiled graph or CUDA graphs), as n-gram
     chains are, and the draft model runs as the model does: its draft steps (rows over its scratch
@@ -158,7 +159,9 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
     with a mixer that does not say ``chain_verify`` runs that pass as an eager extend). Exact, and the draft model's states stay in step
     through all of it — a chain shorter than the width leaves its last fed token's state in a
     scratch slot, where the draft model must write its own too (every proposal is the draft model's
-    own continuation). ``torch.compile`` is replaced by the function itself: what is tested is the
+    own continuation). ``trees`` (:data:`TREE`): verify steps as padded trees (``verify_trees``), the draft
+    model's pass over them too, so each tree's greedy path is the draft model's own continuation.
+    ``torch.compile`` is replaced by the function itself: what is tested is the
     engine's wiring and the chains, not inductor
     (``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``)."""
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
@@ -171,8 +174,10 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
 
     def setup(eng):
         runner, draft_runner = eng.scheduler.runner, eng.scheduler.drafter.runner
-        assert runner.compiled and runner.verify_width == 4  # 3 drafts per step + the last sampled token
-        assert draft_runner.compiled and draft_runner.verify_width == (4 if draft_chains else None)
+        width = TREE["speculative_num_draft_tokens"] if trees else 4  # drafts per step + the last sampled token
+        assert runner.compiled and runner.verify_width == width and runner.verify_trees == trees
+        assert draft_runner.compiled and draft_runner.verify_width == (width if draft_chains else None)
+        assert draft_runner.verify_trees == (trees and draft_chains)
         _watch_chains(eng, calls, width=None)
         real_chains, real_compiled = draft_runner.forward_chains, draft_runner._run_compiled
 
@@ -188,16 +193,31 @@ def test_draft_chains_verify_as_padded_chains_in_step_with_the_draft(qwen3_next_
         draft_runner.forward_chains, draft_runner._run_compiled = chains, compiled
         return _Recorder(eng.scheduler.drafter)
 
-    compared, stats, rec = spec_differential(qwen3_next_dense_path, {**_draft(draft), "compile_decode": True}, opts,
+    compared, stats, rec = spec_differential(qwen3_next_dense_path, {**_draft(draft), "compile_decode": True,
+                                                                     **(TREE if trees else {})}, opts,
                                              seed=2, setup=setup)
     assert compared > 60 and calls["n"] > 0 and compiled_rows["n"] > 0
+    assert (calls.get("trees", 0) > 0) == trees
     assert (draft_calls["n"] == calls["n"]) if draft_chains else draft_calls["n"] == 0
     if accepted:
         assert _accepted_whole_and_in_part(stats)
-    proposals = {c: ids for c, (ids, _) in rec.drafts.items() if ids}
+    proposals = {c: _greedy_path(ids, parents) for c, (ids, parents) in rec.drafts.items() if ids}
     want = _draft_model_continuations(draft, list(proposals), 3)
     differ = [c for c, d in proposals.items() if d != want[c][:len(d)]]
     assert not differ, f"{len(differ)} of {len(proposals)} proposals differ"
+
+
+def _greedy_path(ids: list[int], parents: list[int] | None) -> list[int]:
+    """A proposal's greedy chain: a chain's drafts; a tree's first node at each depth while each continues the
+    one before (``speculative.tree_of`` puts the greedy node first at its depth; parents: 0 the root)."""
+    if parents is None:
+        return ids
+    path, node = [], 0
+    for j, parent in enumerate(parents):
+        if parent == node:
+            path.append(ids[j])
+            node = j + 1
+    return path
 
 
 TREE = dict(speculative_eagle_topk=2, speculative_num_draft_tokens=7)  # beams of 2, 6 nodes, depth 3

@@ -94,7 +94,8 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, mode
     ``MtpDrafter._rows``); ``torch.compile`` is replaced by the function itself (what is tested is the
     wiring and the chains' hidden states, not inductor). ``trees``: both engines draft trees
     (:data:`TREE`), the cache-on one with ``compile_decode`` (its beams' rows through the head's
-    graphs; verify steps of trees run the eager extend), and every tree is the same."""
+    graphs; verify steps as padded trees, ``verify_trees``, whose hidden states the MTP reads along each
+    accepted path), and every tree is the same."""
     chains, trees = mode == "chains", mode == "trees"
     if chains or trees:
         monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
@@ -115,8 +116,9 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, mode
         with Engine(default_mtp_path, enable_prefix_cache=cache, debug_checks=True, compile_decode=compiled,
                     **opts) as eng:
             runner = eng.scheduler.runner
-            assert (runner.compiled, runner.verify_width, runner.return_hidden, eng.scheduler.drafter.compiled) == \
-                (compiled, 4 if compiled and chains else None, True, compiled)
+            width = {"chains": 4, "trees": TREE["speculative_num_draft_tokens"]}.get(mode) if compiled else None
+            assert (runner.compiled, runner.verify_width, runner.verify_trees, runner.return_hidden,
+                    eng.scheduler.drafter.compiled) == (compiled, width, compiled and trees, True, compiled)
             _watch_chains(eng, calls, width=None)
             rec = _Recorder(eng.scheduler.drafter, trees=trees)
             out1 = run(eng, wave1)
@@ -130,7 +132,8 @@ def test_mtp_drafts_are_the_same_with_the_cache_on_or_off(default_mtp_path, mode
             _CACHE_OFF_RUNS.append((drafts[cache], outs[cache]))
     assert stats["num_cached_tokens"] > 0.3 * stats["num_prompt_tokens"]
     assert stats["num_evicted_tokens"] > 0 and stats["num_retractions"] > 0
-    assert (calls["n"] > 0) == chains and stats["spec_accept_length"] > 1.3
+    assert (calls["n"] > 0) == (chains or trees) and (calls.get("trees", 0) > 0) == trees
+    assert stats["spec_accept_length"] > 1.3
     compare_outputs(outs[True], outs[False])
     common = drafts[True].keys() & drafts[False].keys()
     assert len(common) > 0.7 * max(len(drafts[True]), len(drafts[False])) and len(common) > 100

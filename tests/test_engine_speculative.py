@@ -244,16 +244,21 @@ def test_speculation_is_exact_under_pressure(qwen3_next_dense_path, opts):
     assert _run_differential(qwen3_next_dense_path, opts, seed=1) > 60
 
 
-def _watch_chains(eng: Engine, calls: dict, width: int | None = 5) -> None:
-    """Count the verify steps run as padded chains (``ModelRunner.forward_chains``); ``width``: turn
-    them on without compiling (the engine does with ``compile_decode``)."""
+def _watch_chains(eng: Engine, calls: dict, width: int | None = 5, trees: bool = False) -> None:
+    """Count the verify steps run as padded chains (``ModelRunner.forward_chains``; ``calls["trees"]``: those
+    with a tree in them); ``width``: turn them on without compiling (the engine does with ``compile_decode``),
+    ``trees``: padded trees too (``verify_trees``, as the engine's with ``speculative_eagle_topk > 1``)."""
     runner = eng.scheduler.runner
     if width is not None:
         runner.verify_width = width
+        runner.verify_trees = trees
     real = runner.forward_chains
 
     def counted(*args, **kw):
         calls["n"] += 1
+        parents = kw.get("tree_parents")
+        calls["trees"] = calls.get("trees", 0) + (parents is not None and any(
+            par != list(range(-1, len(par) - 1)) for par in parents))
         return real(*args, **kw)
 
     runner.forward_chains = counted
@@ -301,6 +306,24 @@ def test_padded_chain_verify_is_exact_on_every_mixer(arch, request, monkeypatch)
                 model.check_batch(batch)
 
 
+# one model per mixer (the padded trees' code is shared: varlen.scan_padded_chains, conv1d.tree_windows and the
+# attention layout): Gated DeltaNet + gated attention, Mamba2 + attention, lightning attention, Mamba1 + MoE,
+# KDA + MLA, LFM2's short conv, Zamba2's shared attention, sliding-window attention
+@pytest.mark.parametrize("arch", ["qwen3_5_short_path", "bamba_short_path", "minimax_short_path", "jamba_path",
+                                  "kimi_linear_path", "lfm2_short_path", "zamba2_short_path", "lara_mini_short_path"])
+def test_padded_tree_verify_is_exact_on_every_mixer(arch, request):
+    """Verify steps of token trees padded to the width (``verify_trees``: what ``compile_decode`` compiles with
+    ``speculative_eagle_topk > 1``; ``ForwardBatch.chain_tree_parents``) through every mixer: each token from
+    its parent's state (the recurrent ops read it back from the checkpoint row the parent wrote) and its path's
+    conv window, attention over its ancestors — exact against a plain engine with the cache off, under
+    retraction, with trees accepted down a sibling (the accepted path's KV moved) and chains among them."""
+    calls = {"n": 0}
+    opts = dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64)
+    assert _run_differential(request.getfixturevalue(arch), opts, seed=1, drafter=OracleTreeDrafter,
+                             setup=lambda e: _watch_chains(e, calls, trees=True)) > 60
+    assert calls["n"] > 0 and calls["trees"] > 0
+
+
 @pytest.mark.parametrize("opts", [POOLS, dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6,
                                               chunked_prefill_size=64),  # retraction
                                   dict(max_total_tokens=850, max_state_slots=40, max_running_requests=6,
@@ -345,6 +368,13 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
     assert graphs["runner"].late_compiles == 0, "a step no graph of the warm-up fitted ran eager"
 
 
+def _trace_only(monkeypatch) -> None:
+    """``torch.compile`` with dynamo's ``eager`` backend: the graphs traced (``fullgraph`` as asked), not compiled."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=kw.get("dynamic"),
+                                                                 fullgraph=kw.get("fullgraph", False)))
+
+
 @pytest.mark.parametrize("arch", ["kimi_linear_short_path", "jamba_short_path", "zamba2_short_path"])
 def test_every_mixers_chains_trace_to_one_graph(arch, request, monkeypatch):
     """``compile_decode`` with n-gram drafts on the mixers whose chains are not Qwen3-Next's (KDA + MLA, Mamba1 +
@@ -356,9 +386,7 @@ def test_every_mixers_chains_trace_to_one_graph(arch, request, monkeypatch):
     import torch._dynamo
 
     path = request.getfixturevalue(arch)
-    real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", dynamic=kw.get("dynamic"),
-                                                                 fullgraph=kw.get("fullgraph", False)))
+    _trace_only(monkeypatch)
     prompt, params = [5, 6, 7, 8] * 6, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     with Engine(path, **POOLS) as plain:
         first = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
@@ -368,12 +396,37 @@ def test_every_mixers_chains_trace_to_one_graph(arch, request, monkeypatch):
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, compile_decode=True,
                 **dict(POOLS, max_running_requests=2)) as eng:
         runner = eng.scheduler.runner
-        assert runner.compiled and runner.verify_width == 4
+        assert runner.compiled and runner.verify_width == 4 and not runner.verify_trees
         _watch_chains(eng, calls, width=None)
         start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert eng.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
         assert calls["n"] > 0 and runner.late_compiles == 0
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == start, "traced after start-up"
+
+
+def test_compiled_tree_verify_traces_to_one_graph(kimi_linear_short_path, monkeypatch):
+    """``compile_decode`` with trees of drafts (``speculative_eagle_topk=2``): the runner compiles its verify graphs
+    for padded trees (``verify_trees``) and serves every verify step from them, trees and chains alike — traced whole
+    (``fullgraph``, dynamo's ``eager`` backend as above), nothing traced after start-up, no late compile — with
+    the plain engine's tokens under retraction (the differential workload, trees accepted down siblings). KDA + MLA
+    and their convolution (every mixer's padded trees: ``test_padded_tree_verify_is_exact_on_every_mixer``; inductor's
+    code for them was checked by hand: docs/engine.md)."""
+    import torch._dynamo
+
+    _trace_only(monkeypatch)
+    calls, seen = {"n": 0}, {}
+
+    def setup(eng):
+        runner = eng.scheduler.runner
+        assert runner.compiled and runner.verify_width == 5 and runner.verify_trees
+        _watch_chains(eng, calls, width=None)
+        seen["start"], seen["runner"] = torch._dynamo.utils.counters["stats"]["unique_graphs"], runner
+
+    opts = dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6, chunked_prefill_size=64,
+                compile_decode=True, speculative_eagle_topk=2)
+    assert _run_differential(kimi_linear_short_path, opts, seed=1, drafter=OracleTreeDrafter, setup=setup) > 60
+    assert calls["n"] > 0 and calls["trees"] > 0 and seen["runner"].late_compiles == 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == seen["start"], "traced after start-up"
 
 
 def test_compile_decode_warm_up_fits_wide_verify_steps(qwen3_next_short_path, monkeypatch):

@@ -229,28 +229,40 @@ def test_short_extend_attention_matches_per_sequence_attention(prefix_lens, tree
     assert torch.equal(kb, k_lat) and torch.equal(vb, v_lat)
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]])
-def test_padded_chains_equal_the_tree_path_bitwise(lens):
+CHAIN_LENS = [[1, 1, 1], [2, 2, 2], [4, 4, 4], [2, 4, 1]]
+PADDED_TREES = [[[-1, 0, 0, 1], [-1, 0, 0], [-1]],  # forks; a full tree, a short one, a root alone
+                [[-1, 0, 1, 0], [-1], [-1, 0, 0, 2]]]
+
+
+@pytest.mark.parametrize("trees, as_trees", [
+    *(pytest.param([list(range(-1, n - 1)) for n in lens], False, id=f"chains {lens}") for lens in CHAIN_LENS),
+    pytest.param([list(range(-1, n - 1)) for n in CHAIN_LENS[3]], True, id=f"chains {CHAIN_LENS[3]} as trees"),
+    *(pytest.param(trees, True, id=f"trees {k}") for k, trees in enumerate(PADDED_TREES))])
+def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     """``gated_delta_rule_chains`` / ``causal_conv1d_chains`` / ``mamba2_chains`` / ``selective_scan_chains`` /
     ``kda_chains`` (the compiled verify step's ops:
     chains padded to a width of 4 inside the op, fixed shapes) compute what the tree path computes
     for the same chains, bitwise: outputs, each checkpoint state, each final state, and no other
     pool row; a chain shorter than the width leaves the state after its last token in its
-    checkpoint row (its own slot then holds the state after the padding)."""
+    checkpoint row (its own slot then holds the state after the padding). The same for padded
+    *trees* (``parents``: each token from its parent's state and its path's conv window) and for
+    chains given as trees."""
     from hyla.model.ops import causal_conv1d_chains, gated_delta_rule_chains
 
     width = 4
-    gen = torch.Generator().manual_seed(sum(lens))
+    lens = [len(par) for par in trees]
+    gen = torch.Generator().manual_seed(sum(lens) + 100 * as_trees)
     slots, num_slots = [7, 2, 30], 40
     b, t = len(slots), sum(lens)
     ckpt = [[10 + 3 * i + j for j in range(width - 1)] for i in range(b)]
     ckpt_rows = torch.tensor(ckpt, dtype=torch.long)
     rows = torch.tensor([i * width + j for i, n in enumerate(lens) for j in range(n)])
-    chains = [list(range(-1, n - 1)) for n in lens]
+    # (padding positions continue the one before, as ForwardBatch.chain_parents)
+    tree = {"parents": torch.tensor([par + list(range(len(par) - 1, width - 1)) for par in trees])} if as_trees else {}
     # the tree path: checkpoints after every token but the last; a full chain's last state in its own slot
     entries = [(i, j + 1) for i, n in enumerate(lens) for j in range(n - 1)]
     flat = [ckpt[i][j] for i, n in enumerate(lens) for j in range(n - 1)]
-    scan = _scan(chains, slots, entries, flat, num_slots)
+    scan = _scan(trees, slots, entries, flat, num_slots)
     plan = SlotPlan.build(torch.tensor(slots), num_slots, host=slots)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     # where each sequence's state after its last token is: its own slot when full, else its checkpoint row
@@ -270,7 +282,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     for dtype in (torch.float32, torch.bfloat16):  # (a pool of bf16 states: rounded after every token on both paths)
         pool = torch.randn(num_slots, HV, DK, DV, generator=gen).to(dtype)
         a, c = pool.clone(), pool.clone()
-        out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
+        out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows, **tree)
         want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
         assert torch.equal(out, want)
         check(a, c, pool)
@@ -279,12 +291,15 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     for b_, act in ((bias, "silu"), (None, None)):  # (KDA's conv has no bias, LFM2's no activation)
         pool = torch.randn(num_slots, C, K - 1, generator=gen)
         a, c = pool.clone(), pool.clone()
-        out = causal_conv1d_chains(x, w, b_, a, plan, ckpt_rows, act, rows=rows)
+        out = causal_conv1d_chains(x, w, b_, a, plan, ckpt_rows, act, rows=rows, **tree)
         want = causal_conv1d_varlen(x, w, b_, cu, c, torch.tensor(slots), act, tree=scan)
         assert torch.equal(out, want)
         check(a, c, pool)
     with pytest.raises(ValueError, match="chains"):  # more tokens than the padded layout holds
         causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=torch.arange(t + 1))
+    with pytest.raises(ValueError, match="parents must be"):  # parents not [B, W]
+        causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=rows, parents=torch.zeros(b, width - 1,
+                                                                                                   dtype=torch.long))
 
     # Mamba2's SSD (lightning attention's too: dt held at 1 by its clamp), 2 groups of B/C over 4 heads, with D
     from hyla.model.ops import mamba2_chains
@@ -295,7 +310,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     for limit in (None, (1.0, 1.0)):
         pool = torch.randn(num_slots, HV, DV, DK, generator=gen)
         a, c = pool.clone(), pool.clone()
-        out = mamba2_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, dt_limit=limit)
+        out = mamba2_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, dt_limit=limit, **tree)
         want = mamba2_chunk_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan,
                                         dt_limit=limit)
         assert torch.equal(out, want)
@@ -310,7 +325,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     Bm, Cm = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
     pool = torch.randn(num_slots, inner, n, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = selective_scan_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows)
+    out = selective_scan_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, **tree)
     want = selective_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan)
     assert torch.equal(out, want)
     check(a, c, pool)
@@ -319,7 +334,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(lens):
     g = -torch.rand(t, HV, DK, generator=gen)
     pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = kda_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows)
+    out = kda_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows, **tree)
     want = chunk_kda_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
     assert torch.equal(out, want)
     check(a, c, pool)
@@ -334,18 +349,28 @@ def test_a_batch_of_chains_is_validated_when_built():
     long = dict(dtype=torch.long)
     conv, ssm = [torch.zeros(20, C, K - 1)], [torch.zeros(20, HV, DK, DV)]
 
-    def batch(lens, rows, slots=(1, 2)):
+    def batch(lens, rows, slots=(1, 2), trees=None, chains=True):
         t = sum(lens)
         return ForwardBatch(
             is_decode=False, input_ids=torch.zeros(t, **long), positions=torch.zeros(t, **long), extend_lens=lens,
             prefix_lens=[0] * len(lens), cu_seqlens=torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]),
             out_cache_loc=torch.zeros(t, **long), kv_indices=torch.zeros(0, **long), kv_indptr=torch.zeros(3, **long),
             k_buffers=[], v_buffers=[], state_slots=torch.tensor(slots), conv_states=conv, ssm_states=ssm,
-            state_slot_list=list(slots), chain_ckpt_rows=torch.tensor(rows, **long).view(len(lens), -1),
-            chain_ckpt_list=rows)
+            state_slot_list=list(slots), chain_ckpt_rows=torch.tensor(rows, **long).view(len(lens), -1) if chains
+            else None, chain_ckpt_list=rows if chains else None, chain_tree_parents=trees)
 
     ok = batch([3, 1], [[5, 6], [7, 8]])
     assert ok.short_extend is None and ok.chain_rows.tolist() == [0, 1, 2, 3]  # (no attention layers)
+    assert ok.chain_parents is None
+    # padded trees: each position's parent, a padding position continuing the one before
+    trees = batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0, 0], [-1]])
+    assert trees.chain_parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
+    with pytest.raises(ValueError, match="earlier token"):
+        batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0, 2], [-1]])
+    with pytest.raises(ValueError, match="tree parents for"):
+        batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0], [-1]])
+    with pytest.raises(ValueError, match="chain_tree_parents is for a verify step of padded chains"):
+        batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0, 0], [-1]], chains=False)
     for lens, rows, slots, match in [([4, 2], [[5, 6], [7, 8]], (1, 2), "1..3 tokens"),
                                      ([3, 3], [[5], [7]], (1, 2), "1..2 tokens"),
                                      ([3, 3], [[5, 6], [6, 8]], (1, 2), "repeats"),

@@ -152,10 +152,11 @@ class DraftModelDrafter(Drafter):
         if max(lens) == 1 and not ckpts:  # what the scheduler runs as a decode step (the fused kernels on CUDA)
             self.runner.forward_decode(reqs, loc)
             return
-        if chain_rows is not None and self.runner.verify_width == len(chain_rows[0]) + 1:
-            self.runner.forward_chains(reqs, lens, loc, chain_rows)
-            return
         trees = [r.fed_parents() for r in reqs] if any(r.draft_parents is not None for r in reqs) else None
+        if chain_rows is not None and self.runner.verify_width == len(chain_rows[0]) + 1 \
+                and (trees is None or self.runner.verify_trees):
+            self.runner.forward_chains(reqs, lens, loc, chain_rows, tree_parents=trees)
+            return
         self.runner.forward_extend(reqs, lens, loc, list(ckpts), logit_rows=[[] for _ in reqs], tree_parents=trees)
 
     # ------------------------------------------------------------------------------------------

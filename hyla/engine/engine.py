@@ -155,11 +155,12 @@ class Engine:
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
                              if not self.args.disable_cuda_graph else 0,
-                             # chains of drafts: verify steps as padded chains (forward_chains) where decode is
-                             # fused or compiled, through the same kernels or graphs
+                             # verify steps as padded chains (forward_chains) where decode is fused or compiled,
+                             # through the same kernels or graphs; trees of drafts (topk > 1) as padded trees
+                             # where it is compiled
                              verify_width=self.args.num_draft_tokens + 1
-                             if self.args.speculative_algorithm is not None and self.args.speculative_eagle_topk == 1
-                             else None,
+                             if self.args.speculative_algorithm is not None else None,
+                             verify_trees=self.args.speculative_eagle_topk > 1,
                              # MTP drafts from the model's final hidden states: every step's graphs return them
                              return_hidden=self.args.speculative_algorithm == "mtp")
         output = OutputProcessor(self.eos_token_ids, self.context_length,
@@ -208,11 +209,12 @@ class Engine:
                                        cuda_graph=not self.args.disable_cuda_graph,
                                        cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers),
-                                       verify_width=runner.verify_width)
+                                       verify_width=runner.verify_width, verify_trees=runner.verify_trees)
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self.scheduler.weight_version = self.args.weight_version
-        if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
+        if drafter is not None and (runner.graphs is not None or runner.compiled) and (
+                runner.verify_width is None or self.args.speculative_eagle_topk > 1 and not runner.verify_trees):
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
                            "speculation gains only where drafts are accepted often enough to pay for that",
@@ -381,7 +383,8 @@ class Engine:
         if not runner.fused:
             if not runner.compiled:
                 return "pytorch ops"
-            return "pytorch ops, torch.compile" + (" (verify steps too)" if runner.verify_width else "")
+            trees = ", trees as padded trees" if runner.verify_trees else ""
+            return "pytorch ops, torch.compile" + (f" (verify steps too{trees})" if runner.verify_width else "")
         chains = " (verify steps too, as padded chains)" if runner.verify_width else ""
         if runner.graphs is None:
             return "fused Triton kernels" + chains

@@ -43,7 +43,9 @@ With ``verify_width=W`` as well (speculative decoding with ``W - 1`` drafts per 
 passes it with ``compile_decode``), the same compiled function runs verify steps as padded chains
 (:meth:`forward_chains`, ``ForwardBatch.chain_ckpt_rows``): the recurrent ops and attention pad
 every request to ``W`` tokens, so a verify step's shapes depend on the batch size and the token
-count only, and its variants (batch 1, larger batches) are compiled at construction too.
+count only, and its variants (batch 1, larger batches) are compiled at construction too. With
+``verify_trees`` (trees of drafts) they are padded *trees* (``ForwardBatch.chain_tree_parents``), chains
+among them, from graphs compiled for trees.
 ``return_hidden=True`` (MTP speculation) makes every graph, compiled or CUDA, of decode and verify
 steps return the final hidden states beside the logits (what the MTP head reads).
 
@@ -84,7 +86,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_pool, state_pool, req_to_token, device: torch.device,
                  compile_decode: bool = False, cuda_graph: bool = True, cuda_graph_max_bs: int = 256,
                  fused_decode: bool | None = None, first_buffers: tuple[int, int] = (0, 0),
-                 verify_width: int | None = None, fused_extend_max_tokens: int = 0, return_hidden: bool = False):
+                 verify_width: int | None = None, fused_extend_max_tokens: int = 0, return_hidden: bool = False,
+                 verify_trees: bool = False):
         """``first_buffers``: the pools' first K/V buffer and first state buffer that are this
         model's (a draft model's follow the target's: ``CacheLayout.companion``). ``verify_width``:
         verify steps may run as chains padded to that many tokens per request (:meth:`forward_chains`:
@@ -93,10 +96,14 @@ class ModelRunner:
         whose model supports it, an extend of one sequence of up to that many tokens runs as a fused
         extend (:meth:`forward_extend`), replayed from CUDA graphs with ``cuda_graph`` (0: never).
         ``return_hidden``: decode and verify steps also return the final hidden states (the MTP
-        drafter reads them): the compiled graphs and the decode and verify CUDA graphs are made so."""
+        drafter reads them): the compiled graphs and the decode and verify CUDA graphs are made so.
+        ``verify_trees``: verify steps are token trees (``speculative_eagle_topk > 1``): the compiled
+        graphs run them as padded trees (:meth:`forward_chains` with ``tree_parents``; chains too, as
+        trees); a fused runner verifies trees on the eager ops, as before, and takes no ``verify_width``."""
         self._options = dict(compile_decode=compile_decode, cuda_graph=cuda_graph, cuda_graph_max_bs=cuda_graph_max_bs,
                              fused_decode=fused_decode, first_buffers=first_buffers, verify_width=verify_width,
-                             fused_extend_max_tokens=fused_extend_max_tokens, return_hidden=return_hidden)
+                             fused_extend_max_tokens=fused_extend_max_tokens, return_hidden=return_hidden,
+                             verify_trees=verify_trees)
         self.model = model
         self.kv_pool = kv_pool
         self.state_pool = state_pool
@@ -120,9 +127,11 @@ class ModelRunner:
             if fused_decode is None else fused_decode
         # verify steps as padded chains (forward_chains): through the fused kernels, or the PyTorch
         # ops' models of the layers that run them (HybridForCausalLM.supports_chain_verify; compiled with compile_decode)
-        chains = self.fused or (compile_decode and model.supports_chain_verify())
+        chains = not verify_trees if self.fused else compile_decode and model.supports_chain_verify()
         self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
             and chains else None
+        # trees as padded trees through the compiled graphs (the fused kernels run chains only)
+        self.verify_trees = verify_trees and self.verify_width is not None and not self.fused
         if self.fused:
             if self.device.type == "cuda":  # MoE layers: the projections of their input as one GEMM
                 model.fuse_moe_inputs_()
@@ -287,8 +296,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpt_rows: list[list[int]],
-                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                       ckpt_rows: list[list[int]], return_hidden: bool = False,
+                       tree_parents: list[list[int]] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """A verify step of padded chains (``verify_width`` set; through the compiled graph with
         ``compile_decode``): request ``i`` feeds ``extend_lens[i] <= verify_width`` tokens after its
         ``kv_len`` (``out_cache_loc``: their KV slots, packed), as ``forward_extend`` would, but the
@@ -298,11 +307,21 @@ class ModelRunner:
         ``ckpt_rows[i][j]`` (so the state after its last fed token is there, unless it fed
         ``verify_width``), after the last padded position to its own slot. Returns the fed tokens'
         logits ``[sum(extend_lens), V]``, as ``forward_extend`` with ``all_logits`` (and, with
-        ``return_hidden``, their final hidden states ``[sum(extend_lens), H]``)."""
+        ``return_hidden``, their final hidden states ``[sum(extend_lens), H]``).
+
+        ``tree_parents`` (a runner built with ``verify_trees``): each request's fed tokens form a token
+        tree (``ForwardBatch.tree_parents``), padded like chains (``ForwardBatch.chain_tree_parents``):
+        fed token ``j``'s state goes to ``ckpt_rows[i][j]`` all the same. On such a runner chains run as
+        trees too (one set of graphs)."""
         w = self.verify_width
         if w is None:
             raise ValueError("forward_chains needs a runner built with verify_width (a model whose layers run "
                              "padded chains: HybridForCausalLM.supports_chain_verify)")
+        if tree_parents is not None and not self.verify_trees:
+            raise ValueError("forward_chains takes tree_parents on a runner built with verify_trees "
+                             "(compiled, not fused)")
+        if self.verify_trees and tree_parents is None:
+            tree_parents = [list(range(-1, n - 1)) for n in extend_lens]
         if [len(r) for r in ckpt_rows] != [w - 1] * len(reqs):
             raise ValueError(f"a verify step of chains takes {w - 1} checkpoint slots per request")
         if any(not 1 <= n <= w for n in extend_lens):
@@ -312,9 +331,9 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         starts = [r.kv_len for r in reqs]
-        for r, start, n in zip(reqs, starts, extend_lens):
+        for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n))
+            pos.extend(range(start, start + n) if tree_parents is None else tree_positions(tree_parents[i], start))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
@@ -327,7 +346,7 @@ class ModelRunner:
             k_buffers=self.k_buffers, v_buffers=self.v_buffers, state_slots=t[4],
             conv_states=self.conv_states, ssm_states=self.ssm_states, state_slot_list=slots,
             max_token_id=max(ids), kv_table=t[7], chain_ckpt_rows=t[8], chain_ckpt_list=ckpt_rows,
-            return_hidden=return_hidden,
+            chain_tree_parents=tree_parents, return_hidden=return_hidden,
         )
         self.model.check_batch(batch)
         run = self._run_compiled if self._compiled_for(batch) else self.model.forward_unchecked
@@ -570,15 +589,20 @@ class ModelRunner:
             table = torch.tensor([[1 + width * i + j if j < n else 0 for j in range(width)]
                                   for i, n in enumerate(lens)], **long)  # [B, width], distinct slots
             ckpt = [[1 + b + (w - 1) * i + j for j in range(w - 1)] for i in range(b)]
+            # trees (verify_trees): binary ones, token j continuing token (j - 1) // 2
+            trees = [[-1] + [(j - 1) // 2 for j in range(1, n)] for n in fed] if self.verify_trees else None
             batch = ForwardBatch(
                 is_decode=False, input_ids=torch.full((sum(fed),), 3, **long),
-                positions=torch.tensor([p + j for p, n in zip(prefix, fed) for j in range(n)], **long),
+                positions=torch.tensor([q for i, (p, n) in enumerate(zip(prefix, fed))
+                                        for q in (range(p, p + n) if trees is None else tree_positions(trees[i], p))],
+                                       **long),
                 extend_lens=fed, prefix_lens=prefix, cu_seqlens=torch.tensor(prefix_sums(fed), **long),
                 out_cache_loc=torch.cat([table[i, p:p + n] for i, (p, n) in enumerate(zip(prefix, fed))]),
                 kv_indices=table[table > 0], kv_indptr=torch.tensor(prefix_sums(lens), **long), k_buffers=k,
                 v_buffers=v, state_slots=torch.arange(1, b + 1, **long), conv_states=conv, ssm_states=ssm,
                 state_slot_list=list(range(1, b + 1)), max_token_id=3, kv_table=table,
-                chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt, return_hidden=self.return_hidden,
+                chain_ckpt_rows=torch.tensor(ckpt, **long), chain_ckpt_list=ckpt, chain_tree_parents=trees,
+                return_hidden=self.return_hidden,
             )
             self.model.check_batch(batch)
             self._compiled_decode(batch)

@@ -238,14 +238,16 @@ class Scheduler:
                 trees = [r.fed_parents() for r in batch.reqs] \
                     if any(r.draft_parents is not None for r in batch.reqs) else None
                 width = getattr(self.runner, "verify_width", None)
-                chains = bool(width) and trees is None
+                # padded chains (or trees, on a runner that compiled graphs of them: verify_trees)
+                chains = bool(width) and (trees is None or getattr(self.runner, "verify_trees", False))
                 # fed token j's state goes to scratch slot j: every one's but the last (in the request's own
                 # slot); as padded chains, every one's before position width - 1 (a short chain's last too)
                 ckpts = [(i, j + 1, slots[j]) for i, (n, slots) in enumerate(zip(batch.lens, batch.scratch))
                          for j in range(min(n, width - 1) if chains else n - 1)]
                 if chains:  # the compiled verify: every request padded to ``width`` inside the recurrent ops
                     chain_rows = [s[:width - 1] for s in batch.scratch]
-                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, chain_rows, **extra)
+                    out = self.runner.forward_chains(batch.reqs, batch.lens, loc, chain_rows, tree_parents=trees,
+                                                     **extra)
                     batch.chain_width = width
                 else:
                     out = self.runner.forward_extend(batch.reqs, batch.lens, loc, ckpts, all_logits=True,

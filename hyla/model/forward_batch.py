@@ -32,7 +32,9 @@ once (``tree_scan``, shared by every recurrent layer), and its attention metadat
 the KV rows of every sequence and one mask) is built once for all attention layers. A verify step
 of *padded chains* (``chain_ckpt_rows``, what a compiled verify step runs) has metadata whose shapes
 depend on the batch size, the width and the token count only: ``chain_rows`` lays the fed tokens
-out padded to the width for the recurrent ops, the attention layout pads to the same width.
+out padded to the width for the recurrent ops, the attention layout pads to the same width. Padded
+*trees* (``chain_tree_parents``) add ``chain_parents``, each padded position's parent, which the
+recurrent ops and the attention layout follow.
 """
 
 from __future__ import annotations
@@ -128,6 +130,13 @@ class ForwardBatch:
     :attr:`chain_ckpt_list`, its host copy."""
     chain_ckpt_list: Sequence[Sequence[int]] | None = None
     """Host copy of ``chain_ckpt_rows`` (validated at construction, no device read)."""
+    chain_tree_parents: Sequence[Sequence[int]] | None = None
+    """Padded *trees* (with ``chain_ckpt_rows``): each sequence's new tokens form a token tree, as
+    ``tree_parents`` (``-1`` for the first, then each an earlier offset; ``positions`` then
+    ``prefix_len + depth``), padded to ``W`` like chains; token ``j``'s state still goes to
+    ``chain_ckpt_rows[:, j]`` (the last padded position's to its own slot). Kept apart from
+    ``tree_parents`` (a compiled graph guards on that list; this one is read here only, into
+    ``chain_parents``)."""
 
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
@@ -202,6 +211,10 @@ class ForwardBatch:
     checkpoints validated here, once), shared by every recurrent layer (``ops/tree.py``)."""
     chain_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
     """Padded chains: ``[T]`` the row ``i * W + j`` of each packed token in the padded layout."""
+    chain_parents: torch.Tensor | None = field(init=False, repr=False, default=None)
+    """Padded trees (``chain_tree_parents``): ``[B, W]`` int64, each padded position's parent position
+    (``-1`` for the first; a padding position continues the one before it), what the recurrent ops'
+    padded chains take as ``parents``."""
     short_extend: ShortExtendLayout | None = field(init=False, repr=False, default=None)
     """With a ``tree`` and attention layers: the batched attention's KV rows and mask, shared by
     every attention layer (``ops/attention.py``, ``paged_attention_short_extend``)."""
@@ -217,6 +230,8 @@ class ForwardBatch:
             raise ValueError("positions and input_ids disagree on the number of tokens")
         if self.is_decode and any(n != 1 for n in self.extend_lens):
             raise ValueError("a decode batch feeds exactly one token per sequence")
+        if self.chain_tree_parents is not None and self.chain_ckpt_rows is None:
+            raise ValueError("chain_tree_parents is for a verify step of padded chains (chain_ckpt_rows)")
         if self.fused_decode:
             self._check_fused()
         if self.fused_extend is not None:
@@ -228,7 +243,7 @@ class ForwardBatch:
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         self.window_layouts = {}
-        self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = None
+        self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = self.chain_parents = None
         if self.fused_extend is not None:  # everything on the device, checked by its builder
             return
         if self.chain_ckpt_rows is not None:
@@ -246,7 +261,7 @@ class ForwardBatch:
         if self.is_decode and b and not self.fused_decode:
             self._decode_metadata()
         elif self.chain_ckpt_rows is not None:
-            self._short_extend_layout(None, width=self.chain_ckpt_rows.shape[1] + 1)
+            self._short_extend_layout(self.chain_tree_parents, width=self.chain_ckpt_rows.shape[1] + 1)
         elif self.tree is not None:
             self._short_extend_metadata()
         elif not self.is_decode:
@@ -405,6 +420,11 @@ class ForwardBatch:
             raise ValueError("chain_ckpt_rows must be state slots (no padding), none of them a sequence's own")
         self.chain_rows = torch.tensor([i * width + j for i, n in enumerate(self.extend_lens) for j in range(n)],
                                        dtype=torch.long, device=self.input_ids.device)
+        if self.chain_tree_parents is not None:
+            TokenTree.build(self.chain_tree_parents, self.extend_lens, "cpu")  # ValueError on a bad tree
+            self.chain_parents = torch.tensor([list(par) + list(range(len(par) - 1, width - 1))
+                                               for par in self.chain_tree_parents],
+                                              dtype=torch.long, device=self.input_ids.device)  # [B, W]
 
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""

@@ -172,7 +172,8 @@ class KimiDeltaAttention(nn.Module):
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         elif chains is not None:
             mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, plan, chains, "silu",
-                                         rows=batch.chain_rows)
+                                         rows=batch.chain_rows,
+                                         parents=batch.chain_parents)
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
@@ -181,7 +182,8 @@ class KimiDeltaAttention(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            o = kda_chains(q, k, v, *self._gates(f, b), ssm_states, plan, chains, rows=batch.chain_rows)
+            o = kda_chains(q, k, v, *self._gates(f, b), ssm_states, plan, chains, rows=batch.chain_rows,
+                           parents=batch.chain_parents)
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
             o = gpu("fla_chunk").chunk_kda_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),

@@ -137,7 +137,7 @@ class LightningAttention(nn.Module):
                 copy_decode_checkpoints(states, batch)
             elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
                 y = mamba2_chains(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, batch.chain_ckpt_rows,
-                                  rows=batch.chain_rows, dt_limit=DT_ONE)
+                                  rows=batch.chain_rows, parents=batch.chain_parents, dt_limit=DT_ONE)
             elif device.fla_prefill(vs, batch):  # fla's simple GLA
                 y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                     vs, dt, A, ks, qs, None, None, batch.cu_seqlens, states, batch.state_slots,

@@ -122,7 +122,8 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         elif chains is not None:
             mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu",
-                                         rows=batch.chain_rows)
+                                         rows=batch.chain_rows,
+                                         parents=batch.chain_parents)
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")  # [T, conv_dim]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -144,7 +145,8 @@ class GatedDeltaNet(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows)
+            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows,
+                                        parents=batch.chain_parents)
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **ckpt_kwargs(batch),

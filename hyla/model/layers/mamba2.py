@@ -103,7 +103,8 @@ class Mamba2Mixer(nn.Module):
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         elif chains is not None:
             xbc = causal_conv1d_chains(xbc, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
-                                       rows=batch.chain_rows)
+                                       rows=batch.chain_rows,
+                                       parents=batch.chain_parents)
         else:
             xbc = conv1d_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, conv_dim]
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
@@ -117,7 +118,7 @@ class Mamba2Mixer(nn.Module):
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
             y = mamba2_chains(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, chains,
-                              rows=batch.chain_rows, dt_limit=self.dt_limit)
+                              rows=batch.chain_rows, parents=batch.chain_parents, dt_limit=self.dt_limit)
         elif device.fla_prefill(xs, batch):  # fla's chunked Triton kernel, as simple GLA
             y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,

@@ -230,23 +230,30 @@ def causal_conv1d_chains(
     ckpt_rows: torch.Tensor,
     activation: str | None = "silu",
     rows: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A verify step of chains padded to one width (see ``gated_delta_rule_chains``): ``x [T, C]``
     packed, ``rows [T]`` each token's padded row (None: ``T = B*W``) -> ``y [T, C]``, with the decode
     update's math (the tree path's result over the same chains, bitwise). The window after padded
     token ``j < W - 1`` of sequence ``i`` goes to ``conv_states[ckpt_rows[i, j]]``, the window after
-    the last to its own slot. Shapes depend on ``B``, ``W`` and ``T`` only (one compiled graph)."""
+    the last to its own slot. Shapes depend on ``B``, ``W`` and ``T`` only (one compiled graph).
+    ``parents [B, W]``: padded trees, each token's window the inputs along its path
+    (:func:`tree_windows`)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got {list(x.shape)}")
     channels = x.shape[1]
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
-    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows)
+    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows, parents)
     act = _activation(activation)
     padded = x if rows is None else scatter_rows(x, rows, batch * width)  # [B*W, C]
     windows = read_states(conv_states, slots, conv_states.dtype)  # [B, C, K-1]
     ext = torch.cat([windows, padded.view(batch, width, channels).transpose(1, 2).to(conv_states.dtype)], dim=2)
-    full = ext.unfold(2, kernel, 1)  # [B, C, W, K]: token j's window + its own input, as the decode update's
+    if parents is None:
+        full = ext.unfold(2, kernel, 1)  # [B, C, W, K]: token j's window + its own input, as the decode update's
+    else:  # the same along each token's path
+        idx = tree_windows(parents, kernel).view(batch, 1, width * kernel).expand(batch, channels, width * kernel)
+        full = ext.gather(2, idx).view(batch, channels, width, kernel)
     full = full.permute(0, 2, 3, 1).reshape(batch * width, kernel, channels).transpose(1, 2)  # [B*W, C, K]
     left = full[:, :, 1:].reshape(batch, width, channels, kernel - 1)  # the window each token leaves
     if width > 1:
@@ -259,6 +266,21 @@ def causal_conv1d_chains(
     if bias is not None:
         y += bias.to(acc)
     return act(y).to(x.dtype)
+
+
+def tree_windows(parents: torch.Tensor, kernel: int) -> torch.Tensor:
+    """``[B, W, K]``: for padded trees ``parents [B, W]`` (column ``j > 0`` continues column
+    ``parents[:, j] < j``, column 0 the sequence's window), where each column's convolution window
+    lies in ``cat([window [K-1], columns [W]])``: the ``K - 1`` inputs before it along its path, then
+    its own (``K - 1 + j``). For chains, ``j .. j + K - 1`` (what ``unfold`` takes). Traceable: a
+    loop of ``K - 1`` gathers, no host read."""
+    batch, width = parents.shape
+    cur = torch.arange(width, device=parents.device).expand(batch, width)  # each column itself
+    back = [cur]
+    for _ in range(kernel - 1):  # one more step back along the path: a parent column, or into the window
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp(min=0)), cur - 1)
+        back.append(cur)
+    return torch.stack(back[::-1], dim=2) + (kernel - 1)  # column c at K - 1 + c; the window's last input at K - 2
 
 
 def causal_conv1d_update(

@@ -354,6 +354,7 @@ def gated_delta_rule_chains(
     ckpt_rows: torch.Tensor,
     rows: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A verify step of chains padded to one width: ``B`` sequences, each ``W = ckpt_rows.shape[1]
     + 1`` new tokens long once padded. ``rows [T]``: the padded row (``i * W + j``) of each of the
@@ -366,7 +367,9 @@ def gated_delta_rule_chains(
     j]]``, the state after the last to its own slot (after padding, if any: the caller takes the
     state after the last real token from its checkpoint row). Shapes depend on ``B``, ``W`` and ``T``
     only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
-    compiled verify)."""
+    compiled verify). ``parents [B, W]``: padded trees (each column continues its parent column's
+    state: ``varlen.scan_padded_chains``), the tree path's result over the same trees, bitwise."""
     check_inputs(q, k, v, g, beta, ssm_states)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # (as the tree path: once, packed)
-    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]
+    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows,
+                              parents).to(q.dtype)  # [T, Hv, Dv]

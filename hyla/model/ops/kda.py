@@ -328,8 +328,10 @@ def kda_chains(
     ckpt_rows: torch.Tensor,
     rows: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
+    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains padded to one width (``gated_delta.gated_delta_rule_chains``' contract):
+    """A verify step of chains (or, with ``parents``, trees) padded to one width
+    (``gated_delta.gated_delta_rule_chains``' contract):
     ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded row
     of each packed token of ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``, ``beta [T, Hv]``
     (None: already padded) -> ``o [T, Hv, Dv]``, token by token with the decode step's math (the tree
@@ -339,4 +341,5 @@ def kda_chains(
     chain's last real token from its checkpoint row)."""
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
-    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows).to(q.dtype)  # [T, Hv, Dv]
+    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows,
+                              parents).to(q.dtype)  # [T, Hv, Dv]

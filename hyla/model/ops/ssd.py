@@ -312,8 +312,10 @@ def mamba2_chains(
     ckpt_rows: torch.Tensor,
     rows: torch.Tensor | None = None,
     dt_limit: tuple[float, float] | None = None,
+    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains padded to one width (``gated_delta.gated_delta_rule_chains``' contract):
+    """A verify step of chains (or, with ``parents``, trees) padded to one width
+    (``gated_delta.gated_delta_rule_chains``' contract):
     ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded
     row of each packed token of ``x [T, H, P]``, raw ``dt [T, H]``, ``B, C [T, G, N]`` (None: already
     padded) -> ``y [T, H, P]``, token by token with the decode step's arithmetic (the tree path's
@@ -323,4 +325,4 @@ def mamba2_chains(
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     terms = (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C)  # (padding: zeros, decay 0)
     return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, ckpt_rows,
-                              rows).to(x.dtype)  # [T, H, P]
+                              rows, parents).to(x.dtype)  # [T, H, P]

@@ -299,14 +299,19 @@ def update_on_pool(update_: Callable[..., torch.Tensor], terms: Sequence[torch.T
 
 
 def check_chains(num_tokens: int, slots: "SlotPlan", ckpt_rows: torch.Tensor,
-                 rows: torch.Tensor | None) -> tuple[int, int]:
+                 rows: torch.Tensor | None, parents: torch.Tensor | None = None) -> tuple[int, int]:
     """``(B, W)`` of a verify step of padded chains (``gated_delta_rule_chains``,
     ``causal_conv1d_chains``): ``ckpt_rows [B, W-1]``, ``B`` state slots, and ``num_tokens`` packed
-    tokens with their padded ``rows`` (None: ``B * W`` tokens, already padded); ``ValueError`` else."""
+    tokens with their padded ``rows`` (None: ``B * W`` tokens, already padded); ``parents``, padded
+    trees' ``[B, W]`` (``ForwardBatch.chain_parents``, its values checked there); ``ValueError`` else."""
     batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
     if num_tokens != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
         raise ValueError(f"{num_tokens} tokens, {slots.batch_size} state slots and checkpoint rows "
                          f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
+    if parents is not None and (parents.dim() != 2 or parents.shape[0] != batch or parents.shape[1] != width
+                                or parents.dtype != torch.long):
+        raise ValueError(f"parents must be int64 [{batch}, {width}] (padded trees), got "
+                         f"{parents.dtype} {list(parents.shape)}")
     return batch, width
 
 
@@ -318,7 +323,7 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Te
 
 def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[torch.Tensor],
                        ssm_states: torch.Tensor, slots: "SlotPlan", ckpt_rows: torch.Tensor,
-                       rows: torch.Tensor | None) -> torch.Tensor:
+                       rows: torch.Tensor | None, parents: torch.Tensor | None = None) -> torch.Tensor:
     """The loop of every recurrent op's padded chains (``gated_delta.gated_delta_rule_chains``' contract,
     checked by :func:`check_chains`: ``ValueError`` before any pool write): the packed per-token ``terms [T, ...]`` (the op's decode
     factors, computed once for all the tokens as its tree path computes them) laid out padded (``rows``;
@@ -326,14 +331,23 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
     ``ssm_states[slots]``, column by column: the state after column ``j < W - 1`` goes to
     ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. A pool of another dtype than fp32 has
     ``S`` rounded to it after every token, as the tree scan's lanes (pool rows) and decode steps are.
-    -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``."""
-    batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows)
+    -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``.
+
+    *Padded trees* (``parents [B, W]``: column ``j > 0`` continues column ``parents[:, j]``, an
+    earlier one; column 0 the slot's state): column ``j`` starts from its parent's state, read back
+    from the checkpoint row its parent wrote (the same values: a pool row holds what ``S`` held,
+    rounded as above). Chains are the trees whose parents are ``j - 1``."""
+    batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows, parents)
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
     terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
     S = read_states(ssm_states, slots, torch.float32)  # a copy
+    if parents is not None and width > 1:  # [B, W-1]: the row each column from 1 on reads its state from
+        sources = ckpt_rows.gather(1, parents[:, 1:])
     outs = []
     for j in range(width):
+        if parents is not None and j > 0:
+            S = ssm_states.index_select(0, sources[:, j - 1]).to(torch.float32)  # a copy (fp32 pool: a copy too)
         outs.append(update_(S, *(t[:, j] for t in terms)))
         if ssm_states.dtype != torch.float32:
             S.copy_(S.to(ssm_states.dtype))
