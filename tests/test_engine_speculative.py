@@ -314,7 +314,7 @@ def test_padded_chain_verify_is_exact_on_every_mixer(arch, request, monkeypatch)
 def test_padded_tree_verify_is_exact_on_every_mixer(arch, request):
     """Verify steps of token trees padded to the width (``verify_trees``: what ``compile_decode`` compiles with
     ``speculative_eagle_topk > 1``; ``ForwardBatch.chain_tree_parents``) through every mixer: each token from
-    its parent's state (the recurrent ops read it back from the checkpoint row the parent wrote) and its path's
+    its parent's state (a copy of the state after its parent's column) and its path's
     conv window, attention over its ancestors — exact against a plain engine with the cache off, under
     retraction, with trees accepted down a sibling (the accepted path's KV moved) and chains among them."""
     calls = {"n": 0}

@@ -15,6 +15,8 @@ each with padding slots (-1), empty sequences, scattered or contiguous slots and
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -378,3 +380,38 @@ def test_a_batch_of_chains_is_validated_when_built():
                                      ([3, 3], [[5, 6], [7, 99]], (1, 2), "chain_ckpt_rows")]:
         with pytest.raises(ValueError, match=match):
             batch(lens, rows, slots)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
+def test_padded_trees_compile_to_what_they_compute_eagerly():
+    """Mamba1's padded trees through inductor with the options of ``ModelRunner``'s graph of more rows
+    (``realize_opcount_threshold`` 4, dynamic shapes): the outputs and pool rows of eager, at batch 1 and 2.
+    Column ``j`` once read its parent's state back from the checkpoint row the parent had written in the
+    same graph; inductor's code for that read the wrong values at batch size 1 (outputs off by ~10)."""
+    from hyla.model.ops import selective_scan_chains
+
+    width, num_slots, inner, n = 5, 40, 16, 6
+    gen = torch.Generator().manual_seed(0)
+    A, D, dt_bias = -torch.rand(inner, n, generator=gen), torch.randn(inner, generator=gen), torch.randn(inner, generator=gen)
+
+    def scan(pool, x, dt, b_, c_, plan, ckpt_rows, rows, parents):
+        return selective_scan_chains(x, dt, A, b_, c_, D, dt_bias, pool, plan, ckpt_rows, rows=rows, parents=parents)
+
+    compiled = torch.compile(scan, fullgraph=True, dynamic=True,
+                             options={"realize_opcount_threshold": 4, "cpp_wrapper": False})
+    for trees, slots in [([[-1, 0, 0]], [3]), ([[-1, 0]], [25]), ([[-1, 0, 1, 1], [-1, 0]], [7, 9])]:
+        lens = [len(p) for p in trees]
+        t, b = sum(lens), len(trees)
+        ckpt_rows = torch.tensor([[10 + 4 * i + j for j in range(width - 1)] for i in range(b)])
+        rows = torch.tensor([i * width + j for i, m in enumerate(lens) for j in range(m)])
+        parents = torch.tensor([p + list(range(len(p) - 1, width - 1)) for p in trees])
+        plan = SlotPlan.build(torch.tensor(slots), num_slots, host=slots)
+        inputs = [torch.randn(t, inner, generator=gen), torch.randn(t, inner, generator=gen),
+                  torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)]
+        pool = torch.randn(num_slots, inner, n, generator=gen)
+        a, c = pool.clone(), pool.clone()
+        with torch.inference_mode():
+            want = scan(a, *inputs, plan, ckpt_rows, rows, parents)
+            got = compiled(c, *inputs, plan, ckpt_rows, rows, parents)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)

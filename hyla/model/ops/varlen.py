@@ -334,23 +334,25 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
     -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``.
 
     *Padded trees* (``parents [B, W]``: column ``j > 0`` continues column ``parents[:, j]``, an
-    earlier one; column 0 the slot's state): column ``j`` starts from its parent's state, read back
-    from the checkpoint row its parent wrote (the same values: a pool row holds what ``S`` held,
-    rounded as above). Chains are the trees whose parents are ``j - 1``."""
+    earlier one; column 0 the slot's state): column ``j`` starts from a copy of its parent's state,
+    picked from the states after the columns before it (the values its checkpoint row holds), not
+    read back from the pool: inductor's code (``realize_opcount_threshold`` 4, the runner's graph of
+    more rows) read such rows wrong at batch size 1. Chains are the trees whose parents are ``j - 1``."""
     batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows, parents)
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
     terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
     S = read_states(ssm_states, slots, torch.float32)  # a copy
-    if parents is not None and width > 1:  # [B, W-1]: the row each column from 1 on reads its state from
-        sources = ckpt_rows.gather(1, parents[:, 1:])
+    after: list[torch.Tensor] = []  # padded trees: the state after each column so far
     outs = []
     for j in range(width):
-        if parents is not None and j > 0:
-            S = ssm_states.index_select(0, sources[:, j - 1]).to(torch.float32)  # a copy (fp32 pool: a copy too)
+        if parents is not None and j > 0:  # [B, ...] a copy of each row's parent's state
+            S = torch.stack(after, dim=0)[parents[:, j], torch.arange(batch, device=parents.device)]
         outs.append(update_(S, *(t[:, j] for t in terms)))
         if ssm_states.dtype != torch.float32:
             S.copy_(S.to(ssm_states.dtype))
+        if parents is not None:
+            after.append(S)
         if j < width - 1:
             write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
     write_states(ssm_states, slots, S)
