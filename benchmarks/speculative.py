@@ -346,6 +346,15 @@ def warm_and_bench(engines: dict[str, Engine], loads: dict, args) -> list[dict]:
     return rows
 
 
+def warm_bench_shutdown(engines: dict[str, Engine], args) -> list[dict]:
+    """:func:`warm_and_bench` of workload (a) on ``engines``, which are shut down afterwards (also on failure)."""
+    try:
+        return warm_and_bench(engines, workloads(engines["off"].tokenizer), args)
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
 def _spec_counters(engine: Engine) -> tuple[int, int]:
     """(tokens fed by verify steps, request-verify steps) so far: summed over requests."""
     s = engine.scheduler
@@ -679,12 +688,7 @@ def compiled_main(args, threads: int) -> None:
     kw = dict(dtype="float32", device="cpu", **POOLS)
     engines = {"off": Engine(**kw, compile_decode=True), "on": Engine(**kw, **SPEC, compile_decode=True),
                "eager off": Engine(**kw), "eager on": Engine(**kw, **SPEC)}
-    try:
-        loads = workloads(engines["off"].tokenizer)
-        rows = warm_and_bench(engines, loads, args)
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    rows = warm_bench_shutdown(engines, args)
     width = SPEC["speculative_num_draft_tokens"]
     steps = chain_costs(width)
     costs = [f"  * batch {b}: decode {d:.2f} ms; chains of width {width} {c:.2f} ms ({c / d:.1f}x)" for b, (d, c) in steps.items()]
@@ -745,11 +749,7 @@ def tree_compiled_main(args, threads: int) -> None:
     if not engines["on"].scheduler.runner.verify_trees:
         raise SystemExit("the tree engine's runner runs no padded trees (verify_trees)")
     engines["eager verify"].scheduler.runner.verify_width = None  # every verify step on the eager ops
-    try:
-        rows = warm_and_bench(engines, workloads(engines["off"].tokenizer), args)
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    rows = warm_bench_shutdown(engines, args)
     cmd = (f"OMP_NUM_THREADS={threads} .venv/bin/python benchmarks/speculative.py --part tree-compiled "
            f"--repeats {args.repeats} --new-tokens {args.new_tokens}{drafts_flag(args)}")
     table = ["| workload | batch | compiled off tok/s | trees, padded: tok/s (CPU time vs off) | trees, eager verify "
@@ -760,6 +760,7 @@ def tree_compiled_main(args, threads: int) -> None:
         table.append(f"| {r['workload']} | {r['batch']} | {r['off']:.1f} | **{on['tps']:.1f}** ({on['cpu_ratio']:.2f}x) "
                      f"| {ev['tps']:.1f} ({ev['cpu_ratio']:.2f}x) | {ch['tps']:.1f} ({ch['cpu_ratio']:.2f}x) "
                      f"| {on['accept']:.2f} / {ch['accept']:.2f} | {on['fed']:.2f} / {ch['fed']:.2f} |")
+    gain = [r["sides"]["on"]["tps"] / r["sides"]["eager verify"]["tps"] for r in rows]
     body = f"""`{cmd}` — {machine()}, {threads} thread(s); built-in default model (tiny Qwen3-Next, 8 layers, fp32), greedy.
 
 The n-gram section's workloads, every engine with `compile_decode=True`. *Trees*: n-gram drafts with
@@ -772,6 +773,11 @@ engines interleaved, medians of {args.repeats}; every engine gave **identical gr
 the script). In parentheses: CPU time of the plain compiled engine / the engine's.
 
 {chr(10).join(table)}
+
+* Padded trees against the same trees verified on the eager ops: {min(gain):.2f}-{max(gain):.2f}x the tokens/s.
+* Where trees trail chains, it is the drafts (this drafter's trees split the step's budget between two
+  continuations: the accept length above) and the verify step (padded trees gather each column's state
+  from the states after the columns before it, and a tree runner runs chains as trees too).
 """
     print(body)
     if not args.no_write:
@@ -791,13 +797,8 @@ def gpu_main(args) -> None:
     """Workload (a) on CUDA: the default model (fp32) with and without n-gram speculation, decode
     and verify steps replayed from CUDA graphs."""
     engines = gpu_engines(args, "gpu", SPEC)
-    try:
-        modes = {side: e._decode_mode() for side, e in engines.items()}
-        loads = workloads(engines["off"].tokenizer)
-        rows = warm_and_bench(engines, loads, args)
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    modes = {side: e._decode_mode() for side, e in engines.items()}
+    rows = warm_bench_shutdown(engines, args)
     cmd = (f".venv/bin/python benchmarks/speculative.py --part gpu --device {args.device} --repeats {args.repeats} "
            f"--new-tokens {args.new_tokens}{drafts_flag(args)}")
     table = ["| workload | batch | off tok/s | on tok/s | on / off | accept length | tokens fed per verify step "
