@@ -324,6 +324,17 @@ def test_padded_tree_verify_is_exact_on_every_mixer(arch, request):
     assert calls["n"] > 0 and calls["trees"] > 0
 
 
+def test_padded_tree_verify_is_exact_with_pages(qwen3_5_short_path):
+    """Padded trees on a page grid of 16: the accepted path's KV moved inside pages, grid checkpoints taken
+    from the tree nodes' scratch slots (the commit's pending checkpoints) — exact against a plain engine."""
+    calls = {"n": 0}
+    opts = dict(max_total_tokens=700, max_state_slots=40, max_running_requests=6, chunked_prefill_size=128,
+                page_size=16)
+    assert _run_differential(qwen3_5_short_path, opts, seed=1, drafter=OracleTreeDrafter,
+                             setup=lambda e: _watch_chains(e, calls, trees=True)) > 60
+    assert calls["n"] > 0 and calls["trees"] > 0
+
+
 @pytest.mark.parametrize("opts", [POOLS, dict(max_total_tokens=520, max_state_slots=40, max_running_requests=6,
                                               chunked_prefill_size=64),  # retraction
                                   dict(max_total_tokens=850, max_state_slots=40, max_running_requests=6,

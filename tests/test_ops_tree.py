@@ -384,18 +384,25 @@ def test_a_batch_of_chains_is_validated_when_built():
 
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
 def test_padded_trees_compile_to_what_they_compute_eagerly():
-    """Mamba1's padded trees through inductor with the options of ``ModelRunner``'s graph of more rows
-    (``realize_opcount_threshold`` 4, dynamic shapes): the outputs and pool rows of eager, at batch 1 and 2.
-    Column ``j`` once read its parent's state back from the checkpoint row the parent had written in the
-    same graph; inductor's code for that read the wrong values at batch size 1 (outputs off by ~10)."""
-    from hyla.model.ops import selective_scan_chains
+    """Padded trees through inductor with the options of ``ModelRunner``'s graph of more rows
+    (``realize_opcount_threshold`` 4, dynamic shapes) — a conv (its windows along each path) and Mamba1's scan
+    (``varlen.scan_padded_chains``, every recurrent op's loop) in one graph: the outputs and pool rows of eager,
+    at batch 1 and 2. Column ``j`` once
+    read its parent's state back from the checkpoint row the parent had written in the same graph; inductor's
+    code for that read the wrong values at batch size 1 (Mamba1's outputs off by ~10)."""
+    from hyla.model.ops import causal_conv1d_chains, selective_scan_chains
 
     width, num_slots, inner, n = 5, 40, 16, 6
     gen = torch.Generator().manual_seed(0)
     A, D, dt_bias = -torch.rand(inner, n, generator=gen), torch.randn(inner, generator=gen), torch.randn(inner, generator=gen)
+    w, bias = torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
 
-    def scan(pool, x, dt, b_, c_, plan, ckpt_rows, rows, parents):
-        return selective_scan_chains(x, dt, A, b_, c_, D, dt_bias, pool, plan, ckpt_rows, rows=rows, parents=parents)
+    def scan(pools, x, dt, b_, c_, plan, ckpt_rows, rows, parents):
+        xc = causal_conv1d_chains(x.repeat(1, C // inner), w, bias, pools[1], plan, ckpt_rows, "silu", rows=rows,
+                                  parents=parents)
+        y = selective_scan_chains(xc[:, :inner], dt, A, b_, c_, D, dt_bias, pools[0], plan, ckpt_rows, rows=rows,
+                                  parents=parents)
+        return y, xc
 
     compiled = torch.compile(scan, fullgraph=True, dynamic=True,
                              options={"realize_opcount_threshold": 4, "cpp_wrapper": False})
@@ -408,8 +415,8 @@ def test_padded_trees_compile_to_what_they_compute_eagerly():
         plan = SlotPlan.build(torch.tensor(slots), num_slots, host=slots)
         inputs = [torch.randn(t, inner, generator=gen), torch.randn(t, inner, generator=gen),
                   torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)]
-        pool = torch.randn(num_slots, inner, n, generator=gen)
-        a, c = pool.clone(), pool.clone()
+        pools = [torch.randn(num_slots, inner, n, generator=gen), torch.randn(num_slots, C, K - 1, generator=gen)]
+        a, c = [p.clone() for p in pools], [p.clone() for p in pools]
         with torch.inference_mode():
             want = scan(a, *inputs, plan, ckpt_rows, rows, parents)
             got = compiled(c, *inputs, plan, ckpt_rows, rows, parents)

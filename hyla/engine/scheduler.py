@@ -69,12 +69,14 @@ class Runner(Protocol):
 
     # set when verify steps run as padded chains (compiled): each request padded to this many tokens
     verify_width: int | None
+    # optional: trees of drafts run as padded trees too (forward_chains with tree_parents)
+    verify_trees: bool
     # optional: a mixed step's decoding requests run as a decode step of their own (ModelRunner.decodes_apart)
     decodes_apart: bool
 
     def forward_chains(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
-                       ckpt_rows: list[list[int]],
-                       return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+                       ckpt_rows: list[list[int]], return_hidden: bool = False,
+                       tree_parents: list[list[int]] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

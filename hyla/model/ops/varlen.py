@@ -335,24 +335,27 @@ def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[tor
 
     *Padded trees* (``parents [B, W]``: column ``j > 0`` continues column ``parents[:, j]``, an
     earlier one; column 0 the slot's state): column ``j`` starts from a copy of its parent's state,
-    picked from the states after the columns before it (the values its checkpoint row holds), not
-    read back from the pool: inductor's code (``realize_opcount_threshold`` 4, the runner's graph of
-    more rows) read such rows wrong at batch size 1. Chains are the trees whose parents are ``j - 1``."""
+    gathered from a buffer of the states after the columns before it (the values their checkpoint
+    rows hold), not read back from the pool: inductor's code (``realize_opcount_threshold`` 4, the
+    runner's graph of more rows) read such rows wrong at batch size 1. One gather and one copy per
+    column. Chains are the trees whose parents are ``j - 1``."""
     batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows, parents)
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
     terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
     S = read_states(ssm_states, slots, torch.float32)  # a copy
-    after: list[torch.Tensor] = []  # padded trees: the state after each column so far
+    if parents is not None:  # padded trees: the state after each column but the last, [W-1, B, ...]
+        after = S.new_empty(width - 1, *S.shape)
+        seqs = torch.arange(batch, device=parents.device)
     outs = []
     for j in range(width):
         if parents is not None and j > 0:  # [B, ...] a copy of each row's parent's state
-            S = torch.stack(after, dim=0)[parents[:, j], torch.arange(batch, device=parents.device)]
+            S = after[parents[:, j], seqs]
         outs.append(update_(S, *(t[:, j] for t in terms)))
         if ssm_states.dtype != torch.float32:
             S.copy_(S.to(ssm_states.dtype))
-        if parents is not None:
-            after.append(S)
+        if parents is not None and j < width - 1:
+            after[j] = S
         if j < width - 1:
             write_rows_(ssm_states, ckpt_rows[:, j], S.to(ssm_states.dtype))
     write_states(ssm_states, slots, S)
