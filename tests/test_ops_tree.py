@@ -382,6 +382,7 @@ def test_a_batch_of_chains_is_validated_when_built():
             batch(lens, rows, slots)
 
 
+@pytest.mark.slow  # inductor compiles: ~40 s of a loaded 2-core run
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None, reason="torch.compile needs a C++ compiler")
 def test_padded_trees_compile_to_what_they_compute_eagerly():
     """Padded trees through inductor with the options of ``ModelRunner``'s graph of more rows
