@@ -213,8 +213,7 @@ class Engine:
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
         self.scheduler.weight_version = self.args.weight_version
-        if drafter is not None and (runner.graphs is not None or runner.compiled) and (
-                runner.verify_width is None or self.args.speculative_eagle_topk > 1 and not runner.verify_trees):
+        if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
             logger.warning("speculative decoding: plain decode steps run %s, verify steps the eager ops; "
                            "speculation gains only where drafts are accepted often enough to pay for that",

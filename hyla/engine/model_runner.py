@@ -130,8 +130,9 @@ class ModelRunner:
         chains = not verify_trees if self.fused else compile_decode and model.supports_chain_verify()
         self.verify_width: int | None = verify_width if verify_width is not None and verify_width > 1 \
             and chains else None
-        # trees as padded trees through the compiled graphs (the fused kernels run chains only)
-        self.verify_trees = verify_trees and self.verify_width is not None and not self.fused
+        # trees as padded trees through the compiled graphs (a fused runner has no verify_width with trees:
+        # its kernels run chains only)
+        self.verify_trees = verify_trees and self.verify_width is not None
         if self.fused:
             if self.device.type == "cuda":  # MoE layers: the projections of their input as one GEMM
                 model.fuse_moe_inputs_()
@@ -227,7 +228,7 @@ class ModelRunner:
         starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n) if tree_parents is None else tree_positions(tree_parents[i], start))
+            pos.extend(fed_positions(start, n, None if tree_parents is None else tree_parents[i]))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table = None
         if tree_parents is not None or max(extend_lens, default=0) <= SHORT_EXTEND:
@@ -333,7 +334,7 @@ class ModelRunner:
         starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(range(start, start + n) if tree_parents is None else tree_positions(tree_parents[i], start))
+            pos.extend(fed_positions(start, n, None if tree_parents is None else tree_parents[i]))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
@@ -594,8 +595,7 @@ class ModelRunner:
             batch = ForwardBatch(
                 is_decode=False, input_ids=torch.full((sum(fed),), 3, **long),
                 positions=torch.tensor([q for i, (p, n) in enumerate(zip(prefix, fed))
-                                        for q in (range(p, p + n) if trees is None else tree_positions(trees[i], p))],
-                                       **long),
+                                        for q in fed_positions(p, n, None if trees is None else trees[i])], **long),
                 extend_lens=fed, prefix_lens=prefix, cu_seqlens=torch.tensor(prefix_sums(fed), **long),
                 out_cache_loc=torch.cat([table[i, p:p + n] for i, (p, n) in enumerate(zip(prefix, fed))]),
                 kv_indices=table[table > 0], kv_indptr=torch.tensor(prefix_sums(lens), **long), k_buffers=k,
@@ -749,6 +749,12 @@ def _token_at(req: Req, i: int) -> int:
     """``req.fill_ids[i]`` without building the prompt + output list."""
     n = len(req.input_ids)
     return req.input_ids[i] if i < n else req.output_ids[i - n]
+
+
+def fed_positions(start: int, n: int, parents: list[int] | None) -> range | list[int]:
+    """Positions of ``n`` tokens fed after ``start``: a chain's (``parents`` None) one after another, a
+    tree's at ``start`` + each node's depth (:func:`tree_positions`)."""
+    return range(start, start + n) if parents is None else tree_positions(parents, start)
 
 
 def tree_positions(parents: list[int], start: int) -> list[int]:

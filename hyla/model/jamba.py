@@ -135,8 +135,7 @@ class Mamba1Mixer(nn.Module):
             xs = causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         elif chains is not None:
             xs = causal_conv1d_chains(xs, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
-                                      rows=batch.chain_rows,
-                                      parents=batch.chain_parents)
+                                      rows=batch.chain_rows, parents=batch.chain_parents)
         else:
             xs = conv1d_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, I]
         dt, B, C = self._dt_b_c(xs)
@@ -146,8 +145,7 @@ class Mamba1Mixer(nn.Module):
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
             y = selective_scan_chains(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, slots, chains,
-                                      rows=batch.chain_rows,
-                                      parents=batch.chain_parents)
+                                      rows=batch.chain_rows, parents=batch.chain_parents)
         elif on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
             return self.out_proj(gpu("selective_scan").selective_scan_extend_fused(
                 xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.varlen, z))

@@ -172,8 +172,7 @@ class KimiDeltaAttention(nn.Module):
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         elif chains is not None:
             mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, plan, chains, "silu",
-                                         rows=batch.chain_rows,
-                                         parents=batch.chain_parents)
+                                         rows=batch.chain_rows, parents=batch.chain_parents)
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each

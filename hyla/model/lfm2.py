@@ -84,8 +84,7 @@ class Lfm2ShortConv(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
         elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
             y = causal_conv1d_chains(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan,
-                                     batch.chain_ckpt_rows, None, rows=batch.chain_rows,
-                                     parents=batch.chain_parents)
+                                     batch.chain_ckpt_rows, None, rows=batch.chain_rows, parents=batch.chain_parents)
         else:
             y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
         return self.out_proj(c * y)

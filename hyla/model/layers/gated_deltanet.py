@@ -122,8 +122,7 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         elif chains is not None:
             mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu",
-                                         rows=batch.chain_rows,
-                                         parents=batch.chain_parents)
+                                         rows=batch.chain_rows, parents=batch.chain_parents)
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")  # [T, conv_dim]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -103,8 +103,7 @@ class Mamba2Mixer(nn.Module):
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         elif chains is not None:
             xbc = causal_conv1d_chains(xbc, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
-                                       rows=batch.chain_rows,
-                                       parents=batch.chain_parents)
+                                       rows=batch.chain_rows, parents=batch.chain_parents)
         else:
             xbc = conv1d_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, conv_dim]
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
