@@ -8,7 +8,11 @@ been evicted. Three configurations in the same run, on the same prompts:
 
 * ``prefix cache only`` — the device tree alone (what the evicted sessions recompute);
 * ``host tier xR`` — ``enable_hierarchical_cache`` with host pools R times the device's
-  (``--ratios``): the evicted prefixes (KV and checkpoints) come back from host memory.
+  (``--ratios``): the evicted prefixes (KV and checkpoints) come back from host memory;
+* with ``--waiting-saves`` (on a CUDA device), ``host tier xR, saves waiting`` for the last ratio:
+  each save copied to the host before the eviction goes on, as before saves were deferred
+  (``HostCache.defer`` off: the host waits for the copy and scatters the rows before it launches
+  the prefill the eviction made room for).
 
 Reported per configuration, over every turn after each session's first: cached prompt tokens as a
 share of the prompt tokens, the prompt tokens computed, the host tier's saved and loaded tokens,
@@ -20,7 +24,7 @@ one's up to each request's first floating-point tie (``tests/test_engine_differe
 --gpu-model`` runs issue 10's model (Qwen3.5 layers at 0.8B dims, random weights) in bf16.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/host_cache.py [--sessions 16] [--turns 4] [--kv-tokens 4096]
-        [--ratios 2,8] [--repeats 3] [--device cuda --gpu-model] [--no-write]
+        [--ratios 2,8] [--repeats 3] [--device cuda --gpu-model [--waiting-saves]] [--no-write]
 
 ``--replay MODEL`` (a simulator preset, e.g. ``qwen3-next-80b-a3b``) runs no model: the same kind of
 workload at that model's size (an 8K-token system prompt, tool outputs of up to 4K tokens) through the
@@ -177,17 +181,25 @@ def main() -> None:
                    help="the replay study at a simulator model's size (e.g. qwen3-next-80b-a3b): no model runs")
     p.add_argument("--state-slots", type=int, default=64, help="--replay: device state slots")
     p.add_argument("--page-size", type=int, default=1, help="--replay: page size")
+    p.add_argument("--waiting-saves", action="store_true",
+                   help="also the last ratio with saves that wait for their copies (CUDA: deferred saves' A/B)")
     args = p.parse_args()
     if args.replay:
         return replay_study(args)
     resolve_dtype(args)
     configs = [("prefix cache only", {})] + [(f"host tier x{r:g}", dict(enable_hierarchical_cache=True, hicache_ratio=r))
                                               for r in map(float, args.ratios.split(","))]
+    if args.waiting_saves:
+        if args.device != "cuda":
+            p.error("--waiting-saves compares deferred saves, which only a CUDA device makes")
+        configs.append((configs[-1][0] + ", saves waiting", dict(configs[-1][1])))
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         path, model = model_dir(args, Path(tmp))
         engines = [stack.enter_context(Engine(path, device=args.device, dtype=args.dtype,
                                               max_total_tokens=args.kv_tokens, max_running_requests=4,
                                               warmup="off", **options)) for _, options in configs]
+        if args.waiting_saves:
+            engines[-1].cache.host.defer = False
         vocab = min(engines[0].model_config.vocab_size, 32000)
         runs: list[list[dict]] = [[] for _ in configs]
         for _ in range(args.repeats + 1):  # the first round: a warm-up. Rounds interleave the configurations

@@ -46,7 +46,8 @@
 #   mixed    benchmarks/mixed_chunk.py --gpu-model: 8 streams while an 8,192-token prompt is prefilled, with mixed
 #            chunked prefill (enable_mixed_chunk) and without (~2 min)
 #   hicache  benchmarks/host_cache.py --gpu-model: interleaved agentic sessions on a 4,096-token device pool, the
-#            host tier (x8) against the device alone: hits, TTFT, and what the host copies cost (~3 min)
+#            host tier (x8) against the device alone: hits, TTFT, and what the host copies cost; and the tier's
+#            deferred saves against saves that wait for their copies (--waiting-saves) (~4 min)
 #   profile  benchmarks/gpu_profile.py: where a batch-1 decode step and the prefills spend their time
 #   outproj  benchmarks/out_projection.py --sweep --rows 2,1: the fused out projection's tile constants, and
 #            the in projections' GEMV against cuBLAS, without and with PDL
@@ -136,7 +137,7 @@ for s in "$@"; do
                      | tee "$out/startup.log" | tail -14 ;;
         mixed) timeout 200 python3 benchmarks/mixed_chunk.py --device cuda --gpu-model --repeats 3 2>&1 \
                      | tee "$out/mixed.log" | tail -10 ;;
-        hicache) timeout 300 python3 benchmarks/host_cache.py --device cuda --gpu-model --repeats 3 --ratios 8 2>&1 \
+        hicache) timeout 300 python3 benchmarks/host_cache.py --device cuda --gpu-model --repeats 3 --ratios 8 --waiting-saves 2>&1 \
                      | tee "$out/hicache.log" | tail -10 ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;

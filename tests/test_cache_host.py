@@ -28,10 +28,12 @@ def pools(num_tokens: int, num_slots: int, page_size: int, states: bool):
 
 
 def make(page_size: int = 1, kv_tokens: int = 64, slots: int = 8, host_tokens: int = 128, host_slots: int = 16,
-         states: bool = True) -> tuple[RadixCache, HostCache]:
+         states: bool = True, defer: bool = False) -> tuple[RadixCache, HostCache]:
+    """``defer``: saves land only when they must (a load reads their rows), as on a device whose
+    copies never finish by themselves."""
     kv, sp = pools(kv_tokens, slots, page_size, states)
     tree = RadixCache(kv, state_pool=sp)
-    return tree, HostCache(tree, *pools(host_tokens, host_slots, page_size, states))
+    return tree, HostCache(tree, *pools(host_tokens, host_slots, page_size, states), defer=defer)
 
 
 def write_kv(pool: KVPool, slots: torch.Tensor, namespace, tokens, start: int) -> None:
@@ -225,15 +227,20 @@ def test_a_kv_only_tree_keeps_its_evicted_leaves() -> None:
     host.check_integrity()
 
 
-@pytest.mark.parametrize("page_size, states", [(1, True), (4, True), (4, False)])
-def test_random_workload_every_host_hit_restores_exact_data(page_size: int, states: bool) -> None:
+@pytest.mark.parametrize("page_size, states, host_tokens, defer", [
+    (1, True, 256, False), (4, True, 256, False), (4, False, 256, False),
+    # saves in flight until a load reads their rows (the host reuses rows of saves in flight meanwhile)
+    (1, True, 256, True), (4, True, 256, True), (4, False, 256, True)])
+def test_random_workload_every_host_hit_restores_exact_data(page_size: int, states: bool, host_tokens: int,
+                                                            defer: bool) -> None:
     """Chats of shared prefixes on a device pool of a few requests' size: every prefix the host
     serves loads back the exact rows and state of its own tokens, and both trees stay consistent."""
     rng = random.Random(page_size * 10 + states)
-    tree, host = make(page_size=page_size, kv_tokens=96, slots=6, host_tokens=256, host_slots=12, states=states)
+    tree, host = make(page_size=page_size, kv_tokens=96, slots=6, host_tokens=host_tokens, host_slots=12,
+                      states=states, defer=defer)
     systems = [tokens_of(4 * page_size, 100 + i) for i in range(3)]
     sessions = [systems[i % 3] + tokens_of(2 * page_size, 200 + i) for i in range(8)]
-    hits = 0
+    hits = in_flight = 0
     for _ in range(120):
         i = rng.randrange(len(sessions))
         ns = i % 2
@@ -249,7 +256,9 @@ def test_random_workload_every_host_hit_restores_exact_data(page_size: int, stat
             tree.evict_state(rng.randrange(1, 3))
         tree.check_integrity()
         host.check_integrity()
+        in_flight = max(in_flight, host.num_in_flight)
     assert hits > 10 and host.num_saved_tokens > 0 and host.tree.num_nodes() > 3
+    assert (in_flight > 3) == defer
 
 
 def test_pools_of_another_layout_or_tier_are_refused() -> None:
@@ -362,3 +371,59 @@ def test_copies_move_in_blocks_of_rows(monkeypatch) -> None:
     put(tree, x)
     tree.evict(30)
     assert load_and_check(tree, host, x) == 30
+
+
+def test_a_deferred_save_lands_before_a_load_reads_its_rows_and_not_before() -> None:
+    """Deferred saves (a CUDA device's) leave the host rows as they were until they land; a load
+    lands, oldest first, exactly the saves up to the last one that wrote a row it reads — also a
+    save into rows the host freed from an earlier save still in flight — and a reset drops them."""
+    tree, host = make(kv_tokens=64, host_tokens=32, host_slots=2, defer=True)
+    x, y, z = tokens_of(20, 70), tokens_of(12, 71), tokens_of(12, 72)
+    put(tree, x)
+    tree.evict(20)
+    assert host.num_in_flight == 1 and not torch.any(host.kv_pool.k_buffers[0])  # nothing landed
+    put(tree, y)
+    tree.evict(12)  # the host has room for y beside x: a second save in flight
+    put(tree, z)
+    tree.evict(12)  # the host evicts x (its least recent) for z: z reuses rows x's save writes
+    assert host.num_in_flight == 3 and host.tree.match_prefix(x).prefix_len == 0
+    assert host.tree.num_checkpoints() == 2  # x's eviction freed the slot z needed: y keeps its checkpoint
+    assert load_and_check(tree, host, y) == 12
+    assert host.num_in_flight == 1  # x's and y's saves landed; z's (rows y's load does not read) has not
+    assert load_and_check(tree, host, z) == 12 and host.num_in_flight == 0  # over x's rows: z's landed last
+    put(tree, x)
+    tree.evict(20)
+    assert host.num_in_flight == 1
+    host.reset()
+    assert host.num_in_flight == 0 and host.tree.total_size() == 0
+    host.check_integrity()
+
+
+def test_deferred_saves_hold_bounded_staging_memory(monkeypatch) -> None:
+    """Past ``MAX_STAGED_BYTES`` of staged rows a save lands the oldest; what lands stays exact."""
+    from hyla.cache import host_cache
+
+    tree, host = make(kv_tokens=64, host_tokens=128, defer=True)
+    xs = [tokens_of(10, 80 + i) for i in range(5)]
+    put(tree, xs[0])
+    tree.evict(10)
+    one = host.staged_bytes  # a save of 10 tokens' K and V and a state
+    assert host.num_in_flight == 1 and one == 10 * 32 + sum(b[0].numel() * 4 for b in host.state_pool._all_buffers())
+    monkeypatch.setattr(host_cache, "MAX_STAGED_BYTES", one + one // 2)
+    for x in xs[1:]:
+        put(tree, x)
+        tree.evict(10)
+        assert host.num_in_flight == 1 and host.staged_bytes == one  # the save before it landed
+    assert [load_and_check(tree, host, x) for x in xs] == [10] * 5
+
+
+def test_a_deferred_copy_lands_in_host_memory_only() -> None:
+    from hyla.cache.transfer import copy_rows
+
+    a, b = torch.zeros(4, 2), torch.arange(8.0).view(4, 2)
+    landing = copy_rows([a], [0, 1], [b], [2, 3], defer=True)
+    assert not torch.any(a) and not landing.ready()  # staged, not landed: a host source lands when told
+    landing.land()
+    assert torch.equal(a[:2], b[2:]) and landing.nbytes == 0
+    with pytest.raises(ValueError, match="lands in host memory"):
+        copy_rows([torch.zeros(4, 2, device="meta")], [0], [b], [1], defer=True)

@@ -267,3 +267,32 @@ def test_differential(checkpoint, seed, engine_kw, request):
     opts = {**SHORT, **engine_kw}
     done = differential(request.getfixturevalue(f"{checkpoint}_path"), seed=seed, **opts)
     assert_exercised(done, opts["chunked_prefill_size"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, engine_kw, host_kw, each_step", [
+    (26, {}, {}, True), (27, dict(page_size=16, max_total_tokens=544), dict(hicache_ratio=0.5), False)],
+    ids=["tokens", "paged_small_host_landing_late"])
+def test_hierarchical_differential_with_saves_in_flight(qwen3_next_dense_path, seed, engine_kw, host_kw, each_step,
+                                                        monkeypatch):
+    """The host tier's saves deferred, as from a CUDA device (``HostCache(defer=True)``): landing after
+    each step is launched, or (``each_step`` off) only when a load reads their rows — a CPU's copies
+    are never done by themselves — so that the host reuses rows of saves still in flight and loads
+    land what they read first; under the differential's pressure."""
+    from hyla.cache import HostCache
+    from hyla.engine.cache_manager import CacheManager
+
+    build, stage, most = HostCache.from_layout.__func__, HostCache._stage, [0]
+
+    def staging(self, *a):
+        stage(self, *a)
+        most[0] = max(most[0], self.num_in_flight)
+
+    monkeypatch.setattr(HostCache, "from_layout", classmethod(lambda cls, *a, **k: build(cls, *a, **k, defer=True)))
+    monkeypatch.setattr(HostCache, "_stage", staging)
+    if not each_step:
+        monkeypatch.setattr(CacheManager, "land_host_saves", lambda self: None)
+    done = differential(qwen3_next_dense_path, seed=seed, on=dict(enable_hierarchical_cache=True, **host_kw),
+                        **{**SHORT, **engine_kw})
+    assert_exercised(done, SHORT["chunked_prefill_size"])
+    assert most[0] > (3 if each_step else 10)  # saves were in flight together

@@ -192,8 +192,6 @@ def test_overlapped_step_never_waits_for_the_device(arch, request, monkeypatch):
     PyTorch's sync debug mode set to raise, except while the tokens are read (``complete``). With
     MoE layers too, in the graphs: decode steps of 1 request run their experts gathered, larger ones
     grouped (``SparseMoE.path``, at a gather cap of 4 pairs here)."""
-    import torch
-
     from hyla.model.layers import sparse_moe
 
     monkeypatch.setattr(sparse_moe, "GATHER_MAX_ASSIGNMENTS", 4)
@@ -201,23 +199,7 @@ def test_overlapped_step_never_waits_for_the_device(arch, request, monkeypatch):
     with Engine(request.getfixturevalue(arch), **opts) as engine:
         sched = engine.scheduler
         assert sched.config.overlap and sched.runner.graphs is not None
-        step, complete = sched._step_overlapped, sched.output.complete
-
-        def strict_step(*a, **k):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return step(*a, **k)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-
-        def reading(*a, **k):  # the one place a step waits: its own tokens
-            torch.cuda.set_sync_debug_mode("default")
-            try:
-                return complete(*a, **k)
-            finally:
-                torch.cuda.set_sync_debug_mode("error")
-
-        sched._step_overlapped, sched.output.complete = strict_step, reading
+        _strict_overlapped_steps(sched, monkeypatch)
         rng = random.Random(2)
         prompts = [[rng.randrange(3, 2048) for _ in range(rng.randrange(5, 40))] for _ in range(6)]
         sps = [{"max_new_tokens": 24, "temperature": 0.0 if i % 2 else 0.7, "seed": i, "top_p": 0.9,
@@ -225,3 +207,57 @@ def test_overlapped_step_never_waits_for_the_device(arch, request, monkeypatch):
         outs = engine.generate(input_ids=prompts, sampling_params=sps)
         assert all(len(o["output_ids"]) == 24 for o in outs)
         assert engine.get_stats()["num_overlapped_steps"] > 10
+
+
+@pytest.mark.gpu
+def test_host_tier_saves_never_wait_for_the_device(qwen3_5_path, monkeypatch):
+    """On CUDA, an overlapped decode step that evicts cached prefixes saves them into the host tier
+    without synchronizing the stream (the saves' rows land later, ``HostCache``): the decode steps of
+    4 long requests on a KV pool that 12 finished ones filled evict them, under the sync debug mode
+    of :func:`_strict_overlapped_steps`; the prefixes then come back from the host (exactly:
+    ``test_host_tier_cache_differential_on_cuda``)."""
+    opts = dict(device="cuda", dtype="bfloat16", max_total_tokens=1024, max_state_slots=32, max_running_requests=4,
+                enable_hierarchical_cache=True)
+    with Engine(qwen3_5_path, **opts) as engine:
+        sched, host = engine.scheduler, engine.scheduler.cache.host
+        assert sched.config.overlap and host.defer
+        strict = _strict_overlapped_steps(sched, monkeypatch)
+        saves = []
+        save = host.save
+        monkeypatch.setattr(host, "save", lambda node: (saves.append(strict[0]), save(node)))
+        rng = random.Random(3)
+        first = [[rng.randrange(3, 2048) for _ in range(60)] for _ in range(12)]
+        greedy = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(input_ids=first, sampling_params=greedy)
+        long = [[rng.randrange(3, 2048) for _ in range(20)] for _ in range(4)]
+        engine.generate(input_ids=long, sampling_params={**greedy, "max_new_tokens": 100})
+        assert any(saves), "no save ran inside an overlapped step"
+        again = engine.generate(input_ids=first, sampling_params=greedy)
+        assert engine.get_stats()["num_host_hit_tokens"] > 0 and all(len(o["output_ids"]) == 4 for o in again)
+
+
+def _strict_overlapped_steps(sched, monkeypatch) -> list[bool]:
+    """Run ``sched``'s overlapped steps with PyTorch's sync debug mode set to raise, except where a step
+    means to wait: while it reads its tokens (``complete``) and lands the host tier's saves after it
+    launched the next step (``land_host_saves``). Returns a flag list whose one item says whether the
+    strict mode is on now."""
+    import torch
+
+    on = [False]
+
+    def strict(fn, mode: str):
+        def run(*a, **k):
+            before = on[0]
+            torch.cuda.set_sync_debug_mode(mode)
+            on[0] = mode == "error"
+            try:
+                return fn(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("error" if before else "default")
+                on[0] = before
+        return run
+
+    monkeypatch.setattr(sched, "_step_overlapped", strict(sched._step_overlapped, "error"))
+    monkeypatch.setattr(sched.output, "complete", strict(sched.output.complete, "default"))
+    monkeypatch.setattr(sched.cache, "land_host_saves", strict(sched.cache.land_host_saves, "default"))
+    return on

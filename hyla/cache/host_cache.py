@@ -21,6 +21,17 @@ How it works:
   them, inserts them into the device tree as it would a computed prefix, and ``unlock``s the hit.
 * Inclusive: the host keeps its copy after a load, so when the device evicts that prefix again,
   ``save`` finds it there and copies nothing.
+* No copy waits for the device (``transfer.copy_rows``): an eviction happens while the host
+  schedules the next step, with the step before still running (the overlap schedule), and a
+  waiting copy would stall the host until the device had finished it. A load reaches the device
+  through pinned memory in the stream's order. A save (from a CUDA device: ``defer``) is gathered
+  and copied into pinned staging memory on the stream, and its rows land in the host pools later
+  (a ``Landing``), oldest first: all of them once the scheduler has launched a step (``land``: the
+  host would wait for the device next anyway, and the copies were queued before the step's
+  kernels), and whenever the host tier is entered, those whose copies are done. A load first lands
+  every save (up to the last) that wrote a row it reads; past ``MAX_STAGED_BYTES`` of staging
+  memory a save lands the oldest. Until its rows land, a saved prefix is in the host tree with
+  rows that nothing reads.
 
 Copies are exact (the same bytes), so a hit from the host changes no output: the engine's
 differential tests run with the tier on. Ownership: the host tree owns the host slots and the
@@ -31,8 +42,10 @@ the tier keeps only the books.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections import deque
+from typing import Hashable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from hyla.cache.kv_pool import KVPool
@@ -40,13 +53,29 @@ from hyla.cache.layout import CacheLayout
 from hyla.cache.radix_cache import RadixCache
 from hyla.cache.radix_types import MatchResult, TreeNode
 from hyla.cache.state_pool import StatePool
+from hyla.cache.transfer import Landing
+
+# the staging memory (pinned host memory) the saves still in flight may hold; past it a save waits
+# for the oldest to land
+MAX_STAGED_BYTES = 1 << 30
+
+
+class _Save(NamedTuple):
+    """A save whose rows have not landed yet: its copies and the host rows they write."""
+    landings: list[Landing]
+    kv_rows: np.ndarray  # host KV slots
+    state_slot: int | None  # host state slot
 
 
 class HostCache:
     """The host tier under ``device_tree``: host pools of ``num_tokens`` KV slots and ``num_slots``
-    state slots (none for a tree without a state pool) and a tree over them."""
+    state slots (none for a tree without a state pool) and a tree over them. ``defer``: saves land
+    later (the module docstring); by default where the device pools are on a CUDA device (from CPU
+    pools a deferred save's rows are staged at once and land only when they must: what tests of
+    the order use)."""
 
-    def __init__(self, device_tree: RadixCache, kv_pool: KVPool, state_pool: StatePool | None) -> None:
+    def __init__(self, device_tree: RadixCache, kv_pool: KVPool, state_pool: StatePool | None,
+                 defer: bool | None = None) -> None:
         if kv_pool.page_size != device_tree.page_size:
             raise ValueError(f"the host KV pool's page size {kv_pool.page_size} differs from the device's "
                              f"{device_tree.page_size}")
@@ -58,6 +87,9 @@ class HostCache:
         self.kv_pool = kv_pool
         self.state_pool = state_pool
         self.tree = RadixCache(kv_pool, state_pool=state_pool)
+        self.defer = device_tree.kv_pool.device.type == "cuda" if defer is None else defer
+        self._in_flight: deque[_Save] = deque()  # saves not landed yet, oldest first
+        self._staged_bytes = 0  # the staging memory they hold
         self.reset_counters()
         device_tree.on_evict = self.save
 
@@ -70,14 +102,14 @@ class HostCache:
 
     @classmethod
     def from_layout(cls, layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int,
-                    accounting: bool = False) -> "HostCache":
+                    accounting: bool = False, defer: bool | None = None) -> "HostCache":
         """The host tier of ``layout`` under ``device_tree``: host pools of ``num_tokens`` KV slots
         (rounded down to whole pages) and ``num_slots`` state slots (unused without a state pool)."""
         ps = device_tree.page_size
         tokens, slots = cls._sizes(ps, num_tokens, num_slots)
         kv = KVPool.from_layout(layout, tokens, ps, "cpu", accounting)
         states = StatePool.from_layout(layout, slots, "cpu", accounting) if device_tree.state_pool is not None else None
-        return cls(device_tree, kv, states)
+        return cls(device_tree, kv, states, defer)
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int) -> int:
@@ -100,6 +132,7 @@ class HostCache:
         """Keep a copy of the prefix ending at ``node`` (of the device tree, about to be evicted):
         the KV of its path the host lacks, and ``node``'s checkpoint. Nothing when the host has it
         already or cannot make room."""
+        self._land()
         device = self.device_tree
         namespace, tokens, slots = device.path_of(node)
         n = len(tokens)
@@ -116,30 +149,72 @@ class HostCache:
             new = self.kv_pool.alloc(n - have) if n > have else torch.zeros(0, dtype=torch.int64)
             host_slot = self.state_pool.alloc(1, zero=False) if state is not None else None
             try:
-                self.kv_pool.copy_from(device.kv_pool, slots[have:], new)
+                landings = [self.kv_pool.copy_from(device.kv_pool, slots[have:], new, self.defer)]
                 if host_slot is not None:
-                    self.state_pool.copy_from(device.state_pool, [state], host_slot)
+                    landings.append(self.state_pool.copy_from(device.state_pool, [state], host_slot, self.defer))
             except BaseException:  # (a copy out of memory): nothing kept, nothing leaked
                 self.kv_pool.free(new)
                 if host_slot is not None:
                     self.state_pool.free(host_slot)
                 raise
             ckpts = [(n, int(host_slot[0]))] if host_slot is not None else []
+            self._stage([x for x in landings if x is not None], new, host_slot)
             self.tree.insert(tokens, torch.cat([hit.kv_only_indices, new]), ckpts, namespace)
             self.num_saved_tokens += n - have
             self.num_saved_checkpoints += len(ckpts)
         finally:
             self.tree.dec_lock_ref(hit.kv_only_node)
 
+    def _stage(self, landings: list[Landing], kv_rows: torch.Tensor, state_slot: torch.Tensor | None) -> None:
+        """Keep a save's ``landings`` (none: its rows are in place) until they land; past
+        ``MAX_STAGED_BYTES`` in flight, land the oldest."""
+        if not landings:
+            return
+        self._in_flight.append(_Save(landings, kv_rows.numpy(), None if state_slot is None else int(state_slot[0])))
+        self._staged_bytes += sum(x.nbytes for x in landings)
+        while self._staged_bytes > MAX_STAGED_BYTES:
+            self._land(1)
+
+    def land(self) -> None:
+        """Land every save in flight, waiting for their copies (the scheduler's call after it launched
+        a step: the copies were queued before the step's kernels, and the host scatters their rows
+        while the device runs the step)."""
+        self._land(len(self._in_flight))
+
+    def _land(self, at_least: int = 0) -> None:
+        """Land the saves in flight whose copies are done, oldest first, and at least the oldest
+        ``at_least`` of them (waiting for their copies)."""
+        q = self._in_flight
+        while q and (at_least > 0 or all(x.ready() for x in q[0].landings)):
+            save = q.popleft()
+            for x in save.landings:
+                self._staged_bytes -= x.nbytes
+                x.land()
+            at_least -= 1
+
+    @property
+    def num_in_flight(self) -> int:
+        """Saves whose rows have not landed in the host pools yet."""
+        return len(self._in_flight)
+
+    @property
+    def staged_bytes(self) -> int:
+        """The staging memory the saves in flight hold."""
+        return self._staged_bytes
+
+    def _free_slots(self) -> int:
+        return self.state_pool.available_size() if self.state_pool is not None else 0
+
     def _make_room(self, num_tokens: int, num_slots: int) -> bool:
         """Free host KV for ``num_tokens`` and ``num_slots`` state slots, evicting the host's least
         recently used entries — none when even evicting every unlocked one could not do it."""
         kv_short = num_tokens - self.kv_pool.available_size()
-        states_short = num_slots - (self.state_pool.available_size() if self.state_pool is not None else 0)
+        states_short = num_slots - self._free_slots()
         if kv_short > self.tree.evictable_size() or states_short > self.tree.evictable_checkpoints():
             return False
         if kv_short > 0:
             self.tree.evict(kv_short)
+        states_short = num_slots - self._free_slots()  # (the KV's eviction may have freed checkpoints)
         if states_short > 0:
             self.tree.evict_state(states_short)
         return self.kv_pool.available_size() >= num_tokens and (
@@ -151,6 +226,7 @@ class HostCache:
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> MatchResult | None:
         """The host's longest usable prefix of ``token_ids``, locked (its path's KV and its
         checkpoint) until ``unlock``; None when the host holds none."""
+        self._land()
         hit = self.tree.match_prefix(token_ids, namespace)
         if not hit.prefix_len:
             return None
@@ -173,6 +249,11 @@ class HostCache:
         device = self.device_tree
         if len(kv_slots) != hit.prefix_len - start:
             raise ValueError(f"load of positions [{start}, {hit.prefix_len}) into {len(kv_slots)} KV slots")
+        rows = hit.kv_indices[start:].numpy()
+        writers = [i for i, save in enumerate(self._in_flight)
+                   if (hit.state_slot is not None and save.state_slot == hit.state_slot)
+                   or np.isin(save.kv_rows, rows).any()]
+        self._land(writers[-1] + 1 if writers else 0)  # the rows it reads are in place
         device.kv_pool.copy_from(self.kv_pool, hit.kv_indices[start:], kv_slots)
         self.num_loaded_tokens += len(kv_slots)
         if hit.state_slot is not None:
@@ -183,7 +264,10 @@ class HostCache:
     # misc
     # ------------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drop everything the host holds (a flush of the cache: new weights, ``flush_cache``)."""
+        """Drop everything the host holds (a flush of the cache: new weights, ``flush_cache``), the saves
+        in flight too (their staging memory is freed once their copies are done)."""
+        self._in_flight.clear()
+        self._staged_bytes = 0
         self.tree.reset()
 
     @property

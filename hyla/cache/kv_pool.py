@@ -29,7 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import as_bytes, copy_rows, to_device
+from hyla.cache.transfer import Landing, as_bytes, copy_rows, to_device
 
 
 class KVPool:
@@ -232,15 +232,18 @@ class KVPool:
         for buf in map(as_bytes, (*self.k_buffers, *self.v_buffers)):  # (float8 buffers as their bytes)
             buf.index_copy_(0, di, buf.index_select(0, si))
 
-    def copy_from(self, other: "KVPool", src: IndexLike, dst: IndexLike) -> None:
+    def copy_from(self, other: "KVPool", src: IndexLike, dst: IndexLike, defer: bool = False) -> Landing | None:
         """K and V of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer: a pool of
         the same layout on another device (the host tier, ``HostCache``). Slots must be allocated in
-        their pools; ``dst`` distinct. No data moves where either pool is in accounting mode."""
+        their pools; ``dst`` distinct. No data moves where either pool is in accounting mode. With
+        ``defer`` (this pool in host memory) the rows arrive when the returned ``Landing`` lands
+        (``transfer.copy_rows``)."""
         if other.buffer_shapes != self.buffer_shapes:
             raise ValueError(f"copy_from a KV pool of another layout: {other.buffer_shapes} vs {self.buffer_shapes}")
         s, d = self._copy_slots(other, src, dst)
         if s.size and not (self.accounting or other.accounting):
-            copy_rows((*self.k_buffers, *self.v_buffers), d, (*other.k_buffers, *other.v_buffers), s)
+            return copy_rows((*self.k_buffers, *self.v_buffers), d, (*other.k_buffers, *other.v_buffers), s, defer)
+        return None
 
     def _copy_slots(self, source: "KVPool", src: IndexLike, dst: IndexLike) -> tuple[np.ndarray, np.ndarray]:
         """A copy's slots as arrays, checked: as many sources (allocated in ``source``) as destinations

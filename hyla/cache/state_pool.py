@@ -29,7 +29,7 @@ import torch
 
 from hyla.cache.allocator import FreeList, IndexLike, PoolExhaustedError, as_index_array
 from hyla.cache.layout import CacheLayout
-from hyla.cache.transfer import copy_rows, to_device
+from hyla.cache.transfer import Landing, copy_rows, to_device
 
 # up to this many slots, ``alloc`` zeroes and ``copy`` copies them as row views, one foreach op
 # per dtype (on CUDA one multi-tensor kernel: 2 launches instead of 1-2 per layer buffer, ~72 for
@@ -159,16 +159,18 @@ class StatePool:
         for buf in self._filled:
             buf.index_copy_(0, di, buf.index_select(0, si))
 
-    def copy_from(self, other: "StatePool", src: IndexLike, dst: IndexLike) -> None:
+    def copy_from(self, other: "StatePool", src: IndexLike, dst: IndexLike, defer: bool = False) -> Landing | None:
         """State of ``other``'s slot ``src[i]`` into this pool's slot ``dst[i]``, every layer (and the
         hidden state): a pool of the same layout on another device (the host tier, ``HostCache``).
         Slots must be allocated in their pools; ``dst`` distinct. No data moves where either pool is
-        in accounting mode."""
+        in accounting mode. With ``defer`` (this pool in host memory) the states arrive when the
+        returned ``Landing`` lands (``transfer.copy_rows``)."""
         if other.buffer_kinds != self.buffer_kinds:
             raise ValueError("copy_from a state pool of another layout")
         s, d = self._copy_slots(other, src, dst, disjoint=False)
         if s.size and not (self.accounting or other.accounting):
-            copy_rows(self._all_buffers(), d, other._all_buffers(), s)
+            return copy_rows(self._all_buffers(), d, other._all_buffers(), s, defer)
+        return None
 
     def _copy_slots(self, source: "StatePool", src: IndexLike, dst: IndexLike,
                     disjoint: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Host -> device copies that do not wait for the device.
+"""Copies between host and device that do not wait for the device.
 
 A plain host-to-CUDA copy (``torch.tensor(values, device="cuda")``, ``t.to("cuda")``) synchronizes
 the stream: the host waits for every kernel queued before it. On the decode path that would stall
@@ -7,7 +7,8 @@ runs the current one; a pinned source copied ``non_blocking`` does not wait. The
 slot indices this way, and so do the engine's sampler and grammar masks, and the model's ops the
 index tensors they derive from a step's plan (``VarlenPlan.derive``): on an extend step a waiting
 copy in every layer would keep the host from running ahead of the device at all. ``copy_rows``
-moves pool rows between a device and host memory (the host tier, ``HostCache``). Knows nothing of
+moves pool rows between a device and host memory (the host tier, ``HostCache``), also without
+waiting: into host memory as a ``Landing`` the host scatters once the copy is done. Knows nothing of
 models or pools: the one module of ``hyla.cache`` that ``hyla.model`` imports besides the layout.
 """
 
@@ -54,29 +55,99 @@ def put_rows_(dst: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> Non
 COPY_BLOCK_BYTES = 64 << 20
 
 
-def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor], src_rows) -> None:
+class Landing:
+    """Rows on their way from a device into host buffers: a ``copy_rows(..., defer=True)``. They were
+    gathered on the device and copied, without the host waiting, into staging memory (pinned, so
+    the copy runs on the stream after the kernels queued before it); :meth:`land` waits for that
+    copy alone (an event, not the stream) and scatters the rows into their buffers. Until then the
+    destination rows hold what they held before: the caller must land a copy before anything reads
+    its rows (``HostCache.load``), and land copies in the order they were made (a later copy may
+    write rows an earlier one does)."""
+
+    def __init__(self, blocks: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]],
+                 event: "torch.cuda.Event | None") -> None:
+        self._blocks = blocks  # (destination buffers, their rows, the staged rows [rows, widths summed])
+        self._event = event  # recorded after the staging copies (None: a host source, staged at once)
+        self.nbytes = sum(t.numel() * t.element_size() for _, _, t in blocks)  # the staging memory held
+
+    def ready(self) -> bool:
+        """True once :meth:`land` would not wait: the staging copies are done. A copy from host
+        memory (staged at once, no event) is never ready by itself: it lands when it must."""
+        return self._event is not None and self._event.query()
+
+    def land(self) -> None:
+        """Wait for the staging copies and scatter the rows into the destination buffers; idempotent."""
+        if self._event is not None and not self._event.query():  # (a done copy: no wait at all)
+            self._event.synchronize()
+        for dst, rows, staged in self._blocks:
+            _scatter(dst, rows, staged)
+        self._blocks = []
+        self.nbytes = 0
+
+
+def _scatter(dst: Sequence[torch.Tensor], rows: torch.Tensor, moved: torch.Tensor) -> None:
+    """``dst[i][rows] = `` the ``i``-th of the row slices ``moved`` concatenates ([rows, widths summed],
+    on the buffers' device)."""
+    offset = 0
+    for d in dst:
+        width = d[0].numel()
+        d.index_copy_(0, rows, moved[:, offset:offset + width].reshape(len(rows), *d.shape[1:]))
+        offset += width
+
+
+def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor], src_rows,
+              defer: bool = False) -> Landing | None:
     """``dst[i][dst_rows] = src[i][src_rows]`` for each buffer pair, the two sides on any devices
     (a cache's host and device tiers; the pairs agree in row shape and dtype). The rows are gathered
     where they are, moved one transfer per dtype and block of rows (``COPY_BLOCK_BYTES``: a long
-    prefix's copy needs no buffer of its size) and scattered where they go. Each transfer is a
-    plain copy, which waits for the device: the rows a move to the host reads are those the kernels
-    queued before it wrote, and the host may read the copy at once."""
+    prefix's copy needs no buffer of its size) and scattered where they go.
+
+    No transfer waits for the device. Every copy runs on the stream in its order: it reads the rows
+    the kernels queued before it wrote, and the kernels queued after it (which may reuse the source
+    rows) run after it. Into a device, the host's rows go through pinned memory. Into host memory,
+    the rows land in pinned staging memory first, and only the host can scatter them from there:
+    with ``defer`` the copy returns that :class:`Landing` for the caller to land when it must (the
+    host tier's saves); without, it lands at once (the host waits for the copy, and so for the
+    kernels queued before it). ``defer`` needs host destinations; from host memory a deferred copy
+    stages the rows at once and lands them when told."""
     # (a conv-only model's empty SSM buffers left out; float8 KV buffers moved as their bytes)
     pairs = [(as_bytes(d), as_bytes(s)) for d, s in zip(dst, src, strict=True) if s.numel()]
     n = len(src_rows)
     if not pairs or not n:
-        return
-    si = to_device(src_rows, torch.long, pairs[0][1].device)
-    di = to_device(dst_rows, torch.long, pairs[0][0].device)
+        return None
+    src_device, dst_device = pairs[0][1].device, pairs[0][0].device
+    to_host = dst_device.type == "cpu"
+    if defer and not to_host:
+        raise ValueError(f"a deferred copy lands in host memory, not on {dst_device}")
+    si = to_device(src_rows, torch.long, src_device)
+    di = to_device(dst_rows, torch.long, dst_device)
+    staged_blocks = []
     for dtype in dict.fromkeys(s.dtype for _, s in pairs):
         group = [(d, s) for d, s in pairs if s.dtype == dtype]
         row_bytes = sum(s[0].numel() for _, s in group) * group[0][1].element_size()
         block = max(1, COPY_BLOCK_BYTES // row_bytes)
         for lo in range(0, n, block):
             sb, db = si[lo:lo + block], di[lo:lo + block]
-            moved = torch.cat([s.index_select(0, sb).reshape(len(sb), -1) for _, s in group], dim=1).to(group[0][0].device)
-            offset = 0
-            for d, s in group:
-                width = s[0].numel()
-                d.index_copy_(0, db, moved[:, offset:offset + width].reshape(len(sb), *s.shape[1:]))
-                offset += width
+            moved = torch.cat([s.index_select(0, sb).reshape(len(sb), -1) for _, s in group], dim=1)
+            dsts = [d for d, _ in group]
+            if to_host and (defer or src_device.type != "cpu"):
+                if src_device.type == "cuda":
+                    staged = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
+                    staged.copy_(moved, non_blocking=True)
+                    moved = staged
+                staged_blocks.append((dsts, db, moved))
+                continue
+            if moved.device != dst_device:  # into a device: from host memory through pinned memory
+                moved = to_device(moved, moved.dtype, dst_device) if moved.device.type == "cpu" else moved.to(dst_device)
+            _scatter(dsts, db, moved)
+    if not staged_blocks:
+        return None
+    event = None
+    if src_device.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(src_device))
+    landing = Landing(staged_blocks, event)
+    if not defer:
+        landing.land()
+        return None
+    return landing

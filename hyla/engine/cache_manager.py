@@ -289,6 +289,12 @@ class CacheManager:
             self.host.unlock(host_hit)
         return self.peek(req)
 
+    def land_host_saves(self) -> None:
+        """Land the host tier's saves in flight (``HostCache.land``): for the scheduler, once it has
+        launched a step and before it waits for the device."""
+        if self.host is not None:
+            self.host.land()
+
     # ------------------------------------------------------------------------------------------
     # one step
     # ------------------------------------------------------------------------------------------

@@ -212,6 +212,7 @@ class Scheduler:
             if batch is None:  # a decode that retracted every decoding request made room: go again
                 return self.num_retractions != retractions or self._unstall()
             logits = self.run(batch)
+            self.cache.land_host_saves()  # while the device runs the step
             if self.config.overlap and batch.is_decode and not batch.verify:
                 self.inflight = (batch, logits)  # the next step samples it (_step_overlapped)
             else:
@@ -376,6 +377,7 @@ class Scheduler:
                     self.output.set_finished(r, abort_reason(CONSUMER_FAILED, "consumer"))
             else:
                 self.abort(r.rid, message=CONSUMER_FAILED, cause="consumer")
+        self.cache.land_host_saves()  # while the device runs the next step
         self._after_decode(len(batch.reqs), len(live))
 
     def _overlap_next(self, draw) -> Batch | None:
