@@ -30,7 +30,7 @@ from hyla.model.ops import (
 )
 from hyla.model.ops.attention import ShortExtendLayout, paged_attention, paged_attention_short_extend
 from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan
-from hyla.model.ops.varlen import SlotPlan, check_checkpoints
+from hyla.model.ops.varlen import PaddedChains, SlotPlan, check_checkpoints
 
 HK, HV, DK, DV, K = 2, 4, 16, 8, 4
 C = 32  # conv channels: a multiple of 32, so silu runs vectorized on any number of rows (bitwise alike)
@@ -259,8 +259,9 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     ckpt = [[10 + 3 * i + j for j in range(width - 1)] for i in range(b)]
     ckpt_rows = torch.tensor(ckpt, dtype=torch.long)
     rows = torch.tensor([i * width + j for i, n in enumerate(lens) for j in range(n)])
-    # (padding positions continue the one before, as ForwardBatch.chain_parents)
-    tree = {"parents": torch.tensor([par + list(range(len(par) - 1, width - 1)) for par in trees])} if as_trees else {}
+    # (padding positions continue the one before, as ForwardBatch.chains.parents)
+    parents = torch.tensor([par + list(range(len(par) - 1, width - 1)) for par in trees]) if as_trees else None
+    chains = PaddedChains(ckpt_rows, rows, parents)
     # the tree path: checkpoints after every token but the last; a full chain's last state in its own slot
     entries = [(i, j + 1) for i, n in enumerate(lens) for j in range(n - 1)]
     flat = [ckpt[i][j] for i, n in enumerate(lens) for j in range(n - 1)]
@@ -284,7 +285,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     for dtype in (torch.float32, torch.bfloat16):  # (a pool of bf16 states: rounded after every token on both paths)
         pool = torch.randn(num_slots, HV, DK, DV, generator=gen).to(dtype)
         a, c = pool.clone(), pool.clone()
-        out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows, **tree)
+        out = gated_delta_rule_chains(q, k, v, g, beta, a, plan, chains)
         want = chunk_gated_delta_rule_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
         assert torch.equal(out, want)
         check(a, c, pool)
@@ -293,15 +294,15 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     for b_, act in ((bias, "silu"), (None, None)):  # (KDA's conv has no bias, LFM2's no activation)
         pool = torch.randn(num_slots, C, K - 1, generator=gen)
         a, c = pool.clone(), pool.clone()
-        out = causal_conv1d_chains(x, w, b_, a, plan, ckpt_rows, act, rows=rows, **tree)
+        out = causal_conv1d_chains(x, w, b_, a, plan, chains, act)
         want = causal_conv1d_varlen(x, w, b_, cu, c, torch.tensor(slots), act, tree=scan)
         assert torch.equal(out, want)
         check(a, c, pool)
     with pytest.raises(ValueError, match="chains"):  # more tokens than the padded layout holds
-        causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=torch.arange(t + 1))
+        causal_conv1d_chains(x, w, bias, a, plan, PaddedChains(ckpt_rows, torch.arange(t + 1)), "silu")
     with pytest.raises(ValueError, match="parents must be"):  # parents not [B, W]
-        causal_conv1d_chains(x, w, bias, a, plan, ckpt_rows, "silu", rows=rows, parents=torch.zeros(b, width - 1,
-                                                                                                   dtype=torch.long))
+        causal_conv1d_chains(x, w, bias, a, plan, PaddedChains(ckpt_rows, rows, torch.zeros(b, width - 1, dtype=torch.long)),
+                             "silu")
 
     # Mamba2's SSD (lightning attention's too: dt held at 1 by its clamp), 2 groups of B/C over 4 heads, with D
     from hyla.model.ops import mamba2_chains
@@ -312,7 +313,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     for limit in (None, (1.0, 1.0)):
         pool = torch.randn(num_slots, HV, DV, DK, generator=gen)
         a, c = pool.clone(), pool.clone()
-        out = mamba2_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, dt_limit=limit, **tree)
+        out = mamba2_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, chains, dt_limit=limit)
         want = mamba2_chunk_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan,
                                         dt_limit=limit)
         assert torch.equal(out, want)
@@ -327,7 +328,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     Bm, Cm = torch.randn(t, n, generator=gen), torch.randn(t, n, generator=gen)
     pool = torch.randn(num_slots, inner, n, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = selective_scan_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, ckpt_rows, rows=rows, **tree)
+    out = selective_scan_chains(x, dt, A, Bm, Cm, D, dt_bias, a, plan, chains)
     want = selective_scan_varlen(x, dt, A, Bm, Cm, D, dt_bias, cu, c, torch.tensor(slots), tree=scan)
     assert torch.equal(out, want)
     check(a, c, pool)
@@ -336,7 +337,7 @@ def test_padded_chains_equal_the_tree_path_bitwise(trees, as_trees):
     g = -torch.rand(t, HV, DK, generator=gen)
     pool = torch.randn(num_slots, HV, DK, DV, generator=gen)
     a, c = pool.clone(), pool.clone()
-    out = kda_chains(q, k, v, g, beta, a, plan, ckpt_rows, rows=rows, **tree)
+    out = kda_chains(q, k, v, g, beta, a, plan, chains)
     want = chunk_kda_varlen(q, k, v, g, beta, cu, c, torch.tensor(slots), tree=scan)
     assert torch.equal(out, want)
     check(a, c, pool)
@@ -362,11 +363,11 @@ def test_a_batch_of_chains_is_validated_when_built():
             else None, chain_ckpt_list=rows if chains else None, chain_tree_parents=trees)
 
     ok = batch([3, 1], [[5, 6], [7, 8]])
-    assert ok.short_extend is None and ok.chain_rows.tolist() == [0, 1, 2, 3]  # (no attention layers)
-    assert ok.chain_parents is None
+    assert ok.short_extend is None and ok.chains.rows.tolist() == [0, 1, 2, 3]  # (no attention layers)
+    assert ok.chains.parents is None and ok.chains.ckpt_rows is ok.chain_ckpt_rows
     # padded trees: each position's parent, a padding position continuing the one before
     trees = batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0, 0], [-1]])
-    assert trees.chain_parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
+    assert trees.chains.parents.tolist() == [[-1, 0, 0], [-1, 0, 1]]
     with pytest.raises(ValueError, match="earlier token"):
         batch([3, 1], [[5, 6], [7, 8]], trees=[[-1, 0, 2], [-1]])
     with pytest.raises(ValueError, match="tree parents for"):
@@ -398,11 +399,9 @@ def test_padded_trees_compile_to_what_they_compute_eagerly():
     A, D, dt_bias = -torch.rand(inner, n, generator=gen), torch.randn(inner, generator=gen), torch.randn(inner, generator=gen)
     w, bias = torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
 
-    def scan(pools, x, dt, b_, c_, plan, ckpt_rows, rows, parents):
-        xc = causal_conv1d_chains(x.repeat(1, C // inner), w, bias, pools[1], plan, ckpt_rows, "silu", rows=rows,
-                                  parents=parents)
-        y = selective_scan_chains(xc[:, :inner], dt, A, b_, c_, D, dt_bias, pools[0], plan, ckpt_rows, rows=rows,
-                                  parents=parents)
+    def scan(pools, x, dt, b_, c_, plan, chains):
+        xc = causal_conv1d_chains(x.repeat(1, C // inner), w, bias, pools[1], plan, chains, "silu")
+        y = selective_scan_chains(xc[:, :inner], dt, A, b_, c_, D, dt_bias, pools[0], plan, chains)
         return y, xc
 
     compiled = torch.compile(scan, fullgraph=True, dynamic=True,
@@ -419,7 +418,7 @@ def test_padded_trees_compile_to_what_they_compute_eagerly():
         pools = [torch.randn(num_slots, inner, n, generator=gen), torch.randn(num_slots, C, K - 1, generator=gen)]
         a, c = [p.clone() for p in pools], [p.clone() for p in pools]
         with torch.inference_mode():
-            want = scan(a, *inputs, plan, ckpt_rows, rows, parents)
-            got = compiled(c, *inputs, plan, ckpt_rows, rows, parents)
+            want = scan(a, *inputs, plan, PaddedChains(ckpt_rows, rows, parents))
+            got = compiled(c, *inputs, plan, PaddedChains(ckpt_rows, rows, parents))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)

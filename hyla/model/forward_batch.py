@@ -31,10 +31,10 @@ sequence) gets the same treatment: its checkpoints are validated here and laid o
 once (``tree_scan``, shared by every recurrent layer), and its attention metadata (``short_extend``:
 the KV rows of every sequence and one mask) is built once for all attention layers. A verify step
 of *padded chains* (``chain_ckpt_rows``, what a compiled verify step runs) has metadata whose shapes
-depend on the batch size, the width and the token count only: ``chain_rows`` lays the fed tokens
-out padded to the width for the recurrent ops, the attention layout pads to the same width. Padded
-*trees* (``chain_tree_parents``) add ``chain_parents``, each padded position's parent, which the
-recurrent ops and the attention layout follow.
+depend on the batch size, the width and the token count only: ``chains`` (``ops.PaddedChains``) lays
+the fed tokens out padded to the width for the recurrent ops, the attention layout pads to the same
+width. Padded *trees* (``chain_tree_parents``) add each padded position's parent (``chains.parents``),
+which the recurrent ops and the attention layout follow.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from hyla.model.ops.attention import (
 from hyla.model.ops.tree import SHORT_EXTEND, TokenTree, TreeScan
 from hyla.model.ops.varlen import (
     Checkpoints,
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
     check_checkpoint_values,
@@ -136,7 +137,7 @@ class ForwardBatch:
     ``prefix_len + depth``), padded to ``W`` like chains; token ``j``'s state still goes to
     ``chain_ckpt_rows[:, j]`` (the last padded position's to its own slot). Kept apart from
     ``tree_parents`` (a compiled graph guards on that list; this one is read here only, into
-    ``chain_parents``)."""
+    ``chains.parents``)."""
 
     # --- what to return ----------------------------------------------------------------------
     logits_indices: torch.Tensor | None = None
@@ -209,12 +210,11 @@ class ForwardBatch:
     tree_scan: TreeScan | None = field(init=False, repr=False, default=None)
     """With a ``tree`` and linear layers: its scan laid out for the state slots and checkpoints (the
     checkpoints validated here, once), shared by every recurrent layer (``ops/tree.py``)."""
-    chain_rows: torch.Tensor | None = field(init=False, repr=False, default=None)
-    """Padded chains: ``[T]`` the row ``i * W + j`` of each packed token in the padded layout."""
-    chain_parents: torch.Tensor | None = field(init=False, repr=False, default=None)
-    """Padded trees (``chain_tree_parents``): ``[B, W]`` int64, each padded position's parent position
-    (``-1`` for the first; a padding position continues the one before it), what the recurrent ops'
-    padded chains take as ``parents``."""
+    chains: PaddedChains | None = field(init=False, repr=False, default=None)
+    """A verify step of padded chains (``chain_ckpt_rows``): the layout every recurrent op's padded
+    chains take — the checkpoint rows, each packed token's row ``i * W + j`` in the padded layout and,
+    for padded trees (``chain_tree_parents``), each padded position's parent (``-1`` for the first; a
+    padding position continues the one before it)."""
     short_extend: ShortExtendLayout | None = field(init=False, repr=False, default=None)
     """With a ``tree`` and attention layers: the batched attention's KV rows and mask, shared by
     every attention layer (``ops/attention.py``, ``paged_attention_short_extend``)."""
@@ -243,7 +243,7 @@ class ForwardBatch:
         # every derived field is set on the instance (a compiled graph guards on which ones exist)
         self.slot_plan = self.kv_mask = self.kv_rows = self.decode_ckpt_src = self.decode_ckpt_dst = None
         self.window_layouts = {}
-        self.tree = self.tree_scan = self.short_extend = self.varlen = self.chain_rows = self.chain_parents = None
+        self.tree = self.tree_scan = self.short_extend = self.varlen = self.chains = None
         if self.fused_extend is not None:  # everything on the device, checked by its builder
             return
         if self.chain_ckpt_rows is not None:
@@ -399,7 +399,7 @@ class ForwardBatch:
 
     def _check_chains(self) -> None:
         """A verify step of padded chains: ``ValueError`` unless it is one (see ``chain_ckpt_rows``);
-        then its ``chain_rows``."""
+        then its ``chains``."""
         b = self.batch_size
         if self.is_decode or self.tree_parents is not None or self.num_checkpoints:
             raise ValueError("chain_ckpt_rows is for an extend of chains with no other checkpoints")
@@ -418,13 +418,14 @@ class ForwardBatch:
         own = [s for s in (self.state_slot_list or self.state_slots.tolist()) if s >= 0]
         if min(rows, default=0) < 0 or set(rows) & set(own):
             raise ValueError("chain_ckpt_rows must be state slots (no padding), none of them a sequence's own")
-        self.chain_rows = torch.tensor([i * width + j for i, n in enumerate(self.extend_lens) for j in range(n)],
-                                       dtype=torch.long, device=self.input_ids.device)
+        packed = torch.tensor([i * width + j for i, n in enumerate(self.extend_lens) for j in range(n)],
+                              dtype=torch.long, device=self.input_ids.device)  # [T]
+        parents = None
         if self.chain_tree_parents is not None:
             TokenTree.build(self.chain_tree_parents, self.extend_lens, "cpu")  # ValueError on a bad tree
-            self.chain_parents = torch.tensor([list(par) + list(range(len(par) - 1, width - 1))
-                                               for par in self.chain_tree_parents],
-                                              dtype=torch.long, device=self.input_ids.device)  # [B, W]
+            parents = torch.tensor([list(par) + list(range(len(par) - 1, width - 1)) for par in self.chain_tree_parents],
+                                   dtype=torch.long, device=self.input_ids.device)  # [B, W]
+        self.chains = PaddedChains(self.chain_ckpt_rows, packed, parents)
 
     def _short_extend_metadata(self) -> None:
         """A tree (or short) extend: the recurrent ops' scan and the attention's layout, once."""

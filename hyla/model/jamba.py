@@ -130,12 +130,11 @@ class Mamba1Mixer(nn.Module):
             run_fused_extend_segments(gpu("selective_scan").segment_kernel(xs, dt, A, B, C, self.D, self.dt_bias, z),
                                       y, ssm_states, batch)
             return self.out_proj(y)
-        slots, chains = batch.state_slot_plan, batch.chain_ckpt_rows  # (chains: the compiled verify step)
+        slots, chains = batch.state_slot_plan, batch.chains  # (chains: the compiled verify step)
         if batch.is_decode:  # (the slots as validated at batch construction: no host read here)
             xs = causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         elif chains is not None:
-            xs = causal_conv1d_chains(xs, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
-                                      rows=batch.chain_rows, parents=batch.chain_parents)
+            xs = causal_conv1d_chains(xs, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu")
         else:
             xs = conv1d_extend(xs, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, I]
         dt, B, C = self._dt_b_c(xs)
@@ -144,8 +143,7 @@ class Mamba1Mixer(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            y = selective_scan_chains(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, slots, chains,
-                                      rows=batch.chain_rows, parents=batch.chain_parents)
+            y = selective_scan_chains(xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, slots, chains)
         elif on_gpu(xs) and batch.tree_parents is None and batch.varlen is not None:  # the segments kernel
             return self.out_proj(gpu("selective_scan").selective_scan_extend_fused(
                 xs, dt, A, B, C, self.D, self.dt_bias, ssm_states, batch.varlen, z))

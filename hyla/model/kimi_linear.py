@@ -167,12 +167,11 @@ class KimiDeltaAttention(nn.Module):
             run_fused_extend_segments(kernels.segment_kernel(mixed, f, b, self.A_log, self.dt_bias, gate), o,
                                       ssm_states, batch)
             return self._out(o, x)
-        plan, chains = batch.state_slot_plan, batch.chain_ckpt_rows  # (chains: the compiled verify step)
+        plan, chains = batch.state_slot_plan, batch.chains  # (chains: the compiled verify step)
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, plan, "silu")
         elif chains is not None:
-            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, plan, chains, "silu",
-                                         rows=batch.chain_rows, parents=batch.chain_parents)
+            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, plan, chains, "silu")
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")
         q, k, v = (part.reshape(t, heads, d) for part in mixed.split(self.dim, dim=-1))  # [T, H, D] each
@@ -181,8 +180,7 @@ class KimiDeltaAttention(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            o = kda_chains(q, k, v, *self._gates(f, b), ssm_states, plan, chains, rows=batch.chain_rows,
-                           parents=batch.chain_parents)
+            o = kda_chains(q, k, v, *self._gates(f, b), ssm_states, plan, chains)
         elif kernels is not None:  # fla's chunked Triton kernel; short rounds through hyla's recurrent one
             o = gpu("fla_chunk").chunk_kda_fla(
                 q, k, v, None, None, batch.cu_seqlens, ssm_states, slots, **ckpt_kwargs(batch, scan=False),

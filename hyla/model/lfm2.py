@@ -82,9 +82,9 @@ class Lfm2ShortConv(nn.Module):
         elif batch.is_decode:  # the slots as validated at batch construction: no host read here
             y = causal_conv1d_update(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan, None)
             copy_decode_checkpoints(conv_states, batch)
-        elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
+        elif batch.chains is not None:  # a verify step of padded chains (the compiled verify)
             y = causal_conv1d_chains(bx, self.conv_weight, self.conv_bias, conv_states, batch.state_slot_plan,
-                                     batch.chain_ckpt_rows, None, rows=batch.chain_rows, parents=batch.chain_parents)
+                                     batch.chains, None)
         else:
             y = conv1d_extend(bx, self.conv_weight, self.conv_bias, conv_states, batch, None)  # [T, H]
         return self.out_proj(c * y)

@@ -135,9 +135,9 @@ class LightningAttention(nn.Module):
             if batch.is_decode:
                 y = mamba2_state_update(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, dt_limit=DT_ONE)
                 copy_decode_checkpoints(states, batch)
-            elif batch.chain_ckpt_rows is not None:  # a verify step of padded chains (the compiled verify)
-                y = mamba2_chains(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, batch.chain_ckpt_rows,
-                                  rows=batch.chain_rows, parents=batch.chain_parents, dt_limit=DT_ONE)
+            elif batch.chains is not None:  # a verify step of padded chains (the compiled verify)
+                y = mamba2_chains(vs, dt, A, ks, qs, None, None, states, batch.state_slot_plan, batch.chains,
+                                  dt_limit=DT_ONE)
             elif device.fla_prefill(vs, batch):  # fla's simple GLA
                 y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                     vs, dt, A, ks, qs, None, None, batch.cu_seqlens, states, batch.state_slots,

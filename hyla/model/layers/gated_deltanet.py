@@ -117,12 +117,11 @@ class GatedDeltaNet(nn.Module):
     def _mix(self, mixed, b, a, batch: ForwardBatch, slots, conv_states, ssm_states) -> torch.Tensor:
         """The PyTorch path (CPU, extend steps): conv, gating, then the chunked or recurrent rule."""
         t = mixed.shape[0]
-        chains = batch.chain_ckpt_rows  # a verify step of padded chains (the compiled verify)
+        chains = batch.chains  # a verify step of padded chains (the compiled verify)
         if batch.is_decode:
             mixed = causal_conv1d_update(mixed, self.conv_weight, None, conv_states, slots, "silu")
         elif chains is not None:
-            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu",
-                                         rows=batch.chain_rows, parents=batch.chain_parents)
+            mixed = causal_conv1d_chains(mixed, self.conv_weight, None, conv_states, slots, chains, "silu")
         else:
             mixed = conv1d_extend(mixed, self.conv_weight, None, conv_states, batch, "silu")  # [T, conv_dim]
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -144,8 +143,7 @@ class GatedDeltaNet(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains, rows=batch.chain_rows,
-                                        parents=batch.chain_parents)
+            o = gated_delta_rule_chains(q, k, v, g, beta, ssm_states, slots, chains)
         else:
             o = chunk_gated_delta_rule_varlen(
                 q, k, v, g, beta, batch.cu_seqlens, ssm_states, batch.state_slots, **ckpt_kwargs(batch),

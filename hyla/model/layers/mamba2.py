@@ -98,12 +98,11 @@ class Mamba2Mixer(nn.Module):
                 xs, dt, A, bs, cs, None, self.dt_bias, self.dt_limit), y, ssm_states, batch)
             y = (y.float() + self.D.float()[:, None] * xs.view(t, self.num_heads, self.head_dim).float()).to(x.dtype)
             return self._out(y, z, t, x.dtype)
-        chains = batch.chain_ckpt_rows  # a verify step of padded chains (the compiled verify)
+        chains = batch.chains  # a verify step of padded chains (the compiled verify)
         if batch.is_decode:
             xbc = causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states, slots, "silu")
         elif chains is not None:
-            xbc = causal_conv1d_chains(xbc, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu",
-                                       rows=batch.chain_rows, parents=batch.chain_parents)
+            xbc = causal_conv1d_chains(xbc, self.conv_weight, self.conv_bias, conv_states, slots, chains, "silu")
         else:
             xbc = conv1d_extend(xbc, self.conv_weight, self.conv_bias, conv_states, batch, "silu")  # [T, conv_dim]
         xs, bs, cs = xbc.split([self.inner, gn, gn], dim=-1)
@@ -116,8 +115,7 @@ class Mamba2Mixer(nn.Module):
             copy_decode_checkpoints(conv_states, batch)
             copy_decode_checkpoints(ssm_states, batch)
         elif chains is not None:
-            y = mamba2_chains(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, chains,
-                              rows=batch.chain_rows, parents=batch.chain_parents, dt_limit=self.dt_limit)
+            y = mamba2_chains(xs, dt, A, bs, cs, self.D, self.dt_bias, ssm_states, slots, chains, dt_limit=self.dt_limit)
         elif device.fla_prefill(xs, batch):  # fla's chunked Triton kernel, as simple GLA
             y = device.gpu("fla_chunk").mamba2_chunk_scan_fla(
                 xs, dt, A, bs, cs, self.D, self.dt_bias, batch.cu_seqlens, ssm_states, batch.state_slots,

@@ -13,8 +13,10 @@ from hyla.model.ops.gated_delta import (
 from hyla.model.ops.kda import chunk_kda_varlen, kda_chains, kda_ref, recurrent_kda_update
 from hyla.model.ops.selective_scan import selective_scan_chains, selective_scan_varlen, selective_state_update
 from hyla.model.ops.ssd import mamba2_chains, mamba2_chunk_scan_varlen, mamba2_ssd_ref, mamba2_state_update
+from hyla.model.ops.varlen import PaddedChains
 
 __all__ = [
+    "PaddedChains",
     "causal_conv1d_chains",
     "causal_conv1d_ref",
     "causal_conv1d_update",

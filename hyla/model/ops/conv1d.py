@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 from hyla.cache.transfer import to_device_packed
 from hyla.model.ops.varlen import (
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
-    check_chains,
     as_slot_plan,
     open_state_rows,
     read_states,
@@ -227,24 +227,23 @@ def causal_conv1d_chains(
     bias: torch.Tensor | None,
     conv_states: torch.Tensor,
     slots: SlotPlan,
-    ckpt_rows: torch.Tensor,
+    chains: PaddedChains,
     activation: str | None = "silu",
-    rows: torch.Tensor | None = None,
-    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains padded to one width (see ``gated_delta_rule_chains``): ``x [T, C]``
-    packed, ``rows [T]`` each token's padded row (None: ``T = B*W``) -> ``y [T, C]``, with the decode
-    update's math (the tree path's result over the same chains, bitwise). The window after padded
-    token ``j < W - 1`` of sequence ``i`` goes to ``conv_states[ckpt_rows[i, j]]``, the window after
+    """A verify step of chains padded to one width (``chains``: ``varlen.PaddedChains``; see
+    ``gated_delta_rule_chains``): ``x [T, C]`` packed -> ``y [T, C]``, with the decode update's math
+    (the tree path's result over the same chains, bitwise). The window after padded token
+    ``j < W - 1`` of sequence ``i`` goes to ``conv_states[chains.ckpt_rows[i, j]]``, the window after
     the last to its own slot. Shapes depend on ``B``, ``W`` and ``T`` only (one compiled graph).
-    ``parents [B, W]``: padded trees, each token's window the inputs along its path
+    Padded trees (``chains.parents``): each token's window the inputs along its path
     (:func:`tree_windows`)."""
     if x.dim() != 2:
         raise ValueError(f"x must be [T, C], got {list(x.shape)}")
     channels = x.shape[1]
     kernel = _check_weights(weight, bias, channels)
     _check_pool(conv_states, channels, kernel)
-    batch, width = check_chains(x.shape[0], slots, ckpt_rows, rows, parents)
+    batch, width = chains.check(x.shape[0], slots)
+    ckpt_rows, rows, parents = chains.ckpt_rows, chains.rows, chains.parents
     act = _activation(activation)
     padded = x if rows is None else scatter_rows(x, rows, batch * width)  # [B*W, C]
     windows = read_states(conv_states, slots, conv_states.dtype)  # [B, C, K-1]

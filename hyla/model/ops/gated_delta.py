@@ -27,6 +27,7 @@ import torch
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
@@ -351,25 +352,22 @@ def gated_delta_rule_chains(
     beta: torch.Tensor,
     ssm_states: torch.Tensor,
     slots: SlotPlan,
-    ckpt_rows: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    chains: PaddedChains,
     use_qk_l2norm: bool = True,
-    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains padded to one width: ``B`` sequences, each ``W = ckpt_rows.shape[1]
-    + 1`` new tokens long once padded. ``rows [T]``: the padded row (``i * W + j``) of each of the
-    ``T`` packed tokens ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]`` (None: ``T = B*W``,
-    already padded) -> ``o [T, Hv, Dv]``, token by token with the decode step's math, so each token
-    equals a decode step (the tree path's result, :func:`tree_scan` over the same chains, bitwise).
-    Padding follows a sequence's tokens with zero inputs; its outputs are dropped.
+    """A verify step of chains padded to one width (``chains``: ``varlen.PaddedChains``): ``B``
+    sequences, each ``W`` new tokens long once padded; the ``T`` packed tokens ``q, k [T, Hk, Dk]``,
+    ``v [T, Hv, Dv]``, ``g, beta [T, Hv]`` at their padded rows ``chains.rows`` -> ``o [T, Hv, Dv]``,
+    token by token with the decode step's math, so each token equals a decode step (the tree path's
+    result, :func:`tree_scan` over the same chains, bitwise). Padding follows a sequence's tokens
+    with zero inputs; its outputs are dropped.
 
-    The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i,
-    j]]``, the state after the last to its own slot (after padding, if any: the caller takes the
-    state after the last real token from its checkpoint row). Shapes depend on ``B``, ``W`` and ``T``
-    only and nothing is read on the host, so the step compiles to one graph (``ModelRunner``'s
-    compiled verify). ``parents [B, W]``: padded trees (each column continues its parent column's
-    state: ``varlen.scan_padded_chains``), the tree path's result over the same trees, bitwise."""
+    The state after padded token ``j < W - 1`` of sequence ``i`` goes to
+    ``ssm_states[chains.ckpt_rows[i, j]]``, the state after the last to its own slot (after padding,
+    if any). Shapes depend on ``B``, ``W`` and ``T`` only and nothing is read on the host, so the step
+    compiles to one graph (``ModelRunner``'s compiled verify). Padded trees (``chains.parents``): each
+    column continues its parent column's state (``varlen.scan_padded_chains``), the tree path's
+    result over the same trees, bitwise."""
     check_inputs(q, k, v, g, beta, ssm_states)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)  # (as the tree path: once, packed)
-    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows,
-                              parents).to(q.dtype)  # [T, Hv, Dv]
+    return scan_padded_chains(_update_, terms, ssm_states, slots, chains).to(q.dtype)  # [T, Hv, Dv]

@@ -45,6 +45,7 @@ from hyla.model.ops.gated_delta import check_inputs, delta_rule_across_chunks, p
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
@@ -325,21 +326,15 @@ def kda_chains(
     beta: torch.Tensor,
     ssm_states: torch.Tensor,
     slots: SlotPlan,
-    ckpt_rows: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    chains: PaddedChains,
     use_qk_l2norm: bool = True,
-    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains (or, with ``parents``, trees) padded to one width
-    (``gated_delta.gated_delta_rule_chains``' contract):
-    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded row
-    of each packed token of ``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``, ``beta [T, Hv]``
-    (None: already padded) -> ``o [T, Hv, Dv]``, token by token with the decode step's math (the tree
-    path's result, bitwise). The state after padded token ``j < W - 1`` of sequence ``i`` goes to
-    ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so the
-    step compiles to one graph. Padding rows are zeros (decay 0 too: the caller takes the state after a
-    chain's last real token from its checkpoint row)."""
+    """A verify step of chains (or trees) padded to one width (``chains``: ``varlen.PaddedChains``;
+    ``gated_delta.gated_delta_rule_chains``' contract): the packed tokens ``q, k [T, Hk, Dk]``,
+    ``v [T, Hv, Dv]``, ``g [T, Hv, Dk]``, ``beta [T, Hv]`` -> ``o [T, Hv, Dv]``, token by token with the
+    decode step's math (the tree path's result, bitwise). The state after padded token ``j < W - 1`` of
+    sequence ``i`` goes to ``ssm_states[chains.ckpt_rows[i, j]]``, after the last to its own slot;
+    nothing is read on the host, so the step compiles to one graph. Padding rows are zeros (decay 0 too)."""
     check_inputs(q, k, v, g, beta, ssm_states, decay_per_channel=True)
     terms = _token_terms(q, k, v, g, beta, use_qk_l2norm)
-    return scan_padded_chains(_update_, terms, ssm_states, slots, ckpt_rows, rows,
-                              parents).to(q.dtype)  # [T, Hv, Dv]
+    return scan_padded_chains(_update_, terms, ssm_states, slots, chains).to(q.dtype)  # [T, Hv, Dv]

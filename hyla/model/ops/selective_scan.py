@@ -41,6 +41,7 @@ from hyla.model.ops.tree import TokenTree, TreeScan, plan_scan, tree_scan
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
@@ -129,19 +130,16 @@ def _step_(h: torch.Tensor, x: torch.Tensor, dtf: torch.Tensor, decay: torch.Ten
 
 def selective_scan_chains(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                           D: torch.Tensor | None, dt_bias: torch.Tensor | None, ssm_states: torch.Tensor,
-                          slots: SlotPlan, ckpt_rows: torch.Tensor, rows: torch.Tensor | None = None,
-                          parents: torch.Tensor | None = None) -> torch.Tensor:
-    """A verify step of chains (or, with ``parents``, trees) padded to one width
-    (``gated_delta.gated_delta_rule_chains``' contract):
-    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded
-    row of each packed token of ``x``, raw ``dt [T, I]``, ``B, C [T, N]`` (None: already padded) ->
-    ``y [T, I]``, token by token with the decode step's arithmetic (the tree path's result, bitwise).
-    The state after padded token ``j < W - 1`` of sequence ``i`` goes to ``ssm_states[ckpt_rows[i, j]]``,
-    after the last to its own slot; nothing is read on the host, so the step compiles to one graph."""
+                          slots: SlotPlan, chains: PaddedChains) -> torch.Tensor:
+    """A verify step of chains (or trees) padded to one width (``chains``: ``varlen.PaddedChains``;
+    ``gated_delta.gated_delta_rule_chains``' contract): the packed tokens of ``x``, raw ``dt [T, I]``,
+    ``B, C [T, N]`` -> ``y [T, I]``, token by token with the decode step's arithmetic (the tree path's
+    result, bitwise). The state after padded token ``j < W - 1`` of sequence ``i`` goes to
+    ``ssm_states[chains.ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host,
+    so the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states)
     terms = (x, *_dt_terms(dt, A, dt_bias), B, C)  # (padding: zeros, decay 0)
-    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, ckpt_rows,
-                              rows, parents).to(x.dtype)  # [T, I]
+    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, chains).to(x.dtype)  # [T, I]
 
 
 CHUNK = 16

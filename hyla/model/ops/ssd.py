@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from hyla.model.ops.varlen import (
     CheckpointPlan,
     ChunkLayout,
+    PaddedChains,
     SlotPlan,
     VarlenPlan,
     as_slot_plan,
@@ -309,20 +310,15 @@ def mamba2_chains(
     dt_bias: torch.Tensor | None,
     ssm_states: torch.Tensor,
     slots: SlotPlan,
-    ckpt_rows: torch.Tensor,
-    rows: torch.Tensor | None = None,
+    chains: PaddedChains,
     dt_limit: tuple[float, float] | None = None,
-    parents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A verify step of chains (or, with ``parents``, trees) padded to one width
-    (``gated_delta.gated_delta_rule_chains``' contract):
-    ``B`` sequences of ``W = ckpt_rows.shape[1] + 1`` new tokens once padded, ``rows [T]`` the padded
-    row of each packed token of ``x [T, H, P]``, raw ``dt [T, H]``, ``B, C [T, G, N]`` (None: already
-    padded) -> ``y [T, H, P]``, token by token with the decode step's arithmetic (the tree path's
-    result, bitwise). The state after padded token ``j < W - 1`` of sequence ``i`` goes to
-    ``ssm_states[ckpt_rows[i, j]]``, after the last to its own slot; nothing is read on the host, so
-    the step compiles to one graph."""
+    """A verify step of chains (or trees) padded to one width (``chains``: ``varlen.PaddedChains``;
+    ``gated_delta.gated_delta_rule_chains``' contract): the packed tokens of ``x [T, H, P]``, raw
+    ``dt [T, H]``, ``B, C [T, G, N]`` -> ``y [T, H, P]``, token by token with the decode step's
+    arithmetic (the tree path's result, bitwise). The state after padded token ``j < W - 1`` of
+    sequence ``i`` goes to ``ssm_states[chains.ckpt_rows[i, j]]``, after the last to its own slot;
+    nothing is read on the host, so the step compiles to one graph."""
     check_inputs(x, dt, A, B, C, D, dt_bias, ssm_states, dt_limit)
     terms = (x, *_dt_terms(dt, A, dt_bias, dt_limit), B, C)  # (padding: zeros, decay 0)
-    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, ckpt_rows,
-                              rows, parents).to(x.dtype)  # [T, H, P]
+    return scan_padded_chains(functools.partial(_step_, D=D), terms, ssm_states, slots, chains).to(x.dtype)  # [T, H, P]

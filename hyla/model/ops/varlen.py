@@ -298,21 +298,38 @@ def update_on_pool(update_: Callable[..., torch.Tensor], terms: Sequence[torch.T
     return out
 
 
-def check_chains(num_tokens: int, slots: "SlotPlan", ckpt_rows: torch.Tensor,
-                 rows: torch.Tensor | None, parents: torch.Tensor | None = None) -> tuple[int, int]:
-    """``(B, W)`` of a verify step of padded chains (``gated_delta_rule_chains``,
-    ``causal_conv1d_chains``): ``ckpt_rows [B, W-1]``, ``B`` state slots, and ``num_tokens`` packed
-    tokens with their padded ``rows`` (None: ``B * W`` tokens, already padded); ``parents``, padded
-    trees' ``[B, W]`` (``ForwardBatch.chain_parents``, its values checked there); ``ValueError`` else."""
-    batch, width = ckpt_rows.shape[0], ckpt_rows.shape[1] + 1
-    if num_tokens != (batch * width if rows is None else rows.shape[0]) or slots.batch_size != batch:
-        raise ValueError(f"{num_tokens} tokens, {slots.batch_size} state slots and checkpoint rows "
-                         f"{list(ckpt_rows.shape)} are not {batch} chains of at most {width}")
-    if parents is not None and (parents.dim() != 2 or parents.shape[0] != batch or parents.shape[1] != width
-                                or parents.dtype != torch.long):
-        raise ValueError(f"parents must be int64 [{batch}, {width}] (padded trees), got "
-                         f"{parents.dtype} {list(parents.shape)}")
-    return batch, width
+@dataclass(frozen=True)
+class PaddedChains:
+    """The layout of a verify step of *padded chains*, what a compiled verify step runs: ``B``
+    sequences whose new tokens (``1..W`` each) are laid out padded to one width ``W`` inside the
+    recurrent ops, so that every shape depends on ``B``, ``W`` and the token count alone.
+
+    * ``ckpt_rows [B, W-1]``: the state slots the states after columns ``0..W-2`` go to (a sequence's
+      own slot gets the state after the last column, padding included: the caller takes the state
+      after a chain's last real token from its checkpoint row).
+    * ``rows [T]``: the padded row ``i * W + j`` of each of the ``T`` packed tokens; None: the tokens
+      come padded already (``T = B * W``).
+    * ``parents [B, W]`` int64: padded *trees*, column ``j > 0`` continuing column ``parents[:, j]``, an
+      earlier one (column 0 the slot's state; padding continues the column before it); None: chains.
+
+    ``ForwardBatch`` builds it and validates the values (slots, trees) on the host; the ops check the
+    shapes (:meth:`check`)."""
+
+    ckpt_rows: torch.Tensor
+    rows: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+
+    def check(self, num_tokens: int, slots: "SlotPlan") -> tuple[int, int]:
+        """``(B, W)``, the layout's shapes checked against ``num_tokens`` packed tokens and ``B`` state
+        slots; ``ValueError`` else."""
+        batch, width = self.ckpt_rows.shape[0], self.ckpt_rows.shape[1] + 1
+        if num_tokens != (batch * width if self.rows is None else self.rows.shape[0]) or slots.batch_size != batch:
+            raise ValueError(f"{num_tokens} tokens, {slots.batch_size} state slots and checkpoint rows "
+                             f"{list(self.ckpt_rows.shape)} are not {batch} chains of at most {width}")
+        p = self.parents
+        if p is not None and (p.dim() != 2 or p.shape[0] != batch or p.shape[1] != width or p.dtype != torch.long):
+            raise ValueError(f"parents must be int64 [{batch}, {width}] (padded trees), got {p.dtype} {list(p.shape)}")
+        return batch, width
 
 
 def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -322,24 +339,24 @@ def scatter_rows(x: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Te
 
 
 def scan_padded_chains(update_: Callable[..., torch.Tensor], terms: Sequence[torch.Tensor],
-                       ssm_states: torch.Tensor, slots: "SlotPlan", ckpt_rows: torch.Tensor,
-                       rows: torch.Tensor | None, parents: torch.Tensor | None = None) -> torch.Tensor:
+                       ssm_states: torch.Tensor, slots: "SlotPlan", chains: PaddedChains) -> torch.Tensor:
     """The loop of every recurrent op's padded chains (``gated_delta.gated_delta_rule_chains``' contract,
-    checked by :func:`check_chains`: ``ValueError`` before any pool write): the packed per-token ``terms [T, ...]`` (the op's decode
-    factors, computed once for all the tokens as its tree path computes them) laid out padded (``rows``;
+    ``chains`` checked by ``PaddedChains.check``: ``ValueError`` before any pool write): the packed per-token ``terms [T, ...]`` (the op's decode
+    factors, computed once for all the tokens as its tree path computes them) laid out padded (``chains.rows``;
     padding rows all zeros), then ``update_(S, *terms of column j) -> out_j`` on fp32 copies ``S`` of
     ``ssm_states[slots]``, column by column: the state after column ``j < W - 1`` goes to
-    ``ssm_states[ckpt_rows[:, j]]``, after the last to the slots. A pool of another dtype than fp32 has
+    ``ssm_states[chains.ckpt_rows[:, j]]``, after the last to the slots. A pool of another dtype than fp32 has
     ``S`` rounded to it after every token, as the tree scan's lanes (pool rows) and decode steps are.
     -> fp32 ``[T, ...]`` (packed again). Fixed shapes, no host read: one graph under ``torch.compile``.
 
-    *Padded trees* (``parents [B, W]``: column ``j > 0`` continues column ``parents[:, j]``, an
+    *Padded trees* (``chains.parents``: column ``j > 0`` continues column ``parents[:, j]``, an
     earlier one; column 0 the slot's state): column ``j`` starts from a copy of its parent's state,
     gathered from a buffer of the states after the columns before it (the values their checkpoint
     rows hold), not read back from the pool: inductor's code (``realize_opcount_threshold`` 4, the
     runner's graph of more rows) read such rows wrong at batch size 1. One gather and one copy per
     column. Chains are the trees whose parents are ``j - 1``."""
-    batch, width = check_chains(terms[0].shape[0], slots, ckpt_rows, rows, parents)
+    batch, width = chains.check(terms[0].shape[0], slots)
+    ckpt_rows, rows, parents = chains.ckpt_rows, chains.rows, chains.parents
     if rows is not None:
         terms = [scatter_rows(t, rows, batch * width) for t in terms]
     terms = [t.view(batch, width, *t.shape[1:]) for t in terms]
