@@ -415,6 +415,25 @@ def test_deferred_saves_hold_bounded_staging_memory(monkeypatch) -> None:
         tree.evict(10)
         assert host.num_in_flight == 1 and host.staged_bytes == one  # the save before it landed
     assert [load_and_check(tree, host, x) for x in xs] == [10] * 5
+    monkeypatch.setattr(host_cache, "MAX_STAGED_BYTES", one - 1)  # a save larger than the cap alone: not deferred
+    y = tokens_of(12, 99)
+    put(tree, y)
+    tree.evict(64)
+    assert host.num_in_flight == 0 and host.staged_bytes == 0 and load_and_check(tree, host, y) == 12
+
+
+def test_a_checkpoint_only_save_in_flight_lands_before_its_load() -> None:
+    """A save that adds only a checkpoint (the host holds its path's KV already) is in flight with no KV rows:
+    a load of that prefix lands it for its state slot."""
+    tree, host = make(kv_tokens=64, host_tokens=64, host_slots=4, defer=True)
+    x = tokens_of(20, 5)
+    put(tree, x)
+    tree.evict(64)
+    host.land()
+    put(tree, x[:10])  # a checkpoint at 10, whose KV the host holds
+    tree.evict(64)
+    assert host.num_in_flight == 1 and host._in_flight[0].kv_rows.size == 0
+    assert load_and_check(tree, host, x[:10]) == 10
 
 
 def test_a_deferred_copy_lands_in_host_memory_only() -> None:

@@ -29,8 +29,9 @@ How it works:
   (a ``Landing``), oldest first: all of them once the scheduler has launched a step (``land``: the
   host would wait for the device next anyway, and the copies were queued before the step's
   kernels), and whenever the host tier is entered, those whose copies are done. A load first lands
-  every save (up to the last) that wrote a row it reads; past ``MAX_STAGED_BYTES`` of staging
-  memory a save lands the oldest. Until its rows land, a saved prefix is in the host tree with
+  every save (up to the last) that wrote a row it reads; a save that would take the staging memory
+  past ``MAX_STAGED_BYTES`` lands the oldest first (one larger than that alone is copied a block at
+  a time, waiting for each). Until its rows land, a saved prefix is in the host tree with
   rows that nothing reads.
 
 Copies are exact (the same bytes), so a hit from the host changes no output: the engine's
@@ -148,32 +149,33 @@ class HostCache:
                 return
             new = self.kv_pool.alloc(n - have) if n > have else torch.zeros(0, dtype=torch.int64)
             host_slot = self.state_pool.alloc(1, zero=False) if state is not None else None
+            size = (n - have) * self.kv_pool.bytes_per_token + (self.state_pool.bytes_per_slot if state is not None else 0)
+            defer = self.defer and size <= MAX_STAGED_BYTES  # (a larger save: copied a block at a time, waiting)
+            while defer and self._in_flight and self._staged_bytes + size > MAX_STAGED_BYTES:
+                self._land(1)
             try:
-                landings = [self.kv_pool.copy_from(device.kv_pool, slots[have:], new, self.defer)]
+                landings = [self.kv_pool.copy_from(device.kv_pool, slots[have:], new, defer)]
                 if host_slot is not None:
-                    landings.append(self.state_pool.copy_from(device.state_pool, [state], host_slot, self.defer))
+                    landings.append(self.state_pool.copy_from(device.state_pool, [state], host_slot, defer))
+                ckpts = [(n, int(host_slot[0]))] if host_slot is not None else []
+                self._stage([x for x in landings if x is not None], new, host_slot)
+                self.tree.insert(tokens, torch.cat([hit.kv_only_indices, new]), ckpts, namespace)
             except BaseException:  # (a copy out of memory): nothing kept, nothing leaked
                 self.kv_pool.free(new)
                 if host_slot is not None:
                     self.state_pool.free(host_slot)
                 raise
-            ckpts = [(n, int(host_slot[0]))] if host_slot is not None else []
-            self._stage([x for x in landings if x is not None], new, host_slot)
-            self.tree.insert(tokens, torch.cat([hit.kv_only_indices, new]), ckpts, namespace)
             self.num_saved_tokens += n - have
             self.num_saved_checkpoints += len(ckpts)
         finally:
             self.tree.dec_lock_ref(hit.kv_only_node)
 
     def _stage(self, landings: list[Landing], kv_rows: torch.Tensor, state_slot: torch.Tensor | None) -> None:
-        """Keep a save's ``landings`` (none: its rows are in place) until they land; past
-        ``MAX_STAGED_BYTES`` in flight, land the oldest."""
+        """Keep a save's ``landings`` (none: its rows are in place) until they land."""
         if not landings:
             return
         self._in_flight.append(_Save(landings, kv_rows.numpy(), None if state_slot is None else int(state_slot[0])))
         self._staged_bytes += sum(x.nbytes for x in landings)
-        while self._staged_bytes > MAX_STAGED_BYTES:
-            self._land(1)
 
     def land(self) -> None:
         """Land every save in flight, waiting for their copies (the scheduler's call after it launched

@@ -107,9 +107,10 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
     rows) run after it. Into a device, the host's rows go through pinned memory. Into host memory,
     the rows land in pinned staging memory first, and only the host can scatter them from there:
     with ``defer`` the copy returns that :class:`Landing` for the caller to land when it must (the
-    host tier's saves); without, it lands at once (the host waits for the copy, and so for the
-    kernels queued before it). ``defer`` needs host destinations; from host memory a deferred copy
-    stages the rows at once and lands them when told."""
+    host tier's saves: their staging memory is the whole copy's); without, each block lands at once
+    (the host waits for its copy, and so for the kernels queued before it). ``defer`` needs host
+    destinations; from host memory a deferred copy stages the rows at once and lands them when told.
+    Into a device, at most two blocks' pinned memory is in flight: the third waits for the first's copy."""
     # (a conv-only model's empty SSM buffers left out; float8 KV buffers moved as their bytes)
     pairs = [(as_bytes(d), as_bytes(s)) for d, s in zip(dst, src, strict=True) if s.numel()]
     n = len(src_rows)
@@ -122,6 +123,7 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
     si = to_device(src_rows, torch.long, src_device)
     di = to_device(dst_rows, torch.long, dst_device)
     staged_blocks = []
+    loads: list[torch.cuda.Event] = []  # into a device: the copies of the blocks in flight
     for dtype in dict.fromkeys(s.dtype for _, s in pairs):
         group = [(d, s) for d, s in pairs if s.dtype == dtype]
         row_bytes = sum(s[0].numel() for _, s in group) * group[0][1].element_size()
@@ -131,23 +133,35 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
             moved = torch.cat([s.index_select(0, sb).reshape(len(sb), -1) for _, s in group], dim=1)
             dsts = [d for d, _ in group]
             if to_host and (defer or src_device.type != "cpu"):
-                if src_device.type == "cuda":
-                    staged = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
-                    staged.copy_(moved, non_blocking=True)
-                    moved = staged
-                staged_blocks.append((dsts, db, moved))
+                staged = (dsts, db, _stage_on_host(moved))
+                if defer:
+                    staged_blocks.append(staged)
+                else:  # one block of staging memory at a time
+                    Landing([staged], _recorded(src_device)).land()
                 continue
-            if moved.device != dst_device:  # into a device: from host memory through pinned memory
-                moved = to_device(moved, moved.dtype, dst_device) if moved.device.type == "cpu" else moved.to(dst_device)
-            _scatter(dsts, db, moved)
+            if moved.device.type == "cpu" and dst_device.type == "cuda":  # through pinned memory
+                if len(loads) == 2:  # at most two blocks' pinned memory in flight
+                    loads.pop(0).synchronize()
+                moved = to_device(moved, moved.dtype, dst_device)
+                loads.append(_recorded(dst_device))
+            _scatter(dsts, db, moved.to(dst_device))
     if not staged_blocks:
         return None
-    event = None
-    if src_device.type == "cuda":
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(src_device))
-    landing = Landing(staged_blocks, event)
-    if not defer:
-        landing.land()
+    return Landing(staged_blocks, _recorded(src_device))
+
+
+def _stage_on_host(moved: torch.Tensor) -> torch.Tensor:
+    """Rows gathered on a device copied, without waiting, into pinned host memory (a host tensor as it is)."""
+    if moved.device.type != "cuda":
+        return moved
+    staged = torch.empty(moved.shape, dtype=moved.dtype, pin_memory=True)
+    return staged.copy_(moved, non_blocking=True)
+
+
+def _recorded(device: torch.device) -> "torch.cuda.Event | None":
+    """An event recorded on ``device``'s current stream, after what is queued there (None off CUDA)."""
+    if device.type != "cuda":
         return None
-    return landing
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event

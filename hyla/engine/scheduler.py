@@ -366,6 +366,9 @@ class Scheduler:
                 tokens = tokens.index_select(0, index)
             self.inflight = (nxt, self.run(nxt, input_ids=tokens))
             self.num_overlapped_steps += 1
+        # the saves queued before the next step's kernels (the releases below queue theirs after them: landing
+        # those now would wait for that step)
+        self.cache.land_host_saves()
         finished, failed = self.output.complete(draw)
         held = set(nxt.reqs) if nxt is not None else set()
         for r in finished:
@@ -377,7 +380,6 @@ class Scheduler:
                     self.output.set_finished(r, abort_reason(CONSUMER_FAILED, "consumer"))
             else:
                 self.abort(r.rid, message=CONSUMER_FAILED, cause="consumer")
-        self.cache.land_host_saves()  # while the device runs the next step
         self._after_decode(len(batch.reqs), len(live))
 
     def _overlap_next(self, draw) -> Batch | None:
