@@ -137,7 +137,7 @@ for s in "$@"; do
                      | tee "$out/startup.log" | tail -14 ;;
         mixed) timeout 200 python3 benchmarks/mixed_chunk.py --device cuda --gpu-model --repeats 3 2>&1 \
                      | tee "$out/mixed.log" | tail -10 ;;
-        hicache) timeout 300 python3 benchmarks/host_cache.py --device cuda --gpu-model --repeats 3 --ratios 8 --waiting-saves 2>&1 \
+        hicache) timeout 420 python3 benchmarks/host_cache.py --device cuda --gpu-model --repeats 3 --ratios 8 --waiting-saves 2>&1 \
                      | tee "$out/hicache.log" | tail -10 ;;
         profile) timeout 200 python3 benchmarks/gpu_profile.py --out "$out/profile" --batches 1 --no-traces 2>&1 \
                      | tee "$out/profile.log" | tail -60 ;;
