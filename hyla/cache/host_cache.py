@@ -90,7 +90,6 @@ class HostCache:
         self.tree = RadixCache(kv_pool, state_pool=state_pool)
         self.defer = device_tree.kv_pool.device.type == "cuda" if defer is None else defer
         self._in_flight: deque[_Save] = deque()  # saves not landed yet, oldest first
-        self._staged_bytes = 0  # the staging memory they hold
         self.reset_counters()
         device_tree.on_evict = self.save
 
@@ -151,7 +150,7 @@ class HostCache:
             host_slot = self.state_pool.alloc(1, zero=False) if state is not None else None
             size = (n - have) * self.kv_pool.bytes_per_token + (self.state_pool.bytes_per_slot if state is not None else 0)
             defer = self.defer and size <= MAX_STAGED_BYTES  # (a larger save: copied a block at a time, waiting)
-            while defer and self._in_flight and self._staged_bytes + size > MAX_STAGED_BYTES:
+            while defer and self._in_flight and self.staged_bytes + size > MAX_STAGED_BYTES:
                 self._land(1)
             try:
                 landings = [self.kv_pool.copy_from(device.kv_pool, slots[have:], new, defer)]
@@ -175,7 +174,6 @@ class HostCache:
         if not landings:
             return
         self._in_flight.append(_Save(landings, kv_rows.numpy(), None if state_slot is None else int(state_slot[0])))
-        self._staged_bytes += sum(x.nbytes for x in landings)
 
     def land(self) -> None:
         """Land every save in flight, waiting for their copies (the scheduler's call after it launched
@@ -188,9 +186,7 @@ class HostCache:
         ``at_least`` of them (waiting for their copies)."""
         q = self._in_flight
         while q and (at_least > 0 or all(x.ready() for x in q[0].landings)):
-            save = q.popleft()
-            for x in save.landings:
-                self._staged_bytes -= x.nbytes
+            for x in q.popleft().landings:
                 x.land()
             at_least -= 1
 
@@ -202,7 +198,7 @@ class HostCache:
     @property
     def staged_bytes(self) -> int:
         """The staging memory the saves in flight hold."""
-        return self._staged_bytes
+        return sum(x.nbytes for save in self._in_flight for x in save.landings)
 
     def _free_slots(self) -> int:
         return self.state_pool.available_size() if self.state_pool is not None else 0
@@ -251,12 +247,12 @@ class HostCache:
         device = self.device_tree
         if len(kv_slots) != hit.prefix_len - start:
             raise ValueError(f"load of positions [{start}, {hit.prefix_len}) into {len(kv_slots)} KV slots")
-        rows = hit.kv_indices[start:].numpy()
+        rows = hit.kv_indices[start:]
         writers = [i for i, save in enumerate(self._in_flight)
                    if (hit.state_slot is not None and save.state_slot == hit.state_slot)
-                   or np.isin(save.kv_rows, rows).any()]
+                   or np.isin(save.kv_rows, rows.numpy()).any()]
         self._land(writers[-1] + 1 if writers else 0)  # the rows it reads are in place
-        device.kv_pool.copy_from(self.kv_pool, hit.kv_indices[start:], kv_slots)
+        device.kv_pool.copy_from(self.kv_pool, rows, kv_slots)
         self.num_loaded_tokens += len(kv_slots)
         if hit.state_slot is not None:
             device.state_pool.copy_from(self.state_pool, [hit.state_slot], [state_slot])
@@ -269,7 +265,6 @@ class HostCache:
         """Drop everything the host holds (a flush of the cache: new weights, ``flush_cache``), the saves
         in flight too (their staging memory is freed once their copies are done)."""
         self._in_flight.clear()
-        self._staged_bytes = 0
         self.tree.reset()
 
     @property

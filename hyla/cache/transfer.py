@@ -77,7 +77,7 @@ class Landing:
 
     def land(self) -> None:
         """Wait for the staging copies and scatter the rows into the destination buffers; idempotent."""
-        if self._event is not None and not self._event.query():  # (a done copy: no wait at all)
+        if self._event is not None:
             self._event.synchronize()
         for dst, rows, staged in self._blocks:
             _scatter(dst, rows, staged)
@@ -100,7 +100,7 @@ def copy_rows(dst: Sequence[torch.Tensor], dst_rows, src: Sequence[torch.Tensor]
     """``dst[i][dst_rows] = src[i][src_rows]`` for each buffer pair, the two sides on any devices
     (a cache's host and device tiers; the pairs agree in row shape and dtype). The rows are gathered
     where they are, moved one transfer per dtype and block of rows (``COPY_BLOCK_BYTES``: a long
-    prefix's copy needs no buffer of its size) and scattered where they go.
+    prefix's copy needs no device buffer of its size) and scattered where they go.
 
     No transfer waits for the device. Every copy runs on the stream in its order: it reads the rows
     the kernels queued before it wrote, and the kernels queued after it (which may reuse the source
