@@ -7,6 +7,7 @@ import logging
 import random
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,9 +243,11 @@ class _FakeReq:
     (dict(input_ids=[]), "empty"),
     (dict(input_ids=[1, 2, 99999]), "outside the vocabulary"),
     (dict(input_ids=[1, -3]), "outside the vocabulary"),
-    (dict(input_ids=[1, True, 2]), "token id True"),  # bools are not token ids (the fast path's set of types)
-    (dict(input_ids=[1, 2.0]), "token id 2.0"),
-    (dict(input_ids=[1, "3"]), "token id '3'"),
+    (dict(input_ids=[1, True, 2]), "token id True is not an integer"),  # bools are not token ids
+    (dict(input_ids=[1, np.bool_(True)]), "token id np.True_ is not an integer"),
+    (dict(input_ids=[1, 2.0]), "token id 2.0 is not an integer"),
+    (dict(input_ids=[1, "3"]), "token id '3' is not an integer"),
+    (dict(input_ids=[1, np.int64(99999)]), r"token id 99999 is outside the vocabulary"),
     (dict(input_ids=[1] * 9000), "context length"),
     (dict(input_ids=[1, 2], sampling_params={"temperature": -1}), "temperature"),
     (dict(input_ids=[1, 2], sampling_params={"top_p": 0}), "top_p"),
@@ -285,6 +288,18 @@ def test_bad_requests_raise_and_leave_others_untouched(engine, kwargs, match):
         engine.generate(**kwargs)
     rest = list(stream)
     assert rest[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_integer_scalars_of_numpy_and_torch_are_token_ids(engine):
+    """``list(array)`` and ``list(tensor)`` give a prompt of integer scalars: they are its token ids, and the
+    request is the one of plain ints (the tree keys on plain ints)."""
+    ids = _ids(16, 5)
+    greedy = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+    want = engine.generate(input_ids=ids, sampling_params=greedy)["output_ids"]
+    for given in (list(np.array(ids)), list(np.array(ids, dtype=np.int32)), list(torch.tensor(ids))):
+        assert engine.generate(input_ids=given, sampling_params=greedy)["output_ids"] == want
     engine.wait_idle()
     engine.check_integrity()
 
