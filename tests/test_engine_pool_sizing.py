@@ -159,8 +159,30 @@ def test_a_host_tier_larger_than_the_ram_is_refused(qwen3_next_dense_path, monke
         planned = e.cache.host.total_bytes
         assert planned == e.cache.host.planned_bytes(e.model_config.cache_layout, e.tree, 1200, 40)
     monkeypatch.setattr(engine_module, "_available_ram", lambda: planned - 1)
-    with pytest.raises(ValueError, match=r"host pools need .* GiB, more than the .* GiB of RAM available"):
+    with pytest.raises(ValueError, match=r"host pools .* need .* GiB, more than the .* GiB of RAM available"):
         Engine(qwen3_next_dense_path, **opts)
     monkeypatch.setattr(engine_module, "_available_ram", lambda: planned)
     with Engine(qwen3_next_dense_path, **opts) as e:
         assert e.cache.host.total_bytes == planned
+
+
+def test_a_host_tier_under_a_gpu_plans_its_pinned_staging_too():
+    """Under a CUDA device's tree the plan adds the pinned memory the tier's copies may hold: the saves in
+    flight (1 GiB, or the pools' size where smaller) and a load's two blocks."""
+    from types import SimpleNamespace
+
+    from hyla.cache import HostCache
+    from hyla.cache.host_cache import MAX_STAGED_BYTES
+    from hyla.cache.layout import CacheLayout
+    from hyla.cache.transfer import COPY_BLOCK_BYTES
+
+    layout = CacheLayout(num_attention_layers=2, num_kv_heads=2, head_dim=4, num_linear_layers=1, conv_shape=(8, 3),
+                         ssm_shape=(8, 8))
+
+    def tree(device):
+        return SimpleNamespace(page_size=1, state_pool=object(), kv_pool=SimpleNamespace(device=torch.device(device)))
+    for tokens, slots in ((1000, 10), (10_000_000, 10)):
+        pools = HostCache.planned_bytes(layout, tree("cpu"), tokens, slots)
+        assert pools == (tokens + 1) * layout.kv_bytes_per_token + (slots + 1) * layout.state_bytes_per_slot
+        staged = min(MAX_STAGED_BYTES, pools) + 2 * COPY_BLOCK_BYTES
+        assert HostCache.planned_bytes(layout, tree("cuda"), tokens, slots) == pools + staged

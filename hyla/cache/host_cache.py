@@ -54,7 +54,7 @@ from hyla.cache.layout import CacheLayout
 from hyla.cache.radix_cache import RadixCache
 from hyla.cache.radix_types import MatchResult, TreeNode
 from hyla.cache.state_pool import StatePool
-from hyla.cache.transfer import Landing
+from hyla.cache.transfer import COPY_BLOCK_BYTES, Landing
 
 # the staging memory (pinned host memory) the saves still in flight may hold; past it a save waits
 # for the oldest to land
@@ -113,12 +113,23 @@ class HostCache:
 
     @classmethod
     def planned_bytes(cls, layout: CacheLayout, device_tree: RadixCache, num_tokens: int, num_slots: int) -> int:
-        """What :meth:`from_layout`'s host pools would occupy, computed before building them (the
-        engine checks it against the RAM): the pools' own ``bytes_for`` at the sizes they would get."""
+        """What :meth:`from_layout`'s host tier would occupy, computed before building it (the engine
+        checks it against the RAM): the pools' own ``bytes_for`` at the sizes they would get, and
+        under a CUDA device's tree the pinned memory its copies may hold (:meth:`staging_bytes`)."""
         ps = device_tree.page_size
         tokens, slots = cls._sizes(ps, num_tokens, num_slots)
         states = StatePool.bytes_for(slots, layout.state_bytes_per_slot) if device_tree.state_pool is not None else 0
-        return KVPool.bytes_for(tokens, ps, layout.kv_bytes_per_token) + states
+        pools = KVPool.bytes_for(tokens, ps, layout.kv_bytes_per_token) + states
+        return pools + (cls.staging_bytes(pools) if device_tree.kv_pool.device.type == "cuda" else 0)
+
+    @staticmethod
+    def staging_bytes(pool_bytes: int) -> int:
+        """The pinned host memory a tier with pools of ``pool_bytes`` may hold besides them under a
+        CUDA device, at most: its saves in flight (``MAX_STAGED_BYTES``, or the pools' size where
+        smaller: a save fits in them) and a load's two blocks in flight (``COPY_BLOCK_BYTES`` each).
+        PyTorch's pinned allocator keeps the blocks it has handed out for reuse, so the process holds
+        this once a burst of evictions has used it (a block rounded up to a power of two)."""
+        return min(MAX_STAGED_BYTES, pool_bytes) + 2 * COPY_BLOCK_BYTES
 
     @staticmethod
     def _sizes(page_size: int, num_tokens: int, num_slots: int) -> tuple[int, int]:

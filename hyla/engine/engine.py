@@ -302,7 +302,8 @@ class Engine:
                                                        layout.state_bytes_per_slot)
             host_bytes = HostCache.planned_bytes(layout, self.tree, host_tokens, host_slots)
             if host_bytes > _available_ram():
-                raise ValueError(f"the hierarchical cache's host pools need {host_bytes / 2**30:.1f} GiB, more than the "
+                raise ValueError(f"the hierarchical cache's host pools (and their copies' pinned staging on a GPU) "
+                                 f"need {host_bytes / 2**30:.1f} GiB, more than the "
                                  f"{_available_ram() / 2**30:.1f} GiB of RAM available: lower hicache_ratio or "
                                  "hicache_size")
             self.host_cache = HostCache.from_layout(layout, self.tree, host_tokens, host_slots)
