@@ -3,6 +3,7 @@
     hyla serve ...   OpenAI-compatible HTTP server          (hyla/server/cli.py)
     hyla sim ...     trace-driven prefix-cache simulator    (hyla/sim/cli.py)
     hyla bench ...   serving benchmark client               (hyla/bench/cli.py)
+    hyla route ...   router over data-parallel servers       (hyla/router/cli.py)
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``; they are imported
 lazily so that `hyla sim` never pays for importing the server, and vice versa.
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "serve": ("hyla.server.cli", "Start the OpenAI-compatible HTTP server."),
     "sim": ("hyla.sim.cli", "Replay a request trace through the prefix cache in accounting mode."),
     "bench": ("hyla.bench.cli", "Benchmark a running OpenAI-compatible server."),
+    "route": ("hyla.router.cli", "Route requests over data-parallel servers, each to where its prefix is cached."),
 }
 
 

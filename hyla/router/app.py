@@ -1,0 +1,365 @@
+"""The router's HTTP app: one address in front of data-parallel ``hyla serve`` workers.
+
+    hyla route --worker-urls http://gpu0:30000 http://gpu1:30000 --port 30100
+
+Every request is forwarded as it came (method, path, query, body, the client's ``Authorization``)
+to one worker, and the worker's answer comes back as it is, a stream chunk by chunk. Which worker:
+
+* ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/responses``: the policy
+  (``policy.Router``: cache-aware by default) on the request's routing key (``routing_key``);
+* ``/v1/responses`` with a ``previous_response_id``, and ``GET /v1/responses/{id}``: the worker that
+  made that response (it alone stores it), when the router saw it made (a stream's id is read from
+  its first event); a ``GET`` of one it did not see asks each worker in turn;
+* ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every worker (the
+  answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the router's
+  tables);
+* anything else (``/v1/models``, ``/tokenize``, ``/get_model_info``...): the least loaded worker.
+
+The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``GET /workers`` (each
+worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
+(Prometheus).
+
+A worker is healthy until a connection to it fails or its ``/health`` does not answer 200 (checked
+every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
+passes again. A request whose connection fails before the worker answered is sent to another
+worker (each at most once); with none left the client gets a 503 with an OpenAI-style body. A
+client that disconnects from a stream closes the worker's stream, which aborts the request there.
+The router keeps no model and imports no torch: it runs anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections import OrderedDict
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from hyla.router.policy import Router
+
+logger = logging.getLogger("hyla.router")
+
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
+BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
+# request headers a worker needs; hop-by-hop ones (Connection, Content-Length: httpx sets it) are not forwarded
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent", "x-request-id")
+DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive")
+RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
+MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently made dropped first
+
+
+def error_body(message: str, type: str = "service_unavailable", code: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error body."""
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
+
+
+def routing_key(path: str, body: Any) -> str | list[int] | None:
+    """What a request is routed by: its prompt as the client sent it (the module docstring of
+    ``policy``), or None where it has none the router can read (the worker answers such a request;
+    the router only picks where)."""
+    if not isinstance(body, dict):
+        return None
+    if path == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        tools = body.get("tools")
+        return (json.dumps(tools, sort_keys=True) if tools else "") + json.dumps(messages, sort_keys=True)
+    if path == "/v1/completions":
+        prompt = body.get("prompt")
+    elif path == "/generate":
+        prompt = body.get("text") if body.get("text") is not None else body.get("input_ids")
+    elif path == "/v1/responses":
+        prompt = json.dumps([body.get("instructions"), body.get("input")], sort_keys=True)
+    else:
+        return None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: by its first prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return None
+
+
+def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
+    """The workers' base URLs without a trailing slash; ``ValueError`` for none, one that is not
+    http(s), or one given twice."""
+    urls = [u.rstrip("/") for u in worker_urls]
+    if not urls:
+        raise ValueError("the router needs a worker URL at least")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"a worker URL starts with http:// or https://, got {url!r}")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"a worker URL is given twice: {urls}")
+    return urls
+
+
+@dataclass
+class Worker:
+    url: str
+    healthy: bool = True
+    in_flight: int = 0  # requests forwarded whose answer has not been delivered whole
+    routed: int = 0  # requests forwarded in all
+
+
+class RouterApp:
+    """The state behind the app: the workers, the policy, the HTTP client, the metrics."""
+
+    def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
+                 connect_timeout: float = 5.0) -> None:
+        urls = check_worker_urls(worker_urls)
+        if len(router.tables) != len(urls):
+            raise ValueError(f"the policy has {len(router.tables)} workers, the URLs {len(urls)}")
+        if health_interval <= 0:
+            raise ValueError(f"health_interval must be > 0, got {health_interval}")
+        self.workers = [Worker(u) for u in urls]
+        self.router = router
+        self.health_interval = health_interval
+        # no read timeout: a long generation streams for minutes; connecting is what fails fast
+        self.timeout = httpx.Timeout(None, connect=connect_timeout)
+        self.client: httpx.AsyncClient | None = None
+        self.response_owner: OrderedDict[str, int] = OrderedDict()
+        self.registry = CollectorRegistry()
+        self.requests = Counter("hyla_router_requests", "Requests forwarded, by worker and why it was chosen.",
+                                ["worker", "reason"], registry=self.registry)
+        self.retries = Counter("hyla_router_retries", "Requests sent to another worker after a failed connection.",
+                               registry=self.registry)
+        self.in_flight = Gauge("hyla_router_in_flight", "Requests in flight, by worker.", ["worker"],
+                               registry=self.registry)
+        self.healthy = Gauge("hyla_router_worker_healthy", "1 while the worker is healthy.", ["worker"],
+                             registry=self.registry)
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle and health
+    # ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None,
+                                                                                  max_keepalive_connections=64))
+        await self.check_health()
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def check_health(self) -> None:
+        """Ask every worker's ``/health`` (at once): 200 within the connect timeout is healthy."""
+        async def one(w: Worker) -> None:
+            try:
+                r = await self.client.get(w.url + "/health", timeout=self.timeout.connect)
+                ok = r.status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok != w.healthy:
+                logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy")
+            self._set_health(w, ok)
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval)
+            with contextlib.suppress(Exception):  # (a check never ends the loop)
+                await self.check_health()
+
+    def _set_health(self, w: Worker, ok: bool) -> None:
+        w.healthy = ok
+        self.healthy.labels(w.url).set(1 if ok else 0)
+
+    # ------------------------------------------------------------------------------------------
+    # forwarding
+    # ------------------------------------------------------------------------------------------
+    def _pick(self, path: str, body: Any, tried: frozenset[int]) -> tuple[int, str]:
+        """The worker for the next try of a request (``ValueError``: none left)."""
+        loads = [w.in_flight for w in self.workers]
+        healthy = [w.healthy for w in self.workers]
+        owner = self.owner(path, body)
+        if owner is not None and healthy[owner] and owner not in tried:
+            return owner, "owner"
+        if path in ROUTED_PATHS:
+            return self.router.choose(routing_key(path, body), loads, healthy, exclude=tried)
+        live = [i for i in range(len(self.workers)) if healthy[i] and i not in tried]
+        if not live:
+            raise ValueError("no healthy worker")
+        return min(live, key=lambda i: (loads[i], i)), "load"
+
+    def owner(self, path: str, body: Any) -> int | None:
+        """The worker holding the stored response this request reads, if the router saw it made."""
+        if path == "/v1/responses" and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str):
+            return self.response_owner.get(body["previous_response_id"])
+        if path.startswith("/v1/responses/"):
+            return self.response_owner.get(path.split("/")[3])
+        return None
+
+    def _remember_response(self, chunk: bytes, worker: int) -> None:
+        m = RESPONSE_ID.search(chunk)
+        if m:
+            self.response_owner[m.group(1).decode()] = worker
+            self.response_owner.move_to_end(m.group(1).decode())
+            while len(self.response_owner) > MAX_REMEMBERED_RESPONSES:
+                self.response_owner.popitem(last=False)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send ``request`` to a worker (another one where connecting fails) and answer with the
+        worker's answer, a stream as a stream."""
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:  # the worker answers it (a 400)
+            body = None
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        tried: set[int] = set()
+        while True:
+            try:
+                i, why = self._pick(path, body, frozenset(tried))
+            except ValueError:
+                return JSONResponse(error_body("no worker is available: every worker is unhealthy or refused the "
+                                               "connection"), status_code=503)
+            w = self.workers[i]
+            upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=headers,
+                                                         params=request.query_params.multi_items())
+            w.in_flight += 1
+            self.in_flight.labels(w.url).inc()
+            try:
+                upstream = await self.client.send(upstream_request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                self._done(w)
+                logger.warning("worker %s refused a connection (%s): marked unhealthy", w.url, exc)
+                self._set_health(w, False)
+                tried.add(i)
+                self.retries.inc()
+                continue
+            except BaseException:
+                self._done(w)
+                raise
+            w.routed += 1
+            self.requests.labels(w.url, why).inc()
+            return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    def _done(self, w: Worker) -> None:
+        w.in_flight -= 1
+        self.in_flight.labels(w.url).dec()
+
+    def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool) -> Response:
+        """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
+        the worker's connection closes, when the last chunk is sent or the client has gone."""
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+
+        async def chunks() -> AsyncIterator[bytes]:
+            seen = b""
+            try:
+                async for chunk in upstream.aiter_raw():
+                    if remember and len(seen) < 4096:  # a response's id is in its first bytes (or event)
+                        seen += chunk
+                        self._remember_response(seen, index)
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                self._done(w)
+        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=headers)
+
+    async def broadcast(self, request: Request, path: str) -> Response:
+        """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
+        first worker's."""
+        raw = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        live = [w for w in self.workers if w.healthy]
+        if not live:
+            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+
+        async def one(w: Worker) -> httpx.Response | Exception:
+            try:
+                return await self.client.request(request.method, w.url + path, content=raw, headers=headers,
+                                                  params=request.query_params.multi_items())
+            except httpx.HTTPError as exc:
+                return exc
+        answers = await asyncio.gather(*(one(w) for w in live))
+        for w, a in zip(live, answers):
+            if isinstance(a, Exception):
+                return JSONResponse(error_body(f"worker {w.url} failed: {a!r}", type="bad_gateway"), status_code=502)
+        if path == "/flush_cache" and all(a.status_code == 200 for a in answers):
+            self.router.clear()
+        bad = [a for a in answers if a.status_code >= 400]
+        first = bad[0] if bad else answers[0]
+        headers = {k: v for k, v in first.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+        return Response(first.content, status_code=first.status_code, headers=headers)
+
+    async def search(self, request: Request, path: str) -> Response:
+        """A stored response the router did not see made (made before it started): asked of each
+        healthy worker in turn, the first answer other than a 404 returned (else the last 404)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        answer = None
+        for w in [w for w in self.workers if w.healthy]:
+            try:
+                answer = await self.client.request(request.method, w.url + path, headers=headers,
+                                                   params=request.query_params.multi_items())
+            except httpx.HTTPError:
+                continue
+            if answer.status_code != 404:
+                break
+        if answer is None:
+            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+        headers = {k: v for k, v in answer.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+        return Response(answer.content, status_code=answer.status_code, headers=headers)
+
+    def workers_info(self) -> list[dict[str, Any]]:
+        return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
+                 "table_blocks": len(self.router.tables[i])} for i, w in enumerate(self.workers)]
+
+
+def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
+                      balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
+                      health_interval: float = 5.0, connect_timeout: float = 5.0) -> FastAPI:
+    """The router's FastAPI app over ``worker_urls`` (the module docstring); ``app.state.router`` is
+    its ``RouterApp``."""
+    state = RouterApp(worker_urls, Router(len(check_worker_urls(worker_urls)), policy, cache_threshold, balance_abs, balance_rel,
+                                          max_blocks), health_interval, connect_timeout)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        checks = asyncio.create_task(state.health_loop())
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            await state.stop()
+
+    app = FastAPI(title="hyla router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        live = sum(w.healthy for w in state.workers)
+        body = {"status": "ok" if live else "unavailable", "healthy_workers": live, "workers": len(state.workers)}
+        return JSONResponse(body, status_code=200 if live else 503)
+
+    @app.get("/workers")
+    async def workers() -> JSONResponse:
+        return JSONResponse({"policy": state.router.policy, "workers": state.workers_info()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
+    async def proxy(request: Request, path: str) -> Response:
+        path = "/" + path
+        if path in BROADCAST_PATHS and request.method == "POST":
+            return await state.broadcast(request, path)
+        if path.startswith("/v1/responses/") and request.method == "GET" and state.owner(path, None) is None:
+            return await state.search(request, path)
+        return await state.forward(request, path)
+
+    return app

@@ -1,0 +1,57 @@
+"""``hyla route``: the router in front of data-parallel workers (``hyla serve`` on each GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from hyla.router.policy import POLICIES
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30100
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-urls", nargs="+", required=True, metavar="URL",
+                        help="The workers' base URLs (each a `hyla serve` of the same model), e.g. http://gpu0:30000.")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
+    parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                        help="How a worker is chosen (default cache_aware: where the prompt's longest prefix went).")
+    parser.add_argument("--cache-threshold", type=float, default=0.3,
+                        help="cache_aware: the share of the prompt a worker's prefix must cover to win over the "
+                             "least loaded worker (default 0.3).")
+    parser.add_argument("--balance-abs-threshold", type=int, default=64,
+                        help="cache_aware: the load is unbalanced (the least loaded worker is chosen) when the most "
+                             "loaded has this many requests in flight more than the least (default 64) ...")
+    parser.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                        help="... and more than this many times the least's (default 1.5).")
+    parser.add_argument("--max-table-blocks", type=int, default=1 << 18,
+                        help="cache_aware: prompt blocks remembered per worker, least recently used dropped "
+                             "(default 262144: 16 Mi characters of 64).")
+    parser.add_argument("--health-interval", type=float, default=5.0,
+                        help="Seconds between health checks of the workers (default 5).")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from hyla.router.app import create_router_app
+
+    if not 0 < args.port < 65536:
+        print(f"hyla route: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,
+                                balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
+                                max_blocks=args.max_table_blocks, health_interval=args.health_interval)
+    except ValueError as exc:
+        print(f"hyla route: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,289 @@
+"""``hyla route``: the cache-aware policy on its own, then the router in front of two real workers.
+
+The workers are two ``hyla serve`` apps in this process (``BackgroundServer``) on the tiny chat model
+of ``test_server_openai``; the router is its own uvicorn server on a thread. Every check compares
+what the router answers with what a worker answers directly, or follows a conversation to the
+worker holding its prefix (its later turns report cached tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from hyla.router.app import create_router_app, routing_key
+from hyla.router.policy import PrefixTable, Router, block_names
+from hyla.server.app import create_app
+from hyla.server.launch import BackgroundServer
+from test_server_openai import MODEL, SYSTEM, make_chat_model
+
+
+# ----------------------------------------------------------------------------------------------
+# the policy
+# ----------------------------------------------------------------------------------------------
+def test_block_names_name_prefixes():
+    a = block_names("x" * 64 + "y" * 64 + "z" * 10)
+    b = block_names("x" * 64 + "y" * 64 + "w" * 64)
+    assert len(a) == 2 and len(b) == 3 and a == b[:2]  # a partial block has no name
+    assert block_names("y" * 64 + "x" * 64)[1] != a[1]  # the same block after another prefix: another name
+    assert block_names(list(range(40)), block_tokens=16) == block_names(list(range(32)), block_tokens=16)
+    assert block_names("short") == [] and block_names([1, 2, 3]) == []
+
+
+def test_prefix_table_matches_the_longest_prefix_and_forgets_the_oldest():
+    t = PrefixTable(max_blocks=5)
+    names = block_names("a" * 64 * 4)
+    t.insert(names[:3])
+    assert t.match(names) == 3 and t.match(block_names("b" * 64 * 4)) == 0 and t.match([]) == 0
+    t.insert(block_names("c" * 64 * 3))  # 6 blocks: the oldest, the deepest of the first prompt, dropped
+    assert len(t) == 5 and t.match(names) == 2
+    t.insert(block_names("d" * 64 * 4))  # the first prompt's two others go, its first block last
+    assert t.match(names) == 0
+    with pytest.raises(ValueError, match="max_blocks"):
+        PrefixTable(0)
+
+
+def test_cache_aware_follows_prefixes_and_spreads_the_rest():
+    r = Router(3)
+    loads = [0, 0, 0]
+    convo = "system prompt " * 20
+    first, why = r.choose(convo, loads, [True] * 3)
+    assert why == "load"  # nothing cached anywhere yet
+    for turn in range(3):  # each later turn extends the key: the same worker, for the cache
+        convo += f" turn {turn} " * 30
+        loads[first] += 1  # (even when busier than the others)
+        assert r.choose(convo, loads, [True] * 3) == (first, "cache")
+    others = {r.choose(f"{i} another conversation " * 20, loads, [True] * 3)[0] for i in range(2)}
+    assert first not in others and len(others) == 2  # new prefixes go where the load and tables are least
+    # a prefix covering less than the threshold of the key does not attract it
+    assert r.choose(convo[:64] + "z" * 64 * 10, [0, 0, 0], [True] * 3)[1] == "load"
+
+
+def test_cache_aware_gives_way_to_an_unbalanced_load_and_skips_unhealthy_workers():
+    r = Router(2, balance_abs=4, balance_rel=1.5)
+    key = "k" * 640
+    w, _ = r.choose(key, [0, 0], [True, True])
+    other = 1 - w
+    loads = [0, 0]
+    loads[w] = 5  # 5 - 0 > 4 and 5 > 1.5 x 0
+    assert r.choose(key, loads, [True, True]) == (other, "balance")
+    assert r.choose(key, [0, 0], [w == 0, w == 1]) == (w, "cache")
+    healthy = [True, True]
+    healthy[w] = False
+    assert r.choose(key, [0, 0], healthy)[0] == other  # its prefix is on a worker that is down
+    assert r.choose(key, [0, 0], [True, True], exclude=frozenset({w}))[0] == other
+    with pytest.raises(ValueError, match="no healthy worker"):
+        r.choose(key, [0, 0], [False, False])
+
+
+def test_other_policies_and_bad_settings():
+    rr = Router(3, "round_robin")
+    assert [rr.choose("x", [0] * 3, [True, False, True])[0] for _ in range(4)] == [0, 2, 0, 2]
+    assert Router(2, "least_load").choose("x" * 640, [3, 1], [True, True]) == (1, "load")
+    assert {Router(4, "random", seed=s).choose(None, [0] * 4, [True] * 4)[0] for s in range(20)} == {0, 1, 2, 3}
+    for kw, match in ((dict(num_workers=0), "a worker at least"), (dict(policy="fastest"), "policy must be"),
+                      (dict(cache_threshold=1.5), "cache_threshold"), (dict(balance_rel=0.5), "balance_rel"),
+                      (dict(block_chars=0), "block sizes")):
+        with pytest.raises(ValueError, match=match):
+            Router(**{"num_workers": 2, **kw})
+
+
+def test_routing_keys_of_each_endpoint():
+    m1 = [SYSTEM, {"role": "user", "content": "hi"}]
+    m2 = m1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    k1, k2 = routing_key("/v1/chat/completions", {"messages": m1}), routing_key("/v1/chat/completions", {"messages": m2})
+    assert k2.startswith(k1[:-1])  # a later turn's key extends the earlier one's (but for the closing bracket)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert routing_key("/v1/chat/completions", {"messages": m1, "tools": tools}).startswith(json.dumps(tools, sort_keys=True))
+    assert routing_key("/v1/completions", {"prompt": "abc"}) == "abc"
+    assert routing_key("/v1/completions", {"prompt": ["abc", "d"]}) == "abc"
+    assert routing_key("/v1/completions", {"prompt": [[1, 2], [3]]}) == [1, 2]
+    assert routing_key("/generate", {"input_ids": [5, 6]}) == [5, 6]
+    assert routing_key("/generate", {"text": "t"}) == "t"
+    assert isinstance(routing_key("/v1/responses", {"input": "hi", "instructions": "be brief"}), str)
+    for path, body in (("/v1/chat/completions", {"messages": "x"}), ("/v1/completions", {"prompt": [True]}),
+                       ("/v1/completions", None), ("/tokenize", {"prompt": "x"})):
+        assert routing_key(path, body) is None
+
+
+def test_router_app_refuses_bad_worker_lists():
+    for urls, match in (([], "a worker URL at least"), (["gpu0:30000"], "starts with http"),
+                        (["http://a", "http://a/"], "given twice")):
+        with pytest.raises(ValueError, match=match):
+            create_router_app(urls)
+
+
+# ----------------------------------------------------------------------------------------------
+# the router in front of two workers
+# ----------------------------------------------------------------------------------------------
+class _Uvicorn:
+    """An app (the router) on a thread of this process, on a free port."""
+
+    def __init__(self, app) -> None:
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> "_Uvicorn":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the router did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+
+
+def _closed_port_url() -> str:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_ckpt_dir):
+    path = make_chat_model(tiny_ckpt_dir)
+    opts = dict(served_model_name=MODEL, max_total_tokens=16384, max_state_slots=64, chunked_prefill_size=512)
+    with BackgroundServer(create_app(path, **opts)) as a, BackgroundServer(create_app(path, **opts)) as b:
+        yield [a, b]
+
+
+@pytest.fixture
+def router(workers):
+    for w in workers:  # every test starts from empty caches
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    with _Uvicorn(create_router_app([w.url for w in workers], health_interval=0.2)) as r:
+        yield r
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _chat(client: openai.OpenAI, messages: list[dict], **kw):
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0, **kw)
+
+
+def test_conversations_stay_with_their_cache_and_answer_as_a_worker_does(workers, router):
+    """Four conversations of three turns through the router: every later turn finds its history cached
+    (it went to the worker holding it), both workers serve some, and each answer is the one a worker
+    gives directly."""
+    via = _client(router.url)
+    convos = [[SYSTEM, {"role": "user", "content": f"Conversation {i}: tell me about topic number {i} " * 6}]
+              for i in range(4)]
+    answers = []
+    for turn in range(3):
+        for i, messages in enumerate(convos):
+            r = _chat(via, messages)
+            if turn:
+                assert r.usage.prompt_tokens_details.cached_tokens > 0.5 * r.usage.prompt_tokens, (i, turn)
+            answers.append((list(messages), r.choices[0].message.content))
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": f"And then, turn {turn + 1}?"}]
+    info = httpx.get(router.url + "/workers").json()
+    assert info["policy"] == "cache_aware" and all(w["healthy"] and w["in_flight"] == 0 for w in info["workers"])
+    assert sum(w["routed"] for w in info["workers"]) == 12 and all(w["routed"] for w in info["workers"])
+    direct = _client(workers[0].url)
+    for messages, content in answers[:4] + answers[-2:]:
+        assert _chat(direct, messages).choices[0].message.content == content
+
+
+def test_streams_pass_through_whole(router):
+    via = _client(router.url)
+    messages = [SYSTEM, {"role": "user", "content": "Stream me something."}]
+    whole = _chat(via, messages).choices[0].message.content
+    pieces = [c.choices[0].delta.content or "" for c in _chat(via, messages, stream=True) if c.choices]
+    assert "".join(pieces) == whole
+    with httpx.stream("POST", router.url + "/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3,
+                                                                     "stream": True}, timeout=60) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert r.headers["content-type"].startswith("text/event-stream") and lines[-1] == "data: [DONE]"
+
+
+def test_a_client_that_leaves_a_stream_aborts_it_on_the_worker(workers, router):
+    """Closing the router's stream closes the worker's, and the worker aborts the request (no tokens
+    generated for nobody)."""
+    engines = [w.app.state.server.engine for w in workers]
+    before = sum(e.get_stats()["num_generated_tokens"] for e in engines)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=60) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 20
+    while any(e.get_stats()["num_running_requests"] for e in engines):
+        assert time.monotonic() < deadline, "the worker still generates for a client that left"
+        time.sleep(0.05)
+    assert sum(e.get_stats()["num_generated_tokens"] for e in engines) - before < 2000  # aborted, not finished
+    assert all(w["in_flight"] == 0 for w in httpx.get(router.url + "/workers").json()["workers"])
+
+
+def test_stored_responses_are_found_where_they_were_made(workers):
+    """``previous_response_id`` goes to the worker that stores the response (round robin would send each
+    follow-up here to the other worker, which does not have it: a 404)."""
+    with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
+        via = _client(r.url)
+        r1 = via.responses.create(model=MODEL, input="Remember the number 7.", max_output_tokens=4, temperature=0)
+        r2 = via.responses.create(model=MODEL, input="Which number?", previous_response_id=r1.id, max_output_tokens=4,
+                                  temperature=0)
+        assert r2.previous_response_id == r1.id and r2.usage.input_tokens_details.cached_tokens > 0
+        events = list(via.responses.create(model=MODEL, input="A streamed one " * 10, max_output_tokens=3,
+                                           temperature=0, stream=True))
+        streamed = events[-1].response.id  # its id read from the stream's first event
+        r3 = via.responses.create(model=MODEL, input="And?", previous_response_id=streamed, max_output_tokens=2,
+                                  temperature=0)
+        assert r3.previous_response_id == streamed and r3.usage.input_tokens_details.cached_tokens > 0
+        assert via.responses.retrieve(r1.id).id == r1.id and via.responses.retrieve(streamed).id == streamed
+        assert [w["routed"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [3, 3]  # with the GETs
+
+
+def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers):
+    made = _client(workers[1].url).responses.create(model=MODEL, input="made on the second worker",
+                                                    max_output_tokens=2, temperature=0)
+    with _Uvicorn(create_router_app([w.url for w in workers], health_interval=60)) as r:
+        assert _client(r.url).responses.retrieve(made.id).id == made.id
+        assert httpx.get(r.url + "/v1/responses/resp_0123").status_code == 404
+
+
+def test_errors_and_broadcasts_pass_through(workers, router):
+    bad = httpx.post(router.url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "temperature": -1})
+    direct = httpx.post(workers[0].url + "/v1/chat/completions", json={"model": MODEL, "messages": [],
+                                                                       "temperature": -1})
+    assert bad.status_code == direct.status_code == 400 and bad.json() == direct.json()
+    assert httpx.post(router.url + "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"}).status_code == 400
+    assert httpx.get(router.url + "/v1/models").json()["data"][0]["id"] == MODEL
+    _chat(_client(router.url), [SYSTEM, {"role": "user", "content": "fill the tables " * 10}])
+    assert any(w["table_blocks"] for w in httpx.get(router.url + "/workers").json()["workers"])
+    assert httpx.post(router.url + "/flush_cache", timeout=30).status_code == 200
+    assert not any(w["table_blocks"] for w in httpx.get(router.url + "/workers").json()["workers"])
+    metrics = httpx.get(router.url + "/metrics").text
+    assert "hyla_router_requests_total" in metrics and "hyla_router_worker_healthy" in metrics
+    assert httpx.get(router.url + "/health").json()["healthy_workers"] == 2
+
+
+def test_a_dead_worker_is_skipped_and_none_left_is_a_503(workers):
+    dead = _closed_port_url()
+    with _Uvicorn(create_router_app([dead, workers[0].url], policy="round_robin", health_interval=60)) as r:
+        via = _client(r.url)
+        for i in range(3):  # the first try of the dead worker fails to connect: sent to the live one instead
+            assert _chat(via, [SYSTEM, {"role": "user", "content": f"still served {i}"}]).choices
+        info = httpx.get(r.url + "/workers").json()["workers"]
+        assert [w["healthy"] for w in info] == [False, True] and info[1]["routed"] == 3
+    with _Uvicorn(create_router_app([dead], health_interval=60)) as r:
+        answer = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert answer.status_code == 503 and "no worker is available" in answer.json()["error"]["message"]
+        assert httpx.get(r.url + "/health").status_code == 503
