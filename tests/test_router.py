@@ -37,6 +37,13 @@ def test_block_names_name_prefixes():
     assert block_names("short") == [] and block_names([1, 2, 3]) == []
 
 
+def test_block_names_look_at_a_bounded_prefix(monkeypatch):
+    from hyla.router import policy
+
+    monkeypatch.setattr(policy, "MAX_KEY_BLOCKS", 3)
+    assert block_names("x" * 64 * 10) == block_names("x" * 64 * 3) and len(block_names([1] * 1000)) == 3
+
+
 def test_prefix_table_matches_the_longest_prefix_and_forgets_the_oldest():
     t = PrefixTable(max_blocks=5)
     names = block_names("a" * 64 * 4)
@@ -273,6 +280,39 @@ def test_errors_and_broadcasts_pass_through(workers, router):
     metrics = httpx.get(router.url + "/metrics").text
     assert "hyla_router_requests_total" in metrics and "hyla_router_worker_healthy" in metrics
     assert httpx.get(router.url + "/health").json()["healthy_workers"] == 2
+
+
+def test_a_body_past_the_limit_is_a_413_and_reaches_no_worker(workers):
+    with _Uvicorn(create_router_app([workers[0].url], max_request_bytes=1000, health_interval=60)) as r:
+        answer = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})
+        assert answer.status_code == 413 and answer.json()["error"]["code"] == "request_too_large"
+        assert httpx.get(r.url + "/workers").json()["workers"][0]["routed"] == 0
+        assert httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_a_worker_answering_503_is_skipped(workers):
+    """A worker that is shutting down (its 503) gets no more requests until its health check passes;
+    the request is served by another."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    draining = FastAPI()
+
+    @draining.post("/v1/chat/completions")
+    async def refuse():
+        return JSONResponse({"error": {"message": "the server is shutting down"}}, status_code=503)
+
+    @draining.get("/health")
+    async def health():  # (it started draining after the router's last check)
+        return JSONResponse({"status": "ok"})
+
+    with _Uvicorn(draining) as fake, \
+            _Uvicorn(create_router_app([fake.url, workers[0].url], policy="round_robin", health_interval=60)) as r:
+        for i in range(2):
+            assert _chat(_client(r.url), [SYSTEM, {"role": "user", "content": f"served anyway {i}"}]).choices
+        info = httpx.get(r.url + "/workers").json()["workers"]
+        assert [w["healthy"] for w in info] == [False, True] and [w["routed"] for w in info] == [0, 2]
+        assert "hyla_router_retries_total 1.0" in httpx.get(r.url + "/metrics").text
 
 
 def test_a_dead_worker_is_skipped_and_none_left_is_a_503(workers):

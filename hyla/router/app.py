@@ -19,10 +19,11 @@ The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``G
 worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
 (Prometheus).
 
-A worker is healthy until a connection to it fails or its ``/health`` does not answer 200 (checked
-every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
-passes again. A request whose connection fails before the worker answered is sent to another
-worker (each at most once); with none left the client gets a 503 with an OpenAI-style body. A
+A worker is healthy until a connection to it fails, it answers a 503, or its ``/health`` does not
+answer 200 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests
+until a check passes again. A request whose connection fails, or that the worker refuses with a
+503, is sent to another worker (each at most once); with none left the client gets a 503 with an
+OpenAI-style body. A body over ``max_request_bytes`` is a 413 and reaches no worker. A
 client that disconnects from a stream closes the worker's stream, which aborts the request there.
 The router keeps no model and imports no torch: it runs anywhere.
 """
@@ -54,6 +55,8 @@ BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk"
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent", "x-request-id")
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive")
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
+PARSE_IN_THREAD_BYTES = 1 << 20  # a body this large is parsed off the event loop
 MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently made dropped first
 
 
@@ -117,12 +120,15 @@ class RouterApp:
     """The state behind the app: the workers, the policy, the HTTP client, the metrics."""
 
     def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         urls = check_worker_urls(worker_urls)
         if len(router.tables) != len(urls):
             raise ValueError(f"the policy has {len(router.tables)} workers, the URLs {len(urls)}")
-        if health_interval <= 0:
-            raise ValueError(f"health_interval must be > 0, got {health_interval}")
+        if not health_interval > 0 or not connect_timeout > 0:
+            raise ValueError(f"health_interval and connect_timeout must be > 0, got {health_interval}, {connect_timeout}")
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        self.max_request_bytes = max_request_bytes
         self.workers = [Worker(u) for u in urls]
         self.router = router
         self.health_interval = health_interval
@@ -211,12 +217,15 @@ class RouterApp:
     async def forward(self, request: Request, path: str) -> Response:
         """Send ``request`` to a worker (another one where connecting fails) and answer with the
         worker's answer, a stream as a stream."""
-        raw = await request.body()
+        raw = await self.read_body(request)
+        if isinstance(raw, Response):
+            return raw
         try:
-            body = json.loads(raw) if raw else None
+            body = (await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES
+                    else json.loads(raw)) if raw else None
         except ValueError:  # the worker answers it (a 400)
             body = None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        headers = self.forwarded_headers(request)
         tried: set[int] = set()
         while True:
             try:
@@ -241,9 +250,43 @@ class RouterApp:
             except BaseException:
                 self._done(w)
                 raise
+            if upstream.status_code == 503 and len(tried) + 1 < len(self.workers):
+                # the worker is shutting down or its engine is not running: another one may serve it
+                await upstream.aclose()
+                self._done(w)
+                logger.warning("worker %s answered 503: marked unhealthy until its health check passes", w.url)
+                self._set_health(w, False)
+                tried.add(i)
+                self.retries.inc()
+                continue
             w.routed += 1
             self.requests.labels(w.url, why).inc()
             return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    async def read_body(self, request: Request) -> bytes | Response:
+        """The request's body, or a 413 past ``max_request_bytes`` (read no further)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            return self._too_large()
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                return self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> Response:
+        return JSONResponse(error_body(f"the request body is larger than {self.max_request_bytes} bytes",
+                                       type="invalid_request_error", code="request_too_large"), status_code=413)
+
+    @staticmethod
+    def forwarded_headers(request: Request) -> dict[str, str]:
+        """The client's headers a worker needs, and no compression: the answer's bytes pass through as
+        they come."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        headers["accept-encoding"] = "identity"
+        return headers
 
     def _done(self, w: Worker) -> None:
         w.in_flight -= 1
@@ -251,8 +294,17 @@ class RouterApp:
 
     def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool) -> Response:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
-        the worker's connection closes, when the last chunk is sent or the client has gone."""
+        the worker's connection closes, when the last chunk is sent or the client has gone (even
+        before the first chunk: ``_Relay``)."""
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+        closed = False
+
+        async def close() -> None:
+            nonlocal closed
+            if not closed:
+                closed = True
+                self._done(w)
+                await upstream.aclose()
 
         async def chunks() -> AsyncIterator[bytes]:
             seen = b""
@@ -263,15 +315,16 @@ class RouterApp:
                         self._remember_response(seen, index)
                     yield chunk
             finally:
-                await upstream.aclose()
-                self._done(w)
-        return StreamingResponse(chunks(), status_code=upstream.status_code, headers=headers)
+                await close()
+        return _Relay(chunks(), close, status_code=upstream.status_code, headers=headers)
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
         first worker's."""
-        raw = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        raw = await self.read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        headers = self.forwarded_headers(request)
         live = [w for w in self.workers if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
@@ -296,7 +349,7 @@ class RouterApp:
     async def search(self, request: Request, path: str) -> Response:
         """A stored response the router did not see made (made before it started): asked of each
         healthy worker in turn, the first answer other than a 404 returned (else the last 404)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+        headers = self.forwarded_headers(request)
         answer = None
         for w in [w for w in self.workers if w.healthy]:
             try:
@@ -316,13 +369,30 @@ class RouterApp:
                  "table_blocks": len(self.router.tables[i])} for i, w in enumerate(self.workers)]
 
 
+class _Relay(StreamingResponse):
+    """A ``StreamingResponse`` that runs ``close`` however it ends: sent whole, the client gone, or
+    cancelled before its first chunk (when its generator never started, the generator's own
+    ``finally`` would not run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], close, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._close = close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+
 def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
-                      health_interval: float = 5.0, connect_timeout: float = 5.0) -> FastAPI:
+                      health_interval: float = 5.0, connect_timeout: float = 5.0,
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The router's FastAPI app over ``worker_urls`` (the module docstring); ``app.state.router`` is
     its ``RouterApp``."""
     state = RouterApp(worker_urls, Router(len(check_worker_urls(worker_urls)), policy, cache_threshold, balance_abs, balance_rel,
-                                          max_blocks), health_interval, connect_timeout)
+                                          max_blocks), health_interval, connect_timeout, max_request_bytes)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-table-blocks", type=int, default=1 << 18,
                         help="cache_aware: prompt blocks remembered per worker, least recently used dropped "
                              "(default 262144: 16 Mi characters of 64).")
+    parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                        help="A larger request body is refused with a 413 (default 16 MiB, as hyla serve's).")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="Seconds between health checks of the workers (default 5).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -47,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,
                                 balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
-                                max_blocks=args.max_table_blocks, health_interval=args.health_interval)
+                                max_blocks=args.max_table_blocks, health_interval=args.health_interval,
+                                max_request_bytes=args.max_request_bytes)
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

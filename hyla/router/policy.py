@@ -34,11 +34,17 @@ from typing import Sequence
 POLICIES = ("cache_aware", "round_robin", "least_load", "random")
 
 
+# blocks of a key looked at, at most (a 512 Ki-character prefix): where a prompt goes is decided by its
+# beginning, and a huge body does not hold the event loop hashing it
+MAX_KEY_BLOCKS = 8192
+
+
 def block_names(key: str | Sequence[int], block_chars: int = 64, block_tokens: int = 16) -> list[int]:
-    """The chained hashes of ``key``'s whole blocks: ``names[i]`` names the prefix of ``i + 1`` blocks."""
+    """The chained hashes of ``key``'s whole blocks (the first ``MAX_KEY_BLOCKS``): ``names[i]`` names
+    the prefix of ``i + 1`` blocks."""
     size = block_chars if isinstance(key, str) else block_tokens
     names, h = [], 0
-    for start in range(0, len(key) - size + 1, size):
+    for start in range(0, min(len(key) - size + 1, MAX_KEY_BLOCKS * size), size):
         chunk = key[start:start + size]
         h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
         names.append(h)
