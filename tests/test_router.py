@@ -13,10 +13,14 @@ import socket
 import threading
 import time
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.router.app import create_router_app, routing_key
 from hyla.router.policy import PrefixTable, Router, block_names
@@ -57,26 +61,44 @@ def test_prefix_table_matches_the_longest_prefix_and_forgets_the_oldest():
         PrefixTable(0)
 
 
+def _route(r: Router, key, loads, healthy, **kw) -> tuple[int, str]:
+    """``choose`` and ``record``, as the app does once the worker has taken the request."""
+    w, why = r.choose(key, loads, healthy, **kw)
+    r.record(w, key)
+    return w, why
+
+
 def test_cache_aware_follows_prefixes_and_spreads_the_rest():
     r = Router(3)
     loads = [0, 0, 0]
     convo = "system prompt " * 20
-    first, why = r.choose(convo, loads, [True] * 3)
+    first, why = _route(r, convo, loads, [True] * 3)
     assert why == "load"  # nothing cached anywhere yet
     for turn in range(3):  # each later turn extends the key: the same worker, for the cache
         convo += f" turn {turn} " * 30
         loads[first] += 1  # (even when busier than the others)
-        assert r.choose(convo, loads, [True] * 3) == (first, "cache")
-    others = {r.choose(f"{i} another conversation " * 20, loads, [True] * 3)[0] for i in range(2)}
+        assert _route(r, convo, loads, [True] * 3) == (first, "cache")
+    others = {_route(r, f"{i} another conversation " * 20, loads, [True] * 3)[0] for i in range(2)}
     assert first not in others and len(others) == 2  # new prefixes go where the load and tables are least
     # a prefix covering less than the threshold of the key does not attract it
     assert r.choose(convo[:64] + "z" * 64 * 10, [0, 0, 0], [True] * 3)[1] == "load"
 
 
+def test_choosing_records_nothing_and_equal_workers_take_turns():
+    """A worker that was chosen but failed the request (``record`` not called) does not keep its prefix;
+    equal workers share traffic in turn (not the first one always)."""
+    r = Router(2)
+    key = "q" * 640
+    w, _ = r.choose(key, [0, 0], [True, True])
+    assert r.choose(key, [0, 0], [True, True]) == (1 - w, "load")  # nothing recorded: the next in turn
+    ll = Router(3, "least_load")
+    assert [ll.choose(None, [0] * 3, [True] * 3)[0] for _ in range(3)] == [0, 1, 2]
+
+
 def test_cache_aware_gives_way_to_an_unbalanced_load_and_skips_unhealthy_workers():
     r = Router(2, balance_abs=4, balance_rel=1.5)
     key = "k" * 640
-    w, _ = r.choose(key, [0, 0], [True, True])
+    w, _ = _route(r, key, [0, 0], [True, True])
     other = 1 - w
     loads = [0, 0]
     loads[w] = 5  # 5 - 0 > 4 and 5 > 1.5 x 0
@@ -94,6 +116,9 @@ def test_other_policies_and_bad_settings():
     rr = Router(3, "round_robin")
     assert [rr.choose("x", [0] * 3, [True, False, True])[0] for _ in range(4)] == [0, 2, 0, 2]
     assert Router(2, "least_load").choose("x" * 640, [3, 1], [True, True]) == (1, "load")
+    lone = Router(2, "least_load")
+    lone.record(0, "x" * 640)
+    assert not len(lone.tables[0])  # only cache_aware keeps tables
     assert {Router(4, "random", seed=s).choose(None, [0] * 4, [True] * 4)[0] for s in range(20)} == {0, 1, 2, 3}
     for kw, match in ((dict(num_workers=0), "a worker at least"), (dict(policy="fastest"), "policy must be"),
                       (dict(cache_threshold=1.5), "cache_threshold"), (dict(balance_rel=0.5), "balance_rel"),
@@ -258,10 +283,17 @@ def test_stored_responses_are_found_where_they_were_made(workers):
 
 
 def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers):
-    made = _client(workers[1].url).responses.create(model=MODEL, input="made on the second worker",
+    """A router started after the response was made asks the workers for it: it is retrieved, and
+    continued, where it is (each of the two workers is tried first once, round robin)."""
+    made = _client(workers[1].url).responses.create(model=MODEL, input="made on the second worker " * 4,
                                                     max_output_tokens=2, temperature=0)
-    with _Uvicorn(create_router_app([w.url for w in workers], health_interval=60)) as r:
-        assert _client(r.url).responses.retrieve(made.id).id == made.id
+    with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
+        via = _client(r.url)
+        for _ in range(2):
+            follow = via.responses.create(model=MODEL, input="and?", previous_response_id=made.id, max_output_tokens=2,
+                                          temperature=0)
+            assert follow.previous_response_id == made.id and follow.usage.input_tokens_details.cached_tokens > 0
+        assert via.responses.retrieve(made.id).id == made.id
         assert httpx.get(r.url + "/v1/responses/resp_0123").status_code == 404
 
 
@@ -293,9 +325,6 @@ def test_a_body_past_the_limit_is_a_413_and_reaches_no_worker(workers):
 def test_a_worker_answering_503_is_skipped(workers):
     """A worker that is shutting down (its 503) gets no more requests until its health check passes;
     the request is served by another."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
     draining = FastAPI()
 
     @draining.post("/v1/chat/completions")
@@ -327,3 +356,113 @@ def test_a_dead_worker_is_skipped_and_none_left_is_a_503(workers):
         answer = httpx.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": []})
         assert answer.status_code == 503 and "no worker is available" in answer.json()["error"]["message"]
         assert httpx.get(r.url + "/health").status_code == 503
+
+
+# ----------------------------------------------------------------------------------------------
+# the router against a fake worker: failures a real one rarely shows on demand
+# ----------------------------------------------------------------------------------------------
+def _fake_worker():
+    """A worker that echoes what it was sent (/v1/completions), answers slowly and watches for its
+    client leaving (/v1/chat/completions), dies mid-stream (/generate), and whose health can be set."""
+    app, state = FastAPI(), {"healthy": True, "left": 0}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({}, status_code=200 if state["healthy"] else 503)
+
+    @app.post("/v1/completions")
+    async def echo(request: Request):
+        body = json.dumps({"authorization": request.headers.get("authorization"), "query": str(request.query_params),
+                           "body": (await request.body()).decode()})
+        answer = Response(body, media_type="application/json")
+        answer.raw_headers += [(b"set-cookie", b"a=1"), (b"set-cookie", b"b=2")]
+        return answer
+
+    @app.post("/v1/chat/completions")
+    async def slow(request: Request):
+        for _ in range(300):
+            if await request.is_disconnected():
+                state["left"] += 1
+                return Response(status_code=499)
+            await asyncio.sleep(0.05)
+        return JSONResponse({"late": True})
+
+    @app.post("/generate")
+    async def dies():
+        async def events():
+            yield b'data: {"text": "a"}\n\n'
+            await asyncio.sleep(0.1)
+            raise RuntimeError("the worker died")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, state
+
+
+def test_what_the_client_sent_reaches_the_worker_and_its_headers_come_back():
+    app, _ = _fake_worker()
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=60)) as r:
+        answer = httpx.post(r.url + "/v1/completions?x=1&x=2", json={"prompt": "p"},
+                            headers={"Authorization": "Bearer k"})
+        sent = answer.json()
+        assert sent["authorization"] == "Bearer k" and sent["query"] == "x=1&x=2" and json.loads(sent["body"]) == {
+            "prompt": "p"}
+        assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
+
+
+def test_a_chunked_body_past_the_limit_is_a_413():
+    app, _ = _fake_worker()
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], max_request_bytes=1000, health_interval=60)) as r:
+        answer = httpx.post(r.url + "/v1/completions", content=iter([b"x" * 600, b"x" * 600]))  # no content-length
+        assert answer.status_code == 413
+
+
+def test_a_client_that_leaves_a_whole_answer_closes_the_workers_request():
+    app, state = _fake_worker()
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=60)) as r:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/v1/chat/completions", json={"messages": []}, timeout=0.5)
+        deadline = time.monotonic() + 10
+        while not state["left"]:
+            assert time.monotonic() < deadline, "the worker never saw the client leave"
+            time.sleep(0.05)
+        while httpx.get(r.url + "/workers").json()["workers"][0]["in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event():
+    app, _ = _fake_worker()
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=60)) as r:
+        with httpx.stream("POST", r.url + "/generate", json={"text": "x", "stream": True}, timeout=30) as s:
+            lines = [x for x in s.iter_lines() if x]
+        assert lines[0] == 'data: {"text": "a"}' and lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][len("data: "):])["error"]["code"] == "worker_failed"
+        info = httpx.get(r.url + "/workers").json()["workers"][0]
+        assert not info["healthy"] and info["in_flight"] == 0
+
+
+def test_a_refused_connection_is_retried_and_health_comes_back():
+    """A worker healthy at the last check whose connection is refused now: the request goes to the other
+    worker; a worker whose health check fails gets nothing until a check passes again."""
+    app, state = _fake_worker()
+    dead = _closed_port_url()
+    with _Uvicorn(app) as fake, \
+            _Uvicorn(create_router_app([dead, fake.url], policy="round_robin", health_interval=0.2)) as r:
+        router_state = r.server.config.app.state.router
+        router_state.workers[0].healthy = True  # (as if it had died after the check)
+        router_state.health_interval = 3600  # (no check before the request)
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"}).status_code == 200
+        assert "hyla_router_retries_total 1.0" in httpx.get(r.url + "/metrics").text
+        assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [False, True]
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=0.1)) as r:
+        state["healthy"] = False
+        deadline = time.monotonic() + 10
+        while httpx.get(r.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"}).status_code == 503
+        state["healthy"] = True
+        while httpx.get(r.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"}).status_code == 200

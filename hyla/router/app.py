@@ -45,7 +45,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from hyla.router.policy import Router
+from hyla.router.policy import MAX_KEY_BLOCKS, Router
 
 logger = logging.getLogger("hyla.router")
 
@@ -53,7 +53,8 @@ ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/res
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
 # request headers a worker needs; hop-by-hop ones (Connection, Content-Length: httpx sets it) are not forwarded
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent", "x-request-id")
-DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "content-encoding", "keep-alive")
+# response headers of the worker's connection, and those the router's own server writes (date, server)
+DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
 PARSE_IN_THREAD_BYTES = 1 << 20  # a body this large is parsed off the event loop
@@ -67,30 +68,46 @@ def error_body(message: str, type: str = "service_unavailable", code: str | None
 
 def routing_key(path: str, body: Any) -> str | list[int] | None:
     """What a request is routed by: its prompt as the client sent it (the module docstring of
-    ``policy``), or None where it has none the router can read (the worker answers such a request;
-    the router only picks where)."""
+    ``policy``), at most its first ``MAX_KEY_BLOCKS`` blocks and a little more, or None where it has
+    none the router can read (the worker answers such a request; the router only picks where)."""
     if not isinstance(body, dict):
         return None
+    cap = MAX_KEY_BLOCKS * 64 + 64
     if path == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
         tools = body.get("tools")
-        return (json.dumps(tools, sort_keys=True) if tools else "") + json.dumps(messages, sort_keys=True)
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        key += "["  # as json.dumps(messages) but for the closing bracket: a later turn's key extends this one
+        for i, m in enumerate(messages):
+            if len(key) > cap:
+                break
+            key += (", " if i else "") + json.dumps(m, sort_keys=True)
+        return key[:cap]
     if path == "/v1/completions":
         prompt = body.get("prompt")
     elif path == "/generate":
         prompt = body.get("text") if body.get("text") is not None else body.get("input_ids")
     elif path == "/v1/responses":
-        prompt = json.dumps([body.get("instructions"), body.get("input")], sort_keys=True)
+        instructions, given = body.get("instructions"), body.get("input")
+        items = given if isinstance(given, list) else [given]
+        key = json.dumps(instructions) + "["
+        for i, item in enumerate(items):
+            if len(key) > cap:
+                break
+            key += (", " if i else "") + json.dumps(item, sort_keys=True)
+        return key[:cap]
     else:
         return None
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: by its first prompt
     if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
+        return prompt[:cap]
+    if isinstance(prompt, list):
+        ids = prompt[:cap]
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return ids
     return None
 
 
@@ -106,6 +123,24 @@ def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"a worker URL is given twice: {urls}")
     return urls
+
+
+def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
+    """A request body's JSON (None where it is not JSON: the worker answers that) and its routing key."""
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = None
+    return body, routing_key(path, body)
+
+
+def _headers(response: Response, pairs: Sequence[tuple[str, str]]) -> Response:
+    """``response`` with a worker's headers, each as many times as it came (``set-cookie``), but those
+    of the connection and those the router's server writes itself."""
+    own = [(k, v) for k, v in response.raw_headers if k == b"content-length"]  # (of a body the router holds)
+    response.raw_headers = own + [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs
+                                  if k.lower() not in DROPPED_RESPONSE_HEADERS]
+    return response
 
 
 @dataclass
@@ -139,8 +174,8 @@ class RouterApp:
         self.registry = CollectorRegistry()
         self.requests = Counter("hyla_router_requests", "Requests forwarded, by worker and why it was chosen.",
                                 ["worker", "reason"], registry=self.registry)
-        self.retries = Counter("hyla_router_retries", "Requests sent to another worker after a failed connection.",
-                               registry=self.registry)
+        self.retries = Counter("hyla_router_retries", "Requests sent to another worker after one failed them (no "
+                               "connection, or a 503).", registry=self.registry)
         self.in_flight = Gauge("hyla_router_in_flight", "Requests in flight, by worker.", ["worker"],
                                registry=self.registry)
         self.healthy = Gauge("hyla_router_worker_healthy", "1 while the worker is healthy.", ["worker"],
@@ -150,8 +185,10 @@ class RouterApp:
     # lifecycle and health
     # ------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None,
-                                                                                  max_keepalive_connections=64))
+        # idle connections dropped before a worker's uvicorn drops them (5 s): reusing one it has just
+        # closed fails the request
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=self.timeout, limits=limits)
         await self.check_health()
 
     async def stop(self) -> None:
@@ -181,87 +218,124 @@ class RouterApp:
         w.healthy = ok
         self.healthy.labels(w.url).set(1 if ok else 0)
 
+    def _fail(self, w: Worker, why: str) -> None:
+        if w.healthy:
+            logger.warning("worker %s %s: unhealthy until its health check passes", w.url, why)
+        self._set_health(w, False)
+
     # ------------------------------------------------------------------------------------------
     # forwarding
     # ------------------------------------------------------------------------------------------
-    def _pick(self, path: str, body: Any, tried: frozenset[int]) -> tuple[int, str]:
+    def _pick(self, path: str, key: str | list[int] | None, owner: int | None, tried: frozenset[int]) -> tuple[int, str]:
         """The worker for the next try of a request (``ValueError``: none left)."""
         loads = [w.in_flight for w in self.workers]
         healthy = [w.healthy for w in self.workers]
-        owner = self.owner(path, body)
         if owner is not None and healthy[owner] and owner not in tried:
             return owner, "owner"
         if path in ROUTED_PATHS:
-            return self.router.choose(routing_key(path, body), loads, healthy, exclude=tried)
+            return self.router.choose(key, loads, healthy, exclude=tried)
         live = [i for i in range(len(self.workers)) if healthy[i] and i not in tried]
         if not live:
             raise ValueError("no healthy worker")
-        return min(live, key=lambda i: (loads[i], i)), "load"
+        return self.router.least_loaded(live, loads), "load"
 
-    def owner(self, path: str, body: Any) -> int | None:
-        """The worker holding the stored response this request reads, if the router saw it made."""
+    async def owner(self, request: Request, path: str, body: Any) -> int | None:
+        """The worker holding the stored response this request reads: the one the router saw make it,
+        else the one that answers for it (asked in turn; then remembered)."""
         if path == "/v1/responses" and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str):
-            return self.response_owner.get(body["previous_response_id"])
-        if path.startswith("/v1/responses/"):
-            return self.response_owner.get(path.split("/")[3])
+            rid = body["previous_response_id"]
+        elif path.startswith("/v1/responses/"):
+            rid = path.split("/")[3]
+        else:
+            return None
+        if rid in self.response_owner:
+            return self.response_owner[rid]
+        headers = self.forwarded_headers(request)
+        for i, w in enumerate(self.workers):
+            if not w.healthy:
+                continue
+            try:
+                answer = await self.client.get(f"{w.url}/v1/responses/{rid}", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if answer.status_code != 404:
+                if answer.status_code == 200:
+                    self._remember(rid, i)
+                return i
         return None
 
-    def _remember_response(self, chunk: bytes, worker: int) -> None:
-        m = RESPONSE_ID.search(chunk)
-        if m:
-            self.response_owner[m.group(1).decode()] = worker
-            self.response_owner.move_to_end(m.group(1).decode())
-            while len(self.response_owner) > MAX_REMEMBERED_RESPONSES:
-                self.response_owner.popitem(last=False)
+    def _remember(self, response_id: str, worker: int) -> None:
+        self.response_owner[response_id] = worker
+        self.response_owner.move_to_end(response_id)
+        while len(self.response_owner) > MAX_REMEMBERED_RESPONSES:
+            self.response_owner.popitem(last=False)
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Send ``request`` to a worker (another one where connecting fails) and answer with the
-        worker's answer, a stream as a stream."""
+        """Send ``request`` to a worker (another one where it fails before answering) and answer with
+        the worker's answer, a stream as a stream."""
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
-        try:
-            body = (await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES
-                    else json.loads(raw)) if raw else None
-        except ValueError:  # the worker answers it (a 400)
-            body = None
+        if len(raw) > PARSE_IN_THREAD_BYTES:  # (its JSON and key off the event loop)
+            body, key = await asyncio.to_thread(_parse, raw, path)
+        else:
+            body, key = _parse(raw, path)
+        owner = await self.owner(request, path, body)
         headers = self.forwarded_headers(request)
         tried: set[int] = set()
         while True:
             try:
-                i, why = self._pick(path, body, frozenset(tried))
+                i, why = self._pick(path, key, owner, frozenset(tried))
             except ValueError:
-                return JSONResponse(error_body("no worker is available: every worker is unhealthy or refused the "
-                                               "connection"), status_code=503)
+                return JSONResponse(error_body("no worker is available: every worker is unhealthy or failed the "
+                                               "request"), status_code=503)
             w = self.workers[i]
             upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=headers,
                                                          params=request.query_params.multi_items())
             w.in_flight += 1
             self.in_flight.labels(w.url).inc()
             try:
-                upstream = await self.client.send(upstream_request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                upstream = await self._send(request, upstream_request)
+            except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
                 self._done(w)
-                logger.warning("worker %s refused a connection (%s): marked unhealthy", w.url, exc)
-                self._set_health(w, False)
+                self._fail(w, f"failed a request ({exc!r})")
                 tried.add(i)
                 self.retries.inc()
                 continue
             except BaseException:
                 self._done(w)
                 raise
+            if upstream is None:  # the client left before the answer's headers
+                self._done(w)
+                return Response(status_code=499)
             if upstream.status_code == 503 and len(tried) + 1 < len(self.workers):
                 # the worker is shutting down or its engine is not running: another one may serve it
-                await upstream.aclose()
                 self._done(w)
-                logger.warning("worker %s answered 503: marked unhealthy until its health check passes", w.url)
-                self._set_health(w, False)
+                await upstream.aclose()
+                self._fail(w, "answered 503")
                 tried.add(i)
                 self.retries.inc()
                 continue
             w.routed += 1
             self.requests.labels(w.url, why).inc()
+            if path in ROUTED_PATHS and upstream.status_code < 500:
+                self.router.record(i, key)
             return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    async def _send(self, request: Request, upstream_request: httpx.Request) -> httpx.Response | None:
+        """The worker's answer (its headers; the body streams), or None if the client leaves first: a
+        request answered whole (not streamed) sends its headers only once the worker has finished, and
+        a worker aborts a request when its connection closes."""
+        sending = asyncio.ensure_future(self.client.send(upstream_request, stream=True))
+        while True:
+            done, _ = await asyncio.wait({sending}, timeout=0.5)
+            if done:
+                return sending.result()
+            if await request.is_disconnected():
+                sending.cancel()
+                with contextlib.suppress(BaseException):
+                    await sending
+                return None
 
     async def read_body(self, request: Request) -> bytes | Response:
         """The request's body, or a 413 past ``max_request_bytes`` (read no further)."""
@@ -295,9 +369,10 @@ class RouterApp:
     def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool) -> Response:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
         the worker's connection closes, when the last chunk is sent or the client has gone (even
-        before the first chunk: ``_Relay``)."""
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
+        before the first chunk: ``_Relay``). A worker that fails mid-answer is marked unhealthy, and a
+        stream ends as the worker's own failed streams do: an error event, then ``[DONE]``."""
         closed = False
+        events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
         async def close() -> None:
             nonlocal closed
@@ -312,22 +387,34 @@ class RouterApp:
                 async for chunk in upstream.aiter_raw():
                     if remember and len(seen) < 4096:  # a response's id is in its first bytes (or event)
                         seen += chunk
-                        self._remember_response(seen, index)
+                        m = RESPONSE_ID.search(seen)
+                        if m:
+                            self._remember(m.group(1).decode(), index)
                     yield chunk
+            except httpx.TransportError as exc:
+                self._fail(w, f"failed mid-answer ({exc!r})")
+                if events:
+                    error = error_body(f"worker {w.url} failed mid-stream", type="bad_gateway", code="worker_failed")
+                    yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await close()
-        return _Relay(chunks(), close, status_code=upstream.status_code, headers=headers)
+        return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream.headers.multi_items())
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
-        first worker's."""
+        first worker's. A weight update needs every worker healthy (one that came back later would
+        serve the old weights)."""
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
         headers = self.forwarded_headers(request)
-        live = [w for w in self.workers if w.healthy]
+        live = [(i, w) for i, w in enumerate(self.workers) if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+        if path == "/update_weights_from_disk" and len(live) < len(self.workers):
+            down = [w.url for w in self.workers if not w.healthy]
+            return JSONResponse(error_body(f"the weights were not updated: workers {down} are unhealthy, and would "
+                                           "serve the old weights once back"), status_code=503)
 
         async def one(w: Worker) -> httpx.Response | Exception:
             try:
@@ -335,34 +422,20 @@ class RouterApp:
                                                   params=request.query_params.multi_items())
             except httpx.HTTPError as exc:
                 return exc
-        answers = await asyncio.gather(*(one(w) for w in live))
-        for w, a in zip(live, answers):
+        answers = await asyncio.gather(*(one(w) for _, w in live))
+        failed = None
+        for (i, w), a in zip(live, answers):
             if isinstance(a, Exception):
-                return JSONResponse(error_body(f"worker {w.url} failed: {a!r}", type="bad_gateway"), status_code=502)
-        if path == "/flush_cache" and all(a.status_code == 200 for a in answers):
-            self.router.clear()
+                self._fail(w, f"failed a broadcast ({a!r})")
+                failed = failed or JSONResponse(error_body(f"worker {w.url} failed: {a!r}", type="bad_gateway"),
+                                                status_code=502)
+            elif path == "/flush_cache" and a.status_code == 200:
+                self.router.tables[i].clear()
+        if failed is not None:
+            return failed
         bad = [a for a in answers if a.status_code >= 400]
         first = bad[0] if bad else answers[0]
-        headers = {k: v for k, v in first.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
-        return Response(first.content, status_code=first.status_code, headers=headers)
-
-    async def search(self, request: Request, path: str) -> Response:
-        """A stored response the router did not see made (made before it started): asked of each
-        healthy worker in turn, the first answer other than a 404 returned (else the last 404)."""
-        headers = self.forwarded_headers(request)
-        answer = None
-        for w in [w for w in self.workers if w.healthy]:
-            try:
-                answer = await self.client.request(request.method, w.url + path, headers=headers,
-                                                   params=request.query_params.multi_items())
-            except httpx.HTTPError:
-                continue
-            if answer.status_code != 404:
-                break
-        if answer is None:
-            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
-        headers = {k: v for k, v in answer.headers.items() if k.lower() not in DROPPED_RESPONSE_HEADERS}
-        return Response(answer.content, status_code=answer.status_code, headers=headers)
+        return _headers(Response(first.content, status_code=first.status_code), first.headers.multi_items())
 
     def workers_info(self) -> list[dict[str, Any]]:
         return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
@@ -423,13 +496,11 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT"])
+    @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"])
     async def proxy(request: Request, path: str) -> Response:
         path = "/" + path
         if path in BROADCAST_PATHS and request.method == "POST":
             return await state.broadcast(request, path)
-        if path.startswith("/v1/responses/") and request.method == "GET" and state.owner(path, None) is None:
-            return await state.search(request, path)
         return await state.forward(request, path)
 
     return app

@@ -15,11 +15,15 @@ prompts it sent to each, in blocks.
   has a ``PrefixTable`` of the names it was sent, least recently used first, bounded by
   ``max_blocks`` (what the worker's own cache has evicted long ago should not keep attracting
   requests).
-* **Choice** (``Router.choose``): among the healthy workers, when the load (requests in flight) is
-  unbalanced (``max - min > balance_abs`` and ``max > balance_rel * min``), the least loaded;
-  otherwise the worker holding the longest prefix of the key, if it covers ``cache_threshold`` of the
-  key or more (ties: the least loaded); otherwise the least loaded (ties: the smallest table, the
-  worker with the most room). A key shorter than one block has nothing to match: least loaded.
+* **Choice** (``Router.choose``; ``Router.record`` once a worker has taken the request, so that a
+  worker that refused it does not keep its prefix): among the healthy workers, when the load
+  (requests in flight) is unbalanced (``max - min > balance_abs`` and ``max > balance_rel * min``),
+  the least loaded; otherwise the worker holding the longest prefix of the key, if it covers
+  ``cache_threshold`` of the key or more (ties: the least loaded); otherwise the least loaded (ties:
+  the smallest table, the worker with the most room, then in turn). A key shorter than one block has
+  nothing to match: least loaded. A prefix every new conversation shares (a long system prompt, the
+  tools) that covers ``cache_threshold`` of their keys sends them all to the worker that saw it
+  first, until the balance check moves them: lower ``balance_abs`` for such traffic.
 
 The policy is a heuristic for *where*; it never changes *what* a worker computes (each worker's cache
 is exact). ``round_robin``, ``least_load`` and ``random`` are there to compare against.
@@ -113,6 +117,7 @@ class Router:
         self.block_chars, self.block_tokens = block_chars, block_tokens
         self.tables = [PrefixTable(max_blocks) for _ in range(num_workers)]
         self._next = 0  # round_robin's
+        self._tie = 0  # where ties of load start, in turn
         self._rng = random.Random(seed)
 
     def choose(self, key: str | Sequence[int] | None, loads: Sequence[int], healthy: Sequence[bool],
@@ -120,9 +125,9 @@ class Router:
         """The worker for a request with routing ``key`` (None: no prompt to route by) -> ``(worker,
         why)``, ``why`` one of ``"cache"`` (its longest prefix is there), ``"load"`` (the least
         loaded), ``"balance"`` (the least loaded, the load being unbalanced), ``"round_robin"``,
-        ``"random"``; then records the key's blocks as sent there (cache_aware). Workers not
-        ``healthy`` or in ``exclude`` (tried already) are never chosen; ``ValueError`` if that
-        leaves none."""
+        ``"random"``. Workers not ``healthy`` or in ``exclude`` (tried already) are never chosen;
+        ``ValueError`` if that leaves none. Changes no table: the caller ``record``s the key where
+        the request was served."""
         live = [w for w in range(len(self.tables)) if healthy[w] and w not in exclude]
         if not live:
             raise ValueError("no healthy worker")
@@ -133,23 +138,31 @@ class Router:
                     return w, "round_robin"
         if self.policy == "random":
             return self._rng.choice(live), "random"
-        least = min(live, key=lambda w: (loads[w], len(self.tables[w]), w))
+        least = self.least_loaded(live, loads)
         if self.policy == "least_load":
             return least, "load"
         names = block_names(key, self.block_chars, self.block_tokens) if key is not None else []
         most = max(loads[w] for w in live)
         if most - loads[least] > self.balance_abs and most > self.balance_rel * loads[least]:
-            choice, why = least, "balance"
-        else:
-            matched = {w: self.tables[w].match(names) for w in live}
-            best = max(matched.values(), default=0)
-            if names and best and best / len(names) >= self.cache_threshold:
-                choice = min((w for w in live if matched[w] == best), key=lambda w: (loads[w], w))
-                why = "cache"
-            else:
-                choice, why = least, "load"
-        self.tables[choice].insert(names)
-        return choice, why
+            return least, "balance"
+        matched = {w: self.tables[w].match(names) for w in live}
+        best = max(matched.values(), default=0)
+        if names and best and best / len(names) >= self.cache_threshold:
+            return self.least_loaded([w for w in live if matched[w] == best], loads), "cache"
+        return least, "load"
+
+    def least_loaded(self, workers: Sequence[int], loads: Sequence[int]) -> int:
+        """The least loaded of ``workers``; among equals, the one with the smallest table (the most
+        room, cache_aware), then the next in turn (so that equal workers share sequential traffic)."""
+        n = len(self.tables)
+        start, self._tie = self._tie, (self._tie + 1) % n
+        return min(workers, key=lambda w: (loads[w], len(self.tables[w]) if self.policy == "cache_aware" else 0,
+                                           (w - start) % n))
+
+    def record(self, worker: int, key: str | Sequence[int] | None) -> None:
+        """``key`` was served by ``worker`` (cache_aware: its blocks go into the worker's table)."""
+        if self.policy == "cache_aware" and key is not None:
+            self.tables[worker].insert(block_names(key, self.block_chars, self.block_tokens))
 
     def clear(self) -> None:
         """Forget every table (the workers' caches were flushed)."""
