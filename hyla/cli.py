@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     sub_parser = argparse.ArgumentParser(prog=f"hyla {name}", description=SUBCOMMANDS[name][1])
     module.add_arguments(sub_parser)
-    return int(module.run(sub_parser.parse_args(rest)) or 0)
+    args = sub_parser.parse_args(rest)
+    args.given_argv = rest  # the subcommand's own arguments as given (`hyla serve --dp-size` passes them on)
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -466,3 +466,42 @@ def test_a_refused_connection_is_retried_and_health_comes_back():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"}).status_code == 200
+
+
+# ----------------------------------------------------------------------------------------------
+# hyla serve --dp-size
+# ----------------------------------------------------------------------------------------------
+def test_worker_argv_drops_what_a_worker_does_not_inherit():
+    from hyla.router.launch import worker_argv, worker_devices
+
+    given = ["--model", "m", "--dp-size", "2", "--port=9", "--host", "0.0.0.0", "--api-key", "k"]
+    assert worker_argv(given, 1234) == ["--model", "m", "--api-key", "k", "--host", "127.0.0.1", "--port", "1234"]
+    assert worker_devices("cpu", 3) == [None] * 3
+    with pytest.raises(ValueError, match="use --device cuda"):
+        worker_devices("cuda:1", 2)
+
+
+@pytest.mark.slow
+def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_path):
+    """``hyla serve --dp-size 2``: two workers and the router in one command; a conversation's later turn
+    is cached; SIGINT stops the workers too."""
+    from test_server_cli import ServeProcess
+
+    server = ServeProcess(["--model", str(make_chat_model(tiny_ckpt_dir)), "--served-model-name", MODEL, "--dp-size",
+                           "2", "--max-total-tokens", "4096", "--max-state-slots", "16", "--cpu-threads", "1"],
+                          tmp_path / "serve.log", timeout=300)
+    try:
+        info = httpx.get(server.url + "/workers").json()
+        assert info["policy"] == "cache_aware" and [w["healthy"] for w in info["workers"]] == [True, True]
+        via = _client(server.url)
+        messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be routed by. " * 4}]
+        first = _chat(via, messages)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And a second one?"}]
+        assert _chat(via, messages).usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()
+    for w in info["workers"]:  # the workers are gone with the command
+        with pytest.raises(httpx.TransportError):
+            httpx.get(w["url"] + "/health", timeout=2)

@@ -57,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help=f"Address to bind (default {DEFAULT_HOST}: this machine only; 0.0.0.0 for every interface).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
+    parser.add_argument("--dp-size", type=int, default=1, metavar="N",
+                        help="Data parallelism: N workers (each a hyla serve with these flags, on a GPU of its own "
+                             "with --device cuda) behind a cache-aware router on --host/--port (hyla route; "
+                             "docs/server.md, 'Data parallelism'). Default 1: one engine, no router.")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate), "
@@ -143,6 +147,20 @@ def run(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         print(f"hyla serve: error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
+
+    if args.dp_size < 1:
+        print(f"hyla serve: error: --dp-size must be at least 1, got {args.dp_size}", file=sys.stderr)
+        return 2
+    if args.dp_size > 1:  # the workers and the router (hyla/router/launch.py), the router's port checked first
+        try:
+            _listen(args.host, args.port).close()
+        except OSError as exc:
+            print(f"hyla serve: error: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        from hyla.router.launch import serve_data_parallel
+
+        logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+        return serve_data_parallel(args, args.given_argv)
 
     try:  # before anything is loaded: a port in use is an error now, not after minutes of loading
         sock = _listen(args.host, args.port)

@@ -1,0 +1,117 @@
+"""``hyla serve --dp-size N``: N workers and the router in one command (SGLang's ``--dp-size``).
+
+The command starts N ``hyla serve`` processes with the same flags (each on a free port of
+127.0.0.1, and with ``--device cuda`` each on a GPU of its own: the i-th of ``CUDA_VISIBLE_DEVICES``,
+or GPU i), waits until every one answers ``/health``, then serves the router (``hyla route``'s
+cache-aware policy) on ``--host``/``--port`` in this process. When it stops (SIGTERM, Ctrl-C), the
+workers are stopped too (SIGTERM: each drains as a single ``hyla serve`` does); a worker that fails
+to start stops the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+logger = logging.getLogger("hyla.router")
+
+# flags of `hyla serve` a worker does not inherit (its own port on localhost; no data parallelism of its own)
+NOT_INHERITED = ("--dp-size", "--port", "--host")
+
+
+def worker_argv(given: list[str], port: int) -> list[str]:
+    """``hyla serve``'s own arguments as given, for a worker on ``127.0.0.1:port``."""
+    out, skip = [], False
+    for arg in given:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in NOT_INHERITED:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out + ["--host", "127.0.0.1", "--port", str(port)]
+
+
+def worker_devices(device: str, n: int) -> list[str | None]:
+    """What ``CUDA_VISIBLE_DEVICES`` each of ``n`` workers gets (None: the environment's, on CPU)."""
+    if device == "cpu":
+        return [None] * n
+    if device != "cuda":
+        raise ValueError(f"with --dp-size each worker takes a GPU of its own: use --device cuda, not {device!r}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if ids is None:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    if len(ids) < n:
+        raise ValueError(f"--dp-size {n} needs {n} GPUs; {len(ids)} are visible")
+    return ids[:n]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
+    """Run ``hyla serve`` with ``args.dp_size`` workers behind the router; ``given``: the command's
+    own arguments, passed on to the workers."""
+    import uvicorn
+
+    from hyla.router.app import create_router_app
+
+    n = args.dp_size
+    try:
+        devices = worker_devices(args.device, n)
+    except ValueError as exc:
+        print(f"hyla serve: error: {exc}", file=sys.stderr)
+        return 2
+    workers: list[tuple[subprocess.Popen, str]] = []
+    try:
+        for i, device in enumerate(devices):
+            port = _free_port()
+            env = dict(os.environ)
+            if device is not None:
+                env["CUDA_VISIBLE_DEVICES"] = device
+            proc = subprocess.Popen([sys.executable, "-m", "hyla.cli", "serve", *worker_argv(given, port)], env=env)
+            workers.append((proc, f"http://127.0.0.1:{port}"))
+        logger.info("started %d workers: %s; waiting for them to load", n, " ".join(url for _, url in workers))
+        for proc, url in workers:
+            while True:
+                if proc.poll() is not None:
+                    print(f"hyla serve: error: the worker for {url} exited with status {proc.returncode} before it "
+                          "served (its log is above)", file=sys.stderr)
+                    return 1
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        app = create_router_app([url for _, url in workers])
+        logger.info("the %d workers serve; the router listens on http://%s:%d", n, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
+                    timeout_graceful_shutdown=5)
+        return 0
+    finally:
+        for proc, _ in workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + args.shutdown_timeout + 30
+        for proc, _ in workers:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
