@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,16 +43,11 @@ from benchmarks.report import machine, write_section  # noqa: E402
 from hyla.bench.datasets import sharegpt_sessions  # noqa: E402
 from hyla.bench.metrics import summarize  # noqa: E402
 from hyla.bench.runner import run_benchmark  # noqa: E402
+from hyla.router.launch import free_port  # noqa: E402
 
 POLICIES = ("round_robin", "cache_aware", "least_load")
 ONE = "one worker"
 METRICS = ("cache hit rate (%)", "TTFT median (ms)", "TTFT P90 (ms)", "duration (s)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:

@@ -8,23 +8,24 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/responses``: the policy
   (``policy.Router``: cache-aware by default) on the request's routing key (``routing_key``);
 * ``/v1/responses`` with a ``previous_response_id``, and ``GET /v1/responses/{id}``: the worker that
-  made that response (it alone stores it), when the router saw it made (a stream's id is read from
-  its first event); a ``GET`` of one it did not see asks each worker in turn;
-* ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every worker (the
-  answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the router's
-  tables);
+  made that response (it alone stores it): the router reads each response's id as it passes (a
+  stream's from its first event), and asks each worker in turn for one it did not see made;
+* ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every healthy worker (the
+  answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the tables of
+  the workers that flushed; a weight update needs every worker healthy);
 * anything else (``/v1/models``, ``/tokenize``, ``/get_model_info``...): the least loaded worker.
 
 The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``GET /workers`` (each
 worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
 (Prometheus).
 
-A worker is healthy until a connection to it fails, it answers a 503, or its ``/health`` does not
-answer 200 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests
-until a check passes again. A request whose connection fails, or that the worker refuses with a
-503, is sent to another worker (each at most once); with none left the client gets a 503 with an
-OpenAI-style body. A body over ``max_request_bytes`` is a 413 and reaches no worker. A
-client that disconnects from a stream closes the worker's stream, which aborts the request there.
+A worker is healthy until it fails a request, answers a 503, or its ``/health`` does not answer 200
+(checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
+passes again. A request the worker fails before answering (no connection, a reset), or refuses with
+a 503, is sent to another worker (each at most once); with none left the client gets a 503 with an
+OpenAI-style body. A worker failing mid-stream ends the stream with an error event and ``[DONE]``.
+A body over ``max_request_bytes`` is a 413 and reaches no worker. A client that disconnects (from a
+stream, or while waiting for a whole answer) closes the worker's request, which aborts it there.
 The router keeps no model and imports no torch: it runs anywhere.
 """
 
@@ -78,26 +79,14 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
         if not isinstance(messages, list):
             return None
         tools = body.get("tools")
-        key = json.dumps(tools, sort_keys=True) if tools else ""
-        key += "["  # as json.dumps(messages) but for the closing bracket: a later turn's key extends this one
-        for i, m in enumerate(messages):
-            if len(key) > cap:
-                break
-            key += (", " if i else "") + json.dumps(m, sort_keys=True)
-        return key[:cap]
+        return _list_key(json.dumps(tools, sort_keys=True) if tools else "", messages, cap)
     if path == "/v1/completions":
         prompt = body.get("prompt")
     elif path == "/generate":
         prompt = body.get("text") if body.get("text") is not None else body.get("input_ids")
     elif path == "/v1/responses":
-        instructions, given = body.get("instructions"), body.get("input")
-        items = given if isinstance(given, list) else [given]
-        key = json.dumps(instructions) + "["
-        for i, item in enumerate(items):
-            if len(key) > cap:
-                break
-            key += (", " if i else "") + json.dumps(item, sort_keys=True)
-        return key[:cap]
+        given = body.get("input")
+        return _list_key(json.dumps(body.get("instructions")), given if isinstance(given, list) else [given], cap)
     else:
         return None
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -109,6 +98,18 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
         if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return ids
     return None
+
+
+def _list_key(head: str, items: list, cap: int) -> str:
+    """``head`` then ``json.dumps(items)`` but for its closing bracket (so that the key of a list that
+    later grows is a prefix of the longer list's key), serialized item by item only up to ``cap``
+    characters."""
+    key = head + "["
+    for i, item in enumerate(items):
+        if len(key) > cap:
+            break
+        key += (", " if i else "") + json.dumps(item, sort_keys=True)
+    return key[:cap]
 
 
 def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
@@ -297,10 +298,7 @@ class RouterApp:
             try:
                 upstream = await self._send(request, upstream_request)
             except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
-                self._done(w)
-                self._fail(w, f"failed a request ({exc!r})")
-                tried.add(i)
-                self.retries.inc()
+                self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
                 continue
             except BaseException:
                 self._done(w)
@@ -310,17 +308,22 @@ class RouterApp:
                 return Response(status_code=499)
             if upstream.status_code == 503 and len(tried) + 1 < len(self.workers):
                 # the worker is shutting down or its engine is not running: another one may serve it
-                self._done(w)
+                self._retry_elsewhere(w, i, tried, "answered 503")
                 await upstream.aclose()
-                self._fail(w, "answered 503")
-                tried.add(i)
-                self.retries.inc()
                 continue
             w.routed += 1
             self.requests.labels(w.url, why).inc()
             if path in ROUTED_PATHS and upstream.status_code < 500:
                 self.router.record(i, key)
             return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    def _retry_elsewhere(self, w: Worker, index: int, tried: set[int], why: str) -> None:
+        """Worker ``index`` failed this request before answering it: no longer in flight there, the
+        worker unhealthy, the request's next try elsewhere."""
+        self._done(w)
+        self._fail(w, why)
+        tried.add(index)
+        self.retries.inc()
 
     async def _send(self, request: Request, upstream_request: httpx.Request) -> httpx.Response | None:
         """The worker's answer (its headers; the body streams), or None if the client leaves first: a

@@ -59,7 +59,8 @@ def worker_devices(device: str, n: int) -> list[str | None]:
     return ids[:n]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (the OS's pick)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,7 +82,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
     workers: list[tuple[subprocess.Popen, str]] = []
     try:
         for i, device in enumerate(devices):
-            port = _free_port()
+            port = free_port()
             env = dict(os.environ)
             if device is not None:
                 env["CUDA_VISIBLE_DEVICES"] = device
