@@ -203,8 +203,8 @@ def router(workers):
         yield r
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def _client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
 def _chat(client: openai.OpenAI, messages: list[dict], **kw):
@@ -441,6 +441,74 @@ def test_a_worker_dying_mid_stream_ends_the_stream_with_an_error_event():
         assert not info["healthy"] and info["in_flight"] == 0
 
 
+def _busy_worker():
+    """A worker whose waiting queue is full: a 429 with ``Retry-After`` (the engine's ``--max-queued-requests``),
+    counting what it refused; it holds one stored response."""
+    app, state = FastAPI(), {"refused": 0}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/responses/{rid}")
+    async def stored(rid: str):
+        return JSONResponse({"id": rid}) if rid == "resp_held" else JSONResponse({}, status_code=404)
+
+    @app.post("/{path:path}")
+    async def refuse(path: str):
+        state["refused"] += 1
+        return JSONResponse({"error": {"message": "the waiting queue is full", "type": "rate_limit_error",
+                                       "param": None, "code": "rate_limit_exceeded"}},
+                            status_code=429, headers={"Retry-After": "1"})
+
+    return app, state
+
+
+def test_a_full_queue_429_sends_the_request_to_another_worker():
+    """A worker whose queue is full stays healthy and the request goes to another; the client gets the
+    429 (its ``Retry-After`` too) only when no worker is left to try, or when the request reads a
+    stored response only that worker holds."""
+    busy_app, busy = _busy_worker()
+    echo_app, _ = _fake_worker()
+    with _Uvicorn(busy_app) as full, _Uvicorn(echo_app) as free, \
+            _Uvicorn(create_router_app([full.url, free.url], policy="round_robin", health_interval=60)) as r:
+        for i in range(3):
+            answer = httpx.post(r.url + "/v1/completions", json={"prompt": f"p{i}"})
+            assert answer.status_code == 200 and json.loads(answer.json()["body"]) == {"prompt": f"p{i}"}
+        info = httpx.get(r.url + "/workers").json()["workers"]
+        assert [w["healthy"] for w in info] == [True, True] and [w["routed"] for w in info] == [0, 3]
+        assert [w["in_flight"] for w in info] == [0, 0] and busy["refused"] == 3  # (its turn each time: a retry takes a turn too)
+        metrics = httpx.get(r.url + "/metrics").text
+        assert "hyla_router_busy_retries_total 3.0" in metrics and "hyla_router_retries_total 0.0" in metrics
+        held = httpx.post(r.url + "/v1/responses", json={"input": "x", "previous_response_id": "resp_held"})
+        assert held.status_code == 429 and busy["refused"] == 4  # (the free worker does not hold it)
+    with _Uvicorn(busy_app) as full, _Uvicorn(create_router_app([full.url], health_interval=60)) as r:
+        answer = httpx.post(r.url + "/v1/chat/completions", json={"messages": []})
+        assert answer.status_code == 429 and answer.headers["retry-after"] == "1"
+        assert answer.json()["error"]["code"] == "rate_limit_exceeded"
+        assert httpx.get(r.url + "/workers").json()["workers"][0] == {
+            "url": full.url, "healthy": True, "in_flight": 0, "routed": 1, "table_blocks": 0}
+
+
+def test_a_router_api_key_is_checked_before_any_worker_and_forwarded():
+    app, _ = _fake_worker()
+    with pytest.raises(ValueError, match="api_key"):
+        create_router_app(["http://127.0.0.1:1"], api_key="")
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], api_key="sesame", health_interval=60)) as r:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic sesame"}):
+            answer = httpx.post(r.url + "/v1/completions", json={"prompt": "p"}, headers=headers)
+            assert answer.status_code == 401 and answer.headers["www-authenticate"] == "Bearer"
+            assert answer.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.post(r.url + "/flush_cache", headers=headers).status_code == 401
+            assert httpx.get(r.url + "/workers", headers=headers).status_code == 401
+        assert httpx.get(r.url + "/health").status_code == 200 and httpx.get(r.url + "/metrics").status_code == 200
+        key = {"Authorization": "bearer sesame"}  # (the scheme's case does not matter, as a worker's)
+        info = httpx.get(r.url + "/workers", headers=key).json()["workers"]
+        assert info[0]["routed"] == 0  # nothing refused reached the worker
+        answer = httpx.post(r.url + "/v1/completions", json={"prompt": "p"}, headers=key)
+        assert answer.status_code == 200 and answer.json()["authorization"] == "bearer sesame"
+
+
 def test_a_refused_connection_is_retried_and_health_comes_back():
     """A worker healthy at the last check whose connection is refused now: the request goes to the other
     worker; a worker whose health check fails gets nothing until a check passes again."""
@@ -484,16 +552,18 @@ def test_worker_argv_drops_what_a_worker_does_not_inherit():
 @pytest.mark.slow
 def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_path):
     """``hyla serve --dp-size 2``: two workers and the router in one command; a conversation's later turn
-    is cached; SIGINT stops the workers too."""
+    is cached; the key (``--api-key``) is the router's and the workers'; SIGINT stops the workers too."""
     from test_server_cli import ServeProcess
 
     server = ServeProcess(["--model", str(make_chat_model(tiny_ckpt_dir)), "--served-model-name", MODEL, "--dp-size",
-                           "2", "--max-total-tokens", "4096", "--max-state-slots", "16", "--cpu-threads", "1"],
+                           "2", "--max-total-tokens", "4096", "--max-state-slots", "16", "--cpu-threads", "1", "--api-key", "k2"],
                           tmp_path / "serve.log", timeout=300)
     try:
-        info = httpx.get(server.url + "/workers").json()
+        assert httpx.get(server.url + "/workers").status_code == 401
+        info = httpx.get(server.url + "/workers", headers={"Authorization": "Bearer k2"}).json()
         assert info["policy"] == "cache_aware" and [w["healthy"] for w in info["workers"]] == [True, True]
-        via = _client(server.url)
+        assert httpx.get(info["workers"][0]["url"] + "/v1/models").status_code == 401  # (a worker's own check)
+        via = _client(server.url, api_key="k2")
         messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be routed by. " * 4}]
         first = _chat(via, messages)
         messages += [{"role": "assistant", "content": first.choices[0].message.content},

@@ -17,13 +17,17 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 
 The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``GET /workers`` (each
 worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
-(Prometheus).
+(Prometheus). With ``api_key`` (``hyla route --api-key``) every path but ``/health`` and ``/metrics``
+needs ``Authorization: Bearer <key>`` (the workers' rule, ``hyla.server.auth``), else a 401 that reaches
+no worker; the header is forwarded as it came, so workers started with the same key accept it.
 
 A worker is healthy until it fails a request, answers a 503, or its ``/health`` does not answer 200
 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
 passes again. A request the worker fails before answering (no connection, a reset), or refuses with
 a 503, is sent to another worker (each at most once); with none left the client gets a 503 with an
-OpenAI-style body. A worker failing mid-stream ends the stream with an error event and ``[DONE]``.
+OpenAI-style body. A 429 (the worker's waiting queue is full) sends the request to another worker
+too, the first staying healthy; the client gets the 429 when no worker is left to try, or when the
+request reads a stored response that only that worker holds. A worker failing mid-stream ends the stream with an error event and ``[DONE]``.
 A body over ``max_request_bytes`` is a 413 and reaches no worker. A client that disconnects (from a
 stream, or while waiting for a whole answer) closes the worker's request, which aborts it there.
 The router keeps no model and imports no torch: it runs anywhere.
@@ -47,6 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from hyla.router.policy import MAX_KEY_BLOCKS, Router
+from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 
 logger = logging.getLogger("hyla.router")
 
@@ -156,7 +161,8 @@ class RouterApp:
     """The state behind the app: the workers, the policy, the HTTP client, the metrics."""
 
     def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
-                 connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 api_key: str | None = None) -> None:
         urls = check_worker_urls(worker_urls)
         if len(router.tables) != len(urls):
             raise ValueError(f"the policy has {len(router.tables)} workers, the URLs {len(urls)}")
@@ -164,7 +170,10 @@ class RouterApp:
             raise ValueError(f"health_interval and connect_timeout must be > 0, got {health_interval}, {connect_timeout}")
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must be a non-empty string")
         self.max_request_bytes = max_request_bytes
+        self.api_key = api_key
         self.workers = [Worker(u) for u in urls]
         self.router = router
         self.health_interval = health_interval
@@ -177,6 +186,8 @@ class RouterApp:
                                 ["worker", "reason"], registry=self.registry)
         self.retries = Counter("hyla_router_retries", "Requests sent to another worker after one failed them (no "
                                "connection, or a 503).", registry=self.registry)
+        self.busy_retries = Counter("hyla_router_busy_retries", "Requests sent to another worker after one answered "
+                                    "429 (its waiting queue full).", registry=self.registry)
         self.in_flight = Gauge("hyla_router_in_flight", "Requests in flight, by worker.", ["worker"],
                                registry=self.registry)
         self.healthy = Gauge("hyla_router_worker_healthy", "1 while the worker is healthy.", ["worker"],
@@ -311,11 +322,22 @@ class RouterApp:
                 self._retry_elsewhere(w, i, tried, "answered 503")
                 await upstream.aclose()
                 continue
+            if upstream.status_code == 429 and owner is None and self._others_left(i, tried):
+                # its queue is full, not the others' (perhaps): busy, not unhealthy
+                self._done(w)
+                tried.add(i)
+                self.busy_retries.inc()
+                await upstream.aclose()
+                continue
             w.routed += 1
             self.requests.labels(w.url, why).inc()
             if path in ROUTED_PATHS and upstream.status_code < 500:
                 self.router.record(i, key)
             return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    def _others_left(self, index: int, tried: set[int]) -> bool:
+        """Whether a healthy worker other than ``index`` has not been tried for this request yet."""
+        return any(w.healthy and j != index and j not in tried for j, w in enumerate(self.workers))
 
     def _retry_elsewhere(self, w: Worker, index: int, tried: set[int], why: str) -> None:
         """Worker ``index`` failed this request before answering it: no longer in flight there, the
@@ -352,6 +374,15 @@ class RouterApp:
                 return self._too_large()
             chunks.append(chunk)
         return b"".join(chunks)
+
+    def authorized(self, request: Request) -> bool:
+        """Whether the request may pass: no key asked for, or its ``Authorization`` carries it."""
+        return self.api_key is None or bearer_key_matches(request.headers.get("authorization"), self.api_key)
+
+    @staticmethod
+    def unauthorized() -> Response:
+        return JSONResponse(error_body(API_KEY_MESSAGE, type="authentication_error", code="invalid_api_key"),
+                            status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     def _too_large(self) -> Response:
         return JSONResponse(error_body(f"the request body is larger than {self.max_request_bytes} bytes",
@@ -464,11 +495,11 @@ class _Relay(StreamingResponse):
 def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
-                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None) -> FastAPI:
     """The router's FastAPI app over ``worker_urls`` (the module docstring); ``app.state.router`` is
     its ``RouterApp``."""
     state = RouterApp(worker_urls, Router(len(check_worker_urls(worker_urls)), policy, cache_threshold, balance_abs, balance_rel,
-                                          max_blocks), health_interval, connect_timeout, max_request_bytes)
+                                          max_blocks), health_interval, connect_timeout, max_request_bytes, api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -492,7 +523,9 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
         return JSONResponse(body, status_code=200 if live else 503)
 
     @app.get("/workers")
-    async def workers() -> JSONResponse:
+    async def workers(request: Request) -> Response:
+        if not state.authorized(request):
+            return state.unauthorized()
         return JSONResponse({"policy": state.router.policy, "workers": state.workers_info()})
 
     @app.get("/metrics")
@@ -502,6 +535,8 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"])
     async def proxy(request: Request, path: str) -> Response:
         path = "/" + path
+        if not state.authorized(request):
+            return state.unauthorized()
         if path in BROADCAST_PATHS and request.method == "POST":
             return await state.broadcast(request, path)
         return await state.forward(request, path)

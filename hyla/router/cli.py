@@ -33,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 262144: 16 Mi characters of 64).")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
                         help="A larger request body is refused with a 413 (default 16 MiB, as hyla serve's).")
+    parser.add_argument("--api-key", default=None,
+                        help="Clients must send 'Authorization: Bearer KEY' (every path but /health and /metrics); "
+                             "the header goes on to the workers, so start them with the same key.")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="Seconds between health checks of the workers (default 5).")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,
                                 balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
                                 max_blocks=args.max_table_blocks, health_interval=args.health_interval,
-                                max_request_bytes=args.max_request_bytes)
+                                max_request_bytes=args.max_request_bytes, api_key=args.api_key)
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

@@ -101,7 +101,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-        app = create_router_app([url for _, url in workers])
+        app = create_router_app([url for _, url in workers], api_key=args.api_key)  # (the workers' key too)
         logger.info("the %d workers serve; the router listens on http://%s:%d", n, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                     timeout_graceful_shutdown=5)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.engine import DEFAULT_MODEL_DIR, Engine
+from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.errors import APIError, add_error_handlers
 from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
@@ -171,9 +171,8 @@ class Server:
         worker thread."""
         if self.api_key is None:
             return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+        if not bearer_key_matches(request.headers.get("authorization"), self.api_key):
+            raise APIError(401, API_KEY_MESSAGE,
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
