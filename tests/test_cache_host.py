@@ -56,13 +56,13 @@ def kv_ok(pool: KVPool, slots: torch.Tensor, namespace, tokens, start: int) -> b
 
 def write_state(pool: StatePool, slot: int, namespace, tokens) -> None:
     f = fingerprint(namespace, tokens)
-    for i, buf in enumerate(pool._all_buffers()):
+    for i, buf in enumerate(pool.all_buffers()):
         buf[slot] = f + i
 
 
 def state_ok(pool: StatePool, slot: int, namespace, tokens) -> bool:
     f = fingerprint(namespace, tokens)
-    return all(torch.all(buf[slot] == f + i) for i, buf in enumerate(pool._all_buffers()))
+    return all(torch.all(buf[slot] == f + i) for i, buf in enumerate(pool.all_buffers()))
 
 
 def put(tree: RadixCache, tokens: list[int], namespace=None, ckpt: bool = True) -> None:
@@ -408,7 +408,7 @@ def test_deferred_saves_hold_bounded_staging_memory(monkeypatch) -> None:
     put(tree, xs[0])
     tree.evict(10)
     one = host.staged_bytes  # a save of 10 tokens' K and V and a state
-    assert host.num_in_flight == 1 and one == 10 * 32 + sum(b[0].numel() * 4 for b in host.state_pool._all_buffers())
+    assert host.num_in_flight == 1 and one == 10 * 32 + sum(b[0].numel() * 4 for b in host.state_pool.all_buffers())
     monkeypatch.setattr(host_cache, "MAX_STAGED_BYTES", one + one // 2)
     for x in xs[1:]:
         put(tree, x)

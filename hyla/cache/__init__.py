@@ -10,6 +10,7 @@ from hyla.cache.layout import CacheLayout
 from hyla.cache.ledger import CacheLedger
 from hyla.cache.memory import MemorySplit, split_memory
 from hyla.cache.policy import EvictionPolicy, LRUPolicy
+from hyla.cache.prefix_transfer import CachedPrefix
 from hyla.cache.radix_cache import RadixCache
 from hyla.cache.radix_types import Checkpoint, InsertResult, MatchResult, TreeNode
 from hyla.cache.req_pool import ReqToTokenPool
@@ -18,6 +19,7 @@ from hyla.cache.state_pool import StatePool
 __all__ = [
     "CacheLayout",
     "CacheLedger",
+    "CachedPrefix",
     "Checkpoint",
     "EvictionPolicy",
     "HostCache",

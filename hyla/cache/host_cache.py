@@ -51,6 +51,7 @@ import torch
 
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
+from hyla.cache.prefix_transfer import CachedPrefix
 from hyla.cache.radix_cache import RadixCache
 from hyla.cache.radix_types import MatchResult, TreeNode
 from hyla.cache.state_pool import StatePool
@@ -259,15 +260,27 @@ class HostCache:
         if len(kv_slots) != hit.prefix_len - start:
             raise ValueError(f"load of positions [{start}, {hit.prefix_len}) into {len(kv_slots)} KV slots")
         rows = hit.kv_indices[start:]
-        writers = [i for i, save in enumerate(self._in_flight)
-                   if (hit.state_slot is not None and save.state_slot == hit.state_slot)
-                   or np.isin(save.kv_rows, rows.numpy()).any()]
-        self._land(writers[-1] + 1 if writers else 0)  # the rows it reads are in place
+        self._land_writers(rows, hit.state_slot)
         device.kv_pool.copy_from(self.kv_pool, rows, kv_slots)
         self.num_loaded_tokens += len(kv_slots)
         if hit.state_slot is not None:
             device.state_pool.copy_from(self.state_pool, [hit.state_slot], [state_slot])
             self.num_loaded_checkpoints += 1
+
+    def gather(self, hit: MatchResult, layout: CacheLayout, tokens: Sequence[int], namespace: Hashable) -> CachedPrefix:
+        """A copy of a locked ``hit`` (of ``tokens``, its whole prefix) out of the host pools
+        (``CacheManager.export_prefix``)."""
+        self._land_writers(hit.kv_indices, hit.state_slot)
+        return CachedPrefix.gather(layout, tokens, namespace, self.kv_pool, hit.kv_indices, self.state_pool,
+                                   hit.state_slot)
+
+    def _land_writers(self, kv_rows: torch.Tensor, state_slot: int | None) -> None:
+        """Land every save in flight (up to the last) that writes one of ``kv_rows`` or ``state_slot``:
+        what a copy out of them reads is then in place."""
+        writers = [i for i, save in enumerate(self._in_flight)
+                   if (state_slot is not None and save.state_slot == state_slot)
+                   or np.isin(save.kv_rows, kv_rows.numpy()).any()]
+        self._land(writers[-1] + 1 if writers else 0)
 
     # ------------------------------------------------------------------------------------------
     # misc

@@ -92,7 +92,7 @@ class StatePool:
         if hidden_size and not accounting:
             self.hidden_states = torch.zeros(num_slots + 1, hidden_size, dtype=hidden_dtype, device=self.device)
         # the buffers that hold something (a conv-only model's SSM buffers hold no element)
-        self._filled = [b for b in self._all_buffers() if b.numel()]
+        self._filled = [b for b in self.all_buffers() if b.numel()]
         # the same buffers grouped by dtype: a few slots are copied or zeroed as one foreach op per
         # group over their rows (one multi-tensor kernel on CUDA), not one or two ops per buffer
         self._by_dtype = [[b for b in self._filled if b.dtype == dt] for dt in dict.fromkeys(b.dtype for b in self._filled)]
@@ -169,7 +169,7 @@ class StatePool:
             raise ValueError("copy_from a state pool of another layout")
         s, d = self._copy_slots(other, src, dst, disjoint=False)
         if s.size and not (self.accounting or other.accounting):
-            return copy_rows(self._all_buffers(), d, other._all_buffers(), s, defer)
+            return copy_rows(self.all_buffers(), d, other.all_buffers(), s, defer)
         return None
 
     def _copy_slots(self, source: "StatePool", src: IndexLike, dst: IndexLike,
@@ -185,8 +185,8 @@ class StatePool:
             raise ValueError("copy destinations must be distinct" + (" and disjoint from the sources" if disjoint else ""))
         return s, d
 
-    def _all_buffers(self) -> list[torch.Tensor]:
-        """Every buffer, in one order for pools of one layout (``copy_from``)."""
+    def all_buffers(self) -> list[torch.Tensor]:
+        """Every buffer, in one order for pools of one layout (``copy_from``, a ``CachedPrefix``'s bytes)."""
         extra = [self.hidden_states] if self.hidden_states is not None else []
         return [*self.conv_states, *self.ssm_states, *extra]
 
@@ -213,7 +213,7 @@ class StatePool:
         self._slots.check_integrity()
         if not self.accounting:
             assert len(self.conv_states) == len(self.ssm_states) == self.num_buffers
-            assert all(b.shape[0] == self.size + 1 for b in self._all_buffers()), "buffer rows"
+            assert all(b.shape[0] == self.size + 1 for b in self.all_buffers()), "buffer rows"
 
 
 __all__ = ["StatePool", "PoolExhaustedError"]

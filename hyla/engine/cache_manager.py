@@ -59,7 +59,8 @@ from typing import ContextManager, Sequence
 
 import torch
 
-from hyla.cache import CacheLedger, Checkpoint, HostCache, KVPool, MatchResult, RadixCache, ReqToTokenPool, StatePool
+from hyla.cache import (CacheLayout, CacheLedger, CachedPrefix, Checkpoint, HostCache, KVPool, MatchResult, RadixCache,
+                        ReqToTokenPool, StatePool)
 from hyla.engine.request import Req
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
@@ -73,6 +74,7 @@ SPECULATIVE_CHECKPOINT = "a speculative checkpoint"
 PENDING_CHECKPOINT = "a pending decode checkpoint"
 FINISH_CHECKPOINT = "a finish checkpoint"
 HOST_LOAD = "a prefix loaded from the host tier"
+IMPORT = "an imported prefix (import_prefix)"
 
 
 @dataclass
@@ -262,32 +264,93 @@ class CacheManager:
         if host_hit is None:
             return hit
         end = host_hit.prefix_len
-        start = min(hit.kv_only_len, end)  # the device holds the prefix's KV up to here
         if end <= hit.prefix_len:
             self.host.unlock(host_hit)
             return hit
-        device_kv = hit.kv_only_indices[:start]
-        states = 1 if self.tree.state_pool is not None else 0
-        self.tree.inc_lock_ref(hit.kv_only_node)  # the device's part stays while room is made
         try:
-            ok = self._ensure_kv(end - start, cause=HOST_LOAD) and (not states or self._ensure_state(1, cause=HOST_LOAD))
-            if ok:
-                kv = self.kv_pool.alloc(end - start) if end > start else torch.zeros(0, dtype=torch.int64)
-                slot = int(self.state_pool.alloc(1, zero=False)[0]) if states else None
-                try:
-                    self.host.load(host_hit, start, kv, slot)
-                except BaseException:  # (a copy out of memory): the device's own hit stands, nothing leaked
-                    self.kv_pool.free(kv)
-                    if slot is not None:
-                        self.state_pool.free([slot])
-                    raise
-                self.tree.insert(tokens[:end], torch.cat([device_kv, kv]), [(end, slot)] if states else [],
-                                 namespace=req.namespace)
+            if self._adopt(tokens[:end], req.namespace, hit, lambda start, kv, slot: self.host.load(
+                    host_hit, start, kv, slot), cause=HOST_LOAD):
                 self._host_hits[id(req)] = end - hit.prefix_len  # counted if the admission succeeds
         finally:
-            self.tree.dec_lock_ref(hit.kv_only_node)
             self.host.unlock(host_hit)
         return self.peek(req)
+
+    def _adopt(self, tokens: Sequence[int], namespace, hit: MatchResult, fill, cause: str) -> bool:
+        """Put the prefix ``tokens`` (page-aligned, with its state at its end) into the tree, where the
+        tree's ``hit`` on it is shorter: fresh slots for the KV past the tree's KV match and for the
+        checkpoint (evicting unlocked entries for them, as an admission does), written by ``fill(start,
+        kv_slots, state_slot)`` — the prefix's KV of positions ``[start, len(tokens))`` and its state —
+        then inserted. False (nothing changed) where the room cannot be made."""
+        end = len(tokens)
+        start = min(hit.kv_only_len, end)  # the tree holds the prefix's KV up to here
+        device_kv = hit.kv_only_indices[:start]
+        states = 1 if self.tree.state_pool is not None else 0
+        self.tree.inc_lock_ref(hit.kv_only_node)  # the tree's part stays while room is made
+        try:
+            if not (self._ensure_kv(end - start, cause=cause) and (not states or self._ensure_state(1, cause=cause))):
+                return False
+            kv = self.kv_pool.alloc(end - start) if end > start else torch.zeros(0, dtype=torch.int64)
+            slot = int(self.state_pool.alloc(1, zero=False)[0]) if states else None
+            try:
+                fill(start, kv, slot)
+            except BaseException:  # (a copy out of memory): the tree's own hit stands, nothing leaked
+                self.kv_pool.free(kv)
+                if slot is not None:
+                    self.state_pool.free([slot])
+                raise
+            self.tree.insert(tokens, torch.cat([device_kv, kv]), [(end, slot)] if states else [], namespace=namespace)
+            return True
+        finally:
+            self.tree.dec_lock_ref(hit.kv_only_node)
+
+    # ------------------------------------------------------------------------------------------
+    # prefixes moved between engines (hyla/cache/prefix_transfer.py)
+    # ------------------------------------------------------------------------------------------
+    def export_prefix(self, tokens: Sequence[int], namespace, layout: CacheLayout) -> CachedPrefix | None:
+        """A copy of the cached prefix a request for ``tokens`` would hit — the longest usable prefix of
+        all of them but the last (whose logits a request computes), the device tree's or, longer, the
+        host tier's — or None where nothing is cached. ``layout``: the pools' (the copy's CPU pools')."""
+        if self.tree is None or len(tokens) < 2:
+            return None
+        tokens = list(tokens[:-1])
+        hit = self.tree.match_prefix(tokens, namespace)
+        if self.host is not None:
+            host_hit = self.host.match(tokens, namespace)
+            if host_hit is not None:
+                try:
+                    if host_hit.prefix_len > hit.prefix_len:
+                        return self.host.gather(host_hit, layout, tokens[:host_hit.prefix_len], namespace)
+                finally:
+                    self.host.unlock(host_hit)
+        if not hit.prefix_len:
+            return None
+        return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices,
+                                   self.tree.state_pool, hit.state_slot)
+
+    def import_prefix(self, prefix: CachedPrefix) -> int:
+        """Put ``prefix`` (another cache's, ``export_prefix``) into the tree where it lacks it, as a
+        computed prefix (evictable, saved to the host tier when evicted); returns the length of it the
+        tree holds now: all of it, or where the room could not be made, what it held before.
+        ``ValueError`` for a prefix this cache cannot hold (the prefix cache off, a length off the
+        page grid, a state where the tree keeps none or none where it does)."""
+        if self.tree is None:
+            raise ValueError("the prefix cache is off (enable_prefix_cache=False): there is no cache to import into")
+        if len(prefix) % self.page_size:
+            raise ValueError(f"a prefix of {len(prefix)} tokens is not on this cache's page grid (page_size "
+                             f"{self.page_size})")
+        if (prefix.state is None) != (self.tree.state_pool is None):
+            raise ValueError("the prefix " + ("holds no state, which this cache needs" if prefix.state is None
+                                              else "holds a state, which this cache keeps none of"))
+        tokens = list(prefix.token_ids)
+        hit = self.tree.match_prefix(tokens, prefix.namespace)
+        if hit.prefix_len >= len(tokens):
+            return len(tokens)
+
+        def fill(start: int, kv: torch.Tensor, slot: int | None) -> None:
+            self.kv_pool.copy_from(prefix.kv, prefix.kv_rows[start:], kv)
+            if slot is not None:
+                self.state_pool.copy_from(prefix.state, [prefix.state_slot], [slot])
+        return len(tokens) if self._adopt(tokens, prefix.namespace, hit, fill, cause=IMPORT) else hit.prefix_len
 
     def land_host_saves(self) -> None:
         """Land the host tier's saves in flight (``HostCache.land``): for the scheduler, once it has

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from hyla.cache import CacheLedger, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
+from hyla.cache import CacheLedger, CachedPrefix, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import (EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes,
                               kv_cache_torch_dtype)
 from hyla.engine.cache_manager import CacheManager
@@ -280,6 +280,7 @@ class Engine:
                                f"{running} requests x {per_req + CHECKPOINTS_PER_RUNNING_REQUEST} slots")
         self.pool_sizing = f"KV {kv_how}, state {state_how}"  # for summary()
         num_tokens -= num_tokens % args.page_size
+        self.cache_layout = layout  # what a token's KV and a state slot hold (a CachedPrefix's pools too)
         self.kv_pool = KVPool.from_layout(layout, num_tokens, args.page_size, self.device)
         self.state_pool = StatePool.from_layout(layout, num_slots, self.device)
         # the MTP and draft-model drafters reserve KV for their drafts (CacheManager.reserve_kv): a
@@ -497,6 +498,45 @@ class Engine:
         _check_timeout(timeout)
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
+    def export_prefix(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0) -> CachedPrefix | None:
+        """A copy of what a request with prompt ``input_ids`` (in cache ``namespace``) would find cached:
+        the longest cached prefix of all its tokens but the last, with its KV and the recurrent state
+        after it (``hyla/cache/prefix_transfer.py``); None where nothing is cached. ``CachedPrefix.to_bytes``
+        sends it elsewhere, where ``import_prefix`` puts it into another engine of the same model and
+        cache layout (another server, a decode server after a prefill server), which then hits it as
+        this one would. It runs on the scheduler thread between steps (a copy out of the device: on a
+        GPU it waits for the step in flight). ``ValueError`` for bad token ids or namespace."""
+        _check_timeout(timeout)
+        vocab = self.model_config.vocab_size
+        if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
+            raise RequestError("input_ids must be a list of token ids", "input_ids")
+        ids = [_token_id(t, vocab) for t in input_ids]
+        _check_namespace(namespace)
+        return self._on_scheduler_thread(lambda: self.cache.export_prefix(ids, namespace, self.cache_layout), timeout)
+
+    def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
+        """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this
+        engine's prefix cache, as if computed here: a request whose prompt extends it hits it. Returns
+        how many of its tokens the cache holds now (all of them; or, where no room could be made
+        without evicting what running requests hold, what it held before). ``ValueError`` for bytes
+        that are not a prefix, a prefix of another model or cache layout (another KV dtype, draft
+        model or MTP), token ids outside the vocabulary, a length off the page grid, or the prefix
+        cache off. The bytes are read on the calling thread; the copy in runs on the scheduler thread
+        between steps. The prefix is trusted as computed by this model: import only from your own
+        servers (the server's ``/import_prefix`` needs the API key)."""
+        _check_timeout(timeout)
+        if self.tree is None:
+            raise ValueError("the prefix cache is off (enable_prefix_cache=False): there is no cache to import into")
+        if isinstance(prefix, (bytes, bytearray, memoryview)):
+            prefix = CachedPrefix.from_bytes(bytes(prefix), self.cache_layout, self.tree.state_pool is not None)
+        elif not isinstance(prefix, CachedPrefix):
+            raise ValueError(f"import_prefix takes a CachedPrefix or its bytes, got {type(prefix).__name__}")
+        vocab = self.model_config.vocab_size
+        if max(prefix.token_ids) >= vocab:
+            raise ValueError(f"the prefix's token id {max(prefix.token_ids)} is outside the vocabulary [0, {vocab})")
+        _check_namespace(prefix.namespace)
+        return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
+
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
         """Serve the weights of another checkpoint of the same model from now on (a trainer's latest,
@@ -644,11 +684,7 @@ class Engine:
                 raise RequestError(f"{name} must be a bool, got {flag!r}", name)
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
-        try:  # the prefix cache keys its trees on it: an unhashable one would fail every step's admission
-            hash(namespace)
-        except TypeError:
-            raise RequestError(f"namespace must be hashable (a str, an int, a tuple of them), got "
-                               f"{type(namespace).__name__}", "namespace") from None
+        _check_namespace(namespace)
         if prompt is not None:
             single = isinstance(prompt, str)
             prompts = [prompt] if single else list(prompt) if isinstance(prompt, (list, tuple)) else None
@@ -947,6 +983,16 @@ def _asks_for_grammar(sampling_params: Any) -> bool:
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     return any((p.get(k) if isinstance(p, dict) else getattr(p, k, None)) is not None
                for p in params for k in GRAMMAR_KINDS)
+
+
+def _check_namespace(namespace: Any) -> None:
+    """``RequestError`` unless ``namespace`` is hashable: the prefix cache keys its trees on it (an
+    unhashable one would fail every step's admission)."""
+    try:
+        hash(namespace)
+    except TypeError:
+        raise RequestError(f"namespace must be hashable (a str, an int, a tuple of them), got "
+                           f"{type(namespace).__name__}", "namespace") from None
 
 
 def _token_id(t: Any, vocab: int) -> int:

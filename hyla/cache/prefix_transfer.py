@@ -1,0 +1,160 @@
+"""A cached prefix taken out of one engine's cache and put into another's: its tokens, the KV of
+every token in every attention layer, and the recurrent state after its last token.
+
+A hybrid model's prefix is usable only with the state after it: external KV stores that bring KV
+back without the SSM state garble outputs (LMCache #2845). A ``CachedPrefix`` carries both, so the
+engine that receives it hits exactly where the sender would have (``Engine.export_prefix`` /
+``import_prefix``; the server's ``/export_prefix`` and ``/import_prefix``): a conversation moved to
+another server (a data-parallel worker that is less loaded, a replacement), or a prompt computed by
+one server and decoded by another (prefill/decode disaggregation), resumes with the same tokens
+and logits it would have had where it was computed.
+
+Its data sit in CPU pools of the cache's own layout (``KVPool`` of the prefix's tokens at page size
+1, ``StatePool`` of one slot), so copies in and out are the pools' ``copy_from``, which checks that
+the two layouts agree. ``to_bytes`` / ``from_bytes``: safetensors, the rows of every buffer in
+position order and the tokens, namespace and sizes as metadata; ``from_bytes`` builds the pools of
+the *receiving* cache's layout and refuses (``ValueError``) a buffer of another shape or dtype — a
+prefix of another model, another KV dtype, another draft model. Knows nothing of models.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from hyla.cache.kv_pool import KVPool
+from hyla.cache.layout import CacheLayout
+from hyla.cache.state_pool import StatePool
+from hyla.cache.transfer import put_rows_
+
+FORMAT = "hyla-cached-prefix-1"
+
+
+@dataclass
+class CachedPrefix:
+    """``token_ids`` in ``namespace``, their KV (position ``i`` at ``kv_rows[i]`` of ``kv``) and, for a
+    cache with states, the state after the last token (``state_slot`` of ``state``)."""
+
+    token_ids: tuple[int, ...]
+    namespace: Hashable
+    kv: KVPool
+    kv_rows: torch.Tensor
+    state: StatePool | None
+    state_slot: int | None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def empty(cls, layout: CacheLayout, token_ids: Sequence[int], namespace: Hashable,
+              with_state: bool) -> "CachedPrefix":
+        """Pools for ``token_ids``' KV (and a state slot), allocated and not filled yet."""
+        if not token_ids:
+            raise ValueError("a cached prefix has at least one token")
+        kv = KVPool.from_layout(layout, len(token_ids), 1, "cpu")
+        state = StatePool.from_layout(layout, 1, "cpu") if with_state else None
+        slot = int(state.alloc(1, zero=False)[0]) if state is not None else None
+        return cls(tuple(int(t) for t in token_ids), namespace, kv, kv.alloc(len(token_ids)), state, slot)
+
+    @classmethod
+    def gather(cls, layout: CacheLayout, token_ids: Sequence[int], namespace: Hashable, kv_pool: KVPool,
+               kv_slots: torch.Tensor, state_pool: StatePool | None, state_slot: int | None) -> "CachedPrefix":
+        """A copy of ``token_ids``' KV in ``kv_pool``'s slots ``kv_slots`` and of ``state_pool``'s slot
+        ``state_slot`` (None: a cache without states)."""
+        if len(kv_slots) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens and {len(kv_slots)} KV slots")
+        out = cls.empty(layout, token_ids, namespace, state_pool is not None)
+        out.kv.copy_from(kv_pool, kv_slots, out.kv_rows)
+        if state_pool is not None:
+            out.state.copy_from(state_pool, [state_slot], [out.state_slot])
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    # bytes
+    # ------------------------------------------------------------------------------------------
+    def _buffers(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Every buffer with the rows of this prefix in it, by name."""
+        out = {}
+        for i, (k, v) in enumerate(zip(self.kv.k_buffers, self.kv.v_buffers)):
+            out[f"k.{i}"], out[f"v.{i}"] = (k, self.kv_rows), (v, self.kv_rows)
+        if self.state is not None:
+            rows = torch.tensor([self.state_slot])
+            for i, buf in enumerate(self.state.all_buffers()):
+                if buf.numel():
+                    out[f"state.{i}"] = (buf, rows)
+        return out
+
+    def to_bytes(self) -> bytes:
+        """The prefix as safetensors bytes (the module docstring)."""
+        tensors = {name: buf.index_select(0, rows).contiguous() for name, (buf, rows) in self._buffers().items()}
+        meta = {"format": FORMAT, "token_ids": json.dumps(list(self.token_ids)),
+                "namespace": json.dumps(_namespace_to_json(self.namespace)),
+                "has_state": json.dumps(self.state is not None)}
+        return save_tensors(tensors, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, layout: CacheLayout, with_state: bool) -> "CachedPrefix":
+        """A prefix of ``to_bytes`` for a cache of ``layout`` (``with_state``: whose tree keeps states);
+        ``ValueError`` for bytes that are not one, or one of another layout."""
+        try:
+            tensors = load_tensors(data)
+            meta = _metadata(data)
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"not a hyla cached prefix (format {meta.get('format')!r}, expected {FORMAT!r})")
+            token_ids = json.loads(meta["token_ids"])
+            namespace = _namespace_from_json(json.loads(meta["namespace"]))
+            has_state = json.loads(meta["has_state"])
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors' own errors, a missing key, bad JSON
+            raise ValueError(f"not a hyla cached prefix: {exc}") from None
+        if not isinstance(token_ids, list) or not token_ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
+            raise ValueError("a cached prefix's token_ids must be a non-empty list of token ids")
+        if has_state is not with_state:
+            raise ValueError("the cached prefix " + ("holds a state, which this cache has not" if has_state else
+                                                     "holds no state, which this cache needs"))
+        out = cls.empty(layout, token_ids, namespace, has_state)
+        want = out._buffers()
+        if set(tensors) != set(want):
+            raise ValueError(f"the cached prefix's buffers {sorted(tensors)} are not this cache's {sorted(want)}: "
+                             "a prefix of another model or cache layout")
+        for name, (buf, rows) in want.items():
+            t = tensors[name]
+            if t.dtype != buf.dtype or tuple(t.shape) != (len(rows), *buf.shape[1:]):
+                raise ValueError(f"the cached prefix's {name} is {tuple(t.shape)} {t.dtype}, this cache's "
+                                 f"{(len(rows), *buf.shape[1:])} {buf.dtype}: a prefix of another model or cache layout")
+            put_rows_(buf, rows, t)
+        return out
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes (its 8-byte header length, then the JSON header)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]).get("__metadata__") or {}
+
+
+def _namespace_to_json(namespace: Hashable) -> Any:
+    """A cache namespace (None, a str, an int, tuples of them) as JSON: a tuple as ``{"tuple": [...]}``."""
+    if namespace is None or isinstance(namespace, (str, int)) and not isinstance(namespace, bool):
+        return namespace
+    if isinstance(namespace, tuple):
+        return {"tuple": [_namespace_to_json(x) for x in namespace]}
+    raise ValueError(f"a cached prefix's namespace must be None, a str, an int or a tuple of them, "
+                     f"got {type(namespace).__name__}")
+
+
+def _namespace_from_json(value: Any) -> Hashable:
+    if value is None or isinstance(value, (str, int)) and not isinstance(value, bool):
+        return value
+    if isinstance(value, dict) and set(value) == {"tuple"} and isinstance(value["tuple"], list):
+        return tuple(_namespace_from_json(x) for x in value["tuple"])
+    raise ValueError(f"a cached prefix's namespace is not one: {value!r}")
+
+
+__all__ = ["CachedPrefix"]

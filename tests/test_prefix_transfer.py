@@ -1,0 +1,199 @@
+"""Moving a cached prefix between engines (``Engine.export_prefix`` / ``import_prefix``,
+``hyla/cache/prefix_transfer.py``): the engine that imports a prefix serves a request on it with the
+tokens and logprobs of an engine that computes everything (the cache off), on every kind of cache
+(Gated DeltaNet + attention, Mamba2, Mamba1, attention alone: no states; pages; a float8 KV cache;
+MTP's hidden state), under pressure, from the host tier; what it cannot hold is refused with a
+``ValueError`` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hyla import Engine
+from hyla.cache import CachedPrefix
+from test_engine_differential import FP8_KV_TOL, TOL, assert_drained, compare_outputs
+
+POOLS = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
+
+
+def _prompts(seed: int, vocab: int, n: int = 6) -> list[list[int]]:
+    """``n`` prompts of 20-120 tokens, every other one starting with one of two shared system prompts."""
+    rng = random.Random(seed)
+    tok = lambda k: [rng.randrange(3, vocab) for _ in range(k)]  # noqa: E731
+    systems = [tok(40), tok(64)]
+    return [(systems[i % 2] if i % 3 else []) + tok(rng.randrange(20, 60)) for i in range(n)]
+
+
+def _greedy(n: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}
+
+
+def _generate(engine: Engine, prompts: list[list[int]], n: int = 8, **kw) -> list[dict]:
+    return engine.generate(input_ids=prompts, sampling_params=[_greedy(n)] * len(prompts), return_logprob=True, **kw)
+
+
+def _exported(path, prompts: list[list[int]], **opts) -> list[bytes]:
+    """Each prompt prefilled on an engine of its own (one token generated), then its prefix exported."""
+    with Engine(path, **{**POOLS, **opts}) as source:
+        _generate(source, prompts, n=1)
+        prefixes = [source.export_prefix(p) for p in prompts]
+        assert all(p is not None and 0 < len(p) <= len(q) - 1 for p, q in zip(prefixes, prompts))
+        assert_drained(source)
+        return [p.to_bytes() for p in prefixes]
+
+
+@pytest.mark.parametrize("arch, opts, tol", [
+    ("qwen3_next_dense_path", {}, TOL),  # Gated DeltaNet + attention
+    ("bamba_short_path", {}, TOL),  # Mamba2 + attention
+    ("jamba_short_path", {}, TOL),  # Mamba1 + attention, MoE
+    ("qwen3_next_attention_path", {}, TOL),  # attention alone: a tree without states
+    ("qwen3_next_dense_path", dict(page_size=16), TOL),  # whole pages
+    ("lara_mini_short_path", dict(kv_cache_dtype="fp8"), FP8_KV_TOL),  # float8 K/V, sliding windows
+], ids=["qwen3_next", "bamba", "jamba", "attention_only", "paged", "fp8_kv"])
+def test_an_imported_prefix_is_hit_exactly(arch, opts, tol, request):
+    """A prompt prefilled on one engine, its prefix moved to another as bytes: the other hits all of it
+    and answers as an engine with the cache off; the second turn of each, exported after it, adds only
+    what the importer lacks (its KV past the first turn's)."""
+    path = request.getfixturevalue(arch)
+    with Engine(path, enable_prefix_cache=False, **{**POOLS, **opts}) as off:
+        prompts = _prompts(0, off.model_config.vocab_size)
+        first = _generate(off, prompts)
+        turns = [p + o["output_ids"] + [5, 6, 7] for p, o in zip(prompts, first)]
+        second = _generate(off, turns)
+    blobs, later = _exported(path, prompts, **opts), _exported(path, turns, **opts)
+    with Engine(path, **{**POOLS, **opts}) as dest:
+        sizes = [dest.import_prefix(b) for b in blobs]
+        assert sizes == [len(CachedPrefix.from_bytes(b, dest.cache_layout, dest.tree.state_pool is not None))
+                         for b in blobs]
+        out = _generate(dest, prompts)
+        assert [o["meta_info"]["cached_tokens"] for o in out] == sizes  # (nothing else computed them)
+        assert compare_outputs(out, first, tol) > len(prompts) * 4
+        kv_before = dest.kv_pool.available_size()
+        assert [dest.import_prefix(b) for b in later] == [len(CachedPrefix.from_bytes(
+            b, dest.cache_layout, dest.tree.state_pool is not None)) for b in later]
+        assert kv_before - dest.kv_pool.available_size() < sum(len(t) for t in turns) // 2  # the new parts only
+        out = _generate(dest, turns)
+        assert compare_outputs(out, second, tol) > len(prompts) * 4
+        assert_drained(dest)
+
+
+def test_mtp_hidden_states_travel_with_the_prefix(qwen3_next_dense_mtp_path):
+    """With MTP speculation a state slot also holds the last hidden state (the head's input): an
+    imported prefix carries it, and the importer's drafts and outputs are those of the cache off."""
+    opts = dict(POOLS, speculative_algorithm="mtp", speculative_num_steps=2)
+    with Engine(qwen3_next_dense_mtp_path, enable_prefix_cache=False, **opts) as off:
+        prompts = _prompts(1, off.model_config.vocab_size, n=4)
+        want = _generate(off, prompts, n=10)
+    blobs = _exported(qwen3_next_dense_mtp_path, prompts, **opts)
+    with Engine(qwen3_next_dense_mtp_path, **opts) as dest:
+        assert dest.cache_layout.hidden_size > 0
+        sizes = [dest.import_prefix(b) for b in blobs]
+        out = _generate(dest, prompts, n=10)
+        assert [o["meta_info"]["cached_tokens"] for o in out] == sizes and min(sizes) > 0
+        assert compare_outputs(out, want) > 30
+        assert_drained(dest)
+
+
+def test_imports_under_pressure_evict_what_is_unlocked_and_never_a_running_request(qwen3_next_dense_path):
+    """A small pool: importing evicts older cached prefixes (the imported ones too), an import that
+    only the running requests' KV could make room for holds nothing (returns what the cache had), and
+    every answer stays exact."""
+    small = dict(max_total_tokens=320, max_state_slots=12, max_running_requests=4)
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **small) as off:
+        vocab = off.model_config.vocab_size
+        prompts = _prompts(2, vocab, n=8)
+        rng = random.Random(3)
+        long, other = [rng.randrange(3, vocab) for _ in range(250)], [rng.randrange(3, vocab) for _ in range(100)]
+        want = _generate(off, prompts)
+        want_long = _generate(off, [long], n=60)
+    blobs = _exported(qwen3_next_dense_path, prompts + [other])
+    with Engine(qwen3_next_dense_path, **small) as dest:
+        sizes = [dest.import_prefix(b) for b in blobs[:-1]]  # 8 prefixes of ~50-110 tokens in 320 slots: evictions
+        assert all(s > 0 for s in sizes) and dest.cache.num_evicted_tokens > 0
+        dest.check_integrity()
+        stream = dest.generate(input_ids=long, sampling_params=_greedy(60), return_logprob=True, stream=True)
+        chunks = [next(stream)]  # running now: 250 tokens and more of its own, at most 70 left to the tree
+        assert dest.import_prefix(blobs[-1]) == 0  # 99 tokens: the room is the running request's
+        chunks += list(stream)
+        assert compare_outputs([{"output_ids": [t for c in chunks for t in c["output_ids"]], "meta_info": {
+            "id": "long", "output_token_logprobs": [lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]}}],
+            want_long) == 60
+        assert [dest.import_prefix(b) for b in blobs[:2]] == sizes[:2]  # room again once it has finished
+        out = _generate(dest, prompts[:2])
+        assert [o["meta_info"]["cached_tokens"] for o in out] == sizes[:2]
+        assert compare_outputs(out, want[:2]) > 10
+        assert_drained(dest)
+
+
+def test_a_prefix_the_device_evicted_is_exported_from_the_host_tier(qwen3_next_dense_path):
+    small = dict(max_total_tokens=256, max_state_slots=12, max_running_requests=4, enable_hierarchical_cache=True,
+                 hicache_ratio=4.0)
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as off:
+        prompts = _prompts(4, off.model_config.vocab_size, n=6)
+        want = _generate(off, prompts[:1])
+    with Engine(qwen3_next_dense_path, **small) as source:
+        _generate(source, prompts, n=1)  # the first prompt's prefix evicted from the device by the others'
+        assert source.tree.match_prefix(prompts[0][:-1]).prefix_len < len(prompts[0]) - 1
+        prefix = source.export_prefix(prompts[0])
+        assert prefix is not None and len(prefix) == len(prompts[0]) - 1
+        assert_drained(source)
+    with Engine(qwen3_next_dense_path, **POOLS) as dest:
+        assert dest.import_prefix(prefix.to_bytes()) == len(prefix)
+        out = _generate(dest, prompts[:1])
+        assert out[0]["meta_info"]["cached_tokens"] == len(prefix) and compare_outputs(out, want) == 8
+
+
+def test_a_prefix_keeps_its_namespace(qwen3_next_dense_path):
+    with Engine(qwen3_next_dense_path, **POOLS) as source:
+        prompt = _prompts(5, source.model_config.vocab_size, n=1)[0]
+        source.generate(input_ids=prompt, sampling_params=_greedy(1), namespace=("tenant", 7))
+        assert source.export_prefix(prompt) is None  # (another namespace's)
+        data = source.export_prefix(prompt, namespace=("tenant", 7)).to_bytes()
+    with Engine(qwen3_next_dense_path, **POOLS) as dest:
+        assert dest.import_prefix(data) == len(prompt) - 1
+        hit = lambda ns: dest.generate(input_ids=prompt, sampling_params=_greedy(1), namespace=ns)[  # noqa: E731
+            "meta_info"]["cached_tokens"]
+        assert hit(None) == 0 and hit(("tenant", 8)) == 0 and hit(("tenant", 7)) == len(prompt) - 1
+
+
+def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dense_path, bamba_short_path,
+                                                                 qwen3_next_attention_path):
+    with Engine(qwen3_next_dense_path, **POOLS) as source:
+        prompt = _prompts(6, source.model_config.vocab_size, n=1)[0][:50]
+        source.generate(input_ids=prompt, sampling_params=_greedy(1))
+        prefix = source.export_prefix(prompt)
+        data = prefix.to_bytes()
+        assert source.export_prefix(prompt[:1]) is None and source.export_prefix([]) is None
+        for bad in ("abc", [1.5, 2], [source.model_config.vocab_size]):
+            with pytest.raises(ValueError):
+                source.export_prefix(bad)
+        with pytest.raises(ValueError, match="hashable"):
+            source.export_prefix(prompt, namespace=["a"])
+    with Engine(qwen3_next_dense_path, **POOLS) as dest:
+        for garbage, match in ((b"", "not a hyla cached prefix"), (b"\x00" * 64, "not a hyla cached prefix"),
+                               (data[:len(data) // 2], "not a hyla cached prefix")):
+            with pytest.raises(ValueError, match=match):
+                dest.import_prefix(garbage)
+        with pytest.raises(ValueError, match="CachedPrefix or its bytes"):
+            dest.import_prefix("data")
+        big = CachedPrefix.from_bytes(data, dest.cache_layout, True)
+        big.token_ids = (dest.model_config.vocab_size,) + big.token_ids[1:]
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            dest.import_prefix(big)
+        assert dest.tree.total_size() == 0
+        assert dest.import_prefix(data) == len(prefix)  # and the engine goes on
+        assert_drained(dest)
+    for path, opts, match in ((bamba_short_path, {}, "another model or cache layout"),
+                              (qwen3_next_dense_path, dict(kv_cache_dtype="fp8"), "another model or cache layout"),
+                              (qwen3_next_attention_path, {}, "holds a state"),
+                              (qwen3_next_dense_path, dict(page_size=16), "page grid"),
+                              (qwen3_next_dense_path, dict(enable_prefix_cache=False), "prefix cache is off")):
+        with Engine(path, **{**POOLS, **opts}) as other:
+            with pytest.raises(ValueError, match=match):
+                other.import_prefix(data)
+            assert other.tree is None or other.tree.total_size() == 0
+            other.generate(input_ids=[5, 6, 7], sampling_params=_greedy(2))  # still serving
+            assert_drained(other)
