@@ -197,3 +197,50 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
             assert other.tree is None or other.tree.total_size() == 0
             other.generate(input_ids=[5, 6, 7], sampling_params=_greedy(2))  # still serving
             assert_drained(other)
+
+
+# ----------------------------------------------------------------------------------------------
+# the server: /export_prefix and /import_prefix
+# ----------------------------------------------------------------------------------------------
+def test_a_conversation_moves_between_servers(tiny_ckpt_dir):
+    """A chat's prompt prefilled on one server (``max_tokens: 1``, ``return_token_ids``), its prefix exported
+    there and imported into another: the other answers the chat from its cache, as the first would."""
+    import httpx
+
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import MODEL, SYSTEM, make_chat_model
+
+    path = make_chat_model(tiny_ckpt_dir)
+    opts = dict(served_model_name=MODEL, max_total_tokens=4096, max_state_slots=32, api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    chat = {"model": MODEL, "messages": [SYSTEM, {"role": "user", "content": "Move me to another server. " * 6}],
+            "temperature": 0, "max_tokens": 8, "cache_salt": "team-a"}
+    with BackgroundServer(create_app(path, **opts)) as a, \
+            BackgroundServer(create_app(path, **opts, max_prefix_bytes=1 << 20)) as b:
+        first = httpx.post(a.url + "/v1/chat/completions", json={**chat, "max_tokens": 1, "return_token_ids": True},
+                           headers=auth).json()
+        ids = first["prompt_token_ids"]
+        exported = httpx.post(a.url + "/export_prefix", json={"input_ids": ids, "cache_salt": "team-a"}, headers=auth)
+        assert exported.status_code == 200 and exported.headers["content-type"] == "application/octet-stream"
+        n = int(exported.headers["x-prefix-tokens"])
+        assert n == len(ids) - 1
+        imported = httpx.post(b.url + "/import_prefix", content=exported.content, headers=auth)
+        assert imported.status_code == 200 and imported.json() == {"cached_tokens": n, "prefix_tokens": n}
+        there = httpx.post(b.url + "/v1/chat/completions", json=chat, headers=auth).json()
+        here = httpx.post(a.url + "/v1/chat/completions", json=chat, headers=auth).json()
+        assert there["usage"]["prompt_tokens_details"]["cached_tokens"] == n
+        assert there["choices"][0]["message"] == here["choices"][0]["message"]
+        # what is not cached, not a prefix, too large, or not allowed
+        unsalted = httpx.post(a.url + "/export_prefix", json={"input_ids": ids}, headers=auth)
+        assert unsalted.status_code == 404 and unsalted.json()["error"]["code"] == "prefix_not_cached"
+        both = httpx.post(a.url + "/export_prefix", json={"input_ids": ids, "text": "x"}, headers=auth)
+        assert both.status_code == 400
+        by_text = httpx.post(a.url + "/export_prefix", json={"text": "never seen before, not cached"}, headers=auth)
+        assert by_text.status_code == 404
+        garbage = httpx.post(b.url + "/import_prefix", content=b"\x00" * 100, headers=auth)
+        assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "invalid_prefix"
+        too_big = httpx.post(b.url + "/import_prefix", content=b"\x00" * (1 << 20) + b"\x00", headers=auth)
+        assert too_big.status_code == 413 and "--max-prefix-bytes" in too_big.json()["error"]["message"]
+        assert httpx.post(b.url + "/import_prefix", content=exported.content).status_code == 401
+        assert httpx.post(a.url + "/export_prefix", json={"input_ids": ids}).status_code == 401

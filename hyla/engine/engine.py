@@ -525,17 +525,28 @@ class Engine:
         between steps. The prefix is trusted as computed by this model: import only from your own
         servers (the server's ``/import_prefix`` needs the API key)."""
         _check_timeout(timeout)
-        if self.tree is None:
-            raise ValueError("the prefix cache is off (enable_prefix_cache=False): there is no cache to import into")
-        if isinstance(prefix, (bytes, bytearray, memoryview)):
-            prefix = CachedPrefix.from_bytes(bytes(prefix), self.cache_layout, self.tree.state_pool is not None)
-        elif not isinstance(prefix, CachedPrefix):
+        prefix = self.read_prefix(prefix) if isinstance(prefix, (bytes, bytearray, memoryview)) else prefix
+        if not isinstance(prefix, CachedPrefix):
             raise ValueError(f"import_prefix takes a CachedPrefix or its bytes, got {type(prefix).__name__}")
+        self._check_prefix(prefix)
+        return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
+
+    def read_prefix(self, data: bytes | bytearray | memoryview) -> CachedPrefix:
+        """``CachedPrefix.from_bytes`` for this engine's cache, checked as ``import_prefix`` checks it
+        (``ValueError``)."""
+        if self.tree is None:
+            raise ValueError(NO_CACHE_TO_IMPORT_INTO)
+        prefix = CachedPrefix.from_bytes(bytes(data), self.cache_layout, self.tree.state_pool is not None)
+        self._check_prefix(prefix)
+        return prefix
+
+    def _check_prefix(self, prefix: CachedPrefix) -> None:
+        if self.tree is None:
+            raise ValueError(NO_CACHE_TO_IMPORT_INTO)
         vocab = self.model_config.vocab_size
         if max(prefix.token_ids) >= vocab:
             raise ValueError(f"the prefix's token id {max(prefix.token_ids)} is outside the vocabulary [0, {vocab})")
         _check_namespace(prefix.namespace)
-        return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
@@ -983,6 +994,9 @@ def _asks_for_grammar(sampling_params: Any) -> bool:
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     return any((p.get(k) if isinstance(p, dict) else getattr(p, k, None)) is not None
                for p in params for k in GRAMMAR_KINDS)
+
+
+NO_CACHE_TO_IMPORT_INTO = "the prefix cache is off (enable_prefix_cache=False): there is no cache to import into"
 
 
 def _check_namespace(namespace: Any) -> None:

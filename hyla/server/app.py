@@ -36,14 +36,15 @@ from hyla.server.reasoning import ReasoningParser
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
-from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 
 logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/generate", "/flush_cache",
-          "/tokenize", "/detokenize", "/health", "/metrics")
+          "/tokenize", "/detokenize", "/export_prefix", "/import_prefix", "/health", "/metrics")
+LARGE_BODY_PATHS = ("/import_prefix",)  # bodies up to max_prefix_bytes: a cached prefix's KV and state
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
 would grow /metrics without bound)."""
@@ -207,23 +208,26 @@ class _CountRequests:
 
 
 class _LimitBody:
-    """Pure ASGI middleware: a request body over ``max_bytes`` is a 413, answered at once when its
-    Content-Length says so, else as soon as the bytes received pass the cap (nothing more is read)."""
+    """Pure ASGI middleware: a request body over ``max_bytes`` (``max_large_bytes`` on ``LARGE_BODY_PATHS``)
+    is a 413, answered at once when its Content-Length says so, else as soon as the bytes received pass
+    the cap (nothing more is read)."""
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, max_large_bytes: int):
+        self.app, self.max_bytes, self.max_large_bytes = app, max_bytes, max_large_bytes
 
-    def _error(self) -> APIError:
-        return APIError(413, f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)",
-                        code="request_too_large")
+    @staticmethod
+    def _error(cap: int, flag: str) -> APIError:
+        return APIError(413, f"the request body is larger than {cap} bytes ({flag})", code="request_too_large")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        large = scope.get("path") in LARGE_BODY_PATHS
+        cap, flag = (self.max_large_bytes, "--max-prefix-bytes") if large else (self.max_bytes, "--max-request-bytes")
         declared = dict(scope.get("headers", ())).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._error().response()(scope, receive, send)
+        if declared.isdigit() and int(declared) > cap:
+            await self._error(cap, flag).response()(scope, receive, send)
             return
         received = 0
 
@@ -232,8 +236,8 @@ class _LimitBody:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:  # FastAPI re-raises an HTTPException met reading the body
-                    raise StarletteHTTPException(413, self._error().message)
+                if received > cap:  # FastAPI re-raises an HTTPException met reading the body
+                    raise StarletteHTTPException(413, self._error(cap, flag).message)
             return message
 
         await self.app(scope, receive_at_most, send)
@@ -241,6 +245,7 @@ class _LimitBody:
 
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
+               max_prefix_bytes: int = DEFAULT_MAX_PREFIX_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
@@ -251,7 +256,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     name clients must send as ``model`` (default: the model directory's name, ``hyla-default`` for the
     built-in model). With ``api_key``, /v1/*, the native endpoints (/generate, /flush_cache, ...), /tokenize and /detokenize
     need ``Authorization: Bearer <api_key>`` (the scheme's case does not matter, RFC 7235), /docs
-    and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413; ``max_prompt_chars``
+    and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413 (an
+    ``/import_prefix`` body: over ``max_prefix_bytes``); ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
     tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
@@ -273,7 +279,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}  # no open schema
     app = FastAPI(title="hyla", version=_version(), lifespan=lifespan, **docs)
     app.state.server = server
-    app.add_middleware(_LimitBody, max_bytes=max_request_bytes)
+    app.add_middleware(_LimitBody, max_bytes=max_request_bytes, max_large_bytes=max_prefix_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)  # counts the 413s too
     if allowed_origins:  # outermost: a browser reads every answer, errors too; preflights need no API key
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),

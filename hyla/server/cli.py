@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hyla.engine.args import EngineArgs
-from hyla.server.protocol import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/server.md, 'Data parallelism'). Default 1: one engine, no router.")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
-                             "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate), "
+                             "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
+                             "/import_prefix), "
                              "/tokenize and /detokenize; /health and /metrics stay open (default: no key).")
     parser.add_argument("--allowed-origins", type=_json_strings, default=["*"], metavar="JSON",
                         help='CORS: the origins whose browser pages may call the API, a JSON list (vLLM\'s flag; '
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'hyla-default' for the built-in model).")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help=f"Refuse a request body larger than this with 413 (default {DEFAULT_MAX_REQUEST_BYTES}).")
+    parser.add_argument("--max-prefix-bytes", type=int, default=DEFAULT_MAX_PREFIX_BYTES, metavar="BYTES",
+                        help="Refuse an /import_prefix body (a cached prefix's KV and state) larger than this with "
+                             f"413 (default {DEFAULT_MAX_PREFIX_BYTES}).")
     parser.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
                         help="Refuse with 413, before tokenizing, a request whose prompt text (all prompts or "
                              f"messages) is longer (default: {PROMPT_CHARS_PER_TOKEN} x the context length).")
@@ -140,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         print(f"hyla serve: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
-    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars)):
+    for flag, value in (("--max-request-bytes", args.max_request_bytes), ("--max-prompt-chars", args.max_prompt_chars),
+                        ("--max-prefix-bytes", args.max_prefix_bytes)):
         if value is not None and value < 1:
             print(f"hyla serve: error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                     max_prefix_bytes=args.max_prefix_bytes,
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
                      allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,

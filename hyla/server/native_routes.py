@@ -1,6 +1,7 @@
 """SGLang's native API: ``POST /generate``, ``POST /flush_cache``, ``POST /abort_request``,
 ``GET /get_model_info``, ``GET /get_server_info``, ``GET /health_generate``, and for reinforcement
-learning ``POST /update_weights_from_disk`` and ``GET /get_weight_version``.
+learning ``POST /update_weights_from_disk`` and ``GET /get_weight_version``; hyla's ``POST
+/export_prefix`` and ``POST /import_prefix`` (a cached prefix moved to another server).
 
 A request, top-down: one job per prompt (``text`` or ``input_ids``, one or a list), each with its
 own ``sampling_params``, ``rid`` and ``checkpoints`` when lists are given; start them as one
@@ -30,7 +31,8 @@ import hyla
 from hyla.engine.errors import EngineOverloadedError
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
-from hyla.server.protocol import AbortRequest, GenerateRequest, UpdateWeightsFromDiskRequest, cache_namespace
+from hyla.server.protocol import (AbortRequest, ExportPrefixRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
+                                  cache_namespace)
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
@@ -55,6 +57,8 @@ class NativeRoutes:
         router.get("/health_generate")(self.health_generate)
         router.post("/update_weights_from_disk")(self.update_weights_from_disk)
         router.get("/get_weight_version")(self.get_weight_version)
+        router.post("/export_prefix")(self.export_prefix)
+        router.post("/import_prefix")(self.import_prefix)
         return router
 
     async def _tokenized(self, jobs: list[Job]) -> list[Job]:
@@ -119,6 +123,42 @@ class NativeRoutes:
                                                          f"{done['seconds']:.1f} s",
                              "num_paused_requests": 0, "num_aborted_requests": done["num_aborted_requests"],
                              "weight_version": done["weight_version"]})
+
+    async def export_prefix(self, body: ExportPrefixRequest) -> Response:
+        """The cached prefix a request with the body's prompt would hit, with its KV and the state after
+        it (``Engine.export_prefix``), as ``application/octet-stream`` bytes (``CachedPrefix.to_bytes``)
+        with its length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where nothing is cached.
+        For another server of the same model: ``/import_prefix``."""
+        engine = self.server.admit()
+        ids = body.input_ids
+        if body.text is not None:
+            if engine.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
+            (ids,) = await self.server.encode_texts(engine.tokenizer, [body.text], "text")
+        try:
+            prefix = await asyncio.to_thread(engine.export_prefix, ids, cache_namespace(body.cache_salt))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="text" if body.text is not None else "input_ids") from None
+        if prefix is None:
+            raise APIError(404, "no prefix of this prompt is cached", code="prefix_not_cached")
+        data = await asyncio.to_thread(prefix.to_bytes)
+        return Response(data, media_type="application/octet-stream", headers={"X-Prefix-Tokens": str(len(prefix))})
+
+    async def import_prefix(self, request: Request) -> Response:
+        """Put a cached prefix of another server of the same model (``/export_prefix``'s bytes, the
+        body) into this server's prefix cache (``Engine.import_prefix``): ``{"cached_tokens",
+        "prefix_tokens"}``, ``cached_tokens`` what the cache holds of it now (all of it, or where no
+        room could be made beside the running requests, what it held before). Bytes that are not a
+        prefix, or a prefix of another model or cache layout, are a 400. The body may be as large as
+        ``--max-prefix-bytes``. The prefix is trusted as this model's computation: serve with an API key."""
+        engine = self.server.admit()
+        data = await request.body()
+        try:
+            prefix = await asyncio.to_thread(engine.read_prefix, data)
+            cached = await asyncio.to_thread(engine.import_prefix, prefix)
+        except ValueError as exc:
+            raise APIError(400, f"the prefix was not imported: {exc}", code="invalid_prefix") from None
+        return JSONResponse({"cached_tokens": cached, "prefix_tokens": len(prefix)})
 
     async def get_weight_version(self) -> Response:
         """``{"weight_version"}``: the name of the weights served (also in ``/get_model_info``)."""

@@ -46,6 +46,7 @@ MAX_N = 16  # choices per request: each is one engine request
 MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
 MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
+DEFAULT_MAX_PREFIX_BYTES = 4 << 30  # an /import_prefix body (a cached prefix's KV and state): --max-prefix-bytes
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish at shutdown (--shutdown-timeout)
 PROMPT_CHARS_PER_TOKEN = 16
 """The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a
@@ -829,6 +830,25 @@ class AbortRequest(_Request):
     def _one_target(self) -> "AbortRequest":
         if bool(self.rid) == self.abort_all:
             raise ValueError("give exactly one of rid (a request id) and abort_all: true")
+        return self
+
+
+class ExportPrefixRequest(_Request):
+    """``POST /export_prefix``: the cached prefix a request with this prompt would hit
+    (``Engine.export_prefix``): exactly one of ``text`` (tokenized as ``/generate`` does) and
+    ``input_ids`` (a chat's are its ``prompt_token_ids``: ``return_token_ids``), in the partition of
+    ``cache_salt``."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    cache_salt: str | None = None
+
+    _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "ExportPrefixRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text or input_ids")
         return self
 
 
