@@ -416,3 +416,11 @@ def test_kv_cache_dtype_measures_float8_against_auto():
     assert len(rows) == 6 and rows["KV bytes per token"][2].strip() == "0.25x"
     assert all(float(r[2].strip().rstrip("x")) > 0 for name, r in rows.items() if name != "measurement")
     assert "tokens (" in out and "equal up to each request's first divergence" in out
+
+
+def test_prefix_transfer_moves_a_prefix_and_checks_the_first_token():
+    """benchmarks/prefix_transfer.py: export, bytes, import timed; the first token after the import is the
+    cold run's (the script asserts it)."""
+    out = _run("benchmarks/prefix_transfer.py", "--lengths", "64", "--repeats", "1", "--no-write")
+    row = next(line for line in out.splitlines() if line.startswith("| 64 | "))
+    assert len(row.split("|")) == 10 and "move + TTFT / cold" in out
