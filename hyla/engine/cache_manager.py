@@ -75,6 +75,7 @@ PENDING_CHECKPOINT = "a pending decode checkpoint"
 FINISH_CHECKPOINT = "a finish checkpoint"
 HOST_LOAD = "a prefix loaded from the host tier"
 IMPORT = "an imported prefix (import_prefix)"
+NO_CACHE_TO_IMPORT_INTO = "the prefix cache is off (enable_prefix_cache=False): there is no cache to import into"
 
 
 @dataclass
@@ -334,7 +335,7 @@ class CacheManager:
         ``ValueError`` for a prefix this cache cannot hold (the prefix cache off, a length off the
         page grid, a state where the tree keeps none or none where it does)."""
         if self.tree is None:
-            raise ValueError("the prefix cache is off (enable_prefix_cache=False): there is no cache to import into")
+            raise ValueError(NO_CACHE_TO_IMPORT_INTO)
         if len(prefix) % self.page_size:
             raise ValueError(f"a prefix of {len(prefix)} tokens is not on this cache's page grid (page_size "
                              f"{self.page_size})")

@@ -37,7 +37,7 @@ import torch
 from hyla.cache import CacheLedger, CachedPrefix, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import (EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes,
                               kv_cache_torch_dtype)
-from hyla.engine.cache_manager import CacheManager
+from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
@@ -994,9 +994,6 @@ def _asks_for_grammar(sampling_params: Any) -> bool:
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params]
     return any((p.get(k) if isinstance(p, dict) else getattr(p, k, None)) is not None
                for p in params for k in GRAMMAR_KINDS)
-
-
-NO_CACHE_TO_IMPORT_INTO = "the prefix cache is off (enable_prefix_cache=False): there is no cache to import into"
 
 
 def _check_namespace(namespace: Any) -> None:
