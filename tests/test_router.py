@@ -314,6 +314,27 @@ def test_errors_and_broadcasts_pass_through(workers, router):
     assert httpx.get(router.url + "/health").json()["healthy_workers"] == 2
 
 
+def test_an_export_finds_the_worker_holding_the_prefix(workers, router):
+    """``/export_prefix`` through the router: asked of every worker, the longest prefix comes back (the one
+    the worker that served the prompt holds), whichever worker the router would pick; none cached: a 404."""
+    ids = list(range(100, 180))
+    served = httpx.post(router.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    assert served.status_code == 200
+    via = httpx.post(router.url + "/export_prefix", json={"input_ids": ids})
+    assert via.status_code == 200 and via.headers["x-prefix-tokens"] == str(len(ids) - 1)
+    direct = [httpx.post(w.url + "/export_prefix", json={"input_ids": ids}) for w in workers]
+    assert sorted(d.status_code for d in direct) == [200, 404]  # one worker holds it
+    assert _safetensors(via.content) == _safetensors(next(d.content for d in direct if d.status_code == 200))
+    missing = httpx.post(router.url + "/export_prefix", json={"input_ids": list(range(300, 340))})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "prefix_not_cached"
+
+
+def _safetensors(data: bytes) -> tuple[dict, bytes]:
+    """Safetensors bytes as (header, tensor data): the header's keys come in no fixed order."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
 def test_a_body_past_the_limit_is_a_413_and_reaches_no_worker(workers):
     with _Uvicorn(create_router_app([workers[0].url], max_request_bytes=1000, health_interval=60)) as r:
         answer = httpx.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "x" * 2000})

@@ -13,7 +13,10 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 * ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every healthy worker (the
   answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the tables of
   the workers that flushed; a weight update needs every worker healthy);
-* anything else (``/v1/models``, ``/tokenize``, ``/get_model_info``...): the least loaded worker.
+* ``POST /export_prefix``: every healthy worker; the answer is the longest prefix any holds (its
+  ``X-Prefix-Tokens``), else the first worker's answer (a 404 when none holds one);
+* anything else (``/v1/models``, ``/tokenize``, ``/get_model_info``, ``/import_prefix``...): the least
+  loaded worker.
 
 The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``GET /workers`` (each
 worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
@@ -471,6 +474,30 @@ class RouterApp:
         first = bad[0] if bad else answers[0]
         return _headers(Response(first.content, status_code=first.status_code), first.headers.multi_items())
 
+    async def export_prefix(self, request: Request) -> Response:
+        """``/export_prefix`` asked of every healthy worker (the router does not know which holds the
+        prefix): the longest one's answer, else the first worker's (a 404, or its error)."""
+        raw = await self.read_body(request)
+        if isinstance(raw, Response):
+            return raw
+        headers = self.forwarded_headers(request)
+        live = [w for w in self.workers if w.healthy]
+        if not live:
+            return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
+
+        async def one(w: Worker) -> httpx.Response | None:
+            try:
+                return await self.client.post(w.url + "/export_prefix", content=raw, headers=headers)
+            except httpx.HTTPError as exc:
+                self._fail(w, f"failed an export ({exc!r})")
+                return None
+        answers = [a for a in await asyncio.gather(*(one(w) for w in live)) if a is not None]
+        if not answers:
+            return JSONResponse(error_body("every worker failed the export", type="bad_gateway"), status_code=502)
+        found = [a for a in answers if a.status_code == 200 and a.headers.get("x-prefix-tokens", "").isdigit()]
+        best = max(found, key=lambda a: int(a.headers["x-prefix-tokens"])) if found else answers[0]
+        return _headers(Response(best.content, status_code=best.status_code), best.headers.multi_items())
+
     def workers_info(self) -> list[dict[str, Any]]:
         return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
                  "table_blocks": len(self.router.tables[i])} for i, w in enumerate(self.workers)]
@@ -537,6 +564,8 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
         path = "/" + path
         if not state.authorized(request):
             return state.unauthorized()
+        if path == "/export_prefix" and request.method == "POST":
+            return await state.export_prefix(request)
         if path in BROADCAST_PATHS and request.method == "POST":
             return await state.broadcast(request, path)
         return await state.forward(request, path)
