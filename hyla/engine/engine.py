@@ -525,10 +525,12 @@ class Engine:
         between steps. The prefix is trusted as computed by this model: import only from your own
         servers (the server's ``/import_prefix`` needs the API key)."""
         _check_timeout(timeout)
-        prefix = self.read_prefix(prefix) if isinstance(prefix, (bytes, bytearray, memoryview)) else prefix
-        if not isinstance(prefix, CachedPrefix):
+        if isinstance(prefix, (bytes, bytearray, memoryview)):
+            prefix = self.read_prefix(prefix)
+        elif isinstance(prefix, CachedPrefix):
+            self._check_prefix(prefix)
+        else:
             raise ValueError(f"import_prefix takes a CachedPrefix or its bytes, got {type(prefix).__name__}")
-        self._check_prefix(prefix)
         return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
 
     def read_prefix(self, data: bytes | bytearray | memoryview) -> CachedPrefix:
@@ -541,8 +543,7 @@ class Engine:
         return prefix
 
     def _check_prefix(self, prefix: CachedPrefix) -> None:
-        if self.tree is None:
-            raise ValueError(NO_CACHE_TO_IMPORT_INTO)
+        """What ``CacheManager.import_prefix`` cannot check: the prefix's token ids and namespace."""
         vocab = self.model_config.vocab_size
         if max(prefix.token_ids) >= vocab:
             raise ValueError(f"the prefix's token id {max(prefix.token_ids)} is outside the vocabulary [0, {vocab})")

@@ -444,7 +444,6 @@ class RouterApp:
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
-        headers = self.forwarded_headers(request)
         live = [(i, w) for i, w in enumerate(self.workers) if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
@@ -452,18 +451,10 @@ class RouterApp:
             down = [w.url for w in self.workers if not w.healthy]
             return JSONResponse(error_body(f"the weights were not updated: workers {down} are unhealthy, and would "
                                            "serve the old weights once back"), status_code=503)
-
-        async def one(w: Worker) -> httpx.Response | Exception:
-            try:
-                return await self.client.request(request.method, w.url + path, content=raw, headers=headers,
-                                                  params=request.query_params.multi_items())
-            except httpx.HTTPError as exc:
-                return exc
-        answers = await asyncio.gather(*(one(w) for _, w in live))
+        answers = await self._send_to_each(request, path, raw, [w for _, w in live])
         failed = None
         for (i, w), a in zip(live, answers):
             if isinstance(a, Exception):
-                self._fail(w, f"failed a broadcast ({a!r})")
                 failed = failed or JSONResponse(error_body(f"worker {w.url} failed: {a!r}", type="bad_gateway"),
                                                 status_code=502)
             elif path == "/flush_cache" and a.status_code == 200:
@@ -480,23 +471,31 @@ class RouterApp:
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
-        headers = self.forwarded_headers(request)
         live = [w for w in self.workers if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
-
-        async def one(w: Worker) -> httpx.Response | None:
-            try:
-                return await self.client.post(w.url + "/export_prefix", content=raw, headers=headers)
-            except httpx.HTTPError as exc:
-                self._fail(w, f"failed an export ({exc!r})")
-                return None
-        answers = [a for a in await asyncio.gather(*(one(w) for w in live)) if a is not None]
+        answers = [a for a in await self._send_to_each(request, "/export_prefix", raw, live)
+                   if not isinstance(a, Exception)]
         if not answers:
             return JSONResponse(error_body("every worker failed the export", type="bad_gateway"), status_code=502)
         found = [a for a in answers if a.status_code == 200 and a.headers.get("x-prefix-tokens", "").isdigit()]
         best = max(found, key=lambda a: int(a.headers["x-prefix-tokens"])) if found else answers[0]
         return _headers(Response(best.content, status_code=best.status_code), best.headers.multi_items())
+
+    async def _send_to_each(self, request: Request, path: str, raw: bytes,
+                            workers: list[Worker]) -> list[httpx.Response | Exception]:
+        """``request`` (its method, query, ``raw`` body and headers a worker needs) sent to ``path`` of each
+        of ``workers`` at once: each one's answer, or the error of one that failed (now unhealthy)."""
+        headers = self.forwarded_headers(request)
+
+        async def one(w: Worker) -> httpx.Response | Exception:
+            try:
+                return await self.client.request(request.method, w.url + path, content=raw, headers=headers,
+                                                  params=request.query_params.multi_items())
+            except httpx.HTTPError as exc:
+                self._fail(w, f"failed {request.method} {path} ({exc!r})")
+                return exc
+        return list(await asyncio.gather(*(one(w) for w in workers)))
 
     def workers_info(self) -> list[dict[str, Any]]:
         return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
