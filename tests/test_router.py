@@ -558,12 +558,165 @@ def test_a_refused_connection_is_retried_and_health_comes_back():
 
 
 # ----------------------------------------------------------------------------------------------
+# prefill/decode disaggregation: workers[0] decodes, workers[1] prefills
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def pd_router(workers):
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2)) as r:
+        yield r
+
+
+def _counts(url: str, metric: str) -> dict[str, float]:
+    """The router's ``metric`` by its ``outcome`` label."""
+    found = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(metric + "{"):
+            found[line.split('outcome="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _routed(url: str) -> tuple[int, int]:
+    """Requests routed so far to the decode worker and to the prefill worker."""
+    info = httpx.get(url + "/workers").json()
+    return info["workers"][0]["routed"], info["prefill_workers"][0]["routed"]
+
+
+def _cold(workers, send):
+    """``send(url)``'s answer from the decode worker with both caches empty: the prompt computed there."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    return send(workers[0].url)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-4 for x, y in zip(a, b))
+
+
+def test_disaggregated_requests_answer_as_a_worker_computing_the_prompt(workers, pd_router):
+    """A chat (with logprobs; then streamed), a completion (salted), a ``/generate`` and a Responses request through a
+    prefill and a decode worker: the decode worker finds all of each prompt but its last token cached (moved
+    from the prefill worker: it served none of them before), and each answer's tokens and logprobs are those
+    of the decode worker computing the prompt itself, within 1e-4."""
+    user = {"role": "user", "content": "Disaggregate this: tell me about topic number 11 " * 5}
+
+    def chat(url):
+        r = _chat(_client(url), [SYSTEM, user], logprobs=True, top_logprobs=2)
+        lps = [t.logprob for t in r.choices[0].logprobs.content]
+        return r.choices[0].message.content, lps, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    def streamed(url):
+        chunks = list(_client(url).chat.completions.create(
+            model=MODEL, messages=[SYSTEM, user, {"role": "assistant", "content": "Sure."},
+                                   {"role": "user", "content": "And more, streamed?"}],
+            max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}))
+        usage = chunks[-1].usage
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), [], usage.prompt_tokens, \
+            usage.prompt_tokens_details.cached_tokens
+
+    def completion(url):
+        r = _client(url).completions.create(model=MODEL, prompt="Once upon a time, a router " * 8, max_tokens=6,
+                                            temperature=0, logprobs=2, extra_body={"cache_salt": "tenant-a"})
+        return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage.prompt_tokens, \
+            r.usage.prompt_tokens_details.cached_tokens
+
+    def generate(url):
+        r = httpx.post(url + "/generate", json={"input_ids": list(range(40, 140)), "return_logprob": True,
+                                                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}).json()
+        meta = r["meta_info"]
+        return r["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]], meta["prompt_tokens"], \
+            meta["cached_tokens"]
+
+    def responses(url):
+        r = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Respond about routers, please. " * 6,
+                                                    "max_output_tokens": 6, "temperature": 0}).json()
+        return r["output"][-1]["content"][0]["text"], [], r["usage"]["input_tokens"], \
+            r["usage"]["input_tokens_details"]["cached_tokens"]
+
+    sends = [chat, streamed, completion, generate, responses]
+    for i, send in enumerate(sends):
+        text, lps, prompt, cached = send(pd_router.url)
+        assert cached == prompt - 1, (send.__name__, cached, prompt)  # moved: the decode worker computed one token
+        cold_text, cold_lps, cold_prompt, cold_cached = _cold(workers, send)
+        assert (text, prompt, cold_cached) == (cold_text, cold_prompt, 0) and _close(lps, cold_lps), send.__name__
+        assert _routed(pd_router.url) == (i + 1, i + 1)
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"exported": len(sends)}
+    assert _counts(pd_router.url, "hyla_router_prefix_imports_total") == {"imported": len(sends)}
+
+
+def test_what_disaggregation_cannot_help_goes_to_the_decode_worker(workers, pd_router):
+    """A prompt with nothing to move (one token), a batch of prompts, and a Responses turn that reads a stored
+    response (only the decode worker that made it holds it) are served by the decode worker alone; a request
+    the prefill worker refuses (an unknown model) is the client's answer and reaches no decode worker."""
+    one = httpx.post(pd_router.url + "/generate", json={"input_ids": [7], "sampling_params": {"max_new_tokens": 3}})
+    assert one.status_code == 200 and one.json()["meta_info"]["completion_tokens"] == 3
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1} and _routed(pd_router.url) == (1, 1)
+    batch = _client(pd_router.url).completions.create(model=MODEL, prompt=["First prompt " * 4, "Second prompt " * 4],
+                                                       max_tokens=3, temperature=0)
+    assert len(batch.choices) == 2 and _routed(pd_router.url) == (2, 1)
+    first = httpx.post(pd_router.url + "/v1/responses", json={"model": MODEL, "input": "Remember the number 42. " * 4,
+                                                              "max_output_tokens": 4, "temperature": 0}).json()
+    assert _routed(pd_router.url) == (3, 2)
+    later = httpx.post(pd_router.url + "/v1/responses", json={"model": MODEL, "input": "Which number?", "max_output_tokens": 4,
+                                                              "temperature": 0, "previous_response_id": first["id"]})
+    assert later.status_code == 200 and later.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert _routed(pd_router.url) == (4, 2)
+    refused = httpx.post(pd_router.url + "/v1/chat/completions", json={"model": "nope", "messages": [SYSTEM]})
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert _routed(pd_router.url) == (4, 3)
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1, "exported": 1, "refused": 1}
+
+
+def test_a_failed_prefill_worker_costs_only_the_saving(workers):
+    """A prefill worker that refuses connections: the prompt goes to the next prefill worker (the first turns
+    unhealthy); with none left the decode worker computes the prompt itself, and the answer is the same."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    messages = [SYSTEM, {"role": "user", "content": "A prompt whose prefill worker died. " * 4}]
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url(), workers[1].url],
+                                    policy="round_robin", health_interval=0.2)) as r:
+        state = r.server.config.app.state.router
+        state.prefill_workers[0].healthy = True  # (as if it had died after the check)
+        state.health_interval = 3600
+        moved = _chat(_client(r.url), messages)
+        assert moved.usage.prompt_tokens_details.cached_tokens == moved.usage.prompt_tokens - 1
+        assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["prefill_workers"]] == [False, True]
+    assert httpx.post(workers[0].url + "/flush_cache", timeout=30).status_code == 200
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url()], health_interval=0.2)) as r:
+        alone = _chat(_client(r.url), messages)
+        assert alone.usage.prompt_tokens_details.cached_tokens == 0
+        assert alone.choices[0].message.content == moved.choices[0].message.content
+        assert _counts(r.url, "hyla_router_prefills_total") == {"no_prefill_worker": 1}
+
+
+def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
+    """A worker sent ``X-Hyla-Prefill-Only: 1`` computes the prompt whatever the request asks of its output
+    (here n=2, streamed, a JSON schema) and answers its prefix, which another worker imports; a batch of
+    prompts is a 400."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    messages = [SYSTEM, {"role": "user", "content": "Only prefill this, please. " * 4}]
+    prompt = httpx.post(workers[1].url + "/tokenize", json={"messages": messages}).json()["count"]
+    answer = httpx.post(workers[1].url + "/v1/chat/completions", headers={"X-Hyla-Prefill-Only": "1"},
+                        json={"model": MODEL, "messages": messages, "n": 2, "stream": True, "response_format": {
+                            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}})
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/octet-stream"
+    assert answer.headers["x-prefix-tokens"] == str(prompt - 1)
+    imported = httpx.post(workers[0].url + "/import_prefix", content=answer.content).json()
+    assert imported == {"cached_tokens": prompt - 1, "prefix_tokens": prompt - 1}
+    batch = httpx.post(workers[1].url + "/v1/completions", headers={"X-Hyla-Prefill-Only": "1"},
+                       json={"model": MODEL, "prompt": ["one prompt", "another prompt"]})
+    assert batch.status_code == 400 and batch.json()["error"]["code"] == "batch_not_disaggregated"
+
+
+# ----------------------------------------------------------------------------------------------
 # hyla serve --dp-size
 # ----------------------------------------------------------------------------------------------
 def test_worker_argv_drops_what_a_worker_does_not_inherit():
     from hyla.router.launch import worker_argv, worker_devices
 
-    given = ["--model", "m", "--dp-size", "2", "--port=9", "--host", "0.0.0.0", "--api-key", "k"]
+    given = ["--model", "m", "--dp-size", "2", "--prefill-workers=1", "--port=9", "--host", "0.0.0.0", "--api-key", "k"]
     assert worker_argv(given, 1234) == ["--model", "m", "--api-key", "k", "--host", "127.0.0.1", "--port", "1234"]
     assert worker_devices("cpu", 3) == [None] * 3
     with pytest.raises(ValueError, match="use --device cuda"):
@@ -572,27 +725,31 @@ def test_worker_argv_drops_what_a_worker_does_not_inherit():
 
 @pytest.mark.slow
 def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_path):
-    """``hyla serve --dp-size 2``: two workers and the router in one command; a conversation's later turn
-    is cached; the key (``--api-key``) is the router's and the workers'; SIGINT stops the workers too."""
+    """``hyla serve --dp-size 2 --prefill-workers 1``: two decode workers, a prefill worker and the router in
+    one command; a first turn's prompt is computed by the prefill worker (the decode worker finds it cached),
+    a later turn is cached; the key (``--api-key``) is the router's and the workers'; SIGINT stops the
+    workers too."""
     from test_server_cli import ServeProcess
 
     server = ServeProcess(["--model", str(make_chat_model(tiny_ckpt_dir)), "--served-model-name", MODEL, "--dp-size",
-                           "2", "--max-total-tokens", "4096", "--max-state-slots", "16", "--cpu-threads", "1", "--api-key", "k2"],
-                          tmp_path / "serve.log", timeout=300)
+                           "2", "--prefill-workers", "1", "--max-total-tokens", "4096", "--max-state-slots", "16",
+                           "--cpu-threads", "1", "--api-key", "k2"], tmp_path / "serve.log", timeout=300)
     try:
         assert httpx.get(server.url + "/workers").status_code == 401
         info = httpx.get(server.url + "/workers", headers={"Authorization": "Bearer k2"}).json()
         assert info["policy"] == "cache_aware" and [w["healthy"] for w in info["workers"]] == [True, True]
+        assert [w["healthy"] for w in info["prefill_workers"]] == [True]
         assert httpx.get(info["workers"][0]["url"] + "/v1/models").status_code == 401  # (a worker's own check)
         via = _client(server.url, api_key="k2")
         messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be routed by. " * 4}]
         first = _chat(via, messages)
+        assert first.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
                      {"role": "user", "content": "And a second one?"}]
         assert _chat(via, messages).usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
     finally:
         code = server.stop()
     assert code == 0, server.log()
-    for w in info["workers"]:  # the workers are gone with the command
+    for w in info["workers"] + info["prefill_workers"]:  # the workers are gone with the command
         with pytest.raises(httpx.TransportError):
             httpx.get(w["url"] + "/health", timeout=2)

@@ -19,10 +19,24 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
   loaded worker.
 
 The router's own: ``GET /health`` (200 while a worker is healthy, else 503), ``GET /workers`` (each
-worker's URL, health, requests in flight, requests routed and table size) and ``GET /metrics``
+worker's URL, health, requests in flight, requests routed and table size; the prefill workers apart) and ``GET /metrics``
 (Prometheus). With ``api_key`` (``hyla route --api-key``) every path but ``/health`` and ``/metrics``
 needs ``Authorization: Bearer <key>`` (the workers' rule, ``hyla.server.auth``), else a 401 that reaches
 no worker; the header is forwarded as it came, so workers started with the same key accept it.
+
+**Prefill/decode disaggregation** (``prefill_urls``: ``hyla route --prefill-urls``): the workers above
+then decode, and the prefill workers compute prompts. A routed request (not a batch of prompts, not
+one that reads a stored response) goes first to a prefill worker (the policy over the prefill
+workers' own tables) with ``X-Hyla-Prefill-Only: 1``; its answer is the prompt's cached prefix, KV
+and recurrent state (``hyla/server/disaggregation.py``). The router posts those bytes to the decode
+worker it picks (``/import_prefix``), then sends that worker the request as it came: the worker finds
+all of the prompt but its last token cached, so long prompts no longer stall its running decodes.
+Whatever goes wrong on the way costs only the saving, never the request: no prefill worker healthy,
+one that fails (it turns unhealthy; the next is tried), nothing to export (a prompt shorter than a
+page), an import refused: the decode worker prefills the prompt itself. A prefill worker's client
+error (a 4xx: the decode worker would refuse the request as well) is the client's answer. Broadcasts,
+``/export_prefix`` and health checks include the prefill workers; every other path goes to the
+decode workers only.
 
 A worker is healthy until it fails a request, answers a 503, or its ``/health`` does not answer 200
 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
@@ -53,8 +67,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from hyla.router.policy import MAX_KEY_BLOCKS, Router
+from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
+from hyla.server.disaggregation import PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER
 
 logger = logging.getLogger("hyla.router")
 
@@ -108,6 +123,15 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
     return None
 
 
+def is_batch(path: str, body: Any) -> bool:
+    """Whether a routed request holds more than one prompt (a completion's or ``/generate``'s list)."""
+    if not isinstance(body, dict) or path not in ("/v1/completions", "/generate"):
+        return False
+    prompts = body.get("prompt") if path == "/v1/completions" else (
+        body.get("text") if body.get("text") is not None else body.get("input_ids"))
+    return isinstance(prompts, list) and len(prompts) > 1 and isinstance(prompts[0], (str, list))
+
+
 def _list_key(head: str, items: list, cap: int) -> str:
     """``head`` then ``json.dumps(items)`` but for its closing bracket (so that the key of a list that
     later grows is a prefix of the longer list's key), serialized item by item only up to ``cap``
@@ -143,6 +167,15 @@ def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
     return body, routing_key(path, body)
 
 
+def _error_code(data: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI-style error body, or None."""
+    try:
+        error = json.loads(data).get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
+
+
 def _headers(response: Response, pairs: Sequence[tuple[str, str]]) -> Response:
     """``response`` with a worker's headers, each as many times as it came (``set-cookie``), but those
     of the connection and those the router's server writes itself."""
@@ -165,10 +198,14 @@ class RouterApp:
 
     def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
                  connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, prefill_urls: Sequence[str] = (),
+                 prefill_router: Router | None = None) -> None:
         urls = check_worker_urls(worker_urls)
+        prefill_urls = check_worker_urls(list(worker_urls) + list(prefill_urls))[len(urls):]
         if len(router.tables) != len(urls):
             raise ValueError(f"the policy has {len(router.tables)} workers, the URLs {len(urls)}")
+        if prefill_urls and (prefill_router is None or len(prefill_router.tables) != len(prefill_urls)):
+            raise ValueError(f"the prefill policy must have {len(prefill_urls)} workers")
         if not health_interval > 0 or not connect_timeout > 0:
             raise ValueError(f"health_interval and connect_timeout must be > 0, got {health_interval}, {connect_timeout}")
         if max_request_bytes < 1:
@@ -179,6 +216,8 @@ class RouterApp:
         self.api_key = api_key
         self.workers = [Worker(u) for u in urls]
         self.router = router
+        self.prefill_workers = [Worker(u) for u in prefill_urls]
+        self.prefill_router = prefill_router
         self.health_interval = health_interval
         # no read timeout: a long generation streams for minutes; connecting is what fails fast
         self.timeout = httpx.Timeout(None, connect=connect_timeout)
@@ -195,6 +234,15 @@ class RouterApp:
                                registry=self.registry)
         self.healthy = Gauge("hyla_router_worker_healthy", "1 while the worker is healthy.", ["worker"],
                              registry=self.registry)
+        self.prefills = Counter("hyla_router_prefills", "Requests sent to prefill workers first, by outcome: "
+                                "exported (a prefix came back), not_cached (nothing to move), refused (the "
+                                "prefill worker's 4xx, the client's answer), failed (its 5xx), "
+                                "no_prefill_worker (none healthy, or every one failed).", ["outcome"],
+                                registry=self.registry)
+        self.imports = Counter("hyla_router_prefix_imports", "Prefixes posted to a decode worker, by outcome: "
+                               "imported, refused.", ["outcome"], registry=self.registry)
+        self.prefix_bytes = Counter("hyla_router_prefix_bytes", "Bytes of prefixes moved from prefill to decode "
+                                    "workers.", registry=self.registry)
 
     # ------------------------------------------------------------------------------------------
     # lifecycle and health
@@ -221,7 +269,7 @@ class RouterApp:
             if ok != w.healthy:
                 logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy")
             self._set_health(w, ok)
-        await asyncio.gather(*(one(w) for w in self.workers))
+        await asyncio.gather(*(one(w) for w in self.workers + self.prefill_workers))
 
     async def health_loop(self) -> None:
         while True:
@@ -297,6 +345,12 @@ class RouterApp:
             body, key = _parse(raw, path)
         owner = await self.owner(request, path, body)
         headers = self.forwarded_headers(request)
+        prefix: bytes | None = None
+        if self.disaggregates(request, path, body, owner):
+            prefilled = await self.prefill(request, path, raw, key, headers)
+            if isinstance(prefilled, Response):
+                return prefilled
+            prefix = prefilled
         tried: set[int] = set()
         while True:
             try:
@@ -310,6 +364,8 @@ class RouterApp:
             w.in_flight += 1
             self.in_flight.labels(w.url).inc()
             try:
+                if prefix is not None:
+                    await self._import(w, prefix, headers)
                 upstream = await self._send(request, upstream_request)
             except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
                 self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
@@ -337,6 +393,82 @@ class RouterApp:
             if path in ROUTED_PATHS and upstream.status_code < 500:
                 self.router.record(i, key)
             return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+
+    # ------------------------------------------------------------------------------------------
+    # prefill/decode disaggregation
+    # ------------------------------------------------------------------------------------------
+    def disaggregates(self, request: Request, path: str, body: Any, owner: int | None) -> bool:
+        """Whether a request goes to a prefill worker first: there are some, and it is a routed POST of
+        one prompt that reads no stored response (only its owner could render that)."""
+        return (bool(self.prefill_workers) and request.method == "POST" and path in ROUTED_PATHS and owner is None
+                and isinstance(body, dict) and not is_batch(path, body))
+
+    async def prefill(self, request: Request, path: str, raw: bytes, key: str | list[int] | None,
+                      headers: dict[str, str]) -> bytes | Response | None:
+        """Have a prefill worker compute the request's prompt and answer its cached prefix (the module
+        docstring): its bytes; None where the decode worker is to compute the prompt itself; or the
+        client's answer (the prefill worker's 4xx, or a 499 when the client left)."""
+        headers = {**headers, PREFILL_ONLY_HEADER: "1"}
+        tried: set[int] = set()
+        while True:
+            loads = [w.in_flight for w in self.prefill_workers]
+            healthy = [w.healthy for w in self.prefill_workers]
+            try:
+                i, _ = self.prefill_router.choose(key, loads, healthy, exclude=frozenset(tried))
+            except ValueError:
+                self.prefills.labels("no_prefill_worker").inc()
+                return None
+            w = self.prefill_workers[i]
+            tried.add(i)
+            w.in_flight += 1
+            self.in_flight.labels(w.url).inc()
+            try:
+                upstream = await self._send(request, self.client.build_request(
+                    "POST", w.url + path, content=raw, headers=headers, params=request.query_params.multi_items()))
+                if upstream is None:  # the client left
+                    return Response(status_code=499)
+                try:
+                    data = await upstream.aread()
+                finally:
+                    await upstream.aclose()
+            except httpx.TransportError as exc:
+                self._fail(w, f"failed a prefill ({exc!r})")
+                self.retries.inc()
+                continue
+            finally:
+                self._done(w)
+            w.routed += 1
+            self.requests.labels(w.url, "prefill").inc()
+            status = upstream.status_code
+            if status in (429, 503):  # busy, or shutting down: another prefill worker may take it
+                if status == 503:
+                    self._fail(w, "answered 503")
+                continue
+            if status == 200 and upstream.headers.get(PREFIX_TOKENS_HEADER, "").isdigit():
+                self.prefill_router.record(i, key)
+                self.prefills.labels("exported").inc()
+                self.prefix_bytes.inc(len(data))
+                return data
+            if status == 404 and _error_code(data) == PREFIX_NOT_CACHED:
+                self.prefill_router.record(i, key)  # (it computed the prompt; nothing was left to move)
+                self.prefills.labels("not_cached").inc()
+                return None
+            if 400 <= status < 500:
+                self.prefills.labels("refused").inc()
+                return _headers(Response(data, status_code=status), upstream.headers.multi_items())
+            logger.warning("prefill worker %s answered %d: the decode worker computes the prompt", w.url, status)
+            self.prefills.labels("failed").inc()
+            return None
+
+    async def _import(self, w: Worker, prefix: bytes, headers: dict[str, str]) -> None:
+        """Put a prefill worker's ``prefix`` into worker ``w``'s cache (``/import_prefix``). A refusal is
+        logged (``w`` then computes the prompt itself); a transport error propagates (``w`` failed)."""
+        answer = await self.client.post(w.url + "/import_prefix", content=prefix,
+                                        headers={**headers, "content-type": "application/octet-stream"})
+        self.imports.labels("imported" if answer.status_code == 200 else "refused").inc()
+        if answer.status_code != 200:
+            logger.warning("worker %s refused a prefix (%d: %s): it computes the prompt itself", w.url,
+                           answer.status_code, answer.text[:300])
 
     def _others_left(self, index: int, tried: set[int]) -> bool:
         """Whether a healthy worker other than ``index`` has not been tried for this request yet."""
@@ -444,21 +576,22 @@ class RouterApp:
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
-        live = [(i, w) for i, w in enumerate(self.workers) if w.healthy]
+        everyone = self.all_workers()
+        live = [(w, table) for w, table in everyone if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
-        if path == "/update_weights_from_disk" and len(live) < len(self.workers):
-            down = [w.url for w in self.workers if not w.healthy]
+        if path == "/update_weights_from_disk" and len(live) < len(everyone):
+            down = [w.url for w, _ in everyone if not w.healthy]
             return JSONResponse(error_body(f"the weights were not updated: workers {down} are unhealthy, and would "
                                            "serve the old weights once back"), status_code=503)
-        answers = await self._send_to_each(request, path, raw, [w for _, w in live])
+        answers = await self._send_to_each(request, path, raw, [w for w, _ in live])
         failed = None
-        for (i, w), a in zip(live, answers):
+        for (w, table), a in zip(live, answers):
             if isinstance(a, Exception):
                 failed = failed or JSONResponse(error_body(f"worker {w.url} failed: {a!r}", type="bad_gateway"),
                                                 status_code=502)
             elif path == "/flush_cache" and a.status_code == 200:
-                self.router.tables[i].clear()
+                table.clear()
         if failed is not None:
             return failed
         bad = [a for a in answers if a.status_code >= 400]
@@ -471,15 +604,15 @@ class RouterApp:
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
-        live = [w for w in self.workers if w.healthy]
+        live = [w for w, _ in self.all_workers() if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
         answers = [a for a in await self._send_to_each(request, "/export_prefix", raw, live)
                    if not isinstance(a, Exception)]
         if not answers:
             return JSONResponse(error_body("every worker failed the export", type="bad_gateway"), status_code=502)
-        found = [a for a in answers if a.status_code == 200 and a.headers.get("x-prefix-tokens", "").isdigit()]
-        best = max(found, key=lambda a: int(a.headers["x-prefix-tokens"])) if found else answers[0]
+        found = [a for a in answers if a.status_code == 200 and a.headers.get(PREFIX_TOKENS_HEADER, "").isdigit()]
+        best = max(found, key=lambda a: int(a.headers[PREFIX_TOKENS_HEADER])) if found else answers[0]
         return _headers(Response(best.content, status_code=best.status_code), best.headers.multi_items())
 
     async def _send_to_each(self, request: Request, path: str, raw: bytes,
@@ -497,9 +630,17 @@ class RouterApp:
                 return exc
         return list(await asyncio.gather(*(one(w) for w in workers)))
 
-    def workers_info(self) -> list[dict[str, Any]]:
+    def all_workers(self) -> list[tuple[Worker, PrefixTable]]:
+        """Every worker, the decode (or only) workers then the prefill workers, with its policy table."""
+        prefill_tables = self.prefill_router.tables if self.prefill_router is not None else []
+        return list(zip(self.workers, self.router.tables)) + list(zip(self.prefill_workers, prefill_tables))
+
+    def workers_info(self, prefill: bool = False) -> list[dict[str, Any]]:
+        """``/workers``' entries: the decode (or only) workers, or with ``prefill`` the prefill workers."""
+        workers = self.all_workers()
+        chosen = workers[len(self.workers):] if prefill else workers[:len(self.workers)]
         return [{"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight, "routed": w.routed,
-                 "table_blocks": len(self.router.tables[i])} for i, w in enumerate(self.workers)]
+                 "table_blocks": len(table)} for w, table in chosen]
 
 
 class _Relay(StreamingResponse):
@@ -521,11 +662,15 @@ class _Relay(StreamingResponse):
 def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
-                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None) -> FastAPI:
-    """The router's FastAPI app over ``worker_urls`` (the module docstring); ``app.state.router`` is
-    its ``RouterApp``."""
-    state = RouterApp(worker_urls, Router(len(check_worker_urls(worker_urls)), policy, cache_threshold, balance_abs, balance_rel,
-                                          max_blocks), health_interval, connect_timeout, max_request_bytes, api_key)
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
+                      prefill_urls: Sequence[str] = ()) -> FastAPI:
+    """The router's FastAPI app over ``worker_urls`` (with ``prefill_urls``: the decode workers, and
+    those the prefill workers; the module docstring); ``app.state.router`` is its ``RouterApp``."""
+    def policy_over(urls: Sequence[str]) -> Router:
+        return Router(len(urls), policy, cache_threshold, balance_abs, balance_rel, max_blocks)
+
+    state = RouterApp(worker_urls, policy_over(check_worker_urls(worker_urls)), health_interval, connect_timeout,
+                      max_request_bytes, api_key, prefill_urls, policy_over(prefill_urls) if prefill_urls else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -552,7 +697,10 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
     async def workers(request: Request) -> Response:
         if not state.authorized(request):
             return state.unauthorized()
-        return JSONResponse({"policy": state.router.policy, "workers": state.workers_info()})
+        info = {"policy": state.router.policy, "workers": state.workers_info()}
+        if state.prefill_workers:
+            info["prefill_workers"] = state.workers_info(prefill=True)
+        return JSONResponse(info)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -16,6 +16,11 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-urls", nargs="+", required=True, metavar="URL",
                         help="The workers' base URLs (each a `hyla serve` of the same model), e.g. http://gpu0:30000.")
+    parser.add_argument("--prefill-urls", nargs="+", default=[], metavar="URL",
+                        help="Prefill/decode disaggregation: these workers (hyla serve, the same model and cache "
+                             "flags) compute prompts, and the --worker-urls decode; each prompt's KV and state move "
+                             "to the decode worker (docs/server.md, 'Prefill/decode disaggregation'). Default: none, "
+                             "every worker does both.")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,
                                 balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
                                 max_blocks=args.max_table_blocks, health_interval=args.health_interval,
-                                max_request_bytes=args.max_request_bytes, api_key=args.api_key)
+                                max_request_bytes=args.max_request_bytes, api_key=args.api_key,
+                                prefill_urls=args.prefill_urls)
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
-"""``hyla serve --dp-size N``: N workers and the router in one command (SGLang's ``--dp-size``).
+"""``hyla serve --dp-size N [--prefill-workers M]``: N workers (and M prefill workers) and the router
+in one command (SGLang's ``--dp-size``).
 
-The command starts N ``hyla serve`` processes with the same flags (each on a free port of
+The command starts N (+ M) ``hyla serve`` processes with the same flags (each on a free port of
 127.0.0.1, and with ``--device cuda`` each on a GPU of its own: the i-th of ``CUDA_VISIBLE_DEVICES``,
 or GPU i), waits until every one answers ``/health``, then serves the router (``hyla route``'s
-cache-aware policy) on ``--host``/``--port`` in this process. When it stops (SIGTERM, Ctrl-C), the
+cache-aware policy; with M prefill workers, ``--prefill-urls``: the first N decode, the last M
+prefill) on ``--host``/``--port`` in this process. When it stops (SIGTERM, Ctrl-C), the
 workers are stopped too (SIGTERM: each drains as a single ``hyla serve`` does); a worker that fails
 to start stops the command.
 """
@@ -24,7 +26,7 @@ import httpx
 logger = logging.getLogger("hyla.router")
 
 # flags of `hyla serve` a worker does not inherit (its own port on localhost; no data parallelism of its own)
-NOT_INHERITED = ("--dp-size", "--port", "--host")
+NOT_INHERITED = ("--dp-size", "--prefill-workers", "--port", "--host")
 
 
 def worker_argv(given: list[str], port: int) -> list[str]:
@@ -55,7 +57,7 @@ def worker_devices(device: str, n: int) -> list[str | None]:
 
         ids = [str(i) for i in range(torch.cuda.device_count())]
     if len(ids) < n:
-        raise ValueError(f"--dp-size {n} needs {n} GPUs; {len(ids)} are visible")
+        raise ValueError(f"{n} workers (--dp-size and --prefill-workers) need {n} GPUs; {len(ids)} are visible")
     return ids[:n]
 
 
@@ -73,7 +75,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
 
     from hyla.router.app import create_router_app
 
-    n = args.dp_size
+    n = args.dp_size + args.prefill_workers
     try:
         devices = worker_devices(args.device, n)
     except ValueError as exc:
@@ -101,8 +103,11 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.5)
-        app = create_router_app([url for _, url in workers], api_key=args.api_key)  # (the workers' key too)
-        logger.info("the %d workers serve; the router listens on http://%s:%d", n, args.host, args.port)
+        urls = [url for _, url in workers]
+        app = create_router_app(urls[:args.dp_size], api_key=args.api_key,  # (the workers' key too)
+                                prefill_urls=urls[args.dp_size:])
+        logger.info("the %d workers serve (%d prefill only); the router listens on http://%s:%d", n,
+                    args.prefill_workers, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                     timeout_graceful_shutdown=5)
         return 0

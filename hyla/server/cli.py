@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Data parallelism: N workers (each a hyla serve with these flags, on a GPU of its own "
                              "with --device cuda) behind a cache-aware router on --host/--port (hyla route; "
                              "docs/server.md, 'Data parallelism'). Default 1: one engine, no router.")
+    parser.add_argument("--prefill-workers", type=int, default=0, metavar="M",
+                        help="Prefill/decode disaggregation: M more workers that only compute prompts, the --dp-size "
+                             "ones decoding, behind the router (hyla route --prefill-urls; docs/server.md, "
+                             "'Prefill/decode disaggregation'). Default 0: every worker does both.")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
@@ -156,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dp_size < 1:
         print(f"hyla serve: error: --dp-size must be at least 1, got {args.dp_size}", file=sys.stderr)
         return 2
-    if args.dp_size > 1:  # the workers and the router (hyla/router/launch.py), the router's port checked first
+    if args.prefill_workers < 0:
+        print(f"hyla serve: error: --prefill-workers must be at least 0, got {args.prefill_workers}", file=sys.stderr)
+        return 2
+    if args.dp_size > 1 or args.prefill_workers:  # the workers and the router (hyla/router/launch.py), its port checked first
         try:
             _listen(args.host, args.port).close()
         except OSError as exc:

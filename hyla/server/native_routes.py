@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 import hyla
 from hyla.engine.errors import EngineOverloadedError
+from hyla.server.disaggregation import prefill_answer, prefix_response, wants_prefill_only
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
 from hyla.server.protocol import (AbortRequest, ExportPrefixRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
@@ -75,6 +76,8 @@ class NativeRoutes:
         arrival = time.monotonic()
         jobs = await self._tokenized(_jobs(body))
         try:
+            if wants_prefill_only(request):
+                return await prefill_answer(self.server, "generate", jobs, arrival, request)
             gen = await self.server.start_generation("generate", jobs, arrival)
         except APIError as exc:  # the engine's prompt is the body's text when it sent one (tokenized above)
             if exc.param in ("input_ids", "prompt") and body.text is not None:
@@ -136,13 +139,9 @@ class NativeRoutes:
                 raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
             (ids,) = await self.server.encode_texts(engine.tokenizer, [body.text], "text")
         try:
-            prefix = await asyncio.to_thread(engine.export_prefix, ids, cache_namespace(body.cache_salt))
+            return await prefix_response(engine, ids, cache_namespace(body.cache_salt))
         except ValueError as exc:
             raise APIError(400, str(exc), param="text" if body.text is not None else "input_ids") from None
-        if prefix is None:
-            raise APIError(404, "no prefix of this prompt is cached", code="prefix_not_cached")
-        data = await asyncio.to_thread(prefix.to_bytes)
-        return Response(data, media_type="application/octet-stream", headers={"X-Prefix-Tokens": str(len(prefix))})
 
     async def import_prefix(self, request: Request) -> Response:
         """Put a cached prefix of another server of the same model (``/export_prefix``'s bytes, the

@@ -1,0 +1,146 @@
+"""Prefill/decode disaggregation: two workers behind ``hyla route``, each doing both (colocated) against
+one prefilling and one decoding (``--prefill-urls``), on a workload where long prompts arrive while
+other requests decode.
+
+Two ``hyla serve`` processes of the built-in default model (``--cpu-threads`` each: on a CPU machine,
+one core each) start once, and two routers over them: ``colocated`` (``--worker-urls A B``: either
+worker prefills and decodes) and ``disaggregated`` (``--worker-urls A --prefill-urls B``: B computes
+every prompt, its KV and state move to A, A decodes). Each round flushes both caches and runs, through
+one router, at the same time:
+
+* ``--decoders`` streams of short prompts (``--decode-prompt`` words) each decoding ``--decode-len``
+  tokens, all sent at once: what a long prompt's prefill interrupts;
+* ``--long-prompts`` requests of ``--long-len`` words and ``--long-out`` tokens, arriving at
+  ``--long-rate`` per second (Poisson, the same seed every round).
+
+Measured per round: the decoding streams' **ITL** (every gap between streamed chunks, P50 and P99)
+and **TPOT** median; the long prompts' **TTFT** (median and P90); the round's **duration** and output
+tokens per second. Rounds alternate between the routers (a first untimed round of each warms up);
+medians of ``--repeats``; in parentheses the ratio to colocated. Prints a markdown table and writes
+the ``## Prefill/decode disaggregation`` section of docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/disaggregation.py [--decoders 4] [--long-prompts 6] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.router import start  # noqa: E402
+from hyla.bench.datasets import random_sessions  # noqa: E402
+from hyla.bench.metrics import latency_stats_ms, summarize  # noqa: E402
+from hyla.bench.runner import run_benchmark  # noqa: E402
+
+SETUPS = ("colocated", "disaggregated")
+METRICS = ("decode ITL P50 (ms)", "decode ITL P99 (ms)", "decode TPOT median (ms)", "long-prompt TTFT median (ms)",
+           "long-prompt TTFT P90 (ms)", "output tok/s", "duration (s)")
+
+
+async def _both(router: str, decoders, longs, model: str, rate: float):
+    return await asyncio.gather(
+        run_benchmark(router, decoders, backend="openai-chat", model=model, show_progress=False),
+        run_benchmark(router, longs, backend="openai-chat", model=model, request_rate=rate, show_progress=False))
+
+
+def one_round(router: str, workers: list[str], decoders, longs, model: str, rate: float) -> dict[str, float]:
+    for w in workers:
+        httpx.post(w + "/flush_cache", timeout=60).raise_for_status()
+    t0 = time.perf_counter()
+    (dec, _), (long, _) = asyncio.run(_both(router, decoders, longs, model, rate))
+    duration = time.perf_counter() - t0
+    d, g = summarize(dec, duration), summarize(long, duration)
+    if d["failed"] or g["failed"]:
+        raise RuntimeError(f"requests failed: {d['errors'] + g['errors']}")
+    tpots = [r.tpot for r in dec if r.tpot is not None]
+    itl = latency_stats_ms([x for r in dec for x in r.itl])
+    return {"decode ITL P50 (ms)": itl["p50"], "decode ITL P99 (ms)": itl["p99"],
+            "decode TPOT median (ms)": 1000 * statistics.median(tpots), "long-prompt TTFT median (ms)": g["ttft_ms"]["p50"],
+            "long-prompt TTFT P90 (ms)": g["ttft_ms"]["p90"],
+            "output tok/s": (d["total_output_tokens"] + g["total_output_tokens"]) / duration, "duration (s)": duration}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu-threads", type=int, default=1, help="each worker's intra-op threads")
+    ap.add_argument("--decoders", type=int, default=4)
+    ap.add_argument("--decode-prompt", type=int, default=32, help="words")
+    ap.add_argument("--decode-len", type=int, default=256, help="tokens")
+    ap.add_argument("--long-prompts", type=int, default=6)
+    ap.add_argument("--long-len", type=int, default=1500, help="words")
+    ap.add_argument("--long-out", type=int, default=8, help="tokens")
+    ap.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp/hyla-disagg-bench"))
+    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    args = ap.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    decoders = random_sessions(args.decoders, args.decode_prompt, args.decode_len, seed=1)
+    longs = random_sessions(args.long_prompts, args.long_len, args.long_out, seed=2)
+    procs: list[subprocess.Popen] = []
+    try:
+        workers = []
+        for i in range(2):
+            proc, url = start(["serve", "--cpu-threads", str(args.cpu_threads)], args.log_dir / f"worker{i}.log")
+            procs.append(proc)
+            workers.append(url)
+        routers = {}
+        for setup, extra in (("colocated", ["--worker-urls", *workers]),
+                             ("disaggregated", ["--worker-urls", workers[0], "--prefill-urls", workers[1]])):
+            proc, routers[setup] = start(["route", *extra], args.log_dir / f"{setup}.log")
+            procs.append(proc)
+        model = httpx.get(workers[0] + "/v1/models").json()["data"][0]["id"]
+        runs: dict[str, list[dict[str, float]]] = {s: [] for s in SETUPS}
+        for rep in range(1 + args.repeats):
+            for setup in SETUPS:
+                res = one_round(routers[setup], workers, decoders, longs, model, args.long_rate)
+                if rep:
+                    runs[setup].append(res)
+                    print(f"repeat {rep}, {setup}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()), flush=True)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    med = {s: {k: statistics.median(r[k] for r in rs) for k in METRICS} for s, rs in runs.items()}
+    base = med["colocated"]
+    rows = [f"| {k} | {base[k]:,.1f} | {med['disaggregated'][k]:,.1f} ({med['disaggregated'][k] / base[k]:.2f}x) |"
+            for k in METRICS]
+    command = (f".venv/bin/python benchmarks/disaggregation.py --cpu-threads {args.cpu_threads} --decoders "
+               f"{args.decoders} --decode-prompt {args.decode_prompt} --decode-len {args.decode_len} --long-prompts "
+               f"{args.long_prompts} --long-len {args.long_len} --long-out {args.long_out} --long-rate {args.long_rate} "
+               f"--repeats {args.repeats}")
+    body = "\n".join([
+        f"`{command}` — {machine()}; two `hyla serve` workers of the built-in default model ({args.cpu_threads} "
+        f"intra-op thread(s) each) behind `hyla route`: colocated (either worker prefills and decodes) against "
+        f"disaggregated (one prefills, `--prefill-urls`, the other decodes). Each round: {args.decoders} streams of "
+        f"~{args.decode_prompt}-word prompts decoding {args.decode_len} tokens, sent at once, while "
+        f"{args.long_prompts} prompts of ~{args.long_len} words ({args.long_out} tokens out) arrive at "
+        f"{args.long_rate:g}/s; caches flushed before each round; medians of {args.repeats} rounds, the setups "
+        "interleaved; in parentheses the ratio to colocated.",
+        "",
+        "| measurement | colocated | disaggregated |",
+        "|---|---|---|",
+        *rows,
+    ])
+    print(body)
+    if not args.no_write:
+        write_section("Prefill/decode disaggregation", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Prefill/decode disaggregation, the worker's side: a generating request sent with the header
+``X-Hyla-Prefill-Only: 1`` is only prefilled, and answered with its cached prefix.
+
+A router in front of prefill and decode workers (``hyla route --prefill-urls``, hyla/router/app.py)
+sends a chat, completion, ``/generate`` or Responses request first to a prefill worker with this
+header. That worker renders and tokenizes the request as it would to serve it (the same endpoint, the
+same code up to the engine), computes the prompt (one engine request: one greedy token, the request's
+cache namespace and message-boundary checkpoints), and answers with ``/export_prefix``'s bytes for
+that prompt (``prefix_response``): the KV of every attention layer and the recurrent state after all
+of the prompt's tokens but the last, ``X-Prefix-Tokens`` their number. Where nothing could be kept
+(the cache off, a prompt shorter than a page, evicted meanwhile) the answer is a 404
+``prefix_not_cached``. The router puts the bytes into a decode worker (``/import_prefix``) and sends it
+the request as the client sent it: the decode worker finds the whole prompt but its last token cached,
+computes that one, and decodes. KV and state move together, in one body (SGLang's separate channel
+for states is this body's state tensors); the decode worker's cache checks both against its own
+layout, so the output is what a single server computes.
+
+What the request asks of its output (``n``, ``max_tokens``, logprobs, a grammar, ``stream``) does not
+matter here, and nothing is stored (the decode worker makes a Responses request's response). A batch of
+different prompts is a 400: one request, one prefix.
+
+Torch-free at import (the engine's modules are imported where used), so that the router, which runs
+without torch, takes the header's name and the answer's from here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Sequence
+
+from fastapi import Request
+from fastapi.responses import Response
+
+if TYPE_CHECKING:
+    from hyla.engine.engine import Engine
+    from hyla.server.app import Server
+    from hyla.server.generation import Job
+
+PREFILL_ONLY_HEADER = "X-Hyla-Prefill-Only"  # value "1": prefill this request, answer its prefix
+PREFIX_TOKENS_HEADER = "X-Prefix-Tokens"  # the length of the prefix in an octet-stream answer
+PREFIX_NOT_CACHED = "prefix_not_cached"  # the error code of a 404 with no prefix to send
+
+
+def wants_prefill_only(request: Request) -> bool:
+    """Whether ``request`` asks to be prefilled only (``PREFILL_ONLY_HEADER: 1``)."""
+    return request.headers.get(PREFILL_ONLY_HEADER) == "1"
+
+
+async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float, request: Request) -> Response:
+    """Compute the prompt of ``jobs`` (one prompt: ``n`` choices share it) and answer its cached
+    prefix (``prefix_response``). ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
+    from hyla.server.errors import APIError
+    from hyla.server.generation import Job
+
+    if len({(tuple(j.prompt), j.namespace) for j in jobs}) > 1:
+        raise APIError(400, "a prefill-only request takes one prompt, not a batch of different ones",
+                       code="batch_not_disaggregated")
+    job = jobs[0]
+    if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
+        raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
+    prefill = Job(job.prompt, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=list(job.checkpoints),
+                  speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
+    gen = await server.start_generation(endpoint, [prefill], arrival)
+    await gen.collect(request)
+    return await prefix_response(server.admit(), job.prompt, job.namespace)
+
+
+async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any) -> Response:
+    """The cached prefix a request with prompt ``ids`` would hit (``Engine.export_prefix``), as
+    ``application/octet-stream`` (``CachedPrefix.to_bytes``) with its length in ``X-Prefix-Tokens``;
+    a 404 (``prefix_not_cached``) where nothing is cached. ``ValueError`` for bad ids or namespace."""
+    from hyla.server.errors import APIError
+
+    prefix = await asyncio.to_thread(engine.export_prefix, ids, namespace)
+    if prefix is None:
+        raise APIError(404, "no prefix of this prompt is cached", code=PREFIX_NOT_CACHED)
+    data = await asyncio.to_thread(prefix.to_bytes)
+    return Response(data, media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: str(len(prefix))})
