@@ -13,13 +13,13 @@ one router, at the same time:
 * ``--long-prompts`` requests of ``--long-len`` words and ``--long-out`` tokens, arriving at
   ``--long-rate`` per second (Poisson, the same seed every round).
 
-Measured per round: the decoding streams' **ITL** (every gap between streamed chunks, P50 and P99)
-and **TPOT** median; the long prompts' **TTFT** (median and P90); the round's **duration** and output
+Measured per round: the decoding streams' **ITL** (every gap between streamed chunks: P50, P99, the
+longest, and how many gaps were longer than 100 ms: the stalls a prefill causes) and **TPOT** median; the long prompts' **TTFT** (median and P90); the round's **duration** and output
 tokens per second. Rounds alternate between the routers (a first untimed round of each warms up);
 medians of ``--repeats``; in parentheses the ratio to colocated. Prints a markdown table and writes
 the ``## Prefill/decode disaggregation`` section of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/disaggregation.py [--decoders 4] [--long-prompts 6] [--repeats 3]
+    .venv/bin/python benchmarks/disaggregation.py [--decoders 4] [--long-prompts 8] [--long-rate 1] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from hyla.bench.metrics import latency_stats_ms, summarize  # noqa: E402
 from hyla.bench.runner import run_benchmark  # noqa: E402
 
 SETUPS = ("colocated", "disaggregated")
-METRICS = ("decode ITL P50 (ms)", "decode ITL P99 (ms)", "decode TPOT median (ms)", "long-prompt TTFT median (ms)",
+METRICS = ("decode ITL P50 (ms)", "decode ITL P99 (ms)", "decode ITL max (ms)", "decode stalls > 100 ms",
+           "decode TPOT median (ms)", "long-prompt TTFT median (ms)",
            "long-prompt TTFT P90 (ms)", "output tok/s", "duration (s)")
 
 
@@ -64,8 +65,10 @@ def one_round(router: str, workers: list[str], decoders, longs, model: str, rate
     if d["failed"] or g["failed"]:
         raise RuntimeError(f"requests failed: {d['errors'] + g['errors']}")
     tpots = [r.tpot for r in dec if r.tpot is not None]
-    itl = latency_stats_ms([x for r in dec for x in r.itl])
-    return {"decode ITL P50 (ms)": itl["p50"], "decode ITL P99 (ms)": itl["p99"],
+    gaps = [x for r in dec for x in r.itl]
+    itl = latency_stats_ms(gaps)
+    return {"decode ITL P50 (ms)": itl["p50"], "decode ITL P99 (ms)": itl["p99"], "decode ITL max (ms)": 1000 * max(gaps),
+            "decode stalls > 100 ms": sum(g > 0.1 for g in gaps),
             "decode TPOT median (ms)": 1000 * statistics.median(tpots), "long-prompt TTFT median (ms)": g["ttft_ms"]["p50"],
             "long-prompt TTFT P90 (ms)": g["ttft_ms"]["p90"],
             "output tok/s": (d["total_output_tokens"] + g["total_output_tokens"]) / duration, "duration (s)": duration}
@@ -76,8 +79,8 @@ def main() -> None:
     ap.add_argument("--cpu-threads", type=int, default=1, help="each worker's intra-op threads")
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--decode-prompt", type=int, default=32, help="words")
-    ap.add_argument("--decode-len", type=int, default=256, help="tokens")
-    ap.add_argument("--long-prompts", type=int, default=6)
+    ap.add_argument("--decode-len", type=int, default=768, help="tokens")
+    ap.add_argument("--long-prompts", type=int, default=8)
     ap.add_argument("--long-len", type=int, default=1500, help="words")
     ap.add_argument("--long-out", type=int, default=8, help="tokens")
     ap.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
@@ -118,7 +121,7 @@ def main() -> None:
                 proc.kill()
     med = {s: {k: statistics.median(r[k] for r in rs) for k in METRICS} for s, rs in runs.items()}
     base = med["colocated"]
-    rows = [f"| {k} | {base[k]:,.1f} | {med['disaggregated'][k]:,.1f} ({med['disaggregated'][k] / base[k]:.2f}x) |"
+    rows = [f"| {k} | {base[k]:,.1f} | {med['disaggregated'][k]:,.1f}" + (f" ({med['disaggregated'][k] / base[k]:.2f}x) |" if base[k] else " |")
             for k in METRICS]
     command = (f".venv/bin/python benchmarks/disaggregation.py --cpu-threads {args.cpu_threads} --decoders "
                f"{args.decoders} --decode-prompt {args.decode_prompt} --decode-len {args.decode_len} --long-prompts "
