@@ -151,3 +151,35 @@ def test_health_answers_while_the_loop_is_blocked_and_says_when_it_stalls(model_
         while httpx.get(srv.url + "/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "the loop's recovery was never reported"
             time.sleep(0.05)
+
+
+def test_connections_reach_the_loop_with_nagle_off():
+    """A connection handed to the loop has ``TCP_NODELAY`` set (asyncio sets it only on sockets whose
+    ``proto`` is TCP's, and an accepted socket's is 0): otherwise an answer's body waits behind its head
+    for the client's delayed ACK, 40 ms on Linux, on every request."""
+    import asyncio
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        seen: asyncio.Future = loop.create_future()
+
+        class Record(asyncio.Protocol):
+            def connection_made(self, transport):
+                sock = transport.get_extra_info("socket")
+                seen.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # (proto 0, as hyla serve's own)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        door = front_door.FrontDoor(listener, loop, Record, health=lambda: (200, {})).start()
+        try:
+            client = socket.create_connection(listener.getsockname(), timeout=10)
+            client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            return await asyncio.wait_for(seen, 10)
+        finally:
+            client.close()
+            door.stop()
+            listener.close()
+
+    assert asyncio.run(main()) != 0

@@ -214,6 +214,8 @@ class FrontDoor:
                 self._accepting_again_at = time.monotonic() + ACCEPT_RETRY_SECONDS
                 return
             conn.setblocking(False)
+            if conn.family in (socket.AF_INET, socket.AF_INET6):  # (asyncio sets it only where proto is TCP's)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._selector.register(conn, selectors.EVENT_READ)
             self._held[conn] = _Waiting(deadline=time.monotonic() + PEEK_SECONDS)
 
