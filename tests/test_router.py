@@ -564,7 +564,8 @@ def test_a_refused_connection_is_retried_and_health_comes_back():
 def pd_router(workers):
     for w in workers:
         assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
-    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2)) as r:
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2,
+                                    local_prefill_chars=0)) as r:  # (every prompt moves, however short)
         yield r
 
 
@@ -675,7 +676,7 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
         assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
     messages = [SYSTEM, {"role": "user", "content": "A prompt whose prefill worker died. " * 4}]
     with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url(), workers[1].url],
-                                    policy="round_robin", health_interval=0.2)) as r:
+                                    policy="round_robin", health_interval=0.2, local_prefill_chars=0)) as r:
         state = r.server.config.app.state.router
         state.prefill_workers[0].healthy = True  # (as if it had died after the check)
         state.health_interval = 3600
@@ -683,11 +684,36 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
         assert moved.usage.prompt_tokens_details.cached_tokens == moved.usage.prompt_tokens - 1
         assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["prefill_workers"]] == [False, True]
     assert httpx.post(workers[0].url + "/flush_cache", timeout=30).status_code == 200
-    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url()], health_interval=0.2)) as r:
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url()], health_interval=0.2,
+                                    local_prefill_chars=0)) as r:
         alone = _chat(_client(r.url), messages)
         assert alone.usage.prompt_tokens_details.cached_tokens == 0
         assert alone.choices[0].message.content == moved.choices[0].message.content
         assert _counts(r.url, "hyla_router_prefills_total") == {"no_prefill_worker": 1}
+
+
+def test_what_the_decode_worker_nearly_holds_is_prefilled_there(workers):
+    """With ``local_prefill_chars`` (default 2048): a short prompt, and a conversation's next turn whose new part
+    is short (the decode worker holds the rest, by the router's table), are prefilled by the decode worker; a
+    long new prompt moves. The answers are the same either way."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2)) as r:
+        via = _client(r.url)
+        short = _chat(via, [SYSTEM, {"role": "user", "content": "A short one."}])
+        assert short.usage.prompt_tokens_details.cached_tokens == 0 and _routed(r.url) == (1, 0)
+        messages = [SYSTEM, {"role": "user", "content": "A long first question about many things. " * 60}]
+        first = _chat(via, messages)
+        assert first.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+        assert _routed(r.url) == (2, 1)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And a short follow-up?"}]
+        later = _chat(via, messages)
+        assert later.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+        assert _routed(r.url) == (3, 1)
+        assert _counts(r.url, "hyla_router_prefills_total") == {"local": 2, "exported": 1}
+    assert _cold(workers, lambda url: _chat(_client(url), messages)).choices[0].message.content == \
+        later.choices[0].message.content
 
 
 def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
@@ -741,7 +767,7 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
         assert [w["healthy"] for w in info["prefill_workers"]] == [True]
         assert httpx.get(info["workers"][0]["url"] + "/v1/models").status_code == 401  # (a worker's own check)
         via = _client(server.url, api_key="k2")
-        messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be routed by. " * 4}]
+        messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be moved. " * 50}]
         first = _chat(via, messages)
         assert first.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
         messages += [{"role": "assistant", "content": first.choices[0].message.content},
