@@ -565,7 +565,7 @@ def pd_router(workers):
     for w in workers:
         assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
     with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2,
-                                    local_prefill_chars=0)) as r:  # (every prompt moves, however short)
+                                    local_prefill_tokens=0)) as r:  # (every prompt moves, however short)
         yield r
 
 
@@ -648,8 +648,8 @@ def test_disaggregated_requests_answer_as_a_worker_computing_the_prompt(workers,
 
 def test_what_disaggregation_cannot_help_goes_to_the_decode_worker(workers, pd_router):
     """A prompt with nothing to move (one token), a batch of prompts, and a Responses turn that reads a stored
-    response (only the decode worker that made it holds it) are served by the decode worker alone; a request
-    the prefill worker refuses (an unknown model) is the client's answer and reaches no decode worker."""
+    response (only the decode worker that made it holds it) are served by the decode worker alone, and a request
+    it refuses (an unknown model) reaches no prefill worker."""
     one = httpx.post(pd_router.url + "/generate", json={"input_ids": [7], "sampling_params": {"max_new_tokens": 3}})
     assert one.status_code == 200 and one.json()["meta_info"]["completion_tokens"] == 3
     assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1} and _routed(pd_router.url) == (1, 1)
@@ -665,8 +665,8 @@ def test_what_disaggregation_cannot_help_goes_to_the_decode_worker(workers, pd_r
     assert _routed(pd_router.url) == (4, 2)
     refused = httpx.post(pd_router.url + "/v1/chat/completions", json={"model": "nope", "messages": [SYSTEM]})
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
-    assert _routed(pd_router.url) == (4, 3)
-    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1, "exported": 1, "refused": 1}
+    assert _routed(pd_router.url) == (5, 2)  # (the decode worker refused it first)
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1, "exported": 1}
 
 
 def test_a_failed_prefill_worker_costs_only_the_saving(workers):
@@ -676,7 +676,7 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
         assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
     messages = [SYSTEM, {"role": "user", "content": "A prompt whose prefill worker died. " * 4}]
     with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url(), workers[1].url],
-                                    policy="round_robin", health_interval=0.2, local_prefill_chars=0)) as r:
+                                    policy="round_robin", health_interval=0.2, local_prefill_tokens=0)) as r:
         state = r.server.config.app.state.router
         state.prefill_workers[0].healthy = True  # (as if it had died after the check)
         state.health_interval = 3600
@@ -685,7 +685,7 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
         assert [w["healthy"] for w in httpx.get(r.url + "/workers").json()["prefill_workers"]] == [False, True]
     assert httpx.post(workers[0].url + "/flush_cache", timeout=30).status_code == 200
     with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[_closed_port_url()], health_interval=0.2,
-                                    local_prefill_chars=0)) as r:
+                                    local_prefill_tokens=0)) as r:
         alone = _chat(_client(r.url), messages)
         assert alone.usage.prompt_tokens_details.cached_tokens == 0
         assert alone.choices[0].message.content == moved.choices[0].message.content
@@ -693,27 +693,52 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
 
 
 def test_what_the_decode_worker_nearly_holds_is_prefilled_there(workers):
-    """With ``local_prefill_chars`` (default 2048): a short prompt, and a conversation's next turn whose new part
-    is short (the decode worker holds the rest, by the router's table), are prefilled by the decode worker; a
-    long new prompt moves. The answers are the same either way."""
+    """With ``local_prefill_tokens`` (here 100) the decode worker decides on its own cache: a short prompt, and
+    a conversation's next turn (the history cached there, the reply and the new message not), are computed
+    there; a long new prompt moves, also after the decode worker's cache was emptied behind the router's back.
+    The answers are the same either way."""
     for w in workers:
         assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
-    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2)) as r:
+    with _Uvicorn(create_router_app([workers[0].url], prefill_urls=[workers[1].url], health_interval=0.2,
+                                    local_prefill_tokens=100)) as r:
         via = _client(r.url)
         short = _chat(via, [SYSTEM, {"role": "user", "content": "A short one."}])
         assert short.usage.prompt_tokens_details.cached_tokens == 0 and _routed(r.url) == (1, 0)
-        messages = [SYSTEM, {"role": "user", "content": "A long first question about many things. " * 60}]
+        messages = [SYSTEM, {"role": "user", "content": "A long first question about many things. " * 20}]
         first = _chat(via, messages)
+        assert first.usage.prompt_tokens > 100
         assert first.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
         assert _routed(r.url) == (2, 1)
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "And a short follow-up?"}]
-        later = _chat(via, messages)
+        later = _chat(via, messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                       {"role": "user", "content": "And a short follow-up?"}])
         assert later.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
         assert _routed(r.url) == (3, 1)
-        assert _counts(r.url, "hyla_router_prefills_total") == {"local": 2, "exported": 1}
-    assert _cold(workers, lambda url: _chat(_client(url), messages)).choices[0].message.content == \
-        later.choices[0].message.content
+        assert httpx.post(workers[0].url + "/flush_cache", timeout=30).status_code == 200  # (the router's table stays)
+        again = _chat(via, messages)
+        assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+        assert again.choices[0].message.content == first.choices[0].message.content and _routed(r.url) == (4, 2)
+        assert _counts(r.url, "hyla_router_prefills_total") == {"local": 2, "exported": 2}
+    cold = _cold(workers, lambda url: _chat(_client(url), messages + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And a short follow-up?"}]))
+    assert cold.choices[0].message.content == later.choices[0].message.content
+
+
+def test_the_decode_workers_own_check(workers):
+    """``X-Hyla-Local-Prefill-Tokens: N`` at a worker: a prompt with more than N tokens uncached there is a 409
+    ``prefill_elsewhere`` that computes nothing; with fewer it is served; a header that is not a number is a 400."""
+    for w in workers:
+        assert httpx.post(w.url + "/flush_cache", timeout=30).status_code == 200
+    body = {"input_ids": list(range(200, 300)), "sampling_params": {"max_new_tokens": 2}}
+    refused = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "99"})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "prefill_elsewhere"
+    assert httpx.post(workers[0].url + "/export_prefix", json={"input_ids": body["input_ids"]}).status_code == 404
+    served = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "100"})
+    assert served.status_code == 200 and served.json()["meta_info"]["completion_tokens"] == 2
+    again = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "1"})
+    assert again.status_code == 200 and again.json()["meta_info"]["cached_tokens"] == 99
+    bad = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "many"})
+    assert bad.status_code == 400
 
 
 def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
@@ -767,7 +792,7 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
         assert [w["healthy"] for w in info["prefill_workers"]] == [True]
         assert httpx.get(info["workers"][0]["url"] + "/v1/models").status_code == 401  # (a worker's own check)
         via = _client(server.url, api_key="k2")
-        messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be moved. " * 50}]
+        messages = [SYSTEM, {"role": "user", "content": "A first question, long enough to be moved. " * 80}]
         first = _chat(via, messages)
         assert first.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
         messages += [{"role": "assistant", "content": first.choices[0].message.content},

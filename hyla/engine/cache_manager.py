@@ -328,6 +328,17 @@ class CacheManager:
         return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices,
                                    self.tree.state_pool, hit.state_slot)
 
+    def prompt_cached_len(self, tokens: Sequence[int], namespace) -> int:
+        """How many of prompt ``tokens`` a request for them would find cached now (all but the last at
+        most; the device tree's or, longer, the host tier's), changing nothing."""
+        if self.tree is None or len(tokens) < 2:
+            return 0
+        tokens = list(tokens[:-1])
+        found = self.tree.usable_len(tokens, namespace)
+        if self.host is not None:
+            found = max(found, self.host.tree.usable_len(tokens, namespace))
+        return found
+
     def import_prefix(self, prefix: CachedPrefix) -> int:
         """Put ``prefix`` (another cache's, ``export_prefix``) into the tree where it lacks it, as a
         computed prefix (evictable, saved to the host tier when evicted); returns the length of it the

@@ -507,12 +507,26 @@ class Engine:
         this one would. It runs on the scheduler thread between steps (a copy out of the device: on a
         GPU it waits for the step in flight). ``ValueError`` for bad token ids or namespace."""
         _check_timeout(timeout)
+        ids = self._prefix_ids(input_ids)
+        _check_namespace(namespace)
+        return self._on_scheduler_thread(lambda: self.cache.export_prefix(ids, namespace, self.cache_layout), timeout)
+
+    def _prefix_ids(self, input_ids: Any) -> list[int]:
+        """``input_ids`` checked as a prompt of this model's vocabulary (``export_prefix``, ``cached_tokens``)."""
         vocab = self.model_config.vocab_size
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
             raise RequestError("input_ids must be a list of token ids", "input_ids")
-        ids = [_token_id(t, vocab) for t in input_ids]
+        return [_token_id(t, vocab) for t in input_ids]
+
+    def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0) -> int:
+        """How many tokens of prompt ``input_ids`` (in cache ``namespace``) a request would find cached now
+        (the prefix ``export_prefix`` would copy; the host tier's too). A router asks it to decide where
+        a prompt is computed. Runs on the scheduler thread between steps. ``ValueError`` for bad token
+        ids or namespace."""
+        _check_timeout(timeout)
+        ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
-        return self._on_scheduler_thread(lambda: self.cache.export_prefix(ids, namespace, self.cache_layout), timeout)
+        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_len(ids, namespace), timeout)
 
     def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
         """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this

@@ -26,13 +26,14 @@ no worker; the header is forwarded as it came, so workers started with the same 
 
 **Prefill/decode disaggregation** (``prefill_urls``: ``hyla route --prefill-urls``): the workers above
 then decode, and the prefill workers compute prompts. A routed request (not a batch of prompts, not
-one that reads a stored response, not one whose decode worker holds all but ``local_prefill_chars`` of
-its routing key by the router's table: a conversation's next turn there is prefilled there) goes
-first to a prefill worker (the policy over the prefill
-workers' own tables) with ``X-Hyla-Prefill-Only: 1``; its answer is the prompt's cached prefix, KV
-and recurrent state (``hyla/server/disaggregation.py``). The router posts those bytes to the decode
-worker it picks (``/import_prefix``), then sends that worker the request as it came: the worker finds
-all of the prompt but its last token cached, so long prompts no longer stall its running decodes.
+one that reads a stored response) goes to the decode worker the policy picks, with
+``X-Hyla-Local-Prefill-Tokens: local_prefill_tokens``: the worker serves it where at most that many
+tokens of its prompt are uncached there (a short prompt, a conversation's next turn), else answers a
+409 ``prefill_elsewhere`` having computed nothing. Then the request goes to a prefill worker (the
+policy over the prefill workers' own tables) with ``X-Hyla-Prefill-Only: 1``; its answer is the
+prompt's cached prefix, KV and recurrent state (``hyla/server/disaggregation.py``). The router posts
+those bytes to a decode worker (``/import_prefix``), then sends it the request as it came: the worker
+finds all of the prompt but its last token cached, so long prompts no longer stall its running decodes.
 Whatever goes wrong on the way costs only the saving, never the request: no prefill worker healthy,
 one that fails (it turns unhealthy; the next is tried), nothing to export (a prompt shorter than a
 page), an import refused: the decode worker prefills the prompt itself. A prefill worker's client
@@ -58,7 +59,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import re
 from collections import OrderedDict
 from contextlib import asynccontextmanager
@@ -72,7 +72,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
-from hyla.server.disaggregation import PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER
+from hyla.server.disaggregation import (LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER,
+                                       PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER)
 
 logger = logging.getLogger("hyla.router")
 
@@ -84,8 +85,7 @@ FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-ag
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
-CHARS_PER_TOKEN = 4  # a token-id routing key's length in characters, against local_prefill_chars
-DEFAULT_LOCAL_PREFILL_CHARS = 2048  # a decode worker lacking no more of a prompt prefills it (about 500 tokens)
+DEFAULT_LOCAL_PREFILL_TOKENS = 512  # a decode worker lacking no more of a prompt computes it itself
 PARSE_IN_THREAD_BYTES = 1 << 20  # a body this large is parsed off the event loop
 MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently made dropped first
 
@@ -204,16 +204,16 @@ class RouterApp:
     def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
                  connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  api_key: str | None = None, prefill_urls: Sequence[str] = (),
-                 prefill_router: Router | None = None, local_prefill_chars: int = DEFAULT_LOCAL_PREFILL_CHARS) -> None:
+                 prefill_router: Router | None = None, local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS) -> None:
         urls = check_worker_urls(worker_urls)
         prefill_urls = check_worker_urls(list(worker_urls) + list(prefill_urls))[len(urls):]
         if len(router.tables) != len(urls):
             raise ValueError(f"the policy has {len(router.tables)} workers, the URLs {len(urls)}")
         if prefill_urls and (prefill_router is None or len(prefill_router.tables) != len(prefill_urls)):
             raise ValueError(f"the prefill policy must have {len(prefill_urls)} workers")
-        if local_prefill_chars < 0:
-            raise ValueError(f"local_prefill_chars must be >= 0, got {local_prefill_chars}")
-        self.local_prefill_chars = local_prefill_chars
+        if local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens must be >= 0, got {local_prefill_tokens}")
+        self.local_prefill_tokens = local_prefill_tokens
         if not health_interval > 0 or not connect_timeout > 0:
             raise ValueError(f"health_interval and connect_timeout must be > 0, got {health_interval}, {connect_timeout}")
         if max_request_bytes < 1:
@@ -246,7 +246,7 @@ class RouterApp:
                                 "exported (a prefix came back), not_cached (nothing to move), refused (the "
                                 "prefill worker's 4xx, the client's answer), failed (its 5xx), "
                                 "no_prefill_worker (none healthy, or every one failed); local: not sent, the decode "
-                                "worker holding all but local_prefill_chars of the prompt.", ["outcome"],
+                                "worker lacking at most local_prefill_tokens of the prompt.", ["outcome"],
                                 registry=self.registry)
         self.imports = Counter("hyla_router_prefix_imports", "Prefixes posted to a decode worker, by outcome: "
                                "imported, refused.", ["outcome"], registry=self.registry)
@@ -354,8 +354,8 @@ class RouterApp:
             body, key = _parse(raw, path)
         owner = await self.owner(request, path, body)
         headers = self.forwarded_headers(request)
-        prefix: bytes | None = None
-        disaggregate = self.disaggregates(request, path, body, owner)
+        prefix: bytes | None = None  # a prefill worker's, to import before the request
+        ask = self.disaggregates(request, path, body, owner)  # whether the decode worker may send it to prefill
         tried: set[int] = set()
         while True:
             try:
@@ -363,17 +363,9 @@ class RouterApp:
             except ValueError:
                 return JSONResponse(error_body("no worker is available: every worker is unhealthy or failed the "
                                                "request"), status_code=503)
-            if disaggregate:  # (decided once, for the first worker picked: a retry takes the same prefix)
-                disaggregate = False
-                if self._new_chars(i, key) > self.local_prefill_chars:
-                    prefilled = await self.prefill(request, path, raw, key, headers)
-                    if isinstance(prefilled, Response):
-                        return prefilled
-                    prefix = prefilled
-                else:
-                    self.prefills.labels("local").inc()
             w = self.workers[i]
-            upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=headers,
+            sent = {**headers, LOCAL_PREFILL_HEADER: str(self.local_prefill_tokens)} if ask else headers
+            upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=sent,
                                                          params=request.query_params.multi_items())
             w.in_flight += 1
             self.in_flight.labels(w.url).inc()
@@ -390,6 +382,16 @@ class RouterApp:
             if upstream is None:  # the client left before the answer's headers
                 self._done(w)
                 return Response(status_code=499)
+            if ask and upstream.status_code == 409 and _error_code(await upstream.aread()) == PREFILL_ELSEWHERE:
+                self._done(w)  # (it computed nothing) the prompt is long and new to it: a prefill worker computes it
+                await upstream.aclose()
+                ask = False
+                prefix = await self.prefill(request, path, raw, key, headers)
+                if isinstance(prefix, Response):
+                    return prefix
+                continue
+            if ask and upstream.status_code < 400:
+                self.prefills.labels("local").inc()
             if upstream.status_code == 503 and len(tried) + 1 < len(self.workers):
                 # the worker is shutting down or its engine is not running: another one may serve it
                 self._retry_elsewhere(w, i, tried, "answered 503")
@@ -417,20 +419,12 @@ class RouterApp:
         return (bool(self.prefill_workers) and request.method == "POST" and path in ROUTED_PATHS and owner is None
                 and isinstance(body, dict) and not is_batch(path, body))
 
-    def _new_chars(self, worker: int, key: str | list[int] | None) -> float:
-        """How much of a request's prompt decode worker ``worker`` lacks, by the router's table of it: the
-        characters of its routing key past the longest prefix recorded there (token ids: ``CHARS_PER_TOKEN``
-        each); infinite where the request has no key."""
-        if key is None:
-            return math.inf
-        new = len(key) - self.router.held(worker, key)
-        return new if isinstance(key, str) else new * CHARS_PER_TOKEN
-
     async def prefill(self, request: Request, path: str, raw: bytes, key: str | list[int] | None,
                       headers: dict[str, str]) -> bytes | Response | None:
         """Have a prefill worker compute the request's prompt and answer its cached prefix (the module
-        docstring): its bytes; None where the decode worker is to compute the prompt itself; or the
-        client's answer (the prefill worker's 4xx, or a 499 when the client left)."""
+        docstring): its bytes; None where the decode worker is to compute the prompt itself (the prefill
+        failed, or left nothing to move); or the client's answer (the prefill worker's 4xx, or a 499 when
+        the client left)."""
         headers = {**headers, PREFILL_ONLY_HEADER: "1"}
         tried: set[int] = set()
         while True:
@@ -686,7 +680,7 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-                      prefill_urls: Sequence[str] = (), local_prefill_chars: int = DEFAULT_LOCAL_PREFILL_CHARS) -> FastAPI:
+                      prefill_urls: Sequence[str] = (), local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS) -> FastAPI:
     """The router's FastAPI app over ``worker_urls`` (with ``prefill_urls``: the decode workers, and
     those the prefill workers; the module docstring); ``app.state.router`` is its ``RouterApp``."""
     def policy_over(urls: Sequence[str]) -> Router:
@@ -694,7 +688,7 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
 
     state = RouterApp(worker_urls, policy_over(check_worker_urls(worker_urls)), health_interval, connect_timeout,
                       max_request_bytes, api_key, prefill_urls, policy_over(prefill_urls) if prefill_urls else None,
-                      local_prefill_chars)
+                      local_prefill_tokens)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

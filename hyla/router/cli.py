@@ -21,10 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "flags) compute prompts, and the --worker-urls decode; each prompt's KV and state move "
                              "to the decode worker (docs/server.md, 'Prefill/decode disaggregation'). Default: none, "
                              "every worker does both.")
-    parser.add_argument("--local-prefill-chars", type=int, default=2048,
-                        help="With --prefill-urls: a request whose decode worker already holds all but this many "
-                             "characters of its prompt (by the router's table: a conversation's next turn) is "
-                             "prefilled there, not moved (default 2048, about 500 tokens; 0: every request moves).")
+    parser.add_argument("--local-prefill-tokens", type=int, default=512,
+                        help="With --prefill-urls: a decode worker serves a request whose prompt has at most this many "
+                             "tokens uncached in its cache (a short prompt, a conversation's next turn) itself; "
+                             "longer ones are computed by a prefill worker and moved (default 512; 0: every "
+                             "request moves).")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"Address to listen on (default {DEFAULT_HOST}).")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"Port to listen on (default {DEFAULT_PORT}).")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware",
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                                 balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
                                 max_blocks=args.max_table_blocks, health_interval=args.health_interval,
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
-                                prefill_urls=args.prefill_urls, local_prefill_chars=args.local_prefill_chars)
+                                prefill_urls=args.prefill_urls, local_prefill_tokens=args.local_prefill_tokens)
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

@@ -159,12 +159,6 @@ class Router:
         return min(workers, key=lambda w: (loads[w], len(self.tables[w]) if self.policy == "cache_aware" else 0,
                                            (w - start) % n))
 
-    def held(self, worker: int, key: str | Sequence[int]) -> int:
-        """How much of ``key`` (characters, or token ids) ``worker``'s table holds: its longest prefix
-        recorded there, in whole blocks (0 but with ``cache_aware``, which alone records)."""
-        size = self.block_chars if isinstance(key, str) else self.block_tokens
-        return self.tables[worker].match(block_names(key, self.block_chars, self.block_tokens)) * size
-
     def record(self, worker: int, key: str | Sequence[int] | None) -> None:
         """``key`` was served by ``worker`` (cache_aware: its blocks go into the worker's table)."""
         if self.policy == "cache_aware" and key is not None:

@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation, the worker's side: a generating request sent with the header
-``X-Hyla-Prefill-Only: 1`` is only prefilled, and answered with its cached prefix.
+``X-Hyla-Prefill-Only: 1`` is only prefilled, and answered with its cached prefix; one sent with
+``X-Hyla-Local-Prefill-Tokens: N`` is served only where at most N tokens of its prompt are uncached.
 
 A router in front of prefill and decode workers (``hyla route --prefill-urls``, hyla/router/app.py)
 sends a chat, completion, ``/generate`` or Responses request first to a prefill worker with this
@@ -19,6 +20,13 @@ What the request asks of its output (``n``, ``max_tokens``, logprobs, a grammar,
 matter here, and nothing is stored (the decode worker makes a Responses request's response). A batch of
 different prompts is a 400: one request, one prefix.
 
+Moving a prompt pays only where its prefill is long, so the router first sends the request to the
+decode worker with ``X-Hyla-Local-Prefill-Tokens: N``. The worker renders it, asks its own cache
+(``Engine.cached_tokens``: the tree, and the host tier) and serves it as usual where at most N of the
+prompt's tokens are uncached: a short prompt, a conversation's next turn. Otherwise it answers a 409
+``prefill_elsewhere`` before computing anything, and the router has a prefill worker compute the prompt.
+The decision is the decode worker's, on its cache as it is, not on the router's picture of it.
+
 Torch-free at import (the engine's modules are imported where used), so that the router, which runs
 without torch, takes the header's name and the answer's from here.
 """
@@ -37,13 +45,33 @@ if TYPE_CHECKING:
     from hyla.server.generation import Job
 
 PREFILL_ONLY_HEADER = "X-Hyla-Prefill-Only"  # value "1": prefill this request, answer its prefix
+LOCAL_PREFILL_HEADER = "X-Hyla-Local-Prefill-Tokens"  # value N: serve only if at most N prompt tokens are uncached
+PREFILL_ELSEWHERE = "prefill_elsewhere"  # the error code of the 409 when more are
 PREFIX_TOKENS_HEADER = "X-Prefix-Tokens"  # the length of the prefix in an octet-stream answer
 PREFIX_NOT_CACHED = "prefix_not_cached"  # the error code of a 404 with no prefix to send
 
 
-def wants_prefill_only(request: Request) -> bool:
-    """Whether ``request`` asks to be prefilled only (``PREFILL_ONLY_HEADER: 1``)."""
-    return request.headers.get(PREFILL_ONLY_HEADER) == "1"
+async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float,
+                                request: Request) -> Response | None:
+    """A generating endpoint's step between its ``Job``s and ``Server.start_generation``: the answer of a
+    prefill-only request (``prefill_answer``); None where the request is to be served as usual; a 409
+    ``prefill_elsewhere`` where ``LOCAL_PREFILL_HEADER`` allows fewer uncached prompt tokens than it has.
+    ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
+    from hyla.server.errors import APIError
+
+    if request.headers.get(PREFILL_ONLY_HEADER) == "1":
+        return await prefill_answer(server, endpoint, jobs, arrival, request)
+    allowed = request.headers.get(LOCAL_PREFILL_HEADER)
+    if allowed is None or isinstance(jobs[0].prompt, str):
+        return None
+    if not allowed.isdigit():
+        raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {allowed!r}")
+    job = jobs[0]
+    cached = await asyncio.to_thread(server.admit().cached_tokens, job.prompt, job.namespace)
+    if len(job.prompt) - cached > int(allowed):
+        raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most "
+                            f"{allowed} are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE)
+    return None
 
 
 async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float, request: Request) -> Response:

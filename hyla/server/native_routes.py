@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 import hyla
 from hyla.engine.errors import EngineOverloadedError
-from hyla.server.disaggregation import prefill_answer, prefix_response, wants_prefill_only
+from hyla.server.disaggregation import disaggregation_answer, prefix_response
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
 from hyla.server.protocol import (AbortRequest, ExportPrefixRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
@@ -76,8 +76,9 @@ class NativeRoutes:
         arrival = time.monotonic()
         jobs = await self._tokenized(_jobs(body))
         try:
-            if wants_prefill_only(request):
-                return await prefill_answer(self.server, "generate", jobs, arrival, request)
+            answer = await disaggregation_answer(self.server, "generate", jobs, arrival, request)
+            if answer is not None:
+                return answer
             gen = await self.server.start_generation("generate", jobs, arrival)
         except APIError as exc:  # the engine's prompt is the body's text when it sent one (tokenized above)
             if exc.param in ("input_ids", "prompt") and body.text is not None:

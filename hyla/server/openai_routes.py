@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from tokenizers import decoders
 
-from hyla.server.disaggregation import prefill_answer, wants_prefill_only
+from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
 from hyla.server.protocol import (
@@ -101,8 +101,9 @@ class OpenAIRoutes:
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
                          logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt))
                      for j in range(body.n)]
-        if wants_prefill_only(request):
-            return await prefill_answer(self.server, "completions", jobs, arrival, request)
+        answer = await disaggregation_answer(self.server, "completions", jobs, arrival, request)
+        if answer is not None:
+            return answer
         echoed = [_prompt_text(engine, p) for p in prompts] if body.echo else None
         gen = await self._start(body, "completions", jobs, arrival)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -191,8 +192,9 @@ class OpenAIRoutes:
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
                     namespace=cache_namespace(body.cache_salt))
                 for j in range(body.n)]
-        if wants_prefill_only(request):
-            return await prefill_answer(self.server, "chat", jobs, arrival, request)
+        answer = await disaggregation_answer(self.server, "chat", jobs, arrival, request)
+        if answer is not None:
+            return answer
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser

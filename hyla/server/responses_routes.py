@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from hyla.server.disaggregation import prefill_answer, wants_prefill_only
+from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
 from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
@@ -249,8 +249,9 @@ class ResponsesRoutes:
                   checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
                   namespace=cache_namespace(body.cache_salt))
         try:
-            if wants_prefill_only(request):
-                return await prefill_answer(self.server, ENDPOINT, [job], arrival, request)
+            answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)
+            if answer is not None:
+                return answer
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
             raise _remap(exc, body) from None
