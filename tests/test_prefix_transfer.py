@@ -137,6 +137,7 @@ def test_a_prefix_the_device_evicted_is_exported_from_the_host_tier(qwen3_next_d
     with Engine(qwen3_next_dense_path, **small) as source:
         _generate(source, prompts, n=1)  # the first prompt's prefix evicted from the device by the others'
         assert source.tree.match_prefix(prompts[0][:-1]).prefix_len < len(prompts[0]) - 1
+        assert source.cached_tokens(prompts[0]) == len(prompts[0]) - 1  # (the host tier's counts)
         prefix = source.export_prefix(prompts[0])
         assert prefix is not None and len(prefix) == len(prompts[0]) - 1
         assert_drained(source)
@@ -150,7 +151,8 @@ def test_a_prefix_keeps_its_namespace(qwen3_next_dense_path):
     with Engine(qwen3_next_dense_path, **POOLS) as source:
         prompt = _prompts(5, source.model_config.vocab_size, n=1)[0]
         source.generate(input_ids=prompt, sampling_params=_greedy(1), namespace=("tenant", 7))
-        assert source.export_prefix(prompt) is None  # (another namespace's)
+        assert source.export_prefix(prompt) is None and source.cached_tokens(prompt) == 0  # (another namespace's)
+        assert source.cached_tokens(prompt, namespace=("tenant", 7)) == len(prompt) - 1
         data = source.export_prefix(prompt, namespace=("tenant", 7)).to_bytes()
     with Engine(qwen3_next_dense_path, **POOLS) as dest:
         assert dest.import_prefix(data) == len(prompt) - 1
