@@ -55,8 +55,9 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
                                 request: Request) -> Response | None:
     """A generating endpoint's step between its ``Job``s and ``Server.start_generation``: the answer of a
     prefill-only request (``prefill_answer``); None where the request is to be served as usual; a 409
-    ``prefill_elsewhere`` where ``LOCAL_PREFILL_HEADER`` allows fewer uncached prompt tokens than it has.
-    ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
+    ``prefill_elsewhere`` where ``LOCAL_PREFILL_HEADER`` allows fewer uncached prompt tokens than it has
+    (a batch's first prompt: the router sends no batch through here). ``endpoint`` and ``arrival`` as
+    ``Server.start_generation`` takes them."""
     from hyla.server.errors import APIError
 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
