@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
-from benchmarks.router import start  # noqa: E402
+from benchmarks.router import start, stop  # noqa: E402
 from hyla.bench.datasets import random_sessions  # noqa: E402
 from hyla.bench.metrics import latency_stats_ms, summarize  # noqa: E402
 from hyla.bench.runner import run_benchmark  # noqa: E402
@@ -112,13 +112,7 @@ def main() -> None:
                     runs[setup].append(res)
                     print(f"repeat {rep}, {setup}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()), flush=True)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
     med = {s: {k: statistics.median(r[k] for r in rs) for k in METRICS} for s, rs in runs.items()}
     base = med["colocated"]
     rows = [f"| {k} | {base[k]:,.1f} | {med['disaggregated'][k]:,.1f}" + (f" ({med['disaggregated'][k] / base[k]:.2f}x) |" if base[k] else " |")

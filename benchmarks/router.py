@@ -72,6 +72,17 @@ def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Stop the processes ``start`` started (SIGTERM: each drains; killed after 30 s)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def one_round(router: str, workers: list[str], sessions, model: str) -> dict[str, float]:
     for w in workers:
         httpx.post(w + "/flush_cache", timeout=60).raise_for_status()
@@ -126,13 +137,7 @@ def main() -> None:
                     runs[policy].append(res)
                     print(f"repeat {rep}, {policy}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()), flush=True)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(procs)
     med = {p: {k: statistics.median(r[k] for r in rs) for k in METRICS} for p, rs in runs.items()}
     base = med["round_robin"]
     rows = []
