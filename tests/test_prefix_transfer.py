@@ -35,11 +35,12 @@ def _generate(engine: Engine, prompts: list[list[int]], n: int = 8, **kw) -> lis
     return engine.generate(input_ids=prompts, sampling_params=[_greedy(n)] * len(prompts), return_logprob=True, **kw)
 
 
-def _exported(path, prompts: list[list[int]], **opts) -> list[bytes]:
-    """Each prompt prefilled on an engine of its own (one token generated), then its prefix exported."""
+def _exported(path, prompts: list[list[int]], kv_from: list[int] | None = None, **opts) -> list[bytes]:
+    """Each prompt prefilled on an engine of its own (one token generated), then its prefix exported (the
+    KV from ``kv_from[i]`` on)."""
     with Engine(path, **{**POOLS, **opts}) as source:
         _generate(source, prompts, n=1)
-        prefixes = [source.export_prefix(p) for p in prompts]
+        prefixes = [source.export_prefix(p, kv_from=k) for p, k in zip(prompts, kv_from or [0] * len(prompts))]
         assert all(p is not None and 0 < len(p) <= len(q) - 1 for p, q in zip(prefixes, prompts))
         assert_drained(source)
         return [p.to_bytes() for p in prefixes]
@@ -55,15 +56,15 @@ def _exported(path, prompts: list[list[int]], **opts) -> list[bytes]:
 ], ids=["qwen3_next", "bamba", "jamba", "attention_only", "paged", "fp8_kv"])
 def test_an_imported_prefix_is_hit_exactly(arch, opts, tol, request):
     """A prompt prefilled on one engine, its prefix moved to another as bytes: the other hits all of it
-    and answers as an engine with the cache off; the second turn of each, exported after it, adds only
-    what the importer lacks (its KV past the first turn's)."""
+    and answers as an engine with the cache off; the second turn of each, exported after it with only the
+    KV the importer lacks (``kv_from``: what it holds, ``cached_tokens(device_only=True)``), adds only that."""
     path = request.getfixturevalue(arch)
     with Engine(path, enable_prefix_cache=False, **{**POOLS, **opts}) as off:
         prompts = _prompts(0, off.model_config.vocab_size)
         first = _generate(off, prompts)
         turns = [p + o["output_ids"] + [5, 6, 7] for p, o in zip(prompts, first)]
         second = _generate(off, turns)
-    blobs, later = _exported(path, prompts, **opts), _exported(path, turns, **opts)
+    blobs, whole = _exported(path, prompts, **opts), _exported(path, turns, **opts)
     with Engine(path, **{**POOLS, **opts}) as dest:
         sizes = [dest.import_prefix(b) for b in blobs]
         assert sizes == [len(CachedPrefix.from_bytes(b, dest.cache_layout, dest.tree.state_pool is not None))
@@ -71,12 +72,39 @@ def test_an_imported_prefix_is_hit_exactly(arch, opts, tol, request):
         out = _generate(dest, prompts)
         assert [o["meta_info"]["cached_tokens"] for o in out] == sizes  # (nothing else computed them)
         assert compare_outputs(out, first, tol) > len(prompts) * 4
+        held = [dest.cached_tokens(t, device_only=True) for t in turns]
+        assert all(h >= s for h, s in zip(held, sizes))
+        later = _exported(path, turns, kv_from=held, **opts)
+        assert all(len(d) < len(w) for d, w in zip(later, whole))  # (less KV travels)
         kv_before = dest.kv_pool.available_size()
         assert [dest.import_prefix(b) for b in later] == [len(CachedPrefix.from_bytes(
             b, dest.cache_layout, dest.tree.state_pool is not None)) for b in later]
         assert kv_before - dest.kv_pool.available_size() < sum(len(t) for t in turns) // 2  # the new parts only
         out = _generate(dest, turns)
         assert compare_outputs(out, second, tol) > len(prompts) * 4
+        assert_drained(dest)
+
+
+def test_a_prefix_without_the_kv_a_cache_lacks_is_not_taken(qwen3_next_dense_path):
+    """A prefix exported with ``kv_from`` into a cache that does not hold the KV before it (it never did, or
+    evicted it): nothing changes (the import answers what the cache held), and a request computes the
+    prompt itself, exactly. ``kv_from`` past the prefix keeps its last token's KV; a negative one is refused."""
+    with Engine(qwen3_next_dense_path, enable_prefix_cache=False, **POOLS) as off:
+        prompt = _prompts(6, off.model_config.vocab_size, n=1)[0]
+        want = _generate(off, [prompt])
+    with Engine(qwen3_next_dense_path, **POOLS) as source:
+        _generate(source, [prompt], n=1)
+        partial = source.export_prefix(prompt, kv_from=len(prompt) // 2)
+        assert partial.kv_start == len(prompt) // 2 and len(partial.kv_rows) == len(partial) - partial.kv_start
+        assert source.export_prefix(prompt, kv_from=10 * len(prompt)).kv_start == len(prompt) - 2
+        with pytest.raises(ValueError, match="kv_from"):
+            source.export_prefix(prompt, kv_from=-1)
+        data = partial.to_bytes()
+    with Engine(qwen3_next_dense_path, **POOLS) as dest:
+        free = dest.kv_pool.available_size()
+        assert dest.import_prefix(data) == 0 and dest.kv_pool.available_size() == free
+        out = _generate(dest, [prompt])
+        assert out[0]["meta_info"]["cached_tokens"] == 0 and compare_outputs(out, want) == 8
         assert_drained(dest)
 
 

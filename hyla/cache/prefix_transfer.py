@@ -9,6 +9,10 @@ another server (a data-parallel worker that is less loaded, a replacement), or a
 one server and decoded by another (prefill/decode disaggregation), resumes with the same tokens
 and logits it would have had where it was computed.
 
+A prefix may carry the KV of its positions from ``kv_start`` on only (``export_prefix(..., kv_from=)``,
+``drop_kv_before``): for a receiver whose cache already holds the KV before (a decode server that served
+a conversation's earlier turns), so that only what it lacks travels. The state is whole either way.
+
 Its data sit in CPU pools of the cache's own layout (``KVPool`` of the prefix's tokens at page size
 1, ``StatePool`` of one slot), so copies in and out are the pools' ``copy_from``, which checks that
 the two layouts agree. ``to_bytes`` / ``from_bytes``: safetensors, the rows of every buffer in
@@ -37,8 +41,9 @@ FORMAT = "hyla-cached-prefix-1"
 
 @dataclass
 class CachedPrefix:
-    """``token_ids`` in ``namespace``, their KV (position ``i`` at ``kv_rows[i]`` of ``kv``) and, for a
-    cache with states, the state after the last token (``state_slot`` of ``state``)."""
+    """``token_ids`` in ``namespace``, the KV of positions ``kv_start`` on (position ``i`` at
+    ``kv_rows[i - kv_start]`` of ``kv``) and, for a cache with states, the state after the last token
+    (``state_slot`` of ``state``)."""
 
     token_ids: tuple[int, ...]
     namespace: Hashable
@@ -46,33 +51,47 @@ class CachedPrefix:
     kv_rows: torch.Tensor
     state: StatePool | None
     state_slot: int | None
+    kv_start: int = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @classmethod
     def empty(cls, layout: CacheLayout, token_ids: Sequence[int], namespace: Hashable,
-              with_state: bool) -> "CachedPrefix":
-        """Pools for ``token_ids``' KV (and a state slot), allocated and not filled yet."""
+              with_state: bool, kv_start: int = 0) -> "CachedPrefix":
+        """Pools for the KV of ``token_ids``' positions ``kv_start`` on (and a state slot), allocated and
+        not filled yet."""
         if not token_ids:
             raise ValueError("a cached prefix has at least one token")
-        kv = KVPool.from_layout(layout, len(token_ids), 1, "cpu")
+        if not 0 <= kv_start < len(token_ids):
+            raise ValueError(f"a cached prefix of {len(token_ids)} tokens carries the KV of its last one at "
+                             f"least: kv_start {kv_start} is out of range")
+        n = len(token_ids) - kv_start
+        kv = KVPool.from_layout(layout, n, 1, "cpu")
         state = StatePool.from_layout(layout, 1, "cpu") if with_state else None
         slot = int(state.alloc(1, zero=False)[0]) if state is not None else None
-        return cls(tuple(int(t) for t in token_ids), namespace, kv, kv.alloc(len(token_ids)), state, slot)
+        return cls(tuple(int(t) for t in token_ids), namespace, kv, kv.alloc(n), state, slot, kv_start)
 
     @classmethod
     def gather(cls, layout: CacheLayout, token_ids: Sequence[int], namespace: Hashable, kv_pool: KVPool,
-               kv_slots: torch.Tensor, state_pool: StatePool | None, state_slot: int | None) -> "CachedPrefix":
-        """A copy of ``token_ids``' KV in ``kv_pool``'s slots ``kv_slots`` and of ``state_pool``'s slot
-        ``state_slot`` (None: a cache without states)."""
-        if len(kv_slots) != len(token_ids):
-            raise ValueError(f"{len(token_ids)} tokens and {len(kv_slots)} KV slots")
-        out = cls.empty(layout, token_ids, namespace, state_pool is not None)
+               kv_slots: torch.Tensor, state_pool: StatePool | None, state_slot: int | None,
+               kv_start: int = 0) -> "CachedPrefix":
+        """A copy of the KV of ``token_ids``' positions ``kv_start`` on, in ``kv_pool``'s slots
+        ``kv_slots``, and of ``state_pool``'s slot ``state_slot`` (None: a cache without states)."""
+        if len(kv_slots) != len(token_ids) - kv_start:
+            raise ValueError(f"{len(token_ids) - kv_start} positions and {len(kv_slots)} KV slots")
+        out = cls.empty(layout, token_ids, namespace, state_pool is not None, kv_start)
         out.kv.copy_from(kv_pool, kv_slots, out.kv_rows)
         if state_pool is not None:
             out.state.copy_from(state_pool, [state_slot], [out.state_slot])
         return out
+
+    def drop_kv_before(self, position: int) -> "CachedPrefix":
+        """This prefix without the KV of the positions before ``position`` (at most its last token's;
+        the pools are shared: only what ``to_bytes`` writes shrinks)."""
+        position = max(self.kv_start, min(position, len(self) - 1))
+        return CachedPrefix(self.token_ids, self.namespace, self.kv, self.kv_rows[position - self.kv_start:],
+                            self.state, self.state_slot, position)
 
     # ------------------------------------------------------------------------------------------
     # bytes
@@ -94,7 +113,7 @@ class CachedPrefix:
         tensors = {name: buf.index_select(0, rows).contiguous() for name, (buf, rows) in self._buffers().items()}
         meta = {"format": FORMAT, "token_ids": json.dumps(list(self.token_ids)),
                 "namespace": json.dumps(_namespace_to_json(self.namespace)),
-                "has_state": json.dumps(self.state is not None)}
+                "has_state": json.dumps(self.state is not None), "kv_start": json.dumps(self.kv_start)}
         return save_tensors(tensors, metadata=meta)
 
     @classmethod
@@ -109,6 +128,7 @@ class CachedPrefix:
             token_ids = json.loads(meta["token_ids"])
             namespace = _namespace_from_json(json.loads(meta["namespace"]))
             has_state = json.loads(meta["has_state"])
+            kv_start = json.loads(meta.get("kv_start", "0"))
         except ValueError:
             raise
         except Exception as exc:  # safetensors' own errors, a missing key, bad JSON
@@ -116,10 +136,12 @@ class CachedPrefix:
         if not isinstance(token_ids, list) or not token_ids or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids):
             raise ValueError("a cached prefix's token_ids must be a non-empty list of token ids")
+        if isinstance(kv_start, bool) or not isinstance(kv_start, int):
+            raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
         if has_state is not with_state:
             raise ValueError("the cached prefix " + ("holds a state, which this cache has not" if has_state else
                                                      "holds no state, which this cache needs"))
-        out = cls.empty(layout, token_ids, namespace, has_state)
+        out = cls.empty(layout, token_ids, namespace, has_state, kv_start)
         want = out._buffers()
         if set(tensors) != set(want):
             raise ValueError(f"the cached prefix's buffers {sorted(tensors)} are not this cache's {sorted(want)}: "

@@ -307,10 +307,13 @@ class CacheManager:
     # ------------------------------------------------------------------------------------------
     # prefixes moved between engines (hyla/cache/prefix_transfer.py)
     # ------------------------------------------------------------------------------------------
-    def export_prefix(self, tokens: Sequence[int], namespace, layout: CacheLayout) -> CachedPrefix | None:
+    def export_prefix(self, tokens: Sequence[int], namespace, layout: CacheLayout,
+                      kv_from: int = 0) -> CachedPrefix | None:
         """A copy of the cached prefix a request for ``tokens`` would hit — the longest usable prefix of
         all of them but the last (whose logits a request computes), the device tree's or, longer, the
-        host tier's — or None where nothing is cached. ``layout``: the pools' (the copy's CPU pools')."""
+        host tier's — or None where nothing is cached; its KV from position ``kv_from`` on only (the
+        last token's at least: ``CachedPrefix.drop_kv_before``). ``layout``: the pools' (the copy's CPU
+        pools')."""
         if self.tree is None or len(tokens) < 2:
             return None
         tokens = list(tokens[:-1])
@@ -320,22 +323,24 @@ class CacheManager:
             if host_hit is not None:
                 try:
                     if host_hit.prefix_len > hit.prefix_len:
-                        return self.host.gather(host_hit, layout, tokens[:host_hit.prefix_len], namespace)
+                        prefix = self.host.gather(host_hit, layout, tokens[:host_hit.prefix_len], namespace)
+                        return prefix.drop_kv_before(kv_from)
                 finally:
                     self.host.unlock(host_hit)
         if not hit.prefix_len:
             return None
-        return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices,
-                                   self.tree.state_pool, hit.state_slot)
+        kv_from = max(0, min(kv_from, hit.prefix_len - 1))
+        return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices[kv_from:],
+                                   self.tree.state_pool, hit.state_slot, kv_from)
 
-    def prompt_cached_len(self, tokens: Sequence[int], namespace) -> int:
+    def prompt_cached_len(self, tokens: Sequence[int], namespace, device_only: bool = False) -> int:
         """How many of prompt ``tokens`` a request for them would find cached now (all but the last at
-        most; the device tree's or, longer, the host tier's), changing nothing."""
+        most; the device tree's or, longer and unless ``device_only``, the host tier's), changing nothing."""
         if self.tree is None or len(tokens) < 2:
             return 0
         tokens = list(tokens[:-1])
         found = self.tree.usable_len(tokens, namespace)
-        if self.host is not None:
+        if self.host is not None and not device_only:
             found = max(found, self.host.tree.usable_len(tokens, namespace))
         return found
 
@@ -357,9 +362,11 @@ class CacheManager:
         hit = self.tree.match_prefix(tokens, prefix.namespace)
         if hit.prefix_len >= len(tokens):
             return len(tokens)
+        if min(hit.kv_only_len, len(tokens)) < prefix.kv_start:  # (the KV it does not carry: evicted here since)
+            return hit.prefix_len
 
         def fill(start: int, kv: torch.Tensor, slot: int | None) -> None:
-            self.kv_pool.copy_from(prefix.kv, prefix.kv_rows[start:], kv)
+            self.kv_pool.copy_from(prefix.kv, prefix.kv_rows[start - prefix.kv_start:], kv)
             if slot is not None:
                 self.state_pool.copy_from(prefix.state, [prefix.state_slot], [slot])
         return len(tokens) if self._adopt(tokens, prefix.namespace, hit, fill, cause=IMPORT) else hit.prefix_len

@@ -498,18 +498,24 @@ class Engine:
         _check_timeout(timeout)
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
-    def export_prefix(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0) -> CachedPrefix | None:
+    def export_prefix(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
+                      kv_from: int = 0) -> CachedPrefix | None:
         """A copy of what a request with prompt ``input_ids`` (in cache ``namespace``) would find cached:
         the longest cached prefix of all its tokens but the last, with its KV and the recurrent state
         after it (``hyla/cache/prefix_transfer.py``); None where nothing is cached. ``CachedPrefix.to_bytes``
         sends it elsewhere, where ``import_prefix`` puts it into another engine of the same model and
         cache layout (another server, a decode server after a prefill server), which then hits it as
-        this one would. It runs on the scheduler thread between steps (a copy out of the device: on a
-        GPU it waits for the step in flight). ``ValueError`` for bad token ids or namespace."""
+        this one would. ``kv_from``: the KV of the positions from there on only (the last token's at least),
+        for an engine that holds the KV before it (its ``cached_tokens(..., device_only=True)``); the
+        state is whole. It runs on the scheduler thread between steps (a copy out of the device: on a
+        GPU it waits for the step in flight). ``ValueError`` for bad token ids, namespace or ``kv_from``."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
-        return self._on_scheduler_thread(lambda: self.cache.export_prefix(ids, namespace, self.cache_layout), timeout)
+        if isinstance(kv_from, bool) or not isinstance(kv_from, int) or kv_from < 0:
+            raise ValueError(f"kv_from must be a position (an int >= 0), got {kv_from!r}")
+        return self._on_scheduler_thread(
+            lambda: self.cache.export_prefix(ids, namespace, self.cache_layout, kv_from), timeout)
 
     def _prefix_ids(self, input_ids: Any) -> list[int]:
         """``input_ids`` checked as a prompt of this model's vocabulary (``export_prefix``, ``cached_tokens``)."""
@@ -518,21 +524,23 @@ class Engine:
             raise RequestError("input_ids must be a list of token ids", "input_ids")
         return [_token_id(t, vocab) for t in input_ids]
 
-    def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0) -> int:
+    def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
+                      device_only: bool = False) -> int:
         """How many tokens of prompt ``input_ids`` (in cache ``namespace``) a request would find cached now
-        (the prefix ``export_prefix`` would copy; the host tier's too). A router asks it to decide where
-        a prompt is computed. Runs on the scheduler thread between steps. ``ValueError`` for bad token
-        ids or namespace."""
+        (the prefix ``export_prefix`` would copy; the host tier's too unless ``device_only``: what an
+        import's ``kv_from`` may skip). A router asks it to decide where a prompt is computed. Runs on the
+        scheduler thread between steps. ``ValueError`` for bad token ids or namespace."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
-        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_len(ids, namespace), timeout)
+        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_len(ids, namespace, device_only), timeout)
 
     def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
         """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this
         engine's prefix cache, as if computed here: a request whose prompt extends it hits it. Returns
         how many of its tokens the cache holds now (all of them; or, where no room could be made
-        without evicting what running requests hold, what it held before). ``ValueError`` for bytes
+        without evicting what running requests hold, or where the prefix lacks KV the cache no longer
+        holds either (``export_prefix``'s ``kv_from``), what it held before). ``ValueError`` for bytes
         that are not a prefix, a prefix of another model or cache layout (another KV dtype, draft
         model or MTP), token ids outside the vocabulary, a length off the page grid, or the prefix
         cache off. The bytes are read on the calling thread; the copy in runs on the scheduler thread

@@ -29,9 +29,10 @@ then decode, and the prefill workers compute prompts. A routed request (not a ba
 one that reads a stored response) goes to the decode worker the policy picks, with
 ``X-Hyla-Local-Prefill-Tokens: local_prefill_tokens``: the worker serves it where at most that many
 tokens of its prompt are uncached there (a short prompt, a conversation's next turn), else answers a
-409 ``prefill_elsewhere`` having computed nothing. Then the request goes to a prefill worker (the
-policy over the prefill workers' own tables) with ``X-Hyla-Prefill-Only: 1``; its answer is the
-prompt's cached prefix, KV and recurrent state (``hyla/server/disaggregation.py``). The router posts
+409 ``prefill_elsewhere`` having computed nothing, saying how many of the prompt's tokens it holds the
+KV of. Then the request goes to a prefill worker (the policy over the prefill workers' own tables)
+with ``X-Hyla-Prefill-Only: 1`` and ``X-Hyla-KV-From`` (that count); its answer is the prompt's cached
+prefix, the recurrent state and the KV the decode worker lacks (``hyla/server/disaggregation.py``). The router posts
 those bytes to a decode worker (``/import_prefix``), then sends it the request as it came: the worker
 finds all of the prompt but its last token cached, so long prompts no longer stall its running decodes.
 Whatever goes wrong on the way costs only the saving, never the request: no prefill worker healthy,
@@ -72,8 +73,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
-from hyla.server.disaggregation import (LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER,
-                                       PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER)
+from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE,
+                                       PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER)
 
 logger = logging.getLogger("hyla.router")
 
@@ -249,7 +250,8 @@ class RouterApp:
                                 "worker lacking at most local_prefill_tokens of the prompt.", ["outcome"],
                                 registry=self.registry)
         self.imports = Counter("hyla_router_prefix_imports", "Prefixes posted to a decode worker, by outcome: "
-                               "imported, refused.", ["outcome"], registry=self.registry)
+                               "imported, short (it took less: no room, or it no longer held the KV the "
+                               "prefix left out), refused.", ["outcome"], registry=self.registry)
         self.prefix_bytes = Counter("hyla_router_prefix_bytes", "Bytes of prefixes moved from prefill to decode "
                                     "workers.", registry=self.registry)
 
@@ -386,7 +388,8 @@ class RouterApp:
                 self._done(w)  # (it computed nothing) the prompt is long and new to it: a prefill worker computes it
                 await upstream.aclose()
                 ask = False
-                prefix = await self.prefill(request, path, raw, key, headers)
+                held = upstream.headers.get(CACHED_TOKENS_HEADER, "0")  # (its KV need not travel)
+                prefix = await self.prefill(request, path, raw, key, {**headers, KV_FROM_HEADER: held})
                 if isinstance(prefix, Response):
                     return prefix
                 continue
@@ -482,10 +485,13 @@ class RouterApp:
         logged (``w`` then computes the prompt itself); a transport error propagates (``w`` failed)."""
         answer = await self.client.post(w.url + "/import_prefix", content=prefix,
                                         headers={**headers, "content-type": "application/octet-stream"})
-        self.imports.labels("imported" if answer.status_code == 200 else "refused").inc()
         if answer.status_code != 200:
+            self.imports.labels("refused").inc()
             logger.warning("worker %s refused a prefix (%d: %s): it computes the prompt itself", w.url,
                            answer.status_code, answer.text[:300])
+            return
+        took = answer.json()  # (short: the worker lacked room, or evicted the KV the prefix does not carry)
+        self.imports.labels("imported" if took["cached_tokens"] >= took["prefix_tokens"] else "short").inc()
 
     def _others_left(self, index: int, tried: set[int]) -> bool:
         """Whether a healthy worker other than ``index`` has not been tried for this request yet."""

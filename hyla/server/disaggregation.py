@@ -24,8 +24,11 @@ Moving a prompt pays only where its prefill is long, so the router first sends t
 decode worker with ``X-Hyla-Local-Prefill-Tokens: N``. The worker renders it, asks its own cache
 (``Engine.cached_tokens``: the tree, and the host tier) and serves it as usual where at most N of the
 prompt's tokens are uncached: a short prompt, a conversation's next turn. Otherwise it answers a 409
-``prefill_elsewhere`` before computing anything, and the router has a prefill worker compute the prompt.
-The decision is the decode worker's, on its cache as it is, not on the router's picture of it.
+``prefill_elsewhere`` before computing anything, with ``X-Hyla-Cached-Tokens``: how many of the prompt's
+tokens its device cache holds the KV of. The router has a prefill worker compute the prompt and send
+the KV from there on only (``X-Hyla-KV-From``): a conversation's later turn moves its new part's KV
+and the state, not its whole history's KV. The decision is the decode worker's, on its cache as it
+is, not on the router's picture of it.
 
 Torch-free at import (the engine's modules are imported where used), so that the router, which runs
 without torch, takes the header's name and the answer's from here.
@@ -47,6 +50,8 @@ if TYPE_CHECKING:
 PREFILL_ONLY_HEADER = "X-Hyla-Prefill-Only"  # value "1": prefill this request, answer its prefix
 LOCAL_PREFILL_HEADER = "X-Hyla-Local-Prefill-Tokens"  # value N: serve only if at most N prompt tokens are uncached
 PREFILL_ELSEWHERE = "prefill_elsewhere"  # the error code of the 409 when more are
+CACHED_TOKENS_HEADER = "X-Hyla-Cached-Tokens"  # on that 409: the prompt's tokens whose KV the worker's device holds
+KV_FROM_HEADER = "X-Hyla-KV-From"  # with PREFILL_ONLY_HEADER: send the KV from this position on only
 PREFIX_TOKENS_HEADER = "X-Prefix-Tokens"  # the length of the prefix in an octet-stream answer
 PREFIX_NOT_CACHED = "prefix_not_cached"  # the error code of a 404 with no prefix to send
 
@@ -67,11 +72,13 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
         return None
     if not allowed.isdigit():
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {allowed!r}")
-    job = jobs[0]
-    cached = await asyncio.to_thread(server.admit().cached_tokens, job.prompt, job.namespace)
+    job, engine = jobs[0], server.admit()
+    cached = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace)
     if len(job.prompt) - cached > int(allowed):
+        held = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace, device_only=True)
         raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most "
-                            f"{allowed} are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE)
+                            f"{allowed} are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE,
+                       headers={CACHED_TOKENS_HEADER: str(held)})
     return None
 
 
@@ -89,18 +96,22 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
     prefill = Job(job.prompt, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=list(job.checkpoints),
                   speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
+    kv_from = request.headers.get(KV_FROM_HEADER, "0")
+    if not kv_from.isdigit():
+        raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {kv_from!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
-    return await prefix_response(server.admit(), job.prompt, job.namespace)
+    return await prefix_response(server.admit(), job.prompt, job.namespace, int(kv_from))
 
 
-async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any) -> Response:
-    """The cached prefix a request with prompt ``ids`` would hit (``Engine.export_prefix``), as
-    ``application/octet-stream`` (``CachedPrefix.to_bytes``) with its length in ``X-Prefix-Tokens``;
-    a 404 (``prefix_not_cached``) where nothing is cached. ``ValueError`` for bad ids or namespace."""
+async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0) -> Response:
+    """The cached prefix a request with prompt ``ids`` would hit (``Engine.export_prefix``; the KV from
+    position ``kv_from`` on), as ``application/octet-stream`` (``CachedPrefix.to_bytes``) with its
+    length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where nothing is cached. ``ValueError``
+    for bad ids or namespace."""
     from hyla.server.errors import APIError
 
-    prefix = await asyncio.to_thread(engine.export_prefix, ids, namespace)
+    prefix = await asyncio.to_thread(lambda: engine.export_prefix(ids, namespace, kv_from=kv_from))
     if prefix is None:
         raise APIError(404, "no prefix of this prompt is cached", code=PREFIX_NOT_CACHED)
     data = await asyncio.to_thread(prefix.to_bytes)

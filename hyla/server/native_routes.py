@@ -140,7 +140,7 @@ class NativeRoutes:
                 raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
             (ids,) = await self.server.encode_texts(engine.tokenizer, [body.text], "text")
         try:
-            return await prefix_response(engine, ids, cache_namespace(body.cache_salt))
+            return await prefix_response(engine, ids, cache_namespace(body.cache_salt), body.kv_from)
         except ValueError as exc:
             raise APIError(400, str(exc), param="text" if body.text is not None else "input_ids") from None
 
