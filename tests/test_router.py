@@ -718,10 +718,26 @@ def test_what_the_decode_worker_nearly_holds_is_prefilled_there(workers):
         assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
         assert again.choices[0].message.content == first.choices[0].message.content and _routed(r.url) == (4, 2)
         assert _counts(r.url, "hyla_router_prefills_total") == {"local": 2, "exported": 2}
-    cold = _cold(workers, lambda url: _chat(_client(url), messages + [
-        {"role": "assistant", "content": first.choices[0].message.content},
-        {"role": "user", "content": "And a short follow-up?"}]))
-    assert cold.choices[0].message.content == later.choices[0].message.content
+        # a next turn with a long new part moves, but only the KV the decode worker lacks travels
+        turn = messages + [{"role": "assistant", "content": again.choices[0].message.content},
+                           {"role": "user", "content": "Now a long tool result to read: " + "rows of data " * 60}]
+        ids = httpx.post(workers[1].url + "/tokenize", json={"messages": turn}).json()["tokens"]
+        sent = _sent_bytes(r.url)
+        moved = _chat(via, turn)
+        assert moved.usage.prompt_tokens_details.cached_tokens == moved.usage.prompt_tokens - 1
+        whole = httpx.post(workers[1].url + "/export_prefix", json={"input_ids": ids}).content
+        assert _sent_bytes(r.url) - sent < len(whole) * 0.75  # (the first question's KV stayed where it was)
+        assert _counts(r.url, "hyla_router_prefix_imports_total") == {"imported": 3}
+    for follow_up, answer in ((messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                           {"role": "user", "content": "And a short follow-up?"}], later),
+                              (turn, moved)):
+        cold = _cold(workers, lambda url: _chat(_client(url), follow_up))
+        assert cold.choices[0].message.content == answer.choices[0].message.content
+
+
+def _sent_bytes(url: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith("hyla_router_prefix_bytes_total"))
+    return float(line.rsplit(" ", 1)[1])
 
 
 def test_the_decode_workers_own_check(workers):
