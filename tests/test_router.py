@@ -755,6 +755,12 @@ def test_the_decode_workers_own_check(workers):
     assert again.status_code == 200 and again.json()["meta_info"]["cached_tokens"] == 99
     bad = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "many"})
     assert bad.status_code == 400
+    # /export_prefix's kv_from: the KV from there on only
+    whole, part = (httpx.post(workers[0].url + "/export_prefix", json={"input_ids": body["input_ids"], "kv_from": k})
+                   for k in (0, 90))
+    assert whole.status_code == part.status_code == 200 and len(part.content) < len(whole.content)
+    assert part.headers["x-prefix-tokens"] == whole.headers["x-prefix-tokens"] == "99"
+    assert httpx.post(workers[0].url + "/export_prefix", json={"input_ids": [1, 2], "kv_from": -1}).status_code == 400
 
 
 def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
