@@ -3,8 +3,8 @@
 ``X-Hyla-Local-Prefill-Tokens: N`` is served only where at most N tokens of its prompt are uncached.
 
 A router in front of prefill and decode workers (``hyla route --prefill-urls``, hyla/router/app.py)
-sends a chat, completion, ``/generate`` or Responses request first to a prefill worker with this
-header. That worker renders and tokenizes the request as it would to serve it (the same endpoint, the
+sends a chat, completion, ``/generate`` or Responses request whose prompt is long and new to the decode
+worker (below) to a prefill worker with this header. That worker renders and tokenizes the request as it would to serve it (the same endpoint, the
 same code up to the engine), computes the prompt (one engine request: one greedy token, the request's
 cache namespace and message-boundary checkpoints), and answers with ``/export_prefix``'s bytes for
 that prompt (``prefix_response``): the KV of every attention layer and the recurrent state after all
