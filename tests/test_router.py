@@ -789,7 +789,8 @@ def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
 def test_worker_argv_drops_what_a_worker_does_not_inherit():
     from hyla.router.launch import worker_argv, worker_devices
 
-    given = ["--model", "m", "--dp-size", "2", "--prefill-workers=1", "--port=9", "--host", "0.0.0.0", "--api-key", "k"]
+    given = ["--model", "m", "--dp-size", "2", "--prefill-workers=1", "--local-prefill-tokens", "64", "--port=9",
+             "--host", "0.0.0.0", "--api-key", "k"]
     assert worker_argv(given, 1234) == ["--model", "m", "--api-key", "k", "--host", "127.0.0.1", "--port", "1234"]
     assert worker_devices("cpu", 3) == [None] * 3
     with pytest.raises(ValueError, match="use --device cuda"):

@@ -26,7 +26,7 @@ import httpx
 logger = logging.getLogger("hyla.router")
 
 # flags of `hyla serve` a worker does not inherit (its own port on localhost; no data parallelism of its own)
-NOT_INHERITED = ("--dp-size", "--prefill-workers", "--port", "--host")
+NOT_INHERITED = ("--dp-size", "--prefill-workers", "--local-prefill-tokens", "--port", "--host")
 
 
 def worker_argv(given: list[str], port: int) -> list[str]:
@@ -105,7 +105,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                 time.sleep(0.5)
         urls = [url for _, url in workers]
         app = create_router_app(urls[:args.dp_size], api_key=args.api_key,  # (the workers' key too)
-                                prefill_urls=urls[args.dp_size:])
+                                prefill_urls=urls[args.dp_size:], local_prefill_tokens=args.local_prefill_tokens)
         logger.info("the %d workers serve (%d prefill only); the router listens on http://%s:%d", n,
                     args.prefill_workers, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,

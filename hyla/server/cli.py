@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Prefill/decode disaggregation: M more workers that only compute prompts, the --dp-size "
                              "ones decoding, behind the router (hyla route --prefill-urls; docs/server.md, "
                              "'Prefill/decode disaggregation'). Default 0: every worker does both.")
+    parser.add_argument("--local-prefill-tokens", type=int, default=512, metavar="N",
+                        help="With --prefill-workers: a decode worker computes a prompt with at most N tokens "
+                             "uncached in its cache itself (a short prompt, a conversation's next turn); longer ones "
+                             "move from a prefill worker (hyla route --local-prefill-tokens; default 512, 0: all move).")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
@@ -162,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.prefill_workers < 0:
         print(f"hyla serve: error: --prefill-workers must be at least 0, got {args.prefill_workers}", file=sys.stderr)
+        return 2
+    if args.local_prefill_tokens < 0:
+        print(f"hyla serve: error: --local-prefill-tokens must be at least 0, got {args.local_prefill_tokens}",
+              file=sys.stderr)
         return 2
     if args.dp_size > 1 or args.prefill_workers:  # the workers and the router (hyla/router/launch.py), its port checked first
         try:
