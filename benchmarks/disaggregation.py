@@ -16,8 +16,15 @@ one router, at the same time:
 Measured per round: the decoding streams' **ITL** (every gap between streamed chunks: P50, P99, the
 longest, and how many gaps were longer than 100 ms: the stalls a prefill causes) and **TPOT** median; the long prompts' **TTFT** (median and P90); the round's **duration** and output
 tokens per second. Rounds alternate between the routers (a first untimed round of each warms up);
-medians of ``--repeats``; in parentheses the ratio to colocated. Prints a markdown table and writes
-the ``## Prefill/decode disaggregation`` section of docs/benchmarks.md.
+medians of ``--repeats``; in parentheses the ratio to colocated.
+
+Then an agent's conversation through the disaggregated router: ``--agent-turns`` turns, each adding the
+model's reply and a tool result of ``--tool-words`` words. Every turn's new part is longer than
+``--local-prefill-tokens``, so every turn moves; measured per turn: the bytes the router moved (its
+``hyla_router_prefix_bytes_total``) against the bytes of the whole prefix (the prefill worker's
+``/export_prefix`` of the same prompt): only the KV the decode worker lacks travels.
+
+Prints markdown tables and writes the ``## Prefill/decode disaggregation`` section of docs/benchmarks.md.
 
     .venv/bin/python benchmarks/disaggregation.py [--decoders 4] [--long-prompts 8] [--long-rate 1] [--repeats 3]
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import subprocess
 import sys
@@ -39,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.report import machine, write_section  # noqa: E402
 from benchmarks.router import start, stop  # noqa: E402
-from hyla.bench.datasets import random_sessions  # noqa: E402
+from hyla.bench.datasets import random_sessions, random_text  # noqa: E402
 from hyla.bench.metrics import latency_stats_ms, summarize  # noqa: E402
 from hyla.bench.runner import run_benchmark  # noqa: E402
 
@@ -74,6 +82,36 @@ def one_round(router: str, workers: list[str], decoders, longs, model: str, rate
             "output tok/s": (d["total_output_tokens"] + g["total_output_tokens"]) / duration, "duration (s)": duration}
 
 
+def _moved_bytes(router: str) -> float:
+    for line in httpx.get(router + "/metrics").text.splitlines():
+        if line.startswith("hyla_router_prefix_bytes_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def agent_turns(router: str, workers: list[str], model: str, turns: int, tool_words: int) -> list[str]:
+    """One agent conversation through the disaggregated router (the module docstring): a table row per turn."""
+    for w in workers:
+        httpx.post(w + "/flush_cache", timeout=60).raise_for_status()
+    rng = random.Random(3)
+    messages = [{"role": "system", "content": "You are an agent. Read the tool results and act."},
+                {"role": "user", "content": "Task: " + random_text(rng, tool_words)}]
+    rows = []
+    for turn in range(1, turns + 1):
+        before = _moved_bytes(router)
+        answer = httpx.post(router + "/v1/chat/completions", timeout=600, json={
+            "model": model, "messages": messages, "max_tokens": 16, "temperature": 0}).json()
+        moved = _moved_bytes(router) - before
+        ids = httpx.post(workers[1] + "/tokenize", json={"messages": messages}).json()["tokens"]
+        whole = len(httpx.post(workers[1] + "/export_prefix", json={"input_ids": ids}, timeout=600).content)
+        usage = answer["usage"]
+        rows.append(f"| {turn} | {usage['prompt_tokens']:,} | {usage['prompt_tokens_details']['cached_tokens']:,} | "
+                    f"{moved / 2**20:.2f} | {whole / 2**20:.2f} | {moved / whole:.2f}x |")
+        messages += [{"role": "assistant", "content": answer["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Tool result: " + random_text(rng, tool_words)}]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-threads", type=int, default=1, help="each worker's intra-op threads")
@@ -85,6 +123,8 @@ def main() -> None:
     ap.add_argument("--long-out", type=int, default=8, help="tokens")
     ap.add_argument("--long-rate", type=float, default=1.0, help="long prompts per second")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--agent-turns", type=int, default=4)
+    ap.add_argument("--tool-words", type=int, default=500, help="words of each agent turn's tool result")
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp/hyla-disagg-bench"))
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
@@ -111,6 +151,7 @@ def main() -> None:
                 if rep:
                     runs[setup].append(res)
                     print(f"repeat {rep}, {setup}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()), flush=True)
+        agent = agent_turns(routers["disaggregated"], workers, model, args.agent_turns, args.tool_words)
     finally:
         stop(procs)
     med = {s: {k: statistics.median(r[k] for r in rs) for k in METRICS} for s, rs in runs.items()}
@@ -120,7 +161,7 @@ def main() -> None:
     command = (f".venv/bin/python benchmarks/disaggregation.py --cpu-threads {args.cpu_threads} --decoders "
                f"{args.decoders} --decode-prompt {args.decode_prompt} --decode-len {args.decode_len} --long-prompts "
                f"{args.long_prompts} --long-len {args.long_len} --long-out {args.long_out} --long-rate {args.long_rate} "
-               f"--repeats {args.repeats}")
+               f"--repeats {args.repeats} --agent-turns {args.agent_turns} --tool-words {args.tool_words}")
     body = "\n".join([
         f"`{command}` — {machine()}; two `hyla serve` workers of the built-in default model ({args.cpu_threads} "
         f"intra-op thread(s) each) behind `hyla route`: colocated (either worker prefills and decodes) against "
@@ -133,6 +174,14 @@ def main() -> None:
         "| measurement | colocated | disaggregated |",
         "|---|---|---|",
         *rows,
+        "",
+        f"An agent's conversation through the disaggregated router: each turn adds the model's reply (16 tokens) "
+        f"and a tool result of ~{args.tool_words} words, so each moves from the prefill worker; the prefix's bytes "
+        "the router moved, against the whole prefix's (the prefill worker's `/export_prefix` of the same prompt).",
+        "",
+        "| turn | prompt tokens | cached on the decode worker | MiB moved | MiB of the whole prefix | moved / whole |",
+        "|---|---|---|---|---|---|",
+        *agent,
     ])
     print(body)
     if not args.no_write:
