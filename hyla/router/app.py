@@ -490,8 +490,12 @@ class RouterApp:
             logger.warning("worker %s refused a prefix (%d: %s): it computes the prompt itself", w.url,
                            answer.status_code, answer.text[:300])
             return
-        took = answer.json()  # (short: the worker lacked room, or evicted the KV the prefix does not carry)
-        self.imports.labels("imported" if took["cached_tokens"] >= took["prefix_tokens"] else "short").inc()
+        try:  # (short: the worker lacked room, or evicted the KV the prefix does not carry)
+            took = answer.json()
+            short = took["cached_tokens"] < took["prefix_tokens"]
+        except (ValueError, KeyError, TypeError):
+            short = True  # (not import_prefix's answer: count it as not taken; the worker computes the prompt)
+        self.imports.labels("short" if short else "imported").inc()
 
     def _others_left(self, index: int, tried: set[int]) -> bool:
         """Whether a healthy worker other than ``index`` has not been tried for this request yet."""
