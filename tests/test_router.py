@@ -753,8 +753,12 @@ def test_the_decode_workers_own_check(workers):
     assert served.status_code == 200 and served.json()["meta_info"]["completion_tokens"] == 2
     again = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "1"})
     assert again.status_code == 200 and again.json()["meta_info"]["cached_tokens"] == 99
-    bad = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": "many"})
-    assert bad.status_code == 400
+    for header in (b"many", "\u00b2".encode()):  # (not a number; a digit, but not an ASCII one)
+        bad = httpx.post(workers[0].url + "/generate", json=body, headers={"X-Hyla-Local-Prefill-Tokens": header})
+        assert bad.status_code == 400
+    outside = httpx.post(workers[0].url + "/generate", json={"input_ids": [1, 10**6]},
+                         headers={"X-Hyla-Local-Prefill-Tokens": "0"})  # (the engine's own 400, not a 500)
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "input_ids"
     # /export_prefix's kv_from: the KV from there on only
     whole, part = (httpx.post(workers[0].url + "/export_prefix", json={"input_ids": body["input_ids"], "kv_from": k})
                    for k in (0, 90))

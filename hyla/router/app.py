@@ -358,13 +358,17 @@ class RouterApp:
         headers = self.forwarded_headers(request)
         prefix: bytes | None = None  # a prefill worker's, to import before the request
         ask = self.disaggregates(request, path, body, owner)  # whether the decode worker may send it to prefill
+        pinned: int | None = None  # the decode worker the prefix was made for (it holds the KV left out)
         tried: set[int] = set()
         while True:
-            try:
-                i, why = self._pick(path, key, owner, frozenset(tried))
-            except ValueError:
-                return JSONResponse(error_body("no worker is available: every worker is unhealthy or failed the "
-                                               "request"), status_code=503)
+            if pinned is not None and self.workers[pinned].healthy and pinned not in tried:
+                i, why, pinned = pinned, "prefilled", None
+            else:
+                try:
+                    i, why = self._pick(path, key, owner, frozenset(tried))
+                except ValueError:
+                    return JSONResponse(error_body("no worker is available: every worker is unhealthy or failed the "
+                                                   "request"), status_code=503)
             w = self.workers[i]
             sent = {**headers, LOCAL_PREFILL_HEADER: str(self.local_prefill_tokens)} if ask else headers
             upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=sent,
@@ -384,10 +388,23 @@ class RouterApp:
             if upstream is None:  # the client left before the answer's headers
                 self._done(w)
                 return Response(status_code=499)
-            if ask and upstream.status_code == 409 and _error_code(await upstream.aread()) == PREFILL_ELSEWHERE:
-                self._done(w)  # (it computed nothing) the prompt is long and new to it: a prefill worker computes it
-                await upstream.aclose()
-                ask = False
+            if ask and upstream.status_code == 409:
+                try:
+                    data = await upstream.aread()
+                except httpx.TransportError as exc:
+                    self._retry_elsewhere(w, i, tried, f"failed mid-answer ({exc!r})")
+                    continue
+                except BaseException:
+                    self._done(w)
+                    raise
+                finally:
+                    await upstream.aclose()
+                self._done(w)
+                if _error_code(data) != PREFILL_ELSEWHERE:  # (another 409: the client's answer)
+                    w.routed += 1
+                    return _headers(Response(data, status_code=409), upstream.headers.multi_items())
+                # it computed nothing: the prompt is long and new to it, a prefill worker computes it for it
+                ask, pinned = False, i
                 held = upstream.headers.get(CACHED_TOKENS_HEADER, "0")  # (its KV need not travel)
                 prefix = await self.prefill(request, path, raw, key, {**headers, KV_FROM_HEADER: held})
                 if isinstance(prefix, Response):

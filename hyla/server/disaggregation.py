@@ -70,16 +70,19 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     allowed = request.headers.get(LOCAL_PREFILL_HEADER)
     if allowed is None or isinstance(jobs[0].prompt, str):
         return None
-    if not allowed.isdigit():
+    if not (allowed.isascii() and allowed.isdigit()):
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {allowed!r}")
     job, engine = jobs[0], server.admit()
-    cached = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace)
-    if len(job.prompt) - cached > int(allowed):
+    try:
+        cached = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace)
+        if len(job.prompt) - cached <= int(allowed):
+            return None
         held = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace, device_only=True)
-        raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most "
-                            f"{allowed} are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE,
-                       headers={CACHED_TOKENS_HEADER: str(held)})
-    return None
+    except ValueError:  # (a bad token id: served as usual, where the engine's 400 names the endpoint's field)
+        return None
+    raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most {allowed} "
+                        "are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE,
+                   headers={CACHED_TOKENS_HEADER: str(held)})
 
 
 async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float, request: Request) -> Response:
@@ -97,7 +100,7 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
     prefill = Job(job.prompt, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=list(job.checkpoints),
                   speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
     kv_from = request.headers.get(KV_FROM_HEADER, "0")
-    if not kv_from.isdigit():
+    if not (kv_from.isascii() and kv_from.isdigit()):
         raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {kv_from!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
