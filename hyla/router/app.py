@@ -79,6 +79,7 @@ from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LO
 logger = logging.getLogger("hyla.router")
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
+PROMPT_PATHS = ("/v1/completions", "/generate")  # the routed paths whose prompt may be a batch of prompts
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
 # request headers a worker needs; hop-by-hop ones (Connection, Content-Length: httpx sets it) are not forwarded
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent", "x-request-id")
@@ -109,16 +110,13 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
             return None
         tools = body.get("tools")
         return _list_key(json.dumps(tools, sort_keys=True) if tools else "", messages, cap)
-    if path == "/v1/completions":
-        prompt = body.get("prompt")
-    elif path == "/generate":
-        prompt = body.get("text") if body.get("text") is not None else body.get("input_ids")
-    elif path == "/v1/responses":
+    if path == "/v1/responses":
         given = body.get("input")
         return _list_key(json.dumps(body.get("instructions")), given if isinstance(given, list) else [given], cap)
-    else:
+    if path not in PROMPT_PATHS:
         return None
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    prompt = _prompt_field(path, body)
+    if _is_prompt_list(prompt):
         prompt = prompt[0]  # a batch: by its first prompt
     if isinstance(prompt, str):
         return prompt[:cap]
@@ -129,13 +127,25 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
     return None
 
 
+def _prompt_field(path: str, body: dict) -> Any:
+    """The prompt of a ``PROMPT_PATHS`` request as sent: a completion's ``prompt``, ``/generate``'s
+    ``text`` or else its ``input_ids``."""
+    if path == "/v1/completions":
+        return body.get("prompt")
+    return body.get("text") if body.get("text") is not None else body.get("input_ids")
+
+
+def _is_prompt_list(prompt: Any) -> bool:
+    """Whether a prompt field holds a list of prompts (texts, or lists of token ids)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], (str, list))
+
+
 def is_batch(path: str, body: Any) -> bool:
     """Whether a routed request holds more than one prompt (a completion's or ``/generate``'s list)."""
-    if not isinstance(body, dict) or path not in ("/v1/completions", "/generate"):
+    if not isinstance(body, dict) or path not in PROMPT_PATHS:
         return False
-    prompts = body.get("prompt") if path == "/v1/completions" else (
-        body.get("text") if body.get("text") is not None else body.get("input_ids"))
-    return isinstance(prompts, list) and len(prompts) > 1 and isinstance(prompts[0], (str, list))
+    prompts = _prompt_field(path, body)
+    return _is_prompt_list(prompts) and len(prompts) > 1
 
 
 def _list_key(head: str, items: list, cap: int) -> str:
@@ -243,8 +253,8 @@ class RouterApp:
                                registry=self.registry)
         self.healthy = Gauge("hyla_router_worker_healthy", "1 while the worker is healthy.", ["worker"],
                              registry=self.registry)
-        self.prefills = Counter("hyla_router_prefills", "Requests sent to prefill workers first, by outcome: "
-                                "exported (a prefix came back), not_cached (nothing to move), refused (the "
+        self.prefills = Counter("hyla_router_prefills", "Routed requests that may move (prefill workers "
+                                "given), by outcome: exported (a prefill worker's prefix came back), not_cached (nothing to move), refused (the "
                                 "prefill worker's 4xx, the client's answer), failed (its 5xx), "
                                 "no_prefill_worker (none healthy, or every one failed); local: not sent, the decode "
                                 "worker lacking at most local_prefill_tokens of the prompt.", ["outcome"],
