@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hyla.router.app import create_router_app, routing_key
 from hyla.router.policy import PrefixTable, Router, block_names
 from hyla.server.app import create_app
+from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
+                                        PREFILL_ELSEWHERE, PREFIX_TOKENS_HEADER)
 from hyla.server.launch import BackgroundServer
 from test_server_openai import MODEL, SYSTEM, make_chat_model
 
@@ -831,3 +833,65 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
     for w in info["workers"] + info["prefill_workers"]:  # the workers are gone with the command
         with pytest.raises(httpx.TransportError):
             httpx.get(w["url"] + "/health", timeout=2)
+
+
+def _fake_decode_worker(held: int):
+    """A decode worker that sends every prompt it may (the router's local-prefill header) to prefill, saying its
+    device holds the KV of ``held`` tokens, and records what reaches it: imported prefixes and the requests it
+    serves."""
+    app, seen = FastAPI(), {"imports": [], "served": []}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.post("/import_prefix")
+    async def import_prefix(request: Request):
+        seen["imports"].append(await request.body())
+        return JSONResponse({"cached_tokens": 30, "prefix_tokens": 30})
+
+    @app.post("/v1/completions")
+    async def complete(request: Request):
+        if LOCAL_PREFILL_HEADER in request.headers:
+            return JSONResponse({"error": {"message": "prefill it elsewhere", "type": "invalid_request_error",
+                                           "param": None, "code": PREFILL_ELSEWHERE}},
+                                status_code=409, headers={CACHED_TOKENS_HEADER: str(held)})
+        seen["served"].append(json.loads(await request.body())["prompt"])
+        return JSONResponse({"served": True})
+
+    return app, seen
+
+
+def test_a_prefix_goes_to_the_decode_worker_it_was_made_for():
+    """A decode worker that sent a prompt to prefill gets its prefix (made without the KV it said it holds) and then
+    the request, though the policy would pick the other worker next; only where it has failed meanwhile do both go to
+    another worker."""
+    d0, seen0 = _fake_decode_worker(held=7)
+    d1, seen1 = _fake_decode_worker(held=0)
+    prefill, asked = FastAPI(), []
+    router_state = {}
+
+    @prefill.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @prefill.post("/v1/completions")
+    async def prefill_only(request: Request):
+        asked.append(request.headers.get(KV_FROM_HEADER))
+        if "kill" in router_state:  # (the decode worker that asked dies while the prompt is computed)
+            router_state["router"].workers[router_state["kill"]].healthy = False
+        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+
+    with _Uvicorn(d0) as w0, _Uvicorn(d1) as w1, _Uvicorn(prefill) as p, \
+            _Uvicorn(create_router_app([w0.url, w1.url], prefill_urls=[p.url], policy="round_robin",
+                                       health_interval=3600, local_prefill_tokens=0)) as r:
+        router_state["router"] = r.server.config.app.state.router
+        answer = httpx.post(r.url + "/v1/completions", json={"prompt": "a long prompt"})
+        assert answer.status_code == 200 and asked == ["7"]
+        assert seen0 == {"imports": [b"prefix bytes"], "served": ["a long prompt"]}
+        assert seen1 == {"imports": [], "served": []}  # (round robin's next pick, had the prefix not been pinned)
+        router_state["kill"] = 1
+        answer = httpx.post(r.url + "/v1/completions", json={"prompt": "another"})  # (round robin: worker 1 asks)
+        assert answer.status_code == 200 and asked == ["7", "0"] and seen1 == {"imports": [], "served": []}
+        assert seen0 == {"imports": [b"prefix bytes"] * 2, "served": ["a long prompt", "another"]}
+        assert _counts(r.url, "hyla_router_prefix_imports_total") == {"imported": 2}

@@ -333,16 +333,16 @@ class CacheManager:
         return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices[kv_from:],
                                    self.tree.state_pool, hit.state_slot, kv_from)
 
-    def prompt_cached_len(self, tokens: Sequence[int], namespace, device_only: bool = False) -> int:
+    def prompt_cached_lens(self, tokens: Sequence[int], namespace) -> tuple[int, int]:
         """How many of prompt ``tokens`` a request for them would find cached now (all but the last at
-        most; the device tree's or, longer and unless ``device_only``, the host tier's), changing nothing."""
+        most), changing nothing: ``(device, any_tier)``, the device tree's, and the longer of it and the
+        host tier's (the device's where there is no host tier)."""
         if self.tree is None or len(tokens) < 2:
-            return 0
+            return 0, 0
         tokens = list(tokens[:-1])
-        found = self.tree.usable_len(tokens, namespace)
-        if self.host is not None and not device_only:
-            found = max(found, self.host.tree.usable_len(tokens, namespace))
-        return found
+        device = self.tree.usable_len(tokens, namespace)
+        host = self.host.tree.usable_len(tokens, namespace) if self.host is not None else 0
+        return device, max(device, host)
 
     def import_prefix(self, prefix: CachedPrefix) -> int:
         """Put ``prefix`` (another cache's, ``export_prefix``) into the tree where it lacks it, as a

@@ -530,10 +530,16 @@ class Engine:
         (the prefix ``export_prefix`` would copy; the host tier's too unless ``device_only``: what an
         import's ``kv_from`` may skip). A router asks it to decide where a prompt is computed. Runs on the
         scheduler thread between steps. ``ValueError`` for bad token ids or namespace."""
+        device, any_tier = self.cached_tokens_by_tier(input_ids, namespace, timeout)
+        return device if device_only else any_tier
+
+    def cached_tokens_by_tier(self, input_ids: Sequence[int], namespace: Any = None,
+                              timeout: float = 60.0) -> tuple[int, int]:
+        """``cached_tokens`` both ways in one query of the scheduler thread: ``(device_only, any_tier)``."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
-        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_len(ids, namespace, device_only), timeout)
+        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_lens(ids, namespace), timeout)
 
     def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
         """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this

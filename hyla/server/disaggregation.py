@@ -74,10 +74,9 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {allowed!r}")
     job, engine = jobs[0], server.admit()
     try:
-        cached = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace)
+        held, cached = await asyncio.to_thread(engine.cached_tokens_by_tier, job.prompt, job.namespace)
         if len(job.prompt) - cached <= int(allowed):
             return None
-        held = await asyncio.to_thread(engine.cached_tokens, job.prompt, job.namespace, device_only=True)
     except ValueError:  # (a bad token id: served as usual, where the engine's 400 names the endpoint's field)
         return None
     raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most {allowed} "
