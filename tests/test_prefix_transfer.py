@@ -8,6 +8,8 @@ MTP's hidden state), under pressure, from the host tier; what it cannot hold is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import pytest
@@ -213,9 +215,14 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
         with pytest.raises(ValueError, match="CachedPrefix or its bytes"):
             dest.import_prefix("data")
         big = CachedPrefix.from_bytes(data, dest.cache_layout, True)
-        big.token_ids = (dest.model_config.vocab_size,) + big.token_ids[1:]
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            dest.import_prefix(big)
+        for first in (dest.model_config.vocab_size, -1):
+            big.token_ids = (first,) + big.token_ids[1:]
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                dest.import_prefix(big)
+        # bytes claiming more positions than their tensors hold: refused before pools of the claimed size are made
+        claimed = dataclasses.replace(prefix, token_ids=prefix.token_ids + (5,) * 100000).to_bytes()
+        with pytest.raises(ValueError, match="do not hold one row per position"):
+            dest.import_prefix(claimed)
         assert dest.tree.total_size() == 0
         assert dest.import_prefix(data) == len(prefix)  # and the engine goes on
         assert_drained(dest)
@@ -223,11 +230,16 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
                               (qwen3_next_dense_path, dict(kv_cache_dtype="fp8"), "another model or cache layout"),
                               (qwen3_next_attention_path, {}, "holds a state"),
                               (qwen3_next_dense_path, dict(page_size=16), "page grid"),
-                              (qwen3_next_dense_path, dict(enable_prefix_cache=False), "prefix cache is off")):
-        with Engine(path, **{**POOLS, **opts}) as other:
-            with pytest.raises(ValueError, match=match):
-                other.import_prefix(data)
-            assert other.tree is None or other.tree.total_size() == 0
+                              (qwen3_next_dense_path, dict(enable_prefix_cache=False), "prefix cache is off"),
+                              (qwen3_next_dense_path, dict(context_length=len(prefix)), "longer than any prompt")):
+        with Engine(path, **{**POOLS, "max_total_tokens": 256, **opts}) as other:
+            held = [[3 + (11 * i + j) % 97 for j in range(min(60, other.context_length - 8))] for i in range(4)]
+            _generate(other, held, n=1)
+            before = [other.cached_tokens(p) for p in held]
+            for given in (data, prefix):  # (the object as export_prefix made it: checked before any eviction)
+                with pytest.raises(ValueError, match=match):
+                    other.import_prefix(given)
+                assert [other.cached_tokens(p) for p in held] == before
             other.generate(input_ids=[5, 6, 7], sampling_params=_greedy(2))  # still serving
             assert_drained(other)
 

@@ -694,6 +694,31 @@ def test_a_failed_prefill_worker_costs_only_the_saving(workers):
         assert _counts(r.url, "hyla_router_prefills_total") == {"no_prefill_worker": 1}
 
 
+def test_what_moving_cannot_help_or_the_decode_worker_refuses_is_not_prefilled(workers, pd_router):
+    """A request whose prompt logprobs the decode worker computes anyway (``/generate`` from position 0, a completion's
+    echo), and one it refuses (prompt + max_tokens past the context, a grammar that does not compile), go to no prefill
+    worker: the first are served there, the others get the decode worker's 400. A prefill worker given a KV-From of
+    5,000 digits answers the prefix (from its last token: the value is past any prompt)."""
+    logprobs = httpx.post(pd_router.url + "/generate", json={
+        "input_ids": list(range(300, 500)), "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0}}).json()["meta_info"]
+    echo = _client(pd_router.url).completions.create(model=MODEL, prompt="Echo this back to me. " * 20, echo=True,
+                                                     logprobs=1, max_tokens=2, temperature=0)
+    assert logprobs["cached_tokens"] == 0 and len(logprobs["input_token_logprobs"]) == 200
+    assert echo.usage.prompt_tokens_details.cached_tokens == 0 and _routed(pd_router.url) == (2, 0)
+    long = httpx.post(pd_router.url + "/generate", json={"input_ids": list(range(10, 210)),
+                                                          "sampling_params": {"max_new_tokens": 100000}})
+    schema = httpx.post(pd_router.url + "/v1/completions", json={
+        "model": MODEL, "prompt": "Some JSON, please. " * 20, "max_tokens": 4, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}})
+    assert (long.status_code, schema.status_code) == (400, 400) and _routed(pd_router.url) == (4, 0)
+    assert "context length" in long.json()["error"]["message"] and "compiled" in schema.json()["error"]["message"]
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"local": 2}
+    prefix = httpx.post(workers[1].url + "/generate", json={"input_ids": list(range(600, 650)), "sampling_params": {
+        "max_new_tokens": 3}}, headers={"X-Hyla-Prefill-Only": "1", KV_FROM_HEADER: "9" * 5000})
+    assert prefix.status_code == 200 and prefix.headers[PREFIX_TOKENS_HEADER] == "49"
+
+
 def test_what_the_decode_worker_nearly_holds_is_prefilled_there(workers):
     """With ``local_prefill_tokens`` (here 100) the decode worker decides on its own cache: a short prompt, and
     a conversation's next turn (the history cached there, the reply and the new message not), are computed
@@ -895,3 +920,33 @@ def test_a_prefix_goes_to_the_decode_worker_it_was_made_for():
         assert answer.status_code == 200 and asked == ["7", "0"] and seen1 == {"imports": [], "served": []}
         assert seen0 == {"imports": [b"prefix bytes"] * 2, "served": ["a long prompt", "another"]}
         assert _counts(r.url, "hyla_router_prefix_imports_total") == {"imported": 2}
+
+
+def test_answers_the_router_cannot_read_cost_only_the_saving():
+    """A prefill worker whose answer cannot be decoded (gzip declared, not sent) is a failed prefill: the decode worker
+    computes the prompt itself. At ``/export_prefix`` a worker's ``X-Prefix-Tokens`` that is no ASCII number (``²``) is
+    not taken for a length, and one of 5,000 digits is taken for the longest: the router answers, not a 500."""
+    decode, seen = _fake_decode_worker(held=0)
+    garbled = FastAPI()
+
+    @garbled.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @garbled.post("/{path:path}")
+    async def answer(path: str, request: Request):
+        if path == "export_prefix":  # (as many tokens as the body says)
+            return Response(b"xx", media_type="application/octet-stream",
+                            headers={PREFIX_TOKENS_HEADER: (await request.json())["length"]})
+        return Response(b"not gzip", media_type="application/octet-stream",
+                        headers={"content-encoding": "gzip", PREFIX_TOKENS_HEADER: "30"})
+
+    with _Uvicorn(decode) as d, _Uvicorn(garbled) as p, \
+            _Uvicorn(create_router_app([d.url], prefill_urls=[p.url], health_interval=3600, local_prefill_tokens=0)) as r:
+        answer = httpx.post(r.url + "/v1/completions", json={"prompt": "a prompt"})
+        assert answer.status_code == 200 and seen == {"imports": [], "served": ["a prompt"]}
+        assert _counts(r.url, "hyla_router_prefills_total") == {"no_prefill_worker": 1}
+        r.server.config.app.state.router.prefill_workers[0].healthy = True
+        for length, status in (("\u00b2", 404), ("9" * 5000, 200)):  # (not a length: the first worker's answer, the
+            exported = httpx.post(r.url + "/export_prefix", json={"input_ids": [1, 2, 3], "length": length})
+            assert exported.status_code == status  # decode worker's 404; past 10^18 tokens: the longest)

@@ -86,6 +86,29 @@ class CachedPrefix:
             out.state.copy_from(state_pool, [state_slot], [out.state_slot])
         return out
 
+    def check_fits(self, kv_pool: KVPool, state_pool: StatePool | None) -> None:
+        """``ValueError`` unless this prefix can be copied into pools of ``kv_pool``'s and ``state_pool``'s
+        layout (None: a cache without states) as it stands: a prefix object made elsewhere than by
+        ``from_bytes`` (which builds it in the receiver's layout), checked before anything is evicted for it."""
+        if not self.token_ids:
+            raise ValueError("a cached prefix has at least one token")
+        if not 0 <= self.kv_start < len(self):
+            raise ValueError(f"a cached prefix of {len(self)} tokens carries the KV of its last one at least: "
+                             f"kv_start {self.kv_start} is out of range")
+        if len(self.kv_rows) != len(self) - self.kv_start or not self.kv.is_allocated(self.kv_rows):
+            raise ValueError(f"a cached prefix of {len(self)} tokens from position {self.kv_start} holds "
+                             f"{len(self.kv_rows)} KV rows, not all of them allocated in its pool")
+        if self.kv.buffer_shapes != kv_pool.buffer_shapes:
+            raise ValueError("a cached prefix of another model or cache layout: its KV buffers are "
+                             f"{self.kv.buffer_shapes}, this cache's {kv_pool.buffer_shapes}")
+        if (self.state is None) != (state_pool is None):
+            raise ValueError("the cached prefix " + ("holds no state, which this cache needs" if self.state is None
+                                                     else "holds a state, which this cache keeps none of"))
+        if self.state is not None and (self.state.buffer_kinds != state_pool.buffer_kinds
+                                       or not self.state.is_allocated([self.state_slot])):
+            raise ValueError("a cached prefix of another model or cache layout: its state is not one this cache "
+                             "holds (or its slot is not allocated in its pool)")
+
     def drop_kv_before(self, position: int) -> "CachedPrefix":
         """This prefix without the KV of the positions before ``position`` (at most its last token's;
         the pools are shared: only what ``to_bytes`` writes shrinks)."""
@@ -138,9 +161,20 @@ class CachedPrefix:
             raise ValueError("a cached prefix's token_ids must be a non-empty list of token ids")
         if isinstance(kv_start, bool) or not isinstance(kv_start, int):
             raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
+        if not isinstance(has_state, bool):
+            raise ValueError(f"a cached prefix's has_state must be true or false, got {has_state!r}")
         if has_state is not with_state:
             raise ValueError("the cached prefix " + ("holds a state, which this cache has not" if has_state else
                                                      "holds no state, which this cache needs"))
+        if not 0 <= kv_start < len(token_ids):
+            raise ValueError(f"a cached prefix of {len(token_ids)} tokens carries the KV of its last one at least: "
+                             f"kv_start {kv_start} is out of range")
+        rows = len(token_ids) - kv_start  # the KV rows its tensors must hold: checked before pools that size are made
+        short = sorted(name for name, t in tensors.items()
+                       if t.dim() == 0 or t.shape[0] != (rows if name.startswith(("k.", "v.")) else 1))
+        if short:
+            raise ValueError(f"the cached prefix's tensors {short[:4]} do not hold one row per position from kv_start "
+                             f"({rows}; one state row)")
         out = cls.empty(layout, token_ids, namespace, has_state, kv_start)
         want = out._buffers()
         if set(tensors) != set(want):

@@ -349,15 +349,13 @@ class CacheManager:
         computed prefix (evictable, saved to the host tier when evicted); returns the length of it the
         tree holds now: all of it, or where the room could not be made, what it held before.
         ``ValueError`` for a prefix this cache cannot hold (the prefix cache off, a length off the
-        page grid, a state where the tree keeps none or none where it does)."""
+        page grid, another layout: ``CachedPrefix.check_fits``), before anything is evicted."""
         if self.tree is None:
             raise ValueError(NO_CACHE_TO_IMPORT_INTO)
         if len(prefix) % self.page_size:
             raise ValueError(f"a prefix of {len(prefix)} tokens is not on this cache's page grid (page_size "
                              f"{self.page_size})")
-        if (prefix.state is None) != (self.tree.state_pool is None):
-            raise ValueError("the prefix " + ("holds no state, which this cache needs" if prefix.state is None
-                                              else "holds a state, which this cache keeps none of"))
+        prefix.check_fits(self.kv_pool, self.tree.state_pool)
         tokens = list(prefix.token_ids)
         hit = self.tree.match_prefix(tokens, prefix.namespace)
         if hit.prefix_len >= len(tokens):

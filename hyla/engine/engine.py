@@ -471,6 +471,23 @@ class Engine:
             raise
         return outs[0] if single else outs
 
+    def check_requests(self, requests: Sequence[dict[str, Any]]) -> None:
+        """``ValueError`` (``RequestError``) where ``generate`` would refuse one of ``requests`` (each a dict of
+        its keyword arguments, ``stream`` aside) for what it asks, or all of them together as more than the
+        engine ever holds at once; nothing is submitted. For a server that decides where a request runs
+        before running it (prefill/decode disaggregation). A grammar is compiled as ``generate`` compiles it."""
+        count = 0
+        for kw in requests:
+            unknown = set(kw) - _CHECKED_ARGUMENTS
+            if unknown:
+                raise ValueError(f"check_requests: unknown argument(s) {sorted(unknown)}")
+            reqs, _ = self._make_requests(**{**dict.fromkeys(("prompt", "input_ids", "sampling_params", "checkpoints",
+                                                              "rid", "namespace")), "return_logprob": False, **kw})
+            count += len(reqs)
+        if count > self.max_live_requests:
+            raise ValueError(f"a batch of {count} requests can never fit: the engine holds at most "
+                             f"{self.max_live_requests} at once")
+
     def abort(self, rid: str) -> None:
         """Abort a waiting or running request; it finishes with ``finish_reason.type == "abort"``.
         Nothing on an engine shut down; an id no live request has, nothing either (it finished)."""
@@ -573,8 +590,13 @@ class Engine:
     def _check_prefix(self, prefix: CachedPrefix) -> None:
         """What ``CacheManager.import_prefix`` cannot check: the prefix's token ids and namespace."""
         vocab = self.model_config.vocab_size
-        if max(prefix.token_ids) >= vocab:
-            raise ValueError(f"the prefix's token id {max(prefix.token_ids)} is outside the vocabulary [0, {vocab})")
+        bad = next((t for t in prefix.token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
+                   None) if prefix.token_ids else None
+        if bad is not None:
+            raise ValueError(f"the prefix's token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prefix) >= self.context_length:
+            raise ValueError(f"a prefix of {len(prefix)} tokens is longer than any prompt this engine takes (its "
+                             f"context length is {self.context_length})")
         _check_namespace(prefix.namespace)
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
@@ -991,6 +1013,11 @@ class Engine:
         except TimeoutError:
             result.cancel()
             raise
+
+
+_CHECKED_ARGUMENTS = frozenset(("prompt", "input_ids", "sampling_params", "return_logprob", "checkpoints", "rid",
+                                "namespace", "logprob_start_len", "speculative_checkpoints", "priority"))
+"""``Engine.check_requests``' keys: ``generate``'s keyword arguments, ``stream`` aside."""
 
 
 def _check_timeout(timeout: Any) -> None:

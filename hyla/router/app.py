@@ -74,7 +74,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE,
-                                       PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER)
+                                       PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER, header_count)
 
 logger = logging.getLogger("hyla.router")
 
@@ -388,6 +388,9 @@ class RouterApp:
             try:
                 if prefix is not None:
                     await self._import(w, prefix, headers)
+                    if await request.is_disconnected():  # (it left during the move: nothing is to be computed)
+                        self._done(w)
+                        return Response(status_code=499)
                 upstream = await self._send(request, upstream_request)
             except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
                 self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
@@ -401,7 +404,7 @@ class RouterApp:
             if ask and upstream.status_code == 409:
                 try:
                     data = await upstream.aread()
-                except httpx.TransportError as exc:
+                except (httpx.TransportError, httpx.DecodingError) as exc:
                     self._retry_elsewhere(w, i, tried, f"failed mid-answer ({exc!r})")
                     continue
                 except BaseException:
@@ -478,7 +481,7 @@ class RouterApp:
                     data = await upstream.aread()
                 finally:
                     await upstream.aclose()
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, httpx.DecodingError) as exc:  # (no answer, or one that cannot be read)
                 self._fail(w, f"failed a prefill ({exc!r})")
                 self.retries.inc()
                 continue
@@ -491,7 +494,7 @@ class RouterApp:
                 if status == 503:
                     self._fail(w, "answered 503")
                 continue
-            if status == 200 and upstream.headers.get(PREFIX_TOKENS_HEADER, "").isdigit():
+            if status == 200 and header_count(upstream.headers.get(PREFIX_TOKENS_HEADER)) is not None:
                 self.prefill_router.record(i, key)
                 self.prefills.labels("exported").inc()
                 self.prefix_bytes.inc(len(data))
@@ -510,8 +513,13 @@ class RouterApp:
     async def _import(self, w: Worker, prefix: bytes, headers: dict[str, str]) -> None:
         """Put a prefill worker's ``prefix`` into worker ``w``'s cache (``/import_prefix``). A refusal is
         logged (``w`` then computes the prompt itself); a transport error propagates (``w`` failed)."""
-        answer = await self.client.post(w.url + "/import_prefix", content=prefix,
-                                        headers={**headers, "content-type": "application/octet-stream"})
+        try:
+            answer = await self.client.post(w.url + "/import_prefix", content=prefix,
+                                            headers={**headers, "content-type": "application/octet-stream"})
+        except httpx.DecodingError as exc:  # (an answer that cannot be read: taken or not, w computes what it lacks)
+            self.imports.labels("short").inc()
+            logger.warning("worker %s answered an import unreadably (%r)", w.url, exc)
+            return
         if answer.status_code != 200:
             self.imports.labels("refused").inc()
             logger.warning("worker %s refused a prefix (%d: %s): it computes the prompt itself", w.url,
@@ -554,7 +562,7 @@ class RouterApp:
     async def read_body(self, request: Request) -> bytes | Response:
         """The request's body, or a 413 past ``max_request_bytes`` (read no further)."""
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+        if (header_count(declared) or 0) > self.max_request_bytes:
             return self._too_large()
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -665,8 +673,9 @@ class RouterApp:
                    if not isinstance(a, Exception)]
         if not answers:
             return JSONResponse(error_body("every worker failed the export", type="bad_gateway"), status_code=502)
-        found = [a for a in answers if a.status_code == 200 and a.headers.get(PREFIX_TOKENS_HEADER, "").isdigit()]
-        best = max(found, key=lambda a: int(a.headers[PREFIX_TOKENS_HEADER])) if found else answers[0]
+        found = [(n, a) for a in answers if a.status_code == 200
+                 and (n := header_count(a.headers.get(PREFIX_TOKENS_HEADER))) is not None]
+        best = max(found, key=lambda na: na[0])[1] if found else answers[0]
         return _headers(Response(best.content, status_code=best.status_code), best.headers.multi_items())
 
     async def _send_to_each(self, request: Request, path: str, raw: bytes,

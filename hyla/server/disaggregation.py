@@ -54,6 +54,15 @@ CACHED_TOKENS_HEADER = "X-Hyla-Cached-Tokens"  # on that 409: the prompt's token
 KV_FROM_HEADER = "X-Hyla-KV-From"  # with PREFILL_ONLY_HEADER: send the KV from this position on only
 PREFIX_TOKENS_HEADER = "X-Prefix-Tokens"  # the length of the prefix in an octet-stream answer
 PREFIX_NOT_CACHED = "prefix_not_cached"  # the error code of a 404 with no prefix to send
+MAX_HEADER_COUNT = 10**18  # a count header's value past this is read as this (Python refuses int() of 4,301+ digits)
+
+
+def header_count(value: str | None) -> int | None:
+    """A header's count or position (``X-Hyla-*``, ``X-Prefix-Tokens``): its value as an int where it is ASCII
+    digits (past ``MAX_HEADER_COUNT``: that), else None (absent, empty, signed, ``"²"``)."""
+    if not value or not (value.isascii() and value.isdigit()):
+        return None
+    return MAX_HEADER_COUNT if len(value) > 18 else int(value)
 
 
 async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float,
@@ -64,20 +73,29 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     (a batch's first prompt: the router sends no batch through here). ``endpoint`` and ``arrival`` as
     ``Server.start_generation`` takes them."""
     from hyla.server.errors import APIError
+    from hyla.server.generation import job_request
 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
-    allowed = request.headers.get(LOCAL_PREFILL_HEADER)
-    if allowed is None or isinstance(jobs[0].prompt, str):
+    value = request.headers.get(LOCAL_PREFILL_HEADER)
+    if value is None or isinstance(jobs[0].prompt, str):
         return None
-    if not (allowed.isascii() and allowed.isdigit()):
-        raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {allowed!r}")
+    allowed = header_count(value)
+    if allowed is None:
+        raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
     job, engine = jobs[0], server.admit()
+    if job.logprob_start_len >= 0 and len(job.prompt) - job.logprob_start_len > allowed:
+        return None  # (prompt logprobs from there on: those positions are computed here, whatever moves)
     try:
         held, cached = await asyncio.to_thread(engine.cached_tokens_by_tier, job.prompt, job.namespace)
-        if len(job.prompt) - cached <= int(allowed):
+        if job.logprob_start_len >= 0:
+            cached = min(cached, job.logprob_start_len)
+        if len(job.prompt) - cached <= allowed:
             return None
-    except ValueError:  # (a bad token id: served as usual, where the engine's 400 names the endpoint's field)
+        # a request the engine refuses (prompt + max_tokens past the context, a grammar that does not compile, more
+        # choices than it holds) is served as usual, to be refused there: it is not prefilled anywhere first
+        await asyncio.to_thread(engine.check_requests, [job_request(j) for j in jobs])
+    except ValueError:  # (a bad token id too: the engine's 400 names the endpoint's field)
         return None
     raise APIError(409, f"{len(job.prompt) - cached} tokens of this prompt are not cached here (at most {allowed} "
                         "are computed here): prefill it elsewhere", code=PREFILL_ELSEWHERE,
@@ -98,12 +116,13 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
     prefill = Job(job.prompt, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=list(job.checkpoints),
                   speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
-    kv_from = request.headers.get(KV_FROM_HEADER, "0")
-    if not (kv_from.isascii() and kv_from.isdigit()):
-        raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {kv_from!r}")
+    value = request.headers.get(KV_FROM_HEADER, "0")
+    kv_from = header_count(value)
+    if kv_from is None:
+        raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {value!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
-    return await prefix_response(server.admit(), job.prompt, job.namespace, int(kv_from))
+    return await prefix_response(server.admit(), job.prompt, job.namespace, kv_from)
 
 
 async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0) -> Response:

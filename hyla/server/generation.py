@@ -56,6 +56,14 @@ class Job:
     namespace: Any = None  # the prefix cache's partition (a cache_salt's: protocol.cache_namespace)
 
 
+def job_request(job: Job) -> dict[str, Any]:
+    """``job`` as the keyword arguments of ``Engine.generate`` (but its ``rid``)."""
+    text, ids = (job.prompt, None) if isinstance(job.prompt, str) else (None, job.prompt)
+    return dict(prompt=text, input_ids=ids, sampling_params=job.sampling_params, return_logprob=job.return_logprob,
+                checkpoints=job.checkpoints or None, logprob_start_len=job.logprob_start_len,
+                speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
+
+
 @dataclass
 class Choice:
     """What one job has produced so far: the text pieces, ids and logprobs of every chunk appended,
@@ -157,13 +165,8 @@ class Generation:
         submitted are aborted, and the generation is closed)."""
         try:
             for i, job in enumerate(jobs):
-                text, ids = (job.prompt, None) if isinstance(job.prompt, str) else (None, job.prompt)
                 rid = job.rid or f"{self.endpoint}-{uuid.uuid4().hex}"
-                stream = await self.engine.async_generate(
-                    prompt=text, input_ids=ids, sampling_params=job.sampling_params, stream=True,
-                    return_logprob=job.return_logprob, checkpoints=job.checkpoints or None, rid=rid,
-                    logprob_start_len=job.logprob_start_len, speculative_checkpoints=job.speculative_checkpoints,
-                    priority=job.priority, namespace=job.namespace)
+                stream = await self.engine.async_generate(**job_request(job), stream=True, rid=rid)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))
