@@ -860,10 +860,10 @@ def test_serve_with_dp_size_runs_workers_behind_the_router(tiny_ckpt_dir, tmp_pa
             httpx.get(w["url"] + "/health", timeout=2)
 
 
-def _fake_decode_worker(held: int):
+def _fake_decode_worker(held: int, import_seconds: float = 0.0):
     """A decode worker that sends every prompt it may (the router's local-prefill header) to prefill, saying its
-    device holds the KV of ``held`` tokens, and records what reaches it: imported prefixes and the requests it
-    serves."""
+    device holds the KV of ``held`` tokens, and records what reaches it: imported prefixes (each taking
+    ``import_seconds``) and the requests it serves."""
     app, seen = FastAPI(), {"imports": [], "served": []}
 
     @app.get("/health")
@@ -872,6 +872,7 @@ def _fake_decode_worker(held: int):
 
     @app.post("/import_prefix")
     async def import_prefix(request: Request):
+        await asyncio.sleep(import_seconds)
         seen["imports"].append(await request.body())
         return JSONResponse({"cached_tokens": 30, "prefix_tokens": 30})
 
@@ -920,6 +921,30 @@ def test_a_prefix_goes_to_the_decode_worker_it_was_made_for():
         assert answer.status_code == 200 and asked == ["7", "0"] and seen1 == {"imports": [], "served": []}
         assert seen0 == {"imports": [b"prefix bytes"] * 2, "served": ["a long prompt", "another"]}
         assert _counts(r.url, "hyla_router_prefix_imports_total") == {"imported": 2}
+
+
+def test_a_client_that_leaves_while_its_prompt_moves_is_not_served():
+    decode, seen = _fake_decode_worker(held=0, import_seconds=1.0)
+    prefill = FastAPI()
+
+    @prefill.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @prefill.post("/v1/completions")
+    async def prefill_only():
+        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+
+    with _Uvicorn(decode) as d, _Uvicorn(prefill) as p, \
+            _Uvicorn(create_router_app([d.url], prefill_urls=[p.url], health_interval=3600, local_prefill_tokens=0)) as r:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/v1/completions", json={"prompt": "gone"}, timeout=0.3)
+        deadline = time.monotonic() + 10
+        while httpx.get(r.url + "/workers").json()["workers"][0]["in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)  # (what the router would send next would have reached the worker by now)
+        assert seen == {"imports": [b"prefix bytes"], "served": []}
 
 
 def test_answers_the_router_cannot_read_cost_only_the_saving():
