@@ -654,21 +654,21 @@ def test_what_disaggregation_cannot_help_goes_to_the_decode_worker(workers, pd_r
     it refuses (an unknown model) reaches no prefill worker."""
     one = httpx.post(pd_router.url + "/generate", json={"input_ids": [7], "sampling_params": {"max_new_tokens": 3}})
     assert one.status_code == 200 and one.json()["meta_info"]["completion_tokens"] == 3
-    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1} and _routed(pd_router.url) == (1, 1)
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"local": 1} and _routed(pd_router.url) == (1, 0)
     batch = _client(pd_router.url).completions.create(model=MODEL, prompt=["First prompt " * 4, "Second prompt " * 4],
                                                        max_tokens=3, temperature=0)
-    assert len(batch.choices) == 2 and _routed(pd_router.url) == (2, 1)
+    assert len(batch.choices) == 2 and _routed(pd_router.url) == (2, 0)
     first = httpx.post(pd_router.url + "/v1/responses", json={"model": MODEL, "input": "Remember the number 42. " * 4,
                                                               "max_output_tokens": 4, "temperature": 0}).json()
-    assert _routed(pd_router.url) == (3, 2)
+    assert _routed(pd_router.url) == (3, 1)
     later = httpx.post(pd_router.url + "/v1/responses", json={"model": MODEL, "input": "Which number?", "max_output_tokens": 4,
                                                               "temperature": 0, "previous_response_id": first["id"]})
     assert later.status_code == 200 and later.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
-    assert _routed(pd_router.url) == (4, 2)
+    assert _routed(pd_router.url) == (4, 1)
     refused = httpx.post(pd_router.url + "/v1/chat/completions", json={"model": "nope", "messages": [SYSTEM]})
     assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
-    assert _routed(pd_router.url) == (5, 2)  # (the decode worker refused it first)
-    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"not_cached": 1, "exported": 1}
+    assert _routed(pd_router.url) == (5, 1)  # (the decode worker refused it first)
+    assert _counts(pd_router.url, "hyla_router_prefills_total") == {"local": 1, "exported": 1}
 
 
 def test_a_failed_prefill_worker_costs_only_the_saving(workers):

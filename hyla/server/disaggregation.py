@@ -84,14 +84,13 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if allowed is None:
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
     job, engine = jobs[0], server.admit()
-    if job.logprob_start_len >= 0 and len(job.prompt) - job.logprob_start_len > allowed:
-        return None  # (prompt logprobs from there on: those positions are computed here, whatever moves)
+    # how far a cached prefix can serve this request: all but the last token, or up to its prompt logprobs' start
+    usable = len(job.prompt) - 1 if job.logprob_start_len < 0 else min(job.logprob_start_len, len(job.prompt) - 1)
     try:
         held, cached = await asyncio.to_thread(engine.cached_tokens_by_tier, job.prompt, job.namespace)
-        if job.logprob_start_len >= 0:
-            cached = min(cached, job.logprob_start_len)
-        if len(job.prompt) - cached <= allowed:
-            return None
+        cached = min(cached, usable)
+        if len(job.prompt) - cached <= allowed or cached == usable:
+            return None  # (few enough to compute here, or nothing a move could add)
         # a request the engine refuses (prompt + max_tokens past the context, a grammar that does not compile, more
         # choices than it holds) is served as usual, to be refused there: it is not prefilled anywhere first
         await asyncio.to_thread(engine.check_requests, [job_request(j) for j in jobs])
