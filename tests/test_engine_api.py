@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import random
 import time
@@ -319,14 +320,23 @@ def test_bad_calls_of_the_other_methods_are_value_errors(engine):
 
 
 def test_duplicate_live_rid_is_refused_and_reusable_after_finish(engine):
+    """A request refused for its rid (streamed too: its stream, dropped, aborts nothing) leaves the live request
+    with that rid running to its end."""
     stream = engine.generate(input_ids=_ids(10, 12), rid="dup", stream=True,
-                             sampling_params={"temperature": 0, "max_new_tokens": 20, "ignore_eos": True})
+                             sampling_params={"temperature": 0, "max_new_tokens": 200, "ignore_eos": True})
     next(stream)
     with pytest.raises(ValueError, match="already in use"):
         engine.generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY)
     with pytest.raises(ValueError, match="already in use"):
+        engine.generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY, stream=True)
+    with pytest.raises(ValueError, match="already in use"):
+        asyncio.run(engine.async_generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY, stream=True))
+    with pytest.raises(ValueError, match="already in use"):
         engine.generate(input_ids=[_ids(5, 1), _ids(5, 2)], rid=["x", "x"], sampling_params=GREEDY)
-    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    gc.collect()
+    chunks = list(stream)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 200
     assert engine.generate(input_ids=_ids(10, 13), rid="dup", sampling_params=GREEDY)["meta_info"]["id"] == "dup"
 
 
@@ -483,6 +493,29 @@ def test_a_failed_step_whose_requests_cannot_finish_cleanly_leaves_the_engine_se
     assert again["meta_info"]["finish_reason"]["type"] == "length"
     engine.wait_idle()
     engine.check_integrity()
+
+
+def test_long_lists_in_sampling_params_are_checked_off_the_event_loop(engine, monkeypatch):
+    """Sampling params whose lists ``_make_requests`` walks one by one (millions of stop token ids or logit
+    biases: ~0.5 s per 4M) are checked in a worker thread, as long prompts are; short ones on the loop."""
+    import threading
+
+    from hyla.engine.engine import WORKER_THREAD_PROMPT_SIZE, _params_size
+
+    many = list(range(3, 103)) * (WORKER_THREAD_PROMPT_SIZE // 100 + 1)
+    assert _params_size({"stop_token_ids": many}) == len(many) and _params_size([None, {"stop": ["ab", "c"]}]) == 5
+    assert _params_size(SamplingParams(logit_bias={5: 1.0})) == 1 and _params_size({"stop": 7}) == 0
+    threads, real = [], engine._make_requests
+
+    def recorded(*a, **k):
+        threads.append(threading.current_thread())
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "_make_requests", recorded)
+    for params in ({"stop_token_ids": many}, {"stop_token_ids": many[:10]}):
+        out = asyncio.run(engine.async_generate(input_ids=_ids(8, 3), sampling_params={**GREEDY, **params}))
+        assert out["meta_info"]["finish_reason"] is not None
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
 
 
 def test_a_grammar_compiles_off_the_event_loop(monkeypatch):

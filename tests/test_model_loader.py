@@ -161,6 +161,14 @@ def test_unsupported_architecture_lists_supported(qwen3_next_dense_path, tmp_pat
 def test_missing_files_are_value_errors(qwen3_next_dense_path, tmp_path):
     with pytest.raises(ValueError, match="config.json"):
         load_model(tmp_path)
+    with pytest.raises(ValueError, match="cannot be read"):  # (a name the OS refuses: ENAMETOOLONG)
+        load_model(tmp_path / ("x" * 300))
+    good = json.loads((qwen3_next_dense_path / "config.json").read_text())
+    for text, match in (("[1, 2]", "JSON list, not an object"), ("null", "JSON NoneType"), ("{", "Expecting"),
+                        (json.dumps({**good, "layer_types": 5}), "malformed")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_model(tmp_path)
     shutil.copy(qwen3_next_dense_path / "config.json", tmp_path / "config.json")
     with pytest.raises(ValueError, match="safetensors"):
         load_model(tmp_path)

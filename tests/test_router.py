@@ -959,7 +959,7 @@ def test_answers_the_router_cannot_read_cost_only_the_saving():
         return JSONResponse({})
 
     @garbled.post("/{path:path}")
-    async def answer(path: str, request: Request):
+    async def garble(path: str, request: Request):
         if path == "export_prefix":  # (as many tokens as the body says)
             return Response(b"xx", media_type="application/octet-stream",
                             headers={PREFIX_TOKENS_HEADER: (await request.json())["length"]})

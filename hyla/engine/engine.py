@@ -447,12 +447,14 @@ class Engine:
                              logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
                              priority: int | list[int] | None = None) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
-        with a grammar, or long prompts (``WORKER_THREAD_PROMPT_SIZE``), are made in a worker thread:
-        compiling a grammar can take seconds (a large schema), tokenizing megabytes of text too, and
-        the event loop must not wait for either."""
+        with a grammar, long prompts or long lists in its sampling params (``WORKER_THREAD_PROMPT_SIZE``:
+        stop token ids, logit biases) are made in a worker thread: compiling a grammar can take seconds
+        (a large schema), tokenizing megabytes of text too, checking millions of ids half a second, and
+        the event loop must not wait for any of them."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
                                  rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream)
-        slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE
+        slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE \
+            or _params_size(sampling_params) > WORKER_THREAD_PROMPT_SIZE
         reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
             if not single:
@@ -927,18 +929,22 @@ class Engine:
 
     def _stream_sync(self, req: Req) -> RequestStream:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
-        stream = RequestStream(req.rid, self._abort_soon)
-        req.stream = True
-        req.on_output = stream.sink()
-        self._submit([req])
-        return stream
+        return self._submit_streamed(req, RequestStream(req.rid, self._abort_soon))
 
     def _stream_async(self, req: Req) -> AsyncRequestStream:
         """Submit now (so a full queue raises in ``async_generate``); iterate later."""
-        stream = AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop())
+        return self._submit_streamed(req, AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop()))
+
+    def _submit_streamed(self, req: Req, stream: Any) -> Any:
+        """``req`` submitted with ``stream`` as its output; a refused submission leaves a stream that aborts
+        nothing when dropped (its rid may be another live request's)."""
         req.stream = True
         req.on_output = stream.sink()
-        self._submit([req])
+        try:
+            self._submit([req])
+        except BaseException:
+            stream.never_submitted()
+            raise
         return stream
 
     def _abort_soon(self, rid: str) -> None:
@@ -1027,9 +1033,9 @@ def _check_timeout(timeout: Any) -> None:
 
 
 WORKER_THREAD_PROMPT_SIZE = 1 << 16
-"""Prompts of more characters (or token ids) than this in all make their requests in a worker
-thread in ``async_generate`` (tokenizing 64K characters takes ~10 ms here; a 20 MB prompt, half a
-minute)."""
+"""Prompts of more characters (or token ids) than this in all, and sampling params with more entries
+(``_params_size``), make their requests in a worker thread in ``async_generate`` (tokenizing 64K
+characters takes ~10 ms here; a 20 MB prompt, half a minute; checking 4M stop token ids, 0.5 s)."""
 
 
 def _prompt_size(prompt: Any, input_ids: Any) -> int:
@@ -1042,6 +1048,21 @@ def _prompt_size(prompt: Any, input_ids: Any) -> int:
     if isinstance(input_ids, (list, tuple)):
         return sum(len(x) if isinstance(x, (list, tuple)) else 1 for x in input_ids)
     return 0
+
+
+def _params_size(sampling_params: Any) -> int:
+    """Entries of ``generate``'s ``sampling_params`` (a dict, a ``SamplingParams`` or a list of them) that
+    making the requests checks one by one: stop token ids, logit biases, stop strings' characters (malformed
+    ones count nothing: ``SamplingParams`` refuses them)."""
+    total = 0
+    for p in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        for key in ("stop_token_ids", "logit_bias", "stop"):
+            value = p.get(key) if isinstance(p, dict) else getattr(p, key, None)
+            if isinstance(value, str):
+                total += len(value)
+            elif isinstance(value, (list, tuple, dict)):
+                total += len(value) + (sum(len(v) for v in value if isinstance(v, str)) if key == "stop" else 0)
+    return total
 
 
 def _asks_for_grammar(sampling_params: Any) -> bool:

@@ -53,6 +53,11 @@ class _Stream:
             put((chunk, done))
         return on_output
 
+    def never_submitted(self) -> None:
+        """The request was refused at submission (its id in use, a full queue): closing or dropping the
+        stream aborts nothing (the id may be another live request's)."""
+        self._done = True
+
     def close(self) -> None:
         """Stop listening: abort the request unless it has ended. Idempotent."""
         if not self._done:

@@ -49,8 +49,13 @@ its scales in an FP8 checkpoint (``FP8_DTYPES``)."""
 
 
 def read_config(path: str | os.PathLike, dtype: str | torch.dtype | None = None) -> ModelConfig:
-    """``ModelConfig`` of the checkpoint directory ``path`` (no weights read)."""
-    return ModelConfig.from_hf(_config_json(path), dtype=dtype)
+    """``ModelConfig`` of the checkpoint directory ``path`` (no weights read). ``ValueError`` for a config.json
+    that does not describe a model hyla reads, a field of the wrong type among them."""
+    config = _config_json(path)
+    try:
+        return ModelConfig.from_hf(config, dtype=dtype)
+    except (TypeError, KeyError, AttributeError, IndexError) as exc:  # (a field of another type than HF's)
+        raise ValueError(f"{path}/config.json: a field hyla reads is malformed ({type(exc).__name__}: {exc})") from None
 
 
 def read_quantization(path: str | os.PathLike) -> Fp8Scheme | None:
@@ -63,11 +68,21 @@ def read_quantization(path: str | os.PathLike) -> Fp8Scheme | None:
 
 
 def _config_json(path: str | os.PathLike) -> dict:
+    """The checkpoint directory ``path``'s config.json, a JSON object; ``ValueError`` for anything else (no such
+    file, a path the OS refuses, invalid JSON, another JSON value)."""
     config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{path} has no config.json")
-    with open(config_file) as f:
-        return json.load(f)
+    try:
+        if not config_file.is_file():
+            raise ValueError(f"{path} has no config.json")
+        with open(config_file) as f:
+            config = json.load(f)  # (invalid JSON: a ValueError)
+    except OSError as exc:  # (a name too long, a directory not readable)
+        raise ValueError(f"{path}: config.json cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{config_file} is not UTF-8 JSON ({exc.reason})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 def _shard_map(path: Path) -> dict[str, Path]:
