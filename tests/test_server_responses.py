@@ -186,6 +186,14 @@ def test_get_a_stored_response_and_store_false(server, client):
         client.responses.create(model=MODEL, input="Go on.", previous_response_id=unstored.id, max_output_tokens=2)
     assert info.value.body["param"] == "previous_response_id"
     assert info.value.body["code"] == "previous_response_not_found"
+    # a deleted response is gone: neither retrieved nor continued; a second delete is a 404
+    deleted = httpx.delete(f"{server.url}/v1/responses/{r.id}")
+    assert deleted.status_code == 200 and deleted.json() == {"id": r.id, "object": "response", "deleted": True}
+    assert httpx.get(f"{server.url}/v1/responses/{r.id}").status_code == 404
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="Go on.", previous_response_id=r.id, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
 
 
 def test_response_store_is_bounded_lru():

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET /v1/responses/{response_id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``.
 
 A response is a chat completion underneath. A request, top-down: check the model; the
 conversation is the stored conversation of ``previous_response_id`` (its input and output, without
@@ -60,6 +60,11 @@ _PARAMS = {"messages": "input", "prompt": "input", "input_ids": "input", "respon
            "max_new_tokens": "max_output_tokens", "chat_template_kwargs": "input"}
 
 
+def _not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id {response_id!r} not found.", type="not_found_error",
+                    param="response_id", code="response_not_found")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -88,6 +93,10 @@ class ResponseStore:
         if stored is not None:
             self._items.move_to_end(response_id)
         return stored
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a stored response; whether there was one."""
+        return self._items.pop(response_id, None) is not None
 
     def __len__(self) -> int:
         return len(self._items)
@@ -217,14 +226,21 @@ class ResponsesRoutes:
         router = APIRouter()
         router.post("/v1/responses")(self.create)
         router.get("/v1/responses/{response_id}")(self.retrieve)
+        router.delete("/v1/responses/{response_id}")(self.delete)
         return router
 
     async def retrieve(self, response_id: str) -> JSONResponse:
         stored = self.store.get(response_id)
         if stored is None:
-            raise APIError(404, f"Response with id {response_id!r} not found.", type="not_found_error",
-                           param="response_id", code="response_not_found")
+            raise _not_found(response_id)
         return JSONResponse(stored.response)
+
+    async def delete(self, response_id: str) -> JSONResponse:
+        """OpenAI's ``DELETE /v1/responses/{id}``: the stored response is gone (neither retrieved nor continued
+        with ``previous_response_id`` after this); a 404 where none is stored."""
+        if not self.store.delete(response_id):
+            raise _not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
