@@ -297,6 +297,8 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers
             assert follow.previous_response_id == made.id and follow.usage.input_tokens_details.cached_tokens > 0
         assert via.responses.retrieve(made.id).id == made.id
         assert httpx.get(r.url + "/v1/responses/resp_0123").status_code == 404
+        assert httpx.delete(r.url + f"/v1/responses/{made.id}").json()["deleted"]  # (where it is stored)
+        assert httpx.get(workers[1].url + f"/v1/responses/{made.id}").status_code == 404
 
 
 def test_errors_and_broadcasts_pass_through(workers, router):
