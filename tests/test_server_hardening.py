@@ -72,19 +72,20 @@ def test_developer_role_is_served_as_system(server):
     assert dev.choices[0].message.content == sys_.choices[0].message.content
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x \ud800 y"}]}),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}),
-    ("/v1/chat/completions", {**CHAT, "stop": ["\ud83d"]}),
-    ("/v1/completions", {"model": MODEL, "prompt": "cut emoji \ud83d", "max_tokens": 2}),
-    ("/generate", {"text": "x \ud800", "sampling_params": {"max_new_tokens": 2}}),
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "x \ud800 y"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+     "messages.0.content.0.text"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["\ud83d"]}, "stop.0"),
+    ("/v1/completions", {"model": MODEL, "prompt": "cut emoji \ud83d", "max_tokens": 2}, "prompt"),
+    ("/generate", {"text": "x \ud800", "sampling_params": {"max_new_tokens": 2}}, "text"),
 ])
-def test_lone_surrogate_is_400(server, path, body):
-    """The body holds the escape \\ud800, as a JavaScript client's JSON.stringify writes it."""
+def test_lone_surrogate_is_400(server, path, body, param):
+    """The body holds the escape \\ud800, as a JavaScript client's JSON.stringify writes it: a 400 naming the field."""
     raw = json.dumps(body).encode()  # ensure_ascii: every non-ASCII character escaped
     err = _assert_error(_post(server, path, content=raw, headers={"content-type": "application/json"}),
                         400, "invalid_request_error")
-    assert "surrogate" in err["message"]
+    assert "surrogate" in err["message"] and err["param"] == param
 
 
 def test_surrogate_pair_is_text(server):

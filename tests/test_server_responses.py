@@ -358,7 +358,7 @@ def test_text_format_json_schema(server, client):
                  "tool_choice", id="unknown-function"),
     pytest.param({"input": "hi", "tool_choice": "required"}, "tool_choice", id="required-without-tools"),
     pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": "required",
-                  "text": {"format": {"type": "json_object"}}}, "text", id="forced-call-and-format"),
+                  "text": {"format": {"type": "json_object"}}}, "text.format", id="forced-call-and-format"),
     pytest.param({"input": "hi", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text.format.name",
                  id="schema-without-name"),
     pytest.param({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",

@@ -182,7 +182,8 @@ class _Request(_Strict):
     def _check_unicode(cls, data: Any) -> Any:
         where = _lone_surrogate_at(data)
         if where is not None:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate (half of a surrogate pair): not valid Unicode text")
+            raise FieldError(where, f"{where} holds a lone UTF-16 surrogate (half of a surrogate pair): not valid "
+                                    "Unicode text")
         return data
 
 

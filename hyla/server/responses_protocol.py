@@ -303,7 +303,7 @@ class ResponsesRequest(_Request):
             raise FieldError("tool_choice", "tool_choice required needs tools")
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, FunctionToolChoice)
         if forced and self.text_format().type != "text":
-            raise FieldError("text", "text.format cannot be combined with tool_choice required or a named function")
+            raise FieldError("text.format", "text.format cannot be combined with tool_choice required or a named function")
         return self
 
     def items(self) -> list[InputItem]:
