@@ -265,13 +265,14 @@ def test_detokenize_refuses_ids_beyond_the_models_vocabulary(server, engine):
     assert _ok(_post(server, "/detokenize", {"tokens": []})) == {"prompt": ""}
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"", b'"x"', b'{"prompt": "\\ud800"}',
-                                     b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}'])
-def test_malformed_bodies_are_400(server, content):
-    """Not JSON, not an object, or a lone UTF-16 surrogate (not Unicode text)."""
+@pytest.mark.parametrize("content, param", [
+    (b"{not json", None), (b"[1, 2]", None), (b"", None), (b'"x"', None), (b'{"prompt": "\\ud800"}', "prompt"),
+    (b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages.0.content")])
+def test_malformed_bodies_are_400(server, content, param):
+    """Not JSON, not an object, or a lone UTF-16 surrogate (not Unicode text: where it is named)."""
     for path in ("/tokenize", "/detokenize"):
         resp = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
-        _assert_error(resp, 400, None)
+        _assert_error(resp, 400, param)
 
 
 def test_prompt_cap_is_413_before_tokenizing(server, engine, monkeypatch):
