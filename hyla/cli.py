@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     name, rest = argv[0], argv[1:]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub_parser = argparse.ArgumentParser(prog=f"hyla {name}", description=SUBCOMMANDS[name][1])
+    # (no abbreviations: `hyla serve --dp 2` would reach each worker, whose flags are matched by their full names)
+    sub_parser = argparse.ArgumentParser(prog=f"hyla {name}", description=SUBCOMMANDS[name][1], allow_abbrev=False)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(rest)
     args.given_argv = rest  # the subcommand's own arguments as given (`hyla serve --dp-size` passes them on)

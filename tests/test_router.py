@@ -8,6 +8,7 @@ worker holding its prefix (its later turns report cached tokens).
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import threading
@@ -977,3 +978,91 @@ def test_answers_the_router_cannot_read_cost_only_the_saving():
         for length, status in (("\u00b2", 404), ("9" * 5000, 200)):  # (not a length: the first worker's answer, the
             exported = httpx.post(r.url + "/export_prefix", json={"input_ids": [1, 2, 3], "length": length})
             assert exported.status_code == status  # decode worker's 404; past 10^18 tokens: the longest)
+
+
+def test_what_the_router_cannot_pass_on_as_it_came_is_an_answer_not_a_500():
+    """Bytes httpx would refuse or rewrite: a worker's header outside latin-1 and a client's outside ASCII pass
+    through as they came (no 500, no in-flight count left behind); a body nested past Python's recursion limit
+    reaches the worker (it answers it); a path with a control character or a dot segment (which the worker's URL
+    would resolve: ``/v1/../update_weights_from_disk`` reaching one worker, not the broadcast) is a 404 here; a
+    worker dying inside a whole answer drops the client's connection, so the answer cannot look complete; CORS is
+    answered by the router itself, as by a worker."""
+    app, _ = _fake_worker()
+
+    @app.post("/odd")
+    async def odd():
+        return Response(b"{}", media_type="application/json", headers={"x-note": "\u20ac".encode().decode("latin-1")})
+
+    @app.post("/v1/short")
+    async def short():
+        return Response(b"x" * 11, headers={"content-length": "100"})
+
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=3600)) as r:
+        odd_answer = httpx.post(r.url + "/odd")
+        assert odd_answer.status_code == 200 and (b"x-note", "\u20ac".encode()) in odd_answer.headers.raw
+        sent = httpx.post(r.url + "/v1/completions", json={"prompt": "p"}, headers={"user-agent": "caf\xe9".encode("latin-1")})
+        assert sent.status_code == 200
+        nested = httpx.post(r.url + "/v1/completions", content=b"[" * 100000, headers={"content-type": "application/json"})
+        assert nested.status_code == 200 and json.loads(nested.json()["body"][:0] or "0") == 0  # (the worker echoed it)
+        for path in ("/v1/models%00", "/v1/../update_weights_from_disk", "/v1/responses/..%2F..%2Fflush_cache"):
+            conn = http.client.HTTPConnection(r.url.removeprefix("http://"), timeout=30)  # (httpx would resolve "..")
+            conn.request("POST", path, body=b"{}", headers={"content-type": "application/json"})
+            refused = conn.getresponse()
+            assert refused.status == 404 and json.loads(refused.read())["error"]["code"] == "not_found", path
+            conn.close()
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(r.url + "/v1/short")
+        preflight = httpx.options(r.url + "/v1/completions", headers={
+            "origin": "https://a.example", "access-control-request-method": "POST"})
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+        deadline = time.monotonic() + 10
+        while httpx.get(r.url + "/workers").json()["workers"][0]["in_flight"]:
+            assert time.monotonic() < deadline, "an in-flight count was left behind"
+            time.sleep(0.05)
+
+
+def test_a_stored_responses_owner_is_the_worker_that_returns_it():
+    """A worker that fails (500) or stalls when asked for a stored response is not taken for its owner: the
+    worker that returns it is, and the request goes there. A draining owner's 503 is the client's answer (another
+    worker does not hold the response). Only requests a worker took count toward its prefix table."""
+    failing, stalling, holder = FastAPI(), FastAPI(), FastAPI()
+    state = {"draining": False}
+
+    for app in (failing, stalling, holder):
+        app.get("/health")(lambda: JSONResponse({}))
+
+    @failing.get("/v1/responses/{rid}")
+    async def boom(rid: str):
+        return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+    @stalling.get("/v1/responses/{rid}")
+    async def stall(rid: str):
+        await asyncio.sleep(30)
+
+    @holder.get("/v1/responses/{rid}")
+    async def held(rid: str):
+        return JSONResponse({"id": rid})
+
+    @holder.post("/v1/responses")
+    async def create(request: Request):
+        if (await request.json())["input"].startswith("c"):  # (a request it refuses: it computes nothing)
+            return JSONResponse({"error": {"message": "bad", "code": None}}, status_code=400)
+        if state["draining"]:
+            return JSONResponse({"error": {"message": "shutting down", "code": "server_shutting_down"}}, status_code=503)
+        return JSONResponse({"id": "resp_new", "from": "holder"})
+
+    with _Uvicorn(failing) as a, _Uvicorn(stalling) as b, _Uvicorn(holder) as c, \
+            _Uvicorn(create_router_app([a.url, b.url, c.url], health_interval=3600)) as r, \
+            pytest.MonkeyPatch.context() as mp:
+        mp.setattr("hyla.router.app.OWNER_LOOKUP_SECONDS", 0.5)
+        follow = httpx.post(r.url + "/v1/responses", json={"input": "a" * 300, "previous_response_id": "resp_abc"},
+                            timeout=20)
+        assert follow.status_code == 200 and follow.json()["from"] == "holder"
+        tables = [w["table_blocks"] for w in httpx.get(r.url + "/workers").json()["workers"]]
+        assert tables[:2] == [0, 0] and tables[2] > 0
+        state["draining"] = True
+        refused = httpx.post(r.url + "/v1/responses", json={"input": "b" * 300, "previous_response_id": "resp_abc"})
+        assert refused.status_code == 503
+        bad = httpx.post(r.url + "/v1/responses", json={"input": "c" * 300, "previous_response_id": "resp_abc"})
+        assert bad.status_code == 400
+        assert [w["table_blocks"] for w in httpx.get(r.url + "/workers").json()["workers"]] == tables

@@ -67,6 +67,16 @@ def test_help_explains_every_flag(capsys):
     assert "--no-enable-prefix-cache" in out and "--api-key" in out and "--port" in out
 
 
+@pytest.mark.parametrize("argv", [["serve", "--dp", "2"], ["serve", "--prefill-w", "1"], ["route", "--worker", "http://a"]])
+def test_abbreviated_flags_are_refused(argv, capsys):
+    """``--dp 2`` for ``--dp-size 2`` would be passed on to each worker, which matches flags by their full names
+    (``hyla serve --dp-size``): each would start a data-parallel set of its own."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and ("unrecognized arguments" in err or "required: --worker-urls" in err)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--page-size", "0"], "page_size"),
     (["--dtype", "int3"], "dtype"),

@@ -73,6 +73,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
+from hyla.server.cors import add_cors
 from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE,
                                        PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER, header_count)
 
@@ -88,7 +89,8 @@ DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection",
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
 DEFAULT_LOCAL_PREFILL_TOKENS = 512  # a decode worker lacking no more of a prompt computes it itself
-PARSE_IN_THREAD_BYTES = 1 << 20  # a body this large is parsed off the event loop
+OWNER_LOOKUP_SECONDS = 5.0  # how long a worker may take to say whether it stores a response
+PARSE_IN_THREAD_BYTES = 1 << 16  # a body this large is parsed off the event loop (1 MiB of tiny list items: ~0.5 s)
 MAX_REMEMBERED_RESPONSES = 100_000  # response id -> its worker, least recently made dropped first
 
 
@@ -178,9 +180,9 @@ def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
     """A request body's JSON (None where it is not JSON: the worker answers that) and its routing key."""
     try:
         body = json.loads(raw) if raw else None
-    except ValueError:
-        body = None
-    return body, routing_key(path, body)
+        return body, routing_key(path, body)
+    except (ValueError, RecursionError):  # (not JSON, or nested past Python's recursion limit)
+        return None, None
 
 
 def _error_code(data: bytes) -> str | None:
@@ -192,13 +194,23 @@ def _error_code(data: bytes) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
-def _headers(response: Response, pairs: Sequence[tuple[str, str]]) -> Response:
-    """``response`` with a worker's headers, each as many times as it came (``set-cookie``), but those
-    of the connection and those the router's server writes itself."""
+def _headers(response: Response, upstream: httpx.Response) -> Response:
+    """``response`` with the worker's headers as they came (their bytes: a value outside latin-1 passes through),
+    each as many times (``set-cookie``), but those of the connection and those the router's server writes itself."""
     own = [(k, v) for k, v in response.raw_headers if k == b"content-length"]  # (of a body the router holds)
-    response.raw_headers = own + [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs
-                                  if k.lower() not in DROPPED_RESPONSE_HEADERS]
+    response.raw_headers = own + [(k.lower(), v) for k, v in upstream.headers.raw
+                                  if k.lower().decode("latin-1") not in DROPPED_RESPONSE_HEADERS]
     return response
+
+
+def _safe_path(path: str) -> bool:
+    """Whether a request path may be put after a worker's URL as it is: no control characters (httpx refuses
+    them) and no ``.`` or ``..`` segment (httpx would resolve it: ``/v1/../update_weights_from_disk`` would reach
+    one worker, not the broadcast)."""
+    return not any(c < " " or c == "\x7f" for c in path) and not ({".", ".."} & set(path.split("/")))
+
+
+RESPONSE_ID_FORM = re.compile(r"[A-Za-z0-9_-]{1,256}")  # a stored response's id the router looks up (resp_<hex>)
 
 
 @dataclass
@@ -334,17 +346,19 @@ class RouterApp:
             return None
         if rid in self.response_owner:
             return self.response_owner[rid]
+        if not RESPONSE_ID_FORM.fullmatch(rid):
+            return None  # (no response has such an id: any worker answers so)
         headers = self.forwarded_headers(request)
         for i, w in enumerate(self.workers):
             if not w.healthy:
                 continue
-            try:
-                answer = await self.client.get(f"{w.url}/v1/responses/{rid}", headers=headers)
+            try:  # (a worker that stalls or fails here is not the owner: the next is asked)
+                answer = await self.client.get(f"{w.url}/v1/responses/{rid}", headers=headers,
+                                               timeout=OWNER_LOOKUP_SECONDS)
             except httpx.HTTPError:
                 continue
-            if answer.status_code != 404:
-                if answer.status_code == 200:
-                    self._remember(rid, i)
+            if answer.status_code == 200:
+                self._remember(rid, i)
                 return i
         return None
 
@@ -415,17 +429,17 @@ class RouterApp:
                 self._done(w)
                 if _error_code(data) != PREFILL_ELSEWHERE:  # (another 409: the client's answer)
                     w.routed += 1
-                    return _headers(Response(data, status_code=409), upstream.headers.multi_items())
+                    return _headers(Response(data, status_code=409), upstream)
                 # it computed nothing: the prompt is long and new to it, a prefill worker computes it for it
                 ask, pinned = False, i
-                held = upstream.headers.get(CACHED_TOKENS_HEADER, "0")  # (its KV need not travel)
+                held = str(header_count(upstream.headers.get(CACHED_TOKENS_HEADER)) or 0)  # (its KV need not travel)
                 prefix = await self.prefill(request, path, raw, key, {**headers, KV_FROM_HEADER: held})
                 if isinstance(prefix, Response):
                     return prefix
                 continue
             if ask and upstream.status_code < 400:
                 self.prefills.labels("local").inc()
-            if upstream.status_code == 503 and len(tried) + 1 < len(self.workers):
+            if upstream.status_code == 503 and owner is None and len(tried) + 1 < len(self.workers):
                 # the worker is shutting down or its engine is not running: another one may serve it
                 self._retry_elsewhere(w, i, tried, "answered 503")
                 await upstream.aclose()
@@ -439,9 +453,14 @@ class RouterApp:
                 continue
             w.routed += 1
             self.requests.labels(w.url, why).inc()
-            if path in ROUTED_PATHS and upstream.status_code < 500:
+            if path in ROUTED_PATHS and upstream.status_code < 400:  # (a worker that refused it computed nothing)
                 self.router.record(i, key)
-            return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+            try:
+                return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+            except BaseException:
+                self._done(w)
+                await upstream.aclose()
+                raise
 
     # ------------------------------------------------------------------------------------------
     # prefill/decode disaggregation
@@ -505,7 +524,7 @@ class RouterApp:
                 return None
             if 400 <= status < 500:
                 self.prefills.labels("refused").inc()
-                return _headers(Response(data, status_code=status), upstream.headers.multi_items())
+                return _headers(Response(data, status_code=status), upstream)
             logger.warning("prefill worker %s answered %d: the decode worker computes the prompt", w.url, status)
             self.prefills.labels("failed").inc()
             return None
@@ -586,10 +605,14 @@ class RouterApp:
                                        type="invalid_request_error", code="request_too_large"), status_code=413)
 
     @staticmethod
-    def forwarded_headers(request: Request) -> dict[str, str]:
-        """The client's headers a worker needs, and no compression: the answer's bytes pass through as
-        they come."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
+    def forwarded_headers(request: Request) -> dict[str, str | bytes]:
+        """The client's headers a worker needs (their bytes as they came: a value outside ASCII passes through),
+        and no compression: the answer's bytes pass through as they come."""
+        headers: dict[str, str | bytes] = {}
+        for k, v in request.headers.raw:
+            name = k.decode("latin-1").lower()
+            if name in FORWARDED_REQUEST_HEADERS:
+                headers[name] = v
         headers["accept-encoding"] = "identity"
         return headers
 
@@ -624,12 +647,13 @@ class RouterApp:
                     yield chunk
             except httpx.TransportError as exc:
                 self._fail(w, f"failed mid-answer ({exc!r})")
-                if events:
-                    error = error_body(f"worker {w.url} failed mid-stream", type="bad_gateway", code="worker_failed")
-                    yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                if not events:
+                    raise  # (the client's connection is dropped: a whole answer cut short must not look complete)
+                error = error_body(f"worker {w.url} failed mid-stream", type="bad_gateway", code="worker_failed")
+                yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await close()
-        return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream.headers.multi_items())
+        return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream)
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
@@ -658,7 +682,7 @@ class RouterApp:
             return failed
         bad = [a for a in answers if a.status_code >= 400]
         first = bad[0] if bad else answers[0]
-        return _headers(Response(first.content, status_code=first.status_code), first.headers.multi_items())
+        return _headers(Response(first.content, status_code=first.status_code), first)
 
     async def export_prefix(self, request: Request) -> Response:
         """``/export_prefix`` asked of every healthy worker (the router does not know which holds the
@@ -676,7 +700,7 @@ class RouterApp:
         found = [(n, a) for a in answers if a.status_code == 200
                  and (n := header_count(a.headers.get(PREFIX_TOKENS_HEADER))) is not None]
         best = max(found, key=lambda na: na[0])[1] if found else answers[0]
-        return _headers(Response(best.content, status_code=best.status_code), best.headers.multi_items())
+        return _headers(Response(best.content, status_code=best.status_code), best)
 
     async def _send_to_each(self, request: Request, path: str, raw: bytes,
                             workers: list[Worker]) -> list[httpx.Response | Exception]:
@@ -726,9 +750,11 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
                       balance_abs: int = 64, balance_rel: float = 1.5, max_blocks: int = 1 << 18,
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
-                      prefill_urls: Sequence[str] = (), local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS) -> FastAPI:
+                      prefill_urls: Sequence[str] = (), local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS,
+                      **cors: Any) -> FastAPI:
     """The router's FastAPI app over ``worker_urls`` (with ``prefill_urls``: the decode workers, and
-    those the prefill workers; the module docstring); ``app.state.router`` is its ``RouterApp``."""
+    those the prefill workers; the module docstring); ``app.state.router`` is its ``RouterApp``. ``cors``:
+    ``hyla.server.cors.add_cors``' options, as a worker's (default: any origin), answered by the router itself."""
     def policy_over(urls: Sequence[str]) -> Router:
         return Router(len(urls), policy, cache_threshold, balance_abs, balance_rel, max_blocks)
 
@@ -750,6 +776,7 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
 
     app = FastAPI(title="hyla router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
+    add_cors(app, **cors)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
@@ -775,6 +802,9 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
         path = "/" + path
         if not state.authorized(request):
             return state.unauthorized()
+        if not _safe_path(path):
+            return JSONResponse(error_body(f"no such path: {path!r}", type="not_found_error", code="not_found"),
+                                status_code=404)
         if path == "/export_prefix" and request.method == "POST":
             return await state.export_prefix(request)
         if path in BROADCAST_PATHS and request.method == "POST":

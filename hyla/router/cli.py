@@ -7,6 +7,7 @@ import logging
 import sys
 
 from hyla.router.policy import POLICIES
+from hyla.server.cors import add_cors_arguments, cors_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30100
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the header goes on to the workers, so start them with the same key.")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="Seconds between health checks of the workers (default 5).")
+    add_cors_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                                 balance_abs=args.balance_abs_threshold, balance_rel=args.balance_rel_threshold,
                                 max_blocks=args.max_table_blocks, health_interval=args.health_interval,
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
-                                prefill_urls=args.prefill_urls, local_prefill_tokens=args.local_prefill_tokens)
+                                prefill_urls=args.prefill_urls, local_prefill_tokens=args.local_prefill_tokens,
+                                **cors_options(args))
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2

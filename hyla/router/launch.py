@@ -74,6 +74,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
     import uvicorn
 
     from hyla.router.app import create_router_app
+    from hyla.server.cors import cors_options
 
     n = args.dp_size + args.prefill_workers
     try:
@@ -104,8 +105,9 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                     pass
                 time.sleep(0.5)
         urls = [url for _, url in workers]
-        app = create_router_app(urls[:args.dp_size], api_key=args.api_key,  # (the workers' key too)
-                                prefill_urls=urls[args.dp_size:], local_prefill_tokens=args.local_prefill_tokens)
+        app = create_router_app(urls[:args.dp_size], api_key=args.api_key,  # (the workers' key, body cap and CORS too)
+                                max_request_bytes=args.max_request_bytes, prefill_urls=urls[args.dp_size:],
+                                local_prefill_tokens=args.local_prefill_tokens, **cors_options(args))
         logger.info("the %d workers serve (%d prefill only); the router listens on http://%s:%d", n,
                     args.prefill_workers, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,

@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.engine import DEFAULT_MODEL_DIR, Engine
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
+from hyla.server.cors import add_cors
 from hyla.server.errors import APIError, add_error_handlers
 from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
@@ -281,9 +281,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     app.state.server = server
     app.add_middleware(_LimitBody, max_bytes=max_request_bytes, max_large_bytes=max_prefix_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)  # counts the 413s too
-    if allowed_origins:  # outermost: a browser reads every answer, errors too; preflights need no API key
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
-                           allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+    add_cors(app, allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])

@@ -11,7 +11,6 @@ cannot drift apart.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import socket
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hyla.engine.args import EngineArgs
+from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.protocol import DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
@@ -74,16 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
                              "/import_prefix), "
                              "/tokenize and /detokenize; /health and /metrics stay open (default: no key).")
-    parser.add_argument("--allowed-origins", type=_json_strings, default=["*"], metavar="JSON",
-                        help='CORS: the origins whose browser pages may call the API, a JSON list (vLLM\'s flag; '
-                             'default ["*"]: any, as vLLM and SGLang; [] sends no CORS headers, so browsers refuse '
-                             'every other origin).')
-    parser.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
-                        help='CORS: the methods allowed, a JSON list (default ["*"]).')
-    parser.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
-                        help='CORS: the request headers allowed, a JSON list (default ["*"]).')
-    parser.add_argument("--allow-credentials", action="store_true",
-                        help="CORS: allow credentials (cookies, HTTP authentication) in cross-origin requests.")
+    add_cors_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")
@@ -117,17 +108,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                help=help_text + shown)
     group.add_argument("--skip-server-warmup", dest="warmup", action="store_const", const="off",
                        help="--warmup off (SGLang's flag).")  # after --warmup: its default is the dest's
-
-
-def _json_strings(text: str) -> list[str]:
-    """A flag's JSON list of strings (``'["https://a.example"]'``)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text}")
-    return value
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,9 +178,7 @@ def run(args: argparse.Namespace) -> int:
                      max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                      max_prefix_bytes=args.max_prefix_bytes,
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser, allowed_origins=args.allowed_origins,
-                     allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-                     allow_credentials=args.allow_credentials, **options)
+                     reasoning_parser=args.reasoning_parser, **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)
