@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import random
 import time
 
@@ -694,3 +695,46 @@ def test_an_engine_shut_down_refuses_work_and_waits_for_nothing(qwen3_next_dense
     start = time.monotonic()
     eng.wait_idle(timeout=30)  # returns at once (it waited out its timeout, then raised TimeoutError)
     assert time.monotonic() - start < 5
+
+
+def test_cancelling_a_batch_aborts_only_its_unfinished_requests(engine):
+    """A batch's ``async_generate`` cancelled after one of its requests finished aborts the others, not the
+    finished one's rid, which a new request may hold by then."""
+    async def main():
+        batch = asyncio.create_task(engine.async_generate(
+            input_ids=[_ids(6, 1), _ids(6, 2)], rid=["first", "second"],
+            sampling_params=[{**GREEDY, "max_new_tokens": 1}, {**GREEDY, "max_new_tokens": 2000}]))
+        deadline = time.monotonic() + 60
+        while "first" in engine._live or "second" not in engine._live:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        again = asyncio.create_task(engine.async_generate(input_ids=_ids(6, 3), rid="first",
+                                                          sampling_params={**GREEDY, "max_new_tokens": 20}))
+        await asyncio.sleep(0.05)
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        return await asyncio.wait_for(again, 60)
+
+    out = asyncio.run(main())
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["completion_tokens"] == 20
+    engine.wait_idle()
+    engine.check_integrity()
+
+
+def test_timeouts_without_a_limit_and_check_requests_input(engine):
+    """``math.inf`` (no limit) waits as long as it takes, where ``Future.result`` overflowed; ``wait_idle(0)`` on
+    an idle engine returns; ``check_requests`` refuses what is not a list of dicts with a ValueError, and takes no
+    request id from the counter (an unseeded request's sampling seed derives from its id)."""
+    engine.wait_idle(0)
+    assert engine.flush_cache(timeout=math.inf) and engine.cached_tokens(_ids(5, 1), timeout=1e300) == 0
+    for bad in (None, [None], [[("input_ids", [1])]], "x"):
+        with pytest.raises(ValueError, match="list of dicts"):
+            engine.check_requests(bad)
+    for timeout in (-1, "x", True):
+        with pytest.raises(ValueError, match="timeout"):
+            engine.wait_idle(timeout)
+    before = engine.generate(input_ids=_ids(5, 2), sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
+    engine.check_requests([{"input_ids": _ids(5, 2)}])
+    after = engine.generate(input_ids=_ids(5, 2), sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
+    assert int(after.removeprefix("req-")) == int(before.removeprefix("req-")) + 1

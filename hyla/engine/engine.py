@@ -468,8 +468,9 @@ class Engine:
         try:
             outs = await asyncio.gather(*futures)
         except asyncio.CancelledError:
-            for req in reqs:
-                self.abort(req.rid)
+            for req, fut in zip(reqs, futures):
+                if not fut.done():  # (a finished request's rid may already be another live request's)
+                    self.abort(req.rid)
             raise
         return outs[0] if single else outs
 
@@ -478,13 +479,16 @@ class Engine:
         its keyword arguments, ``stream`` aside) for what it asks, or all of them together as more than the
         engine ever holds at once; nothing is submitted. For a server that decides where a request runs
         before running it (prefill/decode disaggregation). A grammar is compiled as ``generate`` compiles it."""
+        if not isinstance(requests, (list, tuple)) or not all(isinstance(kw, dict) for kw in requests):
+            raise ValueError("check_requests takes a list of dicts of generate's keyword arguments")
         count = 0
         for kw in requests:
             unknown = set(kw) - _CHECKED_ARGUMENTS
             if unknown:
-                raise ValueError(f"check_requests: unknown argument(s) {sorted(unknown)}")
+                raise ValueError(f"check_requests: unknown argument(s) {sorted(unknown, key=str)}")
             reqs, _ = self._make_requests(**{**dict.fromkeys(("prompt", "input_ids", "sampling_params", "checkpoints",
-                                                              "rid", "namespace")), "return_logprob": False, **kw})
+                                                              "rid", "namespace")), "return_logprob": False, **kw},
+                                          counting_rids=False)
             count += len(reqs)
         if count > self.max_live_requests:
             raise ValueError(f"a batch of {count} requests can never fit: the engine holds at most "
@@ -710,14 +714,17 @@ class Engine:
         return ledger
 
     def wait_idle(self, timeout: float = 60.0) -> None:
-        """Block until every submitted request has finished (tests, benchmarks); at once on an engine
-        shut down (nothing will run)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._stopped or self._inbox.empty() and not self.scheduler.has_work():
+        """Block until every submitted request has finished, its rid free again (tests, benchmarks); at once
+        on an engine shut down (nothing will run). ``TimeoutError`` after ``timeout`` seconds."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        deadline = time.monotonic() + min(timeout, NO_TIMEOUT_PAST)
+        while True:
+            if self._stopped or self._inbox.empty() and not self.scheduler.has_work() and not self._live:
                 return
+            if time.monotonic() >= deadline:
+                raise TimeoutError("engine still busy")
             time.sleep(0.005)
-        raise TimeoutError("engine still busy")
 
     def check_integrity(self) -> None:
         """Pool/tree invariants; call only when idle (``wait_idle``)."""
@@ -741,7 +748,8 @@ class Engine:
     # requests
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                       logprob_start_len=-1, speculative_checkpoints=False, priority=None, stream=False):
+                       logprob_start_len=-1, speculative_checkpoints=False, priority=None, stream=False,
+                       counting_rids=True):
         for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob),
                            ("stream", stream)):
             if not isinstance(flag, bool):
@@ -785,6 +793,8 @@ class Engine:
         if len(starts) != n:
             raise RequestError(f"{len(starts)} logprob_start_len values for {n} requests", "logprob_start_len")
         priorities = self._priorities(priority, n)
+        if not counting_rids:  # (``check_requests``: requests never submitted take no id from the counter)
+            rids = [r if r is not None else "unsubmitted" for r in rids]
         reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
         for req, prio in zip(reqs, priorities):
@@ -1015,7 +1025,7 @@ class Engine:
             self._inbox.put(("call", (fn, result)))
         self._wakeup.set()
         try:
-            return result.result(timeout)
+            return result.result(None if timeout >= NO_TIMEOUT_PAST else timeout)
         except TimeoutError:
             result.cancel()
             raise
@@ -1024,6 +1034,11 @@ class Engine:
 _CHECKED_ARGUMENTS = frozenset(("prompt", "input_ids", "sampling_params", "return_logprob", "checkpoints", "rid",
                                 "namespace", "logprob_start_len", "speculative_checkpoints", "priority"))
 """``Engine.check_requests``' keys: ``generate``'s keyword arguments, ``stream`` aside."""
+
+
+NO_TIMEOUT_PAST = 1e7
+"""A timeout of more seconds than this (``math.inf``) waits without a limit (past ~1e9, ``Future.result``
+overflows the platform's time)."""
 
 
 def _check_timeout(timeout: Any) -> None:
