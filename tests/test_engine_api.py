@@ -738,3 +738,21 @@ def test_timeouts_without_a_limit_and_check_requests_input(engine):
     engine.check_requests([{"input_ids": _ids(5, 2)}])
     after = engine.generate(input_ids=_ids(5, 2), sampling_params={"max_new_tokens": 1})["meta_info"]["id"]
     assert int(after.removeprefix("req-")) == int(before.removeprefix("req-")) + 1
+
+
+def test_an_abort_that_loses_the_race_with_its_requests_end_reaches_no_other_request(engine):
+    """The engine's own aborts (a stream closed, an interrupted ``generate``, ``abort_all``) name the request itself,
+    not its rid: one that arrives after its request ended finds nothing, though a new request holds the rid by then.
+    (The race is simulated: the stream is made to close as if it had read "not ended" just before the end.)"""
+    first = engine.generate(input_ids=_ids(6, 4), rid="raced", stream=True, sampling_params={**GREEDY, "max_new_tokens": 1})
+    assert list(first)[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    again = engine.generate(input_ids=_ids(6, 5), rid="raced", stream=True,
+                            sampling_params={**GREEDY, "max_new_tokens": 200})
+    next(again)
+    first._done, first._ending.ended = False, False
+    first.close()  # (its abort is queued now, after its request has ended)
+    chunks = list(again)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 200
+    engine.wait_idle()
+    assert engine.abort_all() == 0

@@ -435,8 +435,8 @@ class Engine:
             outs = [sink.get() for sink in sinks]
         except BaseException:  # interrupted while waiting: nobody will read these
             for req, sink in zip(reqs, sinks):
-                if sink.empty():  # (a request whose output came has ended; its rid may be reused)
-                    self._abort_soon(req.rid)
+                if sink.empty():  # (by the request itself: it may end meanwhile, and its rid be reused)
+                    self._abort_soon(req)
             raise
         return outs[0] if single else outs
 
@@ -470,7 +470,8 @@ class Engine:
         except asyncio.CancelledError:
             for req, fut in zip(reqs, futures):
                 if not fut.done():  # (a finished request's rid may already be another live request's)
-                    self.abort(req.rid)
+                    self._abort_soon(req)
+            self._wakeup.set()
             raise
         return outs[0] if single else outs
 
@@ -506,10 +507,11 @@ class Engine:
         """``abort`` every live request (waiting, running, or submitted and not yet scheduled);
         returns how many were told to. Requests submitted after the call run."""
         with self._inbox_lock:
-            rids = list(self._live)
-        for rid in rids:
-            self.abort(rid)
-        return len(rids)
+            reqs = list(self._live.values())
+        for req in reqs:  # (each by itself: one that ends meanwhile may see its rid taken by a new request)
+            self._abort_soon(req)
+        self._wakeup.set()
+        return len(reqs)
 
     def flush_cache(self, timeout: float = 60.0) -> bool:
         """Empty the prefix cache: every cached prefix's KV and state checkpoints go back to the
@@ -939,11 +941,12 @@ class Engine:
 
     def _stream_sync(self, req: Req) -> RequestStream:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
-        return self._submit_streamed(req, RequestStream(req.rid, self._abort_soon))
+        return self._submit_streamed(req, RequestStream(req.rid, self._abort_soon, handle=req))
 
     def _stream_async(self, req: Req) -> AsyncRequestStream:
         """Submit now (so a full queue raises in ``async_generate``); iterate later."""
-        return self._submit_streamed(req, AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop()))
+        return self._submit_streamed(req, AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop(),
+                                                             handle=req))
 
     def _submit_streamed(self, req: Req, stream: Any) -> Any:
         """``req`` submitted with ``stream`` as its output; a refused submission leaves a stream that aborts
@@ -957,11 +960,13 @@ class Engine:
             raise
         return stream
 
-    def _abort_soon(self, rid: str) -> None:
+    def _abort_soon(self, target: str | Req) -> None:
         """``abort`` for a stream's finalizer: only the inbox's ``put`` (reentrant: it may run while
-        this thread holds any lock); the scheduler drains the inbox at its next step or idle wake-up."""
+        this thread holds any lock); the scheduler drains the inbox at its next step or idle wake-up.
+        ``target``: a rid (the live request with it, ``abort``'s), or a request itself (it alone, if still
+        live: the engine's own aborts, which may race the request's end and a new request taking its rid)."""
         if not self._stopped:
-            self._inbox.put(("abort", rid))
+            self._inbox.put(("abort", target))
 
     def _make_detokenizer(self, req: Req):
         return self.tokenizer.detokenizer(prompt_ids=req.input_ids,

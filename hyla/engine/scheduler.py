@@ -487,11 +487,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def abort(self, rid: str, message: str = "aborted by the client", cause: str = "client") -> bool:
+    def abort(self, target: str | Req, message: str = "aborted by the client", cause: str = "client") -> bool:
+        """Finish the waiting or running request ``target`` (a rid, or the request itself: then only if it is
+        still here, not a new request that took its rid) as aborted; whether there was one."""
         self.drain()
         for queue in (self.waiting, self.running):
             for req in queue:
-                if req.rid == rid:
+                if req is target or req.rid == target:
                     self._finish(req, abort_reason(message, cause))
                     return True
         return False

@@ -7,7 +7,8 @@ breaking out of a ``for`` loop over it), or by dropping it unfinished — also b
 chunk, which a generator function could not see (its ``finally`` never runs if it never
 started): an abandoned request must not hold a running slot and the device until its last token.
 
-Both iterators abort through ``abort_soon`` (``Engine._abort_soon``), which only puts a command on
+Both iterators abort through ``abort_soon`` (``Engine._abort_soon``, given the request itself: an abort that
+arrives after the request ended finds nothing, even where a new request has taken its id), which only puts a command on
 the engine's inbox (a ``queue.SimpleQueue``, whose ``put`` may run inside a finalizer: it takes no
 lock a collected object could hold). Whether the request has ended is known from the scheduler's
 side (``_Ending.ended``, set by the sink callback when its last chunk is delivered), not from what
@@ -36,9 +37,10 @@ class _Ending:
 class _Stream:
     """What both streams share: the request id, whether it has ended, and aborting on close."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[str], None]):
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any = None):
         self.rid = rid
         self._abort_soon = abort_soon
+        self._handle = rid if handle is None else handle  # what abort_soon is given: the request itself, where known
         self._ending = _Ending()
         self._done = False  # the consumer has read the last chunk (or closed the stream)
 
@@ -62,8 +64,8 @@ class _Stream:
         """Stop listening: abort the request unless it has ended. Idempotent."""
         if not self._done:
             self._done = True
-            if not self._ending.ended:
-                self._abort_soon(self.rid)
+            if not self._ending.ended:  # (it may end before the abort arrives: the abort then finds it gone,
+                self._abort_soon(self._handle)  # as the handle is the request, not its rid, which may be reused)
 
     def __del__(self) -> None:
         self.close()
@@ -73,8 +75,8 @@ class RequestStream(_Stream):
     """The chunks of one streamed request (a sync iterator); ``close()`` or dropping it unfinished
     aborts the request."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[str], None]):
-        super().__init__(rid, abort_soon)
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any = None):
+        super().__init__(rid, abort_soon, handle)
         self._sink: queue.SimpleQueue = queue.SimpleQueue()
 
     def sink(self) -> Callable[[dict[str, Any], bool], None]:
@@ -97,8 +99,9 @@ class AsyncRequestStream(_Stream):
     chunks). ``aclose()`` or dropping it unfinished aborts the request; so does a consumer
     cancelled while it waits for a chunk."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[str], None], loop: asyncio.AbstractEventLoop):
-        super().__init__(rid, abort_soon)
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], loop: asyncio.AbstractEventLoop,
+                 handle: Any = None):
+        super().__init__(rid, abort_soon, handle)
         self._loop = loop
         self._sink: asyncio.Queue = asyncio.Queue()
 
