@@ -698,8 +698,11 @@ def test_an_engine_shut_down_refuses_work_and_waits_for_nothing(qwen3_next_dense
 
 
 def test_cancelling_a_batch_aborts_only_its_unfinished_requests(engine):
-    """A batch's ``async_generate`` cancelled after one of its requests finished aborts the others, not the
-    finished one's rid, which a new request may hold by then."""
+    """A batch's ``async_generate`` cancelled after one of its requests finished aborts the others (the long one
+    stops: it generates far fewer than its 2,000 tokens), not the finished one's rid, which a new request may hold
+    by then."""
+    generated = engine.get_stats()["num_generated_tokens"]
+
     async def main():
         batch = asyncio.create_task(engine.async_generate(
             input_ids=[_ids(6, 1), _ids(6, 2)], rid=["first", "second"],
@@ -719,6 +722,7 @@ def test_cancelling_a_batch_aborts_only_its_unfinished_requests(engine):
     out = asyncio.run(main())
     assert out["meta_info"]["finish_reason"]["type"] == "length" and out["meta_info"]["completion_tokens"] == 20
     engine.wait_idle()
+    assert engine.get_stats()["num_generated_tokens"] - generated < 1000
     engine.check_integrity()
 
 

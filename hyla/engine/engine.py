@@ -468,9 +468,8 @@ class Engine:
         try:
             outs = await asyncio.gather(*futures)
         except asyncio.CancelledError:
-            for req, fut in zip(reqs, futures):
-                if not fut.done():  # (a finished request's rid may already be another live request's)
-                    self._abort_soon(req)
+            for req in reqs:  # (each by itself: a finished one's abort finds nothing, though its rid be reused;
+                self._abort_soon(req)  # gather has cancelled every future, so they cannot tell which finished)
             self._wakeup.set()
             raise
         return outs[0] if single else outs
