@@ -61,11 +61,7 @@ class CachedPrefix:
               with_state: bool, kv_start: int = 0) -> "CachedPrefix":
         """Pools for the KV of ``token_ids``' positions ``kv_start`` on (and a state slot), allocated and
         not filled yet."""
-        if not token_ids:
-            raise ValueError("a cached prefix has at least one token")
-        if not 0 <= kv_start < len(token_ids):
-            raise ValueError(f"a cached prefix of {len(token_ids)} tokens carries the KV of its last one at "
-                             f"least: kv_start {kv_start} is out of range")
+        _check_positions(len(token_ids), kv_start)
         n = len(token_ids) - kv_start
         kv = KVPool.from_layout(layout, n, 1, "cpu")
         state = StatePool.from_layout(layout, 1, "cpu") if with_state else None
@@ -90,20 +86,14 @@ class CachedPrefix:
         """``ValueError`` unless this prefix can be copied into pools of ``kv_pool``'s and ``state_pool``'s
         layout (None: a cache without states) as it stands: a prefix object made elsewhere than by
         ``from_bytes`` (which builds it in the receiver's layout), checked before anything is evicted for it."""
-        if not self.token_ids:
-            raise ValueError("a cached prefix has at least one token")
-        if not 0 <= self.kv_start < len(self):
-            raise ValueError(f"a cached prefix of {len(self)} tokens carries the KV of its last one at least: "
-                             f"kv_start {self.kv_start} is out of range")
+        _check_positions(len(self), self.kv_start)
         if len(self.kv_rows) != len(self) - self.kv_start or not self.kv.is_allocated(self.kv_rows):
             raise ValueError(f"a cached prefix of {len(self)} tokens from position {self.kv_start} holds "
                              f"{len(self.kv_rows)} KV rows, not all of them allocated in its pool")
         if self.kv.buffer_shapes != kv_pool.buffer_shapes:
             raise ValueError("a cached prefix of another model or cache layout: its KV buffers are "
                              f"{self.kv.buffer_shapes}, this cache's {kv_pool.buffer_shapes}")
-        if (self.state is None) != (state_pool is None):
-            raise ValueError("the cached prefix " + ("holds no state, which this cache needs" if self.state is None
-                                                     else "holds a state, which this cache keeps none of"))
+        _check_state_presence(self.state is not None, state_pool is not None)
         if self.state is not None and (self.state.buffer_kinds != state_pool.buffer_kinds
                                        or not self.state.is_allocated([self.state_slot])):
             raise ValueError("a cached prefix of another model or cache layout: its state is not one this cache "
@@ -163,12 +153,8 @@ class CachedPrefix:
             raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
         if not isinstance(has_state, bool):
             raise ValueError(f"a cached prefix's has_state must be true or false, got {has_state!r}")
-        if has_state is not with_state:
-            raise ValueError("the cached prefix " + ("holds a state, which this cache has not" if has_state else
-                                                     "holds no state, which this cache needs"))
-        if not 0 <= kv_start < len(token_ids):
-            raise ValueError(f"a cached prefix of {len(token_ids)} tokens carries the KV of its last one at least: "
-                             f"kv_start {kv_start} is out of range")
+        _check_state_presence(has_state, with_state)
+        _check_positions(len(token_ids), kv_start)
         rows = len(token_ids) - kv_start  # the KV rows its tensors must hold: checked before pools that size are made
         short = sorted(name for name, t in tensors.items()
                        if t.dim() == 0 or t.shape[0] != (rows if name.startswith(("k.", "v.")) else 1))
@@ -187,6 +173,23 @@ class CachedPrefix:
                                  f"{(len(rows), *buf.shape[1:])} {buf.dtype}: a prefix of another model or cache layout")
             put_rows_(buf, rows, t)
         return out
+
+
+def _check_positions(num_tokens: int, kv_start: int) -> None:
+    """``ValueError`` unless a prefix of ``num_tokens`` tokens carries KV from ``kv_start`` on, its last token's
+    at least."""
+    if not num_tokens:
+        raise ValueError("a cached prefix has at least one token")
+    if not 0 <= kv_start < num_tokens:
+        raise ValueError(f"a cached prefix of {num_tokens} tokens carries the KV of its last one at least: "
+                         f"kv_start {kv_start} is out of range")
+
+
+def _check_state_presence(has_state: bool, with_state: bool) -> None:
+    """``ValueError`` unless a prefix holds a state (``has_state``) exactly where the receiving cache keeps them."""
+    if has_state != with_state:
+        raise ValueError("the cached prefix " + ("holds a state, which this cache keeps none of" if has_state else
+                                                 "holds no state, which this cache needs"))
 
 
 def _metadata(data: bytes) -> dict[str, str]:

@@ -717,8 +717,7 @@ class Engine:
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Block until every submitted request has finished, its rid free again (tests, benchmarks); at once
         on an engine shut down (nothing will run). ``TimeoutError`` after ``timeout`` seconds."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        _check_timeout(timeout, zero_ok=True)
         deadline = time.monotonic() + min(timeout, NO_TIMEOUT_PAST)
         while True:
             if self._stopped or self._inbox.empty() and not self.scheduler.has_work() and not self._live:
@@ -940,12 +939,11 @@ class Engine:
 
     def _stream_sync(self, req: Req) -> RequestStream:
         """Submit now (so a full queue raises here, not at the first ``next``); iterate later."""
-        return self._submit_streamed(req, RequestStream(req.rid, self._abort_soon, handle=req))
+        return self._submit_streamed(req, RequestStream(req.rid, self._abort_soon, req))
 
     def _stream_async(self, req: Req) -> AsyncRequestStream:
         """Submit now (so a full queue raises in ``async_generate``); iterate later."""
-        return self._submit_streamed(req, AsyncRequestStream(req.rid, self._abort_soon, asyncio.get_running_loop(),
-                                                             handle=req))
+        return self._submit_streamed(req, AsyncRequestStream(req.rid, self._abort_soon, req, asyncio.get_running_loop()))
 
     def _submit_streamed(self, req: Req, stream: Any) -> Any:
         """``req`` submitted with ``stream`` as its output; a refused submission leaves a stream that aborts
@@ -1045,10 +1043,12 @@ NO_TIMEOUT_PAST = 1e7
 overflows the platform's time)."""
 
 
-def _check_timeout(timeout: Any) -> None:
-    """``ValueError`` unless ``timeout`` is a positive number of seconds (``math.inf``: no limit)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+def _check_timeout(timeout: Any, zero_ok: bool = False) -> None:
+    """``ValueError`` unless ``timeout`` is a positive number of seconds (``math.inf``: no limit), or 0 with
+    ``zero_ok`` (``wait_idle``: whether it is idle now)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (timeout > 0 or zero_ok and timeout == 0):
+        raise ValueError(f"timeout must be a {'' if zero_ok else 'positive '}number of seconds"
+                         f"{' >= 0' if zero_ok else ''}, got {timeout!r}")
 
 
 WORKER_THREAD_PROMPT_SIZE = 1 << 16

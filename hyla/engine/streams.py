@@ -37,10 +37,10 @@ class _Ending:
 class _Stream:
     """What both streams share: the request id, whether it has ended, and aborting on close."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any = None):
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any):
         self.rid = rid
         self._abort_soon = abort_soon
-        self._handle = rid if handle is None else handle  # what abort_soon is given: the request itself, where known
+        self._handle = handle  # what abort_soon is given: the request itself
         self._ending = _Ending()
         self._done = False  # the consumer has read the last chunk (or closed the stream)
 
@@ -75,7 +75,7 @@ class RequestStream(_Stream):
     """The chunks of one streamed request (a sync iterator); ``close()`` or dropping it unfinished
     aborts the request."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any = None):
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any):
         super().__init__(rid, abort_soon, handle)
         self._sink: queue.SimpleQueue = queue.SimpleQueue()
 
@@ -99,8 +99,7 @@ class AsyncRequestStream(_Stream):
     chunks). ``aclose()`` or dropping it unfinished aborts the request; so does a consumer
     cancelled while it waits for a chunk."""
 
-    def __init__(self, rid: str, abort_soon: Callable[[Any], None], loop: asyncio.AbstractEventLoop,
-                 handle: Any = None):
+    def __init__(self, rid: str, abort_soon: Callable[[Any], None], handle: Any, loop: asyncio.AbstractEventLoop):
         super().__init__(rid, abort_soon, handle)
         self._loop = loop
         self._sink: asyncio.Queue = asyncio.Queue()
