@@ -760,3 +760,24 @@ def test_an_abort_that_loses_the_race_with_its_requests_end_reaches_no_other_req
     assert chunks[-1]["meta_info"]["completion_tokens"] == 200
     engine.wait_idle()
     assert engine.abort_all() == 0
+
+
+def test_cached_tokens_by_tier_counts_what_a_request_with_prompt_logprobs_could_hit(engine):
+    """``cached_tokens_by_tier`` answers ``(device, any_tier, limit)``: the limit is all but the last token, or,
+    for a request with prompt logprobs from ``logprob_start_len`` (``generate``'s), the first position whose
+    logits they need (the cache's own rule, ``match_limit``); the counts are what such a request would hit.
+    After one request the hybrid model's tree holds one checkpoint, at the prompt's end: a request with prompt
+    logprobs from position 10 could hit nothing of it, and a generate of that request agrees."""
+    engine.flush_cache()
+    prompt = _ids(40, 7)
+    engine.generate(input_ids=prompt, sampling_params=GREEDY)
+    assert engine.cached_tokens_by_tier(prompt) == (39, 39, 39)
+    assert engine.cached_tokens_by_tier(prompt, logprob_start_len=10) == (0, 0, 9)
+    assert engine.cached_tokens_by_tier(prompt, logprob_start_len=0) == (0, 0, 0)
+    assert engine.cached_tokens_by_tier(prompt[:1]) == (0, 0, 0)
+    out = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, logprob_start_len=10)
+    assert out["meta_info"]["cached_tokens"] == 0
+    assert engine.generate(input_ids=prompt, sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 39
+    for bad in (-2, 40, True, "1"):
+        with pytest.raises(ValueError, match="logprob_start_len"):
+            engine.cached_tokens_by_tier(prompt, logprob_start_len=bad)

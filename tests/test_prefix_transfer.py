@@ -170,7 +170,7 @@ def test_a_prefix_the_device_evicted_is_exported_from_the_host_tier(qwen3_next_d
         assert source.cached_tokens(prompts[0]) == len(prompts[0]) - 1  # (the host tier's counts)
         device = source.tree.match_prefix(prompts[0][:-1]).prefix_len
         assert source.cached_tokens(prompts[0], device_only=True) == device
-        assert source.cached_tokens_by_tier(prompts[0]) == (device, len(prompts[0]) - 1)
+        assert source.cached_tokens_by_tier(prompts[0]) == (device, len(prompts[0]) - 1, len(prompts[0]) - 1)
         prefix = source.export_prefix(prompts[0])
         assert prefix is not None and len(prefix) == len(prompts[0]) - 1
         assert_drained(source)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hyla.router.app import create_router_app, routing_key
 from hyla.router.policy import PrefixTable, Router, block_names
 from hyla.server.app import create_app
-from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
+from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                         PREFILL_ELSEWHERE, PREFIX_TOKENS_HEADER)
 from hyla.server.launch import BackgroundServer
 from test_server_openai import MODEL, SYSTEM, make_chat_model
@@ -797,6 +797,33 @@ def test_the_decode_workers_own_check(workers):
     assert httpx.post(workers[0].url + "/export_prefix", json={"input_ids": [1, 2], "kv_from": -1}).status_code == 400
 
 
+def test_a_request_the_router_marks_aborted_is_answered_as_aborted_at_once(workers):
+    """``X-Hyla-Aborted: 1`` (an ``/abort_request`` reached the router while the prompt moved) at each generating
+    endpoint: the request is answered as one ``POST /abort_request`` ended before its first token (200, nothing
+    produced, finish reason abort; ``cancelled`` at the Responses API), streamed or not; the engine is left with
+    nothing running. Without the header the same request runs."""
+    url, marked = workers[0].url, {ABORTED_HEADER: "1"}
+    body = {"input_ids": list(range(300, 340)), "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    out = httpx.post(url + "/generate", json=body, headers=marked).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["finish_reason"]["cause"] == "client"
+    assert out["meta_info"]["completion_tokens"] == 0 and out["output_ids"] == []
+    assert httpx.post(url + "/generate", json=body).json()["meta_info"]["completion_tokens"] == 4
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4}
+    answer = httpx.post(url + "/v1/chat/completions", json=chat, headers=marked).json()
+    assert answer["choices"][0]["finish_reason"] == "abort" and answer["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**chat, "stream": True}, headers=marked) as events:
+        lines = [line for line in events.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    completion = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+                            headers=marked).json()
+    assert completion["choices"][0]["finish_reason"] == "abort" and completion["choices"][0]["text"] == ""
+    response = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 4},
+                          headers=marked).json()
+    assert response["status"] == "cancelled" and response["usage"]["output_tokens"] == 0
+    running = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("hyla_num_running_requests ")]
+    assert running and all(line.endswith(" 0.0") for line in running)
+
+
 def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
     """A worker sent ``X-Hyla-Prefill-Only: 1`` computes the prompt whatever the request asks of its output
     (here n=2, streamed, a JSON schema) and answers its prefix, which another worker imports; a batch of
@@ -948,6 +975,111 @@ def test_a_client_that_leaves_while_its_prompt_moves_is_not_served():
             time.sleep(0.05)
         time.sleep(0.3)  # (what the router would send next would have reached the worker by now)
         assert seen == {"imports": [b"prefix bytes"], "served": []}
+
+
+def _slow_prefill_worker(seconds: float):
+    """A prefill worker that takes ``seconds`` over each prompt (``/generate``, chat) unless its client leaves
+    first, and records each request's start and end (``"done"``, or ``"left"``: the connection closed)."""
+    app, seen = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    async def prefill_only(request: Request):
+        seen.append("started")
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                seen.append("left")
+                return Response(status_code=499)
+            await asyncio.sleep(0.02)
+        seen.append("done")
+        return Response(b"prefix bytes", media_type="application/octet-stream", headers={PREFIX_TOKENS_HEADER: "30"})
+
+    @app.post("/abort_request")
+    async def abort_request():  # (no rid of the router's requests: a prefill has none)
+        return JSONResponse({"status": "ok"})
+
+    app.post("/generate")(prefill_only)
+    app.post("/v1/chat/completions")(prefill_only)
+    return app, seen
+
+
+def _moving_decode_worker():
+    """A decode worker that sends every prompt to prefill and records the prefixes imported, the aborts broadcast,
+    and each request it serves with whether the router marked it aborted (``ABORTED_HEADER``)."""
+    app, seen = FastAPI(), {"imports": 0, "aborts": [], "served": []}
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({})
+
+    @app.post("/import_prefix")
+    async def import_prefix():
+        seen["imports"] += 1
+        return JSONResponse({"cached_tokens": 30, "prefix_tokens": 30})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        seen["aborts"].append(json.loads(await request.body()))
+        return JSONResponse({"status": "ok"})
+
+    async def serve(request: Request):
+        if LOCAL_PREFILL_HEADER in request.headers:
+            return JSONResponse({"error": {"message": "prefill it elsewhere", "type": "invalid_request_error",
+                                           "param": None, "code": PREFILL_ELSEWHERE}}, status_code=409)
+        seen["served"].append((request.url.path, request.headers.get(ABORTED_HEADER)))
+        return JSONResponse({"served": True})
+
+    app.post("/generate")(serve)
+    app.post("/v1/chat/completions")(serve)
+    return app, seen
+
+
+def test_an_abort_while_the_prompt_moves_reaches_the_request():
+    """An ``/abort_request`` that arrives while a prefill worker computes the prompt (no worker knows the request
+    yet) is kept by the router: the prefill stops (its connection closes), nothing is imported, and the decode worker
+    gets the request marked aborted (it answers it as aborted at once). An abort of another rid, or one the workers
+    would refuse, leaves the move alone; ``abort_all`` reaches a chat request too (it has no rid)."""
+    decode, seen = _moving_decode_worker()
+    prefill, steps = _slow_prefill_worker(seconds=3.0)
+    with _Uvicorn(decode) as d, _Uvicorn(prefill) as p, \
+            _Uvicorn(create_router_app([d.url], prefill_urls=[p.url], health_interval=3600,
+                                       local_prefill_tokens=0)) as r:
+        router = r.server.config.app.state.router
+
+        def moving(path: str, body: dict, *aborts: dict) -> httpx.Response:
+            answers = []
+            client = threading.Thread(target=lambda: answers.append(httpx.post(r.url + path, json=body, timeout=30)))
+            client.start()
+            deadline = time.monotonic() + 10
+            while not router.moves:
+                assert time.monotonic() < deadline and client.is_alive()
+                time.sleep(0.01)
+            for abort in aborts:
+                assert httpx.post(r.url + "/abort_request", json=abort).status_code == 200
+            client.join(timeout=30)
+            return answers[0]
+
+        started = time.monotonic()
+        answer = moving("/generate", {"input_ids": [5] * 40, "rid": "r1"}, {"rid": "r1"})
+        assert answer.status_code == 200 and time.monotonic() - started < 2.5  # (the prefill was not waited for)
+        assert seen == {"imports": 0, "aborts": [{"rid": "r1"}], "served": [("/generate", "1")]}
+        deadline = time.monotonic() + 5
+        while steps[-1:] != ["left"]:  # the prefill worker's request was closed: it aborts the prefill
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert steps == ["started", "left"] and not router.moves
+
+        answer = moving("/generate", {"input_ids": [5] * 40, "rid": "r2"}, {"rid": "another"},
+                        {"rid": "r2", "abort_all": True}, {"rid": 2})  # (another's; refused by the workers)
+        assert answer.status_code == 200 and steps[2:] == ["started", "done"]
+        assert seen["imports"] == 1 and seen["served"][1:] == [("/generate", None)]
+
+        answer = moving("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, {"abort_all": True})
+        assert answer.status_code == 200 and seen["imports"] == 1 and steps[4:5] == ["started"]
+        assert seen["served"][2:] == [("/v1/chat/completions", "1")] and not router.moves
 
 
 def test_answers_the_router_cannot_read_cost_only_the_saving():

@@ -90,6 +90,13 @@ class StepCheckpoints:
         return [s for _, _, s in self.forward]
 
 
+def match_limit(num_tokens: int, logits_from: int | None) -> int:
+    """How many of a prompt's ``num_tokens`` a cache hit may cover: the last token is always computed
+    (its logits give the next token); a request that wants prompt logprobs recomputes from
+    ``logits_from``, the first position whose logits it needs (``request.prompt_logits_start``)."""
+    return num_tokens - 1 if logits_from is None else min(num_tokens - 1, logits_from)
+
+
 class CacheManager:
     def __init__(self, kv_pool: KVPool, state_pool: StatePool, req_to_token: ReqToTokenPool,
                  tree: RadixCache | None, checkpoint_alignment: int = 1, host: HostCache | None = None) -> None:
@@ -191,13 +198,8 @@ class CacheManager:
 
     @staticmethod
     def _match_limit(req: Req) -> int:
-        """How many of ``req``'s tokens a hit may cover: the last token is always computed (its
-        logits give the next token); a request that wants prompt logprobs recomputes from the
-        first position whose logits it needs."""
-        limit = req.num_fill - 1
-        if req.prompt_logits_from is not None:
-            limit = min(limit, req.prompt_logits_from)
-        return limit
+        """How many of ``req``'s tokens a hit may cover (``match_limit``)."""
+        return match_limit(req.num_fill, req.prompt_logits_from)
 
     def match(self, req: Req) -> MatchResult | None:
         """Find ``req``'s cached prefix and protect it (KV lock on the path, state lock on the
@@ -333,13 +335,15 @@ class CacheManager:
         return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices[kv_from:],
                                    self.tree.state_pool, hit.state_slot, kv_from)
 
-    def prompt_cached_lens(self, tokens: Sequence[int], namespace) -> tuple[int, int]:
-        """How many of prompt ``tokens`` a request for them would find cached now (all but the last at
-        most), changing nothing: ``(device, any_tier)``, the device tree's, and the longer of it and the
-        host tier's (the device's where there is no host tier)."""
-        if self.tree is None or len(tokens) < 2:
+    def prompt_cached_lens(self, tokens: Sequence[int], namespace, logits_from: int | None = None) -> tuple[int, int]:
+        """How many of prompt ``tokens`` a request for them would find cached now (``match_limit`` at
+        most, with ``logits_from`` its ``Req.prompt_logits_from``), changing nothing: ``(device,
+        any_tier)``, the device tree's, and the longer of it and the host tier's (the device's where
+        there is no host tier)."""
+        limit = match_limit(len(tokens), logits_from)
+        if self.tree is None or limit < 1:
             return 0, 0
-        tokens = list(tokens[:-1])
+        tokens = list(tokens[:limit])
         device = self.tree.usable_len(tokens, namespace)
         host = self.host.tree.usable_len(tokens, namespace) if self.host is not None else 0
         return device, max(device, host)

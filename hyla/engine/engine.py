@@ -29,7 +29,7 @@ import time
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch
 from hyla.cache import CacheLedger, CachedPrefix, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import (EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes,
                               kv_cache_torch_dtype)
-from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager
+from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager, match_limit
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
@@ -45,7 +45,7 @@ from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cp
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
-from hyla.engine.request import Req, ReqStatus
+from hyla.engine.request import Req, ReqStatus, prompt_logits_start
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter, beam_kv_slots
@@ -554,16 +554,23 @@ class Engine:
         (the prefix ``export_prefix`` would copy; the host tier's too unless ``device_only``: what an
         import's ``kv_from`` may skip). A router asks it to decide where a prompt is computed. Runs on the
         scheduler thread between steps. ``ValueError`` for bad token ids or namespace."""
-        device, any_tier = self.cached_tokens_by_tier(input_ids, namespace, timeout)
-        return device if device_only else any_tier
+        cached = self.cached_tokens_by_tier(input_ids, namespace, timeout)
+        return cached.device if device_only else cached.any_tier
 
-    def cached_tokens_by_tier(self, input_ids: Sequence[int], namespace: Any = None,
-                              timeout: float = 60.0) -> tuple[int, int]:
-        """``cached_tokens`` both ways in one query of the scheduler thread: ``(device_only, any_tier)``."""
+    def cached_tokens_by_tier(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
+                              logprob_start_len: int = -1) -> CachedTokens:
+        """``cached_tokens`` both ways in one query of the scheduler thread, and the most any cache could
+        serve of this prompt: ``CachedTokens(device_only, any_tier, limit)``. ``logprob_start_len`` as
+        ``generate`` takes it (a request with prompt logprobs is served from a cache only up to the first
+        position whose logits they need): the counts are for such a request."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
-        return self._on_scheduler_thread(lambda: self.cache.prompt_cached_lens(ids, namespace), timeout)
+        _check_logprob_start(logprob_start_len, len(ids))
+        logits_from = prompt_logits_start(len(ids), logprob_start_len)
+        device, any_tier = self._on_scheduler_thread(
+            lambda: self.cache.prompt_cached_lens(ids, namespace, logits_from), timeout)
+        return CachedTokens(device, any_tier, max(match_limit(len(ids), logits_from), 0))
 
     def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
         """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this
@@ -856,10 +863,7 @@ class Engine:
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"
         seed = sp.seed if sp.seed is not None else (self.args.seed * 1_000_003 + zlib.crc32(rid.encode())) % 2**63
         gen = torch.Generator(device=self.device).manual_seed(seed)
-        if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) \
-                or not -1 <= logprob_start_len < len(ids):
-            raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
-                               f"[0, {len(ids)}), got {logprob_start_len!r}", "logprob_start_len")
+        _check_logprob_start(logprob_start_len, len(ids))
         if logprob_start_len >= 0 and not return_logprob:
             raise RequestError("logprob_start_len asks for prompt logprobs: set return_logprob too", "logprob_start_len")
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints,
@@ -1155,6 +1159,22 @@ def _load_tokenizer(path: Path):
         return None
     from hyla.tokenizer import Tokenizer
     return Tokenizer.from_pretrained(path)
+
+
+class CachedTokens(NamedTuple):
+    """``Engine.cached_tokens_by_tier``'s answer for one prompt."""
+
+    device: int  # the tokens the device cache holds (the KV an import need not carry: export_prefix's kv_from)
+    any_tier: int  # the tokens a request would find cached now, the host tier's included
+    limit: int  # the most any cache could serve: all but the last token, or up to the prompt logprobs' start
+
+
+def _check_logprob_start(logprob_start_len: Any, num_tokens: int) -> None:
+    """``logprob_start_len`` is -1 (no prompt logprobs) or a position of a prompt of ``num_tokens``."""
+    if isinstance(logprob_start_len, bool) or not isinstance(logprob_start_len, int) \
+            or not -1 <= logprob_start_len < num_tokens:
+        raise RequestError(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in "
+                           f"[0, {num_tokens}), got {logprob_start_len!r}", "logprob_start_len")
 
 
 def _cache_budget_bytes(device: torch.device, mem_fraction: float) -> int:

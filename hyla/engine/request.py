@@ -126,10 +126,9 @@ class Req:
         """The first position whose logits this request still needs for its prompt logprobs (the
         logits at position ``q`` give the logprob of prompt token ``q + 1``); None when it needs none.
         Its cached prefix must end there: a cached token has no logits."""
-        if not self.return_logprob or self.logprob_start_len < 0:
+        if not self.return_logprob:
             return None
-        target = self.logprob_start_len + len(self.input_logprobs)  # next prompt token without one
-        return target - 1 if target < len(self.input_ids) else None
+        return prompt_logits_start(len(self.input_ids), self.logprob_start_len, len(self.input_logprobs))
 
     def set_drafts(self, ids: list[int], parents: list[int] | None = None) -> None:
         """This step's drafts. ``parents``: a tree (speculative.py), draft ``j`` continuing fed token
@@ -218,3 +217,14 @@ class Req:
             if self.sampling.top_logprobs_num:
                 info["output_top_logprobs"] = [list(t) for t in self.output_top_logprobs[start:end]]
         return info
+
+
+def prompt_logits_start(num_tokens: int, logprob_start_len: int, num_done: int = 0) -> int | None:
+    """The first position whose logits a prompt of ``num_tokens`` still needs for its logprobs from
+    ``logprob_start_len`` (-1: none), ``num_done`` of them computed (position 0 has none: it counts as
+    done): the logits at position ``q`` give the logprob of prompt token ``q + 1``. None when it needs
+    none. A cached prefix of the prompt must end there (``cache_manager.match_limit``)."""
+    if logprob_start_len < 0:
+        return None
+    target = max(logprob_start_len + num_done, 1)  # the next prompt token without a logprob
+    return target - 1 if target < num_tokens else None

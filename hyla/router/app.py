@@ -38,7 +38,11 @@ finds all of the prompt but its last token cached, so long prompts no longer sta
 Whatever goes wrong on the way costs only the saving, never the request: no prefill worker healthy,
 one that fails (it turns unhealthy; the next is tried), nothing to export (a prompt shorter than a
 page), an import refused: the decode worker prefills the prompt itself. A prefill worker's client
-error (a 4xx: the decode worker would refuse the request as well) is the client's answer. Broadcasts,
+error (a 4xx: the decode worker would refuse the request as well) is the client's answer. An
+``/abort_request`` that arrives while a prompt moves (its ``/generate`` ``rid``, or ``abort_all``) reaches
+no worker that knows the request: the router keeps it (``Move``), stops the prefill (closing its
+connection aborts it there), skips the import, and sends the request to the decode worker with
+``X-Hyla-Aborted: 1``, which answers it as aborted at once (nothing produced). Broadcasts,
 ``/export_prefix`` and health checks include the prefill workers; every other path goes to the
 decode workers only.
 
@@ -63,8 +67,8 @@ import logging
 import re
 from collections import OrderedDict
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Sequence
 
 import httpx
 from fastapi import FastAPI, Request
@@ -74,8 +78,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
-from hyla.server.disaggregation import (CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER, PREFILL_ELSEWHERE,
-                                       PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER, header_count)
+from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
+                                       PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
+                                       header_count)
 
 logger = logging.getLogger("hyla.router")
 
@@ -221,6 +226,16 @@ class Worker:
     routed: int = 0  # requests forwarded in all
 
 
+@dataclass(eq=False)
+class Move:
+    """A routed request whose prompt a prefill worker computes for its decode worker, from the decode
+    worker's 409 until the request is sent to it: no worker knows the request meanwhile, so an
+    ``/abort_request`` for it (its ``rid``, or ``abort_all``) is kept here (``RouterApp.note_abort``)."""
+
+    rid: str | None  # a /generate request's own rid (the other endpoints take none: only abort_all reaches them)
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class RouterApp:
     """The state behind the app: the workers, the policy, the HTTP client, the metrics."""
 
@@ -254,6 +269,7 @@ class RouterApp:
         self.timeout = httpx.Timeout(None, connect=connect_timeout)
         self.client: httpx.AsyncClient | None = None
         self.response_owner: OrderedDict[str, int] = OrderedDict()
+        self.moves: set[Move] = set()  # the requests whose prompts move now
         self.registry = CollectorRegistry()
         self.requests = Counter("hyla_router_requests", "Requests forwarded, by worker and why it was chosen.",
                                 ["worker", "reason"], registry=self.registry)
@@ -383,84 +399,99 @@ class RouterApp:
         prefix: bytes | None = None  # a prefill worker's, to import before the request
         ask = self.disaggregates(request, path, body, owner)  # whether the decode worker may send it to prefill
         pinned: int | None = None  # the decode worker the prefix was made for (it holds the KV left out)
+        move: Move | None = None  # while the prompt moves (an abort meanwhile is kept there)
+        aborted = False  # an abort came while it moved: the decode worker answers it as aborted at once
         tried: set[int] = set()
-        while True:
-            if pinned is not None and self.workers[pinned].healthy and pinned not in tried:
-                i, why, pinned = pinned, "prefilled", None
-            else:
+        try:
+            while True:
+                if pinned is not None and self.workers[pinned].healthy and pinned not in tried:
+                    i, why, pinned = pinned, "prefilled", None
+                else:
+                    try:
+                        i, why = self._pick(path, key, owner, frozenset(tried))
+                    except ValueError:
+                        return JSONResponse(error_body("no worker is available: every worker is unhealthy or "
+                                                       "failed the request"), status_code=503)
+                w = self.workers[i]
+                w.in_flight += 1
+                self.in_flight.labels(w.url).inc()
                 try:
-                    i, why = self._pick(path, key, owner, frozenset(tried))
-                except ValueError:
-                    return JSONResponse(error_body("no worker is available: every worker is unhealthy or failed the "
-                                                   "request"), status_code=503)
-            w = self.workers[i]
-            sent = {**headers, LOCAL_PREFILL_HEADER: str(self.local_prefill_tokens)} if ask else headers
-            upstream_request = self.client.build_request(request.method, w.url + path, content=raw, headers=sent,
-                                                         params=request.query_params.multi_items())
-            w.in_flight += 1
-            self.in_flight.labels(w.url).inc()
-            try:
-                if prefix is not None:
-                    await self._import(w, prefix, headers)
-                    if await request.is_disconnected():  # (it left during the move: nothing is to be computed)
-                        self._done(w)
-                        return Response(status_code=499)
-                upstream = await self._send(request, upstream_request)
-            except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
-                self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
-                continue
-            except BaseException:
-                self._done(w)
-                raise
-            if upstream is None:  # the client left before the answer's headers
-                self._done(w)
-                return Response(status_code=499)
-            if ask and upstream.status_code == 409:
-                try:
-                    data = await upstream.aread()
-                except (httpx.TransportError, httpx.DecodingError) as exc:
-                    self._retry_elsewhere(w, i, tried, f"failed mid-answer ({exc!r})")
+                    if prefix is not None and not (move is not None and move.aborted.is_set()):
+                        await self._import(w, prefix, headers)
+                        if await request.is_disconnected():  # (it left during the move: nothing is to be computed)
+                            self._done(w)
+                            return Response(status_code=499)
+                    if move is not None:  # (from here on an abort reaches the request on the worker)
+                        self.moves.discard(move)
+                        aborted, move = move.aborted.is_set(), None
+                    sent = {**headers, LOCAL_PREFILL_HEADER: str(self.local_prefill_tokens)} if ask else headers
+                    if aborted:
+                        sent = {**sent, ABORTED_HEADER: "1"}
+                    upstream_request = self.client.build_request(request.method, w.url + path, content=raw,
+                                                                 headers=sent, params=request.query_params.multi_items())
+                    upstream = await self._send(request, upstream_request)
+                except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
+                    self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
                     continue
                 except BaseException:
                     self._done(w)
                     raise
-                finally:
+                if upstream is None:  # the client left before the answer's headers
+                    self._done(w)
+                    return Response(status_code=499)
+                if ask and upstream.status_code == 409:
+                    try:
+                        data = await upstream.aread()
+                    except (httpx.TransportError, httpx.DecodingError) as exc:
+                        self._retry_elsewhere(w, i, tried, f"failed mid-answer ({exc!r})")
+                        continue
+                    except BaseException:
+                        self._done(w)
+                        raise
+                    finally:
+                        await upstream.aclose()
+                    self._done(w)
+                    if _error_code(data) != PREFILL_ELSEWHERE:  # (another 409: the client's answer)
+                        w.routed += 1
+                        return _headers(Response(data, status_code=409), upstream)
+                    # it computed nothing: the prompt is long and new to it, a prefill worker computes it for it
+                    ask, pinned = False, i
+                    held = str(header_count(upstream.headers.get(CACHED_TOKENS_HEADER)) or 0)  # (its KV stays home)
+                    rid = body.get("rid") if path == "/generate" else None
+                    move = Move(rid if isinstance(rid, str) else None)
+                    self.moves.add(move)
+                    prefix = await self._unless_aborted(move, self.prefill(request, path, raw, key,
+                                                                           {**headers, KV_FROM_HEADER: held}))
+                    if isinstance(prefix, Response):
+                        return prefix
+                    continue
+                if ask and upstream.status_code < 400:
+                    self.prefills.labels("local").inc()
+                if upstream.status_code == 503 and owner is None and len(tried) + 1 < len(self.workers):
+                    # the worker is shutting down or its engine is not running: another one may serve it
+                    self._retry_elsewhere(w, i, tried, "answered 503")
                     await upstream.aclose()
-                self._done(w)
-                if _error_code(data) != PREFILL_ELSEWHERE:  # (another 409: the client's answer)
-                    w.routed += 1
-                    return _headers(Response(data, status_code=409), upstream)
-                # it computed nothing: the prompt is long and new to it, a prefill worker computes it for it
-                ask, pinned = False, i
-                held = str(header_count(upstream.headers.get(CACHED_TOKENS_HEADER)) or 0)  # (its KV need not travel)
-                prefix = await self.prefill(request, path, raw, key, {**headers, KV_FROM_HEADER: held})
-                if isinstance(prefix, Response):
-                    return prefix
-                continue
-            if ask and upstream.status_code < 400:
-                self.prefills.labels("local").inc()
-            if upstream.status_code == 503 and owner is None and len(tried) + 1 < len(self.workers):
-                # the worker is shutting down or its engine is not running: another one may serve it
-                self._retry_elsewhere(w, i, tried, "answered 503")
-                await upstream.aclose()
-                continue
-            if upstream.status_code == 429 and owner is None and self._others_left(i, tried):
-                # its queue is full, not the others' (perhaps): busy, not unhealthy
-                self._done(w)
-                tried.add(i)
-                self.busy_retries.inc()
-                await upstream.aclose()
-                continue
-            w.routed += 1
-            self.requests.labels(w.url, why).inc()
-            if path in ROUTED_PATHS and upstream.status_code < 400:  # (a worker that refused it computed nothing)
-                self.router.record(i, key)
-            try:
-                return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
-            except BaseException:
-                self._done(w)
-                await upstream.aclose()
-                raise
+                    continue
+                if upstream.status_code == 429 and owner is None and self._others_left(i, tried):
+                    # its queue is full, not the others' (perhaps): busy, not unhealthy
+                    self._done(w)
+                    tried.add(i)
+                    self.busy_retries.inc()
+                    await upstream.aclose()
+                    continue
+                w.routed += 1
+                self.requests.labels(w.url, why).inc()
+                if path in ROUTED_PATHS and upstream.status_code < 400:  # (a worker that refused it computed nothing)
+                    self.router.record(i, key)
+                try:
+                    return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+                except BaseException:
+                    self._done(w)
+                    await upstream.aclose()
+                    raise
+        finally:  # (a move left behind by a return or a failure)
+            if move is not None:
+                self.moves.discard(move)
 
     # ------------------------------------------------------------------------------------------
     # prefill/decode disaggregation
@@ -470,6 +501,37 @@ class RouterApp:
         one prompt that reads no stored response (only its owner could render that)."""
         return (bool(self.prefill_workers) and request.method == "POST" and path in ROUTED_PATHS and owner is None
                 and isinstance(body, dict) and not is_batch(path, body))
+
+    def note_abort(self, raw: bytes) -> None:
+        """An ``/abort_request`` body (``{"rid": ...}`` or ``{"abort_all": true}``, the workers' rule): the
+        moves it aborts are marked so (a body the workers refuse marks none)."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            return
+        if not isinstance(body, dict):
+            return
+        rid, everyone = body.get("rid") or None, body.get("abort_all") is True
+        if everyone == (rid is not None) or not (everyone or isinstance(rid, str)):
+            return
+        for move in list(self.moves):
+            if everyone or move.rid == rid:
+                move.aborted.set()
+
+    @staticmethod
+    async def _unless_aborted(move: Move, work: Awaitable[Any]) -> Any:
+        """``work``'s result; None where ``move`` is aborted first (``work`` is cancelled: a prefill's
+        connection closes, which aborts it on its worker)."""
+        task = asyncio.ensure_future(work)
+        aborted = asyncio.ensure_future(move.aborted.wait())
+        try:
+            await asyncio.wait({task, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            aborted.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        return None if task.cancelled() else task.result()
 
     async def prefill(self, request: Request, path: str, raw: bytes, key: str | list[int] | None,
                       headers: dict[str, str]) -> bytes | Response | None:
@@ -568,15 +630,22 @@ class RouterApp:
         request answered whole (not streamed) sends its headers only once the worker has finished, and
         a worker aborts a request when its connection closes."""
         sending = asyncio.ensure_future(self.client.send(upstream_request, stream=True))
-        while True:
-            done, _ = await asyncio.wait({sending}, timeout=0.5)
-            if done:
-                return sending.result()
-            if await request.is_disconnected():
-                sending.cancel()
-                with contextlib.suppress(BaseException):
-                    await sending
-                return None
+        try:
+            while True:
+                done, _ = await asyncio.wait({sending}, timeout=0.5)
+                if done:
+                    return sending.result()
+                if await request.is_disconnected():
+                    break
+        except asyncio.CancelledError:  # (this request is stopped: the worker's request too)
+            sending.cancel()
+            if sending.done() and not sending.cancelled() and sending.exception() is None:
+                await sending.result().aclose()
+            raise
+        sending.cancel()
+        with contextlib.suppress(BaseException):
+            await sending
+        return None
 
     async def read_body(self, request: Request) -> bytes | Response:
         """The request's body, or a 413 past ``max_request_bytes`` (read no further)."""
@@ -662,6 +731,8 @@ class RouterApp:
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
+        if path == "/abort_request":  # (a request whose prompt moves is on no worker that knows it)
+            self.note_abort(raw)
         everyone = self.all_workers()
         live = [(w, table) for w, table in everyone if w.healthy]
         if not live:

@@ -54,6 +54,7 @@ CACHED_TOKENS_HEADER = "X-Hyla-Cached-Tokens"  # on that 409: the prompt's token
 KV_FROM_HEADER = "X-Hyla-KV-From"  # with PREFILL_ONLY_HEADER: send the KV from this position on only
 PREFIX_TOKENS_HEADER = "X-Prefix-Tokens"  # the length of the prefix in an octet-stream answer
 PREFIX_NOT_CACHED = "prefix_not_cached"  # the error code of a 404 with no prefix to send
+ABORTED_HEADER = "X-Hyla-Aborted"  # value "1": aborted (POST /abort_request) while the router moved its prompt
 MAX_HEADER_COUNT = 10**18  # a count header's value past this is read as this (Python refuses int() of 4,301+ digits)
 
 
@@ -70,11 +71,17 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     """A generating endpoint's step between its ``Job``s and ``Server.start_generation``: the answer of a
     prefill-only request (``prefill_answer``); None where the request is to be served as usual; a 409
     ``prefill_elsewhere`` where ``LOCAL_PREFILL_HEADER`` allows fewer uncached prompt tokens than it has
-    (a batch's first prompt: the router sends no batch through here). ``endpoint`` and ``arrival`` as
-    ``Server.start_generation`` takes them."""
+    (a batch's first prompt: the router sends no batch through here). A request sent with ``ABORTED_HEADER``
+    (an ``/abort_request`` reached the router while it moved the prompt) is served as one aborted at once:
+    its jobs are marked ``aborted`` and answer what they produced, nothing, with ``finish_reason`` abort.
+    ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
     from hyla.server.errors import APIError
     from hyla.server.generation import job_request
 
+    if request.headers.get(ABORTED_HEADER) == "1":  # (answered as a request aborted at once: each job is)
+        for job in jobs:
+            job.aborted = True
+        return None
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
@@ -84,12 +91,10 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if allowed is None:
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
     job, engine = jobs[0], server.admit()
-    # how far a cached prefix can serve this request: all but the last token, or up to its prompt logprobs' start
-    usable = len(job.prompt) - 1 if job.logprob_start_len < 0 else min(job.logprob_start_len, len(job.prompt) - 1)
-    try:
-        held, cached = await asyncio.to_thread(engine.cached_tokens_by_tier, job.prompt, job.namespace)
-        cached = min(cached, usable)
-        if len(job.prompt) - cached <= allowed or cached == usable:
+    try:  # (limit: how far any cached prefix can serve it: all but the last token, or up to its prompt logprobs)
+        held, cached, limit = await asyncio.to_thread(lambda: engine.cached_tokens_by_tier(
+            job.prompt, job.namespace, logprob_start_len=job.logprob_start_len))
+        if len(job.prompt) - cached <= allowed or cached == limit:
             return None  # (few enough to compute here, or nothing a move could add)
         # a request the engine refuses (prompt + max_tokens past the context, a grammar that does not compile, more
         # choices than it holds) is served as usual, to be refused there: it is not prefilled anywhere first

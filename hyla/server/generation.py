@@ -54,6 +54,7 @@ class Job:
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
     priority: int | None = None  # priority scheduling (Engine.generate's docstring)
     namespace: Any = None  # the prefix cache's partition (a cache_salt's: protocol.cache_namespace)
+    aborted: bool = False  # aborted before it reached this server (disaggregation.ABORTED_HEADER): aborted at once
 
 
 def job_request(job: Job) -> dict[str, Any]:
@@ -167,6 +168,8 @@ class Generation:
             for i, job in enumerate(jobs):
                 rid = job.rid or f"{self.endpoint}-{uuid.uuid4().hex}"
                 stream = await self.engine.async_generate(**job_request(job), stream=True, rid=rid)
+                if job.aborted:  # (its output: nothing, finish_reason abort, cause client: as POST /abort_request's)
+                    self.engine.abort(rid)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))
