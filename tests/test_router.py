@@ -722,6 +722,25 @@ def test_what_moving_cannot_help_or_the_decode_worker_refuses_is_not_prefilled(w
     assert prefix.status_code == 200 and prefix.headers[PREFIX_TOKENS_HEADER] == "49"
 
 
+def test_a_request_for_prompt_logprobs_moves_what_a_cache_can_serve_of_it(workers, pd_router):
+    """``/generate`` with prompt logprobs from position 150 of 200: a cache serves such a request up to position 149
+    (the logits there give token 150's logprob), so the prefill worker computes and sends those 149 tokens' prefix,
+    and the decode worker hits all of it: its prompt and output logprobs are those of the prompt computed there."""
+    def generate(url):
+        return httpx.post(url + "/generate", json={
+            "input_ids": list(range(700, 900)), "return_logprob": True, "logprob_start_len": 150,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+
+    moved = generate(pd_router.url)
+    assert _routed(pd_router.url) == (1, 1) and moved["meta_info"]["cached_tokens"] == 149
+    assert _counts(pd_router.url, "hyla_router_prefix_imports_total") == {"imported": 1}
+    cold = _cold(workers, generate)
+    assert cold["meta_info"]["cached_tokens"] == 0 and moved["output_ids"] == cold["output_ids"]
+    for key, n in (("input_token_logprobs", 50), ("output_token_logprobs", 4)):
+        got, want = ([lp for lp, _, _ in out["meta_info"][key]] for out in (moved, cold))
+        assert len(got) == n and _close(got, want), key
+
+
 def test_what_the_decode_worker_nearly_holds_is_prefilled_there(workers):
     """With ``local_prefill_tokens`` (here 100) the decode worker decides on its own cache: a short prompt, and
     a conversation's next turn (the history cached there, the reply and the new message not), are computed

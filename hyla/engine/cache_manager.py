@@ -61,7 +61,7 @@ import torch
 
 from hyla.cache import (CacheLayout, CacheLedger, CachedPrefix, Checkpoint, HostCache, KVPool, MatchResult, RadixCache,
                         ReqToTokenPool, StatePool)
-from hyla.engine.request import Req
+from hyla.engine.request import Req, prompt_logits_start
 
 StepCheckpoint = tuple[int, int, int]  # (batch index, tokens of this step consumed, state slot)
 
@@ -95,6 +95,12 @@ def match_limit(num_tokens: int, logits_from: int | None) -> int:
     (its logits give the next token); a request that wants prompt logprobs recomputes from
     ``logits_from``, the first position whose logits it needs (``request.prompt_logits_start``)."""
     return num_tokens - 1 if logits_from is None else min(num_tokens - 1, logits_from)
+
+
+def new_request_match_limit(num_tokens: int, logprob_start_len: int = -1) -> int:
+    """``match_limit`` of a request not started yet: a prompt of ``num_tokens`` (at least 1), prompt logprobs
+    from ``logprob_start_len`` (-1: none), as ``Engine.generate`` takes them."""
+    return max(match_limit(num_tokens, prompt_logits_start(num_tokens, logprob_start_len)), 0)
 
 
 class CacheManager:
@@ -335,12 +341,10 @@ class CacheManager:
         return CachedPrefix.gather(layout, tokens[:hit.prefix_len], namespace, self.kv_pool, hit.kv_indices[kv_from:],
                                    self.tree.state_pool, hit.state_slot, kv_from)
 
-    def prompt_cached_lens(self, tokens: Sequence[int], namespace, logits_from: int | None = None) -> tuple[int, int]:
-        """How many of prompt ``tokens`` a request for them would find cached now (``match_limit`` at
-        most, with ``logits_from`` its ``Req.prompt_logits_from``), changing nothing: ``(device,
-        any_tier)``, the device tree's, and the longer of it and the host tier's (the device's where
-        there is no host tier)."""
-        limit = match_limit(len(tokens), logits_from)
+    def prompt_cached_lens(self, tokens: Sequence[int], namespace, limit: int) -> tuple[int, int]:
+        """How many of prompt ``tokens`` a request for them would find cached now (``limit`` at most: its
+        ``new_request_match_limit``), changing nothing: ``(device, any_tier)``, the device tree's, and the
+        longer of it and the host tier's (the device's where there is no host tier)."""
         if self.tree is None or limit < 1:
             return 0, 0
         tokens = list(tokens[:limit])

@@ -37,7 +37,7 @@ import torch
 from hyla.cache import CacheLedger, CachedPrefix, HostCache, KVPool, RadixCache, ReqToTokenPool, StatePool, split_memory
 from hyla.engine.args import (EngineArgs, check_state_slots, check_weight_version, context_length_for, host_cache_sizes,
                               kv_cache_torch_dtype)
-from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager, match_limit
+from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager, new_request_match_limit
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
@@ -45,7 +45,7 @@ from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cp
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
-from hyla.engine.request import Req, ReqStatus, prompt_logits_start
+from hyla.engine.request import Req, ReqStatus
 from hyla.engine.sampling_params import SamplingParams
 from hyla.engine.scheduler import Scheduler, SchedulerConfig
 from hyla.engine.speculative import NgramDrafter, beam_kv_slots
@@ -567,10 +567,10 @@ class Engine:
         ids = self._prefix_ids(input_ids)
         _check_namespace(namespace)
         _check_logprob_start(logprob_start_len, len(ids))
-        logits_from = prompt_logits_start(len(ids), logprob_start_len)
-        device, any_tier = self._on_scheduler_thread(
-            lambda: self.cache.prompt_cached_lens(ids, namespace, logits_from), timeout)
-        return CachedTokens(device, any_tier, max(match_limit(len(ids), logits_from), 0))
+        limit = new_request_match_limit(len(ids), logprob_start_len) if ids else 0
+        device, any_tier = self._on_scheduler_thread(lambda: self.cache.prompt_cached_lens(ids, namespace, limit),
+                                                     timeout)
+        return CachedTokens(device, any_tier, limit)
 
     def import_prefix(self, prefix: CachedPrefix | bytes, timeout: float = 60.0) -> int:
         """Put a cached prefix of another engine (``export_prefix``; its bytes or the object) into this

@@ -108,7 +108,10 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
 
 async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival: float, request: Request) -> Response:
     """Compute the prompt of ``jobs`` (one prompt: ``n`` choices share it) and answer its cached
-    prefix (``prefix_response``). ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
+    prefix (``prefix_response``): all of it but the last token, or, for prompt logprobs, up to the first
+    position whose logits they need (what the decode worker's cache can serve of the request).
+    ``endpoint`` and ``arrival`` as ``Server.start_generation`` takes them."""
+    from hyla.engine.cache_manager import new_request_match_limit
     from hyla.server.errors import APIError
     from hyla.server.generation import Job
 
@@ -118,7 +121,10 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
     job = jobs[0]
     if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
-    prefill = Job(job.prompt, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=list(job.checkpoints),
+    # what a cache can serve of the request (prompt logprobs: up to the first position whose logits they need), and
+    # the token after it: its prefix is what the decode worker's request will hit
+    ids = job.prompt[:new_request_match_limit(len(job.prompt), job.logprob_start_len) + 1]
+    prefill = Job(ids, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=[c for c in job.checkpoints if c < len(ids)],
                   speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
     value = request.headers.get(KV_FROM_HEADER, "0")
     kv_from = header_count(value)
@@ -126,7 +132,7 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
         raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {value!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
-    return await prefix_response(server.admit(), job.prompt, job.namespace, kv_from)
+    return await prefix_response(server.admit(), ids, job.namespace, kv_from)
 
 
 async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0) -> Response:
