@@ -396,6 +396,10 @@ def _fake_worker():
     async def health():
         return JSONResponse({}, status_code=200 if state["healthy"] else 503)
 
+    @app.api_route("/page", methods=["GET", "HEAD"])
+    async def page():
+        return Response(b"hello", media_type="text/plain")
+
     @app.post("/v1/completions")
     async def echo(request: Request):
         body = json.dumps({"authorization": request.headers.get("authorization"), "query": str(request.query_params),
@@ -433,6 +437,11 @@ def test_what_the_client_sent_reaches_the_worker_and_its_headers_come_back():
         assert sent["authorization"] == "Bearer k" and sent["query"] == "x=1&x=2" and json.loads(sent["body"]) == {
             "prompt": "p"}
         assert answer.headers.get_list("set-cookie") == ["a=1", "b=2"]
+        # a HEAD's answer keeps the worker's Content-Length (what a GET would get), and has no body
+        for url in (fake.url, r.url):
+            head = httpx.head(url + "/page")
+            assert head.status_code == 200 and head.headers["content-length"] == "5" and head.content == b""
+        assert httpx.get(r.url + "/page").content == b"hello"
 
 
 def test_a_chunked_body_past_the_limit_is_a_413():

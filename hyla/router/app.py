@@ -199,12 +199,14 @@ def _error_code(data: bytes) -> str | None:
     return error.get("code") if isinstance(error, dict) else None
 
 
-def _headers(response: Response, upstream: httpx.Response) -> Response:
+def _headers(response: Response, upstream: httpx.Response, head: bool = False) -> Response:
     """``response`` with the worker's headers as they came (their bytes: a value outside latin-1 passes through),
-    each as many times (``set-cookie``), but those of the connection and those the router's server writes itself."""
-    own = [(k, v) for k, v in response.raw_headers if k == b"content-length"]  # (of a body the router holds)
+    each as many times (``set-cookie``), but those of the connection and those the router's server writes itself.
+    The answer to a ``HEAD`` (``head``) keeps the worker's ``Content-Length``: the length of what a GET would get."""
+    own = [(k, v) for k, v in response.raw_headers if k == b"content-length" and not head]  # (of a body it holds)
     response.raw_headers = own + [(k.lower(), v) for k, v in upstream.headers.raw
-                                  if k.lower().decode("latin-1") not in DROPPED_RESPONSE_HEADERS]
+                                  if k.lower().decode("latin-1") not in DROPPED_RESPONSE_HEADERS
+                                  or (head and k.lower() == b"content-length")]
     return response
 
 
@@ -484,7 +486,8 @@ class RouterApp:
                 if path in ROUTED_PATHS and upstream.status_code < 400:  # (a worker that refused it computed nothing)
                     self.router.record(i, key)
                 try:
-                    return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST")
+                    return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST",
+                                        head=request.method == "HEAD")
                 except BaseException:
                     self._done(w)
                     await upstream.aclose()
@@ -689,7 +692,7 @@ class RouterApp:
         w.in_flight -= 1
         self.in_flight.labels(w.url).dec()
 
-    def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool) -> Response:
+    def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool, head: bool = False) -> Response:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
         the worker's connection closes, when the last chunk is sent or the client has gone (even
         before the first chunk: ``_Relay``). A worker that fails mid-answer is marked unhealthy, and a
@@ -722,7 +725,7 @@ class RouterApp:
                 yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
             finally:
                 await close()
-        return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream)
+        return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream, head)
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
