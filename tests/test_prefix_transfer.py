@@ -13,9 +13,12 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from hyla import Engine
 from hyla.cache import CachedPrefix
+from hyla.cache.layout import CacheLayout
+from hyla.cache.transfer import as_bytes
 from test_engine_differential import FP8_KV_TOL, TOL, assert_drained, compare_outputs
 
 POOLS = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8)
@@ -244,6 +247,76 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
             assert_drained(other)
 
 
+def _poison(t, value: float) -> None:
+    """One element of ``t`` (a row of a pool's buffer) set to ``value``, in ``t``'s dtype (float8 too)."""
+    as_bytes(t).view(-1)[:t.dtype.itemsize] = as_bytes(torch.tensor([value]).to(t.dtype))
+
+
+def _carried_rows(prefix: CachedPrefix) -> list[tuple[str, torch.Tensor]]:
+    """``(name, the last row the prefix carries)`` of each of its buffers: each K and V, each state buffer."""
+    kv = [(f"{side}.{i}", buf[int(prefix.kv_rows[-1])]) for side, bufs in (("k", prefix.kv.k_buffers),
+                                                                        ("v", prefix.kv.v_buffers))
+          for i, buf in enumerate(bufs)]
+    state = prefix.state.all_buffers() if prefix.state is not None else []
+    return kv + [(f"state.{i}", buf[prefix.state_slot]) for i, buf in enumerate(state) if buf.numel()]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                                      torch.float8_e5m2], ids=str)
+def test_check_fits_refuses_non_finite_values(kv_dtype):
+    """``CachedPrefix.check_fits`` (what the receiving cache checks of any prefix before it allocates or
+    evicts anything) refuses a NaN or an infinity, in any K, V or state buffer, of any dtype a cache
+    keeps (float8's by its bytes: e4m3fn has no infinity), in the rows the prefix carries: a row it
+    does not carry (``drop_kv_before``) is not its to check, and rows out of order are checked as well."""
+    layout = CacheLayout(num_attention_layers=2, num_kv_heads=2, head_dim=8, kv_dtype=kv_dtype, num_linear_layers=2,
+                         conv_shape=(4, 3), conv_dtype=torch.bfloat16, ssm_shape=(2, 4, 4), ssm_dtype=torch.float32)
+    prefix = CachedPrefix.empty(layout, list(range(3, 11)), None, with_state=True)
+    for buf in [*prefix.kv.k_buffers, *prefix.kv.v_buffers, *prefix.state.all_buffers()]:
+        as_bytes(buf).zero_()
+    prefix.check_fits(prefix.kv, prefix.state)
+    shuffled = dataclasses.replace(prefix, kv_rows=prefix.kv_rows.flip(0))
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for name, row in _carried_rows(prefix):
+            if torch.tensor([value]).to(row.dtype).float().isfinite().all():
+                continue  # (float8 e4m3fn saturates an infinity)
+            saved = row.clone()
+            _poison(row, value)
+            for given in (prefix, shuffled):
+                with pytest.raises(ValueError, match=f"{name} holds NaN or infinite values"):
+                    given.check_fits(prefix.kv, prefix.state)
+            row.copy_(saved)
+    _poison(prefix.kv.k_buffers[0][int(prefix.kv_rows[0])], float("nan"))  # position 0's KV: not carried below
+    prefix.drop_kv_before(4).check_fits(prefix.kv, prefix.state)
+    with pytest.raises(ValueError, match="k.0 holds NaN"):
+        prefix.check_fits(prefix.kv, prefix.state)
+
+
+def test_a_prefix_with_non_finite_values_is_refused_and_changes_nothing(qwen3_next_dense_path):
+    """``import_prefix`` refuses a prefix whose KV or state holds a NaN or an infinity, as bytes and as the
+    object, with a ``ValueError`` (the server's 400), before the receiving cache changes; then goes on."""
+    with Engine(qwen3_next_dense_path, **POOLS) as source:
+        prompt = _prompts(8, source.model_config.vocab_size, n=1)[0][:50]
+        source.generate(input_ids=prompt, sampling_params=_greedy(1))
+        data = source.export_prefix(prompt).to_bytes()
+    with Engine(qwen3_next_dense_path, **POOLS) as dest:
+        held = [[3 + (7 * i + j) % 89 for j in range(40)] for i in range(2)]
+        _generate(dest, held, n=1)
+        before = [dest.cached_tokens(p) for p in held]
+        size, free = dest.tree.total_size(), dest.kv_pool.available_size()
+        names = [name for name, _ in _carried_rows(CachedPrefix.from_bytes(data, dest.cache_layout, True))]
+        assert any(n.startswith("k.") for n in names) and any(n.startswith("state.") for n in names)
+        for k, name in enumerate(names):
+            bad = CachedPrefix.from_bytes(data, dest.cache_layout, True)
+            _poison(dict(_carried_rows(bad))[name], (float("nan"), float("inf"), float("-inf"))[k % 3])
+            for given in (bad.to_bytes(), bad):
+                with pytest.raises(ValueError, match=f"{name} holds NaN or infinite values"):
+                    dest.import_prefix(given)
+            assert [dest.cached_tokens(p) for p in held] == before
+            assert dest.tree.total_size() == size and dest.kv_pool.available_size() == free
+        assert dest.import_prefix(data) == len(CachedPrefix.from_bytes(data, dest.cache_layout, True))
+        assert_drained(dest)
+
+
 # ----------------------------------------------------------------------------------------------
 # the server: /export_prefix and /import_prefix
 # ----------------------------------------------------------------------------------------------
@@ -285,6 +358,12 @@ def test_a_conversation_moves_between_servers(tiny_ckpt_dir):
         assert by_text.status_code == 404
         garbage = httpx.post(b.url + "/import_prefix", content=b"\x00" * 100, headers=auth)
         assert garbage.status_code == 400 and garbage.json()["error"]["code"] == "invalid_prefix"
+        engine = b.app.state.server.engine
+        poisoned = CachedPrefix.from_bytes(exported.content, engine.cache_layout, True)
+        _poison(poisoned.state.all_buffers()[0][poisoned.state_slot], float("nan"))
+        refused = httpx.post(b.url + "/import_prefix", content=poisoned.to_bytes(), headers=auth)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_prefix"
+        assert "NaN or infinite" in refused.json()["error"]["message"]
         too_big = httpx.post(b.url + "/import_prefix", content=b"\x00" * (1 << 20) + b"\x00", headers=auth)
         assert too_big.status_code == 413 and "--max-prefix-bytes" in too_big.json()["error"]["message"]
         assert httpx.post(b.url + "/import_prefix", content=exported.content).status_code == 401

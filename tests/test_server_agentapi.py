@@ -333,7 +333,7 @@ def test_qwen3_coder_through_the_server(server, client):
     pytest.param({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", id="bad-name"),
     pytest.param({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", id="string-parallel"),
     pytest.param({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
-                  "tool_choice": "required"}, "tool_choice", id="parameters-do-not-compile"),
+                  "tool_choice": "required"}, "tools.0.function.parameters", id="parameters-do-not-compile"),
 ])
 def test_tool_errors_are_400(server, extra, param):
     r = httpx.post(server.url + "/v1/chat/completions",
@@ -342,6 +342,34 @@ def test_tool_errors_are_400(server, extra, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert param is None or (err["param"] or "").startswith(param), err
+
+
+# a schema the request's validation lets through (a pattern is a string) and the grammar compiler refuses
+BAD_PATTERN = {"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string", "pattern": "(["}}, "required": ["code"]}}}
+
+
+@pytest.mark.parametrize("tools, tool_choice, param", [
+    pytest.param([WEATHER, BAD_PATTERN], {"type": "function", "function": {"name": "lookup"}},
+                 "tools.1.function.parameters", id="named-function"),
+    pytest.param([BAD_PATTERN], "required", "tools.0.function.parameters", id="required-one-tool"),
+    # one grammar holds every function: which schema failed is not known
+    pytest.param([WEATHER, BAD_PATTERN], "required", "tools", id="required-several-tools"),
+])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_forced_call_whose_schema_does_not_compile_names_the_tools(server, tools, tool_choice, param, stream):
+    """The grammar of a forced call is made of its functions' ``parameters``: when it does not compile,
+    the 400 names the function's parameters (``tool_choice`` is fine), and the server goes on serving."""
+    body = {"model": MODEL, "messages": ASK, "max_tokens": 8, "tools": tools, "tool_choice": tool_choice,
+            "stream": stream}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert "cannot be compiled" in err["message"], err
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                    json={**body, "tools": [WEATHER], "tool_choice": "required", "stream": False})
+    assert ok.status_code == 200, ok.text
 
 
 # --------------------------------------------------------------------------------------------

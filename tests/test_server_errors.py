@@ -192,6 +192,37 @@ def test_a_batch_needs_a_list_of_rids(server):
     assert one.status_code == 200 and len(one.json()) == 1  # a batch of one: its one id
 
 
+ONE_TOKEN = {"max_new_tokens": 1}
+
+
+@pytest.mark.parametrize("body, param", [
+    pytest.param({"text": ["a", "b"], "sampling_params": [ONE_TOKEN, {**ONE_TOKEN, "temperature": -1}]},
+                 "sampling_params.1.temperature", id="temperature"),
+    pytest.param({"text": ["a", "b"], "sampling_params": [ONE_TOKEN, {**ONE_TOKEN, "no_such_param": 1}]},
+                 "sampling_params.1", id="unknown-param"),
+    pytest.param({"input_ids": [[1, 2], [3, 4], [5, 6]], "sampling_params": [ONE_TOKEN, ONE_TOKEN, {"regex": "("}]},
+                 "sampling_params.2.regex", id="regex-does-not-compile"),
+    pytest.param({"text": ["a", "b"], "sampling_params": [{"min_new_tokens": 9, "max_new_tokens": 4}, ONE_TOKEN]},
+                 "sampling_params.0.min_new_tokens", id="first-item"),
+    pytest.param({"text": ["a", "hello " * 3000], "sampling_params": ONE_TOKEN}, "text.1", id="text-too-long"),
+    pytest.param({"text": ["a", "b"], "logprob_start_len": [-1, 1], "sampling_params": ONE_TOKEN},
+                 "logprob_start_len.1", id="logprob-start-len"),
+    # one value for the whole batch: no item to name
+    pytest.param({"text": ["a", "b"], "sampling_params": {**ONE_TOKEN, "temperature": -1}},
+                 "sampling_params.temperature", id="one-for-all"),
+])
+def test_a_batch_item_at_fault_is_named_with_its_index(server, body, param):
+    """``/generate`` with a batch: a field given per prompt (a list) that the engine refuses for one
+    item names that item, as ``messages.0.content`` does; the items before it, already submitted, are
+    aborted and the server goes on serving."""
+    _assert_error(_post(server, "/generate", json=body), 400, "invalid_request_error", param)
+    engine = _engine(server)
+    wait_until_idle(engine)
+    assert_pools_clean(engine)
+    ok = _post(server, "/generate", json={"text": ["a", "b"], "sampling_params": [ONE_TOKEN, ONE_TOKEN]})
+    assert ok.status_code == 200 and len(ok.json()) == 2, ok.text
+
+
 def test_chat_message_ends_are_speculative_checkpoints(server, monkeypatch):
     """The chat endpoint passes its message ends as guesses (``speculative_checkpoints``); the
     native ``/generate`` passes the caller's ``checkpoints`` as asked for, unless it says otherwise."""

@@ -13,7 +13,8 @@ import pytest
 
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
 from hyla.server.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, FunctionCallOutputItem
-from hyla.server.responses_routes import ResponseStore, StoredResponse, items_to_messages, output_items
+from hyla.server.responses_routes import (ResponseStore, ResponsesRoutes, StoredResponse, items_to_messages,
+                                         output_items, stored_size)
 from hyla.server.tool_calls import ToolCall
 
 INSTRUCTIONS = SYSTEM["content"]
@@ -21,6 +22,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
                                                            "unit": {"enum": ["C", "F"]}},
                           "required": ["city", "unit"], "additionalProperties": False}}
+# a schema the request's validation lets through (a pattern is a string) and the grammar compiler refuses
+BAD_PATTERN = {"type": "function", "name": "lookup", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string", "pattern": "(["}}, "required": ["code"]}}
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
           "required": ["ok", "color"], "additionalProperties": False}
 
@@ -205,6 +209,40 @@ def test_response_store_is_bounded_lru():
     assert len(store) == 2 and store.get("b") is None and store.get("a") is not None and store.get("c") is not None
 
 
+def _sized(rid: str, chars: int) -> StoredResponse:
+    """A stored response whose ``stored_size`` is ``chars`` plus what its id and keys count."""
+    return StoredResponse({"id": rid}, [{"role": "user", "content": "x" * chars}])
+
+
+def test_response_store_is_bounded_in_bytes():
+    """Beside the count, the store keeps at most ``max_bytes`` of responses (``stored_size``: the text
+    of the response and its whole conversation), the least recently used dropped first; the one stored
+    last stays even where it alone is larger; a delete gives its bytes back."""
+    small = stored_size(_sized("a", 1000))
+    store = ResponseStore(capacity=100, max_bytes=2 * small)
+    for rid in ("a", "b"):
+        store.put(_sized(rid, 1000))
+    assert len(store) == 2 and store.bytes == 2 * small
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.put(_sized("c", 1000))  # over the bytes, not the count: "b" goes
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.bytes == 2 * small
+    store.put(_sized("huge", 10 * small))  # alone larger than the cap: kept, alone
+    assert len(store) == 1 and store.get("huge") is not None and store.bytes == stored_size(_sized("huge", 10 * small))
+    assert store.delete("huge") and store.bytes == 0 and len(store) == 0
+    store.put(_sized("d", 1000))
+    store.put(_sized("d", 1000))  # stored again under its id: counted once
+    assert len(store) == 1 and store.bytes == small
+    assert ResponsesRoutes(None, max_stored=7, max_stored_bytes=small).store.max_bytes == small
+
+
+@pytest.mark.parametrize("limits", [{"capacity": -1}, {"max_bytes": -1}, {"max_bytes": 1.5}, {"capacity": True},
+                                    {"max_bytes": "1"}])
+def test_response_store_limits_are_checked(limits):
+    with pytest.raises(ValueError, match="must be a non-negative integer"):
+        ResponseStore(**limits)
+
+
 # --------------------------------------------------------------------------------------------
 # tools, text.format
 # --------------------------------------------------------------------------------------------
@@ -364,6 +402,12 @@ def test_text_format_json_schema(server, client):
     pytest.param({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                                       "schema": {"type": "nonsense"}}}}, "text.format",
                  id="schema-does-not-compile"),
+    # a forced call's grammar that does not compile: the function's parameters (one grammar holds several)
+    pytest.param({"input": "hi", "tools": [WEATHER, BAD_PATTERN],
+                  "tool_choice": {"type": "function", "name": "lookup"}}, "tools.1.parameters",
+                 id="forced-function-does-not-compile"),
+    pytest.param({"input": "hi", "tools": [WEATHER, BAD_PATTERN], "tool_choice": "required"}, "tools",
+                 id="forced-tools-do-not-compile"),
     pytest.param({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id",
                  id="unknown-previous-response"),
     pytest.param({"input": "hi", "max_output_tokens": 0}, "max_output_tokens", id="zero-max-output-tokens"),

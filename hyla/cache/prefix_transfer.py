@@ -18,14 +18,19 @@ Its data sit in CPU pools of the cache's own layout (``KVPool`` of the prefix's 
 the two layouts agree. ``to_bytes`` / ``from_bytes``: safetensors, the rows of every buffer in
 position order and the tokens, namespace and sizes as metadata; ``from_bytes`` builds the pools of
 the *receiving* cache's layout and refuses (``ValueError``) a buffer of another shape or dtype — a
-prefix of another model, another KV dtype, another draft model. Knows nothing of models.
+prefix of another model, another KV dtype, another draft model. ``check_fits``, which the receiving
+cache runs on any prefix before it allocates or evicts anything for it, also refuses NaN and infinite
+values in its KV rows or state (one read of them: their minimum and maximum, a float8 buffer's byte
+counts; several times cheaper than the copy in). Knows nothing of models.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load as load_tensors
@@ -34,9 +39,10 @@ from safetensors.torch import save as save_tensors
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
 from hyla.cache.state_pool import StatePool
-from hyla.cache.transfer import put_rows_
+from hyla.cache.transfer import as_bytes, put_rows_
 
 FORMAT = "hyla-cached-prefix-1"
+CHECK_BLOCK_BYTES = 64 << 20  # rows gathered at a time to check them where they are not one run (``_row_blocks``)
 
 
 @dataclass
@@ -84,8 +90,10 @@ class CachedPrefix:
 
     def check_fits(self, kv_pool: KVPool, state_pool: StatePool | None) -> None:
         """``ValueError`` unless this prefix can be copied into pools of ``kv_pool``'s and ``state_pool``'s
-        layout (None: a cache without states) as it stands: a prefix object made elsewhere than by
-        ``from_bytes`` (which builds it in the receiver's layout), checked before anything is evicted for it."""
+        layout (None: a cache without states) as it stands (a prefix object made elsewhere than by
+        ``from_bytes``, which builds it in the receiver's layout) and its KV rows and state hold only
+        finite values (``_check_finite``; any prefix, ``from_bytes``' too): what ``CacheManager.import_prefix``
+        checks before anything is allocated or evicted for it."""
         _check_positions(len(self), self.kv_start)
         if len(self.kv_rows) != len(self) - self.kv_start or not self.kv.is_allocated(self.kv_rows):
             raise ValueError(f"a cached prefix of {len(self)} tokens from position {self.kv_start} holds "
@@ -98,6 +106,7 @@ class CachedPrefix:
                                        or not self.state.is_allocated([self.state_slot])):
             raise ValueError("a cached prefix of another model or cache layout: its state is not one this cache "
                              "holds (or its slot is not allocated in its pool)")
+        _check_finite(self._buffers())
 
     def drop_kv_before(self, position: int) -> "CachedPrefix":
         """This prefix without the KV of the positions before ``position`` (at most its last token's;
@@ -183,6 +192,48 @@ def _check_positions(num_tokens: int, kv_start: int) -> None:
     if not 0 <= kv_start < num_tokens:
         raise ValueError(f"a cached prefix of {num_tokens} tokens carries the KV of its last one at least: "
                          f"kv_start {kv_start} is out of range")
+
+
+def _check_finite(buffers: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``ValueError`` naming the first of ``buffers`` (a prefix's, ``_buffers``) whose rows hold a NaN or an
+    infinity: no model's cache holds one, and one imported would poison every request that hits it."""
+    for name, (buf, rows) in buffers.items():
+        if any(_holds_nonfinite(block) for block in _row_blocks(buf, rows)):
+            raise ValueError(f"the cached prefix's {name} holds NaN or infinite values: not a prefix a model computed")
+
+
+def _row_blocks(buf: torch.Tensor, rows: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Rows ``rows`` of ``buf``: one view where they are a run of consecutive rows (what ``from_bytes`` and
+    ``gather`` allocate), else copies of at most ``CHECK_BLOCK_BYTES`` each."""
+    n = len(rows)
+    if not n:
+        return
+    first = int(rows[0])
+    if n == 1 or (int(rows[-1]) - first == n - 1 and bool((rows.diff() == 1).all())):
+        yield buf[first:first + n]
+        return
+    per_block = max(1, CHECK_BLOCK_BYTES // max(1, buf[0].numel() * buf.dtype.itemsize))
+    for block in rows.split(per_block):
+        yield as_bytes(buf).index_select(0, block).view(buf.dtype)
+
+
+def _holds_nonfinite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds a NaN or an infinity, in one read of it without a tensor of its size: its
+    minimum and maximum (a NaN is both, an infinity one of them); a float8 one by counting its bytes
+    (no min/max kernels), those that are NaN or infinite in its format (``_nonfinite_bytes``)."""
+    if not t.dtype.is_floating_point or not t.numel():
+        return False
+    if t.dtype.itemsize == 1:
+        counts = torch.bincount(as_bytes(t).reshape(-1), minlength=256)
+        return bool(counts[_nonfinite_bytes(t.dtype)].any())
+    lo, hi = torch.aminmax(t)
+    return not (math.isfinite(lo.item()) and math.isfinite(hi.item()))
+
+
+@functools.lru_cache(maxsize=None)
+def _nonfinite_bytes(dtype: torch.dtype) -> torch.Tensor:
+    """Which of the 256 bytes are a NaN or an infinity as a one-byte float ``dtype`` (a 256-entry mask)."""
+    return ~torch.isfinite(torch.arange(256, dtype=torch.uint8).view(dtype).float())
 
 
 def _check_state_presence(has_state: bool, with_state: bool) -> None:

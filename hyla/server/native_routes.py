@@ -28,10 +28,10 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, Response
 
 import hyla
-from hyla.engine.errors import EngineOverloadedError
+from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.server.disaggregation import disaggregation_answer, prefix_response
-from hyla.server.errors import APIError
-from hyla.server.generation import SSE_DONE, Choice, Generation, Job, sse
+from hyla.server.errors import APIError, api_param
+from hyla.server.generation import SSE_DONE, Choice, Generation, Job, job_request, sse
 from hyla.server.protocol import (AbortRequest, ExportPrefixRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
                                   cache_namespace)
 
@@ -80,14 +80,41 @@ class NativeRoutes:
             if answer is not None:
                 return answer
             gen = await self.server.start_generation("generate", jobs, arrival)
-        except APIError as exc:  # the engine's prompt is the body's text when it sent one (tokenized above)
-            if exc.param in ("input_ids", "prompt") and body.text is not None:
-                exc.param = "text"
+        except APIError as exc:
+            if exc.status == 400:
+                exc.param = await self._body_param(exc.param, body, jobs)
             raise
         if body.stream:
             return gen.stream(_events(gen))
         outs = [_output(c) for c in await gen.collect(request)]
         return JSONResponse(outs[0] if body.is_single() else outs)
+
+    async def _body_param(self, param: str | None, body: GenerateRequest, jobs: list[Job]) -> str | None:
+        """The body's field for a refused request's ``param`` (``api_param``'s, for the engine's
+        request): the prompt is ``text`` where the body sent text (tokenized here); a field the body
+        gives per prompt of a batch (a list: ``_listed_fields``) gets the index of the item at fault,
+        ``sampling_params.1.temperature`` (the first job the engine refuses for that field)."""
+        if param is None:
+            return None
+        head, dot, rest = param.partition(".")
+        if head in ("input_ids", "prompt") and body.text is not None:
+            head = "text"
+        if head in _listed_fields(body):
+            index = await asyncio.to_thread(self._refused_job, jobs, param)
+            head = head if index is None else f"{head}.{index}"
+        return head + dot + rest
+
+    def _refused_job(self, jobs: list[Job], param: str) -> int | None:
+        """The index of the first of ``jobs`` the engine refuses (``Engine.check_requests``: what submitting
+        it checks, nothing submitted), where it names ``param``; else None. For an error's path only."""
+        engine = self.server.admit()
+        for i, job in enumerate(jobs):
+            try:
+                engine.check_requests([job_request(job)])
+            except ValueError as exc:
+                refused = api_param(exc.param, "generate") if isinstance(exc, RequestError) else None
+                return i if refused == param else None
+        return None
 
     async def flush_cache(self) -> Response:
         engine = self.server.admit()
@@ -232,6 +259,19 @@ async def _events(gen: Generation) -> AsyncIterator[str]:
     yield SSE_DONE
 
 
+def _listed_fields(body: GenerateRequest) -> set[str]:
+    """The fields ``body`` gives one value per prompt of a batch (lists, item ``i`` for prompt ``i``): the
+    prompts of a batch themselves, and ``sampling_params``, ``rid``, ``logprob_start_len``, ``priority``
+    given as lists and ``checkpoints`` as a list of lists."""
+    listed = {name for name in ("sampling_params", "rid", "logprob_start_len", "priority")
+              if isinstance(getattr(body, name), list)}
+    if not body.is_single():
+        listed.add("text" if body.text is not None else "input_ids")
+    if body.checkpoints and not isinstance(body.checkpoints[0], int):
+        listed.add("checkpoints")
+    return listed
+
+
 def _jobs(body: GenerateRequest) -> list[Job]:
     """One job per prompt; per-item lists (sampling_params, rid, checkpoints) must match the batch, and
     a batch's ``rid`` is a list (SGLang's rule: one id each, all different)."""
@@ -243,27 +283,29 @@ def _jobs(body: GenerateRequest) -> list[Job]:
     n = len(prompts)
     if n == 0:
         raise APIError(400, "no request given: text or input_ids is an empty list")
+    listed = _listed_fields(body)
 
-    def per_item(value: Any, name: str, is_list: bool) -> list[Any]:
-        if value is None or not is_list:
+    def per_item(name: str) -> list[Any]:
+        value = getattr(body, name)
+        if name not in listed:
             return [value] * n
         if len(value) != n:
             raise APIError(400, f"{name} has {len(value)} entries for {n} requests", param=name)
         return list(value)
 
-    params = per_item(body.sampling_params, "sampling_params", isinstance(body.sampling_params, list))
-    starts = per_item(body.logprob_start_len, "logprob_start_len", isinstance(body.logprob_start_len, list))
+    params = per_item("sampling_params")
+    starts = per_item("logprob_start_len")
     if isinstance(body.rid, str) and n > 1:  # (the engine would see one id for every request: "in use")
         raise APIError(400, f"rid is one id for a batch of {n} requests: a batch needs a list of rids, one per "
                             "prompt", param="rid")
     if isinstance(body.rid, list) and len(set(body.rid)) < len(body.rid):
         raise APIError(400, "rid lists an id twice: each request of a batch needs its own", param="rid")
-    rids = per_item(body.rid, "rid", isinstance(body.rid, list))
-    priorities = per_item(body.priority, "priority", isinstance(body.priority, list))
-    single_ckpt = body.checkpoints is None or not body.checkpoints or isinstance(body.checkpoints[0], int)
+    rids = per_item("rid")
+    priorities = per_item("priority")
+    single_ckpt = "checkpoints" not in listed
     if body.checkpoints and n > 1 and single_ckpt:
         raise APIError(400, "checkpoints must be a list of lists for a batch", param="checkpoints")
-    ckpts = [body.checkpoints or []] if single_ckpt else per_item(body.checkpoints, "checkpoints", True)
+    ckpts = [body.checkpoints or []] if single_ckpt else per_item("checkpoints")
     ckpts = ckpts * n if len(ckpts) == 1 else ckpts
     jobs = []
     for prompt, p, rid, ck, start, prio in zip(prompts, params, rids, ckpts, starts, priorities):

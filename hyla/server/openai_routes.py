@@ -276,13 +276,13 @@ class OpenAIRoutes:
     async def _start(self, body: CompletionRequest | ChatCompletionRequest, endpoint: str, jobs: list[Job],
                      arrival: float) -> Generation:
         """``Server.start_generation``; a grammar the engine cannot compile is a 400 naming its field
-        (``response_format``, ``structured_outputs.<kind>``, ``guided_*``, or ``tool_choice`` where the
-        tools made the grammar)."""
+        (``response_format``, ``structured_outputs.<kind>``, ``guided_*``, or, where a forced tool call
+        made the grammar, the function's ``tools.<i>.function.parameters``: ``grammar_field``)."""
         try:
             return await self.server.start_generation(endpoint, jobs, arrival)
         except APIError as exc:
             if exc.status == 400 and exc.param == "response_format":  # (the engine's grammar fields, renamed)
-                exc.param = body.constraint_field() or "tool_choice"
+                exc.param = body.grammar_field() or exc.param
             raise
 
     async def _prompt_ids(self, engine: Engine, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -355,7 +355,7 @@ def forced_tool_grammar(server: Server, body: ChatCompletionRequest) -> dict[str
     try:  # (the request's tools are checked when it is parsed: a safety net)
         return {"ebnf": server.tool_call_parser.forced_grammar(forced, parallel)}
     except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from exc
+        raise APIError(400, str(exc), param=body.forced_tool_field()) from exc
 
 
 def truncate_prompt(body: CompletionRequest | ChatCompletionRequest, ids: list[int], context_length: int,

@@ -465,6 +465,10 @@ class _SamplingFields(_Request):
         given = self.constraints()
         return given[0][0] if given else None
 
+    def grammar_field(self) -> str | None:
+        """The field a grammar error names (a chat's forced tool call adds its own: ``ChatCompletionRequest``)."""
+        return self.constraint_field()
+
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
@@ -705,13 +709,31 @@ class ChatCompletionRequest(_SamplingFields):
 
     def forced_tools(self) -> list[dict[str, Any]]:
         """The functions a grammar must force a call of (empty: none forced)."""
+        return [self.tools[i].function.model_dump(exclude_none=True) for i in self.forced_tool_indices()]
+
+    def forced_tool_indices(self) -> list[int]:
+        """Where in ``tools`` the functions a grammar must force a call of are (empty: none forced)."""
         mode = self.tool_choice_mode()
         if mode == "required":
-            return [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+            return list(range(len(self.tools or ())))
         if mode == "named":
             name = self.tool_choice.function.name  # type: ignore[union-attr]
-            return [t.function.model_dump(exclude_none=True) for t in self.tools or () if t.function.name == name]
+            return [i for i, t in enumerate(self.tools or ()) if t.function.name == name]
         return []
+
+    def forced_tool_field(self) -> str | None:
+        """The field an error of the forced-call grammar names: the ``parameters`` of the function it
+        forces (``tools.<i>.function.parameters``), or ``tools`` where it forces a call of one of several
+        (the grammar is compiled as one: which schema failed is not known); None when no call is forced."""
+        indices = self.forced_tool_indices()
+        if not indices:
+            return None
+        return f"tools.{indices[0]}.function.parameters" if len(indices) == 1 else "tools"
+
+    def grammar_field(self) -> str | None:
+        """The field a grammar error names: the output constraint's, else the forced call's
+        (``forced_tool_field``)."""
+        return self.constraint_field() or self.forced_tool_field()
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``; None = up to the context."""

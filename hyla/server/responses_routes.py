@@ -10,7 +10,8 @@ checkpoints as a chat completion, so a chained turn renders the previous turn's 
 the same token prefix and the prefix cache hits it; one ``Job``; the output is split as a chat
 completion's (reasoning parser, then tool-call parser) into output items (``output_items``):
 reasoning, message, function calls. With ``store`` (the default) the response and its conversation
-are kept in memory (``ResponseStore``, LRU) for ``GET`` and ``previous_response_id``.
+are kept in memory (``ResponseStore``, LRU, bounded in number and size) for ``GET`` and
+``previous_response_id``.
 
 Streaming sends OpenAI's typed events (``event: <type>`` + ``data: {...}`` with a
 ``sequence_number``): ``response.created``, ``response.in_progress``, the output items as they
@@ -22,6 +23,7 @@ Fields and semantics: docs/server.md.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -37,7 +39,7 @@ from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
 from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
-from hyla.server.protocol import ChatCompletionRequest, cache_namespace
+from hyla.server.protocol import ChatCompletionRequest, cache_namespace, text_chars
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage, _item,
@@ -52,12 +54,18 @@ DEFAULT_STORED_RESPONSES = 4096
 first). Each holds its conversation as a list of message dicts, shared with the responses that
 continue it, so the memory is about the text of the conversations kept."""
 
+DEFAULT_STORED_RESPONSE_BYTES = 1 << 30
+"""The size of the responses kept (``stored_size``: their text, each with its whole conversation),
+beside ``DEFAULT_STORED_RESPONSES``: the least recently used are dropped first to stay within it, so
+that a few huge responses (a 16 MiB request each, ``--max-request-bytes``) do not hold 4096 times that."""
+
 ENDPOINT = "responses"
 # a field of the chat request (or the engine's request) underneath, as the Responses API names it
 _PARAMS = {"messages": "input", "prompt": "input", "input_ids": "input", "response_format": "text.format",
            "json_schema": "text.format", "regex": "text.format", "ebnf": "text.format",
            "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "max_new_tokens": "max_output_tokens", "chat_template_kwargs": "input"}
+_CHAT_TOOL_FUNCTION = re.compile(r"^tools\.(\d+)\.function(?=\.|$)")  # a chat tool's function: a Responses tool
 
 
 def _not_found(response_id: str) -> APIError:
@@ -76,30 +84,58 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Stored responses by id, in memory, at most ``capacity`` (least recently used dropped first)."""
+    """Stored responses by id, in memory, at most ``capacity`` of them and ``max_bytes`` of their
+    ``stored_size`` (the least recently used dropped first; the one stored last is kept even where it
+    alone is larger). ``ValueError`` for a limit that is not a non-negative integer."""
 
-    def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES):
-        self.capacity = capacity
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+    def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
+        _check_limit("capacity", capacity)
+        _check_limit("max_bytes", max_bytes)
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.bytes = 0  # the stored_size of the responses held
+        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # id -> (response, its size)
 
     def put(self, stored: StoredResponse) -> None:
-        self._items[stored.response["id"]] = stored
-        self._items.move_to_end(stored.response["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        rid = stored.response["id"]
+        self.delete(rid)
+        size = stored_size(stored)
+        self._items[rid] = (stored, size)
+        self.bytes += size
+        while self._items and (len(self._items) > self.capacity or
+                               (self.bytes > self.max_bytes and len(self._items) > 1)):
+            _, (_, dropped) = self._items.popitem(last=False)
+            self.bytes -= dropped
 
     def get(self, response_id: str) -> StoredResponse | None:
-        stored = self._items.get(response_id)
-        if stored is not None:
-            self._items.move_to_end(response_id)
-        return stored
+        entry = self._items.get(response_id)
+        if entry is None:
+            return None
+        self._items.move_to_end(response_id)
+        return entry[0]
 
     def delete(self, response_id: str) -> bool:
         """Forget a stored response; whether there was one."""
-        return self._items.pop(response_id, None) is not None
+        entry = self._items.pop(response_id, None)
+        if entry is not None:
+            self.bytes -= entry[1]
+        return entry is not None
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def stored_size(stored: StoredResponse) -> int:
+    """What a stored response holds, in bytes as ``ResponseStore.max_bytes`` counts them: the characters
+    of every string and key of the response and of its whole conversation (``text_chars``; a message
+    shared with the responses that continue it counts in each), one for any other value. An estimate
+    (Python holds a character in 1 to 4 bytes, the objects around them aside), made without
+    serializing anything."""
+    return text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
+
+
+def _check_limit(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"ResponseStore {name} must be a non-negative integer, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,13 +236,19 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def _remap(exc: APIError, body: ResponsesRequest) -> APIError:
-    """An error of the chat request (or the engine's) underneath, naming the Responses field."""
+def _remap(exc: APIError, body: ResponsesRequest, chat: ChatCompletionRequest | None = None) -> APIError:
+    """An error of the chat request ``chat`` (or the engine's) underneath, naming the Responses field: a
+    grammar error without ``text.format`` is the forced call's (``ChatCompletionRequest.forced_tool_field``),
+    and a chat tool's ``tools.<i>.function.<field>`` is the Responses tool's ``tools.<i>.<field>`` (the
+    chat's tools are the request's, in order)."""
     if exc.param:
         param = exc.param.removeprefix("sampling_params.")
         head, dot, rest = param.partition(".")
         if head in ("response_format", "json_schema", "regex", "ebnf") and body.text_format().type == "text":
-            exc.param = "tool_choice"  # the grammar the tools made
+            param = (chat.forced_tool_field() if chat is not None else None) or "tools"  # the grammar the tools made
+            head, dot, rest = param.partition(".")
+        if head == "tools":
+            exc.param = _CHAT_TOOL_FUNCTION.sub(r"tools.\1", param)
         else:
             exc.param = _PARAMS.get(head, head) + (dot + rest if head not in _PARAMS else "")
     return exc
@@ -218,9 +260,10 @@ def _remap(exc: APIError, body: ResponsesRequest) -> APIError:
 class ResponsesRoutes:
     """The Responses endpoints of one ``Server``, and the responses they stored."""
 
-    def __init__(self, server: Server, max_stored: int = DEFAULT_STORED_RESPONSES):
+    def __init__(self, server: Server, max_stored: int = DEFAULT_STORED_RESPONSES,
+                 max_stored_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self.server = server
-        self.store = ResponseStore(max_stored)
+        self.store = ResponseStore(max_stored, max_stored_bytes)
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -258,9 +301,9 @@ class ResponsesRoutes:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
                                          max_boundaries=CHAT_CHECKPOINTS)
             max_new = output_budget(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
+            grammar = forced_tool_grammar(self.server, chat)
         except APIError as exc:
-            raise _remap(exc, body) from None
-        grammar = forced_tool_grammar(self.server, chat)
+            raise _remap(exc, body, chat) from None
         job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},
                   checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
                   namespace=cache_namespace(body.cache_salt))
@@ -270,7 +313,7 @@ class ResponsesRoutes:
                 return answer
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
-            raise _remap(exc, body) from None
+            raise _remap(exc, body, chat) from None
         reasoning = self.server.reasoning_parser
         in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
         turn = _Turn(self, body, chat, conversation, new_id("resp"), in_thinking)
