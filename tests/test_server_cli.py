@@ -87,6 +87,8 @@ def test_abbreviated_flags_are_refused(argv, capsys):
     (["--max-request-bytes", "0"], "--max-request-bytes"),
     (["--max-prompt-chars", "-3"], "--max-prompt-chars"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout"),
+    (["--max-stored-responses", "-1"], "--max-stored-responses"),
+    (["--max-stored-response-bytes", "-5"], "--max-stored-response-bytes"),
 ])
 def test_bad_options_exit_2_with_a_message(argv, message, capsys):
     assert cli.run(_parse(argv)) == 2

@@ -236,6 +236,23 @@ def test_response_store_is_bounded_in_bytes():
     assert ResponsesRoutes(None, max_stored=7, max_stored_bytes=small).store.max_bytes == small
 
 
+def test_the_store_limits_reach_the_server(tiny_ckpt_dir):
+    """``create_app(max_stored_responses=..., max_stored_response_bytes=...)`` (``hyla serve
+    --max-stored-responses``, ``--max-stored-response-bytes``) bound the server's store: with one kept,
+    the first of two stored responses is gone and the second can be read and continued."""
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import make_chat_model
+
+    app = create_app(make_chat_model(tiny_ckpt_dir), served_model_name=MODEL, max_total_tokens=4096,
+                     max_state_slots=16, max_stored_responses=1, max_stored_response_bytes=10_000)
+    with BackgroundServer(app) as srv:
+        ids = [_post(srv, {"model": MODEL, "input": f"Turn {i}", "max_output_tokens": 2}).json()["id"] for i in range(2)]
+        assert [httpx.get(f"{srv.url}/v1/responses/{rid}").status_code for rid in ids] == [404, 200]
+        later = _post(srv, {"model": MODEL, "input": "Again", "previous_response_id": ids[1], "max_output_tokens": 2})
+        assert later.status_code == 200
+
+
 @pytest.mark.parametrize("limits", [{"capacity": -1}, {"max_bytes": -1}, {"max_bytes": 1.5}, {"capacity": True},
                                     {"max_bytes": "1"}])
 def test_response_store_limits_are_checked(limits):

@@ -36,7 +36,8 @@ from hyla.server.reasoning import ReasoningParser
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
-from hyla.server.protocol import DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
+                                  DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 
 logger = logging.getLogger("hyla.server")
 
@@ -245,7 +246,8 @@ class _LimitBody:
 
 def create_app(model_path: str | None = None, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
-               max_prefix_bytes: int = DEFAULT_MAX_PREFIX_BYTES,
+               max_prefix_bytes: int = DEFAULT_MAX_PREFIX_BYTES, max_stored_responses: int = DEFAULT_STORED_RESPONSES,
+               max_stored_response_bytes: int = DEFAULT_STORED_RESPONSE_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
                reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
@@ -257,7 +259,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     built-in model). With ``api_key``, /v1/*, the native endpoints (/generate, /flush_cache, ...), /tokenize and /detokenize
     need ``Authorization: Bearer <api_key>`` (the scheme's case does not matter, RFC 7235), /docs
     and /openapi.json are off; /health and /metrics stay open. A body over ``max_request_bytes`` is a 413 (an
-    ``/import_prefix`` body: over ``max_prefix_bytes``); ``max_prompt_chars``
+    ``/import_prefix`` body: over ``max_prefix_bytes``). ``max_stored_responses`` / ``_bytes``: how many stored
+    responses the Responses API keeps, and how much text (``ResponseStore``). ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
     tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
@@ -295,7 +298,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     auth = [Depends(server.check_api_key)]
     app.include_router(OpenAIRoutes(server).router(), dependencies=auth)
-    app.include_router(ResponsesRoutes(server).router(), dependencies=auth)
+    app.include_router(ResponsesRoutes(server, max_stored_responses, max_stored_response_bytes).router(),
+                       dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
     app.include_router(TokenRoutes(server).router(), dependencies=auth)
     return app

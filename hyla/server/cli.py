@@ -22,7 +22,8 @@ from typing import Any
 
 from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
-from hyla.server.protocol import DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT, PROMPT_CHARS_PER_TOKEN
+from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
+                                  DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prefix-bytes", type=int, default=DEFAULT_MAX_PREFIX_BYTES, metavar="BYTES",
                         help="Refuse an /import_prefix body (a cached prefix's KV and state) larger than this with "
                              f"413 (default {DEFAULT_MAX_PREFIX_BYTES}).")
+    parser.add_argument("--max-stored-responses", type=int, default=DEFAULT_STORED_RESPONSES, metavar="N",
+                        help="Responses (/v1/responses with store) kept for GET and previous_response_id, the least "
+                             f"recently used dropped first (default {DEFAULT_STORED_RESPONSES}; 0: none kept).")
+    parser.add_argument("--max-stored-response-bytes", type=int, default=DEFAULT_STORED_RESPONSE_BYTES,
+                        metavar="BYTES", help="The text the stored responses may hold, each counted with its whole "
+                                              f"conversation (default {DEFAULT_STORED_RESPONSE_BYTES}).")
     parser.add_argument("--max-prompt-chars", type=int, default=None, metavar="CHARS",
                         help="Refuse with 413, before tokenizing, a request whose prompt text (all prompts or "
                              f"messages) is longer (default: {PROMPT_CHARS_PER_TOKEN} x the context length).")
@@ -137,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"hyla serve: error: {flag} must be at least 1, got {value}", file=sys.stderr)
             return 2
+    for flag, value in (("--max-stored-responses", args.max_stored_responses),
+                        ("--max-stored-response-bytes", args.max_stored_response_bytes)):
+        if value < 0:
+            print(f"hyla serve: error: {flag} must be at least 0, got {value}", file=sys.stderr)
+            return 2
     if not args.shutdown_timeout >= 0:
         print(f"hyla serve: error: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
@@ -176,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     app = create_app(args.model_path, served_model_name=args.served_model_name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
-                     max_prefix_bytes=args.max_prefix_bytes,
+                     max_prefix_bytes=args.max_prefix_bytes, max_stored_responses=args.max_stored_responses,
+                     max_stored_response_bytes=args.max_stored_response_bytes,
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser, **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line

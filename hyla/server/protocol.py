@@ -47,6 +47,17 @@ MAX_STOP = 16  # stop strings per request (OpenAI allows 4; SGLang/vLLM more)
 MAX_SEED = 2**63 - 1  # seeds are signed 64-bit integers
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a larger body is a 413 (hyla serve --max-request-bytes)
 DEFAULT_MAX_PREFIX_BYTES = 4 << 30  # an /import_prefix body (a cached prefix's KV and state): --max-prefix-bytes
+
+DEFAULT_STORED_RESPONSES = 4096
+"""(``hyla serve --max-stored-responses``) Responses kept for ``GET`` and ``previous_response_id`` (the least recently used is dropped
+first). Each holds its conversation as a list of message dicts, shared with the responses that
+continue it, so the memory is about the text of the conversations kept."""
+
+DEFAULT_STORED_RESPONSE_BYTES = 1 << 30
+"""(``--max-stored-response-bytes``) The size of the responses kept (``stored_size``: their text, each with its whole conversation),
+beside ``DEFAULT_STORED_RESPONSES``: the least recently used are dropped first to stay within it, so
+that a few huge responses (a 16 MiB request each, ``--max-request-bytes``) do not hold 4096 times that."""
+
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds running requests get to finish at shutdown (--shutdown-timeout)
 PROMPT_CHARS_PER_TOKEN = 16
 """The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a

@@ -39,7 +39,8 @@ from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
 from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
-from hyla.server.protocol import ChatCompletionRequest, cache_namespace, text_chars
+from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
+                                  cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage, _item,
@@ -48,16 +49,6 @@ from hyla.server.tool_calls import ToolCall
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
-
-DEFAULT_STORED_RESPONSES = 4096
-"""Responses kept for ``GET`` and ``previous_response_id`` (the least recently used is dropped
-first). Each holds its conversation as a list of message dicts, shared with the responses that
-continue it, so the memory is about the text of the conversations kept."""
-
-DEFAULT_STORED_RESPONSE_BYTES = 1 << 30
-"""The size of the responses kept (``stored_size``: their text, each with its whole conversation),
-beside ``DEFAULT_STORED_RESPONSES``: the least recently used are dropped first to stay within it, so
-that a few huge responses (a 16 MiB request each, ``--max-request-bytes``) do not hold 4096 times that."""
 
 ENDPOINT = "responses"
 # a field of the chat request (or the engine's request) underneath, as the Responses API names it
