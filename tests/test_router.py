@@ -148,6 +148,33 @@ def test_routing_keys_of_each_endpoint():
         assert routing_key(path, body) is None
 
 
+def test_a_prompt_cache_key_keeps_each_conversation_together():
+    """OpenAI's ``prompt_cache_key`` (a chat's, a Responses turn's) comes first in the routing key: two agents with
+    the same long system prompt and tools but their own keys go to different workers (by load), and each agent's
+    next turn returns to its own; without keys both would follow the shared prefix to one worker."""
+    system = {"role": "system", "content": "You are a coding agent. Follow the rules. " * 30}
+    tools = [{"type": "function", "function": {"name": "run_shell"}}]
+
+    def key(agent: str | None, turns: int, path: str = "/v1/chat/completions") -> str:
+        messages = [system] + [{"role": "user", "content": f"{agent} step {t}"} for t in range(turns)]
+        body = {"messages": messages, "tools": tools} if path != "/v1/responses" else {
+            "instructions": system["content"], "input": messages[1:]}
+        return routing_key(path, {**body, "prompt_cache_key": agent} if agent else body)
+
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        assert key("a", 2, path).startswith(key("a", 1, path)[:-1])  # (a later turn extends the key)
+        assert key("a", 1, path).startswith('prompt_cache_key="a"') and not key("b", 1, path).startswith(
+            key("a", 1, path)[:30])
+        r, loads = Router(2), [0, 0]
+        first = [_route(r, key(agent, 1, path), loads, [True, True])[0] for agent in ("a", "b")]
+        assert sorted(first) == [0, 1]
+        assert [_route(r, key(agent, 3, path), loads, [True, True]) for agent in ("a", "b")] == [
+            (first[0], "cache"), (first[1], "cache")]
+        keyless, loads = Router(2), [0, 0]
+        w, _ = _route(keyless, key(None, 1, path), loads, [True, True])
+        assert _route(keyless, key(None, 1, path).replace("None step", "other step"), loads, [True, True]) == (w, "cache")
+
+
 def test_router_app_refuses_bad_worker_lists():
     for urls, match in (([], "a worker URL at least"), (["gpu0:30000"], "starts with http"),
                         (["http://a", "http://a/"], "given twice")):

@@ -456,8 +456,9 @@ def test_what_agent_clients_send_by_default_is_accepted(server, client):
     body = {"input": [{"role": "developer", "content": "<permissions>read only</permissions>"},
                       {"role": "user", "content": "list the files"}],
             "instructions": "You are Codex.", "include": ["reasoning.encrypted_content"],
-            "prompt_cache_key": "conv-1", "truncation": "disabled", "service_tier": "auto",
-            "text": {"verbosity": "medium"}, "max_output_tokens": 4, "temperature": 0}
+            "prompt_cache_key": "conv-1", "prompt_cache_retention": "24h", "safety_identifier": "user-7",
+            "truncation": "disabled", "service_tier": "auto", "text": {"verbosity": "medium"}, "max_output_tokens": 4,
+            "temperature": 0}
     r = _post(server, body)
     assert r.status_code == 200, r.text
     first = Response.model_validate(r.json())  # (strictly: every field the SDK requires)
@@ -470,6 +471,23 @@ def test_what_agent_clients_send_by_default_is_accepted(server, client):
     assert again.status_code == 200, again.text
     cached = again.json()["usage"]["input_tokens_details"]["cached_tokens"]
     assert cached >= first.usage.input_tokens + first.usage.output_tokens - 1  # the same system message
+
+
+def test_what_agent_clients_send_to_chat_is_accepted_and_changes_nothing(client):
+    """The Agents SDK's chat-completions model settings (``prompt_cache_key``, ``prompt_cache_retention``,
+    ``safety_identifier``, ``reasoning_effort``, ``verbosity``) were each a 400: they are accepted, and the
+    answer is the one without them; a value outside OpenAI's enums is still a 400 naming the field."""
+    messages = [SYSTEM, {"role": "user", "content": "What is a prefix cache?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+    hinted = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, prompt_cache_key="agent-1",
+        prompt_cache_retention="in_memory", safety_identifier="user-7", reasoning_effort="low", verbosity="high")
+    assert hinted.choices[0].message.content == plain.choices[0].message.content
+    assert hinted.usage.prompt_tokens == plain.usage.prompt_tokens
+    for field, value in (("prompt_cache_retention", "forever"), ("reasoning_effort", "max"), ("prompt_cache_key", 5)):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={field: value})
+        assert refused.value.body["param"] == field
 
 
 def test_null_is_the_default_and_unknown_model_is_404(server):

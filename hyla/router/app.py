@@ -107,19 +107,25 @@ def error_body(message: str, type: str = "service_unavailable", code: str | None
 def routing_key(path: str, body: Any) -> str | list[int] | None:
     """What a request is routed by: its prompt as the client sent it (the module docstring of
     ``policy``), at most its first ``MAX_KEY_BLOCKS`` blocks and a little more, or None where it has
-    none the router can read (the worker answers such a request; the router only picks where)."""
+    none the router can read (the worker answers such a request; the router only picks where). A chat's
+    or a Responses turn's ``prompt_cache_key`` comes first: requests with the same key and prompt prefix
+    go together, and requests of other keys go by load though their prompts begin alike (the agents of
+    one framework share a long system prompt and tools; each conversation then keeps its worker)."""
     if not isinstance(body, dict):
         return None
     cap = MAX_KEY_BLOCKS * 64 + 64
+    hint = body.get("prompt_cache_key")  # (OpenAI's: the requests that share a cache say so; a chat's, a turn's)
+    hint = f"prompt_cache_key={json.dumps(hint)}\n" if isinstance(hint, str) and hint else ""
     if path == "/v1/chat/completions":
         messages = body.get("messages")
         if not isinstance(messages, list):
             return None
         tools = body.get("tools")
-        return _list_key(json.dumps(tools, sort_keys=True) if tools else "", messages, cap)
+        return _list_key(hint + (json.dumps(tools, sort_keys=True) if tools else ""), messages, cap)
     if path == "/v1/responses":
         given = body.get("input")
-        return _list_key(json.dumps(body.get("instructions")), given if isinstance(given, list) else [given], cap)
+        return _list_key(hint + json.dumps(body.get("instructions")), given if isinstance(given, list) else [given],
+                         cap)
     if path not in PROMPT_PATHS:
         return None
     prompt = _prompt_field(path, body)

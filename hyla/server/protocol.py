@@ -12,8 +12,9 @@ Validation rules (a broken rule is an HTTP 400 with an OpenAI-style error body):
 * Types are strict: ``"16"`` is not an integer, ``1`` is not a bool; numbers are finite.
 * Unknown fields are refused (``extra="forbid"``), so an unsupported OpenAI feature such as
   ``prediction`` fails loudly instead of being silently ignored. The few fields that change
-  nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``) are accepted
-  and ignored.
+  nothing about the output (``user``, ``metadata``, ``store``, ``service_tier``; a chat's
+  ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, ``reasoning_effort``,
+  ``verbosity``) are accepted and ignored.
 * Strings are Unicode text: a lone UTF-16 surrogate anywhere in a body is refused.
 * ``null`` is the default in the fields OpenAI lets be null that have one (``NULL_MEANS_DEFAULT``:
   ``n``, ``stream``, ``echo``, ``logprobs``, ``parallel_tool_calls``; and vLLM's ``return_token_ids``),
@@ -681,6 +682,15 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    # what agent clients send (the Agents SDK's model settings) and hyla accepts without acting on: the
+    # prompt-cache hints (the exact prefix cache needs none; ``hyla route`` routes by prompt_cache_key),
+    # user's successor, and the reasoning controls (a model thinks as its chat template says:
+    # chat_template_kwargs, e.g. {"enable_thinking": false})
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
     @field_validator("messages", "tools", "chat_template_kwargs", mode="before")
     @classmethod

@@ -11,7 +11,8 @@ client copies back from an earlier response's ``output``) — ``instructions``,
 (hyla's extra), ``stream``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
 ``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``reasoning`` (accepted,
 no effect: a model thinks as its chat template says); what the Agents SDK and Codex send by default
-is accepted and ignored (``include``, ``prompt_cache_key``, ``truncation: "disabled"``,
+is accepted and ignored (``include``, ``prompt_cache_key``, ``prompt_cache_retention``,
+``safety_identifier``, ``truncation: "disabled"``,
 ``service_tier``, ``text.verbosity``). Anything else (other item or content types, other tool types,
 ``background``...) is a 400 naming it.
 """
@@ -245,7 +246,9 @@ class ResponsesRequest(_Request):
     # what clients send by default and hyla accepts without acting on (the Agents SDK and Codex send
     # include; Codex prompt_cache_key, which the exact prefix cache needs no hint for)
     include: list[str] | None = None  # nothing extra to include: no encrypted reasoning, no logprobs
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # (hyla route routes by it)
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop the oldest items to fit) is not supported
     service_tier: str | None = None
 
