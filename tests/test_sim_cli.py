@@ -91,7 +91,7 @@ def test_parse_size():
     assert parse_size("1.5GiB") == 3 * 2**29
     assert parse_size("512mb") == 512 * 10**6
     assert parse_size("1000") == 1000
-    for bad in ("", "GB", "-1GB", "0", "4 parsecs"):
+    for bad in ("", "GB", "-1GB", "0", "4 parsecs", "9" * 400, "1" + "0" * 300 + "TB"):  # (the last: not a float)
         with pytest.raises(ValueError):
             parse_size(bad)
 
@@ -111,6 +111,38 @@ def test_tiny_sharegpt_sweep(tmp_path, monkeypatch, capsys):
     lru = out["summary"]["policies"]["lru"]
     assert lru["p50_win_over_lru_pct"] == 0.0
     assert "P95 vs lru" in text and png.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "1,2"], "--rates applies only with --sweep"),
+    (["--sessions", "5", "--workers", "1", "--words-per-minute", "60"],
+     "--sessions, --workers, --words-per-minute apply only with --sweep"),
+    (["--sweep", "sharegpt"], "give a TRACE or --sweep sharegpt, not both"),
+])
+def test_sweep_options_with_a_trace_are_refused(tmp_path, capsys, monkeypatch, argv, message):
+    """The sweep's options would be silently ignored on a trace (and a trace ignored by a sweep)."""
+    from hyla.sim import sharegpt
+
+    monkeypatch.setattr(sharegpt, "build_sessions", lambda **kw: pytest.fail("the sweep should not start"))
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--no-progress", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "token hit" not in captured.out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "1,fast"], "--rates: 'fast' is not a positive number of sessions per second"),
+    (["--rates", "0"], "--rates: '0' is not a positive number"),
+    (["--rates", "nan"], "--rates: 'nan' is not a positive number"),
+    (["--words-per-minute", "0"], "--words-per-minute must be a positive number"),
+])
+def test_bad_sweep_options_exit_2_before_the_sweep(capsys, monkeypatch, argv, message):
+    """Bad rates or typing speeds exit 2 naming the option, before the sessions are built (not as a
+    worker's error after it)."""
+    from hyla.sim import sharegpt
+
+    monkeypatch.setattr(sharegpt, "build_sessions", lambda **kw: pytest.fail("the sweep should not start"))
+    assert hyla_main(["sim", "--sweep", "sharegpt", "--no-progress", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def _point(rate: float, gb: float, policy: str, hit: float) -> SweepPoint:
@@ -208,6 +240,19 @@ def test_output_paths_are_checked_before_the_run(tmp_path, capsys, option):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("plot", ["hit", "hit.xyz", "hit.pdf"])
+def test_a_plot_that_is_not_a_png_path_is_refused_before_the_run(tmp_path, capsys, plot):
+    """--plot writes a PNG: another suffix (which matplotlib would write in another format, or refuse
+    after the whole run, losing --output) or none (matplotlib would write PLOT.png, a path never
+    checked) exits 2 before anything runs."""
+    out = tmp_path / "res.json"
+    assert hyla_main(["sim", str(_trace(tmp_path)), "--no-progress", "--plot", str(tmp_path / plot),
+                      "--output", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and ".png" in captured.err and "Traceback" not in captured.err
+    assert "token hit" not in captured.out and not list(tmp_path.glob("hit*"))  # nothing ran, nothing written
+
+
 @pytest.mark.parametrize("options, message", [
     # the trace's requests are 340 and 442 tokens
     ({"max_total_tokens": 4096, "max_state_slots": 16, "context_length": 50},
@@ -226,6 +271,22 @@ def test_engine_replay_refuses_what_the_engine_would_refuse(tmp_path, capsys, op
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
     assert "Traceback" not in err
+
+
+def test_engine_replay_pools_too_large_for_host_memory_exit_2(tmp_path, capsys, monkeypatch):
+    """Pools whose free lists (an entry per id) the host cannot allocate (``max_total_tokens`` of 10^12:
+    8 TB) exit 2 with a message, not a MemoryError traceback. (The allocation is simulated: a machine that
+    overcommits memory would grant it and be killed filling it.)"""
+    from hyla.sim import replay
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 7.28 TiB for an array with shape (1000000000000,)")
+
+    monkeypatch.setattr(replay, "replay_engine", out_of_memory)
+    rc = hyla_main(["sim", str(_trace(tmp_path)), "--engine", json.dumps({"max_total_tokens": 10**12,
+                                                                          "max_state_slots": 16})])
+    err = capsys.readouterr().err
+    assert rc == 2 and "out of host memory for the accounting pools" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("model, tokens, message", [

@@ -271,3 +271,16 @@ def test_minimax_text_01_preset_is_456b():
     assert 45.8e9 < active - 2 * 200064 * 6144 < 46.0e9  # "45.9B activated"
     total = active + 80 * (32 - 2) * 3 * 6144 * 9216  # plus the idle experts
     assert 450e9 < total < 460e9  # "456B"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("full_attention_interval", 0),  # ModelConfig.from_hf: ZeroDivisionError
+    ("layer_types", 5),  # TypeError
+])
+def test_a_malformed_config_json_is_a_value_error(tmp_path, field, value):
+    """A config.json whose fields have the wrong type or value is a bad ``--model`` (ValueError naming
+    the file: the CLI exits 2 with a message), whatever the parser trips over, not a traceback."""
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIGS["qwen3-next-80b-a3b"], field: value}))
+    with pytest.raises(ValueError) as e:
+        resolve_model(str(tmp_path))
+    assert str(tmp_path / "config.json") in str(e.value) and "not a usable model config" in str(e.value)

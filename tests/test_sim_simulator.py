@@ -14,7 +14,7 @@ from hyla.cache.layout import CacheLayout
 from hyla.sim.latency import LatencyModel
 from hyla.sim.models import CostModel, marconi_7b
 from hyla.sim.policies import POLICIES, fed_len
-from hyla.sim.simulator import SimConfig, Simulator, simulate
+from hyla.sim.simulator import SimConfig, Simulator, simulate, trace_tokens
 from hyla.sim.trace import TraceRequest as Req
 
 TOY = CostModel("toy", CacheLayout(1, 1, 1, torch.float32, 1, (1, 4), torch.float32, (16,), torch.float32),
@@ -200,3 +200,21 @@ def test_engine_and_simulator_agree_on_hits(qwen3_next_dense_path):
     assert engine_hits == [0, 64, 40, 40, n2 - 1, 64 + 1 + 15 + 4]
     assert [lru_hits[i] for i in (0, 1, 3, 5)] == [engine_hits[i] for i in (0, 1, 3, 5)]
     assert (lru_hits[2], lru_hits[4]) == (0, 40)  # the boundary / prompt-end checkpoints lru lacks
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_budget_far_beyond_the_trace_costs_no_memory(policy):
+    """A huge ``--cache-size`` (a hit-rate ceiling) runs as any budget the trace cannot fill, with the
+    same results: the accounting pools' free lists hold ids for what the trace can fill, not one per
+    token of the budget (1e18 bytes of marconi-7b's KV would be 1.5e13 ids, 100+ TiB of free list;
+    hyla's ghost caches would need as much again each)."""
+    model = marconi_7b()
+    rng = random.Random(7)
+    prompt = [rng.randrange(5000) for _ in range(300)]
+    trace = [Req(0, 0, 0.0, prompt, [1, 2, 3]), Req(0, 1, 1.0, prompt + [1, 2, 3, 4], [5]),
+             Req(1, 0, 2.0, prompt[:100] + [9] * 20, [])]
+    ample, huge = (simulate(trace, SimConfig(model, policy, size)) for size in (10**10, 10**18))
+    assert huge.cached_tokens == ample.cached_tokens > 0
+    assert {**huge.to_json(), "cache_bytes": 0} == {**ample.to_json(), "cache_bytes": 0}
+    kv, state = model.make_pools(10**18, max_tokens=trace_tokens(trace))
+    assert kv.size == state.size == trace_tokens(trace) == 300 + 3 + 304 + 1 + 120 + 1

@@ -46,6 +46,13 @@ def test_round_trip_and_arrival_order(tmp_path):
         (_line(boundaries=[4]), "strictly increasing ints in [1, 3]"),
         (_line(input_tokens=[1, 2, -7]), "input_tokens must be non-negative token ids, got -7"),
         (_line(output_tokens=[-5, 3]), "output_tokens must be non-negative token ids, got -5"),
+        # JSON's Infinity (and a number too large for a float) is no arrival time
+        (_line(ts=float("inf")), "ts must be a non-negative finite number"),
+        (_line().replace('"ts": 0.0', '"ts": 1e400'), "ts must be a non-negative finite number"),
+        (_line(turn_id=True), "turn_id must be a non-negative int, got True"),
+        (_line(session_id=[1]), "session_id must be an int or a string, got [1]"),
+        (_line(session_id=None), "session_id must be an int or a string, got None"),
+        (_line(session_id=False), "session_id must be an int or a string, got False"),
     ],
 )
 def test_bad_lines_name_the_line(tmp_path, line, message):
@@ -54,6 +61,34 @@ def test_bad_lines_name_the_line(tmp_path, line, message):
     with pytest.raises(ValueError) as e:
         load_trace(path)
     assert f"{path}:3" in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize("line, message", [
+    (_line().replace('"ts": 0.0', '"ts": 1' + "0" * 400), "ts must be a non-negative finite number"),  # > a float
+    (_line().replace('"ts": 0.0', '"ts": -1' + "0" * 400), "ts must be a non-negative finite number"),
+    (_line().replace("[1, 2, 3]", "[1" + "0" * 5000 + "]"), "not valid JSON (Exceeds the limit"),  # > int() takes
+], ids=["huge-ts", "huge-negative-ts", "too-many-digits"])
+def test_numbers_out_of_range_name_the_line(tmp_path, line, message):
+    """Huge numbers are bad lines (a ValueError naming ``file:line``), not an OverflowError."""
+    path = tmp_path / "huge.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError) as e:
+        load_trace(path)
+    assert f"{path}:1: " in str(e.value) and message in str(e.value)
+
+
+def test_a_line_that_is_not_utf8_names_the_line(tmp_path):
+    """Bytes that are not UTF-8 (a binary or Latin-1 file) are a bad line like any other: a ValueError
+    naming ``file:line``, not a bare UnicodeDecodeError."""
+    path = tmp_path / "latin1.jsonl"
+    latin1 = _line(session_id="cafe").encode().replace(b"cafe", b"caf\xe9")  # "café" in Latin-1
+    path.write_bytes(_line().encode() + b"\n" + latin1 + b"\n")
+    with pytest.raises(ValueError) as e:
+        load_trace(path)
+    assert f"{path}:2: not UTF-8 text" in str(e.value)
+    path.write_text(_line(session_id="caf\u00e9", turn_id=1) + "\n" + _line(session_id="\u4f1a\u8bdd") + "\n",
+                    encoding="utf-8")
+    assert [r.session_id for r in load_trace(path)] == ["caf\u00e9", "\u4f1a\u8bdd"]  # UTF-8 itself is fine
 
 
 def test_empty_trace_is_an_error(tmp_path):

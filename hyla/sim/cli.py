@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -46,7 +47,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"bad size {text!r}: use e.g. 4GB, 512MB, 1.5GiB or a number of bytes")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+    if not math.isfinite(value):
+        raise ValueError(f"size {text!r} is too large")
+    size = int(value)
     if size <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return size
@@ -65,6 +69,30 @@ def _policies(text: str) -> list[str]:
     if bad:
         raise ValueError(f"unknown policy {', '.join(bad)}; choose from {', '.join(POLICIES)}")
     return names
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates``: positive, finite sessions per second."""
+    rates = []
+    for item in _csv(text):
+        try:
+            rate = float(item)
+        except ValueError:
+            rate = math.nan
+        if not (rate > 0 and math.isfinite(rate)):
+            raise ValueError(f"--rates: {item!r} is not a positive number of sessions per second")
+        rates.append(rate)
+    return rates
+
+
+# the sweep's own options (None: not given; they apply only with --sweep) and their defaults
+SWEEP_DEFAULTS = {"sessions": 100, "workers": 2, "words_per_minute": 90.0}
+
+
+def _sweep_option(args: argparse.Namespace, name: str) -> Any:
+    """The sweep option ``name`` as given, else its default (``SWEEP_DEFAULTS``)."""
+    value = getattr(args, name)
+    return SWEEP_DEFAULTS[name] if value is None else value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,9 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its context length and token ids the model's vocabulary")
     sweep = parser.add_argument_group("sweep (--sweep sharegpt)")
     sweep.add_argument("--rates", default=None, help="sessions per second (default 0.25,0.5,1,2,5,10)")
-    sweep.add_argument("--sessions", type=int, default=100, help="ShareGPT sessions with >= 10 rounds (default 100)")
-    sweep.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    sweep.add_argument("--words-per-minute", type=float, default=90.0, help="typing speed between turns")
+    sweep.add_argument("--sessions", type=int, default=None,
+                       help=f"ShareGPT sessions with >= 10 rounds (default {SWEEP_DEFAULTS['sessions']})")
+    sweep.add_argument("--workers", type=int, default=None,
+                       help=f"worker processes (default {SWEEP_DEFAULTS['workers']})")
+    sweep.add_argument("--words-per-minute", type=float, default=None,
+                       help=f"typing speed between turns (default {SWEEP_DEFAULTS['words_per_minute']:g})")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -111,9 +142,23 @@ def _check_options(args: argparse.Namespace) -> None:
             raise ValueError(f"{', '.join(given)} do{'es' if len(given) == 1 else ''} not apply with --engine (the "
                              "engine's own eviction and its max_total_tokens / max_state_slots replace the "
                              "policy and the cache size)")
+    if args.sweep and args.trace:
+        raise ValueError(f"give a TRACE or --sweep {args.sweep}, not both (the sweep builds its own traces)")
+    if not args.sweep:
+        given = [flag for flag, value in (("--rates", args.rates), ("--sessions", args.sessions),
+                                          ("--workers", args.workers),
+                                          ("--words-per-minute", args.words_per_minute)) if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --sweep")
+    wpm = _sweep_option(args, "words_per_minute")
+    if not (wpm > 0 and math.isfinite(wpm)):
+        raise ValueError(f"--words-per-minute must be a positive number, got {wpm}")
     for flag, value in (("--output", args.output), ("--plot", args.plot)):
         if value is not None:
             check_output_path(value, flag)
+    if args.plot is not None and Path(args.plot).suffix.lower() != ".png":
+        # (matplotlib would pick the format from the suffix, or add ".png" to a path without one)
+        raise ValueError(f"--plot {args.plot}: the plot is a PNG, give a path ending in .png")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -176,6 +221,9 @@ def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
         replay = replay_engine(trace, model.layout, vocab_size=model.vocab_size, **options)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--engine: {e}") from None
+    except MemoryError:  # the accounting pools keep a host-side free list per KV token and state slot
+        raise ValueError("--engine: out of host memory for the accounting pools' free lists (one entry per "
+                         "max_total_tokens token and max_state_slots slot): use smaller pools") from None
     inputs = sum(r.num_input_tokens for r in trace)
     cached = sum(replay.cached_tokens)
     out = {"model": model.name, "engine_options": options, "num_requests": len(trace), "input_tokens": inputs,
@@ -200,19 +248,19 @@ def _run_engine_replay(args: argparse.Namespace) -> dict[str, Any]:
 def _run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     from hyla.sim.sharegpt import build_sessions
 
-    rates = [float(r) for r in _csv(args.rates)] if args.rates else list(SHAREGPT_RATES)
+    rates = _rates(args.rates) if args.rates else list(SHAREGPT_RATES)
     sizes = [parse_size(s) / GB for s in _csv(args.cache_size)] if args.cache_size else list(SHAREGPT_CACHE_GB)
     policies = _policies(args.policy or ",".join(POLICIES))
     resolve_model(args.model, args.kv_cache_dtype)  # fail early on a bad model
-    sessions = build_sessions(num_sessions=args.sessions)
+    sessions = build_sessions(num_sessions=_sweep_option(args, "sessions"))
+    workers, wpm = _sweep_option(args, "workers"), _sweep_option(args, "words_per_minute")
     start = time.perf_counter()
-    points = run_sharegpt_sweep(sessions, policies, rates, sizes, args.model, args.words_per_minute,
-                                workers=args.workers, show_progress=not args.no_progress,
-                                kv_cache_dtype=args.kv_cache_dtype)
+    points = run_sharegpt_sweep(sessions, policies, rates, sizes, args.model, wpm, workers=workers,
+                                show_progress=not args.no_progress, kv_cache_dtype=args.kv_cache_dtype)
     elapsed = time.perf_counter() - start
     summary = summarize(points)
     print(f"{len(rates) * len(sizes)} configurations x {len(policies)} policies, {len(sessions)} sessions, "
-          f"{args.workers} worker(s): {elapsed:.0f} s")
+          f"{workers} worker(s): {elapsed:.0f} s")
     print(format_table(points))
     print()
     print(format_summary(summary))

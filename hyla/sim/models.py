@@ -124,14 +124,23 @@ class CostModel:
         state-space model, whose tokens cost nothing)."""
         return self.state_bytes_per_slot / self.kv_bytes_per_token if self.kv_bytes_per_token else math.inf
 
-    def make_pools(self, cache_bytes: int) -> tuple[KVPool, StatePool]:
+    def make_pools(self, cache_bytes: int, max_tokens: int | None = None) -> tuple[KVPool, StatePool]:
         """Accounting pools that could each hold the whole budget (the simulator enforces the sum); a
-        pure state-space model's KV pool is token indices alone, as the engine's (``split_memory``)."""
+        pure state-space model's KV pool is token indices alone, as the engine's (``split_memory``).
+
+        ``max_tokens``: the most tokens the caller will ever hold at once; neither pool gets more ids
+        than that (a checkpoint ends a token of the tree, so there are never more checkpoints). The
+        pools' free lists take host memory per id: without the bound, a budget far beyond what a trace
+        can fill (``--cache-size 100TB``, to find the hit-rate ceiling) would allocate gigabytes."""
         num_tokens = cache_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else INDEX_ONLY_KV_TOKENS
         num_slots = cache_bytes // self.state_bytes_per_slot
         if num_tokens < 1 or num_slots < 1:
             raise ValueError(f"a cache of {cache_bytes} bytes cannot hold one state of {self.name} "
                              f"({self.state_bytes_per_slot} bytes)")
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+            num_tokens, num_slots = min(num_tokens, max_tokens), min(num_slots, max_tokens)
         return (KVPool.from_layout(self.layout, num_tokens, accounting=True),
                 StatePool.from_layout(self.layout, num_slots, accounting=True))
 
@@ -217,3 +226,5 @@ def _resolve_model(spec: str) -> CostModel:
         return from_hf_config(config, path.parent.name or str(path))
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+    except (TypeError, LookupError, AttributeError, ArithmeticError) as e:  # a field of the wrong type or value
+        raise ValueError(f"{path}: not a usable model config ({type(e).__name__}: {e})") from None

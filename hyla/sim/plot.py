@@ -39,6 +39,6 @@ def plot_hit_rates(points: Sequence[SweepPoint], path: str | Path, title: str = 
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # a PNG at exactly ``path``, whatever its suffix
     plt.close(fig)
     return path

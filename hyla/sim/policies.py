@@ -345,11 +345,13 @@ class HylaPolicy(SimPolicy):
     name = "hyla"
 
     def __init__(self, model: CostModel, cache_bytes: int, alpha: float | None = None,
-                 arms: tuple[float, ...] = HYLA_ALPHAS, decay: float = HYLA_DECAY) -> None:
+                 arms: tuple[float, ...] = HYLA_ALPHAS, decay: float = HYLA_DECAY,
+                 max_tokens: int | None = None) -> None:
         if alpha is None and (not arms or any(a < 0 for a in arms)):
             raise ValueError(f"hyla needs at least one arm and non-negative alphas, got {arms}")
         super().__init__(model, hyla_admission, HylaEviction(model, arms[0] if alpha is None else alpha))
         self.cache_bytes = cache_bytes
+        self.max_tokens = max_tokens  # the run's bound on its pools (``SimConfig.max_tokens``), the ghosts' too
         self.arms = arms if alpha is None else ()
         self.decay = decay
         self.ghosts: list[Any] = []
@@ -359,7 +361,8 @@ class HylaPolicy(SimPolicy):
         super().attach(clock)
         from hyla.sim.simulator import SimConfig, Simulator  # the ghosts are simulators themselves
 
-        self.ghosts = [Simulator(SimConfig(self.model, "hyla", self.cache_bytes, policy_options=(("alpha", a),)))
+        self.ghosts = [Simulator(SimConfig(self.model, "hyla", self.cache_bytes, policy_options=(("alpha", a),),
+                                           max_tokens=self.max_tokens))
                        for a in self.arms]
 
     def on_request(self, req: TraceRequest, hit: int) -> None:
@@ -382,12 +385,17 @@ POLICIES: dict[str, type[SimPolicy]] = {
 }
 
 
-def make_policy(name: str, model: CostModel, cache_bytes: int, **options: Any) -> SimPolicy:
+def make_policy(name: str, model: CostModel, cache_bytes: int, max_tokens: int | None = None,
+                **options: Any) -> SimPolicy:
+    """Policy ``name`` for a run of ``cache_bytes`` whose pools hold at most ``max_tokens`` ids
+    (``SimConfig.max_tokens``: hyla's ghost caches are bounded alike); ``options``: the policy's own."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     cls = POLICIES[name]
     if cls in (MarconiPolicy, HylaPolicy):
         options["cache_bytes"] = cache_bytes
+    if cls is HylaPolicy:
+        options["max_tokens"] = max_tokens
     try:
         return cls(model, **options)
     except TypeError as e:

@@ -31,7 +31,7 @@ FLOPs saved = Σ prefill FLOPs of the hit prefixes; KV / state bytes held after 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -52,6 +52,9 @@ class SimConfig:
     cache_bytes: int
     latency: LatencyModel = field(default_factory=LatencyModel)
     policy_options: tuple[tuple[str, Any], ...] = ()  # extra keyword arguments of the policy
+    # the most tokens the run holds at once (``simulate``: ``trace_tokens`` of its trace), which bounds
+    # the accounting pools' ids (``CostModel.make_pools``); None: as many as the budget would hold
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -110,9 +113,9 @@ class Simulator:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
         self.model = config.model
-        self.kv_pool, self.state_pool = config.model.make_pools(config.cache_bytes)
+        self.kv_pool, self.state_pool = config.model.make_pools(config.cache_bytes, config.max_tokens)
         self.clock = LogicalClock()
-        self.policy: SimPolicy = make_policy(config.policy, config.model, config.cache_bytes,
+        self.policy: SimPolicy = make_policy(config.policy, config.model, config.cache_bytes, config.max_tokens,
                                              **dict(config.policy_options))
         self.tree = RadixCache(self.kv_pool, state_pool=self.state_pool, policy=self.policy.eviction,
                                clock=self.clock)
@@ -203,8 +206,19 @@ class Simulator:
         return best
 
 
+def trace_tokens(trace: Sequence[TraceRequest]) -> int:
+    """A bound on the tokens (and checkpoints) a replay of ``trace`` holds at once: the tree holds at
+    most every token the requests fed, and a request adds at most its own (+ 1: the checkpoint a
+    request without output stores at its prompt's end, counted twice until the tree frees the copy)."""
+    return sum(r.num_input_tokens + r.num_output_tokens for r in trace) + 1
+
+
 def simulate(trace: Sequence[TraceRequest], config: SimConfig, show_progress: bool = False) -> SimResult:
-    """Replay ``trace`` (in arrival order) under ``config`` and aggregate the metrics."""
+    """Replay ``trace`` (in arrival order) under ``config`` and aggregate the metrics. The pools hold
+    at most ``trace_tokens(trace)`` ids (unless ``config.max_tokens`` says otherwise): what the trace
+    can fill, whatever the budget."""
+    if config.max_tokens is None:
+        config = replace(config, max_tokens=trace_tokens(trace))
     sim = Simulator(config)
     hits = np.zeros(len(trace), dtype=np.int64)
     ttft = np.zeros(len(trace))

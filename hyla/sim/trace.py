@@ -5,9 +5,10 @@ One request per line::
     {"session_id": 3, "turn_id": 1, "ts": 12.5,
      "input_tokens": [...], "output_tokens": [...], "boundaries": [57, 412, 470]}
 
-* ``session_id`` / ``turn_id``: a multi-turn conversation and the request's place in it. Turn
-  ``t + 1`` of a chat normally starts with turn ``t``'s input followed by its output.
-* ``ts``: arrival time in seconds from the start of the trace (non-negative).
+* ``session_id`` (an int or a string) / ``turn_id`` (a non-negative int): a multi-turn conversation
+  and the request's place in it. Turn ``t + 1`` of a chat normally starts with turn ``t``'s input
+  followed by its output.
+* ``ts``: arrival time in seconds from the start of the trace (finite, non-negative).
 * ``input_tokens``: the whole prompt (history + new message); ``output_tokens``: what the model
   answered (the simulator allocates them as decode output). Token ids are non-negative ints (the
   engine replay also needs them below the model's vocabulary size).
@@ -24,6 +25,7 @@ Invalid lines raise ``ValueError`` naming the line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -41,10 +43,12 @@ class TraceRequest:
 
     def __post_init__(self) -> None:
         where = f"request (session {self.session_id!r}, turn {self.turn_id})"
-        if not isinstance(self.turn_id, int) or self.turn_id < 0:
+        if isinstance(self.session_id, bool) or not isinstance(self.session_id, (int, str)):
+            raise ValueError(f"{where}: session_id must be an int or a string, got {self.session_id!r}")
+        if isinstance(self.turn_id, bool) or not isinstance(self.turn_id, int) or self.turn_id < 0:
             raise ValueError(f"{where}: turn_id must be a non-negative int, got {self.turn_id!r}")
-        if not self.ts >= 0:  # also rejects NaN
-            raise ValueError(f"{where}: ts must be a non-negative number of seconds, got {self.ts!r}")
+        if not (self.ts >= 0 and math.isfinite(self.ts)):  # also rejects NaN and infinity
+            raise ValueError(f"{where}: ts must be a non-negative finite number of seconds, got {self.ts!r}")
         if len(self.input_tokens) == 0:
             raise ValueError(f"{where}: input_tokens is empty")
         prev = 0
@@ -100,10 +104,14 @@ def parse_request(obj: Any, where: str = "request") -> TraceRequest:
     if not isinstance(obj["ts"], (int, float)) or isinstance(obj["ts"], bool):
         raise ValueError(f"{where}: ts must be a number, got {obj['ts']!r}")
     try:
+        ts = float(obj["ts"])
+    except OverflowError:  # an int too large for a float: refused as not finite
+        ts = math.inf if obj["ts"] > 0 else -math.inf
+    try:
         return TraceRequest(
             session_id=obj["session_id"],
             turn_id=obj["turn_id"],
-            ts=float(obj["ts"]),
+            ts=ts,
             input_tokens=obj["input_tokens"],
             output_tokens=obj["output_tokens"],
             boundaries=tuple(obj.get("boundaries", ())),
@@ -116,15 +124,19 @@ def parse_request(obj: Any, where: str = "request") -> TraceRequest:
 def load_trace(path: str | Path) -> list[TraceRequest]:
     """Read a JSON Lines trace, sorted by arrival (stable: ties keep file order)."""
     requests = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # decoded line by line, so that bytes that are not UTF-8 name their line
+        for lineno, raw in enumerate(f, 1):
             where = f"{path}:{lineno}"
             try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 text ({e.reason})") from None
+            if not line.strip():
+                continue
+            try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+            except ValueError as e:  # JSONDecodeError, or an integer of more digits than Python converts
+                raise ValueError(f"{where}: not valid JSON ({getattr(e, 'msg', e)})") from None
             requests.append(parse_request(obj, where))
     if not requests:
         raise ValueError(f"{path}: the trace has no requests")
