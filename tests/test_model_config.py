@@ -1106,3 +1106,17 @@ def test_pure_ssm_state_shapes_match_hf_caches(config_cls, kw, arch):
 def test_pure_ssm_bad_configs_are_value_errors(base, bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf({**base, **bad})
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"vocab_size": -5}, "vocab_size must be a positive integer"),
+    ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings must be a positive integer"),
+    ({"head_dim": None, "hidden_size": 8, "num_attention_heads": 16}, "head_dim > 0"),  # (hidden // heads)
+])
+def test_sizes_that_make_no_model_are_refused(change, match):
+    """Sizes no model has (a negative vocabulary, a zero head size: an attention layer without KV, silently a
+    state-space model to the cache's accounting) are a ValueError naming the field, not a model built on them."""
+    qwen = hf_dict(transformers.Qwen3NextConfig(**QWEN3_NEXT_KW), "Qwen3NextForCausalLM")
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf({**qwen, **change})

@@ -247,6 +247,12 @@ class ModelConfig:
 
     # ------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.layer_types:
+            raise ValueError("a model needs one layer at least")
         if len(self.layer_types) != len(self.ffn_types):
             raise ValueError("layer_types and ffn_types must have one entry per layer")
         bad = {t for t in self.layer_types} - set(LAYER_KINDS)
@@ -259,8 +265,8 @@ class ModelConfig:
             raise ValueError("Mamba1 layers need mamba1_inner_size, mamba1_dt_rank and ssm_state_size > 0")
         if len(self.ssm_multipliers) != 5 or len(self.mlp_multipliers) != 2:
             raise ValueError("ssm_multipliers needs 5 entries (z, x, B, C, dt) and mlp_multipliers 2 (gate, down)")
-        if self.num_attention_layers and (self.num_attention_heads <= 0 or self.num_kv_heads <= 0):
-            raise ValueError("attention layers need num_attention_heads and num_key_value_heads > 0")
+        if self.num_attention_layers and min(self.num_attention_heads, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError("attention layers need num_attention_heads, num_key_value_heads and head_dim > 0")
         if self.num_attention_layers and self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
