@@ -184,6 +184,157 @@ def test_tool_call_parser():
         assert out.strip() == "Let me check." and [c.name for c in got] == ["get_weather", "get_time"]
 
 
+
+def _cuts(text: str) -> list[list[str]]:
+    """Ways a detokenizer may cut ``text`` into a stream's chunks: whole, one character at a time,
+    and in two at every position."""
+    return [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
+
+
+def _call_block(parser) -> str:
+    """One call of ``get_weather`` in ``parser``'s syntax."""
+    if parser.xml:
+        body = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+    elif parser.listed:
+        body = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    else:
+        body = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    return parser.start + body + parser.end
+
+
+@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
+    """The whitespace around calls is layout, the same rule whole and streamed: the content deltas
+    joined are ``parse``'s content, and the calls its calls, at every cut (text before, after and
+    between calls, a malformed block, a call cut off by the length limit or by a stop string)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    call, bad = _call_block(parser), f"{parser.start}bad{parser.end}"
+    cases = [
+        (f"Let me check.\n{call}\n", "Let me check.", 1),
+        (f"\n\n{call}\n\n{call}", "", 2),
+        (f"A\n{call}\n\n{call}\nB\n", "A\n\n\n\nB", 2),
+        (f"{call} after", "after", 1),
+        (f" x {call}", " x", 1),  # (the whitespace before the first text goes out before a call is known)
+        ("\n\nno call\n", "\n\nno call\n", 0),
+        (f"{bad}\n{call}", bad, 1),
+        (f"Hi {call[:len(call) // 2]}", f"Hi {call[:len(call) // 2]}", 0),  # cut off by max_tokens
+        (f"Hi\n{call[:-len(parser.end)]}", "Hi", 1),  # cut off by the stop string </tool_call>: a call
+        (f"Hi {parser.start[:4]}", f"Hi {parser.start[:4]}", 0),
+    ]
+    for text, content, n_calls in cases:
+        whole, calls = parser.parse(text)
+        assert (whole, len(calls)) == (content, n_calls), text
+        for pieces in _cuts(text):
+            stream, out, got = parser.stream(), "", []
+            for i, piece in enumerate(pieces):
+                delta, new = stream.feed(piece, final=i == len(pieces) - 1)
+                out, got = out + delta, got + new
+            assert (out, [(c.name, c.arguments) for c in got]) == (whole, [(c.name, c.arguments) for c in calls]), \
+                pieces
+
+
+@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+def test_a_lone_surrogate_a_call_escapes_stays_escaped(name):
+    """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 answer can carry: the
+    arguments keep it escaped (the same value); a name or a text of arguments holding one is no call."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "array", "items": {"type": "string"}}}}}}]
+    if parser.xml:
+        text = '<tool_call>\n<function=f>\n<parameter=s>\n["\\ud800 é"]\n</parameter>\n</function>\n</tool_call>'
+        not_calls = []
+    else:
+        def block(call: str) -> str:
+            return parser.start + (f"[{call}]" if parser.listed else call) + parser.end
+        text = block('{"name": "f", "arguments": {"s": ["\\ud800 é"]}}')
+        not_calls = [block('{"name": "f\\udc00", "arguments": {}}'), block('{"name": "f", "arguments": "\\ud800"}')]
+    _, calls = parser.parse(text, tools)
+    assert len(calls) == 1 and json.loads(calls[0].arguments.encode("utf-8")) == {"s": ["\ud800 é"]}
+    for bad in not_calls:
+        assert parser.parse(bad, tools) == (bad, [])
+
+
+
+def test_nan_and_infinity_are_not_json_in_a_call():
+    """Python's ``json`` reads ``NaN`` / ``Infinity``, no other client does (JSON has no such values):
+    a block holding one is no call (it stays content), and a ``qwen3_coder`` value stays text, so
+    ``arguments`` is always JSON."""
+    from hyla.server.tool_calls import ToolCallParser
+    for name, body in (("qwen", '{"name": "f", "arguments": {"x": NaN}}'),
+                       ("nemotron_json", '[{"name": "f", "arguments": {"x": [1, -Infinity]}}]')):
+        parser = ToolCallParser(name)
+        text = parser.start + body + parser.end
+        assert parser.parse(text) == (text, [])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "array"}}}}}]
+    _, calls = ToolCallParser("qwen3_coder").parse(
+        "<tool_call>\n<function=f>\n<parameter=x>\nNaN\n</parameter>\n<parameter=y>\n[1, Infinity]\n</parameter>\n"
+        "</function>\n</tool_call>", tools)
+    assert json.loads(calls[0].arguments, parse_constant=lambda c: pytest.fail(c)) == {"x": "NaN", "y": "[1, Infinity]"}
+
+def script_engine(monkeypatch, engine, pieces: list[str], finish: str = "stop") -> None:
+    """Make ``engine`` answer every request with ``pieces``, its streamed text chunks, the last one
+    finishing with ``finish`` (the tiny random model never writes a tool call or a think block)."""
+    async def generate(*args, rid=None, **kwargs):
+        async def chunks():
+            for i, piece in enumerate(pieces):
+                yield {"text": piece, "output_ids": [i], "meta_info": {
+                    "id": rid, "prompt_tokens": 5, "completion_tokens": i + 1, "cached_tokens": 0,
+                    "finish_reason": {"type": finish} if i == len(pieces) - 1 else None}}
+        return chunks()
+
+    monkeypatch.setattr(engine, "async_generate", generate)
+
+
+SCRIPTED_CALL = '{"name": "get_weather", "arguments": {"city": "Paris \\"Rive Gauche\\" é", "unit": "C"}}'
+# a thinking model's answer with text and two calls, its markers cut across chunks
+SCRIPTED = ["<think>\nhm", "m, Paris\n</thi", "nk>\n\n", "Let me check.\n<tool_", "call>\n", SCRIPTED_CALL,
+            "\n</tool_call>\n", "\n<tool_call>\n" + SCRIPTED_CALL.replace("Paris", "Oslo") + "\n</tool_call>\n"]
+
+
+def test_streamed_reasoning_and_tool_calls_are_the_whole_answer(server, client, engine, monkeypatch):
+    """Through the server (a scripted engine output), with the reasoning parser, n = 2: each
+    streamed choice, accumulated as the openai client does (tool calls by index), is the
+    non-streamed choice: content, reasoning_content, calls, finish_reason."""
+    from hyla.server.reasoning import ReasoningParser
+    state = server.app.state.server
+    script_engine(monkeypatch, engine, SCRIPTED)
+    state.reasoning_parser = ReasoningParser("qwen3")
+    try:
+        whole = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], n=2)
+        with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER], n=2) as stream:
+            streamed = stream.get_final_completion()
+    finally:
+        state.reasoning_parser = None
+    for w, s in zip(whole.choices, streamed.choices, strict=True):
+        assert w.message.content == s.message.content == "Let me check."
+        assert w.message.model_extra["reasoning_content"] == s.message.model_extra["reasoning_content"] == "hmm, Paris"
+        assert w.finish_reason == s.finish_reason == "tool_calls"
+        for calls in (w.message.tool_calls, s.message.tool_calls):
+            assert [json.loads(c.function.arguments)["city"] for c in calls] == ['Paris "Rive Gauche" é',
+                                                                                 'Oslo "Rive Gauche" é']
+        assert [c.function.arguments for c in w.message.tool_calls] == [c.function.arguments
+                                                                         for c in s.message.tool_calls]
+
+
+def test_a_call_escaping_a_lone_surrogate_is_answered(server, engine, monkeypatch):
+    """A call whose JSON escapes a lone surrogate is answered, whole and streamed (it was a 500, and
+    an error event mid-stream: the answer could not be encoded)."""
+    script_engine(monkeypatch, engine, ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}',
+                                        "\n</tool_call>"])
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": "\ud800"}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert not any("error" in e for e in events), events
+    streamed = [t for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or ()]
+    assert [t["function"]["arguments"] for t in streamed] == [call["function"]["arguments"]]
+
 def test_nemotron_json_tool_call_parser(engine):
     """NemotronH's syntax: one ``<TOOLCALL>`` block holding a JSON list of calls; parsed whole and
     streamed, and forced through its grammar (the tiny model then emits a valid call)."""
@@ -299,6 +450,20 @@ def test_qwen3_coder_forced_grammar(engine):
             assert args["city"] in ("Paris", "Oslo") and args["days"] in (1, 2, 3) and isinstance(args["metric"], bool)
 
 
+
+def test_a_call_cut_off_by_its_end_marker_as_stop_string_is_a_call(client):
+    """``stop: ["</tool_call>"]`` (clients that stop after one call) leaves the answer's last block
+    open: it is still the call, with ``finish_reason: "tool_calls"``, whole and streamed."""
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", stop=["</tool_call>"],
+                  max_tokens=64, temperature=0.0)
+    r = client.chat.completions.create(**forced)
+    with client.chat.completions.stream(**forced) as stream:
+        streamed = stream.get_final_completion()
+    for choice in (r.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        _check_weather_call(call)
+
 def test_qwen3_coder_through_the_server(server, client):
     """``--tool-call-parser qwen3_coder`` end to end: a forced call comes back as ``tool_calls``
     with typed arguments, whole and streamed."""
@@ -321,6 +486,25 @@ def test_qwen3_coder_through_the_server(server, client):
     finally:
         state.tool_call_parser = saved
 
+
+
+def test_qwen3_coder_arguments_escaping_a_lone_surrogate_render(server, client):
+    """An earlier call sent back with arguments escaping a lone surrogate (``"\\ud800"``: valid
+    JSON text in a valid request) reaches the ``qwen3_coder`` template as its text, not decoded into a
+    string the tokenizer cannot encode (it was a 500)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen3_coder")
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "\\ud800"}'}}
+    turn = {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert parser.for_template([turn]) == [turn]
+    state = server.app.state.server
+    saved, state.tool_call_parser = state.tool_call_parser, parser
+    try:
+        r = client.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=2, temperature=0.0, messages=ASK + [
+            turn, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
+    finally:
+        state.tool_call_parser = saved
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 @pytest.mark.parametrize("extra, param", [
     pytest.param({"tool_choice": "auto"}, "tool_choice", id="tool-choice-without-tools"),
@@ -393,6 +577,62 @@ def test_reasoning_parser_unit():
             thought, content = thought + r, content + c
         assert thought.strip() == "step one, step two" and content == "The answer."
 
+
+
+def test_reasoning_stream_is_the_whole_parse_however_the_text_is_cut():
+    """Reasoning and the content after it are each stripped of their surrounding whitespace, the
+    same rule whole and streamed: the deltas joined are ``parse``'s fields at every cut (a think
+    block cut off by the length limit, a prompt that opened it, an answer without one)."""
+    from hyla.server.reasoning import ReasoningParser
+    parser = ReasoningParser("qwen3")
+    cases = [("<think>\nhmm, yes\n</think>\n\n Yes.\n", False, ("hmm, yes", "Yes.")),
+             ("\nhmm \n\n</think>Yes. ", True, ("hmm", "Yes.")),
+             ("<think>\nstill thinking\n", False, ("still thinking", "")),
+             ("\n\n</think>\n\n", True, ("", "")),
+             ("  no think \n", False, (None, "  no think \n")),
+             ("<thin", False, (None, "<thin"))]
+    for text, in_thinking, expected in cases:
+        assert parser.parse(text, in_thinking) == expected, text
+        for pieces in _cuts(text):
+            stream, thought, content = parser.stream(in_thinking), "", ""
+            for i, piece in enumerate(pieces):
+                r, c = stream.feed(piece, final=i == len(pieces) - 1)
+                thought, content = thought + r, content + c
+            assert ((thought if stream.seen_reasoning else None), content) == expected, pieces
+
+
+def opens_thinking_parser():
+    """The ``qwen3`` reasoning parser as it reads a chat template that writes ``<think>\\n`` into the
+    generation prompt (Qwen3-Next-Thinking's; the test tokenizer's template does not)."""
+    from hyla.server.reasoning import ReasoningParser
+
+    class OpensThinking(ReasoningParser):
+        def prompt_opens_thinking(self, prompt: str) -> bool:
+            return True
+
+    return OpensThinking("qwen3")
+
+
+def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_call(server, client):
+    """The grammar of a forced call applies from the answer's first token: after a prompt that opens
+    ``<think>`` the answer is the call, not reasoning (it was all ``reasoning_content``, no
+    ``tool_calls``), whole and streamed; an unconstrained answer there is still reasoning."""
+    state = server.app.state.server
+    state.reasoning_parser = opens_thinking_parser()
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=64, temperature=0.0)
+    try:
+        r = client.chat.completions.create(**forced)
+        with client.chat.completions.stream(**forced) as stream:
+            streamed = stream.get_final_completion()
+        free = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0.0)
+    finally:
+        state.reasoning_parser = None
+    for choice in (r.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls" and choice.message.model_extra.get("reasoning_content") is None
+        (call,) = choice.message.tool_calls
+        _check_weather_call(call)
+    assert free.choices[0].message.model_extra["reasoning_content"] and free.choices[0].message.content == ""
 
 def test_reasoning_content_through_server(server, client):
     from hyla.server.reasoning import ReasoningParser

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
+from test_server_agentapi import SCRIPTED, opens_thinking_parser, script_engine
 from hyla.server.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, FunctionCallOutputItem
 from hyla.server.responses_routes import (ResponseStore, ResponsesRoutes, StoredResponse, items_to_messages,
                                          output_items, stored_size)
@@ -133,6 +134,48 @@ def test_streaming_final_response_is_the_non_streaming_one(server, client):
     assert "".join(e.delta for e in seen if e.type == "response.output_text.delta") == deltas
     assert seen[-1].type == types[-1] and seen[-1].response.output_text == deltas
 
+
+
+def test_streamed_reasoning_text_and_calls_are_the_response(server, engine, monkeypatch):
+    """A scripted answer (reasoning, text, two calls, markers cut across chunks): each item's deltas
+    joined are its ``.done`` text and the non-streamed response's, the events come in output order,
+    and the final response is the non-streamed one."""
+    from hyla.server.reasoning import ReasoningParser
+    state = server.app.state.server
+    script_engine(monkeypatch, engine, SCRIPTED)
+    state.reasoning_parser = ReasoningParser("qwen3")
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    try:
+        full = _post(server, body).json()
+        data = [d for _, d in _stream_events(server, body)]
+    finally:
+        state.reasoning_parser = None
+    assert [o["type"] for o in full["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert _without_ids(data[-1]["response"]) == _without_ids(full)
+    for kind, item, text in (("reasoning_text", full["output"][0], "hmm, Paris"),
+                             ("output_text", full["output"][1], "Let me check.")):
+        deltas = "".join(d["delta"] for d in data if d["type"] == f"response.{kind}.delta")
+        (done,) = [d["text"] for d in data if d["type"] == f"response.{kind}.done"]
+        assert deltas == done == item["content"][0]["text"] == text
+    added = [d["output_index"] for d in data if d["type"] == "response.output_item.added"]
+    assert added == [0, 1, 2, 3]
+    args = [d["arguments"] for d in data if d["type"] == "response.function_call_arguments.done"]
+    assert args == [o["arguments"] for o in full["output"][2:]]
+
+
+def test_a_call_escaping_a_lone_surrogate_is_a_response(server, engine, monkeypatch):
+    """A call whose JSON escapes a lone surrogate: a response whole and streamed (it was a 500, and a
+    stream cut off mid-way: the answer could not be encoded)."""
+    script_engine(monkeypatch, engine, ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}',
+                                        "\n</tool_call>"])
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    r = _post(server, body)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["output"]
+    assert json.loads(call["arguments"]) == {"city": "\ud800"}
+    events = _stream_events(server, body)
+    assert events[-1][1]["type"] == "response.completed"
+    assert events[-1][1]["response"]["output"][0]["arguments"] == call["arguments"]
 
 # --------------------------------------------------------------------------------------------
 # previous_response_id, instructions, store, GET
@@ -340,6 +383,21 @@ def _no_tool_call(r: httpx.Response, call_id: str) -> None:
     assert err == {"message": f"No tool call found for function call output with call_id {call_id}.",
                    "type": "invalid_request_error", "param": "input", "code": None}, err
 
+
+def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_function_call(server):
+    """As chat's: a forced call's grammar applies from the first token, so after a prompt that opens
+    ``<think>`` the answer is a function call, not a reasoning item, whole and streamed."""
+    state = server.app.state.server
+    state.reasoning_parser = opens_thinking_parser()
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0}
+    try:
+        full = _post(server, body).json()
+        events = _stream_events(server, body)
+    finally:
+        state.reasoning_parser = None
+    assert [o["type"] for o in full["output"]] == ["function_call"] and full["status"] == "completed"
+    assert _without_ids(events[-1][1]["response"]) == _without_ids(full)
 
 def test_function_call_output_must_answer_an_earlier_call(server):
     """As OpenAI: a ``function_call_output`` whose ``call_id`` no earlier ``function_call`` made is a

@@ -30,6 +30,7 @@ from hyla.server.protocol import (
     cache_namespace, text_chars,
 )
 from hyla.engine.engine import Engine
+from hyla.engine.grammar import GRAMMAR_KINDS
 from hyla.tokenizer import REPLACEMENT_CHAR, ChatEncoding, Tokenizer, TokenText
 from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
@@ -198,7 +199,7 @@ class OpenAIRoutes:
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser
-        in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
+        in_thinking = opens_thinking(self.server, encoding.text, jobs[0].sampling_params)
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
         choices = []
@@ -318,6 +319,16 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     except ValueError as exc:
         param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
         raise APIError(400, str(exc), param=param) from exc
+
+
+def opens_thinking(server: Server, prompt: str, params: dict[str, Any]) -> bool:
+    """Whether a chat answer starts inside a think block: the rendered ``prompt`` opens one
+    (``ReasoningParser.prompt_opens_thinking``) and no grammar constrains the answer (``params``: its
+    engine sampling parameters; a forced tool call, ``response_format``). The engine applies a grammar
+    from the answer's first token, so a constrained answer is the call or the JSON itself, not reasoning."""
+    reasoning = server.reasoning_parser
+    return (reasoning is not None and not any(kind in params for kind in GRAMMAR_KINDS)
+            and reasoning.prompt_opens_thinking(prompt))
 
 
 def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:

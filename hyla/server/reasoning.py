@@ -3,8 +3,9 @@ the answer (``--reasoning-parser``, SGLang's names).
 
 * ``qwen3`` — Qwen3's ``<think>`` / ``</think>``. The output is reasoning from its start when it
   opens with ``<think>``, or when the prompt already ends inside an open ``<think>`` (templates that
-  write ``<think>\\n`` into the generation prompt); everything after ``</think>`` is content. An
-  output that never opens a think block is all content.
+  write ``<think>\\n`` into the generation prompt); everything after ``</think>`` is content, both
+  stripped of their surrounding whitespace. An output that never opens a think block is all
+  content, as it is.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ class ReasoningParser:
         return prompt.rstrip().endswith(self.start)
 
     def parse(self, text: str, in_thinking: bool = False) -> tuple[str | None, str]:
-        """``(reasoning_content or None, content)`` of a whole output."""
+        """``(reasoning_content or None, content)`` of a whole output: the whole text streamed in one
+        piece (a stream's deltas, joined, are these, however the text was cut)."""
         stream = self.stream(in_thinking)
         reasoning, content = stream.feed(text, final=True)
-        return (reasoning.strip() if stream.seen_reasoning else None), content.strip() if stream.seen_reasoning else content
+        return (reasoning if stream.seen_reasoning else None), content
 
     def stream(self, in_thinking: bool = False) -> "ReasoningStream":
         return ReasoningStream(self, in_thinking)
@@ -38,13 +40,16 @@ class ReasoningParser:
 
 class ReasoningStream:
     """Streamed text in, ``(reasoning_delta, content_delta)`` out; a marker split across chunks is
-    held back until it is whole."""
+    held back until it is whole. Where there is reasoning, it and the content after it are each
+    stripped of their surrounding whitespace (``Stripped``); an output without reasoning is all
+    content, as it is."""
 
     def __init__(self, parser: ReasoningParser, in_thinking: bool):
         self.parser = parser
-        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> after_think -> content
+        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> content, or start -> content
         self.seen_reasoning = in_thinking
         self.buffer = ""
+        self.thought, self.answer = Stripped(), Stripped()
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         self.buffer += text
@@ -61,20 +66,35 @@ class ReasoningStream:
                 self.state = "content"
         if self.state == "thinking":
             i = self.buffer.find(end)
-            if i >= 0:
-                reasoning, self.buffer = self.buffer[:i], self.buffer[i + len(end):]
-                self.state = "after_think"
-            else:
+            if i < 0:
                 keep = 0 if final else _partial_suffix(self.buffer, end)
                 reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
-                return reasoning, ""
-        if self.state == "after_think":  # the newlines after </think> are layout
-            self.buffer = self.buffer.lstrip("\n")
-            if self.buffer:
-                self.state = "content"
+                return self.thought.feed(reasoning), ""
+            reasoning, self.buffer = self.thought.feed(self.buffer[:i]), self.buffer[i + len(end):]
+            self.state = "content"
         if self.state == "content":
             content, self.buffer = self.buffer, ""
+            if self.seen_reasoning:
+                content = self.answer.feed(content)
         return reasoning, content
+
+
+class Stripped:
+    """Deltas of a text in, deltas of the text stripped out: its leading whitespace dropped, and
+    whitespace after text held until more text follows (then sent; what is held when the text ends
+    is its trailing whitespace, never sent)."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.started = False  # text other than whitespace was sent
+
+    def feed(self, text: str) -> str:
+        text = self.held + text
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.held, self.started = text[len(body):], self.started or bool(body)
+        return body
 
 
 def _partial_suffix(text: str, marker: str) -> int:

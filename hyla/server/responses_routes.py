@@ -38,7 +38,8 @@ from pydantic import ValidationError
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
-from hyla.server.openai_routes import CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, output_budget, render_chat
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, opens_thinking,
+                                      output_budget, render_chat)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -305,8 +306,7 @@ class ResponsesRoutes:
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
             raise _remap(exc, body, chat) from None
-        reasoning = self.server.reasoning_parser
-        in_thinking = reasoning is not None and reasoning.prompt_opens_thinking(encoding.text)
+        in_thinking = opens_thinking(self.server, encoding.text, job.sampling_params)
         turn = _Turn(self, body, chat, conversation, new_id("resp"), in_thinking)
         if body.stream:
             return gen.stream(turn.events(gen))

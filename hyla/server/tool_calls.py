@@ -73,7 +73,6 @@ class ToolCallParser:
         self.start, self.end = self.MARKERS[name]
         self.listed = name == "nemotron_json"  # a block holds a list of calls
         self.xml = name == "qwen3_coder"
-        self._block = re.compile(re.escape(self.start) + r"(.*?)" + re.escape(self.end), re.S)
 
     def calls_of(self, body: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall] | None:
         """The calls a block's body holds, or None if it is not a well-formed block (JSON nested
@@ -81,7 +80,7 @@ class ToolCallParser:
         try:
             if self.xml:
                 return xml_calls(body, tools)
-            value = json.loads(body)
+            value = _json_value(body)
             items = value if self.listed and isinstance(value, list) else [value] if not self.listed else None
             if not items:
                 return None
@@ -91,18 +90,10 @@ class ToolCallParser:
         return None if any(c is None for c in calls) else calls
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
-        """``(content, calls)``: the text without the well-formed call blocks, and the calls."""
-        calls, kept, pos = [], [], 0
-        for m in self._block.finditer(text):
-            found = self.calls_of(m.group(1), tools)
-            if found is None:
-                continue
-            kept.append(text[pos:m.start()])
-            pos = m.end()
-            calls.extend(found)
-        kept.append(text[pos:])
-        content = "".join(kept)
-        return (content.strip() if calls else content), calls
+        """``(content, calls)``: the text without the well-formed call blocks (its whitespace as
+        ``ContentLayout`` lays it out), and the calls. The whole text streamed in one piece: a stream's
+        content deltas, joined, are this content, however the text was cut."""
+        return self.stream(tools).feed(text, final=True)
 
     def for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Chat messages as this syntax's chat templates read them. ``qwen3_coder`` templates write
@@ -165,7 +156,7 @@ def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] |
             at = p.end()
         if inner[at:].strip():
             return None
-        calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        calls.append(ToolCall(name, _json_text(args)))
         pos = fn.end()
     if not calls or body[pos:].strip():
         return None
@@ -184,7 +175,7 @@ def xml_argument(text: str, schema: dict[str, Any] | None) -> Any:
     if _allows_string(schema):
         return text
     try:
-        return json.loads(text)
+        return _json_value(text)
     except (ValueError, RecursionError):
         return text
 
@@ -269,14 +260,16 @@ def _choices(schema: Any) -> list[str] | None:
 
 class ToolCallStream:
     """Streamed text in, ``(content_delta, calls)`` out: text that cannot be part of a call block is
-    passed on at once; a block is held until it closes, then sent as one whole call (OpenAI clients
-    accumulate ``delta.tool_calls`` by ``index``)."""
+    passed on at once (but the whitespace ``ContentLayout`` holds); a block is held until it closes
+    (its end marker, or the output's end), then sent as one whole call (OpenAI clients accumulate
+    ``delta.tool_calls`` by ``index``), or as content when it holds none."""
 
     def __init__(self, parser: ToolCallParser, tools: list[dict[str, Any]] | None = None):
         self.parser = parser
         self.tools = tools
         self.buffer = ""
         self.calls: list[ToolCall] = []
+        self.layout = ContentLayout()
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         self.buffer += text
@@ -286,50 +279,111 @@ class ToolCallStream:
             i = self.buffer.find(start)
             if i < 0:
                 keep = 0 if final else _partial_suffix(self.buffer, start)
-                out.append(self.buffer[:len(self.buffer) - keep])
+                out.append(self.layout.text(self.buffer[:len(self.buffer) - keep], bool(self.calls or new)))
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            out.append(self.buffer[:i])
+            out.append(self.layout.text(self.buffer[:i], bool(self.calls or new)))
             self.buffer = self.buffer[i:]
             j = self.buffer.find(end)
-            if j < 0:
-                if final:
-                    out.append(self.buffer)
-                    self.buffer = ""
+            if j < 0 and not final:
                 break
-            block = self.buffer[:j + len(end)]
-            self.buffer = self.buffer[j + len(end):]
-            found = self.parser.calls_of(block[len(start):-len(end)], self.tools)
+            # a block ends with its end marker, or with the output (a stop string such as the end
+            # marker itself cut it off: still a call when its body is one)
+            body_end = j if j >= 0 else len(self.buffer)
+            block = self.buffer[:body_end + (len(end) if j >= 0 else 0)]
+            self.buffer = self.buffer[len(block):]
+            found = self.parser.calls_of(block[len(start):body_end], self.tools)
             if found is None:
-                out.append(block)
+                out.append(self.layout.text(block, bool(self.calls or new)))
             else:
                 new.extend(found)
-        content = "".join(out)
-        if self.calls or new:  # the whitespace around call blocks is layout, not content
-            content = content.strip() if not content.strip() else content
         self.calls += new
-        return content, new
+        if final:
+            out.append(self.layout.end(bool(self.calls)))
+        return "".join(out), new
+
+
+class ContentLayout:
+    """The whitespace around tool calls is layout, not content: once the output has a call, the
+    content's trailing whitespace is dropped, and so is its leading whitespace where a call comes
+    before any text (whitespace before text that precedes every call is sent before a call can be
+    known: it stays). Whitespace between texts stays. Streamed, trailing whitespace is held until
+    text follows (then sent) or the output ends (then sent only if there is no call), so that the
+    deltas joined are the whole output's content however the text was cut."""
+
+    def __init__(self) -> None:
+        self.held = ""  # trailing whitespace not sent yet
+        self.texted = False  # text other than whitespace was sent
+
+    def text(self, text: str, called: bool) -> str:
+        """The delta to send for the output's next ``text`` outside the calls (``called``: a call
+        came before it)."""
+        text = self.held + text
+        if called and not self.texted:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.held, self.texted = text[len(body):], self.texted or bool(body)
+        return body
+
+    def end(self, called: bool) -> str:
+        """The last delta, at the output's end (``called``: it has a call)."""
+        held, self.held = self.held, ""
+        return "" if called else held
 
 
 def _decoded_arguments(call: Any) -> Any:
     """An OpenAI tool call with its ``function.arguments`` JSON text as an object (kept as it is
-    when it is not the text of a JSON object)."""
+    when it is not the text of a JSON object, or when the object is not Unicode text: a lone
+    surrogate the JSON escapes, ``"\\ud800"``, which the tokenizer cannot encode)."""
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
         return call
     try:
         args = json.loads(fn["arguments"])
+        if not _is_text(json.dumps(args, ensure_ascii=False)):
+            return call
     except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: kept as text
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
 def _call(value: object) -> ToolCall | None:
-    """``{"name": str, "arguments": {...} | str}`` (or ``"parameters"``) as a call, else None."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    """``{"name": str, "arguments": {...} | str}`` (or ``"parameters"``) as a call, else None (a
+    name or a text of arguments that is not Unicode text included: ``_is_text``)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_text(value["name"]):
         return None
     args = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    if isinstance(args, str):
+        return ToolCall(value["name"], args) if _is_text(args) else None
+    return ToolCall(value["name"], _json_text(args))
+
+
+def _json_value(text: str) -> Any:
+    """The JSON value ``text`` holds; ``ValueError`` where it holds none (``NaN`` and ``Infinity``
+    included: Python reads them, but they are not JSON, and no other client reads them back)."""
+    return json.loads(text, parse_constant=_not_json)
+
+
+def _not_json(name: str) -> Any:
+    """``json.loads``'s ``parse_constant``: ``NaN``, ``Infinity`` and ``-Infinity`` are refused."""
+    raise ValueError(f"{name} is not JSON")
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text for a call's ``arguments``: characters as they are, but where ``value``
+    holds a lone UTF-16 surrogate (what a JSON escape such as ``"\\ud800"`` reads as), which no UTF-8
+    answer can carry: then escaped, as ``\\uXXXX``."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if _is_text(text) else json.dumps(value)
+
+
+def _is_text(text: str) -> bool:
+    """Whether ``text`` is Unicode text, which UTF-8 encodes (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _partial_suffix(text: str, marker: str) -> int:
