@@ -80,13 +80,15 @@ class EngineArgs:
     page_size: int = _opt(1, "KV cache page size in tokens; the prefix cache shares whole pages only.")
     chunked_prefill_size: int = _opt(8192, "Max tokens per prefill step; longer prompts are prefilled in chunks.")
     max_running_requests: int | None = _opt(
-        None, "Max requests decoding at once. Default: half the state slots, at most 256 on a GPU and 32 on CPU.")
+        None, "Max requests decoding at once. Default: the state slots over (2 + the scratch slots a request "
+              "takes: speculative draft tokens), at most 256 on a GPU and 32 on CPU.")
     max_total_tokens: int | None = _opt(
         None, "KV pool size in tokens. Default: from available memory, at most enough for every running request "
               "at the full context length.")
     max_state_slots: int | None = _opt(
-        None, "State pool size in slots (running states + cached checkpoints). Default: from available memory, "
-              "at most one state (+ scratch slots) and 3 checkpoints per running request.")
+        None, "State pool size in slots (running states, speculative decoding's scratch slots: one per draft "
+              "token per running request, taken for good, and cached checkpoints). Default: from available "
+              "memory, at most one state (+ scratch slots) and 3 checkpoints per running request.")
     state_memory_ratio: float = _opt(0.9, "State-pool bytes per KV-pool byte when sizes come from memory (SGLang's --mamba-full-memory-ratio).")
     mem_fraction: float = _opt(0.0, "Share of free device memory for the cache pools; 0 = 0.85 on GPU, 0.1 of RAM on CPU.")
     context_length: int | None = _opt(None, "Max prompt + output tokens. Default: the model's max_position_embeddings.")
