@@ -432,3 +432,22 @@ def test_an_abort_reason_names_a_known_cause():
     assert set(ABORT_CAUSES) == {"client", "shutdown", "grammar", "consumer", "internal", "overloaded"}
     with pytest.raises(ValueError, match="unknown abort cause"):
         abort_reason("x", "timeout")
+
+
+def test_a_stream_line_that_cannot_be_sent_is_an_error_event():
+    """A line of a stream that is not UTF-8 text (a lone surrogate some field let through) ends the stream with
+    an internal error event and ``[DONE]`` (it dropped the connection: the line was encoded after the body's
+    error handling), and nothing after it is sent."""
+    from hyla.server.generation import Generation
+
+    async def lines():
+        yield 'data: {"ok": 1}\n\n'
+        yield "data: \ud800\n\n"
+        yield "data: never sent\n\n"
+
+    async def sent() -> list[bytes]:
+        return [chunk async for chunk in Generation(None, None, "chat", 0.0).stream(lines()).body_iterator]
+
+    chunks = asyncio.run(sent())
+    assert len(chunks) == 3 and chunks[0] == b'data: {"ok": 1}\n\n' and chunks[2] == b"data: [DONE]\n\n"
+    assert json.loads(chunks[1].removeprefix(b"data: "))["error"]["code"] == "internal_error"

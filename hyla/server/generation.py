@@ -238,13 +238,13 @@ class Generation:
         headers is sent as an error event followed by ``[DONE]``; a disconnect cancels the body,
         which aborts what is still running."""
 
-        async def body() -> AsyncIterator[str]:
+        async def body() -> AsyncIterator[bytes]:
             try:
                 async for line in lines:
-                    yield line
+                    yield _utf8(line)  # (here: a line that cannot be sent is an error event, not a dropped stream)
             except Exception as exc:
-                yield sse(engine_error(exc, self.endpoint).body())
-                yield SSE_DONE
+                yield sse(engine_error(exc, self.endpoint).body()).encode()
+                yield SSE_DONE.encode()
             finally:
                 self.close()
 
@@ -264,6 +264,16 @@ class Generation:
                                              choice.last_token_time, len(choice.output_ids))
         if self._on_close is not None:
             self._on_close(self)
+
+
+def _utf8(line: str) -> bytes:
+    """A stream's line as the UTF-8 it is sent as; one that is not Unicode text (a lone surrogate) is an
+    internal error (``APIError`` 500): every field the server writes should have been made text before."""
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(500, f"internal error: an event that is not UTF-8 text ({exc.reason} at {exc.start})",
+                       type="internal_error", code="internal_error") from exc
 
 
 async def _wait_for_disconnect(request: Request) -> None:
