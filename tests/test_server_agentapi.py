@@ -274,6 +274,24 @@ def test_nan_and_infinity_are_not_json_in_a_call():
         "</function>\n</tool_call>", tools)
     assert json.loads(calls[0].arguments, parse_constant=lambda c: pytest.fail(c)) == {"x": "NaN", "y": "[1, Infinity]"}
 
+
+@pytest.mark.parametrize("arguments, sent", [
+    ('"not json"', '"not json"'),  # (a string that is not JSON text: encoded)
+    ('"{\\"city\\": \\"Oslo\\"}"', '{"city": "Oslo"}'),  # (JSON text in a string: kept)
+    ('"NaN"', '"NaN"'),  # (not JSON either)
+    ("[1, 2]", "[1, 2]"),
+    ("null", "null"),
+])
+def test_a_calls_arguments_are_always_json_text(arguments, sent):
+    """``function.arguments`` is JSON text however the model wrote them: a string that is not JSON is
+    JSON-encoded (it passed through, and clients failed to parse it), JSON text in a string is kept."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("qwen")
+    _, calls = parser.parse(parser.start + '{"name": "f", "arguments": ' + arguments + "}" + parser.end)
+    assert [c.arguments for c in calls] == [sent]
+    json.loads(calls[0].arguments)
+
+
 def script_engine(monkeypatch, engine, pieces: list[str], finish: str = "stop") -> None:
     """Make ``engine`` answer every request with ``pieces``, its streamed text chunks, the last one
     finishing with ``finish`` (the tiny random model never writes a tool call or a think block)."""

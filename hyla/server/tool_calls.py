@@ -349,13 +349,24 @@ def _decoded_arguments(call: Any) -> Any:
 
 def _call(value: object) -> ToolCall | None:
     """``{"name": str, "arguments": {...} | str}`` (or ``"parameters"``) as a call, else None (a
-    name or a text of arguments that is not Unicode text included: ``_is_text``)."""
+    name or a text of arguments that is not Unicode text included: ``_is_text``). ``arguments`` is
+    always JSON text: a string that is JSON text is kept as it is, any other string is JSON-encoded
+    (``"not json"`` -> ``"\"not json\""``, as vLLM and SGLang write it), so a client can parse it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_text(value["name"]):
         return None
     args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):
-        return ToolCall(value["name"], args) if _is_text(args) else None
-    return ToolCall(value["name"], _json_text(args))
+    if isinstance(args, str) and not _is_text(args):
+        return None
+    return ToolCall(value["name"], args if isinstance(args, str) and _is_json(args) else _json_text(args))
+
+
+def _is_json(text: str) -> bool:
+    """Whether ``text`` is the text of a JSON value (``_json_value``)."""
+    try:
+        _json_value(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _json_value(text: str) -> Any:
