@@ -1126,6 +1126,7 @@ def test_an_abort_while_the_prompt_moves_reaches_the_request():
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert steps == ["started", "left"] and not router.moves
+        assert _counts(r.url, "hyla_router_prefills_total") == {"aborted": 1}
 
         answer = moving("/generate", {"input_ids": [5] * 40, "rid": "r2"}, {"rid": "another"},
                         {"rid": "r2", "abort_all": True}, {"rid": 2})  # (another's; refused by the workers)

@@ -291,7 +291,8 @@ class RouterApp:
                              registry=self.registry)
         self.prefills = Counter("hyla_router_prefills", "Routed requests that may move (prefill workers "
                                 "given), by outcome: exported (a prefill worker's prefix came back), not_cached (nothing to move), refused (the "
-                                "prefill worker's 4xx, the client's answer), failed (its 5xx), "
+                                "prefill worker's 4xx, the client's answer), failed (its 5xx), aborted (an "
+                                "/abort_request stopped it), "
                                 "no_prefill_worker (none healthy, or every one failed); local: not sent, the decode "
                                 "worker lacking at most local_prefill_tokens of the prompt.", ["outcome"],
                                 registry=self.registry)
@@ -470,6 +471,8 @@ class RouterApp:
                     self.moves.add(move)
                     prefix = await self._unless_aborted(move, self.prefill(request, path, raw, key,
                                                                            {**headers, KV_FROM_HEADER: held}))
+                    if prefix is None and move.aborted.is_set():
+                        self.prefills.labels("aborted").inc()
                     if isinstance(prefix, Response):
                         return prefix
                     continue
