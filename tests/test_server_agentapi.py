@@ -668,3 +668,40 @@ def test_reasoning_content_through_server(server, client):
         assert all(not (d.model_extra or {}).get("reasoning_content") for d in deltas)
     finally:
         state.reasoning_parser = None
+
+
+def test_tool_call_markers_that_are_special_tokens_reach_the_parser(tmp_path):
+    """Where the tool-call parser's markers are special tokens of the model's tokenizer (Llama-derived and
+    Nemotron tokenizers have such), a chat with tools decodes with ``skip_special_tokens`` off: the markers
+    reach the parser (they were dropped before it saw them, so no call could ever be parsed). A chat
+    without tools still drops special tokens. The tiny model is made to write the marker by ``logit_bias``."""
+    import shutil
+
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    import checkpoints
+    from hyla.engine.engine import DEFAULT_MODEL_DIR
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from hyla.tokenizer import Tokenizer
+    from test_server_openai import TOKENIZER_FILES
+
+    backend = BackendTokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<tool_call>", special=True), AddedToken("</tool_call>", special=True)])
+    vocab = backend.get_vocab_size()
+    path = checkpoints.make_qwen3_next(tmp_path, moe=False, vocab_size=vocab, eos_token_id=backend.token_to_id(
+        "<|im_end|>"))
+    shutil.copy(DEFAULT_MODEL_DIR / TOKENIZER_FILES[1], path / TOKENIZER_FILES[1])
+    backend.save(str(path / TOKENIZER_FILES[0]))
+    tokenizer = Tokenizer.from_pretrained(path)
+    marker = backend.token_to_id("<tool_call>")
+    assert tokenizer.is_special_token("<tool_call>") and not tokenizer.is_special_token("hello")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "call f"}], "max_tokens": 3, "temperature": 0,
+            "logit_bias": {str(marker): 100}}
+    with BackgroundServer(create_app(path, served_model_name=MODEL, max_total_tokens=2048, max_state_slots=16)) as srv:
+        with_tools = httpx.post(srv.url + "/v1/chat/completions", json={**body, "tools": tools}, timeout=60).json()
+        without = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert with_tools["choices"][0]["message"]["content"] == "<tool_call>" * 3  # (three opening markers: no call)
+    assert without["choices"][0]["message"]["content"] in ("", None)

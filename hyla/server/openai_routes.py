@@ -188,7 +188,7 @@ class OpenAIRoutes:
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
                           else "the tokens the context leaves after the prompt")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
-        grammar = forced_tool_grammar(self.server, body)
+        grammar = {**forced_tool_grammar(self.server, body), **kept_markers(self.server, body)}
         jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
                     namespace=cache_namespace(body.cache_salt))
@@ -354,6 +354,22 @@ def admit_chat(server: Server, model: str) -> Engine:
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     return engine
+
+
+def kept_markers(server: Server, body: ChatCompletionRequest) -> dict[str, bool]:
+    """``{"skip_special_tokens": False}`` where a marker the server parses out of this chat's output is a
+    special token of the model's tokenizer (the tool-call parser's, when the request has tools; the
+    reasoning parser's): decoding would drop it before the parser sees it, and the calls or the thinking
+    would be lost (vLLM turns skip_special_tokens off for such parsers too); else ``{}``."""
+    tokenizer = server.admit().tokenizer
+    markers = []
+    if body.tool_choice_mode() != "none":
+        markers += [server.tool_call_parser.start, server.tool_call_parser.end]
+    if server.reasoning_parser is not None:
+        markers += [server.reasoning_parser.start, server.reasoning_parser.end]
+    if tokenizer is not None and any(tokenizer.is_special_token(m) for m in markers):
+        return {"skip_special_tokens": False}
+    return {}
 
 
 def forced_tool_grammar(server: Server, body: ChatCompletionRequest) -> dict[str, str]:

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, opens_thinking,
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, kept_markers, opens_thinking,
                                       output_budget, render_chat)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
@@ -293,7 +293,7 @@ class ResponsesRoutes:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
                                          max_boundaries=CHAT_CHECKPOINTS)
             max_new = output_budget(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
-            grammar = forced_tool_grammar(self.server, chat)
+            grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
         job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},

@@ -306,6 +306,11 @@ class Tokenizer:
                 counts.append(k + 1)
         return ends, counts
 
+    def is_special_token(self, text: str) -> bool:
+        """Whether ``text`` is the text of one added token marked special (one that decoding with
+        ``skip_special_tokens`` drops)."""
+        return text in self._special_texts[1].values()
+
     @cached_property
     def _special_texts(self) -> tuple[list[str], dict[int, str], re.Pattern[str] | None]:
         """The special added tokens' texts, ids → text, and a pattern matching any of them."""
