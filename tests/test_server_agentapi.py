@@ -600,7 +600,8 @@ def test_reasoning_parser_unit():
 def test_reasoning_stream_is_the_whole_parse_however_the_text_is_cut():
     """Reasoning and the content after it are each stripped of their surrounding whitespace, the
     same rule whole and streamed: the deltas joined are ``parse``'s fields at every cut (a think
-    block cut off by the length limit, a prompt that opened it, an answer without one)."""
+    block cut off by the length limit, a prompt that opened it, an answer without one; an output that
+    opens it again after a prompt that did: that ``<think>`` is dropped, as vLLM and SGLang drop it)."""
     from hyla.server.reasoning import ReasoningParser
     parser = ReasoningParser("qwen3")
     cases = [("<think>\nhmm, yes\n</think>\n\n Yes.\n", False, ("hmm, yes", "Yes.")),
@@ -608,7 +609,10 @@ def test_reasoning_stream_is_the_whole_parse_however_the_text_is_cut():
              ("<think>\nstill thinking\n", False, ("still thinking", "")),
              ("\n\n</think>\n\n", True, ("", "")),
              ("  no think \n", False, (None, "  no think \n")),
-             ("<thin", False, (None, "<thin"))]
+             ("<thin", False, (None, "<thin")),
+             ("<think>\nagain\n</think>ok", True, ("again", "ok")),  # (a <think> the prompt opened already: dropped)
+             ("\n<thi", True, ("<thi", "")),
+             ("no end <think> inside", True, ("no end <think> inside", ""))]
     for text, in_thinking, expected in cases:
         assert parser.parse(text, in_thinking) == expected, text
         for pieces in _cuts(text):

@@ -46,7 +46,10 @@ class ReasoningStream:
 
     def __init__(self, parser: ReasoningParser, in_thinking: bool):
         self.parser = parser
-        self.state = "thinking" if in_thinking else "start"  # start -> thinking -> content, or start -> content
+        self.state = "start"  # start -> thinking -> content, or start -> content
+        # the prompt opened <think>: the output is reasoning up to </think> (a <think> it begins with all the
+        # same is dropped, as vLLM and SGLang drop it)
+        self.opened = in_thinking
         self.seen_reasoning = in_thinking
         self.buffer = ""
         self.thought, self.answer = Stripped(), Stripped()
@@ -63,7 +66,7 @@ class ReasoningStream:
             elif start.startswith(stripped) and not final:
                 return "", ""  # maybe the start of <think>
             else:
-                self.state = "content"
+                self.state = "thinking" if self.opened else "content"
         if self.state == "thinking":
             i = self.buffer.find(end)
             if i < 0:
