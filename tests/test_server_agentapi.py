@@ -709,3 +709,23 @@ def test_tool_call_markers_that_are_special_tokens_reach_the_parser(tmp_path):
         without = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).json()
     assert with_tools["choices"][0]["message"]["content"] == "<tool_call>" * 3  # (three opening markers: no call)
     assert without["choices"][0]["message"]["content"] in ("", None)
+
+
+@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_a_streamed_call_comes_with_the_chunk_that_ends_it(name, size):
+    """A held call block is searched for its end marker piece by piece (a long call costs linear time): the call
+    comes with the chunk that completes its end marker, however small the chunks, even where the marker is cut
+    across several of them; the text after it streams on."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    block = _call_block(parser)
+    text = "Checking. " + block + " Done."
+    stream, content, came = parser.stream(), "", None
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for k, piece in enumerate(pieces):
+        c, calls = stream.feed(piece, final=k == len(pieces) - 1)
+        content += c
+        if calls:
+            came = k
+    assert came == (text.index(block) + len(block) - 1) // size and content == "Checking.  Done."

@@ -262,7 +262,10 @@ class ToolCallStream:
     """Streamed text in, ``(content_delta, calls)`` out: text that cannot be part of a call block is
     passed on at once (but the whitespace ``ContentLayout`` holds); a block is held until it closes
     (its end marker, or the output's end), then sent as one whole call (OpenAI clients accumulate
-    ``delta.tool_calls`` by ``index``), or as content when it holds none."""
+    ``delta.tool_calls`` by ``index``), or as content when it holds none. A block being held is kept
+    as its pieces, and each piece is searched for the end marker alone (with the marker's length less
+    one of what came before it): a long call (a file's content in its arguments) costs time linear in
+    its length, not quadratic."""
 
     def __init__(self, parser: ToolCallParser, tools: list[dict[str, Any]] | None = None):
         self.parser = parser
@@ -270,11 +273,21 @@ class ToolCallStream:
         self.buffer = ""
         self.calls: list[ToolCall] = []
         self.layout = ContentLayout()
+        self.open: list[str] = []  # the pieces of a block whose end marker has not come (buffer empty meanwhile)
+        self.open_tail = ""  # their last characters, one fewer than the end marker's: where it may begin
 
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        end = self.parser.end
+        if self.open:
+            seen = self.open_tail + text
+            if end not in seen and not final:
+                self.open.append(text)
+                self.open_tail = _last(seen, len(end) - 1)
+                return "", []
+            text, self.open = "".join(self.open) + text, []
         self.buffer += text
         out, new = [], []
-        start, end = self.parser.start, self.parser.end
+        start = self.parser.start
         while self.buffer:
             i = self.buffer.find(start)
             if i < 0:
@@ -285,7 +298,8 @@ class ToolCallStream:
             out.append(self.layout.text(self.buffer[:i], bool(self.calls or new)))
             self.buffer = self.buffer[i:]
             j = self.buffer.find(end)
-            if j < 0 and not final:
+            if j < 0 and not final:  # (held as pieces until its end comes)
+                self.open, self.open_tail, self.buffer = [self.buffer], _last(self.buffer, len(end) - 1), ""
                 break
             # a block ends with its end marker, or with the output (a stop string such as the end
             # marker itself cut it off: still a call when its body is one)
@@ -395,6 +409,11 @@ def _is_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def _last(text: str, n: int) -> str:
+    """The last ``n`` characters of ``text`` (all of it where it is shorter; none for ``n`` 0)."""
+    return text[len(text) - n:] if 0 < n < len(text) else text if n > 0 else ""
 
 
 def _partial_suffix(text: str, marker: str) -> int:
