@@ -451,3 +451,38 @@ def test_a_stream_line_that_cannot_be_sent_is_an_error_event():
     chunks = asyncio.run(sent())
     assert len(chunks) == 3 and chunks[0] == b'data: {"ok": 1}\n\n' and chunks[2] == b"data: [DONE]\n\n"
     assert json.loads(chunks[1].removeprefix(b"data: "))["error"]["code"] == "internal_error"
+
+
+def test_a_generation_closed_early_aborts_its_requests_themselves():
+    """A generation closed before its choices were read to the end (the client left) aborts each unfinished
+    request through its stream, by the request itself, and not one that has ended meanwhile (its last chunk
+    not read yet): an abort by rid could reach a new request that has taken the rid."""
+    from hyla.engine.streams import AsyncRequestStream
+    from hyla.server.generation import Generation, Job
+
+    class Engine:
+        def __init__(self):
+            self.by_rid, self.by_request, self.sinks = [], [], []
+
+        async def async_generate(self, *, stream, rid, **request):
+            answer = AsyncRequestStream(rid, self.by_request.append, ("request", rid), asyncio.get_running_loop())
+            self.sinks.append(answer.sink())
+            return answer
+
+        def abort(self, rid):
+            self.by_rid.append(rid)
+
+    class Metrics:
+        def observe_request(self, *args):
+            pass
+
+    async def run() -> tuple[Engine, Generation]:
+        engine = Engine()
+        gen = Generation(engine, Metrics(), "generate", 0.0)
+        await gen.submit([Job([5, 6], {}, rid="ended"), Job([5, 7], {}, rid="running")])
+        engine.sinks[0]({"text": "", "meta_info": {"finish_reason": {"type": "length"}}}, True)  # (not read yet)
+        gen.close()
+        return engine, gen
+
+    engine, gen = asyncio.run(run())
+    assert engine.by_rid == [] and engine.by_request == [("request", "running")]

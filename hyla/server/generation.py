@@ -157,6 +157,7 @@ class Generation:
         self._on_close = on_close
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self._streams: list[Any] = []  # each job's engine stream (``AsyncRequestStream``), in choice order
         self._num_open = 0
         self._abort_error: APIError | None = None
         self._closed = False
@@ -172,6 +173,7 @@ class Generation:
                     self.engine.abort(rid)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
+                self._streams.append(stream)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))
             self._num_open = len(self._tasks)
         except BaseException as exc:  # e.g. EngineOverloadedError from a later job: abort the earlier ones
@@ -257,9 +259,9 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        for choice in self.choices:
+        for choice, stream in zip(self.choices, self._streams):
             if choice.finish_reason is None:  # the client went away (or a failure): abort, and count it
-                self.engine.abort(choice.rid)
+                stream.close()  # (the request itself, unless it has ended: its rid may be a new request's by then)
                 self.metrics.observe_request(self.endpoint, "abort", self.arrival, choice.first_token_time,
                                              choice.last_token_time, len(choice.output_ids))
         if self._on_close is not None:
