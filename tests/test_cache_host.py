@@ -446,3 +446,32 @@ def test_a_deferred_copy_lands_in_host_memory_only() -> None:
     assert torch.equal(a[:2], b[2:]) and landing.nbytes == 0
     with pytest.raises(ValueError, match="lands in host memory"):
         copy_rows([torch.zeros(4, 2, device="meta")], [0], [b], [1], defer=True)
+
+
+def test_a_readmission_from_the_host_tier_is_no_prompt_hit() -> None:
+    """``num_host_hit_tokens`` counts prompt tokens the tier added at a request's first admission, as
+    ``num_cached_tokens`` does: a retracted request loaded back from the host on re-admission counts
+    in neither (else the host's hits could exceed every cached prompt token)."""
+    from hyla.cache import ReqToTokenPool
+    from hyla.engine.cache_manager import CacheManager
+    from hyla.engine.request import Req
+    from hyla.engine.sampling_params import SamplingParams
+
+    tree, host = make(kv_tokens=64, slots=8)
+    cache = CacheManager(tree.kv_pool, tree.state_pool, ReqToTokenPool(4, 128), tree, host=host)
+    x = tokens_of(40, 31)
+    put(tree, x)
+    tree.evict(40)  # saved into the host tier
+    again = Req(rid="r", input_ids=x + [1, 2], sampling=SamplingParams(max_new_tokens=1))
+    again.admitted_once = True  # a re-admission after a retraction
+    hit = cache.match(again)
+    assert hit.prefix_len == 40 and cache.admit(again, hit, 2) is not None
+    assert cache.num_host_hit_tokens == 0
+    cache.release(again, insert=False)
+    tree.evict(40)
+    first = Req(rid="s", input_ids=x + [3, 4], sampling=SamplingParams(max_new_tokens=1))
+    hit = cache.match(first)
+    assert hit.prefix_len == 40 and cache.admit(first, hit, 2) is not None
+    assert cache.num_host_hit_tokens == 40  # a first admission's load counts
+    cache.release(first, insert=False)
+    cache.check_integrity()

@@ -121,7 +121,9 @@ class CacheManager:
         self.grid = math.lcm(self.page_size, checkpoint_alignment)
         self.num_evicted_tokens = 0
         self.num_evicted_states = 0
-        self.num_host_hit_tokens = 0  # hit tokens the host tier added past the device's hits (admitted requests')
+        # prompt tokens the host tier added past the device's hits, at first admissions (a subset of the
+        # scheduler's num_cached_tokens: a re-admission after a retraction counts in neither)
+        self.num_host_hit_tokens = 0
         self._host_hits: dict[int, int] = {}  # id(req) -> what its match loaded, until its admission
         self.num_reserved_states = 0  # slots held for good (reserve_states)
         self.num_reserved_tokens = 0  # KV slots held for good, whole pages (reserve_kv)
@@ -245,7 +247,7 @@ class CacheManager:
                 if self.checkpoints:
                     self.state_pool.copy(torch.tensor([hit.state_slot]), torch.tensor([req.state_slot]))
         loaded = self._host_hits.pop(id(req), 0)
-        if ok:
+        if ok and not req.admitted_once:  # a prompt's first admission, as ``cached_tokens`` counts it
             self.num_host_hit_tokens += loaded
         if hit is not None and prefix_len and self.checkpoints:
             self.tree.dec_state_lock(hit.last_node)  # the request has its own copy now
