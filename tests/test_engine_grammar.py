@@ -295,6 +295,10 @@ def test_streaming(engine):
     ({"ebnf": "root ::= undefined_rule"}, "ebnf cannot be compiled"),
     ({"ebnf": 'start: "a" | ('}, "ebnf cannot be compiled"),
     ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of json_schema, regex and ebnf"),
+    ({"grammar_after": "</think>"}, "grammar_after needs a grammar"),
+    ({"regex": "a", "grammar_after": ""}, "grammar_after must be a string of 1 to 64 characters"),
+    ({"regex": "a", "grammar_after": "x" * 65}, "grammar_after must be a string"),
+    ({"regex": "a", "grammar_after": 5}, "grammar_after must be a string"),
 ])
 def test_bad_grammar_is_a_value_error(engine, params, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -433,3 +437,36 @@ def test_compile_cache(tokenizer):
     with pytest.raises(ValueError):
         g.matcher("regex", "(")
     assert g.num_cached == 2  # failures are not cached
+
+
+@pytest.mark.parametrize("kind, source, good, bad", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                "additionalProperties": False}),
+     'Let me think. {"ok": 1}? </think>\n\n{"ok": true}', 'hmm </think>{"ok": 1}'),
+    ("regex", "a/b+", "why </think> a/bb", "t</think>ab"),
+    ("ebnf", 'root ::= "yes" | "no"', "</think>\nyes", "w</think>maybe"),
+    ("ebnf", 'start: "x" y\ny: "z"', "q q</think>xz", "q</think>zx"),
+])
+def test_a_grammar_after_a_marker_starts_there(grammars, tokenizer, kind, source, good, bad):
+    """``grammar_after`` (a reasoning model's ``</think>``): any text up to the marker's first occurrence
+    (a thought that quotes the answer's shape included), whitespace, then the grammar, of every kind; an
+    answer the grammar refuses after the marker is refused. Without the marker the grammar starts at once."""
+    def follows(text: str, after: str | None) -> bool:
+        matcher = grammars.matcher(kind, source, after=after)
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
+    assert follows(good, "</think>") and not follows(bad, "</think>")
+    assert not follows(good, None) and follows(good.split("</think>")[1].strip(), None)
+
+
+def test_an_engine_request_thinks_then_answers_in_its_grammar(engine, tokenizer):
+    """Through the engine: with ``grammar_after`` the output is free up to the marker, then the grammar's.
+    The tiny model is made to write the marker (one token) first by ``logit_bias``; the grammar then
+    forbids it, and the answer is one of the grammar's. Without ``grammar_after`` the marker is refused
+    from the first token."""
+    marker, text = 726, tokenizer.decode([726])
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)", "logit_bias": {marker: 100}}
+    after = engine.generate(input_ids=[5, 6, 7], sampling_params={**params, "grammar_after": text})
+    assert re.fullmatch(re.escape(text) + r"\s*(yes|no)", after["text"]), after["text"]
+    assert after["meta_info"]["finish_reason"]["type"] == "stop"
+    plain = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert re.fullmatch("yes|no", plain["text"]), plain["text"]

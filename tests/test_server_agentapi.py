@@ -623,38 +623,48 @@ def test_reasoning_stream_is_the_whole_parse_however_the_text_is_cut():
             assert ((thought if stream.seen_reasoning else None), content) == expected, pieces
 
 
-def opens_thinking_parser():
+def opens_thinking_parser(end: str = "</think>"):
     """The ``qwen3`` reasoning parser as it reads a chat template that writes ``<think>\\n`` into the
-    generation prompt (Qwen3-Next-Thinking's; the test tokenizer's template does not)."""
+    generation prompt (Qwen3-Next-Thinking's; the test tokenizer's template does not). ``end``: its end
+    marker (a one-token word, ``THINK_END``, that ``logit_bias`` makes the tiny model write at once)."""
     from hyla.server.reasoning import ReasoningParser
 
     class OpensThinking(ReasoningParser):
         def prompt_opens_thinking(self, prompt: str) -> bool:
             return True
 
-    return OpensThinking("qwen3")
+    parser = OpensThinking("qwen3")
+    parser.end = end
+    return parser
 
 
-def test_a_forced_call_after_a_prompt_that_opens_thinking_is_a_call(server, client):
-    """The grammar of a forced call applies from the answer's first token: after a prompt that opens
-    ``<think>`` the answer is the call, not reasoning (it was all ``reasoning_content``, no
-    ``tool_calls``), whole and streamed; an unconstrained answer there is still reasoning."""
+THINK_END = (726, "usiness")  # a token of the test tokenizer, and its text: a think block's end in these tests
+
+
+def test_a_forced_call_after_a_prompt_that_opens_thinking_comes_after_the_thinking(server, client):
+    """After a prompt that opens ``<think>`` a forced call's grammar starts after the think block
+    (``grammar_after``, the reasoning parser's end marker): the model thinks freely (the tiny model, never
+    closing it, thinks to the length limit: no call), then calls, whole and streamed, as the grammar says
+    (``logit_bias`` makes it close the block at once: here ``THINK_END``)."""
     state = server.app.state.server
-    state.reasoning_parser = opens_thinking_parser()
+    state.reasoning_parser = opens_thinking_parser(THINK_END[1])
     forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
                   max_tokens=64, temperature=0.0)
+    closing = {**forced, "logit_bias": {str(THINK_END[0]): 100}}
     try:
-        r = client.chat.completions.create(**forced)
-        with client.chat.completions.stream(**forced) as stream:
+        thinking = client.chat.completions.create(**{**forced, "max_tokens": 6})
+        r = client.chat.completions.create(**closing)
+        with client.chat.completions.stream(**closing) as stream:
             streamed = stream.get_final_completion()
-        free = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0.0)
     finally:
         state.reasoning_parser = None
+    assert thinking.choices[0].finish_reason == "length" and not thinking.choices[0].message.tool_calls
+    assert thinking.choices[0].message.model_extra["reasoning_content"]
     for choice in (r.choices[0], streamed.choices[0]):
-        assert choice.finish_reason == "tool_calls" and choice.message.model_extra.get("reasoning_content") is None
+        assert choice.finish_reason == "tool_calls" and not choice.message.model_extra.get("reasoning_content")
         (call,) = choice.message.tool_calls
         _check_weather_call(call)
-    assert free.choices[0].message.model_extra["reasoning_content"] and free.choices[0].message.content == ""
+
 
 def test_reasoning_content_through_server(server, client):
     from hyla.server.reasoning import ReasoningParser

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Collection
 
 from hyla.engine.errors import RequestError
-from hyla.engine.grammar import GRAMMAR_KINDS, grammar_source
+from hyla.engine.grammar import GRAMMAR_KINDS, MAX_GRAMMAR_AFTER_CHARS, grammar_source
 
 # A temperature below this samples greedily (vLLM's and SGLang's rule): dividing the logits by it
 # would overflow them (1e-45 is 0 in fp32: every probability NaN)
@@ -50,6 +50,10 @@ class SamplingParams:
     json_schema: str | dict | None = None  # a JSON schema, as an object or as JSON text
     regex: str | None = None
     ebnf: str | None = None  # GBNF (``root ::= ...``) or Lark
+    # the grammar starts after this text first appears in the output, free text before it: a reasoning
+    # model's "</think>", so that it thinks, then answers as the grammar says (SGLang's and vLLM's
+    # reasoning-aware structured outputs); None: from the first token
+    grammar_after: str | None = None
     # set from the three above: (kind, canonical text) — a JSON schema object becomes compact JSON
     # text, the key of the engine's compile cache
     grammar: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -110,6 +114,12 @@ class SamplingParams:
             self.grammar = (given[0], grammar_source(given[0], getattr(self, given[0]))) if given else None
         except ValueError as exc:
             raise RequestError(str(exc), given[0]) from None
+        if self.grammar_after is not None:
+            if not isinstance(self.grammar_after, str) or not 0 < len(self.grammar_after) <= MAX_GRAMMAR_AFTER_CHARS:
+                raise RequestError(f"grammar_after must be a string of 1 to {MAX_GRAMMAR_AFTER_CHARS} characters, "
+                                   f"got {self.grammar_after!r}", "grammar_after")
+            if self.grammar is None:
+                raise RequestError("grammar_after needs a grammar (json_schema, regex or ebnf)", "grammar_after")
 
     @property
     def is_greedy(self) -> bool:

@@ -189,7 +189,8 @@ class OpenAIRoutes:
                           else "the tokens the context leaves after the prompt")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         grammar = {**forced_tool_grammar(self.server, body), **kept_markers(self.server, body)}
-        jobs = [Job(encoding.ids, {**body.sampling_params(max_new, top_k, j), **grammar}, return_logprob=body.logprobs,
+        jobs = [Job(encoding.ids, thinking_first(self.server, encoding.text, {**body.sampling_params(max_new, top_k, j),
+                                                                             **grammar}), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
                     namespace=cache_namespace(body.cache_salt))
                 for j in range(body.n)]
@@ -323,12 +324,25 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
 
 def opens_thinking(server: Server, prompt: str, params: dict[str, Any]) -> bool:
     """Whether a chat answer starts inside a think block: the rendered ``prompt`` opens one
-    (``ReasoningParser.prompt_opens_thinking``) and no grammar constrains the answer (``params``: its
-    engine sampling parameters; a forced tool call, ``response_format``). The engine applies a grammar
-    from the answer's first token, so a constrained answer is the call or the JSON itself, not reasoning."""
+    (``ReasoningParser.prompt_opens_thinking``), and a grammar that constrains the answer (``params``: its
+    engine sampling parameters; a forced tool call, ``response_format``) starts after it (``thinking_first``).
+    A grammar the engine applies from the answer's first token makes the answer the call or the JSON
+    itself, not reasoning."""
     reasoning = server.reasoning_parser
-    return (reasoning is not None and not any(kind in params for kind in GRAMMAR_KINDS)
-            and reasoning.prompt_opens_thinking(prompt))
+    return (reasoning is not None and reasoning.prompt_opens_thinking(prompt)
+            and (not any(kind in params for kind in GRAMMAR_KINDS) or params.get("grammar_after") == reasoning.end))
+
+
+def thinking_first(server: Server, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A chat answer's engine sampling ``params``, whose grammar (a forced tool call, ``response_format``)
+    starts after the think block where the rendered ``prompt`` opens one (``grammar_after``: the
+    reasoning parser's ``</think>``): the model thinks, then calls or answers as the grammar says
+    (SGLang's and vLLM's reasoning-aware structured outputs). ``params`` as they are otherwise."""
+    reasoning = server.reasoning_parser
+    if reasoning is None or not any(kind in params for kind in GRAMMAR_KINDS) \
+            or not reasoning.prompt_opens_thinking(prompt):
+        return params
+    return {**params, "grammar_after": reasoning.end}
 
 
 def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:

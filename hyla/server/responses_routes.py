@@ -39,7 +39,7 @@ from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, validation_error
 from hyla.server.generation import Choice, Generation, Job
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, kept_markers, opens_thinking,
-                                      output_budget, render_chat)
+                                      output_budget, render_chat, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -296,7 +296,8 @@ class ResponsesRoutes:
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
-        job = Job(encoding.ids, {**chat.sampling_params(max_new, 0, 0), **grammar},
+        params = thinking_first(self.server, encoding.text, {**chat.sampling_params(max_new, 0, 0), **grammar})
+        job = Job(encoding.ids, params,
                   checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
                   namespace=cache_namespace(body.cache_salt))
         try:
