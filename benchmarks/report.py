@@ -4,7 +4,7 @@ Every benchmark script calls ``write_section`` with a markdown body; the section
 place (or appended), other sections are left as they are. ``graph_us`` times a few GPU kernels per
 call as a CUDA graph replays them (the launch gaps of a decode step's graph, not Python's).
 ``off_on`` runs an A/B of two engines (a feature off and on) in alternating rounds and
-``off_on_rows`` makes its table.
+``off_on_rows`` makes its table. ``median_ms`` times a host call.
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ def off_on_rows(med: dict[str, dict[str, float]], metrics: Sequence[str], digits
     fmt = lambda k, v: f"{v:,.{(digits or {}).get(k, 1)}f}"  # noqa: E731
     ratio = lambda k: f"{med['on'][k] / med['off'][k]:.2f}x" if med["off"][k] else "—"  # noqa: E731
     return "\n".join(f"| {k} | {fmt(k, med['off'][k])} | {fmt(k, med['on'][k])} | {ratio(k)} |" for k in metrics)
+
+
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Wall time of one ``fn()`` on the host, in milliseconds: the median of ``repeats`` calls after a
+    warm-up call."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return statistics.median(runs) * 1e3
 
 
 def write_section(title: str, body: str, doc: Path = DOC) -> None:

@@ -9,21 +9,19 @@ searched for the end marker alone. Timed in the same run: the stream fed chunk b
 whole answer parsed at once (``ToolCallParser.parse``, the floor: the same parse with no chunks), for
 calls of growing size, each checked to give the same content and calls. Medians of ``--repeats`` runs.
 
-    .venv/bin/python benchmarks/tool_call_stream.py [--chunk 4] [--repeats 5] [--no-write]
+    .venv/bin/python benchmarks/tool_call_stream.py [--chunk 4] [--repeats 5] [--sizes 1000,10000] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import machine, median_ms, write_section  # noqa: E402
 from hyla.server.tool_calls import ToolCallParser  # noqa: E402
 
 SIZES = [1_000, 10_000, 70_000, 300_000]  # characters of the call's arguments (a file's content)
@@ -52,26 +50,17 @@ def _same(parsed: tuple[str, list]) -> tuple[str, list[tuple[str, str]]]:
     return parsed[0], [(c.name, c.arguments) for c in parsed[1]]
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunk", type=int, default=4, help="characters per streamed chunk (a token is ~4)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="characters of each call's arguments")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args()
     parser = ToolCallParser("qwen")
     rows = ["| arguments (chars) | chunks | streamed (ms) | whole (ms) | streamed / whole | streamed µs per KB |",
             "|---|---|---|---|---|---|"]
-    for size in SIZES:
+    for size in (int(x) for x in args.sizes.split(",")):
         text = answer(parser, size)
         if _same(streamed(parser, text, args.chunk)) != _same(parser.parse(text)):
             raise SystemExit(f"the stream and the whole parse differ at {size} characters")

@@ -21,16 +21,14 @@ Medians of ``--repeats`` runs (after a warm-up), milliseconds per call.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.report import machine, write_section  # noqa: E402
+from benchmarks.report import machine, median_ms, write_section  # noqa: E402
 from hyla.model.ops.attention import (  # noqa: E402
     decode_attention,
     decode_kv_rows,
@@ -43,16 +41,6 @@ from hyla.model.ops.attention import (  # noqa: E402
 HQ, HKV, D, WINDOW = 16, 4, 128, 512
 DECODES = [(1, 4096), (1, 32768), (8, 4096), (8, 16384)]  # (batch, context)
 EXTENDS = [(4096, 512), (16384, 512), (16384, 2048)]  # (prefix, new tokens)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    runs = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - t)
-    return statistics.median(runs) * 1e3
 
 
 def decode_case(batch: int, context: int, window: int, repeats: int) -> tuple[float, float]:

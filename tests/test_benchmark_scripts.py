@@ -243,6 +243,13 @@ def test_window_attention_times_both_paths():
     assert len(rows) == 4 and all(float(r.split("|")[4].strip().rstrip("x")) > 0 for r in rows)
 
 
+def test_tool_call_stream_times_the_stream_against_the_whole_parse():
+    """Small calls: the script checks that the stream gives the whole parse's content and calls, then times both."""
+    out = _run("benchmarks/tool_call_stream.py", "--no-write", "--repeats", "1", "--sizes", "200,3000")
+    rows = {line for line in out.splitlines() if line.startswith("| ") and "chunks" not in line}  # (printed twice)
+    assert len(rows) == 2 and all(float(r.split("|")[5].strip().rstrip("x")) > 0 for r in rows)
+
+
 def test_host_cache_benchmark_measures_the_tier_against_the_device_alone():
     """A short run: the tier brings back prefixes the device pool evicted (more cached tokens)."""
     out = _run("benchmarks/host_cache.py", "--no-write", "--sessions", "2", "--turns", "2", "--kv-tokens", "768",
