@@ -263,9 +263,9 @@ def _carried_rows(prefix: CachedPrefix) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
                                       torch.float8_e5m2], ids=str)
-def test_check_fits_refuses_non_finite_values(kv_dtype):
-    """``CachedPrefix.check_fits`` (what the receiving cache checks of any prefix before it allocates or
-    evicts anything) refuses a NaN or an infinity, in any K, V or state buffer, of any dtype a cache
+def test_check_values_refuses_non_finite_values(kv_dtype):
+    """``CachedPrefix.check_values`` (what ``Engine.import_prefix`` checks of any prefix before the receiving
+    cache allocates or evicts anything) refuses a NaN or an infinity, in any K, V or state buffer, of any dtype a cache
     keeps (float8's by its bytes: e4m3fn has no infinity), in the rows the prefix carries: a row it
     does not carry (``drop_kv_before``) is not its to check, and rows out of order are checked as well."""
     layout = CacheLayout(num_attention_layers=2, num_kv_heads=2, head_dim=8, kv_dtype=kv_dtype, num_linear_layers=2,
@@ -273,7 +273,7 @@ def test_check_fits_refuses_non_finite_values(kv_dtype):
     prefix = CachedPrefix.empty(layout, list(range(3, 11)), None, with_state=True)
     for buf in [*prefix.kv.k_buffers, *prefix.kv.v_buffers, *prefix.state.all_buffers()]:
         as_bytes(buf).zero_()
-    prefix.check_fits(prefix.kv, prefix.state)
+    prefix.check_values()
     shuffled = dataclasses.replace(prefix, kv_rows=prefix.kv_rows.flip(0))
     for value in (float("nan"), float("inf"), float("-inf")):
         for name, row in _carried_rows(prefix):
@@ -283,12 +283,12 @@ def test_check_fits_refuses_non_finite_values(kv_dtype):
             _poison(row, value)
             for given in (prefix, shuffled):
                 with pytest.raises(ValueError, match=f"{name} holds NaN or infinite values"):
-                    given.check_fits(prefix.kv, prefix.state)
+                    given.check_values()
             row.copy_(saved)
     _poison(prefix.kv.k_buffers[0][int(prefix.kv_rows[0])], float("nan"))  # position 0's KV: not carried below
-    prefix.drop_kv_before(4).check_fits(prefix.kv, prefix.state)
+    prefix.drop_kv_before(4).check_values()
     with pytest.raises(ValueError, match="k.0 holds NaN"):
-        prefix.check_fits(prefix.kv, prefix.state)
+        prefix.check_values()
 
 
 def test_a_prefix_with_non_finite_values_is_refused_and_changes_nothing(qwen3_next_dense_path):

@@ -18,10 +18,10 @@ Its data sit in CPU pools of the cache's own layout (``KVPool`` of the prefix's 
 the two layouts agree. ``to_bytes`` / ``from_bytes``: safetensors, the rows of every buffer in
 position order and the tokens, namespace and sizes as metadata; ``from_bytes`` builds the pools of
 the *receiving* cache's layout and refuses (``ValueError``) a buffer of another shape or dtype — a
-prefix of another model, another KV dtype, another draft model. ``check_fits``, which the receiving
-cache runs on any prefix before it allocates or evicts anything for it, also refuses NaN and infinite
-values in its KV rows or state (one read of them: their minimum and maximum, a float8 buffer's byte
-counts; several times cheaper than the copy in). Knows nothing of models.
+prefix of another model, another KV dtype, another draft model; ``check_fits`` checks a prefix object's
+layout the same way. ``check_values`` refuses NaN and infinite values in its KV rows or state (one
+read of them: their minimum and maximum, a float8 buffer's byte counts; several times cheaper than
+the copy in). Knows nothing of models.
 """
 
 from __future__ import annotations
@@ -88,11 +88,16 @@ class CachedPrefix:
             out.state.copy_from(state_pool, [state_slot], [out.state_slot])
         return out
 
+    def check_values(self) -> None:
+        """``ValueError`` unless the KV rows and the state this prefix carries hold only finite values
+        (``_check_finite``): what ``Engine.import_prefix`` checks of any prefix, bytes or object, on the
+        calling thread (one read of the rows, off the scheduler thread that copies them in)."""
+        _check_finite(self._buffers())
+
     def check_fits(self, kv_pool: KVPool, state_pool: StatePool | None) -> None:
         """``ValueError`` unless this prefix can be copied into pools of ``kv_pool``'s and ``state_pool``'s
         layout (None: a cache without states) as it stands (a prefix object made elsewhere than by
-        ``from_bytes``, which builds it in the receiver's layout) and its KV rows and state hold only
-        finite values (``_check_finite``; any prefix, ``from_bytes``' too): what ``CacheManager.import_prefix``
+        ``from_bytes``, which builds it in the receiver's layout): what ``CacheManager.import_prefix``
         checks before anything is allocated or evicted for it."""
         _check_positions(len(self), self.kv_start)
         if len(self.kv_rows) != len(self) - self.kv_start or not self.kv.is_allocated(self.kv_rows):
@@ -106,7 +111,6 @@ class CachedPrefix:
                                        or not self.state.is_allocated([self.state_slot])):
             raise ValueError("a cached prefix of another model or cache layout: its state is not one this cache "
                              "holds (or its slot is not allocated in its pool)")
-        _check_finite(self._buffers())
 
     def drop_kv_before(self, position: int) -> "CachedPrefix":
         """This prefix without the KV of the positions before ``position`` (at most its last token's;

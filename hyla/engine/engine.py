@@ -602,7 +602,8 @@ class Engine:
         return prefix
 
     def _check_prefix(self, prefix: CachedPrefix) -> None:
-        """What ``CacheManager.import_prefix`` cannot check: the prefix's token ids and namespace."""
+        """What ``CacheManager.import_prefix`` does not check, on the calling thread: the prefix's token ids,
+        length and namespace, and its values (``CachedPrefix.check_values``: no NaN or infinity)."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in prefix.token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
                    None) if prefix.token_ids else None
@@ -612,6 +613,7 @@ class Engine:
             raise ValueError(f"a prefix of {len(prefix)} tokens is longer than any prompt this engine takes (its "
                              f"context length is {self.context_length})")
         _check_namespace(prefix.namespace)
+        prefix.check_values()
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
