@@ -72,8 +72,9 @@ if TYPE_CHECKING:
     from hyla.tokenizer import Tokenizer
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
-MAX_GRAMMAR_AFTER_CHARS = 64  # a grammar_after marker (a reasoning model's "</think>")
 """The sampling parameters that constrain an output (SGLang's names); a request sets at most one."""
+
+MAX_GRAMMAR_AFTER_CHARS = 64  # a grammar_after marker (a reasoning model's "</think>")
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 
