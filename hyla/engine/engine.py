@@ -579,9 +579,10 @@ class Engine:
         without evicting what running requests hold, or where the prefix lacks KV the cache no longer
         holds either (``export_prefix``'s ``kv_from``), what it held before). ``ValueError`` for bytes
         that are not a prefix, a prefix of another model or cache layout (another KV dtype, draft
-        model or MTP), token ids outside the vocabulary, a length off the page grid, or the prefix
-        cache off. The bytes are read on the calling thread; the copy in runs on the scheduler thread
-        between steps. The prefix is trusted as computed by this model: import only from your own
+        model or MTP), token ids outside the vocabulary, NaN or infinite values
+        (``CachedPrefix.check_values``), a length off the page grid, or the prefix cache off. The bytes
+        are read, and the values checked, on the calling thread; the copy in runs on the scheduler
+        thread between steps. The prefix is trusted as computed by this model: import only from your own
         servers (the server's ``/import_prefix`` needs the API key)."""
         _check_timeout(timeout)
         if isinstance(prefix, (bytes, bytearray, memoryview)):
@@ -590,11 +591,12 @@ class Engine:
             self._check_prefix(prefix)
         else:
             raise ValueError(f"import_prefix takes a CachedPrefix or its bytes, got {type(prefix).__name__}")
+        prefix.check_values()  # (here, not in _check_prefix: a server's read_prefix, then this, reads them once)
         return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
 
     def read_prefix(self, data: bytes | bytearray | memoryview) -> CachedPrefix:
         """``CachedPrefix.from_bytes`` for this engine's cache, checked as ``import_prefix`` checks it
-        (``ValueError``)."""
+        (``ValueError``), but for its values, which ``import_prefix`` checks."""
         if self.tree is None:
             raise ValueError(NO_CACHE_TO_IMPORT_INTO)
         prefix = CachedPrefix.from_bytes(bytes(data), self.cache_layout, self.tree.state_pool is not None)
@@ -602,8 +604,7 @@ class Engine:
         return prefix
 
     def _check_prefix(self, prefix: CachedPrefix) -> None:
-        """What ``CacheManager.import_prefix`` does not check, on the calling thread: the prefix's token ids,
-        length and namespace, and its values (``CachedPrefix.check_values``: no NaN or infinity)."""
+        """What ``CacheManager.import_prefix`` cannot check: the prefix's token ids, length and namespace."""
         vocab = self.model_config.vocab_size
         bad = next((t for t in prefix.token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab),
                    None) if prefix.token_ids else None
@@ -613,7 +614,6 @@ class Engine:
             raise ValueError(f"a prefix of {len(prefix)} tokens is longer than any prompt this engine takes (its "
                              f"context length is {self.context_length})")
         _check_namespace(prefix.namespace)
-        prefix.check_values()
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
