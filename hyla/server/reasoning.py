@@ -85,15 +85,18 @@ class ReasoningStream:
 class Stripped:
     """Deltas of a text in, deltas of the text stripped out: its leading whitespace dropped, and
     whitespace after text held until more text follows (then sent; what is held when the text ends
-    is its trailing whitespace, never sent)."""
+    is its trailing whitespace, never sent). The rule of the whitespace around tool calls too
+    (``tool_calls.ContentLayout``)."""
 
     def __init__(self) -> None:
-        self.held = ""
+        self.held = ""  # trailing whitespace not sent yet
         self.started = False  # text other than whitespace was sent
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, leading: bool = True) -> str:
+        """The delta to send for the text's next ``text``; ``leading``: whitespace before the first
+        text is dropped (else sent with it)."""
         text = self.held + text
-        if not self.started:
+        if leading and not self.started:
             text = text.lstrip()
         body = text.rstrip()
         self.held, self.started = text[len(body):], self.started or bool(body)

@@ -34,6 +34,7 @@ from typing import Any
 
 from hyla.engine.grammar import JSON_DEFAULTS
 from hyla.server.protocol import check_function_parameters
+from hyla.server.reasoning import Stripped
 
 TOOL_CALL_PARSERS = ("qwen", "nemotron_json", "qwen3_coder")
 DEFAULT_TOOL_CALL_PARSER = "qwen"
@@ -317,27 +318,18 @@ class ToolCallStream:
         return "".join(out), new
 
 
-class ContentLayout:
+class ContentLayout(Stripped):
     """The whitespace around tool calls is layout, not content: once the output has a call, the
     content's trailing whitespace is dropped, and so is its leading whitespace where a call comes
     before any text (whitespace before text that precedes every call is sent before a call can be
     known: it stays). Whitespace between texts stays. Streamed, trailing whitespace is held until
     text follows (then sent) or the output ends (then sent only if there is no call), so that the
-    deltas joined are the whole output's content however the text was cut."""
-
-    def __init__(self) -> None:
-        self.held = ""  # trailing whitespace not sent yet
-        self.texted = False  # text other than whitespace was sent
+    deltas joined are the whole output's content however the text was cut (``Stripped``'s rule)."""
 
     def text(self, text: str, called: bool) -> str:
         """The delta to send for the output's next ``text`` outside the calls (``called``: a call
         came before it)."""
-        text = self.held + text
-        if called and not self.texted:
-            text = text.lstrip()
-        body = text.rstrip()
-        self.held, self.texted = text[len(body):], self.texted or bool(body)
-        return body
+        return self.feed(text, leading=called)
 
     def end(self, called: bool) -> str:
         """The last delta, at the output's end (``called``: it has a call)."""
