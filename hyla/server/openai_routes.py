@@ -200,7 +200,7 @@ class OpenAIRoutes:
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser
-        in_thinking = opens_thinking(self.server, encoding.text, jobs[0].sampling_params)
+        in_thinking = opens_thinking(self.server, encoding.text)
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
         choices = []
@@ -322,15 +322,12 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
         raise APIError(400, str(exc), param=param) from exc
 
 
-def opens_thinking(server: Server, prompt: str, params: dict[str, Any]) -> bool:
+def opens_thinking(server: Server, prompt: str) -> bool:
     """Whether a chat answer starts inside a think block: the rendered ``prompt`` opens one
-    (``ReasoningParser.prompt_opens_thinking``), and a grammar that constrains the answer (``params``: its
-    engine sampling parameters; a forced tool call, ``response_format``) starts after it (``thinking_first``).
-    A grammar the engine applies from the answer's first token makes the answer the call or the JSON
-    itself, not reasoning."""
+    (``ReasoningParser.prompt_opens_thinking``). A grammar that constrains the answer then starts after
+    it (``thinking_first``)."""
     reasoning = server.reasoning_parser
-    return (reasoning is not None and reasoning.prompt_opens_thinking(prompt)
-            and (not any(kind in params for kind in GRAMMAR_KINDS) or params.get("grammar_after") == reasoning.end))
+    return reasoning is not None and reasoning.prompt_opens_thinking(prompt)
 
 
 def thinking_first(server: Server, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -338,11 +335,9 @@ def thinking_first(server: Server, prompt: str, params: dict[str, Any]) -> dict[
     starts after the think block where the rendered ``prompt`` opens one (``grammar_after``: the
     reasoning parser's ``</think>``): the model thinks, then calls or answers as the grammar says
     (SGLang's and vLLM's reasoning-aware structured outputs). ``params`` as they are otherwise."""
-    reasoning = server.reasoning_parser
-    if reasoning is None or not any(kind in params for kind in GRAMMAR_KINDS) \
-            or not reasoning.prompt_opens_thinking(prompt):
+    if not opens_thinking(server, prompt) or not any(kind in params for kind in GRAMMAR_KINDS):
         return params
-    return {**params, "grammar_after": reasoning.end}
+    return {**params, "grammar_after": server.reasoning_parser.end}
 
 
 def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:

@@ -307,7 +307,7 @@ class ResponsesRoutes:
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
             raise _remap(exc, body, chat) from None
-        in_thinking = opens_thinking(self.server, encoding.text, job.sampling_params)
+        in_thinking = opens_thinking(self.server, encoding.text)
         turn = _Turn(self, body, chat, conversation, new_id("resp"), in_thinking)
         if body.stream:
             return gen.stream(turn.events(gen))
