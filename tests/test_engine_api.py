@@ -529,7 +529,7 @@ def test_a_grammar_compiles_off_the_event_loop(monkeypatch):
     assert _asks_for_grammar({"regex": "a+"}) and _asks_for_grammar([None, SamplingParams(json_schema={})])
     assert not _asks_for_grammar(None) and not _asks_for_grammar([{"temperature": 0}])
 
-    def slow_compile(self, kind, source, after=None):
+    def slow_compile(self, kind, source, after=None, opener=None):
         time.sleep(1.0)
         raise ValueError("slow grammar refused")
 

@@ -299,6 +299,8 @@ def test_streaming(engine):
     ({"regex": "a", "grammar_after": ""}, "grammar_after must be a string of 1 to 64 characters"),
     ({"regex": "a", "grammar_after": "x" * 65}, "grammar_after must be a string"),
     ({"regex": "a", "grammar_after": 5}, "grammar_after must be a string"),
+    ({"regex": "a", "grammar_after_open": "<think>"}, "grammar_after_open needs grammar_after"),
+    ({"regex": "a", "grammar_after": "</think>", "grammar_after_open": ""}, "grammar_after_open must be a string"),
 ])
 def test_bad_grammar_is_a_value_error(engine, params, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -456,6 +458,40 @@ def test_a_grammar_after_a_marker_starts_there(grammars, tokenizer, kind, source
         return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False))
     assert follows(good, "</think>") and not follows(bad, "</think>")
     assert not follows(good, None) and follows(good.split("</think>")[1].strip(), None)
+
+
+@pytest.mark.parametrize("kind, source, good, bad", [
+    ("json_schema", json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                "additionalProperties": False}),
+     ['{"ok": true}', '<think>Is it {"ok": 1}? No.</think>\n\n{"ok": false}', '\n<think>\nhm\n</think>{"ok": true}'],
+     ['{"ok": 1}', 'hm </think>{"ok": true}', '<think>x</think>{"ok": 1}', '<think>a</think><think>b</think>{"ok": true}']),
+    ("regex", "a/b+", ["a/bb", "<think>a/b?</think> a/b"], ["<think>a/b", "think</think>a/b", "<think>x</think>ab"]),
+    ("ebnf", 'root ::= "yes" | "no"', ["no", " <think></think>yes"], ["maybe", "<think>q</think>\nmaybe"]),
+])
+def test_a_grammar_after_an_optional_block_starts_at_once_or_after_it(grammars, tokenizer, kind, source, good, bad):
+    """``grammar_after`` with ``grammar_after_open`` (a model that opens its own ``<think>``): the output is
+    the grammar's at once, or whitespace, one block from the opener to the first end marker, whitespace,
+    and then the grammar's; free text not opened by the opener, or a second block, is refused."""
+    def follows(text: str) -> bool:
+        matcher = grammars.matcher(kind, source, after="</think>", opener="<think>")
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False) + [2])  # 2: EOS
+    assert [follows(t) for t in good] == [True] * len(good)
+    assert [follows(t) for t in bad] == [False] * len(bad)
+
+
+@pytest.mark.parametrize("opener", [None, "<think>"])
+def test_whitespace_between_a_think_block_and_the_grammar_is_bounded(grammars, tokenizer, opener):
+    """At most ``MAX_SPACE_AFTER`` whitespace characters between the end marker and the grammar's answer
+    (and before an optional block's opener): a model must not loop on whitespace there, never answering."""
+    from hyla.engine.grammar import MAX_SPACE_AFTER
+
+    def follows(text: str) -> bool:
+        matcher = grammars.matcher("regex", "yes", after="</think>", opener=opener)
+        return all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False) + [2])
+    block = "<think>hm</think>"
+    assert follows(block + "\n" * MAX_SPACE_AFTER + "yes") and not follows(block + "\n" * (MAX_SPACE_AFTER + 1) + "yes")
+    if opener is not None:
+        assert follows(" " * MAX_SPACE_AFTER + block + "yes") and not follows(" " * (MAX_SPACE_AFTER + 1) + block + "yes")
 
 
 def test_an_engine_request_thinks_then_answers_in_its_grammar(engine, tokenizer):

@@ -666,6 +666,39 @@ def test_a_forced_call_after_a_prompt_that_opens_thinking_comes_after_the_thinki
         _check_weather_call(call)
 
 
+THINK_START = (3432, "Verse")  # a think block's start in the next test: a one-token word no other token starts
+
+
+def test_a_forced_call_may_come_after_a_think_block_the_model_opens(server, client):
+    """Where the prompt does not open a think block, a model may open one itself (Qwen3's templates): a
+    forced call's grammar then lets the answer think first, from the parser's start marker to its end
+    (``grammar_after_open``), or call at once (``test_a_grammar_after_an_optional_block_...``).
+    ``logit_bias`` makes the tiny model open the block (the start marker, refused without the option:
+    the call comes at once, with no reasoning) and close it at once (the end marker's bias is the
+    larger); the call follows, whole and streamed."""
+    from hyla.server.reasoning import ReasoningParser
+
+    state = server.app.state.server
+    parser = ReasoningParser("qwen3")
+    parser.start, parser.end = THINK_START[1], THINK_END[1]
+    state.reasoning_parser = parser
+    forced = dict(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=64, temperature=0.0)
+    thinking = {**forced, "logit_bias": {str(THINK_START[0]): 60, str(THINK_END[0]): 100}}
+    try:
+        r = client.chat.completions.create(**thinking)
+        with client.chat.completions.stream(**thinking) as stream:
+            streamed = stream.get_final_completion()
+    finally:
+        state.reasoning_parser = None
+    # a block opened and closed at once (a stream sends no empty reasoning delta)
+    assert r.choices[0].message.model_extra.get("reasoning_content") == ""
+    for choice in (r.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        _check_weather_call(call)
+
+
 def test_reasoning_content_through_server(server, client):
     from hyla.server.reasoning import ReasoningParser
     state = server.app.state.server

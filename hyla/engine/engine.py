@@ -859,7 +859,8 @@ class Engine:
         if sp.grammar is not None and self.grammars is None:
             raise RequestError(f"{sp.grammar[0]} needs a tokenizer; model {self.model_path} has none", sp.grammar[0])
         try:
-            grammar = self.grammars.matcher(*sp.grammar, after=sp.grammar_after) if sp.grammar is not None else None
+            grammar = (self.grammars.matcher(*sp.grammar, after=sp.grammar_after, opener=sp.grammar_after_open)
+                       if sp.grammar is not None else None)
         except ValueError as exc:  # it cannot be compiled
             raise RequestError(str(exc), sp.grammar[0]) from None
         rid = rid if rid is not None else f"req-{next(self._rid_counter)}"

@@ -75,6 +75,7 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 """The sampling parameters that constrain an output (SGLang's names); a request sets at most one."""
 
 MAX_GRAMMAR_AFTER_CHARS = 64  # a grammar_after marker (a reasoning model's "</think>")
+MAX_SPACE_AFTER = 8  # whitespace characters between a grammar_after marker and the grammar's answer
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 
@@ -185,18 +186,19 @@ class Grammars:
         return len(self._cache)
 
     # --- compile ---------------------------------------------------------------------------------
-    def matcher(self, kind: str, source: str, after: str | None = None) -> GrammarMatcher:
+    def matcher(self, kind: str, source: str, after: str | None = None,
+                opener: str | None = None) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar ``source`` (``kind`` in ``GRAMMAR_KINDS``;
         a JSON schema as JSON text); with ``after``, of free text up to the first ``after`` (and
-        whitespace) and then ``source`` (``after_text``). Raises ``ValueError`` naming the problem if it
-        cannot compile."""
-        key = (kind, source, after)
+        whitespace) and then ``source``; with ``opener`` too, that free text is optional and opens with
+        ``opener`` (``after_text``). Raises ``ValueError`` naming the problem if it cannot compile."""
+        key = (kind, source, after, opener)
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
                 self._cache.move_to_end(key)
         if compiled is None:
-            compiled = self._compile(kind, source, after)  # outside the lock: llguidance releases the GIL
+            compiled = self._compile(kind, source, after, opener)  # outside the lock: llguidance releases the GIL
             with self._lock:
                 self._cache[key] = compiled
                 self._cache.move_to_end(key)
@@ -204,7 +206,7 @@ class Grammars:
                     self._cache.popitem(last=False)
         return GrammarMatcher(compiled.deep_copy(), kind)
 
-    def _compile(self, kind: str, source: str, after: str | None = None) -> Any:
+    def _compile(self, kind: str, source: str, after: str | None = None, opener: str | None = None) -> Any:
         if kind not in GRAMMAR_KINDS:
             raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
         if kind != "json_schema" and len(source) > MAX_GRAMMAR_CHARS:
@@ -212,9 +214,9 @@ class Grammars:
                              f"at most {MAX_GRAMMAR_CHARS})")
         if kind == "json_schema":
             _check_integer_bounds(source)
-        return _on_large_stack(self._build, kind, source, after)
+        return _on_large_stack(self._build, kind, source, after, opener)
 
-    def _build(self, kind: str, source: str, after: str | None = None) -> Any:
+    def _build(self, kind: str, source: str, after: str | None = None, opener: str | None = None) -> Any:
         """Compile and probe (on the compile thread: llguidance's compilers recurse)."""
         llg = self._llg
         try:
@@ -227,7 +229,7 @@ class Grammars:
         except ValueError as e:
             raise ValueError(f"{kind} cannot be compiled: {e}") from None
         if after is not None:
-            grammar = after_text(grammar, after)
+            grammar = after_text(grammar, after, opener)
         matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise ValueError(f"{kind} cannot be compiled: {_first_lines(matcher.get_error())}")
@@ -532,16 +534,22 @@ def _loosened(bound: float, lower: bool, exclusive: bool) -> bool:
     return enforced >= bound if exclusive else enforced > bound
 
 
-def after_text(grammar: str, after: str) -> str:
+def after_text(grammar: str, after: str, opener: str | None = None) -> str:
     """llguidance's ``grammar`` (its JSON, or Lark text) preceded by free text up to the first ``after``
     (included) and any whitespace: the grammar then starts. A reasoning model thinks up to ``</think>``,
-    then answers in the grammar. The text before is a lazy lexeme (it ends at the first ``after``), and
-    ``grammar`` a nested grammar (``@name``), so a grammar of any kind composes."""
+    then answers in the grammar. With ``opener`` that text is optional, and is whitespace, ``opener`` and
+    anything up to ``after``: a model that opens its own ``<think>`` block may think first, or answer at
+    once. The text before is a lazy lexeme (it ends at the first ``after``), and ``grammar`` a nested
+    grammar (``@name``), so a grammar of any kind composes."""
     top = json.loads(grammar) if grammar.lstrip().startswith("{") else {"grammars": [{"lark_grammar": grammar}]}
     inner = [dict(g) for g in top["grammars"]]
     name = inner[0].setdefault("name", "answer")
-    wrapper = (f"%llguidance {{}}\nstart: before SPACE @{name}\nbefore[lazy]: TEXT {json.dumps(after)}\n"
-               "TEXT: /(.|\\n)*/\nSPACE: /[ \\t\\r\\n]*/\n")
+    if opener is None:
+        before = f"start: before SPACE @{name}\nbefore[lazy]: TEXT {json.dumps(after)}\n"
+    else:
+        before = f"start: (before SPACE)? @{name}\nbefore[lazy]: SPACE {json.dumps(opener)} TEXT {json.dumps(after)}\n"
+    space = f"/[ \\t\\r\\n]{{0,{MAX_SPACE_AFTER}}}/"  # bounded: a model must not loop on whitespace there
+    wrapper = f"%llguidance {{}}\n{before}TEXT: /(.|\\n)*/\nSPACE: {space}\n"
     return json.dumps({**top, "grammars": [{"lark_grammar": wrapper}, *inner]})
 
 

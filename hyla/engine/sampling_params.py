@@ -54,6 +54,9 @@ class SamplingParams:
     # model's "</think>", so that it thinks, then answers as the grammar says (SGLang's and vLLM's
     # reasoning-aware structured outputs); None: from the first token
     grammar_after: str | None = None
+    # with grammar_after: the text before it is optional, and opens with this (after whitespace): a model
+    # that writes its own "<think>" thinks first, or answers at once, in the grammar either way
+    grammar_after_open: str | None = None
     # set from the three above: (kind, canonical text) — a JSON schema object becomes compact JSON
     # text, the key of the engine's compile cache
     grammar: tuple[str, str] | None = field(default=None, init=False, repr=False, compare=False)
@@ -114,12 +117,15 @@ class SamplingParams:
             self.grammar = (given[0], grammar_source(given[0], getattr(self, given[0]))) if given else None
         except ValueError as exc:
             raise RequestError(str(exc), given[0]) from None
-        if self.grammar_after is not None:
-            if not isinstance(self.grammar_after, str) or not 0 < len(self.grammar_after) <= MAX_GRAMMAR_AFTER_CHARS:
-                raise RequestError(f"grammar_after must be a string of 1 to {MAX_GRAMMAR_AFTER_CHARS} characters, "
-                                   f"got {self.grammar_after!r}", "grammar_after")
-            if self.grammar is None:
-                raise RequestError("grammar_after needs a grammar (json_schema, regex or ebnf)", "grammar_after")
+        for name in ("grammar_after", "grammar_after_open"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_GRAMMAR_AFTER_CHARS):
+                raise RequestError(f"{name} must be a string of 1 to {MAX_GRAMMAR_AFTER_CHARS} characters, "
+                                   f"got {value!r}", name)
+        if self.grammar_after is not None and self.grammar is None:
+            raise RequestError("grammar_after needs a grammar (json_schema, regex or ebnf)", "grammar_after")
+        if self.grammar_after_open is not None and self.grammar_after is None:
+            raise RequestError("grammar_after_open needs grammar_after", "grammar_after_open")
 
     @property
     def is_greedy(self) -> bool:

@@ -324,20 +324,24 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
 
 def opens_thinking(server: Server, prompt: str) -> bool:
     """Whether a chat answer starts inside a think block: the rendered ``prompt`` opens one
-    (``ReasoningParser.prompt_opens_thinking``). A grammar that constrains the answer then starts after
-    it (``thinking_first``)."""
+    (``ReasoningParser.prompt_opens_thinking``)."""
     reasoning = server.reasoning_parser
     return reasoning is not None and reasoning.prompt_opens_thinking(prompt)
 
 
 def thinking_first(server: Server, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
     """A chat answer's engine sampling ``params``, whose grammar (a forced tool call, ``response_format``)
-    starts after the think block where the rendered ``prompt`` opens one (``grammar_after``: the
-    reasoning parser's ``</think>``): the model thinks, then calls or answers as the grammar says
-    (SGLang's and vLLM's reasoning-aware structured outputs). ``params`` as they are otherwise."""
-    if not opens_thinking(server, prompt) or not any(kind in params for kind in GRAMMAR_KINDS):
+    constrains what the reasoning parser reads as content, not the reasoning before it (SGLang's and
+    vLLM's reasoning-aware structured outputs): where the rendered ``prompt`` opens a think block, the
+    grammar starts after its end (``grammar_after``); else the answer may open one itself first, or
+    not (``grammar_after_open`` too: a model that writes its own ``<think>``). ``params`` as they are
+    without a reasoning parser or a grammar."""
+    reasoning = server.reasoning_parser
+    if reasoning is None or not any(kind in params for kind in GRAMMAR_KINDS):
         return params
-    return {**params, "grammar_after": server.reasoning_parser.end}
+    if reasoning.prompt_opens_thinking(prompt):
+        return {**params, "grammar_after": reasoning.end}
+    return {**params, "grammar_after": reasoning.end, "grammar_after_open": reasoning.start}
 
 
 def output_budget(engine: Engine, prompt_len: int, requested: int | None, max_param: str, prompt_param: str) -> int:
