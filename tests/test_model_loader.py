@@ -177,6 +177,98 @@ def test_missing_files_are_value_errors(qwen3_next_dense_path, tmp_path):
         load_model(tmp_path)
 
 
+def two_shards(src: Path, dst: Path, edit_shards=None, edit_index=None) -> Path:
+    """Copy checkpoint ``src`` to ``dst`` as two shards and an index, then edit the shards (a dict of
+    file name -> tensors) and/or the index (its JSON object, or the text written instead)."""
+    dst.mkdir(parents=True)
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": {k: tensors[k] for k in part}
+              for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:]))}
+    if edit_shards:
+        edit_shards(shards)
+    for file, part in shards.items():
+        save_file(part, dst / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {name: file for file, part in shards.items() for name in part}}
+    if edit_index:
+        index = edit_index(index) or index
+    (dst / "model.safetensors.index.json").write_text(index if isinstance(index, str) else json.dumps(index))
+    shutil.copy(src / "config.json", dst / "config.json")
+    return dst
+
+
+def test_index_and_shards_must_agree(qwen3_next_dense_path, tmp_path):
+    """An index is checked against its shards' headers before any tensor is read: a tensor in two
+    shards, one listed in a shard that lacks it, or one a shard holds that the index does not list
+    there is a ``ValueError`` naming it; so is an index that is no JSON object of name -> file name."""
+    one, two = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    load_model(two_shards(qwen3_next_dense_path, tmp_path / "good"))
+
+    def copy_first(shards):  # the first tensor of the first shard, in the second too (other values)
+        name = min(shards[one])
+        shards[two][name] = shards[one][name] * 2
+
+    def move_first(shards):  # ... moved to the second, the index still naming the first
+        name = min(shards[one])
+        shards[two][name] = shards[one].pop(name)
+
+    def still_first(index):
+        index["weight_map"][min(index["weight_map"])] = one
+
+    first = min(load_file(qwen3_next_dense_path / "model.safetensors"))
+    cases = [
+        (dict(edit_shards=copy_first), rf"'{first}' is in two shards, {one} and {two} \(which"),  # (the index: the last)
+        (dict(edit_shards=move_first, edit_index=still_first),
+         rf"lists tensor\(s\) in {one} that it does not hold: {first}"),
+        (dict(edit_index=lambda i: i["weight_map"].pop(first) and None),
+         rf"{one} holds tensor\(s\) that .* not list: {first}"),
+        (dict(edit_index=lambda i: "[1, 2]"), "has no weight_map"),
+        (dict(edit_index=lambda i: "{"), "index.json is not valid UTF-8 JSON"),
+        (dict(edit_index=lambda i: i["weight_map"].update({first: None})),
+         rf"gives tensor '{first}' the shard file None"),
+    ]
+    for i, (edit, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            load_model(two_shards(qwen3_next_dense_path, tmp_path / str(i), **edit))
+
+
+def test_sources_that_do_not_combine_are_named_with_their_shapes(qwen3_next_dense_path, tmp_path):
+    """A source of other dims than its combine takes (a conv weight flattened) is a ``ValueError``
+    naming it, not torch's ``IndexError``; each source is named beside its own shape."""
+    conv, k_proj = "model.layers.0.linear_attn.conv1d.weight", "model.layers.3.self_attn.k_proj.weight"
+    flat = rewrite(qwen3_next_dense_path, tmp_path / "flat", edit_tensors=lambda t: {**t, conv: t[conv].flatten()})
+    with pytest.raises(ValueError, match=rf"{conv} \(2048,\) do not make layers\.0\.mixer\.conv_weight"):
+        load_model(flat)
+    turned = rewrite(qwen3_next_dense_path, tmp_path / "turned",
+                     edit_tensors=lambda t: {**t, k_proj: t[k_proj].T.contiguous()})
+    with pytest.raises(ValueError, match=rf"q_proj\.weight \(512, 256\), {k_proj} \(256, 128\), "
+                                         rf".*v_proj\.weight \(128, 256\) do not make"):
+        load_model(turned)
+
+
+def test_an_fp32_load_holds_one_copy_of_each_weight(qwen3_next_dense_path, monkeypatch):
+    """Loading relays fp32 CPU projection weights column-major (``relayout_weights_``, a load hook):
+    the row-major memory each had is freed as it is replaced, not held until the load returns (a
+    second copy of nearly every weight at the load's peak)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from hyla.model.layers import HybridForCausalLM
+
+    relayout, seen = HybridForCausalLM.relayout_weights_, []
+
+    def watched(model):  # (a weak reference keeps a storage's address from reuse, not its memory)
+        before = {name: StorageWeakRef(p.untyped_storage()) for name, p in model.named_parameters()}
+        relayout(model)
+        relaid = [name for name, p in model.named_parameters() if p.untyped_storage()._cdata != before[name].cdata]
+        seen.append((relaid, [name for name in relaid if not before[name].expired()]))
+
+    monkeypatch.setattr(HybridForCausalLM, "relayout_weights_", watched)
+    load_model(qwen3_next_dense_path)
+    (relaid, still_held), = seen
+    assert "lm_head.weight" in relaid and len(relaid) > 10  # (the hook ran, and gave these new memory)
+    assert still_held == []
+
+
 def test_falcon_h1_multipliers_are_folded_into_the_weights(falcon_h1_path, tmp_path):
     model = load_model(falcon_h1_path)
     c, raw = model.config, load_file(falcon_h1_path / "model.safetensors")

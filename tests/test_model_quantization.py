@@ -321,6 +321,25 @@ def test_broken_fp8_checkpoints_are_named(qwen3_next_moe_path, tmp_path):
             load_model(_edited(fp8, tmp_path / str(i), **edit))
 
 
+def test_mis_shaped_fp8_tensors_are_named_when_kept(qwen3_next_moe_path, tmp_path):
+    """With ``keep_fp8``, a quantized tensor that does not make its parameter (q_proj narrower than
+    k_proj and v_proj, stacked with them; a per-tensor one flattened) is the ``ValueError`` naming it
+    that loading it dequantized gives, not torch's error from planning the float8 parameter."""
+    block = Fp8Scheme((64, 64))
+
+    def narrow(t):
+        t[Q], t[Q + "_scale_inv"] = block.quantize(block.dequantize(t[Q], t[Q + "_scale_inv"])[:, :192])
+
+    cases = [(checkpoints.quantize_checkpoint(qwen3_next_moe_path), narrow, rf"{Q} \(512, 192\), .* do not make"),
+             (checkpoints.quantize_checkpoint(qwen3_next_moe_path, block=None), lambda t: t.update({Q: t[Q].flatten()}),
+              rf"{Q} \(131072,\), .* do not make")]
+    for i, (fp8, edit, match) in enumerate(cases):
+        bad = _edited(fp8, tmp_path / str(i), edit_tensors=edit)
+        for keep_fp8 in (False, True):
+            with pytest.raises(ValueError, match=match):
+                load_model(bad, keep_fp8=keep_fp8)
+
+
 # --- weights kept in FP8 (load_model(keep_fp8=True), Engine(fp8_weights="keep")) ---------------------
 
 

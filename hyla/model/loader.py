@@ -2,8 +2,8 @@
 
 Steps: read ``config.json`` into a ``ModelConfig`` (which rejects unsupported architectures),
 pick the architecture class, index the checkpoint's tensors (single ``model.safetensors`` or
-sharded via ``model.safetensors.index.json``), pick per parameter the first of the checkpoint
-layouts the architecture lists that the checkpoint holds (``choose_layouts``), check that they are
+sharded via ``model.safetensors.index.json``, which must agree with its shards' headers), pick per
+parameter the first of the checkpoint layouts the architecture lists that the checkpoint holds (``choose_layouts``), check that they are
 exactly the tensors the architecture needs (``mtp.*`` tensors are set aside in ``model.mtp_weights``;
 an architecture may ignore some names, e.g. Qwen3.5's vision tower), then build every parameter from its sources
 (``WeightSpec``), converted to the requested dtype (the small SSM/router parameters stay fp32).
@@ -86,30 +86,84 @@ def _config_json(path: str | os.PathLike) -> dict:
 
 
 def _shard_map(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it."""
+    """Tensor name -> the safetensors file holding it: ``model.safetensors``, or the shards
+    ``model.safetensors.index.json`` lists (which wins where both are present). The index and its
+    shards' headers must agree: every tensor it lists is in the shard it names, and every tensor of a
+    shard is listed there (so none is in two shards). ``ValueError`` naming the file for anything
+    else: an index that is not a JSON object whose ``weight_map`` maps tensor names to file names,
+    a shard missing, a disagreement (naming the tensors), a file safetensors cannot read."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
-        missing_files = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-        if missing_files:
-            raise ValueError(f"{index} names shard files that do not exist: {missing_files}")
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    if not index.is_file():
+        single = path / "model.safetensors"
+        if not single.is_file():
+            raise ValueError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+        return {name: single for name in _tensor_names(single)}
+    weight_map = _weight_map(index)
+    missing_files = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+    if missing_files:
+        raise ValueError(f"{index} names shard files that do not exist: {missing_files}")
+    files = {name: path / file for name, file in weight_map.items()}
+    listed: dict[Path, set[str]] = {}  # shard file -> the tensors the index puts in it
+    for name, file in files.items():
+        listed.setdefault(file, set()).add(name)
+    for file, names in listed.items():
+        held = _tensor_names(file)
+        absent = names - held
+        if absent:
+            raise ValueError(f"{index} lists tensor(s) in {file.name} that it does not hold: {name_listing(absent)}")
+        elsewhere = {name: files[name] for name in held - names if name in files}
+        if elsewhere:
+            name = min(elsewhere)
+            more = "" if len(elsewhere) == 1 else f" (and {len(elsewhere) - 1} more tensors)"
+            raise ValueError(f"{path}: tensor {name!r} is in two shards, {file.name} and {elsewhere[name].name} "
+                             f"(which {index.name} names){more}")
+        unlisted = held - names
+        if unlisted:
+            raise ValueError(f"{file} holds tensor(s) that {index.name} does not list: {name_listing(unlisted)}")
+    return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of the index file ``index`` (tensor name -> shard file name); ``ValueError``
+    naming the file unless it is UTF-8 JSON holding an object with such a map."""
     try:
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    except SafetensorError as exc:  # a truncated file, a garbage header: the file's fault, as TensorReader says
-        raise ValueError(f"{single}: {exc}") from exc
+        with open(index, encoding="utf-8") as f:
+            content = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{index} cannot be read ({exc.strerror or exc})") from None
+    except ValueError as exc:  # (invalid JSON, or not UTF-8)
+        raise ValueError(f"{index} is not valid UTF-8 JSON ({exc})") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no weight_map (an object of tensor name -> shard file name)")
+    bad = {name: file for name, file in weight_map.items() if not isinstance(file, str) or not file}
+    if bad:
+        name = min(bad)
+        raise ValueError(f"{index}: weight_map gives tensor {name!r} the shard file {bad[name]!r}, not a file name")
+    return weight_map
+
+
+def _tensor_names(file: Path) -> set[str]:
+    """The names of the tensors the safetensors file ``file`` holds, from its header; ``ValueError``
+    naming the file where safetensors cannot read it (a truncated file, a garbage header)."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            return set(f.keys())
+    except SafetensorError as exc:
+        raise ValueError(f"{file}: {exc}") from exc
 
 
 def name_listing(names: Iterable[str]) -> str:
     names = sorted(names)
     shown = ", ".join(names[:_MAX_NAMES_IN_ERROR])
+    more = len(names) - _MAX_NAMES_IN_ERROR
+    return shown + (f" (and {more} more)" if more > 0 else "")
+
+
+def _shapes_listing(names: list[str] | tuple[str, ...], tensors: list[torch.Tensor]) -> str:
+    """``name (shape)`` of each tensor, in order (``names[i]`` is ``tensors[i]``'s), the first
+    ``_MAX_NAMES_IN_ERROR`` of them."""
+    shown = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(names[:_MAX_NAMES_IN_ERROR], tensors))
     more = len(names) - _MAX_NAMES_IN_ERROR
     return shown + (f" (and {more} more)" if more > 0 else "")
 
@@ -246,6 +300,7 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     if quantize_fp8:
         quantize_the_rest_(state, keep)
     model.quantized_at_load = quantize_fp8
+    state = _as_parameters(state, model)  # (the values themselves: none kept aside)
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     if keep is not None:
@@ -253,6 +308,24 @@ def load_model(path: str | os.PathLike, dtype: str | torch.dtype = "float32",
     if mtp:
         model.mtp_weights, model.mtp_scales = _read_mtp(mtp_reader, config, device, keep_fp8 or quantize_fp8)
     return model.eval()
+
+
+def _as_parameters(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, nn.Parameter]:
+    """``state`` (parameter name -> its value) as the parameters ``load_state_dict(assign=True)`` puts in
+    ``model`` as they are: one per parameter of ``model`` (its several names, a shared module's, get
+    the same), each holding its value's memory. A load hook that gives a parameter new memory
+    (``HybridForCausalLM.relayout_weights_``) then frees the old at once: the state dict, which the
+    load holds until it returns, holds the same parameters, not other views of that memory, which
+    would keep a second copy of every such weight until then."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}  # id of a parameter of model -> its new value
+    out = {}
+    for name, value in state.items():
+        param = params[name]
+        if id(param) not in made:
+            made[id(param)] = value if isinstance(value, nn.Parameter) else nn.Parameter(value, param.requires_grad)
+        out[name] = made[id(param)]
+    return out
 
 
 @dataclass
@@ -342,7 +415,7 @@ def copy_weights_(module: nn.Module, specs: list[WeightSpec], get: Callable[[str
             (scale, block), dtype = fp8_scales(owner_module, name), module.config.dtype
             tail = getattr(owner_module, f"{name}_tail", None)
             rows = param.shape[0] - (0 if tail is None else tail.shape[0])
-            plan = _fp8_plan(spec, tensors) if tensors is not None else None
+            plan = _fp8_plan(spec, tensors, param, prefix, owner) if tensors is not None else None
             if plan is not None and (plan.block, plan.rows) == (block, rows):
                 value, (new_scale, _, new_tail) = _build_fp8(spec, plan, param, tensors, prefix, owner, param.device,
                                                              dtype)
@@ -463,7 +536,8 @@ def build_parameters(specs: list[WeightSpec], params: dict[str, torch.Tensor], g
     built: dict[tuple[str, ...], torch.Tensor] = {}  # plain copies, so tied weights share storage
     for spec in specs:
         target = params[spec.target]
-        plan = _fp8_plan(spec, keep.tensors) if keep is not None and spec.target in keep.targets else None
+        plan = _fp8_plan(spec, keep.tensors, target, prefix, owner) \
+            if keep is not None and spec.target in keep.targets else None
         if plan is not None:
             state[spec.target], keep.scales[spec.target] = _build_fp8(spec, plan, target, keep.tensors, prefix, owner,
                                                                       device, target.dtype, copy)
@@ -487,9 +561,10 @@ def _build(spec: WeightSpec, target: torch.Tensor, get: Callable[[str], torch.Te
     sources = [get(name) for name in spec.sources]
     try:
         tensor = spec.build(sources)
-    except (RuntimeError, ValueError) as exc:  # (a combine's own check, e.g. heads that do not fit: where, too)
-        raise ValueError(f"{prefix}tensor(s) {name_listing(spec.sources)} of shapes "
-                         f"{[tuple(t.shape) for t in sources]} do not make {owner}{spec.target}: {exc}") from exc
+    except (RuntimeError, ValueError, IndexError) as exc:  # (a combine's own check, e.g. heads that do not fit,
+        # or torch's on a tensor of other dims: where, too)
+        raise ValueError(f"{prefix}tensor(s) {_shapes_listing(spec.sources, sources)} do not make "
+                         f"{owner}{spec.target}: {exc}") from exc
     if tuple(tensor.shape) != tuple(target.shape):
         raise ValueError(
             f"{prefix}tensor(s) {name_listing(spec.sources)} give shape {tuple(tensor.shape)} for "
@@ -512,16 +587,19 @@ class Fp8Plan(NamedTuple):
     segments: tuple[tuple[int, int, int], ...] | None = None
 
 
-def _fp8_plan(spec: WeightSpec, tensors: TensorReader) -> Fp8Plan | None:
-    """How ``spec``'s parameter is built in float8 from ``tensors`` as stored, or None where it cannot
-    be. A source is float8 with its scales where it is quantized in the block of the ones before it
-    and, unless it is the last of its matrix, a whole number of blocks tall (else its last scale row
-    would cover the next source's rows). A tail (Qwen3.5's Gated DeltaNet in projection ``[qkv | z |
-    b | a]``, whose ``b`` and ``a`` rows are no whole blocks, or not quantized) is for a plain
-    concatenation (``concat_rows``); a spec that changes values (not ``moves_rows_only``) has none.
-    Headers alone are read."""
+def _fp8_plan(spec: WeightSpec, tensors: TensorReader, target: torch.Tensor, prefix: str = "",
+              owner: str = "") -> Fp8Plan | None:
+    """How ``spec``'s parameter ``target`` is built in float8 from ``tensors`` as stored, or None where it
+    cannot be; ``ValueError`` as :func:`_build` first where the headers' shapes do not make ``target``'s (so
+    :func:`_build_fp8` need not check them). A source is float8 with its scales where it is quantized in the
+    block of the ones before it and, unless it is the last of its matrix, a whole number of blocks tall (else
+    its last scale row would cover the next source's rows). A tail (Qwen3.5's Gated DeltaNet in projection
+    ``[qkv | z | b | a]``, whose ``b`` and ``a`` rows are no whole blocks, or not quantized) is for a plain
+    concatenation (``concat_rows``); a spec that changes values (not ``moves_rows_only``) has none. Headers
+    alone are read."""
     if not spec.moves_rows_only:
         return None
+    _build(spec, torch.empty(target.shape, device="meta"), tensors.meta, prefix, owner)
     if getattr(spec.combine, "row_segments", None) is not None:
         return _segments_plan(spec, tensors)
     n = len(spec.sources)
@@ -583,8 +661,7 @@ def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: T
         scales = [raws[name][1] for name in fp8_names]  # (a file's memory, or a model's kept scales: copied)
         scale = spec.build(scales).to(device=device).contiguous()
         return value, (_owned(scale, scales) if copy else scale, plan.block, None)
-    # a tail (a plain concatenation): the shape checked from the headers, the head as stored, the tail dequantized
-    _build(spec, torch.empty(target.shape, dtype=dtype, device="meta"), tensors.meta, prefix, owner)
+    # a tail (a plain concatenation): the head as stored, the tail dequantized
     value = torch.zeros(target.shape, dtype=FP8, device=device)
     value[:plan.rows] = torch.cat([raws[name][0] for name in fp8_names]).to(device)
     scale = torch.zeros(Fp8Scheme(plan.block).scale_shape(target.shape), dtype=torch.float32, device=device)
@@ -596,8 +673,7 @@ def _build_fp8(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: T
 def _build_fp8_segments(spec: WeightSpec, plan: Fp8Plan, target: torch.Tensor, tensors: TensorReader, prefix: str,
                         owner: str, device: str | torch.device, dtype: torch.dtype) -> Fp8Value:
     """:func:`_build_fp8` for a row-regrouping combine: its float8 ranges' rows and their scales' rows moved
-    alike, the rest its tail, built in ``dtype``; the shape checked from the headers first."""
-    _build(spec, torch.empty(target.shape, dtype=dtype, device="meta"), tensors.meta, prefix, owner)
+    alike, the rest its tail, built in ``dtype``."""
     fp8, dense = plan.segments[:plan.head], plan.segments[plan.head:]
     raws = {s: tensors.raw(spec.sources[s]) for s in dict.fromkeys(s for s, _, _ in fp8)}
     br = plan.block[0]
