@@ -13,7 +13,8 @@
 * The weights are read one parameter at a time: no more of the checkpoint in host memory at once.
 * A checkpoint broken after its check (a shard truncated before the weights are written): a failed
   update, the old weights read back and served exactly; the served checkpoint broken too: an error
-  that says the weights are inconsistent. A later update works.
+  that says the weights are inconsistent, the prefix cache emptied and the derived weights refreshed
+  all the same. A later update works.
 """
 
 from __future__ import annotations
@@ -358,6 +359,52 @@ def test_a_checkpoint_broken_after_its_check_leaves_the_old_weights(qwen3_next_d
     assert later["output_ids"] == _reference(other_seed_path, [prompt], 16)[0] != before["output_ids"]
 
 
+def _stale_derived_weights(model: torch.nn.Module) -> list[str]:
+    """The derived weights (``layers.DerivedWeight``) of ``model`` whose cached value is not what their
+    parameters give now: what a CUDA graph would replay stale."""
+    from hyla.model.layers import DerivedWeight
+
+    stale = []
+    for name, module in model.named_modules():
+        for attr, d in vars(module).items():
+            if isinstance(d, DerivedWeight) and d.value is not None:
+                with torch.no_grad():
+                    if not torch.equal(d.value, d.fn(*(w.detach() for w in d.weights))):
+                        stale.append(f"{name}.{attr}")
+    return stale
+
+
+def test_inconsistent_weights_still_empty_the_cache(qwen3_next_dense_path, other_seed_path, tmp_path, monkeypatch):
+    """The update's read fails, and so does the read back of the served checkpoint (its first shard broken
+    too): the weights are a mix of both (a ``RuntimeError``), and yet, as after any update, the prefix
+    cache is emptied (it holds what the old weights computed: a request would hit it and continue on
+    the others) and the derived weights are those of the parameters as they are (the graphs replay
+    them). The next request computes its whole prompt."""
+    old = _sharded(qwen3_next_dense_path, tmp_path / "old")
+    new = _sharded(other_seed_path, tmp_path / "new")
+    real_read = NewWeights.read
+
+    def read_then_break(path, model, mtp_head):
+        checked = real_read(path, model, mtp_head)
+        if Path(path) == new:  # (after its check: the update's own read fails, then the read back at once)
+            for shard in (new / SECOND_SHARD, old / SECOND_SHARD.replace("2-of", "1-of")):
+                os.truncate(shard, shard.stat().st_size // 2)
+        return checked
+
+    prompt = list(range(3, 40))
+    with Engine(old, **OPTS) as engine:
+        engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        assert engine.tree.total_size() > 0 and not _stale_derived_weights(engine.model)
+        monkeypatch.setattr(NewWeights, "read", read_then_break)
+        with pytest.raises(RuntimeError, match="inconsistent"):
+            engine.update_weights_from_disk(new)
+        assert engine.tree.total_size() == 0
+        assert _stale_derived_weights(engine.model) == []
+        out = engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert_drained(engine)
+
+
 @pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                     reason="torch.compile needs a C++ compiler")
 def test_update_recompiles_compiled_decode(qwen3_next_short_path, tiny_ckpt_dir, monkeypatch):
@@ -428,6 +475,70 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
     assert after["output_ids"] != before["output_ids"]
     with Engine(stepped, max_total_tokens=4096, max_state_slots=16) as engine:
         assert engine.generate("Hello there", sampling_params=_greedy(8))["output_ids"] == after["output_ids"]
+
+
+def test_a_failed_recompile_leaves_no_stale_prefix(qwen3_next_dense_path, other_seed_path, monkeypatch):
+    """``compile_decode``'s graphs compiled again after the weights were written, and the compile fails
+    (inductor's cache dir full, say): the prefix cache is already empty, so no request continues a prefix
+    the old weights computed. (Faked on an eager engine: its runner said compiled, ``rebuilt`` raising.)"""
+    from hyla.engine.model_runner import ModelRunner
+
+    def rebuilt(self):
+        raise RuntimeError("compile failed")
+
+    prompt = list(range(3, 40))
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        assert engine.tree.total_size() > 0
+        monkeypatch.setattr(ModelRunner, "compiled", property(lambda self: True))
+        monkeypatch.setattr(ModelRunner, "rebuilt", rebuilt)
+        with pytest.raises(RuntimeError, match="compile failed"):
+            engine.update_weights_from_disk(other_seed_path)
+        monkeypatch.undo()
+        assert engine.tree.total_size() == 0
+        out = engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert_drained(engine)
+
+
+def test_server_answers_inconsistent_weights_as_sglang_does(qwen3_next_dense_path, other_seed_path, tmp_path,
+                                                            monkeypatch):
+    """A weight update that leaves the weights inconsistent (the update's read and the read back both
+    fail) is the server's fault, not the request's: a 500 whose body has SGLang's ``success: false`` and
+    ``message`` beside the OpenAI-style error (an RL client reads ``success``), not a bare internal
+    error. The server serves on, and an update from a good checkpoint mends it."""
+    import httpx
+
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+
+    old = _sharded(qwen3_next_dense_path, tmp_path / "old")
+    new = _sharded(other_seed_path, tmp_path / "new")
+    real_read = NewWeights.read
+
+    def read_then_break(path, model, mtp_head):
+        checked = real_read(path, model, mtp_head)
+        if Path(path) == new:
+            for shard in (new / SECOND_SHARD, old / SECOND_SHARD.replace("2-of", "1-of")):
+                os.truncate(shard, shard.stat().st_size // 2)
+        return checked
+
+    body = {"input_ids": list(range(3, 30)), "sampling_params": _greedy(8)}
+    with BackgroundServer(create_app(str(old), **OPTS)) as srv:
+        url = srv.url
+        monkeypatch.setattr(NewWeights, "read", read_then_break)
+        resp = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(new)}, timeout=60)
+        assert resp.status_code == 500, resp.text
+        answer = resp.json()
+        assert answer["success"] is False and "inconsistent" in answer["message"]
+        assert answer["error"]["type"] == "internal_error" and "inconsistent" in answer["error"]["message"]
+        monkeypatch.undo()
+        resp = httpx.post(url + "/update_weights_from_disk", timeout=60,
+                          json={"model_path": str(other_seed_path), "weight_version": "mended"})
+        assert resp.status_code == 200 and resp.json()["success"] is True, resp.text
+        out = httpx.post(url + "/generate", json=body, timeout=60).json()
+    assert out["meta_info"]["weight_version"] == "mended"
+    assert out["output_ids"] == _reference(other_seed_path, [body["input_ids"]], 8)[0]
 
 
 @pytest.mark.gpu

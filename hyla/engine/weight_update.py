@@ -26,8 +26,11 @@ engine served are then read back the same way from the checkpoint they came from
 emptied as after an update, and the error is raised as a ``ValueError``: a failed update, the old
 weights served on. Should that read fail too, the engine's weights are a mix of two checkpoints: a
 ``RuntimeError`` that says so, logged as an error (another update, from a good checkpoint, mends
-it). So everything the headers tell is checked before a weight changes; what only the data can
-tell costs a second read of the old checkpoint when it goes wrong.
+it). Even then the derived weights the layers keep are recomputed from the parameters as they are,
+the graphs compiled and the prefix cache emptied, as after an update: the model the engine serves
+is one (mixed) set of weights, and no request hits a prefix the old weights computed. So everything
+the headers tell is checked before a weight changes; what only the data can tell costs a second
+read of the old checkpoint when it goes wrong.
 
 A draft model (``speculative_algorithm="draft"``) keeps its weights: drafts only propose, the
 model verifies every token. The tokenizer, chat template and generation defaults stay those loaded
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from hyla.model.layers import HybridForCausalLM
+from hyla.model.layers import HybridForCausalLM, refresh_derived_weights_
 from hyla.model.loader import CheckedWeights, check_weights, copy_mtp_weights_, copy_weights_
 from hyla.model.mtp import MtpHead
 
@@ -77,7 +80,9 @@ class NewWeights:
 
         ``current``: the checkpoint of the weights served now. Should a read fail, they are read
         back from it and the error is raised as a ``ValueError``; should that fail too, a
-        ``RuntimeError`` (the weights are a mix of both): see the module docstring."""
+        ``RuntimeError`` (the weights are a mix of both). Either way, as after an update, the derived
+        weights match the parameters, the graphs are compiled again and the prefix cache is empty:
+        see the module docstring."""
         if not scheduler.drained():
             raise RuntimeError("internal: weights written while requests run")
         start = time.perf_counter()
@@ -93,6 +98,11 @@ class NewWeights:
                            f"back from {current} failed too ({again}): the engine's weights are now "
                            f"inconsistent, parts of two checkpoints; update them from a good checkpoint")
                 logger.error("%s", message)
+                # (copy_weights_ stopped before refreshing the derived weights: the graphs read them)
+                refresh_derived_weights_(model)
+                if mtp_head is not None:
+                    refresh_derived_weights_(mtp_head)
+                _rebuild(mtp_head, scheduler)
                 raise RuntimeError(message) from again
             _rebuild(mtp_head, scheduler)
             raise ValueError(f"{self.path}: reading the checkpoint failed during the update ({exc}); the "
@@ -115,12 +125,13 @@ def _write(checked: CheckedWeights, model: HybridForCausalLM, mtp_head: MtpHead 
 
 
 def _rebuild(mtp_head: MtpHead | None, scheduler) -> None:
-    """After the weights were written: the compiled graphs (which hold them as constants) compiled
-    again, the prefix cache (computed with the old ones) emptied."""
+    """After the weights were written: the prefix cache (computed with the old ones) emptied, then
+    the compiled graphs (which hold them as constants) compiled again. The cache first: should a
+    compile fail, no request hits what the old weights computed."""
+    scheduler.flush_cache(with_waiting=True)
     if scheduler.runner.compiled:
         logger.info("weight update: compiling the decode graphs again (compile_decode)")
         scheduler.runner = scheduler.runner.rebuilt()
         drafter = scheduler.drafter
         if getattr(drafter, "compiled", False) and getattr(drafter, "head", None) is mtp_head:
             drafter.compile()
-    scheduler.flush_cache(with_waiting=True)

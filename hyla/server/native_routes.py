@@ -139,8 +139,9 @@ class NativeRoutes:
         requests finish on the old weights, or are aborted with ``abort_all_requests``; new ones wait
         meanwhile). SGLang's answer, ``{"success", "message", "num_paused_requests"}``, with
         ``weight_version``; a checkpoint of another model is a 400 (``param`` model_path), running
-        requests that do not finish in ten minutes a 409 (``engine_busy``), the body's ``success``
-        false in both."""
+        requests that do not finish in ten minutes a 409 (``engine_busy``), an update that failed on
+        the server's side (the weights left inconsistent: ``RuntimeError``) a 500
+        (``weight_update_failed``), the body's ``success`` false in all three."""
         engine = self.server.admit()
         try:
             done = await asyncio.to_thread(engine.update_weights_from_disk, body.model_path,
@@ -150,6 +151,9 @@ class NativeRoutes:
             raise WeightUpdateFailed(400, f"the weights were not updated: {exc}", param="model_path") from None
         except TimeoutError as exc:
             raise WeightUpdateFailed(409, str(exc), code="engine_busy") from None
+        except RuntimeError as exc:  # (logged by the engine: the served checkpoint failed the read back, a shutdown)
+            raise WeightUpdateFailed(500, f"the weight update failed: {exc}", type="internal_error",
+                                     code="weight_update_failed") from None
         return JSONResponse({"success": True, "message": f"updated the weights from {done['model_path']} in "
                                                          f"{done['seconds']:.1f} s",
                              "num_paused_requests": 0, "num_aborted_requests": done["num_aborted_requests"],
