@@ -36,8 +36,13 @@ SERVER_ERROR = {"error": {"message": "engine crashed", "type": "internal_error",
 def _make_app(log: list[dict]) -> FastAPI:
     app = FastAPI()
     seen: list[list[str]] = []
-    state = {"in_flight": 0, "max_in_flight": 0}
+    state = {"in_flight": 0, "max_in_flight": 0, "paths": []}
     app.state.counters = state
+
+    @app.middleware("http")
+    async def record_path(request: Request, call_next):
+        state["paths"].append(request.url.path)  # every request the stub got, whatever its route
+        return await call_next(request)
 
     def cached_prefix(words: list[str]) -> int:
         best = 0
@@ -109,9 +114,16 @@ def _make_app(log: list[dict]) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": "stub-model", "object": "model"}]}
 
+    def unknown_model(body: dict) -> JSONResponse | None:
+        if body.get("model") == "missing-model":  # what a server answers a wrong --model
+            return JSONResponse({"error": {"message": "model 'missing-model' not found"}}, status_code=404)
+        return None
+
     @app.post("/v1/completions")
     async def completions(req: Request):
         body = await req.json()
+        if (refusal := unknown_model(body)) is not None:
+            return refusal
         return StreamingResponse(stream("completions", body["prompt"], body["max_tokens"], body.get("priority")),
                                  media_type="text/event-stream")
 
@@ -169,8 +181,11 @@ def test_one_request_times_ttft_itl_and_reads_usage(server, backend):
     # prompt = "User: a b c d\nAssistant:" -> 6 words in the stub's count
     assert r.prompt_tokens == 6
     assert r.ttft >= FIRST_DELAY * 0.9
-    assert len(r.itl) == 4 and all(g >= TOKEN_DELAY * 0.5 for g in r.itl)
-    assert r.latency >= r.ttft + 4 * TOKEN_DELAY * 0.9
+    # one gap per later chunk; a single gap has no lower bound (a busy client can read two chunks in
+    # one go), but the last chunk cannot arrive before the stub sent it
+    assert len(r.itl) == 4 and all(g >= 0 for g in r.itl)
+    assert r.ttft + sum(r.itl) >= (FIRST_DELAY + 4 * TOKEN_DELAY) * 0.9
+    assert r.latency >= r.ttft + sum(r.itl)  # the end of the stream comes after its last chunk
     assert r.tpot == pytest.approx((r.latency - r.ttft) / 4)
     assert log[-1]["max_tokens"] == 5
 
@@ -244,6 +259,99 @@ def test_sharegpt_sessions_pick_multi_turn_conversations():
     assert [t.max_tokens for t in sessions[0].turns] == [2, 1]
     with pytest.raises(ValueError):
         sharegpt_sessions(3, conversations=convs)
+
+
+def test_sharegpt_turns_are_user_messages_paired_with_their_replies():
+    """A third of ShareGPT's conversations start with a reply (the rest of a conversation the
+    dataset split) and some with a system prompt: a turn is a user's message and the reply after
+    it, never a reply sent as the user's words. Malformed entries are skipped, not a traceback."""
+    convs = [
+        {"conversations": [{"from": "gpt", "value": "a long reply continuing a split conversation"},
+                           {"from": "human", "value": "continue"}, {"from": "gpt", "value": "x y z"}]},
+        "not a conversation",
+        {"conversations": None},
+        {"conversations": [5, {"from": "human", "value": "u"}]},
+        {"conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "q1"},
+                           {"from": "gpt", "value": "r1"}, {"from": "human", "value": "q2"},
+                           {"from": "human", "value": "q2 again"}, {"from": "gpt", "value": "r2"}]},
+    ]
+    sessions = sharegpt_sessions(2, conversations=convs)
+    assert [[(t.user, t.max_tokens) for t in s.turns] for s in sessions] == [[("continue", 3)], [("q1", 1)]]
+    assert [s.session_id for s in sessions] == [0, 1]
+    with pytest.raises(ValueError, match="only 2 ShareGPT conversations"):
+        sharegpt_sessions(3, conversations=convs)
+    with pytest.raises(ValueError, match="only 0 ShareGPT conversations have >= 2 rounds"):
+        sharegpt_sessions(1, min_turns=2, conversations=convs)
+
+
+def test_e2e_latency_and_total_throughput_are_reported_over_completed_requests():
+    """E2E latency (send to end of stream) gets mean/P50/P90/P99 like TTFT; a failed request (here
+    a 9 s timeout) counts as failed but adds nothing to the latency statistics or the tokens."""
+    from hyla.bench.metrics import format_report
+
+    results = [RequestResult(0, 0, success=True, ttft=0.1, latency=0.5, prompt_tokens=10, completion_tokens=5),
+               RequestResult(1, 0, success=True, ttft=0.2, latency=1.5, prompt_tokens=10, completion_tokens=1),
+               RequestResult(2, 0, success=False, ttft=0.3, latency=9.0, prompt_tokens=10, completion_tokens=3,
+                             error="timed out")]
+    s = summarize(results, 2.0)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == ["timed out"]
+    assert s["e2e_latency_ms"]["mean"] == pytest.approx(1000.0) and s["e2e_latency_ms"]["p50"] == pytest.approx(1000.0)
+    assert s["ttft_ms"]["mean"] == pytest.approx(150.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(100.0)  # the 1-token request has no TPOT
+    assert s["total_token_throughput"] == pytest.approx((20 + 6) / 2.0)
+    report = format_report(s)
+    assert "P99 E2E (ms):" in report and "Total token throughput (tok/s):" in report
+    empty = summarize([results[2]], 2.0)  # no completed request: zeros, no division by zero
+    assert empty["completed"] == 0 and empty["tpot_ms"]["mean"] == 0.0 and empty["request_throughput"] == 0.0
+    assert "P99 E2E (ms):" in format_report(empty)
+
+
+def test_served_model_reads_the_first_listed_model_or_fails_clearly(monkeypatch):
+    """An answer to /v1/models that is not a model list is a ValueError (exit 2), not a traceback."""
+    from hyla.bench import cli as bench_cli
+
+    for body in ([1, 2], {"data": [5]}, {"data": []}, {"data": {"id": "x"}}, "text"):
+        monkeypatch.setattr(httpx, "get", lambda *a, _body=body, **k: httpx.Response(
+            200, json=_body, request=httpx.Request("GET", "http://x/v1/models")))
+        with pytest.raises(ValueError, match="pass --model"):
+            bench_cli.served_model("http://x", 1.0)
+    monkeypatch.setattr(httpx, "get", lambda *a, **k: httpx.Response(
+        200, json={"data": [{"id": "m1"}, {"id": "m2"}]}, request=httpx.Request("GET", "http://x/v1/models")))
+    assert bench_cli.served_model("http://x", 1.0) == "m1"
+
+
+def test_warmup_requests_go_first_and_are_left_out_of_the_results(server):
+    """``warmup_requests``: short requests of random words, sent before the workload (and before
+    its clock starts), unrelated to its prompts, and absent from the results."""
+    base_url, log, _ = server
+    sessions = random_sessions(3, input_len=6, output_len=2, seed=1)
+    results, _ = asyncio.run(run_benchmark(base_url, sessions, backend="openai", show_progress=False,
+                                           warmup_requests=2))
+    assert [(r.session_id, r.success) for r in results] == [(0, True), (1, True), (2, True)]
+    assert len(log) == 5
+    warm, work = log[:2], log[2:]
+    assert [e["max_tokens"] for e in warm] == [8, 8] and [e["max_tokens"] for e in work] == [2, 2, 2]
+    assert max(e["t"] for e in warm) < min(e["t"] for e in work)
+    assert all(len(e["prompt"].split()) == 16 + 2 for e in warm)  # 16 words + "User:" "Assistant:"
+    assert {e["prompt"] for e in warm}.isdisjoint({e["prompt"] for e in work})
+    with pytest.raises(ValueError, match="warmup_requests"):
+        asyncio.run(run_benchmark(base_url, sessions, warmup_requests=-1, show_progress=False))
+
+
+def test_a_failed_warmup_stops_the_bench_before_the_workload(server, capsys):
+    """A wrong ``--model`` fails the warm-up once (exit 2, the server's message), instead of every
+    request of the run; without warm-ups every request is sent and fails."""
+    base_url, log, counters = server
+    argv = ["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "3", "--random-input-len", "4",
+            "--random-output-len", "2", "--disable-tqdm", "--model", "missing-model"]
+    assert hyla_main(argv + ["--warmup-requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "2 of 2 warm-up requests failed" in err and "HTTP 404" in err and "not found" in err
+    assert counters["paths"] == ["/v1/completions"] * 2  # the warm-ups only
+    assert hyla_main(argv) == 1 and counters["paths"] == ["/v1/completions"] * 5
+    assert "Failed requests:                                   3" in capsys.readouterr().out
+    assert hyla_main(argv[:-1] + ["stub-model", "--warmup-requests", "-1"]) == 2
+    assert "--warmup-requests must be >= 0" in capsys.readouterr().err
 
 
 def test_latency_stats_and_payloads():
@@ -343,7 +451,7 @@ def test_help_names_every_option_with_a_help_line_and_its_default(capsys, monkey
     parser = argparse.ArgumentParser(prog="hyla bench")
     bench_cli.add_arguments(parser)
     options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert len(options) == 22
+    assert len(options) == 23
     for action in options:
         flag = max(action.option_strings, key=len)
         assert flag in out
@@ -420,6 +528,12 @@ def test_a_transport_error_has_a_message():
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--request-rate", "0"], "--request-rate must be positive"),
+    (["--request-rate", "-2"], "--request-rate must be positive"),
+    (["--request-rate", "nan"], "--request-rate must be positive"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--priority-share", "1.5"], "--priority-share must be in [0, 1]"),
+    (["--base-url", "127.0.0.1:30000"], "--base-url must be an http:// or https:// URL"),
     (["--timeout", "0"], "--timeout must be positive"),
     (["--timeout", "-5"], "--timeout must be positive"),
     (["--timeout", "nan"], "--timeout must be positive"),
@@ -428,12 +542,14 @@ def test_a_transport_error_has_a_message():
     (["--output-file", "/nonexistent/dir/x.json"], "does not exist"),
 ])
 def test_bad_values_exit_2_before_the_run(server, capsys, argv, message):
-    base_url, log, _ = server
+    """A bad option is refused before the server gets any request: not the model lookup, not
+    ``--flush-cache`` (which would empty a shared server's cache for a run that never starts)."""
+    base_url, log, counters = server
     rc = hyla_main(["bench", "--base-url", base_url, "--dataset", "random", "--num-prompts", "2",
-                    "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm", *argv])
+                    "--random-input-len", "4", "--random-output-len", "2", "--disable-tqdm", "--flush-cache", *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
-    assert log == []  # nothing was sent
+    assert log == [] and counters["paths"] == []  # nothing was sent
     with pytest.raises(ValueError, match="output length"):
         sharegpt_sessions(1, output_len=0, conversations=[])
 

@@ -80,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="The priority those sessions send (hyla and SGLang: higher is more urgent unless the "
                            "server schedules low values first; hyla: --enable-priority-scheduling) "
                            "(default: %(default)s).")
+    load.add_argument("--warmup-requests", type=int, default=0, metavar="N",
+                      help="Send N short requests (random words, unrelated to the workload) before the run and "
+                           "leave them out of every metric; a failed one stops the bench with exit status 2 "
+                           "(default: %(default)s).")
     load.add_argument("--seed", type=int, default=0,
                       help="Seed of the arrival times and the random prompts (default: %(default)s).")
 
@@ -90,13 +94,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="No progress bar (default: a progress bar on stderr).")
 
 
+def check_base_url(base_url: str) -> None:
+    """``ValueError`` unless ``base_url`` is an absolute http(s) URL with a host (``127.0.0.1:30000``
+    without a scheme would otherwise fail every request of the run, one by one)."""
+    try:
+        url = httpx.URL(base_url)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"--base-url {base_url!r} is not a URL ({e})") from e
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"--base-url must be an http:// or https:// URL with a host, got {base_url!r}")
+
+
 def served_model(base_url: str, timeout: float | None) -> str:
-    """The first model id a server lists at ``GET /v1/models`` (what OpenAI clients would pick)."""
+    """The first model id a server lists at ``GET /v1/models`` (what OpenAI clients would pick);
+    ``ValueError`` when the server does not answer with such a list."""
     try:
         resp = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=timeout)
         resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
         raise ValueError(f"could not read the model name from {base_url}/v1/models ({e}); pass --model") from e
 
 
@@ -111,9 +127,21 @@ def flush_cache(base_url: str, timeout: float | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; exit status 0 when any request completed, 1 when none did, and 2 for a
+    bad option or a server that cannot be asked for its model or to flush its cache. Every option
+    is checked before anything is sent to the server."""
     try:
+        check_base_url(args.base_url)
         if not args.timeout > 0:  # also NaN
             raise ValueError(f"--timeout must be positive (inf: no limit), got {args.timeout}")
+        if not args.request_rate > 0:  # also NaN
+            raise ValueError(f"--request-rate must be positive (inf: all at once), got {args.request_rate}")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1 (omit it for no cap), got {args.max_concurrency}")
+        if args.warmup_requests < 0:
+            raise ValueError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+        if not 0.0 <= args.priority_share <= 1.0:
+            raise ValueError(f"--priority-share must be in [0, 1], got {args.priority_share}")
         if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
             raise ValueError(f"--sharegpt-output-len must be >= 1 (omit it for the recorded replies' lengths), "
                              f"got {args.sharegpt_output_len}")
@@ -126,14 +154,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             sessions = sharegpt_sessions(args.num_prompts, args.sharegpt_min_turns, args.sharegpt_max_turns,
                                          args.sharegpt_output_len)
+        priorities = assign_priorities(len(sessions), args.priority_share, args.priority, args.seed)
+        # the first requests to the server: every option has been checked above
         http_timeout = None if math.isinf(args.timeout) else args.timeout
         args.model = args.model or served_model(args.base_url, http_timeout)
         if args.flush_cache:
             flush_cache(args.base_url, http_timeout)
-        priorities = assign_priorities(len(sessions), args.priority_share, args.priority, args.seed)
         results, duration = asyncio.run(run_benchmark(
             args.base_url, sessions, args.backend, args.model, args.request_rate, args.max_concurrency,
-            args.seed, not args.disable_tqdm, args.timeout, priorities))
+            args.seed, not args.disable_tqdm, args.timeout, priorities, args.warmup_requests))
     except ValueError as e:
         print(f"hyla bench: error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
-from hyla.data.sharegpt import load_conversations, num_rounds, select_conversations
+from hyla.data.sharegpt import load_conversations
+
+# ShareGPT's speaker names ("from"): a user's message, and a recorded reply
+_USER_ROLES = frozenset({"human", "user"})
+_ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bard", "bing", "model"})
 
 # A fixed vocabulary of short common words: random prompts are sequences of them, about one
 # token per word for BPE tokenizers (the server reports the exact prompt_tokens in its usage).
@@ -86,17 +91,47 @@ def random_sessions(
     return sessions
 
 
+def sharegpt_rounds(conversation: Any) -> list[tuple[str, str]]:
+    """The (user message, recorded reply) pairs of one ShareGPT conversation, in order.
+
+    Messages before the first user message are dropped: a system prompt, or (a third of the
+    dataset) a reply that continues a conversation the dataset split in pieces, which must not be
+    sent as the user's words. Pairs are then taken while the speakers alternate user, assistant;
+    the first message out of that order ends the list. Anything malformed (a conversation that is
+    not a dict, a message that is not a dict, a missing ``conversations`` list) gives fewer or no
+    pairs, never an exception.
+    """
+    messages = conversation.get("conversations") if isinstance(conversation, dict) else None
+    if not isinstance(messages, list):
+        return []
+
+    def role(i: int) -> str | None:
+        m = messages[i]
+        return m.get("from") if isinstance(m, dict) else None
+
+    i = 0
+    while i < len(messages) and role(i) not in _USER_ROLES:
+        i += 1
+    rounds = []
+    while i + 1 < len(messages) and role(i) in _USER_ROLES and role(i + 1) in _ASSISTANT_ROLES:
+        rounds.append((str(messages[i].get("value", "")), str(messages[i + 1].get("value", ""))))
+        i += 2
+    return rounds
+
+
 def sharegpt_sessions(
     num_sessions: int,
     min_turns: int = 1,
     max_turns: int | None = None,
     output_len: int | None = None,
-    conversations: list[dict] | None = None,
+    conversations: list[Any] | None = None,
 ) -> list[BenchSession]:
-    """The first ``num_sessions`` ShareGPT conversations with at least ``min_turns`` rounds.
+    """The first ``num_sessions`` ShareGPT conversations with at least ``min_turns`` rounds
+    (:func:`sharegpt_rounds`: user message, then the recorded reply).
 
-    Each turn sends the human message; the output length asked is the number of words of the
+    Each turn sends the user's message; the output length asked is the number of words of the
     recorded reply (a cheap stand-in for its token count), or ``output_len`` (>= 1) when given.
+    Raises ``ValueError`` for bad sizes or when fewer conversations qualify.
     """
     if num_sessions < 1 or min_turns < 1 or (max_turns is not None and max_turns < 1):
         raise ValueError(f"bad ShareGPT workload: {num_sessions=}, {min_turns=}, {max_turns=}")
@@ -106,11 +141,14 @@ def sharegpt_sessions(
     if conversations is None:
         conversations = load_conversations()
     sessions: list[BenchSession] = []
-    for i, conv in enumerate(select_conversations(conversations, num_sessions, min_turns)):
-        messages = conv["conversations"]
-        turns = []
-        for k in range(num_rounds(conv)):
-            user, reply = str(messages[2 * k].get("value", "")), str(messages[2 * k + 1].get("value", ""))
-            turns.append(BenchTurn(user, output_len if output_len is not None else max(1, len(reply.split()))))
-        sessions.append(BenchSession(i, tuple(turns[:max_turns])))
-    return sessions
+    for conv in conversations:
+        rounds = sharegpt_rounds(conv)
+        if len(rounds) < min_turns:
+            continue
+        turns = tuple(BenchTurn(user, output_len if output_len is not None else max(1, len(reply.split())))
+                      for user, reply in rounds[:max_turns])
+        sessions.append(BenchSession(len(sessions), turns))
+        if len(sessions) == num_sessions:
+            return sessions
+    raise ValueError(f"only {len(sessions)} ShareGPT conversations have >= {min_turns} rounds, "
+                     f"{num_sessions} asked")

@@ -1,8 +1,9 @@
 """Aggregate per-request results into the serving metrics `hyla bench` reports.
 
 * throughput: completed requests, input (prompt) tokens and output tokens per second of wall time;
-* TTFT (time to first token), TPOT (time per output token after the first, per request) and ITL
-  (every gap between streamed chunks): mean, P50, P90, P99 in milliseconds;
+* TTFT (time to first token), TPOT (time per output token after the first, per request), ITL
+  (every gap between streamed chunks) and E2E latency (send to the end of the stream, per
+  request): mean, P50, P90, P99 in milliseconds, over the completed requests only;
 * cache hit rate: Σ server-reported cached prompt tokens / Σ prompt tokens;
 * with priorities sent (``--priority-share``): TTFT and latency per priority class.
 """
@@ -27,6 +28,9 @@ def latency_stats_ms(values: Sequence[float]) -> dict[str, float]:
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, Any]:
+    """The run's metrics (module docstring) as a JSON-ready dict. Failed requests count in
+    ``num_requests`` and ``failed`` and list their errors, but add nothing to the token counts,
+    throughputs and latency statistics. ``ValueError`` unless ``duration_s`` is positive."""
     if duration_s <= 0:
         raise ValueError(f"duration must be positive, got {duration_s}")
     ok = [r for r in results if r.success]
@@ -42,6 +46,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         "request_throughput": len(ok) / duration_s,
         "input_throughput": input_tokens / duration_s,
         "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "cached_tokens": cached,
@@ -49,6 +54,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         "ttft_ms": latency_stats_ms([r.ttft for r in ok]),
         "tpot_ms": latency_stats_ms([t for r in ok if (t := r.tpot) is not None]),
         "itl_ms": latency_stats_ms([g for r in ok for g in r.itl]),
+        "e2e_latency_ms": latency_stats_ms([r.latency for r in ok]),
         "errors": sorted({r.error for r in results if not r.success})[:10],
         # per priority sent ("none": no priority field), when any request had one
         "by_priority": {} if classes == [None] else {
@@ -73,10 +79,11 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{'Request throughput (req/s):':<40}{summary['request_throughput']:>12.2f}",
         f"{'Input token throughput (tok/s):':<40}{summary['input_throughput']:>12.2f}",
         f"{'Output token throughput (tok/s):':<40}{summary['output_throughput']:>12.2f}",
+        f"{'Total token throughput (tok/s):':<40}{summary['total_token_throughput']:>12.2f}",
         f"{'Server cache hit rate:':<40}{summary['cache_hit_rate']:>12.2%}",
     ]
     for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
-                       ("itl_ms", "Inter-token Latency")):
+                       ("itl_ms", "Inter-token Latency"), ("e2e_latency_ms", "End-to-End Latency")):
         lines.append("-" * 15 + f" {title} " + "-" * 15)
         for stat in ("mean", *[f"p{p}" for p in PERCENTILES]):
             label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {key.split('_')[0].upper()} (ms):"

@@ -10,6 +10,10 @@ Scheduling rules:
 * ``max_concurrency`` caps requests in flight across all sessions (a semaphore around each send).
 * ``priorities`` (one per session, or None) are sent with every turn of their session
   (:func:`assign_priorities`).
+* ``warmup_requests`` short requests go first, all at once, and are left out of the results and
+  of the duration; their prompt is random words unrelated to the workload (so they do not warm
+  the prefix cache for it). A failed warm-up stops the run (``WarmupError``) before the workload:
+  a wrong model name or endpoint fails there once, not on every request of a long run.
 """
 
 from __future__ import annotations
@@ -24,7 +28,14 @@ import httpx
 from tqdm.auto import tqdm
 
 from hyla.bench.backends import RequestResult, send_request
-from hyla.bench.datasets import BenchSession
+from hyla.bench.datasets import BenchSession, random_text
+
+WARMUP_WORDS = 16  # prompt length of a warm-up request
+WARMUP_TOKENS = 8  # output tokens asked of a warm-up request
+
+
+class WarmupError(ValueError):
+    """A warm-up request failed; the run did not start."""
 
 
 def assign_priorities(num: int, share: float, priority: int, seed: int = 0) -> list[int | None]:
@@ -96,8 +107,10 @@ async def run_benchmark(
     show_progress: bool = True,
     timeout_s: float | None = 600.0,
     priorities: Sequence[int | None] | None = None,
+    warmup_requests: int = 0,
 ) -> tuple[list[RequestResult], float]:
-    """Run every session; returns the per-request results and the wall-clock duration (s).
+    """Run every session; returns the per-request results and the wall-clock duration (s), both
+    without the ``warmup_requests`` warm-ups (``WarmupError`` when one fails).
     ``timeout_s`` limits each whole request, from its send (after any wait for a
     ``max_concurrency`` slot) to the end of its stream; a request past it counts as failed
     (None or inf: no limit)."""
@@ -107,6 +120,8 @@ async def run_benchmark(
         timeout_s = None  # no limit
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if warmup_requests < 0:
+        raise ValueError(f"warmup_requests must be >= 0, got {warmup_requests}")
     priorities = list(priorities) if priorities is not None else [None] * len(sessions)
     if len(priorities) != len(sessions):
         raise ValueError(f"{len(priorities)} priorities for {len(sessions)} sessions")
@@ -115,8 +130,19 @@ async def run_benchmark(
     results: list[RequestResult] = []
     total = sum(s.num_turns for s in sessions)
     progress = tqdm(total=total, desc="requests", disable=not show_progress)
-    limits = httpx.Limits(max_connections=max_concurrency or len(sessions) or 1)
+    limits = httpx.Limits(max_connections=max_concurrency or max(len(sessions), warmup_requests, 1))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
+        if warmup_requests:
+            rng = random.Random(f"warmup-{seed}")
+            warmups = await asyncio.gather(*(
+                send_request(client, backend, model, [{"role": "user", "content": random_text(rng, WARMUP_WORDS)}],
+                             WARMUP_TOKENS, -1, i, None, timeout_s)
+                for i in range(warmup_requests)))
+            failed = [w for w in warmups if not w.success]
+            if failed:
+                progress.close()
+                raise WarmupError(f"{len(failed)} of {warmup_requests} warm-up requests failed, the run did not "
+                                  f"start: {failed[0].error}")
         t0 = time.perf_counter()
         await asyncio.gather(*(
             _run_session(client, s, start, t0, backend, model, semaphore, results, progress, prio, timeout_s)
