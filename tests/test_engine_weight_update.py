@@ -15,6 +15,8 @@
   update, the old weights read back and served exactly; the served checkpoint broken too: an error
   that says the weights are inconsistent, the prefix cache emptied and the derived weights refreshed
   all the same. A later update works.
+* A prefix exported before an update is not imported after it (``CachedPrefix.weight_version``).
+* A second update waits for the first at most its own ``timeout``.
 """
 
 from __future__ import annotations
@@ -186,6 +188,58 @@ def test_abort_all_requests_ends_the_running_ones(qwen3_next_dense_path, other_s
         out = engine.generate(input_ids=list(range(50, 70)), sampling_params=_greedy(30))
         assert_drained(engine)
     assert out["output_ids"] == _reference(other_seed_path, [list(range(50, 70))], 30)[0]
+
+
+def test_a_prefix_of_the_old_weights_is_not_imported_after_an_update(qwen3_next_dense_path, other_seed_path):
+    """A prefix exported before an update (the old weights' KV and state) is refused after it, as an
+    object or as bytes, and changes nothing; one exported after it is taken and hit exactly."""
+    prompt = list(range(3, 60))
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        engine.generate(input_ids=prompt, sampling_params=_greedy(1))
+        old = engine.export_prefix(prompt)
+        engine.update_weights_from_disk(other_seed_path, weight_version="v2")
+        for given in (old, old.to_bytes()):
+            with pytest.raises(ValueError, match="computed by the weights 'default', this engine serves 'v2'"):
+                engine.import_prefix(given)
+        assert engine.cached_tokens(prompt) == 0
+        cold = engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        new = engine.export_prefix(prompt)
+        assert new.weight_version == "v2" and engine.flush_cache()
+        assert engine.import_prefix(new.to_bytes()) == len(new) == len(prompt) - 1
+        hit = engine.generate(input_ids=prompt, sampling_params=_greedy(8))
+        assert_drained(engine)
+    assert cold["output_ids"] == hit["output_ids"] == _reference(other_seed_path, [prompt], 8)[0]
+    assert hit["meta_info"]["cached_tokens"] == len(new)
+
+
+def test_an_update_waiting_for_another_keeps_its_timeout(qwen3_next_dense_path, other_seed_path, monkeypatch):
+    """A second update asked while one runs waits for it at most its own ``timeout``: a ``TimeoutError``
+    that changed nothing; the first lands, and the engine serves it."""
+    real_read, reading, go = NewWeights.read, threading.Event(), threading.Event()
+
+    def slow_read(path, model, mtp_head):
+        reading.set()
+        go.wait(60)
+        return real_read(path, model, mtp_head)
+
+    with Engine(qwen3_next_dense_path, **OPTS) as engine:
+        monkeypatch.setattr(NewWeights, "read", slow_read)
+        done: dict = {}
+        first = threading.Thread(target=lambda: done.update(
+            engine.update_weights_from_disk(other_seed_path, weight_version="v1")))
+        first.start()
+        assert reading.wait(30)
+        threading.Timer(5.0, go.set).start()  # (the first would hold the second for 5 s)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="another weight update still running after 0.3 s"):
+            engine.update_weights_from_disk(other_seed_path, weight_version="v2", timeout=0.3)
+        assert time.monotonic() - start < 4 and engine.weight_version == "default"
+        go.set()
+        first.join(60)
+        assert done["weight_version"] == engine.weight_version == "v1"
+        out = engine.generate(input_ids=list(range(50, 70)), sampling_params=_greedy(10))
+        assert_drained(engine)
+    assert out["output_ids"] == _reference(other_seed_path, [list(range(50, 70))], 10)[0]
 
 
 def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemotron_h_path, tmp_path):
@@ -462,6 +516,7 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
         assert httpx.get(url + "/get_weight_version", timeout=10).json() == {"weight_version": "rl-step-1"}
         info = httpx.get(url + "/get_model_info", timeout=10).json()
         assert info["weight_version"] == "rl-step-1" and info["model_path"] == stepped
+        assert info["tokenizer_path"] == str(path)  # (the tokenizer loaded at start-up, which an update keeps)
         for bad, param in [({"model_path": str(tmp_path / "nowhere")}, "model_path"),
                            ({"model_path": stepped, "flush_cache": False}, "flush_cache"),
                            ({"model_path": stepped, "weight_version": ""}, "weight_version"),

@@ -218,6 +218,7 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
         with pytest.raises(ValueError, match="CachedPrefix or its bytes"):
             dest.import_prefix("data")
         big = CachedPrefix.from_bytes(data, dest.cache_layout, True)
+        assert big.weight_version == prefix.weight_version == "default"  # (the weights that computed it, by name)
         for first in (dest.model_config.vocab_size, -1):
             big.token_ids = (first,) + big.token_ids[1:]
             with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -234,7 +235,8 @@ def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dens
                               (qwen3_next_attention_path, {}, "holds a state"),
                               (qwen3_next_dense_path, dict(page_size=16), "page grid"),
                               (qwen3_next_dense_path, dict(enable_prefix_cache=False), "prefix cache is off"),
-                              (qwen3_next_dense_path, dict(context_length=len(prefix)), "longer than any prompt")):
+                              (qwen3_next_dense_path, dict(context_length=len(prefix)), "longer than any prompt"),
+                              (qwen3_next_dense_path, dict(weight_version="step-2"), "computed by the weights 'default'")):
         with Engine(path, **{**POOLS, "max_total_tokens": 256, **opts}) as other:
             held = [[3 + (11 * i + j) % 97 for j in range(min(60, other.context_length - 8))] for i in range(4)]
             _generate(other, held, n=1)

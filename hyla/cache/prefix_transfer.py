@@ -21,11 +21,13 @@ the *receiving* cache's layout and refuses (``ValueError``) a buffer of another 
 prefix of another model, another KV dtype, another draft model; ``check_fits`` checks a prefix object's
 layout the same way. ``check_values`` refuses NaN and infinite values in its KV rows or state (one
 read of them: their minimum and maximum, a float8 buffer's byte counts; several times cheaper than
-the copy in). Knows nothing of models.
+the copy in). ``weight_version``: the name of the weights that computed it, which the receiver
+compares with its own (``Engine.import_prefix``); opaque here. Knows nothing of models.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -49,7 +51,7 @@ CHECK_BLOCK_BYTES = 64 << 20  # rows gathered at a time to check them where they
 class CachedPrefix:
     """``token_ids`` in ``namespace``, the KV of positions ``kv_start`` on (position ``i`` at
     ``kv_rows[i - kv_start]`` of ``kv``) and, for a cache with states, the state after the last token
-    (``state_slot`` of ``state``)."""
+    (``state_slot`` of ``state``), computed by the weights named ``weight_version`` (None: not named)."""
 
     token_ids: tuple[int, ...]
     namespace: Hashable
@@ -58,6 +60,7 @@ class CachedPrefix:
     state: StatePool | None
     state_slot: int | None
     kv_start: int = 0
+    weight_version: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -116,8 +119,7 @@ class CachedPrefix:
         """This prefix without the KV of the positions before ``position`` (at most its last token's;
         the pools are shared: only what ``to_bytes`` writes shrinks)."""
         position = max(self.kv_start, min(position, len(self) - 1))
-        return CachedPrefix(self.token_ids, self.namespace, self.kv, self.kv_rows[position - self.kv_start:],
-                            self.state, self.state_slot, position)
+        return dataclasses.replace(self, kv_rows=self.kv_rows[position - self.kv_start:], kv_start=position)
 
     # ------------------------------------------------------------------------------------------
     # bytes
@@ -139,7 +141,8 @@ class CachedPrefix:
         tensors = {name: buf.index_select(0, rows).contiguous() for name, (buf, rows) in self._buffers().items()}
         meta = {"format": FORMAT, "token_ids": json.dumps(list(self.token_ids)),
                 "namespace": json.dumps(_namespace_to_json(self.namespace)),
-                "has_state": json.dumps(self.state is not None), "kv_start": json.dumps(self.kv_start)}
+                "has_state": json.dumps(self.state is not None), "kv_start": json.dumps(self.kv_start),
+                "weight_version": json.dumps(self.weight_version)}
         return save_tensors(tensors, metadata=meta)
 
     @classmethod
@@ -155,6 +158,7 @@ class CachedPrefix:
             namespace = _namespace_from_json(json.loads(meta["namespace"]))
             has_state = json.loads(meta["has_state"])
             kv_start = json.loads(meta.get("kv_start", "0"))
+            weight_version = json.loads(meta.get("weight_version", "null"))
         except ValueError:
             raise
         except Exception as exc:  # safetensors' own errors, a missing key, bad JSON
@@ -164,6 +168,8 @@ class CachedPrefix:
             raise ValueError("a cached prefix's token_ids must be a non-empty list of token ids")
         if isinstance(kv_start, bool) or not isinstance(kv_start, int):
             raise ValueError(f"a cached prefix's kv_start must be a position, got {kv_start!r}")
+        if weight_version is not None and not isinstance(weight_version, str):
+            raise ValueError(f"a cached prefix's weight_version must be a string, got {weight_version!r}")
         if not isinstance(has_state, bool):
             raise ValueError(f"a cached prefix's has_state must be true or false, got {has_state!r}")
         _check_state_presence(has_state, with_state)
@@ -185,6 +191,7 @@ class CachedPrefix:
                 raise ValueError(f"the cached prefix's {name} is {tuple(t.shape)} {t.dtype}, this cache's "
                                  f"{(len(rows), *buf.shape[1:])} {buf.dtype}: a prefix of another model or cache layout")
             put_rows_(buf, rows, t)
+        out.weight_version = weight_version
         return out
 
 

@@ -138,6 +138,7 @@ class Engine:
         # weights alone
         self.mtp_head = MtpHead.from_model(self.model, take=True) if mtp else None
         self.tokenizer = _load_tokenizer(path)
+        self.tokenizer_path = path if self.tokenizer is not None else None  # (kept by a weight update, as the tokenizer)
         # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
         self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
@@ -538,8 +539,13 @@ class Engine:
         _check_namespace(namespace)
         if isinstance(kv_from, bool) or not isinstance(kv_from, int) or kv_from < 0:
             raise ValueError(f"kv_from must be a position (an int >= 0), got {kv_from!r}")
-        return self._on_scheduler_thread(
-            lambda: self.cache.export_prefix(ids, namespace, self.cache_layout, kv_from), timeout)
+
+        def export() -> CachedPrefix | None:  # (with the name of the weights that computed it, read between steps)
+            prefix = self.cache.export_prefix(ids, namespace, self.cache_layout, kv_from)
+            if prefix is not None:
+                prefix.weight_version = self.weight_version
+            return prefix
+        return self._on_scheduler_thread(export, timeout)
 
     def _prefix_ids(self, input_ids: Any) -> list[int]:
         """``input_ids`` checked as a prompt of this model's vocabulary (``export_prefix``, ``cached_tokens``)."""
@@ -582,8 +588,10 @@ class Engine:
         model or MTP), token ids outside the vocabulary, NaN or infinite values
         (``CachedPrefix.check_values``), a length off the page grid, or the prefix cache off. The bytes
         are read, and the values checked, on the calling thread; the copy in runs on the scheduler
-        thread between steps. The prefix is trusted as computed by this model: import only from your own
-        servers (the server's ``/import_prefix`` needs the API key)."""
+        thread between steps. A prefix computed by other weights (its ``weight_version`` not this engine's:
+        one exported before a weight update, or by a server of another checkpoint) is a ``ValueError`` too.
+        The prefix is trusted as computed by this model: import only from your own servers (the
+        server's ``/import_prefix`` needs the API key)."""
         _check_timeout(timeout)
         if isinstance(prefix, (bytes, bytearray, memoryview)):
             prefix = self.read_prefix(prefix)
@@ -592,7 +600,11 @@ class Engine:
         else:
             raise ValueError(f"import_prefix takes a CachedPrefix or its bytes, got {type(prefix).__name__}")
         prefix.check_values()  # (here, not in _check_prefix: a server's read_prefix, then this, reads them once)
-        return self._on_scheduler_thread(lambda: self.cache.import_prefix(prefix), timeout)
+
+        def copy_in() -> int:  # (its weights asked again between steps: an update may have come since)
+            self._check_weights_of(prefix)
+            return self.cache.import_prefix(prefix)
+        return self._on_scheduler_thread(copy_in, timeout)
 
     def read_prefix(self, data: bytes | bytearray | memoryview) -> CachedPrefix:
         """``CachedPrefix.from_bytes`` for this engine's cache, checked as ``import_prefix`` checks it
@@ -614,6 +626,15 @@ class Engine:
             raise ValueError(f"a prefix of {len(prefix)} tokens is longer than any prompt this engine takes (its "
                              f"context length is {self.context_length})")
         _check_namespace(prefix.namespace)
+        self._check_weights_of(prefix)
+
+    def _check_weights_of(self, prefix: CachedPrefix) -> None:
+        """``ValueError`` unless ``prefix`` was computed by the weights served now (by their name,
+        ``weight_version``): another's KV and state would change what this model computes."""
+        if prefix.weight_version != self.weight_version:
+            raise ValueError(f"the prefix was computed by the weights {prefix.weight_version!r}, this engine serves "
+                             f"{self.weight_version!r} (weight_version): its KV and state are not what these "
+                             "weights compute")
 
     def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                  weight_version: str | None = None, timeout: float = 600.0) -> dict[str, Any]:
@@ -637,15 +658,17 @@ class Engine:
         ``weight_version``: the new weights' name, in the ``meta_info`` of every request that runs
         on them (default: the current one). ``TimeoutError`` when the running requests have not
         finished after ``timeout`` seconds (``math.inf``: no limit): nothing changed, and the queue
-        moves again. Returns
+        moves again (as when another update holds the engine for longer). Returns
         ``{"model_path", "weight_version", "num_aborted_requests", "seconds"}``."""
         if not isinstance(model_path, (str, os.PathLike)):
             raise ValueError(f"model_path must be a path, got {model_path!r}")
         if weight_version is not None:
             check_weight_version(weight_version)
         _check_timeout(timeout)
-        with self._update_lock:  # one update at a time
-            start = time.monotonic()
+        start = time.monotonic()  # (the timeout counts from here: another update's turn, the read, the drain)
+        if not self._update_lock.acquire(timeout=-1 if timeout >= NO_TIMEOUT_PAST else timeout):  # one at a time
+            raise TimeoutError(f"another weight update still running after {timeout:g} s: the weights were not updated")
+        try:
             read = functools.partial(NewWeights.read, model_path, self.model, self.mtp_head)
             new = run_in_own_thread(read) if self.device.type == "cpu" else read()  # (no OpenMP team kept here)
             version = weight_version or self.weight_version
@@ -668,6 +691,8 @@ class Engine:
             finally:
                 self.scheduler.admit_new = True
                 self._wakeup.set()
+        finally:
+            self._update_lock.release()
         logger.info("weights updated from %s (version %s)", new.path, version)
         return {"model_path": str(new.path), "weight_version": version, "num_aborted_requests": aborted,
                 "seconds": time.monotonic() - start}

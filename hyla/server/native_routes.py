@@ -200,7 +200,7 @@ class NativeRoutes:
         engine = self.server.admit()
         return JSONResponse({
             "model_path": str(engine.model_path), "served_model_name": self.server.model_name,
-            "tokenizer_path": str(engine.model_path) if engine.tokenizer is not None else None,
+            "tokenizer_path": str(engine.tokenizer_path) if engine.tokenizer_path is not None else None,
             "is_generation": True, "preferred_sampling_params": engine.sampling_defaults or None,
             "context_length": engine.context_length, "vocab_size": engine.model_config.vocab_size,
             "weight_version": engine.weight_version})
