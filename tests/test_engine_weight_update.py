@@ -532,28 +532,42 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
         assert engine.generate("Hello there", sampling_params=_greedy(8))["output_ids"] == after["output_ids"]
 
 
-def test_a_failed_recompile_leaves_no_stale_prefix(qwen3_next_dense_path, other_seed_path, monkeypatch):
+def test_a_failed_recompile_serves_the_new_weights_eager(qwen3_next_dense_path, other_seed_path, monkeypatch, caplog):
     """``compile_decode``'s graphs compiled again after the weights were written, and the compile fails
-    (inductor's cache dir full, say): the prefix cache is already empty, so no request continues a prefix
-    the old weights computed. (Faked on an eager engine: its runner said compiled, ``rebuilt`` raising.)"""
+    (inductor's cache dir full, say): the old graphs (the old weights as constants) are dropped all the
+    same, the steps run eager on the new weights, the prefix cache is empty, and the next update compiles
+    again. (Faked on an eager engine: its runner said compiled, ``rebuilt`` raising when asked to compile.)"""
     from hyla.engine.model_runner import ModelRunner
 
-    def rebuilt(self):
-        raise RuntimeError("compile failed")
+    real_rebuilt, asked = ModelRunner.rebuilt, []
+
+    def rebuilt(self, **changes):
+        asked.append(changes)
+        if changes.get("compile_decode"):
+            raise RuntimeError("compile failed")
+        return real_rebuilt(self, **changes)
 
     prompt = list(range(3, 40))
     with Engine(qwen3_next_dense_path, **OPTS) as engine:
         engine.generate(input_ids=prompt, sampling_params=_greedy(8))
         assert engine.tree.total_size() > 0
-        monkeypatch.setattr(ModelRunner, "compiled", property(lambda self: True))
+        old_runner = engine.scheduler.runner
+        monkeypatch.setattr(ModelRunner, "compiled", property(lambda self: self is old_runner))
         monkeypatch.setattr(ModelRunner, "rebuilt", rebuilt)
-        with pytest.raises(RuntimeError, match="compile failed"):
-            engine.update_weights_from_disk(other_seed_path)
-        monkeypatch.undo()
+        with caplog.at_level(logging.ERROR, logger="hyla.engine.weight_update"):
+            done = engine.update_weights_from_disk(other_seed_path, weight_version="v2")
+        assert done["weight_version"] == engine.weight_version == "v2"
+        assert "compiling the decode graphs failed" in caplog.text
+        runner = engine.scheduler.runner
+        assert runner is not old_runner and runner.compile_failed and not runner.compiled
         assert engine.tree.total_size() == 0
         out = engine.generate(input_ids=prompt, sampling_params=_greedy(8))
         assert out["meta_info"]["cached_tokens"] == 0
+        engine.update_weights_from_disk(other_seed_path)  # compiles again (and fails again: eager again)
+        assert asked == [{"compile_decode": True}, {"compile_decode": False}] * 2
+        assert engine.scheduler.runner.compile_failed
         assert_drained(engine)
+    assert out["output_ids"] == _reference(other_seed_path, [prompt], 8)[0]
 
 
 def test_server_answers_inconsistent_weights_as_sglang_does(qwen3_next_dense_path, other_seed_path, tmp_path,

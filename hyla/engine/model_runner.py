@@ -64,7 +64,7 @@ import logging
 import math
 import time
 import types
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -116,6 +116,7 @@ class ModelRunner:
         self.conv_states, self.ssm_states = state_pool.conv_states[s:s + m], state_pool.ssm_states[s:s + m]
         self._compiled_decode: Callable[[ForwardBatch], torch.Tensor] | None = None
         self.late_compiles = 0  # compiled steps no graph of the warm-up fitted: run eager (_run_compiled)
+        self.compile_failed = False  # compile_decode's graphs failed to compile again (weight_update): runs eager
         self.return_hidden = return_hidden  # what the compiled and CUDA graphs of steps return: logits (and hidden)
         self.graphs = self.verify_graphs = self.extend_graphs = None
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
@@ -181,11 +182,13 @@ class ModelRunner:
                 self._warm_up_compiled_decode()
             logger.info("compile_decode: compiled in %.0f s", time.perf_counter() - start)
 
-    def rebuilt(self) -> "ModelRunner":
-        """A new runner of the same model, pools and options, its graphs captured (or compiled) anew:
-        what the kernels' module switches say now goes into them (``benchmarks/gpu_decode.py
-        --variants`` times several in one engine, swapping ``Scheduler.runner`` while it is idle)."""
-        return ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device, **self._options)
+    def rebuilt(self, **changes: Any) -> "ModelRunner":
+        """A new runner of the same model, pools and options (but ``changes``, e.g. ``compile_decode``),
+        its graphs captured (or compiled) anew: what the weights and the kernels' module switches say
+        now goes into them (a weight update; ``benchmarks/gpu_decode.py --variants`` times several in
+        one engine, swapping ``Scheduler.runner`` while it is idle)."""
+        return ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
+                           **{**self._options, **changes})
 
     @property
     def compiled(self) -> bool:

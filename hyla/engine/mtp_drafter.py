@@ -137,7 +137,8 @@ class MtpDrafter(Drafter):
         """``compile_decode``: the head's forwards up to its LM head through ``torch.compile``, its
         graphs (a row, more rows) compiled here on scratch buffers shaped like the real ones, with
         the sizes of ``ModelRunner``'s decode warm-up (distinct primes)."""
-        self._compiled = compile_step(self.head.hidden_states)
+        self._compiled = None  # (until its graphs are made: eager, should making them fail)
+        compiled = compile_step(self.head.hidden_states)
         h = self.hidden_states.shape[1]
         kb, vb = (torch.zeros(WARM_UP_KV_ROWS, *b.shape[1:], dtype=b.dtype, device=self.device)
                   for b in (self.k_buffer, self.v_buffer))
@@ -147,7 +148,8 @@ class MtpDrafter(Drafter):
                 tables = [torch.arange(1 + width * i, 1 + width * i + n) for i, n in enumerate(lens)]  # distinct slots
                 batch = self._rows([3] * len(lens), [n - 1 for n in lens], [int(t[-1]) for t in tables], tables, lens,
                                    (kb, vb))
-                self._compiled(batch, torch.zeros(len(lens), h, dtype=self.hidden_states.dtype, device=self.device))
+                compiled(batch, torch.zeros(len(lens), h, dtype=self.hidden_states.dtype, device=self.device))
+        self._compiled = compiled
 
     def _hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """The head up to its LM head over a batch of rows (:meth:`_rows`), ``g [T, H]``: through

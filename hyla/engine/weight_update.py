@@ -15,8 +15,8 @@ in two halves:
   place, one at a time (``loader.copy_weights_``: host memory holds one parameter's tensors at
   most; storage and addresses stay, so CUDA graphs replay the new values, and the weights' derived
   copies the model keeps are recomputed), the graphs ``compile_decode`` compiled from the old
-  weights compiled again (their graph of more rows holds the weights as constants), and the prefix
-  cache emptied: what it holds was computed with the old weights, and the cache must never change
+  weights compiled again (their graph of more rows holds the weights as constants; should that
+  compile fail, the steps run eager, logged as an error), and the prefix cache emptied: what it holds was computed with the old weights, and the cache must never change
   what the model computes.
 
 A read that fails during ``apply`` (a file truncated, deleted or rewritten since ``read`` checked
@@ -127,11 +127,22 @@ def _write(checked: CheckedWeights, model: HybridForCausalLM, mtp_head: MtpHead 
 def _rebuild(mtp_head: MtpHead | None, scheduler) -> None:
     """After the weights were written: the prefix cache (computed with the old ones) emptied, then
     the compiled graphs (which hold them as constants) compiled again. The cache first: should a
-    compile fail, no request hits what the old weights computed."""
+    compile fail, no request hits what the old weights computed. Should it fail (inductor's cache
+    directory full, memory short), the old graphs are dropped all the same and the steps run eager
+    (``ModelRunner.compile_failed``, logged as an error): the new weights served exactly, slower,
+    until an update compiles them."""
     scheduler.flush_cache(with_waiting=True)
-    if scheduler.runner.compiled:
-        logger.info("weight update: compiling the decode graphs again (compile_decode)")
-        scheduler.runner = scheduler.runner.rebuilt()
-        drafter = scheduler.drafter
-        if getattr(drafter, "compiled", False) and getattr(drafter, "head", None) is mtp_head:
+    runner, drafter = scheduler.runner, scheduler.drafter
+    if not (runner.compiled or runner.compile_failed):
+        return
+    logger.info("weight update: compiling the decode graphs again (compile_decode)")
+    try:
+        scheduler.runner = runner.rebuilt(compile_decode=True)
+        if mtp_head is not None and getattr(drafter, "head", None) is mtp_head and (drafter.compiled
+                                                                                  or runner.compile_failed):
             drafter.compile()
+    except Exception:
+        logger.exception("weight update: compiling the decode graphs failed; decode steps run eager (the new "
+                         "weights, slower) until an update compiles them")
+        scheduler.runner = runner.rebuilt(compile_decode=False)
+        scheduler.runner.compile_failed = True
