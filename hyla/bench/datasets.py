@@ -12,11 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from hyla.data.sharegpt import load_conversations
-
-# ShareGPT's speaker names ("from"): a user's message, and a recorded reply
-_USER_ROLES = frozenset({"human", "user"})
-_ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bard", "bing", "model"})
+from hyla.data.sharegpt import load_conversations, sharegpt_rounds
 
 # A fixed vocabulary of short common words: random prompts are sequences of them, about one
 # token per word for BPE tokenizers (the server reports the exact prompt_tokens in its usage).
@@ -89,34 +85,6 @@ def random_sessions(
         prefix = prefixes[i % num_prefixes]
         sessions.append(BenchSession(i, (BenchTurn(random_text(rng, own), n_out),), prefix=prefix + " " if prefix else ""))
     return sessions
-
-
-def sharegpt_rounds(conversation: Any) -> list[tuple[str, str]]:
-    """The (user message, recorded reply) pairs of one ShareGPT conversation, in order.
-
-    Messages before the first user message are dropped: a system prompt, or (a third of the
-    dataset) a reply that continues a conversation the dataset split in pieces, which must not be
-    sent as the user's words. Pairs are then taken while the speakers alternate user, assistant;
-    the first message out of that order ends the list. Anything malformed (a conversation that is
-    not a dict, a message that is not a dict, a missing ``conversations`` list) gives fewer or no
-    pairs, never an exception.
-    """
-    messages = conversation.get("conversations") if isinstance(conversation, dict) else None
-    if not isinstance(messages, list):
-        return []
-
-    def role(i: int) -> str | None:
-        m = messages[i]
-        return m.get("from") if isinstance(m, dict) else None
-
-    i = 0
-    while i < len(messages) and role(i) not in _USER_ROLES:
-        i += 1
-    rounds = []
-    while i + 1 < len(messages) and role(i) in _USER_ROLES and role(i + 1) in _ASSISTANT_ROLES:
-        rounds.append((str(messages[i].get("value", "")), str(messages[i + 1].get("value", ""))))
-        i += 2
-    return rounds
 
 
 def sharegpt_sessions(
