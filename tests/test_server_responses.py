@@ -243,6 +243,66 @@ def test_get_a_stored_response_and_store_false(server, client):
         client.responses.delete(r.id)
 
 
+def test_retrieving_a_response_as_a_stream_is_400(server, client):
+    """The client's ``retrieve(id, stream=True)`` (OpenAI's, for a background response still running)
+    got the JSON, which the client read as a stream of no events: a 400 naming ``stream``."""
+    r = client.responses.create(model=MODEL, input="Stream me back.", max_output_tokens=2, temperature=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        list(client.responses.retrieve(r.id, stream=True))
+    assert info.value.body["param"] == "stream" and info.value.body["type"] == "invalid_request_error"
+    assert httpx.get(f"{server.url}/v1/responses/{r.id}", params={"stream": "false"}).json()["id"] == r.id
+    bad = httpx.get(f"{server.url}/v1/responses/{r.id}", params={"stream": "maybe"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error", bad.text
+
+
+def test_item_references_are_the_stored_output_items(server, client, engine, monkeypatch):
+    """An ``item_reference`` (the SDK's input item type; what the Vercel AI SDK sends with ``store`` in
+    place of an earlier response's items) was a 400: it is the stored output item it names, the same
+    prompt as the item copied back; ``type`` may be left out, as the SDK's type allows. One naming no
+    stored item (unknown, or its response deleted) is a 400 naming ``input.<i>.id``."""
+    from hyla.server.reasoning import ReasoningParser
+
+    state = server.app.state.server
+    with monkeypatch.context() as scripted:
+        script_engine(scripted, engine, SCRIPTED)
+        state.reasoning_parser = ReasoningParser("qwen3")
+        try:
+            first = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER])
+        finally:
+            state.reasoning_parser = None
+    assert [o.type for o in first.output] == ["reasoning", "message", "function_call", "function_call"]
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    answers = [_call_output(o.call_id) for o in first.output if o.type == "function_call"]
+    common = {"model": MODEL, "tools": [WEATHER], "max_output_tokens": 4, "temperature": 0}
+    copied = client.responses.create(input=[ask, *[o.model_dump(exclude_none=True) for o in first.output], *answers],
+                                     **common)
+    refs = [{"type": "item_reference", "id": o.id} for o in first.output]
+    referenced = client.responses.create(input=[ask, *refs, *answers], **common)
+    assert referenced.usage.input_tokens == copied.usage.input_tokens and referenced.output_text == copied.output_text
+    untyped = client.responses.create(input=[ask, *[{"id": o.id} for o in first.output], *answers], **common)
+    assert untyped.usage.input_tokens == copied.usage.input_tokens
+
+    def refused(item_id: str) -> None:
+        r = _post(server, {"input": [ask, {"type": "item_reference", "id": item_id}], "max_output_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == {"message": f"Item with id {item_id!r} not found.",
+                                     "type": "invalid_request_error", "param": "input.1.id", "code": None}
+
+    refused("msg_unknown")
+    client.responses.delete(first.id)
+    refused(first.output[1].id)
+
+
+def test_response_store_finds_the_output_items_of_the_responses_it_holds():
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        store.put(StoredResponse({"id": rid, "output": [{"type": "message", "id": f"msg_{rid}"}]}, []))
+    assert store.output_item("msg_a") == {"type": "message", "id": "msg_a"}
+    store.put(StoredResponse({"id": "c", "output": [{"type": "message", "id": "msg_c"}]}, []))  # "a" is dropped
+    assert store.output_item("msg_a") is None and store.output_item("msg_c") is not None
+    assert store.delete("b") and store.output_item("msg_b") is None
+
+
 def test_response_store_is_bounded_lru():
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
@@ -496,6 +556,15 @@ def test_text_format_json_schema(server, client):
                  id="tool-choice-a-bare-name"),
     pytest.param({"input": [{"role": "user", "content": None}]}, "input.0.content", id="null-content"),
     pytest.param({"input": "hi", "truncation": "auto"}, "truncation", id="truncation-auto"),
+    pytest.param({"input": "hi", "stream_options": {"include_obfuscation": False}}, "stream_options",
+                 id="stream-options-without-stream"),
+    pytest.param({"input": [{"role": "assistant", "content": "a", "phase": "final"}]}, "input.0.phase", id="bad-phase"),
+    # a tool choice the SDK types and hyla does not support: the field that says so, not the union's
+    # "Input should be 'none', 'auto' or 'required' (and 4 more error(s))" naming tool_choice
+    pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+        {"type": "function", "name": "get_weather"}]}}, "tool_choice.type", id="tool-choice-allowed-tools"),
+    pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name",
+                 id="tool-choice-without-name"),
     pytest.param({"input": [{"role": "assistant", "content": "a"}, {"role": "system", "content": "late"}]},
                  "input", id="template-refuses-a-late-system-message"),
 ])
@@ -524,6 +593,7 @@ def test_what_agent_clients_send_by_default_is_accepted(server, client):
     assert r.status_code == 200, r.text
     first = Response.model_validate(r.json())  # (strictly: every field the SDK requires)
     assert first.usage.input_tokens_details.cache_write_tokens == 0
+    assert first.text.verbosity == "medium" and first.text.format.type == "text"  # (text echoed whole)
     merged = [{"role": "system", "content": "You are Codex.\n\n<permissions>read only</permissions>"},
               {"role": "user", "content": "list the files"}]
     chat = client.chat.completions.create(model=MODEL, messages=merged, max_tokens=4, temperature=0)
@@ -532,6 +602,26 @@ def test_what_agent_clients_send_by_default_is_accepted(server, client):
     assert again.status_code == 200, again.text
     cached = again.json()["usage"]["input_tokens_details"]["cached_tokens"]
     assert cached >= first.usage.input_tokens + first.usage.output_tokens - 1  # the same system message
+
+
+def test_what_the_sdk_types_take_is_accepted_and_changes_nothing(server, client):
+    """Fields of the openai SDK's request types were each a 400: ``stream_options`` (its
+    ``include_obfuscation``; hyla's events carry no obfuscation), ``reasoning``'s ``effort: "max"``,
+    ``context`` and ``mode``, and an input message's ``phase`` (the SDK's output messages carry it,
+    ``model_dump()`` copies it back as ``None``). The answer is the one without them."""
+    ask = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Seine."},
+           {"role": "user", "content": "Another?"}]
+    plain = client.responses.create(model=MODEL, input=ask, max_output_tokens=4, temperature=0)
+    for phase in ("final_answer", "commentary", None):
+        phased = [*ask[:1], {**ask[1], "type": "message", "phase": phase}, *ask[2:]]
+        r = client.responses.create(model=MODEL, input=phased, max_output_tokens=4, temperature=0)
+        assert r.usage.input_tokens == plain.usage.input_tokens and r.output_text == plain.output_text
+    reasoning = {"effort": "max", "summary": "auto", "context": "all_turns", "mode": "pro"}
+    r = client.responses.create(model=MODEL, input=ask, max_output_tokens=4, temperature=0, reasoning=reasoning)
+    assert r.output_text == plain.output_text and r.reasoning.effort == "max" and r.reasoning.context == "all_turns"
+    events = list(client.responses.create(model=MODEL, input=ask, max_output_tokens=4, temperature=0, stream=True,
+                                          stream_options={"include_obfuscation": False}))
+    assert events[-1].response.output_text == plain.output_text
 
 
 def test_what_agent_clients_send_to_chat_is_accepted_and_changes_nothing(client):

@@ -6,15 +6,16 @@ field is its default, a rule over several fields names the field that breaks it 
 Supported (docs/server.md): ``input`` as a string (one user message) or a list of items — messages
 (``role`` user / system / developer / assistant, content a string or ``input_text`` /
 ``output_text`` parts), ``function_call``, ``function_call_output`` and ``reasoning`` items (what a
-client copies back from an earlier response's ``output``) — ``instructions``,
+client copies back from an earlier response's ``output``), ``item_reference`` (such an item of a
+stored response, by id) — ``instructions``,
 ``previous_response_id``, ``store``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``
 (hyla's extra), ``stream``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
 ``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``reasoning`` (accepted,
 no effect: a model thinks as its chat template says); what the Agents SDK and Codex send by default
 is accepted and ignored (``include``, ``prompt_cache_key``, ``prompt_cache_retention``,
 ``safety_identifier``, ``truncation: "disabled"``,
-``service_tier``, ``text.verbosity``). Anything else (other item or content types, other tool types,
-``background``...) is a 400 naming it.
+``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's ``phase``.
+Anything else (other item or content types, other tool types, ``background``...) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -52,13 +53,15 @@ class InputTextPart(_Strict):
 
 class MessageItem(_Strict):
     """``{"role", "content"}`` (``type: "message"`` optional; ``id`` / ``status`` of an output item
-    copied back are accepted)."""
+    copied back are accepted, and ``phase``, which the SDK's message types carry (``model_dump()`` of an
+    output message copies it back as null): no effect)."""
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputTextPart]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -119,17 +122,27 @@ class ReasoningItem(_Strict):
         return "".join(p.text for p in self.content or ())
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+class ItemReference(_Strict):
+    """An output item of a stored response, by its ``id`` (what a client that keeps the conversation
+    sends instead of the item itself, as the Vercel AI SDK does with ``store``); the server puts the
+    item in its place (``ResponsesRoutes.resolve``). ``type`` may be left out, as the SDK's type allows."""
+
+    type: Literal["item_reference"] | None = None
+    id: str = Field(min_length=1)
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference
 ITEM_TYPES: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
-                                        "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+                                        "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
+                                        "item_reference": ItemReference}
 
 
 def _item(value: Any, index: int) -> InputItem:
-    """One input item, validated by its ``type`` (a message may leave it out); a broken rule is a
-    ``FieldError`` naming ``<index>.<field>``."""
+    """One input item, validated by its ``type`` (a message may leave it out, and an item reference,
+    ``{"id"}`` alone); a broken rule is a ``FieldError`` naming ``<index>.<field>``."""
     if not isinstance(value, dict):
         raise FieldError(str(index), "an input item must be an object")
-    kind = value.get("type", "message")
+    kind = value.get("type") or ("item_reference" if set(value) - {"type"} == {"id"} else "message")
     model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise FieldError(f"{index}.type", f"unsupported input item type {kind!r}; supported: {', '.join(ITEM_TYPES)}")
@@ -211,11 +224,20 @@ class TextConfig(_Strict):
 
 
 class ReasoningConfig(_Strict):
-    """Accepted, no effect (a model thinks as its chat template says)."""
+    """Accepted, no effect (a model thinks as its chat template says): every value the SDK's
+    ``Reasoning`` takes."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: str | None = None  # (OpenAI's "standard" or "pro", an open set in the SDK)
+
+
+class StreamOptions(_Strict):
+    """``stream_options``: accepted, no effect (hyla's events carry no ``obfuscation`` field to leave out)."""
+
+    include_obfuscation: bool | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,6 +252,7 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = Field(None, min_length=1)
     store: bool | None = True
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -282,6 +305,21 @@ class ResponsesRequest(_Request):
                                                       "parameters at the top level, not in a function object")
         return value
 
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _function_choice_only(cls, value: Any) -> Any:
+        """A message naming what is wrong (the union's own: "Input should be 'none', 'auto' or
+        'required' (and 1 more error(s))"); the union checks the rest."""
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError(f"tool_choice must be none, auto, required or {{\"type\": \"function\", \"name\": ...}}, "
+                             f"got {value!r}")
+        if isinstance(value, dict):
+            if value.get("type") != "function":  # allowed_tools, hosted tools, custom, mcp
+                raise FieldError("type", f"only function tool choices are supported, got {value.get('type')!r}")
+            if "name" not in value:
+                raise FieldError("name", "a function tool choice needs the function's name")
+        return value
+
     @field_validator("metadata")
     @classmethod
     def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
@@ -309,6 +347,12 @@ class ResponsesRequest(_Request):
             raise FieldError("text.format", "text.format cannot be combined with tool_choice required or a named function")
         return self
 
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "ResponsesRequest":
+        if self.stream_options is not None and not self.stream:  # (as OpenAI's, and chat's)
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        return self
+
     def items(self) -> list[InputItem]:
         """The input as items (a string is one user message)."""
         if isinstance(self.input, str):
@@ -317,6 +361,11 @@ class ResponsesRequest(_Request):
 
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
+
+    def text_echo(self) -> dict[str, Any]:
+        """``text`` as the response echoes it: the format, and the verbosity where one was given."""
+        verbosity = self.text.verbosity if self.text is not None else None
+        return {"format": self.text_format().echo(), **({"verbosity": verbosity} if verbosity is not None else {})}
 
     def tool_choice_echo(self) -> str | dict[str, Any]:
         if self.tool_choice is None:

@@ -2,7 +2,8 @@
 
 A response is a chat completion underneath. A request, top-down: check the model; the
 conversation is the stored conversation of ``previous_response_id`` (its input and output, without
-its ``instructions``), then this request's ``input`` items as chat messages (``items_to_messages``;
+its ``instructions``), then this request's ``input`` items (an ``item_reference`` replaced by the
+stored output item it names: ``resolve``) as chat messages (``items_to_messages``;
 a ``function_call_output`` must answer an earlier ``function_call``: ``input_conversation``);
 ``instructions`` goes first as a system message; the whole is validated as a
 ``ChatCompletionRequest`` (one choice) and rendered with ``render_chat``, with the same message-end
@@ -44,7 +45,8 @@ from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
-    MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage, _item,
+    ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage,
+    _item,
 )
 from hyla.server.tool_calls import ToolCall
 
@@ -78,7 +80,8 @@ class StoredResponse:
 class ResponseStore:
     """Stored responses by id, in memory, at most ``capacity`` of them and ``max_bytes`` of their
     ``stored_size`` (the least recently used dropped first; the one stored last is kept even where it
-    alone is larger). ``ValueError`` for a limit that is not a non-negative integer."""
+    alone is larger), and their output items by item id (``output_item``). ``ValueError`` for a limit
+    that is not a non-negative integer."""
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         _check_limit("capacity", capacity)
@@ -86,6 +89,7 @@ class ResponseStore:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.bytes = 0  # the stored_size of the responses held
         self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # id -> (response, its size)
+        self._output_items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of a response held
 
     def put(self, stored: StoredResponse) -> None:
         rid = stored.response["id"]
@@ -93,10 +97,10 @@ class ResponseStore:
         size = stored_size(stored)
         self._items[rid] = (stored, size)
         self.bytes += size
+        self._output_items.update((item["id"], item) for item in stored.response.get("output", ()) if "id" in item)
         while self._items and (len(self._items) > self.capacity or
                                (self.bytes > self.max_bytes and len(self._items) > 1)):
-            _, (_, dropped) = self._items.popitem(last=False)
-            self.bytes -= dropped
+            self.delete(next(iter(self._items)))
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._items.get(response_id)
@@ -105,11 +109,17 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         return entry[0]
 
+    def output_item(self, item_id: str) -> dict[str, Any] | None:
+        """The output item ``item_id`` of a stored response (what an ``item_reference`` names)."""
+        return self._output_items.get(item_id)
+
     def delete(self, response_id: str) -> bool:
-        """Forget a stored response; whether there was one."""
+        """Forget a stored response, and its output items; whether there was one."""
         entry = self._items.pop(response_id, None)
         if entry is not None:
             self.bytes -= entry[1]
+            for item in entry[0].response.get("output", ()):
+                self._output_items.pop(item.get("id"), None)
         return entry is not None
 
     def __len__(self) -> int:
@@ -264,7 +274,13 @@ class ResponsesRoutes:
         router.delete("/v1/responses/{response_id}")(self.delete)
         return router
 
-    async def retrieve(self, response_id: str) -> JSONResponse:
+    async def retrieve(self, response_id: str, stream: bool = False) -> JSONResponse:
+        """A stored response. ``?stream=true`` (the openai client's ``retrieve(id, stream=True)``, OpenAI's
+        for a background response still running) is a 400: answered with the JSON, the client read it
+        as an empty stream."""
+        if stream:
+            raise APIError(400, "stream is only supported for background responses, which this server does not "
+                                "run: retrieve a stored response without stream", param="stream")
         stored = self.store.get(response_id)
         if stored is None:
             raise _not_found(response_id)
@@ -287,7 +303,7 @@ class ResponsesRoutes:
                 raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = previous.conversation
-        conversation = input_conversation(history, body.items())
+        conversation = input_conversation(history, self.resolve(body.items()))
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
@@ -313,6 +329,19 @@ class ResponsesRoutes:
             return gen.stream(turn.events(gen))
         (choice,) = await gen.collect(request)
         return JSONResponse(turn.finish(choice))
+
+    def resolve(self, items: list[InputItem]) -> list[InputItem]:
+        """The input items, each ``item_reference`` replaced by the stored output item it names; one
+        that names none (its response never stored, dropped or deleted) is a 400 naming ``input.<i>.id``."""
+        out: list[InputItem] = []
+        for i, item in enumerate(items):
+            if isinstance(item, ItemReference):
+                found = self.store.output_item(item.id)
+                if found is None:
+                    raise APIError(400, f"Item with id {item.id!r} not found.", param=f"input.{i}.id")
+                item = _item(found, i)
+            out.append(item)
+        return out
 
     def _chat_request(self, body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
         """The chat completion underneath (one choice, no logprobs); a rule it breaks is a 400
@@ -358,7 +387,7 @@ class _Turn:
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             tools=[t.model_dump() for t in b.tools or ()], tool_choice=b.tool_choice_echo(),
             parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,
-            max_output_tokens=b.max_output_tokens, text={"format": b.text_format().echo()},
+            max_output_tokens=b.max_output_tokens, text=b.text_echo(),
             reasoning=b.reasoning.model_dump() if b.reasoning is not None else None, metadata=b.metadata or {},
             store=bool(b.store), user=b.user)
 
