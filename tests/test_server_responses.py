@@ -632,10 +632,10 @@ def test_what_agent_clients_send_to_chat_is_accepted_and_changes_nothing(client)
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     hinted = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=6, temperature=0, prompt_cache_key="agent-1",
-        prompt_cache_retention="in_memory", safety_identifier="user-7", reasoning_effort="low", verbosity="high")
+        prompt_cache_retention="in_memory", safety_identifier="user-7", reasoning_effort="max", verbosity="high")
     assert hinted.choices[0].message.content == plain.choices[0].message.content
     assert hinted.usage.prompt_tokens == plain.usage.prompt_tokens
-    for field, value in (("prompt_cache_retention", "forever"), ("reasoning_effort", "max"), ("prompt_cache_key", 5)):
+    for field, value in (("prompt_cache_retention", "forever"), ("reasoning_effort", "maximal"), ("prompt_cache_key", 5)):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={field: value})
         assert refused.value.body["param"] == field
