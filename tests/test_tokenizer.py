@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from hyla.tokenizer import REPLACEMENT_CHAR, Tokenizer, render_chat_template
+from hyla.tokenizer.detokenizer import MAX_PENDING_IDS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "hyla" / "assets" / "default-model"
 MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024
@@ -528,12 +529,18 @@ def test_sentencepiece_style_stream_keeps_leading_space(sp_dirs: list[Path]) -> 
 
 
 def window_reference(tok: Tokenizer, ids: list[int], prompt_ids: list[int], skip: bool) -> list[str]:
-    """The windowed streaming decode written out plainly (vLLM's / SGLang's): the oracle."""
+    """The windowed streaming decode written out plainly (vLLM's / SGLang's): the oracle. Ids of no
+    text (skipped special tokens, ids past the vocabulary) stay out of the window, and more than
+    ``MAX_PENDING_IDS`` ids held back for a final U+FFFD give up the text before it."""
     context = prompt_ids[-5:]
     while context and REPLACEMENT_CHAR in tok.decode(context, skip):
         context = context[1:]
+    no_text = set(tok.all_special_ids) if skip else set()
     last, pending, chunks = context, [], []
     for i in ids:
+        if i in no_text or tok.id_to_token(i) is None:
+            chunks.append("")
+            continue
         pending.append(i)
         prefix, text = tok.decode(last, skip), tok.decode(last + pending, skip)
         if len(text) > len(prefix) and not text.endswith(REPLACEMENT_CHAR):
@@ -541,6 +548,16 @@ def window_reference(tok: Tokenizer, ids: list[int], prompt_ids: list[int], skip
             last, pending = pending, []
         else:
             chunks.append("")
+            if len(pending) > MAX_PENDING_IDS and text.endswith(REPLACEMENT_CHAR):
+                for k in range(len(pending) - 1, max(0, len(pending) - 6), -1):
+                    head = tok.decode(last + pending[:k], skip)
+                    if len(head) > len(prefix) and text[:-1].startswith(head) and head.startswith(prefix):
+                        chunks[-1] = head[len(prefix):]
+                        last, pending = pending[:k], pending[k:]
+                        break
+                else:
+                    chunks[-1] = text[len(prefix):]
+                    last, pending = pending, []
     chunks.append(tok.decode(last + pending, skip)[len(tok.decode(last, skip)):] if pending else "")
     return chunks
 

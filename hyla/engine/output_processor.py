@@ -144,7 +144,11 @@ class OutputProcessor:
                 # only if the mask was bypassed: never silently return output the grammar refuses
                 self.set_finished(req, abort_reason(f"grammar: {req.grammar.error}", "grammar"))
                 return i + 1
-            reason = self._check_finished(req, self._detokenize(req, tok) if self._text_per_token(req) else req.text)
+            # a stop token whose text is left out never reaches the detokenizer: the text held back
+            # before it (an unfinished character) is then flushed as the end of the output
+            stop_token = self._is_stop_token(req)
+            per_token = self._text_per_token(req) and (req.sampling.include_stop_str_in_output or not stop_token)
+            reason = self._check_finished(req, self._detokenize(req, tok) if per_token else req.text, stop_token)
             if reason is not None:
                 self.set_finished(req, reason)
                 return i + 1
@@ -213,11 +217,9 @@ class OutputProcessor:
         if not pending:
             return
         if stop_token:
-            pending, last = pending[:-1], pending[-1]
+            pending = pending[:-1]  # not detokenized (as token by token): ``flush`` ends the text before it
         if pending:
             req.text += detokenizer.step(pending)
-        if stop_token:
-            detokenizer.step(last)  # through the detokenizer, its text dropped (as token by token)
 
     def _detokenize(self, req: Req, tok: int) -> str:
         """The output text with ``tok`` (not stored yet: ``_check_finished`` cuts stop strings)."""
@@ -235,10 +237,17 @@ class OutputProcessor:
         of :meth:`_check_finished`; the overlap schedule feeds no further token to such a request)."""
         return len(req.output_ids) + 1 >= req.sampling.max_new_tokens or req.num_fill + 1 >= self.max_context_len
 
-    def _check_finished(self, req: Req, text: str) -> dict[str, Any] | None:
+    def _is_stop_token(self, req: Req) -> bool:
+        """Whether ``req``'s newest token is a stop token that ends it (EOS unless ``ignore_eos``, or
+        one of its ``stop_token_ids``, once it has ``min_new_tokens`` output tokens)."""
+        p = req.sampling
+        return req.output_ids[-1] in p.ending_token_ids(self.eos_token_ids) and len(req.output_ids) >= p.min_new_tokens
+
+    def _check_finished(self, req: Req, text: str, stop_token: bool) -> dict[str, Any] | None:
         """Why ``req`` stops after its newest token, or None. ``text`` is the output text with that
         token; it becomes ``req.text`` here, cut before a stop string (after it, and with a stop
-        token's text, with ``include_stop_str_in_output``: vLLM's rule).
+        token's text, with ``include_stop_str_in_output``: vLLM's rule). ``stop_token``: that token
+        is a stop token that ends it (``_is_stop_token``).
 
         Before ``min_new_tokens`` output tokens no stop token and no stop string ends it (vLLM's
         and SGLang's rule; the sampler does not let it sample those tokens then): a stop string
@@ -246,9 +255,9 @@ class OutputProcessor:
         before)."""
         tok = req.output_ids[-1]
         p = req.sampling
-        if tok in p.ending_token_ids(self.eos_token_ids) and len(req.output_ids) >= p.min_new_tokens:
+        if stop_token:
             if p.include_stop_str_in_output:
-                req.text = text  # the stop token's text too
+                req.text = text  # the stop token's text too (else ``text`` is ``req.text``: see append)
             return {"type": "stop", "matched": tok}
         if p.stop and req.detokenizer is not None:
             # only the tail can hold a new match: a stop string ending in text checked on earlier

@@ -18,6 +18,14 @@ it cannot do, which this class does with the same window:
   not start with ``decode(last)`` there, and ``DecodeStream`` raises "Invalid prefix encountered"
   on output a model can produce. From that step on, the window is decoded here (as before
   ``DecodeStream``), which never raises.
+
+The window stays short whatever the model samples (each step would otherwise decode all the ids
+held back, O(n²) for n such ids, on the scheduler thread): ids that decode to nothing in any
+context — special tokens with ``skip_special_tokens``, ids past the vocabulary (padded embedding
+rows) — never enter it, as ``decode`` drops them before its decoders run; and once more than
+``MAX_PENDING_IDS`` ids are held back for a text that ends in U+FFFD (invalid bytes: a lone
+continuation byte is never completed), the text before the last, unfinished character is returned
+(``_slide``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,12 @@ PROMPT_CONTEXT_TOKENS = 5
 which strip a leading space (Metaspace/SentencePiece) keep the first output token's space."""
 
 
+MAX_PENDING_IDS = 16
+"""Ids held back for an unfinished character beyond which the text before it is returned. A
+character is at most 4 bytes, so a valid one is never held back by more than 4 ids (plus ids of
+no text, which skip the window)."""
+
+
 class IncrementalDetokenizer:
     """Turns one sequence's output ids into text chunks (see the module docstring).
 
@@ -51,6 +65,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # ids whose text is nothing in any context: they skip the window (see the module docstring)
+        self._no_text = tokenizer.special_id_set if skip_special_tokens else frozenset()
+        self._vocab_size = tokenizer.vocab_size
         context = list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
         # Start the window at a character boundary: drop leading context ids that decode to U+FFFD
         # (the tail of a character whose start lies further back in the prompt).
@@ -62,6 +79,11 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []
         self._stream: DecodeStream | None = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
+    def _has_token(self, token_id: int) -> bool:
+        """Whether an id past ``vocab_size`` (a count of tokens: their ids may have gaps) has a
+        token, else it has no text (a padded embedding row)."""
+        return self.tokenizer.id_to_token(token_id) is not None
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
@@ -69,6 +91,9 @@ class IncrementalDetokenizer:
         """Append output ids; return the text that became final (possibly ``""``)."""
         new = [new_ids] if isinstance(new_ids, int) else list(new_ids)
         self.ids.extend(new)
+        new = [i for i in new if i not in self._no_text and (i < self._vocab_size or self._has_token(i))]
+        if not new:
+            return ""
         if self._stream is not None:
             try:
                 text = self._stream.step(self.tokenizer.backend, new)
@@ -80,7 +105,11 @@ class IncrementalDetokenizer:
                 self._pending.extend(new)
                 if text is not None:
                     self._last, self._pending = self._pending, []
-                return text or ""
+                    return text
+                if len(self._pending) <= MAX_PENDING_IDS:
+                    return ""
+                self._stream = None  # too many ids held back: ``_slide`` returns what is final
+                return self._slide(final=False)
         self._pending.extend(new)
         return self._slide(final=False)
 
@@ -91,10 +120,30 @@ class IncrementalDetokenizer:
         return self._slide(final=True) if self._pending else ""
 
     def _slide(self, final: bool) -> str:
+        """One step of the window decoded here: the new text of ``pending`` if it is final (or
+        ``final``), and the window slides past it. Held back for a text ending in U+FFFD by more than
+        ``MAX_PENDING_IDS`` ids, the text of the longest run of them whose text ends before that last
+        U+FFFD is returned (the bytes before an unfinished character are final: no later byte changes
+        their text), and the window slides past that run."""
         prefix_text = self._decode(self._last)
         text = self._decode(self._last + self._pending)
         if not final and (len(text) <= len(prefix_text) or text.endswith(REPLACEMENT_CHAR)):
+            if len(self._pending) > MAX_PENDING_IDS and text.endswith(REPLACEMENT_CHAR):
+                return self._slide_before_the_end(prefix_text, text)
             return ""  # nothing new yet, or the last character is still incomplete
+        self._last, self._pending = self._pending, []
+        return text[len(prefix_text):]
+
+    def _slide_before_the_end(self, prefix_text: str, text: str) -> str:
+        """The text of the longest run ``pending[:k]`` (``k`` at most 4 + 1 ids short: the bytes of
+        an unfinished character) whose decode after ``last`` is a prefix of ``text`` without its last
+        U+FFFD, the window sliding past it. If there is none (byte fallback on invalid UTF-8 decodes
+        a whole run of byte tokens as U+FFFD), all of ``text``, as ``flush`` would."""
+        for k in range(len(self._pending) - 1, max(0, len(self._pending) - 6), -1):
+            head = self._decode(self._last + self._pending[:k])
+            if len(head) > len(prefix_text) and text[:-1].startswith(head) and head.startswith(prefix_text):
+                self._last, self._pending = self._pending[:k], self._pending[k:]
+                return head[len(prefix_text):]
         self._last, self._pending = self._pending, []
         return text[len(prefix_text):]
 

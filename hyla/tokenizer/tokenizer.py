@@ -172,6 +172,11 @@ class Tokenizer:
         """Ids of added tokens marked special (what ``skip_special_tokens`` drops), ascending."""
         return sorted(i for i, t in self.backend.get_added_tokens_decoder().items() if t.special)
 
+    @cached_property
+    def special_id_set(self) -> frozenset[int]:
+        """``all_special_ids`` as a set, made once (every request's detokenizer reads it)."""
+        return frozenset(self.all_special_ids)
+
     # --- encode / decode -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
