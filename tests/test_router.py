@@ -329,6 +329,21 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers
         assert httpx.get(workers[1].url + f"/v1/responses/{made.id}").status_code == 404
 
 
+def test_item_references_go_where_their_response_is_stored(workers):
+    """An ``item_reference`` with no ``previous_response_id`` goes to the worker that stores the item's
+    response (an output item's id names its response: ``output_item_id``); round robin alone sends one of
+    two references in a row to the other worker, which answers 400 (item not found)."""
+    made = [_client(w.url).responses.create(model=MODEL, input=f"made on worker {i} " * 4, max_output_tokens=2,
+                                            temperature=0) for i, w in enumerate(workers)]
+    with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
+        for resp in (made[0], made[0], made[1], made[1]):
+            body = {"model": MODEL, "max_output_tokens": 2, "temperature": 0,
+                    "input": [{"type": "item_reference", "id": resp.output[-1].id},
+                              {"role": "user", "content": "and?"}]}
+            answer = httpx.post(r.url + "/v1/responses", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+
+
 def test_errors_and_broadcasts_pass_through(workers, router):
     bad = httpx.post(router.url + "/v1/chat/completions", json={"model": MODEL, "messages": [], "temperature": -1})
     direct = httpx.post(workers[0].url + "/v1/chat/completions", json={"model": MODEL, "messages": [],

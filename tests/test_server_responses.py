@@ -13,7 +13,8 @@ import pytest
 
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
 from test_server_agentapi import SCRIPTED, opens_thinking_parser, script_engine
-from hyla.server.responses_protocol import FunctionCallItem, MessageItem, ReasoningItem, FunctionCallOutputItem
+from hyla.server.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem,
+                                           output_item_id, response_of_item)
 from hyla.server.responses_routes import (ResponseStore, ResponsesRoutes, StoredResponse, items_to_messages,
                                          output_items, stored_size)
 from hyla.server.tool_calls import ToolCall
@@ -680,12 +681,18 @@ def test_items_become_chat_turns():
 
 
 def test_output_items_order_and_shape():
-    ids = {"reasoning": "rs_1", "message": "msg_1"}
-    out = output_items("thinking", "", [ToolCall("f", "{}", id="call_1")], True, ids)
-    assert [o["type"] for o in out] == ["reasoning", "function_call"]  # no text beside a call: no message
+    rid = "resp_" + "0a" * 16
+    ids = {"reasoning": "rs_1", "message": "msg_1", "response": rid}
+    out = output_items("thinking", "", [ToolCall("f", "{}", id="call_1"), ToolCall("g", "{}", id="call_2")], True, ids)
+    assert [o["type"] for o in out] == ["reasoning", "function_call", "function_call"]  # no text beside a call
     assert out[0] == {"type": "reasoning", "id": "rs_1", "summary": [],
                       "content": [{"type": "reasoning_text", "text": "thinking"}]}
-    assert out[1]["call_id"] == "call_1" and out[1]["id"] == ids["calls"][0] and out[1]["id"].startswith("fc_")
+    assert out[1]["call_id"] == "call_1" and [o["id"] for o in out[1:]] == ids["calls"]
+    # an item's id names its response (what hyla route reads to route an item_reference), each its own
+    assert ids["calls"] == [f"fc_{'0a' * 16}_0", f"fc_{'0a' * 16}_1"]
+    assert {response_of_item(i) for i in ids["calls"]} == {rid} == {response_of_item(output_item_id(p, rid))
+                                                                     for p in ("rs", "msg")}
+    assert response_of_item("msg_1") is None and response_of_item("fc_" + "0a" * 16 + "_x") is None
     out = output_items(None, "", [], False, {"reasoning": "rs_2", "message": "msg_2"})
     assert out == [{"type": "message", "id": "msg_2", "role": "assistant", "status": "incomplete",
                     "content": [{"type": "output_text", "text": "", "annotations": []}]}]

@@ -7,9 +7,10 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/responses``: the policy
   (``policy.Router``: cache-aware by default) on the request's routing key (``routing_key``);
-* ``/v1/responses`` with a ``previous_response_id``, and ``GET /v1/responses/{id}``: the worker that
-  made that response (it alone stores it): the router reads each response's id as it passes (a
-  stream's from its first event), and asks each worker in turn for one it did not see made;
+* ``/v1/responses`` with a ``previous_response_id`` (else with an ``item_reference``, whose id names its
+  response), and ``GET /v1/responses/{id}``: the worker that made that response (it alone stores it):
+  the router reads each response's id as it passes (a stream's from its first event), and asks each
+  worker in turn for one it did not see made;
 * ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every healthy worker (the
   answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the tables of
   the workers that flushed; a weight update needs every worker healthy);
@@ -78,6 +79,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
+from hyla.server.responses_protocol import response_of_item
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                        PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
                                        header_count)
@@ -185,6 +187,18 @@ def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"a worker URL is given twice: {urls}")
     return urls
+
+
+def _referenced_response(items: Any) -> str | None:
+    """The response of the first ``item_reference`` among a Responses request's ``input`` items (an item
+    ``{"type": "item_reference", "id"}``, or ``{"id"}`` alone) whose id names one, else None."""
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, dict) and (item.get("type") == "item_reference" or set(item) == {"id"}) \
+                and isinstance(item.get("id"), str):
+            found = response_of_item(item["id"])
+            if found is not None:
+                return found
+    return None
 
 
 def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
@@ -361,10 +375,15 @@ class RouterApp:
         return self.router.least_loaded(live, loads), "load"
 
     async def owner(self, request: Request, path: str, body: Any) -> int | None:
-        """The worker holding the stored response this request reads: the one the router saw make it,
-        else the one that answers for it (asked in turn; then remembered)."""
-        if path == "/v1/responses" and isinstance(body, dict) and isinstance(body.get("previous_response_id"), str):
-            rid = body["previous_response_id"]
+        """The worker holding the stored response this request reads (its ``previous_response_id``, else
+        the response of its first ``item_reference``, whose id names it: ``output_item_id``): the one the
+        router saw make it, else the one that answers for it (asked in turn; then remembered)."""
+        if path == "/v1/responses" and isinstance(body, dict):
+            rid = body.get("previous_response_id")
+            if not isinstance(rid, str):
+                rid = _referenced_response(body.get("input"))
+            if rid is None:
+                return None
         elif path.startswith("/v1/responses/"):
             rid = path.split("/")[3]
         else:

@@ -20,6 +20,7 @@ Anything else (other item or content types, other tool types, ``background``...)
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -132,6 +133,25 @@ class ItemReference(_Strict):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference
+def output_item_id(prefix: str, response_id: str, n: int | None = None) -> str:
+    """An output item's id: its kind's ``prefix`` (``rs``, ``msg``, ``fc``) and its response's id's hex,
+    and for the ``n``-th function call ``_<n>`` (``msg_<hex>``, ``fc_<hex>_1``): so the response, and the
+    worker that stores it, can be found from an item (:func:`response_of_item`, which ``hyla route``
+    reads to route an ``item_reference``)."""
+    hex_part = response_id.removeprefix("resp_")
+    return f"{prefix}_{hex_part}" + (f"_{n}" if n is not None else "")
+
+
+_OUTPUT_ITEM_ID = re.compile(r"(?:rs|msg|fc)_([0-9a-f]{32})(?:_\d+)?")
+
+
+def response_of_item(item_id: str) -> str | None:
+    """The id of the response whose output item ``item_id`` is (:func:`output_item_id`), or None for an id of
+    no such form."""
+    m = _OUTPUT_ITEM_ID.fullmatch(item_id)
+    return f"resp_{m.group(1)}" if m else None
+
+
 ITEM_TYPES: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
                                         "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem,
                                         "item_reference": ItemReference}

@@ -46,7 +46,7 @@ from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage,
-    _item,
+    _item, output_item_id,
 )
 from hyla.server.tool_calls import ToolCall
 
@@ -217,7 +217,8 @@ def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complet
                  ) -> list[dict[str, Any]]:
     """A response's output items: the reasoning (when the reasoning parser found some), the message
     (when there is text, or no call), one function call per call. ``ids``: ``reasoning``,
-    ``message`` (item ids) and ``calls`` (one item id per call, made here when missing)."""
+    ``message`` (item ids), ``calls`` (one item id per call, made here when missing) and ``response``
+    (the response's id, which the items' ids hold: ``output_item_id``)."""
     out: list[dict[str, Any]] = []
     if thoughts is not None:
         out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
@@ -226,7 +227,7 @@ def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complet
         out.append(message_item(ids["message"], text, "completed" if complete else "incomplete"))
     fc_ids = ids.setdefault("calls", [])
     while len(fc_ids) < len(calls):
-        fc_ids.append(new_id("fc"))
+        fc_ids.append(output_item_id("fc", ids["response"], len(fc_ids)))
     for call, fc_id in zip(calls, fc_ids):
         out.append({"type": "function_call", "id": fc_id, "call_id": call.id, "name": call.name,
                     "arguments": call.arguments, "status": "completed"})
@@ -377,7 +378,8 @@ class _Turn:
         self.body, self.chat, self.conversation = body, chat, conversation
         self.rid, self.in_thinking = rid, in_thinking
         self.created_at = int(time.time())
-        self.ids: dict[str, Any] = {"reasoning": new_id("rs"), "message": new_id("msg"), "calls": []}
+        self.ids: dict[str, Any] = {"reasoning": output_item_id("rs", rid), "message": output_item_id("msg", rid),
+                                    "calls": [], "response": rid}
 
     def skeleton(self, status: str = "in_progress") -> ResponseObject:
         """The response object without its output and usage (what ``response.created`` sends)."""
