@@ -255,7 +255,9 @@ def test_bad_updates_change_nothing(qwen3_next_dense_path, other_seed_path, nemo
                             (None, "model_path must be a path"), (123, "model_path must be a path")]:
             with pytest.raises(ValueError, match=match):
                 engine.update_weights_from_disk(path)
-        for kw, match in [(dict(weight_version=""), "weight_version"), (dict(timeout=0), "timeout")]:
+        for kw, match in [(dict(weight_version=""), "weight_version"), (dict(weight_version="v1\nINFO forged"),
+                                                                        "printable"),
+                          (dict(weight_version="v" * 257), "at most 256"), (dict(timeout=0), "timeout")]:
             with pytest.raises(ValueError, match=match):
                 engine.update_weights_from_disk(other_seed_path, **kw)
         # no limit: the same update (the weights back as they were; a huge wait once overflowed the lock's)
@@ -520,6 +522,7 @@ def test_server_update_weights_from_disk(tiny_ckpt_dir, tmp_path):
         for bad, param in [({"model_path": str(tmp_path / "nowhere")}, "model_path"),
                            ({"model_path": stepped, "flush_cache": False}, "flush_cache"),
                            ({"model_path": stepped, "weight_version": ""}, "weight_version"),
+                           ({"model_path": stepped, "weight_version": "v\r\n2"}, "weight_version"),
                            ({}, "model_path")]:
             resp = httpx.post(url + "/update_weights_from_disk", json=bad, timeout=60)
             assert resp.status_code == 400, (bad, resp.text)

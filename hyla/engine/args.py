@@ -26,10 +26,16 @@ MAX_OPTION_INT = 1 << 40  # the largest size or count an option takes (token poo
 logger = logging.getLogger("hyla.engine")
 
 
+MAX_WEIGHT_VERSION_CHARS = 256
+
+
 def check_weight_version(value: Any) -> None:
-    """A weight version (``EngineArgs.weight_version``, a weight update's) is a non-empty string."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"weight_version must be a non-empty string, got {value!r}")
+    """A weight version (``EngineArgs.weight_version``, a weight update's) is a name: a non-empty string of
+    printable characters (it is logged, and in every output's ``meta_info``), at most
+    ``MAX_WEIGHT_VERSION_CHARS`` long."""
+    if not isinstance(value, str) or not value or not value.isprintable() or len(value) > MAX_WEIGHT_VERSION_CHARS:
+        raise ValueError(f"weight_version must be a non-empty string of printable characters, at most "
+                         f"{MAX_WEIGHT_VERSION_CHARS} long, got {value!r:.80}")
 
 
 def check_kv_cache_dtype(name: Any) -> None:
@@ -174,7 +180,7 @@ class EngineArgs:
                                "(docs/engine.md).")
     weight_version: str = _opt("default", "A name for the weights served, in every output's meta_info and in "
                                           "/get_model_info; a weight update may give the new ones another "
-                                          "(SGLang's --weight-version).")
+                                          "(SGLang's --weight-version). Printable characters, at most 256.")
     compile_decode: bool = _opt(False, "Run decode steps through torch.compile: CPU decode steps 2-3x faster on "
                                        "the built-in model (docs/benchmarks.md), after compiling at start-up: "
                                        "minutes the first time, ~30-40 s on 2 cores once inductor's on-disk cache "

@@ -41,6 +41,7 @@ from pydantic import (
     model_validator,
 )
 
+from hyla.engine.args import check_weight_version
 from hyla.tokenizer.chat_template import JSON_SCALARS, check_nesting
 
 MAX_N = 16  # choices per request: each is one engine request
@@ -906,9 +907,16 @@ class UpdateWeightsFromDiskRequest(_Request):
 
     model_path: str = Field(min_length=1)
     abort_all_requests: bool = False
-    weight_version: str | None = Field(default=None, min_length=1)
+    weight_version: str | None = None
     load_format: Literal["auto", "safetensors"] | None = None
     flush_cache: Literal[True] = True
+
+    @field_validator("weight_version")
+    @classmethod
+    def _check_weight_version(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_weight_version(value)  # (the engine's rule: a 400 naming weight_version, not the checkpoint)
+        return value
 
 
 class DetokenizeRequest(_Request):
