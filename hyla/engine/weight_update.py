@@ -16,8 +16,8 @@ in two halves:
   most; storage and addresses stay, so CUDA graphs replay the new values, and the weights' derived
   copies the model keeps are recomputed), the graphs ``compile_decode`` compiled from the old
   weights compiled again (their graph of more rows holds the weights as constants; should that
-  compile fail, the steps run eager, logged as an error), and the prefix cache emptied: what it holds was computed with the old weights, and the cache must never change
-  what the model computes.
+  compile fail, the steps run eager, logged as an error), and the prefix cache emptied: what it
+  holds was computed with the old weights, and the cache must never change what the model computes.
 
 A read that fails during ``apply`` (a file truncated, deleted or rewritten since ``read`` checked
 it, an I/O error) leaves some parameters new and the others old. As SGLang does, the weights the

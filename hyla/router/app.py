@@ -79,10 +79,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
-from hyla.server.responses_protocol import response_of_item
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                        PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
                                        header_count)
+from hyla.server.responses_protocol import item_type, response_of_item
 
 logger = logging.getLogger("hyla.router")
 
@@ -190,11 +190,10 @@ def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
 
 
 def _referenced_response(items: Any) -> str | None:
-    """The response of the first ``item_reference`` among a Responses request's ``input`` items (an item
-    ``{"type": "item_reference", "id"}``, or ``{"id"}`` alone) whose id names one, else None."""
+    """The response of the first ``item_reference`` among a Responses request's ``input`` items
+    (``responses_protocol.item_type``) whose id names one, else None."""
     for item in items if isinstance(items, list) else ():
-        if isinstance(item, dict) and (item.get("type") == "item_reference" or set(item) == {"id"}) \
-                and isinstance(item.get("id"), str):
+        if isinstance(item, dict) and item_type(item) == "item_reference" and isinstance(item.get("id"), str):
             found = response_of_item(item["id"])
             if found is not None:
                 return found

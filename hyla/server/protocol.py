@@ -347,6 +347,13 @@ def default_if_null(cls: type[BaseModel], value: Any, info: ValidationInfo) -> A
 CACHE_SALT_ERROR = "Parameter 'cache_salt' must be a non-empty string if provided."  # vLLM's words
 
 
+def check_stream_options(stream_options: Any, stream: bool | None) -> None:
+    """``stream_options`` only with ``stream`` (OpenAI's rule, at chat completions, completions and
+    responses): a ``FieldError`` naming it otherwise."""
+    if stream_options is not None and not stream:
+        raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+
+
 def check_cache_salt(cls: type[BaseModel], value: str | None) -> str | None:
     """A ``cache_salt`` field validator: a salt is a non-empty string (vLLM's rule), or absent/null."""
     if value is not None and not value:
@@ -447,8 +454,7 @@ class _SamplingFields(_Request):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP:
             raise FieldError("stop", f"at most {MAX_STOP} stop strings are supported, got {len(stops)}")
-        if self.stream_options is not None and not self.stream:
-            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        check_stream_options(self.stream_options, self.stream)
         given = self.constraints()
         if len(given) > 1:
             raise FieldError(given[1][0], f"a request takes one output constraint, got {given[0][0]} and {given[1][0]}")

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hyla.tokenizer.chat_template import check_nesting
 from hyla.server.protocol import (
     MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_cache_salt, check_chat_nesting,
-    default_if_null,
+    check_stream_options, default_if_null,
 )
 
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
@@ -157,12 +157,18 @@ ITEM_TYPES: dict[str, type[_Strict]] = {"message": MessageItem, "function_call":
                                         "item_reference": ItemReference}
 
 
+def item_type(value: dict[str, Any]) -> Any:
+    """An input item's type: its ``type``; left out, ``item_reference`` for ``{"id"}`` alone (as the SDK's
+    type allows), else ``message``."""
+    return value.get("type") or ("item_reference" if set(value) - {"type"} == {"id"} else "message")
+
+
 def _item(value: Any, index: int) -> InputItem:
     """One input item, validated by its ``type`` (a message may leave it out, and an item reference,
     ``{"id"}`` alone); a broken rule is a ``FieldError`` naming ``<index>.<field>``."""
     if not isinstance(value, dict):
         raise FieldError(str(index), "an input item must be an object")
-    kind = value.get("type") or ("item_reference" if set(value) - {"type"} == {"id"} else "message")
+    kind = item_type(value)
     model = ITEM_TYPES.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise FieldError(f"{index}.type", f"unsupported input item type {kind!r}; supported: {', '.join(ITEM_TYPES)}")
@@ -369,8 +375,7 @@ class ResponsesRequest(_Request):
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> "ResponsesRequest":
-        if self.stream_options is not None and not self.stream:  # (as OpenAI's, and chat's)
-            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        check_stream_options(self.stream_options, self.stream)
         return self
 
     def items(self) -> list[InputItem]:
