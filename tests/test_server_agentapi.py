@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from hyla.server.tool_calls import TOOL_CALL_PARSERS
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
 
 SCHEMA = {
@@ -191,18 +192,33 @@ def _cuts(text: str) -> list[list[str]]:
     return [[text], list(text)] + [[text[:i], text[i:]] for i in range(1, len(text))]
 
 
+_CALL_BODIES = {  # one call of get_weather(city="Paris"): a block's body in each syntax (ToolCallParser.body)
+    "object": '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+    "list": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "lines": '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
+    "xml": "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n",
+    "kimi": '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>',
+    "python": '[get_weather(city="Paris")]',
+}
+
+
 def _call_block(parser) -> str:
     """One call of ``get_weather`` in ``parser``'s syntax."""
-    if parser.xml:
-        body = "\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
-    elif parser.listed:
-        body = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-    else:
-        body = '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-    return parser.start + body + parser.end
+    return parser.start + _CALL_BODIES[parser.body] + parser.end
 
 
-@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+def _json_block(parser, name_json: str, args_json: str) -> str:
+    """A block of one call in ``parser``'s syntax (not ``xml``) from the JSON texts of its name and
+    arguments (``lfm2``'s: its JSON list)."""
+    if parser.body == "kimi":
+        call = f"functions.{json.loads(name_json)}:0"
+        return f"{parser.start}<|tool_call_begin|>{call}<|tool_call_argument_begin|>{args_json}<|tool_call_end|>" \
+            + parser.end
+    call = f'{{"name": {name_json}, "arguments": {args_json}}}'
+    return parser.start + (f"[{call}]" if parser.body in ("list", "python") else call) + parser.end
+
+
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
     """The whitespace around calls is layout, the same rule whole and streamed: the content deltas
     joined are ``parse``'s content, and the calls its calls, at every cut (text before, after and
@@ -234,7 +250,7 @@ def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
                 pieces
 
 
-@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 def test_a_lone_surrogate_a_call_escapes_stays_escaped(name):
     """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 answer can carry: the
     arguments keep it escaped (the same value); a name or a text of arguments holding one is no call."""
@@ -246,10 +262,8 @@ def test_a_lone_surrogate_a_call_escapes_stays_escaped(name):
         text = '<tool_call>\n<function=f>\n<parameter=s>\n["\\ud800 é"]\n</parameter>\n</function>\n</tool_call>'
         not_calls = []
     else:
-        def block(call: str) -> str:
-            return parser.start + (f"[{call}]" if parser.listed else call) + parser.end
-        text = block('{"name": "f", "arguments": {"s": ["\\ud800 é"]}}')
-        not_calls = [block('{"name": "f\\udc00", "arguments": {}}'), block('{"name": "f", "arguments": "\\ud800"}')]
+        text = _json_block(parser, '"f"', '{"s": ["\\ud800 é"]}')
+        not_calls = [_json_block(parser, '"f\\udc00"', "{}"), _json_block(parser, '"f"', '"\\ud800"')]
     _, calls = parser.parse(text, tools)
     assert len(calls) == 1 and json.loads(calls[0].arguments.encode("utf-8")) == {"s": ["\ud800 é"]}
     for bad in not_calls:
@@ -262,11 +276,12 @@ def test_nan_and_infinity_are_not_json_in_a_call():
     a block holding one is no call (it stays content), and a ``qwen3_coder`` value stays text, so
     ``arguments`` is always JSON."""
     from hyla.server.tool_calls import ToolCallParser
-    for name, body in (("qwen", '{"name": "f", "arguments": {"x": NaN}}'),
-                       ("nemotron_json", '[{"name": "f", "arguments": {"x": [1, -Infinity]}}]')):
+    for name in TOOL_CALL_PARSERS:
         parser = ToolCallParser(name)
-        text = parser.start + body + parser.end
-        assert parser.parse(text) == (text, [])
+        for args in ('{"x": NaN}', '{"x": [1, -Infinity]}'):
+            if not parser.xml:
+                text = _json_block(parser, '"f"', args)
+                assert parser.parse(text) == (text, [])
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "array"}}}}}]
     _, calls = ToolCallParser("qwen3_coder").parse(
@@ -376,6 +391,108 @@ def test_nemotron_json_tool_call_parser(engine):
         if not parallel:  # (a parallel list may run past max_new_tokens on this random model)
             _, forced = parser.parse(out["text"])
             assert [c.name for c in forced] == ["get_weather"], out["text"]
+
+
+TWO_CALLS = {  # get_weather(city="Paris") and get_time(zone="UTC") after "Checking.", and blocks that hold no call
+    "jamba": ('Checking.<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "get_time", "arguments": {"zone": "UTC"}}]</tool_calls>',
+              ['<tool_calls>{"name": "f", "arguments": {}}</tool_calls>', "<tool_calls>[]</tool_calls>"]),
+    "minimax": ('Checking.\n<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_calls>',
+                ["<tool_calls>\n</tool_calls>", '<tool_calls>\n{"name": "f"} x\n</tool_calls>',
+                 '<tool_calls>[{"name": "f", "arguments": {}}]</tool_calls>']),
+    "kimi_k2": ("Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>\n<|tool_call_begin|>'
+                ' functions.get_time:1 <|tool_call_argument_begin|> {"zone": "UTC"} <|tool_call_end|>'
+                "<|tool_calls_section_end|>",
+                ["<|tool_calls_section_begin|><|tool_calls_section_end|>",
+                 "<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>{}"
+                 "<|tool_call_end|><|tool_calls_section_end|>",  # (no index)
+                 "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{x}"
+                 "<|tool_call_end|><|tool_calls_section_end|>",
+                 "<|tool_calls_section_begin|>hm<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}"
+                 "<|tool_call_end|><|tool_calls_section_end|>"]),
+    "lfm2": ('Checking.<|tool_call_start|>[get_weather(city="Paris"), get_time(zone=\'UTC\')]<|tool_call_end|>',
+             ["<|tool_call_start|>[get_weather('Paris')]<|tool_call_end|>",  # (positional)
+              "<|tool_call_start|>[os.system(cmd='ls')]<|tool_call_end|>",
+              "<|tool_call_start|>[f(x=open('/etc/passwd'))]<|tool_call_end|>",
+              "<|tool_call_start|>[f(x=1e999)]<|tool_call_end|>", "<|tool_call_start|>[f(**kw)]<|tool_call_end|>",
+              "<|tool_call_start|>[f(x=b'raw')]<|tool_call_end|>", "<|tool_call_start|>[f(]<|tool_call_end|>",
+              "<|tool_call_start|>[]<|tool_call_end|>", "<|tool_call_start|>[f(x=" + "[" * 300 + "]" * 300 + ")]"
+              "<|tool_call_end|>"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TWO_CALLS))
+def test_family_tool_call_parsers(name):
+    """Jamba's JSON list, MiniMax's call per line, Kimi's tagged calls (each with the model's id) and
+    LFM2's Python list of calls: parsed whole and streamed in pieces of any size; a block that holds
+    no well-formed call stays text."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    text, bad_blocks = TWO_CALLS[name]
+    content, calls = parser.parse(text)
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]
+    if name == "kimi_k2":
+        assert [c.id for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    for bad in bad_blocks:
+        assert parser.parse(bad) == (bad, []), bad
+    for size in (1, 5, 1000):
+        out, got = _stream_in_pieces(parser, text, size)
+        assert out.strip() == "Checking." and [c.name for c in got] == ["get_weather", "get_time"]
+
+
+def test_lfm2_reads_python_literals_and_its_json_list():
+    """LFM2's argument values are Python literals, read as their JSON values (never evaluated):
+    ``True`` / ``None`` (and JSON's spellings), signs, tuples as lists, nested dicts; a JSON list of calls
+    is read too (the syntax LFM2's forced grammar writes)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("lfm2")
+    _, calls = parser.parse("<|tool_call_start|>[f(a=True, b=None, c=-2.5, d=(1, +2), e={'k': [false, null]}, "
+                            "g='é\\n')]<|tool_call_end|>")
+    assert json.loads(calls[0].arguments) == {"a": True, "b": None, "c": -2.5, "d": [1, 2],
+                                              "e": {"k": [False, None]}, "g": "é\n"}
+    _, calls = parser.parse('<|tool_call_start|>f(x=1)<|tool_call_end|>')  # (one call, no list)
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+    _, calls = parser.parse('<|tool_call_start|>[{"name": "f", "arguments": {"x": 1}}]<|tool_call_end|>')
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+
+
+@pytest.mark.parametrize("name", [n for n in TOOL_CALL_PARSERS if n != "qwen3_coder"])
+def test_forced_grammar_makes_a_call_the_parser_reads(name, engine):
+    """Each syntax's forced-call grammar: the tiny random model, forced, writes a call of the tool that
+    the same parser reads back with arguments of the schema (one call; a parallel list may run past
+    ``max_new_tokens`` on this random model, so its grammar is checked to accept two calls, which the
+    parser reads)."""
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser(name)
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={
+        "ebnf": parser.forced_grammar([WEATHER["function"]], parallel=False), "max_new_tokens": 128,
+        "temperature": 0.0})
+    content, calls = parser.parse(out["text"], [WEATHER])
+    assert content == "" and [c.name for c in calls] == ["get_weather"], out["text"]
+    assert json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo")
+    matcher = engine.grammars.matcher("ebnf", parser.forced_grammar([WEATHER["function"], TIME["function"]],
+                                                                     parallel=True))
+    two = _forced_calls_text(parser, [("get_weather", {"city": "Oslo", "unit": "C"}), ("get_time", {"zone": "UTC"})])
+    assert all(matcher.accept(t) for t in engine.tokenizer.encode(two, add_special_tokens=False)), two
+    assert matcher.accept(engine.eos_token_ids[0]), two  # (the grammar may end there)
+    assert [c.name for c in parser.parse(two)[1]] == ["get_weather", "get_time"]
+
+
+def _forced_calls_text(parser, calls: list[tuple[str, dict]]) -> str:
+    """``calls`` as a parallel forced grammar lays them out in ``parser``'s syntax (not ``xml``)."""
+    objects = [json.dumps({"name": name, "arguments": args}) for name, args in calls]
+    if parser.body in ("list", "python"):
+        return f"{parser.start}[{', '.join(objects)}]{parser.end}"
+    if parser.body == "lines":
+        return parser.start + "\n" + "\n".join(objects) + "\n" + parser.end
+    if parser.body == "kimi":
+        return parser.start + "".join(f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>"
+                                      f"{json.dumps(args)}<|tool_call_end|>" for i, (name, args) in enumerate(calls)) \
+            + parser.end
+    return "\n".join(f"{parser.start}\n{o}\n{parser.end}" for o in objects)
 
 
 FORECAST = {"type": "function", "function": {
@@ -754,7 +871,23 @@ def test_tool_call_markers_that_are_special_tokens_reach_the_parser(tmp_path):
     assert without["choices"][0]["message"]["content"] in ("", None)
 
 
-@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+def test_every_marker_of_a_syntax_keeps_special_tokens():
+    """Kimi's calls hold markers of their own inside the section (``<|tool_call_argument_begin|>``, ...):
+    where any of a syntax's markers is a special token, special tokens are kept in a chat with tools."""
+    from types import SimpleNamespace
+
+    from hyla.server.openai_routes import kept_markers
+    from hyla.server.tool_calls import ToolCallParser
+    tokenizer = SimpleNamespace(is_special_token={"<|tool_call_argument_begin|>"}.__contains__)
+    server = SimpleNamespace(admit=lambda: SimpleNamespace(tokenizer=tokenizer), reasoning_parser=None,
+                             tool_call_parser=ToolCallParser("kimi_k2"))
+    assert kept_markers(server, SimpleNamespace(tool_choice_mode=lambda: "auto")) == {"skip_special_tokens": False}
+    assert kept_markers(server, SimpleNamespace(tool_choice_mode=lambda: "none")) == {}
+    server.tool_call_parser = ToolCallParser("qwen")
+    assert kept_markers(server, SimpleNamespace(tool_choice_mode=lambda: "auto")) == {}
+
+
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 def test_a_streamed_call_comes_with_the_chunk_that_ends_it(name, size):
     """A held call block is searched for its end marker piece by piece (a long call costs linear time): the call

@@ -14,7 +14,7 @@ import pytest
 
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
-from hyla.server.tool_calls import ToolCallParser
+from hyla.server.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from hyla.tokenizer.chat_template import MAX_NESTING_DEPTH
 from test_server_openai import MODEL, make_chat_model
 
@@ -197,14 +197,17 @@ def test_qwen3_coder_deeply_nested_arguments_in_the_history(server):
 # --------------------------------------------------------------------------------------------
 # the parsers themselves: any text, any schema
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["qwen", "nemotron_json", "qwen3_coder"])
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 def test_parsers_take_json_nested_past_the_recursion_limit(name):
-    """A block whose JSON Python cannot read stays content; a ``qwen3_coder`` parameter value it
-    cannot read stays text (its fallback for any value that is not JSON)."""
+    """A block whose JSON (or ``lfm2``'s Python literal) Python cannot read stays content; a
+    ``qwen3_coder`` parameter value it cannot read stays text (its fallback for any value that is not
+    JSON)."""
     parser = ToolCallParser(name)
     deep = "[" * 5000 + "]" * 5000
-    body = (f"<function=f>\n<parameter=a>\n{deep}\n</parameter>\n</function>" if name == "qwen3_coder"
-            else f'{{"name": "f", "arguments": {deep}}}')
+    call = f'{{"name": "f", "arguments": {deep}}}'
+    body = {"xml": f"<function=f>\n<parameter=a>\n{deep}\n</parameter>\n</function>",
+            "kimi": f"<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{deep}<|tool_call_end|>",
+            "python": f"[f(a={deep})]", "list": f"[{call}]"}.get(parser.body, call)
     text = f"{parser.start}{body}{parser.end}"
     tools = _tools({"type": "object", "properties": {"a": {"type": "array"}}})
     for content, calls in (parser.parse(text, tools), parser.stream(tools).feed(text, final=True)):
@@ -229,7 +232,7 @@ def test_qwen3_coder_parse_takes_any_schema_shape():
     ({"properties": ["a"]}, "properties"), ({"required": 5}, "required"),
     ({"properties": {"a": {"enum": 5}}}, "enum"), ({"properties": {"a": {"anyOf": 5}}}, "anyOf"),
 ])
-@pytest.mark.parametrize("name", ["qwen", "qwen3_coder"])
+@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
 def test_forced_grammar_refuses_malformed_parameters(name, parameters, keyword):
     with pytest.raises(ValueError, match=f"function 'f': parameters.*{keyword}"):
         ToolCallParser(name).forced_grammar([{"name": "f", "parameters": parameters}], parallel=False)

@@ -377,7 +377,7 @@ def kept_markers(server: Server, body: ChatCompletionRequest) -> dict[str, bool]
     tokenizer = server.admit().tokenizer
     markers = []
     if body.tool_choice_mode() != "none":
-        markers += [server.tool_call_parser.start, server.tool_call_parser.end]
+        markers += server.tool_call_parser.markers
     if server.reasoning_parser is not None:
         markers += [server.reasoning_parser.start, server.reasoning_parser.end]
     if tokenizer is not None and any(tokenizer.is_special_token(m) for m in markers):

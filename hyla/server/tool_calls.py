@@ -2,22 +2,37 @@
 
 One idea: a model family writes tool calls in its own syntax inside its text; a ``ToolCallParser``
 finds them and turns them into OpenAI ``tool_calls``, whole (``parse``) or as the text streams in
-(``ToolCallStream``). The parser is chosen per server (``--tool-call-parser``, SGLang's names):
+(``ToolCallStream``). The parser is chosen per server (``--tool-call-parser``, SGLang's and vLLM's
+names); every syntax is a block between two markers (``SYNTAXES``) whose body holds the calls:
 
 * ``qwen`` — Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
-  Qwen3, Qwen3-Next; the default).
+  Qwen3, Qwen3-Next, Granite 4.0-H, Falcon-H1; the default): one JSON call per block.
 * ``nemotron_json`` — ``<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>``: one block,
   a JSON list of calls (NemotronH / Nemotron-H chat models).
+* ``jamba`` — ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>`` (Jamba 1.5 and
+  later): a JSON list, as ``nemotron_json``.
+* ``minimax`` — ``<tool_calls>\\n{"name": ..., "arguments": {...}}\\n{...}\\n</tool_calls>``
+  (MiniMax-Text-01, MiniMax-M1): one JSON call per line.
 * ``qwen3_coder`` — the XML syntax of Qwen3-Coder, Qwen3.5 and Nemotron-3: ``<tool_call>``, then
   ``<function=NAME>``, one ``<parameter=KEY>\\nVALUE\\n</parameter>`` per argument, ``</function>``,
   ``</tool_call>``. A value is text; it becomes a JSON value by the tool's ``parameters`` schema
   (:func:`xml_argument`), so the parser takes the request's tools.
+* ``kimi_k2`` — Kimi's sections (Kimi-Linear, Kimi-K2): ``<|tool_calls_section_begin|>``, then per
+  call ``<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
+  ``<|tool_calls_section_end|>``. The call's id is the model's ``functions.NAME:IDX`` (Kimi's chat
+  template writes an earlier call back with its id, as vLLM and SGLang keep it).
+* ``lfm2`` — LFM2's ``<|tool_call_start|>[get_weather(city="Paris"), ...]<|tool_call_end|>``: a
+  Python list of calls with keyword arguments whose values are literals (``True``, ``None``, ...; read
+  with ``ast``, never evaluated), or a JSON list of calls, as SGLang's ``lfm2`` reads it.
 
 ``tool_choice: "required"`` or a named function is enforced with an ``ebnf`` grammar in the same
 syntax (``forced_grammar``), whose JSON is constrained by the tools' parameter schemas, so even a
-model that never learned the syntax returns a valid call.
+model that never learned the syntax returns a valid call (``lfm2``'s forced calls are its JSON list:
+a Python literal has no grammar a JSON schema constrains). A grammar never produces a special token
+(``hyla.engine.grammar``): a marker that is one (Kimi's, LFM2's) is written in ordinary tokens, as
+text, which the parser reads the same.
 
-A block that is not valid JSON with a string ``name`` stays in the content as text (as vLLM does).
+A block that does not hold well-formed calls stays in the content as text (as vLLM does).
 Parsing never raises: the model's text and the request's tool schemas may hold anything (a schema
 the request validation let through, JSON nested past Python's recursion limit). ``forced_grammar``
 raises ``ValueError`` for parameters that are not shaped as a JSON Schema
@@ -26,6 +41,7 @@ raises ``ValueError`` for parameters that are not shaped as a JSON Schema
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -36,8 +52,19 @@ from hyla.engine.grammar import JSON_DEFAULTS
 from hyla.server.protocol import check_function_parameters
 from hyla.server.reasoning import Stripped
 
-TOOL_CALL_PARSERS = ("qwen", "nemotron_json", "qwen3_coder")
+# parser name -> (start marker, end marker, what a block's body holds)
+SYNTAXES = {
+    "qwen": ("<tool_call>", "</tool_call>", "object"),
+    "nemotron_json": ("<TOOLCALL>", "</TOOLCALL>", "list"),
+    "jamba": ("<tool_calls>", "</tool_calls>", "list"),
+    "minimax": ("<tool_calls>", "</tool_calls>", "lines"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>", "xml"),
+    "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "kimi"),
+    "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>", "python"),
+}
+TOOL_CALL_PARSERS = tuple(SYNTAXES)
 DEFAULT_TOOL_CALL_PARSER = "qwen"
+_KIMI_CALL, _KIMI_ARGS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
 def new_call_id() -> str:
@@ -59,30 +86,37 @@ class ToolCall:
 
 
 class ToolCallParser:
-    """A family's tool-call syntax: block markers, and what a block's body holds (one call as a JSON
-    object for ``qwen``; a JSON list of such objects for ``nemotron_json``; XML function and
-    parameter tags for ``qwen3_coder``). ``tools`` (the request's OpenAI tools or their ``function``
-    objects) only matter to ``qwen3_coder``, whose argument values are typed by their schemas."""
-
-    MARKERS = {"qwen": ("<tool_call>", "</tool_call>"), "nemotron_json": ("<TOOLCALL>", "</TOOLCALL>"),
-               "qwen3_coder": ("<tool_call>", "</tool_call>")}
+    """A family's tool-call syntax (``SYNTAXES``): block markers, and what a block's body holds
+    (``body``: one call as a JSON object, ``object``; a JSON list of them, ``list``; one per line,
+    ``lines``; XML function and parameter tags, ``xml``; Kimi's tagged calls, ``kimi``; a Python list
+    of calls, ``python``). ``tools`` (the request's OpenAI tools or their ``function`` objects) only
+    matter to ``xml``, whose argument values are typed by their schemas."""
 
     def __init__(self, name: str = DEFAULT_TOOL_CALL_PARSER):
-        if name not in TOOL_CALL_PARSERS:
+        if name not in SYNTAXES:
             raise ValueError(f"unknown tool-call parser {name!r}; expected one of {TOOL_CALL_PARSERS}")
         self.name = name
-        self.start, self.end = self.MARKERS[name]
-        self.listed = name == "nemotron_json"  # a block holds a list of calls
-        self.xml = name == "qwen3_coder"
+        self.start, self.end, self.body = SYNTAXES[name]
+        self.xml = self.body == "xml"
+        self.markers = (self.start, self.end) + ((_KIMI_CALL, _KIMI_ARGS, _KIMI_END) if self.body == "kimi" else ())
+        """Every marker of the syntax: a special token among them must be kept in the decoded text."""
 
     def calls_of(self, body: str, tools: list[dict[str, Any]] | None = None) -> list[ToolCall] | None:
         """The calls a block's body holds, or None if it is not a well-formed block (JSON nested
         too deep for Python to read or write included)."""
         try:
-            if self.xml:
+            if self.body == "xml":
                 return xml_calls(body, tools)
-            value = _json_value(body)
-            items = value if self.listed and isinstance(value, list) else [value] if not self.listed else None
+            if self.body == "kimi":
+                return kimi_calls(body)
+            if self.body == "python":
+                return python_calls(body)
+            if self.body == "lines":
+                items = _json_values(body)
+            else:
+                value = _json_value(body)
+                items = value if self.body == "list" and isinstance(value, list) else \
+                    [value] if self.body == "object" else None
             if not items:
                 return None
             calls = [_call(item) for item in items]
@@ -115,21 +149,126 @@ class ToolCallParser:
         ``ValueError`` when a function's ``parameters`` is not shaped as a JSON Schema."""
         for fn in tools:
             check_function_parameters(fn.get("name", "?"), fn.get("parameters"))
-        if self.xml:
+        if self.body == "xml":
             return xml_forced_grammar(tools, parallel)
+        if self.body == "kimi":
+            return kimi_forced_grammar(tools, parallel)
         options = []
         for fn in tools:
             params = fn.get("parameters") or {"type": "object"}
             options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                             "required": ["name", "arguments"], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        schema = {**schema, "x-guidance": JSON_DEFAULTS}
-        if self.listed:  # one block, a list of one call (or several, parallel)
+        body = f"body: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}\n"
+        if self.body in ("list", "python"):  # one block, a list of one call (or several, parallel)
             items = 'body (", " body)*' if parallel else "body"
-            return f'start: "{self.start}[" {items} "]{self.end}"\nbody: %json {json.dumps(schema)}\n'
-        call = f'"{self.start}\\n" body "\\n{self.end}"'
+            return f"start: {json.dumps(self.start + '[')} {items} {json.dumps(']' + self.end)}\n" + body
+        if self.body == "lines":  # one block, a call per line
+            items = 'body ("\\n" body)*' if parallel else "body"
+            return f"start: {json.dumps(self.start + chr(10))} {items} {json.dumps(chr(10) + self.end)}\n" + body
+        call = f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"  # a block a call
         start = "call (\"\\n\" call)*" if parallel else "call"
-        return f"start: {start}\ncall: {call}\nbody: %json {json.dumps(schema)}\n"
+        return f"start: {start}\n" + call + body
+
+
+# --- kimi_k2: tagged calls in a section ----------------------------------------------------------
+
+_KIMI_CALL_RE = re.compile(re.escape(_KIMI_CALL) + r"(.*?)" + re.escape(_KIMI_ARGS) + r"(.*?)" + re.escape(_KIMI_END),
+                           re.S)
+_KIMI_ID = re.compile(r"(?:functions\.)?([^\s:.]+):\d+")  # functions.NAME:IDX (the name alone is read)
+
+
+def kimi_calls(body: str) -> list[ToolCall] | None:
+    """The calls of a ``kimi_k2`` section's body (each with the model's id), or None when the body
+    holds anything else: text between the calls, an id not ``functions.NAME:IDX``, arguments that
+    are not JSON."""
+    calls, pos = [], 0
+    for m in _KIMI_CALL_RE.finditer(body):
+        call_id = m.group(1).strip()
+        name = _KIMI_ID.fullmatch(call_id)
+        if body[pos:m.start()].strip() or name is None:
+            return None
+        call = _call({"name": name.group(1), "arguments": _json_value(m.group(2))})
+        if call is None:
+            return None
+        call.id = call_id
+        calls.append(call)
+        pos = m.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+def kimi_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
+    """The ``kimi_k2`` forced-call grammar: a section of one call (or several), each
+    ``functions.NAME:IDX`` with arguments following the function's schema."""
+    rules, options = [], []
+    for f, fn in enumerate(tools):
+        params = fn.get("parameters") or {"type": "object"}
+        opening = json.dumps(f"{_KIMI_CALL}functions.{fn['name']}:")
+        rules += [f"f{f}: {opening} index {json.dumps(_KIMI_ARGS)} a{f} {json.dumps(_KIMI_END)}",
+                  f"a{f}: %json {json.dumps({**params, 'x-guidance': JSON_DEFAULTS})}"]
+        options.append(f"f{f}")
+    calls = "call+" if parallel else "call"
+    return "\n".join([f"start: {json.dumps(SYNTAXES['kimi_k2'][0])} {calls} {json.dumps(SYNTAXES['kimi_k2'][1])}",
+                      f"call: {' | '.join(options)}", "index: /[0-9]{1,3}/", *rules]) + "\n"
+
+
+# --- lfm2: a Python list of calls ----------------------------------------------------------------
+
+def python_calls(body: str) -> list[ToolCall] | None:
+    """The calls of an ``lfm2`` block's body: a Python list of calls (or one call) with keyword
+    arguments whose values are literals (:func:`_literal`), or, as SGLang reads it too, a JSON list of
+    calls (or one). None for anything else: positional arguments, a call of an attribute, an
+    expression that is not a literal. The text is parsed (``ast``), never evaluated."""
+    text = body.strip()
+    if text.startswith(("[{", "{")):
+        try:
+            value = _json_value(text)
+        except (ValueError, RecursionError):
+            value = None
+        if value is not None:
+            items = value if isinstance(value, list) else [value]
+            calls = [_call(item) for item in items]
+            return calls if calls and all(c is not None for c in calls) else None
+    try:
+        node = ast.parse(text, mode="eval").body
+        nodes = node.elts if isinstance(node, ast.List) else [node]
+        calls = []
+        for call in nodes:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                return None
+            if any(kw.arg is None for kw in call.keywords):  # **kwargs
+                return None
+            arguments = {kw.arg: _literal(kw.value) for kw in call.keywords}
+            calls.append(_call({"name": call.func.id, "arguments": arguments}))
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+_NAMED = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.AST) -> Any:
+    """A Python literal's JSON value: a string, a finite number, ``True`` / ``False`` / ``None``
+    (or JSON's ``true`` / ``false`` / ``null``), a list or tuple, a dict with string keys; a sign
+    on a number. ``ValueError`` for anything else (a name, a call, bytes, ``1e999``)."""
+    if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, (str, int, float))):
+        value = node.value
+        if isinstance(value, float) and not abs(value) < float("inf"):
+            raise ValueError("not a finite number")
+        return value
+    if isinstance(node, ast.Name) and node.id in _NAMED:
+        return _NAMED[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        return {k.value: _literal(v) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a sign on something not a number")
+        return -value if isinstance(node.op, ast.USub) else value
+    raise ValueError(f"not a literal: {type(node).__name__}")
 
 
 # --- qwen3_coder: XML calls --------------------------------------------------------------------
@@ -379,6 +518,21 @@ def _json_value(text: str) -> Any:
     """The JSON value ``text`` holds; ``ValueError`` where it holds none (``NaN`` and ``Infinity``
     included: Python reads them, but they are not JSON, and no other client reads them back)."""
     return json.loads(text, parse_constant=_not_json)
+
+
+def _json_values(text: str) -> list[Any]:
+    """The JSON values ``text`` holds one after another, with whitespace around them (``minimax``'s
+    call per line); ``ValueError`` where anything else is there (``_json_value``'s rules)."""
+    decoder, values, at = json.JSONDecoder(parse_constant=_not_json), [], 0
+    while True:
+        at = _JSON_SPACE.match(text, at).end()
+        if at == len(text):
+            return values
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _not_json(name: str) -> Any:
