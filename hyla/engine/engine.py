@@ -1183,9 +1183,11 @@ def _generation_defaults(path: Path) -> dict[str, Any]:
 
 
 def _load_tokenizer(path: Path):
-    if not (path / "tokenizer.json").is_file():
-        return None
+    """The model directory's tokenizer (``tokenizer.json``, or a tiktoken file), or None where it has none."""
     from hyla.tokenizer import Tokenizer
+    from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE
+    if not (path / "tokenizer.json").is_file() and not (path / TIKTOKEN_FILE).is_file():
+        return None
     return Tokenizer.from_pretrained(path)
 
 

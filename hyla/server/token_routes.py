@@ -73,8 +73,8 @@ class TokenRoutes:
 def _tokenizer(engine: Engine) -> Tokenizer:
     """The engine's tokenizer; a 400 for a model without one."""
     if engine.tokenizer is None:
-        raise APIError(400, "this model has no tokenizer (no tokenizer.json), so the server cannot tokenize or "
-                            "detokenize: send and read token ids")
+        raise APIError(400, "this model has no tokenizer (no tokenizer.json or tiktoken.model), so the server "
+                            "cannot tokenize or detokenize: send and read token ids")
     return engine.tokenizer
 
 

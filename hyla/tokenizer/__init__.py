@@ -9,7 +9,8 @@
 
 Files, one idea each: ``tokenizer.py`` (``Tokenizer``: loading, encode/decode, special ids, chat
 encoding), ``chat_template.py`` (the jinja2 sandbox), ``detokenizer.py`` (incremental decoding),
-``token_text.py`` (a token's display text and bytes).
+``token_text.py`` (a token's display text and bytes), ``tiktoken_bpe.py`` (a tiktoken file, Kimi's,
+as a BPE backend).
 """
 
 from hyla.tokenizer.chat_template import ChatTemplate, render_chat_template

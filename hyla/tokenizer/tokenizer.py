@@ -1,10 +1,11 @@
 """``Tokenizer``: a model's text <-> token ids: loading, encode/decode, special ids, chat encoding.
 
-``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``) and reads the
-model directory's ``tokenizer_config.json`` (special tokens, ``added_tokens_decoder``,
-``chat_template``), an optional ``chat_template.jinja`` (which wins over the config, as in
-transformers v5) and ``generation_config.json`` (extra end-of-sequence ids). It reproduces what
-``transformers.AutoTokenizer`` does for such a directory, without depending on transformers.
+``Tokenizer`` wraps a Hugging Face ``tokenizers.Tokenizer`` (``tokenizer.json``, or a tiktoken file
+converted: ``tiktoken_bpe.py``) and reads the model directory's ``tokenizer_config.json`` (special
+tokens, ``added_tokens_decoder``, ``chat_template``), an optional ``chat_template.jinja`` (which wins
+over the config, as in transformers v5) and ``generation_config.json`` (extra end-of-sequence ids).
+It reproduces what ``transformers.AutoTokenizer`` does for such a directory, without depending on
+transformers.
 
 Invariants
 ----------
@@ -34,6 +35,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from hyla.tokenizer.chat_template import ChatTemplates
 from hyla.tokenizer.detokenizer import IncrementalDetokenizer
+from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, is_tiktoken_dir, tiktoken_backend
 from hyla.tokenizer.token_text import TokenText, TokenTexts
 
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -110,17 +112,23 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
-        ``generation_config.json`` when present) from a Hugging Face model directory."""
+        ``generation_config.json`` when present) from a Hugging Face model directory; without a
+        ``tokenizer.json``, a ``tiktoken.model`` of a tokenizer class whose split pattern hyla knows
+        (``hyla.tokenizer.tiktoken_bpe``: Kimi's)."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise ValueError(f"{model_dir} has no tokenizer.json (hyla reads the fast-tokenizer format only)")
-        try:
-            backend = BackendTokenizer.from_file(str(tokenizer_file))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
         config_file = model_dir / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
+        if is_tiktoken_dir(model_dir):
+            backend = tiktoken_backend(model_dir, config)
+        elif not tokenizer_file.is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json (hyla reads the fast-tokenizer format, and "
+                             f"{TIKTOKEN_FILE} of the tokenizer classes it knows)")
+        else:
+            try:
+                backend = BackendTokenizer.from_file(str(tokenizer_file))
+            except Exception as e:  # tokenizers raises a bare Exception on malformed files
+                raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
 
         _add_missing_tokens(backend, config)
         special_tokens = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_ATTRIBUTES}
