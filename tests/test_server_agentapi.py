@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from hyla.server.tool_calls import TOOL_CALL_PARSERS
+from hyla.server.tool_calls import SYNTAXES
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
 
 SCHEMA = {
@@ -218,7 +218,7 @@ def _json_block(parser, name_json: str, args_json: str) -> str:
     return parser.start + (f"[{call}]" if parser.body in ("list", "python") else call) + parser.end
 
 
-@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("name", SYNTAXES)
 def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
     """The whitespace around calls is layout, the same rule whole and streamed: the content deltas
     joined are ``parse``'s content, and the calls its calls, at every cut (text before, after and
@@ -250,7 +250,7 @@ def test_tool_call_stream_is_the_whole_parse_however_the_text_is_cut(name):
                 pieces
 
 
-@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("name", SYNTAXES)
 def test_a_lone_surrogate_a_call_escapes_stays_escaped(name):
     """JSON may escape a lone UTF-16 surrogate (``"\\ud800"``), which no UTF-8 answer can carry: the
     arguments keep it escaped (the same value); a name or a text of arguments holding one is no call."""
@@ -276,7 +276,7 @@ def test_nan_and_infinity_are_not_json_in_a_call():
     a block holding one is no call (it stays content), and a ``qwen3_coder`` value stays text, so
     ``arguments`` is always JSON."""
     from hyla.server.tool_calls import ToolCallParser
-    for name in TOOL_CALL_PARSERS:
+    for name in SYNTAXES:
         parser = ToolCallParser(name)
         for args in ('{"x": NaN}', '{"x": [1, -Infinity]}'):
             if not parser.xml:
@@ -443,6 +443,23 @@ def test_family_tool_call_parsers(name):
         assert out.strip() == "Checking." and [c.name for c in got] == ["get_weather", "get_time"]
 
 
+def test_vllm_and_sglang_names_of_qwens_syntax():
+    """``hermes`` (vLLM) and ``qwen25`` (SGLang) name Qwen's syntax; ``hyla serve`` takes them; an unknown name
+    is a ValueError."""
+    import argparse
+
+    from hyla.server.cli import add_arguments
+    from hyla.server.tool_calls import ToolCallParser
+    flags = argparse.ArgumentParser()
+    add_arguments(flags)
+    for alias in ("hermes", "qwen25"):
+        parser = ToolCallParser(alias)
+        assert parser.name == "qwen" and parser.parse(_call_block(parser))[1][0].name == "get_weather"
+        assert flags.parse_args(["--tool-call-parser", alias]).tool_call_parser == alias
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        ToolCallParser("llama3_json")
+
+
 def test_lfm2_reads_python_literals_and_its_json_list():
     """LFM2's argument values are Python literals, read as their JSON values (never evaluated):
     ``True`` / ``None`` (and JSON's spellings), signs, tuples as lists, nested dicts; a JSON list of calls
@@ -459,7 +476,7 @@ def test_lfm2_reads_python_literals_and_its_json_list():
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
 
 
-@pytest.mark.parametrize("name", [n for n in TOOL_CALL_PARSERS if n != "qwen3_coder"])
+@pytest.mark.parametrize("name", [n for n in SYNTAXES if n != "qwen3_coder"])
 def test_forced_grammar_makes_a_call_the_parser_reads(name, engine):
     """Each syntax's forced-call grammar: the tiny random model, forced, writes a call of the tool that
     the same parser reads back with arguments of the schema (one call; a parallel list may run past
@@ -887,7 +904,7 @@ def test_every_marker_of_a_syntax_keeps_special_tokens():
     assert kept_markers(server, SimpleNamespace(tool_choice_mode=lambda: "auto")) == {}
 
 
-@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("name", SYNTAXES)
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 def test_a_streamed_call_comes_with_the_chunk_that_ends_it(name, size):
     """A held call block is searched for its end marker piece by piece (a long call costs linear time): the call

@@ -14,7 +14,7 @@ import pytest
 
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
-from hyla.server.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
+from hyla.server.tool_calls import SYNTAXES, ToolCallParser
 from hyla.tokenizer.chat_template import MAX_NESTING_DEPTH
 from test_server_openai import MODEL, make_chat_model
 
@@ -197,7 +197,7 @@ def test_qwen3_coder_deeply_nested_arguments_in_the_history(server):
 # --------------------------------------------------------------------------------------------
 # the parsers themselves: any text, any schema
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("name", SYNTAXES)
 def test_parsers_take_json_nested_past_the_recursion_limit(name):
     """A block whose JSON (or ``lfm2``'s Python literal) Python cannot read stays content; a
     ``qwen3_coder`` parameter value it cannot read stays text (its fallback for any value that is not
@@ -232,7 +232,7 @@ def test_qwen3_coder_parse_takes_any_schema_shape():
     ({"properties": ["a"]}, "properties"), ({"required": 5}, "required"),
     ({"properties": {"a": {"enum": 5}}}, "enum"), ({"properties": {"a": {"anyOf": 5}}}, "anyOf"),
 ])
-@pytest.mark.parametrize("name", TOOL_CALL_PARSERS)
+@pytest.mark.parametrize("name", SYNTAXES)
 def test_forced_grammar_refuses_malformed_parameters(name, parameters, keyword):
     with pytest.raises(ValueError, match=f"function 'f': parameters.*{keyword}"):
         ToolCallParser(name).forced_grammar([{"name": "f", "parameters": parameters}], parallel=False)

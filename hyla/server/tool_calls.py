@@ -6,7 +6,8 @@ finds them and turns them into OpenAI ``tool_calls``, whole (``parse``) or as th
 names); every syntax is a block between two markers (``SYNTAXES``) whose body holds the calls:
 
 * ``qwen`` — Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
-  Qwen3, Qwen3-Next, Granite 4.0-H, Falcon-H1; the default): one JSON call per block.
+  Qwen3, Qwen3-Next, Granite 4.0-H, Falcon-H1; the default; also named ``hermes``, vLLM's name, and
+  ``qwen25``): one JSON call per block.
 * ``nemotron_json`` — ``<TOOLCALL>[{"name": ..., "arguments": {...}}, ...]</TOOLCALL>``: one block,
   a JSON list of calls (NemotronH / Nemotron-H chat models).
 * ``jamba`` — ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>`` (Jamba 1.5 and
@@ -62,7 +63,8 @@ SYNTAXES = {
     "kimi_k2": ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "kimi"),
     "lfm2": ("<|tool_call_start|>", "<|tool_call_end|>", "python"),
 }
-TOOL_CALL_PARSERS = tuple(SYNTAXES)
+ALIASES = {"hermes": "qwen", "qwen25": "qwen"}  # vLLM's and SGLang's other names for Qwen's syntax
+TOOL_CALL_PARSERS = (*SYNTAXES, *ALIASES)
 DEFAULT_TOOL_CALL_PARSER = "qwen"
 _KIMI_CALL, _KIMI_ARGS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
@@ -93,9 +95,9 @@ class ToolCallParser:
     matter to ``xml``, whose argument values are typed by their schemas."""
 
     def __init__(self, name: str = DEFAULT_TOOL_CALL_PARSER):
-        if name not in SYNTAXES:
+        if name not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {name!r}; expected one of {TOOL_CALL_PARSERS}")
-        self.name = name
+        self.name = name = ALIASES.get(name, name)
         self.start, self.end, self.body = SYNTAXES[name]
         self.xml = self.body == "xml"
         self.markers = (self.start, self.end) + ((_KIMI_CALL, _KIMI_ARGS, _KIMI_END) if self.body == "kimi" else ())
