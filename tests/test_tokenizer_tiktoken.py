@@ -73,8 +73,9 @@ def kimi_dir(tmp_path_factory) -> tuple[Path, object]:
                             "single_word": False} for k, v in NAMED.items()}
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "TikTokenTokenizer", "bos_token": "[BOS]", "eos_token": "[EOS]",
-        "added_tokens_decoder": decoder, "chat_template": "{% for m in messages %}<|im_user|>{{ m['content'] }}"
-        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_assistant|>{% endif %}"}))
+        "added_tokens_decoder": decoder, "chat_template": "{% if tools %}<|im_system|>{{ tools | tojson }}<|im_end|>"
+        "{% endif %}{% for m in messages %}<|im_user|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>{% endif %}"}))
     specials = {NAMED.get(i - n, f"<|reserved_token_{i}|>"): i for i in range(n, n + 258)}
     encoding = tiktoken.Encoding(name="kimi-test", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks,
                                  special_tokens=specials)
@@ -144,3 +145,20 @@ def test_bad_tiktoken_directories_are_value_errors(tmp_path, kimi_dir):
     attempt(good_file, {**config, "added_tokens_decoder": {str(n + 300): {"content": "x"}}}, "not one of")
     attempt(good_file, {**config, "added_tokens_decoder": {str(n): {"content": "[BOS]"}, str(n + 1): {
         "content": "[BOS]"}}}, "listed twice")
+
+
+def test_tools_reach_the_template_with_their_keys_sorted(kimi_dir):
+    """As Kimi's remote ``apply_chat_template`` renders them (``deep_sort_dict``): the keys of every object
+    sorted, lists in their order; the request's tools are not modified."""
+    tok = Tokenizer.from_pretrained(kimi_dir[0])
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"zeta": {"type": "string"}, "alpha": {"enum": ["y", "x"]}}}}}]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+    rendered = json.loads(text[len("<|im_system|>"):text.index("<|im_end|>")])
+    assert list(rendered[0]) == ["function", "type"] and list(rendered[0]["function"]) == ["name", "parameters"]
+    assert list(rendered[0]["function"]["parameters"]["properties"]) == ["alpha", "zeta"]
+    assert rendered[0]["function"]["parameters"]["properties"]["alpha"]["enum"] == ["y", "x"]
+    assert list(tools[0]) == ["type", "function"]
+    unsorted = Tokenizer(tok.backend, chat_template=tok.chat_template).apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=tools)  # (a tokenizer.json's: the request's order)
+    assert list(json.loads(unsorted[len("<|im_system|>"):unsorted.index("<|im_end|>")])[0]) == ["type", "function"]

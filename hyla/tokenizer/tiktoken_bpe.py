@@ -13,7 +13,9 @@ pattern in code, not in a file, so a class of tokenizer is read only where its p
 
 The special tokens follow the base vocabulary, in id order: those ``tokenizer_config.json``'s
 ``added_tokens_decoder`` names, the others ``<|reserved_token_{id}|>``, as Kimi's code names them.
-They are matched in text (the remote code encodes with ``allowed_special="all"``).
+They are matched in text (the remote code encodes with ``allowed_special="all"``). Kimi's remote
+``apply_chat_template`` sorts the keys of ``tools`` before rendering (``TiktokenClass.sorts_tools``):
+``Tokenizer`` does too for such a tokenizer.
 
 Differential test against ``tiktoken`` itself: ``tests/test_tokenizer_tiktoken.py``.
 """
@@ -24,7 +26,7 @@ import base64
 import binascii
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
@@ -46,9 +48,18 @@ KIMI_PATTERN = "|".join([
 """Kimi's ``TikTokenTokenizer.pat_str``: Han runs apart, words with their case and contractions,
 numbers of up to three digits, punctuation runs, newlines, spaces."""
 
-KNOWN = {"TikTokenTokenizer": (KIMI_PATTERN, 258)}
-"""``tokenizer_class`` -> (its split pattern, how many special ids follow the base vocabulary: Kimi's
-``num_reserved_special_tokens + 2``)."""
+
+
+class TiktokenClass(NamedTuple):
+    """What a tiktoken tokenizer's remote code holds that its files do not."""
+
+    pattern: str  # the split pattern (``pat_str``)
+    num_special: int  # how many special ids follow the base vocabulary
+    sorts_tools: bool  # its apply_chat_template sorts the keys of ``tools`` (recursively) before rendering
+
+
+KNOWN = {"TikTokenTokenizer": TiktokenClass(KIMI_PATTERN, 258, sorts_tools=True)}  # Kimi's (256 reserved + 2)
+"""``tokenizer_config.json``'s ``tokenizer_class`` -> what its code holds."""
 
 
 def is_tiktoken_dir(model_dir: Path) -> bool:
@@ -59,18 +70,23 @@ def is_tiktoken_dir(model_dir: Path) -> bool:
 def tiktoken_backend(model_dir: Path, config: Mapping[str, Any]) -> BackendTokenizer:
     """The backend of ``model_dir``'s ``tiktoken.model`` with ``tokenizer_config.json``'s ``config``.
     ``ValueError`` for a tokenizer class whose pattern is not known, or a malformed file."""
-    tokenizer_class = config.get("tokenizer_class")
-    if tokenizer_class not in KNOWN:
-        raise ValueError(f"{model_dir / TIKTOKEN_FILE}: a tiktoken tokenizer of class {tokenizer_class!r} is not "
-                         f"known (its split pattern is in its own code); hyla reads {sorted(KNOWN)}, or tokenizer.json")
-    pattern, num_special = KNOWN[tokenizer_class]
+    known = tiktoken_class(model_dir, config)
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
-    backend = bpe_backend(ranks, pattern)
-    for i, token in enumerate(special_tokens(config, len(ranks), num_special), len(ranks)):
+    backend = bpe_backend(ranks, known.pattern)
+    for i, token in enumerate(special_tokens(config, len(ranks), known.num_special), len(ranks)):
         backend.add_special_tokens([token]) if token.special else backend.add_tokens([token])
         if backend.token_to_id(token.content) != i:
             raise ValueError(f"tokenizer_config.json: added token {token.content!r} (id {i}) is listed twice")
     return backend
+
+
+def tiktoken_class(model_dir: Path, config: Mapping[str, Any]) -> TiktokenClass:
+    """What the code of ``config``'s ``tokenizer_class`` holds; ``ValueError`` where hyla does not know it."""
+    tokenizer_class = config.get("tokenizer_class")
+    if tokenizer_class not in KNOWN:
+        raise ValueError(f"{model_dir / TIKTOKEN_FILE}: a tiktoken tokenizer of class {tokenizer_class!r} is not "
+                         f"known (its split pattern is in its own code); hyla reads {sorted(KNOWN)}, or tokenizer.json")
+    return KNOWN[tokenizer_class]
 
 
 def read_ranks(path: Path) -> dict[bytes, int]:

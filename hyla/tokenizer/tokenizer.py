@@ -35,7 +35,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from hyla.tokenizer.chat_template import ChatTemplates
 from hyla.tokenizer.detokenizer import IncrementalDetokenizer
-from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, is_tiktoken_dir, tiktoken_backend
+from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, is_tiktoken_dir, tiktoken_backend, tiktoken_class
 from hyla.tokenizer.token_text import TokenText, TokenTexts
 
 SPECIAL_TOKEN_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -82,11 +82,14 @@ class Tokenizer:
         special_tokens: Mapping[str, str] | None = None,
         chat_template: Any = None,
         extra_eos_token_ids: Iterable[int] = (),
+        sorts_tools: bool = False,
     ) -> None:
         """``special_tokens`` maps names from ``SPECIAL_TOKEN_ATTRIBUTES`` to token strings, each of
         which must be in the vocabulary; ``extra_eos_token_ids`` (from generation_config) are added to
-        ``eos_token_ids`` after the ``eos_token``."""
+        ``eos_token_ids`` after the ``eos_token``; ``sorts_tools``: the chat template sees ``tools`` with
+        their keys sorted, at every depth (what Kimi's remote ``apply_chat_template`` does)."""
         self.backend = backend
+        self.sorts_tools = sorts_tools
         """The ``tokenizers.Tokenizer``: for ``hyla.tokenizer``'s own modules and tests; everything else
         uses the methods below (the server does)."""
         self.special_tokens: dict[str, str] = {}
@@ -119,8 +122,10 @@ class Tokenizer:
         tokenizer_file = model_dir / "tokenizer.json"
         config_file = model_dir / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
+        sorts_tools = False
         if is_tiktoken_dir(model_dir):
             backend = tiktoken_backend(model_dir, config)
+            sorts_tools = tiktoken_class(model_dir, config).sorts_tools
         elif not tokenizer_file.is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json (hyla reads the fast-tokenizer format, and "
                              f"{TIKTOKEN_FILE} of the tokenizer classes it knows)")
@@ -144,7 +149,8 @@ class Tokenizer:
         if generation_file.is_file():
             value = _read_json(generation_file).get("eos_token_id")
             extra_eos = [value] if isinstance(value, int) else list(value or [])
-        return cls(backend, special_tokens=special_tokens, chat_template=chat_template, extra_eos_token_ids=extra_eos)
+        return cls(backend, special_tokens=special_tokens, chat_template=chat_template, extra_eos_token_ids=extra_eos,
+                   sorts_tools=sorts_tools)
 
     # --- vocabulary ----------------------------------------------------------------------------
 
@@ -245,6 +251,8 @@ class Tokenizer:
         if "developer" not in template.source:
             messages = _developer_as_system(messages)
         variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs win, as in transformers
+        if self.sorts_tools and tools:
+            tools = _sorted_keys(tools)
         return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
 
     def encode_chat(
@@ -438,6 +446,23 @@ def _developer_as_system(messages: Any) -> Any:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         return messages
     return [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m for m in messages]
+
+
+def _sorted_keys(value: Any) -> Any:
+    """``value`` with the keys of every mapping in it sorted (lists keep their order); ``ValueError`` for
+    one nested past Python's recursion limit."""
+    def walk(v: Any) -> Any:
+        if isinstance(v, Mapping):
+            return {k: walk(v[k]) for k in sorted(v)}
+        if isinstance(v, (list, tuple)):
+            return [walk(x) for x in v]
+        return v
+    try:
+        return walk(value)
+    except RecursionError as exc:
+        raise ValueError("tools are nested too deeply") from exc
+    except TypeError as exc:  # keys of mixed types
+        raise ValueError(f"cannot sort the keys of tools: {exc}") from exc
 
 
 def _add_missing_tokens(backend: BackendTokenizer, config: Mapping[str, Any]) -> None:
