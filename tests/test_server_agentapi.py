@@ -460,6 +460,48 @@ def test_vllm_and_sglang_names_of_qwens_syntax():
         ToolCallParser("llama3_json")
 
 
+@pytest.mark.parametrize("template, architecture, name", [
+    ("{{ '<tool_call>\\n' }}{{ tool_call | tojson }}", "", "qwen"),
+    ("<tool_call>\n<function={{ name }}>\n<parameter={{ key }}>", "Qwen3_5ForConditionalGeneration", "qwen3_coder"),
+    ("<TOOLCALL>{{ calls | tojson }}</TOOLCALL>", "NemotronHForCausalLM", "nemotron_json"),
+    ("<|tool_calls_section_begin|>{% for c in calls %}<|tool_call_begin|>", "KimiLinearForCausalLM", "kimi_k2"),
+    ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "Lfm2ForCausalLM", "lfm2"),
+    ("<tool_calls>{{ calls | tojson }}</tool_calls>", "JambaForCausalLM", "jamba"),
+    ("<tool_calls>\n{% for c in calls %}{{ c | tojson }}\n{% endfor %}</tool_calls>", "MiniMaxText01ForCausalLM",
+     "minimax"),
+    ("{{ messages }}", "Qwen3NextForCausalLM", "qwen"),  # (no syntax: Qwen's)
+    (None, "Qwen3NextForCausalLM", "qwen"),
+])
+def test_the_chat_templates_syntax_picks_the_parser(template, architecture, name):
+    from hyla.server.tool_calls import detect_tool_call_parser
+    assert detect_tool_call_parser(template, architecture) == name
+
+
+def test_auto_is_the_servers_default_parser(tmp_path, monkeypatch):
+    """``hyla serve`` without ``--tool-call-parser`` reads calls in the syntax the model's chat template
+    writes: a model whose template writes LFM2's calls answers a chat with LFM2's calls parsed."""
+    from hyla.server.app import create_app
+    from hyla.server.launch import BackgroundServer
+    from test_server_openai import make_chat_model
+    path = make_chat_model(tmp_path)
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if tools %}Call tools as <|tool_call_start|>[name(arg=value)]<|tool_call_end|>.{% endif %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    with BackgroundServer(create_app(path, served_model_name=MODEL, max_total_tokens=2048,
+                                     max_state_slots=16)) as srv:
+        state = srv.app.state.server
+        assert state.tool_call_parser.name == "lfm2"
+        script_engine(monkeypatch, state.engine, ["Checking.", '<|tool_call_start|>[get_weather(city="Paris", ',
+                                                  'unit="C")]<|tool_call_end|>'])
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [WEATHER]},
+                       timeout=60).json()
+    message = r["choices"][0]["message"]
+    assert message["content"] == "Checking." and r["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris", "unit": "C"})]
+
+
 def test_lfm2_reads_python_literals_and_its_json_list():
     """LFM2's argument values are Python literals, read as their JSON values (never evaluated):
     ``True`` / ``None`` (and JSON's spellings), signs, tuples as lists, nested dicts; a JSON list of calls

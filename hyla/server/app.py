@@ -35,7 +35,7 @@ from hyla.server.openai_routes import OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
-from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, ToolCallParser
+from hyla.server.tool_calls import AUTO, DEFAULT_TOOL_CALL_PARSER, ToolCallParser, detect_tool_call_parser
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 
@@ -75,6 +75,7 @@ class Server:
         self.draining = False
         self.generations: set[Generation] = set()
         self.tool_call_parser = ToolCallParser()
+        self.tool_call_parser_choice = DEFAULT_TOOL_CALL_PARSER  # a parser's name, or AUTO: the chat template's
         self.reasoning_parser: ReasoningParser | None = None
 
     def start_engine(self) -> None:
@@ -82,6 +83,11 @@ class Server:
         if not self.model_name:
             builtin = Path(engine.model_path).resolve() == DEFAULT_MODEL_DIR.resolve()
             self.model_name = DEFAULT_MODEL_NAME if builtin else Path(engine.model_path).name
+        if self.tool_call_parser_choice == AUTO:
+            template = engine.tokenizer.tools_chat_template if engine.tokenizer is not None else None
+            self.tool_call_parser = ToolCallParser(detect_tool_call_parser(template, engine.model_config.architecture))
+            logger.info("tool-call parser: %s (the chat template's syntax; --tool-call-parser names another)",
+                        self.tool_call_parser.name)
         self.engine = engine
         logger.info("serving model %r from %s (context length %d)", self.model_name, engine.model_path,
                     engine.context_length)
@@ -248,7 +254,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int | None = None,
                max_prefix_bytes: int = DEFAULT_MAX_PREFIX_BYTES, max_stored_responses: int = DEFAULT_STORED_RESPONSES,
                max_stored_response_bytes: int = DEFAULT_STORED_RESPONSE_BYTES,
-               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER,
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = AUTO,
                reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
                allow_credentials: bool = False, **engine_options: Any) -> FastAPI:
@@ -263,12 +269,15 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     responses the Responses API keeps, and how much text (``ResponseStore``). ``max_prompt_chars``
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
-    tool-call syntax and think markers (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
+    tool-call syntax (``auto``: the one its chat template writes) and think markers
+    (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
     ``allowed_origins`` / ``_methods`` / ``_headers`` / ``allow_credentials``: CORS, as vLLM's flags
     (default: any origin, as vLLM and SGLang; empty ``allowed_origins``: no CORS headers, so browsers
     refuse other origins' pages)."""
     server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
-    server.tool_call_parser = ToolCallParser(tool_call_parser)
+    server.tool_call_parser_choice = tool_call_parser
+    if tool_call_parser != AUTO:  # (else the engine's chat template picks it, at start-up)
+        server.tool_call_parser = ToolCallParser(tool_call_parser)
     server.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
 
     @asynccontextmanager

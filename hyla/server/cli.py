@@ -24,7 +24,7 @@ from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
-from hyla.server.tool_calls import DEFAULT_TOOL_CALL_PARSER, TOOL_CALL_PARSERS
+from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -96,10 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, metavar="SECONDS",
                         help="On SIGTERM or Ctrl-C: refuse new requests (503) at once, give running ones this long "
                              f"to finish, then abort them (default {DEFAULT_SHUTDOWN_TIMEOUT:g}).")
-    parser.add_argument("--tool-call-parser", default=DEFAULT_TOOL_CALL_PARSER, choices=TOOL_CALL_PARSERS,
-                        help="The model family's tool-call syntax parsed into tool_calls: qwen (default; Qwen2.5, Qwen3, "
-                             "Qwen3-Next), nemotron_json (NemotronH) or qwen3_coder (the XML syntax of Qwen3.5, "
-                             "Qwen3-Coder and Nemotron-3).")
+    parser.add_argument("--tool-call-parser", default=AUTO, choices=(AUTO, *TOOL_CALL_PARSERS),
+                        help="The model family's tool-call syntax parsed into tool_calls: auto (default: the syntax "
+                             "the model's chat template writes, else qwen), qwen (also hermes, qwen25: Qwen2.5, Qwen3, "
+                             "Qwen3-Next, Granite 4.0-H, Falcon-H1), nemotron_json (NemotronH), qwen3_coder (the XML "
+                             "syntax of Qwen3.5, Qwen3-Coder and Nemotron-3), jamba, minimax (MiniMax-Text-01, -M1), "
+                             "kimi_k2 (Kimi-Linear) or lfm2.")
     parser.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
                         help="Separate <think>...</think> into reasoning_content (SGLang's names; default off).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

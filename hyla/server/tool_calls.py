@@ -3,7 +3,8 @@
 One idea: a model family writes tool calls in its own syntax inside its text; a ``ToolCallParser``
 finds them and turns them into OpenAI ``tool_calls``, whole (``parse``) or as the text streams in
 (``ToolCallStream``). The parser is chosen per server (``--tool-call-parser``, SGLang's and vLLM's
-names); every syntax is a block between two markers (``SYNTAXES``) whose body holds the calls:
+names; by default, ``auto``, the one the model's chat template writes: ``detect_tool_call_parser``);
+every syntax is a block between two markers (``SYNTAXES``) whose body holds the calls:
 
 * ``qwen`` — Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
   Qwen3, Qwen3-Next, Granite 4.0-H, Falcon-H1; the default; also named ``hermes``, vLLM's name, and
@@ -65,6 +66,7 @@ SYNTAXES = {
 }
 ALIASES = {"hermes": "qwen", "qwen25": "qwen"}  # vLLM's and SGLang's other names for Qwen's syntax
 TOOL_CALL_PARSERS = (*SYNTAXES, *ALIASES)
+AUTO = "auto"  # the server's default: the syntax the model's chat template writes (detect_tool_call_parser)
 DEFAULT_TOOL_CALL_PARSER = "qwen"
 _KIMI_CALL, _KIMI_ARGS, _KIMI_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
@@ -171,6 +173,20 @@ class ToolCallParser:
         call = f"call: {json.dumps(self.start + chr(10))} body {json.dumps(chr(10) + self.end)}\n"  # a block a call
         start = "call (\"\\n\" call)*" if parallel else "call"
         return f"start: {start}\n" + call + body
+
+
+def detect_tool_call_parser(template: str | None, architecture: str = "") -> str:
+    """The syntax a chat template writes earlier calls in (and teaches the model), by its markers, most
+    specific first; ``<tool_calls>``, Jamba's and MiniMax's both, by the ``architecture``; Qwen's where
+    none is found (a template without tools included)."""
+    template = template or ""
+    for marker, name in (("<|tool_calls_section_begin|>", "kimi_k2"), ("<|tool_call_start|>", "lfm2"),
+                         ("<TOOLCALL>", "nemotron_json"), ("<parameter=", "qwen3_coder")):
+        if marker in template:
+            return name
+    if "<tool_calls>" in template:
+        return "minimax" if architecture.lower().startswith("minimax") else "jamba"
+    return DEFAULT_TOOL_CALL_PARSER
 
 
 # --- kimi_k2: tagged calls in a section ----------------------------------------------------------

@@ -233,6 +233,13 @@ class Tokenizer:
         template = self._chat_templates.select(None)
         return None if template is None else template.source
 
+    @property
+    def tools_chat_template(self) -> str | None:
+        """The source text of the chat template a conversation with tools renders with (``tool_use``
+        where the tokenizer names one, else the default; None without one)."""
+        template = self._chat_templates.select(True)
+        return None if template is None else template.source
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
