@@ -217,6 +217,64 @@ def test_parsers_take_json_nested_past_the_recursion_limit(name):
             assert (content, calls) == (text, [])
 
 
+def _xml_calls_by_regex(body: str) -> list[tuple[str, dict]] | None:
+    """The XML calls as a regex reads them (the parser's rule, written the plain way; quadratic where
+    opening tags have no closing ones): the oracle of ``xml_calls``."""
+    import re
+    from hyla.server.tool_calls import xml_argument
+    calls, pos = [], 0
+    for fn in re.finditer(r"<function=([^>\n]+)>(.*?)</function>", body, re.S):
+        if body[pos:fn.start()].strip():
+            return None
+        args, at, inner = {}, 0, fn.group(2)
+        for p in re.finditer(r"<parameter=([^>\n]+)>(.*?)</parameter>", inner, re.S):
+            if inner[at:p.start()].strip():
+                return None
+            args[p.group(1).strip()] = xml_argument(p.group(2), None)
+            at = p.end()
+        if inner[at:].strip():
+            return None
+        calls.append((fn.group(1).strip(), args))
+        pos = fn.end()
+    return calls if calls and not body[pos:].strip() else None
+
+
+def test_xml_calls_are_the_regexs_on_any_text():
+    """The XML parser reads tags in one pass (linear: a regex searched again from every opening tag took
+    seconds on an output of thousands of unclosed tags); on random tag soup it finds what the regex
+    finds."""
+    import random
+    from hyla.server.tool_calls import xml_calls
+    rng = random.Random(0)
+    pieces = ["<function=", "</function>", "<parameter=", "</parameter>", "f", " g", ">", "\n", " ", "x", "1",
+              "<function=f>\n", "<parameter=k>\n", "\n</parameter>\n", "</function>\n", "<", "=", "/"]
+    for _ in range(4000):
+        body = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        got = xml_calls(body, None)
+        assert (None if got is None else [(c.name, json.loads(c.arguments)) for c in got]) == \
+            _xml_calls_by_regex(body), body
+
+
+def test_kimi_calls_are_read_in_one_pass():
+    """Kimi's sections split at their markers: the same calls, and on random marker soup, a result that is
+    either None or exactly the calls written."""
+    import random
+    parser = ToolCallParser("kimi_k2")
+    rng, found = random.Random(1), 0
+    call = '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|>'
+    pieces = [call, call, call.replace("f:0", "g:1"), "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
+              "<|tool_call_end|>", "functions.f:0", "{}", " ", "x", ":"]
+    for _ in range(4000):
+        body = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 10)))
+        calls = parser.calls_of(body)
+        found += calls is not None
+        if calls is not None:
+            rebuilt = "".join(f"<|tool_call_begin|>{c.id}<|tool_call_argument_begin|>{c.arguments}<|tool_call_end|>"
+                              for c in calls)
+            assert rebuilt.replace(" ", "") == body.replace(" ", ""), body
+    assert found > 100  # (the soup holds calls often enough)
+
+
 def test_qwen3_coder_parse_takes_any_schema_shape():
     """Output parsing never raises on a tool schema, whatever the caller let through."""
     parser = ToolCallParser("qwen3_coder")
