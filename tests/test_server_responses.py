@@ -712,3 +712,387 @@ def test_reasoning_parser_splits_a_reasoning_item(server, client):
         assert _without_ids(events[-1][1]["response"]) == _without_ids(r.model_dump(exclude_unset=True))
     finally:
         state.reasoning_parser = None
+
+
+# --------------------------------------------------------------------------------------------
+# GET /v1/responses/{id}/input_items
+# --------------------------------------------------------------------------------------------
+def _typed_item(raw: dict):
+    """An input item as the SDK's ``ResponseItem`` member of its type, validated strictly (every field the
+    SDK requires, each of its type)."""
+    from openai.types.responses import (ResponseFunctionToolCallItem, ResponseFunctionToolCallOutputItem,
+                                        ResponseInputMessageItem, ResponseOutputMessage, ResponseReasoningItem)
+    kinds = {"function_call": ResponseFunctionToolCallItem, "function_call_output": ResponseFunctionToolCallOutputItem,
+             "reasoning": ResponseReasoningItem}
+    if raw["type"] == "message":
+        return (ResponseOutputMessage if raw["role"] == "assistant" else ResponseInputMessageItem).model_validate(raw)
+    return kinds[raw["type"]].model_validate(raw)
+
+
+def test_input_items_are_the_inputs_of_the_chain(server, client):
+    """OpenAI's ``GET /v1/responses/{id}/input_items`` (``client.responses.input_items.list``): the items the
+    response was made from — the ``previous_response_id`` chain's inputs and outputs, then its own input —
+    latest first by default, each with its ``id`` (its own, else a new ``msg_...``); pages of ``limit``,
+    ``after`` the last id of a page (the SDK's auto-paging); each item parses as the SDK's type."""
+    first_input = [{"role": "developer", "content": "Be brief."},
+                   {"role": "user", "content": [{"type": "input_text", "text": "Weather"},
+                                                {"type": "input_text", "text": " in Paris?"}], "id": "msg_mine"},
+                   _call("call_a"), _call_output("call_a")]
+    r1 = client.responses.create(model=MODEL, input=first_input, tools=[WEATHER], max_output_tokens=3, temperature=0)
+    r2 = client.responses.create(model=MODEL, input="And Oslo?", previous_response_id=r1.id, tools=[WEATHER],
+                                 max_output_tokens=3, temperature=0)
+    asc = list(client.responses.input_items.list(r2.id, order="asc", limit=2))  # (3 pages, followed by the SDK)
+    assert [(i.type, getattr(i, "role", None)) for i in asc] == [
+        ("message", "developer"), ("message", "user"), ("function_call", None), ("function_call_output", None),
+        *[(o.type, getattr(o, "role", None)) for o in r1.output], ("message", "user")]
+    assert asc[1].id == "msg_mine" and asc[1].content[0].text == "Weather" and asc[1].content[1].text == " in Paris?"
+    assert asc[0].id.startswith("msg_") and asc[-1].id.startswith("msg_") and len({i.id for i in asc}) == len(asc)
+    assert asc[2].call_id == "call_a" and asc[3].output == '{"temperature": 21}' and asc[3].id.startswith("fco_")
+    assert [i.id for i in asc[4:-1]] == [o.id for o in r1.output]  # the previous output, as it was returned
+    assert asc[-1].content[0].type == "input_text" and asc[-1].content[0].text == "And Oslo?"
+    default = list(client.responses.input_items.list(r2.id))
+    assert [i.id for i in default] == [i.id for i in reversed(asc)]  # desc by default
+    own = list(client.responses.input_items.list(r1.id, order="asc"))  # the first response: its own input only
+    assert [i.id for i in own] == [i.id for i in asc[:4]]
+
+    page = httpx.get(f"{server.url}/v1/responses/{r2.id}/input_items", params={"limit": 2}).json()
+    assert page["object"] == "list" and page["has_more"] is True
+    assert [i["id"] for i in page["data"]] == [page["first_id"], page["last_id"]] == [asc[-1].id, asc[-2].id]
+    for raw in page["data"]:
+        _typed_item(raw)
+    nxt = httpx.get(f"{server.url}/v1/responses/{r2.id}/input_items",
+                    params={"limit": 100, "after": page["last_id"]}).json()
+    assert [i["id"] for i in nxt["data"]] == [i.id for i in reversed(asc[:-2])] and nxt["has_more"] is False
+    for raw in nxt["data"]:
+        _typed_item(raw)
+    end = httpx.get(f"{server.url}/v1/responses/{r2.id}/input_items", params={"after": asc[0].id}).json()
+    assert end == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+
+
+def test_input_items_of_a_reasoning_item_and_an_assistant_message_parse(server, client):
+    """The items a client copies back (a reasoning item, an assistant message of parts, a function call
+    output of parts) are listed as the SDK's types: ``summary_text`` / ``reasoning_text`` parts,
+    ``output_text`` parts with ``annotations``, ``input_text`` output parts."""
+    given = [{"role": "user", "content": "q"},
+             {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}],
+              "content": [{"type": "reasoning_text", "text": "hmm"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]},
+             _call("call_p"),
+             {"type": "function_call_output", "call_id": "call_p", "output": [{"type": "input_text", "text": "r"}]}]
+    r = _post(server, {"input": given, "tools": [WEATHER], "max_output_tokens": 2})
+    assert r.status_code == 200, r.text
+    listed = httpx.get(f"{server.url}/v1/responses/{r.json()['id']}/input_items", params={"order": "asc"}).json()
+    typed = [_typed_item(raw) for raw in listed["data"]]
+    assert typed[1].id.startswith("rs_") and typed[1].summary[0].text == "s" and typed[1].content[0].text == "hmm"
+    assert typed[2].role == "assistant" and typed[2].content[0].text == "a" and typed[2].status == "completed"
+    assert typed[4].output[0].text == "r"
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "ten"}, "limit"), ({"limit": -1}, "limit"),
+    ({"order": "up"}, "order"), ({"after": "msg_elsewhere"}, "after"), ({"before": "msg_x"}, "before"),
+])
+def test_input_items_bad_parameters_are_400_naming_them(server, params, param):
+    rid = _post(server, {"input": "Page me.", "max_output_tokens": 2}).json()["id"]
+    r = httpx.get(f"{server.url}/v1/responses/{rid}/input_items", params=params)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_input_items_of_no_stored_response_are_404(server, client):
+    unstored = _post(server, {"input": "Forget me.", "max_output_tokens": 2, "store": False}).json()["id"]
+    for rid in (unstored, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as info:
+            list(client.responses.input_items.list(rid))
+        assert info.value.body["code"] == "response_not_found" and info.value.body["param"] == "response_id"
+
+
+def test_the_stored_size_counts_the_input_items():
+    """The store's byte accounting counts a response's listed input items too."""
+    from hyla.server.protocol import text_chars
+
+    items = [{"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "x" * 500}]}]
+    bare, full = StoredResponse({"id": "a"}, []), StoredResponse({"id": "a"}, [], items)
+    assert stored_size(full) == stored_size(bare) + text_chars(items, keys=True)
+    store = ResponseStore()
+    store.put(full)
+    assert store.bytes == stored_size(full)
+
+
+# --------------------------------------------------------------------------------------------
+# an item twice in the conversation
+# --------------------------------------------------------------------------------------------
+def _duplicate(r: httpx.Response, item_id: str) -> None:
+    """``r`` is OpenAI's 400 for an item already in the conversation."""
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": f"Duplicate item found with id {item_id}. Remove duplicate items from "
+                                            f"your input and try again.", "type": "invalid_request_error",
+                                 "param": "input", "code": None}
+
+
+def test_an_item_already_in_the_conversation_is_400(server):
+    """As OpenAI: an input item whose id an item of the ``previous_response_id`` chain has (an item
+    reference to the previous output, the output copied back, an input item sent again), or an earlier
+    item of the same input, is a 400 (it rendered twice); new items beside the chain are fine."""
+    ask = {"role": "user", "content": "Name a river.", "id": "msg_ask"}
+    first = _post(server, {"input": [ask], "max_output_tokens": 3, "temperature": 0}).json()
+    out = first["output"][0]
+    base = {"previous_response_id": first["id"], "max_output_tokens": 2}
+    _duplicate(_post(server, {**base, "input": [{"type": "item_reference", "id": out["id"]}]}), out["id"])
+    _duplicate(_post(server, {**base, "input": [out]}), out["id"])
+    _duplicate(_post(server, {**base, "input": [{"role": "user", "content": "Again", "id": "msg_ask"}]}), "msg_ask")
+    _duplicate(_post(server, {"input": [ask, {"id": out["id"]}, {"type": "item_reference", "id": out["id"]}],
+                              "max_output_tokens": 2}), out["id"])
+    _duplicate(_post(server, {"input": [ask, {**ask, "content": "Twice"}], "max_output_tokens": 2}), "msg_ask")
+    fine = _post(server, {**base, "input": [{"role": "user", "content": "Another?", "id": "msg_other"}]})
+    assert fine.status_code == 200, fine.text
+    again = _post(server, {"input": [ask, {"id": out["id"]}], "max_output_tokens": 2})  # (no chain: once each)
+    assert again.status_code == 200, again.text
+
+
+# --------------------------------------------------------------------------------------------
+# logprobs, top_logprobs, max_tool_calls
+# --------------------------------------------------------------------------------------------
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def _rounded(entries) -> list:
+    """Logprob entries with their logprobs to 2 decimals (the same prompt's logits differ by a few ULPs
+    between batches and cache hits)."""
+    def r(e: dict) -> dict:
+        return {**e, "logprob": round(e["logprob"], 2)}
+    return [{**r(e), "top_logprobs": [r(t) for t in e["top_logprobs"]]} for e in entries]
+
+
+def test_logprobs_are_the_chat_completions(server, client):
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` (was a 400): the message's
+    ``output_text`` carries the chat completion's logprobs for the same conversation (the SDK's
+    ``Logprob``: token, logprob, bytes, top_logprobs), whole and streamed: the deltas' logprobs joined are
+    the ``.done`` event's and the final response's. ``top_logprobs`` is echoed; without the ``include``
+    there are none."""
+    from openai.types.responses import Response
+
+    ask = "Tell me about rivers."
+    r = client.responses.create(model=MODEL, input=ask, instructions=INSTRUCTIONS, max_output_tokens=8,
+                                temperature=0, include=LOGPROBS, top_logprobs=2)
+    chat = client.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": ask}],
+                                          max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    part = r.output[0].content[0]
+    assert _rounded(lp.model_dump() for lp in part.logprobs) == \
+        _rounded(c.model_dump() for c in chat.choices[0].logprobs.content)
+    assert len(part.logprobs) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert r.top_logprobs == 2
+    body = {"input": ask, "instructions": INSTRUCTIONS, "max_output_tokens": 8, "temperature": 0,
+            "include": LOGPROBS, "top_logprobs": 2}
+    full = _post(server, body).json()
+    Response.model_validate(full)  # (strictly: the logprobs' every field)
+    data = [d for _, d in _stream_events(server, body)]
+    streamed = [lp for d in data if d["type"] == "response.output_text.delta" for lp in d["logprobs"]]
+    (done,) = [d["logprobs"] for d in data if d["type"] == "response.output_text.done"]
+    final = data[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    shaped = [{"token": e["token"], "logprob": e["logprob"], "top_logprobs": [
+        {"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]} for e in final]
+    assert streamed == done == shaped  # (the delta events' shape: no bytes)
+    # each delta carries its own tokens' logprobs, as they come
+    assert all(d["logprobs"] for d in data if d["type"] == "response.output_text.delta" and d["delta"])
+    assert _rounded(final) == _rounded(full["output"][0]["content"][0]["logprobs"])
+    events = list(client.responses.create(model=MODEL, stream=True, **body))  # the SDK parses the stream
+    assert [lp.token for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == \
+        [e["token"] for e in shaped]
+    plain = client.responses.create(model=MODEL, input=ask, max_output_tokens=4, temperature=0, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs is None and plain.top_logprobs == 2
+    alone = client.responses.create(model=MODEL, input=ask, max_output_tokens=4, temperature=0, include=LOGPROBS)
+    assert alone.top_logprobs is None and all(lp.top_logprobs == [] for lp in alone.output[0].content[0].logprobs)
+
+
+# a thinking model's answer with text and a call, in ASCII, in chunks of several tokens (_script_tokens); the
+# second chunk's text ends in the call marker's first characters (spelled in plain tokens)
+SCRIPTED_TOKENS = ["<think>\nhmm, Paris\n</think>\n\n", "Let me", " check.\n<tool",
+                   '_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>']
+
+
+def _script_tokens(monkeypatch, engine, pieces: list[str], fail: BaseException | None = None,
+                   abort: str | None = None) -> list[int]:
+    """Make ``engine`` answer every request with ``pieces``, one chunk each (its tokens), the ``i``-th token of
+    the answer with logprob ``-(i + 1) / 100`` and one alternative; ``fail``: raised after the text instead
+    of finishing; ``abort``: the cause of an engine abort instead of the finish. The answer's ids."""
+    tokenizer = engine.tokenizer
+    chunks_ids = [tokenizer.encode(piece, add_special_tokens=False) for piece in pieces]
+
+    async def generate(*args, rid=None, **kwargs):
+        async def chunks():
+            n = 0
+            for k, (piece, ids) in enumerate(zip(pieces, chunks_ids)):
+                last = k == len(pieces) - 1
+                finish = None
+                if last and abort is not None:
+                    finish = {"type": "abort", "message": f"{abort}: gave up", "cause": abort}
+                elif last and fail is None:
+                    finish = {"type": "stop"}
+                lps = [-(n + j + 1) / 100 for j in range(len(ids))]
+                n += len(ids)
+                yield {"text": piece, "output_ids": ids, "meta_info": {
+                    "id": rid, "prompt_tokens": 5, "completion_tokens": n, "cached_tokens": 0,
+                    "finish_reason": finish, "output_token_logprobs": [(lp, tid, None) for lp, tid in zip(lps, ids)],
+                    "output_top_logprobs": [[(lp, tid), (-9.0, 0)] for lp, tid in zip(lps, ids)]}}
+            if fail is not None:
+                raise fail
+        return _EngineStream(chunks())
+
+    monkeypatch.setattr(engine, "async_generate", generate)
+    return [tid for ids in chunks_ids for tid in ids]
+
+
+class _EngineStream:
+    """Chunks as the engine's stream gives them: iterated, and closed by a generation that ends first."""
+
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def __aiter__(self):
+        return self.chunks
+
+    def close(self) -> None:
+        pass
+
+
+def _starts(tokenizer, ids: list[int]) -> list[int]:
+    """Where each token starts in the text of ``ids`` (ASCII: the length of the text before it)."""
+    return [len(tokenizer.decode(ids[:i], skip_special_tokens=False)) for i in range(len(ids))]
+
+
+def test_logprobs_are_the_message_texts_only(server, engine, monkeypatch):
+    """A thinking model's answer with a call (scripted): the message's logprobs are those of the tokens
+    from the end of the reasoning (``</think>``) to the first call's marker — not the reasoning's, not the
+    call's — whole and streamed (the deltas' joined are the whole list, and the final response's; a delta
+    sent while the text ends in a marker's start leaves out the tokens that could be the marker's)."""
+    from hyla.server.reasoning import ReasoningParser
+
+    state = server.app.state.server
+    ids = _script_tokens(monkeypatch, engine, SCRIPTED_TOKENS)
+    state.reasoning_parser = ReasoningParser("qwen3")
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER], "include": LOGPROBS, "top_logprobs": 1}
+    try:
+        full = _post(server, body).json()
+        data = [d for _, d in _stream_events(server, body)]
+    finally:
+        state.reasoning_parser = None
+    assert [o["type"] for o in full["output"]] == ["reasoning", "message", "function_call"]
+    text = "".join(SCRIPTED_TOKENS)
+    start, end = text.index("</think>") + len("</think>"), text.index("<tool_call>")
+    expected = [-(i + 1) / 100 for i, at in enumerate(_starts(engine.tokenizer, ids)) if start <= at < end]
+    logprobs = full["output"][1]["content"][0]["logprobs"]
+    assert [e["logprob"] for e in logprobs] == expected and expected
+    assert "".join(e["token"] for e in logprobs).strip() == full["output"][1]["content"][0]["text"] == "Let me check."
+    streamed = [lp["logprob"] for d in data if d["type"] == "response.output_text.delta" for lp in d["logprobs"]]
+    assert streamed == expected
+    assert data[-1]["response"]["output"][1]["content"][0]["logprobs"] == logprobs
+
+
+@pytest.mark.parametrize("body, param", [
+    pytest.param({"top_logprobs": 21}, "top_logprobs", id="top-logprobs-over-20"),
+    pytest.param({"top_logprobs": -1}, "top_logprobs", id="negative-top-logprobs"),
+    pytest.param({"max_tool_calls": 0}, "max_tool_calls", id="zero-max-tool-calls"),
+    pytest.param({"max_tool_calls": "2"}, "max_tool_calls", id="string-max-tool-calls"),
+])
+def test_logprobs_and_max_tool_calls_bounds(server, body, param):
+    r = _post(server, {"input": "hi", "max_output_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_max_tool_calls_is_accepted_and_echoed(server, client):
+    """``max_tool_calls`` bounds built-in tool calls at OpenAI; hyla has none: accepted, echoed, no effect."""
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0}
+    plain = _post(server, body).json()
+    bounded = client.responses.create(model=MODEL, max_tool_calls=1, **body)
+    assert bounded.max_tool_calls == 1 and plain["max_tool_calls"] is None
+    assert _without_ids(bounded.model_dump(exclude_unset=True)) == _without_ids({**plain, "max_tool_calls": 1})
+
+
+# --------------------------------------------------------------------------------------------
+# an error mid-stream
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("failure, code, failed_code", [
+    pytest.param({"fail": RuntimeError("boom")}, "internal_error", "server_error", id="engine-failure"),
+    pytest.param({"abort": "grammar"}, "grammar_error", "invalid_prompt", id="grammar-abort"),
+])
+def test_an_error_mid_stream_is_openais_error_and_failed_events(server, client, engine, monkeypatch, failure, code,
+                                                                failed_code):
+    """An engine failure after the stream started (was ``data: {"error": ...}`` and ``[DONE]``, chat's
+    shape): OpenAI's ``error`` event (``code``, ``message``, ``param``, numbered) then ``response.failed``
+    (the response, ``status`` failed, its ``error``), which the SDK parses as ``ResponseErrorEvent`` and
+    ``ResponseFailedEvent``; the failed response is not stored. Chat's stream keeps its own shape."""
+    from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
+
+    _script_tokens(monkeypatch, engine, ["Let me", " check the weather."], **failure)
+    body = {"input": "What is the weather in Paris?"}
+    events = _stream_events(server, body)
+    assert [name for name, _ in events] == [d["type"] for _, d in events]
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    assert [d["type"] for _, d in events][-2:] == ["error", "response.failed"]
+    error, failed = events[-2][1], events[-1][1]
+    assert error["code"] == code and error["message"] and set(error) == {"type", "code", "message", "param",
+                                                                        "sequence_number"}
+    ResponseErrorEvent.model_validate(error)
+    ResponseFailedEvent.model_validate(failed)
+    assert failed["response"]["status"] == "failed" and failed["response"]["error"]["code"] == failed_code
+    assert httpx.get(f"{server.url}/v1/responses/{failed['response']['id']}").status_code == 404
+
+    parsed = list(client.responses.create(model=MODEL, stream=True, **body))
+    assert isinstance(parsed[-2], ResponseErrorEvent) and parsed[-2].code == code
+    assert isinstance(parsed[-1], ResponseFailedEvent) and parsed[-1].response.error.code == failed_code
+    with client.responses.stream(model=MODEL, **body) as helper:
+        assert [e.type for e in helper][-2:] == ["error", "response.failed"]
+
+    with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == code and lines[-1] == "data: [DONE]"
+
+
+# --------------------------------------------------------------------------------------------
+# POST /v1/responses/input_tokens
+# --------------------------------------------------------------------------------------------
+def _count(server, body: dict) -> httpx.Response:
+    return httpx.post(server.url + "/v1/responses/input_tokens", json={"model": MODEL, **body}, timeout=60)
+
+
+def test_input_tokens_are_the_responses_prompt(server, client):
+    """OpenAI's ``POST /v1/responses/input_tokens`` (``client.responses.input_tokens.count``): the prompt
+    tokens the same ``POST /v1/responses`` body renders to — instructions, tools, a previous response's
+    conversation — without generating anything; ``model`` may be left out."""
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?", instructions=INSTRUCTIONS,
+                                    tools=[WEATHER], max_output_tokens=4, temperature=0)
+    follow = {"input": [{"role": "user", "content": "And in Oslo?"}], "instructions": INSTRUCTIONS,
+              "tools": [WEATHER], "previous_response_id": first.id}
+    counted = client.responses.input_tokens.count(model=MODEL, **follow)
+    assert counted.object == "response.input_tokens"
+    made = client.responses.create(model=MODEL, max_output_tokens=2, temperature=0, **follow)
+    assert counted.input_tokens == made.usage.input_tokens
+    assert client.responses.input_tokens.count(input="hi").input_tokens == \
+        client.responses.create(model=MODEL, input="hi", max_output_tokens=1).usage.input_tokens
+    before = _count(server, {"input": "Count me."})
+    assert before.status_code == 200 and before.json() == {"object": "response.input_tokens",
+                                                           "input_tokens": before.json()["input_tokens"]}
+
+
+@pytest.mark.parametrize("body, param", [
+    pytest.param({"input": "hi", "frobnicate": 1}, "frobnicate", id="unknown-field"),
+    pytest.param({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type", id="bad-item-type"),
+    pytest.param({"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id",
+                 id="unknown-previous-response"),
+    pytest.param({"input": [{"type": "item_reference", "id": "msg_unknown"}]}, "input.0.id", id="unknown-reference"),
+    pytest.param({"input": [{"role": "user", "content": "a", "id": "msg_1"}, {"role": "user", "content": "b",
+                                                                               "id": "msg_1"}]}, "input",
+                 id="duplicate-item"),
+    pytest.param({"input": [_call_output("call_orphan")]}, "input", id="orphan-call-output"),
+    pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+                 "tool_choice", id="unknown-function"),
+    pytest.param({"input": "hi", "model": "nope"}, "model", id="unknown-model"),
+])
+def test_input_tokens_refuse_what_responses_refuse(server, body, param):
+    counted, made = _count(server, body), _post(server, body)
+    assert counted.status_code == made.status_code and counted.status_code in (400, 404), counted.text
+    assert counted.json() == made.json() and counted.json()["error"]["param"] == param

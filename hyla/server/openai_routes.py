@@ -118,7 +118,7 @@ class OpenAIRoutes:
             logprobs = None
             if body.logprobs is not None:
                 offsets = TextOffsets(engine.tokenizer, id_lists[p], body.skip_special_tokens, start=len(prefix))
-                logprobs = completion_logprobs(engine.tokenizer, *_logprobs(c), offsets, end=len(text))
+                logprobs = completion_logprobs(engine.tokenizer, *choice_logprobs(c), offsets, end=len(text))
                 if echoed is not None:
                     logprobs = _prompt_logprobs(engine.tokenizer, c, prompts[p], prefix).extend(logprobs)
             choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
@@ -217,7 +217,7 @@ class OpenAIRoutes:
                             for t in calls] or None)
             choices.append(ChatChoice(
                 index=c.index, message=message, finish_reason="tool_calls" if calls and finish == "stop" else finish,
-                logprobs=chat_logprobs(engine.tokenizer, *_logprobs(c)) if body.logprobs else None,
+                logprobs=chat_logprobs(engine.tokenizer, *choice_logprobs(c)) if body.logprobs else None,
                 token_ids=list(c.output_ids) if body.return_token_ids else None))
         return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
                                                    usage=usage(gen.choices, body.n),
@@ -567,7 +567,7 @@ def _prompt_logprobs(tokenizer: Tokenizer | None, choice: Choice, prompt: str | 
     return completion_logprobs(tokenizer, lps, choice.input_top_logprobs or [], offsets, end=len(echoed))
 
 
-def _logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:
+def choice_logprobs(choice: Choice) -> tuple[Logprobs, TopLogprobs]:
     """A finished choice's ``(logprob, token_id)`` per token and top alternatives."""
     return [(lp, tid) for lp, tid, _ in choice.token_logprobs or ()], choice.top_logprobs or []
 

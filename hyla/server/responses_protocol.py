@@ -1,7 +1,8 @@
 """Request and response bodies of OpenAI's Responses API (``POST /v1/responses``,
-``GET /v1/responses/{id}``), as pydantic models, with ``protocol.py``'s rules: strict types, unknown
-fields refused (400 naming the field), a lone UTF-16 surrogate refused, ``null`` for an optional
-field is its default, a rule over several fields names the field that breaks it (``FieldError``).
+``GET /v1/responses/{id}``, ``POST /v1/responses/input_tokens``), as pydantic models, with ``protocol.py``'s
+rules: strict types, unknown fields refused (400 naming the field), a lone UTF-16 surrogate refused,
+``null`` for an optional field is its default, a rule over several fields names the field that breaks it
+(``FieldError``).
 
 Supported (docs/server.md): ``input`` as a string (one user message) or a list of items — messages
 (``role`` user / system / developer / assistant, content a string or ``input_text`` /
@@ -10,9 +11,11 @@ client copies back from an earlier response's ``output``), ``item_reference`` (s
 stored response, by id) — ``instructions``,
 ``previous_response_id``, ``store``, ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``
 (hyla's extra), ``stream``, function ``tools``, ``tool_choice``, ``parallel_tool_calls``,
-``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``reasoning`` (accepted,
+``text.format`` (text / json_object / json_schema), ``metadata``, ``user``, ``top_logprobs`` (0 to 20) with
+``include: ["message.output_text.logprobs"]`` (the message text's logprobs), ``max_tool_calls`` (a bound on
+built-in tool calls, of which hyla has none: echoed, no effect), ``reasoning`` (accepted,
 no effect: a model thinks as its chat template says); what the Agents SDK and Codex send by default
-is accepted and ignored (``include``, ``prompt_cache_key``, ``prompt_cache_retention``,
+is accepted and ignored (``include``'s other values, ``prompt_cache_key``, ``prompt_cache_retention``,
 ``safety_identifier``, ``truncation: "disabled"``,
 ``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's ``phase``.
 Anything else (other item or content types, other tool types, ``background``...) is a 400 naming it.
@@ -32,6 +35,8 @@ from hyla.server.protocol import (
     check_stream_options, default_if_null,
 )
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat's too)
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include value that asks for the message's logprobs
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -294,12 +299,15 @@ class ResponsesRequest(_Request):
     cache_salt: str | None = None
     # what clients send by default and hyla accepts without acting on (the Agents SDK and Codex send
     # include; Codex prompt_cache_key, which the exact prefix cache needs no hint for)
-    include: list[str] | None = None  # nothing extra to include: no encrypted reasoning, no logprobs
+    include: list[str] | None = None  # only LOGPROBS_INCLUDE acts (no encrypted reasoning, ...)
     prompt_cache_key: str | None = None  # (hyla route routes by it)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (drop the oldest items to fit) is not supported
     service_tier: str | None = None
+    # logprobs of the message text: served with include ["message.output_text.logprobs"] (wants_logprobs)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tool_calls: int | None = Field(None, ge=1)  # OpenAI's bound on built-in tool calls: hyla has none (echoed)
 
     _null_is_default = field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")(default_if_null)
     _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
@@ -384,6 +392,11 @@ class ResponsesRequest(_Request):
             return [MessageItem(role="user", content=self.input)]
         return list(self.input)
 
+    def wants_logprobs(self) -> bool:
+        """Whether the message's ``output_text`` carries ``logprobs`` (``include`` asks for them; ``top_logprobs``
+        alone only says how many alternatives, as OpenAI's)."""
+        return LOGPROBS_INCLUDE in (self.include or ())
+
     def text_format(self) -> TextFormat:
         return self.text.format if self.text is not None and self.text.format is not None else TextFormat(type="text")
 
@@ -396,6 +409,13 @@ class ResponsesRequest(_Request):
         if self.tool_choice is None:
             return "auto"
         return self.tool_choice if isinstance(self.tool_choice, str) else self.tool_choice.model_dump()
+
+
+class InputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens``: a Responses request whose prompt is counted, not answered, checked by
+    the same rules; ``model`` may be left out (the served model), as the SDK's type allows."""
+
+    model: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,6 +442,13 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(BaseModel):
+    """A failed response's ``error`` (the SDK's ``ResponseError``: ``code`` one of OpenAI's, ``failure_code``)."""
+
+    code: Literal["server_error", "rate_limit_exceeded", "invalid_prompt"]
+    message: str
+
+
 class ResponseObject(BaseModel):
     """A response, as returned, streamed in ``response.completed`` and stored. ``output`` holds
     plain dicts (the output items, docs/server.md)."""
@@ -430,9 +457,9 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    status: Literal["in_progress", "completed", "incomplete", "cancelled"]
+    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: IncompleteDetails | None = None
-    error: None = None
+    error: ResponseError | None = None
     instructions: str | None = None
     previous_response_id: str | None = None
     output: list[dict[str, Any]] = Field(default_factory=list)
@@ -443,6 +470,8 @@ class ResponseObject(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] = Field(default_factory=dict)

@@ -1,35 +1,43 @@
-"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``.
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{response_id}``,
+``GET /v1/responses/{response_id}/input_items`` and ``POST /v1/responses/input_tokens``.
 
-A response is a chat completion underneath. A request, top-down: check the model; the
-conversation is the stored conversation of ``previous_response_id`` (its input and output, without
-its ``instructions``), then this request's ``input`` items (an ``item_reference`` replaced by the
-stored output item it names: ``resolve``) as chat messages (``items_to_messages``;
+A response is a chat completion underneath. A request, top-down (``ResponsesRoutes.prompt``): check the
+model; the conversation is the stored conversation of ``previous_response_id`` (its input and output,
+without its ``instructions``), then this request's ``input`` items (an ``item_reference`` replaced by the
+stored output item it names: ``resolve``; an item whose id the conversation already holds is a 400:
+``check_duplicates``) as chat messages (``items_to_messages``;
 a ``function_call_output`` must answer an earlier ``function_call``: ``input_conversation``);
 ``instructions`` goes first as a system message; the whole is validated as a
 ``ChatCompletionRequest`` (one choice) and rendered with ``render_chat``, with the same message-end
 checkpoints as a chat completion, so a chained turn renders the previous turn's prompt and answer as
-the same token prefix and the prefix cache hits it; one ``Job``; the output is split as a chat
-completion's (reasoning parser, then tool-call parser) into output items (``output_items``):
-reasoning, message, function calls. With ``store`` (the default) the response and its conversation
-are kept in memory (``ResponseStore``, LRU, bounded in number and size) for ``GET`` and
-``previous_response_id``.
+the same token prefix and the prefix cache hits it (``input_tokens`` stops here and counts the tokens);
+one ``Job``; the output is split as a chat completion's (reasoning parser, then tool-call parser) into
+output items (``output_items``): reasoning, message (with ``include: ["message.output_text.logprobs"]``
+its text's logprobs: chat's entries of the tokens between the reasoning and the first call,
+``_Turn.message_logprobs``), function calls. With ``store`` (the default) the response, its conversation
+and its input items as listed (``listed_item``: the chain's, then its own, each with an id) are kept in
+memory (``ResponseStore``, LRU, bounded in number and size) for ``GET``, ``input_items`` (``item_page``)
+and ``previous_response_id``.
 
 Streaming sends OpenAI's typed events (``event: <type>`` + ``data: {...}`` with a
 ``sequence_number``): ``response.created``, ``response.in_progress``, the output items as they
 grow, then ``response.completed`` / ``response.incomplete`` with the whole response, the same
-object a non-streaming request returns. Function calls are sent once the output is complete.
+object a non-streaming request returns. Function calls are sent once the output is complete. A
+failure after the stream started ends it with OpenAI's ``error`` event and ``response.failed``
+(``_Turn.failed``), not chat's ``data: {"error": ...}``.
 Fields and semantics: docs/server.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,20 +45,23 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from hyla.server.disaggregation import disaggregation_answer
-from hyla.server.errors import APIError, validation_error
-from hyla.server.generation import Choice, Generation, Job
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, admit_chat, forced_tool_grammar, kept_markers, opens_thinking,
-                                      output_budget, render_chat, thinking_first)
+from hyla.server.errors import APIError, engine_error, validation_error
+from hyla.server.generation import Choice, Generation, Job, chunk_logprobs
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, TextOffsets, admit_chat, chat_logprobs, choice_logprobs,
+                                      forced_tool_grammar, kept_markers, opens_thinking, output_budget, render_chat,
+                                      thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
-    ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseObject, ResponsesRequest, ResponseUsage,
-    _item, output_item_id,
+    InputTokensRequest, ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseError, ResponseObject,
+    ResponsesRequest, ResponseUsage, _item, output_item_id,
 )
 from hyla.server.tool_calls import ToolCall
+from hyla.tokenizer import ChatEncoding
 
 if TYPE_CHECKING:
+    from hyla.engine.engine import Engine
     from hyla.server.app import Server
 
 ENDPOINT = "responses"
@@ -60,6 +71,9 @@ _PARAMS = {"messages": "input", "prompt": "input", "input_ids": "input", "respon
            "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "max_new_tokens": "max_output_tokens", "chat_template_kwargs": "input"}
 _CHAT_TOOL_FUNCTION = re.compile(r"^tools\.(\d+)\.function(?=\.|$)")  # a chat tool's function: a Responses tool
+DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100  # GET .../input_items's page size: OpenAI's default and bound
+# the prefix of a new id for an input item sent without one (as listed by GET .../input_items)
+_INPUT_ITEM_PREFIXES = {MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco", ReasoningItem: "rs"}
 
 
 def _not_found(response_id: str) -> APIError:
@@ -75,6 +89,9 @@ def new_id(prefix: str) -> str:
 class StoredResponse:
     response: dict[str, Any]  # the response object, as returned
     conversation: list[dict[str, Any]]  # chat messages: the chain's inputs and outputs (no instructions)
+    # the input items as GET .../input_items lists them (``listed_item``): the chain's (its inputs and outputs),
+    # then this request's, in order
+    items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -128,11 +145,12 @@ class ResponseStore:
 
 def stored_size(stored: StoredResponse) -> int:
     """What a stored response holds, in bytes as ``ResponseStore.max_bytes`` counts them: the characters
-    of every string and key of the response and of its whole conversation (``text_chars``; a message
-    shared with the responses that continue it counts in each), one for any other value. An estimate
-    (Python holds a character in 1 to 4 bytes, the objects around them aside), made without
-    serializing anything."""
-    return text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
+    of every string and key of the response, of its whole conversation and of its input items
+    (``text_chars``; a message or item shared with the responses that continue it counts in each), one for
+    any other value. An estimate (Python holds a character in 1 to 4 bytes, the objects around them aside),
+    made without serializing anything."""
+    return (text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
+            + text_chars(stored.items, keys=True))
 
 
 def _check_limit(name: str, value: Any) -> None:
@@ -200,6 +218,84 @@ def input_conversation(history: list[dict[str, Any]], items: list[InputItem]) ->
     return history + messages
 
 
+def listed_item(item: InputItem) -> dict[str, Any]:
+    """An input item as ``GET /v1/responses/{id}/input_items`` lists it (the SDK's ``ResponseItem``): its own
+    ``id``, else a new one (``msg_<hex>``, ``fc_``, ``fco_``, ``rs_``); ``status`` as sent, else completed;
+    a message's content as parts (``input_text``; an assistant's ``output_text``); a reasoning item's
+    ``summary`` as ``summary_text`` parts and ``content`` as ``reasoning_text`` ones. ``item`` is resolved
+    (no ``item_reference``: ``ResponsesRoutes.resolve``)."""
+    item_id = item.id or new_id(_INPUT_ITEM_PREFIXES[type(item)])
+    status = item.status or "completed"
+    if isinstance(item, MessageItem):
+        return {"type": "message", "id": item_id, "role": item.role, "status": status,
+                "content": _listed_parts(item.role, item.content)}
+    if isinstance(item, FunctionCallItem):
+        return {"type": "function_call", "id": item_id, "call_id": item.call_id, "name": item.name,
+                "arguments": item.arguments, "status": status}
+    if isinstance(item, FunctionCallOutputItem):
+        output = item.output if isinstance(item.output, str) else _listed_parts("tool", item.output)
+        return {"type": "function_call_output", "id": item_id, "call_id": item.call_id, "output": output,
+                "status": status}
+    out: dict[str, Any] = {"type": "reasoning", "id": item_id, "status": status,
+                           "summary": [{"type": "summary_text", "text": p.text} for p in item.summary]}
+    if item.content is not None:
+        out["content"] = [{"type": "reasoning_text", "text": p.text} for p in item.content]
+    return out
+
+
+def _listed_parts(role: str, content: str | list[Any]) -> list[dict[str, Any]]:
+    texts = [content] if isinstance(content, str) else [part.text for part in content]
+    if role == "assistant":
+        return [{"type": "output_text", "text": text, "annotations": []} for text in texts]
+    return [{"type": "input_text", "text": text} for text in texts]
+
+
+def check_duplicates(chain: list[dict[str, Any]], items: list[InputItem]) -> None:
+    """As OpenAI: an input item whose ``id`` is already in the conversation — an item of the
+    ``previous_response_id`` chain (``chain``: its input and output items), or an earlier one of this
+    input; an ``item_reference`` is the item it names — is a 400 naming ``input``, OpenAI's message."""
+    seen = {item["id"] for item in chain}
+    for item in items:
+        if not item.id:  # (an empty id is none: listed_item gives it one)
+            continue
+        if item.id in seen:
+            raise APIError(400, f"Duplicate item found with id {item.id}. Remove duplicate items from your input and "
+                                f"try again.", param="input")
+        seen.add(item.id)
+
+
+def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """One page of ``items`` as ``GET /v1/responses/{id}/input_items`` answers it (OpenAI's list: ``data``,
+    ``first_id``, ``last_id``, ``has_more``). ``query``: ``order`` (``desc``, the default: the latest item
+    first; or ``asc``), ``limit`` (1 to 100, default 20), ``after`` (an item id of the list: the page starts
+    after it). A bad value is a 400 naming its parameter; so is ``before`` (the SDK pages with ``after``)."""
+    if "before" in query:
+        raise APIError(400, "before is not supported: page with after", param="before")
+    limit = _list_limit(query.get("limit"))
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    after = query.get("after")
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise APIError(400, f"No input item with id {after!r} in this response.", param="after")
+        start = ids.index(after) + 1
+    data = ordered[start:start + limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(ordered)}
+
+
+def _list_limit(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_LIST_LIMIT
+    if not re.fullmatch(r"[0-9]{1,4}", raw) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
+        raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit")
+    return int(raw)
+
+
 def with_instructions(instructions: str | None, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The chat messages of a turn: ``instructions`` and the conversation's leading system and
     developer messages as one system message (chat templates take one system message, first;
@@ -213,18 +309,18 @@ def with_instructions(instructions: str | None, conversation: list[dict[str, Any
     return [{"role": "system", "content": "\n\n".join(parts)}, *conversation[lead:]]
 
 
-def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any]
-                 ) -> list[dict[str, Any]]:
+def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any],
+                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """A response's output items: the reasoning (when the reasoning parser found some), the message
-    (when there is text, or no call), one function call per call. ``ids``: ``reasoning``,
-    ``message`` (item ids), ``calls`` (one item id per call, made here when missing) and ``response``
-    (the response's id, which the items' ids hold: ``output_item_id``)."""
+    (when there is text, or no call; its text's ``logprobs`` where given), one function call per call.
+    ``ids``: ``reasoning``, ``message`` (item ids), ``calls`` (one item id per call, made here when
+    missing) and ``response`` (the response's id, which the items' ids hold: ``output_item_id``)."""
     out: list[dict[str, Any]] = []
     if thoughts is not None:
         out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
                     "content": [{"type": "reasoning_text", "text": thoughts}]})
     if text or not calls:
-        out.append(message_item(ids["message"], text, "completed" if complete else "incomplete"))
+        out.append(message_item(ids["message"], text, "completed" if complete else "incomplete", logprobs))
     fc_ids = ids.setdefault("calls", [])
     while len(fc_ids) < len(calls):
         fc_ids.append(output_item_id("fc", ids["response"], len(fc_ids)))
@@ -234,9 +330,28 @@ def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complet
     return out
 
 
-def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
+    """The assistant message: no content while ``text`` is None (a stream's item added), else one
+    ``output_text`` part, with ``logprobs`` where given (``include: ["message.output_text.logprobs"]``)."""
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    content = [] if text is None else [part]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def delta_logprobs(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The message's logprobs as a text event carries them (the SDK's ``ResponseTextDeltaEvent.Logprob``:
+    ``token``, ``logprob``, ``top_logprobs`` of ``token`` and ``logprob``, no bytes)."""
+    return [{"token": e["token"], "logprob": e["logprob"],
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
+            for e in entries]
+
+
+def failure_code(error: APIError) -> str:
+    """A failed response's ``error.code``, one of OpenAI's (``ResponseError``): by the error's status."""
+    return {429: "rate_limit_exceeded", 400: "invalid_prompt"}.get(error.status, "server_error")
 
 
 def _remap(exc: APIError, body: ResponsesRequest, chat: ChatCompletionRequest | None = None) -> APIError:
@@ -260,6 +375,20 @@ def _remap(exc: APIError, body: ResponsesRequest, chat: ChatCompletionRequest | 
 # --------------------------------------------------------------------------------------------
 # routes
 # --------------------------------------------------------------------------------------------
+@dataclass
+class _Prompt:
+    """A request's turn, rendered: what ``POST /v1/responses`` generates from and ``POST
+    /v1/responses/input_tokens`` counts."""
+
+    engine: Engine
+    chat: ChatCompletionRequest  # the chat completion underneath
+    conversation: list[dict[str, Any]]  # chat messages: the chain's and this input's (no instructions)
+    items: list[dict[str, Any]]  # the input items as listed (StoredResponse.items)
+    encoding: ChatEncoding
+    max_new: int  # the engine's max_new_tokens
+    grammar: dict[str, Any]  # a forced call's grammar, kept markers (sampling params)
+
+
 class ResponsesRoutes:
     """The Responses endpoints of one ``Server``, and the responses they stored."""
 
@@ -271,7 +400,9 @@ class ResponsesRoutes:
     def router(self) -> APIRouter:
         router = APIRouter()
         router.post("/v1/responses")(self.create)
+        router.post("/v1/responses/input_tokens")(self.input_tokens)
         router.get("/v1/responses/{response_id}")(self.retrieve)
+        router.get("/v1/responses/{response_id}/input_items")(self.input_items)
         router.delete("/v1/responses/{response_id}")(self.delete)
         return router
 
@@ -282,10 +413,18 @@ class ResponsesRoutes:
         if stream:
             raise APIError(400, "stream is only supported for background responses, which this server does not "
                                 "run: retrieve a stored response without stream", param="stream")
+        return JSONResponse(self._stored(response_id).response)
+
+    async def input_items(self, response_id: str, request: Request) -> JSONResponse:
+        """OpenAI's ``GET /v1/responses/{id}/input_items``: the input items of a stored response (the chain's
+        and its own: ``StoredResponse.items``), one page (``item_page``); a 404 where none is stored."""
+        return JSONResponse(item_page(self._stored(response_id).items, request.query_params))
+
+    def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
         if stored is None:
             raise _not_found(response_id)
-        return JSONResponse(stored.response)
+        return stored
 
     async def delete(self, response_id: str) -> JSONResponse:
         """OpenAI's ``DELETE /v1/responses/{id}``: the stored response is gone (neither retrieved nor continued
@@ -294,17 +433,52 @@ class ResponsesRoutes:
             raise _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
+    async def input_tokens(self, body: InputTokensRequest) -> JSONResponse:
+        """OpenAI's ``POST /v1/responses/input_tokens``: the prompt tokens ``POST /v1/responses`` would feed
+        the engine for this body (the same checks, the same rendering: ``prompt``); nothing generated or
+        stored. ``model`` left out is the served model."""
+        prompt = await self.prompt(body.model_copy(update={"model": body.model or self.server.model_name}))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.encoding.ids)})
+
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
+        prompt = await self.prompt(body)
+        top_k = (body.top_logprobs or 0) if body.wants_logprobs() else 0
+        params = thinking_first(self.server, prompt.encoding.text,
+                                {**prompt.chat.sampling_params(prompt.max_new, top_k, 0), **prompt.grammar})
+        job = Job(prompt.encoding.ids, params, return_logprob=body.wants_logprobs(),
+                  checkpoints=list(prompt.encoding.boundaries), speculative_checkpoints=True,
+                  namespace=cache_namespace(body.cache_salt))
+        try:
+            answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)
+            if answer is not None:
+                return answer
+            gen = await self.server.start_generation(ENDPOINT, [job], arrival)
+        except APIError as exc:
+            raise _remap(exc, body, prompt.chat) from None
+        turn = _Turn(self, body, prompt, new_id("resp"), params.get("skip_special_tokens", True))
+        if body.stream:
+            return gen.stream(turn.events(gen))
+        (choice,) = await gen.collect(request)
+        return JSONResponse(turn.finish(choice))
+
+    async def prompt(self, body: ResponsesRequest) -> _Prompt:
+        """The turn ``body`` asks for, rendered as a chat completion's prompt: the stored conversation of
+        ``previous_response_id`` (a 400 naming it where none is stored), then the input items (references
+        resolved, no item twice: ``check_duplicates``), ``instructions`` first; each rule broken a 400
+        naming the Responses field."""
         engine = admit_chat(self.server, body.model)
         history: list[dict[str, Any]] = []
+        chain: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
             if previous is None:
                 raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
-            history = previous.conversation
-        conversation = input_conversation(history, self.resolve(body.items()))
+            history, chain = previous.conversation, previous.items + previous.response["output"]
+        items = self.resolve(body.items())
+        check_duplicates(chain, items)
+        conversation = input_conversation(history, items)
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
             encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
@@ -313,23 +487,8 @@ class ResponsesRoutes:
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
-        params = thinking_first(self.server, encoding.text, {**chat.sampling_params(max_new, 0, 0), **grammar})
-        job = Job(encoding.ids, params,
-                  checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
-                  namespace=cache_namespace(body.cache_salt))
-        try:
-            answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)
-            if answer is not None:
-                return answer
-            gen = await self.server.start_generation(ENDPOINT, [job], arrival)
-        except APIError as exc:
-            raise _remap(exc, body, chat) from None
-        in_thinking = opens_thinking(self.server, encoding.text)
-        turn = _Turn(self, body, chat, conversation, new_id("resp"), in_thinking)
-        if body.stream:
-            return gen.stream(turn.events(gen))
-        (choice,) = await gen.collect(request)
-        return JSONResponse(turn.finish(choice))
+        return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], encoding, max_new,
+                       grammar)
 
     def resolve(self, items: list[InputItem]) -> list[InputItem]:
         """The input items, each ``item_reference`` replaced by the stored output item it names; one
@@ -345,8 +504,8 @@ class ResponsesRoutes:
         return out
 
     def _chat_request(self, body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCompletionRequest:
-        """The chat completion underneath (one choice, no logprobs); a rule it breaks is a 400
-        naming the Responses field."""
+        """The chat completion underneath (one choice; logprobs are the job's: ``create``); a rule it breaks
+        is a 400 naming the Responses field."""
         payload: dict[str, Any] = {"model": body.model, "messages": messages,
                                    "parallel_tool_calls": body.parallel_tool_calls}
         for name, value in (("max_completion_tokens", body.max_output_tokens), ("temperature", body.temperature),
@@ -368,15 +527,29 @@ class ResponsesRoutes:
             raise _remap(validation_error(RequestValidationError(exc.errors())), body) from None
 
 
-class _Turn:
-    """One response being made: its request, its chat request, its conversation so far, its ids;
-    ``finish`` builds (and stores) the response object, ``events`` streams it."""
+class _EventWriter:
+    """A stream's events as OpenAI sends them: an ``event: <type>`` line and a ``data:`` line whose JSON
+    holds ``type``, the fields and the ``sequence_number`` (0, 1, 2, ...)."""
 
-    def __init__(self, routes: ResponsesRoutes, body: ResponsesRequest, chat: ChatCompletionRequest,
-                 conversation: list[dict[str, Any]], rid: str, in_thinking: bool):
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, **fields, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Turn:
+    """One response being made: its request, its rendered prompt, its ids; ``finish`` builds (and
+    stores) the response object, ``events`` streams it."""
+
+    def __init__(self, routes: ResponsesRoutes, body: ResponsesRequest, prompt: _Prompt, rid: str,
+                 skip_special_tokens: bool):
         self.routes, self.server = routes, routes.server
-        self.body, self.chat, self.conversation = body, chat, conversation
-        self.rid, self.in_thinking = rid, in_thinking
+        self.body, self.chat, self.prompt = body, prompt.chat, prompt
+        self.rid, self.in_thinking = rid, opens_thinking(routes.server, prompt.encoding.text)
+        self.skip_special_tokens = skip_special_tokens
         self.created_at = int(time.time())
         self.ids: dict[str, Any] = {"reasoning": output_item_id("rs", rid), "message": output_item_id("msg", rid),
                                     "calls": [], "response": rid}
@@ -389,9 +562,9 @@ class _Turn:
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             tools=[t.model_dump() for t in b.tools or ()], tool_choice=b.tool_choice_echo(),
             parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,
-            max_output_tokens=b.max_output_tokens, text=b.text_echo(),
-            reasoning=b.reasoning.model_dump() if b.reasoning is not None else None, metadata=b.metadata or {},
-            store=bool(b.store), user=b.user)
+            max_output_tokens=b.max_output_tokens, max_tool_calls=b.max_tool_calls, top_logprobs=b.top_logprobs,
+            text=b.text_echo(), reasoning=b.reasoning.model_dump() if b.reasoning is not None else None,
+            metadata=b.metadata or {}, store=bool(b.store), user=b.user)
 
     def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
@@ -403,8 +576,48 @@ class _Turn:
             calls = calls if self.chat.parallel_tool_calls else calls[:1]
         return thoughts, text, calls
 
+    # --- the message's logprobs: the tokens of the raw output between the reasoning and the first call ---
+    def content_start(self, text: str) -> int | None:
+        """Where the content starts in the raw output ``text`` (after ``</think>`` where the output is
+        reasoning first; 0 where it has none), or None while it is all reasoning. As the reasoning parser
+        splits ``text`` (``ReasoningStream``), for a whole output, or a stream's once it has sent content."""
+        reasoning = self.server.reasoning_parser
+        if reasoning is None or not (self.in_thinking or text.lstrip().startswith(reasoning.start)):
+            return 0
+        end = text.find(reasoning.end)
+        return None if end < 0 else end + len(reasoning.end)
+
+    def message_span(self, text: str, calls: bool, final: bool) -> tuple[int, float]:
+        """``[start, end)``: the characters of the raw output ``text`` whose tokens' logprobs are the
+        message's — from the content's start (``content_start``) to the first call's marker where the
+        output has calls (``calls``). Not ``final`` (a stream so far): where no marker is whole yet, up
+        to where one could still begin, so that a stream sends no token the whole output leaves out."""
+        start = self.content_start(text)
+        if start is None:
+            return 0, 0
+        if self.chat.tool_choice_mode() == "none" or (final and not calls):
+            return start, math.inf if final else len(text)
+        marker = self.server.tool_call_parser.start
+        end = text.find(marker, start)
+        if end >= 0:
+            return start, end
+        return start, math.inf if final else max(start, len(text) - len(marker) + 1)
+
+    def offsets(self) -> TextOffsets:
+        """Where the output's tokens start in its text."""
+        return TextOffsets(self.prompt.engine.tokenizer, self.prompt.encoding.ids, self.skip_special_tokens)
+
+    def message_logprobs(self, choice: Choice, calls: bool) -> list[dict[str, Any]]:
+        """The logprobs (chat's entries: ``token``, ``logprob``, ``bytes``, ``top_logprobs``) of the tokens
+        that start in the message's span of the whole output (``message_span``)."""
+        lps, tops = choice_logprobs(choice)
+        starts = self.offsets().advance(tid for _, tid in lps)
+        start, end = self.message_span(choice.text, calls, final=True)
+        entries = chat_logprobs(self.prompt.engine.tokenizer, lps, tops).content or []
+        return [e.model_dump() for e, at in zip(entries, starts) if start <= at < end]
+
     def finish(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> dict[str, Any]:
-        """The finished response object (stored with its conversation when ``store``).
+        """The finished response object (stored with its conversation and input items when ``store``).
         ``calls_seen``: the calls a stream found (their call ids are kept)."""
         thoughts, text, calls = self.parse(choice.text)
         for call, seen in zip(calls, calls_seen):
@@ -413,7 +626,8 @@ class _Turn:
         status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "", "completed")
         response = self.skeleton(status)
         response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
-        response.output = output_items(thoughts, text, calls, status == "completed", self.ids)
+        logprobs = self.message_logprobs(choice, bool(calls)) if self.body.wants_logprobs() else None
+        response.output = output_items(thoughts, text, calls, status == "completed", self.ids, logprobs)
         prompt = choice.meta.get("prompt_tokens", 0)
         completion = choice.meta.get("completion_tokens", 0)
         reasoning_tokens = 0
@@ -429,18 +643,30 @@ class _Turn:
         out = response.model_dump()
         if self.body.store:
             outputs = [_item(o, i) for i, o in enumerate(out["output"])]
-            self.routes.store.put(StoredResponse(out, self.conversation + items_to_messages(outputs)))
+            self.routes.store.put(StoredResponse(out, self.prompt.conversation + items_to_messages(outputs),
+                                                 self.prompt.items))
         return out
 
+    def failed(self, event: _EventWriter, error: APIError) -> list[str]:
+        """What a stream sends when it fails after it started (an engine error, an abort): OpenAI's ``error``
+        event (``code``, ``message``, ``param``), then ``response.failed`` with the response, ``status``
+        failed, its ``error`` (``failure_code``) and no output. A failed response is not stored."""
+        response = self.skeleton("failed")
+        response.error = ResponseError(code=failure_code(error), message=error.message)
+        return [event("error", code=error.code, message=error.message, param=error.param),
+                event("response.failed", response=response.model_dump())]
+
     async def events(self, gen: Generation) -> AsyncIterator[str]:
-        seq = 0
+        """The response's stream (``_events``); a failure after it started ends it with ``failed``'s events."""
+        event = _EventWriter()
+        try:
+            async for line in self._events(gen, event):
+                yield line
+        except Exception as exc:
+            for line in self.failed(event, engine_error(exc, ENDPOINT)):
+                yield line
 
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal seq
-            payload = {"type": kind, **fields, "sequence_number": seq}
-            seq += 1
-            return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
+    async def _events(self, gen: Generation, event: _EventWriter) -> AsyncIterator[str]:
         skeleton = self.skeleton().model_dump()
         yield event("response.created", response=skeleton)
         yield event("response.in_progress", response=skeleton)
@@ -448,6 +674,7 @@ class _Turn:
         thinking = reasoning.stream(self.in_thinking) if reasoning is not None else None
         tools = self.server.tool_call_parser.stream(self.chat.template_tools()) \
             if self.chat.tool_choice_mode() != "none" else None
+        logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
         calls: list[ToolCall] = []
         next_index = 0
         rs_index = msg_index = None  # output indices of the open items
@@ -477,18 +704,23 @@ class _Turn:
         def open_message() -> list[str]:
             nonlocal msg_index, msg_open, next_index
             msg_index, msg_open, next_index = next_index, True, next_index + 1
+            part = {"type": "output_text", "text": "", "annotations": []}
+            if logprobs is not None:
+                part["logprobs"] = []
             return [event("response.output_item.added", output_index=msg_index,
                           item=message_item(msg_id, None, "in_progress")),
                     event("response.content_part.added", item_id=msg_id, output_index=msg_index, content_index=0,
-                          part={"type": "output_text", "text": "", "annotations": []})]
+                          part=part)]
 
-        def text_delta(delta: str) -> str:
+        def text_delta(delta: str, entries: list[dict[str, Any]]) -> str:
             return event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
-                         delta=delta, logprobs=[])
+                         delta=delta, logprobs=delta_logprobs(entries))
 
         choice = gen.choices[0]
         async for choice, chunk in gen.events():
             final = choice.finish_reason is not None
+            if logprobs is not None:
+                logprobs.feed(chunk)
             text = chunk["text"]
             if thinking is not None:
                 thought, text = thinking.feed(text, final=final)
@@ -512,7 +744,7 @@ class _Turn:
             if not msg_open:
                 for line in open_message():
                     yield line
-            yield text_delta(pending)
+            yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
             pending = ""
         response = self.finish(choice, calls)
         items = {item["type"]: item for item in response["output"] if item["type"] != "function_call"}
@@ -520,15 +752,17 @@ class _Turn:
             for line in close_reasoning(items["reasoning"]["content"][0]["text"] if "reasoning" in items else ""):
                 yield line
         if "message" in items:
-            text = items["message"]["content"][0]["text"]
+            part = items["message"]["content"][0]
             if not msg_open:
                 for line in open_message():
                     yield line
                 if pending:
-                    yield text_delta(pending)
-            part = items["message"]["content"][0]
+                    yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
+            done_logprobs = part.get("logprobs", [])
+            if logprobs is not None and done_logprobs[logprobs.sent:]:  # (tokens the stream held to the end)
+                yield text_delta("", done_logprobs[logprobs.sent:])
             yield event("response.output_text.done", item_id=msg_id, output_index=msg_index, content_index=0,
-                        text=text, logprobs=[])
+                        text=part["text"], logprobs=delta_logprobs(done_logprobs))
             yield event("response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0,
                         part=part)
             yield event("response.output_item.done", output_index=msg_index, item=items["message"])
@@ -546,3 +780,30 @@ class _Turn:
         # (a cancelled response, aborted by /abort_request, did not complete either)
         yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                     response=response)
+
+
+class _StreamedLogprobs:
+    """The message's logprobs as a stream sends them with its text deltas: each chunk's tokens held
+    (``feed``) until a delta goes out, which takes those that start in the message's span of the output
+    so far (``take``: ``_Turn.message_span``, not final). What a stream takes is the start of the whole
+    response's list (``_Turn.message_logprobs``); the rest goes out at the end."""
+
+    def __init__(self, turn: _Turn):
+        self.turn, self.offsets = turn, turn.offsets()
+        self.held: list[tuple[int, dict[str, Any]]] = []  # (where the token starts, its entry)
+        self.sent = 0  # entries taken so far
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        lps, tops = chunk_logprobs(chunk)
+        starts = self.offsets.advance(tid for _, tid in lps)
+        entries = chat_logprobs(self.turn.prompt.engine.tokenizer, lps, tops).content or []
+        self.held += [(at, e.model_dump()) for at, e in zip(starts, entries)]
+
+    def take(self, text: str) -> list[dict[str, Any]]:
+        """The held entries of the message's tokens the raw output ``text`` so far has shown; those
+        before the span (the reasoning's) dropped."""
+        start, end = self.turn.message_span(text, calls=False, final=False)
+        taken = [e for at, e in self.held if start <= at < end]
+        self.held = [(at, e) for at, e in self.held if at >= end]
+        self.sent += len(taken)
+        return taken
