@@ -332,7 +332,8 @@ def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers
 def test_item_references_go_where_their_response_is_stored(workers):
     """An ``item_reference`` with no ``previous_response_id`` goes to the worker that stores the item's
     response (an output item's id names its response: ``output_item_id``); round robin alone sends one of
-    two references in a row to the other worker, which answers 400 (item not found)."""
+    two references in a row to the other worker, which answers 400 (item not found). So do an
+    ``input_tokens`` count of such a turn (or of a ``previous_response_id`` one) and an ``input_items`` list."""
     made = [_client(w.url).responses.create(model=MODEL, input=f"made on worker {i} " * 4, max_output_tokens=2,
                                             temperature=0) for i, w in enumerate(workers)]
     with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
@@ -342,6 +343,14 @@ def test_item_references_go_where_their_response_is_stored(workers):
                               {"role": "user", "content": "and?"}]}
             answer = httpx.post(r.url + "/v1/responses", json=body, timeout=60)
             assert answer.status_code == 200, answer.text
+        for resp in (made[0], made[0], made[1], made[1]):  # a count of a turn's tokens reads the same response
+            for body in ({"previous_response_id": resp.id, "input": "and?"},
+                         {"input": [{"type": "item_reference", "id": resp.output[-1].id}]}):
+                answer = httpx.post(r.url + "/v1/responses/input_tokens", json={"model": MODEL, **body}, timeout=60)
+                assert answer.status_code == 200 and answer.json()["input_tokens"] > 0, answer.text
+        for resp in (made[0], made[0], made[1], made[1]):
+            answer = httpx.get(f"{r.url}/v1/responses/{resp.id}/input_items", timeout=60)
+            assert answer.status_code == 200 and answer.json()["data"], answer.text
 
 
 def test_errors_and_broadcasts_pass_through(workers, router):

@@ -7,8 +7,9 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/responses``: the policy
   (``policy.Router``: cache-aware by default) on the request's routing key (``routing_key``);
-* ``/v1/responses`` with a ``previous_response_id`` (else with an ``item_reference``, whose id names its
-  response), and ``GET /v1/responses/{id}``: the worker that made that response (it alone stores it):
+* ``/v1/responses`` (and ``/v1/responses/input_tokens``) with a ``previous_response_id`` (else with an
+  ``item_reference``, whose id names its response), and ``GET /v1/responses/{id}`` (``.../input_items``):
+  the worker that made that response (it alone stores it):
   the router reads each response's id as it passes (a stream's from its first event), and asks each
   worker in turn for one it did not see made;
 * ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every healthy worker (the
@@ -51,11 +52,14 @@ A worker is healthy until it fails a request, answers a 503, or its ``/health`` 
 (checked every ``health_interval`` seconds, and at start-up); then it gets no requests until a check
 passes again. A request the worker fails before answering (no connection, a reset), or refuses with
 a 503, is sent to another worker (each at most once); with none left the client gets a 503 with an
-OpenAI-style body. A 429 (the worker's waiting queue is full) sends the request to another worker
-too, the first staying healthy; the client gets the 429 when no worker is left to try, or when the
-request reads a stored response that only that worker holds. A worker failing mid-stream ends the stream with an error event and ``[DONE]``.
-A body over ``max_request_bytes`` is a 413 and reaches no worker. A client that disconnects (from a
-stream, or while waiting for a whole answer) closes the worker's request, which aborts it there.
+OpenAI-style body (or, where no other worker is healthy, the 503 of the last one tried). A 429 (the
+worker's waiting queue is full) sends the request to another worker too, the first staying healthy; the
+client gets the 429 when no worker is left to try, or when the request reads a stored response that only
+that worker holds. A stream passes on whole events only, so a worker failing mid-stream (mid-event) ends it
+with no half event: then an error event and ``[DONE]``, or a Responses stream's ``error`` and
+``response.failed`` events (``_EventCut``). A body over ``max_request_bytes`` is a 413 and reaches no
+worker. A client that disconnects (from a stream, while waiting for a whole answer, or before its body is
+whole) closes the worker's request, which aborts it there, or reaches no worker.
 The router keeps no model and imports no torch: it runs anywhere.
 """
 
@@ -75,6 +79,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.requests import ClientDisconnect
 
 from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
@@ -207,6 +212,21 @@ def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
         return body, routing_key(path, body)
     except (ValueError, RecursionError):  # (not JSON, or nested past Python's recursion limit)
         return None, None
+
+
+def _abort_target(raw: bytes) -> tuple[str | None, bool] | None:
+    """What an ``/abort_request`` body aborts, the workers' rule (``{"rid": ...}`` or ``{"abort_all": true}``):
+    ``(rid, False)`` or ``(None, True)``; None for a body the workers refuse."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    rid, everyone = body.get("rid") or None, body.get("abort_all") is True
+    if everyone == (rid is not None) or not (everyone or isinstance(rid, str)):
+        return None
+    return rid, everyone
 
 
 def _error_code(data: bytes) -> str | None:
@@ -375,9 +395,10 @@ class RouterApp:
 
     async def owner(self, request: Request, path: str, body: Any) -> int | None:
         """The worker holding the stored response this request reads (its ``previous_response_id``, else
-        the response of its first ``item_reference``, whose id names it: ``output_item_id``): the one the
-        router saw make it, else the one that answers for it (asked in turn; then remembered)."""
-        if path == "/v1/responses" and isinstance(body, dict):
+        the response of its first ``item_reference``, whose id names it: ``output_item_id``; a turn or its
+        ``input_tokens`` count; or the response of a ``/v1/responses/{id}...`` path): the one the router saw
+        make it, else the one that answers for it (asked in turn; then remembered)."""
+        if path in ("/v1/responses", "/v1/responses/input_tokens") and isinstance(body, dict):
             rid = body.get("previous_response_id")
             if not isinstance(rid, str):
                 rid = _referenced_response(body.get("input"))
@@ -496,7 +517,7 @@ class RouterApp:
                     continue
                 if ask and upstream.status_code < 400:
                     self.prefills.labels("local").inc()
-                if upstream.status_code == 503 and owner is None and len(tried) + 1 < len(self.workers):
+                if upstream.status_code == 503 and owner is None and self._others_left(i, tried):
                     # the worker is shutting down or its engine is not running: another one may serve it
                     self._retry_elsewhere(w, i, tried, "answered 503")
                     await upstream.aclose()
@@ -532,18 +553,16 @@ class RouterApp:
         return (bool(self.prefill_workers) and request.method == "POST" and path in ROUTED_PATHS and owner is None
                 and isinstance(body, dict) and not is_batch(path, body))
 
-    def note_abort(self, raw: bytes) -> None:
-        """An ``/abort_request`` body (``{"rid": ...}`` or ``{"abort_all": true}``, the workers' rule): the
-        moves it aborts are marked so (a body the workers refuse marks none)."""
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError):
+    async def note_abort(self, raw: bytes) -> None:
+        """An ``/abort_request`` body (``_abort_target``): the moves it aborts are marked so. Read only while a
+        prompt moves, and a large body off the event loop (as ``forward``'s)."""
+        if not self.moves:
             return
-        if not isinstance(body, dict):
+        target = await asyncio.to_thread(_abort_target, raw) if len(raw) > PARSE_IN_THREAD_BYTES \
+            else _abort_target(raw)
+        if target is None:
             return
-        rid, everyone = body.get("rid") or None, body.get("abort_all") is True
-        if everyone == (rid is not None) or not (everyone or isinstance(rid, str)):
-            return
+        rid, everyone = target
         for move in list(self.moves):
             if everyone or move.rid == rid:
                 move.aborted.set()
@@ -674,20 +693,25 @@ class RouterApp:
             raise
         sending.cancel()
         with contextlib.suppress(BaseException):
-            await sending
+            late = await sending  # (it may have come while the disconnect was being checked: closed, not leaked)
+            await late.aclose()
         return None
 
     async def read_body(self, request: Request) -> bytes | Response:
-        """The request's body, or a 413 past ``max_request_bytes`` (read no further)."""
+        """The request's body, or a 413 past ``max_request_bytes`` (read no further), or a 499 where the client
+        leaves before it is whole (nothing reaches a worker; no error logged for a client's leaving)."""
         declared = request.headers.get("content-length")
         if (header_count(declared) or 0) > self.max_request_bytes:
             return self._too_large()
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                return self._too_large()
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_request_bytes:
+                    return self._too_large()
+                chunks.append(chunk)
+        except ClientDisconnect:
+            return Response(status_code=499)
         return b"".join(chunks)
 
     def authorized(self, request: Request) -> bool:
@@ -723,7 +747,9 @@ class RouterApp:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
         the worker's connection closes, when the last chunk is sent or the client has gone (even
         before the first chunk: ``_Relay``). A worker that fails mid-answer is marked unhealthy, and a
-        stream ends as the worker's own failed streams do: an error event, then ``[DONE]``."""
+        stream ends as the worker's own failed streams do, without the event it was cut in (``_EventCut``):
+        an error event, then ``[DONE]``; a Responses stream (``remember``: a ``POST /v1/responses``), OpenAI's
+        ``error`` and ``response.failed`` events."""
         closed = False
         events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -736,6 +762,7 @@ class RouterApp:
 
         async def chunks() -> AsyncIterator[bytes]:
             seen = b""
+            cut = _EventCut() if events else None
             try:
                 async for chunk in upstream.aiter_raw():
                     if remember and len(seen) < 4096:  # a response's id is in its first bytes (or event)
@@ -743,13 +770,16 @@ class RouterApp:
                         m = RESPONSE_ID.search(seen)
                         if m:
                             self._remember(m.group(1).decode(), index)
-                    yield chunk
+                    chunk = cut.whole(chunk) if cut is not None else chunk
+                    if chunk:
+                        yield chunk
+                if cut is not None and cut.pending:
+                    yield cut.pending  # (a stream that ends without a blank line: as it came)
             except httpx.TransportError as exc:
                 self._fail(w, f"failed mid-answer ({exc!r})")
-                if not events:
+                if cut is None:
                     raise  # (the client's connection is dropped: a whole answer cut short must not look complete)
-                error = error_body(f"worker {w.url} failed mid-stream", type="bad_gateway", code="worker_failed")
-                yield f"\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+                yield cut.failed(f"worker {w.url} failed mid-stream", responses=remember)  # (the cut event dropped)
             finally:
                 await close()
         return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream, head)
@@ -762,7 +792,7 @@ class RouterApp:
         if isinstance(raw, Response):
             return raw
         if path == "/abort_request":  # (a request whose prompt moves is on no worker that knows it)
-            self.note_abort(raw)
+            await self.note_abort(raw)
         everyone = self.all_workers()
         live = [(w, table) for w, table in everyone if w.healthy]
         if not live:
@@ -845,6 +875,81 @@ class _Relay(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._close()
+
+
+SSE_EVENT_END = re.compile(rb"\r?\n\r?\n")  # the blank line that ends a server-sent event
+SEQUENCE_NUMBER_END = re.compile(rb'"sequence_number":\s*(\d+)\}\s*$')  # a Responses event's last field
+MAX_HELD_EVENT_BYTES = 1 << 20  # a stream holding back more than this without an event's end passes it on
+
+
+class _EventCut:
+    """A server-sent-event stream relayed by whole events: ``whole`` passes on a chunk's bytes up to the last
+    event's end and holds the rest (``pending``), so that a worker failing mid-event leaves the client no
+    half event (an SDK would fail parsing its JSON, not report the worker's failure); ``failed`` is the
+    stream's end after such a failure. It also notes what a Responses stream's failed end needs: its
+    ``response.created`` event and its last ``sequence_number``."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.created: bytes | None = None  # the first event, where it is response.created (and not huge)
+        self.sequence_number: int | None = None
+        self._first = True
+
+    def whole(self, chunk: bytes) -> bytes:
+        """What of ``pending + chunk`` to pass on now: up to the last event's end (all of it past
+        ``MAX_HELD_EVENT_BYTES``)."""
+        held = self.pending + chunk
+        end = None
+        for end in SSE_EVENT_END.finditer(held, max(0, len(self.pending) - 3)):
+            pass
+        if end is None and len(held) <= MAX_HELD_EVENT_BYTES:
+            self.pending = held
+            return b""
+        cut = end.end() if end is not None else len(held)
+        out, self.pending = held[:cut], held[cut:]
+        if self._first and end is not None:
+            self._first = False
+            first = out[:SSE_EVENT_END.search(out).end()]
+            if first.startswith(b"event: response.created") and len(first) <= 1 << 16:
+                self.created = first
+        m = SEQUENCE_NUMBER_END.search(out[-64:])
+        if m:
+            self.sequence_number = int(m.group(1))
+        return out
+
+    def failed(self, message: str, responses: bool) -> bytes:
+        """The stream's end after the worker failed (what it held back of a cut event dropped): chat's error
+        event and ``[DONE]``; for a Responses stream OpenAI's ``error`` event (``code`` ``worker_failed``) and,
+        once the response was created, ``response.failed`` with it (``status`` failed, ``error``)."""
+        self.pending = b""
+        if not responses:
+            error = error_body(message, type="bad_gateway", code="worker_failed")
+            return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        seq = (self.sequence_number + 1) if self.sequence_number is not None else 0
+        out = _typed_event("error", code="worker_failed", message=message, param=None, sequence_number=seq)
+        response = self._created_response()
+        if response is not None:
+            response.update(status="failed", error={"code": "server_error", "message": message})
+            out += _typed_event("response.failed", response=response, sequence_number=seq + 1)
+        return out
+
+    def _created_response(self) -> dict | None:
+        """The response of the stream's ``response.created`` event, or None."""
+        if self.created is None:
+            return None
+        for line in self.created.splitlines():
+            if line.startswith(b"data:"):
+                try:
+                    response = json.loads(line[5:]).get("response")
+                except (ValueError, AttributeError):
+                    return None
+                return response if isinstance(response, dict) else None
+        return None
+
+
+def _typed_event(kind: str, **fields: Any) -> bytes:
+    """One of OpenAI's typed server-sent events (the Responses API's): ``event:`` and ``data:`` with ``type``."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
 
 
 def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,
