@@ -298,3 +298,69 @@ def test_a_client_leaving_mid_body_is_no_error_and_reaches_no_worker():
             logging.getLogger("uvicorn.error").removeHandler(handler)
         assert _workers_info(r.url)[0]["routed"] == 0
     assert not [e.getMessage() for e in errors]
+
+
+def _silent_worker(released: threading.Event) -> FastAPI:
+    """A hung worker: ``/v1/chat/completions`` streams one event, then nothing; ``/v1/completions`` never
+    answers (until ``released``, or a minute)."""
+    app = FastAPI()
+    app.get("/health")(lambda: JSONResponse({}))
+
+    async def silence() -> None:
+        deadline = time.monotonic() + 60
+        while not released.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    @app.post("/v1/chat/completions")
+    async def stream():
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+            await silence()
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def whole():
+        await silence()
+        return JSONResponse({"choices": []})
+
+    return app
+
+
+def test_a_silent_worker_fails_its_requests_after_the_read_timeout():
+    """With ``read_timeout``, a worker that sends nothing for that long has failed the request: a stream ends
+    with the error event and ``[DONE]``, a request it never answered goes to the other worker, and it is
+    marked unhealthy (no new requests until a health check passes). Without one, the router waits."""
+    released = threading.Event()
+    answering = FastAPI()
+    answering.get("/health")(lambda: JSONResponse({}))
+    answering.post("/v1/completions")(lambda: JSONResponse({"choices": [{"text": "from the other"}]}))
+    try:
+        with _Uvicorn(_silent_worker(released)) as silent, _Uvicorn(answering) as other:
+            with _Uvicorn(create_router_app([silent.url, other.url], policy="round_robin", health_interval=3600,
+                                            read_timeout=1.0)) as r:
+                whole = httpx.post(r.url + "/v1/completions", json={}, timeout=60)  # (round robin: the silent first)
+                assert whole.status_code == 200 and whole.json()["choices"][0]["text"] == "from the other"
+                assert [w["healthy"] for w in _workers_info(r.url)] == [False, True]
+            with _Uvicorn(create_router_app([silent.url], health_interval=3600, read_timeout=1.0)) as r:
+                with httpx.stream("POST", r.url + "/v1/chat/completions", json={"stream": True}, timeout=60) as s:
+                    lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+                assert lines[0].startswith('data: {"choices"') and lines[-1] == "data: [DONE]", lines
+                assert json.loads(lines[-2][6:])["error"]["code"] == "worker_failed"
+                assert not _workers_info(r.url)[0]["healthy"]
+        with _Uvicorn(_silent_worker(released)) as silent, \
+                _Uvicorn(create_router_app([silent.url], health_interval=3600)) as r:
+            waiting = threading.Thread(target=lambda: httpx.post(r.url + "/v1/completions", json={}, timeout=60))
+            waiting.start()
+            time.sleep(2.5)  # (well past the other router's timeout: this one, without, still waits)
+            assert waiting.is_alive() and _workers_info(r.url)[0]["healthy"]
+            released.set()
+            waiting.join(timeout=30)
+    finally:
+        released.set()
+
+
+def test_the_read_timeout_is_checked():
+    import pytest
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="read_timeout"):
+            create_router_app(["http://127.0.0.1:1"], read_timeout=bad)

@@ -57,7 +57,9 @@ worker's waiting queue is full) sends the request to another worker too, the fir
 client gets the 429 when no worker is left to try, or when the request reads a stored response that only
 that worker holds. A stream passes on whole events only, so a worker failing mid-stream (mid-event) ends it
 with no half event: then an error event and ``[DONE]``, or a Responses stream's ``error`` and
-``response.failed`` events (``_EventCut``). A body over ``max_request_bytes`` is a 413 and reaches no
+``response.failed`` events (``_EventCut``). A worker silent for ``read_timeout`` seconds on a forwarded
+request (before its answer, or mid-stream; none by default) has failed it, as one whose connection breaks.
+A body over ``max_request_bytes`` is a 413 and reaches no
 worker. A client that disconnects (from a stream, while waiting for a whole answer, or before its body is
 whole) closes the worker's request, which aborts it there, or reaches no worker.
 The router keeps no model and imports no torch: it runs anywhere.
@@ -283,7 +285,8 @@ class RouterApp:
     def __init__(self, worker_urls: Sequence[str], router: Router, health_interval: float = 5.0,
                  connect_timeout: float = 5.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                  api_key: str | None = None, prefill_urls: Sequence[str] = (),
-                 prefill_router: Router | None = None, local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS) -> None:
+                 prefill_router: Router | None = None, local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS,
+                 read_timeout: float | None = None) -> None:
         urls = check_worker_urls(worker_urls)
         prefill_urls = check_worker_urls(list(worker_urls) + list(prefill_urls))[len(urls):]
         if len(router.tables) != len(urls):
@@ -295,6 +298,8 @@ class RouterApp:
         self.local_prefill_tokens = local_prefill_tokens
         if not health_interval > 0 or not connect_timeout > 0:
             raise ValueError(f"health_interval and connect_timeout must be > 0, got {health_interval}, {connect_timeout}")
+        if read_timeout is not None and not 0 < read_timeout < float("inf"):
+            raise ValueError(f"read_timeout must be > 0 seconds (or None: no limit), got {read_timeout}")
         if max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
         if api_key is not None and not api_key:
@@ -306,8 +311,11 @@ class RouterApp:
         self.prefill_workers = [Worker(u) for u in prefill_urls]
         self.prefill_router = prefill_router
         self.health_interval = health_interval
-        # no read timeout: a long generation streams for minutes; connecting is what fails fast
+        # no read timeout by default: a long generation streams for minutes; connecting is what fails fast
         self.timeout = httpx.Timeout(None, connect=connect_timeout)
+        # a forwarded request's: the longest a worker may send nothing (before its answer, or between two chunks
+        # of a stream) before it has failed the request (broadcasts, owner lookups and imports have their own)
+        self.request_timeout = httpx.Timeout(None, connect=connect_timeout, read=read_timeout)
         self.client: httpx.AsyncClient | None = None
         self.response_owner: OrderedDict[str, int] = OrderedDict()
         self.moves: set[Move] = set()  # the requests whose prompts move now
@@ -476,7 +484,8 @@ class RouterApp:
                     if aborted:
                         sent = {**sent, ABORTED_HEADER: "1"}
                     upstream_request = self.client.build_request(request.method, w.url + path, content=raw,
-                                                                 headers=sent, params=request.query_params.multi_items())
+                                                                 headers=sent, params=request.query_params.multi_items(),
+                                                                 timeout=self.request_timeout)
                     upstream = await self._send(request, upstream_request)
                 except httpx.TransportError as exc:  # no answer: refused, reset, closed before the headers
                     self._retry_elsewhere(w, i, tried, f"failed a request ({exc!r})")
@@ -604,7 +613,8 @@ class RouterApp:
             self.in_flight.labels(w.url).inc()
             try:
                 upstream = await self._send(request, self.client.build_request(
-                    "POST", w.url + path, content=raw, headers=headers, params=request.query_params.multi_items()))
+                    "POST", w.url + path, content=raw, headers=headers, params=request.query_params.multi_items(),
+                    timeout=self.request_timeout))
                 if upstream is None:  # the client left
                     return Response(status_code=499)
                 try:
@@ -957,16 +967,18 @@ def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *
                       health_interval: float = 5.0, connect_timeout: float = 5.0,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: str | None = None,
                       prefill_urls: Sequence[str] = (), local_prefill_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS,
-                      **cors: Any) -> FastAPI:
+                      read_timeout: float | None = None, **cors: Any) -> FastAPI:
     """The router's FastAPI app over ``worker_urls`` (with ``prefill_urls``: the decode workers, and
     those the prefill workers; the module docstring); ``app.state.router`` is its ``RouterApp``. ``cors``:
-    ``hyla.server.cors.add_cors``' options, as a worker's (default: any origin), answered by the router itself."""
+    ``hyla.server.cors.add_cors``' options, as a worker's (default: any origin), answered by the router itself.
+    ``read_timeout``: seconds a worker may send nothing on a forwarded request (before its answer, or between
+    two chunks of a stream) before it has failed it (None, the default: no limit)."""
     def policy_over(urls: Sequence[str]) -> Router:
         return Router(len(urls), policy, cache_threshold, balance_abs, balance_rel, max_blocks)
 
     state = RouterApp(worker_urls, policy_over(check_worker_urls(worker_urls)), health_interval, connect_timeout,
                       max_request_bytes, api_key, prefill_urls, policy_over(prefill_urls) if prefill_urls else None,
-                      local_prefill_tokens)
+                      local_prefill_tokens, read_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

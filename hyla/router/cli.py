@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the header goes on to the workers, so start them with the same key.")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="Seconds between health checks of the workers (default 5).")
+    parser.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="A worker that sends nothing for this long on a request (before its answer, or between "
+                             "two chunks of a stream: a hung worker) has failed it: marked unhealthy, the request "
+                             "sent to another worker where it had not answered yet, a stream ended with an error "
+                             "event. Longer than any queue wait or non-streamed generation you serve (default: no "
+                             "limit).")
     add_cors_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -67,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
                                 max_blocks=args.max_table_blocks, health_interval=args.health_interval,
                                 max_request_bytes=args.max_request_bytes, api_key=args.api_key,
                                 prefill_urls=args.prefill_urls, local_prefill_tokens=args.local_prefill_tokens,
-                                **cors_options(args))
+                                read_timeout=args.read_timeout, **cors_options(args))
     except ValueError as exc:
         print(f"hyla route: error: {exc}", file=sys.stderr)
         return 2
