@@ -443,6 +443,43 @@ def test_family_tool_call_parsers(name):
         assert out.strip() == "Checking." and [c.name for c in got] == ["get_weather", "get_time"]
 
 
+def test_lfm2_calls_sent_back_are_written_as_the_model_wrote_them():
+    """LFM2's template reads no ``tool_calls``: an earlier assistant turn's calls, sent back as OpenAI JSON,
+    reach it after the turn's content as an ``lfm2`` block the parser reads back to the same calls (any JSON
+    arguments: strings with quotes and escapes, booleans, null, nesting, a lone surrogate escaped); a template
+    that reads ``tool_calls`` gets the messages as they are."""
+    import random
+
+    from hyla.server.tool_calls import ToolCallParser
+    parser = ToolCallParser("lfm2")
+    rng = random.Random(0)
+    leaves = ["Paris", 'say "hi"\n\\', "é 🙂", "\ud800", 0, -3, 2.5, 1e-7, True, False, None, ""]
+
+    def value(depth: int):
+        kind = rng.randrange(4 if depth < 3 else 1)
+        if kind == 1:
+            return [value(depth + 1) for _ in range(rng.randrange(3))]
+        if kind == 2:
+            return {rng.choice(["a", "b c", "k"]): value(depth + 1) for _ in range(rng.randrange(3))}
+        return rng.choice(leaves)
+
+    for _ in range(300):
+        calls = [{"id": f"call_{i}", "type": "function", "function": {"name": rng.choice(["f", "get_weather"]),
+                  "arguments": json.dumps({k: value(0) for k in rng.sample(["x", "city", "n"], rng.randrange(4))})}}
+                 for i in range(rng.randrange(1, 3))]
+        turn = {"role": "assistant", "content": rng.choice([None, "", "Checking."]), "tool_calls": calls}
+        (written,) = parser.for_template([turn], "{{ message['content'] }}")
+        content, parsed = parser.parse(written["content"])
+        assert content == (turn["content"] or "") and [(c.name, json.loads(c.arguments)) for c in parsed] == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls], written["content"]
+        assert turn["content"] in (None, "", "Checking.")  # (the request's message is not modified)
+    one = {"function": {"name": "f", "arguments": '{"ok": true, "x": null, "city": "Paris", "n": [1, 2.5]}'}}
+    assert parser.for_template([{"role": "assistant", "tool_calls": [one]}], "")[0]["content"] == \
+        '<|tool_call_start|>[f(ok=True, x=None, city="Paris", n=[1, 2.5])]<|tool_call_end|>'  # (as LFM2 writes)
+    reads_calls = "{% for c in message.tool_calls %}{{ c }}{% endfor %}"
+    assert parser.for_template([turn], reads_calls) == [turn] and parser.for_template([turn]) == [turn]
+
+
 def test_vllm_and_sglang_names_of_qwens_syntax():
     """``hermes`` (vLLM) and ``qwen25`` (SGLang) name Qwen's syntax; ``hyla serve`` takes them; an unknown name
     is a ValueError."""
@@ -466,6 +503,7 @@ def test_vllm_and_sglang_names_of_qwens_syntax():
     ("<TOOLCALL>{{ calls | tojson }}</TOOLCALL>", "NemotronHForCausalLM", "nemotron_json"),
     ("<|tool_calls_section_begin|>{% for c in calls %}<|tool_call_begin|>", "KimiLinearForCausalLM", "kimi_k2"),
     ("<|tool_call_start|>[{{ calls }}]<|tool_call_end|>", "Lfm2ForCausalLM", "lfm2"),
+    ("List of tools: <|tool_list_start|>[{{ tools }}]<|tool_list_end|>", "Lfm2ForCausalLM", "lfm2"),
     ("<tool_calls>{{ calls | tojson }}</tool_calls>", "JambaForCausalLM", "jamba"),
     ("<tool_calls>\n{% for c in calls %}{{ c | tojson }}\n{% endfor %}</tool_calls>", "MiniMaxText01ForCausalLM",
      "minimax"),

@@ -134,15 +134,25 @@ class ToolCallParser:
         content deltas, joined, are this content, however the text was cut."""
         return self.stream(tools).feed(text, final=True)
 
-    def for_template(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Chat messages as this syntax's chat templates read them. ``qwen3_coder`` templates write
-        an earlier call's arguments one ``<parameter>`` tag each (``arguments | items``), so the JSON
-        text OpenAI clients send back in an assistant turn's ``tool_calls`` becomes an object (as
-        vLLM does); the other templates take the text as it is. Messages are not modified."""
-        if not self.xml:
-            return messages
-        return [{**m, "tool_calls": [_decoded_arguments(c) for c in m["tool_calls"]]}
-                if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list) else m for m in messages]
+    def for_template(self, messages: list[dict[str, Any]], template: str | None = None) -> list[dict[str, Any]]:
+        """Chat messages as this syntax's chat templates read them (``template``: the source of the one that
+        renders them). ``qwen3_coder`` templates write an earlier call's arguments one ``<parameter>`` tag
+        each (``arguments | items``), so the JSON text OpenAI clients send back in an assistant turn's
+        ``tool_calls`` becomes an object (as vLLM does). LFM2's template never reads ``tool_calls`` (the
+        model's calls were its text): where the template names no ``tool_calls``, an ``lfm2`` assistant
+        turn's calls are written after its content as the model writes them (``python_call_block``), so
+        the model sees what it called. The other templates take the messages as they are. Messages are
+        not modified."""
+        def calling(m: dict[str, Any]) -> bool:
+            return m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list) and bool(m["tool_calls"])
+
+        if self.xml:
+            return [{**m, "tool_calls": [_decoded_arguments(c) for c in m["tool_calls"]]} if calling(m) else m
+                    for m in messages]
+        if self.body == "python" and template is not None and "tool_calls" not in template:
+            return [{**m, "content": (m.get("content") or "") + python_call_block(m["tool_calls"])} if calling(m)
+                    else m for m in messages]
+        return messages
 
     def stream(self, tools: list[dict[str, Any]] | None = None) -> "ToolCallStream":
         return ToolCallStream(self, tools)
@@ -181,6 +191,7 @@ def detect_tool_call_parser(template: str | None, architecture: str = "") -> str
     none is found (a template without tools included)."""
     template = template or ""
     for marker, name in (("<|tool_calls_section_begin|>", "kimi_k2"), ("<|tool_call_start|>", "lfm2"),
+                         ("<|tool_list_start|>", "lfm2"),  # (LFM2's template lists the tools; it writes no call)
                          ("<TOOLCALL>", "nemotron_json"), ("<parameter=", "qwen3_coder")):
         if marker in template:
             return name
@@ -262,6 +273,37 @@ def python_calls(body: str) -> list[ToolCall] | None:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     return calls if calls and all(c is not None for c in calls) else None
+
+
+def python_call_block(calls: list[Any]) -> str:
+    """OpenAI tool calls (``{"function": {"name", "arguments"}}``, arguments as JSON text) as an ``lfm2``
+    block: ``<|tool_call_start|>[name(key=value, ...), ...]<|tool_call_end|>``, each value a Python literal
+    (:func:`_python_literal`). A call whose arguments are not a JSON object is written with none."""
+    written = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (ValueError, TypeError, RecursionError):
+            args = {}
+        args = args if isinstance(args, dict) else {}
+        written.append(f"{fn.get('name', '')}({', '.join(f'{k}={_python_literal(v)}' for k, v in args.items())})")
+    start, end, _ = SYNTAXES["lfm2"]
+    return f"{start}[{', '.join(written)}]{end}"
+
+
+def _python_literal(value: Any) -> str:
+    """A JSON value as the Python literal ``python_calls`` reads back to it: strings and numbers as JSON
+    writes them (double-quoted, as LFM2 writes them), ``True`` / ``False`` / ``None``, lists and dicts of
+    such."""
+    if value is None or isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python_literal(str(k))}: {_python_literal(v)}" for k, v in value.items()) + "}"
+    return _json_text(value)
 
 
 _NAMED = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
