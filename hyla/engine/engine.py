@@ -1024,9 +1024,25 @@ class Engine:
         # shutting down: finish whatever is left as aborted
         self._drain_inbox()
         for req in list(self.scheduler.waiting) + list(self.scheduler.running):
-            self.scheduler.abort(req.rid, message="engine shut down", cause="shutdown")
+            self._abort(req, message="engine shut down", cause="shutdown")
+
+    def _abort(self, target: str | Req, **reason: str) -> None:
+        """``Scheduler.abort(target, **reason)`` between steps (the inbox's aborts, the shutdown's); never
+        raises. An abort first finishes the overlap schedule's step in flight (``Scheduler.drain``), and
+        that step may fail there, outside ``_loop``'s net around steps: it then fails as a step does (the
+        running requests end aborted, cause ``internal``), and the abort is made again, with no step in
+        flight (``target`` may be waiting: it ends too)."""
+        for _ in range(2):
+            try:
+                self.scheduler.abort(target, **reason)
+                return
+            except Exception as exc:  # a bug must not kill the engine: fail the batch, keep serving
+                logger.exception("aborting request %s failed; aborting the %d running requests",
+                                 getattr(target, "rid", target), self.scheduler.num_running)
+                self.scheduler.fail_running(internal_error(exc))  # (never raises)
 
     def _drain_inbox(self) -> None:
+        """Hand the inbox's commands to the scheduler, in order."""
         while True:
             try:
                 cmd, arg = self._inbox.get_nowait()
@@ -1036,7 +1052,7 @@ class Engine:
                 for req in arg:
                     self.scheduler.add_request(req)
             elif cmd == "abort":
-                self.scheduler.abort(arg)
+                self._abort(arg)
             elif cmd == "displace":
                 self.scheduler.displace(arg)
             elif cmd == "call":

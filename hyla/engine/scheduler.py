@@ -536,9 +536,17 @@ class Scheduler:
     def _finish(self, req: Req, reason: dict | None = None) -> None:
         """Release ``req``'s memory (caching what it computed), then deliver its last output. (A
         request this token finishes whatever it is was released before the token was read, in
-        :meth:`process`, while the device sampled: its release here is a no-op.)"""
+        :meth:`process`, while the device sampled: its release here is a no-op.)
+
+        ``reason``: finish it so first (an abort, a displacement). Should its text fail then
+        (``OutputProcessor.set_finished`` raises, the request finished all the same, aborted with that
+        error), it still ends here — released, dequeued, delivered — and nothing is raised: an abort
+        comes from the engine's inbox, between steps, where no caller could end it instead."""
         if reason is not None:
-            self.output.set_finished(req, reason)
+            try:
+                self.output.set_finished(req, reason)
+            except Exception:
+                logger.exception("request %s: its text failed as it finished; it ends aborted with the error", req.rid)
         req.draft_state = None  # the drafter's memory of it (n-gram index, draft budget) goes with it
         if req in self.running:
             self.cache.release(req, insert=True)
