@@ -34,6 +34,7 @@ import pytest
 from hyla import Engine
 from hyla.engine.engine import DEFAULT_MODEL_DIR
 from hyla.engine.request import Req
+from test_engine_api import _generate_within
 from test_engine_differential import assert_drained
 from test_engine_speculative import OracleDrafter, OracleTreeDrafter
 
@@ -460,15 +461,3 @@ def test_a_shutdown_whose_first_abort_fails_still_ends_every_request(qwen3_next_
         eng.shutdown()
     assert [o["meta_info"]["finish_reason"]["cause"] for o in outs] == ["internal", "shutdown"]
     assert not sched.running and not sched.waiting
-
-
-def _generate_within(engine: Engine, seconds: float, **kwargs):
-    """``engine.generate(**kwargs)``, failing the test after ``seconds`` (a dead scheduler thread
-    leaves it waiting forever) instead of hanging it."""
-    import concurrent.futures
-
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    try:
-        return pool.submit(engine.generate, **kwargs).result(seconds)
-    finally:
-        pool.shutdown(wait=False)
