@@ -530,6 +530,7 @@ def test_auto_is_the_servers_default_parser(tmp_path, monkeypatch):
                                      max_state_slots=16)) as srv:
         state = srv.app.state.server
         assert state.tool_call_parser.name == "lfm2"
+        assert httpx.get(srv.url + "/get_server_info", timeout=30).json()["tool_call_parser"] == "lfm2"
         script_engine(monkeypatch, state.engine, ["Checking.", '<|tool_call_start|>[get_weather(city="Paris", ',
                                                   'unit="C")]<|tool_call_end|>'])
         r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [WEATHER]},

@@ -106,7 +106,7 @@ def test_model_and_server_info(server):
     assert srv["engine_args"]["max_total_tokens"] == 8192 and srv["engine_args"]["context_length"] == 2048
     assert srv["max_running_requests"] == 4 and srv["max_total_num_tokens"] == engine.kv_pool.size
     assert set(srv["internal_states"][0]) >= {"num_running_requests", "cache_hit_rate", "token_usage"}
-    assert srv["version"]
+    assert srv["version"] and (srv["tool_call_parser"], srv["reasoning_parser"]) == ("qwen", None)  # (auto: Qwen's)
 
 
 def test_health_generate(server, monkeypatch):

@@ -206,12 +206,16 @@ class NativeRoutes:
             "weight_version": engine.weight_version})
 
     async def get_server_info(self) -> Response:
-        """The engine's options as resolved (``EngineArgs``), the sizes it chose, and its counters
-        (``get_stats``: SGLang's ``internal_states``)."""
+        """The engine's options as resolved (``EngineArgs``), the sizes it chose, the output parsers in use
+        (``tool_call_parser``: the syntax ``auto`` chose; ``reasoning_parser``, null when off), and its
+        counters (``get_stats``: SGLang's ``internal_states``)."""
         engine = self.server.admit()
         args = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(engine.args).items()}
+        reasoning = self.server.reasoning_parser
         return JSONResponse(jsonable_encoder({
             "version": hyla.__version__, "served_model_name": self.server.model_name, "engine_args": args,
+            "tool_call_parser": self.server.tool_call_parser.name,
+            "reasoning_parser": reasoning.name if reasoning is not None else None,
             "max_running_requests": engine.max_running_requests, "context_length": engine.context_length,
             "max_total_num_tokens": engine.kv_pool.size, "max_state_slots": engine.state_pool.size,
             "internal_states": [engine.get_stats()]}))
