@@ -64,6 +64,43 @@ def test_abort_request_by_rid_answers_what_was_generated(server):
     httpx.post(server.url + "/abort_request", json={"rid": "no-such-request"}, timeout=10).raise_for_status()
 
 
+def test_chats_and_completions_take_their_request_ids_from_rid_or_x_request_id(server):
+    """SGLang's body ``rid`` names a chat's or completion's engine requests, so ``/abort_request`` aborts one by
+    it (one in use is a 400); vLLM's ``X-Request-Id`` starts them (``<id>-<i>-<hex>``: the same header twice at
+    once never clashes) and comes back on the answer, errors included; ids that do not fit are a 400."""
+    engine = _engine(server)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True}
+    answer = _in_thread(lambda: httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                                           json={**chat, "rid": "chat-a"}))
+    _wait_running(engine, 1)
+    clash = httpx.post(server.url + "/v1/chat/completions", json={**chat, "rid": "chat-a"}, timeout=30)
+    assert clash.status_code == 400 and clash.json()["error"]["param"] == "rid", clash.text
+    httpx.post(server.url + "/abort_request", json={"rid": "chat-a"}, timeout=10).raise_for_status()
+    out = answer()
+    assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "abort", out.text
+    assert "x-request-id" not in out.headers
+    completion = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 1500, "temperature": 0,
+                  "ignore_eos": True}
+    answers = [_in_thread(lambda: httpx.post(server.url + "/v1/completions", json=completion, timeout=60,
+                                             headers={"X-Request-Id": "batch"})) for _ in range(2)]
+    deadline = time.monotonic() + 30  # (the same header twice at once: no clash; 4 run, 4 wait)
+    while len(rids := [r.rid for r in [*engine.scheduler.running, *engine.scheduler.waiting]]) < 8:
+        assert time.monotonic() < deadline, rids
+        time.sleep(0.01)
+    rids = sorted(rids)
+    assert [r.rsplit("-", 1)[0] for r in rids] == ["batch-0", "batch-0", "batch-1", "batch-1", "batch-2", "batch-2",
+                                                   "batch-3", "batch-3"], rids
+    httpx.post(server.url + "/abort_request", json={"abort_all": True}, timeout=10).raise_for_status()
+    assert [a().headers["x-request-id"] for a in answers] == ["batch", "batch"]
+    for body, message in (({**completion, "rid": "one"}, "4 choices"), ({**completion, "rid": ["x"] * 4}, "distinct"),
+                          ({**chat, "n": 2, "rid": ["x", ""]}, "distinct")):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        bad = httpx.post(server.url + path, json=body, headers={"X-Request-Id": "e"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid" and message in bad.text, bad.text
+        assert bad.headers["x-request-id"] == "e"
+
+
 def test_abort_all_ends_streams_and_chats_with_an_abort_finish(server):
     engine = _engine(server)
 

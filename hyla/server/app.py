@@ -214,6 +214,33 @@ class _CountRequests:
             self.metrics.http_requests.labels(route, method if method in METHODS else "other", str(status)).inc()
 
 
+class _EchoRequestId:
+    """Pure ASGI middleware: a request's ``X-Request-Id`` (vLLM's tracing header; a chat's or completion's
+    engine request id where the body names none: ``openai_routes.job_rids``) comes back on its answer,
+    errors included."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        value = next((v for k, v in scope.get("headers", ()) if k == REQUEST_ID_HEADER), None) \
+            if scope["type"] == "http" else None
+        if value is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, value)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
 class _LimitBody:
     """Pure ASGI middleware: a request body over ``max_bytes`` (``max_large_bytes`` on ``LARGE_BODY_PATHS``)
     is a 413, answered at once when its Content-Length says so, else as soon as the bytes received pass
@@ -293,6 +320,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     app.state.server = server
     app.add_middleware(_LimitBody, max_bytes=max_request_bytes, max_large_bytes=max_prefix_bytes)
     app.add_middleware(_CountRequests, metrics=server.metrics)  # counts the 413s too
+    app.add_middleware(_EchoRequestId)  # (outermost: on every answer, a 413 included)
     add_cors(app, allowed_origins, allowed_methods, allowed_headers, allow_credentials)
     add_error_handlers(app)
 

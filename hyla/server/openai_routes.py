@@ -96,11 +96,13 @@ class OpenAIRoutes:
         # echo + logprobs: the prompt's logprobs too (its first token has none)
         start = 0 if body.echo and body.logprobs is not None else -1
         jobs = []
-        for ids in id_lists:
+        rids = job_rids(body.rid, request.headers.get("x-request-id"), len(id_lists) * body.n)
+        for p, ids in enumerate(id_lists):
             max_new = output_budget(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             _check_min_tokens(body.min_tokens, max_new, "max_tokens")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
-                         logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt))
+                         logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt),
+                         rid=rids[p * body.n + j])
                      for j in range(body.n)]
         answer = await disaggregation_answer(self.server, "completions", jobs, arrival, request)
         if answer is not None:
@@ -192,8 +194,8 @@ class OpenAIRoutes:
         jobs = [Job(encoding.ids, thinking_first(self.server, encoding.text, {**body.sampling_params(max_new, top_k, j),
                                                                              **grammar}), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
-                    namespace=cache_namespace(body.cache_salt))
-                for j in range(body.n)]
+                    namespace=cache_namespace(body.cache_salt), rid=rid)
+                for j, rid in enumerate(job_rids(body.rid, request.headers.get("x-request-id"), body.n))]
         answer = await disaggregation_answer(self.server, "chat", jobs, arrival, request)
         if answer is not None:
             return answer
@@ -368,6 +370,26 @@ def admit_chat(server: Server, model: str) -> Engine:
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     return engine
+
+
+def job_rids(rid: str | list[str] | None, header: str | None, count: int) -> list[str | None]:
+    """The engine request ids of a request's ``count`` jobs (its choices; a completion's prompt by prompt,
+    ``n`` each), which ``/abort_request`` aborts by and the log names: SGLang's body ``rid`` (a string for
+    one job, else a list of distinct ids, one per job), else, where the ``X-Request-Id`` header (vLLM's
+    tracing id) is given, ``<id>-<i>-<8 hex>`` (the log finds them by the header's id; a client that sends
+    one id twice at once, a retry, gets no clash), else none (the server makes them). A 400 naming ``rid``
+    for ids that do not fit; one in use by a running request is the engine's 400."""
+    if rid is None:
+        if not header:
+            return [None] * count
+        return [f"{header}-{i}-{uuid.uuid4().hex[:8]}" for i in range(count)]
+    rids = [rid] if isinstance(rid, str) else list(rid)
+    if len(rids) != count:
+        raise APIError(400, f"rid has {len(rids)} id(s) for {count} choices: give one per choice (a list; a "
+                            "completion's prompt by prompt, n each)", param="rid")
+    if not all(rids) or len(set(rids)) < len(rids):
+        raise APIError(400, "rid ids must be non-empty and distinct", param="rid")
+    return rids
 
 
 def kept_markers(server: Server, body: ChatCompletionRequest) -> dict[str, bool]:

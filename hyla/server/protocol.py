@@ -391,6 +391,7 @@ class _SamplingFields(_Request):
     # token id (a decimal string: a JSON key) -> bias in [-100, 100], added to its logit
     logit_bias: dict[str, float] | None = None
     # SGLang / vLLM extras
+    rid: str | list[str] | None = None  # SGLang's: the engine request ids (openai_routes.job_rids)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
