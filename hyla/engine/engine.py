@@ -1200,11 +1200,8 @@ def _generation_defaults(path: Path) -> dict[str, Any]:
 
 def _load_tokenizer(path: Path):
     """The model directory's tokenizer (``tokenizer.json``, or a tiktoken file), or None where it has none."""
-    from hyla.tokenizer import Tokenizer
-    from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE
-    if not (path / "tokenizer.json").is_file() and not (path / TIKTOKEN_FILE).is_file():
-        return None
-    return Tokenizer.from_pretrained(path)
+    from hyla.tokenizer.tokenizer import Tokenizer, has_tokenizer
+    return Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
 
 
 class CachedTokens(NamedTuple):

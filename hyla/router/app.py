@@ -89,7 +89,7 @@ from hyla.server.cors import add_cors
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                        PREFILL_ELSEWHERE, PREFILL_ONLY_HEADER, PREFIX_NOT_CACHED, PREFIX_TOKENS_HEADER,
                                        header_count)
-from hyla.server.responses_protocol import item_type, response_of_item
+from hyla.server.responses_protocol import item_type, response_of_item, typed_event
 
 logger = logging.getLogger("hyla.router")
 
@@ -936,11 +936,11 @@ class _EventCut:
             error = error_body(message, type="bad_gateway", code="worker_failed")
             return f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         seq = (self.sequence_number + 1) if self.sequence_number is not None else 0
-        out = _typed_event("error", code="worker_failed", message=message, param=None, sequence_number=seq)
+        out = typed_event("error", code="worker_failed", message=message, param=None, sequence_number=seq).encode()
         response = self._created_response()
         if response is not None:
             response.update(status="failed", error={"code": "server_error", "message": message})
-            out += _typed_event("response.failed", response=response, sequence_number=seq + 1)
+            out += typed_event("response.failed", response=response, sequence_number=seq + 1).encode()
         return out
 
     def _created_response(self) -> dict | None:
@@ -955,11 +955,6 @@ class _EventCut:
                     return None
                 return response if isinstance(response, dict) else None
         return None
-
-
-def _typed_event(kind: str, **fields: Any) -> bytes:
-    """One of OpenAI's typed server-sent events (the Responses API's): ``event:`` and ``data:`` with ``type``."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
 
 
 def create_router_app(worker_urls: Sequence[str], policy: str = "cache_aware", *, cache_threshold: float = 0.3,

@@ -31,7 +31,7 @@ from hyla.server.errors import APIError, add_error_handlers
 from hyla.server.generation import Generation, Job
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
-from hyla.server.openai_routes import OpenAIRoutes
+from hyla.server.openai_routes import REQUEST_ID_HEADER, OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
@@ -214,6 +214,9 @@ class _CountRequests:
             self.metrics.http_requests.labels(route, method if method in METHODS else "other", str(status)).inc()
 
 
+_REQUEST_ID = REQUEST_ID_HEADER.encode()  # (ASGI header names are bytes)
+
+
 class _EchoRequestId:
     """Pure ASGI middleware: a request's ``X-Request-Id`` (vLLM's tracing header; a chat's or completion's
     engine request id where the body names none: ``openai_routes.job_rids``) comes back on its answer,
@@ -223,7 +226,7 @@ class _EchoRequestId:
         self.app = app
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        value = next((v for k, v in scope.get("headers", ()) if k == REQUEST_ID_HEADER), None) \
+        value = next((v for k, v in scope.get("headers", ()) if k == _REQUEST_ID), None) \
             if scope["type"] == "http" else None
         if value is None:
             await self.app(scope, receive, send)
@@ -231,14 +234,11 @@ class _EchoRequestId:
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != REQUEST_ID_HEADER]
-                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, value)]}
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != _REQUEST_ID]
+                message = {**message, "headers": [*headers, (_REQUEST_ID, value)]}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
-
-
-REQUEST_ID_HEADER = b"x-request-id"
 
 
 class _LimitBody:

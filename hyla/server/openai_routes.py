@@ -96,7 +96,7 @@ class OpenAIRoutes:
         # echo + logprobs: the prompt's logprobs too (its first token has none)
         start = 0 if body.echo and body.logprobs is not None else -1
         jobs = []
-        rids = job_rids(body.rid, request.headers.get("x-request-id"), len(id_lists) * body.n)
+        rids = job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), len(id_lists) * body.n)
         for p, ids in enumerate(id_lists):
             max_new = output_budget(engine, len(ids), body.max_tokens, "max_tokens", "prompt")
             _check_min_tokens(body.min_tokens, max_new, "max_tokens")
@@ -195,7 +195,7 @@ class OpenAIRoutes:
                                                                              **grammar}), return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
                     namespace=cache_namespace(body.cache_salt), rid=rid)
-                for j, rid in enumerate(job_rids(body.rid, request.headers.get("x-request-id"), body.n))]
+                for j, rid in enumerate(job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), body.n))]
         answer = await disaggregation_answer(self.server, "chat", jobs, arrival, request)
         if answer is not None:
             return answer
@@ -370,6 +370,9 @@ def admit_chat(server: Server, model: str) -> Engine:
     if engine.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     return engine
+
+
+REQUEST_ID_HEADER = "x-request-id"  # vLLM's tracing id: starts a request's engine ids (job_rids), echoed (app.py)
 
 
 def job_rids(rid: str | list[str] | None, header: str | None, count: int) -> list[str | None]:

@@ -23,6 +23,7 @@ Anything else (other item or content types, other tool types, ``background``...)
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any, Literal
@@ -138,6 +139,8 @@ class ItemReference(_Strict):
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | ItemReference
+
+
 def output_item_id(prefix: str, response_id: str, n: int | None = None) -> str:
     """An output item's id: its kind's ``prefix`` (``rs``, ``msg``, ``fc``) and its response's id's hex,
     and for the ``n``-th function call ``_<n>`` (``msg_<hex>``, ``fc_<hex>_1``): so the response, and the
@@ -155,6 +158,13 @@ def response_of_item(item_id: str) -> str | None:
     no such form."""
     m = _OUTPUT_ITEM_ID.fullmatch(item_id)
     return f"resp_{m.group(1)}" if m else None
+
+
+def typed_event(kind: str, **fields: Any) -> str:
+    """One event of a Responses stream as OpenAI sends it: an ``event: <type>`` line and a ``data:`` line
+    whose JSON holds ``type`` and the fields (a worker's stream, and the end ``hyla route`` writes for one
+    its worker cut)."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, ensure_ascii=False)}\n\n"
 
 
 ITEM_TYPES: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,

@@ -30,7 +30,6 @@ Fields and semantics: docs/server.md.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -55,7 +54,7 @@ from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     InputTokensRequest, ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseError, ResponseObject,
-    ResponsesRequest, ResponseUsage, _item, output_item_id,
+    ResponsesRequest, ResponseUsage, _item, output_item_id, typed_event,
 )
 from hyla.server.tool_calls import ToolCall
 from hyla.tokenizer import ChatEncoding
@@ -535,9 +534,8 @@ class _EventWriter:
         self.sequence_number = 0
 
     def __call__(self, kind: str, **fields: Any) -> str:
-        payload = {"type": kind, **fields, "sequence_number": self.sequence_number}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return typed_event(kind, **fields, sequence_number=self.sequence_number - 1)
 
 
 class _Turn:

@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from hyla.tokenizer.token_text import BYTE_LEVEL_ALPHABET
+
 TIKTOKEN_FILE = "tiktoken.model"
 
 KIMI_PATTERN = "|".join([
@@ -47,7 +49,6 @@ KIMI_PATTERN = "|".join([
 ])
 """Kimi's ``TikTokenTokenizer.pat_str``: Han runs apart, words with their case and contractions,
 numbers of up to three digits, punctuation runs, newlines, spaces."""
-
 
 
 class TiktokenClass(NamedTuple):
@@ -67,10 +68,9 @@ def is_tiktoken_dir(model_dir: Path) -> bool:
     return not (model_dir / "tokenizer.json").is_file() and (model_dir / TIKTOKEN_FILE).is_file()
 
 
-def tiktoken_backend(model_dir: Path, config: Mapping[str, Any]) -> BackendTokenizer:
-    """The backend of ``model_dir``'s ``tiktoken.model`` with ``tokenizer_config.json``'s ``config``.
-    ``ValueError`` for a tokenizer class whose pattern is not known, or a malformed file."""
-    known = tiktoken_class(model_dir, config)
+def tiktoken_backend(model_dir: Path, config: Mapping[str, Any], known: TiktokenClass) -> BackendTokenizer:
+    """The backend of ``model_dir``'s ``tiktoken.model`` with ``tokenizer_config.json``'s ``config``, its
+    class ``known`` (``tiktoken_class``). ``ValueError`` for a malformed file."""
     ranks = read_ranks(model_dir / TIKTOKEN_FILE)
     backend = bpe_backend(ranks, known.pattern)
     for i, token in enumerate(special_tokens(config, len(ranks), known.num_special), len(ranks)):
@@ -112,7 +112,7 @@ def read_ranks(path: Path) -> dict[bytes, int]:
 
 def bpe_backend(ranks: Mapping[bytes, int], pattern: str) -> BackendTokenizer:
     """A byte-level BPE that encodes as tiktoken does with these ``ranks`` and split ``pattern``."""
-    alphabet = _byte_alphabet()
+    alphabet = {b: c for c, b in BYTE_LEVEL_ALPHABET.items()}  # byte -> the character a byte-level BPE writes
 
     def chars(token: bytes) -> str:
         return "".join(alphabet[b] for b in token)
@@ -156,17 +156,3 @@ def special_tokens(config: Mapping[str, Any], first_id: int, count: int) -> list
                                  lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False),
                                  single_word=spec.get("single_word", False)))
     return tokens
-
-
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte -> character map (printable bytes as themselves, the others shifted past 255), which
-    a byte-level BPE's vocabulary is written in."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    alphabet, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            alphabet[b] = chr(b)
-        else:
-            alphabet[b] = chr(256 + extra)
-            extra += 1
-    return [alphabet[b] for b in range(256)]

@@ -89,9 +89,9 @@ class Tokenizer:
         ``eos_token_ids`` after the ``eos_token``; ``sorts_tools``: the chat template sees ``tools`` with
         their keys sorted, at every depth (what Kimi's remote ``apply_chat_template`` does)."""
         self.backend = backend
-        self.sorts_tools = sorts_tools
         """The ``tokenizers.Tokenizer``: for ``hyla.tokenizer``'s own modules and tests; everything else
         uses the methods below (the server does)."""
+        self.sorts_tools = sorts_tools
         self.special_tokens: dict[str, str] = {}
         for name, content in (special_tokens or {}).items():
             if name not in SPECIAL_TOKEN_ATTRIBUTES:
@@ -123,12 +123,12 @@ class Tokenizer:
         config_file = model_dir / "tokenizer_config.json"
         config = _read_json(config_file) if config_file.is_file() else {}
         sorts_tools = False
-        if is_tiktoken_dir(model_dir):
-            backend = tiktoken_backend(model_dir, config)
-            sorts_tools = tiktoken_class(model_dir, config).sorts_tools
-        elif not tokenizer_file.is_file():
+        if not has_tokenizer(model_dir):
             raise ValueError(f"{model_dir} has no tokenizer.json (hyla reads the fast-tokenizer format, and "
                              f"{TIKTOKEN_FILE} of the tokenizer classes it knows)")
+        if is_tiktoken_dir(model_dir):
+            known = tiktoken_class(model_dir, config)
+            backend, sorts_tools = tiktoken_backend(model_dir, config, known), known.sorts_tools
         else:
             try:
                 backend = BackendTokenizer.from_file(str(tokenizer_file))
@@ -453,6 +453,12 @@ def _developer_as_system(messages: Any) -> Any:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         return messages
     return [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m for m in messages]
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a tokenizer ``Tokenizer.from_pretrained`` reads: ``tokenizer.json``, or a
+    tiktoken file (whose class it may still not know: a ``ValueError`` there)."""
+    return (model_dir / "tokenizer.json").is_file() or (model_dir / TIKTOKEN_FILE).is_file()
 
 
 def _sorted_keys(value: Any) -> Any:
