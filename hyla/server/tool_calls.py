@@ -121,12 +121,9 @@ class ToolCallParser:
                 value = _json_value(body)
                 items = value if self.body == "list" and isinstance(value, list) else \
                     [value] if self.body == "object" else None
-            if not items:
-                return None
-            calls = [_call(item) for item in items]
+            return _calls(items)
         except (ValueError, RecursionError):
             return None
-        return None if any(c is None for c in calls) else calls
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the text without the well-formed call blocks (its whitespace as
@@ -256,9 +253,7 @@ def python_calls(body: str) -> list[ToolCall] | None:
         except (ValueError, RecursionError):
             value = None
         if value is not None:
-            items = value if isinstance(value, list) else [value]
-            calls = [_call(item) for item in items]
-            return calls if calls and all(c is not None for c in calls) else None
+            return _calls(value if isinstance(value, list) else [value])
     try:
         node = ast.parse(text, mode="eval").body
         nodes = node.elts if isinstance(node, ast.List) else [node]
@@ -559,6 +554,12 @@ def _decoded_arguments(call: Any) -> Any:
     except (ValueError, RecursionError):  # not JSON, or nested past what Python reads: kept as text
         return call
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
+def _calls(items: list[Any] | None) -> list[ToolCall] | None:
+    """The calls JSON ``items`` are (``_call`` each), or None where there are none or one is no call."""
+    calls = [_call(item) for item in items or ()]
+    return calls if calls and all(c is not None for c in calls) else None
 
 
 def _call(value: object) -> ToolCall | None:
