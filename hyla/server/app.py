@@ -84,7 +84,7 @@ class Server:
             builtin = Path(engine.model_path).resolve() == DEFAULT_MODEL_DIR.resolve()
             self.model_name = DEFAULT_MODEL_NAME if builtin else Path(engine.model_path).name
         if self.tool_call_parser_choice == AUTO:
-            template = engine.tokenizer.tools_chat_template if engine.tokenizer is not None else None
+            template = engine.tokenizer.chat_template_for(tools=True) if engine.tokenizer is not None else None
             self.tool_call_parser = ToolCallParser(detect_tool_call_parser(template, engine.model_config.architecture))
             logger.info("tool-call parser: %s (the chat template's syntax; --tool-call-parser names another)",
                         self.tool_call_parser.name)

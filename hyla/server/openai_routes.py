@@ -309,8 +309,8 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     form of earlier calls), ``template_kwargs`` checked against the reserved variables, the prompt
     cap, then ``Tokenizer.encode_chat`` on a worker thread (a long conversation does not stall the
     event loop). A template's ``ValueError`` is a 400 naming ``messages`` or ``chat_template_kwargs``."""
-    template = tokenizer.tools_chat_template if tools else tokenizer.chat_template  # (the one that renders them)
-    messages = server.tool_call_parser.for_template([m.for_template() for m in chat], template)
+    messages = server.tool_call_parser.for_template([m.for_template() for m in chat],
+                                                    tokenizer.chat_template_for(tools))
     reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")

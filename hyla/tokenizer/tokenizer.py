@@ -230,14 +230,12 @@ class Tokenizer:
     @property
     def chat_template(self) -> str | None:
         """The default chat template's source text (None without one)."""
-        template = self._chat_templates.select(None)
-        return None if template is None else template.source
+        return self.chat_template_for(None)
 
-    @property
-    def tools_chat_template(self) -> str | None:
-        """The source text of the chat template a conversation with tools renders with (``tool_use``
-        where the tokenizer names one, else the default; None without one)."""
-        template = self._chat_templates.select(True)
+    def chat_template_for(self, tools: Any) -> str | None:
+        """The source text of the chat template ``apply_chat_template`` renders with these ``tools`` (with
+        tools, ``tool_use`` where the tokenizer names one, else the default; None without one)."""
+        template = self._chat_templates.select(tools)
         return None if template is None else template.source
 
     def apply_chat_template(
