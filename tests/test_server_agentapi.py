@@ -111,6 +111,21 @@ TIME = {"type": "function", "function": {
 ASK = [SYSTEM, {"role": "user", "content": "What is the weather in Paris?"}]
 
 
+def joined_calls(deltas) -> list[dict]:
+    """A stream's ``delta.tool_calls`` joined by index, as OpenAI clients join them (a call's first delta
+    has its id, type and name, the others only more of its arguments): ``[{"id", "name", "arguments"}]``."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.id and d.type == "function" and d.function.name, d
+            calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
+        else:
+            assert d.id is None and d.function.name is None, d
+        calls[d.index]["arguments"] += d.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [calls[i] for i in sorted(calls)]
+
+
 def _check_weather_call(call) -> None:
     assert call.id.startswith("call_") and call.type == "function"
     assert call.function.name == "get_weather"
@@ -137,9 +152,11 @@ def test_forced_tool_call(client, tool_choice):
             content += c.delta.content or ""
             calls += c.delta.tool_calls or []
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and content == "" and len(calls) == 1 and calls[0].index == 0
-    _check_weather_call(calls[0])
-    assert calls[0].function.arguments == choice.message.tool_calls[0].function.arguments
+    # the call streams: its id and name first, then its arguments in pieces as the model writes them
+    (streamed,) = joined_calls(calls)
+    assert finish == "tool_calls" and content == "" and len(calls) > 2
+    assert streamed["id"].startswith("call_") and streamed["name"] == "get_weather"
+    assert streamed["arguments"] == choice.message.tool_calls[0].function.arguments
 
     # the call and its result render through the template in the next turn
     call = choice.message.tool_calls[0]
@@ -714,8 +731,8 @@ def test_qwen3_coder_through_the_server(server, client):
         stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="required",
                                                 parallel_tool_calls=False, max_tokens=96, temperature=0.0,
                                                 stream=True)
-        calls = [t for chunk in stream for c in chunk.choices for t in c.delta.tool_calls or []]
-        assert [c.function.arguments for c in calls] == [choice.message.tool_calls[0].function.arguments]
+        calls = joined_calls(t for chunk in stream for c in chunk.choices for t in c.delta.tool_calls or [])
+        assert [c["arguments"] for c in calls] == [choice.message.tool_calls[0].function.arguments]
     finally:
         state.tool_call_parser = saved
 

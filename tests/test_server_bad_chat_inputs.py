@@ -230,7 +230,7 @@ def _xml_calls_by_regex(body: str) -> list[tuple[str, dict]] | None:
         for p in re.finditer(r"<parameter=([^>\n]+)>(.*?)</parameter>", inner, re.S):
             if inner[at:p.start()].strip():
                 return None
-            args[p.group(1).strip()] = xml_argument(p.group(2), None)
+            args.setdefault(p.group(1).strip(), xml_argument(p.group(2), None))  # (the first of a key written twice)
             at = p.end()
         if inner[at:].strip():
             return None

@@ -232,9 +232,10 @@ class OpenAIRoutes:
         reasoning = self.server.reasoning_parser
         thinking = {c.index: reasoning.stream(in_thinking) for c in gen.choices} if reasoning is not None else {}
         use_tools = body.tool_choice_mode() != "none"
-        tools = {c.index: self.server.tool_call_parser.stream(body.template_tools()) for c in gen.choices} \
-            if use_tools else {}
-        num_calls = {c.index: 0 for c in gen.choices}
+        # each call's id and name as soon as they come, its arguments as they are written (as vLLM and SGLang)
+        tools = {c.index: self.server.tool_call_parser.stream(body.template_tools(), incremental=True)
+                 for c in gen.choices} if use_tools else {}
+        num_calls = {c.index: 0 for c in gen.choices}  # the calls a choice has begun
 
         def chunk_of(choice: ChatChunkChoice, **extra: Any) -> str:
             return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice],
@@ -257,10 +258,10 @@ class OpenAIRoutes:
             if choice.index in tools:
                 text, calls = tools[choice.index].feed(text, final=finish is not None)
                 if not body.parallel_tool_calls:
-                    calls = calls[:max(0, 1 - num_calls[choice.index])]
+                    calls = [d for d in calls if d.index == 0]
                 if calls:
-                    delta["tool_calls"] = [t.openai(num_calls[choice.index] + i) for i, t in enumerate(calls)]
-                    num_calls[choice.index] += len(calls)
+                    delta["tool_calls"] = [d.openai() for d in calls]
+                    num_calls[choice.index] = max(num_calls[choice.index], calls[-1].index + 1)
             if text:
                 delta["content"] = text
             if finish == "stop" and num_calls[choice.index]:

@@ -70,7 +70,7 @@ class ReasoningStream:
         if self.state == "thinking":
             i = self.buffer.find(end)
             if i < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, end)
+                keep = 0 if final else partial_suffix(self.buffer, end)
                 reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 return self.thought.feed(reasoning), ""
             reasoning, self.buffer = self.thought.feed(self.buffer[:i]), self.buffer[i + len(end):]
@@ -86,7 +86,7 @@ class Stripped:
     """Deltas of a text in, deltas of the text stripped out: its leading whitespace dropped, and
     whitespace after text held until more text follows (then sent; what is held when the text ends
     is its trailing whitespace, never sent). The rule of the whitespace around tool calls too
-    (``tool_calls.ContentLayout``)."""
+    (``tool_call_stream.ContentLayout``)."""
 
     def __init__(self) -> None:
         self.held = ""  # trailing whitespace not sent yet
@@ -103,8 +103,12 @@ class Stripped:
         return body
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
+def partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker`` (where the marker
+    may be beginning, held until the next chunk tells). Found with ``str.find``: a stream asks at every chunk."""
+    at = max(0, len(text) - len(marker) + 1)
+    while (at := text.find(marker[0], at)) >= 0:
+        if marker.startswith(text[at:]):
+            return len(text) - at
+        at += 1
     return 0

@@ -673,7 +673,6 @@ class _Turn:
         tools = self.server.tool_call_parser.stream(self.chat.template_tools()) \
             if self.chat.tool_choice_mode() != "none" else None
         logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
-        calls: list[ToolCall] = []
         next_index = 0
         rs_index = msg_index = None  # output indices of the open items
         rs_open = msg_open = False
@@ -729,8 +728,7 @@ class _Turn:
                     yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
                                 content_index=0, delta=thought)
             if tools is not None:
-                text, new = tools.feed(text, final=final)
-                calls += new
+                text, _ = tools.feed(text, final=final)  # (the calls go out at the end: ``tools.calls``)
             if not text:
                 continue
             pending += text
@@ -744,7 +742,7 @@ class _Turn:
                     yield line
             yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
             pending = ""
-        response = self.finish(choice, calls)
+        response = self.finish(choice, tools.calls if tools is not None else [])
         items = {item["type"]: item for item in response["output"] if item["type"] != "function_call"}
         if rs_open:
             for line in close_reasoning(items["reasoning"]["content"][0]["text"] if "reasoning" in items else ""):

@@ -2,9 +2,10 @@
 
 One idea: a model family writes tool calls in its own syntax inside its text; a ``ToolCallParser``
 finds them and turns them into OpenAI ``tool_calls``, whole (``parse``) or as the text streams in
-(``ToolCallStream``). The parser is chosen per server (``--tool-call-parser``, SGLang's and vLLM's
-names; by default, ``auto``, the one the model's chat template writes: ``detect_tool_call_parser``);
-every syntax is a block between two markers (``SYNTAXES``) whose body holds the calls:
+(``stream``: ``hyla.server.tool_call_stream``). The parser is chosen per server (``--tool-call-parser``,
+SGLang's and vLLM's names; by default, ``auto``, the one the model's chat template writes:
+``detect_tool_call_parser``); every syntax is a block between two markers (``SYNTAXES``) whose body
+holds the calls:
 
 * ``qwen`` — Qwen's ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
   Qwen3, Qwen3-Next, Granite 4.0-H, Falcon-H1; the default; also named ``hermes``, vLLM's name, and
@@ -48,11 +49,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hyla.engine.grammar import JSON_DEFAULTS
 from hyla.server.protocol import check_function_parameters
-from hyla.server.reasoning import Stripped
+
+if TYPE_CHECKING:
+    from hyla.server.tool_call_stream import ToolCallStream
 
 # parser name -> (start marker, end marker, what a block's body holds)
 SYNTAXES = {
@@ -115,21 +118,17 @@ class ToolCallParser:
                 return kimi_calls(body)
             if self.body == "python":
                 return python_calls(body)
-            if self.body == "lines":
-                items = _json_values(body)
-            else:
-                value = _json_value(body)
-                items = value if self.body == "list" and isinstance(value, list) else \
-                    [value] if self.body == "object" else None
-            return _calls(items)
+            return json_calls(body, self.body)
         except (ValueError, RecursionError):
             return None
 
     def parse(self, text: str, tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ToolCall]]:
         """``(content, calls)``: the text without the well-formed call blocks (its whitespace as
         ``ContentLayout`` lays it out), and the calls. The whole text streamed in one piece: a stream's
-        content deltas, joined, are this content, however the text was cut."""
-        return self.stream(tools).feed(text, final=True)
+        content deltas, joined, are this content, and its call deltas these calls, however the text was cut."""
+        stream = self.stream(tools)
+        content, _ = stream.feed(text, final=True)
+        return content, stream.calls
 
     def for_template(self, messages: list[dict[str, Any]], template: str | None = None) -> list[dict[str, Any]]:
         """Chat messages as this syntax's chat templates read them (``template``: the source of the one that
@@ -151,8 +150,12 @@ class ToolCallParser:
                     else m for m in messages]
         return messages
 
-    def stream(self, tools: list[dict[str, Any]] | None = None) -> "ToolCallStream":
-        return ToolCallStream(self, tools)
+    def stream(self, tools: list[dict[str, Any]] | None = None, incremental: bool = False) -> ToolCallStream:
+        """The calls as the text streams in (``hyla.server.tool_call_stream``): sent whole as each block
+        closes, or, ``incremental``, each call's id and name as soon as they come and its arguments as
+        they are written."""
+        from hyla.server.tool_call_stream import ToolCallStream  # (which reads the syntaxes defined here)
+        return ToolCallStream(self, tools, incremental)
 
     def forced_grammar(self, tools: list[dict[str, Any]], parallel: bool) -> str:
         """An ``ebnf`` (Lark) grammar: one call (or several, ``parallel``) of one of ``tools``
@@ -216,7 +219,8 @@ def kimi_calls(body: str) -> list[ToolCall] | None:
         name = _KIMI_ID.fullmatch(call_id.strip())
         if not (found and ended) or tail.strip() or name is None:
             return None
-        call = _call({"name": name.group(1), "arguments": _json_value(arguments)})
+        call = _call({"name": name.group(1), "arguments": _json_value(arguments)},
+                     {"arguments": arguments.strip(_JSON_WHITESPACE)})
         if call is None:
             return None
         call.id = call_id.strip()
@@ -343,7 +347,10 @@ def xml_calls(body: str, tools: list[dict[str, Any]] | None) -> list[ToolCall] |
         parameters = _tagged(inner, "parameter")
         if parameters is None:
             return None
-        args = {key.strip(): xml_argument(value, properties.get(key.strip())) for key, value in parameters}
+        args: dict[str, Any] = {}
+        for key, value in parameters:  # (a parameter written twice: the first is kept, as a stream sent it)
+            if key.strip() not in args:
+                args[key.strip()] = xml_argument(value, properties.get(key.strip()))
         calls.append(ToolCall(name, _json_text(args)))
     return calls
 
@@ -462,84 +469,6 @@ def _choices(schema: Any) -> list[str] | None:
     return [json.dumps(v if isinstance(v, str) else json.dumps(v)) for v in values] or None
 
 
-class ToolCallStream:
-    """Streamed text in, ``(content_delta, calls)`` out: text that cannot be part of a call block is
-    passed on at once (but the whitespace ``ContentLayout`` holds); a block is held until it closes
-    (its end marker, or the output's end), then sent as one whole call (OpenAI clients accumulate
-    ``delta.tool_calls`` by ``index``), or as content when it holds none. A block being held is kept
-    as its pieces, and each piece is searched for the end marker alone (with the marker's length less
-    one of what came before it): a long call (a file's content in its arguments) costs time linear in
-    its length, not quadratic."""
-
-    def __init__(self, parser: ToolCallParser, tools: list[dict[str, Any]] | None = None):
-        self.parser = parser
-        self.tools = tools
-        self.buffer = ""
-        self.calls: list[ToolCall] = []
-        self.layout = ContentLayout()
-        self.open: list[str] = []  # the pieces of a block whose end marker has not come (buffer empty meanwhile)
-        self.open_tail = ""  # their last characters, one fewer than the end marker's: where it may begin
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        end = self.parser.end
-        if self.open:
-            seen = self.open_tail + text
-            if end not in seen and not final:
-                self.open.append(text)
-                self.open_tail = _last(seen, len(end) - 1)
-                return "", []
-            text, self.open = "".join(self.open) + text, []
-        self.buffer += text
-        out, new = [], []
-        start = self.parser.start
-        while self.buffer:
-            i = self.buffer.find(start)
-            if i < 0:
-                keep = 0 if final else _partial_suffix(self.buffer, start)
-                out.append(self.layout.text(self.buffer[:len(self.buffer) - keep], bool(self.calls or new)))
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            out.append(self.layout.text(self.buffer[:i], bool(self.calls or new)))
-            self.buffer = self.buffer[i:]
-            j = self.buffer.find(end)
-            if j < 0 and not final:  # (held as pieces until its end comes)
-                self.open, self.open_tail, self.buffer = [self.buffer], _last(self.buffer, len(end) - 1), ""
-                break
-            # a block ends with its end marker, or with the output (a stop string such as the end
-            # marker itself cut it off: still a call when its body is one)
-            body_end = j if j >= 0 else len(self.buffer)
-            block = self.buffer[:body_end + (len(end) if j >= 0 else 0)]
-            self.buffer = self.buffer[len(block):]
-            found = self.parser.calls_of(block[len(start):body_end], self.tools)
-            if found is None:
-                out.append(self.layout.text(block, bool(self.calls or new)))
-            else:
-                new.extend(found)
-        self.calls += new
-        if final:
-            out.append(self.layout.end(bool(self.calls)))
-        return "".join(out), new
-
-
-class ContentLayout(Stripped):
-    """The whitespace around tool calls is layout, not content: once the output has a call, the
-    content's trailing whitespace is dropped, and so is its leading whitespace where a call comes
-    before any text (whitespace before text that precedes every call is sent before a call can be
-    known: it stays). Whitespace between texts stays. Streamed, trailing whitespace is held until
-    text follows (then sent) or the output ends (then sent only if there is no call), so that the
-    deltas joined are the whole output's content however the text was cut (``Stripped``'s rule)."""
-
-    def text(self, text: str, called: bool) -> str:
-        """The delta to send for the output's next ``text`` outside the calls (``called``: a call
-        came before it)."""
-        return self.feed(text, leading=called)
-
-    def end(self, called: bool) -> str:
-        """The last delta, at the output's end (``called``: it has a call)."""
-        held, self.held = self.held, ""
-        return "" if called else held
-
-
 def _decoded_arguments(call: Any) -> Any:
     """An OpenAI tool call with its ``function.arguments`` JSON text as an object (kept as it is
     when it is not the text of a JSON object, or when the object is not Unicode text: a lone
@@ -556,22 +485,91 @@ def _decoded_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
+def json_calls(body: str, kind: str) -> list[ToolCall] | None:
+    """The calls of a JSON block's body (``kind``: ``object``, one call; ``list``, a JSON list of calls;
+    ``lines``, calls one after another), or None where one is no call. Arguments that are a JSON object
+    or list are the model's own text of them (as a stream sends them while they come: the JSON the model
+    wrote, its spacing included), any others as ``_call`` makes them. ``ValueError`` where the body is
+    not such JSON."""
+    calls, at = [], _space(body, 0)
+    if kind == "list":
+        if not body.startswith("[", at):
+            raise ValueError("not a list")
+        at = _space(body, at + 1)
+        while not body.startswith("]", at):
+            call, at = _json_call(body, at)
+            calls.append(call)
+            at = _space(body, at)
+            if body.startswith(",", at):
+                at = _space(body, at + 1)
+            elif not body.startswith("]", at):
+                raise ValueError("not a list")
+        at = _space(body, at + 1)
+    else:
+        while at < len(body) and (kind == "lines" or not calls):
+            call, at = _json_call(body, at)
+            calls.append(call)
+            at = _space(body, at)
+    if at != len(body):
+        raise ValueError("text after the calls")
+    return calls if calls and all(c is not None for c in calls) else None
+
+
+def _json_call(text: str, at: int) -> tuple[ToolCall | None, int]:
+    """The call of the JSON value at ``text[at]`` (None if it is no call), and where the value ends."""
+    if not text.startswith("{", at):
+        value, at = _DECODER.raw_decode(text, at)
+        return _call(value), at
+    value, raw, at = _members(text, at)
+    return _call(value, raw), at
+
+
+def _members(text: str, at: int) -> tuple[dict[str, Any], dict[str, str], int]:
+    """The JSON object at ``text[at]``: its value, each member's text, and where it ends (a key
+    written twice: the last, as ``json`` reads it). The values are read by ``json``'s own scanner."""
+    value: dict[str, Any] = {}
+    raw: dict[str, str] = {}
+    at = _space(text, at + 1)
+    if text.startswith("}", at):
+        return value, raw, at + 1
+    while True:
+        if not text.startswith('"', at):
+            raise ValueError("expected a key")
+        key, at = _DECODER.raw_decode(text, at)
+        at = _space(text, at)
+        if not text.startswith(":", at):
+            raise ValueError("expected ':'")
+        start = _space(text, at + 1)
+        value[key], at = _DECODER.raw_decode(text, start)
+        raw[key] = text[start:at]
+        at = _space(text, at)
+        if text.startswith("}", at):
+            return value, raw, at + 1
+        if not text.startswith(",", at):
+            raise ValueError("expected ',' or '}'")
+        at = _space(text, at + 1)
+
+
 def _calls(items: list[Any] | None) -> list[ToolCall] | None:
     """The calls JSON ``items`` are (``_call`` each), or None where there are none or one is no call."""
     calls = [_call(item) for item in items or ()]
     return calls if calls and all(c is not None for c in calls) else None
 
 
-def _call(value: object) -> ToolCall | None:
+def _call(value: object, raw: dict[str, str] | None = None) -> ToolCall | None:
     """``{"name": str, "arguments": {...} | str}`` (or ``"parameters"``) as a call, else None (a
     name or a text of arguments that is not Unicode text included: ``_is_text``). ``arguments`` is
-    always JSON text: a string that is JSON text is kept as it is, any other string is JSON-encoded
+    always JSON text: an object or a list is ``raw``'s text of it where given (the model's), else
+    written as JSON; a string that is JSON text is kept as it is, any other string is JSON-encoded
     (``"not json"`` -> ``"\"not json\""``, as vLLM and SGLang write it), so a client can parse it."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not _is_text(value["name"]):
         return None
-    args = value.get("arguments", value.get("parameters", {}))
+    key = "arguments" if "arguments" in value else "parameters"
+    args = value.get(key, {})
     if isinstance(args, str) and not _is_text(args):
         return None
+    if raw is not None and key in raw and isinstance(args, (dict, list)):
+        return ToolCall(value["name"], raw[key])
     return ToolCall(value["name"], args if isinstance(args, str) and _is_json(args) else _json_text(args))
 
 
@@ -590,19 +588,13 @@ def _json_value(text: str) -> Any:
     return json.loads(text, parse_constant=_not_json)
 
 
-def _json_values(text: str) -> list[Any]:
-    """The JSON values ``text`` holds one after another, with whitespace around them (``minimax``'s
-    call per line); ``ValueError`` where anything else is there (``_json_value``'s rules)."""
-    decoder, values, at = json.JSONDecoder(parse_constant=_not_json), [], 0
-    while True:
-        at = _JSON_SPACE.match(text, at).end()
-        if at == len(text):
-            return values
-        value, at = decoder.raw_decode(text, at)
-        values.append(value)
-
-
+_JSON_WHITESPACE = " \t\n\r"
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _space(text: str, at: int) -> int:
+    """Where the JSON whitespace at ``text[at]`` ends."""
+    return _JSON_SPACE.match(text, at).end()
 
 
 def _not_json(name: str) -> Any:
@@ -610,12 +602,19 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
+
+
 def _json_text(value: Any) -> str:
-    """``value`` as JSON text for a call's ``arguments``: characters as they are, but where ``value``
-    holds a lone UTF-16 surrogate (what a JSON escape such as ``"\\ud800"`` reads as), which no UTF-8
-    answer can carry: then escaped, as ``\\uXXXX``."""
+    """``value`` as JSON text for a call's ``arguments``: characters as they are, but a lone UTF-16
+    surrogate (what a JSON escape such as ``"\\ud800"`` reads as), which no UTF-8 answer can carry,
+    escaped as ``\\uXXXX``. Piece by piece the same: an object's text is its keys' and values' texts
+    put together (what a stream sends of an ``xml`` call, a parameter at a time)."""
     text = json.dumps(value, ensure_ascii=False)
-    return text if _is_text(text) else json.dumps(value)
+    return text if _is_text(text) else _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _is_text(text: str) -> bool:
@@ -625,16 +624,3 @@ def _is_text(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _last(text: str, n: int) -> str:
-    """The last ``n`` characters of ``text`` (all of it where it is shorter; none for ``n`` 0)."""
-    return text[len(text) - n:] if 0 < n < len(text) else text if n > 0 else ""
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
