@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -153,6 +155,17 @@ class EngineArgs:
                                                          "outputs then depend on the load. Default: always draft.")
     max_queued_requests: int = _opt(4096, "Max requests waiting for admission; more are refused (HTTP 429 at the server).")
     generation_config: str = _opt("auto", "Sampling defaults for requests that do not set them: 'auto' = the model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), 'none' = hyla's.")
+    tokenizer_path: str | None = _opt(
+        None, "The directory whose tokenizer is read (tokenizer.json or a tiktoken file, with its "
+              "tokenizer_config.json, chat_template.jinja and the end of sequence ids of its "
+              "generation_config.json) instead of the model directory's (SGLang's tokenizer_path, vLLM's "
+              "tokenizer); it must hold one. It stays across weight updates. Default: the model directory.")
+    chat_template: str | None = _opt(
+        None, "The chat template of every chat request (chat completions, the Responses API, /tokenize of "
+              "messages), instead of the tokenizer's (tokenizer_config.json's chat_template, chat_template.jinja; "
+              "its tool_use template too): the path of a Jinja file, read as UTF-8, or else the template's text "
+              "itself where the value holds Jinja markup (the chat_template of vLLM and SGLang). The tool call "
+              "parser's auto detection reads it.")
     seed: int = _opt(0, "Seed for sampling of requests that give no seed of their own.")
     log_interval: int = _opt(40, "Decode steps between per-step log lines.")
     debug_checks: bool = _opt(False, "Check every pool and tree invariant after every step (slow; for tests).")
@@ -265,6 +278,7 @@ class EngineArgs:
         if self.enable_hierarchical_cache is True and not self.enable_prefix_cache:
             raise ValueError("enable_hierarchical_cache keeps what the prefix cache evicts: it needs enable_prefix_cache")
         self._check_device()
+        self._check_tokenizer_options()
         check_weight_version(self.weight_version)
         if self.cpu_threads is not None and (isinstance(self.cpu_threads, bool)
                                              or not isinstance(self.cpu_threads, int) or self.cpu_threads < 0):
@@ -314,6 +328,24 @@ class EngineArgs:
         if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
             raise ValueError(f"device {self.device!r}: " + ("this machine has no CUDA device (or this torch has no CUDA)"
                              if not torch.cuda.is_available() else f"there are {torch.cuda.device_count()} CUDA devices"))
+
+    def _check_tokenizer_options(self) -> None:
+        """``tokenizer_path``: a directory holding a tokenizer; ``chat_template``: a Jinja file, or a
+        template's text, that compiles (``read_chat_template``)."""
+        # (imported here: the CLI imports this module for its flags, and --help must not wait for them)
+        from hyla.tokenizer.chat_template import read_chat_template
+        from hyla.tokenizer.tokenizer import has_tokenizer
+
+        if self.tokenizer_path is not None:
+            name = os.fspath(self.tokenizer_path) if isinstance(self.tokenizer_path, (str, os.PathLike)) else None
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tokenizer_path must be a directory's path, got {self.tokenizer_path!r:.80}")
+            if not os.path.isdir(name):
+                raise ValueError(f"tokenizer_path {name!r}: no such directory")
+            if not has_tokenizer(Path(name)):
+                raise ValueError(f"tokenizer_path {name!r} holds no tokenizer (tokenizer.json, or a tiktoken file)")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
 
     @classmethod
     def from_options(cls, model_path: str | None, options: dict[str, Any]) -> "EngineArgs":

@@ -137,8 +137,11 @@ class Engine:
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none), holding its
         # weights alone
         self.mtp_head = MtpHead.from_model(self.model, take=True) if mtp else None
-        self.tokenizer = _load_tokenizer(path)
-        self.tokenizer_path = path if self.tokenizer is not None else None  # (kept by a weight update, as the tokenizer)
+        # tokenizer_path: another directory's tokenizer; chat_template: a template replacing the tokenizer's
+        tokenizer_dir = Path(self.args.tokenizer_path) if self.args.tokenizer_path is not None else path
+        self.tokenizer = _load_tokenizer(tokenizer_dir, self.args.chat_template)
+        # (kept by a weight update, as the tokenizer)
+        self.tokenizer_path = tokenizer_dir if self.tokenizer is not None else None
         # speculative_algorithm="draft": a separate model with the same vocabulary (ValueError when it does not fit)
         self.draft_model = self._load_draft_model() if self.args.speculative_algorithm == "draft" else None
         # what a request gets for the sampling parameters it does not set (vLLM's --generation-config auto)
@@ -1198,10 +1201,20 @@ def _generation_defaults(path: Path) -> dict[str, Any]:
     return defaults
 
 
-def _load_tokenizer(path: Path):
-    """The model directory's tokenizer (``tokenizer.json``, or a tiktoken file), or None where it has none."""
+def _load_tokenizer(path: Path, chat_template: str | os.PathLike | None = None):
+    """The tokenizer of directory ``path`` (``tokenizer.json``, or a tiktoken file), or None where it has none.
+    ``chat_template`` (the engine option: a Jinja file or a template's text, ``read_chat_template``) replaces
+    its chat template; with no tokenizer to render it for, it is a ``ValueError``."""
+    from hyla.tokenizer.chat_template import read_chat_template
     from hyla.tokenizer.tokenizer import Tokenizer, has_tokenizer
-    return Tokenizer.from_pretrained(path) if has_tokenizer(path) else None
+
+    if not has_tokenizer(path):
+        if chat_template is not None:
+            raise ValueError(f"chat_template needs a tokenizer, and {str(path)!r} has none (tokenizer_path may name "
+                             "another directory's)")
+        return None
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    return Tokenizer.from_pretrained(path, chat_template=template)
 
 
 class CachedTokens(NamedTuple):

@@ -14,6 +14,7 @@ fails on it) raises ``ValueError``.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -246,6 +247,39 @@ class ChatTemplate:
 def render_chat_template(template: str, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
     """Compile ``template`` and render ``messages`` once (``ChatTemplate.render``'s keywords)."""
     return ChatTemplate(template).render(messages, **kwargs)
+
+
+JINJA_MARKERS = ("{%", "{{")
+"""A ``chat_template`` option holding one of these (and naming no file) is the template's text itself."""
+
+
+def read_chat_template(value: str | os.PathLike, option: str = "chat_template") -> str:
+    """The template a ``chat_template`` option gives (vLLM's and SGLang's ``--chat-template``): the UTF-8
+    text of the file ``value`` names where one exists, else ``value`` itself where it is a string holding
+    Jinja markup (``{%`` or ``{{``: the template's text given inline, as vLLM takes it). The template is
+    compiled here, so that a bad one fails at start-up rather than at the first chat request.
+    ``ValueError`` naming ``option`` for anything else: a file that does not exist (or is no file), one
+    that is not UTF-8 or cannot be read, a template that does not compile."""
+    name = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{option} must be a path to a Jinja file or a template's text, got {value!r:.80}")
+    if os.path.isfile(name):  # (False, not an error, for a text too long or odd to be a path)
+        try:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{option}: cannot read {name!r} as UTF-8 text: {exc}") from exc
+    elif isinstance(value, str) and any(marker in value for marker in JINJA_MARKERS):
+        text = value
+    else:
+        what = "is a directory, not a file" if os.path.isdir(name) else "does not exist"
+        raise ValueError(f"{option}: file {name!r:.200} {what} (a template's text given inline must hold Jinja markup: "
+                         f"'{{%' or '{{{{')")
+    try:
+        _ = ChatTemplate(text)._compiled
+    except ValueError as exc:
+        raise ValueError(f"{option} {name!r:.80}: {exc}") from None
+    return text
 
 
 class ChatTemplates:

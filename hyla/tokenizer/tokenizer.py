@@ -113,11 +113,13 @@ class Tokenizer:
     # --- loading -------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
+    def from_pretrained(cls, model_dir: str | Path, *, chat_template: str | None = None) -> Tokenizer:
         """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``,
         ``generation_config.json`` when present) from a Hugging Face model directory; without a
         ``tokenizer.json``, a ``tiktoken.model`` of a tokenizer class whose split pattern hyla knows
-        (``hyla.tokenizer.tiktoken_bpe``: Kimi's)."""
+        (``hyla.tokenizer.tiktoken_bpe``: Kimi's). ``chat_template`` (a template's text: the engine's
+        ``chat_template`` option, ``read_chat_template``) replaces the directory's templates, its
+        ``tool_use`` one included: it renders every conversation, with tools or without."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         config_file = model_dir / "tokenizer_config.json"
@@ -139,10 +141,8 @@ class Tokenizer:
         special_tokens = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_ATTRIBUTES}
         special_tokens = {k: v for k, v in special_tokens.items() if v is not None}
 
-        chat_template = config.get("chat_template")
-        template_file = model_dir / "chat_template.jinja"
-        if template_file.is_file():
-            chat_template = template_file.read_text(encoding="utf-8")
+        if chat_template is None:
+            chat_template = _directory_chat_template(model_dir, config)
 
         extra_eos: list[int] = []
         generation_file = model_dir / "generation_config.json"
@@ -451,6 +451,15 @@ def _developer_as_system(messages: Any) -> Any:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         return messages
     return [{**m, "role": "system"} if isinstance(m, Mapping) and m.get("role") == "developer" else m for m in messages]
+
+
+def _directory_chat_template(model_dir: Path, config: Mapping[str, Any]) -> Any:
+    """A model directory's chat template(s): ``chat_template.jinja`` where it has one, else
+    tokenizer_config.json's ``chat_template`` (a string, a list of named ones, or None)."""
+    template_file = model_dir / "chat_template.jinja"
+    if template_file.is_file():
+        return template_file.read_text(encoding="utf-8")
+    return config.get("chat_template")
 
 
 def has_tokenizer(model_dir: Path) -> bool:
