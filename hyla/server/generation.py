@@ -26,13 +26,21 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from hyla.engine.engine import Engine
 from hyla.server.errors import APIError, ClientDisconnected, abort_error, engine_error
 from hyla.server.metrics import ServerMetrics
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def json_answer(build: Callable[[], Any]) -> JSONResponse:
+    """A whole (not streamed) answer, ``build()``'s JSON value, built and encoded on a worker thread: a long
+    answer's logprobs are much Python work (8,192 tokens with 20 alternatives each: ~2.6 s of pydantic models
+    and JSON), which on the event loop would stall every other request meanwhile (their streams, their
+    admission). ``build`` reads the finished choices and shared read-only state only."""
+    return await asyncio.to_thread(lambda: JSONResponse(build()))
 
 
 def sse(payload: Any) -> str:

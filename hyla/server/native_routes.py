@@ -31,7 +31,7 @@ import hyla
 from hyla.engine.errors import EngineOverloadedError, RequestError
 from hyla.server.disaggregation import disaggregation_answer, prefix_response
 from hyla.server.errors import APIError, api_param
-from hyla.server.generation import SSE_DONE, Choice, Generation, Job, job_request, sse
+from hyla.server.generation import SSE_DONE, Choice, Generation, Job, job_request, json_answer, sse
 from hyla.server.protocol import (AbortRequest, ExportPrefixRequest, GenerateRequest, UpdateWeightsFromDiskRequest,
                                   cache_namespace)
 
@@ -86,8 +86,8 @@ class NativeRoutes:
             raise
         if body.stream:
             return gen.stream(_events(gen))
-        outs = [_output(c) for c in await gen.collect(request)]
-        return JSONResponse(outs[0] if body.is_single() else outs)
+        collected = await gen.collect(request)
+        return await json_answer(lambda: _output(collected[0]) if body.is_single() else [_output(c) for c in collected])
 
     async def _body_param(self, param: str | None, body: GenerateRequest, jobs: list[Job]) -> str | None:
         """The body's field for a refused request's ``param`` (``api_param``'s, for the engine's

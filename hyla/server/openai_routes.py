@@ -17,12 +17,12 @@ import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Sequence
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from tokenizers import decoders
 
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError
-from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, sse
+from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, json_answer, sse
 from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
     ChatCompletionResponse, ChatResponseMessage, FunctionCall, ToolCallOut, ChatTokenLogprob, CompletionChoice, CompletionLogprobs,
@@ -112,22 +112,26 @@ class OpenAIRoutes:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if body.stream:
             return gen.stream(self._completion_events(body, gen, rid, prompts, id_lists, echoed))
-        choices = []
-        for c in await gen.collect(request):
-            p = c.index // body.n
-            prefix = echoed[p] if echoed is not None else ""
-            text = prefix + c.text
-            logprobs = None
-            if body.logprobs is not None:
-                offsets = TextOffsets(engine.tokenizer, id_lists[p], body.skip_special_tokens, start=len(prefix))
-                logprobs = completion_logprobs(engine.tokenizer, *choice_logprobs(c), offsets, end=len(text))
-                if echoed is not None:
-                    logprobs = _prompt_logprobs(engine.tokenizer, c, prompts[p], prefix).extend(logprobs)
-            choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
-                                            finish_reason=c.openai_finish_reason(),
-                                            **_token_ids(body, id_lists[p], c.output_ids)))
-        return JSONResponse(CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
-                                               usage=usage(gen.choices, body.n)).model_dump())
+        collected = await gen.collect(request)
+
+        def answer() -> dict[str, Any]:  # (on a worker thread: json_answer)
+            choices = []
+            for c in collected:
+                p = c.index // body.n
+                prefix = echoed[p] if echoed is not None else ""
+                text = prefix + c.text
+                logprobs = None
+                if body.logprobs is not None:
+                    offsets = TextOffsets(engine.tokenizer, id_lists[p], body.skip_special_tokens, start=len(prefix))
+                    logprobs = completion_logprobs(engine.tokenizer, *choice_logprobs(c), offsets, end=len(text))
+                    if echoed is not None:
+                        logprobs = _prompt_logprobs(engine.tokenizer, c, prompts[p], prefix).extend(logprobs)
+                choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
+                                                finish_reason=c.openai_finish_reason(),
+                                                **_token_ids(body, id_lists[p], c.output_ids)))
+            return CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+                                      usage=usage(gen.choices, body.n)).model_dump()
+        return await json_answer(answer)
 
     async def _completion_events(self, body: CompletionRequest, gen: Generation, rid: str,
                                  prompts: list[str | list[int]], id_lists: list[list[int]],
@@ -205,26 +209,30 @@ class OpenAIRoutes:
         in_thinking = opens_thinking(self.server, encoding.text)
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
-        choices = []
-        for c in await gen.collect(request):
-            thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
-            calls = []
-            if body.tool_choice_mode() != "none":
-                text, calls = self.server.tool_call_parser.parse(text, body.template_tools())
-                calls = calls if body.parallel_tool_calls else calls[:1]
-            finish = c.openai_finish_reason()
-            message = ChatResponseMessage(
-                content=(text or None) if calls else text, reasoning_content=thoughts,
-                tool_calls=[ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
-                            for t in calls] or None)
-            choices.append(ChatChoice(
-                index=c.index, message=message, finish_reason="tool_calls" if calls and finish == "stop" else finish,
-                logprobs=chat_logprobs(engine.tokenizer, *choice_logprobs(c)) if body.logprobs else None,
-                token_ids=list(c.output_ids) if body.return_token_ids else None))
-        return JSONResponse(ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
-                                                   usage=usage(gen.choices, body.n),
-                                                   prompt_token_ids=encoding.ids if body.return_token_ids else None,
-                                                   ).model_dump())
+        collected = await gen.collect(request)
+
+        def answer() -> dict[str, Any]:  # (on a worker thread: json_answer)
+            choices = []
+            for c in collected:
+                thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
+                calls = []
+                if body.tool_choice_mode() != "none":
+                    text, calls = self.server.tool_call_parser.parse(text, body.template_tools())
+                    calls = calls if body.parallel_tool_calls else calls[:1]
+                finish = c.openai_finish_reason()
+                finish = "tool_calls" if calls and finish == "stop" else finish
+                message = ChatResponseMessage(
+                    content=(text or None) if calls else text, reasoning_content=thoughts,
+                    tool_calls=[ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                                for t in calls] or None)
+                choices.append(ChatChoice(
+                    index=c.index, message=message, finish_reason=finish,
+                    logprobs=chat_logprobs(engine.tokenizer, *choice_logprobs(c)) if body.logprobs else None,
+                    token_ids=list(c.output_ids) if body.return_token_ids else None))
+            return ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+                                          usage=usage(gen.choices, body.n),
+                                          prompt_token_ids=encoding.ids if body.return_token_ids else None).model_dump()
+        return await json_answer(answer)
 
     async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str,
                            in_thinking: bool, prompt_ids: list[int]) -> AsyncIterator[str]:

@@ -30,6 +30,7 @@ Fields and semantics: docs/server.md.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
@@ -45,7 +46,7 @@ from pydantic import ValidationError
 
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
-from hyla.server.generation import Choice, Generation, Job, chunk_logprobs
+from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, TextOffsets, admit_chat, chat_logprobs, choice_logprobs,
                                       forced_tool_grammar, kept_markers, opens_thinking, output_budget, render_chat,
                                       thinking_first)
@@ -93,6 +94,9 @@ class StoredResponse:
     items: list[dict[str, Any]] = field(default_factory=list)
 
 
+_Kept = tuple[StoredResponse, int]  # a response to store, and its stored_size
+
+
 class ResponseStore:
     """Stored responses by id, in memory, at most ``capacity`` of them and ``max_bytes`` of their
     ``stored_size`` (the least recently used dropped first; the one stored last is kept even where it
@@ -107,10 +111,11 @@ class ResponseStore:
         self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # id -> (response, its size)
         self._output_items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of a response held
 
-    def put(self, stored: StoredResponse) -> None:
+    def put(self, stored: StoredResponse, size: int | None = None) -> None:
+        """Store ``stored`` (``size``: its ``stored_size``, where the caller measured it already)."""
         rid = stored.response["id"]
         self.delete(rid)
-        size = stored_size(stored)
+        size = stored_size(stored) if size is None else size
         self._items[rid] = (stored, size)
         self.bytes += size
         self._output_items.update((item["id"], item) for item in stored.response.get("output", ()) if "id" in item)
@@ -459,7 +464,9 @@ class ResponsesRoutes:
         if body.stream:
             return gen.stream(turn.events(gen))
         (choice,) = await gen.collect(request)
-        return JSONResponse(turn.finish(choice))
+        out, kept = await asyncio.to_thread(turn.finished, choice)
+        turn.keep(kept)
+        return await json_answer(lambda: out)
 
     async def prompt(self, body: ResponsesRequest) -> _Prompt:
         """The turn ``body`` asks for, rendered as a chat completion's prompt: the stored conversation of
@@ -615,8 +622,8 @@ class _Turn:
         return [e.model_dump() for e, at in zip(entries, starts) if start <= at < end]
 
     def finish(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> dict[str, Any]:
-        """The finished response object (stored with its conversation and input items when ``store``).
-        ``calls_seen``: the calls a stream found (their call ids are kept)."""
+        """The finished response object (``finished`` adds what storing it keeps, with its conversation and
+        input items, when ``store``). ``calls_seen``: the calls a stream found (their call ids are kept)."""
         thoughts, text, calls = self.parse(choice.text)
         for call, seen in zip(calls, calls_seen):
             call.id = seen.id
@@ -638,12 +645,22 @@ class _Turn:
             input_tokens=prompt, input_tokens_details=cached,
             output_tokens=completion, output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens),
             total_tokens=prompt + completion)
-        out = response.model_dump()
-        if self.body.store:
-            outputs = [_item(o, i) for i, o in enumerate(out["output"])]
-            self.routes.store.put(StoredResponse(out, self.prompt.conversation + items_to_messages(outputs),
-                                                 self.prompt.items))
-        return out
+        return response.model_dump()
+
+    def finished(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> tuple[dict[str, Any], _Kept | None]:
+        """``finish``'s response, and what storing it keeps (``store``; None without): all the Python work of
+        a finished turn, which runs on a worker thread (a long answer's logprobs would stall the event loop);
+        ``keep`` stores it, on the event loop (the store is the loop's)."""
+        out = self.finish(choice, calls_seen)
+        if not self.body.store:
+            return out, None
+        outputs = [_item(o, i) for i, o in enumerate(out["output"])]
+        stored = StoredResponse(out, self.prompt.conversation + items_to_messages(outputs), self.prompt.items)
+        return out, (stored, stored_size(stored))
+
+    def keep(self, kept: _Kept | None) -> None:
+        if kept is not None:
+            self.routes.store.put(*kept)
 
     def failed(self, event: _EventWriter, error: APIError) -> list[str]:
         """What a stream sends when it fails after it started (an engine error, an abort): OpenAI's ``error``
@@ -742,7 +759,8 @@ class _Turn:
                     yield line
             yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
             pending = ""
-        response = self.finish(choice, tools.calls if tools is not None else [])
+        response, kept = await asyncio.to_thread(self.finished, choice, tools.calls if tools is not None else [])
+        self.keep(kept)
         items = {item["type"]: item for item in response["output"] if item["type"] != "function_call"}
         if rs_open:
             for line in close_reasoning(items["reasoning"]["content"][0]["text"] if "reasoning" in items else ""):
