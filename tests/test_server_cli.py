@@ -55,6 +55,17 @@ def test_flags_reach_the_engine_options():
     assert cli.engine_options(_parse(["--warmup", "on"]))["warmup"] == "on"
 
 
+def test_vllms_names_of_flags_reach_the_same_options():
+    """A vLLM command line runs: its names of the flags that mean the same (``cli.FLAG_ALIASES``), and its
+    ``--trust-remote-code``, which changes nothing (hyla runs no checkpoint code)."""
+    opts = cli.engine_options(_parse(["--tokenizer", "/tok", "--max-model-len", "4096", "--max-num-seqs", "8",
+                                      "--enforce-eager", "--trust-remote-code"]))
+    assert (opts["tokenizer_path"], opts["context_length"], opts["max_running_requests"],
+            opts["disable_cuda_graph"]) == ("/tok", 4096, 8, True)
+    assert cli.engine_options(_parse(["--trust-remote-code"])) == cli.engine_options(_parse([]))
+    assert cli.engine_options(_parse(["--no-enforce-eager"]))["disable_cuda_graph"] is False
+
+
 def test_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--help"])

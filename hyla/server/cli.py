@@ -29,6 +29,9 @@ from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# vLLM's names of engine flags (hyla's are SGLang's), where the option means the same: a vLLM command line runs
+FLAG_ALIASES = {"tokenizer_path": ("--tokenizer",), "context_length": ("--max-model-len",),
+                "max_running_requests": ("--max-num-seqs",), "disable_cuda_graph": ("--enforce-eager",)}
 
 
 def _flag_type(annotation: Any) -> type:
@@ -108,15 +111,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
     for name, (flag, kind, default, help_text) in engine_flags().items():
+        flags = (flag, *FLAG_ALIASES.get(name, ()))
         if kind is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=default,
                                help=f"{help_text} (default: {'on' if default else 'off'})")
         else:
             shown = "" if default is None else f" (default: {default})"  # None: the help says what happens
-            group.add_argument(flag, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
+            group.add_argument(*flags, dest=name, type=kind, default=default, metavar=kind.__name__.upper(),
                                help=help_text + shown)
     group.add_argument("--skip-server-warmup", dest="warmup", action="store_const", const="off",
                        help="--warmup off (SGLang's flag).")  # after --warmup: its default is the dest's
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="Taken, and changes nothing (vLLM and SGLang need it for some of the hybrid models): hyla "
+                            "runs no code from a checkpoint, each architecture is its own.")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
