@@ -829,6 +829,25 @@ def test_reasoning_parser_unit():
 
 
 
+def test_reasoning_parsers_of_models_that_always_think():
+    """``deepseek-r1`` (``deepseek_r1``, ``qwen3-thinking``): the answer is reasoning from its start whether or
+    not it, or the prompt, opens the block, unless the prompt closed it; ``nano_v3`` reads as ``qwen3``."""
+    from hyla.server.reasoning import REASONING_PARSERS, ReasoningParser
+    user = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    for name in ("deepseek-r1", "deepseek_r1", "qwen3-thinking"):
+        parser = ReasoningParser(name)
+        assert parser.prompt_opens_thinking(user) and parser.prompt_opens_thinking(user + "<think>\n")
+        assert not parser.prompt_opens_thinking(user + "<think>\n\n</think>\n\n")  # (enable_thinking false)
+        assert parser.parse("hmm</think>Yes.", parser.prompt_opens_thinking(user)) == ("hmm", "Yes.")
+        assert parser.parse("<think>hmm</think>Yes.", True) == ("hmm", "Yes.")  # (an opening marker dropped)
+    nano, qwen = ReasoningParser("nano_v3"), ReasoningParser("qwen3")
+    for prompt in (user, user + "<think>\n", user + "<think></think>"):
+        assert nano.prompt_opens_thinking(prompt) == qwen.prompt_opens_thinking(prompt)
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        ReasoningParser("r1")
+    assert set(REASONING_PARSERS) == {"qwen3", "nano_v3", "deepseek-r1", "deepseek_r1", "qwen3-thinking"}
+
+
 def test_reasoning_stream_is_the_whole_parse_however_the_text_is_cut():
     """Reasoning and the content after it are each stripped of their surrounding whitespace, the
     same rule whole and streamed: the deltas joined are ``parse``'s fields at every cut (a think

@@ -24,6 +24,7 @@ from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
+from hyla.server.reasoning import REASONING_PARSERS
 from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -105,8 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "Qwen3-Next, Granite 4.0-H, Falcon-H1), nemotron_json (NemotronH), qwen3_coder (the XML "
                              "syntax of Qwen3.5, Qwen3-Coder and Nemotron-3), jamba, minimax (MiniMax-Text-01, -M1), "
                              "kimi_k2 (Kimi-Linear) or lfm2.")
-    parser.add_argument("--reasoning-parser", default=None, choices=["qwen3"],
-                        help="Separate <think>...</think> into reasoning_content (SGLang's names; default off).")
+    parser.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                        help="Separate <think>...</think> into reasoning_content (SGLang's and vLLM's names; default "
+                             "off): qwen3 or nano_v3 (the answer thinks where it or the prompt opens the block), "
+                             "deepseek-r1, deepseek_r1 or qwen3-thinking (it thinks from its start, unless the prompt "
+                             "closed the block).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")

@@ -1,16 +1,22 @@
 """Reasoning content: the ``<think>...</think>`` part of a thinking model's output, separated from
-the answer (``--reasoning-parser``, SGLang's names).
+the answer (``--reasoning-parser``, SGLang's and vLLM's names).
 
 * ``qwen3`` — Qwen3's ``<think>`` / ``</think>``. The output is reasoning from its start when it
   opens with ``<think>``, or when the prompt already ends inside an open ``<think>`` (templates that
   write ``<think>\\n`` into the generation prompt); everything after ``</think>`` is content, both
   stripped of their surrounding whitespace. An output that never opens a think block is all
-  content, as it is.
+  content, as it is. ``nano_v3`` (Nemotron 3 Nano, whose template opens the block in the prompt, or
+  writes it closed with ``enable_thinking`` false) reads the same.
+* ``deepseek-r1`` (also ``deepseek_r1``) and ``qwen3-thinking`` — the same markers, but the output is
+  reasoning from its start whether or not ``<think>`` opens it (models that always think, and may leave
+  the opening marker out), unless the prompt closed the block itself (ends with ``</think>``).
 """
 
 from __future__ import annotations
 
-REASONING_PARSERS = ("qwen3",)
+# name -> whether the output is reasoning from its start (unless the prompt closed the block)
+REASONING_PARSERS = {"qwen3": False, "nano_v3": False, "deepseek-r1": True, "deepseek_r1": True,
+                     "qwen3-thinking": True}
 
 
 class ReasoningParser:
@@ -19,13 +25,18 @@ class ReasoningParser:
 
     def __init__(self, name: str):
         if name not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {name!r}; expected one of {REASONING_PARSERS}")
+            raise ValueError(f"unknown reasoning parser {name!r}; expected one of {tuple(REASONING_PARSERS)}")
         self.name = name
+        self.always_thinks = REASONING_PARSERS[name]
 
     def prompt_opens_thinking(self, prompt: str) -> bool:
-        """The generation prompt ends with an open ``<think>`` (only its end counts: a user message
-        quoting the marker does not)."""
-        return prompt.rstrip().endswith(self.start)
+        """Whether the answer starts inside a think block: the generation prompt ends with an open
+        ``<think>`` (only its end counts: a user message quoting the marker does not); for a parser of a
+        model that always thinks, unless it ends with ``</think>`` (the template closed the block)."""
+        end = prompt.rstrip()
+        if self.always_thinks:
+            return not end.endswith(self.end)
+        return end.endswith(self.start)
 
     def parse(self, text: str, in_thinking: bool = False) -> tuple[str | None, str]:
         """``(reasoning_content or None, content)`` of a whole output: the whole text streamed in one
