@@ -33,6 +33,7 @@ from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import REQUEST_ID_HEADER, OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
+from hyla.server.request_log import RequestLog
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import AUTO, DEFAULT_TOOL_CALL_PARSER, ToolCallParser, detect_tool_call_parser
@@ -77,6 +78,7 @@ class Server:
         self.tool_call_parser = ToolCallParser()
         self.tool_call_parser_choice = DEFAULT_TOOL_CALL_PARSER  # a parser's name, or AUTO: the chat template's
         self.reasoning_parser: ReasoningParser | None = None
+        self.request_log: RequestLog | None = None  # --log-requests
 
     def start_engine(self) -> None:
         engine = Engine(self.model_path, **self.engine_options)
@@ -126,7 +128,8 @@ class Server:
             raise APIError(400, f"this request needs {len(jobs)} engine requests (prompts x n); the server holds "
                                 f"at most {capacity} at once (max_running_requests + max_queued_requests)",
                            code="batch_too_large")
-        gen = Generation(engine, self.metrics, endpoint, arrival, on_close=self.generations.discard)
+        gen = Generation(engine, self.metrics, endpoint, arrival, on_close=self.generations.discard,
+                         request_log=self.request_log)
         self.generations.add(gen)
         await gen.submit(jobs)
         return gen
@@ -282,7 +285,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                max_prefix_bytes: int = DEFAULT_MAX_PREFIX_BYTES, max_stored_responses: int = DEFAULT_STORED_RESPONSES,
                max_stored_response_bytes: int = DEFAULT_STORED_RESPONSE_BYTES,
                shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, tool_call_parser: str = AUTO,
-               reasoning_parser: str | None = None, allowed_origins: Sequence[str] = ("*",),
+               reasoning_parser: str | None = None, log_requests_level: int | None = None,
+               allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
                allow_credentials: bool = False, **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
@@ -297,7 +301,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     and ``shutdown_timeout``: see ``Server`` (run the app with ``hyla.server.launch.UvicornServer``
     for the graceful shutdown). ``tool_call_parser`` / ``reasoning_parser``: the model family's
     tool-call syntax (``auto``: the one its chat template writes) and think markers
-    (``hyla.server.tool_calls``, ``hyla.server.reasoning``).
+    (``hyla.server.tool_calls``, ``hyla.server.reasoning``). ``log_requests_level``: a log line for each
+    request as it ends, at that level (``hyla.server.request_log``; None: none).
     ``allowed_origins`` / ``_methods`` / ``_headers`` / ``allow_credentials``: CORS, as vLLM's flags
     (default: any origin, as vLLM and SGLang; empty ``allowed_origins``: no CORS headers, so browsers
     refuse other origins' pages)."""
@@ -306,6 +311,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     if tool_call_parser != AUTO:  # (else the engine's chat template picks it, at start-up)
         server.tool_call_parser = ToolCallParser(tool_call_parser)
     server.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
+    server.request_log = RequestLog(log_requests_level) if log_requests_level is not None else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

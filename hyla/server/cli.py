@@ -25,6 +25,7 @@ from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 from hyla.server.reasoning import REASONING_PARSERS
+from hyla.server.request_log import DEFAULT_LOG_REQUESTS_LEVEL, LOG_REQUESTS_LEVELS, PARTIAL_CHARS
 from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -113,6 +114,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "closed the block).")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="Log level of hyla and uvicorn (default info: start-up summary and per-step lines).")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="A log line for each request as it ends (logger hyla.server.requests; SGLang's flag; "
+                             "default off: prompts and outputs are the users' data).")
+    parser.add_argument("--log-requests-level", type=int, default=DEFAULT_LOG_REQUESTS_LEVEL,
+                        choices=LOG_REQUESTS_LEVELS,
+                        help="With --log-requests, how much (SGLang's levels): 0 its id, endpoint, finish reason, "
+                             "token counts and times; 1 and its sampling parameters; 2 and the first "
+                             f"{PARTIAL_CHARS} characters of its prompt and output (default); 3 all of them.")
     group = parser.add_argument_group("engine options", "The fields of hyla.engine.args.EngineArgs.")
     for name, (flag, kind, default, help_text) in engine_flags().items():
         flags = (flag, *FLAG_ALIASES.get(name, ()))
@@ -204,7 +213,9 @@ def run(args: argparse.Namespace) -> int:
                      max_prefix_bytes=args.max_prefix_bytes, max_stored_responses=args.max_stored_responses,
                      max_stored_response_bytes=args.max_stored_response_bytes,
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
-                     reasoning_parser=args.reasoning_parser, **cors_options(args), **options)
+                     reasoning_parser=args.reasoning_parser,
+                     log_requests_level=args.log_requests_level if args.log_requests else None,
+                     **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5)

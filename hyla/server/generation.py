@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hyla.engine.engine import Engine
 from hyla.server.errors import APIError, ClientDisconnected, abort_error, engine_error
 from hyla.server.metrics import ServerMetrics
+from hyla.server.request_log import RequestLog
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -159,9 +160,11 @@ class Generation:
     ``on_close(self)`` once."""
 
     def __init__(self, engine: Engine, metrics: ServerMetrics, endpoint: str, arrival: float,
-                 on_close: Callable[[Generation], None] | None = None):
+                 on_close: Callable[[Generation], None] | None = None, request_log: RequestLog | None = None):
         self.engine, self.metrics, self.endpoint, self.arrival = engine, metrics, endpoint, arrival
+        self.request_log = request_log
         self.choices: list[Choice] = []
+        self.jobs: list[Job] = []  # each choice's job
         self._on_close = on_close
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -181,6 +184,7 @@ class Generation:
                     self.engine.abort(rid)
                 choice = Choice(index=i, rid=rid)
                 self.choices.append(choice)
+                self.jobs.append(job)
                 self._streams.append(stream)
                 self._tasks.append(asyncio.create_task(self._pump(choice, stream)))
             self._num_open = len(self._tasks)
@@ -208,6 +212,16 @@ class Generation:
         finally:
             self._queue.put_nowait((choice, _END))
 
+    def _ended(self, choice: Choice, reason: str) -> None:
+        """``choice``'s request ended (``reason``: its finish_reason's type): counted, and logged (``--log-requests``)."""
+        self.metrics.observe_request(self.endpoint, reason, self.arrival, choice.first_token_time,
+                                     choice.last_token_time, len(choice.output_ids))
+        if self.request_log is not None:
+            job = self.jobs[choice.index]
+            self.request_log.ended(self.endpoint, choice.rid, job.prompt, job.sampling_params, choice.meta,
+                                   choice.text, self.arrival, choice.first_token_time, time.monotonic(),
+                                   self.engine.tokenizer)
+
     async def events(self) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
         """``(choice, chunk)`` for every engine chunk, in arrival order, the chunk already folded
         into ``choice``; ends when every job has finished. A request the engine aborted on its own
@@ -224,8 +238,7 @@ class Generation:
             choice.fold(item, time.monotonic())
             reason = choice.finish_reason
             if reason is not None:
-                self.metrics.observe_request(self.endpoint, reason["type"], self.arrival, choice.first_token_time,
-                                             choice.last_token_time, len(choice.output_ids))
+                self._ended(choice, reason["type"])
                 if reason["type"] == "abort" and (self._abort_error is not None or reason.get("cause") != "client"):
                     raise self._abort_error or abort_error(reason)  # (a client's abort: its output so far)
             yield choice, item
@@ -270,8 +283,7 @@ class Generation:
         for choice, stream in zip(self.choices, self._streams):
             if choice.finish_reason is None:  # the client went away (or a failure): abort, and count it
                 stream.close()  # (the request itself, unless it has ended: its rid may be a new request's by then)
-                self.metrics.observe_request(self.endpoint, "abort", self.arrival, choice.first_token_time,
-                                             choice.last_token_time, len(choice.output_ids))
+                self._ended(choice, "abort")
         if self._on_close is not None:
             self._on_close(self)
 
