@@ -43,7 +43,8 @@ shared system prompt) and the last seven's. Each costs a render of the conversat
 # what the template's own variables and helpers are named (and ``self``, ``Tokenizer.encode_chat``'s
 # own first parameter): chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", "documents", "max_boundaries",
-                                         "raise_exception", "strftime_now", "namespace", "self"})
+                                         "continue_final_message", "raise_exception", "strftime_now", "namespace",
+                                         "self"})
 
 MAX_PENDING_IDS = 8
 """``TextOffsets`` over a window of ids: ids whose text still ends in U+FFFD after this many end in
@@ -185,7 +186,11 @@ class OpenAIRoutes:
         arrival = time.monotonic()
         engine = admit_chat(self.server, body.model)
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
-                                     body.chat_template_kwargs, max_boundaries=CHAT_CHECKPOINTS)
+                                     body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message,
+                                     max_boundaries=CHAT_CHECKPOINTS)
+        # a prefill (the final assistant message, continued): the answer is what the model writes after it
+        prefill = final_text(body.messages) if body.continue_final_message else None
         if body.truncate_prompt_tokens is not None:
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
                                                                body.max_new_tokens()))
@@ -196,7 +201,8 @@ class OpenAIRoutes:
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         grammar = {**forced_tool_grammar(self.server, body), **kept_markers(self.server, body)}
         jobs = [Job(encoding.ids, thinking_first(self.server, encoding.text, {**body.sampling_params(max_new, top_k, j),
-                                                                             **grammar}), return_logprob=body.logprobs,
+                                                                             **grammar}, prefill=prefill),
+                    return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
                     namespace=cache_namespace(body.cache_salt), rid=rid)
                 for j, rid in enumerate(job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), body.n))]
@@ -206,7 +212,7 @@ class OpenAIRoutes:
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reasoning = self.server.reasoning_parser
-        in_thinking = opens_thinking(self.server, encoding.text)
+        in_thinking = opens_thinking(self.server, encoding.text, prefill)
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
         collected = await gen.collect(request)
@@ -312,12 +318,14 @@ class OpenAIRoutes:
 
 async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessage], tools: list[dict[str, Any]] | None,
                       template_kwargs: dict[str, Any] | None, *, add_generation_prompt: bool = True,
-                      max_boundaries: int = 0) -> ChatEncoding:
+                      continue_final_message: bool = False, max_boundaries: int = 0) -> ChatEncoding:
     """``chat`` rendered with the model's template and tokenized, as a chat completion feeds it to the
     engine (``/tokenize`` too): the messages converted for the template (the tool-call parser's
     form of earlier calls), ``template_kwargs`` checked against the reserved variables, the prompt
     cap, then ``Tokenizer.encode_chat`` on a worker thread (a long conversation does not stall the
-    event loop). A template's ``ValueError`` is a 400 naming ``messages`` or ``chat_template_kwargs``."""
+    event loop); ``continue_final_message``: the prompt ends inside the final message (a prefill; the
+    request checked its rules: ``prefill_error``). A template's ``ValueError`` (one that cannot leave
+    the final message open among them) is a 400 naming ``messages`` or ``chat_template_kwargs``."""
     messages = server.tool_call_parser.for_template([m.for_template() for m in chat],
                                                     tokenizer.chat_template_for(tools))
     reserved = sorted(set(template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
@@ -328,30 +336,50 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
                               "messages")
     try:
         return await asyncio.to_thread(tokenizer.encode_chat, messages, add_generation_prompt=add_generation_prompt,
-                                       tools=tools, max_boundaries=max_boundaries, **(template_kwargs or {}))
+                                       tools=tools, continue_final_message=continue_final_message,
+                                       max_boundaries=max_boundaries, **(template_kwargs or {}))
     except ValueError as exc:
         param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
         raise APIError(400, str(exc), param=param) from exc
 
 
-def opens_thinking(server: Server, prompt: str) -> bool:
+def final_text(chat: list[ChatMessage]) -> str:
+    """The text of a chat's final message (its text parts joined, as the template sees them): what a
+    prefill (``continue_final_message``) has the model continue."""
+    content = chat[-1].for_template().get("content")
+    return content if isinstance(content, str) else ""
+
+
+def opens_thinking(server: Server, prompt: str, prefill: str | None = None) -> bool:
     """Whether a chat answer starts inside a think block: the rendered ``prompt`` opens one
-    (``ReasoningParser.prompt_opens_thinking``)."""
+    (``ReasoningParser.prompt_opens_thinking``). Where the prompt ends with a ``prefill`` (the final
+    assistant message, continued: its text), the prefill decides when it holds a marker: its last
+    ``<think>`` is open (no ``</think>`` after it), e.g. ``<think>\nLet me``; without one, the prompt
+    before the prefill does (a template that writes the think block's start before the message)."""
     reasoning = server.reasoning_parser
-    return reasoning is not None and reasoning.prompt_opens_thinking(prompt)
+    if reasoning is None:
+        return False
+    if prefill is None:
+        return reasoning.prompt_opens_thinking(prompt)
+    opened, closed = prefill.rfind(reasoning.start), prefill.rfind(reasoning.end)
+    if opened >= 0 or closed >= 0:
+        return opened > closed
+    at = prompt.rfind(prefill.strip()) if prefill.strip() else len(prompt)
+    return reasoning.prompt_opens_thinking(prompt[:at] if at >= 0 else prompt)
 
 
-def thinking_first(server: Server, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+def thinking_first(server: Server, prompt: str, params: dict[str, Any], prefill: str | None = None) -> dict[str, Any]:
     """A chat answer's engine sampling ``params``, whose grammar (a forced tool call, ``response_format``)
     constrains what the reasoning parser reads as content, not the reasoning before it (SGLang's and
     vLLM's reasoning-aware structured outputs): where the rendered ``prompt`` opens a think block, the
     grammar starts after its end (``grammar_after``); else the answer may open one itself first, or
-    not (``grammar_after_open`` too: a model that writes its own ``<think>``). ``params`` as they are
+    not (``grammar_after_open`` too: a model that writes its own ``<think>``). ``prefill``: the final
+    assistant message the prompt ends with, continued (``opens_thinking``). ``params`` as they are
     without a reasoning parser or a grammar."""
     reasoning = server.reasoning_parser
     if reasoning is None or not any(kind in params for kind in GRAMMAR_KINDS):
         return params
-    if reasoning.prompt_opens_thinking(prompt):
+    if opens_thinking(server, prompt, prefill):
         return {**params, "grammar_after": reasoning.end}
     return {**params, "grammar_after": reasoning.end, "grammar_after_open": reasoning.start}
 

@@ -690,6 +690,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the template's generation prompt (the new assistant turn's header), or, instead, the final
+    # (assistant) message left open for the model to continue (a prefill): prefill_error
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # what agent clients send (the Agents SDK's model settings) and hyla accepts without acting on: the
     # prompt-cache hints (the exact prefix cache needs none; ``hyla route`` routes by prompt_cache_key),
     # user's successor, and the reasoning controls (a model thinks as its chat template says:
@@ -709,6 +713,9 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
+        problem = prefill_error(self.messages, self.add_generation_prompt, self.continue_final_message)
+        if problem is not None:
+            raise FieldError(*problem)
         if self.tool_choice is not None and not self.tools:
             raise FieldError("tool_choice", "tool_choice is only allowed when tools are specified")
         if isinstance(self.tool_choice, NamedToolChoice):
@@ -806,6 +813,23 @@ class GenerateRequest(_Request):
         return not (self.input_ids and isinstance(self.input_ids[0], list))
 
 
+def prefill_error(messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                  continue_final_message: bool) -> tuple[str, str] | None:
+    """``(field, message)`` where a chat's ``continue_final_message`` breaks its rules (vLLM's, and one
+    more): it excludes ``add_generation_prompt`` (which defaults to true: a prefill sends it false),
+    and the message it continues must be the assistant's (vLLM would render another role's open
+    too; a prefill is the start of the answer). None when they hold."""
+    if not continue_final_message:
+        return None
+    if add_generation_prompt:
+        return "continue_final_message", ("continue_final_message and add_generation_prompt cannot both be true: "
+                                          "set add_generation_prompt to false to continue the final message")
+    if messages and messages[-1].role != "assistant":
+        return "messages", (f"continue_final_message continues the final message, which must be the assistant's "
+                            f"(the start of its answer), not a {messages[-1].role} message")
+    return None
+
+
 def check_chat_nesting(value: Any, field_name: str) -> Any:
     """A chat field (``messages``, ``tools``, ``chat_template_kwargs``) of at most
     ``MAX_NESTING_DEPTH`` levels of lists and objects (checked before anything walks it), counted
@@ -824,11 +848,12 @@ class TokenizeRequest(_Request):
     /v1/chat/completions renders it. ``model`` may be left out (the served model is meant).
 
     With ``prompt``: ``add_special_tokens`` (default true: the tokenizer's post-processor, e.g. a
-    BOS). With ``messages``: ``add_generation_prompt`` (default true: what a chat completion
-    renders), ``chat_template_kwargs``, ``tools`` (rendered as a chat completion with the default
-    ``tool_choice`` renders them); ``add_special_tokens`` and ``continue_final_message`` may only be
-    false (vLLM's defaults: a chat completion adds nothing to the template's markup and never
-    continues the last message). ``form_error`` says which field breaks these rules."""
+    BOS). With ``messages``: ``add_generation_prompt`` (default true) and ``continue_final_message``
+    (default false; with it, add_generation_prompt false and a final assistant message:
+    ``prefill_error``), as a chat completion takes them, ``chat_template_kwargs``, ``tools``
+    (rendered as a chat completion with the default ``tool_choice`` renders them);
+    ``add_special_tokens`` may only be false (vLLM's default: a chat completion adds nothing to the
+    template's markup). ``form_error`` says which field breaks these rules."""
 
     model: str | None = None
     prompt: str | None = None
@@ -860,10 +885,7 @@ class TokenizeRequest(_Request):
         if self.add_special_tokens:
             return "add_special_tokens", ("add_special_tokens must be false with messages: the chat template "
                                           "writes the special tokens, and a chat completion adds none of its own")
-        if self.continue_final_message:
-            return "continue_final_message", ("continue_final_message is not supported: a chat completion always "
-                                              "starts a new assistant turn")
-        return None
+        return prefill_error(self.messages, self.add_generation_prompt, self.continue_final_message)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template sees them (None: render none), as a chat completion with

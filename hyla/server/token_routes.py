@@ -52,7 +52,8 @@ class TokenRoutes:
         tokenizer = _tokenizer(engine)
         if body.messages is not None:  # as /v1/chat/completions (no message boundaries: the cache's, a render each)
             ids = (await render_chat(self.server, tokenizer, body.messages, body.template_tools(),
-                                     body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt)).ids
+                                     body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message)).ids
         else:  # as /v1/completions tokenizes a text prompt
             (ids,) = await self.server.encode_texts(tokenizer, [body.prompt or ""], "prompt",
                                                     add_special_tokens=body.add_special_tokens is not False)

@@ -33,7 +33,7 @@ from typing import Any
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 
-from hyla.tokenizer.chat_template import ChatTemplates
+from hyla.tokenizer.chat_template import ChatTemplates, check_messages
 from hyla.tokenizer.detokenizer import IncrementalDetokenizer
 from hyla.tokenizer.tiktoken_bpe import TIKTOKEN_FILE, is_tiktoken_dir, tiktoken_backend, tiktoken_class
 from hyla.tokenizer.token_text import TokenText, TokenTexts
@@ -243,13 +243,22 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
         """Render a conversation as the prompt text. Encode the result with ``add_special_tokens=False``
         (the template writes its own BOS), or use ``encode_chat``, which does so.
 
+        ``continue_final_message`` (transformers'; needs ``add_generation_prompt=False``): the prompt
+        ends inside the final message, right after its content, for the model to continue it (an
+        assistant message prefilled with the start of the answer). See ``_tag_final_message``.
+
         A template that never names the ``developer`` role (OpenAI's newer name for ``system``, sent
         by current SDKs) sees ``developer`` messages as ``system`` messages."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible: continue the final "
+                             "message, or start a new assistant message after it")
         template = self._chat_templates.select(tools)
         if template is None:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
@@ -258,7 +267,11 @@ class Tokenizer:
         variables = {**self.special_tokens, **template_kwargs}  # explicit kwargs win, as in transformers
         if self.sorts_tools and tools:
             tools = _sorted_keys(tools)
-        return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+        if not continue_final_message:
+            return template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **variables)
+        messages, final_text = _tag_final_message(messages, template.source)
+        rendered = template.render(messages, add_generation_prompt=False, tools=tools, **variables)
+        return _cut_at_tag(rendered, final_text)
 
     def encode_chat(
         self,
@@ -266,6 +279,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
+        continue_final_message: bool = False,
         max_boundaries: int | None = None,
         **template_kwargs: Any,
     ) -> ChatEncoding:
@@ -281,7 +295,10 @@ class Tokenizer:
         otherwise. Boundaries are strictly ascending and > 0; with ``add_generation_prompt=False``
         the last one may equal ``len(ids)``. ``max_boundaries`` bounds the work (each boundary
         renders the conversation up to it): only the first message's and the last
-        ``max_boundaries - 1`` messages' boundaries are computed.
+        ``max_boundaries - 1`` messages' boundaries are computed. With ``continue_final_message``
+        (``apply_chat_template``'s) the prompt ends inside the final message: that message's
+        boundary, the conversation with it closed, is no prefix of it and is dropped (unless the
+        template writes nothing after a message's content).
 
         Cost: the prefixes are not re-tokenized from the start. ``tokenizers`` first splits the text
         at added tokens that are matched verbatim (not normalized, no lstrip/rstrip/single_word)
@@ -292,7 +309,8 @@ class Tokenizer:
         as_text = _SpecialTextAsText.of(self, messages)
         if as_text is not None:
             messages = as_text.messages
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools,
+                                        continue_final_message=continue_final_message, **template_kwargs)
         if as_text is None:
             encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
             ids = encoding.ids
@@ -360,6 +378,56 @@ class Tokenizer:
     ) -> list[int]:
         """Token positions at the end of each message in the rendered prompt (see ``encode_chat``)."""
         return self.encode_chat(messages, add_generation_prompt, tools, **template_kwargs).boundaries
+
+
+CONTINUE_FINAL_MESSAGE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+"""What ``continue_final_message`` appends to the final message's text to find its end in the
+rendered prompt (transformers' tag, so that the same templates cut at the same place)."""
+
+
+def _tag_final_message(messages: Any, template_source: str) -> tuple[list[dict[str, Any]], str]:
+    """The messages (checked, ``check_messages``' plain copies) with ``CONTINUE_FINAL_MESSAGE_TAG``
+    appended to the final message's text, and that text untagged (transformers' rules: the
+    ``content`` string, or, for a list of parts, the last part's ``text``). ``ValueError`` when the
+    final message has no such text, or the template never reads ``content``."""
+    chat = check_messages(messages)
+    final = chat[-1]
+    if "content" not in final:
+        raise ValueError('continue_final_message is set but the final message has no "content" to continue')
+    if "content" not in template_source:
+        raise ValueError('continue_final_message is set but the chat template never reads a message\'s "content"')
+    content = final["content"]
+    if isinstance(content, str):
+        chat[-1] = {**final, "content": content + CONTINUE_FINAL_MESSAGE_TAG}
+        return chat, content
+    if isinstance(content, list):
+        for i in reversed(range(len(content))):
+            part = content[i]
+            if isinstance(part, Mapping) and "text" in part:  # the last part with text
+                if not isinstance(part["text"], str):
+                    raise ValueError("continue_final_message is set but the final message's last text part is not "
+                                     "a string")
+                parts = list(content)
+                parts[i] = {**part, "text": part["text"] + CONTINUE_FINAL_MESSAGE_TAG}
+                chat[-1] = {**final, "content": parts}
+                return chat, part["text"]
+    raise ValueError("continue_final_message is set but there is no text to continue in the final message")
+
+
+def _cut_at_tag(rendered: str, final_text: str) -> str:
+    """``rendered`` (a conversation whose final message carries ``CONTINUE_FINAL_MESSAGE_TAG``) cut
+    where the tag starts, as transformers cuts it: where the template kept the tag's trailing space,
+    exactly there; where it stripped it (and so maybe the message's own trailing whitespace), with
+    the whitespace before the tag stripped too. ``ValueError`` when the template dropped the
+    message's text or the tag."""
+    tag = CONTINUE_FINAL_MESSAGE_TAG.strip()
+    if final_text.strip() not in rendered or tag not in rendered:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat after "
+                         "applying the chat template (the template deletes part of it), so it cannot be continued")
+    at = rendered.rindex(tag)
+    if rendered.startswith(CONTINUE_FINAL_MESSAGE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _boundary_ends(num_messages: int, max_boundaries: int | None) -> list[int]:
