@@ -143,7 +143,13 @@ def test_routing_keys_of_each_endpoint():
     assert routing_key("/generate", {"input_ids": [5, 6]}) == [5, 6]
     assert routing_key("/generate", {"text": "t"}) == "t"
     assert isinstance(routing_key("/v1/responses", {"input": "hi", "instructions": "be brief"}), str)
+    # Anthropic's messages: the system prompt and the tools, then the turns; a later turn extends the key
+    a1 = [{"role": "user", "content": "hi"}]
+    a2 = a1 + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    k1, k2 = (routing_key("/v1/messages", {"system": "be brief", "messages": m}) for m in (a1, a2))
+    assert k1.startswith(json.dumps("be brief")) and k2.startswith(k1[:-1])
     for path, body in (("/v1/chat/completions", {"messages": "x"}), ("/v1/completions", {"prompt": [True]}),
+                       ("/v1/messages", {"messages": "x"}),
                        ("/v1/completions", None), ("/tokenize", {"prompt": "x"})):
         assert routing_key(path, body) is None
 
@@ -593,6 +599,11 @@ def test_a_router_api_key_is_checked_before_any_worker_and_forwarded():
         assert info[0]["routed"] == 0  # nothing refused reached the worker
         answer = httpx.post(r.url + "/v1/completions", json={"prompt": "p"}, headers=key)
         assert answer.status_code == 200 and answer.json()["authorization"] == "bearer sesame"
+        # Anthropic's header passes too, and is forwarded (a worker's /v1/messages checks it)
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"}, headers={"x-api-key": "wrong"}).status_code \
+            == 401
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"},
+                          headers={"x-api-key": "sesame"}).status_code == 200
 
 
 def test_a_refused_connection_is_retried_and_health_comes_back():

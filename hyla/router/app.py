@@ -72,6 +72,7 @@ import contextlib
 import json
 import logging
 import re
+import secrets
 from collections import OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -93,11 +94,11 @@ from hyla.server.responses_protocol import item_type, response_of_item, typed_ev
 
 logger = logging.getLogger("hyla.router")
 
-ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
+ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages")
 PROMPT_PATHS = ("/v1/completions", "/generate")  # the routed paths whose prompt may be a batch of prompts
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
 # request headers a worker needs; hop-by-hop ones (Connection, Content-Length: httpx sets it) are not forwarded
-FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "accept", "user-agent", "x-request-id")
+FORWARDED_REQUEST_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "user-agent", "x-request-id")
 # response headers of the worker's connection, and those the router's own server writes (date, server)
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
@@ -131,6 +132,13 @@ def routing_key(path: str, body: Any) -> str | list[int] | None:
             return None
         tools = body.get("tools")
         return _list_key(hint + (json.dumps(tools, sort_keys=True) if tools else ""), messages, cap)
+    if path == "/v1/messages":  # (Anthropic's: the system prompt and the tools, then the turns)
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return None
+        tools = body.get("tools")
+        return _list_key(json.dumps(body.get("system")) + (json.dumps(tools, sort_keys=True) if tools else ""),
+                         messages, cap)
     if path == "/v1/responses":
         given = body.get("input")
         return _list_key(hint + json.dumps(body.get("instructions")), given if isinstance(given, list) else [given],
@@ -725,8 +733,10 @@ class RouterApp:
         return b"".join(chunks)
 
     def authorized(self, request: Request) -> bool:
-        """Whether the request may pass: no key asked for, or its ``Authorization`` carries it."""
-        return self.api_key is None or bearer_key_matches(request.headers.get("authorization"), self.api_key)
+        """Whether the request may pass: no key asked for, or its ``Authorization`` carries it (or, Anthropic's
+        header, its ``x-api-key`` is it)."""
+        return self.api_key is None or bearer_key_matches(request.headers.get("authorization"), self.api_key) or \
+            secrets.compare_digest((request.headers.get("x-api-key") or "").encode(), self.api_key.encode())
 
     @staticmethod
     def unauthorized() -> Response:

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hyla.engine.engine import DEFAULT_MODEL_DIR, Engine
+from hyla.server.anthropic_routes import AnthropicRoutes
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
 from hyla.server.errors import APIError, add_error_handlers
@@ -44,8 +45,8 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/generate", "/flush_cache",
-          "/tokenize", "/detokenize", "/export_prefix", "/import_prefix", "/health", "/metrics")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/generate",
+          "/flush_cache", "/tokenize", "/detokenize", "/export_prefix", "/import_prefix", "/health", "/metrics")
 LARGE_BODY_PATHS = ("/import_prefix",)  # bodies up to max_prefix_bytes: a cached prefix's KV and state
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
@@ -345,6 +346,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                        dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
     app.include_router(TokenRoutes(server).router(), dependencies=auth)
+    app.include_router(AnthropicRoutes(server).router())  # (its own API key check: Anthropic's header and errors)
     return app
 
 
