@@ -91,8 +91,8 @@ def test_thinking_text_and_calls_whole_and_streamed(server, claude, engine, monk
 
 
 def test_a_conversation_with_calls_renders_as_the_chat_it_is(claude, client):
-    """tool_use and tool_result blocks are the chat's tool_calls and tool messages: the same prompt tokens as
-    the OpenAI conversation they are."""
+    """tool_use and tool_result blocks are the chat's tool_calls and tool messages: the same prompt tokens, and
+    the same greedy answer, as the OpenAI conversation they are (tool_choice none: an answer in text)."""
     messages = [*USER, {"role": "assistant", "content": [
                     {"type": "text", "text": "Let me check."},
                     {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
@@ -100,7 +100,8 @@ def test_a_conversation_with_calls_renders_as_the_chat_it_is(claude, client):
                     {"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 C", "cache_control":
                         {"type": "ephemeral"}},
                     {"type": "text", "text": "And tomorrow?"}]}]
-    counted = claude.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER], system=SYSTEM)
+    counted = claude.messages.count_tokens(model=MODEL, messages=messages, tools=[WEATHER], system=SYSTEM,
+                                           tool_choice={"type": "none"})
     chat = [{"role": "system", "content": SYSTEM}, *USER,
             {"role": "assistant", "content": "Let me check.", "tool_calls": [
                 {"id": "toolu_1", "type": "function",
@@ -109,8 +110,12 @@ def test_a_conversation_with_calls_renders_as_the_chat_it_is(claude, client):
             {"role": "user", "content": "And tomorrow?"}]
     tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
                                                "parameters": WEATHER["input_schema"]}}]
-    answer = client.chat.completions.create(model=MODEL, messages=chat, tools=tools, max_tokens=1)
+    answer = client.chat.completions.create(model=MODEL, messages=chat, tools=tools, max_tokens=8, temperature=0,
+                                            tool_choice="none")
     assert counted.input_tokens == answer.usage.prompt_tokens
+    message = claude.messages.create(model=MODEL, max_tokens=8, messages=messages, tools=[WEATHER], system=SYSTEM,
+                                     tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert _text(message) == answer.choices[0].message.content  # (the same prompt: the same greedy answer)
 
 
 def test_a_final_assistant_turn_is_a_prefill_the_model_continues(claude, client):
@@ -139,12 +144,22 @@ def test_a_forced_call_is_a_tool_use_block(claude):
         assert message.stop_reason == "tool_use"
 
 
+def test_output_config_format_constrains_the_answer(claude):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["Paris", "Lyon"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    message = claude.messages.create(model=MODEL, max_tokens=64, messages=USER, extra_body={
+        **GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+    assert json.loads(_text(message))["answer"] in ("Paris", "Lyon") and message.stop_reason == "end_turn"
+
+
 @pytest.mark.parametrize("body, status, kind, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400, "invalid_request_error",
      "messages.0.content: a content block of type 'image'"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, 400,
      "invalid_request_error", "tools.0.type"),
     ({"container": "c1"}, 400, "invalid_request_error", "container is not supported"),
+    ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, 400, "invalid_request_error",
+     "mcp_servers is not supported"),
     ({"max_tokens": 0}, 400, "invalid_request_error", "max_tokens"),
     ({"model": "claude-sonnet"}, 404, "not_found_error", "claude-sonnet"),
     ({"tool_choice": {"type": "any"}}, 400, "invalid_request_error", "tool_choice needs tools"),
