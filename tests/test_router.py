@@ -910,6 +910,9 @@ def test_a_request_the_router_marks_aborted_is_answered_as_aborted_at_once(worke
     response = httpx.post(url + "/v1/responses", json={"model": MODEL, "input": "Hello", "max_output_tokens": 4},
                           headers=marked).json()
     assert response["status"] == "cancelled" and response["usage"]["output_tokens"] == 0
+    message = httpx.post(url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": chat["messages"]},
+                         headers=marked).json()
+    assert message["content"] == [] and message["usage"]["output_tokens"] == 0
     running = [line for line in httpx.get(url + "/metrics").text.splitlines() if line.startswith("hyla_num_running_requests ")]
     assert running and all(line.endswith(" 0.0") for line in running)
 
@@ -929,6 +932,10 @@ def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
     assert answer.headers["x-prefix-tokens"] == str(prompt - 1)
     imported = httpx.post(workers[0].url + "/import_prefix", content=answer.content).json()
     assert imported == {"cached_tokens": prompt - 1, "prefix_tokens": prompt - 1}
+    anthropic = httpx.post(workers[1].url + "/v1/messages", headers={"X-Hyla-Prefill-Only": "1"},
+                           json={"model": MODEL, "max_tokens": 4, "stream": True,
+                                 "system": SYSTEM["content"], "messages": messages[1:]})
+    assert anthropic.status_code == 200 and anthropic.headers["x-prefix-tokens"] == str(prompt - 1)
     batch = httpx.post(workers[1].url + "/v1/completions", headers={"X-Hyla-Prefill-Only": "1"},
                        json={"model": MODEL, "prompt": ["one prompt", "another prompt"]})
     assert batch.status_code == 400 and batch.json()["error"]["code"] == "batch_not_disaggregated"

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from hyla.server.anthropic_protocol import (CountTokensRequest, MessagesRequest, error_body, stop_reason, tool_input,
                                             usage)
 from hyla.server.auth import bearer_key_matches
+from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, admit_chat, final_text, forced_tool_grammar,
@@ -66,6 +67,9 @@ class AnthropicRoutes:
             (rid,) = job_rids(None, request.headers.get(REQUEST_ID_HEADER), 1)
             job = Job(encoding.ids, params, checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
                       rid=rid)
+            answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)  # (behind a router)
+            if answer is not None:
+                return answer
             gen = await self.server.start_generation(ENDPOINT, [job], arrival)
         except APIError as exc:
             return _error(exc)
