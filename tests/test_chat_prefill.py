@@ -19,6 +19,7 @@ from hyla.server.openai_routes import opens_thinking, thinking_first
 from hyla.server.reasoning import ReasoningParser
 from hyla.tokenizer import Tokenizer
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401
+from test_tokenizer import hf_tok, tok  # noqa: F401  (fixtures: hyla's and transformers' default tokenizers)
 from hyla.engine.engine import DEFAULT_MODEL_DIR as DEFAULT_MODEL
 
 # renders a content given as a list of text parts (the default model's template takes strings only)
@@ -44,18 +45,6 @@ NO_CONTENT_TEMPLATE = "{%- for m in messages %}<|im_start|>{{ m.role }}<|im_end|
 
 def _prefilled(content, *before) -> list[dict]:
     return [SYSTEM, {"role": "user", "content": "Answer in JSON."}, *before, {"role": "assistant", "content": content}]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_pretrained(DEFAULT_MODEL)
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(DEFAULT_MODEL)
 
 
 def _with_template(tok: Tokenizer, template: str | None) -> Tokenizer:
