@@ -20,7 +20,6 @@ from hyla.server.reasoning import ReasoningParser
 from hyla.tokenizer import Tokenizer
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401
 from test_tokenizer import hf_tok, tok  # noqa: F401  (fixtures: hyla's and transformers' default tokenizers)
-from hyla.engine.engine import DEFAULT_MODEL_DIR as DEFAULT_MODEL
 
 # renders a content given as a list of text parts (the default model's template takes strings only)
 PARTS_TEMPLATE = (
