@@ -181,6 +181,25 @@ def test_unknown_fields_are_ignored_as_claude_code_sends_them(claude):
     assert _text(extra) == _text(plain)
 
 
+def test_a_request_shaped_as_claude_codes_is_served(server):
+    """What Claude Code sends: the beta query, its headers, system blocks and content blocks with cache_control,
+    tools whose schemas carry ``$schema``, thinking with a budget, metadata, a streamed answer."""
+    tool = {"name": "Read", "description": "Read a file.", "input_schema": {
+        "$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+        "properties": {"file_path": {"type": "string"}}, "required": ["file_path"], "additionalProperties": False}}
+    body = {"model": MODEL, "max_tokens": 8, "stream": True, "temperature": 1, "metadata": {"user_id": "user_x"},
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Read a.py",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "tools": [tool], "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "interleaved-thinking-2025-05-14",
+               "x-api-key": "unused"}
+    with httpx.stream("POST", server.url + "/v1/messages?beta=true", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        kinds = [line.removeprefix("event: ") for line in r.iter_lines() if line.startswith("event: ")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+
+
 def test_the_api_key_is_anthropics_header_or_a_bearer_token(tiny_ckpt_dir):
     app = create_app(make_chat_model(tiny_ckpt_dir / "keyed"), served_model_name=MODEL, api_key="sekret",
                      max_total_tokens=2048, max_state_slots=8)
