@@ -447,11 +447,12 @@ def test_a_dead_worker_is_skipped_and_none_left_is_a_503(workers):
 def _fake_worker():
     """A worker that echoes what it was sent (/v1/completions), answers slowly and watches for its
     client leaving (/v1/chat/completions), dies mid-stream (/generate), and whose health can be set."""
-    app, state = FastAPI(), {"healthy": True, "left": 0}
+    app, state = FastAPI(), {"healthy": True, "left": 0, "cache_id": None}
 
     @app.get("/health")
     async def health():
-        return JSONResponse({}, status_code=200 if state["healthy"] else 503)
+        body = {"cache_id": state["cache_id"]} if state["cache_id"] is not None else {}
+        return JSONResponse(body, status_code=200 if state["healthy"] else 503)
 
     @app.api_route("/page", methods=["GET", "HEAD"])
     async def page():
@@ -604,6 +605,27 @@ def test_a_router_api_key_is_checked_before_any_worker_and_forwarded():
             == 401
         assert httpx.post(r.url + "/v1/completions", json={"prompt": "p"},
                           headers={"x-api-key": "sesame"}).status_code == 200
+
+
+def test_a_worker_that_emptied_its_cache_loses_its_routing_table():
+    """A worker's /health names its cache (``cache_id``); a new name (a flush, a weight update, a restart) clears
+    the router's table of the prompts sent there, which would otherwise draw requests to a cache that lost them."""
+    app, state = _fake_worker()
+    state["cache_id"] = "first.0"
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=0.1)) as r:
+        assert httpx.post(r.url + "/v1/completions", json={"prompt": "a long shared prompt " * 40}).status_code == 200
+
+        def blocks() -> int:
+            return httpx.get(r.url + "/workers").json()["workers"][0]["table_blocks"]
+
+        assert blocks() > 0
+        time.sleep(0.5)  # (health checks of the same cache: the table stays)
+        assert blocks() > 0
+        state["cache_id"] = "second.0"  # (the worker restarted)
+        deadline = time.monotonic() + 10
+        while blocks() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert blocks() == 0
 
 
 def test_a_refused_connection_is_retried_and_health_comes_back():

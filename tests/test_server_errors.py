@@ -319,9 +319,11 @@ def test_flush_cache_is_200_when_idle_and_409_while_a_request_runs(server):
     body = {"input_ids": list(range(40, 100)), "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
     _post(server, "/generate", json=body)
     assert _post(server, "/generate", json=body).json()["meta_info"]["cached_tokens"] > 0
+    cache_id = httpx.get(server.url + "/health").json()["cache_id"]
     resp = _post(server, "/flush_cache")
     assert resp.status_code == 200 and resp.json()["status"] == "ok"
     assert engine.tree.total_size() == 0
+    assert httpx.get(server.url + "/health").json()["cache_id"] != cache_id  # (a router's table of it is stale)
     assert _post(server, "/generate", json=body).json()["meta_info"]["cached_tokens"] == 0
     long = {**body, "stream": True, "sampling_params": {"max_new_tokens": 100, "ignore_eos": True}}
     with httpx.stream("POST", server.url + "/generate", json=long, timeout=60) as running:

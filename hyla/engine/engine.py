@@ -26,6 +26,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 import zlib
 from concurrent.futures import Future
 from pathlib import Path
@@ -218,6 +219,7 @@ class Engine:
                                        verify_width=runner.verify_width, verify_trees=runner.verify_trees)
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
         self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
+        self._instance = uuid.uuid4().hex[:12]  # (cache_id)
         self.scheduler.weight_version = self.args.weight_version
         if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
             # verify steps (drafts fed) run the eager extend path while decode steps do not: docs/engine.md
@@ -900,6 +902,13 @@ class Engine:
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints,
                    speculative_checkpoints=speculative_checkpoints, namespace=namespace, return_logprob=return_logprob,
                    logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
+
+    @property
+    def cache_id(self) -> str:
+        """Names this engine's prefix cache as it is: it changes whenever the cache is emptied (a flush,
+        a weight update) and differs between engines (a restarted server's). What another process knows
+        of the cache (a router's table of the prompts it sent here) is stale once it changes."""
+        return f"{self._instance}.{self.scheduler.num_flushes}"
 
     @property
     def is_alive(self) -> bool:

@@ -175,6 +175,7 @@ class Scheduler:
         # the overlap schedule: a decode step launched, its logits not yet sampled
         self.inflight: tuple[Batch, torch.Tensor] | None = None
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
+        self.num_flushes = 0  # times the prefix cache was emptied (Engine.cache_id)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -476,6 +477,7 @@ class Scheduler:
             return False
         tokens, states = self.cache.flush()
         self.new_token_ratio = self.INIT_NEW_TOKEN_RATIO
+        self.num_flushes += 1
         logger.info("flush_cache: dropped %d cached KV tokens and %d state checkpoints", tokens, states)
         return True
 

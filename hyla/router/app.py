@@ -275,6 +275,7 @@ class Worker:
     healthy: bool = True
     in_flight: int = 0  # requests forwarded whose answer has not been delivered whole
     routed: int = 0  # requests forwarded in all
+    cache_id: str | None = None  # its /health's cache_id when last seen (a new one: its cache was emptied)
 
 
 @dataclass(eq=False)
@@ -366,15 +367,30 @@ class RouterApp:
             await self.client.aclose()
 
     async def check_health(self) -> None:
-        """Ask every worker's ``/health`` (at once): 200 within the connect timeout is healthy."""
+        """Ask every worker's ``/health`` (at once): 200 within the connect timeout is healthy. A worker whose
+        answer names another ``cache_id`` than before emptied its prefix cache (a flush, a weight update, a
+        restart): its table is cleared, so that the prompts sent there before no longer draw requests to it."""
+        tables = {id(w): table for w, table in self.all_workers()}
+
         async def one(w: Worker) -> None:
+            cache_id = None
             try:
                 r = await self.client.get(w.url + "/health", timeout=self.timeout.connect)
                 ok = r.status_code == 200
+                if ok:
+                    with contextlib.suppress(ValueError):
+                        answer = r.json()
+                        cache_id = answer.get("cache_id") if isinstance(answer, dict) else None
             except httpx.HTTPError:
                 ok = False
             if ok != w.healthy:
                 logger.warning("worker %s is %s", w.url, "healthy again" if ok else "unhealthy")
+            if isinstance(cache_id, str):
+                if w.cache_id is not None and cache_id != w.cache_id:
+                    logger.info("worker %s emptied its prefix cache (or restarted): its routing table is cleared",
+                                w.url)
+                    tables[id(w)].clear()
+                w.cache_id = cache_id
             self._set_health(w, ok)
         await asyncio.gather(*(one(w) for w in self.workers + self.prefill_workers))
 
