@@ -53,6 +53,12 @@ def test_a_message_is_the_chat_completion_underneath(claude, client):
         chat.usage.prompt_tokens
 
 
+def test_the_model_list_answers_anthropics_client_too(claude, client):
+    (model,) = list(claude.models.list())
+    assert (model.id, model.type, model.display_name) == (MODEL, "model", MODEL) and model.created_at.year >= 2025
+    assert claude.models.retrieve(MODEL).id == MODEL and [m.id for m in client.models.list()] == [MODEL]
+
+
 def test_a_stop_sequence_ends_the_answer(claude):
     whole = claude.messages.create(model=MODEL, max_tokens=16, messages=USER, extra_body=GREEDY)
     text = _text(whole)

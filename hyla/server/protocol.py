@@ -1099,17 +1099,40 @@ class ChatCompletionChunk(_OmitsNone):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object (vLLM's ``root`` and ``max_model_len`` too), which is also Anthropic's
+    (``type``, ``display_name``, ``created_at``): ``GET /v1/models`` answers both APIs' clients."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "hyla"
     root: str
     max_model_len: int
+    type: Literal["model"] = "model"
+    display_name: str = ""
+    created_at: str = ""
+
+    @model_validator(mode="after")
+    def _anthropics_fields(self) -> "ModelCard":
+        self.display_name = self.display_name or self.id
+        self.created_at = self.created_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created))
+        return self
 
 
 class ModelList(BaseModel):
+    """OpenAI's list, with Anthropic's paging fields (one page: ``has_more`` false)."""
+
     object: Literal["list"] = "list"
     data: list[ModelCard]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+    @model_validator(mode="after")
+    def _page(self) -> "ModelList":
+        if self.data:
+            self.first_id, self.last_id = self.data[0].id, self.data[-1].id
+        return self
 
 
 class TokenizeResponse(BaseModel):
