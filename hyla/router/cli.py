@@ -45,8 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
                         help="A larger request body is refused with a 413 (default 16 MiB, as hyla serve's).")
     parser.add_argument("--api-key", default=None,
-                        help="Clients must send 'Authorization: Bearer KEY' (every path but /health and /metrics); "
-                             "the header goes on to the workers, so start them with the same key.")
+                        help="Clients must send 'Authorization: Bearer KEY', or Anthropic's 'x-api-key: KEY' (every "
+                             "path but /health and /metrics); the header goes on to the workers, so start them with "
+                             "the same key.")
     parser.add_argument("--health-interval", type=float, default=5.0,
                         help="Seconds between health checks of the workers (default 5).")
     parser.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
