@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+import argparse
 import asyncio
 
 import httpx
@@ -966,11 +967,27 @@ def test_a_prefill_only_request_answers_its_prompts_prefix(workers):
 # ----------------------------------------------------------------------------------------------
 # hyla serve --dp-size
 # ----------------------------------------------------------------------------------------------
+def test_serve_with_dp_size_gives_the_router_its_flags():
+    """``hyla serve --dp-size``'s router takes ``--router-policy`` and ``--router-read-timeout`` (``hyla route``'s
+    ``--policy`` and ``--read-timeout``), and the workers' key and body cap; a bad timeout stops it at once."""
+    from hyla.router.launch import router_options
+    from hyla.server import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    options = router_options(parser.parse_args(["--dp-size", "2", "--router-policy", "least_load",
+                                                "--router-read-timeout", "30", "--api-key", "k"]))
+    assert (options["policy"], options["read_timeout"], options["api_key"]) == ("least_load", 30.0, "k")
+    assert router_options(parser.parse_args([]))["policy"] == "cache_aware"
+    create_router_app(["http://127.0.0.1:1"], **options)  # (options the router takes)
+    assert serve_cli.run(parser.parse_args(["--dp-size", "2", "--router-read-timeout", "0"])) == 2
+
+
 def test_worker_argv_drops_what_a_worker_does_not_inherit():
     from hyla.router.launch import worker_argv, worker_devices
 
     given = ["--model", "m", "--dp-size", "2", "--prefill-workers=1", "--local-prefill-tokens", "64", "--port=9",
-             "--host", "0.0.0.0", "--api-key", "k"]
+             "--host", "0.0.0.0", "--api-key", "k", "--router-policy", "round_robin", "--router-read-timeout=30"]
     assert worker_argv(given, 1234) == ["--model", "m", "--api-key", "k", "--host", "127.0.0.1", "--port", "1234"]
     assert worker_devices("cpu", 3) == [None] * 3
     with pytest.raises(ValueError, match="use --device cuda"):

@@ -20,13 +20,15 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 
 logger = logging.getLogger("hyla.router")
 
 # flags of `hyla serve` a worker does not inherit (its own port on localhost; no data parallelism of its own)
-NOT_INHERITED = ("--dp-size", "--prefill-workers", "--local-prefill-tokens", "--port", "--host")
+NOT_INHERITED = ("--dp-size", "--prefill-workers", "--local-prefill-tokens", "--router-policy", "--router-read-timeout",
+                 "--port", "--host")
 
 
 def worker_argv(given: list[str], port: int) -> list[str]:
@@ -68,13 +70,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def router_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_router_app``'s options from ``hyla serve``'s flags: the workers' key, body cap and CORS, and the
+    router's own (``--router-policy``, ``--router-read-timeout``, ``--local-prefill-tokens``)."""
+    from hyla.server.cors import cors_options
+
+    return dict(policy=args.router_policy, read_timeout=args.router_read_timeout, api_key=args.api_key,
+                max_request_bytes=args.max_request_bytes, local_prefill_tokens=args.local_prefill_tokens,
+                **cors_options(args))
+
+
 def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
     """Run ``hyla serve`` with ``args.dp_size`` workers behind the router; ``given``: the command's
     own arguments, passed on to the workers."""
     import uvicorn
 
     from hyla.router.app import create_router_app
-    from hyla.server.cors import cors_options
 
     n = args.dp_size + args.prefill_workers
     try:
@@ -105,9 +116,7 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                     pass
                 time.sleep(0.5)
         urls = [url for _, url in workers]
-        app = create_router_app(urls[:args.dp_size], api_key=args.api_key,  # (the workers' key, body cap and CORS too)
-                                max_request_bytes=args.max_request_bytes, prefill_urls=urls[args.dp_size:],
-                                local_prefill_tokens=args.local_prefill_tokens, **cors_options(args))
+        app = create_router_app(urls[:args.dp_size], prefill_urls=urls[args.dp_size:], **router_options(args))
         logger.info("the %d workers serve (%d prefill only); the router listens on http://%s:%d", n,
                     args.prefill_workers, args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,

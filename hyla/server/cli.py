@@ -24,6 +24,7 @@ from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
+from hyla.router.policy import POLICIES
 from hyla.server.reasoning import REASONING_PARSERS
 from hyla.server.request_log import DEFAULT_LOG_REQUESTS_LEVEL, LOG_REQUESTS_LEVELS, PARTIAL_CHARS
 from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
@@ -75,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="With --prefill-workers: a decode worker computes a prompt with at most N tokens "
                              "uncached in its cache itself (a short prompt, a conversation's next turn); longer ones "
                              "move from a prefill worker (hyla route --local-prefill-tokens; default 512, 0: all move).")
+    parser.add_argument("--router-policy", choices=POLICIES, default="cache_aware",
+                        help="With --dp-size: how the router chooses a worker (hyla route --policy; default "
+                             "cache_aware).")
+    parser.add_argument("--router-read-timeout", type=float, default=None, metavar="SECONDS",
+                        help="With --dp-size: a worker silent this long on a request has failed it (hyla route "
+                             "--read-timeout; default: no limit).")
     parser.add_argument("--api-key", default=None,
                         help="Require 'Authorization: Bearer KEY' on /v1/*, SGLang's native endpoints (/generate, "
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
@@ -180,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.prefill_workers < 0:
         print(f"hyla serve: error: --prefill-workers must be at least 0, got {args.prefill_workers}", file=sys.stderr)
+        return 2
+    if args.router_read_timeout is not None and not 0 < args.router_read_timeout < float("inf"):
+        print(f"hyla serve: error: --router-read-timeout must be > 0 seconds, got {args.router_read_timeout}",
+              file=sys.stderr)
         return 2
     if args.local_prefill_tokens < 0:
         print(f"hyla serve: error: --local-prefill-tokens must be at least 0, got {args.local_prefill_tokens}",
