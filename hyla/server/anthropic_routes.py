@@ -33,7 +33,7 @@ from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, admit_chat, final_text, forced_tool_grammar,
                                        job_rids, kept_markers, opens_thinking, output_budget, render_chat,
-                                       thinking_first)
+                                       split_answer, thinking_first)
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.tokenizer.tokenizer import ChatEncoding
 
@@ -149,12 +149,7 @@ class _Turn:
     def message(self, output: str, meta: dict[str, Any]) -> dict[str, Any]:
         """The whole answer: a ``thinking`` block (with ``--reasoning-parser``), a ``text`` block, a ``tool_use``
         block per call."""
-        reasoning = self.server.reasoning_parser
-        thoughts, text = reasoning.parse(output, self.in_thinking) if reasoning is not None else (None, output)
-        calls = []
-        if self.use_tools:
-            text, calls = self.server.tool_call_parser.parse(text, self.chat.template_tools())
-            calls = calls if self.chat.parallel_tool_calls else calls[:1]
+        thoughts, text, calls = split_answer(self.server, self.chat, output, self.in_thinking)
         content: list[dict[str, Any]] = [{"type": "thinking", "thinking": thoughts, "signature": ""}] \
             if thoughts else []
         content += [{"type": "text", "text": text}] if text.strip() else []
@@ -184,7 +179,7 @@ class _Turn:
         tools = self.server.tool_call_parser.stream(self.chat.template_tools(), incremental=True) \
             if self.use_tools else None
         blocks = _Blocks()
-        called, pending = False, ""
+        pending = ""
         choice = gen.choices[0]
         async for choice, chunk in gen.events():
             final = choice.finish_reason is not None
@@ -205,7 +200,6 @@ class _Turn:
                     yield line
                 pending = ""
             for d in deltas:
-                called = True
                 if d.name is not None:
                     for line in blocks.open(("tool_use", d.index), {"type": "tool_use", "id": d.id, "name": d.name,
                                                                     "input": {}}):
@@ -214,7 +208,7 @@ class _Turn:
                     yield blocks.event({"type": "input_json_delta", "partial_json": d.arguments})
         for line in blocks.close():
             yield line
-        reason, sequence = stop_reason(choice.finish_reason, called)
+        reason, sequence = stop_reason(choice.finish_reason, tools is not None and bool(tools.calls))
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage=usage(choice.meta))
         yield _event("message_stop")

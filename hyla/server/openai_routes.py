@@ -36,6 +36,7 @@ from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from hyla.server.app import Server
+    from hyla.server.tool_calls import ToolCall
 
 CHAT_CHECKPOINTS = 8
 """Message ends per chat request where the engine caches the recurrent state: the first message's (a
@@ -211,7 +212,6 @@ class OpenAIRoutes:
             return answer
         gen = await self._start(body, "chat", jobs, arrival)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        reasoning = self.server.reasoning_parser
         in_thinking = opens_thinking(self.server, encoding.text, prefill)
         if body.stream:
             return gen.stream(self._chat_events(body, gen, rid, in_thinking, encoding.ids))
@@ -220,11 +220,7 @@ class OpenAIRoutes:
         def answer() -> dict[str, Any]:  # (on a worker thread: json_answer)
             choices = []
             for c in collected:
-                thoughts, text = reasoning.parse(c.text, in_thinking) if reasoning is not None else (None, c.text)
-                calls = []
-                if body.tool_choice_mode() != "none":
-                    text, calls = self.server.tool_call_parser.parse(text, body.template_tools())
-                    calls = calls if body.parallel_tool_calls else calls[:1]
+                thoughts, text, calls = split_answer(self.server, body, c.text, in_thinking)
                 finish = c.openai_finish_reason()
                 finish = "tool_calls" if calls and finish == "stop" else finish
                 message = ChatResponseMessage(
@@ -341,6 +337,21 @@ async def render_chat(server: Server, tokenizer: Tokenizer, chat: list[ChatMessa
     except ValueError as exc:
         param = "chat_template_kwargs" if str(exc).startswith("template_kwargs") else "messages"
         raise APIError(400, str(exc), param=param) from exc
+
+
+def split_answer(server: Server, chat: ChatCompletionRequest, output: str,
+                 in_thinking: bool) -> tuple[str | None, str, list[ToolCall]]:
+    """``(reasoning or None, content, calls)`` of a whole chat answer: the reasoning parser's split (the
+    answer starts inside a think block where ``in_thinking``: ``opens_thinking``), then, unless the chat's
+    ``tool_choice`` is none, the calls in the content (the first alone without ``parallel_tool_calls``).
+    What a chat completion, a Responses turn and an Anthropic message make of their output."""
+    reasoning = server.reasoning_parser
+    thoughts, text = reasoning.parse(output, in_thinking) if reasoning is not None else (None, output)
+    calls: list[ToolCall] = []
+    if chat.tool_choice_mode() != "none":
+        text, calls = server.tool_call_parser.parse(text, chat.template_tools())
+        calls = calls if chat.parallel_tool_calls else calls[:1]
+    return thoughts, text, calls
 
 
 def final_text(chat: list[ChatMessage]) -> str:

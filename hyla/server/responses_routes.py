@@ -49,7 +49,7 @@ from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, TextOffsets, admit_chat, chat_logprobs, choice_logprobs,
                                       forced_tool_grammar, kept_markers, opens_thinking, output_budget, render_chat,
-                                      thinking_first)
+                                      split_answer, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -573,13 +573,7 @@ class _Turn:
 
     def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
-        reasoning = self.server.reasoning_parser
-        thoughts, text = reasoning.parse(text, self.in_thinking) if reasoning is not None else (None, text)
-        calls: list[ToolCall] = []
-        if self.chat.tool_choice_mode() != "none":
-            text, calls = self.server.tool_call_parser.parse(text, self.chat.template_tools())
-            calls = calls if self.chat.parallel_tool_calls else calls[:1]
-        return thoughts, text, calls
+        return split_answer(self.server, self.chat, text, self.in_thinking)
 
     # --- the message's logprobs: the tokens of the raw output between the reasoning and the first call ---
     def content_start(self, text: str) -> int | None:

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hyla.server.reasoning import Stripped, partial_suffix
-from hyla.server.tool_calls import (_KIMI_ARGS, _KIMI_CALL, _KIMI_END, _KIMI_ID, ToolCall, ToolCallParser,
-                                    _allows_string, _is_text, _json_text, _parameters, new_call_id,
+from hyla.server.tool_calls import (_JSON_WHITESPACE, _KIMI_ARGS, _KIMI_CALL, _KIMI_END, _KIMI_ID, ToolCall,
+                                    ToolCallParser, _allows_string, _is_text, _json_text, _parameters, new_call_id,
                                     xml_argument)
 
 
@@ -206,7 +206,6 @@ class ContentLayout(Stripped):
 # --- echoes: an open block's calls as they are written ----------------------------------------------
 
 HEAD_LIMIT = 1024  # the most characters an echo waits for a call's name (then it is sent whole)
-_JSON_WHITESPACE = " \t\n\r"
 
 
 class _Begun:

@@ -589,7 +589,7 @@ def _json_value(text: str) -> Any:
 
 
 _JSON_WHITESPACE = " \t\n\r"
-_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_JSON_SPACE = re.compile(f"[{_JSON_WHITESPACE}]*")
 
 
 def _space(text: str, at: int) -> int:
