@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,7 +224,7 @@ class _Begun:
         return self.pieces[0] if self.pieces else ""
 
 
-class _Echo:
+class _Echo(ABC):
     """An open block's body as it comes (``feed``), the calls it begins, and their deltas (numbered
     within the block). A state machine whose ``off`` state sends nothing more: what the echo cannot
     follow is left to the whole parse at the block's end. Its decisions depend on the text, not on how
@@ -242,9 +243,10 @@ class _Echo:
         out, self.out = self.out, []
         return out
 
+    @abstractmethod
     def step(self, text: str) -> str:
-        """Take in the start of ``text``; return what is left of it (empty: wait for more)."""
-        raise NotImplementedError
+        """Take in the start of ``text``; return what is left of it (empty: wait for more). Each syntax's echo
+        is its own state machine."""
 
     def begin(self, name: str, model_id: str | None = None, arguments: str = "") -> None:
         call = _Begun(name, model_id)
