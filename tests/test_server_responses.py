@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from test_server_openai import MODEL, SYSTEM, client, engine, server  # noqa: F401  (fixtures)
-from test_server_agentapi import SCRIPTED, opens_thinking_parser, script_engine
+from test_server_agentapi import SCRIPTED, SCRIPTED_CALL, opens_thinking_parser, script_engine
 from hyla.server.responses_protocol import (FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem,
                                            output_item_id, response_of_item)
 from hyla.server.responses_routes import (ResponseStore, ResponsesRoutes, StoredResponse, items_to_messages,
@@ -162,6 +162,101 @@ def test_streamed_reasoning_text_and_calls_are_the_response(server, engine, monk
     assert added == [0, 1, 2, 3]
     args = [d["arguments"] for d in data if d["type"] == "response.function_call_arguments.done"]
     assert args == [o["arguments"] for o in full["output"][2:]]
+    # the reasoning and the message are done before the first call opens; the items are done in output order
+    done = [d["output_index"] for d in data if d["type"] == "response.output_item.done"]
+    first_call = next(i for i, d in enumerate(data) if d["type"] == "response.output_item.added"
+                      and d["item"]["type"] == "function_call")
+    assert done == [0, 1, 2, 3]
+    assert [d["output_index"] for d in data[:first_call] if d["type"] == "response.output_item.done"] == [0, 1]
+
+
+def _streamed_calls(data: list[dict]) -> dict[int, str]:
+    """Each call item's arguments deltas joined, by output index."""
+    out: dict[int, str] = {}
+    for d in data:
+        if d["type"] == "response.function_call_arguments.delta":
+            out[d["output_index"]] = out.get(d["output_index"], "") + d["delta"]
+    return out
+
+
+def test_a_call_streams_its_arguments_as_they_are_written(server, client, engine, monkeypatch):
+    """A call written a few characters at a time: its item opens once its name is written, long before
+    its block closes, and each chunk of its arguments goes out as it comes (joined, the ``.done``
+    arguments and the whole response's); the official client's stream helper rebuilds the response."""
+    call = '<tool_call>\n' + SCRIPTED_CALL + '\n</tool_call>'
+    pieces = ["Checking.\n"] + [call[i:i + 4] for i in range(0, len(call), 4)]
+    script_engine(monkeypatch, engine, pieces)
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    full = _post(server, body).json()
+    data = [d for _, d in _stream_events(server, body)]
+    assert _without_ids(data[-1]["response"]) == _without_ids(full)
+    assert [o["type"] for o in full["output"]] == ["message", "function_call"]
+    types = [d["type"] for d in data]
+    added = types.index("response.output_item.added", types.index("response.output_item.done"))
+    assert data[added]["item"]["name"] == "get_weather" and data[added]["item"]["call_id"] == data[-1]["response"]["output"][1]["call_id"]
+    deltas = [d["delta"] for d in data if d["type"] == "response.function_call_arguments.delta"]
+    assert len(deltas) > 10  # (~70 characters of arguments in 4-character chunks)
+    assert _streamed_calls(data) == {1: full["output"][1]["arguments"]}
+    assert json.loads(full["output"][1]["arguments"])["city"] == 'Paris "Rive Gauche" é'
+    with client.responses.stream(model=MODEL, **body) as helper:
+        final = helper.get_final_response()
+    assert [o.type for o in final.output] == ["message", "function_call"]
+    assert final.output[1].arguments == full["output"][1]["arguments"] and final.output_text == "Checking."
+
+
+def test_text_after_a_call_is_a_second_message_when_streamed(server, client, engine, monkeypatch):
+    """Text the model writes after a call began cannot go in the message, which was done when the call
+    began: it is held to the end and sent as a second message after the calls, which the final and the
+    stored response hold too (the whole response has one message, the texts joined)."""
+    script_engine(monkeypatch, engine, ["Let me check.\n<tool_call>\n", SCRIPTED_CALL, "\n</tool_call>\n",
+                                        "Done", " for now."])
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    full = _post(server, body).json()
+    assert [o["type"] for o in full["output"]] == ["message", "function_call"]
+    assert full["output"][0]["content"][0]["text"] == "Let me check.\n\nDone for now."
+    data = [d for _, d in _stream_events(server, body)]
+    final = data[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message", "function_call", "message"]
+    assert [o["content"][0]["text"] for o in final["output"] if o["type"] == "message"] == ["Let me check.",
+                                                                                             "Done for now."]
+    assert final["output"][2]["id"] == final["output"][0]["id"] + "_1"
+    texts: dict[int, str] = {}
+    for d in data:
+        if d["type"] == "response.output_text.delta":
+            texts[d["output_index"]] = texts.get(d["output_index"], "") + d["delta"]
+    assert texts == {0: "Let me check.", 2: "Done for now."}  # (the second's leading whitespace is layout)
+    assert [d["output_index"] for d in data if d["type"] == "response.output_item.done"] == [0, 1, 2]
+    assert httpx.get(f"{server.url}/v1/responses/{final['id']}", timeout=30).json()["output"] == final["output"]
+    with client.responses.stream(model=MODEL, **body) as helper:
+        assert helper.get_final_response().output_text == "Let me check.Done for now."
+
+
+def test_a_call_cut_off_in_its_arguments_stays_a_call_when_streamed(server, engine, monkeypatch):
+    """``max_output_tokens`` cuts a call inside its arguments: the stream began the call and cannot take
+    it back, so its response ends with that call, its arguments as sent (the whole response keeps the
+    unfinished block as text, as a chat completion does)."""
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    script_engine(monkeypatch, engine, [cut[:20], cut[20:]], finish="length")
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    full = _post(server, body).json()
+    assert full["status"] == "incomplete" and [o["type"] for o in full["output"]] == ["message"]
+    data = [d for _, d in _stream_events(server, body)]
+    final = data[-1]
+    assert final["type"] == "response.incomplete"
+    (call,) = final["response"]["output"]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["arguments"] == _streamed_calls(data)[0] == '{"city": "Par'
+
+
+def test_without_parallel_tool_calls_a_stream_sends_the_first_call_alone(server, engine, monkeypatch):
+    script_engine(monkeypatch, engine, SCRIPTED)
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER], "parallel_tool_calls": False}
+    full = _post(server, body).json()
+    data = [d for _, d in _stream_events(server, body)]
+    assert [o["type"] for o in full["output"]] == ["message", "function_call"]
+    assert _without_ids(data[-1]["response"]) == _without_ids(full)
+    assert _streamed_calls(data) == {1: full["output"][1]["arguments"]}
+    assert "Oslo" not in json.dumps([d for d in data if "response" not in d])  # (the tools' enum has it)
 
 
 def test_a_call_escaping_a_lone_surrogate_is_a_response(server, engine, monkeypatch):
@@ -397,10 +492,14 @@ def test_forced_function_call_and_its_output(server, client, tool_choice):
         "input": ask, "instructions": INSTRUCTIONS, "tools": [WEATHER], "tool_choice": tool_choice,
         "parallel_tool_calls": False, "max_output_tokens": 64, "temperature": 0})]
     types = [d["type"] for d in events]
+    deltas = types.count("response.function_call_arguments.delta")
+    assert deltas > 1  # (the arguments as they are written)
     assert types == ["response.created", "response.in_progress", "response.output_item.added",
-                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     *["response.function_call_arguments.delta"] * deltas, "response.function_call_arguments.done",
                      "response.output_item.done", "response.completed"]
-    assert events[4]["arguments"] == call.arguments and events[4]["name"] == "get_weather"
+    assert events[2]["item"]["name"] == "get_weather" and events[2]["item"]["status"] == "in_progress"
+    assert "".join(d["delta"] for d in events[3:-3]) == events[-3]["arguments"] == call.arguments
+    assert events[-3]["name"] == "get_weather"
     assert _without_ids(events[-1]["response"]) == _without_ids(r.model_dump(exclude_unset=True))
     with client.responses.stream(model=MODEL, input=ask, instructions=INSTRUCTIONS, tools=[WEATHER],
                                  tool_choice=tool_choice, parallel_tool_calls=False, max_output_tokens=64,

@@ -21,9 +21,11 @@ and ``previous_response_id``.
 
 Streaming sends OpenAI's typed events (``event: <type>`` + ``data: {...}`` with a
 ``sequence_number``): ``response.created``, ``response.in_progress``, the output items as they
-grow, then ``response.completed`` / ``response.incomplete`` with the whole response, the same
-object a non-streaming request returns. Function calls are sent once the output is complete. A
-failure after the stream started ends it with OpenAI's ``error`` event and ``response.failed``
+grow, then ``response.completed`` / ``response.incomplete`` with the whole response, the object a
+non-streaming request returns. A function call's item opens as soon as its name is written and its
+arguments stream as the model writes them (``_Turn._events``); the stream decides the final response
+(``StreamedAnswer``): text after a call is a second message, and a call cut off inside its arguments
+stays a call. A failure after the stream started ends it with OpenAI's ``error`` event and ``response.failed``
 (``_Turn.failed``), not chat's ``data: {"error": ...}``.
 Fields and semantics: docs/server.md.
 """
@@ -57,6 +59,7 @@ from hyla.server.responses_protocol import (
     InputTokensRequest, ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseError, ResponseObject,
     ResponsesRequest, ResponseUsage, _item, output_item_id, typed_event,
 )
+from hyla.server.tool_call_stream import ToolCallDelta
 from hyla.server.tool_calls import ToolCall
 from hyla.tokenizer import ChatEncoding
 
@@ -314,24 +317,45 @@ def with_instructions(instructions: str | None, conversation: list[dict[str, Any
 
 
 def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any],
-                 logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                 logprobs: list[dict[str, Any]] | None = None, text_after: str = "") -> list[dict[str, Any]]:
     """A response's output items: the reasoning (when the reasoning parser found some), the message
-    (when there is text, or no call; its text's ``logprobs`` where given), one function call per call.
+    (when there is text, or no call; its text's ``logprobs`` where given), one function call per call,
+    then a second message of ``text_after`` where it is not empty (a stream's text after its first call
+    began: ``StreamedAnswer``; its ``logprobs`` are empty, as the first message's stop at the first call).
     ``ids``: ``reasoning``, ``message`` (item ids), ``calls`` (one item id per call, made here when
     missing) and ``response`` (the response's id, which the items' ids hold: ``output_item_id``)."""
     out: list[dict[str, Any]] = []
+    status = "completed" if complete else "incomplete"
     if thoughts is not None:
         out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
                     "content": [{"type": "reasoning_text", "text": thoughts}]})
-    if text or not calls:
-        out.append(message_item(ids["message"], text, "completed" if complete else "incomplete", logprobs))
-    fc_ids = ids.setdefault("calls", [])
-    while len(fc_ids) < len(calls):
-        fc_ids.append(output_item_id("fc", ids["response"], len(fc_ids)))
-    for call, fc_id in zip(calls, fc_ids):
+    if text or not calls:  # (complete where calls follow it)
+        out.append(message_item(ids["message"], text, "completed" if calls else status, logprobs))
+    for call, fc_id in zip(calls, call_item_ids(ids, len(calls))):
         out.append({"type": "function_call", "id": fc_id, "call_id": call.id, "name": call.name,
                     "arguments": call.arguments, "status": "completed"})
+    if text_after:
+        out.append(message_item(ids["message_after"], text_after, status, [] if logprobs is not None else None))
     return out
+
+
+def call_item_ids(ids: dict[str, Any], n: int) -> list[str]:
+    """The item ids of a response's first ``n`` function calls (``ids["calls"]``, made as needed)."""
+    fc_ids = ids.setdefault("calls", [])
+    while len(fc_ids) < n:
+        fc_ids.append(output_item_id("fc", ids["response"], len(fc_ids)))
+    return fc_ids[:n]
+
+
+@dataclass
+class StreamedAnswer:
+    """What a Responses stream sent of its answer's content, which its final response holds (the stream
+    decides): the message's ``text`` (the content before the first call began), the ``calls`` (those it
+    sent, whole: ``ToolCallStream.calls``), and ``text_after``, the content after the first call began
+    (held to the end, then sent as a second message after the calls)."""
+    text: str
+    calls: list[ToolCall]
+    text_after: str = ""
 
 
 def message_item(item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
@@ -557,7 +581,7 @@ class _Turn:
         self.skip_special_tokens = skip_special_tokens
         self.created_at = int(time.time())
         self.ids: dict[str, Any] = {"reasoning": output_item_id("rs", rid), "message": output_item_id("msg", rid),
-                                    "calls": [], "response": rid}
+                                    "message_after": output_item_id("msg", rid, 1), "calls": [], "response": rid}
 
     def skeleton(self, status: str = "in_progress") -> ResponseObject:
         """The response object without its output and usage (what ``response.created`` sends)."""
@@ -615,18 +639,21 @@ class _Turn:
         entries = chat_logprobs(self.prompt.engine.tokenizer, lps, tops).content or []
         return [e.model_dump() for e, at in zip(entries, starts) if start <= at < end]
 
-    def finish(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> dict[str, Any]:
+    def finish(self, choice: Choice, streamed: StreamedAnswer | None = None) -> dict[str, Any]:
         """The finished response object (``finished`` adds what storing it keeps, with its conversation and
-        input items, when ``store``). ``calls_seen``: the calls a stream found (their call ids are kept)."""
+        input items, when ``store``). ``streamed``: what a stream sent of the content and calls (where a
+        call's block was cut off or malformed the stream's call stands, which the whole parse would keep
+        as text; text after a call is a second message)."""
         thoughts, text, calls = self.parse(choice.text)
-        for call, seen in zip(calls, calls_seen):
-            call.id = seen.id
+        text_after = ""
+        if streamed is not None:
+            text, calls, text_after = streamed.text, streamed.calls, streamed.text_after
         finish = choice.openai_finish_reason()
         status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "", "completed")
         response = self.skeleton(status)
         response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
         logprobs = self.message_logprobs(choice, bool(calls)) if self.body.wants_logprobs() else None
-        response.output = output_items(thoughts, text, calls, status == "completed", self.ids, logprobs)
+        response.output = output_items(thoughts, text, calls, status == "completed", self.ids, logprobs, text_after)
         prompt = choice.meta.get("prompt_tokens", 0)
         completion = choice.meta.get("completion_tokens", 0)
         reasoning_tokens = 0
@@ -641,11 +668,12 @@ class _Turn:
             total_tokens=prompt + completion)
         return response.model_dump()
 
-    def finished(self, choice: Choice, calls_seen: list[ToolCall] = ()) -> tuple[dict[str, Any], _Kept | None]:
+    def finished(self, choice: Choice, streamed: StreamedAnswer | None = None
+                 ) -> tuple[dict[str, Any], _Kept | None]:
         """``finish``'s response, and what storing it keeps (``store``; None without): all the Python work of
         a finished turn, which runs on a worker thread (a long answer's logprobs would stall the event loop);
         ``keep`` stores it, on the event loop (the store is the loop's)."""
-        out = self.finish(choice, calls_seen)
+        out = self.finish(choice, streamed)
         if not self.body.store:
             return out, None
         outputs = [_item(o, i) for i, o in enumerate(out["output"])]
@@ -676,18 +704,27 @@ class _Turn:
                 yield line
 
     async def _events(self, gen: Generation, event: _EventWriter) -> AsyncIterator[str]:
+        """The items in output order, each opened (``output_item.added``) as its first text comes: the
+        reasoning, the message, each function call as soon as its name is written (its arguments as the
+        model writes them: ``ToolCallStream``'s incremental stream, as chat completions), then, where the
+        model wrote text after a call, a second message. The reasoning and the message are done when the
+        first call begins, the calls at the end; the final response holds what the stream sent
+        (``StreamedAnswer``)."""
         skeleton = self.skeleton().model_dump()
         yield event("response.created", response=skeleton)
         yield event("response.in_progress", response=skeleton)
         reasoning = self.server.reasoning_parser
         thinking = reasoning.stream(self.in_thinking) if reasoning is not None else None
-        tools = self.server.tool_call_parser.stream(self.chat.template_tools()) \
+        tools = self.server.tool_call_parser.stream(self.chat.template_tools(), incremental=True) \
             if self.chat.tool_choice_mode() != "none" else None
         logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
         next_index = 0
-        rs_index = msg_index = None  # output indices of the open items
+        rs_index = msg_index = None  # output indices of the items opened
         rs_open = msg_open = False
         pending = ""  # whitespace held until text follows (around a call it is layout)
+        sent: list[str] = []  # the message's text deltas
+        after: list[str] = []  # the content after the first call began (held to the end)
+        calls: list[dict[str, Any]] = []  # the call items opened: output_index, id, arguments sent
         rs_id, msg_id = self.ids["reasoning"], self.ids["message"]
 
         def open_reasoning() -> list[str]:
@@ -709,20 +746,47 @@ class _Turn:
                           part=part),
                     event("response.output_item.done", output_index=rs_index, item=item)]
 
-        def open_message() -> list[str]:
+        def open_message(item_id: str) -> list[str]:
             nonlocal msg_index, msg_open, next_index
             msg_index, msg_open, next_index = next_index, True, next_index + 1
             part = {"type": "output_text", "text": "", "annotations": []}
             if logprobs is not None:
                 part["logprobs"] = []
             return [event("response.output_item.added", output_index=msg_index,
-                          item=message_item(msg_id, None, "in_progress")),
-                    event("response.content_part.added", item_id=msg_id, output_index=msg_index, content_index=0,
+                          item=message_item(item_id, None, "in_progress")),
+                    event("response.content_part.added", item_id=item_id, output_index=msg_index, content_index=0,
                           part=part)]
 
-        def text_delta(delta: str, entries: list[dict[str, Any]]) -> str:
-            return event("response.output_text.delta", item_id=msg_id, output_index=msg_index, content_index=0,
+        def text_delta(item_id: str, delta: str, entries: list[dict[str, Any]]) -> str:
+            return event("response.output_text.delta", item_id=item_id, output_index=msg_index, content_index=0,
                          delta=delta, logprobs=delta_logprobs(entries))
+
+        def close_message(item: dict[str, Any], rest: list[dict[str, Any]]) -> list[str]:
+            """The message's done events; ``rest``: its logprobs the stream held until now (they go out first)."""
+            nonlocal msg_open
+            msg_open = False
+            part = item["content"][0]
+            lines = [text_delta(item["id"], "", rest)] if rest else []
+            return lines + [
+                event("response.output_text.done", item_id=item["id"], output_index=msg_index, content_index=0,
+                      text=part["text"], logprobs=delta_logprobs(part.get("logprobs", []))),
+                event("response.content_part.done", item_id=item["id"], output_index=msg_index, content_index=0,
+                      part=part),
+                event("response.output_item.done", output_index=msg_index, item=item)]
+
+        def open_call(call: ToolCall | ToolCallDelta) -> list[str]:
+            nonlocal next_index
+            (fc_id,) = call_item_ids(self.ids, len(calls) + 1)[-1:]
+            calls.append({"index": next_index, "id": fc_id, "sent": ""})
+            next_index += 1
+            item = {"type": "function_call", "id": fc_id, "call_id": call.id, "name": call.name, "arguments": "",
+                    "status": "in_progress"}
+            return [event("response.output_item.added", output_index=calls[-1]["index"], item=item)]
+
+        def arguments_delta(k: int, delta: str) -> str:
+            calls[k]["sent"] += delta
+            return event("response.function_call_arguments.delta", item_id=calls[k]["id"],
+                         output_index=calls[k]["index"], delta=delta)
 
         choice = gen.choices[0]
         async for choice, chunk in gen.events():
@@ -738,53 +802,79 @@ class _Turn:
                 if thought:
                     yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
                                 content_index=0, delta=thought)
+            deltas: list[ToolCallDelta] = []
             if tools is not None:
-                text, _ = tools.feed(text, final=final)  # (the calls go out at the end: ``tools.calls``)
-            if not text:
-                continue
-            pending += text
-            if not msg_open and not pending.strip():
-                continue
-            if rs_open:
-                for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
-                    yield line
-            if not msg_open:
-                for line in open_message():
-                    yield line
-            yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
-            pending = ""
-        response, kept = await asyncio.to_thread(self.finished, choice, tools.calls if tools is not None else [])
+                text, deltas = tools.feed(text, final=final)
+                if not self.chat.parallel_tool_calls:
+                    deltas = [d for d in deltas if d.index == 0]
+            if calls:  # (a chunk's text where the first call begins is the message's)
+                after.append(text)  # (layout around the calls is already dropped: ContentLayout)
+                text = ""
+            if text:
+                pending += text
+                if msg_open or pending.strip():
+                    if rs_open:
+                        for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
+                            yield line
+                    if not msg_open:
+                        for line in open_message(msg_id):
+                            yield line
+                    sent.append(pending)
+                    yield text_delta(msg_id, pending, logprobs.take(choice.text) if logprobs is not None else [])
+                    pending = ""
+            for d in deltas:
+                if d.name is not None:
+                    if rs_open:
+                        for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
+                            yield line
+                    if msg_open:  # (its logprobs: those of the tokens before the call's marker)
+                        rest = logprobs.take(choice.text) if logprobs is not None else []
+                        item = message_item(msg_id, "".join(sent), "completed",
+                                            logprobs.entries if logprobs is not None else None)
+                        for line in close_message(item, rest):
+                            yield line
+                    for line in open_call(d):
+                        yield line
+                if d.arguments:
+                    yield arguments_delta(d.index, d.arguments)
+        streamed = None
+        if tools is not None:  # (whitespace alone, held, is the text of an answer without calls)
+            streamed = StreamedAnswer("".join(sent) + ("" if calls else pending),
+                                      tools.calls if self.chat.parallel_tool_calls else tools.calls[:1],
+                                      "".join(after).lstrip())  # (a message of its own: no leading layout)
+        response, kept = await asyncio.to_thread(self.finished, choice, streamed)
         self.keep(kept)
-        items = {item["type"]: item for item in response["output"] if item["type"] != "function_call"}
+        output = response["output"]
+        items = {item["id"]: item for item in output}
         if rs_open:
-            for line in close_reasoning(items["reasoning"]["content"][0]["text"] if "reasoning" in items else ""):
+            reasoning_item = items.get(rs_id)
+            for line in close_reasoning(reasoning_item["content"][0]["text"] if reasoning_item is not None else ""):
                 yield line
-        if "message" in items:
-            part = items["message"]["content"][0]
+        if msg_id in items and not calls:  # (where a call began, the message was done then)
             if not msg_open:
-                for line in open_message():
+                for line in open_message(msg_id):
                     yield line
                 if pending:
-                    yield text_delta(pending, logprobs.take(choice.text) if logprobs is not None else [])
-            done_logprobs = part.get("logprobs", [])
-            if logprobs is not None and done_logprobs[logprobs.sent:]:  # (tokens the stream held to the end)
-                yield text_delta("", done_logprobs[logprobs.sent:])
-            yield event("response.output_text.done", item_id=msg_id, output_index=msg_index, content_index=0,
-                        text=part["text"], logprobs=delta_logprobs(done_logprobs))
-            yield event("response.content_part.done", item_id=msg_id, output_index=msg_index, content_index=0,
-                        part=part)
-            yield event("response.output_item.done", output_index=msg_index, item=items["message"])
-        for item in response["output"]:
-            if item["type"] != "function_call":
-                continue
-            index, next_index = next_index, next_index + 1
-            yield event("response.output_item.added", output_index=index,
-                        item={**item, "arguments": "", "status": "in_progress"})
-            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                        delta=item["arguments"])
-            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    yield text_delta(msg_id, pending, logprobs.take(choice.text) if logprobs is not None else [])
+            done = items[msg_id]["content"][0].get("logprobs")
+            for line in close_message(items[msg_id], done[logprobs.sent:] if logprobs is not None and done else []):
+                yield line
+        for k, item in enumerate(o for o in output if o["type"] == "function_call"):
+            if k >= len(calls):
+                for line in open_call(ToolCall(item["name"], "", item["call_id"])):
+                    yield line
+            if item["arguments"][len(calls[k]["sent"]):]:
+                yield arguments_delta(k, item["arguments"][len(calls[k]["sent"]):])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=calls[k]["index"],
                         name=item["name"], arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
+            yield event("response.output_item.done", output_index=calls[k]["index"], item=item)
+        after_id = self.ids["message_after"]
+        if after_id in items:
+            for line in open_message(after_id):
+                yield line
+            yield text_delta(after_id, items[after_id]["content"][0]["text"], [])
+            for line in close_message(items[after_id], []):
+                yield line
         # (a cancelled response, aborted by /abort_request, did not complete either)
         yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                     response=response)
@@ -799,7 +889,7 @@ class _StreamedLogprobs:
     def __init__(self, turn: _Turn):
         self.turn, self.offsets = turn, turn.offsets()
         self.held: list[tuple[int, dict[str, Any]]] = []  # (where the token starts, its entry)
-        self.sent = 0  # entries taken so far
+        self.entries: list[dict[str, Any]] = []  # those taken so far
 
     def feed(self, chunk: dict[str, Any]) -> None:
         lps, tops = chunk_logprobs(chunk)
@@ -813,5 +903,9 @@ class _StreamedLogprobs:
         start, end = self.turn.message_span(text, calls=False, final=False)
         taken = [e for at, e in self.held if start <= at < end]
         self.held = [(at, e) for at, e in self.held if at >= end]
-        self.sent += len(taken)
+        self.entries += taken
         return taken
+
+    @property
+    def sent(self) -> int:
+        return len(self.entries)
