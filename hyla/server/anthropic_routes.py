@@ -31,9 +31,9 @@ from hyla.server.auth import bearer_key_matches
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, admit_chat, final_text, forced_tool_grammar,
-                                       job_rids, kept_markers, opens_thinking, output_budget, render_chat,
-                                       split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat, final_text,
+                                       forced_tool_grammar, job_rids, kept_markers, opens_thinking, output_budget,
+                                       render_chat, split_answer, thinking_first)
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.tokenizer.tokenizer import ChatEncoding
 
@@ -144,7 +144,6 @@ class _Turn:
     def __init__(self, server: Server, chat: ChatCompletionRequest, rid: str, in_thinking: bool, prompt_tokens: int):
         self.server, self.chat, self.rid = server, chat, rid
         self.in_thinking, self.prompt_tokens = in_thinking, prompt_tokens
-        self.use_tools = chat.tool_choice_mode() != "none"
 
     def message(self, output: str, meta: dict[str, Any]) -> dict[str, Any]:
         """The whole answer: a ``thinking`` block (with ``--reasoning-parser``), a ``text`` block, a ``tool_use``
@@ -174,26 +173,15 @@ class _Turn:
     async def _events(self, gen: Generation) -> AsyncIterator[str]:
         start = usage({"prompt_tokens": self.prompt_tokens})
         yield _event("message_start", message=self._skeleton([], None, None, start))
-        reasoning = self.server.reasoning_parser
-        thinking = reasoning.stream(self.in_thinking) if reasoning is not None else None
-        tools = self.server.tool_call_parser.stream(self.chat.template_tools(), incremental=True) \
-            if self.use_tools else None
+        answer = AnswerStream(self.server, self.chat, self.in_thinking)
         blocks = _Blocks()
         pending = ""
         choice = gen.choices[0]
         async for choice, chunk in gen.events():
-            final = choice.finish_reason is not None
-            text = chunk["text"]
-            if thinking is not None:
-                thought, text = thinking.feed(text, final=final)
-                if thought:
-                    for line in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
-                        yield line
-            deltas = []
-            if tools is not None:
-                text, deltas = tools.feed(text, final=final)
-                if not self.chat.parallel_tool_calls:
-                    deltas = [d for d in deltas if d.index == 0]
+            thought, text, deltas = answer.feed(chunk["text"], final=choice.finish_reason is not None)
+            if thought:
+                for line in blocks.delta("thinking", {"type": "thinking_delta", "thinking": thought}):
+                    yield line
             pending += text  # (whitespace before the text's first character is held: a block opens for text)
             if pending.strip() or (pending and blocks.kind == "text"):
                 for line in blocks.delta("text", {"type": "text_delta", "text": pending}):
@@ -208,7 +196,7 @@ class _Turn:
                     yield blocks.event({"type": "input_json_delta", "partial_json": d.arguments})
         for line in blocks.close():
             yield line
-        reason, sequence = stop_reason(choice.finish_reason, tools is not None and bool(tools.calls))
+        reason, sequence = stop_reason(choice.finish_reason, bool(answer.calls))
         yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                      usage=usage(choice.meta))
         yield _event("message_stop")

@@ -37,6 +37,7 @@ from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 if TYPE_CHECKING:
     from hyla.server.app import Server
     from hyla.server.tool_calls import ToolCall
+    from hyla.server.tool_call_stream import ToolCallDelta
 
 CHAT_CHECKPOINTS = 8
 """Message ends per chat request where the engine caches the recurrent state: the first message's (a
@@ -239,12 +240,8 @@ class OpenAIRoutes:
     async def _chat_events(self, body: ChatCompletionRequest, gen: Generation, rid: str,
                            in_thinking: bool, prompt_ids: list[int]) -> AsyncIterator[str]:
         created = int(time.time())
-        reasoning = self.server.reasoning_parser
-        thinking = {c.index: reasoning.stream(in_thinking) for c in gen.choices} if reasoning is not None else {}
-        use_tools = body.tool_choice_mode() != "none"
         # each call's id and name as soon as they come, its arguments as they are written (as vLLM and SGLang)
-        tools = {c.index: self.server.tool_call_parser.stream(body.template_tools(), incremental=True)
-                 for c in gen.choices} if use_tools else {}
+        answers = {c.index: AnswerStream(self.server, body, in_thinking) for c in gen.choices}
         num_calls = {c.index: 0 for c in gen.choices}  # the calls a choice has begun
 
         def chunk_of(choice: ChatChunkChoice, **extra: Any) -> str:
@@ -260,18 +257,13 @@ class OpenAIRoutes:
         async for choice, chunk in gen.events():
             logprobs = chat_logprobs(gen.engine.tokenizer, *chunk_logprobs(chunk)) if body.logprobs else None
             finish = choice.openai_finish_reason()
-            text, delta = chunk["text"], {}
-            if choice.index in thinking:
-                thought, text = thinking[choice.index].feed(text, final=finish is not None)
-                if thought:
-                    delta["reasoning_content"] = thought
-            if choice.index in tools:
-                text, calls = tools[choice.index].feed(text, final=finish is not None)
-                if not body.parallel_tool_calls:
-                    calls = [d for d in calls if d.index == 0]
-                if calls:
-                    delta["tool_calls"] = [d.openai() for d in calls]
-                    num_calls[choice.index] = max(num_calls[choice.index], calls[-1].index + 1)
+            delta: dict[str, Any] = {}
+            thought, text, calls = answers[choice.index].feed(chunk["text"], final=finish is not None)
+            if thought:
+                delta["reasoning_content"] = thought
+            if calls:
+                delta["tool_calls"] = [d.openai() for d in calls]
+                num_calls[choice.index] = max(num_calls[choice.index], calls[-1].index + 1)
             if text:
                 delta["content"] = text
             if finish == "stop" and num_calls[choice.index]:
@@ -352,6 +344,45 @@ def split_answer(server: Server, chat: ChatCompletionRequest, output: str,
         text, calls = server.tool_call_parser.parse(text, chat.template_tools())
         calls = calls if chat.parallel_tool_calls else calls[:1]
     return thoughts, text, calls
+
+
+class AnswerStream:
+    """:func:`split_answer` of an answer as it streams: each chunk's text in (``feed``), ``(reasoning,
+    content, call deltas)`` out — the reasoning parser's stream, then, unless the chat's ``tool_choice`` is
+    none, the tool-call parser's incremental stream (``ToolCallStream``), the first call's deltas alone
+    without ``parallel_tool_calls``. Joined, the pieces are ``split_answer``'s of the whole answer (but
+    for a call a stream began and cannot take back: ``tool_call_stream``). What chat completions,
+    Responses turns and Anthropic messages stream."""
+
+    def __init__(self, server: Server, chat: ChatCompletionRequest, in_thinking: bool):
+        reasoning = server.reasoning_parser
+        self.thinking = reasoning.stream(in_thinking) if reasoning is not None else None
+        self.tools = server.tool_call_parser.stream(chat.template_tools(), incremental=True) \
+            if chat.tool_choice_mode() != "none" else None
+        self.parallel = chat.parallel_tool_calls
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCallDelta]]:
+        thought = ""
+        if self.thinking is not None:
+            thought, text = self.thinking.feed(text, final=final)
+        deltas: list[ToolCallDelta] = []
+        if self.tools is not None:
+            text, deltas = self.tools.feed(text, final=final)
+            if not self.parallel:
+                deltas = [d for d in deltas if d.index == 0]
+        return thought, text, deltas
+
+    @property
+    def seen_reasoning(self) -> bool:
+        """Whether the answer has a reasoning part (it began in a think block, or opened one)."""
+        return self.thinking is not None and self.thinking.seen_reasoning
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The answer's calls so far, whole (``ToolCallStream.calls``; the first alone without
+        ``parallel_tool_calls``)."""
+        calls = self.tools.calls if self.tools is not None else []
+        return calls if self.parallel else calls[:1]
 
 
 def final_text(chat: list[ChatMessage]) -> str:

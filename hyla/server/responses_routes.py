@@ -49,9 +49,9 @@ from pydantic import ValidationError
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, TextOffsets, admit_chat, chat_logprobs, choice_logprobs,
-                                      forced_tool_grammar, kept_markers, opens_thinking, output_budget, render_chat,
-                                      split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_logprobs,
+                                      choice_logprobs, forced_tool_grammar, kept_markers, opens_thinking,
+                                      output_budget, render_chat, split_answer, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
@@ -714,9 +714,7 @@ class _Turn:
         yield event("response.created", response=skeleton)
         yield event("response.in_progress", response=skeleton)
         reasoning = self.server.reasoning_parser
-        thinking = reasoning.stream(self.in_thinking) if reasoning is not None else None
-        tools = self.server.tool_call_parser.stream(self.chat.template_tools(), incremental=True) \
-            if self.chat.tool_choice_mode() != "none" else None
+        answer = AnswerStream(self.server, self.chat, self.in_thinking)
         logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
         next_index = 0
         rs_index = msg_index = None  # output indices of the items opened
@@ -793,20 +791,13 @@ class _Turn:
             final = choice.finish_reason is not None
             if logprobs is not None:
                 logprobs.feed(chunk)
-            text = chunk["text"]
-            if thinking is not None:
-                thought, text = thinking.feed(text, final=final)
-                if thinking.seen_reasoning and rs_index is None:
-                    for line in open_reasoning():
-                        yield line
-                if thought:
-                    yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
-                                content_index=0, delta=thought)
-            deltas: list[ToolCallDelta] = []
-            if tools is not None:
-                text, deltas = tools.feed(text, final=final)
-                if not self.chat.parallel_tool_calls:
-                    deltas = [d for d in deltas if d.index == 0]
+            thought, text, deltas = answer.feed(chunk["text"], final=final)
+            if answer.seen_reasoning and rs_index is None:
+                for line in open_reasoning():
+                    yield line
+            if thought:
+                yield event("response.reasoning_text.delta", item_id=rs_id, output_index=rs_index,
+                            content_index=0, delta=thought)
             if calls:  # (a chunk's text where the first call begins is the message's)
                 after.append(text)  # (layout around the calls is already dropped: ContentLayout)
                 text = ""
@@ -838,9 +829,8 @@ class _Turn:
                 if d.arguments:
                     yield arguments_delta(d.index, d.arguments)
         streamed = None
-        if tools is not None:  # (whitespace alone, held, is the text of an answer without calls)
-            streamed = StreamedAnswer("".join(sent) + ("" if calls else pending),
-                                      tools.calls if self.chat.parallel_tool_calls else tools.calls[:1],
+        if answer.tools is not None:  # (whitespace alone, held, is the text of an answer without calls)
+            streamed = StreamedAnswer("".join(sent) + ("" if calls else pending), answer.calls,
                                       "".join(after).lstrip())  # (a message of its own: no leading layout)
         response, kept = await asyncio.to_thread(self.finished, choice, streamed)
         self.keep(kept)
