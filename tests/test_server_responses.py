@@ -5,7 +5,10 @@ structure a grammar or the parsers guarantee)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -1195,3 +1198,150 @@ def test_input_tokens_refuse_what_responses_refuse(server, body, param):
     counted, made = _count(server, body), _post(server, body)
     assert counted.status_code == made.status_code and counted.status_code in (400, 404), counted.text
     assert counted.json() == made.json() and counted.json()["error"]["param"] == param
+
+
+# --------------------------------------------------------------------------------------------
+# background: true
+# --------------------------------------------------------------------------------------------
+class _Gate:
+    """``engine`` answers every request with "Hello", then waits until ``release`` (" world.", the end), or
+    until ``engine.abort`` of its id (it ends aborted by the client, as the engine's own abort does)."""
+
+    def __init__(self, monkeypatch, engine):
+        self.released, self.aborted, self.started = threading.Event(), set(), threading.Event()
+
+        async def generate(*args, rid=None, **kwargs):
+            async def chunks():
+                def chunk(i, text, finish=None):
+                    return {"text": text, "output_ids": [i], "meta_info": {
+                        "id": rid, "prompt_tokens": 5, "completion_tokens": i + 1, "cached_tokens": 0,
+                        "finish_reason": finish}}
+                yield chunk(0, "Hello")
+                self.started.set()
+                while not self.released.is_set() and rid not in self.aborted:
+                    await asyncio.sleep(0.01)
+                if rid in self.aborted:
+                    yield chunk(1, "", {"type": "abort", "cause": "client"})
+                else:
+                    yield chunk(1, " world.", {"type": "stop"})
+            return _Stream(chunks(), lambda: self.aborted.add(rid))
+
+        monkeypatch.setattr(engine, "async_generate", generate)
+        monkeypatch.setattr(engine, "abort", self.aborted.add)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+class _Stream:
+    """An engine request's stream as ``Engine.async_generate`` gives it: its chunks, and ``close`` (abort)."""
+
+    def __init__(self, chunks, close):
+        self.chunks, self.close = chunks, close
+
+    def __aiter__(self):
+        return self.chunks
+
+
+def _until(server, response_id: str, status: str) -> dict:
+    for _ in range(500):
+        got = httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30).json()
+        if got["status"] == status:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"{response_id} never reached {status}: {got}")
+
+
+def test_a_background_response_is_queued_runs_on_and_is_polled(server, client, engine, monkeypatch):
+    """``background: true`` answers at once (queued, no output), runs to its end on the server while GET
+    says in_progress, and is then stored as any response (the official client's ``background=True``)."""
+    gate = _Gate(monkeypatch, engine)
+    r = client.responses.create(model=MODEL, input="Say hello.", background=True)
+    assert r.status == "queued" and r.background is True and r.output == []
+    assert gate.started.wait(10)
+    running = client.responses.retrieve(r.id)
+    assert running.status == "in_progress" and running.background is True
+    gate.release()
+    done = _until(server, r.id, "completed")
+    assert done["background"] is True and done["output"][0]["content"][0]["text"] == "Hello world."
+    # it continues as any stored response does
+    follow = _post(server, {"input": "And?", "previous_response_id": r.id, "max_output_tokens": 2})
+    assert follow.status_code == 200, follow.text
+
+
+def test_a_background_response_is_cancelled_with_its_output_so_far(server, client, engine, monkeypatch):
+    gate = _Gate(monkeypatch, engine)
+    r = client.responses.create(model=MODEL, input="Say hello.", background=True)
+    assert gate.started.wait(10)
+    # a turn cannot continue from it while it runs
+    early = _post(server, {"input": "And?", "previous_response_id": r.id})
+    assert early.status_code == 400 and early.json()["error"]["param"] == "previous_response_id", early.text
+    cancelled = client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.output_text == "Hello"
+    assert gate.aborted  # (the engine request itself was aborted)
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    assert client.responses.cancel(r.id).status == "cancelled"  # (again: as it ended)
+    gate.release()
+    plain = client.responses.create(model=MODEL, input="Say hello.")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_" + "0" * 32)
+
+
+def test_a_background_stream_is_read_again_from_any_event(server, engine, monkeypatch):
+    """A background stream's reader that goes away stops the reading, not the run: ``GET ?stream=true``
+    with ``starting_after`` sends the events after that one, then the rest as they come."""
+    gate = _Gate(monkeypatch, engine)
+    body = {"model": MODEL, "input": "Say hello.", "background": True, "stream": True}
+    first = []
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                first.append(json.loads(line[len("data: "):]))
+                if first[-1]["type"] == "response.output_text.delta":
+                    break  # (the client goes away)
+    response_id = first[0]["response"]["id"]
+    assert gate.started.wait(10) and not gate.aborted
+    assert httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30).json()["status"] == "in_progress"
+
+    def read(params: dict) -> list[dict]:
+        with httpx.stream("GET", f"{server.url}/v1/responses/{response_id}", params={"stream": "true", **params},
+                          timeout=60) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            gate.release()  # (while it runs: the rest comes as this reader reads)
+            return [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+
+    rest = read({"starting_after": first[-1]["sequence_number"]})
+    events = first + rest
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello world."
+    assert _until(server, response_id, "completed")["output"] == events[-1]["response"]["output"]
+    # once it has ended, from the store: all of it, or the events after one
+    assert read({}) == events and read({"starting_after": 2}) == events[3:]
+    plain = _post(server, {"input": "hi"}).json()
+    again = httpx.get(f"{server.url}/v1/responses/{plain['id']}", params={"stream": "true"}, timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream", again.text
+
+
+def test_deleting_a_running_background_response_cancels_it(server, engine, monkeypatch):
+    gate = _Gate(monkeypatch, engine)
+    r = _post(server, {"input": "Say hello.", "background": True}).json()
+    assert gate.started.wait(10)
+    assert httpx.delete(f"{server.url}/v1/responses/{r['id']}", timeout=30).json()["deleted"] is True
+    assert gate.aborted
+    assert httpx.get(f"{server.url}/v1/responses/{r['id']}", timeout=30).status_code == 404
+
+
+@pytest.mark.parametrize("body, param", [
+    pytest.param({"background": True, "store": False}, "background", id="background-not-stored"),
+    pytest.param({"starting_after": 3}, "starting_after", id="starting-after-without-stream"),
+])
+def test_background_bad_requests_are_400_naming_the_field(server, client, body, param):
+    if "starting_after" in body:
+        stored = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        r = httpx.get(f"{server.url}/v1/responses/{stored.id}", params=body, timeout=30)
+    else:
+        r = _post(server, {"input": "hi", **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

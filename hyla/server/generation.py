@@ -257,22 +257,9 @@ class Generation:
             pass
 
     def stream(self, lines: AsyncIterator[str]) -> StreamingResponse:
-        """A server-sent-event response of ``lines`` (which end with ``[DONE]``). An error after the
-        headers is sent as an error event followed by ``[DONE]``; a disconnect cancels the body,
-        which aborts what is still running."""
-
-        async def body() -> AsyncIterator[bytes]:
-            try:
-                async for line in lines:
-                    yield _utf8(line)  # (here: a line that cannot be sent is an error event, not a dropped stream)
-            except Exception as exc:
-                yield sse(engine_error(exc, self.endpoint).body()).encode()
-                yield SSE_DONE.encode()
-            finally:
-                self.close()
-
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        """A server-sent-event response of ``lines`` (``sse_stream``); its end, a disconnect included
+        (which cancels the body), closes the generation: what is still running is aborted."""
+        return sse_stream(lines, self.endpoint, self.close)
 
     def close(self) -> None:
         for task in self._tasks:
@@ -286,6 +273,27 @@ class Generation:
                 self._ended(choice, "abort")
         if self._on_close is not None:
             self._on_close(self)
+
+
+def sse_stream(lines: AsyncIterator[str], endpoint: str, on_end: Callable[[], None] | None = None
+               ) -> StreamingResponse:
+    """A server-sent-event response of ``lines`` (which end with ``[DONE]``, or an API's own last
+    event). An error after the headers is sent as an error event followed by ``[DONE]``; ``on_end``
+    runs when the body ends, however it ends."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for line in lines:
+                yield _utf8(line)  # (here: a line that cannot be sent is an error event, not a dropped stream)
+        except Exception as exc:
+            yield sse(engine_error(exc, endpoint).body()).encode()
+            yield SSE_DONE.encode()
+        finally:
+            if on_end is not None:
+                on_end()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _utf8(line: str) -> bytes:

@@ -18,7 +18,8 @@ no effect: a model thinks as its chat template says); what the Agents SDK and Co
 is accepted and ignored (``include``'s other values, ``prompt_cache_key``, ``prompt_cache_retention``,
 ``safety_identifier``, ``truncation: "disabled"``,
 ``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's ``phase``.
-Anything else (other item or content types, other tool types, ``background``...) is a 400 naming it.
+``background: true`` runs the response on the server, not on the client's connection (it must be stored).
+Anything else (other item or content types, other tool types, ``conversation``...) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"  # the include value that asks
 MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
-RESPONSES_NULL_MEANS_DEFAULT = ("stream", "store", "parallel_tool_calls")
+RESPONSES_NULL_MEANS_DEFAULT = ("stream", "store", "parallel_tool_calls", "background")
 
 
 # --------------------------------------------------------------------------------------------
@@ -294,6 +295,10 @@ class ResponsesRequest(_Request):
     store: bool | None = True
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # OpenAI's background mode: answered at once (status queued), run to its end whatever the client does,
+    # polled with GET (or streamed, and streamed again from any event: GET ?stream=true&starting_after=N),
+    # cancelled with POST .../cancel
+    background: bool | None = False
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -394,6 +399,8 @@ class ResponsesRequest(_Request):
     @model_validator(mode="after")
     def _check_stream_options(self) -> "ResponsesRequest":
         check_stream_options(self.stream_options, self.stream)
+        if self.background and self.store is False:
+            raise FieldError("background", "background responses must be stored: background needs store true")
         return self
 
     def items(self) -> list[InputItem]:
@@ -467,7 +474,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: IncompleteDetails | None = None
     error: ResponseError | None = None
     instructions: str | None = None
@@ -486,4 +493,5 @@ class ResponseObject(BaseModel):
     reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
     store: bool = True
+    background: bool = False
     user: str | None = None

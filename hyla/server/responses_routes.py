@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
-from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer
+from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer, sse_stream
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_logprobs,
                                       choice_logprobs, forced_tool_grammar, kept_markers, opens_thinking,
                                       output_budget, render_chat, split_answer, thinking_first)
@@ -95,6 +95,7 @@ class StoredResponse:
     # the input items as GET .../input_items lists them (``listed_item``): the chain's (its inputs and outputs),
     # then this request's, in order
     items: list[dict[str, Any]] = field(default_factory=list)
+    events: list[str] | None = None  # a background response's stream, each event's line (GET ?stream=true)
 
 
 _Kept = tuple[StoredResponse, int]  # a response to store, and its stored_size
@@ -153,11 +154,11 @@ class ResponseStore:
 def stored_size(stored: StoredResponse) -> int:
     """What a stored response holds, in bytes as ``ResponseStore.max_bytes`` counts them: the characters
     of every string and key of the response, of its whole conversation and of its input items
-    (``text_chars``; a message or item shared with the responses that continue it counts in each), one for
-    any other value. An estimate (Python holds a character in 1 to 4 bytes, the objects around them aside),
+    (``text_chars``; a message or item shared with the responses that continue it counts in each) and of a
+    background response's events, one for any other value. An estimate (Python holds a character in 1 to 4 bytes, the objects around them aside),
     made without serializing anything."""
     return (text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
-            + text_chars(stored.items, keys=True))
+            + text_chars(stored.items, keys=True) + text_chars(stored.events or []))
 
 
 def _check_limit(name: str, value: Any) -> None:
@@ -424,6 +425,7 @@ class ResponsesRoutes:
                  max_stored_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self.server = server
         self.store = ResponseStore(max_stored, max_stored_bytes)
+        self.running: dict[str, _Background] = {}  # the background responses still running, by id
 
     def router(self) -> APIRouter:
         router = APIRouter()
@@ -432,16 +434,43 @@ class ResponsesRoutes:
         router.get("/v1/responses/{response_id}")(self.retrieve)
         router.get("/v1/responses/{response_id}/input_items")(self.input_items)
         router.delete("/v1/responses/{response_id}")(self.delete)
+        router.post("/v1/responses/{response_id}/cancel")(self.cancel)
         return router
 
-    async def retrieve(self, response_id: str, stream: bool = False) -> JSONResponse:
-        """A stored response. ``?stream=true`` (the openai client's ``retrieve(id, stream=True)``, OpenAI's
-        for a background response still running) is a 400: answered with the JSON, the client read it
-        as an empty stream."""
+    async def retrieve(self, response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        """A stored response, or a background response still running (``status: "in_progress"``, no output
+        yet). ``?stream=true`` (the openai client's ``retrieve(id, stream=True)``) streams a background
+        response, running or stored: its events from the first, or from the one after ``starting_after`` (a
+        sequence number), then, while it runs, each as it comes. Any other response cannot be streamed: a
+        400 (answered with the JSON, a client would read it as an empty stream)."""
+        after = -1 if starting_after is None else starting_after
+        if starting_after is not None and (starting_after < -1 or not stream):
+            raise APIError(400, "starting_after is a sequence number (-1 or more) of a streamed retrieve (stream=true)",
+                           param="starting_after")
+        run = self.running.get(response_id)
+        if run is not None:
+            if stream:
+                return sse_stream(run.follow(after), ENDPOINT)
+            return JSONResponse(run.turn.skeleton("in_progress").model_dump())
+        stored = self._stored(response_id)
         if stream:
-            raise APIError(400, "stream is only supported for background responses, which this server does not "
-                                "run: retrieve a stored response without stream", param="stream")
-        return JSONResponse(self._stored(response_id).response)
+            if stored.events is None:
+                raise APIError(400, "only a background response can be streamed again: retrieve this one without "
+                                    "stream", param="stream")
+            return sse_stream(_replayed(stored.events[after + 1:]), ENDPOINT)
+        return JSONResponse(stored.response)
+
+    async def cancel(self, response_id: str) -> JSONResponse:
+        """OpenAI's ``POST /v1/responses/{id}/cancel``: a background response still running is aborted and
+        answered as it ended (``status: "cancelled"``, its output so far, stored); one that has ended is
+        answered as it is. A response that was not made in the background is a 400; none stored, a 404."""
+        run = self.running.get(response_id)
+        if run is not None:
+            return JSONResponse(await run.cancel())
+        stored = self._stored(response_id)
+        if not stored.response.get("background"):
+            raise APIError(400, "Cannot cancel a synchronous response.", param="response_id")
+        return JSONResponse(stored.response)
 
     async def input_items(self, response_id: str, request: Request) -> JSONResponse:
         """OpenAI's ``GET /v1/responses/{id}/input_items``: the input items of a stored response (the chain's
@@ -456,7 +485,11 @@ class ResponsesRoutes:
 
     async def delete(self, response_id: str) -> JSONResponse:
         """OpenAI's ``DELETE /v1/responses/{id}``: the stored response is gone (neither retrieved nor continued
-        with ``previous_response_id`` after this); a 404 where none is stored."""
+        with ``previous_response_id`` after this; a background response still running is cancelled first); a
+        404 where none is stored."""
+        run = self.running.get(response_id)
+        if run is not None:
+            await run.cancel()
         if not self.store.delete(response_id):
             raise _not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
@@ -485,6 +518,11 @@ class ResponsesRoutes:
         except APIError as exc:
             raise _remap(exc, body, prompt.chat) from None
         turn = _Turn(self, body, prompt, new_id("resp"), params.get("skip_special_tokens", True))
+        if body.background:
+            run = self.running[turn.rid] = _Background(self, turn, gen)
+            if body.stream:
+                return sse_stream(run.follow(), ENDPOINT)  # (a disconnect stops this reader, not the run)
+            return JSONResponse(turn.skeleton("queued").model_dump())
         if body.stream:
             return gen.stream(turn.events(gen))
         (choice,) = await gen.collect(request)
@@ -502,6 +540,10 @@ class ResponsesRoutes:
         chain: list[dict[str, Any]] = []
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
+            if previous is None and body.previous_response_id in self.running:
+                raise APIError(400, f"Previous response with id {body.previous_response_id!r} is still in progress "
+                                    "(a background response): continue from it once it has ended.",
+                               param="previous_response_id")
             if previous is None:
                 raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
@@ -582,6 +624,8 @@ class _Turn:
         self.created_at = int(time.time())
         self.ids: dict[str, Any] = {"reasoning": output_item_id("rs", rid), "message": output_item_id("msg", rid),
                                     "message_after": output_item_id("msg", rid, 1), "calls": [], "response": rid}
+        self.stored = False  # whether its end stored it (``keep``)
+        self.failure: dict[str, Any] | None = None  # the failed response, where it failed (``failed``)
 
     def skeleton(self, status: str = "in_progress") -> ResponseObject:
         """The response object without its output and usage (what ``response.created`` sends)."""
@@ -593,7 +637,7 @@ class _Turn:
             parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,
             max_output_tokens=b.max_output_tokens, max_tool_calls=b.max_tool_calls, top_logprobs=b.top_logprobs,
             text=b.text_echo(), reasoning=b.reasoning.model_dump() if b.reasoning is not None else None,
-            metadata=b.metadata or {}, store=bool(b.store), user=b.user)
+            metadata=b.metadata or {}, store=bool(b.store), background=bool(b.background), user=b.user)
 
     def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
@@ -683,15 +727,18 @@ class _Turn:
     def keep(self, kept: _Kept | None) -> None:
         if kept is not None:
             self.routes.store.put(*kept)
+            self.stored = True
 
     def failed(self, event: _EventWriter, error: APIError) -> list[str]:
         """What a stream sends when it fails after it started (an engine error, an abort): OpenAI's ``error``
         event (``code``, ``message``, ``param``), then ``response.failed`` with the response, ``status``
-        failed, its ``error`` (``failure_code``) and no output. A failed response is not stored."""
+        failed, its ``error`` (``failure_code``) and no output. A failed response is not stored (but for a
+        background one, which is polled: ``_Background``), and is ``failure`` then."""
         response = self.skeleton("failed")
         response.error = ResponseError(code=failure_code(error), message=error.message)
+        self.failure = response.model_dump()
         return [event("error", code=error.code, message=error.message, param=error.param),
-                event("response.failed", response=response.model_dump())]
+                event("response.failed", response=self.failure)]
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         """The response's stream (``_events``); a failure after it started ends it with ``failed``'s events."""
@@ -868,6 +915,74 @@ class _Turn:
         # (a cancelled response, aborted by /abort_request, did not complete either)
         yield event("response.completed" if response["status"] == "completed" else "response.incomplete",
                     response=response)
+
+
+class _Background:
+    """A background response running (``background: true``): its turn's events (``_Turn.events``) made by a
+    task of its own, not by a client's connection, each line kept while it runs, so that any number of
+    readers stream it from any event (``follow``: the POST's own stream, ``GET ?stream=true``); a reader
+    that goes away stops reading, not the run. ``cancel`` aborts it: it ends as an aborted response
+    does (``cancelled``, its output so far). It ends stored, as any response (one that failed too, so
+    that a client polling it finds it: ``_Turn.failure``), with its events (``StoredResponse.events``:
+    streamed again from the store), and leaves ``ResponsesRoutes.running``."""
+
+    def __init__(self, routes: ResponsesRoutes, turn: _Turn, gen: Generation):
+        self.routes, self.turn, self.gen = routes, turn, gen
+        self.lines: list[str] = []  # the events so far (each one line: its index is its sequence number)
+        self.done = False
+        self._changed = asyncio.Event()  # set (and replaced) at each new line and at the end
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            async for line in self.turn.events(self.gen):
+                self.lines.append(line)
+                self._wake()
+        finally:
+            self.gen.close()
+            turn, store = self.turn, self.routes.store
+            stored = store.get(turn.rid) if turn.stored else None
+            if stored is None and turn.failure is not None:
+                stored = StoredResponse(turn.failure, turn.prompt.conversation, turn.prompt.items)
+            if stored is not None:  # (again, its size with its events)
+                stored.events = self.lines
+                store.put(stored)
+            self.routes.running.pop(turn.rid, None)
+            self.done = True
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events after sequence number ``after``, those made so far, then each as it is made, to the end."""
+        i = after + 1
+        while True:
+            changed = self._changed
+            while i < len(self.lines):
+                yield self.lines[i]
+                i += 1
+            if self.done:
+                return
+            await changed.wait()
+
+    async def cancel(self) -> dict[str, Any]:
+        """Abort the run (its engine requests, as ``POST /abort_request`` does) and wait for its end: the
+        response as it ended."""
+        for choice in self.gen.choices:
+            if choice.finish_reason is None:
+                self.gen.engine.abort(choice.rid)
+        await asyncio.shield(self.task)
+        stored = self.routes.store.get(self.turn.rid)
+        if stored is not None:
+            return stored.response
+        return self.turn.failure or self.turn.skeleton("cancelled").model_dump()  # (a store that kept nothing)
+
+
+async def _replayed(lines: list[str]) -> AsyncIterator[str]:
+    for line in lines:
+        yield line
 
 
 class _StreamedLogprobs:
