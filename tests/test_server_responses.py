@@ -1302,6 +1302,8 @@ def test_a_background_stream_is_read_again_from_any_event(server, engine, monkey
                 if first[-1]["type"] == "response.output_text.delta":
                     break  # (the client goes away)
     response_id = first[0]["response"]["id"]
+    assert [(e["type"], e["response"]["status"]) for e in first[:2]] == [("response.created", "queued"),
+                                                                          ("response.in_progress", "in_progress")]
     assert gate.started.wait(10) and not gate.aborted
     assert httpx.get(f"{server.url}/v1/responses/{response_id}", timeout=30).json()["status"] == "in_progress"
 

@@ -757,9 +757,10 @@ class _Turn:
         model wrote text after a call, a second message. The reasoning and the message are done when the
         first call begins, the calls at the end; the final response holds what the stream sent
         (``StreamedAnswer``)."""
-        skeleton = self.skeleton().model_dump()
-        yield event("response.created", response=skeleton)
-        yield event("response.in_progress", response=skeleton)
+        # (a background response is created queued, as its POST answered it)
+        yield event("response.created", response=self.skeleton("queued" if self.body.background else "in_progress")
+                    .model_dump())
+        yield event("response.in_progress", response=self.skeleton().model_dump())
         reasoning = self.server.reasoning_parser
         answer = AnswerStream(self.server, self.chat, self.in_thinking)
         logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
