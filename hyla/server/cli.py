@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "/flush_cache, /abort_request, /update_weights_from_disk, /get_*, /health_generate, /export_prefix, "
                              "/import_prefix), "
                              "/tokenize and /detokenize; /health and /metrics stay open (default: no key).")
+    add_tls_arguments(parser)
     add_cors_arguments(parser)
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
@@ -146,6 +147,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "runs no code from a checkpoint, each architecture is its own.")
 
 
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """HTTPS without a proxy in front (vLLM's and uvicorn's flags)."""
+    parser.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                        help="Serve HTTPS with this certificate chain (PEM), and --ssl-keyfile (default: HTTP).")
+    parser.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="The certificate's private key (PEM).")
+    parser.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                        help="With --ssl-cert-reqs 1 or 2: the CA certificates clients' certificates are checked "
+                             "against.")
+    parser.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                        help="Client certificates (Python's ssl.CERT_*): 0 none asked (default), 1 checked where "
+                             "given, 2 required.")
+
+
+def tls_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``uvicorn.Config``'s TLS options from the flags (none without a certificate)."""
+    if args.ssl_certfile is None:
+        return {}
+    return dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                ssl_cert_reqs=args.ssl_cert_reqs)
+
+
+def tls_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the TLS flags (they go together, and the files load as a server's TLS context), or
+    None: checked before anything is loaded."""
+    import ssl
+
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        return "--ssl-certfile and --ssl-keyfile go together"
+    if args.ssl_certfile is None:
+        return "--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile" \
+            if args.ssl_ca_certs is not None or args.ssl_cert_reqs else None
+    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
+        return "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (what a client's certificate is checked against)"
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        if args.ssl_ca_certs is not None:
+            context.load_verify_locations(args.ssl_ca_certs)
+    except (OSError, ssl.SSLError) as exc:
+        return f"cannot use the TLS certificate or key: {exc}"
+    return None
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``Engine(**options)`` keyword arguments given on the command line."""
     return {name: getattr(args, name) for name in engine_flags()}
@@ -196,6 +240,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"hyla serve: error: --local-prefill-tokens must be at least 0, got {args.local_prefill_tokens}",
               file=sys.stderr)
         return 2
+    tls = tls_error(args)
+    if tls is not None:
+        print(f"hyla serve: error: {tls}", file=sys.stderr)
+        return 2
+    if (args.dp_size > 1 or args.prefill_workers) and args.ssl_certfile is not None:
+        print("hyla serve: error: --ssl-certfile with --dp-size or --prefill-workers: the router serves HTTP; put "
+              "TLS in front of it (a proxy)", file=sys.stderr)
+        return 2
     if args.dp_size > 1 or args.prefill_workers:  # the workers and the router (hyla/router/launch.py), its port checked first
         try:
             _listen(args.host, args.port).close()
@@ -229,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
                      **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                            workers=1, timeout_graceful_shutdown=5)
+                            workers=1, timeout_graceful_shutdown=5, **tls_options(args))
     server = UvicornServer(config, gc_freeze=True)  # this process serves one app for its life
     # uvicorn re-raises the signal that stopped it once it has shut down: SIGTERM, like Ctrl-C, then
     # ends here as a KeyboardInterrupt instead of killing the process (exit status 0, not 143)

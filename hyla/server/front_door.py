@@ -17,6 +17,9 @@ looks at the bytes waiting on each connection without consuming them (``MSG_PEEK
   timeouts deal with idle clients); a health checker's connection idle for ``KEEP_ALIVE_SECONDS``
   is closed, as uvicorn closes idle connections.
 
+With TLS (``hyla serve --ssl-certfile``) the bytes are encrypted: the front door hands every connection
+over at once, and the loop makes the TLS handshake (``ssl``); a health check is then the app's, on the loop.
+
 The answer is truthful: ``health()`` is the app's own (``Server.health``: 503 while the engine is not
 running or the server shuts down), and 503 ``event_loop_stalled`` when the loop has not run its
 heartbeat for ``STALL_SECONDS``, so a wedged loop does not hide behind a healthy front door.
@@ -37,6 +40,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Callable
 
 from hyla.server.errors import APIError
@@ -118,8 +122,9 @@ class FrontDoor:
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop,
                  protocol_factory: Callable[[], asyncio.Protocol], health: Health,
-                 on_health: Callable[[str, int], None] = lambda method, status: None):
-        self.sock, self.loop = sock, loop
+                 on_health: Callable[[str, int], None] = lambda method, status: None,
+                 ssl: SSLContext | None = None):
+        self.sock, self.loop, self.ssl = sock, loop, ssl
         self.protocol_factory, self.health, self.on_health = protocol_factory, health, on_health
         self.heartbeat = time.monotonic()
         self._selector = selectors.DefaultSelector()
@@ -160,7 +165,7 @@ class FrontDoor:
 
     async def _connect(self, conn: socket.socket) -> None:
         try:
-            await self.loop.connect_accepted_socket(self.protocol_factory, conn)
+            await self.loop.connect_accepted_socket(self.protocol_factory, conn, ssl=self.ssl)
         except Exception:  # the client may be gone already
             conn.close()
 
@@ -216,6 +221,9 @@ class FrontDoor:
             conn.setblocking(False)
             if conn.family in (socket.AF_INET, socket.AF_INET6):  # (asyncio sets it only where proto is TCP's)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl is not None:  # (no request can be read before the loop's handshake)
+                self._give(conn)
+                continue
             self._selector.register(conn, selectors.EVENT_READ)
             self._held[conn] = _Waiting(deadline=time.monotonic() + PEEK_SECONDS)
 
@@ -253,6 +261,10 @@ class FrontDoor:
 
     def _hand_over(self, conn: socket.socket) -> None:
         self._release(conn)
+        self._give(conn)
+
+    def _give(self, conn: socket.socket) -> None:
+        """``conn`` to the loop (``_adopt``), the front door holding it no more."""
         try:
             self.loop.call_soon_threadsafe(self._adopt, conn)
         except RuntimeError:  # the loop is closed

@@ -70,11 +70,12 @@ class UvicornServer(uvicorn.Server):
 
         for sock in sockets:
             sock.listen(self.config.backlog)  # as asyncio's create_server would; bound, not listening, until now
-        self.front_doors = [FrontDoor(sock, loop, self._protocol, server.health, count).start() for sock in sockets]
+        self.front_doors = [FrontDoor(sock, loop, self._protocol, server.health, count, ssl=self.config.ssl).start()
+                            for sock in sockets]
         self.listening = True
         for sock in sockets if not self._bound else ():  # config.bind_socket() said so already
             host, port = sock.getsockname()[:2]
-            logger.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+            logger.info("Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", "https" if self.config.ssl else "http",
                         f"[{host}]" if ":" in host else host, port)
 
     def _protocol(self) -> asyncio.Protocol:
@@ -92,8 +93,11 @@ class UvicornServer(uvicorn.Server):
 
 
 class BackgroundServer:
+    """``app`` served by a ``UvicornServer`` on a thread of its own (tests, benchmarks); ``options``: more of
+    ``uvicorn.Config``'s (``ssl_keyfile`` and ``ssl_certfile``: TLS, ``url`` https)."""
+
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, **options: Any):
         self.app = app
         self.host = host
         self.startup_timeout = startup_timeout
@@ -101,14 +105,15 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **options)
+        self.scheme = "https" if config.is_ssl else "http"
         self._server = UvicornServer(config)
         self._thread = threading.Thread(target=self._run, name=f"hyla-server-{self.port}", daemon=True)
         self._error: BaseException | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     @property
     def uvicorn(self) -> UvicornServer:
