@@ -247,8 +247,23 @@ def test_a_call_cut_off_in_its_arguments_stays_a_call_when_streamed(server, engi
     final = data[-1]
     assert final["type"] == "response.incomplete"
     (call,) = final["response"]["output"]
-    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["type"] == "function_call" and call["name"] == "get_weather" and call["status"] == "incomplete"
     assert call["arguments"] == _streamed_calls(data)[0] == '{"city": "Par'
+    assert full["output"][0]["status"] == "incomplete"  # (the whole response's text, where it was cut off)
+
+
+def test_the_item_an_output_was_cut_off_in_is_the_incomplete_one(server, engine, monkeypatch):
+    """Cut off by ``max_output_tokens`` after a whole call, in text: the message holding that text is
+    incomplete, the call completed (whole, one message; streamed, the second message)."""
+    script_engine(monkeypatch, engine, ["<tool_call>\n" + SCRIPTED_CALL + "\n</tool_call>\n", "Done so"],
+                  finish="length")
+    body = {"input": "What is the weather in Paris?", "tools": [WEATHER]}
+    full = _post(server, body).json()
+    assert [(o["type"], o["status"]) for o in full["output"]] == [("message", "incomplete"),
+                                                                  ("function_call", "completed")]
+    final = _stream_events(server, body)[-1][1]["response"]
+    assert [(o["type"], o["status"]) for o in final["output"]] == [("function_call", "completed"),
+                                                                   ("message", "incomplete")]
 
 
 def test_without_parallel_tool_calls_a_stream_sends_the_first_call_alone(server, engine, monkeypatch):
@@ -1273,9 +1288,10 @@ def test_a_background_response_is_cancelled_with_its_output_so_far(server, clien
     gate = _Gate(monkeypatch, engine)
     r = client.responses.create(model=MODEL, input="Say hello.", background=True)
     assert gate.started.wait(10)
-    # a turn cannot continue from it while it runs
+    # a turn cannot continue from it while it runs; its input items are listed already
     early = _post(server, {"input": "And?", "previous_response_id": r.id})
     assert early.status_code == 400 and early.json()["error"]["param"] == "previous_response_id", early.text
+    assert [i.type for i in client.responses.input_items.list(r.id).data] == ["message"]
     cancelled = client.responses.cancel(r.id)
     assert cancelled.status == "cancelled" and cancelled.output_text == "Hello"
     assert gate.aborted  # (the engine request itself was aborted)
@@ -1334,6 +1350,37 @@ def test_deleting_a_running_background_response_cancels_it(server, engine, monke
     assert httpx.delete(f"{server.url}/v1/responses/{r['id']}", timeout=30).json()["deleted"] is True
     assert gate.aborted
     assert httpx.get(f"{server.url}/v1/responses/{r['id']}", timeout=30).status_code == 404
+
+
+def test_a_background_response_needs_a_store_that_keeps_it(server):
+    """With ``--max-stored-responses 0`` a background response would be dropped as it ends: a 400."""
+    from hyla.server.errors import APIError
+    from hyla.server.responses_protocol import ResponsesRequest
+
+    routes = ResponsesRoutes(server.app.state.server, max_stored=0)
+    with pytest.raises(APIError) as info:
+        asyncio.run(routes.create(ResponsesRequest(model=MODEL, input="hi", background=True), request=None))
+    assert info.value.status == 400 and info.value.param == "background"
+
+
+def test_a_failed_background_response_is_stored_failed_and_not_continued(server, engine, monkeypatch):
+    """An engine failure mid-run: the response is stored failed with its error (a client polls it), its
+    input items listed, and a turn cannot continue from it (it has no answer)."""
+    async def generate(*args, rid=None, **kwargs):
+        async def chunks():
+            yield {"text": "Hel", "output_ids": [0], "meta_info": {"id": rid, "prompt_tokens": 5,
+                                                                   "completion_tokens": 1, "finish_reason": None}}
+            raise RuntimeError("the engine broke")
+        return _Stream(chunks(), lambda: None)
+
+    monkeypatch.setattr(engine, "async_generate", generate)
+    r = _post(server, {"input": "Say hello.", "background": True}).json()
+    failed = _until(server, r["id"], "failed")
+    assert failed["error"]["code"] == "server_error" and failed["output"] == []
+    items = httpx.get(f"{server.url}/v1/responses/{r['id']}/input_items", timeout=30).json()["data"]
+    assert [i["content"][0]["text"] for i in items] == ["Say hello."]
+    again = _post(server, {"input": "And?", "previous_response_id": r["id"]})
+    assert again.status_code == 400 and again.json()["error"]["param"] == "previous_response_id", again.text
 
 
 @pytest.mark.parametrize("body, param", [

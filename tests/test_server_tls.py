@@ -93,6 +93,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_tls_flags_are_checked_before_anything_loads(certs, tmp_path, capsys):
     cert, key = certs["server"]
+    locked = tmp_path / "locked.key"  # the key, encrypted
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-out", str(locked), "-aes256", "-passout", "pass:sesame"],
+                   check=True, capture_output=True)
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate")
     for argv, message in (
@@ -102,11 +105,15 @@ def test_tls_flags_are_checked_before_anything_loads(certs, tmp_path, capsys):
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--ssl-cert-reqs", "2"], "needs --ssl-ca-certs"),
             (["--ssl-certfile", str(garbage), "--ssl-keyfile", str(key)], "cannot use the TLS certificate"),
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "missing.key")], "cannot use"),
+            (["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked)], "cannot use"),  # (no password: no prompt)
+            (["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked), "--ssl-keyfile-password", "wrong"], "cannot use"),
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--dp-size", "2"], "router serves HTTP")):
         assert cli.run(_parse(argv)) == 2, argv
         assert message in capsys.readouterr().err, argv
     args = _parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
     assert cli.tls_error(args) is None
-    assert cli.tls_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "ssl_ca_certs": None,
-                                     "ssl_cert_reqs": 0}
+    assert cli.tls_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "ssl_keyfile_password": None,
+                                     "ssl_ca_certs": None, "ssl_cert_reqs": 0}
+    assert cli.tls_error(_parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked),
+                                 "--ssl-keyfile-password", "sesame"])) is None
     assert cli.tls_options(_parse([])) == {}

@@ -318,25 +318,33 @@ def with_instructions(instructions: str | None, conversation: list[dict[str, Any
 
 
 def output_items(thoughts: str | None, text: str, calls: list[ToolCall], complete: bool, ids: dict[str, Any],
-                 logprobs: list[dict[str, Any]] | None = None, text_after: str = "") -> list[dict[str, Any]]:
+                 logprobs: list[dict[str, Any]] | None = None, text_after: str = "", cut_in_call: bool = False
+                 ) -> list[dict[str, Any]]:
     """A response's output items: the reasoning (when the reasoning parser found some), the message
     (when there is text, or no call; its text's ``logprobs`` where given), one function call per call,
     then a second message of ``text_after`` where it is not empty (a stream's text after its first call
     began: ``StreamedAnswer``; its ``logprobs`` are empty, as the first message's stop at the first call).
-    ``ids``: ``reasoning``, ``message`` (item ids), ``calls`` (one item id per call, made here when
-    missing) and ``response`` (the response's id, which the items' ids hold: ``output_item_id``)."""
+    An output that did not complete (``complete`` false) leaves the item it was cut off in
+    ``incomplete``: the last call where ``cut_in_call`` (its block never closed), else the last message;
+    the others are ``completed``. ``ids``: ``reasoning``, ``message`` (item ids), ``calls`` (one item id
+    per call, made here when missing) and ``response`` (the response's id, which the items' ids hold:
+    ``output_item_id``)."""
     out: list[dict[str, Any]] = []
-    status = "completed" if complete else "incomplete"
+    cut_call = not complete and cut_in_call and bool(calls)
+    cut_text = not complete and not cut_call
     if thoughts is not None:
         out.append({"type": "reasoning", "id": ids["reasoning"], "summary": [],
                     "content": [{"type": "reasoning_text", "text": thoughts}]})
-    if text or not calls:  # (complete where calls follow it)
-        out.append(message_item(ids["message"], text, "completed" if calls else status, logprobs))
-    for call, fc_id in zip(calls, call_item_ids(ids, len(calls))):
+    if text or not calls:  # (the text after the calls is in it, unless a message of its own follows them)
+        cut = cut_text and not (calls and text_after)
+        out.append(message_item(ids["message"], text, "incomplete" if cut else "completed", logprobs))
+    for k, (call, fc_id) in enumerate(zip(calls, call_item_ids(ids, len(calls)))):
+        cut = cut_call and k == len(calls) - 1
         out.append({"type": "function_call", "id": fc_id, "call_id": call.id, "name": call.name,
-                    "arguments": call.arguments, "status": "completed"})
+                    "arguments": call.arguments, "status": "incomplete" if cut else "completed"})
     if text_after:
-        out.append(message_item(ids["message_after"], text_after, status, [] if logprobs is not None else None))
+        out.append(message_item(ids["message_after"], text_after, "incomplete" if cut_text else "completed",
+                                [] if logprobs is not None else None))
     return out
 
 
@@ -474,8 +482,11 @@ class ResponsesRoutes:
 
     async def input_items(self, response_id: str, request: Request) -> JSONResponse:
         """OpenAI's ``GET /v1/responses/{id}/input_items``: the input items of a stored response (the chain's
-        and its own: ``StoredResponse.items``), one page (``item_page``); a 404 where none is stored."""
-        return JSONResponse(item_page(self._stored(response_id).items, request.query_params))
+        and its own: ``StoredResponse.items``; a background response's while it runs), one page (``item_page``); a
+        404 where none is stored."""
+        run = self.running.get(response_id)
+        items = run.turn.prompt.items if run is not None else self._stored(response_id).items
+        return JSONResponse(item_page(items, request.query_params))
 
     def _stored(self, response_id: str) -> StoredResponse:
         stored = self.store.get(response_id)
@@ -503,6 +514,9 @@ class ResponsesRoutes:
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
+        if body.background and self.store.capacity == 0:  # (it would be dropped as it ends: nothing to poll)
+            raise APIError(400, "background responses must be stored, and this server stores none "
+                                "(--max-stored-responses 0)", param="background")
         prompt = await self.prompt(body)
         top_k = (body.top_logprobs or 0) if body.wants_logprobs() else 0
         params = thinking_first(self.server, prompt.encoding.text,
@@ -547,6 +561,9 @@ class ResponsesRoutes:
             if previous is None:
                 raise APIError(400, f"Previous response with id {body.previous_response_id!r} not found.",
                                param="previous_response_id", code="previous_response_not_found")
+            if previous.response["status"] == "failed":
+                raise APIError(400, f"Previous response with id {body.previous_response_id!r} failed: it has no "
+                                    "answer to continue from.", param="previous_response_id")
             history, chain = previous.conversation, previous.items + previous.response["output"]
         items = self.resolve(body.items())
         check_duplicates(chain, items)
@@ -624,8 +641,8 @@ class _Turn:
         self.created_at = int(time.time())
         self.ids: dict[str, Any] = {"reasoning": output_item_id("rs", rid), "message": output_item_id("msg", rid),
                                     "message_after": output_item_id("msg", rid, 1), "calls": [], "response": rid}
-        self.stored = False  # whether its end stored it (``keep``)
-        self.failure: dict[str, Any] | None = None  # the failed response, where it failed (``failed``)
+        self.stored_size: int | None = None  # where its end stored it (``keep``): its stored_size
+        self.final: dict[str, Any] | None = None  # the response as it ended (``finished``, ``failed``)
 
     def skeleton(self, status: str = "in_progress") -> ResponseObject:
         """The response object without its output and usage (what ``response.created`` sends)."""
@@ -697,7 +714,10 @@ class _Turn:
         response = self.skeleton(status)
         response.incomplete_details = IncompleteDetails(reason="max_output_tokens") if finish == "length" else None
         logprobs = self.message_logprobs(choice, bool(calls)) if self.body.wants_logprobs() else None
-        response.output = output_items(thoughts, text, calls, status == "completed", self.ids, logprobs, text_after)
+        parser = self.server.tool_call_parser  # (cut off in a call: its block's start is after the last end)
+        cut_in_call = choice.text.rfind(parser.start) > choice.text.rfind(parser.end)
+        response.output = output_items(thoughts, text, calls, status == "completed", self.ids, logprobs, text_after,
+                                       cut_in_call)
         prompt = choice.meta.get("prompt_tokens", 0)
         completion = choice.meta.get("completion_tokens", 0)
         reasoning_tokens = 0
@@ -717,7 +737,7 @@ class _Turn:
         """``finish``'s response, and what storing it keeps (``store``; None without): all the Python work of
         a finished turn, which runs on a worker thread (a long answer's logprobs would stall the event loop);
         ``keep`` stores it, on the event loop (the store is the loop's)."""
-        out = self.finish(choice, streamed)
+        out = self.final = self.finish(choice, streamed)
         if not self.body.store:
             return out, None
         outputs = [_item(o, i) for i, o in enumerate(out["output"])]
@@ -727,18 +747,18 @@ class _Turn:
     def keep(self, kept: _Kept | None) -> None:
         if kept is not None:
             self.routes.store.put(*kept)
-            self.stored = True
+            self.stored_size = kept[1]
 
     def failed(self, event: _EventWriter, error: APIError) -> list[str]:
         """What a stream sends when it fails after it started (an engine error, an abort): OpenAI's ``error``
         event (``code``, ``message``, ``param``), then ``response.failed`` with the response, ``status``
         failed, its ``error`` (``failure_code``) and no output. A failed response is not stored (but for a
-        background one, which is polled: ``_Background``), and is ``failure`` then."""
+        background one, which is polled: ``_Background``)."""
         response = self.skeleton("failed")
         response.error = ResponseError(code=failure_code(error), message=error.message)
-        self.failure = response.model_dump()
+        self.final = response.model_dump()
         return [event("error", code=error.code, message=error.message, param=error.param),
-                event("response.failed", response=self.failure)]
+                event("response.failed", response=self.final)]
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:
         """The response's stream (``_events``); a failure after it started ends it with ``failed``'s events."""
@@ -924,7 +944,7 @@ class _Background:
     readers stream it from any event (``follow``: the POST's own stream, ``GET ?stream=true``); a reader
     that goes away stops reading, not the run. ``cancel`` aborts it: it ends as an aborted response
     does (``cancelled``, its output so far). It ends stored, as any response (one that failed too, so
-    that a client polling it finds it: ``_Turn.failure``), with its events (``StoredResponse.events``:
+    that a client polling it finds it), with its events (``StoredResponse.events``:
     streamed again from the store), and leaves ``ResponsesRoutes.running``."""
 
     def __init__(self, routes: ResponsesRoutes, turn: _Turn, gen: Generation):
@@ -940,17 +960,25 @@ class _Background:
                 self.lines.append(line)
                 self._wake()
         finally:
-            self.gen.close()
-            turn, store = self.turn, self.routes.store
-            stored = store.get(turn.rid) if turn.stored else None
-            if stored is None and turn.failure is not None:
-                stored = StoredResponse(turn.failure, turn.prompt.conversation, turn.prompt.items)
-            if stored is not None:  # (again, its size with its events)
-                stored.events = self.lines
-                store.put(stored)
-            self.routes.running.pop(turn.rid, None)
-            self.done = True
-            self._wake()
+            try:
+                self._store()
+            finally:  # (whatever happened: the run has ended, for its readers and for GET)
+                self.routes.running.pop(self.turn.rid, None)
+                self.done = True
+                self._wake()
+                self.gen.close()
+
+    def _store(self) -> None:
+        """The response as it ended, with its events, in the store (a failed one too, without its answer's
+        conversation), its size the one measured at its end (off the loop) and its events'."""
+        turn, store = self.turn, self.routes.store
+        stored, size = (store.get(turn.rid), turn.stored_size) if turn.stored_size is not None else (None, None)
+        if stored is None and turn.final is not None and turn.final["status"] == "failed":
+            stored = StoredResponse(turn.final, turn.prompt.conversation, turn.prompt.items)
+            size = stored_size(stored)
+        if stored is not None:
+            stored.events = self.lines
+            store.put(stored, size + text_chars(self.lines))
 
     def _wake(self) -> None:
         self._changed.set()
@@ -975,10 +1003,7 @@ class _Background:
             if choice.finish_reason is None:
                 self.gen.engine.abort(choice.rid)
         await asyncio.shield(self.task)
-        stored = self.routes.store.get(self.turn.rid)
-        if stored is not None:
-            return stored.response
-        return self.turn.failure or self.turn.skeleton("cancelled").model_dump()  # (a store that kept nothing)
+        return self.turn.final or self.turn.skeleton("cancelled").model_dump()
 
 
 async def _replayed(lines: list[str]) -> AsyncIterator[str]:
