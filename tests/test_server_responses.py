@@ -673,7 +673,7 @@ def test_text_format_json_schema(server, client):
     pytest.param({"input": "hi", "tools": [WEATHER], "tool_choice": "get_weather"}, "tool_choice",
                  id="tool-choice-a-bare-name"),
     pytest.param({"input": [{"role": "user", "content": None}]}, "input.0.content", id="null-content"),
-    pytest.param({"input": "hi", "truncation": "auto"}, "truncation", id="truncation-auto"),
+    pytest.param({"input": "hi", "truncation": "middle"}, "truncation", id="truncation-middle"),
     pytest.param({"input": "hi", "stream_options": {"include_obfuscation": False}}, "stream_options",
                  id="stream-options-without-stream"),
     pytest.param({"input": [{"role": "assistant", "content": "a", "phase": "final"}]}, "input.0.phase", id="bad-phase"),
@@ -1394,3 +1394,36 @@ def test_background_bad_requests_are_400_naming_the_field(server, client, body, 
     else:
         r = _post(server, {"input": "hi", **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_truncation_auto_drops_the_fewest_oldest_turns_that_make_room(server, client):
+    """``truncation: "auto"``: a conversation longer than the context loses its oldest whole turns, the fewest
+    that leave room for ``max_output_tokens``, the instructions kept (``disabled``, the default, is a 400);
+    the prompt is that shorter conversation's, token for token."""
+    context = server.app.state.server.engine.context_length
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Question {i}: " + "apple " * 300},
+                  {"role": "assistant", "content": f"Answer {i}: " + "pear " * 60}]
+    turns.append({"role": "user", "content": "The last question."})
+    body = {"input": turns, "instructions": INSTRUCTIONS, "max_output_tokens": 8}
+
+    def count(b: dict) -> dict:
+        return httpx.post(server.url + "/v1/responses/input_tokens", json={"model": MODEL, **b}, timeout=60).json()
+
+    whole = _post(server, body)
+    assert whole.status_code == 400 and whole.json()["error"]["code"] == "context_length_exceeded", whole.text
+    auto = count({**body, "truncation": "auto"})["input_tokens"]
+    fits = [k for k in range(13) if "input_tokens" in count({**body, "input": turns[2 * k:]})]
+    assert fits and fits[0] > 1  # (several turns had to go)
+    assert auto == count({**body, "input": turns[2 * fits[0]:]})["input_tokens"] and auto + 8 <= context
+    r = client.responses.create(model=MODEL, truncation="auto", temperature=0, **body)
+    assert r.status == "completed" or r.status == "incomplete"
+    assert r.usage.input_tokens == auto
+    # a turn that continues it keeps the whole conversation, and is truncated anew
+    again = client.responses.create(model=MODEL, previous_response_id=r.id, input="And then?", truncation="auto",
+                                    instructions=INSTRUCTIONS, max_output_tokens=8)
+    assert again.usage.input_tokens + 8 <= context
+    # a last turn that does not fit by itself is the 400 it was
+    alone = _post(server, {**body, "input": "pear " * (context + 10), "truncation": "auto"})
+    assert alone.status_code == 400 and alone.json()["error"]["code"] == "context_length_exceeded", alone.text

@@ -16,8 +16,8 @@ stored response, by id) — ``instructions``,
 built-in tool calls, of which hyla has none: echoed, no effect), ``reasoning`` (accepted,
 no effect: a model thinks as its chat template says); what the Agents SDK and Codex send by default
 is accepted and ignored (``include``'s other values, ``prompt_cache_key``, ``prompt_cache_retention``,
-``safety_identifier``, ``truncation: "disabled"``,
-``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's ``phase``.
+``safety_identifier``, ``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's
+``phase``. ``truncation: "auto"`` drops the conversation's oldest turns where the prompt does not fit.
 ``background: true`` runs the response on the server, not on the client's connection (it must be stored).
 Anything else (other item or content types, other tool types, ``conversation``...) is a 400 naming it.
 """
@@ -318,7 +318,7 @@ class ResponsesRequest(_Request):
     prompt_cache_key: str | None = None  # (hyla route routes by it)
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     safety_identifier: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (drop the oldest items to fit) is not supported
+    truncation: Literal["disabled", "auto"] | None = None  # auto: the oldest turns dropped to fit (_truncated)
     service_tier: str | None = None
     # logprobs of the message text: served with include ["message.output_text.logprobs"] (wants_logprobs)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

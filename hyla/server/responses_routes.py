@@ -570,14 +570,47 @@ class ResponsesRoutes:
         conversation = input_conversation(history, items)
         chat = self._chat_request(body, with_instructions(body.instructions, conversation))
         try:
-            encoding = await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
-                                         max_boundaries=CHAT_CHECKPOINTS)
+            encoding = await self._render(engine, chat)
+            if body.truncation == "auto":
+                chat, encoding = await self._truncated(body, engine, conversation, chat, encoding)
             max_new = output_budget(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
         return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], encoding, max_new,
                        grammar)
+
+    async def _render(self, engine: Engine, chat: ChatCompletionRequest) -> ChatEncoding:
+        return await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
+                                 max_boundaries=CHAT_CHECKPOINTS)
+
+    async def _truncated(self, body: ResponsesRequest, engine: Engine, conversation: list[dict[str, Any]],
+                         chat: ChatCompletionRequest, encoding: ChatEncoding
+                         ) -> tuple[ChatCompletionRequest, ChatEncoding]:
+        """``truncation: "auto"``: where the prompt leaves no room for ``max_output_tokens`` (one token where
+        not given), the fewest of the conversation's oldest turns dropped that make room — whole turns, each
+        from a user message to the next, after its leading system and developer messages (and
+        ``instructions``), so a call's output never loses its call; the last turn is always kept (a prompt
+        that does not fit even so is the 400 it would be without truncation). The stored conversation stays
+        whole: each turn that continues it is truncated anew. Found by bisection, a render per step."""
+        need, context = body.max_output_tokens or 1, engine.context_length
+        if len(encoding.ids) + need <= context:
+            return chat, encoding
+        lead = 0
+        while lead < len(conversation) and conversation[lead]["role"] in ("system", "developer"):
+            lead += 1
+        turns = [i for i in range(lead, len(conversation)) if conversation[i]["role"] == "user"]
+        best, lo, hi = (chat, encoding), 1, len(turns) - 1  # (turns dropped: the first `k` of them)
+        while lo <= hi:
+            k = (lo + hi) // 2
+            kept = conversation[:lead] + conversation[turns[k]:]
+            shorter = self._chat_request(body, with_instructions(body.instructions, kept))
+            rendered = await self._render(engine, shorter)
+            if len(rendered.ids) + need <= context:
+                best, hi = (shorter, rendered), k - 1
+            else:
+                lo = k + 1
+        return best
 
     def resolve(self, items: list[InputItem]) -> list[InputItem]:
         """The input items, each ``item_reference`` replaced by the stored output item it names; one
