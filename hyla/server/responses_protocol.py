@@ -494,4 +494,5 @@ class ResponseObject(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     store: bool = True
     background: bool = False
+    truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None

@@ -687,7 +687,8 @@ class _Turn:
             parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,
             max_output_tokens=b.max_output_tokens, max_tool_calls=b.max_tool_calls, top_logprobs=b.top_logprobs,
             text=b.text_echo(), reasoning=b.reasoning.model_dump() if b.reasoning is not None else None,
-            metadata=b.metadata or {}, store=bool(b.store), background=bool(b.background), user=b.user)
+            metadata=b.metadata or {}, store=bool(b.store), background=bool(b.background),
+            truncation=b.truncation or "disabled", user=b.user)
 
     def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
