@@ -357,26 +357,71 @@ def test_compiled_verify_is_exact_and_compiles_nothing_after_start_up(qwen3_next
     more rows run their projections on packed weights, as a large model's do: not frozen, so
     inductor's cache keeps them and a later run loads them (a frozen graph's packed constants are
     never cached: ~60 s more of this test each run), and without a GEMM to autotune (what is tested
-    is the verify steps' graphs: ``test_compiled_decode_equals_eager`` covers the GEMMs)."""
+    is the verify steps' graphs: ``test_compiled_decode_equals_eager`` covers the frozen GEMMs).
+
+    Its decode graphs are those of ``compile_decode`` on packed weights (``linear.pack_weights_``, as for
+    a model with large projections), so before the differential workload the same engine, drafting
+    nothing, runs that case of ``test_compiled_decode_equals_eager`` (compiling them again there, cold,
+    cost 27 s after its frozen case, 64 s alone): every projection packed and the graph not frozen
+    (inductor packed nothing itself), the same greedy
+    tokens and logprobs (1e-4) as eager, batch 1 and a changing larger batch (from 20 requests down to 1:
+    both graphs, the one-row graph's dot products and the packed weights' oneDNN GEMMs, called for
+    batches of more rows only), nothing compiled, no step run eager."""
     import torch._dynamo
 
     from hyla.engine import model_runner
     from hyla.model import linear
+    from hyla.model.linear import Linear
 
     monkeypatch.setattr(linear, "PACK_MIN_WEIGHT", 1)  # graphs of more rows on packed weights (inductor caches them)
     monkeypatch.setattr(model_runner, "ROWS_OPTIONS", {"realize_opcount_threshold": 4})  # or frozen, not autotuned
 
-    calls, graphs = {"n": 0}, {}
+    rng = random.Random(0)
+    lens, new = [30, 90, 7, 64] + list(range(5, 21)), [12, 20, 8, 16] + [3 + i % 7 for i in range(16)]
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in lens]
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in new]
+
+    def decode_workload(engine):
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        return outs + [engine.generate(input_ids=prompts[1], sampling_params=params[1], return_logprob=True)]
+
+    with Engine(qwen3_next_short_path, max_total_tokens=4096, max_state_slots=48) as plain:
+        eager = decode_workload(plain)
+
+    calls, graphs, onednn_calls, decoded = {"n": 0}, {}, [], {}
 
     def setup(eng):
         _watch_chains(eng, calls, width=None)
         graphs["start"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        graphs["runner"] = eng.scheduler.runner
+        graphs["runner"] = runner = eng.scheduler.runner
+        if linear.HAS_PACKED:  # the projections' own packed weights, not frozen
+            assert all(m.packed is not None for m in eng.model.modules() if isinstance(m, Linear))
+            assert not runner._freeze_rows
+            assert torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == packs
+        # decode steps only (a drafter that drafts nothing); rows through oneDNN's GEMM, what the packed
+        # weights' op calls
+        drafter, eng.scheduler.drafter = eng.scheduler.drafter, OracleDrafter({}, num_draft=0)
+        with monkeypatch.context() as patch:
+            real_onednn = torch.ops.mkldnn._linear_pointwise
+            patch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                          lambda x, *args: onednn_calls.append(x.shape[0]) or real_onednn(x, *args))
+            decoded["outs"] = decode_workload(eng)
+        eng.scheduler.drafter = drafter
+        assert runner.late_compiles == 0 and eng.scheduler.num_fed_tokens == eng.scheduler.num_verify_steps  # no drafts
+        assert bool(onednn_calls) == linear.HAS_PACKED and 1 not in onednn_calls  # batches of more rows only
 
-    assert _run_differential(qwen3_next_short_path, dict(POOLS, compile_decode=True), setup=setup) > 60
+    packs = torch._dynamo.utils.counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"]
+    # room for the decode workload's 20 requests at once (and their verify steps' scratch slots)
+    on_opts = dict(POOLS, compile_decode=True, max_running_requests=20, max_state_slots=160)
+    assert _run_differential(qwen3_next_short_path, on_opts, setup=setup) > 60
     assert calls["n"] > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs["start"], "compiled after start-up"
     assert graphs["runner"].late_compiles == 0, "a step no graph of the warm-up fitted ran eager"
+    for a, b in zip(eager, decoded["outs"], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(la, lb)) <= 1e-4  # the project fp32 tolerance
 
 
 def _trace_only(monkeypatch) -> None:
@@ -393,26 +438,44 @@ def test_every_mixers_chains_trace_to_one_graph(arch, request, monkeypatch):
     (``fullgraph``) and serves every verify step from them — no graph traced after start-up, no late compile —
     with the plain engine's tokens. Dynamo's ``eager`` backend instead of inductor: the trace is what is tested
     here (inductor's code for the same graphs: ``test_compiled_verify_is_exact_and_compiles_nothing_after_start_up``
-    on Qwen3-Next, the others checked by hand, docs/engine.md)."""
+    on Qwen3-Next, the others checked by hand, docs/engine.md). The same engine's decode graphs (traced whole at
+    its start-up too) then serve two requests past ``speculative_disable_by_batch_size`` (decode steps of two rows),
+    and a batch no graph fits goes through real dynamo and runs eager: for Jamba and Zamba2 this is
+    ``test_compiled_decode_is_one_graph_per_step``'s check (tracing their decode graphs again there cost ~16 s)."""
     import torch._dynamo
 
     path = request.getfixturevalue(arch)
     _trace_only(monkeypatch)
     prompt, params = [5, 6, 7, 8] * 6, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    pair, pair_params = [[5, 6, 7, 8] * 4, [9, 10, 11] * 3], dict(params, max_new_tokens=6)
     with Engine(path, **POOLS) as plain:
         first = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
         prompt = prompt + first + prompt + first[:6]  # what follows has been seen: n-gram drafts
         expected = plain.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+        expected_pair = [o["output_ids"] for o in plain.generate(input_ids=pair, sampling_params=pair_params)]
     calls = {"n": 0}
     with Engine(path, speculative_algorithm="ngram", speculative_num_draft_tokens=4, compile_decode=True,
-                **dict(POOLS, max_running_requests=2)) as eng:
+                speculative_disable_by_batch_size=1, **dict(POOLS, max_running_requests=2)) as eng:
         runner = eng.scheduler.runner
         assert runner.compiled and runner.verify_width == 4 and not runner.verify_trees
         _watch_chains(eng, calls, width=None)
+        compiled, seen = runner._compiled_decode, []
+        runner._compiled_decode = lambda batch: seen.append(batch) or compiled(batch)
         start = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert eng.generate(input_ids=prompt, sampling_params=params)["output_ids"] == expected
         assert calls["n"] > 0 and runner.late_compiles == 0
+        # two requests, above speculative_disable_by_batch_size: fed no drafts, decode steps of two rows
+        assert [o["output_ids"] for o in eng.generate(input_ids=pair, sampling_params=pair_params)] == expected_pair
+        decodes = [b for b in seen if b.is_decode and b.input_ids.shape[0] == 2]
+        assert decodes and runner.late_compiles == 0
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == start, "traced after start-up"
+        # a batch no graph fits (int32 token ids: a dtype guard fails): dynamo raises rather than trace,
+        # and the step runs eager (it rewrites the last step's slots: the engine serves nothing after this)
+        batch = decodes[-1]
+        batch.input_ids = batch.input_ids.to(torch.int32)
+        with torch.inference_mode():
+            runner._run_compiled(batch)
+        assert runner.late_compiles == 1
 
 
 def test_compiled_tree_verify_traces_to_one_graph(kimi_linear_short_path, monkeypatch):
