@@ -51,7 +51,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hyla.engine.grammar import JSON_DEFAULTS
 from hyla.server.protocol import check_function_parameters
 
 if TYPE_CHECKING:
@@ -91,6 +90,14 @@ class ToolCall:
             out["index"] = index
         return out
 
+
+def _json_rule(schema: dict[str, Any]) -> str:
+    """A Lark rule's body: JSON that ``schema`` constrains, laid out as ``response_format``'s JSON is
+    (``hyla.engine.grammar.JSON_DEFAULTS``; imported here, not at the top: that module imports torch, and
+    ``hyla serve --help`` imports this one)."""
+    from hyla.engine.grammar import JSON_DEFAULTS
+
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}"
 
 class ToolCallParser:
     """A family's tool-call syntax (``SYNTAXES``): block markers, and what a block's body holds
@@ -173,7 +180,7 @@ class ToolCallParser:
             options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                             "required": ["name", "arguments"], "additionalProperties": False})
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        body = f"body: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}\n"
+        body = f"body: {_json_rule(schema)}\n"
         if self.body in ("list", "python"):  # one block, a list of one call (or several, parallel)
             items = 'body (", " body)*' if parallel else "body"
             return f"start: {json.dumps(self.start + '[')} {items} {json.dumps(']' + self.end)}\n" + body
@@ -236,7 +243,7 @@ def kimi_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
         params = fn.get("parameters") or {"type": "object"}
         opening = json.dumps(f"{_KIMI_CALL}functions.{fn['name']}:")
         rules += [f"f{f}: {opening} index {json.dumps(_KIMI_ARGS)} a{f} {json.dumps(_KIMI_END)}",
-                  f"a{f}: %json {json.dumps({**params, 'x-guidance': JSON_DEFAULTS})}"]
+                  f"a{f}: {_json_rule(params)}"]
         options.append(f"f{f}")
     calls = "call+" if parallel else "call"
     return "\n".join([f"start: {json.dumps(SYNTAXES['kimi_k2'][0])} {calls} {json.dumps(SYNTAXES['kimi_k2'][1])}",
@@ -448,7 +455,7 @@ def xml_forced_grammar(tools: list[dict[str, Any]], parallel: bool) -> str:
                 rules += [f"{name}: {tag} {value}", f"{value}[stop={close}]: /(?s:.*)/"]
             else:
                 rules += [f"{name}: {tag} {value} {close}",
-                          f"{value}: %json {json.dumps({**schema, 'x-guidance': JSON_DEFAULTS})}"]
+                          f"{value}: {_json_rule(schema)}"]
             items.append(name if key in required else f"{name}?")
         opening = json.dumps(f"<function={fn['name']}>\n")
         rules.append(f'f{f}: {opening} {" ".join(items)} "</function>\\n"')
