@@ -241,3 +241,11 @@ def test_cuda_without_cuda_is_an_error_not_a_traceback(capsys):
         pytest.skip("this machine has CUDA")
     assert cli.run(_parse(["--device", "cuda"])) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_command_line_imports_no_torch_before_it_serves():
+    """``hyla serve --help`` and argument errors answer in about a second: the CLI's modules import neither
+    torch nor the engine (which take ~2.5 s) until a server starts."""
+    probe = "import sys, hyla.server.cli; print(sorted(m for m in ('torch', 'hyla.engine.engine') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
