@@ -487,6 +487,26 @@ def _fake_worker():
     return app, state
 
 
+def test_a_worker_silent_on_a_broadcast_fails_it_in_time(monkeypatch):
+    """A worker hung on ``/abort_request`` (or ``/flush_cache``) held the operator's request forever: past
+    ``BROADCAST_SECONDS`` it has failed it, a 502 naming it."""
+    from hyla.router import app as router_app
+
+    monkeypatch.setitem(router_app.BROADCAST_SECONDS, "/abort_request", 0.5)
+    app, state = _fake_worker()
+
+    @app.post("/abort_request")
+    async def hangs():
+        await asyncio.sleep(30)
+        return JSONResponse({})
+
+    with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=60)) as r:
+        start = time.monotonic()
+        answer = httpx.post(r.url + "/abort_request", json={"rid": "x"}, timeout=20)
+        assert answer.status_code == 502 and fake.url in answer.json()["error"]["message"], answer.text
+        assert time.monotonic() - start < 10
+
+
 def test_what_the_client_sent_reaches_the_worker_and_its_headers_come_back():
     app, _ = _fake_worker()
     with _Uvicorn(app) as fake, _Uvicorn(create_router_app([fake.url], health_interval=60)) as r:

@@ -97,6 +97,10 @@ logger = logging.getLogger("hyla.router")
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages")
 PROMPT_PATHS = ("/v1/completions", "/generate")  # the routed paths whose prompt may be a batch of prompts
 BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
+# the longest a worker may take to answer a broadcast before it has failed it (a worker hung there would hold the
+# operator's request forever): an abort is answered at once, a flush waits for the engine to be idle (60 s at
+# most, Engine.flush_cache); loading weights takes as long as the checkpoint does (no limit)
+BROADCAST_SECONDS = {"/abort_request": 30.0, "/flush_cache": 120.0}
 # request headers a worker needs; hop-by-hop ones (Connection, Content-Length: httpx sets it) are not forwarded
 FORWARDED_REQUEST_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "user-agent", "x-request-id")
 # response headers of the worker's connection, and those the router's own server writes (date, server)
@@ -872,13 +876,15 @@ class RouterApp:
     async def _send_to_each(self, request: Request, path: str, raw: bytes,
                             workers: list[Worker]) -> list[httpx.Response | Exception]:
         """``request`` (its method, query, ``raw`` body and headers a worker needs) sent to ``path`` of each
-        of ``workers`` at once: each one's answer, or the error of one that failed (now unhealthy)."""
+        of ``workers`` at once: each one's answer, or the error of one that failed (now unhealthy), one silent
+        past ``BROADCAST_SECONDS`` of its path included."""
         headers = self.forwarded_headers(request)
+        timeout = httpx.Timeout(BROADCAST_SECONDS.get(path), connect=self.timeout.connect)
 
         async def one(w: Worker) -> httpx.Response | Exception:
             try:
                 return await self.client.request(request.method, w.url + path, content=raw, headers=headers,
-                                                  params=request.query_params.multi_items())
+                                                  params=request.query_params.multi_items(), timeout=timeout)
             except httpx.HTTPError as exc:
                 self._fail(w, f"failed {request.method} {path} ({exc!r})")
                 return exc
