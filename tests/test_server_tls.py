@@ -16,6 +16,7 @@ import pytest
 from hyla.server import cli
 from hyla.server.app import create_app
 from hyla.server.launch import BackgroundServer
+from hyla.server.tls import tls_error, tls_options
 from test_server_openai import MODEL, make_chat_model
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
@@ -107,13 +108,34 @@ def test_tls_flags_are_checked_before_anything_loads(certs, tmp_path, capsys):
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(tmp_path / "missing.key")], "cannot use"),
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked)], "cannot use"),  # (no password: no prompt)
             (["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked), "--ssl-keyfile-password", "wrong"], "cannot use"),
-            (["--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--dp-size", "2"], "router serves HTTP")):
+            (["--ssl-certfile", str(garbage), "--ssl-keyfile", str(key), "--dp-size", "2"], "cannot use")):
         assert cli.run(_parse(argv)) == 2, argv
         assert message in capsys.readouterr().err, argv
     args = _parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)])
-    assert cli.tls_error(args) is None
-    assert cli.tls_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "ssl_keyfile_password": None,
+    assert tls_error(args) is None
+    assert tls_options(args) == {"ssl_certfile": str(cert), "ssl_keyfile": str(key), "ssl_keyfile_password": None,
                                      "ssl_ca_certs": None, "ssl_cert_reqs": 0}
-    assert cli.tls_error(_parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked),
-                                 "--ssl-keyfile-password", "sesame"])) is None
-    assert cli.tls_options(_parse([])) == {}
+    assert tls_error(_parse(["--ssl-certfile", str(cert), "--ssl-keyfile", str(locked),
+                             "--ssl-keyfile-password", "sesame"])) is None
+    assert tls_options(_parse([])) == {}
+
+
+def test_hyla_route_serves_https_and_data_parallel_workers_serve_http(certs, capsys, monkeypatch):
+    """``hyla route`` takes the same flags (checked, exit 2) and gives them to uvicorn; behind ``hyla serve
+    --dp-size`` TLS is the router's: the workers, on 127.0.0.1, do not inherit the flags."""
+    from hyla.router import cli as route_cli
+    from hyla.router.launch import worker_argv
+
+    cert, key = certs["server"]
+    parser = argparse.ArgumentParser()
+    route_cli.add_arguments(parser)
+    ran = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: ran.update(kw))
+    bad = parser.parse_args(["--worker-urls", "http://127.0.0.1:1", "--ssl-certfile", str(cert)])
+    assert route_cli.run(bad) == 2 and "go together" in capsys.readouterr().err and not ran
+    good = parser.parse_args(["--worker-urls", "http://127.0.0.1:1", "--ssl-certfile", str(cert),
+                              "--ssl-keyfile", str(key)])
+    assert route_cli.run(good) == 0 and ran["ssl_certfile"] == str(cert) and ran["ssl_keyfile"] == str(key)
+    given = ["--model", "m", "--ssl-certfile", str(cert), f"--ssl-keyfile={key}", "--ssl-cert-reqs", "0",
+             "--dp-size", "2"]
+    assert worker_argv(given, 7000) == ["--model", "m", "--host", "127.0.0.1", "--port", "7000"]

@@ -8,6 +8,7 @@ import sys
 
 from hyla.router.policy import POLICIES
 from hyla.server.cors import add_cors_arguments, cors_options
+from hyla.server.tls import add_tls_arguments, tls_error, tls_options
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30100
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sent to another worker where it had not answered yet, a stream ended with an error "
                              "event. Longer than any queue wait or non-streamed generation you serve (default: no "
                              "limit).")
+    add_tls_arguments(parser)
     add_cors_arguments(parser)
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
@@ -67,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         print(f"hyla route: error: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    tls = tls_error(args)
+    if tls is not None:
+        print(f"hyla route: error: {tls}", file=sys.stderr)
         return 2
     try:
         app = create_router_app(args.worker_urls, args.policy, cache_threshold=args.cache_threshold,
@@ -80,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **tls_options(args))
     return 0

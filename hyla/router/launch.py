@@ -24,11 +24,15 @@ from typing import Any
 
 import httpx
 
+from hyla.server.tls import tls_options
+
 logger = logging.getLogger("hyla.router")
 
-# flags of `hyla serve` a worker does not inherit (its own port on localhost; no data parallelism of its own)
+# flags of `hyla serve` a worker does not inherit (its own port on localhost, over HTTP: TLS is the router's; no data
+# parallelism of its own)
 NOT_INHERITED = ("--dp-size", "--prefill-workers", "--local-prefill-tokens", "--router-policy", "--router-read-timeout",
-                 "--port", "--host")
+                 "--port", "--host", "--ssl-certfile", "--ssl-keyfile", "--ssl-keyfile-password", "--ssl-ca-certs",
+                 "--ssl-cert-reqs")
 
 
 def worker_argv(given: list[str], port: int) -> list[str]:
@@ -117,10 +121,11 @@ def serve_data_parallel(args: argparse.Namespace, given: list[str]) -> int:
                 time.sleep(0.5)
         urls = [url for _, url in workers]
         app = create_router_app(urls[:args.dp_size], prefill_urls=urls[args.dp_size:], **router_options(args))
-        logger.info("the %d workers serve (%d prefill only); the router listens on http://%s:%d", n,
-                    args.prefill_workers, args.host, args.port)
+        tls = tls_options(args)
+        logger.info("the %d workers serve (%d prefill only); the router listens on %s://%s:%d", n,
+                    args.prefill_workers, "https" if tls else "http", args.host, args.port)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, **tls)
         return 0
     finally:
         for proc, _ in workers:

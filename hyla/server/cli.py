@@ -27,6 +27,7 @@ from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_
 from hyla.router.policy import POLICIES
 from hyla.server.reasoning import REASONING_PARSERS
 from hyla.server.request_log import DEFAULT_LOG_REQUESTS_LEVEL, LOG_REQUESTS_LEVELS, PARTIAL_CHARS
+from hyla.server.tls import add_tls_arguments, tls_error, tls_options
 from hyla.server.tool_calls import AUTO, TOOL_CALL_PARSERS
 
 DEFAULT_HOST = "127.0.0.1"
@@ -147,53 +148,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "runs no code from a checkpoint, each architecture is its own.")
 
 
-def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
-    """HTTPS without a proxy in front (vLLM's and uvicorn's flags)."""
-    parser.add_argument("--ssl-certfile", default=None, metavar="PATH",
-                        help="Serve HTTPS with this certificate chain (PEM), and --ssl-keyfile (default: HTTP).")
-    parser.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="The certificate's private key (PEM).")
-    parser.add_argument("--ssl-keyfile-password", default=None, metavar="PASSWORD",
-                        help="The password of an encrypted --ssl-keyfile (without it, an encrypted key is an error).")
-    parser.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
-                        help="With --ssl-cert-reqs 1 or 2: the CA certificates clients' certificates are checked "
-                             "against.")
-    parser.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
-                        help="Client certificates (Python's ssl.CERT_*): 0 none asked (default), 1 checked where "
-                             "given, 2 required.")
-
-
-def tls_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``uvicorn.Config``'s TLS options from the flags (none without a certificate)."""
-    if args.ssl_certfile is None:
-        return {}
-    return dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-                ssl_keyfile_password=args.ssl_keyfile_password, ssl_ca_certs=args.ssl_ca_certs,
-                ssl_cert_reqs=args.ssl_cert_reqs)
-
-
-def tls_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with the TLS flags (they go together, and the files load as a server's TLS context), or
-    None: checked before anything is loaded."""
-    import ssl
-
-    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
-        return "--ssl-certfile and --ssl-keyfile go together"
-    if args.ssl_certfile is None:
-        return "--ssl-ca-certs, --ssl-cert-reqs and --ssl-keyfile-password need --ssl-certfile" \
-            if args.ssl_ca_certs is not None or args.ssl_cert_reqs or args.ssl_keyfile_password is not None else None
-    if args.ssl_cert_reqs and args.ssl_ca_certs is None:
-        return "--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs (what a client's certificate is checked against)"
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        # (a password always given: an encrypted key without one is an error, not a prompt on the terminal)
-        context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile, password=args.ssl_keyfile_password or "")
-        if args.ssl_ca_certs is not None:
-            context.load_verify_locations(args.ssl_ca_certs)
-    except (OSError, ssl.SSLError) as exc:
-        return f"cannot use the TLS certificate or key: {exc}"
-    return None
-
-
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The ``Engine(**options)`` keyword arguments given on the command line."""
     return {name: getattr(args, name) for name in engine_flags()}
@@ -247,10 +201,6 @@ def run(args: argparse.Namespace) -> int:
     tls = tls_error(args)
     if tls is not None:
         print(f"hyla serve: error: {tls}", file=sys.stderr)
-        return 2
-    if (args.dp_size > 1 or args.prefill_workers) and args.ssl_certfile is not None:
-        print("hyla serve: error: --ssl-certfile with --dp-size or --prefill-workers: the router serves HTTP; put "
-              "TLS in front of it (a proxy)", file=sys.stderr)
         return 2
     if args.dp_size > 1 or args.prefill_workers:  # the workers and the router (hyla/router/launch.py), its port checked first
         try:
