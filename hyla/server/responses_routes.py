@@ -155,8 +155,8 @@ def stored_size(stored: StoredResponse) -> int:
     """What a stored response holds, in bytes as ``ResponseStore.max_bytes`` counts them: the characters
     of every string and key of the response, of its whole conversation and of its input items
     (``text_chars``; a message or item shared with the responses that continue it counts in each) and of a
-    background response's events, one for any other value. An estimate (Python holds a character in 1 to 4 bytes, the objects around them aside),
-    made without serializing anything."""
+    background response's events, one for any other value. An estimate (Python holds a character in 1 to
+    4 bytes, the objects around them aside), made without serializing anything."""
     return (text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
             + text_chars(stored.items, keys=True) + text_chars(stored.events or []))
 
@@ -694,6 +694,11 @@ class _Turn:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
         return split_answer(self.server, self.chat, text, self.in_thinking)
 
+    def thoughts(self, text: str) -> str | None:
+        """The reasoning of the output ``text`` (so far), or None (no reasoning parser, or no think block)."""
+        reasoning = self.server.reasoning_parser
+        return reasoning.parse(text, self.in_thinking)[0] if reasoning is not None else None
+
     # --- the message's logprobs: the tokens of the raw output between the reasoning and the first call ---
     def content_start(self, text: str) -> int | None:
         """Where the content starts in the raw output ``text`` (after ``</think>`` where the output is
@@ -739,9 +744,11 @@ class _Turn:
         input items, when ``store``). ``streamed``: what a stream sent of the content and calls (where a
         call's block was cut off or malformed the stream's call stands, which the whole parse would keep
         as text; text after a call is a second message)."""
-        thoughts, text, calls = self.parse(choice.text)
-        text_after = ""
-        if streamed is not None:
+        if streamed is None:
+            thoughts, text, calls = self.parse(choice.text)
+            text_after = ""
+        else:  # (the calls and the text as sent: only the reasoning is parsed here)
+            thoughts = self.thoughts(choice.text)
             text, calls, text_after = streamed.text, streamed.calls, streamed.text_after
         finish = choice.openai_finish_reason()
         status = {"length": "incomplete", "abort": "cancelled"}.get(finish or "", "completed")
@@ -815,7 +822,6 @@ class _Turn:
         yield event("response.created", response=self.skeleton("queued" if self.body.background else "in_progress")
                     .model_dump())
         yield event("response.in_progress", response=self.skeleton().model_dump())
-        reasoning = self.server.reasoning_parser
         answer = AnswerStream(self.server, self.chat, self.in_thinking)
         logprobs = _StreamedLogprobs(self) if self.body.wants_logprobs() else None
         next_index = 0
@@ -907,7 +913,7 @@ class _Turn:
                 pending += text
                 if msg_open or pending.strip():
                     if rs_open:
-                        for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
+                        for line in close_reasoning(self.thoughts(choice.text) or ""):
                             yield line
                     if not msg_open:
                         for line in open_message(msg_id):
@@ -918,7 +924,7 @@ class _Turn:
             for d in deltas:
                 if d.name is not None:
                     if rs_open:
-                        for line in close_reasoning(reasoning.parse(choice.text, self.in_thinking)[0] or ""):
+                        for line in close_reasoning(self.thoughts(choice.text) or ""):
                             yield line
                     if msg_open:  # (its logprobs: those of the tokens before the call's marker)
                         rest = logprobs.take(choice.text) if logprobs is not None else []
@@ -1006,7 +1012,7 @@ class _Background:
         """The response as it ended, with its events, in the store (a failed one too, without its answer's
         conversation), its size the one measured at its end (off the loop) and its events'."""
         turn, store = self.turn, self.routes.store
-        stored, size = (store.get(turn.rid), turn.stored_size) if turn.stored_size is not None else (None, None)
+        stored, size = store.get(turn.rid) if turn.stored_size is not None else None, turn.stored_size
         if stored is None and turn.final is not None and turn.final["status"] == "failed":
             stored = StoredResponse(turn.final, turn.prompt.conversation, turn.prompt.items)
             size = stored_size(stored)
