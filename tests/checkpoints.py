@@ -478,6 +478,41 @@ def make_perturbed(tmp_dir: str | Path, base, std: float = 0.05, seed: int = 1, 
     return out
 
 
+@torch.no_grad()
+def make_lora_adapter(tmp_dir: str | Path, base_path: Path, target_modules: Sequence[str] = ("q_proj", "v_proj"),
+                      r: int = 4, lora_alpha: float = 8.0, seed: int = 0, std: float = 0.2, use_rslora: bool = False,
+                      merged: bool = False) -> Path:
+    """A PEFT LoRA adapter for the checkpoint at ``base_path``, made by ``peft`` itself (``get_peft_model``,
+    ``save_pretrained``: its ``adapter_config.json`` and ``adapter_model.safetensors``), every ``lora_A`` and
+    ``lora_B`` drawn N(0, std^2) (seeded; peft starts ``lora_B`` at zero, which would change nothing).
+    ``merged``: instead, the base checkpoint with that adapter merged into its weights by peft
+    (``merge_and_unload``): the model the adapter must serve as, the differential tests' oracle."""
+    import peft  # test-only dependency
+    import transformers
+
+    kw = dict(base=base_path.name, target_modules=list(target_modules), r=r, lora_alpha=lora_alpha, std=std,
+              use_rslora=use_rslora)
+    adapter = _checkpoint_dir(tmp_dir, "lora", seed, kw)
+    out = adapter.with_name(adapter.name + "-merged") if merged else adapter
+    if (out / ("config.json" if merged else "adapter_config.json")).is_file():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+                             use_rslora=use_rslora)
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(wrapped.named_parameters()):
+        if ".lora_A." in name or ".lora_B." in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    tmp = out.with_name(out.name + ".partial")
+    if merged:
+        wrapped.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+    else:
+        wrapped.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(out)
+    return out
+
+
 def quantized_tensor(name: str, tensor: torch.Tensor) -> bool:
     """Whether an FP8 checkpoint quantizes ``name``, as the published ones do: the matrices of the
     projections and experts (``mtp.*`` too), not embeddings, ``lm_head``, norms, convolutions or

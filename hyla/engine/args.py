@@ -200,6 +200,13 @@ class EngineArgs:
                                        "holds its graphs; "
                                        "with chains of drafts (n-gram, MTP, a draft model's) their verify steps too, "
                                        "and a draft model's or MTP head's own steps (docs/engine.md).")
+    enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT checkpoints) beside the base model: loaded with "
+                                    "Engine.load_lora_adapter (hyla serve --lora-modules, /v1/load_lora_adapter), "
+                                    "chosen per request (a request's model is the adapter's name); one batch mixes "
+                                    "them. Steps then run eagerly: no compiled decode, fused decode or CUDA graphs, "
+                                    "and no speculative decoding (docs/engine.md, \"LoRA adapters\").")
+    max_loras: int = _opt(4, "With enable_lora: how many adapters may be loaded at once.")
+    max_lora_rank: int = _opt(64, "With enable_lora: the largest rank of an adapter's projection.")
 
     def __post_init__(self) -> None:
         def pos_int(name: str, allow_none: bool = False) -> None:
@@ -293,7 +300,7 @@ class EngineArgs:
         for name in ("enable_prefix_cache", "enable_hierarchical_cache", "protect_waiting_prefixes", "debug_checks",
                      "compile_decode",
                      "disable_cuda_graph", "speculative_ngram_adaptive", "enable_mixed_chunk",
-                     "enable_priority_scheduling", "schedule_low_priority_values_first"):
+                     "enable_priority_scheduling", "schedule_low_priority_values_first", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -305,12 +312,19 @@ class EngineArgs:
                   "speculative_disable_by_batch_size")),
                 ("enable_hierarchical_cache", self.enable_hierarchical_cache, ("hicache_ratio", "hicache_size")),
                 ("enable_priority_scheduling", self.enable_priority_scheduling,
-                 ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold"))):
+                 ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold")),
+                ("enable_lora", self.enable_lora, ("max_loras", "max_lora_rank"))):
             changed = [name for name in names if getattr(self, name) != defaults[name]]
             if changed and not on:
                 raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
+        pos_int("max_loras")
+        pos_int("max_lora_rank")
+        if self.enable_lora and (self.speculative_algorithm is not None or self.compile_decode):
+            raise ValueError(f"enable_lora is not supported with "
+                             f"{'speculative decoding' if self.speculative_algorithm else 'compile_decode'} "
+                             f"(adapters apply in eager steps); turn one of them off")
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             raise ValueError("enable_mixed_chunk is not supported with speculative decoding (a decoding request's "
                              "step is a verify step of its drafts); turn one of them off")

@@ -42,6 +42,7 @@ from hyla.engine.cache_manager import NO_CACHE_TO_IMPORT_INTO, CacheManager, new
 from hyla.engine.errors import EngineOverloadedError, RequestError  # noqa: F401 (EngineOverloadedError: re-exported)
 from hyla.engine.draft_drafter import DraftModelDrafter, check_draft_model, draft_cache_layout
 from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
+from hyla.engine.lora_manager import Loaded, LoRAManager, check_lora_name, lora_namespace
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
 from hyla.engine.mtp_drafter import MtpDrafter
@@ -56,6 +57,7 @@ from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
 from hyla.model.loader import read_quantization
+from hyla.model.lora import enable_lora_, read_adapter
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.quantization import is_fp8
 from hyla.model.mtp import MtpHead, mtp_cache_layout
@@ -154,14 +156,21 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids) \
             if self.tokenizer is not None else None
 
+        # LoRA adapters (enable_lora): served by eager steps, on the PyTorch ops (the fused kernels, CUDA graphs
+        # and compiled graphs read the weights alone)
+        self.loras = LoRAManager(self.model, self.args.max_loras) if self.args.enable_lora else None
+        if self.loras is not None:
+            enable_lora_(self.model)
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment, host=self.host_cache)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
-                             compile_decode=self.args.compile_decode, cuda_graph=not self.args.disable_cuda_graph,
+                             compile_decode=self.args.compile_decode,
+                             cuda_graph=not self.args.disable_cuda_graph and self.loras is None,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
+                             fused_decode=False if self.loras is not None else None,
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
-                             if not self.args.disable_cuda_graph else 0,
+                             if not self.args.disable_cuda_graph and self.loras is None else 0,
                              # verify steps as padded chains (forward_chains) where decode is fused or compiled,
                              # through the same kernels or graphs; trees of drafts (topk > 1) as padded trees
                              # where it is compiled
@@ -407,7 +416,7 @@ class Engine:
                  stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | list[str] | None = None, namespace: Any = None,
                  logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
-                 priority: int | list[int] | None = None) -> Any:
+                 priority: int | list[int] | None = None, lora_name: str | list[str | None] | None = None) -> Any:
         """Generate for one request (returns a dict) or a list (returns a list of dicts).
 
         ``checkpoints``: extra token positions of the prompt (e.g. the end of a shared system
@@ -423,12 +432,14 @@ class Engine:
         ``priority`` (an int, or one per request; with ``enable_priority_scheduling``, else 0 or
         None): waiting requests are admitted by priority first, and one may preempt running requests
         of a much lower one (docs/engine.md, "Priority scheduling").
+        ``lora_name`` (a name, or one per request; with ``enable_lora``): the LoRA adapter loaded under that
+        name (:meth:`load_lora_adapter`) applies to the request; None, the base model.
         ``stream=True`` (one request) returns an iterator of incremental chunks (``RequestStream``):
         closing it, or dropping it before the request ends, aborts the request. A call interrupted
         while it waits (``KeyboardInterrupt``) aborts its requests too.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len, speculative_checkpoints, priority, stream)
+                                           logprob_start_len, speculative_checkpoints, priority, stream, lora_name)
         if stream:
             if not single:
                 raise RequestError("stream=True takes a single request", "stream")
@@ -451,14 +462,15 @@ class Engine:
                              stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                              rid: str | list[str] | None = None, namespace: Any = None,
                              logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
-                             priority: int | list[int] | None = None) -> Any:
+                             priority: int | list[int] | None = None,
+                             lora_name: str | list[str | None] | None = None) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
         with a grammar, long prompts or long lists in its sampling params (``WORKER_THREAD_PROMPT_SIZE``:
         stop token ids, logit biases) are made in a worker thread: compiling a grammar can take seconds
         (a large schema), tokenizing megabytes of text too, checking millions of ids half a second, and
         the event loop must not wait for any of them."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
-                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream)
+                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream, lora_name)
         slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE \
             or _params_size(sampling_params) > WORKER_THREAD_PROMPT_SIZE
         reqs, single = await asyncio.to_thread(make) if slow else make()
@@ -711,6 +723,46 @@ class Engine:
         except TimeoutError:
             return False
 
+    def load_lora_adapter(self, name: str, path: str | os.PathLike, timeout: float = 60.0) -> None:
+        """Serve the PEFT LoRA adapter in directory ``path`` (``adapter_config.json``,
+        ``adapter_model.safetensors``) as ``name``: requests with ``lora_name=name`` apply it from now on,
+        mixed in one batch with other adapters' and the base model's. Read here, installed between steps
+        (running requests go on). ``ValueError`` when the engine serves no adapters (``enable_lora``), for a
+        name already loaded, ``max_loras`` loaded, and an adapter it cannot apply (``lora.read_adapter``:
+        its rank above ``max_lora_rank``, shapes that do not fit, targets hyla does not adapt)."""
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True "
+                             "(hyla serve --enable-lora)")
+        check_lora_name(name)
+        _check_timeout(timeout)
+        self.loras.check_room(name)  # (before reading: a full engine answers at once)
+        try:
+            adapter = read_adapter(path, self.model, self.model_path, self.args.max_lora_rank)
+        except OSError as exc:  # a file unreadable or vanished while read
+            raise ValueError(f"{path}: {exc}") from None
+        self._on_scheduler_thread(lambda: self.loras.load(name, adapter), timeout)
+
+    def unload_lora_adapter(self, name: str, timeout: float = 60.0) -> None:
+        """Stop serving the adapter loaded as ``name`` (``ValueError`` if none is): new requests naming it
+        are refused; those running with it finish with it, and its weights go when the last ends."""
+        if self.loras is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora)")
+        check_lora_name(name)
+        _check_timeout(timeout)
+
+        def unload() -> None:
+            with self._inbox_lock:  # (as _submit: a request made before, submitted after, is refused there)
+                self.loras.unload(name, self._live_lora_uids())
+        self._on_scheduler_thread(unload, timeout)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters served: name -> the directory it was loaded from (empty without ``enable_lora``)."""
+        return {} if self.loras is None else self.loras.adapters()
+
+    def _live_lora_uids(self) -> set[int]:
+        """The adapters the live requests apply (under the inbox lock)."""
+        return {r.lora_uid for r in self._live.values() if r.lora_uid}
+
     @property
     def weight_version(self) -> str:
         """The name of the weights served (``weight_version``; changed by a weight update)."""
@@ -788,7 +840,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
                        logprob_start_len=-1, speculative_checkpoints=False, priority=None, stream=False,
-                       counting_rids=True):
+                       lora_name=None, counting_rids=True):
         for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob),
                            ("stream", stream)):
             if not isinstance(flag, bool):
@@ -832,13 +884,31 @@ class Engine:
         if len(starts) != n:
             raise RequestError(f"{len(starts)} logprob_start_len values for {n} requests", "logprob_start_len")
         priorities = self._priorities(priority, n)
+        loras = self._loras(lora_name, n)
         if not counting_rids:  # (``check_requests``: requests never submitted take no id from the counter)
             rids = [r if r is not None else "unsubmitted" for r in rids]
         reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
                 for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
-        for req, prio in zip(reqs, priorities):
+        for req, prio, lora in zip(reqs, priorities, loras):
             req.priority = prio
+            if lora is not None:
+                req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)
         return reqs, single
+
+    def _loras(self, lora_name: Any, n: int) -> list[Loaded | None]:
+        """``lora_name`` (None, a name, or one per request) as the adapter loaded under each name (or None)."""
+        names = list(lora_name) if isinstance(lora_name, (list, tuple)) else [lora_name] * n
+        if len(names) != n:
+            raise RequestError(f"{len(names)} lora_name values for {n} requests", "lora_name")
+        if self.loras is None:
+            if any(name is not None for name in names):
+                raise RequestError("lora_name: this engine serves no LoRA adapters (start it with enable_lora=True, "
+                                   "hyla serve --enable-lora)", "lora_name")
+            return [None] * n
+        try:
+            return [None if name is None else self.loras.resolve(check_lora_name(name)) for name in names]
+        except ValueError as exc:
+            raise RequestError(str(exc), "lora_name") from None
 
     def _priorities(self, priority: Any, n: int) -> list[int]:
         """``priority`` (None, an int, or one per request) as one int per request. A priority other
@@ -922,6 +992,9 @@ class Engine:
                 raise RuntimeError("the engine has been shut down")
             if not self._thread.is_alive():
                 raise RuntimeError("the engine's scheduler thread has died (see the log): restart the engine")
+            unloaded = [r.rid for r in reqs if r.lora_uid and not self.loras.is_loaded(r.lora_uid)]
+            if unloaded:  # (unloaded since the request was made: LoRAManager's docstring)
+                raise RequestError(f"the LoRA adapter of request(s) {unloaded} has been unloaded", "lora_name")
             rids = [r.rid for r in reqs]
             clash = (set(rids) & self._live.keys()) | {r for r in rids if rids.count(r) > 1}
             if clash:
@@ -942,7 +1015,7 @@ class Engine:
                     f"max_queued_requests={self.args.max_queued_requests})")
             for req in reqs:
                 self._live[req.rid] = req
-                req.on_output = self._forget_rid_when_done(req.on_output)
+                req.on_output = self._forget_rid_when_done(req.on_output, req.lora_uid)
             for victim in displaced:  # finished by the scheduler (if still waiting: Scheduler.displace)
                 self._displacing.add(victim.rid)
                 self._inbox.put(("displace", victim.rid))
@@ -971,12 +1044,14 @@ class Engine:
             displaced.append(victim)
         return displaced
 
-    def _forget_rid_when_done(self, on_output):
+    def _forget_rid_when_done(self, on_output, lora_uid: int = 0):
         def wrapped(out: dict[str, Any], done: bool) -> None:
             if done:
                 with self._inbox_lock:
                     self._live.pop(out["meta_info"]["id"], None)
                     self._displacing.discard(out["meta_info"]["id"])
+                    if lora_uid:  # (the scheduler thread: an unloaded adapter's weights may go now)
+                        self.loras.release(lora_uid, self._live_lora_uids())
             if on_output is not None:
                 on_output(out, done)
         return wrapped
@@ -1094,7 +1169,7 @@ class Engine:
 
 
 _CHECKED_ARGUMENTS = frozenset(("prompt", "input_ids", "sampling_params", "return_logprob", "checkpoints", "rid",
-                                "namespace", "logprob_start_len", "speculative_checkpoints", "priority"))
+                                "namespace", "logprob_start_len", "speculative_checkpoints", "priority", "lora_name"))
 """``Engine.check_requests``' keys: ``generate``'s keyword arguments, ``stream`` aside."""
 
 

@@ -75,6 +75,7 @@ from hyla.engine.cuda_graph import (EXTEND_CHECKPOINTS, EXTEND_MAX_SEQS, VERIFY_
 from hyla.engine.request import Req
 from hyla.model.forward_batch import ForwardBatch
 from hyla.model.linear import keep_row_major_weights_, pack_weights_
+from hyla.model.lora import LoRABatch
 from hyla.model.ops.tree import SHORT_EXTEND
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.ops.varlen import check_slot_values
@@ -253,6 +254,7 @@ class ModelRunner:
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
+            lora=LoRABatch.of([r.lora_uid for r in reqs], extend_lens, self.device),
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -272,7 +274,8 @@ class ModelRunner:
         pos = [r.kv_len for r in reqs]
         ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
         return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
-                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids)
+                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids,
+                            LoRABatch.of([r.lora_uid for r in reqs], [1] * len(reqs), self.device))
 
     @torch.inference_mode()
     def forward_decode_rows(self, ids: list[int], positions: list[int], state_slots: list[int], req_rows: list[int],
@@ -286,9 +289,12 @@ class ModelRunner:
         return self._decode(ids, positions, state_slots, req_rows, kv_lens, out_cache_loc)
 
     def _decode(self, ids: list[int] | None, pos: list[int], slots: list[int], rows: list[int], kv_lens: list[int],
-                out_cache_loc: torch.Tensor, return_hidden: bool = False,
-                input_ids: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs."""
+                out_cache_loc: torch.Tensor, return_hidden: bool = False, input_ids: torch.Tensor | None = None,
+                lora: LoRABatch | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs. ``lora``: its
+        rows' adapters (a runner serving any is neither fused nor compiled: ``Engine``)."""
+        if lora is not None and (self.fused or self.compiled):
+            raise ValueError("LoRA adapters run on an eager runner (neither fused nor compiled)")
         if self.fused:
             return self._decode_fused(ids, pos, slots, rows, kv_lens, out_cache_loc, input_ids, return_hidden)
         if ids is None:
@@ -296,6 +302,7 @@ class ModelRunner:
         table, kv_indices = self.req_to_token.table(rows, kv_lens)  # every row's slots in one gather
         batch = decode_batch(ids, pos, slots, kv_lens, out_cache_loc, table, kv_indices, self.device,
                              self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states, return_hidden)
+        batch.lora = lora
         return self._run_decode(batch)  # [B, V] (and [B, H])
 
     @torch.inference_mode()

@@ -45,6 +45,7 @@ from typing import Sequence
 
 import torch
 
+from hyla.model.lora import LoRABatch
 from hyla.model.ops.attention import (
     ShortExtendLayout,
     decode_kv_mask,
@@ -146,6 +147,10 @@ class ForwardBatch:
     """Also return the final hidden state of every fed token (after the final norm: what the LM head
     reads): ``forward`` then returns ``(logits [N, vocab], hidden [T, hidden])`` (the MTP drafter's
     input, ``hyla/engine/mtp_drafter.py``); a fused decode step's (and its chains') too, one per row."""
+
+    lora: LoRABatch | None = None
+    """LoRA adapters (``hyla/model/lora.py``): the step's token rows grouped by the adapter they apply,
+    built once per step by the runner; None where no row has one (the base model's rows only)."""
 
     # --- optional host copies / precomputed metadata (derived below when not given) ----------
     state_slot_list: Sequence[int] | None = None

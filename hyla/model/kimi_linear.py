@@ -244,6 +244,7 @@ class LatentAttention(nn.Module):
         self.kv_a_proj = Linear(h, self.rank + self.rope, bias=bias, dtype=c.dtype)
         self.kv_a_norm = RMSNorm(self.rank, MLA_NORM_EPS, dtype=c.dtype)
         self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False, dtype=c.dtype)
+        self.kv_b_proj.lora_refused = "its weight is absorbed into the queries and outputs of attention"
         self.kv_b_proj.keeps_fp8 = False  # read as a matrix (absorbed into q and the output), never run
         self.o_proj = Linear(heads * self.v_dim, h, bias=bias, dtype=c.dtype)
         self.g_proj = Linear(h, heads, bias=False, dtype=c.dtype) if c.mla_output_gate else None

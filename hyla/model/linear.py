@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hyla.model.lora import LinearLoRA
 from hyla.model.quantization import FP8, fp8_linear
 
 
@@ -49,8 +50,15 @@ class Linear(nn.Linear):
 
     rows: torch.Tensor | None = None
     packed: PackedWeight | None = None
+    lora: LinearLoRA | None = None  # LoRA adapters' weights (lora.py): their update added to the rows they apply to
+    lora_refused: str | None = None  # why no adapter may target this projection (lora.read_adapter says so)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_base(x)
+        return y if self.lora is None else self.lora.add_(y, x)
+
+    def forward_base(self, x: torch.Tensor) -> torch.Tensor:
+        """The projection by the weight itself (no adapter)."""
         if self.weight.dtype == FP8:  # a weight kept in FP8 with its scales (quantization.py)
             y = fp8_linear(x, self.weight, self.weight_scale, self.weight_block, self.bias)
             tail = getattr(self, "weight_tail", None)  # its last rows in the model's dtype

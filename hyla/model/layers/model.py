@@ -20,6 +20,7 @@ from hyla.model.layers.projections import OutProjection, add_rms_norm, is_gemv_s
 from hyla.model.layers.rotary import Rope, RotaryEmbedding, signed_sin
 from hyla.model.layers.sparse_moe import SparseMoE
 from hyla.model.linear import Linear, relayout_weights_
+from hyla.model.lora import LoRAScope
 from hyla.model.weight_specs import WeightSpec
 
 
@@ -132,6 +133,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype)
         self.lm_head.keeps_fp8 = False  # (the logits in the model's precision, as vLLM and SGLang keep them)
+        self.lm_head.lora_refused = "the LM head projects the rows kept for logits, not every token row"
+        self.lora_scope: LoRAScope | None = None  # LoRA adapters (lora.enable_lora_): each step's bound to it
         self.rotary = RotaryEmbedding(c.rotary_dim, c.rope_theta, c.rope_angles or None) \
             if c.rotary_dim and c.num_attention_layers else None
         # sliding-window layers' own RoPE (sliding_rope; None: theirs is self.rotary, or none at all)
@@ -244,9 +247,17 @@ class HybridForCausalLM(nn.Module, abc.ABC):
     def forward(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the batch's new tokens; return fp32 logits ``[N, vocab]`` at ``batch.logits_indices``
         (default: the last new token of each sequence), with ``batch.return_hidden`` also the final
-        hidden states ``[T, hidden]`` of every new token (after the final norm)."""
+        hidden states ``[T, hidden]`` of every new token (after the final norm). With LoRA adapters
+        (``lora_scope``), the batch's (``batch.lora``) apply for its length: an engine serving adapters
+        runs every step through here (eager: it compiles and graphs none)."""
         self.check_batch(batch)
-        return self.forward_unchecked(batch)
+        if self.lora_scope is None:
+            return self.forward_unchecked(batch)
+        self.lora_scope.batch = batch.lora  # the projections' adapters apply to the rows it groups
+        try:
+            return self.forward_unchecked(batch)
+        finally:
+            self.lora_scope.batch = None
 
     @torch.no_grad()
     def forward_unchecked(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -315,5 +326,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         if batch.chain_ckpt_rows is not None and not self.supports_chain_verify():
             raise ValueError(f"{c.architecture}: a verify step of padded chains needs mixers that run them "
                              "(chain_verify: HybridForCausalLM.supports_chain_verify)")
+        if batch.lora is not None and (self.lora_scope is None or batch.lora.num_rows != batch.input_ids.shape[0]):
+            raise ValueError("a batch's LoRA rows must be its token rows, on a model serving adapters (lora.enable_lora_)"
+                             if self.lora_scope is not None else "this model serves no LoRA adapters (lora.enable_lora_)")
         if batch.max_token_id >= c.vocab_size:  # read once when the batch was built, not here
             raise ValueError(f"token id {batch.max_token_id} is outside the vocabulary ({c.vocab_size})")

@@ -1,0 +1,294 @@
+"""LoRA adapters: a PEFT checkpoint read into hyla's projections, and its low-rank update applied per row.
+
+A LoRA adapter changes a projection ``y = W x`` into ``y = W x + s B A x`` (``A [r, in]``, ``B [out, r]``,
+``s = lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``), for the Hugging Face modules its
+``adapter_config.json`` targets. hyla serves several adapters, and the base model, in one batch: each
+token row applies its own request's adapter, or none.
+
+**Reading** (:func:`read_adapter`). A hyla parameter is built from checkpoint tensors (``WeightSpec``:
+Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba`` regrouped per head into one matrix, attention's q, k, v
+concatenated). The adapter's update of the built weight is that same build applied to the sources'
+updates; where the build only moves rows (``WeightSpec.moves_rows_only``) it stays low-rank: the
+sources' ``A`` stacked (rank ``sum r_i``) and each source's ``s_i B_i`` placed in its own columns of a
+``[out_i, sum r_i]`` block (zeros for a source the adapter leaves alone), those blocks built as the
+weight is. A spec that changes values (a µP multiplier folded in), a target that is not a hyla
+:class:`~hyla.model.linear.Linear` (embeddings, stacked experts) or one whose rows are not the step's
+token rows (the LM head) is refused with a ``ValueError`` naming it, as is anything of PEFT hyla does
+not apply (DoRA, trained biases, ``modules_to_save``). ``rank_pattern`` and ``alpha_pattern`` apply as in PEFT.
+
+**Applying** (:class:`LoRABatch`, :class:`LinearLoRA`). The runner gives each step a
+:class:`LoRABatch` in ``ForwardBatch.lora``: the step's token rows grouped by adapter (built on the host
+once per step). The model binds it to its :class:`LoRAScope` for the forward; every projection holding
+an adapter's weights adds ``B (A x)`` to the rows of that adapter's group. A step where no row has an
+adapter has no ``LoRABatch`` and costs the projections one attribute test. The update is computed
+apart from ``W x`` (never merged into ``W``): the sum differs from a merged weight's within rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from hyla.model.layers.model import HybridForCausalLM
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+
+
+@dataclass(frozen=True)
+class LoRABatch:
+    """A step's token rows by adapter: ``groups`` of ``(adapter uid, rows)``, ``rows`` a long tensor
+    of row indices on the model's device, or None for every row. Rows of no adapter are in no group."""
+
+    num_rows: int
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+    @staticmethod
+    def of(uids: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
+        """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply adapter ``uids[i]``
+        (0: none); None where no sequence has one."""
+        if not any(uids):
+            return None
+        total = sum(counts)
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for uid, n in zip(uids, counts):
+            if uid:
+                rows.setdefault(uid, []).extend(range(start, start + n))
+            start += n
+        groups = tuple((uid, None if len(r) == total else torch.tensor(r, dtype=torch.long).to(device))
+                       for uid, r in rows.items())
+        return LoRABatch(total, groups)
+
+
+class LoRAScope:
+    """The adapters' view of the step being run: the model sets ``batch`` (``ForwardBatch.lora``) for the
+    length of its forward (:meth:`HybridForCausalLM.forward_unchecked`); its projections read it. One per
+    model, created by :func:`enable_lora_`."""
+
+    def __init__(self) -> None:
+        self.batch: LoRABatch | None = None
+
+
+class LinearLoRA:
+    """The adapters of one projection: ``weights[uid] = (A [R, in], B [out, R])``, the scale in ``B``."""
+
+    def __init__(self, scope: LoRAScope):
+        self.scope = scope
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add_(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``y += B (A x)`` on each adapter's rows of the bound step (``x [..., in]``, ``y [..., out]``)."""
+        batch = self.scope.batch
+        if batch is None or not self.weights:
+            return y
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if x2.shape[0] != batch.num_rows:  # (an invariant: read_adapter refuses projections of other rows)
+            raise RuntimeError(f"a LoRA projection got {x2.shape[0]} rows; the step has {batch.num_rows}")
+        for uid, rows in batch.groups:
+            w = self.weights.get(uid)
+            if w is None:  # (the adapter leaves this projection alone)
+                continue
+            a, b = w
+            if rows is None:
+                y2.add_(F.linear(F.linear(x2, a), b))  # [T, out]
+            else:
+                y2.index_add_(0, rows, F.linear(F.linear(x2.index_select(0, rows), a), b))
+        return y
+
+
+def enable_lora_(model: HybridForCausalLM) -> LoRAScope:
+    """Give ``model`` a :class:`LoRAScope` (its forward binds each step's adapters to it); returns it."""
+    if model.lora_scope is None:
+        model.lora_scope = LoRAScope()
+    return model.lora_scope
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """An adapter read for a model: ``weights[module] = (A, B)`` per hyla projection (module name), fp32
+    on the CPU, the scale in ``B``; ``rank`` its largest source rank; ``digest`` names its content (the
+    prefix cache's namespace of its requests: the same files give the same digest in any process)."""
+
+    path: str
+    rank: int
+    digest: str
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Path, max_rank: int) -> LoRAAdapter:
+    """Read the PEFT LoRA adapter directory ``path`` for ``model`` (loaded from the checkpoint at
+    ``base_path``, whose tensor layout says how hyla built each weight). ``ValueError`` with the reason for a
+    directory that is not such an adapter, a rank above ``max_rank``, shapes that do not fit the model, and
+    anything hyla does not apply (see the module docstring)."""
+    from safetensors import safe_open
+
+    from hyla.model.loader import _checkpoint_specs, _index_checkpoint
+    from hyla.model.linear import Linear
+
+    path = Path(path)
+    config = _adapter_config(path)
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise ValueError(f"{path}: no {WEIGHTS_FILE} (a PEFT adapter saved with safe_serialization)")
+    try:
+        with safe_open(weights_file, framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as exc:  # (safetensors raises its own errors for a file it cannot read)
+        raise ValueError(f"{weights_file}: not a safetensors file safetensors can read ({exc})") from None
+    pairs = _lora_pairs(path, tensors)
+    scale_of = _scales(config)
+    cls = type(model)
+    reader, _ = _index_checkpoint(Path(base_path), cls, model.config)
+    specs = _checkpoint_specs(Path(base_path), cls, model.config, set(reader.files))
+    by_source = {source: spec for spec in specs for source in spec.sources}
+    touched: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # target -> source -> (A, sB)
+    for module, (a, b) in pairs.items():
+        name = cls.normalize_hf_name(module + ".weight")
+        spec = by_source.get(name) if name is not None else None
+        if spec is None:
+            raise ValueError(f"{path}: the adapter targets {module!r}, which is no weight of this "
+                             f"{model.config.architecture} checkpoint")
+        r = a.shape[0]
+        if r > max_rank:
+            raise ValueError(f"{path}: {module!r} has rank {r}; max_lora_rank is {max_rank}")
+        if b.shape[1] != r:
+            raise ValueError(f"{path}: {module!r}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
+                             f"ranks differ")
+        touched.setdefault(spec.target, {})[name] = (a.float(), b.float() * scale_of(module, r))
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for target, parts in touched.items():
+        spec = next(s for s in specs if s.target == target)
+        module_name = target.removesuffix(".weight")
+        module = model.get_submodule(module_name) if target.endswith(".weight") else None
+        if not isinstance(module, Linear) or module.lora_refused:
+            why = module.lora_refused if isinstance(module, Linear) and module.lora_refused else \
+                "not a projection hyla applies adapters to"
+            raise ValueError(f"{path}: the adapter targets {', '.join(map(repr, parts))} (hyla's {module_name}): {why}")
+        if not spec.moves_rows_only:
+            raise ValueError(f"{path}: the adapter targets {', '.join(map(repr, parts))}, which hyla builds into "
+                             f"{module_name} with more than moved rows (e.g. a multiplier folded in): not supported")
+        ranks = [parts[s][0].shape[0] if s in parts else 0 for s in spec.sources]
+        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+        total = sum(ranks)
+        blocks = []
+        for source, r, off in zip(spec.sources, ranks, offsets):
+            rows = reader.meta(source).shape[0]
+            block = torch.zeros(rows, total)
+            if r:
+                a, b = parts[source]
+                if b.shape[0] != rows or a.shape[1] != module.in_features:
+                    raise ValueError(f"{path}: {source.removesuffix('.weight')!r}'s adapter is "
+                                     f"{tuple(b.shape[:1])} x {tuple(a.shape[1:])}; the model's weight is "
+                                     f"{rows} x {module.in_features}")
+                block[:, off:off + r] = b
+            blocks.append(block)
+        big_b = spec.build(blocks)
+        if tuple(big_b.shape) != (module.out_features, total):
+            raise ValueError(f"{path}: the update of {module_name} came out {tuple(big_b.shape)}, not "
+                             f"{(module.out_features, total)}")
+        big_a = torch.cat([parts[s][0] for s in spec.sources if s in parts])
+        weights[module_name] = (big_a.contiguous(), big_b.contiguous())
+    digest = hashlib.sha256((path / CONFIG_FILE).read_bytes() + weights_file.read_bytes()).hexdigest()[:16]
+    return LoRAAdapter(str(path), max(a.shape[0] for a, _ in pairs.values()), digest, weights)
+
+
+def install_(model: HybridForCausalLM, uid: int, adapter: LoRAAdapter) -> None:
+    """Put ``adapter``'s weights into ``model``'s projections under ``uid``, in the model's dtype on its device."""
+    scope = enable_lora_(model)
+    for name, (a, b) in adapter.weights.items():
+        module = model.get_submodule(name)
+        if module.lora is None:
+            module.lora = LinearLoRA(scope)
+        # in the model's dtype (a weight kept in FP8 too: its projection's output is in the model's dtype)
+        module.lora.weights[uid] = (a.to(module.weight.device, model.config.dtype),
+                                    b.to(module.weight.device, model.config.dtype))
+
+
+def uninstall_(model: HybridForCausalLM, uid: int) -> None:
+    """Remove adapter ``uid``'s weights from ``model``'s projections."""
+    from hyla.model.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear) and module.lora is not None:
+            module.lora.weights.pop(uid, None)
+
+
+def _adapter_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise ValueError(f"{path}: no such directory (a LoRA adapter is a directory with {CONFIG_FILE} and "
+                         f"{WEIGHTS_FILE})")
+    file = path / CONFIG_FILE
+    if not file.is_file():
+        raise ValueError(f"{path}: no {CONFIG_FILE} (not a PEFT adapter directory)")
+    try:
+        config = json.loads(file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{file}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise ValueError(f"{file}: peft_type {kind!r}; hyla serves LORA adapters")
+    refused = [(config.get("use_dora"), "use_dora (DoRA)"), (config.get("bias", "none") != "none", "trained biases"),
+               (config.get("modules_to_save"), "modules_to_save (whole modules)"),
+               (config.get("fan_in_fan_out"), "fan_in_fan_out")]
+    for given, what in refused:
+        if given:
+            raise ValueError(f"{file}: {what} is not supported by hyla's LoRA")
+    pattern = config.get("alpha_pattern") or {}
+    if not isinstance(pattern, dict):
+        raise ValueError(f"{file}: alpha_pattern must be an object, got {pattern!r:.80}")
+    for alpha in [config.get("lora_alpha", 8), *pattern.values()]:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+            raise ValueError(f"{file}: lora_alpha must be a number, got {alpha!r}")
+    return config
+
+
+def _scales(config: dict):
+    """``(module, r) -> s``: PEFT's scale of a rank-``r`` module, ``alpha / r`` (``/ sqrt(r)`` with
+    ``use_rslora``), ``alpha`` the ``alpha_pattern`` entry matching the module's name as PEFT matches it
+    (``peft.utils.other.get_pattern_key``: the first key that is a suffix of whole name parts, as a regex),
+    else ``lora_alpha``."""
+    alpha, rs, pattern = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora")), \
+        config.get("alpha_pattern") or {}
+
+    def scale(module: str, r: int) -> float:
+        key = next((k for k in pattern if re.match(rf"(.*\.)?({k})$", module)), None)
+        a = float(pattern[key]) if key is not None else alpha
+        return a / math.sqrt(r) if rs else a / r
+    return scale
+
+
+def _lora_pairs(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's ``{HF module name: (lora_A [r, in], lora_B [out, r])}``; ``ValueError`` for any other tensor
+    (embedding adapters, DoRA magnitudes) or an unpaired one."""
+    pairs: dict[str, list] = {}
+    for name, t in tensors.items():
+        module = name.removeprefix(PEFT_PREFIX)
+        for i, suffix in enumerate((LORA_A, LORA_B)):
+            if module.endswith(suffix):
+                if t.dim() != 2 or not t.is_floating_point():
+                    raise ValueError(f"{path}: {name} is {t.dtype} of shape {tuple(t.shape)}, not a float matrix")
+                pairs.setdefault(module.removesuffix(suffix), [None, None])[i] = t
+                break
+        else:
+            raise ValueError(f"{path}: tensor {name!r} is not a LoRA A or B matrix of a projection "
+                             f"(hyla applies lora_A / lora_B of linear modules only)")
+    for module, (a, b) in pairs.items():
+        if a is None or b is None:
+            raise ValueError(f"{path}: {module!r} has {'no lora_A' if a is None else 'no lora_B'}")
+    if not pairs:
+        raise ValueError(f"{path}: {WEIGHTS_FILE} holds no LoRA tensors")
+    return {m: (a, b) for m, (a, b) in pairs.items()}
