@@ -58,13 +58,13 @@ class LoRABatch:
     def of(uids: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
         """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply adapter ``uids[i]``
         (0: none); None where no sequence has one."""
-        if not any(uids):
+        if not any(uid and n for uid, n in zip(uids, counts)):
             return None
         total = sum(counts)
         rows: dict[int, list[int]] = {}
         start = 0
         for uid, n in zip(uids, counts):
-            if uid:
+            if uid and n:
                 rows.setdefault(uid, []).extend(range(start, start + n))
             start += n
         groups = tuple((uid, None if len(r) == total else torch.tensor(r, dtype=torch.long).to(device))
@@ -284,8 +284,11 @@ def _lora_pairs(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, tuple
                 pairs.setdefault(module.removesuffix(suffix), [None, None])[i] = t
                 break
         else:
-            raise ValueError(f"{path}: tensor {name!r} is not a LoRA A or B matrix of a projection "
-                             f"(hyla applies lora_A / lora_B of linear modules only)")
+            whole = ".base_layer." in name or not (".lora_" in name)
+            raise ValueError(f"{path}: tensor {name!r} is " + (
+                "a whole weight (PEFT saves those for modules_to_save, or embedding layers with "
+                "save_embedding_layers)" if whole else "not a LoRA A or B matrix of a projection")
+                + "; hyla applies the lora_A and lora_B of projections only")
     for module, (a, b) in pairs.items():
         if a is None or b is None:
             raise ValueError(f"{path}: {module!r} has {'no lora_A' if a is None else 'no lora_B'}")

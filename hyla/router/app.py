@@ -12,9 +12,10 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
   the worker that made that response (it alone stores it):
   the router reads each response's id as it passes (a stream's from its first event), and asks each
   worker in turn for one it did not see made;
-* ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``: every healthy worker (the
-  answer is the first failure's, or the first worker's; ``/flush_cache`` also clears the tables of
-  the workers that flushed; a weight update needs every worker healthy);
+* ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``, ``/v1/load_lora_adapter``,
+  ``/v1/unload_lora_adapter``: every healthy worker (the answer is the first failure's, or the first
+  worker's; ``/flush_cache`` also clears the tables of the workers that flushed; a weight update and an
+  adapter's load need every worker healthy);
 * ``POST /export_prefix``: every healthy worker; the answer is the longest prefix any holds (its
   ``X-Prefix-Tokens``), else the first worker's answer (a 404 when none holds one);
 * anything else (``/v1/models``, ``/tokenize``, ``/get_model_info``, ``/import_prefix``...): the least
@@ -96,7 +97,10 @@ logger = logging.getLogger("hyla.router")
 
 ROUTED_PATHS = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages")
 PROMPT_PATHS = ("/v1/completions", "/generate")  # the routed paths whose prompt may be a batch of prompts
-BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk")
+BROADCAST_PATHS = ("/flush_cache", "/abort_request", "/update_weights_from_disk", "/v1/load_lora_adapter",
+                   "/v1/unload_lora_adapter")
+# broadcasts a worker that is down misses for good (it would serve without them once back): all or none
+ALL_WORKERS_PATHS = ("/update_weights_from_disk", "/v1/load_lora_adapter")
 # the longest a worker may take to answer a broadcast before it has failed it (a worker hung there would hold the
 # operator's request forever): an abort is answered at once, a flush waits for the engine to be idle (60 s at
 # most, Engine.flush_cache); loading weights takes as long as the checkpoint does (no limit)
@@ -826,8 +830,8 @@ class RouterApp:
 
     async def broadcast(self, request: Request, path: str) -> Response:
         """Send ``request`` to every healthy worker; answer with the first failure's answer, else the
-        first worker's. A weight update needs every worker healthy (one that came back later would
-        serve the old weights)."""
+        first worker's. A weight update and a LoRA adapter's load need every worker healthy (one that came
+        back later would serve the old weights, or lack the adapter)."""
         raw = await self.read_body(request)
         if isinstance(raw, Response):
             return raw
@@ -837,10 +841,12 @@ class RouterApp:
         live = [(w, table) for w, table in everyone if w.healthy]
         if not live:
             return JSONResponse(error_body("no worker is available: every worker is unhealthy"), status_code=503)
-        if path == "/update_weights_from_disk" and len(live) < len(everyone):
+        if path in ALL_WORKERS_PATHS and len(live) < len(everyone):
             down = [w.url for w, _ in everyone if not w.healthy]
-            return JSONResponse(error_body(f"the weights were not updated: workers {down} are unhealthy, and would "
-                                           "serve the old weights once back"), status_code=503)
+            what = ("the weights were not updated", "serve the old weights") if path == "/update_weights_from_disk" \
+                else ("the LoRA adapter was not loaded", "lack it")
+            return JSONResponse(error_body(f"{what[0]}: workers {down} are unhealthy, and would {what[1]} once back"),
+                                status_code=503)
         answers = await self._send_to_each(request, path, raw, [w for w, _ in live])
         failed = None
         for (w, table), a in zip(live, answers):

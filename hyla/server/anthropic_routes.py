@@ -66,7 +66,7 @@ class AnthropicRoutes:
                                     prefill=prefill)
             (rid,) = job_rids(None, request.headers.get(REQUEST_ID_HEADER), 1)
             job = Job(encoding.ids, params, checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
-                      rid=rid)
+                      rid=rid, lora_name=self.server.check_model(body.model))  # (a LoRA adapter's name, or None)
             answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)  # (behind a router)
             if answer is not None:
                 return answer
@@ -158,7 +158,7 @@ class _Turn:
 
     def _skeleton(self, content: list[dict[str, Any]], reason: str | None, sequence: str | None,
                   counts: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.rid, "type": "message", "role": "assistant", "model": self.server.model_name,
+        return {"id": self.rid, "type": "message", "role": "assistant", "model": self.chat.model,
                 "content": content, "stop_reason": reason, "stop_sequence": sequence, "usage": counts}
 
     async def events(self, gen: Generation) -> AsyncIterator[str]:

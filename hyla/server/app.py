@@ -6,8 +6,8 @@
 The engine is created in the app's lifespan (on a worker thread) and shut down with the app; its
 scheduler runs on its own thread, the handlers only await queues. This file wires the pieces:
 ``Server`` (what every route shares), the error handlers (``errors.py``), the request counter, the
-routes (``openai_routes.py``, ``responses_routes.py``, ``native_routes.py``) behind the API key, and
-the open ``/health`` and ``/metrics``. Endpoints and fields: docs/server.md.
+routes (``openai_routes.py``, ``responses_routes.py``, ``native_routes.py``, ``lora_routes.py``) behind the
+API key, and the open ``/health`` and ``/metrics``. Endpoints and fields: docs/server.md.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
 from hyla.server.errors import APIError, add_error_handlers
 from hyla.server.generation import Generation, Job
+from hyla.server.lora_routes import LoraModule, LoraRoutes
 from hyla.server.metrics import ServerMetrics
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import REQUEST_ID_HEADER, OpenAIRoutes
@@ -46,7 +47,8 @@ logger = logging.getLogger("hyla.server")
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/generate",
-          "/flush_cache", "/tokenize", "/detokenize", "/export_prefix", "/import_prefix", "/health", "/metrics")
+          "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/tokenize", "/detokenize",
+          "/export_prefix", "/import_prefix", "/health", "/metrics")
 LARGE_BODY_PATHS = ("/import_prefix",)  # bodies up to max_prefix_bytes: a cached prefix's KV and state
 METHODS = ("GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE")
 """HTTP methods counted by name; any other is counted as "other" (a label value per made-up method
@@ -61,11 +63,16 @@ class Server:
 
     Shutdown (``drain``): from its first moment every new request gets a 503 and /health says 503;
     running generations get ``shutdown_timeout`` seconds to finish; then they are aborted (a stream
-    ends with an error event and ``[DONE]``, a waiting request gets a 503)."""
+    ends with an error event and ``[DONE]``, a waiting request gets a 503).
+
+    LoRA adapters (``enable_lora``): ``lora_modules`` are loaded as the engine starts (``--lora-modules``;
+    one that fails fails the start-up); a request's ``model`` names the served model or a loaded adapter
+    (``check_model``), and ``lora_parents`` holds each adapter's ``parent`` on ``/v1/models`` where it is
+    not the served model's name (vLLM's ``base_model_name``)."""
 
     def __init__(self, model_path: str | None, served_model_name: str | None, api_key: str | None,
                  engine_options: dict[str, Any], max_prompt_chars: int | None = None,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT):
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, lora_modules: Sequence[LoraModule] = ()):
         self.model_path = model_path
         self.engine_options = engine_options
         self.api_key = api_key
@@ -80,12 +87,19 @@ class Server:
         self.tool_call_parser_choice = DEFAULT_TOOL_CALL_PARSER  # a parser's name, or AUTO: the chat template's
         self.reasoning_parser: ReasoningParser | None = None
         self.request_log: RequestLog | None = None  # --log-requests
+        self.lora_modules = list(lora_modules)
+        self.lora_parents: dict[str, str] = {}  # adapter name -> its base_model_name (--lora-modules' JSON form)
 
     def start_engine(self) -> None:
         engine = Engine(self.model_path, **self.engine_options)
         if not self.model_name:
             builtin = Path(engine.model_path).resolve() == DEFAULT_MODEL_DIR.resolve()
             self.model_name = DEFAULT_MODEL_NAME if builtin else Path(engine.model_path).name
+        try:
+            self._load_lora_modules(engine)
+        except BaseException:
+            engine.shutdown()
+            raise
         if self.tool_call_parser_choice == AUTO:
             template = engine.tokenizer.chat_template_for(tools=True) if engine.tokenizer is not None else None
             self.tool_call_parser = ToolCallParser(detect_tool_call_parser(template, engine.model_config.architecture))
@@ -94,6 +108,21 @@ class Server:
         self.engine = engine
         logger.info("serving model %r from %s (context length %d)", self.model_name, engine.model_path,
                     engine.context_length)
+
+    def _load_lora_modules(self, engine: Engine) -> None:
+        """Load ``lora_modules`` (``--lora-modules``) into ``engine``; the first that fails raises
+        ``ValueError`` naming it (the start-up fails)."""
+        for module in self.lora_modules:
+            if module.name == self.model_name:
+                raise ValueError(f"--lora-modules {module.name}={module.path}: the adapter's name is the served "
+                                 "model's (--served-model-name): give it another")
+            try:
+                engine.load_lora_adapter(module.name, module.path)
+            except ValueError as exc:
+                raise ValueError(f"--lora-modules {module.name}={module.path}: {exc}") from None
+            if module.base_model_name:
+                self.lora_parents[module.name] = module.base_model_name
+            logger.info("LoRA adapter %r loaded from %s", module.name, module.path)
 
     def stop_engine(self) -> None:
         engine, self.engine = self.engine, None
@@ -173,11 +202,25 @@ class Server:
         return await asyncio.to_thread(lambda: [tokenizer.encode(t, add_special_tokens=add_special_tokens)
                                                 for t in texts])
 
-    def check_model(self, model: str) -> None:
-        """404 unless ``model`` is the served name."""
-        if model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def lora_adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters, name -> path (``Engine.lora_adapters``; none while the engine is not
+        running)."""
+        engine = self.engine
+        return engine.lora_adapters() if engine is not None else {}
+
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (``Engine.generate``'s ``lora_name``), None for
+        the served model; a 404 for any other name, listing what is served."""
+        if model == self.model_name:
+            return None
+        adapters = self.lora_adapters()
+        if model in adapters:
+            return model
+        served = repr(self.model_name)
+        if adapters:
+            served += " and the LoRA adapters " + ", ".join(map(repr, sorted(adapters)))
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
+                       param="model", code="model_not_found")
 
     async def check_api_key(self, request: Request) -> None:
         """FastAPI dependency of the /v1, the native (/generate, /flush_cache, ...), /tokenize and /detokenize routes
@@ -291,7 +334,8 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                reasoning_parser: str | None = None, log_requests_level: int | None = None,
                allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
-               allow_credentials: bool = False, **engine_options: Any) -> FastAPI:
+               allow_credentials: bool = False, lora_modules: Sequence[LoraModule] = (),
+               **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
     ``app.state.server`` is the ``Server`` (``.engine`` once started). ``served_model_name`` is the
@@ -308,8 +352,10 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     request as it ends, at that level (``hyla.server.request_log``; None: none).
     ``allowed_origins`` / ``_methods`` / ``_headers`` / ``allow_credentials``: CORS, as vLLM's flags
     (default: any origin, as vLLM and SGLang; empty ``allowed_origins``: no CORS headers, so browsers
-    refuse other origins' pages)."""
-    server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout)
+    refuse other origins' pages). ``lora_modules``: LoRA adapters (``LoraModule``) loaded as the engine starts
+    (``enable_lora``; ``--lora-modules``); a request's ``model`` may name one (``lora_routes.py``)."""
+    server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout,
+                    lora_modules)
     server.tool_call_parser_choice = tool_call_parser
     if tool_call_parser != AUTO:  # (else the engine's chat template picks it, at start-up)
         server.tool_call_parser = ToolCallParser(tool_call_parser)
@@ -348,6 +394,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                        dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
     app.include_router(TokenRoutes(server).router(), dependencies=auth)
+    app.include_router(LoraRoutes(server).router(), dependencies=auth)
     app.include_router(AnthropicRoutes(server).router())  # (its own API key check: Anthropic's header and errors)
     return app
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
+from hyla.server.lora_routes import parse_lora_module
 from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 from hyla.router.policy import POLICIES
@@ -93,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="The model name clients send (default: the model directory's name; "
                              "'hyla-default' for the built-in model).")
+    parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                        metavar="NAME=PATH",
+                        help="LoRA adapters loaded at start-up (needs --enable-lora; vLLM's flag): each NAME=PATH (a "
+                             "PEFT adapter directory: adapter_config.json, adapter_model.safetensors), or vLLM's JSON "
+                             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'. A request's model names "
+                             "one; /v1/load_lora_adapter and /v1/unload_lora_adapter change them while serving.")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help=f"Refuse a request body larger than this with 413 (default {DEFAULT_MAX_REQUEST_BYTES}).")
     parser.add_argument("--max-prefix-bytes", type=int, default=DEFAULT_MAX_PREFIX_BYTES, metavar="BYTES",
@@ -163,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path is not None and not (Path(args.model_path) / "config.json").is_file():
         print(f"hyla serve: error: no config.json in model directory {args.model_path!r}", file=sys.stderr)
         return 2
+    lora_error = _lora_modules_error(args.lora_modules or [], options, args.served_model_name)
+    if lora_error is not None:
+        print(f"hyla serve: error: {lora_error}", file=sys.stderr)
+        return 2
     draft = options.get("speculative_draft_model_path")
     if draft is not None and not (Path(draft) / "config.json").is_file():
         print(f"hyla serve: error: no config.json in draft model directory {draft!r}", file=sys.stderr)
@@ -232,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser,
                      log_requests_level=args.log_requests_level if args.log_requests else None,
-                     **cors_options(args), **options)
+                     lora_modules=args.lora_modules or (), **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5, **tls_options(args))
@@ -248,6 +259,27 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         sock.close()
     return 0 if server.started else 1
+
+
+def _lora_modules_error(modules: list, options: dict[str, Any], served_model_name: str | None) -> str | None:
+    """What is wrong with ``--lora-modules`` before anything loads (the adapters themselves the engine checks
+    at start-up), or None."""
+    if not modules:
+        return None
+    if not options.get("enable_lora"):
+        return "--lora-modules needs --enable-lora"
+    names = [m.name for m in modules]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"--lora-modules names {', '.join(map(repr, twice))} more than once"
+    if served_model_name is not None and served_model_name in names:
+        return f"--lora-modules: the adapter name {served_model_name!r} is the --served-model-name"
+    if len(modules) > options["max_loras"]:
+        return f"--lora-modules gives {len(modules)} adapters; --max-loras holds {options['max_loras']}"
+    for m in modules:
+        if not (Path(m.path) / "adapter_config.json").is_file():
+            return f"--lora-modules {m.name}={m.path}: no adapter_config.json in that directory (a PEFT LoRA adapter)"
+    return None
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -30,6 +30,11 @@ the KV from there on only (``X-Hyla-KV-From``): a conversation's later turn move
 and the state, not its whole history's KV. The decision is the decode worker's, on its cache as it
 is, not on the router's picture of it.
 
+A request with a LoRA adapter (its ``model`` an adapter's name, ``Job.lora_name``) is not moved: its prompt's
+KV is the adapter's, which ``/export_prefix`` and ``/import_prefix`` do not carry, so a decode worker computes
+it itself, whatever ``X-Hyla-Local-Prefill-Tokens`` allows (never a 409), and a prefill-only request for one
+is a 400 (``lora_not_disaggregated``).
+
 Torch-free at import (the engine's modules are imported where used), so that the router, which runs
 without torch, takes the header's name and the answer's from here.
 """
@@ -85,8 +90,8 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
-    if value is None or isinstance(jobs[0].prompt, str):
-        return None
+    if value is None or isinstance(jobs[0].prompt, str) or any(j.lora_name is not None for j in jobs):
+        return None  # (a LoRA adapter's prompt: computed here, its KV the adapter's)
     allowed = header_count(value)
     if allowed is None:
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
@@ -119,6 +124,9 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
         raise APIError(400, "a prefill-only request takes one prompt, not a batch of different ones",
                        code="batch_not_disaggregated")
     job = jobs[0]
+    if any(j.lora_name is not None for j in jobs):  # (the router sends none: decode workers compute them, above)
+        raise APIError(400, "a request with a LoRA adapter is not prefilled elsewhere: send it to a decode worker",
+                       param="model", code="lora_not_disaggregated")
     if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
     # what a cache can serve of the request (prompt logprobs: up to the first position whose logits they need), and

@@ -6,7 +6,8 @@ Where each status comes from:
 * a request body pydantic refuses (``RequestValidationError``) → 400, ``param`` naming the field (a
   rule over several fields, the one that broke it: ``protocol.FieldError``);
 * what the engine raises at submission (``engine_error``): ``ValueError`` → 400 (a ``RequestError``
-  names its field: ``param``, in the endpoint's words, ``api_param``), ``EngineOverloadedError`` →
+  names its field: ``param``, in the endpoint's words, ``api_param``; one naming ``lora_name``, an
+  adapter unloaded since the server checked the request's ``model``: 404), ``EngineOverloadedError`` →
   429 with ``Retry-After``, anything else → 500;
 * a request the engine aborted on its own (``abort_error``, by its cause): shut down → 503, its
   grammar → 400, displaced from a full queue by a more urgent request → 429, else 500;
@@ -72,6 +73,8 @@ def api_param(param: str | None, endpoint: str) -> str | None:
     ``sampling_params.max_new_tokens`` at ``/generate``, whose body nests the sampling fields."""
     if param is None:
         return None
+    if param == "lora_name":  # (the request's model names its adapter; /generate's lora_path, SGLang's field)
+        return "lora_path" if endpoint == "generate" else "model"
     if endpoint in _API_PARAMS:
         return _API_PARAMS[endpoint].get(param, param)
     return f"sampling_params.{param}" if param in SAMPLING_FIELDS else param
@@ -84,6 +87,8 @@ def engine_error(exc: BaseException, endpoint: str) -> APIError:
         return exc
     if isinstance(exc, EngineOverloadedError):
         return _overloaded(f"the server is overloaded: {exc}")
+    if isinstance(exc, RequestError) and exc.param == "lora_name":  # (unloaded after the request was checked)
+        return APIError(404, str(exc), param=api_param(exc.param, endpoint), code="model_not_found")
     if isinstance(exc, RequestError):
         return APIError(400, str(exc), param=api_param(exc.param, endpoint))
     if isinstance(exc, ValueError):

@@ -64,6 +64,7 @@ class Job:
     priority: int | None = None  # priority scheduling (Engine.generate's docstring)
     namespace: Any = None  # the prefix cache's partition (a cache_salt's: protocol.cache_namespace)
     aborted: bool = False  # aborted before it reached this server (disaggregation.ABORTED_HEADER): aborted at once
+    lora_name: str | None = None  # its LoRA adapter (a request's model names one: Server.check_model); None: the model
 
 
 def job_request(job: Job) -> dict[str, Any]:
@@ -71,7 +72,8 @@ def job_request(job: Job) -> dict[str, Any]:
     text, ids = (job.prompt, None) if isinstance(job.prompt, str) else (None, job.prompt)
     return dict(prompt=text, input_ids=ids, sampling_params=job.sampling_params, return_logprob=job.return_logprob,
                 checkpoints=job.checkpoints or None, logprob_start_len=job.logprob_start_len,
-                speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
+                speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace,
+                lora_name=job.lora_name)
 
 
 @dataclass

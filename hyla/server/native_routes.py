@@ -74,7 +74,9 @@ class NativeRoutes:
 
     async def generate(self, body: GenerateRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        jobs = await self._tokenized(_jobs(body))
+        jobs = _jobs(body)
+        self._check_loras(body, jobs)
+        jobs = await self._tokenized(jobs)
         try:
             answer = await disaggregation_answer(self.server, "generate", jobs, arrival, request)
             if answer is not None:
@@ -88,6 +90,20 @@ class NativeRoutes:
             return gen.stream(_events(gen))
         collected = await gen.collect(request)
         return await json_answer(lambda: _output(collected[0]) if body.is_single() else [_output(c) for c in collected])
+
+    def _check_loras(self, body: GenerateRequest, jobs: list[Job]) -> None:
+        """A 400 naming ``lora_path`` (its item's index, for a list) where a job names a LoRA adapter that is
+        not loaded (SGLang's field holds the adapter's name)."""
+        names = {job.lora_name for job in jobs} - {None}
+        if not names:
+            return
+        adapters = self.server.lora_adapters()
+        for i, job in enumerate(jobs):
+            if job.lora_name is not None and job.lora_name not in adapters:
+                param = f"lora_path.{i}" if isinstance(body.lora_path, list) else "lora_path"
+                loaded = ", ".join(map(repr, sorted(adapters))) or "none"
+                raise APIError(400, f"the LoRA adapter {job.lora_name!r} is not loaded (loaded: {loaded}; "
+                                    "POST /v1/load_lora_adapter loads one)", param=param, code="lora_adapter_not_found")
 
     async def _body_param(self, param: str | None, body: GenerateRequest, jobs: list[Job]) -> str | None:
         """The body's field for a refused request's ``param`` (``api_param``'s, for the engine's
@@ -269,9 +285,9 @@ async def _events(gen: Generation) -> AsyncIterator[str]:
 
 def _listed_fields(body: GenerateRequest) -> set[str]:
     """The fields ``body`` gives one value per prompt of a batch (lists, item ``i`` for prompt ``i``): the
-    prompts of a batch themselves, and ``sampling_params``, ``rid``, ``logprob_start_len``, ``priority``
-    given as lists and ``checkpoints`` as a list of lists."""
-    listed = {name for name in ("sampling_params", "rid", "logprob_start_len", "priority")
+    prompts of a batch themselves, and ``sampling_params``, ``rid``, ``logprob_start_len``, ``priority``,
+    ``lora_path`` given as lists and ``checkpoints`` as a list of lists."""
+    listed = {name for name in ("sampling_params", "rid", "logprob_start_len", "priority", "lora_path")
               if isinstance(getattr(body, name), list)}
     if not body.is_single():
         listed.add("text" if body.text is not None else "input_ids")
@@ -310,17 +326,18 @@ def _jobs(body: GenerateRequest) -> list[Job]:
         raise APIError(400, "rid lists an id twice: each request of a batch needs its own", param="rid")
     rids = per_item("rid")
     priorities = per_item("priority")
+    loras = per_item("lora_path")
     single_ckpt = "checkpoints" not in listed
     if body.checkpoints and n > 1 and single_ckpt:
         raise APIError(400, "checkpoints must be a list of lists for a batch", param="checkpoints")
     ckpts = [body.checkpoints or []] if single_ckpt else per_item("checkpoints")
     ckpts = ckpts * n if len(ckpts) == 1 else ckpts
     jobs = []
-    for prompt, p, rid, ck, start, prio in zip(prompts, params, rids, ckpts, starts, priorities):
+    for prompt, p, rid, ck, start, prio, lora in zip(prompts, params, rids, ckpts, starts, priorities, loras):
         p = dict(p or {})
         if body.top_logprobs_num is not None:
             p.setdefault("top_logprobs_num", body.top_logprobs_num)
         jobs.append(Job(prompt, p, return_logprob=body.return_logprob, checkpoints=list(ck), rid=rid,
                         logprob_start_len=start, speculative_checkpoints=body.speculative_checkpoints, priority=prio,
-                        namespace=cache_namespace(body.cache_salt)))
+                        namespace=cache_namespace(body.cache_salt), lora_name=lora))
     return jobs

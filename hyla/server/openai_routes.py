@@ -1,6 +1,7 @@
 """OpenAI's API: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``.
 
-A request, top-down: check the model name; tokenize (chat: render the template, and keep each
+A request, top-down: check the model name (the served model's, or a loaded LoRA adapter's: the jobs'
+``lora_name``, and the name the answer echoes); tokenize (chat: render the template, and keep each
 message's end as a checkpoint for the prefix cache); build ``n`` jobs per prompt (choice ``j``
 samples with ``seed + j``); start them as one ``Generation``; then either stream each engine
 chunk as an OpenAI chunk (its own text and logprobs) or collect the choices into one response.
@@ -72,21 +73,30 @@ class OpenAIRoutes:
         return router
 
     # --- /v1/models ----------------------------------------------------------------------------
-    def _model_card(self) -> ModelCard:
+    def _model_card(self, lora_name: str | None = None) -> ModelCard:
+        """The served model's card, or a loaded LoRA adapter's (vLLM's: ``root`` its directory, ``parent``
+        the served model's name, or its ``--lora-modules`` ``base_model_name``)."""
         engine = self.server.admit()
-        return ModelCard(id=self.server.model_name, root=str(engine.model_path), max_model_len=engine.context_length)
+        if lora_name is None:
+            return ModelCard(id=self.server.model_name, root=str(engine.model_path),
+                             max_model_len=engine.context_length)
+        path = self.server.lora_adapters().get(lora_name)
+        if path is None:  # (unloaded meanwhile)
+            self.server.check_model(lora_name)
+        return ModelCard(id=lora_name, root=str(path), max_model_len=engine.context_length,
+                         parent=self.server.lora_parents.get(lora_name, self.server.model_name))
 
     async def list_models(self) -> ModelList:
-        return ModelList(data=[self._model_card()])
+        base = self._model_card()
+        return ModelList(data=[base, *(self._model_card(name) for name in self.server.lora_adapters())])
 
     async def get_model(self, model: str) -> ModelCard:
-        self.server.check_model(model)
-        return self._model_card()
+        return self._model_card(self.server.check_model(model))
 
     # --- /v1/completions -----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        self.server.check_model(body.model)
+        lora_name = self.server.check_model(body.model)
         engine = self.server.admit()
         top_k = body.logprobs or 0
         prompts = body.prompts()
@@ -105,7 +115,7 @@ class OpenAIRoutes:
             _check_min_tokens(body.min_tokens, max_new, "max_tokens")
             jobs += [Job(ids, body.sampling_params(max_new, top_k, j), return_logprob=body.logprobs is not None,
                          logprob_start_len=start, priority=body.priority, namespace=cache_namespace(body.cache_salt),
-                         rid=rids[p * body.n + j])
+                         rid=rids[p * body.n + j], lora_name=lora_name)
                      for j in range(body.n)]
         answer = await disaggregation_answer(self.server, "completions", jobs, arrival, request)
         if answer is not None:
@@ -132,7 +142,7 @@ class OpenAIRoutes:
                 choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs,
                                                 finish_reason=c.openai_finish_reason(),
                                                 **_token_ids(body, id_lists[p], c.output_ids)))
-            return CompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+            return CompletionResponse(id=rid, model=body.model, choices=choices,
                                       usage=usage(gen.choices, body.n)).model_dump()
         return await json_answer(answer)
 
@@ -174,12 +184,12 @@ class OpenAIRoutes:
             # (with return_token_ids every engine chunk goes out: its ids, even where it shows no text)
             if text or finish or (logprobs and logprobs.tokens) or body.return_token_ids:
                 ids = _token_ids(body, id_lists[p] if first else None, chunk["output_ids"])
-                out = CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[
+                out = CompletionResponse(id=rid, created=created, model=body.model, choices=[
                     CompletionChoice(index=choice.index, text=text, logprobs=logprobs, finish_reason=finish, **ids)],
                     usage=usage([choice], 1) if body.continuous_usage() else None)
                 yield sse(out)
         if body.include_usage():
-            yield sse(CompletionResponse(id=rid, created=created, model=self.server.model_name, choices=[],
+            yield sse(CompletionResponse(id=rid, created=created, model=body.model, choices=[],
                                          usage=usage(gen.choices, body.n)))
         yield SSE_DONE
 
@@ -187,6 +197,7 @@ class OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
         engine = admit_chat(self.server, body.model)
+        lora_name = self.server.check_model(body.model)  # (admit_chat checked it: the adapter it names)
         encoding = await render_chat(self.server, engine.tokenizer, body.messages, body.template_tools(),
                                      body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message,
@@ -206,7 +217,7 @@ class OpenAIRoutes:
                                                                              **grammar}, prefill=prefill),
                     return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
-                    namespace=cache_namespace(body.cache_salt), rid=rid)
+                    namespace=cache_namespace(body.cache_salt), rid=rid, lora_name=lora_name)
                 for j, rid in enumerate(job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), body.n))]
         answer = await disaggregation_answer(self.server, "chat", jobs, arrival, request)
         if answer is not None:
@@ -232,7 +243,7 @@ class OpenAIRoutes:
                     index=c.index, message=message, finish_reason=finish,
                     logprobs=chat_logprobs(engine.tokenizer, *choice_logprobs(c)) if body.logprobs else None,
                     token_ids=list(c.output_ids) if body.return_token_ids else None))
-            return ChatCompletionResponse(id=rid, model=self.server.model_name, choices=choices,
+            return ChatCompletionResponse(id=rid, model=body.model, choices=choices,
                                           usage=usage(gen.choices, body.n),
                                           prompt_token_ids=encoding.ids if body.return_token_ids else None).model_dump()
         return await json_answer(answer)
@@ -245,7 +256,7 @@ class OpenAIRoutes:
         num_calls = {c.index: 0 for c in gen.choices}  # the calls a choice has begun
 
         def chunk_of(choice: ChatChunkChoice, **extra: Any) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[choice],
+            return sse(ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[choice],
                                            **extra))
 
         # each choice's first chunk: its role (and, as vLLM's, the prompt's ids and the usage so far)
@@ -275,7 +286,7 @@ class OpenAIRoutes:
                                                finish_reason=finish, token_ids=token_ids),
                                usage=usage([choice], 1) if body.continuous_usage() else None)
         if body.include_usage():
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=self.server.model_name, choices=[],
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[],
                                           usage=usage(gen.choices, body.n)))
         yield SSE_DONE
 

@@ -796,6 +796,8 @@ class GenerateRequest(_Request):
     speculative_checkpoints: bool = False  # the checkpoints are guesses (Engine.generate's docstring)
     priority: int | list[int] | None = None  # one, or one per item (--enable-priority-scheduling; docs/engine.md)
     cache_salt: str | None = None  # the whole batch's (vLLM's field: cache_namespace)
+    # SGLang's: the LoRA adapter's name (a loaded adapter's, as SGLang takes it; null: the model), one or one per item
+    lora_path: str | list[str | None] | None = None
 
     _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
 
@@ -946,6 +948,24 @@ class UpdateWeightsFromDiskRequest(_Request):
         if value is not None:
             check_weight_version(value)  # (the engine's rule: a 400 naming weight_version, not the checkpoint)
         return value
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """``POST /v1/load_lora_adapter`` (vLLM's): load the PEFT LoRA adapter in the directory ``lora_path``
+    under the name ``lora_name`` (``Engine.load_lora_adapter``); ``load_inplace``: an adapter already
+    loaded under that name is replaced (unloaded first), else that is a 400."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /v1/unload_lora_adapter`` (vLLM's): unload the adapter ``lora_name``
+    (``Engine.unload_lora_adapter``). vLLM's ``lora_int_id`` is taken and not used: hyla names adapters."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
 
 
 class DetokenizeRequest(_Request):
@@ -1099,7 +1119,7 @@ class ChatCompletionChunk(_OmitsNone):
 
 
 class ModelCard(BaseModel):
-    """OpenAI's model object (vLLM's ``root`` and ``max_model_len`` too), which is also Anthropic's
+    """OpenAI's model object (vLLM's ``root``, ``parent`` and ``max_model_len`` too), which is also Anthropic's
     (``type``, ``display_name``, ``created_at``): ``GET /v1/models`` answers both APIs' clients."""
 
     id: str
@@ -1107,6 +1127,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "hyla"
     root: str
+    parent: str | None = None  # a LoRA adapter's: the served model's name (vLLM's); the model's own: null
     max_model_len: int
     type: Literal["model"] = "model"
     display_name: str = ""

@@ -523,7 +523,8 @@ class ResponsesRoutes:
                                 {**prompt.chat.sampling_params(prompt.max_new, top_k, 0), **prompt.grammar})
         job = Job(prompt.encoding.ids, params, return_logprob=body.wants_logprobs(),
                   checkpoints=list(prompt.encoding.boundaries), speculative_checkpoints=True,
-                  namespace=cache_namespace(body.cache_salt))
+                  namespace=cache_namespace(body.cache_salt),
+                  lora_name=self.server.check_model(body.model))  # (a LoRA adapter's name, or None)
         try:
             answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)
             if answer is not None:
@@ -681,7 +682,7 @@ class _Turn:
         """The response object without its output and usage (what ``response.created`` sends)."""
         b = self.body
         return ResponseObject(
-            id=self.rid, created_at=self.created_at, model=self.server.model_name, status=status,
+            id=self.rid, created_at=self.created_at, model=b.model, status=status,
             instructions=b.instructions, previous_response_id=b.previous_response_id,
             tools=[t.model_dump() for t in b.tools or ()], tool_choice=b.tool_choice_echo(),
             parallel_tool_calls=bool(b.parallel_tool_calls), temperature=b.temperature, top_p=b.top_p,

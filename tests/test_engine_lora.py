@@ -1,0 +1,254 @@
+"""LoRA adapters (``hyla/model/lora.py``, ``hyla/engine/lora_manager.py``).
+
+The oracle is PEFT itself: each adapter is made by ``peft`` (``checkpoints.make_lora_adapter``), and the
+model it must serve as is the base checkpoint with that adapter merged by ``peft`` (``merge_and_unload``).
+An engine serving several adapters and the base model in one batch, its prefix cache on and its pools
+small enough to evict and retract, gives each request the greedy tokens and logprobs (within fp32's 1e-4,
+up to a tie: ``test_engine_differential.compare_outputs``) of the merged model run alone with no cache.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import checkpoints
+from hyla import Engine
+from hyla.engine.args import EngineArgs
+from hyla.engine.errors import RequestError
+from hyla.model.linear import Linear
+from hyla.model.lora import LinearLoRA, LoRABatch, LoRAScope
+from test_engine_differential import assert_drained, compare_outputs, make_workload
+
+# every projection of Qwen3.5's layers PEFT can target (its MLP's gate and up are one fused parameter
+# in transformers, which PEFT leaves alone); B: another set, another rank, rsLoRA
+QWEN3_5_A = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+             "down_proj")
+QWEN3_5_B = ("q_proj", "v_proj", "in_proj_qkv", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, qwen3_5_short_path):
+    """``{name: (adapter dir, merged checkpoint)}`` for two adapters of the short Qwen3.5."""
+    d = tmp_path_factory.mktemp("lora")
+    made = {}
+    for name, kw in (("a", dict(target_modules=QWEN3_5_A, r=4, seed=0)),
+                     ("b", dict(target_modules=QWEN3_5_B, r=8, lora_alpha=4.0, use_rslora=True, seed=1))):
+        made[name] = (checkpoints.make_lora_adapter(d, qwen3_5_short_path, **kw),
+                      checkpoints.make_lora_adapter(d, qwen3_5_short_path, merged=True, **kw))
+    return made
+
+
+def greedy(max_new: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}
+
+
+def run(engine: Engine, specs: list[dict], lora_names: list[str | None] | None = None) -> list[dict]:
+    return engine.generate(input_ids=[s["ids"] for s in specs], sampling_params=[greedy(s["max_new"]) for s in specs],
+                           return_logprob=True, lora_name=lora_names)
+
+
+def reference(path, specs: list[dict]) -> list[dict]:
+    """``specs`` on the checkpoint at ``path`` (a merged one, or the base), no cache, one at a time."""
+    with Engine(str(path), enable_prefix_cache=False, max_running_requests=1) as engine:
+        return run(engine, specs)
+
+
+def test_adapters_and_base_in_one_batch_equal_their_merged_models_under_pressure(qwen3_5_short_path, adapters):
+    """Every prompt three times, under adapter a, adapter b and the base model, in one engine whose cache
+    must keep them apart (same tokens, different K/V and states), with small pools (eviction, retraction)
+    and a small prefill chunk; then second turns that hit the cache within each adapter."""
+    wave1, followups = make_workload(seed=3, vocab=2048, num_sessions=8, num_shared=4, scale=0.5)
+    names = ["a", "b", None]
+    kw = dict(enable_lora=True, max_total_tokens=500, max_state_slots=16, chunked_prefill_size=48)
+    with Engine(str(qwen3_5_short_path), **kw) as engine:
+        for name in ("a", "b"):
+            engine.load_lora_adapter(name, adapters[name][0])
+        assert engine.lora_adapters() == {n: str(adapters[n][0]) for n in ("a", "b")}
+        specs = [s for s in wave1 for _ in names]
+        first = run(engine, specs, names * len(wave1))
+        wave2 = [{"ids": s["ids"] + o["output_ids"] + followups[k // 3 % len(followups)], "max_new": 6}
+                 for k, (s, o) in enumerate(zip(specs, first))]
+        second = run(engine, wave2, names * len(wave1))
+        assert sum(o["meta_info"]["cached_tokens"] for o in second) > 0
+        assert engine.scheduler.num_retractions > 0 and engine.cache.num_evicted_tokens > 0  # the pressure was real
+        assert_drained(engine)
+    compared = 0
+    for i, name in enumerate(names):
+        path = adapters[name][1] if name else qwen3_5_short_path
+        want = reference(path, specs[i::3] + wave2[i::3])
+        compared += compare_outputs((first[i::3] + second[i::3]), want)
+    assert compared > 0.9 * sum(s["max_new"] for s in specs + wave2)
+    # the adapters matter: each gives other tokens than the base model
+    for i in (0, 1):
+        assert any(o["output_ids"] != base["output_ids"] for o, base in zip(first[i::3], first[2::3]))
+
+
+def test_cache_is_per_adapter(qwen3_5_short_path, adapters):
+    """A prompt cached by the base model is no hit for an adapter (and back); the adapter's own is, under
+    any name its files are loaded as, and after being unloaded and loaded again."""
+    prompt = list(range(10, 90))
+    with Engine(str(qwen3_5_short_path), enable_lora=True) as engine:
+        engine.load_lora_adapter("a", adapters["a"][0])
+        base = engine.generate(input_ids=prompt, sampling_params=greedy(4))
+        first = engine.generate(input_ids=prompt, sampling_params=greedy(4), lora_name="a")
+        assert first["meta_info"]["cached_tokens"] == 0
+        again = engine.generate(input_ids=prompt, sampling_params=greedy(4), lora_name="a")
+        assert again["meta_info"]["cached_tokens"] > 0 and again["output_ids"] == first["output_ids"]
+        engine.load_lora_adapter("a-too", adapters["a"][0])
+        assert engine.generate(input_ids=prompt, sampling_params=greedy(4), lora_name="a-too")["meta_info"][
+            "cached_tokens"] > 0
+        engine.load_lora_adapter("b", adapters["b"][0])
+        assert engine.generate(input_ids=prompt, sampling_params=greedy(4), lora_name="b")["meta_info"][
+            "cached_tokens"] == 0
+        engine.unload_lora_adapter("a")
+        engine.unload_lora_adapter("a-too")
+        engine.load_lora_adapter("a", adapters["a"][0])
+        reloaded = engine.generate(input_ids=prompt, sampling_params=greedy(4), lora_name="a")
+        assert reloaded["meta_info"]["cached_tokens"] > 0 and reloaded["output_ids"] == first["output_ids"]
+        assert base["output_ids"] != first["output_ids"]
+
+
+@pytest.mark.parametrize("make, kw, targets", [
+    # Qwen3-Next: in_proj_qkvz and in_proj_ba regrouped per head into one in projection, q/k/v into one
+    (checkpoints.make_qwen3_next, dict(moe=False, num_hidden_layers=2, layer_types=["linear_attention",
+                                                                                     "full_attention"]),
+     ("in_proj_qkvz", "in_proj_ba", "q_proj", "k_proj", "o_proj", "out_proj")),
+    # NemotronH: Mamba2's in projection, attention, MLP and a MoE layer's shared expert
+    (checkpoints.make_nemotron_h, {}, ("in_proj", "q_proj", "v_proj", "up_proj", "down_proj")),
+], ids=["qwen3_next", "nemotron_h"])
+def test_regrouped_and_fused_projections_equal_the_merged_model(tmp_path_factory, make, kw, targets):
+    d = tmp_path_factory.mktemp("tiny")
+    base = make(d, **kw)
+    adapter = checkpoints.make_lora_adapter(d, base, target_modules=targets, r=4, seed=2)
+    merged = checkpoints.make_lora_adapter(d, base, target_modules=targets, r=4, seed=2, merged=True)
+    rng = random.Random(0)
+    specs = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 60))], "max_new": 8} for _ in range(4)]
+    with Engine(str(base), enable_lora=True) as engine:
+        engine.load_lora_adapter("x", adapter)
+        got = run(engine, specs + specs, ["x"] * 4 + [None] * 4)
+    assert compare_outputs(got[:4], reference(merged, specs)) > 20
+    assert compare_outputs(got[4:], reference(base, specs)) > 20
+
+
+def test_unload_lets_running_requests_finish_and_refuses_new_ones(qwen3_5_short_path, adapters):
+    with Engine(str(qwen3_5_short_path), enable_lora=True) as engine:
+        engine.load_lora_adapter("a", adapters["a"][0])
+        whole = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(24), lora_name="a")
+        stream = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(24), lora_name="a", stream=True)
+        chunks = [next(stream)]
+        made, _ = engine._make_requests(None, [1, 2, 3], greedy(2), False, None, None, None, lora_name="a")
+        engine.unload_lora_adapter("a")
+        assert engine.lora_adapters() == {}
+        with pytest.raises(RequestError, match="no LoRA adapter named 'a'"):
+            engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(2), lora_name="a")
+        with pytest.raises(RequestError, match="unloaded"):  # made before the unload, submitted after
+            engine._submit(made)
+        chunks += list(stream)
+        assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
+        engine.wait_idle()
+        holders = [m for m in engine.model.modules() if isinstance(m, Linear) and m.lora is not None]
+        assert holders and all(not m.lora.weights for m in holders)  # its weights went with its last request
+        assert_drained(engine)
+
+
+def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, qwen3_5_short_path, adapters):
+    import json
+    import shutil
+
+    def variant(name: str, **changes) -> str:
+        path = tmp_path / name
+        shutil.copytree(adapters["a"][0], path)
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+        return str(path)
+
+    from safetensors.torch import load_file, save_file
+
+    head = checkpoints.make_lora_adapter(tmp_path, qwen3_5_short_path, target_modules=("lm_head",), r=2)
+    bare_head = tmp_path / "bare-head"  # without the tied embedding PEFT saves beside it
+    shutil.copytree(head, bare_head)
+    tensors = load_file(head / "adapter_model.safetensors")
+    save_file({k: v for k, v in tensors.items() if ".lora_" in k}, bare_head / "adapter_model.safetensors")
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=2, max_lora_rank=4) as engine:
+        for path, message in [
+                (tmp_path / "nowhere", "no such directory"),
+                (tmp_path, "no adapter_config.json"),
+                (variant("dora", use_dora=True), "use_dora"),
+                (variant("prompt", peft_type="PROMPT_TUNING"), "peft_type"),
+                (variant("bias", bias="all"), "trained biases"),
+                (head, "a whole weight"),
+                (bare_head, "the LM head projects the rows kept for logits"),
+                (adapters["b"][0], "rank 8; max_lora_rank is 4")]:
+            with pytest.raises(ValueError, match=message):
+                engine.load_lora_adapter("x", path)
+        engine.load_lora_adapter("a", adapters["a"][0])
+        with pytest.raises(ValueError, match="already loaded"):
+            engine.load_lora_adapter("a", adapters["a"][0])
+        engine.load_lora_adapter("a2", adapters["a"][0])
+        with pytest.raises(ValueError, match="max_loras is 2"):
+            engine.load_lora_adapter("a3", adapters["a"][0])
+        for name in ("", 7, "a\n"):
+            with pytest.raises(ValueError, match="name"):
+                engine.load_lora_adapter(name, adapters["a"][0])
+        with pytest.raises(RequestError, match="no LoRA adapter named 'zz'"):
+            engine.generate(input_ids=[1, 2], sampling_params=greedy(2), lora_name="zz")
+        with pytest.raises(RequestError, match="1 lora_name values for 2 requests"):
+            engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params=greedy(2), lora_name=["a"])
+        with pytest.raises(ValueError, match="no LoRA adapter named 'zz'"):
+            engine.unload_lora_adapter("zz")
+        with pytest.raises(RequestError, match="no LoRA adapter named 'zz'"):
+            engine.check_requests([{"input_ids": [1, 2], "lora_name": "zz"}])
+        assert len(engine.generate(input_ids=[[1, 2], [3, 4]], sampling_params=greedy(3),
+                                   lora_name=["a", None])) == 2
+        assert_drained(engine)
+    with Engine(str(qwen3_5_short_path)) as plain:
+        with pytest.raises(ValueError, match="enable_lora"):
+            plain.load_lora_adapter("a", adapters["a"][0])
+        with pytest.raises(RequestError, match="enable_lora"):
+            plain.generate(input_ids=[1, 2], sampling_params=greedy(2), lora_name="a")
+        assert plain.lora_adapters() == {}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(max_loras=2), "max_loras set without enable_lora"),
+    (dict(enable_lora=True, compile_decode=True), "not supported with compile_decode"),
+    (dict(enable_lora=True, speculative_algorithm="ngram"), "not supported with speculative decoding"),
+    (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be a positive integer"),
+    (dict(enable_lora="yes"), "enable_lora must be a bool"),
+])
+def test_lora_options_are_checked(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**options)
+
+
+def test_linear_adds_each_groups_update_to_its_rows_only():
+    """``LoRABatch.of`` groups packed rows by adapter; a projection adds each adapter's ``B A x`` to its rows
+    (all rows: no index), none to the base model's, and the adapters it does not hold change nothing."""
+    torch.manual_seed(0)
+    linear = Linear(6, 5, bias=True)
+    scope = LoRAScope()
+    linear.lora = LinearLoRA(scope)
+    weights = {3: (torch.randn(2, 6), torch.randn(5, 2)), 5: (torch.randn(4, 6), torch.randn(5, 4))}
+    linear.lora.weights.update(weights)
+    x = torch.randn(9, 6)
+    uids, counts = [0, 3, 0, 3, 5, 9], [2, 1, 3, 2, 1, 0]
+    batch = LoRABatch.of(uids + [0], counts + [0], torch.device("cpu"))
+    assert [(u, r.tolist()) for u, r in batch.groups] == [(3, [2, 6, 7]), (5, [8])]
+    scope.batch = batch
+    want = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    for row, uid in enumerate(u for u, n in zip(uids, counts) for _ in range(n)):
+        if uid in weights:
+            a, b = weights[uid]
+            want[row] += b @ (a @ x[row])
+    torch.testing.assert_close(linear(x), want)
+    assert LoRABatch.of([0, 0], [3, 1], torch.device("cpu")) is None
+    every = LoRABatch.of([3, 3], [4, 5], torch.device("cpu"))
+    assert every.groups[0][1] is None  # one adapter for every row: no index
+    scope.batch = every
+    a, b = weights[3]
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias) + x @ a.T @ b.T)
+    scope.batch = None
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
