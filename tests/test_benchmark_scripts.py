@@ -437,6 +437,17 @@ def test_kv_cache_dtype_measures_float8_against_auto():
     assert "tokens (" in out and "equal up to each request's first divergence" in out
 
 
+def test_lora_measures_every_mix_against_the_base_model():
+    """The tiny model, one round: adapters made for every projection an adapter may target, every metric of
+    every mix of requests, as a ratio against the base model's engine."""
+    out = _run("benchmarks/lora.py", "--tiny", "--repeats", "1", "--context", "32", "--new-tokens", "4",
+               "--prefill", "48", "--batch", "2", "--adapters", "2", "--rank", "4", "--no-write")
+    rows = {r.split("|")[1].strip(): r.split("|")[2:6] for r in out.splitlines() if r.startswith("| ") and "---" not in r}
+    assert len(rows) == 4 and "2 adapters of rank 4 on " in out
+    assert all(float(cell.split("(")[1].split("x")[0]) > 0 for name, r in rows.items() if name != "measurement"
+               for cell in r[1:])
+
+
 def test_prefix_transfer_moves_a_prefix_and_checks_the_first_token():
     """benchmarks/prefix_transfer.py: export, bytes, import timed; the first token after the import is the
     cold run's (the script asserts it)."""

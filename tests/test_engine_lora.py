@@ -232,11 +232,12 @@ def test_linear_adds_each_groups_update_to_its_rows_only():
     scope = LoRAScope()
     linear.lora = LinearLoRA(scope)
     weights = {3: (torch.randn(2, 6), torch.randn(5, 2)), 5: (torch.randn(4, 6), torch.randn(5, 4))}
-    linear.lora.weights.update(weights)
+    for uid, (a, b) in weights.items():
+        linear.lora.add(uid, a, b)
     x = torch.randn(9, 6)
-    uids, counts = [0, 3, 0, 3, 5, 9], [2, 1, 3, 2, 1, 0]
+    uids, counts = [0, 3, 0, 3, 5, 7, 9], [2, 1, 3, 2, 1, 0, 0]  # (7 and 9 feed no row; 9 is held by none)
     batch = LoRABatch.of(uids + [0], counts + [0], torch.device("cpu"))
-    assert [(u, r.tolist()) for u, r in batch.groups] == [(3, [2, 6, 7]), (5, [8])]
+    assert batch.uids == (3, 5) and batch.row_group.tolist() == [-1, -1, 0, -1, -1, -1, 0, 0, 1]
     scope.batch = batch
     want = torch.nn.functional.linear(x, linear.weight, linear.bias)
     for row, uid in enumerate(u for u, n in zip(uids, counts) for _ in range(n)):
@@ -245,10 +246,12 @@ def test_linear_adds_each_groups_update_to_its_rows_only():
             want[row] += b @ (a @ x[row])
     torch.testing.assert_close(linear(x), want)
     assert LoRABatch.of([0, 0], [3, 1], torch.device("cpu")) is None
-    every = LoRABatch.of([3, 3], [4, 5], torch.device("cpu"))
-    assert every.groups[0][1] is None  # one adapter for every row: no index
+    every = LoRABatch.of([3, 3, 5], [4, 5, 0], torch.device("cpu"))
+    assert every.uids == (3,) and every.row_group is None  # one adapter for every row: no mask
     scope.batch = every
     a, b = weights[3]
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias) + x @ a.T @ b.T)
+    scope.batch = LoRABatch.of([9, 0], [4, 5], torch.device("cpu"))  # an adapter that leaves it alone
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     scope.batch = None
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))

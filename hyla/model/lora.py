@@ -17,9 +17,10 @@ token rows (the LM head) is refused with a ``ValueError`` naming it, as is anyth
 not apply (DoRA, trained biases, ``modules_to_save``). ``rank_pattern`` and ``alpha_pattern`` apply as in PEFT.
 
 **Applying** (:class:`LoRABatch`, :class:`LinearLoRA`). The runner gives each step a
-:class:`LoRABatch` in ``ForwardBatch.lora``: the step's token rows grouped by adapter (built on the host
-once per step). The model binds it to its :class:`LoRAScope` for the forward; every projection holding
-an adapter's weights adds ``B (A x)`` to the rows of that adapter's group. A step where no row has an
+:class:`LoRABatch` in ``ForwardBatch.lora``: each token row's adapter (built on the host once per step).
+The model binds it to its :class:`LoRAScope` for the forward; every projection holding an adapter's
+weights adds ``B (A x)`` to that adapter's rows (a step mixing adapters: all of them stacked in the same
+two GEMMs, each row masked to its own). A step where no row has an
 adapter has no ``LoRABatch`` and costs the projections one attribute test. The update is computed
 apart from ``W x`` (never merged into ``W``): the sum differs from a merged weight's within rounding.
 """
@@ -30,12 +31,11 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from hyla.model.layers.model import HybridForCausalLM
@@ -48,28 +48,35 @@ LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """A step's token rows by adapter: ``groups`` of ``(adapter uid, rows)``, ``rows`` a long tensor
-    of row indices on the model's device, or None for every row. Rows of no adapter are in no group."""
+    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in order of first
+    row), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
+    device; None where every row applies ``uids[0]`` (one adapter for the whole step)."""
 
     num_rows: int
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    uids: tuple[int, ...]
+    row_group: torch.Tensor | None
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def mask(self, owner: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``[num_rows, len(owner)]``: whether each row's adapter owns each rank column (``owner``: a column's
+        index into ``uids``), made once per step for the projections whose columns ``key`` lays out alike."""
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = (self.row_group[:, None] == owner[None, :])
+        return m
 
     @staticmethod
     def of(uids: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
         """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply adapter ``uids[i]``
         (0: none); None where no sequence has one."""
-        if not any(uid and n for uid, n in zip(uids, counts)):
+        used = tuple(dict.fromkeys(uid for uid, n in zip(uids, counts) if uid and n))
+        if not used:
             return None
-        total = sum(counts)
-        rows: dict[int, list[int]] = {}
-        start = 0
-        for uid, n in zip(uids, counts):
-            if uid and n:
-                rows.setdefault(uid, []).extend(range(start, start + n))
-            start += n
-        groups = tuple((uid, None if len(r) == total else torch.tensor(r, dtype=torch.long).to(device))
-                       for uid, r in rows.items())
-        return LoRABatch(total, groups)
+        if len(used) == 1 and all(uid == used[0] for uid, n in zip(uids, counts) if n):
+            return LoRABatch(sum(counts), used, None)
+        index = {uid: i for i, uid in enumerate(used)}
+        groups = [index.get(uid, -1) for uid, n in zip(uids, counts) for _ in range(n)]
+        return LoRABatch(len(groups), used, torch.tensor(groups, dtype=torch.long).to(device))
 
 
 class LoRAScope:
@@ -82,11 +89,29 @@ class LoRAScope:
 
 
 class LinearLoRA:
-    """The adapters of one projection: ``weights[uid] = (A [R, in], B [out, R])``, the scale in ``B``."""
+    """The adapters of one projection: ``weights[uid] = (A^T [in, R], B^T [R, out])``, the scale in ``B``,
+    each contiguous as ``mm`` reads it best (at a few rows ``addmm_(mm(x, A^T), B^T)`` takes ~30-50% less
+    time than ``F.linear`` twice and an add on a CPU: docs/benchmarks.md, "LoRA adapters").
+
+    A step of one adapter adds ``B (A x)`` (two small GEMMs). A step mixing adapters (or an adapter and the
+    base model) runs the same two GEMMs on the step's adapters stacked, ``A = [A_1; A_2; ...]`` and ``B =
+    [B_1 | B_2 | ...]``, zeroing between them each row's columns of the other adapters (a row of the base
+    model: all), so the op count does not grow with the adapters (the stack is kept for the next step of the
+    same adapters)."""
 
     def __init__(self, scope: LoRAScope):
         self.scope = scope
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, uid: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Hold adapter ``uid``'s ``A [R, in]`` and ``B [out, R]`` (scaled)."""
+        self.weights[uid] = (a.t().contiguous(), b.t().contiguous())
+        self._stacked = None
+
+    def remove(self, uid: int) -> None:
+        self.weights.pop(uid, None)
+        self._stacked = None
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y += B (A x)`` on each adapter's rows of the bound step (``x [..., in]``, ``y [..., out]``)."""
@@ -96,16 +121,32 @@ class LinearLoRA:
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if x2.shape[0] != batch.num_rows:  # (an invariant: read_adapter refuses projections of other rows)
             raise RuntimeError(f"a LoRA projection got {x2.shape[0]} rows; the step has {batch.num_rows}")
-        for uid, rows in batch.groups:
-            w = self.weights.get(uid)
-            if w is None:  # (the adapter leaves this projection alone)
-                continue
-            a, b = w
-            if rows is None:
-                y2.add_(F.linear(F.linear(x2, a), b))  # [T, out]
-            else:
-                y2.index_add_(0, rows, F.linear(F.linear(x2.index_select(0, rows), a), b))
+        if batch.row_group is None:
+            w = self.weights.get(batch.uids[0])
+            if w is not None:  # (else the adapter leaves this projection alone)
+                y2.addmm_(torch.mm(x2, w[0]), w[1])  # [T, R] -> [T, out]
+            return y
+        stacked = self._stack(batch.uids)
+        if stacked is not None:
+            at, bt, owner, key = stacked
+            xa = torch.mm(x2, at)  # [T, sum R]
+            xa.mul_(batch.mask(owner, key))  # each row keeps its own adapter's columns
+            y2.addmm_(xa, bt)  # [T, out]
         return y
+
+    def _stack(self, uids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None:
+        """The adapters ``uids`` this projection holds, stacked: ``(A^T [in, sum R], B^T [sum R, out], owner
+        [sum R], key)``, ``owner`` each rank column's index into ``uids``, ``key`` its layout (``(index, R)`` per
+        adapter held); None where it holds none of them."""
+        if self._stacked is None or self._stacked[0] != uids:
+            held = [(i, self.weights[uid]) for i, uid in enumerate(uids) if uid in self.weights]
+            if not held:
+                return None
+            at = torch.cat([w[0] for _, w in held], dim=1)
+            owner = torch.cat([torch.full((w[0].shape[1],), i, dtype=torch.long) for i, w in held]).to(at.device)
+            key = tuple((i, w[0].shape[1]) for i, w in held)
+            self._stacked = (uids, at, torch.cat([w[1] for _, w in held]), owner, key)
+        return self._stacked[1:]
 
 
 def enable_lora_(model: HybridForCausalLM) -> LoRAScope:
@@ -212,8 +253,8 @@ def install_(model: HybridForCausalLM, uid: int, adapter: LoRAAdapter) -> None:
         if module.lora is None:
             module.lora = LinearLoRA(scope)
         # in the model's dtype (a weight kept in FP8 too: its projection's output is in the model's dtype)
-        module.lora.weights[uid] = (a.to(module.weight.device, model.config.dtype),
-                                    b.to(module.weight.device, model.config.dtype))
+        to = dict(device=module.weight.device, dtype=model.config.dtype)
+        module.lora.add(uid, a.to(**to), b.to(**to))
 
 
 def uninstall_(model: HybridForCausalLM, uid: int) -> None:
@@ -222,7 +263,7 @@ def uninstall_(model: HybridForCausalLM, uid: int) -> None:
 
     for module in model.modules():
         if isinstance(module, Linear) and module.lora is not None:
-            module.lora.weights.pop(uid, None)
+            module.lora.remove(uid)
 
 
 def _adapter_config(path: Path) -> dict:

@@ -188,6 +188,7 @@ class SparseMoE(nn.Module):
         width = c.moe_intermediate_size * (2 if self.gated else 1)
         self.router = Linear(c.hidden_size, c.num_experts, bias=False, dtype=c.dtype)
         self.router.keeps_fp8 = False  # (the routing in the model's precision, as FP8 checkpoints keep it)
+        self.router.lora_refused = "the router's logits may be computed from its weight alone (in fp32)"
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(c.num_experts, dtype=torch.float32))
             if c.router == "sigmoid" and c.router_bias else None
