@@ -87,7 +87,8 @@ for s in "$@"; do
                    tests/test_fused_extend.py tests/test_fused_selective_scan.py tests/test_fused_kimi_linear.py \
                    tests/test_engine_overlap.py \
                    tests/test_engine_mixed_chunk.py \
-                   tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights 2>&1 | tee "$out/tests.log" | tail -30
+                   tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights \
+                   tests/test_engine_lora.py::test_adapters_on_a_gpu_equal_their_merged_models 2>&1 | tee "$out/tests.log" | tail -30
                # one worker: each case holds 16-32 GiB of device memory (rows 2^31 elements apart)
                timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_kernel_offsets.py 2>&1 \
                    | tee "$out/offsets.log" | tail -8 ;;

@@ -32,6 +32,7 @@ QWEN3_5_B = ("q_proj", "v_proj", "in_proj_qkv", "down_proj")
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, qwen3_5_short_path):
     """``{name: (adapter dir, merged checkpoint)}`` for two adapters of the short Qwen3.5."""
+    pytest.importorskip("peft")  # (a dev dependency: absent only on a GPU machine given hyla's wheels alone)
     d = tmp_path_factory.mktemp("lora")
     made = {}
     for name, kw in (("a", dict(target_modules=QWEN3_5_A, r=4, seed=0)),
@@ -136,21 +137,24 @@ def test_regrouped_and_fused_projections_equal_the_merged_model(tmp_path_factory
 def test_unload_lets_running_requests_finish_and_refuses_new_ones(qwen3_5_short_path, adapters):
     with Engine(str(qwen3_5_short_path), enable_lora=True) as engine:
         engine.load_lora_adapter("a", adapters["a"][0])
-        whole = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(24), lora_name="a")
-        stream = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(24), lora_name="a", stream=True)
+        # long enough (~0.5 s) to be running through the unload below, which follows its first chunk at once
+        whole = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(400), lora_name="a")
+        stream = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(400), lora_name="a", stream=True)
         chunks = [next(stream)]
+        assert engine.get_stats()["num_lora_requests"] == 1 and engine.get_stats()["num_lora_adapters"] == 1
         made, _ = engine._make_requests(None, [1, 2, 3], greedy(2), False, None, None, None, lora_name="a")
         engine.unload_lora_adapter("a")
-        assert engine.lora_adapters() == {}
+        assert engine.lora_adapters() == {} and engine.get_stats()["num_lora_adapters"] == 0
         with pytest.raises(RequestError, match="no LoRA adapter named 'a'"):
             engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(2), lora_name="a")
         with pytest.raises(RequestError, match="unloaded"):  # made before the unload, submitted after
             engine._submit(made)
+        holders = [m for m in engine.model.modules() if isinstance(m, Linear) and m.lora is not None]
+        assert holders and all(m.lora.weights for m in holders)  # the running request still applies them
         chunks += list(stream)
         assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
         engine.wait_idle()
-        holders = [m for m in engine.model.modules() if isinstance(m, Linear) and m.lora is not None]
-        assert holders and all(not m.lora.weights for m in holders)  # its weights went with its last request
+        assert all(not m.lora.weights for m in holders)  # its weights went with its last request
         assert_drained(engine)
 
 
@@ -209,7 +213,7 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
             plain.load_lora_adapter("a", adapters["a"][0])
         with pytest.raises(RequestError, match="enable_lora"):
             plain.generate(input_ids=[1, 2], sampling_params=greedy(2), lora_name="a")
-        assert plain.lora_adapters() == {}
+        assert plain.lora_adapters() == {} and plain.get_stats()["num_lora_adapters"] is None
 
 
 @pytest.mark.parametrize("options, message", [
@@ -255,3 +259,21 @@ def test_linear_adds_each_groups_update_to_its_rows_only():
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     scope.batch = None
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+
+
+@pytest.mark.gpu
+def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapters):
+    """The same on CUDA, fp32: the adapters and the base model in one batch against each merged model, each run
+    on the same eager CUDA path (an engine with ``enable_lora`` serving no adapter: the base engine would take
+    the fused kernels, whose Triton dots sum in TF32)."""
+    rng = random.Random(1)
+    specs = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 90))], "max_new": 12} for _ in range(6)]
+    names = ["a", "b", None]
+    with Engine(str(qwen3_5_short_path), device="cuda", enable_lora=True) as engine:
+        for name in ("a", "b"):
+            engine.load_lora_adapter(name, adapters[name][0])
+        got = run(engine, [s for s in specs for _ in names], names * len(specs))
+    for i, name in enumerate(names):
+        with Engine(str(adapters[name][1] if name else qwen3_5_short_path), device="cuda", enable_lora=True,
+                    enable_prefix_cache=False) as ref:
+            assert compare_outputs(got[i::3], run(ref, specs)) > 50

@@ -353,6 +353,7 @@ class Engine:
                 f"prefix_cache={'on' if self.tree is not None else 'off'}{self._host_summary()}, "
                 f"decode={self._decode_mode()}"
                 f"{', overlap schedule' if self.scheduler.config.overlap else ''}, "
+                f"{f'LoRA adapters (up to {self.args.max_loras}, rank <= {self.args.max_lora_rank}), ' if self.loras else ''}"
                 f"speculative={self.args.speculative_algorithm or 'off'}"
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
@@ -794,6 +795,9 @@ class Engine:
             "num_queued_requests": s.num_waiting,
             "gen_throughput": s.last_gen_throughput,
             "spec_accept_length": s.accept_length if s.drafter is not None else None,
+            "num_lora_adapters": len(self.loras.adapters()) if self.loras is not None else None,
+            "num_lora_requests": sum(1 for r in [*s.running, *s.waiting] if r.lora_uid)
+            if self.loras is not None else None,
         }
 
     def record_cache_events(self) -> CacheLedger:

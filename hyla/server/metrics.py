@@ -51,6 +51,9 @@ ENGINE_GAUGES = (
     ("gen_throughput", "gen_throughput", "Decode throughput over the last log interval (tokens/s)."),
     ("spec_accept_length", "spec_accept_length",
      "Speculative decoding: mean output tokens per request per verify step (absent when off)."),
+    ("num_lora_adapters", "num_lora_adapters", "LoRA adapters loaded (absent without --enable-lora)."),
+    ("num_lora_requests", "num_lora_requests",
+     "Running and waiting requests that apply a LoRA adapter (absent without --enable-lora)."),
 )
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
