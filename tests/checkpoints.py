@@ -479,7 +479,7 @@ def make_perturbed(tmp_dir: str | Path, base, std: float = 0.05, seed: int = 1, 
 
 
 @torch.no_grad()
-def make_lora_adapter(tmp_dir: str | Path, base_path: Path, target_modules: Sequence[str] = ("q_proj", "v_proj"),
+def make_lora_adapter(tmp_dir: str | Path, base_path: Path, target_modules: Sequence[str] | str = ("q_proj", "v_proj"),
                       r: int = 4, lora_alpha: float = 8.0, seed: int = 0, std: float = 0.2, use_rslora: bool = False,
                       merged: bool = False) -> Path:
     """A PEFT LoRA adapter for the checkpoint at ``base_path``, made by ``peft`` itself (``get_peft_model``,
@@ -490,14 +490,14 @@ def make_lora_adapter(tmp_dir: str | Path, base_path: Path, target_modules: Sequ
     import peft  # test-only dependency
     import transformers
 
-    kw = dict(base=base_path.name, target_modules=list(target_modules), r=r, lora_alpha=lora_alpha, std=std,
-              use_rslora=use_rslora)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)  # ("all-linear": PEFT's)
+    kw = dict(base=base_path.name, target_modules=targets, r=r, lora_alpha=lora_alpha, std=std, use_rslora=use_rslora)
     adapter = _checkpoint_dir(tmp_dir, "lora", seed, kw)
     out = adapter.with_name(adapter.name + "-merged") if merged else adapter
     if (out / ("config.json" if merged else "adapter_config.json")).is_file():
         return out
     model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules), lora_dropout=0.0,
+    config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=targets, lora_dropout=0.0,
                              use_rslora=use_rslora)
     wrapped = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)

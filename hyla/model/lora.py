@@ -192,57 +192,90 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
     scale_of = _scales(config)
     cls = type(model)
     reader, _ = _index_checkpoint(Path(base_path), cls, model.config)
-    specs = _checkpoint_specs(Path(base_path), cls, model.config, set(reader.files))
-    by_source = {source: spec for spec in specs for source in spec.sources}
+    chosen = {spec.target: spec for spec in _checkpoint_specs(Path(base_path), cls, model.config, set(reader.files))}
+    layouts: dict[str, list] = {}  # every layout's spec of each target (the checkpoint's first)
+    for spec in [*chosen.values(), *cls.hf_weight_specs(model.config)]:
+        if spec not in layouts.setdefault(spec.target, []):
+            layouts[spec.target].append(spec)
     touched: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # target -> source -> (A, sB)
     for module, (a, b) in pairs.items():
         name = cls.normalize_hf_name(module + ".weight")
-        spec = by_source.get(name) if name is not None else None
-        if spec is None:
+        targets = {t for t, specs in layouts.items() for spec in specs if name in spec.sources} if name else set()
+        if not targets and cls.ignores_hf_name(model.config, module + ".weight"):  # a repeat of a shared weight
+            if any(m != module and torch.equal(a, o[0]) and torch.equal(b, o[1]) for m, o in pairs.items()):
+                continue  # (the same module, so the same adapter, saved under each of its names)
+            raise ValueError(f"{path}: the adapter targets {module!r}, a repeat of a shared block's weight (Zamba2's), "
+                             f"with an adapter of its own: hyla runs one copy of the block, with one adapter")
+        if not targets:
             raise ValueError(f"{path}: the adapter targets {module!r}, which is no weight of this "
                              f"{model.config.architecture} checkpoint")
+        if len(targets) > 1:  # (its update would have to reach every one of them)
+            raise ValueError(f"{path}: the adapter targets {module!r}, whose weight hyla builds into several "
+                             f"({', '.join(sorted(targets))}): not supported")
         r = a.shape[0]
         if r > max_rank:
             raise ValueError(f"{path}: {module!r} has rank {r}; max_lora_rank is {max_rank}")
         if b.shape[1] != r:
             raise ValueError(f"{path}: {module!r}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
                              f"ranks differ")
-        touched.setdefault(spec.target, {})[name] = (a.float(), b.float() * scale_of(module, r))
+        touched.setdefault(targets.pop(), {})[name] = (a.float(), b.float() * scale_of(module, r))
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for target, parts in touched.items():
-        spec = next(s for s in specs if s.target == target)
         module_name = target.removesuffix(".weight")
         module = model.get_submodule(module_name) if target.endswith(".weight") else None
+        what = f"{path}: the adapter targets {', '.join(map(repr, parts))} (hyla's {module_name})"
         if not isinstance(module, Linear) or module.lora_refused:
             why = module.lora_refused if isinstance(module, Linear) and module.lora_refused else \
                 "not a projection hyla applies adapters to"
-            raise ValueError(f"{path}: the adapter targets {', '.join(map(repr, parts))} (hyla's {module_name}): {why}")
+            raise ValueError(f"{what}: {why}")
+        # the layout the adapter names: the checkpoint's, or another of the same weight (transformers' modules
+        # as they are in memory, where its checkpoint holds them fused: Lara-4-Mini's in_proj)
+        spec = next((s for s in layouts[target] if set(parts) <= set(s.sources)), None)
+        if spec is None:
+            raise ValueError(f"{what}: no layout of the weight holds all of them")
         if not spec.moves_rows_only:
-            raise ValueError(f"{path}: the adapter targets {', '.join(map(repr, parts))}, which hyla builds into "
-                             f"{module_name} with more than moved rows (e.g. a multiplier folded in): not supported")
-        ranks = [parts[s][0].shape[0] if s in parts else 0 for s in spec.sources]
-        offsets = [sum(ranks[:i]) for i in range(len(ranks))]
-        total = sum(ranks)
-        blocks = []
-        for source, r, off in zip(spec.sources, ranks, offsets):
-            rows = reader.meta(source).shape[0]
-            block = torch.zeros(rows, total)
-            if r:
-                a, b = parts[source]
-                if b.shape[0] != rows or a.shape[1] != module.in_features:
-                    raise ValueError(f"{path}: {source.removesuffix('.weight')!r}'s adapter is "
-                                     f"{tuple(b.shape[:1])} x {tuple(a.shape[1:])}; the model's weight is "
-                                     f"{rows} x {module.in_features}")
-                block[:, off:off + r] = b
-            blocks.append(block)
-        big_b = spec.build(blocks)
-        if tuple(big_b.shape) != (module.out_features, total):
-            raise ValueError(f"{path}: the update of {module_name} came out {tuple(big_b.shape)}, not "
-                             f"{(module.out_features, total)}")
-        big_a = torch.cat([parts[s][0] for s in spec.sources if s in parts])
-        weights[module_name] = (big_a.contiguous(), big_b.contiguous())
+            raise ValueError(f"{what}, which hyla builds with more than moved rows (e.g. a multiplier folded "
+                             f"in): not supported")
+        weights[module_name] = _low_rank(what, spec, parts, _source_rows(what, spec, parts, reader, module), module)
     digest = hashlib.sha256((path / CONFIG_FILE).read_bytes() + weights_file.read_bytes()).hexdigest()[:16]
     return LoRAAdapter(str(path), max(a.shape[0] for a, _ in pairs.values()), digest, weights)
+
+
+def _source_rows(what: str, spec, parts: dict, reader, module) -> list[int]:
+    """The rows of each of ``spec``'s sources: the checkpoint's tensor's, else the adapter's ``B``'s, else
+    (one source alone unknown) what the others leave of the weight's."""
+    rows = [reader.meta(s).shape[0] if s in reader.files else parts[s][1].shape[0] if s in parts else None
+            for s in spec.sources]
+    unknown = [i for i, n in enumerate(rows) if n is None]
+    if len(unknown) > 1:
+        raise ValueError(f"{what}: the sizes of {', '.join(spec.sources[i] for i in unknown)} are unknown here")
+    if unknown:
+        rows[unknown[0]] = module.out_features - sum(n for n in rows if n is not None)
+    return rows
+
+
+def _low_rank(what: str, spec, parts: dict, rows: list[int], module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update of the weight ``spec`` builds from its sources, whose adapted ones are ``parts[source] = (A,
+    sB)``, as ``(A [R, in], B [out, R])``: the ``A`` stacked, each ``B`` in its own columns of a block of its
+    source's ``rows`` (zeros for the others), the blocks built as the weight is (moving rows only)."""
+    ranks = [parts[s][0].shape[0] if s in parts else 0 for s in spec.sources]
+    total = sum(ranks)
+    blocks, offset = [], 0
+    for source, r, n in zip(spec.sources, ranks, rows):
+        block = torch.zeros(n, total)
+        if r:
+            a, b = parts[source]
+            if b.shape[0] != n or a.shape[1] != module.in_features:
+                raise ValueError(f"{what}: {source.removesuffix('.weight')!r}'s adapter is {b.shape[0]} x "
+                                 f"{a.shape[1]}; the model's weight is {n} x {module.in_features}")
+            block[:, offset:offset + r] = b
+        blocks.append(block)
+        offset += r
+    big_b = spec.build(blocks)
+    if tuple(big_b.shape) != (module.out_features, total):
+        raise ValueError(f"{what}: its update came out {tuple(big_b.shape)}, not {(module.out_features, total)}")
+    big_a = torch.cat([parts[s][0] for s in spec.sources if s in parts])
+    return big_a.contiguous(), big_b.contiguous()
 
 
 def install_(model: HybridForCausalLM, uid: int, adapter: LoRAAdapter) -> None:
