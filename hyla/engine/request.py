@@ -67,7 +67,7 @@ class Req:
     # True: ``checkpoints`` are guesses (a chat's message ends), stored only in free or replaceable
     # slots; False: the caller asked for them, stored like a finished turn's end (docs/cache.md)
     speculative_checkpoints: bool = False
-    namespace: Hashable | None = None  # cache salt / LoRA id: different namespaces never share
+    namespace: Hashable | None = None  # cache salt (with a LoRA adapter's digest): different namespaces never share
     lora_uid: int = 0  # the LoRA adapter it applies (LoRAManager's uid of one load; 0: none, the base model)
     return_logprob: bool = False
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
