@@ -183,8 +183,17 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
     shutil.copytree(head, bare_head)
     tensors = load_file(head / "adapter_model.safetensors")
     save_file({k: v for k, v in tensors.items() if ".lora_" in k}, bare_head / "adapter_model.safetensors")
+    zero_rank = tmp_path / "zero-rank"  # (every lora_A [0, in], every lora_B [out, 0])
+    shutil.copytree(adapters["a"][0], zero_rank)
+    save_file({k: v[:0] if ".lora_A." in k else v[:, :0] for k, v in
+               load_file(adapters["a"][0] / "adapter_model.safetensors").items()},
+              zero_rank / "adapter_model.safetensors")
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=2, max_lora_rank=4) as engine:
         for path, message in [
+                (zero_rank, "rank 0; ranks go from 1"),
+                (variant("pattern", alpha_pattern={"[": 16}), "not a regular expression"),
+                (variant("rslora", use_rslora="false"), "use_rslora must be true or false"),
+                (None, "must be a directory's path"),
                 (tmp_path / "nowhere", "no such directory"),
                 (tmp_path, "no adapter_config.json"),
                 (variant("dora", use_dora=True), "use_dora"),
@@ -192,15 +201,18 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
                 (variant("bias", bias="all"), "trained biases"),
                 (head, "a whole weight"),
                 (bare_head, "the LM head projects the rows kept for logits"),
-                (adapters["b"][0], "rank 8; max_lora_rank is 4")]:
+                (adapters["b"][0], "rank 8; ranks go from 1 to max_lora_rank, 4")]:
             with pytest.raises(ValueError, match=message):
                 engine.load_lora_adapter("x", path)
         engine.load_lora_adapter("a", adapters["a"][0])
         with pytest.raises(ValueError, match="already loaded"):
             engine.load_lora_adapter("a", adapters["a"][0])
         engine.load_lora_adapter("a2", adapters["a"][0])
-        with pytest.raises(ValueError, match="max_loras is 2"):
+        with pytest.raises(ValueError, match="2 LoRA adapters are resident, max_loras is 2"):
             engine.load_lora_adapter("a3", adapters["a"][0])
+        with pytest.raises(ValueError, match="rank 8"):  # in place of a2: refused, and a2 stays
+            engine.load_lora_adapter("a2", adapters["b"][0], replace=True)
+        assert set(engine.lora_adapters()) == {"a", "a2"}
         for name in ("", 7, "a\n"):
             with pytest.raises(ValueError, match="name"):
                 engine.load_lora_adapter(name, adapters["a"][0])
@@ -284,3 +296,32 @@ def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapter
         with Engine(str(adapters[name][1] if name else qwen3_5_short_path), device="cuda", enable_lora=True,
                     enable_prefix_cache=False) as ref:
             assert compare_outputs(got[i::3], run(ref, specs)) > 50
+
+
+def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_reads_an_adapters_cache(
+        qwen3_5_short_path, adapters):
+    """``replace=True`` swaps the adapter behind a name between steps: a stream running with the old one
+    finishes with it, new requests get the new one; the resident count holds both until the stream ends.
+    A caller's namespace never equals an adapter's, whatever it spells."""
+    prompt = list(range(5, 40))
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=2, max_lora_rank=8) as engine:
+        engine.load_lora_adapter("x", adapters["a"][0])
+        old = engine.generate(input_ids=prompt, sampling_params=greedy(400), lora_name="x")
+        stream = engine.generate(input_ids=prompt, sampling_params=greedy(400), lora_name="x", stream=True)
+        chunks = [next(stream)]
+        engine.load_lora_adapter("x", adapters["b"][0], replace=True)
+        with pytest.raises(ValueError, match=r"2 LoRA adapters are resident, max_loras is 2 \(1 unloaded"):
+            engine.load_lora_adapter("y", adapters["a"][0])
+        new = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
+        chunks += list(stream)
+        assert [t for c in chunks for t in c["output_ids"]] == old["output_ids"]
+        assert new["output_ids"] != old["output_ids"][:8]
+        engine.wait_idle()
+        engine.load_lora_adapter("y", adapters["a"][0])  # (the old one's weights went with its stream)
+        digest = engine.loras.resolve("y").adapter.digest
+        for spelled in (("lora", digest, None), digest, (digest, None)):  # (the adapter's requests cached it)
+            cached = engine.generate(input_ids=prompt, sampling_params=greedy(1), namespace=spelled)
+            assert cached["meta_info"]["cached_tokens"] == 0
+        assert engine.generate(input_ids=prompt, sampling_params=greedy(1), lora_name="y")["meta_info"][
+            "cached_tokens"] > 0
+        assert_drained(engine)

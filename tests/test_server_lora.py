@@ -75,10 +75,10 @@ class LoraShim:
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
 
-    def load_lora_adapter(self, name: str, path) -> None:
-        if name in self.adapters:
+    def load_lora_adapter(self, name: str, path, *, replace: bool = False) -> None:
+        if name in self.adapters and not replace:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        if len(self.adapters) >= SHIM_MAX_LORAS:
+        if len(self.adapters) - (replace and name in self.adapters) >= SHIM_MAX_LORAS:
             raise ValueError(f"all {SHIM_MAX_LORAS} LoRA adapter slots are in use (max_loras)")
         if not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"{path} is not a PEFT LoRA adapter directory (no adapter_config.json)")

@@ -56,6 +56,7 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
+from hyla.model.linear import Linear
 from hyla.model.loader import read_quantization
 from hyla.model.lora import enable_lora_, read_adapter
 from hyla.model.ops import gpu as gpu_ops
@@ -276,7 +277,8 @@ class Engine:
         # max_running_requests when given, else the device's default.
         running = args.max_running_requests or default_max_running_requests(self.device)
         if args.max_total_tokens is None or args.max_state_slots is None:
-            split = split_memory(_cache_budget_bytes(self.device, args.mem_fraction), args.state_memory_ratio,
+            budget = _cache_budget_bytes(self.device, args.mem_fraction) - self._lora_reserve_bytes()
+            split = split_memory(max(budget, 0), args.state_memory_ratio,
                                  layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
         num_slots = args.max_state_slots or min(max(split.num_state_slots, 8), slot_cap, 4096)
@@ -323,6 +325,16 @@ class Engine:
                                  f"{_available_ram() / 2**30:.1f} GiB of RAM available: lower hicache_ratio or "
                                  "hicache_size")
             self.host_cache = HostCache.from_layout(layout, self.tree, host_tokens, host_slots)
+
+    def _lora_reserve_bytes(self) -> int:
+        """Memory kept from the pools for LoRA adapters (``enable_lora``): ``max_loras`` adapters of rank
+        ``max_lora_rank`` on every projection an adapter may target, twice (their weights, and the stacks of
+        the steps that mix them: ``lora.LinearLoRA``); 0 without."""
+        if self.loras is None:
+            return 0
+        elements = sum(m.in_features + m.out_features for m in self.model.modules()
+                       if isinstance(m, Linear) and not m.lora_refused)
+        return 2 * self.args.max_loras * self.args.max_lora_rank * elements * self.dtype.itemsize
 
     @property
     def max_live_requests(self) -> int:
@@ -724,24 +736,32 @@ class Engine:
         except TimeoutError:
             return False
 
-    def load_lora_adapter(self, name: str, path: str | os.PathLike, timeout: float = 60.0) -> None:
+    def load_lora_adapter(self, name: str, path: str | os.PathLike, timeout: float = 60.0, *,
+                          replace: bool = False) -> None:
         """Serve the PEFT LoRA adapter in directory ``path`` (``adapter_config.json``,
         ``adapter_model.safetensors``) as ``name``: requests with ``lora_name=name`` apply it from now on,
         mixed in one batch with other adapters' and the base model's. Read here, installed between steps
         (running requests go on). ``ValueError`` when the engine serves no adapters (``enable_lora``), for a
         name already loaded, ``max_loras`` loaded, and an adapter it cannot apply (``lora.read_adapter``:
-        its rank above ``max_lora_rank``, shapes that do not fit, targets hyla does not adapt)."""
+        its rank above ``max_lora_rank``, shapes that do not fit, targets hyla does not adapt), and too little memory
+        for its weights. ``replace``: one loaded as ``name`` is unloaded once this one is in (vLLM's
+        ``load_inplace``; it stays where this one is refused)."""
         if self.loras is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True "
                              "(hyla serve --enable-lora)")
         check_lora_name(name)
         _check_timeout(timeout)
-        self.loras.check_room(name)  # (before reading: a full engine answers at once)
+        self.loras.check_room(name, replace)  # (before reading: a full engine answers at once)
         try:
             adapter = read_adapter(path, self.model, self.model_path, self.args.max_lora_rank)
         except OSError as exc:  # a file unreadable or vanished while read
             raise ValueError(f"{path}: {exc}") from None
-        self._on_scheduler_thread(lambda: self.loras.load(name, adapter), timeout)
+
+        def load() -> None:
+            loaded = self.loras.install(name, adapter, replace)
+            with self._inbox_lock:  # (as unload: a replaced adapter's weights go when no live request applies them)
+                self.loras.publish(loaded, self._live_lora_uids())
+        self._on_scheduler_thread(load, timeout)
 
     def unload_lora_adapter(self, name: str, timeout: float = 60.0) -> None:
         """Stop serving the adapter loaded as ``name`` (``ValueError`` if none is): new requests naming it

@@ -10,7 +10,8 @@ Ownership and locks. ``Engine`` owns one ``LoRAManager``. Names are read on call
 (:meth:`resolve`) and changed on the scheduler thread; ``lock`` guards them. The weights are
 installed and removed on the scheduler thread only (a forward reads them there). Unloading removes
 the name at once; the weights stay while a live request still applies them (``retiring``), and go
-when the last one ends (:meth:`release`): a request never runs with its adapter gone. ``Engine``
+when the last one ends (:meth:`release`): a request never runs with its adapter gone. Those count against
+``max_loras`` until they go (their weights are resident). ``Engine``
 calls :meth:`unload` and :meth:`release` under its inbox lock, which its submissions hold too, so a
 request made before an unload but submitted after it is refused (:meth:`is_loaded`), never run.
 """
@@ -22,6 +23,8 @@ import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterable
+
+import torch
 
 from hyla.model.lora import LoRAAdapter, install_, uninstall_
 
@@ -76,24 +79,42 @@ class LoRAManager:
         with self.lock:
             return {name: loaded.adapter.path for name, loaded in self._by_name.items()}
 
-    def check_room(self, name: str) -> None:
+    def check_room(self, name: str, replace: bool = False) -> None:
         """``ValueError`` where loading ``name`` now would be refused (checked again when it is installed)."""
         with self.lock:
-            self._check_room(name)
+            self._check_room(name, self._by_name.get(name) if replace else None)
 
     # --- the scheduler thread ----------------------------------------------------------------
-    def load(self, name: str, adapter: LoRAAdapter) -> Loaded:
-        """Install ``adapter`` as ``name``; ``ValueError`` for a name in use or no room (``max_loras``)."""
+    def install(self, name: str, adapter: LoRAAdapter, replace: bool = False) -> Loaded:
+        """Install ``adapter``'s weights for ``name`` (not yet served: :meth:`publish`); ``ValueError`` for a name
+        in use (unless ``replace``), no room (``max_loras``; the one replaced leaves room), or too little
+        memory for its weights (none stays)."""
         with self.lock:
-            self._check_room(name)
+            self._check_room(name, self._by_name.get(name) if replace else None)
             loaded = Loaded(next(self._uids), name, adapter)
-        install_(self.model, loaded.uid, adapter)
-        with self.lock:
-            self._by_name[name] = loaded
-            self._by_uid[loaded.uid] = loaded
-        logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)", name, adapter.path, adapter.rank,
-                    len(adapter.weights))
+        try:
+            install_(self.model, loaded.uid, adapter)
+        except BaseException as exc:
+            uninstall_(self.model, loaded.uid)  # (the projections it reached before it failed)
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise ValueError(f"LoRA adapter {name!r}: not enough memory for its weights ({exc})") from None
+            raise
         return loaded
+
+    def publish(self, loaded: Loaded, live_uids: Iterable[int]) -> None:
+        """Serve ``loaded`` under its name from now on; the adapter it replaces (if any) is unloaded, as by
+        :meth:`unload` (``live_uids``: the live requests'; under the engine's inbox lock)."""
+        with self.lock:
+            old = self._by_name.get(loaded.name)
+            self._by_name[loaded.name] = loaded
+            self._by_uid[loaded.uid] = loaded
+            if old is not None:
+                self.retiring.add(old.uid)
+        if old is not None:
+            self.release(old.uid, live_uids)
+        adapter = loaded.adapter
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)%s", loaded.name, adapter.path,
+                    adapter.rank, len(adapter.weights), " in place of the one of that name" if old else "")
 
     def unload(self, name: str, live_uids: Iterable[int]) -> None:
         """Stop serving ``name`` (``ValueError`` if not loaded); its weights go now, or when the last of
@@ -116,16 +137,31 @@ class LoRAManager:
             self.retiring.discard(uid)
             self._by_uid.pop(uid, None)
 
-    def _check_room(self, name: str) -> None:
-        if name in self._by_name:
+    def _check_room(self, name: str, replacing: Loaded | None = None) -> None:
+        """``ValueError`` unless ``name`` is free (or ``replacing`` holds it) and fewer than ``max_loras`` adapters
+        are resident: loaded, or unloaded but still applied by running requests (their weights are there too)."""
+        if name in self._by_name and replacing is None:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
-        if len(self._by_name) >= self.max_loras:
-            raise ValueError(f"{len(self._by_name)} LoRA adapters are loaded, max_loras is {self.max_loras}: "
-                             f"unload one first")
+        resident = len(self._by_uid) - (replacing is not None)
+        if resident >= self.max_loras:
+            retiring = len(self.retiring)
+            raise ValueError(f"{resident} LoRA adapters are resident, max_loras is {self.max_loras}"
+                             + (f" ({retiring} unloaded but still applied by running requests)" if retiring else "")
+                             + ": unload one first")
+
+
+@dataclass(frozen=True)
+class LoRANamespace:
+    """The prefix-cache namespace of an adapter's requests: the adapter's content digest and the request's
+    own namespace. A type of its own, so that no namespace a caller passes (a tuple, a string) equals it
+    (``radix_types.namespace_key`` compares types too): a base request never reads an adapter's K/V."""
+
+    digest: str
+    namespace: object
 
 
 def lora_namespace(loaded: Loaded | None, namespace: object) -> object:
     """A request's prefix-cache namespace: its own (``namespace``), or with an adapter one of that
-    adapter's content (``("lora", digest, namespace)``): the adapter changes every K/V and state."""
-    return namespace if loaded is None else ("lora", loaded.adapter.digest, namespace)
+    adapter's content (:class:`LoRANamespace`): the adapter changes every K/V and state."""
+    return namespace if loaded is None else LoRANamespace(loaded.adapter.digest, namespace)
 

@@ -48,8 +48,7 @@ LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in order of first
-    row), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
+    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in increasing order), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
     device; None where every row applies ``uids[0]`` (one adapter for the whole step)."""
 
     num_rows: int
@@ -69,7 +68,7 @@ class LoRABatch:
     def of(uids: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
         """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply adapter ``uids[i]``
         (0: none); None where no sequence has one."""
-        used = tuple(dict.fromkeys(uid for uid, n in zip(uids, counts) if uid and n))
+        used = tuple(sorted({uid for uid, n in zip(uids, counts) if uid and n}))  # (a set's one stack: sorted)
         if not used:
             return None
         if len(used) == 1 and all(uid == used[0] for uid, n in zip(uids, counts) if n):
@@ -88,6 +87,9 @@ class LoRAScope:
         self.batch: LoRABatch | None = None
 
 
+STACKS_KEPT = 4  # a projection's stacks of adapters kept for the next steps (a prefill's set, a decode's, ...)
+
+
 class LinearLoRA:
     """The adapters of one projection: ``weights[uid] = (A^T [in, R], B^T [R, out])``, the scale in ``B``,
     each contiguous as ``mm`` reads it best (at a few rows ``addmm_(mm(x, A^T), B^T)`` takes ~30-50% less
@@ -97,21 +99,22 @@ class LinearLoRA:
     base model) runs the same two GEMMs on the step's adapters stacked, ``A = [A_1; A_2; ...]`` and ``B =
     [B_1 | B_2 | ...]``, zeroing between them each row's columns of the other adapters (a row of the base
     model: all), so the op count does not grow with the adapters (the stack is kept for the next step of the
-    same adapters)."""
+    same adapters: the last ``STACKS_KEPT`` sets)."""
 
     def __init__(self, scope: LoRAScope):
         self.scope = scope
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stacked: tuple[tuple[int, ...], torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # the last few steps' stacks (_stack), by the adapters they hold: ``(A^T, B^T, owner, key)``
+        self._stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]] = {}
 
     def add(self, uid: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Hold adapter ``uid``'s ``A [R, in]`` and ``B [out, R]`` (scaled)."""
         self.weights[uid] = (a.t().contiguous(), b.t().contiguous())
-        self._stacked = None
+        self._stacks.clear()
 
     def remove(self, uid: int) -> None:
         self.weights.pop(uid, None)
-        self._stacked = None
+        self._stacks.clear()
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y += B (A x)`` on each adapter's rows of the bound step (``x [..., in]``, ``y [..., out]``)."""
@@ -138,15 +141,19 @@ class LinearLoRA:
         """The adapters ``uids`` this projection holds, stacked: ``(A^T [in, sum R], B^T [sum R, out], owner
         [sum R], key)``, ``owner`` each rank column's index into ``uids``, ``key`` its layout (``(index, R)`` per
         adapter held); None where it holds none of them."""
-        if self._stacked is None or self._stacked[0] != uids:
+        stack = self._stacks.pop(uids, None)
+        if stack is None:
             held = [(i, self.weights[uid]) for i, uid in enumerate(uids) if uid in self.weights]
             if not held:
                 return None
             at = torch.cat([w[0] for _, w in held], dim=1)
             owner = torch.cat([torch.full((w[0].shape[1],), i, dtype=torch.long) for i, w in held]).to(at.device)
             key = tuple((i, w[0].shape[1]) for i, w in held)
-            self._stacked = (uids, at, torch.cat([w[1] for _, w in held]), owner, key)
-        return self._stacked[1:]
+            stack = (at, torch.cat([w[1] for _, w in held]), owner, key)
+            if len(self._stacks) >= STACKS_KEPT:
+                self._stacks.pop(next(iter(self._stacks)))  # the least recently used
+        self._stacks[uids] = stack  # (last: the most recently used)
+        return stack
 
 
 def enable_lora_(model: HybridForCausalLM) -> LoRAScope:
@@ -173,19 +180,21 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
     ``base_path``, whose tensor layout says how hyla built each weight). ``ValueError`` with the reason for a
     directory that is not such an adapter, a rank above ``max_rank``, shapes that do not fit the model, and
     anything hyla does not apply (see the module docstring)."""
-    from safetensors import safe_open
+    from safetensors.torch import load as load_safetensors
 
     from hyla.model.loader import _checkpoint_specs, _index_checkpoint
     from hyla.model.linear import Linear
 
+    if not isinstance(path, (str, Path)):
+        raise ValueError(f"a LoRA adapter's path must be a directory's path, got {path!r:.80}")
     path = Path(path)
-    config = _adapter_config(path)
+    config_bytes, config = _adapter_config(path)
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise ValueError(f"{path}: no {WEIGHTS_FILE} (a PEFT adapter saved with safe_serialization)")
+    data = weights_file.read_bytes()  # (read once: the digest names the very bytes parsed)
     try:
-        with safe_open(weights_file, framework="pt") as f:
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = load_safetensors(data)
     except Exception as exc:  # (safetensors raises its own errors for a file it cannot read)
         raise ValueError(f"{weights_file}: not a safetensors file safetensors can read ({exc})") from None
     pairs = _lora_pairs(path, tensors)
@@ -213,8 +222,8 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
             raise ValueError(f"{path}: the adapter targets {module!r}, whose weight hyla builds into several "
                              f"({', '.join(sorted(targets))}): not supported")
         r = a.shape[0]
-        if r > max_rank:
-            raise ValueError(f"{path}: {module!r} has rank {r}; max_lora_rank is {max_rank}")
+        if not 0 < r <= max_rank:
+            raise ValueError(f"{path}: {module!r} has rank {r}; ranks go from 1 to max_lora_rank, {max_rank}")
         if b.shape[1] != r:
             raise ValueError(f"{path}: {module!r}'s lora_A is {tuple(a.shape)} and lora_B {tuple(b.shape)}: "
                              f"ranks differ")
@@ -237,7 +246,7 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
             raise ValueError(f"{what}, which hyla builds with more than moved rows (e.g. a multiplier folded "
                              f"in): not supported")
         weights[module_name] = _low_rank(what, spec, parts, _source_rows(what, spec, parts, reader, module), module)
-    digest = hashlib.sha256((path / CONFIG_FILE).read_bytes() + weights_file.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(config_bytes + data).hexdigest()[:16]
     return LoRAAdapter(str(path), max(a.shape[0] for a, _ in pairs.values()), digest, weights)
 
 
@@ -251,6 +260,8 @@ def _source_rows(what: str, spec, parts: dict, reader, module) -> list[int]:
         raise ValueError(f"{what}: the sizes of {', '.join(spec.sources[i] for i in unknown)} are unknown here")
     if unknown:
         rows[unknown[0]] = module.out_features - sum(n for n in rows if n is not None)
+        if rows[unknown[0]] < 0:
+            raise ValueError(f"{what}: its lora_B have more rows than the weight ({module.out_features})")
     return rows
 
 
@@ -271,7 +282,10 @@ def _low_rank(what: str, spec, parts: dict, rows: list[int], module) -> tuple[to
             block[:, offset:offset + r] = b
         blocks.append(block)
         offset += r
-    big_b = spec.build(blocks)
+    try:
+        big_b = spec.build(blocks)
+    except (RuntimeError, IndexError) as exc:  # (blocks of sizes the layout does not take)
+        raise ValueError(f"{what}: its update does not fit the weight's layout ({exc})") from None
     if tuple(big_b.shape) != (module.out_features, total):
         raise ValueError(f"{what}: its update came out {tuple(big_b.shape)}, not {(module.out_features, total)}")
     big_a = torch.cat([parts[s][0] for s in spec.sources if s in parts])
@@ -299,15 +313,17 @@ def uninstall_(model: HybridForCausalLM, uid: int) -> None:
             module.lora.remove(uid)
 
 
-def _adapter_config(path: Path) -> dict:
+def _adapter_config(path: Path) -> tuple[bytes, dict]:
+    """``adapter_config.json``'s bytes and object; ``ValueError`` for what hyla does not apply."""
     if not path.is_dir():
         raise ValueError(f"{path}: no such directory (a LoRA adapter is a directory with {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE})")
     file = path / CONFIG_FILE
     if not file.is_file():
         raise ValueError(f"{path}: no {CONFIG_FILE} (not a PEFT adapter directory)")
+    raw = file.read_bytes()
     try:
-        config = json.loads(file.read_text())
+        config = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"{file}: not JSON ({exc})") from None
     if not isinstance(config, dict):
@@ -327,7 +343,14 @@ def _adapter_config(path: Path) -> dict:
     for alpha in [config.get("lora_alpha", 8), *pattern.values()]:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
             raise ValueError(f"{file}: lora_alpha must be a number, got {alpha!r}")
-    return config
+    for key in pattern:
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise ValueError(f"{file}: alpha_pattern key {key!r} is not a regular expression ({exc})") from None
+    if not isinstance(config.get("use_rslora", False), bool):
+        raise ValueError(f"{file}: use_rslora must be true or false, got {config['use_rslora']!r:.80}")
+    return raw, config
 
 
 def _scales(config: dict):

@@ -86,8 +86,9 @@ class LoraRoutes:
         return router
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
-        """Load ``body.lora_path`` as ``body.lora_name`` (replacing the one of that name with
-        ``load_inplace``); a 400 where the engine refuses it, or the name is the served model's."""
+        """Load ``body.lora_path`` as ``body.lora_name`` (replacing the one of that name with ``load_inplace``:
+        it stays where the new one is refused); a 400 where the engine refuses it, or the name is the served
+        model's."""
         from hyla.server.errors import APIError
 
         engine = self.server.admit()
@@ -96,13 +97,9 @@ class LoraRoutes:
             raise APIError(400, f"the LoRA adapter's name {name!r} is the served model's: give it another",
                            param="lora_name", code="invalid_lora_adapter")
 
-        def load() -> None:  # (on a worker thread: the engine loads between its steps, and waits for that)
-            if body.load_inplace and name in engine.lora_adapters():
-                engine.unload_lora_adapter(name)
-            engine.load_lora_adapter(name, body.lora_path)
-
-        try:
-            await asyncio.to_thread(load)
+        try:  # (on a worker thread: the engine loads between its steps, and waits for that)
+            await asyncio.to_thread(lambda: engine.load_lora_adapter(name, body.lora_path,
+                                                                     replace=body.load_inplace))
         except ValueError as exc:
             raise APIError(400, f"the LoRA adapter {name!r} was not loaded: {exc}", param="lora_path",
                            code="invalid_lora_adapter") from None

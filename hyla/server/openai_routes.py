@@ -73,22 +73,23 @@ class OpenAIRoutes:
         return router
 
     # --- /v1/models ----------------------------------------------------------------------------
-    def _model_card(self, lora_name: str | None = None) -> ModelCard:
+    def _model_card(self, lora_name: str | None = None, adapters: dict[str, str] | None = None) -> ModelCard:
         """The served model's card, or a loaded LoRA adapter's (vLLM's: ``root`` its directory, ``parent``
-        the served model's name, or its ``--lora-modules`` ``base_model_name``)."""
+        the served model's name, or its ``--lora-modules`` ``base_model_name``); ``adapters``: the loaded
+        ones, as read once for a listing."""
         engine = self.server.admit()
         if lora_name is None:
             return ModelCard(id=self.server.model_name, root=str(engine.model_path),
                              max_model_len=engine.context_length)
-        path = self.server.lora_adapters().get(lora_name)
+        path = (adapters if adapters is not None else self.server.lora_adapters()).get(lora_name)
         if path is None:  # (unloaded meanwhile)
             self.server.check_model(lora_name)
         return ModelCard(id=lora_name, root=str(path), max_model_len=engine.context_length,
                          parent=self.server.lora_parents.get(lora_name, self.server.model_name))
 
     async def list_models(self) -> ModelList:
-        base = self._model_card()
-        return ModelList(data=[base, *(self._model_card(name) for name in self.server.lora_adapters())])
+        adapters = self.server.lora_adapters()  # (one snapshot: an unload meanwhile cannot 404 the listing)
+        return ModelList(data=[self._model_card(), *(self._model_card(name, adapters) for name in adapters)])
 
     async def get_model(self, model: str) -> ModelCard:
         return self._model_card(self.server.check_model(model))
