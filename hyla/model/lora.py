@@ -48,7 +48,8 @@ LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in increasing order), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
+    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in increasing
+    order), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
     device; None where every row applies ``uids[0]`` (one adapter for the whole step)."""
 
     num_rows: int
