@@ -137,9 +137,45 @@ def _patch_language_once_per_launch() -> None:
     interpreter._get_np_dtype = _get_np_dtype
 
 
+def _skip_unasserted_overflow_checks() -> None:
+    """Triton's interpreter builds an int32 overflow check for every ``+``, ``-`` and ``*`` of int32
+    values in a kernel (``TritonSemantic.binary_op_sanitize_overflow_impl``: the operands widened to
+    int64, the op again, two comparisons and an ``and``), then hands it to ``device_assert``, which
+    drops it unless the builder's ``debug`` option is set (the interpreter's never is:
+    ``InterpreterOptions``): ~20% of an interpreted engine test's time (py-spy, an interpreted MTP
+    test) for a condition nothing reads. The interpreter's semantic object now skips building it
+    exactly when ``device_assert`` would drop it (a ``debug`` builder still checks, as before); the op
+    itself is computed as before. Triton's compiler (its own semantic objects) is untouched. A
+    Triton without those names, or whose ``device_assert`` reads its condition without ``debug``
+    (checked here once), is left alone."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    semantic = getattr(interpreter, "interpreter_semantic", None)
+    check = getattr(type(semantic), "binary_op_sanitize_overflow_impl", None)
+    if semantic is None or check is None or not hasattr(type(semantic), "device_assert") \
+            or "binary_op_sanitize_overflow_impl" in vars(semantic):
+        return
+    if not semantic.builder.options.debug:  # the premise, checked on this Triton: device_assert drops a
+        try:  # condition unread without debug (it would fail on this one if it read it)
+            if semantic.device_assert(object(), "", None) is not None:
+                return
+        except Exception:
+            return
+
+    def binary_op_sanitize_overflow_impl(lhs, rhs, binary_op):
+        if not semantic.builder.options.debug:  # device_assert's own condition: the check would be dropped
+            return None
+        return check(semantic, lhs, rhs, binary_op)
+
+    semantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _list_interpreter_builtins_once()
     _patch_language_once_per_launch()
+    _skip_unasserted_overflow_checks()
 
 import checkpoints  # noqa: E402  (needs the path above)
 
