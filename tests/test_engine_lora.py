@@ -157,11 +157,11 @@ def test_unload_lets_running_requests_finish_and_refuses_new_ones(qwen3_5_short_
         with pytest.raises(RequestError, match="unloaded"):  # made before the unload, submitted after
             engine._submit(made)
         holders = [m for m in engine.model.modules() if isinstance(m, Linear) and m.lora is not None]
-        assert holders and all(m.lora.weights for m in holders)  # the running request still applies them
+        assert holders and any(m.lora.ranks[1] for m in holders)  # the running request still applies them
         chunks += list(stream)
         assert [t for c in chunks for t in c["output_ids"]] == whole["output_ids"]
         engine.wait_idle()
-        assert all(not m.lora.weights for m in holders)  # its weights went with its last request
+        assert not any(m.lora.ranks[1] or m.lora.at.any() for m in holders)  # its weights went with its last request
         assert_drained(engine)
 
 
@@ -247,44 +247,55 @@ def test_lora_options_are_checked(options, message):
         EngineArgs(**options)
 
 
-def test_linear_adds_each_groups_update_to_its_rows_only():
-    """``LoRABatch.of`` groups packed rows by adapter; a projection adds each adapter's ``B A x`` to its rows
-    (all rows: no index), none to the base model's, and the adapters it does not hold change nothing."""
+def test_linear_adds_each_slots_update_to_its_rows_only():
+    """``LoRABatch.of`` lays packed rows out by adapter slot; a projection adds each slot's ``B A x`` to its rows
+    (all rows: one slot, no mask), none to the base model's, and a slot it holds nothing in changes nothing; a
+    graph's static batch (any slots, read on the device) gives the same. An adapter's values never reach another
+    row, not even an overflow's inf (as NaN through the masked GEMM's zeros)."""
     torch.manual_seed(0)
     linear = Linear(6, 5, bias=True)
-    scope = LoRAScope()
-    linear.lora = LinearLoRA(scope)
-    weights = {3: (torch.randn(2, 6), torch.randn(5, 2)), 5: (torch.randn(4, 6), torch.randn(5, 4))}
-    for uid, (a, b) in weights.items():
-        linear.lora.add(uid, a, b)
+    scope = LoRAScope(slots=3)
+    linear.lora = LinearLoRA(scope, 6, 5, width=4, device=torch.device("cpu"), dtype=torch.float32)
+    weights = {1: (torch.randn(2, 6), torch.randn(5, 2)), 3: (torch.randn(4, 6), torch.randn(5, 4))}
+    for slot, (a, b) in weights.items():
+        linear.lora.write(slot, a, b)
     x = torch.randn(9, 6)
-    uids, counts = [0, 3, 0, 3, 5, 7, 9], [2, 1, 3, 2, 1, 0, 0]  # (7 and 9 feed no row; 9 is held by none)
-    batch = LoRABatch.of(uids + [0], counts + [0], torch.device("cpu"))
-    assert batch.uids == (3, 5) and batch.row_group.tolist() == [-1, -1, 0, -1, -1, -1, 0, 0, 1]
-    scope.batch = batch
-    want = torch.nn.functional.linear(x, linear.weight, linear.bias)
-    for row, uid in enumerate(u for u, n in zip(uids, counts) for _ in range(n)):
-        if uid in weights:
-            a, b = weights[uid]
+    base = torch.nn.functional.linear(x, linear.weight, linear.bias)
+    slots, counts = [0, 1, 0, 1, 3, 2, 3], [2, 1, 3, 2, 1, 0, 0]  # (slot 2 holds nothing; the last feed no row)
+    rows = [s for s, n in zip(slots, counts) for _ in range(n)]
+    want = base.clone()
+    for row, slot in enumerate(rows):
+        if slot in weights:
+            a, b = weights[slot]
             want[row] += b @ (a @ x[row])
-    torch.testing.assert_close(linear(x), want)
+    batch = LoRABatch.of(slots + [0], counts + [0], torch.device("cpu"))
+    assert batch.single is None and batch.slots == {1, 3} and batch.row_slot.tolist() == rows
+    for bound in (batch, LoRABatch.static(torch.tensor(rows))):
+        with scope.bind(bound):
+            torch.testing.assert_close(linear(x), want)
     assert LoRABatch.of([0, 0], [3, 1], torch.device("cpu")) is None
-    every = LoRABatch.of([3, 3, 5], [4, 5, 0], torch.device("cpu"))
-    assert every.uids == (3,) and every.row_group is None  # one adapter for every row: no mask
-    scope.batch = every
+    every = LoRABatch.of([3, 3, 1], [4, 5, 0], torch.device("cpu"))
+    assert every.single == 3 and every.row_slot is None  # one adapter for every row: its columns alone
     a, b = weights[3]
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias) + x @ a.T @ b.T)
-    scope.batch = LoRABatch.of([9, 0], [4, 5], torch.device("cpu"))  # an adapter that leaves it alone
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
-    scope.batch = None
-    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    with scope.bind(every):
+        torch.testing.assert_close(linear(x), base + x @ a.T @ b.T)
+    with scope.bind(LoRABatch.of([2, 0], [4, 5], torch.device("cpu"))):  # a slot empty here
+        torch.testing.assert_close(linear(x), base)
+    torch.testing.assert_close(linear(x), base)  # (unbound)
+    # a slot whose A x overflows (to inf): the other rows' zeros of its columns stay zeros (inf * 0 would be NaN)
+    linear.lora.write(2, torch.full((4, 6), 3e38), torch.ones(5, 4))
+    with scope.bind(batch):
+        torch.testing.assert_close(linear(x), want)
+    linear.lora.clear(3)
+    with scope.bind(every):
+        torch.testing.assert_close(linear(x), base)
 
 
 @pytest.mark.gpu
 def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapters):
-    """The same on CUDA, fp32: the adapters and the base model in one batch against each merged model, each run
-    on the same eager CUDA path (an engine with ``enable_lora`` serving no adapter: the base engine would take
-    the fused kernels, whose Triton dots sum in TF32)."""
+    """The same on CUDA, fp32, through the fused kernels and CUDA graphs: the adapters and the base model in one
+    batch against each merged model, each run on the same path (an engine with ``enable_lora`` serving no
+    adapter: its graphs run the slots' GEMMs too, all zeros)."""
     rng = random.Random(1)
     specs = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 90))], "max_new": 12} for _ in range(6)]
     names = ["a", "b", None]
@@ -325,3 +336,75 @@ def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_read
         assert engine.generate(input_ids=prompt, sampling_params=greedy(1), lora_name="y")["meta_info"][
             "cached_tokens"] > 0
         assert_drained(engine)
+
+
+@pytest.mark.slow
+def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_path, adapters, monkeypatch):
+    """The fused decode step (Triton's kernels: interpreted without a GPU), its CUDA graphs (emulated here) and
+    fused extends of one sequence (graphs too) apply each row's adapter: adapters a and b and the base model in
+    one batch give the greedy tokens and logprobs of the eager PyTorch steps (which equal the merged models:
+    the tests above), across two turns, the second's prompts cached. Adapter b is loaded after the graphs were
+    captured: they read the slots in place. An unloaded adapter's slot goes empty and serves the next one."""
+    from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs
+    from hyla.engine.model_runner import ModelRunner
+
+    rng = random.Random(3)
+    wave1 = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 40))], "max_new": 2 + i} for i in range(3)]
+    names = [None, "b", "a"]  # (a alone last: its steps of one row, whose projections are GEMV kernels)
+    opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
+
+    def two_turns(engine: Engine) -> list[dict]:
+        out1 = run(engine, wave1, names)
+        wave2 = [{"ids": w["ids"] + o["output_ids"] + [5, 6, 7], "max_new": 2 + i // 2} for i, (w, o) in
+                 enumerate(zip(wave1, out1))]
+        return out1 + run(engine, wave2, names)
+
+    with Engine(str(qwen3_5_short_path), enable_lora=True, **opts) as eager:
+        for name in ("a", "b"):
+            eager.load_lora_adapter(name, adapters[name][0])
+        want = two_turns(eager)
+    replays = {"decode": 0, "extend": 0}
+    with monkeypatch.context() as m:
+        emulate_cuda_graphs(m)
+        with Engine(str(qwen3_5_short_path), enable_lora=True, **opts) as engine:
+            engine.load_lora_adapter("c", adapters["b"][0])  # (a slot used, then emptied: "a" takes slot 2)
+            engine.load_lora_adapter("a", adapters["a"][0])
+            engine.unload_lora_adapter("c")
+            runner = engine.scheduler.runner = ModelRunner(
+                engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device, cuda_graph=False,
+                fused_decode=True, fused_extend_max_tokens=64)
+            attach_graphs(runner, decode_max_bs=4, extends=True)
+            for graphs, key in ((runner.graphs, "decode"), (runner.extend_graphs, "extend")):
+                m.setattr(graphs, "replay", lambda *a, _real=graphs.replay, _key=key, **kw:
+                          replays.__setitem__(_key, replays[_key] + 1) or _real(*a, **kw))
+            engine.load_lora_adapter("b", adapters["b"][0])  # (slot 1 again)
+            got = two_turns(engine)
+            engine.wait_idle()
+            engine.check_integrity()
+    assert replays["decode"] > 0 and replays["extend"] > 0
+    assert compare_outputs(got, want) == sum(len(o["output_ids"]) for o in want)
+    assert len({tuple(o["output_ids"]) for o in want[:3]}) == 3  # (the adapters matter)
+
+
+def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_it(qwen3_5_short_path, adapters):
+    """With every slot taken (``max_loras=1``), ``replace=True`` is refused while a running request applies the
+    old adapter, and once none does the new one takes its slot: rank 8 replaced by rank 4, it serves exactly as
+    an engine that only ever loaded the new one (the old one's columns past rank 4 are gone)."""
+    prompt = list(range(5, 40))
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as engine:
+        engine.load_lora_adapter("x", adapters["b"][0])
+        before = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
+        stream = engine.generate(input_ids=prompt, sampling_params=greedy(400), lora_name="x", stream=True)
+        next(stream)
+        with pytest.raises(ValueError, match="'x' is applied by running requests until they finish"):
+            engine.load_lora_adapter("x", adapters["a"][0], replace=True)
+        list(stream)
+        engine.wait_idle()
+        engine.load_lora_adapter("x", adapters["a"][0], replace=True)
+        after = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
+        assert engine.lora_adapters() == {"x": str(adapters["a"][0])}
+        assert_drained(engine)
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as fresh:
+        fresh.load_lora_adapter("x", adapters["a"][0])
+        assert after["output_ids"] == fresh.generate(input_ids=prompt, sampling_params=greedy(8),
+                                                     lora_name="x")["output_ids"] != before["output_ids"]

@@ -203,8 +203,9 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT checkpoints) beside the base model: loaded with "
                                     "Engine.load_lora_adapter (hyla serve --lora-modules, /v1/load_lora_adapter), "
                                     "chosen per request (a request's model is the adapter's name); one batch mixes "
-                                    "them. Steps then run eagerly: no compiled decode, fused decode or CUDA graphs, "
-                                    "and no speculative decoding (docs/engine.md, \"LoRA adapters\").")
+                                    "them, in the fused kernels and CUDA graphs too (max_loras slots in every projection, "
+                                    "allocated at start-up); not with compile_decode or speculative decoding "
+                                    "(docs/engine.md, \"LoRA adapters\").")
     max_loras: int = _opt(4, "With enable_lora: how many adapters may be loaded at once.")
     max_lora_rank: int = _opt(64, "With enable_lora: the largest rank of an adapter's projection.")
 

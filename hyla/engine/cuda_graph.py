@@ -8,10 +8,11 @@ GPU waits on the host (issue 10 measured ~2,300 launches and a host sync per op,
 ``CudaGraphRunner`` does, and a step of ``B`` requests replays the smallest graph of at least ``B``.
 
 Inputs live in one static ``[6, max_bs]`` int64 device buffer (token, position, state slot, request
-row, KV length, KV slot); a step fills a pinned host copy and moves it in one transfer. Rows past
+row, KV length, KV slot; and a seventh row, each row's LoRA adapter slot, on a runner serving adapters:
+``ModelRunner.serves_lora``); a step fills a pinned host copy and moves it in one transfer. Rows past
 ``B`` are padding with the sentinels the pools reserve: state slot ``-1`` (the recurrent kernels
 neither read nor write it), KV slot 0 and a spare request-table row (written, never read for a real
-request), KV length 1. Padded rows' logits are dropped. On a runner that returns hidden states
+request), KV length 1, no adapter. Padded rows' logits are dropped. On a runner that returns hidden states
 (``ModelRunner.return_hidden``: MTP) each graph's output is ``(logits, hidden)``.
 
 With ``width=W > 1`` the graphs are a speculative verify step's (``ModelRunner.forward_chains`` on
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from hyla.model.forward_batch import ForwardBatch, FusedExtend
+from hyla.model.lora import LoRABatch
 
 if TYPE_CHECKING:
     from hyla.engine.model_runner import ModelRunner
@@ -46,6 +48,7 @@ logger = logging.getLogger("hyla.engine")
 
 BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 FIELDS = ("input_ids", "positions", "state_slots", "req_rows", "kv_lens", "out_cache_loc")
+LORA_FIELD = "lora_slots"  # a seventh, on a runner serving LoRA adapters
 # verify steps of chains are captured up to this many requests (larger ones run the fused kernels
 # eagerly): each graph keeps its logits, [B * W, vocab] fp32 (~300 MB up to 32 requests of 5 tokens
 # with a 152k vocabulary), and speculation pays most in small batches
@@ -93,9 +96,10 @@ class CudaGraphDecode:
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev, rows = runner.device, self.max_bs * width
-        self.inputs = torch.zeros(len(FIELDS), rows, dtype=torch.long, device=dev)
-        self.host = host_buffer(len(FIELDS), rows, device=dev)
-        self.padding = torch.tensor([0, 0, -1, runner.pad_row, 1, 0], dtype=torch.long)  # per field
+        self.fields = FIELDS + ((LORA_FIELD,) if runner.serves_lora else ())
+        self.inputs = torch.zeros(len(self.fields), rows, dtype=torch.long, device=dev)
+        self.host = host_buffer(len(self.fields), rows, device=dev)
+        self.padding = torch.tensor([0, 0, -1, runner.pad_row, 1, 0, 0][:len(self.fields)], dtype=torch.long)
         self.inputs.copy_(self.padding[:, None].expand(-1, rows))
         # a verify step's chain slots (padded requests: -1, no read, no write)
         self.chain = torch.full((width + 1, self.max_bs), -1, dtype=torch.long, device=dev) if width > 1 else None
@@ -111,7 +115,7 @@ class CudaGraphDecode:
         stream = torch.cuda.Stream(self.runner.device)
         for bs in reversed(self.batch_sizes):  # largest first: the smaller graphs reuse its memory
             rows = bs * self.width
-            batch = self.runner.fused_batch(*(self.inputs[j, :rows] for j in range(len(FIELDS))),
+            batch = self.runner.fused_batch(*(self.inputs[j, :rows] for j in range(len(self.fields))),
                                             chain_slots=self.chain[:, :bs] if self.chain is not None else None,
                                             return_hidden=self.runner.return_hidden)
             graph, self.outputs[bs] = capture(functools.partial(self.runner.decode_fused_step, batch), stream, pool)
@@ -127,7 +131,8 @@ class CudaGraphDecode:
 
     def replay(self, columns: Sequence[Sequence[int] | torch.Tensor], input_ids: torch.Tensor | None = None,
                chain: Sequence[Sequence[int]] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``columns``: the six per-row fields of :data:`FIELDS`, each of length ``B * width`` ->
+        """``columns``: the per-row fields (``fields``: :data:`FIELDS`, and the LoRA slots on a runner serving
+        adapters), each of length ``B * width`` ->
         logits ``[B * width, V]`` (a view of the graph's output: read it before the next step, in
         stream order), and the hidden states ``[B * width, H]`` too on a runner that returns them
         (``ModelRunner.return_hidden``). ``input_ids [B]`` on the device replace the first column (the overlap
@@ -183,24 +188,26 @@ class ExtendInputs:
     ``tokens`` tokens and :data:`EXTEND_CHECKPOINTS` checkpoints: one int64 device buffer, filled
     from a host copy (pinned on CUDA) in one transfer per step. Per token (``[tokens]`` each): id,
     position, KV slot, KV length; then the sequence's ``cu_seqlens [2]``, state slot, request row,
-    checkpoint offsets ``[2]``, positions and slots ``[M]``, and its last token's index. An extend
+    checkpoint offsets ``[2]``, positions and slots ``[M]``, its last token's index and its LoRA adapter
+    slot (read on a runner serving adapters: ``ModelRunner.serves_lora``). An extend
     of ``n`` tokens run at ``T >= n`` takes the first ``T`` of each per-token field: the rest is
     padding (token 0 at position 0, written to KV slot 0, attending to one key)."""
 
     def __init__(self, runner: "ModelRunner", tokens: int):
         self.runner, self.tokens, m = runner, tokens, EXTEND_CHECKPOINTS
         dev = runner.device
-        self.size = 4 * tokens + 7 + 2 * m
+        self.size = 4 * tokens + 8 + 2 * m
         self.inputs = torch.zeros(self.size, dtype=torch.long, device=dev)
         self.host = host_buffer(self.size, device=dev)
         self.zeros = torch.zeros(max(tokens, m), dtype=torch.long, device=dev)  # every token's sequence
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None  # the host buffer is reused
 
     def fill(self, ids: Sequence[int], positions: Sequence[int], out_cache_loc: torch.Tensor, bucket: int, slot: int,
-             req_row: int, marks: Sequence[tuple[int, int]]) -> None:
+             req_row: int, marks: Sequence[tuple[int, int]], lora_slot: int = 0) -> None:
         """One sequence's extend of ``n = len(ids)`` tokens (after ``positions[0]`` cached ones) at
         ``bucket >= n`` tokens, from state row ``slot``, request row ``req_row``, with checkpoints
-        ``marks``: ``(tokens it follows, state row)``, ascending, at most :data:`EXTEND_CHECKPOINTS`."""
+        ``marks``: ``(tokens it follows, state row)``, ascending, at most :data:`EXTEND_CHECKPOINTS`;
+        applying the LoRA adapter in ``lora_slot`` (0: none)."""
         n, t, m = len(ids), self.tokens, EXTEND_CHECKPOINTS
         if self._copied is not None:
             self._copied.synchronize()
@@ -213,7 +220,7 @@ class ExtendInputs:
         host[3 * t:3 * t + n] = torch.arange(start + 1, start + n + 1)
         k = len(marks)
         tail = [0, n, slot, req_row, 0, k] + [p for p, _ in marks] + [1] * (m - k) + [s for _, s in marks] \
-            + [0] * (m - k) + [n - 1]
+            + [0] * (m - k) + [n - 1, lora_slot]
         host[4 * t:] = torch.tensor(tail, dtype=torch.long)
         self.inputs.copy_(host, non_blocking=True)
         if self._copied is not None:
@@ -232,7 +239,9 @@ class ExtendInputs:
             cu_seqlens=fe.cu_seqlens, out_cache_loc=x[2 * t:2 * t + bucket], kv_indices=fe.cu_seqlens[:0],
             kv_indptr=fe.cu_seqlens, k_buffers=runner.k_buffers, v_buffers=runner.v_buffers,
             state_slots=x[tail + 2:tail + 3], conv_states=runner.conv_states, ssm_states=runner.ssm_states,
-            max_token_id=0, req_to_token=runner.table, fused_extend=fe, logits_indices=x[self.size - 1:],
+            max_token_id=0, req_to_token=runner.table, fused_extend=fe, logits_indices=x[self.size - 2:self.size - 1],
+            # every token's adapter slot: the sequence's (an expanded view of its one entry)
+            lora=LoRABatch.static(x[self.size - 1:].expand(bucket)) if runner.serves_lora else None,
         )
 
 

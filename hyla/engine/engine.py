@@ -56,9 +56,8 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
-from hyla.model.linear import Linear
 from hyla.model.loader import read_quantization
-from hyla.model.lora import enable_lora_, read_adapter
+from hyla.model.lora import enable_lora_, lora_widths, read_adapter
 from hyla.model.ops import gpu as gpu_ops
 from hyla.model.quantization import is_fp8
 from hyla.model.mtp import MtpHead, mtp_cache_layout
@@ -157,21 +156,20 @@ class Engine:
         self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids) \
             if self.tokenizer is not None else None
 
-        # LoRA adapters (enable_lora): served by eager steps, on the PyTorch ops (the fused kernels, CUDA graphs
-        # and compiled graphs read the weights alone)
+        # LoRA adapters (enable_lora): max_loras slots in every projection an adapter may target, allocated
+        # before the pools are sized from the memory left (the fused kernels and CUDA graphs apply them too)
         self.loras = LoRAManager(self.model, self.args.max_loras) if self.args.enable_lora else None
         if self.loras is not None:
-            enable_lora_(self.model)
+            enable_lora_(self.model, self.args.max_loras, lora_widths(self.model, path, self.args.max_lora_rank))
         self._build_pools()
         self.cache = CacheManager(self.kv_pool, self.state_pool, self.req_to_token, self.tree,
                                   checkpoint_alignment=self.args.checkpoint_alignment, host=self.host_cache)
         runner = ModelRunner(self.model, self.kv_pool, self.state_pool, self.req_to_token, self.device,
                              compile_decode=self.args.compile_decode,
-                             cuda_graph=not self.args.disable_cuda_graph and self.loras is None,
+                             cuda_graph=not self.args.disable_cuda_graph,
                              cuda_graph_max_bs=self.args.cuda_graph_max_bs or min(self.max_running_requests, 256),
-                             fused_decode=False if self.loras is not None else None,
                              fused_extend_max_tokens=self.args.cuda_graph_max_extend_tokens
-                             if not self.args.disable_cuda_graph and self.loras is None else 0,
+                             if not self.args.disable_cuda_graph else 0,
                              # verify steps as padded chains (forward_chains) where decode is fused or compiled,
                              # through the same kernels or graphs; trees of drafts (topk > 1) as padded trees
                              # where it is compiled
@@ -277,7 +275,7 @@ class Engine:
         # max_running_requests when given, else the device's default.
         running = args.max_running_requests or default_max_running_requests(self.device)
         if args.max_total_tokens is None or args.max_state_slots is None:
-            budget = _cache_budget_bytes(self.device, args.mem_fraction) - self._lora_reserve_bytes()
+            budget = _cache_budget_bytes(self.device, args.mem_fraction)
             split = split_memory(max(budget, 0), args.state_memory_ratio,
                                  layout.kv_bytes_per_token, layout.state_bytes_per_slot, args.page_size)
         slot_cap = running * (per_req + CHECKPOINTS_PER_RUNNING_REQUEST)
@@ -326,15 +324,9 @@ class Engine:
                                  "hicache_size")
             self.host_cache = HostCache.from_layout(layout, self.tree, host_tokens, host_slots)
 
-    def _lora_reserve_bytes(self) -> int:
-        """Memory kept from the pools for LoRA adapters (``enable_lora``): ``max_loras`` adapters of rank
-        ``max_lora_rank`` on every projection an adapter may target, twice (their weights, and the stacks of
-        the steps that mix them: ``lora.LinearLoRA``); 0 without."""
-        if self.loras is None:
-            return 0
-        elements = sum(m.in_features + m.out_features for m in self.model.modules()
-                       if isinstance(m, Linear) and not m.lora_refused)
-        return 2 * self.args.max_loras * self.args.max_lora_rank * elements * self.dtype.itemsize
+    def _lora_mb(self) -> float:
+        """The LoRA adapters' slots (``lora.LinearLoRA``), in MB."""
+        return sum(m.lora.nbytes for m in self.model.modules() if getattr(m, "lora", None) is not None) / 1e6
 
     @property
     def max_live_requests(self) -> int:
@@ -365,7 +357,7 @@ class Engine:
                 f"prefix_cache={'on' if self.tree is not None else 'off'}{self._host_summary()}, "
                 f"decode={self._decode_mode()}"
                 f"{', overlap schedule' if self.scheduler.config.overlap else ''}, "
-                f"{f'LoRA adapters (up to {self.args.max_loras}, rank <= {self.args.max_lora_rank}), ' if self.loras else ''}"
+                f"{f'LoRA adapters (up to {self.args.max_loras}, rank <= {self.args.max_lora_rank}, {self._lora_mb():.1f} MB of slots), ' if self.loras else ''}"
                 f"speculative={self.args.speculative_algorithm or 'off'}"
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
@@ -758,9 +750,9 @@ class Engine:
             raise ValueError(f"{path}: {exc}") from None
 
         def load() -> None:
-            loaded = self.loras.install(name, adapter, replace)
             with self._inbox_lock:  # (as unload: a replaced adapter's weights go when no live request applies them)
-                self.loras.publish(loaded, self._live_lora_uids())
+                live = self._live_lora_uids()
+                self.loras.publish(self.loras.install(name, adapter, live, replace), live)
         self._on_scheduler_thread(load, timeout)
 
     def unload_lora_adapter(self, name: str, timeout: float = 60.0) -> None:
@@ -916,7 +908,7 @@ class Engine:
         for req, prio, lora in zip(reqs, priorities, loras):
             req.priority = prio
             if lora is not None:
-                req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)
+                req.lora_uid, req.lora_slot, req.namespace = lora.uid, lora.slot, lora_namespace(lora, req.namespace)
         return reqs, single
 
     def _loras(self, lora_name: Any, n: int) -> list[Loaded | None]:

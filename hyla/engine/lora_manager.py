@@ -1,17 +1,19 @@
 """Which LoRA adapters an engine serves: names, the loads behind them, and when their weights may go.
 
-An adapter is read off the scheduler thread (:func:`hyla.model.lora.read_adapter`), then installed into
-the model's projections on it, between steps, under a *uid*: a number of that one load, never reused.
-A request resolves its adapter's name to the uid when it is made (``Req.lora_uid``), and its prefix
-cache namespace gets the adapter's content digest, so requests of different adapters (or of none)
-never share a cached prefix, while the same files loaded again, under any name, in any process, do.
+An adapter is read off the scheduler thread (:func:`hyla.model.lora.read_adapter`), then written into
+the model's projections on it, between steps, in a free *slot* (``1..max_loras``: the projections' adapter
+slots, :func:`hyla.model.lora.enable_lora_`), under a *uid*: a number of that one load, never reused. A
+request resolves its adapter's name to the uid and slot when it is made (``Req.lora_uid``,
+``Req.lora_slot``), and its prefix cache namespace gets the adapter's content digest, so requests of
+different adapters (or of none) never share a cached prefix, while the same files loaded again, under
+any name, in any process, do.
 
 Ownership and locks. ``Engine`` owns one ``LoRAManager``. Names are read on callers' threads
 (:meth:`resolve`) and changed on the scheduler thread; ``lock`` guards them. The weights are
 installed and removed on the scheduler thread only (a forward reads them there). Unloading removes
 the name at once; the weights stay while a live request still applies them (``retiring``), and go
-when the last one ends (:meth:`release`): a request never runs with its adapter gone. Those count against
-``max_loras`` until they go (their weights are resident). ``Engine``
+when the last one ends (:meth:`release`): a request never runs with its adapter gone. Those keep their
+slots, and count against ``max_loras``, until they go. ``Engine``
 calls :meth:`unload` and :meth:`release` under its inbox lock, which its submissions hold too, so a
 request made before an unload but submitted after it is refused (:meth:`is_loaded`), never run.
 """
@@ -23,8 +25,6 @@ import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterable
-
-import torch
 
 from hyla.model.lora import LoRAAdapter, install_, uninstall_
 
@@ -43,9 +43,10 @@ def check_lora_name(name: object) -> str:
 
 @dataclass(frozen=True)
 class Loaded:
-    """One load of an adapter: its uid, name and what was read."""
+    """One load of an adapter: its uid, slot, name and what was read."""
 
     uid: int
+    slot: int
     name: str
     adapter: LoRAAdapter
 
@@ -59,6 +60,7 @@ class LoRAManager:
         self._by_uid: dict[int, Loaded] = {}  # loaded, and retiring ones still applied by live requests
         self.retiring: set[int] = set()
         self._uids = itertools.count(1)
+        self._free_slots = list(range(max_loras, 0, -1))  # (popped from the end: slot 1 first)
 
     # --- callers' threads ---------------------------------------------------------------------
     def resolve(self, name: str) -> Loaded:
@@ -82,22 +84,29 @@ class LoRAManager:
     def check_room(self, name: str, replace: bool = False) -> None:
         """``ValueError`` where loading ``name`` now would be refused (checked again when it is installed)."""
         with self.lock:
-            self._check_room(name, self._by_name.get(name) if replace else None)
+            self._check_room(name, self._by_name.get(name) if replace else None, ())
 
     # --- the scheduler thread ----------------------------------------------------------------
-    def install(self, name: str, adapter: LoRAAdapter, replace: bool = False) -> Loaded:
-        """Install ``adapter``'s weights for ``name`` (not yet served: :meth:`publish`); ``ValueError`` for a name
-        in use (unless ``replace``), no room (``max_loras``; the one replaced leaves room), or too little
-        memory for its weights (none stays)."""
+    def install(self, name: str, adapter: LoRAAdapter, live_uids: Iterable[int], replace: bool = False) -> Loaded:
+        """Write ``adapter``'s weights for ``name`` into a free slot (not yet served: :meth:`publish`);
+        ``ValueError`` for a name in use (unless ``replace``) or no free slot (``max_loras``). Replacing an adapter
+        no live request applies (``live_uids``) frees its slot first: the new one may take it."""
         with self.lock:
-            self._check_room(name, self._by_name.get(name) if replace else None)
-            loaded = Loaded(next(self._uids), name, adapter)
+            old = self._by_name.get(name) if replace else None
+            self._check_room(name, old, live_uids)
+            if not self._free_slots:  # (_check_room: the old one's slot, which no live request reads)
+                self._by_name.pop(name)
+                self.retiring.add(old.uid)
+        if not self._free_slots:
+            self.release(old.uid, live_uids)
+        with self.lock:
+            loaded = Loaded(next(self._uids), self._free_slots.pop(), name, adapter)
         try:
-            install_(self.model, loaded.uid, adapter)
-        except BaseException as exc:
-            uninstall_(self.model, loaded.uid)  # (the projections it reached before it failed)
-            if isinstance(exc, torch.OutOfMemoryError):
-                raise ValueError(f"LoRA adapter {name!r}: not enough memory for its weights ({exc})") from None
+            install_(self.model, loaded.slot, adapter)
+        except BaseException:
+            uninstall_(self.model, loaded.slot)
+            with self.lock:
+                self._free_slots.append(loaded.slot)
             raise
         return loaded
 
@@ -132,22 +141,26 @@ class LoRAManager:
         (``live_uids``) applies them."""
         if uid not in self.retiring or uid in live_uids:
             return
-        uninstall_(self.model, uid)
         with self.lock:
+            loaded = self._by_uid.pop(uid)
             self.retiring.discard(uid)
-            self._by_uid.pop(uid, None)
+        uninstall_(self.model, loaded.slot)
+        with self.lock:
+            self._free_slots.append(loaded.slot)
 
-    def _check_room(self, name: str, replacing: Loaded | None = None) -> None:
-        """``ValueError`` unless ``name`` is free (or ``replacing`` holds it) and fewer than ``max_loras`` adapters
-        are resident: loaded, or unloaded but still applied by running requests (their weights are there too)."""
+    def _check_room(self, name: str, replacing: Loaded | None, live_uids: Iterable[int]) -> None:
+        """``ValueError`` unless ``name`` is free (or ``replacing`` holds it) and a slot is free: fewer than
+        ``max_loras`` adapters are resident (loaded, or unloaded but still applied by running requests: their
+        weights are there too), or the one replaced is applied by no live request (``live_uids``)."""
         if name in self._by_name and replacing is None:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
-        resident = len(self._by_uid) - (replacing is not None)
-        if resident >= self.max_loras:
-            retiring = len(self.retiring)
-            raise ValueError(f"{resident} LoRA adapters are resident, max_loras is {self.max_loras}"
-                             + (f" ({retiring} unloaded but still applied by running requests)" if retiring else "")
-                             + ": unload one first")
+        if self._free_slots or (replacing is not None and replacing.uid not in live_uids):
+            return
+        retiring = len(self.retiring)
+        raise ValueError(f"{len(self._by_uid)} LoRA adapters are resident, max_loras is {self.max_loras}"
+                         + (f" ({retiring} unloaded but still applied by running requests)" if retiring else "")
+                         + (f" and {name!r} is applied by running requests until they finish" if replacing else "")
+                         + ": unload one first")
 
 
 @dataclass(frozen=True)

@@ -122,6 +122,11 @@ class ModelRunner:
         self.graphs = self.verify_graphs = self.extend_graphs = None
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
+        # LoRA adapters (lora.enable_lora_): every step's rows by adapter slot (ForwardBatch.lora); the CUDA graphs
+        # take each row's slot as an input. Neither compiled graphs nor verify steps apply them
+        self.serves_lora = model.lora_scope is not None
+        if self.serves_lora and (compile_decode or (verify_width or 0) > 1):
+            raise ValueError("a runner serving LoRA adapters runs neither compile_decode nor verify steps")
         if fused_decode and not model.supports_fused_decode():
             raise ValueError(f"{c.architecture} has layers without a fused decode kernel")
         # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
@@ -254,7 +259,7 @@ class ModelRunner:
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
-            lora=LoRABatch.of([r.lora_uid for r in reqs], extend_lens, self.device),
+            lora=LoRABatch.of([r.lora_slot for r in reqs], extend_lens, self.device),
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -273,9 +278,9 @@ class ModelRunner:
         decode reads them back."""
         pos = [r.kv_len for r in reqs]
         ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
+        lora = [r.lora_slot for r in reqs] if any(r.lora_slot for r in reqs) else None
         return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
-                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids,
-                            LoRABatch.of([r.lora_uid for r in reqs], [1] * len(reqs), self.device))
+                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids, lora)
 
     @torch.inference_mode()
     def forward_decode_rows(self, ids: list[int], positions: list[int], state_slots: list[int], req_rows: list[int],
@@ -290,19 +295,17 @@ class ModelRunner:
 
     def _decode(self, ids: list[int] | None, pos: list[int], slots: list[int], rows: list[int], kv_lens: list[int],
                 out_cache_loc: torch.Tensor, return_hidden: bool = False, input_ids: torch.Tensor | None = None,
-                lora: LoRABatch | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs. ``lora``: its
-        rows' adapters (a runner serving any is neither fused nor compiled: ``Engine``)."""
-        if lora is not None and (self.fused or self.compiled):
-            raise ValueError("LoRA adapters run on an eager runner (neither fused nor compiled)")
+                lora: list[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's columns (``ids`` None: ``input_ids`` on the device) -> its outputs. ``lora``: each
+        row's LoRA adapter slot (``Req.lora_slot``; None: none has one)."""
         if self.fused:
-            return self._decode_fused(ids, pos, slots, rows, kv_lens, out_cache_loc, input_ids, return_hidden)
+            return self._decode_fused(ids, pos, slots, rows, kv_lens, out_cache_loc, input_ids, return_hidden, lora)
         if ids is None:
             ids = input_ids.tolist()
         table, kv_indices = self.req_to_token.table(rows, kv_lens)  # every row's slots in one gather
         batch = decode_batch(ids, pos, slots, kv_lens, out_cache_loc, table, kv_indices, self.device,
                              self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states, return_hidden)
-        batch.lora = lora
+        batch.lora = LoRABatch.of(lora, [1] * len(pos), self.device) if lora is not None else None
         return self._run_decode(batch)  # [B, V] (and [B, H])
 
     @torch.inference_mode()
@@ -382,7 +385,8 @@ class ModelRunner:
     # --- the fused decode step (CUDA) ---------------------------------------------------------
     def _decode_fused(self, ids: list[int] | None, pos: list[int], slots: list[int], rows: list[int],
                       kv_lens: list[int], out_cache_loc: torch.Tensor, input_ids: torch.Tensor | None = None,
-                      return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      return_hidden: bool = False,
+                      lora: list[int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.model.config.num_linear_layers:  # what the batch constructor checks on other paths
             check_slot_values(slots, self.conv_states[0].shape[0], "state_slots")
         if ids is not None:
@@ -393,12 +397,16 @@ class ModelRunner:
         columns = (ids, pos, slots, rows, kv_lens, out_cache_loc)
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
         if self.graphs is not None and self.graphs.can_run(len(rows)) and self._graphed(return_hidden):
+            if self.serves_lora:  # (each row's adapter slot: a graph's input too)
+                columns += (lora or [0] * len(rows),)
             return _outputs(self.graphs.replay(columns, input_ids), return_hidden)
         host = host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
         dev = self._to_device(*host)
         if input_ids is not None:
             dev[0] = input_ids.to(self.device, torch.long)
-        return self.decode_fused_step(self.fused_batch(*dev, return_hidden=return_hidden))
+        batch = self.fused_batch(*dev, return_hidden=return_hidden)
+        batch.lora = LoRABatch.of(lora, [1] * len(rows), self.device) if lora is not None else None
+        return self.decode_fused_step(batch)
 
     def _forward_chains_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
                               ckpt_rows: list[list[int]],
@@ -485,20 +493,25 @@ class ModelRunner:
         bucket = next(t for t in self._extend_buckets if t >= n)
         self.req_to_token.sync_mirror()  # the sequence's slots, the new tokens' included, read by attention
         inputs = self.extend_inputs
-        inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks)
+        inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
+                    req.lora_slot)
         if self.extend_graphs is not None:
             return self.extend_graphs.replay(bucket)
         return self.model.forward_unchecked(inputs.batch(bucket))
 
-    def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc,
+    def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, lora_slots=None,
                     chain_slots: torch.Tensor | None = None, return_hidden: bool = False) -> ForwardBatch:
         """A fused decode batch over device tensors ``[B]`` each (no host value is read: the host
         lists a ``ForwardBatch`` carries are placeholders, the kernels use the device tensors);
+        ``lora_slots``: each row's LoRA adapter slot, a CUDA graph's input (``LoRABatch.static``);
         ``chain_slots``: a verify step of chains (``ForwardBatch.chain_slots``); ``return_hidden``:
         the final hidden states too."""
-        return fused_decode_batch(input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, self._arange,
-                                  self.table, self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states,
-                                  chain_slots, return_hidden)
+        batch = fused_decode_batch(input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, self._arange,
+                                   self.table, self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states,
+                                   chain_slots, return_hidden)
+        if lora_slots is not None:
+            batch.lora = LoRABatch.static(lora_slots)
+        return batch
 
     def decode_fused_step(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The forward of a fused decode batch: ``[B, V]`` logits (and ``[B, H]`` hidden states with

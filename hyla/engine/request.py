@@ -69,6 +69,7 @@ class Req:
     speculative_checkpoints: bool = False
     namespace: Hashable | None = None  # cache salt (with a LoRA adapter's digest): different namespaces never share
     lora_uid: int = 0  # the LoRA adapter it applies (LoRAManager's uid of one load; 0: none, the base model)
+    lora_slot: int = 0  # that adapter's slot in the projections (lora.LinearLoRA; 0: none)
     return_logprob: bool = False
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
     # priority scheduling (SchedulerConfig.priority_scheduling): which waiting request goes first, which

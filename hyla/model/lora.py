@@ -16,13 +16,15 @@ weight is. A spec that changes values (a µP multiplier folded in), a target tha
 token rows (the LM head) is refused with a ``ValueError`` naming it, as is anything of PEFT hyla does
 not apply (DoRA, trained biases, ``modules_to_save``). ``rank_pattern`` and ``alpha_pattern`` apply as in PEFT.
 
-**Applying** (:class:`LoRABatch`, :class:`LinearLoRA`). The runner gives each step a
-:class:`LoRABatch` in ``ForwardBatch.lora``: each token row's adapter (built on the host once per step).
-The model binds it to its :class:`LoRAScope` for the forward; every projection holding an adapter's
-weights adds ``B (A x)`` to that adapter's rows (a step mixing adapters: all of them stacked in the same
-two GEMMs, each row masked to its own). A step where no row has an
-adapter has no ``LoRABatch`` and costs the projections one attribute test. The update is computed
-apart from ``W x`` (never merged into ``W``): the sum differs from a merged weight's within rounding.
+**Applying** (:class:`LoRABatch`, :class:`LinearLoRA`). An engine serving adapters gives each projection they may
+target ``S`` adapter *slots* at start-up (:func:`enable_lora_`; ``S``, ``max_loras``), written in place when an
+adapter is loaded (:func:`install_`): a CUDA graph captured at start-up applies whatever they hold. The runner
+gives each step a :class:`LoRABatch` in ``ForwardBatch.lora``: each token row's slot (built on the host once per
+step, or a graph's static input). The model binds it to its :class:`LoRAScope` for the forward; every projection
+adds ``B (A x)`` to each row by its slot's adapter (a step mixing adapters: all the slots in the same two GEMMs,
+each row masked to its own). A step where no row has an adapter has no ``LoRABatch`` and costs the projections
+one attribute test. The update is computed apart from ``W x`` (never merged into ``W``): the sum differs from a
+merged weight's within rounding.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -48,120 +51,183 @@ LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
 
 @dataclass(frozen=True)
 class LoRABatch:
-    """A step's token rows by adapter: ``uids`` the adapters its rows apply (each once, in increasing
-    order), ``row_group [num_rows]`` each row's index into ``uids`` (-1: the base model), on the model's
-    device; None where every row applies ``uids[0]`` (one adapter for the whole step)."""
+    """A step's token rows by adapter slot (``LinearLoRA``: slot ``k`` in ``1..S`` holds one adapter; 0 is the base
+    model). ``single``: the slot every row applies (an eager step of one adapter), else ``row_slot [num_rows]``,
+    each row's slot, on the model's device; ``slots``: the slots the rows apply (host), or None for a CUDA graph's
+    batch (:meth:`static`), whose rows may apply any."""
 
     num_rows: int
-    uids: tuple[int, ...]
-    row_group: torch.Tensor | None
-    _masks: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def mask(self, owner: torch.Tensor, key: tuple) -> torch.Tensor:
-        """``[num_rows, len(owner)]``: whether each row's adapter owns each rank column (``owner``: a column's
-        index into ``uids``), made once per step for the projections whose columns ``key`` lays out alike."""
-        m = self._masks.get(key)
-        if m is None:
-            m = self._masks[key] = (self.row_group[:, None] == owner[None, :])
-        return m
+    single: int | None
+    row_slot: torch.Tensor | None
+    slots: frozenset[int] | None
 
     @staticmethod
-    def of(uids: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
-        """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply adapter ``uids[i]``
-        (0: none); None where no sequence has one."""
-        used = tuple(sorted({uid for uid, n in zip(uids, counts) if uid and n}))  # (a set's one stack: sorted)
+    def of(slots: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
+        """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply slot ``slots[i]`` (0: none);
+        None where no sequence has one."""
+        used = frozenset(slot for slot, n in zip(slots, counts) if slot and n)
         if not used:
             return None
-        if len(used) == 1 and all(uid == used[0] for uid, n in zip(uids, counts) if n):
-            return LoRABatch(sum(counts), used, None)
-        index = {uid: i for i, uid in enumerate(used)}
-        groups = [index.get(uid, -1) for uid, n in zip(uids, counts) for _ in range(n)]
-        return LoRABatch(len(groups), used, torch.tensor(groups, dtype=torch.long).to(device))
+        if len(used) == 1 and all(slot for slot, n in zip(slots, counts) if n):
+            return LoRABatch(sum(counts), next(iter(used)), None, used)
+        rows = [slot for slot, n in zip(slots, counts) for _ in range(n)]
+        return LoRABatch(len(rows), None, torch.tensor(rows, dtype=torch.long).to(device), used)
+
+    @staticmethod
+    def static(row_slot: torch.Tensor) -> LoRABatch:
+        """A CUDA graph's batch: ``row_slot`` its static input (``[num_rows]``, any slots), which each replay's
+        step fills; its projections always run the masked GEMMs, read from device memory only."""
+        return LoRABatch(row_slot.shape[0], None, row_slot, None)
 
 
 class LoRAScope:
-    """The adapters' view of the step being run: the model sets ``batch`` (``ForwardBatch.lora``) for the
-    length of its forward (:meth:`HybridForCausalLM.forward_unchecked`); its projections read it. One per
-    model, created by :func:`enable_lora_`."""
+    """The adapters' view of the step being run: the model binds ``batch`` (``ForwardBatch.lora``) for the
+    length of its forward (:meth:`bind`); its projections read it. One per model, created by :func:`enable_lora_`
+    with the slot count ``slots``."""
 
-    def __init__(self) -> None:
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
         self.batch: LoRABatch | None = None
+        self._drops: dict[int, torch.Tensor] = {}
 
+    @contextmanager
+    def bind(self, batch: LoRABatch | None):
+        """``batch`` applies to the projections run inside the block."""
+        self.batch, self._drops = batch, {}
+        try:
+            yield
+        finally:
+            self.batch, self._drops = None, {}
 
-STACKS_KEPT = 4  # a projection's stacks of adapters kept for the next steps (a prefill's set, a decode's, ...)
+    def drop(self, width: int, device: torch.device) -> torch.Tensor:
+        """``[num_rows, S * width]``: which rank columns of a projection whose slots are ``width`` wide each row
+        drops (all but its own slot's), made once per step and width (inside a CUDA graph: by the graph, from
+        its static ``row_slot``)."""
+        d = self._drops.get(width)
+        if d is None:
+            owner = torch.arange(self.slots * width, device=device) // width + 1  # each column's slot
+            d = self._drops[width] = self.batch.row_slot[:, None] != owner[None, :]
+        return d
 
 
 class LinearLoRA:
-    """The adapters of one projection: ``weights[uid] = (A^T [in, R], B^T [R, out])``, the scale in ``B``,
-    each contiguous as ``mm`` reads it best (at a few rows ``addmm_(mm(x, A^T), B^T)`` takes ~30-50% less
-    time than ``F.linear`` twice and an add on a CPU: docs/benchmarks.md, "LoRA adapters").
+    """The adapter slots of one projection. Slot ``k`` (``1..S``) holds an adapter's ``A^T`` in columns
+    ``[(k - 1) W, (k - 1) W + r)`` of ``at [in, S W]`` and its ``B^T`` (the scale in it) in those rows of
+    ``bt [S W, out]``, zeros past its rank ``r`` here (all zeros: an empty slot, or an adapter that leaves this
+    projection alone). ``W``, the slot width, is the largest rank an adapter may have here. Allocated once
+    (:func:`enable_lora_`) and written in place: a CUDA graph captured once reads whatever the slots hold.
 
-    A step of one adapter adds ``B (A x)`` (two small GEMMs). A step mixing adapters (or an adapter and the
-    base model) runs the same two GEMMs on the step's adapters stacked, ``A = [A_1; A_2; ...]`` and ``B =
-    [B_1 | B_2 | ...]``, zeroing between them each row's columns of the other adapters (a row of the base
-    model: all), so the op count does not grow with the adapters (the stack is kept for the next step of the
-    same adapters: the last ``STACKS_KEPT`` sets)."""
+    An eager step of one adapter adds ``B (A x)``, its slot's columns only (two small GEMMs: at a few rows
+    ``addmm_(mm(x, A^T), B^T)`` takes ~30-50% less time than ``F.linear`` twice and an add on a CPU:
+    docs/benchmarks.md, "LoRA adapters"). A step mixing adapters (or an adapter and the base model), and every
+    CUDA graph's step, runs the same two GEMMs over all the slots (eager: those from its first adapter's to its
+    last's), each row's columns of the other slots zeroed between them (``masked_fill``: an adapter's ``A x`` never reaches another row, even overflowed to inf,
+    which a multiply by zero would make NaN; ``read_adapter`` refuses values that are not finite): the op
+    count does not grow with the adapters, and the shapes depend on the row count alone."""
 
-    def __init__(self, scope: LoRAScope):
-        self.scope = scope
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # the last few steps' stacks (_stack), by the adapters they hold: ``(A^T, B^T, owner, key)``
-        self._stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]] = {}
+    def __init__(self, scope: LoRAScope, in_features: int, out_features: int, width: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.scope, self.width = scope, width
+        self.at = torch.zeros(in_features, scope.slots * width, device=device, dtype=dtype)
+        self.bt = torch.zeros(scope.slots * width, out_features, device=device, dtype=dtype)
+        self.ranks = [0] * (scope.slots + 1)  # each slot's rank here (host; 0: nothing)
 
-    def add(self, uid: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Hold adapter ``uid``'s ``A [R, in]`` and ``B [out, R]`` (scaled)."""
-        self.weights[uid] = (a.t().contiguous(), b.t().contiguous())
-        self._stacks.clear()
+    @property
+    def nbytes(self) -> int:
+        return self.at.nbytes + self.bt.nbytes
 
-    def remove(self, uid: int) -> None:
-        self.weights.pop(uid, None)
-        self._stacks.clear()
+    def write(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Put an adapter's ``A [r, in]`` and ``B [out, r]`` (scaled) in ``slot``."""
+        self.clear(slot)
+        first, r = (slot - 1) * self.width, a.shape[0]
+        self.at[:, first:first + r].copy_(a.t())
+        self.bt[first:first + r].copy_(b.t())
+        self.ranks[slot] = r
+
+    def clear(self, slot: int) -> None:
+        first = (slot - 1) * self.width
+        self.at[:, first:first + self.width].zero_()
+        self.bt[first:first + self.width].zero_()
+        self.ranks[slot] = 0
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``y += B (A x)`` on each adapter's rows of the bound step (``x [..., in]``, ``y [..., out]``)."""
+        """``y += B (A x)`` on each row of the bound step, by its slot's adapter (``x [..., in]``, ``y [..., out]``)."""
         batch = self.scope.batch
-        if batch is None or not self.weights:
+        if batch is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         if x2.shape[0] != batch.num_rows:  # (an invariant: read_adapter refuses projections of other rows)
             raise RuntimeError(f"a LoRA projection got {x2.shape[0]} rows; the step has {batch.num_rows}")
-        if batch.row_group is None:
-            w = self.weights.get(batch.uids[0])
-            if w is not None:  # (else the adapter leaves this projection alone)
-                y2.addmm_(torch.mm(x2, w[0]), w[1])  # [T, R] -> [T, out]
+        if batch.single is not None:
+            r = self.ranks[batch.single]
+            if r:  # (else the adapter leaves this projection alone)
+                first = (batch.single - 1) * self.width
+                y2.addmm_(torch.mm(x2, self.at[:, first:first + r]), self.bt[first:first + r])  # [T, r] -> [T, out]
             return y
-        stacked = self._stack(batch.uids)
-        if stacked is not None:
-            at, bt, owner, key = stacked
-            xa = torch.mm(x2, at)  # [T, sum R]
-            xa.mul_(batch.mask(owner, key))  # each row keeps its own adapter's columns
-            y2.addmm_(xa, bt)  # [T, out]
+        cols = slice(None)  # a graph's step: every slot
+        if batch.slots is not None:  # an eager step: the slots from its first adapter's to its last's
+            held = [s for s in batch.slots if self.ranks[s]]
+            if not held:
+                return y  # (none of its adapters reaches this projection)
+            cols = slice((min(held) - 1) * self.width, max(held) * self.width)
+        xa = torch.mm(x2, self.at[:, cols])  # [T, S W] (or the slots' columns)
+        xa.masked_fill_(self.scope.drop(self.width, xa.device)[:, cols], 0)  # each row keeps its own slot's columns
+        y2.addmm_(xa, self.bt[cols])  # [T, out]
         return y
 
-    def _stack(self, uids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple] | None:
-        """The adapters ``uids`` this projection holds, stacked: ``(A^T [in, sum R], B^T [sum R, out], owner
-        [sum R], key)``, ``owner`` each rank column's index into ``uids``, ``key`` its layout (``(index, R)`` per
-        adapter held); None where it holds none of them."""
-        stack = self._stacks.pop(uids, None)
-        if stack is None:
-            held = [(i, self.weights[uid]) for i, uid in enumerate(uids) if uid in self.weights]
-            if not held:
-                return None
-            at = torch.cat([w[0] for _, w in held], dim=1)
-            owner = torch.cat([torch.full((w[0].shape[1],), i, dtype=torch.long) for i, w in held]).to(at.device)
-            key = tuple((i, w[0].shape[1]) for i, w in held)
-            stack = (at, torch.cat([w[1] for _, w in held]), owner, key)
-            if len(self._stacks) >= STACKS_KEPT:
-                self._stacks.pop(next(iter(self._stacks)))  # the least recently used
-        self._stacks[uids] = stack  # (last: the most recently used)
-        return stack
+
+def enable_lora_(model: HybridForCausalLM, slots: int, widths: dict[str, int]) -> LoRAScope:
+    """Give ``model`` a :class:`LoRAScope` of ``slots`` adapter slots and each projection named in ``widths``
+    (:func:`lora_widths`) its :class:`LinearLoRA`, slots that wide, zeroed, in the model's dtype on its device;
+    returns the scope."""
+    if model.lora_scope is not None:
+        raise ValueError("this model already serves LoRA adapters")
+    if slots < 1:
+        raise ValueError(f"LoRA needs at least one adapter slot, got {slots}")
+    scope = model.lora_scope = LoRAScope(slots)
+    for name, width in widths.items():
+        module = model.get_submodule(name)
+        module.lora = LinearLoRA(scope, module.in_features, module.out_features, width, module.weight.device,
+                                 model.config.dtype)
+    return scope
 
 
-def enable_lora_(model: HybridForCausalLM) -> LoRAScope:
-    """Give ``model`` a :class:`LoRAScope` (its forward binds each step's adapters to it); returns it."""
-    if model.lora_scope is None:
-        model.lora_scope = LoRAScope()
-    return model.lora_scope
+def lora_widths(model: HybridForCausalLM, base_path: str | Path, max_rank: int) -> dict[str, int]:
+    """``{module name: slot width}`` for every projection of ``model`` (loaded from ``base_path``) an adapter may
+    target: ``max_rank`` times the most checkpoint tensors a layout of its weight stacks (an adapter of each,
+    :func:`read_adapter`), over the projections that are :class:`~hyla.model.linear.Linear`, not refused, and
+    built by moving rows only."""
+    from hyla.model.linear import Linear
+
+    _, layouts = _layouts(model, Path(base_path))
+    widths = {}
+    for target, specs in layouts.items():
+        name = target.removesuffix(".weight")
+        sources = [len(spec.sources) for spec in specs if spec.moves_rows_only]
+        if not target.endswith(".weight") or not sources:
+            continue
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        if isinstance(module, Linear) and not module.lora_refused:
+            widths[name] = max_rank * max(sources)
+    return widths
+
+
+def _layouts(model: HybridForCausalLM, base_path: Path) -> tuple[object, dict[str, list]]:
+    """The checkpoint's reader and every layout's ``WeightSpec`` of each target weight (the checkpoint's
+    first, then the model's other layouts)."""
+    from hyla.model.loader import _checkpoint_specs, _index_checkpoint
+
+    cls = type(model)
+    reader, _ = _index_checkpoint(base_path, cls, model.config)
+    chosen = {spec.target: spec for spec in _checkpoint_specs(base_path, cls, model.config, set(reader.files))}
+    layouts: dict[str, list] = {}
+    for spec in [*chosen.values(), *cls.hf_weight_specs(model.config)]:
+        if spec not in layouts.setdefault(spec.target, []):
+            layouts[spec.target].append(spec)
+    return reader, layouts
 
 
 @dataclass(frozen=True)
@@ -183,7 +249,6 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
     anything hyla does not apply (see the module docstring)."""
     from safetensors.torch import load as load_safetensors
 
-    from hyla.model.loader import _checkpoint_specs, _index_checkpoint
     from hyla.model.linear import Linear
 
     if not isinstance(path, (str, Path)):
@@ -201,12 +266,7 @@ def read_adapter(path: str | Path, model: HybridForCausalLM, base_path: str | Pa
     pairs = _lora_pairs(path, tensors)
     scale_of = _scales(config)
     cls = type(model)
-    reader, _ = _index_checkpoint(Path(base_path), cls, model.config)
-    chosen = {spec.target: spec for spec in _checkpoint_specs(Path(base_path), cls, model.config, set(reader.files))}
-    layouts: dict[str, list] = {}  # every layout's spec of each target (the checkpoint's first)
-    for spec in [*chosen.values(), *cls.hf_weight_specs(model.config)]:
-        if spec not in layouts.setdefault(spec.target, []):
-            layouts[spec.target].append(spec)
+    reader, layouts = _layouts(model, Path(base_path))  # every layout's spec of each target (the checkpoint's first)
     touched: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}  # target -> source -> (A, sB)
     for module, (a, b) in pairs.items():
         name = cls.normalize_hf_name(module + ".weight")
@@ -293,25 +353,25 @@ def _low_rank(what: str, spec, parts: dict, rows: list[int], module) -> tuple[to
     return big_a.contiguous(), big_b.contiguous()
 
 
-def install_(model: HybridForCausalLM, uid: int, adapter: LoRAAdapter) -> None:
-    """Put ``adapter``'s weights into ``model``'s projections under ``uid``, in the model's dtype on its device."""
-    scope = enable_lora_(model)
+def install_(model: HybridForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
+    """Write ``adapter``'s weights into slot ``slot`` of ``model``'s projections (each :class:`LinearLoRA` in
+    place, in the model's dtype: a weight kept in FP8 too, its projection's output is in the model's dtype)."""
+    loras = {name: model.get_submodule(name).lora for name in adapter.weights}
+    for name, (a, _) in adapter.weights.items():  # (all checked before any is written)
+        if loras[name] is None or a.shape[0] > loras[name].width:  # (read_adapter and lora_widths read one layout)
+            raise ValueError(f"{adapter.path}: {name} takes no adapter of rank {a.shape[0]} here")
+    uninstall_(model, slot)
     for name, (a, b) in adapter.weights.items():
-        module = model.get_submodule(name)
-        if module.lora is None:
-            module.lora = LinearLoRA(scope)
-        # in the model's dtype (a weight kept in FP8 too: its projection's output is in the model's dtype)
-        to = dict(device=module.weight.device, dtype=model.config.dtype)
-        module.lora.add(uid, a.to(**to), b.to(**to))
+        loras[name].write(slot, a, b)
 
 
-def uninstall_(model: HybridForCausalLM, uid: int) -> None:
-    """Remove adapter ``uid``'s weights from ``model``'s projections."""
+def uninstall_(model: HybridForCausalLM, slot: int) -> None:
+    """Empty slot ``slot`` of ``model``'s projections."""
     from hyla.model.linear import Linear
 
     for module in model.modules():
         if isinstance(module, Linear) and module.lora is not None:
-            module.lora.remove(uid)
+            module.lora.clear(slot)
 
 
 def _adapter_config(path: Path) -> tuple[bytes, dict]:
@@ -379,6 +439,8 @@ def _lora_pairs(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, tuple
             if module.endswith(suffix):
                 if t.dim() != 2 or not t.is_floating_point():
                     raise ValueError(f"{path}: {name} is {t.dtype} of shape {tuple(t.shape)}, not a float matrix")
+                if not torch.isfinite(t).all():
+                    raise ValueError(f"{path}: {name} holds values that are not finite (NaN or inf)")
                 pairs.setdefault(module.removesuffix(suffix), [None, None])[i] = t
                 break
         else:

@@ -105,7 +105,7 @@ class GatedDeltaNet(nn.Module):
                                                           self.norm.eps, self.num_v_heads)
         else:
             o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))  # [T*Hv, Dv]
-        return self.out_proj(o.reshape(t, self.value_dim))
+        return in_projection(self.out_proj, o.reshape(t, self.value_dim), gemv_step)  # (a GEMV: with LoRA adapters)
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, beta)`` from the raw gates ``a, b [T, Hv]``: the fp32 log-decay and ``sigmoid(b)`` (times

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyla.model.layers import device
-from hyla.model.layers.projections import OutProjection, deferrable, in_projection, project
+from hyla.model.layers.projections import OutProjection, deferrable, in_projection
 from hyla.model.linear import Linear
 
 
@@ -48,12 +48,11 @@ class MLP(nn.Module):
 
     def down(self, h: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
         """The activation and the out projection of the in projection's output ``h [..., I or 2I]``
-        (on a GEMV step without bias, :func:`project`'s GEMV)."""
+        (on a GEMV step, :func:`in_projection`'s GEMV)."""
         if self.act == "silu" and device.on_gpu(h):
             a = device.gpu("norms").silu_mul_fused(h.reshape(-1, h.shape[-1])).view(*h.shape[:-1], -1)
         elif self.gated:
             a = gated_act(h, self.act)
         else:
             a = relu2(h)
-        return project(a, self.out_proj.weight, gemv_step) if gemv_step and deferrable(self.out_proj) \
-            else self.out_proj(a)
+        return in_projection(self.out_proj, a, gemv_step)

@@ -248,21 +248,20 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         """Run the batch's new tokens; return fp32 logits ``[N, vocab]`` at ``batch.logits_indices``
         (default: the last new token of each sequence), with ``batch.return_hidden`` also the final
         hidden states ``[T, hidden]`` of every new token (after the final norm). With LoRA adapters
-        (``lora_scope``), the batch's (``batch.lora``) apply for its length: an engine serving adapters
-        runs every step through here (eager: it compiles and graphs none)."""
+        (``lora_scope``), the batch's (``batch.lora``) apply for its length."""
         self.check_batch(batch)
-        if self.lora_scope is None:
-            return self.forward_unchecked(batch)
-        self.lora_scope.batch = batch.lora  # the projections' adapters apply to the rows it groups
-        try:
-            return self.forward_unchecked(batch)
-        finally:
-            self.lora_scope.batch = None
+        return self.forward_unchecked(batch)
 
     @torch.no_grad()
     def forward_unchecked(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` without :meth:`check_batch` (the runner checks, then runs this compiled:
-        the checks read host ints a compiled graph would specialise on)."""
+        the checks read host ints a compiled graph would specialise on; or captured in a CUDA graph)."""
+        if self.lora_scope is None:
+            return self._forward(batch)
+        with self.lora_scope.bind(batch.lora):  # the projections' adapters apply to the rows it groups
+            return self._forward(batch)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
         ropes = self.layer_ropes(batch, h)
         embeds = {"embeds": h} if self.layers_read_embeddings else {}  # (nothing writes h in place)

@@ -59,9 +59,11 @@ def materialized(out: torch.Tensor | OutProjection) -> torch.Tensor:
 
 def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor:
     """``linear(x)``; on a GEMV step (no bias, ``gemv.IN_PROJ``, a weight ``gemv.linear`` takes) that
-    kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``)."""
+    kernel, which loads its weight before it waits for ``x`` (``ops/gpu/pdl.py``), then the LoRA adapters'
+    update where the projection takes adapters (``Linear.lora``)."""
     if gemv_step and linear.bias is None and _gemv_takes(linear.weight):
-        return device.gpu("gemv").linear(x, linear.weight)
+        y = device.gpu("gemv").linear(x, linear.weight)
+        return y if linear.lora is None else linear.lora.add_(y, x)
     return linear(x)
 
 
@@ -79,15 +81,15 @@ def _gemv_takes(weight: torch.Tensor) -> bool:
 
 def deferrable(linear: nn.Linear) -> bool:
     """Whether a GEMV step may leave ``linear``'s projection to the next norm's kernel
-    (:class:`OutProjection`): no bias, and a weight in the model's dtype (one kept in FP8 runs its
-    own kernel, ``Linear.forward``)."""
-    return linear.bias is None and not is_fp8(linear.weight)
+    (:class:`OutProjection`): no bias, a weight in the model's dtype (one kept in FP8 runs its
+    own kernel, ``Linear.forward``), and no LoRA adapters (``Linear.lora``: :func:`in_projection` runs them)."""
+    return linear.bias is None and not is_fp8(linear.weight) and getattr(linear, "lora", None) is None
 
 
 def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:
-    """``linear(x)``, or with ``gemv_step`` (where :func:`deferrable`) the projection left as an
-    :class:`OutProjection`."""
-    return OutProjection(linear, x) if gemv_step and deferrable(linear) else linear(x)
+    """``linear(x)`` (on a GEMV step :func:`in_projection`'s), or with ``gemv_step`` (where :func:`deferrable`)
+    the projection left as an :class:`OutProjection`."""
+    return OutProjection(linear, x) if gemv_step and deferrable(linear) else in_projection(linear, x, gemv_step)
 
 
 def add_rms_norm(out: torch.Tensor | OutProjection | None, residual: torch.Tensor,
