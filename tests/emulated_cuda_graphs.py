@@ -155,9 +155,14 @@ def attach_graphs(runner, decode_max_bs: int = 0, verify_max_bs: int = 0, extend
     if decode_max_bs:
         runner.graphs = CudaGraphDecode(runner, decode_max_bs)
         pool = runner.graphs.pool
+        if runner.serves_lora:  # (and those of steps applying LoRA adapters)
+            runner.lora_graphs = CudaGraphDecode(runner, decode_max_bs, pool=pool, lora=True)
     if verify_max_bs:
         runner.verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width, pool=pool)
         pool = runner.verify_graphs.pool
     if extends:
         runner.extend_graphs = CudaGraphExtend(runner, runner._extend_buckets, pool=pool)
         runner.extend_inputs = runner.extend_graphs.inputs
+        if runner.serves_lora:
+            runner.lora_extend_graphs = CudaGraphExtend(runner, runner._extend_buckets, pool=pool,
+                                                        inputs=runner.extend_inputs, lora=True)

@@ -8,8 +8,8 @@ GPU waits on the host (issue 10 measured ~2,300 launches and a host sync per op,
 ``CudaGraphRunner`` does, and a step of ``B`` requests replays the smallest graph of at least ``B``.
 
 Inputs live in one static ``[6, max_bs]`` int64 device buffer (token, position, state slot, request
-row, KV length, KV slot; and a seventh row, each row's LoRA adapter slot, on a runner serving adapters:
-``ModelRunner.serves_lora``); a step fills a pinned host copy and moves it in one transfer. Rows past
+row, KV length, KV slot; and a seventh row, each row's LoRA adapter slot, in the graphs of steps that apply
+adapters: ``lora=True``); a step fills a pinned host copy and moves it in one transfer. Rows past
 ``B`` are padding with the sentinels the pools reserve: state slot ``-1`` (the recurrent kernels
 neither read nor write it), KV slot 0 and a spare request-table row (written, never read for a real
 request), KV length 1, no adapter. Padded rows' logits are dropped. On a runner that returns hidden states
@@ -88,15 +88,17 @@ def capture(fn, stream: torch.cuda.Stream, pool=None) -> tuple[torch.cuda.CUDAGr
 class CudaGraphDecode:
     """One captured fused decode step per batch size in :func:`capture_batch_sizes` ``(max_bs)``;
     ``width > 1``: a verify step of chains of that many tokens per request (the module docstring).
-    ``pool``: a graph memory pool to share (another instance's :attr:`pool`)."""
+    ``pool``: a graph memory pool to share (another instance's :attr:`pool`). ``lora``: steps applying LoRA
+    adapters (a runner serving them has a second set: ``ModelRunner.lora_graphs``), each row's adapter slot
+    an input; the other set is a step of the base model alone, no adapter's op in it."""
 
-    def __init__(self, runner: "ModelRunner", max_bs: int, width: int = 1, pool=None):
+    def __init__(self, runner: "ModelRunner", max_bs: int, width: int = 1, pool=None, lora: bool = False):
         self.runner = runner
         self.width = width
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         dev, rows = runner.device, self.max_bs * width
-        self.fields = FIELDS + ((LORA_FIELD,) if runner.serves_lora else ())
+        self.fields = FIELDS + ((LORA_FIELD,) if lora else ())
         self.inputs = torch.zeros(len(self.fields), rows, dtype=torch.long, device=dev)
         self.host = host_buffer(len(self.fields), rows, device=dev)
         self.padding = torch.tensor([0, 0, -1, runner.pad_row, 1, 0, 0][:len(self.fields)], dtype=torch.long)
@@ -123,8 +125,8 @@ class CudaGraphDecode:
             self.graphs[bs] = graph
         self.pool = pool
         torch.cuda.synchronize(self.runner.device)
-        logger.info("CUDA graphs captured for %s batch sizes %s", "decode" if self.width == 1 else
-                    f"verify ({self.width}-token chains)", self.batch_sizes)
+        logger.info("CUDA graphs captured for %s batch sizes %s", ("LoRA decode" if len(self.fields) > len(FIELDS)
+                    else "decode") if self.width == 1 else f"verify ({self.width}-token chains)", self.batch_sizes)
 
     def can_run(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
@@ -189,7 +191,7 @@ class ExtendInputs:
     from a host copy (pinned on CUDA) in one transfer per step. Per token (``[tokens]`` each): id,
     position, KV slot, KV length; then the sequence's ``cu_seqlens [2]``, state slot, request row,
     checkpoint offsets ``[2]``, positions and slots ``[M]``, its last token's index and its LoRA adapter
-    slot (read on a runner serving adapters: ``ModelRunner.serves_lora``). An extend
+    slot (read by the batches made with ``lora``). An extend
     of ``n`` tokens run at ``T >= n`` takes the first ``T`` of each per-token field: the rest is
     padding (token 0 at position 0, written to KV slot 0, attending to one key)."""
 
@@ -226,8 +228,9 @@ class ExtendInputs:
         if self._copied is not None:
             self._copied.record()
 
-    def batch(self, bucket: int) -> ForwardBatch:
-        """The fused extend of ``bucket`` tokens over the static inputs (views; nothing is read)."""
+    def batch(self, bucket: int, lora: bool = False) -> ForwardBatch:
+        """The fused extend of ``bucket`` tokens over the static inputs (views; nothing is read); ``lora``:
+        applying the LoRA adapter in the sequence's slot."""
         runner, t, m, x = self.runner, self.tokens, EXTEND_CHECKPOINTS, self.inputs
         tail = 4 * t
         fe = FusedExtend(cu_seqlens=x[tail:tail + 2], kv_lens=x[3 * t:3 * t + bucket], req_row=x[tail + 3:tail + 4],
@@ -241,7 +244,7 @@ class ExtendInputs:
             state_slots=x[tail + 2:tail + 3], conv_states=runner.conv_states, ssm_states=runner.ssm_states,
             max_token_id=0, req_to_token=runner.table, fused_extend=fe, logits_indices=x[self.size - 2:self.size - 1],
             # every token's adapter slot: the sequence's (an expanded view of its one entry)
-            lora=LoRABatch.static(x[self.size - 1:].expand(bucket)) if runner.serves_lora else None,
+            lora=LoRABatch.static(x[self.size - 1:].expand(bucket)) if lora else None,
         )
 
 
@@ -249,12 +252,16 @@ class CudaGraphExtend:
     """One captured fused extend of one sequence per token count in ``buckets`` (ascending, from
     :func:`extend_buckets`): an extend of ``n`` tokens replays the smallest graph of at least ``n``
     (the module's decode graphs, for an extend: a cached prompt's new part is ~1,000 launches, each
-    paid on the host when launched one by one). ``pool``: a graph memory pool to share."""
+    paid on the host when launched one by one). ``pool``: a graph memory pool to share; ``inputs``: the
+    static inputs to read (another set's: the LoRA set shares the base set's); ``lora``: extends applying
+    the sequence's LoRA adapter (``CudaGraphDecode``'s ``lora``)."""
 
-    def __init__(self, runner: "ModelRunner", buckets: Sequence[int], pool=None):
+    def __init__(self, runner: "ModelRunner", buckets: Sequence[int], pool=None, inputs: ExtendInputs | None = None,
+                 lora: bool = False):
         self.runner = runner
         self.buckets = list(buckets)
-        self.inputs = ExtendInputs(runner, self.buckets[-1])
+        self.lora = lora
+        self.inputs = ExtendInputs(runner, self.buckets[-1]) if inputs is None else inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = pool
@@ -267,13 +274,13 @@ class CudaGraphExtend:
             # the sentinels: state row 0, the spare request row, KV slot 0 (no request's)
             self.inputs.fill([0] * bucket, range(bucket), torch.zeros(bucket, dtype=torch.long), bucket, 0,
                              runner.pad_row, [])
-            batch = self.inputs.batch(bucket)
+            batch = self.inputs.batch(bucket, self.lora)
             graph, self.outputs[bucket] = capture(functools.partial(runner.model.forward_unchecked, batch), stream, pool)
             pool = graph.pool()
             self.graphs[bucket] = graph
         self.pool = pool
         torch.cuda.synchronize(runner.device)
-        logger.info("CUDA graphs captured for extends of %s tokens", self.buckets)
+        logger.info("CUDA graphs captured for %sextends of %s tokens", "LoRA " if self.lora else "", self.buckets)
 
     def replay(self, bucket: int) -> torch.Tensor:
         """The captured extend of ``bucket`` tokens on the inputs :attr:`inputs` holds (filled for

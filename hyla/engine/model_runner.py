@@ -120,10 +120,12 @@ class ModelRunner:
         self.compile_failed = False  # compile_decode's graphs failed to compile again (weight_update): runs eager
         self.return_hidden = return_hidden  # what the compiled and CUDA graphs of steps return: logits (and hidden)
         self.graphs = self.verify_graphs = self.extend_graphs = None
+        self.lora_graphs = self.lora_extend_graphs = None  # steps applying LoRA adapters (serves_lora)
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
-        # LoRA adapters (lora.enable_lora_): every step's rows by adapter slot (ForwardBatch.lora); the CUDA graphs
-        # take each row's slot as an input. Neither compiled graphs nor verify steps apply them
+        # LoRA adapters (lora.enable_lora_): every step's rows by adapter slot (ForwardBatch.lora); a second set of
+        # CUDA graphs takes each row's slot as an input (steps of the base model alone replay the first set, which
+        # runs no adapter's op). Neither compiled graphs nor verify steps apply them
         self.serves_lora = model.lora_scope is not None
         if self.serves_lora and (compile_decode or (verify_width or 0) > 1):
             raise ValueError("a runner serving LoRA adapters runs neither compile_decode nor verify steps")
@@ -149,6 +151,8 @@ class ModelRunner:
             self._arange = torch.arange(rows + 1, dtype=torch.long, device=self.device)
             if cuda_graph and self.device.type == "cuda" and cuda_graph_max_bs > 0:
                 self.graphs = CudaGraphDecode(self, cuda_graph_max_bs)
+                if self.serves_lora:
+                    self.lora_graphs = CudaGraphDecode(self, cuda_graph_max_bs, pool=self.graphs.pool, lora=True)
                 if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
                     self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
                                                          width=self.verify_width, pool=self.graphs.pool)
@@ -160,6 +164,9 @@ class ModelRunner:
                 if self.graphs is not None:
                     self.extend_graphs = CudaGraphExtend(self, self._extend_buckets, pool=self.graphs.pool)
                     self.extend_inputs = self.extend_graphs.inputs
+                    if self.serves_lora:
+                        self.lora_extend_graphs = CudaGraphExtend(self, self._extend_buckets, pool=self.graphs.pool,
+                                                                  inputs=self.extend_inputs, lora=True)
                 else:
                     self.extend_inputs = ExtendInputs(self, self._extend_buckets[-1])
         elif self.device.type == "cuda":
@@ -396,10 +403,9 @@ class ModelRunner:
             ids = [0] * len(rows)
         columns = (ids, pos, slots, rows, kv_lens, out_cache_loc)
         self.req_to_token.sync_mirror()  # this step's new slots (and any rows the cache rewrote)
-        if self.graphs is not None and self.graphs.can_run(len(rows)) and self._graphed(return_hidden):
-            if self.serves_lora:  # (each row's adapter slot: a graph's input too)
-                columns += (lora or [0] * len(rows),)
-            return _outputs(self.graphs.replay(columns, input_ids), return_hidden)
+        graphs = self.graphs if lora is None else self.lora_graphs  # (each row's adapter slot: an input of the latter)
+        if graphs is not None and graphs.can_run(len(rows)) and self._graphed(return_hidden):
+            return _outputs(graphs.replay(columns if lora is None else (*columns, lora), input_ids), return_hidden)
         host = host_long(*columns[:5]) + [out_cache_loc.to(torch.long)]
         dev = self._to_device(*host)
         if input_ids is not None:
@@ -495,9 +501,10 @@ class ModelRunner:
         inputs = self.extend_inputs
         inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
                     req.lora_slot)
-        if self.extend_graphs is not None:
-            return self.extend_graphs.replay(bucket)
-        return self.model.forward_unchecked(inputs.batch(bucket))
+        graphs = self.extend_graphs if not req.lora_slot else self.lora_extend_graphs
+        if graphs is not None:
+            return graphs.replay(bucket)
+        return self.model.forward_unchecked(inputs.batch(bucket, lora=bool(req.lora_slot)))
 
     def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, lora_slots=None,
                     chain_slots: torch.Tensor | None = None, return_hidden: bool = False) -> ForwardBatch:

@@ -63,7 +63,7 @@ def in_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.
     update where the projection takes adapters (``Linear.lora``)."""
     if gemv_step and linear.bias is None and _gemv_takes(linear.weight):
         y = device.gpu("gemv").linear(x, linear.weight)
-        return y if linear.lora is None else linear.lora.add_(y, x)
+        return linear.lora.add_(y, x) if adapted(linear) else y
     return linear(x)
 
 
@@ -82,8 +82,15 @@ def _gemv_takes(weight: torch.Tensor) -> bool:
 def deferrable(linear: nn.Linear) -> bool:
     """Whether a GEMV step may leave ``linear``'s projection to the next norm's kernel
     (:class:`OutProjection`): no bias, a weight in the model's dtype (one kept in FP8 runs its
-    own kernel, ``Linear.forward``), and no LoRA adapters (``Linear.lora``: :func:`in_projection` runs them)."""
-    return linear.bias is None and not is_fp8(linear.weight) and getattr(linear, "lora", None) is None
+    own kernel, ``Linear.forward``), and no LoRA adapters applied (:func:`adapted`: :func:`in_projection` runs them)."""
+    return linear.bias is None and not is_fp8(linear.weight) and not adapted(linear)
+
+
+def adapted(linear: nn.Linear) -> bool:
+    """Whether ``linear`` applies LoRA adapters in the step being run (``Linear.lora``, bound to a step with
+    adapters' rows: a step or CUDA graph of the base model alone runs none of their ops)."""
+    lora = getattr(linear, "lora", None)
+    return lora is not None and lora.scope.batch is not None
 
 
 def out_projection(linear: nn.Linear, x: torch.Tensor, gemv_step: bool) -> torch.Tensor | OutProjection:

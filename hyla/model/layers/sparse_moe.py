@@ -10,7 +10,7 @@ from torch import nn
 from hyla.model.config import ModelConfig
 from hyla.model.layers import device
 from hyla.model.layers.mlp import MLP, relu2
-from hyla.model.layers.projections import project
+from hyla.model.layers.projections import adapted, project
 from hyla.model.linear import Linear, few_row_linear, mkl_weight
 from hyla.model.quantization import dequantized, fp8_scales
 
@@ -331,7 +331,7 @@ class SparseMoE(nn.Module):
         """A GPU step's ``(weights, experts)`` (:meth:`route`), the shared expert's output (None without
         one) and its gate's logit ``[T, 1]`` (None without one); with :meth:`fuse_inputs_`, the router,
         the gate and the shared in projection as one GEMM (a GEMV on a GEMV step)."""
-        if self.fused_inputs is None or self.shared_expert.in_proj.lora is not None:  # (LoRA: its projection's own)
+        if self.fused_inputs is None or adapted(self.shared_expert.in_proj):  # (LoRA: the projection's own)
             weights, experts = self.route(x)
             shared = self.shared_expert(x) if self.shared_expert is not None else None
             gate = self.shared_expert_gate(x) if shared is not None and self.shared_expert_gate is not None else None
