@@ -169,7 +169,8 @@ def main() -> None:
         "add, the first version, cost one adapter at batch 8 0.65x of the base model's decode rate, and a batch "
         "over 4 adapters (then one pair of GEMMs per adapter, on its rows gathered) 0.62x (2026-12-07, this "
         "machine). On a GPU the fused decode step and its CUDA graphs apply the slots too: steps with no adapter's "
-        "rows replay graphs without LoRA ops, the others graphs running the masked GEMMs over all the slots.",
+        "rows replay graphs without LoRA ops, the others graphs running punica's shrink and expand kernels "
+        "(`ops/gpu/lora.py`: each row its own slot).",
     ])
     print(body)
     if not args.no_write:

@@ -90,7 +90,8 @@ def cases():
     from hyla.model.ops.gpu import conv1d_decode, conv1d_extend, decode_attention, gated_delta_decode, gemv, norms
     from hyla.model.ops.gpu import extend_attention
     from hyla.model.ops.gpu import gated_delta_chunks, mamba2_chunks
-    from hyla.model.ops.gpu import fp8, kda_decode, latent_attention, logits, mamba2_decode, moe, pdl, selective_scan
+    from hyla.model.ops.gpu import fp8, kda_decode, latent_attention, logits, lora, mamba2_decode, moe, pdl
+    from hyla.model.ops.gpu import selective_scan
     from hyla.model.ops.gpu.segment_checkpoints import SegmentCheckpoints
     from hyla.model.ops.kda import DecayGate
     from hyla.model.ops.varlen import VarlenPlan
@@ -120,6 +121,14 @@ def cases():
         # the in projections' GEMV (K = the model's hidden size; a K that is not a power of two)
         for k in (1024, 1000):
             yield f"linear K={k} {n}", lambda k=k: gemv.linear(r(1, k), r(300, k))
+        # LoRA adapters' shrink and expand (4 slots of width 192: a qkv_proj's three sources at rank 64), each row
+        # its own slot (a decode graph's) or one slot for every row (an extend's, an expanded slot index)
+        ranks = torch.tensor([0, 16, 0, 192, 8], dtype=torch.int32)
+        for label, slots in (("rows", long(1, 0, 3)), ("one slot", long(4).expand(3))):
+            yield f"lora_shrink {label} {n}", lambda slots=slots: lora.shrink(r(3, 1000), r(1000, 4 * 192), slots, ranks,
+                                                                             192)
+            yield f"lora_expand {label} {n}", lambda slots=slots: lora.expand_(r(3, 1000), f32(3, 192), r(4 * 192, 1000),
+                                                                              slots, ranks, 192)
         # a MoE step's gathered experts (K: the hidden size into the experts, their width out of them)
         for k, out, per_row in ((1024, 2 * 512, 2), (512, 1024, 1)):  # in: 3 tokens' 2 assignments each
             yield f"expert_linear K={k} {n}", lambda k=k, out=out, per_row=per_row: gemv.expert_linear(

@@ -19,6 +19,7 @@ from hyla import Engine
 from hyla.engine.args import EngineArgs
 from hyla.engine.errors import RequestError
 from hyla.model.linear import Linear
+from hyla.model import lora
 from hyla.model.lora import LinearLoRA, LoRABatch, LoRAScope
 from test_engine_differential import assert_drained, compare_outputs, make_workload
 
@@ -291,6 +292,36 @@ def test_linear_adds_each_slots_update_to_its_rows_only():
         torch.testing.assert_close(linear(x), base)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shrink_and_expand_kernels_equal_the_masked_gemms(dtype):
+    """``ops/gpu/lora.py`` (Triton: interpreted without a GPU) against the PyTorch form of a graph's step: rows of
+    several slots, an empty slot, the base model (slot 0: its output untouched), ranks short of the slot width
+    and a width not a power of two; an extend's one slot for every row (an expanded index); a strided input.
+    fp32 within fp32 rounding; bf16 within 2 ulps (the kernels keep ``A x`` in fp32, the GEMMs round it)."""
+    pytest.importorskip("triton")
+    from hyla.model.ops.gpu import lora as kernels
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    scope = LoRAScope(slots=3)
+    linear = LinearLoRA(scope, 130, 200, width=48, device=torch.device(dev), dtype=dtype)
+    for slot, r in ((1, 7), (3, 48)):
+        linear.write(slot, torch.randn(r, 130), torch.randn(200, r))
+    x = torch.randn(6, 260, device=dev).to(dtype)[:, ::2]  # (strided)
+    y = torch.randn(6, 200, device=dev).to(dtype)
+    tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0.5)
+    for row_slot in (torch.tensor([0, 1, 3, 2, 1, 0]), torch.tensor([3]).expand(6)):
+        row_slot = row_slot.to(dev)
+        want = y.clone()
+        with scope.bind(LoRABatch.static(row_slot)):
+            linear.add_(want, x)
+        xa = kernels.shrink(x, linear.at, row_slot, linear.ranks_dev, linear.width)
+        got = kernels.expand_(y.clone(), xa, linear.bt, row_slot, linear.ranks_dev, linear.width)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        base = (row_slot == 0) | (row_slot == 2)  # (slot 2 is empty)
+        assert torch.equal(got[base], y[base]) and not torch.equal(got[~base], y[~base])
+
+
 @pytest.mark.gpu
 def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapters):
     """The same on CUDA, fp32, through the fused kernels and CUDA graphs: the adapters and the base model in one
@@ -340,8 +371,9 @@ def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_read
 
 @pytest.mark.slow
 def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_path, adapters, monkeypatch):
-    """The fused decode step (Triton's kernels: interpreted without a GPU), its CUDA graphs (emulated here) and
-    fused extends of one sequence (graphs too) apply each row's adapter: adapters a and b and the base model in
+    """The fused decode step (Triton's kernels: interpreted without a GPU), its CUDA graphs (emulated here, the
+    decode graphs' LoRA updates through the shrink and expand kernels) and fused extends of one sequence (graphs too) apply each
+    row's adapter: adapters a and b and the base model in
     one batch give the greedy tokens and logprobs of the eager PyTorch steps (which equal the merged models:
     the tests above), across two turns, the second's prompts cached. Steps of the base model alone replay graphs
     of their own (no adapter's op in them). Adapter b is loaded after the graphs were captured: they read the
@@ -368,6 +400,9 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     replays = dict.fromkeys(("graphs", "extend_graphs", "lora_graphs", "lora_extend_graphs"), 0)
     with monkeypatch.context() as m:
         emulate_cuda_graphs(m)
+        # the decode graphs' steps through the shrink and expand kernels, as a GPU's (interpreted, an extend's 16+
+        # rows would cost minutes: those run the masked GEMMs, the kernels' oracle)
+        m.setattr(lora, "sgmv_kernels", lambda x: x.shape[0] <= 4)
         with Engine(str(qwen3_5_short_path), enable_lora=True, **opts) as engine:
             engine.load_lora_adapter("c", adapters["b"][0])  # (a slot used, then emptied: "a" takes slot 2)
             engine.load_lora_adapter("a", adapters["a"][0])

@@ -119,11 +119,13 @@ class LinearLoRA:
 
     An eager step of one adapter adds ``B (A x)``, its slot's columns only (two small GEMMs: at a few rows
     ``addmm_(mm(x, A^T), B^T)`` takes ~30-50% less time than ``F.linear`` twice and an add on a CPU:
-    docs/benchmarks.md, "LoRA adapters"). A step mixing adapters (or an adapter and the base model), and every
-    CUDA graph's step, runs the same two GEMMs over all the slots (eager: those from its first adapter's to its
-    last's), each row's columns of the other slots zeroed between them (``masked_fill``: an adapter's ``A x`` never reaches another row, even overflowed to inf,
-    which a multiply by zero would make NaN; ``read_adapter`` refuses values that are not finite): the op
-    count does not grow with the adapters, and the shapes depend on the row count alone."""
+    docs/benchmarks.md, "LoRA adapters"). A CUDA graph's step on a GPU runs punica's shrink and expand kernels
+    (``ops/gpu/lora.py``: each row reads its own slot's columns). A step mixing adapters (or an adapter and the
+    base model) elsewhere runs the same two GEMMs over all the slots (eager: those from its first adapter's to
+    its last's), each row's columns of the other slots zeroed between them (``masked_fill``: an adapter's ``A x``
+    never reaches another row, even overflowed to inf, which a multiply by zero would make NaN; ``read_adapter``
+    refuses values that are not finite): the op count does not grow with the adapters, and the shapes depend on
+    the row count alone."""
 
     def __init__(self, scope: LoRAScope, in_features: int, out_features: int, width: int, device: torch.device,
                  dtype: torch.dtype):
@@ -131,6 +133,7 @@ class LinearLoRA:
         self.at = torch.zeros(in_features, scope.slots * width, device=device, dtype=dtype)
         self.bt = torch.zeros(scope.slots * width, out_features, device=device, dtype=dtype)
         self.ranks = [0] * (scope.slots + 1)  # each slot's rank here (host; 0: nothing)
+        self.ranks_dev = torch.zeros(scope.slots + 1, dtype=torch.int32, device=device)  # the same, for the kernels
 
     @property
     def nbytes(self) -> int:
@@ -143,12 +146,14 @@ class LinearLoRA:
         self.at[:, first:first + r].copy_(a.t())
         self.bt[first:first + r].copy_(b.t())
         self.ranks[slot] = r
+        self.ranks_dev[slot] = r
 
     def clear(self, slot: int) -> None:
         first = (slot - 1) * self.width
         self.at[:, first:first + self.width].zero_()
         self.bt[first:first + self.width].zero_()
         self.ranks[slot] = 0
+        self.ranks_dev[slot] = 0
 
     def add_(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``y += B (A x)`` on each row of the bound step, by its slot's adapter (``x [..., in]``, ``y [..., out]``)."""
@@ -164,6 +169,12 @@ class LinearLoRA:
                 first = (batch.single - 1) * self.width
                 y2.addmm_(torch.mm(x2, self.at[:, first:first + r]), self.bt[first:first + r])  # [T, r] -> [T, out]
             return y
+        if batch.slots is None and sgmv_kernels(x2):  # a CUDA graph's step: each row reads its own slot only
+            from hyla.model.ops.gpu import lora as kernels
+
+            xa = kernels.shrink(x2, self.at, batch.row_slot, self.ranks_dev, self.width)  # [T, W] fp32
+            kernels.expand_(y2, xa, self.bt, batch.row_slot, self.ranks_dev, self.width)
+            return y
         cols = slice(None)  # a graph's step: every slot
         if batch.slots is not None:  # an eager step: the slots from its first adapter's to its last's
             held = [s for s in batch.slots if self.ranks[s]]
@@ -174,6 +185,14 @@ class LinearLoRA:
         xa.masked_fill_(self.scope.drop(self.width, xa.device)[:, cols], 0)  # each row keeps its own slot's columns
         y2.addmm_(xa, self.bt[cols])  # [T, out]
         return y
+
+
+def sgmv_kernels(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph's step applies the slots through the Triton kernels (``ops/gpu/lora.py``: each row
+    its own slot; on CUDA) rather than the masked GEMMs over every slot (the PyTorch form, their oracle)."""
+    from hyla.model.ops.gpu import HAS_TRITON
+
+    return x.is_cuda and HAS_TRITON
 
 
 def enable_lora_(model: HybridForCausalLM, slots: int, widths: dict[str, int]) -> LoRAScope:

@@ -14,6 +14,7 @@ shape for a given batch size: it can be captured in a CUDA graph (``hyla/engine/
 * ``norms`` — RMSNorm (alone or with the residual add before it), the gated RMSNorm, SwiGLU.
 * :func:`linear_add_rms_norm` (``gemv``) — at a few rows, a part's out projection with its prologue
   (SwiGLU, the gated RMSNorm) and the residual add + RMSNorm after it, in one split-K launch.
+* ``lora`` — LoRA adapters' shrink and expand (punica's), each row by its own adapter slot, in CUDA graphs.
 * ``mamba2_decode`` (Mamba2), ``selective_scan`` (Mamba1: Jamba, Mamba, FalconMamba), ``kda_decode`` and
   ``latent_attention`` (Kimi-Linear's KDA and MLA): the other architectures' decode kernels.
 
