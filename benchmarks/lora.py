@@ -11,7 +11,7 @@ every adapter. Measured per mix:
   the tokens that arrive while every request decodes, over that time);
 * **TTFT (ms)** of one ``--prefill``-token prompt.
 
-Writes the ``## LoRA adapters: their cost`` section of docs/benchmarks.md.
+Writes the ``## LoRA adapters: their cost`` section of docs/benchmarks.md (``... on a GPU`` with ``--device cuda``).
 
     .venv/bin/python benchmarks/lora.py [--repeats 5]
     PYTHONUNBUFFERED=1 .venv/bin/python benchmarks/lora.py --device cuda --gpu-model --dtype bfloat16
@@ -174,7 +174,7 @@ def main() -> None:
     ])
     print(body)
     if not args.no_write:
-        write_section(SECTION, body)
+        write_section(SECTION if args.device == "cpu" else f"{SECTION} on a GPU", body)  # (each keeps its own)
 
 
 if __name__ == "__main__":

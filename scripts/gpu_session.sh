@@ -43,6 +43,9 @@
 #            step from CUDA graphs (the MTP head's drafts too), and MTP trees (top-2, 6 nodes) beside the chains (~5 min)
 #   startup  benchmarks/startup.py --gpu-model --repeats 2: the first cold and cached TTFT of a fresh process against
 #            its steady ones, with the engine's start-up warm-up and without (~3 min)
+#   lora     benchmarks/lora.py --gpu-model --dtype bfloat16: decode and TTFT of an engine serving 4 random rank-16
+#            adapters (its LoRA CUDA graphs: punica's shrink and expand) against the base model's, with no adapter,
+#            one, and every adapter in a batch (~4 min)
 #   mixed    benchmarks/mixed_chunk.py --gpu-model: 8 streams while an 8,192-token prompt is prefilled, with mixed
 #            chunked prefill (enable_mixed_chunk) and without (~2 min)
 #   hicache  benchmarks/host_cache.py --gpu-model: interleaved agentic sessions on a 4,096-token device pool, the
@@ -88,7 +91,9 @@ for s in "$@"; do
                    tests/test_engine_overlap.py \
                    tests/test_engine_mixed_chunk.py \
                    tests/test_engine_weight_update.py::test_cuda_graphs_replay_the_new_weights \
-                   tests/test_engine_lora.py::test_adapters_on_a_gpu_equal_their_merged_models 2>&1 | tee "$out/tests.log" | tail -30
+                   tests/test_engine_lora.py::test_adapters_on_a_gpu_equal_their_merged_models \
+                   tests/test_engine_lora.py::test_shrink_and_expand_kernels_equal_the_masked_gemms 2>&1 \
+                   | tee "$out/tests.log" | tail -30
                # one worker: each case holds 16-32 GiB of device memory (rows 2^31 elements apart)
                timeout 120 python3 -m pytest -q -p no:cacheprovider -rfEs tests/test_kernel_offsets.py 2>&1 \
                    | tee "$out/offsets.log" | tail -8 ;;
@@ -136,6 +141,8 @@ for s in "$@"; do
                   | tee "$out/spec-mtp.log" | tail -12 ;;
         startup) timeout 240 python3 benchmarks/startup.py --device cuda --gpu-model --repeats 2 2>&1 \
                      | tee "$out/startup.log" | tail -14 ;;
+        lora) timeout 300 python3 benchmarks/lora.py --device cuda --gpu-model --dtype bfloat16 --repeats 3 2>&1 \
+                  | tee "$out/lora.log" | tail -12 ;;
         mixed) timeout 200 python3 benchmarks/mixed_chunk.py --device cuda --gpu-model --repeats 3 2>&1 \
                      | tee "$out/mixed.log" | tail -10 ;;
         hicache) timeout 420 python3 benchmarks/host_cache.py --device cuda --gpu-model --repeats 3 --ratios 8 --waiting-saves 2>&1 \
@@ -149,7 +156,7 @@ for s in "$@"; do
         kernels) timeout 400 python3 benchmarks/recurrent_tiles.py --repeats 7 2>&1 | tee "$out/tiles.log" | tail -48
                  timeout 90 python3 benchmarks/fla_prefill.py --repeats 9 --lengths 296,1024,2048,4096 2>&1 \
                      | tee "$out/fla_prefill.log" | tail -20 ;;
-        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 minimax fp8 spec startup mixed profile outproj attn state kernels)"; exit 2 ;;
+        *) echo "unknown stage $s (tests decode ttft pdl moe jamba kimi olmo zamba2 minimax fp8 spec startup lora mixed profile outproj attn state kernels)"; exit 2 ;;
     esac
 done
 cp docs/benchmarks.md "$out/benchmarks.md"
