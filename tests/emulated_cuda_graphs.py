@@ -160,6 +160,9 @@ def attach_graphs(runner, decode_max_bs: int = 0, verify_max_bs: int = 0, extend
     if verify_max_bs:
         runner.verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width, pool=pool)
         pool = runner.verify_graphs.pool
+        if runner.serves_lora:
+            runner.lora_verify_graphs = CudaGraphDecode(runner, verify_max_bs, width=runner.verify_width, pool=pool,
+                                                        lora=True)
     if extends:
         runner.extend_graphs = CudaGraphExtend(runner, runner._extend_buckets, pool=pool)
         runner.extend_inputs = runner.extend_graphs.inputs

@@ -239,7 +239,6 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
 @pytest.mark.parametrize("options, message", [
     (dict(max_loras=2), "max_loras set without enable_lora"),
     (dict(enable_lora=True, compile_decode=True), "not supported with compile_decode"),
-    (dict(enable_lora=True, speculative_algorithm="ngram"), "not supported with speculative decoding"),
     (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be a positive integer"),
     (dict(enable_lora="yes"), "enable_lora must be a bool"),
 ])
@@ -446,3 +445,49 @@ def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_
         fresh.load_lora_adapter("x", adapters["a"][0])
         assert after["output_ids"] == fresh.generate(input_ids=prompt, sampling_params=greedy(8),
                                                      lora_name="x")["output_ids"] != before["output_ids"]
+
+
+@pytest.mark.slow
+def test_speculative_verify_steps_apply_each_rows_adapter(qwen3_5_short_path, adapters, monkeypatch):
+    """Speculative decoding with adapters: drafts of the merged-model-exact outputs (``OracleDrafter``, some
+    corrupted: accepted whole, in part and not at all) verified with each request's adapter give the greedy
+    tokens and logprobs of plain decoding, two adapters and the base model in one batch; on the eager steps
+    (verify as one extend), then on the fused kernels (interpreted without a GPU), verify steps as padded chains
+    replaying (emulated) CUDA graphs of chains, their LoRA updates through the shrink and expand kernels."""
+    from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs
+    from hyla.engine.model_runner import ModelRunner
+    from test_engine_speculative import OracleDrafter, _count_verdicts
+
+    rng = random.Random(4)
+    specs = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 30))], "max_new": 6 + 4 * i}
+             for i in range(3)]  # (the last steps of 2 requests or 1: those replay the graphs)
+    names = ["a", None, "b"]
+    opts = dict(max_total_tokens=2048, max_state_slots=48, max_running_requests=8, warmup="off")
+    with Engine(str(qwen3_5_short_path), enable_lora=True, enable_prefix_cache=False, **opts) as off:
+        for name in ("a", "b"):
+            off.load_lora_adapter(name, adapters[name][0])
+        want = run(off, specs, names)
+    reference = {tuple(s["ids"]): o["output_ids"] for s, o in zip(specs, want)}
+    for fused in (False, True):
+        replays = {"n": 0}
+        with monkeypatch.context() as m, Engine(str(qwen3_5_short_path), enable_lora=True, speculative_algorithm="ngram",
+                                                speculative_num_draft_tokens=5, **opts) as eng:
+            for name in ("a", "b"):
+                eng.load_lora_adapter(name, adapters[name][0])
+            if fused:  # verify steps as chains of 5 rows, those of up to 2 requests replaying (emulated) graphs
+                runner = eng.scheduler.runner = ModelRunner(eng.model, eng.kv_pool, eng.state_pool, eng.req_to_token,
+                                                            eng.device, cuda_graph=False, fused_decode=True, verify_width=5)
+                emulate_cuda_graphs(m)
+                attach_graphs(runner, verify_max_bs=2)
+                m.setattr(lora, "sgmv_kernels", lambda x: True)
+                graphs = runner.lora_verify_graphs
+                m.setattr(graphs, "replay", lambda *a, _real=graphs.replay, **kw:
+                          replays.__setitem__("n", replays["n"] + 1) or _real(*a, **kw))
+            eng.scheduler.drafter = OracleDrafter(reference, num_draft=4)
+            verdicts = _count_verdicts(eng)
+            got = run(eng, specs, names)
+            eng.wait_idle()
+            eng.check_integrity()
+            assert eng.scheduler.num_accepted_tokens > 0 and min(verdicts.values()) > 0, verdicts
+        assert replays["n"] > 0 or not fused
+        assert compare_outputs(got, want) == sum(len(o["output_ids"]) for o in want), f"fused={fused}"

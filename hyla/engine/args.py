@@ -203,9 +203,9 @@ class EngineArgs:
     enable_lora: bool = _opt(False, "Serve LoRA adapters (PEFT checkpoints) beside the base model: loaded with "
                                     "Engine.load_lora_adapter (hyla serve --lora-modules, /v1/load_lora_adapter), "
                                     "chosen per request (a request's model is the adapter's name); one batch mixes "
-                                    "them, in the fused kernels and CUDA graphs too (max_loras slots in every projection, "
-                                    "allocated at start-up); not with compile_decode or speculative decoding "
-                                    "(docs/engine.md, \"LoRA adapters\").")
+                                    "them, in the fused kernels, CUDA graphs and speculative decoding's verify "
+                                    "steps too (max_loras slots in every projection, allocated at start-up); not with "
+                                    "compile_decode (docs/engine.md, \"LoRA adapters\").")
     max_loras: int = _opt(4, "With enable_lora: how many adapters may be loaded at once.")
     max_lora_rank: int = _opt(64, "With enable_lora: the largest rank of an adapter's projection.")
 
@@ -322,10 +322,9 @@ class EngineArgs:
 
         pos_int("max_loras")
         pos_int("max_lora_rank")
-        if self.enable_lora and (self.speculative_algorithm is not None or self.compile_decode):
-            raise ValueError(f"enable_lora is not supported with "
-                             f"{'speculative decoding' if self.speculative_algorithm else 'compile_decode'} "
-                             f"(adapters apply in eager steps); turn one of them off")
+        if self.enable_lora and self.compile_decode:
+            raise ValueError("enable_lora is not supported with compile_decode (its graphs freeze or pack the "
+                             "weights); turn one of them off")
         if self.enable_mixed_chunk and self.speculative_algorithm is not None:
             raise ValueError("enable_mixed_chunk is not supported with speculative decoding (a decoding request's "
                              "step is a verify step of its drafts); turn one of them off")

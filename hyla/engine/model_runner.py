@@ -120,15 +120,15 @@ class ModelRunner:
         self.compile_failed = False  # compile_decode's graphs failed to compile again (weight_update): runs eager
         self.return_hidden = return_hidden  # what the compiled and CUDA graphs of steps return: logits (and hidden)
         self.graphs = self.verify_graphs = self.extend_graphs = None
-        self.lora_graphs = self.lora_extend_graphs = None  # steps applying LoRA adapters (serves_lora)
+        self.lora_graphs = self.lora_verify_graphs = self.lora_extend_graphs = None  # steps applying LoRA adapters
         self.extend_inputs = None  # cuda_graph.ExtendInputs: fused extends run (fused_extend_max_tokens)
         c = model.config
         # LoRA adapters (lora.enable_lora_): every step's rows by adapter slot (ForwardBatch.lora); a second set of
         # CUDA graphs takes each row's slot as an input (steps of the base model alone replay the first set, which
-        # runs no adapter's op). Neither compiled graphs nor verify steps apply them
+        # runs no adapter's op; verify steps of chains too). Compiled graphs do not apply them
         self.serves_lora = model.lora_scope is not None
-        if self.serves_lora and (compile_decode or (verify_width or 0) > 1):
-            raise ValueError("a runner serving LoRA adapters runs neither compile_decode nor verify steps")
+        if self.serves_lora and compile_decode:
+            raise ValueError("a runner serving LoRA adapters does not run compile_decode")
         if fused_decode and not model.supports_fused_decode():
             raise ValueError(f"{c.architecture} has layers without a fused decode kernel")
         # None: on CUDA when every layer has one (True elsewhere: the tests, under TRITON_INTERPRET=1)
@@ -156,6 +156,9 @@ class ModelRunner:
                 if self.verify_width is not None:  # verify steps of chains too, sharing the graphs' memory
                     self.verify_graphs = CudaGraphDecode(self, min(cuda_graph_max_bs, VERIFY_GRAPH_MAX_BS),
                                                          width=self.verify_width, pool=self.graphs.pool)
+                    if self.serves_lora:
+                        self.lora_verify_graphs = CudaGraphDecode(self, self.verify_graphs.max_bs, width=self.verify_width,
+                                                                  pool=self.graphs.pool, lora=True)
             # extends of one sequence (a cached prompt's new part, an agent's turn) as fused extends: graphs
             # per token count, or eager (no graphs: the tests' interpreted kernels on CPU)
             extend_tokens = min(fused_extend_max_tokens, self.table.shape[1])
@@ -266,7 +269,7 @@ class ModelRunner:
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
-            lora=LoRABatch.of([r.lora_slot for r in reqs], extend_lens, self.device),
+            lora=LoRABatch.of(lora, extend_lens, self.device) if (lora := self._lora_slots(reqs)) else None,
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -285,9 +288,8 @@ class ModelRunner:
         decode reads them back."""
         pos = [r.kv_len for r in reqs]
         ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
-        lora = [r.lora_slot for r in reqs] if any(r.lora_slot for r in reqs) else None
         return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
-                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids, lora)
+                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids, self._lora_slots(reqs))
 
     @torch.inference_mode()
     def forward_decode_rows(self, ids: list[int], positions: list[int], state_slots: list[int], req_rows: list[int],
@@ -447,13 +449,18 @@ class ModelRunner:
         loc = torch.zeros(b * w, dtype=torch.long)  # padding rows write their K/V to the sentinel slot 0
         loc[fed] = out_cache_loc.to(torch.long).cpu()
         columns = (ids, pos, [s for s in own for _ in range(w)], rows, kv_lens, loc)
+        lora = self._lora_slots(reqs)  # (each request's W rows its adapter's slot)
         self.req_to_token.sync_mirror()  # the fed tokens' KV slots, read by attention
-        if self.verify_graphs is not None and self.verify_graphs.can_run(b) and self._graphed(return_hidden):
-            out = _outputs(self.verify_graphs.replay(columns, chain=chain), return_hidden)  # [B*W, V] (and [B*W, H])
+        graphs = self.verify_graphs if lora is None else self.lora_verify_graphs
+        if graphs is not None and graphs.can_run(b) and self._graphed(return_hidden):
+            if lora is not None:
+                columns += ([s for s in lora for _ in range(w)],)
+            out = _outputs(graphs.replay(columns, chain=chain), return_hidden)  # [B*W, V] (and [B*W, H])
             return _rows(out, self._to_device(torch.tensor(fed, dtype=torch.long))[0])
         dev = self._to_device(*host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
                               torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6], return_hidden=return_hidden)
+        batch.lora = LoRABatch.of(lora, [w] * b, self.device) if lora is not None else None
         return _rows(self.decode_fused_step(batch), dev[7])  # [sum(extend_lens), V] (and [.., H])
 
     def _forward_extends_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
@@ -499,12 +506,18 @@ class ModelRunner:
         bucket = next(t for t in self._extend_buckets if t >= n)
         self.req_to_token.sync_mirror()  # the sequence's slots, the new tokens' included, read by attention
         inputs = self.extend_inputs
+        lora_slot = req.lora_slot if self.serves_lora else 0
         inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
-                    req.lora_slot)
-        graphs = self.extend_graphs if not req.lora_slot else self.lora_extend_graphs
+                    lora_slot)
+        graphs = self.extend_graphs if not lora_slot else self.lora_extend_graphs
         if graphs is not None:
             return graphs.replay(bucket)
-        return self.model.forward_unchecked(inputs.batch(bucket, lora=bool(req.lora_slot)))
+        return self.model.forward_unchecked(inputs.batch(bucket, lora=bool(lora_slot)))
+
+    def _lora_slots(self, reqs: list[Req]) -> list[int] | None:
+        """Each request's LoRA adapter slot (``Req.lora_slot``), on a runner serving adapters where any has one;
+        else None (a draft model's runner, given the target's requests, applies none)."""
+        return [r.lora_slot for r in reqs] if self.serves_lora and any(r.lora_slot for r in reqs) else None
 
     def fused_batch(self, input_ids, positions, state_slots, req_rows, kv_lens, out_cache_loc, lora_slots=None,
                     chain_slots: torch.Tensor | None = None, return_hidden: bool = False) -> ForwardBatch:
