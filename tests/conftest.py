@@ -231,6 +231,9 @@ granite_h_short_path = _tiny_checkpoint("granite_h_short_path", checkpoints.make
 qwen3_next_moe_path = _tiny_checkpoint("qwen3_next_moe_path", checkpoints.make_qwen3_next, moe=True)
 qwen3_next_moe_short_path = _tiny_checkpoint("qwen3_next_moe_short_path", checkpoints.make_qwen3_next, moe=True,
                                              num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+# a single layer (attention + MoE): for the compiled MoE test (test_model_decode.py), whose cost is compiling it
+qwen3_next_moe_one_layer_path = _tiny_checkpoint("qwen3_next_moe_one_layer_path", checkpoints.make_qwen3_next, moe=True,
+                                                 num_hidden_layers=1, layer_types=["full_attention"])
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)
 nemotron_h_path = _tiny_checkpoint("nemotron_h_path", checkpoints.make_nemotron_h)
