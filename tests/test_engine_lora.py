@@ -408,7 +408,7 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
             engine.unload_lora_adapter("c")
             runner = engine.scheduler.runner = ModelRunner(
                 engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device, cuda_graph=False,
-                fused_decode=True, fused_extend_max_tokens=64)
+                fused_decode=True, fused_extend_max_tokens=16)
             attach_graphs(runner, decode_max_bs=4, extends=True)
             for key in replays:
                 graphs = getattr(runner, key)
