@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hyla.router.app import create_router_app, routing_key
-from hyla.router.policy import PrefixTable, Router, block_names
+from hyla.router.policy import Namespaced, PrefixTable, Router, block_names
 from hyla.server.app import create_app
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
                                         PREFILL_ELSEWHERE, PREFIX_TOKENS_HEADER)
@@ -153,6 +153,28 @@ def test_routing_keys_of_each_endpoint():
                        ("/v1/messages", {"messages": "x"}),
                        ("/v1/completions", None), ("/tokenize", {"prompt": "x"})):
         assert routing_key(path, body) is None
+
+
+def test_each_model_routes_in_its_own_namespace():
+    """A request naming a ``model`` (a LoRA adapter, which the workers cache apart) routes in that model's
+    namespace: its prompt is a cache hit where that model's requests went, and none where another model's (or
+    nameless requests') with the same text went; within a namespace blocks fall where they would without one."""
+    messages = [SYSTEM, {"role": "user", "content": "hi " * 40}]
+    plain = routing_key("/v1/chat/completions", {"messages": messages})
+    keys = {m: routing_key("/v1/chat/completions", {"model": m, "messages": messages}) for m in ("base", "sql-lora")}
+    assert keys["base"] == Namespaced("base", plain) and keys["sql-lora"].key == plain
+    assert routing_key("/generate", {"text": "t", "lora_path": "sql-lora"}) == Namespaced("sql-lora", "t")
+    assert routing_key("/generate", {"text": "t", "model": "sql-lora"}) == "t"  # (/generate names adapters so)
+    names = {m: block_names(k) for m, k in keys.items()}
+    assert len(names["base"]) == len(names["sql-lora"]) == len(block_names(plain)) > 2
+    assert not {*names["base"], *block_names(plain)} & set(names["sql-lora"])
+    router = Router(num_workers=2)
+    router.record(0, keys["sql-lora"])
+    router.record(1, plain)
+    loads, healthy = [0, 0], [True, True]
+    assert router.choose(keys["sql-lora"], loads, healthy) == (0, "cache")
+    assert router.choose(plain, loads, healthy) == (1, "cache")
+    assert router.choose(keys["base"], loads, healthy)[1] == "load"
 
 
 def test_a_prompt_cache_key_keeps_each_conversation_together():

@@ -85,7 +85,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.requests import ClientDisconnect
 
-from hyla.router.policy import MAX_KEY_BLOCKS, PrefixTable, Router
+from hyla.router.policy import MAX_KEY_BLOCKS, Namespaced, PrefixTable, Router
 from hyla.server.auth import API_KEY_MESSAGE, bearer_key_matches
 from hyla.server.cors import add_cors
 from hyla.server.disaggregation import (ABORTED_HEADER, CACHED_TOKENS_HEADER, KV_FROM_HEADER, LOCAL_PREFILL_HEADER,
@@ -122,7 +122,15 @@ def error_body(message: str, type: str = "service_unavailable", code: str | None
     return {"error": {"message": message, "type": type, "param": None, "code": code}}
 
 
-def routing_key(path: str, body: Any) -> str | list[int] | None:
+def routing_key(path: str, body: Any) -> str | list[int] | Namespaced | None:
+    """:func:`prompt_key` in the namespace of the model the request names (``model``; ``/generate``'s
+    ``lora_path``): the workers cache each LoRA adapter's prompts apart (``policy.Namespaced``)."""
+    key = prompt_key(path, body)
+    model = body.get("lora_path" if path == "/generate" else "model") if isinstance(body, dict) else None
+    return Namespaced(model, key) if key is not None and isinstance(model, str) and model else key
+
+
+def prompt_key(path: str, body: Any) -> str | list[int] | None:
     """What a request is routed by: its prompt as the client sent it (the module docstring of
     ``policy``), at most its first ``MAX_KEY_BLOCKS`` blocks and a little more, or None where it has
     none the router can read (the worker answers such a request; the router only picks where). A chat's

@@ -10,6 +10,9 @@ prompts it sent to each, in blocks.
   ``messages`` serialized, a completion's prompt, ``/generate``'s text or token ids). A later turn's
   key starts with the earlier turn's (a JSON list's serialization is prefix-preserving but for its
   closing bracket), so prefixes of keys stand for prefixes of prompts.
+* A request naming a ``model`` routes in that model's **namespace** (``Namespaced``): a LoRA adapter's
+  prompts are cached apart on the workers, so the same text sent under another adapter, or the base
+  model, is no hit there and none here.
 * The key is cut into **blocks** (``block_chars`` characters of text, ``block_tokens`` token ids),
   and block ``i`` is named by a hash chained over blocks ``0..i``: one name per prefix. Each worker
   has a ``PrefixTable`` of the names it was sent, least recently used first, bounded by
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 POLICIES = ("cache_aware", "round_robin", "least_load", "random")
@@ -43,11 +47,24 @@ POLICIES = ("cache_aware", "round_robin", "least_load", "random")
 MAX_KEY_BLOCKS = 8192
 
 
-def block_names(key: str | Sequence[int], block_chars: int = 64, block_tokens: int = 16) -> list[int]:
+@dataclass(frozen=True)
+class Namespaced:
+    """A routing key in a namespace of its own: the requests of a ``model`` (a LoRA adapter's, which the workers
+    cache apart from the base model's and each other's) share prefixes only with requests of that model."""
+
+    namespace: str
+    key: str | Sequence[int]
+
+
+def block_names(key: str | Sequence[int] | Namespaced, block_chars: int = 64, block_tokens: int = 16) -> list[int]:
     """The chained hashes of ``key``'s whole blocks (the first ``MAX_KEY_BLOCKS``): ``names[i]`` names
-    the prefix of ``i + 1`` blocks."""
+    the prefix of ``i + 1`` blocks (a :class:`Namespaced` key's chain starts from its namespace: the same
+    text names other blocks in another namespace, and the blocks fall where they would without one)."""
+    h = 0
+    if isinstance(key, Namespaced):
+        h, key = hash(("namespace", key.namespace)), key.key
     size = block_chars if isinstance(key, str) else block_tokens
-    names, h = [], 0
+    names = []
     for start in range(0, min(len(key) - size + 1, MAX_KEY_BLOCKS * size), size):
         chunk = key[start:start + size]
         h = hash((h, chunk if isinstance(chunk, str) else tuple(chunk)))
