@@ -423,10 +423,13 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     assert len({tuple(o["output_ids"]) for o in want[:3]}) == 3  # (the adapters matter)
 
 
-def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_it(qwen3_5_short_path, adapters):
+def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_it(qwen3_5_short_path, adapters,
+                                                                                   monkeypatch):
     """With every slot taken (``max_loras=1``), ``replace=True`` is refused while a running request applies the
     old adapter, and once none does the new one takes its slot: rank 8 replaced by rank 4, it serves exactly as
-    an engine that only ever loaded the new one (the old one's columns past rank 4 are gone)."""
+    an engine that only ever loaded the new one (the old one's columns past rank 4 are gone). A replacement
+    that fails while writing its slot leaves the old adapter serving as before."""
+    from hyla.engine import lora_manager
     prompt = list(range(5, 40))
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as engine:
         engine.load_lora_adapter("x", adapters["b"][0])
@@ -437,6 +440,19 @@ def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_
             engine.load_lora_adapter("x", adapters["a"][0], replace=True)
         list(stream)
         engine.wait_idle()
+        with monkeypatch.context() as m:  # (the write fails half-way: the first projection written, then an error)
+            def fail(model, slot, adapter, real=lora_manager.install_):
+                if adapter.path == str(adapters["a"][0]):
+                    first = next(iter(adapter.weights))
+                    real(model, slot, lora.LoRAAdapter(adapter.path, adapter.rank, adapter.digest,
+                                                       {first: adapter.weights[first]}))
+                    raise RuntimeError("out of device memory")
+                return real(model, slot, adapter)
+            m.setattr(lora_manager, "install_", fail)
+            with pytest.raises(RuntimeError, match="out of device memory"):
+                engine.load_lora_adapter("x", adapters["a"][0], replace=True)
+        assert engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")["output_ids"] == \
+            before["output_ids"]
         engine.load_lora_adapter("x", adapters["a"][0], replace=True)
         after = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
         assert engine.lora_adapters() == {"x": str(adapters["a"][0])}

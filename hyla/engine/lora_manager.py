@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
-from hyla.model.lora import LoRAAdapter, install_, uninstall_
+from hyla.model.lora import LoRAAdapter, check_fits, install_, uninstall_
 
 logger = logging.getLogger("hyla.engine")
 
@@ -90,36 +90,40 @@ class LoRAManager:
     def install(self, name: str, adapter: LoRAAdapter, live_uids: Iterable[int], replace: bool = False) -> Loaded:
         """Write ``adapter``'s weights for ``name`` into a free slot (not yet served: :meth:`publish`);
         ``ValueError`` for a name in use (unless ``replace``) or no free slot (``max_loras``). Replacing an adapter
-        no live request applies (``live_uids``) frees its slot first: the new one may take it."""
+        no live request applies (``live_uids``) with every slot taken writes over its slot: it is served, in that
+        slot, until :meth:`publish` (under the engine's inbox lock with this call: no step runs between them), and
+        stays where the new one fails to install."""
+        check_fits(self.model, adapter)  # (before anything changes)
         with self.lock:
             old = self._by_name.get(name) if replace else None
             self._check_room(name, old, live_uids)
-            if not self._free_slots:  # (_check_room: the old one's slot, which no live request reads)
-                self._by_name.pop(name)
-                self.retiring.add(old.uid)
-        if not self._free_slots:
-            self.release(old.uid, live_uids)
-        with self.lock:
-            loaded = Loaded(next(self._uids), self._free_slots.pop(), name, adapter)
+            slot = self._free_slots.pop() if self._free_slots else old.slot  # (_check_room: one of the two)
+            loaded = Loaded(next(self._uids), slot, name, adapter)
         try:
-            install_(self.model, loaded.slot, adapter)
+            install_(self.model, slot, adapter)
         except BaseException:
-            uninstall_(self.model, loaded.slot)
-            with self.lock:
-                self._free_slots.append(loaded.slot)
+            if old is not None and old.slot == slot:
+                install_(self.model, slot, old.adapter)  # (the old one back in its slot)
+            else:
+                uninstall_(self.model, slot)
+                with self.lock:
+                    self._free_slots.append(slot)
             raise
         return loaded
 
     def publish(self, loaded: Loaded, live_uids: Iterable[int]) -> None:
         """Serve ``loaded`` under its name from now on; the adapter it replaces (if any) is unloaded, as by
-        :meth:`unload` (``live_uids``: the live requests'; under the engine's inbox lock)."""
+        :meth:`unload` (``live_uids``: the live requests'; under the engine's inbox lock), or, where the new one
+        took its slot, gone."""
         with self.lock:
             old = self._by_name.get(loaded.name)
             self._by_name[loaded.name] = loaded
             self._by_uid[loaded.uid] = loaded
-            if old is not None:
+            if old is not None and old.slot == loaded.slot:  # (its weights are overwritten: no live request read them)
+                self._by_uid.pop(old.uid, None)
+            elif old is not None:
                 self.retiring.add(old.uid)
-        if old is not None:
+        if old is not None and old.slot != loaded.slot:
             self.release(old.uid, live_uids)
         adapter = loaded.adapter
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)%s", loaded.name, adapter.path,

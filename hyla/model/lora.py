@@ -375,13 +375,21 @@ def _low_rank(what: str, spec, parts: dict, rows: list[int], module) -> tuple[to
 def install_(model: HybridForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
     """Write ``adapter``'s weights into slot ``slot`` of ``model``'s projections (each :class:`LinearLoRA` in
     place, in the model's dtype: a weight kept in FP8 too, its projection's output is in the model's dtype)."""
-    loras = {name: model.get_submodule(name).lora for name in adapter.weights}
-    for name, (a, _) in adapter.weights.items():  # (all checked before any is written)
-        if loras[name] is None or a.shape[0] > loras[name].width:  # (read_adapter and lora_widths read one layout)
-            raise ValueError(f"{adapter.path}: {name} takes no adapter of rank {a.shape[0]} here")
+    loras = check_fits(model, adapter)
     uninstall_(model, slot)
     for name, (a, b) in adapter.weights.items():
         loras[name].write(slot, a, b)
+
+
+def check_fits(model: HybridForCausalLM, adapter: LoRAAdapter) -> dict[str, LinearLoRA]:
+    """``adapter``'s projections' slots (``{module name: LinearLoRA}``); ``ValueError`` where one has none or
+    slots too narrow for its rank (never, for an adapter ``read_adapter`` read for this model: it and
+    :func:`lora_widths` read the same layouts)."""
+    loras = {name: model.get_submodule(name).lora for name in adapter.weights}
+    for name, (a, _) in adapter.weights.items():
+        if loras[name] is None or a.shape[0] > loras[name].width:
+            raise ValueError(f"{adapter.path}: {name} takes no adapter of rank {a.shape[0]} here")
+    return loras
 
 
 def uninstall_(model: HybridForCausalLM, slot: int) -> None:

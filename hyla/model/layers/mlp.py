@@ -44,7 +44,7 @@ class MLP(nn.Module):
             if self.act == "silu":
                 return OutProjection(self.out_proj, h, "silu_mul")
             return OutProjection(self.out_proj, gated_act(h, self.act) if self.gated else relu2(h))
-        return self.down(h)
+        return self.down(h, gemv_step)
 
     def down(self, h: torch.Tensor, gemv_step: bool = False) -> torch.Tensor:
         """The activation and the out projection of the in projection's output ``h [..., I or 2I]``
