@@ -9,6 +9,7 @@ up to a tie: ``test_engine_differential.compare_outputs``) of the merged model r
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -22,6 +23,10 @@ from hyla.model.linear import Linear
 from hyla.model import lora
 from hyla.model.lora import LinearLoRA, LoRABatch, LoRAScope
 from test_engine_differential import assert_drained, compare_outputs, make_workload
+
+# the fused kernels on CPU tensors, interpreted (conftest sets TRITON_INTERPRET=1 without a GPU); on a GPU machine
+# the gpu test below runs them for real, against the merged models
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs Triton's interpreter on CPU")
 
 # every projection of Qwen3.5's layers PEFT can target (its MLP's gate and up are one fused parameter
 # in transformers, which PEFT leaves alone); B: another set, another rank, rsLoRA
@@ -369,6 +374,7 @@ def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_read
 
 
 @pytest.mark.slow
+@INTERPRETED
 def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_path, adapters, monkeypatch):
     """The fused decode step (Triton's kernels: interpreted without a GPU), its CUDA graphs (emulated here, the
     decode graphs' LoRA updates through the shrink and expand kernels) and fused extends of one sequence (graphs too) apply each
@@ -464,6 +470,7 @@ def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_
 
 
 @pytest.mark.slow
+@INTERPRETED
 def test_speculative_verify_steps_apply_each_rows_adapter(qwen3_5_short_path, adapters, monkeypatch):
     """Speculative decoding with adapters: drafts of the merged-model-exact outputs (``OracleDrafter``, some
     corrupted: accepted whole, in part and not at all) verified with each request's adapter give the greedy
