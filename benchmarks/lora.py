@@ -163,8 +163,9 @@ def main() -> None:
         *rows,
         "",
         "An adapter's update runs apart from the weight, `B (A x)`, from `max_loras` slots per projection written in "
-        "place (`lora.LinearLoRA`): a step of one adapter runs two small GEMMs on its slot's columns (`addmm_(mm(x, "
-        "A^T), B^T)`), a step mixing adapters the same two GEMMs over every slot, each row's other columns zeroed. "
+        "place (`lora.LinearLoRA`): a step of one adapter runs two small GEMMs on a contiguous copy of its slot "
+        "(`addmm_(mm(x, A^T), B^T)`), a step mixing adapters the same two GEMMs over the slots, each row's other "
+        "columns zeroed. "
         "No merged copy per adapter: adapters load while serving and mix in one batch. `F.linear` twice and an "
         "add, the first version, cost one adapter at batch 8 0.65x of the base model's decode rate, and a batch "
         "over 4 adapters (then one pair of GEMMs per adapter, on its rows gathered) 0.62x (2026-12-07, this "
