@@ -21,8 +21,8 @@ target ``S`` adapter *slots* at start-up (:func:`enable_lora_`; ``S``, ``max_lor
 adapter is loaded (:func:`install_`): a CUDA graph captured at start-up applies whatever they hold. The runner
 gives each step a :class:`LoRABatch` in ``ForwardBatch.lora``: each token row's slot (built on the host once per
 step, or a graph's static input). The model binds it to its :class:`LoRAScope` for the forward; every projection
-adds ``B (A x)`` to each row by its slot's adapter (a step mixing adapters: all the slots in the same two GEMMs,
-each row masked to its own). A step where no row has an adapter has no ``LoRABatch`` and costs the projections
+adds ``B (A x)`` to each row by its slot's adapter (a step mixing adapters: the slots in the same two GEMMs,
+each row masked to its own; a CUDA graph's step on a GPU: punica's shrink and expand, ``ops/gpu/lora.py``). A step where no row has an adapter has no ``LoRABatch`` and costs the projections
 one attribute test. The update is computed apart from ``W x`` (never merged into ``W``): the sum differs from a
 merged weight's within rounding.
 """
@@ -76,7 +76,8 @@ class LoRABatch:
     @staticmethod
     def static(row_slot: torch.Tensor) -> LoRABatch:
         """A CUDA graph's batch: ``row_slot`` its static input (``[num_rows]``, any slots), which each replay's
-        step fills; its projections always run the masked GEMMs, read from device memory only."""
+        step fills; its projections run punica's kernels on CUDA (``sgmv_kernels``), else the masked GEMMs over every
+        slot, and read nothing from the host."""
         return LoRABatch(row_slot.shape[0], None, row_slot, None)
 
 
