@@ -165,6 +165,7 @@ def test_each_model_routes_in_its_own_namespace():
     assert keys["base"] == Namespaced("base", plain) and keys["sql-lora"].key == plain
     assert routing_key("/generate", {"text": "t", "lora_path": "sql-lora"}) == Namespaced("sql-lora", "t")
     assert routing_key("/generate", {"text": "t", "model": "sql-lora"}) == "t"  # (/generate names adapters so)
+    assert routing_key("/generate", {"text": ["t", "u"], "lora_path": ["sql-lora", None]}) == Namespaced("sql-lora", "t")
     names = {m: block_names(k) for m, k in keys.items()}
     assert len(names["base"]) == len(names["sql-lora"]) == len(block_names(plain)) > 2
     assert not {*names["base"], *block_names(plain)} & set(names["sql-lora"])

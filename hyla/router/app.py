@@ -127,6 +127,8 @@ def routing_key(path: str, body: Any) -> str | list[int] | Namespaced | None:
     ``lora_path``): the workers cache each LoRA adapter's prompts apart (``policy.Namespaced``)."""
     key = prompt_key(path, body)
     model = body.get("lora_path" if path == "/generate" else "model") if isinstance(body, dict) else None
+    if isinstance(model, list) and model:  # (a batch's, one per prompt: by its first, as its key)
+        model = model[0]
     return Namespaced(model, key) if key is not None and isinstance(model, str) and model else key
 
 
