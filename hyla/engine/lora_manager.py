@@ -119,11 +119,12 @@ class LoRAManager:
             old = self._by_name.get(loaded.name)
             self._by_name[loaded.name] = loaded
             self._by_uid[loaded.uid] = loaded
-            if old is not None and old.slot == loaded.slot:  # (its weights are overwritten: no live request read them)
-                self._by_uid.pop(old.uid, None)
-            elif old is not None:
+            retire = old is not None and old.slot != loaded.slot
+            if retire:
                 self.retiring.add(old.uid)
-        if old is not None and old.slot != loaded.slot:
+            elif old is not None:  # (its slot taken: its weights are overwritten, and no live request read them)
+                self._by_uid.pop(old.uid, None)
+        if retire:
             self.release(old.uid, live_uids)
         adapter = loaded.adapter
         logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)%s", loaded.name, adapter.path,

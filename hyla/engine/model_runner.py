@@ -269,7 +269,7 @@ class ModelRunner:
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
-            lora=LoRABatch.of(lora, extend_lens, self.device) if (lora := self._lora_slots(reqs)) else None,
+            lora=LoRABatch.of(self._lora_slots(reqs), extend_lens, self.device),
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -314,7 +314,7 @@ class ModelRunner:
         table, kv_indices = self.req_to_token.table(rows, kv_lens)  # every row's slots in one gather
         batch = decode_batch(ids, pos, slots, kv_lens, out_cache_loc, table, kv_indices, self.device,
                              self.k_buffers, self.v_buffers, self.conv_states, self.ssm_states, return_hidden)
-        batch.lora = LoRABatch.of(lora, [1] * len(pos), self.device) if lora is not None else None
+        batch.lora = LoRABatch.of(lora, [1] * len(pos), self.device)
         return self._run_decode(batch)  # [B, V] (and [B, H])
 
     @torch.inference_mode()
@@ -413,7 +413,7 @@ class ModelRunner:
         if input_ids is not None:
             dev[0] = input_ids.to(self.device, torch.long)
         batch = self.fused_batch(*dev, return_hidden=return_hidden)
-        batch.lora = LoRABatch.of(lora, [1] * len(rows), self.device) if lora is not None else None
+        batch.lora = LoRABatch.of(lora, [1] * len(rows), self.device)
         return self.decode_fused_step(batch)
 
     def _forward_chains_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,
@@ -460,7 +460,7 @@ class ModelRunner:
         dev = self._to_device(*host_long(*columns[:5]), loc, torch.tensor(chain, dtype=torch.long),
                               torch.tensor(fed, dtype=torch.long))
         batch = self.fused_batch(*dev[:6], chain_slots=dev[6], return_hidden=return_hidden)
-        batch.lora = LoRABatch.of(lora, [w] * b, self.device) if lora is not None else None
+        batch.lora = LoRABatch.of(lora, [w] * b, self.device)
         return _rows(self.decode_fused_step(batch), dev[7])  # [sum(extend_lens), V] (and [.., H])
 
     def _forward_extends_fused(self, reqs: list[Req], extend_lens: list[int], out_cache_loc: torch.Tensor,

@@ -62,10 +62,10 @@ class LoRABatch:
     slots: frozenset[int] | None
 
     @staticmethod
-    def of(slots: Sequence[int], counts: Sequence[int], device: torch.device) -> LoRABatch | None:
+    def of(slots: Sequence[int] | None, counts: Sequence[int], device: torch.device) -> LoRABatch | None:
         """The batch of sequences whose ``counts[i]`` rows (packed, in order) apply slot ``slots[i]`` (0: none);
-        None where no sequence has one."""
-        used = frozenset(slot for slot, n in zip(slots, counts) if slot and n)
+        None where no sequence has one (``slots`` None: none has)."""
+        used = frozenset(slot for slot, n in zip(slots, counts) if slot and n) if slots is not None else ()
         if not used:
             return None
         if len(used) == 1 and all(slot for slot, n in zip(slots, counts) if n):
@@ -133,11 +133,11 @@ class LinearLoRA:
         self.scope, self.width = scope, width
         self.at = torch.zeros(in_features, scope.slots * width, device=device, dtype=dtype)
         self.bt = torch.zeros(scope.slots * width, out_features, device=device, dtype=dtype)
-        self.ranks = [0] * (scope.slots + 1)  # each slot's rank here (host; 0: nothing)
-        # each written slot's A^T [in, r] and B^T [r, out] contiguous too, for eager steps of one adapter (a column
-        # slice of ``at`` takes MKL 1.5-2x the time: 27 against 15 µs a projection at one row, 256 -> 768, rank 48)
+        # each slot holding something here: its A^T [in, r] and B^T [r, out] contiguous too, for eager steps of one
+        # adapter (a column slice of ``at`` takes MKL 1.5-2x the time: 27 against 15 µs a projection at one row,
+        # 256 -> 768, rank 48)
         self.dense: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.ranks_dev = torch.zeros(scope.slots + 1, dtype=torch.int32, device=device)  # the same, for the kernels
+        self.ranks_dev = torch.zeros(scope.slots + 1, dtype=torch.int32, device=device)  # each slot's rank (0: none)
 
     @property
     def nbytes(self) -> int:
@@ -150,7 +150,6 @@ class LinearLoRA:
         first, r = (slot - 1) * self.width, a.shape[0]
         self.at[:, first:first + r].copy_(a.t())
         self.bt[first:first + r].copy_(b.t())
-        self.ranks[slot] = r
         self.ranks_dev[slot] = r
         self.dense[slot] = (self.at[:, first:first + r].contiguous(), self.bt[first:first + r].contiguous())
 
@@ -158,7 +157,6 @@ class LinearLoRA:
         first = (slot - 1) * self.width
         self.at[:, first:first + self.width].zero_()
         self.bt[first:first + self.width].zero_()
-        self.ranks[slot] = 0
         self.ranks_dev[slot] = 0
         self.dense.pop(slot, None)
 
@@ -183,7 +181,7 @@ class LinearLoRA:
             return y
         cols = slice(None)  # a graph's step: every slot
         if batch.slots is not None:  # an eager step: the slots from its first adapter's to its last's
-            held = [s for s in batch.slots if self.ranks[s]]
+            held = [s for s in batch.slots if s in self.dense]
             if not held:
                 return y  # (none of its adapters reaches this projection)
             cols = slice((min(held) - 1) * self.width, max(held) * self.width)
