@@ -63,13 +63,16 @@ def reference(path, specs: list[dict]) -> list[dict]:
         return run(engine, specs)
 
 
-def test_adapters_and_base_in_one_batch_equal_their_merged_models_under_pressure(qwen3_5_short_path, adapters):
+@pytest.mark.parametrize("slots", [{}, dict(max_loras=1, max_cpu_loras=2, max_total_tokens=300)], ids=["a-slot-each", "one-slot"])
+def test_adapters_and_base_in_one_batch_equal_their_merged_models_under_pressure(qwen3_5_short_path, adapters, slots):
     """Every prompt three times, under adapter a, adapter b and the base model, in one engine whose cache
     must keep them apart (same tokens, different K/V and states), with small pools (eviction, retraction)
-    and a small prefill chunk; then second turns that hit the cache within each adapter."""
+    and a small prefill chunk; then second turns that hit the cache within each adapter. With one slot for
+    two adapters (``max_cpu_loras``), their requests take turns in it: each adapter written in again and
+    again, a retracted request's adapter gone from the slot when it is admitted again."""
     wave1, followups = make_workload(seed=3, vocab=2048, num_sessions=8, num_shared=4, scale=0.5)
     names = ["a", "b", None]
-    kw = dict(enable_lora=True, max_total_tokens=500, max_state_slots=16, chunked_prefill_size=48)
+    kw = dict(enable_lora=True, max_total_tokens=500, max_state_slots=16, chunked_prefill_size=48) | slots
     with Engine(str(qwen3_5_short_path), **kw) as engine:
         for name in ("a", "b"):
             engine.load_lora_adapter(name, adapters[name][0])
@@ -81,6 +84,8 @@ def test_adapters_and_base_in_one_batch_equal_their_merged_models_under_pressure
         second = run(engine, wave2, names * len(wave1))
         assert sum(o["meta_info"]["cached_tokens"] for o in second) > 0
         assert engine.scheduler.num_retractions > 0 and engine.cache.num_evicted_tokens > 0  # the pressure was real
+        loads = engine.get_stats()["num_lora_slot_loads"]
+        assert loads > 4 if slots else loads == 2  # (one slot: the adapters took turns in it)
         assert_drained(engine)
     compared = 0
     for i, name in enumerate(names):
@@ -214,7 +219,7 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
         with pytest.raises(ValueError, match="already loaded"):
             engine.load_lora_adapter("a", adapters["a"][0])
         engine.load_lora_adapter("a2", adapters["a"][0])
-        with pytest.raises(ValueError, match="2 LoRA adapters are resident, max_loras is 2"):
+        with pytest.raises(ValueError, match="2 LoRA adapters are loaded, max_cpu_loras is 2"):
             engine.load_lora_adapter("a3", adapters["a"][0])
         with pytest.raises(ValueError, match="rank 8"):  # in place of a2: refused, and a2 stays
             engine.load_lora_adapter("a2", adapters["b"][0], replace=True)
@@ -243,6 +248,8 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
 
 @pytest.mark.parametrize("options, message", [
     (dict(max_loras=2), "max_loras set without enable_lora"),
+    (dict(max_cpu_loras=2), "max_cpu_loras set without enable_lora"),
+    (dict(enable_lora=True, max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be at least max_loras \(3\)"),
     (dict(enable_lora=True, compile_decode=True), "not supported with compile_decode"),
     (dict(enable_lora=True, max_lora_rank=0), "max_lora_rank must be a positive integer"),
     (dict(enable_lora="yes"), "enable_lora must be a bool"),
@@ -347,7 +354,7 @@ def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapter
 def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_reads_an_adapters_cache(
         qwen3_5_short_path, adapters):
     """``replace=True`` swaps the adapter behind a name between steps: a stream running with the old one
-    finishes with it, new requests get the new one; the resident count holds both until the stream ends.
+    finishes with it, new requests get the new one; the loaded count holds both until the stream ends.
     A caller's namespace never equals an adapter's, whatever it spells."""
     prompt = list(range(5, 40))
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=2, max_lora_rank=8) as engine:
@@ -356,7 +363,7 @@ def test_a_replaced_adapter_serves_its_running_requests_and_no_base_request_read
         stream = engine.generate(input_ids=prompt, sampling_params=greedy(400), lora_name="x", stream=True)
         chunks = [next(stream)]
         engine.load_lora_adapter("x", adapters["b"][0], replace=True)
-        with pytest.raises(ValueError, match=r"2 LoRA adapters are resident, max_loras is 2 \(1 unloaded"):
+        with pytest.raises(ValueError, match=r"2 LoRA adapters are loaded, max_cpu_loras is 2 \(1 unloaded"):
             engine.load_lora_adapter("y", adapters["a"][0])
         new = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
         chunks += list(stream)
@@ -381,15 +388,16 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     row's adapter: adapters a and b and the base model in
     one batch give the greedy tokens and logprobs of the eager PyTorch steps (which equal the merged models:
     the tests above), across two turns, the second's prompts cached. Steps of the base model alone replay graphs
-    of their own (no adapter's op in them). Adapter b is loaded after the graphs were captured: they read the
-    slots in place. An unloaded adapter's slot goes empty and serves the next one."""
+    of their own (no adapter's op in them). The graphs read the slots in place: with two slots for three
+    adapters, one is written over after capture (an idle adapter c, the same files as b, written into a slot
+    first, then taken over by a or b)."""
     from emulated_cuda_graphs import attach_graphs, emulate_cuda_graphs
     from hyla.engine.model_runner import ModelRunner
 
     rng = random.Random(3)
     wave1 = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 40))], "max_new": 2 + i} for i in range(3)]
     names = [None, "b", "a"]  # (a alone last: its steps of one row, whose projections are GEMV kernels)
-    opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off")
+    opts = dict(max_total_tokens=2048, max_state_slots=32, max_running_requests=8, warmup="off", max_loras=2)
 
     def two_turns(engine: Engine) -> list[dict]:
         out1 = run(engine, wave1, names)
@@ -408,10 +416,9 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
         # the decode graphs' steps through the shrink and expand kernels, as a GPU's (interpreted, an extend's 16+
         # rows would cost minutes: those run the masked GEMMs, the kernels' oracle)
         m.setattr(lora, "sgmv_kernels", lambda x: x.shape[0] <= 4)
-        with Engine(str(qwen3_5_short_path), enable_lora=True, **opts) as engine:
-            engine.load_lora_adapter("c", adapters["b"][0])  # (a slot used, then emptied: "a" takes slot 2)
-            engine.load_lora_adapter("a", adapters["a"][0])
-            engine.unload_lora_adapter("c")
+        with Engine(str(qwen3_5_short_path), enable_lora=True, max_cpu_loras=3, **opts) as engine:
+            for name in ("c", "a", "b"):
+                engine.load_lora_adapter(name, adapters["b" if name == "c" else name][0])
             runner = engine.scheduler.runner = ModelRunner(
                 engine.model, engine.kv_pool, engine.state_pool, engine.req_to_token, engine.device, cuda_graph=False,
                 fused_decode=True, fused_extend_max_tokens=16)
@@ -420,8 +427,9 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
                 graphs = getattr(runner, key)
                 m.setattr(graphs, "replay", lambda *a, _real=graphs.replay, _key=key, **kw:
                           replays.__setitem__(_key, replays[_key] + 1) or _real(*a, **kw))
-            engine.load_lora_adapter("b", adapters["b"][0])  # (slot 1 again)
+            engine.generate(input_ids=[1, 2, 3], sampling_params=greedy(1), lora_name="c")  # (c in slot 1)
             got = two_turns(engine)
+            assert engine.get_stats()["num_lora_slot_loads"] >= 3
             engine.wait_idle()
             engine.check_integrity()
     assert all(replays.values()), replays
@@ -429,44 +437,59 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     assert len({tuple(o["output_ids"]) for o in want[:3]}) == 3  # (the adapters matter)
 
 
-def test_a_replacement_takes_the_old_ones_slot_where_no_running_request_applies_it(qwen3_5_short_path, adapters,
-                                                                                   monkeypatch):
-    """With every slot taken (``max_loras=1``), ``replace=True`` is refused while a running request applies the
-    old adapter, and once none does the new one takes its slot: rank 8 replaced by rank 4, it serves exactly as
-    an engine that only ever loaded the new one (the old one's columns past rank 4 are gone). A replacement
-    that fails while writing its slot leaves the old adapter serving as before."""
+def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_request(qwen3_5_short_path, adapters,
+                                                                                     monkeypatch):
+    """One slot (``max_loras=1``) for two adapters: a request whose adapter finds the slot applied by a running
+    request waits, and the adapter's requests queued behind it wait with it (else a stream of the other
+    adapter's requests would keep the slot forever); the base model's requests are admitted past it. Each
+    request gives what an engine serving its adapter alone gives. A write into the slot that fails half-way
+    ends only the request being admitted (aborted, cause ``internal``): the slot is emptied, and the next request
+    gets the adapter written whole."""
     from hyla.engine import lora_manager
+    from hyla.engine.scheduler import Scheduler
     prompt = list(range(5, 40))
-    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as engine:
+    admitted: list[str] = []
+    real_take = Scheduler._take_lora_slot
+
+    def take(self, req):
+        took = real_take(self, req)
+        if took:
+            admitted.append(req.rid)
+        return took
+    monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
+    names = ["x", "y", None, "x", "x"]
+    lens = [40, 8, 8, 8, 8]
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
+                schedule_policy="fcfs") as engine:
         engine.load_lora_adapter("x", adapters["b"][0])
-        before = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
-        stream = engine.generate(input_ids=prompt, sampling_params=greedy(400), lora_name="x", stream=True)
-        next(stream)
-        with pytest.raises(ValueError, match="'x' is applied by running requests until they finish"):
-            engine.load_lora_adapter("x", adapters["a"][0], replace=True)
-        list(stream)
-        engine.wait_idle()
+        engine.load_lora_adapter("y", adapters["a"][0])
+        outs = engine.generate(input_ids=[prompt] * 5, sampling_params=[greedy(n) for n in lens],
+                               return_logprob=True, lora_name=names, rid=[f"r{i}" for i in range(5)])
+        # y waited for x's first request; x's others for y (not past it); the base request for none
+        assert admitted == ["r0", "r1", "r3", "r4"]
+        assert engine.get_stats()["num_lora_slot_loads"] == 3
         with monkeypatch.context() as m:  # (the write fails half-way: the first projection written, then an error)
             def fail(model, slot, adapter, real=lora_manager.install_):
-                if adapter.path == str(adapters["a"][0]):
-                    first = next(iter(adapter.weights))
-                    real(model, slot, lora.LoRAAdapter(adapter.path, adapter.rank, adapter.digest,
-                                                       {first: adapter.weights[first]}))
-                    raise RuntimeError("out of device memory")
-                return real(model, slot, adapter)
+                first = next(iter(adapter.weights))
+                real(model, slot, lora.LoRAAdapter(adapter.path, adapter.rank, adapter.digest,
+                                                   {first: adapter.weights[first]}))
+                raise RuntimeError("out of device memory")
             m.setattr(lora_manager, "install_", fail)
-            with pytest.raises(RuntimeError, match="out of device memory"):
-                engine.load_lora_adapter("x", adapters["a"][0], replace=True)
-        assert engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")["output_ids"] == \
-            before["output_ids"]
-        engine.load_lora_adapter("x", adapters["a"][0], replace=True)
-        after = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="x")
-        assert engine.lora_adapters() == {"x": str(adapters["a"][0])}
+            failed = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y")
+        assert failed["meta_info"]["finish_reason"]["cause"] == "internal"
+        assert "out of device memory" in failed["meta_info"]["finish_reason"]["message"]
+        holders = [m.lora for m in engine.model.modules() if isinstance(m, Linear) and m.lora is not None]
+        assert not any(h.at.any() or h.dense for h in holders)  # (emptied)
+        again = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y", return_logprob=True)
         assert_drained(engine)
-    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as fresh:
-        fresh.load_lora_adapter("x", adapters["a"][0])
-        assert after["output_ids"] == fresh.generate(input_ids=prompt, sampling_params=greedy(8),
-                                                     lora_name="x")["output_ids"] != before["output_ids"]
+    for name, path in (("x", adapters["b"][0]), ("y", adapters["a"][0])):
+        with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as alone:
+            alone.load_lora_adapter(name, path)
+            specs = [{"ids": prompt, "max_new": n} for n, m in zip(lens, names) if m == name]
+            got = [o for o, m in zip(outs, names) if m == name] + ([again] if name == "y" else [])
+            assert compare_outputs(got, run(alone, specs + ([{"ids": prompt, "max_new": 8}] if name == "y" else []),
+                                            [name] * (len(specs) + (name == "y")))) == sum(
+                len(o["output_ids"]) for o in got)
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ from hyla.tokenizer import Tokenizer
 from test_router import _Uvicorn
 
 MODEL = "tiny-lora-base"
-LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank")
+LORA_OPTIONS = ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")
 SHIM_MAX_LORAS = 3
 ENGINE_HAS_LORA = hasattr(Engine, "load_lora_adapter") and hasattr(checkpoints, "make_lora_adapter")
 
@@ -346,7 +346,9 @@ def test_lora_modules_errors_before_anything_loads(capsys, adapter_root):
              (["--enable-lora", "--lora-modules", f"a={good}", f"a={good}"], "names 'a' more than once"),
              (["--enable-lora", "--served-model-name", "a", "--lora-modules", f"a={good}"], "--served-model-name"),
              (["--enable-lora", "--lora-modules", f"a={adapter_root / 'missing'}"], "no adapter_config.json"),
-             (["--enable-lora", "--max-loras", "1", "--lora-modules", f"a={good}", f"b={good}"], "--max-loras")]
+             (["--enable-lora", "--max-loras", "1", "--lora-modules", f"a={good}", f"b={good}"], "--max-loras holds 1"),
+             (["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "2", "--lora-modules", f"a={good}", f"b={good}",
+               f"c={good}"], "--max-cpu-loras holds 2")]
     if not ENGINE_HAS_LORA:
         cases = cases[:1]
     for argv, message in cases:
@@ -436,7 +438,11 @@ def test_real_adapters_load_and_unload(lora_server):
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         first, second = _greedy_chat(client, "sql"), _greedy_chat(client, "other")
     assert first.choices[0].token_ids != second.choices[0].token_ids
-    # refusals of the engine: every slot taken (max_loras 2), not an adapter directory, a rank too large
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert "hyla_num_lora_adapters 2.0" in metrics
+    loads = [line for line in metrics.splitlines() if line.startswith("hyla_lora_slot_loads_total ")]
+    assert loads and float(loads[0].split()[1]) >= 2
+    # refusals of the engine: max_cpu_loras (2) loaded, not an adapter directory, a rank too large
     error = _error(_post(srv, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": str(other)}), 400)
     assert error["code"] == "invalid_lora_adapter"
     assert _post(srv, "/v1/unload_lora_adapter", {"lora_name": "other"}).status_code == 200

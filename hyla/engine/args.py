@@ -206,7 +206,12 @@ class EngineArgs:
                                     "them, in the fused kernels, CUDA graphs and speculative decoding's verify "
                                     "steps too (max_loras slots in every projection, allocated at start-up); not with "
                                     "compile_decode (docs/engine.md, \"LoRA adapters\").")
-    max_loras: int = _opt(4, "With enable_lora: how many adapters may be loaded at once.")
+    max_loras: int = _opt(4, "With enable_lora: how many adapters one batch applies (the slots every adapted "
+                             "projection holds on the device); requests of more wait for a slot.")
+    max_cpu_loras: int | None = _opt(None, "With enable_lora: how many adapters may be loaded at once, kept on the "
+                                           "host and written into a slot when a request applying one is "
+                                           "admitted (vLLM's --max-cpu-loras); at least max_loras (None: "
+                                           "max_loras).")
     max_lora_rank: int = _opt(64, "With enable_lora: the largest rank of an adapter's projection.")
 
     def __post_init__(self) -> None:
@@ -314,14 +319,18 @@ class EngineArgs:
                 ("enable_hierarchical_cache", self.enable_hierarchical_cache, ("hicache_ratio", "hicache_size")),
                 ("enable_priority_scheduling", self.enable_priority_scheduling,
                  ("schedule_low_priority_values_first", "priority_scheduling_preemption_threshold")),
-                ("enable_lora", self.enable_lora, ("max_loras", "max_lora_rank"))):
+                ("enable_lora", self.enable_lora, ("max_loras", "max_cpu_loras", "max_lora_rank"))):
             changed = [name for name in names if getattr(self, name) != defaults[name]]
             if changed and not on:
                 raise ValueError(f"{', '.join(changed)} set without {feature}, which would ignore "
                                  f"{'them' if len(changed) > 1 else 'it'}")
 
         pos_int("max_loras")
+        pos_int("max_cpu_loras", allow_none=True)
         pos_int("max_lora_rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras}): "
+                             f"the slots hold loaded adapters")
         if self.enable_lora and self.compile_decode:
             raise ValueError("enable_lora is not supported with compile_decode (its graphs freeze or pack the "
                              "weights); turn one of them off")

@@ -158,7 +158,8 @@ class Engine:
 
         # LoRA adapters (enable_lora): max_loras slots in every projection an adapter may target, allocated
         # before the pools are sized from the memory left (the fused kernels and CUDA graphs apply them too)
-        self.loras = LoRAManager(self.model, self.args.max_loras) if self.args.enable_lora else None
+        self.loras = LoRAManager(self.model, self.args.max_loras, self.args.max_cpu_loras or self.args.max_loras) \
+            if self.args.enable_lora else None
         if self.loras is not None:
             enable_lora_(self.model, self.args.max_loras, lora_widths(self.model, path, self.args.max_lora_rank))
         self._build_pools()
@@ -226,7 +227,7 @@ class Engine:
                                        first_buffers=(cfg.num_attention_layers, cfg.num_linear_layers),
                                        verify_width=runner.verify_width, verify_trees=runner.verify_trees)
             drafter = DraftModelDrafter(draft_runner, scratch, states, self.args.num_draft_tokens, steps, topk)
-        self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter)
+        self.scheduler = Scheduler(sched_cfg, self.cache, runner, output, drafter=drafter, loras=self.loras)
         self._instance = uuid.uuid4().hex[:12]  # (cache_id)
         self.scheduler.weight_version = self.args.weight_version
         if drafter is not None and (runner.graphs is not None or runner.compiled) and runner.verify_width is None:
@@ -357,7 +358,7 @@ class Engine:
                 f"prefix_cache={'on' if self.tree is not None else 'off'}{self._host_summary()}, "
                 f"decode={self._decode_mode()}"
                 f"{', overlap schedule' if self.scheduler.config.overlap else ''}, "
-                f"{f'LoRA adapters (up to {self.args.max_loras}, rank <= {self.args.max_lora_rank}, {self._lora_mb():.1f} MB of slots), ' if self.loras else ''}"
+                f"{f'LoRA adapters (up to {self.loras.max_cpu_loras} loaded, {self.args.max_loras} per batch, rank <= {self.args.max_lora_rank}, {self._lora_mb():.1f} MB of slots), ' if self.loras else ''}"
                 f"speculative={self.args.speculative_algorithm or 'off'}"
                 f"{f' ({self.args.num_draft_tokens} drafts per step)' if self.args.speculative_algorithm else ''}"
                 f"{f', draft model={self.args.speculative_draft_model_path} ({self.draft_model.config.architecture})' if self.draft_model is not None else ''}, "
@@ -733,11 +734,11 @@ class Engine:
         """Serve the PEFT LoRA adapter in directory ``path`` (``adapter_config.json``,
         ``adapter_model.safetensors``) as ``name``: requests with ``lora_name=name`` apply it from now on,
         mixed in one batch with other adapters' and the base model's. Read here, installed between steps
-        (running requests go on). ``ValueError`` when the engine serves no adapters (``enable_lora``), for a
-        name already loaded, ``max_loras`` loaded, and an adapter it cannot apply (``lora.read_adapter``:
-        its rank above ``max_lora_rank``, shapes that do not fit, targets hyla does not adapt), and too little memory
-        for its weights. ``replace``: one loaded as ``name`` is unloaded once this one is in (vLLM's
-        ``load_inplace``; it stays where this one is refused)."""
+        (running requests go on); its weights go into a slot when a request applying it is admitted
+        (``LoRAManager``). ``ValueError`` when the engine serves no adapters (``enable_lora``), for a name already
+        loaded, ``max_cpu_loras`` loaded, and an adapter it cannot apply (``lora.read_adapter``: its rank above
+        ``max_lora_rank``, shapes that do not fit, targets hyla does not adapt). ``replace``: one loaded as
+        ``name`` is unloaded once this one is in (vLLM's ``load_inplace``; it stays where this one is refused)."""
         if self.loras is None:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True "
                              "(hyla serve --enable-lora)")
@@ -751,8 +752,7 @@ class Engine:
 
         def load() -> None:
             with self._inbox_lock:  # (as unload: a replaced adapter's weights go when no live request applies them)
-                live = self._live_lora_uids()
-                self.loras.publish(self.loras.install(name, adapter, live, replace), live)
+                self.loras.publish(name, adapter, self._live_lora_uids(), replace)
         self._on_scheduler_thread(load, timeout)
 
     def unload_lora_adapter(self, name: str, timeout: float = 60.0) -> None:
@@ -810,6 +810,7 @@ class Engine:
             "num_lora_adapters": len(self.loras.adapters()) if self.loras is not None else None,
             "num_lora_requests": sum(1 for r in [*s.running, *s.waiting] if r.lora_uid)
             if self.loras is not None else None,
+            "num_lora_slot_loads": self.loras.num_slot_loads if self.loras is not None else None,
         }
 
     def record_cache_events(self) -> CacheLedger:
@@ -908,7 +909,7 @@ class Engine:
         for req, prio, lora in zip(reqs, priorities, loras):
             req.priority = prio
             if lora is not None:
-                req.lora_uid, req.lora_slot, req.namespace = lora.uid, lora.slot, lora_namespace(lora, req.namespace)
+                req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)  # (its slot: at admission)
         return reqs, single
 
     def _loras(self, lora_name: Any, n: int) -> list[Loaded | None]:

@@ -1,21 +1,27 @@
-"""Which LoRA adapters an engine serves: names, the loads behind them, and when their weights may go.
+"""Which LoRA adapters an engine serves: names, the loads behind them, and which sit in the model's slots.
 
-An adapter is read off the scheduler thread (:func:`hyla.model.lora.read_adapter`), then written into
-the model's projections on it, between steps, in a free *slot* (``1..max_loras``: the projections' adapter
-slots, :func:`hyla.model.lora.enable_lora_`), under a *uid*: a number of that one load, never reused. A
-request resolves its adapter's name to the uid and slot when it is made (``Req.lora_uid``,
-``Req.lora_slot``), and its prefix cache namespace gets the adapter's content digest, so requests of
-different adapters (or of none) never share a cached prefix, while the same files loaded again, under
-any name, in any process, do.
+An adapter is read off the scheduler thread (:func:`hyla.model.lora.read_adapter`), fp32 on the host, and
+registered under a *uid*: a number of that one load, never reused. Up to ``max_cpu_loras`` are loaded at once.
+A request resolves its adapter's name to the uid when it is made (``Req.lora_uid``), and its prefix cache
+namespace gets the adapter's content digest, so requests of different adapters (or of none) never share a
+cached prefix, while the same files loaded again, under any name, in any process, do.
+
+The model has ``max_loras`` adapter *slots* (``1..max_loras``: the projections' slots,
+:func:`hyla.model.lora.enable_lora_`): how many adapters one batch applies. A request gets its adapter's slot
+when it is admitted (:meth:`acquire`, ``Req.lora_slot``): the slot already holding the adapter, else an empty
+one, else the least recently used slot whose adapter no running request applies, the adapter written into it
+in place (a CUDA graph captured once applies whatever the slots hold). Where every slot holds an adapter a
+running request applies, the request waits (``Scheduler``). A running request's slot never changes under it; a
+retracted one takes a slot again when it is admitted again.
 
 Ownership and locks. ``Engine`` owns one ``LoRAManager``. Names are read on callers' threads
-(:meth:`resolve`) and changed on the scheduler thread; ``lock`` guards them. The weights are
-installed and removed on the scheduler thread only (a forward reads them there). Unloading removes
-the name at once; the weights stay while a live request still applies them (``retiring``), and go
-when the last one ends (:meth:`release`): a request never runs with its adapter gone. Those keep their
-slots, and count against ``max_loras``, until they go. ``Engine``
-calls :meth:`unload` and :meth:`release` under its inbox lock, which its submissions hold too, so a
-request made before an unload but submitted after it is refused (:meth:`is_loaded`), never run.
+(:meth:`resolve`) and changed on the scheduler thread; ``lock`` guards them. The slots are written on the
+scheduler thread only, between steps (a forward reads them there). Unloading removes the name at once; the
+adapter stays while a live request (running or waiting) still applies it (``retiring``), and goes when the
+last one ends (:meth:`release`): a request never runs with its adapter gone. Retiring adapters count against
+``max_cpu_loras`` until they go. ``Engine`` calls :meth:`unload`, :meth:`publish` and :meth:`release` under
+its inbox lock, which its submissions hold too, so a request made before an unload but submitted after it is
+refused (:meth:`is_loaded`), never run.
 """
 
 from __future__ import annotations
@@ -43,24 +49,27 @@ def check_lora_name(name: object) -> str:
 
 @dataclass(frozen=True)
 class Loaded:
-    """One load of an adapter: its uid, slot, name and what was read."""
+    """One load of an adapter: its uid, name and what was read."""
 
     uid: int
-    slot: int
     name: str
     adapter: LoRAAdapter
 
 
 class LoRAManager:
-    def __init__(self, model, max_loras: int):
+    def __init__(self, model, max_loras: int, max_cpu_loras: int):
         self.model = model
-        self.max_loras = max_loras
+        self.max_loras, self.max_cpu_loras = max_loras, max_cpu_loras
         self.lock = threading.Lock()
         self._by_name: dict[str, Loaded] = {}
         self._by_uid: dict[int, Loaded] = {}  # loaded, and retiring ones still applied by live requests
         self.retiring: set[int] = set()
         self._uids = itertools.count(1)
-        self._free_slots = list(range(max_loras, 0, -1))  # (popped from the end: slot 1 first)
+        # the scheduler thread's: each slot's adapter (uid; 0 empty), and when it was last acquired
+        self._slot_uid = [0] * (max_loras + 1)  # (index 0 unused: slot 0 is the base model's)
+        self._slot_used = [0] * (max_loras + 1)
+        self._clock = itertools.count(1)
+        self.num_slot_loads = 0  # adapters written into a slot (the first time, or again after another took it)
 
     # --- callers' threads ---------------------------------------------------------------------
     def resolve(self, name: str) -> Loaded:
@@ -81,58 +90,46 @@ class LoRAManager:
         with self.lock:
             return {name: loaded.adapter.path for name, loaded in self._by_name.items()}
 
-    def check_room(self, name: str, replace: bool = False) -> None:
-        """``ValueError`` where loading ``name`` now would be refused (checked again when it is installed)."""
+    def check_room(self, name: str, replace: bool = False, live_uids: Iterable[int] | None = None) -> None:
+        """``ValueError`` unless ``name`` is free (or ``replace``) and there is room for one more adapter: fewer
+        than ``max_cpu_loras`` are loaded (retiring ones included: their live requests still apply them), or the
+        one replaced goes at once, no live request (``live_uids``; None: not known yet, assumed none) applying
+        it. Checked again when the adapter is published."""
         with self.lock:
-            self._check_room(name, self._by_name.get(name) if replace else None, ())
+            replacing = self._by_name.get(name) if replace else None
+            if name in self._by_name and replacing is None:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
+            applied = replacing is not None and live_uids is not None and replacing.uid in live_uids
+            if len(self._by_uid) < self.max_cpu_loras or (replacing is not None and not applied):
+                return
+            retiring = len(self.retiring)
+            raise ValueError(f"{len(self._by_uid)} LoRA adapters are loaded, max_cpu_loras is {self.max_cpu_loras}"
+                             + (f" ({retiring} unloaded but still applied by live requests)" if retiring else "")
+                             + (f" and {name!r} is applied by live requests until they finish" if applied else "")
+                             + ": unload one first")
 
-    # --- the scheduler thread ----------------------------------------------------------------
-    def install(self, name: str, adapter: LoRAAdapter, live_uids: Iterable[int], replace: bool = False) -> Loaded:
-        """Write ``adapter``'s weights for ``name`` into a free slot (not yet served: :meth:`publish`);
-        ``ValueError`` for a name in use (unless ``replace``) or no free slot (``max_loras``). Replacing an adapter
-        no live request applies (``live_uids``) with every slot taken writes over its slot: it is served, in that
-        slot, until :meth:`publish` (under the engine's inbox lock with this call: no step runs between them), and
-        stays where the new one fails to install."""
-        check_fits(self.model, adapter)  # (before anything changes)
+    def publish(self, name: str, adapter: LoRAAdapter, live_uids: Iterable[int], replace: bool = False) -> Loaded:
+        """Serve ``adapter`` as ``name`` from now on (``ValueError`` where :meth:`check_room` refuses it, or its
+        projections take no adapter of its rank); the one it replaces (``replace``), if any, is unloaded as by
+        :meth:`unload` (``live_uids``: the live requests'). Its weights go into a slot when a request applying it
+        is admitted (:meth:`acquire`). Under the engine's inbox lock."""
+        check_fits(self.model, adapter)
+        self.check_room(name, replace, live_uids)
         with self.lock:
-            old = self._by_name.get(name) if replace else None
-            self._check_room(name, old, live_uids)
-            slot = self._free_slots.pop() if self._free_slots else old.slot  # (_check_room: one of the two)
-            loaded = Loaded(next(self._uids), slot, name, adapter)
-        try:
-            install_(self.model, slot, adapter)
-        except BaseException:
-            if old is not None and old.slot == slot:
-                install_(self.model, slot, old.adapter)  # (the old one back in its slot)
-            else:
-                uninstall_(self.model, slot)
-                with self.lock:
-                    self._free_slots.append(slot)
-            raise
+            old = self._by_name.get(name)
+            loaded = Loaded(next(self._uids), name, adapter)
+            self._by_name[name] = self._by_uid[loaded.uid] = loaded
+            if old is not None:
+                self.retiring.add(old.uid)
+        if old is not None:
+            self.release(old.uid, live_uids)
+        logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)%s", name, adapter.path, adapter.rank,
+                    len(adapter.weights), " in place of the one of that name" if old else "")
         return loaded
 
-    def publish(self, loaded: Loaded, live_uids: Iterable[int]) -> None:
-        """Serve ``loaded`` under its name from now on; the adapter it replaces (if any) is unloaded, as by
-        :meth:`unload` (``live_uids``: the live requests'; under the engine's inbox lock), or, where the new one
-        took its slot, gone."""
-        with self.lock:
-            old = self._by_name.get(loaded.name)
-            self._by_name[loaded.name] = loaded
-            self._by_uid[loaded.uid] = loaded
-            retire = old is not None and old.slot != loaded.slot
-            if retire:
-                self.retiring.add(old.uid)
-            elif old is not None:  # (its slot taken: its weights are overwritten, and no live request read them)
-                self._by_uid.pop(old.uid, None)
-        if retire:
-            self.release(old.uid, live_uids)
-        adapter = loaded.adapter
-        logger.info("LoRA adapter %r loaded from %s (rank %d, %d projections)%s", loaded.name, adapter.path,
-                    adapter.rank, len(adapter.weights), " in place of the one of that name" if old else "")
-
     def unload(self, name: str, live_uids: Iterable[int]) -> None:
-        """Stop serving ``name`` (``ValueError`` if not loaded); its weights go now, or when the last of
-        the live requests (``live_uids``: theirs) applying them ends (:meth:`release`)."""
+        """Stop serving ``name`` (``ValueError`` if not loaded); it goes now, or when the last of the live
+        requests (``live_uids``: theirs) applying it ends (:meth:`release`)."""
         with self.lock:
             loaded = self._by_name.pop(name, None)
             if loaded is None:
@@ -141,31 +138,50 @@ class LoRAManager:
         self.release(loaded.uid, live_uids)
         logger.info("LoRA adapter %r unloaded", name)
 
+    # --- the scheduler thread ----------------------------------------------------------------
     def release(self, uid: int, live_uids: Iterable[int]) -> None:
-        """A request applying ``uid`` ended: the weights of a retiring adapter go once no live request
-        (``live_uids``) applies them."""
+        """A request applying ``uid`` ended: a retiring adapter goes once no live request (``live_uids``)
+        applies it, from its slot too."""
         if uid not in self.retiring or uid in live_uids:
             return
         with self.lock:
-            loaded = self._by_uid.pop(uid)
+            self._by_uid.pop(uid)
             self.retiring.discard(uid)
-        uninstall_(self.model, loaded.slot)
-        with self.lock:
-            self._free_slots.append(loaded.slot)
+        if uid in self._slot_uid:
+            self._empty(self._slot_uid.index(uid))
 
-    def _check_room(self, name: str, replacing: Loaded | None, live_uids: Iterable[int]) -> None:
-        """``ValueError`` unless ``name`` is free (or ``replacing`` holds it) and a slot is free: fewer than
-        ``max_loras`` adapters are resident (loaded, or unloaded but still applied by running requests: their
-        weights are there too), or the one replaced is applied by no live request (``live_uids``)."""
-        if name in self._by_name and replacing is None:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded (unload it first)")
-        if self._free_slots or (replacing is not None and replacing.uid not in live_uids):
-            return
-        retiring = len(self.retiring)
-        raise ValueError(f"{len(self._by_uid)} LoRA adapters are resident, max_loras is {self.max_loras}"
-                         + (f" ({retiring} unloaded but still applied by running requests)" if retiring else "")
-                         + (f" and {name!r} is applied by running requests until they finish" if replacing else "")
-                         + ": unload one first")
+    def acquire(self, uid: int, pinned: Iterable[int]) -> int | None:
+        """The slot of adapter ``uid`` for a request being admitted: where it is already, else an empty slot,
+        else the least recently used one whose adapter is not ``pinned`` (the running requests' adapters), the
+        adapter written into it. None when every slot holds a pinned adapter: the request waits for one."""
+        if uid in self._slot_uid:
+            slot = self._slot_uid.index(uid)
+        else:
+            pinned = set(pinned) - {0}
+            free = [s for s in range(1, self.max_loras + 1) if self._slot_uid[s] not in pinned]  # (0: empty)
+            if not free:
+                return None
+            slot = min(free, key=lambda s: (self._slot_uid[s] != 0, self._slot_used[s], s))
+            self._slot_uid[slot] = 0
+            with self.lock:
+                adapter = self._by_uid[uid].adapter
+            try:
+                install_(self.model, slot, adapter)
+            except BaseException:
+                self._empty(slot)  # (written part-way: emptied, to be written whole by the next acquire)
+                raise
+            self._slot_uid[slot] = uid
+            self.num_slot_loads += 1
+        self._slot_used[slot] = next(self._clock)
+        return slot
+
+    def slot_of(self, uid: int) -> int:
+        """The slot holding adapter ``uid`` (0: none)."""
+        return self._slot_uid.index(uid) if uid in self._slot_uid else 0
+
+    def _empty(self, slot: int) -> None:
+        self._slot_uid[slot] = 0
+        uninstall_(self.model, slot)
 
 
 @dataclass(frozen=True)

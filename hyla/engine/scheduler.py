@@ -49,6 +49,7 @@ from hyla.engine.speculative import Drafter, verify
 
 if TYPE_CHECKING:
     from hyla.engine.args import EngineArgs
+    from hyla.engine.lora_manager import LoRAManager
 
 logger = logging.getLogger("hyla.engine")
 CONSUMER_FAILED = "the consumer of this request failed"  # the abort message of a request whose stream broke
@@ -155,12 +156,13 @@ class Scheduler:
     NEW_TOKEN_RATIO_DECAY = 0.001
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, runner: Runner, output: OutputProcessor,
-                 drafter: Drafter | None = None):
+                 drafter: Drafter | None = None, loras: LoRAManager | None = None):
         self.config = config
         self.cache = cache
         self.runner = runner
         self.output = output
         self.drafter = drafter
+        self.loras = loras  # LoRA adapters' slots, given to requests as they are admitted (_take_lora_slot)
         self.scratch: list[list[int]] = []  # per decode-batch row: state slots for the draft positions
         if drafter is not None:
             k = drafter.num_draft
@@ -565,6 +567,7 @@ class Scheduler:
         self.cache.release(req, insert=True)
         self.running.remove(req)
         req.clear_drafts()
+        req.lora_slot = 0  # (its adapter's slot may go to another adapter: it takes one again when admitted)
         req.status = ReqStatus.WAITING
         self.num_retractions += 1
         self.waiting.insert(0, req)
@@ -606,6 +609,7 @@ class Scheduler:
             # while some request runs (and another may join it), the waiting requests' hits are held
             held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
                 else []
+            slot_wait = False  # a request waits for an adapter slot: no adapter's request is admitted past it
             try:
                 for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its own request
                     if budget <= 0:
@@ -615,6 +619,9 @@ class Scheduler:
                     if len(self.running) >= self.config.max_running_requests and not self._preempt_for(req, batch):
                         break
                     try:
+                        if req.lora_uid and (slot_wait or not self._take_lora_slot(req)):
+                            slot_wait = True  # (those admitted would keep their slots: it could starve)
+                            continue
                         loc, n = self._admit(req, budget, bool(held))
                         while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
                             loc, n = self._admit(req, budget, bool(held))
@@ -668,6 +675,13 @@ class Scheduler:
         may stay (``check_integrity`` would say so): the engine keeps serving."""
         logger.exception("admitting request %s failed; aborting it", req.rid)
         self._end_after_error(req, internal_error(exc))
+
+    def _take_lora_slot(self, req: Req) -> bool:
+        """Give ``req``, being admitted, its LoRA adapter's slot (``LoRAManager.acquire``, the adapter written
+        into one if it is in none); False where every slot holds an adapter a running request applies: it waits."""
+        slot = self.loras.acquire(req.lora_uid, {r.lora_uid for r in self.running})
+        req.lora_slot = slot or 0
+        return slot is not None
 
     def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
         """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the
@@ -866,6 +880,9 @@ class Scheduler:
         flying = set(self.inflight[0].reqs) if self.inflight is not None else set()
         for r in self.running:
             r.check(in_flight=1 if r in flying else 0)
+            if r.lora_uid and not r.lora_slot == self.loras.slot_of(r.lora_uid) > 0:
+                raise AssertionError(f"req {r.rid}: LoRA slot {r.lora_slot}, its adapter's is "
+                                     f"{self.loras.slot_of(r.lora_uid)}")
         self.cache.check_integrity()
 
     def _log_prefill(self, num_seqs: int, new_tokens: int, cached: int) -> None:

@@ -274,8 +274,10 @@ def _lora_modules_error(modules: list, options: dict[str, Any], served_model_nam
         return f"--lora-modules names {', '.join(map(repr, twice))} more than once"
     if served_model_name is not None and served_model_name in names:
         return f"--lora-modules: the adapter name {served_model_name!r} is the --served-model-name"
-    if len(modules) > options["max_loras"]:
-        return f"--lora-modules gives {len(modules)} adapters; --max-loras holds {options['max_loras']}"
+    room = options.get("max_cpu_loras") or options["max_loras"]
+    if len(modules) > room:
+        return (f"--lora-modules gives {len(modules)} adapters; "
+                f"{'--max-cpu-loras' if options.get('max_cpu_loras') else '--max-loras'} holds {room}")
     for m in modules:
         if not (Path(m.path) / "adapter_config.json").is_file():
             return f"--lora-modules {m.name}={m.path}: no adapter_config.json in that directory (a PEFT LoRA adapter)"

@@ -12,7 +12,7 @@ The engine does the work (``Engine.load_lora_adapter``, ``unload_lora_adapter``,
 adapter's prefix cache apart from the others'); here are the CLI's parser and the two endpoints, whose
 blocking engine calls run on a worker thread. Answers as vLLM's: 200 with a plain-text message; an
 adapter the engine refuses (not a PEFT LoRA directory, its rank above ``--max-lora-rank``, a target hyla
-does not adapt, a name already loaded, every ``--max-loras`` slot taken, LoRA not enabled) a 400,
+does not adapt, a name already loaded, ``--max-cpu-loras`` (or ``--max-loras``) loaded already, LoRA not enabled) a 400,
 unloading one not loaded a 404, an engine that did not take the call between its steps in time a 409
 (``engine_busy``), each with hyla's OpenAI-style error body.
 

@@ -39,6 +39,9 @@ ENGINE_COUNTERS = (
      "Cached prompt tokens the host tier added past the device's hits (--enable-hierarchical-cache)."),
     ("num_host_saved_tokens", "host_cache_saved_tokens", "KV tokens copied from the device into the host tier."),
     ("num_host_loaded_tokens", "host_cache_loaded_tokens", "KV tokens copied from the host tier back to the device."),
+    ("num_lora_slot_loads", "lora_slot_loads",
+     "LoRA adapters written into a device slot as a request applying one was admitted (absent without "
+     "--enable-lora; more than the adapters loaded: they took turns in the --max-loras slots)."),
 )
 # (engine stats key, metric name, help) — gauges
 ENGINE_GAUGES = (
@@ -73,6 +76,8 @@ class EngineCollector(Collector):
             return
         stats = engine.get_stats()
         for key, name, help_text in ENGINE_COUNTERS:
+            if stats.get(key) is None:  # (a feature that is off)
+                continue
             counter = CounterMetricFamily(f"{PREFIX}_{name}", help_text)
             counter.add_metric([], float(stats[key]))
             yield counter
