@@ -9,7 +9,7 @@ MTP's hidden state), under pressure, from the host tier; what it cannot hold is 
 from __future__ import annotations
 
 import dataclasses
-
+import json
 import random
 
 import pytest
@@ -195,6 +195,26 @@ def test_a_prefix_keeps_its_namespace(qwen3_next_dense_path):
         hit = lambda ns: dest.generate(input_ids=prompt, sampling_params=_greedy(1), namespace=ns)[  # noqa: E731
             "meta_info"]["cached_tokens"]
         assert hit(None) == 0 and hit(("tenant", 8)) == 0 and hit(("tenant", 7)) == len(prompt) - 1
+
+
+def test_namespaces_cross_as_json_with_their_types():
+    """A prefix's namespace survives ``to_bytes``: None, str, int, tuples and ``SubNamespace`` (an adapter's
+    requests': its kind and key, around the request's own), each read back as the same type (``namespace_key``
+    differs between a tuple and a SubNamespace of the same values); what is none of those is refused."""
+    from hyla.cache.prefix_transfer import _namespace_from_json, _namespace_to_json
+    from hyla.cache.radix_types import SubNamespace, namespace_key
+
+    for ns in (None, "t", 7, ("tenant", 7, None), SubNamespace("lora", "ab12", None),
+               SubNamespace("lora", "ab12", ("tenant", SubNamespace("x", "y", 1)))):
+        back = _namespace_from_json(json.loads(json.dumps(_namespace_to_json(ns))))
+        assert namespace_key(back) == namespace_key(ns)
+    assert namespace_key(SubNamespace("lora", "ab12", None)) != namespace_key(("lora", "ab12", None))
+    for bad in ({"sub": ["lora", 1, None]}, {"sub": ["lora", "k"]}, {"sub": "x"}, {"sub": [], "tuple": []}, 1.5):
+        with pytest.raises(ValueError, match="not one"):
+            _namespace_from_json(bad)
+    for bad in (1.5, True, SubNamespace("lora", 3, None), frozenset()):
+        with pytest.raises(ValueError, match="must be None"):
+            _namespace_to_json(bad)
 
 
 def test_what_a_cache_cannot_hold_is_refused_and_changes_nothing(qwen3_next_dense_path, bamba_short_path,

@@ -28,7 +28,6 @@ from hyla.router.app import create_router_app
 from hyla.server import app as app_module
 from hyla.server import cli
 from hyla.server.app import Server, create_app
-from hyla.server.disaggregation import LOCAL_PREFILL_HEADER, PREFILL_ONLY_HEADER
 from hyla.server.launch import BackgroundServer
 from hyla.server.lora_routes import LoraModule, parse_lora_module
 from hyla.tokenizer import Tokenizer
@@ -292,19 +291,6 @@ def test_the_adapter_endpoints_need_the_api_key(shim_server, shim, adapter_root)
         server.api_key = None
 
 
-def test_an_adapters_prompt_is_not_moved_between_workers(shim_server, shim):
-    """Disaggregation: an adapter's prompt is computed by the decode worker however much of it is
-    uncached (its KV is the adapter's); a prefill-only request for one is a 400."""
-    answer = _post(shim_server, "/v1/chat/completions", _chat_body("sql"), headers={LOCAL_PREFILL_HEADER: "0"})
-    assert answer.status_code == 200, answer.text
-    error = _error(_post(shim_server, "/v1/chat/completions", _chat_body("sql"), headers={PREFILL_ONLY_HEADER: "1"}),
-                   400)
-    assert error["code"] == "lora_not_disaggregated"
-    fresh = _chat_body(MODEL, messages=[{"role": "user", "content": "A prompt no request has sent before"}])
-    assert _post(shim_server, "/v1/chat/completions", fresh,
-                 headers={LOCAL_PREFILL_HEADER: "0"}).status_code == 409  # (the model's own: moved as before)
-
-
 def test_a_bad_lora_module_fails_the_start_up(shim, adapter_root):
     server = Server(None, MODEL, None, {}, lora_modules=[LoraModule("ok", str(_fake_adapter(adapter_root, "ok"))),
                                                          LoraModule("bad", str(adapter_root / "missing"))])
@@ -462,3 +448,45 @@ def test_an_adapter_the_engine_refuses_stops_the_start_up(lora_server):
     with pytest.raises(ValueError, match="--lora-modules broken=") as refused:
         server.start_engine()
     assert "adapter_config.json" in str(refused.value) and server.engine is None
+
+
+@needs_lora
+def test_an_adapters_prompt_moves_between_workers_in_its_namespace(lora_server):
+    """Prefill/decode disaggregation with adapters: a chat naming an adapter, through a router with a prefill
+    worker (a second server of the same model and adapter files), is computed there with the adapter and moved in
+    the adapter's namespace: the decode worker finds all of its prompt but the last token cached, and answers
+    the tokens and logprobs (within 1e-4) it gives computing the prompt itself; the base model's request of the
+    same messages finds none of it. The base model's chat moves as before."""
+    srv, base, _ = lora_server
+    path = srv.app.state.server.engine.lora_adapters()["sql"]
+    messages = [{"role": "user", "content": "Move this prompt to the decode worker, please. " * 6}]
+
+    def chat(url: str, model: str):
+        with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                               logprobs=True, extra_body={"ignore_eos": True})
+        return r.choices[0].message.content, [t.logprob for t in r.choices[0].logprobs.content], \
+            r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+    prefill_app = create_app(base, served_model_name=MODEL, enable_lora=True, max_loras=2, max_lora_rank=8,
+                             lora_modules=[LoraModule("sql", path)], max_total_tokens=4096, max_state_slots=32,
+                             chunked_prefill_size=256)
+    texts = {}
+    with BackgroundServer(prefill_app) as p:
+        for model in ("sql", MODEL):
+            for url in (srv.url, p.url):
+                assert httpx.post(url + "/flush_cache", timeout=30).status_code == 200
+            with _Uvicorn(create_router_app([srv.url], prefill_urls=[p.url], health_interval=3600,
+                                            local_prefill_tokens=0)) as r:  # (every prompt moves)
+                text, lps, prompt, cached = chat(r.url, model)
+                exports = httpx.get(r.url + "/metrics").text
+            assert cached == prompt - 1, (model, cached, prompt)  # moved: the decode worker computed one token
+            assert 'hyla_router_prefix_imports_total{outcome="imported"} 1.0' in exports
+            if model == "sql":  # (the base model's request of the same messages: the adapter's prefix is not its)
+                assert chat(srv.url, MODEL)[3] == 0
+            assert httpx.post(srv.url + "/flush_cache", timeout=30).status_code == 200
+            cold_text, cold_lps, _, cold_cached = chat(srv.url, model)
+            assert cold_cached == 0 and text == cold_text and len(lps) == len(cold_lps) == 6
+            assert all(abs(a - b) <= 1e-4 for a, b in zip(lps, cold_lps)), model
+            texts[model] = text
+    assert texts["sql"] != texts[MODEL]

@@ -40,6 +40,7 @@ from safetensors.torch import save as save_tensors
 
 from hyla.cache.kv_pool import KVPool
 from hyla.cache.layout import CacheLayout
+from hyla.cache.radix_types import SubNamespace
 from hyla.cache.state_pool import StatePool
 from hyla.cache.transfer import as_bytes, put_rows_
 
@@ -261,13 +262,16 @@ def _metadata(data: bytes) -> dict[str, str]:
 
 
 def _namespace_to_json(namespace: Hashable) -> Any:
-    """A cache namespace (None, a str, an int, tuples of them) as JSON: a tuple as ``{"tuple": [...]}``."""
+    """A cache namespace (None, a str, an int, tuples of them, a ``SubNamespace`` of one) as JSON: a tuple as
+    ``{"tuple": [...]}``, a ``SubNamespace`` as ``{"sub": [kind, key, namespace]}``."""
     if namespace is None or isinstance(namespace, (str, int)) and not isinstance(namespace, bool):
         return namespace
     if isinstance(namespace, tuple):
         return {"tuple": [_namespace_to_json(x) for x in namespace]}
-    raise ValueError(f"a cached prefix's namespace must be None, a str, an int or a tuple of them, "
-                     f"got {type(namespace).__name__}")
+    if isinstance(namespace, SubNamespace) and isinstance(namespace.kind, str) and isinstance(namespace.key, str):
+        return {"sub": [namespace.kind, namespace.key, _namespace_to_json(namespace.namespace)]}
+    raise ValueError(f"a cached prefix's namespace must be None, a str, an int, a tuple of them or a SubNamespace "
+                     f"of one, got {type(namespace).__name__}")
 
 
 def _namespace_from_json(value: Any) -> Hashable:
@@ -275,6 +279,10 @@ def _namespace_from_json(value: Any) -> Hashable:
         return value
     if isinstance(value, dict) and set(value) == {"tuple"} and isinstance(value["tuple"], list):
         return tuple(_namespace_from_json(x) for x in value["tuple"])
+    if isinstance(value, dict) and set(value) == {"sub"} and isinstance(value["sub"], list) and len(value["sub"]) == 3 \
+            and all(isinstance(x, str) for x in value["sub"][:2]):
+        kind, key, inner = value["sub"]
+        return SubNamespace(kind, key, _namespace_from_json(inner))
     raise ValueError(f"a cached prefix's namespace is not one: {value!r}")
 
 

@@ -1,5 +1,5 @@
 """What the radix tree is made of, takes and hands out: ``TreeNode``, ``Checkpoint``,
-``MatchResult``, ``InsertResult``.
+``MatchResult``, ``InsertResult``, and the namespaces that partition it (``namespace_key``, ``SubNamespace``).
 
 Only ``RadixCache`` writes nodes and results; the engine, the simulator, eviction policies and
 tests read them.
@@ -7,6 +7,7 @@ tests read them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Hashable, Iterator, NamedTuple
 
 import numpy as np
@@ -34,6 +35,19 @@ def namespace_key(namespace: Hashable) -> tuple:
     carries the types too, item by item inside a tuple.
     """
     return namespace, _signature(namespace)
+
+
+@dataclass(frozen=True)
+class SubNamespace:
+    """A namespace partitioned by what the cache does not know: ``kind`` says what (``"lora"``), ``key`` which
+    (a LoRA adapter's content digest: the engine's ``lora_manager.lora_namespace``), ``namespace`` the request's
+    own. A type of its own, so that no namespace a caller passes (a tuple, a string) equals one
+    (``namespace_key`` compares types too): a base request never reads an adapter's K/V.
+    ``prefix_transfer`` carries it from one engine to another."""
+
+    kind: str
+    key: str
+    namespace: Hashable
 
 
 def _signature(value: Hashable) -> Hashable:

@@ -547,7 +547,7 @@ class Engine:
         return self._on_scheduler_thread(self.scheduler.flush_cache, timeout)
 
     def export_prefix(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                      kv_from: int = 0) -> CachedPrefix | None:
+                      kv_from: int = 0, lora_name: str | None = None) -> CachedPrefix | None:
         """A copy of what a request with prompt ``input_ids`` (in cache ``namespace``) would find cached:
         the longest cached prefix of all its tokens but the last, with its KV and the recurrent state
         after it (``hyla/cache/prefix_transfer.py``); None where nothing is cached. ``CachedPrefix.to_bytes``
@@ -556,10 +556,13 @@ class Engine:
         this one would. ``kv_from``: the KV of the positions from there on only (the last token's at least),
         for an engine that holds the KV before it (its ``cached_tokens(..., device_only=True)``); the
         state is whole. It runs on the scheduler thread between steps (a copy out of the device: on a
-        GPU it waits for the step in flight). ``ValueError`` for bad token ids, namespace or ``kv_from``."""
+        GPU it waits for the step in flight). ``lora_name``: what a request applying that LoRA adapter would
+        find (its own namespace within ``namespace``; the prefix carries it, so that the importing engine's
+        requests of the same adapter's files hit it). ``ValueError`` for bad token ids, namespace, ``kv_from`` or
+        ``lora_name``."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
-        _check_namespace(namespace)
+        namespace = self._cache_namespace(namespace, lora_name)
         if isinstance(kv_from, bool) or not isinstance(kv_from, int) or kv_from < 0:
             raise ValueError(f"kv_from must be a position (an int >= 0), got {kv_from!r}")
 
@@ -570,6 +573,12 @@ class Engine:
             return prefix
         return self._on_scheduler_thread(export, timeout)
 
+    def _cache_namespace(self, namespace: Any, lora_name: str | None) -> Any:
+        """The prefix-cache namespace of a request in ``namespace`` applying the LoRA adapter ``lora_name``
+        (None: none); ``RequestError`` for an unhashable namespace or an adapter not loaded."""
+        _check_namespace(namespace)
+        return lora_namespace(self._loras(lora_name, 1)[0], namespace)
+
     def _prefix_ids(self, input_ids: Any) -> list[int]:
         """``input_ids`` checked as a prompt of this model's vocabulary (``export_prefix``, ``cached_tokens``)."""
         vocab = self.model_config.vocab_size
@@ -578,23 +587,24 @@ class Engine:
         return [_token_id(t, vocab) for t in input_ids]
 
     def cached_tokens(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                      device_only: bool = False) -> int:
+                      device_only: bool = False, lora_name: str | None = None) -> int:
         """How many tokens of prompt ``input_ids`` (in cache ``namespace``) a request would find cached now
         (the prefix ``export_prefix`` would copy; the host tier's too unless ``device_only``: what an
         import's ``kv_from`` may skip). A router asks it to decide where a prompt is computed. Runs on the
-        scheduler thread between steps. ``ValueError`` for bad token ids or namespace."""
-        cached = self.cached_tokens_by_tier(input_ids, namespace, timeout)
+        scheduler thread between steps. ``lora_name``: for a request applying that LoRA adapter. ``ValueError``
+        for bad token ids, namespace or ``lora_name``."""
+        cached = self.cached_tokens_by_tier(input_ids, namespace, timeout, lora_name=lora_name)
         return cached.device if device_only else cached.any_tier
 
     def cached_tokens_by_tier(self, input_ids: Sequence[int], namespace: Any = None, timeout: float = 60.0, *,
-                              logprob_start_len: int = -1) -> CachedTokens:
+                              logprob_start_len: int = -1, lora_name: str | None = None) -> CachedTokens:
         """``cached_tokens`` both ways in one query of the scheduler thread, and the most any cache could
         serve of this prompt: ``CachedTokens(device_only, any_tier, limit)``. ``logprob_start_len`` as
         ``generate`` takes it (a request with prompt logprobs is served from a cache only up to the first
-        position whose logits they need): the counts are for such a request."""
+        position whose logits they need): the counts are for such a request; ``lora_name`` too."""
         _check_timeout(timeout)
         ids = self._prefix_ids(input_ids)
-        _check_namespace(namespace)
+        namespace = self._cache_namespace(namespace, lora_name)
         _check_logprob_start(logprob_start_len, len(ids))
         limit = new_request_match_limit(len(ids), logprob_start_len) if ids else 0
         device, any_tier = self._on_scheduler_thread(lambda: self.cache.prompt_cached_lens(ids, namespace, limit),

@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterable
 
+from hyla.cache.radix_types import SubNamespace
 from hyla.model.lora import LoRAAdapter, check_fits, install_, uninstall_
 
 logger = logging.getLogger("hyla.engine")
@@ -184,18 +185,8 @@ class LoRAManager:
         uninstall_(self.model, slot)
 
 
-@dataclass(frozen=True)
-class LoRANamespace:
-    """The prefix-cache namespace of an adapter's requests: the adapter's content digest and the request's
-    own namespace. A type of its own, so that no namespace a caller passes (a tuple, a string) equals it
-    (``radix_types.namespace_key`` compares types too): a base request never reads an adapter's K/V."""
-
-    digest: str
-    namespace: object
-
-
 def lora_namespace(loaded: Loaded | None, namespace: object) -> object:
     """A request's prefix-cache namespace: its own (``namespace``), or with an adapter one of that
-    adapter's content (:class:`LoRANamespace`): the adapter changes every K/V and state."""
-    return namespace if loaded is None else LoRANamespace(loaded.adapter.digest, namespace)
-
+    adapter's content (``SubNamespace("lora", digest, namespace)``, a type no caller's namespace is): the
+    adapter changes every K/V and state."""
+    return namespace if loaded is None else SubNamespace("lora", loaded.adapter.digest, namespace)

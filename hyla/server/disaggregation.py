@@ -30,10 +30,12 @@ the KV from there on only (``X-Hyla-KV-From``): a conversation's later turn move
 and the state, not its whole history's KV. The decision is the decode worker's, on its cache as it
 is, not on the router's picture of it.
 
-A request with a LoRA adapter (its ``model`` an adapter's name, ``Job.lora_name``) is not moved: its prompt's
-KV is the adapter's, which ``/export_prefix`` and ``/import_prefix`` do not carry, so a decode worker computes
-it itself, whatever ``X-Hyla-Local-Prefill-Tokens`` allows (never a 409), and a prefill-only request for one
-is a 400 (``lora_not_disaggregated``).
+A request with a LoRA adapter (its ``model`` an adapter's name, ``Job.lora_name``) moves as any other: the
+prefill worker computes its prompt with the adapter, and the prefix it answers is in the adapter's cache
+namespace (``Engine.export_prefix``'s ``lora_name``: the adapter's content digest), which the decode worker's
+requests of the same adapter's files hit. Every worker loads the same adapters (``hyla route`` broadcasts
+``/v1/load_lora_adapter`` to them all); a prefill worker without the adapter answers the 404 of an unknown
+model, as a decode worker would.
 
 Torch-free at import (the engine's modules are imported where used), so that the router, which runs
 without torch, takes the header's name and the answer's from here.
@@ -90,15 +92,15 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
-    if value is None or isinstance(jobs[0].prompt, str) or any(j.lora_name is not None for j in jobs):
-        return None  # (a LoRA adapter's prompt: computed here, its KV the adapter's)
+    if value is None or isinstance(jobs[0].prompt, str):
+        return None
     allowed = header_count(value)
     if allowed is None:
         raise APIError(400, f"{LOCAL_PREFILL_HEADER} must be a number of tokens, got {value!r}")
     job, engine = jobs[0], server.admit()
     try:  # (limit: how far any cached prefix can serve it: all but the last token, or up to its prompt logprobs)
         held, cached, limit = await asyncio.to_thread(lambda: engine.cached_tokens_by_tier(
-            job.prompt, job.namespace, logprob_start_len=job.logprob_start_len))
+            job.prompt, job.namespace, logprob_start_len=job.logprob_start_len, lora_name=job.lora_name))
         if len(job.prompt) - cached <= allowed or cached == limit:
             return None  # (few enough to compute here, or nothing a move could add)
         # a request the engine refuses (prompt + max_tokens past the context, a grammar that does not compile, more
@@ -120,37 +122,37 @@ async def prefill_answer(server: Server, endpoint: str, jobs: list[Job], arrival
     from hyla.server.errors import APIError
     from hyla.server.generation import Job
 
-    if len({(tuple(j.prompt), j.namespace) for j in jobs}) > 1:
+    if len({(tuple(j.prompt), j.namespace, j.lora_name) for j in jobs}) > 1:
         raise APIError(400, "a prefill-only request takes one prompt, not a batch of different ones",
                        code="batch_not_disaggregated")
     job = jobs[0]
-    if any(j.lora_name is not None for j in jobs):  # (the router sends none: decode workers compute them, above)
-        raise APIError(400, "a request with a LoRA adapter is not prefilled elsewhere: send it to a decode worker",
-                       param="model", code="lora_not_disaggregated")
     if isinstance(job.prompt, str):  # /generate's text, left untokenized: the model has no tokenizer
         raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
     # what a cache can serve of the request (prompt logprobs: up to the first position whose logits they need), and
     # the token after it: its prefix is what the decode worker's request will hit
     ids = job.prompt[:new_request_match_limit(len(job.prompt), job.logprob_start_len) + 1]
     prefill = Job(ids, {"max_new_tokens": 1, "temperature": 0.0}, checkpoints=[c for c in job.checkpoints if c < len(ids)],
-                  speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace)
+                  speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace,
+                  lora_name=job.lora_name)
     value = request.headers.get(KV_FROM_HEADER, "0")
     kv_from = header_count(value)
     if kv_from is None:
         raise APIError(400, f"{KV_FROM_HEADER} must be a position, got {value!r}")
     gen = await server.start_generation(endpoint, [prefill], arrival)
     await gen.collect(request)
-    return await prefix_response(server.admit(), ids, job.namespace, kv_from)
+    return await prefix_response(server.admit(), ids, job.namespace, kv_from, job.lora_name)
 
 
-async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0) -> Response:
-    """The cached prefix a request with prompt ``ids`` would hit (``Engine.export_prefix``; the KV from
-    position ``kv_from`` on), as ``application/octet-stream`` (``CachedPrefix.to_bytes``) with its
-    length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where nothing is cached. ``ValueError``
-    for bad ids or namespace."""
+async def prefix_response(engine: Engine, ids: Sequence[int], namespace: Any, kv_from: int = 0,
+                          lora_name: str | None = None) -> Response:
+    """The cached prefix a request with prompt ``ids`` (applying LoRA adapter ``lora_name``, or none) would hit
+    (``Engine.export_prefix``; the KV from position ``kv_from`` on), as ``application/octet-stream``
+    (``CachedPrefix.to_bytes``) with its length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where
+    nothing is cached. ``ValueError`` for bad ids or namespace."""
     from hyla.server.errors import APIError
 
-    prefix = await asyncio.to_thread(lambda: engine.export_prefix(ids, namespace, kv_from=kv_from))
+    prefix = await asyncio.to_thread(lambda: engine.export_prefix(ids, namespace, kv_from=kv_from,
+                                                                  lora_name=lora_name))
     if prefix is None:
         raise APIError(404, "no prefix of this prompt is cached", code=PREFIX_NOT_CACHED)
     data = await asyncio.to_thread(prefix.to_bytes)

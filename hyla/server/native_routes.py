@@ -181,13 +181,17 @@ class NativeRoutes:
         with its length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where nothing is cached.
         For another server of the same model: ``/import_prefix``."""
         engine = self.server.admit()
+        if body.lora_path is not None and body.lora_path not in self.server.lora_adapters():
+            loaded = ", ".join(map(repr, sorted(self.server.lora_adapters()))) or "none"
+            raise APIError(400, f"the LoRA adapter {body.lora_path!r} is not loaded (loaded: {loaded})",
+                           param="lora_path", code="lora_adapter_not_found")
         ids = body.input_ids
         if body.text is not None:
             if engine.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: send input_ids", param="text")
             (ids,) = await self.server.encode_texts(engine.tokenizer, [body.text], "text")
         try:
-            return await prefix_response(engine, ids, cache_namespace(body.cache_salt), body.kv_from)
+            return await prefix_response(engine, ids, cache_namespace(body.cache_salt), body.kv_from, body.lora_path)
         except ValueError as exc:
             raise APIError(400, str(exc), param="text" if body.text is not None else "input_ids") from None
 

@@ -913,12 +913,14 @@ class ExportPrefixRequest(_Request):
     """``POST /export_prefix``: the cached prefix a request with this prompt would hit
     (``Engine.export_prefix``): exactly one of ``text`` (tokenized as ``/generate`` does) and
     ``input_ids`` (a chat's are its ``prompt_token_ids``: ``return_token_ids``), in the partition of
-    ``cache_salt``. ``kv_from``: the KV of the positions from there on only (for a server that holds
-    the KV before it: its ``cached_tokens``), the state whole."""
+    ``cache_salt``; ``lora_path``: of a request applying that LoRA adapter (its name, as ``/generate``
+    takes it). ``kv_from``: the KV of the positions from there on only (for a server that holds the KV
+    before it: its ``cached_tokens``), the state whole."""
 
     text: str | None = None
     input_ids: list[int] | None = None
     cache_salt: str | None = None
+    lora_path: str | None = None
     kv_from: int = Field(0, ge=0)
 
     _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
