@@ -11,6 +11,11 @@ every adapter. Measured per mix:
   the tokens that arrive while every request decodes, over that time);
 * **TTFT (ms)** of one ``--prefill``-token prompt.
 
+Then adapters taking turns in fewer slots (``max_cpu_loras``): ``--batch`` requests spread over every adapter,
+submitted at once, served by the LoRA engine (a slot per adapter) and by one with a single slot
+(``max_loras=1``: each adapter's requests run in their turn), against the base model serving them all; output
+tokens per second over the whole workload.
+
 Writes the ``## LoRA adapters: their cost`` section of docs/benchmarks.md (``... on a GPU`` with ``--device cuda``).
 
     .venv/bin/python benchmarks/lora.py [--repeats 5]
@@ -91,6 +96,18 @@ def measure(engine: Engine, names: list[str | None], rng: random.Random, args: a
     return out
 
 
+def workload_rate(engine: Engine, names: list[str | None], rng: random.Random, args: argparse.Namespace) -> float:
+    """Output tokens per second of ``--batch`` requests (request ``i`` applying ``names[i % len(names)]``),
+    submitted at once, from submission to the last token."""
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.context)] for _ in range(args.batch)]
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": args.new_tokens,
+                                                               "ignore_eos": True},
+                           lora_name=[names[i % len(names)] for i in range(args.batch)])
+    return sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+
+
 class _Named:
     """``engine`` whose ``generate`` calls apply ``names`` in turn (``decode_rate`` makes one per prompt)."""
 
@@ -124,12 +141,17 @@ def main() -> None:
                     enable_prefix_cache=False)
         base = Engine(built, **opts)
         lora = Engine(built, enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank, **opts)
+        turns = Engine(built, enable_lora=True, max_loras=1, max_cpu_loras=args.adapters, max_lora_rank=args.rank,
+                       **opts)
         names = [f"adapter-{i}" for i in range(args.adapters)]
         for i, name in enumerate(names):
             adapted = synthetic_adapter(lora, Path(tmp) / name, args.rank, seed=i)
             lora.load_lora_adapter(name, Path(tmp) / name)
+            turns.load_lora_adapter(name, Path(tmp) / name)
         print(lora.summary(), f"\n{args.adapters} adapters of rank {args.rank} on {adapted} projections", flush=True)
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in ("base", *MIXES)}
+        served = {"base model": (base, [None]), "a slot per adapter": (lora, names), "one slot": (turns, names)}
+        workloads: dict[str, list[float]] = {k: [] for k in served}
         rng = random.Random(0)
         try:
             modes = list(runs)
@@ -142,13 +164,23 @@ def main() -> None:
                         runs[mode].append(res)
                         print(f"repeat {rep}, {mode}: " + ", ".join(f"{k} {v:,.1f}" for k, v in res.items()),
                               flush=True)
+                keys = list(served)
+                for key in keys[rep % len(keys):] + keys[:rep % len(keys)]:
+                    rate = workload_rate(*served[key], rng, args)
+                    if rep:
+                        workloads[key].append(rate)
+                        print(f"repeat {rep}, {args.batch} requests over every adapter, {key}: {rate:,.1f} tok/s",
+                              flush=True)
+            slot_loads = turns.get_stats()["num_lora_slot_loads"]
         finally:
             base.shutdown()
             lora.shutdown()
+            turns.shutdown()
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
     metrics = list(med["base"])
     rows = [f"| {k} | {med['base'][k]:,.1f} | " + " | ".join(
         f"{med[m][k]:,.1f} ({med[m][k] / med['base'][k]:.2f}x)" for m in MIXES) + " |" for k in metrics]
+    wl = {k: statistics.median(v) for k, v in workloads.items()}
     cmd = shlex.join([".venv/bin/python", "benchmarks/lora.py", *sys.argv[1:]])
     body = "\n".join([
         f"`{cmd}` — {machine()}; {desc}, {args.dtype}; {args.adapters} random adapters of rank {args.rank} on "
@@ -161,6 +193,20 @@ def main() -> None:
         "| measurement | base model | LoRA engine, no adapter | one adapter | every adapter |",
         "|---|---|---|---|---|",
         *rows,
+        "",
+        f"Adapters taking turns (`max_cpu_loras`): {args.batch} requests of {args.context} prompt and "
+        f"{args.new_tokens} new tokens, spread over the {args.adapters} adapters and submitted at once; output tok/s "
+        "from submission to the last token (ratios against the base model serving them all):",
+        "",
+        "| base model | LoRA engine, a slot per adapter | one slot (`max_loras=1`) |",
+        "|---|---|---|",
+        f"| {wl['base model']:,.1f} | {wl['a slot per adapter']:,.1f} "
+        f"({wl['a slot per adapter'] / wl['base model']:.2f}x) | {wl['one slot']:,.1f} "
+        f"({wl['one slot'] / wl['base model']:.2f}x) |",
+        "",
+        f"With one slot each adapter's requests run in their turn (the others wait: `Scheduler._take_lora_slot`), "
+        f"so each step runs one adapter's requests, and the adapters were written into the slot {slot_loads} times "
+        f"over the {1 + args.repeats} rounds.",
         "",
         "An adapter's update runs apart from the weight, `B (A x)`, from `max_loras` slots per projection written in "
         "place (`lora.LinearLoRA`): a step of one adapter runs two small GEMMs on a contiguous copy of its slot "

@@ -439,13 +439,18 @@ def test_kv_cache_dtype_measures_float8_against_auto():
 
 def test_lora_measures_every_mix_against_the_base_model():
     """The tiny model, one round: adapters made for every projection an adapter may target, every metric of
-    every mix of requests, as a ratio against the base model's engine."""
+    every mix of requests, as a ratio against the base model's engine; then the adapters taking turns in one
+    slot, written into it more than once each round."""
     out = _run("benchmarks/lora.py", "--tiny", "--repeats", "1", "--context", "32", "--new-tokens", "4",
-               "--prefill", "48", "--batch", "2", "--adapters", "2", "--rank", "4", "--no-write")
-    rows = {r.split("|")[1].strip(): r.split("|")[2:6] for r in out.splitlines() if r.startswith("| ") and "---" not in r}
+               "--prefill", "48", "--batch", "4", "--adapters", "2", "--rank", "4", "--no-write")
+    mixes, turns = out.split("Adapters taking turns")
+    rows = {r.split("|")[1].strip(): r.split("|")[2:6] for r in mixes.splitlines() if r.startswith("| ") and "---" not in r}
     assert len(rows) == 4 and "2 adapters of rank 4 on " in out
     assert all(float(cell.split("(")[1].split("x")[0]) > 0 for name, r in rows.items() if name != "measurement"
                for cell in r[1:])
+    (row,) = [r for r in turns.splitlines() if r.startswith("| ") and "---" not in r and "base model" not in r]
+    assert all(float(cell.split("(")[1].split("x")[0]) > 0 for cell in row.split("|")[2:4])
+    assert int(turns.split("written into the slot ")[1].split(" times")[0]) > 2
 
 
 def test_prefix_transfer_moves_a_prefix_and_checks_the_first_token():
