@@ -342,6 +342,30 @@ def test_stored_responses_are_found_where_they_were_made(workers):
         assert [w["routed"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [3, 3]  # with the GETs
 
 
+def test_conversations_are_found_where_they_were_made(workers):
+    """A conversation (the Conversations API) lives on the worker that made it: its turns, items and metadata
+    go there, round robin or not, and a router that did not see it made asks the workers for it."""
+    with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
+        via = _client(r.url)
+        conversation = via.conversations.create(metadata={"n": "1"})
+        for text in ("Remember the number 7.", "Which number?", "And again?"):
+            turn = via.responses.create(model=MODEL, input=text, conversation=conversation.id, max_output_tokens=3,
+                                        temperature=0)
+            assert turn.conversation.id == conversation.id
+        assert turn.usage.input_tokens_details.cached_tokens > 0
+        assert len(via.conversations.items.list(conversation.id).data) == 6
+        assert via.conversations.update(conversation.id, metadata={"n": "2"}).metadata == {"n": "2"}
+        assert [w["routed"] for w in httpx.get(r.url + "/workers").json()["workers"]] in ([6, 0], [0, 6])
+    with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
+        via = _client(r.url)
+        for _ in range(2):  # (each worker tried first once)
+            assert via.conversations.retrieve(conversation.id).metadata == {"n": "2"}
+        later = via.responses.create(model=MODEL, input="Still there?", conversation={"id": conversation.id},
+                                     max_output_tokens=2, temperature=0)
+        assert later.usage.input_tokens_details.cached_tokens > 0
+        assert via.conversations.delete(conversation.id).deleted
+
+
 def test_a_stored_response_is_found_by_a_router_that_did_not_see_it_made(workers):
     """A router started after the response was made asks the workers for it: it is retrieved, and
     continued, where it is (each of the two workers is tried first once, round robin)."""

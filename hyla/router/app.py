@@ -7,11 +7,11 @@ to one worker, and the worker's answer comes back as it is, a stream chunk by ch
 
 * ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``, ``/v1/responses``: the policy
   (``policy.Router``: cache-aware by default) on the request's routing key (``routing_key``);
-* ``/v1/responses`` (and ``/v1/responses/input_tokens``) with a ``previous_response_id`` (else with an
-  ``item_reference``, whose id names its response), and ``GET /v1/responses/{id}`` (``.../input_items``):
-  the worker that made that response (it alone stores it):
-  the router reads each response's id as it passes (a stream's from its first event), and asks each
-  worker in turn for one it did not see made;
+* ``/v1/responses`` (and ``/v1/responses/input_tokens``) with a ``conversation`` (else a
+  ``previous_response_id``, else an ``item_reference``, whose id names its response), ``/v1/responses/{id}...``
+  and ``/v1/conversations/{id}...``: the worker that made that response or conversation (it alone stores it):
+  the router reads each response's and conversation's id as it passes (a stream's from its first event), and
+  asks each worker in turn for one it did not see made;
 * ``POST /flush_cache``, ``/abort_request``, ``/update_weights_from_disk``, ``/v1/load_lora_adapter``,
   ``/v1/unload_lora_adapter``: every healthy worker (the answer is the first failure's, or the first
   worker's; ``/flush_cache`` also clears the tables of the workers that flushed; a weight update and an
@@ -109,7 +109,9 @@ BROADCAST_SECONDS = {"/abort_request": 30.0, "/flush_cache": 120.0}
 FORWARDED_REQUEST_HEADERS = ("authorization", "x-api-key", "content-type", "accept", "user-agent", "x-request-id")
 # response headers of the worker's connection, and those the router's own server writes (date, server)
 DROPPED_RESPONSE_HEADERS = ("content-length", "transfer-encoding", "connection", "keep-alive", "date", "server")
-RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9A-Za-z]+)"')
+RESPONSE_ID = re.compile(rb'"id"\s*:\s*"((?:resp|conv)_[0-9A-Za-z]+)"')  # a response's or a conversation's
+# what a worker stores, and where the router asks a worker whether it does (by the id's prefix)
+STORED_PATHS = {"resp_": "/v1/responses/", "conv_": "/v1/conversations/"}
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # as a worker's default (hyla serve --max-request-bytes): a larger body is a 413
 DEFAULT_LOCAL_PREFILL_TOKENS = 512  # a decode worker lacking no more of a prompt computes it itself
 OWNER_LOOKUP_SECONDS = 5.0  # how long a worker may take to say whether it stores a response
@@ -220,6 +222,13 @@ def check_worker_urls(worker_urls: Sequence[str]) -> list[str]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"a worker URL is given twice: {urls}")
     return urls
+
+
+def _conversation_id(conversation: Any) -> str | None:
+    """A Responses request's ``conversation``: its id, given as itself or as ``{"id": ...}``; None otherwise."""
+    if isinstance(conversation, dict):
+        conversation = conversation.get("id")
+    return conversation if isinstance(conversation, str) else None
 
 
 def _referenced_response(items: Any) -> str | None:
@@ -444,17 +453,20 @@ class RouterApp:
         return self.router.least_loaded(live, loads), "load"
 
     async def owner(self, request: Request, path: str, body: Any) -> int | None:
-        """The worker holding the stored response this request reads (its ``previous_response_id``, else
-        the response of its first ``item_reference``, whose id names it: ``output_item_id``; a turn or its
-        ``input_tokens`` count; or the response of a ``/v1/responses/{id}...`` path): the one the router saw
-        make it, else the one that answers for it (asked in turn; then remembered)."""
+        """The worker holding the stored response or conversation this request reads (a turn's, or its
+        ``input_tokens`` count's, ``conversation``, else its ``previous_response_id``, else the response of its
+        first ``item_reference``, whose id names it: ``output_item_id``; or the one of a ``/v1/responses/{id}...``
+        or ``/v1/conversations/{id}...`` path): the one the router saw make it, else the one that answers for it
+        (asked in turn; then remembered)."""
         if path in ("/v1/responses", "/v1/responses/input_tokens") and isinstance(body, dict):
-            rid = body.get("previous_response_id")
+            rid = _conversation_id(body.get("conversation"))
+            if rid is None:
+                rid = body.get("previous_response_id")
             if not isinstance(rid, str):
                 rid = _referenced_response(body.get("input"))
             if rid is None:
                 return None
-        elif path.startswith("/v1/responses/"):
+        elif path.startswith(("/v1/responses/", "/v1/conversations/")):
             rid = path.split("/")[3]
         else:
             return None
@@ -462,13 +474,13 @@ class RouterApp:
             return self.response_owner[rid]
         if not RESPONSE_ID_FORM.fullmatch(rid):
             return None  # (no response has such an id: any worker answers so)
+        where = STORED_PATHS["conv_" if rid.startswith("conv_") else "resp_"]
         headers = self.forwarded_headers(request)
         for i, w in enumerate(self.workers):
             if not w.healthy:
                 continue
             try:  # (a worker that stalls or fails here is not the owner: the next is asked)
-                answer = await self.client.get(f"{w.url}/v1/responses/{rid}", headers=headers,
-                                               timeout=OWNER_LOOKUP_SECONDS)
+                answer = await self.client.get(f"{w.url}{where}{rid}", headers=headers, timeout=OWNER_LOOKUP_SECONDS)
             except httpx.HTTPError:
                 continue
             if answer.status_code == 200:
@@ -585,8 +597,9 @@ class RouterApp:
                 if path in ROUTED_PATHS and upstream.status_code < 400:  # (a worker that refused it computed nothing)
                     self.router.record(i, key)
                 try:
-                    return self._answer(upstream, w, i, remember=path == "/v1/responses" and request.method == "POST",
-                                        head=request.method == "HEAD")
+                    return self._answer(upstream, w, i, remember=path in ("/v1/responses", "/v1/conversations")
+                                        and request.method == "POST", head=request.method == "HEAD",
+                                        responses=path == "/v1/responses")
                 except BaseException:
                     self._done(w)
                     await upstream.aclose()
@@ -797,13 +810,15 @@ class RouterApp:
         w.in_flight -= 1
         self.in_flight.labels(w.url).dec()
 
-    def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool, head: bool = False) -> Response:
+    def _answer(self, upstream: httpx.Response, w: Worker, index: int, remember: bool, head: bool = False,
+                responses: bool = False) -> Response:
         """The worker's answer passed on chunk by chunk; the request stops counting as in flight, and
         the worker's connection closes, when the last chunk is sent or the client has gone (even
         before the first chunk: ``_Relay``). A worker that fails mid-answer is marked unhealthy, and a
         stream ends as the worker's own failed streams do, without the event it was cut in (``_EventCut``):
-        an error event, then ``[DONE]``; a Responses stream (``remember``: a ``POST /v1/responses``), OpenAI's
-        ``error`` and ``response.failed`` events."""
+        an error event, then ``[DONE]``; a Responses stream (``responses``: a ``POST /v1/responses``), OpenAI's
+        ``error`` and ``response.failed`` events. ``remember``: the id of what the answer made (a response, a
+        conversation) is read from its first bytes, and the worker remembered as its owner."""
         closed = False
         events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -819,7 +834,7 @@ class RouterApp:
             cut = _EventCut() if events else None
             try:
                 async for chunk in upstream.aiter_raw():
-                    if remember and len(seen) < 4096:  # a response's id is in its first bytes (or event)
+                    if remember and len(seen) < 4096:  # a response's (conversation's) id is in its first bytes
                         seen += chunk
                         m = RESPONSE_ID.search(seen)
                         if m:
@@ -833,7 +848,7 @@ class RouterApp:
                 self._fail(w, f"failed mid-answer ({exc!r})")
                 if cut is None:
                     raise  # (the client's connection is dropped: a whole answer cut short must not look complete)
-                yield cut.failed(f"worker {w.url} failed mid-stream", responses=remember)  # (the cut event dropped)
+                yield cut.failed(f"worker {w.url} failed mid-stream", responses=responses)  # (the cut event dropped)
             finally:
                 await close()
         return _headers(_Relay(chunks(), close, status_code=upstream.status_code), upstream, head)

@@ -6,7 +6,7 @@
 The engine is created in the app's lifespan (on a worker thread) and shut down with the app; its
 scheduler runs on its own thread, the handlers only await queues. This file wires the pieces:
 ``Server`` (what every route shares), the error handlers (``errors.py``), the request counter, the
-routes (``openai_routes.py``, ``responses_routes.py``, ``native_routes.py``, ``lora_routes.py``) behind the
+routes (``openai_routes.py``, ``responses_routes.py``, ``conversations.py``, ``native_routes.py``, ``lora_routes.py``) behind the
 API key, and the open ``/health`` and ``/metrics``. Endpoints and fields: docs/server.md.
 """
 
@@ -36,6 +36,7 @@ from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import REQUEST_ID_HEADER, OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
 from hyla.server.request_log import RequestLog
+from hyla.server.conversations import ConversationsRoutes
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import AUTO, DEFAULT_TOOL_CALL_PARSER, ToolCallParser, detect_tool_call_parser
@@ -46,7 +47,8 @@ logger = logging.getLogger("hyla.server")
 
 DEFAULT_MODEL_NAME = "hyla-default"
 ABORT_GRACE_SECONDS = 5.0  # then, for the aborted ones to send their last event
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/generate",
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/conversations", "/v1/messages", "/v1/models",
+          "/generate",
           "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/flush_cache", "/tokenize", "/detokenize",
           "/export_prefix", "/import_prefix", "/health", "/metrics")
 LARGE_BODY_PATHS = ("/import_prefix",)  # bodies up to max_prefix_bytes: a cached prefix's KV and state
@@ -390,8 +392,9 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
 
     auth = [Depends(server.check_api_key)]
     app.include_router(OpenAIRoutes(server).router(), dependencies=auth)
-    app.include_router(ResponsesRoutes(server, max_stored_responses, max_stored_response_bytes).router(),
-                       dependencies=auth)
+    responses = ResponsesRoutes(server, max_stored_responses, max_stored_response_bytes)
+    app.include_router(responses.router(), dependencies=auth)
+    app.include_router(ConversationsRoutes(responses).router(), dependencies=auth)
     app.include_router(NativeRoutes(server).router(), dependencies=auth)
     app.include_router(TokenRoutes(server).router(), dependencies=auth)
     app.include_router(LoraRoutes(server).router(), dependencies=auth)

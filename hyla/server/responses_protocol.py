@@ -285,6 +285,12 @@ class StreamOptions(_Strict):
 # --------------------------------------------------------------------------------------------
 # the request
 # --------------------------------------------------------------------------------------------
+class ConversationRef(_Strict):
+    """A Responses request's ``conversation`` as an object."""
+
+    id: str = Field(min_length=1)
+
+
 class ResponsesRequest(_Request):
     """``POST /v1/responses``."""
 
@@ -323,6 +329,9 @@ class ResponsesRequest(_Request):
     # logprobs of the message text: served with include ["message.output_text.logprobs"] (wants_logprobs)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     max_tool_calls: int | None = Field(None, ge=1)  # OpenAI's bound on built-in tool calls: hyla has none (echoed)
+    # OpenAI's Conversations API: the conversation's items go first, and this turn's input and output items are added
+    # to it as the response ends (conversations.py); its id, or {"id": ...}
+    conversation: str | ConversationRef | None = None
 
     _null_is_default = field_validator(*RESPONSES_NULL_MEANS_DEFAULT, mode="before")(default_if_null)
     _check_cache_salt = field_validator("cache_salt")(check_cache_salt)
@@ -402,6 +411,10 @@ class ResponsesRequest(_Request):
         if self.background and self.store is False:
             raise FieldError("background", "background responses must be stored: background needs store true")
         return self
+
+    def conversation_id(self) -> str | None:
+        """The id of the conversation the turn belongs to (``conversation``), or None."""
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
 
     def items(self) -> list[InputItem]:
         """The input as items (a string is one user message)."""
@@ -496,3 +509,64 @@ class ResponseObject(BaseModel):
     background: bool = False
     truncation: Literal["disabled", "auto"] = "disabled"
     user: str | None = None
+    conversation: dict[str, str] | None = None  # {"id": ...} of the conversation it belongs to
+
+
+# --------------------------------------------------------------------------------------------
+# conversations (OpenAI's Conversations API: conversations.py)
+# --------------------------------------------------------------------------------------------
+MAX_CONVERSATION_ITEMS = 20  # items one request may add (OpenAI's bound)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on metadata
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """``metadata`` within OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of 512."""
+    if value is None:
+        return None
+    if len(value) > METADATA_PAIRS:
+        raise ValueError(f"metadata holds at most {METADATA_PAIRS} pairs, got {len(value)}")
+    for key, text in value.items():
+        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
+            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values "
+                             f"{METADATA_VALUE_CHARS}: {key[:80]!r} does not fit")
+    return value
+
+
+def _conversation_items(value: Any) -> Any:
+    """A request's ``items``: a list of at most ``MAX_CONVERSATION_ITEMS`` input items, each validated as a
+    Responses request's input item (an ``item_reference`` too: the server resolves it)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise ValueError("items must be a list of items")
+    if len(value) > MAX_CONVERSATION_ITEMS:
+        raise ValueError(f"at most {MAX_CONVERSATION_ITEMS} items may be added at a time, got {len(value)}")
+    for i, item in enumerate(value):
+        check_nesting(item, f"items[{i}]")
+    return [_item(v, i) for i, v in enumerate(value)]
+
+
+class ConversationCreateRequest(_Request):
+    """``POST /v1/conversations``: its first items (up to 20) and metadata."""
+
+    items: list[Any] | None = None
+    metadata: dict[str, str] | None = None
+
+    _check_items = field_validator("items", mode="before")(_conversation_items)
+    _check_metadata = field_validator("metadata")(check_metadata)
+
+
+class ConversationUpdateRequest(_Request):
+    """``POST /v1/conversations/{id}``: its metadata, replaced."""
+
+    metadata: dict[str, str]
+
+    _check_metadata = field_validator("metadata")(check_metadata)
+
+
+class ConversationItemsRequest(_Request):
+    """``POST /v1/conversations/{id}/items``: items added at its end (1 to 20)."""
+
+    items: list[Any] = Field(min_length=1)
+
+    _check_items = field_validator("items", mode="before")(_conversation_items)

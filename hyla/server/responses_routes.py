@@ -37,7 +37,6 @@ import math
 import re
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Mapping
 
@@ -46,14 +45,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from hyla.server.conversation_store import ConversationStore
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer, sse_stream
+from hyla.server.lru_store import LRUStore
 from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_logprobs,
                                       choice_logprobs, forced_tool_grammar, kept_markers, opens_thinking,
                                       output_budget, render_chat, split_answer, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
-                                  cache_namespace, text_chars)
+                                  FieldError, cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
     FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
     InputTokensRequest, ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseError, ResponseObject,
@@ -103,36 +104,30 @@ _Kept = tuple[StoredResponse, int]  # a response to store, and its stored_size
 
 class ResponseStore:
     """Stored responses by id, in memory, at most ``capacity`` of them and ``max_bytes`` of their
-    ``stored_size`` (the least recently used dropped first; the one stored last is kept even where it
-    alone is larger), and their output items by item id (``output_item``). ``ValueError`` for a limit
-    that is not a non-negative integer."""
+    ``stored_size`` (``LRUStore``: the least recently used dropped first; the one stored last is kept even
+    where it alone is larger), and their output items by item id (``output_item``). ``ValueError`` for a
+    limit that is not a non-negative integer."""
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
-        _check_limit("capacity", capacity)
-        _check_limit("max_bytes", max_bytes)
+        self._store: LRUStore[StoredResponse] = LRUStore("ResponseStore", capacity, max_bytes)
         self.capacity, self.max_bytes = capacity, max_bytes
-        self.bytes = 0  # the stored_size of the responses held
-        self._items: OrderedDict[str, tuple[StoredResponse, int]] = OrderedDict()  # id -> (response, its size)
         self._output_items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of a response held
+
+    @property
+    def bytes(self) -> int:
+        """The ``stored_size`` of the responses held."""
+        return self._store.bytes
 
     def put(self, stored: StoredResponse, size: int | None = None) -> None:
         """Store ``stored`` (``size``: its ``stored_size``, where the caller measured it already)."""
-        rid = stored.response["id"]
-        self.delete(rid)
-        size = stored_size(stored) if size is None else size
-        self._items[rid] = (stored, size)
-        self.bytes += size
+        self.delete(stored.response["id"])
+        dropped = self._store.put(stored.response["id"], stored, stored_size(stored) if size is None else size)
         self._output_items.update((item["id"], item) for item in stored.response.get("output", ()) if "id" in item)
-        while self._items and (len(self._items) > self.capacity or
-                               (self.bytes > self.max_bytes and len(self._items) > 1)):
-            self.delete(next(iter(self._items)))
+        for gone in dropped:
+            self._forget_outputs(gone)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        entry = self._items.get(response_id)
-        if entry is None:
-            return None
-        self._items.move_to_end(response_id)
-        return entry[0]
+        return self._store.get(response_id)
 
     def output_item(self, item_id: str) -> dict[str, Any] | None:
         """The output item ``item_id`` of a stored response (what an ``item_reference`` names)."""
@@ -140,15 +135,17 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         """Forget a stored response, and its output items; whether there was one."""
-        entry = self._items.pop(response_id, None)
-        if entry is not None:
-            self.bytes -= entry[1]
-            for item in entry[0].response.get("output", ()):
-                self._output_items.pop(item.get("id"), None)
-        return entry is not None
+        gone = self._store.pop(response_id)
+        if gone is not None:
+            self._forget_outputs(gone)
+        return gone is not None
+
+    def _forget_outputs(self, stored: StoredResponse) -> None:
+        for item in stored.response.get("output", ()):
+            self._output_items.pop(item.get("id"), None)
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._store)
 
 
 def stored_size(stored: StoredResponse) -> int:
@@ -159,11 +156,6 @@ def stored_size(stored: StoredResponse) -> int:
     4 bytes, the objects around them aside), made without serializing anything."""
     return (text_chars(stored.response, keys=True) + text_chars(stored.conversation, keys=True)
             + text_chars(stored.items, keys=True) + text_chars(stored.events or []))
-
-
-def _check_limit(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"ResponseStore {name} must be a non-negative integer, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,17 +250,17 @@ def _listed_parts(role: str, content: str | list[Any]) -> list[dict[str, Any]]:
     return [{"type": "input_text", "text": text} for text in texts]
 
 
-def check_duplicates(chain: list[dict[str, Any]], items: list[InputItem]) -> None:
+def check_duplicates(chain: list[dict[str, Any]], items: list[InputItem], param: str = "input") -> None:
     """As OpenAI: an input item whose ``id`` is already in the conversation — an item of the
-    ``previous_response_id`` chain (``chain``: its input and output items), or an earlier one of this
-    input; an ``item_reference`` is the item it names — is a 400 naming ``input``, OpenAI's message."""
+    ``previous_response_id`` chain or of the ``conversation`` (``chain``: its items), or an earlier one of this
+    input; an ``item_reference`` is the item it names — is a 400 naming ``param``, OpenAI's message."""
     seen = {item["id"] for item in chain}
     for item in items:
         if not item.id:  # (an empty id is none: listed_item gives it one)
             continue
         if item.id in seen:
             raise APIError(400, f"Duplicate item found with id {item.id}. Remove duplicate items from your input and "
-                                f"try again.", param="input")
+                                f"try again.", param=param)
         seen.add(item.id)
 
 
@@ -420,7 +412,8 @@ class _Prompt:
     engine: Engine
     chat: ChatCompletionRequest  # the chat completion underneath
     conversation: list[dict[str, Any]]  # chat messages: the chain's and this input's (no instructions)
-    items: list[dict[str, Any]]  # the input items as listed (StoredResponse.items)
+    items: list[dict[str, Any]]  # the input items as listed (StoredResponse.items): the chain's, then its own
+    own: int  # where its own begin in ``items`` (what a ``conversation`` gets added)
     encoding: ChatEncoding
     max_new: int  # the engine's max_new_tokens
     grammar: dict[str, Any]  # a forced call's grammar, kept markers (sampling params)
@@ -433,6 +426,8 @@ class ResponsesRoutes:
                  max_stored_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self.server = server
         self.store = ResponseStore(max_stored, max_stored_bytes)
+        # the Conversations API's (conversations.py): bounded as the stored responses are, apart from them
+        self.conversations = ConversationStore(max_stored, max_stored_bytes)
         self.running: dict[str, _Background] = {}  # the background responses still running, by id
 
     def router(self) -> APIRouter:
@@ -553,6 +548,15 @@ class ResponsesRoutes:
         engine = admit_chat(self.server, body.model)
         history: list[dict[str, Any]] = []
         chain: list[dict[str, Any]] = []
+        if body.conversation is not None:
+            if body.previous_response_id is not None:
+                raise APIError(400, "previous_response_id and conversation cannot be used together: a turn continues "
+                                    "one or the other", param="conversation")
+            chain = self.conversations.get(body.conversation_id()).items
+            try:
+                history = items_to_messages([_item(item, i) for i, item in enumerate(chain)])
+            except FieldError as exc:  # (an item stored as listed is an input item: never, short of a bug)
+                raise APIError(500, f"the conversation's item {exc.param} cannot be read back: {exc}") from None
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
             if previous is None and body.previous_response_id in self.running:
@@ -578,8 +582,8 @@ class ResponsesRoutes:
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
-        return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], encoding, max_new,
-                       grammar)
+        return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], len(chain), encoding,
+                       max_new, grammar)
 
     async def _render(self, engine: Engine, chat: ChatCompletionRequest) -> ChatEncoding:
         return await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,
@@ -613,15 +617,15 @@ class ResponsesRoutes:
                 lo = k + 1
         return best
 
-    def resolve(self, items: list[InputItem]) -> list[InputItem]:
+    def resolve(self, items: list[InputItem], param: str = "input") -> list[InputItem]:
         """The input items, each ``item_reference`` replaced by the stored output item it names; one
-        that names none (its response never stored, dropped or deleted) is a 400 naming ``input.<i>.id``."""
+        that names none (its response never stored, dropped or deleted) is a 400 naming ``<param>.<i>.id``."""
         out: list[InputItem] = []
         for i, item in enumerate(items):
             if isinstance(item, ItemReference):
                 found = self.store.output_item(item.id)
                 if found is None:
-                    raise APIError(400, f"Item with id {item.id!r} not found.", param=f"input.{i}.id")
+                    raise APIError(400, f"Item with id {item.id!r} not found.", param=f"{param}.{i}.id")
                 item = _item(found, i)
             out.append(item)
         return out
@@ -689,7 +693,8 @@ class _Turn:
             max_output_tokens=b.max_output_tokens, max_tool_calls=b.max_tool_calls, top_logprobs=b.top_logprobs,
             text=b.text_echo(), reasoning=b.reasoning.model_dump() if b.reasoning is not None else None,
             metadata=b.metadata or {}, store=bool(b.store), background=bool(b.background),
-            truncation=b.truncation or "disabled", user=b.user)
+            truncation=b.truncation or "disabled", user=b.user,
+            conversation={"id": b.conversation_id()} if b.conversation is not None else None)
 
     def parse(self, text: str) -> tuple[str | None, str, list[ToolCall]]:
         """``(reasoning or None, text, calls)`` of a whole output, as a chat completion splits it."""
@@ -787,9 +792,15 @@ class _Turn:
         return out, (stored, stored_size(stored))
 
     def keep(self, kept: _Kept | None) -> None:
+        """Store what ``finished`` made (``kept``; None without ``store``), and add the turn's input and output
+        items to its ``conversation`` (where it has one, and its response completed or was cut at
+        ``max_output_tokens``). On the event loop, whose the stores are."""
         if kept is not None:
             self.routes.store.put(*kept)
             self.stored_size = kept[1]
+        conversation = self.body.conversation_id()
+        if conversation is not None and self.final is not None and self.final["status"] in ("completed", "incomplete"):
+            self.routes.conversations.extend(conversation, self.prompt.items[self.prompt.own:] + self.final["output"])
 
     def failed(self, event: _EventWriter, error: APIError) -> list[str]:
         """What a stream sends when it fails after it started (an engine error, an abort): OpenAI's ``error``
