@@ -437,14 +437,27 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     assert len({tuple(o["output_ids"]) for o in want[:3]}) == 3  # (the adapters matter)
 
 
+def _alone(path, adapters_by_name: dict, specs_by_name: dict) -> dict[str, list[dict]]:
+    """Each adapter's specs served by an engine serving that adapter alone: ``{name: outputs}``."""
+    out = {}
+    for name, specs in specs_by_name.items():
+        with Engine(str(path), enable_lora=True, max_loras=1, max_lora_rank=8) as alone:
+            alone.load_lora_adapter(name, adapters_by_name[name])
+            out[name] = run(alone, specs, [name] * len(specs))
+    return out
+
+
 def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_request(qwen3_5_short_path, adapters,
                                                                                      monkeypatch):
-    """One slot (``max_loras=1``) for two adapters: a request whose adapter finds the slot applied by a running
-    request waits, and the adapter's requests queued behind it wait with it (else a stream of the other
-    adapter's requests would keep the slot forever); the base model's requests are admitted past it. Each
-    request gives what an engine serving its adapter alone gives. A write into the slot that fails half-way
-    ends only the request being admitted (aborted, cause ``internal``): the slot is emptied, and the next request
-    gets the adapter written whole."""
+    """One slot (``max_loras=1``) for two adapters. Queued together, x's requests run together and y's wait for
+    the slot (the base model's run beside them); an x request queued after y began waiting waits for y, whatever
+    the policy's order (else a stream of x's requests would keep the slot forever). Each request gives what an
+    engine serving its adapter alone gives. A write into the slot that fails half-way ends only the request
+    being admitted (aborted, cause ``internal``): the slot is emptied, and the next request gets the adapter
+    written whole."""
+    import threading
+    import time
+
     from hyla.engine import lora_manager
     from hyla.engine.scheduler import Scheduler
     prompt = list(range(5, 40))
@@ -452,27 +465,35 @@ def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_reque
     real_take = Scheduler._take_lora_slot
 
     def take(self, req):
-        took = real_take(self, req)
-        if took:
-            admitted.append(req.rid)
-        return took
+        real_take(self, req)
+        admitted.append(req.rid)
     monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
-    names = ["x", "y", None, "x", "x"]
-    lens = [40, 8, 8, 8, 8]
-    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
-                schedule_policy="fcfs") as engine:
+    first = {"names": ["x", "y", None, "x"], "lens": [120, 8, 8, 8]}
+    outs: dict[str, list[dict]] = {}
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8) as engine:
         engine.load_lora_adapter("x", adapters["b"][0])
         engine.load_lora_adapter("y", adapters["a"][0])
-        outs = engine.generate(input_ids=[prompt] * 5, sampling_params=[greedy(n) for n in lens],
-                               return_logprob=True, lora_name=names, rid=[f"r{i}" for i in range(5)])
-        # y waited for x's first request; x's others for y (not past it); the base request for none
-        assert admitted == ["r0", "r1", "r3", "r4"]
+
+        def submit(key: str, names: list, lens: list, rids: list) -> None:
+            outs[key] = engine.generate(input_ids=[prompt] * len(names), sampling_params=[greedy(n) for n in lens],
+                                        return_logprob=True, lora_name=names, rid=rids)
+        together = threading.Thread(target=submit, args=("first", first["names"], first["lens"],
+                                                         [f"r{i}" for i in range(4)]))
+        together.start()
+        deadline = time.monotonic() + 30
+        while engine.scheduler.slot_waiter is None:  # (y waits for the slot x's requests hold)
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert engine.scheduler.slot_waiter[0].rid == "r1"
+        submit("later", ["x", "x"], [8, 8], ["r4", "r5"])
+        together.join()
+        assert admitted == ["r0", "r3", "r1", "r4", "r5"]
         assert engine.get_stats()["num_lora_slot_loads"] == 3
         with monkeypatch.context() as m:  # (the write fails half-way: the first projection written, then an error)
             def fail(model, slot, adapter, real=lora_manager.install_):
-                first = next(iter(adapter.weights))
+                first_one = next(iter(adapter.weights))
                 real(model, slot, lora.LoRAAdapter(adapter.path, adapter.rank, adapter.digest,
-                                                   {first: adapter.weights[first]}))
+                                                   {first_one: adapter.weights[first_one]}))
                 raise RuntimeError("out of device memory")
             m.setattr(lora_manager, "install_", fail)
             failed = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y")
@@ -482,14 +503,39 @@ def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_reque
         assert not any(h.at.any() or h.dense for h in holders)  # (emptied)
         again = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y", return_logprob=True)
         assert_drained(engine)
-    for name, path in (("x", adapters["b"][0]), ("y", adapters["a"][0])):
-        with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_lora_rank=8) as alone:
-            alone.load_lora_adapter(name, path)
-            specs = [{"ids": prompt, "max_new": n} for n, m in zip(lens, names) if m == name]
-            got = [o for o, m in zip(outs, names) if m == name] + ([again] if name == "y" else [])
-            assert compare_outputs(got, run(alone, specs + ([{"ids": prompt, "max_new": 8}] if name == "y" else []),
-                                            [name] * (len(specs) + (name == "y")))) == sum(
-                len(o["output_ids"]) for o in got)
+    got = {"x": [outs["first"][0], outs["first"][3], *outs["later"]], "y": [outs["first"][1], again]}
+    want = _alone(qwen3_5_short_path, {"x": adapters["b"][0], "y": adapters["a"][0]},
+                  {"x": [{"ids": prompt, "max_new": n} for n in (120, 8, 8, 8)],
+                   "y": [{"ids": prompt, "max_new": 8}] * 2})
+    for name in ("x", "y"):
+        assert compare_outputs(got[name], want[name]) == sum(len(o["output_ids"]) for o in got[name])
+
+
+def test_an_urgent_request_preempts_the_less_urgent_requests_holding_the_slot(qwen3_5_short_path, adapters):
+    """Priority scheduling, one slot: a request of adapter y, more urgent than the running request of adapter x
+    by more than the threshold, retracts it to take the slot, runs, and x's request resumes after it; both give
+    what an engine serving their adapter alone gives."""
+    prompt = list(range(5, 40))
+    with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
+                enable_priority_scheduling=True) as engine:
+        engine.load_lora_adapter("x", adapters["b"][0])
+        engine.load_lora_adapter("y", adapters["a"][0])
+        stream = engine.generate(input_ids=prompt, sampling_params=greedy(300), lora_name="x", stream=True,
+                                 priority=0, return_logprob=True)
+        chunks = [next(stream)]
+        urgent = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y", priority=100,
+                                 return_logprob=True)
+        assert engine.scheduler.num_preemptions >= 1
+        chunks += list(stream)
+        assert_drained(engine)
+    whole = {**chunks[-1], "output_ids": [t for c in chunks for t in c["output_ids"]]}
+    if "output_token_logprobs" in whole["meta_info"]:
+        whole["meta_info"] = {**whole["meta_info"], "output_token_logprobs": [
+            e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]}
+    want = _alone(qwen3_5_short_path, {"x": adapters["b"][0], "y": adapters["a"][0]},
+                  {"x": [{"ids": prompt, "max_new": 300}], "y": [{"ids": prompt, "max_new": 8}]})
+    assert compare_outputs([urgent], want["y"]) == 8
+    assert compare_outputs([whole], want["x"]) == 300
 
 
 @pytest.mark.slow

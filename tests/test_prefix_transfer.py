@@ -209,6 +209,7 @@ def test_namespaces_cross_as_json_with_their_types():
         back = _namespace_from_json(json.loads(json.dumps(_namespace_to_json(ns))))
         assert namespace_key(back) == namespace_key(ns)
     assert namespace_key(SubNamespace("lora", "ab12", None)) != namespace_key(("lora", "ab12", None))
+    assert namespace_key(SubNamespace("lora", "ab12", 1)) != namespace_key(SubNamespace("lora", "ab12", True))
     for bad in ({"sub": ["lora", 1, None]}, {"sub": ["lora", "k"]}, {"sub": "x"}, {"sub": [], "tuple": []}, 1.5):
         with pytest.raises(ValueError, match="not one"):
             _namespace_from_json(bad)

@@ -356,6 +356,11 @@ def test_conversations_are_found_where_they_were_made(workers):
         assert len(via.conversations.items.list(conversation.id).data) == 6
         assert via.conversations.update(conversation.id, metadata={"n": "2"}).metadata == {"n": "2"}
         assert [w["routed"] for w in httpx.get(r.url + "/workers").json()["workers"]] in ([6, 0], [0, 6])
+        # a new conversation starting with an item of a stored response goes where that response is (round
+        # robin's next pick is the other worker)
+        stored = via.responses.create(model=MODEL, input="Something to refer to.", max_output_tokens=2, temperature=0)
+        referring = via.conversations.create(items=[{"type": "item_reference", "id": stored.output[0].id}])
+        assert via.conversations.items.list(referring.id).data[0].id == stored.output[0].id
     with _Uvicorn(create_router_app([w.url for w in workers], policy="round_robin", health_interval=60)) as r:
         via = _client(r.url)
         for _ in range(2):  # (each worker tried first once)

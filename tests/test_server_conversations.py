@@ -82,11 +82,14 @@ def test_conversation_endpoints(server, client):  # noqa: F811
     assert len(client.conversations.items.list(cid).data) == 2  # (nothing added by the refusals)
     with pytest.raises(openai.BadRequestError, match="cannot be used together"):
         _ask(client, "Both?", conversation=cid, previous_response_id=stored.id)
+    page = httpx.get(f"{url}/{cid}/items?after=msg_none", timeout=30)
+    assert page.status_code == 400 and "in this conversation" in page.json()["error"]["message"]
     assert client.conversations.delete(cid).deleted
     with pytest.raises(openai.NotFoundError):
         client.conversations.retrieve(cid)
-    with pytest.raises(openai.NotFoundError, match="not found"):
+    with pytest.raises(openai.NotFoundError, match="not found") as gone:
         _ask(client, "Gone?", conversation=cid)
+    assert gone.value.body["param"] == "conversation"
 
 
 def test_a_turn_that_fails_adds_nothing_and_an_incomplete_one_adds_its_items(server, client, engine):  # noqa: F811
@@ -109,4 +112,26 @@ def test_conversation_store_is_bounded_and_grows_with_its_items():
     store.extend("conv_1", [{"id": "x", "text": "a" * 20_000}])  # (alone larger than the bound: kept, the other goes)
     assert len(store) == 1 and store.get("conv_1").items[0]["id"] == "x"
     store.extend("conv_9", [{"id": "y"}])  # (deleted meanwhile: nothing)
+    held = store.get("conv_1")  # measured as it changes, as it would be measured whole
+    store.extend("conv_1", [{"id": "y", "content": [{"text": "bb"}]}, {"id": "z", "n": 3}])
+    store.set_metadata(held, {"key": "value"})
+    store.remove_item(held, 0)
+    assert store._store.size("conv_1") == held.size() == store._store.bytes
     assert store.delete("conv_1") and len(store) == 0 and store._store.bytes == 0
+    with pytest.raises(ValueError, match="capacity must be a non-negative integer"):
+        ConversationStore(capacity=-1)
+
+
+def test_a_server_that_keeps_no_conversations_refuses_to_make_one():
+    """``--max-stored-responses 0``: a new conversation would be dropped as it is made (its id a 404 at once)."""
+    import asyncio
+
+    from hyla.server.conversations import ConversationsRoutes
+    from hyla.server.errors import APIError
+    from hyla.server.responses_protocol import ConversationCreateRequest
+    from hyla.server.responses_routes import ResponsesRoutes
+
+    routes = ConversationsRoutes(ResponsesRoutes(None, max_stored=0))
+    with pytest.raises(APIError, match="keeps no conversations"):
+        asyncio.run(routes.create(ConversationCreateRequest()))
+    assert len(routes.store) == 0

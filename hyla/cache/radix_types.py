@@ -41,9 +41,10 @@ def namespace_key(namespace: Hashable) -> tuple:
 class SubNamespace:
     """A namespace partitioned by what the cache does not know: ``kind`` says what (``"lora"``), ``key`` which
     (a LoRA adapter's content digest: the engine's ``lora_manager.lora_namespace``), ``namespace`` the request's
-    own. A type of its own, so that no namespace a caller passes (a tuple, a string) equals one
-    (``namespace_key`` compares types too): a base request never reads an adapter's K/V.
-    ``prefix_transfer`` carries it from one engine to another."""
+    own. A type of its own, so that no namespace a request's caller passes (a tuple, a string: the server's
+    ``cache_salt`` is a string) equals one (``namespace_key`` compares types too): a base request never reads an
+    adapter's K/V. ``prefix_transfer`` carries it from one engine to another, so an imported prefix may be in
+    one: ``import_prefix`` trusts what it imports (the server's ``/import_prefix`` needs the API key)."""
 
     kind: str
     key: str
@@ -53,6 +54,8 @@ class SubNamespace:
 def _signature(value: Hashable) -> Hashable:
     if isinstance(value, tuple):
         return type(value), tuple(_signature(v) for v in value)
+    if isinstance(value, SubNamespace):  # (the request's own namespace inside, item by item too)
+        return type(value), _signature(value.kind), _signature(value.key), _signature(value.namespace)
     return type(value)
 
 

@@ -151,18 +151,27 @@ class LoRAManager:
         if uid in self._slot_uid:
             self._empty(self._slot_uid.index(uid))
 
-    def acquire(self, uid: int, pinned: Iterable[int]) -> int | None:
-        """The slot of adapter ``uid`` for a request being admitted: where it is already, else an empty slot,
-        else the least recently used one whose adapter is not ``pinned`` (the running requests' adapters), the
-        adapter written into it. None when every slot holds a pinned adapter: the request waits for one."""
+    def slot_for(self, uid: int, pinned: Iterable[int]) -> int | None:
+        """The slot :meth:`acquire` would give adapter ``uid``: where it is already, else an empty slot, else the
+        least recently used one whose adapter is not ``pinned`` (the running requests' adapters); None when every
+        slot holds a pinned adapter. Nothing changes."""
         if uid in self._slot_uid:
-            slot = self._slot_uid.index(uid)
-        else:
-            pinned = set(pinned) - {0}
-            free = [s for s in range(1, self.max_loras + 1) if self._slot_uid[s] not in pinned]  # (0: empty)
-            if not free:
-                return None
-            slot = min(free, key=lambda s: (self._slot_uid[s] != 0, self._slot_used[s], s))
+            return self._slot_uid.index(uid)
+        pinned = set(pinned) - {0}
+        free = [s for s in range(1, self.max_loras + 1) if self._slot_uid[s] not in pinned]  # (0: empty)
+        return min(free, key=lambda s: (self._slot_uid[s] != 0, self._slot_used[s], s)) if free else None
+
+    def slot_uids(self) -> list[int]:
+        """The adapters in the slots (uids)."""
+        return [uid for uid in self._slot_uid[1:] if uid]
+
+    def acquire(self, uid: int, pinned: Iterable[int]) -> int | None:
+        """The slot of adapter ``uid`` for a request being admitted (:meth:`slot_for`), the adapter written into
+        it where it is not there yet. None when every slot holds a pinned adapter: the request waits for one."""
+        slot = self.slot_for(uid, pinned)
+        if slot is None:
+            return None
+        if self._slot_uid[slot] != uid:
             self._slot_uid[slot] = 0
             with self.lock:
                 adapter = self._by_uid[uid].adapter

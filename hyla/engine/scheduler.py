@@ -163,6 +163,8 @@ class Scheduler:
         self.output = output
         self.drafter = drafter
         self.loras = loras  # LoRA adapters' slots, given to requests as they are admitted (_take_lora_slot)
+        # the first request waiting for a LoRA slot, and since when (_slot_ready)
+        self.slot_waiter: tuple[Req, float] | None = None
         self.scratch: list[list[int]] = []  # per decode-batch row: state slots for the draft positions
         if drafter is not None:
             k = drafter.num_draft
@@ -600,6 +602,8 @@ class Scheduler:
             later = [r for r in chunking if self.rank(r) > urgent]
         budget = self._continue_chunks(batch, [r for r in chunking if r not in later], budget)
         # 2) new admissions
+        if self.slot_waiter is not None and self.slot_waiter[0] not in self.waiting:
+            self.slot_waiter = None  # (admitted, or ended)
         if budget > 0 and self.waiting:
             order, hits = self._ordered_waiting()
             if not self.admit_new:  # a weight update waits: only requests that ran before (retracted since)
@@ -609,22 +613,22 @@ class Scheduler:
             # while some request runs (and another may join it), the waiting requests' hits are held
             held = self._hold_waiting(hits) if protect and 0 < len(self.running) < self.config.max_running_requests \
                 else []
-            slot_wait = False  # a request waits for an adapter slot: no adapter's request is admitted past it
             try:
                 for i, req in enumerate(order):  # a hold keeps a prefix from evictions, not from its own request
                     if budget <= 0:
                         break
                     if self._deferred_for_in_batch_prefix(req, batch.reqs):
                         continue
+                    if req.lora_uid and not self._slot_ready(req, batch):
+                        continue  # (its adapter waits for a slot)
                     if len(self.running) >= self.config.max_running_requests and not self._preempt_for(req, batch):
                         break
                     try:
-                        if req.lora_uid and (slot_wait or not self._take_lora_slot(req)):
-                            slot_wait = True  # (those admitted would keep their slots: it could starve)
-                            continue
                         loc, n = self._admit(req, budget, bool(held))
                         while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
                             loc, n = self._admit(req, budget, bool(held))
+                        if loc is not None and req.lora_uid:
+                            self._take_lora_slot(req)  # (once it fits: a slot written for nothing would churn)
                     except Exception as exc:  # this request's data broke admission: it alone ends
                         self._refuse(req, exc)
                         continue
@@ -676,13 +680,6 @@ class Scheduler:
         logger.exception("admitting request %s failed; aborting it", req.rid)
         self._end_after_error(req, internal_error(exc))
 
-    def _take_lora_slot(self, req: Req) -> bool:
-        """Give ``req``, being admitted, its LoRA adapter's slot (``LoRAManager.acquire``, the adapter written
-        into one if it is in none); False where every slot holds an adapter a running request applies: it waits."""
-        slot = self.loras.acquire(req.lora_uid, {r.lora_uid for r in self.running})
-        req.lora_slot = slot or 0
-        return slot is not None
-
     def _admit(self, req: Req, budget: int, held: bool) -> tuple[torch.Tensor | None, int]:
         """Match ``req``'s prefix and admit it with its first chunk -> (its KV slots or None, the
         chunk's length)."""
@@ -692,6 +689,60 @@ class Scheduler:
         if held:  # room for its later chunks too: they are allocated with nothing held
             reserve += req.extend_target - n
         return self.cache.admit(req, hit, n, kv_reserve=reserve), n
+
+    # ------------------------------------------------------------------------------------------
+    # LoRA adapters' slots
+    # ------------------------------------------------------------------------------------------
+    def _slot_ready(self, req: Req, batch: Batch) -> bool:
+        """Whether ``req``, applying a LoRA adapter, may take a slot now (``LoRAManager.slot_for``): its adapter
+        is in one, or one is empty, or one holds an adapter no running request applies. Where every slot holds an
+        adapter running requests apply, it waits (with priority scheduling, unless it preempts them:
+        :meth:`_preempt_for_slot`), the first to wait recorded (``slot_waiter``). While it waits, adapter requests
+        queued after it began waiting wait too, whatever order the policy puts them in: admitting them would keep
+        their adapters' slots busy, and a steady stream of one adapter's requests would starve another's. Those
+        queued before (a bounded set) may still take a slot: queued together, each adapter's requests run
+        together, in its turn."""
+        waiter = self.slot_waiter
+        if waiter is not None and req is not waiter[0] and req.arrival_time > waiter[1]:
+            return False
+        if self.loras.slot_for(req.lora_uid, self._lora_pinned()) is None and not self._preempt_for_slot(req, batch):
+            if waiter is None:
+                self.slot_waiter = (req, time.monotonic())
+            return False
+        return True
+
+    def _take_lora_slot(self, req: Req) -> None:
+        """Give ``req``, admitted, its LoRA adapter's slot (``LoRAManager.acquire``: the adapter written into it
+        where it is not there yet)."""
+        slot = self.loras.acquire(req.lora_uid, self._lora_pinned())
+        if slot is None:  # (_slot_ready found one, and what ran since frees slots, never takes one)
+            raise RuntimeError(f"request {req.rid}: no LoRA slot, though one was free when it was checked")
+        req.lora_slot = slot
+
+    def _lora_pinned(self) -> set[int]:
+        """The adapters the running requests apply: their slots are not written over."""
+        return {r.lora_uid for r in self.running if r.lora_uid}
+
+    def _preempt_for_slot(self, req: Req, batch: Batch) -> bool:
+        """Priority scheduling: free a LoRA slot for ``req`` by retracting every running request applying the
+        adapter in it, where each is less urgent than ``req`` by more than the preemption threshold and none is
+        fed by this step: of such slots, the one whose most urgent request is the least urgent. Returns whether
+        it did."""
+        if not self.config.priority_scheduling:
+            return False
+        floor = self.rank(req) + self.config.preemption_threshold
+        best: tuple[tuple, list[Req]] | None = None
+        for uid in self.loras.slot_uids():
+            holders = [r for r in self.running if r.lora_uid == uid]
+            if holders and all(self.rank(r) > floor and r not in batch.reqs for r in holders):
+                keep = min(map(self.give_way_order, holders))
+                if best is None or keep > best[0]:
+                    best = (keep, holders)
+        if best is None:
+            return False
+        for victim in best[1]:
+            self.retract(victim, preempted_for=req)
+        return True
 
     # ------------------------------------------------------------------------------------------
     # priority scheduling

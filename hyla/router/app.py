@@ -456,14 +456,19 @@ class RouterApp:
         """The worker holding the stored response or conversation this request reads (a turn's, or its
         ``input_tokens`` count's, ``conversation``, else its ``previous_response_id``, else the response of its
         first ``item_reference``, whose id names it: ``output_item_id``; or the one of a ``/v1/responses/{id}...``
-        or ``/v1/conversations/{id}...`` path): the one the router saw make it, else the one that answers for it
-        (asked in turn; then remembered)."""
+        or ``/v1/conversations/{id}...`` path; a new conversation's, the response of its first ``item_reference``):
+        the one the router saw make it, else the one that answers for it (asked in turn; then remembered). (Items
+        added to a conversation go where it is: an ``item_reference`` there names a response of that worker.)"""
         if path in ("/v1/responses", "/v1/responses/input_tokens") and isinstance(body, dict):
             rid = _conversation_id(body.get("conversation"))
             if rid is None:
                 rid = body.get("previous_response_id")
             if not isinstance(rid, str):
                 rid = _referenced_response(body.get("input"))
+            if rid is None:
+                return None
+        elif path == "/v1/conversations" and isinstance(body, dict):  # (a new one whose items refer to a response)
+            rid = _referenced_response(body.get("items"))
             if rid is None:
                 return None
         elif path.startswith(("/v1/responses/", "/v1/conversations/")):

@@ -33,33 +33,44 @@ class ConversationStore:
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self._store: LRUStore[Conversation] = LRUStore("ConversationStore", capacity, max_bytes)
+        self.capacity = capacity
 
     def put(self, conversation: Conversation) -> None:
         self._store.put(conversation.id, conversation, conversation.size())
 
-    def get(self, conversation_id: str) -> Conversation:
-        """The conversation, or a 404 naming ``conversation_id``."""
+    def get(self, conversation_id: str, param: str = "conversation_id") -> Conversation:
+        """The conversation, or a 404 naming ``param``."""
         found = self._store.get(conversation_id)
         if found is None:
             raise APIError(404, f"Conversation with id {conversation_id!r} not found.", type="not_found_error",
-                           param="conversation_id", code="conversation_not_found")
+                           param=param, code="conversation_not_found")
         return found
 
     def extend(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         """Add ``items`` (as listed) at the end of the conversation, if it is still held (a response that ends
-        after its conversation was deleted adds nothing)."""
+        after its conversation was deleted adds nothing). Measured by what it adds (a long conversation is not
+        measured again at every turn)."""
         found = self._store.get(conversation_id)
         if found is not None:
             found.items.extend(items)
-            self._store.resize(conversation_id, found.size())
+            self._grew(found, text_chars(items, keys=True))
 
     def delete(self, conversation_id: str) -> bool:
         return self._store.pop(conversation_id) is not None
 
-    def refresh(self, conversation: Conversation) -> None:
-        """Its items or metadata changed in place: measured again."""
+    def remove_item(self, conversation: Conversation, index: int) -> None:
+        """Its item at ``index`` is gone."""
+        gone = conversation.items.pop(index)
+        self._grew(conversation, -text_chars([gone], keys=True))
+
+    def set_metadata(self, conversation: Conversation, metadata: dict[str, str]) -> None:
+        before = text_chars(conversation.metadata, keys=True)
+        conversation.metadata = metadata
+        self._grew(conversation, text_chars(metadata, keys=True) - before)
+
+    def _grew(self, conversation: Conversation, by: int) -> None:
         if conversation.id in self._store:
-            self._store.resize(conversation.id, conversation.size())
+            self._store.resize(conversation.id, self._store.size(conversation.id) + by)
 
     def __len__(self) -> int:
         return len(self._store)

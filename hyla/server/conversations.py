@@ -51,7 +51,9 @@ class ConversationsRoutes:
 
     async def create(self, body: ConversationCreateRequest) -> JSONResponse:
         """A new conversation, with ``items`` (references resolved; each given an id where it has none) and
-        ``metadata``."""
+        ``metadata``. A 400 on a server that keeps none (``--max-stored-responses 0``)."""
+        if self.store.capacity == 0:
+            raise APIError(400, "this server keeps no conversations (--max-stored-responses 0)")
         conversation = Conversation(new_id("conv"), int(time.time()), body.metadata or {})
         conversation.items = self._listed([], body.items or [])
         self.store.put(conversation)
@@ -63,8 +65,7 @@ class ConversationsRoutes:
     async def update(self, conversation_id: str, body: ConversationUpdateRequest) -> JSONResponse:
         """The conversation with ``metadata`` in place of its own."""
         conversation = self.store.get(conversation_id)
-        conversation.metadata = body.metadata
-        self.store.refresh(conversation)
+        self.store.set_metadata(conversation, body.metadata)
         return JSONResponse(conversation.card())
 
     async def delete(self, conversation_id: str) -> JSONResponse:
@@ -76,14 +77,13 @@ class ConversationsRoutes:
     async def list_items(self, conversation_id: str, request: Request) -> JSONResponse:
         """One page of its items (``responses_routes.item_page``: ``order``, the latest first by default;
         ``limit``; ``after``)."""
-        return JSONResponse(item_page(self.store.get(conversation_id).items, request.query_params))
+        return JSONResponse(item_page(self.store.get(conversation_id).items, request.query_params, "conversation"))
 
     async def add_items(self, conversation_id: str, body: ConversationItemsRequest) -> JSONResponse:
         """``items`` added at its end (an id already in it is a 400): the list of them as added."""
         conversation = self.store.get(conversation_id)
         added = self._listed(conversation.items, body.items)
-        conversation.items.extend(added)
-        self.store.refresh(conversation)
+        self.store.extend(conversation_id, added)
         return JSONResponse({"object": "list", "data": added, "first_id": added[0]["id"], "last_id": added[-1]["id"],
                              "has_more": False})
 
@@ -94,8 +94,7 @@ class ConversationsRoutes:
     async def delete_item(self, conversation_id: str, item_id: str) -> JSONResponse:
         """The item is gone from the conversation: the conversation object."""
         conversation = self.store.get(conversation_id)
-        del conversation.items[self._index(conversation, item_id)]
-        self.store.refresh(conversation)
+        self.store.remove_item(conversation, self._index(conversation, item_id))
         return JSONResponse(conversation.card())
 
     def _listed(self, held: list[dict[str, Any]], items: list[InputItem]) -> list[dict[str, Any]]:

@@ -46,6 +46,10 @@ class LRUStore(Generic[T]):
         self._items.move_to_end(key)
         return entry[0]
 
+    def size(self, key: str) -> int:
+        """``key``'s size, as last put or resized."""
+        return self._items[key][1]
+
     def pop(self, key: str) -> T | None:
         """Forget ``key``: its value, or None where none was kept."""
         entry = self._items.pop(key, None)

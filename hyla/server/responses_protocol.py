@@ -19,7 +19,8 @@ is accepted and ignored (``include``'s other values, ``prompt_cache_key``, ``pro
 ``safety_identifier``, ``service_tier``, ``text.verbosity``), and so are ``stream_options`` and a message's
 ``phase``. ``truncation: "auto"`` drops the conversation's oldest turns where the prompt does not fit.
 ``background: true`` runs the response on the server, not on the client's connection (it must be stored).
-Anything else (other item or content types, other tool types, ``conversation``...) is a 400 naming it.
+``conversation`` reads and extends a conversation of the Conversations API (conversations.py). Anything else
+(other item or content types, other tool types...) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ MAX_METADATA_KEYS = 16  # OpenAI's limits on metadata
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 RESPONSES_NULL_MEANS_DEFAULT = ("stream", "store", "parallel_tool_calls", "background")
+
+
+def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    """``metadata`` (a response's, a conversation's) within OpenAI's limits."""
+    if value is not None:
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys")
+        for k, v in value.items():
+            if len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters, values "
+                                 f"{MAX_METADATA_VALUE_CHARS}")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,17 +391,7 @@ class ResponsesRequest(_Request):
                 raise FieldError("name", "a function tool choice needs the function's name")
         return value
 
-    @field_validator("metadata")
-    @classmethod
-    def _check_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None:
-            if len(value) > MAX_METADATA_KEYS:
-                raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys")
-            for k, v in value.items():
-                if len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS:
-                    raise ValueError(f"metadata keys hold at most {MAX_METADATA_KEY_CHARS} characters, values "
-                                     f"{MAX_METADATA_VALUE_CHARS}")
-        return value
+    _check_metadata = field_validator("metadata")(check_metadata)
 
     @model_validator(mode="after")
     def _check_tools(self) -> "ResponsesRequest":
@@ -516,20 +519,6 @@ class ResponseObject(BaseModel):
 # conversations (OpenAI's Conversations API: conversations.py)
 # --------------------------------------------------------------------------------------------
 MAX_CONVERSATION_ITEMS = 20  # items one request may add (OpenAI's bound)
-METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's bounds on metadata
-
-
-def check_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
-    """``metadata`` within OpenAI's bounds: at most 16 pairs, keys of at most 64 characters, values of 512."""
-    if value is None:
-        return None
-    if len(value) > METADATA_PAIRS:
-        raise ValueError(f"metadata holds at most {METADATA_PAIRS} pairs, got {len(value)}")
-    for key, text in value.items():
-        if len(key) > METADATA_KEY_CHARS or len(text) > METADATA_VALUE_CHARS:
-            raise ValueError(f"metadata keys hold at most {METADATA_KEY_CHARS} characters and values "
-                             f"{METADATA_VALUE_CHARS}: {key[:80]!r} does not fit")
-    return value
 
 
 def _conversation_items(value: Any) -> Any:

@@ -264,7 +264,7 @@ def check_duplicates(chain: list[dict[str, Any]], items: list[InputItem], param:
         seen.add(item.id)
 
 
-def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+def item_page(items: list[dict[str, Any]], query: Mapping[str, str], holder: str = "response") -> dict[str, Any]:
     """One page of ``items`` as ``GET /v1/responses/{id}/input_items`` answers it (OpenAI's list: ``data``,
     ``first_id``, ``last_id``, ``has_more``). ``query``: ``order`` (``desc``, the default: the latest item
     first; or ``asc``), ``limit`` (1 to 100, default 20), ``after`` (an item id of the list: the page starts
@@ -281,7 +281,7 @@ def item_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str
     if after is not None:
         ids = [item["id"] for item in ordered]
         if after not in ids:
-            raise APIError(400, f"No input item with id {after!r} in this response.", param="after")
+            raise APIError(400, f"No item with id {after!r} in this {holder}.", param="after")
         start = ids.index(after) + 1
     data = ordered[start:start + limit]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
@@ -294,6 +294,14 @@ def _list_limit(raw: str | None) -> int:
     if not re.fullmatch(r"[0-9]{1,4}", raw) or not 1 <= int(raw) <= MAX_LIST_LIMIT:
         raise APIError(400, f"limit must be an integer from 1 to {MAX_LIST_LIMIT}, got {raw!r}", param="limit")
     return int(raw)
+
+
+def _conversation_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation's items (as listed) as chat messages (``items_to_messages``)."""
+    try:
+        return items_to_messages([_item(item, i) for i, item in enumerate(items)])
+    except FieldError as exc:  # (an item stored as listed is an input item: never, short of a bug)
+        raise APIError(500, f"the conversation's item {exc.param} cannot be read back: {exc}") from None
 
 
 def with_instructions(instructions: str | None, conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -552,11 +560,8 @@ class ResponsesRoutes:
             if body.previous_response_id is not None:
                 raise APIError(400, "previous_response_id and conversation cannot be used together: a turn continues "
                                     "one or the other", param="conversation")
-            chain = self.conversations.get(body.conversation_id()).items
-            try:
-                history = items_to_messages([_item(item, i) for i, item in enumerate(chain)])
-            except FieldError as exc:  # (an item stored as listed is an input item: never, short of a bug)
-                raise APIError(500, f"the conversation's item {exc.param} cannot be read back: {exc}") from None
+            chain = list(self.conversations.get(body.conversation_id(), "conversation").items)  # (as of now)
+            history = await asyncio.to_thread(_conversation_messages, chain)  # (a long one: off the event loop)
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id)
             if previous is None and body.previous_response_id in self.running:
