@@ -165,6 +165,9 @@ def test_each_model_routes_in_its_own_namespace():
     assert keys["base"] == Namespaced("base", plain) and keys["sql-lora"].key == plain
     assert routing_key("/generate", {"text": "t", "lora_path": "sql-lora"}) == Namespaced("sql-lora", "t")
     assert routing_key("/generate", {"text": "t", "model": "sql-lora"}) == "t"  # (/generate names adapters so)
+    # the served model (its name from the workers' /health) is no adapter: its requests route as nameless ones
+    assert routing_key("/v1/chat/completions", {"model": "base", "messages": messages}, base_model="base") == plain
+    assert routing_key("/generate", {"text": "t", "lora_path": "base"}, base_model="base") == "t"
     assert routing_key("/generate", {"text": ["t", "u"], "lora_path": ["sql-lora", None]}) == Namespaced("sql-lora", "t")
     names = {m: block_names(k) for m, k in keys.items()}
     assert len(names["base"]) == len(names["sql-lora"]) == len(block_names(plain)) > 2
@@ -340,6 +343,7 @@ def test_stored_responses_are_found_where_they_were_made(workers):
         assert r3.previous_response_id == streamed and r3.usage.input_tokens_details.cached_tokens > 0
         assert via.responses.retrieve(r1.id).id == r1.id and via.responses.retrieve(streamed).id == streamed
         assert [w["routed"] for w in httpx.get(r.url + "/workers").json()["workers"]] == [3, 3]  # with the GETs
+        assert r.server.config.app.state.router.base_model == MODEL  # (from the workers' /health)
 
 
 def test_conversations_are_found_where_they_were_made(workers):

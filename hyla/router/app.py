@@ -124,14 +124,17 @@ def error_body(message: str, type: str = "service_unavailable", code: str | None
     return {"error": {"message": message, "type": type, "param": None, "code": code}}
 
 
-def routing_key(path: str, body: Any) -> str | list[int] | Namespaced | None:
+def routing_key(path: str, body: Any, base_model: str | None = None) -> str | list[int] | Namespaced | None:
     """:func:`prompt_key` in the namespace of the model the request names (``model``; ``/generate``'s
-    ``lora_path``): the workers cache each LoRA adapter's prompts apart (``policy.Namespaced``)."""
+    ``lora_path``): the workers cache each LoRA adapter's prompts apart (``policy.Namespaced``). The served model
+    (``base_model``, the name the workers' ``/health`` gives) is no adapter: its requests keep their keys, as
+    those naming no model do (a ``/generate`` without ``lora_path``), whose prompts the workers cache alike."""
     key = prompt_key(path, body)
     model = body.get("lora_path" if path == "/generate" else "model") if isinstance(body, dict) else None
     if isinstance(model, list) and model:  # (a batch's, one per prompt: by its first, as its key)
         model = model[0]
-    return Namespaced(model, key) if key is not None and isinstance(model, str) and model else key
+    named = key is not None and isinstance(model, str) and model and model != base_model
+    return Namespaced(model, key) if named else key
 
 
 def prompt_key(path: str, body: Any) -> str | list[int] | None:
@@ -242,11 +245,11 @@ def _referenced_response(items: Any) -> str | None:
     return None
 
 
-def _parse(raw: bytes, path: str) -> tuple[Any, str | list[int] | None]:
+def _parse(raw: bytes, path: str, base_model: str | None = None) -> tuple[Any, str | list[int] | None]:
     """A request body's JSON (None where it is not JSON: the worker answers that) and its routing key."""
     try:
         body = json.loads(raw) if raw else None
-        return body, routing_key(path, body)
+        return body, routing_key(path, body, base_model)
     except (ValueError, RecursionError):  # (not JSON, or nested past Python's recursion limit)
         return None, None
 
@@ -354,6 +357,7 @@ class RouterApp:
         self.request_timeout = httpx.Timeout(None, connect=connect_timeout, read=read_timeout)
         self.client: httpx.AsyncClient | None = None
         self.response_owner: OrderedDict[str, int] = OrderedDict()
+        self.base_model: str | None = None  # the served model's name, as the workers' /health gives it (routing_key)
         self.moves: set[Move] = set()  # the requests whose prompts move now
         self.registry = CollectorRegistry()
         self.requests = Counter("hyla_router_requests", "Requests forwarded, by worker and why it was chosen.",
@@ -408,6 +412,8 @@ class RouterApp:
                     with contextlib.suppress(ValueError):
                         answer = r.json()
                         cache_id = answer.get("cache_id") if isinstance(answer, dict) else None
+                        if isinstance(answer, dict) and isinstance(answer.get("model"), str):
+                            self.base_model = answer["model"]
             except httpx.HTTPError:
                 ok = False
             if ok != w.healthy:
@@ -506,9 +512,9 @@ class RouterApp:
         if isinstance(raw, Response):
             return raw
         if len(raw) > PARSE_IN_THREAD_BYTES:  # (its JSON and key off the event loop)
-            body, key = await asyncio.to_thread(_parse, raw, path)
+            body, key = await asyncio.to_thread(_parse, raw, path, self.base_model)
         else:
-            body, key = _parse(raw, path)
+            body, key = _parse(raw, path, self.base_model)
         owner = await self.owner(request, path, body)
         headers = self.forwarded_headers(request)
         prefix: bytes | None = None  # a prefill worker's, to import before the request
