@@ -204,8 +204,9 @@ def main() -> None:
         f"({wl['a slot per adapter'] / wl['base model']:.2f}x) | {wl['one slot']:,.1f} "
         f"({wl['one slot'] / wl['base model']:.2f}x) |",
         "",
-        f"With one slot each adapter's requests run in their turn (the others wait: `Scheduler._take_lora_slot`), "
-        f"so each step runs one adapter's requests, and the adapters were written into the slot {slot_loads} times "
+        f"With one slot each adapter's queued requests run together in its turn (the others wait: "
+        f"`Scheduler._slot_ready`), so each step runs one adapter's requests, and the adapters were written into the "
+        f"slot {slot_loads} times "
         f"over the {1 + args.repeats} rounds.",
         "",
         "An adapter's update runs apart from the weight, `B (A x)`, from `max_loras` slots per projection written in "
