@@ -45,7 +45,8 @@
 #            its steady ones, with the engine's start-up warm-up and without (~3 min)
 #   lora     benchmarks/lora.py --gpu-model --dtype bfloat16: decode and TTFT of an engine serving 4 random rank-16
 #            adapters (its LoRA CUDA graphs: punica's shrink and expand) against the base model's, with no adapter,
-#            one, and every adapter in a batch (~4 min)
+#            one, and every adapter in a batch; then the adapters taking turns in one slot (max_cpu_loras: a slot
+#            written between steps) (~5 min: three engines start)
 #   mixed    benchmarks/mixed_chunk.py --gpu-model: 8 streams while an 8,192-token prompt is prefilled, with mixed
 #            chunked prefill (enable_mixed_chunk) and without (~2 min)
 #   hicache  benchmarks/host_cache.py --gpu-model: interleaved agentic sessions on a 4,096-token device pool, the
@@ -141,7 +142,7 @@ for s in "$@"; do
                   | tee "$out/spec-mtp.log" | tail -12 ;;
         startup) timeout 240 python3 benchmarks/startup.py --device cuda --gpu-model --repeats 2 2>&1 \
                      | tee "$out/startup.log" | tail -14 ;;
-        lora) timeout 300 python3 benchmarks/lora.py --device cuda --gpu-model --dtype bfloat16 --repeats 3 2>&1 \
+        lora) timeout 420 python3 benchmarks/lora.py --device cuda --gpu-model --dtype bfloat16 --repeats 3 2>&1 \
                   | tee "$out/lora.log" | tail -12 ;;
         mixed) timeout 200 python3 benchmarks/mixed_chunk.py --device cuda --gpu-model --repeats 3 2>&1 \
                      | tee "$out/mixed.log" | tail -10 ;;
