@@ -23,12 +23,18 @@ def test_a_conversations_turns_are_a_chain_of_responses(client):  # noqa: F811
     conversation = client.conversations.create(metadata={"topic": "chains"})
     assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "chains"}
     r1 = _ask(client, "Conversation test Q: first question?", conversation=conversation.id, instructions="Be terse.")
+    counted = client.post("/responses/input_tokens", cast_to=object, body={
+        "model": MODEL, "input": "And a follow-up?", "conversation": conversation.id, "instructions": "Be terse."})
     r2 = _ask(client, "And a follow-up?", conversation={"id": conversation.id}, instructions="Be terse.")
     assert r1.conversation.id == r2.conversation.id == conversation.id
     c1 = _ask(client, "Conversation test Q: first question?", instructions="Be terse.")
     c2 = _ask(client, "And a follow-up?", previous_response_id=c1.id, instructions="Be terse.")
     assert (r1.output_text, r2.output_text) == (c1.output_text, c2.output_text)
     assert r2.usage.input_tokens == c2.usage.input_tokens
+    assert counted["input_tokens"] == r2.usage.input_tokens  # (the turn's prompt, counted before it ran)
+    again = client.post("/responses/input_tokens", cast_to=object, body={
+        "model": MODEL, "input": "And a follow-up?", "conversation": conversation.id, "instructions": "Be terse."})
+    assert again["input_tokens"] > r2.usage.input_tokens  # (r2's question and answer in it now)
     assert r1.usage.input_tokens + r1.usage.output_tokens - 1 <= r2.usage.input_tokens_details.cached_tokens
     items = client.conversations.items.list(conversation.id, order="asc").data
     assert [(i.type, getattr(i, "role", None)) for i in items] == [("message", "user"), ("message", "assistant")] * 2
