@@ -334,17 +334,23 @@ def test_shrink_and_expand_kernels_equal_the_masked_gemms(dtype):
 
 
 @pytest.mark.gpu
-def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapters):
-    """The same on CUDA, fp32, through the fused kernels and CUDA graphs: the adapters and the base model in one
-    batch against each merged model, each run on the same path (an engine with ``enable_lora`` serving no
-    adapter: its graphs run the slots' GEMMs too, all zeros)."""
+@pytest.mark.parametrize("slots", [{}, dict(max_loras=1, max_cpu_loras=2)], ids=["a-slot-each", "one-slot"])
+def test_adapters_on_a_gpu_equal_their_merged_models(qwen3_5_short_path, adapters, slots):
+    """The same on CUDA, fp32, through the fused kernels and CUDA graphs (and the overlap schedule): the adapters
+    and the base model in one batch against each merged model, each run on the same path (an engine with
+    ``enable_lora`` serving no adapter: its graphs run the slots' GEMMs too, all zeros). With one slot for both
+    adapters, each is written into it between the graphs' replays, in turn, in two waves."""
     rng = random.Random(1)
     specs = [{"ids": [rng.randrange(3, 2048) for _ in range(rng.randrange(5, 90))], "max_new": 12} for _ in range(6)]
     names = ["a", "b", None]
-    with Engine(str(qwen3_5_short_path), device="cuda", enable_lora=True) as engine:
+    with Engine(str(qwen3_5_short_path), device="cuda", enable_lora=True, **slots) as engine:
         for name in ("a", "b"):
             engine.load_lora_adapter(name, adapters[name][0])
-        got = run(engine, [s for s in specs for _ in names], names * len(specs))
+        batch = [s for s in specs for _ in names]
+        got = [o for half in (slice(0, 9), slice(9, 18))  # (two waves: one slot written over again and again)
+               for o in run(engine, batch[half], (names * len(specs))[half])]
+        loads = engine.get_stats()["num_lora_slot_loads"]
+        assert loads >= 4 if slots else loads == 2
     for i, name in enumerate(names):
         with Engine(str(adapters[name][1] if name else qwen3_5_short_path), device="cuda", enable_lora=True,
                     enable_prefix_cache=False) as ref:
