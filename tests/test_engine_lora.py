@@ -517,31 +517,52 @@ def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_reque
         assert compare_outputs(got[name], want[name]) == sum(len(o["output_ids"]) for o in got[name])
 
 
-def test_an_urgent_request_preempts_the_less_urgent_requests_holding_the_slot(qwen3_5_short_path, adapters):
+def _joined(chunks: list[dict]) -> dict:
+    """A streamed request's chunks as one output (its tokens and their logprobs)."""
+    out = {**chunks[-1], "output_ids": [t for c in chunks for t in c["output_ids"]]}
+    out["meta_info"] = {**out["meta_info"], "output_token_logprobs": [
+        e for c in chunks for e in c["meta_info"].get("output_token_logprobs", [])]}
+    return out
+
+
+def test_an_urgent_request_preempts_the_less_urgent_requests_holding_the_slot(qwen3_5_short_path, adapters,
+                                                                              monkeypatch):
     """Priority scheduling, one slot: a request of adapter y, more urgent than the running request of adapter x
-    by more than the threshold, retracts it to take the slot, runs, and x's request resumes after it; both give
-    what an engine serving their adapter alone gives."""
+    by more than the threshold, retracts it to take the slot; a second urgent y request, queued after x's began
+    waiting for the slot again, runs beside the first (x's wait holds back no request more urgent than it); x's
+    resumes after them. Each gives what an engine serving its adapter alone gives."""
+    from hyla.engine.scheduler import Scheduler
     prompt = list(range(5, 40))
+    admitted: list[str] = []
+    real_take = Scheduler._take_lora_slot
+
+    def take(self, req):
+        real_take(self, req)
+        admitted.append(req.rid)
+    monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
                 enable_priority_scheduling=True) as engine:
         engine.load_lora_adapter("x", adapters["b"][0])
         engine.load_lora_adapter("y", adapters["a"][0])
-        stream = engine.generate(input_ids=prompt, sampling_params=greedy(300), lora_name="x", stream=True,
-                                 priority=0, return_logprob=True)
-        chunks = [next(stream)]
-        urgent = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y", priority=100,
-                                 return_logprob=True)
-        assert engine.scheduler.num_preemptions >= 1
-        chunks += list(stream)
+
+        def stream(rid: str, name: str, n: int, priority: int):
+            return engine.generate(input_ids=prompt, sampling_params=greedy(n), lora_name=name, stream=True,
+                                   priority=priority, return_logprob=True, rid=rid)
+        x = stream("x", "x", 300, 0)
+        x_chunks = [next(x)]
+        y1 = stream("y1", "y", 60, 100)
+        y1_chunks = [next(y1)]  # (x retracted for it)
+        y2 = engine.generate(input_ids=prompt, sampling_params=greedy(8), lora_name="y", priority=100,
+                             return_logprob=True, rid="y2")
+        y1_chunks += list(y1)
+        x_chunks += list(x)
+        assert admitted == ["x", "y1", "y2", "x"] and engine.scheduler.num_preemptions == 1
         assert_drained(engine)
-    whole = {**chunks[-1], "output_ids": [t for c in chunks for t in c["output_ids"]]}
-    if "output_token_logprobs" in whole["meta_info"]:
-        whole["meta_info"] = {**whole["meta_info"], "output_token_logprobs": [
-            e for c in chunks for e in c["meta_info"]["output_token_logprobs"]]}
     want = _alone(qwen3_5_short_path, {"x": adapters["b"][0], "y": adapters["a"][0]},
-                  {"x": [{"ids": prompt, "max_new": 300}], "y": [{"ids": prompt, "max_new": 8}]})
-    assert compare_outputs([urgent], want["y"]) == 8
-    assert compare_outputs([whole], want["x"]) == 300
+                  {"x": [{"ids": prompt, "max_new": 300}],
+                   "y": [{"ids": prompt, "max_new": 60}, {"ids": prompt, "max_new": 8}]})
+    assert compare_outputs([_joined(y1_chunks), y2], want["y"]) == 68
+    assert compare_outputs([_joined(x_chunks)], want["x"]) == 300
 
 
 @pytest.mark.slow

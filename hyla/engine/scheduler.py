@@ -619,7 +619,8 @@ class Scheduler:
                         break
                     if self._deferred_for_in_batch_prefix(req, batch.reqs):
                         continue
-                    if req.lora_uid and not self._slot_ready(req, batch):
+                    slot_victims = self._slot_ready(req, batch) if req.lora_uid else []
+                    if slot_victims is None:
                         continue  # (its adapter waits for a slot)
                     if len(self.running) >= self.config.max_running_requests and not self._preempt_for(req, batch):
                         break
@@ -627,8 +628,11 @@ class Scheduler:
                         loc, n = self._admit(req, budget, bool(held))
                         while loc is None and n > 0 and self._preempt_for(req, batch, tokens=n):
                             loc, n = self._admit(req, budget, bool(held))
-                        if loc is not None and req.lora_uid:
-                            self._take_lora_slot(req)  # (once it fits: a slot written for nothing would churn)
+                        if loc is not None and req.lora_uid:  # (once it fits: preempted, or written, for nothing else)
+                            for victim in slot_victims:
+                                if victim in self.running:  # (not one retracted for its seat or memory already)
+                                    self.retract(victim, preempted_for=req)
+                            self._take_lora_slot(req)
                     except Exception as exc:  # this request's data broke admission: it alone ends
                         self._refuse(req, exc)
                         continue
@@ -693,23 +697,30 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------
     # LoRA adapters' slots
     # ------------------------------------------------------------------------------------------
-    def _slot_ready(self, req: Req, batch: Batch) -> bool:
+    def _slot_ready(self, req: Req, batch: Batch) -> list[Req] | None:
         """Whether ``req``, applying a LoRA adapter, may take a slot now (``LoRAManager.slot_for``): its adapter
-        is in one, or one is empty, or one holds an adapter no running request applies. Where every slot holds an
-        adapter running requests apply, it waits (with priority scheduling, unless it preempts them:
-        :meth:`_preempt_for_slot`), the first to wait recorded (``slot_waiter``). While it waits, adapter requests
-        queued after it began waiting wait too, whatever order the policy puts them in: admitting them would keep
-        their adapters' slots busy, and a steady stream of one adapter's requests would starve another's. Those
-        queued before (a bounded set) may still take a slot: queued together, each adapter's requests run
-        together, in its turn."""
+        is in one, or one is empty, or one holds an adapter no running request applies (``[]``); with priority
+        scheduling, once the running requests holding one are retracted for it (those: :meth:`_slot_victims`,
+        retracted once ``req`` is admitted); else it waits (None). The waiting request that goes first
+        (``slot_waiter``: the most urgent, then the oldest) is recorded with when waiting began. Adapter requests
+        queued after that wait for it too, unless more urgent than it, whatever order the policy puts them in:
+        admitting them would keep their adapters' slots busy, and a steady stream of one adapter's requests would
+        starve another's. Those queued before (a bounded set) may still take a slot: queued together, each
+        adapter's requests run together, in its turn."""
         waiter = self.slot_waiter
-        if waiter is not None and req is not waiter[0] and req.arrival_time > waiter[1]:
-            return False
-        if self.loras.slot_for(req.lora_uid, self._lora_pinned()) is None and not self._preempt_for_slot(req, batch):
-            if waiter is None:
-                self.slot_waiter = (req, time.monotonic())
-            return False
-        return True
+        if waiter is not None and req is not waiter[0] and req.arrival_time > waiter[1] \
+                and self.rank(req) >= self.rank(waiter[0]):
+            return None
+        if self.loras.slot_for(req.lora_uid, self._lora_pinned()) is not None:
+            return []
+        victims = self._slot_victims(req, batch)
+        if victims:
+            return victims
+        if waiter is None:
+            self.slot_waiter = (req, time.monotonic())
+        elif req is not waiter[0] and (self.rank(req), req.arrival_time) < (self.rank(waiter[0]), waiter[0].arrival_time):
+            self.slot_waiter = (req, waiter[1])  # (it goes first; those queued since the wait began still wait)
+        return None
 
     def _take_lora_slot(self, req: Req) -> None:
         """Give ``req``, admitted, its LoRA adapter's slot (``LoRAManager.acquire``: the adapter written into it
@@ -723,26 +734,22 @@ class Scheduler:
         """The adapters the running requests apply: their slots are not written over."""
         return {r.lora_uid for r in self.running if r.lora_uid}
 
-    def _preempt_for_slot(self, req: Req, batch: Batch) -> bool:
-        """Priority scheduling: free a LoRA slot for ``req`` by retracting every running request applying the
-        adapter in it, where each is less urgent than ``req`` by more than the preemption threshold and none is
-        fed by this step: of such slots, the one whose most urgent request is the least urgent. Returns whether
-        it did."""
+    def _slot_victims(self, req: Req, batch: Batch) -> list[Req]:
+        """Priority scheduling: the running requests to retract to free a LoRA slot for ``req`` — every one
+        applying the adapter in a slot, where each is less urgent than ``req`` by more than the preemption
+        threshold and none is fed by this step; of such slots, the one whose most urgent request is the least
+        urgent, then the one with the fewest. Empty where none may be."""
         if not self.config.priority_scheduling:
-            return False
+            return []
         floor = self.rank(req) + self.config.preemption_threshold
-        best: tuple[tuple, list[Req]] | None = None
+        best: tuple[tuple, int, list[Req]] | None = None
         for uid in self.loras.slot_uids():
             holders = [r for r in self.running if r.lora_uid == uid]
             if holders and all(self.rank(r) > floor and r not in batch.reqs for r in holders):
                 keep = min(map(self.give_way_order, holders))
-                if best is None or keep > best[0]:
-                    best = (keep, holders)
-        if best is None:
-            return False
-        for victim in best[1]:
-            self.retract(victim, preempted_for=req)
-        return True
+                if best is None or (keep, -len(holders)) > best[:2]:
+                    best = (keep, -len(holders), holders)
+        return best[2] if best is not None else []
 
     # ------------------------------------------------------------------------------------------
     # priority scheduling
