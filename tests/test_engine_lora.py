@@ -443,6 +443,20 @@ def test_fused_kernels_and_cuda_graphs_apply_each_rows_adapter(qwen3_5_short_pat
     assert len({tuple(o["output_ids"]) for o in want[:3]}) == 3  # (the adapters matter)
 
 
+def _record_slot_takers(monkeypatch) -> list[str]:
+    """The ids of the requests given a LoRA slot as they are admitted (``Scheduler._take_lora_slot``), in order."""
+    from hyla.engine.scheduler import Scheduler
+
+    admitted: list[str] = []
+    real_take = Scheduler._take_lora_slot
+
+    def take(self, req):
+        real_take(self, req)
+        admitted.append(req.rid)
+    monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
+    return admitted
+
+
 def _alone(path, adapters_by_name: dict, specs_by_name: dict) -> dict[str, list[dict]]:
     """Each adapter's specs served by an engine serving that adapter alone: ``{name: outputs}``."""
     out = {}
@@ -465,15 +479,8 @@ def test_requests_wait_for_a_slot_in_turn_and_a_failed_write_ends_only_its_reque
     import time
 
     from hyla.engine import lora_manager
-    from hyla.engine.scheduler import Scheduler
     prompt = list(range(5, 40))
-    admitted: list[str] = []
-    real_take = Scheduler._take_lora_slot
-
-    def take(self, req):
-        real_take(self, req)
-        admitted.append(req.rid)
-    monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
+    admitted = _record_slot_takers(monkeypatch)
     first = {"names": ["x", "y", None, "x"], "lens": [120, 8, 8, 8]}
     outs: dict[str, list[dict]] = {}
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8) as engine:
@@ -531,15 +538,8 @@ def test_an_urgent_request_preempts_the_less_urgent_requests_holding_the_slot(qw
     by more than the threshold, retracts it to take the slot; a second urgent y request, queued after x's began
     waiting for the slot again, runs beside the first (x's wait holds back no request more urgent than it); x's
     resumes after them. Each gives what an engine serving its adapter alone gives."""
-    from hyla.engine.scheduler import Scheduler
     prompt = list(range(5, 40))
-    admitted: list[str] = []
-    real_take = Scheduler._take_lora_slot
-
-    def take(self, req):
-        real_take(self, req)
-        admitted.append(req.rid)
-    monkeypatch.setattr(Scheduler, "_take_lora_slot", take)
+    admitted = _record_slot_takers(monkeypatch)
     with Engine(str(qwen3_5_short_path), enable_lora=True, max_loras=1, max_cpu_loras=2, max_lora_rank=8,
                 enable_priority_scheduling=True) as engine:
         engine.load_lora_adapter("x", adapters["b"][0])
