@@ -160,6 +160,7 @@ def test_unload_lets_running_requests_finish_and_refuses_new_ones(qwen3_5_short_
         stream = engine.generate(input_ids=list(range(5, 40)), sampling_params=greedy(400), lora_name="a", stream=True)
         chunks = [next(stream)]
         assert engine.get_stats()["num_lora_requests"] == 1 and engine.get_stats()["num_lora_adapters"] == 1
+        assert engine.get_stats()["lora_requests_info"] == {"running": ["a"], "waiting": [], "max_lora": 4}
         made, _ = engine._make_requests(None, [1, 2, 3], greedy(2), False, None, None, None, lora_name="a")
         engine.unload_lora_adapter("a")
         assert engine.lora_adapters() == {} and engine.get_stats()["num_lora_adapters"] == 0
@@ -244,6 +245,7 @@ def test_bad_adapters_and_names_are_refused_and_the_engine_serves_on(tmp_path, q
         with pytest.raises(RequestError, match="enable_lora"):
             plain.generate(input_ids=[1, 2], sampling_params=greedy(2), lora_name="a")
         assert plain.lora_adapters() == {} and plain.get_stats()["num_lora_adapters"] is None
+        assert plain.get_stats()["lora_requests_info"] is None
 
 
 @pytest.mark.parametrize("options, message", [

@@ -428,6 +428,7 @@ def test_real_adapters_load_and_unload(lora_server):
     assert "hyla_num_lora_adapters 2.0" in metrics
     loads = [line for line in metrics.splitlines() if line.startswith("hyla_lora_slot_loads_total ")]
     assert loads and float(loads[0].split()[1]) >= 2
+    assert 'hyla_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     # refusals of the engine: max_cpu_loras (2) loaded, not an adapter directory, a rank too large
     error = _error(_post(srv, "/v1/load_lora_adapter", {"lora_name": "third", "lora_path": str(other)}), 400)
     assert error["code"] == "invalid_lora_adapter"

@@ -821,6 +821,11 @@ class Engine:
             "num_lora_requests": sum(1 for r in [*s.running, *s.waiting] if r.lora_uid)
             if self.loras is not None else None,
             "num_lora_slot_loads": self.loras.num_slot_loads if self.loras is not None else None,
+            # vLLM's lora_requests_info: the adapters running and waiting requests apply (a LoRA-aware router sends
+            # an adapter's requests where it is running already)
+            "lora_requests_info": {"running": self.loras.names(r.lora_uid for r in list(s.running)),
+                                   "waiting": self.loras.names(r.lora_uid for r in list(s.waiting)),
+                                   "max_lora": self.args.max_loras} if self.loras is not None else None,
         }
 
     def record_cache_events(self) -> CacheLedger:

@@ -86,6 +86,11 @@ class LoRAManager:
         with self.lock:
             return uid in self._by_uid and uid not in self.retiring
 
+    def names(self, uids: Iterable[int]) -> list[str]:
+        """The names the adapters ``uids`` were loaded under (retiring ones' too), sorted, each once."""
+        with self.lock:
+            return sorted({self._by_uid[uid].name for uid in uids if uid in self._by_uid})
+
     def adapters(self) -> dict[str, str]:
         """Loaded adapters: name -> path."""
         with self.lock:

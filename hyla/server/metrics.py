@@ -13,6 +13,7 @@ A registry per app (not the global default) lets tests run several servers in on
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -84,6 +85,14 @@ class EngineCollector(Collector):
         for key, name, help_text in ENGINE_GAUGES:
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(f"{PREFIX}_{name}", help_text, value=float(stats[key]))
+        info = stats.get("lora_requests_info")
+        if info is not None:  # (vLLM's vllm:lora_requests_info: its labels, the time of the scrape as its value)
+            gauge = GaugeMetricFamily(f"{PREFIX}_lora_requests_info", "The LoRA adapters running and waiting requests "
+                                      "apply (comma-separated names) and the adapters one batch applies (max_lora); "
+                                      "the value is the time of the scrape (absent without --enable-lora).",
+                                      labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            gauge.add_metric([",".join(info["running"]), ",".join(info["waiting"]), str(info["max_lora"])], time.time())
+            yield gauge
 
 
 class ServerMetrics:
