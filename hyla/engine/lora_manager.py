@@ -153,15 +153,17 @@ class LoRAManager:
         with self.lock:
             self._by_uid.pop(uid)
             self.retiring.discard(uid)
-        if uid in self._slot_uid:
-            self._empty(self._slot_uid.index(uid))
+        slot = self.slot_of(uid)
+        if slot:
+            self._empty(slot)
 
     def slot_for(self, uid: int, pinned: Iterable[int]) -> int | None:
         """The slot :meth:`acquire` would give adapter ``uid``: where it is already, else an empty slot, else the
         least recently used one whose adapter is not ``pinned`` (the running requests' adapters); None when every
         slot holds a pinned adapter. Nothing changes."""
-        if uid in self._slot_uid:
-            return self._slot_uid.index(uid)
+        held = self.slot_of(uid)
+        if held:
+            return held
         pinned = set(pinned) - {0}
         free = [s for s in range(1, self.max_loras + 1) if self._slot_uid[s] not in pinned]  # (0: empty)
         return min(free, key=lambda s: (self._slot_uid[s] != 0, self._slot_used[s], s)) if free else None

@@ -379,30 +379,35 @@ def _low_rank(what: str, spec, parts: dict, rows: list[int], module) -> tuple[to
 def install_(model: HybridForCausalLM, slot: int, adapter: LoRAAdapter) -> None:
     """Write ``adapter``'s weights into slot ``slot`` of ``model``'s projections (each :class:`LinearLoRA` in
     place, in the model's dtype: a weight kept in FP8 too, its projection's output is in the model's dtype)."""
-    loras = check_fits(model, adapter)
-    uninstall_(model, slot)
-    for name, (a, b) in adapter.weights.items():
-        loras[name].write(slot, a, b)
+    check_fits(model, adapter)  # (all checked before any is written)
+    for name, lora in _slots(model):  # (each cleared once: by its write, else emptied)
+        if name in adapter.weights:
+            lora.write(slot, *adapter.weights[name])
+        else:
+            lora.clear(slot)
 
 
-def check_fits(model: HybridForCausalLM, adapter: LoRAAdapter) -> dict[str, LinearLoRA]:
-    """``adapter``'s projections' slots (``{module name: LinearLoRA}``); ``ValueError`` where one has none or
-    slots too narrow for its rank (never, for an adapter ``read_adapter`` read for this model: it and
-    :func:`lora_widths` read the same layouts)."""
-    loras = {name: model.get_submodule(name).lora for name in adapter.weights}
+def check_fits(model: HybridForCausalLM, adapter: LoRAAdapter) -> None:
+    """``ValueError`` where one of ``adapter``'s projections has no slots, or slots too narrow for its rank
+    (never, for an adapter ``read_adapter`` read for this model: it and :func:`lora_widths` read the same
+    layouts)."""
     for name, (a, _) in adapter.weights.items():
-        if loras[name] is None or a.shape[0] > loras[name].width:
+        lora = model.get_submodule(name).lora
+        if lora is None or a.shape[0] > lora.width:
             raise ValueError(f"{adapter.path}: {name} takes no adapter of rank {a.shape[0]} here")
-    return loras
 
 
 def uninstall_(model: HybridForCausalLM, slot: int) -> None:
     """Empty slot ``slot`` of ``model``'s projections."""
+    for _, lora in _slots(model):
+        lora.clear(slot)
+
+
+def _slots(model: HybridForCausalLM) -> list[tuple[str, LinearLoRA]]:
+    """``(module name, its LinearLoRA)`` of every projection of ``model`` that takes adapters."""
     from hyla.model.linear import Linear
 
-    for module in model.modules():
-        if isinstance(module, Linear) and module.lora is not None:
-            module.lora.clear(slot)
+    return [(name, m.lora) for name, m in model.named_modules() if isinstance(m, Linear) and m.lora is not None]
 
 
 def _adapter_config(path: Path) -> tuple[bytes, dict]:

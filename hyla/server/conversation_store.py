@@ -33,7 +33,10 @@ class ConversationStore:
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self._store: LRUStore[Conversation] = LRUStore("ConversationStore", capacity, max_bytes)
-        self.capacity = capacity
+
+    @property
+    def capacity(self) -> int:
+        return self._store.capacity
 
     def put(self, conversation: Conversation) -> None:
         self._store.put(conversation.id, conversation, conversation.size())

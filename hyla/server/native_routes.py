@@ -99,11 +99,19 @@ class NativeRoutes:
             return
         adapters = self.server.lora_adapters()
         for i, job in enumerate(jobs):
-            if job.lora_name is not None and job.lora_name not in adapters:
-                param = f"lora_path.{i}" if isinstance(body.lora_path, list) else "lora_path"
-                loaded = ", ".join(map(repr, sorted(adapters))) or "none"
-                raise APIError(400, f"the LoRA adapter {job.lora_name!r} is not loaded (loaded: {loaded}; "
-                                    "POST /v1/load_lora_adapter loads one)", param=param, code="lora_adapter_not_found")
+            self._check_lora(job.lora_name, f"lora_path.{i}" if isinstance(body.lora_path, list) else "lora_path",
+                             adapters)
+
+    def _check_lora(self, name: str | None, param: str, adapters: dict[str, str] | None = None) -> None:
+        """A 400 naming ``param`` where ``name`` (None: none) is no LoRA adapter loaded (``adapters``: those
+        loaded, where the caller has them)."""
+        if name is None:
+            return
+        adapters = self.server.lora_adapters() if adapters is None else adapters
+        if name not in adapters:
+            loaded = ", ".join(map(repr, sorted(adapters))) or "none"
+            raise APIError(400, f"the LoRA adapter {name!r} is not loaded (loaded: {loaded}; POST "
+                                "/v1/load_lora_adapter loads one)", param=param, code="lora_adapter_not_found")
 
     async def _body_param(self, param: str | None, body: GenerateRequest, jobs: list[Job]) -> str | None:
         """The body's field for a refused request's ``param`` (``api_param``'s, for the engine's
@@ -181,10 +189,7 @@ class NativeRoutes:
         with its length in ``X-Prefix-Tokens``; a 404 (``prefix_not_cached``) where nothing is cached.
         For another server of the same model: ``/import_prefix``."""
         engine = self.server.admit()
-        if body.lora_path is not None and body.lora_path not in self.server.lora_adapters():
-            loaded = ", ".join(map(repr, sorted(self.server.lora_adapters()))) or "none"
-            raise APIError(400, f"the LoRA adapter {body.lora_path!r} is not loaded (loaded: {loaded})",
-                           param="lora_path", code="lora_adapter_not_found")
+        self._check_lora(body.lora_path, "lora_path")
         ids = body.input_ids
         if body.text is not None:
             if engine.tokenizer is None:

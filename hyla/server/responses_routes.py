@@ -110,13 +110,20 @@ class ResponseStore:
 
     def __init__(self, capacity: int = DEFAULT_STORED_RESPONSES, max_bytes: int = DEFAULT_STORED_RESPONSE_BYTES):
         self._store: LRUStore[StoredResponse] = LRUStore("ResponseStore", capacity, max_bytes)
-        self.capacity, self.max_bytes = capacity, max_bytes
         self._output_items: dict[str, dict[str, Any]] = {}  # output item id -> the item, of a response held
 
     @property
     def bytes(self) -> int:
         """The ``stored_size`` of the responses held."""
         return self._store.bytes
+
+    @property
+    def capacity(self) -> int:
+        return self._store.capacity
+
+    @property
+    def max_bytes(self) -> int:
+        return self._store.max_bytes
 
     def put(self, stored: StoredResponse, size: int | None = None) -> None:
         """Store ``stored`` (``size``: its ``stored_size``, where the caller measured it already)."""

@@ -34,16 +34,22 @@ BLOCK_N = 128  # outputs per expand program
 BLOCK_J = 16  # rank columns per step of an expand program's loop
 
 
+@triton.jit
+def _row_slot(slot_ptr, slot_stride, rank_ptr, W: tl.constexpr):
+    """This program's row, its adapter's rank in this projection (0 for the base model's slot 0: every load
+    masked off) and the first column of its slot (``LinearLoRA``'s layout: slot ``k`` at ``(k - 1) W``)."""
+    row = tl.program_id(0)
+    slot = tl.load(slot_ptr + row * slot_stride)
+    return row, tl.load(rank_ptr + slot), (tl.maximum(slot, 1) - 1) * W
+
+
 @triton.jit(do_not_specialize=["T"])
 def _shrink_kernel(x_ptr, at_ptr, slot_ptr, slot_stride, rank_ptr, xa_ptr, T, K, x_stride, at_stride,
                    W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)
+    row, rank, first = _row_slot(slot_ptr, slot_stride, rank_ptr, W)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    slot = tl.load(slot_ptr + row * slot_stride)
-    rank = tl.load(rank_ptr + slot)  # 0 for the base model (slot 0): every load below masked off
     live = cols < rank
-    first = (tl.maximum(slot, 1) - 1) * W
     acc = tl.zeros([BLOCK_W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -59,12 +65,9 @@ def _shrink_kernel(x_ptr, at_ptr, slot_ptr, slot_stride, rank_ptr, xa_ptr, T, K,
 def _expand_kernel(xa_ptr, bt_ptr, slot_ptr, slot_stride, rank_ptr, y_ptr, T, N, y_stride, bt_stride,
                    W: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
     pdl.wait(PDL)  # (pdl.py)
-    row = tl.program_id(0)
+    row, rank, first = _row_slot(slot_ptr, slot_stride, rank_ptr, W)
     ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     nin = ns < N
-    slot = tl.load(slot_ptr + row * slot_stride)
-    rank = tl.load(rank_ptr + slot)
-    first = (tl.maximum(slot, 1) - 1) * W
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j0 in range(0, W, BLOCK_J):  # (a loop of W / BLOCK_J steps: rows past the rank are masked off)
         js = j0 + tl.arange(0, BLOCK_J)
