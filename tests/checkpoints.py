@@ -347,6 +347,44 @@ def make_qwen3_5(tmp_dir: str | Path, seed: int = 0, mtp: bool = False, **overri
     return _build("qwen3_5", tmp_dir, seed, {**QWEN3_5_KW, **overrides}, mtp)
 
 
+# A tiny Qwen3.5 vision-language checkpoint (``Qwen3_5ForConditionalGeneration``): QWEN3_5_KW's text model (its
+# RoPE's 8 frequencies split 3/3/2 over time, height and width) and a 2-block vision tower of 8-pixel patches; the
+# image tokens are ids of the text vocabulary's end
+QWEN3_5_VL_TOKENS: dict[str, int] = dict(
+    vision_start_token_id=2040, vision_end_token_id=2041, image_token_id=2042, video_token_id=2043)
+QWEN3_5_VL_VISION_KW: dict[str, Any] = dict(
+    depth=2, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=QWEN3_5_KW["hidden_size"],
+    patch_size=8, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=64,
+    hidden_act="gelu_pytorch_tanh")
+
+
+def make_qwen3_5_vl(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Tiny ``Qwen3_5ForConditionalGeneration`` (``QWEN3_5_VL_*``; ``overrides`` go to the text config), saved
+    as transformers saves it (``model.language_model.*``, ``model.visual.*``), with a
+    ``preprocessor_config.json`` for its 8-pixel patches (images of 16 x 16 to 64 x 64 pixels after resizing)."""
+    text = {**QWEN3_5_KW, "rope_parameters": {**QWEN3_5_KW["rope_parameters"], "mrope_section": [3, 3, 2],
+                                              "mrope_interleaved": True}, **overrides}
+    kw = {"text": text, "vision": QWEN3_5_VL_VISION_KW, **QWEN3_5_VL_TOKENS}
+    out = _checkpoint_dir(tmp_dir, "qwen3_5_vl", seed, kw)
+    if (out / "config.json").is_file():
+        return out
+    import transformers  # test-only dependency
+
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VL_VISION_KW,
+                                        tie_word_embeddings=False, **QWEN3_5_VL_TOKENS)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    perturb_constants(model)
+    tmp = out.with_name(out.name + ".partial")
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "patch_size": 8, "temporal_patch_size": 2, "merge_size": 2,
+        "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}, indent=2))
+    tmp.rename(out)
+    return out
+
+
 def make_qwen3_5_moe(tmp_dir: str | Path, seed: int = 0, mtp: bool = False, **overrides: Any) -> Path:
     """Tiny ``Qwen3_5MoeForCausalLM`` (8 layers, 2 attention; MoE of 8 experts, top-2, + shared expert
     in each), saved as transformers writes it (per-expert tensors)."""

@@ -236,6 +236,7 @@ qwen3_next_moe_one_layer_path = _tiny_checkpoint("qwen3_next_moe_one_layer_path"
                                                  num_hidden_layers=1, layer_types=["full_attention"])
 qwen3_5_path = _tiny_checkpoint("qwen3_5_path", checkpoints.make_qwen3_5)
 qwen3_5_moe_path = _tiny_checkpoint("qwen3_5_moe_path", checkpoints.make_qwen3_5_moe)
+qwen3_5_vl_path = _tiny_checkpoint("qwen3_5_vl_path", checkpoints.make_qwen3_5_vl)  # with a vision tower
 nemotron_h_path = _tiny_checkpoint("nemotron_h_path", checkpoints.make_nemotron_h)
 falcon_h1_path = _tiny_checkpoint("falcon_h1_path", checkpoints.make_falcon_h1)
 bamba_path = _tiny_checkpoint("bamba_path", checkpoints.make_bamba)

@@ -107,6 +107,33 @@ def test_qwen3_5_vision_language_layout_and_mtp(qwen3_5_path, tmp_path):
     assert torch.equal(prefill_logits(model, IDS), prefill_logits(load_model(qwen3_5_path), IDS))
 
 
+def test_qwen3_5_vision_tower_equals_transformers(qwen3_5_vl_path, tmp_path):
+    """A checkpoint with a vision_config builds the vision tower from model.visual.*: its embeddings of
+    images of several grids (two frames in one) equal transformers' Qwen3_5VisionModel's; a missing tower
+    tensor is named, and a tower whose output is not the text model's width is refused."""
+    model = load_model(qwen3_5_vl_path)
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(qwen3_5_vl_path, dtype=torch.float32).eval()
+    grids = [(1, 4, 6), (2, 2, 2), (1, 8, 4)]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * 8 * 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf.model.visual(pixels, grid_thw=torch.tensor(grids)).pooler_output
+    out = model.visual(pixels, grids)
+    assert out.shape == (sum(t * h * w for t, h, w in grids) // 4, 256)
+    assert (out - ref).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="must be"):
+        model.visual(pixels[:-1], grids)
+
+    name = "model.visual.blocks.1.attn.qkv.bias"
+    bad = rewrite(qwen3_5_vl_path, tmp_path / "bad", edit_tensors=lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(ValueError, match="lacks") as err:
+        load_model(bad)
+    assert name.removeprefix("model.") in str(err.value)  # (named as the loader normalises it)
+    wide = rewrite(qwen3_5_vl_path, tmp_path / "wide",
+                   edit_config=lambda c: {**c, "vision_config": {**c["vision_config"], "out_hidden_size": 128}})
+    with pytest.raises(ValueError, match="out_hidden_size"):
+        load_model(wide)
+
+
 def test_tied_embeddings_share_storage_and_match_hf(tiny_ckpt_dir):
     path = make_qwen3_5(tiny_ckpt_dir, tie_word_embeddings=True)
     assert "lm_head.weight" not in load_file(path / "model.safetensors")
@@ -357,7 +384,7 @@ def test_qwen3_5_moe_reads_the_published_fused_layout_and_the_per_expert_one(qwe
     def to_vl(cfg: dict) -> dict:
         text = {k: v for k, v in cfg.items() if k not in ("architectures", "tie_word_embeddings")}
         return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-                "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 1},
+                "text_config": {**text, "model_type": "qwen3_5_moe_text"},  # (no vision_config: the text model alone)
                 "tie_word_embeddings": cfg["tie_word_embeddings"]}
 
     published = rewrite(qwen3_5_moe_path, tmp_path / "published",

@@ -143,7 +143,7 @@ class CacheManager:
 
     def _dropped(self, req: Req, position: int, what: str) -> None:
         if self.ledger is not None:
-            self.ledger.dropped(req.fill_ids, position, what, req.namespace)
+            self.ledger.dropped(req.fill_keys, position, what, req.namespace)
 
     # ------------------------------------------------------------------------------------------
     # admission
@@ -193,7 +193,7 @@ class CacheManager:
         """The current hit for ``req`` without locking anything (for ordering the queue)."""
         if self.tree is None:
             return None
-        return self.tree.match_prefix(req.fill_ids[:self._match_limit(req)], namespace=req.namespace)
+        return self.tree.match_prefix(req.fill_keys[:self._match_limit(req)], namespace=req.namespace)
 
     def cached_len(self, req: Req, hit: MatchResult | None) -> int:
         """The prefix ``req`` would find cached, given its device ``hit`` (``peek``): the longer of
@@ -202,7 +202,7 @@ class CacheManager:
         device = hit.prefix_len if hit is not None else 0
         if self.host is None:
             return device
-        return max(device, self.host.tree.usable_len(req.fill_ids[:self._match_limit(req)], req.namespace))
+        return max(device, self.host.tree.usable_len(req.fill_keys[:self._match_limit(req)], req.namespace))
 
     @staticmethod
     def _match_limit(req: Req) -> int:
@@ -222,7 +222,7 @@ class CacheManager:
             self.tree.inc_lock_ref(hit.last_node)
             if hit.prefix_len and self.checkpoints:
                 self.tree.inc_state_lock(hit.last_node)
-            req.branch_point = self.tree.branch_point(req.fill_ids, namespace=req.namespace)
+            req.branch_point = self.tree.branch_point(req.fill_keys, namespace=req.namespace)
         return hit
 
     def admit(self, req: Req, hit: MatchResult | None, n: int, kv_reserve: int = 0) -> torch.Tensor | None:
@@ -260,7 +260,7 @@ class CacheManager:
         req.last_node = hit.last_node if hit is not None else None
         req.cache_protected_len = prefix_len
         if self.ledger is not None:
-            self.ledger.admitted(req.rid, req.fill_ids, prefix_len, hit.kv_only_len if hit is not None else 0,
+            self.ledger.admitted(req.rid, req.fill_keys, prefix_len, hit.kv_only_len if hit is not None else 0,
                                  req.namespace)
         return self.allocate([req], [n])
 
@@ -270,7 +270,7 @@ class CacheManager:
         into fresh device slots (evicting unlocked device entries for them, as an admission does) and
         insert them into the device tree; returns the device's hit then. Where the device cannot
         make the room, the host's prefix is not used."""
-        tokens = req.fill_ids[:self._match_limit(req)]
+        tokens = req.fill_keys[:self._match_limit(req)]
         host_hit = self.host.match(tokens, req.namespace)
         if host_hit is None:
             return hit
@@ -663,7 +663,7 @@ class CacheManager:
     def _insert_and_relock(self, req: Req, end: int, ckpts: list[tuple[int, int]]) -> None:
         row = req.req_pool_idx
         kv = self.req_to_token.read(row, 0, end)
-        res = self.tree.insert(req.fill_ids[:end], kv, checkpoints=ckpts, namespace=req.namespace)
+        res = self.tree.insert(req.fill_keys[:end], kv, checkpoints=ckpts, namespace=req.namespace)
         # the tree may have freed our duplicates: point the row at the tree's canonical slots
         self.req_to_token.write(row, 0, res.kv_indices)
         self.tree.inc_lock_ref(res.last_node)

@@ -45,6 +45,7 @@ from hyla.engine.grammar import GRAMMAR_KINDS, Grammars
 from hyla.engine.lora_manager import Loaded, LoRAManager, check_lora_name, lora_namespace
 from hyla.engine.cpu_process import keep_freed_memory, run_in_own_thread, set_cpu_threads
 from hyla.engine.model_runner import ModelRunner
+from hyla.engine.multimodal import expand_images
 from hyla.engine.mtp_drafter import MtpDrafter
 from hyla.engine.output_processor import OutputProcessor, internal_error
 from hyla.engine.request import Req, ReqStatus
@@ -56,6 +57,7 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
+from hyla.model.image_processing import ImageProcessorConfig, load_image, process_image
 from hyla.model.loader import read_quantization
 from hyla.model.lora import enable_lora_, lora_widths, read_adapter
 from hyla.model.ops import gpu as gpu_ops
@@ -137,6 +139,11 @@ class Engine:
         self.model = load_model(path, dtype=self.args.dtype, device=self.args.device, keep_fp8=self.keeps_fp8,
                                 quantize_fp8=self.args.quantization == "fp8", mtp=mtp)
         self.model_config = self.model.config
+        # a vision-language model's image preprocessing (its checkpoint's preprocessor_config.json); None: no images
+        vision = self.model_config.vision
+        self.image_processor = None if vision is None else ImageProcessorConfig.from_dir(
+            path, patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+            merge_size=vision.spatial_merge_size)
         # speculative_algorithm="mtp": the checkpoint's MTP head (ValueError when it has none), holding its
         # weights alone
         self.mtp_head = MtpHead.from_model(self.model, take=True) if mtp else None
@@ -422,7 +429,8 @@ class Engine:
                  stream: bool = False, checkpoints: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  rid: str | list[str] | None = None, namespace: Any = None,
                  logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
-                 priority: int | list[int] | None = None, lora_name: str | list[str | None] | None = None) -> Any:
+                 priority: int | list[int] | None = None, lora_name: str | list[str | None] | None = None,
+                 image_data: Any = None) -> Any:
         """Generate for one request (returns a dict) or a list (returns a list of dicts).
 
         ``checkpoints``: extra token positions of the prompt (e.g. the end of a shared system
@@ -440,12 +448,19 @@ class Engine:
         of a much lower one (docs/engine.md, "Priority scheduling").
         ``lora_name`` (a name, or one per request; with ``enable_lora``): the LoRA adapter loaded under that
         name (:meth:`load_lora_adapter`) applies to the request; None, the base model.
+        ``image_data`` (a vision-language model's): the prompt's images in order, each an encoded file's
+        bytes, a data URL, a local file's path or a PIL image (``image_processing.load_image``); one request's
+        list (or a single image), or one list per request. The prompt holds one image token (the chat
+        template's ``<|image_pad|>``) where each goes; the engine repeats it to the image's token count
+        (``prompt_tokens`` counts them all). ``checkpoints`` and ``logprob_start_len`` count the prompt's
+        tokens as given: the engine moves them past the images before them.
         ``stream=True`` (one request) returns an iterator of incremental chunks (``RequestStream``):
         closing it, or dropping it before the request ends, aborts the request. A call interrupted
         while it waits (``KeyboardInterrupt``) aborts its requests too.
         """
         reqs, single = self._make_requests(prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
-                                           logprob_start_len, speculative_checkpoints, priority, stream, lora_name)
+                                           logprob_start_len, speculative_checkpoints, priority, stream, lora_name,
+                                           image_data=image_data)
         if stream:
             if not single:
                 raise RequestError("stream=True takes a single request", "stream")
@@ -469,15 +484,17 @@ class Engine:
                              rid: str | list[str] | None = None, namespace: Any = None,
                              logprob_start_len: int | list[int] = -1, speculative_checkpoints: bool = False,
                              priority: int | list[int] | None = None,
-                             lora_name: str | list[str | None] | None = None) -> Any:
+                             lora_name: str | list[str | None] | None = None, image_data: Any = None) -> Any:
         """asyncio variant of ``generate``; with ``stream=True`` returns an async iterator. A request
         with a grammar, long prompts or long lists in its sampling params (``WORKER_THREAD_PROMPT_SIZE``:
-        stop token ids, logit biases) are made in a worker thread: compiling a grammar can take seconds
-        (a large schema), tokenizing megabytes of text too, checking millions of ids half a second, and
-        the event loop must not wait for any of them."""
+        stop token ids, logit biases) and one with images are made in a worker thread: compiling a grammar can
+        take seconds (a large schema), tokenizing megabytes of text too, checking millions of ids half a second,
+        decoding and resizing an image tens of milliseconds, and the event loop must not wait for any of them."""
         make = functools.partial(self._make_requests, prompt, input_ids, sampling_params, return_logprob, checkpoints,
-                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream, lora_name)
-        slow = _asks_for_grammar(sampling_params) or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE \
+                                 rid, namespace, logprob_start_len, speculative_checkpoints, priority, stream, lora_name,
+                                 image_data=image_data)
+        slow = _asks_for_grammar(sampling_params) or image_data is not None \
+            or _prompt_size(prompt, input_ids) > WORKER_THREAD_PROMPT_SIZE \
             or _params_size(sampling_params) > WORKER_THREAD_PROMPT_SIZE
         reqs, single = await asyncio.to_thread(make) if slow else make()
         if stream:
@@ -872,7 +889,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def _make_requests(self, prompt, input_ids, sampling_params, return_logprob, checkpoints, rid, namespace,
                        logprob_start_len=-1, speculative_checkpoints=False, priority=None, stream=False,
-                       lora_name=None, counting_rids=True):
+                       lora_name=None, counting_rids=True, image_data=None):
         for name, flag in (("speculative_checkpoints", speculative_checkpoints), ("return_logprob", return_logprob),
                            ("stream", stream)):
             if not isinstance(flag, bool):
@@ -917,15 +934,49 @@ class Engine:
             raise RequestError(f"{len(starts)} logprob_start_len values for {n} requests", "logprob_start_len")
         priorities = self._priorities(priority, n)
         loras = self._loras(lora_name, n)
+        images = self._image_lists(image_data, n, single)
         if not counting_rids:  # (``check_requests``: requests never submitted take no id from the counter)
             rids = [r if r is not None else "unsubmitted" for r in rids]
-        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints)
-                for ids, p, c, r, k in zip(id_lists, params, ckpts, rids, starts)]
+        reqs = [self._make_request(ids, p, return_logprob, c, r, namespace, k, speculative_checkpoints, i)
+                for ids, p, c, r, k, i in zip(id_lists, params, ckpts, rids, starts, images)]
         for req, prio, lora in zip(reqs, priorities, loras):
             req.priority = prio
             if lora is not None:
                 req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)  # (its slot: at admission)
         return reqs, single
+
+    def _image_lists(self, image_data: Any, n: int, single: bool) -> list[list[Any] | None]:
+        """``image_data`` (None; one request's image or list of images; or one list per request) as each
+        request's list of images (None: none). ``RequestError`` for a model without a vision tower."""
+        if image_data is None:
+            return [None] * n
+        if self.image_processor is None:
+            raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
+                               "images (a vision-language checkpoint with a vision_config does)", "image_data")
+        if single:
+            return [list(image_data) if isinstance(image_data, (list, tuple)) else [image_data]]
+        if not isinstance(image_data, (list, tuple)) or len(image_data) != n:
+            raise RequestError(f"image_data: give one list of images per request ({n})", "image_data")
+        return [None if x is None else list(x) if isinstance(x, (list, tuple)) else [x] for x in image_data]
+
+    def _expand_images(self, ids: list[int], sources: list[Any]) -> tuple[list[int], Any, Callable[[Any], Any]]:
+        """The prompt ``ids`` with its images' tokens (``multimodal.expand_images``: each image loaded and
+        preprocessed here), their :class:`PromptImages`, and how a position of ``ids`` moves (past the
+        images before it; anything but an int as it is). ``RequestError`` for an image that cannot be read
+        or a prompt whose placeholders do not match."""
+        try:
+            processed = [process_image(load_image(src), self.image_processor) for src in sources]
+            expanded, images = expand_images(ids, processed, self.model_config.vision)
+        except ValueError as exc:
+            raise RequestError(f"image_data: {exc}", "image_data") from None
+        marks = [i for i, t in enumerate(ids) if t == self.model_config.vision.image_token_id]
+
+        def moved(c: Any) -> Any:
+            if isinstance(c, bool) or not isinstance(c, int):
+                return c
+            return c + sum(item.num_tokens - 1 for mark, item in zip(marks, images.items) if mark < c)
+
+        return expanded, images, moved
 
     def _loras(self, lora_name: Any, n: int) -> list[Loaded | None]:
         """``lora_name`` (None, a name, or one per request) as the adapter loaded under each name (or None)."""
@@ -958,7 +1009,7 @@ class Engine:
 
     def _make_request(self, ids: list[int], params: Any, return_logprob: bool, checkpoints: tuple,
                       rid: str | None, namespace: Any, logprob_start_len: int = -1,
-                      speculative_checkpoints: bool = False) -> Req:
+                      speculative_checkpoints: bool = False, image_sources: list[Any] | None = None) -> Req:
         if self.sampling_defaults and (params is None or isinstance(params, dict)):
             params = {**self.sampling_defaults, **(params or {})}
         sp = SamplingParams.from_dict(params)
@@ -972,6 +1023,14 @@ class Engine:
         # anything else (bools, int subclasses, floats, numpy scalars) gets the per-token check
         if not (set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < vocab):
             ids = [_token_id(t, vocab) for t in ids]
+        images = None
+        if image_sources:  # (the prompt's ids checked above: the expansion adds only the image token)
+            ids, images, moved = self._expand_images(ids, image_sources)
+            checkpoints = tuple(moved(c) for c in checkpoints)
+            logprob_start_len = moved(logprob_start_len)
+            if len(ids) >= self.context_length:
+                raise RequestError(f"the prompt has {len(ids)} tokens with its images' tokens; the context length is "
+                                   f"{self.context_length}", "image_data")
         for name, given in (("logit_bias", sp.logit_bias), ("stop_token_ids", sp.stop_token_ids)):
             if given and max(given) >= vocab:
                 raise RequestError(f"{name}: token id {max(given)} is outside the vocabulary [0, {vocab})", name)
@@ -1003,7 +1062,7 @@ class Engine:
             raise RequestError("logprob_start_len asks for prompt logprobs: set return_logprob too", "logprob_start_len")
         return Req(rid=rid, input_ids=list(ids), sampling=sp, checkpoints=checkpoints,
                    speculative_checkpoints=speculative_checkpoints, namespace=namespace, return_logprob=return_logprob,
-                   logprob_start_len=logprob_start_len, generator=gen, grammar=grammar)
+                   logprob_start_len=logprob_start_len, generator=gen, grammar=grammar, images=images)
 
     @property
     def cache_id(self) -> str:
@@ -1201,7 +1260,8 @@ class Engine:
 
 
 _CHECKED_ARGUMENTS = frozenset(("prompt", "input_ids", "sampling_params", "return_logprob", "checkpoints", "rid",
-                                "namespace", "logprob_start_len", "speculative_checkpoints", "priority", "lora_name"))
+                                "namespace", "logprob_start_len", "speculative_checkpoints", "priority", "lora_name",
+                                "image_data"))
 """``Engine.check_requests``' keys: ``generate``'s keyword arguments, ``stream`` aside."""
 
 

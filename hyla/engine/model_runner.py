@@ -237,17 +237,24 @@ class ModelRunner:
         On a fused runner (``fused_extend_max_tokens``), an extend that asks for last logits only,
         of up to ``EXTEND_MAX_SEQS`` sequences, each of up to that many tokens, runs as fused extends,
         one per sequence (:meth:`_forward_extends_fused`)."""
+        starts = [r.kv_len for r in reqs]
+        images = [r.images is not None and r.images.touches_image(s, s + n) for r, s, n in zip(reqs, starts, extend_lens)]
         if self.extend_inputs is not None and 1 <= len(reqs) <= EXTEND_MAX_SEQS and tree_parents is None \
-                and not all_logits and logit_rows is None and not return_hidden \
+                and not all_logits and logit_rows is None and not return_hidden and not any(images) \
                 and all(1 <= n <= self._extend_buckets[-1] for n in extend_lens) \
                 and all(r.state_slot >= 0 for r in reqs) and _checkpoints_fit(ckpts, len(reqs)):
             return self._forward_extends_fused(reqs, extend_lens, out_cache_loc, ckpts)
         ids: list[int] = []
         pos: list[int] = []
-        starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(fed_positions(start, n, None if tree_parents is None else tree_parents[i]))
+            if not images[i]:
+                pos.extend(rope_positions(r, start, n, None if tree_parents is None else tree_parents[i]))
+            elif tree_parents is not None:
+                raise ValueError(f"request {r.rid}: a token tree feeds no image token")
+            else:
+                pos.extend(r.images.rope_positions(start, n)[0].tolist())
+        mm = self._image_inputs(reqs, starts, extend_lens, images, pos) if any(images) else {}
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table = None
         if tree_parents is not None or max(extend_lens, default=0) <= SHORT_EXTEND:
@@ -269,7 +276,7 @@ class ModelRunner:
             ckpt_seq=t[5], ckpt_len=t[6], ckpt_slot=t[7],
             state_slot_list=slots, ckpt_list=list(ckpts), max_token_id=max(ids, default=-1), tree_parents=tree_parents,
             return_hidden=return_hidden, kv_table=t[10] if extra else None,
-            lora=LoRABatch.of(self._lora_slots(reqs), extend_lens, self.device),
+            lora=LoRABatch.of(self._lora_slots(reqs), extend_lens, self.device), **mm,
         )
         if all_logits:
             batch.logits_indices = torch.arange(len(ids), dtype=torch.long, device=self.device)
@@ -277,6 +284,27 @@ class ModelRunner:
             rows = [cu[i] + o for i, offs in enumerate(logit_rows) for o in offs]
             batch.logits_indices = torch.tensor(rows, dtype=torch.long).to(self.device)
         return self.model.forward(batch)
+
+    def _image_inputs(self, reqs: list[Req], starts: list[int], extend_lens: list[int], images: list[bool],
+                      pos: list[int]) -> dict[str, torch.Tensor]:
+        """An extend's image rows (``ForwardBatch.mm_rows`` / ``mm_embeds``, the vision tower run for the
+        images not embedded yet) and its multimodal positions (``mrope_positions``; ``pos``: every fed
+        token's, the time axis of an image's), for the requests whose tokens touch an image (``images``)."""
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        columns: list[torch.Tensor] = []
+        first = 0
+        for r, start, n, touches in zip(reqs, starts, extend_lens, images):
+            if touches:
+                offsets, part = r.images.embeddings(start, start + n, self.model.visual)
+                rows.extend(first + o for o in offsets)
+                embeds.append(part)
+                columns.append(r.images.rope_positions(start, n))
+            else:
+                columns.append(torch.tensor(pos[first:first + n], dtype=torch.long).expand(3, n))
+            first += n
+        rows_t, mrope = self._to_device(torch.tensor(rows, dtype=torch.long), torch.cat(columns, dim=1))
+        return {"mm_rows": rows_t, "mm_embeds": torch.cat(embeds).to(self.device), "mrope_positions": mrope}
 
     @torch.inference_mode()
     def forward_decode(self, reqs: list[Req], out_cache_loc: torch.Tensor, return_hidden: bool = False,
@@ -286,10 +314,11 @@ class ModelRunner:
         built with ``return_hidden``). ``input_ids [B]``: those tokens as drawn on the device, not
         yet in ``output_ids`` (the overlap schedule); the fused step reads them there, the PyTorch
         decode reads them back."""
-        pos = [r.kv_len for r in reqs]
+        pos = [r.kv_len + r.rope_delta for r in reqs]  # (a prompt's images shift the positions after them)
         ids = [_token_at(r, r.kv_len) for r in reqs] if input_ids is None else None
         return self._decode(ids, pos, [r.state_slot for r in reqs], [r.req_pool_idx for r in reqs],
-                            [p + 1 for p in pos], out_cache_loc, return_hidden, input_ids, self._lora_slots(reqs))
+                            [r.kv_len + 1 for r in reqs], out_cache_loc, return_hidden, input_ids,
+                            self._lora_slots(reqs))
 
     @torch.inference_mode()
     def forward_decode_rows(self, ids: list[int], positions: list[int], state_slots: list[int], req_rows: list[int],
@@ -356,7 +385,7 @@ class ModelRunner:
         starts = [r.kv_len for r in reqs]
         for i, (r, start, n) in enumerate(zip(reqs, starts, extend_lens)):
             ids.extend(r.tokens(start, start + n))
-            pos.extend(fed_positions(start, n, None if tree_parents is None else tree_parents[i]))
+            pos.extend(rope_positions(r, start, n, None if tree_parents is None else tree_parents[i]))
         seq_lens = [p + n for p, n in zip(starts, extend_lens)]
         table, kv_indices = self._kv_table(reqs, seq_lens)
         slots = [r.state_slot for r in reqs]
@@ -433,7 +462,7 @@ class ModelRunner:
             for j in range(w):
                 k = min(j, n - 1)
                 ids.append(tokens[k])
-                pos.append(start + k)
+                pos.append(start + k + r.rope_delta)
                 kv_lens.append(start + k + 1)
                 rows.append(r.req_pool_idx)
             fed.extend(range(i * w, i * w + n))
@@ -507,7 +536,8 @@ class ModelRunner:
         self.req_to_token.sync_mirror()  # the sequence's slots, the new tokens' included, read by attention
         inputs = self.extend_inputs
         lora_slot = req.lora_slot if self.serves_lora else 0
-        inputs.fill(ids, range(start, start + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
+        shift = 0 if req.images is None else req.images.shift(start)  # (no image token here: forward_extend)
+        inputs.fill(ids, range(start + shift, start + shift + n), out_cache_loc, bucket, req.state_slot, req.req_pool_idx, marks,
                     lora_slot)
         graphs = self.extend_graphs if not lora_slot else self.lora_extend_graphs
         if graphs is not None:
@@ -792,6 +822,12 @@ def _token_at(req: Req, i: int) -> int:
     """``req.fill_ids[i]`` without building the prompt + output list."""
     n = len(req.input_ids)
     return req.input_ids[i] if i < n else req.output_ids[i - n]
+
+
+def rope_positions(req: Req, start: int, n: int, parents: list[int] | None) -> range | list[int]:
+    """:func:`fed_positions` of ``req``'s tokens from ``start``, where a prompt's images shift them (no
+    image token among them: ``multimodal.PromptImages.shift``)."""
+    return fed_positions(start + (0 if req.images is None else req.images.shift(start)), n, parents)
 
 
 def fed_positions(start: int, n: int, parents: list[int] | None) -> range | list[int]:

@@ -70,6 +70,7 @@ class Req:
     namespace: Hashable | None = None  # cache salt (with a LoRA adapter's digest): different namespaces never share
     lora_uid: int = 0  # the LoRA adapter it applies (LoRAManager's uid of one load; 0: none, the base model)
     lora_slot: int = 0  # that adapter's slot in the projections (lora.LinearLoRA; 0: none)
+    images: Any = None  # a vision-language prompt's images (multimodal.PromptImages; input_ids already expanded)
     return_logprob: bool = False
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position (-1: none)
     # priority scheduling (SchedulerConfig.priority_scheduling): which waiting request goes first, which
@@ -156,6 +157,18 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
+
+    @property
+    def fill_keys(self) -> list[int]:
+        """``fill_ids`` as the prefix cache keys them: each image's tokens its own id (``multimodal.py``)."""
+        if self.images is None:
+            return self.fill_ids
+        return self.images.key_ids(self.input_ids) + self.output_ids
+
+    @property
+    def rope_delta(self) -> int:
+        """Where a token after the prompt sits for RoPE: its index + this (after a prompt's images; else 0)."""
+        return 0 if self.images is None else self.images.rope_delta
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Positions ``[start, end)`` of ``fill_ids`` followed by ``draft_ids`` (what a step feeds)."""

@@ -851,8 +851,8 @@ class Scheduler:
         it would let one tenant's prompts delay another's (a timing signal across cache salts)."""
         if self.cache.tree is None or self.config.schedule_policy != "lpm" or not admitted:
             return False
-        fill, ns = req.fill_ids, namespace_key(req.namespace)
-        shared = max((_common_prefix_len(fill, other.fill_ids) for other in admitted
+        fill, ns = req.fill_keys, namespace_key(req.namespace)
+        shared = max((_common_prefix_len(fill, other.fill_keys) for other in admitted
                       if namespace_key(other.namespace) == ns), default=0)
         if shared < IN_BATCH_PREFIX_THRESHOLD:
             return False

@@ -39,6 +39,7 @@ import torch
 
 from hyla.cache.layout import CacheLayout
 from hyla.model.flops import FlopCount, flops_per_token, prefill_flops
+from hyla.model.vision import VisionConfig
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -226,6 +227,10 @@ class ModelConfig:
     shared_blocks: int = 0
     shared_adapter_rank: int = 0
     shared_attention_adapters: bool = False
+
+    # --- a vision tower (Qwen3.5 vision-language checkpoints; hyla/model/vision.py) -------------------
+    # None: the text model alone (a text-only checkpoint, or a vision-language one's config without vision_config)
+    vision: VisionConfig | None = None
 
     # --- multi-token prediction (Qwen3-Next / Qwen3.5 ``mtp.*`` tensors; hyla/model/mtp.py) ------------
     mtp_num_hidden_layers: int = 0  # config.json's mtp_num_hidden_layers (0: not given)

@@ -152,6 +152,17 @@ class ForwardBatch:
     """LoRA adapters (``hyla/model/lora.py``): the step's token rows grouped by the adapter they apply,
     built once per step by the runner; None where no row has one (the base model's rows only)."""
 
+    # --- images (a vision-language model: hyla/model/vision.py) -------------------------------
+    mm_rows: torch.Tensor | None = None
+    """[K] int64 rows of the packed tokens (image placeholders) whose input embedding is ``mm_embeds``'
+    rows instead of their token's; None: none (every row embeds its token)."""
+    mm_embeds: torch.Tensor | None = None
+    """[K, hidden]: those rows' embeddings (the vision tower's output), in the model dtype."""
+    mrope_positions: torch.Tensor | None = None
+    """[3, T] int64: each token's (time, height, width) positions for the multimodal RoPE, where a
+    token of this step is an image's (``positions`` is then the time row); None: ``positions``
+    for all three. Such a step runs attention's PyTorch path (the tables of these positions)."""
+
     # --- optional host copies / precomputed metadata (derived below when not given) ----------
     state_slot_list: Sequence[int] | None = None
     """Host copy of ``state_slots`` (spares a device read at construction)."""
@@ -237,6 +248,13 @@ class ForwardBatch:
             raise ValueError("a decode batch feeds exactly one token per sequence")
         if self.chain_tree_parents is not None and self.chain_ckpt_rows is None:
             raise ValueError("chain_tree_parents is for a verify step of padded chains (chain_ckpt_rows)")
+        if (self.mm_rows is None) != (self.mm_embeds is None) or (
+                self.mm_rows is not None and (self.mm_rows.dim() != 1 or self.mm_embeds.dim() != 2
+                                              or self.mm_rows.shape[0] != self.mm_embeds.shape[0])):
+            raise ValueError("mm_rows [K] and mm_embeds [K, hidden] come together, one embedding a row")
+        if self.mrope_positions is not None and (self.mrope_positions.shape != (3, num_tokens)
+                                                 or self.fused_decode or self.fused_extend is not None):
+            raise ValueError(f"mrope_positions must be [3, {num_tokens}] (one column a token), on an unfused step")
         if self.fused_decode:
             self._check_fused()
         if self.fused_extend is not None:

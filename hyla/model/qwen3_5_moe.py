@@ -14,8 +14,8 @@ tensors the checkpoint holds):
   [E, H, I]`` -- already hyla's stacked ``w_in`` / ``w_out``;
 * per expert, ``mlp.experts.{e}.gate_proj/up_proj/down_proj.weight``: what transformers'
   ``save_pretrained`` writes (its conversion mapping splits the fused tensors on save);
-* the vision-language checkpoint's ``model.language_model.`` prefix and ignored ``model.visual.``
-  tower, as Qwen3.5 (``Qwen3_5ForCausalLM.normalize_hf_name``); ``mtp.*`` set aside by the loader.
+* the vision-language checkpoint's ``model.language_model.`` prefix and ``model.visual.`` tower, as
+  Qwen3.5 (``Qwen3_5ForCausalLM.normalize_hf_name``); ``mtp.*`` set aside by the loader.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from hyla.model.config import ModelConfig
 from hyla.model.qwen3_5 import Qwen3_5ForCausalLM, vl_text_config
 from hyla.model.qwen3_next import qwen_config_fields
+from hyla.model.vision import VisionConfig
 from hyla.model.weight_specs import WeightSpec
 
 # HF's Qwen3_5MoeTextConfig defaults for the MoE keys (used when config.json omits one)
@@ -64,11 +65,13 @@ def parse_hf_config(cfg: Mapping[str, Any], arch: str, dtype: str | torch.dtype 
     Qwen3.5's). A MoE in every layer, top-k renormalised; missing MoE keys take HF's defaults.
     Raises ``ValueError`` for fewer than one expert or Qwen3-Next's errors (missing key, activation,
     layer types, RoPE)."""
-    if arch == "Qwen3_5MoeForConditionalGeneration":
+    vl = cfg if arch == "Qwen3_5MoeForConditionalGeneration" else None
+    if vl is not None:
         cfg = vl_text_config(cfg)
     # HF's Qwen3.5-MoE reads neither key: every layer is MoE
     cfg = {**_MOE_DEFAULTS, **cfg, "decoder_sparse_step": 1, "mlp_only_layers": []}
     if int(cfg["num_experts"] or 0) < 1:
         raise ValueError(f"Qwen3.5-MoE needs num_experts >= 1, got {cfg['num_experts']!r}")
     fields = qwen_config_fields(cfg, arch, dtype, model_type="qwen3_5_moe", moe=True)
-    return {**fields, "norm_topk_prob": True}
+    vision = VisionConfig.from_hf(vl, fields["hidden_size"]) if vl is not None else None
+    return {**fields, "norm_topk_prob": True, "vision": vision}

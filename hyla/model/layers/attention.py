@@ -25,8 +25,9 @@ from hyla.model.ops.attention import (
 
 def runs_prologue_kernel(batch: ForwardBatch, x: torch.Tensor) -> bool:
     """Whether :class:`Attention` runs the q/k prologue kernel for this batch (RoPE from the
-    positions, no tables): a fused decode step or extend, or an extend on CUDA."""
-    return batch.on_device or (device.on_gpu(x) and not batch.is_decode)
+    positions, no tables): a fused decode step or extend, or an extend on CUDA, but one with an
+    image's tokens (their multimodal positions come as tables)."""
+    return batch.on_device or (device.on_gpu(x) and not batch.is_decode and batch.mrope_positions is None)
 
 
 class Attention(nn.Module):

@@ -21,6 +21,7 @@ from hyla.model.layers.rotary import Rope, RotaryEmbedding, signed_sin
 from hyla.model.layers.sparse_moe import SparseMoE
 from hyla.model.linear import Linear, relayout_weights_
 from hyla.model.lora import LoRAScope
+from hyla.model.vision import mrope_frequency_axes
 from hyla.model.weight_specs import WeightSpec
 
 
@@ -128,6 +129,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         # goes through a decomposition that imports torch._dynamo, ~2-4 s of every engine's start-up
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size,
                                          _weight=torch.empty(c.vocab_size, c.hidden_size, dtype=c.dtype))
+        self.visual: nn.Module | None = None  # a vision tower (vision.py: Qwen3.5 vision-language checkpoints)
         self.build_shared()
         self.layers = nn.ModuleList([self.build_layer(i) for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.norm_eps, c.zero_centered_norm, c.dtype)
@@ -263,6 +265,8 @@ class HybridForCausalLM(nn.Module, abc.ABC):
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = self.embed_tokens(batch.input_ids)  # [T, hidden]
+        if batch.mm_rows is not None:  # image placeholders: the vision tower's embeddings instead
+            h = h.index_put((batch.mm_rows,), batch.mm_embeds.to(h.dtype))
         ropes = self.layer_ropes(batch, h)
         embeds = {"embeds": h} if self.layers_read_embeddings else {}  # (nothing writes h in place)
         if (batch.on_device or device.on_gpu(h)) and self._residual_fusable:  # each residual add in the next
@@ -299,8 +303,18 @@ class HybridForCausalLM(nn.Module, abc.ABC):
             return None
         if runs_prologue_kernel(batch, x) and not self._rotates_in_pytorch:
             return Rope(batch.positions, rotary.inv_freq, None, None)
-        cos, sin = rotary(batch.positions, x.dtype)
+        if batch.mrope_positions is not None:  # an image's tokens: each frequency reads its own axis
+            cos, sin = rotary(batch.mrope_positions[self._mrope_axes(rotary)], x.dtype)
+        else:
+            cos, sin = rotary(batch.positions, x.dtype)
         return Rope(batch.positions, rotary.inv_freq, cos, signed_sin(sin))
+
+    def _mrope_axes(self, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The position component (0 time, 1 height, 2 width) each of ``rotary``'s frequencies reads
+        (``vision.mrope_frequency_axes``); ``ValueError`` for a model without a vision tower."""
+        if self.config.vision is None:
+            raise ValueError(f"{self.config.architecture}: multimodal positions need a vision-language model")
+        return mrope_frequency_axes(self.config.vision.mrope_section, rotary.inv_freq.numel())
 
     def layer_ropes(self, batch: ForwardBatch, x: torch.Tensor) -> list[Rope | None]:
         """Each layer's :class:`Rope` (:meth:`rope`): the model's, but a sliding-window layer's own
@@ -328,5 +342,7 @@ class HybridForCausalLM(nn.Module, abc.ABC):
         if batch.lora is not None and (self.lora_scope is None or batch.lora.num_rows != batch.input_ids.shape[0]):
             raise ValueError("a batch's LoRA rows must be its token rows, on a model serving adapters (lora.enable_lora_)"
                              if self.lora_scope is not None else "this model serves no LoRA adapters (lora.enable_lora_)")
+        if batch.mm_rows is not None and (self.visual is None or batch.mm_embeds.shape[1] != c.hidden_size):
+            raise ValueError(f"image embeddings need a vision-language model with hidden size {c.hidden_size}")
         if batch.max_token_id >= c.vocab_size:  # read once when the batch was built, not here
             raise ValueError(f"token id {batch.max_token_id} is outside the vocabulary ({c.vocab_size})")

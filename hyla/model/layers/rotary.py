@@ -39,7 +39,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary_dim/2]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
+        """``cos, sin [T, rotary_dim]`` of ``positions [T]``, or of ``[rotary_dim/2, T]``: each frequency's
+        own position of each token (the multimodal RoPE's, ``HybridForCausalLM.rope``)."""
+        if positions.dim() == 2:
+            freqs = positions.float().T * self.inv_freq[None, :]  # [T, rotary_dim/2]
+        else:
+            freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, rotary_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

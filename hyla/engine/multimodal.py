@@ -1,0 +1,144 @@
+"""A prompt's images, as a request carries them: where their tokens sit, how the cache names them,
+their positions, and their embeddings once the vision tower has run.
+
+A prompt names an image with one image token (``<|image_pad|>``, ``VisionConfig.image_token_id``;
+a chat template writes ``<|vision_start|><|image_pad|><|vision_end|>``); :func:`expand_images`
+repeats it to the image's token count (``ProcessedImage.num_tokens``), in order, as transformers'
+processor does.
+
+The prefix cache must tell images apart though their placeholder tokens are the same id: in the
+keys the tree sees (``Req.fill_keys``), each image's tokens take a negative id drawn from its digest
+(no token id is negative), so two prompts share a cached prefix exactly as far as their tokens
+and images agree. The model still reads the placeholder id (``Req.tokens``), whose embedding the
+image's replaces (``ForwardBatch.mm_rows``).
+
+The vision tower runs when a prefill chunk first needs rows of an image (:meth:`PromptImages.embeddings`),
+not for an image the prefix cache already holds; its output stays with the request (a retracted
+request prefills again without it), and the patches are dropped then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from hyla.model.image_processing import ProcessedImage
+from hyla.model.vision import VisionConfig, image_positions
+
+
+@dataclass(eq=False)
+class PromptImage:
+    """One image of a prompt: its tokens ``[offset, offset + num_tokens)``."""
+
+    offset: int
+    num_tokens: int
+    grid: tuple[int, int, int]
+    key: int  # the id its tokens take in the cache's keys (negative, from its digest)
+    pixel_values: torch.Tensor | None  # [t*h*w, patch_dim] fp32 until the tower has run
+    embeds: torch.Tensor | None = None  # [num_tokens, hidden] in the model dtype, on its device, once it has
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(eq=False)
+class PromptImages:
+    """The images of a request's prompt (``Req.images``) and the prompt's multimodal RoPE positions."""
+
+    prompt_len: int
+    items: list[PromptImage]
+    positions: torch.Tensor  # [3, prompt_len] int64: each prompt token's (time, height, width) position
+    rope_delta: int  # a token after the prompt is at position index + rope_delta (on all three axes)
+    _keys: list[int] | None = field(default=None, repr=False)
+
+    def key_ids(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` with each image's tokens replaced by its key (computed once)."""
+        if self._keys is None:
+            keys = list(prompt)
+            for item in self.items:
+                keys[item.offset:item.end] = [item.key] * item.num_tokens
+            self._keys = keys
+        return self._keys
+
+    def touches_image(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` hold any image token."""
+        return any(item.offset < end and start < item.end for item in self.items)
+
+    def shift(self, start: int) -> int:
+        """How far the RoPE position of token ``start`` (a text token, or one past the prompt) lies from
+        its index: the same for every token up to the next image."""
+        if start >= self.prompt_len:
+            return self.rope_delta
+        return int(self.positions[0, start]) - start
+
+    def rope_positions(self, start: int, n: int) -> torch.Tensor:
+        """``[3, n]``: the positions of tokens ``[start, start + n)`` (those past the prompt at index + delta)."""
+        inside = self.positions[:, start:min(start + n, self.prompt_len)]
+        rest = max(0, start + n - max(start, self.prompt_len))
+        if not rest:
+            return inside
+        after = torch.arange(max(start, self.prompt_len), start + n) + self.rope_delta
+        return torch.cat([inside, after.expand(3, rest)], dim=1)
+
+    def embeddings(self, start: int, end: int,
+                   encode: Callable[[torch.Tensor, list[tuple[int, int, int]]], torch.Tensor]
+                   ) -> tuple[list[int], torch.Tensor | None]:
+        """The image rows of tokens ``[start, end)``: their offsets from ``start`` and their embeddings
+        ``[K, hidden]`` (None when there are none). ``encode(pixel_values, grids)``: the vision tower,
+        run here once for the images it has not embedded yet (together), whose patches it then drops."""
+        wanted = [item for item in self.items if item.offset < end and start < item.end]
+        new = [item for item in wanted if item.embeds is None]
+        if new:
+            out = encode(torch.cat([item.pixel_values for item in new]), [item.grid for item in new])
+            for item, embeds in zip(new, out.split([item.num_tokens for item in new])):
+                item.embeds, item.pixel_values = embeds, None
+        rows: list[int] = []
+        parts: list[torch.Tensor] = []
+        for item in wanted:
+            lo, hi = max(start, item.offset), min(end, item.end)
+            rows.extend(range(lo - start, hi - start))
+            parts.append(item.embeds[lo - item.offset:hi - item.offset])
+        return rows, (torch.cat(parts) if parts else None)
+
+
+def image_key(digest: bytes) -> int:
+    """The negative id an image's tokens take in the cache's keys: 63 bits of its digest."""
+    return -1 - (int.from_bytes(digest[:8], "big") >> 1)
+
+
+def expand_images(input_ids: Sequence[int], images: Sequence[ProcessedImage],
+                  vision: VisionConfig) -> tuple[list[int], PromptImages]:
+    """The prompt with its image tokens repeated to each image's token count, and its
+    :class:`PromptImages`. ``ValueError`` unless the prompt holds exactly one image token per image
+    (the chat template's placeholder, not yet repeated) and each image has the tower's patches."""
+    tok = vision.image_token_id
+    marks = [i for i, t in enumerate(input_ids) if t == tok]
+    if len(marks) != len(images):
+        raise ValueError(f"the prompt has {len(marks)} image placeholder tokens (id {tok}) for {len(images)} "
+                         "image(s): each image needs exactly one, where it goes")
+    ids: list[int] = []
+    items: list[PromptImage] = []
+    columns: list[torch.Tensor] = []
+    pos, prev = 0, 0
+    for mark, image in zip(marks, images):
+        if image.merge_size != vision.spatial_merge_size or image.pixel_values.shape[1] != vision.patch_dim:
+            raise ValueError(f"an image's patches ({image.pixel_values.shape[1]} values, merge {image.merge_size}) "
+                             f"are not the vision tower's ({vision.patch_dim}, merge {vision.spatial_merge_size})")
+        text = mark - prev
+        columns.append(torch.arange(pos, pos + text).expand(3, text))
+        pos += text
+        ids.extend(input_ids[prev:mark])
+        places, pos = image_positions(pos, image.grid_thw, vision.spatial_merge_size)
+        columns.append(places)
+        items.append(PromptImage(len(ids), image.num_tokens, image.grid_thw, image_key(image.digest),
+                                 image.pixel_values))
+        ids.extend([tok] * image.num_tokens)
+        prev = mark + 1
+    text = len(input_ids) - prev
+    columns.append(torch.arange(pos, pos + text).expand(3, text))
+    ids.extend(input_ids[prev:])
+    positions = torch.cat(columns, dim=1).contiguous()
+    return ids, PromptImages(len(ids), items, positions, pos + text - len(ids))
