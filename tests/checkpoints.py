@@ -358,20 +358,20 @@ QWEN3_5_VL_VISION_KW: dict[str, Any] = dict(
     hidden_act="gelu_pytorch_tanh")
 
 
-def make_qwen3_5_vl(tmp_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
-    """Tiny ``Qwen3_5ForConditionalGeneration`` (``QWEN3_5_VL_*``; ``overrides`` go to the text config), saved
-    as transformers saves it (``model.language_model.*``, ``model.visual.*``), with a
-    ``preprocessor_config.json`` for its 8-pixel patches (images of 16 x 16 to 64 x 64 pixels after resizing)."""
+def make_qwen3_5_vl(tmp_dir: str | Path, seed: int = 0, tokens: dict[str, int] | None = None, **overrides: Any) -> Path:
+    """Tiny ``Qwen3_5ForConditionalGeneration`` (``QWEN3_5_VL_*``; ``tokens``: other image token ids, ``overrides``
+    go to the text config), saved as transformers saves it (``model.language_model.*``, ``model.visual.*``), with
+    a ``preprocessor_config.json`` for its 8-pixel patches (images of 16 x 16 to 64 x 64 pixels after resizing)."""
     text = {**QWEN3_5_KW, "rope_parameters": {**QWEN3_5_KW["rope_parameters"], "mrope_section": [3, 3, 2],
                                               "mrope_interleaved": True}, **overrides}
-    kw = {"text": text, "vision": QWEN3_5_VL_VISION_KW, **QWEN3_5_VL_TOKENS}
+    kw = {"text": text, "vision": QWEN3_5_VL_VISION_KW, **(tokens or QWEN3_5_VL_TOKENS)}
     out = _checkpoint_dir(tmp_dir, "qwen3_5_vl", seed, kw)
     if (out / "config.json").is_file():
         return out
     import transformers  # test-only dependency
 
     config = transformers.Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VL_VISION_KW,
-                                        tie_word_embeddings=False, **QWEN3_5_VL_TOKENS)
+                                        tie_word_embeddings=False, **(tokens or QWEN3_5_VL_TOKENS))
     torch.manual_seed(seed)
     model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
     perturb_constants(model)

@@ -251,8 +251,9 @@ def test_window_attention_times_both_paths():
     times both."""
     out = _run("benchmarks/window_attention.py", "--no-write", "--repeats", "1", "--threads", "1", "--window", "16",
                "--decodes", "1x64,2x40", "--extends", "64+8,8+8")
-    rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert len(rows) == 4 and all(float(r.split("|")[4].strip().rstrip("x")) > 0 for r in rows)
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ")]
+    # both paths timed (a ratio may round to 0.0x where a noisy first call is slow: not asserted on)
+    assert len(rows) == 4 and all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].strip().endswith("x") for r in rows)
 
 
 def test_tool_call_stream_times_the_stream_against_the_whole_parse():

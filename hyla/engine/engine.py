@@ -57,7 +57,7 @@ from hyla.engine.warmup import warm_up, warmup_enabled
 from hyla.engine.weight_update import NewWeights
 from hyla.model import load_model
 from hyla.model.config import parse_dtype
-from hyla.model.image_processing import ImageProcessorConfig, load_image, process_image
+from hyla.model.image_processing import ImageProcessorConfig, ProcessedImage, load_image, process_image
 from hyla.model.loader import read_quantization
 from hyla.model.lora import enable_lora_, lora_widths, read_adapter
 from hyla.model.ops import gpu as gpu_ops
@@ -449,7 +449,8 @@ class Engine:
         ``lora_name`` (a name, or one per request; with ``enable_lora``): the LoRA adapter loaded under that
         name (:meth:`load_lora_adapter`) applies to the request; None, the base model.
         ``image_data`` (a vision-language model's): the prompt's images in order, each an encoded file's
-        bytes, a data URL, a local file's path or a PIL image (``image_processing.load_image``); one request's
+        bytes, a data URL, a local file's path, a PIL image (``image_processing.load_image``) or what
+        :meth:`process_images` made of one; one request's
         list (or a single image), or one list per request. The prompt holds one image token (the chat
         template's ``<|image_pad|>``) where each goes; the engine repeats it to the image's token count
         (``prompt_tokens`` counts them all). ``checkpoints`` and ``logprob_start_len`` count the prompt's
@@ -945,6 +946,21 @@ class Engine:
                 req.lora_uid, req.namespace = lora.uid, lora_namespace(lora, req.namespace)  # (its slot: at admission)
         return reqs, single
 
+    def process_images(self, sources: Sequence[Any]) -> list[ProcessedImage]:
+        """Each image of ``sources`` (what ``image_data`` takes; a :class:`ProcessedImage` as it is) decoded and
+        preprocessed for this model's vision tower: its patches and its token count (``num_tokens``), what a
+        server reads to know a prompt's length before submitting it. ``RequestError`` (``image_data``) for one
+        that cannot be read, or a model without a vision tower. Decoding takes milliseconds an image: not on an
+        event loop."""
+        if self.image_processor is None:
+            raise RequestError(f"image_data: model {self.model_path} ({self.model_config.architecture}) takes no "
+                               "images (a vision-language checkpoint with a vision_config does)", "image_data")
+        try:
+            return [src if isinstance(src, ProcessedImage) else process_image(load_image(src), self.image_processor)
+                    for src in sources]
+        except ValueError as exc:
+            raise RequestError(f"image_data: {exc}", "image_data") from None
+
     def _image_lists(self, image_data: Any, n: int, single: bool) -> list[list[Any] | None]:
         """``image_data`` (None; one request's image or list of images; or one list per request) as each
         request's list of images (None: none). ``RequestError`` for a model without a vision tower."""
@@ -964,8 +980,8 @@ class Engine:
         preprocessed here), their :class:`PromptImages`, and how a position of ``ids`` moves (past the
         images before it; anything but an int as it is). ``RequestError`` for an image that cannot be read
         or a prompt whose placeholders do not match."""
+        processed = self.process_images(sources)
         try:
-            processed = [process_image(load_image(src), self.image_processor) for src in sources]
             expanded, images = expand_images(ids, processed, self.model_config.vision)
         except ValueError as exc:
             raise RequestError(f"image_data: {exc}", "image_data") from None

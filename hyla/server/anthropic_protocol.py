@@ -17,7 +17,7 @@ version knows: a field hyla does not know is ignored (``cache_control`` on any b
 hyla's prefix cache needs no marks, every prompt's prefix is cached; ``metadata``, ``service_tier``,
 ``speed``, ``output_config.effort``, a ``thinking`` block's ``signature``...), and ``redacted_thinking``
 blocks are dropped (hyla has no signatures to check). What hyla cannot serve is a 400 naming it: a block
-of another type (images, documents, server tool results), a tool of another type (``web_search``,
+of another type (documents, server tool results; an image from a URL), a tool of another type (``web_search``,
 ``bash``...: Anthropic's server tools), ``container``, ``mcp_servers``. ``output_config.format`` (a JSON
 schema) constrains the answer as ``response_format`` does. Errors have Anthropic's shape:
 ``{"type": "error", "error": {"type", "message"}}`` (``error_body``).
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from typing_extensions import Annotated
 
 from hyla.server.protocol import FieldError, _Request, check_chat_nesting
@@ -75,16 +75,36 @@ class RedactedThinkingBlock(_Open):
     type: Literal["redacted_thinking"]
 
 
+class ImageSource(_Open):
+    """An image's bytes, base64 (Anthropic's ``{"type": "base64", "media_type", "data"}``); a ``url`` source
+    is a 400 (the server fetches no image)."""
+
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str = Field(min_length=1)
+
+
+class ImageBlock(_Open):
+    """A user turn's image, for a vision-language model."""
+
+    type: Literal["image"]
+    source: ImageSource  # (another source type is refused by Message: its 400 names it)
+
+    def data_url(self) -> str:
+        return f"data:{self.source.media_type};base64,{self.source.data}"
+
+
 def _block_kind(value: Any) -> str:
     return value.get("type", "?") if isinstance(value, dict) else "?"
 
 
 Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
                         Annotated[ToolResultBlock, Tag("tool_result")], Annotated[ThinkingBlock, Tag("thinking")],
-                        Annotated[RedactedThinkingBlock, Tag("redacted_thinking")]], Discriminator(_block_kind)]
+                        Annotated[RedactedThinkingBlock, Tag("redacted_thinking")], Annotated[ImageBlock, Tag("image")]],
+                  Discriminator(_block_kind)]
 
 
-BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")  # what a message may hold
+BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking", "image")  # what a message may hold
 
 
 class Message(_Open):
@@ -100,7 +120,18 @@ class Message(_Open):
                 if kind not in BLOCK_TYPES:
                     raise FieldError(f"{i}.type", f"a content block of type {kind!r} is not supported (hyla "
                                                           f"serves {', '.join(BLOCK_TYPES)})")
+                source = block.get("source") if kind == "image" else None
+                if isinstance(source, dict) and source.get("type") != "base64":
+                    raise FieldError(f"{i}.source.type", f"an image source of type {source.get('type')!r} is not "
+                                                         "supported: the server fetches no image and holds no files "
+                                                         "(send base64)")
         return content
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> "Message":
+        if self.role == "assistant" and any(isinstance(b, ImageBlock) for b in self.blocks()):
+            raise FieldError("content", "an assistant turn holds no image (images come in user turns)")
+        return self
 
     def blocks(self) -> list[Any]:
         return [TextBlock(type="text", text=self.content)] if isinstance(self.content, str) else self.content
@@ -194,7 +225,12 @@ class _Counted(_Request):
                 out += [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
                         for b in blocks if isinstance(b, ToolResultBlock)]
                 text = [b.text for b in blocks if isinstance(b, TextBlock)]
-                if text or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                if any(isinstance(b, ImageBlock) for b in blocks):  # text and images, in order
+                    out.append({"role": "user", "content": [
+                        {"type": "text", "text": b.text} if isinstance(b, TextBlock) else
+                        {"type": "image_url", "image_url": {"url": b.data_url()}}
+                        for b in blocks if isinstance(b, (TextBlock, ImageBlock))]})
+                elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                     out.append({"role": "user", "content": "".join(text)})
                 continue
             message: dict[str, Any] = {"role": "assistant",

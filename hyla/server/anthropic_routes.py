@@ -31,9 +31,9 @@ from hyla.server.auth import bearer_key_matches
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Generation, Job, json_answer
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat, final_text,
-                                       forced_tool_grammar, job_rids, kept_markers, opens_thinking, output_budget,
-                                       render_chat, split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, REQUEST_ID_HEADER, AnswerStream, admit_chat, chat_images,
+                                       final_text, forced_tool_grammar, image_tokens, job_rids, kept_markers,
+                                       opens_thinking, output_budget, render_chat, split_answer, thinking_first)
 from hyla.server.protocol import ChatCompletionRequest
 from hyla.tokenizer.tokenizer import ChatEncoding
 
@@ -59,14 +59,17 @@ class AnthropicRoutes:
         try:
             body = await self._body(request, MessagesRequest)
             engine, chat, encoding = await self._prompt(body)
-            max_new = output_budget(engine, len(encoding.ids), body.max_tokens, "max_tokens", "messages")
+            images = await chat_images(engine, chat.messages)
+            max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_tokens, "max_tokens",
+                                    "messages")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
             prefill = final_text(chat.messages) if chat.continue_final_message else None
             params = thinking_first(self.server, encoding.text, {**chat.sampling_params(max_new, 0, 0), **grammar},
                                     prefill=prefill)
             (rid,) = job_rids(None, request.headers.get(REQUEST_ID_HEADER), 1)
             job = Job(encoding.ids, params, checkpoints=list(encoding.boundaries), speculative_checkpoints=True,
-                      rid=rid, lora_name=self.server.check_model(body.model))  # (a LoRA adapter's name, or None)
+                      rid=rid, image_data=images,
+                      lora_name=self.server.check_model(body.model))  # (a LoRA adapter's name, or None)
             answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)  # (behind a router)
             if answer is not None:
                 return answer
@@ -87,10 +90,11 @@ class AnthropicRoutes:
         """``{"input_tokens": N}``: the tokens of the prompt ``POST /v1/messages`` would render."""
         try:
             body = await self._body(request, CountTokensRequest)
-            _, _, encoding = await self._prompt(body)
+            engine, chat, encoding = await self._prompt(body)
+            images = await chat_images(engine, chat.messages)
         except APIError as exc:
             return _error(exc)
-        return JSONResponse({"input_tokens": len(encoding.ids)})
+        return JSONResponse({"input_tokens": len(encoding.ids) + image_tokens(images)})
 
     async def _body(self, request: Request, model: type[CountTokensRequest]) -> Any:
         """The API key checked (``x-api-key`` or a bearer token), then the body read and validated: a 401 or a 400

@@ -92,7 +92,7 @@ async def disaggregation_answer(server: Server, endpoint: str, jobs: list[Job], 
     if request.headers.get(PREFILL_ONLY_HEADER) == "1":
         return await prefill_answer(server, endpoint, jobs, arrival, request)
     value = request.headers.get(LOCAL_PREFILL_HEADER)
-    if value is None or isinstance(jobs[0].prompt, str):
+    if value is None or isinstance(jobs[0].prompt, str) or jobs[0].image_data:  # (a prompt with images: computed here)
         return None
     allowed = header_count(value)
     if allowed is None:

@@ -63,7 +63,7 @@ class ClientDisconnected(Exception):
 _OPENAI_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "json_schema": "response_format",
                   "regex": "response_format", "ebnf": "response_format", "input_ids": "prompt"}
 _API_PARAMS = {"completions": {**_OPENAI_PARAMS, "top_logprobs_num": "logprobs"},
-               "chat": {**_OPENAI_PARAMS, "input_ids": "messages", "prompt": "messages",
+               "chat": {**_OPENAI_PARAMS, "input_ids": "messages", "prompt": "messages", "image_data": "messages",
                         "top_logprobs_num": "top_logprobs"}}
 
 

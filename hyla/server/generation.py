@@ -65,6 +65,7 @@ class Job:
     namespace: Any = None  # the prefix cache's partition (a cache_salt's: protocol.cache_namespace)
     aborted: bool = False  # aborted before it reached this server (disaggregation.ABORTED_HEADER): aborted at once
     lora_name: str | None = None  # its LoRA adapter (a request's model names one: Server.check_model); None: the model
+    image_data: list[Any] | None = None  # the prompt's images (Engine.generate's image_data; data URLs), in order
 
 
 def job_request(job: Job) -> dict[str, Any]:
@@ -73,7 +74,7 @@ def job_request(job: Job) -> dict[str, Any]:
     return dict(prompt=text, input_ids=ids, sampling_params=job.sampling_params, return_logprob=job.return_logprob,
                 checkpoints=job.checkpoints or None, logprob_start_len=job.logprob_start_len,
                 speculative_checkpoints=job.speculative_checkpoints, priority=job.priority, namespace=job.namespace,
-                lora_name=job.lora_name)
+                lora_name=job.lora_name, image_data=job.image_data)
 
 
 @dataclass

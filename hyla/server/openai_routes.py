@@ -38,6 +38,7 @@ from hyla.tokenizer.detokenizer import PROMPT_CONTEXT_TOKENS
 if TYPE_CHECKING:
     from hyla.server.app import Server
     from hyla.server.tool_calls import ToolCall
+    from hyla.model.image_processing import ProcessedImage
     from hyla.server.tool_call_stream import ToolCallDelta
 
 CHAT_CHECKPOINTS = 8
@@ -208,8 +209,9 @@ class OpenAIRoutes:
         if body.truncate_prompt_tokens is not None:
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
                                                                body.max_new_tokens()))
-        max_new = output_budget(engine, len(encoding.ids), body.max_new_tokens(), body.max_new_tokens_field(),
-                                  "messages")
+        images = await chat_images(engine, body.messages)
+        max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_new_tokens(),
+                                body.max_new_tokens_field(), "messages")
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
                           else "the tokens the context leaves after the prompt")
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
@@ -218,7 +220,8 @@ class OpenAIRoutes:
                                                                              **grammar}, prefill=prefill),
                     return_logprob=body.logprobs,
                     checkpoints=list(encoding.boundaries), speculative_checkpoints=True, priority=body.priority,
-                    namespace=cache_namespace(body.cache_salt), rid=rid, lora_name=lora_name)
+                    namespace=cache_namespace(body.cache_salt), rid=rid, lora_name=lora_name,
+                    image_data=images)
                 for j, rid in enumerate(job_rids(body.rid, request.headers.get(REQUEST_ID_HEADER), body.n))]
         answer = await disaggregation_answer(self.server, "chat", jobs, arrival, request)
         if answer is not None:
@@ -401,7 +404,27 @@ def final_text(chat: list[ChatMessage]) -> str:
     """The text of a chat's final message (its text parts joined, as the template sees them): what a
     prefill (``continue_final_message``) has the model continue."""
     content = chat[-1].for_template().get("content")
+    if isinstance(content, list):  # (with images: the text parts)
+        return "".join(part.get("text", "") for part in content)
     return content if isinstance(content, str) else ""
+
+
+async def chat_images(engine: Engine, chat: list[ChatMessage]) -> list[ProcessedImage] | None:
+    """The chat's images in order, decoded and preprocessed on a worker thread (``Engine.process_images``:
+    ``Engine.generate``'s ``image_data``), None without any; a 400 naming ``messages`` for one that cannot be
+    read, or where the model takes none."""
+    urls = [url for m in chat for url in m.image_urls()]
+    if not urls:
+        return None
+    try:
+        return await asyncio.to_thread(engine.process_images, urls)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def image_tokens(images: list[ProcessedImage] | None) -> int:
+    """The tokens images add to a rendered prompt, which holds one placeholder token for each."""
+    return sum(image.num_tokens - 1 for image in images or ())
 
 
 def opens_thinking(server: Server, prompt: str, prefill: str | None = None) -> bool:

@@ -559,24 +559,51 @@ class TextContentPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str = Field(min_length=1)  # a data URL (``data:image/png;base64,...``): hyla fetches no image
+    detail: Literal["auto", "low", "high"] | None = None  # (accepted; the model's processor decides the size)
+
+
+class ImageContentPart(_Strict):
+    """An image (OpenAI's ``image_url`` part), for a vision-language model."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+CONTENT_PART_TYPES = ("text", "image_url")
+
+
 class ChatMessage(BaseModel):
     """A chat message. Extra keys (``tool_calls``, ``name``, ``reasoning_content``...) are passed to
-    the chat template unchanged; ``content`` may be a string or a list of text parts, and only an
-    assistant message may go without it (one that carries ``tool_calls``)."""
+    the chat template unchanged; ``content`` may be a string or a list of text and image parts, and only
+    an assistant message may go without it (one that carries ``tool_calls``)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: str | list[TextContentPart | ImageContentPart] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _known_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
-            kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - {"text"})
+            kinds = sorted({str(p.get("type")) for p in content if isinstance(p, dict)} - set(CONTENT_PART_TYPES))
             if kinds:
-                raise ValueError(f"only text content parts are supported, got {', '.join(kinds)}")
+                raise ValueError(f"only text and image_url content parts are supported, got {', '.join(kinds)}")
+            for i, part in enumerate(content):
+                image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
+                url = image.get("url") if isinstance(image, dict) else None
+                if isinstance(url, str) and url[:5].lower() != "data:":
+                    raise FieldError(f"{i}.image_url.url", "an image must come as a data URL "
+                                                          "(data:image/png;base64,...): the server fetches no image URL")
         return content
+
+    def image_urls(self) -> list[str]:
+        """The message's images (data URLs), in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImageContentPart)]
 
     @model_validator(mode="after")
     def _check_content(self) -> "ChatMessage":
@@ -585,9 +612,16 @@ class ChatMessage(BaseModel):
         return self
 
     def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it: its text parts joined into one string; with images, a
+        list of ``{"type": "text", "text"}`` and ``{"type": "image"}`` parts in order (a vision-language
+        template writes its image placeholder for each of the latter)."""
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            msg["content"] = "".join(part.text for part in self.content)
+            if not self.image_urls():
+                msg["content"] = "".join(part.text for part in self.content)
+            else:
+                msg["content"] = [{"type": "text", "text": p.text} if isinstance(p, TextContentPart)
+                                  else {"type": "image"} for p in self.content]
         return msg
 
 

@@ -72,6 +72,15 @@ class InputTextPart(_Strict):
     logprobs: list[Any] | None = None
 
 
+class InputImagePart(_Strict):
+    """A user message's image (``input_image``), for a vision-language model: ``image_url`` a data URL
+    (the server fetches no URL, and holds no files: ``file_id`` is refused); ``detail`` accepted."""
+
+    type: Literal["input_image"]
+    image_url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class MessageItem(_Strict):
     """``{"role", "content"}`` (``type: "message"`` optional; ``id`` / ``status`` of an output item
     copied back are accepted, and ``phase``, which the SDK's message types carry (``model_dump()`` of an
@@ -79,24 +88,47 @@ class MessageItem(_Strict):
 
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputTextPart]
+    content: str | list[InputTextPart | InputImagePart]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
     phase: Literal["commentary", "final_answer"] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
+    def _known_parts_only(cls, content: Any) -> Any:
         if isinstance(content, list):
             for i, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("input_text", "output_text"):
-                    raise FieldError(f"{i}.type", f"only input_text and output_text content parts are supported, "
-                                                  f"got {kind!r}")
+                if kind not in ("input_text", "output_text", "input_image"):
+                    raise FieldError(f"{i}.type", f"only input_text, output_text and input_image content parts are "
+                                                  f"supported, got {kind!r}")
+                if kind == "input_image" and part.get("file_id") is not None:
+                    raise FieldError(f"{i}.file_id", "this server holds no files: send the image as a data URL "
+                                                     "(image_url)")
+                url = part.get("image_url") if kind == "input_image" else None
+                if isinstance(url, str) and url[:5].lower() != "data:":
+                    raise FieldError(f"{i}.image_url", "an image must come as a data URL (data:image/png;base64,...): "
+                                                       "the server fetches no image URL")
         return content
 
+    @model_validator(mode="after")
+    def _images_from_others(self) -> "MessageItem":
+        if self.role == "assistant" and isinstance(self.content, list) and any(
+                isinstance(p, InputImagePart) for p in self.content):
+            raise FieldError("content", "an assistant message holds no input_image (images come in user, system "
+                                        "and developer messages)")
+        return self
+
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content if isinstance(p, InputTextPart))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: the text, or with images, text and ``image_url`` parts in order."""
+        if isinstance(self.content, str) or not any(isinstance(p, InputImagePart) for p in self.content):
+            return self.text()
+        return [{"type": "text", "text": p.text} if isinstance(p, InputTextPart)
+                else {"type": "image_url", "image_url": {"url": p.image_url}} for p in self.content]
 
 
 class FunctionCallItem(_Strict):

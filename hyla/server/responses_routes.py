@@ -50,13 +50,14 @@ from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError, engine_error, validation_error
 from hyla.server.generation import Choice, Generation, Job, chunk_logprobs, json_answer, sse_stream
 from hyla.server.lru_store import LRUStore
-from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_logprobs,
-                                      choice_logprobs, forced_tool_grammar, kept_markers, opens_thinking,
-                                      output_budget, render_chat, split_answer, thinking_first)
+from hyla.server.openai_routes import (CHAT_CHECKPOINTS, AnswerStream, TextOffsets, admit_chat, chat_images,
+                                      chat_logprobs, choice_logprobs, forced_tool_grammar, image_tokens, kept_markers,
+                                      opens_thinking, output_budget, render_chat, split_answer, thinking_first)
 from hyla.server.protocol import (DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, ChatCompletionRequest,
                                   FieldError, cache_namespace, text_chars)
 from hyla.server.responses_protocol import (
-    FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputItem, InputTokensDetails,
+    FunctionCallItem, FunctionCallOutputItem, FunctionToolChoice, IncompleteDetails, InputImagePart, InputItem,
+    InputTokensDetails,
     InputTokensRequest, ItemReference, MessageItem, OutputTokensDetails, ReasoningItem, ResponseError, ResponseObject,
     ResponsesRequest, ResponseUsage, _item, output_item_id, typed_event,
 )
@@ -203,7 +204,7 @@ def items_to_messages(items: list[InputItem]) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         else:
             flush()
-            out.append({"role": item.role, "content": item.text()})  # type: ignore[union-attr]
+            out.append({"role": item.role, "content": item.chat_content()})  # type: ignore[union-attr]
     flush()
     return out
 
@@ -251,10 +252,12 @@ def listed_item(item: InputItem) -> dict[str, Any]:
 
 
 def _listed_parts(role: str, content: str | list[Any]) -> list[dict[str, Any]]:
-    texts = [content] if isinstance(content, str) else [part.text for part in content]
+    parts = [content] if isinstance(content, str) else content
     if role == "assistant":
-        return [{"type": "output_text", "text": text, "annotations": []} for text in texts]
-    return [{"type": "input_text", "text": text} for text in texts]
+        return [{"type": "output_text", "text": p if isinstance(p, str) else p.text, "annotations": []} for p in parts]
+    return [{"type": "input_text", "text": p} if isinstance(p, str) else
+            {"type": "input_image", "image_url": p.image_url, "detail": p.detail or "auto"}
+            if isinstance(p, InputImagePart) else {"type": "input_text", "text": p.text} for p in parts]
 
 
 def check_duplicates(chain: list[dict[str, Any]], items: list[InputItem], param: str = "input") -> None:
@@ -432,6 +435,12 @@ class _Prompt:
     encoding: ChatEncoding
     max_new: int  # the engine's max_new_tokens
     grammar: dict[str, Any]  # a forced call's grammar, kept markers (sampling params)
+    images: list[Any] | None = None  # the conversation's images, processed (Engine.process_images); None: none
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's tokens as the engine counts them: its images' included."""
+        return len(self.encoding.ids) + image_tokens(self.images)
 
 
 class ResponsesRoutes:
@@ -520,7 +529,7 @@ class ResponsesRoutes:
         the engine for this body (the same checks, the same rendering: ``prompt``); nothing generated or
         stored. ``model`` left out is the served model."""
         prompt = await self.prompt(body.model_copy(update={"model": body.model or self.server.model_name}))
-        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(prompt.encoding.ids)})
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": prompt.num_tokens})
 
     async def create(self, body: ResponsesRequest, request: Request) -> Response:
         arrival = time.monotonic()
@@ -533,7 +542,7 @@ class ResponsesRoutes:
                                 {**prompt.chat.sampling_params(prompt.max_new, top_k, 0), **prompt.grammar})
         job = Job(prompt.encoding.ids, params, return_logprob=body.wants_logprobs(),
                   checkpoints=list(prompt.encoding.boundaries), speculative_checkpoints=True,
-                  namespace=cache_namespace(body.cache_salt),
+                  namespace=cache_namespace(body.cache_salt), image_data=prompt.images,
                   lora_name=self.server.check_model(body.model))  # (a LoRA adapter's name, or None)
         try:
             answer = await disaggregation_answer(self.server, ENDPOINT, [job], arrival, request)
@@ -590,12 +599,14 @@ class ResponsesRoutes:
             encoding = await self._render(engine, chat)
             if body.truncation == "auto":
                 chat, encoding = await self._truncated(body, engine, conversation, chat, encoding)
-            max_new = output_budget(engine, len(encoding.ids), body.max_output_tokens, "max_output_tokens", "input")
+            images = await chat_images(engine, chat.messages)
+            max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_output_tokens,
+                                    "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
         except APIError as exc:
             raise _remap(exc, body, chat) from None
         return _Prompt(engine, chat, conversation, chain + [listed_item(item) for item in items], len(chain), encoding,
-                       max_new, grammar)
+                       max_new, grammar, images)
 
     async def _render(self, engine: Engine, chat: ChatCompletionRequest) -> ChatEncoding:
         return await render_chat(self.server, engine.tokenizer, chat.messages, chat.template_tools(), None,

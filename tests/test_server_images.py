@@ -1,0 +1,179 @@
+"""Images through the HTTP API (a tiny Qwen3.5 vision-language checkpoint with the default model's tokenizer,
+the image tokens added, and a chat template that writes Qwen's image placeholder): an ``image_url`` part (a
+data URL) in a chat completion gives what the engine gives for the rendered prompt and the image, the
+repeated request hits the cache, and what cannot be an image is a 400 naming ``messages``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import PIL.Image
+import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+import checkpoints
+from hyla.engine.engine import DEFAULT_MODEL_DIR
+from hyla.server.app import create_app
+from hyla.server.launch import BackgroundServer
+
+MODEL = "tiny-vl"
+CONTEXT = 160
+IMAGE_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TEMPLATE = (
+    "{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\\n' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}{%- for part in message.content -%}"
+    "{%- if part.type == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part.type == 'text' -%}{{- part.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def make_vl_chat_model(tmp_dir: Path) -> Path:
+    """The tiny vision-language checkpoint over the default tokenizer's 4,096 ids and its image tokens (4,096 on)."""
+    backend = BackendTokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json"))
+    base = backend.get_vocab_size()
+    tokens = dict(vision_start_token_id=base, vision_end_token_id=base + 1, image_token_id=base + 2,
+                  video_token_id=base + 3)
+    path = checkpoints.make_qwen3_5_vl(tmp_dir, tokens=tokens, vocab_size=base + 4, eos_token_id=2)
+    if not (path / "tokenizer.json").is_file():
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in IMAGE_TOKENS])
+        assert backend.token_to_id("<|image_pad|>") == tokens["image_token_id"]
+        config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+        config["chat_template"] = TEMPLATE
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+        backend.save(str(path / "tokenizer.json"))
+    return path
+
+
+def data_url(seed: int, height: int = 48, width: int = 40) -> str:
+    pixels = np.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    PIL.Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(text: str, *urls: str) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": text},
+                                        *({"type": "image_url", "image_url": {"url": u}} for u in urls)]}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt_dir):
+    app = create_app(make_vl_chat_model(tiny_ckpt_dir), served_model_name=MODEL, max_total_tokens=4096,
+                     max_state_slots=32, chunked_prefill_size=64, context_length=CONTEXT)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def test_a_chat_with_an_image_equals_the_engine_and_hits_the_cache(server, client):
+    """The answer (tokens and logprobs) is the engine's for the template's prompt with the image; the
+    prompt's usage counts the image's tokens; the same chat again is served from the cache but its last token;
+    another image gives another answer."""
+    engine = server.app.state.server.engine
+    url = data_url(1)
+    messages = [{"role": "system", "content": "Look."}, image_message("What is this?", url)]
+
+    def ask(msgs: list[dict]):
+        return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True)
+
+    first, again, other = ask(messages), ask(messages), ask([messages[0], image_message("What is this?", data_url(2))])
+    encoding = engine.tokenizer.encode_chat([messages[0], {"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image"}]}])
+    ref = engine.generate(input_ids=encoding.ids, image_data=[url], return_logprob=True,
+                          sampling_params={"max_new_tokens": 6, "temperature": 0})
+    assert [t.token for t in first.choices[0].logprobs.content] == [
+        engine.tokenizer.decode([t]) for t in ref["output_ids"]]
+    for ours, (lp, _, _) in zip(first.choices[0].logprobs.content, ref["meta_info"]["output_token_logprobs"]):
+        assert abs(ours.logprob - lp) < 1e-4
+    assert first.usage.prompt_tokens == ref["meta_info"]["prompt_tokens"] > len(encoding.ids)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+    assert other.choices[0].logprobs.content != first.choices[0].logprobs.content
+
+
+def test_the_output_budget_counts_the_images_tokens(client):
+    """Without max_tokens the answer may fill the context the prompt leaves, the images' tokens counted: it
+    ends at the context length, not refused for overrunning it."""
+    out = client.chat.completions.create(model=MODEL, messages=[image_message("Go on.", data_url(5), data_url(6))],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens + out.usage.completion_tokens == CONTEXT
+
+
+def test_responses_and_messages_take_images(server, client):
+    """An ``input_image`` (Responses) and an ``image`` block (Anthropic's Messages) give the chat completion's
+    answer for the same turn; their token counts (input_tokens, count_tokens) count the image's tokens."""
+    url = data_url(7)
+    chat = client.chat.completions.create(model=MODEL, messages=[image_message("What is this?", url)], max_tokens=6,
+                                          temperature=0)
+    response = client.responses.create(model=MODEL, max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                     {"type": "input_image", "image_url": url}]}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    listed = client.responses.input_items.list(response.id).data[0].content
+    assert [p.type for p in listed] == ["input_text", "input_image"] and listed[1].image_url == url
+    counted = httpx.post(server.url + "/v1/responses/input_tokens", timeout=60, json={"model": MODEL, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                     {"type": "input_image", "image_url": url}]}]}).json()
+    assert counted["input_tokens"] == chat.usage.prompt_tokens
+    media, data = url.removeprefix("data:").split(";base64,")
+    message = {"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                           {"type": "image", "source": {"type": "base64", "media_type": media,
+                                                                        "data": data}}]}
+    answer = httpx.post(server.url + "/v1/messages", timeout=60, json={
+        "model": MODEL, "max_tokens": 6, "temperature": 0, "messages": [message]}).json()
+    assert answer["content"][0]["text"] == chat.choices[0].message.content
+    usage = answer["usage"]  # (Anthropic's input_tokens leave out what the cache served)
+    assert usage["input_tokens"] + usage.get("cache_read_input_tokens", 0) == chat.usage.prompt_tokens
+    tokens = httpx.post(server.url + "/v1/messages/count_tokens", timeout=60,
+                        json={"model": MODEL, "messages": [message]}).json()
+    assert tokens["input_tokens"] == chat.usage.prompt_tokens
+    bad = httpx.post(server.url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 6, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
+    assert bad.status_code == 400 and "fetches no image" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("url, words", [
+    ("https://example.com/cat.png", "data URL"),
+    ("data:image/png;base64,%%%", "base64"),
+    ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), "not an image"),
+])
+def test_what_is_not_an_image_is_a_400_and_loses_nothing(server, client, url, words):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[image_message("hi", url)], max_tokens=2)
+    assert err.value.body["param"].startswith("messages")
+    assert words in err.value.body["message"]
+    ok = client.chat.completions.create(model=MODEL, messages=[image_message("hi", data_url(3))], max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+    server.app.state.server.engine.check_integrity()
+
+
+def test_an_image_without_its_placeholder_is_a_400(server, tiny_ckpt_dir, tmp_path):
+    """A template that drops image parts (one reading text only) leaves the image without a place: a 400."""
+    source = make_vl_chat_model(tiny_ckpt_dir)
+    path = tmp_path / "text-template"
+    shutil.copytree(source, path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE.replace("{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}", "")
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with BackgroundServer(create_app(path, served_model_name=MODEL, max_total_tokens=1024, max_state_slots=8)) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 2, "messages": [image_message("hi", data_url(4))]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages" and "placeholder" in r.json()["error"]["message"]
