@@ -256,6 +256,14 @@ def test_window_attention_times_both_paths():
     assert len(rows) == 4 and all(float(r[2]) > 0 and float(r[3]) > 0 and r[4].strip().endswith("x") for r in rows)
 
 
+def test_images_measure_each_stage_against_transformers():
+    """A tiny model: the script asserts the repeated image is served from the cache, and prints each stage timed
+    against its peer."""
+    out = _run("benchmarks/images.py", "--tiny", "--no-write", "--repeats", "1", "--size", "64")
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| ") and "measurement" not in line]
+    assert len(rows) == 4 and all(float(r[2]) > 0 for r in rows)
+
+
 def test_tool_call_stream_times_the_stream_against_the_whole_parse():
     """Small calls: the script checks that the stream gives the whole parse's content and calls, then times both."""
     out = _run("benchmarks/tool_call_stream.py", "--no-write", "--repeats", "1", "--sizes", "200,3000")

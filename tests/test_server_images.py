@@ -1,7 +1,8 @@
 """Images through the HTTP API (a tiny Qwen3.5 vision-language checkpoint with the default model's tokenizer,
 the image tokens added, and a chat template that writes Qwen's image placeholder): an ``image_url`` part (a
-data URL) in a chat completion gives what the engine gives for the rendered prompt and the image, the
-repeated request hits the cache, and what cannot be an image is a 400 naming ``messages``.
+data URL, or an http URL of a host ``--allowed-media-domains`` lists, served here by a local HTTP server) in a
+chat completion gives what the engine gives for the rendered prompt and the image, the repeated request hits
+the cache, and what cannot be an image is a 400 naming ``messages``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import base64
 import io
 import json
 import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -66,10 +69,42 @@ def image_message(text: str, *urls: str) -> dict:
                                         *({"type": "image_url", "image_url": {"url": u}} for u in urls)]}
 
 
+class ImageHost:
+    """A local HTTP server answering each path from ``routes``: ``(status, headers, body)``."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[int, dict[str, str], bytes]] = {}
+        routes = self.routes
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                status, headers, body = routes.get(self.path, (404, {}, b"missing"))
+                self.send_response(status)
+                for k, v in {"Content-Length": str(len(body)), **headers}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_port}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    host = ImageHost()
+    yield host
+    host.http.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_ckpt_dir):
     app = create_app(make_vl_chat_model(tiny_ckpt_dir), served_model_name=MODEL, max_total_tokens=4096,
-                     max_state_slots=32, chunked_prefill_size=64, context_length=CONTEXT)
+                     max_state_slots=32, chunked_prefill_size=64, context_length=CONTEXT,
+                     allowed_media_domains=["127.0.0.1"])
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -144,9 +179,38 @@ def test_responses_and_messages_take_images(server, client):
     tokens = httpx.post(server.url + "/v1/messages/count_tokens", timeout=60,
                         json={"model": MODEL, "messages": [message]}).json()
     assert tokens["input_tokens"] == chat.usage.prompt_tokens
-    bad = httpx.post(server.url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 6, "messages": [
-        {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}]}]})
-    assert bad.status_code == 400 and "fetches no image" in bad.json()["error"]["message"]
+    for source, words in (({"type": "url", "url": "https://example.com/a.png"}, "does not fetch images from"),
+                          ({"type": "file", "file_id": "file_1"}, "holds no files")):
+        bad = httpx.post(server.url + "/v1/messages", timeout=60, json={"model": MODEL, "max_tokens": 6, "messages": [
+            {"role": "user", "content": [{"type": "image", "source": source}]}]})
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"]
+
+
+def test_image_urls_of_allowed_hosts_are_fetched(client, image_host):
+    """An http URL of a listed host gives the data URL's answer, and hits what the data URL cached (the image's
+    digest is its key); a host not listed, a redirect to one, a 404, a body over the limit and another scheme
+    are 400s naming messages."""
+    url = data_url(8)
+    image_host.routes["/cat.png"] = (200, {"Content-Type": "image/png"}, base64.b64decode(url.split(",")[1]))
+    image_host.routes["/away"] = (302, {"Location": f"http://localhost:{image_host.http.server_port}/cat.png"}, b"")
+    image_host.routes["/huge"] = (200, {"Content-Length": str(21 * 2**20)}, b"")
+    image_host.routes["/moved"] = (301, {"Location": "/cat.png"}, b"")
+
+    def ask(image: str):
+        return client.chat.completions.create(model=MODEL, messages=[image_message("Describe it.", image)],
+                                              max_tokens=4, temperature=0, logprobs=True)
+
+    by_data = ask(url)
+    for path in ("/cat.png", "/moved"):  # (a redirect within the listed host is followed)
+        fetched = ask(image_host.url + path)
+        assert fetched.choices[0].message.content == by_data.choices[0].message.content
+        assert fetched.usage.prompt_tokens_details.cached_tokens == by_data.usage.prompt_tokens - 1
+    for target, words in ((f"http://localhost:{image_host.http.server_port}/cat.png", "allowed-media-domains"),
+                          (image_host.url + "/away", "allowed-media-domains"), (image_host.url + "/nothing", "HTTP 404"),
+                          (image_host.url + "/huge", "larger than"), ("ftp://127.0.0.1/cat.png", "http(s) URL")):
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(target)
+        assert err.value.body["param"].startswith("messages") and words in err.value.body["message"], target
 
 
 @pytest.mark.parametrize("url, words", [

@@ -41,6 +41,12 @@ RESCALE_FACTOR = 1 / 255
 RESAMPLE = PIL.Image.Resampling.BICUBIC
 """HF's ``resample`` for Qwen2-VL (``PILImageResampling.BICUBIC``, 3 in a preprocessor_config.json)."""
 
+MAX_IMAGE_BYTES = 20 * 2**20
+"""``load_image``'s default limit on an encoded image's size."""
+
+MAX_IMAGE_PIXELS = 2**26
+"""``load_image``'s default limit on an image's pixels (checked from its header, before decoding)."""
+
 MAX_ASPECT_RATIO = 200
 """``smart_resize`` refuses an image whose longer side is more than this many times its shorter side."""
 
@@ -346,7 +352,7 @@ def _digest(grid: tuple[int, int, int], merge_size: int, patches: np.ndarray) ->
     return h.digest()
 
 
-def load_image(source: Any, *, max_bytes: int = 20 * 2**20, max_pixels: int = 2**26) -> PIL.Image.Image:
+def load_image(source: Any, *, max_bytes: int = MAX_IMAGE_BYTES, max_pixels: int = MAX_IMAGE_PIXELS) -> PIL.Image.Image:
     """A request's image, decoded. ``source``: a ``PIL.Image.Image``; ``bytes`` / ``bytearray`` holding an
     encoded file (PNG, JPEG, WebP, GIF, BMP, TIFF, AVIF: ``IMAGE_FORMATS``); a ``str`` data URL
     (``data:image/png;base64,...``; base64 only, padding optional, whitespace ignored); an ``os.PathLike``

@@ -17,7 +17,7 @@ version knows: a field hyla does not know is ignored (``cache_control`` on any b
 hyla's prefix cache needs no marks, every prompt's prefix is cached; ``metadata``, ``service_tier``,
 ``speed``, ``output_config.effort``, a ``thinking`` block's ``signature``...), and ``redacted_thinking``
 blocks are dropped (hyla has no signatures to check). What hyla cannot serve is a 400 naming it: a block
-of another type (documents, server tool results; an image from a URL), a tool of another type (``web_search``,
+of another type (documents, server tool results; an image from a file), a tool of another type (``web_search``,
 ``bash``...: Anthropic's server tools), ``container``, ``mcp_servers``. ``output_config.format`` (a JSON
 schema) constrains the answer as ``response_format`` does. Errors have Anthropic's shape:
 ``{"type": "error", "error": {"type", "message"}}`` (``error_body``).
@@ -31,13 +31,17 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from typing_extensions import Annotated
 
-from hyla.server.protocol import FieldError, _Request, check_chat_nesting
+from hyla.server.protocol import FieldError, _Request, check_chat_nesting, image_url_problem
 
 
 class _Open(BaseModel):
     """Strict types and finite numbers, but fields hyla does not know ignored (the module's docstring)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+def _block_kind(value: Any) -> str:
+    return value.get("type", "?") if isinstance(value, dict) else "?"
 
 
 class TextBlock(_Open):
@@ -75,27 +79,33 @@ class RedactedThinkingBlock(_Open):
     type: Literal["redacted_thinking"]
 
 
-class ImageSource(_Open):
-    """An image's bytes, base64 (Anthropic's ``{"type": "base64", "media_type", "data"}``); a ``url`` source
-    is a 400 (the server fetches no image)."""
+class Base64Source(_Open):
+    """An image's bytes, base64 (Anthropic's ``{"type": "base64", "media_type", "data"}``)."""
 
     type: Literal["base64"]
     media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
     data: str = Field(min_length=1)
 
 
+class URLSource(_Open):
+    """An image's http(s) URL (``{"type": "url", "url"}``), fetched where the server allows its host (``media.py``)."""
+
+    type: Literal["url"]
+    url: str = Field(min_length=1)
+
+
 class ImageBlock(_Open):
-    """A user turn's image, for a vision-language model."""
+    """A user turn's image, for a vision-language model (a ``file`` source is refused by Message: its 400 names it)."""
 
     type: Literal["image"]
-    source: ImageSource  # (another source type is refused by Message: its 400 names it)
+    source: Annotated[Union[Annotated[Base64Source, Tag("base64")], Annotated[URLSource, Tag("url")]],
+                      Discriminator(_block_kind)]
 
-    def data_url(self) -> str:
+    def image_url(self) -> str:
+        """The image as a chat's ``image_url``: a data URL, or the source's URL."""
+        if isinstance(self.source, URLSource):
+            return self.source.url
         return f"data:{self.source.media_type};base64,{self.source.data}"
-
-
-def _block_kind(value: Any) -> str:
-    return value.get("type", "?") if isinstance(value, dict) else "?"
 
 
 Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
@@ -121,10 +131,13 @@ class Message(_Open):
                     raise FieldError(f"{i}.type", f"a content block of type {kind!r} is not supported (hyla "
                                                           f"serves {', '.join(BLOCK_TYPES)})")
                 source = block.get("source") if kind == "image" else None
-                if isinstance(source, dict) and source.get("type") != "base64":
+                if isinstance(source, dict) and source.get("type") not in ("base64", "url"):
                     raise FieldError(f"{i}.source.type", f"an image source of type {source.get('type')!r} is not "
-                                                         "supported: the server fetches no image and holds no files "
-                                                         "(send base64)")
+                                                         "supported: the server holds no files (send base64 or a url)")
+                url = source.get("url") if isinstance(source, dict) and source.get("type") == "url" else None
+                problem = image_url_problem(url) if isinstance(url, str) else None
+                if problem is not None:
+                    raise FieldError(f"{i}.source.url", problem)
         return content
 
     @model_validator(mode="after")
@@ -228,7 +241,7 @@ class _Counted(_Request):
                 if any(isinstance(b, ImageBlock) for b in blocks):  # text and images, in order
                     out.append({"role": "user", "content": [
                         {"type": "text", "text": b.text} if isinstance(b, TextBlock) else
-                        {"type": "image_url", "image_url": {"url": b.data_url()}}
+                        {"type": "image_url", "image_url": {"url": b.image_url()}}
                         for b in blocks if isinstance(b, (TextBlock, ImageBlock))]})
                 elif text or not any(isinstance(b, ToolResultBlock) for b in blocks):
                     out.append({"role": "user", "content": "".join(text)})

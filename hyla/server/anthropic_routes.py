@@ -59,7 +59,7 @@ class AnthropicRoutes:
         try:
             body = await self._body(request, MessagesRequest)
             engine, chat, encoding = await self._prompt(body)
-            images = await chat_images(engine, chat.messages)
+            images = await chat_images(self.server, engine, chat.messages)
             max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_tokens, "max_tokens",
                                     "messages")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
@@ -91,7 +91,7 @@ class AnthropicRoutes:
         try:
             body = await self._body(request, CountTokensRequest)
             engine, chat, encoding = await self._prompt(body)
-            images = await chat_images(engine, chat.messages)
+            images = await chat_images(self.server, engine, chat.messages)
         except APIError as exc:
             return _error(exc)
         return JSONResponse({"input_tokens": len(encoding.ids) + image_tokens(images)})

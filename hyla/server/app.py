@@ -32,6 +32,7 @@ from hyla.server.errors import APIError, add_error_handlers
 from hyla.server.generation import Generation, Job
 from hyla.server.lora_routes import LoraModule, LoraRoutes
 from hyla.server.metrics import ServerMetrics
+from hyla.server.media import MediaFetcher
 from hyla.server.native_routes import NativeRoutes
 from hyla.server.openai_routes import REQUEST_ID_HEADER, OpenAIRoutes
 from hyla.server.reasoning import ReasoningParser
@@ -40,7 +41,8 @@ from hyla.server.conversations import ConversationsRoutes
 from hyla.server.responses_routes import ResponsesRoutes
 from hyla.server.token_routes import TokenRoutes
 from hyla.server.tool_calls import AUTO, DEFAULT_TOOL_CALL_PARSER, ToolCallParser, detect_tool_call_parser
-from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
+from hyla.server.protocol import (DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+                                  DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 
 logger = logging.getLogger("hyla.server")
@@ -88,6 +90,7 @@ class Server:
         self.tool_call_parser = ToolCallParser()
         self.tool_call_parser_choice = DEFAULT_TOOL_CALL_PARSER  # a parser's name, or AUTO: the chat template's
         self.reasoning_parser: ReasoningParser | None = None
+        self.media = MediaFetcher()  # image URLs fetched for requests (none: create_app's allowed_media_domains)
         self.request_log: RequestLog | None = None  # --log-requests
         self.lora_modules = list(lora_modules)
         self.lora_parents: dict[str, str] = {}  # adapter name -> its base_model_name (--lora-modules' JSON form)
@@ -337,6 +340,7 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
                allowed_origins: Sequence[str] = ("*",),
                allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
                allow_credentials: bool = False, lora_modules: Sequence[LoraModule] = (),
+               allowed_media_domains: Sequence[str] = (), media_fetch_timeout: float = DEFAULT_FETCH_TIMEOUT,
                **engine_options: Any) -> FastAPI:
     """A FastAPI app serving one ``Engine(model_path, **engine_options)``, created at start-up.
 
@@ -355,9 +359,12 @@ def create_app(model_path: str | None = None, *, served_model_name: str | None =
     ``allowed_origins`` / ``_methods`` / ``_headers`` / ``allow_credentials``: CORS, as vLLM's flags
     (default: any origin, as vLLM and SGLang; empty ``allowed_origins``: no CORS headers, so browsers
     refuse other origins' pages). ``lora_modules``: LoRA adapters (``LoraModule``) loaded as the engine starts
-    (``enable_lora``; ``--lora-modules``); a request's ``model`` may name one (``lora_routes.py``)."""
+    (``enable_lora``; ``--lora-modules``); a request's ``model`` may name one (``lora_routes.py``).
+    ``allowed_media_domains`` / ``media_fetch_timeout``: the hosts whose image URLs the server fetches (``*``:
+    any; none by default) and how long a fetch may take (``media.py``)."""
     server = Server(model_path, served_model_name, api_key, dict(engine_options), max_prompt_chars, shutdown_timeout,
                     lora_modules)
+    server.media = MediaFetcher(allowed_media_domains, media_fetch_timeout)
     server.tool_call_parser_choice = tool_call_parser
     if tool_call_parser != AUTO:  # (else the engine's chat template picks it, at start-up)
         server.tool_call_parser = ToolCallParser(tool_call_parser)

@@ -23,7 +23,8 @@ from typing import Any
 from hyla.engine.args import EngineArgs
 from hyla.server.cors import add_cors_arguments, cors_options
 from hyla.server.lora_routes import parse_lora_module
-from hyla.server.protocol import (DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_TIMEOUT,
+from hyla.server.protocol import (DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_PREFIX_BYTES, DEFAULT_MAX_REQUEST_BYTES,
+                                  DEFAULT_SHUTDOWN_TIMEOUT,
                                   DEFAULT_STORED_RESPONSE_BYTES, DEFAULT_STORED_RESPONSES, PROMPT_CHARS_PER_TOKEN)
 from hyla.router.policy import POLICIES
 from hyla.server.reasoning import REASONING_PARSERS
@@ -100,6 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "PEFT adapter directory: adapter_config.json, adapter_model.safetensors), or vLLM's JSON "
                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'. A request's model names "
                              "one; /v1/load_lora_adapter and /v1/unload_lora_adapter change them while serving.")
+    parser.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                        help="Hosts whose image URLs (image_url parts) the server fetches, their subdomains too; '*': "
+                             "any host. Default: none (images come as data URLs). A fetch runs on the server's network: "
+                             "list only hosts its clients may have it reach.")
+    parser.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT, metavar="SECONDS",
+                        help=f"Seconds an image URL's fetch may take (default {DEFAULT_FETCH_TIMEOUT:g}).")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help=f"Refuse a request body larger than this with 413 (default {DEFAULT_MAX_REQUEST_BYTES}).")
     parser.add_argument("--max-prefix-bytes", type=int, default=DEFAULT_MAX_PREFIX_BYTES, metavar="BYTES",
@@ -243,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
                      shutdown_timeout=args.shutdown_timeout, tool_call_parser=args.tool_call_parser,
                      reasoning_parser=args.reasoning_parser,
                      log_requests_level=args.log_requests_level if args.log_requests else None,
-                     lora_modules=args.lora_modules or (), **cors_options(args), **options)
+                     lora_modules=args.lora_modules or (), allowed_media_domains=args.allowed_media_domains,
+                     media_fetch_timeout=args.media_fetch_timeout, **cors_options(args), **options)
     # log_config=None: uvicorn's loggers propagate to the root handler, one format for every line
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                             workers=1, timeout_graceful_shutdown=5, **tls_options(args))

@@ -23,6 +23,7 @@ from tokenizers import decoders
 
 from hyla.server.disaggregation import disaggregation_answer
 from hyla.server.errors import APIError
+from hyla.server.media import is_fetched
 from hyla.server.generation import SSE_DONE, Choice, Generation, Job, chunk_logprobs, json_answer, sse
 from hyla.server.protocol import (
     ChatChoice, ChatChoiceLogprobs, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatMessage,
@@ -209,7 +210,7 @@ class OpenAIRoutes:
         if body.truncate_prompt_tokens is not None:
             encoding = truncate_chat(encoding, truncate_prompt(body, encoding.ids, engine.context_length,
                                                                body.max_new_tokens()))
-        images = await chat_images(engine, body.messages)
+        images = await chat_images(self.server, engine, body.messages)
         max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_new_tokens(),
                                 body.max_new_tokens_field(), "messages")
         _check_min_tokens(body.min_tokens, max_new, body.max_new_tokens_field() if body.max_new_tokens() is not None
@@ -409,15 +410,21 @@ def final_text(chat: list[ChatMessage]) -> str:
     return content if isinstance(content, str) else ""
 
 
-async def chat_images(engine: Engine, chat: list[ChatMessage]) -> list[ProcessedImage] | None:
-    """The chat's images in order, decoded and preprocessed on a worker thread (``Engine.process_images``:
-    ``Engine.generate``'s ``image_data``), None without any; a 400 naming ``messages`` for one that cannot be
-    read, or where the model takes none."""
+async def chat_images(server: Server, engine: Engine, chat: list[ChatMessage]) -> list[ProcessedImage] | None:
+    """The chat's images in order: http(s) URLs fetched where the server allows their host (``media.py``), then
+    each decoded and preprocessed on a worker thread (``Engine.process_images``: ``Engine.generate``'s
+    ``image_data``); None without any. A 400 naming ``messages`` for one that cannot be fetched or read, or
+    where the model takes none."""
     urls = [url for m in chat for url in m.image_urls()]
     if not urls:
         return None
+    if engine.image_processor is None:  # (before fetching anything)
+        raise APIError(400, f"this model ({engine.model_config.architecture}) takes no images: send text content "
+                            "parts only", param="messages")
+    fetched = iter(await server.media.fetch_all([u for u in urls if is_fetched(u)], "messages"))
+    sources = [next(fetched) if is_fetched(u) else u for u in urls]
     try:
-        return await asyncio.to_thread(engine.process_images, urls)
+        return await asyncio.to_thread(engine.process_images, sources)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
 

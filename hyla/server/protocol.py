@@ -65,6 +65,8 @@ PROMPT_CHARS_PER_TOKEN = 16
 """The default prompt cap (``--max-prompt-chars``) is this many characters per token of context: a
 longer prompt cannot fit the context (a token is rarely longer than a few characters), so it is
 refused with 413 before it is tokenized."""
+DEFAULT_FETCH_TIMEOUT = 10.0
+"""Seconds the server's fetch of an image URL may take (``--media-fetch-timeout``; ``media.MediaFetcher``)."""
 
 
 class _Strict(BaseModel):
@@ -559,8 +561,17 @@ class TextContentPart(_Strict):
     text: str
 
 
+def image_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot name an image (a scheme other than ``data:``, ``http:``, ``https:``), or None. A data
+    URL carries its image; an http(s) one is fetched where the server allows its host (``media.MediaFetcher``)."""
+    lowered = url[:8].lower()
+    if lowered.startswith(("data:", "http://", "https://")):
+        return None
+    return "an image must be a data URL (data:image/png;base64,...) or an http(s) URL"
+
+
 class ImageURL(_Strict):
-    url: str = Field(min_length=1)  # a data URL (``data:image/png;base64,...``): hyla fetches no image
+    url: str = Field(min_length=1)  # a data URL (``data:image/png;base64,...``), or an http(s) URL (media.py)
     detail: Literal["auto", "low", "high"] | None = None  # (accepted; the model's processor decides the size)
 
 
@@ -594,9 +605,9 @@ class ChatMessage(BaseModel):
             for i, part in enumerate(content):
                 image = part.get("image_url") if isinstance(part, dict) and part.get("type") == "image_url" else None
                 url = image.get("url") if isinstance(image, dict) else None
-                if isinstance(url, str) and url[:5].lower() != "data:":
-                    raise FieldError(f"{i}.image_url.url", "an image must come as a data URL "
-                                                          "(data:image/png;base64,...): the server fetches no image URL")
+                problem = image_url_problem(url) if isinstance(url, str) else None
+                if problem is not None:
+                    raise FieldError(f"{i}.image_url.url", problem)
         return content
 
     def image_urls(self) -> list[str]:

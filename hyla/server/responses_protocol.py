@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hyla.tokenizer.chat_template import check_nesting
 from hyla.server.protocol import (
     MAX_SEED, FieldError, FunctionDefinition, _Request, _Strict, check_cache_salt, check_chat_nesting,
-    check_stream_options, default_if_null,
+    check_stream_options, default_if_null, image_url_problem,
 )
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (chat's too)
@@ -73,8 +73,9 @@ class InputTextPart(_Strict):
 
 
 class InputImagePart(_Strict):
-    """A user message's image (``input_image``), for a vision-language model: ``image_url`` a data URL
-    (the server fetches no URL, and holds no files: ``file_id`` is refused); ``detail`` accepted."""
+    """A user message's image (``input_image``), for a vision-language model: ``image_url`` a data URL or an
+    http(s) URL (fetched where the server allows its host: ``media.py``); the server holds no files (``file_id``
+    is refused); ``detail`` accepted."""
 
     type: Literal["input_image"]
     image_url: str = Field(min_length=1)
@@ -106,9 +107,9 @@ class MessageItem(_Strict):
                     raise FieldError(f"{i}.file_id", "this server holds no files: send the image as a data URL "
                                                      "(image_url)")
                 url = part.get("image_url") if kind == "input_image" else None
-                if isinstance(url, str) and url[:5].lower() != "data:":
-                    raise FieldError(f"{i}.image_url", "an image must come as a data URL (data:image/png;base64,...): "
-                                                       "the server fetches no image URL")
+                problem = image_url_problem(url) if isinstance(url, str) else None
+                if problem is not None:
+                    raise FieldError(f"{i}.image_url", problem)
         return content
 
     @model_validator(mode="after")

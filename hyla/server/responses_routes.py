@@ -599,7 +599,7 @@ class ResponsesRoutes:
             encoding = await self._render(engine, chat)
             if body.truncation == "auto":
                 chat, encoding = await self._truncated(body, engine, conversation, chat, encoding)
-            images = await chat_images(engine, chat.messages)
+            images = await chat_images(self.server, engine, chat.messages)
             max_new = output_budget(engine, len(encoding.ids) + image_tokens(images), body.max_output_tokens,
                                     "max_output_tokens", "input")
             grammar = {**forced_tool_grammar(self.server, chat), **kept_markers(self.server, chat)}
